@@ -1,0 +1,1 @@
+"""Confidant's offline planner: ONNX lowering, graph passes, partitioning, scheduling, bundles."""

@@ -1,0 +1,558 @@
+"""Differentiable MNN building blocks for the MNN stage engine.
+
+This is the only module in Confidant that imports MNN.  Everything above it
+(the stage engine that runs a slice of a BERT-class model forward and
+backward) sees MNN ``Var`` objects, builds graphs from the functions here,
+and gets gradients back as numpy arrays.  The functions exist because the
+obvious MNN Python API gives silently wrong or missing gradients:
+
+* PyMNN evaluates eagerly unless ``lazy_eval(True)`` is set; eager results
+  are frozen constants and ``Grad`` then finds nothing to differentiate.
+* The ``MNN.expr`` wrappers insert float-to-float ``Cast`` ops, and ``Cast``
+  has no gradient, so gradients stop there without an error.  The raw
+  bindings (``_mnncengine._expr``) are used instead.
+* The fused LayerNorm op and the erf form of GELU have no usable gradient
+  (``gelu`` is the tanh approximation), so both are composed here.
+* A 3-D activation times a ``(1, K, N)`` weight gets a wrongly shaped weight
+  gradient; weights stay 2-D and the activation is flattened to 2-D.
+* Reading gradients one by one re-runs the shared backward graph for every
+  read; :class:`GradientProgram` reads all of them through one concat.
+* ``Var.read()`` returns a view into memory the Var owns; :func:`read`
+  always copies.
+
+Two process-wide settings are made at import, before anything creates an
+MNN executor or thread pool: denormal flushing (MNN's worker threads inherit
+the main thread's MXCSR, and denormals from a -10000 attention mask make the
+backward several times slower) and lazy evaluation.
+
+Hazards the caller must know:
+
+* Weight versions.  A backward graph reads the *current* contents of the
+  Vars it was built from.  Writing new weights into a Var after the forward
+  and before the backward makes the backward use the new weights.  Keep one
+  set of Vars per weight version when a backward must see the old ones.
+* Thread count.  A graph is bound to the thread count in force when it is
+  first evaluated; :func:`set_threads` affects graphs evaluated afterwards,
+  never graphs that already ran.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Sequence
+
+import numpy as np
+
+from runtime import fpmode
+
+_DENORMALS_FLUSHED = fpmode.enable_flush_denormals()
+
+import _mnncengine._expr as R  # noqa: E402  (must follow the MXCSR setup)
+import _mnncengine._optim as _optim  # noqa: E402
+
+R.lazy_eval(True)
+
+Var = R.Var
+
+__all__ = [
+    "Var",
+    "constant",
+    "placeholder",
+    "trainable",
+    "write",
+    "read",
+    "matmul",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "pow_scalar",
+    "sqrt",
+    "rsqrt",
+    "exp",
+    "log",
+    "erf",
+    "tanh",
+    "reduce_sum",
+    "reduce_mean",
+    "softmax",
+    "log_softmax",
+    "layer_norm",
+    "gelu",
+    "transpose",
+    "reshape",
+    "softmax_cross_entropy",
+    "GradientProgram",
+    "gradients",
+    "set_threads",
+    "get_threads",
+    "available_backends",
+    "denormals_flushed_at_import",
+]
+
+_NP_TO_MNN = {np.dtype(np.float32): R.float, np.dtype(np.int32): R.int}
+
+
+def denormals_flushed_at_import() -> bool:
+    """Whether FTZ/DAZ were set before MNN was imported (False off x86-64 glibc)."""
+    return _DENORMALS_FLUSHED
+
+
+# --------------------------------------------------------------------------
+# Creating, writing and reading Vars
+# --------------------------------------------------------------------------
+
+def _as_array(value, dtype=None) -> np.ndarray:
+    arr = np.asarray(value)
+    if dtype is not None:
+        arr = arr.astype(dtype, copy=False)
+    elif arr.dtype.kind in "iub":
+        arr = arr.astype(np.int32, copy=False)
+    else:
+        arr = arr.astype(np.float32, copy=False)
+    if arr.dtype not in _NP_TO_MNN:
+        raise TypeError(f"MNN Vars hold float32 or int32, not {arr.dtype}")
+    return np.ascontiguousarray(arr)
+
+
+def constant(value) -> Var:
+    """A constant Var holding a copy of ``value`` (float data as float32, integers as int32).
+
+    MNN has no 0-d constants: a scalar becomes shape ``[1]``.
+    """
+    arr = _as_array(value)
+    return R.const(arr, list(arr.shape), R.NCHW, _NP_TO_MNN[arr.dtype])
+
+
+def placeholder(shape: Sequence[int], dtype=np.float32) -> Var:
+    """An input Var of ``shape`` whose contents are set (repeatedly) with :func:`write`."""
+    dt = np.dtype(dtype)
+    if dt not in _NP_TO_MNN:
+        raise TypeError(f"placeholders hold float32 or int32, not {dt}")
+    return R.placeholder([int(s) for s in shape], R.NCHW, _NP_TO_MNN[dt])
+
+
+def trainable(value) -> Var:
+    """A trainable float32 Var initialised with a copy of ``value``.
+
+    Gradients can be taken with respect to it and :func:`write` replaces its
+    contents in place (see the weight-version hazard in the module docstring).
+    """
+    var = constant(_as_array(value, np.float32))
+    var.fix_as_trainable()
+    return var
+
+
+def write(var: Var, value) -> None:
+    """Copy ``value`` into ``var``; graphs that depend on it recompute on their next read.
+
+    A placeholder whose shape differs from ``value`` is resized first.
+    """
+    dtype = np.float32 if var.dtype == R.float else np.int32
+    arr = _as_array(value, dtype)
+    if list(arr.shape) != list(var.shape):
+        var.resize(list(arr.shape))
+    var.write(arr)
+
+
+def read(var: Var) -> np.ndarray:
+    """Evaluate ``var`` and return a copy of its value (MNN's own view dies with the Var)."""
+    return np.array(var.read(), copy=True)
+
+
+def _var(x) -> Var:
+    return x if isinstance(x, Var) else constant(_as_array(x, np.float32))
+
+
+# --------------------------------------------------------------------------
+# Differentiable operations
+# --------------------------------------------------------------------------
+
+def matmul(a: Var, b: Var, trans_b: bool = False) -> Var:
+    """``a @ b`` (``a @ b.T`` with ``trans_b``).
+
+    ``b`` is either a 2-D weight, with ``a`` of any rank >= 2 (the leading
+    dimensions are flattened so the weight gradient stays 2-D and the GEMM is
+    one large call), or a tensor of the same rank as ``a`` for batched
+    products such as attention scores ``Q @ K^T`` and ``P @ V``.
+    """
+    a_shape, b_shape = list(a.shape), list(b.shape)
+    if len(b_shape) == 2 and len(a_shape) > 2:
+        k = a_shape[-1]
+        n = b_shape[0] if trans_b else b_shape[1]
+        flat = R.matmul(R.reshape(a, [-1, k]), b, False, trans_b)
+        return R.reshape(flat, a_shape[:-1] + [n])
+    if len(a_shape) != len(b_shape):
+        raise ValueError(f"matmul of ranks {len(a_shape)} and {len(b_shape)}: use a 2-D weight "
+                         "or operands of equal rank")
+    return R.matmul(a, b, False, trans_b)
+
+
+def add(a, b) -> Var:
+    """``a + b`` with numpy broadcasting; either side may be a Python or numpy constant."""
+    return R.add(_var(a), _var(b))
+
+
+def sub(a, b) -> Var:
+    """``a - b`` with numpy broadcasting."""
+    return R.subtract(_var(a), _var(b))
+
+
+def mul(a, b) -> Var:
+    """``a * b`` with numpy broadcasting."""
+    return R.multiply(_var(a), _var(b))
+
+
+def div(a, b) -> Var:
+    """``a / b`` with numpy broadcasting."""
+    return R.divide(_var(a), _var(b))
+
+
+def neg(x: Var) -> Var:
+    """``-x`` (keeps the shape, unlike multiplying by a constant, which would make a 0-d Var 1-d)."""
+    return R.negative(x)
+
+
+def pow_scalar(x: Var, exponent: float) -> Var:
+    """``x ** exponent`` for a constant exponent.
+
+    MNN's gradient is ``exponent * x ** (exponent - 1)`` except at ``x == 0``
+    with a fractional or negative exponent, where it returns 0 or NaN.
+    """
+    return R.pow(x, constant(np.float32(exponent)))
+
+
+def sqrt(x: Var) -> Var:
+    """Element-wise square root."""
+    return R.sqrt(x)
+
+
+def rsqrt(x: Var) -> Var:
+    """Element-wise ``1 / sqrt(x)``."""
+    return R.rsqrt(x)
+
+
+def exp(x: Var) -> Var:
+    """Element-wise exponential."""
+    return R.exp(x)
+
+
+def log(x: Var) -> Var:
+    """Element-wise natural logarithm."""
+    return R.log(x)
+
+
+def erf(x: Var) -> Var:
+    """Element-wise error function."""
+    return R.erf(x)
+
+
+def tanh(x: Var) -> Var:
+    """Element-wise hyperbolic tangent."""
+    return R.tanh(x)
+
+
+def _axes(axes) -> list[int]:
+    if isinstance(axes, int):
+        return [axes]
+    return [int(a) for a in axes]
+
+
+def reduce_sum(x: Var, axes=(), keepdims: bool = False) -> Var:
+    """Sum over ``axes`` (all axes when empty)."""
+    return R.reduce_sum(x, _axes(axes), keepdims)
+
+
+def reduce_mean(x: Var, axes=(), keepdims: bool = False) -> Var:
+    """Mean over ``axes`` (all axes when empty)."""
+    return R.reduce_mean(x, _axes(axes), keepdims)
+
+
+def softmax(x: Var, axis: int = -1) -> Var:
+    """Softmax along ``axis``."""
+    return R.softmax(x, axis)
+
+
+def _stop_gradient(x: Var) -> Var:
+    # MNN's autodiff has no rule for Cast, so a float-to-float Cast passes the
+    # value and blocks the gradient; MNN has no public stop-gradient op.
+    return R.cast(x, R.float)
+
+
+def log_softmax(x: Var, axis: int = -1) -> Var:
+    """Numerically stable ``log(softmax(x))`` along ``axis``.
+
+    The row maximum is subtracted for stability and held constant for the
+    gradient: the result does not depend on it mathematically, and MNN's
+    ReduceMax gradient is wrong (it spreads ``1/n`` instead of routing 1 to
+    the arg-max), so letting the gradient through would only add noise.
+    """
+    shifted = R.subtract(x, _stop_gradient(R.reduce_max(x, [axis], True)))
+    return R.subtract(shifted, R.log(R.reduce_sum(R.exp(shifted), [axis], True)))
+
+
+def layer_norm(x: Var, scale: Var, bias: Var, eps: float = 1e-12) -> Var:
+    """LayerNorm over the last axis, composed from differentiable ops.
+
+    MNN's fused LayerNorm has no gradient.  Uses the biased variance, as
+    PyTorch and BERT do; ``scale`` and ``bias`` have the last axis's length.
+    """
+    centered = R.subtract(x, R.reduce_mean(x, [-1], True))
+    variance = R.reduce_mean(R.multiply(centered, centered), [-1], True)
+    normed = R.multiply(centered, R.rsqrt(R.add(variance, constant(np.float32(eps)))))
+    return R.add(R.multiply(normed, scale), bias)
+
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gelu(x: Var, approximate: str = "none") -> Var:
+    """GELU as in PyTorch: the exact erf form (``"none"``, BERT's) or the tanh approximation."""
+    if approximate == "none":
+        inner = R.erf(R.multiply(x, constant(np.float32(_SQRT_HALF))))
+    elif approximate == "tanh":
+        cubic = R.multiply(R.multiply(x, R.multiply(x, x)), constant(np.float32(0.044715)))
+        inner = R.tanh(R.multiply(R.add(x, cubic), constant(np.float32(_SQRT_2_OVER_PI))))
+    else:
+        raise ValueError(f"approximate must be 'none' or 'tanh', not {approximate!r}")
+    half_x = R.multiply(x, constant(np.float32(0.5)))
+    return R.multiply(half_x, R.add(inner, constant(np.float32(1.0))))
+
+
+def transpose(x: Var, perm: Sequence[int]) -> Var:
+    """Permute the axes of ``x``."""
+    return R.transpose(x, [int(p) for p in perm])
+
+
+def reshape(x: Var, shape: Sequence[int]) -> Var:
+    """Reshape ``x`` (one dimension may be -1)."""
+    return R.reshape(x, [int(s) for s in shape])
+
+
+def softmax_cross_entropy(logits: Var, targets: Var) -> Var:
+    """``-sum(targets * log_softmax(logits, -1))`` over all elements, as a 0-d Var.
+
+    ``targets`` has the logits' shape (one-hot rows, soft labels, or rows of
+    zeros for ignored positions); dividing by the number of counted
+    positions is the caller's choice.
+    """
+    return R.negative(R.reduce_sum(R.multiply(targets, log_softmax(logits, -1)), [], False))
+
+
+# --------------------------------------------------------------------------
+# Gradients
+# --------------------------------------------------------------------------
+
+class GradientProgram:
+    """Gradients of several outputs with respect to several Vars, read in one pass.
+
+    ``build`` creates the backward graph once; ``run`` evaluates it and may be
+    called again after :func:`write` has put new values into placeholders
+    (inputs, output gradients) or trainable Vars, which is much cheaper than
+    building a new graph per step.  All gradients are flattened, concatenated
+    and read with a single evaluation, then split in numpy: reading them one
+    by one would re-run the shared part of the backward for each read.
+    """
+
+    def __init__(self) -> None:
+        self._built = False
+        self._flat: Var | None = None
+        self._wrt_shapes: list[tuple[int, ...]] = []
+        self._received: list[bool] = []
+
+    def build(self, outputs: Sequence[Var], output_grads: Sequence[Var],
+              wrt: Sequence[Var]) -> "GradientProgram":
+        """Build the backward graph of ``outputs`` seeded with ``output_grads``.
+
+        ``output_grads[i]`` has the shape of ``outputs[i]``; make it a
+        placeholder to feed a new upstream gradient each step.  A Var in
+        ``wrt`` that receives no gradient gets zeros from :meth:`run`.
+        """
+        outputs, output_grads, wrt = list(outputs), list(output_grads), list(wrt)
+        if len(outputs) != len(output_grads):
+            raise ValueError(f"{len(outputs)} outputs but {len(output_grads)} output gradients")
+        for out, grad in zip(outputs, output_grads):
+            if list(out.shape) != list(grad.shape):
+                raise ValueError(f"output of shape {out.shape} seeded with a gradient of shape "
+                                 f"{grad.shape}")
+        self._wrt_shapes = [tuple(int(s) for s in v.shape) for v in wrt]
+
+        # MNN returns gradients only for the Vars that received one, in
+        # ``wrt`` order, as new Python objects; unique temporary names tell
+        # which ones they are.  The Vars' own names are restored afterwards.
+        old_names = [v.name for v in wrt]
+        try:
+            for i, v in enumerate(wrt):
+                v.name = f"__confidant_wrt_{i}"
+            tags = [v.name for v in wrt]
+            got_vars, got_grads = _optim.Grad().grad(outputs, output_grads, wrt)
+            got = list(zip([g.name for g in got_vars], got_grads))
+        finally:
+            for v, name in zip(wrt, old_names):
+                v.name = name
+
+        grads: list[Var | None] = []
+        j = 0
+        for tag in tags:
+            if j < len(got) and got[j][0] == tag:
+                grads.append(got[j][1])
+                j += 1
+            else:
+                grads.append(None)
+        if j != len(got):
+            raise RuntimeError("could not match MNN's gradients to the requested Vars")
+
+        pieces = []
+        self._received = []
+        for grad, shape in zip(grads, self._wrt_shapes):
+            if grad is None:
+                self._received.append(False)
+                continue
+            if tuple(int(s) for s in grad.shape) != shape:
+                raise RuntimeError(f"MNN produced a gradient of shape {grad.shape} for a Var of "
+                                   f"shape {list(shape)}")
+            self._received.append(True)
+            pieces.append(R.reshape(grad, [-1]))
+        if not pieces:
+            self._flat = None
+        elif len(pieces) == 1:
+            self._flat = pieces[0]
+        else:
+            self._flat = R.concat(pieces, 0)
+        self._built = True
+        return self
+
+    @property
+    def received(self) -> list[bool]:
+        """For each ``wrt`` Var, whether MNN produced a gradient for it (else :meth:`run` gives zeros)."""
+        return list(self._received)
+
+    def run(self) -> list[np.ndarray]:
+        """Evaluate the gradients with the current contents of all Vars; one array per ``wrt`` Var."""
+        if not self._built:
+            raise RuntimeError("GradientProgram.run() before build()")
+        flat = read(self._flat) if self._flat is not None else np.zeros(0, np.float32)
+        result = []
+        offset = 0
+        for shape, received in zip(self._wrt_shapes, self._received):
+            if received:
+                size = int(np.prod(shape, dtype=np.int64))
+                result.append(flat[offset:offset + size].reshape(shape))
+                offset += size
+            else:
+                result.append(np.zeros(shape, np.float32))
+        return result
+
+
+def gradients(outputs: Sequence[Var], output_grads: Sequence[Var],
+              wrt: Sequence[Var]) -> list[np.ndarray]:
+    """One-off gradients: ``GradientProgram().build(...).run()``."""
+    return GradientProgram().build(outputs, output_grads, wrt).run()
+
+
+# --------------------------------------------------------------------------
+# Execution settings
+# --------------------------------------------------------------------------
+
+_CPU = 0  # MNNForwardType: CPU=0, METAL=1, CUDA=2, OPENCL=3, OPENGL=6, VULKAN=7
+_PRECISION_NORMAL = 0
+_threads = 1
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` CPU threads for graphs evaluated from now on.
+
+    A graph keeps the thread count it was first evaluated with, so call this
+    before building the graphs of a stage.  Worker threads inherit the
+    calling thread's denormal flushing; call from the main thread.
+    """
+    global _threads
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"thread count must be >= 1, not {n}")
+    R.set_global_executor_config(_CPU, _PRECISION_NORMAL, n)
+    _threads = n
+
+
+def get_threads() -> int:
+    """The thread count last set with :func:`set_threads` (MNN's default is 1)."""
+    return _threads
+
+
+_BACKENDS = {"cpu": "CPU", "opencl": "OPENCL", "vulkan": "VULKAN", "metal": "METAL", "cuda": "CUDA"}
+
+# Runs in a child process: it builds a one-op model, runs it on the requested
+# backend and prints a marker with the result.  MNN's only sign of a missing
+# backend is a "Can't Find type=N backend, use 0 instead" line on stdout
+# (printf, not stderr) before it silently runs on the CPU.
+_PROBE = textwrap.dedent("""
+    import os, sys, tempfile
+    import numpy as np
+    import MNN
+    import _mnncengine._expr as R
+    x = R.placeholder([1, 4], R.NCHW, R.float)
+    x.name = "x"
+    y = R.relu(x)
+    y.name = "y"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "probe.mnn")
+        R.save([y], path)
+        net = MNN.Interpreter(path)
+        session = net.createSession({"backend": sys.argv[1], "numThread": 1})
+        inp = net.getSessionInput(session)
+        src = MNN.Tensor((1, 4), MNN.Halide_Type_Float,
+                         np.array([[-1.0, 2.0, -3.0, 4.0]], np.float32),
+                         MNN.Tensor_DimensionType_Caffe)
+        inp.copyFrom(src)
+        net.runSession(session)
+        out = net.getSessionOutput(session)
+        host = MNN.Tensor((1, 4), MNN.Halide_Type_Float,
+                          np.zeros((1, 4), np.float32), MNN.Tensor_DimensionType_Caffe)
+        out.copyToHostTensor(host)
+        values = np.array(host.getData(), np.float32).ravel().tolist()
+    sys.stdout.flush()
+    print("CONFIDANT_PROBE", values, flush=True)
+""")
+
+
+def _start_probe(mnn_name: str) -> subprocess.Popen | None:
+    try:
+        return subprocess.Popen([sys.executable, "-c", _PROBE, mnn_name], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    except OSError:
+        return None
+
+
+def _probe_succeeded(proc: subprocess.Popen | None, timeout: float) -> bool:
+    if proc is None:
+        return False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return False
+    log = out + err
+    if proc.returncode != 0 or "Can't Find type=" in log or "use 0 instead" in log:
+        return False
+    return "CONFIDANT_PROBE [0.0, 2.0, 0.0, 4.0]" in out
+
+
+@functools.lru_cache(maxsize=1)
+def available_backends(timeout: float = 60.0) -> dict[str, bool]:
+    """Which MNN backends really run here: ``{"cpu", "opencl", "vulkan", "metal", "cuda"} -> bool``.
+
+    Each backend is tried in its own child process (all at once), so that a
+    failing GPU driver cannot disturb this process, and a backend MNN falls
+    back from (to the CPU, with only a log line) is reported as absent.  The
+    result is cached for the life of the process.
+    """
+    procs = {name: _start_probe(mnn_name) for name, mnn_name in _BACKENDS.items()}
+    return {name: _probe_succeeded(proc, timeout) for name, proc in procs.items()}
