@@ -1,0 +1,1 @@
+"""Confidant's command line: glue between the planner (offline) and the runtime (on devices)."""

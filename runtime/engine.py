@@ -26,8 +26,12 @@ class StageEngine(ABC):
     spec: StageSpec
 
     @abstractmethod
-    def forward(self, feeds: Mapping[str, np.ndarray], microbatch: int = 0, train: bool = True) -> np.ndarray:
-        """Run the stage; `feeds` holds the activation input (if any) and the graph inputs it needs."""
+    def forward(self, feeds: Mapping[str, np.ndarray], microbatch: int = 0, train: bool = True,
+                until_block: int | None = None) -> np.ndarray:
+        """Run the stage; `feeds` holds the activation input (if any) and the graph inputs it needs.
+
+        `until_block` (inference only) stops after that block and returns its output, e.g. the
+        head's logits for evaluation."""
 
     @abstractmethod
     def backward(self, microbatch: int, grad_output: np.ndarray | None = None) -> StageGradients:

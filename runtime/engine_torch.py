@@ -79,7 +79,7 @@ class TorchStageEngine(StageEngine):
         v = np.asarray(v)
         return torch.tensor(v, dtype=self.dtype if v.dtype.kind == "f" else torch.int64)
 
-    def forward(self, feeds, microbatch: int = 0, train: bool = True) -> np.ndarray:
+    def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None) -> np.ndarray:
         env: dict[str, torch.Tensor] = {k: self._tensor(v) for k, v in host_values(self.spec, feeds).items()}
         x_in = None
         if self.spec.activation_input is not None:
@@ -87,10 +87,15 @@ class TorchStageEngine(StageEngine):
             env[self.spec.activation_input] = x_in
         env.update(self._params)
         env.update(self._consts)
+        stop_after = set()
+        if until_block is not None:
+            stop_after = {n for b in self.spec.graph.blocks[until_block + 1:] for n in b.nodes}
         with torch.set_grad_enabled(train):
             for node in self.spec.compute_nodes:
+                if node.name in stop_after:
+                    break
                 env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
-        out = env[self.spec.output]
+        out = env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
         if train:
             self._saved[microbatch] = (x_in, out)
         return out.detach().cpu().numpy().astype(np.float32 if self.dtype == torch.float32 else np.float64)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -118,14 +117,13 @@ def _as_array(value, dtype=None) -> np.ndarray:
         arr = arr.astype(np.float32, copy=False)
     if arr.dtype not in _NP_TO_MNN:
         raise TypeError(f"MNN Vars hold float32 or int32, not {arr.dtype}")
-    return np.ascontiguousarray(arr)
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
+    return arr
 
 
 def constant(value) -> Var:
-    """A constant Var holding a copy of ``value`` (float data as float32, integers as int32).
-
-    MNN has no 0-d constants: a scalar becomes shape ``[1]``.
-    """
+    """A constant Var holding a copy of ``value`` (float data as float32, integers as int32)."""
     arr = _as_array(value)
     return R.const(arr, list(arr.shape), R.NCHW, _NP_TO_MNN[arr.dtype])
 
@@ -332,8 +330,15 @@ def transpose(x: Var, perm: Sequence[int]) -> Var:
 
 
 def reshape(x: Var, shape: Sequence[int]) -> Var:
-    """Reshape ``x`` (one dimension may be -1)."""
-    return R.reshape(x, [int(s) for s in shape])
+    """Reshape ``x`` (one dimension may be -1); ``[]`` makes a one-element Var 0-d."""
+    shape = [int(s) for s in shape]
+    if not shape:
+        # MNN's Reshape to [] crashes the process; a full reduction of one
+        # element gives the same 0-d value and gradient.
+        if int(np.prod(x.shape, dtype=np.int64)) != 1:
+            raise ValueError(f"cannot reshape a Var of shape {x.shape} to []")
+        return R.reduce_sum(x, [], False)
+    return R.reshape(x, shape)
 
 
 def softmax_cross_entropy(logits: Var, targets: Var) -> Var:

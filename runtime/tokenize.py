@@ -167,10 +167,14 @@ def _visible_words(
     missing = [i for i in range(len(words)) if i not in present]
     if missing:
         unk = getattr(tokenizer.model, "unk_token", None)
-        if not unk:
+        # The stand-in only works if the unknown token's text is matched as
+        # a whole (an added special token, as in every BERT tokenizer.json)
+        # rather than tokenised as "[", "unk", "]".
+        probe = unk and tokenizer.encode([unk], is_pretokenized=True, add_special_tokens=False)
+        if not probe or probe.ids != [tokenizer.token_to_id(unk)]:
             raise ValueError(
-                f"word {missing[0]} ({words[missing[0]]!r}) produces no token and the "
-                "tokenizer model has no unknown token to stand in for it"
+                f"word {missing[0]} ({words[missing[0]]!r}) produces no token, and the "
+                "tokenizer has no special unknown token to stand in for it"
             )
         for i in missing:
             words[i] = unk

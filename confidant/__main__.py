@@ -1,0 +1,3 @@
+from confidant.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""`confidant` command line. Each subcommand is a thin wrapper; the work lives in ir/planner/runtime."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEMO_DIR = Path(os.environ.get("CONFIDANT_HOME", Path.home() / ".cache" / "confidant"))
+
+
+class CliError(Exception):
+    """An error the user can fix; printed without a traceback."""
+
+
+def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60) -> None:
+    g = p.add_argument_group("training (the same flags on every training command)")
+    g.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
+    g.add_argument("--batch", type=int, default=8, help="sentences per batch (default %(default)s)")
+    g.add_argument("--seq", type=int, default=128, help="tokens per sentence incl. [CLS]/[SEP] (default %(default)s)")
+    g.add_argument("--lr", type=float, default=5e-5, help="learning rate (default %(default)s)")
+    g.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="default %(default)s")
+    g.add_argument("--seed", type=int, default=0, help="shuffling seed (default %(default)s)")
+    g.add_argument("--threads", type=int, default=1, help="CPU threads for the engine (default %(default)s)")
+    g.add_argument("--engine", choices=("mnn", "torch"), default="mnn",
+                   help="compute engine: mnn (default, no torch needed) or torch (optional extra)")
+    g.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer.json of the model (default: the bundled all-MiniLM-L6-v2 one)")
+    g.add_argument("--metrics-out", type=Path, default=None,
+                   help="write per-step loss, tokens/s, peak memory and F1 as JSON to this file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="confidant",
+        description="Fine-tune transformer models on a group of edge devices. Start with `confidant demo`.",
+        epilog="Typical flow: confidant export -o model.onnx; confidant inspect model.onnx; "
+               "confidant datagen -o data/; confidant train-local model.onnx --data data/train.txt --eval data/dev.txt",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("export", help="export a Hugging Face BERT-family checkpoint to ONNX token classification",
+                       description="Export a checkpoint folder (config.json + model.safetensors) to an ONNX model with "
+                                   "inputs input_ids, attention_mask, token_type_ids and output logits "
+                                   "(dynamic batch and sequence). Needs the `export` extra (torch, transformers).")
+    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder (default: bundled all-MiniLM-L6-v2)")
+    p.add_argument("-o", "--output", type=Path, default=Path("model.onnx"), help="default %(default)s")
+    p.add_argument("--num-labels", type=int, default=9, help="classifier outputs (default %(default)s: CoNLL-2003)")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset, 14-18 (default %(default)s)")
+    p.add_argument("--dynamo", action="store_true", help="use the dynamo exporter instead of TorchScript")
+    p.add_argument("--seed", type=int, default=0, help="seed of the new classifier head (default %(default)s)")
+
+    p = sub.add_parser("inspect", help="lower an ONNX model and print its blocks",
+                       description="Lower an ONNX model into Confidant's IR at a bound batch and sequence length and "
+                                   "print the block table (parameters, activation bytes, FLOPs, attention heads).")
+    p.add_argument("model", type=Path)
+    p.add_argument("--batch", type=int, default=8, help="default %(default)s")
+    p.add_argument("--seq", type=int, default=128, help="default %(default)s")
+    p.add_argument("--json", action="store_true", help="print one JSON object {blocks: [...], totals: {...}}")
+
+    p = sub.add_parser("datagen", help="write the synthetic CoNLL-2003-style NER data set",
+                       description="Write train.txt and dev.txt in the CoNLL-2003 column layout, generated from "
+                                   "templates and name lists (PER, ORG, LOC, MISC). Real CoNLL-2003 files can be "
+                                   "passed to --data/--eval instead.")
+    p.add_argument("-o", "--output", type=Path, default=Path("data"), help="folder (default %(default)s)")
+    p.add_argument("--train", type=int, default=3000, help="training sentences (default %(default)s)")
+    p.add_argument("--dev", type=int, default=500, help="dev sentences (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("train-local", help="fine-tune on this one device",
+                       description="Fine-tune an exported model on one device and report entity-level F1.")
+    p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
+    p.add_argument("--data", type=Path, required=True, help="training file, CoNLL-2003 layout")
+    p.add_argument("--eval", type=Path, required=True, help="evaluation file, CoNLL-2003 layout")
+    _add_training_flags(p)
+
+    p = sub.add_parser("demo", help="the main job end to end on the bundled MiniLM and generated data",
+                       description="Export all-MiniLM-L6-v2, generate NER data, fine-tune on this device and report "
+                                   f"F1 before and after. Files go to $CONFIDANT_HOME (default {DEMO_DIR}).")
+    _add_training_flags(p, steps=40)
+    p.set_defaults(seq=64)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        from confidant import commands
+
+        return getattr(commands, "cmd_" + args.command.replace("-", "_"))(args)
+    except CliError as exc:
+        print(f"confidant {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"confidant {args.command}: error: {exc}", file=sys.stderr)
+        return 1

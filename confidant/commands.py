@@ -1,0 +1,167 @@
+"""Implementations of the `confidant` subcommands (side effects live here, not in ir/planner/runtime)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from confidant.cli import DEMO_DIR, CliError
+from confidant.progress import Progress
+
+
+def cmd_export(args) -> int:
+    try:
+        from confidant.export import ExportOptions, default_checkpoint_dir, export_checkpoint
+    except ModuleNotFoundError as exc:
+        raise CliError(f"export needs the `export` extra ({exc.name} is missing): "
+                       "pip install 'confidant[export]' torch==2.13.0") from None
+    if not 14 <= args.opset <= 18:
+        raise CliError(f"--opset {args.opset} is outside the supported 14-18")
+    checkpoint = args.checkpoint or default_checkpoint_dir()
+    print(f"exporting {checkpoint} -> {args.output} (opset {args.opset}, "
+          f"{'dynamo' if args.dynamo else 'torchscript'} exporter, {args.num_labels} labels)", file=sys.stderr)
+    options = ExportOptions(num_labels=args.num_labels, opset=args.opset, dynamo=args.dynamo, seed=args.seed)
+    export_checkpoint(checkpoint, args.output, options)
+    print(args.output)
+    return 0
+
+
+def _inspect_json(graph) -> dict:
+    blocks = [{"name": b.name, "kind": b.kind, "params_bytes": b.params_bytes,
+               "activation_bytes": b.activation_bytes, "flops": b.flops, "heads": b.heads,
+               "head_size": b.head_size} for b in graph.blocks]
+    totals = {"blocks": len(blocks), "params_bytes": sum(b["params_bytes"] for b in blocks),
+              "activation_bytes": sum(b["activation_bytes"] for b in blocks),
+              "flops": sum(b["flops"] for b in blocks), "batch": graph.batch, "seq": graph.seq}
+    return {"blocks": blocks, "totals": totals}
+
+
+def cmd_inspect(args) -> int:
+    from ir.graph import format_table
+    from planner.onnx_import import load_model
+
+    graph = load_model(args.model, args.batch, args.seq)
+    if args.json:
+        print(json.dumps(_inspect_json(graph), indent=1))
+    else:
+        print(f"{args.model}: {len(graph.blocks)} blocks at batch {args.batch}, sequence {args.seq}")
+        print(format_table(graph))
+    return 0
+
+
+def cmd_datagen(args) -> int:
+    from runtime.datagen import write_splits
+
+    train, dev = write_splits(args.output, n_train=args.train, n_dev=args.dev, seed=args.seed)
+    print(f"wrote {train} ({args.train} sentences) and {dev} ({args.dev} sentences)")
+    return 0
+
+
+def _default_tokenizer() -> Path:
+    from confidant.export import default_checkpoint_dir
+
+    return default_checkpoint_dir() / "tokenizer.json"
+
+
+def _make_engine(kind: str, spec, threads: int):
+    if kind == "torch":
+        try:
+            from runtime.engine_torch import TorchStageEngine
+        except ModuleNotFoundError:
+            raise CliError("--engine torch needs PyTorch: pip install torch==2.13.0") from None
+        return TorchStageEngine(spec, threads=threads)
+    from runtime.engine_mnn import MnnStageEngine
+
+    return MnnStageEngine(spec, threads=threads)
+
+
+def run_local_training(model: Path, data: Path, eval_path: Path, args) -> dict:
+    """Fine-tune on one device; returns the figures that --metrics-out writes."""
+    from planner.onnx_import import load_model
+    from runtime.conll import read_conll
+    from runtime.stage import stage_spec
+    from runtime.tokenize import CONLL_LABELS, encode_sentences, label_list, load_tokenizer, make_batches
+    from runtime.trainer import TrainConfig, evaluate, train_steps
+
+    for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--threads", args.threads)):
+        if value < 1:
+            raise CliError(f"{flag} must be at least 1, got {value}")
+    if args.seq < 4:
+        raise CliError(f"--seq must be at least 4 tokens, got {args.seq}")
+    config = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
+                         optimizer=args.optimizer, seed=args.seed, threads=args.threads)
+    train_sents = read_conll(data)
+    dev_sents = read_conll(eval_path)
+    labels = CONLL_LABELS
+    unknown = set(label_list(train_sents + dev_sents)) - set(labels)
+    if unknown:
+        labels = label_list(train_sents + dev_sents)
+    label_to_id = {t: i for i, t in enumerate(labels)}
+
+    started = time.perf_counter()
+    graph = load_model(model, config.batch, config.seq)
+    num_labels = graph.values[graph.blocks[-2].output].shape[-1]
+    if num_labels != len(labels):
+        raise CliError(f"{model} predicts {num_labels} labels but the data has {len(labels)} ({', '.join(labels)}); "
+                       f"re-export with `confidant export --num-labels {len(labels)}`")
+    tokenizer = load_tokenizer(args.tokenizer or _default_tokenizer())
+    train_enc = encode_sentences(tokenizer, train_sents, label_to_id, config.seq)
+    dev_enc = encode_sentences(tokenizer, dev_sents, label_to_id, config.seq)
+    batches = make_batches(train_enc, config.batch, config.seq, seed=config.seed)
+    engine = _make_engine(args.engine, stage_spec(graph, 0, len(graph.blocks) - 1), config.threads)
+    head = len(graph.blocks) - 2
+    print(f"model {model.name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB parameters; "
+          f"{len(train_sents)} training sentences, {len(dev_sents)} eval sentences; engine {args.engine}, "
+          f"{config.threads} thread(s); setup {time.perf_counter() - started:.1f}s", file=sys.stderr)
+
+    before = evaluate(engine, dev_enc, [s.tags for s in dev_sents], labels, config, head)
+    print(f"entity F1 before fine-tuning: {before.f1:.4f}", file=sys.stderr)
+    bar = Progress(config.steps, "train")
+    result = train_steps(engine, batches, config, len(labels),
+                         on_step=lambda r: bar.update(r.step, loss=r.loss, **{"tok/s": r.tokens_per_s}))
+    after = evaluate(engine, dev_enc, [s.tags for s in dev_sents], labels, config, head)
+    losses = [s.loss for s in result.steps]
+    tail = losses[-max(1, len(losses) // 5):]
+    head_losses = losses[: max(1, len(losses) // 5)]
+    print(f"loss {sum(head_losses) / len(head_losses):.4f} (first steps) -> {sum(tail) / len(tail):.4f} (last steps); "
+          f"entity F1 {before.f1:.4f} -> {after.f1:.4f} (P {after.precision:.3f}, R {after.recall:.3f}); "
+          f"peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB; "
+          f"{sum(s.tokens_per_s for s in result.steps) / len(result.steps):.0f} tokens/s", file=sys.stderr)
+    figures = {
+        "command": "train-local", "model": str(model), "engine": args.engine, "config": vars(config),
+        **result.to_json(), "f1_before": before.f1, "f1": after.f1, "precision": after.precision,
+        "recall": after.recall, "per_type_f1": {k: v.f1 for k, v in after.per_type.items()},
+    }
+    if args.metrics_out:
+        args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
+        args.metrics_out.write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def cmd_train_local(args) -> int:
+    run_local_training(args.model, args.data, args.eval, args)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from runtime.datagen import write_splits
+
+    DEMO_DIR.mkdir(parents=True, exist_ok=True)
+    model = DEMO_DIR / "minilm-token-cls.onnx"
+    if not model.is_file():
+        try:
+            from confidant.export import ExportOptions, default_checkpoint_dir, export_checkpoint
+        except ModuleNotFoundError as exc:
+            raise CliError(f"the demo exports MiniLM once and needs the `export` extra ({exc.name} is missing)") from None
+        print(f"[1/3] exporting all-MiniLM-L6-v2 to {model}", file=sys.stderr)
+        export_checkpoint(default_checkpoint_dir(), model, ExportOptions())
+    else:
+        print(f"[1/3] using {model}", file=sys.stderr)
+    data_dir = DEMO_DIR / "data"
+    print(f"[2/3] generating NER data in {data_dir}", file=sys.stderr)
+    train, dev = write_splits(data_dir, n_train=2000, n_dev=300, seed=0)
+    print(f"[3/3] fine-tuning on this device ({args.steps} steps)", file=sys.stderr)
+    figures = run_local_training(model, train, dev, args)
+    print(json.dumps({k: figures[k] for k in ("f1_before", "f1", "peak_rss_bytes")}))
+    return 0

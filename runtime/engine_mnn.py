@@ -1,0 +1,221 @@
+"""MNN stage engine: runs a contiguous block range of the IR forward and backward on MNN.
+
+Each block becomes its own MNN graph (placeholders in, one output), built once and re-fed with
+`write` for every micro-batch: rebuilding costs ~190 ms a time, and one graph spanning several
+layers makes MNN's cache checks explode (MNN_NOTES.md). Embedding lookups run in numpy because
+MNN's Gather has no gradient; their tables live only in numpy and receive their gradient by
+`np.add.at`. The backward of a block re-runs its forward inside MNN from the stashed block input,
+so a stage keeps one block-input activation per block and micro-batch in flight, not every
+intermediate: this is the forward re-run that the memory accounting and the profile must count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from ir.graph import Block, Node
+from runtime import mnn_kernels as K
+from runtime.engine import StageEngine, StageGradients
+from runtime.stage import StageSpec, host_values
+
+
+def _lower_node(node: Node, a: list) -> "K.Var":
+    op, attrs = node.op, node.attrs
+    if op == "MatMul":
+        return K.matmul(a[0], a[1], bool(attrs.get("trans_b")))
+    if op == "Add":
+        return K.add(a[0], a[1])
+    if op == "Sub":
+        return K.sub(a[0], a[1])
+    if op == "Mul":
+        return K.mul(a[0], a[1])
+    if op == "Div":
+        return K.div(a[0], a[1])
+    if op == "Pow":
+        return K.pow_scalar(a[0], attrs["exponent"])
+    if op == "Sqrt":
+        return K.sqrt(a[0])
+    if op == "Erf":
+        return K.erf(a[0])
+    if op == "Tanh":
+        return K.tanh(a[0])
+    if op == "ReduceMean":
+        return K.reduce_mean(a[0], list(attrs["axes"]), bool(attrs.get("keepdims", True)))
+    if op == "Softmax":
+        return K.softmax(a[0], attrs["axis"])
+    if op == "LayerNorm":
+        return K.layer_norm(a[0], a[1], a[2], attrs["epsilon"])
+    if op == "Gelu":
+        return K.gelu(a[0], attrs.get("approximate", "none"))
+    if op == "Transpose":
+        return K.transpose(a[0], attrs["perm"])
+    if op == "Reshape":
+        return K.reshape(a[0], attrs["shape"])
+    if op == "SoftmaxCrossEntropy":
+        return K.softmax_cross_entropy(a[0], a[1])
+    raise NotImplementedError(f"MNN engine: op {op} (node {node.name!r}) has no lowering")
+
+
+@dataclass
+class _Lookup:
+    """An embedding lookup done in numpy: output placeholder fed with table[ids]."""
+
+    node: Node
+    table: str
+    ids: str
+    placeholder: "K.Var"
+
+
+class _BlockProgram:
+    """One block as an MNN graph plus its gradient program, both built once."""
+
+    def __init__(self, block: Block, nodes: list[Node], spec: StageSpec, params: Mapping[str, "K.Var"],
+                 tables: Mapping[str, np.ndarray]):
+        graph = spec.graph
+        self.block = block
+        env: dict[str, K.Var] = {}
+        self.lookups: list[_Lookup] = []
+        self.activation: str | None = None
+        self.host_inputs: list[str] = []
+        produced = {o for n in nodes for o in n.outputs}
+        for n in nodes:
+            if n.op == "Gather":
+                ph = K.placeholder(graph.values[n.outputs[0]].shape)
+                self.lookups.append(_Lookup(n, n.inputs[0], n.inputs[1], ph))
+                env[n.outputs[0]] = ph
+        for name in block.inputs:
+            if name in env:
+                continue
+            value = graph.values[name]
+            if value.dtype != "float32" or any(name == lk.ids for lk in self.lookups):
+                continue
+            env[name] = K.placeholder(value.shape)
+            if name == block.inputs[0] and block.index > 0:
+                self.activation = name
+            else:
+                self.host_inputs.append(name)
+        for n in nodes:
+            if n.op == "Gather":
+                continue
+            args = []
+            for i in n.inputs:
+                if i not in env:
+                    if i in params:
+                        env[i] = params[i]
+                    elif i in graph.constants:
+                        env[i] = K.constant(graph.constants[i].astype(np.float32))
+                    elif i not in produced:
+                        raise KeyError(f"block {block.name!r}: node {n.name!r} reads {i!r}, which is not available")
+                args.append(env[i])
+            env[n.outputs[0]] = _lower_node(n, args)
+        self.output = env[block.output]
+        self.output_shape = tuple(graph.values[block.output].shape)
+        self.inputs = env
+        self.params = [p for p in block.params if p in params]
+        self._param_vars = [params[p] for p in self.params]
+        self.grad_seed = K.placeholder(self.output_shape)
+        wrt = self._param_vars + ([env[self.activation]] if self.activation else []) + [lk.placeholder for lk in self.lookups]
+        self._grads = K.GradientProgram().build([self.output], [self.grad_seed], wrt)
+        self._tables = tables
+
+    def feed(self, activation: np.ndarray | None, host: Mapping[str, np.ndarray]) -> None:
+        if self.activation is not None:
+            K.write(self.inputs[self.activation], activation)
+        for name in self.host_inputs:
+            K.write(self.inputs[name], host[name])
+        for lk in self.lookups:
+            ids = np.asarray(host[lk.ids]) if lk.ids in host else np.asarray(self.block_constant(lk.ids))
+            K.write(lk.placeholder, self._tables[lk.table][ids])
+
+    def block_constant(self, name):
+        raise KeyError(name)
+
+    def forward(self) -> np.ndarray:
+        return K.read(self.output)
+
+    def backward(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray]):
+        seed = np.ones(self.output_shape, np.float32) if grad_output is None else grad_output
+        K.write(self.grad_seed, seed)
+        grads = self._grads.run()
+        k = len(self._param_vars)
+        param_grads = dict(zip(self.params, grads[:k]))
+        rest = grads[k:]
+        dx = None
+        if self.activation:
+            dx, rest = rest[0], rest[1:]
+        for lk, g in zip(self.lookups, rest):
+            ids = np.asarray(host[lk.ids]).reshape(-1)
+            table_grad = param_grads.get(lk.table)
+            if table_grad is None:
+                table_grad = np.zeros_like(self._tables[lk.table])
+                param_grads[lk.table] = table_grad
+            np.add.at(table_grad, ids, g.reshape(ids.size, -1))
+        return param_grads, dx
+
+
+class MnnStageEngine(StageEngine):
+    def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None):
+        K.set_threads(threads)
+        self.spec = spec
+        self.threads = threads
+        source = weights if weights is not None else spec.graph.constants
+        gather_tables = {n.inputs[0] for n in spec.compute_nodes if n.op == "Gather"}
+        self._tables = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p in gather_tables}
+        self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params if p not in gather_tables}
+        self._constants = {k: v for k, v in spec.graph.constants.items()}
+        self._blocks = [_BlockProgram(b, nodes, spec, self._params, self._tables) for b, nodes in spec.block_nodes()]
+        self._stash: dict[int, tuple[list[np.ndarray | None], dict[str, np.ndarray]]] = {}
+
+    def _host(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        env = host_values(self.spec, feeds)
+        for n in self.spec.compute_nodes:  # constant lookup ids (position ids) join the host values
+            if n.op == "Gather" and n.inputs[1] in self._constants:
+                env[n.inputs[1]] = self._constants[n.inputs[1]]
+        return env
+
+    def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None) -> np.ndarray:
+        host = self._host(feeds)
+        x = None
+        if self.spec.activation_input is not None:
+            x = np.asarray(feeds[self.spec.activation_input], np.float32)
+        block_inputs: list[np.ndarray | None] = []
+        for prog in self._blocks:
+            if until_block is not None and prog.block.index > until_block:
+                if train:
+                    raise ValueError("a training forward must run the whole stage")
+                break
+            block_inputs.append(x)
+            prog.feed(x, host)
+            x = prog.forward()
+        if train:
+            self._stash[microbatch] = (block_inputs, host)
+        return x
+
+    def backward(self, microbatch: int, grad_output=None) -> StageGradients:
+        if microbatch not in self._stash:
+            raise KeyError(f"backward of micro-batch {microbatch} before its forward")
+        block_inputs, host = self._stash.pop(microbatch)
+        grads: dict[str, np.ndarray] = {}
+        g = grad_output
+        for prog, x in zip(reversed(self._blocks), reversed(block_inputs)):
+            prog.feed(x, host)
+            pg, g = prog.backward(g, host)
+            for k, v in pg.items():
+                grads[k] = grads[k] + v if k in grads else v
+        return StageGradients(grads, g if self.spec.activation_input is not None else None)
+
+    def parameters(self):
+        out = {k: K.read(v) for k, v in self._params.items()}
+        out.update({k: v.copy() for k, v in self._tables.items()})
+        return out
+
+    def set_parameters(self, values):
+        for k, v in values.items():
+            if k in self._tables:
+                self._tables[k][...] = v
+            elif k in self._params:
+                K.write(self._params[k], np.asarray(v, np.float32))
+            else:
+                raise KeyError(f"parameter {k!r} is not in this stage")

@@ -1,0 +1,124 @@
+"""Single-device fine-tuning: batches in, optimizer steps, per-step figures and entity F1 out.
+
+The loss of a batch is the sum of token cross-entropies divided by the batch's count of labelled
+tokens; the division is folded into the `targets` tensor (one-hot x 1/count), so a batch split into
+micro-batches gives the same loss and gradients as the whole batch, which the pipeline relies on.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from runtime.engine import StageEngine
+from runtime.metrics import Scores, entity_f1
+from runtime.optim import make_optimizer
+from runtime.tokenize import IGNORE_INDEX, Batch, decode_predictions, make_batches
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 60
+    batch: int = 8
+    seq: int = 128
+    lr: float = 5e-5
+    optimizer: str = "adamw"
+    seed: int = 0
+    threads: int = 1
+    weight_decay: float | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    seconds: float
+    tokens_per_s: float
+
+
+@dataclass
+class TrainResult:
+    steps: list[StepRecord] = field(default_factory=list)
+    peak_rss_bytes: int = 0
+
+    def to_json(self) -> dict:
+        return {"steps": [asdict(s) for s in self.steps], "peak_rss_bytes": self.peak_rss_bytes}
+
+
+def batch_feeds(batch: Batch, num_labels: int, n_labelled_total: int | None = None) -> dict[str, np.ndarray]:
+    """Graph inputs for a (micro-)batch; targets are one-hot / labelled tokens of the whole batch."""
+    labels = batch.labels
+    count = n_labelled_total if n_labelled_total is not None else batch.n_labelled
+    targets = np.zeros(labels.shape + (num_labels,), np.float32)
+    rows, cols = np.nonzero(labels != IGNORE_INDEX)
+    if count:
+        targets[rows, cols, labels[rows, cols]] = 1.0 / count
+    return {
+        "input_ids": batch.input_ids.astype(np.int64),
+        "attention_mask": batch.attention_mask.astype(np.int64),
+        "token_type_ids": batch.token_type_ids.astype(np.int64),
+        "targets": targets,
+    }
+
+
+def pad_batch(batch: Batch, size: int) -> Batch:
+    """Pad a short final batch with empty rows (masked, unlabelled) to the lowered batch size."""
+    extra = size - batch.size
+    if extra <= 0:
+        return batch
+    def pad(a, value):
+        return np.concatenate([a, np.full((extra,) + a.shape[1:], value, a.dtype)])
+    return Batch(pad(batch.input_ids, 0), pad(batch.attention_mask, 0), pad(batch.token_type_ids, 0),
+                 pad(batch.labels, IGNORE_INDEX), n_labelled=batch.n_labelled)
+
+
+def peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def train_steps(engine: StageEngine, batches: Sequence[Batch], config: TrainConfig, num_labels: int,
+                on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
+    """`config.steps` optimizer steps over `batches` (cycled) on one engine holding the whole model."""
+    if not batches:
+        raise ValueError("no training batches: the training file produced no sentences")
+    optimizer = make_optimizer(config.optimizer, config.lr, config.weight_decay)
+    params = engine.parameters()
+    result = TrainResult()
+    for step in range(config.steps):
+        batch = pad_batch(batches[step % len(batches)], config.batch)
+        start = time.perf_counter()
+        loss = float(engine.forward(batch_feeds(batch, num_labels), microbatch=0))
+        grads = engine.backward(0).params
+        params = optimizer.step(params, grads)
+        engine.set_parameters(params)
+        seconds = time.perf_counter() - start
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step + 1}: lower --lr (now {config.lr})")
+        record = StepRecord(step + 1, loss, seconds, float(batch.attention_mask.sum()) / seconds)
+        result.steps.append(record)
+        if on_step:
+            on_step(record)
+    result.peak_rss_bytes = peak_rss_bytes()
+    return result
+
+
+def predict(engine: StageEngine, encoded, config: TrainConfig, num_labels: int, head_block: int) -> list[np.ndarray]:
+    """Predicted label ids per encoding (argmax of the head's logits), in input order."""
+    batches = make_batches(encoded, config.batch, config.seq, seed=0, shuffle=False)
+    preds: list[np.ndarray] = []
+    for batch in batches:
+        n = batch.size
+        logits = engine.forward(batch_feeds(pad_batch(batch, config.batch), num_labels), train=False,
+                                until_block=head_block)
+        preds.extend(np.argmax(logits[:n], axis=-1))
+    return preds
+
+
+def evaluate(engine: StageEngine, encoded, gold_tags: Sequence[Sequence[str]], labels: Sequence[str],
+             config: TrainConfig, head_block: int) -> Scores:
+    preds = predict(engine, encoded, config, len(labels), head_block)
+    predicted_tags = decode_predictions(encoded, preds, list(labels))
+    return entity_f1([list(t) for t in gold_tags], predicted_tags)
