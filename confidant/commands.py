@@ -76,6 +76,14 @@ def _make_engine(kind: str, spec, threads: int):
     return MnnStageEngine(spec, threads=threads)
 
 
+def _label_set(found, standard) -> tuple[str, ...]:
+    """The CoNLL-2003 labels when the data stays inside them, else O plus B-/I- of every type seen."""
+    if set(found) <= set(standard):
+        return tuple(standard)
+    types = sorted({t[2:] for t in found if t != "O"})
+    return ("O",) + tuple(f"{p}-{t}" for t in types for p in ("B", "I"))
+
+
 def run_local_training(model: Path, data: Path, eval_path: Path, args) -> dict:
     """Fine-tune on one device; returns the figures that --metrics-out writes."""
     from planner.onnx_import import load_model
@@ -93,10 +101,7 @@ def run_local_training(model: Path, data: Path, eval_path: Path, args) -> dict:
                          optimizer=args.optimizer, seed=args.seed, threads=args.threads)
     train_sents = read_conll(data)
     dev_sents = read_conll(eval_path)
-    labels = CONLL_LABELS
-    unknown = set(label_list(train_sents + dev_sents)) - set(labels)
-    if unknown:
-        labels = label_list(train_sents + dev_sents)
+    labels = _label_set(label_list(train_sents + dev_sents), CONLL_LABELS)
     label_to_id = {t: i for i, t in enumerate(labels)}
 
     started = time.perf_counter()

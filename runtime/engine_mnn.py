@@ -126,11 +126,12 @@ class _BlockProgram:
         for name in self.host_inputs:
             K.write(self.inputs[name], host[name])
         for lk in self.lookups:
-            ids = np.asarray(host[lk.ids]) if lk.ids in host else np.asarray(self.block_constant(lk.ids))
-            K.write(lk.placeholder, self._tables[lk.table][ids])
-
-    def block_constant(self, name):
-        raise KeyError(name)
+            ids = np.asarray(host[lk.ids])
+            table = self._tables[lk.table]
+            if ids.size and (ids.min() < 0 or ids.max() >= len(table)):
+                raise ValueError(f"{lk.ids} holds id {int(ids.max() if ids.max() >= len(table) else ids.min())}, outside "
+                                 f"the {len(table)} rows of {lk.table!r}: the tokenizer does not belong to this model")
+            K.write(lk.placeholder, table[ids])
 
     def forward(self) -> np.ndarray:
         return K.read(self.output)

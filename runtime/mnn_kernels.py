@@ -288,8 +288,8 @@ def log_softmax(x: Var, axis: int = -1) -> Var:
 
     The row maximum is subtracted for stability and held constant for the
     gradient: the result does not depend on it mathematically, and MNN's
-    ReduceMax gradient is wrong (it spreads ``1/n`` instead of routing 1 to
-    the arg-max), so letting the gradient through would only add noise.
+    ReduceMax gradient is wrong (the arg-max gets 1 divided by the number of
+    maxima taken instead of 1), so letting it through would only add noise.
     """
     shifted = R.subtract(x, _stop_gradient(R.reduce_max(x, [axis], True)))
     return R.subtract(shifted, R.log(R.reduce_sum(R.exp(shifted), [axis], True)))

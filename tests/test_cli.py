@@ -1,0 +1,66 @@
+"""The command line as a user meets it: help, inspect --json schema, errors without tracebacks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "confidant", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_lists_every_command():
+    proc = _run("--help")
+    assert proc.returncode == 0
+    for command in ("export", "inspect", "datagen", "train-local", "demo"):
+        assert command in proc.stdout
+    proc = _run("train-local", "--help")
+    for flag in ("--steps", "--batch", "--seq", "--lr", "--optimizer", "--seed", "--metrics-out"):
+        assert flag in proc.stdout
+
+
+def test_inspect_json_schema(tiny_onnx):
+    proc = _run("inspect", tiny_onnx["dynamo-18"], "--batch", 2, "--seq", 16, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [b["kind"] for b in doc["blocks"]] == ["embeddings", "encoder", "encoder", "head", "loss"]
+    for b in doc["blocks"]:
+        assert set(b) == {"name", "kind", "params_bytes", "activation_bytes", "flops", "heads", "head_size"}
+        assert (b["heads"] is None) == (b["kind"] != "encoder")
+    assert doc["blocks"][1]["heads"] == 4 and doc["blocks"][1]["head_size"] == 16
+    assert doc["totals"]["params_bytes"] == sum(b["params_bytes"] for b in doc["blocks"])
+    assert doc["totals"]["flops"] == sum(b["flops"] for b in doc["blocks"])
+
+
+def test_inspect_table(tiny_onnx):
+    proc = _run("inspect", tiny_onnx["torchscript-14"], "--batch", 2, "--seq", 16)
+    assert proc.returncode == 0, proc.stderr
+    assert "layer.1" in proc.stdout and "4 x 16" in proc.stdout and "total" in proc.stdout
+
+
+def test_bad_input_gives_one_line_errors(tmp_path):
+    proc = _run("inspect", tmp_path / "nope.onnx")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"confidant inspect: error: {tmp_path / 'nope.onnx'}: no such ONNX file"
+    bad = tmp_path / "train.txt"
+    bad.write_text("EU B-ORG\nrejects\n")
+    proc = _run("train-local", tmp_path / "m.onnx", "--data", bad, "--eval", bad)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("confidant train-local: error: ") and "train.txt:2" in proc.stderr
+
+
+def test_label_count_mismatch_says_how_to_fix(tiny_onnx, tmp_path):
+    data = tmp_path / "d.txt"
+    data.write_text("Ann B-PER\nvisits O\nOslo B-LOC\non O\nMonday B-DATE\n\n")
+    proc = _run("train-local", tiny_onnx["torchscript-17"], "--data", data, "--eval", data, "--steps", 1,
+                "--seq", 16, "--batch", 2)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        f"confidant train-local: error: {tiny_onnx['torchscript-17']} predicts 9 labels but the data has 7 "
+        "(O, B-DATE, I-DATE, B-LOC, I-LOC, B-PER, I-PER); re-export with `confidant export --num-labels 7`")
