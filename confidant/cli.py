@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", type=Path, required=True, help="evaluation file, CoNLL-2003 layout")
     _add_training_flags(p)
 
+    p = sub.add_parser("backends", help="list the compute backends really present on this device",
+                       description="Probe each MNN backend by running a one-op model on it (MNN silently falls back "
+                                   "to the CPU for a missing one; that counts as absent) and check for PyTorch.")
+    p.add_argument("--json", action="store_true", help="print {backend: present} as JSON")
+
     p = sub.add_parser("demo", help="the main job end to end on the bundled MiniLM and generated data",
                        description="Export all-MiniLM-L6-v2, generate NER data, fine-tune on this device and report "
                                    f"F1 before and after. Files go to $CONFIDANT_HOME (default {DEMO_DIR}).")

@@ -149,6 +149,21 @@ def cmd_train_local(args) -> int:
     return 0
 
 
+def cmd_backends(args) -> int:
+    import importlib.util
+
+    from runtime.mnn_kernels import available_backends
+
+    found = {f"mnn:{name}": present for name, present in available_backends().items()}
+    found["torch:cpu"] = importlib.util.find_spec("torch") is not None
+    if args.json:
+        print(json.dumps(found))
+    else:
+        for name, present in found.items():
+            print(f"{name:12s} {'present' if present else 'absent'}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from runtime.datagen import write_splits
 

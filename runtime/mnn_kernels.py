@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -51,8 +52,26 @@ from runtime import fpmode
 
 _DENORMALS_FLUSHED = fpmode.enable_flush_denormals()
 
-import _mnncengine._expr as R  # noqa: E402  (must follow the MXCSR setup)
-import _mnncengine._optim as _optim  # noqa: E402
+
+
+def _import_quietly():
+    """Import MNN's native module with fd 1 muted: it printf()s a CPU-feature line on import,
+    which would corrupt machine-readable output such as `confidant backends --json`."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        import _mnncengine._expr as expr
+        import _mnncengine._optim as optim
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+    return expr, optim
+
+
+R, _optim = _import_quietly()  # must follow the MXCSR setup
 
 R.lazy_eval(True)
 

@@ -17,7 +17,7 @@ def _run(*args, timeout=300):
 def test_help_lists_every_command():
     proc = _run("--help")
     assert proc.returncode == 0
-    for command in ("export", "inspect", "datagen", "train-local", "demo"):
+    for command in ("export", "inspect", "datagen", "train-local", "backends", "demo"):
         assert command in proc.stdout
     proc = _run("train-local", "--help")
     for flag in ("--steps", "--batch", "--seq", "--lr", "--optimizer", "--seed", "--metrics-out"):
@@ -64,3 +64,12 @@ def test_label_count_mismatch_says_how_to_fix(tiny_onnx, tmp_path):
     assert proc.stderr.strip() == (
         f"confidant train-local: error: {tiny_onnx['torchscript-17']} predicts 9 labels but the data has 7 "
         "(O, B-DATE, I-DATE, B-LOC, I-LOC, B-PER, I-PER); re-export with `confidant export --num-labels 7`")
+
+
+def test_backends_reports_cpu_present_and_fallbacks_absent():
+    proc = _run("backends", "--json")
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["mnn:cpu"] is True
+    # this MNN wheel has only the CPU backend: the others fall back silently and must read absent
+    assert found["mnn:opencl"] is False and found["mnn:vulkan"] is False and found["mnn:cuda"] is False
