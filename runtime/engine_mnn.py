@@ -4,9 +4,14 @@ Each block becomes its own MNN graph (placeholders in, one output), built once a
 `write` for every micro-batch: rebuilding costs ~190 ms a time, and one graph spanning several
 layers makes MNN's cache checks explode (MNN_NOTES.md). Embedding lookups run in numpy because
 MNN's Gather has no gradient; their tables live only in numpy and receive their gradient by
-`np.add.at`. The backward of a block re-runs its forward inside MNN from the stashed block input,
-so a stage keeps one block-input activation per block and micro-batch in flight, not every
-intermediate: this is the forward re-run that the memory accounting and the profile must count.
+`np.add.at`.
+
+MNN's backward re-runs the forward. A stage therefore stashes only each block's input per
+micro-batch in flight; when a block's backward follows its own forward with no other micro-batch
+in between (single-device training, the last pipeline stage), per-op caches let the gradient
+program reuse the forward's activations instead (`cache_activations`, on by default: faster, at the
+memory of one cached tensor per op); otherwise the block's forward is re-run from the stashed
+input. The profile and the memory accounting of the planner must count both.
 """
 from __future__ import annotations
 
@@ -119,8 +124,29 @@ class _BlockProgram:
         wrt = self._param_vars + ([env[self.activation]] if self.activation else []) + [lk.placeholder for lk in self.lookups]
         self._grads = K.GradientProgram().build([self.output], [self.grad_seed], wrt)
         self._tables = tables
+        self._intermediates = [v for name, v in env.items() if name in produced]
+        self.fed_serial: int | None = None
+        self._caching = False
 
-    def feed(self, activation: np.ndarray | None, host: Mapping[str, np.ndarray]) -> None:
+    def enable_op_caches(self) -> None:
+        """Read every intermediate once, in creation order, so each op keeps its own result.
+
+        MNN's `read()` caches only the Var read; without this the gradient program re-runs the
+        whole forward from the inputs. With per-op caches, a later input write marks them stale,
+        the forward's output read refreshes them all, and the backward reuses them (MNN_NOTES.md;
+        one MiniLM layer at batch 8 x 128: backward 0.22 s -> 0.16 s, identical gradients). The
+        price is one cached tensor per op, i.e. ordinary activation memory.
+        """
+        if not self._caching:
+            for v in self._intermediates:
+                K.read(v)
+            self._caching = True
+
+    def feed(self, activation: np.ndarray | None, host: Mapping[str, np.ndarray], serial: int | None = None) -> None:
+        """Write a forward's inputs; `serial` identifies that forward (None: never reuse)."""
+        if serial is not None and serial == self.fed_serial:
+            return  # the graph still holds this forward's inputs (and, with op caches, its activations)
+        self.fed_serial = serial
         if self.activation is not None:
             K.write(self.inputs[self.activation], activation)
         for name in self.host_inputs:
@@ -157,7 +183,8 @@ class _BlockProgram:
 
 
 class MnnStageEngine(StageEngine):
-    def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None):
+    def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
+                 cache_activations: bool = True):
         K.set_threads(threads)
         self.spec = spec
         self.threads = threads
@@ -167,7 +194,9 @@ class MnnStageEngine(StageEngine):
         self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params if p not in gather_tables}
         self._constants = {k: v for k, v in spec.graph.constants.items()}
         self._blocks = [_BlockProgram(b, nodes, spec, self._params, self._tables) for b, nodes in spec.block_nodes()]
-        self._stash: dict[int, tuple[list[np.ndarray | None], dict[str, np.ndarray]]] = {}
+        self._stash: dict[int, tuple[int, list[np.ndarray | None], dict[str, np.ndarray]]] = {}
+        self._serial = 0
+        self.cache_activations = cache_activations
 
     def _host(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env = host_values(self.spec, feeds)
@@ -182,26 +211,30 @@ class MnnStageEngine(StageEngine):
         if self.spec.activation_input is not None:
             x = np.asarray(feeds[self.spec.activation_input], np.float32)
         block_inputs: list[np.ndarray | None] = []
+        self._serial += 1
+        serial = self._serial if train else None
         for prog in self._blocks:
             if until_block is not None and prog.block.index > until_block:
                 if train:
                     raise ValueError("a training forward must run the whole stage")
                 break
             block_inputs.append(x)
-            prog.feed(x, host)
+            prog.feed(x, host, serial)
+            if train and self.cache_activations:
+                prog.enable_op_caches()
             x = prog.forward()
         if train:
-            self._stash[microbatch] = (block_inputs, host)
+            self._stash[microbatch] = (self._serial, block_inputs, host)
         return x
 
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         if microbatch not in self._stash:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
-        block_inputs, host = self._stash.pop(microbatch)
+        serial, block_inputs, host = self._stash.pop(microbatch)
         grads: dict[str, np.ndarray] = {}
         g = grad_output
         for prog, x in zip(reversed(self._blocks), reversed(block_inputs)):
-            prog.feed(x, host)
+            prog.feed(x, host, serial)
             pg, g = prog.backward(g, host)
             for k, v in pg.items():
                 grads[k] = grads[k] + v if k in grads else v

@@ -114,3 +114,21 @@ def test_optimizer_steps_equal_torch_optim(tiny_graph, opt_name):
     for k in want:
         np.testing.assert_allclose(after[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert any(not np.allclose(after[k], params0[k]) for k in want)
+
+
+def test_op_caches_change_speed_not_gradients(tiny_graph):
+    """Reusing the forward's per-op caches in the backward gives the same gradients as re-running it,
+    also when a weight update lands between two steps (the caches must go stale, not be reused)."""
+    spec = stage_spec(tiny_graph, 0, 4)
+    cached, rerun = MnnStageEngine(spec, cache_activations=True), MnnStageEngine(spec, cache_activations=False)
+    for step in range(2):
+        feeds = token_feeds(B, S, vocab=500, seed=10 + step)
+        grads = []
+        for engine in (cached, rerun):
+            engine.forward(feeds, 0)
+            grads.append(engine.backward(0).params)
+        for k in grads[1]:
+            np.testing.assert_allclose(grads[0][k], grads[1][k], rtol=1e-6, atol=1e-9, err_msg=k)
+        new = {k: v - 0.5 * grads[1][k] for k, v in rerun.parameters().items()}
+        cached.set_parameters(new)
+        rerun.set_parameters(new)
