@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -170,12 +171,15 @@ def cmd_demo(args) -> int:
     DEMO_DIR.mkdir(parents=True, exist_ok=True)
     model = DEMO_DIR / "minilm-token-cls.onnx"
     if not model.is_file():
-        try:
-            from confidant.export import ExportOptions, default_checkpoint_dir, export_checkpoint
-        except ModuleNotFoundError as exc:
-            raise CliError(f"the demo exports MiniLM once and needs the `export` extra ({exc.name} is missing)") from None
         print(f"[1/3] exporting all-MiniLM-L6-v2 to {model}", file=sys.stderr)
-        export_checkpoint(default_checkpoint_dir(), model, ExportOptions())
+        # a separate process, so torch's memory does not count in the training run's peak RSS
+        partial = model.with_suffix(".partial.onnx")
+        proc = subprocess.run([sys.executable, "-m", "confidant", "export", "-o", str(partial)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            raise CliError("exporting MiniLM failed (the demo needs the `export` extra: torch, transformers):\n"
+                           + proc.stderr.strip()[-2000:])
+        partial.rename(model)
     else:
         print(f"[1/3] using {model}", file=sys.stderr)
     data_dir = DEMO_DIR / "data"

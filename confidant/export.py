@@ -9,6 +9,7 @@ runs in eval mode, so dropout is absent from the graph, and fine-tuning runs wit
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +98,11 @@ def export_model(model, out_path: Path, options: ExportOptions) -> Path:
             ).logits
 
     wrapped = _LogitsOnly(model).eval()
-    with torch.no_grad():
+    # The exporters warn about trace-time constants in transformers' mask code (checked: the graph
+    # is correct at every batch and sequence length, see tests/test_onnx_import.py); keep the
+    # user's terminal for real problems.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         if options.dynamo:
             batch = torch.export.Dim("batch", min=1, max=1024)
             seq = torch.export.Dim("seq", min=2, max=int(model.config.max_position_embeddings))

@@ -14,26 +14,31 @@ import numpy as np
 
 @dataclass
 class SGD:
+    """torch.optim.SGD semantics; updates the given arrays in place (they are the optimizer's own
+    copies of the weights, so no allocation per step on 22M-parameter models)."""
+
     lr: float
     momentum: float = 0.9
     weight_decay: float = 0.0
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     steps: int = 0
 
-    def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def step(self, params: dict[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.steps += 1
-        out = {}
         for name, p in params.items():
-            g = grads[name].astype(np.float32, copy=False)
+            g = np.asarray(grads[name], np.float32)
             if self.weight_decay:
-                g = g + self.weight_decay * p
+                g = g + np.float32(self.weight_decay) * p
             if self.momentum:
                 buf = self.buffers.get(name)
-                buf = g.copy() if buf is None else self.momentum * buf + g
-                self.buffers[name] = buf
+                if buf is None:
+                    buf = self.buffers[name] = np.array(g, np.float32)
+                else:
+                    buf *= np.float32(self.momentum)
+                    buf += g
                 g = buf
-            out[name] = (p - self.lr * g).astype(np.float32)
-        return out
+            p -= np.float32(self.lr) * g
+        return params
 
     def state(self) -> dict[str, np.ndarray]:
         return {f"momentum/{k}": v for k, v in self.buffers.items()} | {"steps": np.array(self.steps)}
@@ -45,6 +50,8 @@ class SGD:
 
 @dataclass
 class AdamW:
+    """torch.optim.AdamW semantics; updates the given arrays in place with one scratch buffer."""
+
     lr: float
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -53,23 +60,35 @@ class AdamW:
     v: dict[str, np.ndarray] = field(default_factory=dict)
     steps: int = 0
 
-    def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def step(self, params: dict[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.steps += 1
         b1, b2 = self.betas
         c1 = 1 - b1 ** self.steps
         c2 = 1 - b2 ** self.steps
-        out = {}
+        f = np.float32
         for name, p in params.items():
-            g = grads[name].astype(np.float32, copy=False)
+            g = np.asarray(grads[name], np.float32)
             m = self.m.get(name)
             v = self.v.get(name)
-            m = (1 - b1) * g if m is None else b1 * m + (1 - b1) * g
-            v = (1 - b2) * g * g if v is None else b2 * v + (1 - b2) * g * g
-            self.m[name], self.v[name] = m, v
-            decayed = p * (1 - self.lr * self.weight_decay)
-            denom = np.sqrt(v) / np.sqrt(c2) + self.eps
-            out[name] = (decayed - (self.lr / c1) * m / denom).astype(np.float32)
-        return out
+            if m is None:
+                m = self.m[name] = np.zeros_like(p)
+                v = self.v[name] = np.zeros_like(p)
+            tmp = np.multiply(g, f(1 - b1))
+            m *= f(b1)
+            m += tmp
+            np.multiply(g, g, out=tmp)
+            tmp *= f(1 - b2)
+            v *= f(b2)
+            v += tmp
+            np.sqrt(v, out=tmp)
+            tmp *= f(1 / np.sqrt(c2))
+            tmp += f(self.eps)
+            np.divide(m, tmp, out=tmp)
+            tmp *= f(self.lr / c1)
+            if self.weight_decay:
+                p *= f(1 - self.lr * self.weight_decay)
+            p -= tmp
+        return params
 
     def state(self) -> dict[str, np.ndarray]:
         return ({f"m/{k}": x for k, x in self.m.items()} | {f"v/{k}": x for k, x in self.v.items()}

@@ -102,7 +102,7 @@ def test_optimizer_steps_equal_torch_optim(tiny_graph, opt_name):
     params0 = engine.parameters()
     opt = SGD(lr=0.1, momentum=0.9, weight_decay=0.01) if opt_name == "sgd" else AdamW(lr=0.01, weight_decay=0.01)
     grads_seen = []
-    params = params0
+    params = {k: v.copy() for k, v in params0.items()}  # the optimizer updates in place
     for step in range(2):
         engine.forward(token_feeds(B, S, vocab=500, seed=step), 0)
         grads = engine.backward(0).params
