@@ -183,8 +183,12 @@ class _BlockProgram:
 
 
 class MnnStageEngine(StageEngine):
+    """A stage on MNN. `stash_weights` keeps, for every micro-batch in flight, the weight version its
+    forward used, and runs its backward on that version (PipeDream weight stashing): MNN Vars are
+    updated in place, so without it a backward after an update would silently use the new weights."""
+
     def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
-                 cache_activations: bool = True):
+                 cache_activations: bool = True, stash_weights: bool = True):
         K.set_threads(threads)
         self.spec = spec
         self.threads = threads
@@ -192,11 +196,16 @@ class MnnStageEngine(StageEngine):
         gather_tables = {n.inputs[0] for n in spec.compute_nodes if n.op == "Gather"}
         self._tables = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p in gather_tables}
         self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params if p not in gather_tables}
+        # numpy copy of the current weights: what an old version is restored from and returned to
+        self._current = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p not in gather_tables}
         self._constants = {k: v for k, v in spec.graph.constants.items()}
         self._blocks = [_BlockProgram(b, nodes, spec, self._params, self._tables) for b, nodes in spec.block_nodes()]
-        self._stash: dict[int, tuple[int, list[np.ndarray | None], dict[str, np.ndarray]]] = {}
+        self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray]]] = {}
         self._serial = 0
         self.cache_activations = cache_activations
+        self.stash_weights = stash_weights
+        self.version = 0
+        self._old_versions: dict[int, dict[str, np.ndarray]] = {}
 
     def _host(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env = host_values(self.spec, feeds)
@@ -206,6 +215,8 @@ class MnnStageEngine(StageEngine):
         return env
 
     def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None) -> np.ndarray:
+        if train and microbatch in self._stash:
+            raise ValueError(f"micro-batch {microbatch} already has a forward waiting for its backward")
         host = self._host(feeds)
         x = None
         if self.spec.activation_input is not None:
@@ -224,32 +235,62 @@ class MnnStageEngine(StageEngine):
                 prog.enable_op_caches()
             x = prog.forward()
         if train:
-            self._stash[microbatch] = (self._serial, block_inputs, host)
+            self._stash[microbatch] = (self._serial, self.version, block_inputs, host)
         return x
 
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         if microbatch not in self._stash:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
-        serial, block_inputs, host = self._stash.pop(microbatch)
-        grads: dict[str, np.ndarray] = {}
-        g = grad_output
-        for prog, x in zip(reversed(self._blocks), reversed(block_inputs)):
-            prog.feed(x, host, serial)
-            pg, g = prog.backward(g, host)
-            for k, v in pg.items():
-                grads[k] = grads[k] + v if k in grads else v
+        serial, version, block_inputs, host = self._stash.pop(microbatch)
+        swapped = self.stash_weights and version != self.version
+        if swapped:
+            self._load_weights(self._old_versions[version])
+        try:
+            grads: dict[str, np.ndarray] = {}
+            g = grad_output
+            for prog, x in zip(reversed(self._blocks), reversed(block_inputs)):
+                prog.feed(x, host, serial)
+                pg, g = prog.backward(g, host)
+                for k, v in pg.items():
+                    grads[k] = grads[k] + v if k in grads else v
+        finally:
+            if swapped:
+                self._load_weights(self._current)
+            self._drop_unused_versions()
         return StageGradients(grads, g if self.spec.activation_input is not None else None)
 
+    def _load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        for k, v in weights.items():
+            if k in self._tables:
+                self._tables[k][...] = v
+            else:
+                K.write(self._params[k], v)
+
+    def _drop_unused_versions(self) -> None:
+        live = {entry[1] for entry in self._stash.values()}
+        for v in [v for v in self._old_versions if v not in live]:
+            del self._old_versions[v]
+
+    def stashed_versions(self) -> int:
+        """Weight versions held besides the current one (PipeDream: up to stages - s - 1)."""
+        return len(self._old_versions)
+
     def parameters(self):
-        out = {k: K.read(v) for k, v in self._params.items()}
+        out = {k: v.copy() for k, v in self._current.items()}
         out.update({k: v.copy() for k, v in self._tables.items()})
         return out
 
     def set_parameters(self, values):
+        unknown = [k for k in values if k not in self._tables and k not in self._params]
+        if unknown:
+            raise KeyError(f"parameters {unknown[:3]} are not in this stage (blocks "
+                           f"{self.spec.first_block}-{self.spec.last_block})")
+        if self.stash_weights and any(entry[1] == self.version for entry in self._stash.values()):
+            self._old_versions[self.version] = self.parameters()
         for k, v in values.items():
             if k in self._tables:
                 self._tables[k][...] = v
-            elif k in self._params:
-                K.write(self._params[k], np.asarray(v, np.float32))
             else:
-                raise KeyError(f"parameter {k!r} is not in this stage")
+                np.copyto(self._current[k], v)
+                K.write(self._params[k], self._current[k])
+        self.version += 1

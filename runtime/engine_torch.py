@@ -73,7 +73,7 @@ class TorchStageEngine(StageEngine):
                 if i in spec.graph.constants and i not in param_set:
                     v = spec.graph.constants[i]
                     self._consts[i] = torch.tensor(v, dtype=dtype if v.dtype.kind == "f" else torch.int64)
-        self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._saved: dict[int, tuple] = {}
 
     def _tensor(self, v: np.ndarray) -> torch.Tensor:
         v = np.asarray(v)
@@ -97,18 +97,18 @@ class TorchStageEngine(StageEngine):
                 env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
         out = env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
         if train:
-            self._saved[microbatch] = (x_in, out)
+            self._saved[microbatch] = (x_in, out, dict(self._params))
         return out.detach().cpu().numpy().astype(np.float32 if self.dtype == torch.float32 else np.float64)
 
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         if microbatch not in self._saved:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
-        x_in, out = self._saved.pop(microbatch)
+        x_in, out, used = self._saved.pop(microbatch)
         seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
-        wrt = list(self._params.values()) + ([x_in] if x_in is not None else [])
+        wrt = list(used.values()) + ([x_in] if x_in is not None else [])
         grads = torch.autograd.grad([out], wrt, [seed], allow_unused=True)
         params = {}
-        for (name, p), g in zip(self._params.items(), grads):
+        for (name, p), g in zip(used.items(), grads):
             params[name] = (torch.zeros_like(p) if g is None else g).detach().numpy().copy()
         dx = grads[-1].detach().numpy().copy() if x_in is not None else None
         return StageGradients(params, dx)
@@ -117,6 +117,9 @@ class TorchStageEngine(StageEngine):
         return {k: v.detach().numpy().copy() for k, v in self._params.items()}
 
     def set_parameters(self, values):
-        with torch.no_grad():
-            for k, v in values.items():
-                self._params[k].copy_(torch.tensor(np.asarray(v), dtype=self.dtype))
+        # New leaf tensors rather than in-place copies: a forward still waiting for its backward
+        # keeps the tensors it ran with, which is weight stashing for free.
+        for k, v in values.items():
+            if k not in self._params:
+                raise KeyError(f"parameter {k!r} is not in this stage")
+            self._params[k] = torch.tensor(np.asarray(v), dtype=self.dtype, requires_grad=True)

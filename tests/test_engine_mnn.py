@@ -132,3 +132,31 @@ def test_op_caches_change_speed_not_gradients(tiny_graph):
         new = {k: v - 0.5 * grads[1][k] for k, v in rerun.parameters().items()}
         cached.set_parameters(new)
         rerun.set_parameters(new)
+
+
+def test_weight_stashing_runs_each_backward_on_its_forwards_weights(tiny_graph):
+    """forward m0, update, forward m1, backward m0: m0's gradients must be those of the old weights
+    (PipeDream stashing); without stashing MNN's in-place Vars would silently use the new ones."""
+    spec = stage_spec(tiny_graph, 1, 2)
+    rng = np.random.default_rng(5)
+    act = tiny_graph.values[spec.activation_input].shape
+    feeds = [dict(token_feeds(B, S, vocab=500, seed=20 + i), **{spec.activation_input: rng.standard_normal(act).astype(np.float32)})
+             for i in range(2)]
+    grad_out = rng.standard_normal(act).astype(np.float32)
+    ref = TorchStageEngine(spec, dtype=torch.float64)
+    results = {}
+    for stash in (True, False):
+        engine = MnnStageEngine(spec, stash_weights=stash)
+        w0 = engine.parameters()
+        engine.forward(feeds[0], 0)
+        engine.set_parameters({k: v * 0.5 for k, v in w0.items()})
+        engine.forward(feeds[1], 1)
+        assert engine.stashed_versions() == (1 if stash else 0)
+        results[stash] = engine.backward(0, grad_out).params
+        assert engine.stashed_versions() == 0
+        engine.backward(1, grad_out)
+    ref.forward(feeds[0], 0)
+    want = ref.backward(0, grad_out).params  # the reference never saw the update
+    _assert_grads_close(results[True], want)
+    with pytest.raises(AssertionError):
+        _assert_grads_close(results[False], want)
