@@ -1,0 +1,95 @@
+"""Graph IR to and from plain JSON plus named numpy arrays (never pickle).
+
+A device receives only its stage's slice of the graph: the nodes, values and constants of its
+block range, with the block table of the whole model kept so that block indices mean the same
+everywhere. The JSON half travels as a control message or a bundle file; the arrays travel as
+raw tensors (or safetensors files in bundles).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ir.graph import Block, Graph, Node, Value
+
+SCHEMA_VERSION = 1
+
+
+def _attr_to_json(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype), "shape": list(value.shape)}
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [_attr_to_json(v) for v in value]
+    return value
+
+
+def _attr_from_json(value: Any) -> Any:
+    if isinstance(value, dict) and "__ndarray__" in value:
+        return np.asarray(value["__ndarray__"], dtype=value["dtype"]).reshape(value["shape"])
+    if isinstance(value, list):
+        return [_attr_from_json(v) for v in value]
+    return value
+
+
+def slice_graph(graph: Graph, first_block: int, last_block: int) -> Graph:
+    """The part of `graph` that a stage of blocks first..last needs, with every block's metadata."""
+    blocks = graph.blocks[first_block : last_block + 1]
+    names = {n for b in blocks for n in b.nodes} | {n for b in blocks for n in b.host_nodes}
+    nodes = tuple(n for n in graph.nodes if n.name in names)
+    used = {i for n in nodes for i in n.inputs if i} | {o for n in nodes for o in n.outputs}
+    used |= {i for b in blocks for i in b.inputs} | {blocks[-1].output}
+    values = {k: v for k, v in graph.values.items() if k in used}
+    constants = {k: v for k, v in graph.constants.items() if k in used}
+    params = tuple(p for p in graph.params if p in constants)
+    inputs = tuple(v for v in graph.inputs if v.name in used)
+    outputs = (graph.values[blocks[-1].output],)
+    return Graph(graph.name, inputs, outputs, nodes, values, constants, params, graph.blocks, graph.batch, graph.seq)
+
+
+def graph_to_json(graph: Graph) -> dict:
+    """Everything but the constant tensors, as a JSON-ready dict."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": graph.name,
+        "batch": graph.batch,
+        "seq": graph.seq,
+        "inputs": [v.name for v in graph.inputs],
+        "outputs": [v.name for v in graph.outputs],
+        "values": [[v.name, list(v.shape), v.dtype] for v in graph.values.values()],
+        "nodes": [{"name": n.name, "op": n.op, "inputs": list(n.inputs), "outputs": list(n.outputs),
+                   "attrs": {k: _attr_to_json(v) for k, v in n.attrs.items()}, "tier": n.tier} for n in graph.nodes],
+        "params": list(graph.params),
+        "constants": {k: [str(v.dtype), list(v.shape)] for k, v in graph.constants.items()},
+        "blocks": [{**{f: getattr(b, f) for f in Block.__dataclass_fields__},
+                    "nodes": list(b.nodes), "host_nodes": list(b.host_nodes), "inputs": list(b.inputs),
+                    "params": list(b.params)} for b in graph.blocks],
+    }
+
+
+def graph_from_json(doc: Mapping, constants: Mapping[str, np.ndarray]) -> Graph:
+    """Rebuild a graph; every declared constant must be present with its declared dtype and shape."""
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"graph schema version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}: "
+                         "the sender runs a different Confidant version")
+    declared = doc["constants"]
+    missing = sorted(set(declared) - set(constants))
+    if missing:
+        raise ValueError(f"graph constants missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    consts = {}
+    for name, (dtype, shape) in declared.items():
+        arr = np.asarray(constants[name])
+        if str(arr.dtype) != dtype or list(arr.shape) != list(shape):
+            raise ValueError(f"constant {name!r} is {arr.dtype}{list(arr.shape)}, declared {dtype}{shape}")
+        consts[name] = arr
+    values = {name: Value(name, tuple(shape), dtype) for name, shape, dtype in doc["values"]}
+    nodes = tuple(Node(n["name"], n["op"], tuple(n["inputs"]), tuple(n["outputs"]),
+                       {k: _attr_from_json(v) for k, v in n["attrs"].items()}, n["tier"]) for n in doc["nodes"])
+    blocks = tuple(Block(**{**b, "nodes": tuple(b["nodes"]), "host_nodes": tuple(b["host_nodes"]),
+                            "inputs": tuple(b["inputs"]), "params": tuple(b["params"])}) for b in doc["blocks"])
+    return Graph(doc["name"], tuple(values[i] for i in doc["inputs"]), tuple(values[o] for o in doc["outputs"]),
+                 nodes, values, consts, tuple(doc["params"]), blocks, int(doc["batch"]), int(doc["seq"]))
