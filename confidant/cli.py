@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", type=Path, required=True, help="evaluation file, CoNLL-2003 layout")
     _add_training_flags(p)
 
+    p = sub.add_parser("worker", help="run a device's runtime and wait for a stage from a coordinator",
+                       description="Bind ADDRESS, print 'listening <address>', then run whatever stage the "
+                                   "coordinator assigns (weights and action list arrive over the wire).")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0",
+                   help="ZeroMQ address to bind (default %(default)s; port 0 picks a free port)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent peer (default %(default)s)")
+
     p = sub.add_parser("backends", help="list the compute backends really present on this device",
                        description="Probe each MNN backend by running a one-op model on it (MNN silently falls back "
                                    "to the CPU for a missing one; that counts as absent) and check for PyTorch.")

@@ -150,6 +150,12 @@ def cmd_train_local(args) -> int:
     return 0
 
 
+def cmd_worker(args) -> int:
+    from runtime.worker import serve
+
+    return serve(args.listen, timeout=args.timeout)
+
+
 def cmd_backends(args) -> int:
     import importlib.util
 

@@ -16,7 +16,7 @@ import numpy as np
 from runtime.engine import StageEngine
 from runtime.metrics import Scores, entity_f1
 from runtime.optim import make_optimizer
-from runtime.tokenize import IGNORE_INDEX, Batch, decode_predictions, make_batches
+from runtime.tokenize import IGNORE_INDEX, Batch, decode_predictions, make_batches, split_microbatches
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1
     weight_decay: float | None = None
+    microbatches: int = 1
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,21 @@ def pad_batch(batch: Batch, size: int) -> Batch:
                  pad(batch.labels, IGNORE_INDEX), n_labelled=batch.n_labelled)
 
 
+def accumulate_gradients(engine: StageEngine, batch: Batch, microbatches: int, num_labels: int):
+    """Loss and summed gradients of `batch` run as `microbatches` forward/backward pairs; the
+    targets carry the whole batch's labelled count, so the sum equals the unsplit batch's."""
+    loss = 0.0
+    grads: dict[str, np.ndarray] = {}
+    for m, micro in enumerate(split_microbatches(batch, microbatches)):
+        loss += float(engine.forward(batch_feeds(micro, num_labels, batch.n_labelled), microbatch=m))
+        for k, g in engine.backward(m).params.items():
+            if k in grads:
+                grads[k] += g
+            else:
+                grads[k] = g
+    return loss, grads
+
+
 def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
@@ -90,8 +106,7 @@ def train_steps(engine: StageEngine, batches: Sequence[Batch], config: TrainConf
     for step in range(config.steps):
         batch = pad_batch(batches[step % len(batches)], config.batch)
         start = time.perf_counter()
-        loss = float(engine.forward(batch_feeds(batch, num_labels), microbatch=0))
-        grads = engine.backward(0).params
+        loss, grads = accumulate_gradients(engine, batch, config.microbatches, num_labels)
         params = optimizer.step(params, grads)
         engine.set_parameters(params)
         seconds = time.perf_counter() - start

@@ -1,0 +1,154 @@
+"""`confidant train-pipeline` and `confidant worker`: start or reach workers, drive a coordinator.
+
+Side effects live here (processes, sockets, files); the protocol is in runtime.coordinator and
+runtime.worker, the schedules in planner.schedule.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from planner.schedule import make_schedule
+from runtime.coordinator import (Coordinator, PipelineConfig, StagePlacement, load_checkpoint, save_checkpoint,
+                                 split_at, split_even)
+from runtime.trainer import batch_feeds, pad_batch, peak_rss_bytes
+from runtime.tokenize import split_microbatches
+
+
+@dataclass
+class LocalWorkers:
+    """Worker processes on this machine, each printing its bound address on its first line."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, n: int, threads: int, timeout_s: float = 120.0) -> "LocalWorkers":
+        env = dict(os.environ)
+        # one compute thread per worker unless asked: N workers must not oversubscribe the cores
+        env.update({"OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
+                    "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})
+        workers = cls()
+        for _ in range(n):
+            proc = subprocess.Popen([sys.executable, "-m", "confidant", "worker", "--listen", "tcp://127.0.0.1:0"],
+                                    stdout=subprocess.PIPE, text=True, env=env)
+            workers.procs.append(proc)
+        deadline = time.monotonic() + timeout_s
+        for proc in workers.procs:
+            line = proc.stdout.readline()
+            if not line.startswith("listening "):
+                workers.stop()
+                raise RuntimeError(f"local worker (pid {proc.pid}) did not start: {line.strip() or 'no output'}")
+            workers.addresses.append(line.split()[1])
+            if time.monotonic() > deadline:
+                workers.stop()
+                raise RuntimeError("local workers took too long to start")
+        return workers
+
+    def wait(self, timeout_s: float = 30.0) -> list[int]:
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=timeout_s))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+        return codes
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        self.wait(10.0)
+
+
+@dataclass
+class PipelineResult:
+    losses: list[float]
+    step_seconds: list[float]
+    stage_busy: list[list[float]]
+    stage_reports: list[list[dict]]
+    weights: dict[str, np.ndarray]
+    checkpoint: list[dict[str, np.ndarray]]
+    ranges: list[tuple[int, int]]
+
+
+def stage_ranges(n_blocks: int, stages: int, cuts: Sequence[int] | None) -> list[tuple[int, int]]:
+    if cuts:
+        ranges = split_at(n_blocks, cuts)
+        if len(ranges) != stages:
+            raise ValueError(f"--cuts {','.join(map(str, cuts))} makes {len(ranges)} stages but there are {stages} workers")
+        return ranges
+    return split_even(n_blocks, stages)
+
+
+def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], config: PipelineConfig, steps: int,
+                   cuts: Sequence[int] | None = None, update_every: int = 1, start_step: int = 0,
+                   weights=None, optimizer_state=None, listen: str = "tcp://127.0.0.1:0", on_step=None,
+                   checkpoint_dir: Path | None = None, meta: dict | None = None) -> PipelineResult:
+    """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k]."""
+    from runtime.transport_zmq import ZmqTransport
+
+    ranges = stage_ranges(len(graph.blocks), len(addresses), cuts)
+    placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(ranges, addresses))]
+    M = config.microbatches
+    micro_rows = graph.batch
+
+    def feeds_of(step: int):
+        batch = pad_batch(batches[step % len(batches)], micro_rows * M)
+        return [batch_feeds(mb, num_labels, batch.n_labelled) for mb in split_microbatches(batch, M)]
+
+    transport = ZmqTransport("coordinator", listen, accept=())
+    coordinator = Coordinator(graph, placements, config, transport, weights=weights, optimizer_state=optimizer_state)
+    result = PipelineResult([], [], [], [], {}, [], ranges)
+    try:
+        coordinator.setup()
+        if config.schedule == "1f1b-stash":
+            schedule = make_schedule("1f1b-stash", len(placements), steps * M, update_every=update_every)
+            feeds = [f for s in range(start_step, start_step + steps) for f in feeds_of(s)]
+            start = time.perf_counter()
+            losses, done = coordinator.run(schedule, feeds, start_step)
+            total = time.perf_counter() - start
+            for i in range(steps):
+                result.losses.append(float(sum(losses[i * M:(i + 1) * M])))
+                result.step_seconds.append(total / steps)
+                if on_step:
+                    on_step(start_step + i + 1, result.losses[-1], total / steps, [d["seconds"] for d in done], done)
+            result.stage_reports.append(done)
+            result.stage_busy.append([_busy(d) for d in done])
+        else:
+            schedule = make_schedule(config.schedule, len(placements), M)
+            for s in range(start_step, start_step + steps):
+                start = time.perf_counter()
+                losses, done = coordinator.run(schedule, feeds_of(s), s)
+                seconds = time.perf_counter() - start
+                result.losses.append(float(sum(losses)))
+                result.step_seconds.append(seconds)
+                result.stage_reports.append(done)
+                result.stage_busy.append([_busy(d) for d in done])
+                if on_step:
+                    on_step(s + 1, result.losses[-1], seconds, [d["seconds"] for d in done], done)
+        result.checkpoint = coordinator.collect_checkpoint()
+        for tensors in result.checkpoint:
+            result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
+        if checkpoint_dir is not None:
+            save_checkpoint(checkpoint_dir, result.checkpoint,
+                            {**(meta or {}), "stages": len(placements), "ranges": ranges,
+                             "step": start_step + steps, "schedule": config.schedule, "microbatches": M,
+                             "losses": result.losses})
+    finally:
+        coordinator.stop()
+        transport.close()
+    return result
+
+
+def _busy(done: dict) -> float:
+    busy = sum(done["seconds"].get(k, 0.0) for k in ("F", "B", "UPDATE"))
+    return busy / done["wall_s"] if done.get("wall_s") else 0.0

@@ -1,0 +1,252 @@
+"""Pipeline schedules as plain data: per-stage action lists with a text form that round-trips.
+
+A schedule is what every device's executor interprets, so it has to be readable, diffable and
+hand-editable without running anything: each action prints as one token (`s1.F.m3`,
+`s1.SEND_ACT.m3>s2`) that `Action.parse` reads back, a schedule prints as one line of tokens per
+stage (`Schedule.to_text`) and saves as versioned JSON. Nothing here checks that a schedule makes
+sense; `ir.verify.verify_plan` does, so a broken plan can still be loaded, printed and diagnosed.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# Schedules that never flush: weights update while other micro-batches are still in flight, so
+# each stage keeps older weight versions (stashes) for their backwards.
+ASYNC_SCHEDULES = frozenset({"1f1b-stash"})
+
+
+class ActionKind(str, Enum):
+    F = "F"
+    B = "B"
+    SEND_ACT = "SEND_ACT"
+    RECV_ACT = "RECV_ACT"
+    SEND_GRAD = "SEND_GRAD"
+    RECV_GRAD = "RECV_GRAD"
+    UPDATE = "UPDATE"
+    FREE = "FREE"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.F, ActionKind.B)
+
+
+SEND_FOR_RECV = {ActionKind.RECV_ACT: ActionKind.SEND_ACT, ActionKind.RECV_GRAD: ActionKind.SEND_GRAD}
+RECV_FOR_SEND = {v: k for k, v in SEND_FOR_RECV.items()}
+
+_TOKEN = re.compile(r"s(\d+)\.([A-Z_]+)(?:\.m(\d+))?(?:([<>])s(\d+))?")
+_FORMS = ("s<stage>.F.m<mb>, s<stage>.B.m<mb>, s<stage>.FREE.m<mb>, s<stage>.UPDATE[.m<mb>], "
+          "s<stage>.SEND_ACT.m<mb>>s<peer>, s<stage>.RECV_ACT.m<mb><s<peer> (likewise SEND_GRAD/RECV_GRAD)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one stage.
+
+    `microbatch` is None only for an UPDATE that closes a whole batch; an UPDATE may name the
+    micro-batch whose backward it follows (asynchronous schedules update mid-run). `peer` is the
+    other stage of a send or receive and None otherwise.
+    """
+
+    kind: ActionKind
+    stage: int
+    microbatch: int | None = None
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", ActionKind(self.kind))
+        except ValueError:
+            raise ValueError(f"unknown action kind {self.kind!r}; expected one of "
+                             f"{', '.join(k.value for k in ActionKind)}") from None
+        for field_name in ("stage", "microbatch", "peer"):
+            v = getattr(self, field_name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"action {field_name} must be a non-negative int, got {v!r}")
+        if self.microbatch is None and self.kind is not ActionKind.UPDATE:
+            raise ValueError(f"a {self.kind.value} action needs a micro-batch")
+        needs_peer = self.kind.is_send or self.kind.is_recv
+        if needs_peer and self.peer is None:
+            raise ValueError(f"a {self.kind.value} action needs a peer stage")
+        if not needs_peer and self.peer is not None:
+            raise ValueError(f"a {self.kind.value} action has no peer (got peer={self.peer})")
+
+    def __str__(self) -> str:
+        text = f"s{self.stage}.{self.kind.value}"
+        if self.microbatch is not None:
+            text += f".m{self.microbatch}"
+        if self.peer is not None:
+            text += f"{'>' if self.kind.is_send else '<'}s{self.peer}"
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        m = _TOKEN.fullmatch(text)
+        if m is None:
+            raise ValueError(f"cannot parse action {text!r}: expected one of {_FORMS}")
+        stage, kind_name, mb, arrow, peer = m.groups()
+        try:
+            kind = ActionKind(kind_name)
+        except ValueError:
+            raise ValueError(f"cannot parse action {text!r}: unknown kind {kind_name!r}, expected one of "
+                             f"{', '.join(k.value for k in ActionKind)}") from None
+        if kind.is_send and arrow != ">":
+            raise ValueError(f"cannot parse action {text!r}: a {kind.value} is written "
+                             f"s<stage>.{kind.value}.m<mb>>s<peer>")
+        if kind.is_recv and arrow != "<":
+            raise ValueError(f"cannot parse action {text!r}: a {kind.value} is written "
+                             f"s<stage>.{kind.value}.m<mb><s<peer>")
+        try:
+            return cls(kind, int(stage), None if mb is None else int(mb), None if peer is None else int(peer))
+        except ValueError as exc:
+            raise ValueError(f"cannot parse action {text!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage action lists for one pipeline run; stage s runs on device s for now.
+
+    `microbatches` counts micro-batches per batch for flush schedules and in the whole run for
+    `1f1b-stash`. `stash_depth[s]` is how many weight versions stage s must be able to hold.
+    `update_every` is how many backwards a stage accumulates before an UPDATE: k for `1f1b-stash`,
+    and `microbatches` for flush schedules (one update per batch).
+    """
+
+    name: str
+    stages: int
+    microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    stash_depth: tuple[int, ...]
+    update_every: int = 1
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and frozen here so schedules stay hashable and immutable.
+        object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
+        object.__setattr__(self, "stash_depth", tuple(self.stash_depth))
+        for field_name in ("stages", "microbatches", "update_every"):
+            v = getattr(self, field_name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"schedule {field_name} must be an int >= 1, got {v!r}")
+        if len(self.actions) != self.stages:
+            raise ValueError(f"schedule {self.name!r} has {self.stages} stages but {len(self.actions)} action lists")
+        if len(self.stash_depth) != self.stages:
+            raise ValueError(f"schedule {self.name!r} has {self.stages} stages but {len(self.stash_depth)} "
+                             f"stash depths")
+        for row in self.actions:
+            for a in row:
+                if not isinstance(a, Action):
+                    raise ValueError(f"schedule {self.name!r}: {a!r} is not an Action")
+
+    @property
+    def flushes(self) -> bool:
+        """True when the pipeline drains before each UPDATE, so every stage keeps one weight version."""
+        return self.name not in ASYNC_SCHEDULES
+
+    # JSON ---------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "update_every": self.update_every,
+            "stash_depth": list(self.stash_depth),
+            "actions": [[str(a) for a in row] for row in self.actions],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Schedule":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"schedule schema_version {version!r} is not supported; this build reads "
+                             f"schema_version {SCHEMA_VERSION}")
+        missing = [k for k in ("name", "stages", "microbatches", "update_every", "stash_depth", "actions")
+                   if k not in data]
+        if missing:
+            raise ValueError(f"schedule JSON lacks {', '.join(missing)}")
+        rows = data["actions"]
+        if not isinstance(rows, list) or not all(isinstance(r, list) and all(isinstance(t, str) for t in r)
+                                                 for r in rows):
+            raise ValueError("schedule JSON 'actions' must be a list (one per stage) of lists of action tokens")
+        return cls(str(data["name"]), data["stages"], data["microbatches"],
+                   tuple(tuple(Action.parse(t) for t in row) for row in rows),
+                   tuple(data["stash_depth"]), data["update_every"])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Schedule":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a JSON schedule ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a schedule file holds a JSON object, got {type(data).__name__}")
+        try:
+            return cls.from_json(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    # Text grid ----------------------------------------------------------------------------------
+
+    def to_text(self) -> str:
+        """A header line with the scalar fields, then one line of action tokens per stage."""
+        if not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"schedule name {self.name!r} cannot be written in the text form (empty or has spaces)")
+        header = (f"# schedule name={self.name} stages={self.stages} microbatches={self.microbatches} "
+                  f"update_every={self.update_every} stash_depth={','.join(map(str, self.stash_depth))} "
+                  f"schema_version={SCHEMA_VERSION}")
+        return "\n".join([header] + [" ".join(str(a) for a in row) for row in self.actions]) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "Schedule":
+        lines = text.split("\n")
+        if not lines or not lines[0].startswith("# schedule "):
+            raise ValueError("schedule text must start with a '# schedule name=... stages=...' header line")
+        fields = {}
+        for item in lines[0][len("# schedule "):].split():
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"schedule header item {item!r} is not key=value")
+            fields[key] = value
+        need = ("name", "stages", "microbatches", "update_every", "stash_depth", "schema_version")
+        missing = [k for k in need if k not in fields]
+        if missing:
+            raise ValueError(f"schedule header lacks {', '.join(missing)}")
+        if fields["schema_version"] != str(SCHEMA_VERSION):
+            raise ValueError(f"schedule schema_version {fields['schema_version']!r} is not supported; this build "
+                             f"reads schema_version {SCHEMA_VERSION}")
+        try:
+            stages = int(fields["stages"])
+            microbatches = int(fields["microbatches"])
+            update_every = int(fields["update_every"])
+            stash = tuple(int(x) for x in fields["stash_depth"].split(",") if x)
+        except ValueError as exc:
+            raise ValueError(f"schedule header has a non-integer field ({exc})") from None
+        rows = lines[1:]
+        # An empty stage is an empty line, so only blank lines past the last stage are dropped.
+        while len(rows) > stages and not rows[-1].strip():
+            rows.pop()
+        if len(rows) != stages:
+            raise ValueError(f"schedule text has {len(rows)} stage lines, header says stages={stages}")
+        actions = tuple(tuple(Action.parse(t) for t in row.split()) for row in rows)
+        return cls(fields["name"], stages, microbatches, actions, stash, update_every)

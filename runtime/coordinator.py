@@ -1,0 +1,235 @@
+"""The coordinator: hands each worker its stage, feeds micro-batches, collects losses and figures,
+writes checkpoints, and turns any worker's failure into one clear error.
+
+It talks to workers only through a Transport, so the same code drives real worker processes over
+ZeroMQ and in-process workers in tests. Stage k's peer is named "stage<k>".
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ir.graph import Graph
+from ir.plan import Schedule
+from ir.serialize import graph_to_json, slice_graph
+from runtime.executor import COORDINATOR, stage_peer
+from runtime.stage import stage_spec
+from runtime.transport import Expected, PeerTimeout
+
+
+class WorkerFailed(RuntimeError):
+    """A worker reported an error or went silent; the message names the stage and the cause."""
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    stage: int
+    first_block: int
+    last_block: int
+    address: str
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str
+    microbatches: int
+    engine: str = "mnn"
+    threads: int = 1
+    optimizer: str = "adamw"
+    lr: float = 5e-5
+    weight_decay: float | None = None
+    timeout_s: float = 600.0
+
+
+@dataclass
+class StepFigures:
+    step: int
+    loss: float
+    seconds: float
+    stage_busy: list[float]
+    stage_seconds: list[dict] = field(default_factory=list)
+
+
+def split_even(n_blocks: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous block ranges of (nearly) equal count: the default when no cuts are given."""
+    if not 1 <= stages <= n_blocks:
+        raise ValueError(f"cannot split {n_blocks} blocks into {stages} stages")
+    bounds = [round(i * n_blocks / stages) for i in range(stages + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(stages)]
+
+
+def split_at(n_blocks: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
+    """`cuts` are the first block of every stage after the first, e.g. [3] -> [0..2], [3..n-1]."""
+    cuts = list(cuts)
+    if any(not 0 < c < n_blocks for c in cuts) or cuts != sorted(set(cuts)):
+        raise ValueError(f"cuts {cuts} must be increasing block indices between 1 and {n_blocks - 1}")
+    starts = [0] + cuts
+    ends = cuts + [n_blocks]
+    return [(a, b - 1) for a, b in zip(starts, ends)]
+
+
+class Coordinator:
+    def __init__(self, graph: Graph, placements: Sequence[StagePlacement], config: PipelineConfig, transport,
+                 weights: Mapping[str, np.ndarray] | None = None,
+                 optimizer_state: Mapping[int, Mapping[str, np.ndarray]] | None = None):
+        self.graph = graph
+        self.placements = list(placements)
+        self.config = config
+        self.transport = transport
+        self.stages = len(placements)
+        self.weights = weights
+        self.optimizer_state = optimizer_state or {}
+        self.specs = [stage_spec(graph, p.first_block, p.last_block) for p in placements]
+        self.ready: list[dict] = []
+        self._pending: list[tuple[str, dict]] = []
+
+    # --- failures ------------------------------------------------------------------------
+    def _check_errors(self) -> None:
+        try:
+            sender, msg = self.transport.recv_control(None, timeout=0)
+        except PeerTimeout:
+            return
+        if msg.get("type") in ("ready", "done", "checkpoint_done"):
+            self._pending.append((sender, msg))
+            return
+        if msg.get("type") == "error":
+            raise WorkerFailed(f"worker {sender} ({self.transport.address_of(sender)}) failed: {msg.get('message')}")
+        raise WorkerFailed(f"unexpected control message from {sender}: {msg}")
+
+    def _await_control(self, peer: str, kind: str) -> dict:
+        """The next `kind` message from `peer`; other workers' messages that arrive first wait their turn."""
+        for i, (sender, msg) in enumerate(self._pending):
+            if sender == peer and msg.get("type") == kind:
+                return self._pending.pop(i)[1]
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            try:
+                sender, msg = self.transport.recv_control(None, timeout=0.5)
+            except PeerTimeout:
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"worker {peer} ({self.transport.address_of(peer)}) sent no '{kind}' within "
+                                       f"{self.config.timeout_s:.0f} s") from None
+                continue
+            if msg.get("type") == "error":
+                raise WorkerFailed(f"worker {sender} ({self.transport.address_of(sender)}) failed: {msg.get('message')}")
+            if sender == peer and msg.get("type") == kind:
+                return msg
+            if sender != peer and msg.get("type") in ("ready", "done", "checkpoint_done"):
+                self._pending.append((sender, msg))
+                continue
+            raise WorkerFailed(f"expected '{kind}' from {peer}, got {msg.get('type')!r} from {sender}")
+
+    def _await_tensor(self, peer: str, expected: Expected) -> np.ndarray:
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            try:
+                return self.transport.recv_tensor(peer, expected, timeout=0.5)[1]
+            except PeerTimeout:
+                self._check_errors()
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"worker {peer} ({self.transport.address_of(peer)}) sent no "
+                                       f"{expected.describe()} within {self.config.timeout_s:.0f} s") from None
+
+    # --- setup ---------------------------------------------------------------------------
+    def setup(self) -> list[dict]:
+        peers = {stage_peer(p.stage): p.address for p in self.placements}
+        for p in self.placements:
+            self.transport.connect(stage_peer(p.stage), p.address)
+        for p, spec in zip(self.placements, self.specs):
+            part = slice_graph(self.graph, p.first_block, p.last_block)
+            neighbours = {COORDINATOR: self.transport.address}
+            for k in (p.stage - 1, p.stage + 1):
+                if 0 <= k < self.stages:
+                    neighbours[stage_peer(k)] = peers[stage_peer(k)]
+            opt_state = self.optimizer_state.get(p.stage, {})
+            self.transport.send_control(stage_peer(p.stage), {
+                "type": "setup", "stage": p.stage, "stages": self.stages, "blocks": [p.first_block, p.last_block],
+                "graph": graph_to_json(part), "engine": self.config.engine, "threads": self.config.threads,
+                "optimizer": {"name": self.config.optimizer, "lr": self.config.lr,
+                              "weight_decay": self.config.weight_decay},
+                "peers": neighbours, "optimizer_state": list(opt_state),
+            })
+            for i, (name, arr) in enumerate(part.constants.items()):
+                value = self.weights[name] if self.weights is not None and name in self.weights else arr
+                self.transport.send_tensor(stage_peer(p.stage), "weights", -1, i, np.asarray(value, order="C"), name=name)
+            for i, (name, arr) in enumerate(opt_state.items()):
+                self.transport.send_tensor(stage_peer(p.stage), "optstate", -1, i, np.asarray(arr, order="C"), name=name)
+        self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
+        return self.ready
+
+    # --- training ------------------------------------------------------------------------
+    def run(self, schedule: Schedule, microbatch_feeds: Sequence[Mapping[str, np.ndarray]], step: int) -> tuple[list[float], list[dict]]:
+        """Run one schedule (a batch for flush schedules, the whole run for 1f1b-stash); returns the
+        per-micro-batch losses in order and each stage's 'done' report."""
+        if len(microbatch_feeds) != schedule.microbatches:
+            raise ValueError(f"{len(microbatch_feeds)} micro-batches of data for a schedule of {schedule.microbatches}")
+        for p in self.placements:
+            actions = [str(a) for a in schedule.actions[p.stage]]
+            self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "actions": actions})
+        for m, feeds in enumerate(microbatch_feeds):
+            for p, spec in zip(self.placements, self.specs):
+                for name in spec.graph_inputs:
+                    self.transport.send_tensor(stage_peer(p.stage), "batch", -1, m,
+                                               np.asarray(feeds[name], order="C"), name=name)
+        last = stage_peer(self.stages - 1)
+        losses = [float(self._await_tensor(last, Expected(kind="loss", stage=self.stages - 1, microbatch=m))[0])
+                  for m in range(schedule.microbatches)]
+        done = [self._await_control(stage_peer(p.stage), "done") for p in self.placements]
+        return losses, done
+
+    def collect_checkpoint(self) -> list[dict[str, np.ndarray]]:
+        """Every stage's parameters and optimizer state (call at a flush boundary)."""
+        for p in self.placements:
+            self.transport.send_control(stage_peer(p.stage), {"type": "checkpoint"})
+        out = []
+        for p in self.placements:
+            peer = stage_peer(p.stage)
+            names = self._await_control(peer, "checkpoint_done")["names"]
+            tensors = {}
+            for i, name in enumerate(names):
+                arr = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
+                tensors[name] = np.array(arr)
+            out.append(tensors)
+        return out
+
+    def stop(self) -> None:
+        for p in self.placements:
+            try:
+                self.transport.send_control(stage_peer(p.stage), {"type": "stop"})
+            except Exception:
+                pass
+
+
+def save_checkpoint(directory: Path, per_stage: Sequence[Mapping[str, np.ndarray]], meta: dict) -> None:
+    """Weights and optimizer state per stage in safetensors (no pickle), plus meta.json."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for k, tensors in enumerate(per_stage):
+        save_file({name: np.asarray(v, order="C") for name, v in tensors.items()}, str(directory / f"stage{k}.safetensors"))
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def load_checkpoint(directory: Path) -> tuple[dict, dict[str, np.ndarray], dict[int, dict[str, np.ndarray]]]:
+    """meta, all parameters by name, and optimizer state per stage."""
+    from safetensors.numpy import load_file
+
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a checkpoint: it has no meta.json")
+    meta = json.loads(meta_path.read_text())
+    weights: dict[str, np.ndarray] = {}
+    opt: dict[int, dict[str, np.ndarray]] = {}
+    for k in range(int(meta["stages"])):
+        path = directory / f"stage{k}.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {directory} lacks {path.name}")
+        tensors = load_file(str(path))
+        weights.update({n[len("param/"):]: v for n, v in tensors.items() if n.startswith("param/")})
+        opt[k] = {n[len("opt/"):]: v for n, v in tensors.items() if n.startswith("opt/")}
+    return meta, weights, opt

@@ -1,0 +1,150 @@
+"""The one dispatch loop over a stage's action list, for every schedule (DESIGN habit 3).
+
+The executor interprets actions; nothing about order, communication or memory is decided here.
+Peers are named "coordinator" and "stage<k>". Per micro-batch it keeps only what the plan says is
+alive: the received activation until its F, the stage output until its SEND, the upstream gradient
+until its B, the input gradient until its SEND, and drops the rest at FREE. Graph inputs (token ids,
+mask, targets) for a micro-batch arrive from the coordinator just before the stage's F needs them;
+the last stage reports each micro-batch's loss back.
+
+ZeroMQ queues incoming messages in its I/O thread while this loop computes, so receives are in
+effect posted early and waited on late: a RECV only blocks if the peer has not sent yet.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ir.plan import Action, ActionKind
+from runtime.engine import StageEngine
+from runtime.transport import Expected, Transport
+
+COORDINATOR = "coordinator"
+
+
+def stage_peer(stage: int) -> str:
+    return f"stage{stage}"
+
+
+@dataclass
+class ExecutorStats:
+    """Seconds per action kind, plus counts; `busy_s` is compute (F, B, UPDATE) time."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.seconds.get(k, 0.0) for k in ("F", "B", "UPDATE"))
+
+    def to_json(self) -> dict:
+        return {"seconds": self.seconds, "counts": self.counts, "wall_s": self.wall_s, "busy_s": self.busy_s}
+
+
+class StageExecutor:
+    """Runs one stage's actions with an engine, a transport and an optimizer."""
+
+    def __init__(self, stage: int, stages: int, engine: StageEngine, transport: Transport, optimizer,
+                 input_names: Sequence[str], timeout: float | None = 300.0):
+        self.stage = stage
+        self.stages = stages
+        self.engine = engine
+        self.transport = transport
+        self.optimizer = optimizer
+        self.input_names = tuple(input_names)
+        self.timeout = timeout
+        self.params = engine.parameters()
+        self.grad_sum: dict[str, np.ndarray] = {}
+        self.backwards_since_update = 0
+        self.updates = 0
+        self._acts: dict[int, np.ndarray] = {}
+        self._outs: dict[int, np.ndarray] = {}
+        self._grads_in: dict[int, np.ndarray] = {}
+        self._grads_out: dict[int, np.ndarray | None] = {}
+        self.losses: dict[int, float] = {}
+        self.stats = ExecutorStats()
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def _recv(self, peer: str, kind: str, stage: int, microbatch: int, name: str = "") -> np.ndarray:
+        _, array = self.transport.recv_tensor(peer, Expected(kind=kind, stage=stage, microbatch=microbatch,
+                                                             name=name or None), timeout=self.timeout)
+        return array
+
+    def _graph_inputs(self, microbatch: int) -> dict[str, np.ndarray]:
+        return {n: self._recv(COORDINATOR, "batch", -1, microbatch, n) for n in self.input_names}
+
+    def run(self, actions: Sequence[Action]) -> ExecutorStats:
+        start = time.perf_counter()
+        for action in actions:
+            self.execute(action)
+        self.stats.wall_s += time.perf_counter() - start
+        return self.stats
+
+    def execute(self, action: Action) -> None:
+        if action.stage != self.stage:
+            raise ValueError(f"action {action} is for stage {action.stage}, this executor runs stage {self.stage}")
+        t0 = time.perf_counter()
+        kind, m = action.kind, action.microbatch
+        if kind is ActionKind.RECV_ACT:
+            self._acts[m] = self._recv(stage_peer(action.peer), "act", action.peer, m)
+        elif kind is ActionKind.F:
+            feeds = self._graph_inputs(m)
+            if self.stage > 0:
+                if m not in self._acts:
+                    raise RuntimeError(f"stage {self.stage}: {action} runs before its RECV_ACT")
+                feeds[self.engine.spec.activation_input] = self._acts.pop(m)
+            out = self.engine.forward(feeds, microbatch=m, train=True)
+            if self.is_last:
+                loss = float(np.asarray(out).reshape(-1)[0])
+                self.losses[m] = loss
+                self.transport.send_tensor(COORDINATOR, "loss", self.stage, m, np.asarray([loss], np.float32))
+            else:
+                self._outs[m] = out
+        elif kind is ActionKind.SEND_ACT:
+            self.transport.send_tensor(stage_peer(action.peer), "act", self.stage, m, self._outs.pop(m))
+        elif kind is ActionKind.RECV_GRAD:
+            self._grads_in[m] = self._recv(stage_peer(action.peer), "grad", action.peer, m)
+        elif kind is ActionKind.B:
+            upstream = None if self.is_last else self._grads_in.pop(m)
+            result = self.engine.backward(m, upstream)
+            for k, g in result.params.items():
+                acc = self.grad_sum.get(k)
+                if acc is None:
+                    self.grad_sum[k] = g
+                else:
+                    acc += g
+            self.backwards_since_update += 1
+            self._grads_out[m] = result.activation_input
+        elif kind is ActionKind.SEND_GRAD:
+            self.transport.send_tensor(stage_peer(action.peer), "grad", self.stage, m, self._grads_out.pop(m))
+        elif kind is ActionKind.UPDATE:
+            self.update()
+        elif kind is ActionKind.FREE:
+            for store in (self._acts, self._outs, self._grads_in, self._grads_out):
+                store.pop(m, None)
+        else:  # pragma: no cover - ActionKind is closed
+            raise ValueError(f"unknown action {action}")
+        self.stats.add(kind.value, time.perf_counter() - t0)
+
+    def update(self) -> None:
+        if not self.grad_sum:
+            raise RuntimeError(f"stage {self.stage}: UPDATE with no accumulated gradient")
+        self.params = self.optimizer.step(self.params, self.grad_sum)
+        self.engine.set_parameters(self.params)
+        self.grad_sum = {}
+        self.backwards_since_update = 0
+        self.updates += 1
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        return self.optimizer.state()

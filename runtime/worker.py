@@ -1,0 +1,134 @@
+"""A device's runtime: bind, wait for a stage from the coordinator, run its action lists, report.
+
+Protocol (JSON control messages; tensors as header + raw bytes, see runtime.transport):
+  coordinator -> worker  setup {stage, stages, graph, blocks, engine, threads, optimizer, peers, ...}
+                         then one "weights" tensor per constant (and "optstate" tensors on resume)
+  worker -> coordinator  ready {stage, pid, rss}
+  coordinator -> worker  run {step, actions} ... and "batch" tensors for each micro-batch
+  worker -> coordinator  "loss" tensors (last stage), then done {stats, version, rss}
+  coordinator -> worker  checkpoint  ->  worker sends "ckpt" tensors, then checkpoint_done {names}
+  coordinator -> worker  stop
+Any failure is reported as error {stage, message} before the worker exits non-zero, so the
+coordinator can name the device and the cause instead of timing out.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import numpy as np
+
+from ir.plan import Action
+from ir.serialize import graph_from_json
+from runtime.executor import COORDINATOR, StageExecutor, stage_peer
+from runtime.optim import make_optimizer
+from runtime.stage import stage_spec
+from runtime.trainer import peak_rss_bytes
+from runtime.transport import Expected
+
+
+def _make_engine(kind: str, spec, threads: int):
+    if kind == "torch":
+        from runtime.engine_torch import TorchStageEngine
+
+        return TorchStageEngine(spec, threads=threads)
+    from runtime.engine_mnn import MnnStageEngine
+
+    return MnnStageEngine(spec, threads=threads)
+
+
+class Worker:
+    def __init__(self, transport, timeout: float = 600.0):
+        self.transport = transport
+        self.timeout = timeout
+        self.stage: int | None = None
+        self.executor: StageExecutor | None = None
+
+    def _recv_tensors(self, kind: str, names: list[str]) -> dict[str, np.ndarray]:
+        out = {}
+        for i, name in enumerate(names):
+            _, arr = self.transport.recv_tensor(COORDINATOR, Expected(kind=kind, stage=-1, microbatch=i, name=name),
+                                                timeout=self.timeout)
+            out[name] = arr
+        return out
+
+    def setup(self, msg: dict) -> None:
+        self.stage = int(msg["stage"])
+        stages = int(msg["stages"])
+        if hasattr(self.transport, "rename"):
+            self.transport.rename(stage_peer(self.stage))
+        for peer, address in msg["peers"].items():
+            self.transport.connect(peer, address)
+        constants = self._recv_tensors("weights", list(msg["graph"]["constants"]))
+        graph = graph_from_json(msg["graph"], {k: np.array(v) for k, v in constants.items()})
+        first, last = msg["blocks"]
+        spec = stage_spec(graph, first, last)
+        engine = _make_engine(msg.get("engine", "mnn"), spec, int(msg.get("threads", 1)))
+        opt = msg["optimizer"]
+        optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
+        if msg.get("optimizer_state"):
+            optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
+        self.executor = StageExecutor(self.stage, stages, engine, self.transport, optimizer,
+                                      spec.graph_inputs, timeout=self.timeout)
+        self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
+                                                  "rss_bytes": peak_rss_bytes()})
+
+    def run(self, msg: dict) -> None:
+        actions = [Action.parse(t) for t in msg["actions"]]
+        before = dict(self.executor.stats.seconds), self.executor.stats.wall_s
+        self.executor.run(actions)
+        stats = self.executor.stats
+        self.transport.send_control(COORDINATOR, {
+            "type": "done", "stage": self.stage, "step": msg.get("step"),
+            "seconds": {k: v - before[0].get(k, 0.0) for k, v in stats.seconds.items()},
+            "wall_s": stats.wall_s - before[1], "version": getattr(self.executor.engine, "version", None),
+            "updates": self.executor.updates, "peak_rss_bytes": peak_rss_bytes(),
+        })
+
+    def checkpoint(self) -> None:
+        tensors = {f"param/{k}": v for k, v in self.executor.params.items()}
+        tensors.update({f"opt/{k}": np.asarray(v) for k, v in self.executor.optimizer_state().items()})
+        for i, (name, arr) in enumerate(tensors.items()):
+            self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, i, np.asarray(arr, order="C"), name=name)
+        self.transport.send_control(COORDINATOR, {"type": "checkpoint_done", "stage": self.stage,
+                                                  "names": list(tensors)})
+
+    def serve(self) -> int:
+        while True:
+            _, msg = self.transport.recv_control(COORDINATOR, timeout=self.timeout)
+            kind = msg.get("type")
+            if kind == "setup":
+                self.setup(msg)
+            elif kind == "run":
+                self.run(msg)
+            elif kind == "checkpoint":
+                self.checkpoint()
+            elif kind == "stop":
+                return 0
+            else:
+                raise ValueError(f"unknown control message type {kind!r} from the coordinator")
+
+
+def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0) -> int:
+    """`confidant worker --listen ADDR`: print the bound address, then serve until told to stop."""
+    from runtime.transport_zmq import ZmqTransport
+
+    transport = ZmqTransport("worker", listen, accept=(COORDINATOR,))
+    print(f"listening {transport.address}", flush=True)
+    worker = Worker(transport, timeout=timeout)
+    try:
+        return worker.serve()
+    except Exception as exc:  # report, then fail: the coordinator must learn which device broke and why
+        where = f"stage {worker.stage}" if worker.stage is not None else f"worker at {transport.address}"
+        message = f"{where}: {type(exc).__name__}: {exc}"
+        print(message, file=sys.stderr)
+        if os.environ.get("CONFIDANT_DEBUG"):
+            traceback.print_exc()
+        try:
+            transport.send_control(COORDINATOR, {"type": "error", "stage": worker.stage, "message": message})
+        except Exception:
+            pass
+        return 1
+    finally:
+        transport.close()

@@ -1,0 +1,460 @@
+"""Transport: round trips, every way a message can be wrong, timeouts, per-peer ordering.
+
+The same checks run over the in-process transport and over ZeroMQ (in one process, and between two
+real processes for the round trip), since both share the decoding and checking code and must fail
+with the same messages."""
+from __future__ import annotations
+
+import ast
+import json
+import socket
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.transport import (DTYPES, MAX_HEADER_BYTES, Expected, MessageError, PeerTimeout, TensorHeader,
+                               check_payload, decode_control, encode_control)
+from runtime.transport_local import LocalHub, LocalTransport
+from runtime.transport_zmq import ZmqTransport
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = [ROOT / "runtime" / f for f in ("transport.py", "transport_zmq.py", "transport_local.py")]
+KINDS = ["local", "zmq"]
+
+
+def make_mesh(kind: str, names: list[str]) -> dict:
+    """Fully connected endpoints; ZeroMQ ones bind free loopback ports and learn each other's address."""
+    if kind == "local":
+        hub = LocalHub()
+        return {n: LocalTransport(n, hub) for n in names}
+    mesh = {n: ZmqTransport(n, "tcp://127.0.0.1:0", linger_s=0.2) for n in names}
+    for n, t in mesh.items():
+        for other, peer in mesh.items():
+            if other != n:
+                t.connect(other, peer.address)
+    return mesh
+
+
+@pytest.fixture(params=KINDS)
+def mesh(request):
+    made: dict = {}
+
+    def build(*names):
+        made.update(make_mesh(request.param, list(names)))
+        return [made[n] for n in names]
+
+    yield build
+    for t in made.values():
+        t.close()
+
+
+def sample_arrays():
+    rng = np.random.default_rng(0)
+    return [
+        rng.standard_normal((3, 4)).astype(np.float32),
+        rng.standard_normal((2, 3, 5)).astype(np.float32),
+        np.float32(2.5) * np.ones((), np.float32),
+        np.zeros((0, 7), np.float32),
+        rng.standard_normal((256, 1024)).astype(np.float32),  # 1 MiB: the zero-copy path
+        rng.integers(-2**40, 2**40, (8,), dtype=np.int64),
+        rng.integers(0, 30000, (4, 16), dtype=np.int64),
+        rng.standard_normal((5, 6)).astype(np.float16),
+        rng.random((3, 3)) > 0.5,
+    ]
+
+
+def good_message(array: np.ndarray, kind="act", stage=0, mb=3, **fields) -> tuple[TensorHeader, bytes]:
+    payload = np.ascontiguousarray(array).tobytes()
+    header = TensorHeader(kind=kind, stage=stage, microbatch=mb, version=-1, dtype=array.dtype.name,
+                          shape=array.shape, nbytes=len(payload), checksum=zlib.crc32(payload), **fields)
+    return header, payload
+
+
+def preview(raw: bytes) -> str:
+    return repr(raw[:80]) + (f"... ({len(raw)} bytes)" if len(raw) > 80 else "")
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+def test_round_trip_in_process(mesh):
+    a, b = mesh("a", "b")
+    arrays = sample_arrays()
+    for mb, x in enumerate(arrays):
+        a.send_tensor("b", "act", 0, mb, x, version=7, name=f"t{mb}")
+    for mb, x in enumerate(arrays):
+        header, y = b.recv_tensor("a", Expected("act", 0, mb, version=7, shape=x.shape, dtype=x.dtype.name),
+                                  timeout=5)
+        assert header == TensorHeader("act", 0, mb, 7, x.dtype.name, x.shape, x.nbytes,
+                                      zlib.crc32(x.tobytes()), f"t{mb}")
+        assert y.dtype == x.dtype and y.shape == x.shape and np.array_equal(y, x)
+        assert not y.flags.writeable and y.flags.aligned
+
+
+def test_send_accepts_strided_and_big_endian_arrays(mesh):
+    a, b = mesh("a", "b")
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    a.send_tensor("b", "act", 0, 0, x.T)
+    a.send_tensor("b", "act", 0, 1, x.astype(">f4"))
+    assert np.array_equal(b.recv_tensor("a", Expected("act", 0, 0), timeout=5)[1], x.T)
+    _, y = b.recv_tensor("a", Expected("act", 0, 1), timeout=5)
+    assert y.dtype == np.dtype("<f4") and np.array_equal(y, x)
+
+
+def test_sender_refuses_what_it_cannot_describe(mesh):
+    a, _ = mesh("a", "b")
+    with pytest.raises(ValueError, match="cannot send dtype complex64"):
+        a.send_tensor("b", "act", 0, 0, np.zeros(3, np.complex64))
+    with pytest.raises(ValueError, match="kind 'Act!'"):
+        a.send_tensor("b", "Act!", 0, 0, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="control message is not plain JSON"):
+        a.send_control("b", {"loss": float("nan")})
+
+
+CHILD = r"""
+import sys
+from runtime.transport import Expected
+from runtime.transport_zmq import ZmqTransport
+
+t = ZmqTransport("echo", "tcp://127.0.0.1:0", {"main": sys.argv[1]})
+print(t.address, flush=True)
+echoed = 0
+while True:
+    _, msg = t.recv_control("main", timeout=20)
+    if msg["op"] == "stop":
+        t.send_control("main", {"op": "stats", "echoed": echoed, "names": msg["names"]})
+        break
+    for mb in range(msg["count"]):
+        header, x = t.recv_tensor("main", Expected("act", 0, mb), timeout=20)
+        t.send_tensor("main", "grad", 1, mb, ~x if x.dtype == bool else x * 2, version=header.version,
+                      name=header.name)
+        echoed += 1
+t.close()
+"""
+
+
+def test_round_trip_between_two_processes():
+    main = ZmqTransport("main", "tcp://127.0.0.1:0", linger_s=1.0)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, main.address], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        address = child.stdout.readline().strip()
+        assert address.startswith("tcp://127.0.0.1:"), child.stderr.read()
+        main.connect("echo", address)
+        arrays = sample_arrays()
+        main.send_control("echo", {"op": "echo", "count": len(arrays)})
+        for mb, x in enumerate(arrays):
+            main.send_tensor("echo", "act", 0, mb, x, version=mb, name=f"x{mb}")
+        for mb, x in enumerate(arrays):
+            header, y = main.recv_tensor("echo", Expected("grad", 1, mb, version=mb,
+                                                          shape=x.shape, dtype=x.dtype.name, name=f"x{mb}"),
+                                         timeout=20)
+            assert np.array_equal(y, ~x if x.dtype == bool else x * 2), mb
+        main.send_control("echo", {"op": "stop", "names": ["α", {"nested": [1, 2.5, None, True]}]})
+        assert main.recv_control("echo", timeout=20) == (
+            "echo", {"op": "stats", "echoed": len(arrays), "names": ["α", {"nested": [1, 2.5, None, True]}]})
+        assert child.wait(timeout=20) == 0, child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        child.stdout.close()
+        child.stderr.close()
+        main.close()
+
+
+def test_zmq_queues_sends_to_a_peer_that_has_not_bound_yet():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    early = ZmqTransport("early", None, {"late": address}, linger_s=0.2)
+    try:
+        early.send_tensor("late", "act", 0, 0, np.arange(5, dtype=np.int64))
+        early.send_control("late", {"op": "start"})
+        late = ZmqTransport("late", address, accept=["early"], linger_s=0.2)
+        try:
+            assert late.address == address
+            assert late.recv_control("early", timeout=5) == ("early", {"op": "start"})
+            assert np.array_equal(late.recv_tensor("early", Expected("act", 0, 0), timeout=5)[1], np.arange(5))
+        finally:
+            late.close()
+    finally:
+        early.close()
+
+
+def test_pipeline_of_threads_over_the_local_transport():
+    """A 3-stage, 4-micro-batch GPipe step (y = x * w per stage) run on threads matches one process."""
+    stages, micro = 3, 4
+    weights = [np.float32(s + 2) for s in range(stages)]
+    batches = [np.full((2, 3), mb + 1, np.float32) for mb in range(micro)]
+    hub = LocalHub()
+    coord = LocalTransport("coord", hub)
+    ts = [LocalTransport(f"s{s}", hub) for s in range(stages)]
+    grads_w = [[] for _ in range(stages)]
+    failures = []
+
+    def run(s: int) -> None:
+        t, prev, nxt = ts[s], f"s{s - 1}" if s else "coord", f"s{s + 1}" if s < stages - 1 else None
+        try:
+            inputs = []
+            for mb in range(micro):
+                x = t.recv_tensor(prev, Expected("batch" if s == 0 else "act", s - 1, mb), timeout=5)[1]
+                inputs.append(x)
+                if nxt:
+                    t.send_tensor(nxt, "act", s, mb, x * weights[s])
+            for mb in reversed(range(micro)):
+                g = np.ones((2, 3), np.float32) if nxt is None else \
+                    t.recv_tensor(nxt, Expected("grad", s + 1, mb), timeout=5)[1]
+                grads_w[s].append(float((g * inputs[mb]).sum()))
+                if s:
+                    t.send_tensor(prev, "grad", s, mb, g * weights[s])
+            t.send_control("coord", {"stage": s, "done": True})
+        except Exception as err:  # surfaced by the main thread's assertion
+            failures.append(err)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(stages)]
+    for th in threads:
+        th.start()
+    for mb, x in enumerate(batches):
+        coord.send_tensor("s0", "batch", -1, mb, x)
+    done = sorted(coord.recv_control(None, timeout=10)[1]["stage"] for _ in range(stages))
+    for th in threads:
+        th.join(timeout=10)
+    assert not failures, failures
+    assert done == [0, 1, 2]
+    for s in range(stages):
+        downstream = np.prod(weights[s + 1:]) if s < stages - 1 else 1.0
+        upstream = np.prod(weights[:s]) if s else 1.0
+        expect = [float((x * upstream * downstream).sum()) for x in reversed(batches)]
+        assert grads_w[s] == pytest.approx(expect)
+
+
+# --- every way a message can be wrong ---------------------------------------------------------
+
+X = np.arange(12, dtype=np.float32).reshape(3, 4)
+WANT = Expected("act", 0, 3)
+
+
+def expect_error(b, address: str, text: str, want: Expected = WANT) -> None:
+    with pytest.raises(MessageError) as info:
+        b.recv_tensor("a", want, timeout=5)
+    assert str(info.value) == f"message from peer 'a' ({address}): {text}"
+
+
+def test_corrupted_checksum(mesh):
+    a, b = mesh("a", "b")
+    header, payload = good_message(X)
+    bad = TensorHeader(**{**header.__dict__, "checksum": header.checksum ^ 1})
+    a._send_frames("b", [bad.encode(), payload])
+    expect_error(b, b.address_of("a"), f"expected act stage=0 mb=3, received act stage=0 mb=3 (checksum "
+                                       f"mismatch: payload crc32 0x{header.checksum:08x}, header says "
+                                       f"0x{header.checksum ^ 1:08x})")
+
+
+def test_truncated_and_oversized_payloads(mesh):
+    a, b = mesh("a", "b")
+    header, payload = good_message(X)
+    a._send_frames("b", [header.encode(), payload[:-4]])
+    a._send_frames("b", [header.encode(), payload + b"\0"])
+    expect_error(b, b.address_of("a"), "expected act stage=0 mb=3, received act stage=0 mb=3 "
+                                       "(truncated payload: 44 bytes, header says 48)")
+    expect_error(b, b.address_of("a"), "expected act stage=0 mb=3, received act stage=0 mb=3 "
+                                       "(oversized payload: 49 bytes, header says 48)")
+
+
+def test_garbled_headers(mesh):
+    a, b = mesh("a", "b")
+    addr = b.address_of("a")
+    junk = b"\x00\xff" + b"z" * 100
+    a._send_frames("b", [b"not json{", b""])
+    a._send_frames("b", [junk, b""])
+    a._send_frames("b", [b"[1, 2]", b""])
+    a._send_frames("b", [b"[" * (MAX_HEADER_BYTES // 2), b""])
+    expect_error(b, addr, "expected act stage=0 mb=3, received header b'not json{' "
+                          "(header is not valid JSON at char 0)")
+    expect_error(b, addr, f"expected act stage=0 mb=3, received header {junk[:80]!r}... (102 bytes) "
+                          f"(header is not UTF-8 (byte 1))")
+    expect_error(b, addr, "expected act stage=0 mb=3, received header b'[1, 2]' "
+                          "(header is a JSON list, not an object)")
+    with pytest.raises(MessageError, match="header nests too deeply"):
+        b.recv_tensor("a", WANT, timeout=5)
+
+
+def test_headers_with_an_extra_or_missing_field(mesh):
+    a, b = mesh("a", "b")
+    header, payload = good_message(X)
+    extra = json.dumps({**json.loads(header.encode()), "extra": 1}).encode()
+    fields = json.loads(header.encode())
+    del fields["name"], fields["checksum"]
+    missing = json.dumps(fields).encode()
+    a._send_frames("b", [extra, payload])
+    a._send_frames("b", [missing, payload])
+    expect_error(b, b.address_of("a"), f"expected act stage=0 mb=3, received header {preview(extra)} "
+                                       f"(unknown field 'extra')")
+    expect_error(b, b.address_of("a"), f"expected act stage=0 mb=3, received header {preview(missing)} "
+                                       f"(missing fields 'checksum', 'name')")
+
+
+def test_out_of_order_messages(mesh):
+    a, b = mesh("a", "b")
+    a.send_tensor("b", "act", 0, 2, X)
+    a.send_tensor("b", "grad", 0, 3, X)
+    a.send_tensor("b", "act", 1, 3, X)
+    a.send_tensor("b", "act", 0, 3, X, version=4)
+    a.send_tensor("b", "act", 0, 3, X)
+    addr = b.address_of("a")
+    expect_error(b, addr, "expected act stage=0 mb=3, received act stage=0 mb=2 (out of order)")
+    expect_error(b, addr, "expected act stage=0 mb=3, received grad stage=0 mb=3 (out of order)")
+    expect_error(b, addr, "expected act stage=0 mb=3, received act stage=1 mb=3 (out of order)")
+    expect_error(b, addr, "expected act stage=0 mb=3 v=5 dtype=int64 shape=(4, 3), received act stage=0 "
+                          "mb=3 v=4 dtype=float32 shape=(3, 4) (version, dtype, shape differ)",
+                 Expected("act", 0, 3, version=5, shape=(4, 3), dtype="int64"))
+    # A rejected message is consumed, so the stream carries on with the next one.
+    header, y = b.recv_tensor("a", Expected("act", 0, 3, version=-1), timeout=5)
+    assert np.array_equal(y, X)
+
+
+def test_wrong_frame_count(mesh):
+    a, b = mesh("a", "b")
+    a._send_frames("b", [b"{}", b"", b""])
+    expect_error(b, b.address_of("a"), "expected act stage=0 mb=3, received 3 frames "
+                                       "(a message is 1 control frame or 2 tensor frames)")
+
+
+def test_zmq_rejects_an_unknown_sender():
+    b = ZmqTransport("b", "tcp://127.0.0.1:0", accept=["a", "c"], linger_s=0.2)
+    mallory = ZmqTransport("mallory", None, {"b": b.address}, linger_s=0.2)
+    try:
+        mallory.send_tensor("b", "act", 0, 3, X)
+        with pytest.raises(MessageError) as info:
+            b.recv_tensor("a", WANT, timeout=5)
+        assert str(info.value) == ("message from peer 'mallory': received a message of 2 frames "
+                                   "(sender is not a known peer; known: 'a', 'c')")
+        with pytest.raises(ValueError, match="'mallory' is not a peer of 'b'"):
+            b.recv_tensor("mallory", WANT, timeout=0)
+    finally:
+        mallory.close()
+        b.close()
+
+
+def test_garbled_control_frame(mesh):
+    a, b = mesh("a", "b")
+    a._send_frames("b", [b'{"v":1}'])
+    a._send_frames("b", [b'{"v":1,"control":[1]}'])
+    with pytest.raises(MessageError) as info:
+        b.recv_control("a", timeout=5)
+    assert str(info.value) == (f"message from peer 'a' ({b.address_of('a')}): expected a control message, "
+                               "received control frame b'{\"v\":1}' (missing field 'control')")
+    with pytest.raises(MessageError, match="control is not a JSON object"):
+        b.recv_control(None, timeout=5)
+
+
+GOOD = json.loads(good_message(X)[0].encode())
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"v": 2}, "protocol version 2, this side speaks 1"),
+    ({"v": True}, "protocol version True, this side speaks 1"),
+    ({"stage": True}, "stage True is not an integer >= -1"),
+    ({"stage": -2}, "stage -2 is not an integer >= -1"),
+    ({"microbatch": 1.0}, "microbatch 1.0 is not an integer >= -1"),
+    ({"kind": ""}, "kind '' is not a lowercase identifier of at most 32 characters"),
+    ({"dtype": "object"}, f"dtype 'object' is not one of {', '.join(sorted(DTYPES))}"),
+    ({"shape": [3, -4]}, "shape [3, -4] has a dimension that is not a non-negative integer"),
+    ({"shape": "3,4"}, "shape is str, not a list"),
+    ({"nbytes": 47}, "nbytes 47 does not match float32(3, 4) (48 bytes)"),
+    ({"shape": [2**40, 2**40], "nbytes": 2**82}, "nbytes 4835703278458516698824704 exceeds the limit of 17179869184"),
+    ({"checksum": 2**32}, "checksum 4294967296 is not a 32-bit unsigned integer"),
+    ({"name": "a\nb"}, "name 'a\\nb' is not a printable string of at most 256 characters"),
+])
+def test_header_decode_is_strict(change, problem):
+    with pytest.raises(MessageError) as info:
+        TensorHeader.decode(json.dumps({**GOOD, **change}).encode())
+    assert info.value.problem == problem
+
+
+@pytest.mark.parametrize("raw, problem", [
+    (b'{"v":1,"v":1}', "header is not valid: duplicate key 'v'"),
+    (json.dumps({**GOOD, "checksum": float("nan")}).encode(), "header is not valid: non-finite number NaN"),
+    (b" " * (MAX_HEADER_BYTES + 1), f"header of {MAX_HEADER_BYTES + 1} bytes exceeds the limit of {MAX_HEADER_BYTES}"),
+])
+def test_header_decode_rejects_malformed_json(raw, problem):
+    with pytest.raises(MessageError) as info:
+        TensorHeader.decode(raw)
+    assert info.value.problem == problem
+
+
+def test_header_and_control_encodings_round_trip():
+    header, payload = good_message(X, name="layer.0.weight")
+    assert header.encode().startswith(b'{"v":1,"kind":"act",')
+    assert TensorHeader.decode(header.encode()) == header
+    check_payload(header, payload)
+    obj = {"op": "stats", "loss": 0.25, "per_stage": [1, 2], "note": "ok"}
+    assert decode_control(encode_control(obj)) == obj
+
+
+# --- timeouts, demultiplexing, control --------------------------------------------------------
+
+def test_timeout_names_the_peer_and_what_was_awaited(mesh):
+    a, b = mesh("a", "b")
+    with pytest.raises(PeerTimeout) as info:
+        b.recv_tensor("a", Expected("grad", 1, 0), timeout=0.2)
+    assert str(info.value) == (f"nothing arrived from peer 'a' ({b.address_of('a')}) within 0.2 s "
+                               "while waiting for grad stage=1 mb=0")
+    with pytest.raises(PeerTimeout) as info:
+        b.recv_control(None, timeout=0.1)
+    assert str(info.value) == "nothing arrived from any peer within 0.1 s while waiting for a control message"
+
+
+def test_messages_from_two_peers_are_demultiplexed(mesh):
+    a, b, c = mesh("a", "b", "c")
+    for mb in range(3):
+        a.send_tensor("b", "act", 0, mb, np.full(2, mb, np.float32))
+        c.send_tensor("b", "grad", 2, mb, np.full(2, 10 + mb, np.float32))
+    # a's messages are queued, yet none of them may satisfy a wait on c, nor be lost by it.
+    for mb in range(3):
+        assert b.recv_tensor("c", Expected("grad", 2, mb), timeout=5)[1][0] == 10 + mb
+    with pytest.raises(PeerTimeout):
+        b.recv_tensor("c", Expected("grad", 2, 3), timeout=0.1)
+    for mb in range(3):
+        assert b.recv_tensor("a", Expected("act", 0, mb), timeout=5)[1][0] == mb
+
+
+def test_control_messages_keep_their_own_order(mesh):
+    a, b, c = mesh("a", "b", "c")
+    a.send_control("b", {"op": "start", "n": 1})
+    a.send_tensor("b", "act", 0, 0, X)
+    c.send_control("b", {"op": "stats", "loss": 0.5})
+    a.send_control("b", {"op": "stop"})
+    assert b.recv_control("c", timeout=5) == ("c", {"op": "stats", "loss": 0.5})
+    assert b.recv_control(None, timeout=5) == ("a", {"op": "start", "n": 1})
+    assert np.array_equal(b.recv_tensor("a", Expected("act", 0, 0), timeout=5)[1], X)
+    assert b.recv_control(None, timeout=5) == ("a", {"op": "stop"})
+
+
+# --- hygiene ----------------------------------------------------------------------------------
+
+def test_no_pickle_or_eval_in_the_transport():
+    for path in MODULES:
+        text = path.read_text().lower()
+        for word in ("pickle", "marshal", "shelve", "pyobj", "eval(", "exec("):
+            assert word not in text, f"{path.name} mentions {word}"
+
+
+def test_only_the_zmq_transport_imports_zmq():
+    for path in MODULES:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+        assert ("zmq" in names) == (path.name == "transport_zmq.py"), path.name
+    code = "import sys, runtime.transport_local; print(sorted(m for m in sys.modules if m.startswith('zmq')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "[]", out.stderr
