@@ -75,6 +75,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", type=Path, required=True, help="evaluation file, CoNLL-2003 layout")
     _add_training_flags(p)
 
+    p = sub.add_parser("train-pipeline", help="fine-tune across several devices as pipeline stages",
+                       description="Cut the model into contiguous block ranges, one per worker, and train with a "
+                                   "pipeline schedule over ZeroMQ. Workers are started by hand with `confidant worker "
+                                   "--listen tcp://HOST:PORT` (--workers) or here as local processes (--local N).")
+    p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
+    p.add_argument("--data", type=Path, required=True, help="training file, CoNLL-2003 layout")
+    p.add_argument("--eval", type=Path, default=None, help="evaluation file; F1 is computed after training")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--workers", help="comma-separated worker addresses, stage 0 first")
+    where.add_argument("--local", type=int, metavar="N", help="start N local worker processes")
+    p.add_argument("--cuts", default=None,
+                   help="first block of every stage after the first, e.g. 3 or 2,5 (default: even split by blocks; "
+                        "see `confidant inspect` for block indices)")
+    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-flush",
+                   help="1f1b-flush (default; same result as single-device training), gpipe, or 1f1b-stash "
+                        "(PipeDream asynchronous 1F1B with weight stashing)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (default %(default)s)")
+    p.add_argument("--update-every", type=int, default=1,
+                   help="1f1b-stash only: backwards per weight update on each stage (default %(default)s)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="write weights and optimizer state here at the end")
+    p.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint folder")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0",
+                   help="coordinator address workers connect back to (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent worker (default %(default)s)")
+    _add_training_flags(p)
+
     p = sub.add_parser("worker", help="run a device's runtime and wait for a stage from a coordinator",
                        description="Bind ADDRESS, print 'listening <address>', then run whatever stage the "
                                    "coordinator assigns (weights and action list arrive over the wire).")

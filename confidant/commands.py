@@ -150,6 +150,127 @@ def cmd_train_local(args) -> int:
     return 0
 
 
+def _load_training_data(args, seq: int):
+    from runtime.conll import read_conll
+    from runtime.tokenize import CONLL_LABELS, encode_sentences, label_list, load_tokenizer
+
+    train_sents = read_conll(args.data)
+    dev_sents = read_conll(args.eval) if getattr(args, "eval", None) else []
+    labels = _label_set(label_list(train_sents + dev_sents), CONLL_LABELS)
+    label_to_id = {t: i for i, t in enumerate(labels)}
+    tokenizer = load_tokenizer(args.tokenizer or _default_tokenizer())
+    train_enc = encode_sentences(tokenizer, train_sents, label_to_id, seq)
+    dev_enc = encode_sentences(tokenizer, dev_sents, label_to_id, seq) if dev_sents else []
+    return labels, train_sents, dev_sents, train_enc, dev_enc
+
+
+def run_pipeline_training(model: Path, args) -> dict:
+    from confidant.pipeline import LocalWorkers, train_pipeline
+    from planner.onnx_import import load_model
+    from runtime.coordinator import PipelineConfig, WorkerFailed, load_checkpoint
+    from runtime.stage import stage_spec
+    from runtime.tokenize import make_batches
+    from runtime.trainer import TrainConfig, evaluate
+
+    M = args.microbatches
+    if M < 1 or args.batch % M:
+        raise CliError(f"--batch {args.batch} must be a multiple of --microbatches {M}")
+    if args.steps < 1:
+        raise CliError(f"--steps must be at least 1, got {args.steps}")
+    cuts = [int(c) for c in args.cuts.split(",")] if args.cuts else None
+    addresses = [a.strip() for a in args.workers.split(",")] if args.workers else None
+    n_stages = len(addresses) if addresses else args.local
+    if n_stages < 1:
+        raise CliError("need at least one worker")
+    labels, _, dev_sents, train_enc, dev_enc = _load_training_data(args, args.seq)
+    graph = load_model(model, args.batch // M, args.seq)
+    num_labels = graph.values[graph.blocks[-2].output].shape[-1]
+    if num_labels != len(labels):
+        raise CliError(f"{model} predicts {num_labels} labels but the data has {len(labels)}; "
+                       f"re-export with `confidant export --num-labels {len(labels)}`")
+    batches = make_batches(train_enc, args.batch, args.seq, seed=args.seed)
+    config = PipelineConfig(schedule=args.schedule, microbatches=M, engine=args.engine, threads=args.threads,
+                            optimizer=args.optimizer, lr=args.lr, timeout_s=args.timeout)
+    start_step, weights, opt_state = 0, None, None
+    meta = {"model": model.name, "schedule": args.schedule, "microbatches": M, "batch": args.batch, "seq": args.seq,
+            "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "cuts": cuts}
+    if args.resume:
+        saved, weights, opt_state = load_checkpoint(args.resume)
+        for key in ("model", "schedule", "microbatches", "batch", "seq", "optimizer", "seed"):
+            if saved.get(key) != meta[key]:
+                raise CliError(f"--resume {args.resume}: checkpoint has {key}={saved.get(key)!r}, this run {meta[key]!r}")
+        if saved["stages"] != n_stages:
+            raise CliError(f"--resume {args.resume}: checkpoint has {saved['stages']} stages, this run {n_stages}")
+        cuts = [r[0] for r in saved["ranges"][1:]]
+        start_step = int(saved["step"])
+        print(f"resuming from {args.resume} at step {start_step}", file=sys.stderr)
+
+    local = None
+    if args.local:
+        local = LocalWorkers.start(args.local, args.threads)
+        addresses = local.addresses
+    bar = Progress(args.steps, f"train ({n_stages} stages, {args.schedule}, {M} micro-batches)")
+
+    def on_step(step, loss, seconds, stage_seconds, done):
+        busy = "/".join(f"{_busy_fraction(d):.0%}" for d in done)
+        bar.update(step - start_step, loss=loss, **{"samples/s": args.batch / seconds, "busy": busy})
+
+    try:
+        result = train_pipeline(graph, batches, len(labels), addresses, config, args.steps, cuts=cuts,
+                                update_every=args.update_every, start_step=start_step, weights=weights,
+                                optimizer_state=opt_state, listen=args.listen, on_step=on_step,
+                                checkpoint_dir=args.checkpoint, meta=meta)
+    except WorkerFailed as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        if local:
+            codes = local.wait(30.0)
+            if any(codes):
+                print(f"local workers exited with codes {codes}", file=sys.stderr)
+    stage_rss = [max(d["peak_rss_bytes"] for d in [rep[k] for rep in result.stage_reports])
+                 for k in range(n_stages)]
+    figures = {
+        "command": "train-pipeline", "model": str(model), "schedule": args.schedule, "microbatches": M,
+        "stages": [{"blocks": list(r), "peak_rss_bytes": rss} for r, rss in zip(result.ranges, stage_rss)],
+        "steps": [{"step": start_step + i + 1, "loss": l, "seconds": sec, "samples_per_s": args.batch / sec,
+                   "stage_busy": result.stage_busy[min(i, len(result.stage_busy) - 1)]}
+                  for i, (l, sec) in enumerate(zip(result.losses, result.step_seconds))],
+        "coordinator_peak_rss_bytes": peak_rss_bytes_now(),
+    }
+    print("per stage: " + "; ".join(f"stage {k} blocks {r[0]}-{r[1]} peak RSS {rss / 2**20:.0f} MiB"
+                                     for k, (r, rss) in enumerate(zip(result.ranges, stage_rss))), file=sys.stderr)
+    if dev_sents:
+        full = load_model(model, args.batch, args.seq)
+        from runtime.engine_mnn import MnnStageEngine
+
+        engine = MnnStageEngine(stage_spec(full, 0, len(full.blocks) - 1), threads=args.threads, weights={
+            **full.constants, **result.weights}, cache_activations=False)
+        scores = evaluate(engine, dev_enc, [s.tags for s in dev_sents], labels,
+                          TrainConfig(batch=args.batch, seq=args.seq), len(full.blocks) - 2)
+        figures.update({"f1": scores.f1, "precision": scores.precision, "recall": scores.recall})
+        print(f"entity F1 after pipeline training: {scores.f1:.4f}", file=sys.stderr)
+    if args.metrics_out:
+        args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
+        args.metrics_out.write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def _busy_fraction(done: dict) -> float:
+    busy = sum(done["seconds"].get(k, 0.0) for k in ("F", "B", "UPDATE"))
+    return busy / done["wall_s"] if done.get("wall_s") else 0.0
+
+
+def peak_rss_bytes_now() -> int:
+    from runtime.trainer import peak_rss_bytes
+
+    return peak_rss_bytes()
+
+
+def cmd_train_pipeline(args) -> int:
+    run_pipeline_training(args.model, args)
+    return 0
+
+
 def cmd_worker(args) -> int:
     from runtime.worker import serve
 

@@ -124,7 +124,11 @@ class _BlockProgram:
         wrt = self._param_vars + ([env[self.activation]] if self.activation else []) + [lk.placeholder for lk in self.lookups]
         self._grads = K.GradientProgram().build([self.output], [self.grad_seed], wrt)
         self._tables = tables
-        self._intermediates = [v for name, v in env.items() if name in produced]
+        # Caching only matmul and softmax results keeps ~98% of the speed-up at about half the
+        # memory: they are the expensive ops to recompute (benchmarks/engine.py; elementwise
+        # results are cheap to redo from them)
+        keep = {n.outputs[0] for n in nodes if n.op in ("MatMul", "Softmax")}
+        self._intermediates = [v for name, v in env.items() if name in keep]
         self.fed_serial: int | None = None
         self._caching = False
 
@@ -134,8 +138,9 @@ class _BlockProgram:
         MNN's `read()` caches only the Var read; without this the gradient program re-runs the
         whole forward from the inputs. With per-op caches, a later input write marks them stale,
         the forward's output read refreshes them all, and the backward reuses them (MNN_NOTES.md;
-        one MiniLM layer at batch 8 x 128: backward 0.22 s -> 0.16 s, identical gradients). The
-        price is one cached tensor per op, i.e. ordinary activation memory.
+        one MiniLM layer at batch 8 x 128: backward 0.23 s -> 0.16 s, identical gradients). The
+        price is one cached tensor per cached op. Priming must happen on the block's first
+        evaluation of any kind: priming after an inference forward leaves the caches unused.
         """
         if not self._caching:
             for v in self._intermediates:
@@ -231,7 +236,8 @@ class MnnStageEngine(StageEngine):
                 break
             block_inputs.append(x)
             prog.feed(x, host, serial)
-            if train and self.cache_activations:
+            if self.cache_activations:
+                # also on an inference forward: priming later would leave the caches unused for good
                 prog.enable_op_caches()
             x = prog.forward()
         if train:

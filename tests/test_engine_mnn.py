@@ -160,3 +160,10 @@ def test_weight_stashing_runs_each_backward_on_its_forwards_weights(tiny_graph):
     _assert_grads_close(results[True], want)
     with pytest.raises(AssertionError):
         _assert_grads_close(results[False], want)
+
+
+def test_an_inference_forward_first_still_primes_the_op_caches(tiny_graph):
+    """Evaluating before training (F1 before fine-tuning) must not switch the cache reuse off."""
+    engine = MnnStageEngine(stage_spec(tiny_graph, 0, 4))
+    engine.forward(token_feeds(B, S, vocab=500), train=False, until_block=3)
+    assert all(prog._caching for prog in engine._blocks[:4])

@@ -1,0 +1,148 @@
+"""Pipeline training over real ZeroMQ sockets between real worker processes, against single-device
+training (flush schedules), the in-process sequential replay (weight stashing), and itself across a
+checkpoint; plus what a garbled message does."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from confidant.pipeline import LocalWorkers, train_pipeline
+from planner.onnx_import import load_model
+from planner.schedule import make_schedule
+from runtime.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed, load_checkpoint
+from runtime.engine_mnn import MnnStageEngine
+from runtime.local_pipeline import LocalPipeline
+from runtime.optim import make_optimizer
+from runtime.stage import stage_spec
+from runtime.tokenize import Batch, split_microbatches
+from runtime.trainer import accumulate_gradients, batch_feeds
+from runtime.transport_zmq import ZmqTransport
+
+M, ROWS, S, STEPS = 2, 2, 12, 2
+
+
+def _batch(seed: int) -> Batch:
+    r = np.random.default_rng(seed)
+    mask = np.ones((ROWS * M, S), np.int64)
+    mask[-1, S // 2:] = 0
+    labels = r.integers(0, 9, (ROWS * M, S))
+    labels[mask == 0] = -100
+    return Batch(r.integers(0, 500, (ROWS * M, S)).astype(np.int64), mask, np.zeros_like(mask), labels,
+                 n_labelled=int((labels != -100).sum()))
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_onnx):
+    return load_model(tiny_onnx["torchscript-17"], ROWS, S)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return [_batch(i) for i in range(4)]
+
+
+def _config(schedule: str) -> PipelineConfig:
+    return PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
+
+
+def _run(graph, batches, schedule, stages, steps=STEPS, **kwargs):
+    workers = LocalWorkers.start(stages, threads=1)
+    try:
+        return train_pipeline(graph, batches, 9, workers.addresses, _config(schedule), steps, **kwargs)
+    finally:
+        assert workers.wait(30.0) == [0] * stages
+
+
+def _single_device(graph, batches, steps):
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
+    for step in range(steps):
+        loss, grads = accumulate_gradients(engine, batches[step], M, 9)
+        params = opt.step(params, grads)
+        engine.set_parameters(params)
+        losses.append(loss)
+    return losses, engine.parameters()
+
+
+def _assert_rel(a: dict, b: dict, rtol: float) -> None:
+    for k in b:
+        err = float(np.abs(a[k] - b[k]).max()) / max(float(np.abs(b[k]).max()), 1e-12)
+        assert err <= rtol, f"{k}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("schedule,stages", [("1f1b-flush", 2), ("1f1b-flush", 3), ("gpipe", 2), ("gpipe", 3)])
+def test_flush_schedules_equal_single_device_training(graph, batches, schedule, stages):
+    result = _run(graph, batches, schedule, stages)
+    losses, weights = _single_device(graph, batches, STEPS)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    _assert_rel(result.weights, weights, 1e-5)
+    assert result.losses[1] != result.losses[0]
+
+
+def _replay(graph, batches, ranges, stash: bool):
+    pipe = LocalPipeline(graph, ranges, lambda spec: MnnStageEngine(spec, stash_weights=stash), "adamw", 1e-3)
+    schedule = make_schedule("1f1b-stash", len(ranges), STEPS * M)
+    feeds = [batch_feeds(mb, 9, b.n_labelled) for b in batches[:STEPS] for mb in split_microbatches(b, M)]
+    return pipe.run(schedule, feeds), pipe.parameters()
+
+
+def test_weight_stashing_equals_sequential_replay_and_differs_without_it(graph, batches):
+    result = _run(graph, batches, "1f1b-stash", 3)
+    losses, weights = _replay(graph, batches, result.ranges, stash=True)
+    step_losses = [sum(losses[i * M:(i + 1) * M]) for i in range(STEPS)]
+    assert result.losses == step_losses  # exactly: same engine, same action order
+    for k in weights:
+        np.testing.assert_array_equal(result.weights[k], weights[k], err_msg=k)
+    unstashed_losses, unstashed = _replay(graph, batches, result.ranges, stash=False)
+    assert any(not np.array_equal(unstashed[k], weights[k]) for k in weights)
+    # and asynchronous 1F1B is not single-device training: that is what stashing keeps consistent
+    single, _ = _single_device(graph, batches, STEPS)
+    assert step_losses[1] != pytest.approx(single[1], rel=1e-6)
+
+
+def test_checkpoint_then_resume_continues_identically(graph, batches, tmp_path):
+    whole = _run(graph, batches, "1f1b-flush", 2, steps=3)
+    first = _run(graph, batches, "1f1b-flush", 2, steps=2, checkpoint_dir=tmp_path / "ckpt", meta={"model": "tiny"})
+    meta, weights, opt_state = load_checkpoint(tmp_path / "ckpt")
+    assert meta["step"] == 2 and meta["stages"] == 2
+    resumed = _run(graph, batches, "1f1b-flush", 2, steps=1, start_step=2, weights=weights, optimizer_state=opt_state,
+                   cuts=[r[0] for r in meta["ranges"][1:]])
+    assert first.losses == whole.losses[:2]
+    assert resumed.losses == whole.losses[2:]
+    for k in whole.weights:
+        np.testing.assert_array_equal(resumed.weights[k], whole.weights[k], err_msg=k)
+
+
+def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, batches):
+    """A fake stage 0 sends stage 1 (a real worker process) an activation with a corrupted payload."""
+    worker = LocalWorkers.start(1, threads=1)
+    coord = ZmqTransport("coordinator", "tcp://127.0.0.1:0")
+    fake = ZmqTransport("stage0", "tcp://127.0.0.1:0", accept=("coordinator", "stage1"))
+    try:
+        placements = [StagePlacement(0, 0, 1, fake.address), StagePlacement(1, 2, 4, worker.addresses[0])]
+        coordinator = Coordinator(graph, placements, _config("1f1b-flush"), coord)
+        fake.connect("coordinator", coord.address)
+        fake.send_control("coordinator", {"type": "ready", "stage": 0})
+        coordinator.setup()
+        fake.connect("stage1", worker.addresses[0])
+        header = fake.send_tensor  # a real header for micro-batch 0 ...
+        act = np.zeros(graph.values[graph.blocks[2].inputs[0]].shape, np.float32)
+        from runtime.transport import TensorHeader
+        import zlib
+        good = TensorHeader("act", 0, 0, -1, "float32", act.shape, act.nbytes, zlib.crc32(act.tobytes()))
+        corrupted = act.copy()
+        corrupted[0, 0, 0] = 1.0  # ... with other bytes than its checksum covers
+        fake._send_frames("stage1", [good.encode(), corrupted.tobytes()])
+        schedule = make_schedule("1f1b-flush", 2, M)
+        feeds = [batch_feeds(mb, 9, batches[0].n_labelled) for mb in split_microbatches(batches[0], M)]
+        with pytest.raises(WorkerFailed) as err:
+            coordinator.run(schedule, feeds, 0)
+        text = str(err.value)
+        assert text.startswith(f"worker stage1 ({worker.addresses[0]}) failed: stage 1: MessageError: message from "
+                               f"peer 'stage0' ({fake.address}): expected act stage=0 mb=0")
+        assert "checksum" in text
+        del header
+    finally:
+        coord.close()
+        fake.close()
+    assert worker.wait(30.0) == [1]
