@@ -312,7 +312,31 @@ def cmd_demo(args) -> int:
     data_dir = DEMO_DIR / "data"
     print(f"[2/3] generating NER data in {data_dir}", file=sys.stderr)
     train, dev = write_splits(data_dir, n_train=2000, n_dev=300, seed=0)
-    print(f"[3/3] fine-tuning on this device ({args.steps} steps)", file=sys.stderr)
-    figures = run_local_training(model, train, dev, args)
-    print(json.dumps({k: figures[k] for k in ("f1_before", "f1", "peak_rss_bytes")}))
+    print(f"[3/4] fine-tuning on this device ({args.steps} steps)", file=sys.stderr)
+    single = run_local_training(model, train, dev, args)
+    print(f"[4/4] fine-tuning across 3 local worker processes (1f1b-flush, 4 micro-batches, {args.steps} steps)",
+          file=sys.stderr)
+    import argparse
+
+    pipe_args = argparse.Namespace(**{**vars(args), "data": train, "eval": dev, "local": 3, "workers": None,
+                                      "cuts": None, "schedule": "1f1b-flush", "microbatches": 4, "update_every": 1,
+                                      "checkpoint": None, "resume": None, "listen": "tcp://127.0.0.1:0",
+                                      "timeout": 600.0, "metrics_out": None})
+    pipe = run_pipeline_training(model, pipe_args)
+    single_sps = args.batch / (sum(s.get("seconds", 0) for s in single["steps"]) / len(single["steps"]))
+    pipe_sps = sum(s["samples_per_s"] for s in pipe["steps"]) / len(pipe["steps"])
+    rows = [("", "1 device", "3 devices (pipeline)")]
+    rows.append(("peak memory per device",
+                 f"{single['peak_rss_bytes'] / 2**20:.0f} MiB",
+                 " / ".join(f"{st['peak_rss_bytes'] / 2**20:.0f}" for st in pipe["stages"]) + " MiB"))
+    rows.append(("largest device", f"{single['peak_rss_bytes'] / 2**20:.0f} MiB",
+                 f"{max(st['peak_rss_bytes'] for st in pipe['stages']) / 2**20:.0f} MiB "
+                 f"({max(st['peak_rss_bytes'] for st in pipe['stages']) / single['peak_rss_bytes']:.0%} of 1 device)"))
+    rows.append(("samples/s", f"{single_sps:.1f}", f"{pipe_sps:.1f} (all 3 share this machine's 2 cores)"))
+    rows.append(("final loss", f"{single['steps'][-1]['loss']:.3f}", f"{pipe['steps'][-1]['loss']:.3f}"))
+    rows.append(("entity F1", f"{single['f1']:.3f}", f"{pipe.get('f1', float('nan')):.3f}"))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    print()
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, width)))
     return 0

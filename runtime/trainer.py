@@ -92,6 +92,15 @@ def accumulate_gradients(engine: StageEngine, batch: Batch, microbatches: int, n
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory. VmHWM first: ru_maxrss survives execve on Linux, so a
+    worker started by a big parent would report the parent's peak as its own."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
