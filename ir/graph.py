@@ -172,3 +172,10 @@ def format_table(graph: Graph) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def block_signature(block: Block) -> str:
+    """Blocks with equal signatures cost the same to run (e.g. all encoder layers of a model), so a
+    device profiles each signature once."""
+    heads = f"/h{block.heads}x{block.head_size}" if block.heads else ""
+    return f"{block.kind}/p{block.params_bytes}/f{block.flops}/a{block.activation_bytes}{heads}"

@@ -1,0 +1,109 @@
+"""Measured device costs as plain data: what `confidant profile` writes and the planner reads.
+
+All times are seconds for one micro-batch of the profiled shape (`batch` rows x `seq` tokens);
+all sizes are bytes. A block kind is identified by `ir.graph.block_signature`, so the six
+identical encoder layers of MiniLM are profiled once.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block kind on one backend. `backward_s` is what the engine's backward really takes,
+    including MNN's re-run of the forward when the engine does one; `recompute_s` says how much of
+    it that re-run is, so the cost model can tell stashing from recomputation."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float = 0.0
+    workspace_bytes: int = 0  # peak memory above the weights while the block runs one micro-batch
+
+
+@dataclass(frozen=True)
+class AttentionCurve:
+    """Forward+backward seconds of one attention block for h = 1..H heads (index h-1), the faster
+    of computing the heads fused or one by one, as Confidant's head allocator needs."""
+
+    seconds: tuple[float, ...]
+    fused_faster: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
+class BackendProfile:
+    backend: str  # engine:device[:settings], e.g. "mnn:cpu:t1", "torch:cpu:t2"
+    blocks: Mapping[str, BlockCost] = field(default_factory=dict)
+    attention: Mapping[str, AttentionCurve] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    model: str
+    batch: int
+    seq: int
+    backends: tuple[BackendProfile, ...]
+    memory_available_bytes: int
+    runtime_overhead_bytes: int = 0  # resident memory of an idle runtime (interpreter, engine)
+
+    def backend(self, name: str | None = None) -> BackendProfile:
+        """The named backend, or the fastest one by total block time."""
+        if name is not None:
+            for b in self.backends:
+                if b.backend == name:
+                    return b
+            raise KeyError(f"profile of {self.name!r} has no backend {name!r} "
+                           f"(it has {[b.backend for b in self.backends]})")
+        if not self.backends:
+            raise ValueError(f"profile of {self.name!r} has no backends")
+        return min(self.backends, key=lambda b: sum(c.forward_s + c.backward_s for c in b.blocks.values()))
+
+    def to_json(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, doc: Mapping, source: str = "<profile>") -> "DeviceProfile":
+        if doc.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"{source}: profile schema_version {doc.get('schema_version')!r} is not "
+                             f"{SCHEMA_VERSION}; re-run `confidant profile`")
+        try:
+            backends = tuple(
+                BackendProfile(
+                    b["backend"],
+                    {k: BlockCost(**v) for k, v in b.get("blocks", {}).items()},
+                    {k: AttentionCurve(tuple(v["seconds"]), tuple(v.get("fused_faster", ())))
+                     for k, v in b.get("attention", {}).items()},
+                ) for b in doc["backends"])
+            return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
+                       int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DeviceProfile":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such profile (make one with `confidant profile`)")
+        try:
+            doc = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+        return cls.from_json(doc, str(path))
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def transfer_s(self, nbytes: int) -> float:
+        return nbytes / self.bandwidth_bytes_per_s + self.latency_s
