@@ -32,3 +32,20 @@ class Partition:
     @property
     def devices(self) -> list[str]:
         return [s.device for s in self.stages]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What the cost model predicts for one stage and one micro-batch; the simulator replays a
+    schedule's action lists with these durations (planner.simulate) and the partitioner minimises
+    over them (planner.partition)."""
+
+    stage: int
+    device: str
+    forward_s: float
+    backward_s: float
+    update_s: float = 0.0          # one optimizer step over the stage's parameters
+    send_act_s: float = 0.0        # link time to the next stage: bytes / bandwidth + latency
+    send_grad_s: float = 0.0       # link time back to the previous stage
+    memory_bytes: int = 0          # predicted peak under the schedule
+    memory_budget_bytes: int = 0
