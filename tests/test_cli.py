@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,3 +75,39 @@ def test_backends_reports_cpu_present_and_fallbacks_absent():
     assert found["mnn:cpu"] is True
     # this MNN wheel has only the CPU backend: the others fall back silently and must read absent
     assert found["mnn:opencl"] is False and found["mnn:vulkan"] is False and found["mnn:cuda"] is False
+
+
+def test_train_pipeline_argument_errors(tiny_onnx, tmp_path):
+    data = tmp_path / "d.txt"
+    data.write_text("Ann B-PER\nvisits O\nOslo B-LOC\n\n")
+    proc = _run("train-pipeline", tiny_onnx["torchscript-17"], "--data", data, "--local", 2, "--batch", 6,
+                "--microbatches", 4)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "confidant train-pipeline: error: --batch 6 must be a multiple of --microbatches 4"
+    proc = _run("train-pipeline", tiny_onnx["torchscript-17"], "--data", data, "--local", 2, "--cuts", "9",
+                "--batch", 4, "--microbatches", 2, "--seq", 16)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "cuts [9] must be increasing block indices between 1 and 4" in proc.stderr
+
+
+@pytest.mark.slow
+def test_train_pipeline_end_to_end_with_resume(minilm_onnx, tmp_path):
+    from runtime.datagen import write_splits
+
+    train, dev = write_splits(tmp_path / "data", n_train=64, n_dev=16, seed=2)
+    common = ["--data", train, "--local", 3, "--schedule", "1f1b-flush", "--microbatches", 2, "--batch", 4,
+              "--seq", 32, "--lr", "1e-4"]
+    whole = tmp_path / "whole.json"
+    proc = _run("train-pipeline", minilm_onnx, *common, "--steps", 3, "--metrics-out", whole)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _run("train-pipeline", minilm_onnx, *common, "--steps", 2, "--checkpoint", tmp_path / "ckpt")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed = tmp_path / "resumed.json"
+    proc = _run("train-pipeline", minilm_onnx, *common, "--steps", 1, "--resume", tmp_path / "ckpt",
+                "--metrics-out", resumed)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resuming from" in proc.stderr
+    a, b = json.loads(whole.read_text()), json.loads(resumed.read_text())
+    assert b["steps"][0]["step"] == 3
+    assert b["steps"][0]["loss"] == a["steps"][2]["loss"]
+    assert len(a["stages"]) == 3 and all(s["peak_rss_bytes"] > 0 for s in a["stages"])
