@@ -20,9 +20,12 @@ def _forward_logits(graph, feeds):
     return engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
 
 
-@pytest.mark.parametrize("variant", ["torchscript-14", "torchscript-17", "dynamo-18"])
+@pytest.mark.parametrize("variant", ["torchscript-14", "torchscript-17", "dynamo-18", "dynamo-20"])
 def test_every_exporter_lowers_to_the_same_blocks_and_matches_onnxruntime(tiny_onnx, variant):
     path = tiny_onnx[variant]
+    source_ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+    assert ("Gelu" in source_ops) == (variant == "dynamo-20")
+    assert ("LayerNormalization" in source_ops) == (variant != "torchscript-14")
     graph = load_model(path, B, S)
     assert [b.kind for b in graph.blocks] == ["embeddings", "encoder", "encoder", "head", "loss"]
     assert [(b.heads, b.head_size) for b in graph.blocks if b.kind == "encoder"] == [(4, 16), (4, 16)]
