@@ -92,11 +92,20 @@ def stage_ranges(n_blocks: int, stages: int, cuts: Sequence[int] | None) -> list
 def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], config: PipelineConfig, steps: int,
                    cuts: Sequence[int] | None = None, update_every: int = 1, start_step: int = 0,
                    weights=None, optimizer_state=None, listen: str = "tcp://127.0.0.1:0", on_step=None,
-                   checkpoint_dir: Path | None = None, meta: dict | None = None) -> PipelineResult:
-    """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k]."""
+                   checkpoint_dir: Path | None = None, meta: dict | None = None,
+                   bundles: Sequence[Path] | None = None, devices: Sequence[str] | None = None,
+                   stage_graphs=None) -> PipelineResult:
+    """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
+    With `bundles` (one plan bundle per stage) the workers get verified bundles instead of graph
+    slices, and the block ranges are the bundles'."""
     from runtime.transport_zmq import ZmqTransport
 
-    ranges = stage_ranges(len(graph.blocks), len(addresses), cuts)
+    if stage_graphs is not None:
+        ranges = [(b.first_block, b.last_block) for b in stage_graphs]
+        stage_graphs = [b.graph for b in stage_graphs]
+        graph = stage_graphs[0]
+    else:
+        ranges = stage_ranges(len(graph.blocks), len(addresses), cuts)
     placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(ranges, addresses))]
     M = config.microbatches
     micro_rows = graph.batch
@@ -106,10 +115,14 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
         return [batch_feeds(mb, num_labels, batch.n_labelled) for mb in split_microbatches(batch, M)]
 
     transport = ZmqTransport("coordinator", listen, accept=())
-    coordinator = Coordinator(graph, placements, config, transport, weights=weights, optimizer_state=optimizer_state)
+    coordinator = Coordinator(graph, placements, config, transport, weights=weights, optimizer_state=optimizer_state,
+                              stage_graphs=stage_graphs)
     result = PipelineResult([], [], [], [], {}, [], ranges)
     try:
-        coordinator.setup()
+        if bundles is not None:
+            coordinator.setup_bundles(bundles, devices)
+        else:
+            coordinator.setup()
         if config.schedule == "1f1b-stash":
             schedule = make_schedule("1f1b-stash", len(placements), steps * M, update_every=update_every)
             feeds = [f for s in range(start_step, start_step + steps) for f in feeds_of(s)]

@@ -74,9 +74,10 @@ def split_at(n_blocks: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class Coordinator:
-    def __init__(self, graph: Graph, placements: Sequence[StagePlacement], config: PipelineConfig, transport,
+    def __init__(self, graph: Graph | None, placements: Sequence[StagePlacement], config: PipelineConfig, transport,
                  weights: Mapping[str, np.ndarray] | None = None,
-                 optimizer_state: Mapping[int, Mapping[str, np.ndarray]] | None = None):
+                 optimizer_state: Mapping[int, Mapping[str, np.ndarray]] | None = None,
+                 stage_graphs: Sequence[Graph] | None = None):
         self.graph = graph
         self.placements = list(placements)
         self.config = config
@@ -84,9 +85,12 @@ class Coordinator:
         self.stages = len(placements)
         self.weights = weights
         self.optimizer_state = optimizer_state or {}
-        self.specs = [stage_spec(graph, p.first_block, p.last_block) for p in placements]
+        # with plan bundles each stage's graph slice comes from its bundle; no whole model needed
+        graphs = stage_graphs if stage_graphs is not None else [graph] * len(placements)
+        self.specs = [stage_spec(g, p.first_block, p.last_block) for g, p in zip(graphs, placements)]
         self.ready: list[dict] = []
         self._pending: list[tuple[str, dict]] = []
+        self.bundle_mode = False
 
     # --- failures ------------------------------------------------------------------------
     def _check_errors(self) -> None:
@@ -162,6 +166,34 @@ class Coordinator:
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
         return self.ready
 
+    def setup_bundles(self, bundle_dirs: Sequence[Path], devices: Sequence[str]) -> list[dict]:
+        """Ship each stage its plan bundle (workers verify it before use) instead of a graph slice."""
+        from runtime.bundle_load import send_bundle
+
+        self.bundle_mode = True
+        peers = {stage_peer(p.stage): p.address for p in self.placements}
+        for p in self.placements:
+            self.transport.connect(stage_peer(p.stage), p.address)
+        for p, directory, device in zip(self.placements, bundle_dirs, devices):
+            neighbours = {COORDINATOR: self.transport.address}
+            for k in (p.stage - 1, p.stage + 1):
+                if 0 <= k < self.stages:
+                    neighbours[stage_peer(k)] = peers[stage_peer(k)]
+            from runtime.bundle_load import bundle_to_wire
+
+            names = list(bundle_to_wire(directory))
+            opt_state = self.optimizer_state.get(p.stage, {})
+            self.transport.send_control(stage_peer(p.stage), {
+                "type": "setup_bundle", "stage": p.stage, "device": device, "peers": neighbours,
+                "bundle_files": names, "optimizer_state": list(opt_state)})
+            sent = send_bundle(self.transport, stage_peer(p.stage), directory)
+            if sent != names:
+                raise RuntimeError(f"bundle {directory} changed while being sent")
+            for i, (name, arr) in enumerate(opt_state.items()):
+                self.transport.send_tensor(stage_peer(p.stage), "optstate", -1, i, np.asarray(arr, order="C"), name=name)
+        self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
+        return self.ready
+
     # --- training ------------------------------------------------------------------------
     def run(self, schedule: Schedule, microbatch_feeds: Sequence[Mapping[str, np.ndarray]], step: int) -> tuple[list[float], list[dict]]:
         """Run one schedule (a batch for flush schedules, the whole run for 1f1b-stash); returns the
@@ -169,7 +201,8 @@ class Coordinator:
         if len(microbatch_feeds) != schedule.microbatches:
             raise ValueError(f"{len(microbatch_feeds)} micro-batches of data for a schedule of {schedule.microbatches}")
         for p in self.placements:
-            actions = [str(a) for a in schedule.actions[p.stage]]
+            # with bundles the workers run the action lists they verified; nothing else is sent
+            actions = None if self.bundle_mode else [str(a) for a in schedule.actions[p.stage]]
             self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "actions": actions})
         for m, feeds in enumerate(microbatch_feeds):
             for p, spec in zip(self.placements, self.specs):

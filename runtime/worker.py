@@ -44,6 +44,7 @@ class Worker:
         self.timeout = timeout
         self.stage: int | None = None
         self.executor: StageExecutor | None = None
+        self.bundle_actions: list[Action] | None = None
 
     def _recv_tensors(self, kind: str, names: list[str]) -> dict[str, np.ndarray]:
         out = {}
@@ -74,8 +75,40 @@ class Worker:
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes()})
 
+    def setup_bundle(self, msg: dict) -> None:
+        """Set up from a plan bundle: verify every file against its manifest before using any of it;
+        the stage, graph slice, weights, actions and optimizer all come from the bundle."""
+        from runtime.bundle_load import recv_bundle
+
+        self.stage = int(msg["stage"])
+        if hasattr(self.transport, "rename"):
+            self.transport.rename(stage_peer(self.stage))
+        for peer, address in msg["peers"].items():
+            self.transport.connect(peer, address)
+        contents = recv_bundle(self.transport, COORDINATOR, msg["bundle_files"],
+                               source=f"{msg.get('device', 'bundle')} (from the coordinator)", timeout=self.timeout)
+        if contents.stage != self.stage:
+            raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
+        doc = contents.stage_doc
+        spec = stage_spec(contents.graph, contents.first_block, contents.last_block)
+        engine = _make_engine(doc["engine"], spec, int(doc["threads"]))
+        opt = doc["optimizer"]
+        optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
+        if msg.get("optimizer_state"):
+            optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
+        self.bundle_actions = list(contents.actions)
+        self.executor = StageExecutor(self.stage, int(doc["stages"]), engine, self.transport, optimizer,
+                                      spec.graph_inputs, timeout=self.timeout)
+        self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
+                                                  "rss_bytes": peak_rss_bytes(), "device": contents.device})
+
     def run(self, msg: dict) -> None:
-        actions = [Action.parse(t) for t in msg["actions"]]
+        if msg.get("actions") is not None:
+            actions = [Action.parse(t) for t in msg["actions"]]
+        elif self.bundle_actions is not None:
+            actions = self.bundle_actions
+        else:
+            raise ValueError("run without actions: no bundle was loaded and the coordinator sent none")
         before = dict(self.executor.stats.seconds), self.executor.stats.wall_s
         self.executor.run(actions)
         stats = self.executor.stats
@@ -100,6 +133,8 @@ class Worker:
             kind = msg.get("type")
             if kind == "setup":
                 self.setup(msg)
+            elif kind == "setup_bundle":
+                self.setup_bundle(msg)
             elif kind == "run":
                 self.run(msg)
             elif kind == "checkpoint":

@@ -1,0 +1,91 @@
+"""The device side of plan bundles: load one from disk or from the wire, verified before any use.
+
+A worker gets its bundle either as a directory (copied to the device) or from the coordinator over
+the transport, one uint8 tensor per file named by its file name (kind "bundle", stage -1,
+micro-batch = position). Both paths end in `ir.bundle.verify_bundle_files` on the bytes, the same
+check the planner ran when it wrote the bundle, so a worker refuses a damaged, incomplete, foreign
+or stale bundle with an error naming the bundle, the file and the fault, before building anything.
+
+The coordinator side: `bundle_to_wire` reads a bundle directory and checks its manifest and hashes
+(it does not ship a bundle the planner would not recognise); `send_bundle` ships it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ir.bundle import (BUNDLE_FILES, MANIFEST, BundleContents, BundleError, check_bundle_manifest, load_plan,
+                       read_bundle_files, verify_bundle_files)
+from runtime.transport import Expected
+
+__all__ = ["BUNDLE_KIND", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire", "as_uint8",
+           "wire_to_files", "send_bundle", "recv_bundle", "load_plan"]
+
+BUNDLE_KIND = "bundle"
+# Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
+# verification will then refuse by name, but not an unbounded list.
+_MAX_WIRE_FILES = 2 * (len(BUNDLE_FILES) + 1)
+
+
+def as_uint8(data: bytes) -> np.ndarray:
+    """`data` as a read-only 1-D uint8 array, without a copy: what `Transport.send_tensor` ships."""
+    arr = np.frombuffer(data, dtype=np.uint8)
+    arr.flags.writeable = False
+    return arr
+
+
+def wire_to_files(arrays: Mapping[str, np.ndarray | bytes]) -> dict[str, bytes]:
+    """Received uint8 tensors (or bytes) back to file bytes by name."""
+    files = {}
+    for name, value in arrays.items():
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            files[name] = bytes(value)
+            continue
+        arr = np.asarray(value)
+        if arr.dtype != np.uint8 or arr.ndim != 1:
+            raise BundleError(f"bundle file {name!r} arrived as {arr.dtype}{list(arr.shape)}, not 1-D uint8 bytes")
+        files[name] = arr.tobytes()
+    return files
+
+
+def load_bundle(source: str | Path | Mapping[str, bytes | np.ndarray], name: str | None = None) -> BundleContents:
+    """Verify and parse a bundle given as a directory or as its files' bytes (or uint8 arrays) by name.
+
+    `name` is how errors refer to the bundle (default: the directory, or '<memory>')."""
+    if isinstance(source, (str, Path)):
+        return verify_bundle_files(read_bundle_files(source), name or str(source))
+    return verify_bundle_files(wire_to_files(source), name or "<memory>")
+
+
+def bundle_to_wire(directory: str | Path) -> dict[str, bytes]:
+    """A bundle directory's files, manifest first, after checking the manifest and every hash."""
+    files = read_bundle_files(directory)
+    check_bundle_manifest(files, str(directory))
+    return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}}
+
+
+def send_bundle(transport, peer: str, directory: str | Path) -> list[str]:
+    """Ship a checked bundle to `peer` as uint8 tensors; returns the file names in the order sent,
+    which the receiver needs (send them in the setup control message)."""
+    files = bundle_to_wire(directory)
+    for i, (name, data) in enumerate(files.items()):
+        transport.send_tensor(peer, BUNDLE_KIND, -1, i, as_uint8(data), name=name)
+    return list(files)
+
+
+def recv_bundle(transport, peer: str, names: Sequence[str], source: str | None = None,
+                timeout: float | None = None) -> BundleContents:
+    """Receive the files `names` (in order) from `peer` and verify them; nothing is used before."""
+    names = list(names)
+    if not names or len(names) > _MAX_WIRE_FILES or not all(isinstance(n, str) for n in names) \
+            or len(set(names)) != len(names):
+        raise BundleError(f"bundle {source or 'from ' + peer}: announced files {names!r} are not a list of "
+                          f"1 to {_MAX_WIRE_FILES} distinct names")
+    files = {}
+    for i, name in enumerate(names):
+        _, arr = transport.recv_tensor(peer, Expected(kind=BUNDLE_KIND, stage=-1, microbatch=i, dtype="uint8",
+                                                      name=name), timeout=timeout)
+        files[name] = arr
+    return load_bundle(files, source or f"from {peer}")
