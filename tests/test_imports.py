@@ -17,7 +17,7 @@ OWNER = {
     "onnx": {"planner/onnx_import.py"}, "networkx": {"planner/passes.py"},
     "torch": {"runtime/engine_torch.py", "confidant/export.py"},
     "transformers": {"confidant/export.py"}, "tokenizers": {"runtime/tokenize.py"},
-    "zmq": {"runtime/transport_zmq.py"}, "ortools": {"planner/partition.py"},
+    "zmq": {"runtime/transport_zmq.py"}, "ortools": {"planner/partition.py"}, "yaml": {"planner/cluster.py"},
 }
 
 

@@ -1,0 +1,349 @@
+"""The devices a plan may use and the links between them, read from a cluster file.
+
+A cluster file (YAML, or JSON when its name ends in `.json`) lists each device with the address its
+worker listens on, the profile `confidant profile` wrote for it (a path relative to the cluster
+file), the memory the plan may use on it and, optionally, which profiled backend to run::
+
+    devices:
+      - {name: phone, address: "tcp://10.0.0.2:5555", profile: profiles/phone.json,
+         memory_budget: 3GiB, backend: "mnn:cpu:t4"}
+      - {name: laptop, address: "tcp://10.0.0.3:5555", profile: profiles/laptop.json,
+         memory_budget: 1.5 GiB}
+    links:
+      default: {bandwidth: 100Mbit/s, latency: 5ms}
+      pairs:
+        - {between: [phone, laptop], bandwidth: 12.5MB/s, latency: 200us}
+
+Sizes, bandwidths and durations are plain numbers (bytes, bytes per second, seconds) or strings
+with a unit (`parse_bytes`, `parse_bandwidth`, `parse_duration`). Everything is checked on load,
+and every error names the file, the device or link, and the field.
+
+Decisions (each is an error rather than a silent fix, because a wrong cluster file yields a plan
+that fails on a device much later):
+- `memory_budget` is required, and a budget above the profile's `memory_available_bytes` is an
+  error: the profile measured what the device had free, and a plan built on more would be
+  killed at run time. Lower the budget or re-profile the device.
+- All profiles must be of the same model, batch and sequence length: block costs of different
+  shapes cannot be compared, and block signatures of different models never match.
+- `links` may be left out only for a one-device cluster (no boundary to cross).
+- Unknown keys are errors, so a misspelt field is not silently ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ir.profile import DeviceProfile, Link
+
+try:  # YAML is optional: JSON cluster files work without it
+    import yaml as _yaml
+except ImportError:  # pragma: no cover - depends on the environment
+    _yaml = None
+
+
+class ClusterError(ValueError):
+    """A cluster file that cannot be used; the message names file, device or link, and field."""
+
+
+# --- units -------------------------------------------------------------------------------------
+
+_NUMBER = r"(?P<num>(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)"
+_QUANTITY = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>[A-Za-zµ/]*)\s*$")
+
+_SIZE_UNITS = {"": 1, "B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_BANDWIDTH_UNITS = {"": 1.0, "B/s": 1.0, "kB/s": 1e3, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9,
+                    "KiB/s": 2.0**10, "MiB/s": 2.0**20, "GiB/s": 2.0**30,
+                    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "Kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8,
+                    "bps": 1 / 8, "kbps": 1e3 / 8, "Kbps": 1e3 / 8, "Mbps": 1e6 / 8, "Gbps": 1e9 / 8}
+# durations divide (5ms = 5 / 1e3 s) so that "200us" is exactly 200e-6, not 200 * 1e-6
+_DURATION_DIVISORS = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
+
+SIZE_EXAMPLES = "3GiB, 512MB, 1000000"
+BANDWIDTH_EXAMPLES = "100Mbit/s, 12.5MB/s, 1Gbit/s, 12500000"
+DURATION_EXAMPLES = "5ms, 200us, 0.01"
+
+
+def _quantity(value: Any, units: Mapping[str, float], what: str, examples: str, divide: bool = False) -> float:
+    """`value` (a number in the base unit, or a string with one of `units`) in the base unit;
+    `divide`: the unit table holds divisors rather than multipliers."""
+    bad = ValueError(f"{value!r} is not a {what} (examples: {examples})")
+    if isinstance(value, bool) or value is None:
+        raise bad
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise bad
+        return value
+    if not isinstance(value, str):
+        raise bad
+    match = _QUANTITY.match(value)
+    if match is None or match["unit"] not in units:
+        raise bad
+    number, unit = float(match["num"]), units[match["unit"]]
+    return number / unit if divide else number * unit
+
+
+def parse_bytes(value: Any) -> int:
+    """Bytes from an int or a string such as "3GiB", "512MB", "1.5 GiB" or "1000000" (SI prefixes
+    are powers of 1000, binary ones of 1024); rounds to whole bytes."""
+    return int(round(_quantity(value, _SIZE_UNITS, "size", SIZE_EXAMPLES)))
+
+
+def parse_bandwidth(value: Any) -> float:
+    """Bytes per second from a number or a string such as "100Mbit/s", "12.5MB/s" or "1Gbps";
+    must be more than zero."""
+    out = _quantity(value, _BANDWIDTH_UNITS, "bandwidth", BANDWIDTH_EXAMPLES)
+    if out <= 0:
+        raise ValueError(f"{value!r} is not a bandwidth: it must be more than 0 (examples: {BANDWIDTH_EXAMPLES})")
+    return float(out)
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as "5ms", "200us" or "0.5 s"."""
+    return float(_quantity(value, _DURATION_DIVISORS, "duration", DURATION_EXAMPLES, divide=True))
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes with a binary unit for messages, e.g. "1.50 GiB"."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+# --- the cluster -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device of the cluster. `backend` names one of the profile's backends; None means the
+    fastest one (`DeviceProfile.backend(None)`)."""
+
+    name: str
+    address: str
+    profile: DeviceProfile
+    memory_budget_bytes: int
+    backend: str | None = None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices in file order, and links: `links` holds the pairs the file names (keys sorted), every
+    other pair uses `default_link`."""
+
+    devices: tuple[DeviceSpec, ...]
+    default_link: Link
+    links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.devices)
+
+    def device(self, name: str) -> DeviceSpec:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise KeyError(f"no device {name!r} in the cluster (devices: {', '.join(self.names)})")
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between devices a and b, in either order; the default link unless the file named the pair."""
+        for n in (a, b):
+            if n not in self.names:
+                raise KeyError(f"no device {n!r} in the cluster (devices: {', '.join(self.names)})")
+        if a == b:
+            raise ValueError(f"device {a!r} needs no link to itself")
+        return self.links.get(_pair(a, b), self.default_link)
+
+
+def _pair(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a <= b else (b, a)
+
+
+# --- reading a cluster file --------------------------------------------------------------------
+
+_TOP_KEYS = {"devices", "links"}
+_DEVICE_KEYS = {"name", "address", "profile", "memory_budget", "backend"}
+_LINKS_KEYS = {"default", "pairs"}
+_LINK_KEYS = {"bandwidth", "latency"}
+_PAIR_KEYS = {"between", "bandwidth", "latency"}
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and check a cluster file; profiles are read relative to the file's folder."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise ClusterError(f"{source}: no such cluster file")
+    text = path.read_text()
+    if path.suffix.lower() == ".json":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ClusterError(f"{source}: not JSON ({exc})") from None
+    else:
+        if _yaml is None:
+            raise ClusterError(f"{source}: reading YAML needs PyYAML (pip install pyyaml); "
+                               f"or write the cluster file as JSON with a .json name")
+        try:
+            doc = _yaml.safe_load(text)
+        except _yaml.YAMLError as exc:
+            raise ClusterError(f"{source}: not YAML ({exc})") from None
+    return cluster_from_document(doc, source, path.parent)
+
+
+def cluster_from_document(doc: Any, source: str, base_dir: str | Path,
+                          load_profile: Callable[[Path], DeviceProfile] = DeviceProfile.load) -> Cluster:
+    """The cluster a parsed file describes; `source` names the file in messages."""
+    if not isinstance(doc, Mapping):
+        raise ClusterError(f"{source}: expected a mapping with 'devices' and 'links' at the top, got {type(doc).__name__}")
+    _no_unknown_keys(doc, _TOP_KEYS, source, "")
+    raw_devices = doc.get("devices")
+    if not isinstance(raw_devices, list) or not raw_devices:
+        raise ClusterError(f"{source}: 'devices' must be a non-empty list of devices")
+    profiles: dict[Path, DeviceProfile] = {}
+    devices: list[DeviceSpec] = []
+    first_index: dict[str, int] = {}
+    addresses: dict[str, str] = {}
+    for i, raw in enumerate(raw_devices):
+        spec = _device(raw, i, source, Path(base_dir), load_profile, profiles)
+        if spec.name in first_index:
+            raise ClusterError(f"{source}: device {spec.name!r} appears twice (devices[{first_index[spec.name]}] and "
+                               f"devices[{i}]); device names must be unique")
+        if spec.address in addresses:
+            raise ClusterError(f"{source}: device {spec.name!r}: address {spec.address!r} is already device "
+                               f"{addresses[spec.address]!r}'s; each worker needs its own address")
+        first_index[spec.name] = i
+        addresses[spec.address] = spec.name
+        devices.append(spec)
+    _check_same_model(devices, source)
+    default, pairs = _links(doc.get("links"), [d.name for d in devices], source)
+    return Cluster(tuple(devices), default, pairs)
+
+
+def _no_unknown_keys(raw: Mapping, allowed: set[str], source: str, where: str) -> None:
+    unknown = sorted(str(k) for k in raw if k not in allowed)
+    if unknown:
+        raise ClusterError(f"{source}: {where}unknown field {unknown[0]!r} (fields: {', '.join(sorted(allowed))})")
+
+
+def _device(raw: Any, index: int, source: str, base_dir: Path, load_profile: Callable[[Path], DeviceProfile],
+            profiles: dict[Path, DeviceProfile]) -> DeviceSpec:
+    where = f"devices[{index}]: "
+    if not isinstance(raw, Mapping):
+        raise ClusterError(f"{source}: {where}expected a mapping with {', '.join(sorted(_DEVICE_KEYS))}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ClusterError(f"{source}: {where}missing field 'name' (a non-empty string)" if name is None
+                           else f"{source}: {where}name {name!r} is not a non-empty string")
+    where = f"device {name!r}: "
+    _no_unknown_keys(raw, _DEVICE_KEYS, source, where)
+
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise ClusterError(f"{source}: {where}missing field {key!r}")
+        return raw[key]
+
+    address = need("address")
+    if not isinstance(address, str) or not address.strip():
+        raise ClusterError(f"{source}: {where}address {address!r} is not a non-empty string")
+    profile_field = need("profile")
+    if not isinstance(profile_field, str) or not profile_field.strip():
+        raise ClusterError(f"{source}: {where}profile {profile_field!r} is not a path")
+    profile_path = (base_dir / profile_field).resolve()
+    if profile_path not in profiles:
+        if not profile_path.is_file():
+            raise ClusterError(f"{source}: {where}profile {profile_field!r} not found (looked at {profile_path}); "
+                               f"make it with `confidant profile`")
+        try:
+            profiles[profile_path] = load_profile(profile_path)
+        except (ValueError, OSError) as exc:
+            raise ClusterError(f"{source}: {where}profile {profile_field!r} cannot be read: {exc}") from None
+    profile = profiles[profile_path]
+    raw_budget = need("memory_budget")
+    try:
+        budget = parse_bytes(raw_budget)
+    except ValueError as exc:
+        raise ClusterError(f"{source}: {where}memory_budget {exc}") from None
+    if budget <= 0:
+        raise ClusterError(f"{source}: {where}memory_budget must be more than 0 bytes")
+    if budget > profile.memory_available_bytes:
+        raise ClusterError(
+            f"{source}: {where}memory_budget {budget} bytes ({format_bytes(budget)}) is more than the "
+            f"{profile.memory_available_bytes} bytes ({format_bytes(profile.memory_available_bytes)}) its profile "
+            f"{profile_field!r} measured as available; lower the budget or re-profile the device")
+    backend = raw.get("backend")
+    if backend is not None:
+        names = [b.backend for b in profile.backends]
+        if not isinstance(backend, str) or backend not in names:
+            raise ClusterError(f"{source}: {where}backend {backend!r} is not in its profile {profile_field!r} "
+                               f"(profiled backends: {', '.join(names) or 'none'})")
+    elif not profile.backends:
+        raise ClusterError(f"{source}: {where}profile {profile_field!r} has no backends; re-run `confidant profile`")
+    return DeviceSpec(name, address, profile, budget, backend)
+
+
+def _check_same_model(devices: list[DeviceSpec], source: str) -> None:
+    first = devices[0]
+    for d in devices[1:]:
+        for key in ("model", "batch", "seq"):
+            a, b = getattr(first.profile, key), getattr(d.profile, key)
+            if a != b:
+                raise ClusterError(
+                    f"{source}: device {d.name!r}: profile {key} {b!r} differs from device {first.name!r}'s {a!r}; "
+                    f"profile every device with the same model, batch and sequence length")
+
+
+def _link(raw: Any, source: str, where: str, allowed: set[str]) -> Link:
+    if not isinstance(raw, Mapping):
+        raise ClusterError(f"{source}: {where}expected a mapping with bandwidth and latency")
+    _no_unknown_keys(raw, allowed, source, where)
+    for key in ("bandwidth", "latency"):
+        if raw.get(key) is None:
+            raise ClusterError(f"{source}: {where}missing field {key!r}")
+    try:
+        bandwidth = parse_bandwidth(raw["bandwidth"])
+    except ValueError as exc:
+        raise ClusterError(f"{source}: {where}bandwidth {exc}") from None
+    try:
+        latency = parse_duration(raw["latency"])
+    except ValueError as exc:
+        raise ClusterError(f"{source}: {where}latency {exc}") from None
+    return Link(bandwidth, latency)
+
+
+def _links(raw: Any, names: list[str], source: str) -> tuple[Link, dict[tuple[str, str], Link]]:
+    if raw is None:
+        if len(names) > 1:
+            raise ClusterError(f"{source}: missing field 'links' (a cluster of {len(names)} devices needs at least "
+                               f"links.default with bandwidth and latency)")
+        return Link(math.inf, 0.0), {}
+    if not isinstance(raw, Mapping):
+        raise ClusterError(f"{source}: links: expected a mapping with 'default' and optionally 'pairs'")
+    _no_unknown_keys(raw, _LINKS_KEYS, source, "links: ")
+    if raw.get("default") is None:
+        raise ClusterError(f"{source}: links: missing field 'default'")
+    default = _link(raw["default"], source, "links.default: ", _LINK_KEYS)
+    raw_pairs = raw.get("pairs") or []
+    if not isinstance(raw_pairs, list):
+        raise ClusterError(f"{source}: links.pairs: expected a list of {{between: [a, b], bandwidth, latency}}")
+    pairs: dict[tuple[str, str], Link] = {}
+    for i, item in enumerate(raw_pairs):
+        between = item.get("between") if isinstance(item, Mapping) else None
+        if (not isinstance(between, list) or len(between) != 2
+                or not all(isinstance(n, str) for n in between)):
+            raise ClusterError(f"{source}: links.pairs[{i}]: between must be a list of two device names, "
+                               f"got {between!r}")
+        a, b = between
+        where = f"link between {a!r} and {b!r}: "
+        for n in (a, b):
+            if n not in names:
+                raise ClusterError(f"{source}: {where}{n!r} is not a device (devices: {', '.join(names)})")
+        if a == b:
+            raise ClusterError(f"{source}: {where}a link needs two different devices")
+        if _pair(a, b) in pairs:
+            raise ClusterError(f"{source}: {where}the pair is listed twice")
+        pairs[_pair(a, b)] = _link(item, source, where, _PAIR_KEYS)
+    return default, pairs

@@ -1,0 +1,235 @@
+"""The cost model: predicted time and memory of a pipeline stage, from profiles and the graph.
+
+Pure functions of (graph, cluster, schedule, micro-batches, optimizer); the partitioner
+(planner.partition) prepares its instance from them and the simulator replays their StageCosts.
+
+Time, for one micro-batch on stage s of p (device d, blocks first..last):
+- compute: the sum of `forward_s` and `backward_s` of the blocks' signatures on the device's
+  backend (`DeviceProfile.backend(spec.backend)`; `backward_s` already includes MNN's re-run of
+  the forward).
+- links (DESIGN: per boundary per micro-batch, 2 x activation bytes / bandwidth + 2 x latency):
+  each boundary's two transfers are split between its two stages, `send_act_s` (the activation
+  to s+1, charged to s) and `send_grad_s` (the gradient of the input back to s-1, charged to s;
+  same bytes as that input activation). A boundary's link time is therefore
+  `costs[s].send_act_s + costs[s+1].send_grad_s`.
+- stage time `stage_time_s(cost)` = forward + backward + send_act + send_grad: the stage's share
+  of one micro-batch with no overlap of compute and transfer (the conservative view).
+
+Memory, peak bytes of stage s of p under the schedule (facts of runtime/engine_mnn.py,
+runtime/executor.py and runtime/optim.py; the constants below say which):
+    params x (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
+  + in-flight micro-batches x (sum of the stage's block *input* activations)
+  + sum of the blocks' `workspace_bytes` (per-op caches of one micro-batch, kept per block)
+  + the profile's `runtime_overhead_bytes`.
+Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash only; in-flight counts
+(`in_flight_microbatches`) are DESIGN's min(p-s, m) for 1F1B and m for GPipe. Transient buffers
+(the output until its send, gradients until theirs, host values such as the mask) are not counted.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+from ir.graph import Block, Graph, block_signature
+from ir.partition import Partition, StageCost
+from ir.profile import BlockCost
+from planner.cluster import Cluster, DeviceSpec
+
+SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
+ASYNC_SCHEDULES = ("1f1b-stash",)   # no flush: weights update while micro-batches are in flight
+OPTIMIZERS = ("sgd", "adamw")
+
+# Weights are held three times: the engine's MNN Vars, the engine's numpy copy of the current
+# weights (`MNNStageEngine._current`, what old versions are restored from) and the executor's
+# optimizer copy (`StageExecutor.params`, updated in place by runtime/optim.py).
+WEIGHT_COPIES = 3
+# The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter.
+GRADIENT_COPIES = 1
+# Optimizer state per parameter (runtime/optim.py): SGD one momentum buffer, AdamW two moments.
+OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
+# Each old weight version kept under 1f1b-stash is one numpy copy (`MNNStageEngine._old_versions`).
+STASHED_VERSION_COPIES = 1
+
+
+def check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid names: {', '.join(SCHEDULES)}")
+
+
+def check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: choose {' or '.join(OPTIMIZERS)}")
+
+
+def _check_position(stages: int, stage: int, microbatches: int) -> None:
+    for name, v in (("stages", stages), ("microbatches", microbatches)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if not isinstance(stage, int) or not 0 <= stage < stages:
+        raise ValueError(f"stage must be an int in 0..{stages - 1}, got {stage!r}")
+
+
+def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at its peak (= planner.schedule.peak_in_flight)."""
+    check_schedule(schedule)
+    _check_position(stages, stage, microbatches)
+    if schedule == "gpipe":
+        return microbatches
+    return min(stages - stage, microbatches)
+
+
+@lru_cache(maxsize=None)
+def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+    """Weight versions stage `stage` keeps besides the current one, at its peak (update after
+    every backward). PipeDream's p-s-1 in the steady state; fewer when the run is too short to
+    reach it. Equals `ir.verify.peak_weight_versions` of the compute schedule minus one.
+
+    Derivation for 1f1b-stash: stage s runs w = min(p-s-1, m) warm-up forwards on version 0, then
+    F(w+i), B(i), UPDATE for i < m-w; forward w+i uses version i. Right after UPDATE i the
+    micro-batches i+1..w+i are in flight on min(w, i+1) distinct older versions, so the peak is
+    min(w, m-w). When m <= w there is no steady state: all forwards use version 0, which stays
+    alive (1 old version) after the first update if a second micro-batch is in flight.
+    """
+    check_schedule(schedule)
+    _check_position(stages, stage, microbatches)
+    if schedule not in ASYNC_SCHEDULES:
+        return 0
+    w = min(stages - stage - 1, microbatches)
+    if microbatches > w:
+        return min(w, microbatches - w)
+    return 1 if microbatches >= 2 else 0
+
+
+def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int) -> int:
+    """Bytes a stage holds per byte of its parameters: weights, gradient, optimizer state, old versions."""
+    check_optimizer(optimizer)
+    return (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[optimizer]
+            + STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches))
+
+
+def check_blocks(graph: Graph) -> tuple[Block, ...]:
+    """The graph's blocks, which must be indexed 0..n-1 in order."""
+    if not graph.blocks:
+        raise ValueError(f"graph {graph.name!r} has no blocks; run the block pass first")
+    for i, b in enumerate(graph.blocks):
+        if b.index != i:
+            raise ValueError(f"graph {graph.name!r}: block {b.name!r} at position {i} has index {b.index}")
+    return graph.blocks
+
+
+def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
+    """Per block of the graph, its measured cost on the device's backend."""
+    backend = device.profile.backend(device.backend)
+    out = []
+    for b in check_blocks(graph):
+        sig = block_signature(b)
+        cost = backend.blocks.get(sig)
+        if cost is None:
+            raise ValueError(f"device {device.name!r}: its profile {device.profile.name!r} (backend "
+                             f"{backend.backend!r}) has no cost for block {b.index} {b.name!r} (signature {sig}); "
+                             f"profile the device with model {graph.name!r} (`confidant profile`)")
+        out.append(cost)
+    return tuple(out)
+
+
+def block_input_bytes(graph: Graph) -> tuple[int, ...]:
+    """Per block, the bytes of the activation it reads from the block before (stashed per
+    micro-batch in flight); 0 for the first block, which reads only graph inputs."""
+    blocks = check_blocks(graph)
+    return (0,) + tuple(b.activation_bytes for b in blocks[:-1])
+
+
+def _check_range(graph: Graph, first: int, last: int) -> None:
+    n = len(check_blocks(graph))
+    if not (isinstance(first, int) and isinstance(last, int) and 0 <= first <= last < n):
+        raise ValueError(f"block range {first}..{last} is not within 0..{n - 1} of graph {graph.name!r}")
+
+
+def compute_s(graph: Graph, device: DeviceSpec, first: int, last: int) -> tuple[float, float]:
+    """(forward_s, backward_s) of blocks first..last for one micro-batch on the device."""
+    _check_range(graph, first, last)
+    costs = block_costs(graph, device)[first:last + 1]
+    return sum(c.forward_s for c in costs), sum(c.backward_s for c in costs)
+
+
+def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,
+                       schedule: str, microbatches: int, optimizer: str) -> int:
+    """Predicted peak bytes of stage `stage` of `stages` running blocks first..last on the device."""
+    _check_range(graph, first, last)
+    blocks = graph.blocks[first:last + 1]
+    params = sum(b.params_bytes for b in blocks)
+    inputs = sum(block_input_bytes(graph)[first:last + 1])
+    workspace = sum(c.workspace_bytes for c in block_costs(graph, device)[first:last + 1])
+    return (params * weight_copies(schedule, optimizer, stages, stage, microbatches)
+            + inputs * in_flight_microbatches(schedule, stages, stage, microbatches)
+            + workspace + device.profile.runtime_overhead_bytes)
+
+
+def transfer_s(nbytes: int, cluster: Cluster, a: str, b: str) -> float:
+    """One transfer of `nbytes` between devices a and b: bytes / bandwidth + latency."""
+    return cluster.link(a, b).transfer_s(nbytes)
+
+
+def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: Sequence[tuple[int, int]],
+               stage: int, schedule: str, microbatches: int, optimizer: str) -> StageCost:
+    """The StageCost of stage `stage` of the pipeline devices[i] runs ranges[i] (inclusive)."""
+    if len(devices) != len(ranges):
+        raise ValueError(f"{len(devices)} devices for {len(ranges)} block ranges")
+    p = len(devices)
+    _check_position(p, stage, microbatches)
+    first, last = ranges[stage]
+    spec = cluster.device(devices[stage])
+    forward, backward = compute_s(graph, spec, first, last)
+    send_act = send_grad = 0.0
+    if stage < p - 1:
+        send_act = transfer_s(graph.blocks[last].activation_bytes, cluster, devices[stage], devices[stage + 1])
+    if stage > 0:
+        send_grad = transfer_s(graph.blocks[first - 1].activation_bytes, cluster, devices[stage], devices[stage - 1])
+    memory = stage_memory_bytes(graph, spec, first, last, stage, p, schedule, microbatches, optimizer)
+    return StageCost(stage, spec.name, forward, backward, 0.0, send_act, send_grad, memory, spec.memory_budget_bytes)
+
+
+def stage_time_s(cost: StageCost) -> float:
+    """A stage's time per micro-batch: forward + backward + its two transfers (no overlap)."""
+    return cost.forward_s + cost.backward_s + cost.send_act_s + cost.send_grad_s
+
+
+def stage_costs(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
+                optimizer: str) -> list[StageCost]:
+    """The StageCost of every stage of `partition` (whose ranges must cover the graph's blocks in order)."""
+    ranges = partition.ranges
+    n = len(check_blocks(graph))
+    expected = 0
+    for s, (first, last) in enumerate(ranges):
+        if first != expected or last < first:
+            raise ValueError(f"partition stage {s} runs blocks {first}..{last}; expected it to start at block {expected}")
+        expected = last + 1
+    if expected != n:
+        raise ValueError(f"partition covers blocks 0..{expected - 1} of {n}")
+    return [stage_cost(graph, cluster, partition.devices, ranges, s, schedule, microbatches, optimizer)
+            for s in range(len(ranges))]
+
+
+def boundary_link_s(costs: Sequence[StageCost]) -> list[float]:
+    """Per boundary s (between stages s and s+1), its link time per micro-batch (both directions)."""
+    return [costs[s].send_act_s + costs[s + 1].send_grad_s for s in range(len(costs) - 1)]
+
+
+def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: int) -> float:
+    """Seconds per step of `microbatches` micro-batches (DESIGN's numbers).
+
+    Flush schedules (gpipe, 1f1b-flush): the sum of stage times (the first micro-batch's trip
+    through the pipeline and back) + (m-1) x the slowest stage time.
+    1f1b-stash (asynchronous steady state, transfers overlapped with compute): m x the larger of
+    the slowest stage's forward+backward and the slowest boundary's link time.
+    """
+    check_schedule(schedule)
+    if not costs:
+        raise ValueError("no stages")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+    if schedule in ASYNC_SCHEDULES:
+        period = max([c.forward_s + c.backward_s for c in costs] + boundary_link_s(costs))
+        return microbatches * period
+    times = [stage_time_s(c) for c in costs]
+    return sum(times) + (microbatches - 1) * max(times)

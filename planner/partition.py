@@ -1,0 +1,604 @@
+"""Cut a model into pipeline stages over the cluster's devices: CP-SAT, brute force, manual, even.
+
+Every partitioner takes a fully prepared `PartitionInstance` (integers only: microseconds and
+bytes, built by `make_instance` from planner.cost) and returns an `ir.partition.Partition` with
+the predicted stage times and memory filled in, so everything downstream is shared.
+
+The problem. Choose p (1 <= p <= min(devices, blocks)), an ordered list of p distinct devices
+(the pipeline order) and contiguous block ranges, one per stage, covering every block in order,
+such that every stage fits its device's memory budget, minimising the predicted step time of
+planner.cost.predicted_step_s in integer microseconds. With C_s the stage's compute
+(forward+backward of its blocks on its device) and B_s one transfer of the activation crossing
+boundary s (between stages s and s+1) over that device pair (bytes / bandwidth + latency):
+- flush schedules (gpipe, 1f1b-flush): t_s = C_s + B_s + B_{s-1};  step = sum_s t_s + (m-1) max_s t_s
+- 1f1b-stash (asynchronous, transfers overlap compute): step = m max(max_s C_s, max_s 2 B_s)
+Both are the exact objectives, not proxies: the first is linear in the sum and one max variable.
+
+Memory of stage s of p on device d is linear in the blocks it runs, with coefficients that
+depend only on (p, s) (planner.cost: weight copies including old versions under 1f1b-stash,
+micro-batches in flight):
+    overhead_d + sum_k in stage [params_k weight_copies[p][s] + input_k in_flight[p][s] + workspace_dk].
+To keep this exact, the solver builds one model per p, where position s and thus both
+coefficients are constants; each later model must beat the best objective so far, so most are
+proved infeasible quickly. The result is optimal when every per-p model is solved to optimality
+or proved infeasible within the time limit.
+
+Per p the model (the `_add_*` steps) has: stage_of[k] (monotone, steps of 0 or 1, from 0 to p-1)
+channelled to in_stage[s][k]; cut_after[k] and last_of[s][k] (block k ends stage s); on[s][d]
+(position s runs on device d, each device at most once); compute C_s and transfer B_s as integer
+variables fixed by constraints enforced on on[s][d] (and on[s+1][e] for links); memory as one
+linear constraint per (s, d) enforced on on[s][d].
+
+When nothing fits, the same models with memory made soft (minimise the largest overflow over
+any device) find the least-overflow assignment, and `PlanDoesNotFit` reports its tightest device,
+by how much it is over, and what would help.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ortools.sat.python import cp_model
+
+from ir.graph import Graph
+from ir.partition import Partition, StageAssignment
+from planner.cluster import Cluster, format_bytes
+from planner.cost import (ASYNC_SCHEDULES, OPTIMIZER_STATE_COPIES, block_costs, block_input_bytes, check_blocks,
+                          check_optimizer, check_schedule, in_flight_microbatches, weight_copies)
+
+US_PER_S = 1_000_000
+
+
+@dataclass(frozen=True)
+class PartitionInstance:
+    """Everything a partitioner needs, as integers (times in microseconds, sizes in bytes).
+
+    Indices: d, e over `devices`; k over blocks; p-1 and s over the (stages, stage) tables, which
+    have one row per stage count p = 1..len(devices), of length p.
+    """
+
+    devices: tuple[str, ...]
+    block_names: tuple[str, ...]
+    compute_us: tuple[tuple[int, ...], ...]          # [d][k] forward+backward of one micro-batch
+    params_bytes: tuple[int, ...]                    # [k]
+    input_bytes: tuple[int, ...]                     # [k] activation block k reads, stashed per micro-batch
+    workspace_bytes: tuple[tuple[int, ...], ...]     # [d][k] per-op caches of one micro-batch
+    overhead_bytes: tuple[int, ...]                  # [d] resident runtime
+    memory_budget_bytes: tuple[int, ...]             # [d]
+    boundary_bytes: tuple[int, ...]                  # [k], k < n-1: bytes crossing a cut after block k
+    link_bandwidth_bytes_per_s: tuple[tuple[float, ...], ...]  # [d][e]; the diagonal is unused
+    link_latency_us: tuple[tuple[int, ...], ...]     # [d][e]; the diagonal is unused
+    weight_copies: tuple[tuple[int, ...], ...]       # [p-1][s] bytes held per parameter byte
+    in_flight: tuple[tuple[int, ...], ...]           # [p-1][s] micro-batches of activations held
+    microbatches: int
+    schedule: str
+    optimizer: str = "sgd"
+
+    def __post_init__(self) -> None:
+        check_schedule(self.schedule)
+        check_optimizer(self.optimizer)
+        nd, n = len(self.devices), len(self.block_names)
+        if nd < 1 or n < 1:
+            raise ValueError(f"an instance needs at least one device and one block, got {nd} and {n}")
+        if len(set(self.devices)) != nd:
+            raise ValueError(f"device names repeat: {self.devices}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+        shapes = {
+            "compute_us": (self.compute_us, (nd, n)), "workspace_bytes": (self.workspace_bytes, (nd, n)),
+            "params_bytes": (self.params_bytes, (n,)), "input_bytes": (self.input_bytes, (n,)),
+            "overhead_bytes": (self.overhead_bytes, (nd,)), "memory_budget_bytes": (self.memory_budget_bytes, (nd,)),
+            "boundary_bytes": (self.boundary_bytes, (n - 1,)),
+            "link_bandwidth_bytes_per_s": (self.link_bandwidth_bytes_per_s, (nd, nd)),
+            "link_latency_us": (self.link_latency_us, (nd, nd)),
+        }
+        for name, (value, shape) in shapes.items():
+            rows = value if len(shape) == 2 else [value]
+            if len(value) != shape[0] or (len(shape) == 2 and any(len(r) != shape[1] for r in rows)):
+                raise ValueError(f"PartitionInstance.{name} must have shape {shape}")
+            for r in rows:
+                if any(x < 0 for x in r):
+                    raise ValueError(f"PartitionInstance.{name} has a negative entry")
+        for name in ("weight_copies", "in_flight"):
+            table = getattr(self, name)
+            if len(table) != nd or any(len(row) != p + 1 for p, row in enumerate(table)):
+                raise ValueError(f"PartitionInstance.{name} needs one row per stage count 1..{nd}, of that length")
+        for d, e in itertools.permutations(range(nd), 2):
+            if self.link_bandwidth_bytes_per_s[d][e] <= 0:
+                raise ValueError("PartitionInstance.link_bandwidth_bytes_per_s must be more than 0 between devices")
+            if (self.link_bandwidth_bytes_per_s[d][e] != self.link_bandwidth_bytes_per_s[e][d]
+                    or self.link_latency_us[d][e] != self.link_latency_us[e][d]):
+                raise ValueError(f"links must be symmetric: {self.devices[d]!r}-{self.devices[e]!r} differs "
+                                 f"from {self.devices[e]!r}-{self.devices[d]!r}")
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_names)
+
+    def transfer_us(self, d: int, e: int, k: int) -> int:
+        """One transfer of the activation after block k between devices d and e."""
+        return round(self.boundary_bytes[k] * US_PER_S / self.link_bandwidth_bytes_per_s[d][e]) + self.link_latency_us[d][e]
+
+
+def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str) -> PartitionInstance:
+    """The instance for partitioning `graph` over all of `cluster`'s devices (planner.cost's numbers)."""
+    check_schedule(schedule)
+    check_optimizer(optimizer)
+    blocks = check_blocks(graph)
+    specs = cluster.devices
+    costs = [block_costs(graph, spec) for spec in specs]
+    nd = len(specs)
+
+    def link(d: int, e: int):
+        return None if d == e else cluster.link(specs[d].name, specs[e].name)
+
+    return PartitionInstance(
+        devices=tuple(s.name for s in specs),
+        block_names=tuple(b.name for b in blocks),
+        compute_us=tuple(tuple(round((c.forward_s + c.backward_s) * US_PER_S) for c in row) for row in costs),
+        params_bytes=tuple(b.params_bytes for b in blocks),
+        input_bytes=block_input_bytes(graph),
+        workspace_bytes=tuple(tuple(c.workspace_bytes for c in row) for row in costs),
+        overhead_bytes=tuple(s.profile.runtime_overhead_bytes for s in specs),
+        memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
+        boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
+        link_bandwidth_bytes_per_s=tuple(tuple(math.inf if link(d, e) is None else link(d, e).bandwidth_bytes_per_s
+                                               for e in range(nd)) for d in range(nd)),
+        link_latency_us=tuple(tuple(0 if link(d, e) is None else round(link(d, e).latency_s * US_PER_S)
+                                    for e in range(nd)) for d in range(nd)),
+        weight_copies=tuple(tuple(weight_copies(schedule, optimizer, p, s, microbatches) for s in range(p))
+                            for p in range(1, nd + 1)),
+        in_flight=tuple(tuple(in_flight_microbatches(schedule, p, s, microbatches) for s in range(p))
+                        for p in range(1, nd + 1)),
+        microbatches=microbatches, schedule=schedule, optimizer=optimizer)
+
+
+# --- evaluating one assignment (shared by brute force, the solver's answer and manual plans) ---
+
+Assignment = tuple[tuple[int, ...], tuple[tuple[int, int], ...]]  # device indices, block ranges
+
+
+def _memory_bytes(inst: PartitionInstance, d: int, first: int, last: int, s: int, p: int) -> int:
+    wc, fl = inst.weight_copies[p - 1][s], inst.in_flight[p - 1][s]
+    return inst.overhead_bytes[d] + sum(inst.params_bytes[k] * wc + inst.input_bytes[k] * fl
+                                        + inst.workspace_bytes[d][k] for k in range(first, last + 1))
+
+
+def _times_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]):
+    """(compute per stage, one transfer per boundary)."""
+    compute = [sum(inst.compute_us[d][first:last + 1]) for d, (first, last) in zip(devs, ranges)]
+    link = [inst.transfer_us(devs[s], devs[s + 1], ranges[s][1]) for s in range(len(devs) - 1)]
+    return compute, link
+
+
+def _stage_times_us(compute: list[int], link: list[int]) -> list[int]:
+    p = len(compute)
+    return [compute[s] + (link[s] if s < p - 1 else 0) + (link[s - 1] if s > 0 else 0) for s in range(p)]
+
+
+def _objective_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> int:
+    compute, link = _times_us(inst, devs, ranges)
+    if inst.schedule in ASYNC_SCHEDULES:
+        return inst.microbatches * max(compute + [2 * b for b in link])
+    times = _stage_times_us(compute, link)
+    return sum(times) + (inst.microbatches - 1) * max(times)
+
+
+def _overflows(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
+    p = len(devs)
+    return [_memory_bytes(inst, d, first, last, s, p) - inst.memory_budget_bytes[d]
+            for s, (d, (first, last)) in enumerate(zip(devs, ranges))]
+
+
+def _partition(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]], method: str,
+               optimal: bool = False) -> Partition:
+    p = len(devs)
+    compute, link = _times_us(inst, devs, ranges)
+    times = _stage_times_us(compute, link)
+    stages = tuple(StageAssignment(s, inst.devices[d], first, last, times[s] / US_PER_S,
+                                   _memory_bytes(inst, d, first, last, s, p), inst.memory_budget_bytes[d])
+                   for s, (d, (first, last)) in enumerate(zip(devs, ranges)))
+    return Partition(stages, method, max(times) / US_PER_S, optimal)
+
+
+def _assignment(inst: PartitionInstance, partition: Partition) -> Assignment:
+    index = {name: i for i, name in enumerate(inst.devices)}
+    return tuple(index[n] for n in partition.devices), tuple(partition.ranges)
+
+
+def predicted_step_us(inst: PartitionInstance, partition: Partition) -> int:
+    """The objective every partitioner minimises: predicted step time in integer microseconds."""
+    devs, ranges = _assignment(inst, partition)
+    return _objective_us(inst, devs, ranges)
+
+
+# --- when nothing fits ---------------------------------------------------------------------------
+
+class PlanDoesNotFit(ValueError):
+    """No assignment fits the memory budgets. `over_bytes` is the least, over all assignments, of
+    the largest overflow of any device: every plan overflows some device by at least that much.
+    `device` is the tightest device of the assignment that attains it (`attempt`). When the
+    search ran out of time, the message says the bound is not proven."""
+
+    def __init__(self, message: str, device: str, over_bytes: int, attempt: Partition):
+        super().__init__(message)
+        self.device = device
+        self.over_bytes = over_bytes
+        self.attempt = attempt
+
+
+def _nbytes(n: int) -> str:
+    return f"{n} bytes" if abs(n) < 1024 else f"{n} bytes ({format_bytes(n)})"
+
+
+def _blocks_text(first: int, last: int) -> str:
+    return f"block {first}" if first == last else f"blocks {first}-{last}"
+
+
+def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]],
+                  proven: bool = True) -> PlanDoesNotFit:
+    """The error for the least-overflow assignment (devs, ranges), with what would help on its
+    tightest device; `proven`: no plan fits and no assignment overflows less (else: none found in time)."""
+    p = len(devs)
+    over = _overflows(inst, devs, ranges)
+    s = max(range(p), key=lambda i: over[i])
+    d, (first, last) = devs[s], ranges[s]
+    name, budget, worst = inst.devices[d], inst.memory_budget_bytes[d], over[s]
+    plan = ", ".join(f"{inst.devices[e]} {_blocks_text(a, b)}" for e, (a, b) in zip(devs, ranges))
+    others = [f"{inst.devices[devs[i]]!r} by {_nbytes(over[i])}" for i in range(p) if i != s and over[i] > 0]
+    params = sum(inst.params_bytes[first:last + 1])
+    activations = sum(inst.input_bytes[first:last + 1])
+    hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
+    # copies beyond a one-stage pipeline's are old weight versions (1f1b-stash only)
+    old = inst.weight_copies[p - 1][s] - inst.weight_copies[0][0] if inst.schedule in ASYNC_SCHEDULES else 0
+    if old > 0 and params:
+        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(old * params)} on {name!r} "
+                     f"({old} old weight version{'s' if old != 1 else ''})")
+    in_flight = inst.in_flight[p - 1][s]
+    if activations and in_flight:
+        hints.append(f"fewer micro-batches in flight or smaller micro-batches: stashed activations take "
+                     f"{_nbytes(in_flight * activations)} on {name!r} ({in_flight} micro-batches in flight"
+                     + ("; 1f1b-flush keeps at most p-s of gpipe's m)" if inst.schedule == "gpipe" else ")"))
+    if inst.optimizer == "adamw" and params:
+        saving = (OPTIMIZER_STATE_COPIES["adamw"] - OPTIMIZER_STATE_COPIES["sgd"]) * params
+        hints.append(f"sgd instead of adamw: saves {_nbytes(saving)} on {name!r} (one optimizer state copy less)")
+    claim = (f"every plan overflows some device by at least {_nbytes(worst)}" if proven else
+             f"the best attempt found in the time limit overflows a device by {_nbytes(worst)} (not proven: a "
+             f"longer time_limit_s may find a plan)")
+    message = (f"no plan fits the memory budgets ({inst.schedule}, {inst.microbatches} micro-batches, "
+               f"{inst.optimizer}): {claim}. "
+               f"Tightest device: {name!r}, which in the best attempt ({plan}) needs {budget + worst} bytes "
+               f"of its {budget}-byte budget"
+               + (f" (also over there: {', '.join(others)})" if others else "")
+               + ". What would make it fit:\n" + "\n".join(f"  - {h}" for h in hints))
+    return PlanDoesNotFit(message, name, worst, _partition(inst, devs, ranges, "least-overflow"))
+
+
+# --- brute force (the tests' oracle) ---------------------------------------------------------
+
+def _all_assignments(inst: PartitionInstance):
+    n, nd = inst.blocks, len(inst.devices)
+    for p in range(1, min(nd, n) + 1):
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            bounds = (0,) + cuts + (n,)
+            ranges = tuple((bounds[i], bounds[i + 1] - 1) for i in range(p))
+            for devs in itertools.permutations(range(nd), p):
+                yield devs, ranges
+
+
+def brute_force_partition(inst: PartitionInstance) -> Partition:
+    """Every ordered device subset x every composition of the blocks; for tests (<= 10 blocks, <= 5 devices)."""
+    if inst.blocks > 10 or len(inst.devices) > 5:
+        raise ValueError(f"brute force is for small instances (<= 10 blocks, <= 5 devices), "
+                         f"got {inst.blocks} blocks and {len(inst.devices)} devices")
+    best, least = None, None
+    for devs, ranges in _all_assignments(inst):
+        worst = max(_overflows(inst, devs, ranges))
+        if worst <= 0:
+            obj = _objective_us(inst, devs, ranges)
+            if best is None or obj < best[0]:
+                best = (obj, devs, ranges)
+        elif best is None and (least is None or worst < least[0]):
+            least = (worst, devs, ranges)
+    if best is None:
+        raise _does_not_fit(inst, least[1], least[2])
+    return _partition(inst, best[1], best[2], "brute-force", optimal=True)
+
+
+# --- manual and even ------------------------------------------------------------------------
+
+def _device_indices(inst: PartitionInstance, devices: Sequence[str]) -> tuple[int, ...]:
+    index = {name: i for i, name in enumerate(inst.devices)}
+    for name in devices:
+        if name not in index:
+            raise ValueError(f"no device {name!r} in the cluster (devices: {', '.join(inst.devices)})")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"a device may run one stage only; got {list(devices)}")
+    if not devices:
+        raise ValueError("at least one device is needed")
+    return tuple(index[n] for n in devices)
+
+
+def manual_partition(inst: PartitionInstance, devices: Sequence[str], cuts: Sequence[int]) -> Partition:
+    """Stage i runs on devices[i]; `cuts` are the first blocks of stages 1..p-1 (e.g. [3, 6] for
+    blocks 0-2, 3-5, 6-n). Budgets are not enforced here: run `check_feasible` on the result."""
+    devs = _device_indices(inst, devices)
+    cuts = list(cuts)
+    if len(cuts) != len(devs) - 1:
+        raise ValueError(f"{len(devs)} devices need {len(devs) - 1} cuts, got {len(cuts)}: {cuts}")
+    bounds = [0] + cuts + [inst.blocks]
+    for a, b in zip(bounds, bounds[1:]):
+        if not (isinstance(b, int) and a < b):
+            raise ValueError(f"cuts must be increasing block indices in 1..{inst.blocks - 1}, got {cuts}")
+    ranges = tuple((bounds[i], bounds[i + 1] - 1) for i in range(len(devs)))
+    return _partition(inst, devs, ranges, "manual")
+
+
+def even_partition(inst: PartitionInstance, devices: Sequence[str] | None = None) -> Partition:
+    """Equal block counts (the first stages take one more when it does not divide) over `devices`,
+    all of the cluster's in order by default. Budgets are not enforced here."""
+    devices = list(inst.devices if devices is None else devices)
+    devs = _device_indices(inst, devices)
+    p, n = len(devs), inst.blocks
+    if p > n:
+        raise ValueError(f"{p} devices for {n} blocks: each stage needs at least one block")
+    sizes = [n // p + (1 if i < n % p else 0) for i in range(p)]
+    starts = list(itertools.accumulate([0] + sizes[:-1]))
+    return _partition(inst, devs, tuple((a, a + size - 1) for a, size in zip(starts, sizes)), "even")
+
+
+# --- the CP-SAT model ---------------------------------------------------------------------
+
+@dataclass
+class _Vars:
+    model: cp_model.CpModel
+    p: int
+    stage_of: list          # [k] IntVar in 0..p-1
+    in_stage: list          # [s][k] BoolVar
+    cut_after: list         # [k] BoolVar, k < n-1
+    last_of: list           # [s][k] BoolVar: block k is the last of stage s (s < p-1, k < n-1)
+    on: list                # [s][d] BoolVar
+    compute: list           # [s] IntVar, microseconds
+    link: list              # [s] IntVar, one transfer across boundary s (s < p-1), microseconds
+
+
+def _add_stage_order(model: cp_model.CpModel, inst: PartitionInstance, p: int):
+    """Contiguous stages in order: stage_of rises by 0 or 1 per block, from 0 to p-1."""
+    n = inst.blocks
+    stage_of = [model.new_int_var(0, p - 1, f"stage_of_{k}") for k in range(n)]
+    in_stage = [[model.new_bool_var(f"in_{s}_{k}") for k in range(n)] for s in range(p)]
+    cut_after = [model.new_bool_var(f"cut_{k}") for k in range(n - 1)]
+    model.add(stage_of[0] == 0)
+    model.add(stage_of[n - 1] == p - 1)
+    for k in range(n):
+        model.add_exactly_one(in_stage[s][k] for s in range(p))
+        model.add(stage_of[k] == sum(s * in_stage[s][k] for s in range(p)))
+    for k in range(n - 1):
+        model.add(stage_of[k + 1] == stage_of[k] + cut_after[k])
+    last_of = []
+    for s in range(p - 1):
+        row = []
+        for k in range(n - 1):
+            e = model.new_bool_var(f"last_{s}_{k}")
+            model.add_implication(e, in_stage[s][k])
+            model.add_implication(e, cut_after[k])
+            model.add_bool_or([in_stage[s][k].Not(), cut_after[k].Not(), e])
+            row.append(e)
+        model.add_exactly_one(row)
+        last_of.append(row)
+    return stage_of, in_stage, cut_after, last_of
+
+
+def _add_device_order(model: cp_model.CpModel, inst: PartitionInstance, p: int):
+    """Each position runs on exactly one device, each device on at most one position."""
+    nd = len(inst.devices)
+    on = [[model.new_bool_var(f"on_{s}_{d}") for d in range(nd)] for s in range(p)]
+    for s in range(p):
+        model.add_exactly_one(on[s])
+    for d in range(nd):
+        model.add_at_most_one(on[s][d] for s in range(p))
+    return on
+
+
+def _add_compute(v: _Vars, inst: PartitionInstance) -> None:
+    """compute[s] = the stage's blocks' time on the device at position s."""
+    for s in range(v.p):
+        for d in range(len(inst.devices)):
+            v.model.add(v.compute[s] == sum(inst.compute_us[d][k] * v.in_stage[s][k] for k in range(inst.blocks))
+                        ).only_enforce_if(v.on[s][d])
+
+
+def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
+    """The stage at position s fits device d's budget (or exceeds it by at most `overflow`)."""
+    wc, fl = inst.weight_copies[v.p - 1], inst.in_flight[v.p - 1]
+    for s in range(v.p):
+        for d in range(len(inst.devices)):
+            used = inst.overhead_bytes[d] + sum(
+                (inst.params_bytes[k] * wc[s] + inst.input_bytes[k] * fl[s] + inst.workspace_bytes[d][k])
+                * v.in_stage[s][k] for k in range(inst.blocks))
+            limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
+            v.model.add(used <= limit).only_enforce_if(v.on[s][d])
+
+
+def _add_links(v: _Vars, inst: PartitionInstance) -> None:
+    """link[s] = one transfer of the activation ending stage s between the two devices around it."""
+    nd = len(inst.devices)
+    for s in range(v.p - 1):
+        for d in range(nd):
+            for e in range(nd):
+                if d == e:
+                    continue
+                v.model.add(v.link[s] == sum(inst.transfer_us(d, e, k) * v.last_of[s][k] for k in range(inst.blocks - 1))
+                            ).only_enforce_if([v.on[s][d], v.on[s + 1][e]])
+
+
+def _add_objective(v: _Vars, inst: PartitionInstance, below: int | None = None):
+    """The predicted step time (see the module docstring); `below`: it must beat that value."""
+    m, model, p = inst.microbatches, v.model, v.p
+    compute_ub, link_ub = _upper_bounds_us(inst)
+    slowest = model.new_int_var(0, compute_ub + 2 * link_ub, "slowest")
+    for s in range(p):
+        if inst.schedule in ASYNC_SCHEDULES:
+            model.add(slowest >= v.compute[s])
+            if s < p - 1:
+                model.add(slowest >= 2 * v.link[s])
+        else:
+            model.add(slowest >= v.compute[s] + (v.link[s] if s < p - 1 else 0) + (v.link[s - 1] if s > 0 else 0))
+    if inst.schedule in ASYNC_SCHEDULES:
+        objective = m * slowest
+    else:
+        objective = sum(v.compute) + 2 * sum(v.link) + (m - 1) * slowest
+    if below is not None:
+        model.add(objective <= below - 1)
+    model.minimize(objective)
+
+
+def _upper_bounds_us(inst: PartitionInstance) -> tuple[int, int]:
+    """Largest possible stage compute and single transfer."""
+    nd = len(inst.devices)
+    return (max(sum(row) for row in inst.compute_us),
+            max([0] + [inst.transfer_us(d, e, k) for d in range(nd) for e in range(nd) if d != e
+                       for k in range(inst.blocks - 1)]))
+
+
+def _build(inst: PartitionInstance, p: int, below: int | None = None, soft_memory: bool = False) -> _Vars:
+    """The model for exactly p stages; with `soft_memory`, minimise the largest overflow instead."""
+    model = cp_model.CpModel()
+    stage_of, in_stage, cut_after, last_of = _add_stage_order(model, inst, p)
+    on = _add_device_order(model, inst, p)
+    compute_ub, link_ub = _upper_bounds_us(inst)
+    compute = [model.new_int_var(0, compute_ub, f"compute_{s}") for s in range(p)]
+    link = [model.new_int_var(0, link_ub, f"link_{s}") for s in range(p - 1)]
+    v = _Vars(model, p, stage_of, in_stage, cut_after, last_of, on, compute, link)
+    _add_compute(v, inst)
+    if soft_memory:
+        max_use = max(inst.overhead_bytes) + sum(
+            inst.params_bytes[k] * max(map(max, inst.weight_copies)) + inst.input_bytes[k] * max(map(max, inst.in_flight))
+            + max(inst.workspace_bytes[d][k] for d in range(len(inst.devices))) for k in range(inst.blocks))
+        overflow = model.new_int_var(-max(inst.memory_budget_bytes), max_use, "overflow")
+        _add_memory(v, inst, overflow)
+        if below is not None:
+            model.add(overflow <= below - 1)
+        model.minimize(overflow)
+    else:
+        _add_memory(v, inst)
+        _add_links(v, inst)
+        _add_objective(v, inst, below)
+    return v
+
+
+def _extract(v: _Vars, solver: cp_model.CpSolver, inst: PartitionInstance) -> Assignment:
+    devs = tuple(next(d for d in range(len(inst.devices)) if solver.value(v.on[s][d])) for s in range(v.p))
+    stage = [solver.value(x) for x in v.stage_of]
+    ranges = tuple((stage.index(s), len(stage) - 1 - stage[::-1].index(s)) for s in range(v.p))
+    return devs, ranges
+
+
+def _solver(seconds: float, workers: int, seed: int) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(seconds, 0.01)
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    return solver
+
+
+def _search(inst: PartitionInstance, time_limit_s: float, workers: int, seed: int, soft_memory: bool):
+    """Best (value, assignment) over p = 1..min(devices, blocks), and whether it is proven optimal."""
+    deadline = time.monotonic() + time_limit_s
+    counts = range(1, min(len(inst.devices), inst.blocks) + 1)
+    best, proven = None, True
+    for i, p in enumerate(counts):
+        v = _build(inst, p, None if best is None else best[0], soft_memory)
+        solver = _solver((deadline - time.monotonic()) / (len(counts) - i), workers, seed)
+        status = solver.solve(v.model)
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            best = (round(solver.objective_value), _extract(v, solver, inst))
+            proven &= status == cp_model.OPTIMAL
+        elif status != cp_model.INFEASIBLE:
+            proven = False
+    return best, proven
+
+
+def solve_partition(inst: PartitionInstance, time_limit_s: float = 10.0, workers: int = 8, seed: int = 0) -> Partition:
+    """The plan with the least predicted step time under every device's budget (CP-SAT).
+
+    Raises PlanDoesNotFit when no plan fits (then a second search, also up to `time_limit_s`,
+    finds the least-overflow assignment for the message). `optimal` is True when proven.
+    """
+    best, proven = _search(inst, time_limit_s, workers, seed, soft_memory=False)  # proven: all optimal or infeasible
+    if best is not None:
+        value, (devs, ranges) = best
+        if value != _objective_us(inst, devs, ranges) or max(_overflows(inst, devs, ranges)) > 0:
+            raise RuntimeError(f"CP-SAT's answer {devs} {ranges} disagrees with the evaluation (a bug in the model)")
+        return _partition(inst, devs, ranges, "cp-sat", proven)
+    least, least_proven = _search(inst, time_limit_s, workers, seed, soft_memory=True)
+    if least is None:
+        raise TimeoutError(f"CP-SAT found no assignment at all within {time_limit_s} s; raise time_limit_s")
+    _, (devs, ranges) = least
+    if max(_overflows(inst, devs, ranges)) <= 0:
+        # the first search ran out of time; the soft one stumbled on a plan that fits
+        return _partition(inst, devs, ranges, "cp-sat", False)
+    raise _does_not_fit(inst, devs, ranges, proven and least_proven)
+
+
+# --- an independent check --------------------------------------------------------------------
+
+def check_feasible(partition: Partition, inst: PartitionInstance) -> list[str]:
+    """Problems of `partition` on `inst` (empty: it is a valid plan that fits every budget).
+
+    Written from the problem statement, not from the solver or the evaluation helpers above, so
+    that it can check them: structure, memory recomputed block by block, and recorded numbers.
+    """
+    problems: list[str] = []
+    stages = partition.stages
+    if not stages:
+        return ["the partition has no stages"]
+    p = len(stages)
+    if p > len(inst.devices):
+        problems.append(f"{p} stages but only {len(inst.devices)} devices")
+        return problems
+    seen: set[str] = set()
+    next_block = 0
+    for i, st in enumerate(stages):
+        where = f"stage {i} on {st.device!r}"
+        if st.stage != i:
+            problems.append(f"{where}: numbered {st.stage}")
+        if st.first_block != next_block or st.last_block < st.first_block:
+            problems.append(f"{where}: runs blocks {st.first_block}..{st.last_block}, expected to start at {next_block}")
+        next_block = st.last_block + 1
+        if st.device not in inst.devices:
+            problems.append(f"{where}: not a device of the cluster")
+        elif st.device in seen:
+            problems.append(f"{where}: the device already runs another stage")
+        seen.add(st.device)
+    if next_block != inst.blocks:
+        problems.append(f"the stages end at block {next_block - 1}, the model has blocks 0..{inst.blocks - 1}")
+    if problems:
+        return problems
+    for i, st in enumerate(stages):
+        d = inst.devices.index(st.device)
+        blocks = range(st.first_block, st.last_block + 1)
+        weights = sum(inst.params_bytes[k] for k in blocks) * inst.weight_copies[p - 1][i]
+        stashed = sum(inst.input_bytes[k] for k in blocks) * inst.in_flight[p - 1][i]
+        workspace = sum(inst.workspace_bytes[d][k] for k in blocks)
+        need = weights + stashed + workspace + inst.overhead_bytes[d]
+        budget = inst.memory_budget_bytes[d]
+        where = f"stage {i} on {st.device!r}"
+        if need > budget:
+            problems.append(f"{where}: needs {need} bytes, {need - budget} over its budget of {budget}")
+        if st.memory_bytes != need or st.memory_budget_bytes != budget:
+            problems.append(f"{where}: records {st.memory_bytes} of {st.memory_budget_bytes} bytes, "
+                            f"recomputed {need} of {budget}")
+        links = 0
+        for j, k in ((i - 1, st.first_block - 1), (i + 1, st.last_block)):
+            if 0 <= j < p:
+                e = inst.devices.index(stages[j].device)
+                bw = inst.link_bandwidth_bytes_per_s[d][e]
+                links += round(inst.boundary_bytes[k] * US_PER_S / bw) + inst.link_latency_us[d][e]
+        t_us = sum(inst.compute_us[d][k] for k in blocks) + links
+        if abs(st.predicted_time_s - t_us / US_PER_S) > 1e-9:
+            problems.append(f"{where}: records {st.predicted_time_s} s per micro-batch, recomputed {t_us / US_PER_S}")
+    return problems

@@ -1,0 +1,144 @@
+"""The cost model (planner.cost) on a hand-built four-block graph and two device profiles: every
+number is checked against a hand computation, and the in-flight and weight-version counts
+against the schedules' own action lists."""
+from __future__ import annotations
+
+import pytest
+
+from ir.graph import Block, Graph, block_signature
+from ir.partition import Partition, StageAssignment, StageCost
+from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
+from ir.verify import peak_weight_versions
+from planner.cluster import Cluster, DeviceSpec
+from planner.cost import (block_input_bytes, compute_s, in_flight_microbatches, predicted_step_s, stage_costs,
+                          stage_memory_bytes, stage_time_s, stashed_weight_versions, weight_copies)
+from planner.schedule import SCHEDULES, peak_in_flight
+
+
+def _block(index: int, name: str, kind: str, params: int, act: int, flops: int, heads=None) -> Block:
+    return Block(index, name, kind, (), (), (), f"{name}.out", (), params, act, flops,
+                 heads, 8 if heads else None)
+
+
+BLOCKS = (
+    _block(0, "embeddings", "embeddings", 1000, 400, 10),
+    _block(1, "layer0", "encoder", 2000, 400, 20, heads=2),
+    _block(2, "layer1", "encoder", 2000, 400, 20, heads=2),
+    _block(3, "head", "head", 100, 4, 5),
+)
+EMB, ENC, HEAD = (block_signature(BLOCKS[i]) for i in (0, 1, 3))
+
+
+def tiny_graph() -> Graph:
+    return Graph("tiny", (), (), (), {}, {}, (), BLOCKS)
+
+
+def tiny_cluster() -> Cluster:
+    """Device a runs backend t1 as asked (t4 would be faster); b has one backend, picked as fastest."""
+    a_t1 = {EMB: BlockCost(0.001, 0.002, 0.0, 50), ENC: BlockCost(0.010, 0.020, 0.005, 300), HEAD: BlockCost(0.0005, 0.0005, 0, 10)}
+    a_t4 = {k: BlockCost(c.forward_s / 4, c.backward_s / 4, 0.0, c.workspace_bytes) for k, c in a_t1.items()}
+    b_t2 = {EMB: BlockCost(0.002, 0.004, 0.0, 60), ENC: BlockCost(0.020, 0.040, 0.0, 300), HEAD: BlockCost(0.001, 0.001, 0, 10)}
+    a = DeviceProfile("a", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", a_t1), BackendProfile("mnn:cpu:t4", a_t4)),
+                      10**6, 5000)
+    b = DeviceProfile("b", "tiny", 8, 32, (BackendProfile("mnn:cpu:t2", b_t2),), 10**6, 7000)
+    c = DeviceProfile("c", "tiny", 8, 32, (BackendProfile("mnn:cpu:t2", b_t2),), 10**6, 7000)
+    return Cluster((DeviceSpec("a", "tcp://a:1", a, 30_000, "mnn:cpu:t1"), DeviceSpec("b", "tcp://b:1", b, 20_000, None),
+                    DeviceSpec("c", "tcp://c:1", c, 20_000, None)),
+                   Link(1e5, 0.001), {("a", "b"): Link(1e6, 0.0005)})
+
+
+def _two_stages() -> Partition:
+    return Partition((StageAssignment(0, "a", 0, 1), StageAssignment(1, "b", 2, 3)), "manual")
+
+
+def test_compute_uses_the_chosen_backend_and_sums_the_blocks():
+    g, cl = tiny_graph(), tiny_cluster()
+    assert compute_s(g, cl.device("a"), 0, 1) == pytest.approx((0.011, 0.022))
+    assert compute_s(g, cl.device("b"), 2, 3) == pytest.approx((0.021, 0.041))
+    assert block_input_bytes(g) == (0, 400, 400, 400)
+
+
+def test_memory_by_hand():
+    g, a, b = tiny_graph(), tiny_cluster().device("a"), tiny_cluster().device("b")
+    # stage 0 of 2 on a, blocks 0-1: params 3000, stashed inputs 0 + 400, workspace 50 + 300, overhead 5000
+    # 1f1b-flush, sgd: 3 weights + 1 gradient + 1 momentum = 5 copies; min(p-s, m) = 2 in flight
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == 5 * 3000 + 2 * 400 + 350 + 5000 == 21150
+    # 1f1b-stash keeps one old version on stage 0 of 2 (p-s-1); adamw two moments
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "sgd") == 6 * 3000 + 800 + 350 + 5000
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "adamw") == 7 * 3000 + 800 + 350 + 5000
+    # gpipe holds all m = 4 micro-batches
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "gpipe", 4, "sgd") == 5 * 3000 + 4 * 400 + 350 + 5000
+    # the last stage: one micro-batch in flight, no old versions even under stash
+    assert stage_memory_bytes(g, b, 2, 3, 1, 2, "1f1b-stash", 4, "adamw") == 6 * 2100 + 800 + 310 + 7000
+
+
+def test_stage_costs_and_step_times_by_hand():
+    g, cl = tiny_graph(), tiny_cluster()
+    costs = stage_costs(g, cl, _two_stages(), "1f1b-flush", 4, "sgd")
+    link = 400 / 1e6 + 0.0005  # the a-b pair link, one direction
+    expected = [StageCost(0, "a", 0.011, 0.022, 0.0, link, 0.0, 21150, 30_000),
+                StageCost(1, "b", 0.021, 0.041, 0.0, 0.0, link, 5 * 2100 + 800 + 310 + 7000, 20_000)]
+    for got, want in zip(costs, expected):
+        assert (got.stage, got.device, got.memory_bytes, got.memory_budget_bytes) == \
+            (want.stage, want.device, want.memory_bytes, want.memory_budget_bytes)
+        assert (got.forward_s, got.backward_s, got.send_act_s, got.send_grad_s) == pytest.approx(
+            (want.forward_s, want.backward_s, want.send_act_s, want.send_grad_s))
+    t0, t1 = 0.033 + link, 0.062 + link
+    assert [stage_time_s(c) for c in costs] == pytest.approx([t0, t1])
+    # DESIGN: flush = sum of stage times + (m-1) x slowest; async = m x max(slowest f+b, slowest link)
+    assert predicted_step_s(costs, "1f1b-flush", 4) == pytest.approx(t0 + t1 + 3 * t1)
+    assert predicted_step_s(costs, "gpipe", 1) == pytest.approx(t0 + t1)
+    assert predicted_step_s(costs, "1f1b-stash", 4) == pytest.approx(4 * 0.062)
+
+
+def test_async_step_is_link_bound_on_a_slow_link():
+    g, cl = tiny_graph(), tiny_cluster()
+    part = Partition((StageAssignment(0, "b", 0, 1), StageAssignment(1, "c", 2, 3)), "manual")
+    costs = stage_costs(g, cl, part, "1f1b-stash", 3, "sgd")
+    link = 400 / 1e5 + 0.001  # b-c uses the default link
+    assert (costs[0].send_act_s, costs[1].send_grad_s) == pytest.approx((link, link))
+    assert predicted_step_s(costs, "1f1b-stash", 3) == pytest.approx(3 * 0.066)  # compute-bound: b's 0.066 s
+    slow = Cluster(cl.devices, Link(1e4, 0.01), cl.links)
+    costs = stage_costs(g, slow, part, "1f1b-stash", 3, "sgd")
+    link = 400 / 1e4 + 0.01
+    assert predicted_step_s(costs, "1f1b-stash", 3) == pytest.approx(3 * 2 * link)  # link-bound: 0.1 s > 0.066 s
+    one = stage_costs(g, cl, Partition((StageAssignment(0, "a", 0, 3),), "manual"), "1f1b-stash", 3, "sgd")
+    assert (one[0].send_act_s, one[0].send_grad_s) == (0.0, 0.0)
+    assert predicted_step_s(one, "1f1b-stash", 3) == pytest.approx(3 * (0.0215 + 0.0425))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_in_flight_and_weight_versions_match_the_schedules(name):
+    for p in range(1, 6):
+        for m in range(1, 10):
+            sch = SCHEDULES[name](p, m)
+            assert tuple(in_flight_microbatches(name, p, s, m) for s in range(p)) == peak_in_flight(sch), (p, m)
+            assert tuple(stashed_weight_versions(name, p, s, m) + 1 for s in range(p)) == peak_weight_versions(sch), (p, m)
+
+
+def test_weight_versions_reach_pipedreams_numbers_in_the_steady_state():
+    assert [stashed_weight_versions("1f1b-stash", 4, s, 100) for s in range(4)] == [3, 2, 1, 0]
+    assert [weight_copies("1f1b-stash", "adamw", 4, s, 100) for s in range(4)] == [9, 8, 7, 6]
+    assert [weight_copies("1f1b-flush", "sgd", 4, s, 100) for s in range(4)] == [5, 5, 5, 5]
+
+
+def test_errors_name_device_and_block():
+    g, cl = tiny_graph(), tiny_cluster()
+    prof = cl.device("b").profile
+    blocks = dict(prof.backends[0].blocks)
+    del blocks[HEAD]
+    spec = DeviceSpec("b", "tcp://b:1", DeviceProfile("b", "tiny", 8, 32, (BackendProfile("mnn:cpu:t2", blocks),), 10**6),
+                      1000)
+    with pytest.raises(ValueError) as exc:
+        compute_s(g, spec, 0, 3)
+    assert str(exc.value) == (f"device 'b': its profile 'b' (backend 'mnn:cpu:t2') has no cost for block 3 'head' "
+                              f"(signature {HEAD}); profile the device with model 'tiny' (`confidant profile`)")
+    with pytest.raises(ValueError, match="unknown schedule 'zb'; valid names: 1f1b-stash, 1f1b-flush, gpipe"):
+        stage_costs(g, cl, _two_stages(), "zb", 4, "sgd")
+    with pytest.raises(ValueError, match="unknown optimizer 'adam': choose sgd or adamw"):
+        stage_costs(g, cl, _two_stages(), "gpipe", 4, "adam")
+    with pytest.raises(ValueError, match="partition stage 1 runs blocks 3..3; expected it to start at block 2"):
+        stage_costs(g, cl, Partition((StageAssignment(0, "a", 0, 1), StageAssignment(1, "b", 3, 3)), "manual"),
+                    "gpipe", 4, "sgd")
+    with pytest.raises(ValueError, match="partition covers blocks 0..1 of 4"):
+        stage_costs(g, cl, Partition((StageAssignment(0, "a", 0, 1),), "manual"), "gpipe", 4, "sgd")

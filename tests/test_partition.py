@@ -1,0 +1,268 @@
+"""The partitioners (planner.partition): CP-SAT against the brute-force oracle and bounds on random
+small instances (objective values, never one exact assignment), an independent feasibility
+check of every plan, the least-overflow report when nothing fits, and manual/even plans whose
+predicted numbers match the cost model."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from ir.partition import Partition, StageAssignment
+from planner.cost import in_flight_microbatches, predicted_step_s, stage_costs, weight_copies
+from planner.partition import (PartitionInstance, PlanDoesNotFit, brute_force_partition, check_feasible,
+                               even_partition, make_instance, manual_partition, predicted_step_us, solve_partition)
+from test_cost import tiny_cluster, tiny_graph
+
+SCHEDULE_NAMES = ("1f1b-stash", "1f1b-flush", "gpipe")
+PROPERTY = settings(max_examples=100, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _solve(inst: PartitionInstance) -> Partition:
+    return solve_partition(inst, time_limit_s=10.0, workers=1, seed=0)
+
+
+def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
+                   schedule, m, optimizer) -> PartitionInstance:
+    """An instance from plain numbers; memory tables from planner.cost for the schedule."""
+    nd, n = len(devices), len(params)
+    return PartitionInstance(
+        tuple(devices), tuple(f"b{k}" for k in range(n)), tuple(map(tuple, compute)), tuple(params), tuple(inputs),
+        tuple(map(tuple, workspace)), tuple(overhead), tuple(budgets), tuple(inputs[1:]),
+        tuple(map(tuple, bandwidth)), tuple(map(tuple, latency)),
+        tuple(tuple(weight_copies(schedule, optimizer, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
+        tuple(tuple(in_flight_microbatches(schedule, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
+        m, schedule, optimizer)
+
+
+@st.composite
+def instances(draw, tight: bool | None = None):
+    nd, n = draw(st.integers(1, 4)), draw(st.integers(1, 8))
+    schedule, m = draw(st.sampled_from(SCHEDULE_NAMES)), draw(st.integers(1, 5))
+    optimizer = draw(st.sampled_from(("sgd", "adamw")))
+    ints = lambda lo, hi, size: draw(st.lists(st.integers(lo, hi), min_size=size, max_size=size))  # noqa: E731
+    speed = ints(1, 4, nd)  # heterogeneous devices: a speed factor each, plus per-block noise
+    base = ints(10, 500, n)
+    compute = [[b * s + draw(st.integers(0, 50)) for b in base] for s in speed]
+    params, inputs = ints(0, 200, n), [0] + ints(1, 200, n - 1)
+    workspace = [ints(0, 40, n) for _ in range(nd)]
+    overhead = ints(0, 100, nd)
+    bandwidth = [[0.0] * nd for _ in range(nd)]
+    latency = [[0] * nd for _ in range(nd)]
+    for d, e in itertools.combinations(range(nd), 2):
+        bandwidth[d][e] = bandwidth[e][d] = float(draw(st.sampled_from([0.5e6, 1e6, 4e6, 50e6])))
+        latency[d][e] = latency[e][d] = draw(st.integers(0, 100))
+    # budgets relative to the whole model on one device, at the worst position
+    whole = sum(params) * 9 + sum(inputs) * m + 40 * n + 100
+    tight = draw(st.booleans()) if tight is None else tight
+    lo, hi = (0.1, 0.6) if tight else (0.5, 1.2)
+    budgets = [int(whole * draw(st.floats(lo, hi))) + 1 for _ in range(nd)]
+    return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
+                          bandwidth, latency, schedule, m, optimizer)
+
+
+def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
+    """The objective once more, written from the module docstring's formulas."""
+    idx = [inst.devices.index(s.device) for s in part.stages]
+    c = [sum(inst.compute_us[d][s.first_block:s.last_block + 1]) for d, s in zip(idx, part.stages)]
+    b = [inst.transfer_us(idx[i], idx[i + 1], part.stages[i].last_block) for i in range(len(idx) - 1)]
+    if inst.schedule == "1f1b-stash":
+        return inst.microbatches * max(c + [2 * x for x in b])
+    t = [c[i] + (b[i] if i < len(b) else 0) + (b[i - 1] if i else 0) for i in range(len(c))]
+    return sum(t) + (inst.microbatches - 1) * max(t)
+
+
+@PROPERTY
+@given(instances())
+def test_cp_sat_matches_the_brute_force_oracle(inst):
+    event(f"{len(inst.devices)} devices, {inst.blocks} blocks")
+    try:
+        oracle = brute_force_partition(inst)
+    except PlanDoesNotFit as expected:
+        event("nothing fits")
+        with pytest.raises(PlanDoesNotFit) as exc:
+            _solve(inst)
+        got = exc.value
+        # the least possible largest overflow is unique, whichever assignment attains it
+        assert got.over_bytes == expected.over_bytes > 0
+        assert f"Tightest device: {got.device!r}" in str(got)
+        attempt = {s.device: s.memory_bytes - s.memory_budget_bytes for s in got.attempt.stages}
+        assert attempt[got.device] == max(attempt.values()) == got.over_bytes
+        return
+    plan = _solve(inst)
+    event(f"fits on {len(plan.stages)} of {len(inst.devices)} devices")
+    assert plan.method == "cp-sat" and plan.optimal
+    assert check_feasible(plan, inst) == [] and check_feasible(oracle, inst) == []
+    assert predicted_step_us(inst, plan) == predicted_step_us(inst, oracle) == _step_by_hand(inst, oracle)
+    assert _step_by_hand(inst, plan) == predicted_step_us(inst, plan)
+    assert plan.bottleneck_s == max(s.predicted_time_s for s in plan.stages)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(tight=False))
+def test_objective_within_bounds(inst):
+    """Lower bound: each block on its fastest device with no links; upper: any plan that fits
+    (and when the solver finds none, none of those plans may fit either)."""
+    try:
+        plan = _solve(inst)
+    except PlanDoesNotFit:
+        plan = None
+    fastest = [min(row[k] for row in inst.compute_us) for k in range(inst.blocks)]
+    m = inst.microbatches
+    lower = m * max(fastest) if inst.schedule == "1f1b-stash" else sum(fastest) + (m - 1) * max(fastest)
+    value = None if plan is None else predicted_step_us(inst, plan)
+    assert plan is None or lower <= value
+    others = [manual_partition(inst, [d], []) for d in inst.devices]
+    if len(inst.devices) <= inst.blocks:
+        others.append(even_partition(inst))
+    for other in others:
+        if not check_feasible(other, inst):
+            assert value is not None and value <= predicted_step_us(inst, other)
+
+
+def _handcrafted(budgets=(600, 650), schedule="1f1b-stash", optimizer="adamw") -> PartitionInstance:
+    # two blocks of 100 parameter bytes; the second reads a 10-byte activation; m = 2
+    return build_instance(["phone", "laptop"], [[10, 10], [10, 10]], [100, 100], [0, 10], [[0, 0], [0, 0]], [0, 0],
+                          list(budgets), [[0, 1.0], [1.0, 0]], [[0, 0], [0, 0]], schedule, 2, optimizer)
+
+
+def test_nothing_fits_names_the_tightest_device_exactly():
+    # Stash + adamw on 2 stages: stage 0 holds 3 + 1 + 2 + 1 old version = 7 copies, stage 1 six copies
+    # plus its 10-byte input once (min(p-s, m) = 1). phone first: phone 700 > 600 (over 100);
+    # laptop first: laptop 700 > 650 (over 50), phone 610 > 600 (over 10); one device: 1210 (over 560+).
+    inst = _handcrafted()
+    with pytest.raises(PlanDoesNotFit) as exc:
+        _solve(inst)
+    assert str(exc.value) == (
+        "no plan fits the memory budgets (1f1b-stash, 2 micro-batches, adamw): every plan overflows some device "
+        "by at least 50 bytes. Tightest device: 'laptop', which in the best attempt (laptop block 0, phone block 1) "
+        "needs 700 bytes of its 650-byte budget (also over there: 'phone' by 10 bytes). What would make it fit:\n"
+        "  - more devices, or larger memory budgets (at least 50 more bytes on 'laptop')\n"
+        "  - 1f1b-flush instead of 1f1b-stash: saves 100 bytes on 'laptop' (1 old weight version)\n"
+        "  - sgd instead of adamw: saves 100 bytes on 'laptop' (one optimizer state copy less)")
+    assert (exc.value.device, exc.value.over_bytes) == ("laptop", 50)
+    with pytest.raises(PlanDoesNotFit) as oracle:
+        brute_force_partition(inst)
+    assert str(oracle.value) == str(exc.value)
+    # and each suggestion indeed makes it fit here
+    for fixed in (_handcrafted(schedule="1f1b-flush"), _handcrafted(optimizer="sgd"), _handcrafted(budgets=(610, 700))):
+        assert check_feasible(_solve(fixed), fixed) == []
+
+
+def test_gpipe_hint_points_at_the_activations_in_flight():
+    # one device, gpipe, m = 4: 5 copies x 20 parameter bytes + 4 micro-batches x 1000 input bytes = 4100
+    inst = build_instance(["a"], [[5, 5]], [10, 10], [0, 1000], [[0, 0]], [0], [4000], [[0.0]], [[0]], "gpipe", 4, "sgd")
+    with pytest.raises(PlanDoesNotFit) as exc:
+        _solve(inst)
+    assert (exc.value.device, exc.value.over_bytes) == ("a", 100)
+    assert str(exc.value).endswith(
+        "What would make it fit:\n"
+        "  - more devices, or larger memory budgets (at least 100 more bytes on 'a')\n"
+        "  - fewer micro-batches in flight or smaller micro-batches: stashed activations take 4000 bytes (3.91 KiB) "
+        "on 'a' (4 micro-batches in flight; 1f1b-flush keeps at most p-s of gpipe's m)")
+
+
+def test_stash_memory_depends_on_the_position():
+    """Under 1f1b-stash stage 0 of 2 holds an old weight version (6 copies of 100 bytes = 600) and
+    stage 1 does not (5 copies + one 10-byte input = 510): with 550 bytes the small device fits
+    only at the end, and the solver puts it there (two stages beat the big device alone)."""
+    inst = build_instance(["small", "big"], [[100, 100], [100, 100]], [100, 100], [0, 10], [[0, 0], [0, 0]], [0, 0],
+                          [550, 10_000], [[0, 1e6], [1e6, 0]], [[0, 0], [0, 0]], "1f1b-stash", 4, "sgd")
+    plan = _solve(inst)
+    assert [s.device for s in plan.stages] == ["big", "small"]
+    assert [s.memory_bytes for s in plan.stages] == [600, 510]
+    assert predicted_step_us(inst, plan) == 4 * 100 < predicted_step_us(inst, manual_partition(inst, ["big"], []))
+    assert check_feasible(manual_partition(inst, ["small", "big"], [1]), inst) == [
+        "stage 0 on 'small': needs 600 bytes, 50 over its budget of 550"]
+
+
+def test_make_instance_agrees_with_the_cost_model():
+    g, cl = tiny_graph(), tiny_cluster()
+    for schedule in SCHEDULE_NAMES:
+        inst = make_instance(g, cl, schedule, 4, "adamw")
+        for devices, cuts in ((["a", "b"], [2]), (["b", "a", "c"], [1, 3]), (["c"], []), (["a", "c", "b"], [1, 2])):
+            plan = manual_partition(inst, devices, cuts)
+            costs = stage_costs(g, cl, plan, schedule, 4, "adamw")
+            assert [s.memory_bytes for s in plan.stages] == [c.memory_bytes for c in costs]
+            assert [s.memory_budget_bytes for s in plan.stages] == [c.memory_budget_bytes for c in costs]
+            assert [s.predicted_time_s for s in plan.stages] == pytest.approx(
+                [c.forward_s + c.backward_s + c.send_act_s + c.send_grad_s for c in costs], abs=5e-6)
+            assert predicted_step_us(inst, plan) / 1e6 == pytest.approx(predicted_step_s(costs, schedule, 4), abs=5e-5)
+
+
+def test_solver_on_the_tiny_model():
+    g, cl = tiny_graph(), tiny_cluster()
+    for schedule in SCHEDULE_NAMES:
+        inst = make_instance(g, cl, schedule, 4, "sgd")
+        plan, oracle = _solve(inst), brute_force_partition(inst)
+        assert plan.optimal and check_feasible(plan, inst) == []
+        assert predicted_step_us(inst, plan) == predicted_step_us(inst, oracle)
+
+
+def test_manual_and_even_partitions():
+    inst = make_instance(tiny_graph(), tiny_cluster(), "1f1b-flush", 2, "sgd")
+    even = even_partition(inst)
+    assert (even.method, even.ranges, even.devices) == ("even", [(0, 1), (2, 2), (3, 3)], ["a", "b", "c"])
+    assert even_partition(inst, ["c", "a"]).ranges == [(0, 1), (2, 3)]
+    manual = manual_partition(inst, ["b", "a"], [3])
+    assert (manual.method, manual.ranges) == ("manual", [(0, 2), (3, 3)])
+    assert manual.bottleneck_s == max(s.predicted_time_s for s in manual.stages)
+    with pytest.raises(ValueError, match=r"2 devices need 1 cuts, got 2: \[1, 2\]"):
+        manual_partition(inst, ["a", "b"], [1, 2])
+    with pytest.raises(ValueError, match=r"cuts must be increasing block indices in 1..3, got \[2, 2\]"):
+        manual_partition(inst, ["a", "b", "c"], [2, 2])
+    with pytest.raises(ValueError, match="no device 'x' in the cluster"):
+        manual_partition(inst, ["a", "x"], [2])
+    with pytest.raises(ValueError, match="a device may run one stage only"):
+        manual_partition(inst, ["a", "a"], [2])
+    with pytest.raises(ValueError, match="4 devices for 2 blocks"):
+        even_partition(build_instance(["a", "b", "c", "d"], [[1, 1]] * 4, [1, 1], [0, 1], [[0, 0]] * 4, [0] * 4,
+                                      [100] * 4, [[1.0] * 4] * 4, [[0] * 4] * 4, "gpipe", 1, "sgd"))
+
+
+def test_check_feasible_finds_each_problem():
+    inst = make_instance(tiny_graph(), tiny_cluster(), "gpipe", 2, "sgd")
+    good = manual_partition(inst, ["a", "b"], [2])
+    s0, s1 = good.stages
+    assert check_feasible(good, inst) == []
+
+    def problems(*stages):
+        return check_feasible(Partition(tuple(stages), "manual"), inst)
+    assert problems() == ["the partition has no stages"]
+    assert problems(s0, StageAssignment(1, "a", 2, 3)) == ["stage 1 on 'a': the device already runs another stage"]
+    assert problems(s0, StageAssignment(1, "z", 2, 3)) == ["stage 1 on 'z': not a device of the cluster"]
+    assert problems(s0, StageAssignment(1, "b", 3, 3)) == ["stage 1 on 'b': runs blocks 3..3, expected to start at 2"]
+    assert problems(s0) == ["the stages end at block 1, the model has blocks 0..3"]
+    assert problems(s0, StageAssignment(2, "b", 2, 3, s1.predicted_time_s, s1.memory_bytes, s1.memory_budget_bytes)) \
+        == ["stage 1 on 'b': numbered 2"]
+    wrong = StageAssignment(1, "b", 2, 3, s1.predicted_time_s + 1, s1.memory_bytes - 1, s1.memory_budget_bytes)
+    assert problems(s0, wrong) == [
+        f"stage 1 on 'b': records {s1.memory_bytes - 1} of {s1.memory_budget_bytes} bytes, "
+        f"recomputed {s1.memory_bytes} of {s1.memory_budget_bytes}",
+        f"stage 1 on 'b': records {s1.predicted_time_s + 1} s per micro-batch, recomputed {s1.predicted_time_s}"]
+
+
+def test_instance_validation():
+    good = dict(devices=("a",), block_names=("x",), compute_us=((1,),), params_bytes=(1,), input_bytes=(0,),
+                workspace_bytes=((0,),), overhead_bytes=(0,), memory_budget_bytes=(10,), boundary_bytes=(),
+                link_bandwidth_bytes_per_s=((0.0,),), link_latency_us=((0,),), weight_copies=((5,),),
+                in_flight=((1,),), microbatches=1, schedule="gpipe")
+    PartitionInstance(**good)
+    with pytest.raises(ValueError, match=r"PartitionInstance.compute_us must have shape \(1, 1\)"):
+        PartitionInstance(**good | {"compute_us": ((1, 2),)})
+    with pytest.raises(ValueError, match="one row per stage count 1..1"):
+        PartitionInstance(**good | {"in_flight": ((1, 1),)})
+    with pytest.raises(ValueError, match="unknown schedule 'x'"):
+        PartitionInstance(**good | {"schedule": "x"})
+    with pytest.raises(ValueError, match="PartitionInstance.params_bytes has a negative entry"):
+        PartitionInstance(**good | {"params_bytes": (-1,)})
+    two = build_instance(["a", "b"], [[1], [1]], [1], [0], [[0], [0]], [0, 0], [9, 9], [[0, 1.0], [1.0, 0]],
+                         [[0, 0], [0, 0]], "gpipe", 1, "sgd")
+    with pytest.raises(ValueError, match="links must be symmetric: 'a'-'b' differs from 'b'-'a'"):
+        PartitionInstance(**{**two.__dict__, "link_latency_us": ((0, 1), (0, 0))})
+    with pytest.raises(ValueError, match="brute force is for small instances"):
+        brute_force_partition(build_instance(["a"], [[1] * 11], [1] * 11, [0] + [1] * 10, [[0] * 11], [0], [10**6],
+                                             [[0.0]], [[0]], "gpipe", 1, "sgd"))
