@@ -101,6 +101,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent worker (default %(default)s)")
     _add_training_flags(p)
 
+    p = sub.add_parser("plan", help="compile a plan: partition the model over a cluster and write one bundle per device",
+                       description="Lower the model, read the cluster file (devices with profiles and memory "
+                                   "budgets, links), choose devices, order and cut points with OR-Tools CP-SAT "
+                                   "under every memory budget, and write plan/plan.json plus a verified bundle "
+                                   "per device. Profiles must be measured at the micro-batch shape "
+                                   "(--batch / --microbatches rows, --seq).")
+    p.add_argument("model", type=Path)
+    p.add_argument("--cluster", type=Path, required=True, help="cluster YAML or JSON file")
+    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-flush")
+    p.add_argument("--batch", type=int, default=8, help="samples per batch (default %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="default %(default)s")
+    p.add_argument("--microbatches", type=int, default=4, help="default %(default)s")
+    p.add_argument("--update-every", type=int, default=1, help="1f1b-stash: backwards per update (default %(default)s)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--cuts", default=None, help="manual cuts instead of the solver (first block of stages 2..p)")
+    p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds (default %(default)s)")
+    p.add_argument("-o", "--output", type=Path, default=Path("plan"), help="plan folder (default %(default)s)")
+
+    p = sub.add_parser("show", help="print a plan: devices, blocks, memory vs budget, predicted step, schedule")
+    p.add_argument("plan", type=Path)
+
+    p = sub.add_parser("train", help="train from a plan folder: ship each device its bundle and run",
+                       description="Ship each worker its bundle over ZeroMQ (the worker verifies the manifest and "
+                                   "refuses a bundle that fails it) and train with the plan's schedule.")
+    p.add_argument("plan", type=Path)
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--eval", type=Path, default=None)
+    p.add_argument("--local", action="store_true", help="start one local worker process per planned device")
+    p.add_argument("--checkpoint", type=Path, default=None)
+    p.add_argument("--listen", default="tcp://127.0.0.1:0")
+    p.add_argument("--timeout", type=float, default=600.0)
+    _add_training_flags(p)
+
     p = sub.add_parser("worker", help="run a device's runtime and wait for a stage from a coordinator",
                        description="Bind ADDRESS, print 'listening <address>', then run whatever stage the "
                                    "coordinator assigns (weights and action list arrive over the wire).")

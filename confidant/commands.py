@@ -340,3 +340,21 @@ def cmd_demo(args) -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, width)))
     return 0
+
+
+def cmd_plan(args) -> int:
+    from confidant.planning import cmd_plan as run
+
+    return run(args)
+
+
+def cmd_show(args) -> int:
+    from confidant.planning import cmd_show as run
+
+    return run(args)
+
+
+def cmd_train(args) -> int:
+    from confidant.planning import cmd_train_plan
+
+    return cmd_train_plan(args)

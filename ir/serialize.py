@@ -93,3 +93,23 @@ def graph_from_json(doc: Mapping, constants: Mapping[str, np.ndarray]) -> Graph:
                             "inputs": tuple(b["inputs"]), "params": tuple(b["params"])}) for b in doc["blocks"])
     return Graph(doc["name"], tuple(values[i] for i in doc["inputs"]), tuple(values[o] for o in doc["outputs"]),
                  nodes, values, consts, tuple(doc["params"]), blocks, int(doc["batch"]), int(doc["seq"]))
+
+
+def merge_slices(slices) -> Graph:
+    """The whole model back from its stages' slices (e.g. all bundles of a plan), for evaluation
+    on one machine after pipeline training."""
+    slices = list(slices)
+    nodes, values, constants, params, inputs = [], {}, {}, [], {}
+    seen = set()
+    for g in slices:
+        for n in g.nodes:
+            if n.name not in seen:
+                seen.add(n.name)
+                nodes.append(n)
+        values.update(g.values)
+        constants.update(g.constants)
+        params.extend(p for p in g.params if p not in params)
+        inputs.update({v.name: v for v in g.inputs})
+    last = slices[-1]
+    return Graph(last.name, tuple(inputs.values()), last.outputs, tuple(nodes), values, constants, tuple(params),
+                 last.blocks, last.batch, last.seq)

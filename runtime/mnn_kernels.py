@@ -580,3 +580,8 @@ def available_backends(timeout: float = 60.0) -> dict[str, bool]:
     """
     procs = {name: _start_probe(mnn_name) for name, mnn_name in _BACKENDS.items()}
     return {name: _probe_succeeded(proc, timeout) for name, proc in procs.items()}
+
+
+def release_memory() -> None:
+    """Hand MNN's cached buffers back to the system (used before memory measurements)."""
+    R.gc(True)

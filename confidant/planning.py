@@ -1,0 +1,161 @@
+"""`confidant plan`, `show` and `train plan/`: compile a plan once per model and device set, ship
+one bundle per device, train. Side effects (files, processes) live here; the decisions are made by
+the pure planner functions."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from confidant.cli import CliError
+
+
+def _threads_of(backend: str | None) -> int:
+    """'mnn:cpu:t2' -> 2; backends without a thread setting run 1 thread."""
+    if backend:
+        for part in backend.split(":"):
+            if part.startswith("t") and part[1:].isdigit():
+                return int(part[1:])
+    return 1
+
+
+def cmd_plan(args) -> int:
+    from planner.cluster import load_cluster
+    from planner.cost import predicted_step_s, stage_costs
+    from planner.emit import emit_plan
+    from planner.onnx_import import load_model
+    from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, solve_partition
+    from planner.schedule import make_schedule
+
+    M = args.microbatches
+    if M < 1 or args.batch % M:
+        raise CliError(f"--batch {args.batch} must be a multiple of --microbatches {M}")
+    cluster = load_cluster(args.cluster)
+    graph = load_model(args.model, args.batch // M, args.seq)
+    profiled = {(d.profile.batch, d.profile.seq) for d in cluster.devices}
+    if profiled != {(graph.batch, graph.seq)}:
+        raise CliError(f"the profiles were measured at (micro-batch rows, seq) {sorted(profiled)} but this plan uses "
+                       f"({graph.batch}, {graph.seq}) = --batch {args.batch} / --microbatches {M}, --seq {args.seq}; "
+                       f"re-profile with `confidant profile --batch {graph.batch} --seq {graph.seq}`")
+    instance = make_instance(graph, cluster, args.schedule, M, args.optimizer)
+    print(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({args.schedule}, {M} micro-batches)",
+          file=sys.stderr)
+    try:
+        if args.cuts:
+            devices = args.devices.split(",") if args.devices else [d.name for d in cluster.devices]
+            cuts = [int(c) for c in args.cuts.split(",")]
+            partition = manual_partition(instance, devices[:len(cuts) + 1], cuts)
+            problems = check_feasible(partition, instance)
+            if problems:
+                raise CliError("the manual cuts do not fit: " + "; ".join(problems))
+        else:
+            partition = solve_partition(instance, time_limit_s=args.time_limit)
+    except PlanDoesNotFit as exc:
+        raise CliError(str(exc)) from None
+    costs = stage_costs(graph, cluster, partition, args.schedule, M, args.optimizer)
+    schedule = make_schedule(args.schedule, len(partition.stages), M, update_every=args.update_every)
+    step_s = predicted_step_s(costs, args.schedule, M)
+    specs = {d.name: d for d in cluster.devices}
+    backends = {d.name: d.profile.backend(d.backend).backend for d in cluster.devices}
+    engines = {backends[n].split(":")[0] for n in partition.devices}
+    if len(engines) > 1:
+        print(f"note: devices prefer different engines {sorted(engines)}; this version runs one engine per plan, mnn",
+              file=sys.stderr)
+    config = {
+        "model": Path(args.model).name, "engine": engines.pop() if len(engines) == 1 else "mnn",
+        "threads": {n: _threads_of(backends[n]) for n in partition.devices},
+        "optimizer": {"name": args.optimizer, "lr": args.lr, "weight_decay": None},
+        "addresses": {n: specs[n].address for n in partition.devices},
+    }
+    path = emit_plan(args.output, graph, partition, schedule, config, costs, step_s)
+    print(f"wrote {path} and {len(partition.stages)} bundles", file=sys.stderr)
+    return cmd_show(type("A", (), {"plan": args.output})())
+
+
+def cmd_show(args) -> int:
+    from ir.bundle import load_plan
+
+    plan = load_plan(args.plan)
+    rows = [("stage", "device", "address", "blocks", "memory / budget", "time/micro-batch", "threads")]
+    for d in plan["devices"]:
+        rows.append((str(d["stage"]), d["name"], d.get("address") or "-", f"{d['blocks'][0]}-{d['blocks'][1]}",
+                     f"{d['memory_bytes'] / 2**20:.0f} / {d['memory_budget_bytes'] / 2**20:.0f} MiB",
+                     f"{d['predicted_time_s'] * 1000:.0f} ms", str(d.get("threads", 1))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(f"plan {args.plan}: model {plan['model']}, schedule {plan['schedule']}, {plan['microbatches']} micro-batches "
+          f"of {plan['batch']} x {plan['seq']}, partition {plan['partition_method']}"
+          f"{' (optimal)' if plan.get('partition_optimal') else ''}")
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"predicted step: {plan['predicted_step_s']:.3f} s "
+          f"({plan['batch'] * plan['microbatches'] / plan['predicted_step_s']:.1f} samples/s)")
+    print("schedule (one row per stage):")
+    for stage_actions in plan["actions"]:
+        compute = [a for a in stage_actions if ".F." in a or ".B." in a or ".UPDATE" in a]
+        print("  " + " ".join(a.split(".", 1)[1] for a in compute))
+    return 0
+
+
+def cmd_train_plan(args) -> int:
+    from confidant.commands import _busy_fraction, _load_training_data
+    from confidant.pipeline import LocalWorkers, train_pipeline
+    from confidant.progress import Progress
+    from ir.bundle import load_bundle_dir, load_plan
+    from ir.serialize import merge_slices
+    from runtime.coordinator import PipelineConfig, WorkerFailed
+    from runtime.engine_mnn import MnnStageEngine
+    from runtime.stage import stage_spec
+    from runtime.tokenize import make_batches
+    from runtime.trainer import TrainConfig, evaluate
+
+    plan_dir = Path(args.plan)
+    plan = load_plan(plan_dir, verify_bundles=True)
+    names = [d["name"] for d in plan["devices"]]
+    bundles = [plan_dir / d["bundle"] for d in plan["devices"]]
+    contents = [load_bundle_dir(b) for b in bundles]
+    M, rows, seq = int(plan["microbatches"]), int(plan["batch"]), int(plan["seq"])
+    labels, _, dev_sents, train_enc, dev_enc = _load_training_data(args, seq)
+    batches = make_batches(train_enc, rows * M, seq, seed=args.seed)
+    local = None
+    if args.local:
+        threads = max(int(d.get("threads", 1)) for d in plan["devices"])
+        local = LocalWorkers.start(len(names), threads)
+        addresses = local.addresses
+    else:
+        addresses = [d.get("address") for d in plan["devices"]]
+        if not all(addresses):
+            raise CliError(f"{plan_dir}/plan.json lacks worker addresses; pass --local or re-plan with addresses")
+    config = PipelineConfig(schedule=plan["schedule"], microbatches=M, timeout_s=args.timeout)
+    bar = Progress(args.steps, f"train {plan_dir.name} ({len(names)} devices, {plan['schedule']})")
+
+    def on_step(step, loss, seconds, stage_seconds, done):
+        busy = "/".join(f"{_busy_fraction(d):.0%}" for d in done)
+        bar.update(step, loss=loss, **{"samples/s": rows * M / seconds, "busy": busy})
+
+    try:
+        result = train_pipeline(None, batches, len(labels), addresses, config, args.steps, listen=args.listen,
+                                on_step=on_step, bundles=bundles, devices=names, stage_graphs=contents,
+                                checkpoint_dir=args.checkpoint, meta={"plan": str(plan_dir)})
+    except WorkerFailed as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        if local:
+            local.wait(30.0)
+    measured = sum(result.step_seconds) / len(result.step_seconds)
+    figures = {"command": "train", "plan": str(plan_dir), "predicted_step_s": plan["predicted_step_s"],
+               "measured_step_s": measured, "losses": result.losses,
+               "devices": [{"name": n, "blocks": list(r), "peak_rss_bytes": max(rep[k]["peak_rss_bytes"]
+                                                                             for rep in result.stage_reports)}
+                           for k, (n, r) in enumerate(zip(names, result.ranges))]}
+    print(f"step time: predicted {plan['predicted_step_s']:.3f} s, measured {measured:.3f} s", file=sys.stderr)
+    if dev_sents:
+        full = merge_slices([c.graph for c in contents])
+        engine = MnnStageEngine(stage_spec(full, 0, len(full.blocks) - 1), weights={**full.constants, **result.weights},
+                                cache_activations=False)
+        scores = evaluate(engine, dev_enc, [s.tags for s in dev_sents], labels, TrainConfig(batch=rows, seq=seq),
+                          len(full.blocks) - 2)
+        figures["f1"] = scores.f1
+        print(f"entity F1 after training: {scores.f1:.4f}", file=sys.stderr)
+    if args.metrics_out:
+        args.metrics_out.write_text(json.dumps(figures, indent=1))
+    return 0

@@ -1,0 +1,190 @@
+"""The device profiler on the tiny BERT (every block kind, every present backend, JSON round trip),
+the attention piece against numpy, and the link probe over real ZeroMQ sockets."""
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import _export
+from ir.graph import block_signature
+from ir.profile import DeviceProfile, Link
+from planner.onnx_import import load_model
+from runtime import mnn_kernels as K
+from runtime.profile import (DEFAULT_BACKENDS, PeakRss, attention_curve, attention_piece, link_from_round_trips,
+                             link_probe_server, make_engine, measure_link, memory_available_bytes, parse_backend,
+                             present_backends, profile_device, synthetic_feeds)
+from runtime.stage import stage_spec
+
+B, S = 2, 16
+
+
+@pytest.fixture(scope="module")
+def tiny_graph(export_dir, tiny_checkpoint):
+    return load_model(_export(tiny_checkpoint, export_dir / "tiny-ts14.onnx", opset=14), B, S)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny_graph):
+    lines: list[str] = []
+    prof = profile_device(tiny_graph, "here", backends=DEFAULT_BACKENDS + ("mnn:opencl:t1", "mnn:vulkan:t1"),
+                          reps=2, progress=lines.append)
+    return prof, lines
+
+
+def _expected_backends() -> list[str]:
+    devices = K.available_backends()
+    cpus = os.cpu_count() or 1
+    names = [f"mnn:{d}:t{t}" for d in ("cpu",) if devices[d] for t in (1, 2) if t <= cpus]
+    try:
+        import runtime.engine_torch  # noqa: F401
+        names += [f"torch:cpu:t{t}" for t in (1, 2) if t <= cpus]
+    except ImportError:
+        pass
+    return names
+
+
+def test_profile_covers_every_block_kind_on_every_present_backend(tiny_graph, tiny_profile):
+    prof, lines = tiny_profile
+    assert (prof.name, prof.model, prof.batch, prof.seq) == ("here", tiny_graph.name, B, S)
+    assert [b.backend for b in prof.backends] == _expected_backends()
+    signatures = {block_signature(b) for b in tiny_graph.blocks}
+    assert len(signatures) < len(tiny_graph.blocks)          # the two encoder layers are one kind
+    for backend in prof.backends:
+        assert set(backend.blocks) == signatures, backend.backend
+        for sig, cost in backend.blocks.items():
+            assert cost.forward_s > 0 and cost.backward_s > 0, (backend.backend, sig)
+            assert cost.recompute_s >= 0 and cost.workspace_bytes >= 0
+            if backend.backend.startswith("torch"):
+                assert cost.recompute_s == 0
+    assert prof.memory_available_bytes > 0 and prof.runtime_overhead_bytes > 10 * 2**20
+    assert lines and any("layer.0" in line for line in lines)
+
+
+def test_absent_mnn_devices_are_skipped_not_listed(tiny_profile):
+    prof, lines = tiny_profile
+    for device, ok in K.available_backends().items():
+        if not ok:
+            assert f"mnn:{device}:t1" not in [b.backend for b in prof.backends]
+    assert any(line.startswith("skip mnn:opencl:t1") for line in lines) or K.available_backends()["opencl"]
+
+
+def test_attention_curves_have_one_entry_per_head(tiny_graph, tiny_profile):
+    prof, _ = tiny_profile
+    encoders = {block_signature(b): b for b in tiny_graph.blocks if b.heads}
+    assert encoders
+    for backend in prof.backends:
+        assert set(backend.attention) == set(encoders)
+        for sig, curve in backend.attention.items():
+            assert len(curve.seconds) == encoders[sig].heads == len(curve.fused_faster)
+            assert all(t > 0 for t in curve.seconds)
+            assert curve.fused_faster[0]                         # one head: fused and loop are the same
+
+
+def test_profile_json_round_trip(tiny_profile, tmp_path):
+    prof, _ = tiny_profile
+    prof.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json") == prof
+
+
+def test_memory_override_and_attention_switch(tiny_graph):
+    prof = profile_device(tiny_graph, "x", backends=("mnn:cpu:t1",), reps=1, memory_bytes=123, attention=False)
+    assert prof.memory_available_bytes == 123
+    assert prof.backends[0].attention == {}
+    assert memory_available_bytes() > 0
+
+
+@pytest.mark.parametrize("backend", ["mnn:cpu:t1", "torch:cpu:t1"])
+def test_attention_time_grows_with_heads(backend):
+    if backend.startswith("torch"):
+        pytest.importorskip("torch")
+    mask = np.zeros((4, 1, 1, 64), np.float32)
+    mask[-1, ..., 32:] = -10000.0
+    curve = attention_curve(parse_backend(backend), 4, 64, 256, 4, 64, mask, reps=5)
+    assert len(curve.seconds) == 4
+    assert curve.seconds[-1] > curve.seconds[0]
+
+
+def test_attention_piece_computes_attention():
+    b, s, d, h, hs = 2, 8, 16, 2, 4
+    graph = attention_piece(b, s, d, h, hs, (b, 1, 1, s), seed=3)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((b, s, d)).astype(np.float32)
+    mask = np.zeros((b, 1, 1, s), np.float32)
+    mask[1, ..., 5:] = -10000.0
+    c = graph.constants
+    def heads(name, w, bias):
+        return (x @ c[w] + c[bias]).reshape(b, s, h, hs).transpose(0, 2, 1, 3)
+    q, k, v = heads("q", "wq", "bq"), heads("k", "wk", "bk"), heads("v", "wv", "bv")
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hs) + mask
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = (p @ v).transpose(0, 2, 1, 3).reshape(b, s, h * hs) @ c["wo"]
+    engine = make_engine(parse_backend("mnn:cpu:t1"), stage_spec(graph, 1, 1))
+    out = engine.forward({"x": x, "mask": mask}, 0)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6)
+    grads = engine.backward(0, np.ones_like(out))
+    assert grads.activation_input.shape == x.shape          # the piece's backward reaches its input
+    assert set(grads.params) == {"wq", "bq", "wk", "bk", "wv", "bv", "wo"}
+
+
+def test_synthetic_feeds_fit_the_graph(tiny_graph):
+    feeds = synthetic_feeds(tiny_graph)
+    for v in tiny_graph.inputs:
+        assert feeds[v.name].shape == tuple(v.shape) and feeds[v.name].dtype == np.dtype(v.dtype)
+    assert 0 <= feeds["input_ids"].min() and feeds["input_ids"].max() < 500
+    assert feeds["attention_mask"][-1, -1] == 0 and feeds["attention_mask"][0].all()
+
+
+def test_backend_names_and_skips():
+    assert parse_backend("torch:cpu:t2").threads == 2
+    for bad in ("mnn:cpu", "onnx:cpu:t1", "mnn:cpu:2", "mnn:cpu:t0"):
+        with pytest.raises(ValueError, match="engine:device:tN"):
+            parse_backend(bad)
+    present, skipped = present_backends(["mnn:cpu:t1", "mnn:cpu:t4", "mnn:cuda:t1"], cpus=2)
+    assert [b.name for b in present] == ["mnn:cpu:t1"]
+    assert "2 CPUs" in skipped["mnn:cpu:t4"]
+    assert "mnn:cuda:t1" in skipped
+
+
+def test_peak_rss_sees_a_transient_allocation():
+    with PeakRss() as peak:
+        block = np.ones(64 * 2**20 // 8)
+        del block
+    assert peak.bytes >= 60 * 2**20
+
+
+def test_link_from_round_trips_inverts_the_link_model():
+    link = Link(bandwidth_bytes_per_s=100e6, latency_s=2e-4)
+    rtts = {n: 2 * link.transfer_s(n) for n in (1024, 1 << 20, 8 << 20)}
+    got = link_from_round_trips(rtts)
+    assert got.bandwidth_bytes_per_s == pytest.approx(100e6)
+    assert got.latency_s == pytest.approx(2e-4)
+    with pytest.raises(ValueError, match="two sizes"):
+        link_from_round_trips({1024: 1e-3})
+
+
+def test_measure_link_over_zeromq():
+    addresses: queue.Queue = queue.Queue()
+    errors: list[BaseException] = []
+
+    def serve():
+        try:
+            link_probe_server("tcp://127.0.0.1:0", ready=addresses.put, timeout_s=20)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            addresses.put(None)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    address = addresses.get(timeout=20)
+    assert address is not None, errors
+    link = measure_link(address, sizes=(1024, 1 << 20, 4 << 20), reps=3, timeout_s=20)
+    server.join(timeout=20)
+    assert not server.is_alive() and not errors
+    assert link.latency_s > 0 and link.bandwidth_bytes_per_s > 1e6
+    assert link.transfer_s(4 << 20) > link.transfer_s(1024)
