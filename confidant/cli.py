@@ -101,6 +101,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent worker (default %(default)s)")
     _add_training_flags(p)
 
+    p = sub.add_parser("profile", help="measure this device: block times per backend, memory, or a link to a peer",
+                       description="Measure forward and backward time of every distinct block of the model on every "
+                                   "backend present (thread counts count as backends), MNN's forward re-run, "
+                                   "workspace memory, attention time by head count, and the memory the device can "
+                                   "give. Profile at the micro-batch shape the plan will use. With --link, measure "
+                                   "bandwidth and latency to a peer running `confidant profile --serve-link`.")
+    p.add_argument("--model", type=Path, help="ONNX model to profile")
+    p.add_argument("--batch", type=int, default=2, help="micro-batch rows (default %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="default %(default)s")
+    p.add_argument("--name", default=None, help="device name (default: host name)")
+    p.add_argument("--backends", default=None, help="comma-separated, e.g. mnn:cpu:t1,torch:cpu:t2 (default: all present)")
+    p.add_argument("--memory", default=None, help="memory this device may use, e.g. 3GiB (default: MemAvailable)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per measurement (default %(default)s)")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention-by-heads curve")
+    p.add_argument("--link", default=None, metavar="ADDRESS", help="measure the link to a peer instead")
+    p.add_argument("--serve-link", action="store_true", help="answer link probes from peers (with --listen)")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", help="with --serve-link (default %(default)s)")
+    p.add_argument("-o", "--output", type=Path, default=None, help="write the profile (or link) JSON here")
+
+    p = sub.add_parser("simulate", help="replay a plan on its cost model; write a Chrome trace (Perfetto)")
+    p.add_argument("plan", type=Path)
+    p.add_argument("-o", "--output", type=Path, default=Path("trace.json"), help="default %(default)s")
+    p.add_argument("--steps", type=int, default=2, help="batches to simulate (default %(default)s)")
+
     p = sub.add_parser("plan", help="compile a plan: partition the model over a cluster and write one bundle per device",
                        description="Lower the model, read the cluster file (devices with profiles and memory "
                                    "budgets, links), choose devices, order and cut points with OR-Tools CP-SAT "

@@ -358,3 +358,15 @@ def cmd_train(args) -> int:
     from confidant.planning import cmd_train_plan
 
     return cmd_train_plan(args)
+
+
+def cmd_profile(args) -> int:
+    from confidant.planning import cmd_profile as run
+
+    return run(args)
+
+
+def cmd_simulate(args) -> int:
+    from confidant.planning import cmd_simulate as run
+
+    return run(args)

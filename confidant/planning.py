@@ -159,3 +159,68 @@ def cmd_train_plan(args) -> int:
     if args.metrics_out:
         args.metrics_out.write_text(json.dumps(figures, indent=1))
     return 0
+
+
+def cmd_profile(args) -> int:
+    import dataclasses
+    import socket
+
+    from runtime import profile as prof
+
+    if args.serve_link:
+        prof.link_probe_server(args.listen, sessions=None,
+                               ready=lambda addr: print(f"listening {addr}", flush=True))
+        return 0
+    if args.link:
+        link = prof.measure_link(args.link)
+        doc = {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
+        print(f"link to {args.link}: {link.bandwidth_bytes_per_s * 8 / 1e6:.1f} Mbit/s, "
+              f"latency {link.latency_s * 1000:.2f} ms")
+        if args.output:
+            args.output.write_text(json.dumps(doc, indent=1))
+        return 0
+    if args.model is None:
+        raise CliError("give --model (to profile compute) or --link ADDRESS (to profile a link)")
+    from planner.cluster import parse_bytes
+    from planner.onnx_import import load_model
+
+    graph = load_model(args.model, args.batch, args.seq)
+    name = args.name or socket.gethostname()
+    backends = tuple(args.backends.split(",")) if args.backends else prof.DEFAULT_BACKENDS
+    memory = parse_bytes(args.memory) if args.memory else None
+    profile = prof.profile_device(graph, name, backends=backends, reps=args.reps, memory_bytes=memory,
+                                  attention=not args.no_attention,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+    profile = dataclasses.replace(profile, model=Path(args.model).name)
+    output = args.output or Path(f"{name}.profile.json")
+    profile.save(output)
+    print(f"wrote {output}: backends {', '.join(b.backend for b in profile.backends)}; "
+          f"fastest {profile.backend().backend}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from ir.bundle import load_plan
+    from ir.partition import StageCost
+    from ir.plan import Schedule
+    from planner.simulate import simulate, write_chrome_trace
+
+    plan = load_plan(args.plan)
+    costs = []
+    for d in plan["devices"]:
+        if "cost" not in d:
+            raise CliError(f"{args.plan}/plan.json has no cost model for device {d['name']!r}; re-run `confidant plan`")
+        costs.append(StageCost(stage=d["stage"], device=d["name"], memory_bytes=d["memory_bytes"],
+                               memory_budget_bytes=d["memory_budget_bytes"], **d["cost"]))
+    schedule = Schedule.from_json({"schema_version": plan["schema_version"], "name": plan["schedule"],
+                                   "stages": plan["stages"], "microbatches": plan["microbatches"],
+                                   "actions": plan["actions"], "stash_depth": plan["stash_depth"],
+                                   "update_every": plan["update_every"]})
+    sim = simulate(schedule, costs, steps=args.steps)
+    write_chrome_trace(sim, args.output)
+    print(f"simulated {args.steps} step(s): {sim.step_s:.3f} s per step, "
+          f"{sim.throughput_samples_per_s(plan['batch']):.1f} samples/s, bubble {sim.bubble_fraction:.1%}; "
+          f"peak memory " + ", ".join(f"{d['name']} {m / 2**20:.0f} MiB" for d, m in zip(plan["devices"],
+                                                                                      sim.peak_memory_bytes)))
+    print(f"wrote {args.output} (open in Perfetto / chrome://tracing)")
+    return 0

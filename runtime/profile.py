@@ -199,10 +199,7 @@ def _release_free_heap() -> None:
     MNN's executor keeps the buffers of dead graphs pooled (a second MiniLM layer measured 47 MiB
     instead of 138 MiB without this), and glibc keeps freed heap pages."""
     gc.collect()
-    # MNN's Executor::gc, reached through the MNN layer module; it has no named wrapper there yet.
-    mnn_gc = getattr(getattr(K, "R", None), "gc", None)
-    if mnn_gc is not None:
-        mnn_gc(True)
+    K.release_memory()
     try:
         ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere there is nothing to call
     except (OSError, AttributeError):

@@ -1,0 +1,94 @@
+"""profile -> plan -> show -> simulate -> train on 3 local workers, through the command line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.datagen import write_splits
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, cwd, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "confidant", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
+    _run("profile", "--model", minilm_onnx, "--batch", 4, "--seq", 32, "--backends", "mnn:cpu:t1,mnn:cpu:t2",
+         "--reps", 1, "--no-attention", "--name", "box", "-o", "box.json", cwd=tmp_path)
+    profile = json.loads((tmp_path / "box.json").read_text())
+    assert {b["backend"] for b in profile["backends"]} == {"mnn:cpu:t1", "mnn:cpu:t2"}
+    # three devices of one machine: different thread counts and memory budgets; "phone" is weakest
+    (tmp_path / "cluster.yaml").write_text(
+        "devices:\n"
+        "  - {name: laptop, address: 'tcp://127.0.0.1:1', profile: box.json, memory_budget: 2GiB, backend: 'mnn:cpu:t2'}\n"
+        "  - {name: board, address: 'tcp://127.0.0.1:2', profile: box.json, memory_budget: 1GiB, backend: 'mnn:cpu:t2'}\n"
+        "  - {name: phone, address: 'tcp://127.0.0.1:3', profile: box.json, memory_budget: 200MiB, backend: 'mnn:cpu:t1'}\n"
+        "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
+    out = _run("plan", minilm_onnx, "--cluster", "cluster.yaml", "--batch", 8, "--seq", 32, "--microbatches", 2,
+               "-o", "plan", cwd=tmp_path).stdout
+    assert "predicted step:" in out and "memory / budget" in out
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    names = plan["blocks"]
+    layers = {d["name"]: sum(names[i].startswith("layer.") for i in range(d["blocks"][0], d["blocks"][1] + 1))
+              for d in plan["devices"]}
+    assert sum(d["blocks"][1] - d["blocks"][0] + 1 for d in plan["devices"]) == 9
+    assert all(d["memory_bytes"] <= d["memory_budget_bytes"] for d in plan["devices"])
+    # the phone's budget holds one encoder layer at most: the weaker device carries the least
+    assert layers.get("phone", 0) < max(layers.values()), layers
+    assert {d["name"]: d["threads"] for d in plan["devices"]}.get("laptop") == 2
+    sim = _run("simulate", "plan", "-o", "trace.json", cwd=tmp_path).stdout
+    assert "per step" in sim
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+    train, dev = write_splits(tmp_path / "data", n_train=48, n_dev=8, seed=4)
+    proc = _run("train", "plan", "--data", train, "--eval", dev, "--local", "--steps", 2, "--seq", 32,
+                "--metrics-out", "m.json", cwd=tmp_path)
+    figures = json.loads((tmp_path / "m.json").read_text())
+    assert len(figures["losses"]) == 2 and all(l > 0 for l in figures["losses"])
+    assert [d["name"] for d in figures["devices"]] == [d["name"] for d in plan["devices"]]
+    assert "predicted" in proc.stderr and "measured" in proc.stderr
+
+
+def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
+    """One flipped byte in a bundle on disk: the coordinator's own check and the worker's both refuse."""
+    from planner.emit import emit_plan
+    from planner.onnx_import import load_model
+    from planner.schedule import make_schedule
+    from ir.partition import Partition, StageAssignment
+    from confidant.pipeline import LocalWorkers
+    from runtime.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed
+    from runtime.bundle_load import as_uint8, bundle_to_wire
+    from runtime.executor import COORDINATOR
+    from runtime.transport_zmq import ZmqTransport
+
+    graph = load_model(tiny_onnx["torchscript-17"], 2, 12)
+    partition = Partition((StageAssignment(0, "a", 0, 4),), "manual")
+    emit_plan(tmp_path / "plan", graph, partition, make_schedule("1f1b-flush", 1, 2), {"model": "tiny"})
+    files = bundle_to_wire(tmp_path / "plan" / "a")
+    names = list(files)
+    worker = LocalWorkers.start(1, threads=1)
+    coord = ZmqTransport(COORDINATOR, "tcp://127.0.0.1:0")
+    try:
+        coord.connect("stage0", worker.addresses[0])
+        coord.send_control("stage0", {"type": "setup_bundle", "stage": 0, "device": "a",
+                                      "peers": {COORDINATOR: coord.address}, "bundle_files": names})
+        for i, name in enumerate(names):
+            data = bytearray(files[name])
+            if name == "weights.safetensors":
+                data[-1] ^= 0x01
+            coord.send_tensor("stage0", "bundle", -1, i, as_uint8(bytes(data)), name=name)
+        sender, msg = coord.recv_control("stage0", timeout=60)
+        assert msg["type"] == "error"
+        assert "weights.safetensors is corrupted (sha256 mismatch" in msg["message"]
+    finally:
+        coord.close()
+    assert worker.wait(30.0) == [1]
