@@ -38,7 +38,7 @@ class StagePlacement:
 class PipelineConfig:
     schedule: str
     microbatches: int
-    engine: str = "mnn"
+    engine: str | tuple[str, ...] = "mnn"  # one for all stages, or one per stage (mixed frameworks)
     threads: int = 1
     optimizer: str = "adamw"
     lr: float = 5e-5
@@ -91,6 +91,14 @@ class Coordinator:
         self.ready: list[dict] = []
         self._pending: list[tuple[str, dict]] = []
         self.bundle_mode = False
+
+    def engine_of(self, stage: int) -> str:
+        engine = self.config.engine
+        if isinstance(engine, str):
+            return engine
+        if len(engine) != self.stages:
+            raise ValueError(f"{len(engine)} engines given for {self.stages} stages")
+        return engine[stage]
 
     # --- failures ------------------------------------------------------------------------
     def _check_errors(self) -> None:
@@ -153,7 +161,7 @@ class Coordinator:
             opt_state = self.optimizer_state.get(p.stage, {})
             self.transport.send_control(stage_peer(p.stage), {
                 "type": "setup", "stage": p.stage, "stages": self.stages, "blocks": [p.first_block, p.last_block],
-                "graph": graph_to_json(part), "engine": self.config.engine, "threads": self.config.threads,
+                "graph": graph_to_json(part), "engine": self.engine_of(p.stage), "threads": self.config.threads,
                 "optimizer": {"name": self.config.optimizer, "lr": self.config.lr,
                               "weight_decay": self.config.weight_decay},
                 "peers": neighbours, "optimizer_state": list(opt_state),

@@ -146,3 +146,23 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
         coord.close()
         fake.close()
     assert worker.wait(30.0) == [1]
+
+
+def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches):
+    """Stage 0 on MNN, stage 1 on PyTorch: devices with different frameworks train one model."""
+    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120,
+                           engine=("mnn", "torch"))
+    workers = LocalWorkers.start(2, threads=1)
+    try:
+        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS)
+    finally:
+        assert workers.wait(30.0) == [0, 0]
+    losses, weights = _single_device(graph, batches, STEPS)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    # The key bias's true gradient is exactly zero (softmax ignores a per-row constant), so each
+    # framework's float32 rounding noise is all AdamW sees, and AdamW scales noise up to lr-sized
+    # steps: those tensors may differ by up to lr x steps; every other tensor must agree closely.
+    exact = {k: v for k, v in weights.items() if not k.endswith("attention.self.key.bias")}
+    _assert_rel(result.weights, exact, 1e-4)
+    for k in set(weights) - set(exact):
+        assert float(np.abs(result.weights[k] - weights[k]).max()) <= 2 * 1e-3 * STEPS
