@@ -298,7 +298,7 @@ def cmd_demo(args) -> int:
     DEMO_DIR.mkdir(parents=True, exist_ok=True)
     model = DEMO_DIR / "minilm-token-cls.onnx"
     if not model.is_file():
-        print(f"[1/3] exporting all-MiniLM-L6-v2 to {model}", file=sys.stderr)
+        print(f"[1/6] exporting all-MiniLM-L6-v2 to {model}", file=sys.stderr)
         # a separate process, so torch's memory does not count in the training run's peak RSS
         partial = model.with_suffix(".partial.onnx")
         proc = subprocess.run([sys.executable, "-m", "confidant", "export", "-o", str(partial)],
@@ -308,31 +308,58 @@ def cmd_demo(args) -> int:
                            + proc.stderr.strip()[-2000:])
         partial.rename(model)
     else:
-        print(f"[1/3] using {model}", file=sys.stderr)
+        print(f"[1/6] using {model}", file=sys.stderr)
     data_dir = DEMO_DIR / "data"
-    print(f"[2/3] generating NER data in {data_dir}", file=sys.stderr)
+    print(f"[2/6] generating NER data in {data_dir}", file=sys.stderr)
     train, dev = write_splits(data_dir, n_train=2000, n_dev=300, seed=0)
-    print(f"[3/4] fine-tuning on this device ({args.steps} steps)", file=sys.stderr)
+    print(f"[3/6] fine-tuning on this device ({args.steps} steps)", file=sys.stderr)
     single = run_local_training(model, train, dev, args)
-    print(f"[4/4] fine-tuning across 3 local worker processes (1f1b-flush, 4 micro-batches, {args.steps} steps)",
-          file=sys.stderr)
     import argparse
 
-    pipe_args = argparse.Namespace(**{**vars(args), "data": train, "eval": dev, "local": 3, "workers": None,
-                                      "cuts": None, "schedule": "1f1b-flush", "microbatches": 4, "update_every": 1,
-                                      "checkpoint": None, "resume": None, "listen": "tcp://127.0.0.1:0",
-                                      "timeout": 600.0, "metrics_out": None})
-    pipe = run_pipeline_training(model, pipe_args)
+    from confidant import planning
+
+    rows_per_micro = args.batch // 4
+    print(f"[4/6] profiling this device at micro-batch {rows_per_micro} x {args.seq}", file=sys.stderr)
+    profile_path = DEMO_DIR / "device.profile.json"
+    planning.cmd_profile(argparse.Namespace(
+        serve_link=False, link=None, model=model, batch=rows_per_micro, seq=args.seq, name="this-machine",
+        backends="mnn:cpu:t1", memory=None, reps=2, no_attention=True, output=profile_path))
+    cluster_path = DEMO_DIR / "cluster.yaml"
+    # three devices made of this machine's profile with laptop-, board- and phone-like memory
+    # budgets, so that the planner must respect memory, not just balance time (the addresses are
+    # placeholders: the demo starts its workers locally)
+    cluster_path.write_text(
+        "devices:\n"
+        f"  - {{name: laptop, address: 'tcp://127.0.0.1:5556', profile: {profile_path.name}, memory_budget: 1GiB}}\n"
+        f"  - {{name: board, address: 'tcp://127.0.0.1:5557', profile: {profile_path.name}, memory_budget: 320MiB}}\n"
+        f"  - {{name: phone, address: 'tcp://127.0.0.1:5558', profile: {profile_path.name}, memory_budget: 256MiB}}\n"
+        "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
+    plan_dir = DEMO_DIR / "plan"
+    print(f"[5/6] planning over {cluster_path} (1f1b-flush, 4 micro-batches)", file=sys.stderr)
+    planning.cmd_plan(argparse.Namespace(
+        model=model, cluster=cluster_path, schedule="1f1b-flush", batch=args.batch, seq=args.seq, microbatches=4,
+        update_every=1, optimizer=args.optimizer, lr=args.lr, cuts=None, devices=None, time_limit=10.0,
+        output=plan_dir))
+    print(f"[6/6] training from the plan on {len(json.loads((plan_dir / 'plan.json').read_text())['devices'])} "
+          f"local worker processes ({args.steps} steps)", file=sys.stderr)
+    pipe_metrics = DEMO_DIR / "pipeline-metrics.json"
+    planning.cmd_train_plan(argparse.Namespace(**{**vars(args), "plan": plan_dir, "data": train, "eval": dev,
+                                                  "local": True, "checkpoint": None, "listen": "tcp://127.0.0.1:0",
+                                                  "timeout": 600.0, "metrics_out": pipe_metrics}))
+    trained = json.loads(pipe_metrics.read_text())
+    pipe = {"stages": [{"peak_rss_bytes": d["peak_rss_bytes"], "name": d["name"]} for d in trained["devices"]],
+            "steps": [{"loss": l, "samples_per_s": args.batch / trained["measured_step_s"]} for l in trained["losses"]],
+            "f1": trained.get("f1", float("nan"))}
     single_sps = args.batch / (sum(s.get("seconds", 0) for s in single["steps"]) / len(single["steps"]))
     pipe_sps = sum(s["samples_per_s"] for s in pipe["steps"]) / len(pipe["steps"])
-    rows = [("", "1 device", "3 devices (pipeline)")]
+    rows = [("", "1 device", f"{len(pipe['stages'])} devices (planned pipeline)")]
     rows.append(("peak memory per device",
                  f"{single['peak_rss_bytes'] / 2**20:.0f} MiB",
                  " / ".join(f"{st['peak_rss_bytes'] / 2**20:.0f}" for st in pipe["stages"]) + " MiB"))
     rows.append(("largest device", f"{single['peak_rss_bytes'] / 2**20:.0f} MiB",
                  f"{max(st['peak_rss_bytes'] for st in pipe['stages']) / 2**20:.0f} MiB "
                  f"({max(st['peak_rss_bytes'] for st in pipe['stages']) / single['peak_rss_bytes']:.0%} of 1 device)"))
-    rows.append(("samples/s", f"{single_sps:.1f}", f"{pipe_sps:.1f} (all 3 share this machine's 2 cores)"))
+    rows.append(("samples/s", f"{single_sps:.1f}", f"{pipe_sps:.1f} (all workers share this machine's 2 cores)"))
     rows.append(("final loss", f"{single['steps'][-1]['loss']:.3f}", f"{pipe['steps'][-1]['loss']:.3f}"))
     rows.append(("entity F1", f"{single['f1']:.3f}", f"{pipe.get('f1', float('nan')):.3f}"))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
