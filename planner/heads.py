@@ -1,0 +1,214 @@
+"""Confidant's head allocator: split one attention layer's heads across a device's backends.
+
+Inside a device, an attention layer's H heads can run concurrently on several backends (MNN on the
+CPU, a GPU, a second engine); each backend computes its share of the heads, and the partial outputs
+of the output projection are summed. This module decides the shares. It is pure: it reads measured
+curves and returns a `HeadSplit`.
+
+The model. Backend b computing h heads takes `curve_b(h) + extra_b` seconds, where `curve_b(h)` is
+the measured forward+backward time of h heads (`ir.profile.AttentionCurve.seconds[h-1]`, already
+the faster of fused and head-by-head) and `extra_b` is the fixed cost of using b at all besides the
+primary backend: launch, copying the input in and the partial output out, and adding it to the
+sum (0 for the primary, which holds the activations anyway). A backend given 0 heads costs
+nothing. The split's time is the slowest used backend's:
+
+    time({h_b}) = max over b with h_b > 0 of curve_b(h_b) + extra_b,   sum of h_b = H.
+
+The algorithm (exact for non-decreasing curves):
+
+1. Drop every backend whose one-head time `curve_b(1) + extra_b` exceeds the drop threshold
+   (default: the best single backend's full-H time, times `drop_factor`, default 1). With the
+   default a dropped backend could never help: any split using it takes longer than one backend
+   alone. A factor below 1 drops backends that could only help a little, at a possible loss.
+2. Binary-search the time T over the finite set of candidate times `curve_b(h) + extra_b`: the
+   capacity of b at T is the largest h with `curve_b(h) + extra_b <= T` (0 if none); T* is the
+   smallest candidate whose capacities sum to >= H (whole heads only). Capacity grows with T, so
+   the search is valid, and the optimum is one of the candidates, so T* is the optimum.
+3. Assign exactly H heads: take the backends with the largest capacity at T* first, as few as
+   reach H (fewer backends, fewer copies); then take back the surplus one head at a time from the
+   backend that finishes last (trim the slowest share). Non-decreasing curves keep every finish
+   time <= T*, and none is lower than T* for all, since T* is the least feasible time.
+4. Never predict worse than the best single backend: if the split is slower (possible only with
+   `drop_factor` < 1), return the best single backend with all H heads.
+
+Measured curves are noisy and may dip (h+1 heads fused measured faster than h). Step 2 therefore
+runs on each curve's running maximum, a safe upper bound; `predicted_s` is then the returned
+split's time on the curves as given, which can only be lower. `exhaustive_split` is the oracle:
+every split, on the curves as given.
+
+`HeadSplit` belongs in `ir/plan.py` (DESIGN.md lists it there); it is defined here until it moves.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from ir.profile import AttentionCurve
+
+Curves = Mapping[str, "AttentionCurve | Sequence[float]"]
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How one attention layer's heads are split across backends.
+
+    `heads`: backend name -> heads it computes, only backends with at least one head, in the order
+    the curves were given; the counts sum to H. `predicted_s`: the split's forward+backward seconds
+    under the allocator's model. `single_best`: (backend, seconds) of the fastest backend computing
+    all H heads alone, what the split is compared with. `dropped`: backends left out because one
+    head on them takes longer than the drop threshold (and that do not run the whole layer alone)."""
+
+    heads: dict[str, int]
+    predicted_s: float
+    single_best: tuple[str, float]
+    dropped: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.heads:
+            raise ValueError("a head split needs at least one backend with heads")
+        bad = {b: h for b, h in self.heads.items() if isinstance(h, bool) or not isinstance(h, int) or h < 1}
+        if bad:
+            raise ValueError(f"head counts must be integers >= 1, got {bad}")
+        if set(self.heads) & set(self.dropped):
+            raise ValueError(f"backends {sorted(set(self.heads) & set(self.dropped))} are both dropped and given heads")
+
+    @property
+    def total_heads(self) -> int:
+        return sum(self.heads.values())
+
+    @property
+    def speedup(self) -> float:
+        """The best single backend's time over the split's (>= 1 for the allocator's splits)."""
+        return self.single_best[1] / self.predicted_s if self.predicted_s > 0 else 1.0
+
+
+def _prepare(curves: Curves, extra_cost_s: Mapping[str, float] | None) -> tuple[dict[str, tuple[float, ...]], dict[str, float], int]:
+    if not curves:
+        raise ValueError("no backends to split heads across")
+    seconds = {b: tuple(float(s) for s in (c.seconds if isinstance(c, AttentionCurve) else c))
+               for b, c in curves.items()}
+    lengths = {b: len(s) for b, s in seconds.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"attention curves must cover the same heads; lengths per backend: {lengths}")
+    heads = next(iter(lengths.values()))
+    if heads < 1:
+        raise ValueError("attention curves are empty (need seconds for h = 1..H)")
+    for b, s in seconds.items():
+        if not all(math.isfinite(x) and x >= 0 for x in s):
+            raise ValueError(f"attention curve of {b!r} has a negative or non-finite time: {s}")
+    extra = dict(extra_cost_s or {})
+    unknown = sorted(set(extra) - set(seconds))
+    if unknown:
+        raise ValueError(f"extra_cost_s names backends without a curve: {unknown} (curves: {sorted(seconds)})")
+    for b, x in extra.items():
+        if not (math.isfinite(x) and x >= 0):
+            raise ValueError(f"extra_cost_s[{b!r}] must be a finite time >= 0, got {x}")
+    return seconds, {b: float(extra.get(b, 0.0)) for b in seconds}, heads
+
+
+def _time(split: Mapping[str, int], seconds: Mapping[str, Sequence[float]], extra: Mapping[str, float]) -> float:
+    return max(seconds[b][h - 1] + extra[b] for b, h in split.items() if h > 0)
+
+
+def split_time(split: Mapping[str, int], curves: Curves, extra_cost_s: Mapping[str, float] | None = None) -> float:
+    """The model's time of a split (backend -> heads; zero counts allowed, at least one positive)."""
+    seconds, extra, _ = _prepare(curves, extra_cost_s)
+    if not any(h > 0 for h in split.values()):
+        raise ValueError("a split must give some backend a head")
+    return _time(split, seconds, extra)
+
+
+def _single_best(seconds, extra, heads: int) -> tuple[str, float]:
+    best = min(seconds, key=lambda b: seconds[b][heads - 1] + extra[b])  # first listed wins ties
+    return best, seconds[best][heads - 1] + extra[best]
+
+
+def allocate_heads(curves: Curves, extra_cost_s: Mapping[str, float] | None = None, *,
+                   drop_factor: float = 1.0, drop_threshold_s: float | None = None) -> HeadSplit:
+    """Split H heads across the backends of `curves` (name -> AttentionCurve or seconds for h = 1..H).
+
+    `extra_cost_s`: per backend, the fixed seconds of using it besides the primary (missing: 0).
+    Backends whose one-head time exceeds `drop_threshold_s` (default: `drop_factor` x the best single
+    backend's full-H time) are dropped. See the module docstring for the model and the algorithm."""
+    seconds, extra, heads = _prepare(curves, extra_cost_s)
+    if not (math.isfinite(drop_factor) and drop_factor > 0):
+        raise ValueError(f"drop_factor must be a finite number > 0, got {drop_factor}")
+    best, best_s = _single_best(seconds, extra, heads)
+    threshold = drop_factor * best_s if drop_threshold_s is None else float(drop_threshold_s)
+    dropped = tuple(b for b in seconds if seconds[b][0] + extra[b] > threshold)
+    kept = [b for b in seconds if b not in dropped]
+    # step 4's answer; the best backend is not reported dropped when it runs everything
+    fallback = HeadSplit({best: heads}, best_s, (best, best_s), tuple(b for b in dropped if b != best))
+    if not kept:
+        return fallback
+
+    # Step 2 on running maxima (finish times that never fall as heads are added).
+    bound = {b: tuple(itertools.accumulate((s + extra[b] for s in seconds[b]), max)) for b in kept}
+
+    def capacity(b: str, t: float) -> int:
+        return bisect.bisect_right(bound[b], t)
+
+    candidates = sorted({t for b in kept for t in bound[b]})
+    lo, hi = 0, len(candidates) - 1
+    if sum(capacity(b, candidates[hi]) for b in kept) < heads:  # pragma: no cover - the max is always feasible
+        raise AssertionError("no candidate time fits all heads")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(capacity(b, candidates[mid]) for b in kept) >= heads:
+            hi = mid
+        else:
+            lo = mid + 1
+    t_star = candidates[lo]
+
+    # Step 3: fewest backends (largest capacities first), then trim the surplus from the slowest.
+    caps = {b: capacity(b, t_star) for b in kept}
+    order = sorted((b for b in kept if caps[b] > 0), key=lambda b: -caps[b])  # stable: listed order breaks ties
+    share: dict[str, int] = {}
+    for b in order:
+        if sum(share.values()) >= heads:
+            break
+        share[b] = caps[b]
+    surplus = sum(share.values()) - heads
+    while surplus > 0:
+        # the backend finishing last; among equals the last-listed (the primary is usually listed first)
+        slowest = max(reversed(list(share)), key=lambda b: bound[b][share[b] - 1])
+        share[slowest] -= 1
+        surplus -= 1
+        if share[slowest] == 0:
+            del share[slowest]
+
+    split = {b: share[b] for b in seconds if b in share}
+    predicted = _time(split, seconds, extra)
+    if predicted > best_s:  # step 4: reachable with an aggressive threshold, or curves that dip
+        return fallback
+    return HeadSplit(split, predicted, (best, best_s), dropped)
+
+
+def exhaustive_split(curves: Curves, extra_cost_s: Mapping[str, float] | None = None) -> HeadSplit:
+    """The best split by trying every one (the oracle for tests): the least time, then the fewest
+    backends, then the first in enumeration order. Nothing is dropped. Cost grows as
+    C(H + n - 1, n - 1) for n backends: fine for n <= 4 and H <= 16, not for planning."""
+    seconds, extra, heads = _prepare(curves, extra_cost_s)
+    names = list(seconds)
+    best_key, best_split = None, None
+    for counts in _compositions(heads, len(names)):
+        split = {b: h for b, h in zip(names, counts) if h > 0}
+        key = (_time(split, seconds, extra), len(split))
+        if best_key is None or key < best_key:
+            best_key, best_split = key, split
+    assert best_split is not None and best_key is not None
+    return HeadSplit(best_split, best_key[0], _single_best(seconds, extra, heads), ())
+
+
+def _compositions(total: int, parts: int):
+    """Every tuple of `parts` non-negative integers summing to `total`."""
+    for bars in itertools.combinations(range(total + parts - 1), parts - 1):
+        prev, out = -1, []
+        for bar in bars:
+            out.append(bar - prev - 1)
+            prev = bar
+        out.append(total + parts - 2 - prev)
+        yield tuple(out)

@@ -1,0 +1,161 @@
+"""The head allocator against the exhaustive oracle on synthetic non-decreasing time curves, its drop
+rule, its guarantee of never predicting worse than the best single backend, and its input checks."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ir.profile import AttentionCurve
+from planner.heads import HeadSplit, allocate_heads, exhaustive_split, split_time
+
+
+@st.composite
+def instances(draw, min_backends=2, max_backends=4, max_heads=16):
+    """Backends with non-decreasing curves (a first head, then increments that may be 0, as when a
+    fused kernel absorbs a head for free) and fixed extra costs, 0 for the first (the primary)."""
+    heads = draw(st.integers(1, max_heads))
+    n = draw(st.integers(min_backends, max_backends))
+    time = st.floats(0.0, 1.0, allow_nan=False, allow_infinity=False)
+    curves, extra = {}, {}
+    for i in range(n):
+        name = f"b{i}"
+        first = draw(st.floats(1e-4, 1.0))
+        steps = draw(st.lists(time, min_size=heads - 1, max_size=heads - 1))
+        curves[name] = tuple(itertools.accumulate([first] + steps))
+        extra[name] = 0.0 if i == 0 else draw(time)
+    return curves, extra, heads
+
+
+def _check_split(split: HeadSplit, curves, extra, heads: int) -> None:
+    assert split.total_heads == heads
+    assert all(h >= 1 for h in split.heads.values())
+    assert list(split.heads) == [b for b in curves if b in split.heads]  # the order curves were given
+    assert split.predicted_s == split_time(split.heads, curves, extra)
+    assert split.predicted_s <= split.single_best[1]
+    name, seconds = split.single_best
+    assert seconds == min(curves[b][heads - 1] + extra[b] for b in curves) == curves[name][heads - 1] + extra[name]
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_allocator_matches_the_exhaustive_optimum(inst):
+    curves, extra, heads = inst
+    split = allocate_heads(curves, extra)
+    oracle = exhaustive_split(curves, extra)
+    _check_split(split, curves, extra, heads)
+    assert split.predicted_s == oracle.predicted_s
+    # as few backends as the oracle's best split uses (it breaks ties by fewest backends)
+    assert len(split.heads) == len(oracle.heads)
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(max_backends=3), st.floats(1.01, 10.0))
+def test_a_slow_backend_is_dropped_and_changes_nothing(inst, slowness):
+    curves, extra, heads = inst
+    best = min(curves[b][heads - 1] + extra[b] for b in curves)
+    # one head on it takes longer than the best backend alone needs for all heads
+    slow_first = best * slowness + 1e-3
+    slow = dict(curves, slow=tuple(slow_first + 0.1 * h for h in range(heads)))
+    slow_extra = dict(extra, slow=0.0)
+    split = allocate_heads(slow, slow_extra)
+    assert "slow" in split.dropped and "slow" not in split.heads
+    assert set(split.dropped) - {"slow"} == set(allocate_heads(curves, extra).dropped)
+    _check_split(split, slow, slow_extra, heads)
+    assert split.predicted_s == allocate_heads(curves, extra).predicted_s == exhaustive_split(slow, slow_extra).predicted_s
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(), st.floats(0.05, 1.0))
+def test_an_aggressive_drop_factor_never_predicts_worse_than_one_backend(inst, factor):
+    curves, extra, heads = inst
+    split = allocate_heads(curves, extra, drop_factor=factor)
+    _check_split(split, curves, extra, heads)
+    assert split.predicted_s >= exhaustive_split(curves, extra).predicted_s
+    threshold = factor * split.single_best[1]
+    assert set(split.dropped) == {b for b in curves if curves[b][0] + extra[b] > threshold} - set(split.heads)
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances(min_backends=1, max_backends=4, max_heads=8),
+       st.lists(st.floats(-0.3, 0.3), min_size=8, max_size=8))
+def test_noisy_curves_are_handled_safely(inst, noise):
+    """Measured curves can dip; the allocator works on running maxima, so it may miss a split that
+    exploits a dip, but it still returns a valid split no slower than the best single backend."""
+    curves, extra, heads = inst
+    noisy = {b: tuple(max(0.0, s * (1 + noise[i % len(noise)])) for i, s in enumerate(c)) for b, c in curves.items()}
+    split = allocate_heads(noisy, extra)
+    _check_split(split, noisy, extra, heads)
+    assert split.predicted_s >= exhaustive_split(noisy, extra).predicted_s
+
+
+def test_two_equal_backends_split_evenly_and_halve_the_time():
+    line = tuple(float(h) for h in range(1, 13))  # 1 s per head
+    split = allocate_heads({"mnn:cpu:t1": AttentionCurve(line), "torch:cpu:t1": AttentionCurve(line)})
+    assert split == HeadSplit({"mnn:cpu:t1": 6, "torch:cpu:t1": 6}, 6.0, ("mnn:cpu:t1", 12.0), ())
+    assert split.speedup == 2.0
+
+
+def test_extra_cost_shifts_heads_to_the_primary():
+    line = tuple(float(h) for h in range(1, 13))
+    split = allocate_heads({"cpu": line, "gpu": line}, {"gpu": 2.0})
+    # cpu h + gpu (12-h) + 2: balanced at cpu 7 (7 s), gpu 5 (7 s)
+    assert split.heads == {"cpu": 7, "gpu": 5} and split.predicted_s == 7.0
+
+
+def test_an_expensive_extra_cost_keeps_one_backend():
+    line = tuple(float(h) for h in range(1, 5))
+    split = allocate_heads({"cpu": line, "gpu": tuple(0.1 * h for h in range(1, 5))}, {"gpu": 10.0})
+    assert split == HeadSplit({"cpu": 4}, 4.0, ("cpu", 4.0), ("gpu",))
+
+
+def test_an_explicit_threshold_drops_what_it_says():
+    line = tuple(float(h) for h in range(1, 9))
+    split = allocate_heads({"a": line, "b": tuple(2 * x for x in line), "c": tuple(3 * x for x in line)},
+                           drop_threshold_s=2.5)
+    assert split.dropped == ("c",)
+    # a 6 + b 2 and a 5 + b 3 both take 6 s; the surplus head is taken from the last-listed backend
+    assert split.heads == {"a": 6, "b": 2} and split.predicted_s == 6.0
+
+
+def test_when_every_backend_is_dropped_the_best_single_one_runs_everything():
+    split = allocate_heads({"a": (1.0, 2.0), "b": (0.5, 3.0)}, drop_threshold_s=0.1)
+    assert split == HeadSplit({"a": 2}, 2.0, ("a", 2.0), ("b",))
+
+
+def test_a_single_backend_takes_all_heads():
+    assert allocate_heads({"only": (1.0, 1.5, 2.0)}) == HeadSplit({"only": 3}, 2.0, ("only", 2.0), ())
+
+
+def test_exhaustive_split_enumerates_every_composition():
+    from planner.heads import _compositions
+
+    got = list(_compositions(4, 3))
+    assert len(got) == len(set(got)) == 15  # C(6, 2)
+    assert all(sum(c) == 4 and min(c) >= 0 for c in got)
+
+
+@pytest.mark.parametrize("curves, extra, message", [
+    ({}, None, "no backends to split heads across"),
+    ({"a": (1.0, 2.0), "b": (1.0,)}, None,
+     "attention curves must cover the same heads; lengths per backend: {'a': 2, 'b': 1}"),
+    ({"a": ()}, None, "attention curves are empty (need seconds for h = 1..H)"),
+    ({"a": (1.0, float("nan"))}, None, "attention curve of 'a' has a negative or non-finite time: (1.0, nan)"),
+    ({"a": (1.0,)}, {"z": 1.0}, "extra_cost_s names backends without a curve: ['z'] (curves: ['a'])"),
+    ({"a": (1.0,)}, {"a": -1.0}, "extra_cost_s['a'] must be a finite time >= 0, got -1.0"),
+])
+def test_bad_inputs_are_rejected(curves, extra, message):
+    with pytest.raises(ValueError) as err:
+        allocate_heads(curves, extra)
+    assert str(err.value) == message
+
+
+def test_bad_drop_factor_and_bad_splits_are_rejected():
+    with pytest.raises(ValueError, match=r"drop_factor must be a finite number > 0, got 0"):
+        allocate_heads({"a": (1.0,)}, drop_factor=0)
+    with pytest.raises(ValueError, match=r"head counts must be integers >= 1, got \{'a': 0\}"):
+        HeadSplit({"a": 0}, 1.0, ("a", 1.0))
+    with pytest.raises(ValueError, match="both dropped and given heads"):
+        HeadSplit({"a": 1}, 1.0, ("a", 1.0), ("a",))
