@@ -71,6 +71,7 @@ import numpy as np
 from ir.graph import Block, Graph, Node, Value, block_signature
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
 from runtime import mnn_kernels as K
+from runtime.procfs import meminfo_bytes, status_bytes
 from runtime.engine import StageEngine
 from runtime.engine_mnn import MnnStageEngine
 from runtime.stage import StageSpec, host_values, stage_spec
@@ -183,17 +184,6 @@ def _activation(graph: Graph, name: str, rng: np.random.Generator) -> np.ndarray
 
 # Measuring ------------------------------------------------------------------------------------
 
-def _status_bytes(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _release_free_heap() -> None:
     """Hand freed memory back to the system, so the next measurement starts from a clean level:
     MNN's executor keeps the buffers of dead graphs pooled (a second MiniLM layer measured 47 MiB
@@ -212,7 +202,7 @@ def _reset_peak_rss() -> bool:
             f.write("5")
     except OSError:
         return False
-    return _status_bytes("VmHWM") is not None
+    return status_bytes("VmHWM") is not None
 
 
 class PeakRss:
@@ -221,7 +211,7 @@ class PeakRss:
     def __enter__(self) -> "PeakRss":
         _release_free_heap()
         self._kernel = _reset_peak_rss()
-        self.base = _status_bytes("VmRSS") or 0
+        self.base = status_bytes("VmRSS") or 0
         self.bytes = 0
         self._peak = self.base
         if not self._kernel:
@@ -232,15 +222,15 @@ class PeakRss:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.001):
-            self._peak = max(self._peak, _status_bytes("VmRSS") or 0)
+            self._peak = max(self._peak, status_bytes("VmRSS") or 0)
 
     def __exit__(self, *exc: object) -> None:
         if self._kernel:
-            peak = _status_bytes("VmHWM") or self.base
+            peak = status_bytes("VmHWM") or self.base
         else:
             self._stop.set()
             self._thread.join()
-            peak = max(self._peak, _status_bytes("VmRSS") or 0)
+            peak = max(self._peak, status_bytes("VmRSS") or 0)
         self.bytes = max(0, peak - self.base)
 
 
@@ -408,14 +398,7 @@ def _block_mask(graph: Graph, block: Block, feeds: Mapping[str, np.ndarray]) -> 
 
 def memory_available_bytes() -> int:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping), else 0."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return meminfo_bytes("MemAvailable") or 0
 
 
 _ROOT = Path(__file__).resolve().parents[1]

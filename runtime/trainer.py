@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from runtime.engine import StageEngine
+from runtime.procfs import status_bytes
 from runtime.metrics import Scores, entity_f1
 from runtime.optim import make_optimizer
 from runtime.tokenize import IGNORE_INDEX, Batch, decode_predictions, make_batches, split_microbatches
@@ -94,13 +95,9 @@ def accumulate_gradients(engine: StageEngine, batch: Batch, microbatches: int, n
 def peak_rss_bytes() -> int:
     """This process's peak resident memory. VmHWM first: ru_maxrss survives execve on Linux, so a
     worker started by a big parent would report the parent's peak as its own."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
