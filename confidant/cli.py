@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1f1b-stash only: backwards per weight update on each stage (default %(default)s)")
     p.add_argument("--checkpoint", type=Path, default=None, help="write weights and optimizer state here at the end")
     p.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint folder")
+    p.add_argument("--replan-every", type=int, default=None, metavar="N",
+                   help="flush schedules: every N steps, re-cut the model from the stages' measured forward+backward "
+                        "times (same workers, same order) when that is predicted to be faster by more than "
+                        "--replan-threshold; weights and optimizer state move between steps, no update is lost")
+    p.add_argument("--replan-threshold", type=float, default=0.1,
+                   help="least predicted throughput gain that re-cuts the model (default %(default)s: 10%%)")
     p.add_argument("--listen", default="tcp://127.0.0.1:0",
                    help="coordinator address workers connect back to (default %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent worker (default %(default)s)")

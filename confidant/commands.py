@@ -177,6 +177,10 @@ def run_pipeline_training(model: Path, args) -> dict:
         raise CliError(f"--batch {args.batch} must be a multiple of --microbatches {M}")
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, got {args.steps}")
+    replan_every = getattr(args, "replan_every", None)
+    if replan_every is not None and (replan_every < 1 or args.schedule == "1f1b-stash"):
+        raise CliError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush or "
+                       f"gpipe), got {replan_every} with {args.schedule}")
     cuts = [int(c) for c in args.cuts.split(",")] if args.cuts else None
     addresses = [a.strip() for a in args.workers.split(",")] if args.workers else None
     n_stages = len(addresses) if addresses else args.local
@@ -215,11 +219,19 @@ def run_pipeline_training(model: Path, args) -> dict:
         busy = "/".join(f"{_busy_fraction(d):.0%}" for d in done)
         bar.update(step - start_step, loss=loss, **{"samples/s": args.batch / seconds, "busy": busy})
 
+    replanner = None
+    if replan_every is not None:
+        from confidant.pipeline import stage_ranges
+        from planner.replan import TimingReplanner
+
+        replanner = TimingReplanner(graph, stage_ranges(len(graph.blocks), n_stages, cuts), args.schedule, M,
+                                    args.optimizer, args.replan_threshold)
     try:
         result = train_pipeline(graph, batches, len(labels), addresses, config, args.steps, cuts=cuts,
                                 update_every=args.update_every, start_step=start_step, weights=weights,
                                 optimizer_state=opt_state, listen=args.listen, on_step=on_step,
-                                checkpoint_dir=args.checkpoint, meta=meta)
+                                checkpoint_dir=args.checkpoint, meta=meta, replan_every=replan_every,
+                                on_replan=replanner)
     except WorkerFailed as exc:
         raise CliError(str(exc)) from None
     finally:
@@ -237,6 +249,11 @@ def run_pipeline_training(model: Path, args) -> dict:
                   for i, (l, sec) in enumerate(zip(result.losses, result.step_seconds))],
         "coordinator_peak_rss_bytes": peak_rss_bytes_now(),
     }
+    if replanner is not None:
+        figures["replans"] = [{"step": step, "old_ranges": r.old_ranges, "new_ranges": r.new_ranges,
+                               "moved_bytes": r.moved_bytes, "seconds": r.seconds} for step, r in result.replans]
+        for step, decision in replanner.decisions:
+            print(f"after step {step}: {decision.reason}", file=sys.stderr)
     print("per stage: " + "; ".join(f"stage {k} blocks {r[0]}-{r[1]} peak RSS {rss / 2**20:.0f} MiB"
                                      for k, (r, rss) in enumerate(zip(result.ranges, stage_rss))), file=sys.stderr)
     if dev_sents:

@@ -16,8 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from planner.schedule import make_schedule
-from runtime.coordinator import (Coordinator, PipelineConfig, StagePlacement, load_checkpoint, save_checkpoint,
-                                 split_at, split_even)
+from runtime.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, load_checkpoint,
+                                 save_checkpoint, split_at, split_even)
 from runtime.trainer import batch_feeds, pad_batch, peak_rss_bytes
 from runtime.tokenize import split_microbatches
 
@@ -77,7 +77,8 @@ class PipelineResult:
     stage_reports: list[list[dict]]
     weights: dict[str, np.ndarray]
     checkpoint: list[dict[str, np.ndarray]]
-    ranges: list[tuple[int, int]]
+    ranges: list[tuple[int, int]]  # at the end (after any re-plan)
+    replans: list[tuple[int, Reconfiguration]] = field(default_factory=list)  # (steps done before it, what moved)
 
 
 def stage_ranges(n_blocks: int, stages: int, cuts: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -94,11 +95,31 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                    weights=None, optimizer_state=None, listen: str = "tcp://127.0.0.1:0", on_step=None,
                    checkpoint_dir: Path | None = None, meta: dict | None = None,
                    bundles: Sequence[Path] | None = None, devices: Sequence[str] | None = None,
-                   stage_graphs=None) -> PipelineResult:
+                   stage_graphs=None, replan_every: int | None = None, on_replan=None) -> PipelineResult:
     """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
     With `bundles` (one plan bundle per stage) the workers get verified bundles instead of graph
-    slices, and the block ranges are the bundles'."""
+    slices, and the block ranges are the bundles'.
+
+    Re-planning (flush schedules, graph slices): every `replan_every` steps, between two steps,
+    `on_replan(step, measured_stage_seconds)` is called with the number of steps done so far and,
+    per stage, its measured forward+backward seconds per step averaged since the last call. It
+    returns new block ranges (stage k on addresses[k]; fewer ranges than workers leaves the last
+    workers idle) or None to carry on; the coordinator then moves weights and optimizer state at
+    this flush boundary, so training continues as if the new ranges had been used from that step."""
     from runtime.transport_zmq import ZmqTransport
+
+    if replan_every is not None:
+        if not isinstance(replan_every, int) or replan_every < 1:
+            raise ValueError(f"replan_every must be a whole number of steps >= 1, got {replan_every!r}")
+        if on_replan is None:
+            raise ValueError("replan_every needs on_replan, the function that chooses the new block ranges")
+        if config.schedule == "1f1b-stash":
+            raise ValueError("re-planning needs a flush schedule (1f1b-flush or gpipe): 1f1b-stash runs the whole "
+                             "training as one schedule with weight versions in flight, so there is no step boundary "
+                             "at which every stage holds the same weights")
+        if bundles is not None or stage_graphs is not None:
+            raise ValueError("re-planning needs the whole model graph; stages set up from plan bundles cannot be re-cut "
+                             "at run time (write a new plan and resume from a checkpoint)")
 
     if stage_graphs is not None:
         ranges = [(b.first_block, b.last_block) for b in stage_graphs]
@@ -138,6 +159,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
             result.stage_busy.append([_busy(d) for d in done])
         else:
             schedule = make_schedule(config.schedule, len(placements), M)
+            window: list[list[float]] = []  # per step since the last re-plan check: F+B seconds per stage
             for s in range(start_step, start_step + steps):
                 start = time.perf_counter()
                 losses, done = coordinator.run(schedule, feeds_of(s), s)
@@ -148,6 +170,20 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                 result.stage_busy.append([_busy(d) for d in done])
                 if on_step:
                     on_step(s + 1, result.losses[-1], seconds, [d["seconds"] for d in done], done)
+                window.append([d["seconds"].get("F", 0.0) + d["seconds"].get("B", 0.0) for d in done])
+                if replan_every and (s + 1 - start_step) % replan_every == 0 and s + 1 < start_step + steps:
+                    measured = [sum(col) / len(window) for col in zip(*window)]
+                    window = []
+                    new_ranges = on_replan(s + 1, measured)
+                    if new_ranges is not None and [tuple(r) for r in new_ranges] != ranges:
+                        if not 1 <= len(new_ranges) <= len(addresses):
+                            raise ValueError(f"on_replan returned {len(new_ranges)} stages for {len(addresses)} workers")
+                        ranges = [tuple(r) for r in new_ranges]
+                        placements = [StagePlacement(k, a, b, addr)
+                                      for k, ((a, b), addr) in enumerate(zip(ranges, addresses))]
+                        result.replans.append((s + 1, coordinator.reconfigure(placements)))
+                        schedule = make_schedule(config.schedule, len(placements), M)
+        result.ranges = ranges
         result.checkpoint = coordinator.collect_checkpoint()
         for tensors in result.checkpoint:
             result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})

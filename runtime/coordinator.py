@@ -1,14 +1,30 @@
 """The coordinator: hands each worker its stage, feeds micro-batches, collects losses and figures,
-writes checkpoints, and turns any worker's failure into one clear error.
+writes checkpoints, re-arranges the stages when the plan changes, and turns any worker's failure
+into one clear error.
 
 It talks to workers only through a Transport, so the same code drives real worker processes over
 ZeroMQ and in-process workers in tests. Stage k's peer is named "stage<k>".
+
+Re-planning (`reconfigure`) happens at a flush boundary: between two steps of a flush schedule
+every stage has applied the same updates and holds no activation, gradient or in-flight message,
+so the stage's whole training state is its parameters plus its optimizer state. The coordinator
+gathers both from every stage (the checkpoint path), then sets the same worker processes up again
+with their new block ranges, each with the current weights and the optimizer entries of its own
+parameters (optimizer state is keyed by parameter name, runtime.optim), so no update is lost and
+training continues exactly as a run that had used the new ranges from that step. Weights move
+through the coordinator (gather all, send each stage its slice); `Reconfiguration.moves` says which
+blocks changed worker and how many bytes that was.
+
+A worker's pipeline position is its transport name ("stage<k>"), fixed by its first setup, so a
+worker keeps its stage index across re-setups: a new plan may change every block range, drop
+workers from the end of the pipeline (they are reset and wait idle until stopped) and take them
+back later, but not renumber a worker.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -44,6 +60,35 @@ class PipelineConfig:
     lr: float = 5e-5
     weight_decay: float | None = None
     timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class WeightMove:
+    """Block `block`'s parameters (and their optimizer state: `nbytes` counts both) moved from the
+    worker at `from_address` to the one at `to_address` in a reconfiguration."""
+
+    block: int
+    from_address: str
+    to_address: str
+    params: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass
+class Reconfiguration:
+    """What `Coordinator.reconfigure` did: old and new block ranges, the blocks that changed worker,
+    every byte sent to set the stages up again, workers left idle, and how long it all took."""
+
+    old_ranges: list[tuple[int, int]]
+    new_ranges: list[tuple[int, int]]
+    moves: list[WeightMove]
+    sent_bytes: int
+    idle: list[str]
+    seconds: float
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(m.nbytes for m in self.moves)
 
 
 @dataclass
@@ -91,6 +136,10 @@ class Coordinator:
         self.ready: list[dict] = []
         self._pending: list[tuple[str, dict]] = []
         self.bundle_mode = False
+        self.setup_bytes = 0
+        self.idle: list[StagePlacement] = []   # workers a reconfiguration left out; stopped with the rest
+        self._stage_of: dict[str, int] = {}    # worker address -> its stage index, fixed at first setup
+        self._engine_of: dict[str, str] = {}   # worker address -> the engine it was first given
 
     def engine_of(self, stage: int) -> str:
         engine = self.config.engine
@@ -149,6 +198,8 @@ class Coordinator:
 
     # --- setup ---------------------------------------------------------------------------
     def setup(self) -> list[dict]:
+        self._remember_workers()
+        self.setup_bytes = 0  # weights and optimizer state sent by this setup
         peers = {stage_peer(p.stage): p.address for p in self.placements}
         for p in self.placements:
             self.transport.connect(stage_peer(p.stage), p.address)
@@ -169,8 +220,10 @@ class Coordinator:
             for i, (name, arr) in enumerate(part.constants.items()):
                 value = self.weights[name] if self.weights is not None and name in self.weights else arr
                 self.transport.send_tensor(stage_peer(p.stage), "weights", -1, i, np.asarray(value, order="C"), name=name)
+                self.setup_bytes += int(np.asarray(value).nbytes)
             for i, (name, arr) in enumerate(opt_state.items()):
                 self.transport.send_tensor(stage_peer(p.stage), "optstate", -1, i, np.asarray(arr, order="C"), name=name)
+                self.setup_bytes += int(np.asarray(arr).nbytes)
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
         return self.ready
 
@@ -179,6 +232,7 @@ class Coordinator:
         from runtime.bundle_load import send_bundle
 
         self.bundle_mode = True
+        self._remember_workers()
         peers = {stage_peer(p.stage): p.address for p in self.placements}
         for p in self.placements:
             self.transport.connect(stage_peer(p.stage), p.address)
@@ -238,12 +292,130 @@ class Coordinator:
             out.append(tensors)
         return out
 
+    # --- re-planning ---------------------------------------------------------------------
+    def _remember_workers(self) -> None:
+        for p in self.placements:
+            self._stage_of.setdefault(p.address, p.stage)
+            self._engine_of.setdefault(p.address, self.engine_of(p.stage))
+
+    def _check_new_placements(self, placements: Sequence[StagePlacement]) -> None:
+        n = len(self.graph.blocks)
+        expected = 0
+        for i, p in enumerate(placements):
+            if p.stage != i:
+                raise ValueError(f"placement {i} is numbered stage {p.stage}; number the stages 0..{len(placements) - 1}")
+            if p.first_block != expected or not p.first_block <= p.last_block < n:
+                raise ValueError(f"stage {i} runs blocks {p.first_block}..{p.last_block}; expected a range starting "
+                                 f"at block {expected} within 0..{n - 1}")
+            expected = p.last_block + 1
+        if expected != n:
+            raise ValueError(f"the new stages cover blocks 0..{expected - 1}, the model has 0..{n - 1}")
+        addresses = [p.address for p in placements]
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"a worker may run one stage only; addresses repeat: {addresses}")
+        holders = {stage: address for address, stage in self._stage_of.items()}
+        for p in placements:
+            was = self._stage_of.get(p.address)
+            if was is not None and was != p.stage:
+                raise ValueError(f"the worker at {p.address} is stage {was} and cannot become stage {p.stage}: a "
+                                 f"worker's stage index is its name on the wire, fixed at its first setup. Keep the "
+                                 f"devices in their pipeline order (drop only workers at the end), or restart the "
+                                 f"workers and resume from a checkpoint")
+            if was is None and holders.get(p.stage, p.address) != p.address:
+                raise ValueError(f"stage {p.stage} belongs to the worker at {holders[p.stage]}; a new worker at "
+                                 f"{p.address} cannot take its name")
+
+    def reconfigure(self, placements: Sequence[StagePlacement]) -> Reconfiguration:
+        """Switch to new block ranges at a flush boundary (call between steps of a flush schedule):
+        gather every stage's weights and optimizer state, reset the workers left out, and set up
+        each stage of `placements` again with its slice, the current weights and the optimizer
+        state of its parameters. See the module docstring for what may change."""
+        if self.bundle_mode or self.graph is None:
+            raise ValueError("re-planning needs the whole model graph: stages set up from plan bundles (or from "
+                             "graph slices) cannot be re-cut at run time; write a new plan and resume from a checkpoint")
+        start = time.perf_counter()
+        placements = list(placements)
+        self._check_new_placements(placements)
+        engines = self.config.engine
+        if not isinstance(engines, str):  # per-stage engines stay with their workers
+            missing = [p.address for p in placements if p.address not in self._engine_of]
+            if missing:
+                raise ValueError(f"per-stage engines were given, but none for the new worker(s) {missing}")
+            engines = tuple(self._engine_of[p.address] for p in placements)
+        old = self.placements
+        per_stage = self.collect_checkpoint()
+        weights, states, scalars = _merge_checkpoint(per_stage)
+        nbytes = {name: int(arr.nbytes) + sum(int(s[name].nbytes) for s in states.values() if name in s)
+                  for name, arr in weights.items()}
+
+        def owner(ps: Sequence[StagePlacement], k: int) -> str:
+            return next(p.address for p in ps if p.first_block <= k <= p.last_block)
+
+        moves = []
+        for b in self.graph.blocks:
+            before, after = owner(old, b.index), owner(placements, b.index)
+            if before != after:
+                moves.append(WeightMove(b.index, before, after, tuple(b.params), sum(nbytes[x] for x in b.params)))
+        kept = {p.address for p in placements}
+        for p in old:
+            if p.address not in kept:
+                # its engine and weights go; the process waits for a later setup or the final stop
+                self.transport.send_control(stage_peer(p.stage), {"type": "reset"})
+                self.idle.append(p)
+        self.idle = [p for p in self.idle if p.address not in kept]
+        self.weights = {**(self.weights or {}), **weights}
+        self.optimizer_state = {}
+        for p in placements:
+            names = [x for b in self.graph.blocks[p.first_block:p.last_block + 1] for x in b.params]
+            state = {f"{kind}/{x}": per_name[x] for kind, per_name in states.items() for x in names if x in per_name}
+            self.optimizer_state[p.stage] = {**state, **scalars}
+        self.config = replace(self.config, engine=engines)
+        self.placements = placements
+        self.stages = len(placements)
+        self.specs = [stage_spec(self.graph, p.first_block, p.last_block) for p in placements]
+        self.setup()
+        return Reconfiguration([(p.first_block, p.last_block) for p in old],
+                               [(p.first_block, p.last_block) for p in placements], moves, self.setup_bytes,
+                               [p.address for p in self.idle], time.perf_counter() - start)
+
     def stop(self) -> None:
+        for p in self.idle:
+            try:
+                self.transport.send_control(stage_peer(p.stage), {"type": "stop"})
+            except Exception:
+                pass
         for p in self.placements:
             try:
                 self.transport.send_control(stage_peer(p.stage), {"type": "stop"})
             except Exception:
                 pass
+
+
+def _merge_checkpoint(per_stage: Sequence[Mapping[str, np.ndarray]]
+                      ) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """All stages' checkpoint tensors (`collect_checkpoint`) merged: parameters by name, optimizer
+    state per kind and parameter ({"m": {name: array}, ...} from "opt/m/<name>"), and the
+    optimizer's scalars ("opt/steps"), which every stage of a flush schedule must agree on."""
+    weights: dict[str, np.ndarray] = {}
+    states: dict[str, dict[str, np.ndarray]] = {}
+    scalars: dict[str, np.ndarray] = {}
+    for k, tensors in enumerate(per_stage):
+        for key, arr in tensors.items():
+            if key.startswith("param/"):
+                weights[key[len("param/"):]] = arr
+            elif key.startswith("opt/"):
+                entry = key[len("opt/"):]
+                if "/" in entry:
+                    kind, name = entry.split("/", 1)
+                    states.setdefault(kind, {})[name] = arr
+                elif entry in scalars and not np.array_equal(scalars[entry], arr):
+                    raise RuntimeError(f"stages disagree on optimizer {entry!r} ({scalars[entry]} before stage {k}, "
+                                       f"{arr} on stage {k}): not at a flush boundary")
+                else:
+                    scalars[entry] = arr
+            else:
+                raise RuntimeError(f"stage {k} sent checkpoint entry {key!r}, neither param/ nor opt/")
+    return weights, states, scalars
 
 
 def save_checkpoint(directory: Path, per_stage: Sequence[Mapping[str, np.ndarray]], meta: dict) -> None:

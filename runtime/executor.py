@@ -138,7 +138,10 @@ class StageExecutor:
         self.stats.add(kind.value, time.perf_counter() - t0)
 
     def update(self) -> None:
-        if not self.grad_sum:
+        # A stage without parameters (e.g. only the loss block) still takes its UPDATE as a step
+        # over nothing, so its optimizer's step count stays that of the other stages: re-planning
+        # hands optimizer state between stages by that count.
+        if self.params and not self.grad_sum:
             raise RuntimeError(f"stage {self.stage}: UPDATE with no accumulated gradient")
         self.params = self.optimizer.step(self.params, self.grad_sum)
         self.engine.set_parameters(self.params)

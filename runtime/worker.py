@@ -7,6 +7,10 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
   coordinator -> worker  run {step, actions} ... and "batch" tensors for each micro-batch
   worker -> coordinator  "loss" tensors (last stage), then done {stats, version, rss}
   coordinator -> worker  checkpoint  ->  worker sends "ckpt" tensors, then checkpoint_done {names}
+  coordinator -> worker  setup again (re-planning, at a flush boundary): the old stage is dropped and
+                         the new one built from the slice, weights and optimizer state sent with it;
+                         the stage index must stay the same (it is the worker's name on the wire)
+  coordinator -> worker  reset: drop the stage (engine, weights, optimizer) and wait idle for a setup
   coordinator -> worker  stop
 Any failure is reported as error {stage, message} before the worker exits non-zero, so the
 coordinator can name the device and the cause instead of timing out.
@@ -54,11 +58,27 @@ class Worker:
             out[name] = arr
         return out
 
+    def reset(self) -> None:
+        """Drop the stage this worker ran (engine, weights, optimizer state, buffers) before a new
+        setup, or to wait idle after a re-plan left this worker out; only the name stays."""
+        self.executor = None
+        self.bundle_actions = None
+
+    def _take_stage(self, stage: int) -> None:
+        """Become stage `stage`: the first setup names the transport; a later one (re-planning)
+        must keep that name, since peers already know this worker by it."""
+        if self.stage is None:
+            self.stage = stage
+            if hasattr(self.transport, "rename"):
+                self.transport.rename(stage_peer(stage))
+        elif stage != self.stage:
+            raise ValueError(f"this worker is stage {self.stage} (its name on the wire) and cannot be set up as stage "
+                             f"{stage}; a re-plan must keep each worker's stage index")
+        self.reset()
+
     def setup(self, msg: dict) -> None:
-        self.stage = int(msg["stage"])
+        self._take_stage(int(msg["stage"]))
         stages = int(msg["stages"])
-        if hasattr(self.transport, "rename"):
-            self.transport.rename(stage_peer(self.stage))
         for peer, address in msg["peers"].items():
             self.transport.connect(peer, address)
         constants = self._recv_tensors("weights", list(msg["graph"]["constants"]))
@@ -80,9 +100,7 @@ class Worker:
         the stage, graph slice, weights, actions and optimizer all come from the bundle."""
         from runtime.bundle_load import recv_bundle
 
-        self.stage = int(msg["stage"])
-        if hasattr(self.transport, "rename"):
-            self.transport.rename(stage_peer(self.stage))
+        self._take_stage(int(msg["stage"]))
         for peer, address in msg["peers"].items():
             self.transport.connect(peer, address)
         contents = recv_bundle(self.transport, COORDINATOR, msg["bundle_files"],
@@ -102,7 +120,12 @@ class Worker:
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device})
 
+    def _need_stage(self, what: str) -> None:
+        if self.executor is None:
+            raise RuntimeError(f"{what} but this worker has no stage (not set up, or reset by a re-plan)")
+
     def run(self, msg: dict) -> None:
+        self._need_stage(f"run of step {msg.get('step')}")
         if msg.get("actions") is not None:
             actions = [Action.parse(t) for t in msg["actions"]]
         elif self.bundle_actions is not None:
@@ -120,6 +143,7 @@ class Worker:
         })
 
     def checkpoint(self) -> None:
+        self._need_stage("checkpoint")
         tensors = {f"param/{k}": v for k, v in self.executor.params.items()}
         tensors.update({f"opt/{k}": np.asarray(v) for k, v in self.executor.optimizer_state().items()})
         for i, (name, arr) in enumerate(tensors.items()):
@@ -139,6 +163,8 @@ class Worker:
                 self.run(msg)
             elif kind == "checkpoint":
                 self.checkpoint()
+            elif kind == "reset":
+                self.reset()
             elif kind == "stop":
                 return 0
             else:

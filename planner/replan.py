@@ -1,0 +1,335 @@
+"""Re-planning: given the plan in use and the cluster as it is now (a device slower, with less
+memory, or gone), decide whether to move to a new plan, and which blocks' weights then move where.
+
+Pure functions; the runtime applies a decision (runtime.coordinator.Coordinator.reconfigure) at a
+flush boundary, where every stage has applied the same number of updates, so gathering weights and
+optimizer state there and handing them to the new stages loses no update.
+
+Deciding. `replan` prices the current plan on the new cluster with the same cost model the
+partitioner minimises (planner.partition.predicted_step_us) and searches for the best plan. It
+re-plans when the predicted throughput gain, old step / new step - 1, is above `threshold`
+(0.1: at least 10% more steps per second); it must re-plan, whatever the gain, when a device of the
+current plan has left the cluster or the current plan no longer fits a memory budget.
+
+`keep_order=True` restricts the search to the current plan's devices in their current order (minus
+any that left), moving only the cut points. A worker's pipeline position is its name on the wire
+(runtime.executor.stage_peer), fixed for the life of its process, so this is the kind of plan the
+same worker processes can switch to without restarting; the free search (CP-SAT, any devices in
+any order) is for re-planning with fresh processes or bundles.
+
+Re-profiling cheaply. A full `confidant profile` takes minutes; the runtime measures each stage's
+forward and backward seconds every step anyway. `profile_from_timings` turns "stage s took k
+times its prediction" into the device's profile with every block time scaled by k (the shape of
+the profile, i.e. which blocks cost what relative to each other, is kept: a slowed device, e.g.
+one whose threads were cut or that got hot, is slower at everything). `recalibrate` does that for
+every device of a plan. When no device was profiled at all, `flops_cluster` stands in: each block
+costs its FLOPs at one nominal speed, so measured timings alone calibrate each device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ir.graph import Graph, block_signature
+from ir.partition import Partition, StageAssignment
+from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
+from planner.cluster import Cluster, DeviceSpec
+from planner.cost import OPTIMIZER_STATE_COPIES, check_blocks, check_optimizer, compute_s
+from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
+                               manual_partition, predicted_step_us, solve_partition)
+
+# keep_order enumerates every placement of the cuts; beyond this many the caller should use the solver
+MAX_KEEP_ORDER_CANDIDATES = 200_000
+
+
+@dataclass(frozen=True)
+class BlockMove:
+    """Block `block`'s parameters (names `params`, `nbytes` bytes of weights) move from one
+    device to another. `state_nbytes` is the optimizer state that travels with them (0 when the
+    optimizer was not given)."""
+
+    block: int
+    from_device: str
+    to_device: str
+    params: tuple[str, ...]
+    nbytes: int
+    state_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class ReplanDecision:
+    """`new_partition` is None when the current plan stays. Step times are predicted seconds per
+    step on the *new* cluster; `predicted_old_s` is infinite when the current plan cannot run there
+    (a device left). `forced`: the current plan could not continue, so the threshold did not apply."""
+
+    new_partition: Partition | None
+    moves: tuple[BlockMove, ...]
+    predicted_old_s: float
+    predicted_new_s: float
+    reason: str
+    forced: bool = False
+
+    @property
+    def gain(self) -> float:
+        """Predicted throughput gain of the best plan found over the current one (0.25: 25% more steps/s)."""
+        if math.isinf(self.predicted_old_s):
+            return math.inf
+        return self.predicted_old_s / self.predicted_new_s - 1 if self.predicted_new_s > 0 else 0.0
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(m.nbytes + m.state_nbytes for m in self.moves)
+
+
+# --- moves ---------------------------------------------------------------------------------------
+
+def _owners(partition: Partition, n_blocks: int, what: str) -> list[str]:
+    owners: list[str | None] = [None] * n_blocks
+    expected = 0
+    for st in partition.stages:
+        if st.first_block != expected or st.last_block < st.first_block or st.last_block >= n_blocks:
+            raise ValueError(f"{what} plan: stage {st.stage} runs blocks {st.first_block}..{st.last_block}, "
+                             f"expected a range starting at block {expected} within 0..{n_blocks - 1}")
+        for k in range(st.first_block, st.last_block + 1):
+            owners[k] = st.device
+        expected = st.last_block + 1
+    if expected != n_blocks:
+        raise ValueError(f"{what} plan covers blocks 0..{expected - 1}, the model has 0..{n_blocks - 1}")
+    return owners  # type: ignore[return-value]
+
+
+def moves_between(old: Partition, new: Partition, graph: Graph, optimizer: str | None = None) -> tuple[BlockMove, ...]:
+    """Every block whose device differs between the two plans, in block order. With `optimizer`,
+    each move also counts the optimizer state of its parameters (planner.cost's copies)."""
+    blocks = check_blocks(graph)
+    if optimizer is not None:
+        check_optimizer(optimizer)
+    before = _owners(old, len(blocks), "old")
+    after = _owners(new, len(blocks), "new")
+    copies = OPTIMIZER_STATE_COPIES[optimizer] if optimizer is not None else 0
+    return tuple(BlockMove(b.index, before[b.index], after[b.index], tuple(b.params), b.params_bytes,
+                           b.params_bytes * copies)
+                 for b in blocks if before[b.index] != after[b.index])
+
+
+# --- cheap re-profiling --------------------------------------------------------------------------
+
+def scale_profile(profile: DeviceProfile, factor: float, backend: str | None = None) -> DeviceProfile:
+    """The profile with every time (block forward, backward and recompute seconds, attention
+    curves) multiplied by `factor`; memory figures unchanged. `backend`: scale only that backend
+    (default: all of them, since a slowed device is slower on every backend)."""
+    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+        raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
+    if backend is not None:
+        profile.backend(backend)  # raises, naming the profile's backends, when absent
+    f = float(factor)
+
+    def scaled(b: BackendProfile) -> BackendProfile:
+        if backend is not None and b.backend != backend:
+            return b
+        return BackendProfile(
+            b.backend,
+            {k: BlockCost(c.forward_s * f, c.backward_s * f, c.recompute_s * f, c.workspace_bytes)
+             for k, c in b.blocks.items()},
+            {k: AttentionCurve(tuple(s * f for s in a.seconds), a.fused_faster) for k, a in b.attention.items()})
+
+    return dataclasses.replace(profile, backends=tuple(scaled(b) for b in profile.backends))
+
+
+def profile_from_timings(profile: DeviceProfile, measured_stage_seconds: float, predicted_stage_seconds: float,
+                         backend: str | None = None) -> DeviceProfile:
+    """The device's profile re-scaled by what the run measured: a stage whose forward+backward
+    took k x its prediction (both in the same unit, e.g. seconds per step) gets every block time
+    scaled by k."""
+    for name, v in (("measured", measured_stage_seconds), ("predicted", predicted_stage_seconds)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} stage seconds must be a finite number > 0, got {v!r}")
+    return scale_profile(profile, measured_stage_seconds / predicted_stage_seconds, backend)
+
+
+def predicted_compute_s(graph: Graph, cluster: Cluster, partition: Partition, microbatches: int = 1) -> list[float]:
+    """Per stage, the predicted forward+backward seconds of `microbatches` micro-batches (one
+    step): what the runtime's measured F+B seconds per step compare with."""
+    out = []
+    for st in partition.stages:
+        forward, backward = compute_s(graph, cluster.device(st.device), st.first_block, st.last_block)
+        out.append(microbatches * (forward + backward))
+    return out
+
+
+def recalibrate(graph: Graph, cluster: Cluster, partition: Partition, measured_stage_seconds: Sequence[float],
+                microbatches: int = 1) -> Cluster:
+    """The cluster with each of the plan's devices' profiles scaled by measured / predicted
+    forward+backward seconds of its stage (`measured_stage_seconds[s]` for stage s, per step of
+    `microbatches` micro-batches). Devices outside the plan keep their profiles."""
+    measured = list(measured_stage_seconds)
+    if len(measured) != len(partition.stages):
+        raise ValueError(f"{len(measured)} measured stage times for a plan of {len(partition.stages)} stages")
+    predicted = predicted_compute_s(graph, cluster, partition, microbatches)
+    profiles = {st.device: profile_from_timings(cluster.device(st.device).profile, m, p,
+                                                cluster.device(st.device).backend)
+                for st, m, p in zip(partition.stages, measured, predicted)}
+    return with_devices(cluster, {name: {"profile": prof} for name, prof in profiles.items()})
+
+
+def with_devices(cluster: Cluster, changes: Mapping[str, Mapping]) -> Cluster:
+    """The cluster with some devices' fields replaced, e.g. {"b": {"memory_budget_bytes": 10**9}}."""
+    fields = {f.name for f in dataclasses.fields(DeviceSpec)} - {"name"}
+    for name, change in changes.items():
+        cluster.device(name)  # raises, naming the cluster's devices, when absent
+        unknown = set(change) - fields
+        if unknown:
+            raise ValueError(f"device {name!r}: unknown field(s) {sorted(unknown)} (fields: {sorted(fields)})")
+    return dataclasses.replace(cluster, devices=tuple(
+        dataclasses.replace(d, **changes[d.name]) if d.name in changes else d for d in cluster.devices))
+
+
+def without_devices(cluster: Cluster, *names: str) -> Cluster:
+    """The cluster without the named devices (they left), and without their links."""
+    for name in names:
+        cluster.device(name)
+    keep = tuple(d for d in cluster.devices if d.name not in names)
+    if not keep:
+        raise ValueError("no device would be left in the cluster")
+    links = {pair: link for pair, link in cluster.links.items() if not set(pair) & set(names)}
+    return dataclasses.replace(cluster, devices=keep, links=links)
+
+
+def flops_cluster(graph: Graph, names: Sequence[str], seconds_per_flop: float = 1e-9,
+                  min_block_s: float = 1e-6, link: Link | None = None) -> Cluster:
+    """A cluster of identical devices whose profiles know only FLOPs (forward: FLOPs x
+    `seconds_per_flop`, backward twice that, at least `min_block_s` each), unlimited memory and
+    free links unless `link` is given: the starting point of `recalibrate` when no device was
+    profiled. Nominal, not measured: only the ratios between devices that `recalibrate` finds
+    mean anything."""
+    blocks = check_blocks(graph)
+    costs = {}
+    for b in blocks:
+        forward = max(b.flops * seconds_per_flop, min_block_s)
+        costs[block_signature(b)] = BlockCost(forward, 2 * forward)
+    unlimited = 2 ** 62
+    devices = tuple(DeviceSpec(name, f"nominal://{name}",
+                               DeviceProfile(name, graph.name, graph.batch, graph.seq,
+                                             (BackendProfile("nominal", costs),), unlimited), unlimited)
+                    for name in names)
+    return Cluster(devices, link or Link(math.inf, 0.0))
+
+
+# --- deciding ------------------------------------------------------------------------------------
+
+def _fits(partition: Partition) -> bool:
+    return all(s.memory_bytes <= s.memory_budget_bytes for s in partition.stages)
+
+
+def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
+    """The best plan that runs `devices` in this order, one stage each, by trying every placement of
+    the cuts (exact; for the few devices and tens of blocks of an edge cluster)."""
+    p, n = len(devices), inst.blocks
+    if p > n:
+        raise ValueError(f"{p} devices in order need at least {p} blocks, the model has {n}")
+    if math.comb(n - 1, p - 1) > MAX_KEEP_ORDER_CANDIDATES:
+        raise ValueError(f"{math.comb(n - 1, p - 1)} ways to cut {n} blocks for {p} devices are too many to try; "
+                         f"re-plan with keep_order=False (the CP-SAT solver)")
+    best = least = None
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        part = manual_partition(inst, devices, list(cuts))
+        if _fits(part):
+            value = predicted_step_us(inst, part)
+            if best is None or value < best[0]:
+                best = (value, part)
+        elif best is None:
+            over = max(s.memory_bytes - s.memory_budget_bytes for s in part.stages)
+            if least is None or over < least[0]:
+                least = (over, part)
+    if best is None:
+        over, part = least
+        tight = max(part.stages, key=lambda s: s.memory_bytes - s.memory_budget_bytes)
+        raise PlanDoesNotFit(f"no placement of the cuts over {', '.join(devices)} (in this order) fits the memory "
+                             f"budgets: every one overflows some device by at least {over} bytes; the least-"
+                             f"overflow attempt has {tight.device!r} over by {over} bytes. Re-plan with "
+                             f"keep_order=False to choose devices freely, or raise the budgets",
+                             tight.device, over, part)
+    return dataclasses.replace(best[1], method="keep-order", optimal=True)
+
+
+def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str, m: int, optimizer: str,
+           threshold: float = 0.1, *, keep_order: bool = False, time_limit_s: float = 10.0, workers: int = 8,
+           seed: int = 0) -> ReplanDecision:
+    """Whether and how to re-plan `current` for the cluster as it is now (see the module docstring).
+
+    Raises PlanDoesNotFit when no plan fits the new cluster's budgets."""
+    if not (isinstance(threshold, (int, float)) and threshold >= 0):
+        raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+    inst = make_instance(graph, cluster_new, schedule, m, optimizer)
+    _owners(current, inst.blocks, "current")
+    gone = [d for d in current.devices if d not in cluster_new.names]
+    forced = None
+    if gone:
+        forced = f"device{'s' if len(gone) > 1 else ''} {', '.join(map(repr, gone))} left the cluster"
+        old_s = math.inf
+    else:
+        repriced = manual_partition(inst, current.devices, [r[0] for r in current.ranges[1:]])
+        old_s = predicted_step_us(inst, repriced) / US_PER_S
+        problems = check_feasible(repriced, inst)
+        if problems:
+            forced = "the current plan no longer fits: " + "; ".join(problems)
+    if keep_order:
+        new = best_cuts(inst, [d for d in current.devices if d not in gone])
+    else:
+        new = solve_partition(inst, time_limit_s=time_limit_s, workers=workers, seed=seed)
+    new_s = predicted_step_us(inst, new) / US_PER_S
+    if forced is not None:
+        return ReplanDecision(new, moves_between(current, new, graph, optimizer), old_s, new_s,
+                              f"{forced}: re-planned (predicted step {new_s:.4g} s)", forced=True)
+    decision = ReplanDecision(None, (), old_s, new_s, "")
+    if new.devices == current.devices and new.ranges == current.ranges:
+        return dataclasses.replace(decision, reason=f"the current plan is still the best (predicted step {old_s:.4g} s)")
+    if decision.gain <= threshold:
+        return dataclasses.replace(decision, reason=(
+            f"predicted throughput gain {decision.gain:.1%} ({old_s:.4g} s -> {new_s:.4g} s per step) is not above "
+            f"the threshold {threshold:.1%}: keeping the current plan"))
+    return dataclasses.replace(decision, new_partition=new, moves=moves_between(current, new, graph, optimizer),
+                               reason=f"predicted throughput gain {decision.gain:.1%} ({old_s:.4g} s -> "
+                                      f"{new_s:.4g} s per step) is above the threshold {threshold:.1%}: re-planned")
+
+
+def partition_of(ranges: Sequence[tuple[int, int]], devices: Sequence[str], method: str = "manual") -> Partition:
+    """A bare Partition (no predicted figures) of stage s running ranges[s] on devices[s]."""
+    if len(ranges) != len(devices):
+        raise ValueError(f"{len(ranges)} block ranges for {len(devices)} devices")
+    return Partition(tuple(StageAssignment(s, d, a, b) for s, ((a, b), d) in enumerate(zip(ranges, devices))), method)
+
+
+class TimingReplanner:
+    """`train_pipeline`'s on_replan from measured timings alone: the stages' workers are devices
+    named stage0..stage<p-1> with FLOPs-only profiles (`flops_cluster`), recalibrated at every call
+    from the measured forward+backward seconds, then re-planned with the same devices in the same
+    order (`keep_order`). Returns the new block ranges, or None while the predicted gain is not
+    above `threshold`. `decisions` keeps every (step, ReplanDecision) for reporting."""
+
+    def __init__(self, graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str, microbatches: int,
+                 optimizer: str, threshold: float = 0.1, cluster: Cluster | None = None):
+        self.graph = graph
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.optimizer = optimizer
+        self.threshold = threshold
+        names = [f"stage{k}" for k in range(len(ranges))]
+        self.cluster = cluster if cluster is not None else flops_cluster(graph, names)
+        self.partition = partition_of([tuple(r) for r in ranges], names)
+        self.decisions: list[tuple[int, ReplanDecision]] = []
+
+    def __call__(self, step: int, measured_stage_seconds: Sequence[float]) -> list[tuple[int, int]] | None:
+        if any(not (math.isfinite(x) and x > 0) for x in measured_stage_seconds):
+            return None  # nothing measured on some stage: no basis for a decision
+        self.cluster = recalibrate(self.graph, self.cluster, self.partition, measured_stage_seconds, self.microbatches)
+        decision = replan(self.graph, self.cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
+                          self.threshold, keep_order=True)
+        self.decisions.append((step, decision))
+        if decision.new_partition is None:
+            return None
+        self.partition = decision.new_partition
+        return self.partition.ranges
