@@ -57,12 +57,9 @@ def cmd_plan(args) -> int:
     step_s = predicted_step_s(costs, args.schedule, M)
     specs = {d.name: d for d in cluster.devices}
     backends = {d.name: d.profile.backend(d.backend).backend for d in cluster.devices}
-    engines = {backends[n].split(":")[0] for n in partition.devices}
-    if len(engines) > 1:
-        print(f"note: devices prefer different engines {sorted(engines)}; this version runs one engine per plan, mnn",
-              file=sys.stderr)
     config = {
-        "model": Path(args.model).name, "engine": engines.pop() if len(engines) == 1 else "mnn",
+        # each device runs the engine of its fastest (or chosen) backend: frameworks may differ
+        "model": Path(args.model).name, "engine": {n: backends[n].split(":")[0] for n in partition.devices},
         "threads": {n: _threads_of(backends[n]) for n in partition.devices},
         "optimizer": {"name": args.optimizer, "lr": args.lr, "weight_decay": None},
         "addresses": {n: specs[n].address for n in partition.devices},
@@ -76,11 +73,12 @@ def cmd_show(args) -> int:
     from ir.bundle import load_plan
 
     plan = load_plan(args.plan)
-    rows = [("stage", "device", "address", "blocks", "memory / budget", "time/micro-batch", "threads")]
+    rows = [("stage", "device", "address", "blocks", "memory / budget", "time/micro-batch", "engine", "threads")]
     for d in plan["devices"]:
         rows.append((str(d["stage"]), d["name"], d.get("address") or "-", f"{d['blocks'][0]}-{d['blocks'][1]}",
                      f"{d['memory_bytes'] / 2**20:.0f} / {d['memory_budget_bytes'] / 2**20:.0f} MiB",
-                     f"{d['predicted_time_s'] * 1000:.0f} ms", str(d.get("threads", 1))))
+                     f"{d['predicted_time_s'] * 1000:.0f} ms", d.get("engine", plan["engine"]),
+                     str(d.get("threads", 1))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"plan {args.plan}: model {plan['model']}, schedule {plan['schedule']}, {plan['microbatches']} micro-batches "
           f"of {plan['batch']} x {plan['seq']}, partition {plan['partition_method']}"

@@ -27,7 +27,8 @@ from ir.verify import verify_plan
 
 __all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan"]
 
-# What `config` may set, with defaults. `threads` is one count for all devices or {device: count};
+# What `config` may set, with defaults. `threads` and `engine` are one value for all devices or
+# {device: value} (devices may run different frameworks: MNN on phones, PyTorch on laptops);
 # `optimizer` is a name (with `lr`, `weight_decay`) or {"name", "lr", "weight_decay"};
 # `addresses` maps device names to the worker addresses written into plan.json.
 CONFIG_DEFAULTS: dict[str, Any] = {
@@ -58,7 +59,12 @@ def _settings(config: Mapping[str, Any], devices: Sequence[str], graph: Graph) -
     if stray:
         raise ValueError(f"emit_plan: config['addresses'] names {stray}, which are not devices of this plan "
                          f"({list(devices)})")
-    return {"model": cfg["model"] if cfg["model"] is not None else graph.name, "engine": cfg["engine"],
+    engine = cfg["engine"]
+    engines = dict(engine) if isinstance(engine, Mapping) else {d: engine for d in devices}
+    if set(engines) != set(devices):
+        raise ValueError(f"emit_plan: config['engine'] names devices {sorted(engines)}, the plan has {list(devices)}")
+    return {"model": cfg["model"] if cfg["model"] is not None else graph.name, "engines": engines,
+            "engine": next(iter(set(engines.values()))) if len(set(engines.values())) == 1 else "mixed",
             "backend": cfg["backend"], "optimizer": opt, "threads": per_device, "addresses": addresses}
 
 
@@ -115,7 +121,8 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             "blocks": [assignment.first_block, assignment.last_block],
             "peers": {"prev": devices[s - 1] if s > 0 else None, "next": devices[s + 1] if s < p - 1 else None},
             "schedule": schedule.name, "microbatches": schedule.microbatches, "update_every": schedule.update_every,
-            "stash_depth": schedule.stash_depth[s], "engine": cfg["engine"], "backend": cfg["backend"],
+            "stash_depth": schedule.stash_depth[s], "engine": cfg["engines"][assignment.device],
+            "backend": cfg["backend"],
             "threads": cfg["threads"][assignment.device], "optimizer": cfg["optimizer"],
             "batch": graph.batch, "seq": graph.seq,
         }
@@ -126,6 +133,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             "name": assignment.device, "stage": s, "blocks": [assignment.first_block, assignment.last_block],
             "memory_bytes": assignment.memory_bytes, "memory_budget_bytes": assignment.memory_budget_bytes,
             "predicted_time_s": assignment.predicted_time_s, "threads": cfg["threads"][assignment.device],
+            "engine": cfg["engines"][assignment.device],
             "bundle": assignment.device, "manifest_sha256": sha256_hex((directory / MANIFEST).read_bytes()),
         }
         if assignment.device in cfg["addresses"]:

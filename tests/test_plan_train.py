@@ -22,15 +22,15 @@ def _run(*args, cwd, timeout=600):
 
 @pytest.mark.slow
 def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
-    _run("profile", "--model", minilm_onnx, "--batch", 4, "--seq", 32, "--backends", "mnn:cpu:t1,mnn:cpu:t2",
+    _run("profile", "--model", minilm_onnx, "--batch", 4, "--seq", 32, "--backends", "mnn:cpu:t1,mnn:cpu:t2,torch:cpu:t1",
          "--reps", 1, "--no-attention", "--name", "box", "-o", "box.json", cwd=tmp_path)
     profile = json.loads((tmp_path / "box.json").read_text())
-    assert {b["backend"] for b in profile["backends"]} == {"mnn:cpu:t1", "mnn:cpu:t2"}
-    # three devices of one machine: different thread counts and memory budgets; "phone" is weakest
+    assert {b["backend"] for b in profile["backends"]} == {"mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1"}
+    # three devices of one machine: different engines, thread counts and memory budgets; "phone" is weakest
     (tmp_path / "cluster.yaml").write_text(
         "devices:\n"
         "  - {name: laptop, address: 'tcp://127.0.0.1:1', profile: box.json, memory_budget: 2GiB, backend: 'mnn:cpu:t2'}\n"
-        "  - {name: board, address: 'tcp://127.0.0.1:2', profile: box.json, memory_budget: 1GiB, backend: 'mnn:cpu:t2'}\n"
+        "  - {name: board, address: 'tcp://127.0.0.1:2', profile: box.json, memory_budget: 1GiB, backend: 'torch:cpu:t1'}\n"
         "  - {name: phone, address: 'tcp://127.0.0.1:3', profile: box.json, memory_budget: 200MiB, backend: 'mnn:cpu:t1'}\n"
         "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
     out = _run("plan", minilm_onnx, "--cluster", "cluster.yaml", "--batch", 8, "--seq", 32, "--microbatches", 2,
@@ -45,6 +45,9 @@ def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
     # the phone's budget holds one encoder layer at most: the weaker device carries the least
     assert layers.get("phone", 0) < max(layers.values()), layers
     assert {d["name"]: d["threads"] for d in plan["devices"]}.get("laptop") == 2
+    # each device runs its own backend's engine: the board trains its stage with PyTorch
+    engines = {d["name"]: d["engine"] for d in plan["devices"]}
+    assert engines.get("board", "torch") == "torch" and engines.get("laptop", "mnn") == "mnn"
     sim = _run("simulate", "plan", "-o", "trace.json", cwd=tmp_path).stdout
     assert "per step" in sim
     trace = json.loads((tmp_path / "trace.json").read_text())
