@@ -166,3 +166,28 @@ def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches):
     _assert_rel(result.weights, exact, 1e-4)
     for k in set(weights) - set(exact):
         assert float(np.abs(result.weights[k] - weights[k]).max()) <= 2 * 1e-3 * STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,stages", [("1f1b-flush", 3), ("gpipe", 2)])
+def test_minilm_pipeline_equals_single_device(minilm_onnx, schedule, stages):
+    """The real model: K=2 steps of MiniLM on worker processes give single-device losses and weights."""
+    rows, seq = 2, 16
+    graph = load_model(minilm_onnx, rows, seq)
+    rng = np.random.default_rng(7)
+
+    def batch(seed):
+        r = np.random.default_rng(seed)
+        mask = np.ones((rows * M, seq), np.int64)
+        mask[0, seq // 2:] = 0
+        labels = r.integers(0, 9, (rows * M, seq))
+        labels[mask == 0] = -100
+        return Batch(r.integers(0, 30522, (rows * M, seq)).astype(np.int64), mask, np.zeros_like(mask), labels,
+                     n_labelled=int((labels != -100).sum()))
+
+    data = [batch(int(rng.integers(1 << 30))) for _ in range(STEPS)]
+    result = _run(graph, data, schedule, stages)
+    losses, weights = _single_device(graph, data, STEPS)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    exact = {k: v for k, v in weights.items() if not k.endswith("attention.self.key.bias")}
+    _assert_rel(result.weights, exact, 1e-5)
