@@ -60,6 +60,10 @@ class PipelineConfig:
     lr: float = 5e-5
     weight_decay: float | None = None
     timeout_s: float = 600.0
+    # per stage: None (unsplit) or {backend: heads} splitting the attention heads of every encoder
+    # block of that stage across backends (runtime.engine_split; MNN stages, flush schedules only).
+    # Indexed by stage; after a re-plan, stages beyond the tuple run unsplit.
+    head_split: tuple[Mapping[str, int] | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ class Coordinator:
         self.idle: list[StagePlacement] = []   # workers a reconfiguration left out; stopped with the rest
         self._stage_of: dict[str, int] = {}    # worker address -> its stage index, fixed at first setup
         self._engine_of: dict[str, str] = {}   # worker address -> the engine it was first given
+        if config.head_split is not None and len(config.head_split) != self.stages:
+            raise ValueError(f"{len(config.head_split)} head splits given for {self.stages} stages")
 
     def engine_of(self, stage: int) -> str:
         engine = self.config.engine
@@ -148,6 +154,12 @@ class Coordinator:
         if len(engine) != self.stages:
             raise ValueError(f"{len(engine)} engines given for {self.stages} stages")
         return engine[stage]
+
+    def head_split_of(self, stage: int) -> dict[str, int] | None:
+        splits = self.config.head_split
+        if splits is None or stage >= len(splits) or splits[stage] is None:
+            return None
+        return {str(k): int(v) for k, v in splits[stage].items()}
 
     # --- failures ------------------------------------------------------------------------
     def _check_errors(self) -> None:
@@ -216,6 +228,7 @@ class Coordinator:
                 "optimizer": {"name": self.config.optimizer, "lr": self.config.lr,
                               "weight_decay": self.config.weight_decay},
                 "peers": neighbours, "optimizer_state": list(opt_state),
+                **({"head_split": self.head_split_of(p.stage)} if self.head_split_of(p.stage) else {}),
             })
             for i, (name, arr) in enumerate(part.constants.items()):
                 value = self.weights[name] if self.weights is not None and name in self.weights else arr

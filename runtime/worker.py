@@ -2,6 +2,7 @@
 
 Protocol (JSON control messages; tensors as header + raw bytes, see runtime.transport):
   coordinator -> worker  setup {stage, stages, graph, blocks, engine, threads, optimizer, peers, ...}
+                         (optional head_split {backend: heads}: the stage's attention heads split)
                          then one "weights" tensor per constant (and "optstate" tensors on resume)
   worker -> coordinator  ready {stage, pid, rss}
   coordinator -> worker  run {step, actions} ... and "batch" tensors for each micro-batch
@@ -32,7 +33,13 @@ from runtime.trainer import peak_rss_bytes
 from runtime.transport import Expected
 
 
-def _make_engine(kind: str, spec, threads: int):
+def _make_engine(kind: str, spec, threads: int, head_split: dict | None = None):
+    if head_split:
+        if kind != "mnn":
+            raise ValueError(f"a head split runs its stage on MNN; engine {kind!r} was asked for")
+        from runtime.engine_split import SplitStageEngine
+
+        return SplitStageEngine(spec, head_split, threads=threads)
     if kind == "torch":
         from runtime.engine_torch import TorchStageEngine
 
@@ -61,6 +68,9 @@ class Worker:
     def reset(self) -> None:
         """Drop the stage this worker ran (engine, weights, optimizer state, buffers) before a new
         setup, or to wait idle after a re-plan left this worker out; only the name stays."""
+        close = getattr(self.executor.engine, "close", None) if self.executor is not None else None
+        if close is not None:  # a head-split engine's backend processes
+            close()
         self.executor = None
         self.bundle_actions = None
 
@@ -85,7 +95,7 @@ class Worker:
         graph = graph_from_json(msg["graph"], {k: np.array(v) for k, v in constants.items()})
         first, last = msg["blocks"]
         spec = stage_spec(graph, first, last)
-        engine = _make_engine(msg.get("engine", "mnn"), spec, int(msg.get("threads", 1)))
+        engine = _make_engine(msg.get("engine", "mnn"), spec, int(msg.get("threads", 1)), msg.get("head_split"))
         opt = msg["optimizer"]
         optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
         if msg.get("optimizer_state"):

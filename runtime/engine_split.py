@@ -1,0 +1,408 @@
+"""A stage engine whose encoder blocks run their attention heads split across compute backends.
+
+Each encoder block of the stage is cut, by pattern matching its lowered nodes, into
+  * the attention: Q/K/V projections (MatMul + bias Add) of the block input x, the heads'
+    scaled dot-product attention with the additive mask, and the output projection with its
+    bias; run by `runtime.head_split.SplitAttention` over the allocation's backends;
+  * the residual Add of the attention output and x, done here in numpy (an elementwise float32
+    sum is exact and commutative, so it equals MNN's bit for bit);
+  * the rest of the block (LayerNorm, feed-forward, residual, LayerNorm), which reads only the
+    residual sum: a one-block IR graph run by an `MnnStageEngine`.
+Runs of other blocks (embeddings, unsplit encoders, head, loss) are `MnnStageEngine`s over
+sub-ranges of the stage. Backward goes through the segments in reverse; for a split block the
+gradient of the residual sum is both the attention output's gradient and a share of x's, to which
+the attention's dx is added.
+
+Parameters keep the graph's names, so the executor, the optimizer and checkpoints work unchanged.
+A graph parameter may feed several places (the dynamo exporter shares identical constants, e.g.
+one all-zero bias for many layers): its gradient is the sum over the places, and
+`set_parameters` writes it to all of them. A projection stored for `trans_b` (x @ W^T) is
+transposed into the x @ W layout `SplitAttention` takes, and its gradient back.
+
+Limits: post-LayerNorm blocks only (the attention must read the block input; a pre-LN block
+raises, naming the block); no weight stashing (a flush schedule, where every backward uses the
+weights of its forward, is what this engine is for; an update while a forward waits for its
+backward raises); `set_parameters` must not run while a forward waits for its backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from ir.graph import Block, Graph, Node
+from runtime.engine import StageEngine, StageGradients
+from runtime.engine_mnn import MnnStageEngine
+from runtime.head_split import SplitAttention
+from runtime.stage import StageSpec, host_values, stage_spec
+
+
+# Pattern matching -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionMatch:
+    """Where one encoder block's attention sits in its nodes."""
+
+    block: int
+    x: str                     # the attention's input: the block's hidden-state input
+    mask: str                  # the additive mask added to the scaled scores
+    output: str                # the output projection plus its bias
+    residual: str              # output + x, the value the rest of the block reads
+    nodes: frozenset[str]      # attention nodes and the residual Add
+    weights: Mapping[str, tuple[str, bool]]  # Wq.. bo -> (graph constant, stored transposed)
+    scale: float
+
+
+class PatternError(ValueError):
+    pass
+
+
+def match_attention(graph: Graph, block: Block) -> AttentionMatch:
+    """Find the attention of an encoder block; raises `PatternError` naming the block and the node
+    where the lowered nodes stop looking like (post-LN) BERT attention."""
+    nodes = [graph.node(n) for n in block.nodes]
+    inside = {o: n for n in nodes for o in n.outputs}
+    users: dict[str, list[Node]] = {}
+    for n in nodes:
+        for i in n.inputs:
+            users.setdefault(i, []).append(n)
+    where = f"block {block.index} ({block.name})"
+
+    def fail(msg: str):
+        raise PatternError(f"{where}: {msg}")
+
+    def producer(value: str, op: str, what: str) -> Node:
+        n = inside.get(value)
+        if n is None or n.op != op:
+            fail(f"{what} should be a {op}, is {n.op if n else 'not computed in the block'} ({value!r})")
+        return n
+
+    def only_user(value: str, op: str, what: str) -> Node:
+        us = users.get(value, [])
+        if len(us) != 1 or us[0].op != op:
+            fail(f"{what} ({value!r}) should feed exactly one {op}, feeds {[u.op for u in us]}")
+        return us[0]
+
+    def is_param(v: str) -> bool:
+        return v in graph.constants and v in graph.params
+
+    used: list[Node] = []
+
+    def linear(value: str, what: str) -> tuple[str, tuple[str, bool], str, Node]:
+        """value = MatMul(x, W) + b -> (x, (W, trans_b), b, matmul)."""
+        add = producer(value, "Add", f"{what}'s bias Add")
+        bias = [v for v in add.inputs if is_param(v)]
+        other = [v for v in add.inputs if not is_param(v)]
+        if len(bias) != 1 or len(other) != 1:
+            fail(f"{what}'s bias Add {add.name!r} should add one parameter to one MatMul")
+        mm = producer(other[0], "MatMul", f"{what}'s projection")
+        if not is_param(mm.inputs[1]):
+            fail(f"{what}'s projection {mm.name!r} should multiply by a weight parameter")
+        used.extend([add, mm])
+        return mm.inputs[0], (mm.inputs[1], bool(mm.attrs.get("trans_b"))), bias[0], mm
+
+    def heads(value: str, perm: list[int], what: str) -> str:
+        """value = Transpose(Reshape(linear), perm) -> the linear's output."""
+        tr = producer(value, "Transpose", f"{what}'s head transpose")
+        if list(tr.attrs["perm"]) != perm:
+            fail(f"{what}'s head transpose {tr.name!r} has perm {list(tr.attrs['perm'])}, expected {perm}")
+        rs = producer(tr.inputs[0], "Reshape", f"{what}'s head reshape")
+        if list(rs.attrs["shape"])[2:] != [block.heads, block.head_size]:
+            fail(f"{what}'s head reshape {rs.name!r} has shape {rs.attrs['shape']}")
+        used.extend([tr, rs])
+        return rs.inputs[0]
+
+    softmaxes = [n for n in nodes if n.op == "Softmax"]
+    if len(softmaxes) != 1:
+        fail(f"has {len(softmaxes)} Softmax nodes, a BERT encoder layer has one")
+    softmax = softmaxes[0]
+    if softmax.attrs.get("axis") not in (3, -1):
+        fail(f"Softmax {softmax.name!r} is over axis {softmax.attrs.get('axis')}, expected the last")
+    masked = producer(softmax.inputs[0], "Add", "the mask Add before the Softmax")
+    scaled_in = [v for v in masked.inputs if v in inside]
+    mask_in = [v for v in masked.inputs if v not in inside]
+    if len(scaled_in) != 1 or len(mask_in) != 1 or mask_in[0] not in block.inputs:
+        fail(f"the Add {masked.name!r} before the Softmax should add a block input (the mask) to the scaled scores")
+    scale_node = inside.get(scaled_in[0])
+    if scale_node is None or scale_node.op not in ("Mul", "Div"):
+        fail(f"the scores should be scaled by a Mul or Div before the mask, found {scale_node.op if scale_node else None}")
+    consts = [v for v in scale_node.inputs if v in graph.constants and v not in graph.params]
+    scores_in = [v for v in scale_node.inputs if v in inside]
+    if len(consts) != 1 or len(scores_in) != 1 or (scale_node.op == "Div" and scale_node.inputs[1] != consts[0]):
+        fail(f"the scaling {scale_node.name!r} should combine the scores with one constant")
+    c = np.asarray(graph.constants[consts[0]], np.float64)
+    if c.size != 1:
+        fail(f"the attention scale {consts[0]!r} is not a scalar")
+    scale = float(c.reshape(-1)[0]) if scale_node.op == "Mul" else 1.0 / float(c.reshape(-1)[0])
+    want = 1.0 / math.sqrt(block.head_size)
+    if abs(scale - want) > 1e-6 * want:
+        fail(f"the attention scale is {scale}, the split attention uses 1/sqrt({block.head_size}) = {want}")
+    scores = producer(scores_in[0], "MatMul", "the attention scores")
+    if scores.attrs.get("trans_b"):
+        fail(f"the scores MatMul {scores.name!r} uses trans_b; expected K transposed to (0, 2, 3, 1)")
+    xq, wq, bq, _ = linear(heads(scores.inputs[0], [0, 2, 1, 3], "Q"), "Q")
+    xk, wk, bk, _ = linear(heads(scores.inputs[1], [0, 2, 3, 1], "K"), "K")
+    ctx = only_user(softmax.outputs[0], "MatMul", "the attention probabilities")
+    if ctx.inputs[0] != softmax.outputs[0] or ctx.attrs.get("trans_b"):
+        fail(f"the context MatMul {ctx.name!r} should multiply the probabilities by V")
+    xv, wv, bv, _ = linear(heads(ctx.inputs[1], [0, 2, 1, 3], "V"), "V")
+    ctx_t = only_user(ctx.outputs[0], "Transpose", "the context")
+    if list(ctx_t.attrs["perm"]) != [0, 2, 1, 3]:
+        fail(f"the context transpose {ctx_t.name!r} has perm {list(ctx_t.attrs['perm'])}")
+    ctx_flat = only_user(ctx_t.outputs[0], "Reshape", "the transposed context")
+    out_mm = only_user(ctx_flat.outputs[0], "MatMul", "the merged context")
+    out_add = only_user(out_mm.outputs[0], "Add", "the output projection")
+    xo, wo, bo, mm_o = linear(out_add.outputs[0], "the output projection")
+    if mm_o is not out_mm or xo != ctx_flat.outputs[0]:
+        fail(f"the output projection {out_mm.name!r} should read the merged context")
+    x = block.inputs[0]
+    if not (xq == xk == xv == x):
+        fail(f"Q/K/V should project the block input {x!r}, they read {sorted({xq, xk, xv})} "
+             "(a pre-LayerNorm block is not supported)")
+    residual = only_user(out_add.outputs[0], "Add", "the attention output")
+    if sorted(residual.inputs) != sorted([out_add.outputs[0], x]):
+        fail(f"the residual Add {residual.name!r} should add the attention output and the block input")
+    used.extend([masked, scale_node, scores, softmax, ctx, ctx_t, ctx_flat, residual])
+    names = frozenset(n.name for n in used)
+    # everything else in the block must read only the residual sum (never x or attention values)
+    internal = {o for n in used for o in n.outputs} - {residual.outputs[0]}
+    for n in nodes:
+        if n.name in names:
+            continue
+        bad = [i for i in n.inputs if i in internal or i == x]
+        if bad:
+            fail(f"node {n.name!r} ({n.op}) outside the attention reads {bad}")
+    if len(names) != len(used):
+        fail("the attention pattern uses a node twice")
+    return AttentionMatch(block.index, x, mask_in[0], out_add.outputs[0], residual.outputs[0], names,
+                          {"Wq": wq, "bq": (bq, False), "Wk": wk, "bk": (bk, False), "Wv": wv,
+                           "bv": (bv, False), "Wo": wo, "bo": (bo, False)}, scale)
+
+
+def _post_spec(graph: Graph, block: Block, match: AttentionMatch) -> StageSpec:
+    """The block's nodes after the residual Add, as block 1 of a two-block graph whose activation
+    input is the residual sum (block 0 is an empty stand-in, as in `runtime.profile`)."""
+    nodes = tuple(graph.node(n) for n in block.nodes if n not in match.nodes)
+    params = tuple(dict.fromkeys(i for n in nodes for i in n.inputs if i in graph.params))
+    r = match.residual
+    blocks = (
+        Block(0, "residual", "embeddings", (), (), (), r, (), 0, graph.values[r].nbytes, 0),
+        Block(1, f"{block.name}.post_attention", "encoder", tuple(n.name for n in nodes), (), (r,), block.output,
+              params, sum(int(graph.constants[p].nbytes) for p in params), graph.values[block.output].nbytes, 0),
+    )
+    consts = {k: graph.constants[k] for k in dict.fromkeys(i for n in nodes for i in n.inputs) if k in graph.constants}
+    sub = Graph(f"{graph.name}.{block.name}.post", (), (graph.values[block.output],), nodes, graph.values, consts,
+                params, blocks, graph.batch, graph.seq)
+    return StageSpec(sub, 1, 1, nodes, (), r, (), block.output, params)
+
+
+# Segments ---------------------------------------------------------------------------------------
+
+class _MnnSegment:
+    """A run of unsplit blocks [first, last] of the stage on MNN."""
+
+    def __init__(self, spec: StageSpec, first: int, last: int, threads: int):
+        self.first, self.last = first, last
+        self.spec = stage_spec(spec.graph, first, last)
+        self.engine = MnnStageEngine(self.spec, threads=threads, stash_weights=False)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.engine.parameters())
+
+
+class _SplitSegment:
+    """One encoder block: split attention, residual in numpy, the rest on MNN."""
+
+    def __init__(self, graph: Graph, block: Block, allocation: Mapping[str, int], threads: int, concurrent: bool):
+        self.first = self.last = block.index
+        self.block = block
+        self.match = match_attention(graph, block)
+        self.mask_shape = tuple(graph.values[self.match.mask].shape)
+        B, S, _ = graph.values[self.match.x].shape
+        self.attention = SplitAttention(self._full_weights(graph.constants), block.heads, block.head_size,
+                                        allocation, B, S, self.mask_shape, concurrent=concurrent)
+        self.post = MnnStageEngine(_post_spec(graph, block, self.match), threads=threads, stash_weights=False)
+
+    def _full_weights(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {}
+        for role, (name, transposed) in self.match.weights.items():
+            w = np.asarray(values[name], np.float32)
+            out[role] = np.ascontiguousarray(w.T) if transposed else w
+        return out
+
+    @property
+    def names(self) -> set[str]:
+        return {n for n, _ in self.match.weights.values()} | set(self.post.parameters())
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        out = self.post.parameters()
+        full = self.attention.parameters()
+        for role, (name, transposed) in self.match.weights.items():
+            out[name] = np.ascontiguousarray(full[role].T) if transposed else full[role]
+        return out
+
+    def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        post = {k: v for k, v in values.items() if k in self.post.spec.params}
+        if post:
+            self.post.set_parameters(post)
+        if any(name in values for name, _ in self.match.weights.values()):
+            current = self.attention.parameters()
+            for role, (name, transposed) in self.match.weights.items():
+                if name in values:
+                    w = np.asarray(values[name], np.float32)
+                    current[role] = np.ascontiguousarray(w.T) if transposed else w
+            self.attention.set_weights(current)
+
+    def forward(self, x: np.ndarray, host: Mapping[str, np.ndarray], microbatch: int, train: bool) -> np.ndarray:
+        attn = self.attention.forward(x, host[self.match.mask], microbatch, train)
+        r = attn + x  # the graph's residual Add, exactly
+        return self.post.forward({self.match.residual: r}, microbatch, train)
+
+    def backward(self, microbatch: int, grad_output: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        g = self.post.backward(microbatch, grad_output)
+        dr = g.activation_input
+        dx, full = self.attention.backward(dr, microbatch)
+        dx += dr  # the residual path
+        grads = dict(g.params)
+        for role, (name, transposed) in self.match.weights.items():
+            v = np.ascontiguousarray(full[role].T) if transposed else full[role]
+            grads[name] = grads[name] + v if name in grads else v
+        return grads, dx
+
+    def close(self) -> None:
+        self.attention.close()
+
+
+# The engine -------------------------------------------------------------------------------------
+
+class SplitStageEngine(StageEngine):
+    """`spec`'s blocks on MNN, except that every encoder block's attention heads are split by
+    `allocation` (backend name -> heads, e.g. {"mnn:cpu:t1": 1, "torch:cpu:t1": 3}); `blocks`
+    limits the split to those block indices (default: every encoder block of the stage).
+    `concurrent` as in `SplitAttention` (False: every backend in this process, one after another).
+    Close it (or use it as a context manager) to stop the backends' child processes."""
+
+    def __init__(self, spec: StageSpec, allocation: Mapping[str, int], threads: int = 1,
+                 blocks: set[int] | None = None, concurrent: bool = True):
+        self.spec = spec
+        self.threads = threads
+        self.allocation = dict(allocation)
+        split = {b.index for b in spec.blocks if b.kind == "encoder"} if blocks is None else set(blocks)
+        outside = split - {b.index for b in spec.blocks}
+        if outside:
+            raise ValueError(f"blocks {sorted(outside)} are not in this stage (blocks {spec.first_block}-{spec.last_block})")
+        for b in spec.blocks:
+            if b.index in split and (b.kind != "encoder" or not b.heads):
+                raise ValueError(f"block {b.index} ({b.name}) is a {b.kind} block without attention heads")
+        self.segments: list[_MnnSegment | _SplitSegment] = []
+        self.version = 0
+        self._stash: dict[int, dict[str, np.ndarray]] = {}
+        try:
+            run: list[int] = []
+            for b in spec.blocks:
+                if b.index in split:
+                    if run:
+                        self.segments.append(_MnnSegment(spec, run[0], run[-1], threads))
+                        run = []
+                    self.segments.append(_SplitSegment(spec.graph, b, self.allocation, threads, concurrent))
+                else:
+                    run.append(b.index)
+            if run:
+                self.segments.append(_MnnSegment(spec, run[0], run[-1], threads))
+        except BaseException:
+            self.close()
+            raise
+        self._owners: dict[str, list] = {}
+        for seg in self.segments:
+            for name in seg.names:
+                self._owners.setdefault(name, []).append(seg)
+
+    # compute -------------------------------------------------------------------------------------
+    def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None) -> np.ndarray:
+        if train and microbatch in self._stash:
+            raise ValueError(f"micro-batch {microbatch} already has a forward waiting for its backward")
+        if train and until_block is not None and until_block < self.spec.last_block:
+            raise ValueError("a training forward must run the whole stage")
+        host = host_values(self.spec, feeds)
+        x = None if self.spec.activation_input is None else np.asarray(feeds[self.spec.activation_input], np.float32)
+        for seg in self.segments:
+            if until_block is not None and seg.first > until_block:
+                break
+            if isinstance(seg, _MnnSegment):
+                seg_feeds = {k: host[k] for k in seg.spec.graph_inputs}
+                if seg.spec.activation_input is not None:
+                    seg_feeds[seg.spec.activation_input] = x
+                self._threads()
+                x = seg.engine.forward(seg_feeds, microbatch, train, until_block)
+            else:
+                x = seg.forward(x, host, microbatch, train)
+        if train:
+            self._stash[microbatch] = {}
+        return x
+
+    def _threads(self) -> None:
+        # MNN's thread count is process-wide; an MNN backend of a split may have changed it
+        from runtime import mnn_kernels as K
+
+        if K.get_threads() != self.threads:
+            K.set_threads(self.threads)
+
+    def backward(self, microbatch: int, grad_output: np.ndarray | None = None) -> StageGradients:
+        if microbatch not in self._stash:
+            raise KeyError(f"backward of micro-batch {microbatch} before its forward")
+        del self._stash[microbatch]
+        grads: dict[str, np.ndarray] = {}
+        g = grad_output
+        for seg in reversed(self.segments):
+            if isinstance(seg, _MnnSegment):
+                self._threads()
+                result = seg.engine.backward(microbatch, g)
+                params, g = result.params, result.activation_input
+            else:
+                params, g = seg.backward(microbatch, g)
+            for k, v in params.items():
+                # fresh arrays: the executor accumulates into what it gets
+                grads[k] = grads[k] + v if k in grads else np.array(v, np.float32)
+        return StageGradients(grads, g if self.spec.activation_input is not None else None)
+
+    # parameters ---------------------------------------------------------------------------------
+    def parameters(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for seg in self.segments:
+            params = seg.engine.parameters() if isinstance(seg, _MnnSegment) else seg.parameters()
+            for k, v in params.items():
+                out.setdefault(k, np.array(v, np.float32))
+        return out
+
+    def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        unknown = [k for k in values if k not in self._owners]
+        if unknown:
+            raise KeyError(f"parameters {unknown[:3]} are not in this stage (blocks "
+                           f"{self.spec.first_block}-{self.spec.last_block})")
+        if self._stash:
+            raise RuntimeError(f"set_parameters while micro-batches {sorted(self._stash)} wait for their backward: "
+                               "the split engine keeps no weight versions (use a flush schedule)")
+        for seg in self.segments:
+            mine = {k: v for k, v in values.items() if seg in self._owners[k]}
+            if not mine:
+                continue
+            if isinstance(seg, _MnnSegment):
+                seg.engine.set_parameters(mine)
+            else:
+                seg.set_parameters(mine)
+        self.version += 1
+
+    # lifetime -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        for seg in self.segments:
+            if isinstance(seg, _SplitSegment):
+                seg.close()
+
+    def __enter__(self) -> "SplitStageEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

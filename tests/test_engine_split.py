@@ -1,0 +1,189 @@
+"""The head-split stage engine against the unsplit MNN engine: same loss, same gradients, same
+training; plus the attention pattern matcher on both exporters and on a trans_b projection."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from planner.onnx_import import load_model
+from runtime.engine_mnn import MnnStageEngine
+from runtime.engine_split import PatternError, SplitStageEngine, match_attention
+from runtime.optim import make_optimizer
+from runtime.stage import stage_spec
+from runtime.tokenize import Batch
+from runtime.trainer import accumulate_gradients
+from conftest import token_feeds
+
+B, S = 2, 12
+BACKENDS = ("mnn:cpu:t1", "torch:cpu:t1")
+ALLOCATIONS = [(4, 0), (1, 3), (2, 2)]
+
+
+def _alloc(counts) -> dict[str, int]:
+    return dict(zip(BACKENDS, counts))
+
+
+def _assert_grads_close(got: dict, ref: dict, rtol: float = 1e-5) -> None:
+    # The key bias's gradient is zero in exact arithmetic (softmax ignores a per-row constant):
+    # float32 noise there is measured against the largest gradient of the set.
+    assert got.keys() == ref.keys()
+    scale = max(float(np.abs(v).max()) for v in ref.values())
+    for name, r in ref.items():
+        err = float(np.abs(got[name] - r).max())
+        bound = rtol * max(float(np.abs(r).max()), 1e-2 * scale)
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.fixture(scope="module")
+def tiny_graph(tiny_onnx):
+    return load_model(tiny_onnx["torchscript-14"], B, S)
+
+
+def _with_trans_b(graph):
+    """The same model with every Q and V projection stored [out, in] and multiplied with trans_b,
+    as the dynamo exporter may write a Linear."""
+    nodes, consts = [], dict(graph.constants)
+    targets = set()
+    for b in graph.blocks:
+        if b.kind == "encoder":
+            m = match_attention(graph, b)
+            targets |= {m.weights["Wq"][0], m.weights["Wv"][0]}
+    for n in graph.nodes:
+        if n.op == "MatMul" and n.inputs[1] in targets:
+            n = replace(n, attrs={**n.attrs, "trans_b": True})
+            consts[n.inputs[1]] = np.ascontiguousarray(graph.constants[n.inputs[1]].T)
+        nodes.append(n)
+    values = dict(graph.values)
+    for t in targets:
+        values[t] = replace(values[t], shape=tuple(reversed(values[t].shape)))
+    return replace(graph, nodes=tuple(nodes), constants=consts, values=values)
+
+
+def test_matcher_finds_every_encoder_attention(tiny_onnx):
+    for key in ("torchscript-14", "dynamo-18"):
+        graph = load_model(tiny_onnx[key], B, S)
+        encoders = [b for b in graph.blocks if b.kind == "encoder"]
+        assert len(encoders) == 2
+        for b in encoders:
+            m = match_attention(graph, b)
+            assert m.x == b.inputs[0] and m.mask in b.inputs
+            assert len(m.nodes) == 22  # 4 x (MatMul, Add) + 3 x (Reshape, Transpose) + 6 + residual Add
+        with pytest.raises(PatternError, match="Softmax"):
+            match_attention(graph, graph.blocks[3])
+
+
+def _compare_with_unsplit(graph, counts, blocks=(0, 4)):
+    spec = stage_spec(graph, *blocks)
+    feeds = token_feeds(B, S, vocab=500)
+    rng = np.random.default_rng(1)
+    if spec.activation_input:
+        feeds[spec.activation_input] = rng.standard_normal(graph.values[spec.activation_input].shape).astype(np.float32)
+    ref = MnnStageEngine(spec)
+    out_r = ref.forward(feeds, 0)
+    grad_out = None if spec.is_last else rng.standard_normal(out_r.shape).astype(np.float32)
+    want = ref.backward(0, grad_out)
+    with SplitStageEngine(spec, _alloc(counts)) as eng:
+        out = eng.forward(feeds, 0)
+        got = eng.backward(0, grad_out)
+        np.testing.assert_allclose(out, out_r, rtol=1e-5, atol=1e-6)
+        _assert_grads_close(got.params, want.params)
+        if spec.activation_input:
+            _assert_grads_close({"x": got.activation_input}, {"x": want.activation_input})
+        else:
+            assert got.activation_input is None
+        assert eng.parameters().keys() == ref.parameters().keys()
+    return out, out_r
+
+
+@pytest.mark.parametrize("counts", ALLOCATIONS, ids=lambda c: f"{c[0]}+{c[1]}")
+def test_whole_model_split_equals_unsplit(tiny_graph, counts):
+    loss, ref = _compare_with_unsplit(tiny_graph, counts)
+    assert abs(float(loss.reshape(-1)[0]) - float(ref.reshape(-1)[0])) <= 1e-5 * abs(float(ref.reshape(-1)[0]))
+
+
+def test_middle_stage_split_equals_unsplit(tiny_graph):
+    """A stage with an activation input and output (blocks 1-2): dx and the output too."""
+    _compare_with_unsplit(tiny_graph, (1, 3), blocks=(1, 2))
+
+
+def test_trans_b_projections_and_shared_constants(tiny_graph, tiny_onnx):
+    """Weights stored [out, in] (trans_b) are transposed in and their gradients back; the dynamo
+    export shares one constant between many places (all-zero biases), whose gradient is the sum."""
+    _compare_with_unsplit(_with_trans_b(tiny_graph), (2, 2))
+    _compare_with_unsplit(load_model(tiny_onnx["dynamo-18"], B, S), (1, 3))
+
+
+def _batch(seed: int, microbatches: int) -> Batch:
+    r = np.random.default_rng(seed)
+    mask = np.ones((B * microbatches, S), np.int64)
+    mask[-1, S // 2:] = 0
+    labels = r.integers(0, 9, (B * microbatches, S))
+    labels[mask == 0] = -100
+    return Batch(r.integers(0, 500, (B * microbatches, S)).astype(np.int64), mask, np.zeros_like(mask), labels,
+                 n_labelled=int((labels != -100).sum()))
+
+
+def _train(engine, steps: int = 3, microbatches: int = 2) -> list[float]:
+    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
+    for step in range(steps):
+        loss, grads = accumulate_gradients(engine, _batch(step, microbatches), microbatches, 9)
+        params = opt.step(params, grads)
+        engine.set_parameters(params)
+        losses.append(loss)
+    return losses
+
+
+@pytest.mark.parametrize("counts", [(1, 3), (2, 2)], ids=lambda c: f"{c[0]}+{c[1]}")
+def test_training_steps_equal_unsplit(tiny_graph, counts):
+    """Flush-style accumulation over 2 micro-batches, AdamW, 3 steps: the same losses, and
+    set_parameters re-syncs the split weights (a stale slice would change the later losses)."""
+    spec = stage_spec(tiny_graph, 0, len(tiny_graph.blocks) - 1)
+    want = _train(MnnStageEngine(spec))
+    with SplitStageEngine(spec, _alloc(counts)) as eng:
+        got = _train(eng)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert got[0] != got[-1]
+
+
+def test_update_during_a_forward_in_flight_is_refused(tiny_graph):
+    spec = stage_spec(tiny_graph, 0, 4)
+    with SplitStageEngine(spec, _alloc((2, 2)), concurrent=False) as eng:
+        eng.forward(token_feeds(B, S, vocab=500), 0)
+        with pytest.raises(RuntimeError, match="flush"):
+            eng.set_parameters(eng.parameters())
+
+
+def test_pipeline_with_head_split_on_one_stage_equals_single_device(tiny_onnx):
+    """A pipeline run with head splitting on one stage gives the same losses as without it (flush
+    schedule): 2 worker processes, 1F1B-flush, stage 1's encoder block split 1 + 3 over MNN and
+    torch (the torch backend in the worker, the MNN one in a child of it), against single-device
+    MNN training, which tests/test_pipeline.py shows equals the unsplit pipeline."""
+    from confidant.pipeline import LocalWorkers, train_pipeline
+    from runtime.coordinator import PipelineConfig
+
+    graph = load_model(tiny_onnx["torchscript-17"], B, S)
+    M, steps = 2, 2
+    batches = [_batch(i, M) for i in range(steps)]
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120,
+                            head_split=(None, _alloc((1, 3))))
+    workers = LocalWorkers.start(2, threads=1)
+    try:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps)
+    finally:
+        assert workers.wait(60.0) == [0, 0]
+    assert result.ranges[1][0] <= 2 <= result.ranges[1][1]  # stage 1 holds an encoder block
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
+    for step in range(steps):
+        loss, grads = accumulate_gradients(engine, batches[step], M, 9)
+        params = opt.step(params, grads)
+        engine.set_parameters(params)
+        losses.append(loss)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    # the key bias's true gradient is zero: AdamW turns float32 noise there into lr-sized steps
+    for k, want in engine.parameters().items():
+        err = float(np.abs(result.weights[k] - want).max())
+        bound = 2 * 1e-3 * steps if k.endswith("attention.self.key.bias") else 1e-4 * float(np.abs(want).max())
+        assert err <= bound, f"{k}: {err:.3g} > {bound:.3g}"
