@@ -1,0 +1,881 @@
+"""Pipeline-parallel training vs one process, on this machine: step time, bubble, memory, per process.
+
+What it measures
+    MiniLM (all-MiniLM-L6-v2) token classification, 9 labels, batch 8, sequence 128, float32,
+    AdamW (lr 1e-4, weight decay 0.01), every process with one compute thread, for 4 and 8
+    micro-batches (``--microbatches``).  Each batch is random token ids (< 30522) with rows padded
+    to random lengths (label -100 and attention 0 on padding) and random labels; the same
+    ``steps + 1`` batches (seeded) go to every configuration, and the first step is warm-up, left out.
+
+    MNN (this project's runtime, ZeroMQ between processes):
+      * ``single``: one process, the whole model on ``MnnStageEngine(stage_spec(g, 0, 8), threads=1)``
+        with the graph lowered at the micro-batch size, ``runtime.trainer.accumulate_gradients``
+        over the M micro-batches plus the optimizer step: single-device training of the same
+        batch, same arithmetic.  Runs in a child process, so its peak RSS is its own.
+      * 2 and 3 worker processes (``confidant.pipeline.LocalWorkers``) driven by
+        ``confidant.pipeline.train_pipeline`` (this process is the coordinator) for the schedules
+        ``1f1b-flush``, ``gpipe`` and ``1f1b-stash``; stage k holds blocks
+        ``stage_ranges(9, stages, None)[k]`` (block 0 embeddings, 1-6 encoder layers, 7 head,
+        8 loss): 2 stages = 0-3 | 4-8, 3 stages = 0-2 | 3-5 | 6-8.  ``1f1b-stash`` runs with
+        train_pipeline's default ``update_every=1``: every stage updates after each backward, i.e.
+        M optimizer steps per batch where the other configurations take one (it shows in ``UPD``).
+    PyTorch (``torch.distributed.pipelining``, gloo over TCP on 127.0.0.1, one rank per process):
+      * ``single``: one process, ``BertForTokenClassification`` (eval mode: no dropout, as the
+        ONNX export the MNN side trains), gradient accumulation over the M micro-batches, AdamW.
+      * ``Schedule1F1B`` (shown as ``1f1b-flush``) and ``ScheduleGPipe`` (``gpipe``) on 2 and 3
+        ranks, ``PipelineStage`` over hand-built stage modules with the same block ranges.  The
+        attention mask travels between stages as a second (int64, gradient-free) tensor and each
+        stage builds BERT's additive mask from it, so padding is real, as on the MNN side.  The
+        loss (summed token cross-entropy / labelled tokens of the whole batch, ``scale_grads=False``)
+        is the MNN graph's loss, so the first-step losses of both frameworks must agree.
+
+Columns of the main tables
+    ``step s``     median seconds per training step (forward, backward and optimizer update of the
+                   whole batch) as the coordinator (MNN) or rank 0 between barriers (torch) saw it.
+                   ``1f1b-stash`` has no flush: it runs all steps+1 batches as one schedule, so its
+                   figure is that run's time / (steps + 1), the warm-up step included, one pipeline
+                   fill and drain amortised over the run.
+    ``samp/s``     8 / step s.
+    ``speedup``    single's step s / this step s (above 1: faster than one process).
+    ``bub meas``   measured bubble: 1 - sum over stages of (F + B seconds) / (stages x step s), the
+                   share of the stages x time grid not spent in forward/backward compute (so it also
+                   holds transfers, the optimizer update and coordinator overhead).  Compute is
+                   timed by wall clock, so a process descheduled in the middle of an F counts as busy.
+    ``bub sim``    ``ir.verify.dry_run(make_schedule(name, stages, M), f, b).bubble_fraction``:
+                   the plan's bubble with equal stages and zero-cost transfers, with f:b = 4 :
+                   round(4 x measured B/F) (shown as ``f:b``).
+    ``imbal``      max over stages of (F + B) / mean over stages: 1.00 is perfectly balanced; the
+                   step can be no faster than the slowest stage's compute.
+    ``cpu/1``      CPU seconds per step of all the stage processes together / single's (MNN: read
+                   from /proc for the flush schedules, none for 1f1b-stash; torch: process_time):
+                   the work the pipeline adds (MNN re-runs the forward inside the backward of every
+                   block whose backward does not directly follow its forward, transfers, polling).
+                   Unlike the times, it barely moves when other processes load the machine.
+    ``peak MB``    each process's peak resident set (``ru_maxrss``), stage 0 first.  For MNN workers
+                   that is what the worker reported in its last 'done'; the coordinator (this
+                   process, which holds the full graph and the batches) is not counted, as on a real
+                   deployment where it lives elsewhere.  Torch ranks import torch (a few hundred MB)
+                   and load the whole checkpoint before keeping their stage's modules.
+    ``max/1``      the largest process's peak / single's peak;  ``sum/1``: all processes / single.
+    ``others``     share of all CPUs used by other processes while the configuration ran (noise).
+    The time-split table lists per stage and step (medians, ms): F, B, UPDATE, SEND (ACT+GRAD),
+    RECV (ACT+GRAD, waiting for the peer included: that is where the bubble shows), other (wall of
+    the action list minus all that), and ``cpu``: the process's CPU time (MNN flush schedules: from
+    /proc; torch: process_time), which falls below F+B when processes outnumber cores.
+
+Noise and oversubscription
+    The machine's CPUs used by other processes during each configuration are recorded
+    (``others_cpu`` in the JSON) and a warning is printed above 10 %.  With 3 stages on a 2-core
+    machine the 3 worker processes (plus the coordinator) share 2 cores: those rows measure
+    contention as much as pipelining; the script says so when stages > CPUs.
+
+Usage
+    .venv/bin/python benchmarks/pipeline.py [--steps N] [--microbatches 4,8] [--json OUT]
+                                            [--model PATH] [--skip-torch]
+    ``--steps`` timed steps per configuration (default 3; one more runs as warm-up).  Without
+    ``--model`` the default checkpoint is exported once to ``~/.cache/confidant/bench-minilm.onnx``
+    (shared with benchmarks/engine.py).  6 to 8 minutes on 2 cores with the defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Run as a script, Python puts benchmarks/ first on sys.path, where a sibling script named like a
+# project package (benchmarks/planner.py) would shadow it, in this process and in every child
+# started from this file: drop that entry and put the repository root first instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
+
+BATCH, SEQ, NUM_LABELS, VOCAB = 8, 128, 9, 30522
+LR = 1e-4
+SCHEDULES = ("1f1b-flush", "gpipe", "1f1b-stash")
+TORCH_SCHEDULES = {"1f1b-flush": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+STAGES = (2, 3)
+CACHE_PATH = Path.home() / ".cache" / "confidant" / "bench-minilm.onnx"
+MARKER = "CONFIDANT_BENCH "
+SIM_F = 4  # forward ticks in the simulated dry run; backward ticks follow the measured B/F ratio
+
+
+# --------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------
+
+def _rss_mb() -> float:
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: KiB on Linux, bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def make_batches(n: int, seed: int = 0):
+    """`n` batches of BATCH x SEQ: random ids, rows padded to random lengths, random labels."""
+    import numpy as np
+
+    from runtime.tokenize import Batch
+
+    out = []
+    for i in range(n):
+        r = np.random.default_rng(seed + i)
+        lengths = r.integers(SEQ // 4, SEQ + 1, size=BATCH)
+        lengths[0] = SEQ
+        mask = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.int64)
+        ids = r.integers(1000, VOCAB, size=(BATCH, SEQ)).astype(np.int64)
+        ids[:, 0] = 101
+        ids[np.arange(BATCH), lengths - 1] = 102
+        ids *= mask
+        labels = r.integers(0, NUM_LABELS, size=(BATCH, SEQ))
+        labels[mask == 0] = -100
+        out.append(Batch(ids, mask, np.zeros_like(mask), labels, n_labelled=int((labels != -100).sum())))
+    return out
+
+
+def _cpu_busy_s() -> float | None:
+    """CPU seconds spent busy by the whole machine since boot (Linux /proc/stat), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process plus its waited-for children."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+class NoiseMeter:
+    """Share of all CPUs used by processes other than this one and its children over a span."""
+
+    def __enter__(self):
+        self.busy0, self.own0, self.t0 = _cpu_busy_s(), _own_cpu_s(), time.perf_counter()
+        self.others = None
+        return self
+
+    def __exit__(self, *exc):
+        busy1, own1, wall = _cpu_busy_s(), _own_cpu_s(), time.perf_counter() - self.t0
+        if self.busy0 is not None and busy1 is not None and wall > 0:
+            own = own1 - self.own0
+            self.others = max(0.0, (busy1 - self.busy0 - own) / ((os.cpu_count() or 1) * wall))
+        return False
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of a live process, from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    return env
+
+
+def _parse_marker(stdout: str) -> dict | None:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(MARKER)]
+    return json.loads(lines[-1][len(MARKER):]) if lines else None
+
+
+def simulated_bubble(schedule: str, stages: int, microbatches: int, b_over_f: float | None) -> tuple[float, str]:
+    from ir.verify import dry_run
+    from planner.schedule import make_schedule
+
+    b = max(1, round(SIM_F * (b_over_f or 2.0)))
+    plan = make_schedule(schedule, stages, microbatches)
+    return dry_run(plan, forward_ticks=SIM_F, backward_ticks=b).bubble_fraction, f"{SIM_F}:{b}"
+
+
+# --------------------------------------------------------------------------
+# Child: MNN single process
+# --------------------------------------------------------------------------
+
+def child_single_mnn(model: str, M: int, steps: int) -> dict:
+    from planner.onnx_import import load_model
+    from runtime.engine_mnn import MnnStageEngine
+    from runtime.optim import make_optimizer
+    from runtime.stage import stage_spec
+    from runtime.trainer import accumulate_gradients
+
+    batches = make_batches(steps + 1)
+    graph = load_model(model, batch=BATCH // M, seq=SEQ)
+    rss_base = _rss_mb()
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), threads=1)
+    timers = {"F": 0.0, "B": 0.0}
+
+    def timed(kind, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[kind] += time.perf_counter() - t
+        return wrapper
+
+    engine.forward = timed("F", engine.forward)
+    engine.backward = timed("B", engine.backward)
+    opt, params = make_optimizer("adamw", LR), engine.parameters()
+    rows = []
+    for step in range(steps + 1):
+        timers.update(F=0.0, B=0.0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss, grads = accumulate_gradients(engine, batches[step], M, NUM_LABELS)
+        t1 = time.perf_counter()
+        params = opt.step(params, grads)
+        engine.set_parameters(params)
+        t2, c2 = time.perf_counter(), time.process_time()
+        rows.append({"loss": loss, "step_s": t2 - t0, "F": timers["F"], "B": timers["B"], "UPDATE": t2 - t1,
+                     "cpu_s": c2 - c0})
+    return {"steps": rows, "rss_base_mb": rss_base, "peak_rss_mb": _rss_mb()}
+
+
+# --------------------------------------------------------------------------
+# Child: torch single process and torch pipeline ranks
+# --------------------------------------------------------------------------
+
+def _torch_setup():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    return torch
+
+
+def _torch_stage_module(model, first: int, last: int):
+    """Blocks first..last of BertForTokenClassification as one module (block numbering of the IR).
+
+    Inputs: (input_ids, attention_mask, token_type_ids) for the stage holding block 0, else
+    (hidden, attention_mask).  Output: (hidden, attention_mask) unless the stage holds the head,
+    then the logits (the loss, block 8, is the schedule's loss_fn)."""
+    import torch
+
+    bert = model.bert
+    n_layers = len(bert.encoder.layer)
+    head_block = n_layers + 1
+
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embeddings = bert.embeddings if first == 0 else None
+            self.layers = torch.nn.ModuleList(
+                [bert.encoder.layer[b - 1] for b in range(max(first, 1), min(last, n_layers) + 1)])
+            self.classifier = model.classifier if first <= head_block <= last else None
+            self.dtype_min = torch.finfo(torch.float32).min
+
+        def forward(self, *args):
+            if self.embeddings is not None:
+                input_ids, mask, token_type_ids = args
+                x = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+            else:
+                x, mask = args
+            if len(self.layers):
+                bias = (1.0 - mask[:, None, None, :].to(torch.float32)) * self.dtype_min
+                for layer in self.layers:
+                    out = layer(x, attention_mask=bias)
+                    x = out[0] if isinstance(out, tuple) else out
+            if self.classifier is not None:
+                return self.classifier(x)  # eval mode: the head's dropout is off, as in the ONNX export
+            return x, mask
+
+    return Stage()
+
+
+def _torch_model():
+    from confidant.export import default_checkpoint_dir, load_token_classifier
+
+    model = load_token_classifier(default_checkpoint_dir(), NUM_LABELS, seed=0)
+    model.eval()  # dropout off: the MNN side trains the eval-mode export
+    return model
+
+
+def _loss(torch, logits, labels, n_labelled: int):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum") / n_labelled
+
+
+def child_single_torch(M: int, steps: int) -> dict:
+    torch = _torch_setup()
+    rss_base = _rss_mb()
+    batches = make_batches(steps + 1)
+    model = _torch_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    rows = []
+    for step in range(steps + 1):
+        b = batches[step]
+        ids, mask, tt, labels = (torch.from_numpy(a) for a in (b.input_ids, b.attention_mask, b.token_type_ids, b.labels))
+        t0, c0 = time.perf_counter(), time.process_time()
+        f_s = b_s = loss_sum = 0.0
+        for k in range(M):
+            sl = slice(k * BATCH // M, (k + 1) * BATCH // M)
+            ta = time.perf_counter()
+            logits = model(input_ids=ids[sl], attention_mask=mask[sl], token_type_ids=tt[sl]).logits
+            loss = _loss(torch, logits, labels[sl], b.n_labelled)
+            tb = time.perf_counter()
+            loss.backward()
+            tc = time.perf_counter()
+            f_s += tb - ta
+            b_s += tc - tb
+            loss_sum += float(loss)
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2, c2 = time.perf_counter(), time.process_time()
+        rows.append({"loss": loss_sum, "step_s": t2 - t0, "F": f_s, "B": b_s, "UPDATE": t2 - t1, "cpu_s": c2 - c0})
+    return {"steps": rows, "rss_base_mb": rss_base, "peak_rss_mb": _rss_mb()}
+
+
+def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) -> dict:
+    torch = _torch_setup()
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    from confidant.pipeline import stage_ranges
+
+    rss_base = _rss_mb()
+    dist.init_process_group("gloo", rank=rank, world_size=stages, timeout=datetime.timedelta(seconds=300))
+    try:
+        batches = make_batches(steps + 1)
+        model = _torch_model()
+        n_blocks = len(model.bert.encoder.layer) + 3
+        first, last = stage_ranges(n_blocks, stages, None)[rank]
+        module = _torch_stage_module(model, first, last)
+        del model
+        import gc
+
+        gc.collect()
+        stage = pipelining.PipelineStage(module, rank, stages, torch.device("cpu"))
+        timers = {"F": 0.0, "B": 0.0}
+
+        def timed(kind, fn):
+            def wrapper(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    timers[kind] += time.perf_counter() - t
+            return wrapper
+
+        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+        is_last = rank == stages - 1
+        n_labelled = [1]
+        # every rank passes loss_fn: the schedule runs backwards only when it has one (it is applied on the last)
+        def loss_fn(logits, labels):
+            return _loss(torch, logits, labels, n_labelled[0])
+
+        sched = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, M, loss_fn=loss_fn, scale_grads=False)
+        opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
+        rows = []
+        for step in range(steps + 1):
+            b = batches[step]
+            n_labelled[0] = b.n_labelled
+            timers.update(F=0.0, B=0.0)
+            losses: list = []
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if rank == 0:
+                sched.step(torch.from_numpy(b.input_ids), torch.from_numpy(b.attention_mask),
+                           torch.from_numpy(b.token_type_ids))
+            elif is_last:
+                sched.step(target=torch.from_numpy(b.labels), losses=losses)
+            else:
+                sched.step()
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t2, c2 = time.perf_counter(), time.process_time()
+            dist.barrier()
+            t3 = time.perf_counter()
+            rows.append({"step_s": t3 - t0, "own_s": t2 - t0, "F": timers["F"], "B": timers["B"],
+                         "UPDATE": t2 - t1, "cpu_s": c2 - c0,
+                         "loss": float(sum(float(x) for x in losses)) if is_last else None})
+        return {"rank": rank, "blocks": [first, last], "steps": rows, "rss_base_mb": rss_base,
+                "peak_rss_mb": _rss_mb(), "params": sum(p.numel() for p in module.parameters())}
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------
+# Parent: configurations
+# --------------------------------------------------------------------------
+
+def _spawn(args: list[str], timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *args]
+    with NoiseMeter() as noise:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_child_env())
+    result = _parse_marker(proc.stdout)
+    if proc.returncode != 0 or result is None:
+        raise RuntimeError(f"child {' '.join(args)} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    result["others_cpu"] = noise.others
+    return result
+
+
+def _single_summary(framework: str, M: int, raw: dict) -> dict:
+    rows = raw["steps"][1:]
+    step_s = _median([r["step_s"] for r in rows])
+    f, b = _median([r["F"] for r in rows]), _median([r["B"] for r in rows])
+    return {"framework": framework, "schedule": "single", "stages": 1, "microbatches": M,
+            "step_s": step_s, "samples_per_s": BATCH / step_s, "step_samples_s": [r["step_s"] for r in rows],
+            "b_over_f": b / f if f else None, "first_loss": raw["steps"][0]["loss"],
+            "peak_rss_mb": [raw["peak_rss_mb"]], "rss_base_mb": raw["rss_base_mb"],
+            "per_stage": [{"F": f, "B": b, "UPDATE": _median([r["UPDATE"] for r in rows]),
+                           "cpu": _median([r["cpu_s"] for r in rows]), "wall": step_s}],
+            "others_cpu": raw.get("others_cpu"), "raw": raw}
+
+
+def run_single_mnn(model: Path, M: int, steps: int, timeout: float) -> dict:
+    raw = _spawn(["--child", "single-mnn", str(M), "--model", str(model), "--steps", str(steps)], timeout)
+    return _single_summary("mnn", M, raw)
+
+
+def run_single_torch(M: int, steps: int, timeout: float) -> dict:
+    raw = _spawn(["--child", "single-torch", str(M), "--steps", str(steps)], timeout)
+    return _single_summary("torch", M, raw)
+
+
+def _send_recv(seconds: dict) -> tuple[float, float]:
+    send = seconds.get("SEND_ACT", 0.0) + seconds.get("SEND_GRAD", 0.0)
+    recv = seconds.get("RECV_ACT", 0.0) + seconds.get("RECV_GRAD", 0.0)
+    return send, recv
+
+
+def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int) -> dict:
+    import numpy as np
+
+    from confidant.pipeline import LocalWorkers, train_pipeline
+    from runtime.coordinator import PipelineConfig
+
+    n = steps + 1
+    cpu_marks: list[list[float | None]] = []
+    with NoiseMeter() as noise:
+        workers = LocalWorkers.start(stages, threads=1)
+        pids = [p.pid for p in workers.procs]
+
+        def on_step(*_):
+            cpu_marks.append([_proc_cpu_s(pid) for pid in pids])
+
+        try:
+            config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300)
+            res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=None, on_step=on_step)
+        finally:
+            codes = workers.wait(60.0)
+    if any(codes):
+        raise RuntimeError(f"workers exited with {codes}")
+
+    per_stage_steps = []  # [step][stage] dict of ms-level figures (seconds)
+    if schedule == "1f1b-stash":
+        # one report for the whole run of n batches: per-step figures are its totals / n
+        total = sum(res.step_seconds)
+        reports = [(res.stage_reports[0], total, None)]
+        divisor = n
+    else:
+        reports = [(res.stage_reports[k], res.step_seconds[k],
+                    [None if a is None or b is None else b - a for a, b in zip(cpu_marks[k - 1], cpu_marks[k])])
+                   for k in range(1, n)]
+        divisor = 1
+    bubbles, busy_bubbles, walls = [], [], []
+    for done, wall, cpus in reports:
+        rows = []
+        for s, d in enumerate(done):
+            sec = d["seconds"]
+            send, recv = _send_recv(sec)
+            rows.append({"F": sec.get("F", 0.0) / divisor, "B": sec.get("B", 0.0) / divisor,
+                         "UPDATE": sec.get("UPDATE", 0.0) / divisor, "SEND": send / divisor, "RECV": recv / divisor,
+                         "exec_wall": d["wall_s"] / divisor, "cpu": None if cpus is None else cpus[s],
+                         "seconds": sec})
+            rows[-1]["other"] = rows[-1]["exec_wall"] - sum(rows[-1][k] for k in ("F", "B", "UPDATE", "SEND", "RECV"))
+        per_stage_steps.append(rows)
+        fb = sum(r["F"] + r["B"] for r in rows) * divisor
+        bubbles.append(1.0 - fb / (stages * wall))
+        busy_bubbles.append(1.0 - statistics.mean(
+            (d["seconds"].get("F", 0) + d["seconds"].get("B", 0) + d["seconds"].get("UPDATE", 0)) / d["wall_s"]
+            for d in done))
+        walls.append(wall / divisor)
+    step_s = _median(walls) if schedule != "1f1b-stash" else walls[0]
+    per_stage = []
+    for s in range(stages):
+        agg = {k: _median([rows[s][k] for rows in per_stage_steps])
+               for k in ("F", "B", "UPDATE", "SEND", "RECV", "other", "exec_wall", "cpu")}
+        agg["wall"] = step_s
+        per_stage.append(agg)
+    f_all = sum(p["F"] for p in per_stage)
+    b_all = sum(p["B"] for p in per_stage)
+    sim_mb = M * n if schedule == "1f1b-stash" else M
+    sim, ticks = simulated_bubble(schedule, stages, sim_mb, b_all / f_all if f_all else None)
+    fb = [p["F"] + p["B"] for p in per_stage]
+    # messages per step: each stage but the last sends M activations, each but the first M gradients
+    sends = sum(p["SEND"] for p in per_stage)
+    msgs = 2 * (stages - 1) * M
+    from runtime.stage import stage_spec
+
+    act_shape = graph.values[stage_spec(graph, *res.ranges[1]).activation_input].shape
+    act_bytes = 4 * int(np.prod(act_shape))  # float32 activation (and its gradient) per micro-batch
+    return {"framework": "mnn", "schedule": schedule, "stages": stages, "microbatches": M, "ranges": res.ranges,
+            "step_s": step_s, "samples_per_s": BATCH / step_s, "step_samples_s": walls,
+            "bubble_measured": _median(bubbles), "bubble_busy": _median(busy_bubbles),
+            "bubble_simulated": sim, "sim_ticks": ticks, "b_over_f": b_all / f_all if f_all else None,
+            "imbalance": max(fb) / statistics.mean(fb) if fb and statistics.mean(fb) else None,
+            "peak_rss_mb": [d["peak_rss_bytes"] / 2**20 for d in res.stage_reports[-1]],
+            "per_stage": per_stage, "send_ms_per_msg": 1000 * sends / msgs if msgs else None,
+            "act_bytes": act_bytes, "losses": res.losses, "first_loss": res.losses[0] if schedule != "1f1b-stash" else None,
+            "stage_busy": res.stage_busy, "others_cpu": noise.others,
+            "reports": [[{"seconds": d["seconds"], "wall_s": d["wall_s"], "peak_rss_bytes": d["peak_rss_bytes"]}
+                         for d in done] for done in res.stage_reports]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torch_pipeline(M: int, stages: int, schedule: str, steps: int, timeout: float) -> dict:
+    env = _child_env()
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(stages)})
+    procs = []
+    with NoiseMeter() as noise:
+        for rank in range(stages):
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "torch-rank", str(M), "--stages", str(stages),
+                   "--schedule", schedule, "--rank", str(rank), "--steps", str(steps)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env={**env, "RANK": str(rank)}))
+        outs = []
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+                out, err = p.communicate()
+            outs.append((p.returncode, out, err))
+    results = []
+    for rank, (rc, out, err) in enumerate(outs):
+        r = _parse_marker(out)
+        if rc != 0 or r is None:
+            raise RuntimeError(f"torch rank {rank} ({schedule}, {stages} ranks, M={M}) failed (rc {rc}):\n"
+                               f"{(out + err)[-3000:]}")
+        results.append(r)
+    n = steps + 1
+    walls = [results[0]["steps"][k]["step_s"] for k in range(1, n)]
+    step_s = _median(walls)
+    bubbles = []
+    for k in range(1, n):
+        fb = sum(r["steps"][k]["F"] + r["steps"][k]["B"] for r in results)
+        bubbles.append(1.0 - fb / (stages * results[0]["steps"][k]["step_s"]))
+    per_stage = []
+    for r in results:
+        rows = r["steps"][1:]
+        agg = {k: _median([x[k] for x in rows]) for k in ("F", "B", "UPDATE")}
+        agg["cpu"] = _median([x["cpu_s"] for x in rows])
+        agg["own"] = _median([x["own_s"] for x in rows])
+        # P2P waits, loss, scheduling
+        agg["other"] = _median([x["own_s"] - x["F"] - x["B"] - x["UPDATE"] for x in rows])
+        agg["wall"] = step_s
+        per_stage.append(agg)
+    f_all = sum(p["F"] for p in per_stage)
+    b_all = sum(p["B"] for p in per_stage)
+    sim, ticks = simulated_bubble(schedule, stages, M, b_all / f_all if f_all else None)
+    fb = [p["F"] + p["B"] for p in per_stage]
+    return {"framework": "torch", "schedule": schedule, "torch_schedule": TORCH_SCHEDULES[schedule],
+            "stages": stages, "microbatches": M, "ranges": [r["blocks"] for r in results],
+            "step_s": step_s, "samples_per_s": BATCH / step_s, "step_samples_s": walls,
+            "bubble_measured": _median(bubbles), "bubble_simulated": sim, "sim_ticks": ticks,
+            "b_over_f": b_all / f_all if f_all else None,
+            "imbalance": max(fb) / statistics.mean(fb) if fb and statistics.mean(fb) else None,
+            "peak_rss_mb": [r["peak_rss_mb"] for r in results], "rss_base_mb": [r["rss_base_mb"] for r in results],
+            "per_stage": per_stage, "first_loss": results[-1]["steps"][0]["loss"],
+            "losses": [x["loss"] for x in results[-1]["steps"]], "others_cpu": noise.others, "raw": results}
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+def _table(rows: list[list[str]], header: list[str], left: int = 1) -> list[str]:
+    allrows = [header] + rows
+    widths = [max(len(r[i]) for r in allrows) for i in range(len(header))]
+    lines = []
+    for k, r in enumerate(allrows):
+        lines.append("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("-" * len(lines[-1]))
+    return lines
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _cpu_ratio(r: dict, single: dict | None) -> float | None:
+    """CPU seconds per step of all the configuration's processes / the single process's."""
+    cpus = [p.get("cpu") for p in r["per_stage"]]
+    base = single["per_stage"][0].get("cpu") if single else None
+    if not base or any(c is None for c in cpus):
+        return None
+    return sum(cpus) / base
+
+
+def main_table(results: list[dict], framework: str) -> list[str]:
+    singles = {r["microbatches"]: r for r in results if r["framework"] == framework and r["schedule"] == "single"}
+    mnn = {(r["microbatches"], r["stages"], r["schedule"]): r for r in results if r["framework"] == "mnn"}
+    header = ["config", "M", "procs", "step s", "samp/s", "speedup", "bub meas", "bub sim", "f:b", "imbal",
+              "cpu/1", "peak MB per proc", "max/1", "sum/1", "others"]
+    if framework == "torch":
+        header += ["step torch/MNN"]
+    rows = []
+    for r in results:
+        if r["framework"] != framework:
+            continue
+        single = singles.get(r["microbatches"])
+        base_step = single["step_s"] if single else None
+        base_rss = single["peak_rss_mb"][0] if single else None
+        rss = r["peak_rss_mb"]
+        row = [r["schedule"] if framework == "mnn" or r["schedule"] == "single" else r["torch_schedule"],
+               str(r["microbatches"]), str(r["stages"]), _fmt(r["step_s"], ".2f"), _fmt(r["samples_per_s"], ".2f"),
+               _fmt(base_step / r["step_s"] if base_step else None, ".2f"),
+               _fmt(r.get("bubble_measured"), ".2f"), _fmt(r.get("bubble_simulated"), ".2f"), r.get("sim_ticks", "-"),
+               _fmt(r.get("imbalance"), ".2f"), _fmt(_cpu_ratio(r, single), ".2f"), "/".join(f"{x:.0f}" for x in rss),
+               _fmt(max(rss) / base_rss if base_rss else None, ".2f"),
+               _fmt(sum(rss) / base_rss if base_rss else None, ".2f"),
+               "-" if r.get("others_cpu") is None else f"{r['others_cpu']:.0%}"]
+        if framework == "torch":
+            m = mnn.get((r["microbatches"], r["stages"], r["schedule"]))
+            row.append(_fmt(r["step_s"] / m["step_s"] if m else None, ".2f"))
+        rows.append(row)
+    return _table(rows, header)
+
+
+def split_table(results: list[dict], framework: str) -> list[str]:
+    if framework == "mnn":
+        header = ["config", "M", "procs", "stage", "blocks", "F", "B", "UPD", "SEND", "RECV", "other", "cpu", "wall"]
+    else:
+        header = ["config", "M", "procs", "stage", "blocks", "F", "B", "UPD", "other", "cpu", "wall"]
+    rows = []
+    for r in results:
+        if r["framework"] != framework:
+            continue
+        name = r["schedule"] if framework == "mnn" or r["schedule"] == "single" else r["torch_schedule"]
+        ranges = r.get("ranges") or [[0, 8]]
+        for s, p in enumerate(r["per_stage"]):
+            ms = lambda k: _fmt(None if p.get(k) is None else 1000 * p[k], ".0f")  # noqa: E731
+            row = [name if s == 0 else "", str(r["microbatches"]) if s == 0 else "", str(r["stages"]) if s == 0 else "",
+                   str(s), f"{ranges[s][0]}-{ranges[s][1]}", ms("F"), ms("B"), ms("UPDATE")]
+            if framework == "mnn":
+                row += [ms("SEND"), ms("RECV")]
+            row += [ms("other"), ms("cpu"), ms("wall") if s == 0 else ""]
+            rows.append(row)
+    return _table(rows, header)
+
+
+def report(results: list[dict], errors: list[str], steps: int, elapsed: float, model: Path) -> str:
+    import importlib.metadata as md
+
+    def version(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    cpus = os.cpu_count() or 1
+    out = [f"MiniLM {model}: batch {BATCH}, seq {SEQ}, float32, AdamW lr {LR}, 1 thread per process; "
+           f"{steps} timed steps (+1 warm-up), medians; {cpus} CPUs; MNN {version('MNN')}, torch {version('torch')}; "
+           f"{elapsed:.0f} s", ""]
+    out.append("MNN: single = 1 process with gradient accumulation; pipelines = LocalWorkers over ZeroMQ "
+               "(coordinator = this process, not counted in memory)")
+    out += main_table(results, "mnn")
+    torch_rows = [r for r in results if r["framework"] == "torch"]
+    if torch_rows:
+        out.append("")
+        out.append("PyTorch: single = 1 process with gradient accumulation; pipelines = torch.distributed.pipelining "
+                   "over gloo (mask passed between stages as an int64 tensor)")
+        out += main_table(results, "torch")
+    out.append("")
+    out.append("Where the time goes, per stage and step (median ms). RECV includes waiting for the peer; "
+               "other = executor wall - all listed (MNN) or rank's step - F - B - UPD (torch: P2P waits, loss, "
+               "scheduling); 1f1b-stash: whole run / (steps+1).")
+    out += split_table(results, "mnn")
+    if torch_rows:
+        out.append("")
+        out += split_table(results, "torch")
+    # transport
+    pipes = [r for r in results if r["framework"] == "mnn" and r["schedule"] != "single" and r.get("send_ms_per_msg")]
+    if pipes:
+        out.append("")
+        parts = []
+        for M in sorted({r["microbatches"] for r in pipes}):
+            xs = [r["send_ms_per_msg"] for r in pipes if r["microbatches"] == M]
+            kb = next((r["act_bytes"] for r in pipes if r["microbatches"] == M and r.get("act_bytes")), None)
+            parts.append(f"M={M} ({_fmt(kb and kb / 1024, '.0f')} KiB per activation/gradient): "
+                         f"{statistics.median(xs):.2f} ms per send (median over configs, range "
+                         f"{min(xs):.2f}-{max(xs):.2f})")
+        out.append("MNN transport: SEND_ACT+SEND_GRAD time per message (header, crc32, hand-off to ZeroMQ); " +
+                   "; ".join(parts))
+    losses = []
+    for fw in ("mnn", "torch"):
+        xs = {r["microbatches"]: r["first_loss"] for r in results if r["framework"] == fw and r["schedule"] == "single"}
+        if xs:
+            losses.append(f"{fw} " + ", ".join(f"M={m}: {v:.5f}" for m, v in sorted(xs.items())))
+    pl = [r["first_loss"] for r in results if r["schedule"] != "single" and r.get("first_loss") is not None]
+    if losses:
+        out.append("First-batch loss (same data and initial weights everywhere): " + "; ".join(losses) +
+                   (f"; pipelines {min(pl):.5f}..{max(pl):.5f}" if pl else ""))
+    if any(r["stages"] > cpus for r in results):
+        out.append("")
+        out.append(f"NOTE: {max(r['stages'] for r in results)} worker processes on {cpus} CPUs: the rows with more "
+                   "processes than CPUs measure CPU contention as much as pipelining (their F/B times are wall "
+                   "clock, inflated when a worker is descheduled; compare 'cpu').")
+    busy = [(r, r["others_cpu"]) for r in results if r.get("others_cpu") is not None and r["others_cpu"] > 0.10]
+    if busy:
+        out.append("")
+        out.append("WARNING: other processes used the CPUs during these runs (share of all CPUs): "
+                   + ", ".join(f"{r['framework']} {r['schedule']} M={r['microbatches']} {r['stages']}p {b:.0%}"
+                               for r, b in busy)
+                   + ". Those times are inflated; rerun on an idle machine.")
+    for e in errors:
+        out.append(e)
+    return "\n".join(out)
+
+
+def default_model() -> Path:
+    if CACHE_PATH.is_file():
+        return CACHE_PATH
+    from confidant.export import ExportOptions, default_checkpoint_dir, export_checkpoint
+
+    print(f"exporting MiniLM to {CACHE_PATH} (once) ...", file=sys.stderr, flush=True)
+    CACHE_PATH.parent.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE_PATH.with_name(CACHE_PATH.stem + f".tmp{os.getpid()}.onnx")
+    export_checkpoint(default_checkpoint_dir(), tmp, ExportOptions())
+    os.replace(tmp, CACHE_PATH)
+    return CACHE_PATH
+
+
+def _strip(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "raw"} | ({"raw": r["raw"]} if "raw" in r else {})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration (default 3; +1 warm-up)")
+    ap.add_argument("--microbatches", default="4,8", help="comma-separated micro-batch counts (default 4,8)")
+    ap.add_argument("--model", type=Path, default=None, help="ONNX model (default: export MiniLM once)")
+    ap.add_argument("--json", type=Path, default=None, help="also write all figures to this JSON file")
+    ap.add_argument("--skip-torch", action="store_true", help="measure the MNN runtime only")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration (default 600)")
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
+    ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--schedule", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+
+    if args.child:
+        kind, M = args.child[0], int(args.child[1])
+        if kind == "single-mnn":
+            result = child_single_mnn(str(args.model), M, args.steps)
+        elif kind == "single-torch":
+            result = child_single_torch(M, args.steps)
+        elif kind == "torch-rank":
+            result = child_torch_rank(M, args.stages, args.schedule, args.rank, args.steps)
+        else:
+            ap.error(f"unknown child kind {kind}")
+        sys.stdout.flush()
+        print(MARKER + json.dumps(result), flush=True)
+        return 0
+
+    try:
+        mbs = [int(x) for x in args.microbatches.split(",") if x.strip()]
+    except ValueError:
+        ap.error("--microbatches: comma-separated integers, e.g. 4,8")
+    if not mbs or any(m < 1 or BATCH % m for m in mbs):
+        ap.error(f"--microbatches: each must divide the batch of {BATCH}")
+    model = args.model if args.model is not None else default_model()
+    if not Path(model).is_file():
+        ap.error(f"model {model} does not exist")
+
+    from planner.onnx_import import load_model
+
+    batches = make_batches(args.steps + 1)
+    results: list[dict] = []
+    errors: list[str] = []
+    start = time.perf_counter()
+
+    def attempt(label: str, fn):
+        print(f"  {label} ...", file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        try:
+            r = fn()
+            results.append(r)
+            print(f"    {r['step_s']:.2f} s/step ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+        except Exception as exc:  # keep the other configurations
+            msg = f"{label}: not measured because {type(exc).__name__}: {str(exc).strip()[-1500:]}"
+            errors.append(msg)
+            print("    " + msg, file=sys.stderr, flush=True)
+
+    for M in mbs:
+        graph = load_model(str(model), batch=BATCH // M, seq=SEQ)
+        attempt(f"mnn single M={M}", lambda: run_single_mnn(Path(model), M, args.steps, args.timeout))
+        if not args.skip_torch:
+            attempt(f"torch single M={M}", lambda: run_single_torch(M, args.steps, args.timeout))
+        for stages in STAGES:
+            for schedule in SCHEDULES:
+                attempt(f"mnn {schedule} M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, schedule, args.steps))
+            if not args.skip_torch:
+                for schedule in TORCH_SCHEDULES:
+                    attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
+                            lambda: run_torch_pipeline(M, stages, schedule, args.steps, args.timeout))
+    elapsed = time.perf_counter() - start
+    order = {"single": 0, **{s: i + 1 for i, s in enumerate(SCHEDULES)}}
+    results.sort(key=lambda r: (r["framework"] != "mnn", r["microbatches"], r["stages"], order[r["schedule"]]))
+    print(report(results, errors, args.steps, elapsed, Path(model)))
+
+    if args.json:
+        import importlib.metadata as md
+
+        def version(dist):
+            try:
+                return md.version(dist)
+            except md.PackageNotFoundError:
+                return None
+
+        doc = {"model": str(model), "batch": BATCH, "seq": SEQ, "num_labels": NUM_LABELS, "lr": LR,
+               "steps": args.steps, "microbatches": mbs, "cpus": os.cpu_count(), "machine": platform.machine(),
+               "python": platform.python_version(), "mnn": version("MNN"), "torch": version("torch"),
+               "elapsed_s": elapsed, "results": [_strip(r) for r in results], "errors": errors}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
