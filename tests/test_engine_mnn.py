@@ -167,3 +167,19 @@ def test_an_inference_forward_first_still_primes_the_op_caches(tiny_graph):
     engine = MnnStageEngine(stage_spec(tiny_graph, 0, 4))
     engine.forward(token_feeds(B, S, vocab=500), train=False, until_block=3)
     assert all(prog._caching for prog in engine._blocks[:4])
+
+
+@pytest.mark.parametrize("blocks", [(0, 4), (1, 1)], ids=["whole-model", "encoder"])
+def test_torch_float32_engine_passes_the_same_gradient_check(tiny_graph, blocks):
+    """Every engine meets the same bar: the optional PyTorch engine in float32, like MNN, against
+    float64 autograd."""
+    spec = stage_spec(tiny_graph, *blocks)
+    feeds = token_feeds(B, S, vocab=500)
+    rng = np.random.default_rng(3)
+    if spec.activation_input:
+        feeds[spec.activation_input] = rng.standard_normal(tiny_graph.values[spec.activation_input].shape).astype(np.float32)
+    engine, ref = TorchStageEngine(spec, dtype=torch.float32), TorchStageEngine(spec, dtype=torch.float64)
+    out = engine.forward(feeds, 0)
+    ref.forward(feeds, 0)
+    grad_out = None if spec.is_last else rng.standard_normal(out.shape).astype(np.float32)
+    _assert_grads_close(engine.backward(0, grad_out).params, ref.backward(0, grad_out).params)
