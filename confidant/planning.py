@@ -19,6 +19,56 @@ def _threads_of(backend: str | None) -> int:
     return 1
 
 
+# Schedules whose backward always uses the weights of its forward: the only ones a head-split stage
+# engine (`runtime.engine_split.SplitStageEngine`, no weight stashing) can run.
+_FLUSH_SCHEDULES = ("1f1b-flush", "gpipe")
+
+
+def _engine_of(backend: str) -> str:
+    return backend.split(":")[0]
+
+
+def plan_head_split(graph, profile, schedule_name: str):
+    """The head split to record for one device, or None: a `planner.heads.HeadSplit` across backends
+    of `profile` (an `ir.profile.DeviceProfile`) for the attention of the first encoder block whose
+    signature has curves on at least two of them.
+
+    Candidates. The device is not the planning machine, so its core count is not known here; its
+    profile is what we have. Backends of one split run concurrently and must not share cores, so:
+    per engine (mnn, torch, ...), take the backend that is fastest at computing all H heads; keep
+    the candidates only if their thread counts sum to at most the largest thread count profiled on
+    that device (a device profiled at tN has at least N cores to give). When they do not fit, no
+    split. The split is recorded only if it uses >= 2 backends and is predicted faster than the best
+    single backend, and only under a flush schedule (the split engine does no weight stashing)."""
+    from ir.graph import block_signature
+    from planner.heads import allocate_heads
+
+    if schedule_name not in _FLUSH_SCHEDULES:
+        return None
+    for block in graph.blocks:
+        if block.kind != "encoder":
+            continue
+        sig = block_signature(block)
+        curves = {b.backend: b.attention[sig] for b in profile.backends if sig in b.attention}
+        if len(curves) < 2:
+            continue
+        fastest: dict[str, str] = {}
+        for name, curve in curves.items():
+            engine = _engine_of(name)
+            if engine not in fastest or curve.seconds[-1] < curves[fastest[engine]].seconds[-1]:
+                fastest[engine] = name
+        if len(fastest) < 2:
+            return None
+        cores = max(_threads_of(b.backend) for b in profile.backends)
+        if sum(_threads_of(b) for b in fastest.values()) > cores:
+            return None
+        split = allocate_heads({b: curves[b] for b in fastest.values()})
+        if len(split.heads) >= 2 and split.predicted_s < split.single_best[1]:
+            return split
+        return None
+    return None
+
+
 def cmd_plan(args) -> int:
     from planner.cluster import load_cluster
     from planner.cost import predicted_step_s, stage_costs
@@ -64,21 +114,41 @@ def cmd_plan(args) -> int:
         "optimizer": {"name": args.optimizer, "lr": args.lr, "weight_decay": None},
         "addresses": {n: specs[n].address for n in partition.devices},
     }
+    head_split = {}
+    for n in partition.devices:
+        split = plan_head_split(graph, specs[n].profile, args.schedule)
+        if split is not None:
+            head_split[n] = {"heads": dict(split.heads), "predicted_s": split.predicted_s,
+                             "single_best": [split.single_best[0], split.single_best[1]]}
+            # the split engine runs the rest of the stage on MNN, whatever backend the device chose
+            config["engine"][n] = "mnn"
+    config["head_split"] = head_split
     path = emit_plan(args.output, graph, partition, schedule, config, costs, step_s)
     print(f"wrote {path} and {len(partition.stages)} bundles", file=sys.stderr)
     return cmd_show(type("A", (), {"plan": args.output})())
+
+
+def _heads_cell(split) -> str:
+    """'mnn:cpu:t1 1 + torch:cpu:t1 3 (pred 41 ms vs 58 ms single)', or '-' without a split."""
+    if not split:
+        return "-"
+    text = " + ".join(f"{b} {h}" for b, h in split["heads"].items())
+    best = split.get("single_best")
+    if split.get("predicted_s") is not None and best:
+        text += f" (pred {split['predicted_s'] * 1000:.0f} ms vs {best[1] * 1000:.0f} ms single)"
+    return text
 
 
 def cmd_show(args) -> int:
     from ir.bundle import load_plan
 
     plan = load_plan(args.plan)
-    rows = [("stage", "device", "address", "blocks", "memory / budget", "time/micro-batch", "engine", "threads")]
+    rows = [("stage", "device", "address", "blocks", "memory / budget", "time/micro-batch", "engine", "threads", "heads")]
     for d in plan["devices"]:
         rows.append((str(d["stage"]), d["name"], d.get("address") or "-", f"{d['blocks'][0]}-{d['blocks'][1]}",
                      f"{d['memory_bytes'] / 2**20:.0f} / {d['memory_budget_bytes'] / 2**20:.0f} MiB",
                      f"{d['predicted_time_s'] * 1000:.0f} ms", d.get("engine", plan["engine"]),
-                     str(d.get("threads", 1))))
+                     str(d.get("threads", 1)), _heads_cell(d.get("head_split"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"plan {args.plan}: model {plan['model']}, schedule {plan['schedule']}, {plan['microbatches']} micro-batches "
           f"of {plan['batch']} x {plan['seq']}, partition {plan['partition_method']}"

@@ -60,6 +60,10 @@ STAGE_FIELDS = (
     "stage", "stages", "device", "blocks", "peers", "schedule", "microbatches", "update_every",
     "stash_depth", "engine", "backend", "threads", "optimizer", "batch", "seq",
 )
+# ...except these, which may be left out (bundles written before them stay valid):
+# `head_split`: null, or {backend name: heads} when the stage's attention heads are split across
+# backends (`runtime.engine_split.SplitStageEngine`).
+STAGE_OPTIONAL_FIELDS = ("head_split",)
 
 # Device names become directory names on the planner's machine, so they are kept to characters
 # that mean the same on every file system, and away from names some systems reserve.
@@ -233,7 +237,7 @@ def _check_stage_doc(doc: Any) -> str | None:
     missing = [k for k in STAGE_FIELDS if k not in doc]
     if missing:
         return f"lacks {', '.join(missing)}"
-    extra = sorted(set(doc) - set(STAGE_FIELDS))
+    extra = sorted(set(doc) - set(STAGE_FIELDS) - set(STAGE_OPTIONAL_FIELDS))
     if extra:
         return f"has unknown field(s) {', '.join(extra)}"
     for key, lowest in (("stage", 0), ("stages", 1), ("microbatches", 1), ("update_every", 1),
@@ -271,6 +275,12 @@ def _check_stage_doc(doc: Any) -> str | None:
     wd = opt["weight_decay"]
     if wd is not None and (isinstance(wd, bool) or not isinstance(wd, (int, float)) or not 0 <= wd < math.inf):
         return f"optimizer.weight_decay is {wd!r}, not null or a non-negative finite number"
+    split = doc.get("head_split")
+    if split is not None:
+        if (not isinstance(split, dict) or not split
+                or not all(isinstance(b, str) and b for b in split)
+                or not all(_is_int(h) and h >= 1 for h in split.values())):
+            return f"head_split is {split!r}, not null or {{backend name: heads (an integer >= 1)}}"
     return None
 
 

@@ -30,10 +30,12 @@ __all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan"]
 # What `config` may set, with defaults. `threads` and `engine` are one value for all devices or
 # {device: value} (devices may run different frameworks: MNN on phones, PyTorch on laptops);
 # `optimizer` is a name (with `lr`, `weight_decay`) or {"name", "lr", "weight_decay"};
-# `addresses` maps device names to the worker addresses written into plan.json.
+# `addresses` maps device names to the worker addresses written into plan.json;
+# `head_split` maps device names to {"heads": {backend: n}, "predicted_s": s, "single_best": [backend, s]}
+# for devices whose attention heads are split across backends (others: no split).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "model": None, "engine": "mnn", "backend": "cpu", "threads": 1,
-    "optimizer": "adamw", "lr": 5e-5, "weight_decay": None, "addresses": {},
+    "optimizer": "adamw", "lr": 5e-5, "weight_decay": None, "addresses": {}, "head_split": {},
 }
 
 
@@ -59,13 +61,40 @@ def _settings(config: Mapping[str, Any], devices: Sequence[str], graph: Graph) -
     if stray:
         raise ValueError(f"emit_plan: config['addresses'] names {stray}, which are not devices of this plan "
                          f"({list(devices)})")
+    head_split = {d: dict(v) for d, v in dict(cfg["head_split"] or {}).items() if v is not None}
+    stray = sorted(set(head_split) - set(devices))
+    if stray:
+        raise ValueError(f"emit_plan: config['head_split'] names {stray}, which are not devices of this plan "
+                         f"({list(devices)})")
+    for d, v in head_split.items():
+        heads = v.get("heads")
+        if (not isinstance(heads, Mapping) or not heads
+                or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in heads.values())):
+            raise ValueError(f"emit_plan: config['head_split'][{d!r}]['heads'] is {heads!r}, "
+                             f"not {{backend: heads >= 1}}")
     engine = cfg["engine"]
     engines = dict(engine) if isinstance(engine, Mapping) else {d: engine for d in devices}
     if set(engines) != set(devices):
         raise ValueError(f"emit_plan: config['engine'] names devices {sorted(engines)}, the plan has {list(devices)}")
     return {"model": cfg["model"] if cfg["model"] is not None else graph.name, "engines": engines,
             "engine": next(iter(set(engines.values()))) if len(set(engines.values())) == 1 else "mixed",
-            "backend": cfg["backend"], "optimizer": opt, "threads": per_device, "addresses": addresses}
+            "backend": cfg["backend"], "optimizer": opt, "threads": per_device, "addresses": addresses,
+            "head_split": head_split}
+
+
+def _split_heads(cfg: Mapping[str, Any], device: str) -> dict[str, int] | None:
+    split = cfg["head_split"].get(device)
+    return {str(b): int(h) for b, h in split["heads"].items()} if split else None
+
+
+def _split_entry(cfg: Mapping[str, Any], device: str) -> dict[str, Any] | None:
+    split = cfg["head_split"].get(device)
+    if not split:
+        return None
+    best = split.get("single_best")
+    return {"heads": _split_heads(cfg, device),
+            "predicted_s": None if split.get("predicted_s") is None else float(split["predicted_s"]),
+            "single_best": None if best is None else [str(best[0]), float(best[1])]}
 
 
 def _check_inputs(graph: Graph, partition: Partition, schedule: Schedule, costs, predicted_step_s) -> None:
@@ -125,6 +154,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             "backend": cfg["backend"],
             "threads": cfg["threads"][assignment.device], "optimizer": cfg["optimizer"],
             "batch": graph.batch, "seq": graph.seq,
+            "head_split": _split_heads(cfg, assignment.device),
         }
         directory = write_bundle(out_dir / assignment.device, stage_doc, graph_to_json(part), part.constants,
                                  schedule.actions[s])
@@ -134,6 +164,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             "memory_bytes": assignment.memory_bytes, "memory_budget_bytes": assignment.memory_budget_bytes,
             "predicted_time_s": assignment.predicted_time_s, "threads": cfg["threads"][assignment.device],
             "engine": cfg["engines"][assignment.device],
+            "head_split": _split_entry(cfg, assignment.device),
             "bundle": assignment.device, "manifest_sha256": sha256_hex((directory / MANIFEST).read_bytes()),
         }
         if assignment.device in cfg["addresses"]:

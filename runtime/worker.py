@@ -119,7 +119,7 @@ class Worker:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc
         spec = stage_spec(contents.graph, contents.first_block, contents.last_block)
-        engine = _make_engine(doc["engine"], spec, int(doc["threads"]))
+        engine = _make_engine(doc["engine"], spec, int(doc["threads"]), doc.get("head_split"))
         opt = doc["optimizer"]
         optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
         if msg.get("optimizer_state"):

@@ -1,0 +1,95 @@
+"""`confidant plan` records a per-device attention head split, writes it into plan.json and the
+bundle's stage.json, and `confidant show` prints it (no training here: planning only)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from ir.graph import block_signature
+from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile
+
+# H = 4 heads: mnn t1 and torch t1 each take 2 heads in 20/22 ms; one backend alone takes 58/60 ms
+CURVES = {"mnn:cpu:t1": (0.010, 0.020, 0.030, 0.058), "torch:cpu:t1": (0.012, 0.022, 0.032, 0.060)}
+
+
+def _graph(tiny_onnx):
+    from planner.onnx_import import load_model
+
+    return load_model(tiny_onnx["torchscript-17"], 2, 12)
+
+
+def _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1", "mnn:cpu:t2"), curves=CURVES) -> DeviceProfile:
+    sigs = {block_signature(b) for b in graph.blocks}
+    enc = [block_signature(b) for b in graph.blocks if b.kind == "encoder"]
+    out = []
+    for name in backends:
+        blocks = {s: BlockCost(forward_s=0.01, backward_s=0.02, workspace_bytes=1 << 20) for s in sigs}
+        attention = {enc[0]: AttentionCurve(curves[name])} if name in curves else {}
+        out.append(BackendProfile(name, blocks, attention))
+    return DeviceProfile("box", "tiny", graph.batch, graph.seq, tuple(out), memory_available_bytes=8 << 30)
+
+
+def _plan(tiny_onnx, tmp_path, profile: DeviceProfile, schedule: str):
+    from confidant.planning import cmd_plan
+
+    profile.save(tmp_path / "box.json")
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+        {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": "1GiB",
+         "backend": "mnn:cpu:t1"}]}))
+    args = argparse.Namespace(model=str(tiny_onnx["torchscript-17"]), cluster=tmp_path / "cluster.json", batch=4,
+                              seq=12, microbatches=2, schedule=schedule, optimizer="adamw", lr=5e-5, cuts=None,
+                              devices=None, time_limit=5.0, update_every=1, output=tmp_path / "plan")
+    assert cmd_plan(args) == 0
+    return json.loads((tmp_path / "plan" / "plan.json").read_text())
+
+
+def test_plan_records_a_head_split_and_show_prints_it(tiny_onnx, tmp_path, capsys):
+    from ir.bundle import load_bundle_dir
+    from runtime.bundle_load import load_bundle
+
+    graph = _graph(tiny_onnx)
+    heads = next(b.heads for b in graph.blocks if b.kind == "encoder")
+    assert heads == 4
+    plan = _plan(tiny_onnx, tmp_path, _profile(graph), "1f1b-flush")
+    (entry,) = plan["devices"]
+    split = entry["head_split"]
+    assert split["heads"] == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    assert sum(split["heads"].values()) == heads
+    assert split["predicted_s"] == pytest.approx(0.022)
+    assert split["single_best"] == ["mnn:cpu:t1", pytest.approx(0.058)]
+    assert entry["engine"] == "mnn"
+    stage = load_bundle_dir(tmp_path / "plan" / entry["bundle"]).stage_doc
+    assert stage["head_split"] == split["heads"]
+    load_bundle(tmp_path / "plan" / entry["bundle"])
+    out = capsys.readouterr().out
+    assert "heads" in out and "mnn:cpu:t1 2 + torch:cpu:t1 2 (pred 22 ms vs 58 ms single)" in out
+
+
+def test_no_split_under_a_stashing_schedule(tiny_onnx, tmp_path, capsys):
+    graph = _graph(tiny_onnx)
+    plan = _plan(tiny_onnx, tmp_path, _profile(graph), "1f1b-stash")
+    (entry,) = plan["devices"]
+    assert entry["head_split"] is None
+    from ir.bundle import load_bundle_dir
+
+    assert load_bundle_dir(tmp_path / "plan" / entry["bundle"]).stage_doc["head_split"] is None
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("0 ")]
+    assert rows and rows[0].rstrip().endswith("-")
+
+
+def test_no_split_when_the_backends_would_share_cores_or_not_help(tiny_onnx):
+    from confidant.planning import plan_head_split
+
+    graph = _graph(tiny_onnx)
+    # profiled at one thread at most: mnn t1 + torch t1 need two cores
+    assert plan_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1")), "gpipe") is None
+    assert plan_head_split(graph, _profile(graph), "gpipe") is not None
+    # one engine only: nothing to run concurrently
+    assert plan_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "mnn:cpu:t2"),
+                                           curves={"mnn:cpu:t1": CURVES["mnn:cpu:t1"],
+                                                   "mnn:cpu:t2": CURVES["torch:cpu:t1"]}), "gpipe") is None
+    # a split that is not faster than one backend alone (linear curves, torch slow) is not recorded
+    slow = {"mnn:cpu:t1": (0.01, 0.02, 0.03, 0.04), "torch:cpu:t1": (0.05, 0.10, 0.15, 0.20)}
+    assert plan_head_split(graph, _profile(graph, curves=slow), "gpipe") is None
