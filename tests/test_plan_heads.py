@@ -93,3 +93,50 @@ def test_no_split_when_the_backends_would_share_cores_or_not_help(tiny_onnx):
     # a split that is not faster than one backend alone (linear curves, torch slow) is not recorded
     slow = {"mnn:cpu:t1": (0.01, 0.02, 0.03, 0.04), "torch:cpu:t1": (0.05, 0.10, 0.15, 0.20)}
     assert plan_head_split(graph, _profile(graph, curves=slow), "gpipe") is None
+
+
+def test_training_from_a_split_bundle_gives_the_unsplit_losses(tiny_onnx, tmp_path, capsys):
+    """A worker builds the split engine from the bundle (MNN in a child process, torch in-process)
+    and trains; the losses equal one unsplit MNN engine on the same micro-batches."""
+    import numpy as np
+
+    from confidant.pipeline import LocalWorkers, train_pipeline
+    from ir.bundle import load_bundle_dir
+    from runtime.coordinator import PipelineConfig
+    from runtime.engine_mnn import MnnStageEngine
+    from runtime.optim import make_optimizer
+    from runtime.stage import stage_spec
+    from runtime.tokenize import Batch
+    from runtime.trainer import accumulate_gradients
+
+    graph = _graph(tiny_onnx)
+    plan = _plan(tiny_onnx, tmp_path, _profile(graph), "1f1b-flush")
+    assert plan["devices"][0]["head_split"]["heads"] == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    bundle = tmp_path / "plan" / plan["devices"][0]["bundle"]
+    rng = np.random.default_rng(0)
+    rows, M, seq = plan["batch"], plan["microbatches"], plan["seq"]
+
+    def batch():
+        mask = np.ones((rows * M, seq), np.int64)
+        mask[0, seq // 2:] = 0
+        labels = rng.integers(0, 9, (rows * M, seq))
+        labels[mask == 0] = -100
+        return Batch(rng.integers(0, 500, (rows * M, seq)).astype(np.int64), mask, np.zeros_like(mask), labels,
+                     n_labelled=int((labels != -100).sum()))
+
+    batches = [batch() for _ in range(2)]
+    workers = LocalWorkers.start(1, threads=1)
+    try:
+        result = train_pipeline(None, batches, 9, workers.addresses,
+                                PipelineConfig(schedule="1f1b-flush", microbatches=M, lr=5e-5, timeout_s=120), 2,
+                                bundles=[bundle], devices=["box"], stage_graphs=[load_bundle_dir(bundle)])
+    finally:
+        assert workers.wait(30.0) == [0]
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    opt, params, losses = make_optimizer("adamw", 5e-5), engine.parameters(), []
+    for b in batches:
+        loss, grads = accumulate_gradients(engine, b, M, 9)
+        params = opt.step(params, grads)
+        engine.set_parameters(params)
+        losses.append(loss)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
