@@ -56,6 +56,12 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a script, Python puts benchmarks/ first on sys.path, where a sibling script named like a
+# project package (benchmarks/planner.py) would shadow it, in this process and in every child
+# started from this file: drop that entry and put the repository root first instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
+
 BATCH, SEQ = 8, 128
 ENGINES = ("mnn", "mnn-recompute", "torch")
 THREADS = (1, 2)

@@ -45,9 +45,14 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a script, Python puts benchmarks/ first on sys.path, where a sibling script named like a
+# project package (benchmarks/planner.py) would shadow it, in this process and in every child
+# started from this file: drop that entry and put the repository root first instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
+
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.head_split import WEIGHT_NAMES, SplitAttention, _context  # noqa: E402
 from runtime.profile import attention_curve, parse_backend, present_backends  # noqa: E402
