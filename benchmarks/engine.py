@@ -62,6 +62,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
+from benchmarks.cpuload import machine_busy_s  # noqa: E402
+
 BATCH, SEQ = 8, 128
 ENGINES = ("mnn", "mnn-recompute", "torch")
 THREADS = (1, 2)
@@ -230,17 +232,6 @@ def default_model() -> Path:
     return CACHE_PATH
 
 
-def _cpu_busy_s() -> float | None:
-    """CPU seconds spent busy by the whole machine since boot (Linux /proc/stat), else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-
-
 def spawn_child(engine: str, threads: int, case: str, model: Path, reps: int, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, str(threads), case,
            "--model", str(model), "--reps", str(reps)]
@@ -249,9 +240,9 @@ def spawn_child(engine: str, threads: int, case: str, model: Path, reps: int, ti
     # consistently, so drop them.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.pop(var, None)
-    busy0, own0, t0 = _cpu_busy_s(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    busy0, own0, t0 = machine_busy_s(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    busy1, own1, wall = _cpu_busy_s(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
+    busy1, own1, wall = machine_busy_s(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
     if proc.returncode != 0 or not lines:
         tail = (proc.stdout + proc.stderr)[-3000:]

@@ -51,6 +51,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
+from benchmarks.cpuload import machine_busy_s  # noqa: E402
+
 import numpy as np
 
 
@@ -75,16 +77,6 @@ def _ticks(path: str) -> float:
         return 0.0
 
 
-def _machine_busy_s() -> float | None:
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        user, nice, system, idle, iowait, irq, softirq, steal = (v + [0] * 8)[:8]
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-
-
 class OthersCpu:
     """`with OthersCpu(pids) as o: ...` then `o.share`: the share of all CPUs used by processes
     other than this one and `pids` while the block ran (None where /proc is missing)."""
@@ -97,11 +89,11 @@ class OthersCpu:
         return _ticks("/proc/self/stat") + sum(_ticks(f"/proc/{p}/stat") for p in self.pids)
 
     def __enter__(self):
-        self.t0, self.busy0, self.own0 = time.perf_counter(), _machine_busy_s(), self._own()
+        self.t0, self.busy0, self.own0 = time.perf_counter(), machine_busy_s(), self._own()
         return self
 
     def __exit__(self, *exc):
-        wall, busy1 = time.perf_counter() - self.t0, _machine_busy_s()
+        wall, busy1 = time.perf_counter() - self.t0, machine_busy_s()
         if self.busy0 is not None and busy1 is not None and wall > 0:
             others = (busy1 - self.busy0) - (self._own() - self.own0)
             self.share = max(0.0, others / ((os.cpu_count() or 1) * wall))

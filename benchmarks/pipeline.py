@@ -96,6 +96,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
+from benchmarks.cpuload import NoiseMeter, machine_busy_s, own_cpu_s  # noqa: E402
+
 BATCH, SEQ, NUM_LABELS, VOCAB = 8, 128, 9, 30522
 LR = 1e-4
 SCHEDULES = ("1f1b-flush", "gpipe", "1f1b-stash")
@@ -140,39 +142,6 @@ def make_batches(n: int, seed: int = 0):
         labels[mask == 0] = -100
         out.append(Batch(ids, mask, np.zeros_like(mask), labels, n_labelled=int((labels != -100).sum())))
     return out
-
-
-def _cpu_busy_s() -> float | None:
-    """CPU seconds spent busy by the whole machine since boot (Linux /proc/stat), else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-
-
-def _own_cpu_s() -> float:
-    """CPU seconds of this process plus its waited-for children."""
-    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-
-
-class NoiseMeter:
-    """Share of all CPUs used by processes other than this one and its children over a span."""
-
-    def __enter__(self):
-        self.busy0, self.own0, self.t0 = _cpu_busy_s(), _own_cpu_s(), time.perf_counter()
-        self.others = None
-        return self
-
-    def __exit__(self, *exc):
-        busy1, own1, wall = _cpu_busy_s(), _own_cpu_s(), time.perf_counter() - self.t0
-        if self.busy0 is not None and busy1 is not None and wall > 0:
-            own = own1 - self.own0
-            self.others = max(0.0, (busy1 - self.busy0 - own) / ((os.cpu_count() or 1) * wall))
-        return False
 
 
 def _proc_cpu_s(pid: int) -> float | None:

@@ -129,6 +129,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
+from benchmarks.cpuload import NoiseMeter, machine_busy_s, own_cpu_s  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 BATCH, SEQ, NUM_LABELS, VOCAB = 8, 128, 9, 30522
@@ -148,37 +150,6 @@ CPUS = os.cpu_count() or 1
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
-
-
-def _cpu_busy_s() -> float | None:
-    """CPU seconds spent busy by the whole machine since boot (Linux /proc/stat), else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-
-
-def _own_cpu_s() -> float:
-    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-
-
-class NoiseMeter:
-    """Share of all CPUs used by processes other than this one and its (waited-for) children."""
-
-    def __enter__(self):
-        self.busy0, self.own0, self.t0 = _cpu_busy_s(), _own_cpu_s(), time.perf_counter()
-        self.others = None
-        return self
-
-    def __exit__(self, *exc):
-        busy1, own1, wall = _cpu_busy_s(), _own_cpu_s(), time.perf_counter() - self.t0
-        if self.busy0 is not None and busy1 is not None and wall > 0:
-            self.others = max(0.0, (busy1 - self.busy0 - (own1 - self.own0)) / (CPUS * wall))
-        return False
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
