@@ -62,14 +62,13 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
-from benchmarks.cpuload import machine_busy_s  # noqa: E402
+from benchmarks.common import default_model, machine_busy_s  # noqa: E402
 
 BATCH, SEQ = 8, 128
 ENGINES = ("mnn", "mnn-recompute", "torch")
 THREADS = (1, 2)
 CASES = ("layer", "model")
 DEFAULT_REPS = {"layer": 5, "model": 3}
-CACHE_PATH = Path.home() / ".cache" / "confidant" / "bench-minilm.onnx"
 MARKER = "CONFIDANT_BENCH "
 
 
@@ -219,18 +218,6 @@ def run_child(engine: str, threads: int, case: str, model: str, reps: int) -> di
 # --------------------------------------------------------------------------
 # Parent: run every configuration in its own child, print the tables
 # --------------------------------------------------------------------------
-
-def default_model() -> Path:
-    if CACHE_PATH.is_file():
-        return CACHE_PATH
-    from confidant.export import ExportOptions, default_checkpoint_dir, export_checkpoint
-
-    print(f"exporting MiniLM to {CACHE_PATH} (once) ...", file=sys.stderr, flush=True)
-    tmp = CACHE_PATH.with_name(CACHE_PATH.stem + f".tmp{os.getpid()}.onnx")
-    export_checkpoint(default_checkpoint_dir(), tmp, ExportOptions())
-    os.replace(tmp, CACHE_PATH)
-    return CACHE_PATH
-
 
 def spawn_child(engine: str, threads: int, case: str, model: Path, reps: int, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, str(threads), case,

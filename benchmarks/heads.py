@@ -51,7 +51,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
-from benchmarks.cpuload import machine_busy_s  # noqa: E402
+from benchmarks.common import machine_busy_s  # noqa: E402
 
 import numpy as np
 

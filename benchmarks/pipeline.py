@@ -96,14 +96,13 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
-from benchmarks.cpuload import NoiseMeter, machine_busy_s, own_cpu_s  # noqa: E402
+from benchmarks.common import NoiseMeter, default_model, machine_busy_s, make_batches, own_cpu_s  # noqa: E402
 
 BATCH, SEQ, NUM_LABELS, VOCAB = 8, 128, 9, 30522
 LR = 1e-4
 SCHEDULES = ("1f1b-flush", "gpipe", "1f1b-stash")
 TORCH_SCHEDULES = {"1f1b-flush": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 STAGES = (2, 3)
-CACHE_PATH = Path.home() / ".cache" / "confidant" / "bench-minilm.onnx"
 MARKER = "CONFIDANT_BENCH "
 SIM_F = 4  # forward ticks in the simulated dry run; backward ticks follow the measured B/F ratio
 
@@ -120,28 +119,6 @@ def _rss_mb() -> float:
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
-
-
-def make_batches(n: int, seed: int = 0):
-    """`n` batches of BATCH x SEQ: random ids, rows padded to random lengths, random labels."""
-    import numpy as np
-
-    from runtime.tokenize import Batch
-
-    out = []
-    for i in range(n):
-        r = np.random.default_rng(seed + i)
-        lengths = r.integers(SEQ // 4, SEQ + 1, size=BATCH)
-        lengths[0] = SEQ
-        mask = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.int64)
-        ids = r.integers(1000, VOCAB, size=(BATCH, SEQ)).astype(np.int64)
-        ids[:, 0] = 101
-        ids[np.arange(BATCH), lengths - 1] = 102
-        ids *= mask
-        labels = r.integers(0, NUM_LABELS, size=(BATCH, SEQ))
-        labels[mask == 0] = -100
-        out.append(Batch(ids, mask, np.zeros_like(mask), labels, n_labelled=int((labels != -100).sum())))
-    return out
 
 
 def _proc_cpu_s(pid: int) -> float | None:
@@ -731,19 +708,6 @@ def report(results: list[dict], errors: list[str], steps: int, elapsed: float, m
     for e in errors:
         out.append(e)
     return "\n".join(out)
-
-
-def default_model() -> Path:
-    if CACHE_PATH.is_file():
-        return CACHE_PATH
-    from confidant.export import ExportOptions, default_checkpoint_dir, export_checkpoint
-
-    print(f"exporting MiniLM to {CACHE_PATH} (once) ...", file=sys.stderr, flush=True)
-    CACHE_PATH.parent.mkdir(parents=True, exist_ok=True)
-    tmp = CACHE_PATH.with_name(CACHE_PATH.stem + f".tmp{os.getpid()}.onnx")
-    export_checkpoint(default_checkpoint_dir(), tmp, ExportOptions())
-    os.replace(tmp, CACHE_PATH)
-    return CACHE_PATH
 
 
 def _strip(r: dict) -> dict:

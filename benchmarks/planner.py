@@ -129,7 +129,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
-from benchmarks.cpuload import NoiseMeter, machine_busy_s, own_cpu_s  # noqa: E402
+from benchmarks.common import NoiseMeter, default_model, machine_busy_s, make_batches, own_cpu_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,6 @@ BATCH, SEQ, NUM_LABELS, VOCAB = 8, 128, 9, 30522
 LR = 1e-4
 OPTIMIZER = "adamw"
 SCHEDULES = ("1f1b-flush", "gpipe", "1f1b-stash")
-CACHE_PATH = Path.home() / ".cache" / "confidant" / "bench-minilm.onnx"
 MARKER = "CONFIDANT_BENCH "
 BACKEND = "mnn:cpu:t1"
 CPUS = os.cpu_count() or 1
@@ -174,41 +173,6 @@ def _s(x) -> str:
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def default_model() -> Path:
-    if CACHE_PATH.is_file():
-        return CACHE_PATH
-    from confidant.export import ExportOptions, default_checkpoint_dir, export_checkpoint
-
-    _log(f"exporting MiniLM to {CACHE_PATH} (once) ...")
-    CACHE_PATH.parent.mkdir(parents=True, exist_ok=True)
-    tmp = CACHE_PATH.with_name(CACHE_PATH.stem + f".tmp{os.getpid()}.onnx")
-    export_checkpoint(default_checkpoint_dir(), tmp, ExportOptions())
-    os.replace(tmp, CACHE_PATH)
-    return CACHE_PATH
-
-
-def make_batches(n: int, seed: int = 0):
-    """`n` batches of BATCH x SEQ: random ids, rows padded to random lengths, random labels."""
-    import numpy as np
-
-    from runtime.tokenize import Batch
-
-    out = []
-    for i in range(n):
-        r = np.random.default_rng(seed + i)
-        lengths = r.integers(SEQ // 4, SEQ + 1, size=BATCH)
-        lengths[0] = SEQ
-        mask = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.int64)
-        ids = r.integers(1000, VOCAB, size=(BATCH, SEQ)).astype(np.int64)
-        ids[:, 0] = 101
-        ids[np.arange(BATCH), lengths - 1] = 102
-        ids *= mask
-        labels = r.integers(0, NUM_LABELS, size=(BATCH, SEQ))
-        labels[mask == 0] = -100
-        out.append(Batch(ids, mask, np.zeros_like(mask), labels, n_labelled=int((labels != -100).sum())))
-    return out
 
 
 # --------------------------------------------------------------------------
