@@ -51,6 +51,9 @@ class DeviceProfile:
     backends: tuple[BackendProfile, ...]
     memory_available_bytes: int
     runtime_overhead_bytes: int = 0  # resident memory of an idle runtime (interpreter, engine)
+    # seconds of one optimizer step per byte of parameters, by optimizer name ("sgd", "adamw"):
+    # the update is memory-bound numpy work, so it scales with the stage's parameter bytes
+    update_s_per_param_byte: Mapping[str, float] = field(default_factory=dict)
 
     def backend(self, name: str | None = None) -> BackendProfile:
         """The named backend, or the fastest one by total block time."""
@@ -81,7 +84,8 @@ class DeviceProfile:
                      for k, v in b.get("attention", {}).items()},
                 ) for b in doc["backends"])
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
-                       int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)))
+                       int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),
+                       {str(k): float(v) for k, v in doc.get("update_s_per_param_byte", {}).items()})
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
 

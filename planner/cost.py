@@ -186,7 +186,9 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
     if stage > 0:
         send_grad = transfer_s(graph.blocks[first - 1].activation_bytes, cluster, devices[stage], devices[stage - 1])
     memory = stage_memory_bytes(graph, spec, first, last, stage, p, schedule, microbatches, optimizer)
-    return StageCost(stage, spec.name, forward, backward, 0.0, send_act, send_grad, memory, spec.memory_budget_bytes)
+    params = sum(b.params_bytes for b in graph.blocks[first:last + 1])
+    update = params * spec.profile.update_s_per_param_byte.get(optimizer, 0.0)
+    return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.memory_budget_bytes)
 
 
 def stage_time_s(cost: StageCost) -> float:
@@ -219,17 +221,19 @@ def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: in
     """Seconds per step of `microbatches` micro-batches (DESIGN's numbers).
 
     Flush schedules (gpipe, 1f1b-flush): the sum of stage times (the first micro-batch's trip
-    through the pipeline and back) + (m-1) x the slowest stage time.
+    through the pipeline and back) + (m-1) x the slowest stage time + the slowest optimizer step.
     1f1b-stash (asynchronous steady state, transfers overlapped with compute): m x the larger of
-    the slowest stage's forward+backward and the slowest boundary's link time.
+    the slowest stage's forward+backward+update and the slowest boundary's link time.
     """
     check_schedule(schedule)
     if not costs:
         raise ValueError("no stages")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+    # The optimizer step (update_s, from the profile; 0 for profiles without it) runs once per batch
+    # on every stage at once under flush schedules, and after every backward under 1f1b-stash.
     if schedule in ASYNC_SCHEDULES:
-        period = max([c.forward_s + c.backward_s for c in costs] + boundary_link_s(costs))
+        period = max([c.forward_s + c.backward_s + c.update_s for c in costs] + boundary_link_s(costs))
         return microbatches * period
     times = [stage_time_s(c) for c in costs]
-    return sum(times) + (microbatches - 1) * max(times)
+    return sum(times) + (microbatches - 1) * max(times) + max(c.update_s for c in costs)

@@ -481,7 +481,22 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     finally:
         K.set_threads(threads_before)
     available = memory_bytes if memory_bytes is not None else memory_available_bytes()
-    return DeviceProfile(name, graph.name, graph.batch, graph.seq, tuple(profiles), int(available), overhead)
+    return DeviceProfile(name, graph.name, graph.batch, graph.seq, tuple(profiles), int(available), overhead,
+                         update_rates())
+
+
+def update_rates(nbytes: int = 32 << 20, reps: int = 3) -> dict[str, float]:
+    """Seconds per parameter byte of one optimizer step (runtime.optim, in place, state allocated)."""
+    from runtime.optim import make_optimizer
+
+    params = {"w": np.zeros(nbytes // 4, np.float32)}
+    grads = {"w": np.full(nbytes // 4, 1e-3, np.float32)}
+    rates = {}
+    for name in ("sgd", "adamw"):
+        optimizer = make_optimizer(name, 1e-4)
+        optimizer.step(params, grads)  # allocates the optimizer state, which later steps reuse
+        rates[name] = statistics.median(_timed(lambda: optimizer.step(params, grads)) for _ in range(reps)) / nbytes
+    return rates
 
 
 # Links ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from ir.partition import Partition, StageAssignment, StageCost
 from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
 from ir.verify import peak_weight_versions
 from planner.cluster import Cluster, DeviceSpec
-from planner.cost import (block_input_bytes, compute_s, in_flight_microbatches, predicted_step_s, stage_costs,
+from planner.cost import (block_input_bytes, boundary_link_s, compute_s, in_flight_microbatches, predicted_step_s, stage_costs,
                           stage_memory_bytes, stage_time_s, stashed_weight_versions, weight_copies)
 from planner.schedule import SCHEDULES, peak_in_flight
 
@@ -142,3 +142,23 @@ def test_errors_name_device_and_block():
                     "gpipe", 4, "sgd")
     with pytest.raises(ValueError, match="partition covers blocks 0..1 of 4"):
         stage_costs(g, cl, Partition((StageAssignment(0, "a", 0, 1),), "manual"), "gpipe", 4, "sgd")
+
+
+def test_optimizer_update_time_from_the_profile_enters_the_step():
+    """update_s = stage parameter bytes x the profiled seconds per byte; flush schedules add the
+    slowest update once per batch, 1f1b-stash adds it to every micro-batch's period."""
+    import dataclasses
+
+    g, cl = tiny_graph(), tiny_cluster()
+    rate = 1e-6
+    devices = tuple(dataclasses.replace(d, profile=dataclasses.replace(d.profile, update_s_per_param_byte={"adamw": rate}))
+                    for d in cl.devices)
+    cl2 = dataclasses.replace(cl, devices=devices)
+    plain = stage_costs(g, cl, _two_stages(), "1f1b-flush", 4, "adamw")
+    costs = stage_costs(g, cl2, _two_stages(), "1f1b-flush", 4, "adamw")
+    assert [c.update_s for c in plain] == [0.0, 0.0]
+    assert [c.update_s for c in costs] == pytest.approx([3000 * rate, 2100 * rate])
+    assert predicted_step_s(costs, "1f1b-flush", 4) == pytest.approx(predicted_step_s(plain, "1f1b-flush", 4) + 3000 * rate)
+    stash = stage_costs(g, cl2, _two_stages(), "1f1b-stash", 4, "adamw")
+    slowest = max(c.forward_s + c.backward_s + c.update_s for c in stash)
+    assert predicted_step_s(stash, "1f1b-stash", 4) == pytest.approx(4 * max(slowest, *boundary_link_s(stash)))

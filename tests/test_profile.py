@@ -188,3 +188,11 @@ def test_measure_link_over_zeromq():
     assert not server.is_alive() and not errors
     assert link.latency_s > 0 and link.bandwidth_bytes_per_s > 1e6
     assert link.transfer_s(4 << 20) > link.transfer_s(1024)
+
+
+def test_profile_measures_the_optimizer_update_rate():
+    from runtime.profile import update_rates
+
+    rates = update_rates(nbytes=4 << 20, reps=1)
+    assert set(rates) == {"sgd", "adamw"} and all(r > 0 for r in rates.values())
+    assert rates["adamw"] > rates["sgd"]  # two moment buffers and a division against one buffer
