@@ -66,15 +66,12 @@ def _default_tokenizer() -> Path:
 
 
 def _make_engine(kind: str, spec, threads: int):
-    if kind == "torch":
-        try:
-            from runtime.engine_torch import TorchStageEngine
-        except ModuleNotFoundError:
-            raise CliError("--engine torch needs PyTorch: pip install torch==2.13.0") from None
-        return TorchStageEngine(spec, threads=threads)
-    from runtime.engine_mnn import MnnStageEngine
+    from runtime.engine import make_engine
 
-    return MnnStageEngine(spec, threads=threads)
+    try:
+        return make_engine(kind, spec, threads)
+    except ModuleNotFoundError:
+        raise CliError(f"--engine {kind} needs PyTorch: pip install torch==2.13.0") from None
 
 
 def _label_set(found, standard) -> tuple[str, ...]:

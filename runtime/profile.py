@@ -73,6 +73,7 @@ from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile,
 from runtime import mnn_kernels as K
 from runtime.procfs import meminfo_bytes, status_bytes
 from runtime.engine import StageEngine
+from runtime.engine import make_engine as engine_for
 from runtime.engine_mnn import MnnStageEngine
 from runtime.stage import StageSpec, host_values, stage_spec
 from runtime.transport import Expected, MessageError, PeerTimeout
@@ -143,11 +144,7 @@ def present_backends(names: Sequence[str], cpus: int | None = None) -> tuple[lis
 
 
 def make_engine(backend: Backend, spec: StageSpec) -> StageEngine:
-    if backend.engine == "mnn":
-        return MnnStageEngine(spec, threads=backend.threads, cache_activations=True)
-    from runtime.engine_torch import TorchStageEngine
-
-    return TorchStageEngine(spec, threads=backend.threads)
+    return engine_for(backend.engine, spec, backend.threads)
 
 
 # Inputs ---------------------------------------------------------------------------------------

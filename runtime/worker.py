@@ -26,27 +26,12 @@ import numpy as np
 
 from ir.plan import Action
 from ir.serialize import graph_from_json
+from runtime.engine import make_engine
 from runtime.executor import COORDINATOR, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
 from runtime.stage import stage_spec
 from runtime.trainer import peak_rss_bytes
 from runtime.transport import Expected
-
-
-def _make_engine(kind: str, spec, threads: int, head_split: dict | None = None):
-    if head_split:
-        if kind != "mnn":
-            raise ValueError(f"a head split runs its stage on MNN; engine {kind!r} was asked for")
-        from runtime.engine_split import SplitStageEngine
-
-        return SplitStageEngine(spec, head_split, threads=threads)
-    if kind == "torch":
-        from runtime.engine_torch import TorchStageEngine
-
-        return TorchStageEngine(spec, threads=threads)
-    from runtime.engine_mnn import MnnStageEngine
-
-    return MnnStageEngine(spec, threads=threads)
 
 
 class Worker:
@@ -95,7 +80,7 @@ class Worker:
         graph = graph_from_json(msg["graph"], {k: np.array(v) for k, v in constants.items()})
         first, last = msg["blocks"]
         spec = stage_spec(graph, first, last)
-        engine = _make_engine(msg.get("engine", "mnn"), spec, int(msg.get("threads", 1)), msg.get("head_split"))
+        engine = make_engine(msg.get("engine", "mnn"), spec, int(msg.get("threads", 1)), msg.get("head_split"))
         opt = msg["optimizer"]
         optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
         if msg.get("optimizer_state"):
@@ -119,7 +104,7 @@ class Worker:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc
         spec = stage_spec(contents.graph, contents.first_block, contents.last_block)
-        engine = _make_engine(doc["engine"], spec, int(doc["threads"]), doc.get("head_split"))
+        engine = make_engine(doc["engine"], spec, int(doc["threads"]), doc.get("head_split"))
         opt = doc["optimizer"]
         optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
         if msg.get("optimizer_state"):
