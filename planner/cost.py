@@ -5,8 +5,13 @@ Pure functions of (graph, cluster, schedule, micro-batches, optimizer); the part
 
 Time, for one micro-batch on stage s of p (device d, blocks first..last):
 - compute: the sum of `forward_s` and `backward_s` of the blocks' signatures on the device's
-  backend (`DeviceProfile.backend(spec.backend)`; `backward_s` already includes MNN's re-run of
-  the forward).
+  backend (`DeviceProfile.backend(spec.backend)`; `backward_s` includes MNN's re-run of the
+  forward). A stage whose every backward directly follows its own micro-batch's forward keeps
+  MNN's per-op caches and skips that re-run (`reuses_forward`: the last stage under 1F1B, or any
+  schedule with one micro-batch), so `recompute_s` is subtracted there.
+- optimizer step (`update_s`): parameter bytes x the profile's measured seconds per parameter
+  byte of the optimizer; once per batch under flush schedules, after every backward under
+  1f1b-stash.
 - links (DESIGN: per boundary per micro-batch, 2 x activation bytes / bandwidth + 2 x latency):
   each boundary's two transfers are split between its two stages, `send_act_s` (the activation
   to s+1, charged to s) and `send_grad_s` (the gradient of the input back to s-1, charged to s;
@@ -145,11 +150,33 @@ def _check_range(graph: Graph, first: int, last: int) -> None:
         raise ValueError(f"block range {first}..{last} is not within 0..{n - 1} of graph {graph.name!r}")
 
 
-def compute_s(graph: Graph, device: DeviceSpec, first: int, last: int) -> tuple[float, float]:
-    """(forward_s, backward_s) of blocks first..last for one micro-batch on the device."""
+def reuses_forward(schedule: str, stages: int, stage: int, microbatches: int) -> bool:
+    """Whether every backward of the stage directly follows the forward of its own micro-batch,
+    so that the MNN engine reuses the forward's caches instead of re-running it
+    (runtime/engine_mnn.py). True for the last stage under 1F1B (F0 B0 F1 B1 ...) and for every
+    stage with one micro-batch; GPipe's last stage runs all forwards first (B0 follows F(m-1)),
+    and any other 1F1B stage runs a later micro-batch's forward before each backward."""
+    check_schedule(schedule)
+    _check_position(stages, stage, microbatches)
+    return microbatches == 1 or (stage == stages - 1 and schedule != "gpipe")
+
+
+def compute_s(graph: Graph, device: DeviceSpec, first: int, last: int, reuse: bool = False) -> tuple[float, float]:
+    """(forward_s, backward_s) of blocks first..last for one micro-batch on the device; with
+    `reuse` (see `reuses_forward`) the backward skips MNN's re-run of the forward."""
     _check_range(graph, first, last)
     costs = block_costs(graph, device)[first:last + 1]
-    return sum(c.forward_s for c in costs), sum(c.backward_s for c in costs)
+    return (sum(c.forward_s for c in costs),
+            sum(c.backward_s - (c.recompute_s if reuse else 0.0) for c in costs))
+
+
+def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer: str) -> float:
+    """Seconds of one optimizer step over the parameters of blocks first..last on the device
+    (0 for a profile that did not measure the optimizer)."""
+    _check_range(graph, first, last)
+    check_optimizer(optimizer)
+    params = sum(b.params_bytes for b in graph.blocks[first:last + 1])
+    return params * device.profile.update_s_per_param_byte.get(optimizer, 0.0)
 
 
 def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,
@@ -179,15 +206,14 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
     _check_position(p, stage, microbatches)
     first, last = ranges[stage]
     spec = cluster.device(devices[stage])
-    forward, backward = compute_s(graph, spec, first, last)
+    forward, backward = compute_s(graph, spec, first, last, reuses_forward(schedule, p, stage, microbatches))
     send_act = send_grad = 0.0
     if stage < p - 1:
         send_act = transfer_s(graph.blocks[last].activation_bytes, cluster, devices[stage], devices[stage + 1])
     if stage > 0:
         send_grad = transfer_s(graph.blocks[first - 1].activation_bytes, cluster, devices[stage], devices[stage - 1])
     memory = stage_memory_bytes(graph, spec, first, last, stage, p, schedule, microbatches, optimizer)
-    params = sum(b.params_bytes for b in graph.blocks[first:last + 1])
-    update = params * spec.profile.update_s_per_param_byte.get(optimizer, 0.0)
+    update = update_s(graph, spec, first, last, optimizer)
     return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.memory_budget_bytes)
 
 

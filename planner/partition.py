@@ -8,11 +8,15 @@ The problem. Choose p (1 <= p <= min(devices, blocks)), an ordered list of p dis
 (the pipeline order) and contiguous block ranges, one per stage, covering every block in order,
 such that every stage fits its device's memory budget, minimising the predicted step time of
 planner.cost.predicted_step_s in integer microseconds. With C_s the stage's compute
-(forward+backward of its blocks on its device) and B_s one transfer of the activation crossing
-boundary s (between stages s and s+1) over that device pair (bytes / bandwidth + latency):
-- flush schedules (gpipe, 1f1b-flush): t_s = C_s + B_s + B_{s-1};  step = sum_s t_s + (m-1) max_s t_s
-- 1f1b-stash (asynchronous, transfers overlap compute): step = m max(max_s C_s, max_s 2 B_s)
-Both are the exact objectives, not proxies: the first is linear in the sum and one max variable.
+(forward+backward of its blocks on its device, less MNN's forward re-run where the stage reuses
+its forward: planner.cost.reuses_forward), U_s its optimizer step, and B_s one transfer of the
+activation crossing boundary s (between stages s and s+1) over that device pair (bytes /
+bandwidth + latency):
+- flush schedules (gpipe, 1f1b-flush): t_s = C_s + B_s + B_{s-1};
+  step = sum_s t_s + (m-1) max_s t_s + max_s U_s   (every stage updates at once after the flush)
+- 1f1b-stash (asynchronous, transfers overlap compute, an update after every backward):
+  step = m max(max_s (C_s + U_s), max_s 2 B_s)
+Both are the exact objectives, not proxies: linear in sums and max variables.
 
 Memory of stage s of p on device d is linear in the blocks it runs, with coefficients that
 depend only on (p, s) (planner.cost: weight copies including old versions under 1f1b-stash,
@@ -47,7 +51,7 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from planner.cluster import Cluster, format_bytes
 from planner.cost import (ASYNC_SCHEDULES, OPTIMIZER_STATE_COPIES, block_costs, block_input_bytes, check_blocks,
-                          check_optimizer, check_schedule, in_flight_microbatches, weight_copies)
+                          check_optimizer, check_schedule, in_flight_microbatches, reuses_forward, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -76,6 +80,11 @@ class PartitionInstance:
     microbatches: int
     schedule: str
     optimizer: str = "sgd"
+    # [d][k] the part of compute_us that is MNN's re-run of the forward, skipped where the stage
+    # reuses its forward (`reuses`); [d][k] one optimizer step over block k's parameters.
+    # Empty: all zero (profiles without these measurements).
+    recompute_us: tuple[tuple[int, ...], ...] = ()
+    update_us: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
@@ -102,6 +111,14 @@ class PartitionInstance:
             for r in rows:
                 if any(x < 0 for x in r):
                     raise ValueError(f"PartitionInstance.{name} has a negative entry")
+        for name in ("recompute_us", "update_us"):
+            table = getattr(self, name)
+            if not table:
+                object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
+            elif len(table) != nd or any(len(r) != n or any(x < 0 for x in r) for r in table):
+                raise ValueError(f"PartitionInstance.{name} must have shape {(nd, n)} with entries >= 0")
+        if any(r > c for rr, cr in zip(self.recompute_us, self.compute_us) for r, c in zip(rr, cr)):
+            raise ValueError("PartitionInstance.recompute_us exceeds compute_us: the re-run is part of the backward")
         for name in ("weight_copies", "in_flight"):
             table = getattr(self, name)
             if len(table) != nd or any(len(row) != p + 1 for p, row in enumerate(table)):
@@ -117,6 +134,14 @@ class PartitionInstance:
     @property
     def blocks(self) -> int:
         return len(self.block_names)
+
+    def reuses(self, p: int, s: int) -> bool:
+        """Whether stage s of p skips MNN's forward re-run (planner.cost.reuses_forward)."""
+        return reuses_forward(self.schedule, p, s, self.microbatches)
+
+    def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
+        """Block k's forward+backward on device d at stage s of p."""
+        return self.compute_us[d][k] - (self.recompute_us[d][k] if self.reuses(p, s) else 0)
 
     def transfer_us(self, d: int, e: int, k: int) -> int:
         """One transfer of the activation after block k between devices d and e."""
@@ -153,7 +178,10 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                             for p in range(1, nd + 1)),
         in_flight=tuple(tuple(in_flight_microbatches(schedule, p, s, microbatches) for s in range(p))
                         for p in range(1, nd + 1)),
-        microbatches=microbatches, schedule=schedule, optimizer=optimizer)
+        microbatches=microbatches, schedule=schedule, optimizer=optimizer,
+        recompute_us=tuple(tuple(round(c.recompute_s * US_PER_S) for c in row) for row in costs),
+        update_us=tuple(tuple(round(b.params_bytes * s.profile.update_s_per_param_byte.get(optimizer, 0.0) * US_PER_S)
+                              for b in blocks) for s in specs))
 
 
 # --- evaluating one assignment (shared by brute force, the solver's answer and manual plans) ---
@@ -168,10 +196,13 @@ def _memory_bytes(inst: PartitionInstance, d: int, first: int, last: int, s: int
 
 
 def _times_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]):
-    """(compute per stage, one transfer per boundary)."""
-    compute = [sum(inst.compute_us[d][first:last + 1]) for d, (first, last) in zip(devs, ranges)]
-    link = [inst.transfer_us(devs[s], devs[s + 1], ranges[s][1]) for s in range(len(devs) - 1)]
-    return compute, link
+    """(compute per stage, one transfer per boundary, optimizer step per stage)."""
+    p = len(devs)
+    compute = [sum(inst.stage_compute_us(d, k, p, s) for k in range(first, last + 1))
+               for s, (d, (first, last)) in enumerate(zip(devs, ranges))]
+    link = [inst.transfer_us(devs[s], devs[s + 1], ranges[s][1]) for s in range(p - 1)]
+    update = [sum(inst.update_us[d][first:last + 1]) for d, (first, last) in zip(devs, ranges)]
+    return compute, link, update
 
 
 def _stage_times_us(compute: list[int], link: list[int]) -> list[int]:
@@ -180,11 +211,11 @@ def _stage_times_us(compute: list[int], link: list[int]) -> list[int]:
 
 
 def _objective_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> int:
-    compute, link = _times_us(inst, devs, ranges)
+    compute, link, update = _times_us(inst, devs, ranges)
     if inst.schedule in ASYNC_SCHEDULES:
-        return inst.microbatches * max(compute + [2 * b for b in link])
+        return inst.microbatches * max([c + u for c, u in zip(compute, update)] + [2 * b for b in link])
     times = _stage_times_us(compute, link)
-    return sum(times) + (inst.microbatches - 1) * max(times)
+    return sum(times) + (inst.microbatches - 1) * max(times) + max(update)
 
 
 def _overflows(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
@@ -196,7 +227,7 @@ def _overflows(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tu
 def _partition(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]], method: str,
                optimal: bool = False) -> Partition:
     p = len(devs)
-    compute, link = _times_us(inst, devs, ranges)
+    compute, link, _ = _times_us(inst, devs, ranges)
     times = _stage_times_us(compute, link)
     stages = tuple(StageAssignment(s, inst.devices[d], first, last, times[s] / US_PER_S,
                                    _memory_bytes(inst, d, first, last, s, p), inst.memory_budget_bytes[d])
@@ -363,6 +394,7 @@ class _Vars:
     on: list                # [s][d] BoolVar
     compute: list           # [s] IntVar, microseconds
     link: list              # [s] IntVar, one transfer across boundary s (s < p-1), microseconds
+    update: list            # [s] IntVar, the stage's optimizer step, microseconds
 
 
 def _add_stage_order(model: cp_model.CpModel, inst: PartitionInstance, p: int):
@@ -404,10 +436,12 @@ def _add_device_order(model: cp_model.CpModel, inst: PartitionInstance, p: int):
 
 
 def _add_compute(v: _Vars, inst: PartitionInstance) -> None:
-    """compute[s] = the stage's blocks' time on the device at position s."""
+    """compute[s] and update[s] = the stage's blocks' time and optimizer step on the device at position s."""
     for s in range(v.p):
         for d in range(len(inst.devices)):
-            v.model.add(v.compute[s] == sum(inst.compute_us[d][k] * v.in_stage[s][k] for k in range(inst.blocks))
+            v.model.add(v.compute[s] == sum(inst.stage_compute_us(d, k, v.p, s) * v.in_stage[s][k]
+                                            for k in range(inst.blocks))).only_enforce_if(v.on[s][d])
+            v.model.add(v.update[s] == sum(inst.update_us[d][k] * v.in_stage[s][k] for k in range(inst.blocks))
                         ).only_enforce_if(v.on[s][d])
 
 
@@ -438,30 +472,33 @@ def _add_links(v: _Vars, inst: PartitionInstance) -> None:
 def _add_objective(v: _Vars, inst: PartitionInstance, below: int | None = None):
     """The predicted step time (see the module docstring); `below`: it must beat that value."""
     m, model, p = inst.microbatches, v.model, v.p
-    compute_ub, link_ub = _upper_bounds_us(inst)
-    slowest = model.new_int_var(0, compute_ub + 2 * link_ub, "slowest")
+    compute_ub, link_ub, update_ub = _upper_bounds_us(inst)
+    slowest = model.new_int_var(0, compute_ub + update_ub + 2 * link_ub, "slowest")
+    slowest_update = model.new_int_var(0, update_ub, "slowest_update")
     for s in range(p):
         if inst.schedule in ASYNC_SCHEDULES:
-            model.add(slowest >= v.compute[s])
+            model.add(slowest >= v.compute[s] + v.update[s])
             if s < p - 1:
                 model.add(slowest >= 2 * v.link[s])
         else:
             model.add(slowest >= v.compute[s] + (v.link[s] if s < p - 1 else 0) + (v.link[s - 1] if s > 0 else 0))
+            model.add(slowest_update >= v.update[s])
     if inst.schedule in ASYNC_SCHEDULES:
         objective = m * slowest
     else:
-        objective = sum(v.compute) + 2 * sum(v.link) + (m - 1) * slowest
+        objective = sum(v.compute) + 2 * sum(v.link) + (m - 1) * slowest + slowest_update
     if below is not None:
         model.add(objective <= below - 1)
     model.minimize(objective)
 
 
-def _upper_bounds_us(inst: PartitionInstance) -> tuple[int, int]:
-    """Largest possible stage compute and single transfer."""
+def _upper_bounds_us(inst: PartitionInstance) -> tuple[int, int, int]:
+    """Largest possible stage compute, single transfer and stage optimizer step."""
     nd = len(inst.devices)
     return (max(sum(row) for row in inst.compute_us),
             max([0] + [inst.transfer_us(d, e, k) for d in range(nd) for e in range(nd) if d != e
-                       for k in range(inst.blocks - 1)]))
+                       for k in range(inst.blocks - 1)]),
+            max(sum(row) for row in inst.update_us))
 
 
 def _build(inst: PartitionInstance, p: int, below: int | None = None, soft_memory: bool = False) -> _Vars:
@@ -469,10 +506,11 @@ def _build(inst: PartitionInstance, p: int, below: int | None = None, soft_memor
     model = cp_model.CpModel()
     stage_of, in_stage, cut_after, last_of = _add_stage_order(model, inst, p)
     on = _add_device_order(model, inst, p)
-    compute_ub, link_ub = _upper_bounds_us(inst)
+    compute_ub, link_ub, update_ub = _upper_bounds_us(inst)
     compute = [model.new_int_var(0, compute_ub, f"compute_{s}") for s in range(p)]
     link = [model.new_int_var(0, link_ub, f"link_{s}") for s in range(p - 1)]
-    v = _Vars(model, p, stage_of, in_stage, cut_after, last_of, on, compute, link)
+    update = [model.new_int_var(0, update_ub, f"update_{s}") for s in range(p)]
+    v = _Vars(model, p, stage_of, in_stage, cut_after, last_of, on, compute, link, update)
     _add_compute(v, inst)
     if soft_memory:
         max_use = max(inst.overhead_bytes) + sum(
@@ -600,7 +638,10 @@ def check_feasible(partition: Partition, inst: PartitionInstance) -> list[str]:
                 e = inst.devices.index(stages[j].device)
                 bw = inst.link_bandwidth_bytes_per_s[d][e]
                 links += round(inst.boundary_bytes[k] * US_PER_S / bw) + inst.link_latency_us[d][e]
-        t_us = sum(inst.compute_us[d][k] for k in blocks) + links
+        # MNN skips its forward re-run where every backward follows its own forward: the last
+        # stage of a 1F1B schedule, and any stage when there is one micro-batch
+        reuse = inst.microbatches == 1 or (i == p - 1 and inst.schedule != "gpipe")
+        t_us = sum(inst.compute_us[d][k] - (inst.recompute_us[d][k] if reuse else 0) for k in blocks) + links
         if abs(st.predicted_time_s - t_us / US_PER_S) > 1e-9:
             problems.append(f"{where}: records {st.predicted_time_s} s per micro-batch, recomputed {t_us / US_PER_S}")
     return problems

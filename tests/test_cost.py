@@ -47,6 +47,10 @@ def tiny_cluster() -> Cluster:
                    Link(1e5, 0.001), {("a", "b"): Link(1e6, 0.0005)})
 
 
+def _reversed() -> Partition:
+    return Partition((StageAssignment(0, "b", 0, 1), StageAssignment(1, "a", 2, 3)), "manual")
+
+
 def _two_stages() -> Partition:
     return Partition((StageAssignment(0, "a", 0, 1), StageAssignment(1, "b", 2, 3)), "manual")
 
@@ -104,7 +108,34 @@ def test_async_step_is_link_bound_on_a_slow_link():
     assert predicted_step_s(costs, "1f1b-stash", 3) == pytest.approx(3 * 2 * link)  # link-bound: 0.1 s > 0.066 s
     one = stage_costs(g, cl, Partition((StageAssignment(0, "a", 0, 3),), "manual"), "1f1b-stash", 3, "sgd")
     assert (one[0].send_act_s, one[0].send_grad_s) == (0.0, 0.0)
-    assert predicted_step_s(one, "1f1b-stash", 3) == pytest.approx(3 * (0.0215 + 0.0425))
+    # a single stage runs each backward right after its forward: MNN's re-run (2 x 0.005 s) is skipped
+    assert predicted_step_s(one, "1f1b-stash", 3) == pytest.approx(3 * (0.0215 + 0.0425 - 0.010))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_forward_reuse_matches_the_schedules_action_order(name):
+    """reuses_forward(s) holds exactly when, in the stage's own action list, every backward comes
+    right after the forward of the same micro-batch (what lets the MNN engine keep its caches)."""
+    from planner.cost import reuses_forward
+
+    for p in range(1, 5):
+        for m in range(1, 7):
+            sch = SCHEDULES[name](p, m)
+            for s in range(p):
+                compute = [a for a in sch.actions[s] if a.kind in ("F", "B")]
+                follows = all(i > 0 and compute[i - 1].kind == "F" and compute[i - 1].microbatch == a.microbatch
+                              for i, a in enumerate(compute) if a.kind == "B")
+                assert reuses_forward(name, p, s, m) == follows, (p, s, m)
+
+
+def test_the_last_stage_is_charged_no_forward_re_run():
+    g, cl = tiny_graph(), tiny_cluster()
+    flush = stage_costs(g, cl, _reversed(), "1f1b-flush", 4, "sgd")
+    gpipe = stage_costs(g, cl, _reversed(), "gpipe", 4, "sgd")
+    # stage 1 (device a, blocks 2-3: one encoder with 0.005 s of re-run) keeps it only under gpipe
+    assert flush[1].backward_s == pytest.approx(0.020 + 0.0005 - 0.005)
+    assert gpipe[1].backward_s == pytest.approx(0.020 + 0.0005)
+    assert flush[0].backward_s == gpipe[0].backward_s  # device b measured no re-run
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -26,7 +26,7 @@ def _solve(inst: PartitionInstance) -> Partition:
 
 
 def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
-                   schedule, m, optimizer) -> PartitionInstance:
+                   schedule, m, optimizer, recompute=(), update=()) -> PartitionInstance:
     """An instance from plain numbers; memory tables from planner.cost for the schedule."""
     nd, n = len(devices), len(params)
     return PartitionInstance(
@@ -35,7 +35,7 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         tuple(map(tuple, bandwidth)), tuple(map(tuple, latency)),
         tuple(tuple(weight_copies(schedule, optimizer, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
         tuple(tuple(in_flight_microbatches(schedule, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
-        m, schedule, optimizer)
+        m, schedule, optimizer, tuple(map(tuple, recompute)), tuple(map(tuple, update)))
 
 
 @st.composite
@@ -47,6 +47,8 @@ def instances(draw, tight: bool | None = None):
     speed = ints(1, 4, nd)  # heterogeneous devices: a speed factor each, plus per-block noise
     base = ints(10, 500, n)
     compute = [[b * s + draw(st.integers(0, 50)) for b in base] for s in speed]
+    # MNN's forward re-run: up to a third of a block's time (0 for a PyTorch-like device)
+    recompute = [[c * draw(st.sampled_from([0, 1, 3])) // 10 for c in row] for row in compute]
     params, inputs = ints(0, 200, n), [0] + ints(1, 200, n - 1)
     workspace = [ints(0, 40, n) for _ in range(nd)]
     overhead = ints(0, 100, nd)
@@ -60,19 +62,25 @@ def instances(draw, tight: bool | None = None):
     tight = draw(st.booleans()) if tight is None else tight
     lo, hi = (0.1, 0.6) if tight else (0.5, 1.2)
     budgets = [int(whole * draw(st.floats(lo, hi))) + 1 for _ in range(nd)]
+    update = [[x * s * draw(st.integers(0, 3)) for x in params] for s in speed]  # optimizer step per block
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
-                          bandwidth, latency, schedule, m, optimizer)
+                          bandwidth, latency, schedule, m, optimizer, recompute, update)
 
 
 def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
     """The objective once more, written from the module docstring's formulas."""
     idx = [inst.devices.index(s.device) for s in part.stages]
-    c = [sum(inst.compute_us[d][s.first_block:s.last_block + 1]) for d, s in zip(idx, part.stages)]
+    p, m = len(idx), inst.microbatches
+    # the last 1F1B stage (any stage when m = 1) runs each backward right after its forward
+    reuse = [m == 1 or (i == p - 1 and inst.schedule != "gpipe") for i in range(p)]
+    c = [sum(inst.compute_us[d][k] - reuse[i] * inst.recompute_us[d][k] for k in range(s.first_block, s.last_block + 1))
+         for i, (d, s) in enumerate(zip(idx, part.stages))]
+    u = [sum(inst.update_us[d][s.first_block:s.last_block + 1]) for d, s in zip(idx, part.stages)]
     b = [inst.transfer_us(idx[i], idx[i + 1], part.stages[i].last_block) for i in range(len(idx) - 1)]
     if inst.schedule == "1f1b-stash":
-        return inst.microbatches * max(c + [2 * x for x in b])
+        return m * max([x + y for x, y in zip(c, u)] + [2 * x for x in b])
     t = [c[i] + (b[i] if i < len(b) else 0) + (b[i - 1] if i else 0) for i in range(len(c))]
-    return sum(t) + (inst.microbatches - 1) * max(t)
+    return sum(t) + (m - 1) * max(t) + max(u)
 
 
 @PROPERTY
@@ -110,7 +118,7 @@ def test_objective_within_bounds(inst):
         plan = _solve(inst)
     except PlanDoesNotFit:
         plan = None
-    fastest = [min(row[k] for row in inst.compute_us) for k in range(inst.blocks)]
+    fastest = [min(c[k] - r[k] for c, r in zip(inst.compute_us, inst.recompute_us)) for k in range(inst.blocks)]
     m = inst.microbatches
     lower = m * max(fastest) if inst.schedule == "1f1b-stash" else sum(fastest) + (m - 1) * max(fastest)
     value = None if plan is None else predicted_step_us(inst, plan)
@@ -180,8 +188,15 @@ def test_stash_memory_depends_on_the_position():
 
 
 def test_make_instance_agrees_with_the_cost_model():
-    g, cl = tiny_graph(), tiny_cluster()
-    for schedule in SCHEDULE_NAMES:
+    import dataclasses
+
+    g, plain = tiny_graph(), tiny_cluster()
+    # with a measured optimizer step (and MNN's forward re-run in tiny_cluster's device a)
+    rates = {"a": 2e-6, "b": 1e-6, "c": 5e-7}
+    updating = dataclasses.replace(plain, devices=tuple(
+        dataclasses.replace(d, profile=dataclasses.replace(d.profile, update_s_per_param_byte={"adamw": rates[d.name]}))
+        for d in plain.devices))
+    for schedule, cl in itertools.product(SCHEDULE_NAMES, (plain, updating)):
         inst = make_instance(g, cl, schedule, 4, "adamw")
         for devices, cuts in ((["a", "b"], [2]), (["b", "a", "c"], [1, 3]), (["c"], []), (["a", "c", "b"], [1, 2])):
             plan = manual_partition(inst, devices, cuts)
