@@ -138,6 +138,16 @@ class Cluster:
     default_link: Link
     links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # a pair given as (b, a) must not be silently missed by `link`, which looks up (a, b)
+        canonical: dict[tuple[str, str], Link] = {}
+        for (a, b), link in self.links.items():
+            key = _pair(a, b)
+            if key in canonical and canonical[key] != link:
+                raise ValueError(f"links {a!r}-{b!r} given twice with different values: {canonical[key]} and {link}")
+            canonical[key] = link
+        object.__setattr__(self, "links", canonical)
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.devices)

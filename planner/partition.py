@@ -19,21 +19,23 @@ bandwidth + latency):
 Both are the exact objectives, not proxies: linear in sums and max variables.
 
 Memory of stage s of p on device d is linear in the blocks it runs, with coefficients that
-depend only on (p, s) (planner.cost: weight copies including old versions under 1f1b-stash,
-micro-batches in flight):
-    overhead_d + sum_k in stage [params_k weight_copies[p][s] + input_k in_flight[p][s] + workspace_dk].
-To keep this exact, the solver builds one model per p, where position s and thus both
-coefficients are constants; each later model must beat the best objective so far, so most are
-proved infeasible quickly. The result is optimal when every per-p model is solved to optimality
-or proved infeasible within the time limit.
+depend only on the stage's distance r = p-1-s from the last stage (planner.cost: weight copies
+including old versions under 1f1b-stash, micro-batches in flight), and so does whether the
+stage reuses its forward. The model therefore numbers stages from the end: one model covers
+every stage count, positions 0..P-1 with position 0 always used and the high ones left empty
+for shorter pipelines, and every coefficient stays a constant. The result is optimal when
+CP-SAT proves it so within the time limit.
 
-Per p the model (the `_add_*` steps) has: stage_of[k] (monotone, steps of 0 or 1, from 0 to p-1)
-channelled to in_stage[s][k]; cut_after[k] and last_of[s][k] (block k ends stage s); on[s][d]
-(position s runs on device d, each device at most once); compute C_s and transfer B_s as integer
-variables fixed by constraints enforced on on[s][d] (and on[s+1][e] for links); memory as one
-linear constraint per (s, d) enforced on on[s][d].
+The model (the `_add_*` steps) has: pos[k] (the position of block k; falls by 0 or 1 per block,
+0 at the last) channelled to in_pos[r][k]; used[r]; cut_after[k] and last_of[r][k] (block k
+ends position r+1); on[r][c] (position r runs a device of class c, a class running at most as
+many positions as it has devices: `device_classes` groups interchangeable devices, so eight
+identical phones cost one class, not eight); compute C_r, update U_r and transfer B_r as
+integer variables fixed by constraints enforced on on[r][c] (and on[r+1][a] for links, summed
+over the few distinct boundary sizes); memory as one linear constraint per (r, c) enforced on
+on[r][c].
 
-When nothing fits, the same models with memory made soft (minimise the largest overflow over
+When nothing fits, the same model with memory made soft (minimise the largest overflow over
 any device) find the least-overflow assignment, and `PlanDoesNotFit` reports its tightest device,
 by how much it is over, and what would help.
 """
@@ -123,6 +125,14 @@ class PartitionInstance:
             table = getattr(self, name)
             if len(table) != nd or any(len(row) != p + 1 for p, row in enumerate(table)):
                 raise ValueError(f"PartitionInstance.{name} needs one row per stage count 1..{nd}, of that length")
+            # the solver numbers stages from the end (see the CP-SAT section), which is exact only
+            # because these counts depend on p-1-s alone (true of every schedule in planner.cost)
+            for p, row in enumerate(table, start=1):
+                for s, x in enumerate(row):
+                    if x != table[p - 1 - s][0]:
+                        raise ValueError(f"PartitionInstance.{name}[{p - 1}][{s}] = {x} differs from "
+                                         f"[{p - 1 - s}][0] = {table[p - 1 - s][0]}: the entry must depend "
+                                         f"only on the distance p-1-s from the last stage")
         for d, e in itertools.permutations(range(nd), 2):
             if self.link_bandwidth_bytes_per_s[d][e] <= 0:
                 raise ValueError("PartitionInstance.link_bandwidth_bytes_per_s must be more than 0 between devices")
@@ -381,115 +391,180 @@ def even_partition(inst: PartitionInstance, devices: Sequence[str] | None = None
     return _partition(inst, devs, tuple((a, a + size - 1) for a, size in zip(starts, sizes)), "even")
 
 
+# --- interchangeable devices -----------------------------------------------------------------
+
+def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
+    """Groups of devices the solver may treat as interchangeable, each in index order.
+
+    Two devices are interchangeable when their measured costs, memory figures and budgets are equal
+    and every other device reaches them over equal links, so that a plan stays as good when the two
+    swap. Clusters of edge devices repeat a few device models (eight phones of one kind), and the
+    model grows with the number of classes, not of devices. Found by partition refinement: start
+    from equal costs and budgets, split by the multiset of link values towards each class until
+    stable, and split a class into single devices where one member sees different links towards
+    the members of one class (refinement alone cannot see that).
+    """
+    nd = len(inst.devices)
+    bw, lat = inst.link_bandwidth_bytes_per_s, inst.link_latency_us
+    keys: dict = {}
+    label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.workspace_bytes[d],
+                              inst.overhead_bytes[d], inst.memory_budget_bytes[d]), len(keys)) for d in range(nd)]
+
+    def towards(d: int) -> dict[int, list]:
+        out: dict[int, list] = {}
+        for e in range(nd):
+            if e != d:
+                out.setdefault(label[e], []).append((bw[d][e], lat[d][e]))
+        return out
+
+    while True:
+        while True:
+            sigs: dict = {}
+            new = [sigs.setdefault((label[d], tuple(sorted((c, tuple(sorted(v))) for c, v in towards(d).items()))),
+                                   len(sigs)) for d in range(nd)]
+            stable = len(sigs) == len(set(label))
+            label = new
+            if stable:
+                break
+        mixed = {label[d] for d in range(nd) if any(len(set(v)) > 1 for v in towards(d).values())}
+        if not mixed:
+            break
+        label = [label[d] if label[d] not in mixed else len(label) + d for d in range(nd)]
+    groups: dict[int, list[int]] = {}
+    for d in range(nd):
+        groups.setdefault(label[d], []).append(d)
+    return tuple(tuple(g) for g in sorted(groups.values()))
+
+
 # --- the CP-SAT model ---------------------------------------------------------------------
+#
+# One model for every stage count. Stages are numbered from the END of the pipeline (position
+# r = p-1-s), because everything a stage's cost depends on besides its blocks and device is a
+# function of r alone: micro-batches in flight (min(r+1, m) under 1F1B), old weight versions
+# (from min(r, m)), whether it reuses its forward (r = 0). So position 0 always exists and a plan
+# with fewer stages simply leaves the high positions unused, with no per-p models.
 
 @dataclass
 class _Vars:
     model: cp_model.CpModel
-    p: int
-    stage_of: list          # [k] IntVar in 0..p-1
-    in_stage: list          # [s][k] BoolVar
+    positions: int
+    classes: tuple          # device classes (tuples of device indices)
+    pos: list               # [k] IntVar: position of block k, counted from the last stage
+    in_pos: list            # [r][k] BoolVar
+    used: list              # [r] BoolVar: the pipeline has a stage at position r
     cut_after: list         # [k] BoolVar, k < n-1
-    last_of: list           # [s][k] BoolVar: block k is the last of stage s (s < p-1, k < n-1)
-    on: list                # [s][d] BoolVar
-    compute: list           # [s] IntVar, microseconds
-    link: list              # [s] IntVar, one transfer across boundary s (s < p-1), microseconds
-    update: list            # [s] IntVar, the stage's optimizer step, microseconds
+    last_of: list           # [r][k] BoolVar: block k ends position r+1 (r < positions-1, k < n-1)
+    on: list                # [r][c] BoolVar: position r runs a device of class c
+    compute: list           # [r] IntVar, microseconds
+    link: list              # [r] IntVar, one transfer between positions r+1 and r (r < positions-1)
+    update: list            # [r] IntVar, the position's optimizer step, microseconds
 
 
-def _add_stage_order(model: cp_model.CpModel, inst: PartitionInstance, p: int):
-    """Contiguous stages in order: stage_of rises by 0 or 1 per block, from 0 to p-1."""
+def _add_stage_order(model: cp_model.CpModel, inst: PartitionInstance, P: int):
+    """Contiguous stages in order: pos falls by 0 or 1 per block, down to 0 at the last block."""
     n = inst.blocks
-    stage_of = [model.new_int_var(0, p - 1, f"stage_of_{k}") for k in range(n)]
-    in_stage = [[model.new_bool_var(f"in_{s}_{k}") for k in range(n)] for s in range(p)]
+    pos = [model.new_int_var(0, P - 1, f"pos_{k}") for k in range(n)]
+    in_pos = [[model.new_bool_var(f"in_{r}_{k}") for k in range(n)] for r in range(P)]
     cut_after = [model.new_bool_var(f"cut_{k}") for k in range(n - 1)]
-    model.add(stage_of[0] == 0)
-    model.add(stage_of[n - 1] == p - 1)
+    model.add(pos[n - 1] == 0)
     for k in range(n):
-        model.add_exactly_one(in_stage[s][k] for s in range(p))
-        model.add(stage_of[k] == sum(s * in_stage[s][k] for s in range(p)))
+        model.add_exactly_one(in_pos[r][k] for r in range(P))
+        model.add(pos[k] == sum(r * in_pos[r][k] for r in range(P)))
     for k in range(n - 1):
-        model.add(stage_of[k + 1] == stage_of[k] + cut_after[k])
+        model.add(pos[k] == pos[k + 1] + cut_after[k])
+    # position r is used iff block 0 (in the first stage, position p-1) sits at r or beyond
+    used = [model.new_bool_var(f"used_{r}") for r in range(P)]
+    for r in range(P):
+        model.add(used[r] == sum(in_pos[q][0] for q in range(r, P)))
     last_of = []
-    for s in range(p - 1):
+    for r in range(P - 1):
         row = []
         for k in range(n - 1):
-            e = model.new_bool_var(f"last_{s}_{k}")
-            model.add_implication(e, in_stage[s][k])
+            e = model.new_bool_var(f"last_{r}_{k}")
+            model.add_implication(e, in_pos[r + 1][k])
             model.add_implication(e, cut_after[k])
-            model.add_bool_or([in_stage[s][k].Not(), cut_after[k].Not(), e])
+            model.add_bool_or([in_pos[r + 1][k].Not(), cut_after[k].Not(), e])
             row.append(e)
-        model.add_exactly_one(row)
+        model.add(sum(row) == used[r + 1])
         last_of.append(row)
-    return stage_of, in_stage, cut_after, last_of
+    return pos, in_pos, used, cut_after, last_of
 
 
-def _add_device_order(model: cp_model.CpModel, inst: PartitionInstance, p: int):
-    """Each position runs on exactly one device, each device on at most one position."""
-    nd = len(inst.devices)
-    on = [[model.new_bool_var(f"on_{s}_{d}") for d in range(nd)] for s in range(p)]
-    for s in range(p):
-        model.add_exactly_one(on[s])
-    for d in range(nd):
-        model.add_at_most_one(on[s][d] for s in range(p))
+def _add_device_order(model: cp_model.CpModel, classes, used: list, P: int):
+    """Each used position runs one device of some class; a class runs at most its size of them."""
+    on = [[model.new_bool_var(f"on_{r}_{c}") for c in range(len(classes))] for r in range(P)]
+    for r in range(P):
+        model.add(sum(on[r]) == used[r])
+    for c, members in enumerate(classes):
+        model.add(sum(on[r][c] for r in range(P)) <= len(members))
     return on
 
 
 def _add_compute(v: _Vars, inst: PartitionInstance) -> None:
-    """compute[s] and update[s] = the stage's blocks' time and optimizer step on the device at position s."""
-    for s in range(v.p):
-        for d in range(len(inst.devices)):
-            v.model.add(v.compute[s] == sum(inst.stage_compute_us(d, k, v.p, s) * v.in_stage[s][k]
-                                            for k in range(inst.blocks))).only_enforce_if(v.on[s][d])
-            v.model.add(v.update[s] == sum(inst.update_us[d][k] * v.in_stage[s][k] for k in range(inst.blocks))
-                        ).only_enforce_if(v.on[s][d])
+    """compute[r] and update[r] = the position's blocks' time and optimizer step on its device."""
+    n, weighted = inst.blocks, cp_model.LinearExpr.weighted_sum  # weighted_sum: fast to build
+    for r in range(v.positions):
+        for c, members in enumerate(v.classes):
+            d = members[0]
+            v.model.add(v.compute[r] == weighted(v.in_pos[r], [inst.stage_compute_us(d, k, r + 1, 0) for k in range(n)])
+                        ).only_enforce_if(v.on[r][c])
+            v.model.add(v.update[r] == weighted(v.in_pos[r], list(inst.update_us[d]))).only_enforce_if(v.on[r][c])
+        v.model.add(v.compute[r] == 0).only_enforce_if(v.used[r].Not())
+        v.model.add(v.update[r] == 0).only_enforce_if(v.used[r].Not())
 
 
 def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
-    """The stage at position s fits device d's budget (or exceeds it by at most `overflow`)."""
-    wc, fl = inst.weight_copies[v.p - 1], inst.in_flight[v.p - 1]
-    for s in range(v.p):
-        for d in range(len(inst.devices)):
-            used = inst.overhead_bytes[d] + sum(
-                (inst.params_bytes[k] * wc[s] + inst.input_bytes[k] * fl[s] + inst.workspace_bytes[d][k])
-                * v.in_stage[s][k] for k in range(inst.blocks))
+    """The stage at position r fits its device's budget (or exceeds it by at most `overflow`)."""
+    for r in range(v.positions):
+        wc, fl = inst.weight_copies[r][0], inst.in_flight[r][0]  # stage 0 of r+1 stages is at position r
+        for c, members in enumerate(v.classes):
+            d = members[0]
+            used = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
+                inst.params_bytes[k] * wc + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
+                for k in range(inst.blocks)])
             limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
-            v.model.add(used <= limit).only_enforce_if(v.on[s][d])
+            v.model.add(used <= limit).only_enforce_if(v.on[r][c])
 
 
 def _add_links(v: _Vars, inst: PartitionInstance) -> None:
-    """link[s] = one transfer of the activation ending stage s between the two devices around it."""
-    nd = len(inst.devices)
-    for s in range(v.p - 1):
-        for d in range(nd):
-            for e in range(nd):
+    """link[r] = one transfer of the activation ending position r+1, between the two devices.
+
+    A transfer's time depends on the bytes crossing the cut, and a transformer's boundaries share
+    a few sizes (every encoder block passes the same hidden state), so the constraint per pair of
+    classes sums over the distinct sizes, not over the blocks."""
+    sizes = sorted(set(inst.boundary_bytes))
+    at_size = {b: [k for k in range(inst.blocks - 1) if inst.boundary_bytes[k] == b] for b in sizes}
+    for r in range(v.positions - 1):
+        crossing = {b: sum(v.last_of[r][k] for k in at_size[b]) for b in sizes}
+        for a, first in enumerate(v.classes):
+            for c, second in enumerate(v.classes):
+                d, e = first[0], (second[1] if a == c and len(second) > 1 else second[0])
                 if d == e:
-                    continue
-                v.model.add(v.link[s] == sum(inst.transfer_us(d, e, k) * v.last_of[s][k] for k in range(inst.blocks - 1))
-                            ).only_enforce_if([v.on[s][d], v.on[s + 1][e]])
+                    continue  # a one-device class cannot run two positions
+                k_of = {b: at_size[b][0] for b in sizes}
+                v.model.add(v.link[r] == sum(inst.transfer_us(d, e, k_of[b]) * crossing[b] for b in sizes)
+                            ).only_enforce_if([v.on[r + 1][a], v.on[r][c]])
+        v.model.add(v.link[r] == 0).only_enforce_if(v.used[r + 1].Not())
 
 
-def _add_objective(v: _Vars, inst: PartitionInstance, below: int | None = None):
-    """The predicted step time (see the module docstring); `below`: it must beat that value."""
-    m, model, p = inst.microbatches, v.model, v.p
+def _add_objective(v: _Vars, inst: PartitionInstance) -> None:
+    """The predicted step time (see the module docstring)."""
+    m, model, P = inst.microbatches, v.model, v.positions
     compute_ub, link_ub, update_ub = _upper_bounds_us(inst)
     slowest = model.new_int_var(0, compute_ub + update_ub + 2 * link_ub, "slowest")
     slowest_update = model.new_int_var(0, update_ub, "slowest_update")
-    for s in range(p):
+    for r in range(P):
         if inst.schedule in ASYNC_SCHEDULES:
-            model.add(slowest >= v.compute[s] + v.update[s])
-            if s < p - 1:
-                model.add(slowest >= 2 * v.link[s])
+            model.add(slowest >= v.compute[r] + v.update[r])
+            if r < P - 1:
+                model.add(slowest >= 2 * v.link[r])
         else:
-            model.add(slowest >= v.compute[s] + (v.link[s] if s < p - 1 else 0) + (v.link[s - 1] if s > 0 else 0))
-            model.add(slowest_update >= v.update[s])
+            model.add(slowest >= v.compute[r] + (v.link[r] if r < P - 1 else 0) + (v.link[r - 1] if r > 0 else 0))
+            model.add(slowest_update >= v.update[r])
     if inst.schedule in ASYNC_SCHEDULES:
-        objective = m * slowest
+        model.minimize(m * slowest)
     else:
-        objective = sum(v.compute) + 2 * sum(v.link) + (m - 1) * slowest + slowest_update
-    if below is not None:
-        model.add(objective <= below - 1)
-    model.minimize(objective)
+        model.minimize(sum(v.compute) + 2 * sum(v.link) + (m - 1) * slowest + slowest_update)
 
 
 def _upper_bounds_us(inst: PartitionInstance) -> tuple[int, int, int]:
@@ -501,16 +576,26 @@ def _upper_bounds_us(inst: PartitionInstance) -> tuple[int, int, int]:
             max(sum(row) for row in inst.update_us))
 
 
-def _build(inst: PartitionInstance, p: int, below: int | None = None, soft_memory: bool = False) -> _Vars:
-    """The model for exactly p stages; with `soft_memory`, minimise the largest overflow instead."""
+def model_size(inst: PartitionInstance) -> dict[str, int]:
+    """Positions, device classes, boundary sizes and linear terms of the model (for benchmarks)."""
+    P, C, n = min(len(inst.devices), inst.blocks), len(device_classes(inst)), inst.blocks
+    J = len(set(inst.boundary_bytes))
+    return {"positions": P, "classes": C, "boundary_sizes": J,
+            "terms": P * C * 3 * n + (P - 1) * C * C * J + P * n * 4}
+
+
+def _build(inst: PartitionInstance, soft_memory: bool = False) -> _Vars:
+    """The model; with `soft_memory`, minimise the largest overflow instead of the step time."""
     model = cp_model.CpModel()
-    stage_of, in_stage, cut_after, last_of = _add_stage_order(model, inst, p)
-    on = _add_device_order(model, inst, p)
+    P = min(len(inst.devices), inst.blocks)
+    classes = device_classes(inst)
+    pos, in_pos, used, cut_after, last_of = _add_stage_order(model, inst, P)
+    on = _add_device_order(model, classes, used, P)
     compute_ub, link_ub, update_ub = _upper_bounds_us(inst)
-    compute = [model.new_int_var(0, compute_ub, f"compute_{s}") for s in range(p)]
-    link = [model.new_int_var(0, link_ub, f"link_{s}") for s in range(p - 1)]
-    update = [model.new_int_var(0, update_ub, f"update_{s}") for s in range(p)]
-    v = _Vars(model, p, stage_of, in_stage, cut_after, last_of, on, compute, link, update)
+    compute = [model.new_int_var(0, compute_ub, f"compute_{r}") for r in range(P)]
+    link = [model.new_int_var(0, link_ub, f"link_{r}") for r in range(P - 1)]
+    update = [model.new_int_var(0, update_ub, f"update_{r}") for r in range(P)]
+    v = _Vars(model, P, classes, pos, in_pos, used, cut_after, last_of, on, compute, link, update)
     _add_compute(v, inst)
     if soft_memory:
         max_use = max(inst.overhead_bytes) + sum(
@@ -518,21 +603,24 @@ def _build(inst: PartitionInstance, p: int, below: int | None = None, soft_memor
             + max(inst.workspace_bytes[d][k] for d in range(len(inst.devices))) for k in range(inst.blocks))
         overflow = model.new_int_var(-max(inst.memory_budget_bytes), max_use, "overflow")
         _add_memory(v, inst, overflow)
-        if below is not None:
-            model.add(overflow <= below - 1)
         model.minimize(overflow)
     else:
         _add_memory(v, inst)
         _add_links(v, inst)
-        _add_objective(v, inst, below)
+        _add_objective(v, inst)
     return v
 
 
-def _extract(v: _Vars, solver: cp_model.CpSolver, inst: PartitionInstance) -> Assignment:
-    devs = tuple(next(d for d in range(len(inst.devices)) if solver.value(v.on[s][d])) for s in range(v.p))
-    stage = [solver.value(x) for x in v.stage_of]
-    ranges = tuple((stage.index(s), len(stage) - 1 - stage[::-1].index(s)) for s in range(v.p))
-    return devs, ranges
+def _extract(v: _Vars, solver: cp_model.CpSolver) -> Assignment:
+    pos = [solver.value(x) for x in v.pos]
+    p = pos[0] + 1
+    free = [list(members) for members in v.classes]
+    devs = []
+    for s in range(p):
+        c = next(c for c in range(len(v.classes)) if solver.value(v.on[p - 1 - s][c]))
+        devs.append(free[c].pop(0))
+    ranges = tuple((pos.index(p - 1 - s), len(pos) - 1 - pos[::-1].index(p - 1 - s)) for s in range(p))
+    return tuple(devs), ranges
 
 
 def _solver(seconds: float, workers: int, seed: int) -> cp_model.CpSolver:
@@ -543,21 +631,99 @@ def _solver(seconds: float, workers: int, seed: int) -> cp_model.CpSolver:
     return solver
 
 
+# --- a greedy start -------------------------------------------------------------------------
+
+def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -> Assignment | None:
+    """Fill positions from the end of the pipeline: each device of `order` in turn takes blocks
+    backwards from the last unassigned one while they fit its budget at that position and its
+    compute stays within `limit_us` (one block at least); a device that cannot hold one is skipped."""
+    k, devs, ranges = inst.blocks - 1, [], []
+    for d in order:
+        if k < 0:
+            break
+        r = len(devs)
+        wc, fl = inst.weight_copies[r][0], inst.in_flight[r][0]
+        memory, time_us, last = inst.overhead_bytes[d], 0, k
+        while k >= 0:
+            grow = inst.params_bytes[k] * wc + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
+            more = inst.stage_compute_us(d, k, r + 1, 0)
+            if memory + grow > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
+                break
+            memory, time_us, k = memory + grow, time_us + more, k - 1
+        if k < last:
+            devs.append(d)
+            ranges.append((k + 1, last))
+    if k >= 0:
+        return None
+    return tuple(reversed(devs)), tuple(reversed(ranges))
+
+
+def greedy_partition(inst: PartitionInstance) -> Assignment | None:
+    """A plan that fits, found fast (None if the greedy finds none): a few device orders x a binary
+    search on the stage-compute limit, keeping the least predicted step. CP-SAT starts from it, so
+    large instances get a good plan even when the solver's time runs out before it finds one."""
+    nd = len(inst.devices)
+    total = [sum(row) for row in inst.compute_us]
+    orders = {tuple(range(nd)),
+              tuple(sorted(range(nd), key=lambda d: total[d])),
+              tuple(sorted(range(nd), key=lambda d: -total[d])),
+              tuple(sorted(range(nd), key=lambda d: inst.memory_budget_bytes[d])),
+              tuple(sorted(range(nd), key=lambda d: -inst.memory_budget_bytes[d]))}
+    best = None
+    for order in sorted(orders):
+        lo, hi = 0, max(total)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found = _greedy_fill(inst, order, mid)
+            if found is None:
+                lo = mid + 1
+                continue
+            hi = mid
+            if max(_overflows(inst, *found)) <= 0:
+                value = _objective_us(inst, *found)
+                if best is None or value < best[0]:
+                    best = (value, found)
+        found = _greedy_fill(inst, order, hi)
+        if found is not None and max(_overflows(inst, *found)) <= 0:
+            value = _objective_us(inst, *found)
+            if best is None or value < best[0]:
+                best = (value, found)
+    return None if best is None else best[1]
+
+
+def _add_hint(v: _Vars, inst: PartitionInstance, assignment: Assignment) -> None:
+    devs, ranges = assignment
+    p = len(devs)
+    pos = [p - 1 - s for s, (first, last) in enumerate(ranges) for _ in range(first, last + 1)]
+    cls = {d: c for c, members in enumerate(v.classes) for d in members}
+    for k in range(inst.blocks):
+        v.model.add_hint(v.pos[k], pos[k])
+        for r in range(v.positions):
+            v.model.add_hint(v.in_pos[r][k], int(pos[k] == r))
+    for k in range(inst.blocks - 1):
+        v.model.add_hint(v.cut_after[k], int(pos[k] != pos[k + 1]))
+    for r in range(v.positions):
+        v.model.add_hint(v.used[r], int(r < p))
+        for c in range(len(v.classes)):
+            v.model.add_hint(v.on[r][c], int(r < p and cls[devs[p - 1 - r]] == c))
+
+
 def _search(inst: PartitionInstance, time_limit_s: float, workers: int, seed: int, soft_memory: bool):
-    """Best (value, assignment) over p = 1..min(devices, blocks), and whether it is proven optimal."""
-    deadline = time.monotonic() + time_limit_s
-    counts = range(1, min(len(inst.devices), inst.blocks) + 1)
-    best, proven = None, True
-    for i, p in enumerate(counts):
-        v = _build(inst, p, None if best is None else best[0], soft_memory)
-        solver = _solver((deadline - time.monotonic()) / (len(counts) - i), workers, seed)
-        status = solver.solve(v.model)
-        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            best = (round(solver.objective_value), _extract(v, solver, inst))
-            proven &= status == cp_model.OPTIMAL
-        elif status != cp_model.INFEASIBLE:
-            proven = False
-    return best, proven
+    """(value, assignment) or None, and whether the answer (or its absence) is proven."""
+    v = _build(inst, soft_memory)
+    start = None if soft_memory else greedy_partition(inst)
+    if start is not None:
+        _add_hint(v, inst, start)
+    solver = _solver(time_limit_s, workers, seed)
+    status = solver.solve(v.model)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        found = (round(solver.objective_value), _extract(v, solver))
+        if status == cp_model.FEASIBLE and start is not None and _objective_us(inst, *start) < found[0]:
+            found = (_objective_us(inst, *start), start)
+        return found, status == cp_model.OPTIMAL
+    if start is not None:  # the solver ran out of time before finding anything: keep the greedy plan
+        return (_objective_us(inst, *start), start), False
+    return None, status == cp_model.INFEASIBLE
 
 
 def solve_partition(inst: PartitionInstance, time_limit_s: float = 10.0, workers: int = 8, seed: int = 0) -> Partition:
@@ -566,7 +732,8 @@ def solve_partition(inst: PartitionInstance, time_limit_s: float = 10.0, workers
     Raises PlanDoesNotFit when no plan fits (then a second search, also up to `time_limit_s`,
     finds the least-overflow assignment for the message). `optimal` is True when proven.
     """
-    best, proven = _search(inst, time_limit_s, workers, seed, soft_memory=False)  # proven: all optimal or infeasible
+    start = time.monotonic()
+    best, proven = _search(inst, time_limit_s, workers, seed, soft_memory=False)
     if best is not None:
         value, (devs, ranges) = best
         # `slowest` is only bounded from below, so a solution cut short by the time limit may carry
@@ -576,7 +743,8 @@ def solve_partition(inst: PartitionInstance, time_limit_s: float = 10.0, workers
         return _partition(inst, devs, ranges, "cp-sat", proven)
     least, least_proven = _search(inst, time_limit_s, workers, seed, soft_memory=True)
     if least is None:
-        raise TimeoutError(f"CP-SAT found no assignment at all within {time_limit_s} s; raise time_limit_s")
+        raise TimeoutError(f"CP-SAT found no assignment at all within {2 * time_limit_s} s "
+                           f"({time.monotonic() - start:.1f} s used); raise time_limit_s")
     _, (devs, ranges) = least
     if max(_overflows(inst, devs, ranges)) <= 0:
         # the first search ran out of time; the soft one stumbled on a plan that fits

@@ -235,3 +235,15 @@ def test_files_that_do_not_parse(tmp_path):
         load_cluster(path)
     with pytest.raises(ClusterError, match="no such cluster file"):
         load_cluster(tmp_path / "missing.yaml")
+
+
+def test_links_given_in_either_order_are_found():
+    from planner.cluster import Cluster, DeviceSpec
+
+    fast, slow = Link(1e9, 0.0), Link(1e6, 0.01)
+    devices = tuple(DeviceSpec(n, f"tcp://{n}:1", _profile(n), GIB) for n in ("dev2", "dev10"))
+    # "dev10" sorts before "dev2": the pair must be found whichever order it was given in
+    cl = Cluster(devices, slow, {("dev2", "dev10"): fast})
+    assert cl.link("dev10", "dev2") == cl.link("dev2", "dev10") == fast
+    with pytest.raises(ValueError, match="links 'dev10'-'dev2' given twice with different values"):
+        Cluster(devices, slow, {("dev2", "dev10"): fast, ("dev10", "dev2"): slow})

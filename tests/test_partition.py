@@ -4,6 +4,7 @@ check of every plan, the least-overflow report when nothing fits, and manual/eve
 predicted numbers match the cost model."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from ir.partition import Partition, StageAssignment
 from planner.cost import in_flight_microbatches, predicted_step_s, stage_costs, weight_copies
 from planner.partition import (PartitionInstance, PlanDoesNotFit, brute_force_partition, check_feasible,
-                               even_partition, make_instance, manual_partition, predicted_step_us, solve_partition)
+                               device_classes, even_partition, make_instance, manual_partition, predicted_step_us, solve_partition)
 from test_cost import tiny_cluster, tiny_graph
 
 SCHEDULE_NAMES = ("1f1b-stash", "1f1b-flush", "gpipe")
@@ -67,6 +68,27 @@ def instances(draw, tight: bool | None = None):
                           bandwidth, latency, schedule, m, optimizer, recompute, update)
 
 
+@st.composite
+def repeated_instances(draw):
+    """Clusters built from 1-2 device models, 1-3 copies each (what real edge clusters look like),
+    with one link value per pair of models: the solver's device classes must not lose plans."""
+    base = draw(instances())
+    types = draw(st.integers(1, 2))
+    copies = [draw(st.integers(1, 3)) for _ in range(types)]
+    kind = [t for t in range(types) for _ in range(copies[t])][:4]
+    nd = len(kind)
+    pick = lambda table: [table[min(t, len(table) - 1)] for t in kind]  # noqa: E731
+    bw = {(a, b): float(draw(st.sampled_from([0.5e6, 4e6, 50e6]))) for a in range(types) for b in range(a, types)}
+    lat = {(a, b): draw(st.integers(0, 100)) for a in range(types) for b in range(a, types)}
+    link = lambda d, e, t: t[tuple(sorted((kind[d], kind[e])))]  # noqa: E731
+    budgets = pick(base.memory_budget_bytes)
+    return build_instance([f"d{i}" for i in range(nd)], pick(base.compute_us), base.params_bytes, base.input_bytes,
+                          pick(base.workspace_bytes), pick(base.overhead_bytes), budgets,
+                          [[0.0 if d == e else link(d, e, bw) for e in range(nd)] for d in range(nd)],
+                          [[0 if d == e else link(d, e, lat) for e in range(nd)] for d in range(nd)],
+                          base.schedule, base.microbatches, base.optimizer, pick(base.recompute_us), pick(base.update_us))
+
+
 def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
     """The objective once more, written from the module docstring's formulas."""
     idx = [inst.devices.index(s.device) for s in part.stages]
@@ -107,6 +129,64 @@ def test_cp_sat_matches_the_brute_force_oracle(inst):
     assert predicted_step_us(inst, plan) == predicted_step_us(inst, oracle) == _step_by_hand(inst, oracle)
     assert _step_by_hand(inst, plan) == predicted_step_us(inst, plan)
     assert plan.bottleneck_s == max(s.predicted_time_s for s in plan.stages)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(repeated_instances())
+def test_cp_sat_with_repeated_devices_matches_the_brute_force_oracle(inst):
+    event(f"{len(device_classes(inst))} classes of {len(inst.devices)} devices")
+    try:
+        oracle = brute_force_partition(inst)
+    except PlanDoesNotFit as expected:
+        with pytest.raises(PlanDoesNotFit) as exc:
+            _solve(inst)
+        assert exc.value.over_bytes == expected.over_bytes
+        return
+    plan = _solve(inst)
+    assert plan.optimal and check_feasible(plan, inst) == []
+    assert predicted_step_us(inst, plan) == predicted_step_us(inst, oracle)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_the_greedy_start_fits_and_is_never_better_than_the_oracle(inst):
+    from planner.partition import _partition, greedy_partition
+
+    start = greedy_partition(inst)
+    try:
+        oracle = brute_force_partition(inst)
+    except PlanDoesNotFit:
+        assert start is None
+        return
+    if start is not None:
+        plan = _partition(inst, *start, "greedy")
+        assert check_feasible(plan, inst) == []
+        assert predicted_step_us(inst, plan) >= predicted_step_us(inst, oracle)
+
+
+def test_device_classes_group_only_interchangeable_devices():
+    # four equal devices; links: a-b and c-d fast, every other pair slow
+    fast, slow = 50e6, 1e6
+    pairs = {(0, 1): fast, (2, 3): fast}
+    bw = [[0.0 if d == e else pairs.get((min(d, e), max(d, e)), slow) for e in range(4)] for d in range(4)]
+    same = dict(compute=[[10, 10]] * 4, params=[1, 1], inputs=[0, 1], workspace=[[0, 0]] * 4, overhead=[0] * 4,
+                budgets=[100] * 4, latency=[[0] * 4 for _ in range(4)], schedule="1f1b-flush", m=2, optimizer="sgd")
+    # each device sees one fast and two slow peers among its equals: refinement alone would keep
+    # one class, but a and c are not interchangeable for b, so all four stand alone
+    assert device_classes(build_instance("abcd", bandwidth=bw, **same)) == ((0,), (1,), (2,), (3,))
+    uniform = [[0.0 if d == e else slow for e in range(4)] for d in range(4)]
+    assert device_classes(build_instance("abcd", bandwidth=uniform, **same)) == ((0, 1, 2, 3),)
+    # one device with a larger budget stands apart; the others reach it equally
+    assert device_classes(build_instance("abcd", bandwidth=uniform, **{**same, "budgets": [100, 100, 200, 100]})
+                          ) == ((0, 1, 3), (2,))
+
+
+def test_instance_tables_must_depend_on_the_distance_from_the_last_stage():
+    inst = _handcrafted()
+    with pytest.raises(ValueError, match=r"PartitionInstance.in_flight\[1\]\[1\] = 5 differs from \[0\]\[0\] = 1: "
+                                         r"the entry must depend only on the distance p-1-s from the last stage"):
+        dataclasses.replace(inst, in_flight=((1,), (2, 5)))
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
