@@ -36,17 +36,23 @@ runs on each curve's running maximum, a safe upper bound; `predicted_s` is then 
 split's time on the curves as given, which can only be lower. `exhaustive_split` is the oracle:
 every split, on the curves as given.
 
+What the partitioner sees. The cost model reads one backend's measured block costs per device.
+`profile_with_head_split` lowers, in a copy of the profile, the forward+backward of every
+attention-bearing block kind by what the split saves on its attention: that backend's own time for
+all H heads minus the split's time. It never raises a cost and never takes one below zero.
+
 `HeadSplit` belongs in `ir/plan.py` (DESIGN.md lists it there); it is defined here until it moves.
 """
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ir.profile import AttentionCurve
+from ir.profile import AttentionCurve, BlockCost, DeviceProfile
 
 Curves = Mapping[str, "AttentionCurve | Sequence[float]"]
 
@@ -212,3 +218,57 @@ def _compositions(total: int, parts: int):
             prev = bar
         out.append(total + parts - 2 - prev)
         yield tuple(out)
+
+
+def profile_with_head_split(profile: DeviceProfile, backend: str | None, split: "HeadSplit | Mapping[str, int]",
+                            extra_cost_s: Mapping[str, float] | None = None) -> DeviceProfile:
+    """`profile` with the block costs of `backend` (None: the profile's fastest, as
+    `DeviceProfile.backend`) lowered where `split` (a `HeadSplit` or backend -> heads) runs the
+    attention, so that the partitioner and the predicted step time see the split device's speed.
+
+    For each block signature with attention curves on `backend` and on every backend of the split:
+    saving = `backend`'s curve at H heads - `split_time(split, curves, extra_cost_s)` (for the
+    signature the split was allocated on, with the same extra costs, the latter is the split's
+    `predicted_s`). The block's forward+backward is lowered by the saving, shared between forward
+    and backward in proportion to them (the curves measure only their sum); the part of the
+    backward that is MNN's re-run of the forward (`recompute_s`) shrinks in the same proportion,
+    as the re-run covers the attention too. A saving <= 0 changes nothing, and one above the
+    block's time takes it to 0. Signatures lacking a curve on `backend` or on a backend of the
+    split keep their cost: no measurement, no credit. Every other backend, the memory figures and
+    the workspace are unchanged. Pure: returns a new profile."""
+    given = dict(split.heads if isinstance(split, HeadSplit) else split)
+    heads = {b: h for b, h in given.items() if h > 0}  # a backend with no heads does not run
+    if not heads:
+        raise ValueError(f"head split {given} gives no backend a head")
+    base = profile.backend(backend)  # a KeyError naming the profile's backends if unknown
+    names = [b.backend for b in profile.backends]
+    missing = [b for b in heads if b not in names]
+    if missing:
+        raise ValueError(f"head split {heads} names backends {missing} that profile {profile.name!r} lacks "
+                         f"(it has {names}); plan the split from this device's profile")
+    by_name = {b.backend: b for b in profile.backends}
+    blocks = dict(base.blocks)
+    for sig, own in base.attention.items():
+        curves = {b: by_name[b].attention.get(sig) for b in heads}
+        if sig not in blocks or any(c is None for c in curves.values()):
+            continue
+        total = sum(heads.values())
+        if len(own.seconds) != total or any(len(c.seconds) != total for c in curves.values()):
+            raise ValueError(f"profile {profile.name!r}, block signature {sig}: the attention curves cover "
+                             f"{sorted({len(own.seconds)} | {len(c.seconds) for c in curves.values()})} heads but "
+                             f"the split {heads} covers {total}; one split cannot serve blocks of different "
+                             f"head counts (plan the split for this block kind)")
+        saving = own.seconds[total - 1] - split_time(heads, curves, extra_cost_s)
+        blocks[sig] = _lowered(blocks[sig], saving)
+    lowered = dataclasses.replace(base, blocks=blocks)
+    return dataclasses.replace(profile, backends=tuple(lowered if b is base else b for b in profile.backends))
+
+
+def _lowered(cost: BlockCost, saving_s: float) -> BlockCost:
+    """`cost` with forward+backward lowered by `saving_s`, in proportion, never below 0 or raised."""
+    total = cost.forward_s + cost.backward_s
+    if saving_s <= 0 or total <= 0:
+        return cost
+    keep = max(0.0, total - saving_s) / total
+    return dataclasses.replace(cost, forward_s=cost.forward_s * keep, backward_s=cost.backward_s * keep,
+                               recompute_s=cost.recompute_s * keep)

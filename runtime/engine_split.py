@@ -19,10 +19,18 @@ one all-zero bias for many layers): its gradient is the sum over the places, and
 `set_parameters` writes it to all of them. A projection stored for `trans_b` (x @ W^T) is
 transposed into the x @ W layout `SplitAttention` takes, and its gradient back.
 
+Weight stashing (PipeDream; the asynchronous 1f1b-stash schedule updates while micro-batches
+are in flight): the backward of micro-batch m uses the weights m's forward used. Every part of the
+stage keeps its own old versions, because every part holds its own weights: the MNN segments and
+the post-attention engines are `MnnStageEngine`s with `stash_weights`, and the attention slices
+live in the backends' engines, in child processes too, which stash them likewise
+(`runtime.head_split`). This engine only numbers the versions (`version`, `stashed_versions`, as
+`MnnStageEngine` does): one update through `set_parameters` reaches every part, so the parts'
+versions move together. Under flush schedules no update meets a micro-batch in flight and nothing
+is stashed. An old version costs one copy of the stage's weights, as `planner.cost` counts it.
+
 Limits: post-LayerNorm blocks only (the attention must read the block input; a pre-LN block
-raises, naming the block); no weight stashing (a flush schedule, where every backward uses the
-weights of its forward, is what this engine is for; an update while a forward waits for its
-backward raises); `set_parameters` must not run while a forward waits for its backward.
+raises, naming the block).
 """
 from __future__ import annotations
 
@@ -203,10 +211,10 @@ def _post_spec(graph: Graph, block: Block, match: AttentionMatch) -> StageSpec:
 class _MnnSegment:
     """A run of unsplit blocks [first, last] of the stage on MNN."""
 
-    def __init__(self, spec: StageSpec, first: int, last: int, threads: int):
+    def __init__(self, spec: StageSpec, first: int, last: int, threads: int, stash_weights: bool):
         self.first, self.last = first, last
         self.spec = stage_spec(spec.graph, first, last)
-        self.engine = MnnStageEngine(self.spec, threads=threads, stash_weights=False)
+        self.engine = MnnStageEngine(self.spec, threads=threads, stash_weights=stash_weights)
 
     @property
     def names(self) -> set[str]:
@@ -216,15 +224,17 @@ class _MnnSegment:
 class _SplitSegment:
     """One encoder block: split attention, residual in numpy, the rest on MNN."""
 
-    def __init__(self, graph: Graph, block: Block, allocation: Mapping[str, int], threads: int, concurrent: bool):
+    def __init__(self, graph: Graph, block: Block, allocation: Mapping[str, int], threads: int, concurrent: bool,
+                 stash_weights: bool):
         self.first = self.last = block.index
         self.block = block
         self.match = match_attention(graph, block)
         self.mask_shape = tuple(graph.values[self.match.mask].shape)
         B, S, _ = graph.values[self.match.x].shape
         self.attention = SplitAttention(self._full_weights(graph.constants), block.heads, block.head_size,
-                                        allocation, B, S, self.mask_shape, concurrent=concurrent)
-        self.post = MnnStageEngine(_post_spec(graph, block, self.match), threads=threads, stash_weights=False)
+                                        allocation, B, S, self.mask_shape, concurrent=concurrent,
+                                        stash_weights=stash_weights)
+        self.post = MnnStageEngine(_post_spec(graph, block, self.match), threads=threads, stash_weights=stash_weights)
 
     def _full_weights(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = {}
@@ -283,10 +293,12 @@ class SplitStageEngine(StageEngine):
     `allocation` (backend name -> heads, e.g. {"mnn:cpu:t1": 1, "torch:cpu:t1": 3}); `blocks`
     limits the split to those block indices (default: every encoder block of the stage).
     `concurrent` as in `SplitAttention` (False: every backend in this process, one after another).
+    `stash_weights` as in `MnnStageEngine` (module docstring); False is a reference that shows what
+    stashing changes (torch backends of a split stash regardless).
     Close it (or use it as a context manager) to stop the backends' child processes."""
 
     def __init__(self, spec: StageSpec, allocation: Mapping[str, int], threads: int = 1,
-                 blocks: set[int] | None = None, concurrent: bool = True):
+                 blocks: set[int] | None = None, concurrent: bool = True, stash_weights: bool = True):
         self.spec = spec
         self.threads = threads
         self.allocation = dict(allocation)
@@ -297,21 +309,23 @@ class SplitStageEngine(StageEngine):
         for b in spec.blocks:
             if b.index in split and (b.kind != "encoder" or not b.heads):
                 raise ValueError(f"block {b.index} ({b.name}) is a {b.kind} block without attention heads")
+        self.stash_weights = stash_weights
         self.segments: list[_MnnSegment | _SplitSegment] = []
         self.version = 0
-        self._stash: dict[int, dict[str, np.ndarray]] = {}
+        self._stash: dict[int, int] = {}  # micro-batch in flight -> the weight version its forward used
         try:
             run: list[int] = []
             for b in spec.blocks:
                 if b.index in split:
                     if run:
-                        self.segments.append(_MnnSegment(spec, run[0], run[-1], threads))
+                        self.segments.append(_MnnSegment(spec, run[0], run[-1], threads, stash_weights))
                         run = []
-                    self.segments.append(_SplitSegment(spec.graph, b, self.allocation, threads, concurrent))
+                    self.segments.append(_SplitSegment(spec.graph, b, self.allocation, threads, concurrent,
+                                                       stash_weights))
                 else:
                     run.append(b.index)
             if run:
-                self.segments.append(_MnnSegment(spec, run[0], run[-1], threads))
+                self.segments.append(_MnnSegment(spec, run[0], run[-1], threads, stash_weights))
         except BaseException:
             self.close()
             raise
@@ -340,7 +354,7 @@ class SplitStageEngine(StageEngine):
             else:
                 x = seg.forward(x, host, microbatch, train)
         if train:
-            self._stash[microbatch] = {}
+            self._stash[microbatch] = self.version
         return x
 
     def _threads(self) -> None:
@@ -354,6 +368,7 @@ class SplitStageEngine(StageEngine):
         if microbatch not in self._stash:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         del self._stash[microbatch]
+        # each segment swaps in the version its own forward of this micro-batch used
         grads: dict[str, np.ndarray] = {}
         g = grad_output
         for seg in reversed(self.segments):
@@ -382,9 +397,7 @@ class SplitStageEngine(StageEngine):
         if unknown:
             raise KeyError(f"parameters {unknown[:3]} are not in this stage (blocks "
                            f"{self.spec.first_block}-{self.spec.last_block})")
-        if self._stash:
-            raise RuntimeError(f"set_parameters while micro-batches {sorted(self._stash)} wait for their backward: "
-                               "the split engine keeps no weight versions (use a flush schedule)")
+        # each segment stashes its current weights itself if a micro-batch in flight used them
         for seg in self.segments:
             mine = {k: v for k, v in values.items() if seg in self._owners[k]}
             if not mine:
@@ -394,6 +407,13 @@ class SplitStageEngine(StageEngine):
             else:
                 seg.set_parameters(mine)
         self.version += 1
+
+    def stashed_versions(self) -> int:
+        """Weight versions held besides the current one (PipeDream: up to stages - s - 1): those of
+        the micro-batches in flight whose forward ran before the latest update."""
+        if not self.stash_weights:
+            return 0
+        return len({v for v in self._stash.values() if v != self.version})
 
     # lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:

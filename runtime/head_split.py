@@ -15,6 +15,16 @@ One place of truth. `SplitAttention` keeps the full weights (float32 numpy); the
 copies of their slices. `set_weights(full)` (after an optimizer step on the full arrays) re-slices
 and pushes every slice, so the backends never drift apart.
 
+Weight stashing (PipeDream). `set_weights` may come while forwards wait for their backwards (the
+asynchronous 1f1b-stash schedule); each such backward must use the slices its forward used. Every
+backend's engine already keeps them, in whichever process it runs: `MnnStageEngine` with
+`stash_weights` saves the version a micro-batch in flight used and swaps it in for that backward,
+and `TorchStageEngine` replaces its tensors on an update, so a pending forward keeps the ones it
+ran with. The output bias needs no old version: its gradient, dy summed, does not read a weight.
+So this class keeps only the current full weights; an old version lives, sliced, in the backends.
+`stash_weights=False` turns the MNN backends' stashing off (a reference that shows it matters;
+torch backends cannot turn theirs off).
+
 Each backend runs the attention piece of `runtime.profile.attention_piece` (an IR graph) on the
 stage engine of its kind: `MnnStageEngine` for `mnn:cpu:tN`, `TorchStageEngine` for `torch:cpu:tN`.
 
@@ -131,7 +141,8 @@ class _Shapes:
 class _Piece:
     """One backend's heads: the attention piece graph on that backend's stage engine."""
 
-    def __init__(self, backend: str, count: int, shapes: _Shapes, slices: Mapping[str, np.ndarray]):
+    def __init__(self, backend: str, count: int, shapes: _Shapes, slices: Mapping[str, np.ndarray],
+                 stash_weights: bool = True):
         self.backend: Backend = parse_backend(backend)
         if self.backend.device != "cpu":
             raise ValueError(f"backend {backend!r}: the stage engines run on the CPU only")
@@ -143,7 +154,8 @@ class _Piece:
         if self.backend.engine == "mnn":
             from runtime.engine_mnn import MnnStageEngine
 
-            self.engine = MnnStageEngine(spec, threads=self.backend.threads, weights=slices)
+            self.engine = MnnStageEngine(spec, threads=self.backend.threads, weights=slices,
+                                         stash_weights=stash_weights)
         else:
             from runtime.engine_torch import TorchStageEngine  # torch only when asked for
 
@@ -199,12 +211,13 @@ def _worker_layout(s: _Shapes, count: int) -> _Layout:
                    + [("w_" + n, sh) for n, sh in params])
 
 
-def _worker_main(conn, backend: str, count: int, shapes: _Shapes, inputs_name: str, own_name: str) -> None:
+def _worker_main(conn, backend: str, count: int, shapes: _Shapes, inputs_name: str, own_name: str,
+                 stash_weights: bool) -> None:
     """A child process's loop: build the piece from the weights in shared memory, then serve."""
     inputs_shm = shared_memory.SharedMemory(name=inputs_name)
     own_shm = shared_memory.SharedMemory(name=own_name)
     try:
-        _serve(conn, backend, count, shapes, inputs_shm, own_shm)
+        _serve(conn, backend, count, shapes, inputs_shm, own_shm, stash_weights)
     finally:
         for shm in (inputs_shm, own_shm):
             try:
@@ -214,7 +227,7 @@ def _worker_main(conn, backend: str, count: int, shapes: _Shapes, inputs_name: s
         conn.close()
 
 
-def _serve(conn, backend: str, count: int, shapes: _Shapes, inputs_shm, own_shm) -> None:
+def _serve(conn, backend: str, count: int, shapes: _Shapes, inputs_shm, own_shm, stash_weights: bool) -> None:
     inputs = _inputs_layout(shapes).views(inputs_shm.buf)
     own = _worker_layout(shapes, count).views(own_shm.buf)
     params = [k[2:] for k in own if k.startswith("w_")]
@@ -223,7 +236,7 @@ def _serve(conn, backend: str, count: int, shapes: _Shapes, inputs_shm, own_shm)
         return {p: own["w_" + p].copy() for p in params}
 
     try:
-        piece = _Piece(backend, count, shapes, weights())
+        piece = _Piece(backend, count, shapes, weights(), stash_weights)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -249,6 +262,7 @@ def _serve(conn, backend: str, count: int, shapes: _Shapes, inputs_shm, own_shm)
                 for p in params:
                     np.copyto(own["g_" + p], grads[p])
             elif cmd[0] == "set_weights":
+                # the engine stashes the old slices for micro-batches in flight (module docstring)
                 piece.set_weights(weights())
             else:
                 raise ValueError(f"unknown command {cmd[0]!r}")
@@ -278,7 +292,7 @@ class _ProcessWorker:
     """A backend's piece in a child process; commands go over a pipe, arrays through shared memory."""
 
     def __init__(self, r: HeadRange, shapes: _Shapes, inputs_shm: shared_memory.SharedMemory,
-                 slices: Mapping[str, np.ndarray], start_timeout_s: float):
+                 slices: Mapping[str, np.ndarray], start_timeout_s: float, stash_weights: bool = True):
         self.range = r
         self.layout = _worker_layout(shapes, r.count)
         self.shm = shared_memory.SharedMemory(create=True, size=self.layout.nbytes)
@@ -287,7 +301,8 @@ class _ProcessWorker:
         ctx = _context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, name=f"head-split {r.backend}", daemon=True,
-                                args=(child, r.backend, r.count, shapes, inputs_shm.name, self.shm.name))
+                                args=(child, r.backend, r.count, shapes, inputs_shm.name, self.shm.name,
+                                      stash_weights))
         self.busy_s = 0.0
         self._pending: str | None = "start"
         try:
@@ -368,9 +383,9 @@ def _release(shm: shared_memory.SharedMemory) -> None:
 class _LocalWorker:
     """A backend's piece in this process, computed in the calling thread."""
 
-    def __init__(self, r: HeadRange, shapes: _Shapes, slices: Mapping[str, np.ndarray]):
+    def __init__(self, r: HeadRange, shapes: _Shapes, slices: Mapping[str, np.ndarray], stash_weights: bool = True):
         self.range = r
-        self.piece = _Piece(r.backend, r.count, shapes, slices)
+        self.piece = _Piece(r.backend, r.count, shapes, slices, stash_weights)
         self.busy_s = 0.0
 
 
@@ -388,13 +403,15 @@ class SplitAttention:
 
     `forward(x, mask_bias)` -> y; `backward(dy)` -> (dx, full-size gradients of all eight weights);
     `set_weights(full)` after an update. Micro-batches are independent, as in a stage engine: each
-    forward(..., microbatch=m) waits for its backward(dy, microbatch=m). Close the object (or use it
+    forward(..., microbatch=m) waits for its backward(dy, microbatch=m), which uses the weights that
+    forward used even if `set_weights` came in between (weight stashing, module docstring; off for
+    MNN backends with `stash_weights=False`). Close the object (or use it
     as a context manager) to stop its child processes; garbage collection also does.
     """
 
     def __init__(self, weights: Mapping[str, np.ndarray], heads: int, head_size: int,
                  allocation: Mapping[str, int], batch: int, seq: int, mask_shape: Sequence[int],
-                 concurrent: bool = True, start_timeout_s: float = 300.0):
+                 concurrent: bool = True, start_timeout_s: float = 300.0, stash_weights: bool = True):
         hidden = heads * head_size
         self.heads, self.head_size, self.hidden = heads, head_size, hidden
         self.shapes = _Shapes(int(batch), int(seq), hidden, int(head_size), tuple(int(d) for d in mask_shape))
@@ -422,9 +439,10 @@ class SplitAttention:
             for i, r in enumerate(self.ranges):
                 slices = slice_weights(self.weights, r, head_size)
                 if local is None or i == local:
-                    self._workers.append(_LocalWorker(r, self.shapes, slices))
+                    self._workers.append(_LocalWorker(r, self.shapes, slices, stash_weights))
                 else:
-                    self._workers.append(_ProcessWorker(r, self.shapes, self._inputs_shm, slices, start_timeout_s))
+                    self._workers.append(_ProcessWorker(r, self.shapes, self._inputs_shm, slices, start_timeout_s,
+                                                        stash_weights))
         except BaseException:
             self.close()
             raise
@@ -448,7 +466,8 @@ class SplitAttention:
         return out
 
     def set_weights(self, full: Mapping[str, np.ndarray]) -> None:
-        """Take new full weights (the one source of truth) and re-slice them into every backend."""
+        """Take new full weights (the one source of truth) and re-slice them into every backend;
+        forwards still waiting for their backwards keep the slices they used (weight stashing)."""
         self.weights = self._check_weights(full)
         for w in self._remote():
             w.set_weights(slice_weights(self.weights, w.range, self.head_size))

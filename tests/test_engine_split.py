@@ -147,12 +147,55 @@ def test_training_steps_equal_unsplit(tiny_graph, counts):
     assert got[0] != got[-1]
 
 
-def test_update_during_a_forward_in_flight_is_refused(tiny_graph):
+def _attention_update(graph, params: dict, block: int = 2) -> dict:
+    """`params` with only the split attention weights of `block` changed: a backward that reads the
+    new ones can only come from a backend's slice (every other part keeps its weights)."""
+    m = match_attention(graph, graph.blocks[block])
+    rng = np.random.default_rng(7)
+    out = dict(params)
+    for role in ("Wq", "Wk", "Wv", "Wo"):
+        name = m.weights[role][0]
+        out[name] = params[name] + rng.normal(0, 0.05, params[name].shape).astype(np.float32)
+    return out
+
+
+def _gradients_across_an_update(engine, graph, feeds):
+    """Two forwards, an update of the attention weights, then both backwards."""
+    for m, f in enumerate(feeds):
+        engine.forward(f, m)
+    engine.set_parameters(_attention_update(graph, engine.parameters()))
+    held = engine.stashed_versions()
+    grads = [engine.backward(m).params for m in range(len(feeds))]
+    return grads, held
+
+
+def test_backward_after_an_update_uses_the_stashed_slices(tiny_graph):
+    """Weight stashing: forwards of micro-batches 0 and 1, an update of block 2's attention weights
+    only, then their backwards give the gradients of the old weights (the unsplit engine without
+    an update). The MNN heads run in a child process (torch in this one), so this is the child's
+    own stash at work: without it (stash_weights=False) the gradients change."""
     spec = stage_spec(tiny_graph, 0, 4)
-    with SplitStageEngine(spec, _alloc((2, 2)), concurrent=False) as eng:
-        eng.forward(token_feeds(B, S, vocab=500), 0)
-        with pytest.raises(RuntimeError, match="flush"):
-            eng.set_parameters(eng.parameters())
+    feeds = [token_feeds(B, S, vocab=500, seed=s) for s in (0, 1)]
+    ref = MnnStageEngine(spec)
+    want = []
+    for m, f in enumerate(feeds):
+        ref.forward(f, m)
+        want.append(ref.backward(m).params)
+    with SplitStageEngine(spec, _alloc((1, 3))) as eng:
+        assert eng.segments[2].attention.placement == {"mnn:cpu:t1": "child", "torch:cpu:t1": "process"}
+        got, held = _gradients_across_an_update(eng, tiny_graph, feeds)
+        assert held == 1 and eng.stashed_versions() == 0 and eng.version == 1
+        for g, w in zip(got, want):
+            _assert_grads_close(g, w)
+        # a forward after the update uses the new weights
+        ref.set_parameters(eng.parameters())
+        np.testing.assert_allclose(eng.forward(feeds[0], 2), ref.forward(feeds[0], 2), rtol=1e-5)
+        eng.backward(2)
+    with SplitStageEngine(spec, _alloc((1, 3)), stash_weights=False) as eng:
+        got, held = _gradients_across_an_update(eng, tiny_graph, feeds)
+        assert held == 0
+        with pytest.raises(AssertionError):
+            _assert_grads_close(got[0], want[0])
 
 
 def test_pipeline_with_head_split_on_one_stage_equals_single_device(tiny_onnx):

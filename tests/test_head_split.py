@@ -182,6 +182,35 @@ def test_interleaved_microbatches():
         assert max(errs.values()) <= TOL_F64, errs
 
 
+@pytest.mark.skipif(not _present("mnn:cpu:t1", "torch:cpu:t1"), reason="needs MNN and torch")
+@pytest.mark.parametrize("stash", [True, False], ids=["stash", "no-stash"])
+def test_set_weights_between_forward_and_backward(stash):
+    """Weight stashing: micro-batch 0's forward on w, set_weights(w2), micro-batch 1's forward on
+    w2, then both backwards: each gets the gradients of the weights its forward used, the MNN
+    heads (in a child process) included. Without stashing the MNN heads' backward of micro-batch
+    0 reads w2's slices (torch keeps its old tensors regardless), so its gradients are off."""
+    heads, head_size, B, S = CONFIGS["tiny"]
+    hidden = heads * head_size
+    w, w2 = _weights(hidden), _weights(hidden, seed=5)
+    x0, mask, dy0 = _inputs(B, S, hidden, seed=1)
+    x1, _, dy1 = _inputs(B, S, hidden, seed=2)
+    with SplitAttention(w, heads, head_size, {"mnn:cpu:t1": 1, "torch:cpu:t1": 3}, B, S, mask.shape,
+                        stash_weights=stash) as sa:
+        assert sa.placement["mnn:cpu:t1"] == "child"
+        y0 = sa.forward(x0, mask, microbatch=0)
+        sa.set_weights(w2)
+        y1 = sa.forward(x1, mask, microbatch=1)
+        dx0, g0 = sa.backward(dy0, microbatch=0)
+        dx1, g1 = sa.backward(dy1, microbatch=1)
+    errs0 = _errors((y0, dx0, g0), _reference(w, x0, mask, dy0, heads))
+    errs1 = _errors((y1, dx1, g1), _reference(w2, x1, mask, dy1, heads))
+    assert max(errs1.values()) <= TOL_F64, errs1
+    if stash:
+        assert max(errs0.values()) <= TOL_F64, errs0
+    else:
+        assert errs0["dx"] > 100 * TOL_F64 and errs0["Wq"] > 100 * TOL_F64, errs0
+
+
 def test_allocation_checks():
     assert [(r.backend, r.first, r.count) for r in head_ranges({"mnn:cpu:t1": 0, "torch:cpu:t2": 3,
                                                                 "mnn:cpu:t2": 1}, 4)] == \

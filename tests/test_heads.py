@@ -159,3 +159,85 @@ def test_bad_drop_factor_and_bad_splits_are_rejected():
         HeadSplit({"a": 0}, 1.0, ("a", 1.0))
     with pytest.raises(ValueError, match="both dropped and given heads"):
         HeadSplit({"a": 1}, 1.0, ("a", 1.0), ("a",))
+
+
+# profile_with_head_split: what the partitioner sees of a split device ------------------------------
+
+def _split_profile():
+    """H = 4. On mnn:cpu:t1 the encoder takes 30 + 60 ms (20 ms of it MNN's re-run of the forward),
+    its attention alone 58 ms; 2 + 2 heads over mnn and torch take max(20, 22) = 22 ms."""
+    from ir.profile import BackendProfile, BlockCost, DeviceProfile
+
+    mnn = BackendProfile("mnn:cpu:t1", {"enc": BlockCost(0.030, 0.060, 0.020, 1000), "emb": BlockCost(0.010, 0.020)},
+                         {"enc": AttentionCurve((0.010, 0.020, 0.030, 0.058))})
+    torch = BackendProfile("torch:cpu:t1", {"enc": BlockCost(0.040, 0.080), "emb": BlockCost(0.001, 0.002)},
+                           {"enc": AttentionCurve((0.012, 0.022, 0.032, 0.060))})
+    small = BackendProfile("mnn:cpu:t2", {"enc": BlockCost(0.010, 0.020), "emb": BlockCost(0.010, 0.020)},
+                           {"enc": AttentionCurve((0.010, 0.020, 0.030, 0.058))})
+    return DeviceProfile("box", "tiny", 2, 12, (mnn, torch, small), memory_available_bytes=1 << 30)
+
+
+def _costs(profile, backend):
+    return {sig: (c.forward_s, c.backward_s, c.recompute_s, c.workspace_bytes)
+            for sig, c in profile.backend(backend).blocks.items()}
+
+
+def test_profile_with_head_split_lowers_the_attention_blocks_in_proportion():
+    from planner.heads import profile_with_head_split
+
+    profile = _split_profile()
+    before = _costs(profile, "mnn:cpu:t1")
+    got = profile_with_head_split(profile, "mnn:cpu:t1", {"mnn:cpu:t1": 2, "torch:cpu:t1": 2})
+    # saving 58 - 22 = 36 ms of the block's 90 ms: 54 ms stay, forward and backward keep 60% each
+    f, b, r, ws = _costs(got, "mnn:cpu:t1")["enc"]
+    assert (f, b, r, ws) == (pytest.approx(0.018), pytest.approx(0.036), pytest.approx(0.012), 1000)
+    assert _costs(got, "mnn:cpu:t1")["emb"] == before["emb"]  # no attention: unchanged
+    for other in ("torch:cpu:t1", "mnn:cpu:t2"):  # only the device's own backend changes
+        assert _costs(got, other) == _costs(profile, other)
+    assert _costs(profile, "mnn:cpu:t1") == before  # pure: the input is untouched
+    assert got.memory_available_bytes == profile.memory_available_bytes and got.name == profile.name
+    # the allocator's own answer gives the same: its predicted_s is the 22 ms used above
+    split = allocate_heads({b: profile.backend(b).attention["enc"] for b in ("mnn:cpu:t1", "torch:cpu:t1")})
+    assert split.heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2} and split.predicted_s == pytest.approx(0.022)
+    assert _costs(profile_with_head_split(profile, "mnn:cpu:t1", split), "mnn:cpu:t1") == _costs(got, "mnn:cpu:t1")
+
+
+def test_profile_with_head_split_extra_costs_clamping_and_no_raise():
+    from planner.heads import profile_with_head_split
+
+    profile = _split_profile()
+    split = {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    # 5 ms extra on torch: split time max(20, 27) = 27 ms, saving 31 ms of 90: 59/90 stays
+    f, b, r, _ = _costs(profile_with_head_split(profile, "mnn:cpu:t1", split, {"torch:cpu:t1": 0.005}),
+                        "mnn:cpu:t1")["enc"]
+    assert (f, b, r) == (pytest.approx(0.030 * 59 / 90), pytest.approx(0.060 * 59 / 90), pytest.approx(0.020 * 59 / 90))
+    # a block of 30 ms on mnn:cpu:t2 cannot lose 36 ms: it goes to 0, not below
+    assert _costs(profile_with_head_split(profile, "mnn:cpu:t2", split), "mnn:cpu:t2")["enc"] == (0.0, 0.0, 0.0, 0)
+    # a "split" slower than the backend alone (torch 60 ms vs mnn 58 ms) never raises the cost
+    slower = profile_with_head_split(profile, "mnn:cpu:t1", {"torch:cpu:t1": 4})
+    assert _costs(slower, "mnn:cpu:t1") == _costs(profile, "mnn:cpu:t1")
+    # zero-head entries are ignored; backend None is the profile's fastest (mnn:cpu:t2 here)
+    fastest = profile_with_head_split(profile, None, {"mnn:cpu:t1": 2, "torch:cpu:t1": 2, "mnn:cpu:t2": 0})
+    assert _costs(fastest, "mnn:cpu:t2")["enc"] == (0.0, 0.0, 0.0, 0)
+    assert _costs(fastest, "mnn:cpu:t1") == _costs(profile, "mnn:cpu:t1")
+
+
+def test_profile_with_head_split_without_curves_or_with_bad_input():
+    import dataclasses
+
+    from planner.heads import profile_with_head_split
+
+    profile = _split_profile()
+    # torch has no curve for the block: no measurement, no credit
+    bare = dataclasses.replace(profile, backends=tuple(
+        dataclasses.replace(b, attention={}) if b.backend == "torch:cpu:t1" else b for b in profile.backends))
+    assert _costs(profile_with_head_split(bare, "mnn:cpu:t1", {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}),
+                  "mnn:cpu:t1") == _costs(profile, "mnn:cpu:t1")
+    with pytest.raises(ValueError, match=r"names backends \['gpu:0'\] that profile 'box' lacks"):
+        profile_with_head_split(profile, "mnn:cpu:t1", {"mnn:cpu:t1": 2, "gpu:0": 2})
+    with pytest.raises(ValueError, match="gives no backend a head"):
+        profile_with_head_split(profile, "mnn:cpu:t1", {"mnn:cpu:t1": 0})
+    with pytest.raises(ValueError, match=r"block signature enc: the attention curves cover \[4\] heads but the split"):
+        profile_with_head_split(profile, "mnn:cpu:t1", {"mnn:cpu:t1": 2, "torch:cpu:t1": 3})
+    with pytest.raises(KeyError, match="has no backend 'mnn:cpu:t9'"):
+        profile_with_head_split(profile, "mnn:cpu:t9", {"mnn:cpu:t1": 4})

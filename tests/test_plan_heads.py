@@ -1,5 +1,6 @@
 """`confidant plan` records a per-device attention head split, writes it into plan.json and the
-bundle's stage.json, and `confidant show` prints it (no training here: planning only)."""
+bundle's stage.json, and `confidant show` prints it; the partition and the predicted times see the
+split device's speed (no training here besides one run from a split bundle)."""
 from __future__ import annotations
 
 import argparse
@@ -20,24 +21,36 @@ def _graph(tiny_onnx):
     return load_model(tiny_onnx["torchscript-17"], 2, 12)
 
 
-def _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1", "mnn:cpu:t2"), curves=CURVES) -> DeviceProfile:
+def _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1", "mnn:cpu:t2"), curves=CURVES,
+             encoder_s=(0.01, 0.02)) -> DeviceProfile:
+    """Every block 10 + 20 ms, encoder blocks `encoder_s` (forward, backward), on every backend."""
     sigs = {block_signature(b) for b in graph.blocks}
     enc = [block_signature(b) for b in graph.blocks if b.kind == "encoder"]
     out = []
     for name in backends:
         blocks = {s: BlockCost(forward_s=0.01, backward_s=0.02, workspace_bytes=1 << 20) for s in sigs}
+        blocks.update({s: BlockCost(*encoder_s, workspace_bytes=1 << 20) for s in enc})
         attention = {enc[0]: AttentionCurve(curves[name])} if name in curves else {}
         out.append(BackendProfile(name, blocks, attention))
     return DeviceProfile("box", "tiny", graph.batch, graph.seq, tuple(out), memory_available_bytes=8 << 30)
 
 
 def _plan(tiny_onnx, tmp_path, profile: DeviceProfile, schedule: str):
+    return _plan_devices(tiny_onnx, tmp_path, {"box": profile}, schedule)
+
+
+def _plan_devices(tiny_onnx, tmp_path, profiles: dict[str, DeviceProfile], schedule: str):
+    """Plan over one device per profile (named by its key), each running mnn:cpu:t1."""
     from confidant.planning import cmd_plan
 
-    profile.save(tmp_path / "box.json")
-    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
-        {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": "1GiB",
-         "backend": "mnn:cpu:t1"}]}))
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    devices = []
+    for i, (name, profile) in enumerate(profiles.items()):
+        profile.save(tmp_path / f"{name}.json")
+        devices.append({"name": name, "address": f"tcp://127.0.0.1:{i + 1}", "profile": f"{name}.json",
+                        "memory_budget": "1GiB", "backend": "mnn:cpu:t1"})
+    links = {"links": {"default": {"bandwidth": "1GB/s", "latency": "0.1ms"}}} if len(devices) > 1 else {}
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": devices, **links}))
     args = argparse.Namespace(model=str(tiny_onnx["torchscript-17"]), cluster=tmp_path / "cluster.json", batch=4,
                               seq=12, microbatches=2, schedule=schedule, optimizer="adamw", lr=5e-5, cuts=None,
                               devices=None, time_limit=5.0, update_every=1, output=tmp_path / "plan")
@@ -67,16 +80,55 @@ def test_plan_records_a_head_split_and_show_prints_it(tiny_onnx, tmp_path, capsy
     assert "heads" in out and "mnn:cpu:t1 2 + torch:cpu:t1 2 (pred 22 ms vs 58 ms single)" in out
 
 
-def test_no_split_under_a_stashing_schedule(tiny_onnx, tmp_path, capsys):
+def test_a_split_is_planned_under_a_stashing_schedule_too(tiny_onnx, tmp_path):
+    """The split engine stashes weight versions (tests/test_split_stash.py), so 1f1b-stash gets the split."""
+    from ir.bundle import load_bundle_dir
+
     graph = _graph(tiny_onnx)
     plan = _plan(tiny_onnx, tmp_path, _profile(graph), "1f1b-stash")
     (entry,) = plan["devices"]
-    assert entry["head_split"] is None
-    from ir.bundle import load_bundle_dir
+    assert entry["head_split"]["heads"] == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    assert load_bundle_dir(tmp_path / "plan" / entry["bundle"]).stage_doc["head_split"] == entry["head_split"]["heads"]
 
-    assert load_bundle_dir(tmp_path / "plan" / entry["bundle"]).stage_doc["head_split"] is None
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("0 ")]
-    assert rows and rows[0].rstrip().endswith("-")
+
+def test_a_split_device_is_predicted_faster(tiny_onnx, tmp_path):
+    """Encoder blocks of 40 + 80 ms whose attention takes 58 ms alone and 22 ms split: each loses
+    36 ms, so a one-device plan's stage time falls by 2 x 36 ms per micro-batch against the same
+    device with one engine (no split), and its step (one stage, 2 micro-batches, 1f1b-flush) by 2x that."""
+    graph = _graph(tiny_onnx)
+    assert sum(b.kind == "encoder" for b in graph.blocks) == 2
+    split = _plan(tiny_onnx, tmp_path / "split", _profile(graph, encoder_s=(0.04, 0.08)), "1f1b-flush")
+    alone = _plan(tiny_onnx, tmp_path / "alone", _profile(graph, backends=("mnn:cpu:t1", "mnn:cpu:t2"),
+                                                          encoder_s=(0.04, 0.08)), "1f1b-flush")
+    assert split["devices"][0]["head_split"] is not None and alone["devices"][0]["head_split"] is None
+    saved = alone["devices"][0]["predicted_time_s"] - split["devices"][0]["predicted_time_s"]
+    assert saved == pytest.approx(2 * 0.036)
+    assert alone["predicted_step_s"] - split["predicted_step_s"] == pytest.approx(2 * 2 * 0.036)
+
+
+def test_the_partition_gives_a_split_device_more_blocks(tiny_onnx, tmp_path):
+    """Blocks cost 30 ms; encoders 120 ms on device "plain" and 150 ms on device "fast", whose
+    split lowers them to 150 - 36 = 114 ms. Unsplit, "fast" is the slower device and takes only the
+    embeddings and one encoder (stages fast 180 | plain 180 ms rather than plain 150 | fast 210);
+    with the split's speed seen it takes the second encoder, the head and the loss (plain 150 |
+    fast 174 ms rather than fast 144 | plain 180)."""
+    graph = _graph(tiny_onnx)
+    assert [b.kind for b in graph.blocks].count("encoder") == 2 and len(graph.blocks) == 5
+    plain = _profile(graph, backends=("mnn:cpu:t1", "mnn:cpu:t2"), encoder_s=(0.04, 0.08))
+
+    def blocks(plan):
+        return {d["name"]: d["blocks"][1] - d["blocks"][0] + 1 for d in plan["devices"]}
+
+    # the control: "fast" without its second engine, so no split
+    unsplit = _plan_devices(tiny_onnx, tmp_path / "unsplit", {
+        "plain": plain, "fast": _profile(graph, backends=("mnn:cpu:t1", "mnn:cpu:t2"), encoder_s=(0.05, 0.10))},
+        "1f1b-flush")
+    assert blocks(unsplit) == {"plain": 3, "fast": 2}
+    split = _plan_devices(tiny_onnx, tmp_path / "split", {
+        "plain": plain, "fast": _profile(graph, encoder_s=(0.05, 0.10))}, "1f1b-flush")
+    assert blocks(split) == {"plain": 2, "fast": 3}
+    assert {d["name"]: d["head_split"] is not None for d in split["devices"]} == {"plain": False, "fast": True}
+    assert split["predicted_step_s"] < unsplit["predicted_step_s"]
 
 
 def test_no_split_when_the_backends_would_share_cores_or_not_help(tiny_onnx):
@@ -84,15 +136,15 @@ def test_no_split_when_the_backends_would_share_cores_or_not_help(tiny_onnx):
 
     graph = _graph(tiny_onnx)
     # profiled at one thread at most: mnn t1 + torch t1 need two cores
-    assert plan_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1")), "gpipe") is None
-    assert plan_head_split(graph, _profile(graph), "gpipe") is not None
+    assert plan_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1"))) is None
+    assert plan_head_split(graph, _profile(graph)) is not None
     # one engine only: nothing to run concurrently
     assert plan_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "mnn:cpu:t2"),
                                            curves={"mnn:cpu:t1": CURVES["mnn:cpu:t1"],
-                                                   "mnn:cpu:t2": CURVES["torch:cpu:t1"]}), "gpipe") is None
+                                                   "mnn:cpu:t2": CURVES["torch:cpu:t1"]})) is None
     # a split that is not faster than one backend alone (linear curves, torch slow) is not recorded
     slow = {"mnn:cpu:t1": (0.01, 0.02, 0.03, 0.04), "torch:cpu:t1": (0.05, 0.10, 0.15, 0.20)}
-    assert plan_head_split(graph, _profile(graph, curves=slow), "gpipe") is None
+    assert plan_head_split(graph, _profile(graph, curves=slow)) is None
 
 
 def test_training_from_a_split_bundle_gives_the_unsplit_losses(tiny_onnx, tmp_path, capsys):
