@@ -458,6 +458,8 @@ class _Vars:
     compute: list           # [r] IntVar, microseconds
     link: list              # [r] IntVar, one transfer between positions r+1 and r (r < positions-1)
     update: list            # [r] IntVar, the position's optimizer step, microseconds
+    slowest: object = None  # IntVar: the largest stage time (flush) or period (1f1b-stash)
+    slowest_update: object = None  # IntVar: the largest optimizer step (flush)
 
 
 def _add_stage_order(model: cp_model.CpModel, inst: PartitionInstance, P: int):
@@ -561,6 +563,13 @@ def _add_objective(v: _Vars, inst: PartitionInstance) -> None:
         else:
             model.add(slowest >= v.compute[r] + (v.link[r] if r < P - 1 else 0) + (v.link[r - 1] if r > 0 else 0))
             model.add(slowest_update >= v.update[r])
+    # Redundant bounds for the LP relaxation, which the enforced constraints leave weak: every
+    # block runs somewhere, at least as fast as on its fastest device (with forward reuse).
+    cheapest = [min(inst.compute_us[d][k] - inst.recompute_us[d][k] for d in range(len(inst.devices)))
+                for k in range(inst.blocks)]
+    model.add(sum(v.compute) >= sum(cheapest))
+    model.add(slowest >= max(cheapest))
+    v.slowest, v.slowest_update = slowest, slowest_update
     if inst.schedule in ASYNC_SCHEDULES:
         model.minimize(m * slowest)
     else:
@@ -706,6 +715,22 @@ def _add_hint(v: _Vars, inst: PartitionInstance, assignment: Assignment) -> None
         v.model.add_hint(v.used[r], int(r < p))
         for c in range(len(v.classes)):
             v.model.add_hint(v.on[r][c], int(r < p and cls[devs[p - 1 - r]] == c))
+    # the derived values too: a complete hint is checked at once and becomes the first solution
+    compute, link, update = _times_us(inst, devs, ranges)
+    for r in range(v.positions):
+        s = p - 1 - r
+        v.model.add_hint(v.compute[r], compute[s] if r < p else 0)
+        v.model.add_hint(v.update[r], update[s] if r < p else 0)
+        if r < v.positions - 1:
+            v.model.add_hint(v.link[r], link[s - 1] if r + 1 < p else 0)
+            for k in range(inst.blocks - 1):
+                v.model.add_hint(v.last_of[r][k], int(r + 1 < p and ranges[s - 1][1] == k))
+    if v.slowest is not None:
+        if inst.schedule in ASYNC_SCHEDULES:
+            v.model.add_hint(v.slowest, max([c + u for c, u in zip(compute, update)] + [2 * b for b in link]))
+        else:
+            v.model.add_hint(v.slowest, max(_stage_times_us(compute, link)))
+            v.model.add_hint(v.slowest_update, max(update))
 
 
 def _search(inst: PartitionInstance, time_limit_s: float, workers: int, seed: int, soft_memory: bool):
