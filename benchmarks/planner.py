@@ -28,7 +28,7 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
     time per batch, warm-up and pipeline fill/drain cancelled, which is what m x bottleneck
     predicts (``sim`` is then the same difference of two simulations). ``err`` = measured /
     predicted - 1 (target: within 10 %). ``upd`` is the measured optimizer update per step of the
-    slowest stage (the cost model has no update term); ``F+B`` lists, per stage, measured /
+    slowest stage (the cost model predicts it from the profile's seconds per parameter byte); ``F+B`` lists, per stage, measured /
     predicted forward+backward ms per micro-batch. ``err cost|mc`` and ``err sim|mc`` compare with
     the cost formula and the simulation rerun on the *measured* per-stage forward, backward and
     update times (links as modelled; the formula gets the update added, the simulation runs it as
@@ -45,17 +45,18 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
     the model's memory); links are random pairs of 100 Mbit/s, 500 Mbit/s or 1 Gbit/s with 0.2-3 ms
     latency. The instance comes from ``planner.partition.make_instance`` over a real ``Cluster``, as
     ``confidant plan`` builds it. ``solve_partition(inst, time_limit_s=--time-limit)`` (default
-    10 s, default 8 CP-SAT workers, 1f1b-flush, 4 micro-batches) is timed; its CP-SAT solvers are
-    watched (planner.partition._solver is wrapped, nothing else changes) to read each per-stage-
-    count model's status and best bound. ``gap`` = (objective - lower bound) / objective, where the
-    lower bound is the least over stage counts p of: the objective itself where p was proven
-    optimal or infeasible below the incumbent, CP-SAT's best bound otherwise. ``gap simple`` uses a
-    simple bound instead (no links, no memory, perfectly divisible work: sum over blocks of the fastest
-    device's time + (m-1) x total work / the devices' summed speed). Building the CP-SAT models
-    costs about 3 us per linear term and the link constraints alone have p x D^2 x n terms per
-    stage count p, summed over p = 1..min(D, n): combinations whose estimate exceeds
-    ``--max-build-s`` (default 30 s) are skipped and listed (64 devices with 48 or more blocks:
-    hundreds of millions of terms, minutes to hours of model building before the solver starts).
+    10 s, default 8 CP-SAT workers, 1f1b-flush, 4 micro-batches) is timed; its CP-SAT solver is
+    watched (planner.partition._solver is wrapped, nothing else changes) to read its status and
+    best bound. ``gap`` = (objective - lower bound) / objective, the lower bound being the objective
+    itself when proven optimal, CP-SAT's best bound otherwise. ``gap simple`` uses a simple bound
+    instead (no links, no memory, perfectly divisible work: sum over blocks of the fastest device's
+    time + (m-1) x total work / the devices' summed speed). Two kinds of cluster: every device and
+    link different (the hardest case for the solver), and 16 or 64 devices that are copies of 8
+    device models with one link value per pair of models (what a real group of edge devices looks
+    like; the solver groups interchangeable devices into classes, so its model grows with the
+    classes, not the devices). Building the CP-SAT model costs about 10 us per linear term
+    (``planner.partition.model_size``); combinations whose estimate exceeds ``--max-build-s``
+    (default 60 s) are skipped and listed.
     For reference, ``dp step s`` is the predicted step of part (c)'s memory-blind DP plan on the
     same instance (a valid plan, hence an upper bound on the optimum, when it fits).
 
@@ -76,20 +77,26 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
     limit without proving that none exists, the first such schedule of each cluster is solved
     again with 6x the limit, to tell "none fits" from "none found in time".
 
-(d) A real slow link: workers in network namespaces joined by shaped veth pairs.
+(d) A real slow link: workers in network namespaces joined by a delayed, shaped link.
     N = 2 (and 3) workers each in its own network namespace, the coordinator in another. Every
     worker has a control interface on a bridge in the coordinator's namespace (unshaped: weights,
-    inputs, losses and the final checkpoint travel there, which the cost model does not count),
-    and every pair of workers a veth pair of their own, shaped on both ends with
-    ``tc qdisc ... tbf rate R`` (R = 100 Mbit/s, and 20 Mbit/s for N = 2, where the link term is a
-    third of the step); /32 routes send worker-to-worker traffic over it. This kernel has no
-    netem, so no delay can be added: the link's latency is what the veth and TCP give (tens of
-    microseconds), only bandwidth is shaped. The link is measured through the shaped veth
-    (``confidant profile --serve-link`` in one worker namespace, ``--link`` from another), the
-    cluster planned with that link and the profile of (a), and ``confidant worker --listen
+    inputs, losses and the final checkpoint travel there, which the cost model does not count).
+    This kernel has no netem, so latency comes from a userspace delay line
+    (``benchmarks/linkdelay.py``): each pair of workers gets two TUN devices, one in each
+    namespace, and one relay process forwards every packet between them after a fixed one-way
+    delay (``--d-delay``, default 5 ms, like home Wi-Fi; ``off``: a plain veth pair, latency only
+    what veth and TCP give), with ``tc qdisc ... tbf rate R`` on each TUN's egress for the
+    bandwidth (``--d-configs``, default ``2:100mbit,2:20mbit,3:100mbit``: N workers at rate R).
+    The kernel's TCP runs over the delayed link unchanged (slow start included); the relay runs at
+    real-time priority and reports its CPU (not counted in ``others``). /32 routes send
+    worker-to-worker traffic over the pair. The link is measured through it (``confidant profile
+    --serve-link`` in one worker namespace, ``--link`` from another), the cluster planned with that
+    measured bandwidth and latency and the profile of (a), and ``confidant worker --listen
     tcp://<addr>:<port>`` runs in each namespace (``ip netns exec``); 1f1b-flush, ``--steps`` + 1
     steps, the first warm-up. Columns as in (a). Namespaces are removed at the end, also on
     failure. Needs root, ``ip`` and ``tc`` (iproute2); otherwise the part is skipped with a message.
+    ``.venv/bin/python benchmarks/linkdelay.py --selftest`` checks the delay line alone (RTT,
+    TCP throughput, order, loss, relay CPU).
 
 Noise
     Every configuration records the share of all CPUs used by other processes while it ran
@@ -98,7 +105,7 @@ Noise
 
 Usage
     .venv/bin/python benchmarks/planner.py [--parts a,b,c,d] [--json OUT] [--steps N]
-        [--microbatches M] [--time-limit S] [--model PATH]
+        [--microbatches M] [--time-limit S] [--model PATH] [--d-delay 5ms|off] [--d-configs N:RATE,...]
     Without ``--model`` the default checkpoint is exported once to
     ``~/.cache/confidant/bench-minilm.onnx`` (shared with the other benchmarks). About 5 minutes
     on 2 idle cores with the defaults (7-8 minutes when other processes keep the CPUs busy).
@@ -502,22 +509,31 @@ def model_memory_bytes(graph, ws, schedule: str, M: int, stages: int) -> int:
 
 
 def synthetic_cluster(graph, work, ws, n_devices: int, rng: random.Random, schedule: str, M: int,
-                      budget_mode: str):
+                      budget_mode: str, kinds: int | None = None):
     """Devices with synthetic profiles: slowness log-uniform in 1..10 (1 and 10 both present),
-    budgets 'loose' (0.8..4 equal shares each) or 'tight' (summing to TIGHT_SLACK x the model's memory)."""
+    budgets 'loose' (0.8..4 equal shares each) or 'tight' (summing to TIGHT_SLACK x the model's memory).
+
+    `kinds`: the devices are copies of that many device models (slowness and budget per model,
+    one random link per pair of models), as in a household or lab of repeated phones and boards;
+    None: every device and every link differs."""
     from ir.graph import block_signature
     from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
     from planner.cluster import Cluster, DeviceSpec
 
-    slow = [1.0, 10.0][:n_devices] + [math.exp(rng.uniform(0, math.log(10))) for _ in range(n_devices - 2)]
-    rng.shuffle(slow)
+    k = n_devices if kinds is None else min(kinds, n_devices)
+    slow_k = [1.0, 10.0][:k] + [math.exp(rng.uniform(0, math.log(10))) for _ in range(k - 2)]
+    rng.shuffle(slow_k)
+    kind = list(range(n_devices)) if kinds is None else [d % k for d in range(n_devices)]
     stages = min(n_devices, len(graph.blocks))
     need = model_memory_bytes(graph, ws, schedule, M, stages)
     if budget_mode == "loose":
-        budgets = [int(need / stages * rng.uniform(0.8, 4.0)) for _ in range(n_devices)]
+        budget_k = [int(need / stages * rng.uniform(0.8, 4.0)) for _ in range(k)]
     else:
-        shares = [rng.uniform(0.3, 1.7) for _ in range(n_devices)]
-        budgets = [int(TIGHT_SLACK * need * s / sum(shares)) for s in shares]
+        shares = [rng.uniform(0.3, 1.7) for _ in range(k)]
+        total = sum(shares[kind[d]] for d in range(n_devices))
+        budget_k = [int(TIGHT_SLACK * need * s / total) for s in shares]
+    slow = [slow_k[kind[d]] for d in range(n_devices)]
+    budgets = [budget_k[kind[d]] for d in range(n_devices)]
     sigs = [block_signature(b) for b in graph.blocks]
     devices = []
     for d in range(n_devices):
@@ -525,24 +541,19 @@ def synthetic_cluster(graph, work, ws, n_devices: int, rng: random.Random, sched
         prof = DeviceProfile(f"dev{d}", graph.name, graph.batch, graph.seq, (BackendProfile(BACKEND, costs),),
                              budgets[d], MINILM["overhead"])
         devices.append(DeviceSpec(f"dev{d}", f"tcp://dev{d}:5555", prof, budgets[d], BACKEND))
-    pairs = {}
-    for a, b in itertools.combinations(range(n_devices), 2):
-        bw = rng.choice((100e6 / 8, 500e6 / 8, 1e9 / 8))
-        pairs[(f"dev{a}", f"dev{b}")] = Link(bw, rng.uniform(0.2e-3, 3e-3))
+    link_k = {}
+    for a in range(k):
+        for b in range(a, k):
+            link_k[(a, b)] = Link(rng.choice((100e6 / 8, 500e6 / 8, 1e9 / 8)), rng.uniform(0.2e-3, 3e-3))
+    pairs = {(f"dev{a}", f"dev{b}"): link_k[tuple(sorted((kind[a], kind[b])))]
+             for a, b in itertools.combinations(range(n_devices), 2)}
     return Cluster(tuple(devices), Link(100e6 / 8, 1e-3), pairs), slow, budgets
 
 
 TIGHT_SLACK = 1.5  # part (c): the budgets add up to this multiple of the model's memory
 
 
-def estimated_build_terms(n_devices: int, n_blocks: int) -> int:
-    """Linear terms planner.partition._build writes, summed over its per-stage-count models."""
-    per_p = n_devices * (n_devices - 1) * (n_blocks - 1) + 2 * n_devices * n_blocks
-    top = min(n_devices, n_blocks)
-    return per_p * top * (top + 1) // 2
-
-
-BUILD_US_PER_TERM = 3.0  # measured on this machine (2.7-3.6 us per term)
+BUILD_US_PER_TERM = 10.0  # measured on this machine (5-15 us per term)
 
 
 def simple_lower_bound_us(inst) -> int:
@@ -599,60 +610,55 @@ def watched_solve(inst, time_limit_s: float, workers: int):
 # --------------------------------------------------------------------------
 
 def part_b(time_limit: float, workers: int, max_build_s: float, blocks=(12, 48, 96, 192),
-           devices=(4, 8, 16, 64), M: int = 4, schedule: str = "1f1b-flush", seed: int = 0) -> dict:
-    from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us
+           devices=(4, 8, 16, 64), kinds=(None, 8), M: int = 4, schedule: str = "1f1b-flush", seed: int = 0) -> dict:
+    from planner.partition import (PlanDoesNotFit, check_feasible, make_instance, manual_partition, model_size,
+                                   predicted_step_us)
 
     rows = []
-    for nd in devices:
-        for n in blocks:
-            terms = estimated_build_terms(nd, n)
-            est = terms * BUILD_US_PER_TERM / 1e6
-            if est > max_build_s:
-                rows.append({"devices": nd, "blocks": n, "skipped": f"~{terms / 1e6:.0f}M model terms, ~{est:.0f} s "
-                             f"of model building", "build_terms": terms})
-                _log(f"(b) {nd} devices x {n} blocks: skipped ({rows[-1]['skipped']})")
-                continue
-            rng = random.Random(seed * 1000 + nd * 7 + n)
-            graph, work, ws = synthetic_graph(n, rng)
-            cluster, slow, budgets = synthetic_cluster(graph, work, ws, nd, rng, schedule, M, "loose")
-            inst = make_instance(graph, cluster, schedule, M, OPTIMIZER)
-            _log(f"(b) {nd} devices x {n} blocks: solving (limit {time_limit:.0f} s) ...")
-            with NoiseMeter() as noise:
-                result, wall, recs = watched_solve(inst, time_limit, workers)
-            counts = min(nd, n)
-            first = recs[:counts]
-            row = {"devices": nd, "blocks": n, "wall_s": wall, "build_terms": terms, "others_cpu": noise.others,
-                   "solve_s": sum(r.get("wall_s", 0.0) for r in recs),
-                   "per_p": [{"p": i + 1, **r} for i, r in enumerate(first)],
-                   "simple_bound_us": simple_lower_bound_us(inst),
-                   "statuses": {s: sum(r.get("status") == s for r in first) for s in
-                                ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "UNKNOWN")}}
-            t0 = time.perf_counter()
-            dp_devs, dp_cuts = pipedream_dp(inst)
-            dp = manual_partition(inst, dp_devs, dp_cuts)
-            row["dp"] = {"objective_us": predicted_step_us(inst, dp), "fits": not check_feasible(dp, inst),
-                         "stages": len(dp.stages), "wall_s": time.perf_counter() - t0}
-            if isinstance(result, PlanDoesNotFit):
-                row.update(status="none found" if "not proven" in str(result) else "none fits", objective_us=None,
-                           error=str(result))
-            elif isinstance(result, Exception):
-                row.update(status="ERROR", objective_us=None, error=f"{type(result).__name__}: {result}")
-            else:
-                obj = predicted_step_us(inst, result)
-                # a lower bound: per stage count, the objective where proven (optimal, or infeasible
-                # below the incumbent, which is >= the final objective), CP-SAT's bound otherwise
-                bounds = []
-                for r in first:
-                    if r["status"] in ("OPTIMAL", "INFEASIBLE"):
-                        bounds.append(obj)
-                    else:
-                        bounds.append(min(obj, r["bound"]))
-                lb = min(bounds) if bounds else obj
-                row.update(status="optimal" if result.optimal else "feasible", objective_us=obj,
-                           stages=len(result.stages), lower_bound_us=lb, gap=(obj - lb) / obj if obj else 0.0,
-                           simple_gap=(obj - row["simple_bound_us"]) / obj if obj else 0.0)
-            _log(f"    {row['status']} in {wall:.1f} s" + (f", gap {row['gap']:.1%}" if row.get("gap") is not None else ""))
-            rows.append(row)
+    for kind in kinds:
+        for nd in devices:
+            if kind is not None and nd <= kind:
+                continue  # as many kinds as devices: the distinct rows already cover it
+            for n in blocks:
+                rng = random.Random(seed * 1000 + nd * 7 + n)
+                graph, work, ws = synthetic_graph(n, rng)
+                cluster, slow, budgets = synthetic_cluster(graph, work, ws, nd, rng, schedule, M, "loose", kind)
+                inst = make_instance(graph, cluster, schedule, M, OPTIMIZER)
+                size = model_size(inst)
+                label = "all distinct" if kind is None else f"{kind} kinds"
+                est = size["terms"] * BUILD_US_PER_TERM / 1e6
+                row = {"devices": nd, "kinds": kind, "blocks": n, "classes": size["classes"],
+                       "build_terms": size["terms"]}
+                if est > max_build_s:
+                    row["skipped"] = f"~{size['terms'] / 1e6:.1f}M model terms, ~{est:.0f} s of model building"
+                    rows.append(row)
+                    _log(f"(b) {nd} devices ({label}) x {n} blocks: skipped ({row['skipped']})")
+                    continue
+                _log(f"(b) {nd} devices ({label}, {size['classes']} classes) x {n} blocks: solving "
+                     f"(limit {time_limit:.0f} s) ...")
+                with NoiseMeter() as noise:
+                    result, wall, recs = watched_solve(inst, time_limit, workers)
+                first = recs[0] if recs else {}
+                row.update(wall_s=wall, others_cpu=noise.others, solve_s=sum(r.get("wall_s", 0.0) for r in recs),
+                           solver_status=first.get("status"), simple_bound_us=simple_lower_bound_us(inst))
+                t0 = time.perf_counter()
+                dp_devs, dp_cuts = pipedream_dp(inst)
+                dp = manual_partition(inst, dp_devs, dp_cuts)
+                row["dp"] = {"objective_us": predicted_step_us(inst, dp), "fits": not check_feasible(dp, inst),
+                             "stages": len(dp.stages), "wall_s": time.perf_counter() - t0}
+                if isinstance(result, PlanDoesNotFit):
+                    row.update(status="none found" if "not proven" in str(result) else "none fits", objective_us=None,
+                               error=str(result))
+                elif isinstance(result, Exception):
+                    row.update(status="ERROR", objective_us=None, error=f"{type(result).__name__}: {result}")
+                else:
+                    obj = predicted_step_us(inst, result)
+                    lb = obj if result.optimal else min(obj, int(first.get("bound", 0)))
+                    row.update(status="optimal" if result.optimal else "feasible", objective_us=obj,
+                               stages=len(result.stages), lower_bound_us=lb, gap=(obj - lb) / obj if obj else 0.0,
+                               simple_gap=(obj - row["simple_bound_us"]) / obj if obj else 0.0)
+                _log(f"    {row['status']} in {wall:.1f} s" + (f", gap {row['gap']:.1%}" if row.get("gap") is not None else ""))
+                rows.append(row)
     return {"time_limit_s": time_limit, "solver_workers": workers, "schedule": schedule, "microbatches": M,
             "max_build_s": max_build_s, "rows": rows}
 
@@ -660,30 +666,28 @@ def part_b(time_limit: float, workers: int, max_build_s: float, blocks=(12, 48, 
 def format_b(b: dict) -> str:
     lines = [f"(b) planning time and optimality gap: synthetic models, {b['schedule']}, M={b['microbatches']}, "
              f"time limit {b['time_limit_s']:.0f} s per case, {b['solver_workers']} CP-SAT workers on {CPUS} CPUs",
-             "    p O/F/I/U = per-stage-count models proven optimal / feasible only / infeasible (below the incumbent) / "
-             "unknown (time out);",
+             "    kinds = device models the devices are copies of ('-': all differ); classes = interchangeable groups "
+             "the solver found;",
              "    build s = wall minus the CP-SAT solve calls (model building in Python); gap = (step - lower bound) / "
              "step, with CP-SAT's bound or the simple one;",
              "    dp step s = the predicted step of part (c)'s memory-blind PipeDream-style DP plan (an upper bound "
              "on the optimum when it fits)"]
     rows = []
     for r in b["rows"]:
+        head = [str(r["devices"]), "-" if r.get("kinds") is None else str(r["kinds"]), str(r["classes"]),
+                str(r["blocks"])]
         if r.get("skipped"):
-            rows.append([str(r["devices"]), str(r["blocks"]), "skipped", "-", "-", "-", "-", "-", "-", "-", "-", "-",
-                         r["skipped"]])
+            rows.append(head + ["skipped", "-", "-", "-", "-", "-", "-", "-", "-", r["skipped"]])
             continue
-        st = r.get("statuses") or {}
-        rows.append([str(r["devices"]), str(r["blocks"]), r["status"], f"{r['wall_s']:.1f}",
-                     f"{r['wall_s'] - r['solve_s']:.1f}",
-                     "-" if r.get("objective_us") is None else f"{r['objective_us'] / 1e6:.3f}",
-                     str(r.get("stages", "-")),
-                     "/".join(str(st.get(k, 0)) for k in ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "UNKNOWN")),
-                     "-" if r.get("gap") is None else f"{r['gap']:.1%}",
-                     "-" if r.get("simple_gap") is None else f"{r['simple_gap']:.1%}",
-                     f"{r['dp']['objective_us'] / 1e6:.3f}" + ("" if r["dp"]["fits"] else " (no fit)"),
-                     "-" if r.get("others_cpu") is None else f"{r['others_cpu']:.0%}",
-                     "" if r["status"] != "ERROR" else r["error"][:90]])
-    lines += _table(rows, ["devs", "blocks", "status", "wall s", "build s", "step s", "stages", "p O/F/I/U",
+        rows.append(head + [r["status"], f"{r['wall_s']:.1f}", f"{r['wall_s'] - r['solve_s']:.1f}",
+                            "-" if r.get("objective_us") is None else f"{r['objective_us'] / 1e6:.3f}",
+                            str(r.get("stages", "-")),
+                            "-" if r.get("gap") is None else f"{r['gap']:.1%}",
+                            "-" if r.get("simple_gap") is None else f"{r['simple_gap']:.1%}",
+                            f"{r['dp']['objective_us'] / 1e6:.3f}" + ("" if r["dp"]["fits"] else " (no fit)"),
+                            "-" if r.get("others_cpu") is None else f"{r['others_cpu']:.0%}",
+                            "" if r["status"] != "ERROR" else r["error"][:90]])
+    lines += _table(rows, ["devs", "kinds", "classes", "blocks", "status", "wall s", "build s", "step s", "stages",
                            "gap cp-sat", "gap simple", "dp step s", "others", "note"])
     return "\n".join(lines)
 
@@ -851,17 +855,22 @@ def _tc(ns: str, *args: str) -> None:
 
 class Netns:
     """A coordinator namespace with a bridge, one namespace per worker on that bridge (unshaped
-    control), and a tbf-shaped veth pair between every two workers (/32 routes send worker-to-
-    worker traffic over it). Everything is removed by `close` (deleting a namespace deletes its
-    interfaces)."""
+    control), and a tbf-shaped link between every two workers (/32 routes send worker-to-worker
+    traffic over it): a veth pair when `delay_s` is None, else a TUN pair joined by the userspace
+    delay line of benchmarks/linkdelay.py (`delay_s` one way; this kernel has no netem), whose
+    statistics (packets, CPU seconds) land in `relay_stats` at `close`. Everything is removed by
+    `close` (the relay first, then the namespaces, which takes their interfaces along)."""
 
-    def __init__(self, workers: int, rate: str):
+    def __init__(self, workers: int, rate: str, delay_s: float | None = None):
         self.coord = f"{NS_PREFIX}-c"
         self.workers = [f"{NS_PREFIX}-w{i}" for i in range(workers)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(workers)]
         self.coord_address = f"{SUBNET}.254"
         self.created: list[str] = []
         self.rate = rate
+        self.delay_s = delay_s
+        self.line = None  # the DelayLine, when delay_s is set
+        self.relay_stats: dict | None = None
 
     def __enter__(self):
         try:
@@ -893,6 +902,14 @@ class Netns:
             _ip("-n", c, "link", "set", f"ctl{i}", "up")
             _ip("-n", w, "addr", "add", f"{addr}/24", "dev", "ctl")
             _ip("-n", w, "link", "set", "ctl", "up")
+        if self.delay_s is not None:
+            from benchmarks.linkdelay import DelayLine, Pair
+
+            pairs = [Pair(self.workers[i], f"d{j}", self.addresses[i], self.workers[j], f"d{i}", self.addresses[j])
+                     for i, j in itertools.combinations(range(len(self.workers)), 2)]
+            self.line = DelayLine(pairs, self.delay_s, self.rate)  # TUN devices up, tbf, /32 routes
+            self.line.start()
+            return
         for i, j in itertools.combinations(range(len(self.workers)), 2):
             wi, wj = self.workers[i], self.workers[j]
             _ip("-n", wi, "link", "add", f"d{j}", "type", "veth", "peer", "name", f"d{i}", "netns", wj)
@@ -902,7 +919,14 @@ class Netns:
                 _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", "32kb",
                     "latency", "400ms")
 
+    def relay_cpu_s(self) -> float:
+        """CPU seconds the delay line's relay has used so far (0 without one)."""
+        return self.line.cpu_s() if self.line is not None and self.line.proc is not None else 0.0
+
     def close(self) -> None:
+        if self.line is not None:
+            self.relay_stats = self.line.close()
+            self.line = None
         for name in reversed(self.created):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self.created.clear()
@@ -1034,7 +1058,9 @@ def train_netns(net: Netns, model: Path, ranges, schedule: str, M: int, n_steps:
 
 
 def part_d(model: Path, M: int, steps: int, time_limit: float,
-           configs=((2, "100mbit"), (2, "20mbit"), (3, "100mbit"))) -> dict:
+           configs=((2, "100mbit"), (2, "20mbit"), (3, "100mbit")), delay_s: float | None = 0.005) -> dict:
+    """`delay_s`: one-way delay of every worker-to-worker link, added by the userspace delay line
+    (benchmarks/linkdelay.py: TUN pairs, tbf on their egress); None: plain tbf-shaped veth pairs."""
     from planner.onnx_import import load_model
     from planner.partition import make_instance
 
@@ -1049,12 +1075,13 @@ def part_d(model: Path, M: int, steps: int, time_limit: float,
     port = 26000
     schedule = "1f1b-flush"
     for n, rate in configs:
-        _log(f"(d) {n} workers in namespaces, worker-to-worker veths shaped to {rate} ...")
-        with Netns(n, rate) as net:
+        how = "veths" if delay_s is None else f"TUN pairs through the delay line ({delay_s * 1e3:g} ms one way)"
+        _log(f"(d) {n} workers in namespaces, worker-to-worker {how} shaped to {rate} ...")
+        with Netns(n, rate, delay_s) as net:
             port += 10
             link = measure_netns_link(net, port)
             _log(f"    measured link {link.bandwidth_bytes_per_s * 8 / 1e6:.1f} Mbit/s, "
-                 f"latency {link.latency_s * 1e6:.0f} us")
+                 f"latency {link.latency_s * 1e3:.2f} ms")
             cluster = identical_cluster(profile, n, link, profile.memory_available_bytes // 3)
             inst = make_instance(graph, cluster, schedule, M, OPTIMIZER)
             part, solved, solve_s = plan_n_stages(inst, n, time_limit)
@@ -1062,36 +1089,68 @@ def part_d(model: Path, M: int, steps: int, time_limit: float,
             pred = predictions(graph, cluster, part, schedule, M, steps, n)
             _log(f"    ranges {ranges}, predicted {pred['cost_s']:.3f} s; training ...")
             port += 10
+            relay0, t0 = net.relay_cpu_s(), time.perf_counter()
             with NoiseMeter() as noise:
                 run = train_netns(net, model, ranges, schedule, M, steps + 1, port)
+            relay_cpu, train_wall = net.relay_cpu_s() - relay0, time.perf_counter() - t0
+        others = noise.others
+        relay = None
+        if delay_s is not None:
+            # the relay is our own child but not yet waited for, so NoiseMeter counted it as another process
+            if others is not None:
+                others = max(0.0, others - relay_cpu / (CPUS * train_wall))
+            relay = {"cpu_s": relay_cpu, "wall_s": train_wall, "core_share": relay_cpu / train_wall,
+                     "stats": net.relay_stats}
         meas = measured_figures([run], schedule, M, steps)
         pred["sim_measured_compute_s"] = measured_compute_sim(graph, cluster, part, schedule, M, steps, meas)
         pred["cost_measured_compute_s"] = measured_compute_cost(graph, cluster, part, schedule, M, meas)
-        row = {"workers": n, "rate": rate, "schedule": schedule, "ranges": ranges,
+        row = {"workers": n, "rate": rate, "delay_s": delay_s, "schedule": schedule, "ranges": ranges,
                "link": {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s},
                "solver_stages": len(solved.stages), "solve_s": solve_s, "predicted": pred, "measured": meas,
-               **compare_row(pred, meas), "others_cpu": noise.others, "runs": [run]}
-        _log(f"    measured {meas['step_s']:.3f} s ({row['err_cost']:+.1%} vs cost, {row['err_sim']:+.1%} vs sim)")
+               **compare_row(pred, meas), "others_cpu": others, "relay": relay, "runs": [run]}
+        _log(f"    measured {meas['step_s']:.3f} s ({row['err_cost']:+.1%} vs cost, {row['err_sim']:+.1%} vs sim)"
+             + ("" if relay is None else f"; delay line relay used {relay['core_share']:.0%} of a core"))
         rows.append(row)
-    return {"netem": netem, "microbatches": M, "steps": steps, "rows": rows}
+    return {"netem": netem, "delay_s": delay_s, "microbatches": M, "steps": steps, "rows": rows}
 
 
 def format_d(d: dict) -> str:
     if d.get("skipped"):
         return f"(d) skipped: {d['skipped']}"
-    lines = [f"(d) predicted vs measured over a shaped link: workers in network namespaces, worker-to-worker veth "
-             f"pairs shaped with tbf (netem {'available' if d['netem'] else 'NOT available in this kernel: no delay added, latency is the bare veth'}); "
+    delay_s = d.get("delay_s")
+    netem = "netem is available in this kernel" if d["netem"] else "this kernel has no netem"
+    if delay_s is None:
+        how = (f"worker-to-worker veth pairs shaped with tbf, no delay added ({netem}): latency is the bare "
+               "veth's")
+    else:
+        how = (f"worker-to-worker links are TUN pairs joined by a USERSPACE DELAY LINE (benchmarks/linkdelay.py, "
+               f"{delay_s * 1e3:g} ms one way, {'used for comparability' if d['netem'] else 'because ' + netem}), "
+               "bandwidth shaped with tbf on each TUN's egress")
+    lines = [f"(d) predicted vs measured over a shaped link: workers in network namespaces; {how}; "
              f"MiniLM, 1f1b-flush, M={d['microbatches']}, {d['steps']} timed steps",
-             "    link = measured by measure_link through the shaped veth; link ms = predicted transfer time per stage "
-             "and micro-batch (both directions)"]
+             "    link = bandwidth/latency measured by measure_link through that link (the prediction uses these); "
+             "link ms = predicted transfer time per stage and micro-batch (both directions)"]
 
     def extra(r):
         l = r["link"]
-        return [r["rate"], f"{l['bandwidth_bytes_per_s'] * 8 / 1e6:.1f}Mb/{l['latency_s'] * 1e6:.0f}us",
+        return [r["rate"] + ("" if r.get("delay_s") is None else f"+{r['delay_s'] * 1e3:g}ms"),
+                f"{l['bandwidth_bytes_per_s'] * 8 / 1e6:.1f}Mb/{l['latency_s'] * 1e3:.2f}ms",
                 ",".join(f"{x * 1000:.0f}" for x in r["predicted"]["stage_link_s"])]
 
-    lines += _table(_pred_meas_rows(d["rows"], extra), ["N", "tbf", "link", "link ms", "schedule", "blocks",
+    lines += _table(_pred_meas_rows(d["rows"], extra), ["N", "tbf+delay", "link", "link ms", "schedule", "blocks",
                                                         *PRED_HEADER])
+    for r in d["rows"]:
+        relay = r.get("relay")
+        if relay:
+            st = relay.get("stats") or {}
+            dirs = st.get("dirs", [])
+            lines.append(f"    delay line, {r['workers']} workers {r['rate']}: relay used {relay['cpu_s']:.1f} s CPU in "
+                         f"{relay['wall_s']:.0f} s of training ({relay['core_share']:.0%} of one core, not counted in "
+                         f"'others'); {sum(x['packets'] for x in dirs)} packets, "
+                         f"{sum(x['bytes'] for x in dirs) / 1e6:.0f} MB forwarded, write errors "
+                         f"{sum(x['write_errors'] for x in dirs)}, lateness mean "
+                         f"{max((x['late_mean_us'] for x in dirs), default=0):.0f} us, max "
+                         f"{max((x['late_max_us'] for x in dirs), default=0) / 1e3:.1f} ms")
     return "\n".join(lines)
 
 
@@ -1113,8 +1172,14 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch of 8 (default 4)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per case in (b) and (c) (default 10)")
     ap.add_argument("--solver-workers", type=int, default=8, help="CP-SAT workers in (b) and (c) (default 8)")
-    ap.add_argument("--max-build-s", type=float, default=30.0,
-                    help="(b): skip combinations whose estimated CP-SAT model building exceeds this (default 30)")
+    ap.add_argument("--max-build-s", type=float, default=60.0,
+                    help="(b): skip combinations whose estimated CP-SAT model building exceeds this (default 60)")
+    ap.add_argument("--d-configs", default="2:100mbit,2:20mbit,3:100mbit",
+                    help="(d): WORKERS:TBF_RATE,... (default 2:100mbit,2:20mbit,3:100mbit)")
+    ap.add_argument("--d-delay", default="5ms",
+                    help="(d): one-way delay of the worker-to-worker links, added by the userspace delay line of "
+                         "benchmarks/linkdelay.py (this kernel has no netem), e.g. 5ms, 0ms; 'off': plain veth "
+                         "pairs, no delay line (default 5ms)")
     ap.add_argument("--child-d", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_d:
@@ -1124,6 +1189,15 @@ def main(argv=None) -> int:
         ap.error("--parts takes letters among a,b,c,d")
     if args.steps < 1 or args.microbatches < 1 or BATCH % args.microbatches:
         ap.error(f"--steps >= 1 and --microbatches dividing {BATCH}")
+    from benchmarks.linkdelay import parse_delay
+
+    try:
+        d_delay = None if args.d_delay.strip().lower() in ("off", "none") else parse_delay(args.d_delay)
+        d_configs = tuple((int(n), rate.strip()) for n, rate in (c.split(":") for c in args.d_configs.split(",")))
+    except ValueError as e:
+        ap.error(f"--d-delay/--d-configs: {e}")
+    if not d_configs or any(n < 2 for n, _ in d_configs):
+        ap.error("--d-configs needs entries WORKERS:RATE with WORKERS >= 2")
     signal.signal(signal.SIGTERM, _on_sigterm)
     model = args.model or (default_model() if {"a", "d"} & set(parts) else None)
 
@@ -1135,7 +1209,7 @@ def main(argv=None) -> int:
         "a": lambda: part_a(model, args.microbatches, args.steps, args.time_limit),
         "b": lambda: part_b(args.time_limit, args.solver_workers, args.max_build_s),
         "c": lambda: part_c(args.time_limit, args.solver_workers),
-        "d": lambda: part_d(model, args.microbatches, args.steps, args.time_limit),
+        "d": lambda: part_d(model, args.microbatches, args.steps, args.time_limit, d_configs, d_delay),
     }
     formatters = {"a": format_a, "b": format_b, "c": format_c, "d": format_d}
     for p in parts:
