@@ -54,6 +54,11 @@ class DeviceProfile:
     # seconds of one optimizer step per byte of parameters, by optimizer name ("sgd", "adamw"):
     # the update is memory-bound numpy work, so it scales with the stage's parameter bytes
     update_s_per_param_byte: Mapping[str, float] = field(default_factory=dict)
+    # peak resident bytes (VmHWM) of one head-split child process, by engine kind ("mnn", "torch"):
+    # the whole process (interpreter, runtime, engine, its attention slice), extra memory on the
+    # device for every backend a head split runs in a child (`runtime.head_split`). Empty in
+    # profiles made before it was measured: unknown, not zero (`planner.heads` warns).
+    split_child_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def backend(self, name: str | None = None) -> BackendProfile:
         """The named backend, or the fastest one by total block time."""
@@ -85,8 +90,9 @@ class DeviceProfile:
                 ) for b in doc["backends"])
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
                        int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),
-                       {str(k): float(v) for k, v in doc.get("update_s_per_param_byte", {}).items()})
-        except (KeyError, TypeError) as exc:
+                       {str(k): float(v) for k, v in doc.get("update_s_per_param_byte", {}).items()},
+                       {str(k): int(v) for k, v in doc.get("split_child_bytes", {}).items()})
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
 
     def save(self, path: str | Path) -> None:

@@ -49,6 +49,7 @@ import bisect
 import dataclasses
 import itertools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -234,8 +235,15 @@ def profile_with_head_split(profile: DeviceProfile, backend: str | None, split: 
     backward that is MNN's re-run of the forward (`recompute_s`) shrinks in the same proportion,
     as the re-run covers the attention too. A saving <= 0 changes nothing, and one above the
     block's time takes it to 0. Signatures lacking a curve on `backend` or on a backend of the
-    split keep their cost: no measurement, no credit. Every other backend, the memory figures and
-    the workspace are unchanged. Pure: returns a new profile."""
+    split keep their cost: no measurement, no credit. Every other backend and the workspace are
+    unchanged.
+
+    Memory: every backend of the split that `runtime.head_split` runs in a child process
+    (`split_child_processes`) adds the profile's measured `split_child_bytes` of its engine kind
+    to `runtime_overhead_bytes`, the memory the cost model charges the device besides its stage.
+    A profile without the figure for a needed engine (one made before it was measured, or made by
+    hand) is charged 0 bytes for that child, with a `UserWarning` that names the profile and the
+    engine; re-running `confidant profile` on the device measures it. Pure: returns a new profile."""
     given = dict(split.heads if isinstance(split, HeadSplit) else split)
     heads = {b: h for b, h in given.items() if h > 0}  # a backend with no heads does not run
     if not heads:
@@ -261,7 +269,52 @@ def profile_with_head_split(profile: DeviceProfile, backend: str | None, split: 
         saving = own.seconds[total - 1] - split_time(heads, curves, extra_cost_s)
         blocks[sig] = _lowered(blocks[sig], saving)
     lowered = dataclasses.replace(base, blocks=blocks)
-    return dataclasses.replace(profile, backends=tuple(lowered if b is base else b for b in profile.backends))
+    return dataclasses.replace(profile, backends=tuple(lowered if b is base else b for b in profile.backends),
+                               runtime_overhead_bytes=profile.runtime_overhead_bytes
+                               + _split_children_bytes(profile, heads))
+
+
+def _engine(backend: str) -> str:
+    """'mnn:cpu:t2' -> 'mnn': the engine kind `split_child_bytes` is keyed by."""
+    return backend.split(":", 1)[0]
+
+
+def split_child_processes(split: "HeadSplit | Mapping[str, int]") -> list[str]:
+    """The backends of `split` that `runtime.head_split.SplitAttention` (concurrent, as the split
+    engine runs it) puts in child processes, in the split's order: with two or more backends given
+    heads, all but one; the one kept in the calling process is the first torch backend if there is
+    one (torch computes without holding the GIL), else the first. Restated here because the
+    planner does not import the runtime; tests/test_heads.py checks it against the runtime's."""
+    given = split.heads if isinstance(split, HeadSplit) else split
+    used = [b for b, h in given.items() if h > 0]
+    if len(used) < 2:
+        return []
+    local = next((b for b in used if b.startswith("torch:")), used[0])
+    return [b for b in used if b != local]
+
+
+def _split_children_bytes(profile: DeviceProfile, heads: Mapping[str, int]) -> int:
+    """Measured bytes of the split's child processes; 0 with a warning for an engine not measured.
+
+    A torch backend kept in the worker's own process (the split engine's host runs MNN) makes the
+    worker import torch too: charged as a torch child's bytes less an MNN child's, the measured
+    difference between a process with torch and one without."""
+    total = 0
+    children = split_child_processes(heads)
+    local = [b for b, h in heads.items() if h > 0 and b not in children]
+    figures = profile.split_child_bytes
+    if children and any(_engine(b) == "torch" for b in local) and {"torch", "mnn"} <= set(figures):
+        total += max(0, int(figures["torch"]) - int(figures["mnn"]))
+    for b in children:
+        engine = _engine(b)
+        if engine in profile.split_child_bytes:
+            total += int(profile.split_child_bytes[engine])
+        else:
+            warnings.warn(f"profile {profile.name!r} has no measured memory of a {engine!r} head-split child "
+                          f"process (split_child_bytes has {sorted(profile.split_child_bytes)}); the child of "
+                          f"backend {b!r} is counted as 0 bytes. Re-run `confidant profile` on device "
+                          f"{profile.name!r} to measure it", UserWarning, stacklevel=3)
+    return total
 
 
 def _lowered(cost: BlockCost, saving_s: float) -> BlockCost:

@@ -39,12 +39,26 @@ What is measured, per block kind and backend (one warm-up, then the median of `r
 `memory_available_bytes` is MemAvailable from /proc/meminfo unless given;
 `runtime_overhead_bytes` is the resident memory of a fresh interpreter that imported the worker
 runtime and built nothing (measured in a child process, so the caller's model does not count):
-the MNN runtime's, ~47 MiB here. Importing torch adds ~240 MiB on top, which the profile schema
-has no per-backend field for yet; a plan that puts torch on a device must allow for it.
+the MNN runtime's, ~47 MiB here. Importing torch adds ~240 MiB on top, which this figure does not
+include; a plan that puts torch in a device's main process must allow for it.
+
+`split_child_bytes` (engine kind -> bytes) is what each child process of a head split costs
+(`runtime.head_split` runs every backend of a split but one in its own process): for each engine
+kind among the profiled backends, a child is started through head_split's own machinery (fork
+server, shared memory, serve loop) holding H-1 heads (the most a child of a split holds: an upper
+bound) of the model's attention block kind with the most heads, runs one training forward and
+backward, and its peak resident memory (VmHWM from /proc/<pid>/status) is taken whole. Measured on
+a 2-CPU x86-64 machine: MiniLM's shape (batch 8, seq 128, 11 heads of 32) ~123 MiB for MNN,
+~385 MiB for torch; the tiny test BERT (batch 2, seq 16, 3 heads of 16) ~40 / ~340 MiB. It takes
+~0.4 s for the MNN child (most of it starting the fork server) and ~2 s for the torch one, which
+imports torch. RSS counts the pages a child shares copy-on-write with the fork server, so a second
+child of one engine on a device is over-counted by those (the fork server itself, one per device,
+is not counted separately).
 
 Side effects: profiling resets this process's peak-RSS mark (`trainer.peak_rss_bytes` afterwards
-reports peaks since the profile), and leaves torch's process-wide thread count at the last
-profiled setting (MNN's is restored).
+reports peaks since the profile), leaves torch's process-wide thread count at the last
+profiled setting (MNN's is restored), and leaves head_split's fork server running (started to
+measure the split children; it ends with this process).
 
 `link_probe_server` / `measure_link` measure a link: round trips of tensors through the real
 ZeroMQ transport (headers, checksums and all) between this process and a peer.
@@ -419,6 +433,59 @@ def runtime_overhead_bytes(timeout_s: float = 60.0) -> int:
     return 0
 
 
+def _process_peak_rss(pid: int) -> int | None:
+    """VmHWM of process `pid` (None where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def split_child_bytes(backend: Backend, batch: int, seq: int, hidden: int, heads: int, head_size: int,
+                      mask: np.ndarray, start_timeout_s: float = 120.0, seed: int = 0) -> int | None:
+    """Peak resident bytes (VmHWM) of one head-split child process running `backend` on `heads`
+    heads of an attention block of this shape, or None where /proc cannot tell.
+
+    The child is started exactly as `runtime.head_split.SplitAttention` starts one (its
+    `_ProcessWorker`: the fork server, the shared-memory blocks, the child's serve loop), given
+    its weight slice, and made to run one training forward and one backward of a micro-batch; its
+    VmHWM is then read from /proc before it is closed. Nothing is subtracted: the whole child
+    (interpreter, runtime, engine, the shared memory it touches, its slice's workspace) exists
+    only because of the split."""
+    from multiprocessing import shared_memory
+
+    from runtime import head_split as hs  # here, not at the top: head_split imports this module
+
+    rng = np.random.default_rng(seed)
+    shapes = hs._Shapes(int(batch), int(seq), int(hidden), int(head_size), tuple(int(d) for d in mask.shape))
+    full = {n: rng.normal(0, 0.02, (hidden, hidden) if n.startswith("W") else (hidden,)).astype(np.float32)
+            for n in hs.WEIGHT_NAMES}
+    r = hs.HeadRange(backend.name, 0, int(heads))
+    layout = hs._inputs_layout(shapes)
+    inputs_shm = shared_memory.SharedMemory(create=True, size=layout.nbytes)
+    try:
+        inputs = layout.views(inputs_shm.buf)
+        inputs["x"][...] = rng.standard_normal(inputs["x"].shape)
+        inputs["mask"][...] = mask
+        inputs["dy"][...] = 1e-3 * rng.standard_normal(inputs["dy"].shape)
+        del inputs
+        worker = hs._ProcessWorker(r, shapes, inputs_shm, hs.slice_weights(full, r, head_size), start_timeout_s)
+        try:
+            worker.send("forward", 0, True)
+            worker.wait(start_timeout_s)
+            worker.send("backward", 0)
+            worker.wait(start_timeout_s)
+            return _process_peak_rss(worker.proc.pid)
+        finally:
+            worker.close()
+    finally:
+        hs._release(inputs_shm)
+
+
 def distinct_blocks(graph: Graph) -> dict[str, Block]:
     """The first block of each signature, in graph order."""
     out: dict[str, Block] = {}
@@ -475,11 +542,44 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                         f"{curve.seconds[0] * 1e3:.1f} .. {curve.seconds[-1] * 1e3:.1f} ms "
                         f"[{time.perf_counter() - started:.1f} s]")
             profiles.append(BackendProfile(backend.name, costs, curves))
+        children = _measure_split_children(graph, kinds, feeds, present, say, started) if attention else {}
     finally:
         K.set_threads(threads_before)
     available = memory_bytes if memory_bytes is not None else memory_available_bytes()
     return DeviceProfile(name, graph.name, graph.batch, graph.seq, tuple(profiles), int(available), overhead,
-                         update_rates())
+                         update_rates(), children)
+
+
+def _measure_split_children(graph: Graph, kinds: Mapping[str, Block], feeds: Mapping[str, np.ndarray],
+                            present: Sequence[Backend], say: Progress, started: float) -> dict[str, int]:
+    """`split_child_bytes` per engine kind among `present`: one child each, holding H-1 heads (the
+    most a child of a split can hold) of the attention block kind with the most heads. The engine's
+    backend with the most threads is used; a child that fails to start is reported and left out
+    (unknown), as is everything when no block has two heads or more (nothing can be split)."""
+    splittable = [b for b in kinds.values() if b.heads and b.heads >= 2]
+    if not splittable:
+        return {}
+    block = max(splittable, key=lambda b: (b.heads, b.head_size or 0))
+    batch, seq, hidden = graph.values[block.inputs[0]].shape
+    mask = _block_mask(graph, block, feeds)
+    out: dict[str, int] = {}
+    for engine in ENGINES:
+        candidates = [b for b in present if b.engine == engine]
+        if not candidates:
+            continue
+        backend = max(candidates, key=lambda b: b.threads)
+        try:
+            nbytes = split_child_bytes(backend, batch, seq, hidden, block.heads - 1, block.head_size, mask)
+        except Exception as exc:  # noqa: BLE001 (any failure: the figure stays unknown, and says why)
+            say(f"split child {backend.name}: not measured ({type(exc).__name__}: {str(exc).strip()[-300:]})")
+            continue
+        if nbytes is None:
+            say(f"split child {backend.name}: not measured (no /proc/<pid>/status here)")
+            continue
+        out[engine] = nbytes
+        say(f"split child {backend.name} with {block.heads - 1} heads of {block.name}: peak {nbytes / 2**20:.1f} MiB "
+            f"[{time.perf_counter() - started:.1f} s]")
+    return out
 
 
 def update_rates(nbytes: int = 32 << 20, reps: int = 3) -> dict[str, float]:

@@ -32,7 +32,9 @@ def _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1", "mnn:cpu:t2"), curve
         blocks.update({s: BlockCost(*encoder_s, workspace_bytes=1 << 20) for s in enc})
         attention = {enc[0]: AttentionCurve(curves[name])} if name in curves else {}
         out.append(BackendProfile(name, blocks, attention))
-    return DeviceProfile("box", "tiny", graph.batch, graph.seq, tuple(out), memory_available_bytes=8 << 30)
+    # head-split child processes as measured here (runtime.profile.split_child_bytes, tiny model)
+    return DeviceProfile("box", "tiny", graph.batch, graph.seq, tuple(out), memory_available_bytes=8 << 30,
+                         split_child_bytes={"mnn": 40 << 20, "torch": 340 << 20})
 
 
 def _plan(tiny_onnx, tmp_path, profile: DeviceProfile, schedule: str):

@@ -87,14 +87,46 @@ def test_attention_curves_have_one_entry_per_head(tiny_graph, tiny_profile):
 
 def test_profile_json_round_trip(tiny_profile, tmp_path):
     prof, _ = tiny_profile
+    assert prof.split_child_bytes  # the measured figures travel too
     prof.save(tmp_path / "p.json")
     assert DeviceProfile.load(tmp_path / "p.json") == prof
+
+
+def test_split_child_bytes_round_trip_and_old_profiles_load():
+    import dataclasses
+
+    from ir.profile import BackendProfile, BlockCost
+
+    prof = DeviceProfile("d", "m", 2, 16, (BackendProfile("mnn:cpu:t1", {"b": BlockCost(0.1, 0.2)}),), 1 << 30,
+                         47 << 20, {"sgd": 1e-9}, {"mnn": 48 << 20, "torch": 300 << 20})
+    doc = prof.to_json()
+    assert doc["split_child_bytes"] == {"mnn": 48 << 20, "torch": 300 << 20}
+    assert DeviceProfile.from_json(doc) == prof
+    # a profile written before the field existed loads, the figure unknown (empty), not zero
+    old = {k: v for k, v in doc.items() if k != "split_child_bytes"}
+    assert DeviceProfile.from_json(old) == dataclasses.replace(prof, split_child_bytes={})
+    assert DeviceProfile.from_json(dataclasses.replace(prof, split_child_bytes={}).to_json()).split_child_bytes == {}
+    with pytest.raises(ValueError, match="malformed profile"):
+        DeviceProfile.from_json({**doc, "split_child_bytes": [1, 2]})
+
+
+def test_profile_measures_split_child_processes(tiny_profile):
+    """A real head-split child of each present engine kind, holding H-1 heads of the tiny BERT's
+    attention: the whole process is tens of MiB for MNN, and torch's import makes its child bigger."""
+    prof, lines = tiny_profile
+    engines = {b.backend.split(":")[0] for b in prof.backends}
+    assert set(prof.split_child_bytes) == engines
+    assert prof.split_child_bytes["mnn"] > 10 * 2**20
+    if "torch" in engines:
+        assert prof.split_child_bytes["torch"] > prof.split_child_bytes["mnn"]
+    assert sum(line.startswith("split child ") for line in lines) == len(engines), lines
 
 
 def test_memory_override_and_attention_switch(tiny_graph):
     prof = profile_device(tiny_graph, "x", backends=("mnn:cpu:t1",), reps=1, memory_bytes=123, attention=False)
     assert prof.memory_available_bytes == 123
     assert prof.backends[0].attention == {}
+    assert prof.split_child_bytes == {}  # no curves, no split: no child measured either
     assert memory_available_bytes() > 0
 
 
