@@ -156,12 +156,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train from a plan folder: ship each device its bundle and run",
                        description="Ship each worker its bundle over ZeroMQ (the worker verifies the manifest and "
-                                   "refuses a bundle that fails it) and train with the plan's schedule.")
+                                   "refuses a bundle that fails it) and train with the plan's schedule. With "
+                                   "--replan-every, re-plan from the measured stage times while training.")
     p.add_argument("plan", type=Path)
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--eval", type=Path, default=None)
-    p.add_argument("--local", action="store_true", help="start one local worker process per planned device")
+    p.add_argument("--local", action="store_true",
+                   help="start one local worker process per planned device (with --replan-every: per device of "
+                        "the plan's cluster, so a re-plan may use any of them)")
     p.add_argument("--checkpoint", type=Path, default=None)
+    p.add_argument("--replan-every", type=int, default=None, metavar="N",
+                   help="flush schedules: every N steps, recalibrate the devices' profiles from the measured "
+                        "forward+backward times and re-plan over the plan's cluster (any devices, any order); when "
+                        "that is predicted faster by more than --replan-threshold, write the new plan with the "
+                        "current weights to PLAN/replan-stepNNNN/ and switch to it between two steps (weights and "
+                        "optimizer state move, no update is lost)")
+    p.add_argument("--replan-threshold", type=float, default=0.1,
+                   help="least predicted throughput gain that switches plans (default %(default)s: 10%%)")
+    p.add_argument("--cluster", type=Path, default=None,
+                   help="with --replan-every: the cluster file to re-plan with (default: the cluster.json `confidant "
+                        "plan` wrote into the plan folder)")
     p.add_argument("--listen", default="tcp://127.0.0.1:0")
     p.add_argument("--timeout", type=float, default=600.0)
     _add_training_flags(p)

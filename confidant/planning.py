@@ -19,16 +19,11 @@ def _threads_of(backend: str | None) -> int:
     return 1
 
 
-# Schedules whose backward always uses the weights of its forward: the only ones a head-split stage
-# engine (`runtime.engine_split.SplitStageEngine`, no weight stashing) can run.
-_FLUSH_SCHEDULES = ("1f1b-flush", "gpipe")
-
-
 def _engine_of(backend: str) -> str:
     return backend.split(":")[0]
 
 
-def plan_head_split(graph, profile, schedule_name: str):
+def plan_head_split(graph, profile):
     """The head split to record for one device, or None: a `planner.heads.HeadSplit` across backends
     of `profile` (an `ir.profile.DeviceProfile`) for the attention of the first encoder block whose
     signature has curves on at least two of them.
@@ -39,12 +34,10 @@ def plan_head_split(graph, profile, schedule_name: str):
     the candidates only if their thread counts sum to at most the largest thread count profiled on
     that device (a device profiled at tN has at least N cores to give). When they do not fit, no
     split. The split is recorded only if it uses >= 2 backends and is predicted faster than the best
-    single backend, and only under a flush schedule (the split engine does no weight stashing)."""
+    single backend. Any schedule: the split engine stashes weight versions like the MNN engine."""
     from ir.graph import block_signature
     from planner.heads import allocate_heads
 
-    if schedule_name not in _FLUSH_SCHEDULES:
-        return None
     for block in graph.blocks:
         if block.kind != "encoder":
             continue
@@ -69,10 +62,23 @@ def plan_head_split(graph, profile, schedule_name: str):
     return None
 
 
+def _mnn_base(profile, chosen: str | None) -> str | None:
+    """The MNN backend a head-split device runs its non-attention work on (None: it has none)."""
+    if chosen is not None and chosen.startswith("mnn:"):
+        return chosen
+    mnn = [b for b in profile.backends if b.backend.startswith("mnn:")]
+    if not mnn:
+        return None
+    return min(mnn, key=lambda b: sum(c.forward_s + c.backward_s for c in b.blocks.values())).backend
+
+
 def cmd_plan(args) -> int:
+    import dataclasses
+
     from planner.cluster import load_cluster
     from planner.cost import predicted_step_s, stage_costs
     from planner.emit import emit_plan
+    from planner.heads import profile_with_head_split
     from planner.onnx_import import load_model
     from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, solve_partition
     from planner.schedule import make_schedule
@@ -87,6 +93,20 @@ def cmd_plan(args) -> int:
         raise CliError(f"the profiles were measured at (micro-batch rows, seq) {sorted(profiled)} but this plan uses "
                        f"({graph.batch}, {graph.seq}) = --batch {args.batch} / --microbatches {M}, --seq {args.seq}; "
                        f"re-profile with `confidant profile --batch {graph.batch} --seq {graph.seq}`")
+    # Head splits come first: a device whose attention heads run split is faster, and the partition
+    # and the predicted times must see that speed, so the cluster's profiles are lowered by it.
+    # The split engine runs everything but the attention on MNN, so a split device is costed (and
+    # run) on its MNN backend: the chosen one when it is MNN, else the fastest MNN one; a device
+    # profiled without MNN is not split.
+    splits, devices = {}, []
+    for d in cluster.devices:
+        split = plan_head_split(graph, d.profile)
+        base = _mnn_base(d.profile, d.backend)
+        if split is not None and base is not None:
+            splits[d.name] = split
+            d = dataclasses.replace(d, backend=base, profile=profile_with_head_split(d.profile, base, split))
+        devices.append(d)
+    cluster = dataclasses.replace(cluster, devices=tuple(devices))
     instance = make_instance(graph, cluster, args.schedule, M, args.optimizer)
     print(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({args.schedule}, {M} micro-batches)",
           file=sys.stderr)
@@ -116,14 +136,14 @@ def cmd_plan(args) -> int:
     }
     head_split = {}
     for n in partition.devices:
-        split = plan_head_split(graph, specs[n].profile, args.schedule)
+        split = splits.get(n)
         if split is not None:
             head_split[n] = {"heads": dict(split.heads), "predicted_s": split.predicted_s,
                              "single_best": [split.single_best[0], split.single_best[1]]}
             # the split engine runs the rest of the stage on MNN, whatever backend the device chose
             config["engine"][n] = "mnn"
     config["head_split"] = head_split
-    path = emit_plan(args.output, graph, partition, schedule, config, costs, step_s)
+    path = emit_plan(args.output, graph, partition, schedule, config, costs, step_s, cluster=cluster)
     print(f"wrote {path} and {len(partition.stages)} bundles", file=sys.stderr)
     return cmd_show(type("A", (), {"plan": args.output})())
 
@@ -181,14 +201,17 @@ def cmd_train_plan(args) -> int:
     names = [d["name"] for d in plan["devices"]]
     bundles = [plan_dir / d["bundle"] for d in plan["devices"]]
     contents = [load_bundle_dir(b) for b in bundles]
+    replanner = _plan_replanner(args, plan_dir, plan, contents)  # None without --replan-every
+    spares = _spare_devices(replanner, names)
     M, rows, seq = int(plan["microbatches"]), int(plan["batch"]), int(plan["seq"])
     labels, _, dev_sents, train_enc, dev_enc = _load_training_data(args, seq)
     batches = make_batches(train_enc, rows * M, seq, seed=args.seed)
     local = None
     if args.local:
         threads = max(int(d.get("threads", 1)) for d in plan["devices"])
-        local = LocalWorkers.start(len(names), threads)
-        addresses = local.addresses
+        local = LocalWorkers.start(len(names) + len(spares), threads)
+        addresses = local.addresses[:len(names)]
+        spares = dict(zip(spares, local.addresses[len(names):]))
     else:
         addresses = [d.get("address") for d in plan["devices"]]
         if not all(addresses):
@@ -203,7 +226,10 @@ def cmd_train_plan(args) -> int:
     try:
         result = train_pipeline(None, batches, len(labels), addresses, config, args.steps, listen=args.listen,
                                 on_step=on_step, bundles=bundles, devices=names, stage_graphs=contents,
-                                checkpoint_dir=args.checkpoint, meta={"plan": str(plan_dir)})
+                                checkpoint_dir=args.checkpoint, meta={"plan": str(plan_dir)},
+                                replan_every=getattr(args, "replan_every", None), on_replan=replanner,
+                                spare_devices=spares,
+                                on_replanned=lambda step, reconf: _report_replan(replanner, step, reconf))
     except WorkerFailed as exc:
         raise CliError(str(exc)) from None
     finally:
@@ -212,9 +238,9 @@ def cmd_train_plan(args) -> int:
     measured = sum(result.step_seconds) / len(result.step_seconds)
     figures = {"command": "train", "plan": str(plan_dir), "predicted_step_s": plan["predicted_step_s"],
                "measured_step_s": measured, "losses": result.losses,
-               "devices": [{"name": n, "blocks": list(r), "peak_rss_bytes": max(rep[k]["peak_rss_bytes"]
-                                                                             for rep in result.stage_reports)}
-                           for k, (n, r) in enumerate(zip(names, result.ranges))]}
+               "devices": _device_figures(result, names, replanner)}
+    if replanner is not None:
+        figures.update(_replan_figures(replanner, result))
     print(f"step time: predicted {plan['predicted_step_s']:.3f} s, measured {measured:.3f} s", file=sys.stderr)
     if dev_sents:
         full = merge_slices([c.graph for c in contents])
@@ -292,3 +318,99 @@ def cmd_simulate(args) -> int:
                                                                                       sim.peak_memory_bytes)))
     print(f"wrote {args.output} (open in Perfetto / chrome://tracing)")
     return 0
+
+
+# --- re-planning while training from a plan folder (cmd_train_plan) -------------------------------
+
+def _plan_replanner(args, plan_dir: Path, plan: dict, contents):
+    """The re-planner of `confidant train --replan-every`, or None without it; a CliError for what
+    cannot be re-planned, before any worker starts."""
+    every = getattr(args, "replan_every", None)
+    cluster_file = getattr(args, "cluster", None)
+    if every is None:
+        if cluster_file is not None:
+            raise CliError("--cluster is the cluster to re-plan with: give it with --replan-every N")
+        return None
+    if every < 1 or plan["schedule"] not in ("1f1b-flush", "gpipe"):
+        raise CliError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush or "
+                       f"gpipe), got {every} with {plan_dir}'s {plan['schedule']}; for 1f1b-stash there is no step "
+                       f"boundary to switch plans at (plan again with `confidant plan --schedule 1f1b-flush`)")
+    threshold = getattr(args, "replan_threshold", 0.1)
+    if not threshold >= 0:
+        raise CliError(f"--replan-threshold must be a number >= 0 (0.1: 10% faster), got {threshold}")
+    from ir.bundle import BundleError
+    from ir.serialize import merge_slices
+    from planner.cluster import load_cluster
+    from planner.emit import load_plan_cluster
+    from planner.replan import PlanReplanner
+
+    if cluster_file is not None:
+        cluster = load_cluster(cluster_file)
+    else:
+        try:
+            cluster = load_plan_cluster(plan_dir)
+        except BundleError as exc:
+            raise CliError(f"{exc} (`confidant train --cluster FILE`)") from None
+    shapes = {(d.profile.batch, d.profile.seq) for d in cluster.devices}
+    if shapes != {(int(plan["batch"]), int(plan["seq"]))}:
+        raise CliError(f"the cluster's profiles were measured at (micro-batch rows, seq) {sorted(shapes)}, the "
+                       f"plan {plan_dir} runs ({plan['batch']}, {plan['seq']}); give a cluster profiled at the "
+                       f"plan's shape")
+    try:
+        return PlanReplanner(plan_dir, plan, merge_slices([c.graph for c in contents]), cluster, threshold)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _spare_devices(replanner, names) -> dict[str, str]:
+    """Cluster devices the plan leaves out, by name, with their addresses: a re-plan may use them."""
+    if replanner is None:
+        return {}
+    return {d.name: d.address for d in replanner.cluster.devices if d.name not in names}
+
+
+def _stages_text(devices, ranges) -> str:
+    return " | ".join(f"{d} {a}-{b}" for d, (a, b) in zip(devices, ranges))
+
+
+def _report_replan(replanner, step: int, reconf) -> None:
+    """One line per re-plan on stderr: what ran where before and after, what moved, what was predicted."""
+    applied = replanner.applied[-1]
+    d = applied.decision
+    print(f"re-plan after step {step}: {_stages_text(applied.old_devices, applied.old_ranges)} -> "
+          f"{_stages_text(applied.devices, applied.ranges)}; moved {reconf.moved_bytes / 2**20:.2f} MiB; predicted "
+          f"gain {d.gain:.1%} ({d.predicted_old_s:.4g} s -> {d.predicted_new_s:.4g} s per step); new plan "
+          f"{applied.directory}", file=sys.stderr, flush=True)
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def _replan_figures(replanner, result) -> dict:
+    """--metrics-out: every re-plan applied (with what moved) and every check's reason."""
+    applied = []
+    for plan, (step, reconf) in zip(replanner.applied, result.replans):
+        d = plan.decision
+        applied.append({
+            "step": step, "plan": str(plan.directory),
+            "old": [{"device": n, "blocks": list(r)} for n, r in zip(plan.old_devices, plan.old_ranges)],
+            "new": [{"device": n, "blocks": list(r)} for n, r in zip(plan.devices, plan.ranges)],
+            "moved_bytes": reconf.moved_bytes, "sent_bytes": reconf.sent_bytes, "seconds": reconf.seconds,
+            "predicted_old_step_s": _finite(d.predicted_old_s), "predicted_new_step_s": d.predicted_new_s,
+            "predicted_gain": _finite(d.gain), "forced": d.forced})
+    checks = [{"step": step, "replanned": d.new_partition is not None, "reason": d.reason}
+              for step, d in replanner.decisions]
+    return {"replans": applied, "replan_checks": checks}
+
+
+def _device_figures(result, names, replanner) -> list[dict]:
+    """Each device of the final plan with its blocks and peak RSS over every step it ran."""
+    switches = {p.step: p.devices for p in (replanner.applied if replanner is not None else [])}
+    devices, peak = list(names), {}
+    for i, reports in enumerate(result.stage_reports):  # one per step (flush schedules), plans switch between
+        for name, rep in zip(devices, reports):
+            peak[name] = max(peak.get(name, 0), rep["peak_rss_bytes"])
+        devices = switches.get(i + 1, devices)
+    final = result.devices or names
+    return [{"name": n, "blocks": list(r), "peak_rss_bytes": peak.get(n)} for n, r in zip(final, result.ranges)]

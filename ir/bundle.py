@@ -512,6 +512,10 @@ def load_bundle_dir(directory: str | Path) -> BundleContents:
 # the coordinator (runtime, which never imports the planner) needs it as much as the command line.
 
 PLAN = "plan.json"
+# The cluster (devices, their profiles and budgets, links) the plan was made for, beside plan.json:
+# what re-planning during training starts from. Optional (plans written before it stay valid);
+# when present, plan.json records its SHA-256 as `cluster_sha256`.
+PLAN_CLUSTER = "cluster.json"
 PLAN_SCHEMA_VERSION = 1
 PLAN_FORMAT = "confidant-plan"
 PLAN_FIELDS = ("schema_version", "format", "model", "schedule", "stages", "microbatches", "update_every",
@@ -581,6 +585,9 @@ def check_plan_doc(doc: Any, where: str) -> dict[str, Any]:
             raise fail(f"device {d['name']!r} address is {d['address']!r}, not a string")
     if expect_first != len(blocks):
         raise fail(f"the devices cover blocks 0..{expect_first - 1} of 0..{len(blocks) - 1}")
+    cluster_digest = doc.get("cluster_sha256")
+    if cluster_digest is not None and not (isinstance(cluster_digest, str) and _SHA256.fullmatch(cluster_digest)):
+        raise fail(f"cluster_sha256 is {cluster_digest!r}, not null or a sha256 hex digest")
     if doc["predicted_step_s"] is not None and not _number(doc["predicted_step_s"]):
         raise fail(f"predicted_step_s is {doc['predicted_step_s']!r}, not null or a non-negative number")
     try:
@@ -601,6 +608,15 @@ def load_plan(out_dir: str | Path, verify_bundles: bool = False) -> dict[str, An
     if not path.is_file():
         raise BundleError(f"plan {out_dir}: {PLAN} is missing (run `confidant plan` first)")
     doc = check_plan_doc(_load_json(path.read_bytes(), str(out_dir), PLAN), str(out_dir))
+    if doc.get("cluster_sha256") is not None:
+        cluster = out_dir / PLAN_CLUSTER
+        if not cluster.is_file():
+            raise BundleError(f"plan {out_dir}: {PLAN} records a {PLAN_CLUSTER}, which is missing; re-run "
+                              f"`confidant plan`")
+        got = sha256_hex(cluster.read_bytes())
+        if got != doc["cluster_sha256"]:
+            raise BundleError(f"plan {out_dir}: {PLAN_CLUSTER} is not the one {PLAN} was written with (sha256 "
+                              f"expected {doc['cluster_sha256'][:12]}..., got {got[:12]}...); re-run `confidant plan`")
     for d in doc["devices"]:
         manifest = out_dir / d["bundle"] / MANIFEST
         if not manifest.is_file():

@@ -4,10 +4,14 @@
                               order (blocks, memory, predicted time, address, bundle manifest hash),
                               predicted step time, partition method, every stage's action list
     out_dir/<device>/...      that device's bundle: IR slice, weights, actions, manifest
+    out_dir/cluster.json      (when the cluster is given) the cluster the plan was made for, every
+                              device's profile embedded: what re-planning during training starts
+                              from, so a plan folder is all a re-plan needs (`load_plan_cluster`)
 
 Every bundle is verified in memory before it is written and read back from disk afterwards; the
 schedule is verified (`verify_plan`) before anything is written; plan.json goes last and records
-each bundle's manifest hash, so `load_plan` notices a bundle left over from another plan.
+each bundle's manifest hash (and cluster.json's), so `load_plan` notices a bundle or cluster left
+over from another plan.
 Bundles hold IR slices and safetensors weights only, never the ONNX model.
 """
 from __future__ import annotations
@@ -17,15 +21,17 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ir.bundle import (MANIFEST, PLAN, PLAN_FORMAT, PLAN_SCHEMA_VERSION, BundleError, check_device_name,
-                       check_plan_doc, load_bundle_dir, load_plan, sha256_hex, write_bundle)
+from ir.bundle import (MANIFEST, PLAN, PLAN_CLUSTER, PLAN_FORMAT, PLAN_SCHEMA_VERSION, BundleError,
+                       check_device_name, check_plan_doc, load_bundle_dir, load_plan, sha256_hex, write_bundle)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
 from ir.plan import Schedule
+from ir.profile import DeviceProfile, Link
 from ir.serialize import graph_to_json, slice_graph
 from ir.verify import verify_plan
+from planner.cluster import Cluster, ClusterError, DeviceSpec
 
-__all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan"]
+__all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan", "load_plan_cluster", "cluster_to_json", "cluster_from_json"]
 
 # What `config` may set, with defaults. `threads` and `engine` are one value for all devices or
 # {device: value} (devices may run different frameworks: MNN on phones, PyTorch on laptops);
@@ -132,15 +138,20 @@ def _check_inputs(graph: Graph, partition: Partition, schedule: Schedule, costs,
 
 
 def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule: Schedule, config: Mapping[str, Any],
-              costs: Sequence[StageCost] | None = None, predicted_step_s: float | None = None) -> Path:
-    """Write plan.json and one verified bundle per device under `out_dir`; returns plan.json's path."""
+              costs: Sequence[StageCost] | None = None, predicted_step_s: float | None = None,
+              cluster: Cluster | None = None) -> Path:
+    """Write plan.json and one verified bundle per device under `out_dir`, and cluster.json when
+    `cluster` (the devices the plan was made for) is given; returns plan.json's path."""
     out_dir = Path(out_dir)
     _check_inputs(graph, partition, schedule, costs, predicted_step_s)
     devices = partition.devices
     cfg = _settings(config, devices, graph)
+    cluster_doc = _cluster_for(cluster, devices)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # A plan.json that outlives a failed re-emit would describe bundles it does not match.
+    # A plan.json that outlives a failed re-emit would describe bundles it does not match, and a
+    # cluster.json of an older plan would be taken for this one's.
     (out_dir / PLAN).unlink(missing_ok=True)
+    (out_dir / PLAN_CLUSTER).unlink(missing_ok=True)
     p = len(devices)
     entries = []
     for s, assignment in enumerate(partition.stages):
@@ -185,6 +196,10 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
         "bottleneck_s": partition.bottleneck_s,
         "actions": [[str(a) for a in row] for row in schedule.actions],
     }
+    if cluster_doc is not None:
+        data = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")
+        (out_dir / PLAN_CLUSTER).write_bytes(data)
+        doc["cluster_sha256"] = sha256_hex(data)
     check_plan_doc(doc, str(out_dir))
     path = out_dir / PLAN
     tmp = out_dir / f".{PLAN}.tmp"
@@ -192,3 +207,95 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
     tmp.replace(path)
     load_plan(out_dir)
     return path
+
+
+# --- the cluster beside the plan ----------------------------------------------------------------
+# One self-contained JSON file (profiles embedded, sizes in bytes, times in seconds) rather than a
+# copy of the user's cluster file and its profile files: the plan folder must not depend on files
+# that may change after planning, and one file is one hash in plan.json.
+
+CLUSTER_SCHEMA_VERSION = 1
+CLUSTER_FORMAT = "confidant-cluster"
+
+
+def _link_to_json(link: Link) -> dict[str, Any]:
+    # an unlimited link (a one-device cluster's default) has no JSON number: null
+    bandwidth = link.bandwidth_bytes_per_s
+    return {"bandwidth_bytes_per_s": None if math.isinf(bandwidth) else bandwidth, "latency_s": link.latency_s}
+
+
+def _link_from_json(doc: Any, where: str) -> Link:
+    if not isinstance(doc, Mapping) or sorted(doc) != ["bandwidth_bytes_per_s", "latency_s"]:
+        raise ClusterError(f"{where}: expected {{bandwidth_bytes_per_s, latency_s}}, got {doc!r}")
+    bandwidth = math.inf if doc["bandwidth_bytes_per_s"] is None else float(doc["bandwidth_bytes_per_s"])
+    latency = float(doc["latency_s"])
+    if not bandwidth > 0 or not (math.isfinite(latency) and latency >= 0):
+        raise ClusterError(f"{where}: bandwidth must be > 0 and latency a finite number >= 0, got {doc!r}")
+    return Link(bandwidth, latency)
+
+
+def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
+    """The cluster as one JSON document, each device's profile embedded."""
+    return {
+        "schema_version": CLUSTER_SCHEMA_VERSION, "format": CLUSTER_FORMAT,
+        "devices": [{"name": d.name, "address": d.address, "memory_budget_bytes": d.memory_budget_bytes,
+                     "backend": d.backend, "profile": d.profile.to_json()} for d in cluster.devices],
+        "default_link": _link_to_json(cluster.default_link),
+        "links": [{"between": list(pair), **_link_to_json(link)} for pair, link in sorted(cluster.links.items())],
+    }
+
+
+def cluster_from_json(doc: Any, source: str) -> Cluster:
+    """`cluster_to_json`'s document back; ClusterError names `source` and what is wrong."""
+    if not isinstance(doc, Mapping) or doc.get("format") != CLUSTER_FORMAT:
+        raise ClusterError(f"{source}: not a {CLUSTER_FORMAT} document")
+    if doc.get("schema_version") != CLUSTER_SCHEMA_VERSION:
+        raise ClusterError(f"{source}: schema_version {doc.get('schema_version')!r} is not supported (reads "
+                           f"{CLUSTER_SCHEMA_VERSION}); re-run `confidant plan` with this version")
+    try:
+        devices = tuple(DeviceSpec(str(d["name"]), str(d["address"]),
+                                   DeviceProfile.from_json(d["profile"], f"{source}: device {d['name']!r}"),
+                                   int(d["memory_budget_bytes"]), d["backend"]) for d in doc["devices"])
+        default = _link_from_json(doc["default_link"], f"{source}: default_link")
+        links = {}
+        for item in doc["links"]:
+            a, b = item["between"]
+            links[(a, b) if a <= b else (b, a)] = _link_from_json(
+                {k: v for k, v in item.items() if k != "between"}, f"{source}: link between {a!r} and {b!r}")
+    except ClusterError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ClusterError(f"{source}: malformed cluster ({type(exc).__name__}: {exc})") from None
+    cluster = Cluster(devices, default, links)
+    for d in devices:
+        if d.backend is not None:
+            d.profile.backend(d.backend)  # KeyError naming the profile's backends when absent
+    return cluster
+
+
+def _cluster_for(cluster: Cluster | None, devices: Sequence[str]) -> dict[str, Any] | None:
+    if cluster is None:
+        return None
+    missing = [d for d in devices if d not in cluster.names]
+    if missing:
+        raise ValueError(f"emit_plan: the plan places stages on {missing}, which the given cluster lacks "
+                         f"(devices: {list(cluster.names)})")
+    if PLAN_CLUSTER in {d.lower() for d in devices}:
+        raise BundleError(f"device name {PLAN_CLUSTER!r} would hide the plan's cluster file; rename the device")
+    return cluster_to_json(cluster)
+
+
+def load_plan_cluster(plan_dir: str | Path) -> Cluster:
+    """The cluster a plan was made for, from its cluster.json, after checking it is the one plan.json
+    was written with. A plan written without one is a BundleError that says how to get one."""
+    plan_dir = Path(plan_dir)
+    plan = load_plan(plan_dir)  # checks cluster.json's hash when plan.json records one
+    if plan.get("cluster_sha256") is None:
+        raise BundleError(f"plan {plan_dir}: it has no {PLAN_CLUSTER} (written by `confidant plan` since it records "
+                          f"the cluster); re-run `confidant plan`, or give the cluster file to re-plan with")
+    source = str(plan_dir / PLAN_CLUSTER)
+    try:
+        doc = json.loads((plan_dir / PLAN_CLUSTER).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ClusterError(f"{source}: not JSON ({exc})") from None
+    return cluster_from_json(doc, source)

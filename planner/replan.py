@@ -12,10 +12,16 @@ re-plans when the predicted throughput gain, old step / new step - 1, is above `
 current plan has left the cluster or the current plan no longer fits a memory budget.
 
 `keep_order=True` restricts the search to the current plan's devices in their current order (minus
-any that left), moving only the cut points. A worker's pipeline position is its name on the wire
-(runtime.executor.stage_peer), fixed for the life of its process, so this is the kind of plan the
-same worker processes can switch to without restarting; the free search (CP-SAT, any devices in
-any order) is for re-planning with fresh processes or bundles.
+any that left), moving only the cut points: an exact enumeration, cheap and predictable, for
+`confidant train-pipeline`, whose workers are not named devices. The free search (CP-SAT, any of
+the cluster's devices in any order) is what `PlanReplanner` uses for a plan folder: the runtime
+renumbers worker processes at a re-plan (runtime.coordinator), so a new order needs no restart.
+
+Re-planning from a plan folder (`PlanReplanner`, `confidant train plan/ --replan-every N`): the
+folder's cluster.json (planner.emit) gives the devices and profiles; each re-plan that passes the
+threshold is written as a complete new plan folder inside it (plan/replan-step0012/: plan.json,
+cluster.json with the recalibrated profiles, one bundle per device holding the weights training
+has reached), which the workers then verify and load like the first one.
 
 Re-profiling cheaply. A full `confidant profile` takes minutes; the runtime measures each stage's
 forward and backward seconds every step anyway. `profile_from_timings` turns "stage s took k
@@ -31,15 +37,19 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ir.graph import Graph, block_signature
 from ir.partition import Partition, StageAssignment
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec
-from planner.cost import OPTIMIZER_STATE_COPIES, check_blocks, check_optimizer, compute_s
+from planner.cost import OPTIMIZER_STATE_COPIES, check_blocks, check_optimizer, compute_s, reuses_forward
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
                                manual_partition, predicted_step_us, solve_partition)
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # keep_order enumerates every placement of the cuts; beyond this many the caller should use the solver
 MAX_KEEP_ORDER_CANDIDATES = 200_000
@@ -150,25 +160,28 @@ def profile_from_timings(profile: DeviceProfile, measured_stage_seconds: float, 
     return scale_profile(profile, measured_stage_seconds / predicted_stage_seconds, backend)
 
 
-def predicted_compute_s(graph: Graph, cluster: Cluster, partition: Partition, microbatches: int = 1) -> list[float]:
+def predicted_compute_s(graph: Graph, cluster: Cluster, partition: Partition, microbatches: int = 1,
+                        schedule: str = "1f1b-flush") -> list[float]:
     """Per stage, the predicted forward+backward seconds of `microbatches` micro-batches (one
-    step): what the runtime's measured F+B seconds per step compare with."""
-    out = []
-    for st in partition.stages:
-        forward, backward = compute_s(graph, cluster.device(st.device), st.first_block, st.last_block)
+    step) under `schedule` (which decides where MNN skips its forward re-run): what the runtime's
+    measured F+B seconds per step compare with."""
+    out, p = [], len(partition.stages)
+    for s, st in enumerate(partition.stages):
+        forward, backward = compute_s(graph, cluster.device(st.device), st.first_block, st.last_block,
+                                      reuses_forward(schedule, p, s, microbatches))
         out.append(microbatches * (forward + backward))
     return out
 
 
 def recalibrate(graph: Graph, cluster: Cluster, partition: Partition, measured_stage_seconds: Sequence[float],
-                microbatches: int = 1) -> Cluster:
+                microbatches: int = 1, schedule: str = "1f1b-flush") -> Cluster:
     """The cluster with each of the plan's devices' profiles scaled by measured / predicted
     forward+backward seconds of its stage (`measured_stage_seconds[s]` for stage s, per step of
     `microbatches` micro-batches). Devices outside the plan keep their profiles."""
     measured = list(measured_stage_seconds)
     if len(measured) != len(partition.stages):
         raise ValueError(f"{len(measured)} measured stage times for a plan of {len(partition.stages)} stages")
-    predicted = predicted_compute_s(graph, cluster, partition, microbatches)
+    predicted = predicted_compute_s(graph, cluster, partition, microbatches, schedule)
     profiles = {st.device: profile_from_timings(cluster.device(st.device).profile, m, p,
                                                 cluster.device(st.device).backend)
                 for st, m, p in zip(partition.stages, measured, predicted)}
@@ -325,7 +338,8 @@ class TimingReplanner:
     def __call__(self, step: int, measured_stage_seconds: Sequence[float]) -> list[tuple[int, int]] | None:
         if any(not (math.isfinite(x) and x > 0) for x in measured_stage_seconds):
             return None  # nothing measured on some stage: no basis for a decision
-        self.cluster = recalibrate(self.graph, self.cluster, self.partition, measured_stage_seconds, self.microbatches)
+        self.cluster = recalibrate(self.graph, self.cluster, self.partition, measured_stage_seconds, self.microbatches,
+                                   self.schedule)
         decision = replan(self.graph, self.cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
                           self.threshold, keep_order=True)
         self.decisions.append((step, decision))
@@ -333,3 +347,120 @@ class TimingReplanner:
             return None
         self.partition = decision.new_partition
         return self.partition.ranges
+
+
+# --- re-planning a plan folder --------------------------------------------------------------------
+
+REPLAN_DIR = "replan-step{step:04d}"  # inside the plan folder, one per re-plan that was applied
+
+
+@dataclass(frozen=True)
+class ReplannedPlan:
+    """A re-plan written to disk: the new plan folder `directory` (after `step` steps), its devices
+    in pipeline order with their block ranges and bundle directories, and the decision behind it."""
+
+    step: int
+    directory: Path
+    devices: list[str]
+    ranges: list[tuple[int, int]]
+    bundles: list[Path]
+    decision: ReplanDecision
+    old_devices: list[str]
+    old_ranges: list[tuple[int, int]]
+
+
+def _threads_of(backend: str) -> int:
+    """'mnn:cpu:t2' -> 2; backends without a thread setting run 1 thread."""
+    for part in backend.split(":"):
+        if part.startswith("t") and part[1:].isdigit():
+            return int(part[1:])
+    return 1
+
+
+class PlanReplanner:
+    """`train_pipeline`'s on_replan for training from a plan folder (bundle mode).
+
+    At each call: recalibrate the plan's devices from the measured forward+backward seconds per
+    stage (`recalibrate`), search the best plan over the cluster's devices (`replan`, free order),
+    and, when that passes `threshold`, write it as a new plan folder inside `plan_dir` from the
+    weights training has reached (`weights()`, gathered from the workers only then), and return it.
+    Devices keep the engine, threads and head split the original plan gave them; a cluster
+    device the original plan left out runs its profiled backend's engine, unsplit.
+    `decisions` keeps every (step, ReplanDecision), `applied` every ReplannedPlan."""
+
+    def __init__(self, plan_dir: str | Path, plan: Mapping[str, Any], graph: Graph, cluster: Cluster,
+                 threshold: float = 0.1, time_limit_s: float = 10.0, workers: int = 8):
+        self.plan_dir = Path(plan_dir)
+        self.plan = plan
+        self.graph = graph
+        self.cluster = cluster
+        self.threshold = threshold
+        self.time_limit_s = time_limit_s
+        self.workers = workers
+        self.schedule = str(plan["schedule"])
+        self.microbatches = int(plan["microbatches"])
+        self.optimizer = str(plan["optimizer"]["name"])
+        names = [d["name"] for d in plan["devices"]]
+        missing = [n for n in names if n not in cluster.names]
+        if missing:
+            raise ValueError(f"the plan's devices {missing} are not in the cluster to re-plan with "
+                             f"(devices: {list(cluster.names)})")
+        self.partition = partition_of([tuple(d["blocks"]) for d in plan["devices"]], names)
+        self.decisions: list[tuple[int, ReplanDecision]] = []
+        self.applied: list[ReplannedPlan] = []
+
+    def __call__(self, step: int, measured_stage_seconds: Sequence[float],
+                 weights: Callable[[], Mapping[str, "np.ndarray"]]) -> ReplannedPlan | None:
+        if any(not (math.isfinite(x) and x > 0) for x in measured_stage_seconds):
+            return None  # nothing measured on some stage: no basis for a decision
+        self.cluster = recalibrate(self.graph, self.cluster, self.partition, measured_stage_seconds, self.microbatches,
+                                   self.schedule)
+        decision = replan(self.graph, self.cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
+                          self.threshold, time_limit_s=self.time_limit_s, workers=self.workers)
+        self.decisions.append((step, decision))
+        if decision.new_partition is None:
+            return None
+        new = decision.new_partition
+        directory = self.plan_dir / REPLAN_DIR.format(step=step)
+        self._emit(directory, new, weights())
+        old, self.partition = self.partition, new
+        bundles = [directory / d for d in new.devices]
+        self.applied.append(ReplannedPlan(step, directory, new.devices, new.ranges, bundles, decision,
+                                          old.devices, old.ranges))
+        return self.applied[-1]
+
+    def _emit(self, directory: Path, partition: Partition, weights: Mapping[str, "np.ndarray"]) -> None:
+        from planner.cost import predicted_step_s, stage_costs
+        from planner.emit import emit_plan
+        from planner.schedule import make_schedule
+
+        taken = [d["name"] for d in self.plan["devices"]] + list(self.cluster.names)
+        if directory.name.lower() in {n.lower() for n in taken}:
+            raise ValueError(f"a device is named {directory.name!r}, the folder this re-plan goes to; "
+                             f"rename the device")
+        unknown = sorted(set(weights) - set(self.graph.params))
+        if unknown:
+            raise ValueError(f"the gathered weights name {unknown[:5]}, which are not parameters of the model")
+        graph = dataclasses.replace(self.graph, constants={**self.graph.constants, **weights})
+        # flush schedules only (re-planning needs one), which update once per batch
+        schedule = make_schedule(self.schedule, len(partition.stages), self.microbatches)
+        costs = stage_costs(graph, self.cluster, partition, self.schedule, self.microbatches, self.optimizer)
+        emit_plan(directory, graph, partition, schedule, self._config(partition.devices), costs,
+                  predicted_step_s(costs, self.schedule, self.microbatches), cluster=self.cluster)
+
+    def _config(self, devices: Sequence[str]) -> dict[str, Any]:
+        """planner.emit's config for `devices`: what the original plan set per device, else the
+        device's profiled backend."""
+        before = {d["name"]: d for d in self.plan["devices"]}
+        engine, threads, addresses, head_split = {}, {}, {}, {}
+        for name in devices:
+            spec = self.cluster.device(name)
+            backend = spec.profile.backend(spec.backend).backend
+            entry = before.get(name, {})
+            engine[name] = entry.get("engine", backend.split(":")[0])
+            threads[name] = int(entry.get("threads", _threads_of(backend)))
+            addresses[name] = entry.get("address", spec.address)
+            if entry.get("head_split"):
+                head_split[name] = entry["head_split"]
+        return {"model": self.plan["model"], "backend": self.plan["backend"], "optimizer": dict(self.plan["optimizer"]),
+                "engine": engine, "threads": threads, "addresses": addresses, "head_split": head_split}

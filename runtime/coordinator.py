@@ -8,17 +8,20 @@ ZeroMQ and in-process workers in tests. Stage k's peer is named "stage<k>".
 Re-planning (`reconfigure`) happens at a flush boundary: between two steps of a flush schedule
 every stage has applied the same updates and holds no activation, gradient or in-flight message,
 so the stage's whole training state is its parameters plus its optimizer state. The coordinator
-gathers both from every stage (the checkpoint path), then sets the same worker processes up again
-with their new block ranges, each with the current weights and the optimizer entries of its own
+gathers both from every stage (the checkpoint path, `gather`), then sets the workers up again
+with their new stages, each with the current weights and the optimizer entries of its own
 parameters (optimizer state is keyed by parameter name, runtime.optim), so no update is lost and
-training continues exactly as a run that had used the new ranges from that step. Weights move
-through the coordinator (gather all, send each stage its slice); `Reconfiguration.moves` says which
-blocks changed worker and how many bytes that was.
+training continues exactly as a run that had used the new plan from that step. Weights move
+through the coordinator (gather all, send each stage its slice, or a new plan bundle written from
+the gathered weights); `Reconfiguration.moves` says which blocks changed worker and how many bytes
+that was.
 
-A worker's pipeline position is its transport name ("stage<k>"), fixed by its first setup, so a
-worker keeps its stage index across re-setups: a new plan may change every block range, drop
-workers from the end of the pipeline (they are reset and wait idle until stopped) and take them
-back later, but not renumber a worker.
+A worker's pipeline position is its transport name ("stage<k>"), so a new plan that renumbers
+workers (reorders them, drops one from the middle, or brings in a spare) renames them. Names change
+hands in two rounds, never overlapping: first every worker that leaves or moves is released (it
+drops its stage, acknowledges under its old name and closes its connections), then the new stages
+are set up, each worker taking its new name and connecting to its new neighbours. Workers left out
+wait, nameless, until a later re-plan takes them back or the final stop.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ class PipelineConfig:
     timeout_s: float = 600.0
     # per stage: None (unsplit) or {backend: heads} splitting the attention heads of every encoder
     # block of that stage across backends (runtime.engine_split; MNN stages, flush schedules only).
-    # Indexed by stage; after a re-plan, stages beyond the tuple run unsplit.
+    # Indexed by stage at first setup; a re-plan keeps each worker's split with the worker (the
+    # backends are the device's), and workers new to the pipeline run unsplit.
     head_split: tuple[Mapping[str, int] | None, ...] | None = None
 
 
@@ -96,6 +100,28 @@ class Reconfiguration:
 
 
 @dataclass
+class TrainingState:
+    """Every stage's training state gathered at a flush boundary and merged: parameters by name,
+    optimizer state per kind and parameter ({"m": {name: array}, ...}), and the optimizer's
+    scalars ({"steps": array}), which all stages share at a flush boundary."""
+
+    weights: dict[str, np.ndarray]
+    optimizer: dict[str, dict[str, np.ndarray]]
+    scalars: dict[str, np.ndarray]
+
+    def stage_optimizer_state(self, params: Sequence[str]) -> dict[str, np.ndarray]:
+        """The optimizer state a stage running `params` loads (runtime.optim's keys)."""
+        state = {f"{kind}/{x}": per_name[x] for kind, per_name in self.optimizer.items() for x in params
+                 if x in per_name}
+        return {**state, **self.scalars}
+
+    def nbytes(self, param: str) -> int:
+        """Bytes of one parameter and its optimizer state: what moving it costs."""
+        return int(self.weights[param].nbytes) + sum(int(s[param].nbytes) for s in self.optimizer.values()
+                                                     if param in s)
+
+
+@dataclass
 class StepFigures:
     step: int
     loss: float
@@ -123,10 +149,15 @@ def split_at(n_blocks: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class Coordinator:
+    """Drives the workers at `placements` (stage k on placements[k].address) through a Transport.
+
+    `spares` are addresses of further workers that run no stage yet: they wait, nameless, until
+    a re-plan gives them one, and are stopped with the rest."""
+
     def __init__(self, graph: Graph | None, placements: Sequence[StagePlacement], config: PipelineConfig, transport,
                  weights: Mapping[str, np.ndarray] | None = None,
                  optimizer_state: Mapping[int, Mapping[str, np.ndarray]] | None = None,
-                 stage_graphs: Sequence[Graph] | None = None):
+                 stage_graphs: Sequence[Graph] | None = None, spares: Sequence[str] = ()):
         self.graph = graph
         self.placements = list(placements)
         self.config = config
@@ -137,13 +168,20 @@ class Coordinator:
         # with plan bundles each stage's graph slice comes from its bundle; no whole model needed
         graphs = stage_graphs if stage_graphs is not None else [graph] * len(placements)
         self.specs = [stage_spec(g, p.first_block, p.last_block) for g, p in zip(graphs, placements)]
+        # every slice keeps every block's metadata (names, parameters): enough to re-cut the model
+        self._blocks = (graph if graph is not None else graphs[0]).blocks
         self.ready: list[dict] = []
         self._pending: list[tuple[str, dict]] = []
         self.bundle_mode = False
         self.setup_bytes = 0
-        self.idle: list[StagePlacement] = []   # workers a reconfiguration left out; stopped with the rest
-        self._stage_of: dict[str, int] = {}    # worker address -> its stage index, fixed at first setup
+        # workers that hold no stage (left out by a re-plan, or spares): nameless, stopped with the rest
+        self.idle: list[str] = list(spares)
+        self._connected: dict[str, str] = {}   # this side's peer name -> worker address, one per worker
         self._engine_of: dict[str, str] = {}   # worker address -> the engine it was first given
+        self._split_of: dict[str, Mapping[str, int] | None] = {}  # worker address -> its first head split
+        taken = [p.address for p in self.placements]
+        if len(set(taken + self.idle)) != len(taken) + len(self.idle):
+            raise ValueError(f"a worker may appear once among the stages and spares; addresses: {taken + self.idle}")
         if config.head_split is not None and len(config.head_split) != self.stages:
             raise ValueError(f"{len(config.head_split)} head splits given for {self.stages} stages")
 
@@ -162,12 +200,14 @@ class Coordinator:
         return {str(k): int(v) for k, v in splits[stage].items()}
 
     # --- failures ------------------------------------------------------------------------
+    _ANSWERS = ("ready", "done", "checkpoint_done", "released")
+
     def _check_errors(self) -> None:
         try:
             sender, msg = self.transport.recv_control(None, timeout=0)
         except PeerTimeout:
             return
-        if msg.get("type") in ("ready", "done", "checkpoint_done"):
+        if msg.get("type") in self._ANSWERS:
             self._pending.append((sender, msg))
             return
         if msg.get("type") == "error":
@@ -192,7 +232,7 @@ class Coordinator:
                 raise WorkerFailed(f"worker {sender} ({self.transport.address_of(sender)}) failed: {msg.get('message')}")
             if sender == peer and msg.get("type") == kind:
                 return msg
-            if sender != peer and msg.get("type") in ("ready", "done", "checkpoint_done"):
+            if sender != peer and msg.get("type") in self._ANSWERS:
                 self._pending.append((sender, msg))
                 continue
             raise WorkerFailed(f"expected '{kind}' from {peer}, got {msg.get('type')!r} from {sender}")
@@ -209,63 +249,74 @@ class Coordinator:
                                        f"{expected.describe()} within {self.config.timeout_s:.0f} s") from None
 
     # --- setup ---------------------------------------------------------------------------
+    def _connect_workers(self) -> None:
+        """One connection per worker: stage k's under "stage<k>", an idle one's under its address.
+        Names that now point elsewhere are closed first, so a worker never receives from this
+        side over two connections."""
+        wanted = {stage_peer(p.stage): p.address for p in self.placements}
+        wanted.update({_idle_peer(address): address for address in self.idle})
+        for peer, address in list(self._connected.items()):
+            if wanted.get(peer) != address:
+                self.transport.disconnect(peer)
+                del self._connected[peer]
+        for peer, address in wanted.items():
+            self.transport.connect(peer, address)
+            self._connected[peer] = address
+
+    def _neighbours(self, p: StagePlacement) -> dict[str, str]:
+        """Who stage `p` talks to: the coordinator and the stages next to it."""
+        neighbours = {COORDINATOR: self.transport.address}
+        for q in self.placements:
+            if abs(q.stage - p.stage) == 1:
+                neighbours[stage_peer(q.stage)] = q.address
+        return neighbours
+
     def setup(self) -> list[dict]:
         self._remember_workers()
+        self._connect_workers()
         self.setup_bytes = 0  # weights and optimizer state sent by this setup
-        peers = {stage_peer(p.stage): p.address for p in self.placements}
-        for p in self.placements:
-            self.transport.connect(stage_peer(p.stage), p.address)
         for p, spec in zip(self.placements, self.specs):
             part = slice_graph(self.graph, p.first_block, p.last_block)
-            neighbours = {COORDINATOR: self.transport.address}
-            for k in (p.stage - 1, p.stage + 1):
-                if 0 <= k < self.stages:
-                    neighbours[stage_peer(k)] = peers[stage_peer(k)]
             opt_state = self.optimizer_state.get(p.stage, {})
             self.transport.send_control(stage_peer(p.stage), {
                 "type": "setup", "stage": p.stage, "stages": self.stages, "blocks": [p.first_block, p.last_block],
                 "graph": graph_to_json(part), "engine": self.engine_of(p.stage), "threads": self.config.threads,
                 "optimizer": {"name": self.config.optimizer, "lr": self.config.lr,
                               "weight_decay": self.config.weight_decay},
-                "peers": neighbours, "optimizer_state": list(opt_state),
+                "peers": self._neighbours(p), "optimizer_state": list(opt_state),
                 **({"head_split": self.head_split_of(p.stage)} if self.head_split_of(p.stage) else {}),
             })
             for i, (name, arr) in enumerate(part.constants.items()):
                 value = self.weights[name] if self.weights is not None and name in self.weights else arr
                 self.transport.send_tensor(stage_peer(p.stage), "weights", -1, i, np.asarray(value, order="C"), name=name)
                 self.setup_bytes += int(np.asarray(value).nbytes)
-            for i, (name, arr) in enumerate(opt_state.items()):
-                self.transport.send_tensor(stage_peer(p.stage), "optstate", -1, i, np.asarray(arr, order="C"), name=name)
-                self.setup_bytes += int(np.asarray(arr).nbytes)
+            self._send_optimizer_state(p.stage, opt_state)
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
         return self.ready
 
+    def _send_optimizer_state(self, stage: int, opt_state: Mapping[str, np.ndarray]) -> None:
+        for i, (name, arr) in enumerate(opt_state.items()):
+            self.transport.send_tensor(stage_peer(stage), "optstate", -1, i, np.asarray(arr, order="C"), name=name)
+            self.setup_bytes += int(np.asarray(arr).nbytes)
+
     def setup_bundles(self, bundle_dirs: Sequence[Path], devices: Sequence[str]) -> list[dict]:
         """Ship each stage its plan bundle (workers verify it before use) instead of a graph slice."""
-        from runtime.bundle_load import send_bundle
+        from runtime.bundle_load import bundle_to_wire, send_bundle
 
         self.bundle_mode = True
-        self._remember_workers()
-        peers = {stage_peer(p.stage): p.address for p in self.placements}
-        for p in self.placements:
-            self.transport.connect(stage_peer(p.stage), p.address)
+        self._connect_workers()
+        self.setup_bytes = 0  # bundle files and optimizer state sent by this setup
         for p, directory, device in zip(self.placements, bundle_dirs, devices):
-            neighbours = {COORDINATOR: self.transport.address}
-            for k in (p.stage - 1, p.stage + 1):
-                if 0 <= k < self.stages:
-                    neighbours[stage_peer(k)] = peers[stage_peer(k)]
-            from runtime.bundle_load import bundle_to_wire
-
             names = list(bundle_to_wire(directory))
             opt_state = self.optimizer_state.get(p.stage, {})
             self.transport.send_control(stage_peer(p.stage), {
-                "type": "setup_bundle", "stage": p.stage, "device": device, "peers": neighbours,
+                "type": "setup_bundle", "stage": p.stage, "device": device, "peers": self._neighbours(p),
                 "bundle_files": names, "optimizer_state": list(opt_state)})
             sent = send_bundle(self.transport, stage_peer(p.stage), directory)
             if sent != names:
                 raise RuntimeError(f"bundle {directory} changed while being sent")
-            for i, (name, arr) in enumerate(opt_state.items()):
-                self.transport.send_tensor(stage_peer(p.stage), "optstate", -1, i, np.asarray(arr, order="C"), name=name)
+            self.setup_bytes += sum((Path(directory) / name).stat().st_size for name in names)
+            self._send_optimizer_state(p.stage, opt_state)
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
         return self.ready
 
@@ -305,14 +356,21 @@ class Coordinator:
             out.append(tensors)
         return out
 
+    def gather(self) -> TrainingState:
+        """The whole training state, merged from every stage (call at a flush boundary): what a
+        re-plan hands on, and the weights to write a new plan's bundles with."""
+        return TrainingState(*_merge_checkpoint(self.collect_checkpoint()))
+
     # --- re-planning ---------------------------------------------------------------------
     def _remember_workers(self) -> None:
+        """What a worker was first set up with that belongs to the device, not to the stage index:
+        its engine and head split go with it to whatever position a re-plan gives it."""
         for p in self.placements:
-            self._stage_of.setdefault(p.address, p.stage)
             self._engine_of.setdefault(p.address, self.engine_of(p.stage))
+            self._split_of.setdefault(p.address, self.head_split_of(p.stage))
 
     def _check_new_placements(self, placements: Sequence[StagePlacement]) -> None:
-        n = len(self.graph.blocks)
+        n = len(self._blocks)
         expected = 0
         for i, p in enumerate(placements):
             if p.stage != i:
@@ -326,82 +384,121 @@ class Coordinator:
         addresses = [p.address for p in placements]
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"a worker may run one stage only; addresses repeat: {addresses}")
-        holders = {stage: address for address, stage in self._stage_of.items()}
-        for p in placements:
-            was = self._stage_of.get(p.address)
-            if was is not None and was != p.stage:
-                raise ValueError(f"the worker at {p.address} is stage {was} and cannot become stage {p.stage}: a "
-                                 f"worker's stage index is its name on the wire, fixed at its first setup. Keep the "
-                                 f"devices in their pipeline order (drop only workers at the end), or restart the "
-                                 f"workers and resume from a checkpoint")
-            if was is None and holders.get(p.stage, p.address) != p.address:
-                raise ValueError(f"stage {p.stage} belongs to the worker at {holders[p.stage]}; a new worker at "
-                                 f"{p.address} cannot take its name")
 
-    def reconfigure(self, placements: Sequence[StagePlacement]) -> Reconfiguration:
-        """Switch to new block ranges at a flush boundary (call between steps of a flush schedule):
-        gather every stage's weights and optimizer state, reset the workers left out, and set up
-        each stage of `placements` again with its slice, the current weights and the optimizer
-        state of its parameters. See the module docstring for what may change."""
-        if self.bundle_mode or self.graph is None:
-            raise ValueError("re-planning needs the whole model graph: stages set up from plan bundles (or from "
-                             "graph slices) cannot be re-cut at run time; write a new plan and resume from a checkpoint")
+    def _check_new_bundles(self, placements: Sequence[StagePlacement], bundles: Sequence[Path] | None,
+                           devices: Sequence[str] | None, weights: Mapping[str, np.ndarray]) -> list:
+        """The new plan's bundles, verified and parsed, after checking that they are the new stages,
+        one each, in order, and hold the weights training has reached (a bundle written from older
+        weights would silently undo the steps since)."""
+        from runtime.bundle_load import load_bundle
+
+        if bundles is None or devices is None or not len(bundles) == len(devices) == len(placements):
+            raise ValueError(f"this pipeline runs from plan bundles: a re-plan must bring the new plan's bundle and "
+                             f"device name for each of its {len(placements)} stages (bundles=, devices=)")
+        contents = []
+        for p, directory, device in zip(placements, bundles, devices):
+            c = load_bundle(directory)
+            if (c.stage, c.stages, c.device, c.first_block, c.last_block) != (
+                    p.stage, len(placements), device, p.first_block, p.last_block):
+                raise ValueError(f"bundle {directory} is stage {c.stage} of {c.stages} on {c.device!r}, blocks "
+                                 f"{c.first_block}..{c.last_block}; the new placement wants stage {p.stage} of "
+                                 f"{len(placements)} on {device!r}, blocks {p.first_block}..{p.last_block}")
+            for name in c.graph.params:
+                if name in weights and not np.array_equal(c.graph.constants[name], weights[name]):
+                    raise ValueError(f"bundle {directory} holds weights for {name!r} that differ from the ones "
+                                     f"training has reached; write the new plan from Coordinator.gather()'s weights")
+            contents.append(c)
+        return contents
+
+    def reconfigure(self, placements: Sequence[StagePlacement], *, bundles: Sequence[Path] | None = None,
+                    devices: Sequence[str] | None = None, state: TrainingState | None = None) -> Reconfiguration:
+        """Switch to new stages at a flush boundary (call between steps of a flush schedule):
+        gather every stage's weights and optimizer state (or take `state`, gathered at this same
+        boundary), release the name of every worker that leaves or changes position, and set up
+        each stage of `placements` again with the current weights and the optimizer state of its
+        parameters. Any block ranges, any order of any of the workers (including spares and
+        workers left out before); workers not in `placements` wait idle until stopped.
+
+        From plan bundles (`setup_bundles`), the new stages come as the new plan's `bundles` and
+        `devices` (one per placement, holding the current weights); workers verify them as on
+        first setup. Otherwise each stage gets a slice of the whole graph."""
         start = time.perf_counter()
         placements = list(placements)
         self._check_new_placements(placements)
-        engines = self.config.engine
-        if not isinstance(engines, str):  # per-stage engines stay with their workers
+        if not self.bundle_mode and bundles is not None:
+            raise ValueError("bundles given, but this pipeline was set up from graph slices: re-plan it with "
+                             "placements alone")
+        if not self.bundle_mode and self.graph is None:
+            raise ValueError("re-planning from graph slices needs the whole model graph (Coordinator(graph=...))")
+        engines, splits = self.config.engine, self.config.head_split
+        if not self.bundle_mode and not isinstance(engines, str):  # per-stage engines stay with their workers
             missing = [p.address for p in placements if p.address not in self._engine_of]
             if missing:
                 raise ValueError(f"per-stage engines were given, but none for the new worker(s) {missing}")
             engines = tuple(self._engine_of[p.address] for p in placements)
+        if splits is not None:  # so do head splits (their backends are the device's); new workers run unsplit
+            splits = tuple(self._split_of.get(p.address) for p in placements)
+        state = state if state is not None else self.gather()
+        contents = self._check_new_bundles(placements, bundles, devices, state.weights) if self.bundle_mode else None
         old = self.placements
-        per_stage = self.collect_checkpoint()
-        weights, states, scalars = _merge_checkpoint(per_stage)
-        nbytes = {name: int(arr.nbytes) + sum(int(s[name].nbytes) for s in states.values() if name in s)
-                  for name, arr in weights.items()}
-
-        def owner(ps: Sequence[StagePlacement], k: int) -> str:
-            return next(p.address for p in ps if p.first_block <= k <= p.last_block)
-
-        moves = []
-        for b in self.graph.blocks:
-            before, after = owner(old, b.index), owner(placements, b.index)
-            if before != after:
-                moves.append(WeightMove(b.index, before, after, tuple(b.params), sum(nbytes[x] for x in b.params)))
+        moves = _moves(self._blocks, old, placements, state)
+        self._release([p for p in old if _stage_at(placements, p.address) != p.stage])
         kept = {p.address for p in placements}
-        for p in old:
-            if p.address not in kept:
-                # its engine and weights go; the process waits for a later setup or the final stop
-                self.transport.send_control(stage_peer(p.stage), {"type": "reset"})
-                self.idle.append(p)
-        self.idle = [p for p in self.idle if p.address not in kept]
-        self.weights = {**(self.weights or {}), **weights}
-        self.optimizer_state = {}
-        for p in placements:
-            names = [x for b in self.graph.blocks[p.first_block:p.last_block + 1] for x in b.params]
-            state = {f"{kind}/{x}": per_name[x] for kind, per_name in states.items() for x in names if x in per_name}
-            self.optimizer_state[p.stage] = {**state, **scalars}
-        self.config = replace(self.config, engine=engines)
+        self.idle = [a for a in [*self.idle, *(p.address for p in old)] if a not in kept]
+        self.weights = {**(self.weights or {}), **state.weights}
+        self.optimizer_state = {p.stage: state.stage_optimizer_state(
+            [x for b in self._blocks[p.first_block:p.last_block + 1] for x in b.params]) for p in placements}
         self.placements = placements
         self.stages = len(placements)
-        self.specs = [stage_spec(self.graph, p.first_block, p.last_block) for p in placements]
-        self.setup()
+        if self.bundle_mode:
+            self.specs = [stage_spec(c.graph, p.first_block, p.last_block) for c, p in zip(contents, placements)]
+            self.setup_bundles(bundles, devices)
+        else:
+            self.config = replace(self.config, engine=engines, head_split=splits)
+            self.specs = [stage_spec(self.graph, p.first_block, p.last_block) for p in placements]
+            self.setup()
         return Reconfiguration([(p.first_block, p.last_block) for p in old],
                                [(p.first_block, p.last_block) for p in placements], moves, self.setup_bytes,
-                               [p.address for p in self.idle], time.perf_counter() - start)
+                               list(self.idle), time.perf_counter() - start)
+
+    def _release(self, workers: Sequence[StagePlacement]) -> None:
+        """Have each of `workers` drop its stage and give up its name, and wait until all have:
+        only then may another process take one of those names (see runtime.worker)."""
+        for p in workers:
+            self.transport.send_control(stage_peer(p.stage), {"type": "release"})
+        for p in workers:
+            self._await_control(stage_peer(p.stage), "released")
 
     def stop(self) -> None:
-        for p in self.idle:
+        for peer in list(self._connected):
             try:
-                self.transport.send_control(stage_peer(p.stage), {"type": "stop"})
+                self.transport.send_control(peer, {"type": "stop"})
             except Exception:
                 pass
-        for p in self.placements:
-            try:
-                self.transport.send_control(stage_peer(p.stage), {"type": "stop"})
-            except Exception:
-                pass
+
+
+def _idle_peer(address: str) -> str:
+    """The coordinator's name for its connection to a worker that holds no stage."""
+    return f"idle {address}"
+
+
+def _stage_at(placements: Sequence[StagePlacement], address: str) -> int | None:
+    return next((p.stage for p in placements if p.address == address), None)
+
+
+def _moves(blocks, old: Sequence[StagePlacement], new: Sequence[StagePlacement],
+           state: TrainingState) -> list[WeightMove]:
+    """The blocks whose worker changes between `old` and `new`, with their bytes (weights and
+    optimizer state)."""
+    def owner(ps: Sequence[StagePlacement], k: int) -> str:
+        return next(p.address for p in ps if p.first_block <= k <= p.last_block)
+
+    moves = []
+    for b in blocks:
+        before, after = owner(old, b.index), owner(new, b.index)
+        if before != after:
+            moves.append(WeightMove(b.index, before, after, tuple(b.params), sum(state.nbytes(x) for x in b.params)))
+    return moves
 
 
 def _merge_checkpoint(per_stage: Sequence[Mapping[str, np.ndarray]]

@@ -82,3 +82,6 @@ class LocalTransport(Transport):
 
     def connect(self, peer: str, address: str) -> None:
         """Nothing to connect in-process: the hub delivers by name (kept for interface parity)."""
+
+    def disconnect(self, peer: str) -> None:
+        """Nothing to close in-process (kept for interface parity with `connect`)."""

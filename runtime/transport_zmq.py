@@ -6,6 +6,13 @@ reaches the receiver's ROUTER prefixed by the sender's name, which is how the re
 per peer on a single socket. Frames are `[header, payload]` for a tensor and `[control]` for a
 control message (the wire format is in `runtime.transport`).
 
+Names move between processes when a re-plan renumbers the pipeline (a worker's name is its stage,
+"stage<k>"). Two live sockets under one name at one ROUTER would be ambiguous, so a name changes
+hands in order: its holder closes every outgoing socket (`disconnect`, after a last message that
+is still delivered) and only then does the next holder connect under it (`rename`, then
+`connect`). ROUTER_HANDOVER lets the new connection take the name at once even while the old,
+already closed one is still being torn down.
+
 Overlap without a receive thread: ZeroMQ's I/O thread takes messages off the network and queues them
 inside the socket while the stage computes, so posting receives early is unnecessary; `recv_tensor`
 only drains what already arrived (poller with a timeout) into the per-peer FIFOs. Sends return as
@@ -44,8 +51,8 @@ class ZmqTransport(Transport):
     `listen` is this endpoint's address (`tcp://127.0.0.1:0` or `tcp://host:*` picks a free port;
     the bound address is `.address`); None makes a send-only endpoint. `peers` maps peer names to
     their listen addresses; `connect` adds or moves one later, since the coordinator learns
-    addresses at run time. `accept` names peers that only send to this endpoint. A message from any
-    other identity is a MessageError."""
+    addresses at run time, and `disconnect` drops one. `accept` names peers that only send to this
+    endpoint. A message from any other identity is a MessageError."""
 
     def __init__(self, name: str, listen: str | None, peers: dict[str, str] | None = None, *,
                  accept: Iterable[str] = (), hwm: int = DEFAULT_HWM, linger_s: float = DEFAULT_LINGER_S,
@@ -86,9 +93,17 @@ class ZmqTransport(Transport):
 
     def rename(self, name: str) -> None:
         """Take the name peers will know this endpoint by; a worker learns its stage only from the
-        coordinator's setup message, so it is named before it opens any outgoing connection."""
+        coordinator's setup message, so it is named before it opens any outgoing connection.
+
+        Renaming again (a re-plan that moves a worker to another pipeline position) needs every
+        outgoing connection closed first (`disconnect`): a receiver tells peers apart only by the
+        name their connection carries, so no socket of this endpoint may still speak under the
+        old name, which the next holder of that name is about to use."""
         if self._dealers:
-            raise RuntimeError(f"transport {self.name!r} already sends to {sorted(self._dealers)}; rename first")
+            raise RuntimeError(f"transport {self.name!r} still sends to {sorted(self._dealers)} under its old name; "
+                               f"disconnect them before renaming it to {name!r}")
+        if not isinstance(name, str) or not name or not name.isprintable():
+            raise ValueError(f"transport name must be a non-empty printable string, not {name!r}")
         self.name = name
         self._identity = name.encode("utf-8")
 
@@ -113,6 +128,16 @@ class ZmqTransport(Transport):
         dealer.connect(address)
         self._dealers[peer] = dealer
         self._peers[peer] = address
+
+    def disconnect(self, peer: str) -> None:
+        """Stop sending to `peer` and forget its address (its messages are refused from now on,
+        unless it is an accepted peer). Unlike moving a peer, what is still queued for it is
+        delivered (within the linger time): a worker's last word before it gives up its name
+        (the coordinator waits for it) goes out this way."""
+        dealer = self._dealers.pop(peer, None)
+        if dealer is not None:
+            dealer.close()
+        self._peers.pop(peer, None)
 
     @property
     def peers(self) -> dict[str, str]:

@@ -8,13 +8,22 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
   coordinator -> worker  run {step, actions} ... and "batch" tensors for each micro-batch
   worker -> coordinator  "loss" tensors (last stage), then done {stats, version, rss}
   coordinator -> worker  checkpoint  ->  worker sends "ckpt" tensors, then checkpoint_done {names}
-  coordinator -> worker  setup again (re-planning, at a flush boundary): the old stage is dropped and
-                         the new one built from the slice, weights and optimizer state sent with it;
-                         the stage index must stay the same (it is the worker's name on the wire)
-  coordinator -> worker  reset: drop the stage (engine, weights, optimizer) and wait idle for a setup
+  coordinator -> worker  setup (or setup_bundle) again (re-planning, at a flush boundary): the old
+                         stage is dropped and the new one built from what comes with the message;
+                         the peers in it replace the old neighbours
+  coordinator -> worker  release: drop the stage (engine, weights, optimizer) and give up the name
+  worker -> coordinator  released {stage}, the last message under the old name; then the worker
+                         closes every outgoing connection and waits, nameless, for a setup under
+                         any stage index (a re-plan that renumbers it) or for stop
+  coordinator -> worker  reset: drop the stage but keep the name (and the connections)
   coordinator -> worker  stop
 Any failure is reported as error {stage, message} before the worker exits non-zero, so the
 coordinator can name the device and the cause instead of timing out.
+
+A worker's transport name is its stage ("stage<k>"): neighbours and the coordinator tell its
+messages apart by it. A setup under another stage index than the one the worker holds is refused
+unless it released its name first, so two processes never speak under one name (see
+runtime.transport_zmq on how a name changes hands).
 """
 from __future__ import annotations
 
@@ -52,30 +61,50 @@ class Worker:
 
     def reset(self) -> None:
         """Drop the stage this worker ran (engine, weights, optimizer state, buffers) before a new
-        setup, or to wait idle after a re-plan left this worker out; only the name stays."""
+        setup; only the name stays (`release` gives that up too)."""
         close = getattr(self.executor.engine, "close", None) if self.executor is not None else None
         if close is not None:  # a head-split engine's backend processes
             close()
         self.executor = None
         self.bundle_actions = None
 
-    def _take_stage(self, stage: int) -> None:
-        """Become stage `stage`: the first setup names the transport; a later one (re-planning)
-        must keep that name, since peers already know this worker by it."""
+    def release(self) -> None:
+        """Drop the stage and give up the name: acknowledge under the old name (the coordinator
+        waits for this before anyone else takes it), then close every outgoing connection."""
         if self.stage is None:
-            self.stage = stage
+            raise RuntimeError("release, but this worker holds no stage name (never set up, or already released)")
+        self.reset()
+        self.transport.send_control(COORDINATOR, {"type": "released", "stage": self.stage})
+        for peer in list(getattr(self.transport, "peers", {})):
+            self.transport.disconnect(peer)
+        self.stage = None
+
+    def _take_stage(self, stage: int) -> None:
+        """Become stage `stage`: a nameless worker (new, or released by a re-plan) takes the name
+        now; one that holds a name keeps it, since peers know it by it."""
+        if self.stage is None:
             if hasattr(self.transport, "rename"):
                 self.transport.rename(stage_peer(stage))
+            self.stage = stage
         elif stage != self.stage:
             raise ValueError(f"this worker is stage {self.stage} (its name on the wire) and cannot be set up as stage "
-                             f"{stage}; a re-plan must keep each worker's stage index")
+                             f"{stage} without a release first: the coordinator must release a worker's name before "
+                             f"giving it another")
         self.reset()
+
+    def _meet_peers(self, peers: dict[str, str]) -> None:
+        """Connect to this setup's peers (coordinator and neighbours) and drop any old neighbour
+        that is not one of them, so nothing is sent along a link the new plan does not have."""
+        for peer in list(getattr(self.transport, "peers", {})):
+            if peer not in peers:
+                self.transport.disconnect(peer)
+        for peer, address in peers.items():
+            self.transport.connect(peer, address)
 
     def setup(self, msg: dict) -> None:
         self._take_stage(int(msg["stage"]))
         stages = int(msg["stages"])
-        for peer, address in msg["peers"].items():
-            self.transport.connect(peer, address)
+        self._meet_peers(msg["peers"])
         constants = self._recv_tensors("weights", list(msg["graph"]["constants"]))
         graph = graph_from_json(msg["graph"], {k: np.array(v) for k, v in constants.items()})
         first, last = msg["blocks"]
@@ -96,8 +125,7 @@ class Worker:
         from runtime.bundle_load import recv_bundle
 
         self._take_stage(int(msg["stage"]))
-        for peer, address in msg["peers"].items():
-            self.transport.connect(peer, address)
+        self._meet_peers(msg["peers"])
         contents = recv_bundle(self.transport, COORDINATOR, msg["bundle_files"],
                                source=f"{msg.get('device', 'bundle')} (from the coordinator)", timeout=self.timeout)
         if contents.stage != self.stage:
@@ -160,6 +188,8 @@ class Worker:
                 self.checkpoint()
             elif kind == "reset":
                 self.reset()
+            elif kind == "release":
+                self.release()
             elif kind == "stop":
                 return 0
             else:

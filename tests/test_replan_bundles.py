@@ -1,0 +1,209 @@
+"""Re-planning while training from a plan folder (`confidant train plan/ --replan-every N`): the plan
+folder carries its cluster (planner.emit's cluster.json, checked by plan.json's hash); a device that
+runs slower than its profile makes the run re-plan, write the new plan with the current weights into
+plan/replan-stepNNNN/ and switch to it between two steps, after which training goes on exactly like
+a run that used the new plan from that step."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ir.bundle import BundleError, load_bundle_dir, load_plan
+from ir.graph import block_signature
+from ir.partition import Partition, StageAssignment
+from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
+from planner.cluster import Cluster, DeviceSpec
+from planner.emit import cluster_from_json, cluster_to_json, emit_plan, load_plan_cluster
+from planner.onnx_import import load_model
+from planner.replan import scale_profile
+from planner.schedule import make_schedule
+from runtime.coordinator import load_checkpoint
+
+ROWS, SEQ, M = 2, 16, 4  # micro-batch rows, tokens, micro-batches per step
+STEPS, EVERY = 4, 2      # re-plan check after step 2 (and none after the last)
+SLOWER = 8.0             # device "a" runs this many times slower than its profile says
+
+
+def _cli(*args, cwd: Path, ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "confidant", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _profile(graph, name: str, seconds_per_flop: float = 1e-9) -> DeviceProfile:
+    forward = {block_signature(b): max(b.flops * seconds_per_flop, 1e-6) for b in graph.blocks}
+    costs = {sig: BlockCost(f, 2 * f) for sig, f in forward.items()}
+    return DeviceProfile(name, graph.name, graph.batch, graph.seq, (BackendProfile("mnn:cpu:t1", costs),), 2**33)
+
+
+def _cluster(graph) -> Cluster:
+    devices = tuple(DeviceSpec(n, f"tcp://127.0.0.1:{5550 + i}", _profile(graph, n, 1e-9 * (i + 1)), 2**30,
+                               "mnn:cpu:t1") for i, n in enumerate(("a", "b", "c")))
+    return Cluster(devices, Link(1e9, 1e-4), {("a", "c"): Link(1e8, 2e-4)})
+
+
+# --- the cluster beside the plan -----------------------------------------------------------------
+
+def test_a_plan_folder_carries_its_cluster_and_refuses_a_changed_one(tiny_onnx, tmp_path):
+    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
+    cluster = _cluster(graph)
+    assert cluster_from_json(json.loads(json.dumps(cluster_to_json(cluster))), "x") == cluster
+    partition = Partition((StageAssignment(0, "b", 0, 1), StageAssignment(1, "a", 2, 4)), "manual")
+    emit_plan(tmp_path / "plan", graph, partition, make_schedule("1f1b-flush", 2, M), {"model": "tiny"},
+              cluster=cluster)
+    assert load_plan_cluster(tmp_path / "plan") == cluster  # profiles, budgets, backends and links
+    doc = load_plan(tmp_path / "plan", verify_bundles=True)
+    assert len(doc["cluster_sha256"]) == 64
+    path = tmp_path / "plan" / "cluster.json"
+    text = path.read_text()
+    path.write_text(text.replace('"memory_budget_bytes": 1073741824', '"memory_budget_bytes": 1073741825', 1))
+    with pytest.raises(BundleError, match=r"cluster.json is not the one plan.json was written with"):
+        load_plan(tmp_path / "plan")
+    path.unlink()
+    with pytest.raises(BundleError, match=r"plan.json records a cluster.json, which is missing"):
+        load_plan_cluster(tmp_path / "plan")
+    # written without a cluster: re-planning says where to get one
+    emit_plan(tmp_path / "bare", graph, partition, make_schedule("1f1b-flush", 2, M), {"model": "tiny"})
+    assert not (tmp_path / "bare" / "cluster.json").exists()
+    with pytest.raises(BundleError, match=r"it has no cluster.json .* re-run `confidant plan`"):
+        load_plan_cluster(tmp_path / "bare")
+    with pytest.raises(ValueError, match=r"the plan places stages on \['z'\], which the given cluster lacks"):
+        emit_plan(tmp_path / "z", graph, Partition((StageAssignment(0, "z", 0, 4),), "manual"),
+                  make_schedule("1f1b-flush", 1, M), {"model": "tiny"}, cluster=cluster)
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+def _tokenizer(train: Path, out: Path) -> Path:
+    """A WordPiece tokenizer over the training words that fits the tiny model's 500-token vocabulary."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    from runtime.conll import read_conll
+
+    words = collections.Counter(w.lower() for s in read_conll(train) for w in s.tokens)
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(w for w, _ in words.most_common(400)))}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(specials)
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.save(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def planned(tiny_onnx, tmp_path_factory):
+    """A plan of the tiny model that gives device a the embeddings and both encoder layers and b the
+    rest (c waits as a spare): a's profile says it is SLOWER times faster than it is (one real
+    profile for all three, a's scaled), as for a device slowed since it was profiled."""
+    from runtime.datagen import write_splits
+
+    root = tmp_path_factory.mktemp("replan-bundles")
+    model = tiny_onnx["torchscript-17"]
+    _cli("profile", "--model", model, "--batch", ROWS, "--seq", SEQ, "--backends", "mnn:cpu:t1", "--reps", 1,
+         "--no-attention", "--name", "box", "-o", "box.json", cwd=root)
+    scale_profile(DeviceProfile.load(root / "box.json"), 1 / SLOWER).save(root / "a.json")
+    (root / "cluster.yaml").write_text(
+        "devices:\n"
+        "  - {name: a, address: 'tcp://127.0.0.1:1', profile: a.json, memory_budget: 1GiB}\n"
+        "  - {name: b, address: 'tcp://127.0.0.1:2', profile: box.json, memory_budget: 1GiB}\n"
+        "  - {name: c, address: 'tcp://127.0.0.1:3', profile: box.json, memory_budget: 1GiB}\n"
+        "links:\n  default: {bandwidth: 10Gbit/s, latency: 50us}\n")
+    _cli("plan", model, "--cluster", "cluster.yaml", "--batch", ROWS * M, "--seq", SEQ, "--microbatches", M,
+         "--cuts", 3, "--devices", "a,b", "-o", "plan", cwd=root)
+    train, _ = write_splits(root / "data", n_train=32, n_dev=4, seed=4)
+    return root, train, _tokenizer(train, root / "tokenizer.json")
+
+
+def _flops_of(graph, plan: dict, device: str) -> int:
+    """FLOPs of the blocks `device` runs in `plan` (0 when it runs none)."""
+    blocks = {d["name"]: d["blocks"] for d in plan["devices"]}.get(device)
+    return sum(b.flops for b in graph.blocks[blocks[0]:blocks[1] + 1]) if blocks else 0
+
+
+def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_that_step(planned, tiny_onnx):
+    root, train, tokenizer = planned
+    common = ["--data", train, "--local", "--tokenizer", tokenizer]
+    proc = _cli("train", "plan", *common, "--steps", STEPS, "--replan-every", EVERY,
+                "--checkpoint", "live", "--metrics-out", "live.json", cwd=root)
+    figures = json.loads((root / "live.json").read_text())
+    (replan,) = figures["replans"]
+    assert replan["step"] == EVERY and replan["plan"] == f"plan/replan-step{EVERY:04d}"
+    assert [c["step"] for c in figures["replan_checks"]] == [EVERY]  # none after the last step
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("re-plan after step")]
+    assert len(lines) == 1 and f"new plan plan/replan-step{EVERY:04d}" in lines[0] and "MiB" in lines[0]
+    assert replan["moved_bytes"] > 0 and replan["predicted_gain"] > 0.1
+
+    # the new folder is a complete, verified plan; the slowed device does less in it
+    old, new_dir = load_plan(root / "plan"), root / "plan" / f"replan-step{EVERY:04d}"
+    new = load_plan(new_dir, verify_bundles=True)
+    assert [{"device": d["name"], "blocks": d["blocks"]} for d in new["devices"]] == replan["new"]
+    assert [d["name"] for d in figures["devices"]] == [d["name"] for d in new["devices"]]
+    assert load_plan_cluster(new_dir).names == ("a", "b", "c")
+    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
+    assert _flops_of(graph, new, "a") < _flops_of(graph, old, "a")
+
+    # the reference: the old plan for EVERY steps, then the new plan's bundles from that step
+    _cli("train", "plan", *common, "--steps", EVERY, "--checkpoint", "before", cwd=root)
+    meta, weights, per_stage = load_checkpoint(root / "before")
+    assert figures["losses"][:EVERY] == meta["losses"]
+    bundles = [load_bundle_dir(new_dir / d["bundle"]) for d in new["devices"]]
+    for c in bundles:  # written with the weights training had reached
+        for name in c.graph.params:
+            np.testing.assert_array_equal(c.graph.constants[name], weights[name], err_msg=name)
+    rest = _train_from(new_dir, new, bundles, train, tokenizer, per_stage)
+    assert figures["losses"][EVERY:] == rest.losses
+    _, final, _ = load_checkpoint(root / "live")
+    assert set(final) == set(rest.weights)
+    for name in final:
+        np.testing.assert_array_equal(final[name], rest.weights[name], err_msg=name)
+
+
+def _train_from(plan_dir: Path, plan: dict, bundles, train: Path, tokenizer: Path, per_stage):
+    """Steps EVERY.. on fresh workers from `plan_dir`'s bundles, with the optimizer state saved at
+    step EVERY, fed exactly as `confidant train` feeds them."""
+    from confidant.commands import _load_training_data
+    from confidant.pipeline import LocalWorkers, train_pipeline
+    from runtime.coordinator import PipelineConfig
+    from runtime.tokenize import make_batches
+
+    labels, _, _, train_enc, _ = _load_training_data(argparse.Namespace(data=train, eval=None, tokenizer=tokenizer),
+                                                     SEQ)
+    batches = make_batches(train_enc, ROWS * M, SEQ, seed=0)
+    union = {k: v for state in per_stage.values() for k, v in state.items()}  # each stage takes its own
+    local = LocalWorkers.start(len(bundles), threads=1)
+    try:
+        return train_pipeline(None, batches, len(labels), local.addresses,
+                              PipelineConfig(schedule=plan["schedule"], microbatches=M, timeout_s=120),
+                              STEPS - EVERY, start_step=EVERY, optimizer_state={k: union for k in range(len(bundles))},
+                              bundles=[plan_dir / d["bundle"] for d in plan["devices"]],
+                              devices=[d["name"] for d in plan["devices"]], stage_graphs=bundles)
+    finally:
+        assert local.wait(30.0) == [0] * len(bundles)
+
+
+def test_train_refuses_replanning_a_stashing_plan_or_one_without_a_cluster(planned, tiny_onnx):
+    root, train, tokenizer = planned
+    _cli("plan", tiny_onnx["torchscript-17"], "--cluster", "cluster.yaml", "--batch", ROWS * M, "--seq", SEQ,
+         "--microbatches", M, "--schedule", "1f1b-stash", "-o", "stash", cwd=root)
+    proc = _cli("train", "stash", "--data", train, "--local", "--replan-every", 2, cwd=root, ok=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "--replan-every needs a whole number of steps >= 1 and a flush schedule" in proc.stderr
+    assert "1f1b-stash" in proc.stderr and "confidant plan --schedule 1f1b-flush" in proc.stderr
+    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
+    emit_plan(root / "bare", graph, Partition((StageAssignment(0, "a", 0, 4),), "manual"),
+              make_schedule("1f1b-flush", 1, M), {"model": "tiny"})
+    proc = _cli("train", "bare", "--data", train, "--local", "--replan-every", 2, cwd=root, ok=False)
+    assert proc.returncode == 1
+    assert "it has no cluster.json" in proc.stderr and "--cluster FILE" in proc.stderr
