@@ -249,6 +249,7 @@ class MnnStageEngine(StageEngine):
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         serial, version, block_inputs, host = self._stash.pop(microbatch)
         swapped = self.stash_weights and version != self.version
+        current_tables = dict(self._tables)
         if swapped:
             self._load_weights(self._old_versions[version])
         try:
@@ -262,13 +263,17 @@ class MnnStageEngine(StageEngine):
         finally:
             if swapped:
                 self._load_weights(self._current)
+                self._tables.update(current_tables)
             self._drop_unused_versions()
         return StageGradients(grads, g if self.spec.activation_input is not None else None)
 
     def _load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Make `weights` (a version from `_old_versions`, or `_current`) the ones the graphs use.
+        Lookup tables live in numpy, so they switch by reference (no copy of a 47 MB embedding
+        table per swap); MNN Vars are written."""
         for k, v in weights.items():
             if k in self._tables:
-                self._tables[k][...] = v
+                self._tables[k] = v
             else:
                 K.write(self._params[k], v)
 
@@ -292,7 +297,17 @@ class MnnStageEngine(StageEngine):
             raise KeyError(f"parameters {unknown[:3]} are not in this stage (blocks "
                            f"{self.spec.first_block}-{self.spec.last_block})")
         if self.stash_weights and any(entry[1] == self.version for entry in self._stash.values()):
-            self._old_versions[self.version] = self.parameters()
+            # the current arrays become the old version as they are (no copy); every key gets a
+            # fresh array (the new values are written into it below; keys not given keep a copy),
+            # so no array is shared by two versions and later in-place writes cannot reach the old one
+            old = {**self._tables, **self._current}
+            self._old_versions[self.version] = old
+            for k, arr in old.items():
+                fresh = np.empty_like(arr) if k in values else arr.copy()
+                if k in self._tables:
+                    self._tables[k] = fresh  # the same dict the block programs read
+                else:
+                    self._current[k] = fresh
         for k, v in values.items():
             if k in self._tables:
                 self._tables[k][...] = v

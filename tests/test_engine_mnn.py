@@ -162,6 +162,31 @@ def test_weight_stashing_runs_each_backward_on_its_forwards_weights(tiny_graph):
         _assert_grads_close(results[False], want)
 
 
+def test_a_stashed_backward_leaves_the_current_weights_in_place(tiny_graph):
+    """The embedding stage: after a backward on an old version, the lookup table and every other
+    weight are the current version again, so the next forward (with no update in between, as with
+    --update-every > 1) computes what a fresh engine with the current weights computes."""
+    spec = stage_spec(tiny_graph, 0, 1)
+    feeds = [token_feeds(B, S, vocab=500, seed=40 + i) for i in range(3)]
+    engine = MnnStageEngine(spec, stash_weights=True)
+    w0 = engine.parameters()
+    new = {k: v * 0.5 + 0.01 for k, v in w0.items()}
+    y0 = engine.forward(feeds[0], 0)
+    engine.set_parameters(new)
+    engine.forward(feeds[1], 1)
+    engine.backward(0, np.ones_like(y0))  # on version 0
+    got = engine.parameters()
+    assert all(np.array_equal(got[k], new[k]) for k in new)
+    fresh = MnnStageEngine(spec, weights={**spec.graph.constants, **new})
+    assert np.array_equal(engine.forward(feeds[2], 2), fresh.forward(feeds[2], 2))
+    # the old version stays intact while it is in flight: a second update keeps micro-batch 1's weights
+    engine.set_parameters({k: v * 2 for k, v in new.items()})
+    assert engine.stashed_versions() == 1
+    engine.backward(1, np.ones_like(y0))
+    engine.backward(2, np.ones_like(y0))
+    assert engine.stashed_versions() == 0
+
+
 def test_an_inference_forward_first_still_primes_the_op_caches(tiny_graph):
     """Evaluating before training (F1 before fine-tuning) must not switch the cache reuse off."""
     engine = MnnStageEngine(stage_spec(tiny_graph, 0, 4))
