@@ -16,6 +16,14 @@ What it measures
         the other in this process (`concurrent=False`);
       * the allocator's predicted time (the curves' time of the slower share; the child process's
         copy and command costs are not in the curves);
+      * the fixed cost of a real split beyond the curves, as `confidant profile` measures it
+        (`runtime.profile.split_extra_cost`: SplitAttentions of 1, 6 and 11 heads on the child
+        backend mnn:cpu:t1 beside torch:cpu:t1 in this process; the worst excess of the measured
+        time over the curves, floored at 0), and the allocator's split and prediction with that
+        cost (`extra_cost_s`) next to the one without; a changed split is timed too;
+      * what `confidant plan` would decide for this machine (`confidant.planning.plan_head_split`
+        on a profile of the curves of every present backend and the measured fixed cost): a split,
+        or which single backend; and whether a split pays here at all, by the measured times;
       * when the allocator gives all heads to one backend, also the best split that uses both
         (by the same curves), so that the two-core comparison below always exists.
     Speedups: the allocator's choice over the best single backend of all four, and the honest
@@ -32,7 +40,7 @@ Reading the numbers
 
 Usage
     .venv/bin/python benchmarks/heads.py [--reps N] [--json OUT]
-    About 2-3 minutes on two cores.
+    About 1-2 minutes on two cores.
 """
 from __future__ import annotations
 
@@ -56,8 +64,12 @@ from benchmarks.common import machine_busy_s  # noqa: E402
 import numpy as np
 
 
+from confidant.planning import plan_head_split  # noqa: E402
+from ir.graph import block_signature  # noqa: E402
+from ir.profile import AttentionCurve, BackendProfile, DeviceProfile  # noqa: E402
 from runtime.head_split import WEIGHT_NAMES, SplitAttention, _context  # noqa: E402
-from runtime.profile import attention_curve, parse_backend, present_backends  # noqa: E402
+from runtime.profile import (attention_curve, attention_piece, parse_backend, present_backends,  # noqa: E402
+                             split_extra_cost, split_primary)
 
 BATCH, SEQ = 8, 128
 MODELS = {"minilm": (12, 32), "bert-base": (12, 64)}  # heads, head size
@@ -68,25 +80,52 @@ PAIR = ("mnn:cpu:t1", "torch:cpu:t1")  # one core each
 # Machine state --------------------------------------------------------------------------------
 
 def _ticks(path: str) -> float:
-    """utime + stime of a /proc/<pid>/stat file, in seconds (0 if the process is gone)."""
+    """utime + stime + cutime + cstime of a /proc/<pid>/stat file (the process and its children
+    that have ended and been waited for), in seconds (0 if the process is gone)."""
     try:
         with open(path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return sum(int(fields[i]) for i in (11, 12, 13, 14)) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every living process below `pid` (the fork server and the split's children under it)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
 class OthersCpu:
     """`with OthersCpu(pids) as o: ...` then `o.share`: the share of all CPUs used by processes
-    other than this one and `pids` while the block ran (None where /proc is missing)."""
+    other than this one, its descendants (the fork server, split children started meanwhile: those
+    that ended count through their parent's cutime) and `pids` while the block ran (None where
+    /proc is missing)."""
 
     def __init__(self, pids=()):
         self.pids = list(pids)
         self.share: float | None = None
 
     def _own(self) -> float:
-        return _ticks("/proc/self/stat") + sum(_ticks(f"/proc/{p}/stat") for p in self.pids)
+        try:
+            pids = set(self.pids) | _descendants(os.getpid())
+        except OSError:
+            pids = set(self.pids)
+        return _ticks("/proc/self/stat") + sum(_ticks(f"/proc/{p}/stat") for p in pids)
 
     def __enter__(self):
         self.t0, self.busy0, self.own0 = time.perf_counter(), machine_busy_s(), self._own()
@@ -160,14 +199,15 @@ def time_split(model: str, allocation: dict[str, int], reps: int, concurrent: bo
             "placement": placement, "others_cpu": others.share, "concurrent": concurrent}
 
 
-def allocate(curves: dict[str, tuple[float, ...]], heads: int) -> tuple[str, dict[str, int], float]:
-    """(allocator name, allocation, predicted seconds)."""
+def allocate(curves: dict[str, tuple[float, ...]], heads: int,
+             extra_cost_s: dict[str, float] | None = None) -> tuple[str, dict[str, int], float]:
+    """(allocator name, allocation, predicted seconds); `extra_cost_s` as in `allocate_heads`."""
     try:
         from planner.heads import allocate_heads
     except ImportError:
         allocate_heads = None
     if allocate_heads is not None:
-        split = allocate_heads(curves)
+        split = allocate_heads(curves, extra_cost_s)
         return "planner.heads.allocate_heads", dict(split.heads), split.predicted_s
     # proportional to the single-head speeds, largest remainders first
     speed = {b: 1.0 / c[0] for b, c in curves.items()}
@@ -186,6 +226,23 @@ def best_pair(curves: dict[str, tuple[float, ...]], heads: int) -> tuple[dict[st
     return {a: h, b: heads - h}, max(curves[a][h - 1], curves[b][heads - h - 1])
 
 
+def planner_decision(model: str, curves: dict[str, tuple[float, ...]], extra: dict[str, float]) -> dict:
+    """What `plan_head_split` records for a device profiled with these curves (every present
+    backend) and split fixed costs: {"split": allocation, "predicted_s", "single_best"} or
+    {"split": None, "single": fastest backend by its curve, "single_s"}."""
+    heads, hs = MODELS[model]
+    graph = attention_piece(BATCH, SEQ, heads * hs, heads, hs, (BATCH, 1, 1, SEQ))  # block 1: an encoder
+    sig = block_signature(graph.blocks[1])
+    profile = DeviceProfile("this machine", model, BATCH, SEQ,
+                            tuple(BackendProfile(b, {}, {sig: AttentionCurve(tuple(c))}) for b, c in curves.items()),
+                            0, split_extra_cost_s={sig: dict(extra)} if extra else {})
+    split = plan_head_split(graph, profile)
+    if split is not None:
+        return {"split": dict(split.heads), "predicted_s": split.predicted_s, "single_best": list(split.single_best)}
+    best = min(curves, key=lambda b: curves[b][-1])
+    return {"split": None, "single": best, "single_s": curves[best][-1]}
+
+
 def run_model(model: str, singles: list[str], pair_present: bool, reps: int, say) -> dict:
     heads, hs = MODELS[model]
     hidden = heads * hs
@@ -196,14 +253,42 @@ def run_model(model: str, singles: list[str], pair_present: bool, reps: int, say
     if not pair_present:
         return out
     _, mask, _ = _inputs(hidden)
-    curves = {}
+    all_curves = {}
     with OthersCpu() as others:
-        for b in PAIR:
-            curves[b] = attention_curve(parse_backend(b), BATCH, SEQ, hidden, heads, hs, mask, reps=3).seconds
-            say(f"{model} curve {b}: " + " ".join(f"{s * 1e3:.0f}" for s in curves[b]) + " ms")
+        for b in list(PAIR) + [b for b in singles if b not in PAIR]:  # the others for plan_head_split
+            all_curves[b] = attention_curve(parse_backend(b), BATCH, SEQ, hidden, heads, hs, mask, reps=3).seconds
+            say(f"{model} curve {b}: " + " ".join(f"{s * 1e3:.0f}" for s in all_curves[b]) + " ms")
+    curves = {b: all_curves[b] for b in PAIR}
     name, alloc, predicted = allocate(curves, heads)
-    out.update(curves=curves, curves_others_cpu=others.share, allocator=name)
+    out.update(curves=curves, curves_others_cpu=others.share, allocator=name,
+               other_curves={b: c for b, c in all_curves.items() if b not in PAIR})
+    # the fixed cost of a real split beyond the curves, measured as `confidant profile` does
+    primary = split_primary([parse_backend(b) for b in PAIR])
+    child = next(b for b in PAIR if b != primary.name)
+    with OthersCpu() as others:
+        cost = split_extra_cost(primary, parse_backend(child), {b: AttentionCurve(c) for b, c in curves.items()},
+                                BATCH, SEQ, hidden, heads, hs, mask, reps)
+    extra = {child: cost.extra_s}
+    out["extra_cost"] = {"backend": child, "beside": primary.name, "extra_s": cost.extra_s,
+                         "others_cpu": others.share,
+                         "runs": [{"heads": {child: r.heads, primary.name: r.primary_heads},
+                                   "measured_s": r.measured_s, "predicted_s": r.predicted_s, "busy_s": dict(r.busy_s),
+                                   "curves_s": {child: curves[child][r.heads - 1],
+                                                primary.name: curves[primary.name][r.primary_heads - 1]}}
+                                  for r in cost.runs]}
+    say(f"{model} split fixed cost of {child} beside {primary.name}: {cost.extra_s * 1e3:.1f} ms ("
+        + ", ".join(f"{r.heads}+{r.primary_heads} heads {r.measured_s * 1e3:.1f} vs curves {r.predicted_s * 1e3:.1f}"
+                    for r in cost.runs) + " ms)")
+    _, alloc_x, predicted_x = allocate(curves, heads, extra)
+    out["with_extra"] = {"allocation": {b: h for b, h in alloc_x.items() if h}, "predicted_s": predicted_x,
+                         "predicted_without_s": split_time_by_curves(alloc_x, curves)}
+    out["planner"] = planner_decision(model, all_curves, extra)
+    out["planner_without_extra"] = planner_decision(model, all_curves, {})
+    say(f"{model} allocator with the fixed cost: {out['with_extra']['allocation']} predicted {predicted_x * 1e3:.1f} ms "
+        f"(without: {alloc} {predicted * 1e3:.1f} ms); plan_head_split: {_decision(out['planner'])}")
     plans = [("allocator", alloc, predicted)]
+    if {b: h for b, h in alloc_x.items() if h} != {b: h for b, h in alloc.items() if h}:
+        plans.append(("allocator with fixed cost", alloc_x, predicted_x))
     if sum(1 for h in alloc.values() if h) < 2:
         # the honest two-core comparison needs both backends working, chosen or not
         pair_alloc, pair_predicted = best_pair(curves, heads)
@@ -227,7 +312,27 @@ def run_model(model: str, singles: list[str], pair_present: bool, reps: int, say
         b2 = min(two, key=two.get)
         out["two_core"] = {"split": pair["allocation"], "split_s": pair["concurrent"]["seconds"],
                            "against": b2, "against_s": two[b2], "speedup": two[b2] / pair["concurrent"]["seconds"]}
+    for run in out["splits"]:  # each timed split's prediction with the measured fixed cost
+        run["predicted_with_extra_s"] = split_time_by_curves(run["allocation"], curves, extra)
+    fastest = min(out["splits"], key=lambda r: r["concurrent"]["seconds"])
+    out["split_pays"] = {"best_split": fastest["allocation"], "best_split_s": fastest["concurrent"]["seconds"],
+                         "best_single": best, "best_single_s": t[best],
+                         "pays": fastest["concurrent"]["seconds"] < t[best]}
     return out
+
+
+def split_time_by_curves(allocation: dict[str, int], curves: dict[str, tuple[float, ...]],
+                         extra: dict[str, float] | None = None) -> float:
+    """The allocator's model: the slowest used backend's curve time plus its fixed cost."""
+    extra = extra or {}
+    return max(curves[b][h - 1] + extra.get(b, 0.0) for b, h in allocation.items() if h)
+
+
+def _decision(d: dict) -> str:
+    if d["split"] is not None:
+        return (f"split {_alloc(d['split'])} predicted {_ms(d['predicted_s'])} ms "
+                f"(fastest single {d['single_best'][0]} {_ms(d['single_best'][1])} ms)")
+    return f"no split: single {d['single']} ({_ms(d['single_s'])} ms by its curve)"
 
 
 # Output -------------------------------------------------------------------------------------------
@@ -256,6 +361,8 @@ def print_tables(results: list[dict], capacity: tuple[float, float]) -> None:
         for run in r["splits"]:
             alloc = _alloc(run["allocation"])
             rows.append([r["model"], f"{run['label']}: predicted", alloc, _ms(run["predicted_s"]), "", ""])
+            rows.append([r["model"], f"{run['label']}: predicted + fixed cost", alloc,
+                         _ms(run.get("predicted_with_extra_s")), "", ""])
             for key, how in (("concurrent", "concurrent"), ("sequential", "one after other")):
                 if key in run:
                     s = run[key]
@@ -280,6 +387,23 @@ def print_tables(results: list[dict], capacity: tuple[float, float]) -> None:
             c = r["two_core"]
             print(f"  two cores: split {_alloc(c['split'])} {_ms(c['split_s'])} ms vs {c['against']} alone "
                   f"{_ms(c['against_s'])} ms: speedup {c['speedup']:.2f}x")
+        x = r["extra_cost"]
+        print(f"  fixed cost of a split, {x['backend']} in a child beside {x['beside']}: {_ms(x['extra_s'])} ms "
+              f"(others {_pct(x['others_cpu'])}); per allocation measured vs curves: "
+              + ", ".join(f"{_alloc(run['heads'])} {_ms(run['measured_s'])} vs {_ms(run['predicted_s'])}"
+                          for run in x["runs"]))
+        for run in x["runs"]:
+            print(f"    {_alloc(run['heads'])}: busy " + ", ".join(
+                f"{b} {_ms(run['busy_s'].get(b))} (curve {_ms(c)})" for b, c in run["curves_s"].items()))
+        w = r["with_extra"]
+        print(f"  allocator with it: {_alloc(w['allocation'])} predicted {_ms(w['predicted_s'])} ms; without it: "
+              f"{_alloc(chosen['allocation'])} predicted {_ms(chosen['predicted_s'])} ms, measured "
+              f"{_ms(chosen['concurrent']['seconds'])} ms")
+        print(f"  confidant plan (plan_head_split) on this machine's profile: {_decision(r['planner'])}"
+              f"; without the fixed cost it would say: {_decision(r['planner_without_extra'])}")
+        p = r["split_pays"]
+        print(f"  does splitting pay here? {'yes' if p['pays'] else 'no'}: fastest timed split {_alloc(p['best_split'])} "
+              f"{_ms(p['best_split_s'])} ms vs fastest single {p['best_single']} {_ms(p['best_single_s'])} ms (measured)")
     busy = [f"{r['model']} {label} {s['others_cpu']:.0%}" for r in results
             for label, s in list(r["single"].items())
             + [(f"{run['label']} {k}", run[k]) for run in r["splits"] for k in ("concurrent", "sequential") if k in run]

@@ -29,14 +29,29 @@ def plan_head_split(graph, profile):
     signature has curves on at least two of them.
 
     Candidates. The device is not the planning machine, so its core count is not known here; its
-    profile is what we have. Backends of one split run concurrently and must not share cores, so:
-    per engine (mnn, torch, ...), take the backend that is fastest at computing all H heads; keep
-    the candidates only if their thread counts sum to at most the largest thread count profiled on
-    that device (a device profiled at tN has at least N cores to give). When they do not fit, no
-    split. The split is recorded only if it uses >= 2 backends and is predicted faster than the best
-    single backend. Any schedule: the split engine stashes weight versions like the MNN engine."""
+    profile is what we have. Backends of one split run concurrently and must not share cores, so a
+    candidate set takes one backend per engine (mnn, torch, ...) for two or more engines, with
+    thread counts summing to at most the largest thread count profiled on that device (a device
+    profiled at tN has at least N cores to give); e.g. on a two-core device profiled at t1 and t2,
+    mnn:cpu:t1 + torch:cpu:t1. Every candidate set is allocated (`allocate_heads`), and the set with
+    the fastest prediction wins; when no set fits, no split.
+
+    Fixed costs. Each candidate set is allocated with the profile's measured `split_extra_cost_s`
+    for this block signature (`runtime.profile`) on the backends the split engine runs in child
+    processes (`planner.heads.split_child_processes`: all but the in-process one, a torch backend
+    if the set has one); the in-process backend pays none. A backend without a measured figure (a
+    profile made before it was measured) is charged 0, as before: optimistic.
+
+    The split is recorded only if it uses >= 2 backends and its prediction is below the H-head time
+    of EVERY backend profiled with a curve for this signature, whatever its thread count: a single
+    backend using all the cores (torch:cpu:t2) may beat two one-core backends split. The returned
+    split's `single_best` is that fastest single backend. Any schedule: the split engine stashes
+    weight versions like the MNN engine."""
+    import dataclasses
+    import itertools
+
     from ir.graph import block_signature
-    from planner.heads import allocate_heads
+    from planner.heads import allocate_heads, split_child_processes
 
     for block in graph.blocks:
         if block.kind != "encoder":
@@ -45,21 +60,43 @@ def plan_head_split(graph, profile):
         curves = {b.backend: b.attention[sig] for b in profile.backends if sig in b.attention}
         if len(curves) < 2:
             continue
-        fastest: dict[str, str] = {}
-        for name, curve in curves.items():
-            engine = _engine_of(name)
-            if engine not in fastest or curve.seconds[-1] < curves[fastest[engine]].seconds[-1]:
-                fastest[engine] = name
-        if len(fastest) < 2:
-            return None
+        heads = len(next(iter(curves.values())).seconds)
+        single = min(curves, key=lambda b: curves[b].seconds[heads - 1])  # first listed wins ties
+        single_s = curves[single].seconds[heads - 1]
+        by_engine: dict[str, list[str]] = {}
+        for name in curves:
+            by_engine.setdefault(_engine_of(name), []).append(name)
         cores = max(_threads_of(b.backend) for b in profile.backends)
-        if sum(_threads_of(b) for b in fastest.values()) > cores:
+        measured = profile.split_extra_cost_s.get(sig, {})
+        best = None
+        for n in range(2, len(by_engine) + 1):
+            for engines in itertools.combinations(by_engine, n):
+                for names in itertools.product(*(by_engine[e] for e in engines)):
+                    if sum(_threads_of(b) for b in names) > cores:
+                        continue
+                    # charged as if all of the set got heads; a split that leaves out the in-process
+                    # backend is overcharged here, and tried correctly as its own smaller set
+                    extra = {b: float(measured.get(b, 0.0)) for b in split_child_processes({b: 1 for b in names})}
+                    split = allocate_heads({b: curves[b] for b in names}, extra)
+                    if len(split.heads) >= 2 and (best is None or split.predicted_s < best.predicted_s):
+                        best = split
+        if best is None or not best.predicted_s < single_s:
             return None
-        split = allocate_heads({b: curves[b] for b in fastest.values()})
-        if len(split.heads) >= 2 and split.predicted_s < split.single_best[1]:
-            return split
-        return None
+        return dataclasses.replace(best, single_best=(single, single_s))
     return None
+
+
+def _split_extra_cost(graph, profile, split) -> dict[str, float]:
+    """The measured fixed cost of each child backend of `split`, as plan_head_split allocated it
+    (the first encoder block with measured costs; 0 where none was measured)."""
+    from ir.graph import block_signature
+    from planner.heads import split_child_processes
+
+    for block in graph.blocks:
+        measured = profile.split_extra_cost_s.get(block_signature(block)) if block.kind == "encoder" else None
+        if measured:
+            return {b: float(measured.get(b, 0.0)) for b in split_child_processes(split)}
+    return {}
 
 
 def _mnn_base(profile, chosen: str | None) -> str | None:
@@ -104,7 +141,8 @@ def cmd_plan(args) -> int:
         base = _mnn_base(d.profile, d.backend)
         if split is not None and base is not None:
             splits[d.name] = split
-            d = dataclasses.replace(d, backend=base, profile=profile_with_head_split(d.profile, base, split))
+            d = dataclasses.replace(d, backend=base, profile=profile_with_head_split(
+                d.profile, base, split, _split_extra_cost(graph, d.profile, split)))
         devices.append(d)
     cluster = dataclasses.replace(cluster, devices=tuple(devices))
     instance = make_instance(graph, cluster, args.schedule, M, args.optimizer)

@@ -7,6 +7,7 @@ identical encoder layers of MiniLM are profiled once.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -59,6 +60,14 @@ class DeviceProfile:
     # device for every backend a head split runs in a child (`runtime.head_split`). Empty in
     # profiles made before it was measured: unknown, not zero (`planner.heads` warns).
     split_child_bytes: Mapping[str, int] = field(default_factory=dict)
+    # fixed seconds a head split pays beyond the attention curves, by block signature, then by
+    # backend: for each backend measured running a real split (`runtime.head_split`) in a child
+    # process next to the split's in-process backend, the worst over a few allocations of the
+    # measured forward+backward minus the curves' prediction (launch, copies through shared memory,
+    # the sum of partial outputs, and the slowdown the two backends cause each other), floored at 0;
+    # the planner's `extra_cost_s` (`planner.heads`). Per signature, since the copies scale with the
+    # shape. The in-process backend has no entry (0). Empty in profiles made before it was measured.
+    split_extra_cost_s: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def backend(self, name: str | None = None) -> BackendProfile:
         """The named backend, or the fastest one by total block time."""
@@ -91,8 +100,10 @@ class DeviceProfile:
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
                        int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),
                        {str(k): float(v) for k, v in doc.get("update_s_per_param_byte", {}).items()},
-                       {str(k): int(v) for k, v in doc.get("split_child_bytes", {}).items()})
-        except (KeyError, TypeError, AttributeError) as exc:
+                       {str(k): int(v) for k, v in doc.get("split_child_bytes", {}).items()},
+                       {str(sig): {str(b): _seconds(x) for b, x in per.items()}
+                        for sig, per in doc.get("split_extra_cost_s", {}).items()})
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
 
     def save(self, path: str | Path) -> None:
@@ -108,6 +119,13 @@ class DeviceProfile:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not JSON ({exc})") from None
         return cls.from_json(doc, str(path))
+
+
+def _seconds(x) -> float:
+    """A measured time from JSON: a finite number >= 0."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        raise ValueError(f"{x!r} is not a time in seconds (a finite number >= 0)")
+    return float(x)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,12 @@ the measured forward+backward time of h heads (`ir.profile.AttentionCurve.second
 the faster of fused and head-by-head) and `extra_b` is the fixed cost of using b at all besides the
 primary backend: launch, copying the input in and the partial output out, and adding it to the
 sum (0 for the primary, which holds the activations anyway). A backend given 0 heads costs
-nothing. The split's time is the slowest used backend's:
+nothing. `confidant profile` measures `extra_b` per block signature
+(`DeviceProfile.split_extra_cost_s`, `runtime.profile.split_extra_cost`): real splits beside the
+backend `runtime.head_split` keeps in-process, the worst excess over the curves, which also holds
+what the two concurrent engines slow each other down by; `confidant.planning.plan_head_split`
+passes it here for the backends a split runs in child processes. The split's time is the slowest
+used backend's:
 
     time({h_b}) = max over b with h_b > 0 of curve_b(h_b) + extra_b,   sum of h_b = H.
 

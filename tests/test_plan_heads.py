@@ -149,6 +149,61 @@ def test_no_split_when_the_backends_would_share_cores_or_not_help(tiny_onnx):
     assert plan_head_split(graph, _profile(graph, curves=slow)) is None
 
 
+def test_no_split_when_a_single_backend_on_more_threads_beats_it(tiny_onnx):
+    """On two cores, mnn t1 + torch t1 split in 22 ms; torch t2 alone, using both cores, takes 20 ms:
+    no split, although it beats every backend the allocator was given. At 30 ms for torch t2 the
+    split is recorded, compared with torch t2 (the fastest single backend, not a candidate: mnn t1 +
+    torch t2 would need three cores)."""
+    from confidant.planning import plan_head_split
+
+    graph = _graph(tiny_onnx)
+    backends = ("mnn:cpu:t1", "torch:cpu:t1", "torch:cpu:t2")
+    fast = {**CURVES, "torch:cpu:t2": (0.006, 0.011, 0.016, 0.020)}
+    assert plan_head_split(graph, _profile(graph, backends=backends, curves=fast)) is None
+    slower = {**CURVES, "torch:cpu:t2": (0.009, 0.017, 0.024, 0.030)}
+    split = plan_head_split(graph, _profile(graph, backends=backends, curves=slower))
+    assert split is not None
+    assert split.heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    assert split.predicted_s == pytest.approx(0.022)
+    assert split.single_best == ("torch:cpu:t2", pytest.approx(0.030))
+    # the fastest backend per engine alone (mnn t2 + torch t2 = 4 threads) does not fit two cores,
+    # so the one-core backends are the candidates even with faster two-core ones profiled
+    both = {**slower, "mnn:cpu:t2": (0.008, 0.015, 0.023, 0.040)}
+    split = plan_head_split(graph, _profile(graph, backends=backends + ("mnn:cpu:t2",), curves=both))
+    assert split is not None and split.heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    assert split.single_best == ("torch:cpu:t2", pytest.approx(0.030))
+
+
+def test_a_measured_extra_cost_changes_the_split_and_can_cancel_it(tiny_onnx):
+    """Hand numbers (CURVES, H = 4). No extra cost: mnn 2 + torch 2 in max(20, 22) = 22 ms. The split
+    runs mnn in a child process (torch stays in-process), so the measured cost lands on mnn:
+    15 ms makes 2 + 2 take max(35, 22) = 35 ms but 1 + 3 max(25, 32) = 32 ms, so a head moves to
+    torch; 50 ms makes even one head on mnn (60 ms) slower than mnn alone (58 ms): no split. A figure
+    for the in-process backend is not charged (it holds the activations), nor one of another block
+    signature."""
+    import dataclasses
+
+    from confidant.planning import plan_head_split
+
+    graph = _graph(tiny_onnx)
+    sig = next(block_signature(b) for b in graph.blocks if b.kind == "encoder")
+    base = _profile(graph)
+
+    def with_extra(extra):
+        return dataclasses.replace(base, split_extra_cost_s=extra)
+
+    assert plan_head_split(graph, base).heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    moved = plan_head_split(graph, with_extra({sig: {"mnn:cpu:t1": 0.015}}))
+    assert moved.heads == {"mnn:cpu:t1": 1, "torch:cpu:t1": 3}
+    assert moved.predicted_s == pytest.approx(0.032)
+    assert moved.single_best == ("mnn:cpu:t1", pytest.approx(0.058))
+    assert plan_head_split(graph, with_extra({sig: {"mnn:cpu:t1": 0.050}})) is None
+    for ignored in ({sig: {"torch:cpu:t1": 0.050}}, {"another/signature": {"mnn:cpu:t1": 0.050}}):
+        split = plan_head_split(graph, with_extra(ignored))
+        assert split.heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+        assert split.predicted_s == pytest.approx(0.022)
+
+
 def test_training_from_a_split_bundle_gives_the_unsplit_losses(tiny_onnx, tmp_path, capsys):
     """A worker builds the split engine from the bundle (MNN in a child process, torch in-process)
     and trains; the losses equal one unsplit MNN engine on the same micro-batches."""

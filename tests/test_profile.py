@@ -2,6 +2,7 @@
 the attention piece against numpy, and the link probe over real ZeroMQ sockets."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import queue
@@ -15,9 +16,10 @@ from ir.graph import block_signature
 from ir.profile import DeviceProfile, Link
 from planner.onnx_import import load_model
 from runtime import mnn_kernels as K
-from runtime.profile import (DEFAULT_BACKENDS, PeakRss, attention_curve, attention_piece, link_from_round_trips,
-                             link_probe_server, make_engine, measure_link, memory_available_bytes, parse_backend,
-                             present_backends, profile_device, synthetic_feeds)
+from runtime.profile import (DEFAULT_BACKENDS, PeakRss, SplitExtraCost, SplitRun, attention_curve, attention_piece,
+                             link_from_round_trips, link_probe_server, make_engine, measure_link,
+                             memory_available_bytes, parse_backend, present_backends, profile_device,
+                             split_allocations, split_extra_cost, split_primary, synthetic_feeds)
 from runtime.stage import stage_spec
 
 B, S = 2, 16
@@ -88,6 +90,8 @@ def test_attention_curves_have_one_entry_per_head(tiny_graph, tiny_profile):
 def test_profile_json_round_trip(tiny_profile, tmp_path):
     prof, _ = tiny_profile
     assert prof.split_child_bytes  # the measured figures travel too
+    if "torch:cpu:t1" in [b.backend for b in prof.backends]:
+        assert prof.split_extra_cost_s
     prof.save(tmp_path / "p.json")
     assert DeviceProfile.load(tmp_path / "p.json") == prof
 
@@ -110,6 +114,92 @@ def test_split_child_bytes_round_trip_and_old_profiles_load():
         DeviceProfile.from_json({**doc, "split_child_bytes": [1, 2]})
 
 
+def test_split_extra_cost_round_trip_and_old_profiles_load():
+    import dataclasses
+
+    from ir.profile import BackendProfile, BlockCost
+
+    prof = DeviceProfile("d", "m", 2, 16, (BackendProfile("mnn:cpu:t1", {"b": BlockCost(0.1, 0.2)}),), 1 << 30,
+                         47 << 20, {"sgd": 1e-9}, {"mnn": 48 << 20},
+                         {"sigA": {"mnn:cpu:t1": 0.0049, "mnn:cpu:t2": 0.0}, "sigB": {"mnn:cpu:t1": 0.012}})
+    doc = prof.to_json()
+    assert doc["split_extra_cost_s"] == {"sigA": {"mnn:cpu:t1": 0.0049, "mnn:cpu:t2": 0.0},
+                                         "sigB": {"mnn:cpu:t1": 0.012}}
+    assert DeviceProfile.from_json(doc) == prof
+    assert DeviceProfile.from_json(json.loads(json.dumps(doc))) == prof  # through real JSON text
+    # a profile written before the field existed loads with no figures (the planner charges 0)
+    old = {k: v for k, v in doc.items() if k != "split_extra_cost_s"}
+    assert DeviceProfile.from_json(old) == dataclasses.replace(prof, split_extra_cost_s={})
+    assert DeviceProfile.from_json(dataclasses.replace(prof, split_extra_cost_s={}).to_json()).split_extra_cost_s == {}
+    for bad in ([1, 2], {"sigA": [0.1]}, {"sigA": {"mnn:cpu:t1": -0.001}}, {"sigA": {"mnn:cpu:t1": float("nan")}},
+                {"sigA": {"mnn:cpu:t1": "5 ms"}}):
+        with pytest.raises(ValueError, match="malformed profile"):
+            DeviceProfile.from_json({**doc, "split_extra_cost_s": bad})
+
+
+def test_profile_measures_the_fixed_cost_of_a_real_split(tiny_graph, tiny_profile):
+    """Real SplitAttentions of the tiny BERT's attention (4 heads) between the in-process backend
+    (torch:cpu:t1 where torch runs) and every other backend that fits beside it on this machine's
+    CPUs: one finite figure >= 0 per such backend, none for the in-process one or one that would
+    oversubscribe the CPUs (reported instead)."""
+    prof, lines = tiny_profile
+    names = [b.backend for b in prof.backends]
+    primary = split_primary([parse_backend(n) for n in names])
+    cpus = os.cpu_count() or 1
+    expected = {n for n in names if n != primary.name and parse_backend(n).threads + primary.threads <= cpus}
+    encoders = {block_signature(b) for b in tiny_graph.blocks if b.heads}
+    if not expected:
+        assert prof.split_extra_cost_s == {}
+        return
+    assert set(prof.split_extra_cost_s) == encoders
+    for sig, costs in prof.split_extra_cost_s.items():
+        assert set(costs) == expected, (sig, costs)
+        assert all(math.isfinite(x) and x >= 0 for x in costs.values()), costs
+    if "torch:cpu:t1" in names:
+        assert primary.name == "torch:cpu:t1" and "mnn:cpu:t1" in expected
+    measured = [line for line in lines if line.startswith("split extra cost ") and "not measured" not in line]
+    assert len(measured) == len(expected) * len(encoders), lines
+    skipped = [line for line in lines if line.startswith("split extra cost ") and "not measured" in line]
+    assert len(skipped) == (len(names) - 1 - len(expected)) * len(encoders), lines
+
+
+def test_split_extra_cost_runs_real_splits(tiny_graph, tiny_profile):
+    """The measurement itself: real SplitAttentions of 1+3, 2+2 and 3+1 heads (torch in this process,
+    MNN in a child), each compared with the curves' max; busy times per backend lie within the wall."""
+    pytest.importorskip("torch")
+    prof, _ = tiny_profile
+    block = next(b for b in tiny_graph.blocks if b.heads)
+    sig = block_signature(block)
+    curves = {b.backend: b.attention[sig] for b in prof.backends}
+    batch, seq, hidden = tiny_graph.values[block.inputs[0]].shape
+    mask = np.zeros((batch, 1, 1, seq), np.float32)
+    mask[-1, ..., seq // 2:] = -10000.0
+    torch1, mnn1 = parse_backend("torch:cpu:t1"), parse_backend("mnn:cpu:t1")
+    got = split_extra_cost(torch1, mnn1, curves, batch, seq, hidden, block.heads, block.head_size, mask, reps=2)
+    assert (got.backend, got.primary) == ("mnn:cpu:t1", "torch:cpu:t1")
+    assert [(r.heads, r.primary_heads) for r in got.runs] == [(1, 3), (2, 2), (3, 1)]
+    for r in got.runs:
+        assert r.predicted_s == max(curves["torch:cpu:t1"].seconds[r.primary_heads - 1],
+                                    curves["mnn:cpu:t1"].seconds[r.heads - 1])
+        assert r.measured_s > 0 and set(r.busy_s) == {"mnn:cpu:t1", "torch:cpu:t1"}
+        assert all(0 < b <= r.measured_s * 1.01 for b in r.busy_s.values()), r
+    assert got.extra_s == max(0.0, max(r.measured_s - r.predicted_s for r in got.runs))
+    with pytest.raises(ValueError, match="two different backends"):
+        split_extra_cost(mnn1, mnn1, curves, batch, seq, hidden, block.heads, block.head_size, mask)
+
+
+def test_split_extra_cost_is_the_worst_excess_over_the_curves_floored_at_zero():
+    runs = (SplitRun(1, 3, 0.050, 0.040), SplitRun(2, 2, 0.030, 0.022), SplitRun(3, 1, 0.031, 0.033))
+    assert SplitExtraCost("mnn:cpu:t1", "torch:cpu:t1", runs).extra_s == pytest.approx(0.010)
+    faster = (SplitRun(2, 2, 0.020, 0.022),)  # measured below the curves (noise): no negative cost
+    assert SplitExtraCost("mnn:cpu:t1", "torch:cpu:t1", faster).extra_s == 0.0
+    assert split_allocations(12) == [1, 6, 11]
+    assert split_allocations(4) == [1, 2, 3] and split_allocations(3) == [1, 2] and split_allocations(2) == [1]
+    backends = [parse_backend(n) for n in ("mnn:cpu:t1", "torch:cpu:t2", "torch:cpu:t1")]
+    assert split_primary(backends).name == "torch:cpu:t1"   # in-process torch, fewest threads
+    assert split_primary(backends[:1] + [parse_backend("mnn:cpu:t2")]).name == "mnn:cpu:t1"
+
+
 def test_profile_measures_split_child_processes(tiny_profile):
     """A real head-split child of each present engine kind, holding H-1 heads of the tiny BERT's
     attention: the whole process is tens of MiB for MNN, and torch's import makes its child bigger."""
@@ -127,6 +217,7 @@ def test_memory_override_and_attention_switch(tiny_graph):
     assert prof.memory_available_bytes == 123
     assert prof.backends[0].attention == {}
     assert prof.split_child_bytes == {}  # no curves, no split: no child measured either
+    assert prof.split_extra_cost_s == {}  # nor its fixed cost
     assert memory_available_bytes() > 0
 
 
