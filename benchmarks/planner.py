@@ -32,9 +32,14 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
     predicted forward+backward ms per micro-batch. ``err cost|mc`` and ``err sim|mc`` compare with
     the cost formula and the simulation rerun on the *measured* per-stage forward, backward and
     update times (links as modelled; the formula gets the update added, the simulation runs it as
-    the UPDATE actions): they separate the compute figures (profile, contention, the missing
-    update term) from the schedule and transfer model, since the load of a shared machine moves
-    the former by tens of percent.
+    the UPDATE actions): they separate the compute figures (profile, contention) from the schedule
+    and transfer model, since the load of a shared machine moves the former by tens of percent.
+    Co-located profile: local workers are not separate devices; two processes on this machine
+    slow each other's blocks (shared caches and memory bandwidth: an encoder block's F+B 90 ms
+    alone, 94-111 ms with a second profile running). So the same plans are also priced with a
+    profile measured by min(N, CPUs) ``confidant profile`` processes at once, block times averaged
+    (``cost·L``, ``sim·L``, ``sim·L×c``): the device as the worker really sees it here. On separate
+    devices the plain profile is the right one.
 
 (b) Planning time and optimality gap on synthetic models.
     Synthetic BERT-like models (an embedding block of MiniLM's size, then encoder-like blocks of
@@ -198,6 +203,46 @@ def profile_here(graph, reps: int = 5):
         start = time.perf_counter()
         prof = profile_device(graph, "this-machine", backends=(BACKEND,), reps=reps, attention=False)
         _PROFILE_CACHE[key] = (prof, time.perf_counter() - start)
+    return _PROFILE_CACHE[key]
+
+
+def profile_corun(model: Path, graph, copies: int, reps: int = 5):
+    """This machine's profile measured by `copies` `confidant profile` processes at once (one
+    compute thread each), block times averaged over them: what one of `copies` co-located workers
+    sees, since workers that share a machine share its caches and memory bandwidth (two MNN
+    processes slow each other's encoder block by 4-23 % here). Separate devices would not."""
+    import dataclasses
+
+    from ir.profile import BackendProfile, BlockCost, DeviceProfile
+
+    key = (graph.batch, graph.seq, copies)
+    if key in _PROFILE_CACHE:
+        return _PROFILE_CACHE[key]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"p{i}.json" for i in range(copies)]
+        procs = [subprocess.Popen([sys.executable, "-m", "confidant", "profile", "--model", str(model),
+                                   "--batch", str(graph.batch), "--seq", str(graph.seq), "--backends", BACKEND,
+                                   "--no-attention", "--reps", str(reps), "--name", f"corun{i}", "-o", str(out)],
+                                  cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for i, out in enumerate(outs)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=900)
+            if proc.returncode:
+                raise RuntimeError(f"co-run profile failed: {err[-2000:]}")
+        profs = [DeviceProfile.from_json(json.loads(out.read_text()), str(out)) for out in outs]
+    first = profs[0]
+    blocks = {}
+    for sig in first.backends[0].blocks:
+        cs = [pr.backends[0].blocks[sig] for pr in profs]
+        mean = lambda f: statistics.fmean(getattr(c, f) for c in cs)  # noqa: E731
+        blocks[sig] = BlockCost(mean("forward_s"), mean("backward_s"), mean("recompute_s"),
+                                max(c.workspace_bytes for c in cs))
+    rates = {k: statistics.fmean(pr.update_s_per_param_byte.get(k, 0.0) for pr in profs)
+             for k in first.update_s_per_param_byte}
+    merged = dataclasses.replace(first, name=f"this-machine-x{copies}",
+                                 backends=(BackendProfile(BACKEND, blocks),), update_s_per_param_byte=rates)
+    _PROFILE_CACHE[key] = (merged, time.perf_counter() - start)
     return _PROFILE_CACHE[key]
 
 
@@ -391,6 +436,10 @@ def part_a(model: Path, M: int, steps: int, time_limit: float, stages=(2, 3)) ->
     _log(f"(a) profiling this machine ({BACKEND}, micro-batch {graph.batch} x {graph.seq}) ...")
     with NoiseMeter() as prof_noise:
         profile, prof_s = profile_here(graph)
+    copies = min(max(stages), CPUS)
+    _log(f"(a) profiling this machine with {copies} profiles at once (co-located workers) ...")
+    with NoiseMeter() as corun_noise:
+        loaded, corun_s = profile_corun(model, graph, copies)
     link = loopback_link()
     _log(f"(a) profile {prof_s:.1f} s; loopback link {link.bandwidth_bytes_per_s * 8 / 1e9:.2f} Gbit/s, "
          f"latency {link.latency_s * 1e6:.0f} us")
@@ -403,6 +452,9 @@ def part_a(model: Path, M: int, steps: int, time_limit: float, stages=(2, 3)) ->
             part, solved, solve_s = plan_n_stages(inst, n, time_limit)
             ranges = [tuple(r) for r in part.ranges]
             pred = predictions(graph, cluster, part, schedule, M, steps, n)
+            # the same plan priced with the profile measured next to min(N, CPUs) - 1 neighbours
+            colocated = identical_cluster(loaded, n, link, profile.memory_available_bytes // 3)
+            pred["colocated"] = predictions(graph, colocated, part, schedule, M, steps, n)
             _log(f"(a) {n} workers {schedule}: ranges {ranges}, predicted {pred['cost_s']:.3f} s; training ...")
             with NoiseMeter() as noise:
                 if schedule == "1f1b-stash":
@@ -421,6 +473,8 @@ def part_a(model: Path, M: int, steps: int, time_limit: float, stages=(2, 3)) ->
             rows.append(row)
     return {"model": str(model), "batch": BATCH, "seq": SEQ, "microbatches": M, "steps": steps,
             "profile": profile.to_json(), "profile_s": prof_s, "profile_others_cpu": prof_noise.others,
+            "colocated_profile": loaded.to_json(), "colocated_copies": copies, "colocated_profile_s": corun_s,
+            "colocated_others_cpu": corun_noise.others,
             "loopback_link": {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s},
             "rows": rows}
 
@@ -443,6 +497,24 @@ PRED_HEADER = ["cost s", "sim s", "sim×c s", "meas s", "err cost", "err sim", "
                "F+B ms/mb meas/pred per stage", "others"]
 
 
+def _colocated_lines(rows: list[dict]) -> list[str]:
+    """The same plans priced with the co-located profile (profile_corun), next to the measurement."""
+    rows = [r for r in rows if r["predicted"].get("colocated")]
+    if not rows:
+        return []
+    lines = [f"    the same plans priced with a co-located profile (min(N, {CPUS}) profiles measured at once, block "
+             f"times averaged: workers on one machine share its caches and memory bandwidth): cost·L, sim·L, and "
+             f"sim·L×c (compute x max(1, N/{CPUS}) for time-sharing when workers outnumber CPUs)"]
+    table = []
+    for r in rows:
+        c, m = r["predicted"]["colocated"], r["measured"]["step_s"]
+        table.append([str(r["workers"]), r["schedule"], r.get("rate", "-"), _s(c["cost_s"]), _s(c["sim_s"]),
+                      _s(c["sim_contention_s"]), _s(m), _pct(m / c["cost_s"] - 1), _pct(m / c["sim_s"] - 1),
+                      _pct(m / c["sim_contention_s"] - 1), " ".join(f"{x * 1e3:.0f}" for x in c["stage_fb_s"])])
+    return lines + _table(table, ["N", "schedule", "link", "cost·L s", "sim·L s", "sim·L×c s", "meas s", "err cost·L",
+                                  "err sim·L", "err sim·L×c", "F+B ms/mb pred·L"])
+
+
 def format_a(a: dict) -> str:
     link = a["loopback_link"]
     lines = [f"(a) predicted vs measured step time: MiniLM, batch {a['batch']} x seq {a['seq']}, "
@@ -455,6 +527,7 @@ def format_a(a: dict) -> str:
              "    cost|mc, sim|mc = the cost formula and the simulation on each stage's measured F, B and update "
              "(links as modelled): the error left to the schedule/link model once the compute figures are right"]
     lines += _table(_pred_meas_rows(a["rows"]), ["N", "schedule", "blocks", *PRED_HEADER])
+    lines += _colocated_lines(a["rows"])
     forced = [r for r in a["rows"] if r["solver_stages"] != r["workers"]]
     for r in forced:
         lines.append(f"    note: for {r['workers']} workers / {r['schedule']} the solver chose {r['solver_stages']} "
@@ -1071,6 +1144,7 @@ def part_d(model: Path, M: int, steps: int, time_limit: float,
     netem = netem_available()
     graph = load_model(str(model), BATCH // M, SEQ)
     profile, _ = profile_here(graph)
+    loaded, _ = profile_corun(model, graph, min(max(n for n, _ in configs), CPUS))
     rows = []
     port = 26000
     schedule = "1f1b-flush"
@@ -1087,6 +1161,8 @@ def part_d(model: Path, M: int, steps: int, time_limit: float,
             part, solved, solve_s = plan_n_stages(inst, n, time_limit)
             ranges = [tuple(r) for r in part.ranges]
             pred = predictions(graph, cluster, part, schedule, M, steps, n)
+            colocated = identical_cluster(loaded, n, link, profile.memory_available_bytes // 3)
+            pred["colocated"] = predictions(graph, colocated, part, schedule, M, steps, n)
             _log(f"    ranges {ranges}, predicted {pred['cost_s']:.3f} s; training ...")
             port += 10
             relay0, t0 = net.relay_cpu_s(), time.perf_counter()
@@ -1139,6 +1215,7 @@ def format_d(d: dict) -> str:
 
     lines += _table(_pred_meas_rows(d["rows"], extra), ["N", "tbf+delay", "link", "link ms", "schedule", "blocks",
                                                         *PRED_HEADER])
+    lines += _colocated_lines(d["rows"])
     for r in d["rows"]:
         relay = r.get("relay")
         if relay:
