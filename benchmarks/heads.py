@@ -69,7 +69,7 @@ from ir.graph import block_signature  # noqa: E402
 from ir.profile import AttentionCurve, BackendProfile, DeviceProfile  # noqa: E402
 from runtime.head_split import WEIGHT_NAMES, SplitAttention, _context  # noqa: E402
 from runtime.profile import (attention_curve, attention_piece, parse_backend, present_backends,  # noqa: E402
-                             split_extra_cost, split_primary)
+                             split_extra_cost, split_primary, time_split_attention)
 
 BATCH, SEQ = 8, 128
 MODELS = {"minilm": (12, 32), "bert-base": (12, 64)}  # heads, head size
@@ -184,15 +184,8 @@ def time_split(model: str, allocation: dict[str, int], reps: int, concurrent: bo
         sa.forward(x, mask)
         sa.backward(dy)
         pids = [w.proc.pid for w in sa._workers if hasattr(w, "proc")]
-        times, busy = [], []
         with OthersCpu(pids) as others:
-            for _ in range(reps):
-                start = time.perf_counter()
-                sa.forward(x, mask)
-                fwd_busy = dict(sa.last_busy_s)
-                sa.backward(dy)
-                times.append(time.perf_counter() - start)
-                busy.append({b: fwd_busy[b] + sa.last_busy_s[b] for b in fwd_busy})
+            times, busy = time_split_attention(sa, x, mask, dy, reps)
         placement = sa.placement
     return {"allocation": {b: h for b, h in allocation.items() if h}, "seconds": statistics.median(times),
             "busy_s": {b: statistics.median(r[b] for r in busy) for b in busy[0]},

@@ -557,6 +557,21 @@ def split_allocations(heads: int) -> list[int]:
     return sorted({h for h in (1, heads // 2, heads - 1) if 1 <= h <= heads - 1})
 
 
+def time_split_attention(sa, x: np.ndarray, mask: np.ndarray, dy: np.ndarray, reps: int
+                         ) -> tuple[list[float], list[dict[str, float]]]:
+    """Wall seconds of `reps` forward+backward passes of a `runtime.head_split.SplitAttention`,
+    and per pass each backend's busy seconds (its compute, without waiting for the others)."""
+    times, busy = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        sa.forward(x, mask)
+        fwd_busy = dict(sa.last_busy_s)
+        sa.backward(dy)
+        times.append(time.perf_counter() - start)
+        busy.append({b: fwd_busy[b] + sa.last_busy_s[b] for b in fwd_busy})
+    return times, busy
+
+
 def split_extra_cost(primary: Backend, other: Backend, curves: Mapping[str, AttentionCurve],
                      batch: int, seq: int, hidden: int, heads: int, head_size: int, mask: np.ndarray,
                      reps: int = 3, start_timeout_s: float = 300.0, seed: int = 0) -> SplitExtraCost:
@@ -596,14 +611,7 @@ def split_extra_cost(primary: Backend, other: Backend, curves: Mapping[str, Atte
                                      f"{primary.name} in this process")
             sa.forward(x, mask)
             sa.backward(dy)
-            times, busy = [], []
-            for _ in range(max(1, reps)):
-                start = time.perf_counter()
-                sa.forward(x, mask)
-                fwd_busy = dict(sa.last_busy_s)
-                sa.backward(dy)
-                times.append(time.perf_counter() - start)
-                busy.append({b: fwd_busy[b] + sa.last_busy_s[b] for b in fwd_busy})
+            times, busy = time_split_attention(sa, x, mask, dy, max(1, reps))
         predicted = max(seconds[primary.name][h_primary - 1], seconds[other.name][h_other - 1])
         runs.append(SplitRun(h_other, h_primary, statistics.median(times), predicted,
                              {b: statistics.median(r[b] for r in busy) for b in busy[0]}))

@@ -17,8 +17,9 @@ from planner.schedule import make_schedule
 from runtime.engine_mnn import MnnStageEngine
 from runtime.engine_split import SplitStageEngine
 from runtime.local_pipeline import LocalPipeline
-from runtime.tokenize import Batch, split_microbatches
+from runtime.tokenize import split_microbatches
 from runtime.trainer import batch_feeds
+from test_pipeline import _batch  # the same synthetic batches, at the same M, ROWS, S
 
 pytest.importorskip("torch")
 
@@ -26,16 +27,6 @@ M, ROWS, S, STEPS = 2, 2, 12, 2
 SPLIT = {"mnn:cpu:t1": 1, "torch:cpu:t1": 3}
 OPTIMIZER, LR = "sgd", 0.05
 RTOL = 1e-5
-
-
-def _batch(seed: int) -> Batch:
-    r = np.random.default_rng(seed)
-    mask = np.ones((ROWS * M, S), np.int64)
-    mask[-1, S // 2:] = 0
-    labels = r.integers(0, 9, (ROWS * M, S))
-    labels[mask == 0] = -100
-    return Batch(r.integers(0, 500, (ROWS * M, S)).astype(np.int64), mask, np.zeros_like(mask), labels,
-                 n_labelled=int((labels != -100).sum()))
 
 
 @pytest.fixture(scope="module")
