@@ -241,7 +241,9 @@ def profile_corun(model: Path, graph, copies: int, reps: int = 5):
     rates = {k: statistics.fmean(pr.update_s_per_param_byte.get(k, 0.0) for pr in profs)
              for k in first.update_s_per_param_byte}
     merged = dataclasses.replace(first, name=f"this-machine-x{copies}",
-                                 backends=(BackendProfile(BACKEND, blocks),), update_s_per_param_byte=rates)
+                                 backends=(BackendProfile(BACKEND, blocks),), update_s_per_param_byte=rates,
+                                 accumulate_s_per_param_byte=statistics.fmean(
+                                     pr.accumulate_s_per_param_byte for pr in profs))
     _PROFILE_CACHE[key] = (merged, time.perf_counter() - start)
     return _PROFILE_CACHE[key]
 

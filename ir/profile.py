@@ -68,6 +68,10 @@ class DeviceProfile:
     # the planner's `extra_cost_s` (`planner.heads`). Per signature, since the copies scale with the
     # shape. The in-process backend has no entry (0). Empty in profiles made before it was measured.
     split_extra_cost_s: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # seconds per parameter byte of adding one micro-batch's gradients into the running sum
+    # (`runtime.executor`, in place): paid m-1 times per step under flush schedules. 0 in profiles
+    # made before it was measured.
+    accumulate_s_per_param_byte: float = 0.0
 
     def backend(self, name: str | None = None) -> BackendProfile:
         """The named backend, or the fastest one by total block time."""
@@ -102,7 +106,8 @@ class DeviceProfile:
                        {str(k): float(v) for k, v in doc.get("update_s_per_param_byte", {}).items()},
                        {str(k): int(v) for k, v in doc.get("split_child_bytes", {}).items()},
                        {str(sig): {str(b): _seconds(x) for b, x in per.items()}
-                        for sig, per in doc.get("split_extra_cost_s", {}).items()})
+                        for sig, per in doc.get("split_extra_cost_s", {}).items()},
+                       _seconds(doc.get("accumulate_s_per_param_byte", 0.0)))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
 

@@ -9,6 +9,8 @@ Time, for one micro-batch on stage s of p (device d, blocks first..last):
   forward). A stage whose every backward directly follows its own micro-batch's forward keeps
   MNN's per-op caches and skips that re-run (`reuses_forward`: the last stage under 1F1B, or any
   schedule with one micro-batch), so `recompute_s` is subtracted there.
+- gradient accumulation, charged to the backward: parameter bytes x the profile's seconds per
+  byte of `acc += g` x (m-1)/m under flush schedules (`accumulated_share`).
 - optimizer step (`update_s`): parameter bytes x the profile's measured seconds per parameter
   byte of the optimizer; once per batch under flush schedules, after every backward under
   1f1b-stash.
@@ -170,6 +172,21 @@ def compute_s(graph: Graph, device: DeviceSpec, first: int, last: int, reuse: bo
             sum(c.backward_s - (c.recompute_s if reuse else 0.0) for c in costs))
 
 
+def accumulated_share(schedule: str, microbatches: int) -> float:
+    """Gradient additions per micro-batch: flush schedules sum m micro-batches' gradients before
+    one update (m-1 additions: the first gradient is taken as it is); 1f1b-stash updates after
+    every backward (the cost model's update_every = 1), so nothing accumulates."""
+    check_schedule(schedule)
+    return 0.0 if schedule in ASYNC_SCHEDULES else (microbatches - 1) / microbatches
+
+
+def accumulate_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedule: str, microbatches: int) -> float:
+    """Seconds per micro-batch of adding gradients into the running sum, for blocks first..last."""
+    _check_range(graph, first, last)
+    params = sum(b.params_bytes for b in graph.blocks[first:last + 1])
+    return params * device.profile.accumulate_s_per_param_byte * accumulated_share(schedule, microbatches)
+
+
 def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer: str) -> float:
     """Seconds of one optimizer step over the parameters of blocks first..last on the device
     (0 for a profile that did not measure the optimizer)."""
@@ -207,6 +224,7 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
     first, last = ranges[stage]
     spec = cluster.device(devices[stage])
     forward, backward = compute_s(graph, spec, first, last, reuses_forward(schedule, p, stage, microbatches))
+    backward += accumulate_s(graph, spec, first, last, schedule, microbatches)
     send_act = send_grad = 0.0
     if stage < p - 1:
         send_act = transfer_s(graph.blocks[last].activation_bytes, cluster, devices[stage], devices[stage + 1])

@@ -52,8 +52,9 @@ from ortools.sat.python import cp_model
 from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from planner.cluster import Cluster, format_bytes
-from planner.cost import (ASYNC_SCHEDULES, OPTIMIZER_STATE_COPIES, block_costs, block_input_bytes, check_blocks,
-                          check_optimizer, check_schedule, in_flight_microbatches, reuses_forward, weight_copies)
+from planner.cost import (ASYNC_SCHEDULES, OPTIMIZER_STATE_COPIES, accumulated_share, block_costs, block_input_bytes,
+                          check_blocks, check_optimizer, check_schedule, in_flight_microbatches, reuses_forward,
+                          weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -165,6 +166,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
     blocks = check_blocks(graph)
     specs = cluster.devices
     costs = [block_costs(graph, spec) for spec in specs]
+    share = accumulated_share(schedule, microbatches)  # gradient additions per micro-batch
     nd = len(specs)
 
     def link(d: int, e: int):
@@ -173,7 +175,9 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
     return PartitionInstance(
         devices=tuple(s.name for s in specs),
         block_names=tuple(b.name for b in blocks),
-        compute_us=tuple(tuple(round((c.forward_s + c.backward_s) * US_PER_S) for c in row) for row in costs),
+        compute_us=tuple(tuple(round((c.forward_s + c.backward_s + b.params_bytes * share
+                                      * s.profile.accumulate_s_per_param_byte) * US_PER_S)
+                               for c, b in zip(row, blocks)) for row, s in zip(costs, specs)),
         params_bytes=tuple(b.params_bytes for b in blocks),
         input_bytes=block_input_bytes(graph),
         workspace_bytes=tuple(tuple(c.workspace_bytes for c in row) for row in costs),

@@ -44,7 +44,8 @@ from ir.graph import Graph, block_signature
 from ir.partition import Partition, StageAssignment
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec
-from planner.cost import OPTIMIZER_STATE_COPIES, check_blocks, check_optimizer, compute_s, reuses_forward
+from planner.cost import (OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, check_optimizer, compute_s,
+                          reuses_forward)
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
                                manual_partition, predicted_step_us, solve_partition)
 
@@ -167,8 +168,10 @@ def predicted_compute_s(graph: Graph, cluster: Cluster, partition: Partition, mi
     measured F+B seconds per step compare with."""
     out, p = [], len(partition.stages)
     for s, st in enumerate(partition.stages):
-        forward, backward = compute_s(graph, cluster.device(st.device), st.first_block, st.last_block,
+        spec = cluster.device(st.device)
+        forward, backward = compute_s(graph, spec, st.first_block, st.last_block,
                                       reuses_forward(schedule, p, s, microbatches))
+        backward += accumulate_s(graph, spec, st.first_block, st.last_block, schedule, microbatches)
         out.append(microbatches * (forward + backward))
     return out
 

@@ -725,7 +725,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
         K.set_threads(threads_before)
     available = memory_bytes if memory_bytes is not None else memory_available_bytes()
     return DeviceProfile(name, graph.name, graph.batch, graph.seq, tuple(profiles), int(available), overhead,
-                         update_rates(), children, extra)
+                         update_rates(), children, extra, accumulate_rate())
 
 
 def _measure_split_children(graph: Graph, kinds: Mapping[str, Block], feeds: Mapping[str, np.ndarray],
@@ -772,6 +772,20 @@ def update_rates(nbytes: int = 32 << 20, reps: int = 3) -> dict[str, float]:
         optimizer.step(params, grads)  # allocates the optimizer state, which later steps reuse
         rates[name] = statistics.median(_timed(lambda: optimizer.step(params, grads)) for _ in range(reps)) / nbytes
     return rates
+
+
+def accumulate_rate(nbytes: int = 32 << 20, reps: int = 3) -> float:
+    """Seconds per parameter byte of adding one micro-batch's gradient into the running sum, as
+    runtime.executor does (`acc += g`, in place)."""
+    acc = np.zeros(nbytes // 4, np.float32)
+    grad = np.full(nbytes // 4, 1e-3, np.float32)
+
+    def add():
+        nonlocal acc
+        acc += grad
+
+    add()
+    return statistics.median(_timed(add) for _ in range(reps)) / nbytes
 
 
 # Links ----------------------------------------------------------------------------------------

@@ -193,3 +193,24 @@ def test_optimizer_update_time_from_the_profile_enters_the_step():
     stash = stage_costs(g, cl2, _two_stages(), "1f1b-stash", 4, "adamw")
     slowest = max(c.forward_s + c.backward_s + c.update_s for c in stash)
     assert predicted_step_s(stash, "1f1b-stash", 4) == pytest.approx(4 * max(slowest, *boundary_link_s(stash)))
+
+
+def test_gradient_accumulation_is_charged_to_the_backward_under_flush_schedules():
+    """m micro-batches' gradients are summed before one update: m-1 additions of the stage's
+    parameter bytes per step, (m-1)/m per micro-batch; 1f1b-stash updates after every backward."""
+    import dataclasses
+
+    g, cl = tiny_graph(), tiny_cluster()
+    rate = 2e-6
+    cl2 = dataclasses.replace(cl, devices=tuple(
+        dataclasses.replace(d, profile=dataclasses.replace(d.profile, accumulate_s_per_param_byte=rate))
+        for d in cl.devices))
+    for schedule, share in (("1f1b-flush", 3 / 4), ("gpipe", 3 / 4), ("1f1b-stash", 0.0)):
+        plain = stage_costs(g, cl, _two_stages(), schedule, 4, "sgd")
+        costs = stage_costs(g, cl2, _two_stages(), schedule, 4, "sgd")
+        # stage 0 holds 1000 + 2000 parameter bytes, stage 1 2000 + 100
+        assert [c.backward_s - q.backward_s for c, q in zip(costs, plain)] == pytest.approx(
+            [3000 * rate * share, 2100 * rate * share])
+        assert [c.forward_s for c in costs] == [q.forward_s for q in plain]
+    one = stage_costs(g, cl2, _two_stages(), "1f1b-flush", 1, "sgd")
+    assert [c.backward_s for c in one] == [c.backward_s for c in stage_costs(g, cl, _two_stages(), "1f1b-flush", 1, "sgd")]

@@ -274,7 +274,8 @@ def test_make_instance_agrees_with_the_cost_model():
     # with a measured optimizer step (and MNN's forward re-run in tiny_cluster's device a)
     rates = {"a": 2e-6, "b": 1e-6, "c": 5e-7}
     updating = dataclasses.replace(plain, devices=tuple(
-        dataclasses.replace(d, profile=dataclasses.replace(d.profile, update_s_per_param_byte={"adamw": rates[d.name]}))
+        dataclasses.replace(d, profile=dataclasses.replace(d.profile, update_s_per_param_byte={"adamw": rates[d.name]},
+                                                           accumulate_s_per_param_byte=rates[d.name] / 4))
         for d in plain.devices))
     for schedule, cl in itertools.product(SCHEDULE_NAMES, (plain, updating)):
         inst = make_instance(g, cl, schedule, 4, "adamw")

@@ -90,6 +90,7 @@ def test_attention_curves_have_one_entry_per_head(tiny_graph, tiny_profile):
 def test_profile_json_round_trip(tiny_profile, tmp_path):
     prof, _ = tiny_profile
     assert prof.split_child_bytes  # the measured figures travel too
+    assert prof.accumulate_s_per_param_byte > 0
     if "torch:cpu:t1" in [b.backend for b in prof.backends]:
         assert prof.split_extra_cost_s
     prof.save(tmp_path / "p.json")
@@ -319,3 +320,17 @@ def test_profile_measures_the_optimizer_update_rate():
     rates = update_rates(nbytes=4 << 20, reps=1)
     assert set(rates) == {"sgd", "adamw"} and all(r > 0 for r in rates.values())
     assert rates["adamw"] > rates["sgd"]  # two moment buffers and a division against one buffer
+
+
+def test_profile_measures_the_gradient_accumulation_rate_and_old_profiles_load(tiny_profile):
+    from runtime.profile import accumulate_rate, update_rates
+
+    rate = accumulate_rate(nbytes=4 << 20, reps=1)
+    # one addition reads two arrays and writes one: cheaper than an SGD step, which does more
+    assert 0 < rate < update_rates(nbytes=4 << 20, reps=1)["sgd"] * 4
+    prof, _ = tiny_profile
+    doc = prof.to_json()
+    del doc["accumulate_s_per_param_byte"]
+    assert DeviceProfile.from_json(doc).accumulate_s_per_param_byte == 0.0
+    with pytest.raises(ValueError, match="malformed profile"):
+        DeviceProfile.from_json({**prof.to_json(), "accumulate_s_per_param_byte": -1.0})
