@@ -111,6 +111,25 @@ SIM_F = 4  # forward ticks in the simulated dry run; backward ticks follow the m
 # Shared helpers
 # --------------------------------------------------------------------------
 
+
+def time_methods(obj, methods: dict[str, str]) -> dict[str, float]:
+    """Wrap obj's methods (kind -> method name) so that each call adds its wall seconds to the
+    returned dict under its kind."""
+    timers = {kind: 0.0 for kind in methods}
+
+    def timed(kind, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[kind] += time.perf_counter() - t
+        return wrapper
+
+    for kind, name in methods.items():
+        setattr(obj, name, timed(kind, getattr(obj, name)))
+    return timers
+
 def _rss_mb() -> float:
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: KiB on Linux, bytes on macOS
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
@@ -167,19 +186,7 @@ def child_single_mnn(model: str, M: int, steps: int) -> dict:
     graph = load_model(model, batch=BATCH // M, seq=SEQ)
     rss_base = _rss_mb()
     engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), threads=1)
-    timers = {"F": 0.0, "B": 0.0}
-
-    def timed(kind, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                timers[kind] += time.perf_counter() - t
-        return wrapper
-
-    engine.forward = timed("F", engine.forward)
-    engine.backward = timed("B", engine.backward)
+    timers = time_methods(engine, {"F": "forward", "B": "backward"})
     opt, params = make_optimizer("adamw", LR), engine.parameters()
     rows = []
     for step in range(steps + 1):
@@ -316,19 +323,7 @@ def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) 
 
         gc.collect()
         stage = pipelining.PipelineStage(module, rank, stages, torch.device("cpu"))
-        timers = {"F": 0.0, "B": 0.0}
-
-        def timed(kind, fn):
-            def wrapper(*a, **k):
-                t = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    timers[kind] += time.perf_counter() - t
-            return wrapper
-
-        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
-        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+        timers = time_methods(stage, {"F": "forward_one_chunk", "B": "backward_one_chunk"})
         is_last = rank == stages - 1
         n_labelled = [1]
         # every rank passes loss_fn: the schedule runs backwards only when it has one (it is applied on the last)

@@ -363,6 +363,20 @@ def predictions(graph, cluster, partition, schedule: str, M: int, steps: int, wo
             "stage_link_s": [c.send_act_s + c.send_grad_s for c in costs]}
 
 
+def plan_and_predict(graph, profile, loaded, n: int, link, schedule: str, M: int, steps: int, time_limit: float):
+    """Plan N identical devices (`profile`, `link`, a third of free memory each) and price the plan
+    with that profile and, under "colocated", with the co-located one (`profile_corun`).
+    Returns (partition, the solver's own plan, solve seconds, predictions)."""
+    from planner.partition import make_instance
+
+    budget = profile.memory_available_bytes // 3
+    cluster = identical_cluster(profile, n, link, budget)
+    part, solved, solve_s = plan_n_stages(make_instance(graph, cluster, schedule, M, OPTIMIZER), n, time_limit)
+    pred = predictions(graph, cluster, part, schedule, M, steps, n)
+    pred["colocated"] = predictions(graph, identical_cluster(loaded, n, link, budget), part, schedule, M, steps, n)
+    return part, solved, solve_s, pred
+
+
 def summarize_training(res, schedule: str, M: int) -> dict:
     """Per-step figures of one train_pipeline result (flush schedules: per step; stash: totals)."""
     reports = res.stage_reports if schedule != "1f1b-stash" else res.stage_reports[:1]
@@ -432,7 +446,6 @@ def train_local(graph, batches, ranges, schedule: str, M: int, n_steps: int) -> 
 
 def part_a(model: Path, M: int, steps: int, time_limit: float, stages=(2, 3)) -> dict:
     from planner.onnx_import import load_model
-    from planner.partition import make_instance
 
     graph = load_model(str(model), BATCH // M, SEQ)
     _log(f"(a) profiling this machine ({BACKEND}, micro-batch {graph.batch} x {graph.seq}) ...")
@@ -450,13 +463,9 @@ def part_a(model: Path, M: int, steps: int, time_limit: float, stages=(2, 3)) ->
     for n in stages:
         cluster = identical_cluster(profile, n, link, profile.memory_available_bytes // 3)
         for schedule in SCHEDULES:
-            inst = make_instance(graph, cluster, schedule, M, OPTIMIZER)
-            part, solved, solve_s = plan_n_stages(inst, n, time_limit)
+            part, solved, solve_s, pred = plan_and_predict(graph, profile, loaded, n, link, schedule, M, steps,
+                                                           time_limit)
             ranges = [tuple(r) for r in part.ranges]
-            pred = predictions(graph, cluster, part, schedule, M, steps, n)
-            # the same plan priced with the profile measured next to min(N, CPUs) - 1 neighbours
-            colocated = identical_cluster(loaded, n, link, profile.memory_available_bytes // 3)
-            pred["colocated"] = predictions(graph, colocated, part, schedule, M, steps, n)
             _log(f"(a) {n} workers {schedule}: ranges {ranges}, predicted {pred['cost_s']:.3f} s; training ...")
             with NoiseMeter() as noise:
                 if schedule == "1f1b-stash":
@@ -1137,7 +1146,6 @@ def part_d(model: Path, M: int, steps: int, time_limit: float,
     """`delay_s`: one-way delay of every worker-to-worker link, added by the userspace delay line
     (benchmarks/linkdelay.py: TUN pairs, tbf on their egress); None: plain tbf-shaped veth pairs."""
     from planner.onnx_import import load_model
-    from planner.partition import make_instance
 
     why = netns_available()
     if why:
@@ -1159,12 +1167,9 @@ def part_d(model: Path, M: int, steps: int, time_limit: float,
             _log(f"    measured link {link.bandwidth_bytes_per_s * 8 / 1e6:.1f} Mbit/s, "
                  f"latency {link.latency_s * 1e3:.2f} ms")
             cluster = identical_cluster(profile, n, link, profile.memory_available_bytes // 3)
-            inst = make_instance(graph, cluster, schedule, M, OPTIMIZER)
-            part, solved, solve_s = plan_n_stages(inst, n, time_limit)
+            part, solved, solve_s, pred = plan_and_predict(graph, profile, loaded, n, link, schedule, M, steps,
+                                                           time_limit)
             ranges = [tuple(r) for r in part.ranges]
-            pred = predictions(graph, cluster, part, schedule, M, steps, n)
-            colocated = identical_cluster(loaded, n, link, profile.memory_available_bytes // 3)
-            pred["colocated"] = predictions(graph, colocated, part, schedule, M, steps, n)
             _log(f"    ranges {ranges}, predicted {pred['cost_s']:.3f} s; training ...")
             port += 10
             relay0, t0 = net.relay_cpu_s(), time.perf_counter()

@@ -12,9 +12,9 @@ from runtime.engine_mnn import MnnStageEngine
 from runtime.engine_split import PatternError, SplitStageEngine, match_attention
 from runtime.optim import make_optimizer
 from runtime.stage import stage_spec
-from runtime.tokenize import Batch
 from runtime.trainer import accumulate_gradients
 from conftest import token_feeds
+from test_pipeline import _batch  # ROWS = B = 2 rows per micro-batch, S = 12, as here
 
 B, S = 2, 12
 BACKENDS = ("mnn:cpu:t1", "torch:cpu:t1")
@@ -113,16 +113,6 @@ def test_trans_b_projections_and_shared_constants(tiny_graph, tiny_onnx):
     export shares one constant between many places (all-zero biases), whose gradient is the sum."""
     _compare_with_unsplit(_with_trans_b(tiny_graph), (2, 2))
     _compare_with_unsplit(load_model(tiny_onnx["dynamo-18"], B, S), (1, 3))
-
-
-def _batch(seed: int, microbatches: int) -> Batch:
-    r = np.random.default_rng(seed)
-    mask = np.ones((B * microbatches, S), np.int64)
-    mask[-1, S // 2:] = 0
-    labels = r.integers(0, 9, (B * microbatches, S))
-    labels[mask == 0] = -100
-    return Batch(r.integers(0, 500, (B * microbatches, S)).astype(np.int64), mask, np.zeros_like(mask), labels,
-                 n_labelled=int((labels != -100).sum()))
 
 
 def _train(engine, steps: int = 3, microbatches: int = 2) -> list[float]:

@@ -21,13 +21,15 @@ from runtime.transport_zmq import ZmqTransport
 M, ROWS, S, STEPS = 2, 2, 12, 2
 
 
-def _batch(seed: int) -> Batch:
+def _batch(seed: int, microbatches: int = M) -> Batch:
+    """A synthetic batch of `microbatches` x ROWS rows of S tokens (the last row half padding)."""
+    rows = ROWS * microbatches
     r = np.random.default_rng(seed)
-    mask = np.ones((ROWS * M, S), np.int64)
+    mask = np.ones((rows, S), np.int64)
     mask[-1, S // 2:] = 0
-    labels = r.integers(0, 9, (ROWS * M, S))
+    labels = r.integers(0, 9, (rows, S))
     labels[mask == 0] = -100
-    return Batch(r.integers(0, 500, (ROWS * M, S)).astype(np.int64), mask, np.zeros_like(mask), labels,
+    return Batch(r.integers(0, 500, (rows, S)).astype(np.int64), mask, np.zeros_like(mask), labels,
                  n_labelled=int((labels != -100).sum()))
 
 
