@@ -70,7 +70,7 @@ def make_batches(n: int, seed: int = 0, batch: int = BATCH, seq: int = SEQ):
     """`n` batches: random ids, rows padded to random lengths, random labels."""
     import numpy as np
 
-    from runtime.tokenize import Batch
+    from tasks.tokenize import Batch
 
     out = []
     for i in range(n):

@@ -115,7 +115,7 @@ def _median_ms(xs) -> float:
 def _mnn_has_cache_option() -> bool:
     import inspect
 
-    from runtime.engine_mnn import MnnStageEngine
+    from runtime.engines.mnn import MnnStageEngine
 
     return "cache_activations" in inspect.signature(MnnStageEngine.__init__).parameters
 
@@ -124,20 +124,20 @@ def run_child(engine: str, threads: int, case: str, model: str, reps: int) -> di
     import numpy as np
 
     from planner.onnx_import import load_model
-    from runtime.stage import stage_spec
+    from runtime.engines.stage import stage_spec
 
     options = {}
     if engine.startswith("mnn"):
-        from runtime import mnn_kernels as K
-        from runtime.engine_mnn import MnnStageEngine as Engine
+        from runtime.engines import mnn_kernels as K
+        from runtime.engines.mnn import MnnStageEngine as Engine
         if engine == "mnn-recompute":
             if not _mnn_has_cache_option():
                 return {"engine": engine, "threads": threads, "case": case, "skipped":
                         "MnnStageEngine has no cache_activations option"}
             options["cache_activations"] = False
     else:
-        from runtime.engine_torch import TorchStageEngine as Engine
-    from runtime import fpmode
+        from runtime.engines.pytorch import TorchStageEngine as Engine
+    from runtime.engines import fpmode
 
     graph = load_model(model, batch=BATCH, seq=SEQ)
     spec = stage_spec(graph, 1, 1) if case == "layer" else stage_spec(graph, 0, len(graph.blocks) - 1)

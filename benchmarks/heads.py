@@ -3,11 +3,11 @@
 What it measures
     For one MiniLM attention block (hidden 384, 12 heads of 32) and one BERT-base attention block
     (hidden 768, 12 heads of 64), batch 8, sequence 128, a realistic additive mask (the last rows
-    padded), float32, forward+backward (`runtime.head_split.SplitAttention`, median of `--reps`
+    padded), float32, forward+backward (`runtime.engines.split.attention.SplitAttention`, median of `--reps`
     after one warm-up):
       * each single backend with all heads: mnn:cpu:t1, mnn:cpu:t2, torch:cpu:t1, torch:cpu:t2
         (backends absent here are skipped);
-      * the attention curves (h = 1..12 heads, `runtime.profile.attention_curve`) of the two
+      * the attention curves (h = 1..12 heads, `runtime.profiling.compute.attention_curve`) of the two
         backends that share the two cores, mnn:cpu:t1 and torch:cpu:t1, and the split a simple
         allocator chooses from them: `planner.heads.allocate_heads` when it can be imported, else
         heads proportional to the single-head speeds (the output says which);
@@ -17,7 +17,7 @@ What it measures
       * the allocator's predicted time (the curves' time of the slower share; the child process's
         copy and command costs are not in the curves);
       * the fixed cost of a real split beyond the curves, as `confidant profile` measures it
-        (`runtime.profile.split_extra_cost`: SplitAttentions of 1, 6 and 11 heads on the child
+        (`runtime.profiling.compute.split_extra_cost`: SplitAttentions of 1, 6 and 11 heads on the child
         backend mnn:cpu:t1 beside torch:cpu:t1 in this process; the worst excess of the measured
         time over the curves, floored at 0), and the allocator's split and prediction with that
         cost (`extra_cost_s`) next to the one without; a changed split is timed too;
@@ -67,8 +67,8 @@ import numpy as np
 from confidant.planning import plan_head_split  # noqa: E402
 from ir.graph import block_signature  # noqa: E402
 from ir.profile import AttentionCurve, BackendProfile, DeviceProfile  # noqa: E402
-from runtime.head_split import WEIGHT_NAMES, SplitAttention, _context  # noqa: E402
-from runtime.profile import (attention_curve, attention_piece, parse_backend, present_backends,  # noqa: E402
+from runtime.engines.split.attention import WEIGHT_NAMES, SplitAttention, _context  # noqa: E402
+from runtime.profiling.compute import (attention_curve, attention_piece, parse_backend, present_backends,  # noqa: E402
                              split_extra_cost, split_primary, time_split_attention)
 
 BATCH, SEQ = 8, 128

@@ -9,11 +9,11 @@ What it measures
 
     MNN (this project's runtime, ZeroMQ between processes):
       * ``single``: one process, the whole model on ``MnnStageEngine(stage_spec(g, 0, 8), threads=1)``
-        with the graph lowered at the micro-batch size, ``runtime.trainer.accumulate_gradients``
+        with the graph lowered at the micro-batch size, ``tasks.trainer.accumulate_gradients``
         over the M micro-batches plus the optimizer step: single-device training of the same
         batch, same arithmetic.  Runs in a child process, so its peak RSS is its own.
-      * 2 and 3 worker processes (``confidant.pipeline.LocalWorkers``) driven by
-        ``confidant.pipeline.train_pipeline`` (this process is the coordinator) for the schedules
+      * 2 and 3 worker processes (``jobs.pipeline_training.LocalWorkers``) driven by
+        ``jobs.pipeline_training.train_pipeline`` (this process is the coordinator) for the schedules
         ``1f1b-flush``, ``gpipe`` and ``1f1b-stash``; stage k holds blocks
         ``stage_ranges(9, stages, None)[k]`` (block 0 embeddings, 1-6 encoder layers, 7 head,
         8 loss): 2 stages = 0-3 | 4-8, 3 stages = 0-2 | 3-5 | 6-8.  ``1f1b-stash`` runs with
@@ -177,10 +177,10 @@ def simulated_bubble(schedule: str, stages: int, microbatches: int, b_over_f: fl
 
 def child_single_mnn(model: str, M: int, steps: int) -> dict:
     from planner.onnx_import import load_model
-    from runtime.engine_mnn import MnnStageEngine
+    from runtime.engines.mnn import MnnStageEngine
     from runtime.optim import make_optimizer
-    from runtime.stage import stage_spec
-    from runtime.trainer import accumulate_gradients
+    from runtime.engines.stage import stage_spec
+    from tasks.trainer import accumulate_gradients
 
     batches = make_batches(steps + 1)
     graph = load_model(model, batch=BATCH // M, seq=SEQ)
@@ -308,7 +308,7 @@ def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) 
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from confidant.pipeline import stage_ranges
+    from jobs.pipeline_training import stage_ranges
 
     rss_base = _rss_mb()
     dist.init_process_group("gloo", rank=rank, world_size=stages, timeout=datetime.timedelta(seconds=300))
@@ -409,8 +409,8 @@ def _send_recv(seconds: dict) -> tuple[float, float]:
 def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int) -> dict:
     import numpy as np
 
-    from confidant.pipeline import LocalWorkers, train_pipeline
-    from runtime.coordinator import PipelineConfig
+    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
 
     n = steps + 1
     cpu_marks: list[list[float | None]] = []
@@ -473,7 +473,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
     # messages per step: each stage but the last sends M activations, each but the first M gradients
     sends = sum(p["SEND"] for p in per_stage)
     msgs = 2 * (stages - 1) * M
-    from runtime.stage import stage_spec
+    from runtime.engines.stage import stage_spec
 
     act_shape = graph.values[stage_spec(graph, *res.ranges[1]).activation_input].shape
     act_bytes = 4 * int(np.prod(act_shape))  # float32 activation (and its gradient) per micro-batch

@@ -5,9 +5,9 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
 (a) Predicted vs measured step time, MiniLM on this machine.
     MiniLM (all-MiniLM-L6-v2) token classification, 9 labels, batch 8, sequence 128, ``M``
     micro-batches (default 4, so micro-batches of 2 rows), AdamW, float32. This machine is profiled
-    once (``runtime.profile.profile_device`` at the micro-batch shape, backend ``mnn:cpu:t1`` only,
+    once (``runtime.profiling.compute.profile_device`` at the micro-batch shape, backend ``mnn:cpu:t1`` only,
     because every local worker runs one compute thread). The loopback link is measured with
-    ``runtime.profile.measure_link`` against a ``link_probe_server`` thread. For N = 2 and 3, a
+    ``runtime.profiling.compute.measure_link`` against a ``link_probe_server`` thread. For N = 2 and 3, a
     cluster of N identical devices (that profile, that link, a memory budget of a third of what
     the machine has free) is planned with ``solve_partition`` for each schedule (1f1b-flush, gpipe,
     1f1b-stash); if the solver prefers fewer than N stages, the best N-stage plan (all cut
@@ -20,7 +20,7 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
       ``sim×c`` the simulation with compute scaled by max(1, N / CPUs): a "contention-aware"
                 figure for N single-threaded workers sharing this machine's CPUs (the planner
                 assumes one device per stage, so with N > CPUs it must under-predict).
-    Then ``confidant.pipeline.train_pipeline`` trains on N ``LocalWorkers`` (one thread each) with
+    Then ``jobs.pipeline_training.train_pipeline`` trains on N ``LocalWorkers`` (one thread each) with
     the plan's block ranges. Measured: flush schedules run ``--steps`` + 1 steps, the first is
     warm-up (MNN builds its sessions), the figure is the median of the rest. 1f1b-stash has no
     flush: train_pipeline runs all steps as one schedule, so it runs twice (1 and ``--steps`` + 1
@@ -196,7 +196,7 @@ _PROFILE_CACHE: dict = {}
 
 def profile_here(graph, reps: int = 5):
     """This machine's profile at the micro-batch shape, one compute thread (cached per run)."""
-    from runtime.profile import profile_device
+    from runtime.profiling.compute import profile_device
 
     key = (graph.batch, graph.seq)
     if key not in _PROFILE_CACHE:
@@ -250,7 +250,7 @@ def profile_corun(model: Path, graph, copies: int, reps: int = 5):
 
 def loopback_link():
     """measure_link against a link_probe_server thread on 127.0.0.1."""
-    from runtime.profile import link_probe_server, measure_link
+    from runtime.profiling.compute import link_probe_server, measure_link
 
     ready = threading.Event()
     box = {}
@@ -429,8 +429,8 @@ def _fb_text(meas: dict, pred: dict) -> str:
 # --------------------------------------------------------------------------
 
 def train_local(graph, batches, ranges, schedule: str, M: int, n_steps: int) -> dict:
-    from confidant.pipeline import LocalWorkers, train_pipeline
-    from runtime.coordinator import PipelineConfig
+    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
 
     workers = LocalWorkers.start(len(ranges), threads=1)
     try:
@@ -1073,7 +1073,7 @@ def measure_netns_link(net: Netns, port: int, sizes=(1 << 10, 1 << 18, 1 << 20),
         line = server.stdout.readline()
         if not line.startswith("listening"):
             raise RuntimeError(f"link probe server did not start: {line!r}")
-        code = ("import json, sys; from runtime.profile import measure_link; "
+        code = ("import json, sys; from runtime.profiling.compute import measure_link; "
                 f"l = measure_link('tcp://{net.addresses[1]}:{port}', sizes={tuple(sizes)!r}, reps={reps}); "
                 "print(json.dumps([l.bandwidth_bytes_per_s, l.latency_s]))")
         client = net.popen(net.workers[0], [sys.executable, "-c", code], stdout=subprocess.PIPE,
@@ -1089,9 +1089,9 @@ def measure_netns_link(net: Netns, port: int, sizes=(1 << 10, 1 << 18, 1 << 20),
 
 def child_d(config_path: str) -> int:
     """The coordinator, run inside the coordinator's namespace: train, print figures as JSON."""
-    from confidant.pipeline import train_pipeline
+    from jobs.pipeline_training import train_pipeline
     from planner.onnx_import import load_model
-    from runtime.coordinator import PipelineConfig
+    from runtime.pipeline.coordinator import PipelineConfig
 
     cfg = json.loads(Path(config_path).read_text())
     M, steps = cfg["microbatches"], cfg["steps"]

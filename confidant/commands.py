@@ -52,7 +52,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_datagen(args) -> int:
-    from runtime.datagen import write_splits
+    from tasks.datagen import write_splits
 
     train, dev = write_splits(args.output, n_train=args.train, n_dev=args.dev, seed=args.seed)
     print(f"wrote {train} ({args.train} sentences) and {dev} ({args.dev} sentences)")
@@ -66,7 +66,7 @@ def _default_tokenizer() -> Path:
 
 
 def _make_engine(kind: str, spec, threads: int):
-    from runtime.engine import make_engine
+    from runtime.engines.base import make_engine
 
     try:
         return make_engine(kind, spec, threads)
@@ -85,10 +85,10 @@ def _label_set(found, standard) -> tuple[str, ...]:
 def run_local_training(model: Path, data: Path, eval_path: Path, args) -> dict:
     """Fine-tune on one device; returns the figures that --metrics-out writes."""
     from planner.onnx_import import load_model
-    from runtime.conll import read_conll
-    from runtime.stage import stage_spec
-    from runtime.tokenize import CONLL_LABELS, encode_sentences, label_list, load_tokenizer, make_batches
-    from runtime.trainer import TrainConfig, evaluate, train_steps
+    from tasks.conll import read_conll
+    from runtime.engines.stage import stage_spec
+    from tasks.tokenize import CONLL_LABELS, encode_sentences, label_list, load_tokenizer, make_batches
+    from tasks.trainer import TrainConfig, evaluate, train_steps
 
     for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--threads", args.threads)):
         if value < 1:
@@ -148,8 +148,8 @@ def cmd_train_local(args) -> int:
 
 
 def _load_training_data(args, seq: int):
-    from runtime.conll import read_conll
-    from runtime.tokenize import CONLL_LABELS, encode_sentences, label_list, load_tokenizer
+    from tasks.conll import read_conll
+    from tasks.tokenize import CONLL_LABELS, encode_sentences, label_list, load_tokenizer
 
     train_sents = read_conll(args.data)
     dev_sents = read_conll(args.eval) if getattr(args, "eval", None) else []
@@ -162,12 +162,12 @@ def _load_training_data(args, seq: int):
 
 
 def run_pipeline_training(model: Path, args) -> dict:
-    from confidant.pipeline import LocalWorkers, train_pipeline
+    from jobs.pipeline_training import LocalWorkers, train_pipeline
     from planner.onnx_import import load_model
-    from runtime.coordinator import PipelineConfig, WorkerFailed, load_checkpoint
-    from runtime.stage import stage_spec
-    from runtime.tokenize import make_batches
-    from runtime.trainer import TrainConfig, evaluate
+    from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed, load_checkpoint
+    from runtime.engines.stage import stage_spec
+    from tasks.tokenize import make_batches
+    from tasks.trainer import TrainConfig, evaluate
 
     M = args.microbatches
     if M < 1 or args.batch % M:
@@ -218,7 +218,7 @@ def run_pipeline_training(model: Path, args) -> dict:
 
     replanner = None
     if replan_every is not None:
-        from confidant.pipeline import stage_ranges
+        from jobs.pipeline_training import stage_ranges
         from planner.replan import TimingReplanner
 
         replanner = TimingReplanner(graph, stage_ranges(len(graph.blocks), n_stages, cuts), args.schedule, M,
@@ -255,7 +255,7 @@ def run_pipeline_training(model: Path, args) -> dict:
                                      for k, (r, rss) in enumerate(zip(result.ranges, stage_rss))), file=sys.stderr)
     if dev_sents:
         full = load_model(model, args.batch, args.seq)
-        from runtime.engine_mnn import MnnStageEngine
+        from runtime.engines.mnn import MnnStageEngine
 
         engine = MnnStageEngine(stage_spec(full, 0, len(full.blocks) - 1), threads=args.threads, weights={
             **full.constants, **result.weights}, cache_activations=False)
@@ -275,7 +275,7 @@ def _busy_fraction(done: dict) -> float:
 
 
 def peak_rss_bytes_now() -> int:
-    from runtime.trainer import peak_rss_bytes
+    from runtime.procfs import peak_rss_bytes
 
     return peak_rss_bytes()
 
@@ -286,7 +286,7 @@ def cmd_train_pipeline(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from runtime.worker import serve
+    from runtime.pipeline.worker import serve
 
     return serve(args.listen, timeout=args.timeout)
 
@@ -294,7 +294,7 @@ def cmd_worker(args) -> int:
 def cmd_backends(args) -> int:
     import importlib.util
 
-    from runtime.mnn_kernels import available_backends
+    from runtime.engines.mnn_kernels import available_backends
 
     found = {f"mnn:{name}": present for name, present in available_backends().items()}
     found["torch:cpu"] = importlib.util.find_spec("torch") is not None
@@ -307,7 +307,7 @@ def cmd_backends(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from runtime.datagen import write_splits
+    from tasks.datagen import write_splits
 
     DEMO_DIR.mkdir(parents=True, exist_ok=True)
     model = DEMO_DIR / "minilm-token-cls.onnx"

@@ -37,7 +37,7 @@ def plan_head_split(graph, profile):
     the fastest prediction wins; when no set fits, no split.
 
     Fixed costs. Each candidate set is allocated with the profile's measured `split_extra_cost_s`
-    for this block signature (`runtime.profile`) on the backends the split engine runs in child
+    for this block signature (`runtime.profiling.compute`) on the backends the split engine runs in child
     processes (`planner.heads.split_child_processes`: all but the in-process one, a torch backend
     if the set has one); the in-process backend pays none. A backend without a measured figure (a
     profile made before it was measured) is charged 0, as before: optimistic.
@@ -224,15 +224,15 @@ def cmd_show(args) -> int:
 
 def cmd_train_plan(args) -> int:
     from confidant.commands import _busy_fraction, _load_training_data
-    from confidant.pipeline import LocalWorkers, train_pipeline
+    from jobs.pipeline_training import LocalWorkers, train_pipeline
     from confidant.progress import Progress
     from ir.bundle import load_bundle_dir, load_plan
     from ir.serialize import merge_slices
-    from runtime.coordinator import PipelineConfig, WorkerFailed
-    from runtime.engine_mnn import MnnStageEngine
-    from runtime.stage import stage_spec
-    from runtime.tokenize import make_batches
-    from runtime.trainer import TrainConfig, evaluate
+    from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.engines.stage import stage_spec
+    from tasks.tokenize import make_batches
+    from tasks.trainer import TrainConfig, evaluate
 
     plan_dir = Path(args.plan)
     plan = load_plan(plan_dir, verify_bundles=True)
@@ -297,7 +297,7 @@ def cmd_profile(args) -> int:
     import dataclasses
     import socket
 
-    from runtime import profile as prof
+    from runtime.profiling import compute as prof
 
     if args.serve_link:
         prof.link_probe_server(args.listen, sessions=None,

@@ -1,7 +1,7 @@
 """A plan bundle: everything one device needs to train its pipeline stage, as plain files.
 
 The planner writes one bundle per device (`planner.emit`); the device's runtime verifies it before
-using anything (`runtime.bundle_load`). A bundle is a directory of five files:
+using anything (`runtime.pipeline.bundles`). A bundle is a directory of five files:
 
     manifest.json        {"schema_version": 1, "format": "confidant-bundle", "device", "stage",
                           "files": {file name: sha256 hex}}; written last, so a bundle whose
@@ -62,7 +62,7 @@ STAGE_FIELDS = (
 )
 # ...except these, which may be left out (bundles written before them stay valid):
 # `head_split`: null, or {backend name: heads} when the stage's attention heads are split across
-# backends (`runtime.engine_split.SplitStageEngine`).
+# backends (`runtime.engines.split.engine.SplitStageEngine`).
 STAGE_OPTIONAL_FIELDS = ("head_split",)
 
 # Device names become directory names on the planner's machine, so they are kept to characters

@@ -57,11 +57,11 @@ class DeviceProfile:
     update_s_per_param_byte: Mapping[str, float] = field(default_factory=dict)
     # peak resident bytes (VmHWM) of one head-split child process, by engine kind ("mnn", "torch"):
     # the whole process (interpreter, runtime, engine, its attention slice), extra memory on the
-    # device for every backend a head split runs in a child (`runtime.head_split`). Empty in
+    # device for every backend a head split runs in a child (`runtime.engines.split.attention`). Empty in
     # profiles made before it was measured: unknown, not zero (`planner.heads` warns).
     split_child_bytes: Mapping[str, int] = field(default_factory=dict)
     # fixed seconds a head split pays beyond the attention curves, by block signature, then by
-    # backend: for each backend measured running a real split (`runtime.head_split`) in a child
+    # backend: for each backend measured running a real split (`runtime.engines.split.attention`) in a child
     # process next to the split's in-process backend, the worst over a few allocations of the
     # measured forward+backward minus the curves' prediction (launch, copies through shared memory,
     # the sum of partial outputs, and the slowdown the two backends cause each other), floored at 0;
@@ -69,7 +69,7 @@ class DeviceProfile:
     # shape. The in-process backend has no entry (0). Empty in profiles made before it was measured.
     split_extra_cost_s: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # seconds per parameter byte of adding one micro-batch's gradients into the running sum
-    # (`runtime.executor`, in place): paid m-1 times per step under flush schedules. 0 in profiles
+    # (`runtime.pipeline.executor`, in place): paid m-1 times per step under flush schedules. 0 in profiles
     # made before it was measured.
     accumulate_s_per_param_byte: float = 0.0
 

@@ -22,7 +22,7 @@ Time, for one micro-batch on stage s of p (device d, blocks first..last):
 - stage time `stage_time_s(cost)` = forward + backward + send_act + send_grad: the stage's share
   of one micro-batch with no overlap of compute and transfer (the conservative view).
 
-Memory, peak bytes of stage s of p under the schedule (facts of runtime/engine_mnn.py,
+Memory, peak bytes of stage s of p under the schedule (facts of runtime/engines/mnn.py,
 runtime/executor.py and runtime/optim.py; the constants below say which):
     params x (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
@@ -155,7 +155,7 @@ def _check_range(graph: Graph, first: int, last: int) -> None:
 def reuses_forward(schedule: str, stages: int, stage: int, microbatches: int) -> bool:
     """Whether every backward of the stage directly follows the forward of its own micro-batch,
     so that the MNN engine reuses the forward's caches instead of re-running it
-    (runtime/engine_mnn.py). True for the last stage under 1F1B (F0 B0 F1 B1 ...) and for every
+    (runtime/engines/mnn.py). True for the last stage under 1F1B (F0 B0 F1 B1 ...) and for every
     stage with one micro-batch; GPipe's last stage runs all forwards first (B0 follows F(m-1)),
     and any other 1F1B stage runs a later micro-batch's forward before each backward."""
     check_schedule(schedule)

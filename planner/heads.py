@@ -11,8 +11,8 @@ the faster of fused and head-by-head) and `extra_b` is the fixed cost of using b
 primary backend: launch, copying the input in and the partial output out, and adding it to the
 sum (0 for the primary, which holds the activations anyway). A backend given 0 heads costs
 nothing. `confidant profile` measures `extra_b` per block signature
-(`DeviceProfile.split_extra_cost_s`, `runtime.profile.split_extra_cost`): real splits beside the
-backend `runtime.head_split` keeps in-process, the worst excess over the curves, which also holds
+(`DeviceProfile.split_extra_cost_s`, `runtime.profiling.compute.split_extra_cost`): real splits beside the
+backend `runtime.engines.split.attention` keeps in-process, the worst excess over the curves, which also holds
 what the two concurrent engines slow each other down by; `confidant.planning.plan_head_split`
 passes it here for the backends a split runs in child processes. The split's time is the slowest
 used backend's:
@@ -243,7 +243,7 @@ def profile_with_head_split(profile: DeviceProfile, backend: str | None, split: 
     split keep their cost: no measurement, no credit. Every other backend and the workspace are
     unchanged.
 
-    Memory: every backend of the split that `runtime.head_split` runs in a child process
+    Memory: every backend of the split that `runtime.engines.split.attention` runs in a child process
     (`split_child_processes`) adds the profile's measured `split_child_bytes` of its engine kind
     to `runtime_overhead_bytes`, the memory the cost model charges the device besides its stage.
     A profile without the figure for a needed engine (one made before it was measured, or made by
@@ -285,7 +285,7 @@ def _engine(backend: str) -> str:
 
 
 def split_child_processes(split: "HeadSplit | Mapping[str, int]") -> list[str]:
-    """The backends of `split` that `runtime.head_split.SplitAttention` (concurrent, as the split
+    """The backends of `split` that `runtime.engines.split.attention.SplitAttention` (concurrent, as the split
     engine runs it) puts in child processes, in the split's order: with two or more backends given
     heads, all but one; the one kept in the calling process is the first torch backend if there is
     one (torch computes without holding the GIL), else the first. Restated here because the

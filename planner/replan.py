@@ -1,7 +1,7 @@
 """Re-planning: given the plan in use and the cluster as it is now (a device slower, with less
 memory, or gone), decide whether to move to a new plan, and which blocks' weights then move where.
 
-Pure functions; the runtime applies a decision (runtime.coordinator.Coordinator.reconfigure) at a
+Pure functions; the runtime applies a decision (runtime.pipeline.coordinator.Coordinator.reconfigure) at a
 flush boundary, where every stage has applied the same number of updates, so gathering weights and
 optimizer state there and handing them to the new stages loses no update.
 
@@ -15,7 +15,7 @@ current plan has left the cluster or the current plan no longer fits a memory bu
 any that left), moving only the cut points: an exact enumeration, cheap and predictable, for
 `confidant train-pipeline`, whose workers are not named devices. The free search (CP-SAT, any of
 the cluster's devices in any order) is what `PlanReplanner` uses for a plan folder: the runtime
-renumbers worker processes at a re-plan (runtime.coordinator), so a new order needs no restart.
+renumbers worker processes at a re-plan (runtime.pipeline.coordinator), so a new order needs no restart.
 
 Re-planning from a plan folder (`PlanReplanner`, `confidant train plan/ --replan-every N`): the
 folder's cluster.json (planner.emit) gives the devices and profiles; each re-plan that passes the

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime import backends as RB
-from runtime import mnn_kernels as K
-from runtime.backends import BackendSpec, discover, make_stage_engine, parse_backend, thread_variants
-from runtime.engine_mnn import MnnStageEngine
-from runtime.profile import attention_piece, present_backends
-from runtime.stage import stage_spec
+from runtime.profiling import backends as RB
+from runtime.engines import mnn_kernels as K
+from runtime.profiling.backends import BackendSpec, discover, make_stage_engine, parse_backend, thread_variants
+from runtime.engines.mnn import MnnStageEngine
+from runtime.profiling.compute import attention_piece, present_backends
+from runtime.engines.stage import stage_spec
 
 EX = "(e.g. mnn:cpu:t1, mnn:opencl, torch:cpu:t2, torch:cuda:0)"
 
@@ -217,7 +217,7 @@ def test_make_stage_engine_picks_the_engine_and_threads(tiny_stage):
     _, spec, _ = tiny_stage
     mnn = make_stage_engine(BackendSpec.parse("mnn:cpu:t2"), spec)
     assert isinstance(mnn, MnnStageEngine) and mnn.threads == 2
-    from runtime.engine_torch import TorchStageEngine, torch
+    from runtime.engines.pytorch import TorchStageEngine, torch
 
     t = make_stage_engine("torch:cpu:t1", spec)
     assert isinstance(t, TorchStageEngine) and torch.get_num_threads() == 1
@@ -239,7 +239,7 @@ def test_the_two_engines_agree_on_gradients(tiny_stage):
     ("mnn:opencl", "mnn:opencl: the MNN stage engine drives MNN's cpu backend only"),
     ("mnn:cuda", "mnn:cuda: the MNN stage engine drives MNN's cpu backend only"),
     ("torch:cuda:0", "torch:cuda:0: the torch stage engine runs on the cpu only "
-                     "(runtime.engine_torch has no device setting yet)"),
+                     "(runtime.engines.pytorch has no device setting yet)"),
 ])
 def test_make_stage_engine_refuses_devices_the_engines_cannot_drive(tiny_stage, name, message):
     with pytest.raises(NotImplementedError) as err:

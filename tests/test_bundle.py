@@ -18,10 +18,10 @@ from ir.serialize import graph_to_json, slice_graph
 from planner.emit import emit_plan, load_plan
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
-from runtime.bundle_load import as_uint8, bundle_to_wire, load_bundle, recv_bundle, send_bundle
-from runtime.engine_mnn import MnnStageEngine
-from runtime.stage import stage_spec
-from runtime.transport_local import LocalHub, LocalTransport
+from runtime.pipeline.bundles import as_uint8, bundle_to_wire, load_bundle, recv_bundle, send_bundle
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.stage import stage_spec
+from runtime.transport.local import LocalHub, LocalTransport
 
 DEVICES = ("pi-a", "jetson.b")
 RANGES = ((0, 1), (2, 4))

@@ -2,9 +2,9 @@
 
 import time
 
-from runtime.conll import read_conll, to_iob2
-from runtime.datagen import ENTITY_TYPES, TEMPLATES, generate, write_splits
-from runtime.metrics import extract_entities
+from tasks.conll import read_conll, to_iob2
+from tasks.datagen import ENTITY_TYPES, TEMPLATES, generate, write_splits
+from tasks.metrics import extract_entities
 
 
 def entity_strings(sentences):

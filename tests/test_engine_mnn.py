@@ -9,10 +9,10 @@ import torch
 
 from conftest import token_feeds
 from planner.onnx_import import load_model
-from runtime.engine_mnn import MnnStageEngine
-from runtime.engine_torch import TorchStageEngine
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.pytorch import TorchStageEngine
 from runtime.optim import SGD, AdamW
-from runtime.stage import stage_spec
+from runtime.engines.stage import stage_spec
 
 B, S = 2, 12
 

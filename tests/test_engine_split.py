@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from planner.onnx_import import load_model
-from runtime.engine_mnn import MnnStageEngine
-from runtime.engine_split import PatternError, SplitStageEngine, match_attention
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.split.engine import PatternError, SplitStageEngine, match_attention
 from runtime.optim import make_optimizer
-from runtime.stage import stage_spec
-from runtime.trainer import accumulate_gradients
+from runtime.engines.stage import stage_spec
+from tasks.trainer import accumulate_gradients
 from conftest import token_feeds
 from test_pipeline import _batch  # ROWS = B = 2 rows per micro-batch, S = 12, as here
 
@@ -193,8 +193,8 @@ def test_pipeline_with_head_split_on_one_stage_equals_single_device(tiny_onnx):
     schedule): 2 worker processes, 1F1B-flush, stage 1's encoder block split 1 + 3 over MNN and
     torch (the torch backend in the worker, the MNN one in a child of it), against single-device
     MNN training, which tests/test_pipeline.py shows equals the unsplit pipeline."""
-    from confidant.pipeline import LocalWorkers, train_pipeline
-    from runtime.coordinator import PipelineConfig
+    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
 
     graph = load_model(tiny_onnx["torchscript-17"], B, S)
     M, steps = 2, 2

@@ -1,4 +1,4 @@
-"""Denormal flushing through ctypes/glibc (runtime.fpmode).
+"""Denormal flushing through ctypes/glibc (runtime.engines.fpmode).
 
 Every check runs in a child process so the test process's own floating-point
 mode stays as it was.
@@ -32,7 +32,7 @@ def test_enable_sets_ftz_daz_and_flushes():
     out = run_child("""
         import threading
         import numpy as np
-        from runtime import fpmode
+        from runtime.engines import fpmode
 
         tiny, small = np.float32(1e-38), np.float32(1e-3)
         denormal = np.float32(1e-40)
@@ -64,7 +64,7 @@ def test_enable_sets_ftz_daz_and_flushes():
 @x86_glibc
 def test_mxcsr_read_back_matches_fenv_layout():
     out = run_child("""
-        from runtime import fpmode
+        from runtime.engines import fpmode
         lib = fpmode._libm()
         before = fpmode._mxcsr(fpmode._get_env(lib))
         assert before >> 16 == 0
@@ -83,7 +83,7 @@ def test_unsupported_platform_is_a_no_op():
         import platform
         import numpy as np
         platform.machine = lambda: "aarch64"
-        from runtime import fpmode
+        from runtime.engines import fpmode
         assert fpmode.enable_flush_denormals() is False
         assert fpmode.denormals_flushed() is False
         assert np.float32(1e-38) * np.float32(1e-3) != 0.0

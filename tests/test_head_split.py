@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.head_split import WEIGHT_NAMES, SplitAttention, head_ranges, slice_weights
+from runtime.engines.split.attention import WEIGHT_NAMES, SplitAttention, head_ranges, slice_weights
 from runtime.optim import SGD
-from runtime.profile import present_backends
+from runtime.profiling.compute import present_backends
 
 torch = pytest.importorskip("torch")
 

@@ -312,12 +312,12 @@ def test_a_profile_without_the_child_figure_warns_and_counts_zero():
 
 def test_split_child_processes_matches_the_runtime():
     """The planner's restatement of which backends run in child processes against the placement
-    `runtime.head_split.SplitAttention` really makes (tiny shapes; MNN children start in ~0.1 s)."""
+    `runtime.engines.split.attention.SplitAttention` really makes (tiny shapes; MNN children start in ~0.1 s)."""
     import numpy as np
 
     pytest.importorskip("torch")
     from planner.heads import split_child_processes
-    from runtime.head_split import WEIGHT_NAMES, SplitAttention
+    from runtime.engines.split.attention import WEIGHT_NAMES, SplitAttention
 
     heads, head_size, batch, seq = 3, 4, 1, 4
     hidden = heads * head_size

@@ -13,11 +13,11 @@ PACKAGES = ("ir", "planner", "runtime", "confidant")
 STDLIB = set(sys.stdlib_module_names)
 # Each third-party library is imported in exactly one module, so it can be swapped in one place.
 OWNER = {
-    "MNN": {"runtime/mnn_kernels.py"}, "_mnncengine": {"runtime/mnn_kernels.py"},
+    "MNN": {"runtime/engines/mnn_kernels.py"}, "_mnncengine": {"runtime/engines/mnn_kernels.py"},
     "onnx": {"planner/onnx_import.py"}, "networkx": {"planner/passes.py"},
-    "torch": {"runtime/engine_torch.py", "confidant/export.py"},
-    "transformers": {"confidant/export.py"}, "tokenizers": {"runtime/tokenize.py"},
-    "zmq": {"runtime/transport_zmq.py"}, "ortools": {"planner/partition.py"}, "yaml": {"planner/cluster.py"},
+    "torch": {"runtime/engines/pytorch.py", "confidant/export.py"},
+    "transformers": {"confidant/export.py"}, "tokenizers": {"tasks/tokenize.py"},
+    "zmq": {"runtime/transport/zeromq.py"}, "ortools": {"planner/partition.py"}, "yaml": {"planner/cluster.py"},
 }
 
 
@@ -68,7 +68,7 @@ def test_importing_the_project_loads_neither_mnn_tools_nor_aliyun():
     code = (
         "import sys, importlib\n"
         "for m in ['confidant.cli', 'confidant.commands', 'ir.graph', 'planner.onnx_import', 'planner.passes',\n"
-        "          'runtime.engine_mnn', 'runtime.trainer', 'runtime.tokenize']:\n"
+        "          'runtime.engines.mnn', 'tasks.trainer', 'tasks.tokenize']:\n"
         "    importlib.import_module(m)\n"
         "bad = sorted(m for m in sys.modules if m.startswith('MNN.tools') or 'aliyun' in m)\n"
         "print('BAD', bad)\n"

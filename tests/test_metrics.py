@@ -2,9 +2,9 @@
 
 import pytest
 
-from runtime.conll import to_iob2
-from runtime.datagen import generate
-from runtime.metrics import entity_f1, extract_entities
+from tasks.conll import to_iob2
+from tasks.datagen import generate
+from tasks.metrics import entity_f1, extract_entities
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""runtime.mnn_kernels: forward values and gradients against float64 PyTorch.
+"""runtime.engines.mnn_kernels: forward values and gradients against float64 PyTorch.
 
 Every operation is checked forward against a float64 reference and backward
 (with a random upstream gradient) against torch.autograd in float64, for
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import mnn_kernels as K
+from runtime.engines import mnn_kernels as K
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4
@@ -397,7 +397,7 @@ def test_set_threads_starts_workers_that_flush_denormals():
     out = run_child("""
         import os
         import numpy as np
-        from runtime import mnn_kernels as K
+        from runtime.engines import mnn_kernels as K
         before = len(os.listdir("/proc/self/task"))
         K.set_threads(2)
         assert K.get_threads() == 2

@@ -9,8 +9,8 @@ import pytest
 from conftest import token_feeds
 from planner.onnx_import import ImportError_, load_model
 from planner.passes import find_blocks
-from runtime.engine_torch import TorchStageEngine
-from runtime.stage import stage_spec
+from runtime.engines.pytorch import TorchStageEngine
+from runtime.engines.stage import stage_spec
 
 B, S = 2, 12
 

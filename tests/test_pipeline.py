@@ -6,17 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from confidant.pipeline import LocalWorkers, train_pipeline
+from jobs.pipeline_training import LocalWorkers, train_pipeline
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
-from runtime.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed, load_checkpoint
-from runtime.engine_mnn import MnnStageEngine
-from runtime.local_pipeline import LocalPipeline
+from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed, load_checkpoint
+from runtime.engines.mnn import MnnStageEngine
+from runtime.pipeline.local_replay import LocalPipeline
 from runtime.optim import make_optimizer
-from runtime.stage import stage_spec
-from runtime.tokenize import Batch, split_microbatches
-from runtime.trainer import accumulate_gradients, batch_feeds
-from runtime.transport_zmq import ZmqTransport
+from runtime.engines.stage import stage_spec
+from tasks.tokenize import Batch, split_microbatches
+from tasks.trainer import accumulate_gradients, batch_feeds
+from runtime.transport.zeromq import ZmqTransport
 
 M, ROWS, S, STEPS = 2, 2, 12, 2
 
@@ -129,7 +129,7 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
         fake.connect("stage1", worker.addresses[0])
         header = fake.send_tensor  # a real header for micro-batch 0 ...
         act = np.zeros(graph.values[graph.blocks[2].inputs[0]].shape, np.float32)
-        from runtime.transport import TensorHeader
+        from runtime.transport.wire import TensorHeader
         import zlib
         good = TensorHeader("act", 0, 0, -1, "float32", act.shape, act.nbytes, zlib.crc32(act.tobytes()))
         corrupted = act.copy()

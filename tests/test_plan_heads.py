@@ -32,7 +32,7 @@ def _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1", "mnn:cpu:t2"), curve
         blocks.update({s: BlockCost(*encoder_s, workspace_bytes=1 << 20) for s in enc})
         attention = {enc[0]: AttentionCurve(curves[name])} if name in curves else {}
         out.append(BackendProfile(name, blocks, attention))
-    # head-split child processes as measured here (runtime.profile.split_child_bytes, tiny model)
+    # head-split child processes as measured here (runtime.profiling.compute.split_child_bytes, tiny model)
     return DeviceProfile("box", "tiny", graph.batch, graph.seq, tuple(out), memory_available_bytes=8 << 30,
                          split_child_bytes={"mnn": 40 << 20, "torch": 340 << 20})
 
@@ -62,7 +62,7 @@ def _plan_devices(tiny_onnx, tmp_path, profiles: dict[str, DeviceProfile], sched
 
 def test_plan_records_a_head_split_and_show_prints_it(tiny_onnx, tmp_path, capsys):
     from ir.bundle import load_bundle_dir
-    from runtime.bundle_load import load_bundle
+    from runtime.pipeline.bundles import load_bundle
 
     graph = _graph(tiny_onnx)
     heads = next(b.heads for b in graph.blocks if b.kind == "encoder")
@@ -209,14 +209,14 @@ def test_training_from_a_split_bundle_gives_the_unsplit_losses(tiny_onnx, tmp_pa
     and trains; the losses equal one unsplit MNN engine on the same micro-batches."""
     import numpy as np
 
-    from confidant.pipeline import LocalWorkers, train_pipeline
+    from jobs.pipeline_training import LocalWorkers, train_pipeline
     from ir.bundle import load_bundle_dir
-    from runtime.coordinator import PipelineConfig
-    from runtime.engine_mnn import MnnStageEngine
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.engines.mnn import MnnStageEngine
     from runtime.optim import make_optimizer
-    from runtime.stage import stage_spec
-    from runtime.tokenize import Batch
-    from runtime.trainer import accumulate_gradients
+    from runtime.engines.stage import stage_spec
+    from tasks.tokenize import Batch
+    from tasks.trainer import accumulate_gradients
 
     graph = _graph(tiny_onnx)
     plan = _plan(tiny_onnx, tmp_path, _profile(graph), "1f1b-flush")

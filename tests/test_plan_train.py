@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.datagen import write_splits
+from tasks.datagen import write_splits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,11 +67,11 @@ def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
     from planner.onnx_import import load_model
     from planner.schedule import make_schedule
     from ir.partition import Partition, StageAssignment
-    from confidant.pipeline import LocalWorkers
-    from runtime.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed
-    from runtime.bundle_load import as_uint8, bundle_to_wire
-    from runtime.executor import COORDINATOR
-    from runtime.transport_zmq import ZmqTransport
+    from jobs.pipeline_training import LocalWorkers
+    from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed
+    from runtime.pipeline.bundles import as_uint8, bundle_to_wire
+    from runtime.pipeline.executor import COORDINATOR
+    from runtime.transport.zeromq import ZmqTransport
 
     graph = load_model(tiny_onnx["torchscript-17"], 2, 12)
     partition = Partition((StageAssignment(0, "a", 0, 4),), "manual")

@@ -15,12 +15,12 @@ from conftest import _export
 from ir.graph import block_signature
 from ir.profile import DeviceProfile, Link
 from planner.onnx_import import load_model
-from runtime import mnn_kernels as K
-from runtime.profile import (DEFAULT_BACKENDS, PeakRss, SplitExtraCost, SplitRun, attention_curve, attention_piece,
+from runtime.engines import mnn_kernels as K
+from runtime.profiling.compute import (DEFAULT_BACKENDS, PeakRss, SplitExtraCost, SplitRun, attention_curve, attention_piece,
                              link_from_round_trips, link_probe_server, make_engine, measure_link,
                              memory_available_bytes, parse_backend, present_backends, profile_device,
                              split_allocations, split_extra_cost, split_primary, synthetic_feeds)
-from runtime.stage import stage_spec
+from runtime.engines.stage import stage_spec
 
 B, S = 2, 16
 
@@ -43,7 +43,7 @@ def _expected_backends() -> list[str]:
     cpus = os.cpu_count() or 1
     names = [f"mnn:{d}:t{t}" for d in ("cpu",) if devices[d] for t in (1, 2) if t <= cpus]
     try:
-        import runtime.engine_torch  # noqa: F401
+        import runtime.engines.pytorch  # noqa: F401
         names += [f"torch:cpu:t{t}" for t in (1, 2) if t <= cpus]
     except ImportError:
         pass
@@ -315,7 +315,7 @@ def test_measure_link_over_zeromq():
 
 
 def test_profile_measures_the_optimizer_update_rate():
-    from runtime.profile import update_rates
+    from runtime.profiling.compute import update_rates
 
     rates = update_rates(nbytes=4 << 20, reps=1)
     assert set(rates) == {"sgd", "adamw"} and all(r > 0 for r in rates.values())
@@ -323,7 +323,7 @@ def test_profile_measures_the_optimizer_update_rate():
 
 
 def test_profile_measures_the_gradient_accumulation_rate_and_old_profiles_load(tiny_profile):
-    from runtime.profile import accumulate_rate, update_rates
+    from runtime.profiling.compute import accumulate_rate, update_rates
 
     rate = accumulate_rate(nbytes=4 << 20, reps=1)
     # one addition reads two arrays and writes one: cheaper than an SGD step, which does more

@@ -10,16 +10,16 @@ import math
 import numpy as np
 import pytest
 
-from confidant.pipeline import LocalWorkers, step_feeds, train_pipeline
+from jobs.pipeline_training import LocalWorkers, step_feeds, train_pipeline
 from planner.onnx_import import load_model
 from planner.partition import PlanDoesNotFit, make_instance, manual_partition, predicted_step_us, solve_partition
 from planner.replan import (BlockMove, TimingReplanner, best_cuts, flops_cluster, moves_between, partition_of,
                             predicted_compute_s, profile_from_timings, recalibrate, replan, scale_profile,
                             with_devices, without_devices)
 from planner.schedule import make_schedule
-from runtime.coordinator import Coordinator, PipelineConfig, StagePlacement, load_checkpoint, split_even
-from runtime.executor import COORDINATOR
-from runtime.transport_zmq import ZmqTransport
+from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement, load_checkpoint, split_even
+from runtime.pipeline.executor import COORDINATOR
+from runtime.transport.zeromq import ZmqTransport
 from test_cost import tiny_cluster, tiny_graph
 from test_pipeline import M, _batch, _single_device
 

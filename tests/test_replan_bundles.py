@@ -24,7 +24,7 @@ from planner.emit import cluster_from_json, cluster_to_json, emit_plan, load_pla
 from planner.onnx_import import load_model
 from planner.replan import scale_profile
 from planner.schedule import make_schedule
-from runtime.coordinator import load_checkpoint
+from runtime.pipeline.coordinator import load_checkpoint
 
 ROWS, SEQ, M = 2, 16, 4  # micro-batch rows, tokens, micro-batches per step
 STEPS, EVERY = 4, 2      # re-plan check after step 2 (and none after the last)
@@ -87,7 +87,7 @@ def _tokenizer(train: Path, out: Path) -> Path:
     """A WordPiece tokenizer over the training words that fits the tiny model's 500-token vocabulary."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-    from runtime.conll import read_conll
+    from tasks.conll import read_conll
 
     words = collections.Counter(w.lower() for s in read_conll(train) for w in s.tokens)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
@@ -107,7 +107,7 @@ def planned(tiny_onnx, tmp_path_factory):
     """A plan of the tiny model that gives device a the embeddings and both encoder layers and b the
     rest (c waits as a spare): a's profile says it is SLOWER times faster than it is (one real
     profile for all three, a's scaled), as for a device slowed since it was profiled."""
-    from runtime.datagen import write_splits
+    from tasks.datagen import write_splits
 
     root = tmp_path_factory.mktemp("replan-bundles")
     model = tiny_onnx["torchscript-17"]
@@ -174,9 +174,9 @@ def _train_from(plan_dir: Path, plan: dict, bundles, train: Path, tokenizer: Pat
     """Steps EVERY.. on fresh workers from `plan_dir`'s bundles, with the optimizer state saved at
     step EVERY, fed exactly as `confidant train` feeds them."""
     from confidant.commands import _load_training_data
-    from confidant.pipeline import LocalWorkers, train_pipeline
-    from runtime.coordinator import PipelineConfig
-    from runtime.tokenize import make_batches
+    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
+    from tasks.tokenize import make_batches
 
     labels, _, _, train_enc, _ = _load_training_data(argparse.Namespace(data=train, eval=None, tokenizer=tokenizer),
                                                      SEQ)

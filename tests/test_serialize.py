@@ -9,8 +9,8 @@ import pytest
 from conftest import token_feeds
 from ir.serialize import graph_from_json, graph_to_json, slice_graph
 from planner.onnx_import import load_model
-from runtime.engine_mnn import MnnStageEngine
-from runtime.stage import stage_spec
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.stage import stage_spec
 
 
 @pytest.mark.parametrize("blocks", [(0, 1), (2, 4)])

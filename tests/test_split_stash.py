@@ -14,11 +14,11 @@ import pytest
 
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
-from runtime.engine_mnn import MnnStageEngine
-from runtime.engine_split import SplitStageEngine
-from runtime.local_pipeline import LocalPipeline
-from runtime.tokenize import split_microbatches
-from runtime.trainer import batch_feeds
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.split.engine import SplitStageEngine
+from runtime.pipeline.local_replay import LocalPipeline
+from tasks.tokenize import split_microbatches
+from tasks.trainer import batch_feeds
 from test_pipeline import _batch  # the same synthetic batches, at the same M, ROWS, S
 
 pytest.importorskip("torch")
@@ -114,8 +114,8 @@ def test_real_pipeline_with_a_split_stage_under_weight_stashing(graph, batches):
     """Two worker processes over ZeroMQ, 1f1b-stash, stage 0 (both encoder blocks) split 1 + 3
     over MNN (a child of the worker) and torch (the worker): the losses and final weights of the
     unsplit replay."""
-    from confidant.pipeline import LocalWorkers, train_pipeline
-    from runtime.coordinator import PipelineConfig
+    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
 
     config = PipelineConfig(schedule="1f1b-stash", microbatches=M, optimizer=OPTIMIZER, lr=LR, timeout_s=120,
                             head_split=(SPLIT, None))

@@ -5,9 +5,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest_data import TINY_VOCAB, make_tiny_tokenizer, tiny_tokenizer, tokenizer_path  # noqa: F401
-from runtime.conll import Sentence
-from runtime.datagen import generate
-from runtime.tokenize import (
+from tasks.conll import Sentence
+from tasks.datagen import generate
+from tasks.tokenize import (
     CONLL_LABELS,
     IGNORE_INDEX,
     Batch,

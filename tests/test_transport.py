@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.transport import (DTYPES, MAX_HEADER_BYTES, Expected, MessageError, PeerTimeout, TensorHeader,
+from runtime.transport.wire import (DTYPES, MAX_HEADER_BYTES, Expected, MessageError, PeerTimeout, TensorHeader,
                                check_payload, decode_control, encode_control)
-from runtime.transport_local import LocalHub, LocalTransport
-from runtime.transport_zmq import ZmqTransport
+from runtime.transport.local import LocalHub, LocalTransport
+from runtime.transport.zeromq import ZmqTransport
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = [ROOT / "runtime" / f for f in ("transport.py", "transport_zmq.py", "transport_local.py")]
+MODULES = [ROOT / "runtime" / "transport" / f for f in ("wire.py", "zeromq.py", "local.py")]
 KINDS = ["local", "zmq"]
 
 
@@ -117,8 +117,8 @@ def test_sender_refuses_what_it_cannot_describe(mesh):
 
 CHILD = r"""
 import sys
-from runtime.transport import Expected
-from runtime.transport_zmq import ZmqTransport
+from runtime.transport.wire import Expected
+from runtime.transport.zeromq import ZmqTransport
 
 t = ZmqTransport("echo", "tcp://127.0.0.1:0", {"main": sys.argv[1]})
 print(t.address, flush=True)
@@ -454,7 +454,7 @@ def test_only_the_zmq_transport_imports_zmq():
                 names.update(a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names.add(node.module.split(".")[0])
-        assert ("zmq" in names) == (path.name == "transport_zmq.py"), path.name
-    code = "import sys, runtime.transport_local; print(sorted(m for m in sys.modules if m.startswith('zmq')))"
+        assert ("zmq" in names) == (path.name == "zeromq.py"), path.name
+    code = "import sys, runtime.transport.local; print(sorted(m for m in sys.modules if m.startswith('zmq')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "[]", out.stderr

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node
-from runtime.engine import StageEngine, StageGradients
-from runtime.stage import StageSpec, host_values
+from runtime.engines.base import StageEngine, StageGradients
+from runtime.engines.stage import StageSpec, host_values
 
 
 def _run_node(node: Node, args: list[torch.Tensor]) -> torch.Tensor:

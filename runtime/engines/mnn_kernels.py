@@ -48,7 +48,7 @@ from typing import Sequence
 
 import numpy as np
 
-from runtime import fpmode
+from runtime.engines import fpmode
 
 _DENORMALS_FLUSHED = fpmode.enable_flush_denormals()
 

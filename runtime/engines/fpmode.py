@@ -20,7 +20,7 @@ its creator's floating-point state, and threads that already exist are not
 affected.  So this must run in the main thread *before* MNN (or anything else
 whose worker threads should flush) creates its thread pool: MNN creates its
 workers when a thread count above one is configured, which is why
-``runtime.mnn_kernels`` calls this at import, before it touches MNN.
+``runtime.engines.mnn_kernels`` calls this at import, before it touches MNN.
 """
 
 from __future__ import annotations

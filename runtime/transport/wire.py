@@ -19,8 +19,8 @@ ordered independently), so a message from peer A never satisfies a wait on peer 
 FIFO the next message must match the receiver's `Expected` or it is a `MessageError`; nothing is
 reordered, because a mismatch means the two sides disagree about the plan.
 
-This module has no network code; `runtime.transport_zmq` (ZeroMQ, between processes) and
-`runtime.transport_local` (threads in one process, for tests) implement `Transport`.
+This module has no network code; `runtime.transport.zeromq` (ZeroMQ, between processes) and
+`runtime.transport.local` (threads in one process, for tests) implement `Transport`.
 """
 from __future__ import annotations
 

@@ -21,9 +21,9 @@ from typing import Mapping
 import numpy as np
 
 from ir.graph import Block, Node
-from runtime import mnn_kernels as K
-from runtime.engine import StageEngine, StageGradients
-from runtime.stage import StageSpec, host_values
+from runtime.engines import mnn_kernels as K
+from runtime.engines.base import StageEngine, StageGradients
+from runtime.engines.stage import StageSpec, host_values
 
 
 def _lower_node(node: Node, a: list) -> "K.Var":

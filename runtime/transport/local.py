@@ -12,7 +12,7 @@ import queue
 import threading
 from typing import Sequence
 
-from runtime.transport import Transport
+from runtime.transport.wire import Transport
 
 
 class LocalHub:

@@ -14,7 +14,7 @@ What is measured, per block kind and backend (one warm-up, then the median of `r
 * `forward_s`: one training forward of one micro-batch.
 * `backward_s`: one backward as a pipeline stage usually pays it. For MNN that is a backward with
   another micro-batch's forward in between, which forces the engine to re-run the block's forward
-  from the stashed input (`runtime.engine_mnn`); `recompute_s` is that time minus the backward
+  from the stashed input (`runtime.engines.mnn`); `recompute_s` is that time minus the backward
   right after its own forward (which reuses the per-op caches), clamped at 0, so the cost model
   can take `backward_s - recompute_s` where a stage never interleaves (the last stage, a single
   device). Torch keeps autograd's saved tensors, so its `recompute_s` is 0.
@@ -43,7 +43,7 @@ the MNN runtime's, ~47 MiB here. Importing torch adds ~240 MiB on top, which thi
 include; a plan that puts torch in a device's main process must allow for it.
 
 `split_child_bytes` (engine kind -> bytes) is what each child process of a head split costs
-(`runtime.head_split` runs every backend of a split but one in its own process): for each engine
+(`runtime.engines.split.attention` runs every backend of a split but one in its own process): for each engine
 kind among the profiled backends, a child is started through head_split's own machinery (fork
 server, shared memory, serve loop) holding H-1 heads (the most a child of a split holds: an upper
 bound) of the model's attention block kind with the most heads, runs one training forward and
@@ -61,7 +61,7 @@ backend alone; a split also pays the child's command round trips, the copies of 
 shared memory and of the partial output, dx and slice gradients out of it, the sum of the partial
 outputs, and, because both engines now compute at once, whatever they slow each other down by
 (shared caches and memory bandwidth). So, per attention block kind, the in-process backend of a
-split is picked as `runtime.head_split` picks it (`split_primary`: a torch one if present), and
+split is picked as `runtime.engines.split.attention` picks it (`split_primary`: a torch one if present), and
 every other backend with a curve that fits beside it on this machine's CPUs runs real
 `SplitAttention`s with it (`split_extra_cost`), the other in a child process as the split engine
 runs it, for 1, H/2 and H-1 heads on the child; each takes the median of `reps` forward+backward
@@ -75,7 +75,7 @@ where the MNN child computed 27-43% slower than its in-process curve (its busy t
 copies). The figures are noisy (the curves themselves drift ±15%) and the worst excess is taken,
 so they err high: they say when a split does not pay, not by exactly how much it loses.
 
-Side effects: profiling resets this process's peak-RSS mark (`trainer.peak_rss_bytes` afterwards
+Side effects: profiling resets this process's peak-RSS mark (`runtime.procfs.peak_rss_bytes` afterwards
 reports peaks since the profile), leaves torch's process-wide thread count at the last setting
 an engine made (the split measurement's in-process backend, else the last profiled one; MNN's is
 restored), and leaves head_split's fork server running (started to measure the split children
@@ -105,13 +105,13 @@ import numpy as np
 
 from ir.graph import Block, Graph, Node, Value, block_signature
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
-from runtime import mnn_kernels as K
+from runtime.engines import mnn_kernels as K
 from runtime.procfs import meminfo_bytes, status_bytes
-from runtime.engine import StageEngine
-from runtime.engine import make_engine as engine_for
-from runtime.engine_mnn import MnnStageEngine
-from runtime.stage import StageSpec, host_values, stage_spec
-from runtime.transport import Expected, MessageError, PeerTimeout
+from runtime.engines.base import StageEngine
+from runtime.engines.base import make_engine as engine_for
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.stage import StageSpec, host_values, stage_spec
+from runtime.transport.wire import Expected, MessageError, PeerTimeout
 
 DEFAULT_BACKENDS = ("mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1", "torch:cpu:t2")
 ENGINES = ("mnn", "torch")
@@ -146,7 +146,7 @@ def _torch_importable() -> bool:
     if importlib.util.find_spec("torch") is None:
         return False
     try:
-        import runtime.engine_torch  # noqa: F401  (the only module that imports torch)
+        import runtime.engines.pytorch  # noqa: F401  (the only module that imports torch)
     except Exception:  # a broken torch install is as good as none
         return False
     return True
@@ -436,7 +436,7 @@ def memory_available_bytes() -> int:
 _ROOT = Path(__file__).resolve().parents[1]
 _OVERHEAD_PROBE = (
     "import sys; sys.path.insert(0, sys.argv[1])\n"
-    "import runtime.worker, runtime.engine_mnn, runtime.transport_zmq\n"
+    "import runtime.pipeline.worker, runtime.engines.mnn, runtime.transport.zeromq\n"
     "print('RSS', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])\n"
 )
 
@@ -471,7 +471,7 @@ def split_child_bytes(backend: Backend, batch: int, seq: int, hidden: int, heads
     """Peak resident bytes (VmHWM) of one head-split child process running `backend` on `heads`
     heads of an attention block of this shape, or None where /proc cannot tell.
 
-    The child is started exactly as `runtime.head_split.SplitAttention` starts one (its
+    The child is started exactly as `runtime.engines.split.attention.SplitAttention` starts one (its
     `_ProcessWorker`: the fork server, the shared-memory blocks, the child's serve loop), given
     its weight slice, and made to run one training forward and one backward of a micro-batch; its
     VmHWM is then read from /proc before it is closed. Nothing is subtracted: the whole child
@@ -479,7 +479,7 @@ def split_child_bytes(backend: Backend, batch: int, seq: int, hidden: int, heads
     only because of the split."""
     from multiprocessing import shared_memory
 
-    from runtime import head_split as hs  # here, not at the top: head_split imports this module
+    from runtime.engines.split import attention as hs  # here, not at the top: head_split imports this module
 
     rng = np.random.default_rng(seed)
     shapes = hs._Shapes(int(batch), int(seq), int(hidden), int(head_size), tuple(int(d) for d in mask.shape))
@@ -541,7 +541,7 @@ class SplitExtraCost:
 
 
 def split_primary(backends: Sequence[Backend]) -> Backend:
-    """The backend a head split keeps in the calling process, as `runtime.head_split` does: a
+    """The backend a head split keeps in the calling process, as `runtime.engines.split.attention` does: a
     torch one if there is any (torch computes without holding the GIL), else the first; among
     several torch ones the one with the fewest threads, which leaves the most cores to the others.
     Its extra cost is 0 by definition (it holds the activations; `planner.heads`)."""
@@ -559,7 +559,7 @@ def split_allocations(heads: int) -> list[int]:
 
 def time_split_attention(sa, x: np.ndarray, mask: np.ndarray, dy: np.ndarray, reps: int
                          ) -> tuple[list[float], list[dict[str, float]]]:
-    """Wall seconds of `reps` forward+backward passes of a `runtime.head_split.SplitAttention`,
+    """Wall seconds of `reps` forward+backward passes of a `runtime.engines.split.attention.SplitAttention`,
     and per pass each backend's busy seconds (its compute, without waiting for the others)."""
     times, busy = [], []
     for _ in range(reps):
@@ -578,13 +578,13 @@ def split_extra_cost(primary: Backend, other: Backend, curves: Mapping[str, Atte
     """Run real splits of one attention block between `primary` (in this process) and `other` (in a
     child process) and compare them with what the curves predict.
 
-    For each allocation of `split_allocations(heads)`, a `runtime.head_split.SplitAttention` is
+    For each allocation of `split_allocations(heads)`, a `runtime.engines.split.attention.SplitAttention` is
     built as the split engine builds one (concurrent: fork server, shared memory, the child's serve
     loop; the primary listed first, so that it is the in-process backend even when neither is
     torch), runs one training forward and backward unmeasured, then `reps` timed ones; the median
     is compared with max(curve_primary(h_p), curve_other(h_o)), the allocator's model without
     extra costs. `curves` maps both backends' names to their curves of this block shape."""
-    from runtime import head_split as hs  # here, not at the top: head_split imports this module
+    from runtime.engines.split import attention as hs  # here, not at the top: head_split imports this module
 
     if primary.name == other.name:
         raise ValueError(f"a split needs two different backends, got {primary.name} twice")
@@ -776,7 +776,7 @@ def update_rates(nbytes: int = 32 << 20, reps: int = 3) -> dict[str, float]:
 
 def accumulate_rate(nbytes: int = 32 << 20, reps: int = 3) -> float:
     """Seconds per parameter byte of adding one micro-batch's gradient into the running sum, as
-    runtime.executor does (`acc += g`, in place)."""
+    runtime.pipeline.executor does (`acc += g`, in place)."""
     acc = np.zeros(nbytes // 4, np.float32)
     grad = np.full(nbytes // 4, 1e-3, np.float32)
 
@@ -822,7 +822,7 @@ def link_probe_server(listen: str, *, sessions: int | None = 1, ready: Callable[
                       timeout_s: float = 60.0) -> None:
     """Echo the tensors of `measure_link` clients, one client at a time, for `sessions` clients
     (None: forever). `ready` receives the bound address (useful with port 0)."""
-    from runtime.transport_zmq import ZmqTransport
+    from runtime.transport.zeromq import ZmqTransport
 
     with ZmqTransport(PROBE_SERVER, listen, accept=(PROBE_CLIENT,)) as t:
         if ready is not None:
@@ -880,7 +880,7 @@ def measure_link(address: str, sizes: Sequence[int] = (1 << 10, 1 << 20, 8 << 20
     medians into a Link. The payload crosses the real transport (header, crc32 on both sides), so
     the figures are what pipeline transfers will see. `listen` is where the server sends replies
     (default: this host's address on the route to the server, on a free port)."""
-    from runtime.transport_zmq import ZmqTransport
+    from runtime.transport.zeromq import ZmqTransport
 
     sizes = sorted({int(n) for n in sizes})
     if len(sizes) < 2 or sizes[0] < 1 or sizes[-1] > _MAX_PROBE_BYTES:

@@ -6,18 +6,17 @@ micro-batches gives the same loss and gradients as the whole batch, which the pi
 """
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from runtime.engine import StageEngine
-from runtime.procfs import status_bytes
-from runtime.metrics import Scores, entity_f1
+from runtime.engines.base import StageEngine
+from runtime.procfs import peak_rss_bytes
+from tasks.metrics import Scores, entity_f1
 from runtime.optim import make_optimizer
-from runtime.tokenize import IGNORE_INDEX, Batch, decode_predictions, make_batches, split_microbatches
+from tasks.tokenize import IGNORE_INDEX, Batch, decode_predictions, make_batches, split_microbatches
 
 
 @dataclass(frozen=True)
@@ -90,15 +89,6 @@ def accumulate_gradients(engine: StageEngine, batch: Batch, microbatches: int, n
             else:
                 grads[k] = g
     return loss, grads
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory. VmHWM first: ru_maxrss survives execve on Linux, so a
-    worker started by a big parent would report the parent's peak as its own."""
-    peak = status_bytes("VmHWM")
-    if peak is not None:
-        return peak
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def train_steps(engine: StageEngine, batches: Sequence[Batch], config: TrainConfig, num_labels: int,

@@ -30,7 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from runtime.conll import Sentence, to_iob2
+from tasks.conll import Sentence, to_iob2
 
 __all__ = [
     "CONLL_LABELS",

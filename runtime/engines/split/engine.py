@@ -3,7 +3,7 @@
 Each encoder block of the stage is cut, by pattern matching its lowered nodes, into
   * the attention: Q/K/V projections (MatMul + bias Add) of the block input x, the heads'
     scaled dot-product attention with the additive mask, and the output projection with its
-    bias; run by `runtime.head_split.SplitAttention` over the allocation's backends;
+    bias; run by `runtime.engines.split.attention.SplitAttention` over the allocation's backends;
   * the residual Add of the attention output and x, done here in numpy (an elementwise float32
     sum is exact and commutative, so it equals MNN's bit for bit);
   * the rest of the block (LayerNorm, feed-forward, residual, LayerNorm), which reads only the
@@ -24,7 +24,7 @@ are in flight): the backward of micro-batch m uses the weights m's forward used.
 stage keeps its own old versions, because every part holds its own weights: the MNN segments and
 the post-attention engines are `MnnStageEngine`s with `stash_weights`, and the attention slices
 live in the backends' engines, in child processes too, which stash them likewise
-(`runtime.head_split`). This engine only numbers the versions (`version`, `stashed_versions`, as
+(`runtime.engines.split.attention`). This engine only numbers the versions (`version`, `stashed_versions`, as
 `MnnStageEngine` does): one update through `set_parameters` reaches every part, so the parts'
 versions move together. Under flush schedules no update meets a micro-batch in flight and nothing
 is stashed. An old version costs one copy of the stage's weights, as `planner.cost` counts it.
@@ -41,10 +41,10 @@ from typing import Mapping
 import numpy as np
 
 from ir.graph import Block, Graph, Node
-from runtime.engine import StageEngine, StageGradients
-from runtime.engine_mnn import MnnStageEngine
-from runtime.head_split import SplitAttention
-from runtime.stage import StageSpec, host_values, stage_spec
+from runtime.engines.base import StageEngine, StageGradients
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.split.attention import SplitAttention
+from runtime.engines.stage import StageSpec, host_values, stage_spec
 
 
 # Pattern matching -----------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def match_attention(graph: Graph, block: Block) -> AttentionMatch:
 
 def _post_spec(graph: Graph, block: Block, match: AttentionMatch) -> StageSpec:
     """The block's nodes after the residual Add, as block 1 of a two-block graph whose activation
-    input is the residual sum (block 0 is an empty stand-in, as in `runtime.profile`)."""
+    input is the residual sum (block 0 is an empty stand-in, as in `runtime.profiling.compute`)."""
     nodes = tuple(graph.node(n) for n in block.nodes if n not in match.nodes)
     params = tuple(dict.fromkeys(i for n in nodes for i in n.inputs if i in graph.params))
     r = match.residual
@@ -359,7 +359,7 @@ class SplitStageEngine(StageEngine):
 
     def _threads(self) -> None:
         # MNN's thread count is process-wide; an MNN backend of a split may have changed it
-        from runtime import mnn_kernels as K
+        from runtime.engines import mnn_kernels as K
 
         if K.get_threads() != self.threads:
             K.set_threads(self.threads)

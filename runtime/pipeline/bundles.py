@@ -18,7 +18,7 @@ import numpy as np
 
 from ir.bundle import (BUNDLE_FILES, MANIFEST, BundleContents, BundleError, check_bundle_manifest, load_plan,
                        read_bundle_files, verify_bundle_files)
-from runtime.transport import Expected
+from runtime.transport.wire import Expected
 
 __all__ = ["BUNDLE_KIND", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire", "as_uint8",
            "wire_to_files", "send_bundle", "recv_bundle", "load_plan"]

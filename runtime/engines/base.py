@@ -13,7 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
-from runtime.stage import StageSpec
+from runtime.engines.stage import StageSpec
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,15 @@ def make_engine(kind: str, spec: StageSpec, threads: int = 1, head_split: Mappin
     if head_split:
         if kind != "mnn":
             raise ValueError(f"a head split runs its stage on MNN; engine {kind!r} was asked for")
-        from runtime.engine_split import SplitStageEngine
+        from runtime.engines.split.engine import SplitStageEngine
 
         return SplitStageEngine(spec, dict(head_split), threads=threads)
     if kind == "torch":
-        from runtime.engine_torch import TorchStageEngine
+        from runtime.engines.pytorch import TorchStageEngine
 
         return TorchStageEngine(spec, threads=threads)
     if kind != "mnn":
         raise ValueError(f"unknown engine {kind!r}: choose mnn or torch")
-    from runtime.engine_mnn import MnnStageEngine
+    from runtime.engines.mnn import MnnStageEngine
 
     return MnnStageEngine(spec, threads=threads)

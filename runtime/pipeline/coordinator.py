@@ -36,9 +36,9 @@ import numpy as np
 from ir.graph import Graph
 from ir.plan import Schedule
 from ir.serialize import graph_to_json, slice_graph
-from runtime.executor import COORDINATOR, stage_peer
-from runtime.stage import stage_spec
-from runtime.transport import Expected, PeerTimeout
+from runtime.pipeline.executor import COORDINATOR, stage_peer
+from runtime.engines.stage import stage_spec
+from runtime.transport.wire import Expected, PeerTimeout
 
 
 class WorkerFailed(RuntimeError):
@@ -64,7 +64,7 @@ class PipelineConfig:
     weight_decay: float | None = None
     timeout_s: float = 600.0
     # per stage: None (unsplit) or {backend: heads} splitting the attention heads of every encoder
-    # block of that stage across backends (runtime.engine_split; MNN stages, flush schedules only).
+    # block of that stage across backends (runtime.engines.split.engine; MNN stages, flush schedules only).
     # Indexed by stage at first setup; a re-plan keeps each worker's split with the worker (the
     # backends are the device's), and workers new to the pipeline run unsplit.
     head_split: tuple[Mapping[str, int] | None, ...] | None = None
@@ -301,7 +301,7 @@ class Coordinator:
 
     def setup_bundles(self, bundle_dirs: Sequence[Path], devices: Sequence[str]) -> list[dict]:
         """Ship each stage its plan bundle (workers verify it before use) instead of a graph slice."""
-        from runtime.bundle_load import bundle_to_wire, send_bundle
+        from runtime.pipeline.bundles import bundle_to_wire, send_bundle
 
         self.bundle_mode = True
         self._connect_workers()
@@ -390,7 +390,7 @@ class Coordinator:
         """The new plan's bundles, verified and parsed, after checking that they are the new stages,
         one each, in order, and hold the weights training has reached (a bundle written from older
         weights would silently undo the steps since)."""
-        from runtime.bundle_load import load_bundle
+        from runtime.pipeline.bundles import load_bundle
 
         if bundles is None or devices is None or not len(bundles) == len(devices) == len(placements):
             raise ValueError(f"this pipeline runs from plan bundles: a re-plan must bring the new plan's bundle and "
@@ -463,7 +463,7 @@ class Coordinator:
 
     def _release(self, workers: Sequence[StagePlacement]) -> None:
         """Have each of `workers` drop its stage and give up its name, and wait until all have:
-        only then may another process take one of those names (see runtime.worker)."""
+        only then may another process take one of those names (see runtime.pipeline.worker)."""
         for p in workers:
             self.transport.send_control(stage_peer(p.stage), {"type": "release"})
         for p in workers:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from runtime.conll import is_valid_tag
+from tasks.conll import is_valid_tag
 
 __all__ = ["Entity", "Scores", "TypeScores", "entity_f1", "extract_entities"]
 

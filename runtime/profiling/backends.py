@@ -8,25 +8,25 @@ A backend is an engine, a device, and the device's setting, named `engine:device
     torch:cuda:0   PyTorch on CUDA GPU 0 (the device index is required)
 
 `BackendSpec.parse(name)` and `str(spec)` round-trip. The names are a superset of the
-`engine:device:tN` names `runtime.profile` writes into device profiles, for the CPU; unlike
-`runtime.profile.parse_backend`, a GPU name carries no thread count (`mnn:opencl`, not
+`engine:device:tN` names `runtime.profiling.compute` writes into device profiles, for the CPU; unlike
+`runtime.profiling.compute.parse_backend`, a GPU name carries no thread count (`mnn:opencl`, not
 `mnn:opencl:t1`), because GPU backends have no thread setting.
 
 `discover()` lists the backends that really run on this machine, probed in child processes so a
 broken driver or a torch install that fails on import cannot disturb this process:
 
-* MNN: `runtime.mnn_kernels.available_backends()`, which reports a backend MNN silently replaces
+* MNN: `runtime.engines.mnn_kernels.available_backends()`, which reports a backend MNN silently replaces
   by the CPU (it only logs `Can't Find type=N backend, use 0 instead`) as absent.
 * torch: present when it is installed and imports in a child process (which also asks
   `torch.cuda.is_available()` and the device count). The probe runs once per process. torch is
-  never imported here: only `runtime.engine_torch` may import it, and importing it costs ~240 MiB.
+  never imported here: only `runtime.engines.pytorch` may import it, and importing it costs ~240 MiB.
 
 Thread variants: the CPU backends are listed for 1, 2, 4, ... threads up to the limit (the CPU
 count, or `max_threads` if smaller), plus the limit itself, so a 6-CPU machine gets t1, t2, t4,
 t6. Every variant is a separate backend for the profiler and the planner.
 
 `make_stage_engine(spec, stage_spec)` builds the stage engine for a backend (through
-`runtime.profile.make_engine`, the one place engines are built with the profiler's settings). The
+`runtime.profiling.compute.make_engine`, the one place engines are built with the profiler's settings). The
 stage engines drive the CPU only so far: MNN's non-CPU devices and torch CUDA are valid, may be
 discovered, and raise `NotImplementedError` here, naming what is missing.
 """
@@ -42,10 +42,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runtime.engine import StageEngine
-    from runtime.stage import StageSpec
+    from runtime.engines.base import StageEngine
+    from runtime.engines.stage import StageSpec
 
-# Devices per engine, in listing order. MNN's are those runtime.mnn_kernels probes (a test keeps the
+# Devices per engine, in listing order. MNN's are those runtime.engines.mnn_kernels probes (a test keeps the
 # two in step); importing that module here would load MNN just to parse a name.
 DEVICES: dict[str, tuple[str, ...]] = {
     "mnn": ("cpu", "opencl", "vulkan", "metal", "cuda"),
@@ -194,7 +194,7 @@ def discover(max_threads: int | None = None) -> list[BackendSpec]:
         raise ValueError(f"max_threads must be an integer >= 1, got {max_threads!r}")
     cpus = os.cpu_count() or 1
     threads = thread_variants(min(cpus, max_threads) if max_threads else cpus)
-    from runtime import mnn_kernels as K  # loads MNN; a device without it is not a Confidant device
+    from runtime.engines import mnn_kernels as K  # loads MNN; a device without it is not a Confidant device
 
     found: list[BackendSpec] = []
     mnn = K.available_backends()
@@ -224,10 +224,10 @@ def make_stage_engine(spec: BackendSpec | str, stage_spec: "StageSpec") -> "Stag
         raise NotImplementedError(f"{spec}: the MNN stage engine drives MNN's cpu backend only")
     if spec.engine == "torch" and spec.device != "cpu":
         raise NotImplementedError(f"{spec}: the torch stage engine runs on the cpu only "
-                                  "(runtime.engine_torch has no device setting yet)")
+                                  "(runtime.engines.pytorch has no device setting yet)")
     if spec.engine == "torch" and not _torch_installed():
         raise ModuleNotFoundError(f"{spec} needs PyTorch, which is not installed here "
                                   "(pip install torch==2.13.0)")
-    from runtime import profile
+    from runtime.profiling import compute as profile
 
     return profile.make_engine(profile.parse_backend(str(spec)), stage_spec)

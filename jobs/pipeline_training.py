@@ -1,7 +1,7 @@
 """`confidant train-pipeline` and `confidant worker`: start or reach workers, drive a coordinator.
 
-Side effects live here (processes, sockets, files); the protocol is in runtime.coordinator and
-runtime.worker, the schedules in planner.schedule.
+Side effects live here (processes, sockets, files); the protocol is in runtime.pipeline.coordinator and
+runtime.pipeline.worker, the schedules in planner.schedule.
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from planner.schedule import make_schedule
-from runtime.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, load_checkpoint,
+from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, load_checkpoint,
                                  save_checkpoint, split_at, split_even)
-from runtime.trainer import batch_feeds, pad_batch, peak_rss_bytes
-from runtime.tokenize import split_microbatches
+from runtime.procfs import peak_rss_bytes
+from tasks.trainer import batch_feeds, pad_batch
+from tasks.tokenize import split_microbatches
 
 
 @dataclass
@@ -138,7 +139,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
       returns None or the new plan (planner.replan.ReplannedPlan: `devices`, `ranges`, `bundles`,
       written with those weights). Its devices may be any of `devices` and `spare_devices`
       (device name -> address of a worker that waits without a stage), in any order."""
-    from runtime.transport_zmq import ZmqTransport
+    from runtime.transport.zeromq import ZmqTransport
 
     _check_replanning(config, replan_every, on_replan, bundles, stage_graphs)
     if stage_graphs is not None:

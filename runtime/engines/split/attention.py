@@ -5,7 +5,7 @@ j*hs:(j+1)*hs of Wq, Wk, Wv (and of their biases) and feeds only the rows j*hs:(
 backend given a contiguous range of heads computes, from the full input x, its heads' Q/K/V
 projections (column slices), their attention, and its share of the output projection (a row
 slice); the block's output is the sum of the backends' partial outputs plus the output bias, which
-is added once, here, after the sum (the attention piece of `runtime.profile` has no output bias).
+is added once, here, after the sum (the attention piece of `runtime.profiling.compute` has no output bias).
 Backward is the reverse: every backend receives the whole dy, returns the gradients of its slices,
 which are scattered back into full-size arrays, and its partial dx; dx is the sum of the partials,
 because x feeds every backend. The output bias's gradient is dy summed over batch and sequence.
@@ -25,7 +25,7 @@ So this class keeps only the current full weights; an old version lives, sliced,
 `stash_weights=False` turns the MNN backends' stashing off (a reference that shows it matters;
 torch backends cannot turn theirs off).
 
-Each backend runs the attention piece of `runtime.profile.attention_piece` (an IR graph) on the
+Each backend runs the attention piece of `runtime.profiling.compute.attention_piece` (an IR graph) on the
 stage engine of its kind: `MnnStageEngine` for `mnn:cpu:tN`, `TorchStageEngine` for `torch:cpu:tN`.
 
 Concurrency, measured (2-vCPU x86-64 VM, MiniLM attention piece, 12 heads, batch 8, seq 128, one
@@ -49,7 +49,7 @@ started by a fork server that has imported this module (and with it MNN, before 
 exists) once; a child that needs torch imports it itself (~3 s).
 
 Costs of a child (measured as above): an interpreter with the runtime imported (~47 MiB by
-`runtime.profile`'s measurement; torch adds ~240 MiB) besides its engine's own workspace; a start
+`runtime.profiling.compute`'s measurement; torch adds ~240 MiB) besides its engine's own workspace; a start
 of ~0.05 s once the fork server runs (the first start, which launches the server, took 0.6 s),
 plus ~3 s where the child imports torch; per call a command round trip of ~0.16 ms and the copies
 of x (and dy) into shared memory and of the partial results out of it.
@@ -68,10 +68,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from runtime import mnn_kernels as K
-from runtime.engine import StageEngine
-from runtime.profile import Backend, attention_piece, parse_backend
-from runtime.stage import stage_spec
+from runtime.engines import mnn_kernels as K
+from runtime.engines.base import StageEngine
+from runtime.profiling.compute import Backend, attention_piece, parse_backend
+from runtime.engines.stage import stage_spec
 
 # Full weights, x @ W layout: W* are [hidden, hidden], b* are [hidden].
 WEIGHT_NAMES = ("Wq", "bq", "Wk", "bk", "Wv", "bv", "Wo", "bo")
@@ -152,12 +152,12 @@ class _Piece:
         self.output = spec.output
         self.engine: StageEngine
         if self.backend.engine == "mnn":
-            from runtime.engine_mnn import MnnStageEngine
+            from runtime.engines.mnn import MnnStageEngine
 
             self.engine = MnnStageEngine(spec, threads=self.backend.threads, weights=slices,
                                          stash_weights=stash_weights)
         else:
-            from runtime.engine_torch import TorchStageEngine  # torch only when asked for
+            from runtime.engines.pytorch import TorchStageEngine  # torch only when asked for
 
             self.engine = TorchStageEngine(spec, threads=self.backend.threads, weights=slices)
 
@@ -282,7 +282,7 @@ def _context():
     if _CONTEXT is None:
         if "forkserver" in mp.get_all_start_methods():
             _CONTEXT = mp.get_context("forkserver")
-            _CONTEXT.set_forkserver_preload(["runtime.head_split"])
+            _CONTEXT.set_forkserver_preload(["runtime.engines.split.attention"])
         else:
             _CONTEXT = mp.get_context("spawn")
     return _CONTEXT

@@ -13,11 +13,11 @@ import numpy as np
 
 from ir.graph import Graph
 from ir.plan import Action, ActionKind, Schedule
-from runtime.executor import COORDINATOR, StageExecutor, stage_peer
+from runtime.pipeline.executor import COORDINATOR, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
-from runtime.stage import stage_spec
-from runtime.transport import Expected, PeerTimeout
-from runtime.transport_local import LocalHub, LocalTransport
+from runtime.engines.stage import stage_spec
+from runtime.transport.wire import Expected, PeerTimeout
+from runtime.transport.local import LocalHub, LocalTransport
 
 
 class LocalPipeline:

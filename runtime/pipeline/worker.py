@@ -1,6 +1,6 @@
 """A device's runtime: bind, wait for a stage from the coordinator, run its action lists, report.
 
-Protocol (JSON control messages; tensors as header + raw bytes, see runtime.transport):
+Protocol (JSON control messages; tensors as header + raw bytes, see runtime.transport.wire):
   coordinator -> worker  setup {stage, stages, graph, blocks, engine, threads, optimizer, peers, ...}
                          (optional head_split {backend: heads}: the stage's attention heads split)
                          then one "weights" tensor per constant (and "optstate" tensors on resume)
@@ -23,7 +23,7 @@ coordinator can name the device and the cause instead of timing out.
 A worker's transport name is its stage ("stage<k>"): neighbours and the coordinator tell its
 messages apart by it. A setup under another stage index than the one the worker holds is refused
 unless it released its name first, so two processes never speak under one name (see
-runtime.transport_zmq on how a name changes hands).
+runtime.transport.zeromq on how a name changes hands).
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ import numpy as np
 
 from ir.plan import Action
 from ir.serialize import graph_from_json
-from runtime.engine import make_engine
-from runtime.executor import COORDINATOR, StageExecutor, stage_peer
+from runtime.engines.base import make_engine
+from runtime.pipeline.executor import COORDINATOR, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
-from runtime.stage import stage_spec
-from runtime.trainer import peak_rss_bytes
-from runtime.transport import Expected
+from runtime.engines.stage import stage_spec
+from runtime.procfs import peak_rss_bytes
+from runtime.transport.wire import Expected
 
 
 class Worker:
@@ -122,7 +122,7 @@ class Worker:
     def setup_bundle(self, msg: dict) -> None:
         """Set up from a plan bundle: verify every file against its manifest before using any of it;
         the stage, graph slice, weights, actions and optimizer all come from the bundle."""
-        from runtime.bundle_load import recv_bundle
+        from runtime.pipeline.bundles import recv_bundle
 
         self._take_stage(int(msg["stage"]))
         self._meet_peers(msg["peers"])
@@ -198,7 +198,7 @@ class Worker:
 
 def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0) -> int:
     """`confidant worker --listen ADDR`: print the bound address, then serve until told to stop."""
-    from runtime.transport_zmq import ZmqTransport
+    from runtime.transport.zeromq import ZmqTransport
 
     transport = ZmqTransport("worker", listen, accept=(COORDINATOR,))
     print(f"listening {transport.address}", flush=True)

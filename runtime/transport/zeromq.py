@@ -4,7 +4,7 @@ Topology: each endpoint binds one ROUTER socket at its `listen` address and conn
 socket per peer, with the DEALER's identity set to the endpoint's own name. Every message therefore
 reaches the receiver's ROUTER prefixed by the sender's name, which is how the receiver keeps one FIFO
 per peer on a single socket. Frames are `[header, payload]` for a tensor and `[control]` for a
-control message (the wire format is in `runtime.transport`).
+control message (the wire format is in `runtime.transport.wire`).
 
 Names move between processes when a re-plan renumbers the pipeline (a worker's name is its stage,
 "stage<k>"). Two live sockets under one name at one ROUTER would be ambiguous, so a name changes
@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import zmq
 
-from runtime.transport import MAX_PAYLOAD_BYTES, MessageError, PeerTimeout, Transport
+from runtime.transport.wire import MAX_PAYLOAD_BYTES, MessageError, PeerTimeout, Transport
 
 # A pipeline keeps at most a few micro-batches in flight per link; the static plan bounds this, so
 # the high-water mark is a backstop that must never be what limits a correct plan.

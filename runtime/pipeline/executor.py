@@ -19,8 +19,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ir.plan import Action, ActionKind
-from runtime.engine import StageEngine
-from runtime.transport import Expected, Transport
+from runtime.engines.base import StageEngine
+from runtime.transport.wire import Expected, Transport
 
 COORDINATOR = "coordinator"
 
