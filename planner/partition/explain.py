@@ -1,0 +1,76 @@
+"""Why no plan fits: `PlanDoesNotFit` and its message.
+
+When no assignment fits the memory budgets, the partitioners find the least-overflow assignment
+(the brute force by enumeration, CP-SAT with memory made soft: minimise the largest overflow over
+any device), and `_does_not_fit` reports its tightest device, by how much it is over, and what
+would help.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ir.partition import Partition
+from ir.plan import ASYNC_SCHEDULES
+from planner.cluster import format_bytes
+from planner.cost import OPTIMIZER_STATE_COPIES
+from planner.partition.instance import PartitionInstance, _overflows, _partition
+
+
+class PlanDoesNotFit(ValueError):
+    """No assignment fits the memory budgets. `over_bytes` is the least, over all assignments, of
+    the largest overflow of any device: every plan overflows some device by at least that much.
+    `device` is the tightest device of the assignment that attains it (`attempt`). When the
+    search ran out of time, the message says the bound is not proven."""
+
+    def __init__(self, message: str, device: str, over_bytes: int, attempt: Partition):
+        super().__init__(message)
+        self.device = device
+        self.over_bytes = over_bytes
+        self.attempt = attempt
+
+
+def _nbytes(n: int) -> str:
+    return f"{n} bytes" if abs(n) < 1024 else f"{n} bytes ({format_bytes(n)})"
+
+
+def _blocks_text(first: int, last: int) -> str:
+    return f"block {first}" if first == last else f"blocks {first}-{last}"
+
+
+def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]],
+                  proven: bool = True) -> PlanDoesNotFit:
+    """The error for the least-overflow assignment (devs, ranges), with what would help on its
+    tightest device; `proven`: no plan fits and no assignment overflows less (else: none found in time)."""
+    p = len(devs)
+    over = _overflows(inst, devs, ranges)
+    s = max(range(p), key=lambda i: over[i])
+    d, (first, last) = devs[s], ranges[s]
+    name, budget, worst = inst.devices[d], inst.memory_budget_bytes[d], over[s]
+    plan = ", ".join(f"{inst.devices[e]} {_blocks_text(a, b)}" for e, (a, b) in zip(devs, ranges))
+    others = [f"{inst.devices[devs[i]]!r} by {_nbytes(over[i])}" for i in range(p) if i != s and over[i] > 0]
+    params = sum(inst.params_bytes[first:last + 1])
+    activations = sum(inst.input_bytes[first:last + 1])
+    hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
+    # copies beyond a one-stage pipeline's are old weight versions (1f1b-stash only)
+    old = inst.weight_copies[p - 1][s] - inst.weight_copies[0][0] if inst.schedule in ASYNC_SCHEDULES else 0
+    if old > 0 and params:
+        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(old * params)} on {name!r} "
+                     f"({old} old weight version{'s' if old != 1 else ''})")
+    in_flight = inst.in_flight[p - 1][s]
+    if activations and in_flight:
+        hints.append(f"fewer micro-batches in flight or smaller micro-batches: stashed activations take "
+                     f"{_nbytes(in_flight * activations)} on {name!r} ({in_flight} micro-batches in flight"
+                     + ("; 1f1b-flush keeps at most p-s of gpipe's m)" if inst.schedule == "gpipe" else ")"))
+    if inst.optimizer == "adamw" and params:
+        saving = (OPTIMIZER_STATE_COPIES["adamw"] - OPTIMIZER_STATE_COPIES["sgd"]) * params
+        hints.append(f"sgd instead of adamw: saves {_nbytes(saving)} on {name!r} (one optimizer state copy less)")
+    claim = (f"every plan overflows some device by at least {_nbytes(worst)}" if proven else
+             f"the best attempt found in the time limit overflows a device by {_nbytes(worst)} (not proven: a "
+             f"longer time_limit_s may find a plan)")
+    message = (f"no plan fits the memory budgets ({inst.schedule}, {inst.microbatches} micro-batches, "
+               f"{inst.optimizer}): {claim}. "
+               f"Tightest device: {name!r}, which in the best attempt ({plan}) needs {budget + worst} bytes "
+               f"of its {budget}-byte budget"
+               + (f" (also over there: {', '.join(others)})" if others else "")
+               + ". What would make it fit:\n" + "\n".join(f"  - {h}" for h in hints))
+    return PlanDoesNotFit(message, name, worst, _partition(inst, devs, ranges, "least-overflow"))

@@ -1,0 +1,283 @@
+"""The partitioning problem as plain integers, and the evaluation of one assignment.
+
+`PartitionInstance` holds everything a partitioner needs (microseconds and bytes, built by
+`make_instance` from planner.cost); the helpers below price one assignment (an ordered list of
+devices and one contiguous block range per stage) and turn it into an `ir.partition.Partition`,
+so every partitioner (planner.partition.simple, planner.partition.cpsat) shares them.
+
+The problem. Choose p (1 <= p <= min(devices, blocks)), an ordered list of p distinct devices
+(the pipeline order) and contiguous block ranges, one per stage, covering every block in order,
+such that every stage fits its device's memory budget, minimising the predicted step time of
+planner.cost.predicted_step_s in integer microseconds. With C_s the stage's compute
+(forward+backward of its blocks on its device, less MNN's forward re-run where the stage reuses
+its forward: planner.cost.reuses_forward), U_s its optimizer step, and B_s one transfer of the
+activation crossing boundary s (between stages s and s+1) over that device pair (bytes /
+bandwidth + latency):
+- flush schedules (gpipe, 1f1b-flush): t_s = C_s + B_s + B_{s-1};
+  step = sum_s t_s + (m-1) max_s t_s + max_s U_s   (every stage updates at once after the flush)
+- 1f1b-stash (asynchronous, transfers overlap compute, an update after every backward):
+  step = m max(max_s (C_s + U_s), max_s 2 B_s)
+Both are the exact objectives, not proxies: linear in sums and max variables (`_objective_us`
+evaluates them; planner.partition.cpsat models them).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ir.graph import Graph
+from ir.partition import Partition, StageAssignment
+from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
+from planner.cluster import Cluster
+from planner.cost import (accumulated_share, block_costs, block_input_bytes, check_blocks, in_flight_microbatches,
+                          reuses_forward, weight_copies)
+
+US_PER_S = 1_000_000
+
+
+@dataclass(frozen=True)
+class PartitionInstance:
+    """Everything a partitioner needs, as integers (times in microseconds, sizes in bytes).
+
+    Indices: d, e over `devices`; k over blocks; p-1 and s over the (stages, stage) tables, which
+    have one row per stage count p = 1..len(devices), of length p.
+    """
+
+    devices: tuple[str, ...]
+    block_names: tuple[str, ...]
+    compute_us: tuple[tuple[int, ...], ...]          # [d][k] forward+backward of one micro-batch
+    params_bytes: tuple[int, ...]                    # [k]
+    input_bytes: tuple[int, ...]                     # [k] activation block k reads, stashed per micro-batch
+    workspace_bytes: tuple[tuple[int, ...], ...]     # [d][k] per-op caches of one micro-batch
+    overhead_bytes: tuple[int, ...]                  # [d] resident runtime
+    memory_budget_bytes: tuple[int, ...]             # [d]
+    boundary_bytes: tuple[int, ...]                  # [k], k < n-1: bytes crossing a cut after block k
+    link_bandwidth_bytes_per_s: tuple[tuple[float, ...], ...]  # [d][e]; the diagonal is unused
+    link_latency_us: tuple[tuple[int, ...], ...]     # [d][e]; the diagonal is unused
+    weight_copies: tuple[tuple[int, ...], ...]       # [p-1][s] bytes held per parameter byte
+    in_flight: tuple[tuple[int, ...], ...]           # [p-1][s] micro-batches of activations held
+    microbatches: int
+    schedule: str
+    optimizer: str = "sgd"
+    # [d][k] the part of compute_us that is MNN's re-run of the forward, skipped where the stage
+    # reuses its forward (`reuses`); [d][k] one optimizer step over block k's parameters.
+    # Empty: all zero (profiles without these measurements).
+    recompute_us: tuple[tuple[int, ...], ...] = ()
+    update_us: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_schedule_name(self.schedule)
+        check_optimizer_name(self.optimizer)
+        nd, n = len(self.devices), len(self.block_names)
+        if nd < 1 or n < 1:
+            raise ValueError(f"an instance needs at least one device and one block, got {nd} and {n}")
+        if len(set(self.devices)) != nd:
+            raise ValueError(f"device names repeat: {self.devices}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+        shapes = {
+            "compute_us": (self.compute_us, (nd, n)), "workspace_bytes": (self.workspace_bytes, (nd, n)),
+            "params_bytes": (self.params_bytes, (n,)), "input_bytes": (self.input_bytes, (n,)),
+            "overhead_bytes": (self.overhead_bytes, (nd,)), "memory_budget_bytes": (self.memory_budget_bytes, (nd,)),
+            "boundary_bytes": (self.boundary_bytes, (n - 1,)),
+            "link_bandwidth_bytes_per_s": (self.link_bandwidth_bytes_per_s, (nd, nd)),
+            "link_latency_us": (self.link_latency_us, (nd, nd)),
+        }
+        for name, (value, shape) in shapes.items():
+            rows = value if len(shape) == 2 else [value]
+            if len(value) != shape[0] or (len(shape) == 2 and any(len(r) != shape[1] for r in rows)):
+                raise ValueError(f"PartitionInstance.{name} must have shape {shape}")
+            for r in rows:
+                if any(x < 0 for x in r):
+                    raise ValueError(f"PartitionInstance.{name} has a negative entry")
+        for name in ("recompute_us", "update_us"):
+            table = getattr(self, name)
+            if not table:
+                object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
+            elif len(table) != nd or any(len(r) != n or any(x < 0 for x in r) for r in table):
+                raise ValueError(f"PartitionInstance.{name} must have shape {(nd, n)} with entries >= 0")
+        if any(r > c for rr, cr in zip(self.recompute_us, self.compute_us) for r, c in zip(rr, cr)):
+            raise ValueError("PartitionInstance.recompute_us exceeds compute_us: the re-run is part of the backward")
+        for name in ("weight_copies", "in_flight"):
+            table = getattr(self, name)
+            if len(table) != nd or any(len(row) != p + 1 for p, row in enumerate(table)):
+                raise ValueError(f"PartitionInstance.{name} needs one row per stage count 1..{nd}, of that length")
+            # the solver numbers stages from the end (see planner.partition.cpsat), which is exact only
+            # because these counts depend on p-1-s alone (true of every schedule in planner.cost)
+            for p, row in enumerate(table, start=1):
+                for s, x in enumerate(row):
+                    if x != table[p - 1 - s][0]:
+                        raise ValueError(f"PartitionInstance.{name}[{p - 1}][{s}] = {x} differs from "
+                                         f"[{p - 1 - s}][0] = {table[p - 1 - s][0]}: the entry must depend "
+                                         f"only on the distance p-1-s from the last stage")
+        for d, e in itertools.permutations(range(nd), 2):
+            if self.link_bandwidth_bytes_per_s[d][e] <= 0:
+                raise ValueError("PartitionInstance.link_bandwidth_bytes_per_s must be more than 0 between devices")
+            if (self.link_bandwidth_bytes_per_s[d][e] != self.link_bandwidth_bytes_per_s[e][d]
+                    or self.link_latency_us[d][e] != self.link_latency_us[e][d]):
+                raise ValueError(f"links must be symmetric: {self.devices[d]!r}-{self.devices[e]!r} differs "
+                                 f"from {self.devices[e]!r}-{self.devices[d]!r}")
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_names)
+
+    def reuses(self, p: int, s: int) -> bool:
+        """Whether stage s of p skips MNN's forward re-run (planner.cost.reuses_forward)."""
+        return reuses_forward(self.schedule, p, s, self.microbatches)
+
+    def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
+        """Block k's forward+backward on device d at stage s of p."""
+        return self.compute_us[d][k] - (self.recompute_us[d][k] if self.reuses(p, s) else 0)
+
+    def transfer_us(self, d: int, e: int, k: int) -> int:
+        """One transfer of the activation after block k between devices d and e."""
+        return round(self.boundary_bytes[k] * US_PER_S / self.link_bandwidth_bytes_per_s[d][e]) + self.link_latency_us[d][e]
+
+
+def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str) -> PartitionInstance:
+    """The instance for partitioning `graph` over all of `cluster`'s devices (planner.cost's numbers)."""
+    check_schedule_name(schedule)
+    check_optimizer_name(optimizer)
+    blocks = check_blocks(graph)
+    specs = cluster.devices
+    costs = [block_costs(graph, spec) for spec in specs]
+    share = accumulated_share(schedule, microbatches)  # gradient additions per micro-batch
+    nd = len(specs)
+
+    def link(d: int, e: int):
+        return None if d == e else cluster.link(specs[d].name, specs[e].name)
+
+    return PartitionInstance(
+        devices=tuple(s.name for s in specs),
+        block_names=tuple(b.name for b in blocks),
+        compute_us=tuple(tuple(round((c.forward_s + c.backward_s + b.params_bytes * share
+                                      * s.profile.accumulate_s_per_param_byte) * US_PER_S)
+                               for c, b in zip(row, blocks)) for row, s in zip(costs, specs)),
+        params_bytes=tuple(b.params_bytes for b in blocks),
+        input_bytes=block_input_bytes(graph),
+        workspace_bytes=tuple(tuple(c.workspace_bytes for c in row) for row in costs),
+        overhead_bytes=tuple(s.profile.runtime_overhead_bytes for s in specs),
+        memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
+        boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
+        link_bandwidth_bytes_per_s=tuple(tuple(math.inf if link(d, e) is None else link(d, e).bandwidth_bytes_per_s
+                                               for e in range(nd)) for d in range(nd)),
+        link_latency_us=tuple(tuple(0 if link(d, e) is None else round(link(d, e).latency_s * US_PER_S)
+                                    for e in range(nd)) for d in range(nd)),
+        weight_copies=tuple(tuple(weight_copies(schedule, optimizer, p, s, microbatches) for s in range(p))
+                            for p in range(1, nd + 1)),
+        in_flight=tuple(tuple(in_flight_microbatches(schedule, p, s, microbatches) for s in range(p))
+                        for p in range(1, nd + 1)),
+        microbatches=microbatches, schedule=schedule, optimizer=optimizer,
+        recompute_us=tuple(tuple(round(c.recompute_s * US_PER_S) for c in row) for row in costs),
+        update_us=tuple(tuple(round(b.params_bytes * s.profile.update_s_per_param_byte.get(optimizer, 0.0) * US_PER_S)
+                              for b in blocks) for s in specs))
+
+
+# --- evaluating one assignment (shared by brute force, the solver's answer and manual plans) ---
+
+Assignment = tuple[tuple[int, ...], tuple[tuple[int, int], ...]]  # device indices, block ranges
+
+
+def _memory_bytes(inst: PartitionInstance, d: int, first: int, last: int, s: int, p: int) -> int:
+    wc, fl = inst.weight_copies[p - 1][s], inst.in_flight[p - 1][s]
+    return inst.overhead_bytes[d] + sum(inst.params_bytes[k] * wc + inst.input_bytes[k] * fl
+                                        + inst.workspace_bytes[d][k] for k in range(first, last + 1))
+
+
+def _times_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]):
+    """(compute per stage, one transfer per boundary, optimizer step per stage)."""
+    p = len(devs)
+    compute = [sum(inst.stage_compute_us(d, k, p, s) for k in range(first, last + 1))
+               for s, (d, (first, last)) in enumerate(zip(devs, ranges))]
+    link = [inst.transfer_us(devs[s], devs[s + 1], ranges[s][1]) for s in range(p - 1)]
+    update = [sum(inst.update_us[d][first:last + 1]) for d, (first, last) in zip(devs, ranges)]
+    return compute, link, update
+
+
+def _stage_times_us(compute: list[int], link: list[int]) -> list[int]:
+    p = len(compute)
+    return [compute[s] + (link[s] if s < p - 1 else 0) + (link[s - 1] if s > 0 else 0) for s in range(p)]
+
+
+def _objective_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> int:
+    compute, link, update = _times_us(inst, devs, ranges)
+    if inst.schedule in ASYNC_SCHEDULES:
+        return inst.microbatches * max([c + u for c, u in zip(compute, update)] + [2 * b for b in link])
+    times = _stage_times_us(compute, link)
+    return sum(times) + (inst.microbatches - 1) * max(times) + max(update)
+
+
+def _overflows(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
+    p = len(devs)
+    return [_memory_bytes(inst, d, first, last, s, p) - inst.memory_budget_bytes[d]
+            for s, (d, (first, last)) in enumerate(zip(devs, ranges))]
+
+
+def _partition(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]], method: str,
+               optimal: bool = False) -> Partition:
+    p = len(devs)
+    compute, link, _ = _times_us(inst, devs, ranges)
+    times = _stage_times_us(compute, link)
+    stages = tuple(StageAssignment(s, inst.devices[d], first, last, times[s] / US_PER_S,
+                                   _memory_bytes(inst, d, first, last, s, p), inst.memory_budget_bytes[d])
+                   for s, (d, (first, last)) in enumerate(zip(devs, ranges)))
+    return Partition(stages, method, max(times) / US_PER_S, optimal)
+
+
+def _assignment(inst: PartitionInstance, partition: Partition) -> Assignment:
+    index = {name: i for i, name in enumerate(inst.devices)}
+    return tuple(index[n] for n in partition.devices), tuple(partition.ranges)
+
+
+def predicted_step_us(inst: PartitionInstance, partition: Partition) -> int:
+    """The objective every partitioner minimises: predicted step time in integer microseconds."""
+    devs, ranges = _assignment(inst, partition)
+    return _objective_us(inst, devs, ranges)
+
+
+# --- interchangeable devices -----------------------------------------------------------------
+
+def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
+    """Groups of devices the solver may treat as interchangeable, each in index order.
+
+    Two devices are interchangeable when their measured costs, memory figures and budgets are equal
+    and every other device reaches them over equal links, so that a plan stays as good when the two
+    swap. Clusters of edge devices repeat a few device models (eight phones of one kind), and the
+    model grows with the number of classes, not of devices. Found by partition refinement: start
+    from equal costs and budgets, split by the multiset of link values towards each class until
+    stable, and split a class into single devices where one member sees different links towards
+    the members of one class (refinement alone cannot see that).
+    """
+    nd = len(inst.devices)
+    bw, lat = inst.link_bandwidth_bytes_per_s, inst.link_latency_us
+    keys: dict = {}
+    label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.workspace_bytes[d],
+                              inst.overhead_bytes[d], inst.memory_budget_bytes[d]), len(keys)) for d in range(nd)]
+
+    def towards(d: int) -> dict[int, list]:
+        out: dict[int, list] = {}
+        for e in range(nd):
+            if e != d:
+                out.setdefault(label[e], []).append((bw[d][e], lat[d][e]))
+        return out
+
+    while True:
+        while True:
+            sigs: dict = {}
+            new = [sigs.setdefault((label[d], tuple(sorted((c, tuple(sorted(v))) for c, v in towards(d).items()))),
+                                   len(sigs)) for d in range(nd)]
+            stable = len(sigs) == len(set(label))
+            label = new
+            if stable:
+                break
+        mixed = {label[d] for d in range(nd) if any(len(set(v)) > 1 for v in towards(d).values())}
+        if not mixed:
+            break
+        label = [label[d] if label[d] not in mixed else len(label) + d for d in range(nd)]
+    groups: dict[int, list[int]] = {}
+    for d in range(nd):
+        groups.setdefault(label[d], []).append(d)
+    return tuple(tuple(g) for g in sorted(groups.values()))

@@ -1,0 +1,220 @@
+"""The partitions that need no solver: brute force, manual, even, greedy, and the feasibility check.
+
+`brute_force_partition` is the tests' oracle (small instances only); `manual_partition` and
+`even_partition` place given cuts (the even split is `ir.partition.even_ranges`, the project's one
+even-split rule) without enforcing budgets; `greedy_partition` finds a plan that fits, fast, which
+CP-SAT (planner.partition.cpsat) starts from; `check_feasible` checks any partition against the
+problem statement independently of all of them.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Sequence
+
+from ir.partition import Partition, even_ranges
+from planner.partition.explain import _does_not_fit
+from planner.partition.instance import (US_PER_S, Assignment, PartitionInstance, _objective_us, _overflows,
+                                        _partition)
+
+# --- brute force (the tests' oracle) ---------------------------------------------------------
+
+def _all_assignments(inst: PartitionInstance):
+    n, nd = inst.blocks, len(inst.devices)
+    for p in range(1, min(nd, n) + 1):
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            bounds = (0,) + cuts + (n,)
+            ranges = tuple((bounds[i], bounds[i + 1] - 1) for i in range(p))
+            for devs in itertools.permutations(range(nd), p):
+                yield devs, ranges
+
+
+def brute_force_partition(inst: PartitionInstance) -> Partition:
+    """Every ordered device subset x every composition of the blocks; for tests (<= 10 blocks, <= 5 devices)."""
+    if inst.blocks > 10 or len(inst.devices) > 5:
+        raise ValueError(f"brute force is for small instances (<= 10 blocks, <= 5 devices), "
+                         f"got {inst.blocks} blocks and {len(inst.devices)} devices")
+    best, least = None, None
+    for devs, ranges in _all_assignments(inst):
+        worst = max(_overflows(inst, devs, ranges))
+        if worst <= 0:
+            obj = _objective_us(inst, devs, ranges)
+            if best is None or obj < best[0]:
+                best = (obj, devs, ranges)
+        elif best is None and (least is None or worst < least[0]):
+            least = (worst, devs, ranges)
+    if best is None:
+        raise _does_not_fit(inst, least[1], least[2])
+    return _partition(inst, best[1], best[2], "brute-force", optimal=True)
+
+
+# --- manual and even ------------------------------------------------------------------------
+
+def _device_indices(inst: PartitionInstance, devices: Sequence[str]) -> tuple[int, ...]:
+    index = {name: i for i, name in enumerate(inst.devices)}
+    for name in devices:
+        if name not in index:
+            raise ValueError(f"no device {name!r} in the cluster (devices: {', '.join(inst.devices)})")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"a device may run one stage only; got {list(devices)}")
+    if not devices:
+        raise ValueError("at least one device is needed")
+    return tuple(index[n] for n in devices)
+
+
+def manual_partition(inst: PartitionInstance, devices: Sequence[str], cuts: Sequence[int]) -> Partition:
+    """Stage i runs on devices[i]; `cuts` are the first blocks of stages 1..p-1 (e.g. [3, 6] for
+    blocks 0-2, 3-5, 6-n). Budgets are not enforced here: run `check_feasible` on the result."""
+    devs = _device_indices(inst, devices)
+    cuts = list(cuts)
+    if len(cuts) != len(devs) - 1:
+        raise ValueError(f"{len(devs)} devices need {len(devs) - 1} cuts, got {len(cuts)}: {cuts}")
+    bounds = [0] + cuts + [inst.blocks]
+    for a, b in zip(bounds, bounds[1:]):
+        if not (isinstance(b, int) and a < b):
+            raise ValueError(f"cuts must be increasing block indices in 1..{inst.blocks - 1}, got {cuts}")
+    ranges = tuple((bounds[i], bounds[i + 1] - 1) for i in range(len(devs)))
+    return _partition(inst, devs, ranges, "manual")
+
+
+def even_partition(inst: PartitionInstance, devices: Sequence[str] | None = None) -> Partition:
+    """Equal block counts (the first stages take one more when it does not divide) over `devices`,
+    all of the cluster's in order by default. Budgets are not enforced here."""
+    devices = list(inst.devices if devices is None else devices)
+    devs = _device_indices(inst, devices)
+    if len(devs) > inst.blocks:
+        raise ValueError(f"{len(devs)} devices for {inst.blocks} blocks: each stage needs at least one block")
+    return _partition(inst, devs, tuple(even_ranges(inst.blocks, len(devs))), "even")
+
+
+# --- a greedy start -------------------------------------------------------------------------
+
+def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -> Assignment | None:
+    """Fill positions from the end of the pipeline: each device of `order` in turn takes blocks
+    backwards from the last unassigned one while they fit its budget at that position and its
+    compute stays within `limit_us` (one block at least); a device that cannot hold one is skipped."""
+    k, devs, ranges = inst.blocks - 1, [], []
+    for d in order:
+        if k < 0:
+            break
+        r = len(devs)
+        wc, fl = inst.weight_copies[r][0], inst.in_flight[r][0]
+        memory, time_us, last = inst.overhead_bytes[d], 0, k
+        while k >= 0:
+            grow = inst.params_bytes[k] * wc + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
+            more = inst.stage_compute_us(d, k, r + 1, 0)
+            if memory + grow > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
+                break
+            memory, time_us, k = memory + grow, time_us + more, k - 1
+        if k < last:
+            devs.append(d)
+            ranges.append((k + 1, last))
+    if k >= 0:
+        return None
+    return tuple(reversed(devs)), tuple(reversed(ranges))
+
+
+def greedy_partition(inst: PartitionInstance) -> Assignment | None:
+    """A plan that fits, found fast (None if the greedy finds none): a few device orders x a binary
+    search on the stage-compute limit, keeping the least predicted step. CP-SAT starts from it, so
+    large instances get a good plan even when the solver's time runs out before it finds one."""
+    nd = len(inst.devices)
+    total = [sum(row) for row in inst.compute_us]
+    budget = inst.memory_budget_bytes
+    orders = {tuple(range(nd)),
+              tuple(sorted(range(nd), key=lambda d: total[d])),
+              tuple(sorted(range(nd), key=lambda d: -total[d])),
+              tuple(sorted(range(nd), key=lambda d: budget[d])),
+              tuple(sorted(range(nd), key=lambda d: -budget[d])),
+              # memory per unit of time: devices that hold much and run fast first, and last
+              tuple(sorted(range(nd), key=lambda d: -budget[d] / max(1, total[d]))),
+              tuple(sorted(range(nd), key=lambda d: budget[d] / max(1, total[d])))}
+    shuffler = random.Random(0)  # a few seeded shuffles: cheap, and they help on mixed clusters
+    for _ in range(8):
+        order = list(range(nd))
+        shuffler.shuffle(order)
+        orders.add(tuple(order))
+    best = None
+    for order in sorted(orders):
+        lo, hi = 0, max(total)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found = _greedy_fill(inst, order, mid)
+            if found is None:
+                lo = mid + 1
+                continue
+            hi = mid
+            if max(_overflows(inst, *found)) <= 0:
+                value = _objective_us(inst, *found)
+                if best is None or value < best[0]:
+                    best = (value, found)
+        found = _greedy_fill(inst, order, hi)
+        if found is not None and max(_overflows(inst, *found)) <= 0:
+            value = _objective_us(inst, *found)
+            if best is None or value < best[0]:
+                best = (value, found)
+    return None if best is None else best[1]
+
+
+# --- an independent check --------------------------------------------------------------------
+
+def check_feasible(partition: Partition, inst: PartitionInstance) -> list[str]:
+    """Problems of `partition` on `inst` (empty: it is a valid plan that fits every budget).
+
+    Written from the problem statement, not from the solver or the evaluation helpers of
+    planner.partition.instance, so
+    that it can check them: structure, memory recomputed block by block, and recorded numbers.
+    """
+    problems: list[str] = []
+    stages = partition.stages
+    if not stages:
+        return ["the partition has no stages"]
+    p = len(stages)
+    if p > len(inst.devices):
+        problems.append(f"{p} stages but only {len(inst.devices)} devices")
+        return problems
+    seen: set[str] = set()
+    next_block = 0
+    for i, st in enumerate(stages):
+        where = f"stage {i} on {st.device!r}"
+        if st.stage != i:
+            problems.append(f"{where}: numbered {st.stage}")
+        if st.first_block != next_block or st.last_block < st.first_block:
+            problems.append(f"{where}: runs blocks {st.first_block}..{st.last_block}, expected to start at {next_block}")
+        next_block = st.last_block + 1
+        if st.device not in inst.devices:
+            problems.append(f"{where}: not a device of the cluster")
+        elif st.device in seen:
+            problems.append(f"{where}: the device already runs another stage")
+        seen.add(st.device)
+    if next_block != inst.blocks:
+        problems.append(f"the stages end at block {next_block - 1}, the model has blocks 0..{inst.blocks - 1}")
+    if problems:
+        return problems
+    for i, st in enumerate(stages):
+        d = inst.devices.index(st.device)
+        blocks = range(st.first_block, st.last_block + 1)
+        weights = sum(inst.params_bytes[k] for k in blocks) * inst.weight_copies[p - 1][i]
+        stashed = sum(inst.input_bytes[k] for k in blocks) * inst.in_flight[p - 1][i]
+        workspace = sum(inst.workspace_bytes[d][k] for k in blocks)
+        need = weights + stashed + workspace + inst.overhead_bytes[d]
+        budget = inst.memory_budget_bytes[d]
+        where = f"stage {i} on {st.device!r}"
+        if need > budget:
+            problems.append(f"{where}: needs {need} bytes, {need - budget} over its budget of {budget}")
+        if st.memory_bytes != need or st.memory_budget_bytes != budget:
+            problems.append(f"{where}: records {st.memory_bytes} of {st.memory_budget_bytes} bytes, "
+                            f"recomputed {need} of {budget}")
+        links = 0
+        for j, k in ((i - 1, st.first_block - 1), (i + 1, st.last_block)):
+            if 0 <= j < p:
+                e = inst.devices.index(stages[j].device)
+                bw = inst.link_bandwidth_bytes_per_s[d][e]
+                links += round(inst.boundary_bytes[k] * US_PER_S / bw) + inst.link_latency_us[d][e]
+        # MNN skips its forward re-run where every backward follows its own forward: the last
+        # stage of a 1F1B schedule, and any stage when there is one micro-batch
+        reuse = inst.microbatches == 1 or (i == p - 1 and inst.schedule != "gpipe")
+        t_us = sum(inst.compute_us[d][k] - (inst.recompute_us[d][k] if reuse else 0) for k in blocks) + links
+        if abs(st.predicted_time_s - t_us / US_PER_S) > 1e-9:
+            problems.append(f"{where}: records {st.predicted_time_s} s per micro-batch, recomputed {t_us / US_PER_S}")
+    return problems
