@@ -17,11 +17,11 @@ What it measures
       * the allocator's predicted time (the curves' time of the slower share; the child process's
         copy and command costs are not in the curves);
       * the fixed cost of a real split beyond the curves, as `confidant profile` measures it
-        (`runtime.profiling.compute.split_extra_cost`: SplitAttentions of 1, 6 and 11 heads on the child
+        (`runtime.profiling.split_costs.split_extra_cost`: SplitAttentions of 1, 6 and 11 heads on the child
         backend mnn:cpu:t1 beside torch:cpu:t1 in this process; the worst excess of the measured
         time over the curves, floored at 0), and the allocator's split and prediction with that
         cost (`extra_cost_s`) next to the one without; a changed split is timed too;
-      * what `confidant plan` would decide for this machine (`confidant.planning.plan_head_split`
+      * what `confidant plan` would decide for this machine (`planner.heads.choose_head_split`
         on a profile of the curves of every present backend and the measured fixed cost): a split,
         or which single backend; and whether a split pays here at all, by the measured times;
       * when the allocator gives all heads to one backend, also the best split that uses both
@@ -64,12 +64,15 @@ from benchmarks.common import machine_busy_s  # noqa: E402
 import numpy as np
 
 
-from confidant.planning import plan_head_split  # noqa: E402
+from planner.heads import choose_head_split  # noqa: E402
 from ir.graph import block_signature  # noqa: E402
 from ir.profile import AttentionCurve, BackendProfile, DeviceProfile  # noqa: E402
-from runtime.engines.split.attention import WEIGHT_NAMES, SplitAttention, _context  # noqa: E402
-from runtime.profiling.compute import (attention_curve, attention_piece, parse_backend, present_backends,  # noqa: E402
-                             split_extra_cost, split_primary, time_split_attention)
+from runtime.engines.split.attention import WEIGHT_NAMES, SplitAttention  # noqa: E402
+from runtime.engines.split.pool import context  # noqa: E402
+from ir.backend import parse_backend  # noqa: E402
+from runtime.engines.split.piece import attention_piece  # noqa: E402
+from runtime.profiling import (attention_curve, present_backends, split_extra_cost, split_primary,  # noqa: E402
+                               time_split_attention)
 
 BATCH, SEQ = 8, 128
 MODELS = {"minilm": (12, 32), "bert-base": (12, 64)}  # heads, head size
@@ -149,7 +152,7 @@ def _spin(n: int) -> float:
 
 def parallel_capacity(n: int = 3_000_000) -> float:
     """How many one-thread workers run at full speed together: 2 x (solo time / pair time)."""
-    with _context().Pool(2) as pool:
+    with context().Pool(2) as pool:
         pool.map(_spin, [n // 10] * 2)
         solo = statistics.median(pool.apply(_spin, (n,)) for _ in range(3))
         pair = statistics.median(max(pool.map(_spin, [n, n])) for _ in range(3))
@@ -220,7 +223,7 @@ def best_pair(curves: dict[str, tuple[float, ...]], heads: int) -> tuple[dict[st
 
 
 def planner_decision(model: str, curves: dict[str, tuple[float, ...]], extra: dict[str, float]) -> dict:
-    """What `plan_head_split` records for a device profiled with these curves (every present
+    """What `choose_head_split` records for a device profiled with these curves (every present
     backend) and split fixed costs: {"split": allocation, "predicted_s", "single_best"} or
     {"split": None, "single": fastest backend by its curve, "single_s"}."""
     heads, hs = MODELS[model]
@@ -229,7 +232,7 @@ def planner_decision(model: str, curves: dict[str, tuple[float, ...]], extra: di
     profile = DeviceProfile("this machine", model, BATCH, SEQ,
                             tuple(BackendProfile(b, {}, {sig: AttentionCurve(tuple(c))}) for b, c in curves.items()),
                             0, split_extra_cost_s={sig: dict(extra)} if extra else {})
-    split = plan_head_split(graph, profile)
+    split = choose_head_split(graph, profile)
     if split is not None:
         return {"split": dict(split.heads), "predicted_s": split.predicted_s, "single_best": list(split.single_best)}
     best = min(curves, key=lambda b: curves[b][-1])
@@ -248,7 +251,7 @@ def run_model(model: str, singles: list[str], pair_present: bool, reps: int, say
     _, mask, _ = _inputs(hidden)
     all_curves = {}
     with OthersCpu() as others:
-        for b in list(PAIR) + [b for b in singles if b not in PAIR]:  # the others for plan_head_split
+        for b in list(PAIR) + [b for b in singles if b not in PAIR]:  # the others for choose_head_split
             all_curves[b] = attention_curve(parse_backend(b), BATCH, SEQ, hidden, heads, hs, mask, reps=3).seconds
             say(f"{model} curve {b}: " + " ".join(f"{s * 1e3:.0f}" for s in all_curves[b]) + " ms")
     curves = {b: all_curves[b] for b in PAIR}
@@ -278,7 +281,7 @@ def run_model(model: str, singles: list[str], pair_present: bool, reps: int, say
     out["planner"] = planner_decision(model, all_curves, extra)
     out["planner_without_extra"] = planner_decision(model, all_curves, {})
     say(f"{model} allocator with the fixed cost: {out['with_extra']['allocation']} predicted {predicted_x * 1e3:.1f} ms "
-        f"(without: {alloc} {predicted * 1e3:.1f} ms); plan_head_split: {_decision(out['planner'])}")
+        f"(without: {alloc} {predicted * 1e3:.1f} ms); choose_head_split: {_decision(out['planner'])}")
     plans = [("allocator", alloc, predicted)]
     if {b: h for b, h in alloc_x.items() if h} != {b: h for b, h in alloc.items() if h}:
         plans.append(("allocator with fixed cost", alloc_x, predicted_x))
@@ -392,7 +395,7 @@ def print_tables(results: list[dict], capacity: tuple[float, float]) -> None:
         print(f"  allocator with it: {_alloc(w['allocation'])} predicted {_ms(w['predicted_s'])} ms; without it: "
               f"{_alloc(chosen['allocation'])} predicted {_ms(chosen['predicted_s'])} ms, measured "
               f"{_ms(chosen['concurrent']['seconds'])} ms")
-        print(f"  confidant plan (plan_head_split) on this machine's profile: {_decision(r['planner'])}"
+        print(f"  confidant plan (choose_head_split) on this machine's profile: {_decision(r['planner'])}"
               f"; without the fixed cost it would say: {_decision(r['planner_without_extra'])}")
         p = r["split_pays"]
         print(f"  does splitting pay here? {'yes' if p['pays'] else 'no'}: fastest timed split {_alloc(p['best_split'])} "

@@ -258,7 +258,7 @@ def _torch_stage_module(model, first: int, last: int):
 
 
 def _torch_model():
-    from confidant.export import default_checkpoint_dir, load_token_classifier
+    from jobs.export import default_checkpoint_dir, load_token_classifier
 
     model = load_token_classifier(default_checkpoint_dir(), NUM_LABELS, seed=0)
     model.eval()  # dropout off: the MNN side trains the eval-mode export

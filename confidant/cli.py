@@ -2,17 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
-DEMO_DIR = Path(os.environ.get("CONFIDANT_HOME", Path.home() / ".cache" / "confidant"))
-
-
-class CliError(Exception):
-    """An error the user can fix; printed without a traceback."""
-
+from confidant.errors import CliError
+from confidant.home import DEMO_DIR
+from ir.plan import OPTIMIZER_NAMES, SCHEDULE_NAMES
 
 def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60) -> None:
     g = p.add_argument_group("training (the same flags on every training command)")
@@ -20,7 +15,7 @@ def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60) -> None:
     g.add_argument("--batch", type=int, default=8, help="sentences per batch (default %(default)s)")
     g.add_argument("--seq", type=int, default=128, help="tokens per sentence incl. [CLS]/[SEP] (default %(default)s)")
     g.add_argument("--lr", type=float, default=5e-5, help="learning rate (default %(default)s)")
-    g.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="default %(default)s")
+    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw", help="default %(default)s")
     g.add_argument("--seed", type=int, default=0, help="shuffling seed (default %(default)s)")
     g.add_argument("--threads", type=int, default=1, help="CPU threads for the engine (default %(default)s)")
     g.add_argument("--engine", choices=("mnn", "torch"), default="mnn",
@@ -28,7 +23,8 @@ def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60) -> None:
     g.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json of the model (default: the bundled all-MiniLM-L6-v2 one)")
     g.add_argument("--metrics-out", type=Path, default=None,
-                   help="write per-step loss, tokens/s, peak memory and F1 as JSON to this file")
+                   help="write the metrics document (per-step loss and speed, memory per device, F1; schema in the "
+                        "README) as JSON to this file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
                "confidant datagen -o data/; confidant train-local model.onnx --data data/train.txt --eval data/dev.txt",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_export(sub)
+    _add_inspect(sub)
+    _add_datagen(sub)
+    _add_train_local(sub)
+    _add_train_pipeline(sub)
+    _add_profile(sub)
+    _add_simulate(sub)
+    _add_plan(sub)
+    _add_show(sub)
+    _add_train(sub)
+    _add_worker(sub)
+    _add_backends(sub)
+    _add_demo(sub)
+    return parser
 
+
+def _add_export(sub) -> None:
     p = sub.add_parser("export", help="export a Hugging Face BERT-family checkpoint to ONNX token classification",
                        description="Export a checkpoint folder (config.json + model.safetensors) to an ONNX model with "
                                    "inputs input_ids, attention_mask, token_type_ids and output logits "
@@ -51,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamo", action="store_true", help="use the dynamo exporter instead of TorchScript")
     p.add_argument("--seed", type=int, default=0, help="seed of the new classifier head (default %(default)s)")
 
+
+def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="lower an ONNX model and print its blocks",
                        description="Lower an ONNX model into Confidant's IR at a bound batch and sequence length and "
                                    "print the block table (parameters, activation bytes, FLOPs, attention heads).")
@@ -59,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=128, help="default %(default)s")
     p.add_argument("--json", action="store_true", help="print one JSON object {blocks: [...], totals: {...}}")
 
+
+def _add_datagen(sub) -> None:
     p = sub.add_parser("datagen", help="write the synthetic CoNLL-2003-style NER data set",
                        description="Write train.txt and dev.txt in the CoNLL-2003 column layout, generated from "
                                    "templates and name lists (PER, ORG, LOC, MISC). Real CoNLL-2003 files can be "
@@ -68,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dev", type=int, default=500, help="dev sentences (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
 
+
+def _add_train_local(sub) -> None:
     p = sub.add_parser("train-local", help="fine-tune on this one device",
                        description="Fine-tune an exported model on one device and report entity-level F1.")
     p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
@@ -75,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", type=Path, required=True, help="evaluation file, CoNLL-2003 layout")
     _add_training_flags(p)
 
+
+def _add_train_pipeline(sub) -> None:
     p = sub.add_parser("train-pipeline", help="fine-tune across several devices as pipeline stages",
                        description="Cut the model into contiguous block ranges, one per worker, and train with a "
                                    "pipeline schedule over ZeroMQ. Workers are started by hand with `confidant worker "
@@ -88,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuts", default=None,
                    help="first block of every stage after the first, e.g. 3 or 2,5 (default: even split by blocks; "
                         "see `confidant inspect` for block indices)")
-    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-flush",
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush",
                    help="1f1b-flush (default; same result as single-device training), gpipe, or 1f1b-stash "
                         "(PipeDream asynchronous 1F1B with weight stashing)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (default %(default)s)")
@@ -107,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent worker (default %(default)s)")
     _add_training_flags(p)
 
+
+def _add_profile(sub) -> None:
     p = sub.add_parser("profile", help="measure this device: block times per backend, memory, or a link to a peer",
                        description="Measure forward and backward time of every distinct block of the model on every "
                                    "backend present (thread counts count as backends), MNN's forward re-run, "
@@ -126,11 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="tcp://127.0.0.1:0", help="with --serve-link (default %(default)s)")
     p.add_argument("-o", "--output", type=Path, default=None, help="write the profile (or link) JSON here")
 
+
+def _add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="replay a plan on its cost model; write a Chrome trace (Perfetto)")
     p.add_argument("plan", type=Path)
     p.add_argument("-o", "--output", type=Path, default=Path("trace.json"), help="default %(default)s")
     p.add_argument("--steps", type=int, default=2, help="batches to simulate (default %(default)s)")
 
+
+def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="compile a plan: partition the model over a cluster and write one bundle per device",
                        description="Lower the model, read the cluster file (devices with profiles and memory "
                                    "budgets, links), choose devices, order and cut points with OR-Tools CP-SAT "
@@ -139,21 +165,25 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(--batch / --microbatches rows, --seq).")
     p.add_argument("model", type=Path)
     p.add_argument("--cluster", type=Path, required=True, help="cluster YAML or JSON file")
-    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-flush")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush")
     p.add_argument("--batch", type=int, default=8, help="samples per batch (default %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="default %(default)s")
     p.add_argument("--microbatches", type=int, default=4, help="default %(default)s")
     p.add_argument("--update-every", type=int, default=1, help="1f1b-stash: backwards per update (default %(default)s)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--cuts", default=None, help="manual cuts instead of the solver (first block of stages 2..p)")
     p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds (default %(default)s)")
     p.add_argument("-o", "--output", type=Path, default=Path("plan"), help="plan folder (default %(default)s)")
 
+
+def _add_show(sub) -> None:
     p = sub.add_parser("show", help="print a plan: devices, blocks, memory vs budget, predicted step, schedule")
     p.add_argument("plan", type=Path)
 
+
+def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train from a plan folder: ship each device its bundle and run",
                        description="Ship each worker its bundle over ZeroMQ (the worker verifies the manifest and "
                                    "refuses a bundle that fails it) and train with the plan's schedule. With "
@@ -180,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0)
     _add_training_flags(p)
 
+
+def _add_worker(sub) -> None:
     p = sub.add_parser("worker", help="run a device's runtime and wait for a stage from a coordinator",
                        description="Bind ADDRESS, print 'listening <address>', then run whatever stage the "
                                    "coordinator assigns (weights and action list arrive over the wire).")
@@ -187,11 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeroMQ address to bind (default %(default)s; port 0 picks a free port)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent peer (default %(default)s)")
 
+
+def _add_backends(sub) -> None:
     p = sub.add_parser("backends", help="list the compute backends really present on this device",
                        description="Probe each MNN backend by running a one-op model on it (MNN silently falls back "
                                    "to the CPU for a missing one; that counts as absent) and check for PyTorch.")
     p.add_argument("--json", action="store_true", help="print {backend: present} as JSON")
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the main job end to end on the bundled MiniLM and generated data",
                        description="Export all-MiniLM-L6-v2, generate NER data, fine-tune on this device and report "
                                    f"F1 before and after. Files go to $CONFIDANT_HOME (default {DEMO_DIR}).")
@@ -199,7 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
     # the generated sentences are at most 28 WordPiece tokens long: padding them to 128 would
     # spend three quarters of the compute on padding
     p.set_defaults(seq=32, lr=1e-4)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,13 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    try:
-        from confidant import commands
+    from confidant import commands
+    from jobs.errors import JobError
 
+    try:
         return getattr(commands, "cmd_" + args.command.replace("-", "_"))(args)
-    except CliError as exc:
-        print(f"confidant {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError, KeyError) as exc:
-        print(f"confidant {args.command}: error: {exc}", file=sys.stderr)
+    except (CliError, JobError, FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, KeyError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"confidant {args.command}: error: {message}", file=sys.stderr)
         return 1

@@ -29,3 +29,21 @@ class Progress:
         elif done == 1 or done == self.total or done % self.every == 0:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+class TerminalReporter:
+    """A `jobs.report.Reporter` for the terminal: notes as lines on stderr, steps as a `Progress` bar."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.bar: Progress | None = None
+
+    def note(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def start(self, label: str, total: int) -> None:
+        self.bar = Progress(total, label, stream=self.stream)
+
+    def step(self, done: int, **figures: float | str) -> None:
+        if self.bar is not None:
+            self.bar.update(done, **figures)

@@ -50,6 +50,42 @@ class Node:
 
 
 @dataclass(frozen=True)
+class AttentionSite:
+    """Where an encoder block's attention sits among its nodes, so its heads can be split across
+    backends (`runtime.engines.split`). The planner finds it when it lowers the model
+    (`planner.attention`) and it travels in the block table, so a device only reads it.
+
+    `x` is the attention's input (the block's hidden-state input), `mask` the additive mask added
+    to the scaled scores, `output` the output projection plus its bias, `residual` output + x (the
+    value the rest of the block reads); `nodes` are the attention's nodes and the residual Add;
+    `weights` lists (role, graph constant, stored transposed) for the roles Wq, bq, Wk, bk, Wv,
+    bv, Wo, bo; `scale` multiplies the scores (1/sqrt(head size))."""
+
+    x: str
+    mask: str
+    output: str
+    residual: str
+    nodes: tuple[str, ...]
+    weights: tuple[tuple[str, str, bool], ...]
+    scale: float
+
+    @property
+    def weight_of(self) -> dict[str, tuple[str, bool]]:
+        """role -> (graph constant, stored transposed)."""
+        return {role: (name, transposed) for role, name, transposed in self.weights}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"x": self.x, "mask": self.mask, "output": self.output, "residual": self.residual,
+                "nodes": list(self.nodes), "weights": [list(w) for w in self.weights], "scale": self.scale}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> "AttentionSite":
+        return cls(str(doc["x"]), str(doc["mask"]), str(doc["output"]), str(doc["residual"]),
+                   tuple(str(n) for n in doc["nodes"]),
+                   tuple((str(r), str(n), bool(t)) for r, n, t in doc["weights"]), float(doc["scale"]))
+
+
+@dataclass(frozen=True)
 class Block:
     """A contiguous group of compute nodes: the unit of pipeline partitioning.
 
@@ -72,6 +108,8 @@ class Block:
     flops: int
     heads: int | None = None
     head_size: int | None = None
+    # an encoder block whose attention heads can be split (None: not found, or not an encoder)
+    attention: AttentionSite | None = None
 
 
 @dataclass(frozen=True, eq=False)

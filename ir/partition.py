@@ -49,3 +49,28 @@ class StageCost:
     send_grad_s: float = 0.0       # link time back to the previous stage
     memory_bytes: int = 0          # predicted peak under the schedule
     memory_budget_bytes: int = 0
+
+
+def even_ranges(n_blocks: int, stages: int) -> list[tuple[int, int]]:
+    """The one even split every command uses when no cuts are given: equal block counts, the
+    first stages taking one more when `stages` does not divide `n_blocks` (9 blocks on 2 stages:
+    0-4, 5-8)."""
+    if not 1 <= stages <= n_blocks:
+        raise ValueError(f"{stages} stages for {n_blocks} blocks: each stage needs at least one block")
+    sizes = [n_blocks // stages + (1 if i < n_blocks % stages else 0) for i in range(stages)]
+    ranges, first = [], 0
+    for size in sizes:
+        ranges.append((first, first + size - 1))
+        first += size
+    return ranges
+
+
+def ranges_at_cuts(n_blocks: int, cuts) -> list[tuple[int, int]]:
+    """`cuts` are the first block of every stage after the first, e.g. [3] -> [0..2], [3..n-1]."""
+    cuts = list(cuts)
+    if any(not isinstance(c, int) or isinstance(c, bool) or not 0 < c < n_blocks for c in cuts) \
+            or cuts != sorted(set(cuts)):
+        raise ValueError(f"cuts {cuts} must be increasing block indices between 1 and {n_blocks - 1}")
+    starts = [0] + cuts
+    ends = cuts + [n_blocks]
+    return [(a, b - 1) for a, b in zip(starts, ends)]

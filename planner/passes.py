@@ -20,6 +20,7 @@ import numpy as np
 
 from ir.graph import Block, Graph, Node, topological_order
 from ir.ops import compute_flops
+from planner.attention import annotate_attention
 
 SQRT2 = math.sqrt(2.0)
 
@@ -27,7 +28,7 @@ SQRT2 = math.sqrt(2.0)
 def run_passes(graph: Graph) -> Graph:
     graph = fuse_layer_norm(graph)
     graph = fuse_gelu(graph)
-    return find_blocks(graph)
+    return annotate_attention(find_blocks(graph))
 
 
 # --- helpers ------------------------------------------------------------------------------

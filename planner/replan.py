@@ -40,12 +40,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from ir.backend import engine_of, threads_of
+from ir.documents import PlanDocument
+from ir.plan import Schedule
 from ir.graph import Graph, block_signature
 from ir.partition import Partition, StageAssignment
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec
-from planner.cost import (OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, check_optimizer, compute_s,
-                          reuses_forward)
+from ir.plan import check_optimizer_name
+from planner.cost import OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, compute_s, reuses_forward
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
                                manual_partition, predicted_step_us, solve_partition)
 
@@ -117,7 +120,7 @@ def moves_between(old: Partition, new: Partition, graph: Graph, optimizer: str |
     each move also counts the optimizer state of its parameters (planner.cost's copies)."""
     blocks = check_blocks(graph)
     if optimizer is not None:
-        check_optimizer(optimizer)
+        check_optimizer_name(optimizer)
     before = _owners(old, len(blocks), "old")
     after = _owners(new, len(blocks), "new")
     copies = OPTIMIZER_STATE_COPIES[optimizer] if optimizer is not None else 0
@@ -370,14 +373,7 @@ class ReplannedPlan:
     decision: ReplanDecision
     old_devices: list[str]
     old_ranges: list[tuple[int, int]]
-
-
-def _threads_of(backend: str) -> int:
-    """'mnn:cpu:t2' -> 2; backends without a thread setting run 1 thread."""
-    for part in backend.split(":"):
-        if part.startswith("t") and part[1:].isdigit():
-            return int(part[1:])
-    return 1
+    schedule: Schedule  # the new plan's, which the stages run from the next step on
 
 
 class PlanReplanner:
@@ -391,7 +387,7 @@ class PlanReplanner:
     device the original plan left out runs its profiled backend's engine, unsplit.
     `decisions` keeps every (step, ReplanDecision), `applied` every ReplannedPlan."""
 
-    def __init__(self, plan_dir: str | Path, plan: Mapping[str, Any], graph: Graph, cluster: Cluster,
+    def __init__(self, plan_dir: str | Path, plan: PlanDocument, graph: Graph, cluster: Cluster,
                  threshold: float = 0.1, time_limit_s: float = 10.0, workers: int = 8):
         self.plan_dir = Path(plan_dir)
         self.plan = plan
@@ -400,15 +396,15 @@ class PlanReplanner:
         self.threshold = threshold
         self.time_limit_s = time_limit_s
         self.workers = workers
-        self.schedule = str(plan["schedule"])
-        self.microbatches = int(plan["microbatches"])
-        self.optimizer = str(plan["optimizer"]["name"])
-        names = [d["name"] for d in plan["devices"]]
+        self.schedule = plan.schedule
+        self.microbatches = plan.microbatches
+        self.optimizer = plan.optimizer.name
+        names = plan.device_names
         missing = [n for n in names if n not in cluster.names]
         if missing:
             raise ValueError(f"the plan's devices {missing} are not in the cluster to re-plan with "
                              f"(devices: {list(cluster.names)})")
-        self.partition = partition_of([tuple(d["blocks"]) for d in plan["devices"]], names)
+        self.partition = partition_of([d.blocks for d in plan.devices], names)
         self.decisions: list[tuple[int, ReplanDecision]] = []
         self.applied: list[ReplannedPlan] = []
 
@@ -425,19 +421,19 @@ class PlanReplanner:
             return None
         new = decision.new_partition
         directory = self.plan_dir / REPLAN_DIR.format(step=step)
-        self._emit(directory, new, weights())
+        schedule = self._emit(directory, new, weights())
         old, self.partition = self.partition, new
         bundles = [directory / d for d in new.devices]
         self.applied.append(ReplannedPlan(step, directory, new.devices, new.ranges, bundles, decision,
-                                          old.devices, old.ranges))
+                                          old.devices, old.ranges, schedule))
         return self.applied[-1]
 
-    def _emit(self, directory: Path, partition: Partition, weights: Mapping[str, "np.ndarray"]) -> None:
+    def _emit(self, directory: Path, partition: Partition, weights: Mapping[str, "np.ndarray"]) -> Schedule:
         from planner.cost import predicted_step_s, stage_costs
         from planner.emit import emit_plan
         from planner.schedule import make_schedule
 
-        taken = [d["name"] for d in self.plan["devices"]] + list(self.cluster.names)
+        taken = self.plan.device_names + list(self.cluster.names)
         if directory.name.lower() in {n.lower() for n in taken}:
             raise ValueError(f"a device is named {directory.name!r}, the folder this re-plan goes to; "
                              f"rename the device")
@@ -450,20 +446,21 @@ class PlanReplanner:
         costs = stage_costs(graph, self.cluster, partition, self.schedule, self.microbatches, self.optimizer)
         emit_plan(directory, graph, partition, schedule, self._config(partition.devices), costs,
                   predicted_step_s(costs, self.schedule, self.microbatches), cluster=self.cluster)
+        return schedule
 
     def _config(self, devices: Sequence[str]) -> dict[str, Any]:
         """planner.emit's config for `devices`: what the original plan set per device, else the
         device's profiled backend."""
-        before = {d["name"]: d for d in self.plan["devices"]}
+        before = {d.name: d for d in self.plan.devices}
         engine, threads, addresses, head_split = {}, {}, {}, {}
         for name in devices:
             spec = self.cluster.device(name)
             backend = spec.profile.backend(spec.backend).backend
-            entry = before.get(name, {})
-            engine[name] = entry.get("engine", backend.split(":")[0])
-            threads[name] = int(entry.get("threads", _threads_of(backend)))
-            addresses[name] = entry.get("address", spec.address)
-            if entry.get("head_split"):
-                head_split[name] = entry["head_split"]
-        return {"model": self.plan["model"], "backend": self.plan["backend"], "optimizer": dict(self.plan["optimizer"]),
+            entry = before.get(name)
+            engine[name] = entry.engine if entry is not None else engine_of(backend)
+            threads[name] = entry.threads if entry is not None else threads_of(backend)
+            addresses[name] = entry.address if entry is not None and entry.address is not None else spec.address
+            if entry is not None and entry.head_split is not None:
+                head_split[name] = entry.head_split.to_json()
+        return {"model": self.plan.model, "backend": self.plan.backend, "optimizer": self.plan.optimizer.to_json(),
                 "engine": engine, "threads": threads, "addresses": addresses, "head_split": head_split}

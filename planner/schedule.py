@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from ir.plan import Action, ActionKind, Schedule
+from ir.plan import Action, ActionKind, Schedule, check_schedule_name
 from ir.verify import verify_plan
 
 F, B, UPDATE = ActionKind.F, ActionKind.B, ActionKind.UPDATE
@@ -156,7 +156,9 @@ def add_frees(schedule: Schedule) -> Schedule:
     return replace(schedule, actions=tuple(actions))
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
+# The compute-only action order of each schedule in `ir.plan.SCHEDULE_NAMES` (a test keeps the two
+# in step); `make_schedule` adds communication and frees.
+COMPUTE_ORDERS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b-flush": one_f_one_b_flush,
     "1f1b-stash": one_f_one_b_stash,
@@ -165,14 +167,13 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 
 def make_schedule(name: str, stages: int, microbatches: int, update_every: int = 1) -> Schedule:
     """The named schedule with communication and frees added, verified and dry-run."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    check_schedule_name(name)
     if name == "1f1b-stash":
         compute = one_f_one_b_stash(stages, microbatches, update_every)
     else:
         if update_every != 1:
             raise ValueError(f"update_every={update_every} applies to 1f1b-stash only; {name} updates once per batch")
-        compute = SCHEDULES[name](stages, microbatches)
+        compute = COMPUTE_ORDERS[name](stages, microbatches)
     schedule = add_frees(add_communication(compute))
     verify_plan(schedule)
     return schedule

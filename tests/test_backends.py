@@ -1,5 +1,5 @@
 """Backend names (parse/str round trip, exact errors), discovery of what really runs here, and the
-stage engines `make_stage_engine` builds (a forward and backward on a tiny attention stage)."""
+stage engines the factory `make_engine` builds (a forward and backward on a tiny attention stage)."""
 from __future__ import annotations
 
 import math
@@ -10,12 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.profiling import backends as RB
+from ir import backend as IB
+from ir.backend import BackendSpec, parse_backend
 from runtime.engines import mnn_kernels as K
-from runtime.profiling.backends import BackendSpec, discover, make_stage_engine, parse_backend, thread_variants
+from runtime.engines import single as single_engine_module
+from runtime.engines.factory import make_engine as make_stage_engine
 from runtime.engines.mnn import MnnStageEngine
-from runtime.profiling.compute import attention_piece, present_backends
+from runtime.engines.split.piece import attention_piece
 from runtime.engines.stage import stage_spec
+from runtime.profiling import backends as RB
+from runtime.profiling.backends import discover, present_backends, thread_variants
 
 EX = "(e.g. mnn:cpu:t1, mnn:opencl, torch:cpu:t2, torch:cuda:0)"
 
@@ -103,7 +107,7 @@ def test_non_string_names_and_bad_fields_are_rejected():
 
 
 def test_mnn_devices_are_the_ones_mnn_kernels_probes():
-    assert RB.DEVICES["mnn"] == tuple(K._BACKENDS) == tuple(K.available_backends())
+    assert IB.DEVICES["mnn"] == tuple(K._BACKENDS) == tuple(K.available_backends())
 
 
 # Discovery -------------------------------------------------------------------------------------
@@ -163,7 +167,7 @@ def test_the_torch_probe_reads_its_child(monkeypatch):
     assert probe() == (True, 0)
     monkeypatch.setattr(RB, "_TORCH_PROBE", "raise ImportError('broken torch')")
     assert probe() == (False, 0)
-    monkeypatch.setattr(RB, "_torch_installed", lambda: False)
+    monkeypatch.setattr(single_engine_module, "torch_installed", lambda: False)
     assert probe() == (False, 0)
 
 
@@ -248,7 +252,7 @@ def test_make_stage_engine_refuses_devices_the_engines_cannot_drive(tiny_stage, 
 
 
 def test_make_stage_engine_says_when_torch_is_missing(tiny_stage, monkeypatch):
-    monkeypatch.setattr(RB, "_torch_installed", lambda: False)
+    monkeypatch.setattr(single_engine_module, "torch_installed", lambda: False)
     with pytest.raises(ModuleNotFoundError) as err:
         make_stage_engine("torch:cpu:t1", tiny_stage[1])
     assert str(err.value) == "torch:cpu:t1 needs PyTorch, which is not installed here (pip install torch==2.13.0)"

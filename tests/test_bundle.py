@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import _export, token_feeds
+from support import export_onnx, token_feeds
 from ir.bundle import (ACTIONS, BUNDLE_FILES, GRAPH, MANIFEST, PLAN, STAGE, WEIGHTS, BundleError,
-                       build_bundle_files, check_device_name, decode_safetensors, encode_safetensors,
-                       read_bundle_files, sha256_hex, verify_bundle_files, write_bundle)
+                       build_bundle_files, check_device_name, read_bundle_files, sha256_hex, verify_bundle_files,
+                       write_bundle)
+from ir.safetensors import decode_safetensors, encode_safetensors
 from ir.partition import Partition, StageAssignment, StageCost
 from ir.serialize import graph_to_json, slice_graph
 from planner.emit import emit_plan, load_plan
@@ -38,7 +39,7 @@ def _partition(devices=DEVICES, ranges=RANGES) -> Partition:
 @pytest.fixture(scope="module")
 def graph(export_dir, tiny_checkpoint):
     # The same file as tiny_onnx["torchscript-17"], without exporting the other variants when run alone.
-    return load_model(_export(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), 2, 12)
+    return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), 2, 12)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_round_trip_runs_identically(plan_dir, graph, schedule, stage):
     assert (b.stage, b.stages, b.device, b.first_block, b.last_block) == (stage, 2, DEVICES[stage], first, last)
     assert b.actions == schedule.actions[stage]
     assert (plan_dir / DEVICES[stage] / ACTIONS).read_text().split() == [str(a) for a in schedule.actions[stage]]
-    doc = b.stage_doc
+    doc = b.stage_doc.to_json()  # stage.json as written
     assert doc["peers"] == {"prev": DEVICES[0] if stage else None, "next": None if stage else DEVICES[1]}
     assert (doc["schedule"], doc["microbatches"], doc["update_every"], doc["batch"], doc["seq"]) == \
         ("1f1b-flush", 4, 4, 2, 12)
@@ -277,7 +278,7 @@ def test_safetensors_codec_round_trips_any_tensors(tensors):
 # plan.json ------------------------------------------------------------------------------------------
 
 def test_plan_json_fields(plan_dir, schedule):
-    doc = load_plan(plan_dir, verify_bundles=True)
+    doc = load_plan(plan_dir, verify_bundles=True).to_json()  # plan.json as written
     assert doc["schema_version"] == 1 and doc["format"] == "confidant-plan"
     assert (doc["model"], doc["schedule"], doc["microbatches"], doc["batch"], doc["seq"]) == \
         ("tiny-bert", "1f1b-flush", 4, 2, 12)

@@ -110,4 +110,4 @@ def test_train_pipeline_end_to_end_with_resume(minilm_onnx, tmp_path):
     a, b = json.loads(whole.read_text()), json.loads(resumed.read_text())
     assert b["steps"][0]["step"] == 3
     assert b["steps"][0]["loss"] == a["steps"][2]["loss"]
-    assert len(a["stages"]) == 3 and all(s["peak_rss_bytes"] > 0 for s in a["stages"])
+    assert len(a["devices"]) == 3 and all(d["peak_rss_bytes"] > 0 for d in a["devices"])

@@ -5,46 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from ir.graph import Block, Graph, block_signature
 from ir.partition import Partition, StageAssignment, StageCost
-from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
+from ir.profile import BackendProfile, DeviceProfile, Link
 from ir.verify import peak_weight_versions
 from planner.cluster import Cluster, DeviceSpec
 from planner.cost import (block_input_bytes, boundary_link_s, compute_s, in_flight_microbatches, predicted_step_s, stage_costs,
                           stage_memory_bytes, stage_time_s, stashed_weight_versions, weight_copies)
-from planner.schedule import SCHEDULES, peak_in_flight
-
-
-def _block(index: int, name: str, kind: str, params: int, act: int, flops: int, heads=None) -> Block:
-    return Block(index, name, kind, (), (), (), f"{name}.out", (), params, act, flops,
-                 heads, 8 if heads else None)
-
-
-BLOCKS = (
-    _block(0, "embeddings", "embeddings", 1000, 400, 10),
-    _block(1, "layer0", "encoder", 2000, 400, 20, heads=2),
-    _block(2, "layer1", "encoder", 2000, 400, 20, heads=2),
-    _block(3, "head", "head", 100, 4, 5),
-)
-EMB, ENC, HEAD = (block_signature(BLOCKS[i]) for i in (0, 1, 3))
-
-
-def tiny_graph() -> Graph:
-    return Graph("tiny", (), (), (), {}, {}, (), BLOCKS)
-
-
-def tiny_cluster() -> Cluster:
-    """Device a runs backend t1 as asked (t4 would be faster); b has one backend, picked as fastest."""
-    a_t1 = {EMB: BlockCost(0.001, 0.002, 0.0, 50), ENC: BlockCost(0.010, 0.020, 0.005, 300), HEAD: BlockCost(0.0005, 0.0005, 0, 10)}
-    a_t4 = {k: BlockCost(c.forward_s / 4, c.backward_s / 4, 0.0, c.workspace_bytes) for k, c in a_t1.items()}
-    b_t2 = {EMB: BlockCost(0.002, 0.004, 0.0, 60), ENC: BlockCost(0.020, 0.040, 0.0, 300), HEAD: BlockCost(0.001, 0.001, 0, 10)}
-    a = DeviceProfile("a", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", a_t1), BackendProfile("mnn:cpu:t4", a_t4)),
-                      10**6, 5000)
-    b = DeviceProfile("b", "tiny", 8, 32, (BackendProfile("mnn:cpu:t2", b_t2),), 10**6, 7000)
-    c = DeviceProfile("c", "tiny", 8, 32, (BackendProfile("mnn:cpu:t2", b_t2),), 10**6, 7000)
-    return Cluster((DeviceSpec("a", "tcp://a:1", a, 30_000, "mnn:cpu:t1"), DeviceSpec("b", "tcp://b:1", b, 20_000, None),
-                    DeviceSpec("c", "tcp://c:1", c, 20_000, None)),
-                   Link(1e5, 0.001), {("a", "b"): Link(1e6, 0.0005)})
+from planner.schedule import COMPUTE_ORDERS, peak_in_flight
+from support import HEAD, tiny_cluster, tiny_graph
 
 
 def _reversed() -> Partition:
@@ -112,7 +80,7 @@ def test_async_step_is_link_bound_on_a_slow_link():
     assert predicted_step_s(one, "1f1b-stash", 3) == pytest.approx(3 * (0.0215 + 0.0425 - 0.010))
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", sorted(COMPUTE_ORDERS))
 def test_forward_reuse_matches_the_schedules_action_order(name):
     """reuses_forward(s) holds exactly when, in the stage's own action list, every backward comes
     right after the forward of the same micro-batch (what lets the MNN engine keep its caches)."""
@@ -120,7 +88,7 @@ def test_forward_reuse_matches_the_schedules_action_order(name):
 
     for p in range(1, 5):
         for m in range(1, 7):
-            sch = SCHEDULES[name](p, m)
+            sch = COMPUTE_ORDERS[name](p, m)
             for s in range(p):
                 compute = [a for a in sch.actions[s] if a.kind in ("F", "B")]
                 follows = all(i > 0 and compute[i - 1].kind == "F" and compute[i - 1].microbatch == a.microbatch
@@ -138,11 +106,11 @@ def test_the_last_stage_is_charged_no_forward_re_run():
     assert flush[0].backward_s == gpipe[0].backward_s  # device b measured no re-run
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", sorted(COMPUTE_ORDERS))
 def test_in_flight_and_weight_versions_match_the_schedules(name):
     for p in range(1, 6):
         for m in range(1, 10):
-            sch = SCHEDULES[name](p, m)
+            sch = COMPUTE_ORDERS[name](p, m)
             assert tuple(in_flight_microbatches(name, p, s, m) for s in range(p)) == peak_in_flight(sch), (p, m)
             assert tuple(stashed_weight_versions(name, p, s, m) + 1 for s in range(p)) == peak_weight_versions(sch), (p, m)
 
@@ -164,7 +132,7 @@ def test_errors_name_device_and_block():
         compute_s(g, spec, 0, 3)
     assert str(exc.value) == (f"device 'b': its profile 'b' (backend 'mnn:cpu:t2') has no cost for block 3 'head' "
                               f"(signature {HEAD}); profile the device with model 'tiny' (`confidant profile`)")
-    with pytest.raises(ValueError, match="unknown schedule 'zb'; valid names: 1f1b-stash, 1f1b-flush, gpipe"):
+    with pytest.raises(ValueError, match="unknown schedule 'zb'; valid names: gpipe, 1f1b-flush, 1f1b-stash"):
         stage_costs(g, cl, _two_stages(), "zb", 4, "sgd")
     with pytest.raises(ValueError, match="unknown optimizer 'adam': choose sgd or adamw"):
         stage_costs(g, cl, _two_stages(), "gpipe", 4, "adam")

@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from conftest import token_feeds
+from support import token_feeds
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.pytorch import TorchStageEngine

@@ -9,12 +9,12 @@ import pytest
 
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
-from runtime.engines.split.engine import PatternError, SplitStageEngine, match_attention
+from planner.attention import PatternError, annotate_attention, match_attention
+from runtime.engines.split.engine import SplitStageEngine
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
 from tasks.trainer import accumulate_gradients
-from conftest import token_feeds
-from test_pipeline import _batch  # ROWS = B = 2 rows per micro-batch, S = 12, as here
+from support import synthetic_batch, token_feeds  # ROWS = B = 2 rows per micro-batch, S = 12, as here
 
 B, S = 2, 12
 BACKENDS = ("mnn:cpu:t1", "torch:cpu:t1")
@@ -49,7 +49,7 @@ def _with_trans_b(graph):
     for b in graph.blocks:
         if b.kind == "encoder":
             m = match_attention(graph, b)
-            targets |= {m.weights["Wq"][0], m.weights["Wv"][0]}
+            targets |= {m.weight_of["Wq"][0], m.weight_of["Wv"][0]}
     for n in graph.nodes:
         if n.op == "MatMul" and n.inputs[1] in targets:
             n = replace(n, attrs={**n.attrs, "trans_b": True})
@@ -58,7 +58,8 @@ def _with_trans_b(graph):
     values = dict(graph.values)
     for t in targets:
         values[t] = replace(values[t], shape=tuple(reversed(values[t].shape)))
-    return replace(graph, nodes=tuple(nodes), constants=consts, values=values)
+    # the planner finds the attention when it lowers a model: lower this one's sites again
+    return annotate_attention(replace(graph, nodes=tuple(nodes), constants=consts, values=values))
 
 
 def test_matcher_finds_every_encoder_attention(tiny_onnx):
@@ -70,6 +71,7 @@ def test_matcher_finds_every_encoder_attention(tiny_onnx):
             m = match_attention(graph, b)
             assert m.x == b.inputs[0] and m.mask in b.inputs
             assert len(m.nodes) == 22  # 4 x (MatMul, Add) + 3 x (Reshape, Transpose) + 6 + residual Add
+            assert b.attention == m  # lowering recorded it: the device only reads it
         with pytest.raises(PatternError, match="Softmax"):
             match_attention(graph, graph.blocks[3])
 
@@ -118,7 +120,7 @@ def test_trans_b_projections_and_shared_constants(tiny_graph, tiny_onnx):
 def _train(engine, steps: int = 3, microbatches: int = 2) -> list[float]:
     opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
     for step in range(steps):
-        loss, grads = accumulate_gradients(engine, _batch(step, microbatches), microbatches, 9)
+        loss, grads = accumulate_gradients(engine, synthetic_batch(step, microbatches), microbatches, 9)
         params = opt.step(params, grads)
         engine.set_parameters(params)
         losses.append(loss)
@@ -144,7 +146,7 @@ def _attention_update(graph, params: dict, block: int = 2) -> dict:
     rng = np.random.default_rng(7)
     out = dict(params)
     for role in ("Wq", "Wk", "Wv", "Wo"):
-        name = m.weights[role][0]
+        name = m.weight_of[role][0]
         out[name] = params[name] + rng.normal(0, 0.05, params[name].shape).astype(np.float32)
     return out
 
@@ -198,12 +200,12 @@ def test_pipeline_with_head_split_on_one_stage_equals_single_device(tiny_onnx):
 
     graph = load_model(tiny_onnx["torchscript-17"], B, S)
     M, steps = 2, 2
-    batches = [_batch(i, M) for i in range(steps)]
+    batches = [synthetic_batch(i, M) for i in range(steps)]
     config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120,
                             head_split=(None, _alloc((1, 3))))
     workers = LocalWorkers.start(2, threads=1)
     try:
-        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps)
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2])
     finally:
         assert workers.wait(60.0) == [0, 0]
     assert result.ranges[1][0] <= 2 <= result.ranges[1][1]  # stage 1 holds an encoder block

@@ -28,7 +28,7 @@ def test_train_local_learns(minilm_onnx, tmp_path):
     losses = [s["loss"] for s in figures["steps"]]
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
-    assert figures["f1"] > figures["f1_before"] + 0.1, (figures["f1_before"], figures["f1"])
+    assert figures["eval"]["after"] > figures["eval"]["before"] + 0.1, figures["eval"]
     assert figures["peak_rss_bytes"] > 100 * 2**20
     assert all(s["tokens_per_s"] > 0 for s in figures["steps"])
     assert "entity F1" in proc.stderr and "train [" in proc.stderr

@@ -16,7 +16,7 @@ import pytest
 
 from runtime.engines.split.attention import WEIGHT_NAMES, SplitAttention, head_ranges, slice_weights
 from runtime.optim import SGD
-from runtime.profiling.compute import present_backends
+from runtime.profiling import present_backends
 
 torch = pytest.importorskip("torch")
 
@@ -217,7 +217,7 @@ def test_allocation_checks():
         [("torch:cpu:t2", 0, 3), ("mnn:cpu:t2", 3, 1)]
     with pytest.raises(ValueError, match="covers 3 heads"):
         head_ranges({"mnn:cpu:t1": 1, "torch:cpu:t1": 2}, 4)
-    with pytest.raises(ValueError, match="engine:device:tN"):
+    with pytest.raises(ValueError, match="backend 'mnn:t1': engine mnn has no device 't1'"):
         head_ranges({"mnn:t1": 4}, 4)
     with pytest.raises(ValueError, match="int >= 0"):
         head_ranges({"mnn:cpu:t1": 5, "torch:cpu:t1": -1}, 4)

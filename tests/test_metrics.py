@@ -122,3 +122,21 @@ def test_sentence_count_mismatch():
 def test_bad_tag_names_sentence():
     with pytest.raises(ValueError, match=r"sentence 1: position 0: invalid NER tag 'PER'"):
         entity_f1([["O"], ["PER"]], [["O"], ["O"]])
+
+
+def test_a_type_only_predicted_gets_its_own_scores():
+    # MISC appears only in the predictions: it must be scored (precision 0, nothing recalled), not
+    # dropped, and its false positive must weigh on the micro-averaged precision.
+    gold = [["B-PER", "I-PER", "O", "O"]]
+    pred = [["B-PER", "I-PER", "O", "B-MISC"]]
+    s = entity_f1(gold, pred)
+    assert set(s.per_type) == {"PER", "MISC"}
+    misc = s.per_type["MISC"]
+    assert (misc.n_gold, misc.n_pred, misc.n_correct) == (0, 1, 0)
+    assert (misc.precision, misc.recall, misc.f1) == (0.0, 0.0, 0.0)
+    assert (s.n_gold, s.n_pred, s.n_correct) == (1, 2, 1)
+    assert (s.precision, s.recall) == (0.5, 1.0)
+    # The totals are the sums over the per-type entries: nothing is counted outside them.
+    assert s.n_pred == sum(t.n_pred for t in s.per_type.values())
+    assert s.n_gold == sum(t.n_gold for t in s.per_type.values())
+    assert s.n_correct == sum(t.n_correct for t in s.per_type.values())

@@ -230,6 +230,39 @@ def test_layer_norm():
           [x, scale, bias])
 
 
+def _small_variance_input(seed: int) -> np.ndarray:
+    # Deviations of ~1e-3 around a mean of 0.1: variance ~1e-6, so an epsilon of 1e-5 instead of
+    # 1e-12 (or the reverse) changes every output by a factor of ~3; inputs of variance ~4, as
+    # above, cannot tell the two apart.
+    return randn(2, 8, 384, seed=seed, scale=1e-3) + 0.1
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+def test_layer_norm_uses_its_epsilon_on_small_variance_inputs(eps):
+    x = _small_variance_input(34)
+    scale = 1.0 + 0.1 * randn(384, seed=35)
+    bias = 0.1 * randn(384, seed=36)
+    check(lambda a, s, b: K.layer_norm(a, s, b, eps),
+          lambda a, s, b: torch.nn.functional.layer_norm(a, (384,), s, b, eps),
+          [x, scale, bias])
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+def test_lowered_layer_norm_takes_the_epsilon_from_the_node(eps):
+    """The MNN engine lowers an IR LayerNorm with the node's `epsilon` attribute (BERT's 1e-12),
+    not with a default of its own."""
+    from ir.graph import Node
+    from runtime.engines.mnn import _lower_node
+
+    node = Node("ln", "LayerNorm", ("x", "scale", "bias"), ("y",), {"epsilon": eps})
+    x = _small_variance_input(37)
+    scale = 1.0 + 0.1 * randn(384, seed=38)
+    bias = 0.1 * randn(384, seed=39)
+    check(lambda a, s, b: _lower_node(node, [a, s, b]),
+          lambda a, s, b: torch.nn.functional.layer_norm(a, (384,), s, b, eps),
+          [x, scale, bias])
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu(approximate):
     x = randn(2, 8, 384, seed=29, scale=2.0)

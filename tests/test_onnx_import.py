@@ -6,7 +6,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from conftest import token_feeds
+from support import token_feeds
 from planner.onnx_import import ImportError_, load_model
 from planner.passes import find_blocks
 from runtime.engines.pytorch import TorchStageEngine

@@ -15,7 +15,7 @@ from ir.partition import Partition, StageAssignment
 from planner.cost import in_flight_microbatches, predicted_step_s, stage_costs, weight_copies
 from planner.partition import (PartitionInstance, PlanDoesNotFit, brute_force_partition, check_feasible,
                                device_classes, even_partition, make_instance, manual_partition, predicted_step_us, solve_partition)
-from test_cost import tiny_cluster, tiny_graph
+from support import tiny_cluster, tiny_graph
 
 SCHEDULE_NAMES = ("1f1b-stash", "1f1b-flush", "gpipe")
 PROPERTY = settings(max_examples=100, deadline=None, derandomize=True,
@@ -151,7 +151,8 @@ def test_cp_sat_with_repeated_devices_matches_the_brute_force_oracle(inst):
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_the_greedy_start_fits_and_is_never_better_than_the_oracle(inst):
-    from planner.partition import _partition, greedy_partition
+    from planner.partition import greedy_partition
+    from planner.partition.instance import _partition
 
     start = greedy_partition(inst)
     try:

@@ -9,28 +9,16 @@ import pytest
 from jobs.pipeline_training import LocalWorkers, train_pipeline
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
-from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed, load_checkpoint
+from runtime.pipeline.checkpoints import load_checkpoint
+from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed
 from runtime.engines.mnn import MnnStageEngine
 from runtime.pipeline.local_replay import LocalPipeline
-from runtime.optim import make_optimizer
-from runtime.engines.stage import stage_spec
 from tasks.tokenize import Batch, split_microbatches
-from tasks.trainer import accumulate_gradients, batch_feeds
+from tasks.trainer import batch_feeds
 from runtime.transport.zeromq import ZmqTransport
+from support import M, ROWS, S, single_device_training, synthetic_batch
 
-M, ROWS, S, STEPS = 2, 2, 12, 2
-
-
-def _batch(seed: int, microbatches: int = M) -> Batch:
-    """A synthetic batch of `microbatches` x ROWS rows of S tokens (the last row half padding)."""
-    rows = ROWS * microbatches
-    r = np.random.default_rng(seed)
-    mask = np.ones((rows, S), np.int64)
-    mask[-1, S // 2:] = 0
-    labels = r.integers(0, 9, (rows, S))
-    labels[mask == 0] = -100
-    return Batch(r.integers(0, 500, (rows, S)).astype(np.int64), mask, np.zeros_like(mask), labels,
-                 n_labelled=int((labels != -100).sum()))
+STEPS = 2
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +28,7 @@ def graph(tiny_onnx):
 
 @pytest.fixture(scope="module")
 def batches():
-    return [_batch(i) for i in range(4)]
+    return [synthetic_batch(i) for i in range(4)]
 
 
 def _config(schedule: str) -> PipelineConfig:
@@ -55,17 +43,6 @@ def _run(graph, batches, schedule, stages, steps=STEPS, **kwargs):
         assert workers.wait(30.0) == [0] * stages
 
 
-def _single_device(graph, batches, steps):
-    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
-    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
-    for step in range(steps):
-        loss, grads = accumulate_gradients(engine, batches[step], M, 9)
-        params = opt.step(params, grads)
-        engine.set_parameters(params)
-        losses.append(loss)
-    return losses, engine.parameters()
-
-
 def _assert_rel(a: dict, b: dict, rtol: float) -> None:
     for k in b:
         err = float(np.abs(a[k] - b[k]).max()) / max(float(np.abs(b[k]).max()), 1e-12)
@@ -75,7 +52,7 @@ def _assert_rel(a: dict, b: dict, rtol: float) -> None:
 @pytest.mark.parametrize("schedule,stages", [("1f1b-flush", 2), ("1f1b-flush", 3), ("gpipe", 2), ("gpipe", 3)])
 def test_flush_schedules_equal_single_device_training(graph, batches, schedule, stages):
     result = _run(graph, batches, schedule, stages)
-    losses, weights = _single_device(graph, batches, STEPS)
+    losses, weights = single_device_training(graph, batches, STEPS)
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
     _assert_rel(result.weights, weights, 1e-5)
     assert result.losses[1] != result.losses[0]
@@ -98,7 +75,7 @@ def test_weight_stashing_equals_sequential_replay_and_differs_without_it(graph, 
     unstashed_losses, unstashed = _replay(graph, batches, result.ranges, stash=False)
     assert any(not np.array_equal(unstashed[k], weights[k]) for k in weights)
     # and asynchronous 1F1B is not single-device training: that is what stashing keeps consistent
-    single, _ = _single_device(graph, batches, STEPS)
+    single, _ = single_device_training(graph, batches, STEPS)
     assert step_losses[1] != pytest.approx(single[1], rel=1e-6)
 
 
@@ -159,7 +136,7 @@ def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches):
         result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS)
     finally:
         assert workers.wait(30.0) == [0, 0]
-    losses, weights = _single_device(graph, batches, STEPS)
+    losses, weights = single_device_training(graph, batches, STEPS)
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
     # The key bias's true gradient is exactly zero (softmax ignores a per-row constant), so each
     # framework's float32 rounding noise is all AdamW sees, and AdamW scales noise up to lr-sized
@@ -172,7 +149,7 @@ def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,stages", [("1f1b-flush", 3), ("gpipe", 2)])
-def test_minilm_pipeline_equals_single_device(minilm_onnx, schedule, stages):
+def test_minilm_pipeline_equalssingle_device_training(minilm_onnx, schedule, stages):
     """The real model: K=2 steps of MiniLM on worker processes give single-device losses and weights."""
     rows, seq = 2, 16
     graph = load_model(minilm_onnx, rows, seq)
@@ -189,7 +166,7 @@ def test_minilm_pipeline_equals_single_device(minilm_onnx, schedule, stages):
 
     data = [batch(int(rng.integers(1 << 30))) for _ in range(STEPS)]
     result = _run(graph, data, schedule, stages)
-    losses, weights = _single_device(graph, data, STEPS)
+    losses, weights = single_device_training(graph, data, STEPS)
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
     exact = {k: v for k, v in weights.items() if not k.endswith("attention.self.key.bias")}
     _assert_rel(result.weights, exact, 1e-5)

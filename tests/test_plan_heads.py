@@ -3,7 +3,6 @@ bundle's stage.json, and `confidant show` prints it; the partition and the predi
 split device's speed (no training here besides one run from a split bundle)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -32,7 +31,7 @@ def _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1", "mnn:cpu:t2"), curve
         blocks.update({s: BlockCost(*encoder_s, workspace_bytes=1 << 20) for s in enc})
         attention = {enc[0]: AttentionCurve(curves[name])} if name in curves else {}
         out.append(BackendProfile(name, blocks, attention))
-    # head-split child processes as measured here (runtime.profiling.compute.split_child_bytes, tiny model)
+    # head-split child processes as measured here (runtime.profiling.memory.split_child_bytes, tiny model)
     return DeviceProfile("box", "tiny", graph.batch, graph.seq, tuple(out), memory_available_bytes=8 << 30,
                          split_child_bytes={"mnn": 40 << 20, "torch": 340 << 20})
 
@@ -43,7 +42,8 @@ def _plan(tiny_onnx, tmp_path, profile: DeviceProfile, schedule: str):
 
 def _plan_devices(tiny_onnx, tmp_path, profiles: dict[str, DeviceProfile], schedule: str):
     """Plan over one device per profile (named by its key), each running mnn:cpu:t1."""
-    from confidant.planning import cmd_plan
+    from confidant.commands import show_plan
+    from jobs.planning import PlanSettings, plan_model
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     devices = []
@@ -53,10 +53,9 @@ def _plan_devices(tiny_onnx, tmp_path, profiles: dict[str, DeviceProfile], sched
                         "memory_budget": "1GiB", "backend": "mnn:cpu:t1"})
     links = {"links": {"default": {"bandwidth": "1GB/s", "latency": "0.1ms"}}} if len(devices) > 1 else {}
     (tmp_path / "cluster.json").write_text(json.dumps({"devices": devices, **links}))
-    args = argparse.Namespace(model=str(tiny_onnx["torchscript-17"]), cluster=tmp_path / "cluster.json", batch=4,
-                              seq=12, microbatches=2, schedule=schedule, optimizer="adamw", lr=5e-5, cuts=None,
-                              devices=None, time_limit=5.0, update_every=1, output=tmp_path / "plan")
-    assert cmd_plan(args) == 0
+    settings = PlanSettings(schedule=schedule, batch=4, seq=12, microbatches=2, optimizer="adamw", lr=5e-5,
+                            time_limit_s=5.0)
+    show_plan(plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / "plan"))
     return json.loads((tmp_path / "plan" / "plan.json").read_text())
 
 
@@ -76,7 +75,7 @@ def test_plan_records_a_head_split_and_show_prints_it(tiny_onnx, tmp_path, capsy
     assert split["single_best"] == ["mnn:cpu:t1", pytest.approx(0.058)]
     assert entry["engine"] == "mnn"
     stage = load_bundle_dir(tmp_path / "plan" / entry["bundle"]).stage_doc
-    assert stage["head_split"] == split["heads"]
+    assert stage.head_split == split["heads"]
     load_bundle(tmp_path / "plan" / entry["bundle"])
     out = capsys.readouterr().out
     assert "heads" in out and "mnn:cpu:t1 2 + torch:cpu:t1 2 (pred 22 ms vs 58 ms single)" in out
@@ -90,7 +89,7 @@ def test_a_split_is_planned_under_a_stashing_schedule_too(tiny_onnx, tmp_path):
     plan = _plan(tiny_onnx, tmp_path, _profile(graph), "1f1b-stash")
     (entry,) = plan["devices"]
     assert entry["head_split"]["heads"] == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
-    assert load_bundle_dir(tmp_path / "plan" / entry["bundle"]).stage_doc["head_split"] == entry["head_split"]["heads"]
+    assert load_bundle_dir(tmp_path / "plan" / entry["bundle"]).stage_doc.head_split == entry["head_split"]["heads"]
 
 
 def test_a_split_device_is_predicted_faster(tiny_onnx, tmp_path):
@@ -134,19 +133,19 @@ def test_the_partition_gives_a_split_device_more_blocks(tiny_onnx, tmp_path):
 
 
 def test_no_split_when_the_backends_would_share_cores_or_not_help(tiny_onnx):
-    from confidant.planning import plan_head_split
+    from planner.heads import choose_head_split
 
     graph = _graph(tiny_onnx)
     # profiled at one thread at most: mnn t1 + torch t1 need two cores
-    assert plan_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1"))) is None
-    assert plan_head_split(graph, _profile(graph)) is not None
+    assert choose_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "torch:cpu:t1"))) is None
+    assert choose_head_split(graph, _profile(graph)) is not None
     # one engine only: nothing to run concurrently
-    assert plan_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "mnn:cpu:t2"),
+    assert choose_head_split(graph, _profile(graph, backends=("mnn:cpu:t1", "mnn:cpu:t2"),
                                            curves={"mnn:cpu:t1": CURVES["mnn:cpu:t1"],
                                                    "mnn:cpu:t2": CURVES["torch:cpu:t1"]})) is None
     # a split that is not faster than one backend alone (linear curves, torch slow) is not recorded
     slow = {"mnn:cpu:t1": (0.01, 0.02, 0.03, 0.04), "torch:cpu:t1": (0.05, 0.10, 0.15, 0.20)}
-    assert plan_head_split(graph, _profile(graph, curves=slow)) is None
+    assert choose_head_split(graph, _profile(graph, curves=slow)) is None
 
 
 def test_no_split_when_a_single_backend_on_more_threads_beats_it(tiny_onnx):
@@ -154,14 +153,14 @@ def test_no_split_when_a_single_backend_on_more_threads_beats_it(tiny_onnx):
     no split, although it beats every backend the allocator was given. At 30 ms for torch t2 the
     split is recorded, compared with torch t2 (the fastest single backend, not a candidate: mnn t1 +
     torch t2 would need three cores)."""
-    from confidant.planning import plan_head_split
+    from planner.heads import choose_head_split
 
     graph = _graph(tiny_onnx)
     backends = ("mnn:cpu:t1", "torch:cpu:t1", "torch:cpu:t2")
     fast = {**CURVES, "torch:cpu:t2": (0.006, 0.011, 0.016, 0.020)}
-    assert plan_head_split(graph, _profile(graph, backends=backends, curves=fast)) is None
+    assert choose_head_split(graph, _profile(graph, backends=backends, curves=fast)) is None
     slower = {**CURVES, "torch:cpu:t2": (0.009, 0.017, 0.024, 0.030)}
-    split = plan_head_split(graph, _profile(graph, backends=backends, curves=slower))
+    split = choose_head_split(graph, _profile(graph, backends=backends, curves=slower))
     assert split is not None
     assert split.heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
     assert split.predicted_s == pytest.approx(0.022)
@@ -169,7 +168,7 @@ def test_no_split_when_a_single_backend_on_more_threads_beats_it(tiny_onnx):
     # the fastest backend per engine alone (mnn t2 + torch t2 = 4 threads) does not fit two cores,
     # so the one-core backends are the candidates even with faster two-core ones profiled
     both = {**slower, "mnn:cpu:t2": (0.008, 0.015, 0.023, 0.040)}
-    split = plan_head_split(graph, _profile(graph, backends=backends + ("mnn:cpu:t2",), curves=both))
+    split = choose_head_split(graph, _profile(graph, backends=backends + ("mnn:cpu:t2",), curves=both))
     assert split is not None and split.heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
     assert split.single_best == ("torch:cpu:t2", pytest.approx(0.030))
 
@@ -183,7 +182,7 @@ def test_a_measured_extra_cost_changes_the_split_and_can_cancel_it(tiny_onnx):
     signature."""
     import dataclasses
 
-    from confidant.planning import plan_head_split
+    from planner.heads import choose_head_split
 
     graph = _graph(tiny_onnx)
     sig = next(block_signature(b) for b in graph.blocks if b.kind == "encoder")
@@ -192,14 +191,14 @@ def test_a_measured_extra_cost_changes_the_split_and_can_cancel_it(tiny_onnx):
     def with_extra(extra):
         return dataclasses.replace(base, split_extra_cost_s=extra)
 
-    assert plan_head_split(graph, base).heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
-    moved = plan_head_split(graph, with_extra({sig: {"mnn:cpu:t1": 0.015}}))
+    assert choose_head_split(graph, base).heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    moved = choose_head_split(graph, with_extra({sig: {"mnn:cpu:t1": 0.015}}))
     assert moved.heads == {"mnn:cpu:t1": 1, "torch:cpu:t1": 3}
     assert moved.predicted_s == pytest.approx(0.032)
     assert moved.single_best == ("mnn:cpu:t1", pytest.approx(0.058))
-    assert plan_head_split(graph, with_extra({sig: {"mnn:cpu:t1": 0.050}})) is None
+    assert choose_head_split(graph, with_extra({sig: {"mnn:cpu:t1": 0.050}})) is None
     for ignored in ({sig: {"torch:cpu:t1": 0.050}}, {"another/signature": {"mnn:cpu:t1": 0.050}}):
-        split = plan_head_split(graph, with_extra(ignored))
+        split = choose_head_split(graph, with_extra(ignored))
         assert split.heads == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
         assert split.predicted_s == pytest.approx(0.022)
 

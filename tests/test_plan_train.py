@@ -42,12 +42,16 @@ def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
               for d in plan["devices"]}
     assert sum(d["blocks"][1] - d["blocks"][0] + 1 for d in plan["devices"]) == 9
     assert all(d["memory_bytes"] <= d["memory_budget_bytes"] for d in plan["devices"])
-    # the phone's budget holds one encoder layer at most: the weaker device carries the least
-    assert layers.get("phone", 0) < max(layers.values()), layers
-    assert {d["name"]: d["threads"] for d in plan["devices"]}.get("laptop") == 2
+    # the laptop and the board carry stages; the planner may leave the phone out (here it does, as its
+    # profile is the slowest), and if it uses it, the phone's budget holds one encoder layer at most:
+    # the weaker device carries the least
+    devices = {d["name"]: d for d in plan["devices"]}
+    assert {"laptop", "board"} <= set(devices) <= {"laptop", "board", "phone"}, sorted(devices)
+    if "phone" in devices:
+        assert layers["phone"] < max(layers.values()), layers
+    assert devices["laptop"]["threads"] == 2
     # each device runs its own backend's engine: the board trains its stage with PyTorch
-    engines = {d["name"]: d["engine"] for d in plan["devices"]}
-    assert engines.get("board", "torch") == "torch" and engines.get("laptop", "mnn") == "mnn"
+    assert (devices["board"]["engine"], devices["laptop"]["engine"]) == ("torch", "mnn")
     sim = _run("simulate", "plan", "-o", "trace.json", cwd=tmp_path).stdout
     assert "per step" in sim
     trace = json.loads((tmp_path / "trace.json").read_text())
@@ -56,7 +60,9 @@ def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
     proc = _run("train", "plan", "--data", train, "--eval", dev, "--local", "--steps", 2, "--seq", 32,
                 "--metrics-out", "m.json", cwd=tmp_path)
     figures = json.loads((tmp_path / "m.json").read_text())
-    assert len(figures["losses"]) == 2 and all(l > 0 for l in figures["losses"])
+    assert figures["schema_version"] == 1 and figures["command"] == "train"
+    losses = [s["loss"] for s in figures["steps"]]
+    assert len(losses) == 2 and all(l > 0 for l in losses)
     assert [d["name"] for d in figures["devices"]] == [d["name"] for d in plan["devices"]]
     assert "predicted" in proc.stderr and "measured" in proc.stderr
 
@@ -68,7 +74,6 @@ def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
     from planner.schedule import make_schedule
     from ir.partition import Partition, StageAssignment
     from jobs.pipeline_training import LocalWorkers
-    from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed
     from runtime.pipeline.bundles import as_uint8, bundle_to_wire
     from runtime.pipeline.executor import COORDINATOR
     from runtime.transport.zeromq import ZmqTransport

@@ -5,7 +5,6 @@ plan/replan-stepNNNN/ and switch to it between two steps, after which training g
 a run that used the new plan from that step."""
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import subprocess
@@ -24,7 +23,7 @@ from planner.emit import cluster_from_json, cluster_to_json, emit_plan, load_pla
 from planner.onnx_import import load_model
 from planner.replan import scale_profile
 from planner.schedule import make_schedule
-from runtime.pipeline.coordinator import load_checkpoint
+from runtime.pipeline.checkpoints import load_checkpoint
 
 ROWS, SEQ, M = 2, 16, 4  # micro-batch rows, tokens, micro-batches per step
 STEPS, EVERY = 4, 2      # re-plan check after step 2 (and none after the last)
@@ -62,7 +61,7 @@ def test_a_plan_folder_carries_its_cluster_and_refuses_a_changed_one(tiny_onnx, 
               cluster=cluster)
     assert load_plan_cluster(tmp_path / "plan") == cluster  # profiles, budgets, backends and links
     doc = load_plan(tmp_path / "plan", verify_bundles=True)
-    assert len(doc["cluster_sha256"]) == 64
+    assert len(doc.cluster_sha256) == 64
     path = tmp_path / "plan" / "cluster.json"
     text = path.read_text()
     path.write_text(text.replace('"memory_budget_bytes": 1073741824', '"memory_budget_bytes": 1073741825', 1))
@@ -126,9 +125,9 @@ def planned(tiny_onnx, tmp_path_factory):
     return root, train, _tokenizer(train, root / "tokenizer.json")
 
 
-def _flops_of(graph, plan: dict, device: str) -> int:
+def _flops_of(graph, plan, device: str) -> int:
     """FLOPs of the blocks `device` runs in `plan` (0 when it runs none)."""
-    blocks = {d["name"]: d["blocks"] for d in plan["devices"]}.get(device)
+    blocks = {d.name: d.blocks for d in plan.devices}.get(device)
     return sum(b.flops for b in graph.blocks[blocks[0]:blocks[1] + 1]) if blocks else 0
 
 
@@ -148,8 +147,8 @@ def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_tha
     # the new folder is a complete, verified plan; the slowed device does less in it
     old, new_dir = load_plan(root / "plan"), root / "plan" / f"replan-step{EVERY:04d}"
     new = load_plan(new_dir, verify_bundles=True)
-    assert [{"device": d["name"], "blocks": d["blocks"]} for d in new["devices"]] == replan["new"]
-    assert [d["name"] for d in figures["devices"]] == [d["name"] for d in new["devices"]]
+    assert [{"device": d.name, "blocks": list(d.blocks)} for d in new.devices] == replan["new"]
+    assert [d["name"] for d in figures["devices"]] == new.device_names
     assert load_plan_cluster(new_dir).names == ("a", "b", "c")
     graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
     assert _flops_of(graph, new, "a") < _flops_of(graph, old, "a")
@@ -157,38 +156,40 @@ def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_tha
     # the reference: the old plan for EVERY steps, then the new plan's bundles from that step
     _cli("train", "plan", *common, "--steps", EVERY, "--checkpoint", "before", cwd=root)
     meta, weights, per_stage = load_checkpoint(root / "before")
-    assert figures["losses"][:EVERY] == meta["losses"]
-    bundles = [load_bundle_dir(new_dir / d["bundle"]) for d in new["devices"]]
+    losses = [s["loss"] for s in figures["steps"]]
+    assert losses[:EVERY] == meta["losses"]
+    bundles = [load_bundle_dir(new_dir / d.bundle) for d in new.devices]
     for c in bundles:  # written with the weights training had reached
         for name in c.graph.params:
             np.testing.assert_array_equal(c.graph.constants[name], weights[name], err_msg=name)
     rest = _train_from(new_dir, new, bundles, train, tokenizer, per_stage)
-    assert figures["losses"][EVERY:] == rest.losses
+    assert losses[EVERY:] == rest.losses
     _, final, _ = load_checkpoint(root / "live")
     assert set(final) == set(rest.weights)
     for name in final:
         np.testing.assert_array_equal(final[name], rest.weights[name], err_msg=name)
 
 
-def _train_from(plan_dir: Path, plan: dict, bundles, train: Path, tokenizer: Path, per_stage):
+def _train_from(plan_dir: Path, plan, bundles, train: Path, tokenizer: Path, per_stage):
     """Steps EVERY.. on fresh workers from `plan_dir`'s bundles, with the optimizer state saved at
     step EVERY, fed exactly as `confidant train` feeds them."""
-    from confidant.commands import _load_training_data
-    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from jobs.pipeline_training import train_pipeline
+    from jobs.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
+    from tasks.ner import load_ner_data
     from tasks.tokenize import make_batches
 
-    labels, _, _, train_enc, _ = _load_training_data(argparse.Namespace(data=train, eval=None, tokenizer=tokenizer),
-                                                     SEQ)
-    batches = make_batches(train_enc, ROWS * M, SEQ, seed=0)
+    data = load_ner_data(train, None, SEQ, tokenizer)
+    labels = data.labels
+    batches = make_batches(data.train_encoded, ROWS * M, SEQ, seed=0)
     union = {k: v for state in per_stage.values() for k, v in state.items()}  # each stage takes its own
     local = LocalWorkers.start(len(bundles), threads=1)
     try:
         return train_pipeline(None, batches, len(labels), local.addresses,
-                              PipelineConfig(schedule=plan["schedule"], microbatches=M, timeout_s=120),
+                              PipelineConfig(schedule=plan.schedule, microbatches=M, timeout_s=120),
                               STEPS - EVERY, start_step=EVERY, optimizer_state={k: union for k in range(len(bundles))},
-                              bundles=[plan_dir / d["bundle"] for d in plan["devices"]],
-                              devices=[d["name"] for d in plan["devices"]], stage_graphs=bundles)
+                              bundles=[plan_dir / d.bundle for d in plan.devices],
+                              devices=plan.device_names, stage_graphs=bundles, schedule=plan.to_schedule())
     finally:
         assert local.wait(30.0) == [0] * len(bundles)
 

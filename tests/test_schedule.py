@@ -8,7 +8,7 @@ import pytest
 
 from ir.plan import Action, ActionKind, Schedule
 from ir.verify import peak_weight_versions, verify_plan
-from planner.schedule import (SCHEDULES, add_communication, add_frees, gpipe, make_schedule, one_f_one_b_flush,
+from planner.schedule import (COMPUTE_ORDERS, add_communication, add_frees, gpipe, make_schedule, one_f_one_b_flush,
                               one_f_one_b_stash, peak_in_flight)
 
 GRID = [(p, m) for p in range(1, 5) for m in range(1, 9)]
@@ -98,7 +98,7 @@ def test_make_schedule_argument_errors():
         make_schedule("1f1b-stash", 2, 2, update_every=0)
     with pytest.raises(ValueError, match="applies to 1f1b-stash only"):
         make_schedule("gpipe", 2, 2, update_every=2)
-    assert set(SCHEDULES) == {"gpipe", "1f1b-flush", "1f1b-stash"}
+    assert set(COMPUTE_ORDERS) == {"gpipe", "1f1b-flush", "1f1b-stash"}
 
 
 def test_schedules_are_pure_and_deterministic():

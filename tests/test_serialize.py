@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import token_feeds
+from support import token_feeds
 from ir.serialize import graph_from_json, graph_to_json, slice_graph
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine

@@ -19,11 +19,11 @@ from runtime.engines.split.engine import SplitStageEngine
 from runtime.pipeline.local_replay import LocalPipeline
 from tasks.tokenize import split_microbatches
 from tasks.trainer import batch_feeds
-from test_pipeline import _batch  # the same synthetic batches, at the same M, ROWS, S
+from support import M, ROWS, S, synthetic_batch  # the pipeline tests' synthetic batches
 
 pytest.importorskip("torch")
 
-M, ROWS, S, STEPS = 2, 2, 12, 2
+STEPS = 2
 SPLIT = {"mnn:cpu:t1": 1, "torch:cpu:t1": 3}
 OPTIMIZER, LR = "sgd", 0.05
 RTOL = 1e-5
@@ -36,7 +36,7 @@ def graph(tiny_onnx):
 
 @pytest.fixture(scope="module")
 def batches():
-    return [_batch(i) for i in range(STEPS)]
+    return [synthetic_batch(i) for i in range(STEPS)]
 
 
 def _feeds(batches):

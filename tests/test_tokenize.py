@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from conftest_data import TINY_VOCAB, make_tiny_tokenizer, tiny_tokenizer, tokenizer_path  # noqa: F401
+from support import TINY_VOCAB, make_tiny_tokenizer
 from tasks.conll import Sentence
 from tasks.datagen import generate
 from tasks.tokenize import (
@@ -25,7 +25,7 @@ X = IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
-def real_tokenizer(tokenizer_path):  # noqa: F811
+def real_tokenizer(tokenizer_path):
     return load_tokenizer(tokenizer_path)
 
 
@@ -42,7 +42,7 @@ def test_load_tokenizer_missing_file(tmp_path):
         load_tokenizer(missing)
 
 
-def test_load_tokenizer_switches_off_file_padding_and_truncation(tokenizer_path):  # noqa: F811
+def test_load_tokenizer_switches_off_file_padding_and_truncation(tokenizer_path):
     raw = Tokenizer.from_file(str(tokenizer_path))
     # The shipped file pads and truncates to 128; the loader must undo both.
     assert raw.padding is not None and raw.truncation is not None
@@ -50,7 +50,7 @@ def test_load_tokenizer_switches_off_file_padding_and_truncation(tokenizer_path)
     assert tok.padding is None and tok.truncation is None
 
 
-def test_encode_refuses_a_padding_tokenizer(tokenizer_path):  # noqa: F811
+def test_encode_refuses_a_padding_tokenizer(tokenizer_path):
     raw = Tokenizer.from_file(str(tokenizer_path))
     with pytest.raises(ValueError, match="padding or truncation enabled"):
         encode_sentence(raw, Sentence(("EU",), ("B-ORG",)), L2I, 16)
@@ -105,7 +105,7 @@ def test_unknown_tag_is_an_error(real_tokenizer):
         encode_sentence(real_tokenizer, s, L2I, 32)
 
 
-def test_word_that_normalises_away_becomes_unk(tiny_tokenizer):  # noqa: F811
+def test_word_that_normalises_away_becomes_unk(tiny_tokenizer):
     s = Sentence(("Rome", "\u200b", "x"), ("B-LOC", "O", "O"))
     e = encode_sentence(tiny_tokenizer, s, L2I, 16)
     assert tokens_of(tiny_tokenizer, e) == ["[CLS]", "rome", "[UNK]", "x", "[SEP]"]
@@ -125,7 +125,7 @@ def test_word_that_normalises_away_without_special_unk():
 LONG = Sentence(("Rome", "unbelievable", "x", "Rome"), ("B-LOC", "B-PER", "O", "B-LOC"))
 
 
-def test_truncation_cuts_at_word_boundary_and_keeps_sep(tiny_tokenizer):  # noqa: F811
+def test_truncation_cuts_at_word_boundary_and_keeps_sep(tiny_tokenizer):
     e = encode_sentence(tiny_tokenizer, LONG, L2I, 5)
     # Three word pieces fit, but the third would split "unbelievable".
     assert tokens_of(tiny_tokenizer, e) == ["[CLS]", "rome", "[SEP]"]
@@ -142,14 +142,14 @@ def test_truncation_cuts_at_word_boundary_and_keeps_sep(tiny_tokenizer):  # noqa
     assert decode_predictions([e], [pred], CONLL_LABELS) == [["B-LOC", "B-PER", "O", "O"]]
 
 
-def test_truncation_inside_an_overlong_first_word(tiny_tokenizer):  # noqa: F811
+def test_truncation_inside_an_overlong_first_word(tiny_tokenizer):
     s = Sentence(("unbelievable", "x"), ("B-MISC", "O"))
     e = encode_sentence(tiny_tokenizer, s, L2I, 4)
     assert tokens_of(tiny_tokenizer, e) == ["[CLS]", "un", "##believ", "[SEP]"]
     assert e.labels.tolist() == [X, L2I["B-MISC"], X, X]
 
 
-def test_windows_around_an_overlong_word(tiny_tokenizer):  # noqa: F811
+def test_windows_around_an_overlong_word(tiny_tokenizer):
     s = Sentence(("x", "unbelievable", "x"), ("O", "B-MISC", "O"))
     windows = encode_sentences(tiny_tokenizer, [s], L2I, 4)
     assert [tokens_of(tiny_tokenizer, w) for w in windows] == [
@@ -162,12 +162,12 @@ def test_windows_around_an_overlong_word(tiny_tokenizer):  # noqa: F811
     ]
 
 
-def test_max_len_without_room_for_words(tiny_tokenizer):  # noqa: F811
+def test_max_len_without_room_for_words(tiny_tokenizer):
     with pytest.raises(ValueError, match="max_len=2 leaves no room for words after 2 special tokens"):
         encode_sentence(tiny_tokenizer, LONG, L2I, 2)
 
 
-def test_encode_sentences_windows_long_sentences(tiny_tokenizer):  # noqa: F811
+def test_encode_sentences_windows_long_sentences(tiny_tokenizer):
     words = ("Rome", "unbelievable", "unbelievable", "x", "Rome", "x")  # pieces 1 3 3 1 1 1
     tags = ("B-LOC", "B-PER", "I-PER", "O", "B-ORG", "O")
     windows = encode_sentences(tiny_tokenizer, [Sentence(words, tags)], L2I, 6)
@@ -235,7 +235,7 @@ def row_ids(batch):
     return (batch.attention_mask.sum(axis=1) - 3).tolist()
 
 
-def test_make_batches_pads_to_fixed_length(tiny_tokenizer):  # noqa: F811
+def test_make_batches_pads_to_fixed_length(tiny_tokenizer):
     enc = xs_encodings(tiny_tokenizer, 5)
     batches = make_batches(enc, batch_size=2, seq_len=10, seed=0, shuffle=False)
     assert [b.input_ids.shape for b in batches] == [(2, 10), (2, 10), (1, 10)]
@@ -256,7 +256,7 @@ def test_make_batches_pad_id_comes_from_tokenizer(real_tokenizer):
     assert b.input_ids[0, 3:].tolist() == [real_tokenizer.token_to_id("[PAD]")] * 3
 
 
-def test_make_batches_shuffle_is_seeded(tiny_tokenizer):  # noqa: F811
+def test_make_batches_shuffle_is_seeded(tiny_tokenizer):
     enc = xs_encodings(tiny_tokenizer, 20)
 
     def order(**kw):
@@ -269,7 +269,7 @@ def test_make_batches_shuffle_is_seeded(tiny_tokenizer):  # noqa: F811
     assert order(seed=1, shuffle=False) == list(range(20))
 
 
-def test_make_batches_drop_last(tiny_tokenizer):  # noqa: F811
+def test_make_batches_drop_last(tiny_tokenizer):
     enc = xs_encodings(tiny_tokenizer, 7)
     assert [b.size for b in make_batches(enc, 3, 12, seed=0)] == [3, 3, 1]
     kept = make_batches(enc, 3, 12, seed=0, drop_last=True)
@@ -277,7 +277,7 @@ def test_make_batches_drop_last(tiny_tokenizer):  # noqa: F811
     assert make_batches([], 3, 12, seed=0) == []
 
 
-def test_make_batches_rejects_too_long(tiny_tokenizer):  # noqa: F811
+def test_make_batches_rejects_too_long(tiny_tokenizer):
     enc = xs_encodings(tiny_tokenizer, 5)
     with pytest.raises(ValueError, match="encoding 3 has 6 positions, more than seq_len=5"):
         make_batches(enc, 2, 5, seed=0)
@@ -285,7 +285,7 @@ def test_make_batches_rejects_too_long(tiny_tokenizer):  # noqa: F811
         make_batches(enc, 0, 10, seed=0)
 
 
-def test_split_microbatches(tiny_tokenizer):  # noqa: F811
+def test_split_microbatches(tiny_tokenizer):
     (batch,) = make_batches(xs_encodings(tiny_tokenizer, 6), 6, 12, seed=3)
     parts = split_microbatches(batch, 3)
     assert [p.input_ids.shape for p in parts] == [(2, 12)] * 3
@@ -298,7 +298,7 @@ def test_split_microbatches(tiny_tokenizer):  # noqa: F811
     assert split_microbatches(batch, 1)[0].n_labelled == batch.n_labelled
 
 
-def test_split_microbatches_errors(tiny_tokenizer):  # noqa: F811
+def test_split_microbatches_errors(tiny_tokenizer):
     (batch,) = make_batches(xs_encodings(tiny_tokenizer, 6), 6, 12, seed=0)
     with pytest.raises(ValueError) as err:
         split_microbatches(batch, 4)
@@ -333,7 +333,7 @@ def test_decode_uses_first_subtoken_and_padded_rows(real_tokenizer):
     assert decode_predictions(enc, list(pred), id_to_label) == [list(s.tags) for s in sentences]
 
 
-def test_decode_errors(tiny_tokenizer):  # noqa: F811
+def test_decode_errors(tiny_tokenizer):
     enc = xs_encodings(tiny_tokenizer, 2)
     with pytest.raises(ValueError, match="2 encodings but 1 prediction rows"):
         decode_predictions(enc, [np.zeros(8, dtype=np.int64)], CONLL_LABELS)

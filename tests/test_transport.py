@@ -319,6 +319,77 @@ def test_out_of_order_messages(mesh):
     assert np.array_equal(y, X)
 
 
+def test_a_tensor_under_another_name_is_refused(mesh):
+    """input_ids, attention_mask and token_type_ids are all int64 [B, S]: only the name tells them
+    apart, so a name other than the awaited one is a MessageError naming both."""
+    a, b = mesh("a", "b")
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    a.send_tensor("b", "batch", -1, 0, np.ones_like(ids), name="attention_mask")
+    a.send_tensor("b", "batch", -1, 0, ids, name="input_ids")
+    want = Expected("batch", -1, 0, shape=ids.shape, dtype="int64", name="input_ids")
+    expect_error(b, b.address_of("a"), "expected batch stage=-1 mb=0 dtype=int64 shape=(2, 6) name='input_ids', "
+                                       "received batch stage=-1 mb=0 dtype=int64 shape=(2, 6) "
+                                       "name='attention_mask' (name differs)", want)
+    header, y = b.recv_tensor("a", want, timeout=5)
+    assert header.name == "input_ids" and np.array_equal(y, ids)
+
+
+class _RecordingEngine:
+    """Just enough of a StageEngine for a one-stage executor: records the feeds of each forward."""
+
+    spec = None
+
+    def __init__(self):
+        self.feeds: list[dict[str, np.ndarray]] = []
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def forward(self, feeds, microbatch=0, train=True):
+        self.feeds.append({k: np.array(v) for k, v in feeds.items()})
+        return np.asarray([0.5], np.float32)
+
+
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def _token_batch() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {"input_ids": rng.integers(5, 500, (2, 6)), "attention_mask": np.ones((2, 6), np.int64),
+            "token_type_ids": np.zeros((2, 6), np.int64)}
+
+
+@pytest.mark.parametrize("order", [TOKEN_INPUTS, ("attention_mask", "input_ids", "token_type_ids")])
+def test_the_executor_takes_graph_inputs_by_name_never_by_position(order):
+    """The coordinator sends a stage's graph inputs over the local transport, as the local replay
+    does; sent in the plan's order each reaches the engine under its own name, while in another
+    order (every one the same int64 [2, 6]) the executor refuses them instead of feeding the mask
+    as the token ids."""
+    from ir.plan import Action, ActionKind
+    from runtime.optim import make_optimizer
+    from runtime.pipeline.executor import COORDINATOR, StageExecutor, stage_peer
+
+    hub = LocalHub()
+    coordinator = LocalTransport(COORDINATOR, hub)
+    engine = _RecordingEngine()
+    executor = StageExecutor(0, 1, engine, LocalTransport(stage_peer(0), hub), make_optimizer("sgd", 0.1),
+                             TOKEN_INPUTS, timeout=0)
+    batch = _token_batch()
+    for name in order:
+        coordinator.send_tensor(stage_peer(0), "batch", -1, 0, batch[name], name=name)
+    if order == TOKEN_INPUTS:
+        executor.execute(Action(ActionKind.F, 0, 0))
+        assert set(engine.feeds[0]) == set(TOKEN_INPUTS)
+        for name in TOKEN_INPUTS:
+            assert np.array_equal(engine.feeds[0][name], batch[name]), name
+        return
+    with pytest.raises(MessageError) as info:
+        executor.execute(Action(ActionKind.F, 0, 0))
+    assert "name='input_ids'" in str(info.value) and "name='attention_mask'" in str(info.value)
+    assert info.value.problem == "name differs"
+    assert engine.feeds == []
+
+
 def test_wrong_frame_count(mesh):
     a, b = mesh("a", "b")
     a._send_frames("b", [b"{}", b"", b""])

@@ -44,23 +44,3 @@ class StageEngine(ABC):
     @abstractmethod
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite parameters (after an optimizer step, or from a checkpoint)."""
-
-
-def make_engine(kind: str, spec: StageSpec, threads: int = 1, head_split: Mapping[str, int] | None = None) -> StageEngine:
-    """The stage engine for `kind` ("mnn" or "torch"), imported only when chosen so a device without
-    torch never loads it; with `head_split` each encoder block's heads are split across backends."""
-    if head_split:
-        if kind != "mnn":
-            raise ValueError(f"a head split runs its stage on MNN; engine {kind!r} was asked for")
-        from runtime.engines.split.engine import SplitStageEngine
-
-        return SplitStageEngine(spec, dict(head_split), threads=threads)
-    if kind == "torch":
-        from runtime.engines.pytorch import TorchStageEngine
-
-        return TorchStageEngine(spec, threads=threads)
-    if kind != "mnn":
-        raise ValueError(f"unknown engine {kind!r}: choose mnn or torch")
-    from runtime.engines.mnn import MnnStageEngine
-
-    return MnnStageEngine(spec, threads=threads)

@@ -49,12 +49,10 @@ def stage_spec(graph: Graph, first_block: int, last_block: int) -> StageSpec:
     host_names = {x for b in blocks for x in b.host_nodes}
     compute = tuple(node for node in graph.nodes if node.name in names)
     host = tuple(node for node in graph.nodes if node.name in host_names)
-    graph_input_names = set(graph.input_names())
     needed = {i for node in compute + host for i in node.inputs}
     graph_inputs = tuple(i for i in graph.input_names() if i in needed)
     activation = blocks[0].inputs[0] if first_block > 0 else None
     params = tuple(p for b in blocks for p in b.params)
-    del graph_input_names
     return StageSpec(graph, first_block, last_block, compute, host, activation, graph_inputs,
                      blocks[-1].output, params)
 

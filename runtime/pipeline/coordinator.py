@@ -25,17 +25,17 @@ wait, nameless, until a later re-plan takes them back or the final stop.
 """
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from ir.graph import Graph
 from ir.plan import Schedule
 from ir.serialize import graph_to_json, slice_graph
+from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint
 from runtime.pipeline.executor import COORDINATOR, stage_peer
 from runtime.engines.stage import stage_spec
 from runtime.transport.wire import Expected, PeerTimeout
@@ -97,55 +97,6 @@ class Reconfiguration:
     @property
     def moved_bytes(self) -> int:
         return sum(m.nbytes for m in self.moves)
-
-
-@dataclass
-class TrainingState:
-    """Every stage's training state gathered at a flush boundary and merged: parameters by name,
-    optimizer state per kind and parameter ({"m": {name: array}, ...}), and the optimizer's
-    scalars ({"steps": array}), which all stages share at a flush boundary."""
-
-    weights: dict[str, np.ndarray]
-    optimizer: dict[str, dict[str, np.ndarray]]
-    scalars: dict[str, np.ndarray]
-
-    def stage_optimizer_state(self, params: Sequence[str]) -> dict[str, np.ndarray]:
-        """The optimizer state a stage running `params` loads (runtime.optim's keys)."""
-        state = {f"{kind}/{x}": per_name[x] for kind, per_name in self.optimizer.items() for x in params
-                 if x in per_name}
-        return {**state, **self.scalars}
-
-    def nbytes(self, param: str) -> int:
-        """Bytes of one parameter and its optimizer state: what moving it costs."""
-        return int(self.weights[param].nbytes) + sum(int(s[param].nbytes) for s in self.optimizer.values()
-                                                     if param in s)
-
-
-@dataclass
-class StepFigures:
-    step: int
-    loss: float
-    seconds: float
-    stage_busy: list[float]
-    stage_seconds: list[dict] = field(default_factory=list)
-
-
-def split_even(n_blocks: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous block ranges of (nearly) equal count: the default when no cuts are given."""
-    if not 1 <= stages <= n_blocks:
-        raise ValueError(f"cannot split {n_blocks} blocks into {stages} stages")
-    bounds = [round(i * n_blocks / stages) for i in range(stages + 1)]
-    return [(bounds[i], bounds[i + 1] - 1) for i in range(stages)]
-
-
-def split_at(n_blocks: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
-    """`cuts` are the first block of every stage after the first, e.g. [3] -> [0..2], [3..n-1]."""
-    cuts = list(cuts)
-    if any(not 0 < c < n_blocks for c in cuts) or cuts != sorted(set(cuts)):
-        raise ValueError(f"cuts {cuts} must be increasing block indices between 1 and {n_blocks - 1}")
-    starts = [0] + cuts
-    ends = cuts + [n_blocks]
-    return [(a, b - 1) for a, b in zip(starts, ends)]
 
 
 class Coordinator:
@@ -321,14 +272,19 @@ class Coordinator:
         return self.ready
 
     # --- training ------------------------------------------------------------------------
-    def run(self, schedule: Schedule, microbatch_feeds: Sequence[Mapping[str, np.ndarray]], step: int) -> tuple[list[float], list[dict]]:
+    def run(self, schedule: Schedule, microbatch_feeds: Sequence[Mapping[str, np.ndarray]], step: int,
+            send_actions: bool | None = None) -> tuple[list[float], list[dict]]:
         """Run one schedule (a batch for flush schedules, the whole run for 1f1b-stash); returns the
-        per-micro-batch losses in order and each stage's 'done' report."""
+        per-micro-batch losses in order and each stage's 'done' report.
+
+        With bundles the workers run the action lists they verified and nothing else is sent, unless
+        `send_actions` (1f1b-stash: a run of many steps is one schedule longer than the bundle's)."""
         if len(microbatch_feeds) != schedule.microbatches:
             raise ValueError(f"{len(microbatch_feeds)} micro-batches of data for a schedule of {schedule.microbatches}")
+        if send_actions is None:
+            send_actions = not self.bundle_mode
         for p in self.placements:
-            # with bundles the workers run the action lists they verified; nothing else is sent
-            actions = None if self.bundle_mode else [str(a) for a in schedule.actions[p.stage]]
+            actions = [str(a) for a in schedule.actions[p.stage]] if send_actions else None
             self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "actions": actions})
         for m, feeds in enumerate(microbatch_feeds):
             for p, spec in zip(self.placements, self.specs):
@@ -359,7 +315,7 @@ class Coordinator:
     def gather(self) -> TrainingState:
         """The whole training state, merged from every stage (call at a flush boundary): what a
         re-plan hands on, and the weights to write a new plan's bundles with."""
-        return TrainingState(*_merge_checkpoint(self.collect_checkpoint()))
+        return TrainingState(*merge_checkpoint(self.collect_checkpoint()))
 
     # --- re-planning ---------------------------------------------------------------------
     def _remember_workers(self) -> None:
@@ -499,60 +455,3 @@ def _moves(blocks, old: Sequence[StagePlacement], new: Sequence[StagePlacement],
         if before != after:
             moves.append(WeightMove(b.index, before, after, tuple(b.params), sum(state.nbytes(x) for x in b.params)))
     return moves
-
-
-def _merge_checkpoint(per_stage: Sequence[Mapping[str, np.ndarray]]
-                      ) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
-    """All stages' checkpoint tensors (`collect_checkpoint`) merged: parameters by name, optimizer
-    state per kind and parameter ({"m": {name: array}, ...} from "opt/m/<name>"), and the
-    optimizer's scalars ("opt/steps"), which every stage of a flush schedule must agree on."""
-    weights: dict[str, np.ndarray] = {}
-    states: dict[str, dict[str, np.ndarray]] = {}
-    scalars: dict[str, np.ndarray] = {}
-    for k, tensors in enumerate(per_stage):
-        for key, arr in tensors.items():
-            if key.startswith("param/"):
-                weights[key[len("param/"):]] = arr
-            elif key.startswith("opt/"):
-                entry = key[len("opt/"):]
-                if "/" in entry:
-                    kind, name = entry.split("/", 1)
-                    states.setdefault(kind, {})[name] = arr
-                elif entry in scalars and not np.array_equal(scalars[entry], arr):
-                    raise RuntimeError(f"stages disagree on optimizer {entry!r} ({scalars[entry]} before stage {k}, "
-                                       f"{arr} on stage {k}): not at a flush boundary")
-                else:
-                    scalars[entry] = arr
-            else:
-                raise RuntimeError(f"stage {k} sent checkpoint entry {key!r}, neither param/ nor opt/")
-    return weights, states, scalars
-
-
-def save_checkpoint(directory: Path, per_stage: Sequence[Mapping[str, np.ndarray]], meta: dict) -> None:
-    """Weights and optimizer state per stage in safetensors (no pickle), plus meta.json."""
-    from safetensors.numpy import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    for k, tensors in enumerate(per_stage):
-        save_file({name: np.asarray(v, order="C") for name, v in tensors.items()}, str(directory / f"stage{k}.safetensors"))
-    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
-
-
-def load_checkpoint(directory: Path) -> tuple[dict, dict[str, np.ndarray], dict[int, dict[str, np.ndarray]]]:
-    """meta, all parameters by name, and optimizer state per stage."""
-    from safetensors.numpy import load_file
-
-    meta_path = directory / "meta.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{directory} is not a checkpoint: it has no meta.json")
-    meta = json.loads(meta_path.read_text())
-    weights: dict[str, np.ndarray] = {}
-    opt: dict[int, dict[str, np.ndarray]] = {}
-    for k in range(int(meta["stages"])):
-        path = directory / f"stage{k}.safetensors"
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {directory} lacks {path.name}")
-        tensors = load_file(str(path))
-        weights.update({n[len("param/"):]: v for n, v in tensors.items() if n.startswith("param/")})
-        opt[k] = {n[len("opt/"):]: v for n, v in tensors.items() if n.startswith("opt/")}
-    return meta, weights, opt

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -25,8 +25,19 @@ from runtime.transport.wire import Expected, Transport
 COORDINATOR = "coordinator"
 
 
+# The action kinds that compute (the rest move or drop data): a stage's busy time.
+COMPUTE_KINDS = ("F", "B", "UPDATE")
+
+
 def stage_peer(stage: int) -> str:
     return f"stage{stage}"
+
+
+def busy_fraction(seconds: Mapping[str, float], wall_s: float) -> float:
+    """The share of `wall_s` a stage spent computing, from its seconds per action kind (a worker's
+    'done' report carries both); 0 when no time passed."""
+    busy = sum(seconds.get(k, 0.0) for k in COMPUTE_KINDS)
+    return busy / wall_s if wall_s else 0.0
 
 
 @dataclass
@@ -43,7 +54,7 @@ class ExecutorStats:
 
     @property
     def busy_s(self) -> float:
-        return sum(self.seconds.get(k, 0.0) for k in ("F", "B", "UPDATE"))
+        return sum(self.seconds.get(k, 0.0) for k in COMPUTE_KINDS)
 
     def to_json(self) -> dict:
         return {"seconds": self.seconds, "counts": self.counts, "wall_s": self.wall_s, "busy_s": self.busy_s}

@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ir.graph import Graph
-from ir.plan import Action, ActionKind, Schedule
+from ir.plan import Schedule
 from runtime.pipeline.executor import COORDINATOR, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec

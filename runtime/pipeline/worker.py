@@ -35,7 +35,8 @@ import numpy as np
 
 from ir.plan import Action
 from ir.serialize import graph_from_json
-from runtime.engines.base import make_engine
+from ir.backend import BackendSpec
+from runtime.engines.factory import make_engine
 from runtime.pipeline.executor import COORDINATOR, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
@@ -109,7 +110,8 @@ class Worker:
         graph = graph_from_json(msg["graph"], {k: np.array(v) for k, v in constants.items()})
         first, last = msg["blocks"]
         spec = stage_spec(graph, first, last)
-        engine = make_engine(msg.get("engine", "mnn"), spec, int(msg.get("threads", 1)), msg.get("head_split"))
+        engine = make_engine(BackendSpec.cpu(msg.get("engine", "mnn"), int(msg.get("threads", 1))), spec,
+                             head_split=msg.get("head_split"))
         opt = msg["optimizer"]
         optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
         if msg.get("optimizer_state"):
@@ -132,13 +134,12 @@ class Worker:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc
         spec = stage_spec(contents.graph, contents.first_block, contents.last_block)
-        engine = make_engine(doc["engine"], spec, int(doc["threads"]), doc.get("head_split"))
-        opt = doc["optimizer"]
-        optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
+        engine = make_engine(doc.backend_spec, spec, head_split=doc.head_split)
+        optimizer = make_optimizer(doc.optimizer.name, doc.optimizer.lr, doc.optimizer.weight_decay)
         if msg.get("optimizer_state"):
             optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
         self.bundle_actions = list(contents.actions)
-        self.executor = StageExecutor(self.stage, int(doc["stages"]), engine, self.transport, optimizer,
+        self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
                                       spec.graph_inputs, timeout=self.timeout)
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device})
@@ -174,6 +175,20 @@ class Worker:
         self.transport.send_control(COORDINATOR, {"type": "checkpoint_done", "stage": self.stage,
                                                   "names": list(tensors)})
 
+    def failure(self, exc: BaseException) -> str:
+        """`exc` as the coordinator's WorkerFailed quotes it: which stage (or, with none, which
+        worker) broke, and how."""
+        where = f"stage {self.stage}" if self.stage is not None else f"worker at {self.transport.address}"
+        return f"{where}: {type(exc).__name__}: {exc}"
+
+    def report_failure(self, message: str) -> None:
+        """Send the coordinator an error report, as far as the transport still can (a worker that
+        was never set up, or was released, has no connection to it)."""
+        try:
+            self.transport.send_control(COORDINATOR, {"type": "error", "stage": self.stage, "message": message})
+        except Exception:
+            pass
+
     def serve(self) -> int:
         while True:
             _, msg = self.transport.recv_control(COORDINATOR, timeout=self.timeout)
@@ -206,15 +221,11 @@ def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0) 
     try:
         return worker.serve()
     except Exception as exc:  # report, then fail: the coordinator must learn which device broke and why
-        where = f"stage {worker.stage}" if worker.stage is not None else f"worker at {transport.address}"
-        message = f"{where}: {type(exc).__name__}: {exc}"
+        message = worker.failure(exc)
         print(message, file=sys.stderr)
         if os.environ.get("CONFIDANT_DEBUG"):
             traceback.print_exc()
-        try:
-            transport.send_control(COORDINATOR, {"type": "error", "stage": worker.stage, "message": message})
-        except Exception:
-            pass
+        worker.report_failure(message)
         return 1
     finally:
         transport.close()

@@ -5,7 +5,7 @@ j*hs:(j+1)*hs of Wq, Wk, Wv (and of their biases) and feeds only the rows j*hs:(
 backend given a contiguous range of heads computes, from the full input x, its heads' Q/K/V
 projections (column slices), their attention, and its share of the output projection (a row
 slice); the block's output is the sum of the backends' partial outputs plus the output bias, which
-is added once, here, after the sum (the attention piece of `runtime.profiling.compute` has no output bias).
+is added once, here, after the sum (the attention piece of `runtime.engines.split.piece` has no output bias).
 Backward is the reverse: every backend receives the whole dy, returns the gradients of its slices,
 which are scattered back into full-size arrays, and its partial dx; dx is the sum of the partials,
 because x feeds every backend. The output bias's gradient is dy summed over batch and sequence.
@@ -25,7 +25,7 @@ So this class keeps only the current full weights; an old version lives, sliced,
 `stash_weights=False` turns the MNN backends' stashing off (a reference that shows it matters;
 torch backends cannot turn theirs off).
 
-Each backend runs the attention piece of `runtime.profiling.compute.attention_piece` (an IR graph) on the
+Each backend runs the attention piece of `runtime.engines.split.piece.attention_piece` (an IR graph) on the
 stage engine of its kind: `MnnStageEngine` for `mnn:cpu:tN`, `TorchStageEngine` for `torch:cpu:tN`.
 
 Concurrency, measured (2-vCPU x86-64 VM, MiniLM attention piece, 12 heads, batch 8, seq 128, one
@@ -49,7 +49,7 @@ started by a fork server that has imported this module (and with it MNN, before 
 exists) once; a child that needs torch imports it itself (~3 s).
 
 Costs of a child (measured as above): an interpreter with the runtime imported (~47 MiB by
-`runtime.profiling.compute`'s measurement; torch adds ~240 MiB) besides its engine's own workspace; a start
+`runtime.profiling.memory`'s measurement; torch adds ~240 MiB) besides its engine's own workspace; a start
 of ~0.05 s once the fork server runs (the first start, which launches the server, took 0.6 s),
 plus ~3 s where the child imports torch; per call a command round trip of ~0.16 ms and the copies
 of x (and dy) into shared memory and of the partial results out of it.
@@ -58,338 +58,20 @@ top level with `if __name__ == "__main__":` (the fork server re-imports the main
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
-import traceback
 import weakref
-from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from runtime.engines import mnn_kernels as K
-from runtime.engines.base import StageEngine
-from runtime.profiling.compute import Backend, attention_piece, parse_backend
-from runtime.engines.stage import stage_spec
+from ir.backend import engine_of, parse_backend
+from runtime.engines.split.pieces import PIECE_PARAM, WEIGHT_NAMES, LocalWorker, PieceShapes, head_ranges, slice_weights
+from runtime.engines.split.pool import ProcessWorker, close_worker
+from runtime.engines.split.shm import inputs_layout, release
 
-# Full weights, x @ W layout: W* are [hidden, hidden], b* are [hidden].
-WEIGHT_NAMES = ("Wq", "bq", "Wk", "bk", "Wv", "bv", "Wo", "bo")
-# The attention piece's parameter for each full weight (bo is added outside the pieces).
-_PIECE_PARAM = {"Wq": "wq", "bq": "bq", "Wk": "wk", "bk": "bk", "Wv": "wv", "bv": "bv", "Wo": "wo"}
+__all__ = ["SplitAttention", "WEIGHT_NAMES"]
 
-
-@dataclass(frozen=True)
-class HeadRange:
-    """Heads [first, first + count) of the block, run by `backend`."""
-
-    backend: str
-    first: int
-    count: int
-
-    def columns(self, head_size: int) -> slice:
-        """The columns of Wq/Wk/Wv (entries of their biases, rows of Wo) these heads own."""
-        return slice(self.first * head_size, (self.first + self.count) * head_size)
-
-
-def head_ranges(allocation: Mapping[str, int], heads: int) -> list[HeadRange]:
-    """Contiguous head ranges in the allocation's order; backends given 0 heads get none."""
-    if not allocation:
-        raise ValueError("an allocation needs at least one backend")
-    counts = dict(allocation)
-    for name, count in counts.items():
-        parse_backend(name)  # a readable error for a malformed name
-        if not isinstance(count, (int, np.integer)) or count < 0:
-            raise ValueError(f"backend {name!r} is given {count!r} heads; a head count is an int >= 0")
-    if sum(counts.values()) != heads:
-        raise ValueError(f"allocation {counts} covers {sum(counts.values())} heads, the block has {heads}")
-    ranges, first = [], 0
-    for name, count in counts.items():
-        if count:
-            ranges.append(HeadRange(name, first, int(count)))
-            first += int(count)
-    return ranges
-
-
-def slice_weights(full: Mapping[str, np.ndarray], r: HeadRange, head_size: int) -> dict[str, np.ndarray]:
-    """The piece parameters (wq, bq, ..., wo) of head range `r`, as contiguous float32 copies."""
-    cols = r.columns(head_size)
-    out = {}
-    for name, param in _PIECE_PARAM.items():
-        w = np.asarray(full[name], np.float32)
-        if name == "Wo":
-            part = w[cols, :]
-        elif w.ndim == 2:
-            part = w[:, cols]
-        else:
-            part = w[cols]
-        out[param] = np.ascontiguousarray(part)
-    return out
-
-
-# One backend's piece ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Shapes:
-    batch: int
-    seq: int
-    hidden: int
-    head_size: int
-    mask_shape: tuple[int, ...]
-
-
-class _Piece:
-    """One backend's heads: the attention piece graph on that backend's stage engine."""
-
-    def __init__(self, backend: str, count: int, shapes: _Shapes, slices: Mapping[str, np.ndarray],
-                 stash_weights: bool = True):
-        self.backend: Backend = parse_backend(backend)
-        if self.backend.device != "cpu":
-            raise ValueError(f"backend {backend!r}: the stage engines run on the CPU only")
-        graph = attention_piece(shapes.batch, shapes.seq, shapes.hidden, count, shapes.head_size,
-                                shapes.mask_shape)
-        spec = stage_spec(graph, 1, 1)
-        self.output = spec.output
-        self.engine: StageEngine
-        if self.backend.engine == "mnn":
-            from runtime.engines.mnn import MnnStageEngine
-
-            self.engine = MnnStageEngine(spec, threads=self.backend.threads, weights=slices,
-                                         stash_weights=stash_weights)
-        else:
-            from runtime.engines.pytorch import TorchStageEngine  # torch only when asked for
-
-            self.engine = TorchStageEngine(spec, threads=self.backend.threads, weights=slices)
-
-    def _threads(self) -> None:
-        # MNN's thread count is process-wide and a graph keeps the count of its first evaluation:
-        # set ours before every call in case another engine in this process changed it.
-        if self.backend.engine == "mnn" and K.get_threads() != self.backend.threads:
-            K.set_threads(self.backend.threads)
-
-    def forward(self, x: np.ndarray, mask: np.ndarray, microbatch: int, train: bool) -> np.ndarray:
-        self._threads()
-        return self.engine.forward({"x": x, "mask": mask}, microbatch, train=train)
-
-    def backward(self, dy: np.ndarray, microbatch: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        self._threads()
-        g = self.engine.backward(microbatch, dy)
-        return g.activation_input, g.params
-
-    def set_weights(self, slices: Mapping[str, np.ndarray]) -> None:
-        self.engine.set_parameters(slices)
-
-
-# Shared memory --------------------------------------------------------------------------------
-
-class _Layout:
-    """Named float32 arrays packed into one buffer."""
-
-    def __init__(self, fields: Sequence[tuple[str, tuple[int, ...]]]):
-        self.fields = [(name, tuple(int(d) for d in shape)) for name, shape in fields]
-        self.offsets, off = {}, 0
-        for name, shape in self.fields:
-            self.offsets[name] = off
-            off += 4 * int(np.prod(shape, dtype=np.int64))
-        self.nbytes = max(off, 4)
-
-    def views(self, buf) -> dict[str, np.ndarray]:
-        return {name: np.ndarray(shape, np.float32, buf, self.offsets[name]) for name, shape in self.fields}
-
-
-def _inputs_layout(s: _Shapes) -> _Layout:
-    act = (s.batch, s.seq, s.hidden)
-    return _Layout([("x", act), ("mask", s.mask_shape), ("dy", act)])
-
-
-def _worker_layout(s: _Shapes, count: int) -> _Layout:
-    act = (s.batch, s.seq, s.hidden)
-    w = count * s.head_size
-    params = [("wq", (s.hidden, w)), ("bq", (w,)), ("wk", (s.hidden, w)), ("bk", (w,)),
-              ("wv", (s.hidden, w)), ("bv", (w,)), ("wo", (w, s.hidden))]
-    return _Layout([("y", act), ("dx", act)] + [("g_" + n, sh) for n, sh in params]
-                   + [("w_" + n, sh) for n, sh in params])
-
-
-def _worker_main(conn, backend: str, count: int, shapes: _Shapes, inputs_name: str, own_name: str,
-                 stash_weights: bool) -> None:
-    """A child process's loop: build the piece from the weights in shared memory, then serve."""
-    inputs_shm = shared_memory.SharedMemory(name=inputs_name)
-    own_shm = shared_memory.SharedMemory(name=own_name)
-    try:
-        _serve(conn, backend, count, shapes, inputs_shm, own_shm, stash_weights)
-    finally:
-        for shm in (inputs_shm, own_shm):
-            try:
-                shm.close()
-            except BufferError:
-                pass
-        conn.close()
-
-
-def _serve(conn, backend: str, count: int, shapes: _Shapes, inputs_shm, own_shm, stash_weights: bool) -> None:
-    inputs = _inputs_layout(shapes).views(inputs_shm.buf)
-    own = _worker_layout(shapes, count).views(own_shm.buf)
-    params = [k[2:] for k in own if k.startswith("w_")]
-
-    def weights() -> dict[str, np.ndarray]:
-        return {p: own["w_" + p].copy() for p in params}
-
-    try:
-        piece = _Piece(backend, count, shapes, weights(), stash_weights)
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ok", 0.0))
-    while True:
-        try:
-            cmd = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if cmd[0] == "close":
-            conn.send(("ok", 0.0))
-            return
-        start = time.perf_counter()
-        try:
-            if cmd[0] == "forward":
-                # copies: the engines stash their inputs until the backward, and the parent
-                # overwrites the shared buffers with the next micro-batch's
-                y = piece.forward(inputs["x"].copy(), inputs["mask"].copy(), cmd[1], cmd[2])
-                np.copyto(own["y"], y)
-            elif cmd[0] == "backward":
-                dx, grads = piece.backward(inputs["dy"].copy(), cmd[1])
-                np.copyto(own["dx"], dx)
-                for p in params:
-                    np.copyto(own["g_" + p], grads[p])
-            elif cmd[0] == "set_weights":
-                # the engine stashes the old slices for micro-batches in flight (module docstring)
-                piece.set_weights(weights())
-            else:
-                raise ValueError(f"unknown command {cmd[0]!r}")
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
-            continue
-        conn.send(("ok", time.perf_counter() - start))
-
-
-_CONTEXT = None
-
-
-def _context():
-    """A fork server that imported this module (MNN, numpy) once: children start in ~0.1 s and
-    inherit the denormal flushing, without inheriting any engine threads of this process."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        if "forkserver" in mp.get_all_start_methods():
-            _CONTEXT = mp.get_context("forkserver")
-            _CONTEXT.set_forkserver_preload(["runtime.engines.split.attention"])
-        else:
-            _CONTEXT = mp.get_context("spawn")
-    return _CONTEXT
-
-
-class _ProcessWorker:
-    """A backend's piece in a child process; commands go over a pipe, arrays through shared memory."""
-
-    def __init__(self, r: HeadRange, shapes: _Shapes, inputs_shm: shared_memory.SharedMemory,
-                 slices: Mapping[str, np.ndarray], start_timeout_s: float, stash_weights: bool = True):
-        self.range = r
-        self.layout = _worker_layout(shapes, r.count)
-        self.shm = shared_memory.SharedMemory(create=True, size=self.layout.nbytes)
-        self.views = self.layout.views(self.shm.buf)
-        self._write_weights(slices)
-        ctx = _context()
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, name=f"head-split {r.backend}", daemon=True,
-                                args=(child, r.backend, r.count, shapes, inputs_shm.name, self.shm.name,
-                                      stash_weights))
-        self.busy_s = 0.0
-        self._pending: str | None = "start"
-        try:
-            self.proc.start()
-            child.close()
-            self.wait(start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-
-    def _write_weights(self, slices: Mapping[str, np.ndarray]) -> None:
-        for p, v in slices.items():
-            np.copyto(self.views["w_" + p], v)
-
-    def send(self, *cmd) -> None:
-        if self._pending is not None:
-            raise RuntimeError(f"{self.range.backend}: command {cmd[0]!r} while {self._pending!r} is unanswered")
-        self.conn.send(cmd)
-        self._pending = cmd[0]
-
-    def wait(self, timeout_s: float | None = None) -> float:
-        """The answer to the last command: the child's compute seconds (raises the child's error)."""
-        what, self._pending = self._pending, None
-        if timeout_s is not None and not self.conn.poll(timeout_s):
-            raise TimeoutError(f"{self.range.backend} did not answer {what!r} within {timeout_s} s")
-        try:
-            status, payload = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the process of backend {self.range.backend} died during {what!r} "
-                               f"(exit code {self.proc.exitcode})") from None
-        if status != "ok":
-            raise RuntimeError(f"backend {self.range.backend} failed in {what!r}:\n{payload}")
-        self.busy_s = float(payload)
-        return self.busy_s
-
-    def set_weights(self, slices: Mapping[str, np.ndarray]) -> None:
-        self._write_weights(slices)
-        self.send("set_weights")
-
-    def gradients(self) -> dict[str, np.ndarray]:
-        return {k[2:]: v for k, v in self.views.items() if k.startswith("g_")}
-
-    def close(self) -> None:
-        self.views = {}
-        _close_worker(self.conn, self.proc, self.shm)
-
-
-def _close_worker(conn, proc, shm) -> None:
-    try:
-        if proc.is_alive():
-            conn.send(("close",))
-            if conn.poll(10):
-                conn.recv()
-        proc.join(10)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(5)
-    except (OSError, EOFError, BrokenPipeError):
-        pass
-    finally:
-        conn.close()
-        _release(shm)
-
-
-def _release(shm: shared_memory.SharedMemory) -> None:
-    """Unlink a block this process created. If numpy views of it are still alive (an object being
-    collected), the mapping stays until they die; the name is gone either way."""
-    try:
-        shm.close()
-    except BufferError:
-        pass
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
-
-
-class _LocalWorker:
-    """A backend's piece in this process, computed in the calling thread."""
-
-    def __init__(self, r: HeadRange, shapes: _Shapes, slices: Mapping[str, np.ndarray], stash_weights: bool = True):
-        self.range = r
-        self.piece = _Piece(r.backend, r.count, shapes, slices, stash_weights)
-        self.busy_s = 0.0
-
-
-# The split block ------------------------------------------------------------------------------
 
 class SplitAttention:
     """An attention block (Q/K/V projections, scaled dot-product attention with an additive mask,
@@ -414,39 +96,39 @@ class SplitAttention:
                  concurrent: bool = True, start_timeout_s: float = 300.0, stash_weights: bool = True):
         hidden = heads * head_size
         self.heads, self.head_size, self.hidden = heads, head_size, hidden
-        self.shapes = _Shapes(int(batch), int(seq), hidden, int(head_size), tuple(int(d) for d in mask_shape))
+        self.shapes = PieceShapes(int(batch), int(seq), hidden, int(head_size), tuple(int(d) for d in mask_shape))
         self.ranges = head_ranges(allocation, heads)
         self.weights = self._check_weights(weights)
-        self._workers: list[_LocalWorker | _ProcessWorker] = []
+        self._workers: list[LocalWorker | ProcessWorker] = []
         self._inputs_shm: shared_memory.SharedMemory | None = None
         self._finalizer = None
         self.last_busy_s: dict[str, float] = {}
 
         if concurrent and len(self.ranges) > 1:
             # the in-process backend: a torch one if any (it computes without the GIL)
-            local = next((i for i, r in enumerate(self.ranges) if r.backend.startswith("torch:")), 0)
+            local = next((i for i, r in enumerate(self.ranges) if engine_of(r.backend) == "torch"), 0)
         else:
             local = None
-            torch_threads = {parse_backend(r.backend).threads for r in self.ranges if r.backend.startswith("torch:")}
+            torch_threads = {parse_backend(r.backend).thread_count for r in self.ranges if engine_of(r.backend) == "torch"}
             if len(torch_threads) > 1:
                 raise ValueError(f"torch backends with thread counts {sorted(torch_threads)} in one process: "
                                  "torch's thread count is process-wide; use concurrent=True")
         try:
             remote = [r for i, r in enumerate(self.ranges) if local is not None and i != local]
             if remote:
-                self._inputs_shm = shared_memory.SharedMemory(create=True, size=_inputs_layout(self.shapes).nbytes)
-                self._inputs = _inputs_layout(self.shapes).views(self._inputs_shm.buf)
+                self._inputs_shm = shared_memory.SharedMemory(create=True, size=inputs_layout(self.shapes).nbytes)
+                self._inputs = inputs_layout(self.shapes).views(self._inputs_shm.buf)
             for i, r in enumerate(self.ranges):
                 slices = slice_weights(self.weights, r, head_size)
                 if local is None or i == local:
-                    self._workers.append(_LocalWorker(r, self.shapes, slices, stash_weights))
+                    self._workers.append(LocalWorker(r, self.shapes, slices, stash_weights))
                 else:
-                    self._workers.append(_ProcessWorker(r, self.shapes, self._inputs_shm, slices, start_timeout_s,
+                    self._workers.append(ProcessWorker(r, self.shapes, self._inputs_shm, slices, start_timeout_s,
                                                         stash_weights))
         except BaseException:
             self.close()
             raise
-        procs = [(w.conn, w.proc, w.shm) for w in self._workers if isinstance(w, _ProcessWorker)]
+        procs = [(w.conn, w.proc, w.shm) for w in self._workers if isinstance(w, ProcessWorker)]
         self._finalizer = weakref.finalize(self, _finalize, procs, self._inputs_shm)
 
     # weights ---------------------------------------------------------------------------------
@@ -483,11 +165,11 @@ class SplitAttention:
         return {k: v.copy() for k, v in self.weights.items()}
 
     # compute ---------------------------------------------------------------------------------
-    def _remote(self) -> list[_ProcessWorker]:
-        return [w for w in self._workers if isinstance(w, _ProcessWorker)]
+    def _remote(self) -> list[ProcessWorker]:
+        return [w for w in self._workers if isinstance(w, ProcessWorker)]
 
-    def _locals(self) -> list[_LocalWorker]:
-        return [w for w in self._workers if isinstance(w, _LocalWorker)]
+    def _locals(self) -> list[LocalWorker]:
+        return [w for w in self._workers if isinstance(w, LocalWorker)]
 
     def forward(self, x: np.ndarray, mask_bias: np.ndarray, microbatch: int = 0, train: bool = True) -> np.ndarray:
         """The block's output: the sum of the backends' partial outputs, plus the output bias."""
@@ -552,7 +234,7 @@ class SplitAttention:
             part_dx, part = got[id(w)]
             dx += part_dx
             cols = w.range.columns(self.head_size)
-            for name, param in _PIECE_PARAM.items():
+            for name, param in PIECE_PARAM.items():
                 g = grads[name]
                 if name == "Wo":
                     g[cols, :] = part[param]
@@ -567,7 +249,7 @@ class SplitAttention:
     @property
     def placement(self) -> dict[str, str]:
         """Backend -> "process" (this one) or "child" (its own process)."""
-        return {w.range.backend: "child" if isinstance(w, _ProcessWorker) else "process" for w in self._workers}
+        return {w.range.backend: "child" if isinstance(w, ProcessWorker) else "process" for w in self._workers}
 
     def close(self) -> None:
         self._inputs = {}
@@ -577,7 +259,7 @@ class SplitAttention:
             self._finalizer()
         else:  # construction failed half-way
             _finalize([(w.conn, w.proc, w.shm) for w in self._remote()], self._inputs_shm)
-        self._workers = [w for w in self._workers if isinstance(w, _LocalWorker)]
+        self._workers = [w for w in self._workers if isinstance(w, LocalWorker)]
 
     def __enter__(self) -> "SplitAttention":
         return self
@@ -586,7 +268,7 @@ class SplitAttention:
         self.close()
 
 
-def _wait_all(remote: Sequence[_ProcessWorker]) -> None:
+def _wait_all(remote: Sequence[ProcessWorker]) -> None:
     """Every child's answer; the first error is raised after all have answered, so no command is
     left pending and the next call can go ahead."""
     errors = _drain(remote)
@@ -594,7 +276,7 @@ def _wait_all(remote: Sequence[_ProcessWorker]) -> None:
         raise errors[0]
 
 
-def _drain(remote: Sequence[_ProcessWorker]) -> list[Exception]:
+def _drain(remote: Sequence[ProcessWorker]) -> list[Exception]:
     errors = []
     for w in remote:
         if w._pending is not None:
@@ -607,6 +289,6 @@ def _drain(remote: Sequence[_ProcessWorker]) -> list[Exception]:
 
 def _finalize(procs, inputs_shm) -> None:
     for conn, proc, shm in procs:
-        _close_worker(conn, proc, shm)
+        close_worker(conn, proc, shm)
     if inputs_shm is not None:
-        _release(inputs_shm)
+        release(inputs_shm)

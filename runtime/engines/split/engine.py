@@ -1,6 +1,7 @@
 """A stage engine whose encoder blocks run their attention heads split across compute backends.
 
-Each encoder block of the stage is cut, by pattern matching its lowered nodes, into
+Each encoder block of the stage is cut, where the planner found its attention when it lowered the
+model (`ir.graph.AttentionSite`, `planner.attention`), into
   * the attention: Q/K/V projections (MatMul + bias Add) of the block input x, the heads'
     scaled dot-product attention with the additive mask, and the output projection with its
     bias; run by `runtime.engines.split.attention.SplitAttention` over the allocation's backends;
@@ -34,164 +35,21 @@ raises, naming the block).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 
-from ir.graph import Block, Graph, Node
+from ir.graph import Block, Graph
+from ir.graph import AttentionSite
 from runtime.engines.base import StageEngine, StageGradients
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.split.attention import SplitAttention
 from runtime.engines.stage import StageSpec, host_values, stage_spec
 
 
-# Pattern matching -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class AttentionMatch:
-    """Where one encoder block's attention sits in its nodes."""
-
-    block: int
-    x: str                     # the attention's input: the block's hidden-state input
-    mask: str                  # the additive mask added to the scaled scores
-    output: str                # the output projection plus its bias
-    residual: str              # output + x, the value the rest of the block reads
-    nodes: frozenset[str]      # attention nodes and the residual Add
-    weights: Mapping[str, tuple[str, bool]]  # Wq.. bo -> (graph constant, stored transposed)
-    scale: float
-
-
-class PatternError(ValueError):
-    pass
-
-
-def match_attention(graph: Graph, block: Block) -> AttentionMatch:
-    """Find the attention of an encoder block; raises `PatternError` naming the block and the node
-    where the lowered nodes stop looking like (post-LN) BERT attention."""
-    nodes = [graph.node(n) for n in block.nodes]
-    inside = {o: n for n in nodes for o in n.outputs}
-    users: dict[str, list[Node]] = {}
-    for n in nodes:
-        for i in n.inputs:
-            users.setdefault(i, []).append(n)
-    where = f"block {block.index} ({block.name})"
-
-    def fail(msg: str):
-        raise PatternError(f"{where}: {msg}")
-
-    def producer(value: str, op: str, what: str) -> Node:
-        n = inside.get(value)
-        if n is None or n.op != op:
-            fail(f"{what} should be a {op}, is {n.op if n else 'not computed in the block'} ({value!r})")
-        return n
-
-    def only_user(value: str, op: str, what: str) -> Node:
-        us = users.get(value, [])
-        if len(us) != 1 or us[0].op != op:
-            fail(f"{what} ({value!r}) should feed exactly one {op}, feeds {[u.op for u in us]}")
-        return us[0]
-
-    def is_param(v: str) -> bool:
-        return v in graph.constants and v in graph.params
-
-    used: list[Node] = []
-
-    def linear(value: str, what: str) -> tuple[str, tuple[str, bool], str, Node]:
-        """value = MatMul(x, W) + b -> (x, (W, trans_b), b, matmul)."""
-        add = producer(value, "Add", f"{what}'s bias Add")
-        bias = [v for v in add.inputs if is_param(v)]
-        other = [v for v in add.inputs if not is_param(v)]
-        if len(bias) != 1 or len(other) != 1:
-            fail(f"{what}'s bias Add {add.name!r} should add one parameter to one MatMul")
-        mm = producer(other[0], "MatMul", f"{what}'s projection")
-        if not is_param(mm.inputs[1]):
-            fail(f"{what}'s projection {mm.name!r} should multiply by a weight parameter")
-        used.extend([add, mm])
-        return mm.inputs[0], (mm.inputs[1], bool(mm.attrs.get("trans_b"))), bias[0], mm
-
-    def heads(value: str, perm: list[int], what: str) -> str:
-        """value = Transpose(Reshape(linear), perm) -> the linear's output."""
-        tr = producer(value, "Transpose", f"{what}'s head transpose")
-        if list(tr.attrs["perm"]) != perm:
-            fail(f"{what}'s head transpose {tr.name!r} has perm {list(tr.attrs['perm'])}, expected {perm}")
-        rs = producer(tr.inputs[0], "Reshape", f"{what}'s head reshape")
-        if list(rs.attrs["shape"])[2:] != [block.heads, block.head_size]:
-            fail(f"{what}'s head reshape {rs.name!r} has shape {rs.attrs['shape']}")
-        used.extend([tr, rs])
-        return rs.inputs[0]
-
-    softmaxes = [n for n in nodes if n.op == "Softmax"]
-    if len(softmaxes) != 1:
-        fail(f"has {len(softmaxes)} Softmax nodes, a BERT encoder layer has one")
-    softmax = softmaxes[0]
-    if softmax.attrs.get("axis") not in (3, -1):
-        fail(f"Softmax {softmax.name!r} is over axis {softmax.attrs.get('axis')}, expected the last")
-    masked = producer(softmax.inputs[0], "Add", "the mask Add before the Softmax")
-    scaled_in = [v for v in masked.inputs if v in inside]
-    mask_in = [v for v in masked.inputs if v not in inside]
-    if len(scaled_in) != 1 or len(mask_in) != 1 or mask_in[0] not in block.inputs:
-        fail(f"the Add {masked.name!r} before the Softmax should add a block input (the mask) to the scaled scores")
-    scale_node = inside.get(scaled_in[0])
-    if scale_node is None or scale_node.op not in ("Mul", "Div"):
-        fail(f"the scores should be scaled by a Mul or Div before the mask, found {scale_node.op if scale_node else None}")
-    consts = [v for v in scale_node.inputs if v in graph.constants and v not in graph.params]
-    scores_in = [v for v in scale_node.inputs if v in inside]
-    if len(consts) != 1 or len(scores_in) != 1 or (scale_node.op == "Div" and scale_node.inputs[1] != consts[0]):
-        fail(f"the scaling {scale_node.name!r} should combine the scores with one constant")
-    c = np.asarray(graph.constants[consts[0]], np.float64)
-    if c.size != 1:
-        fail(f"the attention scale {consts[0]!r} is not a scalar")
-    scale = float(c.reshape(-1)[0]) if scale_node.op == "Mul" else 1.0 / float(c.reshape(-1)[0])
-    want = 1.0 / math.sqrt(block.head_size)
-    if abs(scale - want) > 1e-6 * want:
-        fail(f"the attention scale is {scale}, the split attention uses 1/sqrt({block.head_size}) = {want}")
-    scores = producer(scores_in[0], "MatMul", "the attention scores")
-    if scores.attrs.get("trans_b"):
-        fail(f"the scores MatMul {scores.name!r} uses trans_b; expected K transposed to (0, 2, 3, 1)")
-    xq, wq, bq, _ = linear(heads(scores.inputs[0], [0, 2, 1, 3], "Q"), "Q")
-    xk, wk, bk, _ = linear(heads(scores.inputs[1], [0, 2, 3, 1], "K"), "K")
-    ctx = only_user(softmax.outputs[0], "MatMul", "the attention probabilities")
-    if ctx.inputs[0] != softmax.outputs[0] or ctx.attrs.get("trans_b"):
-        fail(f"the context MatMul {ctx.name!r} should multiply the probabilities by V")
-    xv, wv, bv, _ = linear(heads(ctx.inputs[1], [0, 2, 1, 3], "V"), "V")
-    ctx_t = only_user(ctx.outputs[0], "Transpose", "the context")
-    if list(ctx_t.attrs["perm"]) != [0, 2, 1, 3]:
-        fail(f"the context transpose {ctx_t.name!r} has perm {list(ctx_t.attrs['perm'])}")
-    ctx_flat = only_user(ctx_t.outputs[0], "Reshape", "the transposed context")
-    out_mm = only_user(ctx_flat.outputs[0], "MatMul", "the merged context")
-    out_add = only_user(out_mm.outputs[0], "Add", "the output projection")
-    xo, wo, bo, mm_o = linear(out_add.outputs[0], "the output projection")
-    if mm_o is not out_mm or xo != ctx_flat.outputs[0]:
-        fail(f"the output projection {out_mm.name!r} should read the merged context")
-    x = block.inputs[0]
-    if not (xq == xk == xv == x):
-        fail(f"Q/K/V should project the block input {x!r}, they read {sorted({xq, xk, xv})} "
-             "(a pre-LayerNorm block is not supported)")
-    residual = only_user(out_add.outputs[0], "Add", "the attention output")
-    if sorted(residual.inputs) != sorted([out_add.outputs[0], x]):
-        fail(f"the residual Add {residual.name!r} should add the attention output and the block input")
-    used.extend([masked, scale_node, scores, softmax, ctx, ctx_t, ctx_flat, residual])
-    names = frozenset(n.name for n in used)
-    # everything else in the block must read only the residual sum (never x or attention values)
-    internal = {o for n in used for o in n.outputs} - {residual.outputs[0]}
-    for n in nodes:
-        if n.name in names:
-            continue
-        bad = [i for i in n.inputs if i in internal or i == x]
-        if bad:
-            fail(f"node {n.name!r} ({n.op}) outside the attention reads {bad}")
-    if len(names) != len(used):
-        fail("the attention pattern uses a node twice")
-    return AttentionMatch(block.index, x, mask_in[0], out_add.outputs[0], residual.outputs[0], names,
-                          {"Wq": wq, "bq": (bq, False), "Wk": wk, "bk": (bk, False), "Wv": wv,
-                           "bv": (bv, False), "Wo": wo, "bo": (bo, False)}, scale)
-
-
-def _post_spec(graph: Graph, block: Block, match: AttentionMatch) -> StageSpec:
+def _post_spec(graph: Graph, block: Block, match: AttentionSite) -> StageSpec:
     """The block's nodes after the residual Add, as block 1 of a two-block graph whose activation
-    input is the residual sum (block 0 is an empty stand-in, as in `runtime.profiling.compute`)."""
+    input is the residual sum (block 0 is an empty stand-in, as in `runtime.engines.split.piece`)."""
     nodes = tuple(graph.node(n) for n in block.nodes if n not in match.nodes)
     params = tuple(dict.fromkeys(i for n in nodes for i in n.inputs if i in graph.params))
     r = match.residual
@@ -228,7 +86,12 @@ class _SplitSegment:
                  stash_weights: bool):
         self.first = self.last = block.index
         self.block = block
-        self.match = match_attention(graph, block)
+        if block.attention is None:
+            raise ValueError(f"block {block.index} ({block.name}): its attention heads cannot be split, because no "
+                             f"splittable attention was found when the model was lowered (only post-LayerNorm "
+                             f"BERT attention splits; `planner.attention.match_attention` tells why)")
+        self.match = block.attention
+        self.roles = block.attention.weight_of
         self.mask_shape = tuple(graph.values[self.match.mask].shape)
         B, S, _ = graph.values[self.match.x].shape
         self.attention = SplitAttention(self._full_weights(graph.constants), block.heads, block.head_size,
@@ -238,19 +101,19 @@ class _SplitSegment:
 
     def _full_weights(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = {}
-        for role, (name, transposed) in self.match.weights.items():
+        for role, (name, transposed) in self.roles.items():
             w = np.asarray(values[name], np.float32)
             out[role] = np.ascontiguousarray(w.T) if transposed else w
         return out
 
     @property
     def names(self) -> set[str]:
-        return {n for n, _ in self.match.weights.values()} | set(self.post.parameters())
+        return {n for n, _ in self.roles.values()} | set(self.post.parameters())
 
     def parameters(self) -> dict[str, np.ndarray]:
         out = self.post.parameters()
         full = self.attention.parameters()
-        for role, (name, transposed) in self.match.weights.items():
+        for role, (name, transposed) in self.roles.items():
             out[name] = np.ascontiguousarray(full[role].T) if transposed else full[role]
         return out
 
@@ -258,9 +121,9 @@ class _SplitSegment:
         post = {k: v for k, v in values.items() if k in self.post.spec.params}
         if post:
             self.post.set_parameters(post)
-        if any(name in values for name, _ in self.match.weights.values()):
+        if any(name in values for name, _ in self.roles.values()):
             current = self.attention.parameters()
-            for role, (name, transposed) in self.match.weights.items():
+            for role, (name, transposed) in self.roles.items():
                 if name in values:
                     w = np.asarray(values[name], np.float32)
                     current[role] = np.ascontiguousarray(w.T) if transposed else w
@@ -277,7 +140,7 @@ class _SplitSegment:
         dx, full = self.attention.backward(dr, microbatch)
         dx += dr  # the residual path
         grads = dict(g.params)
-        for role, (name, transposed) in self.match.weights.items():
+        for role, (name, transposed) in self.roles.items():
             v = np.ascontiguousarray(full[role].T) if transposed else full[role]
             grads[name] = grads[name] + v if name in grads else v
         return grads, dx

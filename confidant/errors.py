@@ -1,0 +1,5 @@
+"""The command line's error: something the user can fix, printed as one line without a traceback."""
+
+
+class CliError(Exception):
+    """An error the user can fix; printed as `confidant COMMAND: error: MESSAGE`, exit status 1."""

@@ -1,0 +1,134 @@
+"""The project's one safetensors codec: weights in bundles and checkpoints, tensors for exports.
+
+safetensors is an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
+shape and byte range, then the raw little-endian bytes. This codec is written against that format
+with `json` and `numpy.frombuffer` only (no pickle, and `ir` keeps to the standard library and
+numpy, as DESIGN.md requires); tests check it against the `safetensors` package in both directions.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
+              "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+              "BOOL": "bool"}
+_ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
+_ST_MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
+
+
+def encode_safetensors(tensors: Mapping[str, np.ndarray]) -> bytes:
+    """The safetensors bytes of `tensors`; deterministic, so equal weights give equal hashes.
+
+    Tensors are laid out widest dtype first, then by name (as the safetensors package does), so
+    every tensor starts aligned to its item size; the header is padded with spaces to 8 bytes."""
+    arrays = {}
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"tensor name {name!r} cannot be stored in safetensors")
+        arr = np.asarray(value)
+        if arr.dtype.name not in _ST_CODES:
+            raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, which safetensors cannot hold "
+                             f"(supported: {', '.join(sorted(_ST_CODES))})")
+        arrays[name] = arr
+    order = sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))
+    header: dict[str, Any] = {}
+    chunks, offset = [], 0
+    for name in order:
+        arr = arrays[name]
+        # astype with an explicit little-endian dtype, not ascontiguousarray, which turns 0-d into 1-d.
+        raw = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C").tobytes()
+        header[name] = {"dtype": _ST_CODES[arr.dtype.name], "shape": [int(d) for d in arr.shape],
+                        "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(chunks)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
+    """Parse safetensors bytes strictly (header, dtypes, shapes, byte ranges that tile the data
+    exactly); returns writable copies. ValueError says what is wrong."""
+    data = bytes(data)
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(_ST_MAX_HEADER, len(data) - 8):
+        raise ValueError(f"header length {n} exceeds the {len(data) - 8} bytes that follow it")
+    try:
+        header = json.loads(data[8 : 8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("header __metadata__ is not an object of strings")
+    buffer = memoryview(data)[8 + n :]
+    spans = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or sorted(entry) != ["data_offsets", "dtype", "shape"]:
+            raise ValueError(f"tensor {name!r}: entry must have exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(sorted(_ST_DTYPES))}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end] with begin <= end")
+        np_dtype = np.dtype(_ST_DTYPES[dtype]).newbyteorder("<")
+        if offsets[1] - offsets[0] != math.prod(shape) * np_dtype.itemsize:
+            raise ValueError(f"tensor {name!r}: {dtype}{shape} needs {math.prod(shape) * np_dtype.itemsize} bytes, "
+                             f"data_offsets {offsets} span {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name, np_dtype, tuple(shape)))
+    spans.sort()
+    end = 0
+    for begin, stop, name, _, _ in spans:
+        if begin != end:
+            raise ValueError(f"tensor {name!r} starts at byte {begin}, expected {end} (gap or overlap)")
+        end = stop
+    if end != len(buffer):
+        raise ValueError(f"tensors cover {end} data bytes, the file holds {len(buffer)}")
+    out = {}
+    for begin, stop, name, np_dtype, shape in spans:
+        arr = np.frombuffer(buffer[begin:stop], dtype=np_dtype).reshape(shape)
+        if np_dtype == np.bool_ and arr.size and not np.isin(buffer[begin:stop], (0, 1)).all():
+            raise ValueError(f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        out[name] = arr.astype(np_dtype.newbyteorder("="), copy=True)
+    return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write `tensors` to `path` atomically (a partial file never takes the name)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(encode_safetensors(tensors))
+    tmp.replace(path)
+
+
+def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file; ValueError names the file and what is wrong with it."""
+    path = Path(path)
+    try:
+        return decode_safetensors(path.read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a valid safetensors file: {exc}") from None

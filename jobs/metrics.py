@@ -1,0 +1,136 @@
+"""The metrics document every training command writes with `--metrics-out`: one schema, versioned.
+
+    {"schema_version": 1, "format": "confidant-metrics",
+     "command": "train-local" | "train-pipeline" | "train", "model": str, "plan": str | null,
+     "schedule": str | null, "microbatches": int, "batch": int, "seq": int,
+     "steps": [{"step", "loss", "seconds", "samples_per_s", "tokens_per_s"}],   one per optimizer step
+     "devices": [{"name", "stage", "blocks": [first, last], "peak_rss_bytes"}],   one per stage at the end
+     "peak_rss_bytes": the largest device's, "coordinator_peak_rss_bytes": int | null,
+     "predicted_step_s": float | null, "measured_step_s": float,
+     "eval": null | {"metric": "entity_f1", "before": float | null, "after", "precision", "recall",
+                     "per_type": {type: f1}},
+     "replans": [...], "replan_checks": [...], "events": [...], "settings": {...}}
+
+`step` counts from the start of training (a resumed run continues the count); `tokens_per_s` is
+null where a command does not count tokens; `events` lists failures and recoveries as they happen
+(empty when none). The README documents the same fields.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+METRICS_SCHEMA_VERSION = 1
+METRICS_FORMAT = "confidant-metrics"
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    step: int
+    loss: float
+    seconds: float
+    samples_per_s: float
+    tokens_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    name: str
+    stage: int
+    first_block: int
+    last_block: int
+    peak_rss_bytes: int | None
+
+
+@dataclass(frozen=True)
+class EvalFigures:
+    """Entity-level F1 on the evaluation file, after training (and before, where measured)."""
+
+    after: float
+    precision: float
+    recall: float
+    before: float | None = None
+    per_type: Mapping[str, float] = field(default_factory=dict)
+    metric: str = "entity_f1"
+
+
+@dataclass(frozen=True)
+class TrainingMetrics:
+    command: str
+    model: str
+    batch: int
+    seq: int
+    steps: tuple[StepFigures, ...]
+    devices: tuple[DeviceFigures, ...]
+    microbatches: int = 1
+    schedule: str | None = None
+    plan: str | None = None
+    eval: EvalFigures | None = None
+    predicted_step_s: float | None = None
+    coordinator_peak_rss_bytes: int | None = None
+    replans: tuple[Mapping[str, Any], ...] = ()
+    replan_checks: tuple[Mapping[str, Any], ...] = ()
+    events: tuple[Mapping[str, Any], ...] = ()
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]
+
+    @property
+    def measured_step_s(self) -> float:
+        return sum(s.seconds for s in self.steps) / len(self.steps) if self.steps else math.nan
+
+    @property
+    def peak_rss_bytes(self) -> int | None:
+        known = [d.peak_rss_bytes for d in self.devices if d.peak_rss_bytes is not None]
+        return max(known) if known else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": METRICS_SCHEMA_VERSION, "format": METRICS_FORMAT, "command": self.command,
+            "model": self.model, "plan": self.plan, "schedule": self.schedule, "microbatches": self.microbatches,
+            "batch": self.batch, "seq": self.seq,
+            "steps": [{"step": s.step, "loss": s.loss, "seconds": s.seconds, "samples_per_s": s.samples_per_s,
+                       "tokens_per_s": s.tokens_per_s} for s in self.steps],
+            "devices": [{"name": d.name, "stage": d.stage, "blocks": [d.first_block, d.last_block],
+                         "peak_rss_bytes": d.peak_rss_bytes} for d in self.devices],
+            "peak_rss_bytes": self.peak_rss_bytes, "coordinator_peak_rss_bytes": self.coordinator_peak_rss_bytes,
+            "predicted_step_s": self.predicted_step_s, "measured_step_s": _finite(self.measured_step_s),
+            "eval": None if self.eval is None else {
+                "metric": self.eval.metric, "before": self.eval.before, "after": self.eval.after,
+                "precision": self.eval.precision, "recall": self.eval.recall, "per_type": dict(self.eval.per_type)},
+            "replans": [dict(r) for r in self.replans], "replan_checks": [dict(c) for c in self.replan_checks],
+            "events": [dict(e) for e in self.events], "settings": dict(self.settings),
+        }
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1, default=str) + "\n")
+        return path
+
+
+def read_metrics(path: str | Path) -> dict[str, Any]:
+    """A metrics document written by `TrainingMetrics.write`, checked for its format and version."""
+    doc = json.loads(Path(path).read_text())
+    if not isinstance(doc, dict) or doc.get("format") != METRICS_FORMAT:
+        raise ValueError(f"{path}: not a {METRICS_FORMAT} document")
+    if doc.get("schema_version") != METRICS_SCHEMA_VERSION:
+        raise ValueError(f"{path}: metrics schema_version {doc.get('schema_version')!r} is not "
+                         f"{METRICS_SCHEMA_VERSION}")
+    return doc
+
+
+def steps_from(losses: Sequence[float], seconds: Sequence[float], rows: int, first_step: int = 1
+               ) -> tuple[StepFigures, ...]:
+    """Step figures of a pipeline run: loss and wall time per step, `rows` samples a step."""
+    return tuple(StepFigures(first_step + i, float(loss), float(sec), rows / sec if sec > 0 else math.nan)
+                 for i, (loss, sec) in enumerate(zip(losses, seconds)))
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,0 +1,194 @@
+"""`confidant train PLAN`: ship each device its bundle and train with the plan's schedule, optionally
+re-planning from the measured stage times while training (`--replan-every`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ir.bundle import BundleError, load_bundle_dir, load_plan
+from ir.documents import PlanDocument
+from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES
+from ir.serialize import merge_slices
+from jobs.errors import JobError
+from jobs.evaluation import eval_figures, score_weights
+from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
+from jobs.pipeline_training import PipelineResult, train_pipeline
+from jobs.report import Reporter, Silent
+from jobs.workers import LocalWorkers
+from planner.cluster import load_cluster
+from planner.emit import load_plan_cluster
+from planner.replan import PlanReplanner
+from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
+from runtime.pipeline.executor import busy_fraction
+from runtime.procfs import peak_rss_bytes
+from tasks.ner import check_label_count, load_ner_data
+from tasks.tokenize import make_batches
+
+
+@dataclass(frozen=True)
+class PlanRunSettings:
+    """How to run a plan: steps, the data shuffle seed, the tokenizer, local workers or the plan's
+    addresses, where to checkpoint, re-planning (every N steps, least gain, the cluster to re-plan
+    with; default the plan's cluster.json), the coordinator's address and the silence timeout."""
+
+    steps: int = 60
+    seed: int = 0
+    tokenizer: Path | None = None
+    local: bool = False
+    checkpoint: Path | None = None
+    replan_every: int | None = None
+    replan_threshold: float = 0.1
+    cluster: Path | None = None
+    listen: str = "tcp://127.0.0.1:0"
+    timeout_s: float = 600.0
+
+
+def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings,
+                    reporter: Reporter = Silent()) -> TrainingMetrics:
+    if settings.steps < 1:
+        raise JobError(f"--steps must be at least 1, got {settings.steps}")
+    plan_dir = Path(plan_dir)
+    plan = load_plan(plan_dir, verify_bundles=True)
+    names = plan.device_names
+    bundles = [plan_dir / d.bundle for d in plan.devices]
+    contents = [load_bundle_dir(b) for b in bundles]
+    replanner = _plan_replanner(settings, plan_dir, plan, contents)  # None without --replan-every
+    spares = _spare_devices(replanner, names)
+    M, rows, seq = plan.microbatches, plan.batch, plan.seq
+    ner = load_ner_data(data, eval_path, seq, settings.tokenizer)
+    full = merge_slices([c.graph for c in contents])
+    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], ner.labels)
+    batches = make_batches(ner.train_encoded, rows * M, seq, seed=settings.seed)
+    if not settings.local and not all(d.address for d in plan.devices):
+        raise JobError(f"{plan_dir}/plan.json lacks worker addresses; pass --local or re-plan with addresses")
+    config = PipelineConfig(schedule=plan.schedule, microbatches=M, timeout_s=settings.timeout_s)
+    reporter.start(f"train {plan_dir.name} ({len(names)} devices, {plan.schedule})", settings.steps)
+
+    def on_step(step, loss, seconds, stage_seconds, done):
+        busy = "/".join(f"{busy_fraction(d['seconds'], d.get('wall_s', 0.0)):.0%}" for d in done)
+        reporter.step(step, loss=loss, **{"samples/s": rows * M / seconds, "busy": busy})
+
+    local = None
+    if settings.local:
+        local = LocalWorkers.start(len(names) + len(spares), max(d.threads for d in plan.devices))
+        addresses = local.addresses[:len(names)]
+        spares = dict(zip(spares, local.addresses[len(names):]))
+    else:
+        addresses = [d.address for d in plan.devices]
+    failed = True
+    try:
+        result = train_pipeline(None, batches, len(ner.labels), addresses, config, settings.steps,
+                                listen=settings.listen, on_step=on_step, bundles=bundles, devices=names,
+                                stage_graphs=contents, checkpoint_dir=settings.checkpoint,
+                                meta={"plan": str(plan_dir)}, replan_every=settings.replan_every,
+                                on_replan=replanner, spare_devices=spares,
+                                on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf),
+                                schedule=None if plan.schedule in ASYNC_SCHEDULES else plan.to_schedule(),
+                                update_every=plan.update_every)
+        failed = False
+    except WorkerFailed as exc:
+        raise JobError(str(exc)) from None
+    finally:
+        if local:
+            local.finish(failed)
+    metrics = TrainingMetrics(
+        "train", plan.model, rows * M, seq, steps_from(result.losses, result.step_seconds, rows * M),
+        _device_figures(result, names, replanner), microbatches=M, schedule=plan.schedule, plan=str(plan_dir),
+        predicted_step_s=plan.predicted_step_s, coordinator_peak_rss_bytes=peak_rss_bytes(),
+        settings=asdict(settings), **(_replan_figures(replanner, result) if replanner is not None else {}))
+    reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
+    if ner.dev:
+        scores = score_weights(full, result.weights, ner, rows)
+        reporter.note(f"entity F1 after training: {scores.f1:.4f}")
+        metrics = replace(metrics, eval=eval_figures(scores))
+    return metrics
+
+
+# --- re-planning while training from a plan folder --------------------------------------------------
+
+def _plan_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, contents):
+    """The re-planner of `confidant train --replan-every`, or None without it; a JobError for what
+    cannot be re-planned, before any worker starts."""
+    every = settings.replan_every
+    if every is None:
+        if settings.cluster is not None:
+            raise JobError("--cluster is the cluster to re-plan with: give it with --replan-every N")
+        return None
+    if every < 1 or plan.schedule not in FLUSH_SCHEDULES:
+        raise JobError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush or "
+                       f"gpipe), got {every} with {plan_dir}'s {plan.schedule}; for 1f1b-stash there is no step "
+                       f"boundary to switch plans at (plan again with `confidant plan --schedule 1f1b-flush`)")
+    if not settings.replan_threshold >= 0:
+        raise JobError(f"--replan-threshold must be a number >= 0 (0.1: 10% faster), got {settings.replan_threshold}")
+    if settings.cluster is not None:
+        cluster = load_cluster(settings.cluster)
+    else:
+        try:
+            cluster = load_plan_cluster(plan_dir)
+        except BundleError as exc:
+            raise JobError(f"{exc} (`confidant train --cluster FILE`)") from None
+    shapes = {(d.profile.batch, d.profile.seq) for d in cluster.devices}
+    if shapes != {(plan.batch, plan.seq)}:
+        raise JobError(f"the cluster's profiles were measured at (micro-batch rows, seq) {sorted(shapes)}, the "
+                       f"plan {plan_dir} runs ({plan.batch}, {plan.seq}); give a cluster profiled at the "
+                       f"plan's shape")
+    try:
+        return PlanReplanner(plan_dir, plan, merge_slices([c.graph for c in contents]), cluster,
+                             settings.replan_threshold)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+
+
+def _spare_devices(replanner, names) -> dict[str, str]:
+    """Cluster devices the plan leaves out, by name, with their addresses: a re-plan may use them."""
+    if replanner is None:
+        return {}
+    return {d.name: d.address for d in replanner.cluster.devices if d.name not in names}
+
+
+def _stages_text(devices, ranges) -> str:
+    return " | ".join(f"{d} {a}-{b}" for d, (a, b) in zip(devices, ranges))
+
+
+def _report_replan(reporter: Reporter, replanner, step: int, reconf) -> None:
+    """One line per re-plan: what ran where before and after, what moved, what was predicted."""
+    applied = replanner.applied[-1]
+    d = applied.decision
+    reporter.note(f"re-plan after step {step}: {_stages_text(applied.old_devices, applied.old_ranges)} -> "
+                  f"{_stages_text(applied.devices, applied.ranges)}; moved {reconf.moved_bytes / 2**20:.2f} MiB; "
+                  f"predicted gain {d.gain:.1%} ({d.predicted_old_s:.4g} s -> {d.predicted_new_s:.4g} s per step); "
+                  f"new plan {applied.directory}")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _replan_figures(replanner, result: PipelineResult) -> dict:
+    """Every re-plan applied (with what moved) and every check's reason, for the metrics document."""
+    applied = []
+    for plan, (step, reconf) in zip(replanner.applied, result.replans):
+        d = plan.decision
+        applied.append({
+            "step": step, "plan": str(plan.directory),
+            "old": [{"device": n, "blocks": list(r)} for n, r in zip(plan.old_devices, plan.old_ranges)],
+            "new": [{"device": n, "blocks": list(r)} for n, r in zip(plan.devices, plan.ranges)],
+            "moved_bytes": reconf.moved_bytes, "sent_bytes": reconf.sent_bytes, "seconds": reconf.seconds,
+            "predicted_old_step_s": _finite(d.predicted_old_s), "predicted_new_step_s": d.predicted_new_s,
+            "predicted_gain": _finite(d.gain), "forced": d.forced})
+    checks = [{"step": step, "replanned": d.new_partition is not None, "reason": d.reason}
+              for step, d in replanner.decisions]
+    return {"replans": tuple(applied), "replan_checks": tuple(checks)}
+
+
+def _device_figures(result: PipelineResult, names, replanner) -> tuple[DeviceFigures, ...]:
+    """Each device of the final plan with its blocks and peak RSS over every step it ran."""
+    switches = {p.step: p.devices for p in (replanner.applied if replanner is not None else [])}
+    devices, peak = list(names), {}
+    for i, reports in enumerate(result.stage_reports):  # one per step (flush schedules), plans switch between
+        for name, rep in zip(devices, reports):
+            peak[name] = max(peak.get(name, 0), rep["peak_rss_bytes"])
+        devices = switches.get(i + 1, devices)
+    final = result.devices or names
+    return tuple(DeviceFigures(n, k, a, b, peak.get(n)) for k, (n, (a, b)) in enumerate(zip(final, result.ranges)))

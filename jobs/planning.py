@@ -1,0 +1,131 @@
+"""`confidant plan`: lower the model, read the cluster, choose head splits and the partition (CP-SAT,
+or the user's cuts), cost and schedule it, and write the plan folder (plan.json + one bundle per
+device). The decisions are the planner's pure functions; this job joins them and writes files."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from ir.backend import engine_of, threads_of
+from ir.bundle import load_plan
+from ir.partition import StageCost
+from jobs.errors import JobError
+from jobs.report import Reporter, Silent
+from planner.cluster import Cluster, load_cluster
+from planner.cost import predicted_step_s, stage_costs
+from planner.emit import emit_plan
+from planner.heads import HeadSplit, choose_head_split, profile_with_head_split, split_base_backend, split_extra_cost_s
+from planner.onnx_import import load_model
+from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, solve_partition
+from planner.schedule import make_schedule
+from planner.simulate import simulate, write_chrome_trace
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What to plan for: the schedule, batch rows, tokens per row, micro-batches, backwards per update
+    (1f1b-stash), the optimizer and learning rate, manual cuts and device order (None: the solver's),
+    and the solver's time limit in seconds."""
+
+    schedule: str = "1f1b-flush"
+    batch: int = 8
+    seq: int = 128
+    microbatches: int = 4
+    update_every: int = 1
+    optimizer: str = "adamw"
+    lr: float = 5e-5
+    cuts: tuple[int, ...] | None = None
+    devices: tuple[str, ...] | None = None
+    time_limit_s: float = 10.0
+
+
+def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
+               reporter: Reporter = Silent()) -> Path:
+    """Write the plan folder `output` for `model` over the cluster in `cluster_file`; returns it."""
+    M = settings.microbatches
+    if M < 1 or settings.batch % M:
+        raise JobError(f"--batch {settings.batch} must be a multiple of --microbatches {M}")
+    cluster = load_cluster(cluster_file)
+    graph = load_model(model, settings.batch // M, settings.seq)
+    profiled = {(d.profile.batch, d.profile.seq) for d in cluster.devices}
+    if profiled != {(graph.batch, graph.seq)}:
+        raise JobError(f"the profiles were measured at (micro-batch rows, seq) {sorted(profiled)} but this plan uses "
+                       f"({graph.batch}, {graph.seq}) = --batch {settings.batch} / --microbatches {M}, --seq "
+                       f"{settings.seq}; re-profile with `confidant profile --batch {graph.batch} --seq {graph.seq}`")
+    cluster, splits = _with_head_splits(graph, cluster)
+    instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer)
+    reporter.note(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({settings.schedule}, "
+                  f"{M} micro-batches)")
+    try:
+        if settings.cuts:
+            order = list(settings.devices) if settings.devices else [d.name for d in cluster.devices]
+            partition = manual_partition(instance, order[:len(settings.cuts) + 1], list(settings.cuts))
+            problems = check_feasible(partition, instance)
+            if problems:
+                raise JobError("the manual cuts do not fit: " + "; ".join(problems))
+        else:
+            partition = solve_partition(instance, time_limit_s=settings.time_limit_s)
+    except PlanDoesNotFit as exc:
+        raise JobError(str(exc)) from None
+    costs = stage_costs(graph, cluster, partition, settings.schedule, M, settings.optimizer)
+    schedule = make_schedule(settings.schedule, len(partition.stages), M, update_every=settings.update_every)
+    config = _emit_config(Path(model).name, cluster, partition.devices, splits, settings)
+    path = emit_plan(output, graph, partition, schedule, config, costs, predicted_step_s(costs, settings.schedule, M),
+                     cluster=cluster)
+    reporter.note(f"wrote {path} and {len(partition.stages)} bundles")
+    return Path(output)
+
+
+def _with_head_splits(graph, cluster: Cluster) -> tuple[Cluster, dict[str, HeadSplit]]:
+    """Head splits come first: a device whose attention heads run split is faster, and the partition
+    and the predicted times must see that speed, so the cluster's profiles are lowered by it. The
+    split engine runs everything but the attention on MNN, so a split device is costed (and run) on
+    its MNN backend: the chosen one when it is MNN, else the fastest MNN one; a device profiled
+    without MNN is not split."""
+    splits, devices = {}, []
+    for d in cluster.devices:
+        split = choose_head_split(graph, d.profile)
+        base = split_base_backend(d.profile, d.backend)
+        if split is not None and base is not None:
+            splits[d.name] = split
+            d = dataclasses.replace(d, backend=base, profile=profile_with_head_split(
+                d.profile, base, split, split_extra_cost_s(graph, d.profile, split)))
+        devices.append(d)
+    return dataclasses.replace(cluster, devices=tuple(devices)), splits
+
+
+def _emit_config(model_name: str, cluster: Cluster, devices, splits: dict[str, HeadSplit],
+                 settings: PlanSettings) -> dict:
+    """planner.emit's config: each device runs the engine of its fastest (or chosen) backend, so
+    frameworks may differ; a split device runs MNN (the split engine runs the rest of its stage)."""
+    specs = {d.name: d for d in cluster.devices}
+    backends = {d.name: d.profile.backend(d.backend).backend for d in cluster.devices}
+    config = {
+        "model": model_name, "engine": {n: engine_of(backends[n]) for n in devices},
+        "threads": {n: threads_of(backends[n]) for n in devices},
+        "optimizer": {"name": settings.optimizer, "lr": settings.lr, "weight_decay": None},
+        "addresses": {n: specs[n].address for n in devices}, "head_split": {},
+    }
+    for n in devices:
+        split = splits.get(n)
+        if split is not None:
+            config["head_split"][n] = {"heads": dict(split.heads), "predicted_s": split.predicted_s,
+                                       "single_best": [split.single_best[0], split.single_best[1]]}
+            config["engine"][n] = "mnn"
+    return config
+
+
+def simulate_plan(plan_dir: Path, steps: int, output: Path):
+    """Replay a plan's schedule on its cost model for `steps` batches and write a Chrome trace;
+    returns (the plan, the simulation)."""
+    plan = load_plan(plan_dir)
+    costs = []
+    for d in plan.devices:
+        if d.cost is None:
+            raise JobError(f"{plan_dir}/plan.json has no cost model for device {d.name!r}; re-run `confidant plan`")
+        costs.append(StageCost(stage=d.stage, device=d.name, memory_bytes=d.memory_bytes,
+                               memory_budget_bytes=d.memory_budget_bytes, **dataclasses.asdict(d.cost)))
+    sim = simulate(plan.to_schedule(), costs, steps=steps)
+    write_chrome_trace(sim, output)
+    return plan, sim

@@ -1,0 +1,42 @@
+"""`confidant profile`: measure this device for the planner (block times per backend, memory, attention
+by heads) and write its profile, or measure a link to a peer."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from pathlib import Path
+from typing import Callable, Sequence
+
+import runtime.profiling as prof
+from ir.profile import DeviceProfile, Link
+from jobs.report import Reporter, Silent
+from planner.onnx_import import load_model
+
+
+def profile_this_device(model: Path, batch: int, seq: int, output: Path | None = None, name: str | None = None,
+                        backends: Sequence[str] | None = None, memory_bytes: int | None = None, reps: int = 3,
+                        attention: bool = True, reporter: Reporter = Silent()) -> tuple[DeviceProfile, Path]:
+    """Profile this device at (`batch` rows, `seq` tokens) for `model` and save it; (profile, file)."""
+    graph = load_model(model, batch, seq)
+    name = name or socket.gethostname()
+    profile = prof.profile_device(graph, name, backends=tuple(backends) if backends else prof.DEFAULT_BACKENDS,
+                                  reps=reps, memory_bytes=memory_bytes, attention=attention, progress=reporter.note)
+    profile = dataclasses.replace(profile, model=Path(model).name)
+    output = Path(output) if output else Path(f"{name}.profile.json")
+    profile.save(output)
+    return profile, output
+
+
+def measure_link_to(address: str, output: Path | None = None) -> Link:
+    """Bandwidth and latency to a peer running `confidant profile --serve-link`, saved to `output`."""
+    link = prof.measure_link(address)
+    if output:
+        Path(output).write_text(json.dumps({"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
+                                            "latency_s": link.latency_s}, indent=1))
+    return link
+
+
+def serve_link_probes(listen: str, ready: Callable[[str], None]) -> None:
+    """Answer link probes from peers until interrupted; `ready` hears the bound address."""
+    prof.link_probe_server(listen, sessions=None, ready=ready)

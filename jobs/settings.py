@@ -1,0 +1,77 @@
+"""The settings a training job takes, as data (the command line builds them from its flags; tests and
+library users build them directly). Each `check` raises JobError naming the flag and the fix."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
+from jobs.errors import JobError
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """What every training command shares: steps, batch rows, tokens per row, optimizer, seed, the
+    engine and its threads, and the tokenizer (None: the bundled MiniLM's)."""
+
+    steps: int = 60
+    batch: int = 8
+    seq: int = 128
+    lr: float = 5e-5
+    optimizer: str = "adamw"
+    seed: int = 0
+    threads: int = 1
+    engine: str = "mnn"
+    tokenizer: Path | None = None
+
+    def check(self) -> "TrainingSettings":
+        for flag, value in (("--steps", self.steps), ("--batch", self.batch), ("--threads", self.threads)):
+            if value < 1:
+                raise JobError(f"{flag} must be at least 1, got {value}")
+        if self.seq < 4:
+            raise JobError(f"--seq must be at least 4 tokens, got {self.seq}")
+        if not self.lr > 0:
+            raise JobError(f"--lr must be a positive number, got {self.lr}")
+        try:
+            check_optimizer_name(self.optimizer)
+        except ValueError as exc:
+            raise JobError(f"--optimizer: {exc}") from None
+        return self
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """How `train-pipeline` cuts and schedules: the schedule and its micro-batches, backwards per
+    update (1f1b-stash), the cuts (None: the even split), checkpoint and resume folders,
+    re-planning, the coordinator's address and how long to wait on a silent worker."""
+
+    schedule: str = "1f1b-flush"
+    microbatches: int = 4
+    update_every: int = 1
+    cuts: tuple[int, ...] | None = None
+    checkpoint: Path | None = None
+    resume: Path | None = None
+    replan_every: int | None = None
+    replan_threshold: float = 0.1
+    listen: str = "tcp://127.0.0.1:0"
+    timeout_s: float = 600.0
+
+    def check(self, batch: int) -> "PipelineSettings":
+        try:
+            check_schedule_name(self.schedule)
+        except ValueError as exc:
+            raise JobError(f"--schedule: {exc}") from None
+        if self.microbatches < 1 or batch % self.microbatches:
+            raise JobError(f"--batch {batch} must be a multiple of --microbatches {self.microbatches}")
+        if self.update_every < 1:
+            raise JobError(f"--update-every must be at least 1, got {self.update_every}")
+        if self.update_every != 1 and self.schedule not in ASYNC_SCHEDULES:
+            raise JobError(f"--update-every applies to 1f1b-stash only; {self.schedule} updates once per batch")
+        if self.replan_every is not None and (self.replan_every < 1 or self.schedule not in FLUSH_SCHEDULES):
+            raise JobError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush or "
+                           f"gpipe), got {self.replan_every} with {self.schedule}")
+        if not self.replan_threshold >= 0:
+            raise JobError(f"--replan-threshold must be a number >= 0 (0.1: 10% faster), got {self.replan_threshold}")
+        if not self.timeout_s > 0:
+            raise JobError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        return self

@@ -1,0 +1,39 @@
+"""The one place stage engines are built: a backend name (`ir.backend.BackendSpec`), a stage and the
+plan's head split in, the engine that runs it out. Workers, the single-device trainer, the profiler
+and evaluation all come through here.
+
+An unsplit stage runs on one backend (`runtime.engines.single`); a stage whose attention heads the
+plan splits across backends runs on `runtime.engines.split.engine.SplitStageEngine`, which builds
+each backend's piece through `runtime.engines.single` too.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ir.backend import BackendSpec, parse_backend
+from runtime.engines.base import StageEngine
+from runtime.engines.single import single_engine
+from runtime.engines.split.engine import SplitStageEngine
+from runtime.engines.stage import StageSpec
+
+
+def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapping[str, int] | None = None,
+                weights: Mapping[str, np.ndarray] | None = None, stash_weights: bool = True,
+                cache_activations: bool = True) -> StageEngine:
+    """The stage engine that runs `spec` on `backend` with its thread setting.
+
+    `head_split` ({backend: heads}) splits each encoder block's attention heads across backends
+    (the rest of the stage runs on MNN). `weights` overrides the graph's constants;
+    `stash_weights` keeps the weight version of every micro-batch in flight (PipeDream stashing);
+    `cache_activations` (MNN) trades memory for not re-running the forward in the backward.
+    Raises NotImplementedError for backends the engines cannot drive yet, and ModuleNotFoundError
+    naming the fix when torch is asked for and not installed."""
+    backend = parse_backend(backend)
+    if head_split:
+        if backend.engine != "mnn":
+            raise ValueError(f"a head split runs its stage on MNN; backend {backend} was asked for")
+        return SplitStageEngine(spec, dict(head_split), threads=backend.thread_count, stash_weights=stash_weights)
+    return single_engine(backend, spec, weights=weights, stash_weights=stash_weights,
+                         cache_activations=cache_activations)

@@ -1,0 +1,45 @@
+"""A stage engine on one backend (`ir.backend.BackendSpec`): MNN or PyTorch, with the backend's
+thread setting. `runtime.engines.factory.make_engine` is what callers use; it comes here for every
+unsplit stage, and a head split comes here for each backend's piece, so an engine is configured the
+same way wherever it runs.
+
+Engines are imported only when chosen, so a device without torch never loads it (importing torch
+costs ~240 MiB). The stage engines drive the CPU only so far: MNN's other devices and torch CUDA
+are valid backend names, may be discovered (`runtime.profiling.backends`), and raise
+NotImplementedError here, naming what is missing.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Mapping
+
+import numpy as np
+
+from ir.backend import BackendSpec, parse_backend
+from runtime.engines.base import StageEngine
+from runtime.engines.stage import StageSpec
+
+
+def torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mapping[str, np.ndarray] | None = None,
+                  stash_weights: bool = True, cache_activations: bool = True) -> StageEngine:
+    """The engine that runs `spec` on `backend` (options as `runtime.engines.factory.make_engine`)."""
+    backend = parse_backend(backend)
+    if backend.engine == "mnn":
+        if backend.device != "cpu":
+            raise NotImplementedError(f"{backend}: the MNN stage engine drives MNN's cpu backend only")
+        from runtime.engines.mnn import MnnStageEngine
+
+        return MnnStageEngine(spec, threads=backend.thread_count, weights=weights, stash_weights=stash_weights,
+                              cache_activations=cache_activations)
+    if backend.device != "cpu":
+        raise NotImplementedError(f"{backend}: the torch stage engine runs on the cpu only "
+                                  "(runtime.engines.pytorch has no device setting yet)")
+    if not torch_installed():
+        raise ModuleNotFoundError(f"{backend} needs PyTorch, which is not installed here (pip install torch==2.13.0)")
+    from runtime.engines.pytorch import TorchStageEngine
+
+    return TorchStageEngine(spec, threads=backend.thread_count, weights=weights)

