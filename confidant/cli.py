@@ -27,6 +27,21 @@ def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60) -> None:
                         "README) as JSON to this file")
 
 
+def _add_lora_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA (low-rank adapters; the base weights stay frozen)")
+    g.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="train rank-R adapters on the targeted projections instead of every weight (default: full "
+                        "fine-tuning)")
+    g.add_argument("--lora-alpha", type=float, default=8.0, help="adapter scale alpha (update x alpha / R; default "
+                                                                "%(default)s, PEFT's)")
+    g.add_argument("--lora-targets", default="q,k,v,o",
+                   help="comma-separated roles (q, k, v, o: attention projections; up, down: feed-forward) or "
+                        "substrings of weight names (default %(default)s)")
+    g.add_argument("--train-also", default="head",
+                   help="also trained in full: block kinds (head, embeddings), norms, or substrings of parameter "
+                        "names; 'none' for adapters only (default %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="confidant",
@@ -92,6 +107,7 @@ def _add_train_local(sub) -> None:
     p.add_argument("--data", type=Path, required=True, help="training file, CoNLL-2003 layout")
     p.add_argument("--eval", type=Path, required=True, help="evaluation file, CoNLL-2003 layout")
     _add_training_flags(p)
+    _add_lora_flags(p)
 
 
 def _add_train_pipeline(sub) -> None:
@@ -126,6 +142,7 @@ def _add_train_pipeline(sub) -> None:
                    help="coordinator address workers connect back to (default %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent worker (default %(default)s)")
     _add_training_flags(p)
+    _add_lora_flags(p)
 
 
 def _add_profile(sub) -> None:
@@ -147,6 +164,7 @@ def _add_profile(sub) -> None:
     p.add_argument("--serve-link", action="store_true", help="answer link probes from peers (with --listen)")
     p.add_argument("--listen", default="tcp://127.0.0.1:0", help="with --serve-link (default %(default)s)")
     p.add_argument("-o", "--output", type=Path, default=None, help="write the profile (or link) JSON here")
+    _add_lora_flags(p)
 
 
 def _add_simulate(sub) -> None:
@@ -176,6 +194,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds (default %(default)s)")
     p.add_argument("-o", "--output", type=Path, default=Path("plan"), help="plan folder (default %(default)s)")
+    _add_lora_flags(p)
 
 
 def _add_show(sub) -> None:

@@ -10,11 +10,26 @@ from confidant.errors import CliError
 from confidant.progress import TerminalReporter
 
 
+def _lora_settings(args):
+    """The LoRA settings of `--lora R ...`, or None (full fine-tuning) without it."""
+    if getattr(args, "lora", None) is None:
+        return None
+    from planner.lora import LoraSettings
+
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    also = tuple(t.strip() for t in args.train_also.split(",") if t.strip() and t.strip() != "none")
+    try:
+        return LoraSettings(args.lora, args.lora_alpha, targets, also, seed=getattr(args, "seed", 0))
+    except ValueError as exc:
+        raise CliError(f"--lora: {exc}") from None
+
+
 def _training_settings(args):
     from jobs.settings import TrainingSettings
 
     return TrainingSettings(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, optimizer=args.optimizer,
-                            seed=args.seed, threads=args.threads, engine=args.engine, tokenizer=args.tokenizer)
+                            seed=args.seed, threads=args.threads, engine=args.engine, tokenizer=args.tokenizer,
+                            lora=_lora_settings(args))
 
 
 def _write_metrics(metrics, path: Path | None) -> None:
@@ -174,7 +189,7 @@ def cmd_profile(args) -> int:
         args.model, args.batch, args.seq, args.output, name=args.name,
         backends=args.backends.split(",") if args.backends else None,
         memory_bytes=parse_bytes(args.memory) if args.memory else None, reps=args.reps,
-        attention=not args.no_attention, reporter=TerminalReporter())
+        attention=not args.no_attention, lora=_lora_settings(args), reporter=TerminalReporter())
     print(f"wrote {output}: backends {', '.join(b.backend for b in profile.backends)}; "
           f"fastest {profile.backend().backend}")
     return 0
@@ -186,7 +201,7 @@ def cmd_plan(args) -> int:
     settings = PlanSettings(schedule=args.schedule, batch=args.batch, seq=args.seq, microbatches=args.microbatches,
                             update_every=args.update_every, optimizer=args.optimizer, lr=args.lr,
                             cuts=_cuts(args.cuts), devices=tuple(args.devices.split(",")) if args.devices else None,
-                            time_limit_s=args.time_limit)
+                            time_limit_s=args.time_limit, lora=_lora_settings(args))
     show_plan(plan_model(args.model, args.cluster, settings, args.output, TerminalReporter()))
     return 0
 

@@ -110,6 +110,9 @@ class Block:
     head_size: int | None = None
     # an encoder block whose attention heads can be split (None: not found, or not an encoder)
     attention: AttentionSite | None = None
+    # bytes of frozen weights the block reads (LoRA's base weights): held once, never stashed,
+    # stepped or moved; `params_bytes` counts the trainable ones
+    frozen_bytes: int = 0
 
 
 @dataclass(frozen=True, eq=False)

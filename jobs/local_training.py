@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ir.backend import BackendSpec
 from jobs.errors import JobError
+from jobs.lora import adapted
 from jobs.evaluation import eval_figures, score
 from jobs.metrics import DeviceFigures, StepFigures, TrainingMetrics
 from jobs.report import Reporter, Silent
@@ -28,7 +29,7 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
     ner = load_ner_data(data, eval_path, settings.seq, settings.tokenizer)
     started = time.perf_counter()
-    graph = load_model(model, config.batch, config.seq)
+    graph = adapted(load_model(model, config.batch, config.seq), settings.lora, reporter)
     check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], ner.labels)
     batches = make_batches(ner.train_encoded, config.batch, config.seq, seed=config.seed)
     try:

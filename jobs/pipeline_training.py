@@ -17,6 +17,7 @@ from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
 from jobs.errors import JobError
 from jobs.evaluation import eval_figures, score_weights
+from jobs.lora import adapted
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.report import Reporter, Silent
 from jobs.settings import PipelineSettings, TrainingSettings
@@ -279,23 +280,15 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     if n_stages < 1:
         raise JobError("need at least one worker (--workers ADDRESSES or --local N)")
     ner = load_ner_data(data, eval_path, training.seq, training.tokenizer)
-    graph = load_model(model, training.batch // M, training.seq)
+    graph = adapted(load_model(model, training.batch // M, training.seq), training.lora, reporter)
     check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], ner.labels)
     cuts = list(pipeline.cuts) if pipeline.cuts else None
-    start_step, weights, opt_state = 0, None, None
     meta = {"model": Path(model).name, "schedule": pipeline.schedule, "microbatches": M, "batch": training.batch,
             "seq": training.seq, "optimizer": training.optimizer, "lr": training.lr, "seed": training.seed,
             "cuts": cuts}
+    start_step, weights, opt_state = 0, None, None
     if pipeline.resume:
-        saved, weights, opt_state = load_checkpoint(pipeline.resume)
-        for key in ("model", "schedule", "microbatches", "batch", "seq", "optimizer", "seed"):
-            if saved.get(key) != meta[key]:
-                raise JobError(f"--resume {pipeline.resume}: checkpoint has {key}={saved.get(key)!r}, "
-                               f"this run {meta[key]!r}")
-        if saved["stages"] != n_stages:
-            raise JobError(f"--resume {pipeline.resume}: checkpoint has {saved['stages']} stages, this run {n_stages}")
-        cuts = [r[0] for r in saved["ranges"][1:]]
-        start_step = int(saved["step"])
+        start_step, weights, opt_state, cuts = _resumed(pipeline.resume, meta, n_stages)
         reporter.note(f"resuming from {pipeline.resume} at step {start_step}")
     try:
         ranges = stage_ranges(len(graph.blocks), n_stages, cuts)
@@ -341,8 +334,8 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
             reporter.note(f"after step {step}: {decision.reason}")
     figures = None
     if ner.dev:
-        scores = score_weights(load_model(model, training.batch, training.seq), result.weights, ner, training.batch,
-                               training.threads)
+        full = adapted(load_model(model, training.batch, training.seq), training.lora)
+        scores = score_weights(full, result.weights, ner, training.batch, training.threads)
         figures = eval_figures(scores)
         reporter.note(f"entity F1 after pipeline training: {scores.f1:.4f}")
     return TrainingMetrics(
@@ -351,3 +344,15 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         tuple(DeviceFigures(f"stage{k}", k, a, b, rss) for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))),
         microbatches=M, schedule=pipeline.schedule, eval=figures, coordinator_peak_rss_bytes=peak_rss_bytes(),
         replans=replans, settings={**asdict(training), **asdict(pipeline)})
+
+
+def _resumed(folder: Path, meta: dict, n_stages: int):
+    """(the step to continue from, weights, optimizer state per stage, the cuts) of a checkpoint,
+    once it is one of this run's (same model, schedule, shape, optimizer, seed, stage count)."""
+    saved, weights, opt_state = load_checkpoint(folder)
+    for key in ("model", "schedule", "microbatches", "batch", "seq", "optimizer", "seed"):
+        if saved.get(key) != meta[key]:
+            raise JobError(f"--resume {folder}: checkpoint has {key}={saved.get(key)!r}, this run {meta[key]!r}")
+    if saved["stages"] != n_stages:
+        raise JobError(f"--resume {folder}: checkpoint has {saved['stages']} stages, this run {n_stages}")
+    return int(saved["step"]), weights, opt_state, [r[0] for r in saved["ranges"][1:]]

@@ -11,10 +11,12 @@ from ir.backend import engine_of, threads_of
 from ir.bundle import load_plan
 from ir.partition import StageCost
 from jobs.errors import JobError
+from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, load_cluster
 from planner.cost import predicted_step_s, stage_costs
 from planner.emit import emit_plan
+from planner.lora import LoraSettings
 from planner.heads import HeadSplit, choose_head_split, profile_with_head_split, split_base_backend, split_extra_cost_s
 from planner.onnx_import import load_model
 from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, solve_partition
@@ -38,6 +40,7 @@ class PlanSettings:
     cuts: tuple[int, ...] | None = None
     devices: tuple[str, ...] | None = None
     time_limit_s: float = 10.0
+    lora: LoraSettings | None = None  # None: full fine-tuning
 
 
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
@@ -47,7 +50,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     if M < 1 or settings.batch % M:
         raise JobError(f"--batch {settings.batch} must be a multiple of --microbatches {M}")
     cluster = load_cluster(cluster_file)
-    graph = load_model(model, settings.batch // M, settings.seq)
+    graph = adapted(load_model(model, settings.batch // M, settings.seq), settings.lora, reporter)
     profiled = {(d.profile.batch, d.profile.seq) for d in cluster.devices}
     if profiled != {(graph.batch, graph.seq)}:
         raise JobError(f"the profiles were measured at (micro-batch rows, seq) {sorted(profiled)} but this plan uses "

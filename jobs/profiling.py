@@ -10,15 +10,19 @@ from typing import Callable, Sequence
 
 import runtime.profiling as prof
 from ir.profile import DeviceProfile, Link
+from jobs.lora import adapted
 from jobs.report import Reporter, Silent
+from planner.lora import LoraSettings
 from planner.onnx_import import load_model
 
 
 def profile_this_device(model: Path, batch: int, seq: int, output: Path | None = None, name: str | None = None,
                         backends: Sequence[str] | None = None, memory_bytes: int | None = None, reps: int = 3,
-                        attention: bool = True, reporter: Reporter = Silent()) -> tuple[DeviceProfile, Path]:
-    """Profile this device at (`batch` rows, `seq` tokens) for `model` and save it; (profile, file)."""
-    graph = load_model(model, batch, seq)
+                        attention: bool = True, lora: LoraSettings | None = None,
+                        reporter: Reporter = Silent()) -> tuple[DeviceProfile, Path]:
+    """Profile this device at (`batch` rows, `seq` tokens) for `model` (with LoRA adapters when
+    `lora` is given: a LoRA plan needs its blocks profiled) and save it; (profile, file)."""
+    graph = adapted(load_model(model, batch, seq), lora, reporter)
     name = name or socket.gethostname()
     profile = prof.profile_device(graph, name, backends=tuple(backends) if backends else prof.DEFAULT_BACKENDS,
                                   reps=reps, memory_bytes=memory_bytes, attention=attention, progress=reporter.note)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
 from jobs.errors import JobError
+from planner.lora import LoraSettings
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class TrainingSettings:
     threads: int = 1
     engine: str = "mnn"
     tokenizer: Path | None = None
+    lora: LoraSettings | None = None  # None: full fine-tuning
 
     def check(self) -> "TrainingSettings":
         for flag, value in (("--steps", self.steps), ("--batch", self.batch), ("--threads", self.threads)):

@@ -122,7 +122,8 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         if cost is None:
             raise ValueError(f"device {device.name!r}: its profile {device.profile.name!r} (backend "
                              f"{backend.backend!r}) has no cost for block {b.index} {b.name!r} (signature {sig}); "
-                             f"profile the device with model {graph.name!r} (`confidant profile`)")
+                             f"profile the device with model {graph.name!r} (`confidant profile`, with the plan's "
+                             f"--lora settings if it has any)")
         out.append(cost)
     return tuple(out)
 
@@ -190,9 +191,10 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     _check_range(graph, first, last)
     blocks = graph.blocks[first:last + 1]
     params = sum(b.params_bytes for b in blocks)
+    frozen = sum(b.frozen_bytes for b in blocks)  # held once: never stashed, stepped or accumulated
     inputs = sum(block_input_bytes(graph)[first:last + 1])
     workspace = sum(c.workspace_bytes for c in block_costs(graph, device)[first:last + 1])
-    return (params * weight_copies(schedule, optimizer, stages, stage, microbatches)
+    return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
             + inputs * in_flight_microbatches(schedule, stages, stage, microbatches)
             + workspace + device.profile.runtime_overhead_bytes)
 

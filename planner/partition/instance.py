@@ -158,7 +158,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                for c, b in zip(row, blocks)) for row, s in zip(costs, specs)),
         params_bytes=tuple(b.params_bytes for b in blocks),
         input_bytes=block_input_bytes(graph),
-        workspace_bytes=tuple(tuple(c.workspace_bytes for c in row) for row in costs),
+        # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
+        workspace_bytes=tuple(tuple(c.workspace_bytes + b.frozen_bytes for c, b in zip(row, blocks)) for row in costs),
         overhead_bytes=tuple(s.profile.runtime_overhead_bytes for s in specs),
         memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
         boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),

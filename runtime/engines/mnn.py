@@ -15,6 +15,7 @@ input. The profile and the memory accounting of the planner must count both.
 """
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -77,7 +78,7 @@ class _BlockProgram:
     """One block as an MNN graph plus its gradient program, both built once."""
 
     def __init__(self, block: Block, nodes: list[Node], spec: StageSpec, params: Mapping[str, "K.Var"],
-                 tables: Mapping[str, np.ndarray]):
+                 tables: Mapping[str, np.ndarray], trainable_tables: set[str]):
         graph = spec.graph
         self.block = block
         env: dict[str, K.Var] = {}
@@ -121,7 +122,10 @@ class _BlockProgram:
         self.params = [p for p in block.params if p in params]
         self._param_vars = [params[p] for p in self.params]
         self.grad_seed = K.placeholder(self.output_shape)
-        wrt = self._param_vars + ([env[self.activation]] if self.activation else []) + [lk.placeholder for lk in self.lookups]
+        # a frozen table (LoRA's base embeddings) gets no gradient: its lookup is not differentiated
+        self.trained_lookups = [lk for lk in self.lookups if lk.table in trainable_tables]
+        wrt = (self._param_vars + ([env[self.activation]] if self.activation else [])
+               + [lk.placeholder for lk in self.trained_lookups])
         self._grads = K.GradientProgram().build([self.output], [self.grad_seed], wrt)
         self._tables = tables
         # Caching only matmul and softmax results keeps ~98% of the speed-up at about half the
@@ -177,7 +181,7 @@ class _BlockProgram:
         dx = None
         if self.activation:
             dx, rest = rest[0], rest[1:]
-        for lk, g in zip(self.lookups, rest):
+        for lk, g in zip(self.trained_lookups, rest):
             ids = np.asarray(host[lk.ids]).reshape(-1)
             table_grad = param_grads.get(lk.table)
             if table_grad is None:
@@ -200,11 +204,17 @@ class MnnStageEngine(StageEngine):
         source = weights if weights is not None else spec.graph.constants
         gather_tables = {n.inputs[0] for n in spec.compute_nodes if n.op == "Gather"}
         self._tables = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p in gather_tables}
+        # frozen tables (not parameters): looked up like the others, never differentiated or stepped
+        self._frozen_tables = {t: np.asarray(spec.graph.constants[t], np.float32) for t in gather_tables
+                               if t not in self._tables and t in spec.graph.constants
+                               and spec.graph.constants[t].dtype.kind == "f"}
         self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params if p not in gather_tables}
         # numpy copy of the current weights: what an old version is restored from and returned to
         self._current = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p not in gather_tables}
         self._constants = {k: v for k, v in spec.graph.constants.items()}
-        self._blocks = [_BlockProgram(b, nodes, spec, self._params, self._tables) for b, nodes in spec.block_nodes()]
+        lookup = ChainMap(self._tables, self._frozen_tables)  # a view: version swaps of _tables show through
+        self._blocks = [_BlockProgram(b, nodes, spec, self._params, lookup, set(self._tables))
+                        for b, nodes in spec.block_nodes()]
         self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray]]] = {}
         self._serial = 0
         self.cache_activations = cache_activations

@@ -1,0 +1,215 @@
+"""LoRA as a graph pass: low-rank adapters on chosen linear projections, their base weights frozen.
+
+For every targeted projection `y = x W` (W a parameter, [in, out] or stored [out, in] with
+`trans_b`) the pass writes
+
+    y = x W + (alpha / r) * (x A) B        A: [in, r], B: [r, out]
+
+as IR nodes of the same block (MatMul, MatMul, Mul by a scalar constant, Add), with A initialised
+as PEFT initialises `lora_A` (Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in));
+PEFT stores it transposed, [r, in]) and B zero, so the adapted model starts as the base model. W
+leaves the graph's parameters: it becomes a frozen constant, which no engine differentiates,
+no optimizer steps, no stash copies and no checkpoint or re-plan moves; only A, B and the
+parameters named by `train_also` stay trainable (`ir.graph.Graph.params` is the trainable set,
+DESIGN.md's contract). Blocks record their frozen bytes, which the planner counts once.
+
+Targets are roles or name patterns. Roles are found from the lowered structure, not from names
+(exporters rename weights): `q`, `k`, `v`, `o` are the attention projections of an encoder block
+(its `ir.graph.AttentionSite`), `up` and `down` the first and second other projections of the
+block (the feed-forward). Any other target is a substring matched against the weight's name.
+`train_also` names block kinds (`head`, `embeddings`), `norms` (LayerNorm scales and biases), or
+substrings of parameter names, trained in full beside the adapters. The default trains the task
+head in full (it is new and random, as PEFT's `modules_to_save`).
+
+An adapted block's attention no longer has the plain pattern, so its heads are not split (the
+pass re-runs `planner.attention.annotate_attention`, which then finds no site there).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ir.graph import Block, Graph, Node, Value
+from planner.attention import annotate_attention
+
+ATTENTION_ROLES = ("q", "k", "v", "o")
+MLP_ROLES = ("up", "down")
+DEFAULT_TARGETS = ATTENTION_ROLES
+DEFAULT_TRAIN_ALSO = ("head",)
+_SITE_ROLE = {"Wq": "q", "Wk": "k", "Wv": "v", "Wo": "o"}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """Rank r, alpha (the update is scaled by alpha / r; PEFT's default alpha is 8), the targets,
+    what else trains in full, and the seed of A's initialisation."""
+
+    rank: int
+    alpha: float = 8.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    train_also: tuple[str, ...] = DEFAULT_TRAIN_ALSO
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
+        if not self.targets:
+            raise ValueError("LoRA needs at least one target (e.g. q,k,v,o)")
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapted projection: its base weight, the adapter parameters, the role (or pattern) that
+    chose it, and its block. `base_transposed`: W is stored [out, in] (`trans_b`)."""
+
+    block: int
+    base: str
+    role: str
+    a: str
+    b: str
+    base_transposed: bool
+    in_features: int
+    out_features: int
+
+
+def adapter_names(base: str) -> tuple[str, str]:
+    """The parameter names of the adapter on weight `base`: (A, B)."""
+    return f"{base}.lora_A", f"{base}.lora_B"
+
+
+def projection_roles(graph: Graph, block: Block) -> dict[str, str]:
+    """Weight name -> role for the block's linear projections with a parameter weight: q/k/v/o
+    from its attention site, then up/down for the other projections in block order."""
+    roles: dict[str, str] = {}
+    if block.attention is not None:
+        for role, name, _ in block.attention.weights:
+            if role in _SITE_ROLE:
+                roles[name] = _SITE_ROLE[role]
+    others = [n.inputs[1] for n in (graph.node(x) for x in block.nodes)
+              if n.op == "MatMul" and n.inputs[1] in graph.params and n.inputs[1] not in roles
+              and len(graph.constants[n.inputs[1]].shape) == 2]
+    if block.kind in ("encoder", "decoder"):
+        for name, role in zip(others, MLP_ROLES):
+            roles.setdefault(name, role)
+    return roles
+
+
+def _targeted(graph: Graph, settings: LoraSettings) -> list[tuple[Block, Node, str]]:
+    """(block, MatMul node, role or pattern) of every projection the settings target, each once."""
+    roles_wanted = {t for t in settings.targets if t in ATTENTION_ROLES + MLP_ROLES}
+    patterns = [t for t in settings.targets if t not in roles_wanted]
+    chosen, seen = [], set()
+    for block in graph.blocks:
+        roles = projection_roles(graph, block)
+        for node in (graph.node(x) for x in block.nodes):
+            if node.op != "MatMul" or node.inputs[1] not in graph.params or node.inputs[1] in seen:
+                continue
+            w = node.inputs[1]
+            if len(graph.constants[w].shape) != 2:
+                continue
+            why = roles.get(w) if roles.get(w) in roles_wanted else next((p for p in patterns if p in w), None)
+            if why is not None:
+                chosen.append((block, node, why))
+                seen.add(w)
+    return chosen
+
+
+def _trained_in_full(graph: Graph, names: Sequence[str]) -> set[str]:
+    out: set[str] = set()
+    for item in names:
+        if item in ("head", "embeddings", "encoder", "decoder", "loss"):
+            out.update(p for b in graph.blocks if b.kind == item for p in b.params)
+        elif item == "norms":
+            out.update(i for n in graph.nodes if n.op in ("LayerNorm", "RMSNorm") for i in n.inputs[1:]
+                       if i in graph.params)
+        else:
+            out.update(p for p in graph.params if item in p)
+    return out
+
+
+def add_lora(graph: Graph, settings: LoraSettings) -> tuple[Graph, tuple[Adapter, ...]]:
+    """`graph` with adapters on every targeted projection and every other parameter frozen except
+    those `train_also` names; and the adapters. Raises ValueError when nothing matches a target."""
+    chosen = _targeted(graph, settings)
+    if not chosen:
+        raise ValueError(f"LoRA targets {list(settings.targets)} match no linear projection of {graph.name!r} "
+                         f"(roles: {', '.join(ATTENTION_ROLES + MLP_ROLES)}; other targets are substrings of "
+                         f"weight names)")
+    rng = np.random.default_rng(settings.seed)
+    constants, values = dict(graph.constants), dict(graph.values)
+    scale_name = "lora.scale"
+    constants[scale_name] = np.asarray(settings.scale, np.float32)
+    values[scale_name] = Value(scale_name, (), "float32")
+    inserted: dict[str, list[Node]] = {}   # base MatMul name -> the nodes that replace it
+    renamed: dict[str, Node] = {}
+    adapters, new_params_of = [], {}
+    for block, node, why in chosen:
+        w = node.inputs[1]
+        transposed = bool(node.attrs.get("trans_b"))
+        d_in, d_out = graph.constants[w].shape[::-1] if transposed else graph.constants[w].shape
+        a_name, b_name = adapter_names(w)
+        bound = 1.0 / math.sqrt(d_in)
+        constants[a_name] = rng.uniform(-bound, bound, (d_in, settings.rank)).astype(np.float32)
+        constants[b_name] = np.zeros((settings.rank, d_out), np.float32)
+        values[a_name] = Value(a_name, (d_in, settings.rank), "float32")
+        values[b_name] = Value(b_name, (settings.rank, d_out), "float32")
+        x, y = node.inputs[0], node.outputs[0]
+        lead = values[y].shape[:-1]
+        names = {k: f"{y}/lora_{k}" for k in ("base", "a", "b", "scaled")}
+        values[names["base"]] = replace(values[y], name=names["base"])
+        values[names["a"]] = Value(names["a"], lead + (settings.rank,), "float32")
+        values[names["b"]] = Value(names["b"], lead + (d_out,), "float32")
+        values[names["scaled"]] = Value(names["scaled"], lead + (d_out,), "float32")
+        renamed[node.name] = replace(node, outputs=(names["base"],))
+        inserted[node.name] = [
+            Node(f"{node.name}/lora_a", "MatMul", (x, a_name), (names["a"],), {"trans_b": False}),
+            Node(f"{node.name}/lora_b", "MatMul", (names["a"], b_name), (names["b"],), {"trans_b": False}),
+            Node(f"{node.name}/lora_scale", "Mul", (names["b"], scale_name), (names["scaled"],)),
+            Node(f"{node.name}/lora_add", "Add", (names["base"], names["scaled"]), (y,)),
+        ]
+        new_params_of.setdefault(block.index, []).extend([a_name, b_name])
+        adapters.append(Adapter(block.index, w, why, a_name, b_name, transposed, int(d_in), int(d_out)))
+    nodes = []
+    for n in graph.nodes:
+        nodes.append(renamed.get(n.name, n))
+        nodes.extend(inserted.get(n.name, ()))
+    keep = _trained_in_full(graph, settings.train_also)
+    adapter_params = {p for ps in new_params_of.values() for p in ps}
+    params = tuple(p for p in graph.params if p in keep) + tuple(p for a in adapters for p in (a.a, a.b))
+    blocks = tuple(_adapted_block(b, inserted, new_params_of.get(b.index, []), set(params), constants, values)
+                   for b in graph.blocks)
+    out = Graph(graph.name, graph.inputs, graph.outputs, tuple(nodes), values, constants, params, blocks,
+                graph.batch, graph.seq)
+    assert adapter_params <= set(out.params)
+    return annotate_attention(out), tuple(adapters)
+
+
+def _adapted_block(block: Block, inserted: Mapping[str, list[Node]], new_params: Sequence[str],
+                   trainable: set[str], constants: Mapping[str, np.ndarray], values: Mapping[str, Value]) -> Block:
+    names = []
+    for n in block.nodes:
+        names.append(n)
+        names.extend(x.name for x in inserted.get(n, ()))
+    reads = dict.fromkeys([p for p in block.params] + list(new_params))
+    params = tuple(p for p in reads if p in trainable)
+    frozen = [p for p in reads if p not in trainable]
+    extra_flops = 0
+    for n in block.nodes:
+        for x in inserted.get(n, ()):
+            if x.op == "MatMul":
+                rows = int(np.prod(values[x.inputs[0]].shape[:-1]))
+                w = constants[x.inputs[1]].shape
+                extra_flops += 2 * rows * int(w[0]) * int(w[1])
+    return replace(block, nodes=tuple(names), params=params,
+                   params_bytes=sum(int(constants[p].nbytes) for p in params),
+                   frozen_bytes=block.frozen_bytes + sum(int(constants[p].nbytes) for p in frozen),
+                   flops=block.flops + extra_flops)

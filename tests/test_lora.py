@@ -1,0 +1,195 @@
+"""LoRA through the IR and the engines: the pass against PEFT's LoRA on the same weights (float64
+PyTorch), frozen weights that never move, and only adapters (and what trains in full) as parameters."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from planner.lora import LoraSettings, add_lora, projection_roles
+from planner.onnx_import import load_model
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.pytorch import TorchStageEngine
+from runtime.engines.stage import stage_spec
+from runtime.optim import make_optimizer
+from support import token_feeds
+
+B, S, LABELS, RANK, ALPHA = 2, 12, 9, 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_onnx):
+    return load_model(tiny_onnx["torchscript-17"], B, S)
+
+
+@pytest.fixture(scope="module")
+def adapted(graph):
+    return add_lora(graph, LoraSettings(RANK, ALPHA, targets=("q", "k", "v", "o"), seed=3))
+
+
+def test_the_pass_adapts_the_attention_projections_and_freezes_the_rest(graph, adapted):
+    lora, adapters = adapted
+    encoders = [b for b in graph.blocks if b.kind == "encoder"]
+    assert len(adapters) == 4 * len(encoders)
+    assert {(a.block, a.role) for a in adapters} == {(b.index, r) for b in encoders for r in "qkvo"}
+    head = {p for b in graph.blocks if b.kind == "head" for p in b.params}
+    assert set(lora.params) == {p for a in adapters for p in (a.a, a.b)} | head
+    for a in adapters:
+        assert lora.constants[a.a].shape == (a.in_features, RANK) and lora.constants[a.b].shape == (RANK, a.out_features)
+        assert not lora.constants[a.b].any()                     # B = 0: the adapted model starts as the base
+        assert np.abs(lora.constants[a.a]).max() <= 1 / np.sqrt(a.in_features)   # PEFT's Kaiming-uniform bound
+        assert a.base not in lora.params and a.base in lora.constants
+    enc = lora.blocks[encoders[0].index]
+    assert enc.frozen_bytes > 0 and enc.params_bytes == sum(lora.constants[p].nbytes for p in enc.params)
+    assert enc.attention is None  # an adapted attention is not split
+    assert lora.blocks[0].frozen_bytes == graph.blocks[0].params_bytes  # embeddings frozen whole
+
+
+def test_roles_come_from_the_structure_not_names(graph):
+    for b in graph.blocks:
+        if b.kind == "encoder":
+            roles = projection_roles(graph, b)
+            assert sorted(roles.values()) == ["down", "k", "o", "q", "up", "v"]
+
+
+def test_nothing_matched_says_what_can_be(graph):
+    with pytest.raises(ValueError, match=r"match no linear projection .*\(roles: q, k, v, o, up, down"):
+        add_lora(graph, LoraSettings(2, targets=("nonexistent",)))
+    with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+        LoraSettings(0)
+
+
+def test_b_zero_leaves_the_model_unchanged(graph, adapted):
+    lora, _ = adapted
+    feeds = token_feeds(B, S, vocab=500)
+    base = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1)).forward(feeds, train=False)
+    same = MnnStageEngine(stage_spec(lora, 0, len(lora.blocks) - 1)).forward(feeds, train=False)
+    np.testing.assert_allclose(same, base, rtol=1e-6, atol=1e-7)
+
+
+# --- against PEFT ----------------------------------------------------------------------------------
+
+def _peft_model(tiny_checkpoint):
+    from peft import LoraConfig, get_peft_model
+
+    from jobs.export import load_token_classifier
+
+    model = load_token_classifier(tiny_checkpoint, LABELS, seed=0).double()
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, modules_to_save=["classifier"],
+                        target_modules=["query", "key", "value", "attention.output.dense"])
+    return get_peft_model(model, config).eval()
+
+
+def _match_modules(peft_model, lora_graph, adapters) -> dict[str, torch.nn.Module]:
+    """Base weight name of each adapter -> the PEFT LoRA layer wrapping the same weight (found by
+    value: exporters rename weights)."""
+    layers = {name: m for name, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    out = {}
+    for a in adapters:
+        w = lora_graph.constants[a.base].astype(np.float64)
+        hf = w if a.base_transposed else w.T  # HF Linear weights are [out, in]
+        found = [n for n, m in layers.items() if m.base_layer.weight.shape == hf.shape
+                 and np.allclose(m.base_layer.weight.detach().numpy(), hf, atol=1e-7)]
+        assert len(found) == 1, (a.base, found)
+        out[a.base] = layers[found[0]]
+    return out
+
+
+def _same_adapter_weights(peft_model, lora_graph, adapters, seed=5):
+    """Random A and B (B non-zero, so A's gradient is too) written into both models."""
+    rng = np.random.default_rng(seed)
+    modules = _match_modules(peft_model, lora_graph, adapters)
+    weights = {}
+    for a in adapters:
+        A = rng.normal(0, 0.2, (a.in_features, RANK)).astype(np.float32)
+        Bm = rng.normal(0, 0.2, (RANK, a.out_features)).astype(np.float32)
+        weights[a.a], weights[a.b] = A, Bm
+        layer = modules[a.base]
+        with torch.no_grad():
+            layer.lora_A["default"].weight.copy_(torch.tensor(A.T, dtype=torch.float64))
+            layer.lora_B["default"].weight.copy_(torch.tensor(Bm.T, dtype=torch.float64))
+    return weights, modules
+
+
+def _peft_loss(peft_model, feeds):
+    logits = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
+                        attention_mask=torch.tensor(feeds["attention_mask"]),
+                        token_type_ids=torch.tensor(feeds["token_type_ids"])).logits
+    targets = torch.tensor(feeds["targets"], dtype=torch.float64)
+    return -(targets * torch.log_softmax(logits, dim=-1)).sum()
+
+
+def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+
+
+@pytest.mark.parametrize("engine", ["mnn", "torch"])
+def test_adapter_gradients_equal_peft_in_float64(tiny_checkpoint, adapted, engine):
+    lora, adapters = adapted
+    peft_model = _peft_model(tiny_checkpoint)
+    weights, modules = _same_adapter_weights(peft_model, lora, adapters)
+    feeds = token_feeds(B, S, vocab=500)
+    loss = _peft_loss(peft_model, feeds)
+    loss.backward()
+    spec = stage_spec(lora, 0, len(lora.blocks) - 1)
+    init = {**lora.constants, **weights}
+    eng = MnnStageEngine(spec, weights=init) if engine == "mnn" else TorchStageEngine(spec, weights=init)
+    got_loss = float(eng.forward(feeds, 0))
+    assert got_loss == pytest.approx(loss.item(), rel=1e-5)
+    grads = eng.backward(0).params
+    assert set(grads) == set(lora.params)  # adapters and the head: frozen weights get none
+    for a in adapters:
+        layer = modules[a.base]
+        ga = layer.lora_A["default"].weight.grad.numpy().T
+        gb = layer.lora_B["default"].weight.grad.numpy().T
+        assert _rel_err(grads[a.a], ga) <= 1e-4, (a.a, _rel_err(grads[a.a], ga))
+        assert _rel_err(grads[a.b], gb) <= 1e-4, (a.b, _rel_err(grads[a.b], gb))
+
+
+@pytest.mark.parametrize("engine", ["mnn", "torch"])
+def test_the_input_gradient_flows_through_frozen_projections(tiny_checkpoint, adapted, engine):
+    """A stage of encoder layers (its input the embeddings' output) against PEFT's encoder in
+    float64: dx passes through the frozen W and the adapters alike."""
+    lora, adapters = adapted
+    peft_model = _peft_model(tiny_checkpoint)
+    weights, _ = _same_adapter_weights(peft_model, lora, adapters)
+    first = next(b.index for b in lora.blocks if b.kind == "encoder")
+    last = max(b.index for b in lora.blocks if b.kind == "encoder")
+    spec = stage_spec(lora, first, last)
+    feeds = token_feeds(B, S, vocab=500)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((B, S, lora.values[spec.activation_input].shape[-1])).astype(np.float32)
+    dy = rng.standard_normal((B, S, x.shape[-1])).astype(np.float32)
+    bert = peft_model.base_model.model.bert
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor(feeds["attention_mask"], dtype=torch.float64)[:, None, None, :]
+    additive = (1.0 - mask) * torch.finfo(torch.float64).min
+    out = bert.encoder(xt, attention_mask=additive).last_hidden_state
+    out.backward(torch.tensor(dy, dtype=torch.float64))
+    init = {**lora.constants, **weights}
+    eng = MnnStageEngine(spec, weights=init) if engine == "mnn" else TorchStageEngine(spec, weights=init)
+    y = eng.forward({**feeds, spec.activation_input: x}, 0)
+    np.testing.assert_allclose(y, out.detach().numpy(), rtol=1e-4, atol=1e-5)
+    dx = eng.backward(0, dy).activation_input
+    assert _rel_err(dx, xt.grad.numpy()) <= 1e-4
+
+
+def test_training_moves_only_adapters_and_the_head(adapted):
+    """Three AdamW steps: frozen weights bit-identical, adapters and head moved."""
+    lora, adapters = adapted
+    spec = stage_spec(lora, 0, len(lora.blocks) - 1)
+    engine = MnnStageEngine(spec)
+    opt = make_optimizer("adamw", 1e-2)
+    params = engine.parameters()
+    assert set(params) == set(lora.params)
+    before = {k: v.copy() for k, v in lora.constants.items()}
+    for step in range(3):
+        engine.forward(token_feeds(B, S, vocab=500, seed=step), 0)
+        params = opt.step(params, engine.backward(0).params)
+        engine.set_parameters(params)
+    after = engine.parameters()
+    frozen = [k for k in lora.constants if k not in lora.params]
+    for k in frozen:
+        assert lora.constants[k].tobytes() == before[k].tobytes()
+    assert all(not np.array_equal(after[a.b], before[a.b]) for a in adapters)  # B left zero
+    assert set(opt.state()) - {"steps"} <= {f"{kind}/{p}" for kind in ("m", "v") for p in lora.params}
