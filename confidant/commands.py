@@ -226,10 +226,13 @@ def show_plan(plan_dir: Path) -> None:
     from ir.bundle import load_plan
 
     plan = load_plan(plan_dir)
-    rows = [("stage", "device", "address", "blocks", "memory / budget", "time/micro-batch", "engine", "threads", "heads")]
+    rows = [("stage", "device", "address", "blocks", "memory / budget", "trainable / frozen", "time/micro-batch",
+             "engine", "threads", "heads")]
     for d in plan.devices:
+        weights = "-" if d.trainable_bytes is None else \
+            f"{d.trainable_bytes / 2**20:.1f} / {(d.frozen_bytes or 0) / 2**20:.1f} MiB"
         rows.append((str(d.stage), d.name, d.address or "-", f"{d.first_block}-{d.last_block}",
-                     f"{d.memory_bytes / 2**20:.0f} / {d.memory_budget_bytes / 2**20:.0f} MiB",
+                     f"{d.memory_bytes / 2**20:.0f} / {d.memory_budget_bytes / 2**20:.0f} MiB", weights,
                      f"{d.predicted_time_s * 1000:.0f} ms", d.engine, str(d.threads), _heads_cell(d.head_split)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"plan {plan_dir}: model {plan.model}, schedule {plan.schedule}, {plan.microbatches} micro-batches "

@@ -266,6 +266,8 @@ class DevicePlan:
     head_split: PlannedHeadSplit | None = None
     address: str | None = None
     cost: PlannedCost | None = None
+    trainable_bytes: int | None = None  # the stage's trainable parameters (None: plans written before)
+    frozen_bytes: int | None = None     # its frozen weights (LoRA's base), held once
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -283,6 +285,8 @@ class DevicePlan:
             out["address"] = self.address
         if self.cost is not None:
             out["cost"] = self.cost.to_json()
+        if self.trainable_bytes is not None:
+            out["trainable_bytes"], out["frozen_bytes"] = self.trainable_bytes, self.frozen_bytes or 0
         return out
 
 
@@ -449,10 +453,15 @@ def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
     engine = d.get("engine", "mnn")
     if not isinstance(engine, str) or not engine:
         raise fail(f"device {name!r} engine is {engine!r}, not a non-empty string")
+    sizes = {}
+    for key in ("trainable_bytes", "frozen_bytes"):
+        if d.get(key) is not None and not (_is_int(d[key]) and d[key] >= 0):
+            raise fail(f"device {name!r} {key} is {d[key]!r}, not an integer >= 0")
+        sizes[key] = d.get(key)
     return DevicePlan(name, i, b[0], b[1], int(d["memory_bytes"]), int(d["memory_budget_bytes"]),
                       float(d["predicted_time_s"]), d["bundle"], digest, threads, engine,
                       _planned_split(d.get("head_split"), name, fail), d.get("address"),
-                      _planned_cost(d.get("cost"), name, fail))
+                      _planned_cost(d.get("cost"), name, fail), sizes["trainable_bytes"], sizes["frozen_bytes"])
 
 
 def _planned_split(doc: Any, device: str, fail) -> PlannedHeadSplit | None:

@@ -171,12 +171,14 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
                                  schedule.actions[s])
         load_bundle_dir(directory)  # read back from disk: what a device will receive
         c = costs[s] if costs is not None else None
+        blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]
         entries.append(DevicePlan(
             device, s, assignment.first_block, assignment.last_block, assignment.memory_bytes,
             assignment.memory_budget_bytes, assignment.predicted_time_s, device,
             sha256_hex((directory / MANIFEST).read_bytes()), cfg["threads"][device], cfg["engines"][device],
             _planned_split(cfg, device), cfg["addresses"].get(device),
-            None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s)))
+            None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s),
+            sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks)))
     cluster_sha256 = None
     if cluster_doc is not None:
         data = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")

@@ -193,3 +193,44 @@ def test_training_moves_only_adapters_and_the_head(adapted):
         assert lora.constants[k].tobytes() == before[k].tobytes()
     assert all(not np.array_equal(after[a.b], before[a.b]) for a in adapters)  # B left zero
     assert set(opt.state()) - {"steps"} <= {f"{kind}/{p}" for kind in ("m", "v") for p in lora.params}
+
+
+# --- the planner's view ------------------------------------------------------------------------------
+
+def test_the_memory_model_counts_frozen_weights_once_and_trainable_ones_per_copy(graph, adapted):
+    from planner.cost import block_input_bytes, stage_memory_bytes, weight_copies
+    from planner.replan import flops_cluster
+
+    lora, _ = adapted
+    device = flops_cluster(lora, ["d"]).device("d")
+    first, last = 1, 2
+    blocks = lora.blocks[first:last + 1]
+    trainable, frozen = sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks)
+    assert frozen > trainable > 0
+    copies = weight_copies("1f1b-stash", "adamw", 3, 0, 4)
+    inputs = sum(block_input_bytes(lora)[first:last + 1])
+    want = trainable * copies + frozen + inputs * 3 + device.profile.runtime_overhead_bytes
+    assert stage_memory_bytes(lora, device, first, last, 0, 3, "1f1b-stash", 4, "adamw") == want
+
+
+def test_a_lora_plan_records_trainable_and_frozen_bytes_and_show_prints_them(adapted, tmp_path, capsys):
+    from confidant.commands import show_plan
+    from ir.bundle import load_plan
+    from planner.emit import emit_plan
+    from planner.partition import make_instance, solve_partition
+    from planner.replan import flops_cluster
+    from planner.schedule import make_schedule
+
+    lora, _ = adapted
+    cluster = flops_cluster(lora, ["a", "b"])
+    partition = solve_partition(make_instance(lora, cluster, "1f1b-flush", 2, "adamw"), time_limit_s=5)
+    emit_plan(tmp_path / "plan", lora, partition, make_schedule("1f1b-flush", len(partition.stages), 2),
+              {"model": "tiny-lora"}, cluster=cluster)
+    plan = load_plan(tmp_path / "plan", verify_bundles=True)
+    assert sum(d.trainable_bytes for d in plan.devices) == sum(int(lora.constants[p].nbytes) for p in lora.params)
+    assert sum(d.frozen_bytes for d in plan.devices) == sum(b.frozen_bytes for b in lora.blocks)
+    show_plan(tmp_path / "plan")
+    out = capsys.readouterr().out
+    assert "trainable / frozen" in out
+    d = plan.devices[0]
+    assert f"{d.trainable_bytes / 2**20:.1f} / {d.frozen_bytes / 2**20:.1f} MiB" in out
