@@ -131,7 +131,8 @@ def test_errors_name_device_and_block():
     with pytest.raises(ValueError) as exc:
         compute_s(g, spec, 0, 3)
     assert str(exc.value) == (f"device 'b': its profile 'b' (backend 'mnn:cpu:t2') has no cost for block 3 'head' "
-                              f"(signature {HEAD}); profile the device with model 'tiny' (`confidant profile`)")
+                              f"(signature {HEAD}); profile the device with model 'tiny' (`confidant profile`, with "
+                              f"the plan's --lora settings if it has any)")
     with pytest.raises(ValueError, match="unknown schedule 'zb'; valid names: gpipe, 1f1b-flush, 1f1b-stash"):
         stage_costs(g, cl, _two_stages(), "zb", 4, "sgd")
     with pytest.raises(ValueError, match="unknown optimizer 'adam': choose sgd or adamw"):

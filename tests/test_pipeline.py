@@ -49,7 +49,12 @@ def _assert_rel(a: dict, b: dict, rtol: float) -> None:
         assert err <= rtol, f"{k}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("schedule,stages", [("1f1b-flush", 2), ("1f1b-flush", 3), ("gpipe", 2), ("gpipe", 3)])
+# Every case has a twin on threads (tests/test_pipeline_inprocess.py); one stays in the fast tier as
+# the multi-process ZeroMQ check of this family.
+@pytest.mark.parametrize("schedule,stages", [
+    pytest.param("1f1b-flush", 2, marks=pytest.mark.slow), ("1f1b-flush", 3),
+    pytest.param("gpipe", 2, marks=pytest.mark.slow), pytest.param("gpipe", 3, marks=pytest.mark.slow),
+])
 def test_flush_schedules_equal_single_device_training(graph, batches, schedule, stages):
     result = _run(graph, batches, schedule, stages)
     losses, weights = single_device_training(graph, batches, STEPS)
@@ -65,6 +70,7 @@ def _replay(graph, batches, ranges, stash: bool):
     return pipe.run(schedule, feeds), pipe.parameters()
 
 
+@pytest.mark.slow  # twin on threads: tests/test_pipeline_inprocess.py
 def test_weight_stashing_equals_sequential_replay_and_differs_without_it(graph, batches):
     result = _run(graph, batches, "1f1b-stash", 3)
     losses, weights = _replay(graph, batches, result.ranges, stash=True)
@@ -79,6 +85,7 @@ def test_weight_stashing_equals_sequential_replay_and_differs_without_it(graph, 
     assert step_losses[1] != pytest.approx(single[1], rel=1e-6)
 
 
+@pytest.mark.slow  # twin on threads: tests/test_pipeline_inprocess.py
 def test_checkpoint_then_resume_continues_identically(graph, batches, tmp_path):
     whole = _run(graph, batches, "1f1b-flush", 2, steps=3)
     first = _run(graph, batches, "1f1b-flush", 2, steps=2, checkpoint_dir=tmp_path / "ckpt", meta={"model": "tiny"})
@@ -92,6 +99,9 @@ def test_checkpoint_then_resume_continues_identically(graph, batches, tmp_path):
         np.testing.assert_array_equal(resumed.weights[k], whole.weights[k], err_msg=k)
 
 
+# twin on threads: tests/test_pipeline_inprocess.py; a worker process's own error report stays in the
+# fast tier in tests/test_plan_train.py (a tampered bundle)
+@pytest.mark.slow
 def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, batches):
     """A fake stage 0 sends stage 1 (a real worker process) an activation with a corrupted payload."""
     worker = LocalWorkers.start(1, threads=1)
@@ -127,6 +137,7 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
     assert worker.wait(30.0) == [1]
 
 
+@pytest.mark.slow  # twin on threads: tests/test_pipeline_inprocess.py
 def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches):
     """Stage 0 on MNN, stage 1 on PyTorch: devices with different frameworks train one model."""
     mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120,

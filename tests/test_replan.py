@@ -237,6 +237,7 @@ def _assert_rel(a: dict, b: dict, rtol: float) -> None:
         assert err <= rtol, f"{k}: relative error {err:.3g}"
 
 
+@pytest.mark.slow  # twin on threads: tests/test_pipeline_inprocess.py
 def test_a_slowed_worker_triggers_a_replan_that_trains_like_the_new_plan_from_that_step(graph, batches, tmp_path):
     """Steps 0-1 on ranges A; after step 2 worker 1 is measured 6x slower than predicted, the plan
     moves blocks off it (B), and steps 2-3 run on B. That must equal, exactly, a run on A for two
@@ -288,6 +289,7 @@ def test_a_slowed_worker_triggers_a_replan_that_trains_like_the_new_plan_from_th
     _assert_rel(result.weights, single, 1e-5)
 
 
+@pytest.mark.slow  # twin on threads: tests/test_pipeline_inprocess.py
 def test_a_worker_leaving_at_the_end_of_the_pipeline(graph, batches):
     """Worker 2 leaves after step 1: the forced re-plan gives its blocks to the others; it is reset,
     waits idle and exits cleanly at the end; training continues like single-device training."""
@@ -377,7 +379,9 @@ _EVEN3 = [((0, 1), 0), ((2, 2), 1), ((3, 4), 2)]
 
 
 @pytest.mark.parametrize("then", [
-    pytest.param([((0, 2), 0), ((3, 4), 2)], id="middle-worker-leaves"),
+    # both have twins on threads (tests/test_pipeline_inprocess.py); the swap stays in the fast tier as
+    # the check that names change hands between real processes over ZeroMQ
+    pytest.param([((0, 2), 0), ((3, 4), 2)], id="middle-worker-leaves", marks=pytest.mark.slow),
     pytest.param([((0, 0), 2), ((1, 2), 1), ((3, 4), 0)], id="first-and-last-swap"),
 ])
 def test_a_replan_that_renumbers_workers_trains_like_the_new_plan_from_that_step(graph, batches, before_replan, then):

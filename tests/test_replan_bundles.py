@@ -131,6 +131,7 @@ def _flops_of(graph, plan, device: str) -> int:
     return sum(b.flops for b in graph.blocks[blocks[0]:blocks[1] + 1]) if blocks else 0
 
 
+@pytest.mark.slow  # twin on threads, without the command line: tests/test_pipeline_inprocess.py
 def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_that_step(planned, tiny_onnx):
     root, train, tokenizer = planned
     common = ["--data", train, "--local", "--tokenizer", tokenizer]

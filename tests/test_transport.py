@@ -187,6 +187,143 @@ def test_zmq_queues_sends_to_a_peer_that_has_not_bound_yet():
         early.close()
 
 
+# --- connections: addresses, names, renaming (the same rules over both transports) -------------
+
+def make_endpoint(kind: str, name: str, hub: LocalHub, address: str, **zmq_options):
+    """An endpoint that receives at its own address: a local one at `address` on `hub`, or a
+    ZeroMQ one on a free loopback port."""
+    if kind == "local":
+        return LocalTransport(name, hub, address)
+    return ZmqTransport(name, "tcp://127.0.0.1:0", linger_s=0.2, **zmq_options)
+
+
+@pytest.fixture(params=KINDS)
+def endpoints(request):
+    hub, made = LocalHub(), []
+
+    def build(name, address, **zmq_options):
+        made.append(make_endpoint(request.param, name, hub, address, **zmq_options))
+        return made[-1]
+
+    yield build
+    for t in made:
+        t.close()
+
+
+def test_messages_go_to_an_address_and_are_filed_under_the_senders_name(endpoints):
+    """As a worker and its coordinator: the worker starts nameless ("worker") and still receives
+    what the coordinator sends to the peer name it connected the worker's address under; once
+    renamed and connected back, its messages are filed under its new name."""
+    coord = endpoints("coordinator", "local://coordinator")
+    worker = endpoints("worker", "local://w0", accept=("coordinator",))
+    coord.connect("stage0", worker.address)
+    assert coord.peers == {"stage0": worker.address} and coord.address_of("stage0") == worker.address
+    coord.send_control("stage0", {"type": "setup", "stage": 0})
+    coord.send_tensor("stage0", "weights", -1, 0, X, name="w")
+    assert worker.recv_control("coordinator", timeout=5) == ("coordinator", {"type": "setup", "stage": 0})
+    assert np.array_equal(worker.recv_tensor("coordinator", Expected("weights", -1, 0, name="w"), timeout=5)[1], X)
+    worker.rename("stage0")
+    worker.connect("coordinator", coord.address)
+    assert worker.name == "stage0" and worker.peers == {"coordinator": coord.address}
+    worker.send_control("coordinator", {"type": "ready", "stage": 0})
+    assert coord.recv_control(None, timeout=5) == ("stage0", {"type": "ready", "stage": 0})
+
+
+def test_a_name_changes_hands_only_after_every_connection_is_closed(endpoints):
+    """A re-plan that renumbers a worker: it may not rename while it still sends under the old
+    name; after `disconnect` it takes the new one, and the coordinator files it under that."""
+    coord = endpoints("coordinator", "local://coordinator")
+    worker = endpoints("worker", "local://w0", accept=("coordinator",))
+    coord.connect("stage1", worker.address)
+    worker.rename("stage1")
+    worker.connect("coordinator", coord.address)
+    worker.send_control("coordinator", {"type": "released", "stage": 1})
+    with pytest.raises(RuntimeError, match=r"still sends to \['coordinator'\] under its old name; disconnect them "
+                                           r"before renaming it to 'stage0'"):
+        worker.rename("stage0")
+    assert coord.recv_control("stage1", timeout=5) == ("stage1", {"type": "released", "stage": 1})
+    worker.disconnect("coordinator")
+    assert worker.peers == {}
+    with pytest.raises(ValueError, match=r"no address for peer 'coordinator' of 'stage1'; call connect\(\) first"):
+        worker.send_control("coordinator", {"type": "late"})
+    with pytest.raises(ValueError, match="transport name must be a non-empty printable string"):
+        worker.rename("")
+    worker.rename("stage0")
+    coord.disconnect("stage1")
+    coord.connect("stage0", worker.address)
+    coord.send_control("stage0", {"type": "setup", "stage": 0})
+    assert worker.recv_control("coordinator", timeout=5) == ("coordinator", {"type": "setup", "stage": 0})
+    worker.connect("coordinator", coord.address)
+    worker.send_control("coordinator", {"type": "ready", "stage": 0})
+    assert coord.recv_control(None, timeout=5) == ("stage0", {"type": "ready", "stage": 0})
+    assert coord.peers == {"stage0": worker.address}
+
+
+def test_a_peer_moved_to_another_address_gets_what_is_sent_from_then_on(endpoints):
+    coord = endpoints("coordinator", "local://coordinator")
+    old = endpoints("old", "local://old", accept=("coordinator",))
+    new = endpoints("new", "local://new", accept=("coordinator",))
+    coord.connect("stage0", old.address)
+    coord.send_control("stage0", {"n": 1})
+    assert old.recv_control("coordinator", timeout=5) == ("coordinator", {"n": 1})
+    coord.connect("stage0", new.address)
+    coord.send_control("stage0", {"n": 2})
+    assert new.recv_control("coordinator", timeout=5) == ("coordinator", {"n": 2})
+    with pytest.raises(PeerTimeout):
+        old.recv_control("coordinator", timeout=0.1)
+
+
+def test_a_local_endpoint_that_never_connects_finds_peers_by_name():
+    """The full mesh of the sequential replay: `local://<name>` is where `LocalTransport(name)`
+    lives, until the endpoint connects anything; then it sends only where it connected."""
+    hub = LocalHub()
+    a, b = LocalTransport("a", hub), LocalTransport("b", hub)
+    assert (a.address, a.peers, a.address_of("b")) == ("local://a", {}, "local://b")
+    a.send_control("b", {"n": 1})
+    assert b.recv_control("a", timeout=5) == ("a", {"n": 1})
+    a.connect("c", "local://somewhere")
+    assert a.address_of("b") is None
+    with pytest.raises(ValueError, match=r"no address for peer 'b' of 'a'; call connect\(\) first"):
+        a.send_control("b", {"n": 2})
+    with pytest.raises(ValueError, match="is not a local:// address"):
+        a.connect("d", "tcp://127.0.0.1:1")
+
+
+def test_local_addresses_are_bound_once_and_freed_by_close():
+    hub = LocalHub()
+    first = LocalTransport("worker", hub, "local://w0")
+    with pytest.raises(ValueError, match="already bound at 'local://w0'"):
+        LocalTransport("worker", hub, "local://w0")
+    second = LocalTransport("worker", hub, "local://w1")  # one name, two addresses: two nameless workers
+    first.close()
+    again = LocalTransport("worker", hub, "local://w0")
+    assert hub.is_registered("local://w0") and hub.is_registered("local://w1")
+    for t in (second, again):
+        t.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        again.send_control("x", {})
+
+
+def test_closing_a_local_endpoint_wakes_a_receive_waiting_in_another_thread():
+    """How the in-process harness stops a stage that waits for a neighbour that will never send."""
+    hub = LocalHub()
+    waiting = LocalTransport("stage1", hub)
+    outcome = []
+
+    def wait():
+        try:
+            waiting.recv_tensor("stage0", Expected("act", 0, 0), timeout=30)
+        except RuntimeError as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    waiting.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and "closed" in str(outcome[0])
+
+
 def test_pipeline_of_threads_over_the_local_transport():
     """A 3-stage, 4-micro-batch GPipe step (y = x * w per stage) run on threads matches one process."""
     stages, micro = 3, 4
