@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_worker(sub)
     _add_backends(sub)
+    _add_export_adapter(sub)
     _add_demo(sub)
     return parser
 
@@ -271,3 +272,18 @@ def main(argv: list[str] | None = None) -> int:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"confidant {args.command}: error: {message}", file=sys.stderr)
         return 1
+
+
+def _add_export_adapter(sub) -> None:
+    p = sub.add_parser("export-adapter", help="write a LoRA run's adapters in PEFT's format (adapter_config.json, "
+                                              "adapter_model.safetensors)",
+                       description="Read a checkpoint of a LoRA run (train-pipeline --lora R --checkpoint DIR) and "
+                                   "write its adapters and the modules trained in full as a PEFT adapter that "
+                                   "peft.PeftModel.from_pretrained loads onto the transformers model the ONNX file "
+                                   "was exported from.")
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True, help="adapter folder to write")
+    p.add_argument("--base", type=Path, default=None,
+                   help="the transformers checkpoint the model was exported from (default: the bundled MiniLM)")
+    p.add_argument("--num-labels", type=int, default=9, help="labels of the exported head (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the export's head seed (default %(default)s)")

@@ -258,3 +258,15 @@ def cmd_simulate(args) -> int:
                                                                                    sim.peak_memory_bytes)))
     print(f"wrote {args.output} (open in Perfetto / chrome://tracing)")
     return 0
+
+
+def cmd_export_adapter(args) -> int:
+    from jobs.export_adapter import export_adapter_for
+
+    try:
+        out = export_adapter_for(args.checkpoint, args.output, args.base, args.num_labels, args.seed)
+    except ModuleNotFoundError as exc:
+        raise CliError(f"export-adapter needs the `export` extra ({exc.name} is missing): "
+                       "pip install 'confidant[export]' torch==2.13.0") from None
+    print(f"wrote {out}: load it with peft.PeftModel.from_pretrained(model, {str(out)!r})")
+    return 0

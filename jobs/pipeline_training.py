@@ -6,6 +6,7 @@ runtime.pipeline.worker, the schedules in planner.schedule.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -285,7 +286,8 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     cuts = list(pipeline.cuts) if pipeline.cuts else None
     meta = {"model": Path(model).name, "schedule": pipeline.schedule, "microbatches": M, "batch": training.batch,
             "seq": training.seq, "optimizer": training.optimizer, "lr": training.lr, "seed": training.seed,
-            "cuts": cuts}
+            "cuts": cuts, "model_path": str(Path(model).resolve()),
+            "lora": None if training.lora is None else asdict(training.lora)}
     start_step, weights, opt_state = 0, None, None
     if pipeline.resume:
         start_step, weights, opt_state, cuts = _resumed(pipeline.resume, meta, n_stages)
@@ -350,8 +352,9 @@ def _resumed(folder: Path, meta: dict, n_stages: int):
     """(the step to continue from, weights, optimizer state per stage, the cuts) of a checkpoint,
     once it is one of this run's (same model, schedule, shape, optimizer, seed, stage count)."""
     saved, weights, opt_state = load_checkpoint(folder)
-    for key in ("model", "schedule", "microbatches", "batch", "seq", "optimizer", "seed"):
-        if saved.get(key) != meta[key]:
+    for key in ("model", "schedule", "microbatches", "batch", "seq", "optimizer", "seed", "lora"):
+        # as JSON reads it back (tuples become lists)
+        if saved.get(key) != json.loads(json.dumps(meta[key])):
             raise JobError(f"--resume {folder}: checkpoint has {key}={saved.get(key)!r}, this run {meta[key]!r}")
     if saved["stages"] != n_stages:
         raise JobError(f"--resume {folder}: checkpoint has {saved['stages']} stages, this run {n_stages}")

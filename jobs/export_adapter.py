@@ -1,0 +1,90 @@
+"""`confidant export-adapter CHECKPOINT -o DIR`: a LoRA run's adapters in PEFT's format, which
+`peft.PeftModel.from_pretrained(base_model, DIR)` loads onto the transformers model.
+
+PEFT keeps, per adapted Linear `M` of the base model, `base_model.model.M.lora_A.weight` [r, in] and
+`base_model.model.M.lora_B.weight` [out, r] (Confidant's A is [in, r] and B [r, out]: transposed),
+and every module trained in full (`modules_to_save`: the task head) under its own parameter names
+`base_model.model.<name>`. Which transformers module each weight of the lowered model is, is
+`jobs.hf_names`' business; this job only writes the files (with the project's own safetensors codec).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ir.safetensors import save_safetensors
+from jobs.errors import JobError
+from jobs.hf_names import hf_names
+from planner.lora import LoraSettings, add_lora
+from planner.onnx_import import load_model
+from runtime.pipeline.checkpoints import load_checkpoint
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def lora_run(checkpoint: Path):
+    """(meta, trained weights, LoRA settings, the adapted graph as exported, its adapters) of a
+    checkpoint written by a LoRA run."""
+    meta, weights, _ = load_checkpoint(Path(checkpoint))
+    if not meta.get("lora"):
+        raise JobError(f"{checkpoint} is not the checkpoint of a LoRA run (its meta.json has no lora settings); "
+                       f"train with --lora R and --checkpoint DIR")
+    model = Path(meta.get("model_path", ""))
+    if not model.is_file():
+        raise JobError(f"{checkpoint}: the model it was trained from ({model}) is not there; the export needs it "
+                       f"to name the weights")
+    settings = LoraSettings(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"]),
+                               "train_also": tuple(meta["lora"]["train_also"])})
+    graph, adapters = add_lora(load_model(model, 1, 8), settings)
+    missing = sorted(set(graph.params) - set(weights))
+    if missing:
+        raise JobError(f"{checkpoint} lacks trained weights {missing[:4]} of the adapted model; was it written by "
+                       f"this LoRA run?")
+    return meta, weights, settings, graph, adapters
+
+
+def export_adapter(checkpoint: Path, out: Path, base_state: dict[str, np.ndarray], task_type: str = "TOKEN_CLS",
+                   base_name: str | None = None) -> Path:
+    """Write `out`/adapter_config.json and `out`/adapter_model.safetensors from a LoRA checkpoint;
+    `base_state` is the transformers model's state dict (numpy) the ONNX file was exported from."""
+    meta, weights, settings, graph, adapters = lora_run(checkpoint)
+    adapter_params = {p for a in adapters for p in (a.a, a.b)}
+    in_full = [p for p in graph.params if p not in adapter_params]
+    try:
+        names = hf_names(graph, base_state, [a.base for a in adapters] + in_full)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    tensors: dict[str, np.ndarray] = {}
+    for a in adapters:
+        module = names[a.base].module
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(weights[a.a].T)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(weights[a.b].T)
+    for p in in_full:
+        tensors[f"base_model.model.{names[p].key}"] = names[p].to_hf(weights[p])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_safetensors(out / PEFT_WEIGHTS, {k: np.asarray(v, np.float32) for k, v in tensors.items()})
+    config = {
+        "peft_type": "LORA", "task_type": task_type, "r": settings.rank, "lora_alpha": settings.alpha,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "base_model_name_or_path": base_name,
+        "target_modules": sorted({names[a.base].module for a in adapters}),
+        "modules_to_save": sorted({names[p].module.rsplit(".", 1)[-1] for p in in_full}) or None,
+    }
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, num_labels: int = 9,
+                       seed: int = 0) -> Path:
+    """`export_adapter` against the transformers token classifier at `base` (default: the bundled
+    MiniLM) with the exported head's label count and seed."""
+    from jobs.export import default_checkpoint_dir, load_token_classifier
+
+    base = Path(base) if base else default_checkpoint_dir()
+    model = load_token_classifier(base, num_labels, seed)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return export_adapter(checkpoint, out, state, base_name=str(base))

@@ -1,0 +1,137 @@
+"""A LoRA run's adapters out: exported in PEFT's format, loaded by peft onto the transformers model,
+they give the logits of Confidant's trained model (the weights named by structure and value, since
+the exporters rename them)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+from jobs.errors import JobError
+from jobs.export_adapter import export_adapter
+from jobs.hf_names import hf_names
+from jobs.pipeline_training import train_pipeline
+from planner.lora import LoraSettings, add_lora
+from planner.onnx_import import load_model
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.stage import stage_spec
+from runtime.pipeline.coordinator import PipelineConfig
+from runtime.pipeline.inprocess import InProcessWorkers
+from support import M, ROWS, S, synthetic_batch, token_feeds
+
+LORA = LoraSettings(4, 16.0, targets=("q", "k", "v", "o"), train_also=("head",), seed=2)
+
+
+def _base_state(tiny_checkpoint):
+    from jobs.export import load_token_classifier
+
+    model = load_token_classifier(tiny_checkpoint, 9, seed=0)
+    return model, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("key", ["torchscript-17", "dynamo-18"])
+def test_every_weight_finds_its_transformers_parameter(tiny_onnx, tiny_checkpoint, key):
+    graph = load_model(tiny_onnx[key], ROWS, S)
+    _, state = _base_state(tiny_checkpoint)
+    floats = [p for p in graph.params if graph.constants[p].size > 1]
+    names = hf_names(graph, state, floats)
+    assert len({n.key for n in names.values()}) == len(floats)  # one parameter each
+    for ir, hf in names.items():
+        np.testing.assert_array_equal(hf.to_hf(graph.constants[ir]), state[hf.key], err_msg=ir)
+    with pytest.raises(ValueError, match="cannot be placed in the transformers model"):
+        hf_names(graph, {k: v + 1.0 for k, v in state.items()}, floats)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_onnx, tmp_path_factory):
+    """Two 1f1b-flush steps of a LoRA model on 2 in-process workers, checkpointed."""
+    model = tiny_onnx["torchscript-17"]
+    graph, _ = add_lora(load_model(model, ROWS, S), LORA)
+    folder = tmp_path_factory.mktemp("lora-ckpt")
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-2, timeout_s=30)
+    meta = {"model_path": str(model), "lora": asdict(LORA), "model": model.name}
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        result = train_pipeline(graph, [synthetic_batch(i) for i in range(2)], 9, workers.addresses, config, 2,
+                                transport=workers.coordinator, checkpoint_dir=folder, meta=meta)
+    return model, folder, result
+
+
+def test_the_exported_adapter_gives_confidants_logits_through_peft(tiny_checkpoint, trained, tmp_path):
+    from peft import PeftModel
+
+    model_path, folder, result = trained
+    base, state = _base_state(tiny_checkpoint)
+    out = export_adapter(folder, tmp_path / "adapter", state)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["modules_to_save"]) == (4, 16.0, ["classifier"])
+    assert len(config["target_modules"]) == 4 * 2  # q, k, v, o of both layers
+    peft_model = PeftModel.from_pretrained(base, out).eval()
+    feeds = token_feeds(ROWS, S, vocab=500, seed=4)
+    with torch.no_grad():
+        want = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
+                          attention_mask=torch.tensor(feeds["attention_mask"]),
+                          token_type_ids=torch.tensor(feeds["token_type_ids"])).logits.numpy()
+    graph, _ = add_lora(load_model(model_path, ROWS, S), LORA)
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **result.weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    assert float(np.abs(got - want).max()) <= 1e-4
+    # the trained adapters matter: the base model alone gives other logits
+    with torch.no_grad(), peft_model.disable_adapter():
+        base_logits = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
+                                 attention_mask=torch.tensor(feeds["attention_mask"]),
+                                 token_type_ids=torch.tensor(feeds["token_type_ids"])).logits.numpy()
+    assert float(np.abs(base_logits - want).max()) > 1e-3
+
+
+def test_a_full_fine_tuning_checkpoint_is_refused(trained, tmp_path):
+    _, folder, _ = trained
+    meta = json.loads((folder / "meta.json").read_text())
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in folder.iterdir():
+        (plain / f.name).write_bytes(f.read_bytes())
+    (plain / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "lora"}))
+    with pytest.raises(JobError, match="not the checkpoint of a LoRA run"):
+        export_adapter(plain, tmp_path / "out", {})
+
+
+@pytest.mark.slow
+def test_the_command_line_trains_lora_checkpoints_and_exports_the_adapter(minilm_onnx, tmp_path):
+    """train-pipeline --lora --checkpoint, then export-adapter: PEFT on MiniLM gives the pipeline's logits."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+
+    from jobs.export import default_checkpoint_dir, load_token_classifier
+    from tasks.datagen import write_splits
+
+    train, _ = write_splits(tmp_path / "data", n_train=32, n_dev=4, seed=1)
+    run = [sys.executable, "-m", "confidant"]
+    proc = subprocess.run(run + ["train-pipeline", str(minilm_onnx), "--data", str(train), "--local", "2",
+                                 "--steps", "2", "--batch", "4", "--microbatches", "2", "--seq", "24", "--lr", "1e-2",
+                                 "--lora", "4", "--checkpoint", str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LoRA r=4" in proc.stderr
+    proc = subprocess.run(run + ["export-adapter", str(tmp_path / "ckpt"), "-o", str(tmp_path / "adapter")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from runtime.pipeline.checkpoints import load_checkpoint
+
+    meta, weights, _ = load_checkpoint(tmp_path / "ckpt")
+    graph, _ = add_lora(load_model(minilm_onnx, 2, 24), LoraSettings(**{**meta["lora"], "targets": tuple(
+        meta["lora"]["targets"]), "train_also": tuple(meta["lora"]["train_also"])}))
+    feeds = token_feeds(2, 24, vocab=30522, seed=3)
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    peft_model = PeftModel.from_pretrained(load_token_classifier(default_checkpoint_dir(), 9, 0),
+                                           tmp_path / "adapter").eval()
+    with torch.no_grad():
+        want = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
+                          attention_mask=torch.tensor(feeds["attention_mask"]),
+                          token_type_ids=torch.tensor(feeds["token_type_ids"])).logits.numpy()
+    assert float(np.abs(got - want).max()) <= 1e-4
