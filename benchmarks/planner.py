@@ -49,19 +49,28 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
     fastest device is 1, the slowest 10), and a random memory budget (0.8x to 4x an equal share of
     the model's memory); links are random pairs of 100 Mbit/s, 500 Mbit/s or 1 Gbit/s with 0.2-3 ms
     latency. The instance comes from ``planner.partition.make_instance`` over a real ``Cluster``, as
-    ``confidant plan`` builds it. ``solve_partition(inst, time_limit_s=--time-limit)`` (default
-    10 s, default 8 CP-SAT workers, 1f1b-flush, 4 micro-batches) is timed; its CP-SAT solver is
-    watched (planner.partition.cpsat._solver is wrapped, nothing else changes) to read its status and
-    best bound. ``gap`` = (objective - lower bound) / objective, the lower bound being the objective
-    itself when proven optimal, CP-SAT's best bound otherwise. ``gap simple`` uses a simple bound
-    instead (no links, no memory, perfectly divisible work: sum over blocks of the fastest device's
-    time + (m-1) x total work / the devices' summed speed). Two kinds of cluster: every device and
-    link different (the hardest case for the solver), and 16 or 64 devices that are copies of 8
-    device models with one link value per pair of models (what a real group of edge devices looks
-    like; the solver groups interchangeable devices into classes, so its model grows with the
-    classes, not the devices). Building the CP-SAT model costs about 10 us per linear term
-    (``planner.partition.model_size``); combinations whose estimate exceeds ``--max-build-s``
-    (default 60 s) are skipped and listed.
+    ``confidant plan`` builds it. Each case is planned twice, side by side in the same run, with
+    ``--time-limit`` (default 10 s) and ``--solver-workers`` (default 8 CP-SAT workers), 1f1b-flush,
+    4 micro-batches:
+      ``new``     ``solve_partition_report``: the exact fixed-order DP (planner.partition.dp)
+                  searched over device orders (every order when few, else iterated local search),
+                  CP-SAT from the best plan where the model is small and has few blocks, and a
+                  proven lower bound (Lagrangian relaxation of device distinctness, or the exact
+                  subset relaxation on small clusters; planner.partition.bound). ``gap`` =
+                  (step - that bound) / step is proven; ``how`` says who found the plan.
+      ``cp-sat``  ``cpsat_partition``: the CP-SAT model alone from the greedy start (what
+                  ``solve_partition`` was before the DP), its solver watched
+                  (planner.partition.cpsat._solver is wrapped) for its status and best bound:
+                  ``gap`` uses that bound (the objective itself when proven optimal).
+    ``new/cp`` is the ratio of the two plans' predicted steps (at most 1: never worse), ``simple``
+    the new plan's gap to a simple bound (no links, no memory, perfectly divisible work: sum over
+    blocks of the fastest device's time + (m-1) x total work / the devices' summed speed). Two kinds
+    of cluster: every device and link different (the hardest case for the solver), and 16 or 64
+    devices that are copies of 8 device models with one link value per pair of models (what a real
+    group of edge devices looks like; the solvers group interchangeable devices into classes).
+    Building the CP-SAT model costs about 10 us per linear term (``planner.partition.model_size``);
+    the CP-SAT-alone baseline is skipped where that estimate exceeds ``--max-build-s`` (default 60
+    s); ``--no-b-baseline`` skips it everywhere (half the time).
     For reference, ``dp step s`` is the predicted step of part (c)'s memory-blind DP plan on the
     same instance (a valid plan, hence an upper bound on the optimum, when it fits).
 
@@ -69,7 +78,9 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
     Heterogeneous synthetic clusters (as in (b), speeds differing up to 10x) whose memories are
     tight: the budgets add up to 1.5x the model's memory, spread at random (0.3..1.7 shares)
     independently of speed. For 1f1b-flush, gpipe and 1f1b-stash, three plans:
-      ``cp-sat``  ``solve_partition`` (memory-aware, link-aware, any device order);
+      ``cp-sat``  ``solve_partition`` (memory-aware, link-aware, any device order: the fixed-order
+                  DP searched over device orders, with CP-SAT where it helps; the label is kept
+                  from when it was CP-SAT alone);
       ``even``    ``even_partition``: equal block counts over all devices in cluster order;
       ``dp``      PipeDream's partitioning DP without its memory term: contiguous block ranges over
                   the devices in cluster order (a device may be skipped), minimising the
@@ -112,8 +123,9 @@ Usage
     .venv/bin/python benchmarks/planner.py [--parts a,b,c,d] [--json OUT] [--steps N]
         [--microbatches M] [--time-limit S] [--model PATH] [--d-delay 5ms|off] [--d-configs N:RATE,...]
     Without ``--model`` the default checkpoint is exported once to
-    ``~/.cache/confidant/bench-minilm.onnx`` (shared with the other benchmarks). About 5 minutes
-    on 2 idle cores with the defaults (7-8 minutes when other processes keep the CPUs busy).
+    ``~/.cache/confidant/bench-minilm.onnx`` (shared with the other benchmarks). Part (b) takes
+    about 9 minutes with its CP-SAT-alone baseline (about 4 with ``--no-b-baseline``); the other
+    parts about 5 minutes together on 2 idle cores (more when other processes keep the CPUs busy).
 
 Code
     This file is the command line; each part is one module of ``benchmarks/planner_parts/``
@@ -160,7 +172,10 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per case in (b) and (c) (default 10)")
     ap.add_argument("--solver-workers", type=int, default=8, help="CP-SAT workers in (b) and (c) (default 8)")
     ap.add_argument("--max-build-s", type=float, default=60.0,
-                    help="(b): skip combinations whose estimated CP-SAT model building exceeds this (default 60)")
+                    help="(b): skip the CP-SAT-alone baseline where its estimated model building exceeds this "
+                         "(default 60)")
+    ap.add_argument("--b-baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="(b): also plan every case with the CP-SAT model alone, side by side (default on)")
     ap.add_argument("--d-configs", default="2:100mbit,2:20mbit,3:100mbit",
                     help="(d): WORKERS:TBF_RATE,... (default 2:100mbit,2:20mbit,3:100mbit)")
     ap.add_argument("--d-delay", default="5ms",
@@ -194,7 +209,7 @@ def main(argv=None) -> int:
     out: list[str] = []
     runners = {
         "a": lambda: part_a(model, args.microbatches, args.steps, args.time_limit),
-        "b": lambda: part_b(args.time_limit, args.solver_workers, args.max_build_s),
+        "b": lambda: part_b(args.time_limit, args.solver_workers, args.max_build_s, baseline=args.b_baseline),
         "c": lambda: part_c(args.time_limit, args.solver_workers),
         "d": lambda: part_d(model, args.microbatches, args.steps, args.time_limit, d_configs, d_delay),
     }

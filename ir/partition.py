@@ -21,7 +21,7 @@ class StageAssignment:
 @dataclass(frozen=True)
 class Partition:
     stages: tuple[StageAssignment, ...]
-    method: str                    # "cp-sat", "manual", "even", "brute-force"
+    method: str                    # "dp", "cp-sat", "manual", "even", "brute-force"
     bottleneck_s: float = 0.0      # max stage time: the steady-state time per micro-batch
     optimal: bool = False          # proven optimal by the solver
 

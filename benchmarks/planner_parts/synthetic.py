@@ -1,4 +1,4 @@
-"""Synthetic models and clusters, the watched CP-SAT solve and the PipeDream-style DP (parts b and c).
+"""Synthetic models and clusters, the watched solve and the PipeDream-style DP (parts b and c).
 
 Part (b) times the solver on synthetic instances and compares it with the DP plan; part (c)
 compares the solved plan with an even split and the DP plan on tight clusters: both build their
@@ -100,9 +100,13 @@ def synthetic_cluster(graph, work, ws, n_devices: int, rng: random.Random, sched
 TIGHT_SLACK = 1.5  # part (c): the budgets add up to this multiple of the model's memory
 
 
-def watched_solve(inst, time_limit_s: float, workers: int):
-    """solve_partition with its CP-SAT solvers recorded: (partition or error, wall s, per-p records)."""
+def watched_solve(inst, time_limit_s: float, workers: int, solve=None):
+    """`solve` (planner.partition.solve_partition by default; part (b) also passes cpsat_partition,
+    the CP-SAT model alone) with its CP-SAT solvers recorded: (partition or error, wall s, per-call
+    records)."""
     from planner.partition import PlanDoesNotFit, cpsat, solve_partition
+
+    solve = solve or solve_partition
 
     records = []
     # solve_partition's searches look `_solver` up in planner.partition.cpsat, so it is wrapped there
@@ -129,7 +133,7 @@ def watched_solve(inst, time_limit_s: float, workers: int):
     cpsat._solver = recording_solver
     t0 = time.perf_counter()
     try:
-        result = solve_partition(inst, time_limit_s=time_limit_s, workers=workers)
+        result = solve(inst, time_limit_s=time_limit_s, workers=workers)
     except (PlanDoesNotFit, TimeoutError, RuntimeError) as exc:
         # PlanDoesNotFit: no plan fits (or none found in time); TimeoutError: no assignment at all;
         # RuntimeError: solve_partition's own check caught an answer it disagrees with

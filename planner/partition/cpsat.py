@@ -1,8 +1,11 @@
-"""The OR-Tools CP-SAT model of the partitioning problem: `solve_partition`.
+"""The OR-Tools CP-SAT model of the partitioning problem: `cpsat_plan` and `cpsat_partition`.
 
 The only module of the project that imports ortools. It solves the problem stated in
 planner.partition.instance exactly; the result is optimal when CP-SAT proves it so within the
-time limit, and the search starts from planner.partition.simple's greedy plan.
+time limit, and the search starts from a given plan (planner.partition.solve passes the best one
+the fixed-order program found) or from planner.partition.simple's greedy plan. `cpsat_partition`
+is the model alone, as `solve_partition` was before planner.partition.dp: the benchmark and the
+tests compare the combined solver with it.
 
 Memory of stage s of p on device d is linear in the blocks it runs, with coefficients that
 depend only on the stage's distance r = p-1-s from the last stage (planner.cost: weight copies
@@ -26,14 +29,13 @@ reports its tightest device, by how much it is over, and what would help.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 from ir.partition import Partition
 from ir.plan import ASYNC_SCHEDULES
-from planner.partition.explain import _does_not_fit
+from planner.partition.explain import PlanDoesNotFit, _does_not_fit
 from planner.partition.instance import (Assignment, PartitionInstance, _objective_us, _overflows, _partition,
                                         _stage_times_us, _times_us, device_classes)
 from planner.partition.simple import greedy_partition
@@ -234,6 +236,13 @@ def _extract(v: _Vars, solver: cp_model.CpSolver) -> Assignment:
 
 
 LARGE_MODEL_TERMS = 50_000  # model_size terms above which presolve probing is skipped
+BUILD_S_PER_TERM = 10e-6    # building the model in Python: about 10 us per linear term (5-15 measured)
+
+
+def estimated_build_s(inst: PartitionInstance) -> float:
+    """Seconds building the CP-SAT model of `inst` should take (planner.partition.solve skips the
+    model when this would eat too much of its time limit)."""
+    return model_size(inst)["terms"] * BUILD_S_PER_TERM
 
 
 def _solver(seconds: float, workers: int, seed: int) -> cp_model.CpSolver:
@@ -277,10 +286,15 @@ def _add_hint(v: _Vars, inst: PartitionInstance, assignment: Assignment) -> None
             v.model.add_hint(v.slowest_update, max(update))
 
 
-def _search(inst: PartitionInstance, time_limit_s: float, workers: int, seed: int, soft_memory: bool):
-    """(value, assignment) or None, and whether the answer (or its absence) is proven."""
+def _search(inst: PartitionInstance, time_limit_s: float, workers: int, seed: int, soft_memory: bool,
+            start: Assignment | None = None):
+    """((value, assignment) or None, whether the answer (or its absence) is proven, CP-SAT's bound).
+
+    The search starts from `start` (a plan that fits) or, without one, from the greedy plan.
+    `time_limit_s` is the solver's; building the model comes on top (see `estimated_build_s`)."""
     v = _build(inst, soft_memory)
-    start = None if soft_memory else greedy_partition(inst)
+    if start is None and not soft_memory:
+        start = greedy_partition(inst)
     if start is not None:
         _add_hint(v, inst, start)
     solver = _solver(time_limit_s, workers, seed)
@@ -289,37 +303,60 @@ def _search(inst: PartitionInstance, time_limit_s: float, workers: int, seed: in
         # before the search began; without it the search starts from the hint and proves a bound
         solver.parameters.cp_model_probing_level = 0
     status = solver.solve(v.model)
+    bound = solver.best_objective_bound if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         found = (round(solver.objective_value), _extract(v, solver))
         if status == cp_model.FEASIBLE and start is not None and _objective_us(inst, *start) < found[0]:
             found = (_objective_us(inst, *start), start)
-        return found, status == cp_model.OPTIMAL
-    if start is not None:  # the solver ran out of time before finding anything: keep the greedy plan
-        return (_objective_us(inst, *start), start), False
-    return None, status == cp_model.INFEASIBLE
+        return found, status == cp_model.OPTIMAL, bound
+    if start is not None:  # the solver ran out of time before finding anything: keep the start
+        return (_objective_us(inst, *start), start), False, None
+    return None, status == cp_model.INFEASIBLE, None
 
 
-def solve_partition(inst: PartitionInstance, time_limit_s: float = 10.0, workers: int = 8, seed: int = 0) -> Partition:
-    """The plan with the least predicted step time under every device's budget (CP-SAT).
+def cpsat_plan(inst: PartitionInstance, time_limit_s: float, workers: int = 8, seed: int = 0,
+               start: Assignment | None = None):
+    """CP-SAT alone on the problem: (assignment or None, proven, lower bound in microseconds).
 
-    Raises PlanDoesNotFit when no plan fits (then a second search, also up to `time_limit_s`,
-    finds the least-overflow assignment for the message). `optimal` is True when proven.
-    """
-    start = time.monotonic()
-    best, proven = _search(inst, time_limit_s, workers, seed, soft_memory=False)
-    if best is not None:
-        value, (devs, ranges) = best
-        # `slowest` is only bounded from below, so a solution cut short by the time limit may carry
-        # slack in its objective: it can only over-state the evaluated time, never under-state it.
-        if value < _objective_us(inst, devs, ranges) or max(_overflows(inst, devs, ranges)) > 0:
-            raise RuntimeError(f"CP-SAT's answer {devs} {ranges} disagrees with the evaluation (a bug in the model)")
-        return _partition(inst, devs, ranges, "cp-sat", proven)
-    least, least_proven = _search(inst, time_limit_s, workers, seed, soft_memory=True)
+    `proven`: the assignment is optimal (or, when None, that no plan fits). The bound is CP-SAT's
+    (0 when it has none). Raises RuntimeError when its answer disagrees with the evaluation."""
+    best, proven, bound = _search(inst, time_limit_s, workers, seed, soft_memory=False, start=start)
+    if best is None:
+        return None, proven, 0.0
+    value, (devs, ranges) = best
+    # `slowest` is only bounded from below, so a solution cut short by the time limit may carry
+    # slack in its objective: it can only over-state the evaluated time, never under-state it.
+    if value < _objective_us(inst, devs, ranges) or max(_overflows(inst, devs, ranges)) > 0:
+        raise RuntimeError(f"CP-SAT's answer {devs} {ranges} disagrees with the evaluation (a bug in the model)")
+    exact = _objective_us(inst, devs, ranges)
+    return (devs, ranges), proven, float(exact if proven else min(exact, bound or 0.0))
+
+
+def does_not_fit(inst: PartitionInstance, time_limit_s: float, workers: int = 8, seed: int = 0,
+                 none_fits: bool = True) -> Partition | PlanDoesNotFit:
+    """When no plan was found: the least-overflow assignment (memory made soft), as the error to
+    raise; or, if the soft search stumbles on a plan that fits, that plan (not proven optimal).
+    `none_fits`: it is proven that no plan fits (the error then says so when the soft search is
+    proven too). Raises TimeoutError when not even an assignment was found."""
+    least, least_proven, _ = _search(inst, time_limit_s, workers, seed, soft_memory=True)
     if least is None:
-        raise TimeoutError(f"CP-SAT found no assignment at all within {2 * time_limit_s} s "
-                           f"({time.monotonic() - start:.1f} s used); raise time_limit_s")
+        raise TimeoutError(f"CP-SAT found no assignment at all within {time_limit_s:.1f} s; raise time_limit_s")
     _, (devs, ranges) = least
     if max(_overflows(inst, devs, ranges)) <= 0:
-        # the first search ran out of time; the soft one stumbled on a plan that fits
         return _partition(inst, devs, ranges, "cp-sat", False)
-    raise _does_not_fit(inst, devs, ranges, proven and least_proven)
+    return _does_not_fit(inst, devs, ranges, none_fits and least_proven)
+
+
+def cpsat_partition(inst: PartitionInstance, time_limit_s: float = 10.0, workers: int = 8, seed: int = 0) -> Partition:
+    """The CP-SAT model alone, from the greedy start (what `solve_partition` was before the
+    fixed-order program): the plan with the least predicted step time under every device's budget.
+
+    Raises PlanDoesNotFit when no plan fits (then a second search, also up to `time_limit_s`,
+    finds the least-overflow assignment for the message). `optimal` is True when proven."""
+    assignment, proven, _ = cpsat_plan(inst, time_limit_s, workers, seed)
+    if assignment is not None:
+        return _partition(inst, *assignment, "cp-sat", proven)
+    got = does_not_fit(inst, time_limit_s, workers, seed, none_fits=proven)
+    if isinstance(got, Partition):
+        return got
+    raise got
