@@ -165,6 +165,30 @@ def test_cp_sat_matches_the_brute_force_oracle(inst):
         assert plan.bottleneck_s == max(s.predicted_time_s for s in plan.stages)
 
 
+def test_rounding_in_a_sum_of_prices_proves_nothing():
+    """Found on CI: at T = 571.12 the prices summed to 4.4e-16 instead of 0, which the 1f1b-stash
+    bisection took for a proof that no plan has every stage at or below T, so it bounded a plan of
+    571 us by 571.12. A proof must clear the rounding of its sum."""
+    zeros = ((0,) * 7,) * 4
+    bw = tuple(tuple(0.0 if i == j else 500000.0 for j in range(4)) for i in range(4))
+    inst = PartitionInstance(
+        devices=("d0", "d1", "d2", "d3"), block_names=tuple(f"b{k}" for k in range(7)),
+        compute_us=((10, 198, 426, 97, 475, 30, 465), (31, 555, 1128, 291, 1329, 90, 1395),
+                    (10, 185, 376, 97, 443, 30, 465), (10, 185, 376, 97, 443, 30, 465)),
+        params_bytes=(0, 0, 0, 32, 0, 0, 79), input_bytes=(0, 1, 1, 58, 56, 1, 1), workspace_bytes=zeros,
+        overhead_bytes=(0, 0, 0, 0), memory_budget_bytes=(375, 749, 749, 749), boundary_bytes=(1, 1, 58, 56, 1, 1),
+        link_bandwidth_bytes_per_s=bw, link_latency_us=((0,) * 4,) * 4,
+        weight_copies=((5,), (5, 5), (5, 5, 5), (5, 5, 5, 5)), in_flight=((1,), (1, 1), (1, 1, 1), (1, 1, 1, 1)),
+        microbatches=1, schedule="1f1b-stash", optimizer="sgd", recompute_us=zeros,
+        update_us=((0,) * 7, (0,) * 7, (0, 0, 0, 32, 0, 0, 158), (0,) * 7))
+    opt = _oracle_us(inst)
+    assert opt == 571
+    for upper in (opt, 1.5 * opt, 3 * opt):
+        b = BoundSearch(OrderSolver(inst))
+        b.subset, b.linked_subset = None, False
+        assert b.run(upper, time.monotonic() + 2.0) <= opt
+
+
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(repeated_instances())

@@ -640,7 +640,10 @@ def _async_bound(rx: Relaxation, upper_us: float, deadline: float) -> float:
         p = _Point(mid, lam.copy())
         proven = False
         while not p.done and time.monotonic() < deadline and p.steps < 60:
-            if rx.step(p, 1.0, zero_cost=True) > 0:
+            # L is a sum of prices, so rounding alone can lift an L of zero just above it: a
+            # proof needs L clear of the rounding of that sum
+            margin = 1e-9 * (1.0 + float(rx.cap @ p.lam)) * rx.positions
+            if rx.step(p, 1.0, zero_cost=True) > margin:
                 proven = True
                 break
         if proven:
