@@ -138,7 +138,7 @@ def _child(kind: str, model: Path, steps: int, rank: int | None) -> dict:
 # --- pipelines (this process is the coordinator) ---------------------------------------------------
 
 def run_pipeline(model: Path, steps: int, rank: int | None, schedule: str) -> dict:
-    from jobs.pipeline_training import train_pipeline
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
     from jobs.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
 
@@ -146,7 +146,8 @@ def run_pipeline(model: Path, steps: int, rank: int | None, schedule: str) -> di
     workers = LocalWorkers.start(3, threads=1)
     config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=1800)
     try:
-        result = train_pipeline(graph, make_batches(steps + 1), NUM_LABELS, workers.addresses, config, steps + 1)
+        result = train_pipeline(graph, make_batches(steps + 1), NUM_LABELS, workers.addresses, config, steps + 1,
+                                keys=workers.keys, faults=FaultPolicy(on_failure="stop"))
     finally:
         workers.wait(60.0)
     seconds = result.step_seconds[1:] if schedule != "1f1b-stash" else result.step_seconds

@@ -409,7 +409,7 @@ def _send_recv(seconds: dict) -> tuple[float, float]:
 def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int) -> dict:
     import numpy as np
 
-    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     n = steps + 1
@@ -423,7 +423,8 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
 
         try:
             config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300)
-            res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=None, on_step=on_step)
+            res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=None, on_step=on_step,
+                                 keys=workers.keys, faults=FaultPolicy(on_failure="stop"))
         finally:
             codes = workers.wait(60.0)
     if any(codes):

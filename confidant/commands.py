@@ -29,7 +29,25 @@ def _training_settings(args):
 
     return TrainingSettings(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, optimizer=args.optimizer,
                             seed=args.seed, threads=args.threads, engine=args.engine, tokenizer=args.tokenizer,
-                            lora=_lora_settings(args))
+                            lora=_lora_settings(args), eval_limit=getattr(args, "eval_limit", None))
+
+
+INSECURE_WARNING = ("warning: --insecure: links are plaintext and unauthenticated and bundles are not signature-"
+                    "checked; anyone who can reach these ports can read the traffic and steer training")
+
+
+def _security(args) -> tuple[Path | None, bool]:
+    """(--keys, --insecure), warning on stderr when insecure."""
+    if args.insecure:
+        print(INSECURE_WARNING, file=sys.stderr)
+    return args.keys, args.insecure
+
+
+def _home_keys(args) -> Path:
+    """--keys, or $CONFIDANT_HOME/keys: where `plan` signs and `train` ships from by default."""
+    from confidant.home import DEMO_DIR
+
+    return args.keys if args.keys is not None else DEMO_DIR / "keys"
 
 
 def _write_metrics(metrics, path: Path | None) -> None:
@@ -48,18 +66,55 @@ def _cuts(text: str | None) -> tuple[int, ...] | None:
 
 # --- models and data -------------------------------------------------------------------------------
 
+def _export_causal_lm(args) -> int:
+    try:
+        from jobs.export_llm import LlmExportOptions, export_llm, export_random_causal_lm, smollm2_gguf_path
+    except ModuleNotFoundError as exc:
+        raise CliError(f"export needs the `export` extra ({exc.name} is missing): "
+                       "pip install 'confidant[export]' torch==2.13.0") from None
+    if not 14 <= args.opset <= 20:
+        raise CliError(f"--opset {args.opset} is outside the supported 14-20")
+    options = LlmExportOptions(opset=args.opset, dynamo=args.dynamo, seed=args.seed)
+    exporter = "dynamo" if args.dynamo else "torchscript"
+    if args.random:
+        if args.checkpoint:
+            raise CliError("--random builds a model: drop --checkpoint")
+        try:
+            tokenizer = smollm2_gguf_path()
+        except Exception:  # noqa: BLE001 - no package: a random model without a tokenizer
+            tokenizer = None
+        print(f"exporting a random {args.random} (seed {args.seed}) -> {args.output} ({exporter} exporter)",
+              file=sys.stderr)
+        export_random_causal_lm(args.random, args.output, options, tokenizer, kv_cache=not args.no_kv_cache)
+    else:
+        source = args.checkpoint or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)"
+        print(f"exporting {source} -> {args.output} (opset {args.opset}, {exporter} exporter, causal LM)",
+              file=sys.stderr)
+        export_llm(args.checkpoint, args.output, options, kv_cache=not args.no_kv_cache)
+    print(args.output)
+    return 0
+
+
 def cmd_export(args) -> int:
+    if getattr(args, "task", "token-classification") == "causal-lm":
+        return _export_causal_lm(args)
+    if getattr(args, "random", None) or getattr(args, "no_kv_cache", False):
+        raise CliError("--random and --no-kv-cache are for --task causal-lm")
     try:
         from jobs.export import ExportOptions, default_checkpoint_dir, export_checkpoint
     except ModuleNotFoundError as exc:
         raise CliError(f"export needs the `export` extra ({exc.name} is missing): "
                        "pip install 'confidant[export]' torch==2.13.0") from None
-    if not 14 <= args.opset <= 18:
-        raise CliError(f"--opset {args.opset} is outside the supported 14-18")
+    labels = tuple(x.strip() for x in args.labels.split(",")) if getattr(args, "labels", None) else ()
+    num_labels = len(labels) if labels and args.num_labels == 9 else args.num_labels
+    try:
+        options = ExportOptions(num_labels=num_labels, opset=args.opset, dynamo=args.dynamo, seed=args.seed,
+                                task=args.task, attention=getattr(args, "attention", "eager"), labels=labels).check()
+    except ValueError as exc:
+        raise CliError(f"{exc} (--opset, --num-labels, --labels)") from None
     checkpoint = args.checkpoint or default_checkpoint_dir()
-    print(f"exporting {checkpoint} -> {args.output} (opset {args.opset}, "
-          f"{'dynamo' if args.dynamo else 'torchscript'} exporter, {args.num_labels} labels)", file=sys.stderr)
-    options = ExportOptions(num_labels=args.num_labels, opset=args.opset, dynamo=args.dynamo, seed=args.seed)
+    print(f"exporting {checkpoint} -> {args.output} ({args.task}, opset {args.opset}, "
+          f"{'dynamo' if args.dynamo else 'torchscript'} exporter, {num_labels} labels)", file=sys.stderr)
     export_checkpoint(checkpoint, args.output, options)
     print(args.output)
     return 0
@@ -68,7 +123,7 @@ def cmd_export(args) -> int:
 def _inspect_json(graph) -> dict:
     blocks = [{"name": b.name, "kind": b.kind, "params_bytes": b.params_bytes,
                "activation_bytes": b.activation_bytes, "flops": b.flops, "heads": b.heads,
-               "head_size": b.head_size} for b in graph.blocks]
+               "kv_heads": b.kv_heads, "head_size": b.head_size} for b in graph.blocks]
     totals = {"blocks": len(blocks), "params_bytes": sum(b["params_bytes"] for b in blocks),
               "activation_bytes": sum(b["activation_bytes"] for b in blocks),
               "flops": sum(b["flops"] for b in blocks), "batch": graph.batch, "seq": graph.seq}
@@ -88,11 +143,45 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
 def cmd_datagen(args) -> int:
+    if getattr(args, "task", "ner") == "entities-json":
+        from jobs.generation import write_task_data
+
+        n_train, n_dev = _or(args.train, 1000), _or(args.dev, 100)
+        train, dev = write_task_data(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
+        print(f"wrote {train} ({n_train} instructions) and {dev} ({n_dev} instructions)")
+        return 0
+    if getattr(args, "task", "ner") == "seq-cls":
+        from tasks.seqcls import write_review_splits
+
+        n_train, n_dev = _or(args.train, 2000), _or(args.dev, 300)
+        train, dev = write_review_splits(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
+        print(f"wrote {train} ({n_train} reviews) and {dev} ({n_dev} reviews): negative / neutral / positive")
+        return 0
     from tasks.datagen import write_splits
 
-    train, dev = write_splits(args.output, n_train=args.train, n_dev=args.dev, seed=args.seed)
-    print(f"wrote {train} ({args.train} sentences) and {dev} ({args.dev} sentences)")
+    n_train, n_dev = _or(args.train, 3000), _or(args.dev, 500)
+    train, dev = write_splits(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
+    print(f"wrote {train} ({n_train} sentences) and {dev} ({n_dev} sentences)")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from jobs.generation import generate
+    from tasks.generate import GenerationSettings
+
+    try:
+        settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_k=args.top_k, seed=args.seed, kv_cache=not args.no_kv_cache)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    answers = generate(args.model, args.prompt, settings, raw=args.raw, system=args.system, threads=args.threads)
+    for answer in answers:
+        print(answer)
     return 0
 
 
@@ -101,7 +190,8 @@ def cmd_datagen(args) -> int:
 def cmd_train_local(args) -> int:
     from jobs.local_training import train_local
 
-    metrics = train_local(args.model, args.data, args.eval, _training_settings(args), TerminalReporter())
+    metrics = train_local(args.model, args.data, args.eval, _training_settings(args), TerminalReporter(),
+                          task=getattr(args, "task", "ner"), checkpoint=getattr(args, "checkpoint", None))
     _write_metrics(metrics, args.metrics_out)
     return 0
 
@@ -111,12 +201,15 @@ def cmd_train_pipeline(args) -> int:
     from jobs.settings import PipelineSettings
 
     workers = [a.strip() for a in args.workers.split(",")] if args.workers else None
+    keys, insecure = _security(args)
     pipeline = PipelineSettings(schedule=args.schedule, microbatches=args.microbatches,
                                 update_every=args.update_every, cuts=_cuts(args.cuts), checkpoint=args.checkpoint,
                                 resume=args.resume, replan_every=args.replan_every,
-                                replan_threshold=args.replan_threshold, listen=args.listen, timeout_s=args.timeout)
+                                replan_threshold=args.replan_threshold, listen=args.listen, timeout_s=args.timeout,
+                                keys=keys, insecure=insecure, on_failure=args.on_failure,
+                                failure_timeout_s=args.failure_timeout, checkpoint_every=args.checkpoint_every)
     metrics = train_pipeline_job(args.model, args.data, args.eval, _training_settings(args), pipeline,
-                                 workers=workers, local=args.local, reporter=TerminalReporter())
+                                 workers=workers, local=args.local, reporter=TerminalReporter(), task=args.task)
     _write_metrics(metrics, args.metrics_out)
     return 0
 
@@ -124,27 +217,65 @@ def cmd_train_pipeline(args) -> int:
 def cmd_train(args) -> int:
     from jobs.plan_training import PlanRunSettings, train_from_plan
 
+    _, insecure = _security(args)
     settings = PlanRunSettings(steps=args.steps, seed=args.seed, tokenizer=args.tokenizer, local=args.local,
                                checkpoint=args.checkpoint, replan_every=args.replan_every,
                                replan_threshold=args.replan_threshold, cluster=args.cluster, listen=args.listen,
-                               timeout_s=args.timeout)
+                               timeout_s=args.timeout, keys=_home_keys(args), insecure=insecure,
+                               on_failure=args.on_failure, failure_timeout_s=args.failure_timeout,
+                               checkpoint_every=args.checkpoint_every)
     metrics = train_from_plan(args.plan, args.data, args.eval, settings, TerminalReporter())
     _write_metrics(metrics, args.metrics_out)
     return 0
 
 
 def cmd_worker(args) -> int:
+    import socket
+
+    from runtime.keys import KeyDir, KeyFileError
     from runtime.pipeline.worker import serve
 
-    return serve(args.listen, timeout=args.timeout)
+    keys_dir, insecure = _security(args)
+    keys = None
+    if keys_dir is not None and not insecure:
+        try:
+            keys = KeyDir.load(keys_dir, args.name or socket.gethostname())
+        except KeyFileError as exc:
+            raise CliError(str(exc)) from None
+    elif not insecure:
+        raise CliError("a worker needs --keys DIR (its NAME.key and the coordinator's coordinator.pub; "
+                       "`confidant keys DIR coordinator NAME`) or, on a network nobody else can reach, --insecure")
+    return serve(args.listen, timeout=args.timeout, keys=keys, insecure=insecure, heartbeat_s=args.failure_timeout,
+                 parent_pid=args.exit_with)
+
+
+def cmd_keys(args) -> int:
+    from runtime.keys import KeyFileError, KeyPair, write_keypair
+
+    try:
+        for name in args.names:
+            secret, public = write_keypair(args.dir, KeyPair.generate(name))
+            print(f"{public.read_text().split()[0]}  {name}  ({secret} stays on {name}; {public.name} is public)")
+    except KeyFileError as exc:
+        raise CliError(str(exc)) from None
+    return 0
 
 
 def cmd_demo(args) -> int:
     from confidant.home import DEMO_DIR
-    from jobs.demo import demo_table, run_demo
 
-    result = run_demo(DEMO_DIR, _training_settings(args), TerminalReporter())
-    rows = demo_table(result)
+    if getattr(args, "llm", False):
+        from jobs.llm_demo import LLM_DEMO_DEFAULTS, llm_demo_table, run_llm_demo
+
+        given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
+        for name, value in LLM_DEMO_DEFAULTS.items():  # the NER demo's defaults do not fit SmolLM2
+            if f"--{name.replace('_', '-')}" not in given and (name != "eval_limit" or args.eval_limit is None):
+                setattr(args, name, value)
+        rows = llm_demo_table(run_llm_demo(DEMO_DIR, _training_settings(args), TerminalReporter()))
+    else:
+        from jobs.demo import demo_table, run_demo
+
+        rows = demo_table(run_demo(DEMO_DIR, _training_settings(args), TerminalReporter()))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     print()
     for r in rows:
@@ -202,7 +333,15 @@ def cmd_plan(args) -> int:
                             update_every=args.update_every, optimizer=args.optimizer, lr=args.lr,
                             cuts=_cuts(args.cuts), devices=tuple(args.devices.split(",")) if args.devices else None,
                             time_limit_s=args.time_limit, lora=_lora_settings(args))
-    show_plan(plan_model(args.model, args.cluster, settings, args.output, TerminalReporter()))
+    _, insecure = _security(args)
+    reporter = TerminalReporter()
+    sign = None
+    if not insecure:
+        from jobs.workers import coordinator_pair
+        from runtime.keys import signer
+
+        sign = signer(coordinator_pair(_home_keys(args), note=reporter.note))
+    show_plan(plan_model(args.model, args.cluster, settings, args.output, reporter, sign=sign))
     return 0
 
 
@@ -261,12 +400,40 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_export_adapter(args) -> int:
-    from jobs.export_adapter import export_adapter_for
+    from jobs.export_adapter import export_adapter_for, export_merged
 
+    if args.merged:
+        print(f"wrote {export_merged(args.checkpoint, args.output)} (adapters merged into the base weights)")
+        return 0
     try:
         out = export_adapter_for(args.checkpoint, args.output, args.base, args.num_labels, args.seed)
     except ModuleNotFoundError as exc:
         raise CliError(f"export-adapter needs the `export` extra ({exc.name} is missing): "
                        "pip install 'confidant[export]' torch==2.13.0") from None
     print(f"wrote {out}: load it with peft.PeftModel.from_pretrained(model, {str(out)!r})")
+    return 0
+
+
+# --- the model out ---------------------------------------------------------------------------------
+
+def cmd_predict(args) -> int:
+    from jobs.trained import predict_to
+
+    labels = tuple(x.strip() for x in args.labels.split(",")) if args.labels else None
+    n = predict_to(args.model, args.input, args.output, args.format, labels=labels, batch=args.batch, seq=args.seq,
+                   threads=args.threads, tokenizer=args.tokenizer)
+    if args.output is not None:
+        print(f"labelled {n} inputs -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_export_trained(args) -> int:
+    from jobs.trained import export_trained_hf, export_trained_onnx
+
+    if args.output is None and args.hf is None:
+        raise CliError("give -o FILE.onnx, --hf DIR, or both")
+    if args.output is not None:
+        print(export_trained_onnx(args.checkpoint, args.output))
+    if args.hf is not None:
+        print(export_trained_hf(args.checkpoint, args.hf))
     return 0

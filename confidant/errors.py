@@ -2,4 +2,5 @@
 
 
 class CliError(Exception):
-    """An error the user can fix; printed as `confidant COMMAND: error: MESSAGE`, exit status 1."""
+    """An error the user can fix; printed as `confidant COMMAND: error: MESSAGE`, exit status 1
+    (2 for a file that cannot be used: `ir.errors.InputFileError`, a missing file)."""

@@ -19,6 +19,14 @@ files, each present with a matching SHA-256, and nothing else may be in the dire
 every file is parsed and cross-checked (stage, device, block range, constants against weights,
 actions all of this stage). Errors name the bundle, the file and what is wrong.
 
+Signatures: a bundle may carry a sixth file, manifest.sig, written after the manifest by whoever
+holds the coordinator's key (`write_bundle(..., sign=)`; `runtime.keys` makes the signer). The
+manifest names every other file's SHA-256, so a signature over the manifest covers the bundle.
+`verify_bundle_files(..., check_signature=)` refuses a bundle whose signature the given check
+rejects (a worker passes the check of the coordinator key it trusts); without a check the
+signature is ignored. The cryptography is not here (`ir` imports only the standard library and
+numpy): callers pass functions.
+
 Weights are safetensors, read and written by `ir.safetensors` (the one codec of the project).
 """
 from __future__ import annotations
@@ -28,7 +36,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -40,7 +48,7 @@ from ir.serialize import graph_from_json
 from ir.verify import GraphError, verify_graph
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
-           "MANIFEST", "PLAN", "PLAN_CLUSTER", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest",
+           "MANIFEST", "PLAN", "PLAN_CLUSTER", "SIGNATURE", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
            "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files", "sha256_hex",
            "verify_bundle_files", "write_bundle"]
 
@@ -53,6 +61,11 @@ GRAPH = "graph.json"
 WEIGHTS = "weights.safetensors"
 ACTIONS = "actions.txt"
 BUNDLE_FILES = (STAGE, GRAPH, WEIGHTS, ACTIONS)  # what the manifest lists, besides itself
+SIGNATURE = "manifest.sig"  # optional: the coordinator's signature of manifest.json
+# sign(manifest bytes) -> signature file bytes; check(manifest bytes, signature bytes | None) raises
+# ValueError saying why the bundle is not trusted
+Signer = Callable[[bytes], bytes]
+SignatureCheck = Callable[[bytes, "bytes | None"], None]
 
 _MANIFEST_KEYS = ("schema_version", "format", "device", "stage", "files")
 
@@ -117,9 +130,10 @@ def _json_bytes(doc: Any, sort_keys: bool) -> bytes:
 
 def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: Mapping[str, Any],
                        constants: Mapping[str, np.ndarray], actions: Iterable[Action | str],
-                       source: str = "<memory>") -> dict[str, bytes]:
-    """The bytes of every bundle file, manifest included (not yet verified: `write_bundle` does).
-    `stage_doc` may be a StageDocument or its JSON (checked as a reader would)."""
+                       source: str = "<memory>", sign: Signer | None = None) -> dict[str, bytes]:
+    """The bytes of every bundle file, manifest included, and its signature with `sign` (not yet
+    verified: `write_bundle` does). `stage_doc` may be a StageDocument or its JSON (checked as a
+    reader would)."""
     if not isinstance(stage_doc, StageDocument):
         stage_doc = StageDocument.from_json(stage_doc, f"bundle {source}: {STAGE}")
     try:
@@ -131,34 +145,52 @@ def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: 
     manifest = {"schema_version": BUNDLE_SCHEMA_VERSION, "format": BUNDLE_FORMAT, "device": stage_doc.device,
                 "stage": stage_doc.stage, "files": {name: sha256_hex(files[name]) for name in BUNDLE_FILES}}
     files[MANIFEST] = _json_bytes(manifest, sort_keys=False)
+    if sign is not None:
+        files[SIGNATURE] = bytes(sign(files[MANIFEST]))
     return files
 
 
 def write_bundle(directory: str | Path, stage_doc: StageDocument | Mapping[str, Any], graph_doc: Mapping[str, Any],
-                 constants: Mapping[str, np.ndarray], actions: Iterable[Action | str]) -> Path:
-    """Verify the bundle's bytes, then write its files into `directory`, the manifest last.
+                 constants: Mapping[str, np.ndarray], actions: Iterable[Action | str],
+                 sign: Signer | None = None) -> Path:
+    """Verify the bundle's bytes, then write its files into `directory`, the manifest last (and
+    its signature after it, with `sign`).
 
     `directory` may be new, empty, or hold an earlier bundle (whose files are replaced); anything
     else in it is refused rather than deleted. Its manifest goes first, so an interrupted rewrite
     leaves a directory that no runtime accepts."""
     directory = Path(directory)
-    files = build_bundle_files(stage_doc, graph_doc, constants, actions, source=str(directory))
+    files = build_bundle_files(stage_doc, graph_doc, constants, actions, source=str(directory), sign=sign)
     verify_bundle_files(files, str(directory))
     if directory.exists():
         if not directory.is_dir():
             raise BundleError(f"bundle {directory}: exists and is not a directory")
-        ours = set(files) | {f".{name}.tmp" for name in files}  # .tmp: left by an interrupted write
+        ours = set(files) | {SIGNATURE} | {f".{name}.tmp" for name in (*files, SIGNATURE)}  # .tmp: interrupted
         foreign = sorted(p.name for p in directory.iterdir() if p.name not in ours or not p.is_file() or p.is_symlink())
         if foreign:
             raise BundleError(f"bundle {directory}: the directory holds {', '.join(foreign)}, which are not bundle "
                               f"files; choose an empty directory or remove them")
+        (directory / SIGNATURE).unlink(missing_ok=True)  # an old signature must not outlive its manifest
         (directory / MANIFEST).unlink(missing_ok=True)
     directory.mkdir(parents=True, exist_ok=True)
-    for name in BUNDLE_FILES + (MANIFEST,):
+    for name in BUNDLE_FILES + (MANIFEST,) + ((SIGNATURE,) if SIGNATURE in files else ()):
         tmp = directory / f".{name}.tmp"
         tmp.write_bytes(files[name])
         os.replace(tmp, directory / name)
     return directory
+
+
+def sign_bundle(directory: str | Path, sign: Signer) -> Path:
+    """(Re-)sign a bundle directory's manifest, after checking the bundle is sound; returns the
+    signature file. For a plan written without a key, or by another coordinator."""
+    directory = Path(directory)
+    files = read_bundle_files(directory)
+    check_bundle_manifest(files, str(directory))
+    path = directory / SIGNATURE
+    tmp = directory / f".{SIGNATURE}.tmp"
+    tmp.write_bytes(bytes(sign(files[MANIFEST])))
+    os.replace(tmp, path)
+    return path
 
 
 def read_bundle_files(directory: str | Path) -> dict[str, bytes]:
@@ -226,7 +258,7 @@ def check_bundle_manifest(files: Mapping[str, bytes], source: str) -> dict[str, 
     for name in BUNDLE_FILES:
         if name not in files:
             raise BundleError(f"bundle {source}: {name} is missing ({MANIFEST} lists it)")
-    extra = sorted(set(files) - set(BUNDLE_FILES) - {MANIFEST})
+    extra = sorted(set(files) - set(BUNDLE_FILES) - {MANIFEST, SIGNATURE})
     if extra:
         raise BundleError(f"bundle {source}: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not listed in "
                           f"{MANIFEST} (a bundle holds only its listed files; remove "
@@ -278,8 +310,23 @@ def _parse_actions(data: bytes, source: str, stage_doc: StageDocument) -> tuple[
     return tuple(actions)
 
 
-def verify_bundle_files(files: Mapping[str, bytes], source: str) -> BundleContents:
-    """Check a bundle's bytes completely and parse them; BundleError names the file and the fault."""
+def check_bundle_signature(files: Mapping[str, bytes], source: str, check_signature: SignatureCheck) -> None:
+    """Raise BundleError, with the check's reason, unless the bundle's signature passes."""
+    if MANIFEST not in files:
+        raise BundleError(f"bundle {source}: {MANIFEST} is missing (not a bundle, or its writing was interrupted)")
+    signature = files.get(SIGNATURE)
+    try:
+        check_signature(bytes(files[MANIFEST]), None if signature is None else bytes(signature))
+    except ValueError as exc:
+        raise BundleError(f"bundle {source}: refused: {exc}") from None
+
+
+def verify_bundle_files(files: Mapping[str, bytes], source: str,
+                        check_signature: SignatureCheck | None = None) -> BundleContents:
+    """Check a bundle's bytes completely and parse them; BundleError names the file and the fault.
+    With `check_signature`, the signature is checked first: nothing of an untrusted bundle is parsed."""
+    if check_signature is not None:
+        check_bundle_signature(files, source, check_signature)
     manifest = check_bundle_manifest(files, source)
     head = _load_json(bytes(files[MANIFEST]), source, MANIFEST)
     stage_doc = StageDocument.from_json(_load_json(bytes(files[STAGE]), source, STAGE), f"bundle {source}: {STAGE}")
@@ -323,9 +370,9 @@ def verify_bundle_files(files: Mapping[str, bytes], source: str) -> BundleConten
     return BundleContents(source, stage_doc, graph, actions, manifest)
 
 
-def load_bundle_dir(directory: str | Path) -> BundleContents:
+def load_bundle_dir(directory: str | Path, check_signature: SignatureCheck | None = None) -> BundleContents:
     """Read and verify a bundle directory."""
-    return verify_bundle_files(read_bundle_files(directory), str(directory))
+    return verify_bundle_files(read_bundle_files(directory), str(directory), check_signature)
 
 
 # plan.json ---------------------------------------------------------------------------------------

@@ -84,6 +84,16 @@ def _flatten(attrs, x):
     return x.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
 
 
+def _cumsum(attrs, x, axis):
+    axis = int(np.asarray(axis).reshape(-1)[0]) % max(x.ndim, 1)
+    if attrs.get("reverse", 0):
+        x = np.flip(x, axis)
+    out = np.cumsum(x, axis=axis, dtype=x.dtype)
+    if attrs.get("exclusive", 0):
+        out = out - x
+    return np.flip(out, axis) if attrs.get("reverse", 0) else out
+
+
 def _div(attrs, a, b):
     if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
         return (np.trunc(a / b)).astype(a.dtype)
@@ -95,6 +105,9 @@ HOST_IMPLS: dict[str, Callable] = {
     "Shape": lambda attrs, x: np.array(x.shape, dtype=np.int64)[attrs.get("start", 0):attrs.get("end")],
     "Gather": _gather,
     "GatherND": _gather_nd,
+    "GatherElements": lambda attrs, data, idx: np.take_along_axis(
+        data, np.where(idx < 0, idx + data.shape[int(attrs.get("axis", 0))], idx).astype(np.int64),
+        axis=int(attrs.get("axis", 0))),
     "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze,
     "Concat": lambda attrs, *xs: np.concatenate(xs, axis=int(attrs["axis"])),
@@ -121,6 +134,7 @@ HOST_IMPLS: dict[str, Callable] = {
     "Mul": lambda attrs, a, b: (a * b).astype(a.dtype),
     "Div": _div,
     "Neg": lambda attrs, a: -a,
+    "CumSum": _cumsum,  # RoBERTa's position ids: cumsum(input_ids != pad) * mask + pad
     "Transpose": lambda attrs, x: np.transpose(x, attrs.get("perm")),
 }
 

@@ -21,8 +21,9 @@ _ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
 _ST_MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 
 
-def encode_safetensors(tensors: Mapping[str, np.ndarray]) -> bytes:
-    """The safetensors bytes of `tensors`; deterministic, so equal weights give equal hashes.
+def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The safetensors bytes of `tensors` (and the header's `__metadata__` strings, e.g.
+    {"format": "pt"} as transformers writes); deterministic, so equal weights give equal hashes.
 
     Tensors are laid out widest dtype first, then by name (as the safetensors package does), so
     every tensor starts aligned to its item size; the header is padded with spaces to 8 bytes."""
@@ -46,6 +47,10 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray]) -> bytes:
                         "data_offsets": [offset, offset + len(raw)]}
         chunks.append(raw)
         offset += len(raw)
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise ValueError("safetensors metadata must map strings to strings")
+        header = {"__metadata__": dict(metadata), **header}
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text + b"".join(chunks)
@@ -117,11 +122,12 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
+def save_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray],
+                     metadata: Mapping[str, str] | None = None) -> None:
     """Write `tensors` to `path` atomically (a partial file never takes the name)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(encode_safetensors(tensors))
+    tmp.write_bytes(encode_safetensors(tensors, metadata))
     tmp.replace(path)
 
 

@@ -70,12 +70,18 @@ def run_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent
         "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
     plan_dir = home / "plan"
     reporter.note(f"[5/6] planning over {cluster_path} (1f1b-flush, {DEMO_MICROBATCHES} micro-batches)")
+    from jobs.workers import coordinator_pair
+    from runtime.keys import signer
+
+    keys = home / "keys"  # the coordinator's key signs the bundles and secures the links
     plan_model(model, cluster_path, PlanSettings("1f1b-flush", settings.batch, settings.seq, DEMO_MICROBATCHES,
-                                                 optimizer=settings.optimizer, lr=settings.lr), plan_dir, reporter)
+                                                 optimizer=settings.optimizer, lr=settings.lr), plan_dir, reporter,
+               sign=signer(coordinator_pair(keys, note=reporter.note)))
     reporter.note(f"[6/6] training from the plan on {len(load_plan(plan_dir).devices)} local worker processes "
                   f"({settings.steps} steps)")
     pipeline = train_from_plan(plan_dir, train, dev, PlanRunSettings(steps=settings.steps, seed=settings.seed,
-                                                                     tokenizer=settings.tokenizer, local=True),
+                                                                     tokenizer=settings.tokenizer, local=True,
+                                                                     keys=keys),
                                reporter)
     return DemoResult(single, pipeline, plan_dir)
 

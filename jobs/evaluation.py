@@ -11,9 +11,9 @@ from ir.graph import Graph
 from jobs.metrics import EvalFigures
 from runtime.engines.factory import make_engine
 from runtime.engines.stage import stage_spec
-from tasks.metrics import Scores
+from tasks.metrics import ClassScores, Scores
 from tasks.ner import NerData
-from tasks.trainer import TrainConfig, evaluate
+from tasks.trainer import TrainConfig, evaluate, evaluate_classes
 
 
 def head_block(graph: Graph) -> int:
@@ -38,3 +38,16 @@ def score_weights(graph: Graph, weights: Mapping[str, np.ndarray], data: NerData
 def eval_figures(after: Scores, before: Scores | None = None) -> EvalFigures:
     return EvalFigures(after.f1, after.precision, after.recall, None if before is None else before.f1,
                        {k: v.f1 for k, v in after.per_type.items()})
+
+
+def score_classes(engine, graph: Graph, data, batch: int) -> ClassScores:
+    """Accuracy and macro-F1 of `engine` (the whole model) on a sequence-classification run's
+    evaluation examples (`tasks.seqcls.SeqClsData`)."""
+    return evaluate_classes(engine, data.dev_encoded, data.dev_labels, data.labels,
+                            TrainConfig(batch=batch, seq=data.seq), head_block(graph))
+
+
+def class_figures(after: ClassScores, before: ClassScores | None = None) -> EvalFigures:
+    return EvalFigures(after.accuracy, after.macro_precision, after.macro_recall,
+                       None if before is None else before.accuracy, {k: v.f1 for k, v in after.per_label.items()},
+                       metric="accuracy", macro_f1=after.macro_f1)

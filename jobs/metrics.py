@@ -7,13 +7,27 @@
      "devices": [{"name", "stage", "blocks": [first, last], "peak_rss_bytes"}],   one per stage at the end
      "peak_rss_bytes": the largest device's, "coordinator_peak_rss_bytes": int | null,
      "predicted_step_s": float | null, "measured_step_s": float,
-     "eval": null | {"metric": "entity_f1", "before": float | null, "after", "precision", "recall",
-                     "per_type": {type: f1}},
+     "eval": null | {"metric": "entity_f1" | "accuracy" | "exact_match", "before": float | null, "after",
+                     "precision", "recall", "per_type": {type or label: f1}, "macro_f1": float | null,
+                     "perplexity": float | null, "perplexity_before": float | null},
      "replans": [...], "replan_checks": [...], "events": [...], "settings": {...}}
+
+For NER (`entity_f1`) precision, recall and per_type are entity-level (conlleval); for sequence
+classification (`accuracy`, `--task seq-cls`) `after`/`before` are accuracies, precision, recall and
+macro_f1 are macro averages over the labels, per_type holds each label's F1. For a causal LM
+(`exact_match`, `--task causal-lm`) `after`/`before` are the exact match of generated answers,
+`perplexity`/`perplexity_before` the dev answers' perplexity, and precision, recall and per_type the
+entity task's JSON scores (valid_json, precision, recall, f1) when the answers are its JSON, else null;
+`perplexity` is null for the other tasks.
 
 `step` counts from the start of training (a resumed run continues the count); `tokens_per_s` is
 null where a command does not count tokens; `events` lists failures and recoveries as they happen
-(empty when none). The README documents the same fields.
+(empty when none), each {"event", "at" (time.time()), ...}: "lost" {step, stage, device, address,
+detected_after_s, reason}, "new_plan" {step, cause ("lost" | "measured"), old_ranges, ranges, devices,
+plan, seconds}, "recovered" {step, seconds (from detection to that step done), steps_replayed, ranges,
+devices}, "checkpoint" {step, directory}, "memory_low" {step, device, mem_available_bytes},
+"battery_low" {step, device, battery_percent} (jobs.pipeline_training). The README documents the
+same fields.
 """
 from __future__ import annotations
 
@@ -47,7 +61,8 @@ class DeviceFigures:
 
 @dataclass(frozen=True)
 class EvalFigures:
-    """Entity-level F1 on the evaluation file, after training (and before, where measured)."""
+    """The task's metric on the evaluation file, after training (and before, where measured):
+    entity-level F1 (NER), or accuracy with macro precision / recall / F1 (sequence classification)."""
 
     after: float
     precision: float
@@ -55,6 +70,9 @@ class EvalFigures:
     before: float | None = None
     per_type: Mapping[str, float] = field(default_factory=dict)
     metric: str = "entity_f1"
+    macro_f1: float | None = None
+    perplexity: float | None = None  # causal LMs: the dev answers' perplexity after training
+    perplexity_before: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +120,9 @@ class TrainingMetrics:
             "predicted_step_s": self.predicted_step_s, "measured_step_s": _finite(self.measured_step_s),
             "eval": None if self.eval is None else {
                 "metric": self.eval.metric, "before": self.eval.before, "after": self.eval.after,
-                "precision": self.eval.precision, "recall": self.eval.recall, "per_type": dict(self.eval.per_type)},
+                "precision": self.eval.precision, "recall": self.eval.recall, "per_type": dict(self.eval.per_type),
+                "macro_f1": self.eval.macro_f1, "perplexity": self.eval.perplexity,
+                "perplexity_before": self.eval.perplexity_before},
             "replans": [dict(r) for r in self.replans], "replan_checks": [dict(c) for c in self.replan_checks],
             "events": [dict(e) for e in self.events], "settings": dict(self.settings),
         }

@@ -13,9 +13,11 @@ from ir.serialize import merge_slices
 from jobs.errors import JobError
 from jobs.evaluation import eval_figures, score_weights
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
-from jobs.pipeline_training import PipelineResult, train_pipeline
+from jobs.pipeline_training import (FaultPolicy, PipelineResult, RecoveryImpossible, SurvivorPlan, describe_event,
+                                    train_pipeline)
 from jobs.report import Reporter, Silent
-from jobs.workers import LocalWorkers
+from jobs.settings import check_fault_flags
+from jobs.workers import LocalWorkers, coordinator_pair
 from planner.cluster import load_cluster
 from planner.emit import load_plan_cluster
 from planner.replan import PlanReplanner
@@ -42,19 +44,67 @@ class PlanRunSettings:
     cluster: Path | None = None
     listen: str = "tcp://127.0.0.1:0"
     timeout_s: float = 600.0
+    keys: Path | None = None          # coordinator.key (signed the plan) and, for remote workers, NAME.pub
+    insecure: bool = False
+    on_failure: str = "replan"
+    failure_timeout_s: float = 3.0
+    checkpoint_every: int | None = None
+
+
+def _coordinator_keys(settings: PlanRunSettings, bundles, reporter):
+    """The coordinator's pair, after checking that it signed every bundle of the plan (a worker
+    would refuse them otherwise; better said here, before any worker starts)."""
+    from runtime.keys import KeyFileError, verifier
+
+    if settings.insecure:
+        return None
+    if settings.keys is None:
+        raise JobError("training from a plan needs the coordinator's keys (--keys DIR, the folder `confidant plan` "
+                       "signed the bundles from) or --insecure")
+    try:
+        pair = coordinator_pair(settings.keys, note=reporter.note)
+    except KeyFileError as exc:
+        raise JobError(str(exc)) from None
+    check = verifier(pair.public)
+    for directory in bundles:
+        try:
+            load_bundle_dir(directory, check_signature=check)
+        except BundleError as exc:
+            raise JobError(f"{exc} (re-run `confidant plan` with this coordinator's --keys {settings.keys})") from None
+    return pair
+
+
+def _remote_keys(settings: PlanRunSettings, pair, names, addresses):
+    from runtime.keys import COORDINATOR_KEY, ClusterKeys, KeyDir, KeyFileError
+
+    try:
+        keydir = KeyDir.load(settings.keys, COORDINATOR_KEY)
+        return ClusterKeys(pair, {a: keydir.key_of(n) for n, a in zip(names, addresses)})
+    except KeyFileError as exc:
+        raise JobError(f"{exc} (the coordinator needs each device's NAME.pub in --keys DIR)") from None
 
 
 def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings,
                     reporter: Reporter = Silent()) -> TrainingMetrics:
     if settings.steps < 1:
         raise JobError(f"--steps must be at least 1, got {settings.steps}")
+    check_fault_flags(settings.on_failure, settings.failure_timeout_s, settings.checkpoint_every, settings.checkpoint)
     plan_dir = Path(plan_dir)
     plan = load_plan(plan_dir, verify_bundles=True)
     names = plan.device_names
     bundles = [plan_dir / d.bundle for d in plan.devices]
     contents = [load_bundle_dir(b) for b in bundles]
     replanner = _plan_replanner(settings, plan_dir, plan, contents)  # None without --replan-every
-    spares = _spare_devices(replanner, names)
+    pair = _coordinator_keys(settings, bundles, reporter)
+    sign = None
+    if pair is not None:
+        from runtime.keys import signer
+
+        sign = signer(pair)
+    if replanner is not None:
+        replanner.sign = sign  # new plans are signed like the first
+    rescuer = replanner if replanner is not None else _failure_replanner(settings, plan_dir, plan, contents, sign)
+    spares = _spare_devices(replanner or rescuer, names)
     M, rows, seq = plan.microbatches, plan.batch, plan.seq
     ner = load_ner_data(data, eval_path, seq, settings.tokenizer)
     full = merge_slices([c.graph for c in contents])
@@ -71,11 +121,17 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
 
     local = None
     if settings.local:
-        local = LocalWorkers.start(len(names) + len(spares), max(d.threads for d in plan.devices))
+        local = LocalWorkers.start(len(names) + len(spares), max(d.threads for d in plan.devices), coordinator=pair,
+                                   insecure=settings.insecure, failure_timeout_s=settings.failure_timeout_s)
         addresses = local.addresses[:len(names)]
         spares = dict(zip(spares, local.addresses[len(names):]))
+        keys = local.keys
     else:
         addresses = [d.address for d in plan.devices]
+        keys = None if pair is None else _remote_keys(settings, pair, names + list(spares),
+                                                       addresses + list(spares.values()))
+    address_of = {**dict(zip(names, addresses)), **spares}
+    faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, 1, settings.checkpoint_every)
     failed = True
     try:
         result = train_pipeline(None, batches, len(ner.labels), addresses, config, settings.steps,
@@ -85,9 +141,11 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
                                 on_replan=replanner, spare_devices=spares,
                                 on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf),
                                 schedule=None if plan.schedule in ASYNC_SCHEDULES else plan.to_schedule(),
-                                update_every=plan.update_every)
+                                update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
+                                on_lost=None if rescuer is None else _on_lost(rescuer, address_of),
+                                on_event=lambda event: reporter.note(describe_event(event)))
         failed = False
-    except WorkerFailed as exc:
+    except (WorkerFailed, RecoveryImpossible) as exc:
         raise JobError(str(exc)) from None
     finally:
         if local:
@@ -96,7 +154,8 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         "train", plan.model, rows * M, seq, steps_from(result.losses, result.step_seconds, rows * M),
         _device_figures(result, names, replanner), microbatches=M, schedule=plan.schedule, plan=str(plan_dir),
         predicted_step_s=plan.predicted_step_s, coordinator_peak_rss_bytes=peak_rss_bytes(),
-        settings=asdict(settings), **(_replan_figures(replanner, result) if replanner is not None else {}))
+        settings=asdict(settings), events=tuple(result.events),
+        **(_replan_figures(replanner, result) if replanner is not None else {}))
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
     if ner.dev:
         scores = score_weights(full, result.weights, ner, rows)
@@ -107,13 +166,39 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
 
 # --- re-planning while training from a plan folder --------------------------------------------------
 
-def _plan_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, contents):
+def _on_lost(replanner, address_of):
+    """train_pipeline's on_lost from a plan folder: a new plan over the cluster without the lost
+    devices (and without devices that have no worker), written from the held state."""
+    device_of = {a: d for d, a in address_of.items()}
+
+    def on_lost(step, lost, snapshot, addresses) -> SurvivorPlan:
+        gone = [device_of.get(a, a) for a in lost]
+        keep = [d for d, a in address_of.items() if a not in set(lost)]
+        plan = replanner.without(step, gone, snapshot.state.weights, keep=keep)
+        return SurvivorPlan([tuple(r) for r in plan.ranges], [address_of[d] for d in plan.devices],
+                            list(plan.bundles), list(plan.devices), plan.schedule, plan.directory)
+
+    return on_lost
+
+
+def _failure_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, contents, sign):
+    """Without --replan-every: a re-planner used only when a device is lost (None when the plan has
+    no cluster.json to re-plan with, or --on-failure stop)."""
+    if settings.on_failure != "replan":
+        return None
+    try:
+        cluster = load_cluster(settings.cluster) if settings.cluster is not None else load_plan_cluster(plan_dir)
+        return PlanReplanner(plan_dir, plan, merge_slices([c.graph for c in contents]), cluster,
+                             settings.replan_threshold, sign=sign)
+    except (BundleError, ValueError):
+        return None
+
+
+def _plan_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, contents, sign=None):
     """The re-planner of `confidant train --replan-every`, or None without it; a JobError for what
     cannot be re-planned, before any worker starts."""
     every = settings.replan_every
     if every is None:
-        if settings.cluster is not None:
-            raise JobError("--cluster is the cluster to re-plan with: give it with --replan-every N")
         return None
     if every < 1 or plan.schedule not in FLUSH_SCHEDULES:
         raise JobError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush or "
@@ -135,7 +220,7 @@ def _plan_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocumen
                        f"plan's shape")
     try:
         return PlanReplanner(plan_dir, plan, merge_slices([c.graph for c in contents]), cluster,
-                             settings.replan_threshold)
+                             settings.replan_threshold, sign=sign)
     except ValueError as exc:
         raise JobError(str(exc)) from None
 
@@ -184,11 +269,6 @@ def _replan_figures(replanner, result: PipelineResult) -> dict:
 
 def _device_figures(result: PipelineResult, names, replanner) -> tuple[DeviceFigures, ...]:
     """Each device of the final plan with its blocks and peak RSS over every step it ran."""
-    switches = {p.step: p.devices for p in (replanner.applied if replanner is not None else [])}
-    devices, peak = list(names), {}
-    for i, reports in enumerate(result.stage_reports):  # one per step (flush schedules), plans switch between
-        for name, rep in zip(devices, reports):
-            peak[name] = max(peak.get(name, 0), rep["peak_rss_bytes"])
-        devices = switches.get(i + 1, devices)
     final = result.devices or names
-    return tuple(DeviceFigures(n, k, a, b, peak.get(n)) for k, (n, (a, b)) in enumerate(zip(final, result.ranges)))
+    return tuple(DeviceFigures(n, k, a, b, result.peak_rss_bytes.get(addr))
+                 for k, (n, addr, (a, b)) in enumerate(zip(final, result.addresses, result.ranges)))

@@ -9,12 +9,13 @@ from pathlib import Path
 
 from ir.backend import engine_of, threads_of
 from ir.bundle import load_plan
+from ir.graph import tied_parameters
 from ir.partition import StageCost
 from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, load_cluster
-from planner.cost import predicted_step_s, stage_costs
+from planner.cost import check_tied_schedule, predicted_step_s, stage_costs
 from planner.emit import emit_plan
 from planner.lora import LoraSettings
 from planner.heads import HeadSplit, choose_head_split, profile_with_head_split, split_base_backend, split_extra_cost_s
@@ -44,8 +45,9 @@ class PlanSettings:
 
 
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
-               reporter: Reporter = Silent()) -> Path:
-    """Write the plan folder `output` for `model` over the cluster in `cluster_file`; returns it."""
+               reporter: Reporter = Silent(), sign=None) -> Path:
+    """Write the plan folder `output` for `model` over the cluster in `cluster_file`; returns it.
+    `sign` (runtime.keys.signer of the coordinator's key) signs every bundle."""
     M = settings.microbatches
     if M < 1 or settings.batch % M:
         raise JobError(f"--batch {settings.batch} must be a multiple of --microbatches {M}")
@@ -71,11 +73,21 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
             partition = solve_partition(instance, time_limit_s=settings.time_limit_s)
     except PlanDoesNotFit as exc:
         raise JobError(str(exc)) from None
+    try:
+        check_tied_schedule(graph, partition.ranges, settings.schedule)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    tied = tied_parameters(graph, partition.ranges)
+    if tied:
+        holders = sorted({s for stages in tied.values() for s in stages})
+        reporter.note(f"{len(tied)} weight(s) tied across stages {holders} (e.g. {next(iter(tied))!r}): each holder keeps "
+                      "a copy, charged in memory and in the update's transfer time; their gradients must be summed "
+                      "before every update (the runtime's tied-weights exchange)")
     costs = stage_costs(graph, cluster, partition, settings.schedule, M, settings.optimizer)
     schedule = make_schedule(settings.schedule, len(partition.stages), M, update_every=settings.update_every)
     config = _emit_config(Path(model).name, cluster, partition.devices, splits, settings)
     path = emit_plan(output, graph, partition, schedule, config, costs, predicted_step_s(costs, settings.schedule, M),
-                     cluster=cluster)
+                     cluster=cluster, sign=sign)
     reporter.note(f"wrote {path} and {len(partition.stages)} bundles")
     return Path(output)
 

@@ -25,11 +25,14 @@ class TrainingSettings:
     engine: str = "mnn"
     tokenizer: Path | None = None
     lora: LoraSettings | None = None  # None: full fine-tuning
+    eval_limit: int | None = None  # causal LMs: generate for the first N evaluation conversations only
 
     def check(self) -> "TrainingSettings":
         for flag, value in (("--steps", self.steps), ("--batch", self.batch), ("--threads", self.threads)):
             if value < 1:
                 raise JobError(f"{flag} must be at least 1, got {value}")
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise JobError(f"--eval-limit must be at least 1, got {self.eval_limit}")
         if self.seq < 4:
             raise JobError(f"--seq must be at least 4 tokens, got {self.seq}")
         if not self.lr > 0:
@@ -57,6 +60,11 @@ class PipelineSettings:
     replan_threshold: float = 0.1
     listen: str = "tcp://127.0.0.1:0"
     timeout_s: float = 600.0
+    keys: Path | None = None          # coordinator.key and the workers' NAME.pub (jobs.workers)
+    insecure: bool = False            # plaintext links, no signatures
+    on_failure: str = "replan"        # jobs.pipeline_training.FaultPolicy
+    failure_timeout_s: float = 3.0
+    checkpoint_every: int | None = None
 
     def check(self, batch: int) -> "PipelineSettings":
         try:
@@ -76,4 +84,18 @@ class PipelineSettings:
             raise JobError(f"--replan-threshold must be a number >= 0 (0.1: 10% faster), got {self.replan_threshold}")
         if not self.timeout_s > 0:
             raise JobError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        check_fault_flags(self.on_failure, self.failure_timeout_s, self.checkpoint_every, self.checkpoint)
         return self
+
+
+def check_fault_flags(on_failure: str, failure_timeout_s: float, checkpoint_every: int | None,
+                      checkpoint: Path | None) -> None:
+    if on_failure not in ("replan", "stop"):
+        raise JobError(f"--on-failure must be replan or stop, not {on_failure!r}")
+    if not failure_timeout_s > 0:
+        raise JobError(f"--failure-timeout must be a positive number of seconds, got {failure_timeout_s}")
+    if checkpoint_every is not None:
+        if checkpoint_every < 1:
+            raise JobError(f"--checkpoint-every must be at least 1 step, got {checkpoint_every}")
+        if checkpoint is None:
+            raise JobError("--checkpoint-every N needs --checkpoint DIR, the folder to write to")

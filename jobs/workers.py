@@ -1,13 +1,26 @@
 """Worker processes on this machine (`--local`): each runs `confidant worker`, prints its bound
 address on its first line and waits for a coordinator. They end when the coordinator stops them,
-when it dies (their connection to it breaks), or when `stop` terminates them."""
+when the process that started them dies (the kernel's parent-death signal, and a watcher, see
+runtime.pipeline.worker.watch_parent), or when `stop` terminates them.
+
+Secure by default: each worker gets a fresh key pair of its own and the coordinator's public key,
+through a private folder (mode 0700) that is removed as soon as every worker has read its keys;
+`keys` is then what the coordinator needs (train_pipeline(..., keys=workers.keys)). With
+`insecure=True` the workers run plaintext and `keys` is None.
+"""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from runtime.keys import COORDINATOR_KEY, ClusterKeys, KeyPair, write_keypair
 
 
 @dataclass
@@ -16,28 +29,50 @@ class LocalWorkers:
 
     procs: list[subprocess.Popen] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
+    keys: ClusterKeys | None = None
 
     @classmethod
-    def start(cls, n: int, threads: int, timeout_s: float = 120.0) -> "LocalWorkers":
+    def start(cls, n: int, threads: int, timeout_s: float = 120.0, coordinator: KeyPair | None = None,
+              insecure: bool = False, failure_timeout_s: float = 3.0, stderr=None) -> "LocalWorkers":
+        """`n` workers; secured with `coordinator`'s key (default: a fresh pair for this run) unless
+        `insecure`."""
         env = dict(os.environ)
         # one compute thread per worker unless asked: N workers must not oversubscribe the cores
         env.update({"OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
                     "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})
         workers = cls()
-        for _ in range(n):
-            proc = subprocess.Popen([sys.executable, "-m", "confidant", "worker", "--listen", "tcp://127.0.0.1:0"],
-                                    stdout=subprocess.PIPE, text=True, env=env)
-            workers.procs.append(proc)
-        deadline = time.monotonic() + timeout_s
-        for proc in workers.procs:
-            line = proc.stdout.readline()
-            if not line.startswith("listening "):
-                workers.stop()
-                raise RuntimeError(f"local worker (pid {proc.pid}) did not start: {line.strip() or 'no output'}")
-            workers.addresses.append(line.split()[1])
-            if time.monotonic() > deadline:
-                workers.stop()
-                raise RuntimeError("local workers took too long to start")
+        folder = None
+        pairs: list[KeyPair] = []
+        if not insecure:
+            coordinator = coordinator or KeyPair.generate(COORDINATOR_KEY)
+            folder = Path(tempfile.mkdtemp(prefix="confidant-keys-"))  # mkdtemp: mode 0700
+            (folder / f"{COORDINATOR_KEY}.pub").write_text(f"{coordinator.public.text} {COORDINATOR_KEY}\n")
+            pairs = [KeyPair.generate(f"local{k}") for k in range(n)]
+            for pair in pairs:
+                write_keypair(folder, pair)
+        try:
+            for k in range(n):
+                security = ["--insecure"] if insecure else ["--keys", str(folder), "--name", pairs[k].name]
+                proc = subprocess.Popen([sys.executable, "-m", "confidant", "worker", "--listen", "tcp://127.0.0.1:0",
+                                         "--failure-timeout", str(failure_timeout_s), *security,
+                                         "--exit-with", str(os.getpid())],
+                                        stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+                workers.procs.append(proc)
+            deadline = time.monotonic() + timeout_s
+            for proc in workers.procs:
+                line = proc.stdout.readline()
+                if not line.startswith("listening "):
+                    workers.stop()
+                    raise RuntimeError(f"local worker (pid {proc.pid}) did not start: {line.strip() or 'no output'}")
+                workers.addresses.append(line.split()[1])
+                if time.monotonic() > deadline:
+                    workers.stop()
+                    raise RuntimeError("local workers took too long to start")
+        finally:
+            if folder is not None:  # every worker printed its address after reading its keys
+                shutil.rmtree(folder, ignore_errors=True)
+        if not insecure:
+            workers.keys = ClusterKeys(coordinator, {a: p.public for a, p in zip(workers.addresses, pairs)})
         return workers
 
     def wait(self, timeout_s: float = 30.0) -> list[int]:
@@ -64,3 +99,46 @@ class LocalWorkers:
             self.stop()
             return [p.returncode for p in self.procs]
         return self.wait(timeout_s)
+
+
+def coordinator_pair(keys_dir: Path, create: bool = True, note=None) -> KeyPair:
+    """The coordinator's key pair from `keys_dir`/coordinator.key, made there first (with a note)
+    when it is absent and `create`."""
+    from runtime.keys import read_keypair
+
+    path = Path(keys_dir) / f"{COORDINATOR_KEY}.key"
+    if not path.exists() and create:
+        Path(keys_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        pair = KeyPair.generate(COORDINATOR_KEY)
+        write_keypair(keys_dir, pair)
+        if note is not None:
+            note(f"made a coordinator key pair in {keys_dir} ({COORDINATOR_KEY}.pub: give it to the workers)")
+        return pair
+    return read_keypair(path)
+
+
+def parse_workers(spec: Sequence[str], keys_dir: Path | None, insecure: bool) -> tuple[list[str], ClusterKeys | None]:
+    """`--workers NAME=ADDRESS,...` (NAME.pub in --keys DIR) as addresses and the cluster's keys;
+    plain ADDRESS entries only with --insecure."""
+    from jobs.errors import JobError
+    from runtime.keys import KeyDir, KeyFileError
+
+    names, addresses = [], []
+    for item in spec:
+        name, sep, address = item.partition("=")
+        if not sep:
+            name, address = "", item
+        names.append(name.strip())
+        addresses.append(address.strip())
+    if insecure:
+        return addresses, None
+    missing = [a for n, a in zip(names, addresses) if not n]
+    if missing or keys_dir is None:
+        raise JobError("--workers: give each worker as NAME=ADDRESS, with NAME.pub and coordinator.key in --keys DIR "
+                       "(`confidant keys DIR coordinator NAME...`), or run with --insecure"
+                       + (f"; no name for {missing}" if missing else ""))
+    try:
+        keydir = KeyDir.load(keys_dir, COORDINATOR_KEY)
+        return addresses, ClusterKeys(keydir.own, {a: keydir.key_of(n) for n, a in zip(names, addresses)})
+    except KeyFileError as exc:
+        raise JobError(str(exc)) from None

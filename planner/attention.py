@@ -59,6 +59,7 @@ class _Matcher:
             for i in n.inputs:
                 self.users.setdefault(i, []).append(n)
         self.used: list[Node] = []
+        self.params = frozenset(graph.params)
 
     def fail(self, msg: str):
         raise PatternError(f"block {self.block.index} ({self.block.name}): {msg}")
@@ -76,7 +77,7 @@ class _Matcher:
         return us[0]
 
     def is_param(self, v: str) -> bool:
-        return v in self.graph.constants and v in self.graph.params
+        return v in self.params
 
     def linear(self, value: str, what: str) -> tuple[str, tuple[str, bool], str, Node]:
         """value = MatMul(x, W) + b -> (x, (W, trans_b), b, matmul)."""
@@ -124,7 +125,7 @@ class _Matcher:
         if scale_node is None or scale_node.op not in ("Mul", "Div"):
             self.fail(f"the scores should be scaled by a Mul or Div before the mask, found "
                       f"{scale_node.op if scale_node else None}")
-        consts = [v for v in scale_node.inputs if v in self.graph.constants and v not in self.graph.params]
+        consts = [v for v in scale_node.inputs if v in self.graph.constants and v not in self.params]
         scores_in = [v for v in scale_node.inputs if v in self.inside]
         if len(consts) != 1 or len(scores_in) != 1 or (scale_node.op == "Div" and scale_node.inputs[1] != consts[0]):
             self.fail(f"the scaling {scale_node.name!r} should combine the scores with one constant")

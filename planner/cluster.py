@@ -87,6 +87,10 @@ def _quantity(value: Any, units: Mapping[str, float], what: str, examples: str, 
     return number / unit if divide else number * unit
 
 
+# A budget written without a unit below this is taken for a slip (512 meant 512 MiB), not bytes.
+MIN_BARE_BUDGET_BYTES = 2 ** 20
+
+
 def parse_bytes(value: Any) -> int:
     """Bytes from an int or a string such as "3GiB", "512MB", "1.5 GiB" or "1000000" (SI prefixes
     are powers of 1000, binary ones of 1024); rounds to whole bytes."""
@@ -222,6 +226,12 @@ def cluster_from_document(doc: Any, source: str, base_dir: str | Path,
         if spec.name in first_index:
             raise ClusterError(f"{source}: device {spec.name!r} appears twice (devices[{first_index[spec.name]}] and "
                                f"devices[{i}]); device names must be unique")
+        clash = next((n for n in first_index if n.lower() == spec.name.lower()), None)
+        if clash is not None:
+            # each device's bundle is a folder named after it: on a case-insensitive file system these collide
+            raise ClusterError(f"{source}: devices {clash!r} (devices[{first_index[clash]}]) and {spec.name!r} "
+                               f"(devices[{i}]) differ only in case; their bundle folders would collide on a "
+                               f"case-insensitive file system: rename one")
         if spec.address in addresses:
             raise ClusterError(f"{source}: device {spec.name!r}: address {spec.address!r} is already device "
                                f"{addresses[spec.address]!r}'s; each worker needs its own address")
@@ -279,6 +289,12 @@ def _device(raw: Any, index: int, source: str, base_dir: Path, load_profile: Cal
         raise ClusterError(f"{source}: {where}memory_budget {exc}") from None
     if budget <= 0:
         raise ClusterError(f"{source}: {where}memory_budget must be more than 0 bytes")
+    bare = isinstance(raw_budget, (int, float)) or (isinstance(raw_budget, str) and raw_budget.strip().isdigit())
+    if bare and budget < MIN_BARE_BUDGET_BYTES:
+        # "memory_budget: 512" meant 512 MiB, not 512 bytes; read as bytes it would leave the device
+        # silently out of every plan
+        raise ClusterError(f"{source}: {where}memory_budget {raw_budget!r} has no unit and would be {budget} bytes, "
+                           f"too little to hold any block; write the unit, e.g. {raw_budget}MiB or {raw_budget}GiB")
     if budget > profile.memory_available_bytes:
         raise ClusterError(
             f"{source}: {where}memory_budget {budget} bytes ({format_bytes(budget)}) is more than the "

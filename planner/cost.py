@@ -30,14 +30,33 @@ runtime/executor.py and runtime/optim.py; the constants below say which):
   + the profile's `runtime_overhead_bytes`.
 Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash only; in-flight counts
 (`in_flight_microbatches`) are DESIGN's min(p-s, m) for 1F1B and m for GPipe. Transient buffers
-(the output until its send, gradients until theirs, host values such as the mask) are not counted.
+(the output until its send, gradients until theirs, host values such as the mask) are not counted,
+except the one that is the model's largest activation (below).
+
+Decoder LLMs:
+- A weight several blocks read (a tied LM head: the embedding table) is held once per stage:
+  `stage_params_bytes` counts it once, not once per block.
+- The causal-LM loss with the LM head on the same stage runs fused (`runtime.engines.stage.
+  fused_lm_head`): the vocabulary-sized logits are never held, the loss block stashes only the
+  head's hidden state (`block_input_bytes`), and the profile charges the fused kernel's time and
+  workspace to the head's signature (`runtime.profiling.device`). A cut between the head and the loss
+  makes the logits a boundary activation: sent and received (link time), stashed on the loss's stage
+  and held by the head's stage until its gradient returns; `stage_memory_bytes` counts both. (The
+  partition instance sums `block_input_bytes` per block, so for that one cut it misses the loss
+  stage's stash; the cut's link time makes it a poor choice anyway.)
+- Tied weights across stages (the embedding on the first stage, the head on the last): each holder
+  keeps a copy and, at every flush, sends its gradient for them and receives the sum before its
+  update (DESIGN.md; the runtime protocol: README, "Causal LMs: training"): memory one more
+  copy (`tied_bytes`, the sum received), time two transfers of those bytes per step, charged to the
+  stage's update (`stage_cost`). 1f1b-stash cannot keep the copies equal: `check_tied_schedule`
+  refuses such a cut under it.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import Sequence
 
-from ir.graph import Block, Graph, block_signature
+from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.profile import BlockCost
@@ -130,9 +149,70 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
 
 def block_input_bytes(graph: Graph) -> tuple[int, ...]:
     """Per block, the bytes of the activation it reads from the block before (stashed per
-    micro-batch in flight); 0 for the first block, which reads only graph inputs."""
+    micro-batch in flight); 0 for the first block, which reads only graph inputs. A causal-LM loss
+    fused with its head (the usual stage) stashes the head's hidden state, not the logits."""
     blocks = check_blocks(graph)
-    return (0,) + tuple(b.activation_bytes for b in blocks[:-1])
+    out = [0] + [b.activation_bytes for b in blocks[:-1]]
+    fused = fused_loss_hidden_bytes(graph)
+    if fused is not None:
+        out[-1] = fused
+    return tuple(out)
+
+
+def fused_loss_hidden_bytes(graph: Graph) -> int | None:
+    """Bytes of the hidden state a fused LM head + causal-LM loss stashes (None: not a decoder's fusable
+    loss). The test is the engines' (`runtime.engines.stage.fused_lm_head`, which the planner may not
+    import): the loss block's one TokenCrossEntropy reads the head's output, made by a MatMul of a
+    2-D weight that nothing else reads."""
+    blocks = graph.blocks
+    if len(blocks) < 2 or len(blocks[-1].nodes) != 1 or not graph.nodes:
+        return None
+    head, loss = blocks[-2], blocks[-1]
+    try:
+        node, last = graph.node(loss.nodes[0]), graph.node(head.nodes[-1]) if len(head.nodes) >= 2 else None
+    except KeyError:
+        return None
+    if node.op != "TokenCrossEntropy" or last is None or last.op != "MatMul" or last.outputs[0] != head.output \
+            or node.inputs[0] != head.output or getattr(graph.constants.get(last.inputs[1]), "ndim", 0) != 2:
+        return None
+    if [n.name for n in graph.nodes if head.output in n.inputs] != [node.name]:
+        return None
+    return int(graph.values[last.inputs[0]].nbytes)
+
+
+def stage_params_bytes(graph: Graph, first: int, last: int) -> int:
+    """Trainable parameter bytes of blocks first..last, a weight several of them read counted once."""
+    blocks = graph.blocks[first:last + 1]
+    total = sum(b.params_bytes for b in blocks)
+    seen: set[str] = set()
+    for b in blocks:
+        for p in b.params:
+            if p in seen and p in graph.constants:
+                total -= int(graph.constants[p].nbytes)
+            seen.add(p)
+    return total
+
+
+def tied_bytes(graph: Graph, first: int, last: int) -> int:
+    """Bytes of the trainable weights blocks first..last share with blocks outside the range (tied
+    weights cut by the stage's boundaries: a copy on each holder, gradients summed every step)."""
+    inside = {p for b in graph.blocks[first:last + 1] for p in b.params}
+    outside = {p for k, b in enumerate(graph.blocks) if not first <= k <= last for p in b.params}
+    return sum(int(graph.constants[p].nbytes) for p in inside & outside if p in graph.constants)
+
+
+def check_tied_schedule(graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str) -> None:
+    """ValueError when a cut puts a tied weight on several stages under an asynchronous schedule:
+    1f1b-stash updates each stage on its own clock, so the copies would drift apart."""
+    check_schedule_name(schedule)
+    if schedule not in ASYNC_SCHEDULES:
+        return
+    tied = tied_parameters(graph, ranges)
+    if tied:
+        name, stages = next(iter(tied.items()))
+        raise ValueError(f"{schedule} cannot train weights tied across stages ({len(tied)} of them, e.g. {name!r} on "
+                         f"stages {list(stages)}): their copies would drift apart between updates; use 1f1b-flush or "
+                         "gpipe, or keep the tied blocks on one stage")
 
 
 def _check_range(graph: Graph, first: int, last: int) -> None:
@@ -172,7 +252,7 @@ def accumulated_share(schedule: str, microbatches: int) -> float:
 def accumulate_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedule: str, microbatches: int) -> float:
     """Seconds per micro-batch of adding gradients into the running sum, for blocks first..last."""
     _check_range(graph, first, last)
-    params = sum(b.params_bytes for b in graph.blocks[first:last + 1])
+    params = stage_params_bytes(graph, first, last)
     return params * device.profile.accumulate_s_per_param_byte * accumulated_share(schedule, microbatches)
 
 
@@ -181,7 +261,7 @@ def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer:
     (0 for a profile that did not measure the optimizer)."""
     _check_range(graph, first, last)
     check_optimizer_name(optimizer)
-    params = sum(b.params_bytes for b in graph.blocks[first:last + 1])
+    params = stage_params_bytes(graph, first, last)
     return params * device.profile.update_s_per_param_byte.get(optimizer, 0.0)
 
 
@@ -190,13 +270,24 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     """Predicted peak bytes of stage `stage` of `stages` running blocks first..last on the device."""
     _check_range(graph, first, last)
     blocks = graph.blocks[first:last + 1]
-    params = sum(b.params_bytes for b in blocks)
+    params = stage_params_bytes(graph, first, last)
     frozen = sum(b.frozen_bytes for b in blocks)  # held once: never stashed, stepped or accumulated
-    inputs = sum(block_input_bytes(graph)[first:last + 1])
-    workspace = sum(c.workspace_bytes for c in block_costs(graph, device)[first:last + 1])
+    inputs = list(block_input_bytes(graph)[first:last + 1])
+    in_flight = in_flight_microbatches(schedule, stages, stage, microbatches)
+    held = 0
+    n = len(graph.blocks)
+    if fused_loss_hidden_bytes(graph) is not None:
+        if first == n - 1:  # the loss alone: it stashes the logits it receives
+            inputs[0] = graph.blocks[n - 2].activation_bytes
+        if last == n - 2:  # the head without its loss: its logits wait for their gradient
+            held = graph.blocks[last].activation_bytes * in_flight
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
-            + inputs * in_flight_microbatches(schedule, stages, stage, microbatches)
-            + workspace + device.profile.runtime_overhead_bytes)
+            + tied_bytes(graph, first, last) + held
+            + sum(inputs) * in_flight + workspace_of(graph, device, first, last) + device.profile.runtime_overhead_bytes)
+
+
+def workspace_of(graph: Graph, device: DeviceSpec, first: int, last: int) -> int:
+    return sum(c.workspace_bytes for c in block_costs(graph, device)[first:last + 1])
 
 
 def transfer_s(nbytes: int, cluster: Cluster, a: str, b: str) -> float:
@@ -222,6 +313,11 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
         send_grad = transfer_s(graph.blocks[first - 1].activation_bytes, cluster, devices[stage], devices[stage - 1])
     memory = stage_memory_bytes(graph, spec, first, last, stage, p, schedule, microbatches, optimizer)
     update = update_s(graph, spec, first, last, optimizer)
+    tied = tied_bytes(graph, first, last)
+    if tied and p > 1:  # its gradient for the tied weights out, the sum back, before the update
+        others = [d for k, d in enumerate(devices) if k != stage and tied_bytes(graph, *ranges[k])]
+        peer = others[0] if others else devices[(stage + 1) % p]
+        update += 2 * transfer_s(tied, cluster, devices[stage], peer)
     return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.memory_budget_bytes)
 
 
@@ -242,6 +338,7 @@ def stage_costs(graph: Graph, cluster: Cluster, partition: Partition, schedule: 
         expected = last + 1
     if expected != n:
         raise ValueError(f"partition covers blocks 0..{expected - 1} of {n}")
+    check_tied_schedule(graph, ranges, schedule)
     return [stage_cost(graph, cluster, partition.devices, ranges, s, schedule, microbatches, optimizer)
             for s in range(len(ranges))]
 

@@ -141,9 +141,11 @@ def _check_inputs(graph: Graph, partition: Partition, schedule: Schedule, costs,
 
 def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule: Schedule, config: Mapping[str, Any],
               costs: Sequence[StageCost] | None = None, predicted_step_s: float | None = None,
-              cluster: Cluster | None = None) -> Path:
+              cluster: Cluster | None = None, sign=None) -> Path:
     """Write plan.json and one verified bundle per device under `out_dir`, and cluster.json when
-    `cluster` (the devices the plan was made for) is given; returns plan.json's path."""
+    `cluster` (the devices the plan was made for) is given; returns plan.json's path. `sign`
+    (bytes -> signature file bytes; `runtime.keys.signer` of the coordinator's key, passed in by
+    the job) signs every bundle's manifest, which workers then require (ir.bundle)."""
     out_dir = Path(out_dir)
     _check_inputs(graph, partition, schedule, costs, predicted_step_s)
     devices = partition.devices
@@ -168,7 +170,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             cfg["engines"][device], cfg["backend"], cfg["threads"][device], optimizer, graph.batch, graph.seq,
             _split_heads(cfg, device))
         directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part), part.constants,
-                                 schedule.actions[s])
+                                 schedule.actions[s], sign=sign)
         load_bundle_dir(directory)  # read back from disk: what a device will receive
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]

@@ -16,10 +16,18 @@ DESIGN.md's contract). Blocks record their frozen bytes, which the planner count
 Targets are roles or name patterns. Roles are found from the lowered structure, not from names
 (exporters rename weights): `q`, `k`, `v`, `o` are the attention projections of an encoder block
 (its `ir.graph.AttentionSite`), `up` and `down` the first and second other projections of the
-block (the feed-forward). Any other target is a substring matched against the weight's name.
-`train_also` names block kinds (`head`, `embeddings`), `norms` (LayerNorm scales and biases), or
-substrings of parameter names, trained in full beside the adapters. The default trains the task
-head in full (it is new and random, as PEFT's `modules_to_save`).
+block (the feed-forward). In a decoder block (Llama, GPT-2) they are traced from its attention:
+`q` and `k` are the projections the scores are made of (back through rotary embeddings, head
+reshapes and grouped-query repeats), `v` the one the probabilities multiply, `o` the one reading
+the context; GPT-2's fused QKV projection (one weight, split three ways) has the role `qkv`, chosen
+by any of q, k, v. The feed-forward's projection into the residual is `down`; under SwiGLU the one
+feeding the activation is `gate` and the other `up`. Where the structure does not tell, weight-name
+patterns do (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2's c_attn, c_proj,
+c_fc). Any other target is a substring matched against the weight's name.
+`train_also` names block kinds (`head`, `embeddings`), `norms` (LayerNorm and RMSNorm scales and
+biases), or substrings of parameter names, trained in full beside the adapters. The default
+("auto") trains an encoder's task head in full (it is new and random, as PEFT's `modules_to_save`)
+and nothing else of a decoder LLM, whose head is pretrained (and, tied, the embedding table).
 
 An adapted block's attention no longer has the plain pattern, so its heads are not split (the
 pass re-runs `planner.attention.annotate_attention`, which then finds no site there).
@@ -36,9 +44,14 @@ from ir.graph import Block, Graph, Node, Value
 from planner.attention import annotate_attention
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
-MLP_ROLES = ("up", "down")
+MLP_ROLES = ("up", "down", "gate")
 DEFAULT_TARGETS = ATTENTION_ROLES
-DEFAULT_TRAIN_ALSO = ("head",)
+DEFAULT_TRAIN_ALSO = ("auto",)  # the head of an encoder; nothing of a decoder LLM
+_FUSED_QKV = "qkv"
+_NAME_ROLES = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"), ("gate_proj", "gate"),
+               ("up_proj", "up"), ("down_proj", "down"), ("attn.c_attn", _FUSED_QKV), ("attn.c_proj", "o"),
+               ("mlp.c_fc", "up"), ("mlp.c_proj", "down"))
+_THROUGH = ("Reshape", "Transpose", "Rotary", "Expand", "Slice")
 _SITE_ROLE = {"Wq": "q", "Wk": "k", "Wv": "v", "Wo": "o"}
 
 
@@ -97,10 +110,107 @@ def projection_roles(graph: Graph, block: Block) -> dict[str, str]:
     others = [n.inputs[1] for n in (graph.node(x) for x in block.nodes)
               if n.op == "MatMul" and n.inputs[1] in graph.params and n.inputs[1] not in roles
               and len(graph.constants[n.inputs[1]].shape) == 2]
-    if block.kind in ("encoder", "decoder"):
+    if block.kind == "decoder":
+        return _decoder_roles(graph, block)
+    if block.kind == "encoder":
         for name, role in zip(others, MLP_ROLES):
             roles.setdefault(name, role)
     return roles
+
+
+def _decoder_roles(graph: Graph, block: Block) -> dict[str, str]:
+    """Roles of a decoder block's projections, traced from its attention (module docstring), with
+    weight-name patterns for any the structure leaves open."""
+    nodes = [graph.node(x) for x in block.nodes]
+    prod = {o: n for n in nodes for o in n.outputs}
+    users: dict[str, list[Node]] = {}
+    for n in nodes:
+        for i in n.inputs:
+            users.setdefault(i, []).append(n)
+    params = frozenset(graph.params)
+
+    def weight_of(n: Node | None) -> str | None:
+        if n is not None and n.op == "MatMul" and n.inputs[1] in params and graph.constants[n.inputs[1]].ndim == 2:
+            return n.inputs[1]
+        return None
+
+    def source(value: str) -> str | None:
+        """The projection weight `value` is computed from, through layout ops and bias Adds."""
+        for _ in range(32):
+            n = prod.get(value)
+            if n is None:
+                return None
+            if weight_of(n):
+                return weight_of(n)
+            inside = [i for i in n.inputs if i in prod or i == block.inputs[0]]
+            if n.op not in _THROUGH + ("Add", "Mul", "Div") or len(inside) != 1:
+                return None
+            value = inside[0]
+        return None
+
+    roles: dict[str, str] = {}
+    softmax = next((n for n in nodes if n.op == "Softmax"), None)
+    if softmax is not None:
+        scores = softmax.inputs[0]
+        for _ in range(4):  # back through the mask Add and the scaling to the Q K^T product
+            n = prod.get(scores)
+            if n is None or n.op == "MatMul":
+                break
+            inside = [i for i in n.inputs if i in prod]
+            scores = inside[0] if len(inside) == 1 else scores
+        qk = prod.get(scores)
+        ctx = next((u for u in users.get(softmax.outputs[0], []) if u.op == "MatMul"), None)
+        found = {}
+        if qk is not None and qk.op == "MatMul":
+            found["q"], found["k"] = source(qk.inputs[0]), source(qk.inputs[1])
+        if ctx is not None:
+            found["v"] = source(ctx.inputs[1])
+            value = ctx.outputs[0]
+            for _ in range(8):  # forward through the head merge to the output projection
+                after = users.get(value, [])
+                if len(after) != 1:
+                    break
+                if weight_of(after[0]):
+                    found["o"] = weight_of(after[0])
+                    break
+                value = after[0].outputs[0]
+        qkv = [found.get(r) for r in ("q", "k", "v")]
+        if qkv[0] is not None and qkv[0] == qkv[1] == qkv[2]:
+            roles[qkv[0]] = _FUSED_QKV
+        else:
+            roles.update({w: r for r, w in found.items() if w is not None and r != "o"})
+        if found.get("o"):
+            roles[found["o"]] = "o"
+    others = [weight_of(n) for n in nodes if weight_of(n) and weight_of(n) not in roles]
+    if others:
+        roles[others[-1]] = "down"  # the last projection writes the residual
+        rest = others[:-1]
+        if len(rest) == 2:  # SwiGLU: act(gate(x)) * up(x)
+            gate = next((w for w in rest if _feeds_activation(w, nodes, users)), rest[0])
+            roles[gate] = "gate"
+            roles[next(w for w in rest if w != gate)] = "up"
+        elif len(rest) == 1:
+            roles[rest[0]] = "up"
+    for n in nodes:  # weight-name patterns where the structure said nothing
+        w = weight_of(n)
+        if w is not None and w not in roles:
+            role = next((r for pattern, r in _NAME_ROLES if pattern in w), None)
+            if role is not None:
+                roles[w] = role
+    return roles
+
+
+def _feeds_activation(weight: str, nodes: list[Node], users: dict[str, list[Node]]) -> bool:
+    outs = [n.outputs[0] for n in nodes if n.op == "MatMul" and len(n.inputs) > 1 and n.inputs[1] == weight]
+    for value in outs:
+        for _ in range(3):
+            after = users.get(value, [])
+            if any(u.op in ("Silu", "Sigmoid", "Gelu", "Relu", "Tanh") for u in after):
+                return True
+            if len(after) != 1 or after[0].op not in ("Reshape", "Add"):
+                break
+            value = after[0].outputs[0]
+    return False
 
 
 def _targeted(graph: Graph, settings: LoraSettings) -> list[tuple[Block, Node, str]]:
@@ -116,7 +226,9 @@ def _targeted(graph: Graph, settings: LoraSettings) -> list[tuple[Block, Node, s
             w = node.inputs[1]
             if len(graph.constants[w].shape) != 2:
                 continue
-            why = roles.get(w) if roles.get(w) in roles_wanted else next((p for p in patterns if p in w), None)
+            role = roles.get(w)
+            wanted = role in roles_wanted or (role == _FUSED_QKV and roles_wanted & {"q", "k", "v"})
+            why = role if wanted else next((p for p in patterns if p in w), None)
             if why is not None:
                 chosen.append((block, node, why))
                 seen.add(w)
@@ -125,6 +237,8 @@ def _targeted(graph: Graph, settings: LoraSettings) -> list[tuple[Block, Node, s
 
 def _trained_in_full(graph: Graph, names: Sequence[str]) -> set[str]:
     out: set[str] = set()
+    decoder = any(b.kind == "decoder" for b in graph.blocks)
+    names = [x for item in names for x in (((), ("head",))[not decoder] if item == "auto" else (item,))]
     for item in names:
         if item in ("head", "embeddings", "encoder", "decoder", "loss"):
             out.update(p for b in graph.blocks if b.kind == item for p in b.params)

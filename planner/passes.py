@@ -5,11 +5,23 @@
   ``LayerNorm`` node, so engines see one op whatever the exporter emitted.
 * ``fuse_gelu`` ensures: x * 0.5 * (1 + erf(x / sqrt 2)) (in any factor order, Div or Mul by
   1/sqrt 2) is one ``Gelu`` node.
+* ``simplify_layout`` ensures: no Transpose reads a Transpose and no Reshape a Reshape (each pair
+  is one node), no Transpose keeps the order and no Reshape the shape, and a scalar constant
+  factor of a MatMul operand is one factor of its product. Dynamo exports without the optimizer
+  and SDPA attention (which scales Q and K by d^-1/4 each) write attention this way; afterwards it
+  has the eager pattern that ``planner.attention`` matches, so its heads can be split.
+* ``planner.decoder.run_decoder_fusions`` (RMSNorm, SiLU, rotary embeddings, GPT-2's tanh GELU)
+  runs next: see that module.
 * ``find_blocks`` requires: fused LayerNorms. Ensures: every compute node belongs to exactly one
   block; blocks are cut at LayerNorm outputs that dominate the loss (every path from the token
   inputs to the loss passes through them), grouped into embeddings, encoder layers (an attention
   segment with a Softmax plus its feed-forward segment), head and loss, each with its sizes,
-  FLOPs and attention head count.
+  FLOPs and attention head count. A pre-norm model (a decoder LLM: its norms sit on the residual
+  branches, so none dominates the loss before the final one) is cut at its residual Adds instead:
+  embeddings, decoder layers (kind ``decoder``: the attention residual and the MLP residual),
+  head (the final norm and the LM head) and loss. Attention blocks report their heads, key/value
+  heads (fewer under grouped-query attention, whose repeated key/value heads are an ``Expand``)
+  and head size.
 """
 from __future__ import annotations
 
@@ -19,8 +31,9 @@ import networkx as nx
 import numpy as np
 
 from ir.graph import Block, Graph, Node, topological_order
-from ir.ops import compute_flops
+from ir.ops import LOSS_INPUTS, LOSS_OPS, compute_flops
 from planner.attention import annotate_attention
+from planner.decoder import run_decoder_fusions
 
 SQRT2 = math.sqrt(2.0)
 
@@ -28,6 +41,8 @@ SQRT2 = math.sqrt(2.0)
 def run_passes(graph: Graph) -> Graph:
     graph = fuse_layer_norm(graph)
     graph = fuse_gelu(graph)
+    graph = simplify_layout(graph)
+    graph = run_decoder_fusions(graph)
     return annotate_attention(find_blocks(graph))
 
 
@@ -60,6 +75,7 @@ def _other(node: Node, name: str) -> str | None:
 
 # --- LayerNorm ----------------------------------------------------------------------------
 def fuse_layer_norm(graph: Graph) -> Graph:
+    params = frozenset(graph.params)
     prod = graph.producers()
     cons = graph.consumers()
     removed: set[str] = set()
@@ -89,11 +105,11 @@ def fuse_layer_norm(graph: Graph) -> Graph:
         mul = after[0]
         scale = _other(mul, div.outputs[0])
         after = cons.get(mul.outputs[0], [])
-        if scale not in graph.params or len(after) != 1 or after[0].op != "Add":
+        if scale not in params or len(after) != 1 or after[0].op != "Add":
             continue
         add = after[0]
         bias = _other(add, mul.outputs[0])
-        if bias not in graph.params:
+        if bias not in params:
             continue
         internal = {o for n in chain + [mul] for o in n.outputs}
         if any(c.name not in {n.name for n in chain + [mul, add]} for v in internal for c in cons.get(v, [])):
@@ -173,6 +189,145 @@ def _match_half_x_product(graph, prod, cons, start: str, x: str):
     return None
 
 
+# --- layout --------------------------------------------------------------------------------
+def simplify_layout(graph: Graph) -> Graph:
+    nodes = {n.name: n for n in graph.nodes}
+    constants = dict(graph.constants)
+    values = dict(graph.values)
+    params = frozenset(graph.params)
+    prod = {o: n.name for n in graph.nodes for o in n.outputs}
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            readers.setdefault(i, set()).add(n.name)
+    keep_names = {v.name for v in graph.outputs}
+
+    def only_reader(value: str, reader: str) -> bool:
+        return readers.get(value, set()) == {reader} and value not in keep_names
+
+    def producer(value: str) -> Node | None:
+        name = prod.get(value)
+        return nodes.get(name) if name else None
+
+    def set_node(old: Node | None, new: Node) -> None:
+        if old is not None:
+            for i in old.inputs:
+                readers.get(i, set()).discard(old.name)
+        nodes[new.name] = new
+        for o in new.outputs:
+            prod[o] = new.name
+        for i in new.inputs:
+            readers.setdefault(i, set()).add(new.name)
+
+    def drop(node: Node) -> None:
+        for i in node.inputs:
+            readers.get(i, set()).discard(node.name)
+        del nodes[node.name]
+
+    def bypass(node: Node) -> None:
+        """Remove a node that passes its input through: its readers read the input instead."""
+        src, out = node.inputs[0], node.outputs[0]
+        drop(node)
+        for r in list(readers.pop(out, ())):
+            rn = nodes[r]
+            set_node(rn, Node(rn.name, rn.op, tuple(src if i == out else i for i in rn.inputs), rn.outputs,
+                              rn.attrs, rn.tier))
+
+    def scalar_factor(value: str, reader: str) -> tuple[str, float] | None:
+        mul = producer(value)
+        if mul is None or mul.op != "Mul" or mul.tier != "compute" or not only_reader(value, reader):
+            return None
+        for k, c in enumerate(mul.inputs):
+            v = constants.get(c)
+            if v is not None and c not in params and v.size == 1 and v.dtype.kind == "f":
+                return mul.inputs[1 - k], float(np.asarray(v).reshape(-1)[0])
+        return None
+
+    changed = True
+    while changed:
+        changed = False
+        for node in list(nodes.values()):
+            if node.name not in nodes or node.tier != "compute":
+                continue
+            inner = producer(node.inputs[0]) if node.inputs else None
+            if node.op == "Transpose":
+                perm = list(node.attrs["perm"])
+                if inner is not None and inner.op == "Transpose" and inner.tier == "compute" \
+                        and only_reader(inner.outputs[0], node.name):
+                    first = list(inner.attrs["perm"])
+                    drop(inner)
+                    set_node(node, Node(node.name, "Transpose", inner.inputs, node.outputs,
+                                        {"perm": [first[p] for p in perm]}, node.tier))
+                    changed = True
+                elif perm == sorted(perm) and node.outputs[0] not in keep_names:
+                    bypass(node)
+                    changed = True
+            elif node.op == "Reshape" and _merged_transpose(node, inner, producer, only_reader, values) is not None:
+                perm, src, merge, transpose = _merged_transpose(node, inner, producer, only_reader, values)
+                drop(transpose)
+                drop(merge)
+                set_node(node, Node(node.name, "Transpose", (src,), node.outputs, {"perm": perm}, node.tier))
+                changed = True
+            elif node.op == "Reshape":
+                if inner is not None and inner.op == "Reshape" and inner.tier == "compute" \
+                        and only_reader(inner.outputs[0], node.name):
+                    drop(inner)
+                    set_node(node, Node(node.name, "Reshape", inner.inputs, node.outputs, node.attrs, node.tier))
+                    changed = True
+                elif tuple(values[node.inputs[0]].shape) == tuple(node.attrs["shape"]) \
+                        and node.outputs[0] not in keep_names:
+                    bypass(node)
+                    changed = True
+            elif node.op == "MatMul" and not node.name.endswith("/unscaled"):
+                factors = [scalar_factor(i, node.name) for i in node.inputs]
+                if any(factors):
+                    scale, ins = 1.0, list(node.inputs)
+                    for k, f in enumerate(factors):
+                        if f:
+                            drop(producer(ins[k]))
+                            ins[k], scale = f[0], scale * f[1]
+                    out = node.outputs[0]
+                    raw, const = f"{out}/unscaled", f"{node.name}/scale"
+                    values[raw] = values[out]
+                    constants[const] = np.asarray(scale, np.float32)
+                    set_node(node, Node(f"{node.name}/unscaled", "MatMul", tuple(ins), (raw,), node.attrs, node.tier))
+                    del nodes[node.name]
+                    set_node(None, Node(node.name, "Mul", (raw, const), (out,), {}, node.tier))
+                    changed = True
+    if len(nodes) == len(graph.nodes) and all(nodes.get(n.name) is n for n in graph.nodes):
+        return graph
+    kept = list(nodes.values())
+    ordered = topological_order(kept, [v.name for v in graph.inputs] + list(constants))
+    used = {i for n in ordered for i in n.inputs} | keep_names
+    produced = {o for n in ordered for o in n.outputs}
+    return Graph(graph.name, graph.inputs, graph.outputs, tuple(ordered),
+                 {k: v for k, v in values.items() if k in used or k in produced},
+                 {k: v for k, v in constants.items() if k in used}, tuple(p for p in graph.params if p in used),
+                 (), graph.batch, graph.seq)
+
+
+def _merged_transpose(node: Node, inner: Node | None, producer, only_reader, values):
+    """Reshape(Transpose(Reshape(x, merge the first k dims), perm keeping dim 0), split them back)
+    is a Transpose of x (how dynamo's SDPA writes K^T): (perm, x, first Reshape, the Transpose),
+    or None when `node` does not end that pattern."""
+    if inner is None or inner.op != "Transpose" or inner.tier != "compute" \
+            or not only_reader(inner.outputs[0], node.name):
+        return None
+    merge = producer(inner.inputs[0])
+    if merge is None or merge.op != "Reshape" or merge.tier != "compute" \
+            or not only_reader(merge.outputs[0], inner.name):
+        return None
+    x, y, q = values[merge.inputs[0]].shape, values[merge.outputs[0]].shape, list(inner.attrs["perm"])
+    if not q or q[0] != 0:
+        return None
+    for k in range(1, len(x)):
+        if int(np.prod(x[:k])) == y[0] and tuple(x[k:]) == tuple(y[1:]):
+            split = list(x[:k]) + [y[j] for j in q[1:]]
+            if list(node.attrs["shape"]) == split:
+                return list(range(k)) + [k - 1 + j for j in q[1:]], merge.inputs[0], merge, inner
+    return None
+
+
 # --- blocks -------------------------------------------------------------------------------
 class BlockError(ValueError):
     """The graph does not have the embeddings / layers / head structure Confidant cuts along."""
@@ -204,24 +359,16 @@ def find_blocks(graph: Graph) -> Graph:
         cur = idom[cur]
     chain.reverse()
     boundaries = [c for c in chain if by_name[c].op == "LayerNorm"]
+    segments = _segments(compute, idom, src, boundaries)
+    if not boundaries or any(n.op == "Softmax" for n in segments[0]):
+        # pre-norm: no norm dominates before the attention of the first layer
+        residuals = _residual_adds(chain, idom, by_name, prod, compute)
+        if residuals:
+            return _decoder_blocks(graph, compute, idom, src, residuals)
     if not boundaries:
         raise BlockError("no LayerNorm on the path to the output: cannot find layer boundaries")
-    boundary_index = {b: i for i, b in enumerate(boundaries)}
-
-    def segment_of(name: str) -> int:
-        if name in boundary_index:
-            start = idom[name]
-        else:
-            start = idom[name]
-        while start != src and start not in boundary_index:
-            start = idom[start]
-        return 0 if start == src else boundary_index[start] + 1
-
-    segments: list[list[Node]] = [[] for _ in range(len(boundaries) + 1)]
-    for n in compute:
-        segments[segment_of(n.name)].append(n)
-    loss_nodes = [n for n in segments[-1] if n.op == "SoftmaxCrossEntropy"]
-    tail = [n for n in segments[-1] if n.op != "SoftmaxCrossEntropy"]
+    loss_nodes = [n for n in segments[-1] if n.op in LOSS_OPS]
+    tail = [n for n in segments[-1] if n.op not in LOSS_OPS]
     body = segments[:-1]
 
     groups: list[tuple[str, str, list[Node]]] = []
@@ -245,7 +392,12 @@ def find_blocks(graph: Graph) -> Graph:
     if loss_nodes:
         groups.append(("loss", "loss", loss_nodes))
 
-    blocks = [_make_block(graph, idx, name, kind, nodes) for idx, (name, kind, nodes) in enumerate(groups)]
+    return _with_groups(graph, groups)
+
+
+def _with_groups(graph: Graph, groups: list[tuple[str, str, list[Node]]]) -> Graph:
+    index = _GraphIndex(graph)
+    blocks = [_make_block(graph, index, idx, name, kind, nodes) for idx, (name, kind, nodes) in enumerate(groups)]
     for prev, nxt in zip(blocks, blocks[1:]):
         if nxt.inputs[:1] != (prev.output,):
             raise BlockError(f"block {nxt.name!r} reads {nxt.inputs[:1]} but block {prev.name!r} produces "
@@ -253,44 +405,124 @@ def find_blocks(graph: Graph) -> Graph:
     return graph.with_blocks(blocks)
 
 
-def _make_block(graph: Graph, index: int, name: str, kind: str, nodes: list[Node]) -> Block:
-    order = {n.name: k for k, n in enumerate(graph.nodes)}
-    nodes = sorted(nodes, key=lambda n: order[n.name])
+def _segments(compute: list[Node], idom: dict, src: str, boundaries: list[str]) -> list[list[Node]]:
+    """Compute nodes grouped by the last boundary that dominates them: segment 0 before the first,
+    segment k + 1 after boundary k (a boundary ends its own segment)."""
+    boundary_index = {b: i for i, b in enumerate(boundaries)}
+    segments: list[list[Node]] = [[] for _ in range(len(boundaries) + 1)]
+    for n in compute:
+        start = idom[n.name]
+        while start != src and start not in boundary_index:
+            start = idom[start]
+        segments[0 if start == src else boundary_index[start] + 1].append(n)
+    return segments
+
+
+def _residual_adds(chain: list[str], idom: dict, by_name: dict[str, Node], prod: dict[str, Node],
+                   compute: list[Node]) -> list[str]:
+    """The pre-norm residual Adds on the dominator chain: h = x + f(norm(x)), x the output of the
+    chain node before (which dominates it) and f a branch that starts with a LayerNorm or RMSNorm
+    of x; with the node producing the first x (the embeddings' output) in front."""
+    normed = {n.inputs[0] for n in compute if n.op in ("LayerNorm", "RMSNorm")}
+    out: list[str] = []
+    for prev, name in zip(chain, chain[1:]):
+        node, before = by_name[name], by_name[prev]
+        if node.op != "Add" or idom[name] != prev or len(node.inputs) != 2:
+            continue
+        x = before.outputs[0]
+        other = [i for i in node.inputs if i != x]
+        if node.inputs.count(x) != 1 or len(other) != 1 or other[0] not in prod or x not in normed:
+            continue
+        if not out:
+            out.append(prev)
+        out.append(name)
+    return out
+
+
+def _decoder_blocks(graph: Graph, compute: list[Node], idom: dict, src: str, boundaries: list[str]) -> Graph:
+    """Blocks of a pre-norm decoder cut at its residual Adds (see the module docstring)."""
+    segments = _segments(compute, idom, src, boundaries)
+    embeddings, body, last = segments[0], segments[1:-1], segments[-1]
+    if not any(n.op == "Gather" for n in embeddings):
+        raise BlockError("the first segment has no embedding lookup (Gather)")
+    if any(n.op == "Softmax" for n in embeddings):
+        raise BlockError("attention before the first residual connection: not a pre-norm decoder")
+    groups: list[tuple[str, str, list[Node]]] = [("embeddings", "embeddings", embeddings)]
+    i, layer = 0, 0
+    while i < len(body):
+        seg = body[i]
+        if not any(n.op == "Softmax" for n in seg):
+            raise BlockError(f"residual segment ending at {seg[-1].name!r} has no attention (Softmax): a decoder "
+                             "layer is an attention residual, then (optionally) a feed-forward residual")
+        if i + 1 < len(body) and not any(n.op == "Softmax" for n in body[i + 1]):
+            seg, i = seg + body[i + 1], i + 2
+        else:
+            i += 1  # a parallel block (attention and MLP on one residual)
+        groups.append((f"layer.{layer}", "decoder", seg))
+        layer += 1
+    loss_nodes = [n for n in last if n.op in LOSS_OPS]
+    tail = [n for n in last if n.op not in LOSS_OPS]
+    if not tail:
+        raise BlockError("no final norm or LM head after the last decoder layer")
+    groups.append(("head", "head", tail))
+    if loss_nodes:
+        groups.append(("loss", "loss", loss_nodes))
+    return _with_groups(graph, groups)
+
+
+class _GraphIndex:
+    """What every block's bookkeeping looks up, built once per graph (so finding the blocks of a
+    deep model stays linear in its size): node positions, host producers, compute readers."""
+
+    def __init__(self, graph: Graph):
+        self.order = {n.name: k for k, n in enumerate(graph.nodes)}
+        self.host_prod = {o: n for n in graph.nodes if n.tier == "host" for o in n.outputs}
+        self.compute_readers: dict[str, set[str]] = {}
+        for n in graph.nodes:
+            if n.tier == "compute":
+                for i in n.inputs:
+                    self.compute_readers.setdefault(i, set()).add(n.name)
+        self.graph_inputs = set(graph.input_names())
+        self.params = frozenset(graph.params)
+
+
+def _make_block(graph: Graph, index: _GraphIndex, block_index: int, name: str, kind: str,
+                nodes: list[Node]) -> Block:
+    nodes = sorted(nodes, key=lambda n: index.order[n.name])
+    members = {n.name for n in nodes}
     produced = {o for n in nodes for o in n.outputs}
-    host_prod = {o: n for n in graph.nodes if n.tier == "host" for o in n.outputs}
-    graph_inputs = set(graph.input_names())
+    host_prod = index.host_prod
     compute_inputs, host_inputs = [], []
+    seen_inputs: set[str] = set()
     for n in nodes:
         for i in n.inputs:
-            if i in produced or i in graph.constants or i in compute_inputs or i in host_inputs:
+            if i in produced or i in graph.constants or i in seen_inputs:
                 continue
-            if i in host_prod or (i in graph_inputs and graph.values[i].dtype != "float32") or i == "targets":
+            seen_inputs.add(i)
+            if i in host_prod or (i in index.graph_inputs and graph.values[i].dtype != "float32") or i in LOSS_INPUTS:
                 host_inputs.append(i)
             else:
                 compute_inputs.append(i)
     if len(compute_inputs) > 1:
         raise BlockError(f"block {name!r} reads several activations from other blocks: {compute_inputs}")
-    needed_host: list[str] = []
     stack = [i for i in host_inputs if i in host_prod]
-    seen = set()
+    seen: set[str] = set()
     while stack:
-        v = stack.pop()
-        node = host_prod[v]
+        node = host_prod[stack.pop()]
         if node.name in seen:
             continue
         seen.add(node.name)
-        needed_host.append(node.name)
         stack.extend(i for i in node.inputs if i in host_prod)
-    host_nodes = tuple(n.name for n in graph.nodes if n.name in seen)
-    consumers_outside = [o for o in produced
-                         if any(o in m.inputs for m in graph.nodes if m.tier == "compute" and m not in nodes)]
+    host_nodes = tuple(sorted(seen, key=index.order.__getitem__))
+    consumers_outside = [o for n in nodes for o in n.outputs
+                         if any(r not in members for r in index.compute_readers.get(o, ()))]
     output = nodes[-1].outputs[0] if not consumers_outside else consumers_outside[0]
     if len(set(consumers_outside)) > 1:
         raise BlockError(f"block {name!r} hands several values to later blocks: {sorted(set(consumers_outside))}")
-    params = tuple(dict.fromkeys(i for n in nodes for i in n.inputs if i in graph.params))
+    params = tuple(dict.fromkeys(i for n in nodes for i in n.inputs if i in index.params))
     flops = sum(compute_flops(n.op, n.attrs, [graph.values[i].shape if i in graph.values else graph.constants[i].shape
                                                for i in n.inputs], graph.values[n.outputs[0]].shape) for n in nodes)
-    heads = head_size = None
+    heads = head_size = kv_heads = None
     softmax = [n for n in nodes if n.op == "Softmax"]
     if softmax:
         scores = graph.values[softmax[0].inputs[0]].shape
@@ -299,9 +531,24 @@ def _make_block(graph: Graph, index: int, name: str, kind: str, nodes: list[Node
               and len(graph.values[n.inputs[0]].shape) == 4]
         if qk:
             head_size = int(graph.values[qk[0].inputs[0]].shape[-1])
+        kv_heads = heads and _kv_heads(graph, nodes, heads)
     return Block(
-        index=index, name=name, kind=kind, nodes=tuple(n.name for n in nodes), host_nodes=host_nodes,
+        index=block_index, name=name, kind=kind, nodes=tuple(n.name for n in nodes), host_nodes=host_nodes,
         inputs=tuple(compute_inputs + host_inputs), output=output, params=params,
         params_bytes=sum(int(graph.constants[p].nbytes) for p in params),
         activation_bytes=graph.values[output].nbytes, flops=int(flops), heads=heads, head_size=head_size,
+        kv_heads=kv_heads,
     )
+
+
+def _kv_heads(graph: Graph, nodes: list[Node], heads: int) -> int:
+    """Key/value heads of an attention block: grouped-query attention repeats each of its kv heads
+    heads/kv times (HF's repeat_kv: [B, kv, 1, S, D] expanded to [B, kv, n_rep, S, D]); without
+    such an Expand every query head has its own."""
+    for n in nodes:
+        if n.op != "Expand":
+            continue
+        src, out = graph.values[n.inputs[0]].shape, graph.values[n.outputs[0]].shape
+        if len(src) == 5 and src[2] == 1 and out[1] == src[1] and src[1] * out[2] == heads:
+            return int(src[1])
+    return heads

@@ -322,6 +322,22 @@ def partition_of(ranges: Sequence[tuple[int, int]], devices: Sequence[str], meth
     return Partition(tuple(StageAssignment(s, d, a, b) for s, ((a, b), d) in enumerate(zip(ranges, devices))), method)
 
 
+def replan_without(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Sequence[str], gone: Sequence[str],
+                   schedule: str, m: int, optimizer: str, cluster: Cluster | None = None) -> list[tuple[int, int]]:
+    """The best block ranges for the devices left when `gone` have left, in their order (stage k of
+    the result on the k-th survivor): `replan` forced by the loss, keep-order, over `cluster`
+    (default: FLOPs-only profiles, `flops_cluster`, as when nothing was profiled)."""
+    gone = set(gone)
+    survivors = [d for d in devices if d not in gone]
+    if not survivors:
+        raise ValueError(f"no device is left: {sorted(gone)} were every device of the plan")
+    cluster = cluster if cluster is not None else flops_cluster(graph, list(devices))
+    current = partition_of([tuple(r) for r in ranges], list(devices))
+    left = without_devices(cluster, *[d for d in devices if d in gone and d in cluster.names])
+    decision = replan(graph, left, current, schedule, m, optimizer, keep_order=True)
+    return [tuple(r) for r in decision.new_partition.ranges]
+
+
 class TimingReplanner:
     """`train_pipeline`'s on_replan from measured timings alone: the stages' workers are devices
     named stage0..stage<p-1> with FLOPs-only profiles (`flops_cluster`), recalibrated at every call
@@ -340,6 +356,13 @@ class TimingReplanner:
         self.cluster = cluster if cluster is not None else flops_cluster(graph, names)
         self.partition = partition_of([tuple(r) for r in ranges], names)
         self.decisions: list[tuple[int, ReplanDecision]] = []
+
+    def restart(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Carry on from a plan the run switched to by itself (a recovery over fewer workers): its
+        stages are the devices stage0..stage<p-1> again, with nominal profiles."""
+        names = [f"stage{k}" for k in range(len(ranges))]
+        self.cluster = flops_cluster(self.graph, names)
+        self.partition = partition_of([tuple(r) for r in ranges], names)
 
     def __call__(self, step: int, measured_stage_seconds: Sequence[float]) -> list[tuple[int, int]] | None:
         if any(not (math.isfinite(x) and x > 0) for x in measured_stage_seconds):
@@ -388,8 +411,9 @@ class PlanReplanner:
     `decisions` keeps every (step, ReplanDecision), `applied` every ReplannedPlan."""
 
     def __init__(self, plan_dir: str | Path, plan: PlanDocument, graph: Graph, cluster: Cluster,
-                 threshold: float = 0.1, time_limit_s: float = 10.0, workers: int = 8):
+                 threshold: float = 0.1, time_limit_s: float = 10.0, workers: int = 8, sign=None):
         self.plan_dir = Path(plan_dir)
+        self.sign = sign  # signs the new plans' bundles (planner.emit), as the first plan's were
         self.plan = plan
         self.graph = graph
         self.cluster = cluster
@@ -428,6 +452,33 @@ class PlanReplanner:
                                           old.devices, old.ranges, schedule))
         return self.applied[-1]
 
+    def without(self, step: int, gone: Sequence[str], weights: Mapping[str, "np.ndarray"],
+                keep: Sequence[str] | None = None) -> ReplannedPlan:
+        """The plan after devices `gone` left (lost): re-planned over the rest of the cluster (any
+        device still there, in any order; `keep` limits it to those with a worker), written as a
+        new plan folder from `weights` (the state held off the devices). PlanDoesNotFit, naming
+        the tightest device, when the rest cannot hold the model."""
+        left = [d.name for d in self.cluster.devices if d.name not in set(gone) and (keep is None or d.name in keep)]
+        if not left:
+            raise PlanDoesNotFit(f"no device is left after {sorted(gone)} left", "", 0, None)
+        cluster = dataclasses.replace(self.cluster, devices=tuple(d for d in self.cluster.devices if d.name in left),
+                                      links={k: v for k, v in self.cluster.links.items() if set(k) <= set(left)})
+        decision = replan(self.graph, cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
+                          0.0, time_limit_s=self.time_limit_s, workers=self.workers)
+        self.decisions.append((step, decision))
+        new = decision.new_partition
+        directory = self.plan_dir / (REPLAN_DIR.format(step=step) + "-recovery")
+        n = 2
+        while directory.exists():
+            directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"-recovery{n}")
+            n += 1
+        schedule = self._emit(directory, new, weights)
+        old, self.partition = self.partition, new
+        bundles = [directory / d for d in new.devices]
+        self.applied.append(ReplannedPlan(step, directory, new.devices, new.ranges, bundles, decision,
+                                          old.devices, old.ranges, schedule))
+        return self.applied[-1]
+
     def _emit(self, directory: Path, partition: Partition, weights: Mapping[str, "np.ndarray"]) -> Schedule:
         from planner.cost import predicted_step_s, stage_costs
         from planner.emit import emit_plan
@@ -445,7 +496,7 @@ class PlanReplanner:
         schedule = make_schedule(self.schedule, len(partition.stages), self.microbatches)
         costs = stage_costs(graph, self.cluster, partition, self.schedule, self.microbatches, self.optimizer)
         emit_plan(directory, graph, partition, schedule, self._config(partition.devices), costs,
-                  predicted_step_s(costs, self.schedule, self.microbatches), cluster=self.cluster)
+                  predicted_step_s(costs, self.schedule, self.microbatches), cluster=self.cluster, sign=self.sign)
         return schedule
 
     def _config(self, devices: Sequence[str]) -> dict[str, Any]:

@@ -32,3 +32,40 @@ def peak_rss_bytes() -> int:
     if peak is not None:
         return peak
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (VmRSS): what a soak test watches stay flat."""
+    return status_bytes("VmRSS")
+
+
+def mem_available_bytes() -> int | None:
+    """What the kernel says could be given to new work without swapping (MemAvailable)."""
+    return meminfo_bytes("MemAvailable")
+
+
+def battery_percent(root: str = "/sys/class/power_supply") -> float | None:
+    """The charge of the first battery the OS exposes (0-100), or None where there is none (a
+    desktop, a container, a phone whose OS hides it)."""
+    import os
+
+    try:
+        supplies = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for name in supplies:
+        try:
+            with open(os.path.join(root, name, "type")) as f:
+                if f.read().strip() != "Battery":
+                    continue
+            with open(os.path.join(root, name, "capacity")) as f:
+                return float(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def device_state() -> dict:
+    """What a worker reports with every answer, for the coordinator to re-plan before a device
+    runs out: free memory and, where exposed, battery."""
+    return {"mem_available_bytes": mem_available_bytes(), "battery_percent": battery_percent()}

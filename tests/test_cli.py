@@ -32,8 +32,8 @@ def test_inspect_json_schema(tiny_onnx):
     doc = json.loads(proc.stdout)
     assert [b["kind"] for b in doc["blocks"]] == ["embeddings", "encoder", "encoder", "head", "loss"]
     for b in doc["blocks"]:
-        assert set(b) == {"name", "kind", "params_bytes", "activation_bytes", "flops", "heads", "head_size"}
-        assert (b["heads"] is None) == (b["kind"] != "encoder")
+        assert set(b) == {"name", "kind", "params_bytes", "activation_bytes", "flops", "heads", "kv_heads", "head_size"}
+        assert (b["heads"] is None) == (b["kind"] != "encoder") and b["kv_heads"] == b["heads"]
     assert doc["blocks"][1]["heads"] == 4 and doc["blocks"][1]["head_size"] == 16
     assert doc["totals"]["params_bytes"] == sum(b["params_bytes"] for b in doc["blocks"])
     assert doc["totals"]["flops"] == sum(b["flops"] for b in doc["blocks"])
@@ -46,13 +46,14 @@ def test_inspect_table(tiny_onnx):
 
 
 def test_bad_input_gives_one_line_errors(tmp_path):
+    # a file that cannot be used exits 2, like a usage error; a run that fails exits 1
     proc = _run("inspect", tmp_path / "nope.onnx")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip() == f"confidant inspect: error: {tmp_path / 'nope.onnx'}: no such ONNX file"
     bad = tmp_path / "train.txt"
     bad.write_text("EU B-ORG\nrejects\n")
     proc = _run("train-local", tmp_path / "m.onnx", "--data", bad, "--eval", bad)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("confidant train-local: error: ") and "train.txt:2" in proc.stderr
 

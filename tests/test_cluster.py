@@ -247,3 +247,21 @@ def test_links_given_in_either_order_are_found():
     assert cl.link("dev10", "dev2") == cl.link("dev2", "dev10") == fast
     with pytest.raises(ValueError, match="links 'dev10'-'dev2' given twice with different values"):
         Cluster(devices, slow, {("dev2", "dev10"): fast, ("dev10", "dev2"): slow})
+
+
+def test_a_budget_without_a_unit_that_would_be_a_few_bytes_is_refused(tmp_path):
+    """Issue 13: `memory_budget: 512` was read as 512 bytes and the device silently left out."""
+    links = {"links": GOOD["links"]}
+    doc = {"devices": [_device("phone", memory_budget=512), _device("laptop")], **links}
+    with pytest.raises(ClusterError, match=r"memory_budget 512 has no unit and would be 512 bytes.*512MiB or 512GiB"):
+        load_cluster(_write(tmp_path, doc))
+    doc = {"devices": [_device("phone", memory_budget=str(2 * GIB)), _device("laptop")], **links}  # bytes, plausible
+    assert load_cluster(_write(tmp_path, doc)).device("phone").memory_budget_bytes == 2 * GIB
+
+
+def test_device_names_that_differ_only_in_case_are_refused_when_read(tmp_path):
+    """Issue 13: devices `A` and `a` clashed only after solving (their bundle folders collide)."""
+    doc = {"devices": [_device("phone"), _device("Phone", address="tcp://other:5555", profile="profiles/phone.json")],
+           "links": GOOD["links"]}
+    with pytest.raises(ClusterError, match=r"'phone' \(devices\[0\]\) and 'Phone' \(devices\[1\]\) differ only in case"):
+        load_cluster(_write(tmp_path, doc))

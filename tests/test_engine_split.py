@@ -205,7 +205,7 @@ def test_pipeline_with_head_split_on_one_stage_equals_single_device(tiny_onnx):
                             head_split=(None, _alloc((1, 3))))
     workers = LocalWorkers.start(2, threads=1)
     try:
-        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2])
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2], keys=workers.keys)
     finally:
         assert workers.wait(60.0) == [0, 0]
     assert result.ranges[1][0] <= 2 <= result.ranges[1][1]  # stage 1 holds an encoder block

@@ -102,14 +102,15 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "_mnncengine": ("runtime.engines.mnn_kernels",),
     "onnx": ("planner.onnx_import",),  # and the ONNX exporter, should it ever import onnx itself
     "networkx": ("planner.passes",),
-    "torch": ("runtime.engines.pytorch", EXPORTER),
-    "transformers": (EXPORTER,),
+    "torch": ("runtime.engines.pytorch", EXPORTER, "jobs.export_llm"),
+    "transformers": (EXPORTER, "jobs.export_llm"),
     "tokenizers": ("tasks.tokenize",),
     "zmq": ("runtime.transport.zeromq",),
+    "nacl": ("runtime.keys",),
     "ortools": (_first_existing("planner.partition.cpsat", "planner.partition"),),
     "yaml": ("planner.cluster",),
     "safetensors": (),  # the project has its own codec, ir.safetensors; the package is the tests' reference
-    "onnxruntime": (),  # the tests' forward oracle
+    "onnxruntime": ("tasks.generate",),  # generation on the exported file; and the tests' forward oracle
 }
 # Third-party libraries any module may import.
 FREE = {"numpy"}

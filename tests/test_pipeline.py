@@ -38,7 +38,8 @@ def _config(schedule: str) -> PipelineConfig:
 def _run(graph, batches, schedule, stages, steps=STEPS, **kwargs):
     workers = LocalWorkers.start(stages, threads=1)
     try:
-        return train_pipeline(graph, batches, 9, workers.addresses, _config(schedule), steps, **kwargs)
+        return train_pipeline(graph, batches, 9, workers.addresses, _config(schedule), steps, keys=workers.keys,
+                              **kwargs)
     finally:
         assert workers.wait(30.0) == [0] * stages
 
@@ -104,16 +105,21 @@ def test_checkpoint_then_resume_continues_identically(graph, batches, tmp_path):
 @pytest.mark.slow
 def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, batches):
     """A fake stage 0 sends stage 1 (a real worker process) an activation with a corrupted payload."""
+    from runtime.keys import KeyPair
+
     worker = LocalWorkers.start(1, threads=1)
-    coord = ZmqTransport("coordinator", "tcp://127.0.0.1:0")
-    fake = ZmqTransport("stage0", "tcp://127.0.0.1:0", accept=("coordinator", "stage1"))
+    keys, me = worker.keys, KeyPair.generate("fake")  # the fake stage is a member of the cluster, with its key
+    boss, real = keys.coordinator.public.curve, keys.workers[worker.addresses[0]].curve
+    coord = ZmqTransport("coordinator", "tcp://127.0.0.1:0", keys=keys.coordinator.curve_keys())
+    fake = ZmqTransport("stage0", "tcp://127.0.0.1:0", keys=me.curve_keys(), accept={"coordinator": boss, "stage1": real})
     try:
         placements = [StagePlacement(0, 0, 1, fake.address), StagePlacement(1, 2, 4, worker.addresses[0])]
-        coordinator = Coordinator(graph, placements, _config("1f1b-flush"), coord)
-        fake.connect("coordinator", coord.address)
+        coordinator = Coordinator(graph, placements, _config("1f1b-flush"), coord,
+                                  worker_keys={**keys.workers, fake.address: me.public})
+        fake.connect("coordinator", coord.address, key=boss)
         fake.send_control("coordinator", {"type": "ready", "stage": 0})
         coordinator.setup()
-        fake.connect("stage1", worker.addresses[0])
+        fake.connect("stage1", worker.addresses[0], key=real)
         header = fake.send_tensor  # a real header for micro-batch 0 ...
         act = np.zeros(graph.values[graph.blocks[2].inputs[0]].shape, np.float32)
         from runtime.transport.wire import TensorHeader
@@ -144,7 +150,7 @@ def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches):
                            engine=("mnn", "torch"))
     workers = LocalWorkers.start(2, threads=1)
     try:
-        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS)
+        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, keys=workers.keys)
     finally:
         assert workers.wait(30.0) == [0, 0]
     losses, weights = single_device_training(graph, batches, STEPS)

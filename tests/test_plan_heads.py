@@ -234,9 +234,14 @@ def test_training_from_a_split_bundle_gives_the_unsplit_losses(tiny_onnx, tmp_pa
 
     batches = [batch() for _ in range(2)]
     workers = LocalWorkers.start(1, threads=1)
+    from ir.bundle import sign_bundle
+    from runtime.keys import signer
+
+    sign_bundle(bundle, signer(workers.keys.coordinator))  # a worker takes only bundles its coordinator signed
     try:
         result = train_pipeline(None, batches, 9, workers.addresses,
                                 PipelineConfig(schedule="1f1b-flush", microbatches=M, lr=5e-5, timeout_s=120), 2,
+                                keys=workers.keys,
                                 bundles=[bundle], devices=["box"], stage_graphs=[load_bundle_dir(bundle)])
     finally:
         assert workers.wait(30.0) == [0]

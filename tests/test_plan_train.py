@@ -78,15 +78,19 @@ def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
     from runtime.pipeline.executor import COORDINATOR
     from runtime.transport.zeromq import ZmqTransport
 
+    from runtime.keys import KeyPair, signer
+
     graph = load_model(tiny_onnx["torchscript-17"], 2, 12)
     partition = Partition((StageAssignment(0, "a", 0, 4),), "manual")
-    emit_plan(tmp_path / "plan", graph, partition, make_schedule("1f1b-flush", 1, 2), {"model": "tiny"})
+    boss = KeyPair.generate("coordinator")
+    emit_plan(tmp_path / "plan", graph, partition, make_schedule("1f1b-flush", 1, 2), {"model": "tiny"},
+              sign=signer(boss))
     files = bundle_to_wire(tmp_path / "plan" / "a")
     names = list(files)
-    worker = LocalWorkers.start(1, threads=1)
-    coord = ZmqTransport(COORDINATOR, "tcp://127.0.0.1:0")
+    worker = LocalWorkers.start(1, threads=1, coordinator=boss)
+    coord = ZmqTransport(COORDINATOR, "tcp://127.0.0.1:0", keys=boss.curve_keys())
     try:
-        coord.connect("stage0", worker.addresses[0])
+        coord.connect("stage0", worker.addresses[0], key=worker.keys.workers[worker.addresses[0]].curve)
         coord.send_control("stage0", {"type": "setup_bundle", "stage": 0, "device": "a",
                                       "peers": {COORDINATOR: coord.address}, "bundle_files": names})
         for i, name in enumerate(names):

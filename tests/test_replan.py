@@ -226,7 +226,7 @@ def _train(graph, batches, workers: int, steps: int, **kwargs):
     """The result, and the workers' addresses (stage k on the k-th)."""
     local = LocalWorkers.start(workers, threads=1)
     try:
-        return train_pipeline(graph, batches, 9, local.addresses, _config(), steps, **kwargs), local.addresses
+        return train_pipeline(graph, batches, 9, local.addresses, _config(), steps, keys=local.keys, **kwargs), local.addresses
     finally:
         assert local.wait(30.0) == [0] * workers
 
@@ -331,20 +331,20 @@ def test_the_cli_refuses_replanning_without_a_flush_schedule(tiny_onnx, tmp_path
 STEPS, AT = 4, 2  # re-plan after step AT of STEPS
 
 
-def _drive(graph, batches, addresses, first, steps, start_step=0, then=None, state=None):
+def _drive(graph, batches, addresses, first, steps, start_step=0, then=None, state=None, keys=None):
     """Drive a Coordinator over the workers at `addresses` directly: placements `first` (stage k:
     (range, worker index)) from `start_step`, switching to `then` after step AT; returns the step
     losses, the training state at the end, and the Reconfiguration."""
     def placements(spec):
         return [StagePlacement(k, a, b, addresses[w]) for k, ((a, b), w) in enumerate(spec)]
 
-    transport = ZmqTransport(COORDINATOR, "tcp://127.0.0.1:0")
+    transport = ZmqTransport(COORDINATOR, "tcp://127.0.0.1:0", keys=keys.coordinator.curve_keys())
     initial = placements(first)
     opt = None if state is None else {
         p.stage: state.stage_optimizer_state([x for b in graph.blocks[p.first_block:p.last_block + 1]
                                               for x in b.params]) for p in initial}
     coord = Coordinator(graph, initial, _config(), transport, weights=None if state is None else state.weights,
-                        optimizer_state=opt)
+                        optimizer_state=opt, worker_keys=keys.workers)
     losses, reconf = [], None
     try:
         coord.setup()
@@ -363,7 +363,7 @@ def _drive(graph, batches, addresses, first, steps, start_step=0, then=None, sta
 def _with_workers(n, fn):
     local = LocalWorkers.start(n, threads=1)
     try:
-        return fn(local.addresses), local.addresses
+        return fn(local.addresses, local.keys), local.addresses
     finally:
         assert local.wait(30.0) == [0] * n  # idle ones too: released, then stopped cleanly
 
@@ -371,7 +371,7 @@ def _with_workers(n, fn):
 @pytest.fixture(scope="module")
 def before_replan(graph, batches):
     """Steps 0..AT-1 on three workers, even ranges: the common start of both runs below."""
-    (losses, state, _), _ = _with_workers(3, lambda a: _drive(graph, batches, a, _EVEN3, AT))
+    (losses, state, _), _ = _with_workers(3, lambda a, k: _drive(graph, batches, a, _EVEN3, AT, keys=k))
     return losses, state
 
 
@@ -389,7 +389,7 @@ def test_a_replan_that_renumbers_workers_trains_like_the_new_plan_from_that_step
     with it their name on the wire). Losses and weights equal, bit for bit, the first AT steps
     followed by a run of fresh workers that used the new placement from step AT."""
     (losses, state, reconf), addresses = _with_workers(
-        3, lambda a: _drive(graph, batches, a, _EVEN3, STEPS, then=then))
+        3, lambda a, k: _drive(graph, batches, a, _EVEN3, STEPS, then=then, keys=k))
     assert reconf.new_ranges == [r for r, _ in then] and reconf.old_ranges == [r for r, _ in _EVEN3]
     left = sorted(set(range(3)) - {w for _, w in then})
     assert reconf.idle == [addresses[w] for w in left]
@@ -401,7 +401,8 @@ def test_a_replan_that_renumbers_workers_trains_like_the_new_plan_from_that_step
     first_losses, at_replan = before_replan
     fresh = [(r, k) for k, (r, _) in enumerate(then)]  # the new ranges, stage k on fresh worker k
     (rest, reference, _), _ = _with_workers(
-        len(then), lambda a: _drive(graph, batches, a, fresh, STEPS - AT, start_step=AT, state=at_replan))
+        len(then), lambda a, k: _drive(graph, batches, a, fresh, STEPS - AT, start_step=AT, state=at_replan,
+                                       keys=k))
     assert losses == first_losses + rest
     assert set(state.weights) == set(reference.weights)
     for k in reference.weights:

@@ -184,11 +184,15 @@ def _train_from(plan_dir: Path, plan, bundles, train: Path, tokenizer: Path, per
     labels = data.labels
     batches = make_batches(data.train_encoded, ROWS * M, SEQ, seed=0)
     union = {k: v for state in per_stage.values() for k, v in state.items()}  # each stage takes its own
-    local = LocalWorkers.start(len(bundles), threads=1)
+    from confidant.home import DEMO_DIR
+    from jobs.workers import coordinator_pair
+
+    # the CLI signed the plan with the default coordinator key; the workers must trust that one
+    local = LocalWorkers.start(len(bundles), threads=1, coordinator=coordinator_pair(DEMO_DIR / "keys"))
     try:
         return train_pipeline(None, batches, len(labels), local.addresses,
                               PipelineConfig(schedule=plan.schedule, microbatches=M, timeout_s=120),
-                              STEPS - EVERY, start_step=EVERY, optimizer_state={k: union for k in range(len(bundles))},
+                              STEPS - EVERY, keys=local.keys, start_step=EVERY, optimizer_state={k: union for k in range(len(bundles))},
                               bundles=[plan_dir / d.bundle for d in plan.devices],
                               devices=plan.device_names, stage_graphs=bundles, schedule=plan.to_schedule())
     finally:
@@ -209,3 +213,16 @@ def test_train_refuses_replanning_a_stashing_plan_or_one_without_a_cluster(plann
     proc = _cli("train", "bare", "--data", train, "--local", "--replan-every", 2, cwd=root, ok=False)
     assert proc.returncode == 1
     assert "it has no cluster.json" in proc.stderr and "--cluster FILE" in proc.stderr
+
+
+@pytest.mark.slow  # 3 worker processes through the command line; the stash-from-bundles path also runs in threads
+def test_train_from_a_stashing_plan_runs_every_step(planned, tiny_onnx):
+    """Issue 13: `confidant train PLAN` with a 1f1b-stash plan and --steps 3 failed after the first
+    step (the last stage "sent no loss mb=4"); it runs all three, with its tokenizer's data."""
+    root, train, tokenizer = planned
+    _cli("plan", tiny_onnx["torchscript-17"], "--cluster", "cluster.yaml", "--batch", ROWS * M, "--seq", SEQ,
+         "--microbatches", M, "--schedule", "1f1b-stash", "-o", "stash3", cwd=root)
+    _cli("train", "stash3", "--data", train, "--tokenizer", tokenizer, "--local", "--steps", 3, "--metrics-out",
+         "stash3.json", cwd=root)
+    doc = json.loads((root / "stash3.json").read_text())
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3] and doc["events"] == []

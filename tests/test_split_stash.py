@@ -121,7 +121,7 @@ def test_real_pipeline_with_a_split_stage_under_weight_stashing(graph, batches):
                             head_split=(SPLIT, None))
     workers = LocalWorkers.start(2, threads=1)
     try:
-        result = train_pipeline(graph, batches, 9, workers.addresses, config, STEPS, cuts=[3])
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, STEPS, cuts=[3], keys=workers.keys)
     finally:
         assert workers.wait(60.0) == [0, 0]
     assert [tuple(r) for r in result.ranges] == [(0, 2), (3, 4)]

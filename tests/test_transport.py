@@ -20,9 +20,37 @@ import pytest
 from runtime.transport.wire import (DTYPES, MAX_HEADER_BYTES, Expected, MessageError, PeerTimeout, TensorHeader,
                                check_payload, decode_control, encode_control)
 from runtime.transport.local import LocalHub, LocalTransport
+from runtime.keys import KeyPair, PublicKey
 from runtime.transport.zeromq import ZmqTransport
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Every ZeroMQ endpoint here is CURVE-secured, as in a real run: each gets its name's key pair (made
+# on first use), and a peer's key is the key of the endpoint bound at its address (renames keep
+# an endpoint's key), else that of its name (an endpoint not bound yet).
+_PAIRS: dict[str, KeyPair] = {}
+_AT: dict[str, KeyPair] = {}
+
+
+def pair_of(name: str) -> KeyPair:
+    return _PAIRS.setdefault(name, KeyPair.generate(name))
+
+
+def key_at(address: str, name: str) -> bytes:
+    return (_AT.get(address) or pair_of(name)).public.curve
+
+
+def zmq_endpoint(name: str, listen: str | None, peers: dict | None = None, *, accept=(), **options) -> ZmqTransport:
+    pair = pair_of(name)
+    t = ZmqTransport(name, listen, keys=pair.curve_keys(), accept={a: pair_of(a).public.curve for a in accept},
+                     **options)
+    if t.address:
+        _AT[t.address] = pair
+    for peer, address in (peers or {}).items():
+        t.connect(peer, address, key=key_at(address, peer))
+    return t
+
+
 MODULES = [ROOT / "runtime" / "transport" / f for f in ("wire.py", "zeromq.py", "local.py")]
 KINDS = ["local", "zmq"]
 
@@ -32,11 +60,11 @@ def make_mesh(kind: str, names: list[str]) -> dict:
     if kind == "local":
         hub = LocalHub()
         return {n: LocalTransport(n, hub) for n in names}
-    mesh = {n: ZmqTransport(n, "tcp://127.0.0.1:0", linger_s=0.2) for n in names}
+    mesh = {n: zmq_endpoint(n, "tcp://127.0.0.1:0", linger_s=0.2) for n in names}
     for n, t in mesh.items():
         for other, peer in mesh.items():
             if other != n:
-                t.connect(other, peer.address)
+                t.connect(other, peer.address, key=key_at(peer.address, other))
     return mesh
 
 
@@ -117,10 +145,14 @@ def test_sender_refuses_what_it_cannot_describe(mesh):
 
 CHILD = r"""
 import sys
+from runtime.keys import KeyPair, PublicKey
 from runtime.transport.wire import Expected
 from runtime.transport.zeromq import ZmqTransport
 
-t = ZmqTransport("echo", "tcp://127.0.0.1:0", {"main": sys.argv[1]})
+main_key = PublicKey.parse(sys.argv[2]).curve
+me = KeyPair.generate("echo")
+t = ZmqTransport("echo", "tcp://127.0.0.1:0", {"main": sys.argv[1]}, keys=me.curve_keys(), peer_keys={"main": main_key})
+print(t.address, me.public.text, flush=True)
 print(t.address, flush=True)
 echoed = 0
 while True:
@@ -138,13 +170,13 @@ t.close()
 
 
 def test_round_trip_between_two_processes():
-    main = ZmqTransport("main", "tcp://127.0.0.1:0", linger_s=1.0)
-    child = subprocess.Popen([sys.executable, "-c", CHILD, main.address], cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    main = zmq_endpoint("main", "tcp://127.0.0.1:0", linger_s=1.0)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, main.address, pair_of("main").public.text], cwd=ROOT,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        address = child.stdout.readline().strip()
+        address, key = (child.stdout.readline().split() + ["", ""])[:2]
         assert address.startswith("tcp://127.0.0.1:"), child.stderr.read()
-        main.connect("echo", address)
+        main.connect("echo", address, key=PublicKey.parse(key).curve)
         arrays = sample_arrays()
         main.send_control("echo", {"op": "echo", "count": len(arrays)})
         for mb, x in enumerate(arrays):
@@ -172,11 +204,11 @@ def test_zmq_queues_sends_to_a_peer_that_has_not_bound_yet():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
-    early = ZmqTransport("early", None, {"late": address}, linger_s=0.2)
+    early = zmq_endpoint("early", None, {"late": address}, linger_s=0.2)
     try:
         early.send_tensor("late", "act", 0, 0, np.arange(5, dtype=np.int64))
         early.send_control("late", {"op": "start"})
-        late = ZmqTransport("late", address, accept=["early"], linger_s=0.2)
+        late = zmq_endpoint("late", address, accept=["early"], linger_s=0.2)
         try:
             assert late.address == address
             assert late.recv_control("early", timeout=5) == ("early", {"op": "start"})
@@ -194,7 +226,7 @@ def make_endpoint(kind: str, name: str, hub: LocalHub, address: str, **zmq_optio
     ZeroMQ one on a free loopback port."""
     if kind == "local":
         return LocalTransport(name, hub, address)
-    return ZmqTransport(name, "tcp://127.0.0.1:0", linger_s=0.2, **zmq_options)
+    return zmq_endpoint(name, "tcp://127.0.0.1:0", linger_s=0.2, **zmq_options)
 
 
 @pytest.fixture(params=KINDS)
@@ -216,14 +248,14 @@ def test_messages_go_to_an_address_and_are_filed_under_the_senders_name(endpoint
     renamed and connected back, its messages are filed under its new name."""
     coord = endpoints("coordinator", "local://coordinator")
     worker = endpoints("worker", "local://w0", accept=("coordinator",))
-    coord.connect("stage0", worker.address)
+    coord.connect("stage0", worker.address, key=key_at(worker.address, "stage0"))
     assert coord.peers == {"stage0": worker.address} and coord.address_of("stage0") == worker.address
     coord.send_control("stage0", {"type": "setup", "stage": 0})
     coord.send_tensor("stage0", "weights", -1, 0, X, name="w")
     assert worker.recv_control("coordinator", timeout=5) == ("coordinator", {"type": "setup", "stage": 0})
     assert np.array_equal(worker.recv_tensor("coordinator", Expected("weights", -1, 0, name="w"), timeout=5)[1], X)
     worker.rename("stage0")
-    worker.connect("coordinator", coord.address)
+    worker.connect("coordinator", coord.address, key=key_at(coord.address, "coordinator"))
     assert worker.name == "stage0" and worker.peers == {"coordinator": coord.address}
     worker.send_control("coordinator", {"type": "ready", "stage": 0})
     assert coord.recv_control(None, timeout=5) == ("stage0", {"type": "ready", "stage": 0})
@@ -234,9 +266,9 @@ def test_a_name_changes_hands_only_after_every_connection_is_closed(endpoints):
     name; after `disconnect` it takes the new one, and the coordinator files it under that."""
     coord = endpoints("coordinator", "local://coordinator")
     worker = endpoints("worker", "local://w0", accept=("coordinator",))
-    coord.connect("stage1", worker.address)
+    coord.connect("stage1", worker.address, key=key_at(worker.address, "stage1"))
     worker.rename("stage1")
-    worker.connect("coordinator", coord.address)
+    worker.connect("coordinator", coord.address, key=key_at(coord.address, "coordinator"))
     worker.send_control("coordinator", {"type": "released", "stage": 1})
     with pytest.raises(RuntimeError, match=r"still sends to \['coordinator'\] under its old name; disconnect them "
                                            r"before renaming it to 'stage0'"):
@@ -250,10 +282,10 @@ def test_a_name_changes_hands_only_after_every_connection_is_closed(endpoints):
         worker.rename("")
     worker.rename("stage0")
     coord.disconnect("stage1")
-    coord.connect("stage0", worker.address)
+    coord.connect("stage0", worker.address, key=key_at(worker.address, "stage0"))
     coord.send_control("stage0", {"type": "setup", "stage": 0})
     assert worker.recv_control("coordinator", timeout=5) == ("coordinator", {"type": "setup", "stage": 0})
-    worker.connect("coordinator", coord.address)
+    worker.connect("coordinator", coord.address, key=key_at(coord.address, "coordinator"))
     worker.send_control("coordinator", {"type": "ready", "stage": 0})
     assert coord.recv_control(None, timeout=5) == ("stage0", {"type": "ready", "stage": 0})
     assert coord.peers == {"stage0": worker.address}
@@ -263,10 +295,10 @@ def test_a_peer_moved_to_another_address_gets_what_is_sent_from_then_on(endpoint
     coord = endpoints("coordinator", "local://coordinator")
     old = endpoints("old", "local://old", accept=("coordinator",))
     new = endpoints("new", "local://new", accept=("coordinator",))
-    coord.connect("stage0", old.address)
+    coord.connect("stage0", old.address, key=key_at(old.address, "stage0"))
     coord.send_control("stage0", {"n": 1})
     assert old.recv_control("coordinator", timeout=5) == ("coordinator", {"n": 1})
-    coord.connect("stage0", new.address)
+    coord.connect("stage0", new.address, key=key_at(new.address, "stage0"))
     coord.send_control("stage0", {"n": 2})
     assert new.recv_control("coordinator", timeout=5) == ("coordinator", {"n": 2})
     with pytest.raises(PeerTimeout):
@@ -534,15 +566,24 @@ def test_wrong_frame_count(mesh):
                                        "(a message is 1 control frame or 2 tensor frames)")
 
 
-def test_zmq_rejects_an_unknown_sender():
-    b = ZmqTransport("b", "tcp://127.0.0.1:0", accept=["a", "c"], linger_s=0.2)
-    mallory = ZmqTransport("mallory", None, {"b": b.address}, linger_s=0.2)
+@pytest.mark.parametrize("secure", [True, False], ids=["curve", "insecure"])
+def test_zmq_drops_an_unknown_sender_and_records_it(secure):
+    """A stranger is noise, never an error (issue 13): its message does not reach the receiver,
+    nothing is raised, and the refusal is recorded. Secure, a stranger's key is refused in the
+    handshake; insecure, its unknown name is."""
+    if secure:
+        b = zmq_endpoint("b", "tcp://127.0.0.1:0", accept=["a", "c"], linger_s=0.2)
+        mallory = zmq_endpoint("mallory", None, {"b": b.address}, linger_s=0.2)
+    else:
+        b = ZmqTransport("b", "tcp://127.0.0.1:0", accept=["a", "c"], linger_s=0.2, insecure=True)
+        mallory = ZmqTransport("mallory", None, {"b": b.address}, linger_s=0.2, insecure=True)
     try:
         mallory.send_tensor("b", "act", 0, 3, X)
-        with pytest.raises(MessageError) as info:
-            b.recv_tensor("a", WANT, timeout=5)
-        assert str(info.value) == ("message from peer 'mallory': received a message of 2 frames "
-                                   "(sender is not a known peer; known: 'a', 'c')")
+        with pytest.raises(PeerTimeout):
+            b.recv_tensor("a", WANT, timeout=1)
+        assert b.refused, "the stranger was not recorded"
+        reason = b.refused[0].describe()
+        assert ("not the key of any peer" in reason) if secure else ("'mallory'" in reason and "no such peer" in reason)
         with pytest.raises(ValueError, match="'mallory' is not a peer of 'b'"):
             b.recv_tensor("mallory", WANT, timeout=0)
     finally:

@@ -33,14 +33,15 @@ def loopback_link():
 
 
 def train_local(graph, batches, ranges, schedule: str, M: int, n_steps: int) -> dict:
-    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     workers = LocalWorkers.start(len(ranges), threads=1)
     try:
         config = PipelineConfig(schedule=schedule, microbatches=M, optimizer=OPTIMIZER, lr=LR, timeout_s=300)
         cuts = [a for a, _ in ranges[1:]]
-        res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n_steps, cuts=cuts or None)
+        res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n_steps, cuts=cuts or None,
+                             keys=workers.keys, faults=FaultPolicy(on_failure="stop"))
     finally:
         codes = workers.wait(60.0)
     if any(codes):

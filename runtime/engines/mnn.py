@@ -12,19 +12,27 @@ in between (single-device training, the last pipeline stage), per-op caches let 
 program reuse the forward's activations instead (`cache_activations`, on by default: faster, at the
 memory of one cached tensor per op); otherwise the block's forward is re-run from the stashed
 input. The profile and the memory accounting of the planner must count both.
+
+The causal-LM loss (``TokenCrossEntropy``) runs in numpy (`runtime.engines.lm_loss`), never as an
+MNN graph, whose softmax, caches and gradient seed would each hold a vocabulary-sized copy: with
+the LM head on the same stage, the head's projection is fused into it (the head's MNN graph ends
+at the hidden state, and the vocabulary weight lives in numpy like an embedding table; a tied one
+is the embedding table itself), so the logits are never materialised; alone on a stage, it
+computes its gradient in place over the received logits.
 """
 from __future__ import annotations
 
 from collections import ChainMap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
 
 from ir.graph import Block, Node
+from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
 from runtime.engines.base import StageEngine, StageGradients
-from runtime.engines.stage import StageSpec, host_values
+from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values
 
 
 def _lower_node(node: Node, a: list) -> "K.Var":
@@ -47,6 +55,8 @@ def _lower_node(node: Node, a: list) -> "K.Var":
         return K.erf(a[0])
     if op == "Tanh":
         return K.tanh(a[0])
+    if op == "Relu":
+        return K.relu(a[0])
     if op == "ReduceMean":
         return K.reduce_mean(a[0], list(attrs["axes"]), bool(attrs.get("keepdims", True)))
     if op == "Softmax":
@@ -61,6 +71,20 @@ def _lower_node(node: Node, a: list) -> "K.Var":
         return K.reshape(a[0], attrs["shape"])
     if op == "SoftmaxCrossEntropy":
         return K.softmax_cross_entropy(a[0], a[1])
+    if op == "RMSNorm":
+        return K.rms_norm(a[0], a[1], attrs["epsilon"])
+    if op == "Sigmoid":
+        return K.sigmoid(a[0])
+    if op == "Silu":
+        return K.silu(a[0])
+    if op == "Rotary":
+        return K.rotary(a[0], a[1], a[2])
+    if op == "Expand":
+        return K.expand(a[0], attrs["shape"])
+    if op == "Slice":
+        return K.slice_axis(a[0], attrs["axis"], attrs["start"], attrs["end"])
+    if op == "Concat":
+        return K.concat(a, attrs["axis"])
     raise NotImplementedError(f"MNN engine: op {op} (node {node.name!r}) has no lowering")
 
 
@@ -168,7 +192,7 @@ class _BlockProgram:
                                  f"the {len(table)} rows of {lk.table!r}: the tokenizer does not belong to this model")
             K.write(lk.placeholder, table[ids])
 
-    def forward(self) -> np.ndarray:
+    def forward(self, train: bool = False) -> np.ndarray:
         return K.read(self.output)
 
     def backward(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray]):
@@ -191,6 +215,63 @@ class _BlockProgram:
         return param_grads, dx
 
 
+class _LossProgram:
+    """The causal-LM loss block in numpy (module docstring): fused with the LM head's projection
+    (`fused`: its input is the head's hidden state, the weight a numpy table) or over the logits it
+    receives. Same interface as `_BlockProgram`. A training forward computes the gradients in the
+    same pass and keeps them for the backward of that forward; any other backward recomputes."""
+
+    def __init__(self, block: Block, loss: Node, fused: FusedLmHead | None, tables: Mapping[str, np.ndarray],
+                 trainable: set[str]):
+        self.block = block
+        self.ids, self.weights = loss.inputs[1], loss.inputs[2]
+        self.fused = fused
+        self.kernel = lm_loss.LinearCrossEntropy(fused.transposed) if fused else None
+        self._tables = tables
+        self.weight_trained = fused is not None and fused.weight in trainable
+        self.params = [fused.weight] if self.weight_trained else []
+        self.fed_serial: int | None = None
+        self._x: np.ndarray | None = None
+        self._host: Mapping[str, np.ndarray] = {}
+        self._saved: tuple[int | None, lm_loss.LinearCrossEntropyResult] | None = None
+
+    def enable_op_caches(self) -> None:
+        pass
+
+    def feed(self, activation: np.ndarray, host: Mapping[str, np.ndarray], serial: int | None = None) -> None:
+        if serial is not None and serial == self.fed_serial:
+            return
+        self.fed_serial, self._x, self._host = serial, activation, host
+
+    def _fused(self, grad: bool) -> lm_loss.LinearCrossEntropyResult:
+        return self.kernel(self._x, self._tables[self.fused.weight], self._host[self.ids], self._host[self.weights],
+                           grad=grad, weight_grad=self.weight_trained)
+
+    def forward(self, train: bool = False) -> np.ndarray:
+        if self.fused is None:
+            loss = lm_loss.token_cross_entropy(self._x, self._host[self.ids], self._host[self.weights])
+        else:
+            result = self._fused(grad=train)
+            self._saved = (self.fed_serial, result) if train and self.fed_serial is not None else None
+            loss = result.loss
+        return np.asarray(loss, np.float32)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return self.kernel.logits(hidden, self._tables[self.fused.weight]).astype(np.float32)
+
+    def backward(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray]):
+        scale = 1.0 if grad_output is None else float(np.asarray(grad_output).reshape(-1)[0])
+        if self.fused is None:  # in place over the stashed logits: one copy
+            return {}, lm_loss.token_cross_entropy_grad(self._x, host[self.ids], host[self.weights], scale)
+        saved, self._saved = self._saved, None
+        result = saved[1] if saved is not None and saved[0] == self.fed_serial else self._fused(grad=True)
+        grads = {}
+        if self.weight_trained:
+            grads[self.fused.weight] = result.grad_weight if scale == 1.0 else result.grad_weight * np.float32(scale)
+        dx = result.grad_hidden if scale == 1.0 else result.grad_hidden * np.float32(scale)
+        return grads, dx
+
+
 class MnnStageEngine(StageEngine):
     """A stage on MNN. `stash_weights` keeps, for every micro-batch in flight, the weight version its
     forward used, and runs its backward on that version (PipeDream weight stashing): MNN Vars are
@@ -198,23 +279,46 @@ class MnnStageEngine(StageEngine):
 
     def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
                  cache_activations: bool = True, stash_weights: bool = True):
+        if K.denormals_flushed_at_import():
+            # before MNN (re)starts its worker threads, which inherit this thread's flush-to-zero bits;
+            # another library may have cleared them since MNN was imported (creating an ONNX Runtime
+            # session does), and denormals slow MNN's backward ~2.5x
+            fpmode.enable_flush_denormals()
         K.set_threads(threads)
         self.spec = spec
         self.threads = threads
         source = weights if weights is not None else spec.graph.constants
-        gather_tables = {n.inputs[0] for n in spec.compute_nodes if n.op == "Gather"}
-        self._tables = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p in gather_tables}
+        self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
+        # weights held in numpy: embedding tables (MNN's Gather has no gradient) and a fused LM
+        # head's weight; one that an MNN graph reads as well (a tied head not fused) also gets a Var
+        numpy_held = {n.inputs[0] for n in spec.compute_nodes if n.op == "Gather"}
+        skipped = set()
+        if self._lm is not None:
+            numpy_held.add(self._lm.weight)
+            skipped = {self._lm.matmul.name, self._lm.loss.name}
+        mnn_read = {i for n in spec.compute_nodes if n.op not in ("Gather", "TokenCrossEntropy")
+                    and n.name not in skipped for i in n.inputs}
+        self._tables = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p in numpy_held}
         # frozen tables (not parameters): looked up like the others, never differentiated or stepped
-        self._frozen_tables = {t: np.asarray(spec.graph.constants[t], np.float32) for t in gather_tables
+        self._frozen_tables = {t: np.asarray(spec.graph.constants[t], np.float32) for t in numpy_held
                                if t not in self._tables and t in spec.graph.constants
                                and spec.graph.constants[t].dtype.kind == "f"}
-        self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params if p not in gather_tables}
+        self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params
+                        if p not in numpy_held or p in mnn_read}
         # numpy copy of the current weights: what an old version is restored from and returned to
-        self._current = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p not in gather_tables}
+        self._current = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p not in numpy_held}
         self._constants = {k: v for k, v in spec.graph.constants.items()}
         lookup = ChainMap(self._tables, self._frozen_tables)  # a view: version swaps of _tables show through
-        self._blocks = [_BlockProgram(b, nodes, spec, self._params, lookup, set(self._tables))
-                        for b, nodes in spec.block_nodes()]
+        self._blocks = []
+        for b, nodes in spec.block_nodes():
+            if self._lm is not None and b.index == self._lm.head_index:
+                nodes = [n for n in nodes if n.name != self._lm.matmul.name]
+                b = replace(b, output=self._lm.hidden)
+            if len(nodes) == 1 and nodes[0].op == "TokenCrossEntropy":
+                fused = self._lm if self._lm is not None and b.index == self._lm.loss_index else None
+                self._blocks.append(_LossProgram(b, nodes[0], fused, lookup, set(self._tables)))
+            else:
+                self._blocks.append(_BlockProgram(b, nodes, spec, self._params, lookup, set(self._tables)))
         self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray]]] = {}
         self._serial = 0
         self.cache_activations = cache_activations
@@ -236,6 +340,8 @@ class MnnStageEngine(StageEngine):
         x = None
         if self.spec.activation_input is not None:
             x = np.asarray(feeds[self.spec.activation_input], np.float32)
+            if isinstance(self._blocks[0], _LossProgram) and train:
+                x = x.copy()  # the loss writes its gradient into the logits it keeps
         block_inputs: list[np.ndarray | None] = []
         self._serial += 1
         serial = self._serial if train else None
@@ -249,7 +355,9 @@ class MnnStageEngine(StageEngine):
             if self.cache_activations:
                 # also on an inference forward: priming later would leave the caches unused for good
                 prog.enable_op_caches()
-            x = prog.forward()
+            x = prog.forward(train)
+        if self._lm is not None and until_block == self._lm.head_index:
+            x = self._blocks[-1].logits(x)  # the head's real output, for evaluation
         if train:
             self._stash[microbatch] = (self._serial, self.version, block_inputs, host)
         return x
@@ -259,7 +367,7 @@ class MnnStageEngine(StageEngine):
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         serial, version, block_inputs, host = self._stash.pop(microbatch)
         swapped = self.stash_weights and version != self.version
-        current_tables = dict(self._tables)
+        current = {**self._tables, **self._current}
         if swapped:
             self._load_weights(self._old_versions[version])
         try:
@@ -272,8 +380,7 @@ class MnnStageEngine(StageEngine):
                     grads[k] = grads[k] + v if k in grads else v
         finally:
             if swapped:
-                self._load_weights(self._current)
-                self._tables.update(current_tables)
+                self._load_weights(current)
             self._drop_unused_versions()
         return StageGradients(grads, g if self.spec.activation_input is not None else None)
 
@@ -284,7 +391,7 @@ class MnnStageEngine(StageEngine):
         for k, v in weights.items():
             if k in self._tables:
                 self._tables[k] = v
-            else:
+            if k in self._params:
                 K.write(self._params[k], v)
 
     def _drop_unused_versions(self) -> None:
@@ -321,6 +428,8 @@ class MnnStageEngine(StageEngine):
         for k, v in values.items():
             if k in self._tables:
                 self._tables[k][...] = v
+                if k in self._params:
+                    K.write(self._params[k], self._tables[k])
             else:
                 np.copyto(self._current[k], v)
                 K.write(self._params[k], self._current[k])

@@ -3,6 +3,11 @@
 It is the laptop/GPU engine of later issues and, in float64, the independent gradient oracle the
 MNN engine is tested against. Importing this module requires torch; the runtime never does unless
 this engine is chosen.
+
+The causal-LM loss never holds a second vocabulary-sized copy of the logits: with the LM head on
+the stage, `_LinearCrossEntropy` fuses the head's projection into it (logits a chunk of target rows
+at a time, forward and backward; `runtime.engines.lm_loss` is the numpy twin the MNN engine uses);
+alone, `_TokenCrossEntropy` writes its gradient over the logits it saved.
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import torch.nn.functional as F
 
 from ir.graph import Node
 from runtime.engines.base import StageEngine, StageGradients
-from runtime.engines.stage import StageSpec, host_values
+from runtime.engines.lm_loss import chunk_rows
+from runtime.engines.stage import StageSpec, fused_lm_head, host_values
 
 
 def _run_node(node: Node, args: list[torch.Tensor]) -> torch.Tensor:
@@ -40,6 +46,8 @@ def _run_node(node: Node, args: list[torch.Tensor]) -> torch.Tensor:
         return torch.erf(args[0])
     if op == "Tanh":
         return torch.tanh(args[0])
+    if op == "Relu":
+        return torch.relu(args[0])
     if op == "ReduceMean":
         return args[0].mean(dim=tuple(a["axes"]), keepdim=bool(a.get("keepdims", True)))
     if op == "Softmax":
@@ -54,7 +62,112 @@ def _run_node(node: Node, args: list[torch.Tensor]) -> torch.Tensor:
         return args[0].reshape(*a["shape"])
     if op == "SoftmaxCrossEntropy":
         return -(args[1] * torch.log_softmax(args[0], dim=-1)).sum()
+    if op == "RMSNorm":
+        x = args[0]
+        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + a["epsilon"]) * args[1]
+    if op == "Sigmoid":
+        return torch.sigmoid(args[0])
+    if op == "Silu":
+        return F.silu(args[0])
+    if op == "Rotary":
+        x, half = args[0], args[0].shape[-1] // 2
+        return x * args[1] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * args[2]
+    if op == "Expand":
+        return args[0].expand(*a["shape"])
+    if op == "Slice":
+        return args[0].narrow(a["axis"], a["start"], a["end"] - a["start"])
+    if op == "Concat":
+        return torch.cat(list(args), dim=a["axis"])
+    if op == "TokenCrossEntropy":
+        return _TokenCrossEntropy.apply(args[0], args[1], args[2])
     raise NotImplementedError(f"torch engine: op {op} (node {node.name!r})")
+
+
+def _target_rows(weights: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(weights.reshape(-1)).reshape(-1)
+
+
+def _softmax_minus_onehot(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w * (softmax(z) - onehot(ids)) for one chunk of rows, in place over z."""
+    z.sub_(z.max(dim=1, keepdim=True).values).exp_()
+    z.div_(z.sum(dim=1, keepdim=True))
+    z[torch.arange(len(ids)), ids] -= 1.0
+    return z.mul_(w[:, None])
+
+
+def _chunk_loss(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    picked = z[torch.arange(len(ids)), ids]
+    return (w.double() * (torch.logsumexp(z, dim=1).double() - picked.double())).sum()
+
+
+class _TokenCrossEntropy(torch.autograd.Function):
+    """sum(w * (logsumexp(logits) - logits[id])), a chunk of target rows at a time; the backward
+    writes the gradient into the saved logits (nothing else reads them after the loss)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, weights):
+        z = logits.reshape(-1, logits.shape[-1])
+        ids, w = ids.reshape(-1).long(), weights.reshape(-1).to(logits.dtype)
+        rows = _target_rows(w)
+        total = torch.zeros((), dtype=torch.float64)
+        step = chunk_rows(z.shape[1])
+        for lo in range(0, len(rows), step):
+            r = rows[lo:lo + step]
+            total += _chunk_loss(z[r], ids[r], w[r])
+        ctx.save_for_backward(logits, ids, w)
+        return total.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, ids, w = ctx.saved_tensors
+        out = logits.detach()  # the same storage: the gradient replaces the logits
+        z = out.reshape(-1, out.shape[-1])
+        rows = _target_rows(w)
+        scaled = w * grad
+        z[w == 0] = 0.0
+        step = chunk_rows(z.shape[1])
+        for lo in range(0, len(rows), step):
+            r = rows[lo:lo + step]
+            z[r] = _softmax_minus_onehot(z[r], ids[r], scaled[r])
+        return out, None, None
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The LM head (h W^T, or h W) fused with the token loss: no [.., V] tensor ever exists; the
+    backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, weights, transposed):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        wt = weight.t() if transposed else weight
+        ids, w = ids.reshape(-1).long(), weights.reshape(-1).to(hidden.dtype)
+        rows = _target_rows(w)
+        total = torch.zeros((), dtype=torch.float64)
+        step = chunk_rows(wt.shape[1])
+        for lo in range(0, len(rows), step):
+            r = rows[lo:lo + step]
+            total += _chunk_loss(h[r] @ wt, ids[r], w[r])
+        ctx.save_for_backward(hidden, weight, ids, w)
+        ctx.transposed = transposed
+        return total.to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, ids, w = ctx.saved_tensors
+        h = hidden.reshape(-1, hidden.shape[-1])
+        wt = weight.t() if ctx.transposed else weight
+        dh = torch.zeros_like(h)
+        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        rows = _target_rows(w)
+        scaled = w * grad
+        step = chunk_rows(wt.shape[1])
+        for lo in range(0, len(rows), step):
+            r = rows[lo:lo + step]
+            z = _softmax_minus_onehot(h[r] @ wt, ids[r], scaled[r])
+            dh[r] = z @ wt.t()
+            if dw is not None:  # in place: no weight-sized temporary
+                dw.addmm_(z.t(), h[r]) if ctx.transposed else dw.addmm_(h[r].t(), z)
+        return dh.reshape(hidden.shape), dw, None, None, None
 
 
 class TorchStageEngine(StageEngine):
@@ -74,6 +187,7 @@ class TorchStageEngine(StageEngine):
                     v = spec.graph.constants[i]
                     self._consts[i] = torch.tensor(v, dtype=dtype if v.dtype.kind == "f" else torch.int64)
         self._saved: dict[int, tuple] = {}
+        self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
 
     def _tensor(self, v: np.ndarray) -> torch.Tensor:
         v = np.asarray(v)
@@ -90,10 +204,18 @@ class TorchStageEngine(StageEngine):
         stop_after = set()
         if until_block is not None:
             stop_after = {n for b in self.spec.graph.blocks[until_block + 1:] for n in b.nodes}
+        fused = self._lm if until_block is None else None
         with torch.set_grad_enabled(train):
             for node in self.spec.compute_nodes:
                 if node.name in stop_after:
                     break
+                if fused is not None and node.name == fused.matmul.name:
+                    continue
+                if fused is not None and node.name == fused.loss.name:
+                    env[node.outputs[0]] = _LinearCrossEntropy.apply(
+                        env[fused.hidden], env[fused.weight], env[node.inputs[1]], env[node.inputs[2]],
+                        fused.transposed)
+                    continue
                 env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
         out = env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
         if train:

@@ -52,7 +52,8 @@ def stage_spec(graph: Graph, first_block: int, last_block: int) -> StageSpec:
     needed = {i for node in compute + host for i in node.inputs}
     graph_inputs = tuple(i for i in graph.input_names() if i in needed)
     activation = blocks[0].inputs[0] if first_block > 0 else None
-    params = tuple(p for b in blocks for p in b.params)
+    # a weight several blocks share (ALBERT's layer) is one parameter of the stage, listed once
+    params = tuple(dict.fromkeys(p for b in blocks for p in b.params))
     return StageSpec(graph, first_block, last_block, compute, host, activation, graph_inputs,
                      blocks[-1].output, params)
 
@@ -71,3 +72,43 @@ def host_values(spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, n
                 if any(k in n.inputs for n in spec.host_nodes)})
     eval_host_nodes(spec.host_nodes, env)
     return env
+
+
+@dataclass(frozen=True)
+class FusedLmHead:
+    """The LM head's projection and the causal-LM loss on one stage, run as one fused kernel
+    (`runtime.engines.lm_loss.LinearCrossEntropy`), so no vocabulary-sized logits are held:
+    `matmul` (logits = hidden x weight, `transposed`: weight^T) is the head block's last node and
+    `loss` the loss block's TokenCrossEntropy reading its output."""
+
+    head_index: int
+    loss_index: int
+    matmul: Node
+    loss: Node
+    hidden: str
+    weight: str
+    transposed: bool
+
+
+def fused_lm_head(graph: Graph, first_block: int, last_block: int) -> FusedLmHead | None:
+    """The fusable LM head + loss of blocks first..last (a decoder LLM's last two blocks on one
+    stage), or None. The planner's memory model uses the same test (`planner.cost`)."""
+    if last_block < 1 or last_block != len(graph.blocks) - 1 or first_block > last_block - 1:
+        return None
+    head, loss = graph.blocks[last_block - 1], graph.blocks[last_block]
+    if len(loss.nodes) != 1:
+        return None
+    loss_node = graph.node(loss.nodes[0])
+    if loss_node.op != "TokenCrossEntropy" or loss_node.inputs[0] != head.output:
+        return None
+    matmul = graph.node(head.nodes[-1]) if head.nodes else None
+    if matmul is None or matmul.op != "MatMul" or matmul.outputs[0] != head.output or len(head.nodes) < 2:
+        return None
+    weight = matmul.inputs[1]
+    if weight not in graph.constants or graph.constants[weight].ndim != 2:
+        return None
+    readers = [n for n in graph.nodes if head.output in n.inputs]
+    if readers != [loss_node]:
+        return None
+    return FusedLmHead(head.index, loss.index, matmul, loss_node, matmul.inputs[0], weight,
+                       bool(matmul.attrs.get("trans_b")))

@@ -16,8 +16,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ir.bundle import (BUNDLE_FILES, MANIFEST, BundleContents, BundleError, check_bundle_manifest, load_plan,
-                       read_bundle_files, verify_bundle_files)
+from ir.bundle import (BUNDLE_FILES, MANIFEST, SIGNATURE, BundleContents, BundleError, SignatureCheck,
+                       check_bundle_manifest, load_plan, read_bundle_files, verify_bundle_files)
 from runtime.transport.wire import Expected
 
 __all__ = ["BUNDLE_KIND", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire", "as_uint8",
@@ -26,7 +26,7 @@ __all__ = ["BUNDLE_KIND", "BundleContents", "BundleError", "load_bundle", "bundl
 BUNDLE_KIND = "bundle"
 # Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
 # verification will then refuse by name, but not an unbounded list.
-_MAX_WIRE_FILES = 2 * (len(BUNDLE_FILES) + 1)
+_MAX_WIRE_FILES = 2 * (len(BUNDLE_FILES) + 2)
 
 
 def as_uint8(data: bytes) -> np.ndarray:
@@ -50,20 +50,25 @@ def wire_to_files(arrays: Mapping[str, np.ndarray | bytes]) -> dict[str, bytes]:
     return files
 
 
-def load_bundle(source: str | Path | Mapping[str, bytes | np.ndarray], name: str | None = None) -> BundleContents:
-    """Verify and parse a bundle given as a directory or as its files' bytes (or uint8 arrays) by name.
+def load_bundle(source: str | Path | Mapping[str, bytes | np.ndarray], name: str | None = None,
+                check_signature: SignatureCheck | None = None) -> BundleContents:
+    """Verify and parse a bundle given as a directory or as its files' bytes (or uint8 arrays) by name;
+    with `check_signature` (`runtime.keys.verifier` of the trusted coordinator key) a bundle it does
+    not sign is refused before anything else is read.
 
     `name` is how errors refer to the bundle (default: the directory, or '<memory>')."""
     if isinstance(source, (str, Path)):
-        return verify_bundle_files(read_bundle_files(source), name or str(source))
-    return verify_bundle_files(wire_to_files(source), name or "<memory>")
+        return verify_bundle_files(read_bundle_files(source), name or str(source), check_signature)
+    return verify_bundle_files(wire_to_files(source), name or "<memory>", check_signature)
 
 
 def bundle_to_wire(directory: str | Path) -> dict[str, bytes]:
-    """A bundle directory's files, manifest first, after checking the manifest and every hash."""
+    """A bundle directory's files, manifest first (its signature, if any, last), after checking the
+    manifest and every hash."""
     files = read_bundle_files(directory)
     check_bundle_manifest(files, str(directory))
-    return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}}
+    signature = {SIGNATURE: files[SIGNATURE]} if SIGNATURE in files else {}
+    return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}, **signature}
 
 
 def send_bundle(transport, peer: str, directory: str | Path) -> list[str]:
@@ -76,7 +81,7 @@ def send_bundle(transport, peer: str, directory: str | Path) -> list[str]:
 
 
 def recv_bundle(transport, peer: str, names: Sequence[str], source: str | None = None,
-                timeout: float | None = None) -> BundleContents:
+                timeout: float | None = None, check_signature: SignatureCheck | None = None) -> BundleContents:
     """Receive the files `names` (in order) from `peer` and verify them; nothing is used before."""
     names = list(names)
     if not names or len(names) > _MAX_WIRE_FILES or not all(isinstance(n, str) for n in names) \
@@ -88,4 +93,4 @@ def recv_bundle(transport, peer: str, names: Sequence[str], source: str | None =
         _, arr = transport.recv_tensor(peer, Expected(kind=BUNDLE_KIND, stage=-1, microbatch=i, dtype="uint8",
                                                       name=name), timeout=timeout)
         files[name] = arr
-    return load_bundle(files, source or f"from {peer}")
+    return load_bundle(files, source or f"from {peer}", check_signature)

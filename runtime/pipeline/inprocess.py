@@ -104,6 +104,12 @@ class InProcessWorkers:
             self.stop()
         return list(self.codes)
 
+    def kill(self, k: int) -> None:
+        """Worker k vanishes as a killed process does: its endpoint closes and it says nothing more
+        (no error report); the coordinator finds it lost through its transport (`lost_peers`)."""
+        self._stopping.add(k)
+        self.workers[k].transport.close()
+
     def stop(self) -> None:
         """End every worker still running: close its transport, which wakes a receive waiting on it."""
         running = [k for k, t in enumerate(self._threads) if t.is_alive()]

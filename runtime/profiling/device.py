@@ -29,7 +29,7 @@ from typing import Sequence
 from ir.graph import Block, Graph, block_signature
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile
 from runtime.engines import mnn_kernels as K
-from runtime.engines.stage import stage_spec
+from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import accumulate_rate, attention_curve, measure_stage, update_rates
 from runtime.profiling.inputs import Progress, block_mask, synthetic_feeds
@@ -45,6 +45,19 @@ def distinct_blocks(graph: Graph) -> dict[str, Block]:
     for b in graph.blocks:
         out.setdefault(block_signature(b), b)
     return out
+
+
+def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> BlockCost:
+    """One block kind's cost as a stage pays it. A decoder's LM head is measured as it runs, fused
+    with the causal-LM loss on its stage (`runtime.engines.lm_loss`: no logits are made), minus the
+    loss alone (which the loss's own signature carries): the head's time is the fused kernel's, its
+    workspace the fused stage's."""
+    if fused_lm_head(graph, block.index, block.index + 1) is not None and block.index == len(graph.blocks) - 2:
+        both = measure_stage(backend, stage_spec(graph, block.index, block.index + 1), feeds, reps)
+        loss = measure_stage(backend, stage_spec(graph, block.index + 1, block.index + 1), feeds, reps)
+        return BlockCost(max(0.0, both.forward_s - loss.forward_s), max(0.0, both.backward_s - loss.backward_s),
+                         max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes)
+    return measure_stage(backend, stage_spec(graph, block.index, block.index), feeds, reps)
 
 
 def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BACKENDS, reps: int = 3,
@@ -78,14 +91,14 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
             cheapest = min(kinds.values(), key=lambda b: (b.flops, b.params_bytes))
             measure_stage(backend, stage_spec(graph, cheapest.index, cheapest.index), feeds, reps=1)
             for sig, block in kinds.items():
-                cost = measure_stage(backend, stage_spec(graph, block.index, block.index), feeds, reps)
+                cost = measure_block(backend, graph, block, feeds, reps)
                 costs[sig] = cost
                 say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
                     f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}), workspace "
                     f"{cost.workspace_bytes / 2**20:.1f} MiB [{time.perf_counter() - started:.1f} s]")
             if attention:
                 for sig, block in kinds.items():
-                    if not block.heads:
+                    if not block.heads or block.kind == "decoder":  # decoders' heads are not split (yet)
                         continue
                     batch, seq, hidden = graph.values[block.inputs[0]].shape
                     curve = attention_curve(backend, batch, seq, hidden, block.heads, block.head_size,

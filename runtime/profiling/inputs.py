@@ -16,7 +16,9 @@ Progress = Callable[[str], None]
 
 def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     """Graph inputs of the lowered shape: valid token ids, an attention mask with a padded row
-    (so the additive mask really holds its large negative value), and one-hot float targets."""
+    (so the additive mask really holds its large negative value), and one-hot float targets; a
+    causal LM's targets are random next-token ids at every attended position (the most the loss ever
+    computes: instruction data counts only the answers)."""
     rng = np.random.default_rng(seed)
     rows: dict[str, int] = {}
     for n in graph.nodes:
@@ -26,6 +28,8 @@ def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     feeds = {}
     for v in graph.inputs:
         shape = tuple(v.shape)
+        if v.name in ("target_ids", "target_weights"):
+            continue
         if v.dtype.startswith("float"):
             labels = rng.integers(0, shape[-1], shape[:-1])
             count = max(1, int(np.prod(shape[:-1], dtype=np.int64)))
@@ -37,6 +41,15 @@ def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
             feeds[v.name] = mask
         else:
             feeds[v.name] = rng.integers(0, rows.get(v.name, 1), shape).astype(v.dtype)
+    names = {v.name: v for v in graph.inputs}
+    if "target_ids" in names and "target_weights" in names:
+        shape = tuple(names["target_ids"].shape)
+        vocab = next((graph.values[n.inputs[0]].shape[-1] for n in graph.nodes if n.op == "TokenCrossEntropy"), 1)
+        mask = np.asarray(feeds.get("attention_mask", np.ones(shape, np.int64)))[:, :shape[-1]] != 0
+        mask[:, -1] = False  # the last position has no next token
+        weights = mask / max(1, int(mask.sum()))
+        feeds["target_ids"] = rng.integers(0, vocab, shape).astype(names["target_ids"].dtype)
+        feeds["target_weights"] = weights.astype(names["target_weights"].dtype)
     return feeds
 
 

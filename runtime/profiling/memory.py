@@ -142,7 +142,7 @@ def measure_split_children(graph: Graph, kinds: Mapping[str, Block], feeds: Mapp
     most a child of a split can hold) of the attention block kind with the most heads. The engine's
     backend with the most threads is used; a child that fails to start is reported and left out
     (unknown), as is everything when no block has two heads or more (nothing can be split)."""
-    splittable = [b for b in kinds.values() if b.heads and b.heads >= 2]
+    splittable = [b for b in kinds.values() if b.heads and b.heads >= 2 and b.kind != "decoder"]
     if not splittable:
         return {}
     block = max(splittable, key=lambda b: (b.heads, b.head_size or 0))

@@ -21,7 +21,12 @@ endpoint has connected anything it sends, like a ZeroMQ endpoint, only to the pe
 to, so a message along a link the plan does not have fails at once instead of vanishing.
 
 Receivers take messages from any endpoint of their hub: in one process the hub is the trust
-boundary, so there is no equivalent of ZeroMQ refusing an unknown identity.
+boundary, so there is no equivalent of ZeroMQ refusing an unknown identity, and keys given to
+`connect` are ignored.
+
+Liveness, as ZeroMQ's heartbeats report it: a connected peer whose address was bound on the hub
+and no longer is (its endpoint closed: the in-process twin of a killed worker process) is reported
+by `lost_peers` once it has been gone longer than the grace time.
 
 `close` may be called from another thread than the endpoint's own: it wakes a receive that is
 waiting, which then raises, so a harness can end stage threads that wait for a neighbour which will
@@ -31,9 +36,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Sequence
 
-from runtime.transport.wire import Transport
+from runtime.transport.wire import LostPeer, Transport
+
+# How long a peer is gone before it is lost (as runtime.transport.zeromq's default grace, rounded up).
+DEFAULT_GRACE_S = 0.5
 
 # What `close` puts into an endpoint's own inbox to wake a receive waiting on it.
 _CLOSED = object()
@@ -46,6 +55,7 @@ class LocalHub:
         self._lock = threading.Lock()
         self._inboxes: dict[str, queue.SimpleQueue] = {}
         self._claimed: set[str] = set()
+        self._gone: dict[str, float] = {}  # address -> when its endpoint closed
 
     def _inbox(self, address: str) -> queue.SimpleQueue:
         # Created on first use by either side: stage threads start in any order, and a message to an
@@ -59,13 +69,22 @@ class LocalHub:
             if address in self._claimed:
                 raise ValueError(f"a local transport is already bound at {address!r} on this hub")
             self._claimed.add(address)
+            self._gone.pop(address, None)
         return self._inbox(address)
 
     def unregister(self, address: str) -> None:
         """Unbind `address`; what was still in its inbox goes with it, as with a closed ROUTER."""
         with self._lock:
+            if address in self._claimed:
+                self._gone[address] = time.monotonic()
             self._claimed.discard(address)
             self._inboxes.pop(address, None)
+
+    def gone_since(self, address: str) -> float | None:
+        """When the endpoint bound at `address` closed (time.monotonic()), or None if it is bound
+        or never was."""
+        with self._lock:
+            return self._gone.get(address)
 
     def is_registered(self, address: str) -> bool:
         with self._lock:
@@ -111,7 +130,7 @@ class LocalTransport(Transport):
             raise ValueError(f"transport name must be a non-empty printable string, not {name!r}")
         self.name = name
 
-    def connect(self, peer: str, address: str) -> None:
+    def connect(self, peer: str, address: str, key: bytes | None = None) -> None:
         """Send to `peer` at `address` from now on (moving a peer just points it elsewhere: messages
         are in the receiver's inbox as soon as they are sent, so nothing is queued to drop)."""
         if self._closed:
@@ -125,6 +144,15 @@ class LocalTransport(Transport):
     def disconnect(self, peer: str) -> None:
         """Stop sending to `peer` and forget its address; what was sent before is already delivered."""
         self._peers.pop(peer, None)
+
+    def lost_peers(self, grace_s: float | None = None) -> dict[str, LostPeer]:
+        grace = DEFAULT_GRACE_S if grace_s is None else grace_s
+        now, lost = time.monotonic(), {}
+        for peer, address in self._peers.items():
+            since = self.hub.gone_since(address)
+            if since is not None and now - since > grace:
+                lost[peer] = LostPeer(peer, address, now - since, "its endpoint closed")
+        return lost
 
     @property
     def peers(self) -> dict[str, str]:

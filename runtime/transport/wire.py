@@ -300,6 +300,18 @@ class MessageError(RuntimeError):
                             received=self.received)
 
 
+@dataclass(frozen=True)
+class LostPeer:
+    """A peer whose link has been down for `down_s` seconds: `reason` says what the transport saw;
+    `was_up` is False for a peer never reached at all (wrong address or key, not started)."""
+
+    peer: str
+    address: str | None
+    down_s: float
+    reason: str
+    was_up: bool = True
+
+
 class PeerTimeout(RuntimeError):
     """Nothing arrived from a peer in time (or, when sending, the peer took nothing in time)."""
 
@@ -415,6 +427,16 @@ class Transport(ABC):
     def _check_peer(self, peer: str) -> None:
         """Raise ValueError when waiting on `peer` could never succeed."""
 
+    def lost_peers(self, grace_s: float | None = None) -> dict[str, LostPeer]:
+        """Peers this endpoint sends to whose link is down (dead, frozen or unreachable); a
+        transport that cannot tell reports none."""
+        return {}
+
+    @property
+    def refused(self) -> list:
+        """Strangers turned away (`runtime.transport.security.Refusal`), most recent last."""
+        return []
+
     # --- shared machinery --------------------------------------------------------------------
 
     def _accept(self, peer: str, frames: Sequence[bytes | memoryview]) -> None:
@@ -455,6 +477,29 @@ class Transport(ABC):
         if channel == CONTROL:
             self._control_order.remove(peer)
         return peer, fifo.popleft()
+
+    def discard(self, peer: str, controls: bool = True) -> int:
+        """Drop every tensor (and, with `controls`, control message) from `peer` that arrived and
+        was not taken yet (what was in flight when a step was aborted); returns how many."""
+        dropped = 0
+        for channel in (TENSOR, CONTROL) if controls else (TENSOR,):
+            fifo = self._fifos.pop((peer, channel), None)
+            dropped += len(fifo) if fifo else 0
+        if controls:
+            self._control_order = deque(p for p in self._control_order if p != peer)
+        return dropped
+
+    def peek_control(self, peer: str) -> dict[str, Any] | None:
+        """The next control message from `peer` if one has arrived, left in place; None otherwise.
+        Takes in whatever arrived without waiting."""
+        self._pump(0)
+        fifo = self._fifos.get((peer, CONTROL))
+        if not fifo:
+            return None
+        try:
+            return decode_control(fifo[0])
+        except MessageError as err:
+            raise err.at(peer, self.address_of(peer), _CONTROL_WAIT) from None
 
     def send_tensor(self, peer: str, kind: str, stage: int, microbatch: int, array: np.ndarray, *,
                     version: int = -1, name: str = "") -> TensorHeader:

@@ -1,17 +1,41 @@
 """The ZeroMQ transport between worker and coordinator processes; the only module that imports zmq.
 
 Topology: each endpoint binds one ROUTER socket at its `listen` address and connects one DEALER
-socket per peer, with the DEALER's identity set to the endpoint's own name. Every message therefore
-reaches the receiver's ROUTER prefixed by the sender's name, which is how the receiver keeps one FIFO
-per peer on a single socket. Frames are `[header, payload]` for a tensor and `[control]` for a
-control message (the wire format is in `runtime.transport.wire`).
+socket per peer, with the DEALER's routing id set to the endpoint's own name (plus a random tag,
+see below). Every message therefore reaches the receiver's ROUTER prefixed by the sender's name,
+which is how the receiver keeps one FIFO per peer on a single socket. Frames are `[header, payload]`
+for a tensor and `[control]` for a control message (the wire format is in `runtime.transport.wire`).
+
+Security (DESIGN.md, "Contracts added for LLMs, LoRA and faults"). With `keys` every socket speaks
+CURVE (libzmq's elliptic-curve handshake, then every frame encrypted and authenticated): the ROUTER
+is a CURVE server, each DEALER a CURVE client that must know its peer's public key. A ZAP handler
+(a thread answering libzmq's authentication requests for this endpoint's context) admits a
+connection only when its client key is the key of a peer this endpoint knows (`connect`ed, or
+`accept`ed with its key), and tags it with that key; a message is then filed under its sender's
+name only if the name is bound to exactly that key. Everything else (no key, a wrong key, a known
+name over another peer's key, ZMTP/1.0 or HTTP bytes, which libzmq refuses outright once ZAP is on)
+is dropped and recorded in `refused` and the log, never raised: a stranger cannot stop a run.
+A message from an authenticated peer that does not parse is still a MessageError, as before.
+`insecure=True` runs the same sockets in plaintext (the NULL mechanism, ZAP still on so ZMTP/1.0
+peers are refused and unknown names are dropped), for a network of one's own where nobody else
+can connect; the command line prints a warning when it is chosen.
 
 Names move between processes when a re-plan renumbers the pipeline (a worker's name is its stage,
-"stage<k>"). Two live sockets under one name at one ROUTER would be ambiguous, so a name changes
-hands in order: its holder closes every outgoing socket (`disconnect`, after a last message that
-is still delivered) and only then does the next holder connect under it (`rename`, then
-`connect`). ROUTER_HANDOVER lets the new connection take the name at once even while the old,
-already closed one is still being torn down.
+"stage<k>"). Two live connections under one name at one ROUTER would be ambiguous, so a name
+changes hands in order: its holder closes every outgoing socket (`disconnect`, after a last
+message that is still delivered) and only then does the next holder connect under it (`rename`,
+then `connect`). Each DEALER's routing id is the name, a NUL and a random tag, so the new holder's
+connection never collides with the old one still being torn down (the receiver files by the name
+alone), and no connection can take over another's routing id.
+
+Failure detection: every socket sends ZMTP heartbeats (PING/PONG, answered by libzmq's I/O thread,
+so a stage busy computing, even holding the GIL, still answers); a peer that answers nothing for
+0.8 x `heartbeat_s` is disconnected by libzmq. A monitor on each DEALER reports connects and
+disconnects; `lost_peers` names every peer whose link has been down longer than `heartbeat_s / 10`
+(a killed process: its socket closes at once; a stopped one: its heartbeats stop), so a dead or
+frozen peer is found within about `heartbeat_s` of going silent. A PING shares its connection with
+the data, so it waits behind the message being written (one tensor); on a link too slow to carry
+the largest tensor within 0.8 x `heartbeat_s`, raise it (`--failure-timeout`).
 
 Overlap without a receive thread: ZeroMQ's I/O thread takes messages off the network and queues them
 inside the socket while the stage computes, so posting receives early is unnecessary; `recv_tensor`
@@ -21,18 +45,22 @@ soon as the message is queued; the I/O thread transmits it while the stage compu
 Payloads travel without copies in this process: the array's buffer goes to ZeroMQ with `copy=False`
 (pyzmq keeps the array alive until it is sent), and received payload frames are wrapped in place by
 `numpy.frombuffer` (see `runtime.transport._array_from_payload` for why the result is read-only).
-
-There is no authentication or encryption: this is for a private network of one's own devices.
 """
 from __future__ import annotations
 
 import math
+import os
 import re
-from typing import Iterable, Sequence
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from runtime.transport.wire import MAX_PAYLOAD_BYTES, MessageError, PeerTimeout, Transport
+from runtime.transport.security import CurveKeys, RefusalLog, check_curve_key
+from runtime.transport.wire import MAX_PAYLOAD_BYTES, LostPeer, PeerTimeout, Transport
 
 # A pipeline keeps at most a few micro-batches in flight per link; the static plan bounds this, so
 # the high-water mark is a backstop that must never be what limits a correct plan.
@@ -43,6 +71,75 @@ DEFAULT_LINGER_S = 2.0
 # A send blocks only when a peer's queue is at the high-water mark, i.e. the peer stopped taking
 # messages; after this long that is reported instead of hanging the stage.
 DEFAULT_SEND_TIMEOUT_S = 300.0
+# A silent peer is reported lost within this many seconds (ZMTP heartbeats; see the docstring).
+DEFAULT_HEARTBEAT_S = 3.0
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_ZAP_DOMAIN = b"confidant"
+_TAG_BYTES = 6
+_DEALER_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CLOSED)
+_ROUTER_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+@dataclass
+class _Link:
+    """One outgoing connection: its socket, its monitor, and whether the peer is reachable."""
+
+    dealer: zmq.Socket
+    monitor: zmq.Socket
+    up: bool = False
+    down_since: float = 0.0
+    ever_up: bool = False
+    problem: str = "no connection yet"
+
+
+class _ZapHandler(threading.Thread):
+    """Answers libzmq's ZAP requests for one context: a CURVE client is admitted only with a key in
+    `allowed()`, and tagged with it (its User-Id is the key's hex); NULL is admitted only when the
+    transport is insecure. Refusals go to the transport's RefusalLog."""
+
+    def __init__(self, context: zmq.Context, owner: str, allowed, insecure: bool, refusals: RefusalLog):
+        super().__init__(name=f"confidant-zap-{owner}", daemon=True)
+        self._socket = context.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(_ZAP_ENDPOINT)
+        self._allowed, self._insecure, self._refusals = allowed, insecure, refusals
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self._socket.poll(100):
+                    continue
+                request = self._socket.recv_multipart()
+                self._socket.send_multipart(self._answer(request))
+        except zmq.ZMQError:
+            pass  # the context is going away
+        finally:
+            self._socket.close(linger=0)
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        if len(request) < 6:
+            return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
+        version, request_id, _domain, address, _identity, mechanism = request[:6]
+        credentials = request[6:]
+        source = address.decode("ascii", "replace") or "an unknown address"
+        if mechanism == b"CURVE" and credentials and len(credentials[0]) == 32:
+            key = credentials[0]
+            if key in self._allowed():
+                return [version, request_id, b"200", b"OK", key.hex().encode("ascii"), b""]
+            self._refusals.add(source, f"CURVE key {key.hex()[:12]}...", "not the key of any peer of this endpoint")
+            return [version, request_id, b"400", b"unknown key", b"", b""]
+        if mechanism == b"NULL" and self._insecure:
+            return [version, request_id, b"200", b"OK", b"", b""]
+        self._refusals.add(source, f"a {mechanism.decode('ascii', 'replace')} connection",
+                           "this endpoint speaks CURVE only" if not self._insecure else "unsupported mechanism")
+        return [version, request_id, b"400", b"refused", b"", b""]
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(5.0)
 
 
 class ZmqTransport(Transport):
@@ -52,44 +149,97 @@ class ZmqTransport(Transport):
     the bound address is `.address`); None makes a send-only endpoint. `peers` maps peer names to
     their listen addresses; `connect` adds or moves one later, since the coordinator learns
     addresses at run time, and `disconnect` drops one. `accept` names peers that only send to this
-    endpoint. A message from any other identity is a MessageError."""
+    endpoint (a mapping name -> CURVE public key when secure). A message from any other name, or
+    over a connection authenticated with another key, is dropped and recorded in `refused`.
+
+    Exactly one of `keys` (this endpoint's CURVE key pair; every peer then needs its key,
+    `peer_keys` or `connect(..., key=)`) and `insecure=True` must be given."""
 
     def __init__(self, name: str, listen: str | None, peers: dict[str, str] | None = None, *,
-                 accept: Iterable[str] = (), hwm: int = DEFAULT_HWM, linger_s: float = DEFAULT_LINGER_S,
-                 send_timeout_s: float | None = DEFAULT_SEND_TIMEOUT_S):
+                 keys: CurveKeys | None = None, insecure: bool = False,
+                 peer_keys: Mapping[str, bytes] | None = None,
+                 accept: Iterable[str] | Mapping[str, bytes | None] = (), hwm: int = DEFAULT_HWM,
+                 linger_s: float = DEFAULT_LINGER_S, send_timeout_s: float | None = DEFAULT_SEND_TIMEOUT_S,
+                 heartbeat_s: float | None = DEFAULT_HEARTBEAT_S):
         super().__init__(name)
-        self._identity = name.encode("utf-8")
+        if (keys is None) == (not insecure):
+            raise ValueError(f"transport {name!r}: give CURVE keys (keys=CurveKeys, see runtime.keys) or, on a "
+                             f"network nobody else can reach, insecure=True; not {'both' if keys else 'neither'}")
+        self.secure = keys is not None
+        self._keys = keys
         self._hwm = hwm
         self._linger_ms = int(linger_s * 1000)
         self._send_timeout_s = send_timeout_s
+        self.heartbeat_s = heartbeat_s
         self._context = zmq.Context(io_threads=1)
         self._peers: dict[str, str] = {}
-        self._dealers: dict[str, zmq.Socket] = {}
-        self._accepted: set[str] = set(accept)
+        self._links: dict[str, _Link] = {}
+        self._bound: dict[str, bytes | None] = {}   # peer name -> the key its messages must carry
+        self._accepted: set[str] = set()
+        self._allowed_keys: frozenset[bytes] = frozenset()
+        self.refusals = RefusalLog(f"transport {name!r}")
         self._router: zmq.Socket | None = None
+        self._router_monitor: zmq.Socket | None = None
+        self._zap: _ZapHandler | None = None
+        self._poll: zmq.Poller | None = None  # rebuilt when links change
         self.address: str | None = None
         self._closed = False
         try:
+            if isinstance(accept, Mapping):
+                items = list(accept.items())
+            else:
+                items = [(p, None) for p in accept]
+            for peer, key in items:
+                self._bind_name(peer, key)
+                self._accepted.add(peer)
             if listen is not None:
+                self._zap = _ZapHandler(self._context, name, lambda: self._allowed_keys, insecure, self.refusals)
+                self._zap.start()
                 self._router = self._socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.RCVHWM, hwm)
-                # A worker restarted after a failure reconnects under the same name; let it take over.
-                self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+                self._router.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+                if self.secure:
+                    self._router.setsockopt(zmq.CURVE_SERVER, 1)
+                    self._router.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+                    self._router.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
                 # No single frame is legally larger than a payload; such a frame is cut off at the wire
                 # (the sender is disconnected, and the receiver sees a PeerTimeout) instead of in memory.
                 self._router.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
+                self._router_monitor = self._router.get_monitor_socket(_ROUTER_EVENTS)
                 self._router.bind(re.sub(r"^(tcp://.*):0$", r"\1:*", listen))
                 self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             for peer, address in (peers or {}).items():
-                self.connect(peer, address)
+                self.connect(peer, address, key=(peer_keys or {}).get(peer))
         except BaseException:
             self.close()
             raise
 
+    # --- sockets ---------------------------------------------------------------------------------
+
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, self._linger_ms)
+        if self.heartbeat_s is not None:
+            # A PING waits behind the message being written on its connection (one tensor: a weight
+            # shard at most), so the timeout is most of heartbeat_s, not a small part of it.
+            ms = int(self.heartbeat_s * 1000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, ms // 10))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms * 8 // 10)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, ms * 8 // 10)
         return sock
+
+    def _bind_name(self, peer: str, key: bytes | None) -> None:
+        if self.secure:
+            self._bound[peer] = check_curve_key(key, f"peer {peer!r} of {self.name!r} (a secure transport needs "
+                                                     f"every peer's public key)")
+        else:
+            self._bound[peer] = None
+        self._allowed_keys = frozenset(k for k in self._bound.values() if k is not None)
+
+    def _unbind_name(self, peer: str) -> None:
+        if peer not in self._accepted:
+            self._bound.pop(peer, None)
+        self._allowed_keys = frozenset(k for k in self._bound.values() if k is not None)
 
     def rename(self, name: str) -> None:
         """Take the name peers will know this endpoint by; a worker learns its stage only from the
@@ -99,71 +249,144 @@ class ZmqTransport(Transport):
         outgoing connection closed first (`disconnect`): a receiver tells peers apart only by the
         name their connection carries, so no socket of this endpoint may still speak under the
         old name, which the next holder of that name is about to use."""
-        if self._dealers:
-            raise RuntimeError(f"transport {self.name!r} still sends to {sorted(self._dealers)} under its old name; "
+        if self._peers:
+            raise RuntimeError(f"transport {self.name!r} still sends to {sorted(self._peers)} under its old name; "
                                f"disconnect them before renaming it to {name!r}")
         if not isinstance(name, str) or not name or not name.isprintable():
             raise ValueError(f"transport name must be a non-empty printable string, not {name!r}")
         self.name = name
-        self._identity = name.encode("utf-8")
 
-    def connect(self, peer: str, address: str) -> None:
-        """Send to `peer` at `address` from now on (and accept its messages); moving a peer drops
-        whatever was still queued for its old address."""
+    def connect(self, peer: str, address: str, key: bytes | None = None) -> None:
+        """Send to `peer` at `address` from now on, and accept its messages (over a connection
+        authenticated with `key`, its CURVE public key, when secure); moving a peer drops whatever
+        was still queued for its old address."""
         if self._closed:
             raise RuntimeError(f"transport {self.name!r} is closed")
-        if self._peers.get(peer) == address:
+        if self._peers.get(peer) == address and self._bound.get(peer) == (key if self.secure else None):
             return
-        old = self._dealers.pop(peer, None)
+        self._bind_name(peer, key)
+        old = self._links.pop(peer, None)
         if old is not None:
-            old.close(linger=0)
+            self._close_link(old, linger=0)
+        self._peers[peer] = address
+
+    def _link(self, peer: str) -> _Link:
+        """The connection to `peer`, opened on first use: a worker connects to a neighbour only when
+        it first sends to it, which the plan puts after every stage's setup, so the neighbour
+        already admits this endpoint's key (connecting earlier would be refused as a stranger)."""
+        link = self._links.get(peer)
+        if link is not None:
+            return link
+        if peer not in self._peers:
+            raise ValueError(f"no address for peer {peer!r} of {self.name!r}; call connect() first")
         dealer = self._socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, self._identity)
+        dealer.setsockopt(zmq.IDENTITY, self.name.encode("utf-8") + b"\0" + os.urandom(_TAG_BYTES).hex().encode())
         dealer.setsockopt(zmq.SNDHWM, self._hwm)
         # Queue for a peer that has not bound yet instead of failing or dropping: processes start in
         # any order.
         dealer.setsockopt(zmq.IMMEDIATE, 0)
+        if self.secure:
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, self._bound[peer])
+            dealer.setsockopt(zmq.CURVE_PUBLICKEY, self._keys.public)
+            dealer.setsockopt(zmq.CURVE_SECRETKEY, self._keys.secret)
         if self._send_timeout_s is not None:
             dealer.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
-        dealer.connect(address)
-        self._dealers[peer] = dealer
-        self._peers[peer] = address
+        monitor = dealer.get_monitor_socket(_DEALER_EVENTS)
+        dealer.connect(self._peers[peer])
+        link = self._links[peer] = _Link(dealer, monitor, down_since=time.monotonic())
+        self._poll = None
+        return link
+
+    def _close_link(self, link: _Link, linger: int | None = None) -> None:
+        self._poll = None
+        try:
+            link.dealer.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        link.monitor.close(linger=0)
+        link.dealer.close(linger=linger)
 
     def disconnect(self, peer: str) -> None:
         """Stop sending to `peer` and forget its address (its messages are refused from now on,
         unless it is an accepted peer). Unlike moving a peer, what is still queued for it is
         delivered (within the linger time): a worker's last word before it gives up its name
         (the coordinator waits for it) goes out this way."""
-        dealer = self._dealers.pop(peer, None)
-        if dealer is not None:
-            dealer.close()
+        link = self._links.pop(peer, None)
+        if link is not None:
+            self._close_link(link)
         self._peers.pop(peer, None)
+        self._unbind_name(peer)
 
     @property
     def peers(self) -> dict[str, str]:
         return dict(self._peers)
 
+    @property
+    def refused(self) -> list:
+        return self.refusals.snapshot()
+
     def address_of(self, peer: str) -> str | None:
         return self._peers.get(peer)
-
-    def _known(self, peer: str) -> bool:
-        return peer in self._peers or peer in self._accepted
 
     def _check_peer(self, peer: str) -> None:
         if self._router is None:
             raise RuntimeError(f"transport {self.name!r} has no listen address and cannot receive")
-        if not self._known(peer):
-            known = sorted(self._peers.keys() | self._accepted)
-            raise ValueError(f"{peer!r} is not a peer of {self.name!r}; known: {known}")
+        if peer not in self._bound:
+            raise ValueError(f"{peer!r} is not a peer of {self.name!r}; known: {sorted(self._bound)}")
+
+    # --- liveness --------------------------------------------------------------------------------
+
+    def _drain_monitors(self) -> None:
+        now = time.monotonic()
+        for link in self._links.values():
+            while link.monitor.poll(0):
+                event = recv_monitor_message(link.monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    link.up, link.ever_up, link.problem = True, True, ""
+                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                    if link.up:
+                        link.up, link.down_since = False, now
+                    link.problem = "its connection closed" if link.ever_up else link.problem
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    link.problem = "it refused this endpoint's key (is it another cluster's, or has the key changed?)"
+                elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                    link.problem = ("the CURVE handshake failed (is this the peer's public key, and does it speak "
+                                    "CURVE?)" if self.secure else "the handshake failed (does it run --insecure too?)")
+        self._drain_router_monitor()
+
+    def _drain_router_monitor(self) -> None:
+        """Log handshakes refused by libzmq itself (ZMTP/1.0 or HTTP bytes, a broken CURVE hello)."""
+        if self._router_monitor is not None:
+            while self._router_monitor.poll(0):
+                recv_monitor_message(self._router_monitor)
+                self.refusals.add("a peer", "a connection", "its handshake failed (not ZMTP 3"
+                                  + (" with CURVE)" if self.secure else ")"))
+
+    def lost_peers(self, grace_s: float | None = None) -> dict[str, LostPeer]:
+        """Connected peers whose link has been down for more than `grace_s` (default
+        `heartbeat_s / 10`): killed, frozen, unreachable, or refusing this endpoint's key."""
+        if self._closed or self.heartbeat_s is None:
+            return {}
+        self._drain_monitors()
+        grace = self.heartbeat_s / 10 if grace_s is None else grace_s
+        now = time.monotonic()
+        lost = {}
+        for peer, link in self._links.items():
+            if not link.up and now - link.down_since > grace:
+                reason = link.problem if link.problem else "its connection closed"
+                if link.ever_up and link.problem == "its connection closed":
+                    reason = "its connection closed or its heartbeats stopped (killed, frozen or unreachable)"
+                lost[peer] = LostPeer(peer, self._peers[peer], now - link.down_since, reason, link.ever_up)
+        return lost
+
+    # --- frames ----------------------------------------------------------------------------------
 
     def _send_frames(self, peer: str, frames: Sequence[bytes | memoryview]) -> None:
         if self._closed:
             raise RuntimeError(f"transport {self.name!r} is closed")
-        dealer = self._dealers.get(peer)
-        if dealer is None:
-            raise ValueError(f"no address for peer {peer!r} of {self.name!r}; call connect() first")
+        link = self._link(peer)
         try:
-            dealer.send_multipart(frames, copy=False)
+            link.dealer.send_multipart(frames, copy=False)
         except zmq.Again:
             raise PeerTimeout(peer, self._peers[peer], "a message", self._send_timeout_s, sending=True) from None
 
@@ -172,27 +395,55 @@ class ZmqTransport(Transport):
             raise RuntimeError(f"transport {self.name!r} is closed")
         if self._router is None:
             raise RuntimeError(f"transport {self.name!r} has no listen address and cannot receive")
-        ms = None if timeout is None else math.ceil(timeout * 1000)
-        if not self._router.poll(ms, zmq.POLLIN):
-            return False
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return True
-            self._file(frames)
+            # Monitors wake the wait too, so a link's state changes are timestamped as they happen.
+            self._drain_monitors()
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ms = None if remaining is None else math.ceil(remaining * 1000)
+            ready = dict(self._poller().poll(ms))
+            if self._router not in ready:
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._drain_monitors()
+                    return False
+                continue
+            filed = False
+            while True:
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                filed = self._file(frames) or filed
+            # only strangers' messages arrived: keep waiting, as if nothing had
+            if filed or (deadline is not None and time.monotonic() >= deadline):
+                return filed
 
-    def _file(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
+    def _poller(self) -> zmq.Poller:
+        if self._poll is None:
+            self._poll = zmq.Poller()
+            for sock in [self._router, self._router_monitor, *(link.monitor for link in self._links.values())]:
+                if sock is not None:
+                    self._poll.register(sock, zmq.POLLIN)
+        return self._poll
+
+    def _file(self, frames: list[zmq.Frame]) -> bool:
+        """File one message under its sender, or drop it (False) when the sender is a stranger."""
+        routing = frames[0].bytes
+        name, _, _tag = routing.partition(b"\0")
         try:
-            peer = identity.decode("utf-8")
+            peer = name.decode("utf-8")
         except UnicodeDecodeError:
             peer = None
-        if peer is None or not self._known(peer):
-            known = ", ".join(repr(p) for p in sorted(self._peers.keys() | self._accepted)) or "none"
-            raise MessageError(f"sender is not a known peer; known: {known}",
-                               peer=peer if peer is not None else repr(identity),
-                               received=f"a message of {len(frames) - 1} frame" + ("s" if len(frames) != 2 else ""))
+        if peer is None or peer not in self._bound:
+            self.refusals.add(self._source(frames), f"a message from {name[:40]!r}", "no such peer")
+            return False
+        if self.secure:
+            key = self._bound[peer]
+            user = frames[-1].get("User-Id") if len(frames) > 1 else ""
+            if key is None or user != key.hex():
+                self.refusals.add(self._source(frames), f"a message under the name {peer!r}",
+                                  "its connection is not authenticated with that peer's key")
+                return False
         # The header is small and parsed at once, so it is copied out; the payload stays in the
         # frame, whose buffer the returned array will reference.
         body = frames[1:]
@@ -202,14 +453,31 @@ class ZmqTransport(Transport):
             self._accept(peer, [body[0].bytes])
         else:
             self._accept(peer, body)
+        return True
+
+    @staticmethod
+    def _source(frames: list[zmq.Frame]) -> str:
+        try:
+            return frames[-1].get("Peer-Address") or "an unknown address"
+        except (zmq.ZMQError, AttributeError):
+            return "an unknown address"
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for sock in [*self._dealers.values(), self._router]:
-            if sock is not None:
-                sock.close()
-        self._dealers.clear()
+        for link in self._links.values():
+            self._close_link(link)
+        self._links.clear()
+        if self._router_monitor is not None:
+            try:
+                self._router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._router_monitor.close(linger=0)
+        if self._router is not None:
+            self._router.close()
+        if self._zap is not None:
+            self._zap.stop()
         # Every socket has a finite LINGER, so term waits at most that long for unsent messages.
         self._context.term()

@@ -1,0 +1,292 @@
+"""The fine-tuned model out of Confidant: `confidant predict` (label new text) and `confidant
+export-trained` (an ONNX file with the trained weights, or a transformers checkpoint).
+
+A trained model is a checkpoint folder (`runtime.pipeline.checkpoints`, written by `train-local
+--checkpoint` and `train-pipeline --checkpoint`: meta.json names the ONNX file it was trained from,
+`model_path`) or, untrained, an ONNX file itself. Its task is the checkpoint's (`ner`, `seq-cls`),
+else read off the logits ([B, S, labels]: tokens, [B, labels]: sequences); its label names are
+`--labels`, else the checkpoint's, else the export's (NAME.hf.json), else CoNLL-2003's nine for a
+nine-label token model.
+
+Predictions run on one MNN engine holding the whole model, in batches of `batch` rows of `seq`
+tokens (a long sentence is cut into windows and stitched back, as in training). Writing out:
+ONNX keeps the file's graph and swaps its weights (`planner.onnx_import.write_weights`); the
+transformers folder takes config.json from the export's sidecar and each weight's name there
+(`jobs.export`), through the project's own safetensors codec.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence, TextIO
+
+import numpy as np
+
+from ir.backend import BackendSpec
+from ir.errors import InputFileError
+from ir.safetensors import save_safetensors
+from jobs.errors import JobError
+from planner.onnx_import import load_model, write_weights
+from runtime.engines.factory import make_engine
+from runtime.engines.stage import stage_spec
+from runtime.pipeline.checkpoints import load_checkpoint
+from tasks.tokenize import CONLL_LABELS
+
+FORMATS = ("conll", "jsonl")
+
+
+@dataclass(frozen=True, eq=False)
+class TrainedModel:
+    """An ONNX file and the trained weights to run it with (none: as exported)."""
+
+    model_path: Path
+    weights: Mapping[str, np.ndarray] = field(default_factory=dict)
+    meta: Mapping = field(default_factory=dict)
+    source: Path | None = None  # the checkpoint folder, when there is one
+
+    @property
+    def sidecar(self) -> dict | None:
+        from jobs.export import read_hf_sidecar
+
+        return read_hf_sidecar(self.model_path)
+
+
+def open_trained(path: Path) -> TrainedModel:
+    """A checkpoint folder (with the ONNX file it names) or an ONNX file."""
+    path = Path(path)
+    if path.is_dir() and (path / "meta.json").is_file():
+        meta, weights, _ = load_checkpoint(path)
+        if meta.get("lora"):
+            raise JobError(f"{path} is a LoRA run's checkpoint: write its adapters with `confidant export-adapter "
+                           f"{path} -o DIR` (PEFT's format)")
+        model = Path(meta.get("model_path") or "")
+        if not model.is_file():
+            raise JobError(f"{path}: the model it was trained from ({meta.get('model_path') or meta.get('model')}) "
+                           "is not there; its meta.json has `model_path`, put the ONNX file back there")
+        return TrainedModel(model, weights, meta, path)
+    if path.is_dir():
+        raise InputFileError(f"{path}: a folder without meta.json is not a checkpoint; give a checkpoint folder "
+                             "(train-local --checkpoint DIR) or an ONNX file")
+    return TrainedModel(path)
+
+
+def _task_of(trained: TrainedModel, graph) -> str:
+    task = trained.meta.get("task")
+    if task in ("ner", "seq-cls"):
+        return task
+    return "seq-cls" if len(graph.values[graph.blocks[-2].output].shape) == 2 else "ner"
+
+
+def label_names(trained: TrainedModel, n_labels: int, task: str, given: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The model's label names in output order (see the module docstring)."""
+    sidecar = trained.sidecar or {}
+    for names in (given, trained.meta.get("labels"), sidecar.get("labels")):
+        if names:
+            if len(names) != n_labels:
+                raise JobError(f"{len(names)} label names ({', '.join(names)}) for a model with {n_labels} outputs")
+            return tuple(names)
+    if task == "ner" and n_labels == len(CONLL_LABELS):
+        return CONLL_LABELS
+    raise JobError(f"the model has {n_labels} labels but no names for them: pass --labels A,B,... (in output order)")
+
+
+def _engine(trained: TrainedModel, batch: int, seq: int, threads: int):
+    graph = load_model(trained.model_path, batch, seq)
+    missing = sorted(set(graph.params) - set(trained.weights)) if trained.weights else []
+    if missing:
+        raise JobError(f"{trained.source}: lacks trained weights {missing[:4]} of {trained.model_path}")
+    engine = make_engine(BackendSpec.cpu("mnn", threads), stage_spec(graph, 0, len(graph.blocks) - 1),
+                         weights={**graph.constants, **trained.weights}, cache_activations=False)
+    return graph, engine
+
+
+# --- predict -----------------------------------------------------------------------------------
+
+_WORD = re.compile(r"\w+(?:[-'.]\w+)*|[^\w\s]", re.UNICODE)
+
+
+def _read_sentences(path: Path) -> list[list[str]]:
+    """Words per sentence: a CoNLL file (its first column), or plain text, one sentence a line."""
+    from tasks.conll import is_valid_tag, read_conll
+
+    text = path.read_text(encoding="utf-8-sig")
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("-DOCSTART-")]
+    if lines and all(len(line.split()) >= 2 and is_valid_tag(line.split()[-1]) for line in lines):
+        return [list(s.tokens) for s in read_conll(path)]
+    return [_WORD.findall(line) for line in text.splitlines() if line.strip()]
+
+
+def _read_texts(path: Path) -> list[tuple[str, str | None]]:
+    """Texts (or pairs) to label: TSV/CSV `sentence[,sentence2][,label]` with a header, or one a line."""
+    import csv
+    import io
+
+    from tasks.seqcls import FIRST, SECOND
+
+    text = path.read_text(encoding="utf-8-sig")
+    if path.suffix.lower() in (".tsv", ".csv"):
+        rows = list(csv.reader(io.StringIO(text), delimiter="," if path.suffix.lower() == ".csv" else "\t"))
+        header = [c.strip().lower() for c in rows[0]] if rows else []
+        first = next((header.index(c) for c in FIRST if c in header), None)
+        if first is not None:
+            second = next((header.index(c) for c in SECOND if c in header), None)
+            return [(r[first], r[second] if second is not None else None) for r in rows[1:]
+                    if any(c.strip() for c in r)]
+        return [(r[0], r[1] if len(r) > 2 else None) for r in rows if r and r[0].strip()]
+    return [(line.strip(), None) for line in text.splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One input's prediction: its words and tags (token models) or its label and the label
+    probabilities (sequence models)."""
+
+    words: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    text: str | None = None
+    text_pair: str | None = None
+    label: str | None = None
+    scores: Mapping[str, float] = field(default_factory=dict)
+
+
+def predict(model: Path, input_path: Path, labels: Sequence[str] | None = None, batch: int = 8, seq: int = 128,
+            threads: int = 1, tokenizer: Path | None = None) -> tuple[str, list[Prediction]]:
+    """(task, predictions) of a model or checkpoint on every sentence of `input_path`."""
+    from tasks.models import default_tokenizer_path
+    from tasks.tokenize import load_tokenizer
+
+    trained = open_trained(model)
+    input_path = Path(input_path)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"--input {input_path}: no such file")
+    graph, engine = _engine(trained, batch, seq, threads)
+    task = _task_of(trained, graph)
+    names = label_names(trained, graph.values[graph.blocks[-2].output].shape[-1], task, labels)
+    tok = load_tokenizer(tokenizer or default_tokenizer_path())
+    head = len(graph.blocks) - 2
+    if task == "seq-cls":
+        return task, _predict_texts(engine, graph, tok, _read_texts(input_path), names, batch, seq, head)
+    return task, _predict_words(engine, tok, _read_sentences(input_path), names, batch, seq, head)
+
+
+def _predict_words(engine, tok, sentences, names, batch, seq, head) -> list[Prediction]:
+    from tasks.conll import Sentence
+    from tasks.tokenize import decode_predictions, encode_sentences
+    from tasks.trainer import TrainConfig, predict as run
+
+    sentences = [s for s in sentences if s]
+    sents = [Sentence(tuple(w), ("O",) * len(w)) for w in sentences]
+    encoded = encode_sentences(tok, sents, {n: i for i, n in enumerate(names)}, seq)
+    preds = run(engine, encoded, TrainConfig(batch=batch, seq=seq), len(names), head)
+    tags = decode_predictions(encoded, preds, list(names))
+    return [Prediction(words=tuple(w), tags=tuple(t)) for w, t in zip(sentences, tags)]
+
+
+def _predict_texts(engine, graph, tok, texts, names, batch, seq, head) -> list[Prediction]:
+    from tasks.tokenize import encode_texts, make_batches
+    from tasks.trainer import batch_feeds, pad_batch
+
+    encoded = encode_texts(tok, texts, [0] * len(texts), seq)
+    out: list[Prediction] = []
+    rows = iter(texts)
+    for b in make_batches(encoded, batch, seq, seed=0, shuffle=False, per_sequence=True):
+        logits = engine.forward(batch_feeds(pad_batch(b, batch), len(names)), train=False, until_block=head)[:b.size]
+        z = np.exp(logits - logits.max(-1, keepdims=True))
+        probs = z / z.sum(-1, keepdims=True)
+        for p in probs:
+            a, pair = next(rows)
+            out.append(Prediction(text=a, text_pair=pair, label=names[int(np.argmax(p))],
+                                  scores={n: round(float(x), 6) for n, x in zip(names, p)}))
+    return out
+
+
+def write_predictions(task: str, predictions: Sequence[Prediction], out: TextIO, fmt: str | None = None) -> None:
+    """CoNLL (word TAB tag, a blank line between sentences; text TAB label for sequences) or JSONL."""
+    from tasks.metrics import extract_entities
+
+    fmt = fmt or ("jsonl" if task == "seq-cls" else "conll")
+    if fmt not in FORMATS:
+        raise JobError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    for p in predictions:
+        if task == "seq-cls":
+            if fmt == "jsonl":
+                doc = {"text": p.text, **({"text_pair": p.text_pair} if p.text_pair is not None else {}),
+                       "label": p.label, "scores": dict(p.scores)}
+                out.write(json.dumps(doc, ensure_ascii=False) + "\n")
+            else:
+                cells = [p.text or ""] + ([p.text_pair] if p.text_pair is not None else []) + [p.label or ""]
+                out.write("\t".join(cells) + "\n")
+        elif fmt == "jsonl":
+            entities = [{"type": t, "start": a, "end": b, "text": " ".join(p.words[a:b])}
+                        for t, a, b in sorted(extract_entities(p.tags), key=lambda e: e[1])]
+            out.write(json.dumps({"words": list(p.words), "tags": list(p.tags), "entities": entities},
+                                 ensure_ascii=False) + "\n")
+        else:
+            out.write("".join(f"{w}\t{t}\n" for w, t in zip(p.words, p.tags)) + "\n")
+
+
+def predict_to(model: Path, input_path: Path, output: Path | None, fmt: str | None = None, **kwargs) -> int:
+    """`predict` written to `output` (or standard output); the number of inputs labelled."""
+    task, predictions = predict(model, input_path, **kwargs)
+    if output is None:
+        write_predictions(task, predictions, sys.stdout, fmt)
+    else:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        with open(output, "w", encoding="utf-8") as f:
+            write_predictions(task, predictions, f, fmt)
+    return len(predictions)
+
+
+# --- export-trained ----------------------------------------------------------------------------
+
+def export_trained_onnx(checkpoint: Path, output: Path) -> Path:
+    """The ONNX file the checkpoint was trained from, with its trained weights, at `output`."""
+    trained = open_trained(checkpoint)
+    if not trained.weights:
+        raise JobError(f"{checkpoint} is not a checkpoint folder (meta.json and stage files)")
+    if Path(output).resolve() == trained.model_path.resolve():
+        raise JobError(f"-o {output} is the model the checkpoint was trained from; write the trained model elsewhere")
+    return write_weights(trained.model_path, output, trained.weights)
+
+
+def export_trained_hf(checkpoint: Path, folder: Path) -> Path:
+    """A transformers checkpoint folder (config.json, model.safetensors) with the trained weights."""
+    trained = open_trained(checkpoint)
+    if not trained.weights:
+        raise JobError(f"{checkpoint} is not a checkpoint folder (meta.json and stage files)")
+    sidecar = trained.sidecar
+    if sidecar is None:
+        raise JobError(f"{trained.model_path} has no {trained.model_path.stem}.hf.json next to it: --hf needs the "
+                       "transformers config and weight names `confidant export` writes there; re-export the model with "
+                       "`confidant export` (and train it again), or use -o FILE.onnx")
+    if sidecar.get("unplaced"):
+        raise JobError(f"{trained.model_path.stem}.hf.json could not name every weight at export: "
+                       f"{sidecar['unplaced']}; use -o FILE.onnx")
+    names = sidecar["weights"]
+    missing = sorted(set(trained.weights) - set(names))
+    if missing:
+        raise JobError(f"{checkpoint}: trained weights {missing[:4]} have no transformers name in "
+                       f"{trained.model_path.stem}.hf.json (was it written for this model?)")
+    tensors: dict[str, np.ndarray] = {}
+    for ir_name, value in trained.weights.items():
+        n = names[ir_name]
+        value = np.asarray(value, np.float32)
+        array = np.ascontiguousarray(value.T if n["transposed"] else value)
+        if n["key"] in tensors and not np.array_equal(tensors[n["key"]], array):
+            raise JobError(f"{checkpoint}: two trained weights are transformers' {n['key']!r} and differ")
+        tensors[n["key"]] = array
+    config = dict(sidecar["config"])
+    config["architectures"] = [sidecar["architecture"]]
+    labels = trained.meta.get("labels") or sidecar.get("labels")
+    if labels and len(labels) == sidecar["num_labels"]:
+        config["id2label"] = {str(i): name for i, name in enumerate(labels)}
+        config["label2id"] = {name: i for i, name in enumerate(labels)}
+    config["torch_dtype"] = "float32"
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(folder / "model.safetensors", tensors, metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return folder

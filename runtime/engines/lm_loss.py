@@ -1,0 +1,148 @@
+"""The causal-LM loss without a second vocabulary-sized copy of the logits (numpy, any engine).
+
+The loss of a (micro-)batch is sum over positions of w * (logsumexp(z) - z[id]) (ir.ops'
+``TokenCrossEntropy``: ids are the next tokens, w is 1/the batch's count of targets where counted,
+else 0). The logits z are [B, S, V]: for SmolLM2 (V = 49152) at batch 4 x 128 that is 100 MB, the
+largest activation of the model, and a naive lowering holds several copies (the logits, the
+softmax, its gradient, an engine's cached copy). Two kernels avoid that:
+
+* `LinearCrossEntropy` fuses the LM head's projection with the loss (the head and the loss on one
+  stage, the usual case): logits are computed `CHUNK_BYTES` at a time for the rows that have a
+  target (rows of weight 0, prompt tokens and padding, contribute exactly 0 to the loss and to
+  every gradient, so they are skipped), and the gradients of the hidden state and of the weight
+  are accumulated chunk by chunk in the same pass. No [B, S, V] array exists at any time.
+* `token_cross_entropy` / `token_cross_entropy_grad`: the loss alone over given logits (the loss
+  on its own stage, or evaluation); the gradient is written into the logits array itself, so the
+  stage holds one copy.
+
+Rows are processed in float32 (as the engines compute), with the loss summed in float64. The
+kernels are exact rewrites of the unfused computation, up to float32 rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+CHUNK_BYTES = 32 << 20  # one chunk of logits: ~170 rows of a 49152-token vocabulary
+# the weight gradient is accumulated this many bytes of it at a time: numpy has no in-place GEMM
+# (C += A B), and a whole-weight temporary per chunk would be a second weight-sized array
+_ACCUMULATE_BYTES = 8 << 20
+
+
+def chunk_rows(vocab: int, chunk_bytes: int | None = None) -> int:
+    """Rows of logits per chunk (`chunk_bytes`, default the module's CHUNK_BYTES read at call time)."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    return max(8, int(chunk_bytes // (4 * max(1, vocab))))
+
+
+def _softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """z (float32 [c, V]) turned into softmax(z) in place; returns (z, logsumexp per row, float64)."""
+    top = z.max(axis=1, keepdims=True)
+    np.subtract(z, top, out=z)
+    np.exp(z, out=z)
+    total = z.sum(axis=1, dtype=np.float64)
+    z /= total.astype(np.float32)[:, None]
+    return z, np.log(total) + top[:, 0].astype(np.float64)
+
+
+def token_cross_entropy(logits: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> float:
+    """sum(w * (logsumexp(logits) - logits[id])) over all positions, chunk by chunk."""
+    z = np.asarray(logits).reshape(-1, logits.shape[-1])
+    ids, w = np.asarray(ids).reshape(-1), np.asarray(weights, np.float32).reshape(-1)
+    rows = np.nonzero(w)[0]
+    total = 0.0
+    step = chunk_rows(z.shape[1])
+    for lo in range(0, len(rows), step):
+        r = rows[lo:lo + step]
+        part = z[r].astype(np.float32)
+        picked = part[np.arange(len(r)), ids[r]].astype(np.float64)
+        _, lse = _softmax_rows(part)
+        total += float(np.dot(w[r].astype(np.float64), lse - picked))
+    return total
+
+
+def token_cross_entropy_grad(logits: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                             scale: float = 1.0) -> np.ndarray:
+    """d loss / d logits = scale * w * (softmax(logits) - onehot(id)), written into `logits` (which
+    must be a writable float32 array; it is returned) so no second copy is made."""
+    if logits.dtype != np.float32 or not logits.flags.writeable or not logits.flags.c_contiguous:
+        logits = np.ascontiguousarray(logits, np.float32).copy()
+    z = logits.reshape(-1, logits.shape[-1])
+    ids, w = np.asarray(ids).reshape(-1), np.asarray(weights, np.float32).reshape(-1) * np.float32(scale)
+    rows = np.nonzero(w)[0]
+    zero = np.nonzero(w == 0)[0]
+    z[zero] = 0.0
+    step = chunk_rows(z.shape[1])
+    for lo in range(0, len(rows), step):
+        r = rows[lo:lo + step]
+        part, _ = _softmax_rows(z[r])
+        part[np.arange(len(r)), ids[r]] -= 1.0
+        part *= w[r][:, None]
+        z[r] = part
+    return logits
+
+
+def _accumulate(dw: np.ndarray, z: np.ndarray, hr: np.ndarray, transposed: bool) -> None:
+    """dw += z^T hr ([V, H], transposed) or hr^T z ([H, V]), a block of vocabulary rows at a time."""
+    vocab = z.shape[1]
+    step = max(1, _ACCUMULATE_BYTES // (4 * hr.shape[1]))
+    for lo in range(0, vocab, step):
+        hi = min(vocab, lo + step)
+        if transposed:
+            dw[lo:hi] += z[:, lo:hi].T @ hr
+        else:
+            dw[:, lo:hi] += hr.T @ z[:, lo:hi]
+
+
+@dataclass
+class LinearCrossEntropyResult:
+    loss: float
+    grad_hidden: np.ndarray | None  # [..., H] like the hidden state
+    grad_weight: np.ndarray | None  # like the weight
+
+
+class LinearCrossEntropy:
+    """The LM head (logits = h W^T, or h W with `transposed` False) fused with the token loss.
+
+    `weight` is [V, H] when `transposed` (PyTorch's Linear layout and a tied embedding table) else
+    [H, V]. `__call__` returns the loss and, with `grad`, the gradients of h and of W, computed in
+    the same pass over the target rows (module docstring)."""
+
+    def __init__(self, transposed: bool, chunk_bytes: int | None = None):
+        self.transposed = transposed
+        self.chunk_bytes = chunk_bytes
+
+    def logits(self, hidden: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """The full logits (evaluation only: one [.., V] array)."""
+        return hidden @ (weight.T if self.transposed else weight)
+
+    def __call__(self, hidden: np.ndarray, weight: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                 grad: bool = True, weight_grad: bool = True) -> LinearCrossEntropyResult:
+        """`weight_grad` False (a frozen head weight, LoRA) skips the weight's gradient and its GEMM."""
+        h = np.asarray(hidden, np.float32).reshape(-1, hidden.shape[-1])
+        vocab = weight.shape[0] if self.transposed else weight.shape[1]
+        ids, w = np.asarray(ids).reshape(-1), np.asarray(weights, np.float32).reshape(-1)
+        rows = np.nonzero(w)[0]
+        total = 0.0
+        dh = np.zeros_like(h) if grad else None
+        dw = np.zeros(weight.shape, np.float32) if grad and weight_grad else None
+        wt = weight.T if self.transposed else weight  # [H, V] view
+        step = chunk_rows(vocab, self.chunk_bytes)
+        for lo in range(0, len(rows), step):
+            r = rows[lo:lo + step]
+            hr = h[r]
+            z = hr @ wt
+            picked = z[np.arange(len(r)), ids[r]].astype(np.float64)
+            z, lse = _softmax_rows(z)
+            total += float(np.dot(w[r].astype(np.float64), lse - picked))
+            if not grad:
+                continue
+            z[np.arange(len(r)), ids[r]] -= 1.0
+            z *= w[r][:, None]
+            dh[r] = z @ wt.T
+            if dw is not None:
+                _accumulate(dw, z, hr, self.transposed)
+        if grad:
+            dh = dh.reshape(hidden.shape)
+        return LinearCrossEntropyResult(total, dh, dw)

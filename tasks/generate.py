@@ -1,0 +1,246 @@
+"""Text generation and logits of an exported causal LM on ONNX Runtime (the project's one use of it).
+
+The runtime's engines run graphs lowered at one batch and sequence length; generation needs every
+length, so it runs the exported ONNX files themselves (jobs/export_llm.py), with their dynamic shapes:
+- with a key/value cache (`NAME.kv.onnx`, the default when it is there): the prompts, left-padded
+  after one masked dummy position (the cache graph's past is never empty), run once; then one token per
+  step, each step feeding the previous step's `present.*` as `past.*`. Positions count the real tokens
+  only, so a left-padded row sees the positions an unpadded one would.
+- by recomputation (`NAME.onnx`, the training graph, any causal LM with inputs input_ids and
+  attention_mask): every step runs the whole right-padded sequence again and reads each row's logits
+  at its last token. Slower (quadratic in the length), needs nothing but the one file.
+
+Trained weights: `initializers` maps initializer names of `NAME.onnx` (the names the importer's
+parameters have) to arrays that replace the file's, via ONNX Runtime's add_initializer, so a fine-tuned
+model generates without writing a new file. Names and shapes are checked against `NAME.lm.json` (ONNX
+Runtime itself ignores an unknown name silently); with replacement weights ONNX Runtime's constant folding
+is off, since it would fold the file's weights (a Transpose of the old W) into the graph. The cache graph takes them too when its weights have
+the same names (a TorchScript export); otherwise (a dynamo export) generation recomputes.
+
+Decoding: greedy (temperature 0: the first highest logit, as torch.argmax picks), or sampling at a
+temperature from the top k logits (k = 0: all), from a numpy generator seeded by `seed`. A row stops
+at an end-of-sequence id (kept in its output, as transformers' generate keeps it) or after
+`max_new_tokens`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime.engines import fpmode
+
+if TYPE_CHECKING:
+    from tasks.lm_tokenizer import LmTokenizer, Message
+
+__all__ = ["GenerationSettings", "OnnxCausalLM", "generate_text", "lm_metadata"]
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no cut; sampling only
+    seed: int = 0
+    kv_cache: bool = True  # use NAME.kv.onnx when it is there and can take the weights
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
+            raise ValueError(f"max_new_tokens, temperature and top_k must not be negative: {self}")
+
+
+def lm_metadata(model_path: Path) -> dict | None:
+    """NAME.lm.json beside NAME.onnx, or None for a file exported elsewhere."""
+    path = Path(model_path).with_suffix(".lm.json")
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    if d.get("format") != "confidant-causal-lm":
+        raise ValueError(f"{path}: not written by `confidant export --task causal-lm`")
+    return d
+
+
+def _check_initializers(initializers: Mapping[str, np.ndarray], meta: dict | None, model: Path) -> dict:
+    if meta is None:
+        raise ValueError(f"{model} has no {model.with_suffix('.lm.json').name}, so replacement weights cannot be "
+                         "checked (ONNX Runtime ignores unknown names): export it with `confidant export --task "
+                         "causal-lm`")
+    known = meta["weights"]
+    out = {}
+    for name, array in initializers.items():
+        if name not in known:
+            close = sorted(known)[:3]
+            raise ValueError(f"{model}: no weight named {name!r} (its weights are named like {close})")
+        a = np.asarray(array)
+        if a.dtype.kind != "f":
+            raise ValueError(f"weight {name!r}: expected floats, got {a.dtype}")
+        if list(a.shape) != list(known[name]):
+            raise ValueError(f"weight {name!r}: shape {list(a.shape)}, the model's is {known[name]}")
+        out[name] = np.ascontiguousarray(a, dtype=np.float32)
+    return out
+
+
+def _session(path: Path, initializers: Mapping[str, np.ndarray], threads: int | None, optimize: bool):
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    keep = []  # the OrtValues must outlive the session
+    for name, array in initializers.items():
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        keep.append(value)
+        options.add_initializer(name, value)
+    # Constant folding (and the transpose optimizer's folding into initializers) reads the file's
+    # weights, not the added ones: a folded Transpose(W) would keep the old W. Checked by moving every
+    # weight in tests/test_generate.py.
+    disabled = ["ConstantFolding", "TransposeOptimizer"] if initializers else []
+    flushed = fpmode.denormals_flushed()
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
+                                   disabled_optimizers=disabled)
+    if flushed:
+        # creating a session clears this thread's flush-to-zero bits (MXCSR), and an MNN engine in the
+        # same process (train-local scores with ONNX Runtime between its steps) computes on this thread
+        # too: its backward ran 2.7x slower on denormals afterwards
+        fpmode.enable_flush_denormals()
+    return session, keep
+
+
+class OnnxCausalLM:
+    """An exported causal LM on ONNX Runtime: `logits` for evaluation, `generate` for text.
+
+    `initializers`: replacement weights by `NAME.onnx` initializer name (module docstring); `optimize`
+    False runs ONNX Runtime without graph optimisations (its fused kernels round differently, which
+    matters only for comparisons at float32's last digits)."""
+
+    def __init__(self, model_path: str | Path, initializers: Mapping[str, np.ndarray] | None = None,
+                 threads: int | None = None, optimize: bool = True):
+        self.path = Path(model_path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such ONNX file")
+        self.meta = lm_metadata(self.path)
+        self.initializers = _check_initializers(initializers, self.meta, self.path) if initializers else {}
+        self.threads, self.optimize = threads, optimize
+        self._full = None
+        self._step = None
+        kv = self.meta.get("kv_model") if self.meta else None
+        self.kv_path = self.path.parent / kv if kv and (self.path.parent / kv).is_file() else None
+        if self.kv_path is None:
+            self.kv_unavailable = "no key/value-cache graph beside the model"
+        elif self.initializers and not self.meta.get("kv_same_weight_names"):
+            self.kv_unavailable = "replacement weights are named for the training graph only (a dynamo export)"
+        else:
+            self.kv_unavailable = None
+
+    def _full_session(self):
+        if self._full is None:
+            self._full = _session(self.path, self.initializers, self.threads, self.optimize)
+        return self._full[0]
+
+    def _step_session(self):
+        if self._step is None:
+            self._step = _session(self.kv_path, self.initializers, self.threads, self.optimize)
+        return self._step[0]
+
+    def logits(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """float32 [B, S, V] logits of the training graph (right padding)."""
+        input_ids = np.asarray(input_ids, np.int64)
+        mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask, np.int64)
+        return self._full_session().run(["logits"], {"input_ids": input_ids, "attention_mask": mask})[0]
+
+    # --- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], settings: GenerationSettings = GenerationSettings(),
+                 stop_ids: Sequence[int] = ()) -> list[list[int]]:
+        """The generated ids of each prompt (not the prompt), each ending at its first stop id (kept)
+        or after settings.max_new_tokens."""
+        prompts = [[int(t) for t in p] for p in prompts]
+        if any(not p for p in prompts):
+            raise ValueError("an empty prompt: give at least one token (a bos token, for a raw start)")
+        if not prompts or settings.max_new_tokens == 0:
+            return [[] for _ in prompts]
+        rng = np.random.default_rng(settings.seed)
+        stop = {int(s) for s in stop_ids}
+        use_kv = settings.kv_cache and self.kv_unavailable is None
+        run = self._generate_cached if use_kv else self._generate_recomputed
+        return run(prompts, settings, stop, rng)
+
+    def _pick(self, last_logits: np.ndarray, settings: GenerationSettings, rng) -> np.ndarray:
+        """One next token per row of [n, V] logits."""
+        if settings.temperature == 0:
+            return last_logits.argmax(axis=-1)
+        scaled = last_logits.astype(np.float64) / settings.temperature
+        if settings.top_k and settings.top_k < scaled.shape[-1]:
+            kth = np.partition(scaled, -settings.top_k, axis=-1)[:, -settings.top_k][:, None]
+            scaled = np.where(scaled >= kth, scaled, -np.inf)
+        p = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        return np.array([rng.choice(p.shape[-1], p=row) for row in p])
+
+    def _generate_recomputed(self, prompts, settings, stop, rng) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        for _ in range(settings.max_new_tokens):
+            rows = [prompts[i] + out[i] for i in active]
+            lengths = np.array([len(r) for r in rows])
+            ids = np.zeros((len(rows), lengths.max()), np.int64)
+            mask = np.zeros_like(ids)
+            for k, r in enumerate(rows):
+                ids[k, :len(r)] = r
+                mask[k, :len(r)] = 1
+            logits = self.logits(ids, mask)
+            picked = self._pick(logits[np.arange(len(rows)), lengths - 1], settings, rng)
+            for i, token in zip(active, picked):
+                out[i].append(int(token))
+            active = [i for i in active if out[i][-1] not in stop]
+            if not active:
+                break
+        return out
+
+    def _generate_cached(self, prompts, settings, stop, rng) -> list[list[int]]:
+        session = self._step_session()
+        past_names = [i.name for i in session.get_inputs() if i.name.startswith("past.")]
+        present_names = [n.replace("past.", "present.") for n in past_names]
+        cfg = self.meta["config"]
+        n = len(prompts)
+        longest = max(len(p) for p in prompts)
+        ids = np.zeros((n, longest), np.int64)
+        mask = np.zeros((n, 1 + longest), np.int64)  # column 0: the dummy past position
+        for k, p in enumerate(prompts):
+            ids[k, longest - len(p):] = p
+            mask[k, 1 + longest - len(p):] = 1
+        positions = np.maximum(np.cumsum(mask[:, 1:], axis=1) - 1, 0)
+        past = {name: np.zeros((n, cfg["kv_heads"], 1, cfg["head_size"]), np.float32) for name in past_names}
+        out: list[list[int]] = [[] for _ in prompts]
+        active = np.arange(n)
+        next_position = positions[:, -1] + 1
+        for _ in range(settings.max_new_tokens):
+            results = session.run(["logits", *present_names], {"input_ids": ids, "attention_mask": mask,
+                                                                "position_ids": positions, **past})
+            picked = self._pick(results[0][:, -1], settings, rng)
+            for i, token in zip(active, picked):
+                out[i].append(int(token))
+            keep = np.array([out[i][-1] not in stop for i in active])
+            if not keep.any():
+                break
+            # finished rows leave the batch, cache included
+            active, picked, next_position = active[keep], picked[keep], next_position[keep]
+            past = {p: r[keep] for p, r in zip(past_names, results[1:])}
+            mask = np.concatenate([mask[keep], np.ones((len(active), 1), np.int64)], axis=1)
+            ids = picked.astype(np.int64)[:, None]
+            positions = next_position[:, None].astype(np.int64)
+            next_position = next_position + 1
+        return out
+
+
+def generate_text(model: OnnxCausalLM, tokenizer: "LmTokenizer", prompts: Sequence[str | Sequence["Message"]],
+                  settings: GenerationSettings = GenerationSettings(), raw: bool = False) -> list[str]:
+    """Answers to prompts: each a text (the chat template applied with a generation prompt, unless
+    `raw` or the model has no template) or a list of messages. Decoded without special tokens."""
+    ids = [tokenizer.prompt_ids(p, raw=raw) for p in prompts]
+    stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    return [tokenizer.decode(g) for g in model.generate(ids, settings, stop)]

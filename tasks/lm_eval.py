@@ -1,0 +1,90 @@
+"""Evaluation of a causal LM on instruction data: perplexity of the answers and exact match of generated
+answers (plus the entity task's scores when the answers are its JSON).
+
+`model` is anything with `logits(input_ids, attention_mask) -> [B, S, V]` and
+`generate(prompt_ids, settings, stop_ids) -> ids` (tasks/generate.py's OnnxCausalLM on the exported
+file, with or without trained weights); a lowered graph's logits fit `dev_perplexity` too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from tasks.entity_task import parse_answer, score_answers
+from tasks.lm_data import encode_instructions, make_lm_batches
+from tasks.lm_metrics import NllSum, exact_match
+
+if TYPE_CHECKING:
+    from tasks.generate import GenerationSettings
+    from tasks.lm_tokenizer import LmTokenizer
+
+__all__ = ["InstructionScores", "dev_perplexity", "engine_nll", "evaluate_instructions", "generated_answers"]
+
+
+@dataclass(frozen=True)
+class InstructionScores:
+    n_examples: int
+    perplexity: float  # of the reference answers' tokens given their prompts
+    exact_match: float  # of greedy (or sampled) answers vs the references
+    task: dict | None  # the entity task's scores (valid_json, precision, recall, f1), when its JSON
+    predictions: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"n_examples": self.n_examples, "perplexity": self.perplexity, "exact_match": self.exact_match,
+                "task": self.task}
+
+
+def dev_perplexity(model, tokenizer: "LmTokenizer", conversations: Sequence, batch: int = 8,
+                   seq: int | None = None) -> float:
+    """Perplexity of the assistant tokens over all `conversations` (one sum over every batch)."""
+    rows = encode_instructions(tokenizer, conversations, seq)
+    seq = seq or max(len(r) for r in rows)
+    total = NllSum()
+    for b in make_lm_batches(rows, batch, seq, tokenizer.pad_id, shuffle=False):
+        total.add(model.logits(b.input_ids, b.attention_mask), b)
+    return total.perplexity
+
+
+def generated_answers(model, tokenizer: "LmTokenizer", conversations: Sequence, settings: "GenerationSettings",
+                      batch: int = 8) -> list[str]:
+    """The model's answer to each conversation's messages before its last assistant message."""
+    prompts = []
+    for messages in conversations:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompts.append(tokenizer.prompt_ids(list(messages[:last])))
+    stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    out = []
+    for lo in range(0, len(prompts), batch):
+        out += [tokenizer.decode(ids) for ids in model.generate(prompts[lo:lo + batch], settings, stop)]
+    return out
+
+
+def evaluate_instructions(model, tokenizer: "LmTokenizer", conversations: Sequence, settings: "GenerationSettings",
+                          batch: int = 8) -> InstructionScores:
+    """Perplexity and exact match on instruction conversations (their last assistant message is the
+    reference answer)."""
+    conversations = list(conversations)
+    references = [[m for m in c if m["role"] == "assistant"][-1]["content"] for c in conversations]
+    predictions = generated_answers(model, tokenizer, conversations, settings, batch)
+    task = None
+    if all(parse_answer(r) is not None for r in references):
+        task = {k: v for k, v in score_answers(predictions, references).items() if k != "exact_match"}
+    return InstructionScores(len(conversations), dev_perplexity(model, tokenizer, conversations, batch),
+                             exact_match(predictions, references), task, tuple(predictions))
+
+
+def engine_nll(engine, batches: Sequence, rows: int, pad_id: int = 0) -> NllSum:
+    """Summed answer NLL and target count of `batches` (tasks/lm_data.py's LmBatch) on a stage engine
+    holding a whole lowered causal LM (batch `rows`): each batch's loss, with the weights 1 / its own
+    count, times that count. The engine's loss never makes the vocabulary-sized logits
+    (`runtime.engines.lm_loss`)."""
+    from tasks.lm_data import lm_feeds, pad_lm_batch
+
+    total = NllSum()
+    for b in batches:
+        if b.n_targets == 0:
+            continue
+        loss = float(engine.forward(lm_feeds(pad_lm_batch(b, rows, pad_id)), train=False))
+        total.nll += loss * b.n_targets
+        total.n_targets += b.n_targets
+    return total

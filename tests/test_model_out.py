@@ -1,0 +1,158 @@
+"""The fine-tuned model out: `train-local --checkpoint`, `confidant predict` on new text, and
+`confidant export-trained` to ONNX (ONNX Runtime gives the training graph's logits) and to a
+transformers checkpoint (from_pretrained gives the same logits)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from support import TINY, family_feeds, make_tiny_tokenizer, tiny_model
+from jobs.export import ExportOptions, export_model, model_inputs
+from jobs.local_training import write_single_device_checkpoint
+from jobs.trained import export_trained_hf, export_trained_onnx, open_trained, predict
+from planner.onnx_import import load_model
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.stage import stage_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+B, S = 2, 10
+
+
+def _cli(*args, ok=True):
+    proc = subprocess.run([sys.executable, "-m", "confidant", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def _trained_checkpoint(root: Path, family: str, task: str, labels=None):
+    """A tiny model exported by `confidant export`'s exporter, and a checkpoint of it whose every
+    weight moved (as training moves them), written as train-local writes one."""
+    model = tiny_model(family, task=task, layers=3 if family == "albert" else 2, num_labels=3, seed=1)
+    path = export_model(model, root / f"{family}.onnx", ExportOptions(num_labels=3, task=task, attention="sdpa",
+                                                                       labels=tuple(labels or ())))
+    graph = load_model(path, B, S)
+    rng = np.random.default_rng(0)
+    weights = {p: (graph.constants[p] + 0.05 * rng.standard_normal(graph.constants[p].shape)).astype(np.float32)
+               for p in graph.params}
+    ckpt = write_single_device_checkpoint(root / f"{family}-ckpt", weights, {}, graph, {
+        "command": "train-local", "model": path.name, "model_path": str(path.resolve()),
+        "task": "seq-cls" if task == "seq-cls" else "ner", "labels": list(labels) if labels else None, "step": 1})
+    return model, path, graph, weights, ckpt
+
+
+CASES = [("bert", "seq-cls"), ("albert", "token-classification"), ("roberta", "seq-cls"),
+         ("distilbert", "token-classification"), ("electra", "seq-cls"), ("xlm-roberta", "token-classification")]
+
+
+@pytest.mark.parametrize("family, task", CASES)
+def test_export_trained_round_trips_through_onnxruntime_and_transformers(tmp_path, family, task):
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    model, path, graph, weights, ckpt = _trained_checkpoint(tmp_path, family, task)
+    feeds = family_feeds(model_inputs(model), B, S, TINY["vocab"], 3, task=task, pad_id=model.config.pad_token_id or 0)
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    ours = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+
+    onnx_out = export_trained_onnx(ckpt, tmp_path / "trained.onnx")
+    session = ort.InferenceSession(str(onnx_out), providers=["CPUExecutionProvider"])
+    via_ort = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})[0]
+    assert float(np.abs(via_ort - ours).max()) <= 1e-4
+    untrained = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {i.name: feeds[i.name] for i in session.get_inputs()})[0]
+    assert float(np.abs(untrained - ours).max()) > 1e-3  # the trained weights really went in
+
+    folder = export_trained_hf(ckpt, tmp_path / "hf")
+    cls = AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForTokenClassification
+    reloaded = cls.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        via_hf = reloaded(**{k: torch.tensor(feeds[k]) for k in model_inputs(model)}).logits.numpy()
+    assert float(np.abs(via_hf - ours).max()) <= 1e-4
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == [type(model).__name__] and len(config["id2label"]) == 3
+
+
+def test_train_local_writes_a_checkpoint_that_predict_and_export_trained_read(tmp_path):
+    """Train the tiny sequence classifier with a tokenizer of its own on a TSV file, then label new
+    sentences from the checkpoint: the labels are the argmax of the exported trained model's logits."""
+    tok = make_tiny_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    model = tiny_model("bert", task="seq-cls", num_labels=2, seed=2)
+    path = export_model(model, tmp_path / "m.onnx", ExportOptions(num_labels=2, task="seq-cls", attention="sdpa"))
+    rows = ["sentence\tlabel"] + [f"{'rome x' if k % 2 else 'unbelievable x'} .\t{'city' if k % 2 else 'feeling'}"
+                                  for k in range(24)]
+    (tmp_path / "train.tsv").write_text("\n".join(rows) + "\n")
+    _cli("train-local", path, "--task", "seq-cls", "--data", tmp_path / "train.tsv", "--eval", tmp_path / "train.tsv",
+         "--steps", 4, "--batch", 4, "--seq", 8, "--lr", 1e-3, "--tokenizer", tmp_path / "tokenizer.json",
+         "--checkpoint", tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    assert meta["task"] == "seq-cls" and meta["labels"] == ["city", "feeling"] and meta["stages"] == 1
+    trained = open_trained(tmp_path / "ckpt")
+    assert set(trained.weights) == set(load_model(path, 4, 8).params)
+
+    (tmp_path / "new.txt").write_text("rome x .\nunbelievable .\nx x x\n")
+    proc = _cli("predict", tmp_path / "ckpt", "--input", tmp_path / "new.txt", "--seq", 8, "--batch", 4,
+                "--tokenizer", tmp_path / "tokenizer.json")
+    docs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [d["text"] for d in docs] == ["rome x .", "unbelievable .", "x x x"]
+    assert all(set(d["scores"]) == {"city", "feeling"} and abs(sum(d["scores"].values()) - 1) < 1e-5 for d in docs)
+
+    _cli("export-trained", tmp_path / "ckpt", "-o", tmp_path / "trained.onnx")
+    session = ort.InferenceSession(str(tmp_path / "trained.onnx"), providers=["CPUExecutionProvider"])
+    for d in docs:
+        enc = tok.encode(d["text"])
+        ids = np.asarray([enc.ids], np.int64)
+        logits = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                    "token_type_ids": np.zeros_like(ids)})[0][0]
+        assert d["label"] == ["city", "feeling"][int(np.argmax(logits))]
+        z = np.exp(logits - logits.max())
+        assert abs(d["scores"]["city"] - z[0] / z.sum()) < 1e-4
+
+
+def test_predict_tags_words_and_writes_conll_or_jsonl(tmp_path):
+    tok = make_tiny_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    labels = ("O", "B-LOC", "I-LOC")
+    *_, ckpt = _trained_checkpoint(tmp_path, "bert", "token-classification", labels)
+    (tmp_path / "in.txt").write_text("Rome x unbelievable.\nx\n")
+    conll = _cli("predict", ckpt, "--input", tmp_path / "in.txt", "--tokenizer", tmp_path / "tokenizer.json",
+                 "--seq", 10).stdout
+    sentences = [block.splitlines() for block in conll.strip().split("\n\n")]
+    assert [[line.split("\t")[0] for line in s] for s in sentences] == [["Rome", "x", "unbelievable", "."], ["x"]]
+    assert all(line.split("\t")[1] in labels for s in sentences for line in s)
+    out = tmp_path / "tags.jsonl"
+    _cli("predict", ckpt, "--input", tmp_path / "in.txt", "--tokenizer", tmp_path / "tokenizer.json", "--seq", 10,
+         "--format", "jsonl", "-o", out)
+    docs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [d["tags"] for d in docs] == [[line.split("\t")[1] for line in s] for s in sentences]
+    assert all(set(d) == {"words", "tags", "entities"} for d in docs)
+    # a CoNLL file as input: its first column is read, its tags ignored
+    (tmp_path / "in.conll").write_text("Rome B-LOC\nx O\n\nx O\n")
+    again = _cli("predict", ckpt, "--input", tmp_path / "in.conll", "--tokenizer", tmp_path / "tokenizer.json",
+                 "--seq", 10).stdout
+    assert [line.split("\t")[0] for line in again.split("\n\n")[0].splitlines()] == ["Rome", "x"]
+
+
+def test_the_model_out_refuses_what_it_cannot_do(tmp_path):
+    *_, path, graph, weights, ckpt = _trained_checkpoint(tmp_path, "bert", "seq-cls")
+    proc = _cli("export-trained", ckpt, ok=False)
+    assert proc.returncode == 1 and "give -o FILE.onnx, --hf DIR, or both" in proc.stderr
+    proc = _cli("predict", ckpt, "--input", tmp_path / "missing.txt", ok=False)
+    assert proc.returncode == 2 and "missing.txt: no such file" in proc.stderr
+    (path.with_name(path.stem + ".hf.json")).unlink()
+    proc = _cli("export-trained", ckpt, "--hf", tmp_path / "out", ok=False)
+    assert proc.returncode == 1 and "has no bert.hf.json next to it" in proc.stderr
+    (tmp_path / "in.txt").write_text("x\n")
+    proc = _cli("predict", ckpt, "--input", tmp_path / "in.txt", ok=False)  # --seq 128 > its 40 positions
+    assert proc.returncode == 2 and "the model may not take sequences this long" in proc.stderr
+    proc = _cli("predict", ckpt, "--input", tmp_path / "in.txt", "--seq", 10, ok=False)
+    assert proc.returncode == 1 and "pass --labels" in proc.stderr
