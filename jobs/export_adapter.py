@@ -1,5 +1,6 @@
 """`confidant export-adapter CHECKPOINT -o DIR`: a LoRA run's adapters in PEFT's format, which
-`peft.PeftModel.from_pretrained(base_model, DIR)` loads onto the transformers model.
+`peft.PeftModel.from_pretrained(base_model, DIR)` loads onto the transformers model; with
+`--merged -o model.onnx`, the ONNX file it trained with the adapters merged into the base weights.
 
 PEFT keeps, per adapted Linear `M` of the base model, `base_model.model.M.lora_A.weight` [r, in] and
 `base_model.model.M.lora_B.weight` [out, r] (Confidant's A is [in, r] and B [r, out]: transposed),
@@ -88,3 +89,25 @@ def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, nu
     model = load_token_classifier(base, num_labels, seed)
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return export_adapter(checkpoint, out, state, base_name=str(base))
+
+
+def merged_weights(graph, weights, adapters, scale: float) -> dict[str, np.ndarray]:
+    """Each adapted base weight with its adapter merged in (W + scale * A B, in W's own layout), and
+    every parameter trained in full: the trained model as plain weights of the original file."""
+    out = {}
+    adapter_params = {p for a in adapters for p in (a.a, a.b)}
+    for a in adapters:
+        delta = scale * (weights[a.a].astype(np.float64) @ weights[a.b].astype(np.float64))
+        base = graph.constants[a.base].astype(np.float64)
+        out[a.base] = (base + (delta.T if a.base_transposed else delta)).astype(graph.constants[a.base].dtype)
+    out.update({p: weights[p] for p in graph.params if p not in adapter_params})
+    return out
+
+
+def export_merged(checkpoint: Path, out: Path) -> Path:
+    """The ONNX file the LoRA run trained, with its adapters merged into the base weights and the
+    parameters trained in full replaced: ONNX Runtime runs it as the trained model."""
+    from planner.onnx_import import write_weights
+
+    meta, weights, settings, graph, adapters = lora_run(checkpoint)
+    return write_weights(meta["model_path"], out, merged_weights(graph, weights, adapters, settings.scale))

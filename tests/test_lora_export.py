@@ -135,3 +135,22 @@ def test_the_command_line_trains_lora_checkpoints_and_exports_the_adapter(minilm
                           attention_mask=torch.tensor(feeds["attention_mask"]),
                           token_type_ids=torch.tensor(feeds["token_type_ids"])).logits.numpy()
     assert float(np.abs(got - want).max()) <= 1e-4
+
+
+def test_the_merged_onnx_gives_the_trained_logits_on_onnx_runtime(trained, tmp_path):
+    import onnxruntime as ort
+
+    from jobs.export_adapter import export_merged
+
+    model_path, folder, result = trained
+    merged = export_merged(folder, tmp_path / "merged.onnx")
+    feeds = token_feeds(ROWS, S, vocab=500, seed=6)
+    want = ort.InferenceSession(str(merged)).run(
+        None, {k: feeds[k] for k in ("input_ids", "attention_mask", "token_type_ids")})[0]
+    graph, _ = add_lora(load_model(model_path, ROWS, S), LORA)
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **result.weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    assert float(np.abs(got - want).max()) <= 1e-4
+    base = ort.InferenceSession(str(model_path)).run(
+        None, {k: feeds[k] for k in ("input_ids", "attention_mask", "token_type_ids")})[0]
+    assert float(np.abs(base - want).max()) > 1e-3  # the adapters are in it

@@ -47,7 +47,7 @@ def _run(graph, batches, schedule, stages, steps=STEPS, **kwargs):
     workers = LocalWorkers.start(stages, threads=1)
     config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
     try:
-        return train_pipeline(graph, batches, 9, workers.addresses, config, steps, **kwargs)
+        return train_pipeline(graph, batches, 9, workers.addresses, config, steps, keys=workers.keys, **kwargs)
     finally:
         assert workers.wait(30.0) == [0] * stages
 
@@ -116,3 +116,26 @@ def test_lora_checkpoint_then_resume_continues_identically(lora_graph, batches, 
     assert resumed.losses == whole.losses[2:]
     for k in whole.weights:
         np.testing.assert_array_equal(resumed.weights[k], whole.weights[k], err_msg=k)
+
+
+def test_a_lora_replan_moves_adapters_and_their_optimizer_state_only(lora_graph, batches):
+    """A forced re-plan after step 1 over in-process workers: the blocks that change worker carry
+    their trainable bytes (weights and AdamW's two moments), not the frozen base they also hold."""
+    from ir.partition import even_ranges
+    from runtime.pipeline.inprocess import InProcessWorkers
+
+    a_ranges = even_ranges(len(lora_graph.blocks), 2)
+    b_ranges = [(0, a_ranges[0][1] - 1), (a_ranges[0][1], len(lora_graph.blocks) - 1)]  # an encoder moves
+    assert lora_graph.blocks[a_ranges[0][1]].kind == "encoder"
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30)
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        result = train_pipeline(lora_graph, batches, 9, workers.addresses, config, 3, transport=workers.coordinator,
+                                replan_every=1, on_replan=lambda step, measured: b_ranges if step == 1 else None)
+    (step, reconf), = result.replans
+    moved = [lora_graph.blocks[m.block] for m in reconf.moves]
+    assert step == 1 and moved and all(m.params == lora_graph.blocks[m.block].params for m in reconf.moves)
+    assert reconf.moved_bytes == 3 * sum(b.params_bytes for b in moved)  # adapters (+ head): weights, m, v
+    assert sum(b.frozen_bytes for b in moved) > reconf.moved_bytes  # what a full fine-tune would have moved more
+    losses, weights = single_device_training(lora_graph, batches, 3)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    _assert_rel(result.weights, weights, 1e-5)
