@@ -7,8 +7,9 @@ by; a contiguous block range is what one engine runs.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -113,6 +114,10 @@ class Block:
     # bytes of frozen weights the block reads (LoRA's base weights): held once, never stashed,
     # stepped or moved; `params_bytes` counts the trainable ones
     frozen_bytes: int = 0
+    # key/value heads of an attention block: `heads` for multi-head attention, fewer under
+    # grouped-query attention (each key/value head serves heads / kv_heads query heads); None
+    # where the block has no attention
+    kv_heads: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,33 +170,37 @@ class Graph:
 
 
 def topological_order(nodes: Iterable[Node], available: Iterable[str]) -> list[Node]:
-    """Kahn's order of `nodes`, given names available up front; raises naming a node on a cycle."""
+    """Kahn's order of `nodes`, given names available up front; raises naming a node on a cycle.
+
+    Stable: among the nodes ready at any time, the one given first goes first, so nodes already in
+    order come back unchanged. O(n log n) in the number of nodes and edges (a heap of ready
+    positions), which keeps lowering a deep model linear in its depth up to the log factor."""
     nodes = list(nodes)
     ready = set(available)
-    produced_by = {o: n.name for n in nodes for o in n.outputs}
-    pending = {n.name: {i for i in n.inputs if i and i not in ready and i in produced_by} for n in nodes}
-    waiting_on: dict[str, list[str]] = {}
-    for name, deps in pending.items():
+    produced_by = {o: k for k, n in enumerate(nodes) for o in n.outputs}
+    missing = [0] * len(nodes)
+    waiting_on: dict[int, list[int]] = {}
+    for k, n in enumerate(nodes):
+        deps = {produced_by[i] for i in n.inputs if i and i not in ready and i in produced_by}
+        deps.discard(k)
+        if any(i in n.outputs and i not in ready for i in n.inputs if i):
+            missing[k] = 1  # reads its own output: on a cycle, never ready
+        missing[k] += len(deps)
         for d in deps:
-            waiting_on.setdefault(produced_by[d], []).append(name)
-    by_name = {n.name: n for n in nodes}
-    queue = [n.name for n in nodes if not pending[n.name]]
+            waiting_on.setdefault(d, []).append(k)
+    heap = [k for k in range(len(nodes)) if not missing[k]]
+    heapq.heapify(heap)
     order: list[Node] = []
-    done_values: set[str] = set()
-    while queue:
-        name = queue.pop(0)
-        node = by_name[name]
-        order.append(node)
-        for o in node.outputs:
-            done_values.add(o)
-        for follower in waiting_on.get(name, ()):
-            deps = pending[follower]
-            deps.difference_update(node.outputs)
-            if not deps and follower not in {x.name for x in order} and follower not in queue:
-                queue.append(follower)
+    while heap:
+        k = heapq.heappop(heap)
+        order.append(nodes[k])
+        for follower in waiting_on.get(k, ()):
+            missing[follower] -= 1
+            if not missing[follower]:
+                heapq.heappush(heap, follower)
     if len(order) != len(nodes):
-        stuck = [n for n in nodes if n.name not in {x.name for x in order}]
-        raise ValueError(f"graph has a cycle or a missing input at node {stuck[0].name!r} ({stuck[0].op})")
+        stuck = next(n for k, n in enumerate(nodes) if missing[k])
+        raise ValueError(f"graph has a cycle or a missing input at node {stuck.name!r} ({stuck.op})")
     return order
 
 
@@ -200,6 +209,8 @@ def format_table(graph: Graph) -> str:
     rows = [("#", "block", "kind", "params", "activation", "GFLOPs", "heads x size")]
     for b in graph.blocks:
         hs = f"{b.heads} x {b.head_size}" if b.heads else "-"
+        if b.heads and b.kv_heads and b.kv_heads != b.heads:
+            hs = f"{b.heads} x {b.head_size} (kv {b.kv_heads})"
         rows.append((str(b.index), b.name, b.kind, _mib(b.params_bytes), _mib(b.activation_bytes),
                      f"{b.flops / 1e9:.3f}", hs))
     total_p = sum(b.params_bytes for b in graph.blocks)
@@ -219,4 +230,27 @@ def block_signature(block: Block) -> str:
     """Blocks with equal signatures cost the same to run (e.g. all encoder layers of a model), so a
     device profiles each signature once."""
     heads = f"/h{block.heads}x{block.head_size}" if block.heads else ""
+    if block.heads and block.kv_heads and block.kv_heads != block.heads:
+        heads += f"/kv{block.kv_heads}"
     return f"{block.kind}/p{block.params_bytes}/f{block.flops}/a{block.activation_bytes}{heads}"
+
+
+def tied_parameters(graph: Graph, ranges) -> dict[str, tuple[int, ...]]:
+    """Parameters that more than one stage holds, for stages running the block ranges `ranges`
+    ([first, last] per stage, in order): a weight read by blocks on several stages (ALBERT's one
+    layer, cut through) -> those stages. Each holder keeps a copy; before any of them updates, the
+    gradients of all holders are summed and every holder applies the same sum (DESIGN.md: tied
+    weights), so a pipeline trains exactly as one device does."""
+    return tied_parameters_of_blocks(graph.blocks, ranges)
+
+
+def tied_parameters_of_blocks(blocks: Sequence[Block], ranges) -> dict[str, tuple[int, ...]]:
+    """`tied_parameters` from the blocks alone (every graph slice keeps all blocks' metadata)."""
+    holders: dict[str, list[int]] = {}
+    for stage, (first, last) in enumerate(ranges):
+        for block in blocks[first:last + 1]:
+            for p in block.params:
+                stages = holders.setdefault(p, [])
+                if not stages or stages[-1] != stage:
+                    stages.append(stage)
+    return {p: tuple(s) for p, s in holders.items() if len(s) > 1}

@@ -14,26 +14,26 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
 from jobs.errors import JobError
-from jobs.evaluation import eval_figures, score_weights
-from jobs.lora import adapted
+from jobs.pipeline_tasks import pipeline_task, step_feeds
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.report import Reporter, Silent
 from jobs.settings import PipelineSettings, TrainingSettings
-from jobs.workers import LocalWorkers
-from planner.onnx_import import load_model
+from jobs.workers import LocalWorkers, coordinator_pair, parse_workers
+from planner.cost import check_tied_schedule
+from planner.partition import PlanDoesNotFit
 from planner.replan import TimingReplanner
 from planner.schedule import make_schedule
-from runtime.pipeline.checkpoints import load_checkpoint, save_checkpoint
-from runtime.pipeline.coordinator import Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed
+from runtime.keys import ClusterKeys
+from runtime.pipeline.checkpoints import TrainingState, load_checkpoint, merge_checkpoint, save_checkpoint
+from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
+                                          WorkerLost)
 from runtime.pipeline.executor import busy_fraction
 from runtime.procfs import peak_rss_bytes
 from runtime.transport.wire import Transport
-from tasks.ner import check_label_count, load_ner_data
-from tasks.tokenize import make_batches, split_microbatches
-from tasks.trainer import batch_feeds, pad_batch
 
 
 @dataclass
@@ -47,6 +47,75 @@ class PipelineResult:
     ranges: list[tuple[int, int]]  # at the end (after any re-plan)
     replans: list[tuple[int, Reconfiguration]] = field(default_factory=list)  # (steps done before it, what moved)
     devices: list[str] | None = None  # with bundles: the device of each stage at the end
+    events: list[dict] = field(default_factory=list)  # failures and recoveries, as they happened (jobs.metrics)
+    addresses: list[str] = field(default_factory=list)  # the worker of each stage at the end
+    snapshot_seconds: list[float] = field(default_factory=list)  # each copy of the state to the coordinator
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # worker address -> its peak over the run
+
+
+FAILURE_POLICIES = ("replan", "stop")
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """What a run does about lost devices.
+
+    `on_failure`: "replan" (re-plan over the survivors and continue from the state held off the
+    devices) or "stop" (end with a resumable checkpoint). `detect_s`: a worker silent this long is
+    lost (ZeroMQ heartbeats, so a busy one is never taken for lost). `snapshot_every`: steps
+    between copies of every stage's state to the coordinator (flush boundaries; with 1 a recovery
+    replays at most the interrupted step). `checkpoint_every`: steps between checkpoints on disk
+    (needs a checkpoint folder); for 1f1b-stash also the length of the segments the run drains
+    at, so a run resumed from such a checkpoint continues exactly as one that never stopped."""
+
+    on_failure: str = "replan"
+    detect_s: float = 3.0
+    snapshot_every: int = 1
+    checkpoint_every: int | None = None
+
+    def check(self) -> "FaultPolicy":
+        if self.on_failure not in FAILURE_POLICIES:
+            raise ValueError(f"--on-failure must be one of {', '.join(FAILURE_POLICIES)}, not {self.on_failure!r}")
+        if not self.detect_s > 0:
+            raise ValueError(f"--failure-timeout must be a positive number of seconds, got {self.detect_s}")
+        if self.snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be at least 1 step, got {self.snapshot_every}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be at least 1 step, got {self.checkpoint_every}")
+        return self
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every stage's state at the flush boundary after `step` steps, held by the coordinator."""
+
+    step: int
+    per_stage: list[dict[str, np.ndarray]]
+    state: TrainingState
+    ranges: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class SurvivorPlan:
+    """Where training goes on after a loss: stage k runs ranges[k] on addresses[k]; with bundles,
+    the new plan's bundles, devices and schedule too (planner.replan.ReplannedPlan's fields)."""
+
+    ranges: list[tuple[int, int]]
+    addresses: list[str]
+    bundles: list[Path] | None = None
+    devices: list[str] | None = None
+    schedule: Schedule | None = None
+    directory: Path | None = None
+
+
+class RecoveryImpossible(RuntimeError):
+    """The survivors cannot go on (no plan fits them, or the policy says stop); `checkpoint` is
+    where the resumable state was written, if anywhere."""
+
+    def __init__(self, message: str, checkpoint: Path | None = None):
+        self.checkpoint = checkpoint
+        super().__init__(message + (f"; the state before the failed step is in {checkpoint} (resume with "
+                                    f"--resume {checkpoint})" if checkpoint is not None else ""))
 
 
 def stage_ranges(n_blocks: int, stages: int, cuts: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -56,12 +125,6 @@ def stage_ranges(n_blocks: int, stages: int, cuts: Sequence[int] | None) -> list
             raise ValueError(f"--cuts {','.join(map(str, cuts))} makes {len(ranges)} stages but there are {stages} workers")
         return ranges
     return even_ranges(n_blocks, stages)
-
-
-def step_feeds(batches, step: int, micro_rows: int, microbatches: int, num_labels: int) -> list[dict[str, np.ndarray]]:
-    """The graph inputs of every micro-batch of training step `step` (batches repeat in order)."""
-    batch = pad_batch(batches[step % len(batches)], micro_rows * microbatches)
-    return [batch_feeds(mb, num_labels, batch.n_labelled) for mb in split_microbatches(batch, microbatches)]
 
 
 def _check_replanning(config: PipelineConfig, replan_every, on_replan, bundles, stage_graphs) -> None:
@@ -80,6 +143,19 @@ def _check_replanning(config: PipelineConfig, replan_every, on_replan, bundles, 
                          "(the new plan comes as bundles) or the whole model graph")
 
 
+def coordinator_transport(listen: str, keys: ClusterKeys | None, insecure: bool, detect_s: float) -> Transport:
+    """The coordinator's ZeroMQ endpoint: CURVE with the coordinator's key, admitting the workers'
+    keys, or plaintext when `insecure`."""
+    from runtime.transport.zeromq import ZmqTransport
+
+    if keys is None and not insecure:
+        raise ValueError("a pipeline over ZeroMQ needs the cluster's keys (keys=ClusterKeys: the coordinator's pair "
+                         "and each worker's public key; LocalWorkers.keys for local workers) or insecure=True")
+    if keys is not None:
+        return ZmqTransport("coordinator", listen, keys=keys.coordinator.curve_keys(), heartbeat_s=detect_s)
+    return ZmqTransport("coordinator", listen, insecure=True, heartbeat_s=detect_s)
+
+
 def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], config: PipelineConfig, steps: int,
                    cuts: Sequence[int] | None = None, update_every: int = 1, start_step: int = 0,
                    weights=None, optimizer_state=None, listen: str = "tcp://127.0.0.1:0", on_step=None,
@@ -87,12 +163,15 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                    bundles: Sequence[Path] | None = None, devices: Sequence[str] | None = None,
                    stage_graphs=None, replan_every: int | None = None, on_replan=None,
                    spare_devices: Mapping[str, str] | None = None, on_replanned=None,
-                   schedule: Schedule | None = None, transport: Transport | None = None) -> PipelineResult:
+                   schedule: Schedule | None = None, transport: Transport | None = None,
+                   keys: ClusterKeys | None = None, insecure: bool = False, faults: FaultPolicy = FaultPolicy(),
+                   on_lost=None, on_event=None, feeds_of_step=None) -> PipelineResult:
     """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
     With `bundles` (one plan bundle per stage, of `devices`) the workers get verified bundles
     instead of graph slices, and the block ranges are the bundles'; `schedule` is then the plan's
     (flush schedules run it every step; without it the schedule is built from `config`).
-    `transport` is the coordinator's (default: ZeroMQ at `listen`; tests pass an in-process one).
+    `transport` is the coordinator's (default: ZeroMQ at `listen`, secured with `keys`, or
+    plaintext with `insecure`; tests pass an in-process one).
 
     Re-planning (flush schedules): every `replan_every` steps, between two steps, `on_replan` is
     called with the number of steps done so far and, per stage, its measured forward+backward
@@ -107,8 +186,21 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
       gathers the current parameters by name from the workers (once, at this boundary), and
       returns None or the new plan (planner.replan.ReplannedPlan: `devices`, `ranges`, `bundles`,
       `schedule`, written with those weights). Its devices may be any of `devices` and
-      `spare_devices` (device name -> address of a worker that waits without a stage), in any order."""
+      `spare_devices` (device name -> address of a worker that waits without a stage), in any order.
+
+    Lost devices (`faults`): the coordinator holds every stage's state from the last snapshot
+    (every `faults.snapshot_every` steps); when a worker is lost mid-run the step is aborted on
+    the survivors, `on_lost(step, lost_addresses, snapshot)` returns a SurvivorPlan (default for
+    graph slices: the planner's best cuts over the survivors in their order; with bundles the
+    caller must give one, e.g. planner.replan.PlanReplanner.without), the survivors are set up
+    with the held state, and training goes on from the snapshot's step: no update is lost or
+    applied twice. Every event (lost, recovered, steps replayed, new plan) goes to
+    `on_event(dict)` and `result.events`.
+
+    The graph inputs of step k are NER `batches` (`step_feeds`, with `num_labels`), or
+    `feeds_of_step(k)` (a list of one feed dict per micro-batch: a causal LM's, tasks.lm_data)."""
     _check_replanning(config, replan_every, on_replan, bundles, stage_graphs)
+    faults.check()
     if stage_graphs is not None:
         ranges = [(b.first_block, b.last_block) for b in stage_graphs]
         stage_graphs = [b.graph for b in stage_graphs]
@@ -118,13 +210,21 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(ranges, addresses))]
     spare_devices = dict(spare_devices or {})
     if transport is None:
-        from runtime.transport.zeromq import ZmqTransport
-
-        transport = ZmqTransport("coordinator", listen, accept=())
-    coordinator = Coordinator(graph, placements, config, transport, weights=weights, optimizer_state=optimizer_state,
-                              stage_graphs=stage_graphs, spares=list(spare_devices.values()))
+        transport = coordinator_transport(listen, keys, insecure, faults.detect_s)
+    try:
+        coordinator = Coordinator(graph, placements, config, transport, weights=weights,
+                                  optimizer_state=optimizer_state, stage_graphs=stage_graphs,
+                                  spares=list(spare_devices.values()),
+                                  worker_keys=None if keys is None else keys.workers)
+    except BaseException:
+        transport.close()
+        raise
+    if on_lost is None and bundles is None and graph is not None and stage_graphs is None:
+        on_lost = _survivor_cuts(graph, config)
     run = _Run(coordinator, batches, num_labels, graph.batch, config, on_step,
-               PipelineResult([], [], [], [], {}, [], ranges, devices=list(devices) if devices is not None else None))
+               PipelineResult([], [], [], [], {}, [], ranges, devices=list(devices) if devices is not None else None,
+                              addresses=list(addresses)),
+               faults, on_lost, on_event, checkpoint_dir, meta, devices, spare_devices, feeds_of_step)
     try:
         if bundles is not None:
             coordinator.setup_bundles(bundles, devices)
@@ -136,113 +236,332 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
             address_of = {**dict(zip(devices or (), addresses)), **spare_devices}
             if schedule is None:
                 schedule = make_schedule(config.schedule, len(placements), config.microbatches)
-            run.flush(start_step, steps, schedule, replan_every, bundles is not None, addresses, address_of,
+            run.flush(start_step, steps, schedule, replan_every, bundles is not None, address_of,
                       on_replan, on_replanned)
         result = run.result
         result.checkpoint = coordinator.collect_checkpoint()
         for tensors in result.checkpoint:
             result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
         if checkpoint_dir is not None:
-            save_checkpoint(checkpoint_dir, result.checkpoint,
-                            {**(meta or {}), "stages": coordinator.stages, "ranges": result.ranges,
-                             "step": start_step + steps, "schedule": config.schedule,
-                             "microbatches": config.microbatches, "losses": result.losses})
+            run.save(checkpoint_dir, start_step + steps, result.checkpoint)
     finally:
         coordinator.stop()
         transport.close()
     return result
 
 
+def _survivor_cuts(graph, config: PipelineConfig):
+    """on_lost for graph slices: the planner's best cuts over the survivors, in their order
+    (FLOPs-priced, as TimingReplanner starts out; planner.replan.replan_without)."""
+    from planner.replan import replan_without
+
+    def on_lost(step: int, lost: Sequence[str], snapshot: Snapshot, addresses: Sequence[str]) -> SurvivorPlan:
+        survivors = [a for a in addresses if a not in set(lost)]
+        ranges = replan_without(graph, snapshot.ranges, list(addresses), lost, config.schedule, config.microbatches,
+                                config.optimizer)
+        return SurvivorPlan(ranges, survivors)
+
+    return on_lost
+
+
 class _Run:
-    """One training run's steps on a set-up coordinator, recorded into `result`."""
+    """One training run's steps on a set-up coordinator, recorded into `result`, with the state
+    snapshots a recovery restores from."""
 
     def __init__(self, coordinator: Coordinator, batches, num_labels: int, micro_rows: int, config: PipelineConfig,
-                 on_step, result: PipelineResult):
+                 on_step, result: PipelineResult, faults: FaultPolicy = FaultPolicy(), on_lost=None, on_event=None,
+                 checkpoint_dir: Path | None = None, meta: dict | None = None, devices=None, spare_devices=None,
+                 feeds_of_step=None):
         self.coordinator, self.batches, self.num_labels = coordinator, batches, num_labels
+        self.feeds_of_step = feeds_of_step
         self.micro_rows, self.M, self.config, self.on_step, self.result = (micro_rows, config.microbatches, config,
                                                                            on_step, result)
+        self.faults, self.on_lost, self.on_event = faults, on_lost, on_event
+        self.checkpoint_dir, self.meta = checkpoint_dir, meta
+        self.snapshot: Snapshot | None = None
+        # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
+        self.keep_state = (faults.on_failure == "replan" and on_lost is not None) or checkpoint_dir is not None
+        self._recovering: dict | None = None  # the recovery whose first completed step is still to come
+        self.workers = list(result.addresses)  # every worker of the run in its first order, less the lost
+        self.address_of_device = {**dict(zip(devices or (), result.addresses)), **dict(spare_devices or {})}
+        self.device_of = {a: d for d, a in self.address_of_device.items()}
 
     def feeds(self, step: int):
+        if self.feeds_of_step is not None:
+            return list(self.feeds_of_step(step))
         return step_feeds(self.batches, step, self.micro_rows, self.M, self.num_labels)
+
+    # --- events, snapshots, checkpoints ----------------------------------------------------------
+    def event(self, kind: str, **fields) -> dict:
+        entry = {"event": kind, "at": time.time(), **fields}
+        self.result.events.append(entry)
+        if self.on_event:
+            self.on_event(entry)
+        return entry
+
+    def take_snapshot(self, step: int) -> Snapshot:
+        start = time.perf_counter()
+        per_stage = self.coordinator.collect_checkpoint()
+        self.result.snapshot_seconds.append(time.perf_counter() - start)
+        self.snapshot = Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(self.result.ranges))
+        return self.snapshot
+
+    def save(self, directory: Path, step: int, per_stage, ranges=None) -> None:
+        save_checkpoint(directory, per_stage,
+                        {**(self.meta or {}), "stages": len(per_stage), "ranges": ranges or self.result.ranges,
+                         "step": step, "schedule": self.config.schedule, "microbatches": self.M,
+                         "losses": self.result.losses, "checkpoint_every": self.faults.checkpoint_every,
+                         "devices": self.result.devices})
+
+    def _boundary(self, step: int, start_step: int) -> bool:
+        """After `step` steps: is a snapshot due (and a checkpoint), so the next failure replays from here?"""
+        every = self.faults.snapshot_every if self.keep_state else None
+        ckpt = self.faults.checkpoint_every if self.checkpoint_dir is not None else None
+        due = [e for e in (every, ckpt) if e]
+        return any((step - start_step) % e == 0 for e in due) if due else False
+
+    def at_boundary(self, step: int, start_step: int) -> None:
+        if not self._boundary(step, start_step):
+            return
+        snap = self.take_snapshot(step)
+        ckpt = self.faults.checkpoint_every
+        if self.checkpoint_dir is not None and ckpt and step % ckpt == 0:
+            self.save(self.checkpoint_dir, step, snap.per_stage, snap.ranges)
+            self.event("checkpoint", step=step, directory=str(self.checkpoint_dir))
 
     def _record(self, step: int, loss: float, seconds: float, done: list[dict]) -> None:
         self.result.losses.append(loss)
         self.result.step_seconds.append(seconds)
+        if self._recovering is not None:
+            r, self._recovering = self._recovering, None
+            self.event("recovered", step=step, seconds=time.monotonic() - r["t0"], steps_replayed=r["replayed"],
+                       ranges=[list(x) for x in self.result.ranges], devices=self._devices())
+        self._watch_devices(step, done)
         if self.on_step:
             self.on_step(step, loss, seconds, [d["seconds"] for d in done], done)
 
+    def _devices(self) -> list[str]:
+        return [self.device_of.get(a, a) for a in self.result.addresses]
+
+    def _watch_devices(self, step: int, done: list[dict]) -> None:
+        """A device about to run out of memory or battery is an event (and, with a re-planner, a reason to move)."""
+        for name, d in zip(self._devices(), done):
+            mem, battery = d.get("mem_available_bytes"), d.get("battery_percent")
+            if mem is not None and mem < LOW_MEMORY_BYTES:
+                self.event("memory_low", step=step, device=name, mem_available_bytes=mem)
+            if battery is not None and battery < LOW_BATTERY_PERCENT:
+                self.event("battery_low", step=step, device=name, battery_percent=battery)
+
     def _reports(self, done: list[dict]) -> None:
+        """Keep the stages' reports of the last REPORTS_KEPT steps (a long run's coordinator must not
+        grow with every step: issue 13 measured 4 KB a step) and each worker's peak memory."""
         self.result.stage_reports.append(done)
         self.result.stage_busy.append([busy_fraction(d["seconds"], d.get("wall_s", 0.0)) for d in done])
+        if len(self.result.stage_reports) > REPORTS_KEPT:
+            del self.result.stage_reports[0], self.result.stage_busy[0]
+        for address, d in zip(self.result.addresses, done):
+            peak = d.get("peak_rss_bytes")
+            if peak is not None:
+                self.result.peak_rss_bytes[address] = max(peak, self.result.peak_rss_bytes.get(address, 0))
 
+    def _truncate(self, step: int, start_step: int) -> None:
+        keep = step - start_step
+        drop = len(self.result.losses) - keep  # the steps to run again
+        del self.result.losses[keep:], self.result.step_seconds[keep:]
+        if drop > 0 and self.config.schedule not in ASYNC_SCHEDULES:  # flush: one report per step
+            del self.result.stage_reports[-drop:], self.result.stage_busy[-drop:]
+
+    # --- recovery --------------------------------------------------------------------------------
+    def recover(self, lost: WorkerLost, step: int, mid_step: bool, start_step: int) -> Schedule | None:
+        """After `lost` during (or right after) step `step`: abort it on the survivors, re-plan over
+        them, restore the snapshot and return the new plan's schedule (None: build one from the
+        config); the caller then continues from `self.snapshot.step`."""
+        t0 = time.monotonic()
+        for k, p in lost.lost.items():
+            self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
+                       address=p.address, detected_after_s=p.down_s, reason=p.reason)
+        snap = self.snapshot
+        if self.faults.on_failure == "stop" or snap is None or self.on_lost is None:
+            why = ("--on-failure stop" if self.faults.on_failure == "stop" else
+                   "no state was held off the devices" if snap is None else "no way to re-plan this pipeline")
+            raise RecoveryImpossible(f"{lost} ({why})", self._rescue(snap))
+        while True:
+            try:
+                self.coordinator.abort(step, lost)
+                break
+            except WorkerLost as more:
+                for k, p in more.lost.items():
+                    if k not in lost.lost:
+                        self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
+                                   address=p.address, detected_after_s=p.down_s, reason=p.reason)
+                lost = more
+        self.coordinator.forget(lost.addresses)
+        gone = lost.addresses + self.coordinator.lost_spares()
+        self.coordinator.forget(gone)
+        self.workers = [a for a in self.workers if a not in gone]
+        try:
+            plan = self.on_lost(snap.step, gone, snap, list(self.result.addresses))
+        except (PlanDoesNotFit, ValueError) as exc:
+            raise RecoveryImpossible(f"{lost}; the survivors cannot hold the model: {exc}", self._rescue(snap)) from None
+        placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))]
+        if plan.devices is not None:
+            self.device_of.update(dict(zip(plan.addresses, plan.devices)))
+        reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
+                                              state=snap.state, lost=gone)
+        old_ranges = list(self.result.ranges)
+        self.result.ranges = [tuple(r) for r in plan.ranges]
+        self.result.addresses = list(plan.addresses)
+        if plan.devices is not None:
+            self.result.devices = list(plan.devices)
+        self.result.replans.append((snap.step, reconf))
+        self.event("new_plan", step=snap.step, cause="lost", old_ranges=[list(r) for r in old_ranges],
+                   ranges=[list(r) for r in self.result.ranges], devices=self._devices(),
+                   plan=None if plan.directory is None else str(plan.directory), seconds=reconf.seconds)
+        replayed = step - snap.step + (1 if mid_step else 0)
+        self._truncate(snap.step, start_step)
+        self._recovering = {"t0": t0, "replayed": replayed}
+        return plan.schedule
+
+    def _rescue(self, snap: Snapshot | None) -> Path | None:
+        """Write the held state where a resume finds it (the checkpoint folder)."""
+        if snap is None or self.checkpoint_dir is None:
+            return None
+        self.save(self.checkpoint_dir, snap.step, snap.per_stage, snap.ranges)
+        return self.checkpoint_dir
+
+    # --- schedules -------------------------------------------------------------------------------
     def stash(self, start_step: int, steps: int, update_every: int) -> None:
-        """1f1b-stash: the whole run is one schedule over steps x M micro-batches (PipeDream never
-        flushes), whose actions go to the workers with the run, bundles or not."""
-        M = self.M
-        schedule = make_schedule("1f1b-stash", self.coordinator.stages, steps * M, update_every=update_every)
-        feeds = [f for s in range(start_step, start_step + steps) for f in self.feeds(s)]
-        start = time.perf_counter()
-        losses, done = self.coordinator.run(schedule, feeds, start_step, send_actions=True)
-        total = time.perf_counter() - start
-        for i in range(steps):
-            self._record(start_step + i + 1, float(sum(losses[i * M:(i + 1) * M])), total / steps, done)
-        self._reports(done)
+        """1f1b-stash: PipeDream never flushes, so a segment of steps is one schedule over steps x M
+        micro-batches, whose actions go to the workers with the run, bundles or not. Segments end
+        at multiples of `faults.checkpoint_every` (absolute steps; without it the whole run is one
+        segment), where the pipeline drains: a checkpoint there continues exactly, and a lost
+        device replays at most the segment it interrupted."""
+        M, end = self.M, start_step + steps
+        every = self.faults.checkpoint_every
+        if self.keep_state:
+            self.take_snapshot(start_step)
+        s = start_step
+        while s < end:
+            stop = min(end, (s // every + 1) * every) if every else end
+            schedule = make_schedule("1f1b-stash", self.coordinator.stages, (stop - s) * M, update_every=update_every)
+            feeds = [f for k in range(s, stop) for f in self.feeds(k)]
+            start = time.perf_counter()
+            try:
+                losses, done = self.coordinator.run(schedule, feeds, s, send_actions=True)
+            except WorkerLost as lost:
+                self.recover(lost, s, True, start_step)
+                s = self.snapshot.step
+                continue
+            total = time.perf_counter() - start
+            for i in range(stop - s):
+                self._record(s + i + 1, float(sum(losses[i * M:(i + 1) * M])), total / (stop - s), done)
+            self._reports(done)
+            s = stop
+            if s < end:
+                try:
+                    if self.keep_state:
+                        snap = self.take_snapshot(s)
+                    else:
+                        snap = None
+                    if self.checkpoint_dir is not None and every and s % every == 0:
+                        snap = snap or self.take_snapshot(s)
+                        self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
+                        self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
+                except WorkerLost as lost:
+                    self.recover(lost, s, False, start_step)
+                    s = self.snapshot.step
 
     def flush(self, start_step: int, steps: int, schedule: Schedule, replan_every: int | None, from_bundles: bool,
-              addresses: Sequence[str], address_of: Mapping[str, str], on_replan, on_replanned) -> None:
-        """Flush schedules: one schedule per step, and a re-plan check every `replan_every` steps."""
+              address_of: Mapping[str, str], on_replan, on_replanned) -> None:
+        """Flush schedules: one schedule per step, a snapshot at each boundary the fault policy asks
+        for, and a re-plan check every `replan_every` steps."""
         # per step since the last re-plan check: F+B seconds per stage, and whether that step was
         # the first after a setup, which builds the engines' graphs and caches: not steady state,
         # so it is left out whenever later steps were measured
         window: list[list[float]] = []
         warm_up = True
-        for s in range(start_step, start_step + steps):
+        end = start_step + steps
+        if self.keep_state:
+            self.take_snapshot(start_step)
+        s = start_step
+        while s < end:
             start = time.perf_counter()
-            losses, done = self.coordinator.run(schedule, self.feeds(s), s)
+            try:
+                losses, done = self.coordinator.run(schedule, self.feeds(s), s)
+            except WorkerLost as lost:
+                schedule = self.recover(lost, s, True, start_step) or make_schedule(
+                    self.config.schedule, self.coordinator.stages, self.M)
+                s, window, warm_up = self.snapshot.step, [], True
+                continue
             self._record(s + 1, float(sum(losses)), time.perf_counter() - start, done)
             self._reports(done)
+            s += 1
+            try:
+                self.at_boundary(s, start_step)
+            except WorkerLost as lost:
+                schedule = self.recover(lost, s, False, start_step) or make_schedule(
+                    self.config.schedule, self.coordinator.stages, self.M)
+                s, window, warm_up = self.snapshot.step, [], True
+                continue
             window.append([d["seconds"].get("F", 0.0) + d["seconds"].get("B", 0.0) for d in done])
             if warm_up and len(window) > 1:
                 window.pop(0)
                 warm_up = False
-            if not (replan_every and (s + 1 - start_step) % replan_every == 0 and s + 1 < start_step + steps):
+            if not (replan_every and (s - start_step) % replan_every == 0 and s < end):
                 continue
             measured = [sum(col) / len(window) for col in zip(*window)]
             window, warm_up = [], False
+            fresh = self.snapshot if self.snapshot is not None and self.snapshot.step == s else None
             if from_bundles:
-                replanned = _replan_bundles(self.coordinator, on_replan, s + 1, measured, address_of, self.result)
+                replanned = _replan_bundles(self.coordinator, on_replan, s, measured, address_of, self.result, fresh)
                 reconf, new_schedule = replanned if replanned is not None else (None, None)
             else:
-                reconf = _replan_ranges(self.coordinator, on_replan, s + 1, measured, addresses, self.result)
+                reconf = _replan_ranges(self.coordinator, on_replan, s, measured, self.workers, self.result, fresh)
                 new_schedule = None if reconf is None else make_schedule(self.config.schedule,
                                                                          self.coordinator.stages, self.M)
             if reconf is not None:
                 window, warm_up = [], True
-                self.result.replans.append((s + 1, reconf))
+                self.result.replans.append((s, reconf))
+                self.event("new_plan", step=s, cause="measured", old_ranges=[list(r) for r in reconf.old_ranges],
+                           ranges=[list(r) for r in reconf.new_ranges], devices=self._devices(),
+                           seconds=reconf.seconds)
                 schedule = new_schedule
+                if self.snapshot is not None and self.snapshot.step == s:  # the state is the same, the stages not
+                    self.snapshot = Snapshot(s, self.coordinator.collect_checkpoint(), self.snapshot.state,
+                                             list(self.result.ranges))
                 if on_replanned:
-                    on_replanned(s + 1, reconf)
+                    on_replanned(s, reconf)
 
 
-def _replan_ranges(coordinator: Coordinator, on_replan, step: int, measured: list[float], addresses: Sequence[str],
-                   result: PipelineResult) -> Reconfiguration | None:
-    """Graph slices: new block ranges from on_replan, stage k on addresses[k]."""
+# Steps whose per-stage reports a result keeps (the figures over the whole run are kept as they go).
+REPORTS_KEPT = 200
+# A device reporting less than this free memory, or battery, is an event (jobs.metrics `events`).
+LOW_MEMORY_BYTES = 256 * 2 ** 20
+LOW_BATTERY_PERCENT = 15.0
+
+
+def _replan_ranges(coordinator: Coordinator, on_replan, step: int, measured: list[float], workers: Sequence[str],
+                   result: PipelineResult, fresh: Snapshot | None = None) -> Reconfiguration | None:
+    """Graph slices: new block ranges from on_replan, stage k on workers[k] (the run's workers in
+    their first order, less any lost)."""
     new_ranges = on_replan(step, measured)
     if new_ranges is None or [tuple(r) for r in new_ranges] == result.ranges:
         return None
-    if not 1 <= len(new_ranges) <= len(addresses):
-        raise ValueError(f"on_replan returned {len(new_ranges)} stages for {len(addresses)} workers")
+    if not 1 <= len(new_ranges) <= len(workers):
+        raise ValueError(f"on_replan returned {len(new_ranges)} stages for {len(workers)} workers")
     result.ranges = [tuple(r) for r in new_ranges]
+    result.addresses = workers[:len(result.ranges)]
     return coordinator.reconfigure([StagePlacement(k, a, b, addr)
-                                    for k, ((a, b), addr) in enumerate(zip(result.ranges, addresses))])
+                                    for k, ((a, b), addr) in enumerate(zip(result.ranges, result.addresses))],
+                                   state=None if fresh is None else fresh.state)
 
 
 def _replan_bundles(coordinator: Coordinator, on_replan, step: int, measured: list[float],
-                    address_of: Mapping[str, str], result: PipelineResult
+                    address_of: Mapping[str, str], result: PipelineResult, fresh: Snapshot | None = None
                     ) -> tuple[Reconfiguration, Schedule] | None:
     """Bundles: a new plan from on_replan, written from the weights gathered here (at most once);
     what moved, and the new plan's schedule."""
-    gathered = []
+    gathered = [fresh.state] if fresh is not None else []
 
     def weights() -> dict[str, np.ndarray]:
         if not gathered:
@@ -263,6 +582,7 @@ def _replan_bundles(coordinator: Coordinator, on_replan, step: int, measured: li
     reconf = coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices, state=gathered[0])
     result.ranges = [tuple(r) for r in plan.ranges]
     result.devices = list(plan.devices)
+    result.addresses = [address_of[d] for d in plan.devices]
     return reconf, plan.schedule
 
 
@@ -270,33 +590,37 @@ def _replan_bundles(coordinator: Coordinator, on_replan, step: int, measured: li
 
 def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training: TrainingSettings,
                        pipeline: PipelineSettings, workers: Sequence[str] | None = None, local: int | None = None,
-                       reporter: Reporter = Silent()) -> TrainingMetrics:
+                       reporter: Reporter = Silent(), task: str = "ner") -> TrainingMetrics:
     """Cut `model` into one stage per worker (at `pipeline.cuts`, else evenly) and train it with the
-    pipeline's schedule on the workers at `workers`, or on `local` worker processes started here.
-    Everything that can be refused is checked before any worker starts."""
+    pipeline's schedule on the workers at `workers`, or on `local` worker processes started here;
+    `task` is ner, seq-cls or causal-lm (jobs.pipeline_tasks). Everything that can be refused is
+    checked before any worker starts."""
     training.check()
     pipeline.check(training.batch)
     M = pipeline.microbatches
     n_stages = len(workers) if workers else (local or 0)
     if n_stages < 1:
         raise JobError("need at least one worker (--workers ADDRESSES or --local N)")
-    ner = load_ner_data(data, eval_path, training.seq, training.tokenizer)
-    graph = adapted(load_model(model, training.batch // M, training.seq), training.lora, reporter)
-    check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], ner.labels)
+    run_task = pipeline_task(task, model, data, eval_path, training, M, reporter)
+    graph = run_task.graph
     cuts = list(pipeline.cuts) if pipeline.cuts else None
-    meta = {"model": Path(model).name, "schedule": pipeline.schedule, "microbatches": M, "batch": training.batch,
-            "seq": training.seq, "optimizer": training.optimizer, "lr": training.lr, "seed": training.seed,
-            "cuts": cuts, "model_path": str(Path(model).resolve()),
-            "lora": None if training.lora is None else asdict(training.lora)}
+    meta = {"model": Path(model).name, "task": task, "schedule": pipeline.schedule, "microbatches": M,
+            "batch": training.batch, "seq": training.seq, "optimizer": training.optimizer, "lr": training.lr,
+            "seed": training.seed, "cuts": cuts, "model_path": str(Path(model).resolve()),
+            "labels": list(run_task.labels), "lora": None if training.lora is None else asdict(training.lora)}
     start_step, weights, opt_state = 0, None, None
     if pipeline.resume:
         start_step, weights, opt_state, cuts = _resumed(pipeline.resume, meta, n_stages)
         reporter.note(f"resuming from {pipeline.resume} at step {start_step}")
     try:
         ranges = stage_ranges(len(graph.blocks), n_stages, cuts)
+        check_tied_schedule(graph, ranges, pipeline.schedule)
     except ValueError as exc:
         raise JobError(str(exc)) from None
-    batches = make_batches(ner.train_encoded, training.batch, training.seq, seed=training.seed)
+    tied = tied_parameters(graph, ranges)
+    if tied:
+        reporter.note(f"{len(tied)} weight(s) held by several stages ({', '.join(sorted(tied)[:3])}): their "
+                      f"gradients are summed through the coordinator before every update")
     config = PipelineConfig(schedule=pipeline.schedule, microbatches=M, engine=training.engine,
                             threads=training.threads, optimizer=training.optimizer, lr=training.lr,
                             timeout_s=pipeline.timeout_s)
@@ -304,57 +628,91 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     if pipeline.replan_every is not None:
         replanner = TimingReplanner(graph, ranges, pipeline.schedule, M, training.optimizer,
                                     pipeline.replan_threshold)
+    faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, 1, pipeline.checkpoint_every)
+    addresses, keys = (None, None) if local else parse_workers(workers, pipeline.keys, pipeline.insecure)
     reporter.start(f"train ({n_stages} stages, {pipeline.schedule}, {M} micro-batches)", training.steps)
 
     def on_step(step, loss, seconds, stage_seconds, done):
         busy = "/".join(f"{busy_fraction(d['seconds'], d.get('wall_s', 0.0)):.0%}" for d in done)
         reporter.step(step - start_step, loss=loss, **{"samples/s": training.batch / seconds, "busy": busy})
 
-    started = LocalWorkers.start(local, training.threads) if local else None
+    def on_event(event):
+        reporter.note(describe_event(event))
+        if replanner is not None and event["event"] == "new_plan" and event.get("cause") == "lost":
+            replanner.restart(event["ranges"])
+
+    started = None
+    if local:
+        pair = None if pipeline.insecure or pipeline.keys is None else coordinator_pair(pipeline.keys, note=reporter.note)
+        started = LocalWorkers.start(local, training.threads, coordinator=pair, insecure=pipeline.insecure,
+                                     failure_timeout_s=pipeline.failure_timeout_s)
+        addresses, keys = started.addresses, started.keys
     failed = True
     try:
-        result = train_pipeline(graph, batches, len(ner.labels), started.addresses if started else list(workers),
+        result = train_pipeline(graph, None, len(run_task.labels), addresses,
                                 config, training.steps, cuts=cuts, update_every=pipeline.update_every,
                                 start_step=start_step, weights=weights, optimizer_state=opt_state,
                                 listen=pipeline.listen, on_step=on_step, checkpoint_dir=pipeline.checkpoint, meta=meta,
-                                replan_every=pipeline.replan_every, on_replan=replanner)
+                                replan_every=pipeline.replan_every, on_replan=replanner, keys=keys,
+                                insecure=pipeline.insecure, faults=faults, on_event=on_event,
+                                feeds_of_step=run_task.feeds_of_step)
         failed = False
-    except WorkerFailed as exc:
+    except (WorkerFailed, RecoveryImpossible) as exc:
         raise JobError(str(exc)) from None
     finally:
         if started:
             codes = started.finish(failed)
             if any(codes) and not failed:
                 reporter.note(f"local workers exited with codes {codes}")
-    stage_rss = [max(rep[k]["peak_rss_bytes"] for rep in result.stage_reports) for k in range(len(result.ranges))]
-    reporter.note("per stage: " + "; ".join(f"stage {k} blocks {a}-{b} peak RSS {rss / 2**20:.0f} MiB"
+    stage_rss = [result.peak_rss_bytes.get(a) for a in result.addresses]
+    reporter.note("per stage: " + "; ".join(f"stage {k} blocks {a}-{b} peak RSS {(rss or 0) / 2**20:.0f} MiB"
                                             for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))))
     replans = tuple({"step": step, "old_ranges": r.old_ranges, "new_ranges": r.new_ranges,
                      "moved_bytes": r.moved_bytes, "seconds": r.seconds} for step, r in result.replans)
     if replanner is not None:
         for step, decision in replanner.decisions:
             reporter.note(f"after step {step}: {decision.reason}")
-    figures = None
-    if ner.dev:
-        full = adapted(load_model(model, training.batch, training.seq), training.lora)
-        scores = score_weights(full, result.weights, ner, training.batch, training.threads)
-        figures = eval_figures(scores)
-        reporter.note(f"entity F1 after pipeline training: {scores.f1:.4f}")
+    figures = run_task.evaluate(result.weights)
+    if figures is not None:
+        reporter.note(f"{run_task.headline(figures)} after pipeline training")
     return TrainingMetrics(
         "train-pipeline", str(model), training.batch, training.seq,
         steps_from(result.losses, result.step_seconds, training.batch, start_step + 1),
         tuple(DeviceFigures(f"stage{k}", k, a, b, rss) for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))),
         microbatches=M, schedule=pipeline.schedule, eval=figures, coordinator_peak_rss_bytes=peak_rss_bytes(),
-        replans=replans, settings={**asdict(training), **asdict(pipeline)})
+        replans=replans, events=tuple(result.events), settings={**asdict(training), **asdict(pipeline), "task": task})
+
+
+def describe_event(event: Mapping) -> str:
+    """One progress line for an event of `PipelineResult.events`."""
+    kind = event["event"]
+    if kind == "lost":
+        return (f"lost {event['device']} (stage {event['stage']}) during step {event['step'] + 1}: detected "
+                f"{event['detected_after_s']:.1f} s after its link went down ({event['reason']})")
+    if kind == "new_plan":
+        where = " | ".join(f"{d} {a}-{b}" for d, (a, b) in zip(event["devices"], event["ranges"]))
+        return f"new plan after step {event['step']} ({event['cause']}): {where}"
+    if kind == "recovered":
+        return (f"recovered: step {event['step']} done {event['seconds']:.1f} s after the loss was detected, "
+                f"{event['steps_replayed']} step(s) replayed")
+    if kind == "checkpoint":
+        return f"checkpoint after step {event['step']} in {event['directory']}"
+    if kind == "memory_low":
+        return f"{event['device']}: only {event['mem_available_bytes'] / 2**20:.0f} MiB free after step {event['step']}"
+    if kind == "battery_low":
+        return f"{event['device']}: battery at {event['battery_percent']:.0f}% after step {event['step']}"
+    if kind == "joined":
+        return f"{event['device']} joined (taken in at the next re-plan)"
+    return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "at"))
 
 
 def _resumed(folder: Path, meta: dict, n_stages: int):
     """(the step to continue from, weights, optimizer state per stage, the cuts) of a checkpoint,
     once it is one of this run's (same model, schedule, shape, optimizer, seed, stage count)."""
     saved, weights, opt_state = load_checkpoint(folder)
-    for key in ("model", "schedule", "microbatches", "batch", "seq", "optimizer", "seed", "lora"):
-        # as JSON reads it back (tuples become lists)
-        if saved.get(key) != json.loads(json.dumps(meta[key])):
+    for key in ("model", "task", "schedule", "microbatches", "batch", "seq", "optimizer", "seed", "lora"):
+        # as JSON reads it back (tuples become lists); checkpoints from before tasks were NER
+        if saved.get(key, "ner" if key == "task" else None) != json.loads(json.dumps(meta[key])):
             raise JobError(f"--resume {folder}: checkpoint has {key}={saved.get(key)!r}, this run {meta[key]!r}")
     if saved["stages"] != n_stages:
         raise JobError(f"--resume {folder}: checkpoint has {saved['stages']} stages, this run {n_stages}")

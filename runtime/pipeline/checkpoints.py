@@ -50,7 +50,11 @@ def merge_checkpoint(per_stage: Sequence[Mapping[str, np.ndarray]]
     for k, tensors in enumerate(per_stage):
         for key, arr in tensors.items():
             if key.startswith("param/"):
-                weights[key[len("param/"):]] = arr
+                name = key[len("param/"):]
+                if name in weights and not np.array_equal(weights[name], arr):
+                    raise RuntimeError(f"stage {k} holds a copy of tied weight {name!r} that differs from an earlier "
+                                       f"stage's: the tied-gradient sums did not keep the copies equal")
+                weights[name] = arr
             elif key.startswith("opt/"):
                 entry = key[len("opt/"):]
                 if "/" in entry:

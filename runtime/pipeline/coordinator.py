@@ -16,6 +16,20 @@ through the coordinator (gather all, send each stage its slice, or a new plan bu
 the gathered weights); `Reconfiguration.moves` says which blocks changed worker and how many bytes
 that was.
 
+Lost workers (`WorkerLost`): every wait also watches the transport's links (ZeroMQ heartbeats),
+so a worker that is killed, frozen or unreachable is reported within the transport's heartbeat
+time, naming its stage and address, instead of after `timeout_s` of silence; a busy worker keeps
+answering heartbeats and is never taken for lost. `abort` then stops the step on the survivors
+(see runtime.pipeline.worker for the fence that keeps the aborted step's messages out of the next),
+`forget` drops the lost workers, and `reconfigure(..., state=)` sets the survivors up again from
+state held here (jobs.pipeline_training keeps it at every flush boundary), so no update is lost.
+
+Tied weights (`ir.graph.tied_parameters`: a weight read by blocks of several stages) are summed
+here: at every UPDATE each holder sends its accumulated gradient ("tied_grad"), the coordinator
+adds the parts in stage order (one fixed order, so every holder gets the same bits) and sends the
+sum back ("tied_sum"); flush schedules only, since 1f1b-stash has no point at which the copies
+could be made equal.
+
 A worker's pipeline position is its transport name ("stage<k>"), so a new plan that renumbers
 workers (reorders them, drops one from the middle, or brings in a spare) renames them. Names change
 hands in two rounds, never overlapping: first every worker that leaves or moves is released (it
@@ -32,8 +46,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ir.graph import Graph
-from ir.plan import Schedule
+from ir.graph import Graph, tied_parameters_of_blocks
+from ir.plan import ActionKind, Schedule
 from ir.serialize import graph_to_json, slice_graph
 from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint
 from runtime.pipeline.executor import COORDINATOR, stage_peer
@@ -43,6 +57,20 @@ from runtime.transport.wire import Expected, PeerTimeout
 
 class WorkerFailed(RuntimeError):
     """A worker reported an error or went silent; the message names the stage and the cause."""
+
+
+class WorkerLost(WorkerFailed):
+    """Workers whose links went down (killed, frozen, unreachable): `lost` maps each one's stage
+    to its LostPeer (address, seconds down, what the transport saw)."""
+
+    def __init__(self, lost: Mapping[int, object]):
+        self.lost = dict(sorted(lost.items()))
+        parts = [f"stage {k} ({p.address}) lost after {p.down_s:.1f} s: {p.reason}" for k, p in self.lost.items()]
+        super().__init__("worker " + "; worker ".join(parts))
+
+    @property
+    def addresses(self) -> list[str]:
+        return [p.address for p in self.lost.values()]
 
 
 @dataclass(frozen=True)
@@ -108,8 +136,12 @@ class Coordinator:
     def __init__(self, graph: Graph | None, placements: Sequence[StagePlacement], config: PipelineConfig, transport,
                  weights: Mapping[str, np.ndarray] | None = None,
                  optimizer_state: Mapping[int, Mapping[str, np.ndarray]] | None = None,
-                 stage_graphs: Sequence[Graph] | None = None, spares: Sequence[str] = ()):
+                 stage_graphs: Sequence[Graph] | None = None, spares: Sequence[str] = (),
+                 worker_keys: Mapping[str, object] | None = None):
         self.graph = graph
+        # worker address -> its public key (runtime.keys.PublicKey): the key each worker's link must
+        # be authenticated with, and what its neighbours are told to expect; None: insecure
+        self.worker_keys = dict(worker_keys) if worker_keys is not None else None
         self.placements = list(placements)
         self.config = config
         self.transport = transport
@@ -121,8 +153,10 @@ class Coordinator:
         self.specs = [stage_spec(g, p.first_block, p.last_block) for g, p in zip(graphs, placements)]
         # every slice keeps every block's metadata (names, parameters): enough to re-cut the model
         self._blocks = (graph if graph is not None else graphs[0]).blocks
+        self._tied_updates = 0  # tied-gradient sums done since the stages were last set up
         self.ready: list[dict] = []
         self._pending: list[tuple[str, dict]] = []
+        self._known_lost: set[str] = set()  # stage peers already being recovered from (during `abort`)
         self.bundle_mode = False
         self.setup_bytes = 0
         # workers that hold no stage (left out by a re-plan, or spares): nameless, stopped with the rest
@@ -151,7 +185,19 @@ class Coordinator:
         return {str(k): int(v) for k, v in splits[stage].items()}
 
     # --- failures ------------------------------------------------------------------------
-    _ANSWERS = ("ready", "done", "checkpoint_done", "released")
+    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted")
+    _POLL_S = 0.25
+
+    def _check_lost(self) -> None:
+        """Raise WorkerLost when the link to any stage's worker is down (other than those already
+        known lost, while an abort is under way)."""
+        lost = self.transport.lost_peers()
+        if not lost:
+            return
+        by_stage = {p.stage: lost[stage_peer(p.stage)] for p in self.placements
+                    if stage_peer(p.stage) in lost and stage_peer(p.stage) not in self._known_lost}
+        if by_stage:
+            raise WorkerLost(by_stage)
 
     def _check_errors(self) -> None:
         try:
@@ -165,16 +211,18 @@ class Coordinator:
             raise WorkerFailed(f"worker {sender} ({self.transport.address_of(sender)}) failed: {msg.get('message')}")
         raise WorkerFailed(f"unexpected control message from {sender}: {msg}")
 
-    def _await_control(self, peer: str, kind: str) -> dict:
-        """The next `kind` message from `peer`; other workers' messages that arrive first wait their turn."""
+    def _await_control(self, peer: str, kind: str, stale: bool = False) -> dict:
+        """The next `kind` message from `peer`; other workers' messages that arrive first wait their
+        turn. With `stale`, other answers from `peer` (of an aborted step or checkpoint) are dropped."""
         for i, (sender, msg) in enumerate(self._pending):
             if sender == peer and msg.get("type") == kind:
                 return self._pending.pop(i)[1]
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             try:
-                sender, msg = self.transport.recv_control(None, timeout=0.5)
+                sender, msg = self.transport.recv_control(None, timeout=self._POLL_S)
             except PeerTimeout:
+                self._check_lost()
                 if time.monotonic() > deadline:
                     raise WorkerFailed(f"worker {peer} ({self.transport.address_of(peer)}) sent no '{kind}' within "
                                        f"{self.config.timeout_s:.0f} s") from None
@@ -186,15 +234,18 @@ class Coordinator:
             if sender != peer and msg.get("type") in self._ANSWERS:
                 self._pending.append((sender, msg))
                 continue
+            if (stale and msg.get("type") in self._ANSWERS) or (msg.get("type") == "aborted" and kind != "aborted"):
+                continue  # answers to an aborted step, or a repeated abort's second answer
             raise WorkerFailed(f"expected '{kind}' from {peer}, got {msg.get('type')!r} from {sender}")
 
     def _await_tensor(self, peer: str, expected: Expected) -> np.ndarray:
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             try:
-                return self.transport.recv_tensor(peer, expected, timeout=0.5)[1]
+                return self.transport.recv_tensor(peer, expected, timeout=self._POLL_S)[1]
             except PeerTimeout:
                 self._check_errors()
+                self._check_lost()
                 if time.monotonic() > deadline:
                     raise WorkerFailed(f"worker {peer} ({self.transport.address_of(peer)}) sent no "
                                        f"{expected.describe()} within {self.config.timeout_s:.0f} s") from None
@@ -211,8 +262,17 @@ class Coordinator:
                 self.transport.disconnect(peer)
                 del self._connected[peer]
         for peer, address in wanted.items():
-            self.transport.connect(peer, address)
+            if self.worker_keys is None:
+                self.transport.connect(peer, address)
+            else:
+                self.transport.connect(peer, address, key=self._key_of(address).curve)
             self._connected[peer] = address
+
+    def _key_of(self, address: str):
+        if address not in self.worker_keys:
+            raise ValueError(f"no public key for the worker at {address}; every worker of a secure pipeline needs "
+                             f"one (the cluster file's `key:`, or NAME.pub in --keys DIR)")
+        return self.worker_keys[address]
 
     def _neighbours(self, p: StagePlacement) -> dict[str, str]:
         """Who stage `p` talks to: the coordinator and the stages next to it."""
@@ -221,6 +281,14 @@ class Coordinator:
             if abs(q.stage - p.stage) == 1:
                 neighbours[stage_peer(q.stage)] = q.address
         return neighbours
+
+    def _peer_keys(self, p: StagePlacement) -> dict:
+        """The neighbours' public keys for stage `p`'s setup (the worker trusts its coordinator's
+        key already and takes no other key for it), or nothing when insecure."""
+        if self.worker_keys is None:
+            return {}
+        return {"peer_keys": {stage_peer(q.stage): self._key_of(q.address).text
+                              for q in self.placements if abs(q.stage - p.stage) == 1}}
 
     def setup(self) -> list[dict]:
         self._remember_workers()
@@ -234,8 +302,9 @@ class Coordinator:
                 "graph": graph_to_json(part), "engine": self.engine_of(p.stage), "threads": self.config.threads,
                 "optimizer": {"name": self.config.optimizer, "lr": self.config.lr,
                               "weight_decay": self.config.weight_decay},
-                "peers": self._neighbours(p), "optimizer_state": list(opt_state),
+                "peers": self._neighbours(p), **self._peer_keys(p), "optimizer_state": list(opt_state),
                 **({"head_split": self.head_split_of(p.stage)} if self.head_split_of(p.stage) else {}),
+                **self._tied_of(p.stage),
             })
             for i, (name, arr) in enumerate(part.constants.items()):
                 value = self.weights[name] if self.weights is not None and name in self.weights else arr
@@ -243,7 +312,46 @@ class Coordinator:
                 self.setup_bytes += int(np.asarray(value).nbytes)
             self._send_optimizer_state(p.stage, opt_state)
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
+        self._tied_updates = 0
         return self.ready
+
+    @property
+    def tied(self) -> dict[str, tuple[int, ...]]:
+        """The weights several stages hold -> those stages (empty when no cut goes through one)."""
+        return tied_parameters_of_blocks(self._blocks, [(p.first_block, p.last_block) for p in self.placements])
+
+    def _tied_of(self, stage: int) -> dict:
+        names = sorted(name for name, stages in self.tied.items() if stage in stages)
+        return {"tied": names} if names else {}
+
+    def _sum_tied(self, schedule: Schedule) -> None:
+        """Every UPDATE of the schedule: take each holder's gradient part of each tied weight, add
+        the parts in stage order, send the sum to every holder (see the module docstring)."""
+        tied = self.tied
+        if not tied:
+            return
+        holders = sorted({s for stages in tied.values() for s in stages})
+        counts = {s: sum(1 for a in schedule.actions[s] if a.kind is ActionKind.UPDATE) for s in holders}
+        if len(set(counts.values())) != 1:
+            raise ValueError(f"the holders of tied weights update a different number of times per run ({counts}): "
+                             f"their copies would drift apart")
+        for _ in range(counts[holders[0]]):
+            u = self._tied_updates
+            for name in sorted(tied):
+                total = None
+                for s in tied[name]:
+                    part = self._await_tensor(stage_peer(s), Expected(kind="tied_grad", stage=s, microbatch=u,
+                                                                      name=name))
+                    if total is None:
+                        total = np.array(part, dtype=part.dtype, copy=True)
+                    elif part.shape != total.shape or part.dtype != total.dtype:
+                        raise WorkerFailed(f"stage {s} sent a gradient of {part.dtype}{part.shape} for tied weight "
+                                           f"{name!r}, stage {tied[name][0]} one of {total.dtype}{total.shape}")
+                    else:
+                        total += part
+                for s in tied[name]:
+                    self.transport.send_tensor(stage_peer(s), "tied_sum", -1, u, total, name=name)
+            self._tied_updates += 1
 
     def _send_optimizer_state(self, stage: int, opt_state: Mapping[str, np.ndarray]) -> None:
         for i, (name, arr) in enumerate(opt_state.items()):
@@ -262,13 +370,15 @@ class Coordinator:
             opt_state = self.optimizer_state.get(p.stage, {})
             self.transport.send_control(stage_peer(p.stage), {
                 "type": "setup_bundle", "stage": p.stage, "device": device, "peers": self._neighbours(p),
-                "bundle_files": names, "optimizer_state": list(opt_state)})
+                **self._peer_keys(p), "bundle_files": names, "optimizer_state": list(opt_state),
+                **self._tied_of(p.stage)})
             sent = send_bundle(self.transport, stage_peer(p.stage), directory)
             if sent != names:
                 raise RuntimeError(f"bundle {directory} changed while being sent")
             self.setup_bytes += sum((Path(directory) / name).stat().st_size for name in names)
             self._send_optimizer_state(p.stage, opt_state)
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
+        self._tied_updates = 0
         return self.ready
 
     # --- training ------------------------------------------------------------------------
@@ -283,6 +393,10 @@ class Coordinator:
             raise ValueError(f"{len(microbatch_feeds)} micro-batches of data for a schedule of {schedule.microbatches}")
         if send_actions is None:
             send_actions = not self.bundle_mode
+        if self.tied and not schedule.flushes:
+            name, stages = next(iter(self.tied.items()))
+            raise ValueError(f"{schedule.name} cannot train weights tied across stages ({name!r} is on stages "
+                             f"{list(stages)}): use 1f1b-flush or gpipe, or keep the tied blocks on one stage")
         for p in self.placements:
             actions = [str(a) for a in schedule.actions[p.stage]] if send_actions else None
             self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "actions": actions})
@@ -294,6 +408,7 @@ class Coordinator:
         last = stage_peer(self.stages - 1)
         losses = [float(self._await_tensor(last, Expected(kind="loss", stage=self.stages - 1, microbatch=m))[0])
                   for m in range(schedule.microbatches)]
+        self._sum_tied(schedule)
         done = [self._await_control(stage_peer(p.stage), "done") for p in self.placements]
         return losses, done
 
@@ -367,7 +482,8 @@ class Coordinator:
         return contents
 
     def reconfigure(self, placements: Sequence[StagePlacement], *, bundles: Sequence[Path] | None = None,
-                    devices: Sequence[str] | None = None, state: TrainingState | None = None) -> Reconfiguration:
+                    devices: Sequence[str] | None = None, state: TrainingState | None = None,
+                    lost: Sequence[str] = ()) -> Reconfiguration:
         """Switch to new stages at a flush boundary (call between steps of a flush schedule):
         gather every stage's weights and optimizer state (or take `state`, gathered at this same
         boundary), release the name of every worker that leaves or changes position, and set up
@@ -377,8 +493,16 @@ class Coordinator:
 
         From plan bundles (`setup_bundles`), the new stages come as the new plan's `bundles` and
         `devices` (one per placement, holding the current weights); workers verify them as on
-        first setup. Otherwise each stage gets a slice of the whole graph."""
+        first setup. Otherwise each stage gets a slice of the whole graph.
+
+        After a loss (`lost`: the lost workers' addresses, already `forget`-ten), `state` must be
+        the state held off the devices; lost workers are not asked to release anything."""
         start = time.perf_counter()
+        lost = set(lost)
+        if lost & {p.address for p in placements}:
+            raise ValueError(f"the new placements use lost workers {sorted(lost & {p.address for p in placements})}")
+        if lost and state is None:
+            raise ValueError("after a loss the state must come from elsewhere (state=): lost workers cannot be gathered")
         placements = list(placements)
         self._check_new_placements(placements)
         if not self.bundle_mode and bundles is not None:
@@ -398,9 +522,9 @@ class Coordinator:
         contents = self._check_new_bundles(placements, bundles, devices, state.weights) if self.bundle_mode else None
         old = self.placements
         moves = _moves(self._blocks, old, placements, state)
-        self._release([p for p in old if _stage_at(placements, p.address) != p.stage])
+        self._release([p for p in old if _stage_at(placements, p.address) != p.stage and p.address not in lost])
         kept = {p.address for p in placements}
-        self.idle = [a for a in [*self.idle, *(p.address for p in old)] if a not in kept]
+        self.idle = [a for a in [*self.idle, *(p.address for p in old)] if a not in kept and a not in lost]
         self.weights = {**(self.weights or {}), **state.weights}
         self.optimizer_state = {p.stage: state.stage_optimizer_state(
             [x for b in self._blocks[p.first_block:p.last_block + 1] for x in b.params]) for p in placements}
@@ -416,6 +540,48 @@ class Coordinator:
         return Reconfiguration([(p.first_block, p.last_block) for p in old],
                                [(p.first_block, p.last_block) for p in placements], moves, self.setup_bytes,
                                list(self.idle), time.perf_counter() - start)
+
+    def abort(self, step: int, lost: WorkerLost) -> list[str]:
+        """Stop step `step` on every surviving stage after `lost`: each drops what the step had in
+        flight, fences its neighbours and answers; what the survivors sent here for that step is
+        dropped. Returns the survivors' addresses. A further loss meanwhile raises WorkerLost
+        with every lost stage."""
+        gone = {stage_peer(k) for k in lost.lost}
+        survivors = [p for p in self.placements if stage_peer(p.stage) not in gone]
+        for p in survivors:
+            self.transport.send_control(stage_peer(p.stage), {"type": "abort", "step": step, "lost": sorted(gone)})
+        self._known_lost = gone
+        try:
+            for p in survivors:
+                peer = stage_peer(p.stage)
+                self._pending = [(s, m) for s, m in self._pending if s != peer or m.get("type") == "aborted"]
+                self._await_control(peer, "aborted", stale=True)
+        except WorkerLost as more:
+            raise WorkerLost({**lost.lost, **more.lost}) from None
+        finally:
+            self._known_lost = set()
+        for p in survivors:
+            peer = stage_peer(p.stage)
+            self.transport.discard(peer)
+            self._pending = [(s, m) for s, m in self._pending if s != peer]
+        return [p.address for p in survivors]
+
+    def forget(self, addresses: Sequence[str]) -> None:
+        """Drop lost workers: no connection, no stage, not idle; they are never waited for again."""
+        addresses = set(addresses)
+        for peer, address in list(self._connected.items()):
+            if address in addresses:
+                self.transport.disconnect(peer)
+                # what it sent before it died stays filed under its name, which a survivor may take next
+                self.transport.discard(peer)
+                del self._connected[peer]
+                self._pending = [(s, m) for s, m in self._pending if s != peer]
+        self.idle = [a for a in self.idle if a not in addresses]
+
+    def lost_spares(self) -> list[str]:
+        """Idle workers whose links are down (gone while waiting): a re-plan must not use them."""
+        lost = self.transport.lost_peers()
+        return [a for a in self.idle if _idle_peer(a) in lost]
 
     def _release(self, workers: Sequence[StagePlacement]) -> None:
         """Have each of `workers` drop its stage and give up its name, and wait until all have:

@@ -7,6 +7,12 @@ until its B, the input gradient until its SEND, and drops the rest at FREE. Grap
 mask, targets) for a micro-batch arrive from the coordinator just before the stage's F needs them;
 the last stage reports each micro-batch's loss back.
 
+Tied weights (a weight the blocks of several stages read: an LM head that is the input embedding,
+ALBERT's one layer cut through): each holder keeps a copy, and at each UPDATE it sends its
+accumulated gradient for them to the coordinator ("tied_grad") and steps with the sum that comes
+back ("tied_sum", the same array on every holder), so the copies stay bit-identical and the
+pipeline trains as one device does.
+
 ZeroMQ queues incoming messages in its I/O thread while this loop computes, so receives are in
 effect posted early and waited on late: a RECV only blocks if the peer has not sent yet.
 """
@@ -20,9 +26,17 @@ import numpy as np
 
 from ir.plan import Action, ActionKind
 from runtime.engines.base import StageEngine
-from runtime.transport.wire import Expected, Transport
+from runtime.transport.wire import Expected, PeerTimeout, Transport
 
 COORDINATOR = "coordinator"
+# How often a stage waiting for a neighbour looks whether the coordinator aborted the step (a
+# neighbour was lost): waiting is in slices this long.
+POLL_S = 0.1
+
+
+class StepAborted(RuntimeError):
+    """The coordinator aborted the step this stage was running (a device was lost); the stage
+    drops what the step had in flight (`StageExecutor.drop_step`) and answers the abort."""
 
 
 # The action kinds that compute (the rest move or drop data): a stage's busy time.
@@ -64,7 +78,8 @@ class StageExecutor:
     """Runs one stage's actions with an engine, a transport and an optimizer."""
 
     def __init__(self, stage: int, stages: int, engine: StageEngine, transport: Transport, optimizer,
-                 input_names: Sequence[str], timeout: float | None = 300.0):
+                 input_names: Sequence[str], timeout: float | None = 300.0, interrupt=None,
+                 tied: Sequence[str] = ()):
         self.stage = stage
         self.stages = stages
         self.engine = engine
@@ -73,6 +88,11 @@ class StageExecutor:
         self.input_names = tuple(input_names)
         self.timeout = timeout
         self.params = engine.parameters()
+        unknown = sorted(set(tied) - set(self.params))
+        if unknown:
+            raise ValueError(f"stage {stage}: tied weights {unknown[:3]} are not trainable parameters of this stage")
+        # this stage's tied weights, in the order they are exchanged (the coordinator's order)
+        self.tied = tuple(sorted(tied))
         self.grad_sum: dict[str, np.ndarray] = {}
         self.backwards_since_update = 0
         self.updates = 0
@@ -82,15 +102,35 @@ class StageExecutor:
         self._grads_out: dict[int, np.ndarray | None] = {}
         self.losses: dict[int, float] = {}
         self.stats = ExecutorStats()
+        # called while waiting for a message, every POLL_S: raises (StepAborted) to stop waiting
+        self.interrupt = interrupt
 
     @property
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
     def _recv(self, peer: str, kind: str, stage: int, microbatch: int, name: str = "") -> np.ndarray:
-        _, array = self.transport.recv_tensor(peer, Expected(kind=kind, stage=stage, microbatch=microbatch,
-                                                             name=name or None), timeout=self.timeout)
-        return array
+        expected = Expected(kind=kind, stage=stage, microbatch=microbatch, name=name or None)
+        if self.interrupt is None:
+            return self.transport.recv_tensor(peer, expected, timeout=self.timeout)[1]
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            wait = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return self.transport.recv_tensor(peer, expected, timeout=wait)[1]
+            except PeerTimeout:
+                self.interrupt()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise PeerTimeout(peer, self.transport.address_of(peer), str(expected), self.timeout) from None
+
+    def drop_step(self) -> None:
+        """Forget everything of the step in flight (activations, gradients, the accumulated weight
+        gradient): an aborted step is replayed from the state before it, never half-applied."""
+        for store in (self._acts, self._outs, self._grads_in, self._grads_out):
+            store.clear()
+        self.grad_sum = {}
+        self.backwards_since_update = 0
+        self.losses.clear()
 
     def _graph_inputs(self, microbatch: int) -> dict[str, np.ndarray]:
         return {n: self._recv(COORDINATOR, "batch", -1, microbatch, n) for n in self.input_names}
@@ -154,11 +194,28 @@ class StageExecutor:
         # hands optimizer state between stages by that count.
         if self.params and not self.grad_sum:
             raise RuntimeError(f"stage {self.stage}: UPDATE with no accumulated gradient")
+        if self.tied:
+            self._sum_tied()
         self.params = self.optimizer.step(self.params, self.grad_sum)
         self.engine.set_parameters(self.params)
         self.grad_sum = {}
         self.backwards_since_update = 0
         self.updates += 1
+
+    def _sum_tied(self) -> None:
+        """Replace this stage's part of each tied weight's gradient by the sum over its holders.
+        Everything is sent before anything is awaited, so holders never wait on one another; the
+        update count tells this update's sums from those of an aborted step."""
+        for name in self.tied:
+            self.transport.send_tensor(COORDINATOR, "tied_grad", self.stage, self.updates,
+                                       np.ascontiguousarray(self.grad_sum[name]), name=name)
+        for name in self.tied:
+            part = self.grad_sum[name]
+            total = self._recv(COORDINATOR, "tied_sum", -1, self.updates, name)
+            if total.shape != part.shape or total.dtype != part.dtype:
+                raise ValueError(f"stage {self.stage}: the coordinator's sum for tied weight {name!r} is "
+                                 f"{total.dtype}{total.shape}, its gradient here {part.dtype}{part.shape}")
+            self.grad_sum[name] = total
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         return self.optimizer.state()

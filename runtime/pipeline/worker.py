@@ -16,9 +16,21 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          closes every outgoing connection and waits, nameless, for a setup under
                          any stage index (a re-plan that renumbers it) or for stop
   coordinator -> worker  reset: drop the stage but keep the name (and the connections)
+  coordinator -> worker  abort {step, lost: [stage names]} (a device was lost mid-step): the worker
+                         drops the step in flight (it notices while waiting for any message),
+                         sends each live neighbour a fence, takes the neighbours' fences (so no
+                         tensor of the aborted step is left to be mistaken for one of the next),
+                         then answers aborted {stage, step}; the coordinator then restores every
+                         stage from the state it holds (a re-plan over the survivors)
   coordinator -> worker  stop
 Any failure is reported as error {stage, message} before the worker exits non-zero, so the
 coordinator can name the device and the cause instead of timing out.
+
+Trust: the worker knows its coordinator's public key from the start (`--keys DIR`:
+coordinator.pub) and accepts nothing from anyone else until a setup (over that authenticated
+link) names the neighbours and their keys; a bundle must be signed by that same key. A worker whose
+coordinator is lost (its heartbeats stop) drops its stage and waits, nameless, for a coordinator
+again; one started by a coordinator as a local process dies with it (`watch_parent`).
 
 A worker's transport name is its stage ("stage<k>"): neighbours and the coordinator tell its
 messages apart by it. A setup under another stage index than the one the worker holds is refused
@@ -28,7 +40,10 @@ runtime.transport.zeromq on how a name changes hands).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 
 import numpy as np
@@ -37,20 +52,48 @@ from ir.plan import Action
 from ir.serialize import graph_from_json
 from ir.backend import BackendSpec
 from runtime.engines.factory import make_engine
-from runtime.pipeline.executor import COORDINATOR, StageExecutor, stage_peer
+from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
-from runtime.procfs import peak_rss_bytes
-from runtime.transport.wire import Expected
+from runtime.procfs import device_state, peak_rss_bytes, rss_bytes
+from runtime.transport.wire import Expected, PeerTimeout
+
+# How often a worker waiting for the coordinator looks whether it is still there, and how long its
+# link must stay down before the stage is dropped: far longer than the coordinator takes to find a
+# lost worker, since a worker that gives up too early loses a run that was only slow (local workers
+# end with their coordinator at once anyway, `watch_parent`).
+_LIVENESS_POLL_S = 0.5
+COORDINATOR_GRACE_S = 30.0
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator's link is down (killed, frozen or unreachable): the stage is dropped."""
 
 
 class Worker:
-    def __init__(self, transport, timeout: float = 600.0):
+    """`trusted` is the coordinator's public key (runtime.keys.PublicKey): bundles must be signed
+    by it, and the link to the coordinator is authenticated with it. None: an insecure worker,
+    which checks no signature."""
+
+    def __init__(self, transport, timeout: float = 600.0, trusted=None):
         self.transport = transport
         self.timeout = timeout
+        self.trusted = trusted
         self.stage: int | None = None
         self.executor: StageExecutor | None = None
         self.bundle_actions: list[Action] | None = None
+
+    def _interrupt(self) -> None:
+        """While a stage waits for a neighbour: stop when the coordinator aborted the step, or is gone."""
+        pending = self.transport.peek_control(COORDINATOR)
+        if pending is not None and pending.get("type") == "abort":
+            raise StepAborted(f"stage {self.stage}: step {pending.get('step')} aborted by the coordinator")
+        self._check_coordinator()
+
+    def _check_coordinator(self) -> None:
+        lost = self.transport.lost_peers(grace_s=COORDINATOR_GRACE_S).get(COORDINATOR)
+        if lost is not None and lost.was_up:
+            raise CoordinatorLost(f"the coordinator at {lost.address} is lost: {lost.reason}")
 
     def _recv_tensors(self, kind: str, names: list[str]) -> dict[str, np.ndarray]:
         out = {}
@@ -93,19 +136,38 @@ class Worker:
                              f"giving it another")
         self.reset()
 
-    def _meet_peers(self, peers: dict[str, str]) -> None:
-        """Connect to this setup's peers (coordinator and neighbours) and drop any old neighbour
-        that is not one of them, so nothing is sent along a link the new plan does not have."""
+    def _key_of(self, peer: str, keys: dict) -> bytes | None:
+        """The CURVE key `peer`'s link must be authenticated with: the trusted coordinator key for
+        the coordinator (never one a message names), the setup's key for a neighbour."""
+        if not getattr(self.transport, "secure", False):
+            return None
+        from runtime.keys import PublicKey
+
+        if peer == COORDINATOR:
+            return self.trusted.curve
+        if not isinstance(keys, dict) or peer not in keys:
+            raise ValueError(f"setup names neighbour {peer!r} without its public key (peer_keys); a secure worker "
+                             f"talks only to peers whose key it knows")
+        return PublicKey.parse(keys[peer], f"setup: key of {peer}").curve
+
+    def _meet_peers(self, peers: dict[str, str], keys: dict | None = None) -> None:
+        """Connect to this setup's peers (coordinator and neighbours, with their keys) and drop any
+        old neighbour that is not one of them, so nothing is sent along a link the new plan does
+        not have (and a secure transport admits no key the new plan does not name)."""
         for peer in list(getattr(self.transport, "peers", {})):
             if peer not in peers:
                 self.transport.disconnect(peer)
         for peer, address in peers.items():
-            self.transport.connect(peer, address)
+            key = self._key_of(peer, keys or {})
+            if key is None:
+                self.transport.connect(peer, address)
+            else:
+                self.transport.connect(peer, address, key=key)
 
     def setup(self, msg: dict) -> None:
         self._take_stage(int(msg["stage"]))
         stages = int(msg["stages"])
-        self._meet_peers(msg["peers"])
+        self._meet_peers(msg["peers"], msg.get("peer_keys"))
         constants = self._recv_tensors("weights", list(msg["graph"]["constants"]))
         graph = graph_from_json(msg["graph"], {k: np.array(v) for k, v in constants.items()})
         first, last = msg["blocks"]
@@ -117,9 +179,10 @@ class Worker:
         if msg.get("optimizer_state"):
             optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
         self.executor = StageExecutor(self.stage, stages, engine, self.transport, optimizer,
-                                      spec.graph_inputs, timeout=self.timeout)
+                                      spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
+                                      tied=_tied_names(msg))
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
-                                                  "rss_bytes": peak_rss_bytes()})
+                                                  "rss_bytes": peak_rss_bytes(), **device_state()})
 
     def setup_bundle(self, msg: dict) -> None:
         """Set up from a plan bundle: verify every file against its manifest before using any of it;
@@ -127,9 +190,15 @@ class Worker:
         from runtime.pipeline.bundles import recv_bundle
 
         self._take_stage(int(msg["stage"]))
-        self._meet_peers(msg["peers"])
+        self._meet_peers(msg["peers"], msg.get("peer_keys"))
+        check = None
+        if self.trusted is not None:
+            from runtime.keys import verifier
+
+            check = verifier(self.trusted)
         contents = recv_bundle(self.transport, COORDINATOR, msg["bundle_files"],
-                               source=f"{msg.get('device', 'bundle')} (from the coordinator)", timeout=self.timeout)
+                               source=f"{msg.get('device', 'bundle')} (from the coordinator)", timeout=self.timeout,
+                               check_signature=check)
         if contents.stage != self.stage:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc
@@ -140,9 +209,11 @@ class Worker:
             optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
         self.bundle_actions = list(contents.actions)
         self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
-                                      spec.graph_inputs, timeout=self.timeout)
+                                      spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
+                                      tied=_tied_names(msg))
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
-                                                  "rss_bytes": peak_rss_bytes(), "device": contents.device})
+                                                  "rss_bytes": peak_rss_bytes(), "device": contents.device,
+                                                  **device_state()})
 
     def _need_stage(self, what: str) -> None:
         if self.executor is None:
@@ -157,14 +228,53 @@ class Worker:
         else:
             raise ValueError("run without actions: no bundle was loaded and the coordinator sent none")
         before = dict(self.executor.stats.seconds), self.executor.stats.wall_s
-        self.executor.run(actions)
+        try:
+            self.executor.run(actions)
+        except StepAborted:
+            self.executor.drop_step()
+            return  # the abort message itself is answered by `serve` next
         stats = self.executor.stats
         self.transport.send_control(COORDINATOR, {
             "type": "done", "stage": self.stage, "step": msg.get("step"),
             "seconds": {k: v - before[0].get(k, 0.0) for k, v in stats.seconds.items()},
             "wall_s": stats.wall_s - before[1], "version": getattr(self.executor.engine, "version", None),
-            "updates": self.executor.updates, "peak_rss_bytes": peak_rss_bytes(),
+            "updates": self.executor.updates, "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes(),
+            **device_state(),
         })
+
+    def abort(self, msg: dict) -> None:
+        """Answer the coordinator's abort: drop the step in flight, fence every live neighbour and
+        take their fences (what each sent before its fence belongs to the aborted step and is
+        dropped), then acknowledge. Neighbours lost meanwhile are not waited for."""
+        if self.executor is not None:
+            self.executor.drop_step()
+        # the step's batches came before the abort on the same connection: all are here, and stale
+        self.transport.discard(COORDINATOR, controls=False)
+        lost = set(msg.get("lost") or ())
+        for peer in lost:  # what a lost neighbour sent is of no step to come (another may take its name)
+            self.transport.discard(peer)
+        neighbours = [p for p in getattr(self.transport, "peers", {}) if p != COORDINATOR and p not in lost]
+        for peer in neighbours:
+            self.transport.send_control(peer, {"type": "fence", "stage": self.stage, "step": msg.get("step")})
+        deadline = time.monotonic() + self.timeout
+        waiting = set(neighbours)
+        while waiting:
+            for peer in sorted(waiting):
+                try:
+                    _, fence = self.transport.recv_control(peer, timeout=0.05)
+                except PeerTimeout:
+                    if peer in self.transport.lost_peers():
+                        waiting.discard(peer)
+                    continue
+                if fence.get("type") != "fence":
+                    raise ValueError(f"stage {self.stage}: expected a fence from {peer} after an abort, got "
+                                     f"{fence.get('type')!r}")
+                self.transport.discard(peer, controls=False)
+                waiting.discard(peer)
+            self._check_coordinator()
+            if waiting and time.monotonic() > deadline:
+                raise PeerTimeout(sorted(waiting)[0], None, "a fence after an abort", self.timeout)
+        self.transport.send_control(COORDINATOR, {"type": "aborted", "stage": self.stage, "step": msg.get("step")})
 
     def checkpoint(self) -> None:
         self._need_stage("checkpoint")
@@ -189,35 +299,112 @@ class Worker:
         except Exception:
             pass
 
+    def _next_order(self) -> dict:
+        """The coordinator's next message; while this worker holds a stage, its coordinator is
+        watched, and a lost one raises CoordinatorLost."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self.transport.recv_control(COORDINATOR, timeout=_LIVENESS_POLL_S)[1]
+            except PeerTimeout:
+                self._check_coordinator()
+                if time.monotonic() >= deadline:
+                    raise PeerTimeout(COORDINATOR, self.transport.address_of(COORDINATOR), "a control message",
+                                      self.timeout) from None
+
+    def drop_coordinator(self) -> None:
+        """The coordinator is lost: drop the stage and the name, close every connection, and wait
+        for a coordinator again, as a worker that was never set up."""
+        self.reset()
+        for peer in list(getattr(self.transport, "peers", {})):
+            self.transport.disconnect(peer)
+        self.stage = None
+
     def serve(self) -> int:
         while True:
-            _, msg = self.transport.recv_control(COORDINATOR, timeout=self.timeout)
-            kind = msg.get("type")
-            if kind == "setup":
-                self.setup(msg)
-            elif kind == "setup_bundle":
-                self.setup_bundle(msg)
-            elif kind == "run":
-                self.run(msg)
-            elif kind == "checkpoint":
-                self.checkpoint()
-            elif kind == "reset":
-                self.reset()
-            elif kind == "release":
-                self.release()
-            elif kind == "stop":
-                return 0
-            else:
-                raise ValueError(f"unknown control message type {kind!r} from the coordinator")
+            try:
+                if self._obey(self._next_order()):
+                    return 0
+            except CoordinatorLost as lost:
+                print(f"worker: {lost}; dropping the stage and waiting for a coordinator", file=sys.stderr, flush=True)
+                self.drop_coordinator()
+
+    def _obey(self, msg: dict) -> bool:
+        """Carry out one order of the coordinator; True for stop."""
+        kind = msg.get("type")
+        if kind == "abort":
+            self.abort(msg)
+        elif kind == "setup":
+            self.setup(msg)
+        elif kind == "setup_bundle":
+            self.setup_bundle(msg)
+        elif kind == "run":
+            self.run(msg)
+        elif kind == "checkpoint":
+            self.checkpoint()
+        elif kind == "reset":
+            self.reset()
+        elif kind == "release":
+            self.release()
+        elif kind == "stop":
+            return True
+        else:
+            raise ValueError(f"unknown control message type {kind!r} from the coordinator")
+        return False
 
 
-def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0) -> int:
-    """`confidant worker --listen ADDR`: print the bound address, then serve until told to stop."""
+def _tied_names(msg: dict) -> list[str]:
+    """The setup's `tied`: this stage's weights that other stages hold too (their gradients are
+    summed through the coordinator before every update)."""
+    names = msg.get("tied", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"setup: 'tied' must be a list of parameter names, got {names!r:.80}")
+    return names
+
+
+def watch_parent(pid: int) -> None:
+    """End this process when process `pid` (the coordinator that started it) ends: the kernel's
+    parent-death signal where Linux offers it, and a watcher thread everywhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != pid:  # it died before the signal was armed
+        os._exit(3)
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="confidant-parent-watch", daemon=True).start()
+
+
+def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, keys=None, insecure: bool = False,
+          heartbeat_s: float | None = 3.0, parent_pid: int | None = None) -> int:
+    """`confidant worker --listen ADDR --keys DIR --name NAME`: print the bound address, then
+    serve until told to stop. `keys` is a runtime.keys.KeyDir holding this worker's pair and the
+    coordinator's public key; `insecure` runs without (plaintext, no signature checks)."""
+    from runtime.keys import COORDINATOR_KEY
     from runtime.transport.zeromq import ZmqTransport
 
-    transport = ZmqTransport("worker", listen, accept=(COORDINATOR,))
+    if parent_pid is not None:
+        watch_parent(parent_pid)
+    if keys is not None:
+        trusted = keys.key_of(COORDINATOR_KEY)
+        transport = ZmqTransport("worker", listen, keys=keys.own.curve_keys(), accept={COORDINATOR: trusted.curve},
+                                 heartbeat_s=heartbeat_s)
+    elif insecure:
+        trusted = None
+        transport = ZmqTransport("worker", listen, insecure=True, accept=(COORDINATOR,), heartbeat_s=heartbeat_s)
+    else:
+        raise ValueError("a worker needs --keys DIR (its NAME.key and the coordinator's coordinator.pub) or, on a "
+                         "network nobody else can reach, --insecure")
     print(f"listening {transport.address}", flush=True)
-    worker = Worker(transport, timeout=timeout)
+    worker = Worker(transport, timeout=timeout, trusted=trusted)
     try:
         return worker.serve()
     except Exception as exc:  # report, then fail: the coordinator must learn which device broke and why

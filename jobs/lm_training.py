@@ -1,0 +1,217 @@
+"""`confidant train-local MODEL --task causal-lm`: fine-tune a decoder LLM on one device and score it.
+
+The model is an ONNX causal LM from `confidant export --task causal-lm` (tokenizer.json and
+chat_template.json beside it). Training data: JSONL instructions (loss on the answers only) or plain
+text (packed rows), `tasks.lm_data`. The evaluation file (JSONL instructions) is scored before and
+after training:
+- perplexity of its answers, on the training engine itself (the lowered graph's causal-LM loss, so
+  no vocabulary-sized logits are made);
+- exact match of generated answers (greedy), by generating from the trained weights on ONNX Runtime
+  over the exported file (`jobs.generation.evaluate_lm`, its weights replaced by the trained ones;
+  LoRA adapters are merged into their base weights first), plus the entity task's JSON scores when
+  the answers are its JSON.
+`eval_limit` caps how many evaluation conversations are generated for (generation is the slow part).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from ir.backend import BackendSpec
+from ir.graph import Graph
+from jobs.errors import JobError
+from jobs.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
+from jobs.report import Reporter, Silent
+from jobs.settings import TrainingSettings
+from planner.lora import Adapter, add_lora
+from planner.onnx_import import load_model
+from runtime.engines.factory import make_engine
+from runtime.engines.stage import stage_spec
+from tasks.generate import GenerationSettings, lm_metadata
+from tasks.lm_data import encode_instructions, load_lm_examples, make_lm_batches, microbatch_feeds, pad_lm_batch, \
+    read_instructions
+from tasks.lm_eval import InstructionScores, engine_nll
+from tasks.lm_tokenizer import LmTokenizer, load_lm_tokenizer
+from tasks.trainer import TrainConfig, train_steps
+
+ANSWER_TOKENS = 48  # the longest entities-json answer is 37 SmolLM2 tokens with its end token
+
+
+def lm_tokenizer(model: Path, settings: TrainingSettings) -> LmTokenizer:
+    try:
+        return load_lm_tokenizer(settings.tokenizer or model)
+    except FileNotFoundError as exc:
+        raise JobError(str(exc)) from None
+
+
+def lm_graph(model: Path, settings: TrainingSettings, reporter: Reporter = Silent()
+             ) -> tuple[Graph, tuple[Adapter, ...]]:
+    """The causal LM lowered at the training shape, with LoRA adapters when the settings ask (and
+    the adapters, to merge them back for generation)."""
+    graph = load_model(model, settings.batch, settings.seq, loss="causal-lm")
+    if settings.lora is None:
+        return graph, ()
+    try:
+        lora, adapters = add_lora(graph, settings.lora)
+    except ValueError as exc:
+        raise JobError(f"--lora-targets: {exc}") from None
+    trainable = sum(int(lora.constants[p].nbytes) for p in lora.params)
+    reporter.note(f"LoRA r={settings.lora.rank} alpha={settings.lora.alpha:g} on {len(adapters)} projections "
+                  f"({', '.join(sorted({a.role for a in adapters}))}); trainable {trainable / 2**20:.2f} MiB, "
+                  f"frozen {sum(b.frozen_bytes for b in lora.blocks) / 2**20:.1f} MiB")
+    return lora, adapters
+
+
+def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarray], adapters, scale: float
+                       ) -> dict[str, np.ndarray]:
+    """The trained weights by the exported file's initializer names (adapters merged into their base
+    weights): what ONNX Runtime generates with. Parameters that are no initializer of the file are
+    left out (there are none in a `confidant export --task causal-lm` TorchScript file)."""
+    out = {p: weights[p] for p in graph.params if p in weights}
+    for a in adapters:
+        delta = scale * (weights[a.a].astype(np.float64) @ weights[a.b].astype(np.float64))
+        base = graph.constants[a.base].astype(np.float64)
+        out[a.base] = (base + (delta.T if a.base_transposed else delta)).astype(np.float32)
+        out.pop(a.a, None)
+        out.pop(a.b, None)
+    meta = lm_metadata(model)
+    known = set(meta["weights"]) if meta else set(out)
+    return {k: v for k, v in out.items() if k in known}
+
+
+def _rows_of(path: Path, tokenizer: LmTokenizer, seq: int, what: str):
+    try:
+        return load_lm_examples(path, tokenizer, seq, truncate=True)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"{what} {path}: {exc}") from None
+
+
+def train_rows_of(data: Path, tokenizer: LmTokenizer, seq: int):
+    rows = _rows_of(data, tokenizer, seq, "--data")
+    if not rows:
+        raise JobError(f"--data {data}: no training rows")
+    return rows
+
+
+def dev_rows_of(eval_path: Path | None, tokenizer: LmTokenizer, settings: TrainingSettings):
+    """(the first `eval_limit` evaluation conversations, their encoded rows); empty without a file."""
+    dev = read_instructions(eval_path)[:settings.eval_limit] if eval_path is not None else []
+    if eval_path is not None and not dev:
+        raise JobError(f"--eval {eval_path}: no conversations")
+    return dev, (encode_instructions(tokenizer, dev, settings.seq, truncate=True) if dev else [])
+
+
+def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSettings, eval_path: Path, dev_batches,
+            pad_id: int, weights: Mapping[str, np.ndarray] | None) -> tuple[float, InstructionScores]:
+    """(dev perplexity on `engine`, which holds `weights`, generated answers' scores with them)."""
+    from jobs.generation import evaluate_lm
+
+    nll = engine_nll(engine, dev_batches, settings.batch, pad_id)
+    scale = settings.lora.scale if settings.lora is not None else 1.0
+    initializers = None if weights is None else generation_weights(model, graph, weights, adapters, scale)
+    scores = evaluate_lm(model, eval_path, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
+                         batch=max(settings.batch, 8), limit=settings.eval_limit, threads=settings.threads,
+                         initializers=initializers)
+    return nll.perplexity, scores
+
+
+def lm_scores(model: Path, settings: TrainingSettings, eval_path: Path, dev_rows, weights: Mapping[str, np.ndarray]
+              ) -> tuple[float, InstructionScores]:
+    """Dev perplexity and generated answers' scores of trained `weights` (a pipeline's, by name), on
+    the whole model lowered at `settings.batch` rows."""
+    graph, adapters = lm_graph(model, settings)
+    tokenizer = lm_tokenizer(model, settings)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    engine = make_engine(BackendSpec.cpu("mnn", settings.threads), stage_spec(graph, 0, len(graph.blocks) - 1),
+                         weights={**graph.constants, **weights}, cache_activations=False)
+    batches = make_lm_batches(dev_rows, settings.batch, settings.seq, pad_id, shuffle=False)
+    return _scores(engine, model, graph, adapters, settings, eval_path, batches, pad_id, weights)
+
+
+def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: TrainingSettings,
+                    reporter: Reporter = Silent(), checkpoint: Path | None = None) -> TrainingMetrics:
+    """Fine-tune a causal LM on `data` for `settings.steps` steps; perplexity and exact match on
+    `eval_path` (JSONL instructions) before and after (module docstring)."""
+
+    started = time.perf_counter()
+    tokenizer = lm_tokenizer(model, settings)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    train_rows = train_rows_of(data, tokenizer, settings.seq)
+    dev, dev_rows = dev_rows_of(eval_path, tokenizer, settings)
+    graph, adapters = lm_graph(model, settings, reporter)
+    config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,
+                         optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
+    try:
+        engine = make_engine(BackendSpec.cpu(settings.engine, config.threads), stage_spec(graph, 0, len(graph.blocks) - 1))
+    except ModuleNotFoundError:
+        raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
+    batches = make_lm_batches(train_rows, config.batch, config.seq, pad_id, seed=config.seed)
+    dev_batches = make_lm_batches(dev_rows, config.batch, config.seq, pad_id, shuffle=False) if dev_rows else []
+    reporter.note(f"model {Path(model).name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB "
+                  f"trainable; {len(train_rows)} training rows, {len(dev)} eval conversations; engine "
+                  f"{settings.engine}, {config.threads} thread(s); setup {time.perf_counter() - started:.1f}s")
+
+    def measure(weights: Mapping[str, np.ndarray] | None) -> tuple[float, InstructionScores]:
+        return _scores(engine, model, graph, adapters, settings, eval_path, dev_batches, pad_id, weights)
+
+    before = measure(None) if dev else None
+    if before is not None:
+        reporter.note(f"dev perplexity {before[0]:.3f}, exact match {before[1].exact_match:.3f} before fine-tuning")
+    reporter.start("train", config.steps)
+    result = train_steps(engine, batches, config, 0,
+                         on_step=lambda r: reporter.step(r.step, loss=r.loss, **{"tok/s": r.tokens_per_s}),
+                         step_feeds=lambda b: microbatch_feeds(pad_lm_batch(b, config.batch, pad_id), 1))
+    trained = engine.parameters()
+    after = measure(trained) if dev else None
+    losses = [s.loss for s in result.steps]
+    k = max(1, len(losses) // 5)
+    scored = ""
+    if after is not None:
+        scored = (f"dev perplexity {before[0]:.3f} -> {after[0]:.3f}, exact match {before[1].exact_match:.3f} -> "
+                  f"{after[1].exact_match:.3f}; ")
+    reporter.note(f"loss {sum(losses[:k]) / k:.4f} (first steps) -> {sum(losses[-k:]) / k:.4f} (last steps); "
+                  f"{scored}peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB; "
+                  f"{sum(s.tokens_per_s for s in result.steps) / len(result.steps):.0f} tokens/s")
+    if checkpoint is not None:
+        _write_checkpoint(checkpoint, trained, result.optimizer_state, graph, {
+            "command": "train-local", "model": Path(model).name, "model_path": str(Path(model).resolve()),
+            "task": "causal-lm", "labels": [], "schedule": None, "microbatches": 1, "batch": config.batch,
+            "seq": config.seq, "optimizer": config.optimizer, "lr": config.lr, "seed": config.seed,
+            "step": config.steps, "lora": None if settings.lora is None else asdict(settings.lora)})
+        reporter.note(f"wrote checkpoint {checkpoint}")
+    steps = tuple(StepFigures(s.step, s.loss, s.seconds, config.batch / s.seconds if s.seconds > 0 else float("nan"),
+                              s.tokens_per_s) for s in result.steps)
+    figures = lm_figures(after, before) if after is not None else None
+    return TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
+                           (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
+                           eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": "causal-lm"})
+
+
+def _write_checkpoint(folder: Path, weights, optimizer_state, graph: Graph, meta: dict) -> Path:
+    """The one-stage checkpoint `jobs.local_training.write_single_device_checkpoint` writes (the
+    pipeline's format), without importing that module (which dispatches here)."""
+    from runtime.pipeline.checkpoints import save_checkpoint
+
+    tensors = {f"param/{k}": v for k, v in weights.items() if k in set(graph.params)}
+    tensors.update({f"opt/{k}": v for k, v in optimizer_state.items()})
+    save_checkpoint(Path(folder), [tensors], {**meta, "stages": 1, "ranges": [[0, len(graph.blocks) - 1]]})
+    return Path(folder)
+
+
+def lm_figures(after: tuple[float, InstructionScores], before: tuple[float, InstructionScores] | None = None
+               ) -> EvalFigures:
+    """The metrics document's eval for a causal LM: exact match (before, after), the dev perplexity
+    before and after, and the entity task's JSON scores when it is that task (precision and recall
+    after; per_type: valid_json, precision, recall, f1 after and each `_before`)."""
+    ppl, scores = after
+    task = scores.task or {}
+    per_type = {k: float(v) for k, v in task.items() if isinstance(v, (int, float))}
+    if before is not None and before[1].task:
+        per_type.update({f"{k}_before": float(v) for k, v in before[1].task.items() if isinstance(v, (int, float))})
+    return EvalFigures(scores.exact_match, task.get("precision"), task.get("recall"),
+                       None if before is None else before[1].exact_match, per_type, metric="exact_match",
+                       perplexity=ppl, perplexity_before=None if before is None else before[0])

@@ -1,0 +1,102 @@
+"""`confidant train-pipeline --task seq-cls|causal-lm` (jobs.pipeline_tasks): the job over real worker
+processes trains as `train-local` does on the same data, seed and batch (the pipeline cuts each batch
+into micro-batches; every task's loss is normalised by the whole batch, so the step losses agree),
+and the task's metric comes back. The causal LM is a tiny random Llama with SmolLM2's tokenizer,
+whose tied embedding sits on the first and the last stage."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from jobs.local_training import train_local
+from jobs.pipeline_training import train_pipeline_job
+from jobs.errors import JobError
+from jobs.settings import PipelineSettings, TrainingSettings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _losses(metrics) -> list[float]:
+    return [s.loss for s in metrics.steps]
+
+
+@pytest.fixture(scope="module")
+def seqcls_model(tmp_path_factory, tokenizer_path):
+    """A 2-layer BERT sequence classifier (3 labels) with the MiniLM tokenizer's vocabulary, and the
+    generated review task."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from jobs.export import ExportOptions, export_model
+    from tasks.seqcls import write_review_splits
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=3)
+    root = tmp_path_factory.mktemp("seqcls-pipe")
+    model = export_model(BertForSequenceClassification(config).eval(), root / "cls.onnx",
+                         ExportOptions(num_labels=3, task="seq-cls"))
+    train, dev = write_review_splits(root / "data", n_train=64, n_dev=16)
+    return model, train, dev
+
+
+def test_seq_cls_pipeline_trains_as_one_device_does(seqcls_model):
+    model, train, dev = seqcls_model
+    settings = TrainingSettings(steps=3, batch=8, seq=32, lr=1e-3, seed=0)
+    one = train_local(model, train, dev, settings, task="seq-cls")
+    pipe = train_pipeline_job(model, train, dev, settings, PipelineSettings(microbatches=2), local=2, task="seq-cls")
+    np.testing.assert_allclose(_losses(pipe), _losses(one), rtol=1e-4)
+    assert pipe.eval.metric == "accuracy" and 0.0 <= pipe.eval.after <= 1.0
+    assert pipe.eval.after == pytest.approx(one.eval.after, abs=1 / 16 + 1e-9)
+    assert pipe.settings["task"] == "seq-cls"
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory):
+    from jobs.export_llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
+    from jobs.generation import write_task_data
+
+    root = tmp_path_factory.mktemp("chat-llama-pipe")
+    path = export_random_causal_lm("llama", root / "m.onnx", LlmExportOptions(), tokenizer_from=smollm2_gguf_path())
+    train, dev = write_task_data(root / "data", n_train=24, n_dev=4)
+    return path, train, dev
+
+
+def test_causal_lm_pipeline_with_a_tied_head_trains_as_one_device_does(chat_llama, tmp_path):
+    path, train, dev = chat_llama
+    settings = TrainingSettings(steps=3, batch=4, seq=128, lr=3e-3, seed=0, eval_limit=2)
+    one = train_local(path, train, None, settings, task="causal-lm")
+    notes = []
+
+    class Notes:
+        def note(self, text):
+            notes.append(text)
+
+        def start(self, *a, **k):
+            pass
+
+        def step(self, *a, **k):
+            pass
+
+    pipe = train_pipeline_job(path, train, dev, settings, PipelineSettings(microbatches=2, checkpoint=tmp_path / "c"),
+                              local=3, task="causal-lm", reporter=Notes())
+    np.testing.assert_allclose(_losses(pipe), _losses(one), rtol=1e-4)
+    assert any("held by several stages (model.embed_tokens.weight)" in n for n in notes), notes
+    assert pipe.eval.metric == "exact_match" and pipe.eval.perplexity > 1.0
+    assert (tmp_path / "c" / "meta.json").is_file()
+    # resuming checks the task
+    with pytest.raises(JobError, match="checkpoint has task='causal-lm', this run 'ner'"):
+        from jobs.pipeline_training import _resumed
+
+        _resumed(tmp_path / "c", {"model": "m.onnx", "task": "ner"}, 3)
+
+
+def test_causal_lm_pipeline_refuses_1f1b_stash_through_the_tied_head(chat_llama):
+    path, train, _ = chat_llama
+    settings = TrainingSettings(steps=1, batch=4, seq=128, seed=0)
+    with pytest.raises(JobError, match=r"1f1b-stash cannot train weights tied across stages \(1 of them, e\.g\. "
+                                       r"'model\.embed_tokens\.weight'"):
+        train_pipeline_job(path, train, None, settings, PipelineSettings(schedule="1f1b-stash", microbatches=2),
+                           local=2, task="causal-lm")

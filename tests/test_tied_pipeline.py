@@ -1,0 +1,156 @@
+"""Tied weights across pipeline stages (issue 11: a decoder's LM head is its input embedding; issue
+10: ALBERT's one layer cut through): every holder keeps a copy, its gradient part goes to the
+coordinator at each UPDATE, and every holder steps with the same sum, so 1f1b-flush and gpipe on 2
+and 3 stages equal single-device training and the copies stay bit-identical.
+
+The model is jobs/export_llm.py's tiny seeded random Llama (tied embeddings, RMSNorm, RoPE,
+grouped-query attention, SwiGLU), cut so that its first and last blocks are on different stages.
+The reference is one MNN engine over the whole model, micro-batch gradients summed in order, the
+same AdamW. Threads over the in-process transport for every case; worker processes over CURVE
+ZeroMQ for two of them."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ir.graph import tied_parameters
+from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
+from planner.onnx_import import load_model
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.stage import stage_spec
+from runtime.optim import make_optimizer
+from runtime.pipeline.checkpoints import merge_checkpoint
+from runtime.pipeline.coordinator import PipelineConfig
+from runtime.pipeline.inprocess import InProcessWorkers
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROWS, S, M, VOCAB, STEPS = 2, 12, 2, 256, 3
+TIED = "model.embed_tokens.weight"
+# cuts -> stages: the tied table on stages 0 and 1, or on 0 and 2 with a stage between that holds none
+CUTS = {2: [2], 3: [1, 3]}
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    path = export_causal_lm(random_causal_lm("llama"), tmp_path_factory.mktemp("tied") / "llama.onnx",
+                            LlmExportOptions(), kv_cache=False)
+    return load_model(path, ROWS, S)
+
+
+def step_feeds(step: int) -> list[dict[str, np.ndarray]]:
+    """Step `step`'s M micro-batches of ROWS rows: random tokens, a right-padded row, next-token
+    targets weighted by 1 / (the whole batch's count), so the micro-batch losses sum to the batch's."""
+    rng = np.random.default_rng(100 + step)
+    rows = ROWS * M
+    mask = np.ones((rows, S), np.int64)
+    mask[-1, S // 2:] = 0
+    counted = (mask == 1) & (rng.random((rows, S)) < 0.8)
+    counted[:, -1] = False
+    ids = rng.integers(0, VOCAB, (rows, S)).astype(np.int64)
+    targets = np.where(counted, np.roll(ids, -1, axis=1), 0).astype(np.int64)
+    weights = (counted / counted.sum()).astype(np.float32)
+    return [{"input_ids": ids[k:k + ROWS], "attention_mask": mask[k:k + ROWS], "target_ids": targets[k:k + ROWS],
+             "target_weights": weights[k:k + ROWS]} for k in range(0, rows, ROWS)]
+
+
+def single_device(graph, steps: int = STEPS):
+    """(loss per step, final parameters) of the whole model on one MNN engine."""
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
+    for step in range(steps):
+        total, loss = {}, 0.0
+        for m, feeds in enumerate(step_feeds(step)):
+            loss += float(np.asarray(engine.forward(feeds, m)).reshape(-1)[0])
+            for k, g in engine.backward(m).params.items():
+                total[k] = total[k] + g if k in total else g.copy()
+        params = opt.step(params, total)
+        engine.set_parameters(params)
+        losses.append(loss)
+    return losses, engine.parameters()
+
+
+@pytest.fixture(scope="module")
+def reference(graph):
+    return single_device(graph), graph.constants[TIED].copy()
+
+
+def _config(schedule: str) -> PipelineConfig:
+    return PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60)
+
+
+def _assert_close(got: dict, want: dict, tol: float = 1e-5) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        err = float(np.abs(got[k] - want[k]).max()) / max(float(np.abs(want[k]).max()), 1e-12)
+        assert err <= tol, f"{k}: relative error {err:.3g}"
+
+
+def _check(result, graph, reference, stages: int) -> None:
+    (losses, weights), initial = reference
+    ranges = [tuple(r) for r in result.ranges]
+    holders = tied_parameters(graph, ranges)[TIED]
+    assert holders == ((0, 1) if stages == 2 else (0, 2))
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    _assert_close(result.weights, weights)
+    # the copies are bit-identical: every holder stepped with the same sum
+    copies = [c[f"param/{TIED}"] for c in result.checkpoint if f"param/{TIED}" in c]
+    assert len(copies) == 2 and np.array_equal(copies[0], copies[1])
+    merge_checkpoint(result.checkpoint)  # refuses copies that differ
+    # the table trained through both of its uses: the head part alone (what the last stage would
+    # apply without the exchange) gives other weights
+    assert not np.array_equal(result.weights[TIED], initial)
+
+
+@pytest.mark.parametrize("schedule,stages", [("1f1b-flush", 2), ("1f1b-flush", 3), ("gpipe", 2), ("gpipe", 3)])
+def test_flush_schedules_with_tied_weights_equal_single_device_training(graph, reference, schedule, stages):
+    with InProcessWorkers(stages, timeout_s=60) as workers:
+        result = train_pipeline(graph, None, 0, workers.addresses, _config(schedule), STEPS, cuts=CUTS[stages],
+                                transport=workers.coordinator, feeds_of_step=step_feeds,
+                                faults=FaultPolicy(on_failure="stop"))
+    assert workers.codes == [0] * stages, workers.errors
+    _check(result, graph, reference, stages)
+
+
+def test_a_missing_sum_would_be_seen(graph, reference):
+    """What the test above would see were the tied sum wrong: the last stage stepping with its head
+    part alone trains the table differently from one device."""
+    (_, weights), _ = reference
+    ranges = [(0, 1), (2, len(graph.blocks) - 1)]
+    first, last = (MnnStageEngine(stage_spec(graph, *r)) for r in ranges)
+    opt, params = make_optimizer("adamw", 1e-3), last.parameters()
+    for step in range(STEPS):
+        total = {}
+        for m, feeds in enumerate(step_feeds(step)):
+            x = first.forward(feeds, m)
+            last.forward({**feeds, last.spec.activation_input: x}, m)
+            back = last.backward(m)
+            first.backward(m, back.activation_input)
+            for k, g in back.params.items():
+                total[k] = total[k] + g if k in total else g.copy()
+        params = opt.step(params, total)
+        last.set_parameters(params)
+    err = float(np.abs(params[TIED] - weights[TIED]).max()) / float(np.abs(weights[TIED]).max())
+    assert err > 1e-3
+
+
+def test_1f1b_stash_refuses_weights_tied_across_stages(graph):
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        with pytest.raises(ValueError, match=r"1f1b-stash cannot train weights tied across stages "
+                                             r"\('model.embed_tokens.weight' is on stages \[0, 1\]\)"):
+            train_pipeline(graph, None, 0, workers.addresses, _config("1f1b-stash"), 2, cuts=[2],
+                           transport=workers.coordinator, feeds_of_step=step_feeds,
+                           faults=FaultPolicy(on_failure="stop"))
+
+
+@pytest.mark.parametrize("schedule,stages", [("1f1b-flush", 3), pytest.param("gpipe", 2, marks=pytest.mark.slow)])
+def test_worker_processes_with_tied_weights_equal_single_device_training(graph, reference, schedule, stages):
+    workers = LocalWorkers.start(stages, threads=1)
+    try:
+        result = train_pipeline(graph, None, 0, workers.addresses, _config(schedule), STEPS, cuts=CUTS[stages],
+                                keys=workers.keys, feeds_of_step=step_feeds, faults=FaultPolicy(on_failure="stop"))
+    finally:
+        assert workers.wait(30.0) == [0] * stages
+    _check(result, graph, reference, stages)
