@@ -238,7 +238,7 @@ def compute_s(graph: Graph, device: DeviceSpec, first: int, last: int, reuse: bo
     _check_range(graph, first, last)
     costs = block_costs(graph, device)[first:last + 1]
     return (sum(c.forward_s for c in costs),
-            sum(c.backward_s - (c.recompute_s if reuse else 0.0) for c in costs))
+            sum(c.backward_s - (min(c.recompute_s, c.backward_s) if reuse else 0.0) for c in costs))
 
 
 def accumulated_share(schedule: str, microbatches: int) -> float:

@@ -718,3 +718,21 @@ def test_the_order_search_improves_on_its_seeds_and_stays_feasible():
     report = solve_partition_report(inst, 3.0, workers=1)
     assert report.lower_bound_us <= report.step_us and check_feasible(report.partition, inst) == []
     assert _flag_is_the_proof(report)
+
+
+def test_a_profile_that_times_the_rerun_above_the_backward_still_plans():
+    """Found on a noisy one-rep profile: an MNN re-run timed above the block's whole backward. The
+    re-run is part of the backward, so it is capped there: the instance builds and no stage time
+    goes negative."""
+    from planner.cost import compute_s
+
+    cluster = tiny_cluster()
+    a = cluster.devices[0]
+    noisy = {k: dataclasses.replace(c, recompute_s=3 * c.backward_s + 0.01)
+             for k, c in a.profile.backend("mnn:cpu:t1").blocks.items()}
+    profile = dataclasses.replace(a.profile, backends=(dataclasses.replace(a.profile.backends[0], blocks=noisy),
+                                                       *a.profile.backends[1:]))
+    cluster = dataclasses.replace(cluster, devices=(dataclasses.replace(a, profile=profile), *cluster.devices[1:]))
+    inst = make_instance(tiny_graph(), cluster, "1f1b-flush", 1, "sgd")
+    assert all(r <= c for rr, cr in zip(inst.recompute_us, inst.compute_us) for r, c in zip(rr, cr))
+    assert compute_s(tiny_graph(), cluster.devices[0], 0, 3, reuse=True)[1] >= 0
