@@ -404,9 +404,9 @@ def _add_demo(sub) -> None:
     p.set_defaults(seq=32, lr=1e-4)
     p.add_argument("--llm", action="store_true",
                    help="the decoder demo instead: SmolLM2-135M-Instruct fine-tuned on the generated entities-json "
-                        "task on this device, perplexity and exact match before and after, and its 3-device plan "
-                        "(defaults --steps 10 --batch 4 --seq 128 --lr 2e-4 --threads 2; the pipeline run is "
-                        "pending the tied-weights exchange)")
+                        "task on this device and on a planned 3-device pipeline (local worker processes), memory, "
+                        "speed, loss, perplexity and exact match before and after (defaults --steps 10 --batch 4 "
+                        "--seq 128 --lr 2e-4 --threads 2)")
     p.add_argument("--eval-limit", type=int, default=None, metavar="N",
                    help="--llm: score the first N dev conversations (default 16)")
 

@@ -235,6 +235,12 @@ def block_signature(block: Block) -> str:
     return f"{block.kind}/p{block.params_bytes}/f{block.flops}/a{block.activation_bytes}{heads}"
 
 
+def is_causal_lm(graph: Graph) -> bool:
+    """A decoder lowered with its causal-LM loss (the last block's op is TokenCrossEntropy)."""
+    return bool(graph.blocks and graph.blocks[-1].nodes) and graph.node(graph.blocks[-1].nodes[0]).op == \
+        "TokenCrossEntropy"
+
+
 def tied_parameters(graph: Graph, ranges) -> dict[str, tuple[int, ...]]:
     """Parameters that more than one stage holds, for stages running the block ranges `ranges`
     ([first, last] per stage, in order): a weight read by blocks on several stages (ALBERT's one

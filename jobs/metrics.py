@@ -23,11 +23,12 @@ entity task's JSON scores (valid_json, precision, recall, f1) when the answers a
 `step` counts from the start of training (a resumed run continues the count); `tokens_per_s` is
 null where a command does not count tokens; `events` lists failures and recoveries as they happen
 (empty when none), each {"event", "at" (time.time()), ...}: "lost" {step, stage, device, address,
-detected_after_s, reason}, "new_plan" {step, cause ("lost" | "measured"), old_ranges, ranges, devices,
-plan, seconds}, "recovered" {step, seconds (from detection to that step done), steps_replayed, ranges,
-devices}, "checkpoint" {step, directory}, "memory_low" {step, device, mem_available_bytes},
-"battery_low" {step, device, battery_percent} (jobs.pipeline_training). The README documents the
-same fields.
+detected_after_s, reason}, "new_plan" {step, cause ("lost" | "measured" | "memory_low" | "battery_low"),
+old_ranges, ranges, devices, plan, seconds; `left`: the devices moved off when running low},
+"recovered" {step, seconds (from detection to that step done), steps_replayed, ranges, devices},
+"checkpoint" {step, directory}, "memory_low" {step, device, mem_available_bytes}, "battery_low" {step,
+device, battery_percent}, "stayed" {step, devices, cause, reason: running low but nowhere to move}
+(jobs.pipeline_training). The README documents the same fields.
 """
 from __future__ import annotations
 

@@ -66,12 +66,18 @@ class FaultPolicy:
     between copies of every stage's state to the coordinator (flush boundaries; with 1 a recovery
     replays at most the interrupted step). `checkpoint_every`: steps between checkpoints on disk
     (needs a checkpoint folder); for 1f1b-stash also the length of the segments the run drains
-    at, so a run resumed from such a checkpoint continues exactly as one that never stopped."""
+    at, so a run resumed from such a checkpoint continues exactly as one that never stopped.
+    `low_memory_bytes` / `low_battery_percent`: a device reporting less free memory (MemAvailable)
+    or battery after a step is a `memory_low` / `battery_low` event, and under "replan" (flush
+    schedules) the run moves off it at that boundary, before it runs out: the planner's cuts over
+    the others, the state gathered from every stage, no step replayed; the device waits idle."""
 
     on_failure: str = "replan"
     detect_s: float = 3.0
     snapshot_every: int = 1
     checkpoint_every: int | None = None
+    low_memory_bytes: int = 256 * 2 ** 20
+    low_battery_percent: float = 15.0
 
     def check(self) -> "FaultPolicy":
         if self.on_failure not in FAILURE_POLICIES:
@@ -279,6 +285,7 @@ class _Run:
         self.faults, self.on_lost, self.on_event = faults, on_lost, on_event
         self.checkpoint_dir, self.meta = checkpoint_dir, meta
         self.snapshot: Snapshot | None = None
+        self.running_low: dict[str, str] = {}  # address -> "memory_low" | "battery_low", after the last step
         # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
         self.keep_state = (faults.on_failure == "replan" and on_lost is not None) or checkpoint_dir is not None
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
@@ -344,13 +351,57 @@ class _Run:
         return [self.device_of.get(a, a) for a in self.result.addresses]
 
     def _watch_devices(self, step: int, done: list[dict]) -> None:
-        """A device about to run out of memory or battery is an event (and, with a re-planner, a reason to move)."""
-        for name, d in zip(self._devices(), done):
+        """A device about to run out of memory or battery is an event, and a device to move off
+        (`self.running_low`, taken by `flush` at this boundary)."""
+        self.running_low = {}
+        for name, address, d in zip(self._devices(), self.result.addresses, done):
             mem, battery = d.get("mem_available_bytes"), d.get("battery_percent")
-            if mem is not None and mem < LOW_MEMORY_BYTES:
+            if mem is not None and mem < self.faults.low_memory_bytes:
                 self.event("memory_low", step=step, device=name, mem_available_bytes=mem)
-            if battery is not None and battery < LOW_BATTERY_PERCENT:
+                self.running_low.setdefault(address, "memory_low")
+            if battery is not None and battery < self.faults.low_battery_percent:
                 self.event("battery_low", step=step, device=name, battery_percent=battery)
+                self.running_low.setdefault(address, "battery_low")
+
+    def move_off(self, step: int) -> tuple[bool, Schedule | None]:
+        """At the flush boundary after `step` steps, re-plan without the devices running low (all
+        of them alive: the state comes from them, nothing is replayed). (moved, the new schedule or
+        None for the config's). Nothing moves when the policy is "stop", there is no re-planner,
+        every device is low, or no plan fits the others (an event says which)."""
+        low, self.running_low = dict(self.running_low), {}
+        if not low or self.faults.on_failure != "replan" or self.on_lost is None:
+            return False, None
+        names = [self.device_of.get(a, a) for a in low]
+        if len(low) >= len(self.result.addresses):
+            self.event("stayed", step=step, devices=names, cause=sorted(set(low.values())),
+                       reason="every device of the pipeline is running low")
+            return False, None
+        snap = self.snapshot if self.snapshot is not None and self.snapshot.step == step else self.take_snapshot(step)
+        try:
+            plan = self.on_lost(step, list(low), snap, list(self.result.addresses))
+        except (PlanDoesNotFit, ValueError) as exc:
+            self.event("stayed", step=step, devices=names, cause=sorted(set(low.values())),
+                       reason=f"the others cannot hold the model: {exc}")
+            return False, None
+        placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))]
+        if plan.devices is not None:
+            self.device_of.update(dict(zip(plan.addresses, plan.devices)))
+        reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
+                                              state=snap.state)
+        self.workers = [a for a in self.workers if a not in low]
+        old_ranges = list(self.result.ranges)
+        self.result.ranges = [tuple(r) for r in plan.ranges]
+        self.result.addresses = list(plan.addresses)
+        if plan.devices is not None:
+            self.result.devices = list(plan.devices)
+        self.result.replans.append((step, reconf))
+        self.event("new_plan", step=step, cause=sorted(set(low.values()))[0], left=names,
+                   old_ranges=[list(r) for r in old_ranges], ranges=[list(r) for r in self.result.ranges],
+                   devices=self._devices(), plan=None if plan.directory is None else str(plan.directory),
+                   seconds=reconf.seconds)
+        self.snapshot = Snapshot(step, self.coordinator.collect_checkpoint(), snap.state, list(self.result.ranges)) \
+            if self.keep_state else None
+        return True, plan.schedule
 
     def _reports(self, done: list[dict]) -> None:
         """Keep the stages' reports of the last REPORTS_KEPT steps (a long run's coordinator must not
@@ -503,6 +554,12 @@ class _Run:
                     self.config.schedule, self.coordinator.stages, self.M)
                 s, window, warm_up = self.snapshot.step, [], True
                 continue
+            if s < end and self.running_low:
+                moved, new_schedule = self.move_off(s)
+                if moved:
+                    schedule = new_schedule or make_schedule(self.config.schedule, self.coordinator.stages, self.M)
+                    window, warm_up = [], True
+                    continue
             window.append([d["seconds"].get("F", 0.0) + d["seconds"].get("B", 0.0) for d in done])
             if warm_up and len(window) > 1:
                 window.pop(0)
@@ -535,9 +592,6 @@ class _Run:
 
 # Steps whose per-stage reports a result keeps (the figures over the whole run are kept as they go).
 REPORTS_KEPT = 200
-# A device reporting less than this free memory, or battery, is an event (jobs.metrics `events`).
-LOW_MEMORY_BYTES = 256 * 2 ** 20
-LOW_BATTERY_PERCENT = 15.0
 
 
 def _replan_ranges(coordinator: Coordinator, on_replan, step: int, measured: list[float], workers: Sequence[str],
@@ -691,7 +745,8 @@ def describe_event(event: Mapping) -> str:
                 f"{event['detected_after_s']:.1f} s after its link went down ({event['reason']})")
     if kind == "new_plan":
         where = " | ".join(f"{d} {a}-{b}" for d, (a, b) in zip(event["devices"], event["ranges"]))
-        return f"new plan after step {event['step']} ({event['cause']}): {where}"
+        left = f"; moved off {', '.join(event['left'])}" if event.get("left") else ""
+        return f"new plan after step {event['step']} ({event['cause']}{left}): {where}"
     if kind == "recovered":
         return (f"recovered: step {event['step']} done {event['seconds']:.1f} s after the loss was detected, "
                 f"{event['steps_replayed']} step(s) replayed")
@@ -701,6 +756,8 @@ def describe_event(event: Mapping) -> str:
         return f"{event['device']}: only {event['mem_available_bytes'] / 2**20:.0f} MiB free after step {event['step']}"
     if kind == "battery_low":
         return f"{event['device']}: battery at {event['battery_percent']:.0f}% after step {event['step']}"
+    if kind == "stayed":
+        return f"{', '.join(event['devices'])} running low ({', '.join(event['cause'])}) but kept: {event['reason']}"
     if kind == "joined":
         return f"{event['device']} joined (taken in at the next re-plan)"
     return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "at"))

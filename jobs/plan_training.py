@@ -18,12 +18,15 @@ from jobs.pipeline_training import (FaultPolicy, PipelineResult, RecoveryImpossi
 from jobs.report import Reporter, Silent
 from jobs.settings import check_fault_flags
 from jobs.workers import LocalWorkers, coordinator_pair
-from planner.cluster import load_cluster
+from planner.cluster import ClusterError, load_cluster
 from planner.emit import load_plan_cluster
 from planner.replan import PlanReplanner
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.executor import busy_fraction
 from runtime.procfs import peak_rss_bytes
+from ir.graph import is_causal_lm
+from jobs.metrics import EvalFigures
+from jobs.pipeline_tasks import PipelineTask, step_feeds
 from tasks.ner import check_label_count, load_ner_data
 from tasks.tokenize import make_batches
 
@@ -74,14 +77,37 @@ def _coordinator_keys(settings: PlanRunSettings, bundles, reporter):
     return pair
 
 
-def _remote_keys(settings: PlanRunSettings, pair, names, addresses):
-    from runtime.keys import COORDINATOR_KEY, ClusterKeys, KeyDir, KeyFileError
+def _remote_keys(settings: PlanRunSettings, pair, names, addresses, plan_dir: Path | None = None):
+    """Each worker's public key by address: the cluster file's `key:` (--cluster, else the plan's
+    cluster.json) where a device has one, else NAME.pub in --keys DIR."""
+    from runtime.keys import COORDINATOR_KEY, ClusterKeys, KeyDir, KeyFileError, PublicKey
 
+    listed, source = {}, None
     try:
-        keydir = KeyDir.load(settings.keys, COORDINATOR_KEY)
-        return ClusterKeys(pair, {a: keydir.key_of(n) for n, a in zip(names, addresses)})
+        if settings.cluster is not None:
+            cluster, source = load_cluster(settings.cluster), str(settings.cluster)
+        elif plan_dir is not None and (plan_dir / "cluster.json").is_file():
+            cluster, source = load_plan_cluster(plan_dir), str(plan_dir / "cluster.json")
+        else:
+            cluster = None
+    except (ClusterError, BundleError) as exc:
+        raise JobError(str(exc)) from None
+    if cluster is not None:
+        listed = {d.name: d.key for d in cluster.devices if d.key}
+    try:
+        keys = {}
+        keydir = None
+        for n, a in zip(names, addresses):
+            if n in listed:
+                keys[a] = PublicKey.parse(listed[n], f"{source}: device {n!r}: key")
+                continue
+            if keydir is None:
+                keydir = KeyDir.load(settings.keys, COORDINATOR_KEY)
+            keys[a] = keydir.key_of(n)
+        return ClusterKeys(pair, keys)
     except KeyFileError as exc:
-        raise JobError(f"{exc} (the coordinator needs each device's NAME.pub in --keys DIR)") from None
+        raise JobError(f"{exc} (the coordinator needs each device's public key: `key:` in the cluster file, or "
+                       f"NAME.pub in --keys DIR)") from None
 
 
 def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings,
@@ -106,10 +132,11 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     rescuer = replanner if replanner is not None else _failure_replanner(settings, plan_dir, plan, contents, sign)
     spares = _spare_devices(replanner or rescuer, names)
     M, rows, seq = plan.microbatches, plan.batch, plan.seq
-    ner = load_ner_data(data, eval_path, seq, settings.tokenizer)
     full = merge_slices([c.graph for c in contents])
-    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], ner.labels)
-    batches = make_batches(ner.train_encoded, rows * M, seq, seed=settings.seed)
+    if is_causal_lm(full):
+        task = _causal_lm_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+    else:
+        task = _ner_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
     if not settings.local and not all(d.address for d in plan.devices):
         raise JobError(f"{plan_dir}/plan.json lacks worker addresses; pass --local or re-plan with addresses")
     config = PipelineConfig(schedule=plan.schedule, microbatches=M, timeout_s=settings.timeout_s)
@@ -129,12 +156,12 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     else:
         addresses = [d.address for d in plan.devices]
         keys = None if pair is None else _remote_keys(settings, pair, names + list(spares),
-                                                       addresses + list(spares.values()))
+                                                       addresses + list(spares.values()), plan_dir)
     address_of = {**dict(zip(names, addresses)), **spares}
     faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, 1, settings.checkpoint_every)
     failed = True
     try:
-        result = train_pipeline(None, batches, len(ner.labels), addresses, config, settings.steps,
+        result = train_pipeline(None, None, len(task.labels), addresses, config, settings.steps,
                                 listen=settings.listen, on_step=on_step, bundles=bundles, devices=names,
                                 stage_graphs=contents, checkpoint_dir=settings.checkpoint,
                                 meta={"plan": str(plan_dir)}, replan_every=settings.replan_every,
@@ -143,7 +170,8 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
                                 schedule=None if plan.schedule in ASYNC_SCHEDULES else plan.to_schedule(),
                                 update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
                                 on_lost=None if rescuer is None else _on_lost(rescuer, address_of),
-                                on_event=lambda event: reporter.note(describe_event(event)))
+                                on_event=lambda event: reporter.note(describe_event(event)),
+                                feeds_of_step=task.feeds_of_step)
         failed = False
     except (WorkerFailed, RecoveryImpossible) as exc:
         raise JobError(str(exc)) from None
@@ -157,11 +185,65 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         settings=asdict(settings), events=tuple(result.events),
         **(_replan_figures(replanner, result) if replanner is not None else {}))
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
-    if ner.dev:
-        scores = score_weights(full, result.weights, ner, rows)
-        reporter.note(f"entity F1 after training: {scores.f1:.4f}")
-        metrics = replace(metrics, eval=eval_figures(scores))
+    figures = task.evaluate(result.weights)
+    if figures is not None:
+        reporter.note(f"{task.headline(figures)} after training")
+        metrics = replace(metrics, eval=figures)
     return metrics
+
+
+def _ner_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int, M: int,
+              seq: int) -> PipelineTask:
+    """NER from a plan: CoNLL files, entity F1 of the trained weights on the merged slices."""
+    ner = load_ner_data(data, eval_path, seq, settings.tokenizer)
+    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], ner.labels)
+    batches = make_batches(ner.train_encoded, rows * M, seq, seed=settings.seed)
+
+    def evaluate(weights):
+        return eval_figures(score_weights(full, weights, ner, rows)) if ner.dev else None
+
+    return PipelineTask("ner", full, lambda k: step_feeds(batches, k, rows, M, len(ner.labels)), evaluate,
+                        lambda f: f"entity F1 {f.after:.4f}", tuple(ner.labels))
+
+
+def _causal_lm_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int,
+                    M: int, seq: int) -> PipelineTask:
+    """A causal LM from a plan: JSONL instructions or text encoded with the tokenizer `confidant plan`
+    copied into the plan folder (or --tokenizer); the dev answers' perplexity of the trained weights
+    on the merged slices (exact match needs the exported model file to generate with: `confidant
+    generate` or train-pipeline)."""
+    from jobs.lm_training import train_rows_of
+    from tasks.lm_data import encode_instructions, make_lm_batches, microbatch_feeds, pad_lm_batch, \
+        read_instructions
+    from tasks.lm_eval import engine_nll
+    from tasks.lm_tokenizer import load_lm_tokenizer
+
+    try:
+        tokenizer = load_lm_tokenizer(settings.tokenizer or plan_dir)
+    except FileNotFoundError as exc:
+        raise JobError(f"{exc} (pass --tokenizer with the exported model's folder)") from None
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    batch = rows * M
+    batches = make_lm_batches(train_rows_of(data, tokenizer, seq), batch, seq, pad_id, seed=settings.seed)
+    dev = read_instructions(eval_path) if eval_path is not None else []
+    dev_rows = encode_instructions(tokenizer, dev, seq, truncate=True) if dev else []
+
+    def feeds_of_step(k: int):
+        return microbatch_feeds(pad_lm_batch(batches[k % len(batches)], batch, pad_id), M)
+
+    def evaluate(weights):
+        if not dev_rows:
+            return None
+        from ir.backend import BackendSpec
+        from runtime.engines.factory import make_engine
+        from runtime.engines.stage import stage_spec
+
+        engine = make_engine(BackendSpec.cpu("mnn", 1), stage_spec(full, 0, len(full.blocks) - 1),
+                             weights={**full.constants, **weights}, cache_activations=False)
+        nll = engine_nll(engine, make_lm_batches(dev_rows, rows, seq, pad_id, shuffle=False), rows, pad_id)
+        return EvalFigures(nll.perplexity, None, None, metric="perplexity", perplexity=nll.perplexity)
+
+    return PipelineTask("causal-lm", full, feeds_of_step, evaluate, lambda f: f"dev perplexity {f.perplexity:.3f}")
 
 
 # --- re-planning while training from a plan folder --------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ir.backend import engine_of, threads_of
 from ir.bundle import load_plan
-from ir.graph import tied_parameters
+from ir.graph import is_causal_lm, tied_parameters
 from ir.partition import StageCost
 from jobs.errors import JobError
 from jobs.lora import adapted
@@ -81,15 +81,35 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     if tied:
         holders = sorted({s for stages in tied.values() for s in stages})
         reporter.note(f"{len(tied)} weight(s) tied across stages {holders} (e.g. {next(iter(tied))!r}): each holder keeps "
-                      "a copy, charged in memory and in the update's transfer time; their gradients must be summed "
-                      "before every update (the runtime's tied-weights exchange)")
+                      "a copy, charged in memory and in the update's transfer time; their gradients are summed "
+                      "through the coordinator before every update")
     costs = stage_costs(graph, cluster, partition, settings.schedule, M, settings.optimizer)
     schedule = make_schedule(settings.schedule, len(partition.stages), M, update_every=settings.update_every)
     config = _emit_config(Path(model).name, cluster, partition.devices, splits, settings)
     path = emit_plan(output, graph, partition, schedule, config, costs, predicted_step_s(costs, settings.schedule, M),
                      cluster=cluster, sign=sign)
     reporter.note(f"wrote {path} and {len(partition.stages)} bundles")
+    if is_causal_lm(graph):
+        copied = copy_lm_tokenizer(Path(model), Path(output))
+        if copied:
+            reporter.note(f"copied the tokenizer beside the plan ({', '.join(copied)}): `confidant train` reads it there")
     return Path(output)
+
+
+def copy_lm_tokenizer(model: Path, plan_dir: Path) -> list[str]:
+    """A causal LM's tokenizer.json and chat_template.json (written beside it by `confidant export
+    --task causal-lm`) copied into the plan folder, so that `confidant train PLAN` can encode
+    instruction data with the plan alone; the names copied (none when the model has no tokenizer)."""
+    import shutil
+
+    from tasks.lm_tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+
+    copied = []
+    for name in (TOKENIZER_FILE, CHAT_TEMPLATE_FILE):
+        if (model.parent / name).is_file():
+            shutil.copyfile(model.parent / name, plan_dir / name)
+            copied.append(name)
+    return copied
 
 
 def _with_head_splits(graph, cluster: Cluster) -> tuple[Cluster, dict[str, HeadSplit]]:

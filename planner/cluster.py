@@ -8,7 +8,7 @@ file), the memory the plan may use on it and, optionally, which profiled backend
       - {name: phone, address: "tcp://10.0.0.2:5555", profile: profiles/phone.json,
          memory_budget: 3GiB, backend: "mnn:cpu:t4"}
       - {name: laptop, address: "tcp://10.0.0.3:5555", profile: profiles/laptop.json,
-         memory_budget: 1.5 GiB}
+         memory_budget: 1.5 GiB, key: "ed25519:3f9a...(64 hex digits)"}
     links:
       default: {bandwidth: 100Mbit/s, latency: 5ms}
       pairs:
@@ -27,6 +27,8 @@ that fails on a device much later):
   shapes cannot be compared, and block signatures of different models never match.
 - `links` may be left out only for a one-device cluster (no boundary to cross).
 - Unknown keys are errors, so a misspelt field is not silently ignored.
+- `key` (optional) is the worker's public key, so the cluster file alone says whom to trust; a
+  device without one is looked up as NAME.pub in the coordinator's --keys folder.
 """
 from __future__ import annotations
 
@@ -131,6 +133,9 @@ class DeviceSpec:
     profile: DeviceProfile
     memory_budget_bytes: int
     backend: str | None = None
+    # the worker's public key as `confidant keys` writes it in NAME.pub ('ed25519:<64 hex>'); None:
+    # NAME.pub in the coordinator's --keys folder. Checked as a key where it is used (runtime.keys)
+    key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -179,8 +184,9 @@ def _pair(a: str, b: str) -> tuple[str, str]:
 # --- reading a cluster file --------------------------------------------------------------------
 
 _TOP_KEYS = {"devices", "links"}
-_DEVICE_KEYS = {"name", "address", "profile", "memory_budget", "backend"}
+_DEVICE_KEYS = {"name", "address", "profile", "memory_budget", "backend", "key"}
 _LINKS_KEYS = {"default", "pairs"}
+_PUBLIC_KEY = re.compile(r"ed25519:[0-9a-f]{64}")
 _LINK_KEYS = {"bandwidth", "latency"}
 _PAIR_KEYS = {"between", "bandwidth", "latency"}
 
@@ -308,7 +314,11 @@ def _device(raw: Any, index: int, source: str, base_dir: Path, load_profile: Cal
                                f"(profiled backends: {', '.join(names) or 'none'})")
     elif not profile.backends:
         raise ClusterError(f"{source}: {where}profile {profile_field!r} has no backends; re-run `confidant profile`")
-    return DeviceSpec(name, address, profile, budget, backend)
+    key = raw.get("key")
+    if key is not None and (not isinstance(key, str) or not _PUBLIC_KEY.fullmatch(key.strip())):
+        raise ClusterError(f"{source}: {where}key {str(key)[:40]!r} is not a public key ('ed25519:' and 64 lowercase "
+                           f"hex digits: the first word of the NAME.pub `confidant keys` wrote for this device)")
+    return DeviceSpec(name, address, profile, budget, backend, key.strip() if key else None)
 
 
 def _check_same_model(devices: list[DeviceSpec], source: str) -> None:

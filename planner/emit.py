@@ -231,7 +231,8 @@ def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
     return {
         "schema_version": CLUSTER_SCHEMA_VERSION, "format": CLUSTER_FORMAT,
         "devices": [{"name": d.name, "address": d.address, "memory_budget_bytes": d.memory_budget_bytes,
-                     "backend": d.backend, "profile": d.profile.to_json()} for d in cluster.devices],
+                     "backend": d.backend, **({"key": d.key} if d.key else {}),
+                     "profile": d.profile.to_json()} for d in cluster.devices],
         "default_link": _link_to_json(cluster.default_link),
         "links": [{"between": list(pair), **_link_to_json(link)} for pair, link in sorted(cluster.links.items())],
     }
@@ -247,7 +248,8 @@ def cluster_from_json(doc: Any, source: str) -> Cluster:
     try:
         devices = tuple(DeviceSpec(str(d["name"]), str(d["address"]),
                                    DeviceProfile.from_json(d["profile"], f"{source}: device {d['name']!r}"),
-                                   int(d["memory_budget_bytes"]), d["backend"]) for d in doc["devices"])
+                                   int(d["memory_budget_bytes"]), d["backend"], d.get("key"))
+                        for d in doc["devices"])
         default = _link_from_json(doc["default_link"], f"{source}: default_link")
         links = {}
         for item in doc["links"]:

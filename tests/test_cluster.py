@@ -157,8 +157,17 @@ def test_missing_fields(tmp_path):
 
 def test_unknown_fields(tmp_path):
     assert _error(tmp_path, _with_device(0, memory="3GiB")) == (
-        "FILE: device 'phone': unknown field 'memory' (fields: address, backend, memory_budget, name, profile)")
+        "FILE: device 'phone': unknown field 'memory' (fields: address, backend, key, memory_budget, name, profile)")
     assert _error(tmp_path, GOOD | {"device": []}) == "FILE: unknown field 'device' (fields: devices, links)"
+
+
+def test_a_device_may_carry_its_workers_public_key(tmp_path):
+    key = "ed25519:" + "ab" * 32
+    cluster = load_cluster(_write(tmp_path, _with_device(0, key=key)))
+    assert [d.key for d in cluster.devices] == [key, None]
+    assert _error(tmp_path, _with_device(1, key="ed25519:xyz")) == (
+        "FILE: device 'laptop': key 'ed25519:xyz' is not a public key ('ed25519:' and 64 lowercase hex digits: the "
+        "first word of the NAME.pub `confidant keys` wrote for this device)")
 
 
 def test_duplicate_device_name_and_address(tmp_path):
@@ -265,3 +274,24 @@ def test_device_names_that_differ_only_in_case_are_refused_when_read(tmp_path):
            "links": GOOD["links"]}
     with pytest.raises(ClusterError, match=r"'phone' \(devices\[0\]\) and 'Phone' \(devices\[1\]\) differ only in case"):
         load_cluster(_write(tmp_path, doc))
+
+
+def test_the_coordinator_takes_worker_keys_from_the_cluster_file_before_the_keys_folder(tmp_path):
+    """`confidant train PLAN --cluster FILE`: a device's `key:` is its worker's key; a device without
+    one is NAME.pub in --keys; one with neither is an error naming both places."""
+    from jobs.errors import JobError
+    from jobs.plan_training import PlanRunSettings, _remote_keys
+    from runtime.keys import KeyPair, write_keypair
+
+    phone, laptop, coordinator = (KeyPair.generate(n) for n in ("phone", "laptop", "coordinator"))
+    keys = tmp_path / "keys"
+    write_keypair(keys, coordinator)
+    write_keypair(keys, laptop)
+    cluster = _write(tmp_path, _with_device(0, key=phone.public.text))
+    settings = PlanRunSettings(steps=1, keys=keys, cluster=cluster)
+    got = _remote_keys(settings, coordinator, ["phone", "laptop"], ["tcp://p:1", "tcp://l:1"])
+    assert got.workers == {"tcp://p:1": phone.public, "tcp://l:1": laptop.public}
+    (keys / "laptop.pub").unlink()
+    with pytest.raises(JobError, match=r"laptop\.pub.*\(the coordinator needs each device's public key: `key:` in "
+                                       r"the cluster file, or NAME\.pub in --keys DIR\)"):
+        _remote_keys(settings, coordinator, ["phone", "laptop"], ["tcp://p:1", "tcp://l:1"])

@@ -196,3 +196,36 @@ def test_albert_trains_the_same_on_one_device_and_across_a_cut_through_its_share
     # without the sum the copies drift apart: the rule is what keeps them equal
     unsummed = results[False][1]
     assert any(not np.array_equal(unsummed[0][p], unsummed[1][p]) for p in tied)
+
+
+@pytest.mark.parametrize("cuts", [[3], [2, 3]])
+def test_albert_pipeline_sums_its_shared_layer_through_the_coordinator(tmp_path, cuts):
+    """The real pipeline (Coordinator and Workers over the in-process transport): a cut through the
+    shared layer puts its weights on 2 or 3 stages, the coordinator sums their gradients before each
+    update, and the run equals one device (SGD, as above)."""
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+
+    model, graph = _albert_graph(tmp_path)
+    feeds = _feeds(model)
+    n = len(graph.blocks)
+    single = MnnStageEngine(stage_spec(graph, 0, n - 1))
+    opt, params, single_losses = make_optimizer("sgd", 0.1), single.parameters(), []
+    for _ in range(3):
+        loss, params = _step_single(single, feeds, opt, params)
+        single_losses.append(loss)
+    stages = len(cuts) + 1
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=1, optimizer="sgd", lr=0.1, timeout_s=60)
+    with InProcessWorkers(stages, timeout_s=60) as workers:
+        result = train_pipeline(graph, None, 0, workers.addresses, config, 3, cuts=cuts, transport=workers.coordinator,
+                                feeds_of_step=lambda k: [feeds], faults=FaultPolicy(on_failure="stop"))
+    assert workers.codes == [0] * stages, workers.errors
+    tied = tied_parameters(graph, result.ranges)
+    assert len(tied) == 16 and set(tied.values()) == {tuple(range(stages))}
+    np.testing.assert_allclose(result.losses, single_losses, rtol=1e-5)
+    for p in graph.params:
+        np.testing.assert_allclose(result.weights[p], params[p], rtol=1e-4, atol=1e-6, err_msg=p)
+    for p in tied:
+        copies = [c[f"param/{p}"] for c in result.checkpoint]
+        assert all(np.array_equal(copies[0], c) for c in copies[1:]), p

@@ -137,6 +137,49 @@ def test_a_lost_worker_is_replaced_by_a_replan_and_no_update_is_lost(graph, batc
     assert len(result.ranges) == 2 and workers.addresses[lost] not in result.addresses
 
 
+@pytest.mark.parametrize("low", ["memory", "battery"])
+def test_a_device_running_low_is_moved_off_before_it_runs_out(graph, batches, monkeypatch, low):
+    """Worker 1 reports 100 MiB free (or 9% battery) from its third step on: at that boundary the run
+    re-plans over the other two, taking the state from all three (nothing lost, nothing replayed),
+    and the weights are still single-device training's. With nowhere to go it stays, and says so."""
+    import runtime.pipeline.worker as worker_module
+
+    real = worker_module.device_state
+    reports = {}
+
+    def device_state():
+        state = real()
+        name = threading.current_thread().name
+        reports[name] = reports.get(name, 0) + 1
+        if name == "confidant-worker1" and reports[name] >= 3:  # ready, step 1, then low from step 2 on
+            state = {**state, "mem_available_bytes": 100 * 2**20} if low == "memory" else \
+                {**state, "battery_percent": 9.0}
+        return state
+
+    monkeypatch.setattr(worker_module, "device_state", device_state)
+    steps = 4
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps,
+                                transport=workers.coordinator, faults=FaultPolicy(low_memory_bytes=256 * 2**20))
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == [f"{low}_low", "new_plan"], kinds
+    moved = result.events[1]
+    assert moved["step"] == 2 and moved["cause"] == f"{low}_low" and moved["left"] == [workers.addresses[1]]
+    assert workers.addresses[1] not in result.addresses and len(result.ranges) == 2
+    assert [(s, r.moved_bytes > 0) for s, r in result.replans] == [(2, True)]
+    # two workers, both low: nowhere to move, the run goes on where it is and says why
+    reports.clear()
+    monkeypatch.setattr(worker_module, "device_state", lambda: {**real(), "mem_available_bytes": 2**20})
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), 2, transport=workers.coordinator)
+    # after step 1 both are low and stay; after the last step there is nothing left to move for
+    assert [e["event"] for e in result.events] == ["memory_low", "memory_low", "stayed", "memory_low", "memory_low"]
+    assert result.events[2]["reason"] == "every device of the pipeline is running low"
+
+
 def test_on_failure_stop_ends_with_a_resumable_checkpoint(graph, batches, tmp_path):
     with InProcessWorkers(2, timeout_s=60) as workers:
         def on_step(step, *_):

@@ -100,3 +100,31 @@ def test_causal_lm_pipeline_refuses_1f1b_stash_through_the_tied_head(chat_llama)
                                        r"'model\.embed_tokens\.weight'"):
         train_pipeline_job(path, train, None, settings, PipelineSettings(schedule="1f1b-stash", microbatches=2),
                            local=2, task="causal-lm")
+
+
+def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, tmp_path):
+    """profile -> plan (the tokenizer copied beside the plan, bundles signed) -> `confidant train PLAN`
+    on local workers: the step losses of train-local, and the dev perplexity."""
+    from jobs.planning import PlanSettings, plan_model
+    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.profiling import profile_this_device
+    from jobs.workers import coordinator_pair
+    from runtime.keys import signer
+
+    path, train, dev = chat_llama
+    _, profile = profile_this_device(path, 2, 128, tmp_path / "dev.json", name="dev", backends=("mnn:cpu:t1",),
+                                     reps=1, attention=False)
+    (tmp_path / "cluster.yaml").write_text(
+        "devices:\n"
+        f"  - {{name: a, address: 'tcp://127.0.0.1:5901', profile: {profile.name}, memory_budget: 2GiB}}\n"
+        f"  - {{name: b, address: 'tcp://127.0.0.1:5902', profile: {profile.name}, memory_budget: 2GiB}}\n"
+        "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
+    keys = tmp_path / "keys"
+    plan = plan_model(path, tmp_path / "cluster.yaml", PlanSettings("1f1b-flush", 4, 128, 2, cuts=(2,)),
+                      tmp_path / "plan", sign=signer(coordinator_pair(keys)))
+    assert (plan / "tokenizer.json").is_file() and (plan / "chat_template.json").is_file()
+    metrics = train_from_plan(plan, train, dev, PlanRunSettings(steps=3, seed=0, local=True, keys=keys))
+    one = train_local(path, train, None, TrainingSettings(steps=3, batch=4, seq=128, lr=5e-5, seed=0),
+                      task="causal-lm")
+    np.testing.assert_allclose(_losses(metrics), _losses(one), rtol=1e-4)
+    assert metrics.eval.metric == "perplexity" and metrics.eval.perplexity > 1.0
