@@ -34,6 +34,18 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Start this process's peak resident memory (VmHWM) again from what it holds now (Linux:
+    writing 5 to /proc/self/clear_refs), so a later `peak_rss_bytes` measures one phase (training)
+    and not an earlier one (an evaluation that loaded another runtime). False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def rss_bytes() -> int | None:
     """This process's resident memory now (VmRSS): what a soak test watches stay flat."""
     return status_bytes("VmRSS")

@@ -633,3 +633,20 @@ def test_what_a_lost_worker_sent_is_not_taken_for_its_successors(graph, batches)
     want_losses, want_weights = single_device_training(graph, batches, 3)
     assert result.losses == want_losses
     _same(result.weights, want_weights)
+
+
+def test_the_peak_memory_can_be_measured_from_a_phase_on():
+    """`reset_peak_rss` (VmHWM restarted from the current RSS): a 200 MiB array made and freed before
+    the reset does not count in the peak after it."""
+    import gc
+
+    from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    big = np.ones(200 * 2**20 // 8)
+    big[::512] = 2.0  # touched: resident
+    before = peak_rss_bytes()
+    del big
+    gc.collect()
+    assert reset_peak_rss()
+    after = peak_rss_bytes()
+    assert after <= rss_bytes() + 16 * 2**20 and after < before - 150 * 2**20

@@ -10,7 +10,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from jobs.export_llm import (LlmExportOptions, chat_pieces, export_causal_lm, export_llm, random_causal_lm,
+from jobs.export_llm import (LlmExportOptions, chat_pieces, export_causal_lm, random_causal_lm,
                              smollm2_gguf_path)
 from tasks.generate import GenerationSettings, OnnxCausalLM, generate_text
 from tasks.lm_tokenizer import ChatPieces, load_lm_tokenizer
@@ -200,7 +200,7 @@ def test_the_cli_exports_a_random_model_without_the_tokenizer_package(tmp_path, 
 # --- the real SmolLM2 ------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(tmp_path):
+def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(smollm2_onnx, tmp_path):
     """SmolLM2-135M-Instruct from its GGUF (Q4_1, dequantized to float32 exactly; the quantization lowers
     quality, not this comparison). Float32 rounding over 30 layers moves logits of magnitude ~38 by about
     1e-4 (4e-6 relative): transformers' own float32 logits are up to 1.3e-4 from its float64 ones, and
@@ -213,7 +213,7 @@ def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(tmp
 
     from jobs.export_llm import convert_gguf, load_causal_lm
 
-    path = export_llm(None, tmp_path / "smollm2.onnx")
+    path = smollm2_onnx  # `export_llm(None, ...)`, once per session (tests/conftest.py)
     model, tokenizer, source = load_causal_lm(None)
     assert "Q4_1" in source["note"]
     reference64 = copy.deepcopy(model).double()
@@ -242,7 +242,7 @@ def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(tmp
         answer = generate_text(OnnxCausalLM(path), lm_tok, ["What is the capital of France?"],
                                GenerationSettings(max_new_tokens=20, kv_cache=kv))
         assert answer == ["The capital of France is Paris."]
-    chat = json.loads((tmp_path / "chat_template.json").read_text())
+    chat = json.loads((path.parent / "chat_template.json").read_text())
     assert chat["eos_token"] == "<|im_end|>" and chat["pieces"]["generation_prompt"] == "<|im_start|>assistant\n"
     assert chat["template"] == tokenizer.chat_template
 
