@@ -238,3 +238,16 @@ def family_feeds(inputs, batch: int, seq: int, vocab: int, num_labels: int, task
         weights = mask / mask.sum()
         feeds["targets"] = (np.eye(num_labels)[labels] * weights[..., None]).astype(np.float32)
     return {k: v for k, v in feeds.items() if k in inputs or k == "targets"}
+
+
+class Lazy(dict):
+    """A dict whose entries are made on first use by `make(key)`: a module fixture of several
+    exports builds only those the selected tests read (the fast tier skips the slow ones' exports)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        value = self[key] = self._make(key)
+        return value

@@ -1,5 +1,7 @@
-"""Every file of the exported corpus (tests/fixtures/corpus, made by tests/fixtures/make_corpus.py)
-lowers to the right blocks, heads and head size, and computes what ONNX Runtime computes."""
+"""Every file of the exported corpus (tests/fixtures/corpus, made by tests/fixtures/make_corpus.py,
+and tests/fixtures/corpus-optimum, exported by Hugging Face optimum in a venv of its own by
+tests/fixtures/make_optimum_corpus.py) lowers to the right blocks, heads and head size, and computes
+what ONNX Runtime computes."""
 from __future__ import annotations
 
 import hashlib
@@ -21,6 +23,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CORPUS = FIXTURES / "corpus"
 MANIFEST = json.loads((CORPUS / "MANIFEST.json").read_text())
 ENTRIES = {e["file"]: e for e in MANIFEST["files"]}
+OPTIMUM = FIXTURES / "corpus-optimum"
+OPTIMUM_MANIFEST = json.loads((OPTIMUM / "MANIFEST.json").read_text())
+OPTIMUM_ENTRIES = {e["file"]: e for e in OPTIMUM_MANIFEST["files"]}
 B, S = 2, 12
 
 
@@ -66,11 +71,31 @@ def test_the_corpus_covers_what_users_pick():
     assert len(guarded) >= 10
 
 
+def test_the_optimum_files_are_the_manifests_and_cover_its_defaults_and_tasks():
+    for name, entry in OPTIMUM_ENTRIES.items():
+        data = (OPTIMUM / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"], f"{name} differs from the manifest"
+        assert len(data) < 400_000
+    assert {"optimum", "optimum-onnx", "transformers", "torch"} <= set(OPTIMUM_MANIFEST["versions"])
+    assert {e["family"] for e in OPTIMUM_ENTRIES.values()} == {"bert", "roberta", "distilbert"}
+    assert {e["task"] for e in OPTIMUM_ENTRIES.values()} == {"token-classification", "seq-cls"}
+    assert any(e["opset_asked"] is None for e in OPTIMUM_ENTRIES.values())
+
+
 @pytest.mark.parametrize("name", list(ENTRIES))
 def test_every_corpus_file_lowers_and_matches_onnxruntime(name):
-    entry = ENTRIES[name]
+    _lowers_and_matches_onnxruntime(CORPUS / name, ENTRIES[name])
+
+
+@pytest.mark.parametrize("name", list(OPTIMUM_ENTRIES))
+def test_every_optimum_export_lowers_and_matches_onnxruntime(name):
+    _lowers_and_matches_onnxruntime(OPTIMUM / name, OPTIMUM_ENTRIES[name])
+
+
+def _lowers_and_matches_onnxruntime(path: Path, entry: dict) -> None:
+    name = path
     b, s = entry["static_shape"] or (B, S)
-    graph = load_model(CORPUS / name, b, s)
+    graph = load_model(path, b, s)
     assert [blk.kind for blk in graph.blocks] == entry["blocks"]
     encoders = [blk for blk in graph.blocks if blk.kind == "encoder"]
     assert {(blk.heads, blk.head_size) for blk in encoders} == {(entry["heads"], entry["head_size"])}
@@ -87,7 +112,7 @@ def test_every_corpus_file_lowers_and_matches_onnxruntime(name):
         assert all(found)
     feeds = family_feeds(entry["inputs"], b, s, entry["vocab"], entry["num_labels"], task=entry["task"],
                          pad_id=entry["pad_id"])
-    session = ort.InferenceSession(str(CORPUS / name), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(name), providers=["CPUExecutionProvider"])
     ref = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})[0]
     engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
     logits = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)

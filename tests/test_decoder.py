@@ -321,6 +321,7 @@ def chat_llama(tmp_path_factory):
     return path, train, dev
 
 
+@pytest.mark.slow  # a random Llama with the SmolLM2 tokenizer, trained and generated from
 def test_train_local_causal_lm_reports_perplexity_and_exact_match(chat_llama, tmp_path):
     from jobs.local_training import train_local
     from jobs.metrics import read_metrics

@@ -110,6 +110,7 @@ def test_every_gradient_equals_pytorch_float64(exported):
         assert len(shared) == 16
 
 
+@pytest.mark.slow  # the command line on every family
 def test_confidant_export_takes_a_family_checkpoint(tmp_path):
     model = tiny_model("roberta", num_labels=LABELS, scramble=True)
     model.save_pretrained(tmp_path / "roberta")

@@ -323,6 +323,7 @@ def _attack(address: str, server_key: bytes, stop: threading.Event, log: list) -
         ctx.term()
 
 
+@pytest.mark.slow  # worker processes and a loopback capture
 @pytest.mark.parametrize("schedule", ["1f1b-flush"])
 def test_strangers_change_nothing_and_the_wire_is_not_plaintext(graph, batches, tmp_path, schedule):
     """Two worker processes train while a stranger attacks both workers and the coordinator; the
@@ -424,6 +425,7 @@ def test_sigkill_of_a_worker_process_is_recovered_from_on_the_survivors(graph, b
     _same(result.weights, rest.weights)
 
 
+@pytest.mark.slow  # waits out the detection time
 def test_sigstop_of_a_worker_is_detected_within_3_s(graph, batches):
     """A frozen worker (SIGSTOP: its socket stays open, its heartbeats stop) is found lost and the
     run finishes on the other one."""

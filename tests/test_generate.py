@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+from support import Lazy
 from tasks.generate import GenerationSettings, OnnxCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,15 +20,18 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 200], [17] * 12, [42]]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """"gpt2", "llama" (TorchScript) and "llama-dynamo" -> (the model, its export), each made when a
+    test first asks (the fast tier runs the Llama ones)."""
     root = tmp_path_factory.mktemp("generate")
-    out = {}
-    for family in ("gpt2", "llama"):
-        model = random_causal_lm(family)
-        out[family] = model, export_causal_lm(model, root / family / "m.onnx")
-    model = random_causal_lm("llama")
-    out["llama-dynamo"] = model, export_causal_lm(model, root / "dynamo" / "m.onnx",
-                                                  LlmExportOptions(opset=18, dynamo=True))
-    return out
+
+    def make(key):
+        if key == "llama-dynamo":
+            model = random_causal_lm("llama")
+            return model, export_causal_lm(model, root / "dynamo" / "m.onnx", LlmExportOptions(opset=18, dynamo=True))
+        model = random_causal_lm(key)
+        return model, export_causal_lm(model, root / key / "m.onnx")
+
+    return Lazy(make)
 
 
 def _hf_greedy(model, prompt, n, eos=None):
@@ -40,7 +44,7 @@ def _hf_greedy(model, prompt, n, eos=None):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 @pytest.mark.parametrize("kv", [True, False], ids=["kv-cache", "recompute"])
 def test_greedy_equals_transformers_token_for_token(models, family, kv):
     model, path = models[family]
@@ -62,7 +66,7 @@ def test_a_row_stops_at_its_end_token_and_keeps_it(models):
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(models):
-    _, path = models["gpt2"]
+    _, path = models["llama"]
     lm = OnnxCausalLM(path)
     hot = GenerationSettings(max_new_tokens=10, temperature=1.5, seed=7)
     a, b = lm.generate(PROMPTS, hot), lm.generate(PROMPTS, hot)
@@ -92,7 +96,7 @@ def _perturbed(model, scale=0.05, seed=3):
     return other
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 def test_replacement_weights_reach_both_graphs(models, family):
     """A 'fine-tuned' model: every weight moved. Logits and greedy tokens follow the new weights."""
     model, path = models[family]
@@ -130,6 +134,7 @@ def test_replacement_weights_are_checked(models, tmp_path):
                                atol=1e-6)
 
 
+@pytest.mark.slow  # a dynamo export
 def test_a_dynamo_export_with_replacement_weights_recomputes(models):
     """The dynamo graph's weights have the exporter's names (pre-transposed `val_N`), the cache graph the
     state dict's: replacement weights go to the training graph only, and generation recomputes."""

@@ -12,24 +12,29 @@ import pytest
 
 from jobs.export_llm import (LlmExportOptions, chat_pieces, export_causal_lm, random_causal_lm,
                              smollm2_gguf_path)
+from support import Lazy
 from tasks.generate import GenerationSettings, OnnxCausalLM, generate_text
 from tasks.lm_tokenizer import ChatPieces, load_lm_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 EXPORTERS = {"torchscript": LlmExportOptions(opset=17), "dynamo": LlmExportOptions(opset=18, dynamo=True)}
-CASES = [(f, e) for f in ("gpt2", "llama") for e in EXPORTERS]
+# the Llama through TorchScript in the fast tier, the other three exports in the full suite
+CASES = [pytest.param(f, e, marks=() if (f, e) == ("llama", "torchscript") else pytest.mark.slow)
+         for f in ("gpt2", "llama") for e in EXPORTERS]
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """(family, exporter) -> (the model, its export), each made when a test first asks."""
     root = tmp_path_factory.mktemp("llm-export")
-    out = {}
-    for family, exporter in CASES:
+
+    def make(key):
+        family, exporter = key
         model = random_causal_lm(family)
-        out[family, exporter] = model, export_causal_lm(model, root / f"{family}-{exporter}" / "m.onnx",
-                                                        EXPORTERS[exporter])
-    return out
+        return model, export_causal_lm(model, root / f"{family}-{exporter}" / "m.onnx", EXPORTERS[exporter])
+
+    return Lazy(make)
 
 
 def _reference(model, ids, mask):
@@ -67,7 +72,7 @@ def _weights_in(graph) -> dict[str, np.ndarray]:
     return {k: v for k, v in arrays.items() if v.dtype.kind == "f" and v.size >= 2}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 def test_torchscript_weights_keep_their_names_and_the_head_stays_tied(exported, family):
     model, path = exported[family, "torchscript"]
     g = _onnx(path).graph
@@ -101,6 +106,7 @@ def test_torchscript_weights_keep_their_names_and_the_head_stays_tied(exported, 
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.slow  # two dynamo exports
 def test_dynamo_lists_its_own_weight_names(exported, family):
     _, path = exported[family, "dynamo"]
     meta = json.loads(path.with_suffix(".lm.json").read_text())

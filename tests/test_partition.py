@@ -660,6 +660,7 @@ def _flag_is_the_proof(report) -> bool:
     return report.optimal == (math.ceil(report.lower_bound_us - 1e-6) >= report.step_us)
 
 
+@pytest.mark.slow  # 40 searches with deadlines
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(instances())
@@ -686,6 +687,7 @@ def test_without_enumeration_the_flag_and_the_bound_are_honest(inst):
     event("proven optimal" if report.optimal else "not proven")
 
 
+@pytest.mark.slow  # a timed search
 def test_the_order_search_improves_on_its_seeds_and_stays_feasible():
     """A cluster too large to enumerate (9 devices: 362880 orders): the search's plans fit, never
     beat the bound, and the search ends at least as good as every seed order's own optimum."""

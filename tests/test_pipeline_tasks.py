@@ -64,6 +64,7 @@ def chat_llama(tmp_path_factory):
     return path, train, dev
 
 
+@pytest.mark.slow  # worker processes; threads twin: test_tied_pipeline
 def test_causal_lm_pipeline_with_a_tied_head_trains_as_one_device_does(chat_llama, tmp_path):
     path, train, dev = chat_llama
     settings = TrainingSettings(steps=3, batch=4, seq=128, lr=3e-3, seed=0, eval_limit=2)
@@ -93,6 +94,7 @@ def test_causal_lm_pipeline_with_a_tied_head_trains_as_one_device_does(chat_llam
         _resumed(tmp_path / "c", {"model": "m.onnx", "task": "ner"}, 3)
 
 
+@pytest.mark.slow  # the SmolLM2-tokenizer export; threads twin: test_tied_pipeline
 def test_causal_lm_pipeline_refuses_1f1b_stash_through_the_tied_head(chat_llama):
     path, train, _ = chat_llama
     settings = TrainingSettings(steps=1, batch=4, seq=128, seed=0)
@@ -102,6 +104,7 @@ def test_causal_lm_pipeline_refuses_1f1b_stash_through_the_tied_head(chat_llama)
                            local=2, task="causal-lm")
 
 
+@pytest.mark.slow  # profile, plan and worker processes
 def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, tmp_path):
     """profile -> plan (the tokenizer copied beside the plan, bundles signed) -> `confidant train PLAN`
     on local workers: the step losses of train-local, and the dev perplexity."""

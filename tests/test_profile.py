@@ -53,6 +53,7 @@ def _expected_backends() -> list[str]:
     return names
 
 
+@pytest.mark.slow  # a profile of every backend present (one module fixture, ~13 s)
 def test_profile_covers_every_block_kind_on_every_present_backend(tiny_graph, tiny_profile):
     prof, lines = tiny_profile
     assert (prof.name, prof.model, prof.batch, prof.seq) == ("here", tiny_graph.name, B, S)
@@ -70,6 +71,7 @@ def test_profile_covers_every_block_kind_on_every_present_backend(tiny_graph, ti
     assert lines and any("layer.0" in line for line in lines)
 
 
+@pytest.mark.slow  # a profile of every backend present (one module fixture, ~13 s)
 def test_absent_mnn_devices_are_skipped_not_listed(tiny_profile):
     prof, lines = tiny_profile
     for device, ok in K.available_backends().items():
@@ -78,6 +80,7 @@ def test_absent_mnn_devices_are_skipped_not_listed(tiny_profile):
     assert any(line.startswith("skip mnn:opencl") for line in lines) or K.available_backends()["opencl"]
 
 
+@pytest.mark.slow  # a profile of every backend present (one module fixture, ~13 s)
 def test_attention_curves_have_one_entry_per_head(tiny_graph, tiny_profile):
     prof, _ = tiny_profile
     encoders = {block_signature(b): b for b in tiny_graph.blocks if b.heads}
@@ -90,6 +93,7 @@ def test_attention_curves_have_one_entry_per_head(tiny_graph, tiny_profile):
             assert curve.fused_faster[0]                         # one head: fused and loop are the same
 
 
+@pytest.mark.slow  # a profile of every backend present (one module fixture, ~13 s)
 def test_profile_json_round_trip(tiny_profile, tmp_path):
     prof, _ = tiny_profile
     assert prof.split_child_bytes  # the measured figures travel too
@@ -141,6 +145,7 @@ def test_split_extra_cost_round_trip_and_old_profiles_load():
             DeviceProfile.from_json({**doc, "split_extra_cost_s": bad})
 
 
+@pytest.mark.slow  # a profile of every backend present (one module fixture, ~13 s)
 def test_profile_measures_the_fixed_cost_of_a_real_split(tiny_graph, tiny_profile):
     """Real SplitAttentions of the tiny BERT's attention (4 heads) between the in-process backend
     (torch:cpu:t1 where torch runs) and every other backend that fits beside it on this machine's
@@ -167,6 +172,7 @@ def test_profile_measures_the_fixed_cost_of_a_real_split(tiny_graph, tiny_profil
     assert len(skipped) == (len(names) - 1 - len(expected)) * len(encoders), lines
 
 
+@pytest.mark.slow  # a profile of every backend present (one module fixture, ~13 s)
 def test_split_extra_cost_runs_real_splits(tiny_graph, tiny_profile):
     """The measurement itself: real SplitAttentions of 1+3, 2+2 and 3+1 heads (torch in this process,
     MNN in a child), each compared with the curves' max; busy times per backend lie within the wall."""
