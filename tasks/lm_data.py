@@ -162,14 +162,10 @@ def pad_lm_batch(batch: LmBatch, size: int, pad_id: int = 0) -> LmBatch:
 def split_microbatches(batch: LmBatch, m: int) -> list[LmBatch]:
     """`m` equal micro-batches in row order (views). Each has its own `n_targets`; feed them with the
     whole batch's count (`microbatch_feeds`)."""
-    if m < 1:
-        raise ValueError(f"number of micro-batches must be at least 1, got {m}")
-    if batch.size % m:
-        raise ValueError(f"batch size {batch.size} is not divisible by {m} micro-batches")
-    rows = batch.size // m
+    from tasks.tokenize import microbatch_slices
+
     out = []
-    for k in range(m):
-        sl = slice(k * rows, (k + 1) * rows)
+    for sl in microbatch_slices(batch.size, m):
         mask = batch.target_mask[sl]
         out.append(LmBatch(batch.input_ids[sl], batch.attention_mask[sl], batch.target_ids[sl], mask,
                            int(mask.sum())))

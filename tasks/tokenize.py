@@ -421,20 +421,25 @@ def make_batches(
     ]
 
 
+def microbatch_slices(size: int, m: int) -> list[slice]:
+    """The row ranges of ``m`` equal micro-batches of a batch of ``size`` rows, in order (a
+    ValueError when ``m`` does not divide it)."""
+    if m < 1:
+        raise ValueError(f"number of micro-batches must be at least 1, got {m}")
+    if size % m:
+        raise ValueError(f"batch size {size} is not divisible by {m} micro-batches")
+    rows = size // m
+    return [slice(k * rows, (k + 1) * rows) for k in range(m)]
+
+
 def split_microbatches(batch: Batch, m: int) -> list[Batch]:
     """Split a batch into ``m`` equal micro-batches, in row order.
 
     The pieces are views of the batch's arrays.  Each has its own
     ``n_labelled``; see Batch for how to normalise an accumulated loss.
     """
-    if m < 1:
-        raise ValueError(f"number of micro-batches must be at least 1, got {m}")
-    if batch.size % m:
-        raise ValueError(f"batch size {batch.size} is not divisible by {m} micro-batches")
-    rows = batch.size // m
     out = []
-    for k in range(m):
-        sl = slice(k * rows, (k + 1) * rows)
+    for sl in microbatch_slices(batch.size, m):
         labels = batch.labels[sl]
         out.append(Batch(
             batch.input_ids[sl], batch.attention_mask[sl], batch.token_type_ids[sl], labels,

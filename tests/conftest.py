@@ -79,3 +79,16 @@ def smollm2_onnx(tmp_path_factory) -> Path:
     from jobs.export_llm import export_llm
 
     return export_llm(None, tmp_path_factory.mktemp("smollm2") / "smollm2.onnx")
+
+
+@pytest.fixture(scope="session")
+def chat_llama(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (jobs.export_llm), and the
+    generated entities-json task (40 training, 8 dev conversations): (model, train, dev)."""
+    from jobs.export_llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
+    from jobs.generation import write_task_data
+
+    root = tmp_path_factory.mktemp("chat-llama")
+    path = export_random_causal_lm("llama", root / "m.onnx", LlmExportOptions(), tokenizer_from=smollm2_gguf_path())
+    train, dev = write_task_data(root / "data", n_train=40, n_dev=8)
+    return path, train, dev

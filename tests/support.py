@@ -251,3 +251,17 @@ class Lazy(dict):
     def __missing__(self, key):
         value = self[key] = self._make(key)
         return value
+
+
+def assert_grads_close(got: dict, ref: dict, rtol: float = 1e-4) -> None:
+    """Relative error per tensor, floored at 1% of the largest gradient of the set: a gradient that
+    is zero in exact arithmetic (the key bias's: softmax ignores a per-row constant) is float32
+    noise, measured against the largest one."""
+    import numpy as np
+
+    assert got.keys() == ref.keys()
+    scale = max(float(np.abs(v).max()) for v in ref.values())
+    for name, r in ref.items():
+        err = float(np.abs(got[name] - r).max())
+        bound = rtol * max(float(np.abs(r).max()), 1e-2 * scale)
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"

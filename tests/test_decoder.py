@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ir.graph import block_signature, tied_parameters
+from support import assert_grads_close
 from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
 from planner.onnx_import import ImportError_, load_model
 from runtime.engines import lm_loss
@@ -62,16 +63,6 @@ def lm_feeds(seed: int = 0, batch: int = B, seq: int = S, vocab: int = VOCAB) ->
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-
-
-def assert_grads_close(got: dict, ref: dict, rtol: float = 1e-4) -> None:
-    """Relative error per tensor, floored at 1% of the largest gradient (tests/test_engine_mnn.py's rule)."""
-    assert got.keys() == ref.keys()
-    scale = max(float(np.abs(v).max()) for v in ref.values())
-    for name, r in ref.items():
-        err = float(np.abs(got[name] - r).max())
-        bound = rtol * max(float(np.abs(r).max()), 1e-2 * scale)
-        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
 
 
 # --- lowering --------------------------------------------------------------------------------------
@@ -308,18 +299,6 @@ def test_lora_finds_decoder_projections_by_structure(graphs):
 
 
 # --- training on one device ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def chat_llama(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer and chat template, and the entities-json task."""
-    from jobs.export_llm import export_random_causal_lm, smollm2_gguf_path
-    from jobs.generation import write_task_data
-
-    root = tmp_path_factory.mktemp("chat-llama")
-    path = export_random_causal_lm("llama", root / "m.onnx", LlmExportOptions(), tokenizer_from=smollm2_gguf_path())
-    train, dev = write_task_data(root / "data", n_train=40, n_dev=8)
-    return path, train, dev
-
 
 @pytest.mark.slow  # a random Llama with the SmolLM2 tokenizer, trained and generated from
 def test_train_local_causal_lm_reports_perplexity_and_exact_match(chat_llama, tmp_path):

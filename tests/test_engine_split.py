@@ -14,7 +14,7 @@ from runtime.engines.split.engine import SplitStageEngine
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
 from tasks.trainer import accumulate_gradients
-from support import synthetic_batch, token_feeds  # ROWS = B = 2 rows per micro-batch, S = 12, as here
+from support import assert_grads_close, synthetic_batch, token_feeds  # ROWS = B = 2 rows per micro-batch, S = 12, as here
 
 B, S = 2, 12
 BACKENDS = ("mnn:cpu:t1", "torch:cpu:t1")
@@ -23,17 +23,6 @@ ALLOCATIONS = [(4, 0), (1, 3), (2, 2)]
 
 def _alloc(counts) -> dict[str, int]:
     return dict(zip(BACKENDS, counts))
-
-
-def _assert_grads_close(got: dict, ref: dict, rtol: float = 1e-5) -> None:
-    # The key bias's gradient is zero in exact arithmetic (softmax ignores a per-row constant):
-    # float32 noise there is measured against the largest gradient of the set.
-    assert got.keys() == ref.keys()
-    scale = max(float(np.abs(v).max()) for v in ref.values())
-    for name, r in ref.items():
-        err = float(np.abs(got[name] - r).max())
-        bound = rtol * max(float(np.abs(r).max()), 1e-2 * scale)
-        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +79,9 @@ def _compare_with_unsplit(graph, counts, blocks=(0, 4)):
         out = eng.forward(feeds, 0)
         got = eng.backward(0, grad_out)
         np.testing.assert_allclose(out, out_r, rtol=1e-5, atol=1e-6)
-        _assert_grads_close(got.params, want.params)
+        assert_grads_close(got.params, want.params, rtol=1e-5)
         if spec.activation_input:
-            _assert_grads_close({"x": got.activation_input}, {"x": want.activation_input})
+            assert_grads_close({"x": got.activation_input}, {"x": want.activation_input}, rtol=1e-5)
         else:
             assert got.activation_input is None
         assert eng.parameters().keys() == ref.parameters().keys()
@@ -178,7 +167,7 @@ def test_backward_after_an_update_uses_the_stashed_slices(tiny_graph):
         got, held = _gradients_across_an_update(eng, tiny_graph, feeds)
         assert held == 1 and eng.stashed_versions() == 0 and eng.version == 1
         for g, w in zip(got, want):
-            _assert_grads_close(g, w)
+            assert_grads_close(g, w, rtol=1e-5)
         # a forward after the update uses the new weights
         ref.set_parameters(eng.parameters())
         np.testing.assert_allclose(eng.forward(feeds[0], 2), ref.forward(feeds[0], 2), rtol=1e-5)
@@ -187,7 +176,7 @@ def test_backward_after_an_update_uses_the_stashed_slices(tiny_graph):
         got, held = _gradients_across_an_update(eng, tiny_graph, feeds)
         assert held == 0
         with pytest.raises(AssertionError):
-            _assert_grads_close(got[0], want[0])
+            assert_grads_close(got[0], want[0], rtol=1e-5)
 
 
 def test_pipeline_with_head_split_on_one_stage_equals_single_device(tiny_onnx):

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from support import FAMILIES, TINY, family_feeds, tiny_model
+from support import FAMILIES, assert_grads_close, TINY, family_feeds, tiny_model
 from ir.graph import tied_parameters
 from jobs.export import ExportOptions, export_checkpoint, model_inputs, read_hf_sidecar
 from planner.onnx_import import load_model
@@ -23,17 +23,6 @@ from runtime.optim import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S, LABELS = 2, 10, 3
-
-
-def assert_grads_close(got: dict, ref: dict, rtol: float = 1e-4) -> None:
-    """Relative error per tensor, floored at 1% of the largest gradient (a gradient that is zero in
-    exact arithmetic, such as the key bias's, is float32 noise), as tests/test_engine_mnn.py does."""
-    assert got.keys() == ref.keys()
-    scale = max(float(np.abs(v).max()) for v in ref.values())
-    for name, r in ref.items():
-        err = float(np.abs(got[name] - r).max())
-        bound = rtol * max(float(np.abs(r).max()), 1e-2 * scale)
-        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ir.bundle import GRAPH, MANIFEST, STAGE, WEIGHTS, BundleError, build_bundle_files, verify_bundle_files
+from ir.bundle import GRAPH, MANIFEST, STAGE, WEIGHTS, BundleError, verify_bundle_files
 from ir.safetensors import decode_safetensors, encode_safetensors
 from runtime.transport.local import LocalHub, LocalTransport
 from runtime.transport.wire import Expected, MessageError, PeerTimeout, TensorHeader

@@ -17,7 +17,7 @@ import torch
 from support import TINY, family_feeds, make_tiny_tokenizer, tiny_model
 from jobs.export import ExportOptions, export_model, model_inputs
 from jobs.local_training import write_single_device_checkpoint
-from jobs.trained import export_trained_hf, export_trained_onnx, open_trained, predict
+from jobs.trained import export_trained_hf, export_trained_onnx, open_trained
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec

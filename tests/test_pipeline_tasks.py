@@ -6,6 +6,7 @@ whose tied embedding sits on the first and the last stage."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -51,17 +52,6 @@ def test_seq_cls_pipeline_trains_as_one_device_does(seqcls_model):
     assert pipe.eval.metric == "accuracy" and 0.0 <= pipe.eval.after <= 1.0
     assert pipe.eval.after == pytest.approx(one.eval.after, abs=1 / 16 + 1e-9)
     assert pipe.settings["task"] == "seq-cls"
-
-
-@pytest.fixture(scope="module")
-def chat_llama(tmp_path_factory):
-    from jobs.export_llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
-    from jobs.generation import write_task_data
-
-    root = tmp_path_factory.mktemp("chat-llama-pipe")
-    path = export_random_causal_lm("llama", root / "m.onnx", LlmExportOptions(), tokenizer_from=smollm2_gguf_path())
-    train, dev = write_task_data(root / "data", n_train=24, n_dev=4)
-    return path, train, dev
 
 
 @pytest.mark.slow  # worker processes; threads twin: test_tied_pipeline
@@ -131,3 +121,23 @@ def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, t
                       task="causal-lm")
     np.testing.assert_allclose(_losses(metrics), _losses(one), rtol=1e-4)
     assert metrics.eval.metric == "perplexity" and metrics.eval.perplexity > 1.0
+
+
+@pytest.mark.slow  # worker processes, three runs
+def test_a_causal_lm_pipeline_resumes_exactly_and_replans(chat_llama, tmp_path):
+    """Checkpoint after 2 steps then --resume for 2 more gives the 4-step run's losses bit for bit;
+    a re-plan mid-run (every 2 steps, any gain) moves the tied table's holder and keeps the losses."""
+    path, train, _ = chat_llama
+    settings = TrainingSettings(steps=4, batch=4, seq=128, lr=3e-3, seed=0)
+    whole = train_pipeline_job(path, train, None, settings, PipelineSettings(microbatches=2), local=2,
+                               task="causal-lm")
+    first = train_pipeline_job(path, train, None, replace(settings, steps=2),
+                               PipelineSettings(microbatches=2, checkpoint=tmp_path / "c"), local=2, task="causal-lm")
+    rest = train_pipeline_job(path, train, None, replace(settings, steps=2),
+                              PipelineSettings(microbatches=2, resume=tmp_path / "c"), local=2, task="causal-lm")
+    assert _losses(first) + _losses(rest) == _losses(whole)
+    moved = train_pipeline_job(path, train, None, settings,
+                               PipelineSettings(microbatches=2, replan_every=2, replan_threshold=0.0), local=3,
+                               task="causal-lm")
+    assert moved.replans and moved.replans[0]["step"] == 2
+    np.testing.assert_allclose(_losses(moved), _losses(whole), rtol=1e-5)
