@@ -26,7 +26,13 @@ Columns
 Ratios printed below the table are the issue's targets: the LoRA pipeline's largest device against
 full fine-tuning's on the same split and against single-device full fine-tuning, and a LoRA step
 against a full step on the same engine. ``others`` is the share of all CPUs other processes used.
-SmolLM2 (``--model smollm2``) needs decoder support and is not measured yet.
+
+``--model smollm2``: SmolLM2-135M-Instruct as a causal LM (benchmarks/llm.py's export and batch: 4
+entities-json conversations x 128 tokens, loss on the answers), 4 micro-batches of one row, AdamW
+lr 1e-4, LoRA on q, k, v, o only (a decoder trains its adapters; its tied embedding is frozen, so a
+LoRA pipeline needs no tied-gradient exchange and 1f1b-stash is allowed, while full fine-tuning sums
+the tied table's gradient across the first and last stage and runs 1f1b-flush only); the PyTorch
+rows train transformers' own LlamaForCausalLM (with PEFT for LoRA).
 """
 from __future__ import annotations
 
@@ -125,6 +131,105 @@ def child_torch_single(steps: int, rank: int | None) -> dict:
             "trainable": sum(p.numel() * p.element_size() for p in trainable)}
 
 
+# --- SmolLM2 (--model smollm2) ---------------------------------------------------------------------
+
+LM_BATCH, LM_SEQ = 4, 128
+
+
+def _lm_lora(rank: int):
+    from planner.lora import LoraSettings
+
+    return LoraSettings(rank, ALPHA, targets=("q", "k", "v", "o"), train_also=(), seed=0)
+
+
+def _lm_graph(model: Path, rows: int, rank: int | None):
+    from jobs.lora import adapted
+    from planner.onnx_import import load_model
+
+    return adapted(load_model(model, rows, LM_SEQ, loss="causal-lm"), _lm_lora(rank) if rank else None)
+
+
+def _lm_feeds(model: Path):
+    from benchmarks.llm import _batch
+    from tasks.lm_data import microbatch_feeds
+
+    return microbatch_feeds(_batch(model, LM_BATCH, LM_SEQ), M)
+
+
+def child_mnn_single_lm(model: Path, steps: int, rank: int | None) -> dict:
+    from runtime.engines.factory import make_engine
+    from runtime.engines.stage import stage_spec
+    from runtime.optim import make_optimizer
+
+    graph = _lm_graph(model, LM_BATCH // M, rank)
+    engine = make_engine("mnn:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1))
+    opt, params, feeds, times = make_optimizer("adamw", LR), engine.parameters(), _lm_feeds(model), []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        total = {}
+        for m, f in enumerate(feeds):
+            engine.forward(f, m)
+            for k, g in engine.backward(m).params.items():
+                total[k] = total[k] + g if k in total else g
+        params = opt.step(params, total)
+        engine.set_parameters(params)
+        times.append(time.perf_counter() - t0)
+    trainable = sum(int(graph.constants[p].nbytes) for p in graph.params)
+    return {"step_s": statistics.median(times[1:]), "peak_mib": [_peak_mib()], "trainable": trainable}
+
+
+def child_torch_single_lm(model: Path, steps: int, rank: int | None) -> dict:
+    import torch
+
+    from jobs.export_llm import load_causal_lm
+
+    torch.set_num_threads(1)
+    feeds = _lm_feeds(model)
+    lm, _, _ = load_causal_lm(None)
+    if rank:
+        from peft import LoraConfig, get_peft_model
+
+        lm = get_peft_model(lm, LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=0.0,
+                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    lm.train()
+    trainable = [p for p in lm.parameters() if p.requires_grad]
+    opt, times = torch.optim.AdamW(trainable, lr=LR), []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        for f in feeds:
+            logits = lm(input_ids=torch.from_numpy(f["input_ids"]),
+                        attention_mask=torch.from_numpy(f["attention_mask"])).logits
+            ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(f["target_ids"]).flatten(),
+                                                   reduction="none")
+            (ce * torch.from_numpy(f["target_weights"]).flatten()).sum().backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times[1:]), "peak_mib": [_peak_mib()],
+            "trainable": sum(p.numel() * p.element_size() for p in trainable)}
+
+
+def run_pipeline_lm(model: Path, steps: int, rank: int | None, schedule: str) -> dict:
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.workers import LocalWorkers
+    from runtime.pipeline.coordinator import PipelineConfig
+
+    graph = _lm_graph(model, LM_BATCH // M, rank)
+    feeds = _lm_feeds(model)
+    workers = LocalWorkers.start(3, threads=1)
+    config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=1800)
+    try:
+        result = train_pipeline(graph, None, 0, workers.addresses, config, steps + 1, keys=workers.keys,
+                                feeds_of_step=lambda k: feeds, faults=FaultPolicy(on_failure="stop"))
+    finally:
+        workers.wait(60.0)
+    seconds = result.step_seconds[1:] if schedule != "1f1b-stash" else result.step_seconds
+    peaks = [max(rep[k]["peak_rss_bytes"] for rep in result.stage_reports) / 2**20 for k in range(3)]
+    trainable = sum(int(graph.constants[p].nbytes) for p in graph.params)
+    return {"step_s": statistics.median(seconds), "peak_mib": peaks, "trainable": trainable,
+            "ranges": result.ranges}
+
+
 def _child(kind: str, model: Path, steps: int, rank: int | None) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--steps", str(steps), "--rank", str(rank or 0),
            "--model-path", str(model)]
@@ -168,12 +273,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         rank = args.rank or None
-        out = (child_mnn_single(args.model_path, args.steps, rank) if args.child == "mnn-single"
-               else child_torch_single(args.steps, rank))
-        print(json.dumps(out))
+        children = {"mnn-single": lambda: child_mnn_single(args.model_path, args.steps, rank),
+                    "torch-single": lambda: child_torch_single(args.steps, rank),
+                    "mnn-single-lm": lambda: child_mnn_single_lm(args.model_path, args.steps, rank),
+                    "torch-single-lm": lambda: child_torch_single_lm(args.model_path, args.steps, rank)}
+        print(json.dumps(children[args.child]()))
         return
     if args.model == "smollm2":
-        raise SystemExit("SmolLM2 needs decoder support (the decoder issue); only --model minilm is measured")
+        return _main_smollm2(args)
     model = default_model()
     rows = []
 
@@ -209,6 +316,46 @@ def main() -> None:
               f"{lora['step_s'] / full['step_s']:.2f}x (target <= 0.7x)")
     print(f"single device: LoRA step / full step {by['mnn single lora']['step_s'] / by['mnn single full']['step_s']:.2f}x "
           f"(MNN), {by['torch+peft single lora']['step_s'] / by['torch+peft single full']['step_s']:.2f}x (torch+PEFT)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, default=str))
+
+
+def _main_smollm2(args) -> None:
+    from benchmarks.llm import smollm2_model
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = smollm2_model()
+    rows = []
+
+    def measure(name: str, fn):
+        print(f"... {name}", file=sys.stderr, flush=True)
+        with NoiseMeter() as noise:
+            row = fn()
+        rows.append({"name": name, **row, "others": noise.others})
+
+    for rank in (None, args.rank):
+        tag = "lora" if rank else "full"
+        measure(f"mnn single {tag}", lambda: _child("mnn-single-lm", model, args.steps, rank))
+        for schedule in ("1f1b-flush",) + (("1f1b-stash",) if rank else ()):
+            measure(f"mnn 3-stage {tag} {schedule}", lambda: run_pipeline_lm(model, args.steps, rank, schedule))
+        measure(f"torch+peft single {tag}", lambda: _child("torch-single-lm", model, args.steps, rank))
+    print(f"\nSmolLM2-135M-Instruct, batch {LM_BATCH} x {LM_SEQ}, {M} micro-batches, AdamW, LoRA r={args.rank} "
+          f"alpha {ALPHA:g} on q,k,v,o; {args.steps} timed steps")
+    print(f"{'configuration':34s} {'step s':>7s} {'peak MiB (per process)':>26s} {'max':>6s} {'trainable':>10s} "
+          f"{'others':>6s}")
+    for r in rows:
+        peaks = " / ".join(f"{p:.0f}" for p in r["peak_mib"])
+        others = "-" if r["others"] is None else f"{r['others']:.0%}"
+        print(f"{r['name']:34s} {r['step_s']:7.3f} {peaks:>26s} {max(r['peak_mib']):6.0f} "
+              f"{r['trainable'] / 2**20:8.2f}Mi {others:>6s}")
+    by = {r["name"]: r for r in rows}
+    lora, full, single = by["mnn 3-stage lora 1f1b-flush"], by["mnn 3-stage full 1f1b-flush"], by["mnn single full"]
+    print(f"\n1f1b-flush: LoRA pipeline's largest device / full fine-tuning's on the same split "
+          f"{max(lora['peak_mib']) / max(full['peak_mib']):.0%} (target <= 45%); / single-device full "
+          f"{max(lora['peak_mib']) / max(single['peak_mib']):.0%} (target <= 25%); LoRA step / full step "
+          f"{lora['step_s'] / full['step_s']:.2f}x (target <= 0.7x)")
+    print(f"single device: LoRA step / full step {by['mnn single lora']['step_s'] / single['step_s']:.2f}x (MNN), "
+          f"{by['torch+peft single lora']['step_s'] / by['torch+peft single full']['step_s']:.2f}x (torch+PEFT)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str))
 
