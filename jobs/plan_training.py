@@ -135,6 +135,8 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     full = merge_slices([c.graph for c in contents])
     if is_causal_lm(full):
         task = _causal_lm_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+    elif len(full.values[full.blocks[-2].output].shape) == 2:  # logits [batch, labels]
+        task = _seqcls_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
     else:
         task = _ner_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
     if not settings.local and not all(d.address for d in plan.devices):
@@ -204,6 +206,34 @@ def _ner_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: Plan
 
     return PipelineTask("ner", full, lambda k: step_feeds(batches, k, rows, M, len(ner.labels)), evaluate,
                         lambda f: f"entity F1 {f.after:.4f}", tuple(ner.labels))
+
+
+def _seqcls_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int,
+                 M: int, seq: int) -> PipelineTask:
+    """Sequence classification from a plan: TSV/CSV `sentence[,sentence2],label` files (labels in the
+    files' order, `tasks.seqcls.label_order`), accuracy and macro-F1 of the trained weights."""
+    from ir.backend import BackendSpec
+    from jobs.evaluation import class_figures, score_classes
+    from runtime.engines.factory import make_engine
+    from runtime.engines.stage import stage_spec
+    from tasks.seqcls import load_seqcls_data
+
+    try:
+        run = load_seqcls_data(data, eval_path, seq, settings.tokenizer)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"--data/--eval: {exc}") from None
+    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], run.labels)
+    batches = make_batches(run.train_encoded, rows * M, seq, seed=settings.seed, per_sequence=True)
+
+    def evaluate(weights):
+        if not run.dev:
+            return None
+        engine = make_engine(BackendSpec.cpu("mnn", 1), stage_spec(full, 0, len(full.blocks) - 1),
+                             weights={**full.constants, **weights}, cache_activations=False)
+        return class_figures(score_classes(engine, full, run, rows))
+
+    return PipelineTask("seq-cls", full, lambda k: step_feeds(batches, k, rows, M, len(run.labels)), evaluate,
+                        lambda f: f"accuracy {f.after:.4f}, macro-F1 {f.macro_f1:.4f}", tuple(run.labels))
 
 
 def _causal_lm_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int,

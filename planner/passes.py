@@ -30,7 +30,7 @@ import math
 import networkx as nx
 import numpy as np
 
-from ir.graph import Block, Graph, Node, topological_order
+from ir.graph import Block, Graph, Node, Value, topological_order
 from ir.ops import LOSS_INPUTS, LOSS_OPS, compute_flops
 from planner.attention import annotate_attention
 from planner.decoder import run_decoder_fusions
@@ -288,7 +288,7 @@ def simplify_layout(graph: Graph) -> Graph:
                             ins[k], scale = f[0], scale * f[1]
                     out = node.outputs[0]
                     raw, const = f"{out}/unscaled", f"{node.name}/scale"
-                    values[raw] = values[out]
+                    values[raw] = Value(raw, values[out].shape, values[out].dtype)
                     constants[const] = np.asarray(scale, np.float32)
                     set_node(node, Node(f"{node.name}/unscaled", "MatMul", tuple(ins), (raw,), node.attrs, node.tier))
                     del nodes[node.name]

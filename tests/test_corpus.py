@@ -96,6 +96,10 @@ def _lowers_and_matches_onnxruntime(path: Path, entry: dict) -> None:
     name = path
     b, s = entry["static_shape"] or (B, S)
     graph = load_model(path, b, s)
+    # every value is filed under its own name (a pass that filed a copy under another name made
+    # plan bundles whose graph.json lost it: SDPA's scaled MatMul)
+    assert all(v.name == k for k, v in graph.values.items())
+    assert all(o in graph.values for n in graph.nodes for o in n.outputs)
     assert [blk.kind for blk in graph.blocks] == entry["blocks"]
     encoders = [blk for blk in graph.blocks if blk.kind == "encoder"]
     assert {(blk.heads, blk.head_size) for blk in encoders} == {(entry["heads"], entry["head_size"])}

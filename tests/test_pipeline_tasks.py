@@ -141,3 +141,28 @@ def test_a_causal_lm_pipeline_resumes_exactly_and_replans(chat_llama, tmp_path):
                                task="causal-lm")
     assert moved.replans and moved.replans[0]["step"] == 2
     np.testing.assert_allclose(_losses(moved), _losses(whole), rtol=1e-5)
+
+
+@pytest.mark.slow  # profile, plan and worker processes
+def test_a_sequence_classifier_plan_trains_from_its_bundles_as_one_device_does(seqcls_model, tmp_path):
+    from jobs.planning import PlanSettings, plan_model
+    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.profiling import profile_this_device
+    from jobs.workers import coordinator_pair
+    from runtime.keys import signer
+
+    model, train, dev = seqcls_model
+    _, profile = profile_this_device(model, 4, 32, tmp_path / "dev.json", name="dev", backends=("mnn:cpu:t1",),
+                                     reps=1, attention=False)
+    (tmp_path / "cluster.yaml").write_text(
+        "devices:\n"
+        f"  - {{name: a, address: 'tcp://127.0.0.1:5901', profile: {profile.name}, memory_budget: 1GiB}}\n"
+        f"  - {{name: b, address: 'tcp://127.0.0.1:5902', profile: {profile.name}, memory_budget: 1GiB}}\n"
+        "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
+    keys = tmp_path / "keys"
+    plan = plan_model(model, tmp_path / "cluster.yaml", PlanSettings("1f1b-flush", 8, 32, 2, cuts=(2,)),
+                      tmp_path / "plan", sign=signer(coordinator_pair(keys)))
+    metrics = train_from_plan(plan, train, dev, PlanRunSettings(steps=3, seed=0, local=True, keys=keys))
+    one = train_local(model, train, dev, TrainingSettings(steps=3, batch=8, seq=32, lr=5e-5, seed=0), task="seq-cls")
+    np.testing.assert_allclose(_losses(metrics), _losses(one), rtol=1e-4)
+    assert metrics.eval.metric == "accuracy" and metrics.eval.after == pytest.approx(one.eval.after, abs=1 / 16)
