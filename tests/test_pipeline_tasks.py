@@ -94,29 +94,42 @@ def test_causal_lm_pipeline_refuses_1f1b_stash_through_the_tied_head(chat_llama)
                            local=2, task="causal-lm")
 
 
-@pytest.mark.slow  # profile, plan and worker processes
-def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, tmp_path):
-    """profile -> plan (the tokenizer copied beside the plan, bundles signed) -> `confidant train PLAN`
-    on local workers: the step losses of train-local, and the dev perplexity."""
+def _two_device_plan(model, batch: int, seq: int, budget: str, tmp_path):
+    """`model` profiled here at micro-batch batch/2, planned 1f1b-flush over two such devices cut at
+    block 2, bundles signed: (the plan folder, the coordinator's keys folder)."""
     from jobs.planning import PlanSettings, plan_model
-    from jobs.plan_training import PlanRunSettings, train_from_plan
     from jobs.profiling import profile_this_device
     from jobs.workers import coordinator_pair
     from runtime.keys import signer
 
-    path, train, dev = chat_llama
-    _, profile = profile_this_device(path, 2, 128, tmp_path / "dev.json", name="dev", backends=("mnn:cpu:t1",),
-                                     reps=1, attention=False)
+    _, profile = profile_this_device(model, batch // 2, seq, tmp_path / "dev.json", name="dev",
+                                     backends=("mnn:cpu:t1",), reps=1, attention=False)
     (tmp_path / "cluster.yaml").write_text(
         "devices:\n"
-        f"  - {{name: a, address: 'tcp://127.0.0.1:5901', profile: {profile.name}, memory_budget: 2GiB}}\n"
-        f"  - {{name: b, address: 'tcp://127.0.0.1:5902', profile: {profile.name}, memory_budget: 2GiB}}\n"
+        f"  - {{name: a, address: 'tcp://127.0.0.1:5901', profile: {profile.name}, memory_budget: {budget}}}\n"
+        f"  - {{name: b, address: 'tcp://127.0.0.1:5902', profile: {profile.name}, memory_budget: {budget}}}\n"
         "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
     keys = tmp_path / "keys"
-    plan = plan_model(path, tmp_path / "cluster.yaml", PlanSettings("1f1b-flush", 4, 128, 2, cuts=(2,)),
+    plan = plan_model(model, tmp_path / "cluster.yaml", PlanSettings("1f1b-flush", batch, seq, 2, cuts=(2,)),
                       tmp_path / "plan", sign=signer(coordinator_pair(keys)))
+    return plan, keys
+
+
+def _train_plan(plan, train, dev, keys):
+    """`confidant train PLAN --local` for 3 steps (seed 0)."""
+    from jobs.plan_training import PlanRunSettings, train_from_plan
+
+    return train_from_plan(plan, train, dev, PlanRunSettings(steps=3, seed=0, local=True, keys=keys))
+
+
+@pytest.mark.slow  # profile, plan and worker processes
+def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, tmp_path):
+    """profile -> plan (the tokenizer copied beside the plan, bundles signed) -> `confidant train PLAN`
+    on local workers: the step losses of train-local, and the dev perplexity."""
+    path, train, dev = chat_llama
+    plan, keys = _two_device_plan(path, 4, 128, "2GiB", tmp_path)
     assert (plan / "tokenizer.json").is_file() and (plan / "chat_template.json").is_file()
-    metrics = train_from_plan(plan, train, dev, PlanRunSettings(steps=3, seed=0, local=True, keys=keys))
+    metrics = _train_plan(plan, train, dev, keys)
     one = train_local(path, train, None, TrainingSettings(steps=3, batch=4, seq=128, lr=5e-5, seed=0),
                       task="causal-lm")
     np.testing.assert_allclose(_losses(metrics), _losses(one), rtol=1e-4)
@@ -145,24 +158,9 @@ def test_a_causal_lm_pipeline_resumes_exactly_and_replans(chat_llama, tmp_path):
 
 @pytest.mark.slow  # profile, plan and worker processes
 def test_a_sequence_classifier_plan_trains_from_its_bundles_as_one_device_does(seqcls_model, tmp_path):
-    from jobs.planning import PlanSettings, plan_model
-    from jobs.plan_training import PlanRunSettings, train_from_plan
-    from jobs.profiling import profile_this_device
-    from jobs.workers import coordinator_pair
-    from runtime.keys import signer
-
     model, train, dev = seqcls_model
-    _, profile = profile_this_device(model, 4, 32, tmp_path / "dev.json", name="dev", backends=("mnn:cpu:t1",),
-                                     reps=1, attention=False)
-    (tmp_path / "cluster.yaml").write_text(
-        "devices:\n"
-        f"  - {{name: a, address: 'tcp://127.0.0.1:5901', profile: {profile.name}, memory_budget: 1GiB}}\n"
-        f"  - {{name: b, address: 'tcp://127.0.0.1:5902', profile: {profile.name}, memory_budget: 1GiB}}\n"
-        "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
-    keys = tmp_path / "keys"
-    plan = plan_model(model, tmp_path / "cluster.yaml", PlanSettings("1f1b-flush", 8, 32, 2, cuts=(2,)),
-                      tmp_path / "plan", sign=signer(coordinator_pair(keys)))
-    metrics = train_from_plan(plan, train, dev, PlanRunSettings(steps=3, seed=0, local=True, keys=keys))
+    plan, keys = _two_device_plan(model, 8, 32, "1GiB", tmp_path)
+    metrics = _train_plan(plan, train, dev, keys)
     one = train_local(model, train, dev, TrainingSettings(steps=3, batch=8, seq=32, lr=5e-5, seed=0), task="seq-cls")
     np.testing.assert_allclose(_losses(metrics), _losses(one), rtol=1e-4)
     assert metrics.eval.metric == "accuracy" and metrics.eval.after == pytest.approx(one.eval.after, abs=1 / 16)

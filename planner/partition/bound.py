@@ -20,7 +20,7 @@ exact program (over position and first block, the device class chosen per stage)
 - subset (`SubsetRelaxation`, on small clusters): the state holds how many devices of each class
   are used (prod(class size + 1) states), so distinctness is exact and only the order is relaxed;
   its linked form (`value_linked`) prices the links exactly too. Without links its value is the
-  least sum exactly (tests/test_partition_dp.py checks that): the prices cannot see that one
+  least sum exactly (tests/test_partition.py checks that): the prices cannot see that one
   relaxed sequence uses a fast device twice and another none, this pass can.
 
 The objectives. Flush: the step is sum w + (m-1) max w + max U. For a threshold T, a relaxation
@@ -173,28 +173,18 @@ class Relaxation:
         self._pair_masked: dict = {}
 
     def _pairs_at(self, T: float):
-        got = self._pair_masked.get(T)
-        if got is None:
+        def make():
             cost, check = self.pair_last
-            last = np.where(check <= T, cost, INF)
-            tens = {c: None if t is None else (np.where(t[1] <= T, t[0], INF), t[2]) for c, t in self.pairs.items()}
-            got = (last, tens)
-            if len(self._pair_masked) >= 4:
-                self._pair_masked.pop(next(iter(self._pair_masked)))
-            self._pair_masked[T] = got
-        return got
+            return (np.where(check <= T, cost, INF),
+                    {c: None if t is None else (np.where(t[1] <= T, t[0], INF), t[2]) for c, t in self.pairs.items()})
+        return _remembered(self._pair_masked, T, make, 4)
 
     def _at(self, T: float):
         """The stage tables with the stages above T removed (the last few thresholds are kept)."""
-        got = self._masked.pop(T, None)
-        if got is None:
-            last = np.where(self.last_cost <= T, self.last_cost, INF)
-            tens = {c: None if t is None else (np.where(t[0] <= T, t[0], INF), t[1]) for c, t in self.tensors.items()}
-            got = (last, tens)
-            if len(self._masked) >= 6:
-                self._masked.pop(next(iter(self._masked)))
-        self._masked[T] = got
-        return got
+        def make():
+            return (np.where(self.last_cost <= T, self.last_cost, INF),
+                    {c: None if t is None else (np.where(t[0] <= T, t[0], INF), t[1]) for c, t in self.tensors.items()})
+        return _remembered(self._masked, T, make, 6)
 
     def run(self, lam: np.ndarray, T: float = INF, zero_cost: bool = False) -> tuple[float, np.ndarray]:
         """(L(lambda), uses per class of the relaxed optimum) at threshold T; with `zero_cost`, the
@@ -620,6 +610,18 @@ def _relaxed_min_max(rx: Relaxation) -> float:
         F = G.min(axis=1)
         best = min(best, F[0])
     return float(best)
+
+
+def _remembered(cache: dict, T: float, make, size: int):
+    """`make()` for threshold T, kept among the `size` most recently used thresholds (a pass at the
+    same T reuses the masked tables)."""
+    got = cache.pop(T, None)
+    if got is None:
+        got = make()
+        if len(cache) >= size:
+            cache.pop(next(iter(cache)))
+    cache[T] = got
+    return got
 
 
 def _async_bound(rx: Relaxation, upper_us: float, deadline: float) -> float:
