@@ -244,8 +244,10 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                 schedule = make_schedule(config.schedule, len(placements), config.microbatches)
             run.flush(start_step, steps, schedule, replan_every, bundles is not None, address_of,
                       on_replan, on_replanned)
+        if run.final is None:  # no step to run
+            run.collect_final(start_step)
         result = run.result
-        result.checkpoint = coordinator.collect_checkpoint()
+        result.checkpoint = run.final
         for tensors in result.checkpoint:
             result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
         if checkpoint_dir is not None:
@@ -289,6 +291,7 @@ class _Run:
         # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
         self.keep_state = (faults.on_failure == "replan" and on_lost is not None) or checkpoint_dir is not None
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
+        self.final: list | None = None  # every stage's state after the last step, once the run is done
         self.workers = list(result.addresses)  # every worker of the run in its first order, less the lost
         self.address_of_device = {**dict(zip(devices or (), result.addresses)), **dict(spare_devices or {})}
         self.device_of = {a: d for d, a in self.address_of_device.items()}
@@ -403,6 +406,15 @@ class _Run:
             if self.keep_state else None
         return True, plan.schedule
 
+    def collect_final(self, step: int) -> None:
+        """Every stage's state after the last step (`self.final`): the snapshot's when one was just
+        taken, else collected now. A device lost here is a loss like any other (WorkerLost): the
+        caller recovers and replays, because the last steps' updates live only on the devices."""
+        if self.snapshot is not None and self.snapshot.step == step:
+            self.final = self.snapshot.per_stage
+        else:
+            self.final = self.coordinator.collect_checkpoint()
+
     def _reports(self, done: list[dict]) -> None:
         """Keep the stages' reports of the last REPORTS_KEPT steps (a long run's coordinator must not
         grow with every step: issue 13 measured 4 KB a step) and each worker's peak memory."""
@@ -508,19 +520,18 @@ class _Run:
                 self._record(s + i + 1, float(sum(losses[i * M:(i + 1) * M])), total / (stop - s), done)
             self._reports(done)
             s = stop
-            if s < end:
-                try:
-                    if self.keep_state:
-                        snap = self.take_snapshot(s)
-                    else:
-                        snap = None
-                    if self.checkpoint_dir is not None and every and s % every == 0:
-                        snap = snap or self.take_snapshot(s)
-                        self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
-                        self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
-                except WorkerLost as lost:
-                    self.recover(lost, s, False, start_step)
-                    s = self.snapshot.step
+            try:
+                if s == end:
+                    self.collect_final(s)
+                    continue
+                snap = self.take_snapshot(s) if self.keep_state else None
+                if self.checkpoint_dir is not None and every and s % every == 0:
+                    snap = snap or self.take_snapshot(s)
+                    self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
+                    self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
+            except WorkerLost as lost:
+                self.recover(lost, s, False, start_step)
+                s = self.snapshot.step
 
     def flush(self, start_step: int, steps: int, schedule: Schedule, replan_every: int | None, from_bundles: bool,
               address_of: Mapping[str, str], on_replan, on_replanned) -> None:
@@ -549,6 +560,8 @@ class _Run:
             s += 1
             try:
                 self.at_boundary(s, start_step)
+                if s == end:
+                    self.collect_final(s)
             except WorkerLost as lost:
                 schedule = self.recover(lost, s, False, start_step) or make_schedule(
                     self.config.schedule, self.coordinator.stages, self.M)
