@@ -70,7 +70,11 @@ class FaultPolicy:
     `low_memory_bytes` / `low_battery_percent`: a device reporting less free memory (MemAvailable)
     or battery after a step is a `memory_low` / `battery_low` event, and under "replan" (flush
     schedules) the run moves off it at that boundary, before it runs out: the planner's cuts over
-    the others, the state gathered from every stage, no step replayed; the device waits idle."""
+    the others, the state gathered from every stage, no step replayed; the device waits idle.
+    `take_back`: a lost device is called back (runtime.pipeline.coordinator.Coordinator.call_back);
+    when it answers (restarted, thawed, reachable again) it is a `joined` event and, under "replan"
+    (flush schedules), taken in at that boundary if the plan with it is predicted faster (it waits
+    as a spare otherwise)."""
 
     on_failure: str = "replan"
     detect_s: float = 3.0
@@ -78,6 +82,7 @@ class FaultPolicy:
     checkpoint_every: int | None = None
     low_memory_bytes: int = 256 * 2 ** 20
     low_battery_percent: float = 15.0
+    take_back: bool = True
 
     def check(self) -> "FaultPolicy":
         if self.on_failure not in FAILURE_POLICIES:
@@ -171,7 +176,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                    spare_devices: Mapping[str, str] | None = None, on_replanned=None,
                    schedule: Schedule | None = None, transport: Transport | None = None,
                    keys: ClusterKeys | None = None, insecure: bool = False, faults: FaultPolicy = FaultPolicy(),
-                   on_lost=None, on_event=None, feeds_of_step=None) -> PipelineResult:
+                   plan_over=None, on_event=None, feeds_of_step=None) -> PipelineResult:
     """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
     With `bundles` (one plan bundle per stage, of `devices`) the workers get verified bundles
     instead of graph slices, and the block ranges are the bundles'; `schedule` is then the plan's
@@ -196,12 +201,15 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
 
     Lost devices (`faults`): the coordinator holds every stage's state from the last snapshot
     (every `faults.snapshot_every` steps); when a worker is lost mid-run the step is aborted on
-    the survivors, `on_lost(step, lost_addresses, snapshot)` returns a SurvivorPlan (default for
-    graph slices: the planner's best cuts over the survivors in their order; with bundles the
-    caller must give one, e.g. planner.replan.PlanReplanner.without), the survivors are set up
-    with the held state, and training goes on from the snapshot's step: no update is lost or
-    applied twice. Every event (lost, recovered, steps replayed, new plan) goes to
-    `on_event(dict)` and `result.events`.
+    the survivors, `plan_over(step, snapshot, stages, candidates)` returns a SurvivorPlan over
+    `candidates` (the live workers, in the run's first order) for the pipeline whose stages run
+    on `stages` (default for graph slices: the planner's best cuts, in that order; with bundles
+    the caller must give one, e.g. planner.replan.PlanReplanner.without), the survivors are set
+    up with the held state, and training goes on from the snapshot's step: no update is lost or
+    applied twice. The same function moves off devices running low (candidates without them) and
+    takes back devices that return (candidates with them; it may return None: no better plan).
+    Every event (lost, recovered, steps replayed, new plan, joined, memory or battery low) goes
+    to `on_event(dict)` and `result.events`.
 
     The graph inputs of step k are NER `batches` (`step_feeds`, with `num_labels`), or
     `feeds_of_step(k)` (a list of one feed dict per micro-batch: a causal LM's, tasks.lm_data)."""
@@ -225,12 +233,12 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     except BaseException:
         transport.close()
         raise
-    if on_lost is None and bundles is None and graph is not None and stage_graphs is None:
-        on_lost = _survivor_cuts(graph, config)
+    if plan_over is None and bundles is None and graph is not None and stage_graphs is None:
+        plan_over = _flops_plan_over(graph, config)
     run = _Run(coordinator, batches, num_labels, graph.batch, config, on_step,
                PipelineResult([], [], [], [], {}, [], ranges, devices=list(devices) if devices is not None else None,
                               addresses=list(addresses)),
-               faults, on_lost, on_event, checkpoint_dir, meta, devices, spare_devices, feeds_of_step)
+               faults, plan_over, on_event, checkpoint_dir, meta, devices, spare_devices, feeds_of_step)
     try:
         if bundles is not None:
             coordinator.setup_bundles(bundles, devices)
@@ -258,18 +266,23 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     return result
 
 
-def _survivor_cuts(graph, config: PipelineConfig):
-    """on_lost for graph slices: the planner's best cuts over the survivors, in their order
-    (FLOPs-priced, as TimingReplanner starts out; planner.replan.replan_without)."""
-    from planner.replan import replan_without
+def _flops_plan_over(graph, config: PipelineConfig):
+    """plan_over for graph slices: the planner's best cuts over the candidates, in their order
+    (FLOPs-priced, as TimingReplanner starts out): planner.replan.replan_without when stages
+    left, replan_with when workers came back (None unless that is predicted faster)."""
+    from planner.replan import replan_with, replan_without
 
-    def on_lost(step: int, lost: Sequence[str], snapshot: Snapshot, addresses: Sequence[str]) -> SurvivorPlan:
-        survivors = [a for a in addresses if a not in set(lost)]
-        ranges = replan_without(graph, snapshot.ranges, list(addresses), lost, config.schedule, config.microbatches,
-                                config.optimizer)
-        return SurvivorPlan(ranges, survivors)
+    def plan_over(step: int, snapshot: Snapshot, stages: Sequence[str], candidates: Sequence[str]) -> SurvivorPlan | None:
+        gone = [a for a in stages if a not in set(candidates)]
+        if gone:
+            ranges = replan_without(graph, snapshot.ranges, list(stages), gone, config.schedule, config.microbatches,
+                                    config.optimizer)
+            return SurvivorPlan(ranges, [a for a in stages if a not in set(gone)])
+        ranges = replan_with(graph, snapshot.ranges, list(stages), list(candidates), config.schedule,
+                             config.microbatches, config.optimizer)
+        return None if ranges is None else SurvivorPlan(ranges, list(candidates))
 
-    return on_lost
+    return plan_over
 
 
 class _Run:
@@ -277,22 +290,24 @@ class _Run:
     snapshots a recovery restores from."""
 
     def __init__(self, coordinator: Coordinator, batches, num_labels: int, micro_rows: int, config: PipelineConfig,
-                 on_step, result: PipelineResult, faults: FaultPolicy = FaultPolicy(), on_lost=None, on_event=None,
+                 on_step, result: PipelineResult, faults: FaultPolicy = FaultPolicy(), plan_over=None, on_event=None,
                  checkpoint_dir: Path | None = None, meta: dict | None = None, devices=None, spare_devices=None,
                  feeds_of_step=None):
         self.coordinator, self.batches, self.num_labels = coordinator, batches, num_labels
         self.feeds_of_step = feeds_of_step
         self.micro_rows, self.M, self.config, self.on_step, self.result = (micro_rows, config.microbatches, config,
                                                                            on_step, result)
-        self.faults, self.on_lost, self.on_event = faults, on_lost, on_event
+        self.faults, self.plan_over, self.on_event = faults, plan_over, on_event
         self.checkpoint_dir, self.meta = checkpoint_dir, meta
         self.snapshot: Snapshot | None = None
         self.running_low: dict[str, str] = {}  # address -> "memory_low" | "battery_low", after the last step
         # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
-        self.keep_state = (faults.on_failure == "replan" and on_lost is not None) or checkpoint_dir is not None
+        self.keep_state = (faults.on_failure == "replan" and plan_over is not None) or checkpoint_dir is not None
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
         self.final: list | None = None  # every stage's state after the last step, once the run is done
-        self.workers = list(result.addresses)  # every worker of the run in its first order, less the lost
+        # every worker of the run (stages, then spares) in its first order, less the lost and moved off
+        self.workers = list(dict.fromkeys([*result.addresses, *(spare_devices or {}).values()]))
+        self.first_order = list(self.workers)
         self.address_of_device = {**dict(zip(devices or (), result.addresses)), **dict(spare_devices or {})}
         self.device_of = {a: d for d, a in self.address_of_device.items()}
 
@@ -372,7 +387,7 @@ class _Run:
         None for the config's). Nothing moves when the policy is "stop", there is no re-planner,
         every device is low, or no plan fits the others (an event says which)."""
         low, self.running_low = dict(self.running_low), {}
-        if not low or self.faults.on_failure != "replan" or self.on_lost is None:
+        if not low or self.faults.on_failure != "replan" or self.plan_over is None:
             return False, None
         names = [self.device_of.get(a, a) for a in low]
         if len(low) >= len(self.result.addresses):
@@ -381,30 +396,65 @@ class _Run:
             return False, None
         snap = self.snapshot if self.snapshot is not None and self.snapshot.step == step else self.take_snapshot(step)
         try:
-            plan = self.on_lost(step, list(low), snap, list(self.result.addresses))
+            plan = self.plan_over(step, snap, list(self.result.addresses), [a for a in self.workers if a not in low])
         except (PlanDoesNotFit, ValueError) as exc:
             self.event("stayed", step=step, devices=names, cause=sorted(set(low.values())),
                        reason=f"the others cannot hold the model: {exc}")
             return False, None
+        self.workers = [a for a in self.workers if a not in low]
+        self._switch(step, plan, snap, sorted(set(low.values()))[0], left=names)
+        return True, plan.schedule
+
+    def take_in(self, step: int) -> tuple[bool, Schedule | None]:
+        """At the flush boundary after `step` steps: the lost workers that answered the call back
+        are `joined` events and candidates again, and the run re-plans over them when that is
+        predicted faster (moved, the new schedule or None for the config's)."""
+        back = self.coordinator.returned()
+        if not back:
+            return False, None
+        joined = [b["address"] for b in back]
+        self.workers = [a for a in self.first_order if a in set(self.workers) | set(joined)]
+        plan, reason = None, "the policy is --on-failure stop" if self.faults.on_failure != "replan" else ""
+        if not reason and self.plan_over is None:
+            reason = "no way to re-plan this pipeline"
+        if not reason:
+            snap = self.snapshot if self.snapshot is not None and self.snapshot.step == step else self.take_snapshot(step)
+            try:
+                plan = self.plan_over(step, snap, list(self.result.addresses), list(self.workers))
+            except (PlanDoesNotFit, ValueError) as exc:
+                reason = f"no plan with it fits: {exc}"
+            if plan is None and not reason:
+                reason = "the plan with it is predicted no faster"
+        for b in back:
+            self.event("joined", step=step, device=self.device_of.get(b["address"], b["address"]),
+                       address=b["address"], taken_in=plan is not None, reason=reason or "re-planned with it",
+                       **{k: b[k] for k in ("mem_available_bytes", "battery_percent") if b.get(k) is not None})
+        if plan is None:
+            return False, None
+        self._switch(step, plan, snap, "joined", joined=[self.device_of.get(a, a) for a in joined])
+        return True, plan.schedule
+
+    def _switch(self, step: int, plan: SurvivorPlan, snap: Snapshot, cause: str, lost: Sequence[str] = (),
+                **fields) -> None:
+        """Set the pipeline up as `plan` with the state of `snap` (held off the devices, or gathered at
+        this boundary) and record the new plan (an event, result.ranges/addresses/devices/replans)."""
         placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))]
         if plan.devices is not None:
             self.device_of.update(dict(zip(plan.addresses, plan.devices)))
         reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
-                                              state=snap.state)
-        self.workers = [a for a in self.workers if a not in low]
+                                              state=snap.state, lost=lost)
         old_ranges = list(self.result.ranges)
         self.result.ranges = [tuple(r) for r in plan.ranges]
         self.result.addresses = list(plan.addresses)
         if plan.devices is not None:
             self.result.devices = list(plan.devices)
-        self.result.replans.append((step, reconf))
-        self.event("new_plan", step=step, cause=sorted(set(low.values()))[0], left=names,
-                   old_ranges=[list(r) for r in old_ranges], ranges=[list(r) for r in self.result.ranges],
-                   devices=self._devices(), plan=None if plan.directory is None else str(plan.directory),
-                   seconds=reconf.seconds)
-        self.snapshot = Snapshot(step, self.coordinator.collect_checkpoint(), snap.state, list(self.result.ranges)) \
-            if self.keep_state else None
-        return True, plan.schedule
+        self.result.replans.append((snap.step, reconf))
+        self.event("new_plan", step=snap.step, cause=cause, **fields, old_ranges=[list(r) for r in old_ranges],
+                   ranges=[list(r) for r in self.result.ranges], devices=self._devices(),
+                   plan=None if plan.directory is None else str(plan.directory), seconds=reconf.seconds)
+        # the held state is the same, the stages are new: a checkpoint or a later recovery needs theirs
+        self.snapshot = Snapshot(snap.step, self.coordinator.collect_checkpoint(), snap.state,
+                                 list(self.result.ranges)) if self.keep_state else None
 
     def collect_final(self, step: int) -> None:
         """Every stage's state after the last step (`self.final`): the snapshot's when one was just
@@ -444,7 +494,7 @@ class _Run:
             self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
                        address=p.address, detected_after_s=p.down_s, reason=p.reason)
         snap = self.snapshot
-        if self.faults.on_failure == "stop" or snap is None or self.on_lost is None:
+        if self.faults.on_failure == "stop" or snap is None or self.plan_over is None:
             why = ("--on-failure stop" if self.faults.on_failure == "stop" else
                    "no state was held off the devices" if snap is None else "no way to re-plan this pipeline")
             raise RecoveryImpossible(f"{lost} ({why})", self._rescue(snap))
@@ -461,25 +511,16 @@ class _Run:
         self.coordinator.forget(lost.addresses)
         gone = lost.addresses + self.coordinator.lost_spares()
         self.coordinator.forget(gone)
+        if self.faults.take_back:
+            self.coordinator.call_back(gone)
         self.workers = [a for a in self.workers if a not in gone]
         try:
-            plan = self.on_lost(snap.step, gone, snap, list(self.result.addresses))
+            plan = self.plan_over(snap.step, snap, list(self.result.addresses), list(self.workers))
         except (PlanDoesNotFit, ValueError) as exc:
             raise RecoveryImpossible(f"{lost}; the survivors cannot hold the model: {exc}", self._rescue(snap)) from None
-        placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))]
-        if plan.devices is not None:
-            self.device_of.update(dict(zip(plan.addresses, plan.devices)))
-        reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
-                                              state=snap.state, lost=gone)
-        old_ranges = list(self.result.ranges)
-        self.result.ranges = [tuple(r) for r in plan.ranges]
-        self.result.addresses = list(plan.addresses)
-        if plan.devices is not None:
-            self.result.devices = list(plan.devices)
-        self.result.replans.append((snap.step, reconf))
-        self.event("new_plan", step=snap.step, cause="lost", old_ranges=[list(r) for r in old_ranges],
-                   ranges=[list(r) for r in self.result.ranges], devices=self._devices(),
-                   plan=None if plan.directory is None else str(plan.directory), seconds=reconf.seconds)
+        if plan is None:
+            raise RuntimeError("plan_over returned no plan after a loss")
+        self._switch(snap.step, plan, snap, "lost", lost=gone)
         replayed = step - snap.step + (1 if mid_step else 0)
         self._truncate(snap.step, start_step)
         self._recovering = {"t0": t0, "replayed": replayed}
@@ -567,8 +608,10 @@ class _Run:
                     self.config.schedule, self.coordinator.stages, self.M)
                 s, window, warm_up = self.snapshot.step, [], True
                 continue
-            if s < end and self.running_low:
-                moved, new_schedule = self.move_off(s)
+            if s < end:
+                moved, new_schedule = self.take_in(s)
+                if not moved and self.running_low:
+                    moved, new_schedule = self.move_off(s)
                 if moved:
                     schedule = new_schedule or make_schedule(self.config.schedule, self.coordinator.stages, self.M)
                     window, warm_up = [], True
@@ -759,6 +802,7 @@ def describe_event(event: Mapping) -> str:
     if kind == "new_plan":
         where = " | ".join(f"{d} {a}-{b}" for d, (a, b) in zip(event["devices"], event["ranges"]))
         left = f"; moved off {', '.join(event['left'])}" if event.get("left") else ""
+        left += f"; took in {', '.join(event['joined'])}" if event.get("joined") else ""
         return f"new plan after step {event['step']} ({event['cause']}{left}): {where}"
     if kind == "recovered":
         return (f"recovered: step {event['step']} done {event['seconds']:.1f} s after the loss was detected, "
@@ -772,7 +816,8 @@ def describe_event(event: Mapping) -> str:
     if kind == "stayed":
         return f"{', '.join(event['devices'])} running low ({', '.join(event['cause'])}) but kept: {event['reason']}"
     if kind == "joined":
-        return f"{event['device']} joined (taken in at the next re-plan)"
+        outcome = "taken in" if event.get("taken_in") else f"waits as a spare: {event.get('reason', 'not taken in')}"
+        return f"{event['device']} is back after step {event['step']}: {outcome}"
     return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "at"))
 
 

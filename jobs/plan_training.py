@@ -171,7 +171,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
                                 on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf),
                                 schedule=None if plan.schedule in ASYNC_SCHEDULES else plan.to_schedule(),
                                 update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
-                                on_lost=None if rescuer is None else _on_lost(rescuer, address_of),
+                                plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
                                 on_event=lambda event: reporter.note(describe_event(event)),
                                 feeds_of_step=task.feeds_of_step)
         failed = False
@@ -278,19 +278,25 @@ def _causal_lm_task(plan_dir: Path, data: Path, eval_path: Path | None, settings
 
 # --- re-planning while training from a plan folder --------------------------------------------------
 
-def _on_lost(replanner, address_of):
-    """train_pipeline's on_lost from a plan folder: a new plan over the cluster without the lost
-    devices (and without devices that have no worker), written from the held state."""
+def _plan_over(replanner, address_of):
+    """train_pipeline's plan_over from a plan folder: a new plan over the cluster's devices whose
+    workers are candidates (PlanReplanner.without when stages are not among them: lost or moved
+    off; with_devices when devices came back), written from the held state."""
     device_of = {a: d for d, a in address_of.items()}
 
-    def on_lost(step, lost, snapshot, addresses) -> SurvivorPlan:
-        gone = [device_of.get(a, a) for a in lost]
-        keep = [d for d, a in address_of.items() if a not in set(lost)]
-        plan = replanner.without(step, gone, snapshot.state.weights, keep=keep)
+    def plan_over(step, snapshot, stages, candidates) -> SurvivorPlan | None:
+        gone = [device_of.get(a, a) for a in stages if a not in set(candidates)]
+        keep = [device_of[a] for a in candidates if a in device_of]
+        if gone:
+            plan = replanner.without(step, gone, snapshot.state.weights, keep=keep)
+        else:
+            plan = replanner.with_devices(step, keep, snapshot.state.weights)
+        if plan is None:
+            return None
         return SurvivorPlan([tuple(r) for r in plan.ranges], [address_of[d] for d in plan.devices],
                             list(plan.bundles), list(plan.devices), plan.schedule, plan.directory)
 
-    return on_lost
+    return plan_over
 
 
 def _failure_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, contents, sign):

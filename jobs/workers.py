@@ -30,50 +30,83 @@ class LocalWorkers:
     procs: list[subprocess.Popen] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     keys: ClusterKeys | None = None
+    # how each was started, so that `restart` can start it again as it was
+    _pairs: list[KeyPair] = field(default_factory=list, repr=False)
+    _coordinator: KeyPair | None = field(default=None, repr=False)
+    _options: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def start(cls, n: int, threads: int, timeout_s: float = 120.0, coordinator: KeyPair | None = None,
               insecure: bool = False, failure_timeout_s: float = 3.0, stderr=None) -> "LocalWorkers":
         """`n` workers; secured with `coordinator`'s key (default: a fresh pair for this run) unless
         `insecure`."""
-        env = dict(os.environ)
-        # one compute thread per worker unless asked: N workers must not oversubscribe the cores
-        env.update({"OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
-                    "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})
         workers = cls()
-        folder = None
-        pairs: list[KeyPair] = []
         if not insecure:
             coordinator = coordinator or KeyPair.generate(COORDINATOR_KEY)
-            folder = Path(tempfile.mkdtemp(prefix="confidant-keys-"))  # mkdtemp: mode 0700
-            (folder / f"{COORDINATOR_KEY}.pub").write_text(f"{coordinator.public.text} {COORDINATOR_KEY}\n")
-            pairs = [KeyPair.generate(f"local{k}") for k in range(n)]
-            for pair in pairs:
-                write_keypair(folder, pair)
+            workers._pairs = [KeyPair.generate(f"local{k}") for k in range(n)]
+        workers._coordinator = coordinator
+        workers._options = {"threads": threads, "insecure": insecure, "failure_timeout_s": failure_timeout_s,
+                            "stderr": stderr}
         try:
-            for k in range(n):
-                security = ["--insecure"] if insecure else ["--keys", str(folder), "--name", pairs[k].name]
-                proc = subprocess.Popen([sys.executable, "-m", "confidant", "worker", "--listen", "tcp://127.0.0.1:0",
-                                         "--failure-timeout", str(failure_timeout_s), *security,
-                                         "--exit-with", str(os.getpid())],
-                                        stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-                workers.procs.append(proc)
+            workers.procs, workers.addresses = workers._launch(list(range(n)), ["tcp://127.0.0.1:0"] * n, timeout_s)
+        except BaseException:
+            workers.stop()
+            raise
+        if not insecure:
+            workers.keys = ClusterKeys(coordinator, {a: p.public for a, p in zip(workers.addresses, workers._pairs)})
+        return workers
+
+    def restart(self, k: int, timeout_s: float = 120.0) -> None:
+        """Start worker k again at its address, with its key pair, after it ended (killed): what a
+        device does when its worker process comes back."""
+        if self.procs[k].poll() is None:
+            raise RuntimeError(f"local worker {k} (pid {self.procs[k].pid}) is still running")
+        procs, addresses = self._launch([k], [self.addresses[k]], timeout_s)
+        if addresses != [self.addresses[k]]:
+            procs[0].kill()
+            raise RuntimeError(f"local worker {k} came back at {addresses[0]}, not {self.addresses[k]}")
+        self.procs[k] = procs[0]
+
+    def _launch(self, which: list[int], listen: list[str], timeout_s: float):
+        """Start workers `which` (indices into the key pairs) listening at `listen`; their processes
+        and bound addresses once each has printed it."""
+        opts = self._options
+        env = dict(os.environ)
+        # one compute thread per worker unless asked: N workers must not oversubscribe the cores
+        threads = str(opts["threads"])
+        env.update({"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                    "TOKENIZERS_PARALLELISM": "false"})
+        folder = None
+        if not opts["insecure"]:
+            folder = Path(tempfile.mkdtemp(prefix="confidant-keys-"))  # mkdtemp: mode 0700
+            (folder / f"{COORDINATOR_KEY}.pub").write_text(f"{self._coordinator.public.text} {COORDINATOR_KEY}\n")
+            for k in which:
+                write_keypair(folder, self._pairs[k])
+        procs, addresses = [], []
+        try:
+            for k, address in zip(which, listen):
+                security = ["--insecure"] if opts["insecure"] else ["--keys", str(folder), "--name", self._pairs[k].name]
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "confidant", "worker", "--listen", address,
+                     "--failure-timeout", str(opts["failure_timeout_s"]), *security, "--exit-with", str(os.getpid())],
+                    stdout=subprocess.PIPE, stderr=opts["stderr"], text=True, env=env))
             deadline = time.monotonic() + timeout_s
-            for proc in workers.procs:
+            for proc in procs:
                 line = proc.stdout.readline()
                 if not line.startswith("listening "):
-                    workers.stop()
                     raise RuntimeError(f"local worker (pid {proc.pid}) did not start: {line.strip() or 'no output'}")
-                workers.addresses.append(line.split()[1])
+                addresses.append(line.split()[1])
                 if time.monotonic() > deadline:
-                    workers.stop()
                     raise RuntimeError("local workers took too long to start")
+        except BaseException:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            raise
         finally:
             if folder is not None:  # every worker printed its address after reading its keys
                 shutil.rmtree(folder, ignore_errors=True)
-        if not insecure:
-            workers.keys = ClusterKeys(coordinator, {a: p.public for a, p in zip(workers.addresses, pairs)})
-        return workers
+        return procs, addresses
 
     def wait(self, timeout_s: float = 30.0) -> list[int]:
         codes = []

@@ -338,6 +338,26 @@ def replan_without(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Seq
     return [tuple(r) for r in decision.new_partition.ranges]
 
 
+def replan_with(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Sequence[str], order: Sequence[str],
+                schedule: str, m: int, optimizer: str, cluster: Cluster | None = None) -> list[tuple[int, int]] | None:
+    """The best block ranges over `order` (the current `devices`, which run `ranges`, and devices
+    that came back, in the order wanted), one stage each, keep-order over `cluster` (default:
+    FLOPs-only profiles, as `replan_without`); None when that plan does not fit or is predicted
+    no faster than the current one (the returned devices then wait as spares)."""
+    missing = [d for d in devices if d not in order]
+    if missing:
+        raise ValueError(f"the new order {list(order)} leaves out current devices {missing}; use replan_without")
+    cluster = cluster if cluster is not None else flops_cluster(graph, list(order))
+    inst = make_instance(graph, cluster, schedule, m, optimizer)
+    current = manual_partition(inst, list(devices), [r[0] for r in ranges[1:]])
+    new = best_cuts(inst, list(order))
+    if check_feasible(new, inst):
+        return None
+    if not check_feasible(current, inst) and predicted_step_us(inst, new) >= predicted_step_us(inst, current):
+        return None
+    return [tuple(r) for r in new.ranges]
+
+
 class TimingReplanner:
     """`train_pipeline`'s on_replan from measured timings alone: the stages' workers are devices
     named stage0..stage<p-1> with FLOPs-only profiles (`flops_cluster`), recalibrated at every call
@@ -461,16 +481,30 @@ class PlanReplanner:
         left = [d.name for d in self.cluster.devices if d.name not in set(gone) and (keep is None or d.name in keep)]
         if not left:
             raise PlanDoesNotFit(f"no device is left after {sorted(gone)} left", "", 0, None)
-        cluster = dataclasses.replace(self.cluster, devices=tuple(d for d in self.cluster.devices if d.name in left),
-                                      links={k: v for k, v in self.cluster.links.items() if set(k) <= set(left)})
+        return self._apply(step, left, 0.0, "recovery", weights)
+
+    def with_devices(self, step: int, keep: Sequence[str], weights: Mapping[str, "np.ndarray"]) -> ReplannedPlan | None:
+        """The plan once devices came back: the best over the cluster's devices in `keep` (those with
+        a worker, the current ones among them), written as a new plan folder from `weights` when it
+        passes `threshold`; None otherwise (the devices that came back wait as spares)."""
+        left = [d.name for d in self.cluster.devices if d.name in set(keep)]
+        return self._apply(step, left, self.threshold, "joined", weights)
+
+    def _apply(self, step: int, names: Sequence[str], threshold: float, why: str,
+               weights: Mapping[str, "np.ndarray"]) -> ReplannedPlan | None:
+        """Re-plan over the cluster's devices `names`; the new plan folder when the decision is to move."""
+        cluster = dataclasses.replace(self.cluster, devices=tuple(d for d in self.cluster.devices if d.name in names),
+                                      links={k: v for k, v in self.cluster.links.items() if set(k) <= set(names)})
         decision = replan(self.graph, cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
-                          0.0, time_limit_s=self.time_limit_s, workers=self.workers)
+                          threshold, time_limit_s=self.time_limit_s, workers=self.workers)
         self.decisions.append((step, decision))
         new = decision.new_partition
-        directory = self.plan_dir / (REPLAN_DIR.format(step=step) + "-recovery")
+        if new is None:
+            return None
+        directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"-{why}")
         n = 2
         while directory.exists():
-            directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"-recovery{n}")
+            directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"-{why}{n}")
             n += 1
         schedule = self._emit(directory, new, weights)
         old, self.partition = self.partition, new

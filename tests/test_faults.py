@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import FaultPolicy, RecoveryImpossible, train_pipeline
+from jobs.pipeline_training import FaultPolicy, RecoveryImpossible, stage_ranges, train_pipeline
 from jobs.workers import LocalWorkers
 from planner.onnx_import import load_model
 from runtime.keys import KeyDir, KeyFileError, KeyPair, PublicKey, read_keypair, signer, verifier, write_keypair
@@ -136,6 +136,79 @@ def test_a_lost_worker_is_replaced_by_a_replan_and_no_update_is_lost(graph, batc
     assert recovered["steps_replayed"] == 1 and recovered["seconds"] < 10
     assert len(result.ranges) == 2 and workers.addresses[lost] not in result.addresses
 
+
+
+def test_a_lost_worker_that_comes_back_is_taken_in_again(graph, batches):
+    """Worker 1 of 3 vanishes after step 1 of 4 and a fresh worker starts at its address after
+    step 2 (a device restarting its worker): it answers the coordinator's call back, is a
+    `joined` event at the next boundary, and the run re-plans onto all three again (the planner's
+    cuts, as at the start). Flush: losses and weights stay single-device training's."""
+    steps = 4
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 1 and workers.codes[1] is None:
+                workers.kill(1)
+            if step == 2:
+                workers.restart(1)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps,
+                                transport=workers.coordinator, on_step=on_step)
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered", "joined", "new_plan"], kinds
+    joined = result.events[3]
+    assert (joined["address"], joined["taken_in"]) == (workers.addresses[1], True)
+    assert joined["step"] in (2, 3)  # the boundary after the restart, or the next (the answer is on its way)
+    back = result.events[4]
+    assert back["cause"] == "joined" and back["joined"] == [workers.addresses[1]]
+    first = stage_ranges(len(graph.blocks), 3, None)
+    assert result.addresses == workers.addresses and len(result.ranges) == 3
+    assert [tuple(r) for r in result.ranges] == [tuple(r) for r in _survivor_ranges(graph, 3)], first
+    assert workers.codes == [0, 0, 0]  # the new worker was stopped with the others
+
+
+def _survivor_ranges(graph, n: int):
+    """The planner's FLOPs-priced cuts over n equal workers: what a re-plan gives back."""
+    from planner.replan import flops_cluster
+    from planner.partition import make_instance
+    from planner.replan import best_cuts
+
+    names = [f"w{k}" for k in range(n)]
+    return best_cuts(make_instance(graph, flops_cluster(graph, names), "1f1b-flush", M, "adamw"), names).ranges
+
+
+def test_a_worker_that_comes_back_waits_as_a_spare_when_it_would_not_help(graph, batches):
+    """The same return, but the run's re-planner finds the plan with it no faster: a `joined`
+    event that says so, no new plan, and the worker idle until the run stops it."""
+    from jobs.pipeline_training import SurvivorPlan, _flops_plan_over
+
+    default = _flops_plan_over(graph, _config())
+    asked = []
+
+    def plan_over(step, snapshot, stages, candidates):
+        asked.append((list(stages), list(candidates)))
+        if set(stages) <= set(candidates):  # a return
+            return None
+        return default(step, snapshot, stages, candidates)
+
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 1 and workers.codes[1] is None:
+                workers.kill(1)
+            if step == 2:
+                workers.restart(1)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), 4, transport=workers.coordinator,
+                                on_step=on_step, plan_over=plan_over)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered", "joined"], kinds
+    assert result.events[-1]["taken_in"] is False
+    assert result.events[-1]["reason"] == "the plan with it is predicted no faster"
+    assert asked[-1] == (result.addresses, workers.addresses) and len(result.ranges) == 2
+    assert workers.codes == [0, 0, 0]
+    assert SurvivorPlan  # the type plan_over returns
 
 
 @pytest.mark.parametrize("schedule", ["1f1b-flush", "1f1b-stash"])
@@ -472,6 +545,41 @@ def test_sigkill_of_a_worker_process_is_recovered_from_on_the_survivors(graph, b
     _equals_a_stash_run_switched_at_its_recovery(graph, batches, result, steps, faults, tmp_path)
 
 
+@pytest.mark.slow  # twin on threads: test_a_lost_worker_that_comes_back_is_taken_in_again
+def test_a_killed_worker_process_restarted_at_its_address_is_taken_back_over_curve(graph, batches):
+    """SIGKILL of worker 1 of 3 after step 1 of 6, and `confidant worker` started again at the same
+    address with the same keys after step 2: the coordinator's call back reaches the new process
+    over CURVE, it joins (with its free memory) at a boundary once it has started, the run
+    re-plans onto the three, and the losses and weights are single-device training's; every
+    process ends with status 0 at the stop."""
+    steps = 6
+    batches = [synthetic_batch(i) for i in range(steps)]
+    workers = LocalWorkers.start(3, threads=1)
+    killed = []
+
+    def on_step(done, *_):
+        if done == 1 and not killed:
+            os.kill(workers.procs[1].pid, signal.SIGKILL)
+            killed.append(workers.procs[1].wait(10))
+        if done == 2 and workers.procs[1].poll() is not None:
+            workers.restart(1)
+
+    try:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, keys=workers.keys,
+                                on_step=on_step)
+    finally:
+        codes = workers.wait(30.0)
+    assert killed == [-signal.SIGKILL] and codes == [0, 0, 0]
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered", "joined", "new_plan"], kinds
+    joined = result.events[3]
+    assert joined["address"] == workers.addresses[1] and joined["taken_in"] and joined["mem_available_bytes"] > 0
+    assert result.addresses == workers.addresses
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
+    _same(result.weights, want_weights)
+
+
 def test_sigstop_of_a_worker_is_detected_within_3_s(graph, batches):
     """A frozen worker (SIGSTOP: its socket stays open, its heartbeats stop) is found lost and the
     run finishes on the other one."""
@@ -488,6 +596,44 @@ def test_sigstop_of_a_worker_is_detected_within_3_s(graph, batches):
     event = next(e for e in result.events if e["event"] == "lost")
     assert event["stage"] == 1 and event["at"] - sent["at"] < 3.5, event
     want_losses, want_weights = single_device_training(graph, batches, 3)
+    np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
+    _same(result.weights, want_weights)
+
+
+@pytest.mark.slow  # twin on threads: test_a_lost_worker_that_comes_back_is_taken_in_again
+def test_a_frozen_worker_that_thaws_drops_its_old_stage_and_is_taken_back(graph, batches):
+    """SIGSTOP of worker 1 of 3 during step 2 of 6; once it is found lost, SIGCONT. The thawed process
+    still holds its stage of a pipeline that went on without it: the call back makes it drop
+    that stage (mid-step or not) and answer, and the run takes it back. Losses and weights stay
+    single-device training's."""
+    steps = 6
+    batches = [synthetic_batch(i) for i in range(steps)]
+    workers = LocalWorkers.start(3, threads=1)
+    freeze, _ = _kill_at(workers, 1, 1, signal.SIGSTOP)
+    thawed = []
+
+    def on_event(event):
+        if event["event"] == "lost":
+            workers.procs[1].send_signal(signal.SIGCONT)
+            thawed.append(time.monotonic())
+
+    def on_step(done, *rest):
+        freeze(done, *rest)
+        if thawed and len(thawed) == 1:  # steps take ms here: give the thawed process a moment to answer
+            time.sleep(1.0)
+            thawed.append(time.monotonic())
+
+    try:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, keys=workers.keys,
+                                on_step=on_step, on_event=on_event)
+    finally:
+        workers.procs[1].send_signal(signal.SIGCONT)
+        codes = workers.wait(30.0)
+    kinds = [e["event"] for e in result.events]
+    assert kinds[:3] == ["lost", "new_plan", "recovered"] and "joined" in kinds, kinds
+    joined = next(e for e in result.events if e["event"] == "joined")
+    assert joined["taken_in"] and result.addresses == workers.addresses and codes == [0, 0, 0]
+    want_losses, want_weights = single_device_training(graph, batches, steps)
     np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
     _same(result.weights, want_weights)
 

@@ -505,3 +505,50 @@ def test_a_replan_from_bundles_writes_a_new_plan_and_trains_like_it_from_that_st
     losses, single = single_device_training(graph, batches, 4)
     assert live.losses == losses
     _assert_same_weights(live.weights, single)
+
+
+def test_a_plan_run_takes_back_a_device_that_returns_with_a_plan_written_for_it(graph, batches, tmp_path):
+    """From bundles, as `confidant train PLAN` runs: a plan over devices a and b; b vanishes after
+    step 1 and PlanReplanner.without writes the recovery plan (a alone); b's worker starts again
+    after step 2, answers the call back, and PlanReplanner.with_devices writes a plan over both
+    (`replan-step000N-joined`) that the run switches to. Flush: the losses and weights stay
+    single-device training's through both switches."""
+    from ir.bundle import load_bundle_dir, load_plan
+    from ir.partition import Partition, StageAssignment
+    from ir.profile import Link
+    from ir.serialize import merge_slices
+    from jobs.plan_training import _plan_over
+    from planner.cluster import Cluster, DeviceSpec
+    from planner.emit import emit_plan
+    from planner.replan import PlanReplanner
+
+    cluster = Cluster(tuple(DeviceSpec(n, f"tcp://127.0.0.1:{1 + i}", _flops_profile(graph, n), 2**30, "mnn:cpu:t1")
+                            for i, n in enumerate("ab")), Link(1e9, 1e-4), {})
+    plan_dir = tmp_path / "plan"
+    emit_plan(plan_dir, graph, Partition((StageAssignment(0, "a", 0, 2), StageAssignment(1, "b", 3, 4)), "manual"),
+              make_schedule("1f1b-flush", 2, M), {"model": "tiny", "lr": 1e-3}, cluster=cluster)
+    plan = load_plan(plan_dir)
+    whole = merge_slices([load_bundle_dir(plan_dir / d.bundle).graph for d in plan.devices])
+    replanner = PlanReplanner(plan_dir, plan, whole, cluster, workers=1)
+    steps = 4
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        def on_step(step, *_):
+            if step == 1 and workers.codes[1] is None:
+                workers.kill(1)
+            if step == 2:
+                workers.restart(1, timeout_s=30)
+
+        result = _bundle_run(workers, plan_dir, steps, batches, on_step=on_step,
+                             plan_over=_plan_over(replanner, dict(zip("ab", workers.addresses))))
+    assert workers.codes == [0, 0], workers.errors
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered", "joined", "new_plan"], kinds
+    recovery, joined = result.events[1], result.events[4]
+    assert recovery["devices"] == ["a"] and recovery["plan"].endswith("-recovery")
+    assert joined["cause"] == "joined" and joined["joined"] == ["b"] and joined["plan"].endswith("-joined")
+    assert sorted(result.devices) == ["a", "b"] and len(result.ranges) == 2
+    load_plan(joined["plan"], verify_bundles=True)
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
+    for name, value in want_weights.items():
+        np.testing.assert_allclose(result.weights[name], value, rtol=1e-5, atol=1e-7, err_msg=name)

@@ -164,6 +164,7 @@ class Coordinator:
         self._connected: dict[str, str] = {}   # this side's peer name -> worker address, one per worker
         self._engine_of: dict[str, str] = {}   # worker address -> the engine it was first given
         self._split_of: dict[str, Mapping[str, int] | None] = {}  # worker address -> its first head split
+        self._probes: dict[str, str] = {}  # lost worker's address -> the name it answers a hello under
         taken = [p.address for p in self.placements]
         if len(set(taken + self.idle)) != len(taken) + len(self.idle):
             raise ValueError(f"a worker may appear once among the stages and spares; addresses: {taken + self.idle}")
@@ -185,7 +186,7 @@ class Coordinator:
         return {str(k): int(v) for k, v in splits[stage].items()}
 
     # --- failures ------------------------------------------------------------------------
-    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted")
+    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here")
     _POLL_S = 0.25
 
     def _check_lost(self) -> None:
@@ -199,14 +200,16 @@ class Coordinator:
         if by_stage:
             raise WorkerLost(by_stage)
 
-    def _check_errors(self) -> None:
+    def _check_errors(self) -> bool:
+        """Take one control message that has arrived, without waiting: an answer waits its turn, an
+        error report is raised. False when none had arrived."""
         try:
             sender, msg = self.transport.recv_control(None, timeout=0)
         except PeerTimeout:
-            return
+            return False
         if msg.get("type") in self._ANSWERS:
             self._pending.append((sender, msg))
-            return
+            return True
         if msg.get("type") == "error":
             raise WorkerFailed(f"worker {sender} ({self.transport.address_of(sender)}) failed: {msg.get('message')}")
         raise WorkerFailed(f"unexpected control message from {sender}: {msg}")
@@ -262,11 +265,14 @@ class Coordinator:
                 self.transport.disconnect(peer)
                 del self._connected[peer]
         for peer, address in wanted.items():
-            if self.worker_keys is None:
-                self.transport.connect(peer, address)
-            else:
-                self.transport.connect(peer, address, key=self._key_of(address).curve)
+            self._connect(peer, address)
             self._connected[peer] = address
+
+    def _connect(self, peer: str, address: str) -> None:
+        if self.worker_keys is None:
+            self.transport.connect(peer, address)
+        else:
+            self.transport.connect(peer, address, key=self._key_of(address).curve)
 
     def _key_of(self, address: str):
         if address not in self.worker_keys:
@@ -571,12 +577,48 @@ class Coordinator:
         addresses = set(addresses)
         for peer, address in list(self._connected.items()):
             if address in addresses:
-                self.transport.disconnect(peer)
+                self.transport.disconnect(peer, deliver_queued=False)
+                self.transport.retire(peer)  # it may thaw and finish what it was sending
                 # what it sent before it died stays filed under its name, which a survivor may take next
                 self.transport.discard(peer)
                 del self._connected[peer]
                 self._pending = [(s, m) for s, m in self._pending if s != peer]
         self.idle = [a for a in self.idle if a not in addresses]
+
+    # --- devices that come back ---------------------------------------------------------------
+    def call_back(self, addresses: Sequence[str]) -> None:
+        """Ask the lost workers at `addresses` to say when they are back: a hello waits in the queue
+        of a new connection to each (ZeroMQ retries the connection for as long as it stays open),
+        and `returned` finds the answers. A worker answers under the name `_probe_peer(address)`,
+        which only its key may use."""
+        for address in addresses:
+            if address in self._probes:
+                continue
+            peer = _probe_peer(address)
+            self._connect(peer, address)
+            self.transport.send_control(peer, {"type": "hello", "reply_to": self.transport.address, "name": peer})
+            self._probes[address] = peer
+
+    def returned(self) -> list[dict]:
+        """The workers called back that have answered since the last call (their `here` reports, with
+        `address`), without waiting: each is idle from now on, a worker a re-plan may use."""
+        if not self._probes:
+            return []
+        while self._check_errors():  # file whatever arrived, without waiting
+            pass
+        back = []
+        for address, peer in list(self._probes.items()):
+            answer = next((i for i, (s, m) in enumerate(self._pending) if s == peer and m.get("type") == "here"), None)
+            if answer is None:
+                continue
+            back.append({**self._pending.pop(answer)[1], "address": address})
+            self._pending = [(s, m) for s, m in self._pending if s != peer]
+            self.transport.disconnect(peer)
+            del self._probes[address]
+            self.idle.append(address)
+            self._connect(_idle_peer(address), address)  # so that it is stopped with the rest
+            self._connected[_idle_peer(address)] = address
+        return back
 
     def lost_spares(self) -> list[str]:
         """Idle workers whose links are down (gone while waiting): a re-plan must not use them."""
@@ -592,11 +634,23 @@ class Coordinator:
             self._await_control(stage_peer(p.stage), "released")
 
     def stop(self) -> None:
+        try:
+            self.returned()  # a worker that is back by now is stopped with the rest
+        except Exception:
+            pass
+        for peer in list(self._probes.values()):  # a hello nobody answered: not a worker of this run now
+            self.transport.disconnect(peer)
+        self._probes.clear()
         for peer in list(self._connected):
             try:
                 self.transport.send_control(peer, {"type": "stop"})
             except Exception:
                 pass
+
+
+def _probe_peer(address: str) -> str:
+    """The name a lost worker answers a hello under (runtime.pipeline.worker.Worker.hello)."""
+    return f"probe {address}"
 
 
 def _idle_peer(address: str) -> str:

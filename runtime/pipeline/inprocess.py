@@ -110,6 +110,19 @@ class InProcessWorkers:
         self._stopping.add(k)
         self.workers[k].transport.close()
 
+    def restart(self, k: int, timeout_s: float = 120.0) -> None:
+        """Worker k, killed, comes back at its address: a fresh worker that never had a stage, as
+        a device restarting its worker process does (what the coordinator queued for the address
+        meanwhile is waiting for it)."""
+        self._threads[k].join(30.0)
+        if self._threads[k].is_alive():
+            raise RuntimeError(f"worker {k} is still running; kill it before restarting it")
+        self._stopping.discard(k)
+        self.codes[k], self.errors[k] = None, None
+        self.workers[k] = Worker(LocalTransport("worker", self.hub, self.addresses[k]), timeout=timeout_s)
+        self._threads[k] = threading.Thread(target=self._serve, args=(k,), name=f"confidant-worker{k}", daemon=True)
+        self._threads[k].start()
+
     def stop(self) -> None:
         """End every worker still running: close its transport, which wakes a receive waiting on it."""
         running = [k for k, t in enumerate(self._threads) if t.is_alive()]

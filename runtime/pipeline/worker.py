@@ -22,6 +22,12 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          tensor of the aborted step is left to be mistaken for one of the next),
                          then answers aborted {stage, step}; the coordinator then restores every
                          stage from the state it holds (a re-plan over the survivors)
+  coordinator -> worker  hello {reply_to, name} (the coordinator lost this worker and calls it back; it
+                         waits in the queue of a new connection until the device is back): the worker
+                         drops any stage left from before (a frozen device that thawed still holds
+                         one), answers here {pid, rss, memory, battery} under the name the hello gives
+                         (the coordinator admits its key under that name only), closes the
+                         connection again and waits, nameless, for a setup or stop
   coordinator -> worker  stop
 Any failure is reported as error {stage, message} before the worker exits non-zero, so the
 coordinator can name the device and the cause instead of timing out.
@@ -88,6 +94,8 @@ class Worker:
         pending = self.transport.peek_control(COORDINATOR)
         if pending is not None and pending.get("type") == "abort":
             raise StepAborted(f"stage {self.stage}: step {pending.get('step')} aborted by the coordinator")
+        if pending is not None and pending.get("type") == "hello":  # thawed: the pipeline went on without us
+            raise StepAborted(f"stage {self.stage}: the coordinator lost this worker and calls it back")
         self._check_coordinator()
 
     def _check_coordinator(self) -> None:
@@ -320,6 +328,28 @@ class Worker:
             self.transport.disconnect(peer)
         self.stage = None
 
+    def hello(self, msg: dict) -> None:
+        """Answer a coordinator that lost this worker and calls it back: whatever stage is left from
+        before is of a pipeline that went on without it, so drop it and the name; answer under the
+        name the hello gives, then close the connection and wait, nameless, for a setup."""
+        name, reply_to = msg.get("name"), msg.get("reply_to")
+        if not (isinstance(name, str) and name.startswith("probe ") and name.isprintable()
+                and isinstance(reply_to, str) and reply_to):
+            raise ValueError(f"hello: expected a 'probe ...' name and a reply_to address, got {name!r:.80}, "
+                             f"{reply_to!r:.80}")
+        # orders of the old pipeline may still arrive over the coordinator's old connections, and
+        # neighbours' tensors over theirs: none is for whatever this worker is given next
+        for peer in {COORDINATOR, *getattr(self.transport, "peers", {})}:
+            self.transport.retire(peer)
+            self.transport.discard(peer)
+        self.drop_coordinator()
+        if hasattr(self.transport, "rename"):
+            self.transport.rename(name)
+        self._meet_peers({COORDINATOR: reply_to})
+        self.transport.send_control(COORDINATOR, {"type": "here", "pid": os.getpid(), "rss_bytes": rss_bytes(),
+                                                  **device_state()})
+        self.transport.disconnect(COORDINATOR)  # what is queued still goes out
+
     def serve(self) -> int:
         while True:
             try:
@@ -346,6 +376,8 @@ class Worker:
             self.reset()
         elif kind == "release":
             self.release()
+        elif kind == "hello":
+            self.hello(msg)
         elif kind == "stop":
             return True
         else:

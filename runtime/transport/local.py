@@ -80,6 +80,12 @@ class LocalHub:
             self._claimed.discard(address)
             self._inboxes.pop(address, None)
 
+    def drop_unclaimed(self, address: str) -> None:
+        """Drop what waits at `address` when no endpoint is bound there."""
+        with self._lock:
+            if address not in self._claimed:
+                self._inboxes.pop(address, None)
+
     def gone_since(self, address: str) -> float | None:
         """When the endpoint bound at `address` closed (time.monotonic()), or None if it is bound
         or never was."""
@@ -141,9 +147,14 @@ class LocalTransport(Transport):
         self._peers[peer] = address
         self._connected_once = True
 
-    def disconnect(self, peer: str) -> None:
-        """Stop sending to `peer` and forget its address; what was sent before is already delivered."""
-        self._peers.pop(peer, None)
+    def disconnect(self, peer: str, deliver_queued: bool = True) -> None:
+        """Stop sending to `peer` and forget its address; what was sent before is already delivered,
+        unless `deliver_queued` is False and nobody is bound there (a lost peer): what waits for
+        the address is dropped, as ZeroMQ drops a closed connection's queue, so a process that
+        binds it later never takes it for its own."""
+        address = self._peers.pop(peer, None)
+        if not deliver_queued and address is not None:
+            self.hub.drop_unclaimed(address)
 
     def lost_peers(self, grace_s: float | None = None) -> dict[str, LostPeer]:
         grace = DEFAULT_GRACE_S if grace_s is None else grace_s

@@ -489,6 +489,13 @@ class Transport(ABC):
             self._control_order = deque(p for p in self._control_order if p != peer)
         return dropped
 
+    def retire(self, peer: str) -> None:
+        """Never take a message again over any connection `peer` has used so far (a lost peer's, or
+        a coordinator's before it called this worker back): what is still in flight on them is of a
+        pipeline that went on without it. A later connection under the same name (a new process,
+        or a re-plan's next holder of the name) is taken. Transports without connections that
+        outlive their endpoints have nothing to do."""
+
     def peek_control(self, peer: str) -> dict[str, Any] | None:
         """The next control message from `peer` if one has arrived, left in place; None otherwise.
         Takes in whatever arrived without waiting."""

@@ -182,6 +182,8 @@ class ZmqTransport(Transport):
         self._router_monitor: zmq.Socket | None = None
         self._zap: _ZapHandler | None = None
         self._poll: zmq.Poller | None = None  # rebuilt when links change
+        self._routing_ids: dict[str, set[bytes]] = {}  # peer name -> the connections it has sent over
+        self._retired: set[bytes] = set()  # connections never to be heard again (`retire`)
         self.address: str | None = None
         self._closed = False
         try:
@@ -306,16 +308,24 @@ class ZmqTransport(Transport):
         link.monitor.close(linger=0)
         link.dealer.close(linger=linger)
 
-    def disconnect(self, peer: str) -> None:
+    def disconnect(self, peer: str, deliver_queued: bool = True) -> None:
         """Stop sending to `peer` and forget its address (its messages are refused from now on,
         unless it is an accepted peer). Unlike moving a peer, what is still queued for it is
         delivered (within the linger time): a worker's last word before it gives up its name
-        (the coordinator waits for it) goes out this way."""
+        (the coordinator waits for it) goes out this way. With `deliver_queued` False (a lost
+        peer) the queue is dropped, so a process that comes back at that address within the
+        linger time is not handed orders of the pipeline that lost it."""
         link = self._links.pop(peer, None)
         if link is not None:
-            self._close_link(link)
+            self._close_link(link, linger=None if deliver_queued else 0)
         self._peers.pop(peer, None)
         self._unbind_name(peer)
+
+    def retire(self, peer: str) -> None:
+        """See Transport.retire: every routing id `peer` has sent under (a name, a NUL and the random
+        tag of one DEALER) is refused from now on; a new connection has a new tag."""
+        self._pump(0)  # what already arrived is filed first, so its connection is known
+        self._retired |= self._routing_ids.pop(peer, set())
 
     @property
     def peers(self) -> dict[str, str]:
@@ -437,6 +447,10 @@ class ZmqTransport(Transport):
         if peer is None or peer not in self._bound:
             self.refusals.add(self._source(frames), f"a message from {name[:40]!r}", "no such peer")
             return False
+        if routing in self._retired:
+            self.refusals.add(self._source(frames), f"a message from {peer!r}",
+                              "it came over a connection of a lost peer, retired")
+            return False
         if self.secure:
             key = self._bound[peer]
             user = frames[-1].get("User-Id") if len(frames) > 1 else ""
@@ -444,6 +458,7 @@ class ZmqTransport(Transport):
                 self.refusals.add(self._source(frames), f"a message under the name {peer!r}",
                                   "its connection is not authenticated with that peer's key")
                 return False
+        self._routing_ids.setdefault(peer, set()).add(routing)
         # The header is small and parsed at once, so it is copied out; the payload stays in the
         # frame, whose buffer the returned array will reference.
         body = frames[1:]
