@@ -88,6 +88,22 @@ def single_device_training(graph: Graph, batches, steps: int, microbatches: int 
 
 # --- a hand-built four-block graph and a three-device cluster, for the cost model and planner ----
 
+def kill_then_restart(workers, k: int, lost_after: int = 1, back_after: int = 2):
+    """on_step for in-process workers (runtime.pipeline.inprocess.InProcessWorkers): worker k
+    vanishes after step `lost_after` and a fresh worker starts at its address after `back_after`
+    (a replayed step reports again: each happens once)."""
+    restarted = []
+
+    def on_step(step, *_):
+        if step == lost_after and workers.codes[k] is None:
+            workers.kill(k)
+        if step == back_after and not restarted:
+            workers.restart(k)
+            restarted.append(step)
+
+    return on_step
+
+
 def _block(index: int, name: str, kind: str, params: int, act: int, flops: int, heads=None) -> Block:
     return Block(index, name, kind, (), (), (), f"{name}.out", (), params, act, flops,
                  heads, 8 if heads else None)

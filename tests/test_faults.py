@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import FaultPolicy, RecoveryImpossible, stage_ranges, train_pipeline
+from jobs.pipeline_training import FaultPolicy, RecoveryImpossible, train_pipeline
 from jobs.workers import LocalWorkers
 from planner.onnx_import import load_model
 from runtime.keys import KeyDir, KeyFileError, KeyPair, PublicKey, read_keypair, signer, verifier, write_keypair
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
-from support import M, ROWS, S, export_onnx, single_device_training, synthetic_batch
+from support import M, ROWS, S, export_onnx, kill_then_restart, single_device_training, synthetic_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,17 +142,11 @@ def test_a_lost_worker_that_comes_back_is_taken_in_again(graph, batches):
     """Worker 1 of 3 vanishes after step 1 of 4 and a fresh worker starts at its address after
     step 2 (a device restarting its worker): it answers the coordinator's call back, is a
     `joined` event at the next boundary, and the run re-plans onto all three again (the planner's
-    cuts, as at the start). Flush: losses and weights stay single-device training's."""
+    cuts over three). Flush: losses and weights stay single-device training's."""
     steps = 4
     with InProcessWorkers(3, timeout_s=60) as workers:
-        def on_step(step, *_):
-            if step == 1 and workers.codes[1] is None:
-                workers.kill(1)
-            if step == 2:
-                workers.restart(1)
-
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps,
-                                transport=workers.coordinator, on_step=on_step)
+                                transport=workers.coordinator, on_step=kill_then_restart(workers, 1))
     want_losses, want_weights = single_device_training(graph, batches, steps)
     assert result.losses == want_losses
     _same(result.weights, want_weights)
@@ -163,17 +157,15 @@ def test_a_lost_worker_that_comes_back_is_taken_in_again(graph, batches):
     assert joined["step"] in (2, 3)  # the boundary after the restart, or the next (the answer is on its way)
     back = result.events[4]
     assert back["cause"] == "joined" and back["joined"] == [workers.addresses[1]]
-    first = stage_ranges(len(graph.blocks), 3, None)
-    assert result.addresses == workers.addresses and len(result.ranges) == 3
-    assert [tuple(r) for r in result.ranges] == [tuple(r) for r in _survivor_ranges(graph, 3)], first
+    assert result.addresses == workers.addresses
+    assert [tuple(r) for r in result.ranges] == [tuple(r) for r in _flops_cuts(graph, 3)]
     assert workers.codes == [0, 0, 0]  # the new worker was stopped with the others
 
 
-def _survivor_ranges(graph, n: int):
+def _flops_cuts(graph, n: int):
     """The planner's FLOPs-priced cuts over n equal workers: what a re-plan gives back."""
-    from planner.replan import flops_cluster
     from planner.partition import make_instance
-    from planner.replan import best_cuts
+    from planner.replan import best_cuts, flops_cluster
 
     names = [f"w{k}" for k in range(n)]
     return best_cuts(make_instance(graph, flops_cluster(graph, names), "1f1b-flush", M, "adamw"), names).ranges
@@ -182,7 +174,7 @@ def _survivor_ranges(graph, n: int):
 def test_a_worker_that_comes_back_waits_as_a_spare_when_it_would_not_help(graph, batches):
     """The same return, but the run's re-planner finds the plan with it no faster: a `joined`
     event that says so, no new plan, and the worker idle until the run stops it."""
-    from jobs.pipeline_training import SurvivorPlan, _flops_plan_over
+    from jobs.pipeline_training import _flops_plan_over
 
     default = _flops_plan_over(graph, _config())
     asked = []
@@ -194,21 +186,14 @@ def test_a_worker_that_comes_back_waits_as_a_spare_when_it_would_not_help(graph,
         return default(step, snapshot, stages, candidates)
 
     with InProcessWorkers(3, timeout_s=60) as workers:
-        def on_step(step, *_):
-            if step == 1 and workers.codes[1] is None:
-                workers.kill(1)
-            if step == 2:
-                workers.restart(1)
-
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(), 4, transport=workers.coordinator,
-                                on_step=on_step, plan_over=plan_over)
+                                on_step=kill_then_restart(workers, 1), plan_over=plan_over)
     kinds = [e["event"] for e in result.events]
     assert kinds == ["lost", "new_plan", "recovered", "joined"], kinds
     assert result.events[-1]["taken_in"] is False
     assert result.events[-1]["reason"] == "the plan with it is predicted no faster"
     assert asked[-1] == (result.addresses, workers.addresses) and len(result.ranges) == 2
     assert workers.codes == [0, 0, 0]
-    assert SurvivorPlan  # the type plan_over returns
 
 
 @pytest.mark.parametrize("schedule", ["1f1b-flush", "1f1b-stash"])

@@ -30,7 +30,7 @@ from runtime.transport.local import LocalTransport
 from runtime.transport.wire import MessageError, TensorHeader
 from tasks.tokenize import split_microbatches
 from tasks.trainer import batch_feeds
-from support import M, ROWS, S, export_onnx, single_device_training, synthetic_batch
+from support import M, ROWS, S, export_onnx, kill_then_restart, single_device_training, synthetic_batch
 
 STEPS = 2
 
@@ -532,13 +532,7 @@ def test_a_plan_run_takes_back_a_device_that_returns_with_a_plan_written_for_it(
     replanner = PlanReplanner(plan_dir, plan, whole, cluster, workers=1)
     steps = 4
     with InProcessWorkers(2, timeout_s=30) as workers:
-        def on_step(step, *_):
-            if step == 1 and workers.codes[1] is None:
-                workers.kill(1)
-            if step == 2:
-                workers.restart(1, timeout_s=30)
-
-        result = _bundle_run(workers, plan_dir, steps, batches, on_step=on_step,
+        result = _bundle_run(workers, plan_dir, steps, batches, on_step=kill_then_restart(workers, 1),
                              plan_over=_plan_over(replanner, dict(zip("ab", workers.addresses))))
     assert workers.codes == [0, 0], workers.errors
     kinds = [e["event"] for e in result.events]
