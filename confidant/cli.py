@@ -383,6 +383,10 @@ def _add_worker(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent peer (default %(default)s)")
     p.add_argument("--failure-timeout", type=float, default=3.0, metavar="S",
                    help="the coordinator is lost when silent this long (default %(default)s)")
+    p.add_argument("--base", type=Path, action="append", default=[], metavar="FILE",
+                   help="a plan's base.safetensors (the frozen weights of a LoRA plan) copied to this device: "
+                        "its stage's frozen weights are read from it instead of crossing the link, and checked "
+                        "against the signed bundle as if they had (repeatable)")
     p.add_argument("--exit-with", type=int, default=None, help=argparse.SUPPRESS)  # local workers: the parent's pid
     _add_security_flags(p, "worker")
 

@@ -246,7 +246,20 @@ def cmd_worker(args) -> int:
         raise CliError("a worker needs --keys DIR (its NAME.key and the coordinator's coordinator.pub; "
                        "`confidant keys DIR coordinator NAME`) or, on a network nobody else can reach, --insecure")
     return serve(args.listen, timeout=args.timeout, keys=keys, insecure=insecure, heartbeat_s=args.failure_timeout,
-                 parent_pid=args.exit_with)
+                 parent_pid=args.exit_with, base_files=_base_files(args.base))
+
+
+def _base_files(paths) -> dict:
+    """--base FILE...: SHA-256 -> path, each hashed once now (what a coordinator's offer names)."""
+    from runtime.pipeline.bundles import file_sha256
+
+    held = {}
+    for path in paths:
+        if not path.is_file():
+            raise CliError(f"--base {path}: no such file (give a plan's base.safetensors copied to this device)")
+        held[file_sha256(path)] = path
+        print(f"base weights {path}: sha256 {next(reversed(held))[:12]}...", file=sys.stderr, flush=True)
+    return held
 
 
 def cmd_keys(args) -> int:
@@ -362,7 +375,7 @@ def _heads_cell(split) -> str:
 
 def show_plan(plan_dir: Path) -> None:
     """Print a plan: devices, blocks, memory against budget, predicted step, each stage's compute."""
-    from ir.bundle import load_plan
+    from ir.bundle import PLAN_BASE, load_plan
 
     plan = load_plan(plan_dir)
     rows = [("stage", "device", "address", "blocks", "memory / budget", "trainable / frozen", "time/micro-batch",
@@ -382,6 +395,9 @@ def show_plan(plan_dir: Path) -> None:
     if plan.predicted_step_s:
         print(f"predicted step: {plan.predicted_step_s:.3f} s "
               f"({plan.batch * plan.microbatches / plan.predicted_step_s:.1f} samples/s)")
+    if plan.base_sha256 is not None:
+        print(f"base weights: {plan_dir / PLAN_BASE} (sha256 {plan.base_sha256[:12]}...): a device started with "
+              f"`confidant worker --base` on a copy reads its frozen weights there instead of over the link")
     print("schedule (one row per stage):")
     for stage in range(plan.stages):
         print("  " + " ".join(str(a).split(".", 1)[1] for a in plan.compute_actions(stage)))

@@ -48,7 +48,7 @@ from ir.serialize import graph_from_json
 from ir.verify import GraphError, verify_graph
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
-           "MANIFEST", "PLAN", "PLAN_CLUSTER", "SIGNATURE", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
+           "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
            "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files", "sha256_hex",
            "verify_bundle_files", "write_bundle"]
 
@@ -384,6 +384,22 @@ PLAN = "plan.json"
 # what re-planning during training starts from. Optional (plans written before it stay valid);
 # when present, plan.json records its SHA-256 as `cluster_sha256`.
 PLAN_CLUSTER = "cluster.json"
+# A model with frozen weights (LoRA's base) has them all in one file beside plan.json, whose SHA-256
+# plan.json records as `base_sha256`: a device that holds a copy (`confidant worker --base FILE`)
+# builds its stage's weights from it and receives only the rest (runtime.pipeline.bundles).
+PLAN_BASE = "base.safetensors"
+# The frozen weights that go into it: constants no stage trains, of at least this many bytes (the
+# small ones, shapes and scales, are not worth a lookup).
+BASE_MIN_BYTES = 4096
+def base_weights(graph: Graph) -> dict[str, np.ndarray]:
+    """The frozen weights of a model that has any (LoRA's base, `Block.frozen_bytes`): every
+    constant no stage trains of at least BASE_MIN_BYTES; empty for a model that trains them all."""
+    if not any(b.frozen_bytes for b in graph.blocks):
+        return {}
+    trained = set(graph.params)
+    return {n: c for n, c in graph.constants.items() if n not in trained and np.asarray(c).nbytes >= BASE_MIN_BYTES}
+
+
 def load_plan(out_dir: str | Path, verify_bundles: bool = False) -> PlanDocument:
     """plan.json of an emitted plan, validated, with each device's bundle checked to be the one the
     plan was written with (its manifest's SHA-256); `verify_bundles` also verifies each bundle fully."""

@@ -295,7 +295,9 @@ class PlanDocument:
     """plan.json: the model and its block names, the schedule (name, micro-batches, stash depths and
     every stage's action tokens), the bound shape, the engine(s), the optimizer, the devices in
     pipeline order, the predicted step, how the partition was found, and the SHA-256 of the cluster
-    file beside it (None: written without one)."""
+    file beside it (None: written without one) and of the base weights file (a model with frozen
+    weights, LoRA's: every frozen weight in one file that a device may hold, so its stage's frozen
+    weights need not cross the link; None: no such file)."""
 
     model: str
     schedule: str
@@ -316,6 +318,7 @@ class PlanDocument:
     partition_optimal: bool = False
     bottleneck_s: float = 0.0
     cluster_sha256: str | None = None
+    base_sha256: str | None = None
 
     @property
     def stages(self) -> int:
@@ -355,6 +358,8 @@ class PlanDocument:
         }
         if self.cluster_sha256 is not None:
             doc["cluster_sha256"] = self.cluster_sha256
+        if self.base_sha256 is not None:
+            doc["base_sha256"] = self.base_sha256
         return doc
 
     @classmethod
@@ -394,9 +399,10 @@ class PlanDocument:
             expect_first = d.last_block + 1
         if expect_first != len(blocks):
             raise fail(f"the devices cover blocks 0..{expect_first - 1} of 0..{len(blocks) - 1}")
-        cluster_digest = doc.get("cluster_sha256")
-        if cluster_digest is not None and not (isinstance(cluster_digest, str) and SHA256.fullmatch(cluster_digest)):
-            raise fail(f"cluster_sha256 is {cluster_digest!r}, not null or a sha256 hex digest")
+        cluster_digest, base_digest = doc.get("cluster_sha256"), doc.get("base_sha256")
+        for key, digest in (("cluster_sha256", cluster_digest), ("base_sha256", base_digest)):
+            if digest is not None and not (isinstance(digest, str) and SHA256.fullmatch(digest)):
+                raise fail(f"{key} is {digest!r}, not null or a sha256 hex digest")
         if doc["predicted_step_s"] is not None and not _number(doc["predicted_step_s"]):
             raise fail(f"predicted_step_s is {doc['predicted_step_s']!r}, not null or a non-negative number")
         problem = OptimizerSettings.problem(doc["optimizer"])
@@ -420,7 +426,7 @@ class PlanDocument:
                    OptimizerSettings.from_json(doc["optimizer"]), parsed, doc["predicted_step_s"],
                    doc["partition_method"], tuple(tuple(str(a) for a in row) for row in schedule.actions),
                    doc.get("graph"), bool(doc.get("partition_optimal", False)), float(doc.get("bottleneck_s", 0.0)),
-                   cluster_digest)
+                   cluster_digest, base_digest)
 
 
 def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:

@@ -65,17 +65,11 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
-    """Parse safetensors bytes strictly (header, dtypes, shapes, byte ranges that tile the data
-    exactly); returns writable copies. ValueError says what is wrong."""
-    data = bytes(data)
-    if len(data) < 8:
-        raise ValueError(f"{len(data)} bytes, shorter than the 8-byte header length")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(_ST_MAX_HEADER, len(data) - 8):
-        raise ValueError(f"header length {n} exceeds the {len(data) - 8} bytes that follow it")
+def _spans(header_bytes: bytes, data_len: int) -> list[tuple[int, int, str, np.dtype, tuple[int, ...]]]:
+    """The checked byte ranges (begin, end, name, dtype, shape) of a header over `data_len` data
+    bytes, in file order: they must tile the data exactly."""
     try:
-        header = json.loads(data[8 : 8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -83,7 +77,6 @@ def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("header __metadata__ is not an object of strings")
-    buffer = memoryview(data)[8 + n :]
     spans = []
     for name, entry in header.items():
         if not isinstance(entry, dict) or sorted(entry) != ["data_offsets", "dtype", "shape"]:
@@ -107,15 +100,68 @@ def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
         if begin != end:
             raise ValueError(f"tensor {name!r} starts at byte {begin}, expected {end} (gap or overlap)")
         end = stop
-    if end != len(buffer):
-        raise ValueError(f"tensors cover {end} data bytes, the file holds {len(buffer)}")
-    out = {}
-    for begin, stop, name, np_dtype, shape in spans:
-        arr = np.frombuffer(buffer[begin:stop], dtype=np_dtype).reshape(shape)
-        if np_dtype == np.bool_ and arr.size and not np.isin(buffer[begin:stop], (0, 1)).all():
-            raise ValueError(f"tensor {name!r}: BOOL bytes other than 0 and 1")
-        out[name] = arr.astype(np_dtype.newbyteorder("="), copy=True)
-    return out
+    if end != data_len:
+        raise ValueError(f"tensors cover {end} data bytes, the file holds {data_len}")
+    return spans
+
+
+def _header_length(prefix: bytes, total: int) -> int:
+    if total < 8:
+        raise ValueError(f"{total} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(prefix[:8], "little")
+    if n > min(_ST_MAX_HEADER, total - 8):
+        raise ValueError(f"header length {n} exceeds the {total - 8} bytes that follow it")
+    return n
+
+
+def _array(raw, name: str, np_dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+    if np_dtype == np.bool_ and arr.size and not np.isin(arr.view(np.uint8), (0, 1)).all():
+        raise ValueError(f"tensor {name!r}: BOOL bytes other than 0 and 1")
+    return arr.astype(np_dtype.newbyteorder("="), copy=True)
+
+
+def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
+    """Parse safetensors bytes strictly (header, dtypes, shapes, byte ranges that tile the data
+    exactly); returns writable copies. ValueError says what is wrong."""
+    data = bytes(data)
+    n = _header_length(data, len(data))
+    buffer = memoryview(data)[8 + n :]
+    spans = _spans(data[8 : 8 + n], len(buffer))
+    return {name: _array(buffer[begin:stop], name, np_dtype, shape) for begin, stop, name, np_dtype, shape in spans}
+
+
+def safetensors_names(path: str | Path) -> list[str]:
+    """The tensor names of a safetensors file, from its checked header alone."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        total = Path(path).stat().st_size
+        n = _header_length(prefix, total)
+        return [name for _, _, name, _, _ in _spans(f.read(n), total - 8 - n)]
+
+
+def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
+    """The tensors `names` of a safetensors file, reading only their bytes (a base model's file
+    can be far larger than what one stage needs). ValueError names the file and what is wrong,
+    a name it lacks included."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            total = path.stat().st_size
+            n = _header_length(f.read(8), total)
+            where = {name: (begin, stop, dt, shape) for begin, stop, name, dt, shape in _spans(f.read(n), total - 8 - n)}
+            missing = sorted(set(names) - set(where))
+            if missing:
+                raise ValueError(f"it holds no tensor {missing[0]!r} ({len(missing)} of the {len(set(names))} asked for "
+                                 f"are missing)")
+            out = {}
+            for name in names:
+                begin, stop, np_dtype, shape = where[name]
+                f.seek(8 + n + begin)
+                out[name] = _array(f.read(stop - begin), name, np_dtype, shape)
+            return out
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def _is_int(x: Any) -> bool:

@@ -51,6 +51,8 @@ class PipelineResult:
     addresses: list[str] = field(default_factory=list)  # the worker of each stage at the end
     snapshot_seconds: list[float] = field(default_factory=list)  # each copy of the state to the coordinator
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # worker address -> its peak over the run
+    setup_bytes: int = 0  # what the first setup sent the workers (bundles or weights, optimizer state)
+    base_bytes_held: int = 0  # frozen weights the first setup left to the workers' own base files
 
 
 FAILURE_POLICIES = ("replan", "stop")
@@ -176,7 +178,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                    spare_devices: Mapping[str, str] | None = None, on_replanned=None,
                    schedule: Schedule | None = None, transport: Transport | None = None,
                    keys: ClusterKeys | None = None, insecure: bool = False, faults: FaultPolicy = FaultPolicy(),
-                   plan_over=None, on_event=None, feeds_of_step=None) -> PipelineResult:
+                   plan_over=None, on_event=None, feeds_of_step=None, base=None) -> PipelineResult:
     """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
     With `bundles` (one plan bundle per stage, of `devices`) the workers get verified bundles
     instead of graph slices, and the block ranges are the bundles'; `schedule` is then the plan's
@@ -211,6 +213,9 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     Every event (lost, recovered, steps replayed, new plan, joined, memory or battery low) goes
     to `on_event(dict)` and `result.events`.
 
+    `base` (runtime.pipeline.bundles.BaseWeights, from bundles): the plan's base weights file; a
+    worker holding it builds its stage's frozen weights from it instead of receiving them.
+
     The graph inputs of step k are NER `batches` (`step_feeds`, with `num_labels`), or
     `feeds_of_step(k)` (a list of one feed dict per micro-batch: a causal LM's, tasks.lm_data)."""
     _check_replanning(config, replan_every, on_replan, bundles, stage_graphs)
@@ -229,7 +234,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
         coordinator = Coordinator(graph, placements, config, transport, weights=weights,
                                   optimizer_state=optimizer_state, stage_graphs=stage_graphs,
                                   spares=list(spare_devices.values()),
-                                  worker_keys=None if keys is None else keys.workers)
+                                  worker_keys=None if keys is None else keys.workers, base=base)
     except BaseException:
         transport.close()
         raise
@@ -244,6 +249,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
             coordinator.setup_bundles(bundles, devices)
         else:
             coordinator.setup()
+        run.result.setup_bytes, run.result.base_bytes_held = coordinator.setup_bytes, coordinator.base_bytes_held
         if config.schedule in ASYNC_SCHEDULES:
             run.stash(start_step, steps, update_every)
         else:

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ir.bundle import BundleError, load_bundle_dir, load_plan
+from ir.bundle import PLAN_BASE, BundleError, load_bundle_dir, load_plan
 from ir.documents import PlanDocument
 from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES
 from ir.serialize import merge_slices
@@ -21,6 +21,7 @@ from jobs.workers import LocalWorkers, coordinator_pair
 from planner.cluster import ClusterError, load_cluster
 from planner.emit import load_plan_cluster
 from planner.replan import PlanReplanner
+from runtime.pipeline.bundles import plan_base
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.executor import busy_fraction
 from runtime.procfs import peak_rss_bytes
@@ -148,10 +149,12 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         busy = "/".join(f"{busy_fraction(d['seconds'], d.get('wall_s', 0.0)):.0%}" for d in done)
         reporter.step(step, loss=loss, **{"samples/s": rows * M / seconds, "busy": busy})
 
+    base = plan_base(plan_dir, plan)
     local = None
-    if settings.local:
+    if settings.local:  # on this machine the plan's base weights file is at hand: no frozen weight is sent
         local = LocalWorkers.start(len(names) + len(spares), max(d.threads for d in plan.devices), coordinator=pair,
-                                   insecure=settings.insecure, failure_timeout_s=settings.failure_timeout_s)
+                                   insecure=settings.insecure, failure_timeout_s=settings.failure_timeout_s,
+                                   base_files=[plan_dir / PLAN_BASE] if base is not None else ())
         addresses = local.addresses[:len(names)]
         spares = dict(zip(spares, local.addresses[len(names):]))
         keys = local.keys
@@ -173,7 +176,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
                                 update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
                                 plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
                                 on_event=lambda event: reporter.note(describe_event(event)),
-                                feeds_of_step=task.feeds_of_step)
+                                feeds_of_step=task.feeds_of_step, base=base)
         failed = False
     except (WorkerFailed, RecoveryImpossible) as exc:
         raise JobError(str(exc)) from None
@@ -187,6 +190,9 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         settings=asdict(settings), events=tuple(result.events),
         **(_replan_figures(replanner, result) if replanner is not None else {}))
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
+    if base is not None:
+        reporter.note(f"setup sent {result.setup_bytes / 2**20:.1f} MiB; {result.base_bytes_held / 2**20:.1f} MiB of "
+                      f"frozen weights came from the devices' own copies of {PLAN_BASE} (confidant worker --base)")
     figures = task.evaluate(result.weights)
     if figures is not None:
         reporter.note(f"{task.headline(figures)} after training")

@@ -37,16 +37,17 @@ class LocalWorkers:
 
     @classmethod
     def start(cls, n: int, threads: int, timeout_s: float = 120.0, coordinator: KeyPair | None = None,
-              insecure: bool = False, failure_timeout_s: float = 3.0, stderr=None) -> "LocalWorkers":
+              insecure: bool = False, failure_timeout_s: float = 3.0, stderr=None,
+              base_files: Sequence[Path] = ()) -> "LocalWorkers":
         """`n` workers; secured with `coordinator`'s key (default: a fresh pair for this run) unless
-        `insecure`."""
+        `insecure`; each holds the base weights files `base_files` (`confidant worker --base`)."""
         workers = cls()
         if not insecure:
             coordinator = coordinator or KeyPair.generate(COORDINATOR_KEY)
             workers._pairs = [KeyPair.generate(f"local{k}") for k in range(n)]
         workers._coordinator = coordinator
         workers._options = {"threads": threads, "insecure": insecure, "failure_timeout_s": failure_timeout_s,
-                            "stderr": stderr}
+                            "stderr": stderr, "base": [a for f in base_files for a in ("--base", str(f))]}
         try:
             workers.procs, workers.addresses = workers._launch(list(range(n)), ["tcp://127.0.0.1:0"] * n, timeout_s)
         except BaseException:
@@ -88,7 +89,8 @@ class LocalWorkers:
                 security = ["--insecure"] if opts["insecure"] else ["--keys", str(folder), "--name", self._pairs[k].name]
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "confidant", "worker", "--listen", address,
-                     "--failure-timeout", str(opts["failure_timeout_s"]), *security, "--exit-with", str(os.getpid())],
+                     "--failure-timeout", str(opts["failure_timeout_s"]), *security, *opts["base"],
+                     "--exit-with", str(os.getpid())],
                     stdout=subprocess.PIPE, stderr=opts["stderr"], text=True, env=env))
             deadline = time.monotonic() + timeout_s
             for proc in procs:

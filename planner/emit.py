@@ -21,14 +21,15 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ir.bundle import (MANIFEST, PLAN, PLAN_CLUSTER, BundleError, check_device_name, load_bundle_dir, load_plan,
-                       sha256_hex, write_bundle)
+from ir.bundle import (MANIFEST, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, check_device_name,
+                       load_bundle_dir, load_plan, sha256_hex, write_bundle)
 from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit,
                           StageDocument)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
 from ir.plan import Schedule
 from ir.profile import DeviceProfile, Link
+from ir.safetensors import encode_safetensors
 from ir.serialize import graph_to_json, slice_graph
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
@@ -156,6 +157,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
     # cluster.json of an older plan would be taken for this one's.
     (out_dir / PLAN).unlink(missing_ok=True)
     (out_dir / PLAN_CLUSTER).unlink(missing_ok=True)
+    (out_dir / PLAN_BASE).unlink(missing_ok=True)
     p = len(devices)
     optimizer = OptimizerSettings(str(cfg["optimizer"]["name"]), float(cfg["optimizer"]["lr"]),
                                   cfg["optimizer"]["weight_decay"])
@@ -186,11 +188,19 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
         data = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")
         (out_dir / PLAN_CLUSTER).write_bytes(data)
         cluster_sha256 = sha256_hex(data)
+    base_sha256 = None
+    base = base_weights(graph)
+    if base:  # written once per plan, any cut: a device holding a copy serves every re-plan too
+        data = encode_safetensors(base)
+        tmp = out_dir / f".{PLAN_BASE}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(out_dir / PLAN_BASE)
+        base_sha256 = sha256_hex(data)
     plan = PlanDocument(cfg["model"], schedule.name, schedule.microbatches, schedule.update_every,
                         schedule.stash_depth, graph.batch, graph.seq, tuple(b.name for b in graph.blocks),
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
                         tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
-                        partition.bottleneck_s, cluster_sha256)
+                        partition.bottleneck_s, cluster_sha256, base_sha256)
     doc = plan.to_json()
     PlanDocument.from_json(doc, str(out_dir))  # what a reader will check, before anything is written
     path = out_dir / PLAN

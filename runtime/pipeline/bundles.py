@@ -8,25 +8,95 @@ or stale bundle with an error naming the bundle, the file and the fault, before 
 
 The coordinator side: `bundle_to_wire` reads a bundle directory and checks its manifest and hashes
 (it does not ship a bundle the planner would not recognise); `send_bundle` ships it.
+
+Base weights held on the device (a plan with frozen weights, LoRA's: `ir.bundle.PLAN_BASE`): the
+coordinator offers to leave out the stage's frozen weights, named, with the base file's SHA-256; a
+worker started with a file of that SHA-256 (`confidant worker --base FILE`) accepts, receives
+weights.safetensors without them (as `REST`), and rebuilds the file from the two
+(`rebuild_weights`). The rebuilt bytes then go through the same verification as ever: they must
+hash to what the signed manifest says, so a wrong or damaged base file is refused like a damaged
+bundle.
 """
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from ir.bundle import (BUNDLE_FILES, MANIFEST, SIGNATURE, BundleContents, BundleError, SignatureCheck,
-                       check_bundle_manifest, load_plan, read_bundle_files, verify_bundle_files)
+from ir.bundle import (BUNDLE_FILES, MANIFEST, PLAN_BASE, SIGNATURE, WEIGHTS, BundleContents, BundleError,
+                       SignatureCheck, check_bundle_manifest, load_plan, read_bundle_files, verify_bundle_files)
+from ir.documents import PlanDocument
+from ir.safetensors import decode_safetensors, encode_safetensors, load_safetensors_subset, safetensors_names
 from runtime.transport.wire import Expected
 
-__all__ = ["BUNDLE_KIND", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire", "as_uint8",
-           "wire_to_files", "send_bundle", "recv_bundle", "load_plan"]
+__all__ = ["BUNDLE_KIND", "REST", "BaseWeights", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire",
+           "as_uint8", "wire_to_files", "send_bundle", "recv_bundle", "recv_bundle_files", "load_plan", "plan_base",
+           "file_sha256", "split_weights", "rebuild_weights"]
 
 BUNDLE_KIND = "bundle"
 # Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
 # verification will then refuse by name, but not an unbounded list.
 _MAX_WIRE_FILES = 2 * (len(BUNDLE_FILES) + 2)
+
+
+# weights.safetensors less the tensors a device takes from its base file, as the wire names it
+REST = "weights.rest.safetensors"
+
+
+@dataclass(frozen=True)
+class BaseWeights:
+    """A plan's base weights file: its SHA-256 and the tensors it holds."""
+
+    sha256: str
+    names: frozenset[str]
+
+
+def plan_base(plan_dir: str | Path, plan: PlanDocument) -> BaseWeights | None:
+    """The base weights of the plan at `plan_dir` (None when it has none, or the file is gone:
+    then every stage gets its whole bundle, as before)."""
+    path = Path(plan_dir) / PLAN_BASE
+    if plan.base_sha256 is None or not path.is_file():
+        return None
+    try:
+        return BaseWeights(plan.base_sha256, frozenset(safetensors_names(path)))
+    except ValueError as exc:
+        raise BundleError(f"plan {plan_dir}: {PLAN_BASE} is not valid safetensors: {exc}") from None
+
+
+def file_sha256(path: str | Path) -> str:
+    """A file's SHA-256, read in pieces (a base model's weights can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def split_weights(files: Mapping[str, bytes], base: BaseWeights) -> tuple[list[str], bytes]:
+    """(the names of a bundle's weights that its base file holds, weights.safetensors without them)."""
+    weights = decode_safetensors(files[WEIGHTS])
+    local = sorted(n for n in weights if n in base.names)
+    return local, encode_safetensors({n: v for n, v in weights.items() if n not in set(local)})
+
+
+def rebuild_weights(rest: bytes, base_path: str | Path, local: Sequence[str]) -> bytes:
+    """weights.safetensors from `rest` and the tensors `local` read from the base file; BundleError
+    when the two do not make one set of weights (the manifest's hash checks the rest)."""
+    try:
+        tensors = decode_safetensors(rest)
+    except ValueError as exc:
+        raise BundleError(f"{REST} is not valid safetensors: {exc}") from None
+    both = sorted(set(tensors) & set(local))
+    if both:
+        raise BundleError(f"{REST} holds {both[0]!r}, which the coordinator said comes from the base file")
+    try:
+        tensors.update(load_safetensors_subset(base_path, local))
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"the base weights file {exc}") from None
+    return encode_safetensors(tensors)
 
 
 def as_uint8(data: bytes) -> np.ndarray:
@@ -71,10 +141,11 @@ def bundle_to_wire(directory: str | Path) -> dict[str, bytes]:
     return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}, **signature}
 
 
-def send_bundle(transport, peer: str, directory: str | Path) -> list[str]:
-    """Ship a checked bundle to `peer` as uint8 tensors; returns the file names in the order sent,
-    which the receiver needs (send them in the setup control message)."""
-    files = bundle_to_wire(directory)
+def send_bundle(transport, peer: str, directory: str | Path | Mapping[str, bytes]) -> list[str]:
+    """Ship a checked bundle (a directory, or `bundle_to_wire`'s files) to `peer` as uint8 tensors;
+    returns the file names in the order sent, which the receiver needs (send them in the setup
+    control message)."""
+    files = bundle_to_wire(directory) if isinstance(directory, (str, Path)) else directory
     for i, (name, data) in enumerate(files.items()):
         transport.send_tensor(peer, BUNDLE_KIND, -1, i, as_uint8(data), name=name)
     return list(files)
@@ -83,6 +154,13 @@ def send_bundle(transport, peer: str, directory: str | Path) -> list[str]:
 def recv_bundle(transport, peer: str, names: Sequence[str], source: str | None = None,
                 timeout: float | None = None, check_signature: SignatureCheck | None = None) -> BundleContents:
     """Receive the files `names` (in order) from `peer` and verify them; nothing is used before."""
+    return load_bundle(recv_bundle_files(transport, peer, names, source, timeout), source or f"from {peer}",
+                       check_signature)
+
+
+def recv_bundle_files(transport, peer: str, names: Sequence[str], source: str | None = None,
+                      timeout: float | None = None) -> dict[str, np.ndarray]:
+    """The files `names` (in order) from `peer`, unverified: `load_bundle` must check them."""
     names = list(names)
     if not names or len(names) > _MAX_WIRE_FILES or not all(isinstance(n, str) for n in names) \
             or len(set(names)) != len(names):
@@ -93,4 +171,4 @@ def recv_bundle(transport, peer: str, names: Sequence[str], source: str | None =
         _, arr = transport.recv_tensor(peer, Expected(kind=BUNDLE_KIND, stage=-1, microbatch=i, dtype="uint8",
                                                       name=name), timeout=timeout)
         files[name] = arr
-    return load_bundle(files, source or f"from {peer}", check_signature)
+    return files

@@ -137,8 +137,11 @@ class Coordinator:
                  weights: Mapping[str, np.ndarray] | None = None,
                  optimizer_state: Mapping[int, Mapping[str, np.ndarray]] | None = None,
                  stage_graphs: Sequence[Graph] | None = None, spares: Sequence[str] = (),
-                 worker_keys: Mapping[str, object] | None = None):
+                 worker_keys: Mapping[str, object] | None = None, base=None):
         self.graph = graph
+        # the plan's base weights file (runtime.pipeline.bundles.BaseWeights) a worker may hold, so
+        # that its stage's frozen weights need not be sent; None: every bundle goes whole
+        self.base = base
         # worker address -> its public key (runtime.keys.PublicKey): the key each worker's link must
         # be authenticated with, and what its neighbours are told to expect; None: insecure
         self.worker_keys = dict(worker_keys) if worker_keys is not None else None
@@ -159,6 +162,7 @@ class Coordinator:
         self._known_lost: set[str] = set()  # stage peers already being recovered from (during `abort`)
         self.bundle_mode = False
         self.setup_bytes = 0
+        self.base_bytes_held = 0
         # workers that hold no stage (left out by a re-plan, or spares): nameless, stopped with the rest
         self.idle: list[str] = list(spares)
         self._connected: dict[str, str] = {}   # this side's peer name -> worker address, one per worker
@@ -186,7 +190,7 @@ class Coordinator:
         return {str(k): int(v) for k, v in splits[stage].items()}
 
     # --- failures ------------------------------------------------------------------------
-    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here")
+    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here", "bundle_wants")
     _POLL_S = 0.25
 
     def _check_lost(self) -> None:
@@ -366,22 +370,28 @@ class Coordinator:
 
     def setup_bundles(self, bundle_dirs: Sequence[Path], devices: Sequence[str]) -> list[dict]:
         """Ship each stage its plan bundle (workers verify it before use) instead of a graph slice."""
-        from runtime.pipeline.bundles import bundle_to_wire, send_bundle
+        from ir.bundle import WEIGHTS
+        from runtime.pipeline.bundles import REST, bundle_to_wire, send_bundle, split_weights
 
         self.bundle_mode = True
         self._connect_workers()
         self.setup_bytes = 0  # bundle files and optimizer state sent by this setup
+        self.base_bytes_held = 0  # frozen weights the workers took from their own base files instead
         for p, directory, device in zip(self.placements, bundle_dirs, devices):
-            names = list(bundle_to_wire(directory))
+            peer = stage_peer(p.stage)
+            files = bundle_to_wire(directory)
+            local, rest = split_weights(files, self.base) if self.base is not None else ([], b"")
             opt_state = self.optimizer_state.get(p.stage, {})
-            self.transport.send_control(stage_peer(p.stage), {
+            self.transport.send_control(peer, {
                 "type": "setup_bundle", "stage": p.stage, "device": device, "peers": self._neighbours(p),
-                **self._peer_keys(p), "bundle_files": names, "optimizer_state": list(opt_state),
-                **self._tied_of(p.stage)})
-            sent = send_bundle(self.transport, stage_peer(p.stage), directory)
-            if sent != names:
-                raise RuntimeError(f"bundle {directory} changed while being sent")
-            self.setup_bytes += sum((Path(directory) / name).stat().st_size for name in names)
+                **self._peer_keys(p), "bundle_files": list(files), "optimizer_state": list(opt_state),
+                **self._tied_of(p.stage), **({"base": {"sha256": self.base.sha256, "names": local}} if local else {})})
+            if local and self._await_control(peer, "bundle_wants").get("base") is True:
+                self.base_bytes_held += len(files[WEIGHTS]) - len(rest)
+                files = {(REST if name == WEIGHTS else name): (rest if name == WEIGHTS else data)
+                         for name, data in files.items()}
+            send_bundle(self.transport, peer, files)
+            self.setup_bytes += sum(len(data) for data in files.values())
             self._send_optimizer_state(p.stage, opt_state)
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
         self._tied_updates = 0

@@ -30,7 +30,7 @@ been set yet, so each stage thread sets it for itself and computes as a process 
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 from runtime.engines import fpmode
 from runtime.pipeline.executor import COORDINATOR
@@ -55,14 +55,15 @@ class InProcessWorkers:
 
     def __init__(self, n: int, *, timeout_s: float = 120.0,
                  make_transport: Callable[[int, LocalHub, str], LocalTransport] | None = None,
-                 hub: LocalHub | None = None):
+                 hub: LocalHub | None = None, base_files: Mapping[str, object] | None = None):
         if n < 1:
             raise ValueError(f"need at least one worker, not {n}")
         self.hub = hub if hub is not None else LocalHub()
         self.coordinator = LocalTransport(COORDINATOR, self.hub)
         self.addresses = [f"local://worker{k}" for k in range(n)]
         make_transport = make_transport or (lambda k, hub, address: LocalTransport("worker", hub, address))
-        self.workers = [Worker(make_transport(k, self.hub, address), timeout=timeout_s)
+        self.base_files = base_files  # every worker holds these base weights files (SHA-256 -> path)
+        self.workers = [Worker(make_transport(k, self.hub, address), timeout=timeout_s, base_files=base_files)
                         for k, address in enumerate(self.addresses)]
         self.codes: list[int | None] = [None] * n
         self.errors: list[BaseException | None] = [None] * n
@@ -119,7 +120,8 @@ class InProcessWorkers:
             raise RuntimeError(f"worker {k} is still running; kill it before restarting it")
         self._stopping.discard(k)
         self.codes[k], self.errors[k] = None, None
-        self.workers[k] = Worker(LocalTransport("worker", self.hub, self.addresses[k]), timeout=timeout_s)
+        self.workers[k] = Worker(LocalTransport("worker", self.hub, self.addresses[k]), timeout=timeout_s,
+                                 base_files=self.base_files)
         self._threads[k] = threading.Thread(target=self._serve, args=(k,), name=f"confidant-worker{k}", daemon=True)
         self._threads[k].start()
 

@@ -81,10 +81,12 @@ class Worker:
     by it, and the link to the coordinator is authenticated with it. None: an insecure worker,
     which checks no signature."""
 
-    def __init__(self, transport, timeout: float = 600.0, trusted=None):
+    def __init__(self, transport, timeout: float = 600.0, trusted=None, base_files=None):
         self.transport = transport
         self.timeout = timeout
         self.trusted = trusted
+        # base weights files this device holds (`--base FILE`): SHA-256 -> path
+        self.base_files = dict(base_files or {})
         self.stage: int | None = None
         self.executor: StageExecutor | None = None
         self.bundle_actions: list[Action] | None = None
@@ -195,7 +197,8 @@ class Worker:
     def setup_bundle(self, msg: dict) -> None:
         """Set up from a plan bundle: verify every file against its manifest before using any of it;
         the stage, graph slice, weights, actions and optimizer all come from the bundle."""
-        from runtime.pipeline.bundles import recv_bundle
+        from ir.bundle import WEIGHTS, BundleError
+        from runtime.pipeline.bundles import REST, load_bundle, rebuild_weights, recv_bundle_files, wire_to_files
 
         self._take_stage(int(msg["stage"]))
         self._meet_peers(msg["peers"], msg.get("peer_keys"))
@@ -204,9 +207,31 @@ class Worker:
             from runtime.keys import verifier
 
             check = verifier(self.trusted)
-        contents = recv_bundle(self.transport, COORDINATOR, msg["bundle_files"],
-                               source=f"{msg.get('device', 'bundle')} (from the coordinator)", timeout=self.timeout,
-                               check_signature=check)
+        source = f"{msg.get('device', 'bundle')} (from the coordinator)"
+        names, held, local = list(msg["bundle_files"]), None, []
+        if "base" in msg:  # the coordinator offers to leave out the weights our base file holds
+            offer = msg["base"]
+            local = offer.get("names") if isinstance(offer, dict) else None
+            if not (isinstance(local, list) and all(isinstance(n, str) for n in local)
+                    and isinstance(offer.get("sha256"), str)):
+                raise ValueError(f"setup_bundle: 'base' must be {{sha256, names}}, got {offer!r:.80}")
+            held = self.base_files.get(offer["sha256"])
+            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage,
+                                                      "base": held is not None})
+            if held is not None:
+                names = [REST if n == WEIGHTS else n for n in names]
+        files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, timeout=self.timeout)
+        if held is not None:
+            if REST not in files:
+                raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
+            files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local)
+        try:
+            contents = load_bundle(files, source, check)
+        except BundleError as exc:
+            if held is None:
+                raise
+            raise BundleError(f"{exc} (its frozen weights were read from the base file {held}, taken for the "
+                              f"plan's by its hash when this worker started: was it changed since?)") from None
         if contents.stage != self.stage:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc
@@ -416,7 +441,7 @@ def watch_parent(pid: int) -> None:
 
 
 def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, keys=None, insecure: bool = False,
-          heartbeat_s: float | None = 3.0, parent_pid: int | None = None) -> int:
+          heartbeat_s: float | None = 3.0, parent_pid: int | None = None, base_files=None) -> int:
     """`confidant worker --listen ADDR --keys DIR --name NAME`: print the bound address, then
     serve until told to stop. `keys` is a runtime.keys.KeyDir holding this worker's pair and the
     coordinator's public key; `insecure` runs without (plaintext, no signature checks)."""
@@ -436,7 +461,7 @@ def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, 
         raise ValueError("a worker needs --keys DIR (its NAME.key and the coordinator's coordinator.pub) or, on a "
                          "network nobody else can reach, --insecure")
     print(f"listening {transport.address}", flush=True)
-    worker = Worker(transport, timeout=timeout, trusted=trusted)
+    worker = Worker(transport, timeout=timeout, trusted=trusted, base_files=base_files)
     try:
         return worker.serve()
     except Exception as exc:  # report, then fail: the coordinator must learn which device broke and why
