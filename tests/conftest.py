@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from support import export_onnx, find_tokenizer_json, make_tiny_tokenizer
+from support import Lazy, export_onnx, find_tokenizer_json, make_tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,19 +36,27 @@ def tiny_checkpoint(export_dir) -> Path:
     return _tiny_bert_checkpoint(export_dir)
 
 
+# The tiny BERT through both exporters and several opsets (decomposed and fused LayerNorm): file, options.
+TINY_EXPORTS = {
+    "torchscript-14": ("tiny-ts14.onnx", {"opset": 14}),
+    "torchscript-17": ("tiny-ts17.onnx", {"opset": 17}),
+    "dynamo-18": ("tiny-dyn18.onnx", {"opset": 18, "dynamo": True}),
+    # opset 20 has a Gelu operator: the fused form must lower like the decomposed one
+    "dynamo-20": ("tiny-dyn20.onnx", {"opset": 20, "dynamo": True}),
+    # transformers' default attention: the SDPA pattern with its NaN guard, made by today's exporter
+    "torchscript-17-sdpa": ("tiny-ts17-sdpa.onnx", {"opset": 17, "attention": "sdpa"}),
+}
+
+
 @pytest.fixture(scope="session")
 def tiny_onnx(export_dir, tiny_checkpoint) -> dict[str, Path]:
-    """The tiny BERT through both exporters and several opsets (decomposed and fused LayerNorm)."""
-    return {
-        "torchscript-14": export_onnx(tiny_checkpoint, export_dir / "tiny-ts14.onnx", opset=14),
-        "torchscript-17": export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17),
-        "dynamo-18": export_onnx(tiny_checkpoint, export_dir / "tiny-dyn18.onnx", opset=18, dynamo=True),
-        # opset 20 has a Gelu operator: the fused form must lower like the decomposed one
-        "dynamo-20": export_onnx(tiny_checkpoint, export_dir / "tiny-dyn20.onnx", opset=20, dynamo=True),
-        # transformers' default attention: the SDPA pattern with its NaN guard, made by today's exporter
-        "torchscript-17-sdpa": export_onnx(tiny_checkpoint, export_dir / "tiny-ts17-sdpa.onnx", opset=17,
-                                           attention="sdpa"),
-    }
+    """TINY_EXPORTS by name, each exported when a test first reads it (the dynamo exports take
+    seconds each; the fast tier reads few of them)."""
+    def make(key: str) -> Path:
+        name, options = TINY_EXPORTS[key]
+        return export_onnx(tiny_checkpoint, export_dir / name, **options)
+
+    return Lazy(make)
 
 
 @pytest.fixture(scope="session")

@@ -21,16 +21,16 @@ from runtime.pipeline.bundles import file_sha256, plan_base, rebuild_weights, sp
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.keys import COORDINATOR_KEY, KeyPair, signer
 from runtime.pipeline.inprocess import InProcessWorkers
-from support import M, ROWS, S, synthetic_batch
+from support import M, ROWS, S, export_onnx, synthetic_batch
 
 STEPS = 2
 BOSS = KeyPair.generate(COORDINATOR_KEY)  # signs the plan; the worker processes trust it
 
 
 @pytest.fixture(scope="module")
-def plan_dir(tiny_onnx, tmp_path_factory):
+def plan_dir(tiny_checkpoint, export_dir, tmp_path_factory):
     """A 2-device plan of the tiny BERT with LoRA adapters on q and v (the rest frozen)."""
-    graph = load_model(tiny_onnx["torchscript-17"], ROWS, S)
+    graph = load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
     lora, _ = add_lora(graph, LoraSettings(4, 16.0, targets=("q", "v"), seed=1))
     rng = np.random.default_rng(9)
     constants = {p: (rng.normal(0, 0.05, c.shape).astype(np.float32) if p.endswith(".lora_B") else c)
@@ -73,8 +73,8 @@ def test_the_plan_holds_every_frozen_weight_once_with_its_hash(plan_dir):
         np.testing.assert_array_equal(value, merged[name], err_msg=name)
 
 
-def test_a_model_that_trains_every_weight_has_no_base_file(tiny_onnx):
-    assert base_weights(load_model(tiny_onnx["torchscript-17"], ROWS, S)) == {}
+def test_a_model_that_trains_every_weight_has_no_base_file(tiny_checkpoint, export_dir):
+    assert base_weights(load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)) == {}
 
 
 def test_rebuilt_weights_are_the_bundles_bytes_and_a_wrong_split_is_refused(plan_dir):
@@ -146,3 +146,4 @@ def test_a_base_file_that_changed_after_it_was_hashed_is_refused_by_the_bundles_
                                                + ", taken for the plan's by its hash when this worker started: was "
                                                  r"it changed since\?\)"):
             _train(plan_dir, batches, workers, transport=workers.coordinator)
+    assert set(workers.codes) <= {0, 1}  # the other worker ended at the coordinator's stop, mid-setup or not

@@ -565,6 +565,7 @@ def test_a_killed_worker_process_restarted_at_its_address_is_taken_back_over_cur
     _same(result.weights, want_weights)
 
 
+@pytest.mark.slow  # 3 s of heartbeats; the thread tier covers the recovery, this the detection
 def test_sigstop_of_a_worker_is_detected_within_3_s(graph, batches):
     """A frozen worker (SIGSTOP: its socket stays open, its heartbeats stop) is found lost and the
     run finishes on the other one."""
@@ -623,7 +624,7 @@ def test_a_frozen_worker_that_thaws_drops_its_old_stage_and_is_taken_back(graph,
     _same(result.weights, want_weights)
 
 
-@pytest.mark.slow  # 12 steps of a throttled process; the heartbeat path is in the fast tier's SIGSTOP test
+@pytest.mark.slow  # 12 steps of a throttled process
 def test_a_stage_made_5x_slower_is_not_declared_lost(graph, batches):
     """Worker 1 is stopped 80 ms of every 100 ms (a device five times slower, or busy with
     something else): its heartbeats still come, so nothing is lost."""

@@ -210,6 +210,7 @@ def test_split_extra_cost_is_the_worst_excess_over_the_curves_floored_at_zero():
     assert split_primary(backends[:1] + [parse_backend("mnn:cpu:t2")]).name == "mnn:cpu:t1"
 
 
+@pytest.mark.slow  # the module's profile of every backend (~13 s); profiling stays fast-tier in test_memory_override_and_attention_switch
 def test_profile_measures_split_child_processes(tiny_profile):
     """A real head-split child of each present engine kind, holding H-1 heads of the tiny BERT's
     attention: the whole process is tens of MiB for MNN, and torch's import makes its child bigger."""
@@ -333,6 +334,7 @@ def test_profile_measures_the_optimizer_update_rate():
     assert rates["adamw"] > rates["sgd"]  # two moment buffers and a division against one buffer
 
 
+@pytest.mark.slow  # the module's profile of every backend (~13 s)
 def test_profile_measures_the_gradient_accumulation_rate_and_old_profiles_load(tiny_profile):
     from runtime.profiling import accumulate_rate, update_rates
 

@@ -159,16 +159,19 @@ def recv_bundle(transport, peer: str, names: Sequence[str], source: str | None =
 
 
 def recv_bundle_files(transport, peer: str, names: Sequence[str], source: str | None = None,
-                      timeout: float | None = None) -> dict[str, np.ndarray]:
-    """The files `names` (in order) from `peer`, unverified: `load_bundle` must check them."""
+                      timeout: float | None = None, receive=None) -> dict[str, np.ndarray]:
+    """The files `names` (in order) from `peer`, unverified: `load_bundle` must check them.
+    `receive(expected)` takes each (default: `transport.recv_tensor` with `timeout`); a worker
+    passes one that also watches for its coordinator's stop."""
     names = list(names)
     if not names or len(names) > _MAX_WIRE_FILES or not all(isinstance(n, str) for n in names) \
             or len(set(names)) != len(names):
         raise BundleError(f"bundle {source or 'from ' + peer}: announced files {names!r} are not a list of "
                           f"1 to {_MAX_WIRE_FILES} distinct names")
     files = {}
+    if receive is None:
+        def receive(expected):
+            return transport.recv_tensor(peer, expected, timeout=timeout)[1]
     for i, name in enumerate(names):
-        _, arr = transport.recv_tensor(peer, Expected(kind=BUNDLE_KIND, stage=-1, microbatch=i, dtype="uint8",
-                                                      name=name), timeout=timeout)
-        files[name] = arr
+        files[name] = receive(Expected(kind=BUNDLE_KIND, stage=-1, microbatch=i, dtype="uint8", name=name))
     return files

@@ -191,7 +191,7 @@ class Coordinator:
 
     # --- failures ------------------------------------------------------------------------
     _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here", "bundle_wants")
-    _POLL_S = 0.25
+    _POLL_S = 0.1  # how often a wait looks for lost workers (a message that arrives wakes it at once)
 
     def _check_lost(self) -> None:
         """Raise WorkerLost when the link to any stage's worker is down (other than those already

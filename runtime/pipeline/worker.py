@@ -72,6 +72,10 @@ _LIVENESS_POLL_S = 0.5
 COORDINATOR_GRACE_S = 30.0
 
 
+class StopOrdered(Exception):
+    """The coordinator said stop while this worker was being set up."""
+
+
 class CoordinatorLost(RuntimeError):
     """The coordinator's link is down (killed, frozen or unreachable): the stage is dropped."""
 
@@ -106,12 +110,23 @@ class Worker:
             raise CoordinatorLost(f"the coordinator at {lost.address} is lost: {lost.reason}")
 
     def _recv_tensors(self, kind: str, names: list[str]) -> dict[str, np.ndarray]:
-        out = {}
-        for i, name in enumerate(names):
-            _, arr = self.transport.recv_tensor(COORDINATOR, Expected(kind=kind, stage=-1, microbatch=i, name=name),
-                                                timeout=self.timeout)
-            out[name] = arr
-        return out
+        return {name: self._from_coordinator(Expected(kind=kind, stage=-1, microbatch=i, name=name))
+                for i, name in enumerate(names)}
+
+    def _from_coordinator(self, expected: Expected) -> np.ndarray:
+        """A setup's tensor from the coordinator. While it waits, a stop the coordinator sent instead
+        (another worker failed, the run ends) ends this worker at once rather than after `timeout`."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self.transport.recv_tensor(COORDINATOR, expected, timeout=_LIVENESS_POLL_S)[1]
+            except PeerTimeout:
+                pending = self.transport.peek_control(COORDINATOR)
+                if pending is not None and pending.get("type") == "stop":
+                    raise StopOrdered("the coordinator stopped the run during this setup") from None
+                self._check_coordinator()
+                if time.monotonic() >= deadline:
+                    raise
 
     def reset(self) -> None:
         """Drop the stage this worker ran (engine, weights, optimizer state, buffers) before a new
@@ -220,7 +235,7 @@ class Worker:
                                                       "base": held is not None})
             if held is not None:
                 names = [REST if n == WEIGHTS else n for n in names]
-        files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, timeout=self.timeout)
+        files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, receive=self._from_coordinator)
         if held is not None:
             if REST not in files:
                 raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
@@ -380,6 +395,8 @@ class Worker:
             try:
                 if self._obey(self._next_order()):
                     return 0
+            except StopOrdered:
+                return 0
             except CoordinatorLost as lost:
                 print(f"worker: {lost}; dropping the stage and waiting for a coordinator", file=sys.stderr, flush=True)
                 self.drop_coordinator()

@@ -41,8 +41,10 @@ from typing import Sequence
 
 from runtime.transport.wire import LostPeer, Transport
 
-# How long a peer is gone before it is lost (as runtime.transport.zeromq's default grace, rounded up).
-DEFAULT_GRACE_S = 0.5
+# How long a peer is gone before it is lost. ZeroMQ's grace covers a link that drops and comes back
+# at once; an in-process endpoint that closed is gone for good the moment it closes, so a short wait
+# only keeps the order of events (what it sent before closing is filed first).
+DEFAULT_GRACE_S = 0.05
 
 # What `close` puts into an endpoint's own inbox to wake a receive waiting on it.
 _CLOSED = object()
