@@ -540,7 +540,7 @@ def test_a_killed_worker_process_restarted_at_its_address_is_taken_back_over_cur
     steps = 6
     batches = [synthetic_batch(i) for i in range(steps)]
     workers = LocalWorkers.start(3, threads=1)
-    killed = []
+    killed, back = [], _Back()
 
     def on_step(done, *_):
         if done == 1 and not killed:
@@ -548,10 +548,12 @@ def test_a_killed_worker_process_restarted_at_its_address_is_taken_back_over_cur
             killed.append(workers.procs[1].wait(10))
         if done == 2 and workers.procs[1].poll() is not None:
             workers.restart(1)
+            back.expect()
+        back.wait_a_little()
 
     try:
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, keys=workers.keys,
-                                on_step=on_step)
+                                on_step=on_step, on_event=back.on_event)
     finally:
         codes = workers.wait(30.0)
     assert killed == [-signal.SIGKILL] and codes == [0, 0, 0]
@@ -563,6 +565,28 @@ def test_a_killed_worker_process_restarted_at_its_address_is_taken_back_over_cur
     want_losses, want_weights = single_device_training(graph, batches, steps)
     np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
     _same(result.weights, want_weights)
+
+
+class _Back:
+    """Paces a run while a device it lost comes back: steps take milliseconds here, the answer to the
+    call back a loaded machine's fraction of a second, so each step waits up to 0.5 s for the
+    `joined` event (at most 10 s in all) once the device is on its way back."""
+
+    def __init__(self):
+        self.expected, self.joined, self.waited = False, threading.Event(), 0.0
+
+    def expect(self) -> None:
+        self.expected = True
+
+    def on_event(self, event) -> None:
+        if event["event"] == "joined":
+            self.joined.set()
+
+    def wait_a_little(self) -> None:
+        if self.expected and not self.joined.is_set() and self.waited < 10.0:
+            start = time.monotonic()
+            self.joined.wait(0.5)
+            self.waited += time.monotonic() - start
 
 
 @pytest.mark.slow  # 3 s of heartbeats; the thread tier covers the recovery, this the detection
@@ -596,18 +620,17 @@ def test_a_frozen_worker_that_thaws_drops_its_old_stage_and_is_taken_back(graph,
     batches = [synthetic_batch(i) for i in range(steps)]
     workers = LocalWorkers.start(3, threads=1)
     freeze, _ = _kill_at(workers, 1, 1, signal.SIGSTOP)
-    thawed = []
+    back = _Back()
 
     def on_event(event):
         if event["event"] == "lost":
             workers.procs[1].send_signal(signal.SIGCONT)
-            thawed.append(time.monotonic())
+            back.expect()
+        back.on_event(event)
 
     def on_step(done, *rest):
         freeze(done, *rest)
-        if thawed and len(thawed) == 1:  # steps take ms here: give the thawed process a moment to answer
-            time.sleep(1.0)
-            thawed.append(time.monotonic())
+        back.wait_a_little()
 
     try:
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, keys=workers.keys,

@@ -26,8 +26,8 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          waits in the queue of a new connection until the device is back): the worker
                          drops any stage left from before (a frozen device that thawed still holds
                          one), answers here {pid, rss, memory, battery} under the name the hello gives
-                         (the coordinator admits its key under that name only), closes the
-                         connection again and waits, nameless, for a setup or stop
+                         (the coordinator admits its key under that name only) and waits,
+                         nameless, for a setup (which closes that connection first) or stop
   coordinator -> worker  stop
 Any failure is reported as error {stage, message} before the worker exits non-zero, so the
 coordinator can name the device and the cause instead of timing out.
@@ -152,6 +152,8 @@ class Worker:
         """Become stage `stage`: a nameless worker (new, or released by a re-plan) takes the name
         now; one that holds a name keeps it, since peers know it by it."""
         if self.stage is None:
+            for peer in list(getattr(self.transport, "peers", {})):  # the answer to a hello: delivered by now
+                self.transport.disconnect(peer)
             if hasattr(self.transport, "rename"):
                 self.transport.rename(stage_peer(stage))
             self.stage = stage
@@ -371,7 +373,7 @@ class Worker:
     def hello(self, msg: dict) -> None:
         """Answer a coordinator that lost this worker and calls it back: whatever stage is left from
         before is of a pipeline that went on without it, so drop it and the name; answer under the
-        name the hello gives, then close the connection and wait, nameless, for a setup."""
+        name the hello gives, then wait, nameless, for a setup."""
         name, reply_to = msg.get("name"), msg.get("reply_to")
         if not (isinstance(name, str) and name.startswith("probe ") and name.isprintable()
                 and isinstance(reply_to, str) and reply_to):
@@ -386,9 +388,10 @@ class Worker:
         if hasattr(self.transport, "rename"):
             self.transport.rename(name)
         self._meet_peers({COORDINATOR: reply_to})
+        # The link stays open until the coordinator's next order (a setup closes it before taking a
+        # stage name): closing it now would drop the answer if the handshake outlasted the linger.
         self.transport.send_control(COORDINATOR, {"type": "here", "pid": os.getpid(), "rss_bytes": rss_bytes(),
                                                   **device_state()})
-        self.transport.disconnect(COORDINATOR)  # what is queued still goes out
 
     def serve(self) -> int:
         while True:

@@ -374,7 +374,9 @@ class ZmqTransport(Transport):
 
     def lost_peers(self, grace_s: float | None = None) -> dict[str, LostPeer]:
         """Connected peers whose link has been down for more than `grace_s` (default
-        `heartbeat_s / 10`): killed, frozen, unreachable, or refusing this endpoint's key."""
+        `heartbeat_s / 10`): killed, frozen, unreachable, or refusing this endpoint's key. A link
+        that has not come up yet, with nothing refused, gets `heartbeat_s` at least: a peer on a
+        busy machine may take more than a tenth of it to answer its first handshake."""
         if self._closed or self.heartbeat_s is None:
             return {}
         self._drain_monitors()
@@ -382,7 +384,8 @@ class ZmqTransport(Transport):
         now = time.monotonic()
         lost = {}
         for peer, link in self._links.items():
-            if not link.up and now - link.down_since > grace:
+            pending = not link.ever_up and link.problem == _Link.problem  # nothing but not connected yet
+            if not link.up and now - link.down_since > (max(grace, self.heartbeat_s) if pending else grace):
                 reason = link.problem if link.problem else "its connection closed"
                 if link.ever_up and link.problem == "its connection closed":
                     reason = "its connection closed or its heartbeats stopped (killed, frozen or unreachable)"
