@@ -376,6 +376,7 @@ def _heads_cell(split) -> str:
 def show_plan(plan_dir: Path) -> None:
     """Print a plan: devices, blocks, memory against budget, predicted step, each stage's compute."""
     from ir.bundle import PLAN_BASE, load_plan
+    from jobs.planning import engine_choices
 
     plan = load_plan(plan_dir)
     rows = [("stage", "device", "address", "blocks", "memory / budget", "trainable / frozen", "time/micro-batch",
@@ -395,6 +396,18 @@ def show_plan(plan_dir: Path) -> None:
     if plan.predicted_step_s:
         print(f"predicted step: {plan.predicted_step_s:.3f} s "
               f"({plan.batch * plan.microbatches / plan.predicted_step_s:.1f} samples/s)")
+    choices = engine_choices(plan_dir)
+    if choices:
+        print("engine per device (forward+backward per micro-batch of its stage; auto: the fastest backend whose "
+              "engine fits the budget):")
+        for c in choices:
+            why = "the cluster file's" if c.given else "auto"
+            line = f"  {c.device}: {c.backend} ({why})" + (f" {c.seconds * 1000:.0f} ms" if c.seconds is not None else "")
+            if c.runner_up is not None:
+                extra = (f", {'+' if c.runner_up_extra_bytes >= 0 else '-'}{abs(c.runner_up_extra_bytes) / 2**20:.0f} MiB "
+                         f"of engine" if c.runner_up_extra_bytes else "")
+                line += f"; runner-up {c.runner_up} {c.runner_up_seconds * 1000:.0f} ms{extra}"
+            print(line)
     if plan.base_sha256 is not None:
         print(f"base weights: {plan_dir / PLAN_BASE} (sha256 {plan.base_sha256[:12]}...): a device started with "
               f"`confidant worker --base` on a copy reads its frozen weights there instead of over the link")

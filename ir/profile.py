@@ -41,6 +41,9 @@ class BackendProfile:
     backend: str  # engine:device[:settings], e.g. "mnn:cpu:t1", "torch:cpu:t2"
     blocks: Mapping[str, BlockCost] = field(default_factory=dict)
     attention: Mapping[str, AttentionCurve] = field(default_factory=dict)
+    # resident memory this engine adds to the idle runtime (`DeviceProfile.runtime_overhead_bytes`,
+    # which has MNN loaded): PyTorch's import, some 300 MB; 0 for MNN or when not measured
+    engine_overhead_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class DeviceProfile:
                     {k: BlockCost(**v) for k, v in b.get("blocks", {}).items()},
                     {k: AttentionCurve(tuple(v["seconds"]), tuple(v.get("fused_faster", ())))
                      for k, v in b.get("attention", {}).items()},
+                    int(b.get("engine_overhead_bytes", 0)),
                 ) for b in doc["backends"])
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
                        int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),

@@ -14,7 +14,7 @@ from ir.partition import StageCost
 from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
-from planner.cluster import Cluster, load_cluster
+from planner.cluster import Cluster, device_backend, load_cluster
 from planner.cost import check_tied_schedule, predicted_step_s, stage_costs
 from planner.emit import emit_plan
 from planner.lora import LoraSettings
@@ -135,7 +135,7 @@ def _emit_config(model_name: str, cluster: Cluster, devices, splits: dict[str, H
     """planner.emit's config: each device runs the engine of its fastest (or chosen) backend, so
     frameworks may differ; a split device runs MNN (the split engine runs the rest of its stage)."""
     specs = {d.name: d for d in cluster.devices}
-    backends = {d.name: d.profile.backend(d.backend).backend for d in cluster.devices}
+    backends = {d.name: device_backend(d).backend for d in cluster.devices}
     config = {
         "model": model_name, "engine": {n: engine_of(backends[n]) for n in devices},
         "threads": {n: threads_of(backends[n]) for n in devices},
@@ -164,3 +164,55 @@ def simulate_plan(plan_dir: Path, steps: int, output: Path):
     sim = simulate(plan.to_schedule(), costs, steps=steps)
     write_chrome_trace(sim, output)
     return plan, sim
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """Why a device of a plan runs its engine: its stage's time per micro-batch on the backend the
+    plan gave it, and on the fastest other profiled backend (None: no other) with what that
+    backend's engine would add to the device's memory."""
+
+    device: str
+    backend: str
+    seconds: float | None
+    runner_up: str | None = None
+    runner_up_seconds: float | None = None
+    runner_up_extra_bytes: int = 0
+    given: bool = False  # the cluster file named the backend (not auto)
+
+
+def engine_choices(plan_dir: Path) -> list[EngineChoice]:
+    """Each device's engine choice in the plan at `plan_dir`, from its cluster.json (empty for a plan
+    written without one)."""
+    from ir.bundle import load_bundle_dir
+    from planner.cost import backend_times, reuses_forward
+    from planner.emit import load_plan_cluster
+
+    plan = load_plan(plan_dir)
+    if plan.cluster_sha256 is None:
+        return []
+    cluster = load_plan_cluster(plan_dir)
+    graph = load_bundle_dir(plan_dir / plan.devices[0].bundle).graph  # every slice keeps every block's metadata
+    out = []
+    for d in plan.devices:
+        spec = cluster.device(d.name)
+        reuse = reuses_forward(plan.schedule, plan.stages, d.stage, plan.microbatches)
+        times = backend_times(graph, spec, d.first_block, d.last_block, reuse)
+        chosen = next((t for t in times if _runs(t[0], d.engine, d.threads)), None)
+        others = [t for t in times if chosen is None or t[0] != chosen[0]]
+        own_extra = chosen[2] if chosen is not None else 0
+        best = others[0] if others else None
+        out.append(EngineChoice(d.name, chosen[0] if chosen else f"{d.engine} ({d.threads} threads)",
+                                chosen[1] if chosen else None, best[0] if best else None,
+                                best[1] if best else None, (best[2] - own_extra) if best else 0,
+                                spec.backend is not None))
+    return out
+
+
+def _runs(backend: str, engine: str, threads: int) -> bool:
+    """Whether the profiled `backend` is the plan's engine and thread count (a nominal profile's
+    backends name no engine)."""
+    try:
+        return engine_of(backend) == engine and threads_of(backend) == threads
+    except ValueError:
+        return False

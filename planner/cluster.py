@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ir.profile import DeviceProfile, Link
+from ir.profile import BackendProfile, DeviceProfile, Link
 
 try:  # YAML is optional: JSON cluster files work without it
     import yaml as _yaml
@@ -125,8 +125,8 @@ def format_bytes(n: int) -> str:
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device of the cluster. `backend` names one of the profile's backends; None means the
-    fastest one (`DeviceProfile.backend(None)`)."""
+    """One device of the cluster. `backend` names one of the profile's backends; None means auto:
+    the fastest one whose engine fits the budget (`device_backend`)."""
 
     name: str
     address: str
@@ -136,6 +136,30 @@ class DeviceSpec:
     # the worker's public key as `confidant keys` writes it in NAME.pub ('ed25519:<64 hex>'); None:
     # NAME.pub in the coordinator's --keys folder. Checked as a key where it is used (runtime.keys)
     key: str | None = None
+
+
+def backend_seconds(backend: BackendProfile) -> float:
+    """A backend's forward+backward seconds over the profile's distinct blocks: how backends rank."""
+    return sum(c.forward_s + c.backward_s for c in backend.blocks.values())
+
+
+def device_backend(device: DeviceSpec) -> BackendProfile:
+    """The backend `device` trains with: the cluster file's `backend`, or (none given: auto) the
+    fastest one whose engine fits the device's budget beside the runtime (PyTorch's import alone,
+    some 300 MB, can exceed a small device's), and the fastest of all when none does (the plan then
+    names the device that is over budget)."""
+    if device.backend is not None:
+        return device.profile.backend(device.backend)
+    ranked = sorted(device.profile.backends, key=backend_seconds)
+    if not ranked:
+        raise ValueError(f"profile of {device.profile.name!r} has no backends")
+    base = device.profile.runtime_overhead_bytes
+    return next((b for b in ranked if base + b.engine_overhead_bytes <= device.memory_budget_bytes), ranked[0])
+
+
+def runtime_bytes(device: DeviceSpec) -> int:
+    """What the device holds before any stage: the idle runtime and its backend's engine."""
+    return device.profile.runtime_overhead_bytes + device_backend(device).engine_overhead_bytes
 
 
 @dataclass(frozen=True)

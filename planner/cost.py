@@ -5,7 +5,7 @@ Pure functions of (graph, cluster, schedule, micro-batches, optimizer); the part
 
 Time, for one micro-batch on stage s of p (device d, blocks first..last):
 - compute: the sum of `forward_s` and `backward_s` of the blocks' signatures on the device's
-  backend (`DeviceProfile.backend(spec.backend)`; `backward_s` includes MNN's re-run of the
+  backend (`planner.cluster.device_backend`; `backward_s` includes MNN's re-run of the
   forward). A stage whose every backward directly follows its own micro-batch's forward keeps
   MNN's per-op caches and skips that re-run (`reuses_forward`: the last stage under 1F1B, or any
   schedule with one micro-batch), so `recompute_s` is subtracted there.
@@ -53,6 +53,7 @@ Decoder LLMs:
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from typing import Sequence
 
@@ -60,7 +61,7 @@ from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.profile import BlockCost
-from planner.cluster import Cluster, DeviceSpec
+from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes
 
 
 # Weights are held three times: the engine's MNN Vars, the engine's numpy copy of the current
@@ -133,7 +134,7 @@ def check_blocks(graph: Graph) -> tuple[Block, ...]:
 
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     """Per block of the graph, its measured cost on the device's backend."""
-    backend = device.profile.backend(device.backend)
+    backend = device_backend(device)
     out = []
     for b in check_blocks(graph):
         sig = block_signature(b)
@@ -283,7 +284,22 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
             held = graph.blocks[last].activation_bytes * in_flight
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
             + tied_bytes(graph, first, last) + held
-            + sum(inputs) * in_flight + workspace_of(graph, device, first, last) + device.profile.runtime_overhead_bytes)
+            + sum(inputs) * in_flight + workspace_of(graph, device, first, last) + runtime_bytes(device))
+
+
+def backend_times(graph: Graph, device: DeviceSpec, first: int, last: int,
+                  reuse: bool = False) -> list[tuple[str, float, int]]:
+    """(backend, forward+backward seconds per micro-batch of blocks first..last as `compute_s`
+    prices them, the memory its engine adds) for each of the device's profiled backends that
+    measured all of them, fastest first: what `show` explains an engine choice with."""
+    out = []
+    for backend in device.profile.backends:
+        try:
+            forward, backward = compute_s(graph, replace(device, backend=backend.backend), first, last, reuse)
+        except ValueError:  # this backend lacks a block
+            continue
+        out.append((backend.backend, forward + backward, backend.engine_overhead_bytes))
+    return sorted(out, key=lambda t: t[1])
 
 
 def workspace_of(graph: Graph, device: DeviceSpec, first: int, last: int) -> int:

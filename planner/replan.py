@@ -46,7 +46,7 @@ from ir.plan import Schedule
 from ir.graph import Graph, block_signature
 from ir.partition import Partition, StageAssignment
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
-from planner.cluster import Cluster, DeviceSpec
+from planner.cluster import Cluster, DeviceSpec, device_backend
 from ir.plan import check_optimizer_name
 from planner.cost import OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, compute_s, reuses_forward
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
@@ -540,7 +540,7 @@ class PlanReplanner:
         engine, threads, addresses, head_split = {}, {}, {}, {}
         for name in devices:
             spec = self.cluster.device(name)
-            backend = spec.profile.backend(spec.backend).backend
+            backend = device_backend(spec).backend
             entry = before.get(name)
             engine[name] = entry.engine if entry is not None else engine_of(backend)
             threads[name] = entry.threads if entry is not None else threads_of(backend)

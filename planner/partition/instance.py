@@ -30,7 +30,7 @@ from typing import Sequence
 from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
-from planner.cluster import Cluster
+from planner.cluster import Cluster, runtime_bytes
 from planner.cost import (accumulated_share, block_costs, block_input_bytes, check_blocks, in_flight_microbatches,
                           reuses_forward, weight_copies)
 
@@ -160,7 +160,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         input_bytes=block_input_bytes(graph),
         # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
         workspace_bytes=tuple(tuple(c.workspace_bytes + b.frozen_bytes for c, b in zip(row, blocks)) for row in costs),
-        overhead_bytes=tuple(s.profile.runtime_overhead_bytes for s in specs),
+        overhead_bytes=tuple(runtime_bytes(s) for s in specs),
         memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
         boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
         link_bandwidth_bytes_per_s=tuple(tuple(math.inf if link(d, e) is None else link(d, e).bandwidth_bytes_per_s

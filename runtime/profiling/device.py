@@ -33,7 +33,8 @@ from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import accumulate_rate, attention_curve, measure_stage, update_rates
 from runtime.profiling.inputs import Progress, block_mask, synthetic_feeds
-from runtime.profiling.memory import measure_split_children, memory_available_bytes, runtime_overhead_bytes
+from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
+                                      runtime_overhead_bytes)
 from runtime.profiling.split_costs import measure_split_extra_costs
 
 DEFAULT_BACKENDS = ("mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1", "torch:cpu:t2")
@@ -77,6 +78,12 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     present, skipped = present_backends(backends)
     for b, why in skipped.items():
         say(f"skip {b}: {why}")
+    engines = {}  # engine -> the memory its import adds to the runtime, measured once per engine
+    for backend in present:
+        if backend.engine not in engines:
+            engines[backend.engine] = engine_overhead_bytes(backend.engine, overhead)
+            if engines[backend.engine]:
+                say(f"{backend.engine}: its import adds {engines[backend.engine] / 2**20:.0f} MiB to the runtime")
     feeds = synthetic_feeds(graph, seed)
     kinds = distinct_blocks(graph)
     threads_before = K.get_threads()
@@ -107,7 +114,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     say(f"{backend.name} {block.name} attention 1..{block.heads} heads: "
                         f"{curve.seconds[0] * 1e3:.1f} .. {curve.seconds[-1] * 1e3:.1f} ms "
                         f"[{time.perf_counter() - started:.1f} s]")
-            profiles.append(BackendProfile(backend.name, costs, curves))
+            profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine]))
         children = measure_split_children(graph, kinds, feeds, present, say, started) if attention else {}
         extra = (measure_split_extra_costs(graph, kinds, feeds, present, profiles, reps, say, started)
                  if attention else {})

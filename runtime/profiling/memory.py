@@ -105,10 +105,12 @@ _OVERHEAD_PROBE = (
 )
 
 
-def runtime_overhead_bytes(timeout_s: float = 60.0) -> int:
-    """Resident memory of a fresh interpreter after importing the worker runtime (0 if unknown)."""
+def runtime_overhead_bytes(timeout_s: float = 60.0, also: str = "") -> int:
+    """Resident memory of a fresh interpreter after importing the worker runtime (0 if unknown);
+    `also`: a further statement to run first (an engine's import)."""
+    probe = _OVERHEAD_PROBE.replace("\nprint(", f"\n{also}\nprint(", 1) if also else _OVERHEAD_PROBE
     try:
-        proc = subprocess.run([sys.executable, "-c", _OVERHEAD_PROBE, str(_ROOT)], capture_output=True,
+        proc = subprocess.run([sys.executable, "-c", probe, str(_ROOT)], capture_output=True,
                               text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return 0
@@ -116,6 +118,19 @@ def runtime_overhead_bytes(timeout_s: float = 60.0) -> int:
         if line.startswith("RSS "):
             return int(line.split()[1])
     return 0
+
+
+# What an engine adds to the runtime, as a worker pays it: PyTorch's engine module and one small op
+# (the first op maps the kernels and starts the thread pool). MNN is in the runtime already.
+_ENGINE_PROBES = {"torch": "import runtime.engines.pytorch, torch; (torch.ones(8, 8) @ torch.ones(8, 8)).sum()"}
+
+
+def engine_overhead_bytes(engine: str, runtime_bytes: int, timeout_s: float = 120.0) -> int:
+    """Resident memory `engine` adds to a runtime of `runtime_bytes` (0 for MNN, or if unknown)."""
+    statement = _ENGINE_PROBES.get(engine)
+    if statement is None or runtime_bytes <= 0:
+        return 0
+    return max(0, runtime_overhead_bytes(timeout_s, also=statement) - runtime_bytes)
 
 
 def split_child_bytes(backend: BackendSpec, batch: int, seq: int, hidden: int, heads: int, head_size: int,

@@ -1,0 +1,95 @@
+"""Issue 14, lever 1: the engine per device is a planning decision. A device whose cluster entry
+names no backend (auto) runs the fastest profiled backend whose engine fits its budget beside the
+runtime (PyTorch's import is ~300 MB); the memory model charges that engine; `show` says what each
+device runs and the runner-up with its time and memory."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ir.graph import block_signature
+from ir.profile import BackendProfile, BlockCost, DeviceProfile
+from jobs.planning import PlanSettings, engine_choices, plan_model
+from planner.cluster import DeviceSpec, device_backend, runtime_bytes
+from planner.onnx_import import load_model
+from support import S
+
+MIB = 2 ** 20
+TORCH_IMPORT = 300 * MIB
+RUNTIME = 100 * MIB
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_onnx):
+    return load_model(tiny_onnx["torchscript-17"], 4, S)
+
+
+def _profile(graph) -> DeviceProfile:
+    """torch:cpu:t1 twice as fast as mnn:cpu:t1 on every block, at the cost of its import."""
+    sigs = {block_signature(b) for b in graph.blocks}
+    mnn = {s: BlockCost(0.010, 0.020, workspace_bytes=1 * MIB) for s in sigs}
+    torch = {s: BlockCost(0.005, 0.010, workspace_bytes=1 * MIB) for s in sigs}
+    return DeviceProfile("box", graph.name, graph.batch, graph.seq,
+                         (BackendProfile("mnn:cpu:t1", mnn), BackendProfile("torch:cpu:t1", torch, {}, TORCH_IMPORT)),
+                         memory_available_bytes=8 << 30, runtime_overhead_bytes=RUNTIME)
+
+
+def test_auto_takes_the_fastest_backend_whose_engine_fits_and_charges_its_import(graph):
+    profile = _profile(graph)
+    roomy, small = DeviceSpec("a", "tcp://x:1", profile, 1 << 30), DeviceSpec("b", "tcp://x:2", profile, 350 * MIB)
+    assert device_backend(roomy).backend == "torch:cpu:t1" and runtime_bytes(roomy) == RUNTIME + TORCH_IMPORT
+    assert device_backend(small).backend == "mnn:cpu:t1" and runtime_bytes(small) == RUNTIME  # 100 + 300 > 350
+    given = DeviceSpec("c", "tcp://x:3", profile, 1 << 30, backend="mnn:cpu:t1")
+    assert device_backend(given).backend == "mnn:cpu:t1" and runtime_bytes(given) == RUNTIME
+    tight = DeviceSpec("d", "tcp://x:4", profile, 50 * MIB)  # nothing fits: the fastest, reported over budget
+    assert device_backend(tight).backend == "torch:cpu:t1"
+
+
+def _plan(graph, tmp_path, tiny_onnx, budget: str, backend: str | None = None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    _profile(graph).save(tmp_path / "box.json")
+    entry = {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": budget}
+    if backend:
+        entry["backend"] = backend
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [entry]}))
+    settings = PlanSettings(schedule="1f1b-flush", batch=8, seq=S, microbatches=2, optimizer="adamw", lr=5e-5,
+                            time_limit_s=5.0)
+    out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / "plan")
+    return out, json.loads((out / "plan.json").read_text())["devices"][0]
+
+
+def test_the_plan_runs_the_chosen_engine_and_show_names_the_runner_up(graph, tiny_onnx, tmp_path, capsys):
+    from confidant.commands import show_plan
+
+    blocks = len(graph.blocks)
+    fast_dir, fast = _plan(graph, tmp_path / "roomy", tiny_onnx, "2GiB")
+    lean_dir, lean = _plan(graph, tmp_path / "small", tiny_onnx, "380MiB")
+    given_dir, given = _plan(graph, tmp_path / "given", tiny_onnx, "2GiB", backend="mnn:cpu:t1")
+    assert (fast["engine"], lean["engine"], given["engine"]) == ("torch", "mnn", "mnn")
+    assert fast["memory_bytes"] - given["memory_bytes"] == TORCH_IMPORT  # the same stage, plus torch's import
+    (choice,) = engine_choices(fast_dir)
+    assert (choice.backend, choice.runner_up, choice.given) == ("torch:cpu:t1", "mnn:cpu:t1", False)
+    assert choice.seconds == pytest.approx(blocks * 0.015) and choice.runner_up_seconds == pytest.approx(blocks * 0.03)
+    assert choice.runner_up_extra_bytes == -TORCH_IMPORT
+    (choice,) = engine_choices(lean_dir)
+    assert (choice.backend, choice.runner_up, choice.runner_up_extra_bytes) == ("mnn:cpu:t1", "torch:cpu:t1",
+                                                                                 TORCH_IMPORT)
+    capsys.readouterr()
+    show_plan(lean_dir)
+    out = capsys.readouterr().out
+    assert (f"  box: mnn:cpu:t1 (auto) {blocks * 30:.0f} ms; runner-up torch:cpu:t1 {blocks * 15:.0f} ms, "
+            f"+300 MiB of engine") in out
+    show_plan(given_dir)
+    assert "  box: mnn:cpu:t1 (the cluster file's)" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two fresh interpreters, one of them importing torch
+def test_the_profile_measures_what_torchs_import_adds_to_the_runtime():
+    pytest.importorskip("torch")
+    from runtime.profiling.memory import engine_overhead_bytes, runtime_overhead_bytes
+
+    runtime = runtime_overhead_bytes()
+    assert runtime > 20 * MIB
+    assert engine_overhead_bytes("torch", runtime) > 50 * MIB  # ~300 MB measured here
+    assert engine_overhead_bytes("mnn", runtime) == 0  # MNN is in the runtime already
