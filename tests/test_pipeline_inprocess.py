@@ -438,14 +438,9 @@ def _bundle_run(workers: InProcessWorkers, plan_dir, steps: int, batches, **kwar
                           schedule=plan.to_schedule(), transport=workers.coordinator, **kwargs)
 
 
-def test_a_replan_from_bundles_writes_a_new_plan_and_trains_like_it_from_that_step(graph, batches, tmp_path):
-    """Twin of tests/test_replan_bundles.py's command-line run, on PlanReplanner (what `confidant
-    train PLAN --replan-every` uses): a plan gives device a the embeddings and both encoder layers
-    and b the rest, c waits as a spare; after step 2, a is reported SLOWER times slower than its
-    profile predicts (as tests/test_replan.py reports a slowed worker: deterministic, whatever the
-    machine's load), so PlanReplanner writes a new plan from the gathered weights and the workers
-    switch to its bundles. The run equals the old plan for 2 steps followed by the new plan's
-    bundles from step 2 (with the optimizer state saved then), and single-device training."""
+def _plan_on_a_and_b(graph, plan_dir, devices: str):
+    """A plan giving device a the embeddings and both encoder layers and b the rest, over a cluster of
+    `devices` (FLOPs-priced profiles), and its PlanReplanner: (plan, whole graph, replanner)."""
     from ir.bundle import load_bundle_dir, load_plan
     from ir.partition import Partition, StageAssignment
     from ir.profile import Link
@@ -455,13 +450,26 @@ def test_a_replan_from_bundles_writes_a_new_plan_and_trains_like_it_from_that_st
     from planner.replan import PlanReplanner
 
     cluster = Cluster(tuple(DeviceSpec(n, f"tcp://127.0.0.1:{1 + i}", _flops_profile(graph, n), 2**30, "mnn:cpu:t1")
-                            for i, n in enumerate("abc")), Link(1e9, 1e-4), {})
-    old_dir = tmp_path / "plan"
-    emit_plan(old_dir, graph, Partition((StageAssignment(0, "a", 0, 2), StageAssignment(1, "b", 3, 4)), "manual"),
+                            for i, n in enumerate(devices)), Link(1e9, 1e-4), {})
+    emit_plan(plan_dir, graph, Partition((StageAssignment(0, "a", 0, 2), StageAssignment(1, "b", 3, 4)), "manual"),
               make_schedule("1f1b-flush", 2, M), {"model": "tiny", "lr": 1e-3}, cluster=cluster)
-    old = load_plan(old_dir)
-    whole = merge_slices([load_bundle_dir(old_dir / d.bundle).graph for d in old.devices])
-    replanner = PlanReplanner(old_dir, old, whole, cluster, workers=1)
+    plan = load_plan(plan_dir)
+    whole = merge_slices([load_bundle_dir(plan_dir / d.bundle).graph for d in plan.devices])
+    return plan, whole, PlanReplanner(plan_dir, plan, whole, cluster, workers=1)
+
+
+def test_a_replan_from_bundles_writes_a_new_plan_and_trains_like_it_from_that_step(graph, batches, tmp_path):
+    """Twin of tests/test_replan_bundles.py's command-line run, on PlanReplanner (what `confidant
+    train PLAN --replan-every` uses): a plan gives device a the embeddings and both encoder layers
+    and b the rest, c waits as a spare; after step 2, a is reported SLOWER times slower than its
+    profile predicts (as tests/test_replan.py reports a slowed worker: deterministic, whatever the
+    machine's load), so PlanReplanner writes a new plan from the gathered weights and the workers
+    switch to its bundles. The run equals the old plan for 2 steps followed by the new plan's
+    bundles from step 2 (with the optimizer state saved then), and single-device training."""
+    from ir.bundle import load_bundle_dir, load_plan
+
+    old_dir = tmp_path / "plan"
+    old, whole, replanner = _plan_on_a_and_b(graph, old_dir, "abc")
 
     def on_replan(step, measured, weights):
         assert len(measured) == 2 and all(x > 0 for x in measured)  # the real F+B seconds per step
@@ -513,23 +521,11 @@ def test_a_plan_run_takes_back_a_device_that_returns_with_a_plan_written_for_it(
     after step 2, answers the call back, and PlanReplanner.with_devices writes a plan over both
     (`replan-step000N-joined`) that the run switches to. Flush: the losses and weights stay
     single-device training's through both switches."""
-    from ir.bundle import load_bundle_dir, load_plan
-    from ir.partition import Partition, StageAssignment
-    from ir.profile import Link
-    from ir.serialize import merge_slices
+    from ir.bundle import load_plan
     from jobs.plan_training import _plan_over
-    from planner.cluster import Cluster, DeviceSpec
-    from planner.emit import emit_plan
-    from planner.replan import PlanReplanner
 
-    cluster = Cluster(tuple(DeviceSpec(n, f"tcp://127.0.0.1:{1 + i}", _flops_profile(graph, n), 2**30, "mnn:cpu:t1")
-                            for i, n in enumerate("ab")), Link(1e9, 1e-4), {})
     plan_dir = tmp_path / "plan"
-    emit_plan(plan_dir, graph, Partition((StageAssignment(0, "a", 0, 2), StageAssignment(1, "b", 3, 4)), "manual"),
-              make_schedule("1f1b-flush", 2, M), {"model": "tiny", "lr": 1e-3}, cluster=cluster)
-    plan = load_plan(plan_dir)
-    whole = merge_slices([load_bundle_dir(plan_dir / d.bundle).graph for d in plan.devices])
-    replanner = PlanReplanner(plan_dir, plan, whole, cluster, workers=1)
+    _, _, replanner = _plan_on_a_and_b(graph, plan_dir, "ab")
     steps = 4
     with InProcessWorkers(2, timeout_s=30) as workers:
         result = _bundle_run(workers, plan_dir, steps, batches, on_step=kill_then_restart(workers, 1),
