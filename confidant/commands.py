@@ -251,13 +251,13 @@ def cmd_worker(args) -> int:
 
 def _base_files(paths) -> dict:
     """--base FILE...: SHA-256 -> path, each hashed once now (what a coordinator's offer names)."""
-    from runtime.pipeline.bundles import file_sha256
+    from ir.bundle import sha256_file
 
     held = {}
     for path in paths:
         if not path.is_file():
             raise CliError(f"--base {path}: no such file (give a plan's base.safetensors copied to this device)")
-        held[file_sha256(path)] = path
+        held[sha256_file(path)] = path
         print(f"base weights {path}: sha256 {next(reversed(held))[:12]}...", file=sys.stderr, flush=True)
     return held
 

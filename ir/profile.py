@@ -45,6 +45,11 @@ class BackendProfile:
     # which has MNN loaded): PyTorch's import, some 300 MB; 0 for MNN or when not measured
     engine_overhead_bytes: int = 0
 
+    @property
+    def seconds(self) -> float:
+        """Forward+backward seconds over the profile's distinct blocks: how backends rank."""
+        return sum(c.forward_s + c.backward_s for c in self.blocks.values())
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -86,7 +91,7 @@ class DeviceProfile:
                            f"(it has {[b.backend for b in self.backends]})")
         if not self.backends:
             raise ValueError(f"profile of {self.name!r} has no backends")
-        return min(self.backends, key=lambda b: sum(c.forward_s + c.backward_s for c in b.blocks.values()))
+        return min(self.backends, key=lambda b: b.seconds)
 
     def to_json(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}

@@ -138,11 +138,6 @@ class DeviceSpec:
     key: str | None = None
 
 
-def backend_seconds(backend: BackendProfile) -> float:
-    """A backend's forward+backward seconds over the profile's distinct blocks: how backends rank."""
-    return sum(c.forward_s + c.backward_s for c in backend.blocks.values())
-
-
 def device_backend(device: DeviceSpec) -> BackendProfile:
     """The backend `device` trains with: the cluster file's `backend`, or (none given: auto) the
     fastest one whose engine fits the device's budget beside the runtime (PyTorch's import alone,
@@ -150,7 +145,7 @@ def device_backend(device: DeviceSpec) -> BackendProfile:
     names the device that is over budget)."""
     if device.backend is not None:
         return device.profile.backend(device.backend)
-    ranked = sorted(device.profile.backends, key=backend_seconds)
+    ranked = sorted(device.profile.backends, key=lambda b: b.seconds)
     if not ranked:
         raise ValueError(f"profile of {device.profile.name!r} has no backends")
     base = device.profile.runtime_overhead_bytes

@@ -405,4 +405,4 @@ def split_base_backend(profile: DeviceProfile, chosen: str | None) -> str | None
     mnn = [b for b in profile.backends if engine_of(b.backend) == "mnn"]
     if not mnn:
         return None
-    return min(mnn, key=lambda b: sum(c.forward_s + c.backward_s for c in b.blocks.values())).backend
+    return min(mnn, key=lambda b: b.seconds).backend

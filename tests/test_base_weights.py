@@ -8,7 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ir.bundle import PLAN_BASE, WEIGHTS, BundleError, base_weights, load_bundle_dir, load_plan, read_bundle_files
+from ir.bundle import (PLAN_BASE, WEIGHTS, BundleError, base_weights, load_bundle_dir, load_plan, read_bundle_files,
+                       sha256_file)
 from ir.partition import Partition, StageAssignment
 from ir.safetensors import decode_safetensors, encode_safetensors, load_safetensors, save_safetensors
 from jobs.pipeline_training import train_pipeline
@@ -17,7 +18,7 @@ from planner.emit import emit_plan
 from planner.lora import LoraSettings, add_lora
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
-from runtime.pipeline.bundles import file_sha256, plan_base, rebuild_weights, split_weights
+from runtime.pipeline.bundles import plan_base, rebuild_weights, split_weights
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.keys import COORDINATOR_KEY, KeyPair, signer
 from runtime.pipeline.inprocess import InProcessWorkers
@@ -61,7 +62,7 @@ def _train(plan_dir, batches, workers, **kwargs):
 def test_the_plan_holds_every_frozen_weight_once_with_its_hash(plan_dir):
     plan = load_plan(plan_dir)
     base = load_safetensors(plan_dir / PLAN_BASE)
-    assert plan.base_sha256 == file_sha256(plan_dir / PLAN_BASE)
+    assert plan.base_sha256 == sha256_file(plan_dir / PLAN_BASE)
     merged = {}
     for d in plan.devices:
         merged.update(decode_safetensors(read_bundle_files(plan_dir / d.bundle)[WEIGHTS]))

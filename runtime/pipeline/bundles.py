@@ -19,7 +19,6 @@ bundle.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -34,7 +33,7 @@ from runtime.transport.wire import Expected
 
 __all__ = ["BUNDLE_KIND", "REST", "BaseWeights", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire",
            "as_uint8", "wire_to_files", "send_bundle", "recv_bundle", "recv_bundle_files", "load_plan", "plan_base",
-           "file_sha256", "split_weights", "rebuild_weights"]
+           "split_weights", "rebuild_weights"]
 
 BUNDLE_KIND = "bundle"
 # Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
@@ -64,15 +63,6 @@ def plan_base(plan_dir: str | Path, plan: PlanDocument) -> BaseWeights | None:
         return BaseWeights(plan.base_sha256, frozenset(safetensors_names(path)))
     except ValueError as exc:
         raise BundleError(f"plan {plan_dir}: {PLAN_BASE} is not valid safetensors: {exc}") from None
-
-
-def file_sha256(path: str | Path) -> str:
-    """A file's SHA-256, read in pieces (a base model's weights can be gigabytes)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def split_weights(files: Mapping[str, bytes], base: BaseWeights) -> tuple[list[str], bytes]:

@@ -214,8 +214,8 @@ class Worker:
     def setup_bundle(self, msg: dict) -> None:
         """Set up from a plan bundle: verify every file against its manifest before using any of it;
         the stage, graph slice, weights, actions and optimizer all come from the bundle."""
-        from ir.bundle import WEIGHTS, BundleError
-        from runtime.pipeline.bundles import REST, load_bundle, rebuild_weights, recv_bundle_files, wire_to_files
+        from ir.bundle import BundleError
+        from runtime.pipeline.bundles import load_bundle
 
         self._take_stage(int(msg["stage"]))
         self._meet_peers(msg["peers"], msg.get("peer_keys"))
@@ -225,23 +225,7 @@ class Worker:
 
             check = verifier(self.trusted)
         source = f"{msg.get('device', 'bundle')} (from the coordinator)"
-        names, held, local = list(msg["bundle_files"]), None, []
-        if "base" in msg:  # the coordinator offers to leave out the weights our base file holds
-            offer = msg["base"]
-            local = offer.get("names") if isinstance(offer, dict) else None
-            if not (isinstance(local, list) and all(isinstance(n, str) for n in local)
-                    and isinstance(offer.get("sha256"), str)):
-                raise ValueError(f"setup_bundle: 'base' must be {{sha256, names}}, got {offer!r:.80}")
-            held = self.base_files.get(offer["sha256"])
-            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage,
-                                                      "base": held is not None})
-            if held is not None:
-                names = [REST if n == WEIGHTS else n for n in names]
-        files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, receive=self._from_coordinator)
-        if held is not None:
-            if REST not in files:
-                raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
-            files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local)
+        files, held = self._receive_bundle(msg, source)
         try:
             contents = load_bundle(files, source, check)
         except BundleError as exc:
@@ -264,6 +248,32 @@ class Worker:
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device,
                                                   **device_state()})
+
+    def _receive_bundle(self, msg: dict, source: str):
+        """The setup's bundle files, unverified, and the base file its weights were rebuilt with (None:
+        they came whole). The coordinator may offer to leave out the weights a base file holds;
+        with a file of that hash this worker takes them from it (runtime.pipeline.bundles)."""
+        from ir.bundle import WEIGHTS
+        from runtime.pipeline.bundles import REST, rebuild_weights, recv_bundle_files, wire_to_files
+
+        names, held, local = list(msg["bundle_files"]), None, []
+        if "base" in msg:
+            offer = msg["base"]
+            local = offer.get("names") if isinstance(offer, dict) else None
+            if not (isinstance(local, list) and all(isinstance(n, str) for n in local)
+                    and isinstance(offer.get("sha256"), str)):
+                raise ValueError(f"setup_bundle: 'base' must be {{sha256, names}}, got {offer!r:.80}")
+            held = self.base_files.get(offer["sha256"])
+            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage,
+                                                      "base": held is not None})
+            if held is not None:
+                names = [REST if n == WEIGHTS else n for n in names]
+        files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, receive=self._from_coordinator)
+        if held is not None:
+            if REST not in files:
+                raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
+            files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local)
+        return files, held
 
     def _need_stage(self, what: str) -> None:
         if self.executor is None:

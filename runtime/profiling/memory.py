@@ -98,17 +98,15 @@ def memory_available_bytes() -> int:
 
 
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout: a child imports the runtime from it
-_OVERHEAD_PROBE = (
-    "import sys; sys.path.insert(0, sys.argv[1])\n"
-    "import runtime.pipeline.worker, runtime.engines.mnn, runtime.transport.zeromq\n"
-    "print('RSS', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])\n"
-)
+_RUNTIME_IMPORTS = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+                    "import runtime.pipeline.worker, runtime.engines.mnn, runtime.transport.zeromq\n")
+_PRINT_RSS = "print('RSS', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])\n"
 
 
 def runtime_overhead_bytes(timeout_s: float = 60.0, also: str = "") -> int:
     """Resident memory of a fresh interpreter after importing the worker runtime (0 if unknown);
     `also`: a further statement to run first (an engine's import)."""
-    probe = _OVERHEAD_PROBE.replace("\nprint(", f"\n{also}\nprint(", 1) if also else _OVERHEAD_PROBE
+    probe = _RUNTIME_IMPORTS + (also + "\n" if also else "") + _PRINT_RSS
     try:
         proc = subprocess.run([sys.executable, "-c", probe, str(_ROOT)], capture_output=True,
                               text=True, timeout=timeout_s)

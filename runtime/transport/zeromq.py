@@ -82,6 +82,9 @@ _ROUTER_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_P
                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
+NOT_CONNECTED_YET = "no connection yet"  # a link's problem before its first handshake
+
+
 @dataclass
 class _Link:
     """One outgoing connection: its socket, its monitor, and whether the peer is reachable."""
@@ -91,7 +94,7 @@ class _Link:
     up: bool = False
     down_since: float = 0.0
     ever_up: bool = False
-    problem: str = "no connection yet"
+    problem: str = NOT_CONNECTED_YET
 
 
 class _ZapHandler(threading.Thread):
@@ -384,7 +387,7 @@ class ZmqTransport(Transport):
         now = time.monotonic()
         lost = {}
         for peer, link in self._links.items():
-            pending = not link.ever_up and link.problem == _Link.problem  # nothing but not connected yet
+            pending = not link.ever_up and link.problem == NOT_CONNECTED_YET  # nothing refused, just not up yet
             if not link.up and now - link.down_since > (max(grace, self.heartbeat_s) if pending else grace):
                 reason = link.problem if link.problem else "its connection closed"
                 if link.ever_up and link.problem == "its connection closed":
