@@ -123,7 +123,9 @@ def cmd_export(args) -> int:
 def _inspect_json(graph) -> dict:
     blocks = [{"name": b.name, "kind": b.kind, "params_bytes": b.params_bytes,
                "activation_bytes": b.activation_bytes, "flops": b.flops, "heads": b.heads,
-               "kv_heads": b.kv_heads, "head_size": b.head_size} for b in graph.blocks]
+               "kv_heads": b.kv_heads, "head_size": b.head_size,
+               # what a head split deals out (heads, or key/value groups); null where it cannot split
+               "split_units": b.split_units if b.attention is not None else None} for b in graph.blocks]
     totals = {"blocks": len(blocks), "params_bytes": sum(b["params_bytes"] for b in blocks),
               "activation_bytes": sum(b["activation_bytes"] for b in blocks),
               "flops": sum(b["flops"] for b in blocks), "batch": graph.batch, "seq": graph.seq}

@@ -52,38 +52,63 @@ class Node:
 
 @dataclass(frozen=True)
 class AttentionSite:
-    """Where an encoder block's attention sits among its nodes, so its heads can be split across
-    backends (`runtime.engines.split`). The planner finds it when it lowers the model
-    (`planner.attention`) and it travels in the block table, so a device only reads it.
+    """Where a block's attention sits among its nodes, so its heads can be split across backends
+    (`runtime.engines.split`). The planner finds it when it lowers the model (`planner.attention`)
+    and it travels in the block table, so a device only reads it.
 
-    `x` is the attention's input (the block's hidden-state input), `mask` the additive mask added
-    to the scaled scores, `output` the output projection plus its bias, `residual` output + x (the
-    value the rest of the block reads); `nodes` are the attention's nodes and the residual Add;
-    `weights` lists (role, graph constant, stored transposed) for the roles Wq, bq, Wk, bk, Wv,
-    bv, Wo, bo; `scale` multiplies the scores (1/sqrt(head size))."""
+    `x` is the block's hidden-state input, `mask` the additive mask added to the scaled scores,
+    `output` the output projection (plus its bias, if any), `residual` output + x (the value the
+    rest of the block reads); `nodes` are the attention's nodes (a pre-norm included) and the
+    residual Add; `weights` lists (role, graph constant, stored transposed, first column, end
+    column) for the roles Wq, Wk, Wv, Wo and the optional bq, bk, bv, bo, norm_w, norm_b, where
+    the column range [first, end) of a fused projection (GPT-2's c_attn, x @ W layout) is the
+    role's share (None, None: the whole constant); `scale` multiplies the scores.
+    `norm`: "LayerNorm" or "RMSNorm" when the attention reads norm(x) (a pre-norm block: GPT-2,
+    Llama), None when it reads x (post-LN BERT); `norm_epsilon` its epsilon. `rotary`: the (cos,
+    sin) constants of rotary embeddings applied to Q and K, None without them."""
 
     x: str
     mask: str
     output: str
     residual: str
     nodes: tuple[str, ...]
-    weights: tuple[tuple[str, str, bool], ...]
+    weights: tuple[tuple[str, str, bool, int | None, int | None], ...]
     scale: float
+    norm: str | None = None
+    norm_epsilon: float = 0.0
+    rotary: tuple[str, str] | None = None
 
     @property
     def weight_of(self) -> dict[str, tuple[str, bool]]:
         """role -> (graph constant, stored transposed)."""
-        return {role: (name, transposed) for role, name, transposed in self.weights}
+        return {role: (name, transposed) for role, name, transposed, *_ in self.weights}
+
+    @property
+    def columns_of(self) -> dict[str, tuple[int, int] | None]:
+        """role -> the (first, end) columns of its fused constant that it owns, None for all."""
+        return {w[0]: (None if w[3] is None else (int(w[3]), int(w[4]))) for w in self.weights}
 
     def to_json(self) -> dict[str, Any]:
-        return {"x": self.x, "mask": self.mask, "output": self.output, "residual": self.residual,
-                "nodes": list(self.nodes), "weights": [list(w) for w in self.weights], "scale": self.scale}
+        doc = {"x": self.x, "mask": self.mask, "output": self.output, "residual": self.residual,
+               "nodes": list(self.nodes), "weights": [list(w) for w in self.weights], "scale": self.scale}
+        if self.norm is not None:
+            doc["norm"], doc["norm_epsilon"] = self.norm, self.norm_epsilon
+        if self.rotary is not None:
+            doc["rotary"] = list(self.rotary)
+        return doc
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "AttentionSite":
+        def weight(w) -> tuple[str, str, bool, int | None, int | None]:
+            first, end = (w[3], w[4]) if len(w) == 5 else (None, None)  # 3 entries: written before fused roles
+            return (str(w[0]), str(w[1]), bool(w[2]), None if first is None else int(first),
+                    None if end is None else int(end))
+
+        rotary = doc.get("rotary")
         return cls(str(doc["x"]), str(doc["mask"]), str(doc["output"]), str(doc["residual"]),
-                   tuple(str(n) for n in doc["nodes"]),
-                   tuple((str(r), str(n), bool(t)) for r, n, t in doc["weights"]), float(doc["scale"]))
+                   tuple(str(n) for n in doc["nodes"]), tuple(weight(w) for w in doc["weights"]),
+                   float(doc["scale"]), None if doc.get("norm") is None else str(doc["norm"]),
+                   float(doc.get("norm_epsilon", 0.0)), None if rotary is None else (str(rotary[0]), str(rotary[1])))
 
 
 @dataclass(frozen=True)
@@ -109,7 +134,7 @@ class Block:
     flops: int
     heads: int | None = None
     head_size: int | None = None
-    # an encoder block whose attention heads can be split (None: not found, or not an encoder)
+    # a block whose attention heads can be split (None: no attention the lowering could place)
     attention: AttentionSite | None = None
     # bytes of frozen weights the block reads (LoRA's base weights): held once, never stashed,
     # stepped or moved; `params_bytes` counts the trainable ones
@@ -118,6 +143,12 @@ class Block:
     # grouped-query attention (each key/value head serves heads / kv_heads query heads); None
     # where the block has no attention
     kv_heads: int | None = None
+
+    @property
+    def split_units(self) -> int | None:
+        """How many pieces the block's attention can be split into: one per key/value head (with
+        its heads / kv_heads query heads; one query head each without grouped-query attention)."""
+        return self.kv_heads or self.heads
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,16 +237,20 @@ def topological_order(nodes: Iterable[Node], available: Iterable[str]) -> list[N
 
 def format_table(graph: Graph) -> str:
     """The block table `confidant inspect` prints."""
-    rows = [("#", "block", "kind", "params", "activation", "GFLOPs", "heads x size")]
+    rows = [("#", "block", "kind", "params", "activation", "GFLOPs", "heads x size", "head split")]
     for b in graph.blocks:
         hs = f"{b.heads} x {b.head_size}" if b.heads else "-"
         if b.heads and b.kv_heads and b.kv_heads != b.heads:
             hs = f"{b.heads} x {b.head_size} (kv {b.kv_heads})"
+        split = "-"
+        if b.heads:  # where the lowering placed the attention, the units a head split deals out
+            split = ("no" if b.attention is None else f"{b.split_units} heads" if b.split_units == b.heads else
+                     f"{b.split_units} kv groups")
         rows.append((str(b.index), b.name, b.kind, _mib(b.params_bytes), _mib(b.activation_bytes),
-                     f"{b.flops / 1e9:.3f}", hs))
+                     f"{b.flops / 1e9:.3f}", hs, split))
     total_p = sum(b.params_bytes for b in graph.blocks)
     total_f = sum(b.flops for b in graph.blocks)
-    rows.append(("", "total", "", _mib(total_p), "", f"{total_f / 1e9:.3f}", ""))
+    rows.append(("", "total", "", _mib(total_p), "", f"{total_f / 1e9:.3f}", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

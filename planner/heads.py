@@ -333,8 +333,9 @@ def _lowered(cost: BlockCost, saving_s: float) -> BlockCost:
 
 def choose_head_split(graph: Graph, profile: DeviceProfile) -> "HeadSplit | None":
     """The head split to record for one device, or None: a `planner.heads.HeadSplit` across backends
-    of `profile` (an `ir.profile.DeviceProfile`) for the attention of the first encoder block whose
-    signature has curves on at least two of them.
+    of `profile` (an `ir.profile.DeviceProfile`) for the attention of the first block (encoder or
+    decoder) whose signature has curves on at least two of them. The split deals out units: heads,
+    or under grouped-query attention key/value heads, each with its query heads (a curve's length).
 
     Candidates. The device is not the planning machine, so its core count is not known here; its
     profile is what we have. Backends of one split run concurrently and must not share cores, so a
@@ -356,7 +357,7 @@ def choose_head_split(graph: Graph, profile: DeviceProfile) -> "HeadSplit | None
     split's `single_best` is that fastest single backend. Any schedule: the split engine stashes
     weight versions like the MNN engine."""
     for block in graph.blocks:
-        if block.kind != "encoder" or block.attention is None:  # only attention the lowering could place
+        if block.attention is None:  # only attention the lowering could place (encoder or decoder)
             continue
         sig = block_signature(block)
         curves = {b.backend: b.attention[sig] for b in profile.backends if sig in b.attention}
@@ -390,9 +391,9 @@ def choose_head_split(graph: Graph, profile: DeviceProfile) -> "HeadSplit | None
 
 def split_extra_cost_s(graph: Graph, profile: DeviceProfile, split: "HeadSplit") -> dict[str, float]:
     """The measured fixed cost of each child backend of `split`, as choose_head_split allocated it
-    (the first encoder block with measured costs; 0 where none was measured)."""
+    (the first attention block with measured costs; 0 where none was measured)."""
     for block in graph.blocks:
-        measured = profile.split_extra_cost_s.get(block_signature(block)) if block.kind == "encoder" else None
+        measured = profile.split_extra_cost_s.get(block_signature(block)) if block.attention is not None else None
         if measured:
             return {b: float(measured.get(b, 0.0)) for b in split_child_processes(split)}
     return {}

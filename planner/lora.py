@@ -102,16 +102,16 @@ def adapter_names(base: str) -> tuple[str, str]:
 def projection_roles(graph: Graph, block: Block) -> dict[str, str]:
     """Weight name -> role for the block's linear projections with a parameter weight: q/k/v/o
     from its attention site, then up/down for the other projections in block order."""
+    if block.kind == "decoder":
+        return _decoder_roles(graph, block)
     roles: dict[str, str] = {}
     if block.attention is not None:
-        for role, name, _ in block.attention.weights:
+        for role, (name, _) in block.attention.weight_of.items():
             if role in _SITE_ROLE:
                 roles[name] = _SITE_ROLE[role]
     others = [n.inputs[1] for n in (graph.node(x) for x in block.nodes)
               if n.op == "MatMul" and n.inputs[1] in graph.params and n.inputs[1] not in roles
               and len(graph.constants[n.inputs[1]].shape) == 2]
-    if block.kind == "decoder":
-        return _decoder_roles(graph, block)
     if block.kind == "encoder":
         for name, role in zip(others, MLP_ROLES):
             roles.setdefault(name, role)

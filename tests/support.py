@@ -281,3 +281,49 @@ def assert_grads_close(got: dict, ref: dict, rtol: float = 1e-4) -> None:
         err = float(np.abs(got[name] - r).max())
         bound = rtol * max(float(np.abs(r).max()), 1e-2 * scale)
         assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+def lm_step_feeds(step: int, rows: int = 2, seq: int = 12, microbatches: int = 2,
+                  vocab: int = 256) -> list[dict[str, np.ndarray]]:
+    """Step `step`'s micro-batches of `rows` rows for a causal LM: random tokens, a right-padded
+    row, next-token targets weighted by 1 / (the whole batch's count), so the micro-batch losses
+    sum to the batch's."""
+    rng = np.random.default_rng(100 + step)
+    total = rows * microbatches
+    mask = np.ones((total, seq), np.int64)
+    mask[-1, seq // 2:] = 0
+    counted = (mask == 1) & (rng.random((total, seq)) < 0.8)
+    counted[:, -1] = False
+    ids = rng.integers(0, vocab, (total, seq)).astype(np.int64)
+    targets = np.where(counted, np.roll(ids, -1, axis=1), 0).astype(np.int64)
+    weights = (counted / counted.sum()).astype(np.float32)
+    return [{"input_ids": ids[k:k + rows], "attention_mask": mask[k:k + rows], "target_ids": targets[k:k + rows],
+             "target_weights": weights[k:k + rows]} for k in range(0, total, rows)]
+
+
+def lm_train(engine, feeds_of_step, steps: int, lr: float = 1e-3) -> list[float]:
+    """Loss per step of `steps` AdamW steps of `engine` over `feeds_of_step(step)`'s micro-batches,
+    their gradients summed in order."""
+    from runtime.optim import make_optimizer
+
+    opt, params, losses = make_optimizer("adamw", lr), engine.parameters(), []
+    for step in range(steps):
+        total, loss = {}, 0.0
+        for m, feeds in enumerate(feeds_of_step(step)):
+            loss += float(np.asarray(engine.forward(feeds, m)).reshape(-1)[0])
+            for k, g in engine.backward(m).params.items():
+                total[k] = total[k] + g if k in total else np.array(g)
+        params = opt.step(params, total)
+        engine.set_parameters(params)
+        losses.append(loss)
+    return losses
+
+
+def lm_single_device(graph: Graph, feeds_of_step, steps: int, lr: float = 1e-3):
+    """(loss per step, final parameters) of the whole model on one MNN engine (`lm_train`)."""
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.engines.stage import stage_spec
+
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    losses = lm_train(engine, feeds_of_step, steps, lr)
+    return losses, engine.parameters()

@@ -32,8 +32,9 @@ def test_inspect_json_schema(tiny_onnx):
     doc = json.loads(proc.stdout)
     assert [b["kind"] for b in doc["blocks"]] == ["embeddings", "encoder", "encoder", "head", "loss"]
     for b in doc["blocks"]:
-        assert set(b) == {"name", "kind", "params_bytes", "activation_bytes", "flops", "heads", "kv_heads", "head_size"}
-        assert (b["heads"] is None) == (b["kind"] != "encoder") and b["kv_heads"] == b["heads"]
+        assert set(b) == {"name", "kind", "params_bytes", "activation_bytes", "flops", "heads", "kv_heads", "head_size",
+                          "split_units"}
+        assert (b["heads"] is None) == (b["kind"] != "encoder") and b["kv_heads"] == b["heads"] == b["split_units"]
     assert doc["blocks"][1]["heads"] == 4 and doc["blocks"][1]["head_size"] == 16
     assert doc["totals"]["params_bytes"] == sum(b["params_bytes"] for b in doc["blocks"])
     assert doc["totals"]["flops"] == sum(b["flops"] for b in doc["blocks"])

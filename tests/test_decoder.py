@@ -96,6 +96,11 @@ def test_inspect_json_lists_heads_kv_heads_and_head_size(tiny, capsys):
     layers = [b for b in doc["blocks"] if b["kind"] == "decoder"]
     assert len(layers) == 2 and all((b["heads"], b["kv_heads"], b["head_size"]) == (4, 2, 16) for b in layers)
     assert [b["kind"] for b in doc["blocks"]] == ["embeddings", "decoder", "decoder", "head", "loss"]
+    # a head split deals out the 2 key/value groups; blocks without attention have nothing to split
+    assert [b["split_units"] for b in doc["blocks"]] == [None, 2, 2, None, None]
+    assert main(["inspect", str(tiny["llama"][1]), "--batch", "2", "--seq", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "head split" in table and table.count("2 kv groups") == 2
 
 
 def test_an_unsupported_decoder_op_is_named_with_what_to_do(tiny, tmp_path):

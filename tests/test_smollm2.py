@@ -53,6 +53,33 @@ def test_smollm2_lowers_to_30_decoder_layers_with_grouped_query_attention(smollm
     assert [b.kind for b in graph.blocks] == ["embeddings"] + ["decoder"] * 30 + ["head", "loss"]
     assert {(b.heads, b.kv_heads, b.head_size) for b in graph.blocks if b.kind == "decoder"} == {(9, 3, 64)}
     assert graph.blocks[-2].params[-1] == graph.blocks[0].params[0] == "model.embed_tokens.weight"  # tied
+    # the head splitter's unit is a key/value group of 3 query heads: every layer's attention placed
+    sites = [b.attention for b in graph.blocks if b.kind == "decoder"]
+    assert all(s is not None and s.norm == "RMSNorm" and s.rotary is not None for s in sites)
+    assert {b.split_units for b in graph.blocks if b.kind == "decoder"} == {3}
+
+
+def test_a_smollm2_layer_split_over_key_value_groups_equals_the_unsplit_layer(smollm2):
+    """Layer 5 of the real model, its 3 key/value groups split 1 + 2 over MNN and torch: the output,
+    dx and every gradient of the unsplit MNN engine (within 1e-5)."""
+    from runtime.engines.split.engine import SplitStageEngine
+    from support import assert_grads_close
+
+    _, graph, tokenizer = smollm2
+    spec = stage_spec(graph, 6, 6)
+    feeds = _feeds(tokenizer)
+    rng = np.random.default_rng(0)
+    feeds[spec.activation_input] = rng.standard_normal(graph.values[spec.activation_input].shape).astype(np.float32)
+    ref = MnnStageEngine(spec)
+    want_y = ref.forward(feeds, 0)
+    dy = (1e-2 * rng.standard_normal(want_y.shape)).astype(np.float32)
+    want = ref.backward(0, dy)
+    with SplitStageEngine(spec, {"mnn:cpu:t1": 1, "torch:cpu:t1": 2}) as eng:
+        y = eng.forward(feeds, 0)
+        got = eng.backward(0, dy)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5 * float(np.abs(want_y).max()))
+    assert_grads_close({"x": got.activation_input, **got.params}, {"x": want.activation_input, **want.params},
+                       rtol=1e-5)
 
 
 def test_smollm2_forward_on_mnn_equals_onnxruntime_and_transformers(smollm2):

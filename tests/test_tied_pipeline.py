@@ -25,6 +25,7 @@ from runtime.optim import make_optimizer
 from runtime.pipeline.checkpoints import merge_checkpoint
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
+from support import lm_single_device, lm_step_feeds
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROWS, S, M, VOCAB, STEPS = 2, 12, 2, 256, 3
@@ -41,35 +42,11 @@ def graph(tmp_path_factory):
 
 
 def step_feeds(step: int) -> list[dict[str, np.ndarray]]:
-    """Step `step`'s M micro-batches of ROWS rows: random tokens, a right-padded row, next-token
-    targets weighted by 1 / (the whole batch's count), so the micro-batch losses sum to the batch's."""
-    rng = np.random.default_rng(100 + step)
-    rows = ROWS * M
-    mask = np.ones((rows, S), np.int64)
-    mask[-1, S // 2:] = 0
-    counted = (mask == 1) & (rng.random((rows, S)) < 0.8)
-    counted[:, -1] = False
-    ids = rng.integers(0, VOCAB, (rows, S)).astype(np.int64)
-    targets = np.where(counted, np.roll(ids, -1, axis=1), 0).astype(np.int64)
-    weights = (counted / counted.sum()).astype(np.float32)
-    return [{"input_ids": ids[k:k + ROWS], "attention_mask": mask[k:k + ROWS], "target_ids": targets[k:k + ROWS],
-             "target_weights": weights[k:k + ROWS]} for k in range(0, rows, ROWS)]
+    return lm_step_feeds(step, ROWS, S, M, VOCAB)
 
 
 def single_device(graph, steps: int = STEPS):
-    """(loss per step, final parameters) of the whole model on one MNN engine."""
-    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
-    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
-    for step in range(steps):
-        total, loss = {}, 0.0
-        for m, feeds in enumerate(step_feeds(step)):
-            loss += float(np.asarray(engine.forward(feeds, m)).reshape(-1)[0])
-            for k, g in engine.backward(m).params.items():
-                total[k] = total[k] + g if k in total else g.copy()
-        params = opt.step(params, total)
-        engine.set_parameters(params)
-        losses.append(loss)
-    return losses, engine.parameters()
+    return lm_single_device(graph, step_feeds, steps)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
                 cache_activations: bool = True) -> StageEngine:
     """The stage engine that runs `spec` on `backend` with its thread setting.
 
-    `head_split` ({backend: heads}) splits each encoder block's attention heads across backends
+    `head_split` ({backend: units}) splits the attention heads of each block the lowering placed
+    (`block.attention`: encoders, decoders) across backends
     (the rest of the stage runs on MNN). `weights` overrides the graph's constants;
     `stash_weights` keeps the weight version of every micro-batch in flight (PipeDream stashing);
     `cache_activations` (MNN) trades memory for not re-running the forward in the backward.

@@ -19,8 +19,9 @@ What is measured, per block kind and backend (one warm-up, then the median of `r
   charged to whichever block comes first. Limits: this is RSS, so memory an allocator recycles
   without the kernel seeing it is missed; torch still measured ~25 MiB more for a shape's first
   run than for a repeat (MiniLM layer: ~105 vs ~82 MiB); MNN repeats agree within ~10%.
-* per attention block, an `AttentionCurve`: forward+backward seconds of the block's attention
-  for h = 1..H heads. "Fused" runs all h heads batched in one piece (Q/K/V projections of width
+* per attention block the lowering placed, an `AttentionCurve`: forward+backward seconds of the
+  block's attention for h = 1..H heads (key/value groups under grouped-query attention, with their
+  query heads; the piece has the block's pre-norm and rotary embeddings too). "Fused" runs all h heads batched in one piece (Q/K/V projections of width
   h x head_size, scaled dot-product attention with the model's own additive mask, the output
   projection's h x head_size rows), built as a small IR graph and run by the same engine as the
   blocks, so MNN and torch both get a real curve. "Head by head" is h runs of the one-head piece;
@@ -40,7 +41,7 @@ from ir.backend import BackendSpec
 from ir.graph import Graph
 from ir.profile import AttentionCurve, BlockCost
 from runtime.engines.factory import make_engine
-from runtime.engines.split.piece import attention_piece
+from runtime.engines.split.piece import AttentionForm, attention_piece
 from runtime.engines.stage import StageSpec, stage_spec
 from runtime.profiling.inputs import activation, timed
 from runtime.profiling.memory import PeakRss
@@ -109,15 +110,19 @@ def _attention_fwd_bwd(backend: BackendSpec, graph: Graph, mask: np.ndarray, rep
 
 
 def attention_curve(backend: BackendSpec, batch: int, seq: int, hidden: int, heads: int, head_size: int,
-                    mask: np.ndarray, reps: int = 3) -> AttentionCurve:
-    """Forward+backward seconds for h = 1..heads, the faster of fused and head-by-head per h.
+                    mask: np.ndarray, reps: int = 3, form: AttentionForm | None = None) -> AttentionCurve:
+    """Forward+backward seconds for h = 1..heads units, the faster of fused and head-by-head per h.
+    A unit is a head, or under grouped-query attention a key/value head with its query heads
+    (`form`: the block's `runtime.engines.split.piece.AttentionForm`; BERT's if not given).
 
     A backward right after its own forward (MNN reuses its caches), like the block's pair. The
     one-head piece runs once unmeasured first: its time scales the whole head-by-head line, so
     first-use costs (torch's lazy kernel set-up) must not land in it."""
-    _attention_fwd_bwd(backend, attention_piece(batch, seq, hidden, 1, head_size, mask.shape), mask, 1)
-    fused = [_attention_fwd_bwd(backend, attention_piece(batch, seq, hidden, h, head_size, mask.shape), mask, reps)
-             for h in range(1, heads + 1)]
+    def piece(h: int) -> Graph:
+        return attention_piece(batch, seq, hidden, h, head_size, mask.shape, form=form)
+
+    _attention_fwd_bwd(backend, piece(1), mask, 1)
+    fused = [_attention_fwd_bwd(backend, piece(h), mask, reps) for h in range(1, heads + 1)]
     one = fused[0]
     seconds = tuple(min(f, h * one) for h, f in enumerate(fused, start=1))
     return AttentionCurve(seconds, tuple(f <= h * one for h, f in enumerate(fused, start=1)))

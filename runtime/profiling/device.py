@@ -29,6 +29,7 @@ from typing import Sequence
 from ir.graph import Block, Graph, block_signature
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile
 from runtime.engines import mnn_kernels as K
+from runtime.engines.split.piece import attention_form
 from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import accumulate_rate, attention_curve, measure_stage, update_rates
@@ -105,13 +106,15 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     f"{cost.workspace_bytes / 2**20:.1f} MiB [{time.perf_counter() - started:.1f} s]")
             if attention:
                 for sig, block in kinds.items():
-                    if not block.heads or block.kind == "decoder":  # decoders' heads are not split (yet)
+                    if block.attention is None:  # no attention the lowering could place: not split
                         continue
                     batch, seq, hidden = graph.values[block.inputs[0]].shape
-                    curve = attention_curve(backend, batch, seq, hidden, block.heads, block.head_size,
-                                            block_mask(graph, block, feeds), reps)
+                    form = attention_form(graph, block)
+                    curve = attention_curve(backend, batch, seq, hidden, form.units, block.head_size,
+                                            block_mask(graph, block, feeds), reps, form=form)
                     curves[sig] = curve
-                    say(f"{backend.name} {block.name} attention 1..{block.heads} heads: "
+                    unit = "heads" if form.group == 1 else "key/value groups"
+                    say(f"{backend.name} {block.name} attention 1..{form.units} {unit}: "
                         f"{curve.seconds[0] * 1e3:.1f} .. {curve.seconds[-1] * 1e3:.1f} ms "
                         f"[{time.perf_counter() - started:.1f} s]")
             profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine]))

@@ -69,6 +69,8 @@ def block_mask(graph: Graph, block: Block, feeds: Mapping[str, np.ndarray]) -> n
     """The additive attention mask the block really adds to its scores, from the synthetic feeds."""
     spec = stage_spec(graph, block.index, block.index)
     env = host_values(spec, feeds)
+    if block.attention is not None and block.attention.mask in env:
+        return np.asarray(env[block.attention.mask], np.float32)
     for name in block.inputs[1:]:
         v = graph.values.get(name)
         if v is not None and v.dtype == "float32" and len(v.shape) == 4 and name in env:

@@ -36,7 +36,8 @@ import numpy as np
 from ir.backend import DEVICES, BackendSpec
 from ir.graph import Block, Graph
 from runtime.engines import mnn_kernels as K
-from runtime.engines.split.pieces import WEIGHT_NAMES, PieceShapes
+from runtime.engines.split.piece import AttentionForm, attention_form, bert_form, random_weights
+from runtime.engines.split.pieces import PieceShapes
 from runtime.engines.split.pool import child_peak_rss
 from runtime.procfs import meminfo_bytes, status_bytes
 from runtime.profiling.inputs import Progress, block_mask
@@ -132,9 +133,11 @@ def engine_overhead_bytes(engine: str, runtime_bytes: int, timeout_s: float = 12
 
 
 def split_child_bytes(backend: BackendSpec, batch: int, seq: int, hidden: int, heads: int, head_size: int,
-                      mask: np.ndarray, start_timeout_s: float = 120.0, seed: int = 0) -> int | None:
+                      mask: np.ndarray, start_timeout_s: float = 120.0, seed: int = 0,
+                      form: AttentionForm | None = None) -> int | None:
     """Peak resident bytes (VmHWM) of one head-split child process running `backend` on `heads`
-    heads of an attention block of this shape, or None where /proc cannot tell.
+    units (heads, or key/value groups) of an attention block of this shape and `form` (BERT's if
+    not given), or None where /proc cannot tell.
 
     The child is started exactly as `runtime.engines.split.attention.SplitAttention` starts one
     (`runtime.engines.split.pool.child_peak_rss`: the fork server, the shared-memory blocks, the child's serve loop), given
@@ -142,10 +145,9 @@ def split_child_bytes(backend: BackendSpec, batch: int, seq: int, hidden: int, h
     VmHWM is then read from /proc before it is closed. Nothing is subtracted: the whole child
     (interpreter, runtime, engine, the shared memory it touches, its slice's workspace) exists
     only because of the split."""
-    rng = np.random.default_rng(seed)
-    shapes = PieceShapes(int(batch), int(seq), int(hidden), int(head_size), tuple(int(d) for d in mask.shape))
-    full = {n: rng.normal(0, 0.02, (hidden, hidden) if n.startswith("W") else (hidden,)).astype(np.float32)
-            for n in WEIGHT_NAMES}
+    form = form or bert_form(int(hidden) // int(head_size), int(head_size), int(hidden))
+    shapes = PieceShapes(int(batch), int(seq), int(hidden), int(head_size), tuple(int(d) for d in mask.shape), form)
+    full = random_weights(form, seed)
     return child_peak_rss(backend.name, heads, shapes, full, mask, start_timeout_s, seed)
 
 
@@ -155,10 +157,11 @@ def measure_split_children(graph: Graph, kinds: Mapping[str, Block], feeds: Mapp
     most a child of a split can hold) of the attention block kind with the most heads. The engine's
     backend with the most threads is used; a child that fails to start is reported and left out
     (unknown), as is everything when no block has two heads or more (nothing can be split)."""
-    splittable = [b for b in kinds.values() if b.heads and b.heads >= 2 and b.kind != "decoder"]
+    splittable = [b for b in kinds.values() if b.attention is not None and (b.split_units or 0) >= 2]
     if not splittable:
         return {}
-    block = max(splittable, key=lambda b: (b.heads, b.head_size or 0))
+    block = max(splittable, key=lambda b: (b.split_units, b.heads, b.head_size or 0))
+    form = attention_form(graph, block)
     batch, seq, hidden = graph.values[block.inputs[0]].shape
     mask = block_mask(graph, block, feeds)
     out: dict[str, int] = {}
@@ -168,7 +171,7 @@ def measure_split_children(graph: Graph, kinds: Mapping[str, Block], feeds: Mapp
             continue
         backend = max(candidates, key=lambda b: b.thread_count)
         try:
-            nbytes = split_child_bytes(backend, batch, seq, hidden, block.heads - 1, block.head_size, mask)
+            nbytes = split_child_bytes(backend, batch, seq, hidden, form.units - 1, block.head_size, mask, form=form)
         except Exception as exc:  # noqa: BLE001 (any failure: the figure stays unknown, and says why)
             say(f"split child {backend.name}: not measured ({type(exc).__name__}: {str(exc).strip()[-300:]})")
             continue
@@ -176,6 +179,10 @@ def measure_split_children(graph: Graph, kinds: Mapping[str, Block], feeds: Mapp
             say(f"split child {backend.name}: not measured (no /proc/<pid>/status here)")
             continue
         out[engine] = nbytes
-        say(f"split child {backend.name} with {block.heads - 1} heads of {block.name}: peak {nbytes / 2**20:.1f} MiB "
+        say(f"split child {backend.name} with {form.units - 1} {_unit_word(form)} of {block.name}: peak {nbytes / 2**20:.1f} MiB "
             f"[{time.perf_counter() - started:.1f} s]")
     return out
+
+
+def _unit_word(form: AttentionForm) -> str:
+    return "heads" if form.group == 1 else f"key/value groups ({form.group} query heads each)"

@@ -31,7 +31,8 @@ import numpy as np
 from ir.backend import BackendSpec
 from ir.graph import Block, Graph
 from ir.profile import AttentionCurve, BackendProfile
-from runtime.engines.split.attention import WEIGHT_NAMES, SplitAttention
+from runtime.engines.split.attention import SplitAttention
+from runtime.engines.split.piece import AttentionForm, attention_form, bert_form, random_weights
 from runtime.profiling.inputs import Progress, block_mask
 
 
@@ -102,7 +103,8 @@ def time_split_attention(sa, x: np.ndarray, mask: np.ndarray, dy: np.ndarray, re
 
 def split_extra_cost(primary: BackendSpec, other: BackendSpec, curves: Mapping[str, AttentionCurve],
                      batch: int, seq: int, hidden: int, heads: int, head_size: int, mask: np.ndarray,
-                     reps: int = 3, start_timeout_s: float = 300.0, seed: int = 0) -> SplitExtraCost:
+                     reps: int = 3, start_timeout_s: float = 300.0, seed: int = 0,
+                     form: AttentionForm | None = None) -> SplitExtraCost:
     """Run real splits of one attention block between `primary` (in this process) and `other` (in a
     child process) and compare them with what the curves predict.
 
@@ -111,7 +113,9 @@ def split_extra_cost(primary: BackendSpec, other: BackendSpec, curves: Mapping[s
     loop; the primary listed first, so that it is the in-process backend even when neither is
     torch), runs one training forward and backward unmeasured, then `reps` timed ones; the median
     is compared with max(curve_primary(h_p), curve_other(h_o)), the allocator's model without
-    extra costs. `curves` maps both backends' names to their curves of this block shape."""
+    extra costs. `curves` maps both backends' names to their curves of this block shape. `heads`
+    counts the split's units (key/value groups under grouped-query attention, `form.units`);
+    `form`: the block's attention form (BERT's if not given)."""
     if primary.name == other.name:
         raise ValueError(f"a split needs two different backends, got {primary.name} twice")
     if heads < 2:
@@ -120,9 +124,9 @@ def split_extra_cost(primary: BackendSpec, other: BackendSpec, curves: Mapping[s
     for name, s in seconds.items():
         if len(s) != heads:
             raise ValueError(f"the curve of {name} covers {len(s)} heads, the block has {heads}")
+    form = form or bert_form(heads, head_size, hidden)
+    full = random_weights(form, seed)
     rng = np.random.default_rng(seed)
-    full = {n: rng.normal(0, 0.02, (hidden, hidden) if n.startswith("W") else (hidden,)).astype(np.float32)
-            for n in WEIGHT_NAMES}
     x = rng.standard_normal((batch, seq, hidden)).astype(np.float32)
     dy = (1e-3 * rng.standard_normal((batch, seq, hidden))).astype(np.float32)
     mask = np.asarray(mask, np.float32)
@@ -131,7 +135,7 @@ def split_extra_cost(primary: BackendSpec, other: BackendSpec, curves: Mapping[s
         h_primary = heads - h_other
         allocation = {primary.name: h_primary, other.name: h_other}
         with SplitAttention(full, heads, head_size, allocation, batch, seq, mask.shape,
-                               start_timeout_s=start_timeout_s) as sa:
+                            start_timeout_s=start_timeout_s, form=form) as sa:
             if sa.placement != {primary.name: "process", other.name: "child"}:  # pragma: no cover - a rule changed
                 raise AssertionError(f"split {allocation} placed its backends {sa.placement}; expected "
                                      f"{primary.name} in this process")
@@ -155,7 +159,7 @@ def measure_split_extra_costs(graph: Graph, kinds: Mapping[str, Block], feeds: M
     by_name = {b.name: b for b in present}
     out: dict[str, dict[str, float]] = {}
     for sig, block in kinds.items():
-        if not block.heads or block.heads < 2:
+        if block.attention is None or (block.split_units or 0) < 2:
             continue
         curves = {p.backend: p.attention[sig] for p in profiles if sig in p.attention and p.backend in by_name}
         if len(curves) < 2:
@@ -173,8 +177,9 @@ def measure_split_extra_costs(graph: Graph, kinds: Mapping[str, Block], feeds: M
                     f"beside {primary.name} on {cpus} CPUs)")
                 continue
             try:
-                got = split_extra_cost(primary, other, curves, batch, seq, hidden, block.heads, block.head_size, mask,
-                                       reps)
+                form = attention_form(graph, block)
+                got = split_extra_cost(primary, other, curves, batch, seq, hidden, form.units, block.head_size, mask,
+                                       reps, form=form)
             except Exception as exc:  # noqa: BLE001 (any failure: the figure stays unknown, and says why)
                 say(f"split extra cost {other.name}: not measured ({type(exc).__name__}: {str(exc).strip()[-300:]})")
                 continue

@@ -66,7 +66,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ir.backend import engine_of, parse_backend
-from runtime.engines.split.pieces import PIECE_PARAM, WEIGHT_NAMES, LocalWorker, PieceShapes, head_ranges, slice_weights
+from runtime.engines.split.piece import NORM_WEIGHTS, PIECE_PARAM, AttentionForm, bert_form
+from runtime.engines.split.pieces import WEIGHT_NAMES, LocalWorker, PieceShapes, head_ranges, slice_weights
 from runtime.engines.split.pool import ProcessWorker, close_worker
 from runtime.engines.split.shm import inputs_layout, release
 
@@ -77,10 +78,15 @@ class SplitAttention:
     """An attention block (Q/K/V projections, scaled dot-product attention with an additive mask,
     output projection and its bias) whose heads are split across backends.
 
-    `weights`: Wq, bq, Wk, bk, Wv, bv, Wo, bo (x @ W layout, [hidden, hidden] and [hidden]).
-    `allocation`: backend name (`mnn:cpu:t1`, `torch:cpu:t2`, ...) -> head count; the counts sum to
-    `heads`, backends with 0 heads are left out, the others get contiguous head ranges in the
-    allocation's order. `concurrent=False` runs every backend in this process, one after another
+    `weights`: Wq, bq, Wk, bk, Wv, bv, Wo, bo (x @ W layout, [hidden, hidden] and [hidden]) for
+    BERT's attention; for another `form` (`runtime.engines.split.piece.AttentionForm`: a pre-norm,
+    rotary embeddings, grouped-query heads, biases or none) the roles and shapes it names.
+    `heads` is the number of units the split deals out: query heads, or key/value heads (each with
+    its group of query heads) under grouped-query attention (`form.units`).
+    `allocation`: backend name (`mnn:cpu:t1`, `torch:cpu:t2`, ...) -> unit count; the counts sum to
+    `heads`, backends with 0 are left out, the others get contiguous ranges in the allocation's
+    order. A pre-norm's weights are held by every backend (each normalises x itself) and their
+    gradient is the sum of the backends'. `concurrent=False` runs every backend in this process, one after another
     (a reference; two torch backends must then agree on their thread count, torch's is process-wide).
 
     `forward(x, mask_bias)` -> y; `backward(dy)` -> (dx, full-size gradients of all eight weights);
@@ -93,11 +99,19 @@ class SplitAttention:
 
     def __init__(self, weights: Mapping[str, np.ndarray], heads: int, head_size: int,
                  allocation: Mapping[str, int], batch: int, seq: int, mask_shape: Sequence[int],
-                 concurrent: bool = True, start_timeout_s: float = 300.0, stash_weights: bool = True):
-        hidden = heads * head_size
+                 concurrent: bool = True, start_timeout_s: float = 300.0, stash_weights: bool = True,
+                 form: AttentionForm | None = None):
+        form = form or bert_form(heads, head_size)
+        if form.units != heads or form.head_size != head_size:
+            raise ValueError(f"a split of {heads} units of head size {head_size} for an attention of {form.units} "
+                             f"units of head size {form.head_size}")
+        hidden = form.hidden
+        self.form = form
         self.heads, self.head_size, self.hidden = heads, head_size, hidden
-        self.shapes = PieceShapes(int(batch), int(seq), hidden, int(head_size), tuple(int(d) for d in mask_shape))
-        self.ranges = head_ranges(allocation, heads)
+        self.shapes = PieceShapes(int(batch), int(seq), hidden, int(head_size), tuple(int(d) for d in mask_shape),
+                                  form)
+        self.ranges = head_ranges(allocation, heads, "heads" if form.group == 1 else
+                                  f"key/value groups ({form.group} query heads each)")
         self.weights = self._check_weights(weights)
         self._workers: list[LocalWorker | ProcessWorker] = []
         self._inputs_shm: shared_memory.SharedMemory | None = None
@@ -119,7 +133,7 @@ class SplitAttention:
                 self._inputs_shm = shared_memory.SharedMemory(create=True, size=inputs_layout(self.shapes).nbytes)
                 self._inputs = inputs_layout(self.shapes).views(self._inputs_shm.buf)
             for i, r in enumerate(self.ranges):
-                slices = slice_weights(self.weights, r, head_size)
+                slices = slice_weights(self.weights, r, head_size, form)
                 if local is None or i == local:
                     self._workers.append(LocalWorker(r, self.shapes, slices, stash_weights))
                 else:
@@ -133,17 +147,17 @@ class SplitAttention:
 
     # weights ---------------------------------------------------------------------------------
     def _check_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        missing = [n for n in WEIGHT_NAMES if n not in weights]
+        roles = [r for r in WEIGHT_NAMES + NORM_WEIGHTS if r in self.form.roles]
+        missing = [n for n in roles if n not in weights]
         if missing:
-            raise KeyError(f"attention weights {missing} are missing (need {', '.join(WEIGHT_NAMES)})")
-        D = self.hidden
+            raise KeyError(f"attention weights {missing} are missing (need {', '.join(roles)})")
         out = {}
-        for n in WEIGHT_NAMES:
+        for n in roles:
             w = np.array(weights[n], np.float32)
-            want = (D, D) if n.startswith("W") else (D,)
+            want = self.form.weight_shape(n)
             if w.shape != want:
-                raise ValueError(f"{n} has shape {w.shape}; heads {self.heads} x head size {self.head_size} "
-                                 f"need {want} (x @ W layout)")
+                raise ValueError(f"{n} has shape {w.shape}; heads {self.form.heads} (kv {self.form.kv_heads}) x head "
+                                 f"size {self.head_size} over hidden {self.hidden} need {want} (x @ W layout)")
             out[n] = w
         return out
 
@@ -152,10 +166,10 @@ class SplitAttention:
         forwards still waiting for their backwards keep the slices they used (weight stashing)."""
         self.weights = self._check_weights(full)
         for w in self._remote():
-            w.set_weights(slice_weights(self.weights, w.range, self.head_size))
+            w.set_weights(slice_weights(self.weights, w.range, self.head_size, self.form))
         try:
             for w in self._locals():
-                w.piece.set_weights(slice_weights(self.weights, w.range, self.head_size))
+                w.piece.set_weights(slice_weights(self.weights, w.range, self.head_size, self.form))
         except BaseException:
             _drain(self._remote())
             raise
@@ -201,11 +215,12 @@ class SplitAttention:
         y = np.zeros((s.batch, s.seq, s.hidden), np.float32)
         for w in self._workers:  # a fixed order, so results do not depend on who finished first
             y += partial[id(w)]
-        y += self.weights["bo"]
+        if "bo" in self.weights:
+            y += self.weights["bo"]
         return y
 
     def backward(self, dy: np.ndarray, microbatch: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(dx, gradients of Wq, bq, Wk, bk, Wv, bv, Wo, bo at full size)."""
+        """(dx, gradients of every weight role at full size)."""
         s = self.shapes
         dy = np.asarray(dy, np.float32)
         if dy.shape != (s.batch, s.seq, s.hidden):
@@ -233,16 +248,19 @@ class SplitAttention:
         for w in self._workers:
             part_dx, part = got[id(w)]
             dx += part_dx
-            cols = w.range.columns(self.head_size)
-            for name, param in PIECE_PARAM.items():
-                g = grads[name]
-                if name == "Wo":
-                    g[cols, :] = part[param]
+            for name in self.form.piece_roles():
+                g, got_part = grads[name], part[PIECE_PARAM[name]]
+                cols = self.form.columns(name, w.range.first, w.range.count)
+                if name in NORM_WEIGHTS:  # every backend normalised x: the gradient is their sum
+                    g += got_part
+                elif name == "Wo":
+                    g[cols, :] = got_part
                 elif g.ndim == 2:
-                    g[:, cols] = part[param]
+                    g[:, cols] = got_part
                 else:
-                    g[cols] = part[param]
-        grads["bo"] = dy.sum(axis=(0, 1), dtype=np.float64).astype(np.float32)
+                    g[cols] = got_part
+        if "bo" in grads:
+            grads["bo"] = dy.sum(axis=(0, 1), dtype=np.float64).astype(np.float32)
         return dx, grads
 
     # lifetime --------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
-"""A stage engine whose encoder blocks run their attention heads split across compute backends.
+"""A stage engine whose encoder and decoder blocks run their attention heads split across compute
+backends.
 
-Each encoder block of the stage is cut, where the planner found its attention when it lowered the
-model (`ir.graph.AttentionSite`, `planner.attention`), into
-  * the attention: Q/K/V projections (MatMul + bias Add) of the block input x, the heads'
-    scaled dot-product attention with the additive mask, and the output projection with its
-    bias; run by `runtime.engines.split.attention.SplitAttention` over the allocation's backends;
+Each block of the stage whose attention the planner found when it lowered the model
+(`ir.graph.AttentionSite`, `planner.attention`) is cut into
+  * the attention: a pre-norm of the block input x if the block has one (GPT-2, Llama), Q/K/V
+    projections, rotary embeddings, grouped-query heads, the heads' scaled dot-product attention
+    with the additive mask, and the output projection with its bias; run by
+    `runtime.engines.split.attention.SplitAttention` over the allocation's backends;
   * the residual Add of the attention output and x, done here in numpy (an elementwise float32
     sum is exact and commutative, so it equals MNN's bit for bit);
-  * the rest of the block (LayerNorm, feed-forward, residual, LayerNorm), which reads only the
-    residual sum: a one-block IR graph run by an `MnnStageEngine`.
+  * the rest of the block (LayerNorm, feed-forward, residual, LayerNorm; or norm, MLP, residual),
+    which reads only the residual sum: a one-block IR graph run by an `MnnStageEngine`.
 Runs of other blocks (embeddings, unsplit encoders, head, loss) are `MnnStageEngine`s over
 sub-ranges of the stage. Backward goes through the segments in reverse; for a split block the
 gradient of the residual sum is both the attention output's gradient and a share of x's, to which
@@ -30,8 +32,11 @@ live in the backends' engines, in child processes too, which stash them likewise
 versions move together. Under flush schedules no update meets a micro-batch in flight and nothing
 is stashed. An old version costs one copy of the stage's weights, as `planner.cost` counts it.
 
-Limits: post-LayerNorm blocks only (the attention must read the block input; a pre-LN block
-raises, naming the block).
+A fused projection (GPT-2's c_attn: Q, K and V as column ranges of one constant) is split into
+its roles' columns and its gradient reassembled from them.
+
+Limits: blocks whose attention the lowering did not place (`block.attention` None) are not split
+(by default) or raise when named in `blocks`, naming the block.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from ir.graph import AttentionSite
 from runtime.engines.base import StageEngine, StageGradients
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.split.attention import SplitAttention
+from runtime.engines.split.piece import attention_form
 from runtime.engines.stage import StageSpec, host_values, stage_spec
 
 
@@ -80,7 +86,7 @@ class _MnnSegment:
 
 
 class _SplitSegment:
-    """One encoder block: split attention, residual in numpy, the rest on MNN."""
+    """One block: split attention (its pre-norm included), residual in numpy, the rest on MNN."""
 
     def __init__(self, graph: Graph, block: Block, allocation: Mapping[str, int], threads: int, concurrent: bool,
                  stash_weights: bool):
@@ -88,23 +94,62 @@ class _SplitSegment:
         self.block = block
         if block.attention is None:
             raise ValueError(f"block {block.index} ({block.name}): its attention heads cannot be split, because no "
-                             f"splittable attention was found when the model was lowered (only post-LayerNorm "
-                             f"BERT attention splits; `planner.attention.match_attention` tells why)")
+                             f"splittable attention was found when the model was lowered "
+                             f"(`planner.attention.match_attention` tells why)")
         self.match = block.attention
         self.roles = block.attention.weight_of
+        self.columns = block.attention.columns_of
+        self.form = attention_form(graph, block)
+        self._shapes = {name: tuple(graph.constants[name].shape) for name, _ in self.roles.values()}
         self.mask_shape = tuple(graph.values[self.match.mask].shape)
         B, S, _ = graph.values[self.match.x].shape
-        self.attention = SplitAttention(self._full_weights(graph.constants), block.heads, block.head_size,
+        self.attention = SplitAttention(self._full_weights(graph.constants), self.form.units, block.head_size,
                                         allocation, B, S, self.mask_shape, concurrent=concurrent,
-                                        stash_weights=stash_weights)
+                                        stash_weights=stash_weights, form=self.form)
         self.post = MnnStageEngine(_post_spec(graph, block, self.match), threads=threads, stash_weights=stash_weights)
 
+    def _role_value(self, role: str, stored: np.ndarray) -> np.ndarray:
+        """A role's full weight (x @ W layout) out of the graph constant that holds it."""
+        _, transposed = self.roles[role]
+        w = np.asarray(stored, np.float32)
+        w = w.T if transposed else w
+        cols = self.columns[role]
+        if cols is not None:
+            w = w[..., cols[0]:cols[1]]
+        return np.ascontiguousarray(w)
+
     def _full_weights(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = {}
+        return {role: self._role_value(role, values[name]) for role, (name, _) in self.roles.items()}
+
+    def _stored(self, full: Mapping[str, np.ndarray], like: Mapping[str, np.ndarray] | None = None,
+                add: bool = False) -> dict[str, np.ndarray]:
+        """The graph constants of the roles in `full`: fused ones reassembled from their roles'
+        columns (into a copy of `like`'s, or zeros), transposed back where stored so; with `add`
+        the roles' values are summed into `like`'s (gradients)."""
+        out: dict[str, np.ndarray] = {}
         for role, (name, transposed) in self.roles.items():
-            w = np.asarray(values[name], np.float32)
-            out[role] = np.ascontiguousarray(w.T) if transposed else w
+            if role not in full:
+                continue
+            v = np.asarray(full[role], np.float32)
+            cols = self.columns[role]
+            if cols is None and not add:
+                out[name] = np.ascontiguousarray(v.T) if transposed else v
+                continue
+            if name not in out:
+                base = like.get(name) if like is not None else None
+                shape = self.attention_shape(name)
+                out[name] = np.zeros(shape, np.float32) if base is None else np.array(base, np.float32)
+            target = out[name].T if transposed else out[name]  # a view: writes land in out[name]
+            if cols is None:
+                target += v
+            elif add:
+                target[..., cols[0]:cols[1]] += v
+            else:
+                target[..., cols[0]:cols[1]] = v
         return out
+
+    def attention_shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
 
     @property
     def names(self) -> set[str]:
@@ -112,9 +157,7 @@ class _SplitSegment:
 
     def parameters(self) -> dict[str, np.ndarray]:
         out = self.post.parameters()
-        full = self.attention.parameters()
-        for role, (name, transposed) in self.roles.items():
-            out[name] = np.ascontiguousarray(full[role].T) if transposed else full[role]
+        out.update(self._stored(self.attention.parameters()))
         return out
 
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
@@ -123,10 +166,9 @@ class _SplitSegment:
             self.post.set_parameters(post)
         if any(name in values for name, _ in self.roles.values()):
             current = self.attention.parameters()
-            for role, (name, transposed) in self.roles.items():
+            for role, (name, _) in self.roles.items():
                 if name in values:
-                    w = np.asarray(values[name], np.float32)
-                    current[role] = np.ascontiguousarray(w.T) if transposed else w
+                    current[role] = self._role_value(role, values[name])
             self.attention.set_weights(current)
 
     def forward(self, x: np.ndarray, host: Mapping[str, np.ndarray], microbatch: int, train: bool) -> np.ndarray:
@@ -140,9 +182,10 @@ class _SplitSegment:
         dx, full = self.attention.backward(dr, microbatch)
         dx += dr  # the residual path
         grads = dict(g.params)
-        for role, (name, transposed) in self.roles.items():
-            v = np.ascontiguousarray(full[role].T) if transposed else full[role]
-            grads[name] = grads[name] + v if name in grads else v
+        # a parameter the post part also reads (a shared constant) gets both gradients
+        mine = self._stored(full, like={k: v for k, v in grads.items() if k in {n for n, _ in self.roles.values()}},
+                            add=True)
+        grads.update(mine)
         return grads, dx
 
     def close(self) -> None:
@@ -165,12 +208,12 @@ class SplitStageEngine(StageEngine):
         self.spec = spec
         self.threads = threads
         self.allocation = dict(allocation)
-        split = {b.index for b in spec.blocks if b.kind == "encoder"} if blocks is None else set(blocks)
+        split = {b.index for b in spec.blocks if b.attention is not None} if blocks is None else set(blocks)
         outside = split - {b.index for b in spec.blocks}
         if outside:
             raise ValueError(f"blocks {sorted(outside)} are not in this stage (blocks {spec.first_block}-{spec.last_block})")
         for b in spec.blocks:
-            if b.index in split and (b.kind != "encoder" or not b.heads):
+            if b.index in split and (b.kind not in ("encoder", "decoder") or not b.heads):
                 raise ValueError(f"block {b.index} ({b.name}) is a {b.kind} block without attention heads")
         self.stash_weights = stash_weights
         self.segments: list[_MnnSegment | _SplitSegment] = []

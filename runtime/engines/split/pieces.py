@@ -12,30 +12,32 @@ from ir.backend import BackendSpec, parse_backend
 from runtime.engines import mnn_kernels as K
 from runtime.engines.base import StageEngine
 from runtime.engines.single import single_engine
-from runtime.engines.split.piece import attention_piece
+from runtime.engines.split.piece import PIECE_PARAM, AttentionForm, attention_piece, bert_form
 from runtime.engines.stage import stage_spec
 
-# Full weights, x @ W layout: W* are [hidden, hidden], b* are [hidden].
+# BERT's full weights, x @ W layout: W* are [hidden, hidden], b* are [hidden] (other forms:
+# `AttentionForm.roles` and `weight_shape`).
 WEIGHT_NAMES = ("Wq", "bq", "Wk", "bk", "Wv", "bv", "Wo", "bo")
-# The attention piece's parameter for each full weight (bo is added outside the pieces).
-PIECE_PARAM = {"Wq": "wq", "bq": "bq", "Wk": "wk", "bk": "bk", "Wv": "wv", "bv": "bv", "Wo": "wo"}
 
 
 @dataclass(frozen=True)
 class HeadRange:
-    """Heads [first, first + count) of the block, run by `backend`."""
+    """Units [first, first + count) of the block (heads; key/value groups under grouped-query
+    attention), run by `backend`."""
 
     backend: str
     first: int
     count: int
 
     def columns(self, head_size: int) -> slice:
-        """The columns of Wq/Wk/Wv (entries of their biases, rows of Wo) these heads own."""
+        """The columns of Wq/Wk/Wv (entries of their biases, rows of Wo) these heads own, for
+        multi-head attention (`AttentionForm.columns` for any form)."""
         return slice(self.first * head_size, (self.first + self.count) * head_size)
 
 
-def head_ranges(allocation: Mapping[str, int], heads: int) -> list[HeadRange]:
-    """Contiguous head ranges in the allocation's order; backends given 0 heads get none."""
+def head_ranges(allocation: Mapping[str, int], heads: int, unit: str = "heads") -> list[HeadRange]:
+    """Contiguous ranges in the allocation's order; backends given 0 units get none. `unit` names
+    what is counted in errors ("key/value groups" under grouped-query attention)."""
     if not allocation:
         raise ValueError("an allocation needs at least one backend")
     counts = dict(allocation)
@@ -44,7 +46,7 @@ def head_ranges(allocation: Mapping[str, int], heads: int) -> list[HeadRange]:
         if not isinstance(count, (int, np.integer)) or count < 0:
             raise ValueError(f"backend {name!r} is given {count!r} heads; a head count is an int >= 0")
     if sum(counts.values()) != heads:
-        raise ValueError(f"allocation {counts} covers {sum(counts.values())} heads, the block has {heads}")
+        raise ValueError(f"allocation {counts} covers {sum(counts.values())} {unit}, the block has {heads}")
     ranges, first = [], 0
     for name, count in counts.items():
         if count:
@@ -53,19 +55,22 @@ def head_ranges(allocation: Mapping[str, int], heads: int) -> list[HeadRange]:
     return ranges
 
 
-def slice_weights(full: Mapping[str, np.ndarray], r: HeadRange, head_size: int) -> dict[str, np.ndarray]:
-    """The piece parameters (wq, bq, ..., wo) of head range `r`, as contiguous float32 copies."""
-    cols = r.columns(head_size)
+def slice_weights(full: Mapping[str, np.ndarray], r: HeadRange, head_size: int,
+                  form: AttentionForm | None = None) -> dict[str, np.ndarray]:
+    """The piece parameters (wq, bq, ..., wo, norm weights) of range `r`, as contiguous float32
+    copies (`form`: BERT's when not given)."""
+    form = form or bert_form(1, head_size, int(np.shape(full["Wq"])[0]))
     out = {}
-    for name, param in PIECE_PARAM.items():
-        w = np.asarray(full[name], np.float32)
-        if name == "Wo":
+    for role in form.piece_roles():
+        w = np.asarray(full[role], np.float32)
+        cols = form.columns(role, r.first, r.count)
+        if role == "Wo":
             part = w[cols, :]
         elif w.ndim == 2:
             part = w[:, cols]
         else:
             part = w[cols]
-        out[param] = np.ascontiguousarray(part)
+        out[PIECE_PARAM[role]] = np.ascontiguousarray(part)
     return out
 
 
@@ -76,6 +81,11 @@ class PieceShapes:
     hidden: int
     head_size: int
     mask_shape: tuple[int, ...]
+    form: AttentionForm | None = None  # None: BERT's
+
+    @property
+    def attention(self) -> AttentionForm:
+        return self.form or bert_form(1, self.head_size, self.hidden)
 
 
 class Piece:
@@ -87,7 +97,7 @@ class Piece:
         if self.backend.device != "cpu":
             raise ValueError(f"backend {backend!r}: the stage engines run on the CPU only")
         graph = attention_piece(shapes.batch, shapes.seq, shapes.hidden, count, shapes.head_size,
-                                shapes.mask_shape)
+                                shapes.mask_shape, form=shapes.attention)
         spec = stage_spec(graph, 1, 1)
         self.output = spec.output
         self.engine: StageEngine = single_engine(self.backend, spec, weights=slices, stash_weights=stash_weights)

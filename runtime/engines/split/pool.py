@@ -172,7 +172,7 @@ def close_worker(conn, proc, shm) -> None:
 
 def child_peak_rss(backend: str, heads: int, shapes: PieceShapes, weights: Mapping[str, np.ndarray],
                    mask: np.ndarray, start_timeout_s: float = 120.0, seed: int = 0) -> int | None:
-    """Peak resident bytes (VmHWM) of one split child holding heads 0..`heads`-1 of a block with
+    """Peak resident bytes (VmHWM) of one split child holding units 0..`heads`-1 of a block with
     full `weights`, started exactly as `SplitAttention` starts one and made to run one training
     forward and one backward; None where /proc cannot tell. What the profiler charges for every
     child a head split adds to a device."""
@@ -186,7 +186,8 @@ def child_peak_rss(backend: str, heads: int, shapes: PieceShapes, weights: Mappi
         inputs["mask"][...] = mask
         inputs["dy"][...] = 1e-3 * rng.standard_normal(inputs["dy"].shape)
         del inputs
-        worker = ProcessWorker(r, shapes, inputs_shm, slice_weights(weights, r, shapes.head_size), start_timeout_s)
+        worker = ProcessWorker(r, shapes, inputs_shm, slice_weights(weights, r, shapes.head_size, shapes.attention),
+                               start_timeout_s)
         try:
             worker.send("forward", 0, True)
             worker.wait(start_timeout_s)

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from runtime.engines.split.piece import PIECE_PARAM
 from runtime.engines.split.pieces import PieceShapes
 
 class Layout:
@@ -32,9 +33,8 @@ def inputs_layout(s: PieceShapes) -> Layout:
 
 def worker_layout(s: PieceShapes, count: int) -> Layout:
     act = (s.batch, s.seq, s.hidden)
-    w = count * s.head_size
-    params = [("wq", (s.hidden, w)), ("bq", (w,)), ("wk", (s.hidden, w)), ("bk", (w,)),
-              ("wv", (s.hidden, w)), ("bv", (w,)), ("wo", (w, s.hidden))]
+    form = s.attention
+    params = [(PIECE_PARAM[role], form.weight_shape(role, count)) for role in form.piece_roles()]
     return Layout([("y", act), ("dx", act)] + [("g_" + n, sh) for n, sh in params]
                    + [("w_" + n, sh) for n, sh in params])
 
