@@ -133,3 +133,12 @@ def engine_of(name: str | BackendSpec) -> str:
 def threads_of(name: str | BackendSpec) -> int:
     """The threads a backend runs: 'mnn:cpu:t2' -> 2, 'torch:cuda:0' -> 1."""
     return parse_backend(name).thread_count
+
+
+def runs_as(name: str | BackendSpec, engine: str, threads: int) -> bool:
+    """Whether backend `name` is `engine` at `threads` threads (False for a name that is not a
+    backend, as a nominal profile's are)."""
+    try:
+        return engine_of(name) == engine and threads_of(name) == threads
+    except ValueError:
+        return False

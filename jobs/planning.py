@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ir.backend import engine_of, threads_of
+from ir.backend import engine_of, runs_as, threads_of
 from ir.bundle import load_plan
 from ir.graph import is_causal_lm, tied_parameters
 from ir.partition import StageCost
@@ -15,6 +15,7 @@ from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, device_backend, load_cluster
+from planner.engines import pick_engines
 from planner.cost import check_tied_schedule, predicted_step_s, stage_costs
 from planner.emit import emit_plan
 from planner.lora import LoraSettings
@@ -73,6 +74,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
             partition = solve_partition(instance, time_limit_s=settings.time_limit_s)
     except PlanDoesNotFit as exc:
         raise JobError(str(exc)) from None
+    partition, cluster = _pick_engines(graph, cluster, partition, settings, reporter)
     try:
         check_tied_schedule(graph, partition.ranges, settings.schedule)
     except ValueError as exc:
@@ -94,6 +96,24 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         if copied:
             reporter.note(f"copied the tokenizer beside the plan ({', '.join(copied)}): `confidant train` reads it there")
     return Path(output)
+
+
+def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, reporter: Reporter):
+    """Each auto device's engine re-picked for the blocks it got, the partition re-solved for the
+    picks (manual cuts stay); `planner.engines`."""
+    M = settings.microbatches
+
+    def solve(trial: Cluster):
+        inst = make_instance(graph, trial, settings.schedule, M, settings.optimizer)
+        return solve_partition(inst, time_limit_s=max(1.0, settings.time_limit_s / 2))
+
+    picks = pick_engines(graph, cluster, partition, settings.schedule, M, settings.optimizer,
+                         solve=None if settings.cuts else solve)
+    if picks.changed:
+        moves = ", ".join(f"{name}: {a} -> {b}" for name, (a, b) in picks.changed.items())
+        reporter.note(f"engine per device for the blocks it runs: {moves} (predicted step "
+                      f"{picks.before_us / 1e3:.0f} -> {picks.after_us / 1e3:.0f} ms)")
+    return picks.partition, picks.cluster
 
 
 def copy_lm_tokenizer(model: Path, plan_dir: Path) -> list[str]:
@@ -198,7 +218,7 @@ def engine_choices(plan_dir: Path) -> list[EngineChoice]:
         spec = cluster.device(d.name)
         reuse = reuses_forward(plan.schedule, plan.stages, d.stage, plan.microbatches)
         times = backend_times(graph, spec, d.first_block, d.last_block, reuse)
-        chosen = next((t for t in times if _runs(t[0], d.engine, d.threads)), None)
+        chosen = next((t for t in times if runs_as(t[0], d.engine, d.threads)), None)
         others = [t for t in times if chosen is None or t[0] != chosen[0]]
         own_extra = chosen[2] if chosen is not None else 0
         best = others[0] if others else None
@@ -207,12 +227,3 @@ def engine_choices(plan_dir: Path) -> list[EngineChoice]:
                                 best[1] if best else None, (best[2] - own_extra) if best else 0,
                                 spec.backend is not None))
     return out
-
-
-def _runs(backend: str, engine: str, threads: int) -> bool:
-    """Whether the profiled `backend` is the plan's engine and thread count (a nominal profile's
-    backends name no engine)."""
-    try:
-        return engine_of(backend) == engine and threads_of(backend) == threads
-    except ValueError:
-        return False

@@ -136,15 +136,21 @@ class DeviceSpec:
     # the worker's public key as `confidant keys` writes it in NAME.pub ('ed25519:<64 hex>'); None:
     # NAME.pub in the coordinator's --keys folder. Checked as a key where it is used (runtime.keys)
     key: str | None = None
+    # an auto device's backend as the planner picked it for the blocks it runs (`planner.engines`);
+    # never read from a cluster file, and `backend` (the file's choice) wins over it
+    picked: str | None = None
 
 
 def device_backend(device: DeviceSpec) -> BackendProfile:
-    """The backend `device` trains with: the cluster file's `backend`, or (none given: auto) the
-    fastest one whose engine fits the device's budget beside the runtime (PyTorch's import alone,
-    some 300 MB, can exceed a small device's), and the fastest of all when none does (the plan then
-    names the device that is over budget)."""
+    """The backend `device` trains with: the cluster file's `backend`; else the planner's pick for
+    the blocks the device runs (`picked`, `planner.engines.pick_engines`); else (auto, before any
+    pick) the fastest one over the whole model whose engine fits the device's budget beside the
+    runtime (PyTorch's import alone, some 200-300 MB, can exceed a small device's), and the fastest
+    of all when none does (the plan then names the device that is over budget)."""
     if device.backend is not None:
         return device.profile.backend(device.backend)
+    if device.picked is not None:
+        return device.profile.backend(device.picked)
     ranked = sorted(device.profile.backends, key=lambda b: b.seconds)
     if not ranked:
         raise ValueError(f"profile of {device.profile.name!r} has no backends")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from ir.backend import engine_of, threads_of
+from ir.backend import engine_of, runs_as, threads_of
 from ir.documents import PlanDocument
 from ir.plan import Schedule
 from ir.graph import Graph, block_signature
@@ -419,6 +419,21 @@ class ReplannedPlan:
     schedule: Schedule  # the new plan's, which the stages run from the next step on
 
 
+def _with_plan_engines(cluster: Cluster, plan: PlanDocument) -> Cluster:
+    """`cluster` with each auto device's backend pinned (`DeviceSpec.picked`) to the engine and
+    threads the plan runs it with (`planner.engines` may have picked them for its blocks), so a
+    re-plan costs every device as it really runs."""
+    runs = {d.name: (d.engine, d.threads) for d in plan.devices}
+    devices = []
+    for d in cluster.devices:
+        if d.backend is None and d.name in runs:
+            match = [b.backend for b in d.profile.backends if runs_as(b.backend, *runs[d.name])]
+            if match:
+                d = dataclasses.replace(d, picked=match[0])
+        devices.append(d)
+    return dataclasses.replace(cluster, devices=tuple(devices))
+
+
 class PlanReplanner:
     """`train_pipeline`'s on_replan for training from a plan folder (bundle mode).
 
@@ -448,6 +463,7 @@ class PlanReplanner:
         if missing:
             raise ValueError(f"the plan's devices {missing} are not in the cluster to re-plan with "
                              f"(devices: {list(cluster.names)})")
+        self.cluster = _with_plan_engines(cluster, plan)
         self.partition = partition_of([d.blocks for d in plan.devices], names)
         self.decisions: list[tuple[int, ReplanDecision]] = []
         self.applied: list[ReplannedPlan] = []

@@ -93,3 +93,98 @@ def test_the_profile_measures_what_torchs_import_adds_to_the_runtime():
     assert runtime > 20 * MIB
     assert engine_overhead_bytes("torch", runtime) > 50 * MIB  # ~300 MB measured here
     assert engine_overhead_bytes("mnn", runtime) == 0  # MNN is in the runtime already
+
+
+# --- the engine per device for the blocks it runs (planner.engines) ---------------------------------
+
+def _split_profile(graph) -> DeviceProfile:
+    """MNN runs the encoder layers 4x faster than torch, torch runs the head 8x faster than MNN
+    (as on this machine for a decoder's LM head); embeddings and loss cost both the same. Over
+    the whole model torch is faster, so the whole-model choice is torch everywhere."""
+    per_kind = {"encoder": ((0.005, 0.010), (0.020, 0.040)), "head": ((0.040, 0.080), (0.005, 0.010))}
+    sigs = {block_signature(b): b.kind for b in graph.blocks}
+
+    def costs(engine: int) -> dict[str, BlockCost]:
+        return {s: BlockCost(*per_kind.get(kind, ((0.001, 0.002),) * 2)[engine], workspace_bytes=1 * MIB)
+                for s, kind in sigs.items()}
+
+    return DeviceProfile("box", graph.name, graph.batch, graph.seq,
+                         (BackendProfile("mnn:cpu:t1", costs(0)), BackendProfile("torch:cpu:t1", costs(1), {},
+                                                                                  TORCH_IMPORT)),
+                         memory_available_bytes=8 << 30, runtime_overhead_bytes=RUNTIME)
+
+
+def _two_device_plan(graph, tmp_path, tiny_onnx, backend: str | None = None, cuts=None, notes=None):
+    from jobs.report import Silent
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    _split_profile(graph).save(tmp_path / "box.json")
+    devices = []
+    for i, name in enumerate(("a", "b")):
+        entry = {"name": name, "address": f"tcp://127.0.0.1:{i + 1}", "profile": "box.json", "memory_budget": "2GiB"}
+        if backend:
+            entry["backend"] = backend
+        devices.append(entry)
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": devices, "links": {
+        "default": {"bandwidth": "1GB/s", "latency": "0.1ms"}}}))
+    settings = PlanSettings(schedule="1f1b-flush", batch=8, seq=S, microbatches=2, optimizer="adamw", lr=5e-5,
+                            time_limit_s=5.0, cuts=cuts, devices=("a", "b") if cuts else None)
+
+    class Notes(Silent):
+        def note(self, text):
+            if notes is not None:
+                notes.append(text)
+
+    out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / "plan", Notes())
+    return json.loads((out / "plan.json").read_text())
+
+
+def test_each_device_runs_the_engine_fastest_for_its_own_blocks(graph, tiny_onnx, tmp_path):
+    """Cut after the encoders: the stage of embeddings and encoders runs MNN (no torch import in its
+    memory), the head's stage runs torch, and the step is predicted faster than torch everywhere
+    (the whole-model choice, here forced by the cluster file)."""
+    notes: list[str] = []
+    head = next(b.index for b in graph.blocks if b.kind == "head")
+    auto = _two_device_plan(graph, tmp_path / "auto", tiny_onnx, cuts=(head,), notes=notes)
+    forced = _two_device_plan(graph, tmp_path / "torch", tiny_onnx, backend="torch:cpu:t1", cuts=(head,))
+    assert [d["engine"] for d in auto["devices"]] == ["mnn", "torch"]
+    assert [d["engine"] for d in forced["devices"]] == ["torch", "torch"]
+    assert [tuple(d["blocks"]) for d in auto["devices"]] == [(0, head - 1), (head, len(graph.blocks) - 1)]
+    assert auto["predicted_step_s"] < forced["predicted_step_s"]
+    assert forced["devices"][0]["memory_bytes"] - auto["devices"][0]["memory_bytes"] == TORCH_IMPORT
+    assert any(line.startswith("engine per device for the blocks it runs: a: torch:cpu:t1 -> mnn:cpu:t1 ")
+               for line in notes)
+
+
+def test_the_partition_is_solved_again_for_the_picked_engines(graph, tiny_onnx, tmp_path):
+    """Without cuts: the solved plan with engines picked per stage is predicted no slower than the
+    whole-model choice's, and one of its devices runs MNN where the whole-model choice is torch."""
+    auto = _two_device_plan(graph, tmp_path / "auto", tiny_onnx)
+    forced = _two_device_plan(graph, tmp_path / "torch", tiny_onnx, backend="torch:cpu:t1")
+    assert auto["predicted_step_s"] < forced["predicted_step_s"]
+    assert "mnn" in {d["engine"] for d in auto["devices"]}
+
+
+def test_pick_engines_keeps_what_the_cluster_file_chose_and_never_predicts_slower(graph):
+    from ir.profile import Link
+    from planner.cluster import Cluster
+    from planner.engines import pick_engines
+    from planner.partition import make_instance, solve_partition
+
+    profile = _split_profile(graph)
+
+    def cluster(backend):
+        return Cluster(tuple(DeviceSpec(n, f"tcp://x:{i}", profile, 2 << 30, backend=backend)
+                             for i, n in enumerate("ab")), Link(1e9, 1e-4))
+
+    def solve(c):
+        return solve_partition(make_instance(graph, c, "1f1b-flush", 2, "adamw"), time_limit_s=2.0)
+
+    fixed = cluster("torch:cpu:t1")
+    picks = pick_engines(graph, fixed, solve(fixed), "1f1b-flush", 2, "adamw", solve)
+    assert picks.changed == {} and picks.cluster == fixed and picks.after_us == picks.before_us
+    auto = cluster(None)
+    picks = pick_engines(graph, auto, solve(auto), "1f1b-flush", 2, "adamw", solve)
+    assert picks.changed and all(before == "torch:cpu:t1" for before, _ in picks.changed.values())
+    assert picks.after_us < picks.before_us
+    assert {d.picked for d in picks.cluster.devices if d.name in picks.changed} == {"mnn:cpu:t1"}

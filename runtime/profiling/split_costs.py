@@ -187,7 +187,7 @@ def measure_split_extra_costs(graph: Graph, kinds: Mapping[str, Block], feeds: M
             runs = ", ".join(f"{r.heads}+{r.primary_heads} {r.measured_s * 1e3:.1f} (curves {r.predicted_s * 1e3:.1f})"
                              for r in got.runs)
             say(f"split extra cost {other.name} beside {primary.name}, {block.name}: {got.extra_s * 1e3:.1f} ms "
-                f"(heads {other.name}+{primary.name}: {runs} ms) [{time.perf_counter() - started:.1f} s]")
+                f"({'heads' if block.split_units == block.heads else 'key/value groups'} {other.name}+{primary.name}: {runs} ms) [{time.perf_counter() - started:.1f} s]")
         if costs:
             out[sig] = costs
     return out

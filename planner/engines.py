@@ -1,0 +1,132 @@
+"""The engine per device as a planning decision (issue 14, lever 1): each auto device (no `backend`
+in the cluster file) trains on the profiled backend (engine and thread count) that runs the blocks
+the plan gives it fastest within its budget, not the one fastest over the whole model.
+
+Why a search and not one choice per device. Which backend is fastest depends on the blocks: on
+this machine PyTorch runs a decoder's vocabulary-sized LM head and loss several times faster than
+MNN while MNN runs the small decoder layers faster, so the device holding the head wants torch and
+the one holding the layers wants MNN; and which blocks a device holds depends on how fast its
+backend is. `pick_engines` therefore alternates, starting from the partition the whole-model
+choice gives:
+
+1. for every stage on an auto device, rank the device's backends by the forward+backward time of
+   the stage's blocks (`planner.cost.backend_times`, with the schedule's forward reuse) and take
+   the fastest whose stage fits the budget with that backend's engine and workspace;
+2. if any device's pick changed, re-cost the same cuts with the new picks and re-solve the
+   partition for them (`solve`), and keep whichever predicts the shorter step;
+3. accept the round only if it predicts a shorter step than the plan before it, or the same step
+   in less memory (summed over the stages); stop when a round changes nothing or does not help
+   (at most `rounds`).
+
+No accepted round raises the predicted step time, so the result is never predicted slower than
+the whole-model choice; it is a local optimum of this alternation, not a proven joint optimum
+over every (device, backend) combination. Devices the cluster file fixed (`backend`) and head-split
+devices (costed on their MNN backend) keep their backend. Pure: returns a new cluster and
+partition; the picks travel in `DeviceSpec.picked`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from ir.graph import Graph
+from ir.partition import Partition
+from planner.cluster import Cluster, DeviceSpec, device_backend
+from planner.cost import backend_times, reuses_forward, stage_memory_bytes
+from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us
+
+Solve = Callable[[Cluster], Partition]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePicks:
+    """What `pick_engines` did: the final cluster and partition, the picks per device that changed
+    from the whole-model choice (device -> (before, after)), and the predicted step before and
+    after, in microseconds."""
+
+    cluster: Cluster
+    partition: Partition
+    changed: dict[str, tuple[str, str]]
+    before_us: int
+    after_us: int
+
+
+def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int, schedule: str,
+               microbatches: int, optimizer: str) -> str | None:
+    """The fastest backend of `device` for blocks first..last at this stage position whose stage
+    fits the device's budget (None when none does)."""
+    reuse = reuses_forward(schedule, stages, stage, microbatches)
+    for backend, _, _ in backend_times(graph, device, first, last, reuse):
+        trial = dataclasses.replace(device, picked=backend)
+        if stage_memory_bytes(graph, trial, first, last, stage, stages, schedule, microbatches,
+                              optimizer) <= device.memory_budget_bytes:
+            return backend
+    return None
+
+
+def _recosted(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
+              optimizer: str) -> tuple[int, Partition] | None:
+    """`partition`'s cuts re-costed on `cluster` (its stage times and memory under the cluster's
+    backends) and its predicted step in us; None when it does not fit."""
+    inst = make_instance(graph, cluster, schedule, microbatches, optimizer)
+    cuts = [first for first, _ in partition.ranges[1:]]
+    same = manual_partition(inst, partition.devices, cuts)
+    if check_feasible(same, inst):
+        return None
+    # the same cuts keep what found them; proven optimal only for the backends it was solved with
+    same = dataclasses.replace(same, method=partition.method, optimal=False)
+    return predicted_step_us(inst, same), same
+
+
+def _memory(partition: Partition) -> int:
+    return sum(s.memory_bytes for s in partition.stages)
+
+
+def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
+                 optimizer: str, solve: Solve | None = None, rounds: int = 4) -> EnginePicks:
+    """Re-pick every auto device's backend for the blocks `partition` gives it, re-solving the
+    partition with `solve` (None: keep the cuts, e.g. manual `--cuts`), as the module docstring
+    says."""
+    start = {d.name: device_backend(d).backend for d in cluster.devices}
+    first = _recosted(graph, cluster, partition, schedule, microbatches, optimizer)
+    if first is None:  # the partition given does not fit: nothing to improve on here
+        return EnginePicks(cluster, partition, {}, 0, 0)
+    best_us = before_us = first[0]
+    best_memory = _memory(first[1])
+    for _ in range(rounds):
+        p = len(partition.stages)
+        picks: dict[str, str] = {}
+        for s, (name, (lo, hi)) in enumerate(zip(partition.devices, partition.ranges)):
+            device = cluster.device(name)
+            if device.backend is not None:
+                continue
+            pick = stage_pick(graph, device, lo, hi, s, p, schedule, microbatches, optimizer)
+            if pick is not None and pick != device_backend(device).backend:
+                picks[name] = pick
+        if not picks:
+            break
+        trial = dataclasses.replace(cluster, devices=tuple(
+            dataclasses.replace(d, picked=picks[d.name]) if d.name in picks else d for d in cluster.devices))
+        options: list[tuple[int, Partition]] = []
+        same = _recosted(graph, trial, partition, schedule, microbatches, optimizer)
+        if same is not None:
+            options.append(same)
+        if solve is not None:
+            try:
+                again = solve(trial)
+            except PlanDoesNotFit:
+                again = None
+            if again is not None:
+                inst = make_instance(graph, trial, schedule, microbatches, optimizer)
+                options.append((predicted_step_us(inst, again), again))
+        if not options:
+            break
+        # a shorter step first; at the same step, less memory (a stage off the critical path that
+        # needs no PyTorch import leaves its device the ~200 MB the import costs)
+        us, chosen = min(options, key=lambda o: (o[0], _memory(o[1])))
+        if (us, _memory(chosen)) >= (best_us, best_memory):
+            break
+        cluster, partition, best_us, best_memory = trial, chosen, us, _memory(chosen)
+    changed = {d.name: (start[d.name], device_backend(d).backend) for d in cluster.devices
+               if device_backend(d).backend != start[d.name]}
+    return EnginePicks(cluster, partition, changed, before_us, best_us)
