@@ -24,7 +24,7 @@ from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.split.engine import SplitStageEngine
 from runtime.engines.stage import stage_spec
-from support import assert_grads_close, lm_single_device, lm_step_feeds, lm_train
+from support import Lazy, assert_grads_close, lm_single_device, lm_step_feeds, lm_train
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S = 2, 12
@@ -34,21 +34,25 @@ BACKENDS = ("mnn:cpu:t1", "torch:cpu:t1")
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """(family, exporter) -> the ONNX file of that family's tiny random model."""
+    """(family, exporter) -> the ONNX file of that family's tiny random model, exported on first use
+    (the dynamo exports only for the slow tier's tests)."""
     root = tmp_path_factory.mktemp("decoder-split")
-    out = {}
-    for family in ("llama", "gpt2"):
-        model = random_causal_lm(family)
-        out[family, "torchscript"] = export_causal_lm(model, root / family / "ts.onnx", LlmExportOptions(),
-                                                      kv_cache=False)
-        out[family, "dynamo"] = export_causal_lm(model, root / family / "dynamo.onnx",
-                                                 LlmExportOptions(opset=18, dynamo=True), kv_cache=False)
-    return out
+
+    def export(key):
+        family, exporter = key
+        options = LlmExportOptions(opset=18, dynamo=True) if exporter == "dynamo" else LlmExportOptions()
+        return export_causal_lm(random_causal_lm(family), root / family / f"{exporter}.onnx", options,
+                                kv_cache=False)
+
+    return Lazy(export)
 
 
 @pytest.fixture(scope="module")
 def graphs(exports):
-    return {key: load_model(path, B, S) for key, path in exports.items()}
+    return Lazy(lambda key: load_model(exports[key], B, S))
+
+
+EXPORTERS = ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)]
 
 
 def _step_feeds(step: int) -> list[dict[str, np.ndarray]]:
@@ -61,7 +65,7 @@ def _alloc(counts) -> dict[str, int]:
 
 # --- the lowering places the attention -------------------------------------------------------------
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
 def test_the_lowering_places_every_llama_attention(graphs, exporter):
     graph = graphs["llama", exporter]
     decoders = [b for b in graph.blocks if b.kind == "decoder"]
@@ -78,7 +82,7 @@ def test_the_lowering_places_every_llama_attention(graphs, exporter):
         assert AttentionSite.from_json(json.loads(json.dumps(site.to_json()))) == site
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
 def test_the_lowering_places_every_gpt2_attention_with_its_fused_projection(graphs, exporter):
     graph = graphs["gpt2", exporter]
     for b in (b for b in graph.blocks if b.kind == "decoder"):
@@ -142,7 +146,7 @@ def test_a_split_decoder_equals_the_unsplit_engine(graphs, family, counts):
 def test_a_split_decoder_trains_as_the_unsplit_engine(graphs):
     """Three AdamW steps of two micro-batches on GPT-2, whose fused c_attn weight is written back
     from its three roles at every update: the losses equal the unsplit engine's."""
-    graph = graphs["gpt2", "dynamo"]
+    graph = graphs["gpt2", "torchscript"]
     spec = stage_spec(graph, 0, len(graph.blocks) - 1)
 
     def train(engine) -> list[float]:
@@ -157,6 +161,7 @@ def test_a_split_decoder_trains_as_the_unsplit_engine(graphs):
 
 # --- profile, plan, train --------------------------------------------------------------------------
 
+@pytest.mark.slow  # profiles two engines (torch imported in a split child): ~9 s
 def test_the_profile_times_a_decoder_attention_per_key_value_group(exports):
     """`profile` with attention on MNN and torch: one curve point per key/value group (2, not 4
     heads), a split child's memory, and the split's measured extra cost."""
