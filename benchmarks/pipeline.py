@@ -96,7 +96,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
-from benchmarks.common import NoiseMeter, default_model, machine_busy_s, make_batches, own_cpu_s  # noqa: E402
+from benchmarks.common import NoiseMeter, default_model, make_batches  # noqa: E402
 
 BATCH, SEQ, NUM_LABELS, VOCAB = 8, 128, 9, 30522
 LR = 1e-4
@@ -406,7 +406,31 @@ def _send_recv(seconds: dict) -> tuple[float, float]:
     return send, recv
 
 
-def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int) -> dict:
+def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tuple[str, ...]:
+    """The engine per stage `confidant plan` would pick for this machine (planner.engines.stage_pick
+    over a quick profile of MNN and PyTorch at one thread), for the benchmark's fixed block ranges."""
+    from ir.backend import engine_of
+    from jobs.pipeline_training import stage_ranges
+    from planner.cluster import DeviceSpec
+    from planner.engines import stage_pick
+    from runtime.profiling.device import profile_device
+
+    key = (str(model), graph.batch, graph.seq)
+    profile = _PROFILES.get(key)
+    if profile is None:
+        profile = _PROFILES[key] = profile_device(graph, "bench", ("mnn:cpu:t1", "torch:cpu:t1"), reps=2,
+                                                  attention=False)
+    device = DeviceSpec("bench", "tcp://127.0.0.1:1", profile, profile.memory_available_bytes)
+    ranges = stage_ranges(len(graph.blocks), stages, None)
+    picks = [stage_pick(graph, device, a, b, s, stages, schedule, M, "adamw") for s, (a, b) in enumerate(ranges)]
+    return tuple(engine_of(p) if p else "mnn" for p in picks)
+
+
+_PROFILES: dict = {}
+
+
+def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int,
+                     engine: str | tuple[str, ...] = "mnn", update_every: int = 1, variant: str | None = None) -> dict:
     import numpy as np
 
     from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
@@ -422,9 +446,10 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             cpu_marks.append([_proc_cpu_s(pid) for pid in pids])
 
         try:
-            config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300)
+            config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300,
+                                    engine=engine)
             res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=None, on_step=on_step,
-                                 keys=workers.keys, faults=FaultPolicy(on_failure="stop"))
+                                 keys=workers.keys, faults=FaultPolicy(on_failure="stop"), update_every=update_every)
         finally:
             codes = workers.wait(60.0)
     if any(codes):
@@ -478,7 +503,8 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
 
     act_shape = graph.values[stage_spec(graph, *res.ranges[1]).activation_input].shape
     act_bytes = 4 * int(np.prod(act_shape))  # float32 activation (and its gradient) per micro-batch
-    return {"framework": "mnn", "schedule": schedule, "stages": stages, "microbatches": M, "ranges": res.ranges,
+    return {"framework": "mnn", "schedule": schedule, "variant": variant, "engine": engine, "update_every": update_every,
+            "stages": stages, "microbatches": M, "ranges": res.ranges,
             "step_s": step_s, "samples_per_s": BATCH / step_s, "step_samples_s": walls,
             "bubble_measured": _median(bubbles), "bubble_busy": _median(busy_bubbles),
             "bubble_simulated": sim, "sim_ticks": ticks, "b_over_f": b_all / f_all if f_all else None,
@@ -585,9 +611,14 @@ def _cpu_ratio(r: dict, single: dict | None) -> float | None:
     return sum(cpus) / base
 
 
+def _label(r: dict) -> str:
+    return r["schedule"] + (f" {r['variant']}" if r.get("variant") else "")
+
+
 def main_table(results: list[dict], framework: str) -> list[str]:
     singles = {r["microbatches"]: r for r in results if r["framework"] == framework and r["schedule"] == "single"}
-    mnn = {(r["microbatches"], r["stages"], r["schedule"]): r for r in results if r["framework"] == "mnn"}
+    mnn = {(r["microbatches"], r["stages"], r["schedule"]): r for r in results
+           if r["framework"] == "mnn" and not r.get("variant")}
     header = ["config", "M", "procs", "step s", "samp/s", "speedup", "bub meas", "bub sim", "f:b", "imbal",
               "cpu/1", "peak MB per proc", "max/1", "sum/1", "others"]
     if framework == "torch":
@@ -600,7 +631,7 @@ def main_table(results: list[dict], framework: str) -> list[str]:
         base_step = single["step_s"] if single else None
         base_rss = single["peak_rss_mb"][0] if single else None
         rss = r["peak_rss_mb"]
-        row = [r["schedule"] if framework == "mnn" or r["schedule"] == "single" else r["torch_schedule"],
+        row = [_label(r) if framework == "mnn" or r["schedule"] == "single" else r["torch_schedule"],
                str(r["microbatches"]), str(r["stages"]), _fmt(r["step_s"], ".2f"), _fmt(r["samples_per_s"], ".2f"),
                _fmt(base_step / r["step_s"] if base_step else None, ".2f"),
                _fmt(r.get("bubble_measured"), ".2f"), _fmt(r.get("bubble_simulated"), ".2f"), r.get("sim_ticks", "-"),
@@ -624,7 +655,7 @@ def split_table(results: list[dict], framework: str) -> list[str]:
     for r in results:
         if r["framework"] != framework:
             continue
-        name = r["schedule"] if framework == "mnn" or r["schedule"] == "single" else r["torch_schedule"]
+        name = _label(r) if framework == "mnn" or r["schedule"] == "single" else r["torch_schedule"]
         ranges = r.get("ranges") or [[0, 8]]
         for s, p in enumerate(r["per_stage"]):
             ms = lambda k: _fmt(None if p.get(k) is None else 1000 * p[k], ".0f")  # noqa: E731
@@ -718,6 +749,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="ONNX model (default: export MiniLM once)")
     ap.add_argument("--json", type=Path, default=None, help="also write all figures to this JSON file")
     ap.add_argument("--skip-torch", action="store_true", help="measure the MNN runtime only")
+    ap.add_argument("--variants", action="store_true",
+                    help="also run 1f1b-stash with one update per M backwards, 1f1b-flush on the PyTorch engine, and "
+                         "1f1b-flush with the engine per stage `plan` would pick (a quick profile first)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration (default 600)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
@@ -779,13 +813,26 @@ def main(argv=None) -> int:
             for schedule in SCHEDULES:
                 attempt(f"mnn {schedule} M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, schedule, args.steps))
+            if args.variants:
+                # PipeDream's rule with one update per M backwards: two weight versions at most
+                attempt(f"mnn 1f1b-stash update-every {M} M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-stash", args.steps,
+                                                 update_every=M, variant=f"k={M}"))
+                attempt(f"mnn 1f1b-flush torch engine M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
+                                                 engine="torch", variant="torch"))
+                picked = engines_picked(graph, Path(model), stages, "1f1b-flush", M)
+                attempt(f"mnn 1f1b-flush engine auto {picked} M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
+                                                 engine=picked, variant="auto[" + ",".join(picked) + "]"))
             if not args.skip_torch:
                 for schedule in TORCH_SCHEDULES:
                     attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
                             lambda: run_torch_pipeline(M, stages, schedule, args.steps, args.timeout))
     elapsed = time.perf_counter() - start
     order = {"single": 0, **{s: i + 1 for i, s in enumerate(SCHEDULES)}}
-    results.sort(key=lambda r: (r["framework"] != "mnn", r["microbatches"], r["stages"], order[r["schedule"]]))
+    results.sort(key=lambda r: (r["framework"] != "mnn", r["microbatches"], r["stages"], order[r["schedule"]],
+                                r.get("variant") or ""))
     print(report(results, errors, args.steps, elapsed, Path(model)))
 
     if args.json:

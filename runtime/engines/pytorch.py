@@ -11,6 +11,7 @@ alone, `_TokenCrossEntropy` writes its gradient over the logits it saved.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
@@ -170,6 +171,41 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh.reshape(hidden.shape), dw, None, None, None
 
 
+@dataclass(frozen=True)
+class _Linear:
+    """A MatMul by a 2-D weight whose only reader adds a 1-D bias: run as one F.linear."""
+
+    matmul: Node
+    add: str
+    bias: str
+
+
+def _bias_fusions(spec: StageSpec, constants: set[str]) -> dict[str, _Linear]:
+    """MatMul node name and Add node name -> the `_Linear` they make, for every projection of the
+    stage whose product feeds nothing but its bias Add (and is not the stage's output)."""
+    graph = spec.graph
+    readers: dict[str, list[Node]] = {}
+    for n in spec.compute_nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n)
+    producer = {o: n for n in spec.compute_nodes for o in n.outputs}
+    out: dict[str, _Linear] = {}
+    for add in spec.compute_nodes:
+        if add.op != "Add" or len(add.inputs) != 2:
+            continue
+        for product, bias in (add.inputs, add.inputs[::-1]):
+            mm = producer.get(product)
+            if (mm is None or mm.op != "MatMul" or bias not in constants or product == spec.output
+                    or len(readers.get(product, ())) != 1 or mm.inputs[1] not in constants):
+                continue
+            w_shape, b_shape = graph.values[mm.inputs[1]].shape, graph.values[bias].shape
+            width = w_shape[0] if mm.attrs.get("trans_b") else w_shape[-1]
+            if len(w_shape) == 2 and tuple(b_shape) == (width,):
+                out[mm.name] = out[add.name] = _Linear(mm, add.name, bias)
+                break
+    return out
+
+
 class TorchStageEngine(StageEngine):
     def __init__(self, spec: StageSpec, dtype: torch.dtype = torch.float32, threads: int | None = None,
                  weights: Mapping[str, np.ndarray] | None = None):
@@ -188,6 +224,7 @@ class TorchStageEngine(StageEngine):
                     self._consts[i] = torch.tensor(v, dtype=dtype if v.dtype.kind == "f" else torch.int64)
         self._saved: dict[int, tuple] = {}
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
+        self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))
 
     def _tensor(self, v: np.ndarray) -> torch.Tensor:
         v = np.asarray(v)
@@ -216,6 +253,14 @@ class TorchStageEngine(StageEngine):
                         env[fused.hidden], env[fused.weight], env[node.inputs[1]], env[node.inputs[2]],
                         fused.transposed)
                     continue
+                linear = self._linear.get(node.name)
+                if linear is not None:
+                    if linear.add == node.name:  # MatMul + bias as one addmm (skips a pass each way)
+                        mm = linear.matmul
+                        w = env[mm.inputs[1]]
+                        env[node.outputs[0]] = F.linear(env[mm.inputs[0]], w if mm.attrs.get("trans_b") else w.t(),
+                                                        env[linear.bias])
+                    continue  # the MatMul itself: computed with its bias
                 env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
         out = env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
         if train:
@@ -230,9 +275,11 @@ class TorchStageEngine(StageEngine):
         wrt = list(used.values()) + ([x_in] if x_in is not None else [])
         grads = torch.autograd.grad([out], wrt, [seed], allow_unused=True)
         params = {}
+        # autograd's fresh tensors, shared with numpy without a copy (nothing else holds them; the
+        # executor accumulates into them in place)
         for (name, p), g in zip(used.items(), grads):
-            params[name] = (torch.zeros_like(p) if g is None else g).detach().numpy().copy()
-        dx = grads[-1].detach().numpy().copy() if x_in is not None else None
+            params[name] = (torch.zeros_like(p) if g is None else g).detach().numpy()
+        dx = grads[-1].detach().numpy() if x_in is not None else None
         return StageGradients(params, dx)
 
     def parameters(self):
