@@ -423,7 +423,7 @@ def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tu
     device = DeviceSpec("bench", "tcp://127.0.0.1:1", profile, profile.memory_available_bytes)
     ranges = stage_ranges(len(graph.blocks), stages, None)
     picks = [stage_pick(graph, device, a, b, s, stages, schedule, M, "adamw") for s, (a, b) in enumerate(ranges)]
-    return tuple(engine_of(p) if p else "mnn" for p in picks)
+    return tuple(engine_of(p[0]) if p else "mnn" for p in picks)  # all fit here: every activation kept
 
 
 _PROFILES: dict = {}

@@ -269,6 +269,10 @@ def _add_train_pipeline(sub) -> None:
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (default %(default)s)")
     p.add_argument("--update-every", type=int, default=1,
                    help="1f1b-stash only: backwards per weight update on each stage (default %(default)s)")
+    p.add_argument("--recompute", action="store_true",
+                   help="with --engine torch: keep only each micro-batch's inputs and run its forward again in the "
+                        "backward (activation memory of one micro-batch instead of one per micro-batch in flight, "
+                        "for one more forward per backward; MNN works so anyway). `plan` chooses this per device")
     p.add_argument("--checkpoint", type=Path, default=None, help="write weights and optimizer state here at the end")
     p.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint folder")
     p.add_argument("--replan-every", type=int, default=None, metavar="N",

@@ -105,8 +105,10 @@ STAGE_FIELDS = (
 )
 # ...except these, which may be left out (bundles written before them stay valid):
 # `head_split`: null, or {backend name: heads} when the stage's attention heads are split across
-# backends (`runtime.engines.split.engine.SplitStageEngine`).
-STAGE_OPTIONAL_FIELDS = ("head_split",)
+# backends (`runtime.engines.split.engine.SplitStageEngine`); `recompute`: true when the engine
+# keeps only each micro-batch's inputs and runs its forward again in the backward (PyTorch's
+# activation checkpointing, chosen by the planner where keeping activations does not fit).
+STAGE_OPTIONAL_FIELDS = ("head_split", "recompute")
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class StageDocument:
     batch: int
     seq: int
     head_split: Mapping[str, int] | None = None
+    recompute: bool = False
 
     @property
     def backend_spec(self) -> BackendSpec:
@@ -145,7 +148,8 @@ class StageDocument:
                 "schedule": self.schedule, "microbatches": self.microbatches, "update_every": self.update_every,
                 "stash_depth": self.stash_depth, "engine": self.engine, "backend": self.backend, "threads": self.threads,
                 "optimizer": self.optimizer.to_json(), "batch": self.batch, "seq": self.seq,
-                "head_split": None if self.head_split is None else dict(self.head_split)}
+                "head_split": None if self.head_split is None else dict(self.head_split),
+                "recompute": self.recompute}
 
     @staticmethod
     def problem(doc: Any) -> str | None:
@@ -186,6 +190,8 @@ class StageDocument:
         problem = OptimizerSettings.problem(doc["optimizer"]) or _head_split_problem(doc.get("head_split"))
         if problem:
             return problem
+        if not isinstance(doc.get("recompute", False), bool):
+            return f"recompute is {doc['recompute']!r}, not true or false"
         try:
             BackendSpec(doc["engine"], doc["backend"], threads=doc["threads"] if doc["backend"] == "cpu" else None)
         except ValueError as exc:
@@ -203,7 +209,8 @@ class StageDocument:
                    doc["peers"]["prev"], doc["peers"]["next"], doc["schedule"], doc["microbatches"], doc["update_every"],
                    doc["stash_depth"], doc["engine"], doc["backend"], doc["threads"],
                    OptimizerSettings.from_json(doc["optimizer"]), doc["batch"], doc["seq"],
-                   None if split is None else {str(b): int(h) for b, h in split.items()})
+                   None if split is None else {str(b): int(h) for b, h in split.items()},
+                   bool(doc.get("recompute", False)))
 
 
 # --- plan.json ---------------------------------------------------------------------------------------
@@ -268,6 +275,7 @@ class DevicePlan:
     cost: PlannedCost | None = None
     trainable_bytes: int | None = None  # the stage's trainable parameters (None: plans written before)
     frozen_bytes: int | None = None     # its frozen weights (LoRA's base), held once
+    recompute: bool = False             # its engine runs each forward again in the backward
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -287,6 +295,8 @@ class DevicePlan:
             out["cost"] = self.cost.to_json()
         if self.trainable_bytes is not None:
             out["trainable_bytes"], out["frozen_bytes"] = self.trainable_bytes, self.frozen_bytes or 0
+        if self.recompute:
+            out["recompute"] = True
         return out
 
 
@@ -464,10 +474,13 @@ def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
         if d.get(key) is not None and not (_is_int(d[key]) and d[key] >= 0):
             raise fail(f"device {name!r} {key} is {d[key]!r}, not an integer >= 0")
         sizes[key] = d.get(key)
+    if not isinstance(d.get("recompute", False), bool):
+        raise fail(f"device {name!r} recompute is {d['recompute']!r}, not true or false")
     return DevicePlan(name, i, b[0], b[1], int(d["memory_bytes"]), int(d["memory_budget_bytes"]),
                       float(d["predicted_time_s"]), d["bundle"], digest, threads, engine,
                       _planned_split(d.get("head_split"), name, fail), d.get("address"),
-                      _planned_cost(d.get("cost"), name, fail), sizes["trainable_bytes"], sizes["frozen_bytes"])
+                      _planned_cost(d.get("cost"), name, fail), sizes["trainable_bytes"], sizes["frozen_bytes"],
+                      bool(d.get("recompute", False)))
 
 
 def _planned_split(doc: Any, device: str, fail) -> PlannedHeadSplit | None:

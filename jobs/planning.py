@@ -15,8 +15,8 @@ from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, device_backend, load_cluster
-from planner.engines import pick_engines
-from planner.cost import check_tied_schedule, predicted_step_s, stage_costs
+from planner.cost import check_tied_schedule, predicted_step_s, recomputes_by_choice, stage_costs
+from planner.engines import pick_engines, recompute_everywhere
 from planner.emit import emit_plan
 from planner.lora import LoraSettings
 from planner.heads import HeadSplit, choose_head_split, profile_with_head_split, split_base_backend, split_extra_cost_s
@@ -71,7 +71,17 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
             if problems:
                 raise JobError("the manual cuts do not fit: " + "; ".join(problems))
         else:
-            partition = solve_partition(instance, time_limit_s=settings.time_limit_s)
+            try:
+                partition = solve_partition(instance, time_limit_s=settings.time_limit_s)
+            except PlanDoesNotFit:
+                # every activation kept (PyTorch's default) may not fit where recomputing them does:
+                # start from the leanest, and pick_engines keeps them again wherever they fit
+                if not any(recomputes_by_choice(d) is False for d in cluster.devices):
+                    raise
+                lean = recompute_everywhere(cluster)
+                partition = solve_partition(make_instance(graph, lean, settings.schedule, M, settings.optimizer),
+                                            time_limit_s=settings.time_limit_s)
+                cluster = lean
     except PlanDoesNotFit as exc:
         raise JobError(str(exc)) from None
     partition, cluster = _pick_engines(graph, cluster, partition, settings, reporter)
@@ -161,6 +171,7 @@ def _emit_config(model_name: str, cluster: Cluster, devices, splits: dict[str, H
         "threads": {n: threads_of(backends[n]) for n in devices},
         "optimizer": {"name": settings.optimizer, "lr": settings.lr, "weight_decay": None},
         "addresses": {n: specs[n].address for n in devices}, "head_split": {},
+        "recompute": sorted(n for n in devices if recomputes_by_choice(specs[n])),
     }
     for n in devices:
         split = splits.get(n)

@@ -139,6 +139,10 @@ class DeviceSpec:
     # an auto device's backend as the planner picked it for the blocks it runs (`planner.engines`);
     # never read from a cluster file, and `backend` (the file's choice) wins over it
     picked: str | None = None
+    # the planner's choice for a PyTorch device: keep only each micro-batch's inputs and run its
+    # forward again in the backward, instead of keeping every activation of every micro-batch in
+    # flight (`planner.cost`; MNN always works so)
+    recompute: bool = False
 
 
 def device_backend(device: DeviceSpec) -> BackendProfile:

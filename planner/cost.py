@@ -26,7 +26,12 @@ Memory, peak bytes of stage s of p under the schedule (facts of runtime/engines/
 runtime/executor.py and runtime/optim.py; the constants below say which):
     params x (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
-  + sum of the blocks' `workspace_bytes` (per-op caches of one micro-batch, kept per block)
+  + sum of the blocks' `workspace_bytes` (per-op caches of one micro-batch, kept per block),
+    times the in-flight micro-batches on a PyTorch device that keeps its activations (autograd
+    holds every micro-batch's graph until its backward; the workspace measured for one is taken
+    for each, a slight overestimate as the gradient temporaries exist once); a PyTorch device the
+    planner makes recompute (`DeviceSpec.recompute`) holds one micro-batch's and runs each
+    block's forward once more in its backward (`block_costs`)
   + the profile's `runtime_overhead_bytes`.
 Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash only; in-flight counts
 (`in_flight_microbatches`) are DESIGN's min(p-s, m) for 1F1B and m for GPipe. Transient buffers
@@ -57,6 +62,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Sequence
 
+from ir.backend import engine_of
 from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
@@ -132,9 +138,28 @@ def check_blocks(graph: Graph) -> tuple[Block, ...]:
     return graph.blocks
 
 
+def keeps_activations(device: DeviceSpec) -> bool:
+    """Whether the device's engine keeps every activation of each micro-batch in flight until its
+    backward: PyTorch's autograd does, unless the planner made it recompute (`DeviceSpec.recompute`);
+    MNN keeps one micro-batch's per-op caches and re-runs the forward for any other."""
+    return recomputes_by_choice(device) is False
+
+
+def recomputes_by_choice(device: DeviceSpec) -> bool | None:
+    """For a PyTorch device, whether it recomputes its activations (the planner's choice); None for
+    an engine that has no choice (MNN)."""
+    try:
+        torch = engine_of(device_backend(device).backend) == "torch"
+    except ValueError:  # a nominal profile's backends name no engine
+        torch = False
+    return bool(device.recompute) if torch else None
+
+
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
-    """Per block of the graph, its measured cost on the device's backend."""
+    """Per block of the graph, its measured cost on the device's backend; a PyTorch device that
+    recomputes its activations runs each block's forward once more in its backward."""
     backend = device_backend(device)
+    again = recomputes_by_choice(device) is True
     out = []
     for b in check_blocks(graph):
         sig = block_signature(b)
@@ -144,7 +169,7 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
                              f"{backend.backend!r}) has no cost for block {b.index} {b.name!r} (signature {sig}); "
                              f"profile the device with model {graph.name!r} (`confidant profile`, with the plan's "
                              f"--lora settings if it has any)")
-        out.append(cost)
+        out.append(replace(cost, backward_s=cost.backward_s + cost.forward_s) if again else cost)
     return tuple(out)
 
 
@@ -282,9 +307,10 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
             inputs[0] = graph.blocks[n - 2].activation_bytes
         if last == n - 2:  # the head without its loss: its logits wait for their gradient
             held = graph.blocks[last].activation_bytes * in_flight
+    workspace = workspace_of(graph, device, first, last) * (in_flight if keeps_activations(device) else 1)
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
             + tied_bytes(graph, first, last) + held
-            + sum(inputs) * in_flight + workspace_of(graph, device, first, last) + runtime_bytes(device))
+            + sum(inputs) * in_flight + workspace + runtime_bytes(device))
 
 
 def backend_times(graph: Graph, device: DeviceSpec, first: int, last: int,

@@ -1,6 +1,10 @@
-"""The engine per device as a planning decision (issue 14, lever 1): each auto device (no `backend`
-in the cluster file) trains on the profiled backend (engine and thread count) that runs the blocks
-the plan gives it fastest within its budget, not the one fastest over the whole model.
+"""The engine per device and what it does with activations, as planning decisions (issue 14, levers 1
+and 5): each auto device (no `backend` in the cluster file) trains on the profiled backend (engine
+and thread count) that runs the blocks the plan gives it fastest within its budget, not the one
+fastest over the whole model; and a PyTorch device keeps every activation of each micro-batch in
+flight (fastest) or recomputes them in the backward (one micro-batch's activations held, one more
+forward per backward), whichever is faster within its budget (`planner.cost`: the memory model
+charges a keeping device's workspace once per micro-batch in flight).
 
 Why a search and not one choice per device. Which backend is fastest depends on the blocks: on
 this machine PyTorch runs a decoder's vocabulary-sized LM head and loss several times faster than
@@ -9,9 +13,9 @@ the one holding the layers wants MNN; and which blocks a device holds depends on
 backend is. `pick_engines` therefore alternates, starting from the partition the whole-model
 choice gives:
 
-1. for every stage on an auto device, rank the device's backends by the forward+backward time of
-   the stage's blocks (`planner.cost.backend_times`, with the schedule's forward reuse) and take
-   the fastest whose stage fits the budget with that backend's engine and workspace;
+1. for every stage, rank the device's backends (an auto device's all, another's own) with keeping or
+   recomputing activations (PyTorch) by the forward+backward time of the stage's blocks (with the
+   schedule's forward reuse) and take the fastest whose stage fits the budget (`stage_pick`);
 2. if any device's pick changed, re-cost the same cuts with the new picks and re-solve the
    partition for them (`solve`), and keep whichever predicts the shorter step;
 3. accept the round only if it predicts a shorter step than the plan before it, or the same step
@@ -21,8 +25,9 @@ choice gives:
 No accepted round raises the predicted step time, so the result is never predicted slower than
 the whole-model choice; it is a local optimum of this alternation, not a proven joint optimum
 over every (device, backend) combination. Devices the cluster file fixed (`backend`) and head-split
-devices (costed on their MNN backend) keep their backend. Pure: returns a new cluster and
-partition; the picks travel in `DeviceSpec.picked`.
+devices (costed on their MNN backend) keep their backend (a PyTorch one still chooses between
+keeping and recomputing). Pure: returns a new cluster and partition; the picks travel in
+`DeviceSpec.picked` and `DeviceSpec.recompute`.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from typing import Callable
 from ir.graph import Graph
 from ir.partition import Partition
 from planner.cluster import Cluster, DeviceSpec, device_backend
-from planner.cost import backend_times, reuses_forward, stage_memory_bytes
+from planner.cost import compute_s, recomputes_by_choice, reuses_forward, stage_memory_bytes
 from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us
 
 Solve = Callable[[Cluster], Partition]
@@ -52,16 +57,44 @@ class EnginePicks:
 
 
 def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int, schedule: str,
-               microbatches: int, optimizer: str) -> str | None:
-    """The fastest backend of `device` for blocks first..last at this stage position whose stage
-    fits the device's budget (None when none does)."""
+               microbatches: int, optimizer: str) -> tuple[str, bool] | None:
+    """(backend, recompute) for blocks first..last at this stage position: the fastest backend of
+    `device` (only the cluster file's, where it names one) whose stage fits the device's budget, and
+    for PyTorch whether it keeps its activations or recomputes them (keeping is faster; recomputing
+    holds one micro-batch's activations instead of one per micro-batch in flight); at equal time
+    the leaner. None when nothing fits."""
     reuse = reuses_forward(schedule, stages, stage, microbatches)
-    for backend, _, _ in backend_times(graph, device, first, last, reuse):
-        trial = dataclasses.replace(device, picked=backend)
-        if stage_memory_bytes(graph, trial, first, last, stage, stages, schedule, microbatches,
-                              optimizer) <= device.memory_budget_bytes:
-            return backend
-    return None
+    names = [device.backend] if device.backend is not None else [b.backend for b in device.profile.backends]
+    options = []
+    for name in names:
+        for recompute in (False, True):
+            trial = dataclasses.replace(device, picked=None if device.backend is not None else name,
+                                        recompute=recompute)
+            if recompute and recomputes_by_choice(trial) is None:
+                continue  # an engine without the choice (MNN)
+            try:
+                forward, backward = compute_s(graph, trial, first, last, reuse)
+            except ValueError:  # this backend lacks a block
+                continue
+            memory = stage_memory_bytes(graph, trial, first, last, stage, stages, schedule, microbatches, optimizer)
+            if memory <= device.memory_budget_bytes:
+                options.append((forward + backward, memory, name, recompute))
+    if not options:
+        return None
+    _, _, name, recompute = min(options, key=lambda o: (o[0], o[1]))
+    return name, recompute
+
+
+def recompute_everywhere(cluster: Cluster) -> Cluster:
+    """`cluster` with every PyTorch device recomputing its activations: the leanest start, for a
+    model that does not fit with every activation kept (`pick_engines` then keeps them where they fit)."""
+    return dataclasses.replace(cluster, devices=tuple(
+        dataclasses.replace(d, recompute=True) if recomputes_by_choice(d) is not None else d for d in cluster.devices))
+
+
+def _choice(device: DeviceSpec) -> str:
+    name = device_backend(device).backend
+    return f"{name} (recompute)" if recomputes_by_choice(device) else name
 
 
 def _recosted(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
@@ -87,7 +120,7 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
     """Re-pick every auto device's backend for the blocks `partition` gives it, re-solving the
     partition with `solve` (None: keep the cuts, e.g. manual `--cuts`), as the module docstring
     says."""
-    start = {d.name: device_backend(d).backend for d in cluster.devices}
+    start = {d.name: _choice(d) for d in cluster.devices}
     first = _recosted(graph, cluster, partition, schedule, microbatches, optimizer)
     if first is None:  # the partition given does not fit: nothing to improve on here
         return EnginePicks(cluster, partition, {}, 0, 0)
@@ -98,15 +131,14 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
         picks: dict[str, str] = {}
         for s, (name, (lo, hi)) in enumerate(zip(partition.devices, partition.ranges)):
             device = cluster.device(name)
-            if device.backend is not None:
-                continue
             pick = stage_pick(graph, device, lo, hi, s, p, schedule, microbatches, optimizer)
-            if pick is not None and pick != device_backend(device).backend:
+            if pick is not None and pick != (device_backend(device).backend, bool(recomputes_by_choice(device))):
                 picks[name] = pick
         if not picks:
             break
         trial = dataclasses.replace(cluster, devices=tuple(
-            dataclasses.replace(d, picked=picks[d.name]) if d.name in picks else d for d in cluster.devices))
+            dataclasses.replace(d, picked=None if d.backend is not None else picks[d.name][0],
+                                recompute=picks[d.name][1]) if d.name in picks else d for d in cluster.devices))
         options: list[tuple[int, Partition]] = []
         same = _recosted(graph, trial, partition, schedule, microbatches, optimizer)
         if same is not None:
@@ -127,6 +159,5 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
         if (us, _memory(chosen)) >= (best_us, best_memory):
             break
         cluster, partition, best_us, best_memory = trial, chosen, us, _memory(chosen)
-    changed = {d.name: (start[d.name], device_backend(d).backend) for d in cluster.devices
-               if device_backend(d).backend != start[d.name]}
+    changed = {d.name: (start[d.name], _choice(d)) for d in cluster.devices if _choice(d) != start[d.name]}
     return EnginePicks(cluster, partition, changed, before_us, best_us)

@@ -125,7 +125,7 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
         for c, members in enumerate(v.classes):
             d = members[0]
             used = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
-                inst.params_bytes[k] * wc + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
+                inst.params_bytes[k] * wc + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
                 for k in range(inst.blocks)])
             limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
             v.model.add(used <= limit).only_enforce_if(v.on[r][c])
@@ -212,7 +212,8 @@ def _build(inst: PartitionInstance, soft_memory: bool = False) -> _Vars:
     if soft_memory:
         max_use = max(inst.overhead_bytes) + sum(
             inst.params_bytes[k] * max(map(max, inst.weight_copies)) + inst.input_bytes[k] * max(map(max, inst.in_flight))
-            + max(inst.workspace_bytes[d][k] for d in range(len(inst.devices))) for k in range(inst.blocks))
+            + max(inst.held_workspace(d, k, max(map(max, inst.in_flight))) for d in range(len(inst.devices)))
+            for k in range(inst.blocks))
         overflow = model.new_int_var(-max(inst.memory_budget_bytes), max_use, "overflow")
         _add_memory(v, inst, overflow)
         model.minimize(overflow)

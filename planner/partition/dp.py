@@ -109,6 +109,9 @@ class OrderSolver:
         self.R = R
         self._reuse = reuse[:R + 1]
         self._pm = [np.concatenate([[0.0], np.cumsum(params * wc[c] + inputs * fl[c])]) for c in range(R + 1)]
+        # a device whose engine keeps every activation of each micro-batch in flight holds its
+        # workspace once per micro-batch in flight (PartitionInstance.held_workspace)
+        self._held = [[fl[c] if inst.keeps_activations[d] else 1 for c in range(R + 1)] for d in range(nd)]
         self._overhead = np.array(inst.overhead_bytes, dtype=np.float64)
         self._budget = np.array(inst.memory_budget_bytes, dtype=np.float64)
         # one transfer of the activation after block k between d and e, exactly as instance.transfer_us
@@ -133,7 +136,7 @@ class OrderSolver:
         return min(r, self.R)
 
     def _memory_prefix(self, d: int, c: int) -> np.ndarray:
-        return self._pm[c] + self._pw[d]
+        return self._pm[c] + self._pw[d] * self._held[d][c]
 
     def last(self, d: int) -> _Last:
         """Blocks [i, n) on device d at the last position."""

@@ -32,7 +32,7 @@ from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes
 from planner.cost import (accumulated_share, block_costs, block_input_bytes, check_blocks, in_flight_microbatches,
-                          reuses_forward, weight_copies)
+                          keeps_activations, reuses_forward, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -66,6 +66,10 @@ class PartitionInstance:
     # Empty: all zero (profiles without these measurements).
     recompute_us: tuple[tuple[int, ...], ...] = ()
     update_us: tuple[tuple[int, ...], ...] = ()
+    # [d] whether device d's engine keeps every activation of each micro-batch in flight (PyTorch's
+    # autograd, unless it recomputes): its workspace is then held once per micro-batch in flight.
+    # Empty: none does (MNN keeps one micro-batch's caches and re-runs the forward for the others).
+    keeps_activations: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -98,6 +102,10 @@ class PartitionInstance:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
             elif len(table) != nd or any(len(r) != n or any(x < 0 for x in r) for r in table):
                 raise ValueError(f"PartitionInstance.{name} must have shape {(nd, n)} with entries >= 0")
+        if not self.keeps_activations:
+            object.__setattr__(self, "keeps_activations", (False,) * nd)
+        elif len(self.keeps_activations) != nd:
+            raise ValueError(f"PartitionInstance.keeps_activations needs one entry per device ({nd})")
         if any(r > c for rr, cr in zip(self.recompute_us, self.compute_us) for r, c in zip(rr, cr)):
             raise ValueError("PartitionInstance.recompute_us exceeds compute_us: the re-run is part of the backward")
         for name in ("weight_copies", "in_flight"):
@@ -127,6 +135,10 @@ class PartitionInstance:
     def reuses(self, p: int, s: int) -> bool:
         """Whether stage s of p skips MNN's forward re-run (planner.cost.reuses_forward)."""
         return reuses_forward(self.schedule, p, s, self.microbatches)
+
+    def held_workspace(self, d: int, k: int, in_flight: int) -> int:
+        """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
+        return self.workspace_bytes[d][k] * (in_flight if self.keeps_activations[d] else 1)
 
     def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
         """Block k's forward+backward on device d at stage s of p."""
@@ -175,7 +187,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         # the re-run is part of the backward: a noisy profile may time it above the backward itself
         recompute_us=tuple(tuple(round(min(c.recompute_s, c.backward_s) * US_PER_S) for c in row) for row in costs),
         update_us=tuple(tuple(round(b.params_bytes * s.profile.update_s_per_param_byte.get(optimizer, 0.0) * US_PER_S)
-                              for b in blocks) for s in specs))
+                              for b in blocks) for s in specs),
+        keeps_activations=tuple(keeps_activations(s) for s in specs))
 
 
 # --- evaluating one assignment (shared by brute force, the solver's answer and manual plans) ---
@@ -186,7 +199,7 @@ Assignment = tuple[tuple[int, ...], tuple[tuple[int, int], ...]]  # device indic
 def _memory_bytes(inst: PartitionInstance, d: int, first: int, last: int, s: int, p: int) -> int:
     wc, fl = inst.weight_copies[p - 1][s], inst.in_flight[p - 1][s]
     return inst.overhead_bytes[d] + sum(inst.params_bytes[k] * wc + inst.input_bytes[k] * fl
-                                        + inst.workspace_bytes[d][k] for k in range(first, last + 1))
+                                        + inst.held_workspace(d, k, fl) for k in range(first, last + 1))
 
 
 def _times_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]):
@@ -257,7 +270,8 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     bw, lat = inst.link_bandwidth_bytes_per_s, inst.link_latency_us
     keys: dict = {}
     label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.workspace_bytes[d],
-                              inst.overhead_bytes[d], inst.memory_budget_bytes[d]), len(keys)) for d in range(nd)]
+                              inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d]),
+                             len(keys)) for d in range(nd)]
 
     def towards(d: int) -> dict[int, list]:
         out: dict[int, list] = {}

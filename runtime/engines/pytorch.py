@@ -207,12 +207,20 @@ def _bias_fusions(spec: StageSpec, constants: set[str]) -> dict[str, _Linear]:
 
 
 class TorchStageEngine(StageEngine):
+    """The stage on PyTorch. `recompute`: a training forward keeps only its inputs (and the weight
+    tensors it used) instead of autograd's graph of every activation, and its backward runs the
+    forward again with gradients on (activation checkpointing over the whole stage): memory of one
+    micro-batch's activations however many are in flight, for one more forward per backward. The
+    planner chooses it where keeping them does not fit (`planner.cost`). Gradients are the same
+    either way: the same ops on the same inputs."""
+
     def __init__(self, spec: StageSpec, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 weights: Mapping[str, np.ndarray] | None = None):
+                 weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False):
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
         self.dtype = dtype
+        self.recompute = bool(recompute)
         source = weights if weights is not None else spec.graph.constants
         self._params = {p: torch.tensor(np.asarray(source[p]), dtype=dtype, requires_grad=True) for p in spec.params}
         param_set = set(spec.params)
@@ -231,12 +239,31 @@ class TorchStageEngine(StageEngine):
         return torch.tensor(v, dtype=self.dtype if v.dtype.kind == "f" else torch.int64)
 
     def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None) -> np.ndarray:
-        env: dict[str, torch.Tensor] = {k: self._tensor(v) for k, v in host_values(self.spec, feeds).items()}
+        inputs: dict[str, torch.Tensor] = {k: self._tensor(v) for k, v in host_values(self.spec, feeds).items()}
         x_in = None
         if self.spec.activation_input is not None:
-            x_in = self._tensor(feeds[self.spec.activation_input]).requires_grad_(train)
+            x_in = self._tensor(feeds[self.spec.activation_input])
+        params = dict(self._params)
+        if train and self.recompute:
+            if until_block is not None:
+                raise ValueError("a training forward must run the whole stage")
+            with torch.no_grad():
+                out = self._run(inputs, x_in, params, False, None)
+            self._saved[microbatch] = (inputs, x_in, params)  # what the backward runs the forward from
+        else:
+            out = self._run(inputs, x_in, params, train, until_block)
+            if train:
+                self._saved[microbatch] = (x_in, out, params)
+        return out.detach().cpu().numpy().astype(np.float32 if self.dtype == torch.float32 else np.float64)
+
+    def _run(self, inputs: Mapping[str, torch.Tensor], x_in: torch.Tensor | None, params: Mapping[str, torch.Tensor],
+             train: bool, until_block: int | None) -> torch.Tensor:
+        """The stage's forward from its host values, activation input and weight tensors."""
+        env: dict[str, torch.Tensor] = dict(inputs)
+        if x_in is not None:
+            x_in.requires_grad_(train)
             env[self.spec.activation_input] = x_in
-        env.update(self._params)
+        env.update(params)
         env.update(self._consts)
         stop_after = set()
         if until_block is not None:
@@ -262,15 +289,16 @@ class TorchStageEngine(StageEngine):
                                                         env[linear.bias])
                     continue  # the MatMul itself: computed with its bias
                 env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
-        out = env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
-        if train:
-            self._saved[microbatch] = (x_in, out, dict(self._params))
-        return out.detach().cpu().numpy().astype(np.float32 if self.dtype == torch.float32 else np.float64)
+        return env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
 
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         if microbatch not in self._saved:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
-        x_in, out, used = self._saved.pop(microbatch)
+        if self.recompute:
+            inputs, x_in, used = self._saved.pop(microbatch)
+            out = self._run(inputs, x_in, used, True, None)  # the forward again, with its graph this time
+        else:
+            x_in, out, used = self._saved.pop(microbatch)
         seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
         wrt = list(used.values()) + ([x_in] if x_in is not None else [])
         grads = torch.autograd.grad([out], wrt, [seed], allow_unused=True)

@@ -25,7 +25,8 @@ def torch_installed() -> bool:
 
 
 def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mapping[str, np.ndarray] | None = None,
-                  stash_weights: bool = True, cache_activations: bool = True) -> StageEngine:
+                  stash_weights: bool = True, cache_activations: bool = True,
+                  recompute: bool = False) -> StageEngine:
     """The engine that runs `spec` on `backend` (options as `runtime.engines.factory.make_engine`)."""
     backend = parse_backend(backend)
     if backend.engine == "mnn":
@@ -42,4 +43,4 @@ def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mappi
         raise ModuleNotFoundError(f"{backend} needs PyTorch, which is not installed here (pip install torch==2.13.0)")
     from runtime.engines.pytorch import TorchStageEngine
 
-    return TorchStageEngine(spec, threads=backend.thread_count, weights=weights)
+    return TorchStageEngine(spec, threads=backend.thread_count, weights=weights, recompute=recompute)

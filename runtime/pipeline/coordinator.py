@@ -96,6 +96,10 @@ class PipelineConfig:
     # Indexed by stage at first setup; a re-plan keeps each worker's split with the worker (the
     # backends are the device's), and workers new to the pipeline run unsplit.
     head_split: tuple[Mapping[str, int] | None, ...] | None = None
+    # one for all stages, or one per stage: the PyTorch engine keeps only each micro-batch's inputs
+    # and runs its forward again in the backward (activation memory of one micro-batch, for one
+    # more forward per backward); MNN stages work so anyway
+    recompute: bool | tuple[bool, ...] = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,12 @@ class Coordinator:
         if len(engine) != self.stages:
             raise ValueError(f"{len(engine)} engines given for {self.stages} stages")
         return engine[stage]
+
+    def recompute_of(self, stage: int) -> bool:
+        recompute = self.config.recompute
+        if isinstance(recompute, bool):
+            return recompute
+        return bool(recompute[stage]) if stage < len(recompute) else False
 
     def head_split_of(self, stage: int) -> dict[str, int] | None:
         splits = self.config.head_split
@@ -314,6 +324,7 @@ class Coordinator:
                               "weight_decay": self.config.weight_decay},
                 "peers": self._neighbours(p), **self._peer_keys(p), "optimizer_state": list(opt_state),
                 **({"head_split": self.head_split_of(p.stage)} if self.head_split_of(p.stage) else {}),
+                **({"recompute": True} if self.recompute_of(p.stage) else {}),
                 **self._tied_of(p.stage),
             })
             for i, (name, arr) in enumerate(part.constants.items()):

@@ -1,0 +1,164 @@
+"""Issue 14, lever 5: activation memory as a planning decision. The PyTorch engine either keeps every
+activation of each micro-batch in flight (autograd's graph) or recomputes them in the backward from
+the stashed inputs; the gradients are the same bit for bit. The memory model charges a keeping
+PyTorch device its workspace once per micro-batch in flight and a recomputing one once, with one
+more forward per backward; the planner keeps where that fits and recomputes where only that fits,
+and the plan's bundles tell the worker, which trains as one device does."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ir.graph import block_signature
+from ir.profile import BackendProfile, BlockCost, DeviceProfile
+from planner.cluster import DeviceSpec
+from planner.cost import keeps_activations, stage_memory_bytes
+from planner.onnx_import import load_model
+from runtime.engines.pytorch import TorchStageEngine
+from runtime.engines.stage import stage_spec
+from support import S, synthetic_batch, token_feeds
+
+MIB = 2 ** 20
+B = 2
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_onnx):
+    return load_model(tiny_onnx["torchscript-17"], B, S)
+
+
+def _engine_run(graph, recompute: bool):
+    """Three micro-batches in flight on a middle stage, an update between the forwards and the
+    backwards (the backwards must use the weights their forwards used): outputs and gradients."""
+    spec = stage_spec(graph, 1, 2)
+    engine = TorchStageEngine(spec, recompute=recompute)
+    rng = np.random.default_rng(0)
+    shape = graph.values[spec.activation_input].shape
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    feeds = token_feeds(B, S, vocab=500)
+    outs = [engine.forward({**feeds, spec.activation_input: x}, m) for m, x in enumerate(xs)]
+    engine.set_parameters({k: v * 1.5 for k, v in engine.parameters().items()})
+    grads = [engine.backward(m, np.ones_like(outs[m])) for m in (2, 0, 1)]
+    return outs, grads
+
+
+def test_recomputing_gives_the_gradients_of_keeping_bit_for_bit(graph):
+    kept_out, kept = _engine_run(graph, False)
+    again_out, again = _engine_run(graph, True)
+    assert all(np.array_equal(a, b) for a, b in zip(kept_out, again_out))
+    for k, a in zip(kept, again):
+        assert np.array_equal(k.activation_input, a.activation_input)
+        assert k.params.keys() == a.params.keys()
+        assert all(np.array_equal(k.params[n], a.params[n]) for n in k.params)
+
+
+def test_a_recomputing_engine_holds_no_graph_between_forward_and_backward(graph):
+    spec = stage_spec(graph, 0, len(graph.blocks) - 1)
+    engine = TorchStageEngine(spec, recompute=True)
+    engine.forward(token_feeds(B, S, vocab=500), 0)
+    inputs, x_in, params = engine._saved[0]
+    assert x_in is None and all(not t.requires_grad for t in inputs.values())
+    assert all(v.grad_fn is None for v in inputs.values())  # only inputs: no activation is kept
+    with pytest.raises(ValueError, match="a training forward must run the whole stage"):
+        engine.forward(token_feeds(B, S, vocab=500), 1, until_block=1)
+
+
+# --- the memory model and the planner's choice -------------------------------------------------------
+
+def _profile(graph, workspace_mib: int = 40) -> DeviceProfile:
+    """torch:cpu:t1 only: every block 10 + 20 ms, `workspace_mib` of workspace."""
+    costs = {block_signature(b): BlockCost(0.010, 0.020, workspace_bytes=workspace_mib * MIB) for b in graph.blocks}
+    return DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs),),
+                         memory_available_bytes=16 << 30, runtime_overhead_bytes=100 * MIB)
+
+
+def test_the_memory_model_charges_kept_activations_per_micro_batch_in_flight(graph):
+    from planner.cost import compute_s
+
+    keep = DeviceSpec("a", "tcp://x:1", _profile(graph), 4 << 30)
+    again = DeviceSpec("a", "tcp://x:1", _profile(graph), 4 << 30, recompute=True)
+    assert keeps_activations(keep) and not keeps_activations(again)
+    n = len(graph.blocks)
+    # stage 0 of 2 under 1f1b-flush with 4 micro-batches: 2 in flight
+    kept = stage_memory_bytes(graph, keep, 0, 2, 0, 2, "1f1b-flush", 4, "adamw")
+    lean = stage_memory_bytes(graph, again, 0, 2, 0, 2, "1f1b-flush", 4, "adamw")
+    assert kept - lean == 3 * 40 * MIB  # the second micro-batch's workspace of 3 blocks
+    assert compute_s(graph, keep, 0, n - 1) == pytest.approx((0.010 * n, 0.020 * n))
+    assert compute_s(graph, again, 0, n - 1) == pytest.approx((0.010 * n, 0.030 * n))  # one more forward
+
+
+def _plan(graph, tiny_onnx, tmp_path, budget: str, schedule: str = "gpipe"):
+    from jobs.planning import PlanSettings, plan_model
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    _profile(graph).save(tmp_path / "box.json")
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+        {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": budget}]}))
+    settings = PlanSettings(schedule=schedule, batch=B * 4, seq=S, microbatches=4, optimizer="adamw", lr=1e-3,
+                            time_limit_s=5.0)
+    out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / "plan")
+    return out, json.loads((out / "plan.json").read_text())
+
+
+def test_the_planner_keeps_activations_where_they_fit_and_recomputes_where_only_that_fits(graph, tiny_onnx,
+                                                                                            tmp_path, capsys):
+    """One PyTorch device, GPipe, 4 micro-batches in flight, 5 blocks of 40 MiB workspace: keeping
+    needs 4 x 200 MiB of workspace, recomputing 200 MiB; a 2 GiB budget keeps, a 600 MiB one
+    recomputes (predicted slower: one more forward per backward), and the bundle says so."""
+    from ir.bundle import load_bundle_dir
+
+    roomy_dir, roomy = _plan(graph, tiny_onnx, tmp_path / "roomy", "2GiB")
+    tight_dir, tight = _plan(graph, tiny_onnx, tmp_path / "tight", "600MiB")
+    (r,), (t,) = roomy["devices"], tight["devices"]
+    assert "recompute" not in r and t["recompute"] is True
+    assert r["memory_bytes"] - t["memory_bytes"] == 3 * len(graph.blocks) * 40 * MIB
+    assert t["memory_bytes"] <= t["memory_budget_bytes"] < r["memory_bytes"]
+    assert tight["predicted_step_s"] > roomy["predicted_step_s"]
+    assert load_bundle_dir(tight_dir / "box").stage_doc.recompute is True
+    assert load_bundle_dir(roomy_dir / "box").stage_doc.recompute is False
+    from confidant.commands import show_plan
+
+    capsys.readouterr()
+    show_plan(tight_dir)
+    assert "torch (recompute)" in capsys.readouterr().out
+
+
+def test_a_pipeline_of_recomputing_torch_stages_trains_as_one_device(graph):
+    """Two stages on the PyTorch engine, both told to recompute, 1F1B-flush: every stage's engine
+    recomputes, and the losses are those of single-device training on the same engine."""
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from runtime.optim import make_optimizer
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+    from tasks.trainer import accumulate_gradients
+
+    M, steps = 2, 2
+    batches = [synthetic_batch(i, M) for i in range(steps)]
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60,
+                            engine="torch", recompute=True)
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2],
+                                transport=workers.coordinator, faults=FaultPolicy(on_failure="stop"))
+        engines = [w.executor.engine for w in workers.workers]
+    assert workers.codes == [0, 0], workers.errors
+    assert [type(e).__name__ for e in engines] == ["TorchStageEngine"] * 2 and all(e.recompute for e in engines)
+    engine = TorchStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
+    for step in range(steps):
+        loss, grads = accumulate_gradients(engine, batches[step], M, 9)
+        params = opt.step(params, grads)
+        engine.set_parameters(params)
+        losses.append(loss)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+
+
+def test_train_pipeline_refuses_recompute_without_the_torch_engine(tiny_onnx, tmp_path, capsys):
+    from confidant.cli import main
+
+    data = tmp_path / "train.conll"
+    data.write_text("EU B-ORG\nrejects O\n\n")
+    assert main(["train-pipeline", str(tiny_onnx["torchscript-17"]), "--data", str(data), "--recompute",
+                 "--local", "2", "--steps", "1"]) == 1
+    assert "--recompute is a choice of the torch engine" in capsys.readouterr().err
