@@ -15,7 +15,7 @@ from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, device_backend, load_cluster
-from planner.cost import check_tied_schedule, predicted_step_s, recomputes_by_choice, stage_costs
+from planner.cost import check_tied_schedule, compute_s, predicted_step_s, recomputes_by_choice, stage_costs
 from planner.engines import pick_engines, recompute_everywhere
 from planner.emit import emit_plan
 from planner.lora import LoraSettings
@@ -59,7 +59,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         raise JobError(f"the profiles were measured at (micro-batch rows, seq) {sorted(profiled)} but this plan uses "
                        f"({graph.batch}, {graph.seq}) = --batch {settings.batch} / --microbatches {M}, --seq "
                        f"{settings.seq}; re-profile with `confidant profile --batch {graph.batch} --seq {graph.seq}`")
-    cluster, splits = _with_head_splits(graph, cluster)
+    cluster, splits = _with_head_splits(graph, cluster, reporter)
     instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer)
     reporter.note(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({settings.schedule}, "
                   f"{M} micro-batches)")
@@ -142,20 +142,30 @@ def copy_lm_tokenizer(model: Path, plan_dir: Path) -> list[str]:
     return copied
 
 
-def _with_head_splits(graph, cluster: Cluster) -> tuple[Cluster, dict[str, HeadSplit]]:
+def _with_head_splits(graph, cluster: Cluster, reporter: Reporter = Silent()) -> tuple[Cluster, dict[str, HeadSplit]]:
     """Head splits come first: a device whose attention heads run split is faster, and the partition
     and the predicted times must see that speed, so the cluster's profiles are lowered by it. The
     split engine runs everything but the attention on MNN, so a split device is costed (and run) on
     its MNN backend: the chosen one when it is MNN, else the fastest MNN one; a device profiled
-    without MNN is not split."""
+    without MNN is not split. Nor is one whose whole model would run slower that way than on the
+    backend it would have without the split (a faster PyTorch elsewhere in the layer can outweigh
+    what splitting the attention saves)."""
     splits, devices = {}, []
+    n = len(graph.blocks)
     for d in cluster.devices:
         split = choose_head_split(graph, d.profile)
         base = split_base_backend(d.profile, d.backend)
         if split is not None and base is not None:
-            splits[d.name] = split
-            d = dataclasses.replace(d, backend=base, profile=profile_with_head_split(
+            candidate = dataclasses.replace(d, backend=base, profile=profile_with_head_split(
                 d.profile, base, split, split_extra_cost_s(graph, d.profile, split)))
+            with_split, without = sum(compute_s(graph, candidate, 0, n - 1)), sum(compute_s(graph, d, 0, n - 1))
+            if with_split < without:
+                splits[d.name] = split
+                d = candidate
+            else:
+                reporter.note(f"{d.name}: no head split: the model on {base} with its attention split "
+                              f"({with_split * 1e3:.0f} ms a micro-batch) is slower than on "
+                              f"{device_backend(d).backend} unsplit ({without * 1e3:.0f} ms)")
         devices.append(d)
     return dataclasses.replace(cluster, devices=tuple(devices)), splits
 

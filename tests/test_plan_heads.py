@@ -81,6 +81,46 @@ def test_plan_records_a_head_split_and_show_prints_it(tiny_onnx, tmp_path, capsy
     assert "heads" in out and "mnn:cpu:t1 2 + torch:cpu:t1 2 (pred 22 ms vs 58 ms single)" in out
 
 
+def test_no_split_where_the_mnn_base_it_needs_is_slower_than_torch_unsplit(tiny_onnx, tmp_path):
+    """The split engine runs the rest of the stage on MNN: when PyTorch runs every block 10x faster
+    than MNN, what splitting the attention saves cannot make up for it, so the device runs torch
+    unsplit (the decision SmolLM2 needed here: its split layer on an MNN base measured slower than
+    torch alone)."""
+    import dataclasses
+
+    from ir.profile import BlockCost
+
+    graph = _graph(tiny_onnx)
+    profile = _profile(graph)
+    fast = tuple(dataclasses.replace(b, blocks={k: BlockCost(0.001, 0.002, workspace_bytes=1 << 20)
+                                                for k in b.blocks})
+                 if b.backend == "torch:cpu:t1" else b for b in profile.backends)
+    from jobs.planning import PlanSettings, plan_model
+    from jobs.report import Silent
+
+    class Notes(Silent):
+        def __init__(self):
+            self.lines: list[str] = []
+
+        def note(self, text):
+            self.lines.append(text)
+
+    dataclasses.replace(profile, backends=fast).save(tmp_path / "box.json")
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [  # no backend: auto
+        {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": "2GiB"}]}))
+    notes = Notes()
+    out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json",
+                     PlanSettings(schedule="1f1b-flush", batch=4, seq=12, microbatches=2, time_limit_s=5.0),
+                     tmp_path / "plan", notes)
+    (entry,) = json.loads((out / "plan.json").read_text())["devices"]
+    assert entry["head_split"] is None and entry["engine"] == "torch"
+    assert any(line.startswith("box: no head split: the model on mnn:cpu:t1 with its attention split (")
+               and "slower than on torch:cpu:t1 unsplit" in line for line in notes.lines)
+    # with the cluster file fixing MNN, the split pays and is kept
+    assert _plan(tiny_onnx, tmp_path / "mnn", dataclasses.replace(profile, backends=fast),
+                 "1f1b-flush")["devices"][0]["head_split"]["heads"] == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+
+
 def test_a_split_is_planned_under_a_stashing_schedule_too(tiny_onnx, tmp_path):
     """The split engine stashes weight versions (tests/test_split_stash.py), so 1f1b-stash gets the split."""
     from ir.bundle import load_bundle_dir
