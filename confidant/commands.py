@@ -407,8 +407,9 @@ def show_plan(plan_dir: Path) -> None:
     if choices:
         print("engine per device (forward+backward per micro-batch of its stage; auto: the fastest backend whose "
               "engine fits the budget):")
+        split = {d.name for d in plan.devices if d.head_split is not None}
         for c in choices:
-            why = "the cluster file's" if c.given else "auto"
+            why = "the head split's base" if c.device in split else "the cluster file's" if c.given else "auto"
             line = f"  {c.device}: {c.backend} ({why})" + (f" {c.seconds * 1000:.0f} ms" if c.seconds is not None else "")
             if c.runner_up is not None:
                 extra = (f", {'+' if c.runner_up_extra_bytes >= 0 else '-'}{abs(c.runner_up_extra_bytes) / 2**20:.0f} MiB "

@@ -79,6 +79,7 @@ def test_plan_records_a_head_split_and_show_prints_it(tiny_onnx, tmp_path, capsy
     load_bundle(tmp_path / "plan" / entry["bundle"])
     out = capsys.readouterr().out
     assert "heads" in out and "mnn:cpu:t1 2 + torch:cpu:t1 2 (pred 22 ms vs 58 ms single)" in out
+    assert "  box: mnn:cpu:t1 (the head split's base)" in out
 
 
 def test_no_split_where_the_mnn_base_it_needs_is_slower_than_torch_unsplit(tiny_onnx, tmp_path):
