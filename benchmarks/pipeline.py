@@ -406,9 +406,10 @@ def _send_recv(seconds: dict) -> tuple[float, float]:
     return send, recv
 
 
-def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tuple[str, ...]:
-    """The engine per stage `confidant plan` would pick for this machine (planner.engines.stage_pick
-    over a quick profile of MNN and PyTorch at one thread), for the benchmark's fixed block ranges."""
+def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tuple[tuple[str, ...], tuple]:
+    """The engine and activations per stage `confidant plan` would pick for this machine
+    (planner.engines.stage_pick over a quick profile of MNN and PyTorch at one thread), for the
+    benchmark's fixed block ranges."""
     from ir.backend import engine_of
     from jobs.pipeline_training import stage_ranges
     from planner.cluster import DeviceSpec
@@ -423,14 +424,16 @@ def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tu
     device = DeviceSpec("bench", "tcp://127.0.0.1:1", profile, profile.memory_available_bytes)
     ranges = stage_ranges(len(graph.blocks), stages, None)
     picks = [stage_pick(graph, device, a, b, s, stages, schedule, M, "adamw") for s, (a, b) in enumerate(ranges)]
-    return tuple(engine_of(p[0]) if p else "mnn" for p in picks)  # all fit here: every activation kept
+    return (tuple(engine_of(p[0]) if p else "mnn" for p in picks),
+            tuple(p[1] if p else None for p in picks))
 
 
 _PROFILES: dict = {}
 
 
 def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int,
-                     engine: str | tuple[str, ...] = "mnn", update_every: int = 1, variant: str | None = None) -> dict:
+                     engine: str | tuple[str, ...] = "mnn", update_every: int = 1, variant: str | None = None,
+                     activations=None) -> dict:
     import numpy as np
 
     from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
@@ -447,7 +450,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
 
         try:
             config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300,
-                                    engine=engine)
+                                    engine=engine, activations=activations)
             res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=None, on_step=on_step,
                                  keys=workers.keys, faults=FaultPolicy(on_failure="stop"), update_every=update_every)
         finally:
@@ -750,8 +753,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write all figures to this JSON file")
     ap.add_argument("--skip-torch", action="store_true", help="measure the MNN runtime only")
     ap.add_argument("--variants", action="store_true",
-                    help="also run 1f1b-stash with one update per M backwards, 1f1b-flush on the PyTorch engine, and "
-                         "1f1b-flush with the engine per stage `plan` would pick (a quick profile first)")
+                    help="also run 1f1b-stash with one update per M backwards, 1f1b-flush on the PyTorch engine, "
+                         "1f1b-flush with MNN keeping its activations, and 1f1b-flush with the engine and "
+                         "activations per stage `plan` would pick (a quick profile first)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration (default 600)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
@@ -821,10 +825,14 @@ def main(argv=None) -> int:
                 attempt(f"mnn 1f1b-flush torch engine M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
                                                  engine="torch", variant="torch"))
-                picked = engines_picked(graph, Path(model), stages, "1f1b-flush", M)
-                attempt(f"mnn 1f1b-flush engine auto {picked} M={M} {stages} stages",
+                attempt(f"mnn 1f1b-flush activations kept M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
-                                                 engine=picked, variant="auto[" + ",".join(picked) + "]"))
+                                                 activations="keep", variant="keep"))
+                picked, kept = engines_picked(graph, Path(model), stages, "1f1b-flush", M)
+                label = ",".join(f"{e}/{a}" if a else e for e, a in zip(picked, kept))
+                attempt(f"mnn 1f1b-flush engine auto {label} M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
+                                                 engine=picked, activations=kept, variant=f"auto[{label}]"))
             if not args.skip_torch:
                 for schedule in TORCH_SCHEDULES:
                     attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",

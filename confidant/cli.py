@@ -269,10 +269,12 @@ def _add_train_pipeline(sub) -> None:
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (default %(default)s)")
     p.add_argument("--update-every", type=int, default=1,
                    help="1f1b-stash only: backwards per weight update on each stage (default %(default)s)")
-    p.add_argument("--recompute", action="store_true",
-                   help="with --engine torch: keep only each micro-batch's inputs and run its forward again in the "
-                        "backward (activation memory of one micro-batch instead of one per micro-batch in flight, "
-                        "for one more forward per backward; MNN works so anyway). `plan` chooses this per device")
+    p.add_argument("--activations", choices=("keep", "recompute"), default=None,
+                   help="what every stage does with the activations of its micro-batches in flight: keep them until "
+                        "their backwards (faster; memory of one micro-batch per micro-batch in flight; MNN builds a "
+                        "set of block graphs per micro-batch in flight) or recompute them there from the stashed "
+                        "inputs (memory of one). Default: each engine's own (torch keeps, MNN recomputes); `plan` "
+                        "chooses per device")
     p.add_argument("--checkpoint", type=Path, default=None, help="write weights and optimizer state here at the end")
     p.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint folder")
     p.add_argument("--replan-every", type=int, default=None, metavar="N",

@@ -203,9 +203,6 @@ def cmd_train_pipeline(args) -> int:
     from jobs.settings import PipelineSettings
 
     workers = [a.strip() for a in args.workers.split(",")] if args.workers else None
-    if args.recompute and args.engine != "torch":
-        raise CliError("--recompute is a choice of the torch engine (MNN re-runs the forward in the backward "
-                       "anyway); add --engine torch, or leave --recompute out")
     keys, insecure = _security(args)
     pipeline = PipelineSettings(schedule=args.schedule, microbatches=args.microbatches,
                                 update_every=args.update_every, cuts=_cuts(args.cuts), checkpoint=args.checkpoint,
@@ -213,7 +210,7 @@ def cmd_train_pipeline(args) -> int:
                                 replan_threshold=args.replan_threshold, listen=args.listen, timeout_s=args.timeout,
                                 keys=keys, insecure=insecure, on_failure=args.on_failure,
                                 failure_timeout_s=args.failure_timeout, checkpoint_every=args.checkpoint_every,
-                                recompute=args.recompute)
+                                activations=args.activations)
     metrics = train_pipeline_job(args.model, args.data, args.eval, _training_settings(args), pipeline,
                                  workers=workers, local=args.local, reporter=TerminalReporter(), task=args.task)
     _write_metrics(metrics, args.metrics_out)
@@ -392,7 +389,7 @@ def show_plan(plan_dir: Path) -> None:
             f"{d.trainable_bytes / 2**20:.1f} / {(d.frozen_bytes or 0) / 2**20:.1f} MiB"
         rows.append((str(d.stage), d.name, d.address or "-", f"{d.first_block}-{d.last_block}",
                      f"{d.memory_bytes / 2**20:.0f} / {d.memory_budget_bytes / 2**20:.0f} MiB", weights,
-                     f"{d.predicted_time_s * 1000:.0f} ms", d.engine + (" (recompute)" if d.recompute else ""),
+                     f"{d.predicted_time_s * 1000:.0f} ms", d.engine + (f" ({d.activations})" if d.activations else ""),
                      str(d.threads), _heads_cell(d.head_split)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"plan {plan_dir}: model {plan.model}, schedule {plan.schedule}, {plan.microbatches} micro-batches "

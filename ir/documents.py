@@ -105,10 +105,13 @@ STAGE_FIELDS = (
 )
 # ...except these, which may be left out (bundles written before them stay valid):
 # `head_split`: null, or {backend name: heads} when the stage's attention heads are split across
-# backends (`runtime.engines.split.engine.SplitStageEngine`); `recompute`: true when the engine
-# keeps only each micro-batch's inputs and runs its forward again in the backward (PyTorch's
-# activation checkpointing, chosen by the planner where keeping activations does not fit).
-STAGE_OPTIONAL_FIELDS = ("head_split", "recompute")
+# backends (`runtime.engines.split.engine.SplitStageEngine`); `activations`: "keep" (every
+# activation of each micro-batch in flight held until its backward: PyTorch's autograd, MNN with one
+# set of block graphs per micro-batch in flight) or "recompute" (only the inputs held, the forward run
+# again in the backward), chosen by the planner; null or absent: the engine's default (PyTorch keeps,
+# MNN recomputes).
+STAGE_OPTIONAL_FIELDS = ("head_split", "activations")
+ACTIVATION_CHOICES = ("keep", "recompute")
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class StageDocument:
     batch: int
     seq: int
     head_split: Mapping[str, int] | None = None
-    recompute: bool = False
+    activations: str | None = None
 
     @property
     def backend_spec(self) -> BackendSpec:
@@ -149,7 +152,7 @@ class StageDocument:
                 "stash_depth": self.stash_depth, "engine": self.engine, "backend": self.backend, "threads": self.threads,
                 "optimizer": self.optimizer.to_json(), "batch": self.batch, "seq": self.seq,
                 "head_split": None if self.head_split is None else dict(self.head_split),
-                "recompute": self.recompute}
+                "activations": self.activations}
 
     @staticmethod
     def problem(doc: Any) -> str | None:
@@ -190,8 +193,8 @@ class StageDocument:
         problem = OptimizerSettings.problem(doc["optimizer"]) or _head_split_problem(doc.get("head_split"))
         if problem:
             return problem
-        if not isinstance(doc.get("recompute", False), bool):
-            return f"recompute is {doc['recompute']!r}, not true or false"
+        if doc.get("activations") not in (None,) + ACTIVATION_CHOICES:
+            return f"activations is {doc['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)} (or null)"
         try:
             BackendSpec(doc["engine"], doc["backend"], threads=doc["threads"] if doc["backend"] == "cpu" else None)
         except ValueError as exc:
@@ -210,7 +213,7 @@ class StageDocument:
                    doc["stash_depth"], doc["engine"], doc["backend"], doc["threads"],
                    OptimizerSettings.from_json(doc["optimizer"]), doc["batch"], doc["seq"],
                    None if split is None else {str(b): int(h) for b, h in split.items()},
-                   bool(doc.get("recompute", False)))
+                   doc.get("activations"))
 
 
 # --- plan.json ---------------------------------------------------------------------------------------
@@ -275,7 +278,7 @@ class DevicePlan:
     cost: PlannedCost | None = None
     trainable_bytes: int | None = None  # the stage's trainable parameters (None: plans written before)
     frozen_bytes: int | None = None     # its frozen weights (LoRA's base), held once
-    recompute: bool = False             # its engine runs each forward again in the backward
+    activations: str | None = None      # "keep" or "recompute" (None: the engine's default)
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -295,8 +298,8 @@ class DevicePlan:
             out["cost"] = self.cost.to_json()
         if self.trainable_bytes is not None:
             out["trainable_bytes"], out["frozen_bytes"] = self.trainable_bytes, self.frozen_bytes or 0
-        if self.recompute:
-            out["recompute"] = True
+        if self.activations is not None:
+            out["activations"] = self.activations
         return out
 
 
@@ -474,13 +477,13 @@ def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
         if d.get(key) is not None and not (_is_int(d[key]) and d[key] >= 0):
             raise fail(f"device {name!r} {key} is {d[key]!r}, not an integer >= 0")
         sizes[key] = d.get(key)
-    if not isinstance(d.get("recompute", False), bool):
-        raise fail(f"device {name!r} recompute is {d['recompute']!r}, not true or false")
+    if d.get("activations") not in (None,) + ACTIVATION_CHOICES:
+        raise fail(f"device {name!r} activations is {d['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)}")
     return DevicePlan(name, i, b[0], b[1], int(d["memory_bytes"]), int(d["memory_budget_bytes"]),
                       float(d["predicted_time_s"]), d["bundle"], digest, threads, engine,
                       _planned_split(d.get("head_split"), name, fail), d.get("address"),
                       _planned_cost(d.get("cost"), name, fail), sizes["trainable_bytes"], sizes["frozen_bytes"],
-                      bool(d.get("recompute", False)))
+                      d.get("activations"))
 
 
 def _planned_split(doc: Any, device: str, fail) -> PlannedHeadSplit | None:

@@ -739,7 +739,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
                       f"gradients are summed through the coordinator before every update")
     config = PipelineConfig(schedule=pipeline.schedule, microbatches=M, engine=training.engine,
                             threads=training.threads, optimizer=training.optimizer, lr=training.lr,
-                            timeout_s=pipeline.timeout_s, recompute=pipeline.recompute)
+                            timeout_s=pipeline.timeout_s, activations=pipeline.activations)
     replanner = None
     if pipeline.replan_every is not None:
         replanner = TimingReplanner(graph, ranges, pipeline.schedule, M, training.optimizer,

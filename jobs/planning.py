@@ -15,7 +15,7 @@ from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, device_backend, load_cluster
-from planner.cost import check_tied_schedule, compute_s, predicted_step_s, recomputes_by_choice, stage_costs
+from planner.cost import activations_of, check_tied_schedule, compute_s, keeps_activations, predicted_step_s, stage_costs
 from planner.engines import pick_engines, recompute_everywhere
 from planner.emit import emit_plan
 from planner.lora import LoraSettings
@@ -76,7 +76,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
             except PlanDoesNotFit:
                 # every activation kept (PyTorch's default) may not fit where recomputing them does:
                 # start from the leanest, and pick_engines keeps them again wherever they fit
-                if not any(recomputes_by_choice(d) is False for d in cluster.devices):
+                if not any(keeps_activations(d) for d in cluster.devices):
                     raise
                 lean = recompute_everywhere(cluster)
                 partition = solve_partition(make_instance(graph, lean, settings.schedule, M, settings.optimizer),
@@ -84,7 +84,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
                 cluster = lean
     except PlanDoesNotFit as exc:
         raise JobError(str(exc)) from None
-    partition, cluster = _pick_engines(graph, cluster, partition, settings, reporter)
+    partition, cluster = _pick_engines(graph, cluster, partition, settings, reporter, frozenset(splits))
     try:
         check_tied_schedule(graph, partition.ranges, settings.schedule)
     except ValueError as exc:
@@ -108,9 +108,11 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     return Path(output)
 
 
-def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, reporter: Reporter):
-    """Each auto device's engine re-picked for the blocks it got, the partition re-solved for the
-    picks (manual cuts stay); `planner.engines`."""
+def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, reporter: Reporter,
+                  fixed: frozenset[str] = frozenset()):
+    """Each device's engine (auto devices) and activations re-picked for the blocks it got, the
+    partition re-solved for the picks (manual cuts stay); head-split devices (`fixed`) keep theirs;
+    `planner.engines`."""
     M = settings.microbatches
 
     def solve(trial: Cluster):
@@ -118,7 +120,7 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
         return solve_partition(inst, time_limit_s=max(1.0, settings.time_limit_s / 2))
 
     picks = pick_engines(graph, cluster, partition, settings.schedule, M, settings.optimizer,
-                         solve=None if settings.cuts else solve)
+                         solve=None if settings.cuts else solve, fixed=fixed)
     if picks.changed:
         moves = ", ".join(f"{name}: {a} -> {b}" for name, (a, b) in picks.changed.items())
         reporter.note(f"engine per device for the blocks it runs: {moves} (predicted step "
@@ -181,7 +183,9 @@ def _emit_config(model_name: str, cluster: Cluster, devices, splits: dict[str, H
         "threads": {n: threads_of(backends[n]) for n in devices},
         "optimizer": {"name": settings.optimizer, "lr": settings.lr, "weight_decay": None},
         "addresses": {n: specs[n].address for n in devices}, "head_split": {},
-        "recompute": sorted(n for n in devices if recomputes_by_choice(specs[n])),
+        # what each device does with its activations; a head split recomputes (MNN, one graph set)
+        "activations": {n: "recompute" if n in splits else activations_of(specs[n]) for n in devices
+                        if activations_of(specs[n]) is not None},
     }
     for n in devices:
         split = splits.get(n)

@@ -65,7 +65,7 @@ class PipelineSettings:
     on_failure: str = "replan"        # jobs.pipeline_training.FaultPolicy
     failure_timeout_s: float = 3.0
     checkpoint_every: int | None = None
-    recompute: bool = False           # torch stages run each forward again in the backward
+    activations: str | None = None    # "keep" or "recompute" on every stage (None: each engine's default)
 
     def check(self, batch: int) -> "PipelineSettings":
         try:

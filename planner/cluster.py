@@ -139,10 +139,10 @@ class DeviceSpec:
     # an auto device's backend as the planner picked it for the blocks it runs (`planner.engines`);
     # never read from a cluster file, and `backend` (the file's choice) wins over it
     picked: str | None = None
-    # the planner's choice for a PyTorch device: keep only each micro-batch's inputs and run its
-    # forward again in the backward, instead of keeping every activation of every micro-batch in
-    # flight (`planner.cost`; MNN always works so)
-    recompute: bool = False
+    # the planner's choice of what the device's engine does with the activations of the micro-batches
+    # in flight (`planner.cost.activations_of`): "keep" them until their backwards, or "recompute"
+    # them there from the stashed inputs; None: the engine's default (PyTorch keeps, MNN recomputes)
+    activations: str | None = None
 
 
 def device_backend(device: DeviceSpec) -> BackendProfile:

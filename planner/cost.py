@@ -27,11 +27,12 @@ runtime/executor.py and runtime/optim.py; the constants below say which):
     params x (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
   + sum of the blocks' `workspace_bytes` (per-op caches of one micro-batch, kept per block),
-    times the in-flight micro-batches on a PyTorch device that keeps its activations (autograd
-    holds every micro-batch's graph until its backward; the workspace measured for one is taken
-    for each, a slight overestimate as the gradient temporaries exist once); a PyTorch device the
-    planner makes recompute (`DeviceSpec.recompute`) holds one micro-batch's and runs each
-    block's forward once more in its backward (`block_costs`)
+    times the in-flight micro-batches on a device that keeps its activations (PyTorch's autograd
+    holds every micro-batch's graph until its backward, MNN with `activations: keep` one set of
+    block graphs and their per-op caches per micro-batch in flight; the workspace measured for one
+    is taken for each, a slight overestimate as the gradient temporaries exist once); one that
+    recomputes holds one micro-batch's (`DeviceSpec.activations`, `block_costs`: PyTorch runs
+    each block's forward once more in its backward, MNN keeping skips its re-run)
   + the profile's `runtime_overhead_bytes`.
 Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash only; in-flight counts
 (`in_flight_microbatches`) are DESIGN's min(p-s, m) for 1F1B and m for GPipe. Transient buffers
@@ -138,28 +139,44 @@ def check_blocks(graph: Graph) -> tuple[Block, ...]:
     return graph.blocks
 
 
-def keeps_activations(device: DeviceSpec) -> bool:
-    """Whether the device's engine keeps every activation of each micro-batch in flight until its
-    backward: PyTorch's autograd does, unless the planner made it recompute (`DeviceSpec.recompute`);
-    MNN keeps one micro-batch's per-op caches and re-runs the forward for any other."""
-    return recomputes_by_choice(device) is False
+# What an engine does with the activations of the micro-batches in flight, unless the planner
+# chooses (`DeviceSpec.activations`): PyTorch's autograd keeps them all; MNN keeps one micro-batch's
+# per-op caches and re-runs the forward in the backward of any other.
+DEFAULT_ACTIVATIONS = {"torch": "keep", "mnn": "recompute"}
+ACTIVATIONS = ("keep", "recompute")
 
 
-def recomputes_by_choice(device: DeviceSpec) -> bool | None:
-    """For a PyTorch device, whether it recomputes its activations (the planner's choice); None for
-    an engine that has no choice (MNN)."""
+def device_engine(device: DeviceSpec) -> str | None:
+    """The engine of the device's backend (None for a nominal profile's, which names none)."""
     try:
-        torch = engine_of(device_backend(device).backend) == "torch"
-    except ValueError:  # a nominal profile's backends name no engine
-        torch = False
-    return bool(device.recompute) if torch else None
+        return engine_of(device_backend(device).backend)
+    except ValueError:
+        return None
+
+
+def activations_of(device: DeviceSpec) -> str | None:
+    """"keep" or "recompute": the planner's choice, else the engine's default (None: an engine
+    the model knows nothing of, costed as measured)."""
+    engine = device_engine(device)
+    if engine not in DEFAULT_ACTIVATIONS:
+        return None
+    return device.activations or DEFAULT_ACTIVATIONS[engine]
+
+
+def keeps_activations(device: DeviceSpec) -> bool:
+    """Whether the device keeps every activation of each micro-batch in flight until its backward
+    (PyTorch by default; MNN with one set of block graphs per micro-batch in flight)."""
+    return activations_of(device) == "keep"
 
 
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
-    """Per block of the graph, its measured cost on the device's backend; a PyTorch device that
-    recomputes its activations runs each block's forward once more in its backward."""
+    """Per block of the graph, its measured cost on the device's backend, under its activation
+    choice: PyTorch recomputing runs each block's forward once more in its backward; MNN keeping
+    skips its measured re-run of the forward (`recompute_s`), as the last stage of 1F1B does."""
     backend = device_backend(device)
-    again = recomputes_by_choice(device) is True
+    engine, policy = device_engine(device), activations_of(device)
+    again = engine == "torch" and policy == "recompute"
+    kept = engine == "mnn" and policy == "keep"
     out = []
     for b in check_blocks(graph):
         sig = block_signature(b)
@@ -169,7 +186,11 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
                              f"{backend.backend!r}) has no cost for block {b.index} {b.name!r} (signature {sig}); "
                              f"profile the device with model {graph.name!r} (`confidant profile`, with the plan's "
                              f"--lora settings if it has any)")
-        out.append(replace(cost, backward_s=cost.backward_s + cost.forward_s) if again else cost)
+        if again:
+            cost = replace(cost, backward_s=cost.backward_s + cost.forward_s)
+        elif kept:
+            cost = replace(cost, backward_s=cost.backward_s - min(cost.recompute_s, cost.backward_s), recompute_s=0.0)
+        out.append(cost)
     return tuple(out)
 
 

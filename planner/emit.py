@@ -42,10 +42,11 @@ __all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan", "load_plan_cluster", "cl
 # `addresses` maps device names to the worker addresses written into plan.json;
 # `head_split` maps device names to {"heads": {backend: n}, "predicted_s": s, "single_best": [backend, s]}
 # for devices whose attention heads are split across backends (others: no split);
-# `recompute` is the set (or list) of devices whose engine recomputes activations (others keep them).
+# `activations` maps device names to "keep" or "recompute" (what the engine does with the
+# activations of the micro-batches in flight; devices not named: the engine's default).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "model": None, "engine": "mnn", "backend": "cpu", "threads": 1,
-    "optimizer": "adamw", "lr": 5e-5, "weight_decay": None, "addresses": {}, "head_split": {}, "recompute": (),
+    "optimizer": "adamw", "lr": 5e-5, "weight_decay": None, "addresses": {}, "head_split": {}, "activations": {},
 }
 
 
@@ -86,12 +87,15 @@ def _settings(config: Mapping[str, Any], devices: Sequence[str], graph: Graph) -
     engines = dict(engine) if isinstance(engine, Mapping) else {d: engine for d in devices}
     if set(engines) != set(devices):
         raise ValueError(f"emit_plan: config['engine'] names devices {sorted(engines)}, the plan has {list(devices)}")
-    recompute = set(cfg["recompute"] or ())
-    stray = sorted(recompute - set(devices))
+    activations = dict(cfg["activations"] or {})
+    stray = sorted(set(activations) - set(devices))
     if stray:
-        raise ValueError(f"emit_plan: config['recompute'] names {stray}, which are not devices of this plan "
+        raise ValueError(f"emit_plan: config['activations'] names {stray}, which are not devices of this plan "
                          f"({list(devices)})")
-    return {"recompute": recompute, "model": cfg["model"] if cfg["model"] is not None else graph.name, "engines": engines,
+    bad = {d: a for d, a in activations.items() if a not in ("keep", "recompute")}
+    if bad:
+        raise ValueError(f"emit_plan: config['activations'] is {bad}; each is 'keep' or 'recompute'")
+    return {"activations": activations, "model": cfg["model"] if cfg["model"] is not None else graph.name, "engines": engines,
             "engine": next(iter(set(engines.values()))) if len(set(engines.values())) == 1 else "mixed",
             "backend": cfg["backend"], "optimizer": opt, "threads": per_device, "addresses": addresses,
             "head_split": head_split}
@@ -176,7 +180,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             devices[s - 1] if s > 0 else None, devices[s + 1] if s < p - 1 else None,
             schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth[s],
             cfg["engines"][device], cfg["backend"], cfg["threads"][device], optimizer, graph.batch, graph.seq,
-            _split_heads(cfg, device), device in cfg["recompute"])
+            _split_heads(cfg, device), cfg["activations"].get(device))
         directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part), part.constants,
                                  schedule.actions[s], sign=sign)
         load_bundle_dir(directory)  # read back from disk: what a device will receive
@@ -188,7 +192,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             sha256_hex((directory / MANIFEST).read_bytes()), cfg["threads"][device], cfg["engines"][device],
             _planned_split(cfg, device), cfg["addresses"].get(device),
             None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s),
-            sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks), device in cfg["recompute"]))
+            sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks), cfg["activations"].get(device)))
     cluster_sha256 = None
     if cluster_doc is not None:
         data = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")

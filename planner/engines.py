@@ -1,10 +1,11 @@
 """The engine per device and what it does with activations, as planning decisions (issue 14, levers 1
 and 5): each auto device (no `backend` in the cluster file) trains on the profiled backend (engine
 and thread count) that runs the blocks the plan gives it fastest within its budget, not the one
-fastest over the whole model; and a PyTorch device keeps every activation of each micro-batch in
-flight (fastest) or recomputes them in the backward (one micro-batch's activations held, one more
-forward per backward), whichever is faster within its budget (`planner.cost`: the memory model
-charges a keeping device's workspace once per micro-batch in flight).
+fastest over the whole model; and every device keeps the activations of each micro-batch in flight
+until its backward (fastest: PyTorch's autograd, MNN with one set of block graphs per micro-batch
+in flight) or recomputes them there (one micro-batch's activations held: PyTorch runs the forward
+again, MNN re-runs it as it does by default), whichever is faster within its budget (`planner.cost`:
+the memory model charges a keeping device's workspace once per micro-batch in flight).
 
 Why a search and not one choice per device. Which backend is fastest depends on the blocks: on
 this machine PyTorch runs a decoder's vocabulary-sized LM head and loss several times faster than
@@ -14,8 +15,8 @@ backend is. `pick_engines` therefore alternates, starting from the partition the
 choice gives:
 
 1. for every stage, rank the device's backends (an auto device's all, another's own) with keeping or
-   recomputing activations (PyTorch) by the forward+backward time of the stage's blocks (with the
-   schedule's forward reuse) and take the fastest whose stage fits the budget (`stage_pick`);
+   recomputing activations by the forward+backward time of the stage's blocks (with the schedule's
+   forward reuse) and take the fastest whose stage fits the budget (`stage_pick`);
 2. if any device's pick changed, re-cost the same cuts with the new picks and re-solve the
    partition for them (`solve`), and keep whichever predicts the shorter step;
 3. accept the round only if it predicts a shorter step than the plan before it, or the same step
@@ -25,9 +26,9 @@ choice gives:
 No accepted round raises the predicted step time, so the result is never predicted slower than
 the whole-model choice; it is a local optimum of this alternation, not a proven joint optimum
 over every (device, backend) combination. Devices the cluster file fixed (`backend`) and head-split
-devices (costed on their MNN backend) keep their backend (a PyTorch one still chooses between
-keeping and recomputing). Pure: returns a new cluster and partition; the picks travel in
-`DeviceSpec.picked` and `DeviceSpec.recompute`.
+devices (costed on their MNN backend) keep their backend (still choosing what to do with
+activations), and head-split devices keep everything (the split engine recomputes). Pure: returns a
+new cluster and partition; the picks travel in `DeviceSpec.picked` and `DeviceSpec.activations`.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import Callable
 from ir.graph import Graph
 from ir.partition import Partition
 from planner.cluster import Cluster, DeviceSpec, device_backend
-from planner.cost import compute_s, recomputes_by_choice, reuses_forward, stage_memory_bytes
+from planner.cost import ACTIVATIONS, activations_of, compute_s, reuses_forward, stage_memory_bytes
 from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us
 
 Solve = Callable[[Cluster], Partition]
@@ -57,44 +58,45 @@ class EnginePicks:
 
 
 def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int, schedule: str,
-               microbatches: int, optimizer: str) -> tuple[str, bool] | None:
-    """(backend, recompute) for blocks first..last at this stage position: the fastest backend of
-    `device` (only the cluster file's, where it names one) whose stage fits the device's budget, and
-    for PyTorch whether it keeps its activations or recomputes them (keeping is faster; recomputing
-    holds one micro-batch's activations instead of one per micro-batch in flight); at equal time
-    the leaner. None when nothing fits."""
+               microbatches: int, optimizer: str) -> tuple[str, str | None] | None:
+    """(backend, activations) for blocks first..last at this stage position: the fastest backend
+    of `device` (only the cluster file's, where it names one) whose stage fits the device's budget,
+    with its activations kept or recomputed (`planner.cost.activations_of`: keeping is faster,
+    recomputing holds one micro-batch's activations instead of one per micro-batch in flight); at
+    equal time the leaner. None when nothing fits."""
     reuse = reuses_forward(schedule, stages, stage, microbatches)
     names = [device.backend] if device.backend is not None else [b.backend for b in device.profile.backends]
     options = []
     for name in names:
-        for recompute in (False, True):
+        for activations in ACTIVATIONS:
             trial = dataclasses.replace(device, picked=None if device.backend is not None else name,
-                                        recompute=recompute)
-            if recompute and recomputes_by_choice(trial) is None:
-                continue  # an engine without the choice (MNN)
+                                        activations=activations)
+            if activations_of(trial) is None and activations != ACTIVATIONS[0]:
+                continue  # an engine the model cannot choose for: costed once, as measured
             try:
                 forward, backward = compute_s(graph, trial, first, last, reuse)
             except ValueError:  # this backend lacks a block
                 continue
             memory = stage_memory_bytes(graph, trial, first, last, stage, stages, schedule, microbatches, optimizer)
             if memory <= device.memory_budget_bytes:
-                options.append((forward + backward, memory, name, recompute))
+                options.append((forward + backward, memory, name, activations_of(trial)))
     if not options:
         return None
-    _, _, name, recompute = min(options, key=lambda o: (o[0], o[1]))
-    return name, recompute
+    _, _, name, activations = min(options, key=lambda o: (o[0], o[1]))
+    return name, activations
 
 
 def recompute_everywhere(cluster: Cluster) -> Cluster:
-    """`cluster` with every PyTorch device recomputing its activations: the leanest start, for a
-    model that does not fit with every activation kept (`pick_engines` then keeps them where they fit)."""
-    return dataclasses.replace(cluster, devices=tuple(
-        dataclasses.replace(d, recompute=True) if recomputes_by_choice(d) is not None else d for d in cluster.devices))
+    """`cluster` with every device recomputing its activations: the leanest start, for a model that
+    does not fit with PyTorch keeping them (`pick_engines` then keeps them wherever they fit)."""
+    return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, activations="recompute")
+                                                      for d in cluster.devices))
 
 
 def _choice(device: DeviceSpec) -> str:
     name = device_backend(device).backend
-    return f"{name} (recompute)" if recomputes_by_choice(device) else name
+    policy = activations_of(device)
+    return f"{name} ({policy})" if policy is not None else name
 
 
 def _recosted(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
@@ -116,10 +118,11 @@ def _memory(partition: Partition) -> int:
 
 
 def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
-                 optimizer: str, solve: Solve | None = None, rounds: int = 4) -> EnginePicks:
-    """Re-pick every auto device's backend for the blocks `partition` gives it, re-solving the
-    partition with `solve` (None: keep the cuts, e.g. manual `--cuts`), as the module docstring
-    says."""
+                 optimizer: str, solve: Solve | None = None, rounds: int = 4,
+                 fixed: frozenset[str] = frozenset()) -> EnginePicks:
+    """Re-pick every device's backend (auto devices) and activations for the blocks `partition`
+    gives it, re-solving the partition with `solve` (None: keep the cuts, e.g. manual `--cuts`), as
+    the module docstring says; devices in `fixed` (head-split ones) keep what they have."""
     start = {d.name: _choice(d) for d in cluster.devices}
     first = _recosted(graph, cluster, partition, schedule, microbatches, optimizer)
     if first is None:  # the partition given does not fit: nothing to improve on here
@@ -131,14 +134,16 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
         picks: dict[str, str] = {}
         for s, (name, (lo, hi)) in enumerate(zip(partition.devices, partition.ranges)):
             device = cluster.device(name)
+            if name in fixed:
+                continue
             pick = stage_pick(graph, device, lo, hi, s, p, schedule, microbatches, optimizer)
-            if pick is not None and pick != (device_backend(device).backend, bool(recomputes_by_choice(device))):
+            if pick is not None and pick != (device_backend(device).backend, activations_of(device)):
                 picks[name] = pick
         if not picks:
             break
         trial = dataclasses.replace(cluster, devices=tuple(
             dataclasses.replace(d, picked=None if d.backend is not None else picks[d.name][0],
-                                recompute=picks[d.name][1]) if d.name in picks else d for d in cluster.devices))
+                                activations=picks[d.name][1]) if d.name in picks else d for d in cluster.devices))
         options: list[tuple[int, Partition]] = []
         same = _recosted(graph, trial, partition, schedule, microbatches, optimizer)
         if same is not None:

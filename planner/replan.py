@@ -422,17 +422,18 @@ class ReplannedPlan:
 def _with_plan_engines(cluster: Cluster, plan: PlanDocument) -> Cluster:
     """`cluster` with each auto device's backend pinned (`DeviceSpec.picked`) to the engine and
     threads the plan runs it with (`planner.engines` may have picked them for its blocks), and its
-    choice to recompute activations kept, so a re-plan costs every device as it really runs."""
+    choice of keeping or recomputing activations kept, so a re-plan costs every device as it really
+    runs."""
     runs = {d.name: (d.engine, d.threads) for d in plan.devices}
-    recompute = {d.name: d.recompute for d in plan.devices}
+    activations = {d.name: d.activations for d in plan.devices}
     devices = []
     for d in cluster.devices:
         if d.backend is None and d.name in runs:
             match = [b.backend for b in d.profile.backends if runs_as(b.backend, *runs[d.name])]
             if match:
                 d = dataclasses.replace(d, picked=match[0])
-        if recompute.get(d.name):
-            d = dataclasses.replace(d, recompute=True)
+        if activations.get(d.name) is not None:
+            d = dataclasses.replace(d, activations=activations[d.name])
         devices.append(d)
     return dataclasses.replace(cluster, devices=tuple(devices))
 
@@ -566,7 +567,7 @@ class PlanReplanner:
             addresses[name] = entry.address if entry is not None and entry.address is not None else spec.address
             if entry is not None and entry.head_split is not None:
                 head_split[name] = entry.head_split.to_json()
-        recompute = [n for n in devices if (before[n].recompute if n in before else False)]
+        activations = {n: before[n].activations for n in devices if n in before and before[n].activations}
         return {"model": self.plan.model, "backend": self.plan.backend, "optimizer": self.plan.optimizer.to_json(),
                 "engine": engine, "threads": threads, "addresses": addresses, "head_split": head_split,
-                "recompute": recompute}
+                "activations": activations}

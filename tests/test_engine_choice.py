@@ -154,7 +154,7 @@ def test_each_device_runs_the_engine_fastest_for_its_own_blocks(graph, tiny_onnx
     # the same stage on torch: its import, and the workspace of the second micro-batch in flight (its
     # activations, which autograd keeps; MNN keeps one micro-batch's caches), 1 MiB per block
     assert forced["devices"][0]["memory_bytes"] - auto["devices"][0]["memory_bytes"] == TORCH_IMPORT + head * MIB
-    assert any(line.startswith("engine per device for the blocks it runs: a: torch:cpu:t1 -> mnn:cpu:t1 ")
+    assert any(line.startswith("engine per device for the blocks it runs: a: torch:cpu:t1 (keep) -> mnn:cpu:t1 (recompute) ")
                for line in notes)
 
 
@@ -187,6 +187,6 @@ def test_pick_engines_keeps_what_the_cluster_file_chose_and_never_predicts_slowe
     assert picks.changed == {} and picks.cluster == fixed and picks.after_us == picks.before_us
     auto = cluster(None)
     picks = pick_engines(graph, auto, solve(auto), "1f1b-flush", 2, "adamw", solve)
-    assert picks.changed and all(before == "torch:cpu:t1" for before, _ in picks.changed.values())
+    assert picks.changed and all(before == "torch:cpu:t1 (keep)" for before, _ in picks.changed.values())
     assert picks.after_us < picks.before_us
     assert {d.picked for d in picks.cluster.devices if d.name in picks.changed} == {"mnn:cpu:t1"}

@@ -1,9 +1,10 @@
-"""Issue 14, lever 5: activation memory as a planning decision. The PyTorch engine either keeps every
-activation of each micro-batch in flight (autograd's graph) or recomputes them in the backward from
-the stashed inputs; the gradients are the same bit for bit. The memory model charges a keeping
-PyTorch device its workspace once per micro-batch in flight and a recomputing one once, with one
-more forward per backward; the planner keeps where that fits and recomputes where only that fits,
-and the plan's bundles tell the worker, which trains as one device does."""
+"""Issue 14, lever 5: activation memory as a planning decision. Each engine either keeps the
+activations of every micro-batch in flight until its backward (PyTorch's autograd; MNN with one set
+of block graphs per micro-batch in flight, each keeping its per-op caches) or recomputes them there
+from the stashed inputs (PyTorch runs the forward again; MNN's default re-run); the gradients are the
+same bit for bit either way. The memory model charges a keeping device its workspace once per
+micro-batch in flight (and MNN keeping no forward re-run); the planner keeps where that fits and
+recomputes where only that fits; the plan's bundles tell the worker, which trains as one device does."""
 from __future__ import annotations
 
 import json
@@ -78,7 +79,7 @@ def test_the_memory_model_charges_kept_activations_per_micro_batch_in_flight(gra
     from planner.cost import compute_s
 
     keep = DeviceSpec("a", "tcp://x:1", _profile(graph), 4 << 30)
-    again = DeviceSpec("a", "tcp://x:1", _profile(graph), 4 << 30, recompute=True)
+    again = DeviceSpec("a", "tcp://x:1", _profile(graph), 4 << 30, activations="recompute")
     assert keeps_activations(keep) and not keeps_activations(again)
     n = len(graph.blocks)
     # stage 0 of 2 under 1f1b-flush with 4 micro-batches: 2 in flight
@@ -112,12 +113,12 @@ def test_the_planner_keeps_activations_where_they_fit_and_recomputes_where_only_
     roomy_dir, roomy = _plan(graph, tiny_onnx, tmp_path / "roomy", "2GiB")
     tight_dir, tight = _plan(graph, tiny_onnx, tmp_path / "tight", "600MiB")
     (r,), (t,) = roomy["devices"], tight["devices"]
-    assert "recompute" not in r and t["recompute"] is True
+    assert r["activations"] == "keep" and t["activations"] == "recompute"
     assert r["memory_bytes"] - t["memory_bytes"] == 3 * len(graph.blocks) * 40 * MIB
     assert t["memory_bytes"] <= t["memory_budget_bytes"] < r["memory_bytes"]
     assert tight["predicted_step_s"] > roomy["predicted_step_s"]
-    assert load_bundle_dir(tight_dir / "box").stage_doc.recompute is True
-    assert load_bundle_dir(roomy_dir / "box").stage_doc.recompute is False
+    assert load_bundle_dir(tight_dir / "box").stage_doc.activations == "recompute"
+    assert load_bundle_dir(roomy_dir / "box").stage_doc.activations == "keep"
     from confidant.commands import show_plan
 
     capsys.readouterr()
@@ -137,7 +138,7 @@ def test_a_pipeline_of_recomputing_torch_stages_trains_as_one_device(graph):
     M, steps = 2, 2
     batches = [synthetic_batch(i, M) for i in range(steps)]
     config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60,
-                            engine="torch", recompute=True)
+                            engine="torch", activations="recompute")
     with InProcessWorkers(2, timeout_s=60) as workers:
         result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2],
                                 transport=workers.coordinator, faults=FaultPolicy(on_failure="stop"))
@@ -154,11 +155,97 @@ def test_a_pipeline_of_recomputing_torch_stages_trains_as_one_device(graph):
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
 
 
-def test_train_pipeline_refuses_recompute_without_the_torch_engine(tiny_onnx, tmp_path, capsys):
-    from confidant.cli import main
+# --- MNN keeping: one set of block graphs per micro-batch in flight ---------------------------------
 
-    data = tmp_path / "train.conll"
-    data.write_text("EU B-ORG\nrejects O\n\n")
-    assert main(["train-pipeline", str(tiny_onnx["torchscript-17"]), "--data", str(data), "--recompute",
-                 "--local", "2", "--steps", "1"]) == 1
-    assert "--recompute is a choice of the torch engine" in capsys.readouterr().err
+def _one_f_one_b(engine, spec, graph, update: bool = False):
+    """Stage 0 of 2 under 1F1B with 4 micro-batches (F0 F1 B0 F2 B1 F3 B2 B3): the gradients, with
+    an update after B0 when `update` (the stashed version must serve B1)."""
+    rng = np.random.default_rng(3)
+    out_shape = graph.values[spec.output].shape
+    dys = [rng.standard_normal(out_shape).astype(np.float32) for _ in range(4)]
+    grads = {}
+    for action in ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"):
+        m = int(action[1])
+        if action[0] == "F":
+            engine.forward(token_feeds(B, S, vocab=500, seed=m), m)
+        else:
+            grads[m] = engine.backward(m, dys[m]).params
+            if update and m == 0:
+                engine.set_parameters({k: v * 0.9 for k, v in engine.parameters().items()})
+    return grads
+
+
+@pytest.mark.parametrize("update", [False, True], ids=["flush", "stash"])
+def test_mnn_keeping_gives_the_gradients_of_recomputing_bit_for_bit(graph, update):
+    from runtime.engines.mnn import MnnStageEngine
+
+    spec = stage_spec(graph, 0, 2)
+    kept_engine = MnnStageEngine(spec, cache_slots=None)
+    kept = _one_f_one_b(kept_engine, spec, graph, update)
+    again = _one_f_one_b(MnnStageEngine(spec), spec, graph, update)
+    assert kept_engine.cache_slots == 2  # at most two micro-batches in flight on this stage
+    for m in range(4):
+        assert kept[m].keys() == again[m].keys()
+        assert all(np.array_equal(kept[m][k], again[m][k]) for k in again[m])
+
+
+def _mnn_profile(graph, workspace_mib: int = 40) -> DeviceProfile:
+    """mnn:cpu:t1 only: every block 10 + 30 ms, 10 ms of which re-runs the forward."""
+    costs = {block_signature(b): BlockCost(0.010, 0.030, recompute_s=0.010, workspace_bytes=workspace_mib * MIB)
+             for b in graph.blocks}
+    return DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("mnn:cpu:t1", costs),),
+                         memory_available_bytes=16 << 30, runtime_overhead_bytes=100 * MIB)
+
+
+def test_an_mnn_device_keeps_where_that_fits_and_skips_its_forward_re_run(graph, tiny_onnx, tmp_path):
+    from planner.cost import compute_s
+
+    n = len(graph.blocks)
+    default = DeviceSpec("a", "tcp://x:1", _mnn_profile(graph), 4 << 30)
+    keep = DeviceSpec("a", "tcp://x:1", _mnn_profile(graph), 4 << 30, activations="keep")
+    assert not keeps_activations(default) and keeps_activations(keep)
+    assert compute_s(graph, default, 0, n - 1) == pytest.approx((0.010 * n, 0.030 * n))
+    assert compute_s(graph, keep, 0, n - 1) == pytest.approx((0.010 * n, 0.020 * n))
+    kept = stage_memory_bytes(graph, keep, 0, 2, 0, 2, "1f1b-flush", 4, "adamw")
+    assert kept - stage_memory_bytes(graph, default, 0, 2, 0, 2, "1f1b-flush", 4, "adamw") == 3 * 40 * MIB
+
+    _mnn_profile(graph).save(tmp_path / "box.json")
+    for budget, want in (("2GiB", "keep"), ("600MiB", "recompute")):
+        (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+            {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": budget}]}))
+        from jobs.planning import PlanSettings, plan_model
+
+        out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json",
+                         PlanSettings(schedule="gpipe", batch=B * 4, seq=S, microbatches=4, time_limit_s=5.0),
+                         tmp_path / f"plan-{budget}")
+        assert json.loads((out / "plan.json").read_text())["devices"][0]["activations"] == want
+
+
+def test_a_pipeline_of_mnn_stages_keeping_activations_trains_as_one_device(graph):
+    """1F1B-flush on two MNN stages told to keep: stage 0 builds a second set of block graphs (two
+    micro-batches in flight), and the losses are single-device MNN training's."""
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.optim import make_optimizer
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+    from tasks.trainer import accumulate_gradients
+
+    M, steps = 4, 2
+    batches = [synthetic_batch(i, M) for i in range(steps)]
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60,
+                            activations="keep")
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2],
+                                transport=workers.coordinator, faults=FaultPolicy(on_failure="stop"))
+        slots = [w.executor.engine.cache_slots for w in workers.workers]
+    assert workers.codes == [0, 0], workers.errors
+    assert slots == [2, 1]  # 1F1B: stage 0 has two micro-batches in flight, the last stage one
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
+    for step in range(steps):
+        loss, grads = accumulate_gradients(engine, batches[step], M, 9)
+        params = opt.step(params, grads)
+        engine.set_parameters(params)
+        losses.append(loss)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)

@@ -21,7 +21,7 @@ from runtime.engines.stage import StageSpec
 
 def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapping[str, int] | None = None,
                 weights: Mapping[str, np.ndarray] | None = None, stash_weights: bool = True,
-                cache_activations: bool = True, recompute: bool = False) -> StageEngine:
+                cache_activations: bool = True, activations: str | None = None) -> StageEngine:
     """The stage engine that runs `spec` on `backend` with its thread setting.
 
     `head_split` ({backend: units}) splits the attention heads of each block the lowering placed
@@ -29,9 +29,11 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
     (the rest of the stage runs on MNN). `weights` overrides the graph's constants;
     `stash_weights` keeps the weight version of every micro-batch in flight (PipeDream stashing);
     `cache_activations` (MNN) trades memory for not re-running the forward in the backward;
-    `recompute` (PyTorch) keeps only each micro-batch's inputs and runs its forward again in the
-    backward, instead of keeping every activation of every micro-batch in flight (MNN always works
-    so: one graph's caches serve only the micro-batch whose backward follows its forward).
+    `activations`: "keep" every activation of each micro-batch in flight until its backward
+    (PyTorch's autograd does by default; MNN builds a set of block graphs per micro-batch in flight,
+    each keeping its per-op caches) or "recompute" them there from the stashed inputs (MNN's default:
+    one graph set, whose caches serve only the micro-batch whose backward follows its forward;
+    PyTorch runs the forward again); None: the engine's default.
     Raises NotImplementedError for backends the engines cannot drive yet, and ModuleNotFoundError
     naming the fix when torch is asked for and not installed."""
     backend = parse_backend(backend)
@@ -39,5 +41,7 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
         if backend.engine != "mnn":
             raise ValueError(f"a head split runs its stage on MNN; backend {backend} was asked for")
         return SplitStageEngine(spec, dict(head_split), threads=backend.thread_count, stash_weights=stash_weights)
+    if activations not in (None, "keep", "recompute"):
+        raise ValueError(f"activations is {activations!r}: 'keep', 'recompute' or None (the engine's default)")
     return single_engine(backend, spec, weights=weights, stash_weights=stash_weights,
-                         cache_activations=cache_activations, recompute=recompute)
+                         cache_activations=cache_activations, activations=activations)

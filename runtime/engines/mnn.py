@@ -278,7 +278,7 @@ class MnnStageEngine(StageEngine):
     updated in place, so without it a backward after an update would silently use the new weights."""
 
     def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
-                 cache_activations: bool = True, stash_weights: bool = True):
+                 cache_activations: bool = True, stash_weights: bool = True, cache_slots: int | None = 1):
         if K.denormals_flushed_at_import():
             # before MNN (re)starts its worker threads, which inherit this thread's flush-to-zero bits;
             # another library may have cleared them since MNN was imported (creating an ONNX Runtime
@@ -308,23 +308,56 @@ class MnnStageEngine(StageEngine):
         # numpy copy of the current weights: what an old version is restored from and returned to
         self._current = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p not in numpy_held}
         self._constants = {k: v for k, v in spec.graph.constants.items()}
-        lookup = ChainMap(self._tables, self._frozen_tables)  # a view: version swaps of _tables show through
-        self._blocks = []
+        if cache_slots is not None and (not isinstance(cache_slots, int) or cache_slots < 1):
+            raise ValueError(f"cache_slots must be an int >= 1 or None (one per micro-batch in flight), "
+                             f"got {cache_slots!r}")
+        # one set of block graphs per slot, all reading the same weight Vars: a micro-batch's forward
+        # runs on a slot no other micro-batch in flight holds, so its per-op caches (its activations)
+        # are still there for its backward, which then skips re-running the forward. Which slot a
+        # micro-batch gets changes speed only: a backward whose caches went stale re-runs its
+        # forward from the stashed inputs, as with one slot. None: a slot is added whenever every
+        # slot is held (as many as micro-batches in flight: the planner's "keep").
+        self._max_slots = (cache_slots if cache_activations else 1)
+        self._lookup = ChainMap(self._tables, self._frozen_tables)
+        self._slots = [self._build_blocks(spec, self._lookup)]
+        self._blocks = self._slots[0]
+        self._slot_used = [0] * len(self._slots)  # the serial of the last forward on each slot
+        self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray], int]] = {}
+        self._serial = 0
+        self.cache_activations = cache_activations
+        self.stash_weights = stash_weights
+        self.version = 0
+        self._old_versions: dict[int, dict[str, np.ndarray]] = {}
+
+    def _build_blocks(self, spec: StageSpec, lookup) -> list:
+        """The stage's block programs (a view of the tables: version swaps of _tables show through)."""
+        blocks: list = []
         for b, nodes in spec.block_nodes():
             if self._lm is not None and b.index == self._lm.head_index:
                 nodes = [n for n in nodes if n.name != self._lm.matmul.name]
                 b = replace(b, output=self._lm.hidden)
             if len(nodes) == 1 and nodes[0].op == "TokenCrossEntropy":
                 fused = self._lm if self._lm is not None and b.index == self._lm.loss_index else None
-                self._blocks.append(_LossProgram(b, nodes[0], fused, lookup, set(self._tables)))
+                blocks.append(_LossProgram(b, nodes[0], fused, lookup, set(self._tables)))
             else:
-                self._blocks.append(_BlockProgram(b, nodes, spec, self._params, lookup, set(self._tables)))
-        self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray]]] = {}
-        self._serial = 0
-        self.cache_activations = cache_activations
-        self.stash_weights = stash_weights
-        self.version = 0
-        self._old_versions: dict[int, dict[str, np.ndarray]] = {}
+                blocks.append(_BlockProgram(b, nodes, spec, self._params, lookup, set(self._tables)))
+        return blocks
+
+    def _free_slot(self) -> int:
+        """A slot no micro-batch in flight holds (the least recently used); a new one if every slot is
+        held and more are allowed; else the least recently used."""
+        held = {entry[4] for entry in self._stash.values()}
+        free = [k for k in range(len(self._slots)) if k not in held]
+        if not free and (self._max_slots is None or len(self._slots) < self._max_slots):
+            self._slots.append(self._build_blocks(self.spec, self._lookup))
+            self._slot_used.append(0)
+            return len(self._slots) - 1
+        return min(free or range(len(self._slots)), key=lambda k: self._slot_used[k])
+
+    @property
+    def cache_slots(self) -> int:
+        """Sets of block graphs built so far (one per micro-batch in flight at most, when keeping)."""
+        return len(self._slots)
 
     def _host(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env = host_values(self.spec, feeds)
@@ -345,7 +378,10 @@ class MnnStageEngine(StageEngine):
         block_inputs: list[np.ndarray | None] = []
         self._serial += 1
         serial = self._serial if train else None
-        for prog in self._blocks:
+        slot = self._free_slot() if train else 0
+        self._slot_used[slot] = self._serial
+        programs = self._slots[slot]
+        for prog in programs:
             if until_block is not None and prog.block.index > until_block:
                 if train:
                     raise ValueError("a training forward must run the whole stage")
@@ -357,15 +393,15 @@ class MnnStageEngine(StageEngine):
                 prog.enable_op_caches()
             x = prog.forward(train)
         if self._lm is not None and until_block == self._lm.head_index:
-            x = self._blocks[-1].logits(x)  # the head's real output, for evaluation
+            x = programs[-1].logits(x)  # the head's real output, for evaluation
         if train:
-            self._stash[microbatch] = (self._serial, self.version, block_inputs, host)
+            self._stash[microbatch] = (self._serial, self.version, block_inputs, host, slot)
         return x
 
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         if microbatch not in self._stash:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
-        serial, version, block_inputs, host = self._stash.pop(microbatch)
+        serial, version, block_inputs, host, slot = self._stash.pop(microbatch)
         swapped = self.stash_weights and version != self.version
         current = {**self._tables, **self._current}
         if swapped:
@@ -373,7 +409,7 @@ class MnnStageEngine(StageEngine):
         try:
             grads: dict[str, np.ndarray] = {}
             g = grad_output
-            for prog, x in zip(reversed(self._blocks), reversed(block_inputs)):
+            for prog, x in zip(reversed(self._slots[slot]), reversed(block_inputs)):
                 prog.feed(x, host, serial)
                 pg, g = prog.backward(g, host)
                 for k, v in pg.items():

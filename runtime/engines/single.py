@@ -26,7 +26,7 @@ def torch_installed() -> bool:
 
 def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mapping[str, np.ndarray] | None = None,
                   stash_weights: bool = True, cache_activations: bool = True,
-                  recompute: bool = False) -> StageEngine:
+                  activations: str | None = None) -> StageEngine:
     """The engine that runs `spec` on `backend` (options as `runtime.engines.factory.make_engine`)."""
     backend = parse_backend(backend)
     if backend.engine == "mnn":
@@ -35,7 +35,8 @@ def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mappi
         from runtime.engines.mnn import MnnStageEngine
 
         return MnnStageEngine(spec, threads=backend.thread_count, weights=weights, stash_weights=stash_weights,
-                              cache_activations=cache_activations)
+                              cache_activations=cache_activations,
+                              cache_slots=None if activations == "keep" else 1)
     if backend.device != "cpu":
         raise NotImplementedError(f"{backend}: the torch stage engine runs on the cpu only "
                                   "(runtime.engines.pytorch has no device setting yet)")
@@ -43,4 +44,5 @@ def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mappi
         raise ModuleNotFoundError(f"{backend} needs PyTorch, which is not installed here (pip install torch==2.13.0)")
     from runtime.engines.pytorch import TorchStageEngine
 
-    return TorchStageEngine(spec, threads=backend.thread_count, weights=weights, recompute=recompute)
+    return TorchStageEngine(spec, threads=backend.thread_count, weights=weights,
+                            recompute=activations == "recompute")

@@ -96,10 +96,10 @@ class PipelineConfig:
     # Indexed by stage at first setup; a re-plan keeps each worker's split with the worker (the
     # backends are the device's), and workers new to the pipeline run unsplit.
     head_split: tuple[Mapping[str, int] | None, ...] | None = None
-    # one for all stages, or one per stage: the PyTorch engine keeps only each micro-batch's inputs
-    # and runs its forward again in the backward (activation memory of one micro-batch, for one
-    # more forward per backward); MNN stages work so anyway
-    recompute: bool | tuple[bool, ...] = False
+    # one for all stages, or one per stage: "keep" the activations of the micro-batches in flight
+    # until their backwards (MNN: one set of block graphs per micro-batch in flight) or "recompute"
+    # them there from the stashed inputs; None: the engine's default (PyTorch keeps, MNN recomputes)
+    activations: str | None | tuple[str | None, ...] = None
 
 
 @dataclass(frozen=True)
@@ -187,11 +187,11 @@ class Coordinator:
             raise ValueError(f"{len(engine)} engines given for {self.stages} stages")
         return engine[stage]
 
-    def recompute_of(self, stage: int) -> bool:
-        recompute = self.config.recompute
-        if isinstance(recompute, bool):
-            return recompute
-        return bool(recompute[stage]) if stage < len(recompute) else False
+    def activations_of(self, stage: int) -> str | None:
+        choice = self.config.activations
+        if choice is None or isinstance(choice, str):
+            return choice
+        return choice[stage] if stage < len(choice) else None
 
     def head_split_of(self, stage: int) -> dict[str, int] | None:
         splits = self.config.head_split
@@ -324,7 +324,7 @@ class Coordinator:
                               "weight_decay": self.config.weight_decay},
                 "peers": self._neighbours(p), **self._peer_keys(p), "optimizer_state": list(opt_state),
                 **({"head_split": self.head_split_of(p.stage)} if self.head_split_of(p.stage) else {}),
-                **({"recompute": True} if self.recompute_of(p.stage) else {}),
+                **({"activations": self.activations_of(p.stage)} if self.activations_of(p.stage) else {}),
                 **self._tied_of(p.stage),
             })
             for i, (name, arr) in enumerate(part.constants.items()):

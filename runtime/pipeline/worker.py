@@ -3,7 +3,8 @@
 Protocol (JSON control messages; tensors as header + raw bytes, see runtime.transport.wire):
   coordinator -> worker  setup {stage, stages, graph, blocks, engine, threads, optimizer, peers, ...}
                          (optional head_split {backend: heads}: the stage's attention heads split;
-                         optional recompute: the engine runs each forward again in the backward)
+                         optional activations "keep" or "recompute": what the engine does with
+                         the activations of the micro-batches in flight)
                          then one "weights" tensor per constant (and "optstate" tensors on resume)
   worker -> coordinator  ready {stage, pid, rss}
   coordinator -> worker  run {step, actions} ... and "batch" tensors for each micro-batch
@@ -201,7 +202,7 @@ class Worker:
         first, last = msg["blocks"]
         spec = stage_spec(graph, first, last)
         engine = make_engine(BackendSpec.cpu(msg.get("engine", "mnn"), int(msg.get("threads", 1))), spec,
-                             head_split=msg.get("head_split"), recompute=bool(msg.get("recompute", False)))
+                             head_split=msg.get("head_split"), activations=_activations(msg.get("activations")))
         opt = msg["optimizer"]
         optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
         if msg.get("optimizer_state"):
@@ -238,7 +239,7 @@ class Worker:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc
         spec = stage_spec(contents.graph, contents.first_block, contents.last_block)
-        engine = make_engine(doc.backend_spec, spec, head_split=doc.head_split, recompute=doc.recompute)
+        engine = make_engine(doc.backend_spec, spec, head_split=doc.head_split, activations=doc.activations)
         optimizer = make_optimizer(doc.optimizer.name, doc.optimizer.lr, doc.optimizer.weight_decay)
         if msg.get("optimizer_state"):
             optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
@@ -469,6 +470,13 @@ def watch_parent(pid: int) -> None:
         os._exit(3)
 
     threading.Thread(target=watch, name="confidant-parent-watch", daemon=True).start()
+
+
+def _activations(value) -> str | None:
+    """A setup message's `activations`, checked (it comes from the network)."""
+    if value is None or value in ("keep", "recompute"):
+        return value
+    raise ValueError(f"setup: activations is {str(value)[:40]!r}, not 'keep' or 'recompute'")
 
 
 def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, keys=None, insecure: bool = False,
