@@ -11,7 +11,10 @@ micro-batch in flight; when a block's backward follows its own forward with no o
 in between (single-device training, the last pipeline stage), per-op caches let the gradient
 program reuse the forward's activations instead (`cache_activations`, on by default: faster, at the
 memory of one cached tensor per op); otherwise the block's forward is re-run from the stashed
-input. The profile and the memory accounting of the planner must count both.
+input. The profile and the memory accounting of the planner must count both. With `cache_slots`
+above 1 (or None: as many as micro-batches in flight) the engine builds one set of block graphs per
+slot, all reading the same weight Vars, and runs each micro-batch in flight on a slot of its own, so
+every backward finds its forward's caches (the planner's `activations: keep`).
 
 The causal-LM loss (``TokenCrossEntropy``) runs in numpy (`runtime.engines.lm_loss`), never as an
 MNN graph, whose softmax, caches and gradient seed would each hold a vocabulary-sized copy: with
@@ -275,7 +278,9 @@ class _LossProgram:
 class MnnStageEngine(StageEngine):
     """A stage on MNN. `stash_weights` keeps, for every micro-batch in flight, the weight version its
     forward used, and runs its backward on that version (PipeDream weight stashing): MNN Vars are
-    updated in place, so without it a backward after an update would silently use the new weights."""
+    updated in place, so without it a backward after an update would silently use the new weights.
+    `cache_slots`: sets of block graphs (module docstring); 1 re-runs the forward in any backward
+    that does not directly follow its own forward, None adds a set whenever every set is held."""
 
     def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
                  cache_activations: bool = True, stash_weights: bool = True, cache_slots: int | None = 1):
