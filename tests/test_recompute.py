@@ -181,7 +181,11 @@ def test_mnn_keeping_gives_the_gradients_of_recomputing_bit_for_bit(graph, updat
 
     spec = stage_spec(graph, 0, 2)
     kept_engine = MnnStageEngine(spec, cache_slots=None)
+    constants = dict(kept_engine._constant_vars)
     kept = _one_f_one_b(kept_engine, spec, graph, update)
+    # the second graph set reads the first one's constants (a frozen base weight is held once)
+    assert constants and kept_engine._constant_vars.keys() == constants.keys()
+    assert all(kept_engine._constant_vars[k] is v for k, v in constants.items())
     again = _one_f_one_b(MnnStageEngine(spec), spec, graph, update)
     assert kept_engine.cache_slots == 2  # at most two micro-batches in flight on this stage
     for m in range(4):

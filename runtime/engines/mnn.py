@@ -105,7 +105,7 @@ class _BlockProgram:
     """One block as an MNN graph plus its gradient program, both built once."""
 
     def __init__(self, block: Block, nodes: list[Node], spec: StageSpec, params: Mapping[str, "K.Var"],
-                 tables: Mapping[str, np.ndarray], trainable_tables: set[str]):
+                 tables: Mapping[str, np.ndarray], trainable_tables: set[str], constants: dict[str, "K.Var"]):
         graph = spec.graph
         self.block = block
         env: dict[str, K.Var] = {}
@@ -138,7 +138,11 @@ class _BlockProgram:
                     if i in params:
                         env[i] = params[i]
                     elif i in graph.constants:
-                        env[i] = K.constant(graph.constants[i].astype(np.float32))
+                        # one Var per constant for all the engine's graph sets: a frozen weight
+                        # (LoRA's base) is held once however many sets there are
+                        if i not in constants:
+                            constants[i] = K.constant(graph.constants[i].astype(np.float32))
+                        env[i] = constants[i]
                     elif i not in produced:
                         raise KeyError(f"block {block.name!r}: node {n.name!r} reads {i!r}, which is not available")
                 args.append(env[i])
@@ -324,6 +328,7 @@ class MnnStageEngine(StageEngine):
         # slot is held (as many as micro-batches in flight: the planner's "keep").
         self._max_slots = (cache_slots if cache_activations else 1)
         self._lookup = ChainMap(self._tables, self._frozen_tables)
+        self._constant_vars: dict[str, K.Var] = {}
         self._slots = [self._build_blocks(spec, self._lookup)]
         self._blocks = self._slots[0]
         self._slot_used = [0] * len(self._slots)  # the serial of the last forward on each slot
@@ -345,7 +350,8 @@ class MnnStageEngine(StageEngine):
                 fused = self._lm if self._lm is not None and b.index == self._lm.loss_index else None
                 blocks.append(_LossProgram(b, nodes[0], fused, lookup, set(self._tables)))
             else:
-                blocks.append(_BlockProgram(b, nodes, spec, self._params, lookup, set(self._tables)))
+                blocks.append(_BlockProgram(b, nodes, spec, self._params, lookup, set(self._tables),
+                                            self._constant_vars))
         return blocks
 
     def _free_slot(self) -> int:
