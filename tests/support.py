@@ -68,15 +68,15 @@ def synthetic_batch(seed: int, microbatches: int = M) -> Batch:
                  n_labelled=int((labels != -100).sum()))
 
 
-def single_device_training(graph: Graph, batches, steps: int, microbatches: int = M):
-    """`steps` AdamW steps of the whole model on one MNN engine: (losses, final parameters), the
-    reference a pipeline with a flush schedule must equal."""
+def single_device_training(graph: Graph, batches, steps: int, microbatches: int = M, engine=None):
+    """`steps` AdamW steps of the whole model on one engine (default: MNN over the whole model):
+    (losses, final parameters), the reference a pipeline with a flush schedule must equal."""
     from runtime.engines.mnn import MnnStageEngine
     from runtime.engines.stage import stage_spec
     from runtime.optim import make_optimizer
     from tasks.trainer import accumulate_gradients
 
-    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    engine = engine or MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
     opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
     for step in range(steps):
         loss, grads = accumulate_gradients(engine, batches[step], microbatches, 9)

@@ -19,7 +19,7 @@ from planner.cost import keeps_activations, stage_memory_bytes
 from planner.onnx_import import load_model
 from runtime.engines.pytorch import TorchStageEngine
 from runtime.engines.stage import stage_spec
-from support import S, synthetic_batch, token_feeds
+from support import S, single_device_training, synthetic_batch, token_feeds
 
 MIB = 2 ** 20
 B = 2
@@ -130,10 +130,8 @@ def test_a_pipeline_of_recomputing_torch_stages_trains_as_one_device(graph):
     """Two stages on the PyTorch engine, both told to recompute, 1F1B-flush: every stage's engine
     recomputes, and the losses are those of single-device training on the same engine."""
     from jobs.pipeline_training import FaultPolicy, train_pipeline
-    from runtime.optim import make_optimizer
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
-    from tasks.trainer import accumulate_gradients
 
     M, steps = 2, 2
     batches = [synthetic_batch(i, M) for i in range(steps)]
@@ -145,13 +143,8 @@ def test_a_pipeline_of_recomputing_torch_stages_trains_as_one_device(graph):
         engines = [w.executor.engine for w in workers.workers]
     assert workers.codes == [0, 0], workers.errors
     assert [type(e).__name__ for e in engines] == ["TorchStageEngine"] * 2 and all(e.recompute for e in engines)
-    engine = TorchStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
-    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
-    for step in range(steps):
-        loss, grads = accumulate_gradients(engine, batches[step], M, 9)
-        params = opt.step(params, grads)
-        engine.set_parameters(params)
-        losses.append(loss)
+    reference = TorchStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    losses, _ = single_device_training(graph, batches, steps, M, reference)
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
 
 
@@ -229,11 +222,8 @@ def test_a_pipeline_of_mnn_stages_keeping_activations_trains_as_one_device(graph
     """1F1B-flush on two MNN stages told to keep: stage 0 builds a second set of block graphs (two
     micro-batches in flight), and the losses are single-device MNN training's."""
     from jobs.pipeline_training import FaultPolicy, train_pipeline
-    from runtime.engines.mnn import MnnStageEngine
-    from runtime.optim import make_optimizer
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
-    from tasks.trainer import accumulate_gradients
 
     M, steps = 4, 2
     batches = [synthetic_batch(i, M) for i in range(steps)]
@@ -245,11 +235,5 @@ def test_a_pipeline_of_mnn_stages_keeping_activations_trains_as_one_device(graph
         slots = [w.executor.engine.cache_slots for w in workers.workers]
     assert workers.codes == [0, 0], workers.errors
     assert slots == [2, 1]  # 1F1B: stage 0 has two micro-batches in flight, the last stage one
-    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
-    opt, params, losses = make_optimizer("adamw", 1e-3), engine.parameters(), []
-    for step in range(steps):
-        loss, grads = accumulate_gradients(engine, batches[step], M, 9)
-        params = opt.step(params, grads)
-        engine.set_parameters(params)
-        losses.append(loss)
+    losses, _ = single_device_training(graph, batches, steps, M)
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
