@@ -115,8 +115,7 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
     `planner.engines`."""
     M = settings.microbatches
 
-    def solve(trial: Cluster):
-        inst = make_instance(graph, trial, settings.schedule, M, settings.optimizer)
+    def solve(inst):
         return solve_partition(inst, time_limit_s=max(1.0, settings.time_limit_s / 2))
 
     picks = pick_engines(graph, cluster, partition, settings.schedule, M, settings.optimizer,

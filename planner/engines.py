@@ -39,9 +39,10 @@ from ir.graph import Graph
 from ir.partition import Partition
 from planner.cluster import Cluster, DeviceSpec, device_backend
 from planner.cost import ACTIVATIONS, activations_of, compute_s, reuses_forward, stage_memory_bytes
-from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us
+from planner.partition import (PartitionInstance, PlanDoesNotFit, check_feasible, make_instance, manual_partition,
+                               predicted_step_us)
 
-Solve = Callable[[Cluster], Partition]
+Solve = Callable[[PartitionInstance], Partition]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +100,9 @@ def _choice(device: DeviceSpec) -> str:
     return f"{name} ({policy})" if policy is not None else name
 
 
-def _recosted(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
-              optimizer: str) -> tuple[int, Partition] | None:
-    """`partition`'s cuts re-costed on `cluster` (its stage times and memory under the cluster's
+def _recosted(inst: PartitionInstance, partition: Partition) -> tuple[int, Partition] | None:
+    """`partition`'s cuts re-costed on `inst` (its stage times and memory under the instance's
     backends) and its predicted step in us; None when it does not fit."""
-    inst = make_instance(graph, cluster, schedule, microbatches, optimizer)
     cuts = [first for first, _ in partition.ranges[1:]]
     same = manual_partition(inst, partition.devices, cuts)
     if check_feasible(same, inst):
@@ -121,17 +120,17 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
                  optimizer: str, solve: Solve | None = None, rounds: int = 4,
                  fixed: frozenset[str] = frozenset()) -> EnginePicks:
     """Re-pick every device's backend (auto devices) and activations for the blocks `partition`
-    gives it, re-solving the partition with `solve` (None: keep the cuts, e.g. manual `--cuts`), as
-    the module docstring says; devices in `fixed` (head-split ones) keep what they have."""
+    gives it, re-solving the partition with `solve` (an instance -> its partition; None: keep the
+    cuts, e.g. manual `--cuts`), as the module docstring says; devices in `fixed` (head-split ones) keep what they have."""
     start = {d.name: _choice(d) for d in cluster.devices}
-    first = _recosted(graph, cluster, partition, schedule, microbatches, optimizer)
+    first = _recosted(make_instance(graph, cluster, schedule, microbatches, optimizer), partition)
     if first is None:  # the partition given does not fit: nothing to improve on here
         return EnginePicks(cluster, partition, {}, 0, 0)
     best_us = before_us = first[0]
     best_memory = _memory(first[1])
     for _ in range(rounds):
         p = len(partition.stages)
-        picks: dict[str, str] = {}
+        picks: dict[str, tuple[str, str | None]] = {}
         for s, (name, (lo, hi)) in enumerate(zip(partition.devices, partition.ranges)):
             device = cluster.device(name)
             if name in fixed:
@@ -145,16 +144,16 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
             dataclasses.replace(d, picked=None if d.backend is not None else picks[d.name][0],
                                 activations=picks[d.name][1]) if d.name in picks else d for d in cluster.devices))
         options: list[tuple[int, Partition]] = []
-        same = _recosted(graph, trial, partition, schedule, microbatches, optimizer)
+        inst = make_instance(graph, trial, schedule, microbatches, optimizer)  # once per round
+        same = _recosted(inst, partition)
         if same is not None:
             options.append(same)
         if solve is not None:
             try:
-                again = solve(trial)
+                again = solve(inst)
             except PlanDoesNotFit:
                 again = None
             if again is not None:
-                inst = make_instance(graph, trial, schedule, microbatches, optimizer)
                 options.append((predicted_step_us(inst, again), again))
         if not options:
             break

@@ -179,14 +179,17 @@ def test_pick_engines_keeps_what_the_cluster_file_chose_and_never_predicts_slowe
         return Cluster(tuple(DeviceSpec(n, f"tcp://x:{i}", profile, 2 << 30, backend=backend)
                              for i, n in enumerate("ab")), Link(1e9, 1e-4))
 
-    def solve(c):
-        return solve_partition(make_instance(graph, c, "1f1b-flush", 2, "adamw"), time_limit_s=2.0)
+    def solve(inst):
+        return solve_partition(inst, time_limit_s=2.0)
+
+    def first(c):
+        return solve(make_instance(graph, c, "1f1b-flush", 2, "adamw"))
 
     fixed = cluster("torch:cpu:t1")
-    picks = pick_engines(graph, fixed, solve(fixed), "1f1b-flush", 2, "adamw", solve)
+    picks = pick_engines(graph, fixed, first(fixed), "1f1b-flush", 2, "adamw", solve)
     assert picks.changed == {} and picks.cluster == fixed and picks.after_us == picks.before_us
     auto = cluster(None)
-    picks = pick_engines(graph, auto, solve(auto), "1f1b-flush", 2, "adamw", solve)
+    picks = pick_engines(graph, auto, first(auto), "1f1b-flush", 2, "adamw", solve)
     assert picks.changed and all(before == "torch:cpu:t1 (keep)" for before, _ in picks.changed.values())
     assert picks.after_us < picks.before_us
     assert {d.picked for d in picks.cluster.devices if d.name in picks.changed} == {"mnn:cpu:t1"}

@@ -137,8 +137,7 @@ class _SplitSegment:
                 continue
             if name not in out:
                 base = like.get(name) if like is not None else None
-                shape = self.attention_shape(name)
-                out[name] = np.zeros(shape, np.float32) if base is None else np.array(base, np.float32)
+                out[name] = np.zeros(self._shapes[name], np.float32) if base is None else np.array(base, np.float32)
             target = out[name].T if transposed else out[name]  # a view: writes land in out[name]
             if cols is None:
                 target += v
@@ -147,9 +146,6 @@ class _SplitSegment:
             else:
                 target[..., cols[0]:cols[1]] = v
         return out
-
-    def attention_shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
 
     @property
     def names(self) -> set[str]:
