@@ -236,9 +236,15 @@ class PlannedCost:
     update_s: float = 0.0
     send_act_s: float = 0.0
     send_grad_s: float = 0.0
+    # the part of backward_s a zero-bubble schedule's W takes (ir.partition.StageCost); optional
+    # in plan.json, absent in plans written before it existed
+    weight_grad_s: float | None = None
 
     def to_json(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in _COST_FIELDS}
+        out = {k: getattr(self, k) for k in _COST_FIELDS}
+        if self.weight_grad_s is not None:
+            out["weight_grad_s"] = self.weight_grad_s
+        return out
 
 
 @dataclass(frozen=True)
@@ -505,9 +511,12 @@ def _planned_split(doc: Any, device: str, fail) -> PlannedHeadSplit | None:
 def _planned_cost(doc: Any, device: str, fail) -> PlannedCost | None:
     if doc is None:
         return None
-    if not isinstance(doc, dict) or sorted(doc) != sorted(_COST_FIELDS) or not all(_number(v) for v in doc.values()):
-        raise fail(f"device {device!r} cost is {doc!r}, not {{{', '.join(_COST_FIELDS)}}} in seconds")
-    return PlannedCost(**{k: float(doc[k]) for k in _COST_FIELDS})
+    if (not isinstance(doc, dict) or not set(_COST_FIELDS) <= set(doc) <= set(_COST_FIELDS) | {"weight_grad_s"}
+            or not all(_number(v) for v in doc.values())):
+        raise fail(f"device {device!r} cost is {doc!r}, not {{{', '.join(_COST_FIELDS)}}} (and optionally "
+                   f"weight_grad_s) in seconds")
+    weight = doc.get("weight_grad_s")
+    return PlannedCost(**{k: float(doc[k]) for k in _COST_FIELDS}, weight_grad_s=None if weight is None else float(weight))
 
 
 __all__ = ["BundleError", "DevicePlan", "OptimizerSettings", "PLAN_FIELDS", "PLAN_DEVICE_FIELDS", "PLAN_FORMAT",

@@ -34,6 +34,10 @@ class Partition:
         return [s.device for s in self.stages]
 
 
+# The share of a stage's backward that is weight gradients when nothing measured says otherwise.
+WEIGHT_GRAD_SHARE = 0.5
+
+
 @dataclass(frozen=True)
 class StageCost:
     """What the cost model predicts for one stage and one micro-batch; the simulator replays a
@@ -49,6 +53,14 @@ class StageCost:
     send_grad_s: float = 0.0       # link time back to the previous stage
     memory_bytes: int = 0          # predicted peak under the schedule
     memory_budget_bytes: int = 0
+    # the part of backward_s that is weight gradients (a schedule's W when it splits backwards);
+    # None: half of it (a linear layer's input and weight gradients are GEMMs of the same size)
+    weight_grad_s: float | None = None
+
+    @property
+    def weight_pass_s(self) -> float:
+        """Seconds of a W action; the B of a split backward takes backward_s minus this."""
+        return self.backward_s * WEIGHT_GRAD_SHARE if self.weight_grad_s is None else self.weight_grad_s
 
 
 def even_ranges(n_blocks: int, stages: int) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ SCHEMA_VERSION = 1
 
 # Every schedule by name (`planner.schedule` builds each), and the optimizers a plan may name
 # (`runtime.optim` implements each): the one list every command and module checks against.
-SCHEDULE_NAMES = ("gpipe", "1f1b-flush", "1f1b-stash")
+SCHEDULE_NAMES = ("gpipe", "1f1b-flush", "1f1b-stash", "zb-h1")
 OPTIMIZER_NAMES = ("sgd", "adamw")
 # Schedules that never flush: weights update while other micro-batches are still in flight, so
 # each stage keeps older weight versions (stashes) for their backwards.
@@ -45,7 +45,11 @@ def check_optimizer_name(name: str) -> str:
 
 class ActionKind(str, Enum):
     F = "F"
+    # A schedule either has no W (each B is the whole backward) or one W per micro-batch after its
+    # B on every stage (zero-bubble schedules): B then computes only what the previous stage waits
+    # for (the input gradient) and W the weight gradients, off the critical path.
     B = "B"
+    W = "W"
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -66,14 +70,14 @@ class ActionKind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B)
+        return self in (ActionKind.F, ActionKind.B, ActionKind.W)
 
 
 SEND_FOR_RECV = {ActionKind.RECV_ACT: ActionKind.SEND_ACT, ActionKind.RECV_GRAD: ActionKind.SEND_GRAD}
 RECV_FOR_SEND = {v: k for k, v in SEND_FOR_RECV.items()}
 
 _TOKEN = re.compile(r"s(\d+)\.([A-Z_]+)(?:\.m(\d+))?(?:([<>])s(\d+))?")
-_FORMS = ("s<stage>.F.m<mb>, s<stage>.B.m<mb>, s<stage>.FREE.m<mb>, s<stage>.UPDATE[.m<mb>], "
+_FORMS = ("s<stage>.F.m<mb>, s<stage>.B.m<mb>, s<stage>.W.m<mb>, s<stage>.FREE.m<mb>, s<stage>.UPDATE[.m<mb>], "
           "s<stage>.SEND_ACT.m<mb>>s<peer>, s<stage>.RECV_ACT.m<mb><s<peer> (likewise SEND_GRAD/RECV_GRAD)")
 
 
@@ -174,6 +178,11 @@ class Schedule:
             for a in row:
                 if not isinstance(a, Action):
                     raise ValueError(f"schedule {self.name!r}: {a!r} is not an Action")
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when backwards are split into B (input gradient) and W (weight gradients)."""
+        return any(a.kind is ActionKind.W for row in self.actions for a in row)
 
     @property
     def flushes(self) -> bool:

@@ -104,7 +104,7 @@ class _Sim:
     stuck: dict[int, int] | None  # stage -> index of the action it waits at, when deadlocked
 
 
-def _simulate(schedule: Schedule, forward_ticks: int, backward_ticks: int) -> _Sim:
+def _simulate(schedule: Schedule, forward_ticks: int, backward_ticks: int, weight_ticks: int = 1) -> _Sim:
     """Run the lists in lockstep; never raises, so error rendering can use it on broken plans."""
     lists = schedule.actions
     p = len(lists)
@@ -131,7 +131,7 @@ def _simulate(schedule: Schedule, forward_ticks: int, backward_ticks: int) -> _S
                     elif a.kind.is_send:
                         sent[(a.kind, s, a.peer, a.microbatch)] += 1
                     elif a.kind.is_compute:
-                        d = forward_ticks if a.kind is ActionKind.F else backward_ticks
+                        d = {ActionKind.F: forward_ticks, ActionKind.B: backward_ticks}.get(a.kind, weight_ticks)
                         busy_until[s] = t + d
                         busy[s] += d
                     row[s].append(str(a))
@@ -243,7 +243,7 @@ def _check_structure(sch: Schedule) -> None:
                     _fail(sch, "F and B once", f"micro-batch {a.microbatch} has a second {a.kind.value} "
                           f"(first at position {seen[(a.kind, a.microbatch)]})", s, i)
                 seen[(a.kind, a.microbatch)] = i
-        for kind in (ActionKind.F, ActionKind.B):
+        for kind in (ActionKind.F, ActionKind.B) + ((ActionKind.W,) if sch.splits_backward else ()):
             missing = [mb for mb in range(m) if (kind, mb) not in seen]
             if missing:
                 _fail(sch, "every micro-batch", f"stage {s} has no {kind.value} for micro-batch(es) "
@@ -253,6 +253,12 @@ def _check_structure(sch: Schedule) -> None:
             if bpos[mb] < fpos[mb]:
                 _fail(sch, "F before B", f"micro-batch {mb}'s backward runs before its forward "
                       f"(position {fpos[mb]})", s, bpos[mb])
+        if sch.splits_backward:
+            wpos = _index(row, ActionKind.W)
+            for mb in range(m):
+                if wpos[mb] < bpos[mb]:
+                    _fail(sch, "B before W", f"micro-batch {mb}'s weight gradients (W) run before its input "
+                          f"gradient (B, position {bpos[mb]})", s, wpos[mb])
 
 
 def _check_pairing(sch: Schedule) -> None:
@@ -281,6 +287,9 @@ def _check_order(sch: Schedule) -> None:
     last = p - 1
     for s, row in enumerate(sch.actions):
         f, b = _index(row, ActionKind.F), _index(row, ActionKind.B)
+        # the last pass that reads a micro-batch's activations: W when backwards are split
+        last_pass = _index(row, ActionKind.W) if sch.splits_backward else b
+        last_name = "weight-gradient pass (W" if sch.splits_backward else "backward (B"
         rules = []
         if s > 0:
             rules.append(("RECV_ACT before F", ActionKind.RECV_ACT, "F", f, True))
@@ -304,13 +313,13 @@ def _check_order(sch: Schedule) -> None:
             if a.kind is ActionKind.FREE:
                 if a.microbatch in frees:
                     _fail(sch, "FREE after B", f"micro-batch {a.microbatch} is freed twice", s, i)
-                if i < b[a.microbatch]:
-                    _fail(sch, "FREE after B", f"micro-batch {a.microbatch} is freed before its backward "
-                          f"(position {b[a.microbatch]}) has used its activations", s, i)
+                if i < last_pass[a.microbatch]:
+                    _fail(sch, "FREE after B", f"micro-batch {a.microbatch} is freed before its {last_name}, "
+                          f"position {last_pass[a.microbatch]}) has used its activations", s, i)
                 frees[a.microbatch] = i
         for mb in range(m):
             if mb not in frees:
-                _fail(sch, "FREE after B", f"micro-batch {mb}'s activations are never freed", s, b[mb])
+                _fail(sch, "FREE after B", f"micro-batch {mb}'s activations are never freed", s, last_pass[mb])
 
 
 def _check_updates(sch: Schedule) -> None:
@@ -318,13 +327,15 @@ def _check_updates(sch: Schedule) -> None:
     if sch.flushes and k != sch.microbatches:
         _fail(sch, "UPDATE cadence", f"a flush schedule updates once per batch, so update_every must equal "
               f"microbatches={sch.microbatches}, not {k}")
+    # a micro-batch's gradients are complete after its B, or after its W when backwards are split
+    done_kind = ActionKind.W if sch.splits_backward else ActionKind.B
     for s, row in enumerate(sch.actions):
         pending, last_b = 0, None
         later_b = [0] * (len(row) + 1)
         for i in range(len(row) - 1, -1, -1):
-            later_b[i] = later_b[i + 1] + (row[i].kind is ActionKind.B)
+            later_b[i] = later_b[i + 1] + (row[i].kind is done_kind)
         for i, a in enumerate(row):
-            if a.kind is ActionKind.B:
+            if a.kind is done_kind:
                 if pending == k:
                     _fail(sch, "UPDATE cadence", f"an UPDATE is due after {k} backward(s) but none ran before "
                           f"this backward", s, i)
@@ -351,10 +362,11 @@ def _weight_versions(sch: Schedule, s: int):
     stays alive while the current one or any pending backward needs it.
     """
     version, used_by = 0, {}
+    done_kind = ActionKind.W if sch.splits_backward else ActionKind.B
     for i, a in enumerate(sch.actions[s]):
         if a.kind is ActionKind.F:
             used_by[a.microbatch] = version
-        elif a.kind is ActionKind.B:
+        elif a.kind is done_kind:
             used_by.pop(a.microbatch, None)
         elif a.kind is ActionKind.UPDATE:
             version += 1
@@ -379,18 +391,19 @@ def _check_stash(sch: Schedule) -> None:
                       f"but stash_depth[{s}] = {depth}", s, i)
 
 
-def dry_run(schedule: Schedule, forward_ticks: int = 1, backward_ticks: int = 1) -> DryRun:
+def dry_run(schedule: Schedule, forward_ticks: int = 1, backward_ticks: int = 1, weight_ticks: int = 1) -> DryRun:
     """Lockstep timeline: each tick, every stage whose next action can run executes it.
 
-    F and B take `forward_ticks` / `backward_ticks`; sends, receives, FREE and UPDATE take none.
+    F, B and W take `forward_ticks` / `backward_ticks` / `weight_ticks`; sends, receives, FREE and UPDATE take none.
     Sends are buffered (never wait); a receive completes once its matching send has run, earlier
     or in the same tick. Raises PlanError when no stage can move while actions remain.
     """
-    for name, v in (("forward_ticks", forward_ticks), ("backward_ticks", backward_ticks)):
+    for name, v in (("forward_ticks", forward_ticks), ("backward_ticks", backward_ticks),
+                    ("weight_ticks", weight_ticks)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     p = schedule.stages
-    sim = _simulate(schedule, forward_ticks, backward_ticks)
+    sim = _simulate(schedule, forward_ticks, backward_ticks, weight_ticks)
     if sim.stuck is not None:
         stuck_at = len(sim.rows) - 1
         waits = []

@@ -191,7 +191,8 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             assignment.memory_budget_bytes, assignment.predicted_time_s, device,
             sha256_hex((directory / MANIFEST).read_bytes()), cfg["threads"][device], cfg["engines"][device],
             _planned_split(cfg, device), cfg["addresses"].get(device),
-            None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s),
+            None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s,
+                                            c.weight_grad_s),
             sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks), cfg["activations"].get(device)))
     cluster_sha256 = None
     if cluster_doc is not None:

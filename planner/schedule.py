@@ -16,7 +16,7 @@ from typing import Callable
 from ir.plan import Action, ActionKind, Schedule, check_schedule_name
 from ir.verify import verify_plan
 
-F, B, UPDATE = ActionKind.F, ActionKind.B, ActionKind.UPDATE
+F, B, W, UPDATE = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.UPDATE
 
 
 def _check_args(stages: int, microbatches: int, update_every: int = 1) -> None:
@@ -90,6 +90,58 @@ def one_f_one_b_stash(stages: int, microbatches: int, update_every: int = 1) -> 
                     tuple(stages - s for s in range(stages)), update_every)
 
 
+def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) at 1F1B's memory: each
+    backward split into B (the input gradient, which the previous stage waits for) and W (the
+    weight gradients, which nothing waits for), then one UPDATE.
+
+    The order is the earliest-start list schedule of unit-time F, B and W (each stage, whenever it
+    is free, starts the first of: its next B whose gradient has arrived, its next F whose input
+    has arrived if fewer than min(p-s, m) micro-batches sit between their F and their W, its oldest
+    pending W), so a W runs exactly where the stage would otherwise wait. A micro-batch's
+    activations stay until its W (W reads the layers' inputs), and the cap keeps the peak number
+    held at 1F1B's p-s: the same activation memory. Sending the gradient before W shortens the
+    trip back up the pipeline: with F = B = W the bubble is (p-1)(F+B) against 1F1B's (p-1)(F+B+W)
+    (the paper's ZB-H1 reaches (p-1)(F+B-W) by letting micro-batches waiting only for their W go
+    past the cap).
+    """
+    _check_args(stages, microbatches)
+    p, m = stages, microbatches
+    cap = [min(p - s, m) for s in range(p)]
+    never = p * m * 3 + 1
+    f_end = [[never] * m for _ in range(p)]
+    b_end = [[never] * m for _ in range(p)]
+    next_f, next_b, held = [0] * p, [0] * p, [0] * p
+    pending_w: list[list[int]] = [[] for _ in range(p)]
+    rows: list[list[Action]] = [[] for _ in range(p)]
+    free_at = [0] * p
+    t = 0
+    while any(len(r) < 3 * m for r in rows):
+        for s in range(p):
+            if free_at[s] > t:
+                continue
+            mb_b, mb_f = next_b[s], next_f[s]
+            if mb_b < m and f_end[s][mb_b] <= t and (s == p - 1 or b_end[s + 1][mb_b] <= t):
+                rows[s].append(Action(B, s, mb_b))
+                b_end[s][mb_b] = t + 1
+                next_b[s] += 1
+                pending_w[s].append(mb_b)
+            elif mb_f < m and held[s] < cap[s] and (s == 0 or f_end[s - 1][mb_f] <= t):
+                rows[s].append(Action(F, s, mb_f))
+                f_end[s][mb_f] = t + 1
+                next_f[s] += 1
+                held[s] += 1
+            elif pending_w[s]:
+                rows[s].append(Action(W, s, pending_w[s].pop(0)))
+                held[s] -= 1
+            else:
+                continue
+            free_at[s] = t + 1
+        t += 1
+    actions = tuple(tuple(row) + (Action(UPDATE, s),) for s, row in enumerate(rows))
+    return Schedule("zb-h1", stages, microbatches, actions, (1,) * stages, microbatches)
+
+
 def _require_compute_only(schedule: Schedule, pass_name: str) -> None:
     for row in schedule.actions:
         for a in row:
@@ -129,7 +181,8 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 
 def add_frees(schedule: Schedule) -> Schedule:
-    """Requires lists without FREE; ensures one FREE per micro-batch right after its backward.
+    """Requires lists without FREE; ensures one FREE per micro-batch right after its backward
+    (after its W when backwards are split: W reads the activations too).
 
     The FREE goes after the backward's gradient send, so the executor never frees a buffer a
     transfer may still read, and before any UPDATE, so the update runs with the activations gone.
@@ -139,6 +192,7 @@ def add_frees(schedule: Schedule) -> Schedule:
             if a.kind is ActionKind.FREE:
                 raise ValueError(f"add_frees expects a schedule without FREE actions; found {a} "
                                  f"(was the pass already run?)")
+    last_pass = W if schedule.splits_backward else B
     actions = []
     for s, row in enumerate(schedule.actions):
         out: list[Action] = []
@@ -148,7 +202,7 @@ def add_frees(schedule: Schedule) -> Schedule:
                 out.append(Action(ActionKind.FREE, s, pending))
                 pending = None
             out.append(a)
-            if a.kind is B:
+            if a.kind is last_pass:
                 pending = a.microbatch
         if pending is not None:
             out.append(Action(ActionKind.FREE, s, pending))
@@ -162,6 +216,7 @@ COMPUTE_ORDERS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b-flush": one_f_one_b_flush,
     "1f1b-stash": one_f_one_b_stash,
+    "zb-h1": zero_bubble_h1,
 }
 
 
@@ -180,7 +235,9 @@ def make_schedule(name: str, stages: int, microbatches: int, update_every: int =
 
 
 def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose forward ran and whose backward has not (activations held)."""
+    """Per stage, the most micro-batches whose forward ran and whose backward (its W, when
+    backwards are split) has not: activations held."""
+    last_pass = W if schedule.splits_backward else B
     peaks = []
     for row in schedule.actions:
         live, peak = set(), 0
@@ -188,7 +245,7 @@ def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
             if a.kind is F:
                 live.add(a.microbatch)
                 peak = max(peak, len(live))
-            elif a.kind is B:
+            elif a.kind is last_pass:
                 live.discard(a.microbatch)
         peaks.append(peak)
     return tuple(peaks)

@@ -4,7 +4,8 @@
 answers the planner's other question, how long a step takes and where the time goes, by giving
 every action the duration the cost model predicts (`ir.partition.StageCost`):
 
-* F, B and UPDATE occupy their stage for `forward_s`, `backward_s`, `update_s`; a stage runs its
+* F, B and UPDATE occupy their stage for `forward_s`, `backward_s`, `update_s` (a schedule that
+  splits backwards gives W `StageCost.weight_pass_s` of the backward and B the rest); a stage runs its
   list strictly in order, one action at a time, as the executor does.
 * A SEND is asynchronous for the sender (it costs the stage no time: the transport queues the
   bytes and its I/O thread moves them while the stage computes), but the transfer occupies its
@@ -39,7 +40,7 @@ from typing import Sequence
 from ir.partition import StageCost
 from ir.plan import SEND_FOR_RECV, ActionKind, Schedule
 
-_F, _B, _UPDATE, _FREE = ActionKind.F, ActionKind.B, ActionKind.UPDATE, ActionKind.FREE
+_F, _B, _W, _UPDATE, _FREE = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.UPDATE, ActionKind.FREE
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Simulation:
     microbatches: int
     steps: int
     makespan_s: float
-    per_stage_busy_s: tuple[float, ...]          # F + B + UPDATE seconds per stage, all steps
+    per_stage_busy_s: tuple[float, ...]          # F + B + W + UPDATE seconds per stage, all steps
     peak_in_flight: tuple[int, ...]              # most micro-batches between F and FREE, per stage
     peak_memory_bytes: tuple[int, ...]           # static part + in-flight activations, per stage
     events: tuple[Event, ...]                    # stage work and link transfers, by start time
@@ -100,10 +101,15 @@ def _check_costs(schedule: Schedule, costs: Sequence[StageCost], activation_byte
     for s, c in enumerate(costs):
         if c.stage != s:
             raise ValueError(f"stage costs must be in stage order: position {s} holds the cost of stage {c.stage}")
-        for field_name in ("forward_s", "backward_s", "update_s", "send_act_s", "send_grad_s"):
+        for field_name in ("forward_s", "backward_s", "update_s", "send_act_s", "send_grad_s", "weight_grad_s"):
             v = getattr(c, field_name)
+            if v is None and field_name == "weight_grad_s":
+                continue
             if not v >= 0:  # also refuses NaN
                 raise ValueError(f"stage {s}: {field_name} must be a non-negative number of seconds, got {v!r}")
+        if c.weight_grad_s is not None and c.weight_grad_s > c.backward_s:
+            raise ValueError(f"stage {s}: weight_grad_s {c.weight_grad_s!r} is part of backward_s and cannot exceed "
+                             f"it ({c.backward_s!r})")
     if len(activation_bytes) != schedule.stages:
         raise ValueError(f"activation_bytes has {len(activation_bytes)} entries for {schedule.stages} stages")
 
@@ -133,7 +139,13 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], steps: int = 1,
     peak_live = [0] * p
     events: list[Event] = []
 
+    split = schedule.splits_backward
+
     def duration(kind: ActionKind, c: StageCost) -> float:
+        if kind is _W:
+            return c.weight_pass_s
+        if kind is _B and split:
+            return max(0.0, c.backward_s - c.weight_pass_s)
         return {_F: c.forward_s, _B: c.backward_s, _UPDATE: c.update_s}[kind]
 
     progress = True
@@ -156,7 +168,7 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], steps: int = 1,
                     link_free[link] = start + d
                     arrivals[(a.kind, s, a.peer, a.microbatch, step)].append(start + d)
                     events.append(Event(s, str(a), a.kind.value, a.microbatch, step, start, start + d, link))
-                elif a.kind in (_F, _B, _UPDATE):
+                elif a.kind in (_F, _B, _W, _UPDATE):
                     d = duration(a.kind, c)
                     start = clock[s]
                     clock[s] = start + d
@@ -189,7 +201,7 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], steps: int = 1,
 
 # Chrome trace ---------------------------------------------------------------------------------
 
-_CATEGORY = {"F": "compute", "B": "compute", "UPDATE": "update", "SEND_ACT": "transfer", "SEND_GRAD": "transfer"}
+_CATEGORY = {"F": "compute", "B": "compute", "W": "compute", "UPDATE": "update", "SEND_ACT": "transfer", "SEND_GRAD": "transfer"}
 
 
 def chrome_trace(sim: Simulation) -> dict:

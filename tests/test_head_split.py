@@ -124,17 +124,19 @@ def test_training_steps_split_equal_unsplit():
 
     Sync: at every step the split's gradients equal the float64 reference's at the weights the
     split holds (a stale slice would be off by O(1)). Equality with the unsplit run: the losses
-    within 1e-5 at every step, the gradients within 1e-5 at the first two steps. Later gradients
-    are compared at 1e-4, because float32 noise grows along a trajectory: this objective amplifies
-    weight differences of ~4e-7 into gradient differences of ~3e-5 by step 3, as much between the
-    unsplit MNN and unsplit torch runs (measured 5.6e-5) as between split and unsplit.
+    within 1e-5 at every step, the gradients within 1e-5 at the first two steps. The third
+    step's gradients are compared at 1e-4 or twice the difference between an unsplit MNN run and
+    an unsplit torch run in the same test, whichever is larger, because float32 noise grows along
+    a trajectory: this objective amplifies weight differences of ~4e-7 into gradient differences
+    of ~3e-5 by step 3 on one machine (MNN vs torch 5.6e-5 there) and 1.4e-4 on another (an AMD
+    EPYC, whose BLAS rounds differently): the two frameworks differ by as much as split and unsplit.
     """
     heads, head_size, B, S = CONFIGS["minilm"]
     hidden = heads * head_size
     x, mask, _ = _inputs(B, S, hidden)
     target = np.random.default_rng(7).standard_normal(x.shape)
     runs = {}
-    for name, alloc in (("unsplit", {"mnn:cpu:t1": heads}),
+    for name, alloc in (("unsplit", {"mnn:cpu:t1": heads}), ("torch", {"torch:cpu:t1": heads}),
                         ("split", {"mnn:cpu:t1": heads // 2, "torch:cpu:t1": heads - heads // 2})):
         w = _weights(hidden)
         opt = SGD(lr=0.5, momentum=0.9)
@@ -153,14 +155,17 @@ def test_training_steps_split_equal_unsplit():
                 sa.set_weights(w)
                 assert all(np.array_equal(sa.parameters()[n], w[n]) for n in WEIGHT_NAMES)
         runs[name] = (losses, grads)
-    (lu, gu), (ls, gs) = runs["unsplit"], runs["split"]
+    (lu, gu), (ls, gs), gt = runs["unsplit"], runs["split"], runs["torch"][1]
     assert lu[0] > lu[1] > lu[2]  # the updates reached the backends: the loss moves
     np.testing.assert_allclose(ls, lu, rtol=TOL)
+
+    def error(a, b):
+        return max(np.abs(a[n] - b[n]).max() / np.abs(b["bq" if n == "bk" else n]).max() for n in WEIGHT_NAMES)
+
     for step in range(3):
-        err = max(np.abs(gs[step][n] - gu[step][n]).max() / np.abs(gu[step]["bq" if n == "bk" else n]).max()
-                  for n in WEIGHT_NAMES)
-        print(f"step {step}: split vs unsplit gradients {err:.2e}")
-        assert err <= (TOL if step < 2 else 10 * TOL), step
+        err, frameworks = error(gs[step], gu[step]), error(gt[step], gu[step])
+        print(f"step {step}: split vs unsplit gradients {err:.2e} (torch vs MNN unsplit {frameworks:.2e})")
+        assert err <= (TOL if step < 2 else max(10 * TOL, 2 * frameworks)), step
 
 
 @pytest.mark.skipif(not _present("mnn:cpu:t1", "torch:cpu:t1"), reason="needs MNN and torch")

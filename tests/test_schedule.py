@@ -88,8 +88,8 @@ def test_weight_stash_depths(p, m):
 
 
 def test_make_schedule_argument_errors():
-    with pytest.raises(ValueError, match="unknown schedule 'zb-h1'; valid names: gpipe, 1f1b-flush, 1f1b-stash"):
-        make_schedule("zb-h1", 2, 2)
+    with pytest.raises(ValueError, match="unknown schedule 'zb-h2'; valid names: gpipe, 1f1b-flush, 1f1b-stash, zb-h1"):
+        make_schedule("zb-h2", 2, 2)
     with pytest.raises(ValueError, match="stages must be an int >= 1, got 0"):
         make_schedule("gpipe", 0, 2)
     with pytest.raises(ValueError, match="microbatches must be an int >= 1, got 0"):
@@ -98,7 +98,7 @@ def test_make_schedule_argument_errors():
         make_schedule("1f1b-stash", 2, 2, update_every=0)
     with pytest.raises(ValueError, match="applies to 1f1b-stash only"):
         make_schedule("gpipe", 2, 2, update_every=2)
-    assert set(COMPUTE_ORDERS) == {"gpipe", "1f1b-flush", "1f1b-stash"}
+    assert set(COMPUTE_ORDERS) == {"gpipe", "1f1b-flush", "1f1b-stash", "zb-h1"}
 
 
 def test_schedules_are_pure_and_deterministic():

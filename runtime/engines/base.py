@@ -24,6 +24,10 @@ class StageGradients:
 
 class StageEngine(ABC):
     spec: StageSpec
+    # Set by the executor when the plan's schedule splits backwards into B and W (zero-bubble
+    # schedules), before any forward: an engine that can defer weight gradients then prepares
+    # its training forwards for it.
+    split_backward: bool = False
 
     @abstractmethod
     def forward(self, feeds: Mapping[str, np.ndarray], microbatch: int = 0, train: bool = True,
@@ -36,6 +40,16 @@ class StageEngine(ABC):
     @abstractmethod
     def backward(self, microbatch: int, grad_output: np.ndarray | None = None) -> StageGradients:
         """Gradients for `microbatch` (its forward must have run with train=True); None seeds 1 for a loss."""
+
+    def backward_input(self, microbatch: int, grad_output: np.ndarray | None = None) -> StageGradients:
+        """B of a split backward: the gradient of the stage input (what the previous stage waits
+        for) and whichever parameter gradients come with it; `backward_weight` gives the rest.
+        By default the whole backward, leaving W nothing to do."""
+        return self.backward(microbatch, grad_output)
+
+    def backward_weight(self, microbatch: int) -> dict[str, np.ndarray]:
+        """W of a split backward: the parameter gradients `backward_input` left for later."""
+        return {}
 
     @abstractmethod
     def parameters(self) -> dict[str, np.ndarray]:

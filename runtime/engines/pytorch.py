@@ -172,12 +172,69 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 @dataclass(frozen=True)
+class _PendingWeightGrad:
+    """What a deferred projection's weight gradient needs (zero-bubble W): its input and the
+    gradient of its output, both [..., width]."""
+
+    x: torch.Tensor
+    grad_y: torch.Tensor
+    weight: str
+    bias: str | None
+    transposed: bool
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """x @ W (x @ W^T when `transposed`) plus an optional bias, whose backward computes only the
+    input gradient and leaves (x, dy) in `sink` for the weight gradients of a later W. `anchor` is a
+    dummy leaf the B pass differentiates with respect to, so autograd runs every deferred node even
+    where nothing before it needs a gradient (a LoRA adapter reading frozen embeddings)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, anchor, transposed, sink, names):
+        ctx.save_for_backward(x, weight)
+        ctx.transposed, ctx.sink, ctx.names = transposed, sink, names
+        ctx.x_needs_grad = x.requires_grad
+        return F.linear(x, weight if transposed else weight.t(), bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        ctx.sink.append(_PendingWeightGrad(x.detach(), grad_y, ctx.names[0], ctx.names[1], ctx.transposed))
+        dx = None
+        if ctx.x_needs_grad:
+            dx = grad_y @ weight if ctx.transposed else grad_y @ weight.t()
+        return dx, None, None, torch.zeros((), dtype=grad_y.dtype), None, None, None
+
+
+def _weight_grads(pending: list[_PendingWeightGrad], shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """The deferred weight (and bias) gradients, summed per parameter."""
+    out: dict[str, torch.Tensor] = {}
+
+    def add(name: str, g: torch.Tensor) -> None:
+        if name in out:
+            out[name] += g
+        else:
+            out[name] = g
+
+    for item in pending:
+        x = item.x.reshape(-1, item.x.shape[-1])
+        gy = item.grad_y.reshape(-1, item.grad_y.shape[-1])
+        add(item.weight, (gy.t() @ x if item.transposed else x.t() @ gy).reshape(shapes[item.weight]))
+        if item.bias is not None:
+            add(item.bias, gy.sum(0))
+    return out
+
+
+@dataclass(frozen=True)
 class _Linear:
     """A MatMul by a 2-D weight whose only reader adds a 1-D bias: run as one F.linear."""
 
     matmul: Node
     add: str
     bias: str
+
+
+_SKIP = object()  # `_defer`'s answer for a MatMul its fused bias Add computes
 
 
 def _bias_fusions(spec: StageSpec, constants: set[str]) -> dict[str, _Linear]:
@@ -231,6 +288,8 @@ class TorchStageEngine(StageEngine):
                     v = spec.graph.constants[i]
                     self._consts[i] = torch.tensor(v, dtype=dtype if v.dtype.kind == "f" else torch.int64)
         self._saved: dict[int, tuple] = {}
+        # split backwards: per micro-batch, the deferred weight gradients B left for its W
+        self._pending: dict[int, list[_PendingWeightGrad]] = {}
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))
 
@@ -251,14 +310,23 @@ class TorchStageEngine(StageEngine):
                 out = self._run(inputs, x_in, params, False, None)
             self._saved[microbatch] = (inputs, x_in, params)  # what the backward runs the forward from
         else:
-            out = self._run(inputs, x_in, params, train, until_block)
+            deferral = self._deferral() if train else None
+            out = self._run(inputs, x_in, params, train, until_block, deferral)
             if train:
-                self._saved[microbatch] = (x_in, out, params)
+                self._saved[microbatch] = (x_in, out, params, deferral)
         return out.detach().cpu().numpy().astype(np.float32 if self.dtype == torch.float32 else np.float64)
 
+    def _deferral(self) -> tuple | None:
+        """(anchor, sink, deferred names) for a training forward whose weight gradients a split
+        backward computes later; None when backwards are not split."""
+        if not self.split_backward:
+            return None
+        return torch.zeros((), dtype=self.dtype, requires_grad=True), [], set()
+
     def _run(self, inputs: Mapping[str, torch.Tensor], x_in: torch.Tensor | None, params: Mapping[str, torch.Tensor],
-             train: bool, until_block: int | None) -> torch.Tensor:
-        """The stage's forward from its host values, activation input and weight tensors."""
+             train: bool, until_block: int | None, deferral: tuple | None = None) -> torch.Tensor:
+        """The stage's forward from its host values, activation input and weight tensors. With a
+        `deferral`, every projection by a trainable 2-D weight runs as `_DeferredLinear`."""
         env: dict[str, torch.Tensor] = dict(inputs)
         if x_in is not None:
             x_in.requires_grad_(train)
@@ -280,6 +348,12 @@ class TorchStageEngine(StageEngine):
                         env[fused.hidden], env[fused.weight], env[node.inputs[1]], env[node.inputs[2]],
                         fused.transposed)
                     continue
+                if deferral is not None and node.op in ("MatMul", "Add"):
+                    deferred = self._defer(node, env, params, deferral)
+                    if deferred is not None:
+                        if deferred is not _SKIP:
+                            env[node.outputs[0]] = deferred
+                        continue
                 linear = self._linear.get(node.name)
                 if linear is not None:
                     if linear.add == node.name:  # MatMul + bias as one addmm (skips a pass each way)
@@ -291,24 +365,67 @@ class TorchStageEngine(StageEngine):
                 env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
         return env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
 
+    def _defer(self, node: Node, env: dict, params: Mapping[str, torch.Tensor], deferral: tuple):
+        """The deferred projection's output for `node` (a MatMul by a trainable 2-D weight, or the
+        bias Add fused with one), _SKIP for the MatMul of a fused pair (its Add computes both), or
+        None when the node is not deferred."""
+        anchor, sink, names = deferral
+        linear = self._linear.get(node.name)
+        mm = linear.matmul if linear is not None else node
+        if mm.op != "MatMul" or mm.inputs[1] not in params or params[mm.inputs[1]].dim() != 2:
+            return None
+        if linear is not None and node.name == mm.name:
+            return _SKIP
+        bias = linear.bias if linear is not None else None
+        if bias is not None and bias not in params:
+            bias_t, bias_name = env[bias], None  # a frozen bias: added, never differentiated
+        else:
+            bias_t, bias_name = (env[bias], bias) if bias is not None else (None, None)
+        names.add(mm.inputs[1])
+        if bias_name is not None:
+            names.add(bias_name)
+        return _DeferredLinear.apply(env[mm.inputs[0]], env[mm.inputs[1]], bias_t, anchor,
+                                     bool(mm.attrs.get("trans_b")), sink, (mm.inputs[1], bias_name))
+
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
+        result = self.backward_input(microbatch, grad_output)
+        if microbatch in self._pending:
+            for name, g in self.backward_weight(microbatch).items():
+                result.params[name] = g
+        return result
+
+    def backward_input(self, microbatch: int, grad_output=None) -> StageGradients:
         if microbatch not in self._saved:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         if self.recompute:
             inputs, x_in, used = self._saved.pop(microbatch)
-            out = self._run(inputs, x_in, used, True, None)  # the forward again, with its graph this time
+            deferral = self._deferral()
+            out = self._run(inputs, x_in, used, True, None, deferral)  # the forward again, with its graph this time
         else:
-            x_in, out, used = self._saved.pop(microbatch)
+            x_in, out, used, deferral = self._saved.pop(microbatch)
         seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
-        wrt = list(used.values()) + ([x_in] if x_in is not None else [])
+        deferred = deferral[2] if deferral is not None else set()
+        now = {k: p for k, p in used.items() if k not in deferred}
+        wrt = list(now.values()) + ([x_in] if x_in is not None else []) + ([deferral[0]] if deferral else [])
         grads = torch.autograd.grad([out], wrt, [seed], allow_unused=True)
         params = {}
         # autograd's fresh tensors, shared with numpy without a copy (nothing else holds them; the
         # executor accumulates into them in place)
-        for (name, p), g in zip(used.items(), grads):
+        for (name, p), g in zip(now.items(), grads):
             params[name] = (torch.zeros_like(p) if g is None else g).detach().numpy()
-        dx = grads[-1].detach().numpy() if x_in is not None else None
+        dx = grads[len(now)].detach().numpy() if x_in is not None else None
+        if deferral is not None:
+            self._pending[microbatch] = (deferral[1], {k: used[k] for k in deferred})
         return StageGradients(params, dx)
+
+    def backward_weight(self, microbatch: int) -> dict[str, np.ndarray]:
+        if microbatch not in self._pending:
+            return {}
+        sink, weights = self._pending.pop(microbatch)
+        with torch.no_grad():
+            grads = _weight_grads(sink, {k: w.shape for k, w in weights.items()})
+        # a deferred weight no projection of this micro-batch reached still gets its zero gradient
+        return {k: (grads[k] if k in grads else torch.zeros_like(w)).numpy() for k, w in weights.items()}
 
     def parameters(self):
         return {k: v.detach().numpy().copy() for k, v in self._params.items()}

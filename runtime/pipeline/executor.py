@@ -40,7 +40,7 @@ class StepAborted(RuntimeError):
 
 
 # The action kinds that compute (the rest move or drop data): a stage's busy time.
-COMPUTE_KINDS = ("F", "B", "UPDATE")
+COMPUTE_KINDS = ("F", "B", "W", "UPDATE")
 
 
 def stage_peer(stage: int) -> str:
@@ -56,7 +56,7 @@ def busy_fraction(seconds: Mapping[str, float], wall_s: float) -> float:
 
 @dataclass
 class ExecutorStats:
-    """Seconds per action kind, plus counts; `busy_s` is compute (F, B, UPDATE) time."""
+    """Seconds per action kind, plus counts; `busy_s` is compute (F, B, W, UPDATE) time."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
@@ -135,7 +135,15 @@ class StageExecutor:
     def _graph_inputs(self, microbatch: int) -> dict[str, np.ndarray]:
         return {n: self._recv(COORDINATOR, "batch", -1, microbatch, n) for n in self.input_names}
 
+    def prepare(self, actions: Sequence[Action]) -> None:
+        """Tell the engine, before the first forward, whether this plan splits backwards into B and
+        W (its training forwards then keep what a later W needs)."""
+        split = any(a.kind is ActionKind.W for a in actions)
+        if split != self.engine.split_backward:
+            self.engine.split_backward = split
+
     def run(self, actions: Sequence[Action]) -> ExecutorStats:
+        self.prepare(actions)
         start = time.perf_counter()
         for action in actions:
             self.execute(action)
@@ -168,15 +176,19 @@ class StageExecutor:
             self._grads_in[m] = self._recv(stage_peer(action.peer), "grad", action.peer, m)
         elif kind is ActionKind.B:
             upstream = None if self.is_last else self._grads_in.pop(m)
-            result = self.engine.backward(m, upstream)
-            for k, g in result.params.items():
-                acc = self.grad_sum.get(k)
-                if acc is None:
-                    self.grad_sum[k] = g
-                else:
-                    acc += g
-            self.backwards_since_update += 1
+            if self.engine.split_backward:
+                result = self.engine.backward_input(m, upstream)
+            else:
+                result = self.engine.backward(m, upstream)
+                self.backwards_since_update += 1
+            self._accumulate(result.params)
             self._grads_out[m] = result.activation_input
+        elif kind is ActionKind.W:
+            if not self.engine.split_backward:
+                raise RuntimeError(f"stage {self.stage}: {action} in a plan the executor was not prepared for "
+                                   f"(StageExecutor.prepare must see the actions before the first forward)")
+            self._accumulate(self.engine.backward_weight(m))
+            self.backwards_since_update += 1
         elif kind is ActionKind.SEND_GRAD:
             self.transport.send_tensor(stage_peer(action.peer), "grad", self.stage, m, self._grads_out.pop(m))
         elif kind is ActionKind.UPDATE:
@@ -187,6 +199,14 @@ class StageExecutor:
         else:  # pragma: no cover - ActionKind is closed
             raise ValueError(f"unknown action {action}")
         self.stats.add(kind.value, time.perf_counter() - t0)
+
+    def _accumulate(self, grads: Mapping[str, np.ndarray]) -> None:
+        for k, g in grads.items():
+            acc = self.grad_sum.get(k)
+            if acc is None:
+                self.grad_sum[k] = g
+            else:
+                acc += g
 
     def update(self) -> None:
         # A stage without parameters (e.g. only the loss block) still takes its UPDATE as a step

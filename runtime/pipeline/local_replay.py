@@ -41,6 +41,8 @@ class LocalPipeline:
                     self.coordinator.send_tensor(stage_peer(k), "batch", -1, m, np.asarray(feeds[name], order="C"), name=name)
         positions = [0] * self.stages
         lists = [list(a) for a in schedule.actions]
+        for ex, actions in zip(self.executors, lists):
+            ex.prepare(actions)
         while any(pos < len(lst) for pos, lst in zip(positions, lists)):
             progressed = False
             for k, ex in enumerate(self.executors):

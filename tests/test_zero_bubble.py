@@ -1,0 +1,253 @@
+"""Zero-bubble ZB-H1: the schedule (B split into B and W, verified, at 1F1B's memory, with its
+analytic bubble in the dry run and the costed simulator), the verifier's rules for W, the
+PyTorch engine's split backward (B + W equal the whole backward in float64, and nothing is
+computed twice), and pipelines under zb-h1 equal single-device training."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ir.partition import StageCost
+from ir.plan import Action, ActionKind, Schedule
+from ir.verify import PlanError, dry_run, verify_plan
+from planner.onnx_import import load_model
+from planner.schedule import make_schedule, peak_in_flight, zero_bubble_h1
+from planner.simulate import simulate
+from runtime.engines.stage import stage_spec
+from support import ROWS, S, export_onnx, single_device_training, synthetic_batch, token_feeds
+
+GRID = [(1, 1), (1, 3), (2, 1), (2, 4), (3, 2), (3, 4), (4, 4), (4, 8), (5, 3), (3, 9)]
+F, B, W, UPDATE, FREE = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.UPDATE, ActionKind.FREE
+
+
+# --- the schedule ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_zb_h1_verifies_and_holds_what_1f1b_holds(p, m):
+    zb, flush = make_schedule("zb-h1", p, m), make_schedule("1f1b-flush", p, m)
+    verify_plan(zb)
+    assert zb.splits_backward and not flush.splits_backward
+    assert peak_in_flight(zb) == peak_in_flight(flush) == tuple(min(p - s, m) for s in range(p))
+    for s, row in enumerate(zb.actions):
+        kinds = [a.kind for a in row]
+        assert kinds.count(W) == kinds.count(B) == kinds.count(F) == m
+        assert row[-1] == Action(UPDATE, s)
+        # the gradient leaves before the weight gradients are computed
+        if s > 0:
+            for i, a in enumerate(row):
+                if a.kind is B:
+                    assert row[i + 1] == Action(ActionKind.SEND_GRAD, s, a.microbatch, s - 1)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("f,b,w", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b(p, m, f, b, w):
+    """The dry run's makespan is m(F+B+W) + (p-1)(F+B): the bubble of 1F1B, (p-1)(F+B+W), less the
+    (p-1) W's it no longer waits for, since each stage sends its gradient before its W."""
+    zb = make_schedule("zb-h1", p, m)
+    assert dry_run(zb, f, b, w).ticks == m * (f + b + w) + (p - 1) * (f + b)
+    # 1F1B with the same work in one backward of B+W ticks
+    assert dry_run(make_schedule("1f1b-flush", p, m), f, b + w).ticks == (m + p - 1) * (f + b + w)
+
+
+def test_costed_simulation_splits_the_backward_by_weight_grad_s():
+    p, m = 3, 4
+    costs = [StageCost(s, f"d{s}", 1.0, 3.0, weight_grad_s=1.0) for s in range(p)]
+    sim = simulate(make_schedule("zb-h1", p, m), costs)
+    # F=1, B=2, W=1: m(F+B+W) + (p-1)(F+B)
+    assert sim.makespan_s == pytest.approx(m * 4.0 + (p - 1) * 3.0)
+    durations = {(e.kind, e.stage, e.microbatch): e.duration_s for e in sim.events if e.link is None}
+    assert durations[("B", 1, 0)] == pytest.approx(2.0) and durations[("W", 1, 0)] == pytest.approx(1.0)
+    assert sim.per_stage_busy_s == pytest.approx((16.0,) * p)
+    flush = simulate(make_schedule("1f1b-flush", p, m), costs)
+    assert flush.makespan_s == pytest.approx((m + p - 1) * 4.0)  # the same costs, B whole
+    # no weight_grad_s: half of the backward
+    half = simulate(make_schedule("zb-h1", p, m), [StageCost(s, "d", 1.0, 2.0) for s in range(p)])
+    assert half.makespan_s == pytest.approx(m * 3.0 + (p - 1) * 2.0)
+    with pytest.raises(ValueError, match=r"stage 1: weight_grad_s 4.0 is part of backward_s and cannot exceed it"):
+        simulate(make_schedule("zb-h1", 2, 2), [StageCost(0, "a", 1.0, 3.0), StageCost(1, "b", 1.0, 3.0, weight_grad_s=4.0)])
+
+
+def _with_row(schedule: Schedule, s: int, row: list[Action]) -> Schedule:
+    rows = list(schedule.actions)
+    rows[s] = tuple(row)
+    return Schedule(schedule.name, schedule.stages, schedule.microbatches, tuple(rows), schedule.stash_depth,
+                    schedule.update_every)
+
+
+def _swap(row, a: Action, b: Action) -> list[Action]:
+    row = list(row)
+    i, j = row.index(a), row.index(b)
+    row[i], row[j] = row[j], row[i]
+    return row
+
+
+def test_the_verifier_refuses_a_w_before_its_b():
+    zb = make_schedule("zb-h1", 2, 2)
+    row = _swap(zb.actions[1], Action(B, 1, 0), Action(W, 1, 0))
+    with pytest.raises(PlanError, match=r"stage 1, s1\.W\.m0: rule 'B before W': micro-batch 0's weight gradients "
+                                        r"\(W\) run before its input gradient \(B, position \d+\)"):
+        verify_plan(_with_row(zb, 1, row))
+
+
+def test_the_verifier_refuses_a_missing_w():
+    zb = make_schedule("zb-h1", 2, 2)
+    row = [a for a in zb.actions[0] if a != Action(W, 0, 1)]
+    with pytest.raises(PlanError, match=r"rule 'every micro-batch': stage 0 has no W for micro-batch\(es\) 1 of 2"):
+        verify_plan(_with_row(zb, 0, row))
+
+
+def test_the_verifier_refuses_a_free_before_the_w():
+    zb = make_schedule("zb-h1", 2, 2)
+    row = _swap(zb.actions[0], Action(W, 0, 0), Action(FREE, 0, 0))
+    with pytest.raises(PlanError, match=r"stage 0, s0\.FREE\.m0: rule 'FREE after B': micro-batch 0 is freed before "
+                                        r"its weight-gradient pass \(W, position \d+\) has used its activations"):
+        verify_plan(_with_row(zb, 0, row))
+
+
+def test_the_verifier_refuses_an_update_before_the_last_w():
+    zb = make_schedule("zb-h1", 2, 2)
+    row = list(zb.actions[1])
+    last_w = max(i for i, a in enumerate(row) if a.kind is W)
+    row.insert(last_w, row.pop())  # the UPDATE moved before the last W
+    with pytest.raises(PlanError, match=r"rule 'UPDATE cadence'"):
+        verify_plan(_with_row(zb, 1, row))
+
+
+def test_zb_h1_round_trips_through_text_and_json():
+    zb = make_schedule("zb-h1", 3, 4)
+    assert Schedule.from_text(zb.to_text()) == zb
+    assert Schedule.from_json(zb.to_json()) == zb
+    assert Action.parse("s2.W.m3") == Action(W, 2, 3)
+
+
+def test_the_compute_order_is_1f1b_with_each_backward_split():
+    """With unit times W fills no gap 1F1B's order leaves at its memory cap: each stage's order is
+    1F1B's with every B followed by its W."""
+    for p, m in GRID:
+        flush = make_schedule("1f1b-flush", p, m)
+        for s in range(p):
+            split = [(a.kind, a.microbatch) for a in zero_bubble_h1(p, m).actions[s] if a.kind in (F, B)]
+            assert split == [(a.kind, a.microbatch) for a in flush.actions[s] if a.kind in (F, B)]
+
+
+# --- engines ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def graph(tiny_checkpoint, export_dir):
+    return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
+
+
+@pytest.mark.parametrize("where", ["whole", "first", "middle", "last"])
+def test_torch_b_then_w_equals_the_whole_backward_in_float64(graph, where):
+    torch = pytest.importorskip("torch")
+    from runtime.engines.pytorch import TorchStageEngine
+
+    n = len(graph.blocks)
+    first, last = {"whole": (0, n - 1), "first": (0, 1), "middle": (1, n - 2), "last": (2, n - 1)}[where]
+    spec = stage_spec(graph, first, last)
+    feeds = token_feeds(ROWS, S, vocab=500)
+    if spec.activation_input:
+        shape = graph.values[spec.activation_input].shape
+        feeds[spec.activation_input] = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    whole, split = TorchStageEngine(spec, dtype=torch.float64), TorchStageEngine(spec, dtype=torch.float64)
+    split.split_backward = True
+    out = whole.forward(feeds, 0)
+    np.testing.assert_array_equal(split.forward(feeds, 0), out)
+    seed = None if spec.is_last else np.random.default_rng(1).normal(size=out.shape)
+    ref = whole.backward(0, seed)
+    b = split.backward_input(0, seed)
+    w = split.backward_weight(0)
+    # the projections' weights and biases wait for W; nothing is computed in both
+    assert w and not set(w) & set(b.params)
+    projections = {n_.inputs[1] for n_ in spec.compute_nodes if n_.op == "MatMul" and n_.inputs[1] in spec.params}
+    assert projections and projections <= set(w)
+    assert all(graph.constants[k].ndim == 1 for k in set(w) - projections)  # the rest: their biases
+    got = {**b.params, **w}
+    assert set(got) == set(ref.params)
+    for k in ref.params:
+        np.testing.assert_allclose(got[k], ref.params[k], rtol=1e-10, atol=1e-12, err_msg=k)
+    if spec.activation_input:
+        np.testing.assert_allclose(b.activation_input, ref.activation_input, rtol=1e-10, atol=1e-12)
+    assert split.backward_weight(0) == {}  # W ran once; nothing left
+
+
+def test_torch_split_backward_with_recompute_equals_without(graph):
+    torch = pytest.importorskip("torch")
+    from runtime.engines.pytorch import TorchStageEngine
+
+    spec = stage_spec(graph, 0, len(graph.blocks) - 1)
+    feeds = token_feeds(ROWS, S, vocab=500)
+    grads = []
+    for recompute in (False, True):
+        engine = TorchStageEngine(spec, dtype=torch.float64, recompute=recompute)
+        engine.split_backward = True
+        engine.forward(feeds, 0)
+        grads.append({**engine.backward_input(0).params, **engine.backward_weight(0)})
+    for k in grads[0]:
+        np.testing.assert_array_equal(grads[1][k], grads[0][k], err_msg=k)
+
+
+def test_mnn_split_backward_is_the_whole_backward_at_b(graph):
+    """MNN's gradient program is one graph: B computes every gradient, W has nothing left."""
+    from runtime.engines.mnn import MnnStageEngine
+
+    spec = stage_spec(graph, 0, len(graph.blocks) - 1)
+    feeds = token_feeds(ROWS, S, vocab=500)
+    whole, split = MnnStageEngine(spec), MnnStageEngine(spec)
+    split.split_backward = True
+    whole.forward(feeds, 0)
+    split.forward(feeds, 0)
+    ref, b = whole.backward(0), split.backward_input(0)
+    assert split.backward_weight(0) == {}
+    for k in ref.params:
+        np.testing.assert_array_equal(b.params[k], ref.params[k], err_msg=k)
+
+
+# --- pipelines ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def batches():
+    return [synthetic_batch(i) for i in range(2)]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_zb_h1_pipeline_on_mnn_equals_single_device_training_bit_for_bit(graph, batches, stages):
+    from jobs.pipeline_training import train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+
+    config = PipelineConfig(schedule="zb-h1", microbatches=2, optimizer="adamw", lr=1e-3, timeout_s=30)
+    with InProcessWorkers(stages, timeout_s=30) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, 2, transport=workers.coordinator)
+    assert workers.codes == [0] * stages, workers.errors
+    losses, weights = single_device_training(graph, batches, 2)
+    assert result.losses == losses
+    for k in weights:
+        np.testing.assert_array_equal(result.weights[k], weights[k], err_msg=k)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_zb_h1_pipeline_on_torch_equals_single_device_training(graph, batches, stages):
+    """Within 1e-5: the split backward's weight gradients are the same sums in another order."""
+    pytest.importorskip("torch")
+    from jobs.pipeline_training import train_pipeline
+    from runtime.engines.pytorch import TorchStageEngine
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+
+    config = PipelineConfig(schedule="zb-h1", microbatches=2, optimizer="adamw", lr=1e-3, timeout_s=30,
+                            engine="torch")
+    with InProcessWorkers(stages, timeout_s=30) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, 2, transport=workers.coordinator)
+    assert workers.codes == [0] * stages, workers.errors
+    one = TorchStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    losses, weights = single_device_training(graph, batches, 2, engine=one)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    moved = 0
+    for k, want in weights.items():
+        # a bias whose true gradient is 0 gets float32 noise that AdamW scales to lr-sized steps
+        bound = 2 * 1e-3 * 2 if k.endswith("attention.self.key.bias") else 1e-5 * max(1.0, float(np.abs(want).max()))
+        assert float(np.abs(result.weights[k] - want).max()) <= bound, k
+        moved += not np.array_equal(result.weights[k], graph.constants[k])
+    assert moved == len(weights)  # every parameter trained, the deferred ones included
