@@ -168,6 +168,9 @@ def simulated_bubble(schedule: str, stages: int, microbatches: int, b_over_f: fl
 
     b = max(1, round(SIM_F * (b_over_f or 2.0)))
     plan = make_schedule(schedule, stages, microbatches)
+    if plan.splits_backward:  # B and W, half of the measured backward each
+        w = max(1, b // 2)
+        return dry_run(plan, SIM_F, max(1, b - w), w).bubble_fraction, f"{SIM_F}:{max(1, b - w)}:{w}"
     return dry_run(plan, forward_ticks=SIM_F, backward_ticks=b).bubble_fraction, f"{SIM_F}:{b}"
 
 
@@ -475,7 +478,8 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
         for s, d in enumerate(done):
             sec = d["seconds"]
             send, recv = _send_recv(sec)
-            rows.append({"F": sec.get("F", 0.0) / divisor, "B": sec.get("B", 0.0) / divisor,
+            # a split backward's W is shown with its B: the backward, as in the other schedules
+            rows.append({"F": sec.get("F", 0.0) / divisor, "B": (sec.get("B", 0.0) + sec.get("W", 0.0)) / divisor,
                          "UPDATE": sec.get("UPDATE", 0.0) / divisor, "SEND": send / divisor, "RECV": recv / divisor,
                          "exec_wall": d["wall_s"] / divisor, "cpu": None if cpus is None else cpus[s],
                          "seconds": sec})
@@ -484,7 +488,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
         fb = sum(r["F"] + r["B"] for r in rows) * divisor
         bubbles.append(1.0 - fb / (stages * wall))
         busy_bubbles.append(1.0 - statistics.mean(
-            (d["seconds"].get("F", 0) + d["seconds"].get("B", 0) + d["seconds"].get("UPDATE", 0)) / d["wall_s"]
+            sum(d["seconds"].get(k, 0) for k in ("F", "B", "W", "UPDATE")) / d["wall_s"]
             for d in done))
         walls.append(wall / divisor)
     step_s = _median(walls) if schedule != "1f1b-stash" else walls[0]
@@ -754,8 +758,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-torch", action="store_true", help="measure the MNN runtime only")
     ap.add_argument("--variants", action="store_true",
                     help="also run 1f1b-stash with one update per M backwards, 1f1b-flush on the PyTorch engine, "
-                         "1f1b-flush with MNN keeping its activations, and 1f1b-flush with the engine and "
-                         "activations per stage `plan` would pick (a quick profile first)")
+                         "1f1b-flush with MNN keeping its activations, 1f1b-flush with the engine and "
+                         "activations per stage `plan` would pick (a quick profile first), and zb-h1 (zero "
+                         "bubble) on the PyTorch engine and with `plan`'s pick")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration (default 600)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
@@ -833,12 +838,21 @@ def main(argv=None) -> int:
                 attempt(f"mnn 1f1b-flush engine auto {label} M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
                                                  engine=picked, activations=kept, variant=f"auto[{label}]"))
+                # zero bubble: each backward split into B (sent at once) and W (weight gradients)
+                attempt(f"mnn zb-h1 torch engine M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "zb-h1", args.steps,
+                                                 engine="torch", variant="torch"))
+                picked, kept = engines_picked(graph, Path(model), stages, "zb-h1", M)
+                label = ",".join(f"{e}/{a}" if a else e for e, a in zip(picked, kept))
+                attempt(f"mnn zb-h1 engine auto {label} M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "zb-h1", args.steps,
+                                                 engine=picked, activations=kept, variant=f"auto[{label}]"))
             if not args.skip_torch:
                 for schedule in TORCH_SCHEDULES:
                     attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
                             lambda: run_torch_pipeline(M, stages, schedule, args.steps, args.timeout))
     elapsed = time.perf_counter() - start
-    order = {"single": 0, **{s: i + 1 for i, s in enumerate(SCHEDULES)}}
+    order = {"single": 0, **{s: i + 1 for i, s in enumerate(SCHEDULES + ("zb-h1",))}}
     results.sort(key=lambda r: (r["framework"] != "mnn", r["microbatches"], r["stages"], order[r["schedule"]],
                                 r.get("variant") or ""))
     print(report(results, errors, args.steps, elapsed, Path(model)))

@@ -264,8 +264,10 @@ def _add_train_pipeline(sub) -> None:
                    help="first block of every stage after the first, e.g. 3 or 2,5 (default: even split by blocks; "
                         "see `confidant inspect` for block indices)")
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush",
-                   help="1f1b-flush (default; same result as single-device training), gpipe, or 1f1b-stash "
-                        "(PipeDream asynchronous 1F1B with weight stashing)")
+                   help="1f1b-flush (default; same result as single-device training), gpipe, zb-h1 (zero "
+                        "bubble: each backward split into the input gradient, sent at once, and the weight "
+                        "gradients; same result and memory as 1f1b-flush, faster on PyTorch stages), or "
+                        "1f1b-stash (PipeDream asynchronous 1F1B with weight stashing)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (default %(default)s)")
     p.add_argument("--update-every", type=int, default=1,
                    help="1f1b-stash only: backwards per weight update on each stage (default %(default)s)")
@@ -330,7 +332,8 @@ def _add_plan(sub) -> None:
                                    "(--batch / --microbatches rows, --seq).")
     p.add_argument("model", type=Path)
     p.add_argument("--cluster", type=Path, required=True, help="cluster YAML or JSON file")
-    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush",
+                   help="1f1b-flush (default), gpipe, zb-h1 (zero bubble) or 1f1b-stash; see train-pipeline --help")
     p.add_argument("--batch", type=int, default=8, help="samples per batch (default %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="default %(default)s")
     p.add_argument("--microbatches", type=int, default=4, help="default %(default)s")

@@ -144,9 +144,6 @@ def check_blocks(graph: Graph) -> tuple[Block, ...]:
 # per-op caches and re-runs the forward in the backward of any other.
 DEFAULT_ACTIVATIONS = {"torch": "keep", "mnn": "recompute"}
 ACTIVATIONS = ("keep", "recompute")
-# Engines whose split backward (zero-bubble schedules) leaves the weight gradients to W: PyTorch
-# defers every projection's; MNN's gradient program is one graph, so its B computes everything.
-DEFERS_WEIGHT_GRADS = frozenset({"torch"})
 
 
 def device_engine(device: DeviceSpec) -> str | None:
@@ -384,11 +381,7 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
         others = [d for k, d in enumerate(devices) if k != stage and tied_bytes(graph, *ranges[k])]
         peer = others[0] if others else devices[(stage + 1) % p]
         update += 2 * transfer_s(tied, cluster, devices[stage], peer)
-    # W's share of the backward: half for an engine that defers weight gradients (StageCost's
-    # default), none for one whose B computes them all
-    weight_grad = None if device_engine(spec) in DEFERS_WEIGHT_GRADS else 0.0
-    return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.memory_budget_bytes,
-                     weight_grad)
+    return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.memory_budget_bytes)
 
 
 def stage_time_s(cost: StageCost) -> float:

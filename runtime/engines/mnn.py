@@ -158,6 +158,16 @@ class _BlockProgram:
         wrt = (self._param_vars + ([env[self.activation]] if self.activation else [])
                + [lk.placeholder for lk in self.trained_lookups])
         self._grads = K.GradientProgram().build([self.output], [self.grad_seed], wrt)
+        # the projections whose weight gradient a split backward leaves to W: a MatMul by a trainable
+        # 2-D weight that nothing else in the block reads
+        readers: dict[str, int] = {}
+        for n in nodes:
+            for i in n.inputs:
+                readers[i] = readers.get(i, 0) + 1
+        self.projections = [_Projection(n.inputs[1], env[n.inputs[0]], env[n.outputs[0]], bool(n.attrs.get("trans_b")))
+                            for n in nodes if n.op == "MatMul" and n.inputs[1] in self.params
+                            and len(graph.values[n.inputs[1]].shape) == 2 and readers[n.inputs[1]] == 1]
+        self._split_grads: K.GradientProgram | None = None  # built at the first split backward
         self._tables = tables
         # Caching only matmul and softmax results keeps ~98% of the speed-up at about half the
         # memory: they are the expensive ops to recompute (benchmarks/engine.py; elementwise
@@ -212,14 +222,68 @@ class _BlockProgram:
         dx = None
         if self.activation:
             dx, rest = rest[0], rest[1:]
-        for lk, g in zip(self.trained_lookups, rest):
+        self._scatter_lookups(param_grads, rest, host)
+        return param_grads, dx
+
+    def _scatter_lookups(self, param_grads: dict, grads, host: Mapping[str, np.ndarray]) -> None:
+        for lk, g in zip(self.trained_lookups, grads):
             ids = np.asarray(host[lk.ids]).reshape(-1)
             table_grad = param_grads.get(lk.table)
             if table_grad is None:
                 table_grad = np.zeros_like(self._tables[lk.table])
                 param_grads[lk.table] = table_grad
             np.add.at(table_grad, ids, g.reshape(ids.size, -1))
-        return param_grads, dx
+
+    def backward_input(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray]):
+        """B of a split backward: one gradient program that stops at the projections' outputs (MNN
+        prunes what no requested gradient reads: the projections' weight gradients), giving every
+        other gradient now and, per projection, the input and output gradient its W multiplies
+        (in numpy, whose GEMM outruns this MNN wheel's)."""
+        deferred = {pr.weight for pr in self.projections}
+        now = [p for p in self.params if p not in deferred]
+        if self._split_grads is None:
+            by_name = dict(zip(self.params, self._param_vars))
+            wrt = ([by_name[p] for p in now] + ([self.inputs[self.activation]] if self.activation else [])
+                   + [lk.placeholder for lk in self.trained_lookups] + [pr.y for pr in self.projections])
+            self._split_grads = K.GradientProgram().build([self.output], [self.grad_seed], wrt)
+        seed = np.ones(self.output_shape, np.float32) if grad_output is None else grad_output
+        K.write(self.grad_seed, seed)
+        grads = self._split_grads.run()
+        param_grads = dict(zip(now, grads[:len(now)]))
+        rest = grads[len(now):]
+        dx = None
+        if self.activation:
+            dx, rest = rest[0], rest[1:]
+        k = len(self.trained_lookups)
+        self._scatter_lookups(param_grads, rest[:k], host)
+        pending = [_PendingWeightGrad(pr.weight, K.read(pr.x), gy, pr.transposed)
+                   for pr, gy in zip(self.projections, rest[k:])]
+        return param_grads, dx, pending
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """A MatMul by a trainable weight, as Vars of a block graph: its input and output."""
+
+    weight: str
+    x: "K.Var"
+    y: "K.Var"
+    transposed: bool
+
+
+@dataclass(frozen=True)
+class _PendingWeightGrad:
+    """What W needs for one projection of one micro-batch: its input and its output's gradient."""
+
+    weight: str
+    x: np.ndarray
+    grad_y: np.ndarray
+    transposed: bool
+
+    def gradient(self) -> np.ndarray:
+        x = self.x.reshape(-1, self.x.shape[-1])
+        gy = self.grad_y.reshape(-1, self.grad_y.shape[-1])
+        return gy.T @ x if self.transposed else x.T @ gy
 
 
 class _LossProgram:
@@ -338,6 +402,8 @@ class MnnStageEngine(StageEngine):
         self.stash_weights = stash_weights
         self.version = 0
         self._old_versions: dict[int, dict[str, np.ndarray]] = {}
+        # split backwards: per micro-batch, what its W multiplies (its B computed the rest)
+        self._pending: dict[int, list[_PendingWeightGrad]] = {}
 
     def _build_blocks(self, spec: StageSpec, lookup) -> list:
         """The stage's block programs (a view of the tables: version swaps of _tables show through)."""
@@ -410,6 +476,22 @@ class MnnStageEngine(StageEngine):
         return x
 
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
+        return self._backward(microbatch, grad_output, split=False)
+
+    def backward_input(self, microbatch: int, grad_output=None) -> StageGradients:
+        return self._backward(microbatch, grad_output, split=True)
+
+    def backward_weight(self, microbatch: int) -> dict[str, np.ndarray]:
+        grads: dict[str, np.ndarray] = {}
+        for item in self._pending.pop(microbatch, ()):
+            g = item.gradient()
+            if item.weight in grads:
+                grads[item.weight] += g
+            else:
+                grads[item.weight] = g
+        return grads
+
+    def _backward(self, microbatch: int, grad_output, split: bool) -> StageGradients:
         if microbatch not in self._stash:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         serial, version, block_inputs, host, slot = self._stash.pop(microbatch)
@@ -420,15 +502,22 @@ class MnnStageEngine(StageEngine):
         try:
             grads: dict[str, np.ndarray] = {}
             g = grad_output
+            pending: list[_PendingWeightGrad] = []
             for prog, x in zip(reversed(self._slots[slot]), reversed(block_inputs)):
                 prog.feed(x, host, serial)
-                pg, g = prog.backward(g, host)
+                if split and isinstance(prog, _BlockProgram) and prog.projections:
+                    pg, g, later = prog.backward_input(g, host)
+                    pending += later
+                else:
+                    pg, g = prog.backward(g, host)
                 for k, v in pg.items():
                     grads[k] = grads[k] + v if k in grads else v
         finally:
             if swapped:
                 self._load_weights(current)
             self._drop_unused_versions()
+        if split:
+            self._pending[microbatch] = pending
         return StageGradients(grads, g if self.spec.activation_input is not None else None)
 
     def _load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
