@@ -266,11 +266,13 @@ def _add_train_pipeline(sub) -> None:
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush",
                    help="1f1b-flush (default; same result as single-device training), gpipe, zb-h1 (zero "
                         "bubble: each backward split into the input gradient, sent at once, and the weight "
-                        "gradients; same result and memory as 1f1b-flush, faster on PyTorch stages), or "
-                        "1f1b-stash (PipeDream asynchronous 1F1B with weight stashing)")
+                        "gradients; same result and memory as 1f1b-flush), 1f1b-stash (PipeDream asynchronous "
+                        "1F1B with weight stashing: p-s weight versions on stage s), or 2bw (PipeDream-2BW: "
+                        "asynchronous, two weight versions, an update every --update-every backwards)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (default %(default)s)")
-    p.add_argument("--update-every", type=int, default=1,
-                   help="1f1b-stash only: backwards per weight update on each stage (default %(default)s)")
+    p.add_argument("--update-every", type=int, default=None,
+                   help="1f1b-stash and 2bw: backwards per weight update on each stage (default: 1 for 1f1b-stash, "
+                        "--microbatches for 2bw, which needs at least the number of stages)")
     p.add_argument("--activations", choices=("keep", "recompute"), default=None,
                    help="what every stage does with the activations of its micro-batches in flight: keep them until "
                         "their backwards (faster; memory of one micro-batch per micro-batch in flight; MNN builds a "
@@ -333,11 +335,13 @@ def _add_plan(sub) -> None:
     p.add_argument("model", type=Path)
     p.add_argument("--cluster", type=Path, required=True, help="cluster YAML or JSON file")
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush",
-                   help="1f1b-flush (default), gpipe, zb-h1 (zero bubble) or 1f1b-stash; see train-pipeline --help")
+                   help="1f1b-flush (default), gpipe, zb-h1 (zero bubble), 1f1b-stash or 2bw; see train-pipeline "
+                        "--help")
     p.add_argument("--batch", type=int, default=8, help="samples per batch (default %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="default %(default)s")
     p.add_argument("--microbatches", type=int, default=4, help="default %(default)s")
-    p.add_argument("--update-every", type=int, default=1, help="1f1b-stash: backwards per update (default %(default)s)")
+    p.add_argument("--update-every", type=int, default=None,
+                   help="1f1b-stash and 2bw: backwards per update (default: 1 for 1f1b-stash, --microbatches for 2bw)")
     p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--cuts", default=None, help="manual cuts instead of the solver (first block of stages 2..p)")

@@ -198,6 +198,14 @@ def cmd_train_local(args) -> int:
     return 0
 
 
+def _update_every(args) -> int:
+    from ir.plan import default_update_every
+
+    if args.update_every is not None:
+        return args.update_every
+    return default_update_every(args.schedule, args.microbatches)
+
+
 def cmd_train_pipeline(args) -> int:
     from jobs.pipeline_training import train_pipeline_job
     from jobs.settings import PipelineSettings
@@ -205,7 +213,7 @@ def cmd_train_pipeline(args) -> int:
     workers = [a.strip() for a in args.workers.split(",")] if args.workers else None
     keys, insecure = _security(args)
     pipeline = PipelineSettings(schedule=args.schedule, microbatches=args.microbatches,
-                                update_every=args.update_every, cuts=_cuts(args.cuts), checkpoint=args.checkpoint,
+                                update_every=_update_every(args), cuts=_cuts(args.cuts), checkpoint=args.checkpoint,
                                 resume=args.resume, replan_every=args.replan_every,
                                 replan_threshold=args.replan_threshold, listen=args.listen, timeout_s=args.timeout,
                                 keys=keys, insecure=insecure, on_failure=args.on_failure,
@@ -346,7 +354,7 @@ def cmd_plan(args) -> int:
     from jobs.planning import PlanSettings, plan_model
 
     settings = PlanSettings(schedule=args.schedule, batch=args.batch, seq=args.seq, microbatches=args.microbatches,
-                            update_every=args.update_every, optimizer=args.optimizer, lr=args.lr,
+                            update_every=_update_every(args), optimizer=args.optimizer, lr=args.lr,
                             cuts=_cuts(args.cuts), devices=tuple(args.devices.split(",")) if args.devices else None,
                             time_limit_s=args.time_limit, lora=_lora_settings(args))
     _, insecure = _security(args)

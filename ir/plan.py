@@ -19,14 +19,21 @@ SCHEMA_VERSION = 1
 
 # Every schedule by name (`planner.schedule` builds each), and the optimizers a plan may name
 # (`runtime.optim` implements each): the one list every command and module checks against.
-SCHEDULE_NAMES = ("gpipe", "1f1b-flush", "1f1b-stash", "zb-h1")
+SCHEDULE_NAMES = ("gpipe", "1f1b-flush", "1f1b-stash", "zb-h1", "2bw")
 OPTIMIZER_NAMES = ("sgd", "adamw")
 # Schedules that never flush: weights update while other micro-batches are still in flight, so
 # each stage keeps older weight versions (stashes) for their backwards.
-ASYNC_SCHEDULES = frozenset({"1f1b-stash"})
+ASYNC_SCHEDULES = frozenset({"1f1b-stash", "2bw"})
 # Schedules that drain the pipeline before every update: a step boundary where every stage holds
 # the same weights (re-planning and exact checkpoints happen there).
 FLUSH_SCHEDULES = tuple(s for s in SCHEDULE_NAMES if s not in ASYNC_SCHEDULES)
+
+
+def default_update_every(schedule: str, microbatches: int) -> int:
+    """Backwards per update when none is asked for: PipeDream-2BW updates once per batch of
+    `microbatches`, 1f1b-stash after every backward, flush schedules once per batch (their
+    `update_every` is not a setting)."""
+    return microbatches if schedule == "2bw" else 1
 
 
 def check_schedule_name(name: str) -> str:

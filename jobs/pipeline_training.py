@@ -147,9 +147,9 @@ def _check_replanning(config: PipelineConfig, replan_every, on_replan, bundles, 
         raise ValueError(f"replan_every must be a whole number of steps >= 1, got {replan_every!r}")
     if on_replan is None:
         raise ValueError("replan_every needs on_replan, the function that chooses the new plan")
-    if config.schedule == "1f1b-stash":
-        raise ValueError("re-planning needs a flush schedule (1f1b-flush or gpipe): 1f1b-stash runs the whole "
-                         "training as one schedule with weight versions in flight, so there is no step boundary "
+    if config.schedule in ASYNC_SCHEDULES:
+        raise ValueError(f"re-planning needs a flush schedule (1f1b-flush, gpipe or zb-h1): {config.schedule} runs "
+                         "the whole training as one schedule with weight versions in flight, so there is no step boundary "
                          "at which every stage holds the same weights")
     if bundles is None and stage_graphs is not None:
         raise ValueError("re-planning from graph slices without their bundles is not possible: give the bundles "
@@ -553,7 +553,8 @@ class _Run:
         s = start_step
         while s < end:
             stop = min(end, (s // every + 1) * every) if every else end
-            schedule = make_schedule("1f1b-stash", self.coordinator.stages, (stop - s) * M, update_every=update_every)
+            schedule = make_schedule(self.config.schedule, self.coordinator.stages, (stop - s) * M,
+                                     update_every=update_every)
             feeds = [f for k in range(s, stop) for f in self.feeds(k)]
             start = time.perf_counter()
             try:

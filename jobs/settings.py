@@ -77,10 +77,10 @@ class PipelineSettings:
         if self.update_every < 1:
             raise JobError(f"--update-every must be at least 1, got {self.update_every}")
         if self.update_every != 1 and self.schedule not in ASYNC_SCHEDULES:
-            raise JobError(f"--update-every applies to 1f1b-stash only; {self.schedule} updates once per batch")
+            raise JobError(f"--update-every applies to 1f1b-stash and 2bw only; {self.schedule} updates once per batch")
         if self.replan_every is not None and (self.replan_every < 1 or self.schedule not in FLUSH_SCHEDULES):
-            raise JobError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush or "
-                           f"gpipe), got {self.replan_every} with {self.schedule}")
+            raise JobError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush, "
+                           f"gpipe or zb-h1), got {self.replan_every} with {self.schedule}")
         if not self.replan_threshold >= 0:
             raise JobError(f"--replan-threshold must be a number >= 0 (0.1: 10% faster), got {self.replan_threshold}")
         if not self.timeout_s > 0:

@@ -118,8 +118,11 @@ def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches
         return 0
     w = min(stages - stage - 1, microbatches)
     if microbatches > w:
-        return min(w, microbatches - w)
-    return 1 if microbatches >= 2 else 0
+        old = min(w, microbatches - w)
+    else:
+        old = 1 if microbatches >= 2 else 0
+    # PipeDream-2BW: two versions at most (planner.schedule.pipedream_2bw)
+    return min(1, old) if schedule == "2bw" else old
 
 
 def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int) -> int:

@@ -142,6 +142,22 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
     return Schedule("zb-h1", stages, microbatches, actions, (1,) * stages, microbatches)
 
 
+def pipedream_2bw(stages: int, microbatches: int, update_every: int) -> Schedule:
+    """PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML
+    2021): 1F1B without a flush, every stage accumulating `update_every` backwards per update, and
+    only two weight versions (the newest and the one its micro-batches in flight started on)
+    instead of PipeDream's p-s. Two suffice when `update_every` >= stages: stage s holds at most
+    p-s <= update_every micro-batches in flight, which then span at most one update."""
+    _check_args(stages, microbatches, update_every)
+    if update_every < stages:
+        raise ValueError(f"2bw keeps two weight versions, which needs an update at most every stages={stages} "
+                         f"backwards: update_every={update_every} is fewer (use update_every >= {stages}, "
+                         f"or 1f1b-stash, which keeps p-s versions)")
+    stash = one_f_one_b_stash(stages, microbatches, update_every)
+    return Schedule("2bw", stages, microbatches, stash.actions, tuple(min(2, d) for d in stash.stash_depth),
+                    update_every)
+
+
 def _require_compute_only(schedule: Schedule, pass_name: str) -> None:
     for row in schedule.actions:
         for a in row:
@@ -217,17 +233,19 @@ COMPUTE_ORDERS: dict[str, Callable[..., Schedule]] = {
     "1f1b-flush": one_f_one_b_flush,
     "1f1b-stash": one_f_one_b_stash,
     "zb-h1": zero_bubble_h1,
+    "2bw": pipedream_2bw,
 }
 
 
 def make_schedule(name: str, stages: int, microbatches: int, update_every: int = 1) -> Schedule:
     """The named schedule with communication and frees added, verified and dry-run."""
     check_schedule_name(name)
-    if name == "1f1b-stash":
-        compute = one_f_one_b_stash(stages, microbatches, update_every)
+    if name in ("1f1b-stash", "2bw"):
+        compute = COMPUTE_ORDERS[name](stages, microbatches, update_every)
     else:
         if update_every != 1:
-            raise ValueError(f"update_every={update_every} applies to 1f1b-stash only; {name} updates once per batch")
+            raise ValueError(f"update_every={update_every} applies to 1f1b-stash and 2bw only; {name} updates once "
+                             f"per batch")
         compute = COMPUTE_ORDERS[name](stages, microbatches)
     schedule = add_frees(add_communication(compute))
     verify_plan(schedule)

@@ -80,6 +80,11 @@ def test_async_step_is_link_bound_on_a_slow_link():
     assert predicted_step_s(one, "1f1b-stash", 3) == pytest.approx(3 * (0.0215 + 0.0425 - 0.010))
 
 
+def _order(name: str, p: int, m: int):
+    # 2bw needs an update at most every p backwards: its smallest cadence
+    return COMPUTE_ORDERS[name](p, m, p) if name == "2bw" else COMPUTE_ORDERS[name](p, m)
+
+
 @pytest.mark.parametrize("name", sorted(COMPUTE_ORDERS))
 def test_forward_reuse_matches_the_schedules_action_order(name):
     """reuses_forward(s) holds exactly when, in the stage's own action list, every backward comes
@@ -88,7 +93,7 @@ def test_forward_reuse_matches_the_schedules_action_order(name):
 
     for p in range(1, 5):
         for m in range(1, 7):
-            sch = COMPUTE_ORDERS[name](p, m)
+            sch = _order(name, p, m)
             for s in range(p):
                 compute = [a for a in sch.actions[s] if a.kind in ("F", "B")]
                 follows = all(i > 0 and compute[i - 1].kind == "F" and compute[i - 1].microbatch == a.microbatch
@@ -110,9 +115,15 @@ def test_the_last_stage_is_charged_no_forward_re_run():
 def test_in_flight_and_weight_versions_match_the_schedules(name):
     for p in range(1, 6):
         for m in range(1, 10):
-            sch = COMPUTE_ORDERS[name](p, m)
+            sch = _order(name, p, m)
             assert tuple(in_flight_microbatches(name, p, s, m) for s in range(p)) == peak_in_flight(sch), (p, m)
-            assert tuple(stashed_weight_versions(name, p, s, m) + 1 for s in range(p)) == peak_weight_versions(sch), (p, m)
+            model = tuple(stashed_weight_versions(name, p, s, m) + 1 for s in range(p))
+            if name == "2bw" and m < 2 * p:
+                # the model knows no cadence: it charges 2bw's two versions wherever micro-batches
+                # are in flight, which a run shorter than two updates may not reach
+                assert all(a >= b for a, b in zip(model, peak_weight_versions(sch))), (p, m)
+            else:
+                assert model == peak_weight_versions(sch), (p, m)
 
 
 def test_weight_versions_reach_pipedreams_numbers_in_the_steady_state():

@@ -88,7 +88,7 @@ def test_weight_stash_depths(p, m):
 
 
 def test_make_schedule_argument_errors():
-    with pytest.raises(ValueError, match="unknown schedule 'zb-h2'; valid names: gpipe, 1f1b-flush, 1f1b-stash, zb-h1"):
+    with pytest.raises(ValueError, match="unknown schedule 'zb-h2'; valid names: gpipe, 1f1b-flush, 1f1b-stash, zb-h1, 2bw"):
         make_schedule("zb-h2", 2, 2)
     with pytest.raises(ValueError, match="stages must be an int >= 1, got 0"):
         make_schedule("gpipe", 0, 2)
@@ -96,9 +96,9 @@ def test_make_schedule_argument_errors():
         one_f_one_b_flush(2, 0)
     with pytest.raises(ValueError, match="update_every must be an int >= 1"):
         make_schedule("1f1b-stash", 2, 2, update_every=0)
-    with pytest.raises(ValueError, match="applies to 1f1b-stash only"):
+    with pytest.raises(ValueError, match="applies to 1f1b-stash and 2bw only"):
         make_schedule("gpipe", 2, 2, update_every=2)
-    assert set(COMPUTE_ORDERS) == {"gpipe", "1f1b-flush", "1f1b-stash", "zb-h1"}
+    assert set(COMPUTE_ORDERS) == {"gpipe", "1f1b-flush", "1f1b-stash", "zb-h1", "2bw"}
 
 
 def test_schedules_are_pure_and_deterministic():

@@ -333,3 +333,84 @@ def test_a_zb_h1_pipeline_equals_single_device_training(graph, batches, stages, 
         assert float(np.abs(result.weights[k] - want).max()) <= bound, k
         moved += not np.array_equal(result.weights[k], graph.constants[k])
     assert moved == len(weights)  # every parameter trained, the deferred ones included
+
+
+# --- PipeDream-2BW ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p,m,k", [(2, 4, 2), (3, 6, 3), (3, 8, 4), (4, 8, 4), (4, 9, 5), (1, 3, 1)])
+def test_2bw_verifies_with_two_weight_versions(p, m, k):
+    from ir.verify import peak_weight_versions
+
+    sch = make_schedule("2bw", p, m, update_every=k)
+    verify_plan(sch)
+    assert not sch.flushes and sch.update_every == k
+    assert max(peak_weight_versions(sch)) <= 2 == max(sch.stash_depth) or p == 1
+    stash = make_schedule("1f1b-stash", p, m, update_every=k)
+    assert sch.actions == stash.actions  # the same order; what differs is how few versions it needs
+    # PipeDream's rule (an update after every backward) needs p-s versions on stage s
+    assert peak_weight_versions(make_schedule("1f1b-stash", p, m))[0] == min(p, m)
+
+
+def test_2bw_refuses_updates_too_frequent_for_two_versions():
+    with pytest.raises(ValueError, match=r"2bw keeps two weight versions, which needs an update at most every "
+                                         r"stages=3 backwards: update_every=2 is fewer \(use update_every >= 3, "
+                                         r"or 1f1b-stash, which keeps p-s versions\)"):
+        make_schedule("2bw", 3, 6, update_every=2)
+    # and a hand-edited 2bw plan claiming depth 2 with updates every backward fails the stash rule
+    stash = make_schedule("1f1b-stash", 3, 6)
+    forged = Schedule("2bw", 3, 6, stash.actions, (2, 2, 1), 1)
+    with pytest.raises(PlanError, match=r"rule 'stash depth': 3 weight versions alive here"):
+        verify_plan(forged)
+
+
+def test_the_memory_model_charges_2bw_one_old_version():
+    from planner.cost import stashed_weight_versions
+
+    assert [stashed_weight_versions("2bw", 4, s, 8) for s in range(4)] == [1, 1, 1, 0]
+    assert [stashed_weight_versions("1f1b-stash", 4, s, 8) for s in range(4)] == [3, 2, 1, 0]
+
+
+def test_the_cli_defaults_2bw_to_one_update_per_batch():
+    from confidant.cli import build_parser
+    from confidant.commands import _update_every
+
+    parser = build_parser()
+    args = parser.parse_args(["train-pipeline", "m.onnx", "--data", "d.conll", "--local", "2", "--schedule", "2bw", "--microbatches", "4"])
+    assert _update_every(args) == 4
+    args = parser.parse_args(["train-pipeline", "m.onnx", "--data", "d.conll", "--local", "2", "--schedule", "1f1b-stash"])
+    assert _update_every(args) == 1
+    args = parser.parse_args(["train-pipeline", "m.onnx", "--data", "d.conll", "--local", "2", "--schedule", "2bw", "--update-every", "3"])
+    assert _update_every(args) == 3
+
+
+def test_a_2bw_pipeline_equals_its_sequential_replay(graph):
+    """Three stages over ZeroMQ-free in-process workers, 2 steps of 3 micro-batches, an update per
+    3 backwards: the same losses and weights as the same schedule replayed in one thread, and not
+    those of the flush schedule (the updates really happen mid-run, on stashed versions)."""
+    from jobs.pipeline_training import train_pipeline
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+    from runtime.pipeline.local_replay import LocalPipeline
+    from tasks.tokenize import split_microbatches
+    from tasks.trainer import batch_feeds
+
+    M, steps, stages = 3, 2, 3
+    batches = [synthetic_batch(i, M) for i in range(steps)]
+    config = PipelineConfig(schedule="2bw", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30)
+    with InProcessWorkers(stages, timeout_s=30) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, transport=workers.coordinator,
+                                update_every=M)
+    assert workers.codes == [0] * stages, workers.errors
+    from ir.partition import even_ranges
+
+    replay = LocalPipeline(graph, even_ranges(len(graph.blocks), stages), MnnStageEngine, "adamw", 1e-3)
+    feeds = [batch_feeds(mb, 9, b.n_labelled) for b in batches for mb in split_microbatches(b, M)]
+    losses = replay.run(make_schedule("2bw", stages, steps * M, update_every=M), feeds)
+    # the run reports each step's loss, the sum of its micro-batches'
+    np.testing.assert_allclose(result.losses, np.asarray(losses).reshape(steps, M).sum(axis=1), rtol=1e-6)
+    want = replay.parameters()
+    for k in want:
+        np.testing.assert_array_equal(result.weights[k], want[k], err_msg=k)
+    _, flush = single_device_training(graph, batches, steps, microbatches=M)
+    assert any(not np.array_equal(result.weights[k], flush[k]) for k in flush)
