@@ -19,6 +19,12 @@ What it measures
         8 loss): 2 stages = 0-3 | 4-8, 3 stages = 0-2 | 3-5 | 6-8.  ``1f1b-stash`` runs with
         train_pipeline's default ``update_every=1``: every stage updates after each backward, i.e.
         M optimizer steps per batch where the other configurations take one (it shows in ``UPD``).
+      * with ``--variants`` also: ``1f1b-stash k=M`` (an update per M backwards), ``2bw k=M``
+        (PipeDream-2BW: the same order, two weight versions at most), ``1f1b-flush`` on the PyTorch
+        engine, with MNN keeping its activations, and with the engine and activations ``plan``
+        picks per stage (``auto[...]``), and ``zb-h1`` (each backward split into B, whose gradient
+        is sent at once, and W, the weight gradients; shown together in ``B``) on the PyTorch
+        engine and with ``plan``'s pick.
     PyTorch (``torch.distributed.pipelining``, gloo over TCP on 127.0.0.1, one rank per process):
       * ``single``: one process, ``BertForTokenClassification`` (eval mode: no dropout, as the
         ONNX export the MNN side trains), gradient accumulation over the M micro-batches, AdamW.
@@ -103,6 +109,7 @@ LR = 1e-4
 SCHEDULES = ("1f1b-flush", "gpipe", "1f1b-stash")
 TORCH_SCHEDULES = {"1f1b-flush": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 STAGES = (2, 3)
+ASYNC = ("1f1b-stash", "2bw")  # no flush: one schedule over the whole run
 MARKER = "CONFIDANT_BENCH "
 SIM_F = 4  # forward ticks in the simulated dry run; backward ticks follow the measured B/F ratio
 
@@ -162,12 +169,13 @@ def _parse_marker(stdout: str) -> dict | None:
     return json.loads(lines[-1][len(MARKER):]) if lines else None
 
 
-def simulated_bubble(schedule: str, stages: int, microbatches: int, b_over_f: float | None) -> tuple[float, str]:
+def simulated_bubble(schedule: str, stages: int, microbatches: int, b_over_f: float | None,
+                     update_every: int = 1) -> tuple[float, str]:
     from ir.verify import dry_run
     from planner.schedule import make_schedule
 
     b = max(1, round(SIM_F * (b_over_f or 2.0)))
-    plan = make_schedule(schedule, stages, microbatches)
+    plan = make_schedule(schedule, stages, microbatches, update_every if schedule in ASYNC else 1)
     if plan.splits_backward:  # B and W, half of the measured backward each
         w = max(1, b // 2)
         return dry_run(plan, SIM_F, max(1, b - w), w).bubble_fraction, f"{SIM_F}:{max(1, b - w)}:{w}"
@@ -462,7 +470,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
         raise RuntimeError(f"workers exited with {codes}")
 
     per_stage_steps = []  # [step][stage] dict of ms-level figures (seconds)
-    if schedule == "1f1b-stash":
+    if schedule in ASYNC:
         # one report for the whole run of n batches: per-step figures are its totals / n
         total = sum(res.step_seconds)
         reports = [(res.stage_reports[0], total, None)]
@@ -491,7 +499,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             sum(d["seconds"].get(k, 0) for k in ("F", "B", "W", "UPDATE")) / d["wall_s"]
             for d in done))
         walls.append(wall / divisor)
-    step_s = _median(walls) if schedule != "1f1b-stash" else walls[0]
+    step_s = _median(walls) if schedule not in ASYNC else walls[0]
     per_stage = []
     for s in range(stages):
         agg = {k: _median([rows[s][k] for rows in per_stage_steps])
@@ -500,8 +508,8 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
         per_stage.append(agg)
     f_all = sum(p["F"] for p in per_stage)
     b_all = sum(p["B"] for p in per_stage)
-    sim_mb = M * n if schedule == "1f1b-stash" else M
-    sim, ticks = simulated_bubble(schedule, stages, sim_mb, b_all / f_all if f_all else None)
+    sim_mb = M * n if schedule in ASYNC else M
+    sim, ticks = simulated_bubble(schedule, stages, sim_mb, b_all / f_all if f_all else None, update_every)
     fb = [p["F"] + p["B"] for p in per_stage]
     # messages per step: each stage but the last sends M activations, each but the first M gradients
     sends = sum(p["SEND"] for p in per_stage)
@@ -518,7 +526,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             "imbalance": max(fb) / statistics.mean(fb) if fb and statistics.mean(fb) else None,
             "peak_rss_mb": [d["peak_rss_bytes"] / 2**20 for d in res.stage_reports[-1]],
             "per_stage": per_stage, "send_ms_per_msg": 1000 * sends / msgs if msgs else None,
-            "act_bytes": act_bytes, "losses": res.losses, "first_loss": res.losses[0] if schedule != "1f1b-stash" else None,
+            "act_bytes": act_bytes, "losses": res.losses, "first_loss": res.losses[0] if schedule not in ASYNC else None,
             "stage_busy": res.stage_busy, "others_cpu": noise.others,
             "reports": [[{"seconds": d["seconds"], "wall_s": d["wall_s"], "peak_rss_bytes": d["peak_rss_bytes"]}
                          for d in done] for done in res.stage_reports]}
@@ -827,6 +835,10 @@ def main(argv=None) -> int:
                 attempt(f"mnn 1f1b-stash update-every {M} M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-stash", args.steps,
                                                  update_every=M, variant=f"k={M}"))
+                # PipeDream-2BW: the same, two weight versions at most
+                attempt(f"mnn 2bw update-every {M} M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "2bw", args.steps,
+                                                 update_every=M, variant=f"k={M}"))
                 attempt(f"mnn 1f1b-flush torch engine M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
                                                  engine="torch", variant="torch"))
@@ -852,7 +864,7 @@ def main(argv=None) -> int:
                     attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
                             lambda: run_torch_pipeline(M, stages, schedule, args.steps, args.timeout))
     elapsed = time.perf_counter() - start
-    order = {"single": 0, **{s: i + 1 for i, s in enumerate(SCHEDULES + ("zb-h1",))}}
+    order = {"single": 0, **{s: i + 1 for i, s in enumerate(SCHEDULES + ("2bw", "zb-h1"))}}
     results.sort(key=lambda r: (r["framework"] != "mnn", r["microbatches"], r["stages"], order[r["schedule"]],
                                 r.get("variant") or ""))
     print(report(results, errors, args.steps, elapsed, Path(model)))
