@@ -28,7 +28,8 @@ What it measures
     PyTorch (``torch.distributed.pipelining``, gloo over TCP on 127.0.0.1, one rank per process):
       * ``single``: one process, ``BertForTokenClassification`` (eval mode: no dropout, as the
         ONNX export the MNN side trains), gradient accumulation over the M micro-batches, AdamW.
-      * ``Schedule1F1B`` (shown as ``1f1b-flush``) and ``ScheduleGPipe`` (``gpipe``) on 2 and 3
+      * ``Schedule1F1B`` (shown as ``1f1b-flush``), ``ScheduleGPipe`` (``gpipe``) and
+        ``ScheduleInterleavedZeroBubble`` with one stage per rank (``zb-h1``) on 2 and 3
         ranks, ``PipelineStage`` over hand-built stage modules with the same block ranges.  The
         attention mask travels between stages as a second (int64, gradient-free) tensor and each
         stage builds BERT's additive mask from it, so padding is real, as on the MNN side.  The
@@ -107,7 +108,8 @@ from benchmarks.common import NoiseMeter, default_model, make_batches  # noqa: E
 BATCH, SEQ, NUM_LABELS, VOCAB = 8, 128, 9, 30522
 LR = 1e-4
 SCHEDULES = ("1f1b-flush", "gpipe", "1f1b-stash")
-TORCH_SCHEDULES = {"1f1b-flush": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+TORCH_SCHEDULES = {"1f1b-flush": "Schedule1F1B", "gpipe": "ScheduleGPipe",
+                   "zb-h1": "ScheduleInterleavedZeroBubble"}  # TDP's zero bubble, one stage per rank
 STAGES = (2, 3)
 ASYNC = ("1f1b-stash", "2bw")  # no flush: one schedule over the whole run
 MARKER = "CONFIDANT_BENCH "
@@ -334,20 +336,26 @@ def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) 
 
         gc.collect()
         stage = pipelining.PipelineStage(module, rank, stages, torch.device("cpu"))
-        timers = time_methods(stage, {"F": "forward_one_chunk", "B": "backward_one_chunk"})
+        methods = {"F": "forward_one_chunk", "B": "backward_one_chunk"}
+        if hasattr(stage, "backward_weight_one_chunk"):  # zero bubble's W, shown with its B
+            methods["W"] = "backward_weight_one_chunk"
+        timers = time_methods(stage, methods)
         is_last = rank == stages - 1
         n_labelled = [1]
         # every rank passes loss_fn: the schedule runs backwards only when it has one (it is applied on the last)
         def loss_fn(logits, labels):
             return _loss(torch, logits, labels, n_labelled[0])
 
-        sched = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, M, loss_fn=loss_fn, scale_grads=False)
+        kind = getattr(pipelining, TORCH_SCHEDULES[schedule])
+        # the schedules built for several stages per rank take a list of them
+        stages_arg = [stage] if issubclass(kind, pipelining.schedules.PipelineScheduleMulti) else stage
+        sched = kind(stages_arg, M, loss_fn=loss_fn, scale_grads=False)
         opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
         rows = []
         for step in range(steps + 1):
             b = batches[step]
             n_labelled[0] = b.n_labelled
-            timers.update(F=0.0, B=0.0)
+            timers.update({k: 0.0 for k in timers})
             losses: list = []
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -364,7 +372,7 @@ def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) 
             t2, c2 = time.perf_counter(), time.process_time()
             dist.barrier()
             t3 = time.perf_counter()
-            rows.append({"step_s": t3 - t0, "own_s": t2 - t0, "F": timers["F"], "B": timers["B"],
+            rows.append({"step_s": t3 - t0, "own_s": t2 - t0, "F": timers["F"], "B": timers["B"] + timers.get("W", 0.0),
                          "UPDATE": t2 - t1, "cpu_s": c2 - c0,
                          "loss": float(sum(float(x) for x in losses)) if is_last else None})
         return {"rank": rank, "blocks": [first, last], "steps": rows, "rss_base_mb": rss_base,
