@@ -847,26 +847,19 @@ def main(argv=None) -> int:
                 attempt(f"mnn 2bw update-every {M} M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "2bw", args.steps,
                                                  update_every=M, variant=f"k={M}"))
-                attempt(f"mnn 1f1b-flush torch engine M={M} {stages} stages",
-                        lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
-                                                 engine="torch", variant="torch"))
                 attempt(f"mnn 1f1b-flush activations kept M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
                                                  activations="keep", variant="keep"))
-                picked, kept = engines_picked(graph, Path(model), stages, "1f1b-flush", M)
-                label = ",".join(f"{e}/{a}" if a else e for e, a in zip(picked, kept))
-                attempt(f"mnn 1f1b-flush engine auto {label} M={M} {stages} stages",
-                        lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
-                                                 engine=picked, activations=kept, variant=f"auto[{label}]"))
-                # zero bubble: each backward split into B (sent at once) and W (weight gradients)
-                attempt(f"mnn zb-h1 torch engine M={M} {stages} stages",
-                        lambda: run_mnn_pipeline(graph, batches, M, stages, "zb-h1", args.steps,
-                                                 engine="torch", variant="torch"))
-                picked, kept = engines_picked(graph, Path(model), stages, "zb-h1", M)
-                label = ",".join(f"{e}/{a}" if a else e for e, a in zip(picked, kept))
-                attempt(f"mnn zb-h1 engine auto {label} M={M} {stages} stages",
-                        lambda: run_mnn_pipeline(graph, batches, M, stages, "zb-h1", args.steps,
-                                                 engine=picked, activations=kept, variant=f"auto[{label}]"))
+                # zb-h1, zero bubble: each backward split into B (sent at once) and W (weight gradients)
+                for flush in ("1f1b-flush", "zb-h1"):
+                    attempt(f"mnn {flush} torch engine M={M} {stages} stages",
+                            lambda: run_mnn_pipeline(graph, batches, M, stages, flush, args.steps,
+                                                     engine="torch", variant="torch"))
+                    picked, kept = engines_picked(graph, Path(model), stages, flush, M)
+                    label = ",".join(f"{e}/{a}" if a else e for e, a in zip(picked, kept))
+                    attempt(f"mnn {flush} engine auto {label} M={M} {stages} stages",
+                            lambda: run_mnn_pipeline(graph, batches, M, stages, flush, args.steps,
+                                                     engine=picked, activations=kept, variant=f"auto[{label}]"))
             if not args.skip_torch:
                 for schedule in TORCH_SCHEDULES:
                     attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
