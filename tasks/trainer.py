@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from runtime.engines.base import StageEngine
+from runtime.engines.base import StageEngine, accumulate
 from runtime.procfs import peak_rss_bytes
 from tasks.metrics import ClassScores, Scores, class_scores, entity_f1
 from runtime.optim import make_optimizer
@@ -92,13 +92,15 @@ def accumulate_feeds(engine: StageEngine, feeds: Sequence[dict[str, np.ndarray]]
     normalised by the whole batch's count, so the sums are the batch's; any task)."""
     loss = 0.0
     grads: dict[str, np.ndarray] = {}
-    for m, micro in enumerate(feeds):
-        loss += float(engine.forward(micro, microbatch=m))
-        for k, g in engine.backward(m).params.items():
-            if k in grads:
-                grads[k] += g
-            else:
-                grads[k] = g
+    # summed as a pipeline stage sums them (runtime.engines.base.accumulate), so the two agree bit
+    # for bit; embedding tables may come as the rows they touch
+    was, engine.row_gradients = engine.row_gradients, True
+    try:
+        for m, micro in enumerate(feeds):
+            loss += float(engine.forward(micro, microbatch=m))
+            accumulate(grads, engine.backward(m).params)
+    finally:
+        engine.row_gradients = was
     return loss, grads
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from ir.graph import Block, Node
 from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
-from runtime.engines.base import StageEngine, StageGradients
+from runtime.engines.base import RowGradient, StageEngine, StageGradients, add_gradient
 from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values
 
 
@@ -212,7 +212,7 @@ class _BlockProgram:
     def forward(self, train: bool = False) -> np.ndarray:
         return K.read(self.output)
 
-    def backward(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray]):
+    def backward(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray], rows: bool = False):
         seed = np.ones(self.output_shape, np.float32) if grad_output is None else grad_output
         K.write(self.grad_seed, seed)
         grads = self._grads.run()
@@ -222,19 +222,25 @@ class _BlockProgram:
         dx = None
         if self.activation:
             dx, rest = rest[0], rest[1:]
-        self._scatter_lookups(param_grads, rest, host)
+        self._scatter_lookups(param_grads, rest, host, rows)
         return param_grads, dx
 
-    def _scatter_lookups(self, param_grads: dict, grads, host: Mapping[str, np.ndarray]) -> None:
+    def _scatter_lookups(self, param_grads: dict, grads, host: Mapping[str, np.ndarray], rows: bool = False) -> None:
+        """The lookups' gradients into their tables' (`rows`: as RowGradients, see base.RowGradient)."""
         for lk, g in zip(self.trained_lookups, grads):
             ids = np.asarray(host[lk.ids]).reshape(-1)
+            if rows:
+                part = RowGradient(ids, g.reshape(ids.size, -1), tuple(self._tables[lk.table].shape))
+                old = param_grads.get(lk.table)
+                param_grads[lk.table] = part if old is None else add_gradient(old, part)
+                continue
             table_grad = param_grads.get(lk.table)
             if table_grad is None:
                 table_grad = np.zeros_like(self._tables[lk.table])
                 param_grads[lk.table] = table_grad
             np.add.at(table_grad, ids, g.reshape(ids.size, -1))
 
-    def backward_input(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray]):
+    def backward_input(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray], rows: bool = False):
         """B of a split backward: one gradient program that stops at the projections' outputs (MNN
         prunes what no requested gradient reads: the projections' weight gradients), giving every
         other gradient now and, per projection, the input and output gradient its W multiplies
@@ -255,7 +261,7 @@ class _BlockProgram:
         if self.activation:
             dx, rest = rest[0], rest[1:]
         k = len(self.trained_lookups)
-        self._scatter_lookups(param_grads, rest[:k], host)
+        self._scatter_lookups(param_grads, rest[:k], host, rows)
         pending = [_PendingWeightGrad(pr.weight, K.read(pr.x), gy, pr.transposed)
                    for pr, gy in zip(self.projections, rest[k:])]
         return param_grads, dx, pending
@@ -506,12 +512,14 @@ class MnnStageEngine(StageEngine):
             for prog, x in zip(reversed(self._slots[slot]), reversed(block_inputs)):
                 prog.feed(x, host, serial)
                 if split and isinstance(prog, _BlockProgram) and prog.projections:
-                    pg, g, later = prog.backward_input(g, host)
+                    pg, g, later = prog.backward_input(g, host, self.row_gradients)
                     pending += later
+                elif isinstance(prog, _BlockProgram):
+                    pg, g = prog.backward(g, host, self.row_gradients)
                 else:
                     pg, g = prog.backward(g, host)
                 for k, v in pg.items():
-                    grads[k] = grads[k] + v if k in grads else v
+                    grads[k] = add_gradient(grads[k], v) if k in grads else v
         finally:
             if swapped:
                 self._load_weights(current)

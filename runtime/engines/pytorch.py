@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node
-from runtime.engines.base import StageEngine, StageGradients
+from runtime.engines.base import RowGradient, StageEngine, StageGradients
 from runtime.engines.lm_loss import chunk_rows
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values
 
@@ -354,6 +354,10 @@ class TorchStageEngine(StageEngine):
                         if deferred is not _SKIP:
                             env[node.outputs[0]] = deferred
                         continue
+                if node.op == "Gather" and train and self.row_gradients and node.inputs[0] in params:
+                    # the table's gradient as the rows it touches (base.RowGradient), not a dense copy
+                    env[node.outputs[0]] = F.embedding(env[node.inputs[1]].long(), env[node.inputs[0]], sparse=True)
+                    continue
                 linear = self._linear.get(node.name)
                 if linear is not None:
                     if linear.add == node.name:  # MatMul + bias as one addmm (skips a pass each way)
@@ -412,7 +416,10 @@ class TorchStageEngine(StageEngine):
         # autograd's fresh tensors, shared with numpy without a copy (nothing else holds them; the
         # executor accumulates into them in place)
         for (name, p), g in zip(now.items(), grads):
-            params[name] = (torch.zeros_like(p) if g is None else g).detach().numpy()
+            if g is not None and g.is_sparse:
+                params[name] = RowGradient(g._indices()[0].numpy(), g._values().detach().numpy(), tuple(p.shape))
+            else:
+                params[name] = (torch.zeros_like(p) if g is None else g).detach().numpy()
         dx = grads[len(now)].detach().numpy() if x_in is not None else None
         if deferral is not None:
             self._pending[microbatch] = (deferral[1], {k: used[k] for k in deferred})

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ir.plan import Action, ActionKind
-from runtime.engines.base import StageEngine
+from runtime.engines.base import StageEngine, accumulate
 from runtime.transport.wire import Expected, PeerTimeout, Transport
 
 COORDINATOR = "coordinator"
@@ -141,6 +141,7 @@ class StageExecutor:
         split = any(a.kind is ActionKind.W for a in actions)
         if split != self.engine.split_backward:
             self.engine.split_backward = split
+        self.engine.row_gradients = True  # `_accumulate` sums them
 
     def run(self, actions: Sequence[Action]) -> ExecutorStats:
         self.prepare(actions)
@@ -200,13 +201,8 @@ class StageExecutor:
             raise ValueError(f"unknown action {action}")
         self.stats.add(kind.value, time.perf_counter() - t0)
 
-    def _accumulate(self, grads: Mapping[str, np.ndarray]) -> None:
-        for k, g in grads.items():
-            acc = self.grad_sum.get(k)
-            if acc is None:
-                self.grad_sum[k] = g
-            else:
-                acc += g
+    def _accumulate(self, grads) -> None:
+        accumulate(self.grad_sum, grads)
 
     def update(self) -> None:
         # A stage without parameters (e.g. only the loss block) still takes its UPDATE as a step
