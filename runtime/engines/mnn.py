@@ -244,7 +244,8 @@ class _BlockProgram:
         """B of a split backward: one gradient program that stops at the projections' outputs (MNN
         prunes what no requested gradient reads: the projections' weight gradients), giving every
         other gradient now and, per projection, the input and output gradient its W multiplies
-        (in numpy, whose GEMM outruns this MNN wheel's)."""
+        in numpy (one MiniLM layer, 2 x 128, one thread: forward + B + W 51.9 ms, forward + the
+        whole backward 49.5 ms, so the plain backward keeps MNN's own program)."""
         deferred = {pr.weight for pr in self.projections}
         now = [p for p in self.params if p not in deferred]
         if self._split_grads is None:
