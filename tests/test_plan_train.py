@@ -42,14 +42,15 @@ def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
               for d in plan["devices"]}
     assert sum(d["blocks"][1] - d["blocks"][0] + 1 for d in plan["devices"]) == 9
     assert all(d["memory_bytes"] <= d["memory_budget_bytes"] for d in plan["devices"])
-    # the laptop and the board carry stages; the planner may leave the phone out (its backend, MNN at
-    # one thread, is the slowest measured or ties the laptop's two threads on these 2 shared cores),
-    # and if it uses it, the phone carries no more layers than any other device (measured here once:
-    # 2 / 2 / 2, within its 200 MiB)
+    # the laptop and the board carry stages; the planner may leave the phone out. Which devices carry
+    # how many layers follows the measured profile, whose backends (MNN at one and two threads,
+    # PyTorch at one) measure close together on these 2 shared cores: once 2 / 2 / 2 with the phone
+    # in, usually without it. What must hold is each stage within its device's budget (above), and
+    # the phone's 200 MiB holding no more than two encoder layers.
     devices = {d["name"]: d for d in plan["devices"]}
     assert {"laptop", "board"} <= set(devices) <= {"laptop", "board", "phone"}, sorted(devices)
     if "phone" in devices:
-        assert layers["phone"] <= min(layers.values()), layers
+        assert layers["phone"] <= 2, layers
     assert devices["laptop"]["threads"] == 2
     # each device runs its own backend's engine: the board trains its stage with PyTorch
     assert (devices["board"]["engine"], devices["laptop"]["engine"]) == ("torch", "mnn")
