@@ -82,36 +82,36 @@ def _swap(row, a: Action, b: Action) -> list[Action]:
     return row
 
 
-def test_the_verifier_refuses_a_w_before_its_b():
-    zb = make_schedule("zb-h1", 2, 2)
-    row = _swap(zb.actions[1], Action(B, 1, 0), Action(W, 1, 0))
-    with pytest.raises(PlanError, match=r"stage 1, s1\.W\.m0: rule 'B before W': micro-batch 0's weight gradients "
-                                        r"\(W\) run before its input gradient \(B, position \d+\)"):
-        verify_plan(_with_row(zb, 1, row))
+def _w_before_b(zb):
+    return _with_row(zb, 1, _swap(zb.actions[1], Action(B, 1, 0), Action(W, 1, 0)))
 
 
-def test_the_verifier_refuses_a_missing_w():
-    zb = make_schedule("zb-h1", 2, 2)
-    row = [a for a in zb.actions[0] if a != Action(W, 0, 1)]
-    with pytest.raises(PlanError, match=r"rule 'every micro-batch': stage 0 has no W for micro-batch\(es\) 1 of 2"):
-        verify_plan(_with_row(zb, 0, row))
+def _missing_w(zb):
+    return _with_row(zb, 0, [a for a in zb.actions[0] if a != Action(W, 0, 1)])
 
 
-def test_the_verifier_refuses_a_free_before_the_w():
-    zb = make_schedule("zb-h1", 2, 2)
-    row = _swap(zb.actions[0], Action(W, 0, 0), Action(FREE, 0, 0))
-    with pytest.raises(PlanError, match=r"stage 0, s0\.FREE\.m0: rule 'FREE after B': micro-batch 0 is freed before "
-                                        r"its weight-gradient pass \(W, position \d+\) has used its activations"):
-        verify_plan(_with_row(zb, 0, row))
+def _free_before_w(zb):
+    return _with_row(zb, 0, _swap(zb.actions[0], Action(W, 0, 0), Action(FREE, 0, 0)))
 
 
-def test_the_verifier_refuses_an_update_before_the_last_w():
-    zb = make_schedule("zb-h1", 2, 2)
+def _update_before_last_w(zb):
     row = list(zb.actions[1])
-    last_w = max(i for i, a in enumerate(row) if a.kind is W)
-    row.insert(last_w, row.pop())  # the UPDATE moved before the last W
-    with pytest.raises(PlanError, match=r"rule 'UPDATE cadence'"):
-        verify_plan(_with_row(zb, 1, row))
+    row.insert(max(i for i, a in enumerate(row) if a.kind is W), row.pop())  # the UPDATE moved up
+    return _with_row(zb, 1, row)
+
+
+@pytest.mark.parametrize("broken,message", [
+    (_w_before_b, r"stage 1, s1\.W\.m0: rule 'B before W': micro-batch 0's weight gradients \(W\) run before "
+                  r"its input gradient \(B, position \d+\)"),
+    (_missing_w, r"rule 'every micro-batch': stage 0 has no W for micro-batch\(es\) 1 of 2"),
+    (_free_before_w, r"stage 0, s0\.FREE\.m0: rule 'FREE after B': micro-batch 0 is freed before its "
+                     r"weight-gradient pass \(W, position \d+\) has used its activations"),
+    (_update_before_last_w, r"rule 'UPDATE cadence'"),
+])
+def test_the_verifier_refuses_a_broken_split_backward(broken, message):
+    zb = make_schedule("zb-h1", 2, 2)
+    with pytest.raises(PlanError, match=message):
+        verify_plan(broken(zb))
 
 
 def test_zb_h1_round_trips_through_text_and_json():
@@ -138,11 +138,9 @@ def graph(tiny_checkpoint, export_dir):
     return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
 
 
-@pytest.mark.parametrize("where", ["whole", "first", "middle", "last"])
-def test_torch_b_then_w_equals_the_whole_backward_in_float64(graph, where):
-    torch = pytest.importorskip("torch")
-    from runtime.engines.pytorch import TorchStageEngine
-
+def _stage_and_feeds(graph, where: str):
+    """The stage `where` names (the whole model, the first two, the middle or the last blocks) and
+    its inputs, a random activation for any stage but the first."""
     n = len(graph.blocks)
     first, last = {"whole": (0, n - 1), "first": (0, 1), "middle": (1, n - 2), "last": (2, n - 1)}[where]
     spec = stage_spec(graph, first, last)
@@ -150,6 +148,15 @@ def test_torch_b_then_w_equals_the_whole_backward_in_float64(graph, where):
     if spec.activation_input:
         shape = graph.values[spec.activation_input].shape
         feeds[spec.activation_input] = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    return spec, feeds
+
+
+@pytest.mark.parametrize("where", ["whole", "first", "middle", "last"])
+def test_torch_b_then_w_equals_the_whole_backward_in_float64(graph, where):
+    torch = pytest.importorskip("torch")
+    from runtime.engines.pytorch import TorchStageEngine
+
+    spec, feeds = _stage_and_feeds(graph, where)
     whole, split = TorchStageEngine(spec, dtype=torch.float64), TorchStageEngine(spec, dtype=torch.float64)
     split.split_backward = True
     out = whole.forward(feeds, 0)
@@ -195,13 +202,7 @@ def test_mnn_b_then_w_equals_the_whole_backward(graph, where):
     rounding), with no projection weight computed twice."""
     from runtime.engines.mnn import MnnStageEngine
 
-    n = len(graph.blocks)
-    first, last = {"whole": (0, n - 1), "first": (0, 1), "middle": (1, n - 2), "last": (2, n - 1)}[where]
-    spec = stage_spec(graph, first, last)
-    feeds = token_feeds(ROWS, S, vocab=500)
-    if spec.activation_input:
-        shape = graph.values[spec.activation_input].shape
-        feeds[spec.activation_input] = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    spec, feeds = _stage_and_feeds(graph, where)
     whole, split = MnnStageEngine(spec), MnnStageEngine(spec)
     split.split_backward = True
     out = whole.forward(feeds, 0)

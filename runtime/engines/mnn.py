@@ -34,7 +34,7 @@ import numpy as np
 from ir.graph import Block, Node
 from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
-from runtime.engines.base import RowGradient, StageEngine, StageGradients, add_gradient
+from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, add_gradient
 from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values
 
 
@@ -491,11 +491,7 @@ class MnnStageEngine(StageEngine):
     def backward_weight(self, microbatch: int) -> dict[str, np.ndarray]:
         grads: dict[str, np.ndarray] = {}
         for item in self._pending.pop(microbatch, ()):
-            g = item.gradient()
-            if item.weight in grads:
-                grads[item.weight] += g
-            else:
-                grads[item.weight] = g
+            accumulate(grads, {item.weight: item.gradient()})
         return grads
 
     def _backward(self, microbatch: int, grad_output, split: bool) -> StageGradients:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node
-from runtime.engines.base import RowGradient, StageEngine, StageGradients
+from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate
 from runtime.engines.lm_loss import chunk_rows
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values
 
@@ -209,19 +209,12 @@ class _DeferredLinear(torch.autograd.Function):
 def _weight_grads(pending: list[_PendingWeightGrad], shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
     """The deferred weight (and bias) gradients, summed per parameter."""
     out: dict[str, torch.Tensor] = {}
-
-    def add(name: str, g: torch.Tensor) -> None:
-        if name in out:
-            out[name] += g
-        else:
-            out[name] = g
-
     for item in pending:
         x = item.x.reshape(-1, item.x.shape[-1])
         gy = item.grad_y.reshape(-1, item.grad_y.shape[-1])
-        add(item.weight, (gy.t() @ x if item.transposed else x.t() @ gy).reshape(shapes[item.weight]))
+        accumulate(out, {item.weight: (gy.t() @ x if item.transposed else x.t() @ gy).reshape(shapes[item.weight])})
         if item.bias is not None:
-            add(item.bias, gy.sum(0))
+            accumulate(out, {item.bias: gy.sum(0)})
     return out
 
 
