@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from support import Lazy, export_onnx, find_tokenizer_json, make_tiny_tokenizer
+from support import Lazy, export_onnx, find_tokenizer_json, made_once, make_tiny_tokenizer, shared_root
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _tiny_bert_checkpoint(root: Path) -> Path:
+def _tiny_bert_checkpoint(folder: Path) -> None:
     """A randomly initialised 2-layer BERT saved as a Hugging Face checkpoint folder."""
     import torch
     from transformers import BertConfig, BertModel
@@ -21,19 +21,22 @@ def _tiny_bert_checkpoint(root: Path) -> Path:
     torch.manual_seed(0)
     config = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=64)
-    folder = root / "tiny-bert"
     BertModel(config).save_pretrained(folder)
+
+
+# The session's exports are made once per test run and shared by pytest-xdist's workers (`-n 2`):
+# each is a file or folder that tests only read (support.made_once).
+
+@pytest.fixture(scope="session")
+def export_dir(tmp_path_factory) -> Path:
+    folder = shared_root(tmp_path_factory) / "exports"
+    folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
 @pytest.fixture(scope="session")
-def export_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("exports")
-
-
-@pytest.fixture(scope="session")
 def tiny_checkpoint(export_dir) -> Path:
-    return _tiny_bert_checkpoint(export_dir)
+    return made_once(export_dir / "tiny-bert", _tiny_bert_checkpoint)
 
 
 # The tiny BERT through both exporters and several opsets (decomposed and fused LayerNorm): file, options.
@@ -86,7 +89,7 @@ def smollm2_onnx(tmp_path_factory) -> Path:
     tokenizer and chat template): ~40 s, for the slow decoder tests."""
     from jobs.export_llm import export_llm
 
-    return export_llm(None, tmp_path_factory.mktemp("smollm2") / "smollm2.onnx")
+    return made_once(shared_root(tmp_path_factory) / "smollm2" / "smollm2.onnx", lambda out: export_llm(None, out))
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +99,22 @@ def chat_llama(tmp_path_factory):
     from jobs.export_llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
     from jobs.generation import write_task_data
 
-    root = tmp_path_factory.mktemp("chat-llama")
-    path = export_random_causal_lm("llama", root / "m.onnx", LlmExportOptions(), tokenizer_from=smollm2_gguf_path())
-    train, dev = write_task_data(root / "data", n_train=40, n_dev=8)
+    root = shared_root(tmp_path_factory) / "chat-llama"
+    path = made_once(root / "m.onnx", lambda out: export_random_causal_lm("llama", out, LlmExportOptions(),
+                                                                         tokenizer_from=smollm2_gguf_path()))
+    train, dev = write_task_data(tmp_path_factory.mktemp("chat-llama-data"), n_train=40, n_dev=8)
     return path, train, dev
+
+
+# Under pytest-xdist (`-n 2 --dist loadfile`) each test module runs whole on one worker, handed out in
+# collection order: the longest modules go first so that neither worker is left with one at the end
+# (measured on 2 cores: the SmolLM2 fine-tune alone takes 100-200 s). The SmolLM2 export is made by
+# whichever module asks first and waited for by the other (support.made_once), so its two big users
+# are kept apart in the order.
+LONGEST_FIRST = ("test_smollm2.py", "test_faults.py", "test_finetune.py", "test_pipeline_tasks.py",
+                 "test_llm_export.py", "test_plan_train.py", "test_seqcls.py", "test_profile.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -7,9 +7,14 @@ module for every test run.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import io
+import os
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -23,15 +28,68 @@ if TYPE_CHECKING:
     from tasks.tokenize import Batch
 
 
+# --- the command line, in this process ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class CliRun:
+    """What `confidant ARGS` returned and printed (subprocess.CompletedProcess's fields)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args) -> CliRun:
+    """`confidant ARGS` run the way `python -m confidant` runs it (confidant.cli.main, argparse's exits
+    included), in this process: a new interpreter costs ~2 s of imports per call. An exception that
+    main does not turn into a one-line error propagates and fails the test, as a traceback would
+    fail a test's "no Traceback" check. tests/test_cli.py keeps one run through the real entry point."""
+    from confidant.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse's usage errors and --help
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return CliRun(code, out.getvalue(), err.getvalue())
+
+
 # --- exported models and their inputs ------------------------------------------------------------
 
+def shared_root(tmp_path_factory) -> Path:
+    """The folder of this test run that every pytest-xdist worker sees (`-n 2`): the parent of the
+    worker's own base folder under xdist, the base folder itself without it."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return root / "shared"
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def made_once(out: Path, make: Callable[[Path], object]) -> Path:
+    """`out`, made by `make(out)` unless an earlier call (in this process or another xdist worker of
+    the run) finished making it. A lock serialises the workers and a marker written after `make`
+    returns tells a finished file from one a killed run left half-written."""
+    done = out.with_name(out.name + ".done")
+    with _locked(out):
+        if not done.exists():
+            make(out)
+            done.write_text("")
+    return out
+
+
 def export_onnx(checkpoint: Path, out: Path, **options) -> Path:
-    """`checkpoint` exported to `out` with `ExportOptions(**options)`, unless `out` is already there."""
+    """`checkpoint` exported to `out` with `ExportOptions(**options)`, once per test run."""
     from jobs.export import ExportOptions, export_checkpoint
 
-    if not out.exists():
-        export_checkpoint(checkpoint, out, ExportOptions(**options))
-    return out
+    return made_once(out, lambda path: export_checkpoint(checkpoint, path, ExportOptions(**options)))
 
 
 def token_feeds(batch: int, seq: int, vocab: int, num_labels: int = 9, seed: int = 0) -> dict[str, np.ndarray]:

@@ -3,14 +3,13 @@ the command line exits with status 2 (bad input), never with a traceback or a ba
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import onnx
 import pytest
 
 from planner.onnx_import import ImportError_, load_model
+from support import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = ROOT / "tests" / "fixtures" / "corpus" / "bert-ts17-sdpa-nofold.onnx"
@@ -112,8 +111,7 @@ def test_lowering_a_broken_file_names_the_file_and_the_cause(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["truncated", "directory", "unknown-op", "dangling-name", "missing-node-input"])
 def test_the_cli_exits_2_with_one_line(tmp_path, kind):
     path, says = _case(tmp_path, kind)
-    proc = subprocess.run([sys.executable, "-m", "confidant", "inspect", str(path), "--batch", "2", "--seq", "8"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_cli("inspect", path, "--batch", 2, "--seq", 8)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     line = proc.stderr.strip()
@@ -121,7 +119,6 @@ def test_the_cli_exits_2_with_one_line(tmp_path, kind):
 
 
 def test_a_missing_file_is_bad_input_too(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "confidant", "inspect", str(tmp_path / "nope.onnx")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("inspect", tmp_path / "nope.onnx")
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"confidant inspect: error: {tmp_path / 'nope.onnx'}: no such ONNX file"

@@ -8,20 +8,24 @@ from pathlib import Path
 
 import pytest
 
+from support import run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "confidant", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+def _run(*args):
+    return run_cli(*args)
 
 
 def test_help_lists_every_command():
-    proc = _run("--help")
+    # through the real entry point, `python -m confidant` (the other tests call confidant.cli.main)
+    proc = subprocess.run([sys.executable, "-m", "confidant", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0
     for command in ("export", "inspect", "datagen", "train-local", "backends", "demo"):
         assert command in proc.stdout
     proc = _run("train-local", "--help")
+    assert proc.returncode == 0
     for flag in ("--steps", "--batch", "--seq", "--lr", "--optimizer", "--seed", "--metrics-out"):
         assert flag in proc.stdout
 

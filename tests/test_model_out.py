@@ -4,9 +4,6 @@ transformers checkpoint (from_pretrained gives the same logits)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from support import TINY, family_feeds, make_tiny_tokenizer, tiny_model
+from support import TINY, family_feeds, make_tiny_tokenizer, run_cli, tiny_model
 from jobs.export import ExportOptions, export_model, model_inputs
 from jobs.local_training import write_single_device_checkpoint
 from jobs.trained import export_trained_hf, export_trained_onnx, open_trained
@@ -22,13 +19,11 @@ from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
 
-ROOT = Path(__file__).resolve().parents[1]
 B, S = 2, 10
 
 
 def _cli(*args, ok=True):
-    proc = subprocess.run([sys.executable, "-m", "confidant", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = run_cli(*args)  # conftest sets HF_HUB_OFFLINE
     if ok:
         assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
