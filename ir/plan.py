@@ -24,6 +24,9 @@ OPTIMIZER_NAMES = ("sgd", "adamw")
 # Schedules that never flush: weights update while other micro-batches are still in flight, so
 # each stage keeps older weight versions (stashes) for their backwards.
 ASYNC_SCHEDULES = frozenset({"1f1b-stash", "2bw"})
+# Schedules that split each backward into B (input gradient, on the critical path) and W (weight
+# gradients, deferred into the bubbles): planner.schedule builds their W actions.
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb-h1"})
 # Schedules that drain the pipeline before every update: a step boundary where every stage holds
 # the same weights (re-planning and exact checkpoints happen there).
 FLUSH_SCHEDULES = tuple(s for s in SCHEDULE_NAMES if s not in ASYNC_SCHEDULES)

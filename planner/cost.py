@@ -65,8 +65,8 @@ from typing import Sequence
 
 from ir.backend import engine_of
 from ir.graph import Block, Graph, block_signature, tied_parameters
-from ir.partition import Partition, StageCost
-from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
+from ir.partition import WEIGHT_GRAD_SHARE, Partition, StageCost
+from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.profile import BlockCost
 from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes
 
@@ -306,6 +306,20 @@ def accumulate_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedu
     return params * device.profile.accumulate_s_per_param_byte * accumulated_share(schedule, microbatches)
 
 
+def weight_grad_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedule: str,
+                  microbatches: int) -> float | None:
+    """Seconds of one W action (the weight gradients of a split backward) of blocks first..last, or
+    None where the schedule does not split backwards. W is WEIGHT_GRAD_SHARE of the backward less
+    MNN's re-run of the forward (the re-run belongs to B, which needs the activations first), plus
+    the gradient accumulation, which only W does."""
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    _check_range(graph, first, last)
+    costs = block_costs(graph, device)[first:last + 1]
+    weights = sum(c.backward_s - min(c.recompute_s, c.backward_s) for c in costs)
+    return WEIGHT_GRAD_SHARE * weights + accumulate_s(graph, device, first, last, schedule, microbatches)
+
+
 def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer: str) -> float:
     """Seconds of one optimizer step over the parameters of blocks first..last on the device
     (0 for a profile that did not measure the optimizer)."""
@@ -384,7 +398,8 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
         others = [d for k, d in enumerate(devices) if k != stage and tied_bytes(graph, *ranges[k])]
         peer = others[0] if others else devices[(stage + 1) % p]
         update += 2 * transfer_s(tied, cluster, devices[stage], peer)
-    return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.memory_budget_bytes)
+    return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.memory_budget_bytes,
+                     weight_grad_s(graph, spec, first, last, schedule, microbatches))
 
 
 def stage_time_s(cost: StageCost) -> float:
@@ -419,8 +434,12 @@ def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: in
 
     Flush schedules (gpipe, 1f1b-flush): the sum of stage times (the first micro-batch's trip
     through the pipeline and back) + (m-1) x the slowest stage time + the slowest optimizer step.
-    1f1b-stash (asynchronous steady state, transfers overlapped with compute): m x the larger of
-    the slowest stage's forward+backward+update and the slowest boundary's link time.
+    Split backwards (zb-h1): each stage's W (`StageCost.weight_pass_s`) leaves the first
+    micro-batch's trip and runs in the bubbles, and a stage's last W and its update close the step:
+    the sum of stage times less the W's + (m-1) x the slowest stage time + the slowest W + update
+    (uniform stages F, B, W, no update: m (F+B+W) + (p-1)(F+B), ZB-H1's makespan).
+    Asynchronous schedules (1f1b-stash, 2bw; steady state, transfers overlapped with compute): m x
+    the larger of the slowest stage's forward+backward+update and the slowest boundary's link time.
     """
     check_schedule_name(schedule)
     if not costs:
@@ -433,4 +452,7 @@ def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: in
         period = max([c.forward_s + c.backward_s + c.update_s for c in costs] + boundary_link_s(costs))
         return microbatches * period
     times = [stage_time_s(c) for c in costs]
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        return (sum(times) - sum(c.weight_pass_s for c in costs) + (microbatches - 1) * max(times)
+                + max(c.weight_pass_s + c.update_s for c in costs))
     return sum(times) + (microbatches - 1) * max(times) + max(c.update_s for c in costs)

@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ir.partition import Partition, StageAssignment
+from ir.plan import SPLIT_BACKWARD_SCHEDULES
 from planner.cost import in_flight_microbatches, predicted_step_s, stage_costs, weight_copies
 import planner.partition.solve as solve_module
 from planner.partition import (PartitionInstance, PlanDoesNotFit, brute_force_partition, check_feasible,
@@ -42,7 +43,7 @@ from planner.partition.search import Best, OrderSearch, class_orders, exhaustive
 from planner.partition.simple import _all_assignments
 from support import tiny_cluster, tiny_graph
 
-SCHEDULE_NAMES = ("1f1b-stash", "1f1b-flush", "gpipe")
+SCHEDULE_NAMES = ("1f1b-stash", "1f1b-flush", "gpipe", "zb-h1")
 PROPERTY = settings(max_examples=100, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -57,8 +58,9 @@ def _cp_sat(inst: PartitionInstance) -> Partition:
 
 
 def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
-                   schedule, m, optimizer, recompute=(), update=()) -> PartitionInstance:
-    """An instance from plain numbers; memory tables from planner.cost for the schedule."""
+                   schedule, m, optimizer, recompute=(), update=(), weight=()) -> PartitionInstance:
+    """An instance from plain numbers; memory tables from planner.cost for the schedule; `weight`
+    (a split backward's W per block) only where the schedule splits backwards."""
     nd, n = len(devices), len(params)
     return PartitionInstance(
         tuple(devices), tuple(f"b{k}" for k in range(n)), tuple(map(tuple, compute)), tuple(params), tuple(inputs),
@@ -66,7 +68,8 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         tuple(map(tuple, bandwidth)), tuple(map(tuple, latency)),
         tuple(tuple(weight_copies(schedule, optimizer, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
         tuple(tuple(in_flight_microbatches(schedule, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
-        m, schedule, optimizer, tuple(map(tuple, recompute)), tuple(map(tuple, update)))
+        m, schedule, optimizer, tuple(map(tuple, recompute)), tuple(map(tuple, update)),
+        weight_us=tuple(map(tuple, weight)) if schedule in SPLIT_BACKWARD_SCHEDULES else ())
 
 
 @st.composite
@@ -94,8 +97,11 @@ def instances(draw, tight: bool | None = None):
     lo, hi = (0.1, 0.6) if tight else (0.5, 1.2)
     budgets = [int(whole * draw(st.floats(lo, hi))) + 1 for _ in range(nd)]
     update = [[x * s * draw(st.integers(0, 3)) for x in params] for s in speed]  # optimizer step per block
+    # zb-h1's W: up to half of the backward less the re-run (the rest of the time)
+    weight = [[(c - r) * draw(st.sampled_from([0, 3, 5])) // 10 for c, r in zip(row, rerun)]
+              for row, rerun in zip(compute, recompute)]
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
-                          bandwidth, latency, schedule, m, optimizer, recompute, update)
+                          bandwidth, latency, schedule, m, optimizer, recompute, update, weight)
 
 
 @st.composite
@@ -116,7 +122,8 @@ def repeated_instances(draw):
                           pick(base.workspace_bytes), pick(base.overhead_bytes), budgets,
                           [[0.0 if d == e else link(d, e, bw) for e in range(nd)] for d in range(nd)],
                           [[0 if d == e else link(d, e, lat) for e in range(nd)] for d in range(nd)],
-                          base.schedule, base.microbatches, base.optimizer, pick(base.recompute_us), pick(base.update_us))
+                          base.schedule, base.microbatches, base.optimizer, pick(base.recompute_us), pick(base.update_us),
+                          pick(base.weight_us))
 
 
 def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
@@ -128,10 +135,14 @@ def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
     c = [sum(inst.compute_us[d][k] - reuse[i] * inst.recompute_us[d][k] for k in range(s.first_block, s.last_block + 1))
          for i, (d, s) in enumerate(zip(idx, part.stages))]
     u = [sum(inst.update_us[d][s.first_block:s.last_block + 1]) for d, s in zip(idx, part.stages)]
+    w = [sum(inst.weight_us[d][s.first_block:s.last_block + 1]) for d, s in zip(idx, part.stages)]
     b = [inst.transfer_us(idx[i], idx[i + 1], part.stages[i].last_block) for i in range(len(idx) - 1)]
     if inst.schedule == "1f1b-stash":
         return m * max([x + y for x, y in zip(c, u)] + [2 * x for x in b])
     t = [c[i] + (b[i] if i < len(b) else 0) + (b[i - 1] if i else 0) for i in range(len(c))]
+    if inst.schedule == "zb-h1":  # each stage's W leaves the first trip; its last W and update end the step
+        return sum(t) - sum(w) + (m - 1) * max(t) + max(x + y for x, y in zip(w, u))
+    assert not any(w)
     return sum(t) + (m - 1) * max(t) + max(u)
 
 
@@ -260,8 +271,10 @@ def test_objective_within_bounds(inst):
     except PlanDoesNotFit:
         plan = None
     fastest = [min(c[k] - r[k] for c, r in zip(inst.compute_us, inst.recompute_us)) for k in range(inst.blocks)]
+    first_trip = [min(c[k] - r[k] - w[k] for c, r, w in zip(inst.compute_us, inst.recompute_us, inst.weight_us))
+                  for k in range(inst.blocks)]  # zb-h1's W runs outside the first micro-batch's trip
     m = inst.microbatches
-    lower = m * max(fastest) if inst.schedule == "1f1b-stash" else sum(fastest) + (m - 1) * max(fastest)
+    lower = m * max(fastest) if inst.schedule == "1f1b-stash" else sum(first_trip) + (m - 1) * max(fastest)
     value = None if plan is None else predicted_step_us(inst, plan)
     assert plan is None or lower <= value
     others = [manual_partition(inst, [d], []) for d in inst.devices]
@@ -461,7 +474,8 @@ def test_the_program_prices_every_assignment_as_the_objective_does(inst):
         compute, link, update = _times_us(inst, devs, ranges)
         w = _stage_times_us(compute, link)
         value, max_w, max_u = solver.price((devs, ranges))
-        assert value == _objective_us(inst, devs, ranges) and max_u == max(update)
+        weight = [sum(inst.weight_us[d][first:last + 1]) for d, (first, last) in zip(devs, ranges)]
+        assert value == _objective_us(inst, devs, ranges) and max_u == max(u + x for u, x in zip(update, weight))
         assert max_w == (0 if solver.async_ else max(w))
 
 
@@ -487,10 +501,11 @@ def longer_instances(draw):
     lo, hi = (0.1, 0.6) if draw(st.booleans()) else (0.5, 1.2)
     budgets = [int(whole * rnd.uniform(lo, hi)) + 1 for _ in range(nd)]
     update = [[x * s * rnd.randint(0, 3) for x in params] for s in speed]
+    weight = [[(c - r) * rnd.choice([0, 3, 5]) // 10 for c, r in zip(row, rerun)] for row, rerun in zip(compute, recompute)]
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs,
                           [[rnd.randint(0, 40) for _ in range(n)] for _ in range(nd)],
                           [rnd.randint(0, 100) for _ in range(nd)], budgets, bandwidth, latency, base.schedule, m,
-                          base.optimizer, recompute, update)
+                          base.optimizer, recompute, update, weight)
 
 
 def _check_order(inst, order):
@@ -529,9 +544,11 @@ def _seeded_instance(seed: int):
     whole = sum(params) * 9 + sum(inputs) * m + 100
     budgets = [int(whole * rnd.uniform(0.3, 1.2)) + 1 for _ in range(nd)]
     update = [[x * s * rnd.randint(0, 1) for x in params] for s in speed]
-    inst = build_instance([f"d{i}" for i in range(nd)], [[w * s for w in work] for s in speed], params, inputs,
+    compute = [[w * s for w in work] for s in speed]
+    weight = [[c * rnd.choice([0, 5]) // 10 for c in row] for row in compute]
+    inst = build_instance([f"d{i}" for i in range(nd)], compute, params, inputs,
                           [[0] * n] * nd, [0] * nd, budgets, bandwidth, latency,
-                          rnd.choice(["1f1b-flush", "gpipe"]), m, "sgd", (), update)
+                          rnd.choice(["1f1b-flush", "gpipe", "zb-h1"]), m, "sgd", (), update, weight)
     order = list(range(nd))
     rnd.shuffle(order)
     return inst, order

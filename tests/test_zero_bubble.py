@@ -68,6 +68,45 @@ def test_costed_simulation_splits_the_backward_by_weight_grad_s():
         simulate(make_schedule("zb-h1", 2, 2), [StageCost(0, "a", 1.0, 3.0), StageCost(1, "b", 1.0, 3.0, weight_grad_s=4.0)])
 
 
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("f,b,w,u", [(1.0, 3.0, 1.0, 0.0), (2.0, 2.0, 1.5, 0.5), (1.0, 1.0, 0.0, 2.0)])
+def test_the_cost_models_zb_h1_step_is_the_simulated_one_on_even_stages(p, m, f, b, w, u):
+    """planner.cost.predicted_step_s (what every partitioner minimises, through PartitionInstance's
+    weight_us) prices zb-h1 as its schedule runs: with equal stages it equals the costed simulation
+    (which times W, then each stage's update), and it is below 1f1b-flush's by (p-1) W's."""
+    from planner.cost import predicted_step_s
+
+    costs = [StageCost(s, f"d{s}", f, b, update_s=u, weight_grad_s=w) for s in range(p)]
+    sim = simulate(make_schedule("zb-h1", p, m), costs)
+    assert predicted_step_s(costs, "zb-h1", m) == pytest.approx(sim.makespan_s)
+    assert predicted_step_s(costs, "1f1b-flush", m) - predicted_step_s(costs, "zb-h1", m) == pytest.approx((p - 1) * w)
+
+
+def test_the_planner_gives_zb_h1_stages_their_weight_pass():
+    """stage_cost's W for zb-h1: half the backward less MNN's re-run, plus the accumulation; none for
+    schedules that keep the backward whole."""
+    import dataclasses
+
+    from planner.cost import accumulate_s, block_costs, stage_cost
+    from support import tiny_cluster, tiny_graph
+
+    graph, cluster = tiny_graph(), tiny_cluster()
+    cluster = dataclasses.replace(cluster, devices=tuple(  # a profile that measured the accumulation
+        dataclasses.replace(d, profile=dataclasses.replace(d.profile, accumulate_s_per_param_byte=1e-9))
+        for d in cluster.devices))
+    devices = ["a", "b"]
+    ranges = [(0, 1), (2, len(graph.blocks) - 1)]
+    for s in range(2):
+        zb = stage_cost(graph, cluster, devices, ranges, s, "zb-h1", 4, "sgd")
+        assert stage_cost(graph, cluster, devices, ranges, s, "1f1b-flush", 4, "sgd").weight_grad_s is None
+        spec = cluster.device(devices[s])
+        costs = block_costs(graph, spec)[ranges[s][0]:ranges[s][1] + 1]
+        rerun_free = sum(c.backward_s - min(c.recompute_s, c.backward_s) for c in costs)
+        accumulate = accumulate_s(graph, spec, *ranges[s], "zb-h1", 4)
+        assert accumulate > 0 and any(c.recompute_s > 0 for c in costs) == (s == 0)
+        assert zb.weight_grad_s == pytest.approx(0.5 * rerun_free + accumulate) and zb.weight_grad_s < zb.backward_s
+
+
 def _with_row(schedule: Schedule, s: int, row: list[Action]) -> Schedule:
     rows = list(schedule.actions)
     rows[s] = tuple(row)

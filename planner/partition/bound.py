@@ -27,7 +27,9 @@ The objectives. Flush: the step is sum w + (m-1) max w + max U. For a threshold 
 restricted to stages with w <= T bounds the sum of every real plan whose max w is <= T, and can
 only grow as T falls; so for the T-interval [a, b], L_b + (m-1) a + U_lb bounds every plan with
 max w in [a, b], where U_lb = the larger of the largest cheapest update of one block and an equal
-share of all blocks' cheapest updates over the most stages a plan can have. The bound is the
+share of all blocks' cheapest updates over the most stages a plan can have (split backwards,
+zb-h1: the update is the tail W + U, and U_lb also takes off every block's dearest W, which the
+plan's first trip skips). The bound is the
 least of these over intervals covering [T_min, T_top]: T_min from the relaxed min-max pass (no
 plan has a smaller max w), T_top where the unconstrained relaxation alone reaches the upper bound.
 `BoundSearch` works on the interval of lowest bound: it splits the interval when its width costs
@@ -483,10 +485,13 @@ class BoundSearch:
     def __init__(self, solver: OrderSolver, relaxation: Relaxation | None = None, min_width: float = 1e-3):
         self.rx = rx = relaxation or Relaxation(solver)
         self.solver, self.m1 = solver, solver.m - 1
-        # the largest optimizer step: at least one block's cheapest, and at least an equal share of
-        # every block's cheapest over the most stages a plan can have
-        cheapest = np.array(solver.inst.update_us, dtype=np.float64).min(axis=0)
-        self.u_lb = float(max(cheapest.max(initial=0.0), cheapest.sum() / rx.positions))
+        # the largest tail (W + optimizer step): at least one block's cheapest, and at least an equal
+        # share of every block's cheapest over the most stages a plan can have; less the most the
+        # plan's W passes can take off the sum of w (each block's dearest W: 0 unless the schedule
+        # splits backwards), since the relaxations bound the sum of w, not of w - W
+        weight = np.array(solver.inst.weight_us, dtype=np.float64)
+        cheapest = (np.array(solver.inst.update_us, dtype=np.float64) + weight).min(axis=0)
+        self.u_lb = float(max(cheapest.max(initial=0.0), cheapest.sum() / rx.positions)) - float(weight.max(axis=0).sum())
         self.top = _Point(INF, np.zeros(len(rx.cap)))
         self.t_min = None if rx.async_ else _relaxed_min_max(rx)
         self.heap: list[_Interval] = []

@@ -37,7 +37,7 @@ from ir.partition import Partition
 from ir.plan import ASYNC_SCHEDULES
 from planner.partition.explain import PlanDoesNotFit, _does_not_fit
 from planner.partition.instance import (Assignment, PartitionInstance, _objective_us, _overflows, _partition,
-                                        _stage_times_us, _times_us, device_classes)
+                                        _stage_times_us, _times_us, _weights_us, device_classes)
 from planner.partition.simple import greedy_partition
 
 
@@ -60,9 +60,10 @@ class _Vars:
     on: list                # [r][c] BoolVar: position r runs a device of class c
     compute: list           # [r] IntVar, microseconds
     link: list              # [r] IntVar, one transfer between positions r+1 and r (r < positions-1)
-    update: list            # [r] IntVar, the position's optimizer step, microseconds
+    update: list            # [r] IntVar: the position's tail, its W pass (split backwards) + optimizer step
+    weight: list | None = None  # [r] IntVar: the position's W pass (None unless the schedule splits backwards)
     slowest: object = None  # IntVar: the largest stage time (flush) or period (1f1b-stash)
-    slowest_update: object = None  # IntVar: the largest optimizer step (flush)
+    slowest_update: object = None  # IntVar: the largest tail (flush)
 
 
 def _add_stage_order(model: cp_model.CpModel, inst: PartitionInstance, P: int):
@@ -106,16 +107,22 @@ def _add_device_order(model: cp_model.CpModel, classes, used: list, P: int):
 
 
 def _add_compute(v: _Vars, inst: PartitionInstance) -> None:
-    """compute[r] and update[r] = the position's blocks' time and optimizer step on its device."""
+    """compute[r], update[r] (the tail: W + optimizer step) and weight[r] (W) of the position's blocks
+    on its device."""
     n, weighted = inst.blocks, cp_model.LinearExpr.weighted_sum  # weighted_sum: fast to build
     for r in range(v.positions):
         for c, members in enumerate(v.classes):
             d = members[0]
             v.model.add(v.compute[r] == weighted(v.in_pos[r], [inst.stage_compute_us(d, k, r + 1, 0) for k in range(n)])
                         ).only_enforce_if(v.on[r][c])
-            v.model.add(v.update[r] == weighted(v.in_pos[r], list(inst.update_us[d]))).only_enforce_if(v.on[r][c])
+            v.model.add(v.update[r] == weighted(v.in_pos[r], [u + w for u, w in zip(inst.update_us[d], inst.weight_us[d])])
+                        ).only_enforce_if(v.on[r][c])
+            if v.weight is not None:
+                v.model.add(v.weight[r] == weighted(v.in_pos[r], list(inst.weight_us[d]))).only_enforce_if(v.on[r][c])
         v.model.add(v.compute[r] == 0).only_enforce_if(v.used[r].Not())
         v.model.add(v.update[r] == 0).only_enforce_if(v.used[r].Not())
+        if v.weight is not None:
+            v.model.add(v.weight[r] == 0).only_enforce_if(v.used[r].Not())
 
 
 def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
@@ -176,7 +183,8 @@ def _add_objective(v: _Vars, inst: PartitionInstance) -> None:
     if inst.schedule in ASYNC_SCHEDULES:
         model.minimize(m * slowest)
     else:
-        model.minimize(sum(v.compute) + 2 * sum(v.link) + (m - 1) * slowest + slowest_update)
+        deferred = sum(v.weight) if v.weight is not None else 0  # split backwards' W, out of the first trip
+        model.minimize(sum(v.compute) - deferred + 2 * sum(v.link) + (m - 1) * slowest + slowest_update)
 
 
 def _upper_bounds_us(inst: PartitionInstance) -> tuple[int, int, int]:
@@ -185,7 +193,7 @@ def _upper_bounds_us(inst: PartitionInstance) -> tuple[int, int, int]:
     return (max(sum(row) for row in inst.compute_us),
             max([0] + [inst.transfer_us(d, e, k) for d in range(nd) for e in range(nd) if d != e
                        for k in range(inst.blocks - 1)]),
-            max(sum(row) for row in inst.update_us))
+            max(sum(u) + sum(w) for u, w in zip(inst.update_us, inst.weight_us)))
 
 
 def model_size(inst: PartitionInstance) -> dict[str, int]:
@@ -208,6 +216,8 @@ def _build(inst: PartitionInstance, soft_memory: bool = False) -> _Vars:
     link = [model.new_int_var(0, link_ub, f"link_{r}") for r in range(P - 1)]
     update = [model.new_int_var(0, update_ub, f"update_{r}") for r in range(P)]
     v = _Vars(model, P, classes, pos, in_pos, used, cut_after, last_of, on, compute, link, update)
+    if any(map(any, inst.weight_us)):
+        v.weight = [model.new_int_var(0, compute_ub, f"weight_{r}") for r in range(P)]
     _add_compute(v, inst)
     if soft_memory:
         max_use = max(inst.overhead_bytes) + sum(
@@ -271,10 +281,13 @@ def _add_hint(v: _Vars, inst: PartitionInstance, assignment: Assignment) -> None
             v.model.add_hint(v.on[r][c], int(r < p and cls[devs[p - 1 - r]] == c))
     # the derived values too: a complete hint is checked at once and becomes the first solution
     compute, link, update = _times_us(inst, devs, ranges)
+    weight = _weights_us(inst, devs, ranges)
     for r in range(v.positions):
         s = p - 1 - r
         v.model.add_hint(v.compute[r], compute[s] if r < p else 0)
-        v.model.add_hint(v.update[r], update[s] if r < p else 0)
+        v.model.add_hint(v.update[r], update[s] + weight[s] if r < p else 0)
+        if v.weight is not None:
+            v.model.add_hint(v.weight[r], weight[s] if r < p else 0)
         if r < v.positions - 1:
             v.model.add_hint(v.link[r], link[s - 1] if r + 1 < p else 0)
             for k in range(inst.blocks - 1):
@@ -284,7 +297,7 @@ def _add_hint(v: _Vars, inst: PartitionInstance, assignment: Assignment) -> None
             v.model.add_hint(v.slowest, max([c + u for c, u in zip(compute, update)] + [2 * b for b in link]))
         else:
             v.model.add_hint(v.slowest, max(_stage_times_us(compute, link)))
-            v.model.add_hint(v.slowest_update, max(update))
+            v.model.add_hint(v.slowest_update, max(u + w for u, w in zip(update, weight)))
 
 
 def _search(inst: PartitionInstance, time_limit_s: float, workers: int, seed: int, soft_memory: bool,

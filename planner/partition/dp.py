@@ -21,9 +21,11 @@ memory), so a pass costs O(p n K) and not O(p n^2).
 
 The objectives.
 - 1f1b-stash: m max(a): one min-max pass (`_pass` with max) is exact.
-- flush: sum_s w + (m-1) max_s w + max_s U. Two bottleneck terms, so the pass is parametrised by
-  thresholds: S(T, V) = least sum of w over plans with every w <= T and every U <= V (one min-sum
-  pass with the stages above the thresholds removed). For every plan, with T = its max w and V =
+- flush: sum_s (w - W) + (m-1) max_s w + max_s (W + U), W the stage's split-backward weight pass
+  (0 unless the schedule splits backwards; with W the objective is zb-h1's, see
+  planner.partition.instance), U below stands for the tail W + U. Two bottleneck terms, so the
+  pass is parametrised by thresholds: S(T, V) = least sum of w - W over plans with every w <= T and
+  every U <= V (one min-sum pass with the stages above the thresholds removed). For every plan, with T = its max w and V =
   its max U, S(T, V) + (m-1) T + V <= its objective, and the plan S(T, V) returns costs at most
   S(T, V) + (m-1) T + V; so the optimum is min over (T, V) of S(T, V) + (m-1) T + V, exactly.
   `best_for_order` finds that minimum by branch and bound over integer boxes [T_lo, T_hi] x
@@ -60,7 +62,8 @@ class _Band:
 
     j: np.ndarray         # [i][t] int: the end (exclusive) i + t + 1, clipped to n-1 where invalid
     compute: np.ndarray   # [i][t] float: C, inf where the range is invalid or does not fit
-    update: np.ndarray    # [i][t] float: U, inf where invalid
+    update: np.ndarray    # [i][t] float: the tail W + U, inf where invalid
+    weight: np.ndarray    # [i][t] float: W (0 unless the schedule splits backwards), 0 where invalid
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,8 @@ class _Last:
     """The last stage (blocks [i, n)) of one device, as vectors over i."""
 
     compute: np.ndarray   # inf where it does not fit
-    update: np.ndarray
+    update: np.ndarray    # the tail W + U
+    weight: np.ndarray    # W
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class OrderPlan:
     assignment: Assignment
     value: float          # what the pass minimised (sum of w, or the bottleneck)
     max_w: int            # largest flush stage time w (0 under 1f1b-stash)
-    max_u: int            # largest optimizer step
+    max_u: int            # largest tail (W + optimizer step)
 
 
 class OrderSolver:
@@ -94,7 +98,9 @@ class OrderSolver:
         zero = np.zeros((nd, 1))
         self._pc = np.hstack([zero, np.cumsum(comp, axis=1)])
         self._pc_reuse = np.hstack([zero, np.cumsum(comp - recomp, axis=1)])
-        self._pu = np.hstack([zero, np.cumsum(np.array(inst.update_us, dtype=np.float64), axis=1)])
+        weight = np.array(inst.weight_us, dtype=np.float64)
+        self._pwt = np.hstack([zero, np.cumsum(weight, axis=1)])
+        self._pu = np.hstack([zero, np.cumsum(np.array(inst.update_us, dtype=np.float64) + weight, axis=1)])
         self._pw = np.hstack([zero, np.cumsum(np.array(inst.workspace_bytes, dtype=np.float64), axis=1)])
         self.has_update = bool(np.any(self._pu[:, -1] > 0))
         params = np.array(inst.params_bytes, dtype=np.float64)
@@ -147,7 +153,8 @@ class OrderSolver:
             mp = self._memory_prefix(d, 0)
             over = self._overhead[d] + mp[n] - mp[:n] - self._budget[d]
             compute = pc[n] - pc[:n]
-            got = _Last(np.where(over <= 0, compute, INF), self._pu[d][n] - self._pu[d][:n])
+            got = _Last(np.where(over <= 0, compute, INF), self._pu[d][n] - self._pu[d][:n],
+                        self._pwt[d][n] - self._pwt[d][:n])
             self._lasts[d] = got
         return got
 
@@ -174,7 +181,7 @@ class OrderSolver:
                 pc = self._pc_reuse[d] if self._reuse[c] else self._pc[d]
                 compute = np.where(valid, pc[jc] - pc[i], INF)
                 update = np.where(valid, self._pu[d][jc] - self._pu[d][i], INF)
-                got = _Band(jc, compute, update)
+                got = _Band(jc, compute, update, np.where(valid, self._pwt[d][jc] - self._pwt[d][i], 0.0))
         self._bands[key] = got
         return got
 
@@ -192,10 +199,11 @@ class OrderSolver:
     # --- the passes -------------------------------------------------------------------------
 
     def _pass(self, order: Sequence[int], kind: str, T: float = INF, V: float = INF, stages: int | None = None):
-        """One pass from the end of the pipeline. kind: 'sum' (flush: least sum of w with w <= T and
-        U <= V), 'max-w', 'max-u' (least max w, least max U over plans that fit), 'async' (least max
-        of a). Returns (value, stage count, back-pointers) or None when no plan fits. `stages`
-        caps the stage count (the order's longer suffixes are left out: a quicker, inexact pass)."""
+        """One pass from the end of the pipeline. kind: 'sum' (flush: least sum of w - W with w <= T
+        and tail W + U <= V), 'max-w', 'max-u' (least max w, least max tail over plans that fit),
+        'async' (least max of a). Returns (value, stage count, back-pointers) or None when no plan
+        fits. `stages` caps the stage count (the order's longer suffixes are left out: a quicker,
+        inexact pass)."""
         add = kind == "sum"
         d0 = order[0]
         last = self.last(d0)
@@ -206,8 +214,10 @@ class OrderSolver:
             F = np.where(np.isfinite(last.compute + link), last.update, INF)
         else:
             F = np.maximum(last.compute + last.update, 2 * link)
-        if add and (T < INF or V < INF):
-            F = np.where((F <= T) & (last.update <= V), F, INF)
+        if add:
+            if T < INF or V < INF:
+                F = np.where((F <= T) & (last.update <= V), F, INF)
+            F = F - last.weight  # a split backward's W runs outside the first micro-batch's trip
         best, best_r, backs = F[0], 0, []
         rows = np.arange(self.n)
         for r in range(1, len(order) if stages is None else min(len(order), stages)):
@@ -223,8 +233,10 @@ class OrderSolver:
                 W = band.compute + out + link[:, None]
                 if kind == "max-u":
                     W = np.where(np.isfinite(W), band.update, INF)
-                elif add and (T < INF or V < INF):
-                    W = np.where((W <= T) & (band.update <= V), W, INF)
+                elif add:
+                    if T < INF or V < INF:
+                        W = np.where((W <= T) & (band.update <= V), W, INF)
+                    W = W - band.weight
             G = W + F[band.j] if add else np.maximum(W, F[band.j])
             arg = G.argmin(axis=1)
             F = G[rows, arg]
@@ -259,27 +271,28 @@ class OrderSolver:
         return OrderPlan(assignment, float(value), max_w, max_u)
 
     def price(self, assignment: Assignment) -> tuple[int, int, int]:
-        """(objective, largest flush stage time w, largest optimizer step) of an assignment in
+        """(objective, largest flush stage time w, largest tail W + U) of an assignment in
         microseconds: `_objective_us` from the prefix sums (the same integers, summed exactly in
         float64), fast enough to price every plan the search meets."""
         devs, ranges = assignment
         p = len(devs)
-        compute, update, link = [], [], []
+        compute, update, weight, link = [], [], [], []
         for s, (d, (first, last)) in enumerate(zip(devs, ranges)):
             pc = self._pc_reuse[d] if self._reuse[self.position_class(p - 1 - s)] else self._pc[d]
             compute.append(pc[last + 1] - pc[first])
             update.append(self._pu[d][last + 1] - self._pu[d][first])
+            weight.append(self._pwt[d][last + 1] - self._pwt[d][first])
             if s < p - 1:
                 link.append(self.tr[d, devs[s + 1], last])
         if self.async_:
             value = self.m * max([c + u for c, u in zip(compute, update)] + [2 * b for b in link])
             return int(value), 0, int(max(update))
         w = [compute[s] + (link[s] if s < p - 1 else 0) + (link[s - 1] if s > 0 else 0) for s in range(p)]
-        value = sum(w) + (self.m - 1) * max(w) + max(update)
+        value = sum(w) - sum(weight) + (self.m - 1) * max(w) + max(update)
         return int(value), int(max(w)), int(max(update))
 
     def bottlenecks(self, assignment: Assignment) -> tuple[int, int]:
-        """(largest flush stage time w, largest optimizer step) of an assignment, in microseconds."""
+        """(largest flush stage time w, largest tail W + U) of an assignment, in microseconds."""
         return self.price(assignment)[1:]
 
     def objective(self, assignment: Assignment) -> int:

@@ -15,9 +15,12 @@ activation crossing boundary s (between stages s and s+1) over that device pair 
 bandwidth + latency):
 - flush schedules (gpipe, 1f1b-flush): t_s = C_s + B_s + B_{s-1};
   step = sum_s t_s + (m-1) max_s t_s + max_s U_s   (every stage updates at once after the flush)
-- 1f1b-stash (asynchronous, transfers overlap compute, an update after every backward):
+- split backwards (zb-h1), with W_s the stage's weight-gradient pass (part of C_s, deferred into
+  the bubbles): step = sum_s (t_s - W_s) + (m-1) max_s t_s + max_s (W_s + U_s); the flush form is
+  this with every W_s = 0, so one objective covers both (planner.cost.predicted_step_s)
+- 1f1b-stash and 2bw (asynchronous, transfers overlap compute, an update after every backward):
   step = m max(max_s (C_s + U_s), max_s 2 B_s)
-Both are the exact objectives, not proxies: linear in sums and max variables (`_objective_us`
+They are planner.cost's objectives exactly, linear in sums and max variables (`_objective_us`
 evaluates them; planner.partition.cpsat models them).
 """
 from __future__ import annotations
@@ -29,7 +32,8 @@ from typing import Sequence
 
 from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
-from ir.plan import ASYNC_SCHEDULES, check_optimizer_name, check_schedule_name
+from ir.partition import WEIGHT_GRAD_SHARE
+from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes
 from planner.cost import (accumulated_share, block_costs, block_input_bytes, check_blocks, in_flight_microbatches,
                           keeps_activations, reuses_forward, weight_copies)
@@ -70,6 +74,9 @@ class PartitionInstance:
     # autograd, unless it recomputes): its workspace is then held once per micro-batch in flight.
     # Empty: none does (MNN keeps one micro-batch's caches and re-runs the forward for the others).
     keeps_activations: tuple[bool, ...] = ()
+    # [d][k] the part of compute_us that a split backward's W runs (planner.cost.weight_grad_s);
+    # empty: all zero (schedules that do not split backwards).
+    weight_us: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -96,7 +103,7 @@ class PartitionInstance:
             for r in rows:
                 if any(x < 0 for x in r):
                     raise ValueError(f"PartitionInstance.{name} has a negative entry")
-        for name in ("recompute_us", "update_us"):
+        for name in ("recompute_us", "update_us", "weight_us"):
             table = getattr(self, name)
             if not table:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
@@ -108,6 +115,10 @@ class PartitionInstance:
             raise ValueError(f"PartitionInstance.keeps_activations needs one entry per device ({nd})")
         if any(r > c for rr, cr in zip(self.recompute_us, self.compute_us) for r, c in zip(rr, cr)):
             raise ValueError("PartitionInstance.recompute_us exceeds compute_us: the re-run is part of the backward")
+        if any(w + r > c for wr, rr, cr in zip(self.weight_us, self.recompute_us, self.compute_us)
+               for w, r, c in zip(wr, rr, cr)):
+            raise ValueError("PartitionInstance.weight_us and recompute_us exceed compute_us: both are parts of the "
+                             "backward")
         for name in ("weight_copies", "in_flight"):
             table = getattr(self, name)
             if len(table) != nd or any(len(row) != p + 1 for p, row in enumerate(table)):
@@ -188,6 +199,11 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         recompute_us=tuple(tuple(round(min(c.recompute_s, c.backward_s) * US_PER_S) for c in row) for row in costs),
         update_us=tuple(tuple(round(b.params_bytes * s.profile.update_s_per_param_byte.get(optimizer, 0.0) * US_PER_S)
                               for b in blocks) for s in specs),
+        # planner.cost.weight_grad_s per block: its share of the backward less the re-run, and the accumulation
+        weight_us=tuple(tuple(round((WEIGHT_GRAD_SHARE * (c.backward_s - min(c.recompute_s, c.backward_s))
+                                     + b.params_bytes * share * s.profile.accumulate_s_per_param_byte) * US_PER_S)
+                              for c, b in zip(row, blocks)) for row, s in zip(costs, specs))
+        if schedule in SPLIT_BACKWARD_SCHEDULES else (),
         keeps_activations=tuple(keeps_activations(s) for s in specs))
 
 
@@ -212,6 +228,11 @@ def _times_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tup
     return compute, link, update
 
 
+def _weights_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """The W pass per stage (all 0 unless the schedule splits backwards)."""
+    return [sum(inst.weight_us[d][first:last + 1]) for d, (first, last) in zip(devs, ranges)]
+
+
 def _stage_times_us(compute: list[int], link: list[int]) -> list[int]:
     p = len(compute)
     return [compute[s] + (link[s] if s < p - 1 else 0) + (link[s - 1] if s > 0 else 0) for s in range(p)]
@@ -221,8 +242,8 @@ def _objective_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
     compute, link, update = _times_us(inst, devs, ranges)
     if inst.schedule in ASYNC_SCHEDULES:
         return inst.microbatches * max([c + u for c, u in zip(compute, update)] + [2 * b for b in link])
-    times = _stage_times_us(compute, link)
-    return sum(times) + (inst.microbatches - 1) * max(times) + max(update)
+    times, weight = _stage_times_us(compute, link), _weights_us(inst, devs, ranges)
+    return sum(times) - sum(weight) + (inst.microbatches - 1) * max(times) + max(w + u for w, u in zip(weight, update))
 
 
 def _overflows(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
@@ -269,7 +290,8 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     nd = len(inst.devices)
     bw, lat = inst.link_bandwidth_bytes_per_s, inst.link_latency_us
     keys: dict = {}
-    label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.workspace_bytes[d],
+    label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.weight_us[d],
+                              inst.workspace_bytes[d],
                               inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d]),
                              len(keys)) for d in range(nd)]
 
