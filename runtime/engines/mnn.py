@@ -38,6 +38,14 @@ from runtime.engines.base import RowGradient, StageEngine, StageGradients, accum
 from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values
 
 
+# The ops whose results the per-op caches keep for the backward. MatMul and Softmax keep ~98% of the
+# speed-up of caching every op at about half the memory (benchmarks/engine.py); elementwise results
+# are cheap to redo from them, except erf (with exact GELU's erf term): MNN's erf costs 8-10x its
+# tanh or exp, and caching it takes one layer's GELU forward+backward from 38 to 26 ms (batch 8 x
+# 128, feed-forward 1536, one thread; benchmarks/mnn_ops.py) for one more [rows, 4H] tensor.
+CACHED_OPS = ("MatMul", "Softmax", "Erf")
+
+
 def _lower_node(node: Node, a: list) -> "K.Var":
     op, attrs = node.op, node.attrs
     if op == "MatMul":
@@ -129,6 +137,7 @@ class _BlockProgram:
                 self.activation = name
             else:
                 self.host_inputs.append(name)
+        cached = []  # the intermediates whose results the backward reuses, in creation order
         for n in nodes:
             if n.op == "Gather":
                 continue
@@ -146,7 +155,13 @@ class _BlockProgram:
                     elif i not in produced:
                         raise KeyError(f"block {block.name!r}: node {n.name!r} reads {i!r}, which is not available")
                 args.append(env[i])
-            env[n.outputs[0]] = _lower_node(n, args)
+            if n.op == "Gelu" and n.attrs.get("approximate", "none") == "none":
+                env[n.outputs[0]], erf = K.erf_gelu(args[0])
+                cached.append(erf)
+            else:
+                env[n.outputs[0]] = _lower_node(n, args)
+                if n.op in CACHED_OPS:
+                    cached.append(env[n.outputs[0]])
         self.output = env[block.output]
         self.output_shape = tuple(graph.values[block.output].shape)
         self.inputs = env
@@ -169,11 +184,7 @@ class _BlockProgram:
                             and len(graph.values[n.inputs[1]].shape) == 2 and readers[n.inputs[1]] == 1]
         self._split_grads: K.GradientProgram | None = None  # built at the first split backward
         self._tables = tables
-        # Caching only matmul and softmax results keeps ~98% of the speed-up at about half the
-        # memory: they are the expensive ops to recompute (benchmarks/engine.py; elementwise
-        # results are cheap to redo from them)
-        keep = {n.outputs[0] for n in nodes if n.op in ("MatMul", "Softmax")}
-        self._intermediates = [v for name, v in env.items() if name in keep]
+        self._intermediates = cached
         self.fed_serial: int | None = None
         self._caching = False
 

@@ -411,11 +411,19 @@ _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
+def erf_gelu(x: Var) -> tuple[Var, Var]:
+    """The exact (erf) GELU and its erf term, which the engine caches for the backward: MNN's erf
+    costs 8-10x its tanh or exp (benchmarks/mnn_ops.py), and the gradient needs it again."""
+    inner = R.erf(R.multiply(x, constant(np.float32(_SQRT_HALF))))
+    half_x = R.multiply(x, constant(np.float32(0.5)))
+    return R.multiply(half_x, R.add(inner, constant(np.float32(1.0)))), inner
+
+
 def gelu(x: Var, approximate: str = "none") -> Var:
     """GELU as in PyTorch: the exact erf form (``"none"``, BERT's) or the tanh approximation."""
     if approximate == "none":
-        inner = R.erf(R.multiply(x, constant(np.float32(_SQRT_HALF))))
-    elif approximate == "tanh":
+        return erf_gelu(x)[0]
+    if approximate == "tanh":
         cubic = R.multiply(R.multiply(x, R.multiply(x, x)), constant(np.float32(0.044715)))
         inner = R.tanh(R.multiply(R.add(x, cubic), constant(np.float32(_SQRT_2_OVER_PI))))
     else:
