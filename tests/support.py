@@ -39,15 +39,28 @@ class CliRun:
     stderr: str
 
 
-def run_cli(*args) -> CliRun:
+@contextmanager
+def _working_directory(cwd: Path | None) -> Iterator[None]:
+    """In `cwd` (unchanged when None), the previous one restored after (contextlib.chdir is 3.11+)."""
+    before = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def run_cli(*args, cwd: Path | None = None) -> CliRun:
     """`confidant ARGS` run the way `python -m confidant` runs it (confidant.cli.main, argparse's exits
-    included), in this process: a new interpreter costs ~2 s of imports per call. An exception that
-    main does not turn into a one-line error propagates and fails the test, as a traceback would
-    fail a test's "no Traceback" check. tests/test_cli.py keeps one run through the real entry point."""
+    included), in this process (in `cwd` if given, restored after): a new interpreter costs ~2 s of
+    imports per call. An exception that main does not turn into a one-line error propagates and
+    fails the test, as a traceback would fail a test's "no Traceback" check. tests/test_cli.py keeps
+    one run through the real entry point."""
     from confidant.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
+    with redirect_stdout(out), redirect_stderr(err), _working_directory(cwd):
         try:
             code = main([str(a) for a in args])
         except SystemExit as exc:  # argparse's usage errors and --help

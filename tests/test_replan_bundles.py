@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import collections
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,15 +22,15 @@ from planner.onnx_import import load_model
 from planner.replan import scale_profile
 from planner.schedule import make_schedule
 from runtime.pipeline.checkpoints import load_checkpoint
+from support import CliRun, run_cli
 
 ROWS, SEQ, M = 2, 16, 4  # micro-batch rows, tokens, micro-batches per step
 STEPS, EVERY = 4, 2      # re-plan check after step 2 (and none after the last)
 SLOWER = 8.0             # device "a" runs this many times slower than its profile says
 
 
-def _cli(*args, cwd: Path, ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "confidant", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+def _cli(*args, cwd: Path, ok: bool = True) -> CliRun:
+    proc = run_cli(*args, cwd=cwd)
     if ok:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
