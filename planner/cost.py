@@ -306,18 +306,24 @@ def accumulate_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedu
     return params * device.profile.accumulate_s_per_param_byte * accumulated_share(schedule, microbatches)
 
 
-def weight_grad_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedule: str,
-                  microbatches: int) -> float | None:
-    """Seconds of one W action (the weight gradients of a split backward) of blocks first..last, or
+def block_weight_grads_s(graph: Graph, device: DeviceSpec, schedule: str, microbatches: int) -> tuple[float, ...] | None:
+    """Per block, seconds of its part of a W action (the weight gradients of a split backward), or
     None where the schedule does not split backwards. W is WEIGHT_GRAD_SHARE of the backward less
     MNN's re-run of the forward (the re-run belongs to B, which needs the activations first), plus
     the gradient accumulation, which only W does."""
     if schedule not in SPLIT_BACKWARD_SCHEDULES:
         return None
+    per_byte = device.profile.accumulate_s_per_param_byte * accumulated_share(schedule, microbatches)
+    return tuple(WEIGHT_GRAD_SHARE * (c.backward_s - min(c.recompute_s, c.backward_s)) + b.params_bytes * per_byte
+                 for c, b in zip(block_costs(graph, device), check_blocks(graph)))
+
+
+def weight_grad_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedule: str,
+                  microbatches: int) -> float | None:
+    """Seconds of one W action of blocks first..last (`block_weight_grads_s`), or None."""
     _check_range(graph, first, last)
-    costs = block_costs(graph, device)[first:last + 1]
-    weights = sum(c.backward_s - min(c.recompute_s, c.backward_s) for c in costs)
-    return WEIGHT_GRAD_SHARE * weights + accumulate_s(graph, device, first, last, schedule, microbatches)
+    per_block = block_weight_grads_s(graph, device, schedule, microbatches)
+    return None if per_block is None else sum(per_block[first:last + 1])
 
 
 def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer: str) -> float:

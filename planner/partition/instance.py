@@ -32,11 +32,10 @@ from typing import Sequence
 
 from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
-from ir.partition import WEIGHT_GRAD_SHARE
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes
-from planner.cost import (accumulated_share, block_costs, block_input_bytes, check_blocks, in_flight_microbatches,
-                          keeps_activations, reuses_forward, weight_copies)
+from planner.cost import (accumulated_share, block_costs, block_input_bytes, block_weight_grads_s, check_blocks,
+                          in_flight_microbatches, keeps_activations, reuses_forward, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -199,11 +198,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         recompute_us=tuple(tuple(round(min(c.recompute_s, c.backward_s) * US_PER_S) for c in row) for row in costs),
         update_us=tuple(tuple(round(b.params_bytes * s.profile.update_s_per_param_byte.get(optimizer, 0.0) * US_PER_S)
                               for b in blocks) for s in specs),
-        # planner.cost.weight_grad_s per block: its share of the backward less the re-run, and the accumulation
-        weight_us=tuple(tuple(round((WEIGHT_GRAD_SHARE * (c.backward_s - min(c.recompute_s, c.backward_s))
-                                     + b.params_bytes * share * s.profile.accumulate_s_per_param_byte) * US_PER_S)
-                              for c, b in zip(row, blocks)) for row, s in zip(costs, specs))
-        if schedule in SPLIT_BACKWARD_SCHEDULES else (),
+        weight_us=tuple(tuple(round(w * US_PER_S) for w in block_weight_grads_s(graph, s, schedule, microbatches))
+                        for s in specs) if schedule in SPLIT_BACKWARD_SCHEDULES else (),
         keeps_activations=tuple(keeps_activations(s) for s in specs))
 
 
