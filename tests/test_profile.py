@@ -330,8 +330,11 @@ def test_profile_measures_the_optimizer_update_rate():
     from runtime.profiling import update_rates
 
     rates = update_rates(nbytes=4 << 20, reps=1)
-    assert set(rates) == {"sgd", "adamw"} and all(r > 0 for r in rates.values())
-    assert rates["adamw"] > rates["sgd"]  # two moment buffers and a division against one buffer
+    assert set(rates) == {"sgd", "adamw"}
+    # Seconds per parameter byte, not per step: a step over 4 MiB runs between 10 MB/s and 10 TB/s
+    # on any machine, so a rate outside these bounds has the wrong unit. (Which optimizer is faster
+    # is a timing, and timings on a shared CI core are not asserted: one run measured SGD slower.)
+    assert all(1e-13 < r < 1e-7 for r in rates.values()), rates
 
 
 @pytest.mark.slow  # the module's profile of every backend (~13 s)
