@@ -23,7 +23,7 @@ Time, for one micro-batch on stage s of p (device d, blocks first..last):
   of one micro-batch with no overlap of compute and transfer (the conservative view).
 
 Memory, peak bytes of stage s of p under the schedule (facts of runtime/engines/mnn.py,
-runtime/executor.py and runtime/optim.py; the constants below say which):
+runtime/pipeline/executor.py and runtime/optim.py; the constants below say which):
     params x (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
   + sum of the blocks' `workspace_bytes` (per-op caches of one micro-batch, kept per block),
@@ -71,11 +71,14 @@ from ir.profile import BlockCost
 from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes
 
 
-# Weights are held three times: the engine's MNN Vars, the engine's numpy copy of the current
-# weights (`MNNStageEngine._current`, what old versions are restored from) and the executor's
-# optimizer copy (`StageExecutor.params`, updated in place by runtime/optim.py).
-WEIGHT_COPIES = 3
-# The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter.
+# Weights are held twice on MNN: its Vars and the engine's numpy arrays of the current weights
+# (`MnnStageEngine._current`, stepped in place by `StageEngine.step`, what old versions are
+# restored from), which are the arrays the worker received (`take_weights`). PyTorch holds them once
+# under flush schedules (its tensors share the received arrays) and twice under stashing (the
+# received arrays stay with the first version's forwards), so 2 bounds both engines.
+WEIGHT_COPIES = 2
+# The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter (an embedding
+# table's is rows until the update, then dense for the step).
 GRADIENT_COPIES = 1
 # Optimizer state per parameter (runtime/optim.py): SGD one momentum buffer, AdamW two moments.
 OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}

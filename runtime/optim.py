@@ -11,6 +11,8 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from runtime.engines.base import dense_gradient
+
 # Elements per pass: every step's dozen elementwise passes run over one chunk of a tensor at a time,
 # so they stay in the core's cache (5 float32 arrays of 32768 = 640 KiB) and each weight, gradient
 # and moment is read from memory once per step instead of once per pass. Measured here on MiniLM's
@@ -52,7 +54,7 @@ class SGD:
         f = np.float32
         scratch = _scratch(params)
         for name, p in params.items():
-            g = np.asarray(grads[name], np.float32)
+            g = np.asarray(dense_gradient(grads[name]), np.float32)  # a table summed as rows: dense now
             buf = None
             if self.momentum:
                 buf = self.buffers.get(name)
@@ -108,7 +110,7 @@ class AdamW:
         f = np.float32
         scratch = _scratch(params)
         for name, p in params.items():
-            g = np.asarray(grads[name], np.float32)
+            g = np.asarray(dense_gradient(grads[name]), np.float32)  # a table summed as rows: dense now
             m = self.m.get(name)
             v = self.v.get(name)
             if m is None:

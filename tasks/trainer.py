@@ -114,7 +114,6 @@ def train_steps(engine: StageEngine, batches: Sequence, config: TrainConfig, num
     if not batches:
         raise ValueError("no training batches: the training file produced no sentences")
     optimizer = make_optimizer(config.optimizer, config.lr, config.weight_decay)
-    params = engine.parameters()
     result = TrainResult()
     for step in range(config.steps):
         start = time.perf_counter()
@@ -125,8 +124,7 @@ def train_steps(engine: StageEngine, batches: Sequence, config: TrainConfig, num
         else:
             feeds = step_feeds(batches[step % len(batches)])
         loss, grads = accumulate_feeds(engine, feeds)
-        params = optimizer.step(params, grads)
-        engine.set_parameters(params)
+        engine.step(optimizer, grads)
         seconds = time.perf_counter() - start
         if not np.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step + 1}: lower --lr (now {config.lr})")

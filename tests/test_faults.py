@@ -827,7 +827,7 @@ def test_what_a_lost_worker_sent_is_not_taken_for_its_successors(graph, batches)
             calls.append(1)
             if len(calls) == 2:
                 ex = workers.workers[1].executor
-                for i, (name, arr) in enumerate(list(ex.params.items())[:2]):
+                for i, (name, arr) in enumerate(list(ex.engine.parameters().items())[:2]):
                     workers.workers[1].transport.send_tensor("coordinator", "ckpt", 1, i, np.asarray(arr), name=name)
                 workers.kill(1)
                 raise RuntimeError("killed")

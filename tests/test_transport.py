@@ -13,6 +13,7 @@ import sys
 import threading
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -506,7 +507,7 @@ def test_a_tensor_under_another_name_is_refused(mesh):
 class _RecordingEngine:
     """Just enough of a StageEngine for a one-stage executor: records the feeds of each forward."""
 
-    spec = None
+    spec = SimpleNamespace(params=(), activation_input=None)  # a stage without weights
 
     def __init__(self):
         self.feeds: list[dict[str, np.ndarray]] = []

@@ -21,7 +21,8 @@ from runtime.engines.stage import StageSpec
 
 def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapping[str, int] | None = None,
                 weights: Mapping[str, np.ndarray] | None = None, stash_weights: bool = True,
-                cache_activations: bool = True, activations: str | None = None) -> StageEngine:
+                cache_activations: bool = True, activations: str | None = None,
+                take_weights: bool = False) -> StageEngine:
     """The stage engine that runs `spec` on `backend` with its thread setting.
 
     `head_split` ({backend: units}) splits the attention heads of each block the lowering placed
@@ -33,7 +34,10 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
     (PyTorch's autograd does by default; MNN builds a set of block graphs per micro-batch in flight,
     each keeping its per-op caches) or "recompute" them there from the stashed inputs (MNN's default:
     one graph set, whose caches serve only the micro-batch whose backward follows its forward;
-    PyTorch runs the forward again); None: the engine's default.
+    PyTorch runs the forward again); None: the engine's default. `take_weights`: the caller gives up
+    the parameters' arrays (the graph's, or `weights`'), and the engine keeps those it can as its
+    own weights and updates them in place instead of holding a copy (a worker, whose stage graph is
+    its own).
     Raises NotImplementedError for backends the engines cannot drive yet, and ModuleNotFoundError
     naming the fix when torch is asked for and not installed."""
     backend = parse_backend(backend)
@@ -44,4 +48,4 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
     if activations not in (None, "keep", "recompute"):
         raise ValueError(f"activations is {activations!r}: 'keep', 'recompute' or None (the engine's default)")
     return single_engine(backend, spec, weights=weights, stash_weights=stash_weights,
-                         cache_activations=cache_activations, activations=activations)
+                         cache_activations=cache_activations, activations=activations, take_weights=take_weights)

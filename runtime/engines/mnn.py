@@ -34,7 +34,7 @@ import numpy as np
 from ir.graph import Block, Node
 from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
-from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, add_gradient
+from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, add_gradient, own_array
 from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values
 
 
@@ -369,7 +369,8 @@ class MnnStageEngine(StageEngine):
     that does not directly follow its own forward, None adds a set whenever every set is held."""
 
     def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
-                 cache_activations: bool = True, stash_weights: bool = True, cache_slots: int | None = 1):
+                 cache_activations: bool = True, stash_weights: bool = True, cache_slots: int | None = 1,
+                 take_weights: bool = False):
         if K.denormals_flushed_at_import():
             # before MNN (re)starts its worker threads, which inherit this thread's flush-to-zero bits;
             # another library may have cleared them since MNN was imported (creating an ONNX Runtime
@@ -389,7 +390,7 @@ class MnnStageEngine(StageEngine):
             skipped = {self._lm.matmul.name, self._lm.loss.name}
         mnn_read = {i for n in spec.compute_nodes if n.op not in ("Gather", "TokenCrossEntropy")
                     and n.name not in skipped for i in n.inputs}
-        self._tables = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p in numpy_held}
+        self._tables = {p: own_array(source[p], np.float32, take_weights) for p in spec.params if p in numpy_held}
         # frozen tables (not parameters): looked up like the others, never differentiated or stepped
         self._frozen_tables = {t: np.asarray(spec.graph.constants[t], np.float32) for t in numpy_held
                                if t not in self._tables and t in spec.graph.constants
@@ -397,7 +398,7 @@ class MnnStageEngine(StageEngine):
         self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params
                         if p not in numpy_held or p in mnn_read}
         # numpy copy of the current weights: what an old version is restored from and returned to
-        self._current = {p: np.array(source[p], dtype=np.float32) for p in spec.params if p not in numpy_held}
+        self._current = {p: own_array(source[p], np.float32, take_weights) for p in spec.params if p not in numpy_held}
         self._constants = {k: v for k, v in spec.graph.constants.items()}
         if cache_slots is not None and (not isinstance(cache_slots, int) or cache_slots < 1):
             raise ValueError(f"cache_slots must be an int >= 1 or None (one per micro-batch in flight), "
@@ -559,6 +560,18 @@ class MnnStageEngine(StageEngine):
         out = {k: v.copy() for k, v in self._current.items()}
         out.update({k: v.copy() for k, v in self._tables.items()})
         return out
+
+    def step(self, optimizer, grads) -> None:
+        if self.stash_weights and any(entry[1] == self.version for entry in self._stash.values()):
+            # a copy becomes the old version; the current arrays (perhaps the caller's, taken with
+            # take_weights) are stepped in place
+            self._old_versions[self.version] = {k: v.copy() for k, v in {**self._tables, **self._current}.items()}
+        params = {p: self._tables[p] if p in self._tables else self._current[p] for p in self.spec.params}
+        optimizer.step(params, grads)
+        for k, v in params.items():
+            if k in self._params:
+                K.write(self._params[k], v)
+        self.version += 1
 
     def set_parameters(self, values):
         unknown = [k for k in values if k not in self._tables and k not in self._params]

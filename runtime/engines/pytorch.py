@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node
-from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate
+from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array
 from runtime.engines.lm_loss import chunk_rows
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values
 
@@ -265,14 +265,17 @@ class TorchStageEngine(StageEngine):
     either way: the same ops on the same inputs."""
 
     def __init__(self, spec: StageSpec, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False):
+                 weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False, take_weights: bool = False):
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
         self.dtype = dtype
         self.recompute = bool(recompute)
         source = weights if weights is not None else spec.graph.constants
-        self._params = {p: torch.tensor(np.asarray(source[p]), dtype=dtype, requires_grad=True) for p in spec.params}
+        # with take_weights a parameter shares the caller's array (torch.from_numpy): one copy of the weights
+        np_dtype = np.float32 if dtype == torch.float32 else np.float64
+        self._params = {p: torch.from_numpy(own_array(source[p], np_dtype, take_weights)).requires_grad_(True)
+                        for p in spec.params}
         param_set = set(spec.params)
         self._consts = {}
         for n in spec.compute_nodes:
@@ -429,6 +432,14 @@ class TorchStageEngine(StageEngine):
 
     def parameters(self):
         return {k: v.detach().numpy().copy() for k, v in self._params.items()}
+
+    def step(self, optimizer, grads) -> None:
+        if self._saved or self._pending:
+            # a micro-batch in flight keeps the tensors its forward ran with (weight stashing: its
+            # autograd graph holds them), so the step writes new ones; taken arrays stay with it
+            self._params = {k: p.detach().clone().requires_grad_(True) for k, p in self._params.items()}
+        # numpy views of the leaf tensors, stepped in place: nothing else holds them now
+        optimizer.step({k: p.detach().numpy() for k, p in self._params.items()}, grads)
 
     def set_parameters(self, values):
         # New leaf tensors rather than in-place copies: a forward still waiting for its backward

@@ -26,7 +26,7 @@ def torch_installed() -> bool:
 
 def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mapping[str, np.ndarray] | None = None,
                   stash_weights: bool = True, cache_activations: bool = True,
-                  activations: str | None = None) -> StageEngine:
+                  activations: str | None = None, take_weights: bool = False) -> StageEngine:
     """The engine that runs `spec` on `backend` (options as `runtime.engines.factory.make_engine`)."""
     backend = parse_backend(backend)
     if backend.engine == "mnn":
@@ -36,7 +36,7 @@ def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mappi
 
         return MnnStageEngine(spec, threads=backend.thread_count, weights=weights, stash_weights=stash_weights,
                               cache_activations=cache_activations,
-                              cache_slots=None if activations == "keep" else 1)
+                              cache_slots=None if activations == "keep" else 1, take_weights=take_weights)
     if backend.device != "cpu":
         raise NotImplementedError(f"{backend}: the torch stage engine runs on the cpu only "
                                   "(runtime.engines.pytorch has no device setting yet)")
@@ -45,4 +45,4 @@ def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mappi
     from runtime.engines.pytorch import TorchStageEngine
 
     return TorchStageEngine(spec, threads=backend.thread_count, weights=weights,
-                            recompute=activations == "recompute")
+                            recompute=activations == "recompute", take_weights=take_weights)

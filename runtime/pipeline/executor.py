@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ir.plan import Action, ActionKind
-from runtime.engines.base import StageEngine, accumulate
+from runtime.engines.base import StageEngine, accumulate, dense_gradient
 from runtime.transport.wire import Expected, PeerTimeout, Transport
 
 COORDINATOR = "coordinator"
@@ -87,8 +87,9 @@ class StageExecutor:
         self.optimizer = optimizer
         self.input_names = tuple(input_names)
         self.timeout = timeout
-        self.params = engine.parameters()
-        unknown = sorted(set(tied) - set(self.params))
+        # the weights live in the engine only (StageEngine.step updates them there)
+        self.param_names = frozenset(engine.spec.params)
+        unknown = sorted(set(tied) - self.param_names)
         if unknown:
             raise ValueError(f"stage {stage}: tied weights {unknown[:3]} are not trainable parameters of this stage")
         # this stage's tied weights, in the order they are exchanged (the coordinator's order)
@@ -208,12 +209,11 @@ class StageExecutor:
         # A stage without parameters (e.g. only the loss block) still takes its UPDATE as a step
         # over nothing, so its optimizer's step count stays that of the other stages: re-planning
         # hands optimizer state between stages by that count.
-        if self.params and not self.grad_sum:
+        if self.param_names and not self.grad_sum:
             raise RuntimeError(f"stage {self.stage}: UPDATE with no accumulated gradient")
         if self.tied:
             self._sum_tied()
-        self.params = self.optimizer.step(self.params, self.grad_sum)
-        self.engine.set_parameters(self.params)
+        self.engine.step(self.optimizer, self.grad_sum)
         self.grad_sum = {}
         self.backwards_since_update = 0
         self.updates += 1
@@ -224,9 +224,9 @@ class StageExecutor:
         update count tells this update's sums from those of an aborted step."""
         for name in self.tied:
             self.transport.send_tensor(COORDINATOR, "tied_grad", self.stage, self.updates,
-                                       np.ascontiguousarray(self.grad_sum[name]), name=name)
+                                       np.ascontiguousarray(dense_gradient(self.grad_sum[name])), name=name)
         for name in self.tied:
-            part = self.grad_sum[name]
+            part = dense_gradient(self.grad_sum[name])
             total = self._recv(COORDINATOR, "tied_sum", -1, self.updates, name)
             if total.shape != part.shape or total.dtype != part.dtype:
                 raise ValueError(f"stage {self.stage}: the coordinator's sum for tied weight {name!r} is "

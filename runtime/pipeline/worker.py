@@ -197,12 +197,16 @@ class Worker:
         self._take_stage(int(msg["stage"]))
         stages = int(msg["stages"])
         self._meet_peers(msg["peers"], msg.get("peer_keys"))
-        constants = self._recv_tensors("weights", list(msg["graph"]["constants"]))
-        graph = graph_from_json(msg["graph"], {k: np.array(v) for k, v in constants.items()})
+        received = self._recv_tensors("weights", list(msg["graph"]["constants"]))
+        # writable copies of the read-only wire buffers, each buffer dropped once copied; the stage's
+        # engine takes the copies as its weights (take_weights): the graph is this worker's own
+        constants = {k: np.array(received.pop(k)) for k in list(received)}
+        graph = graph_from_json(msg["graph"], constants)
         first, last = msg["blocks"]
         spec = stage_spec(graph, first, last)
         engine = make_engine(BackendSpec.cpu(msg.get("engine", "mnn"), int(msg.get("threads", 1))), spec,
-                             head_split=msg.get("head_split"), activations=_activations(msg.get("activations")))
+                             head_split=msg.get("head_split"), activations=_activations(msg.get("activations")),
+                             take_weights=True)
         opt = msg["optimizer"]
         optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
         if msg.get("optimizer_state"):
@@ -239,7 +243,9 @@ class Worker:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc
         spec = stage_spec(contents.graph, contents.first_block, contents.last_block)
-        engine = make_engine(doc.backend_spec, spec, head_split=doc.head_split, activations=doc.activations)
+        # the bundle's decoded arrays are this worker's own (ir.safetensors gives writable copies)
+        engine = make_engine(doc.backend_spec, spec, head_split=doc.head_split, activations=doc.activations,
+                             take_weights=True)
         optimizer = make_optimizer(doc.optimizer.name, doc.optimizer.lr, doc.optimizer.weight_decay)
         if msg.get("optimizer_state"):
             optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
@@ -340,7 +346,7 @@ class Worker:
 
     def checkpoint(self) -> None:
         self._need_stage("checkpoint")
-        tensors = {f"param/{k}": v for k, v in self.executor.params.items()}
+        tensors = {f"param/{k}": v for k, v in self.executor.engine.parameters().items()}
         tensors.update({f"opt/{k}": np.asarray(v) for k, v in self.executor.optimizer_state().items()})
         for i, (name, arr) in enumerate(tensors.items()):
             self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, i, np.asarray(arr, order="C"), name=name)

@@ -1,0 +1,186 @@
+"""The optimizer step inside the engine (`StageEngine.step`): the stage's weights are held once.
+
+A pipeline stage used to keep three copies of its weights (the graph's, the engine's, and the
+executor's for the optimizer); now the engine's are stepped in place and a worker's engine takes
+the graph's arrays (`take_weights`). These tests hold the new path to independent references: the
+old copy-step-write path on a second engine (bit for bit), PyTorch float64 gradients at the old
+weights for a backward whose forward ran before an update (weight stashing), and a dense running
+sum for embedding gradients summed as rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from planner.onnx_import import load_model
+from runtime.engines.base import RowGradient, accumulate, dense_gradient
+from runtime.engines.factory import make_engine
+from runtime.engines.pytorch import TorchStageEngine
+from runtime.engines.stage import stage_spec
+from runtime.optim import SGD, AdamW
+from support import M, ROWS, S as SEQ, assert_grads_close, export_onnx, single_device_training, synthetic_batch, token_feeds
+
+B, S = 2, 12
+ENGINES = ["mnn", "torch"]
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_checkpoint, export_dir):
+    return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), B, S)
+
+
+def _feeds(spec, graph, seed: int) -> dict[str, np.ndarray]:
+    feeds = token_feeds(B, S, vocab=500, seed=seed)
+    if spec.activation_input is not None:
+        shape = graph.values[spec.activation_input].shape
+        feeds[spec.activation_input] = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def _grad_out(spec, graph):
+    if spec.is_last:
+        return None
+    return np.random.default_rng(99).standard_normal(graph.values[spec.output].shape).astype(np.float32)
+
+
+def _private_copy(graph):
+    """The graph with its own copies of every constant (what a worker builds from the wire)."""
+    from dataclasses import replace
+
+    return replace(graph, constants={k: np.array(v) for k, v in graph.constants.items()})
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("optimizer", [lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
+                                       lambda: AdamW(lr=0.01, weight_decay=0.01)], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("blocks", [(0, 1), (2, 4)], ids=["embeddings-first", "head-and-loss"])
+def test_step_equals_copy_step_write_bit_for_bit(graph, engine, optimizer, blocks):
+    """Three steps of `engine.step` give the weights the copy path gives (parameters, optimizer on
+    the copies, set_parameters) on a second engine, bit for bit; the graph's constants stay as they
+    were unless the engine was given them."""
+    spec = stage_spec(graph, *blocks)
+    before = {p: graph.constants[p].copy() for p in spec.params}
+    stepped, copied = make_engine(f"{engine}:cpu:t1", spec), make_engine(f"{engine}:cpu:t1", spec)
+    for e in (stepped, copied):
+        e.row_gradients = True
+    opt_stepped, opt_copied = optimizer(), optimizer()
+    params = copied.parameters()
+    for step in range(3):
+        sums = []
+        for e in (stepped, copied):
+            total: dict = {}
+            for m in range(2):
+                e.forward(_feeds(spec, graph, 10 * step + m), m)
+                accumulate(total, e.backward(m, _grad_out(spec, graph)).params)
+            sums.append(total)
+        stepped.step(opt_stepped, sums[0])
+        opt_copied.step(params, {k: dense_gradient(g) for k, g in sums[1].items()})
+        copied.set_parameters(params)
+    got, want = stepped.parameters(), copied.parameters()
+    assert set(got) == set(spec.params)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert any(not np.array_equal(got[k], before[k]) for k in before)  # the steps changed something
+    for k in before:
+        np.testing.assert_array_equal(graph.constants[k], before[k], err_msg=f"{k}: the graph's copy was changed")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("take", [False, True], ids=["copied", "taken"])
+def test_a_backward_after_a_step_uses_its_forwards_weights(graph, engine, take):
+    """forward m0, step, forward m1, backward m0, backward m1: m0's gradients are PyTorch float64's at
+    the weights before the step, m1's at the weights after it (PipeDream stashing), with the
+    engine's weights copied or taken from the graph."""
+    g = _private_copy(graph) if take else graph
+    spec = stage_spec(g, 1, 2)
+    e = make_engine(f"{engine}:cpu:t1", spec, take_weights=take)
+    w0 = e.parameters()
+    feeds = [_feeds(spec, g, 20 + m) for m in range(2)]
+    grad_out = _grad_out(spec, g)
+    e.forward(feeds[0], 0)
+    e.step(SGD(lr=0.5, momentum=0.0), {k: np.full_like(v, 0.1) for k, v in w0.items()})
+    w1 = e.parameters()
+    assert all(np.allclose(w1[k], w0[k] - 0.05) for k in w0)
+    e.forward(feeds[1], 1)
+    got = [e.backward(m, grad_out).params for m in range(2)]
+    for m, weights in enumerate((w0, w1)):
+        ref = TorchStageEngine(spec, dtype=torch.float64, weights={**g.constants, **weights})
+        ref.forward(feeds[m], m)
+        assert_grads_close(got[m], ref.backward(m, grad_out).params)
+    np.testing.assert_array_equal(e.parameters()[spec.params[0]], w1[spec.params[0]])  # the backward put nothing back
+    if take:
+        # MNN copies the old version for the forward in flight and steps the graph's arrays; PyTorch's
+        # autograd holds the very tensors its forward ran with, so the step writes new ones and the
+        # taken arrays keep the old weights: never stepped under a forward that still reads them
+        for k in w1:
+            np.testing.assert_array_equal(g.constants[k], (w1 if engine == "mnn" else w0)[k], err_msg=k)
+
+
+def test_a_worker_steps_the_weights_of_its_own_graph(tiny_checkpoint, export_dir):
+    """Workers (the real Coordinator and Workers over the in-process transport) train as one device
+    does, and each stage's graph holds the trained weights: the engine took the arrays the worker
+    received instead of copying them, and stepped them in place."""
+    from jobs.pipeline_training import train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+
+    pipe_graph = load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, SEQ)
+    batches = [synthetic_batch(i) for i in range(2)]
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30)
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        result = train_pipeline(pipe_graph, batches, 9, workers.addresses, config, 2, transport=workers.coordinator)
+        stage_graphs = [w.executor.engine.spec.graph for w in workers.workers]
+    assert workers.codes == [0, 0], workers.errors
+    losses, weights = single_device_training(pipe_graph, batches, 2)
+    assert result.losses == losses
+    for k, v in weights.items():
+        np.testing.assert_array_equal(result.weights[k], v, err_msg=k)
+    held = {k: v for sg in stage_graphs for k, v in sg.constants.items() if k in weights}
+    assert set(held) == set(weights)
+    for k, v in weights.items():
+        np.testing.assert_array_equal(held[k], v, err_msg=f"{k}: the stage's graph does not hold the trained weight")
+        assert not np.array_equal(pipe_graph.constants[k], v), f"{k}: not trained"
+
+
+def _rows(seed: int, n: int = 9, shape=(6, 4)) -> RowGradient:
+    r = np.random.default_rng(seed)
+    return RowGradient(r.integers(0, shape[0], n), r.normal(size=(n, shape[1])).astype(np.float32), shape)
+
+
+def test_rows_summed_as_rows_equal_a_dense_running_sum_bit_for_bit():
+    """Embedding gradients stay rows through the micro-batches of a step (no dense table held from
+    the first backward on) and come out as the dense running sum would, bit for bit: each element
+    gets its additions in the same order, from zero. A dense gradient joining makes the sum dense."""
+    parts = [_rows(s) for s in range(4)]
+    total: dict = {}
+    for part in parts:
+        accumulate(total, {"t": part})
+    assert isinstance(total["t"], RowGradient) and len(total["t"].ids) == sum(len(p.ids) for p in parts)
+    running = np.zeros((6, 4), np.float32)
+    for part in parts:
+        for i, row in zip(part.ids, part.rows):
+            running[i] += row
+    np.testing.assert_array_equal(dense_gradient(total["t"]), running)
+    dense = np.random.default_rng(7).normal(size=(6, 4)).astype(np.float32)
+    accumulate(total, {"t": dense.copy()})
+    assert isinstance(total["t"], np.ndarray)
+    np.testing.assert_array_equal(total["t"], running + dense)
+
+
+@pytest.mark.parametrize("optimizer", [lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
+                                       lambda: AdamW(lr=0.01, weight_decay=0.01)], ids=["sgd", "adamw"])
+def test_the_optimizer_takes_a_row_sum_as_its_dense_gradient(optimizer):
+    parts = [_rows(s) for s in range(3)]
+    rows: dict = {}
+    for part in parts:
+        accumulate(rows, {"t": part})
+    dense = {"t": dense_gradient(rows["t"]).copy()}
+    w = {"t": np.random.default_rng(3).normal(size=(6, 4)).astype(np.float32)}
+    a, b = optimizer(), optimizer()
+    got, want = {"t": w["t"].copy()}, {"t": w["t"].copy()}
+    for _ in range(2):
+        a.step(got, rows)
+        b.step(want, dense)
+    np.testing.assert_array_equal(got["t"], want["t"])
+    assert not np.array_equal(got["t"], w["t"])
