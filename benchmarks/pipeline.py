@@ -24,7 +24,10 @@ What it measures
         engine, with MNN keeping its activations, and with the engine and activations ``plan``
         picks per stage (``auto[...]``), and ``zb-h1`` (each backward split into B, whose gradient
         is sent at once, and W, the weight gradients; shown together in ``B``) on the PyTorch
-        engine and with ``plan``'s pick.
+        engine and with ``plan``'s pick; and ``plan[...]``: both schedules on the cuts, engines
+        and activations ``confidant plan`` picks for as many devices like this machine (each with
+        its profile; the block ranges, engine and activations per stage are in the label), where
+        every other row keeps the fixed block ranges below.
     PyTorch (``torch.distributed.pipelining``, gloo over TCP on 127.0.0.1, one rank per process):
       * ``single``: one process, ``BertForTokenClassification`` (eval mode: no dropout, as the
         ONNX export the MNN side trains), gradient accumulation over the M micro-batches, AdamW.
@@ -435,11 +438,7 @@ def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tu
     from planner.engines import stage_pick
     from runtime.profiling.device import profile_device
 
-    key = (str(model), graph.batch, graph.seq)
-    profile = _PROFILES.get(key)
-    if profile is None:
-        profile = _PROFILES[key] = profile_device(graph, "bench", ("mnn:cpu:t1", "torch:cpu:t1"), reps=2,
-                                                  attention=False)
+    profile = _profile(graph, model)
     device = DeviceSpec("bench", "tcp://127.0.0.1:1", profile, profile.memory_available_bytes)
     ranges = stage_ranges(len(graph.blocks), stages, None)
     picks = [stage_pick(graph, device, a, b, s, stages, schedule, M, "adamw") for s, (a, b) in enumerate(ranges)]
@@ -447,12 +446,58 @@ def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tu
             tuple(p[1] if p else None for p in picks))
 
 
+def _profile(graph, model: Path):
+    """This machine's profile of MNN and PyTorch at one thread (measured once per model and shape)."""
+    from runtime.profiling.device import profile_device
+
+    key = (str(model), graph.batch, graph.seq)
+    if key not in _PROFILES:
+        _PROFILES[key] = profile_device(graph, "bench", ("mnn:cpu:t1", "torch:cpu:t1"), reps=2, attention=False)
+    return _PROFILES[key]
+
+
+def plan_picked(graph, model: Path, stages: int, schedule: str, M: int):
+    """What `confidant plan` decides for `stages` devices like this machine (each a copy of its
+    profile, auto engine, the machine's memory as budget, loopback links): the block ranges, and the
+    engine and activations per stage (planner.partition.solve_partition, then
+    planner.engines.pick_engines, as jobs.planning.plan_model does)."""
+    from ir.backend import engine_of
+    from ir.profile import Link
+    from planner.cluster import Cluster, DeviceSpec, device_backend
+    from planner.cost import activations_of
+    from planner.engines import pick_engines
+    from planner.partition import make_instance, solve_partition
+
+    profile = _profile(graph, model)
+    devices = tuple(DeviceSpec(f"dev{k}", f"tcp://127.0.0.1:{k + 1}", profile, profile.memory_available_bytes)
+                    for k in range(stages))
+    # loopback: a 384 KiB activation takes well under a millisecond, as measured in the transport rows
+    cluster = Cluster(devices, Link(bandwidth_bytes_per_s=2e9, latency_s=50e-6))
+    solve = lambda inst: solve_partition(inst, time_limit_s=10.0)  # noqa: E731
+    partition = solve(make_instance(graph, cluster, schedule, M, "adamw"))
+    picks = pick_engines(graph, cluster, partition, schedule, M, "adamw", solve=solve)
+    partition = picks.partition
+    if len(partition.stages) != stages:
+        raise RuntimeError(f"the plan uses {len(partition.stages)} of the {stages} devices")
+    chosen = [picks.cluster.device(name) for name in partition.devices]
+    return ([tuple(r) for r in partition.ranges], tuple(engine_of(device_backend(d).backend) for d in chosen),
+            tuple(activations_of(d) for d in chosen))
+
+
+def run_planned(graph, model: Path, batches, M: int, stages: int, schedule: str, steps: int) -> dict:
+    """`run_mnn_pipeline` on the plan's cuts, engines and activations (`plan_picked`)."""
+    ranges, picked, kept = plan_picked(graph, model, stages, schedule, M)
+    label = ",".join(f"{a}-{b}:{e}/{k}" if k else f"{a}-{b}:{e}" for (a, b), e, k in zip(ranges, picked, kept))
+    return run_mnn_pipeline(graph, batches, M, stages, schedule, steps, engine=picked, activations=kept,
+                            ranges=ranges, variant=f"plan[{label}]")
+
+
 _PROFILES: dict = {}
 
 
 def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int,
                      engine: str | tuple[str, ...] = "mnn", update_every: int = 1, variant: str | None = None,
-                     activations=None) -> dict:
+                     activations=None, ranges=None) -> dict:
     import numpy as np
 
     from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
@@ -470,7 +515,8 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
         try:
             config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300,
                                     engine=engine, activations=activations)
-            res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=None, on_step=on_step,
+            cuts = [last + 1 for _, last in ranges[:-1]] if ranges else None
+            res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=cuts, on_step=on_step,
                                  keys=workers.keys, faults=FaultPolicy(on_failure="stop"), update_every=update_every)
         finally:
             codes = workers.wait(60.0)
@@ -860,6 +906,9 @@ def main(argv=None) -> int:
                     attempt(f"mnn {flush} engine auto {label} M={M} {stages} stages",
                             lambda: run_mnn_pipeline(graph, batches, M, stages, flush, args.steps,
                                                      engine=picked, activations=kept, variant=f"auto[{label}]"))
+                    # the plan's own cuts too: what `confidant plan` runs on devices like this one
+                    attempt(f"mnn {flush} as planned M={M} {stages} stages",
+                            lambda: run_planned(graph, Path(model), batches, M, stages, flush, args.steps))
             if not args.skip_torch:
                 for schedule in TORCH_SCHEDULES:
                     attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
