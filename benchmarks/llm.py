@@ -145,13 +145,10 @@ def _confidant_step(kind: str, model: Path, rows: int, seq: int, feeds, threads:
     graph = load_model(model, rows, seq, loss="causal-lm")
     engine = make_engine(BackendSpec.cpu(kind.split("-")[1], threads), stage_spec(graph, 0, len(graph.blocks) - 1))
     optimizer = make_optimizer("adamw", 1e-5)
-    state = {"params": engine.parameters()}
 
-    def step():
+    def step():  # as tasks.trainer.train_steps does: the engine steps its own weights
         loss = engine.forward(feeds, 0)
-        grads = engine.backward(0).params
-        state["params"] = optimizer.step(state["params"], grads)
-        engine.set_parameters(state["params"])
+        engine.step(optimizer, engine.backward(0).params)
         return float(loss)
     return step
 

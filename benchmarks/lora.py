@@ -82,13 +82,12 @@ def child_mnn_single(model: Path, steps: int, rank: int | None) -> dict:
 
     graph = _graph(model, BATCH // M, rank)
     engine = make_engine("mnn:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1))
-    opt, params = make_optimizer("adamw", LR), engine.parameters()
+    opt = make_optimizer("adamw", LR)
     batches, times = make_batches(steps + 1), []
     for step in range(steps + 1):
         t0 = time.perf_counter()
         _, grads = accumulate_gradients(engine, batches[step], M, NUM_LABELS)
-        params = opt.step(params, grads)
-        engine.set_parameters(params)
+        engine.step(opt, grads)  # the engine's own weights, in place, as tasks.trainer does
         times.append(time.perf_counter() - t0)
     trainable = sum(int(graph.constants[p].nbytes) for p in graph.params)
     return {"step_s": statistics.median(times[1:]), "peak_mib": [_peak_mib()], "trainable": trainable}
@@ -163,7 +162,7 @@ def child_mnn_single_lm(model: Path, steps: int, rank: int | None) -> dict:
 
     graph = _lm_graph(model, LM_BATCH // M, rank)
     engine = make_engine("mnn:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1))
-    opt, params, feeds, times = make_optimizer("adamw", LR), engine.parameters(), _lm_feeds(model), []
+    opt, feeds, times = make_optimizer("adamw", LR), _lm_feeds(model), []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
         total = {}
@@ -171,8 +170,7 @@ def child_mnn_single_lm(model: Path, steps: int, rank: int | None) -> dict:
             engine.forward(f, m)
             for k, g in engine.backward(m).params.items():
                 total[k] = total[k] + g if k in total else g
-        params = opt.step(params, total)
-        engine.set_parameters(params)
+        engine.step(opt, total)
         times.append(time.perf_counter() - t0)
     trainable = sum(int(graph.constants[p].nbytes) for p in graph.params)
     return {"step_s": statistics.median(times[1:]), "peak_mib": [_peak_mib()], "trainable": trainable}

@@ -203,15 +203,14 @@ def child_single_mnn(model: str, M: int, steps: int) -> dict:
     rss_base = _rss_mb()
     engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), threads=1)
     timers = time_methods(engine, {"F": "forward", "B": "backward"})
-    opt, params = make_optimizer("adamw", LR), engine.parameters()
+    opt = make_optimizer("adamw", LR)
     rows = []
     for step in range(steps + 1):
         timers.update(F=0.0, B=0.0)
         t0, c0 = time.perf_counter(), time.process_time()
         loss, grads = accumulate_gradients(engine, batches[step], M, NUM_LABELS)
         t1 = time.perf_counter()
-        params = opt.step(params, grads)
-        engine.set_parameters(params)
+        engine.step(opt, grads)  # the engine's own weights, in place, as tasks.trainer does
         t2, c2 = time.perf_counter(), time.process_time()
         rows.append({"loss": loss, "step_s": t2 - t0, "F": timers["F"], "B": timers["B"], "UPDATE": t2 - t1,
                      "cpu_s": c2 - c0})
