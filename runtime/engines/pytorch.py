@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node
+from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array
 from runtime.engines.lm_loss import chunk_rows
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values
@@ -265,7 +266,8 @@ class TorchStageEngine(StageEngine):
     either way: the same ops on the same inputs."""
 
     def __init__(self, spec: StageSpec, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False, take_weights: bool = False):
+                 weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False, take_weights: bool = False,
+                 fuse_attention: bool = True):
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
@@ -288,6 +290,14 @@ class TorchStageEngine(StageEngine):
         self._pending: dict[int, list[_PendingWeightGrad]] = {}
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))
+        # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)
+        self._units = attention_units(spec) if fuse_attention else {}
+        self._unit_nodes = frozenset(n for u in self._units.values() for n in u.nodes)
+
+    @property
+    def fused_attention_blocks(self) -> tuple[int, ...]:
+        """The blocks whose attention runs as one fused unit (the rest of the stage runs node by node)."""
+        return tuple(sorted(u.block for u in self._units.values()))
 
     def _tensor(self, v: np.ndarray) -> torch.Tensor:
         v = np.asarray(v)
@@ -337,6 +347,11 @@ class TorchStageEngine(StageEngine):
             for node in self.spec.compute_nodes:
                 if node.name in stop_after:
                     break
+                if node.name in self._unit_nodes:
+                    unit = self._units.get(node.name)
+                    if unit is not None:  # the site's last node: every input of the unit is there
+                        env[unit.site.residual] = self._attention(unit, env, params, deferral)
+                    continue
                 if fused is not None and node.name == fused.matmul.name:
                     continue
                 if fused is not None and node.name == fused.loss.name:
@@ -364,6 +379,59 @@ class TorchStageEngine(StageEngine):
                     continue  # the MatMul itself: computed with its bias
                 env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
         return env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
+
+    def _attention(self, unit: AttentionUnit, env: dict, params: Mapping[str, torch.Tensor],
+                   deferral: tuple | None) -> torch.Tensor:
+        """The residual of `unit`'s attention (the form `runtime.engines.split.piece.attention_piece`
+        spells out op by op): the pre-norm if any, the projections, rotary embeddings, the key/value
+        heads repeated for their query groups, scaled dot-product attention with the additive mask,
+        the output projection, plus the block input."""
+        site = unit.site
+        x = env[site.x]
+        B, S, D = x.shape
+        h, u, hs = unit.heads, unit.kv_heads, unit.head_size
+        a = x
+        if site.norm is not None:
+            w = env[unit.weight("norm_w")[0]]
+            if site.norm == "LayerNorm":
+                b = unit.weight("norm_b")
+                a = F.layer_norm(x, (D,), w, env[b[0]] if b else None, site.norm_epsilon)
+            else:  # RMSNorm, as _run_node computes it
+                a = x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + site.norm_epsilon) * w
+
+        def project(role: str, bias_role: str, y: torch.Tensor) -> torch.Tensor:
+            name, transposed, first, end = unit.weight(role)
+            bias = unit.weight(bias_role)
+            if (deferral is not None and first is None and name in params and params[name].dim() == 2
+                    and (bias is None or bias[2] is None)):
+                anchor, sink, names = deferral  # zero bubble: the weight gradient waits for W, as in _defer
+                names.add(name)
+                bias_name = bias[0] if bias is not None and bias[0] in params else None
+                if bias_name is not None:
+                    names.add(bias_name)
+                return _DeferredLinear.apply(y, params[name], env[bias[0]] if bias else None, anchor, transposed,
+                                             sink, (name, bias_name))
+            weight = env[name] if transposed else env[name].t()  # [out, in], as F.linear takes it
+            b = None
+            if bias is not None:
+                b = env[bias[0]] if bias[2] is None else env[bias[0]][bias[2]:bias[3]]
+            if first is not None:
+                weight = weight[first:end]
+            return F.linear(y, weight, b)
+
+        def heads(y: torch.Tensor, count: int) -> torch.Tensor:
+            return y.reshape(B, S, count, hs).transpose(1, 2)
+
+        q, k, v = heads(project("Wq", "bq", a), h), heads(project("Wk", "bk", a), u), heads(project("Wv", "bv", a), u)
+        if site.rotary is not None:
+            cos, sin = env[site.rotary[0]], env[site.rotary[1]]
+            half = hs // 2
+            q = q * cos + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * sin
+            k = k * cos + torch.cat([-k[..., half:], k[..., :half]], dim=-1) * sin
+        if h > u:  # each key/value head serves its group of h / u query heads
+            k, v = k.repeat_interleave(h // u, dim=1), v.repeat_interleave(h // u, dim=1)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=env[site.mask], scale=float(site.scale))
+        return project("Wo", "bo", context.transpose(1, 2).reshape(B, S, h * hs)) + x
 
     def _defer(self, node: Node, env: dict, params: Mapping[str, torch.Tensor], deferral: tuple):
         """The deferred projection's output for `node` (a MatMul by a trainable 2-D weight, or the
