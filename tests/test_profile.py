@@ -339,11 +339,12 @@ def test_profile_measures_the_optimizer_update_rate():
 
 @pytest.mark.slow  # the module's profile of every backend (~13 s)
 def test_profile_measures_the_gradient_accumulation_rate_and_old_profiles_load(tiny_profile):
-    from runtime.profiling import accumulate_rate, update_rates
+    from runtime.profiling import accumulate_rate
 
     rate = accumulate_rate(nbytes=4 << 20, reps=1)
-    # one addition reads two arrays and writes one: cheaper than an SGD step, which does more
-    assert 0 < rate < update_rates(nbytes=4 << 20, reps=1)["sgd"] * 4
+    # seconds per parameter byte (10 MB/s to 10 TB/s), not per addition; which of the accumulation
+    # and an optimizer step is faster is a timing, left to the profile, not asserted here
+    assert 1e-13 < rate < 1e-7, rate
     prof, _ = tiny_profile
     doc = prof.to_json()
     del doc["accumulate_s_per_param_byte"]
