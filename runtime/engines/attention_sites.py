@@ -61,6 +61,11 @@ def _unit(spec: StageSpec, block, position: dict[str, int]) -> AttentionUnit | N
         return None
     if block.heads % block.split_units or not site.nodes or any(n not in position for n in site.nodes):
         return None
+    roles = {w[0] for w in site.weights}
+    if not {"Wq", "Wk", "Wv", "Wo"} <= roles or (site.norm is not None and "norm_w" not in roles):
+        return None  # a form the fused kernel does not spell (a norm without its scale, say)
+    if site.norm not in (None, "LayerNorm", "RMSNorm"):
+        return None
     graph = spec.graph
     nodes = [spec.compute_nodes[position[n]] for n in site.nodes]
     made = {o for n in nodes for o in n.outputs}
