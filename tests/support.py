@@ -162,7 +162,8 @@ def single_device_training(graph: Graph, batches, steps: int, microbatches: int 
 def kill_then_restart(workers, k: int, lost_after: int = 1, back_after: int = 2):
     """on_step for in-process workers (runtime.pipeline.inprocess.InProcessWorkers): worker k
     vanishes after step `lost_after` and a fresh worker starts at its address after `back_after`
-    (a replayed step reports again: each happens once)."""
+    and has answered the call back before the run goes on, so the coordinator finds it at that
+    boundary however loaded the machine is (a replayed step reports again: each happens once)."""
     restarted = []
 
     def on_step(step, *_):
@@ -171,6 +172,7 @@ def kill_then_restart(workers, k: int, lost_after: int = 1, back_after: int = 2)
         if step == back_after and not restarted:
             workers.restart(k)
             restarted.append(step)
+            workers.wait_answered(k)
 
     return on_step
 

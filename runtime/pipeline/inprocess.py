@@ -120,10 +120,22 @@ class InProcessWorkers:
             raise RuntimeError(f"worker {k} is still running; kill it before restarting it")
         self._stopping.discard(k)
         self.codes[k], self.errors[k] = None, None
-        self.workers[k] = Worker(LocalTransport("worker", self.hub, self.addresses[k]), timeout=timeout_s,
+        self.workers[k] = Worker(_RestartedTransport("worker", self.hub, self.addresses[k]), timeout=timeout_s,
                                  base_files=self.base_files)
         self._threads[k] = threading.Thread(target=self._serve, args=(k,), name=f"confidant-worker{k}", daemon=True)
         self._threads[k].start()
+
+    def wait_answered(self, k: int, timeout_s: float = 30.0) -> None:
+        """Wait until worker k, restarted, has sent its first message (its answer to the
+        coordinator's call back). Stage threads share the GIL with MNN evaluations that hold it,
+        so on a loaded machine a fresh thread can take longer to answer than the run takes to
+        finish; a test that means the device to be back by a boundary waits here."""
+        transport = self.workers[k].transport
+        if not isinstance(transport, _RestartedTransport):
+            raise RuntimeError(f"worker {k} was not restarted; only a restarted worker answers a call back")
+        if not transport.sent.wait(timeout_s):
+            raise TimeoutError(f"restarted worker {k} sent nothing within {timeout_s:g} s: the coordinator "
+                               f"never called it back, or its thread is stuck ({self.errors[k]!r})")
 
     def stop(self) -> None:
         """End every worker still running: close its transport, which wakes a receive waiting on it."""
@@ -142,3 +154,15 @@ class InProcessWorkers:
             self.stop()
         self.join()
         self.coordinator.close()
+
+
+class _RestartedTransport(LocalTransport):
+    """A restarted worker's transport: `sent` is set once it has sent anything."""
+
+    def __init__(self, name: str, hub: LocalHub, address: str):
+        super().__init__(name, hub, address)
+        self.sent = threading.Event()
+
+    def _send_frames(self, peer, frames) -> None:
+        super()._send_frames(peer, frames)
+        self.sent.set()
