@@ -106,13 +106,16 @@ def chat_llama(tmp_path_factory):
     return path, train, dev
 
 
-# Under pytest-xdist (`-n 2 --dist loadfile`) each test module runs whole on one worker, handed out in
-# collection order: the longest modules go first so that neither worker is left with one at the end
-# (measured on 2 cores: the SmolLM2 fine-tune alone takes 100-200 s). The SmolLM2 export is made by
-# whichever module asks first and waited for by the other (support.made_once), so its two big users
-# are kept apart in the order.
-LONGEST_FIRST = ("test_smollm2.py", "test_faults.py", "test_finetune.py", "test_pipeline_tasks.py",
-                 "test_llm_export.py", "test_plan_train.py", "test_seqcls.py", "test_profile.py")
+# Under pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`) each test module runs whole on one
+# worker, handed out in collection order: the longest modules go first so that neither worker is left
+# with one at the end. Measured on 2 cores (`pytest -n 2 --durations=0`, seconds per module): SmolLM2
+# 133 (the fine-tune alone 100-140), LLM export 105, faults 82, pipeline tasks 37, decoder split 34,
+# profile 30, partition 29, plan-train 24, pipeline 22, then 20 and less. The SmolLM2 export is made
+# by whichever module asks first and waited for by the other (support.made_once): the first two
+# modules start together on the two workers, so its two big users are kept apart in the order.
+LONGEST_FIRST = ("test_smollm2.py", "test_faults.py", "test_llm_export.py", "test_pipeline_tasks.py",
+                 "test_decoder_split.py", "test_profile.py", "test_partition.py", "test_plan_train.py",
+                 "test_pipeline.py", "test_seqcls.py", "test_finetune.py", "test_decoder.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
