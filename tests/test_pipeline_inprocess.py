@@ -542,3 +542,17 @@ def test_a_plan_run_takes_back_a_device_that_returns_with_a_plan_written_for_it(
     np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
     for name, value in want_weights.items():
         np.testing.assert_allclose(result.weights[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_waiting_for_a_restarted_worker_names_what_it_waited_for():
+    """InProcessWorkers.wait_answered: only a restarted worker can be waited for, and one that nobody
+    called back times out with that said (instead of the test hanging or passing by luck)."""
+    with InProcessWorkers(1, timeout_s=5) as workers:
+        with pytest.raises(RuntimeError, match="worker 0 was not restarted"):
+            workers.wait_answered(0)
+        workers.kill(0)
+        workers.restart(0)
+        with pytest.raises(TimeoutError, match="restarted worker 0 sent nothing within 0.2 s"):
+            workers.wait_answered(0, timeout_s=0.2)
+        workers.stop()
+    assert workers.codes == [STOPPED]
