@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from runtime import optim
+from runtime.engines.base import RowGradient
 from runtime.optim import CHUNK, make_optimizer
 
 
@@ -59,3 +60,74 @@ def test_the_chunked_step_equals_torch_optim_in_float64(name):
         opt.step()
     for k, t in tensors.items():
         np.testing.assert_allclose(got[k], t.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+# --- tables updated by rows: the step over the rows that ever had a gradient equals the dense step
+
+def _row_steps(seed: int = 3, steps: int = 4, vocab: int = 500, width: int = 24):
+    """Per step, a table's gradient as rows (ids repeat, some rows appear once and never again)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(steps):
+        ids = rng.integers(0, vocab // (4 - min(step, 2)), size=40)
+        ids[:3] = ids[3]  # one row summed several times in a step
+        out.append(RowGradient(ids, (1e-2 * rng.standard_normal((ids.size, width))).astype(np.float32),
+                               (vocab, width)))
+    return out
+
+
+def _train_table(name: str, kw: dict, grads, dense: bool, start_state=None):
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal(grads[0].shape).astype(np.float32)
+    bias = rng.standard_normal(5).astype(np.float32)
+    opt = make_optimizer(name, 1e-2, **kw)
+    if start_state is not None:
+        opt.load_state(start_state)
+    for step, g in enumerate(grads):
+        params = {"table": table, "bias": bias}
+        opt.step(params, {"table": g.dense() if dense else g, "bias": np.full(5, 0.1 * step, np.float32)})
+    return table, bias, opt
+
+
+OPTIMIZERS = [("adamw", {}), ("adamw", {"weight_decay": 0.0}), ("sgd", {}), ("sgd", {"weight_decay": 0.01})]
+
+
+@pytest.mark.parametrize("vocab", [500, 60])  # 60: half the rows get state, and the table goes dense
+@pytest.mark.parametrize("name,kw", OPTIMIZERS)
+def test_a_table_stepped_by_its_rows_equals_the_dense_step_bit_for_bit(name, kw, vocab):
+    grads = _row_steps(vocab=vocab)
+    by_rows, bias_rows, opt_rows = _train_table(name, kw, grads, dense=False)
+    dense, bias_dense, opt_dense = _train_table(name, kw, grads, dense=True)
+    assert np.array_equal(by_rows, dense) and np.array_equal(bias_rows, bias_dense)
+    a, b = opt_rows.state(), opt_dense.state()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in b)
+    rows_path = name == "adamw" or not kw
+    assert ("table" in opt_rows.dense_tables) == (rows_path and vocab == 60)
+    if rows_path and vocab == 500:
+        held = opt_rows.rows if name == "adamw" else opt_rows.row_buffers
+        touched = np.unique(np.concatenate([g.ids for g in grads]))
+        # state only for the rows that had a gradient: the point of the row path
+        assert sorted(held["table"].ids[:held["table"].n]) == touched.tolist()
+        assert "table" not in (opt_rows.m if name == "adamw" else opt_rows.buffers)
+
+
+@pytest.mark.parametrize("name,kw", OPTIMIZERS)
+def test_row_steps_resume_from_a_dense_checkpoint_and_go_back_to_dense_gradients(name, kw):
+    grads = _row_steps(steps=6)
+    _, _, first = _train_table(name, kw, grads[:3], dense=True)
+    saved = first.state()  # as a checkpoint holds it: dense arrays
+    whole_dense, _, _ = _train_table(name, kw, grads, dense=True)
+    # the table's state is rebuilt from the dense checkpoint, then rows, then a dense gradient again
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal(grads[0].shape).astype(np.float32)
+    bias = rng.standard_normal(5).astype(np.float32)
+    opt = make_optimizer(name, 1e-2, **kw)
+    for step, g in enumerate(grads):
+        if step == 3:
+            resumed = make_optimizer(name, 1e-2, **kw)
+            resumed.load_state(opt.state())
+            opt = resumed
+        feed = g if step in (3, 4) else g.dense()
+        opt.step({"table": table, "bias": bias}, {"table": feed, "bias": np.full(5, 0.1 * step, np.float32)})
+    assert np.array_equal(table, whole_dense)
+    assert saved.keys() == opt.state().keys()
