@@ -88,20 +88,31 @@ def test_step_equals_copy_step_write_bit_for_bit(graph, engine, optimizer, block
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("take", [False, True], ids=["copied", "taken"])
-def test_a_backward_after_a_step_uses_its_forwards_weights(graph, engine, take):
+@pytest.mark.parametrize("blocks", [(1, 2), (0, 1)], ids=["layers", "embeddings"])
+def test_a_backward_after_a_step_uses_its_forwards_weights(graph, engine, take, blocks):
     """forward m0, step, forward m1, backward m0, backward m1: m0's gradients are PyTorch float64's at
     the weights before the step, m1's at the weights after it (PipeDream stashing), with the
-    engine's weights copied or taken from the graph."""
+    engine's weights copied or taken from the graph. With the embeddings, m0's backward re-runs its
+    forward (m1's ran on the same graphs since), from the rows m0's lookups read: MNN keeps no old
+    version of a table it only looks up."""
     g = _private_copy(graph) if take else graph
-    spec = stage_spec(g, 1, 2)
+    spec = stage_spec(g, *blocks)
     e = make_engine(f"{engine}:cpu:t1", spec, take_weights=take)
     w0 = e.parameters()
     feeds = [_feeds(spec, g, 20 + m) for m in range(2)]
     grad_out = _grad_out(spec, g)
     e.forward(feeds[0], 0)
-    e.step(SGD(lr=0.5, momentum=0.0), {k: np.full_like(v, 0.1) for k, v in w0.items()})
+    # a random step: a uniform one would vanish in the embeddings' LayerNorm
+    rng = np.random.default_rng(5)
+    step = {k: (0.1 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in w0.items()}
+    e.step(SGD(lr=0.5, momentum=0.0), step)
+    tables = {n.inputs[0] for n in spec.compute_nodes if n.op == "Gather"} & set(spec.params)
+    assert bool(tables) == (blocks[0] == 0)
+    if engine == "mnn":
+        (old,) = e._old_versions.values()
+        assert set(old) == set(spec.params) - tables
     w1 = e.parameters()
-    assert all(np.allclose(w1[k], w0[k] - 0.05) for k in w0)
+    assert all(np.allclose(w1[k], w0[k] - 0.5 * step[k]) for k in w0)
     e.forward(feeds[1], 1)
     got = [e.backward(m, grad_out).params for m in range(2)]
     for m, weights in enumerate((w0, w1)):
@@ -112,9 +123,11 @@ def test_a_backward_after_a_step_uses_its_forwards_weights(graph, engine, take):
     if take:
         # MNN copies the old version for the forward in flight and steps the graph's arrays; PyTorch's
         # autograd holds the very tensors its forward ran with, so the step writes new ones and the
-        # taken arrays keep the old weights: never stepped under a forward that still reads them
+        # taken arrays keep the old weights: never stepped under a forward that still reads them. A
+        # table only looked up is stepped in place by both (a lookup's backward never reads it).
         for k in w1:
-            np.testing.assert_array_equal(g.constants[k], (w1 if engine == "mnn" else w0)[k], err_msg=k)
+            stepped = engine == "mnn" or k in tables
+            np.testing.assert_array_equal(g.constants[k], (w1 if stepped else w0)[k], err_msg=k)
 
 
 def test_a_worker_steps_the_weights_of_its_own_graph(tiny_checkpoint, export_dir):
@@ -184,3 +197,92 @@ def test_the_optimizer_takes_a_row_sum_as_its_dense_gradient(optimizer):
         b.step(want, dense)
     np.testing.assert_array_equal(got["t"], want["t"])
     assert not np.array_equal(got["t"], w["t"])
+
+
+@pytest.mark.parametrize("blocks", [(1, 2), (0, 1)], ids=["layers", "embeddings"])
+@pytest.mark.parametrize("slots", [None, 1], ids=["a-slot-each", "one-slot"])
+def test_mnn_updating_with_micro_batches_in_flight_keeps_each_forwards_weights(graph, blocks, slots):
+    """PipeDream's order on one stage (F0 F1, step, F2 B0, step, B1 B2) with the executor's
+    `updates_in_flight`: each backward gets PyTorch float64's gradients at its own forward's
+    weights. With a slot per micro-batch in flight each slot's Var set keeps its forward's version,
+    so no old copy of a Var-held weight is made; with one slot the old versions are copied."""
+    spec = stage_spec(graph, *blocks)
+    e = make_engine("mnn:cpu:t1", spec)
+    e._max_slots = slots  # what cache_slots=None (the planner's "keep") or 1 sets
+    e.updates_in_flight = True
+    feeds = [_feeds(spec, graph, 40 + m) for m in range(3)]
+    grad_out = _grad_out(spec, graph)
+    rng = np.random.default_rng(6)
+    weights = [e.parameters()]
+
+    def step():
+        e.step(SGD(lr=0.5, momentum=0.0),
+               {k: (0.1 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in weights[0].items()})
+        weights.append(e.parameters())
+
+    e.forward(feeds[0], 0)
+    e.forward(feeds[1], 1)
+    step()
+    copied = {k for old in e._old_versions.values() for k in old}
+    e.forward(feeds[2], 2)
+    got = {0: e.backward(0, grad_out).params}
+    step()
+    got[1] = e.backward(1, grad_out).params
+    got[2] = e.backward(2, grad_out).params
+    var_held = set(e._params)
+    assert (copied & var_held == set()) == (slots is None)
+    assert e.cache_slots == (3 if slots is None else 1)
+    for m, version in ((0, 0), (1, 0), (2, 1)):
+        ref = TorchStageEngine(spec, dtype=torch.float64, weights={**graph.constants, **weights[version]})
+        ref.forward(feeds[m], m)
+        assert_grads_close(got[m], ref.backward(m, grad_out).params)
+    assert e.stashed_versions() == 0
+    # a forward after all that runs on the newest weights
+    ref = TorchStageEngine(spec, dtype=torch.float64, weights={**graph.constants, **weights[2]})
+    np.testing.assert_allclose(e.forward(feeds[0], 3, train=False), ref.forward(feeds[0], 3, train=False),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", [(1, 2), (0, 1)], ids=["layers", "embeddings"])
+def test_torch_steps_with_forwards_in_flight_reuse_retired_tensors(graph, blocks):
+    """PyTorch under weight stashing: F0 F1, step, F2 B0, step, B1 B2 F3, step, B3: each backward gets
+    float64's gradients at its own forward's weights; the third step's new tensors are those of a
+    retired version (no forward in flight holds them any more), and a table only looked up keeps its
+    one tensor, stepped in place."""
+    spec = stage_spec(graph, *blocks)
+    e = make_engine("torch:cpu:t1", spec)
+    feeds = [_feeds(spec, graph, 60 + m) for m in range(4)]
+    grad_out = _grad_out(spec, graph)
+    rng = np.random.default_rng(8)
+    weights, tensors = [e.parameters()], [dict(e._params)]
+
+    def step():
+        e.step(SGD(lr=0.5, momentum=0.0),
+               {k: (0.1 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in weights[0].items()})
+        weights.append(e.parameters())
+        tensors.append(dict(e._params))
+
+    got = {}
+    e.forward(feeds[0], 0)
+    e.forward(feeds[1], 1)
+    step()
+    e.forward(feeds[2], 2)
+    got[0] = e.backward(0, grad_out).params
+    step()
+    got[1] = e.backward(1, grad_out).params
+    got[2] = e.backward(2, grad_out).params
+    e.forward(feeds[3], 3)
+    step()
+    got[3] = e.backward(3, grad_out).params
+    for m, version in ((0, 0), (1, 0), (2, 1), (3, 2)):
+        ref = TorchStageEngine(spec, dtype=torch.float64, weights={**graph.constants, **weights[version]})
+        ref.forward(feeds[m], m)
+        assert_grads_close(got[m], ref.backward(m, grad_out).params)
+    tables = {n.inputs[0] for n in spec.compute_nodes if n.op == "Gather"} & set(spec.params)
+    for k in spec.params:
+        if k in tables:
+            assert all(t[k] is tensors[0][k] for t in tensors)
+        else:
+            assert tensors[1][k] is not tensors[0][k] and tensors[2][k] is not tensors[1][k]
+            # versions 0 and 1 retired, and free by the third step: one of them reused
+            assert any(tensors[3][k] is tensors[v][k] for v in (0, 1))

@@ -103,6 +103,9 @@ class StageEngine(ABC):
     # schedules), before any forward: an engine that can defer weight gradients then prepares
     # its training forwards for it.
     split_backward: bool = False
+    # Set by the executor before any forward when the plan updates this stage while its
+    # micro-batches are in flight (1f1b-stash, 2bw): an engine may then hold weight versions apart.
+    updates_in_flight: bool = False
     # Set by whoever sums the gradients with `accumulate` (the executor, the single-device
     # trainer): an engine may then give an embedding table's gradient as a RowGradient.
     row_gradients: bool = False

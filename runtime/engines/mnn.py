@@ -45,6 +45,9 @@ from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_va
 # 128, feed-forward 1536, one thread; benchmarks/mnn_ops.py) for one more [rows, 4H] tensor.
 CACHED_OPS = ("MatMul", "Softmax", "Erf")
 
+# Host-value key prefix under which a forward keeps the rows its embedding lookups read (per node).
+GATHERED = "\0gathered:"
+
 
 def _lower_node(node: Node, a: list) -> "K.Var":
     op, attrs = node.op, node.attrs
@@ -213,12 +216,21 @@ class _BlockProgram:
         for name in self.host_inputs:
             K.write(self.inputs[name], host[name])
         for lk in self.lookups:
-            ids = np.asarray(host[lk.ids])
-            table = self._tables[lk.table]
-            if ids.size and (ids.min() < 0 or ids.max() >= len(table)):
-                raise ValueError(f"{lk.ids} holds id {int(ids.max() if ids.max() >= len(table) else ids.min())}, outside "
-                                 f"the {len(table)} rows of {lk.table!r}: the tokenizer does not belong to this model")
-            K.write(lk.placeholder, table[ids])
+            key = GATHERED + lk.node.name
+            rows = host.get(key)
+            if rows is None:
+                ids = np.asarray(host[lk.ids])
+                table = self._tables[lk.table]
+                if ids.size and (ids.min() < 0 or ids.max() >= len(table)):
+                    raise ValueError(f"{lk.ids} holds id {int(ids.max() if ids.max() >= len(table) else ids.min())}, "
+                                     f"outside the {len(table)} rows of {lk.table!r}: the tokenizer does not belong "
+                                     f"to this model")
+                rows = table[ids]
+                if isinstance(host, dict):
+                    # kept with the micro-batch's host values: a backward that re-runs this forward
+                    # feeds the very rows its forward read, so the table itself needs no old version
+                    host[key] = rows
+            K.write(lk.placeholder, rows)
 
     def forward(self, train: bool = False) -> np.ndarray:
         return K.read(self.output)
@@ -412,7 +424,17 @@ class MnnStageEngine(StageEngine):
         self._max_slots = (cache_slots if cache_activations else 1)
         self._lookup = ChainMap(self._tables, self._frozen_tables)
         self._constant_vars: dict[str, K.Var] = {}
-        self._slots = [self._build_blocks(spec, self._lookup)]
+        # Weight Vars are written lazily: `_var_version[k]` is the weight version Var set k holds,
+        # written before a forward or backward that needs another (a step writes nothing). Every
+        # slot reads set 0, unless the stage updates while micro-batches are in flight
+        # (`updates_in_flight`, set before the first forward) and keeps their activations: each slot
+        # built then gets a set of its own, which keeps the version its forward ran with until its
+        # backward, so that backward neither swaps versions in and out nor loses its op caches to
+        # the write (and with slots added as needed, no old version of those weights is copied).
+        self._var_sets = [self._params]
+        self._var_version = [0]
+        self._slot_vars = [0]
+        self._slots = [self._build_blocks(spec, self._lookup, self._params)]
         self._blocks = self._slots[0]
         self._slot_used = [0] * len(self._slots)  # the serial of the last forward on each slot
         self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray], int]] = {}
@@ -421,11 +443,20 @@ class MnnStageEngine(StageEngine):
         self.stash_weights = stash_weights
         self.version = 0
         self._old_versions: dict[int, dict[str, np.ndarray]] = {}
+        # what a backward reads, so what an old version holds: every weight but the tables only
+        # looked up (a lookup's gradient does not read its table, and a re-run forward is fed the
+        # rows its forward gathered), which spares a copy of an embedding table per update
+        looked_up_only = {t for t in self._tables if t not in self._params
+                          and (self._lm is None or t != self._lm.weight)}
+        self._versioned = [p for p in spec.params if p not in looked_up_only]
+        # arrays of dropped old versions, reused by the next copy (no fresh pages to fault in)
+        self._spare: dict[tuple, list[np.ndarray]] = {}
         # split backwards: per micro-batch, what its W multiplies (its B computed the rest)
         self._pending: dict[int, list[_PendingWeightGrad]] = {}
 
-    def _build_blocks(self, spec: StageSpec, lookup) -> list:
-        """The stage's block programs (a view of the tables: version swaps of _tables show through)."""
+    def _build_blocks(self, spec: StageSpec, lookup, params: Mapping[str, "K.Var"]) -> list:
+        """The stage's block programs over the weight Vars `params` (and a view of the tables: version
+        swaps of _tables show through)."""
         blocks: list = []
         for b, nodes in spec.block_nodes():
             if self._lm is not None and b.index == self._lm.head_index:
@@ -435,7 +466,7 @@ class MnnStageEngine(StageEngine):
                 fused = self._lm if self._lm is not None and b.index == self._lm.loss_index else None
                 blocks.append(_LossProgram(b, nodes[0], fused, lookup, set(self._tables)))
             else:
-                blocks.append(_BlockProgram(b, nodes, spec, self._params, lookup, set(self._tables),
+                blocks.append(_BlockProgram(b, nodes, spec, params, lookup, set(self._tables),
                                             self._constant_vars))
         return blocks
 
@@ -445,10 +476,29 @@ class MnnStageEngine(StageEngine):
         held = {entry[4] for entry in self._stash.values()}
         free = [k for k in range(len(self._slots)) if k not in held]
         if not free and (self._max_slots is None or len(self._slots) < self._max_slots):
-            self._slots.append(self._build_blocks(self.spec, self._lookup))
+            vars_of_slot = 0
+            if self._own_vars_per_slot:
+                self._var_sets.append({p: K.trainable(self._weight(p)) for p in self._params})
+                self._var_version.append(self.version)
+                vars_of_slot = len(self._var_sets) - 1
+            self._slots.append(self._build_blocks(self.spec, self._lookup, self._var_sets[vars_of_slot]))
+            self._slot_vars.append(vars_of_slot)
             self._slot_used.append(0)
             return len(self._slots) - 1
         return min(free or range(len(self._slots)), key=lambda k: self._slot_used[k])
+
+    @property
+    def _own_vars_per_slot(self) -> bool:
+        return self.updates_in_flight and self.stash_weights and self._max_slots != 1
+
+    def _write_vars(self, k: int, version: int) -> None:
+        """Make Var set k hold weight `version` (the current one or a stashed old one)."""
+        if self._var_version[k] == version:
+            return
+        weights = self._current if version == self.version else self._old_versions[version]
+        for name, var in self._var_sets[k].items():
+            K.write(var, weights[name] if name in weights else self._weight(name))
+        self._var_version[k] = version
 
     @property
     def cache_slots(self) -> int:
@@ -476,6 +526,7 @@ class MnnStageEngine(StageEngine):
         serial = self._serial if train else None
         slot = self._free_slot() if train else 0
         self._slot_used[slot] = self._serial
+        self._write_vars(self._slot_vars[slot], self.version)
         programs = self._slots[slot]
         for prog in programs:
             if until_block is not None and prog.block.index > until_block:
@@ -510,10 +561,19 @@ class MnnStageEngine(StageEngine):
         if microbatch not in self._stash:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         serial, version, block_inputs, host, slot = self._stash.pop(microbatch)
+        # without stashing, a backward after an update runs on the new weights
+        wanted = version if self.stash_weights else self.version
+        if wanted != self._var_version[self._slot_vars[slot]]:
+            if wanted != self.version and wanted not in self._old_versions:
+                raise RuntimeError(f"micro-batch {microbatch}: its forward's weights (version {wanted}) were not "
+                                   f"kept, and the graphs it ran on hold version "
+                                   f"{self._var_version[self._slot_vars[slot]]}")
+            self._write_vars(self._slot_vars[slot], wanted)  # left there: the next forward writes what it needs
+        # tables a backward reads (a fused LM head's weight) switch by reference, and back after
         swapped = self.stash_weights and version != self.version
-        current = {**self._tables, **self._current}
+        current = dict(self._tables)
         if swapped:
-            self._load_weights(self._old_versions[version])
+            self._tables.update({k: v for k, v in self._old_versions[version].items() if k in self._tables})
         try:
             grads: dict[str, np.ndarray] = {}
             g = grad_output
@@ -531,26 +591,18 @@ class MnnStageEngine(StageEngine):
                     grads[k] = add_gradient(grads[k], v) if k in grads else v
         finally:
             if swapped:
-                self._load_weights(current)
+                self._tables.update(current)
             self._drop_unused_versions()
         if split:
             self._pending[microbatch] = pending
         return StageGradients(grads, g if self.spec.activation_input is not None else None)
 
-    def _load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Make `weights` (a version from `_old_versions`, or `_current`) the ones the graphs use.
-        Lookup tables live in numpy, so they switch by reference (no copy of a 47 MB embedding
-        table per swap); MNN Vars are written."""
-        for k, v in weights.items():
-            if k in self._tables:
-                self._tables[k] = v
-            if k in self._params:
-                K.write(self._params[k], v)
-
     def _drop_unused_versions(self) -> None:
+        # a version is kept while a micro-batch in flight needs it (Var sets hold their own copies)
         live = {entry[1] for entry in self._stash.values()}
         for v in [v for v in self._old_versions if v not in live]:
-            del self._old_versions[v]
+            for arr in self._old_versions.pop(v).values():
+                self._spare.setdefault((arr.shape, arr.dtype.str), []).append(arr)
 
     def stashed_versions(self) -> int:
         """Weight versions held besides the current one (PipeDream: up to stages - s - 1)."""
@@ -561,17 +613,34 @@ class MnnStageEngine(StageEngine):
         out.update({k: v.copy() for k, v in self._tables.items()})
         return out
 
+    def _weight(self, name: str) -> np.ndarray:
+        return self._tables[name] if name in self._tables else self._current[name]
+
+    def _copy(self, arr: np.ndarray) -> np.ndarray:
+        spare = self._spare.get((arr.shape, arr.dtype.str))
+        if spare:
+            out = spare.pop()
+            np.copyto(out, arr)
+            return out
+        return arr.copy()
+
+    def _keep_old_version(self) -> None:
+        """Before the current weights change: a copy of what a backward of a forward in flight may
+        read becomes the old version (the current arrays, perhaps the caller's, taken with
+        take_weights, are then changed in place). With a Var set per slot and slots added as
+        needed, each such forward's Vars keep its version, so only numpy-held weights are copied."""
+        if not (self.stash_weights and any(entry[1] == self.version for entry in self._stash.values())):
+            return
+        names = self._versioned
+        if self._own_vars_per_slot and self._max_slots is None:
+            names = [k for k in names if k not in self._params]
+        self._old_versions[self.version] = {k: self._copy(self._weight(k)) for k in names}
+
     def step(self, optimizer, grads) -> None:
-        if self.stash_weights and any(entry[1] == self.version for entry in self._stash.values()):
-            # a copy becomes the old version; the current arrays (perhaps the caller's, taken with
-            # take_weights) are stepped in place
-            self._old_versions[self.version] = {k: v.copy() for k, v in {**self._tables, **self._current}.items()}
+        self._keep_old_version()
         params = {p: self._tables[p] if p in self._tables else self._current[p] for p in self.spec.params}
         optimizer.step(params, grads)
-        for k, v in params.items():
-            if k in self._params:
-                K.write(self._params[k], v)
-        self.version += 1
+        self.version += 1  # the Vars are written when a forward needs the new weights
 
     def set_parameters(self, values):
         unknown = [k for k in values if k not in self._tables and k not in self._params]
@@ -593,9 +662,6 @@ class MnnStageEngine(StageEngine):
         for k, v in values.items():
             if k in self._tables:
                 self._tables[k][...] = v
-                if k in self._params:
-                    K.write(self._params[k], self._tables[k])
             else:
                 np.copyto(self._current[k], v)
-                K.write(self._params[k], self._current[k])
-        self.version += 1
+        self.version += 1  # the Vars are written when a forward needs the new weights

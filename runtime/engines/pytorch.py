@@ -288,6 +288,18 @@ class TorchStageEngine(StageEngine):
         self._saved: dict[int, tuple] = {}
         # split backwards: per micro-batch, the deferred weight gradients B left for its W
         self._pending: dict[int, list[_PendingWeightGrad]] = {}
+        # Weight stashing: a step with forwards in flight gives the stage new leaf tensors (their
+        # autograd graphs hold the old ones). Tensors of versions no forward in flight holds any
+        # more are reused for that (no fresh pages to fault in, 47 MB for MiniLM's table), and a
+        # table that is only looked up is stepped in place: an embedding's backward reads its
+        # indices, never the table's values (unless the forward is re-run, with `recompute`).
+        self._retired: list[dict[str, torch.Tensor]] = []
+        readers: dict[str, set[str]] = {}
+        for n in spec.compute_nodes:
+            for i, name in enumerate(n.inputs):
+                readers.setdefault(name, set()).add("lookup" if n.op == "Gather" and i == 0 else n.op)
+        self._stepped_in_place = frozenset() if self.recompute else frozenset(
+            p for p in spec.params if readers.get(p) == {"lookup"})
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))
         # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)
@@ -501,11 +513,41 @@ class TorchStageEngine(StageEngine):
     def parameters(self):
         return {k: v.detach().numpy().copy() for k, v in self._params.items()}
 
+    def _in_flight_tensors(self) -> set[int]:
+        held = {id(t) for entry in self._saved.values() for t in entry[2].values()}  # the params it ran with
+        held |= {id(t) for _, weights in self._pending.values() for t in weights.values()}
+        return held
+
+    def _new_version(self) -> dict[str, torch.Tensor]:
+        """Leaf tensors holding the current weights, for a step while forwards are in flight: the
+        tensors of a retired version no forward in flight holds where there is one."""
+        held = self._in_flight_tensors() | {id(t) for t in self._params.values()}
+        spare: dict[str, list[torch.Tensor]] = {}
+        still = []
+        for version in self._retired:
+            if any(id(t) in held for t in version.values()):
+                still.append(version)
+            else:
+                for k, t in version.items():
+                    spare.setdefault(k, []).append(t)
+        fresh: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for k, p in self._params.items():
+                if k in self._stepped_in_place:
+                    fresh[k] = p
+                elif spare.get(k):
+                    fresh[k] = spare[k].pop().copy_(p)
+                else:
+                    fresh[k] = p.detach().clone().requires_grad_(True)
+        old = {k: p for k, p in self._params.items() if k not in self._stepped_in_place}
+        self._retired = still + [old]  # spare tensors not taken now are let go
+        return fresh
+
     def step(self, optimizer, grads) -> None:
         if self._saved or self._pending:
             # a micro-batch in flight keeps the tensors its forward ran with (weight stashing: its
             # autograd graph holds them), so the step writes new ones; taken arrays stay with it
-            self._params = {k: p.detach().clone().requires_grad_(True) for k, p in self._params.items()}
+            self._params = self._new_version()
         # numpy views of the leaf tensors, stepped in place: nothing else holds them now
         optimizer.step({k: p.detach().numpy() for k, p in self._params.items()}, grads)
 

@@ -97,6 +97,8 @@ class StageExecutor:
         self.grad_sum: dict[str, np.ndarray] = {}
         self.backwards_since_update = 0
         self.updates = 0
+        self.updates_at_s: list[float] = []
+        self._run_start = time.perf_counter()
         self._acts: dict[int, np.ndarray] = {}
         self._outs: dict[int, np.ndarray] = {}
         self._grads_in: dict[int, np.ndarray] = {}
@@ -142,11 +144,27 @@ class StageExecutor:
         split = any(a.kind is ActionKind.W for a in actions)
         if split != self.engine.split_backward:
             self.engine.split_backward = split
+        # an UPDATE with a forward before it whose backward comes after it
+        pending, in_flight = set(), False
+        for a in actions:
+            if a.kind is ActionKind.F:
+                pending.add(a.microbatch)
+            elif a.kind in (ActionKind.B, ActionKind.W):
+                pending.discard(a.microbatch)
+            elif a.kind is ActionKind.UPDATE and pending:
+                in_flight = True
+                break
+        if in_flight and not self.engine.updates_in_flight:
+            self.engine.updates_in_flight = True
         self.engine.row_gradients = True  # `_accumulate` sums them
 
     def run(self, actions: Sequence[Action]) -> ExecutorStats:
         self.prepare(actions)
         start = time.perf_counter()
+        # seconds into this run at the end of each UPDATE: where a run of several batches (a
+        # schedule without a flush) crossed each batch's end, for a steady-state time per batch
+        self.updates_at_s = []
+        self._run_start = start
         for action in actions:
             self.execute(action)
         self.stats.wall_s += time.perf_counter() - start
@@ -195,6 +213,7 @@ class StageExecutor:
             self.transport.send_tensor(stage_peer(action.peer), "grad", self.stage, m, self._grads_out.pop(m))
         elif kind is ActionKind.UPDATE:
             self.update()
+            self.updates_at_s.append(time.perf_counter() - self._run_start)
         elif kind is ActionKind.FREE:
             for store in (self._acts, self._outs, self._grads_in, self._grads_out):
                 store.pop(m, None)
