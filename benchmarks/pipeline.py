@@ -19,12 +19,13 @@ What it measures
         8 loss): 2 stages = 0-3 | 4-8, 3 stages = 0-2 | 3-5 | 6-8.  ``1f1b-stash`` runs with
         train_pipeline's default ``update_every=1``: every stage updates after each backward, i.e.
         M optimizer steps per batch where the other configurations take one (it shows in ``UPD``).
-      * with ``--variants`` also: ``1f1b-stash k=M`` (an update per M backwards), ``2bw k=M``
+      * with ``--variants`` also: ``1f1b-stash`` on the PyTorch engine and on the plan's split
+        (``plan[...]``, below), ``1f1b-stash k=M`` (an update per M backwards), ``2bw k=M``
         (PipeDream-2BW: the same order, two weight versions at most), ``1f1b-flush`` on the PyTorch
         engine, with MNN keeping its activations, and with the engine and activations ``plan``
         picks per stage (``auto[...]``), and ``zb-h1`` (each backward split into B, whose gradient
         is sent at once, and W, the weight gradients; shown together in ``B``) on the PyTorch
-        engine and with ``plan``'s pick; and ``plan[...]``: both schedules on the cuts, engines
+        engine and with ``plan``'s pick; and ``plan[...]``: 1f1b-flush, zb-h1 and 1f1b-stash on the cuts, engines
         and activations ``confidant plan`` picks for as many devices like this machine (each with
         its profile; the block ranges, engine and activations per stage are in the label), where
         every other row keeps the fixed block ranges below.
@@ -43,8 +44,10 @@ Columns of the main tables
     ``step s``     median seconds per training step (forward, backward and optimizer update of the
                    whole batch) as the coordinator (MNN) or rank 0 between barriers (torch) saw it.
                    ``1f1b-stash`` has no flush: it runs all steps+1 batches as one schedule, so its
-                   figure is that run's time / (steps + 1), the warm-up step included, one pipeline
-                   fill and drain amortised over the run.
+                   figure is stage 0's time from the update that ends the first (warm-up) batch to
+                   the end of the run, / steps: the warm-up left out as for the other schedules,
+                   one pipeline drain amortised over the steps (the whole run / (steps + 1), warm-up
+                   in, is in the JSON as ``whole_run_step_s``).
     ``samp/s``     8 / step s.
     ``speedup``    single's step s / this step s (above 1: faster than one process).
     ``bub meas``   measured bubble: 1 - sum over stages of (F + B seconds) / (stages x step s), the
@@ -553,6 +556,15 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             for d in done))
         walls.append(wall / divisor)
     step_s = _median(walls) if schedule not in ASYNC else walls[0]
+    whole_run_step_s = step_s
+    if schedule in ASYNC and n > 1:
+        # the warm-up batch left out, as for the flush schedules: stage 0 (the last to finish) from
+        # its update that ended batch 0 to its run's end, per batch (one drain in it)
+        first = res.stage_reports[0][0]
+        marks = first.get("updates_at_s") or []
+        k = max(M // update_every, 1) - 1
+        if len(marks) > k:
+            step_s = (first["wall_s"] - marks[k]) / (n - 1)
     per_stage = []
     for s in range(stages):
         agg = {k: _median([rows[s][k] for rows in per_stage_steps])
@@ -574,6 +586,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
     return {"framework": "mnn", "schedule": schedule, "variant": variant, "engine": engine, "update_every": update_every,
             "stages": stages, "microbatches": M, "ranges": res.ranges,
             "step_s": step_s, "samples_per_s": BATCH / step_s, "step_samples_s": walls,
+            "whole_run_step_s": whole_run_step_s,
             "bubble_measured": _median(bubbles), "bubble_busy": _median(busy_bubbles),
             "bubble_simulated": sim, "sim_ticks": ticks, "b_over_f": b_all / f_all if f_all else None,
             "imbalance": max(fb) / statistics.mean(fb) if fb and statistics.mean(fb) else None,
@@ -643,6 +656,7 @@ def run_torch_pipeline(M: int, stages: int, schedule: str, steps: int, timeout: 
     return {"framework": "torch", "schedule": schedule, "torch_schedule": TORCH_SCHEDULES[schedule],
             "stages": stages, "microbatches": M, "ranges": [r["blocks"] for r in results],
             "step_s": step_s, "samples_per_s": BATCH / step_s, "step_samples_s": walls,
+            "whole_run_step_s": whole_run_step_s,
             "bubble_measured": _median(bubbles), "bubble_simulated": sim, "sim_ticks": ticks,
             "b_over_f": b_all / f_all if f_all else None,
             "imbalance": max(fb) / statistics.mean(fb) if fb and statistics.mean(fb) else None,
@@ -761,7 +775,7 @@ def report(results: list[dict], errors: list[str], steps: int, elapsed: float, m
     out.append("")
     out.append("Where the time goes, per stage and step (median ms). RECV includes waiting for the peer; "
                "other = executor wall - all listed (MNN) or rank's step - F - B - UPD (torch: P2P waits, loss, "
-               "scheduling); 1f1b-stash: whole run / (steps+1).")
+               "scheduling); 1f1b-stash: whole run / (steps+1), warm-up included.")
     out += split_table(results, "mnn")
     if torch_rows:
         out.append("")
@@ -892,6 +906,12 @@ def main(argv=None) -> int:
                 attempt(f"mnn 2bw update-every {M} M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "2bw", args.steps,
                                                  update_every=M, variant=f"k={M}"))
+                # PipeDream's schedule on the PyTorch engine and on the plan's own split
+                attempt(f"mnn 1f1b-stash torch engine M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-stash", args.steps,
+                                                 engine="torch", variant="torch"))
+                attempt(f"mnn 1f1b-stash as planned M={M} {stages} stages",
+                        lambda: run_planned(graph, Path(model), batches, M, stages, "1f1b-stash", args.steps))
                 attempt(f"mnn 1f1b-flush activations kept M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-flush", args.steps,
                                                  activations="keep", variant="keep"))

@@ -305,7 +305,8 @@ class Worker:
         self.transport.send_control(COORDINATOR, {
             "type": "done", "stage": self.stage, "step": msg.get("step"),
             "seconds": {k: v - before[0].get(k, 0.0) for k, v in stats.seconds.items()},
-            "wall_s": stats.wall_s - before[1], "version": getattr(self.executor.engine, "version", None),
+            "wall_s": stats.wall_s - before[1], "updates_at_s": list(self.executor.updates_at_s),
+            "version": getattr(self.executor.engine, "version", None),
             "updates": self.executor.updates, "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes(),
             **device_state(),
         })
