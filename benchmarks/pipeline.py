@@ -656,7 +656,6 @@ def run_torch_pipeline(M: int, stages: int, schedule: str, steps: int, timeout: 
     return {"framework": "torch", "schedule": schedule, "torch_schedule": TORCH_SCHEDULES[schedule],
             "stages": stages, "microbatches": M, "ranges": [r["blocks"] for r in results],
             "step_s": step_s, "samples_per_s": BATCH / step_s, "step_samples_s": walls,
-            "whole_run_step_s": whole_run_step_s,
             "bubble_measured": _median(bubbles), "bubble_simulated": sim, "sim_ticks": ticks,
             "b_over_f": b_all / f_all if f_all else None,
             "imbalance": max(fb) / statistics.mean(fb) if fb and statistics.mean(fb) else None,
