@@ -82,8 +82,9 @@ class _RowState:
         after adding g's rows. Each element gets g's additions in g's order, starting from zero, as
         `g.dense()` does, so the sums are bit for bit the dense gradient's rows."""
         uniq, inverse = np.unique(np.asarray(g.ids, np.int64).reshape(-1), return_inverse=True)
-        summed = np.zeros((uniq.size,) + self.arrays[0].shape[1:], np.float32)
-        np.add.at(summed, inverse.reshape(-1), np.asarray(g.rows, np.float32))
+        rows = np.asarray(g.rows)
+        summed = np.zeros((uniq.size,) + self.arrays[0].shape[1:], rows.dtype)  # as g.dense() sums
+        np.add.at(summed, inverse.reshape(-1), rows)
         self.add(uniq)
         out = np.zeros((self.n,) + self.arrays[0].shape[1:], np.float32)
         out[self.slot[uniq]] = summed
@@ -99,7 +100,8 @@ ROWS_DENSE_SHARE = 0.4
 
 def _row_gradient(g, p: np.ndarray) -> RowGradient | None:
     """g when it is a table's row gradient that the row path can take (a C-contiguous table)."""
-    if isinstance(g, RowGradient) and p.ndim >= 2 and p.flags.c_contiguous and tuple(g.shape) == p.shape:
+    if (isinstance(g, RowGradient) and p.ndim >= 2 and p.dtype == np.float32 and p.flags.c_contiguous
+            and tuple(g.shape) == p.shape):
         return g
     return None
 

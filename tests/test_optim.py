@@ -64,14 +64,14 @@ def test_the_chunked_step_equals_torch_optim_in_float64(name):
 
 # --- tables updated by rows: the step over the rows that ever had a gradient equals the dense step
 
-def _row_steps(seed: int = 3, steps: int = 4, vocab: int = 500, width: int = 24):
+def _row_steps(seed: int = 3, steps: int = 4, vocab: int = 500, width: int = 24, dtype=np.float32):
     """Per step, a table's gradient as rows (ids repeat, some rows appear once and never again)."""
     rng = np.random.default_rng(seed)
     out = []
     for step in range(steps):
         ids = rng.integers(0, vocab // (4 - min(step, 2)), size=40)
         ids[:3] = ids[3]  # one row summed several times in a step
-        out.append(RowGradient(ids, (1e-2 * rng.standard_normal((ids.size, width))).astype(np.float32),
+        out.append(RowGradient(ids, (1e-2 * rng.standard_normal((ids.size, width))).astype(dtype),
                                (vocab, width)))
     return out
 
@@ -92,10 +92,11 @@ def _train_table(name: str, kw: dict, grads, dense: bool, start_state=None):
 OPTIMIZERS = [("adamw", {}), ("adamw", {"weight_decay": 0.0}), ("sgd", {}), ("sgd", {"weight_decay": 0.01})]
 
 
-@pytest.mark.parametrize("vocab", [500, 60])  # 60: half the rows get state, and the table goes dense
+@pytest.mark.parametrize("vocab,dtype", [(500, np.float32), (60, np.float32), (500, np.float64)],
+                         ids=["rows", "goes-dense", "float64-rows"])  # 60: half the rows get state
 @pytest.mark.parametrize("name,kw", OPTIMIZERS)
-def test_a_table_stepped_by_its_rows_equals_the_dense_step_bit_for_bit(name, kw, vocab):
-    grads = _row_steps(vocab=vocab)
+def test_a_table_stepped_by_its_rows_equals_the_dense_step_bit_for_bit(name, kw, vocab, dtype):
+    grads = _row_steps(vocab=vocab, dtype=dtype)
     by_rows, bias_rows, opt_rows = _train_table(name, kw, grads, dense=False)
     dense, bias_dense, opt_dense = _train_table(name, kw, grads, dense=True)
     assert np.array_equal(by_rows, dense) and np.array_equal(bias_rows, bias_dense)
