@@ -286,3 +286,36 @@ def test_torch_steps_with_forwards_in_flight_reuse_retired_tensors(graph, blocks
             assert tensors[1][k] is not tensors[0][k] and tensors[2][k] is not tensors[1][k]
             # versions 0 and 1 retired, and free by the third step: one of them reused
             assert any(tensors[3][k] is tensors[v][k] for v in (0, 1))
+
+
+def test_mnn_holds_its_weights_once_until_it_updates_with_forwards_in_flight(graph):
+    """An MNN stage's current weights are its Vars' own memory (taken weights: the caller's mapping
+    gets that memory, its arrays are let go), stepped in place, and outlive the engine safely; once
+    the stage updates with forwards in flight they become arrays of their own."""
+    import gc
+
+    from runtime.engines import mnn_kernels as K
+
+    g = _private_copy(graph)
+    spec = stage_spec(g, 0, 2)
+    received = {p: g.constants[p] for p in spec.params}
+    e = make_engine("mnn:cpu:t1", spec, take_weights=True)
+    e.row_gradients = True
+    in_vars = [p for p in spec.params if p in e._current]
+    assert in_vars and all(K.shares_memory(e._params[p], e._current[p]) for p in in_vars)
+    assert all(g.constants[p] is e._current[p] and g.constants[p] is not received[p] for p in in_vars)
+    opt = AdamW(lr=0.01)
+    for step in range(2):
+        e.forward(_feeds(spec, g, step), 0)
+        e.step(opt, e.backward(0, _grad_out(spec, g)).params)
+    assert all(K.shares_memory(e._params[p], e._current[p]) for p in in_vars)
+    trained = e.parameters()
+    assert any(not np.array_equal(trained[p], received[p]) for p in in_vars)
+    e.updates_in_flight = True
+    assert not any(K.shares_memory(e._params[p], e._current[p]) for p in in_vars)
+    assert all(g.constants[p] is e._current[p] for p in in_vars)
+    views = {p: K.memory_of(e._params[p]) for p in in_vars}
+    del e
+    gc.collect()
+    for p in in_vars:  # the Vars live as long as an array over their memory does
+        np.testing.assert_array_equal(views[p], trained[p], err_msg=p)

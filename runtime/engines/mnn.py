@@ -409,9 +409,18 @@ class MnnStageEngine(StageEngine):
                                and spec.graph.constants[t].dtype.kind == "f"}
         self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params
                         if p not in numpy_held or p in mnn_read}
-        # numpy copy of the current weights: what an old version is restored from and returned to
-        self._current = {p: own_array(source[p], np.float32, take_weights) for p in spec.params if p not in numpy_held}
-        self._constants = {k: v for k, v in spec.graph.constants.items()}
+        # The current weights as numpy arrays (what the optimizer steps, old versions are copied
+        # from, checkpoints read). Until the stage updates with forwards in flight they are the
+        # Vars' own memory (`K.memory_of`): the weights held once, stepped in place, re-read by
+        # MNN at the next evaluation (each writes its inputs). Then (`_separate_current`) they
+        # become arrays of their own, and the Vars are written when a forward needs a version.
+        self._current = {p: K.memory_of(self._params[p]) for p in spec.params if p not in numpy_held}
+        self._current_in_vars = True
+        # with take_weights the caller's arrays are let go: its mapping gets the Vars' memory
+        self._taken = source if take_weights and isinstance(source, dict) else None
+        if self._taken is not None:
+            self._taken.update(self._current)
+        self._constants = {k: v for k, v in spec.graph.constants.items() if k not in self._params}
         if cache_slots is not None and (not isinstance(cache_slots, int) or cache_slots < 1):
             raise ValueError(f"cache_slots must be an int >= 1 or None (one per micro-batch in flight), "
                              f"got {cache_slots!r}")
@@ -486,6 +495,34 @@ class MnnStageEngine(StageEngine):
             self._slot_used.append(0)
             return len(self._slots) - 1
         return min(free or range(len(self._slots)), key=lambda k: self._slot_used[k])
+
+    @property
+    def updates_in_flight(self) -> bool:
+        return self._updates_in_flight
+
+    @updates_in_flight.setter
+    def updates_in_flight(self, value: bool) -> None:
+        self._updates_in_flight = bool(value)
+        if self._updates_in_flight and self.stash_weights:
+            self._separate_current()
+
+    _updates_in_flight = False
+
+    def _separate_current(self) -> None:
+        """The current weights in arrays of their own, apart from Var set 0 (which then holds
+        whatever version a forward or backward last needed)."""
+        if not self._current_in_vars:
+            return
+        self._current = {p: a.copy() for p, a in self._current.items()}
+        self._current_in_vars = False
+        if self._taken is not None:
+            self._taken.update(self._current)
+
+    def _check_current_in_vars(self) -> None:
+        for p, arr in self._current.items():
+            if not K.shares_memory(self._params[p], arr):
+                raise RuntimeError(f"MNN moved the memory of weight {p!r} of stage blocks {self.spec.first_block}-"
+                                   f"{self.spec.last_block}: its numpy view no longer lies over it")
 
     @property
     def _own_vars_per_slot(self) -> bool:
@@ -631,6 +668,7 @@ class MnnStageEngine(StageEngine):
         needed, each such forward's Vars keep its version, so only numpy-held weights are copied."""
         if not (self.stash_weights and any(entry[1] == self.version for entry in self._stash.values())):
             return
+        self._separate_current()  # Var set 0 must be free to hold the old version for that backward
         names = self._versioned
         if self._own_vars_per_slot and self._max_slots is None:
             names = [k for k in names if k not in self._params]
@@ -638,9 +676,15 @@ class MnnStageEngine(StageEngine):
 
     def step(self, optimizer, grads) -> None:
         self._keep_old_version()
+        if self._current_in_vars:
+            self._check_current_in_vars()
         params = {p: self._tables[p] if p in self._tables else self._current[p] for p in self.spec.params}
         optimizer.step(params, grads)
         self.version += 1  # the Vars are written when a forward needs the new weights
+        if self._current_in_vars:
+            self._var_version[0] = self.version  # stepped in place
+            for k in self._tables.keys() & self._params.keys():  # a table MNN also reads: its Var apart
+                K.write(self._params[k], self._tables[k])
 
     def set_parameters(self, values):
         unknown = [k for k in values if k not in self._tables and k not in self._params]
@@ -648,6 +692,7 @@ class MnnStageEngine(StageEngine):
             raise KeyError(f"parameters {unknown[:3]} are not in this stage (blocks "
                            f"{self.spec.first_block}-{self.spec.last_block})")
         if self.stash_weights and any(entry[1] == self.version for entry in self._stash.values()):
+            self._separate_current()
             # the current arrays become the old version as they are (no copy); every key gets a
             # fresh array (the new values are written into it below; keys not given keep a copy),
             # so no array is shared by two versions and later in-place writes cannot reach the old one
@@ -665,3 +710,7 @@ class MnnStageEngine(StageEngine):
             else:
                 np.copyto(self._current[k], v)
         self.version += 1  # the Vars are written when a forward needs the new weights
+        if self._current_in_vars:
+            self._var_version[0] = self.version  # written in place
+            for k in self._tables.keys() & self._params.keys():  # a table MNN also reads: its Var apart
+                K.write(self._params[k], self._tables[k])

@@ -186,6 +186,29 @@ def write(var: Var, value) -> None:
     var.write(arr)
 
 
+class _VarMemory:
+    """The array interface of a Var's own memory, holding the Var: an array made from it keeps the
+    Var (and so the memory) alive, where MNN's bare view would dangle once the Var is gone."""
+
+    def __init__(self, var: Var):
+        self.var = var
+        self.__array_interface__ = dict(var.read().__array_interface__)
+
+
+def memory_of(var: Var) -> np.ndarray:
+    """A writable numpy array over ``var``'s own memory (no copy). Writing into it changes the Var;
+    graphs re-read it when they next recompute, which every write of one of their inputs causes."""
+    arr = np.asarray(_VarMemory(var))
+    if not arr.flags.writeable:
+        raise RuntimeError("MNN gave a read-only view of a trainable Var")
+    return arr
+
+
+def shares_memory(var: Var, arr: np.ndarray) -> bool:
+    """Whether ``arr`` (from :func:`memory_of`) still lies over the Var's memory."""
+    return var.read().__array_interface__["data"][0] == arr.__array_interface__["data"][0]
+
+
 def read(var: Var) -> np.ndarray:
     """Evaluate ``var`` and return a copy of its value (MNN's own view dies with the Var)."""
     return np.array(var.read(), copy=True)
