@@ -24,7 +24,9 @@ Time, for one micro-batch on stage s of p (device d, blocks first..last):
 
 Memory, peak bytes of stage s of p under the schedule (facts of runtime/engines/mnn.py,
 runtime/pipeline/executor.py and runtime/optim.py; the constants below say which):
-    params x (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
+    params x (WEIGHT_COPIES, or ASYNC_WEIGHT_COPIES under 1f1b-stash and 2bw, + GRADIENT_COPIES
+              + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
+  + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
   + in-flight micro-batches x (sum of the stage's block *input* activations)
   + sum of the blocks' `workspace_bytes` (per-op caches of one micro-batch, kept per block),
     times the in-flight micro-batches on a device that keeps its activations (PyTorch's autograd
@@ -71,12 +73,14 @@ from ir.profile import BlockCost
 from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes
 
 
-# Weights are held twice on MNN: its Vars and the engine's numpy arrays of the current weights
-# (`MnnStageEngine._current`, stepped in place by `StageEngine.step`, what old versions are
-# restored from), which are the arrays the worker received (`take_weights`). PyTorch holds them once
-# under flush schedules (its tensors share the received arrays) and twice under stashing (the
-# received arrays stay with the first version's forwards), so 2 bounds both engines.
-WEIGHT_COPIES = 2
+# Weights a stage holds per parameter byte, besides gradients, optimizer state and old versions.
+# Flush schedules: once (MNN's current weights are its Vars' own memory, `K.memory_of`; PyTorch's
+# tensors share the arrays the worker received). Schedules that update with forwards in flight
+# (1f1b-stash, 2bw): twice (MNN's current weights apart from the Var set a forward in flight reads,
+# PyTorch's new tensors beside the ones autograd holds). An embedding table another op also reads
+# (a tied LM head) is held once more on MNN (`double_held_bytes`).
+WEIGHT_COPIES = 1
+ASYNC_WEIGHT_COPIES = 2
 # The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter (an embedding
 # table's is rows until the update, then dense for the step).
 GRADIENT_COPIES = 1
@@ -131,7 +135,8 @@ def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches
 def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int) -> int:
     """Bytes a stage holds per byte of its parameters: weights, gradient, optimizer state, old versions."""
     check_optimizer_name(optimizer)
-    return (WEIGHT_COPIES + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[optimizer]
+    return ((ASYNC_WEIGHT_COPIES if schedule in ASYNC_SCHEDULES else WEIGHT_COPIES)
+            + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[optimizer]
             + STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches))
 
 
@@ -246,6 +251,21 @@ def stage_params_bytes(graph: Graph, first: int, last: int) -> int:
     return total
 
 
+def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
+    """Bytes of the parameters of blocks first..last the device holds once more than other weights:
+    on MNN, an embedding table that an op other than a lookup also reads anywhere in the model (a
+    tied LM head: MNN looks tables up in numpy and reads the head's weight from a Var; a fused head
+    reads numpy too, which this conservatively ignores). Each table counted once per range."""
+    if device_engine(device) != "mnn":
+        return 0
+    params = {p for b in graph.blocks[first:last + 1] for p in b.params}
+    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather"} & params
+    if not tables:
+        return 0
+    read = {i for n in graph.nodes if n.op != "Gather" for i in n.inputs}
+    return sum(int(graph.constants[t].nbytes) for t in tables & read if t in graph.constants)
+
+
 def tied_bytes(graph: Graph, first: int, last: int) -> int:
     """Bytes of the trainable weights blocks first..last share with blocks outside the range (tied
     weights cut by the stage's boundaries: a copy on each holder, gradients summed every step)."""
@@ -345,6 +365,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     blocks = graph.blocks[first:last + 1]
     params = stage_params_bytes(graph, first, last)
     frozen = sum(b.frozen_bytes for b in blocks)  # held once: never stashed, stepped or accumulated
+    frozen += double_held_bytes(graph, first, last, device)
     inputs = list(block_input_bytes(graph)[first:last + 1])
     in_flight = in_flight_microbatches(schedule, stages, stage, microbatches)
     held = 0

@@ -33,13 +33,13 @@ def test_compute_uses_the_chosen_backend_and_sums_the_blocks():
 def test_memory_by_hand():
     g, a, b = tiny_graph(), tiny_cluster().device("a"), tiny_cluster().device("b")
     # stage 0 of 2 on a, blocks 0-1: params 3000, stashed inputs 0 + 400, workspace 50 + 300, overhead 5000
-    # 1f1b-flush, sgd: 2 weights + 1 gradient + 1 momentum = 4 copies; min(p-s, m) = 2 in flight
-    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == 4 * 3000 + 2 * 400 + 350 + 5000 == 18150
-    # 1f1b-stash keeps one old version on stage 0 of 2 (p-s-1); adamw two moments
+    # 1f1b-flush, sgd: 1 weight + 1 gradient + 1 momentum = 3 copies; min(p-s, m) = 2 in flight
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == 3 * 3000 + 2 * 400 + 350 + 5000 == 15150
+    # 1f1b-stash holds the weights twice and one old version on stage 0 of 2 (p-s-1); adamw two moments
     assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "sgd") == 5 * 3000 + 800 + 350 + 5000
     assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "adamw") == 6 * 3000 + 800 + 350 + 5000
     # gpipe holds all m = 4 micro-batches
-    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "gpipe", 4, "sgd") == 4 * 3000 + 4 * 400 + 350 + 5000
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "gpipe", 4, "sgd") == 3 * 3000 + 4 * 400 + 350 + 5000
     # the last stage: one micro-batch in flight, no old versions even under stash
     assert stage_memory_bytes(g, b, 2, 3, 1, 2, "1f1b-stash", 4, "adamw") == 5 * 2100 + 800 + 310 + 7000
 
@@ -48,8 +48,8 @@ def test_stage_costs_and_step_times_by_hand():
     g, cl = tiny_graph(), tiny_cluster()
     costs = stage_costs(g, cl, _two_stages(), "1f1b-flush", 4, "sgd")
     link = 400 / 1e6 + 0.0005  # the a-b pair link, one direction
-    expected = [StageCost(0, "a", 0.011, 0.022, 0.0, link, 0.0, 18150, 30_000),
-                StageCost(1, "b", 0.021, 0.041, 0.0, 0.0, link, 4 * 2100 + 800 + 310 + 7000, 20_000)]
+    expected = [StageCost(0, "a", 0.011, 0.022, 0.0, link, 0.0, 15150, 30_000),
+                StageCost(1, "b", 0.021, 0.041, 0.0, 0.0, link, 3 * 2100 + 800 + 310 + 7000, 20_000)]
     for got, want in zip(costs, expected):
         assert (got.stage, got.device, got.memory_bytes, got.memory_budget_bytes) == \
             (want.stage, want.device, want.memory_bytes, want.memory_budget_bytes)
@@ -129,7 +129,7 @@ def test_in_flight_and_weight_versions_match_the_schedules(name):
 def test_weight_versions_reach_pipedreams_numbers_in_the_steady_state():
     assert [stashed_weight_versions("1f1b-stash", 4, s, 100) for s in range(4)] == [3, 2, 1, 0]
     assert [weight_copies("1f1b-stash", "adamw", 4, s, 100) for s in range(4)] == [8, 7, 6, 5]
-    assert [weight_copies("1f1b-flush", "sgd", 4, s, 100) for s in range(4)] == [4, 4, 4, 4]
+    assert [weight_copies("1f1b-flush", "sgd", 4, s, 100) for s in range(4)] == [3, 3, 3, 3]
 
 
 def test_errors_name_device_and_block():

@@ -149,7 +149,8 @@ def test_less_memory_forces_a_replan_even_to_a_slower_plan():
 def test_keep_order_moves_only_the_cuts_and_is_the_best_such_plan():
     g, cl = tiny_graph(), tiny_cluster()
     current = partition_of([(0, 1), (2, 2), (3, 3)], ["b", "a", "c"])
-    slow = _slowed(cl, "a", 4.0)
+    # a slowed, and b short of memory for blocks 0-1 (17560 bytes): the cuts must move
+    slow = with_devices(_slowed(cl, "a", 4.0), {"b": {"memory_budget_bytes": 17_000}})
     d = replan(g, slow, current, SCHEDULE, MB, OPT, keep_order=True)
     assert d.new_partition.devices == ["b", "a", "c"] and d.new_partition.method == "keep-order"
     inst = make_instance(g, slow, SCHEDULE, MB, OPT)
@@ -162,9 +163,11 @@ def test_keep_order_moves_only_the_cuts_and_is_the_best_such_plan():
     # a device gone: the rest keep their order
     gone = replan(g, without_devices(cl, "c"), current, SCHEDULE, MB, OPT, keep_order=True)
     assert gone.forced and gone.new_partition.devices == ["b", "a"]
-    # without a, b and c in this order cannot hold the model; the error says by how much and what to try
+    # without a, b and c in this order (each with 15000 bytes) cannot hold the model; the error says by
+    # how much and what to try
+    small = with_devices(cl, {"b": {"memory_budget_bytes": 15_000}, "c": {"memory_budget_bytes": 15_000}})
     with pytest.raises(PlanDoesNotFit, match="no placement of the cuts over b, c .* keep_order=False") as err:
-        replan(g, without_devices(cl, "a"), current, SCHEDULE, MB, OPT, keep_order=True)
+        replan(g, without_devices(small, "a"), current, SCHEDULE, MB, OPT, keep_order=True)
     assert err.value.over_bytes > 0 and err.value.device in ("b", "c")
 
 

@@ -131,3 +131,24 @@ def test_worker_processes_with_tied_weights_equal_single_device_training(graph, 
     finally:
         assert workers.wait(30.0) == [0] * stages
     _check(result, graph, reference, stages)
+
+
+def test_the_memory_model_counts_a_tied_table_twice_on_mnn_only(graph):
+    """MNN looks the table up in numpy and reads a tied head's weight from a Var: the memory model
+    adds the table once more on an MNN device, once per stage however many of its blocks read it,
+    and not on PyTorch (one tensor)."""
+    import dataclasses
+
+    from planner.cost import double_held_bytes
+    from support import tiny_cluster
+
+    mnn = tiny_cluster().device("a")
+    torch_backend = dataclasses.replace(mnn.profile.backends[0], backend="torch:cpu:t1")
+    torch_device = dataclasses.replace(mnn, backend="torch:cpu:t1", profile=dataclasses.replace(
+        mnn.profile, backends=mnn.profile.backends + (torch_backend,)))
+    table = next(n.inputs[0] for n in graph.nodes if n.op == "Gather")
+    n = len(graph.blocks)
+    assert double_held_bytes(graph, 0, 0, mnn) == graph.constants[table].nbytes
+    assert double_held_bytes(graph, 0, n - 1, mnn) == graph.constants[table].nbytes
+    assert double_held_bytes(graph, 1, 1, mnn) == 0  # a layer: no table
+    assert double_held_bytes(graph, 0, n - 1, torch_device) == 0

@@ -35,7 +35,8 @@ from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes
 from planner.cost import (accumulated_share, block_costs, block_input_bytes, block_weight_grads_s, check_blocks,
-                          in_flight_microbatches, keeps_activations, reuses_forward, weight_copies)
+                          double_held_bytes, in_flight_microbatches, keeps_activations, reuses_forward,
+                          weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -181,7 +182,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         params_bytes=tuple(b.params_bytes for b in blocks),
         input_bytes=block_input_bytes(graph),
         # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
-        workspace_bytes=tuple(tuple(c.workspace_bytes + b.frozen_bytes for c, b in zip(row, blocks)) for row in costs),
+        workspace_bytes=tuple(tuple(c.workspace_bytes + b.frozen_bytes + double_held_bytes(graph, k, k, spec)
+                                    for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
         overhead_bytes=tuple(runtime_bytes(s) for s in specs),
         memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
         boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
