@@ -351,3 +351,31 @@ def test_profile_measures_the_gradient_accumulation_rate_and_old_profiles_load(t
     assert DeviceProfile.from_json(doc).accumulate_s_per_param_byte == 0.0
     with pytest.raises(ValueError, match="malformed profile"):
         DeviceProfile.from_json({**prof.to_json(), "accumulate_s_per_param_byte": -1.0})
+
+
+@pytest.mark.parametrize("backend", ["mnn:cpu:t1", "torch:cpu:t1"])
+def test_a_stage_is_timed_with_its_table_gradient_as_rows(tiny_graph, backend, monkeypatch):
+    """The profile times the embeddings' backward as pipelines and the trainer run it (the table's
+    gradient as the rows it touches), not with a zero-filled table per backward."""
+    from runtime.engines.base import RowGradient
+    from runtime.profiling import compute
+    from runtime.profiling.inputs import synthetic_feeds
+
+    seen = []
+    real = compute.make_engine
+
+    def spying(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        backward = engine.backward
+
+        def recorded(m, g=None):
+            out = backward(m, g)
+            seen.extend(type(v) for v in out.params.values())
+            return out
+
+        engine.backward = recorded
+        return engine
+
+    monkeypatch.setattr(compute, "make_engine", spying)
+    compute.measure_stage(parse_backend(backend), stage_spec(tiny_graph, 0, 0), synthetic_feeds(tiny_graph), reps=1)
+    assert RowGradient in seen
