@@ -224,6 +224,7 @@ def test_mnn_updating_with_micro_batches_in_flight_keeps_each_forwards_weights(g
     e.forward(feeds[1], 1)
     step()
     copied = {k for old in e._old_versions.values() for k in old}
+    e.forward(feeds[2], 99, train=False)  # an evaluation in between takes no micro-batch's weights
     e.forward(feeds[2], 2)
     got = {0: e.backward(0, grad_out).params}
     step()

@@ -561,7 +561,9 @@ class MnnStageEngine(StageEngine):
         block_inputs: list[np.ndarray | None] = []
         self._serial += 1
         serial = self._serial if train else None
-        slot = self._free_slot() if train else 0
+        # an inference forward runs on slot 0 unless a micro-batch in flight holds it (its Vars may
+        # keep that micro-batch's weights, of which no other copy exists)
+        slot = self._free_slot() if train or 0 in {entry[4] for entry in self._stash.values()} else 0
         self._slot_used[slot] = self._serial
         self._write_vars(self._slot_vars[slot], self.version)
         programs = self._slots[slot]
