@@ -266,6 +266,23 @@ def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
     return sum(int(graph.constants[t].nbytes) for t in tables & read if t in graph.constants)
 
 
+def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
+    """Bytes of the parameters of blocks first..last that weight stashing keeps no old version of on
+    the device: embedding tables nothing but lookups read anywhere in the model (neither engine's
+    lookup backward reads its table, and MNN feeds a forward it re-runs the rows that forward
+    gathered), except on PyTorch re-running its forwards (`recompute`), which reads the table again,
+    and on engines the model knows nothing of."""
+    engine = device_engine(device)
+    if engine not in ("mnn", "torch") or (engine == "torch" and activations_of(device) == "recompute"):
+        return 0
+    params = {p for b in graph.blocks[first:last + 1] for p in b.params}
+    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather"} & params
+    if not tables:
+        return 0
+    read = {i for n in graph.nodes if n.op != "Gather" for i in n.inputs}
+    return sum(int(graph.constants[t].nbytes) for t in tables - read if t in graph.constants)
+
+
 def tied_bytes(graph: Graph, first: int, last: int) -> int:
     """Bytes of the trainable weights blocks first..last share with blocks outside the range (tied
     weights cut by the stage's boundaries: a copy on each holder, gradients summed every step)."""
@@ -376,7 +393,9 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
         if last == n - 2:  # the head without its loss: its logits wait for their gradient
             held = graph.blocks[last].activation_bytes * in_flight
     workspace = workspace_of(graph, device, first, last) * (in_flight if keeps_activations(device) else 1)
+    old_versions = STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches)
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
+            - unversioned_bytes(graph, first, last, device) * old_versions
             + tied_bytes(graph, first, last) + held
             + sum(inputs) * in_flight + workspace + runtime_bytes(device))
 

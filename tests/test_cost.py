@@ -194,3 +194,42 @@ def test_gradient_accumulation_is_charged_to_the_backward_under_flush_schedules(
         assert [c.forward_s for c in costs] == [q.forward_s for q in plain]
     one = stage_costs(g, cl2, _two_stages(), "1f1b-flush", 1, "sgd")
     assert [c.backward_s for c in one] == [c.backward_s for c in stage_costs(g, cl, _two_stages(), "1f1b-flush", 1, "sgd")]
+
+
+def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_checkpoint, export_dir):
+    """Under 1f1b-stash a stage holds its weights twice plus p-s-1 old versions of all but its
+    embedding tables (no lookup backward reads them): on MNN and on PyTorch keeping its
+    activations; PyTorch re-running its forwards reads the table again, so it keeps the versions.
+    The partition instance (what every solver checks) says the same."""
+    from ir.graph import block_signature
+    from ir.profile import BlockCost
+    from planner.cost import stage_params_bytes, unversioned_bytes
+    from planner.onnx_import import load_model
+    from planner.partition import make_instance, manual_partition
+    from support import export_onnx
+
+    g = load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), 2, 12)
+    costs = {block_signature(b): BlockCost(1e-3, 2e-3, 0.0, 100) for b in g.blocks}
+    tables = {n.inputs[0] for n in g.nodes if n.op == "Gather"} & set(g.blocks[0].params)
+    nbytes = sum(int(g.constants[t].nbytes) for t in tables)
+    params = stage_params_bytes(g, 0, 1)
+    assert nbytes > 0 and params > nbytes
+
+    def device(name, backend, activations):
+        profile = DeviceProfile(name, g.name, g.batch, g.seq, (BackendProfile(backend, costs),), 10**12)
+        return DeviceSpec(name, f"tcp://{name}:1", profile, 10**12, backend, activations=activations)
+
+    for backend, activations, unversioned in (("mnn:cpu:t1", None, nbytes), ("torch:cpu:t1", "keep", nbytes),
+                                              ("torch:cpu:t1", "recompute", 0)):
+        dev = device("d0", backend, activations)
+        assert unversioned_bytes(g, 0, 1, dev) == unversioned
+        stash = stage_memory_bytes(g, dev, 0, 1, 0, 3, "1f1b-stash", 4, "sgd")
+        flush = stage_memory_bytes(g, dev, 0, 1, 0, 3, "1f1b-flush", 4, "sgd")
+        # one more copy of the weights, and stage 0 of 3 holds two old versions
+        assert stashed_weight_versions("1f1b-stash", 3, 0, 4) == 2
+        assert stash - flush == params * (1 + 2) - 2 * unversioned, backend
+        cluster = Cluster(tuple(device(f"d{i}", backend, activations) for i in range(3)), Link(1e9, 0.0))
+        inst = make_instance(g, cluster, "1f1b-stash", 4, "sgd")
+        n = len(g.blocks)
+        plan = manual_partition(inst, ["d0", "d1", "d2"], [2, n - 1])
+        assert plan.stages[0].memory_bytes == stash, backend

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 
 from ir.partition import Partition, StageAssignment
 from ir.plan import SPLIT_BACKWARD_SCHEDULES
-from planner.cost import in_flight_microbatches, predicted_step_s, stage_costs, weight_copies
+from planner.cost import (STASHED_VERSION_COPIES, in_flight_microbatches, predicted_step_s, stage_costs,
+                          stashed_weight_versions, weight_copies)
 import planner.partition.solve as solve_module
 from planner.partition import (PartitionInstance, PlanDoesNotFit, brute_force_partition, check_feasible,
                                cpsat_partition, device_classes, even_partition, make_instance, manual_partition,
@@ -58,9 +59,10 @@ def _cp_sat(inst: PartitionInstance) -> Partition:
 
 
 def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
-                   schedule, m, optimizer, recompute=(), update=(), weight=()) -> PartitionInstance:
+                   schedule, m, optimizer, recompute=(), update=(), weight=(), unversioned=()) -> PartitionInstance:
     """An instance from plain numbers; memory tables from planner.cost for the schedule; `weight`
-    (a split backward's W per block) only where the schedule splits backwards."""
+    (a split backward's W per block) only where the schedule splits backwards; `unversioned` [d][k]:
+    parameter bytes device d keeps no old version of (embedding tables only looked up)."""
     nd, n = len(devices), len(params)
     return PartitionInstance(
         tuple(devices), tuple(f"b{k}" for k in range(n)), tuple(map(tuple, compute)), tuple(params), tuple(inputs),
@@ -69,7 +71,10 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         tuple(tuple(weight_copies(schedule, optimizer, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
         tuple(tuple(in_flight_microbatches(schedule, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
         m, schedule, optimizer, tuple(map(tuple, recompute)), tuple(map(tuple, update)),
-        weight_us=tuple(map(tuple, weight)) if schedule in SPLIT_BACKWARD_SCHEDULES else ())
+        weight_us=tuple(map(tuple, weight)) if schedule in SPLIT_BACKWARD_SCHEDULES else (),
+        stashed_versions=tuple(tuple(STASHED_VERSION_COPIES * stashed_weight_versions(schedule, p, s, m)
+                                     for s in range(p)) for p in range(1, nd + 1)),
+        unversioned_bytes=tuple(map(tuple, unversioned)))
 
 
 @st.composite
@@ -100,8 +105,12 @@ def instances(draw, tight: bool | None = None):
     # zb-h1's W: up to half of the backward less the re-run (the rest of the time)
     weight = [[(c - r) * draw(st.sampled_from([0, 3, 5])) // 10 for c, r in zip(row, rerun)]
               for row, rerun in zip(compute, recompute)]
+    # an embedding table (part of block 0's parameters) that weight stashing keeps no old version
+    # of, on the devices whose engine does not read it again (PyTorch recomputing does)
+    table = params[0] * draw(st.sampled_from([0, 1, 3])) // 4
+    unversioned = [[table if k == 0 and draw(st.booleans()) else 0 for k in range(n)] for _ in range(nd)]
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
-                          bandwidth, latency, schedule, m, optimizer, recompute, update, weight)
+                          bandwidth, latency, schedule, m, optimizer, recompute, update, weight, unversioned)
 
 
 @st.composite
@@ -123,7 +132,7 @@ def repeated_instances(draw):
                           [[0.0 if d == e else link(d, e, bw) for e in range(nd)] for d in range(nd)],
                           [[0 if d == e else link(d, e, lat) for e in range(nd)] for d in range(nd)],
                           base.schedule, base.microbatches, base.optimizer, pick(base.recompute_us), pick(base.update_us),
-                          pick(base.weight_us))
+                          pick(base.weight_us), pick(base.unversioned_bytes))
 
 
 def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
@@ -325,6 +334,23 @@ def test_gpipe_hint_points_at_the_activations_in_flight():
         "  - more devices, or larger memory budgets (at least 75 more bytes on 'a')\n"
         "  - fewer micro-batches in flight or smaller micro-batches: stashed activations take 4000 bytes (3.91 KiB) "
         "on 'a' (4 micro-batches in flight; 1f1b-flush keeps at most p-s of gpipe's m)")
+
+
+def test_stash_keeps_no_old_version_of_a_table_and_every_solver_knows():
+    """Block 0 is an embedding table weight stashing keeps no old version of: on the fast device at
+    stage 0 of 2 it needs 5 copies of 100 bytes less one version of the table = 400 bytes, which
+    fit its 450 (500 would not). That plan (4 x 1000 us) beats the slow device alone (4 x 2000);
+    the other order does not fit (block 1 and its 60-byte input on the fast device: 460)."""
+    def inst_with(table):
+        return build_instance(["fast", "slow"], [[10, 10], [1000, 1000]], [100, 100], [0, 60], [[0, 0], [0, 0]],
+                              [0, 0], [450, 10**6], [[0, 1e9], [1e9, 0]], [[0, 0], [0, 0]], "1f1b-stash", 4, "sgd",
+                              unversioned=[[table, 0], [table, 0]])
+    inst = inst_with(100)
+    for plan in (_solve(inst), _cp_sat(inst), brute_force_partition(inst)):
+        assert ([s.device for s in plan.stages], plan.ranges) == (["fast", "slow"], [(0, 0), (1, 1)]), plan.method
+        assert [s.memory_bytes for s in plan.stages] == [400, 4 * 100 + 60]
+    assert predicted_step_us(inst, _solve(inst)) == 4 * 1000
+    assert [s.device for s in _solve(inst_with(0)).stages] == ["slow"]  # every weight versioned: 500 > 450
 
 
 def test_stash_memory_depends_on_the_position():

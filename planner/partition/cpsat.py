@@ -128,11 +128,11 @@ def _add_compute(v: _Vars, inst: PartitionInstance) -> None:
 def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
     """The stage at position r fits its device's budget (or exceeds it by at most `overflow`)."""
     for r in range(v.positions):
-        wc, fl = inst.weight_copies[r][0], inst.in_flight[r][0]  # stage 0 of r+1 stages is at position r
+        fl = inst.in_flight[r][0]  # stage 0 of r+1 stages is at position r
         for c, members in enumerate(v.classes):
             d = members[0]
             used = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
-                inst.params_bytes[k] * wc + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
+                inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
                 for k in range(inst.blocks)])
             limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
             v.model.add(used <= limit).only_enforce_if(v.on[r][c])

@@ -102,6 +102,7 @@ class OrderSolver:
         self._pwt = np.hstack([zero, np.cumsum(weight, axis=1)])
         self._pu = np.hstack([zero, np.cumsum(np.array(inst.update_us, dtype=np.float64) + weight, axis=1)])
         self._pw = np.hstack([zero, np.cumsum(np.array(inst.workspace_bytes, dtype=np.float64), axis=1)])
+        self._pv = np.hstack([zero, np.cumsum(np.array(inst.unversioned_bytes, dtype=np.float64), axis=1)])
         self.has_update = bool(np.any(self._pu[:, -1] > 0))
         params = np.array(inst.params_bytes, dtype=np.float64)
         inputs = np.array(inst.input_bytes, dtype=np.float64)
@@ -109,10 +110,12 @@ class OrderSolver:
         wc = [inst.weight_copies[r][0] for r in range(nd)]
         fl = [inst.in_flight[r][0] for r in range(nd)]
         reuse = [inst.reuses(r + 1, 0) for r in range(nd)]
+        sv = [inst.stashed_versions[r][0] for r in range(nd)]
         R = nd - 1
-        while R > 0 and (wc[R - 1], fl[R - 1], reuse[R - 1]) == (wc[R], fl[R], reuse[R]):
+        while R > 0 and (wc[R - 1], fl[R - 1], reuse[R - 1], sv[R - 1]) == (wc[R], fl[R], reuse[R], sv[R]):
             R -= 1
         self.R = R
+        self._sv = sv[:R + 1]
         self._reuse = reuse[:R + 1]
         self._pm = [np.concatenate([[0.0], np.cumsum(params * wc[c] + inputs * fl[c])]) for c in range(R + 1)]
         # a device whose engine keeps every activation of each micro-batch in flight holds its
@@ -142,7 +145,8 @@ class OrderSolver:
         return min(r, self.R)
 
     def _memory_prefix(self, d: int, c: int) -> np.ndarray:
-        return self._pm[c] + self._pw[d] * self._held[d][c]
+        # old versions leave out what device d keeps none of (PartitionInstance.weight_bytes)
+        return self._pm[c] + self._pw[d] * self._held[d][c] - self._pv[d] * self._sv[c]
 
     def last(self, d: int) -> _Last:
         """Blocks [i, n) on device d at the last position."""

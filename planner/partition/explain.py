@@ -53,8 +53,9 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
     hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
     # copies beyond a one-stage pipeline's are old weight versions (1f1b-stash only)
     old = inst.weight_copies[p - 1][s] - inst.weight_copies[0][0] if inst.schedule in ASYNC_SCHEDULES else 0
-    if old > 0 and params:
-        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(old * params)} on {name!r} "
+    versioned = params - sum(inst.unversioned_bytes[d][first:last + 1])  # tables only looked up keep none
+    if old > 0 and versioned:
+        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(old * versioned)} on {name!r} "
                      f"({old} old weight version{'s' if old != 1 else ''})")
     in_flight = inst.in_flight[p - 1][s]
     if activations and in_flight:

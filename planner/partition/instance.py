@@ -34,8 +34,9 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes
-from planner.cost import (accumulated_share, block_costs, block_input_bytes, block_weight_grads_s, check_blocks,
-                          double_held_bytes, in_flight_microbatches, keeps_activations, reuses_forward,
+from planner.cost import (STASHED_VERSION_COPIES, accumulated_share, block_costs, block_input_bytes,
+                          block_weight_grads_s, check_blocks, double_held_bytes, in_flight_microbatches,
+                          keeps_activations, reuses_forward, stashed_weight_versions, unversioned_bytes,
                           weight_copies)
 
 US_PER_S = 1_000_000
@@ -77,6 +78,11 @@ class PartitionInstance:
     # [d][k] the part of compute_us that a split backward's W runs (planner.cost.weight_grad_s);
     # empty: all zero (schedules that do not split backwards).
     weight_us: tuple[tuple[int, ...], ...] = ()
+    # [p-1][s] the old weight versions within weight_copies (1f1b-stash, 2bw), and [d][k] the bytes of
+    # block k's parameters device d keeps no old version of (embedding tables only looked up:
+    # planner.cost.unversioned_bytes). Empty: all zero.
+    stashed_versions: tuple[tuple[int, ...], ...] = ()
+    unversioned_bytes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -103,7 +109,9 @@ class PartitionInstance:
             for r in rows:
                 if any(x < 0 for x in r):
                     raise ValueError(f"PartitionInstance.{name} has a negative entry")
-        for name in ("recompute_us", "update_us", "weight_us"):
+        if not self.stashed_versions:
+            object.__setattr__(self, "stashed_versions", tuple((0,) * p for p in range(1, nd + 1)))
+        for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes"):
             table = getattr(self, name)
             if not table:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
@@ -119,7 +127,9 @@ class PartitionInstance:
                for w, r, c in zip(wr, rr, cr)):
             raise ValueError("PartitionInstance.weight_us and recompute_us exceed compute_us: both are parts of the "
                              "backward")
-        for name in ("weight_copies", "in_flight"):
+        if any(u > b for row in self.unversioned_bytes for u, b in zip(row, self.params_bytes)):
+            raise ValueError("PartitionInstance.unversioned_bytes exceeds params_bytes: they are parameters")
+        for name in ("weight_copies", "in_flight", "stashed_versions"):
             table = getattr(self, name)
             if len(table) != nd or any(len(row) != p + 1 for p, row in enumerate(table)):
                 raise ValueError(f"PartitionInstance.{name} needs one row per stage count 1..{nd}, of that length")
@@ -146,6 +156,12 @@ class PartitionInstance:
     def reuses(self, p: int, s: int) -> bool:
         """Whether stage s of p skips MNN's forward re-run (planner.cost.reuses_forward)."""
         return reuses_forward(self.schedule, p, s, self.microbatches)
+
+    def weight_bytes(self, d: int, k: int, p: int, s: int) -> int:
+        """Bytes of block k's parameters (weights, gradient, optimizer state, old versions) device d
+        holds at stage s of p."""
+        return (self.params_bytes[k] * self.weight_copies[p - 1][s]
+                - self.unversioned_bytes[d][k] * self.stashed_versions[p - 1][s])
 
     def held_workspace(self, d: int, k: int, in_flight: int) -> int:
         """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
@@ -202,7 +218,14 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                               for b in blocks) for s in specs),
         weight_us=tuple(tuple(round(w * US_PER_S) for w in block_weight_grads_s(graph, s, schedule, microbatches))
                         for s in specs) if schedule in SPLIT_BACKWARD_SCHEDULES else (),
-        keeps_activations=tuple(keeps_activations(s) for s in specs))
+        keeps_activations=tuple(keeps_activations(s) for s in specs),
+        stashed_versions=tuple(tuple(STASHED_VERSION_COPIES * stashed_weight_versions(schedule, p, s, microbatches)
+                                     for s in range(p)) for p in range(1, nd + 1)),
+        # a table goes with the first block that lists it (planner.cost.unversioned_bytes counts it
+        # once per range; attributing it once keeps the instance's sum at most that)
+        unversioned_bytes=tuple(tuple(unversioned_bytes(graph, 0, k, spec) - (unversioned_bytes(graph, 0, k - 1, spec)
+                                                                            if k else 0)
+                                      for k in range(len(blocks))) for spec in specs))
 
 
 # --- evaluating one assignment (shared by brute force, the solver's answer and manual plans) ---
@@ -211,8 +234,8 @@ Assignment = tuple[tuple[int, ...], tuple[tuple[int, int], ...]]  # device indic
 
 
 def _memory_bytes(inst: PartitionInstance, d: int, first: int, last: int, s: int, p: int) -> int:
-    wc, fl = inst.weight_copies[p - 1][s], inst.in_flight[p - 1][s]
-    return inst.overhead_bytes[d] + sum(inst.params_bytes[k] * wc + inst.input_bytes[k] * fl
+    fl = inst.in_flight[p - 1][s]
+    return inst.overhead_bytes[d] + sum(inst.weight_bytes(d, k, p, s) + inst.input_bytes[k] * fl
                                         + inst.held_workspace(d, k, fl) for k in range(first, last + 1))
 
 

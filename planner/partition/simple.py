@@ -98,10 +98,10 @@ def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -
         if k < 0:
             break
         r = len(devs)
-        wc, fl = inst.weight_copies[r][0], inst.in_flight[r][0]
+        fl = inst.in_flight[r][0]
         memory, time_us, last = inst.overhead_bytes[d], 0, k
         while k >= 0:
-            grow = inst.params_bytes[k] * wc + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
+            grow = inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
             more = inst.stage_compute_us(d, k, r + 1, 0)
             if memory + grow > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
                 break
@@ -194,7 +194,7 @@ def check_feasible(partition: Partition, inst: PartitionInstance) -> list[str]:
     for i, st in enumerate(stages):
         d = inst.devices.index(st.device)
         blocks = range(st.first_block, st.last_block + 1)
-        weights = sum(inst.params_bytes[k] for k in blocks) * inst.weight_copies[p - 1][i]
+        weights = sum(inst.weight_bytes(d, k, p, i) for k in blocks)
         stashed = sum(inst.input_bytes[k] for k in blocks) * inst.in_flight[p - 1][i]
         # kept once per micro-batch in flight by an engine that keeps its activations (PyTorch)
         workspace = sum(inst.workspace_bytes[d][k] for k in blocks) * (
