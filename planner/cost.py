@@ -251,6 +251,17 @@ def stage_params_bytes(graph: Graph, first: int, last: int) -> int:
     return total
 
 
+def _tables(graph: Graph, first: int, last: int) -> tuple[set[str], set[str]]:
+    """(the embedding tables among the parameters of blocks first..last, those of them an op other
+    than a lookup also reads anywhere in the model)."""
+    params = {p for b in graph.blocks[first:last + 1] for p in b.params}
+    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather"} & params & set(graph.constants)
+    if not tables:
+        return set(), set()
+    read = {i for n in graph.nodes if n.op != "Gather" for i in n.inputs}
+    return tables, tables & read
+
+
 def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the parameters of blocks first..last the device holds once more than other weights:
     on MNN, an embedding table that an op other than a lookup also reads anywhere in the model (a
@@ -258,12 +269,8 @@ def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
     reads numpy too, which this conservatively ignores). Each table counted once per range."""
     if device_engine(device) != "mnn":
         return 0
-    params = {p for b in graph.blocks[first:last + 1] for p in b.params}
-    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather"} & params
-    if not tables:
-        return 0
-    read = {i for n in graph.nodes if n.op != "Gather" for i in n.inputs}
-    return sum(int(graph.constants[t].nbytes) for t in tables & read if t in graph.constants)
+    _, read = _tables(graph, first, last)
+    return sum(int(graph.constants[t].nbytes) for t in read)
 
 
 def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
@@ -275,12 +282,8 @@ def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
     engine = device_engine(device)
     if engine not in ("mnn", "torch") or (engine == "torch" and activations_of(device) == "recompute"):
         return 0
-    params = {p for b in graph.blocks[first:last + 1] for p in b.params}
-    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather"} & params
-    if not tables:
-        return 0
-    read = {i for n in graph.nodes if n.op != "Gather" for i in n.inputs}
-    return sum(int(graph.constants[t].nbytes) for t in tables - read if t in graph.constants)
+    tables, read = _tables(graph, first, last)
+    return sum(int(graph.constants[t].nbytes) for t in tables - read)
 
 
 def tied_bytes(graph: Graph, first: int, last: int) -> int:
