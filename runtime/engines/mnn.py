@@ -35,7 +35,7 @@ from ir.graph import Block, Node
 from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, add_gradient, own_array
-from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values
+from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values, looked_up_only
 
 
 # The ops whose results the per-op caches keep for the backward. MatMul and Softmax keep ~98% of the
@@ -455,9 +455,8 @@ class MnnStageEngine(StageEngine):
         # what a backward reads, so what an old version holds: every weight but the tables only
         # looked up (a lookup's gradient does not read its table, and a re-run forward is fed the
         # rows its forward gathered), which spares a copy of an embedding table per update
-        looked_up_only = {t for t in self._tables if t not in self._params
-                          and (self._lm is None or t != self._lm.weight)}
-        self._versioned = [p for p in spec.params if p not in looked_up_only]
+        unversioned = looked_up_only(spec)
+        self._versioned = [p for p in spec.params if p not in unversioned]
         # arrays of dropped old versions, reused by the next copy (no fresh pages to fault in)
         self._spare: dict[tuple, list[np.ndarray]] = {}
         # split backwards: per micro-batch, what its W multiplies (its B computed the rest)

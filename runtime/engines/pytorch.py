@@ -22,7 +22,7 @@ from ir.graph import Node
 from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array
 from runtime.engines.lm_loss import chunk_rows
-from runtime.engines.stage import StageSpec, fused_lm_head, host_values
+from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_up_only
 
 
 def _run_node(node: Node, args: list[torch.Tensor]) -> torch.Tensor:
@@ -294,12 +294,7 @@ class TorchStageEngine(StageEngine):
         # table that is only looked up is stepped in place: an embedding's backward reads its
         # indices, never the table's values (unless the forward is re-run, with `recompute`).
         self._retired: list[dict[str, torch.Tensor]] = []
-        readers: dict[str, set[str]] = {}
-        for n in spec.compute_nodes:
-            for i, name in enumerate(n.inputs):
-                readers.setdefault(name, set()).add("lookup" if n.op == "Gather" and i == 0 else n.op)
-        self._stepped_in_place = frozenset() if self.recompute else frozenset(
-            p for p in spec.params if readers.get(p) == {"lookup"})
+        self._stepped_in_place = frozenset() if self.recompute else looked_up_only(spec)
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))
         # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)

@@ -58,6 +58,17 @@ def stage_spec(graph: Graph, first_block: int, last_block: int) -> StageSpec:
                      blocks[-1].output, params)
 
 
+def looked_up_only(spec: StageSpec) -> frozenset[str]:
+    """The stage's parameters that nothing but embedding lookups read (as their table): their
+    lookup's backward never reads them, so weight stashing keeps no old version of them (PyTorch
+    unless it re-runs its forwards; MNN feeds a forward it re-runs the rows that forward gathered)."""
+    readers: dict[str, set[str]] = {}
+    for n in spec.compute_nodes:
+        for i, name in enumerate(n.inputs):
+            readers.setdefault(name, set()).add("lookup" if n.op == "Gather" and i == 0 else n.op)
+    return frozenset(p for p in spec.params if readers.get(p) == {"lookup"})
+
+
 def host_values(spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Graph inputs of this stage plus every host value its compute nodes read."""
     missing = [i for i in spec.graph_inputs if i not in feeds]
