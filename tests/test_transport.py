@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from runtime.transport.wire import (DTYPES, MAX_HEADER_BYTES, Expected, MessageError, PeerTimeout, TensorHeader,
-                               check_payload, decode_control, encode_control)
+from runtime.transport.wire import (DTYPES, MAX_FRAMES, MAX_HEADER_BYTES, PART_BYTES, Expected, MessageError,
+                                    PeerTimeout, TensorHeader, check_payload, decode_control, encode_control)
 from runtime.transport.local import LocalHub, LocalTransport
 from runtime.keys import KeyPair, PublicKey
 from runtime.transport.zeromq import ZmqTransport
@@ -122,6 +122,53 @@ def test_round_trip_in_process(mesh):
                                       zlib.crc32(x.tobytes()), f"t{mb}")
         assert y.dtype == x.dtype and y.shape == x.shape and np.array_equal(y, x)
         assert not y.flags.writeable and y.flags.aligned
+
+
+def test_a_payload_over_several_frames_round_trips_and_goes_in_frames_of_a_mebibyte(mesh, monkeypatch):
+    """A payload bigger than PART_BYTES crosses in frames of PART_BYTES (the last shorter): ZeroMQ's
+    CURVE encrypts each frame through buffers of its size, so no frame is a whole table. The
+    receiver gets the same array, writable by no one, whatever the split."""
+    a, b = mesh("a", "b")
+    sizes = []
+    send = a._send_frames
+    monkeypatch.setattr(a, "_send_frames", lambda peer, frames: (sizes.append([memoryview(f).nbytes for f in frames]),
+                                                                 send(peer, frames)))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3 * PART_BYTES // 4 + 5,)).astype(np.float32)  # 3 MiB + 20 bytes
+    exact = rng.standard_normal((PART_BYTES // 2, 2)).astype(np.float32)  # 4 MiB: 4 full frames
+    for mb, arr in enumerate((x, exact, np.zeros(0, np.float32))):
+        a.send_tensor("b", "act", 0, mb, arr)
+    assert [s[1:] for s in sizes] == [[PART_BYTES] * 3 + [20], [PART_BYTES] * 4, [0]]
+    for mb, arr in enumerate((x, exact, np.zeros(0, np.float32))):
+        _, y = b.recv_tensor("a", Expected("act", 0, mb), timeout=10)
+        assert np.array_equal(y, arr) and y.shape == arr.shape and not y.flags.writeable
+
+
+def test_a_payload_split_otherwise_is_refused(mesh):
+    """The split is the format's: frames that sum to the header's size and checksum but are cut
+    elsewhere, or a payload in more frames than any tensor needs, are garbage."""
+    a, b = mesh("a", "b")
+    x = np.arange(PART_BYTES // 2 + 3, dtype=np.float32)  # 2 MiB + 12 bytes: 3 frames
+    header, payload = good_message(x)
+    halves = [payload[:len(payload) // 2], payload[len(payload) // 2:]]
+    a._send_frames("b", [header.encode(), *halves])
+    rule = f"a payload of {len(payload)} bytes comes in 3 frames of {PART_BYTES} bytes but the last"
+    expect_error(b, b.address_of("a"), f"expected act stage=0 mb=3, received act stage=0 mb=3 (payload in 2 frames of "
+                                       f"{len(halves[0])}, {len(halves[1])} bytes, {rule})")
+    cut = [payload[:PART_BYTES], payload[PART_BYTES:2 * PART_BYTES], payload[2 * PART_BYTES:]]
+    a._send_frames("b", [header.encode(), cut[0], cut[1][:-1], cut[1][-1:] + cut[2]])
+    expect_error(b, b.address_of("a"), f"expected act stage=0 mb=3, received act stage=0 mb=3 (payload in 3 frames of "
+                                       f"{PART_BYTES}, {PART_BYTES - 1}, 13 bytes, {rule})")
+    a._send_frames("b", [header.encode(), cut[0], cut[1][:-1]])
+    expect_error(b, b.address_of("a"), f"expected act stage=0 mb=3, received act stage=0 mb=3 (truncated payload: "
+                                       f"{len(payload) - 13} bytes, header says {len(payload)})")
+    bad = bytearray(cut[2])
+    bad[0] ^= 1
+    a._send_frames("b", [header.encode(), cut[0], cut[1], bytes(bad)])
+    with pytest.raises(MessageError, match="checksum mismatch"):
+        b.recv_tensor("a", WANT, timeout=5)
+    a.send_tensor("b", "act", 0, 3, x)  # and the link still works
+    assert np.array_equal(b.recv_tensor("a", WANT, timeout=5)[1], x)
 
 
 def test_send_accepts_strided_and_big_endian_arrays(mesh):
@@ -562,9 +609,10 @@ def test_the_executor_takes_graph_inputs_by_name_never_by_position(order):
 
 def test_wrong_frame_count(mesh):
     a, b = mesh("a", "b")
-    a._send_frames("b", [b"{}", b"", b""])
-    expect_error(b, b.address_of("a"), "expected act stage=0 mb=3, received 3 frames "
-                                       "(a message is 1 control frame or 2 tensor frames)")
+    a._send_frames("b", [b"{}"] + [b""] * MAX_FRAMES)
+    expect_error(b, b.address_of("a"), f"expected act stage=0 mb=3, received {MAX_FRAMES + 1} frames "
+                                       f"(a message is 1 control frame, or a tensor's header and its payload in 1 to "
+                                       f"{MAX_FRAMES - 1} frames)")
 
 
 @pytest.mark.parametrize("secure", [True, False], ids=["curve", "insecure"])
@@ -594,12 +642,12 @@ def test_zmq_drops_an_unknown_sender_and_records_it(secure):
 
 def test_garbled_control_frame(mesh):
     a, b = mesh("a", "b")
-    a._send_frames("b", [b'{"v":1}'])
-    a._send_frames("b", [b'{"v":1,"control":[1]}'])
+    a._send_frames("b", [b'{"v":2}'])
+    a._send_frames("b", [b'{"v":2,"control":[1]}'])
     with pytest.raises(MessageError) as info:
         b.recv_control("a", timeout=5)
     assert str(info.value) == (f"message from peer 'a' ({b.address_of('a')}): expected a control message, "
-                               "received control frame b'{\"v\":1}' (missing field 'control')")
+                               "received control frame b'{\"v\":2}' (missing field 'control')")
     with pytest.raises(MessageError, match="control is not a JSON object"):
         b.recv_control(None, timeout=5)
 
@@ -608,8 +656,8 @@ GOOD = json.loads(good_message(X)[0].encode())
 
 
 @pytest.mark.parametrize("change, problem", [
-    ({"v": 2}, "protocol version 2, this side speaks 1"),
-    ({"v": True}, "protocol version True, this side speaks 1"),
+    ({"v": 1}, "protocol version 1, this side speaks 2"),
+    ({"v": True}, "protocol version True, this side speaks 2"),
     ({"stage": True}, "stage True is not an integer >= -1"),
     ({"stage": -2}, "stage -2 is not an integer >= -1"),
     ({"microbatch": 1.0}, "microbatch 1.0 is not an integer >= -1"),
@@ -629,7 +677,7 @@ def test_header_decode_is_strict(change, problem):
 
 
 @pytest.mark.parametrize("raw, problem", [
-    (b'{"v":1,"v":1}', "header is not valid: duplicate key 'v'"),
+    (b'{"v":2,"v":2}', "header is not valid: duplicate key 'v'"),
     (json.dumps({**GOOD, "checksum": float("nan")}).encode(), "header is not valid: non-finite number NaN"),
     (b" " * (MAX_HEADER_BYTES + 1), f"header of {MAX_HEADER_BYTES + 1} bytes exceeds the limit of {MAX_HEADER_BYTES}"),
 ])
@@ -641,7 +689,7 @@ def test_header_decode_rejects_malformed_json(raw, problem):
 
 def test_header_and_control_encodings_round_trip():
     header, payload = good_message(X, name="layer.0.weight")
-    assert header.encode().startswith(b'{"v":1,"kind":"act",')
+    assert header.encode().startswith(b'{"v":2,"kind":"act",')
     assert TensorHeader.decode(header.encode()) == header
     check_payload(header, payload)
     obj = {"op": "stats", "loss": 0.25, "per_stage": [1, 2], "note": "ok"}

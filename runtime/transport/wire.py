@@ -6,12 +6,18 @@ out of step, or simply buggy, so nothing received is trusted: a tensor message i
 plus the raw little-endian bytes of the array, and a control message is one JSON object. Both are
 parsed with `json` and `numpy.frombuffer` only; no received byte is ever turned into code or objects.
 
-Wire format (protocol version 1):
+Wire format (protocol version 2):
 
-- tensor: two frames, `[header, payload]`. The header is compact ASCII JSON with exactly the keys
-  `v, kind, stage, microbatch, version, dtype, shape, nbytes, checksum, name` (see `TensorHeader`);
-  the payload is `nbytes` raw bytes, C order, little-endian, and `checksum` is its zlib.crc32.
-- control: one frame, `{"v": 1, "control": {...}}` (JSON, at most `MAX_CONTROL_BYTES`).
+- tensor: a header frame and the payload's frames, `[header, part, ...]`. The header is compact
+  ASCII JSON with exactly the keys `v, kind, stage, microbatch, version, dtype, shape, nbytes,
+  checksum, name` (see `TensorHeader`); the payload is `nbytes` raw bytes, C order, little-endian,
+  in `payload_parts(nbytes)` frames of `PART_BYTES` each but the last (one frame, maybe empty, up
+  to `PART_BYTES`), and `checksum` is the zlib.crc32 of all of it.
+- control: one frame, `{"v": 2, "control": {...}}` (JSON, at most `MAX_CONTROL_BYTES`).
+
+(Version 1 sent a payload as one frame: ZeroMQ's CURVE encrypts and decrypts a frame through two
+fresh buffers of its size, so a 47 MB embedding table cost its sender ~140 MB more memory while it
+went out, and its receiver as much; in frames of 1 MiB, a few MiB.)
 
 Ordering: the pipeline plan is static, so each receiver knows exactly which message comes next from
 each peer. A transport keeps one FIFO per peer (and per channel: tensors and control messages are
@@ -37,12 +43,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 MAX_CONTROL_BYTES = 1024 * 1024
 # Far above any activation or weight shard of a BERT-class stage; a header claiming more is garbage,
 # and refusing it up front keeps a corrupted size from reserving memory.
 MAX_PAYLOAD_BYTES = 16 * 1024 ** 3
+PART_BYTES = 1 << 20  # a payload's frames (see the module's docstring)
+MAX_FRAMES = 1 + -(-MAX_PAYLOAD_BYTES // PART_BYTES)
 MAX_NDIM = 32
 MAX_NAME_CHARS = 256
 # Names only, no byte order: the wire is always little-endian (see `wire_dtype`).
@@ -331,14 +339,56 @@ class PeerTimeout(RuntimeError):
 
 def check_payload(header: TensorHeader, payload: bytes | memoryview) -> None:
     """Raise MessageError unless `payload` has exactly the header's size and checksum."""
-    size = len(payload) if isinstance(payload, bytes) else memoryview(payload).nbytes
-    if size != header.nbytes:
-        what = "truncated" if size < header.nbytes else "oversized"
-        raise MessageError(f"{what} payload: {size} bytes, header says {header.nbytes}", received=header)
+    _check_size(header, len(payload) if isinstance(payload, bytes) else memoryview(payload).nbytes)
     crc = zlib.crc32(payload)
     if crc != header.checksum:
         raise MessageError(f"checksum mismatch: payload crc32 0x{crc:08x}, header says 0x{header.checksum:08x}",
                            received=header)
+
+
+def _check_size(header: TensorHeader, size: int) -> None:
+    if size != header.nbytes:
+        what = "truncated" if size < header.nbytes else "oversized"
+        raise MessageError(f"{what} payload: {size} bytes, header says {header.nbytes}", received=header)
+
+
+def payload_parts(nbytes: int) -> int:
+    """How many frames a payload of `nbytes` crosses the wire in."""
+    return max(1, -(-nbytes // PART_BYTES))
+
+
+def split_payload(payload: memoryview) -> list[memoryview]:
+    """`payload` (bytes, flat) as its frames: views, no copies."""
+    n = payload.nbytes
+    return [payload[i:i + PART_BYTES] for i in range(0, n, PART_BYTES)] if n else [payload]
+
+
+def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview]) -> bytes | memoryview:
+    """A tensor's payload from its frames, checked (`check_payload`, and as many frames as its size
+    needs, each `PART_BYTES` but the last); one frame is returned as it is, several are copied into
+    one buffer."""
+    if len(parts) == 1:
+        check_payload(header, parts[0])
+        return parts[0]
+    views = [memoryview(p).cast("B") for p in parts]
+    _check_size(header, sum(v.nbytes for v in views))
+    want = payload_parts(header.nbytes)
+    if len(views) != want or any(v.nbytes != PART_BYTES for v in views[:-1]):
+        sizes = ", ".join(str(v.nbytes) for v in views[:4]) + (", ..." if len(views) > 4 else "")
+        raise MessageError(f"payload in {len(views)} frames of {sizes} bytes, a payload of {header.nbytes} bytes "
+                           f"comes in {want} frames of {PART_BYTES} bytes but the last", received=header)
+    crc = 0
+    for v in views:
+        crc = zlib.crc32(v, crc)
+    if crc != header.checksum:
+        raise MessageError(f"checksum mismatch: payload crc32 0x{crc:08x}, header says 0x{header.checksum:08x}",
+                           received=header)
+    joined = np.empty(header.nbytes, np.uint8)
+    at = 0
+    for v in views:
+        joined[at:at + v.nbytes] = np.frombuffer(v, np.uint8)
+        at += v.nbytes
+    return memoryview(joined)
 
 
 def encode_control(obj: dict[str, Any]) -> bytes:
@@ -441,14 +491,15 @@ class Transport(ABC):
 
     def _accept(self, peer: str, frames: Sequence[bytes | memoryview]) -> None:
         """File one raw incoming message under its sender; frame count decides its channel."""
-        if len(frames) == 2:
+        if 2 <= len(frames) <= MAX_FRAMES:
             self._fifos.setdefault((peer, TENSOR), deque()).append(frames)
         elif len(frames) == 1:
             self._fifos.setdefault((peer, CONTROL), deque()).append(frames[0])
             self._control_order.append(peer)
         else:
-            raise MessageError("a message is 1 control frame or 2 tensor frames",
-                               peer=peer, address=self.address_of(peer), received=f"{len(frames)} frames")
+            raise MessageError(f"a message is 1 control frame, or a tensor's header and its payload in 1 to "
+                               f"{MAX_FRAMES - 1} frames", peer=peer, address=self.address_of(peer),
+                               received=f"{len(frames)} frames")
 
     def _wait(self, peer: str | None, channel: str, timeout: float | None, what: Expected | str) -> tuple[str, Any]:
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
@@ -526,7 +577,7 @@ class Transport(ABC):
                               version=operator.index(version),
                               dtype=arr.dtype.name, shape=tuple(int(d) for d in arr.shape),
                               nbytes=arr.nbytes, checksum=zlib.crc32(payload), name=name)
-        self._send_frames(peer, [header.encode(), payload])
+        self._send_frames(peer, [header.encode(), *split_payload(payload)])
         return header
 
     def recv_tensor(self, peer: str, expected: Expected, timeout: float | None = None
@@ -536,13 +587,14 @@ class Transport(ABC):
         Raises PeerTimeout when nothing arrives within `timeout` seconds (None waits forever) and
         MessageError when what arrives is garbled, corrupted, or not the expected message."""
         self._check_peer(peer)
-        _, (raw_header, payload) = self._wait(peer, TENSOR, timeout, expected)
+        _, (raw_header, *parts) = self._wait(peer, TENSOR, timeout, expected)
         try:
             header = TensorHeader.decode(raw_header)
             problem = expected.mismatch(header)
             if problem is not None:
                 raise MessageError(problem, received=header)
-            check_payload(header, payload)
+            payload = join_payload(header, parts)
+            del parts  # the frames, once joined: not held while the array lives
         except MessageError as err:
             raise err.at(peer, self.address_of(peer), expected) from None
         return header, _array_from_payload(header, payload)

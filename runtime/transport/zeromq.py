@@ -468,10 +468,10 @@ class ZmqTransport(Transport):
         # The header is small and parsed at once, so it is copied out; the payload stays in the
         # frame, whose buffer the returned array will reference.
         body = frames[1:]
-        if len(body) == 2:
-            self._accept(peer, [body[0].bytes, body[1].buffer])
-        elif len(body) == 1:
+        if len(body) == 1:
             self._accept(peer, [body[0].bytes])
+        elif body:
+            self._accept(peer, [body[0].bytes, *(f.buffer for f in body[1:])])
         else:
             self._accept(peer, body)
         return True
