@@ -73,9 +73,7 @@ class _RowState:
         self.n = need
 
     def dense(self, k: int) -> np.ndarray:
-        out = np.zeros((len(self.slot),) + self.arrays[k].shape[1:], np.float32)
-        out[self.ids[:self.n]] = self.arrays[k][:self.n]
-        return out
+        return _sparse(self, k).dense()
 
     def gradient(self, g: RowGradient) -> np.ndarray:
         """The summed gradient of every held row, in slot order (zero for rows `g` does not touch),
@@ -89,6 +87,26 @@ class _RowState:
         out = np.zeros((self.n,) + self.arrays[0].shape[1:], np.float32)
         out[self.slot[uniq]] = summed
         return out
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """A state array of shape `shape` that is zero but for rows `ids` (`rows[i]` is row `ids[i]`):
+    a table's optimizer state as `_RowState` holds it, handed out without making it dense (the
+    arrays may be the optimizer's own: read them before its next step)."""
+
+    ids: np.ndarray
+    rows: np.ndarray
+    shape: tuple[int, ...]
+
+    def dense(self) -> np.ndarray:
+        out = np.zeros(self.shape, np.float32)
+        out[self.ids] = self.rows
+        return out
+
+
+def _sparse(state: "_RowState", k: int) -> SparseRows:
+    return SparseRows(state.ids[:state.n], state.arrays[k][:state.n], (len(state.slot),) + state.arrays[k].shape[1:])
 
 
 # Above this share of a table's rows with state, a step over the rows costs more than the dense
@@ -200,8 +218,14 @@ class SGD:
         p[ids] -= tmp
 
     def state(self) -> dict[str, np.ndarray]:
-        dense = {k: r.dense(0) for k, r in self.row_buffers.items()}
-        return {f"momentum/{k}": v for k, v in (self.buffers | dense).items()} | {"steps": np.array(self.steps)}
+        dense, rows = self.state_parts()
+        return dense | {k: r.dense() for k, r in rows.items()}
+
+    def state_parts(self) -> tuple[dict[str, np.ndarray], dict[str, SparseRows]]:
+        """`state()` without making the tables' row state dense: the dense arrays (the optimizer's
+        own) and the row state, under the same keys."""
+        dense = {f"momentum/{k}": v for k, v in self.buffers.items()} | {"steps": np.array(self.steps)}
+        return dense, {f"momentum/{k}": _sparse(r, 0) for k, r in self.row_buffers.items()}
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
         self.buffers = {k.split("/", 1)[1]: np.array(v) for k, v in state.items() if k.startswith("momentum/")}
@@ -296,9 +320,16 @@ class AdamW:
         p[state.ids[:state.n]] -= tmp
 
     def state(self) -> dict[str, np.ndarray]:
-        m = self.m | {k: r.dense(0) for k, r in self.rows.items()}
-        v = self.v | {k: r.dense(1) for k, r in self.rows.items()}
-        return {f"m/{k}": x for k, x in m.items()} | {f"v/{k}": x for k, x in v.items()} | {"steps": np.array(self.steps)}
+        dense, rows = self.state_parts()
+        return dense | {k: r.dense() for k, r in rows.items()}
+
+    def state_parts(self) -> tuple[dict[str, np.ndarray], dict[str, SparseRows]]:
+        """`state()` without making the tables' row state dense: the dense arrays (the optimizer's
+        own) and the row state, under the same keys."""
+        dense = ({f"m/{k}": x for k, x in self.m.items()} | {f"v/{k}": x for k, x in self.v.items()}
+                 | {"steps": np.array(self.steps)})
+        rows = {f"{kind}/{k}": _sparse(r, i) for k, r in self.rows.items() for i, kind in enumerate(("m", "v"))}
+        return dense, rows
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
         self.m = {k[2:]: np.array(x) for k, x in state.items() if k.startswith("m/")}

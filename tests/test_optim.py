@@ -132,3 +132,27 @@ def test_row_steps_resume_from_a_dense_checkpoint_and_go_back_to_dense_gradients
         opt.step({"table": table, "bias": bias}, {"table": feed, "bias": np.full(5, 0.1 * step, np.float32)})
     assert np.array_equal(table, whole_dense)
     assert saved.keys() == opt.state().keys()
+
+
+@pytest.mark.parametrize("name,kw", OPTIMIZERS)
+def test_state_parts_are_the_optimizers_own_arrays_and_make_its_state(name, kw):
+    """What a checkpoint sends (`state_parts`): the dense state and the tables' row state, apart,
+    as the optimizer's own arrays (no copy built to send) and together exactly `state()`."""
+    _, _, opt = _train_table(name, kw, _row_steps(), dense=False)
+    dense, rows = opt.state_parts()
+    whole = opt.state()
+    assert dense.keys() | rows.keys() == whole.keys() and not dense.keys() & rows.keys()
+    assert all(np.array_equal(dense[k], whole[k]) for k in dense)
+    assert all(np.array_equal(r.dense(), whole[k]) and r.dense().shape == (500, 24) for k, r in rows.items())
+    by_rows = name == "adamw" or not kw
+    kinds = ("m", "v") if name == "adamw" else ("momentum",)
+    assert sorted(rows) == ([f"{k}/table" for k in kinds] if by_rows else [])
+    if by_rows:
+        held = (opt.rows if name == "adamw" else opt.row_buffers)["table"]
+        for i, kind in enumerate(kinds):
+            part = rows[f"{kind}/table"]
+            assert np.shares_memory(part.rows, held.arrays[i]) and np.shares_memory(part.ids, held.ids)
+            assert sorted(part.ids) == sorted(np.unique(np.concatenate([g.ids for g in _row_steps()])))
+    own = {f"{kind}/{k}": a for kind in ("m", "v") for k, a in getattr(opt, kind, {}).items()}
+    own.update({f"momentum/{k}": a for k, a in getattr(opt, "buffers", {}).items()})
+    assert all(dense[k] is own[k] for k in dense if k != "steps")

@@ -556,3 +556,46 @@ def test_waiting_for_a_restarted_worker_names_what_it_waited_for():
             workers.wait_answered(0, timeout_s=0.2)
         workers.stop()
     assert workers.codes == [STOPPED]
+
+
+def test_a_snapshot_sends_a_tables_optimizer_state_as_rows_and_gathers_it_dense(graph, batches):
+    """A snapshot (every step under the default fault policy) sends the optimizer's own arrays, the
+    embedding tables' state as the rows that have any, and the coordinator gathers exactly the
+    dense state each stage's optimizer holds: no dense copy is built on a device to be sent."""
+    received = []
+
+    def drive(workers):
+        recv = workers.coordinator.recv_tensor
+
+        def recording(peer, expected, timeout=None):
+            header, arr = recv(peer, expected, timeout)
+            received.append((header.name, arr.nbytes))
+            return header, arr
+
+        workers.coordinator.recv_tensor = recording
+        placements = [StagePlacement(k, a, b, workers.addresses[k]) for k, (a, b) in enumerate(even_ranges(5, 2))]
+        coord = Coordinator(graph, placements, _config(), workers.coordinator)
+        try:
+            coord.setup()
+            coord.run(make_schedule("1f1b-flush", 2, M), step_feeds(batches, 0, graph.batch, M, 9), 0)
+            per_stage = coord.collect_checkpoint()
+            held = [w.executor.optimizer.state() for w in workers.workers]
+            return per_stage, held, set(workers.workers[0].executor.optimizer.rows)
+        finally:
+            coord.stop()
+
+    (per_stage, held, by_rows), _ = _with_workers(2, drive)
+    # the word and position tables; the token type table (1 of 2 rows used) went dense at once
+    tables = sorted(by_rows)
+    assert len(tables) == 2 and all("embeddings" in n for n in tables)
+    for k in range(2):
+        got = {key[len("opt/"):]: arr for key, arr in per_stage[k].items() if key.startswith("opt/")}
+        assert got.keys() == held[k].keys()
+        assert all(np.array_equal(got[key], held[k][key]) for key in got)
+    names = dict(received)
+    for table in tables:
+        vocab = graph.constants[table].shape[0]
+        for kind in ("m", "v"):
+            assert f"opt/{kind}/{table}" not in names  # never sent dense
+            n = names[f"opt/{kind}/{table}#ids"] // 8
+            assert 0 < n < vocab and names[f"opt/{kind}/{table}#rows"] == n * graph.constants[table][0].nbytes

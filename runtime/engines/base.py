@@ -136,6 +136,12 @@ class StageEngine(ABC):
     def parameters(self) -> dict[str, np.ndarray]:
         """Copies of the current parameters, by name."""
 
+    def parameter_arrays(self) -> dict[str, np.ndarray]:
+        """The current parameters by name, to be read before the engine runs again (a checkpoint
+        sends them): the engine's own arrays where it holds its weights in arrays, so a stage's
+        weights are not held twice to be sent; copies (`parameters`) otherwise."""
+        return self.parameters()
+
     @abstractmethod
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite parameters (from a checkpoint, or a re-plan's move)."""

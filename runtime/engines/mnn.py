@@ -651,6 +651,9 @@ class MnnStageEngine(StageEngine):
         out.update({k: v.copy() for k, v in self._tables.items()})
         return out
 
+    def parameter_arrays(self):
+        return {**self._current, **self._tables}
+
     def _weight(self, name: str) -> np.ndarray:
         return self._tables[name] if name in self._tables else self._current[name]
 

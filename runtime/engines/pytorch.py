@@ -508,6 +508,9 @@ class TorchStageEngine(StageEngine):
     def parameters(self):
         return {k: v.detach().numpy().copy() for k, v in self._params.items()}
 
+    def parameter_arrays(self):
+        return {k: v.detach().numpy() for k, v in self._params.items()}
+
     def _in_flight_tensors(self) -> set[int]:
         held = {id(t) for entry in self._saved.values() for t in entry[2].values()}  # the params it ran with
         held |= {id(t) for _, weights in self._pending.values() for t in weights.values()}

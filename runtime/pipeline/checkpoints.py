@@ -39,6 +39,59 @@ class TrainingState:
                                                      if param in s)
 
 
+# A table's optimizer state kept by rows (runtime.optim.SparseRows) crosses the wire as two
+# tensors, its row ids and those rows, and is made dense where it arrives: a stage does not build
+# (and hold, until sent) a dense copy of every table's state for each snapshot.
+ROW_IDS, ROW_VALUES = "#ids", "#rows"
+
+
+def rows_on_wire(key: str, sparse) -> list[tuple[str, np.ndarray]]:
+    """The two checkpoint tensors that carry state entry `key` (e.g. "opt/m/<table>") as rows."""
+    return [(key + ROW_IDS, sparse.ids), (key + ROW_VALUES, sparse.rows)]
+
+
+def dense_from_wire(tensors: dict[str, np.ndarray], row_shapes: object, source: str) -> dict[str, np.ndarray]:
+    """`tensors` with each entry `rows_on_wire` split made dense again (`row_shapes`: entry key ->
+    the dense shape, as the sender declared it). Everything is checked, since it came over the
+    network: the shape must be the parameter's own (the same checkpoint's "param/<name>"), the
+    ids in range and distinct, the rows shaped to match."""
+    if not row_shapes:
+        return tensors
+    if not isinstance(row_shapes, dict):
+        raise ValueError(f"{source}: checkpoint 'rows' must map entries to shapes, got {type(row_shapes).__name__}")
+    out = dict(tensors)
+    for key, shape in row_shapes.items():
+        parts = key.split("/", 2) if isinstance(key, str) else []
+        if len(parts) != 3 or parts[0] != "opt":
+            raise ValueError(f"{source}: checkpoint row entry {key!r} is not opt/<kind>/<parameter>")
+        param = out.get(f"param/{parts[2]}")
+        if param is None:
+            raise ValueError(f"{source}: checkpoint row entry {key!r} names parameter {parts[2]!r}, which the "
+                             f"checkpoint does not hold")
+        if list(param.shape) != shape:
+            raise ValueError(f"{source}: checkpoint row entry {key!r} declares shape {shape}, its parameter is "
+                             f"{list(param.shape)}")
+        ids, rows = out.pop(key + ROW_IDS, None), out.pop(key + ROW_VALUES, None)
+        if ids is None or rows is None:
+            raise ValueError(f"{source}: checkpoint row entry {key!r} came without its {ROW_IDS} and {ROW_VALUES} "
+                             f"tensors")
+        if (ids.dtype != np.int64 or ids.ndim != 1 or rows.dtype != np.float32
+                or rows.shape != (ids.size, *param.shape[1:])):
+            raise ValueError(f"{source}: checkpoint row entry {key!r}: ids {ids.dtype}{list(ids.shape)} and rows "
+                             f"{rows.dtype}{list(rows.shape)} do not make int64 [n] and float32 "
+                             f"[n, {', '.join(map(str, param.shape[1:]))}]")
+        if ids.size and (ids.min() < 0 or ids.max() >= param.shape[0] or np.unique(ids).size != ids.size):
+            raise ValueError(f"{source}: checkpoint row entry {key!r} has row ids out of 0..{param.shape[0] - 1} "
+                             f"or repeated")
+        dense = np.zeros(param.shape, np.float32)
+        dense[ids] = rows
+        out[key] = dense
+    stray = [k for k in out if k.endswith((ROW_IDS, ROW_VALUES))]
+    if stray:
+        raise ValueError(f"{source}: checkpoint tensors {stray} are rows of no declared entry")
+    return out
+
+
 def merge_checkpoint(per_stage: Sequence[Mapping[str, np.ndarray]]
                       ) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """All stages' checkpoint tensors (`collect_checkpoint`) merged: parameters by name, optimizer

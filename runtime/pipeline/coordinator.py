@@ -49,7 +49,7 @@ import numpy as np
 from ir.graph import Graph, tied_parameters_of_blocks
 from ir.plan import ActionKind, Schedule
 from ir.serialize import graph_to_json, slice_graph
-from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint
+from runtime.pipeline.checkpoints import TrainingState, dense_from_wire, merge_checkpoint
 from runtime.pipeline.executor import COORDINATOR, stage_peer
 from runtime.engines.stage import stage_spec
 from runtime.transport.wire import Expected, PeerTimeout
@@ -446,12 +446,12 @@ class Coordinator:
         out = []
         for p in self.placements:
             peer = stage_peer(p.stage)
-            names = self._await_control(peer, "checkpoint_done")["names"]
+            done = self._await_control(peer, "checkpoint_done")
             tensors = {}
-            for i, name in enumerate(names):
+            for i, name in enumerate(done["names"]):
                 arr = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
                 tensors[name] = np.array(arr)
-            out.append(tensors)
+            out.append(dense_from_wire(tensors, done.get("rows"), f"stage {p.stage}'s checkpoint"))
         return out
 
     def gather(self) -> TrainingState:

@@ -252,5 +252,7 @@ class StageExecutor:
                                  f"{total.dtype}{total.shape}, its gradient here {part.dtype}{part.shape}")
             self.grad_sum[name] = total
 
-    def optimizer_state(self) -> dict[str, np.ndarray]:
-        return self.optimizer.state()
+    def optimizer_state_parts(self):
+        """The optimizer's state as its own arrays, tables' row state apart (runtime.optim's
+        `state_parts`)."""
+        return self.optimizer.state_parts()

@@ -60,6 +60,7 @@ from ir.plan import Action
 from ir.serialize import graph_from_json
 from ir.backend import BackendSpec
 from runtime.engines.factory import make_engine
+from runtime.pipeline.checkpoints import rows_on_wire
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
@@ -347,12 +348,18 @@ class Worker:
 
     def checkpoint(self) -> None:
         self._need_stage("checkpoint")
-        tensors = {f"param/{k}": v for k, v in self.executor.engine.parameters().items()}
-        tensors.update({f"opt/{k}": np.asarray(v) for k, v in self.executor.optimizer_state().items()})
-        for i, (name, arr) in enumerate(tensors.items()):
+        # the engine's and optimizer's own arrays, no copies: the coordinator has them all before it
+        # sends the next step, and a table's state goes as its rows (no dense copy built to send)
+        tensors = [(f"param/{k}", v) for k, v in self.executor.engine.parameter_arrays().items()]
+        dense, rows = self.executor.optimizer_state_parts()
+        tensors += [(f"opt/{k}", np.asarray(v)) for k, v in dense.items()]
+        for k, sparse in rows.items():
+            tensors += rows_on_wire(f"opt/{k}", sparse)
+        for i, (name, arr) in enumerate(tensors):
             self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, i, np.asarray(arr, order="C"), name=name)
         self.transport.send_control(COORDINATOR, {"type": "checkpoint_done", "stage": self.stage,
-                                                  "names": list(tensors)})
+                                                  "names": [name for name, _ in tensors],
+                                                  "rows": {f"opt/{k}": list(s.shape) for k, s in rows.items()}})
 
     def failure(self, exc: BaseException) -> str:
         """`exc` as the coordinator's WorkerFailed quotes it: which stage (or, with none, which
