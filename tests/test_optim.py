@@ -92,10 +92,14 @@ def _train_table(name: str, kw: dict, grads, dense: bool, start_state=None):
 OPTIMIZERS = [("adamw", {}), ("adamw", {"weight_decay": 0.0}), ("sgd", {}), ("sgd", {"weight_decay": 0.01})]
 
 
-@pytest.mark.parametrize("vocab,dtype", [(500, np.float32), (60, np.float32), (500, np.float64)],
-                         ids=["rows", "goes-dense", "float64-rows"])  # 60: half the rows get state
+@pytest.mark.parametrize("vocab,dtype,chunk", [(500, np.float32, None), (500, np.float32, 7 * 24),
+                                               (60, np.float32, None),
+                                               (500, np.float64, None)],
+                         ids=["rows", "rows-in-runs-of-7", "goes-dense", "float64-rows"])  # 60: half the rows get state
 @pytest.mark.parametrize("name,kw", OPTIMIZERS)
-def test_a_table_stepped_by_its_rows_equals_the_dense_step_bit_for_bit(name, kw, vocab, dtype):
+def test_a_table_stepped_by_its_rows_equals_the_dense_step_bit_for_bit(monkeypatch, name, kw, vocab, dtype, chunk):
+    if chunk:  # the row step's runs of slots (and the dense step's chunks) a few rows long
+        monkeypatch.setattr(optim, "CHUNK", chunk)
     grads = _row_steps(vocab=vocab, dtype=dtype)
     by_rows, bias_rows, opt_rows = _train_table(name, kw, grads, dense=False)
     dense, bias_dense, opt_dense = _train_table(name, kw, grads, dense=True)
