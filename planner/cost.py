@@ -36,7 +36,9 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
     recomputes holds one micro-batch's (`DeviceSpec.activations`, `block_costs`: PyTorch runs
     each block's forward once more in its backward, MNN keeping skips its re-run)
   + the profile's `runtime_overhead_bytes`.
-Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash only; in-flight counts
+Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash and 2bw only; an embedding
+table nothing but lookups read is held once under every schedule, stepped in place with no old
+version (`unversioned_bytes` x `unversioned_copies` comes off); in-flight counts
 (`in_flight_microbatches`) are DESIGN's min(p-s, m) for 1F1B and m for GPipe. Transient buffers
 (the output until its send, gradients until theirs, host values such as the mask) are not counted,
 except the one that is the model's largest activation (below).
@@ -130,6 +132,15 @@ def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches
         old = 1 if microbatches >= 2 else 0
     # PipeDream-2BW: two versions at most (planner.schedule.pipedream_2bw)
     return min(1, old) if schedule == "2bw" else old
+
+
+def unversioned_copies(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+    """Copies within `weight_copies` that an embedding table nothing but lookups read
+    (`unversioned_bytes`) is not held in: its old versions, and under 1f1b-stash and 2bw its
+    second current copy, since both engines step such a table in place (PyTorch's `_new_version`,
+    MNN's numpy tables): no forward in flight reads it again."""
+    async_extra = ASYNC_WEIGHT_COPIES - WEIGHT_COPIES if schedule in ASYNC_SCHEDULES else 0
+    return STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches) + async_extra
 
 
 def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int) -> int:
@@ -396,9 +407,8 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
         if last == n - 2:  # the head without its loss: its logits wait for their gradient
             held = graph.blocks[last].activation_bytes * in_flight
     workspace = workspace_of(graph, device, first, last) * (in_flight if keeps_activations(device) else 1)
-    old_versions = STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches)
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
-            - unversioned_bytes(graph, first, last, device) * old_versions
+            - unversioned_bytes(graph, first, last, device) * unversioned_copies(schedule, stages, stage, microbatches)
             + tied_bytes(graph, first, last) + held
             + sum(inputs) * in_flight + workspace + runtime_bytes(device))
 

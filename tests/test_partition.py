@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 from ir.partition import Partition, StageAssignment
 from ir.plan import SPLIT_BACKWARD_SCHEDULES
-from planner.cost import (STASHED_VERSION_COPIES, in_flight_microbatches, predicted_step_s, stage_costs,
-                          stashed_weight_versions, weight_copies)
+from planner.cost import (in_flight_microbatches, predicted_step_s, stage_costs, unversioned_copies,
+                          weight_copies)
 import planner.partition.solve as solve_module
 from planner.partition import (PartitionInstance, PlanDoesNotFit, brute_force_partition, check_feasible,
                                cpsat_partition, device_classes, even_partition, make_instance, manual_partition,
@@ -72,8 +72,8 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         tuple(tuple(in_flight_microbatches(schedule, p, s, m) for s in range(p)) for p in range(1, nd + 1)),
         m, schedule, optimizer, tuple(map(tuple, recompute)), tuple(map(tuple, update)),
         weight_us=tuple(map(tuple, weight)) if schedule in SPLIT_BACKWARD_SCHEDULES else (),
-        stashed_versions=tuple(tuple(STASHED_VERSION_COPIES * stashed_weight_versions(schedule, p, s, m)
-                                     for s in range(p)) for p in range(1, nd + 1)),
+        unversioned_copies=tuple(tuple(unversioned_copies(schedule, p, s, m) for s in range(p))
+                                 for p in range(1, nd + 1)),
         unversioned_bytes=tuple(map(tuple, unversioned)))
 
 
@@ -337,20 +337,22 @@ def test_gpipe_hint_points_at_the_activations_in_flight():
 
 
 def test_stash_keeps_no_old_version_of_a_table_and_every_solver_knows():
-    """Block 0 is an embedding table weight stashing keeps no old version of: on the fast device at
-    stage 0 of 2 it needs 5 copies of 100 bytes less one version of the table = 400 bytes, which
-    fit its 450 (500 would not). That plan (4 x 1000 us) beats the slow device alone (4 x 2000);
-    the other order does not fit (block 1 and its 60-byte input on the fast device: 460)."""
+    """Block 0 is an embedding table weight stashing keeps no old version of, nor a second current
+    copy (stepped in place): on the fast device at stage 0 of 2 it needs 5 copies of 100 bytes
+    less those two = 300 bytes, which fit its 350 (400 or 500 would not). That plan (4 x 1000 us)
+    beats the slow device alone (4 x 2000); the other order does not fit (block 1 and its 60-byte
+    input on the fast device: 460)."""
     def inst_with(table):
         return build_instance(["fast", "slow"], [[10, 10], [1000, 1000]], [100, 100], [0, 60], [[0, 0], [0, 0]],
-                              [0, 0], [450, 10**6], [[0, 1e9], [1e9, 0]], [[0, 0], [0, 0]], "1f1b-stash", 4, "sgd",
+                              [0, 0], [350, 10**6], [[0, 1e9], [1e9, 0]], [[0, 0], [0, 0]], "1f1b-stash", 4, "sgd",
                               unversioned=[[table, 0], [table, 0]])
     inst = inst_with(100)
+    assert inst.unversioned_copies[1] == (2, 1)  # stage 0 of 2: an old version and the second copy
     for plan in (_solve(inst), _cp_sat(inst), brute_force_partition(inst)):
         assert ([s.device for s in plan.stages], plan.ranges) == (["fast", "slow"], [(0, 0), (1, 1)]), plan.method
-        assert [s.memory_bytes for s in plan.stages] == [400, 4 * 100 + 60]
+        assert [s.memory_bytes for s in plan.stages] == [300, 4 * 100 + 60]
     assert predicted_step_us(inst, _solve(inst)) == 4 * 1000
-    assert [s.device for s in _solve(inst_with(0)).stages] == ["slow"]  # every weight versioned: 500 > 450
+    assert [s.device for s in _solve(inst_with(0)).stages] == ["slow"]  # every weight versioned: 500 > 350
 
 
 def test_stash_memory_depends_on_the_position():

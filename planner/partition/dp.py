@@ -110,7 +110,7 @@ class OrderSolver:
         wc = [inst.weight_copies[r][0] for r in range(nd)]
         fl = [inst.in_flight[r][0] for r in range(nd)]
         reuse = [inst.reuses(r + 1, 0) for r in range(nd)]
-        sv = [inst.stashed_versions[r][0] for r in range(nd)]
+        sv = [inst.unversioned_copies[r][0] for r in range(nd)]
         R = nd - 1
         while R > 0 and (wc[R - 1], fl[R - 1], reuse[R - 1], sv[R - 1]) == (wc[R], fl[R], reuse[R], sv[R]):
             R -= 1

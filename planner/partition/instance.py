@@ -34,10 +34,9 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes
-from planner.cost import (STASHED_VERSION_COPIES, accumulated_share, block_costs, block_input_bytes,
-                          block_weight_grads_s, check_blocks, double_held_bytes, in_flight_microbatches,
-                          keeps_activations, reuses_forward, stashed_weight_versions, unversioned_bytes,
-                          weight_copies)
+from planner.cost import (accumulated_share, block_costs, block_input_bytes, block_weight_grads_s, check_blocks,
+                          double_held_bytes, in_flight_microbatches, keeps_activations, reuses_forward,
+                          unversioned_bytes, unversioned_copies, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -78,10 +77,11 @@ class PartitionInstance:
     # [d][k] the part of compute_us that a split backward's W runs (planner.cost.weight_grad_s);
     # empty: all zero (schedules that do not split backwards).
     weight_us: tuple[tuple[int, ...], ...] = ()
-    # [p-1][s] the old weight versions within weight_copies (1f1b-stash, 2bw), and [d][k] the bytes of
-    # block k's parameters device d keeps no old version of (embedding tables only looked up:
-    # planner.cost.unversioned_bytes). Empty: all zero.
-    stashed_versions: tuple[tuple[int, ...], ...] = ()
+    # [p-1][s] the copies within weight_copies that an embedding table only looked up is not held in
+    # (its old versions and, under 1f1b-stash and 2bw, a second current copy: planner.cost.
+    # unversioned_copies), and [d][k] the bytes of block k's parameters that are such tables on
+    # device d (planner.cost.unversioned_bytes). Empty: all zero.
+    unversioned_copies: tuple[tuple[int, ...], ...] = ()
     unversioned_bytes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
@@ -109,8 +109,8 @@ class PartitionInstance:
             for r in rows:
                 if any(x < 0 for x in r):
                     raise ValueError(f"PartitionInstance.{name} has a negative entry")
-        if not self.stashed_versions:
-            object.__setattr__(self, "stashed_versions", tuple((0,) * p for p in range(1, nd + 1)))
+        if not self.unversioned_copies:
+            object.__setattr__(self, "unversioned_copies", tuple((0,) * p for p in range(1, nd + 1)))
         for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes"):
             table = getattr(self, name)
             if not table:
@@ -129,7 +129,7 @@ class PartitionInstance:
                              "backward")
         if any(u > b for row in self.unversioned_bytes for u, b in zip(row, self.params_bytes)):
             raise ValueError("PartitionInstance.unversioned_bytes exceeds params_bytes: they are parameters")
-        for name in ("weight_copies", "in_flight", "stashed_versions"):
+        for name in ("weight_copies", "in_flight", "unversioned_copies"):
             table = getattr(self, name)
             if len(table) != nd or any(len(row) != p + 1 for p, row in enumerate(table)):
                 raise ValueError(f"PartitionInstance.{name} needs one row per stage count 1..{nd}, of that length")
@@ -161,7 +161,7 @@ class PartitionInstance:
         """Bytes of block k's parameters (weights, gradient, optimizer state, old versions) device d
         holds at stage s of p."""
         return (self.params_bytes[k] * self.weight_copies[p - 1][s]
-                - self.unversioned_bytes[d][k] * self.stashed_versions[p - 1][s])
+                - self.unversioned_bytes[d][k] * self.unversioned_copies[p - 1][s])
 
     def held_workspace(self, d: int, k: int, in_flight: int) -> int:
         """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
@@ -219,8 +219,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         weight_us=tuple(tuple(round(w * US_PER_S) for w in block_weight_grads_s(graph, s, schedule, microbatches))
                         for s in specs) if schedule in SPLIT_BACKWARD_SCHEDULES else (),
         keeps_activations=tuple(keeps_activations(s) for s in specs),
-        stashed_versions=tuple(tuple(STASHED_VERSION_COPIES * stashed_weight_versions(schedule, p, s, microbatches)
-                                     for s in range(p)) for p in range(1, nd + 1)),
+        unversioned_copies=tuple(tuple(unversioned_copies(schedule, p, s, microbatches) for s in range(p))
+                                 for p in range(1, nd + 1)),
         # a table goes with the first block that lists it (planner.cost.unversioned_bytes counts it
         # once per range; attributing it once keeps the instance's sum at most that)
         unversioned_bytes=tuple(tuple(unversioned_bytes(graph, 0, k, spec) - (unversioned_bytes(graph, 0, k - 1, spec)
