@@ -103,7 +103,7 @@ class BundleContents:
         return self.stage_doc.last_block
 
 
-def sha256_hex(data: bytes) -> str:
+def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -273,7 +273,7 @@ def check_bundle_manifest(files: Mapping[str, bytes], source: str) -> dict[str, 
                           f"{MANIFEST} (a bundle holds only its listed files; remove "
                           f"{'it' if len(extra) == 1 else 'them'} or re-run `confidant plan`)")
     for name in BUNDLE_FILES:
-        got = sha256_hex(bytes(files[name]))
+        got = sha256_hex(files[name])
         if got != listed[name]:
             raise BundleError(f"bundle {source}: {name} is corrupted (sha256 mismatch: expected "
                               f"{listed[name][:12]}..., got {got[:12]}...)")
@@ -347,7 +347,7 @@ def verify_bundle_files(files: Mapping[str, bytes], source: str,
     if not isinstance(graph_doc, dict) or not isinstance(graph_doc.get("constants"), dict):
         raise BundleError(f"bundle {source}: {GRAPH} is not a graph document (no constants table)")
     try:
-        weights = decode_safetensors(bytes(files[WEIGHTS]))
+        weights = decode_safetensors(files[WEIGHTS])
     except ValueError as exc:
         raise BundleError(f"bundle {source}: {WEIGHTS} is not valid safetensors: {exc}") from None
     declared = set(graph_doc["constants"])

@@ -121,13 +121,14 @@ def _array(raw, name: str, np_dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
     return arr.astype(np_dtype.newbyteorder("="), copy=True)
 
 
-def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
-    """Parse safetensors bytes strictly (header, dtypes, shapes, byte ranges that tile the data
-    exactly); returns writable copies. ValueError says what is wrong."""
-    data = bytes(data)
+def decode_safetensors(data: bytes | memoryview) -> dict[str, np.ndarray]:
+    """Parse safetensors bytes (or any flat buffer: read, never copied whole, since a stage's
+    weights file arrives as one and may be hundreds of MB) strictly (header, dtypes, shapes, byte
+    ranges that tile the data exactly); returns writable copies. ValueError says what is wrong."""
+    data = memoryview(data).cast("B")
     n = _header_length(data, len(data))
-    buffer = memoryview(data)[8 + n :]
-    spans = _spans(data[8 : 8 + n], len(buffer))
+    buffer = data[8 + n :]
+    spans = _spans(bytes(data[8 : 8 + n]), len(buffer))
     return {name: _array(buffer[begin:stop], name, np_dtype, shape) for begin, stop, name, np_dtype, shape in spans}
 
 

@@ -19,7 +19,7 @@ from ir.serialize import graph_to_json, slice_graph
 from planner.emit import emit_plan, load_plan
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
-from runtime.pipeline.bundles import as_uint8, bundle_to_wire, load_bundle, recv_bundle, send_bundle
+from runtime.pipeline.bundles import as_uint8, bundle_to_wire, load_bundle, recv_bundle, send_bundle, wire_to_files
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
 from runtime.transport.local import LocalHub, LocalTransport
@@ -232,6 +232,13 @@ def test_safetensors_codec_agrees_with_the_safetensors_package(graph):
             assert got[k].dtype == v.dtype and got[k].shape == v.shape
             np.testing.assert_array_equal(got[k], v)
     assert decode_safetensors(ours)["scalar"].flags.writeable
+    # a file received over the wire: a read-only uint8 array, read where it lies (wire_to_files
+    # keeps its buffer, no copy of what may be hundreds of MB), decoded into writable copies
+    received = np.frombuffer(ours, np.uint8)
+    files = wire_to_files({WEIGHTS: received})
+    assert np.shares_memory(np.asarray(files[WEIGHTS]), received)
+    got = decode_safetensors(files[WEIGHTS])
+    assert all(np.array_equal(got[k], v) and got[k].flags.writeable for k, v in tensors.items())
     with pytest.raises(ValueError, match="starts at byte"):
         header_len = int.from_bytes(ours[:8], "little")
         header = json.loads(ours[8:8 + header_len])

@@ -96,8 +96,9 @@ def as_uint8(data: bytes) -> np.ndarray:
     return arr
 
 
-def wire_to_files(arrays: Mapping[str, np.ndarray | bytes]) -> dict[str, bytes]:
-    """Received uint8 tensors (or bytes) back to file bytes by name."""
+def wire_to_files(arrays: Mapping[str, np.ndarray | bytes]) -> dict[str, bytes | memoryview]:
+    """Received uint8 tensors (or bytes) back to file bytes by name: a received array's own
+    (read-only) buffer, not a copy, since a stage's weights file can be hundreds of MB."""
     files = {}
     for name, value in arrays.items():
         if isinstance(value, (bytes, bytearray, memoryview)):
@@ -106,7 +107,7 @@ def wire_to_files(arrays: Mapping[str, np.ndarray | bytes]) -> dict[str, bytes]:
         arr = np.asarray(value)
         if arr.dtype != np.uint8 or arr.ndim != 1:
             raise BundleError(f"bundle file {name!r} arrived as {arr.dtype}{list(arr.shape)}, not 1-D uint8 bytes")
-        files[name] = arr.tobytes()
+        files[name] = memoryview(np.ascontiguousarray(arr))
     return files
 
 
