@@ -835,6 +835,10 @@ def main(argv=None) -> int:
                          "1f1b-flush with MNN keeping its activations, 1f1b-flush with the engine and "
                          "activations per stage `plan` would pick (a quick profile first), and zb-h1 (zero "
                          "bubble) on the PyTorch engine and with `plan`'s pick")
+    ap.add_argument("--cuts", default="",
+                    help="also run 1f1b-stash on the PyTorch engine at these cuts: the first block of stages 2..p, "
+                         "comma-separated, ';' between configurations (e.g. '3;2,5': blocks 0-2 | 3-8 on 2 "
+                         "processes, and 0-1 | 2-4 | 5-8 on 3); for memory against speed beside the plan's cuts")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration (default 600)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
@@ -864,6 +868,10 @@ def main(argv=None) -> int:
         ap.error("--microbatches: comma-separated integers, e.g. 4,8")
     if not mbs or any(m < 1 or BATCH % m for m in mbs):
         ap.error(f"--microbatches: each must divide the batch of {BATCH}")
+    try:
+        extra_cuts = [[int(c) for c in part.split(",")] for part in args.cuts.split(";") if part.strip()]
+    except ValueError:
+        ap.error(f"--cuts: comma-separated block numbers, ';' between configurations, e.g. '3;2,5', not {args.cuts!r}")
     model = args.model if args.model is not None else default_model()
     if not Path(model).is_file():
         ap.error(f"model {model} does not exist")
@@ -927,6 +935,16 @@ def main(argv=None) -> int:
                     # the plan's own cuts too: what `confidant plan` runs on devices like this one
                     attempt(f"mnn {flush} as planned M={M} {stages} stages",
                             lambda: run_planned(graph, Path(model), batches, M, stages, flush, args.steps))
+            for cuts in (c for c in extra_cuts if len(c) == stages - 1):
+                bounds = [0, *cuts, len(graph.blocks)]
+                ranges = [(a, b - 1) for a, b in zip(bounds, bounds[1:])]
+                if any(a > b for a, b in ranges):
+                    errors.append(f"--cuts {cuts}: not increasing block numbers within 1..{len(graph.blocks) - 1}")
+                    continue
+                label = "|".join(f"{a}-{b}" for a, b in ranges)
+                attempt(f"mnn 1f1b-stash torch engine at {label} M={M} {stages} stages",
+                        lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-stash", args.steps,
+                                                 engine="torch", ranges=ranges, variant=f"torch[{label}]"))
             if not args.skip_torch:
                 for schedule in TORCH_SCHEDULES:
                     attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
