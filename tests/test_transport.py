@@ -167,6 +167,9 @@ def test_a_payload_split_otherwise_is_refused(mesh):
     a._send_frames("b", [header.encode(), cut[0], cut[1], bytes(bad)])
     with pytest.raises(MessageError, match="checksum mismatch"):
         b.recv_tensor("a", WANT, timeout=5)
+    a._send_frames("b", [header.encode(), payload])  # version 1's one frame
+    expect_error(b, b.address_of("a"), f"expected act stage=0 mb=3, received act stage=0 mb=3 (payload in 1 frame of "
+                                       f"{len(payload)} bytes, {rule})")
     a.send_tensor("b", "act", 0, 3, x)  # and the link still works
     assert np.array_equal(b.recv_tensor("a", WANT, timeout=5)[1], x)
 

@@ -367,16 +367,17 @@ def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview]) -> b
     """A tensor's payload from its frames, checked (`check_payload`, and as many frames as its size
     needs, each `PART_BYTES` but the last); one frame is returned as it is, several are copied into
     one buffer."""
-    if len(parts) == 1:
-        check_payload(header, parts[0])
-        return parts[0]
     views = [memoryview(p).cast("B") for p in parts]
     _check_size(header, sum(v.nbytes for v in views))
     want = payload_parts(header.nbytes)
     if len(views) != want or any(v.nbytes != PART_BYTES for v in views[:-1]):
         sizes = ", ".join(str(v.nbytes) for v in views[:4]) + (", ..." if len(views) > 4 else "")
-        raise MessageError(f"payload in {len(views)} frames of {sizes} bytes, a payload of {header.nbytes} bytes "
-                           f"comes in {want} frames of {PART_BYTES} bytes but the last", received=header)
+        raise MessageError(f"payload in {len(views)} frame{'s' if len(views) != 1 else ''} of {sizes} bytes, a "
+                           f"payload of {header.nbytes} bytes comes in {want} frame{'s' if want != 1 else ''} of "
+                           f"{PART_BYTES} bytes but the last", received=header)
+    if len(parts) == 1:
+        check_payload(header, parts[0])
+        return parts[0]
     crc = 0
     for v in views:
         crc = zlib.crc32(v, crc)
