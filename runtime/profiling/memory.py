@@ -39,7 +39,7 @@ from runtime.engines import mnn_kernels as K
 from runtime.engines.split.piece import AttentionForm, attention_form, bert_form, random_weights
 from runtime.engines.split.pieces import PieceShapes
 from runtime.engines.split.pool import child_peak_rss
-from runtime.procfs import meminfo_bytes, status_bytes
+from runtime.procfs import meminfo_bytes, reset_peak_rss, status_bytes
 from runtime.profiling.inputs import Progress, block_mask
 
 
@@ -55,21 +55,12 @@ def _release_free_heap() -> None:
         pass
 
 
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return status_bytes("VmHWM") is not None
-
-
 class PeakRss:
     """`with PeakRss() as p: ...` then `p.bytes`: peak resident memory above the level at entry."""
 
     def __enter__(self) -> "PeakRss":
         _release_free_heap()
-        self._kernel = _reset_peak_rss()
+        self._kernel = reset_peak_rss() and status_bytes("VmHWM") is not None
         self.base = status_bytes("VmRSS") or 0
         self.bytes = 0
         self._peak = self.base
