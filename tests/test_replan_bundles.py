@@ -126,14 +126,17 @@ def planned(tiny_onnx, tmp_path_factory):
     return root, train, _tokenizer(train, root / "tokenizer.json")
 
 
-def _flops_of(graph, plan, device: str) -> int:
-    """FLOPs of the blocks `device` runs in `plan` (0 when it runs none)."""
-    blocks = {d.name: d.blocks for d in plan.devices}.get(device)
-    return sum(b.flops for b in graph.blocks[blocks[0]:blocks[1] + 1]) if blocks else 0
+def _recalibration(before: DeviceProfile, after: DeviceProfile) -> float:
+    """The one factor a re-plan scaled a device's block times by (planner.replan.recalibrate)."""
+    ratios = {round(new.forward_s / old.forward_s, 6)
+              for b_old, b_new in zip(before.backends, after.backends)
+              for old, new in zip(b_old.blocks.values(), b_new.blocks.values())}
+    assert len(ratios) == 1, ratios
+    return ratios.pop()
 
 
 @pytest.mark.slow  # twin on threads, without the command line: tests/test_pipeline_inprocess.py
-def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_that_step(planned, tiny_onnx):
+def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_that_step(planned):
     root, train, tokenizer = planned
     common = ["--data", train, "--local", "--tokenizer", tokenizer]
     proc = _cli("train", "plan", *common, "--steps", STEPS, "--replan-every", EVERY,
@@ -147,14 +150,20 @@ def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_tha
     assert len(lines) == 1 and f"new plan plan/replan-step{EVERY:04d}" in lines[0] and "MiB" in lines[0]
     assert replan["moved_bytes"] > 0 and replan["predicted_gain"] > 0.1
 
-    # the new folder is a complete, verified plan; the slowed device does less in it
+    # the new folder is a complete, verified plan, made for what was measured
     old, new_dir = load_plan(root / "plan"), root / "plan" / f"replan-step{EVERY:04d}"
     new = load_plan(new_dir, verify_bundles=True)
     assert [{"device": d.name, "blocks": list(d.blocks)} for d in new.devices] == replan["new"]
     assert [d["name"] for d in figures["devices"]] == new.device_names
     assert load_plan_cluster(new_dir).names == ("a", "b", "c")
-    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
-    assert _flops_of(graph, new, "a") < _flops_of(graph, old, "a")
+    # the new plan's cluster records what was measured: a's blocks far slower than its profile said,
+    # more so than b's (whose sub-millisecond stage a loaded machine slows too: which blocks the new
+    # plan then gives a depends on that noise, so the plan's shape is not asserted), and c, a spare
+    # that ran nothing, as profiled
+    before, after = load_plan_cluster(root / "plan"), load_plan_cluster(new_dir)
+    factor = {n: _recalibration(before.device(n).profile, after.device(n).profile) for n in ("a", "b", "c")}
+    assert factor["a"] > 8 and factor["a"] > 2 * factor["b"] and factor["c"] == 1.0, factor
+    assert [(d.name, d.blocks) for d in new.devices] != [(d.name, d.blocks) for d in old.devices]
 
     # the reference: the old plan for EVERY steps, then the new plan's bundles from that step
     _cli("train", "plan", *common, "--steps", EVERY, "--checkpoint", "before", cwd=root)
