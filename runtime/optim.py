@@ -331,8 +331,7 @@ class AdamW:
                 pc *= f(1 - self.lr * self.weight_decay)
         tmp = None
         for start, stop, gc in state.gradient_chunks(slots, summed):
-            if tmp is None or tmp.shape[0] < gc.shape[0]:
-                tmp = np.empty_like(gc)
+            tmp = np.empty_like(gc) if tmp is None else tmp  # the first run is the longest
             tc = tmp[:gc.shape[0]]
             m, v = (a[start:stop] for a in state.arrays)
             for parts in _chunks(gc, m, v, tc):

@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ir.safetensors import load_safetensors, save_safetensors
+from runtime.optim import SparseRows
 
 
 @dataclass
@@ -83,9 +84,7 @@ def dense_from_wire(tensors: dict[str, np.ndarray], row_shapes: object, source: 
         if ids.size and (ids.min() < 0 or ids.max() >= param.shape[0] or np.unique(ids).size != ids.size):
             raise ValueError(f"{source}: checkpoint row entry {key!r} has row ids out of 0..{param.shape[0] - 1} "
                              f"or repeated")
-        dense = np.zeros(param.shape, np.float32)
-        dense[ids] = rows
-        out[key] = dense
+        out[key] = SparseRows(ids, rows, param.shape).dense()
     stray = [k for k in out if k.endswith((ROW_IDS, ROW_VALUES))]
     if stray:
         raise ValueError(f"{source}: checkpoint tensors {stray} are rows of no declared entry")
