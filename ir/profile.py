@@ -25,6 +25,31 @@ class BlockCost:
     backward_s: float
     recompute_s: float = 0.0
     workspace_bytes: int = 0  # peak memory above the weights while the block runs one micro-batch
+    # What one more block of this kind adds to the peak of a stage that runs several (its per-op
+    # caches, its gradients: what all the stage's blocks hold at once), measured on two consecutive
+    # blocks of the kind; the rest of `workspace_bytes` is a transient one block's backward needs
+    # at a time. None: not measured (a kind the model has once, or an older profile), taken as
+    # the whole workspace.
+    stacked_bytes: int | None = None
+    # What each further micro-batch in flight adds to the peak when the engine keeps activations
+    # (PyTorch's saved tensors; MNN's further set of block graphs with their caches). None: not
+    # measured, taken as the whole workspace.
+    kept_bytes: int | None = None
+
+    @property
+    def stacked(self) -> int:
+        """`stacked_bytes`, or the whole workspace where it was not measured."""
+        return self.workspace_bytes if self.stacked_bytes is None else min(self.stacked_bytes, self.workspace_bytes)
+
+    @property
+    def kept(self) -> int:
+        """`kept_bytes`, or the whole workspace where it was not measured."""
+        return self.workspace_bytes if self.kept_bytes is None else self.kept_bytes
+
+    @property
+    def transient(self) -> int:
+        """The part of the workspace one block needs only while it runs (`workspace_bytes - stacked`)."""
+        return self.workspace_bytes - self.stacked
 
 
 @dataclass(frozen=True)

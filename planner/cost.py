@@ -28,13 +28,16 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
               + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
   + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
   + in-flight micro-batches x (sum of the stage's block *input* activations)
-  + sum of the blocks' `workspace_bytes` (per-op caches of one micro-batch, kept per block),
-    times the in-flight micro-batches on a device that keeps its activations (PyTorch's autograd
-    holds every micro-batch's graph until its backward, MNN with `activations: keep` one set of
-    block graphs and their per-op caches per micro-batch in flight; the workspace measured for one
-    is taken for each, a slight overestimate as the gradient temporaries exist once); one that
-    recomputes holds one micro-batch's (`DeviceSpec.activations`, `block_costs`: PyTorch runs
-    each block's forward once more in its backward, MNN keeping skips its re-run)
+  + the blocks' workspace (`workspace_of`): each block's `BlockCost.stacked` (what one more block
+    of its kind adds to a stage's peak: per-op caches, gradients), plus on a device that keeps its
+    activations each block's `BlockCost.kept` for every micro-batch in flight after the first
+    (PyTorch's autograd holds every micro-batch's saved tensors until its backward, MNN with
+    `activations: keep` one set of block graphs and their per-op caches per micro-batch in flight);
+    one that recomputes holds one micro-batch's (`DeviceSpec.activations`, `block_costs`: PyTorch
+    runs each block's forward once more in its backward, MNN keeping skips its re-run). Profiles
+    without those two measurements charge the whole workspace for each (the older model).
+  + the largest transient of any block of the model (`transient_bytes`: workspace - stacked; one
+    block's backward temporaries exist at a time)
   + the profile's `runtime_overhead_bytes`.
 Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash and 2bw only; an embedding
 table nothing but lookups read is held once under every schedule, stepped in place with no old
@@ -406,7 +409,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
             inputs[0] = graph.blocks[n - 2].activation_bytes
         if last == n - 2:  # the head without its loss: its logits wait for their gradient
             held = graph.blocks[last].activation_bytes * in_flight
-    workspace = workspace_of(graph, device, first, last) * (in_flight if keeps_activations(device) else 1)
+    workspace = workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device)
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
             - unversioned_bytes(graph, first, last, device) * unversioned_copies(schedule, stages, stage, microbatches)
             + tied_bytes(graph, first, last) + held
@@ -428,8 +431,20 @@ def backend_times(graph: Graph, device: DeviceSpec, first: int, last: int,
     return sorted(out, key=lambda t: t[1])
 
 
-def workspace_of(graph: Graph, device: DeviceSpec, first: int, last: int) -> int:
-    return sum(c.workspace_bytes for c in block_costs(graph, device)[first:last + 1])
+def workspace_of(graph: Graph, device: DeviceSpec, first: int, last: int, in_flight: int = 1) -> int:
+    """Workspace blocks first..last hold together with `in_flight` micro-batches in flight, besides
+    the one transient (`transient_bytes`): each block's `stacked` part, and on a device that keeps
+    activations its `kept` part once more for every further micro-batch in flight."""
+    costs = block_costs(graph, device)[first:last + 1]
+    kept = sum(c.kept for c in costs) * (in_flight - 1) if keeps_activations(device) else 0
+    return sum(c.stacked for c in costs) + kept
+
+
+def transient_bytes(graph: Graph, device: DeviceSpec) -> int:
+    """The largest transient of any block of the graph on the device (`BlockCost.transient`): one
+    block's backward runs at a time, so a stage needs one, which is charged to every stage (an
+    upper bound that keeps a stage's memory a sum over its blocks, as the partitioners need)."""
+    return max((c.transient for c in block_costs(graph, device)), default=0)
 
 
 def transfer_s(nbytes: int, cluster: Cluster, a: str, b: str) -> float:

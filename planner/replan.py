@@ -146,7 +146,8 @@ def scale_profile(profile: DeviceProfile, factor: float, backend: str | None = N
             return b
         return BackendProfile(
             b.backend,
-            {k: BlockCost(c.forward_s * f, c.backward_s * f, c.recompute_s * f, c.workspace_bytes)
+            {k: dataclasses.replace(c, forward_s=c.forward_s * f, backward_s=c.backward_s * f,
+                                    recompute_s=c.recompute_s * f)
              for k, c in b.blocks.items()},
             {k: AttentionCurve(tuple(s * f for s in a.seconds), a.fused_faster) for k, a in b.attention.items()})
 

@@ -59,10 +59,13 @@ def _cp_sat(inst: PartitionInstance) -> Partition:
 
 
 def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
-                   schedule, m, optimizer, recompute=(), update=(), weight=(), unversioned=()) -> PartitionInstance:
+                   schedule, m, optimizer, recompute=(), update=(), weight=(), unversioned=(), keeps=(),
+                   kept=()) -> PartitionInstance:
     """An instance from plain numbers; memory tables from planner.cost for the schedule; `weight`
     (a split backward's W per block) only where the schedule splits backwards; `unversioned` [d][k]:
-    parameter bytes device d keeps no old version of (embedding tables only looked up)."""
+    parameter bytes device d keeps no old version of (embedding tables only looked up); `keeps` [d]:
+    whether device d keeps activations, `kept` [d][k]: what block k holds then per further
+    micro-batch in flight."""
     nd, n = len(devices), len(params)
     return PartitionInstance(
         tuple(devices), tuple(f"b{k}" for k in range(n)), tuple(map(tuple, compute)), tuple(params), tuple(inputs),
@@ -74,7 +77,8 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         weight_us=tuple(map(tuple, weight)) if schedule in SPLIT_BACKWARD_SCHEDULES else (),
         unversioned_copies=tuple(tuple(unversioned_copies(schedule, p, s, m) for s in range(p))
                                  for p in range(1, nd + 1)),
-        unversioned_bytes=tuple(map(tuple, unversioned)))
+        unversioned_bytes=tuple(map(tuple, unversioned)), keeps_activations=tuple(keeps),
+        kept_bytes=tuple(map(tuple, kept)))
 
 
 @st.composite
@@ -109,8 +113,13 @@ def instances(draw, tight: bool | None = None):
     # of, on the devices whose engine does not read it again (PyTorch recomputing does)
     table = params[0] * draw(st.sampled_from([0, 1, 3])) // 4
     unversioned = [[table if k == 0 and draw(st.booleans()) else 0 for k in range(n)] for _ in range(nd)]
+    # devices that keep activations hold a part of each block's workspace once more per further
+    # micro-batch in flight (planner.cost.workspace_of)
+    keeps = [draw(st.booleans()) for _ in range(nd)]
+    kept = [ints(0, 20, n) for _ in range(nd)]
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
-                          bandwidth, latency, schedule, m, optimizer, recompute, update, weight, unversioned)
+                          bandwidth, latency, schedule, m, optimizer, recompute, update, weight, unversioned,
+                          keeps, kept)
 
 
 @st.composite
@@ -132,7 +141,8 @@ def repeated_instances(draw):
                           [[0.0 if d == e else link(d, e, bw) for e in range(nd)] for d in range(nd)],
                           [[0 if d == e else link(d, e, lat) for e in range(nd)] for d in range(nd)],
                           base.schedule, base.microbatches, base.optimizer, pick(base.recompute_us), pick(base.update_us),
-                          pick(base.weight_us), pick(base.unversioned_bytes))
+                          pick(base.weight_us), pick(base.unversioned_bytes), pick(base.keeps_activations),
+                          pick(base.kept_bytes))
 
 
 def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
@@ -182,7 +192,23 @@ def test_cp_sat_matches_the_brute_force_oracle(inst):
         assert check_feasible(plan, inst) == [] and check_feasible(oracle, inst) == []
         assert predicted_step_us(inst, plan) == predicted_step_us(inst, oracle) == _step_by_hand(inst, oracle)
         assert _step_by_hand(inst, plan) == predicted_step_us(inst, plan)
+        assert [s.memory_bytes for s in plan.stages] == _memory_by_hand(inst, plan)
         assert plan.bottleneck_s == max(s.predicted_time_s for s in plan.stages)
+
+
+def _memory_by_hand(inst: PartitionInstance, part: Partition) -> list[int]:
+    """Each stage's memory once more, from the fields' comments: weights and their copies less the
+    copies an unversioned table is not held in, stashed inputs per micro-batch in flight, the
+    workspace, and on a device that keeps activations the kept part per further micro-batch."""
+    p, out = len(part.stages), []
+    for i, st in enumerate(part.stages):
+        d, fl = inst.devices.index(st.device), inst.in_flight[p - 1][i]
+        blocks = range(st.first_block, st.last_block + 1)
+        out.append(inst.overhead_bytes[d] + sum(
+            inst.params_bytes[k] * inst.weight_copies[p - 1][i] - inst.unversioned_bytes[d][k] * inst.unversioned_copies[p - 1][i]
+            + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
+            + (inst.kept_bytes[d][k] * (fl - 1) if inst.keeps_activations[d] else 0) for k in blocks))
+    return out
 
 
 def test_rounding_in_a_sum_of_prices_proves_nothing():

@@ -67,6 +67,16 @@ def test_profile_covers_every_block_kind_on_every_present_backend(tiny_graph, ti
             assert cost.recompute_s >= 0 and cost.workspace_bytes >= 0
             if backend.backend.startswith("torch"):
                 assert cost.recompute_s == 0
+            # what a further micro-batch in flight keeps: measured for every kind; what a further
+            # block adds: for the kinds whose next block is of the same kind (the encoder layers)
+            assert isinstance(cost.kept_bytes, int) and cost.kept_bytes >= 0, (backend.backend, sig)
+            first = next(b for b in tiny_graph.blocks if block_signature(b) == sig)
+            repeated = first.index + 1 < len(tiny_graph.blocks) and \
+                block_signature(tiny_graph.blocks[first.index + 1]) == sig
+            if repeated:
+                assert 0 <= cost.stacked_bytes <= cost.workspace_bytes, (backend.backend, sig)
+            else:
+                assert cost.stacked_bytes is None, (backend.backend, sig)
     assert prof.memory_available_bytes > 0 and prof.runtime_overhead_bytes > 10 * 2**20
     assert lines and any("layer.0" in line for line in lines)
 

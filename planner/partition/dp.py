@@ -102,6 +102,7 @@ class OrderSolver:
         self._pwt = np.hstack([zero, np.cumsum(weight, axis=1)])
         self._pu = np.hstack([zero, np.cumsum(np.array(inst.update_us, dtype=np.float64) + weight, axis=1)])
         self._pw = np.hstack([zero, np.cumsum(np.array(inst.workspace_bytes, dtype=np.float64), axis=1)])
+        self._pk = np.hstack([zero, np.cumsum(np.array(inst.kept_bytes, dtype=np.float64), axis=1)])
         self._pv = np.hstack([zero, np.cumsum(np.array(inst.unversioned_bytes, dtype=np.float64), axis=1)])
         self.has_update = bool(np.any(self._pu[:, -1] > 0))
         params = np.array(inst.params_bytes, dtype=np.float64)
@@ -118,9 +119,9 @@ class OrderSolver:
         self._sv = sv[:R + 1]
         self._reuse = reuse[:R + 1]
         self._pm = [np.concatenate([[0.0], np.cumsum(params * wc[c] + inputs * fl[c])]) for c in range(R + 1)]
-        # a device whose engine keeps every activation of each micro-batch in flight holds its
-        # workspace once per micro-batch in flight (PartitionInstance.held_workspace)
-        self._held = [[fl[c] if inst.keeps_activations[d] else 1 for c in range(R + 1)] for d in range(nd)]
+        # a device whose engine keeps every activation of each micro-batch in flight holds its kept
+        # part once more per further micro-batch in flight (PartitionInstance.held_workspace)
+        self._further = [[fl[c] - 1 if inst.keeps_activations[d] else 0 for c in range(R + 1)] for d in range(nd)]
         self._overhead = np.array(inst.overhead_bytes, dtype=np.float64)
         self._budget = np.array(inst.memory_budget_bytes, dtype=np.float64)
         # one transfer of the activation after block k between d and e, exactly as instance.transfer_us
@@ -146,7 +147,7 @@ class OrderSolver:
 
     def _memory_prefix(self, d: int, c: int) -> np.ndarray:
         # old versions leave out what device d keeps none of (PartitionInstance.weight_bytes)
-        return self._pm[c] + self._pw[d] * self._held[d][c] - self._pv[d] * self._sv[c]
+        return self._pm[c] + self._pw[d] + self._pk[d] * self._further[d][c] - self._pv[d] * self._sv[c]
 
     def last(self, d: int) -> _Last:
         """Blocks [i, n) on device d at the last position."""

@@ -35,7 +35,7 @@ from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes
 from planner.cost import (accumulated_share, block_costs, block_input_bytes, block_weight_grads_s, check_blocks,
-                          double_held_bytes, in_flight_microbatches, keeps_activations, reuses_forward,
+                          double_held_bytes, in_flight_microbatches, transient_bytes, keeps_activations, reuses_forward,
                           unversioned_bytes, unversioned_copies, weight_copies)
 
 US_PER_S = 1_000_000
@@ -83,6 +83,10 @@ class PartitionInstance:
     # device d (planner.cost.unversioned_bytes). Empty: all zero.
     unversioned_copies: tuple[tuple[int, ...], ...] = ()
     unversioned_bytes: tuple[tuple[int, ...], ...] = ()
+    # [d][k] what each micro-batch in flight after the first adds to block k's workspace on a device
+    # that keeps its activations (planner.cost.workspace_of: the profile's `BlockCost.kept`).
+    # Empty: the whole workspace again (the older model).
+    kept_bytes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -121,6 +125,10 @@ class PartitionInstance:
             object.__setattr__(self, "keeps_activations", (False,) * nd)
         elif len(self.keeps_activations) != nd:
             raise ValueError(f"PartitionInstance.keeps_activations needs one entry per device ({nd})")
+        if not self.kept_bytes:
+            object.__setattr__(self, "kept_bytes", self.workspace_bytes)
+        elif len(self.kept_bytes) != nd or any(len(r) != n or any(x < 0 for x in r) for r in self.kept_bytes):
+            raise ValueError(f"PartitionInstance.kept_bytes must have shape {(nd, n)} with entries >= 0")
         if any(r > c for rr, cr in zip(self.recompute_us, self.compute_us) for r, c in zip(rr, cr)):
             raise ValueError("PartitionInstance.recompute_us exceeds compute_us: the re-run is part of the backward")
         if any(w + r > c for wr, rr, cr in zip(self.weight_us, self.recompute_us, self.compute_us)
@@ -165,7 +173,7 @@ class PartitionInstance:
 
     def held_workspace(self, d: int, k: int, in_flight: int) -> int:
         """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
-        return self.workspace_bytes[d][k] * (in_flight if self.keeps_activations[d] else 1)
+        return self.workspace_bytes[d][k] + (self.kept_bytes[d][k] * (in_flight - 1) if self.keeps_activations[d] else 0)
 
     def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
         """Block k's forward+backward on device d at stage s of p."""
@@ -198,9 +206,11 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         params_bytes=tuple(b.params_bytes for b in blocks),
         input_bytes=block_input_bytes(graph),
         # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
-        workspace_bytes=tuple(tuple(c.workspace_bytes + b.frozen_bytes + double_held_bytes(graph, k, k, spec)
+        workspace_bytes=tuple(tuple(c.stacked + b.frozen_bytes + double_held_bytes(graph, k, k, spec)
                                     for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
-        overhead_bytes=tuple(runtime_bytes(s) for s in specs),
+        kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
+        # the largest one-block transient is charged to every stage, as planner.cost does
+        overhead_bytes=tuple(runtime_bytes(s) + transient_bytes(graph, s) for s in specs),
         memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
         boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
         link_bandwidth_bytes_per_s=tuple(tuple(math.inf if link(d, e) is None else link(d, e).bandwidth_bytes_per_s
@@ -312,7 +322,7 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     bw, lat = inst.link_bandwidth_bytes_per_s, inst.link_latency_us
     keys: dict = {}
     label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.weight_us[d],
-                              inst.workspace_bytes[d],
+                              inst.workspace_bytes[d], inst.kept_bytes[d],
                               inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d]),
                              len(keys)) for d in range(nd)]
 

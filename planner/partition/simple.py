@@ -196,9 +196,8 @@ def check_feasible(partition: Partition, inst: PartitionInstance) -> list[str]:
         blocks = range(st.first_block, st.last_block + 1)
         weights = sum(inst.weight_bytes(d, k, p, i) for k in blocks)
         stashed = sum(inst.input_bytes[k] for k in blocks) * inst.in_flight[p - 1][i]
-        # kept once per micro-batch in flight by an engine that keeps its activations (PyTorch)
-        workspace = sum(inst.workspace_bytes[d][k] for k in blocks) * (
-            inst.in_flight[p - 1][i] if inst.keeps_activations[d] else 1)
+        # more per further micro-batch in flight on an engine that keeps its activations
+        workspace = sum(inst.held_workspace(d, k, inst.in_flight[p - 1][i]) for k in blocks)
         need = weights + stashed + workspace + inst.overhead_bytes[d]
         budget = inst.memory_budget_bytes[d]
         where = f"stage {i} on {st.device!r}"

@@ -90,6 +90,54 @@ def measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.
     return BlockCost(statistics.median(fwd), b_own, 0.0, peak.bytes)
 
 
+def _run_in_flight(engine, stage_feeds, grad, in_flight: int) -> None:
+    """Forwards of `in_flight` micro-batches, then their backwards (as 1F1B's warm-up holds them)."""
+    for mb in range(in_flight):
+        engine.forward(stage_feeds, mb)
+    for mb in range(in_flight):
+        engine.backward(mb, grad)
+
+
+def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
+    """Peak bytes above the weights of a freshly built engine running two forwards and backwards
+    of `spec`, one after the other (MNN's second peaks ~5 MiB higher on three MiniLM layers, with
+    the first one's buffers kept while the second's temporaries come)."""
+    stage_feeds, grad = _stage_inputs(spec, feeds)
+    engine = make_engine(backend, spec)
+    engine.row_gradients = True
+    try:
+        with PeakRss() as peak:
+            _run_in_flight(engine, stage_feeds, grad, 1)
+            _run_in_flight(engine, stage_feeds, grad, 1)
+    finally:
+        del engine
+        gc.collect()
+    return peak.bytes
+
+
+def kept_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
+    """Bytes a second micro-batch in flight adds to the peak of `spec`'s engine when it keeps
+    activations: the peak of two forwards then two backwards minus that of one of each, both
+    above the same level (PyTorch: the second micro-batch's saved tensors; MNN: a second set of
+    block graphs, with the per-op caches and backward buffers it keeps)."""
+    stage_feeds, grad = _stage_inputs(spec, feeds)
+    engine = make_engine(backend, spec, activations="keep")
+    engine.row_gradients = True
+    try:
+        # each peak over two rounds: the first of each builds what later ones reuse (the engine's
+        # buffers, MNN's second set of graphs), the second can peak higher beside them
+        with PeakRss() as one:
+            _run_in_flight(engine, stage_feeds, grad, 1)
+            _run_in_flight(engine, stage_feeds, grad, 1)
+        with PeakRss(base=one.base) as two:
+            _run_in_flight(engine, stage_feeds, grad, 2)
+            _run_in_flight(engine, stage_feeds, grad, 2)
+    finally:
+        del engine
+        gc.collect()
+    return max(0, two.bytes - one.bytes)
+
+
 # The attention piece ----------------------------------------------------------------------------
 
 def _attention_fwd_bwd(backend: BackendSpec, graph: Graph, mask: np.ndarray, reps: int) -> float:

@@ -24,6 +24,7 @@ real head split costs beyond the curves), `links` (bandwidth and latency to a pe
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Sequence
 
 from ir.graph import Block, Graph, block_signature
@@ -32,7 +33,8 @@ from runtime.engines import mnn_kernels as K
 from runtime.engines.split.piece import attention_form
 from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
-from runtime.profiling.compute import accumulate_rate, attention_curve, measure_stage, update_rates
+from runtime.profiling.compute import (accumulate_rate, attention_curve, kept_workspace, measure_stage, peak_workspace,
+                                       update_rates)
 from runtime.profiling.inputs import Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
@@ -53,13 +55,48 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     """One block kind's cost as a stage pays it. A decoder's LM head is measured as it runs, fused
     with the causal-LM loss on its stage (`runtime.engines.lm_loss`: no logits are made), minus the
     loss alone (which the loss's own signature carries): the head's time is the fused kernel's, its
-    workspace the fused stage's."""
-    if fused_lm_head(graph, block.index, block.index + 1) is not None and block.index == len(graph.blocks) - 2:
-        both = measure_stage(backend, stage_spec(graph, block.index, block.index + 1), feeds, reps)
-        loss = measure_stage(backend, stage_spec(graph, block.index + 1, block.index + 1), feeds, reps)
+    workspace the fused stage's.
+
+    Memory besides the workspace: `kept_bytes`, what a second micro-batch in flight adds under an
+    engine that keeps activations (`kept_workspace`, on the run of blocks of this kind described
+    next, divided by its length: one block alone measured 27-28 MiB a MiniLM layer on MNN, three
+    35), and, for a kind whose next block is of the
+    same kind, `stacked_bytes`: what each further block of the kind adds to a stage. Peaks of
+    stages of 1, 2 (and 3, where the model has three in a row) such blocks are measured
+    (`peak_workspace`, freshly built engines after the timed run, so none pays the shape's first
+    run), and the larger of the last step and the mean step is taken: a single block's peak
+    carries a transient that several do not repeat (MiniLM on MNN: 64-68, 100.5, 139.5, 179 MiB
+    for 1-4 layers: 39 a layer from two on, 33-37 from one to two), and PyTorch's steps are
+    noisy (6 to 14 MiB a layer, about 11 on average). The workspace is raised, where needed, to
+    what that line puts at one block, so its transient part (`BlockCost.transient`) is the
+    line's intercept."""
+    i = block.index
+    if fused_lm_head(graph, i, i + 1) is not None and i == len(graph.blocks) - 2:
+        both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
+        both = measure_stage(backend, both_spec, feeds, reps)
+        loss = measure_stage(backend, loss_spec, feeds, reps)
+        kept = max(0, kept_workspace(backend, both_spec, feeds) - kept_workspace(backend, loss_spec, feeds))
         return BlockCost(max(0.0, both.forward_s - loss.forward_s), max(0.0, both.backward_s - loss.backward_s),
-                         max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes)
-    return measure_stage(backend, stage_spec(graph, block.index, block.index), feeds, reps)
+                         max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes, kept_bytes=kept)
+    spec = stage_spec(graph, i, i)
+    cost = measure_stage(backend, spec, feeds, reps)
+    run = 1  # blocks of this kind in a row from this one, up to three
+    while run < 3 and i + run < len(graph.blocks) and block_signature(graph.blocks[i + run]) == block_signature(block):
+        run += 1
+    kept = kept_workspace(backend, stage_spec(graph, i, i + run - 1), feeds) // run
+    if run == 1:
+        return replace(cost, kept_bytes=kept)
+    peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, run + 1)]
+    most = peaks[-1]
+    stacked = max(0, most - peaks[-2], (most - peaks[0]) // (run - 1))
+    intercept = max(0, most - run * stacked)
+    return replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked + intercept), stacked_bytes=stacked,
+                   kept_bytes=kept)
+
+
+def _memory_parts(cost: BlockCost) -> str:
+    stacked = "" if cost.stacked_bytes is None else f"{cost.stacked_bytes / 2**20:.1f} per further block, "
+    return f"{stacked}{cost.kept / 2**20:.1f} per further micro-batch kept"
 
 
 def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BACKENDS, reps: int = 3,
@@ -103,7 +140,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                 costs[sig] = cost
                 say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
                     f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}), workspace "
-                    f"{cost.workspace_bytes / 2**20:.1f} MiB [{time.perf_counter() - started:.1f} s]")
+                    f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
+                    f"[{time.perf_counter() - started:.1f} s]")
             if attention:
                 for sig, block in kinds.items():
                     if block.attention is None:  # no attention the lowering could place: not split

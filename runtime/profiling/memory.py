@@ -56,12 +56,18 @@ def _release_free_heap() -> None:
 
 
 class PeakRss:
-    """`with PeakRss() as p: ...` then `p.bytes`: peak resident memory above the level at entry."""
+    """`with PeakRss() as p: ...` then `p.bytes`: peak resident memory above the level at entry, or
+    above `base` where given (two peaks of one engine measured from the same level)."""
+
+    def __init__(self, base: int | None = None):
+        self._given_base = base
 
     def __enter__(self) -> "PeakRss":
         _release_free_heap()
         self._kernel = reset_peak_rss() and status_bytes("VmHWM") is not None
         self.base = status_bytes("VmRSS") or 0
+        if self._given_base is not None:
+            self.base = self._given_base
         self.bytes = 0
         self._peak = self.base
         if not self._kernel:
