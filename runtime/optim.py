@@ -153,6 +153,30 @@ def _chunks(*arrays: np.ndarray) -> Iterator[tuple[np.ndarray, ...]]:
         yield tuple(a[start:start + CHUNK] for a in flat)
 
 
+def _with_gradient(p: np.ndarray, g, *state: np.ndarray) -> Iterator[tuple[np.ndarray, ...]]:
+    """Matching chunks (p, gradient, *state) for a dense step. A table's row gradient is scattered
+    into one chunk of rows at a time, never into a dense copy of the table (47 MB a step for
+    MiniLM's once its state has gone dense): its ids sorted stably, so each element gets its rows
+    added in the order `RowGradient.dense` adds them, and the same values."""
+    rows = _row_gradient(g, p)
+    if rows is None or not all(a.flags.c_contiguous for a in state):
+        yield from _chunks(p, np.broadcast_to(np.asarray(dense_gradient(g), np.float32), p.shape), *state)
+        return
+    order = np.argsort(rows.ids, kind="stable")
+    ids, values = rows.ids[order], rows.rows[order]
+    width = int(np.prod(p.shape[1:]))
+    per_chunk = max(1, CHUNK // max(1, width))
+    # the rows summed in their own dtype, as `RowGradient.dense` sums them, then made float32
+    buffer = np.empty((min(per_chunk, p.shape[0]),) + p.shape[1:], values.dtype)
+    for start in range(0, p.shape[0], per_chunk):
+        stop = min(start + per_chunk, p.shape[0])
+        a, b = np.searchsorted(ids, (start, stop))
+        gc = buffer[:stop - start]
+        gc.fill(0)
+        np.add.at(gc, ids[a:b] - start, values[a:b])
+        yield (p[start:stop], gc if gc.dtype == np.float32 else gc.astype(np.float32), *(x[start:stop] for x in state))
+
+
 @dataclass
 class SGD:
     """torch.optim.SGD semantics; updates the given arrays in place (they are the optimizer's own
@@ -184,18 +208,21 @@ class SGD:
                 continue
             if name in self.row_buffers:  # a dense gradient after row steps: the momentum dense again
                 self.buffers[name] = self.row_buffers.pop(name).dense(0)
-            g = np.asarray(dense_gradient(grads[name]), np.float32)  # a table summed as rows: dense now
-            buf = None
+            g = grads[name]
+            buf, first = None, False
             if self.momentum:
                 buf = self.buffers.get(name)
-                if buf is None:
+                if buf is None and _row_gradient(g, p) is not None:
+                    # zero momentum, then the later steps' rule: 0 * momentum + g (+ wd * p) is the
+                    # first step's buffer exactly, with no dense copy of the gradient
+                    buf = self.buffers[name] = np.zeros_like(p, np.float32)
+                elif buf is None:
+                    g = np.asarray(g, np.float32)
                     buf = self.buffers[name] = np.array(g, np.float32)
                     if self.weight_decay:
                         buf += f(self.weight_decay) * p
                     first = True
-                else:
-                    first = False
-            for pc, gc, *rest in _chunks(p, np.broadcast_to(g, p.shape), *(() if buf is None else (buf,))):
+            for pc, gc, *rest in _with_gradient(p, g, *(() if buf is None else (buf,))):
                 tmp = scratch[:pc.size].reshape(pc.shape) if pc.size <= scratch.size else np.empty(pc.shape, np.float32)
                 if self.weight_decay:  # g + wd * p, as torch adds L2 decay to the gradient
                     np.multiply(pc, f(self.weight_decay), out=tmp)
@@ -286,13 +313,12 @@ class AdamW:
             if name in self.rows:  # a dense gradient after row steps: the moments dense again
                 state = self.rows.pop(name)
                 self.m[name], self.v[name] = state.dense(0), state.dense(1)
-            g = np.asarray(dense_gradient(grads[name]), np.float32)  # a table summed as rows: dense now
             m = self.m.get(name)
             v = self.v.get(name)
             if m is None:
                 m = self.m[name] = np.zeros_like(p)
                 v = self.v[name] = np.zeros_like(p)
-            for pc, gc, mc, vc in _chunks(p, np.broadcast_to(g, p.shape), m, v):
+            for pc, gc, mc, vc in _with_gradient(p, grads[name], m, v):
                 tmp = scratch[:pc.size].reshape(pc.shape) if pc.size <= scratch.size else np.empty(pc.shape, np.float32)
                 self._moments_and_step(gc, mc, vc, tmp, c1, c2)
                 if self.weight_decay:

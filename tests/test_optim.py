@@ -160,3 +160,37 @@ def test_state_parts_are_the_optimizers_own_arrays_and_make_its_state(name, kw):
     own = {f"{kind}/{k}": a for kind in ("m", "v") for k, a in getattr(opt, kind, {}).items()}
     own.update({f"momentum/{k}": a for k, a in getattr(opt, "buffers", {}).items()})
     assert all(dense[k] is own[k] for k in dense if k != "steps")
+
+
+@pytest.mark.parametrize("name,kw", OPTIMIZERS)
+def test_a_table_with_dense_state_takes_its_row_gradient_without_a_dense_copy(name, kw):
+    """Once a table's state is dense (or SGD decays it, which steps every row), its row gradient is
+    scattered one chunk of rows at a time: the step allocates a small fraction of the table (traced
+    by tracemalloc, which sees numpy's buffers), and gives the dense gradient's step bit for bit
+    (repeated ids included, added in the same order)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(3)
+    shape = (20000, 64)  # 5 MB
+    ids = rng.integers(0, shape[0], 600)
+    ids[::7] = ids[0]  # one row many times over
+    g = RowGradient(ids, rng.standard_normal((ids.size, shape[1])).astype(np.float32), shape)
+    start = rng.standard_normal(shape).astype(np.float32)
+    by_rows, dense = start.copy(), start.copy()
+    opt_rows, opt_dense = make_optimizer(name, 1e-2, **kw), make_optimizer(name, 1e-2, **kw)
+    for opt in (opt_rows, opt_dense):
+        opt.dense_tables.add("table")  # as after ROWS_DENSE_SHARE of the rows had state
+    for step in range(3):
+        tracemalloc.start()
+        try:
+            opt_rows.step({"table": by_rows}, {"table": g})
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        opt_dense.step({"table": dense}, {"table": g.dense()})
+        # the first step allocates the state (m and v, or the momentum), nothing more
+        state = start.nbytes * (2 if name == "adamw" else 1) if step == 0 else 0
+        assert peak < state + start.nbytes // 8, (step, peak)
+        assert np.array_equal(by_rows, dense), step
+    a, b = opt_rows.state(), opt_dense.state()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in b)
