@@ -26,10 +26,11 @@ class BlockCost:
     recompute_s: float = 0.0
     workspace_bytes: int = 0  # peak memory above the weights while the block runs one micro-batch
     # What one more block of this kind adds to the peak of a stage that runs several (its per-op
-    # caches, its gradients: what all the stage's blocks hold at once), measured on two consecutive
-    # blocks of the kind; the rest of `workspace_bytes` is a transient one block's backward needs
-    # at a time. None: not measured (a kind the model has once, or an older profile), taken as
-    # the whole workspace.
+    # caches, its gradients: what all the stage's blocks hold at once), measured on stages of 1-3
+    # consecutive blocks of the kind (`runtime.profiling.device.measure_block`); the rest of
+    # `workspace_bytes` is a transient one block's backward needs at a time. None: not measured (a
+    # kind with no second block right after its first, or an older profile), taken as the whole
+    # workspace.
     stacked_bytes: int | None = None
     # What each further micro-batch in flight adds to the peak when the engine keeps activations
     # (PyTorch's saved tensors; MNN's further set of block graphs with their caches). None: not

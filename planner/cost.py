@@ -27,6 +27,8 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
     params x (WEIGHT_COPIES, or ASYNC_WEIGHT_COPIES under 1f1b-stash and 2bw, + GRADIENT_COPIES
               + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
   + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
+  + for an embedding table only looked up, its gradient as the rows an update sums instead of a
+    dense copy (`row_gradient_delta_bytes`: MiniLM's 47 MB word table, 3 MiB of rows at 8 x 128)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
   + the blocks' workspace (`workspace_of`): each block's `BlockCost.stacked` (what one more block
     of its kind adds to a stage's peak: per-op caches, gradients), plus on a device that keeps its
@@ -66,6 +68,7 @@ Decoder LLMs:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import lru_cache
 from typing import Sequence
@@ -86,9 +89,12 @@ from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes
 # (a tied LM head) is held once more on MNN (`double_held_bytes`).
 WEIGHT_COPIES = 1
 ASYNC_WEIGHT_COPIES = 2
-# The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter (an embedding
-# table's is rows until the update, then dense for the step).
+# The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter. An embedding
+# table nothing but lookups read has rows instead, never made dense (`row_gradient_delta_bytes`).
 GRADIENT_COPIES = 1
+# A row gradient's sum is joined anew at each micro-batch's backward (`runtime.engines.base.
+# accumulate`), the old sum alive while the new one is built: up to twice the rows of an update.
+ROW_GRADIENT_COPIES = 2
 # Optimizer state per parameter (runtime/optim.py): SGD one momentum buffer, AdamW two moments.
 OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
 # Each old weight version kept under 1f1b-stash is one numpy copy (`MNNStageEngine._old_versions`).
@@ -300,6 +306,31 @@ def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
     return sum(int(graph.constants[t].nbytes) for t in tables - read)
 
 
+def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int) -> int:
+    """What the gradients of the embedding tables of blocks first..last that nothing but lookups read
+    hold, less their dense charge (`GRADIENT_COPIES` x the table; negative where rows take less):
+    both engines give such a table's gradient as the rows its lookups touched (`RowGradient`), the
+    executor sums them as rows (ROW_GRADIENT_COPIES x one row, its float32 values and an int64 id,
+    per lookup of every micro-batch of an update) and the optimizer steps them without a dense
+    copy (`runtime.optim`). 0 for engines the model knows nothing of, or a lookup of unknown shape."""
+    if device_engine(device) not in ("mnn", "torch"):
+        return 0
+    tables, read = _tables(graph, first, last)
+    delta = 0
+    for t in sorted(tables - read):
+        table = graph.constants[t]
+        lookups = 0
+        for n in graph.nodes:
+            if n.op == "Gather" and n.inputs[0] == t:
+                shape = graph.values[n.inputs[1]].shape if n.inputs[1] in graph.values else None
+                if not shape or any(not isinstance(d, int) or d < 0 for d in shape):
+                    return 0
+                lookups += math.prod(shape)
+        row = int(table.nbytes) // table.shape[0] + 8
+        delta += ROW_GRADIENT_COPIES * lookups * microbatches * row - GRADIENT_COPIES * int(table.nbytes)
+    return delta
+
+
 def tied_bytes(graph: Graph, first: int, last: int) -> int:
     """Bytes of the trainable weights blocks first..last share with blocks outside the range (tied
     weights cut by the stage's boundaries: a copy on each holder, gradients summed every step)."""
@@ -412,6 +443,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     workspace = workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device)
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
             - unversioned_bytes(graph, first, last, device) * unversioned_copies(schedule, stages, stage, microbatches)
+            + row_gradient_delta_bytes(graph, first, last, device, microbatches)
             + tied_bytes(graph, first, last) + held
             + sum(inputs) * in_flight + workspace + runtime_bytes(device))
 

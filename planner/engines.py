@@ -5,7 +5,8 @@ fastest over the whole model; and every device keeps the activations of each mic
 until its backward (fastest: PyTorch's autograd, MNN with one set of block graphs per micro-batch
 in flight) or recomputes them there (one micro-batch's activations held: PyTorch runs the forward
 again, MNN re-runs it as it does by default), whichever is faster within its budget (`planner.cost`:
-the memory model charges a keeping device's workspace once per micro-batch in flight).
+the memory model charges a keeping device each block's measured kept part once more per further
+micro-batch in flight).
 
 Why a search and not one choice per device. Which backend is fastest depends on the blocks: on
 this machine PyTorch runs a decoder's vocabulary-sized LM head and loss several times faster than

@@ -60,12 +60,13 @@ def _cp_sat(inst: PartitionInstance) -> Partition:
 
 def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
                    schedule, m, optimizer, recompute=(), update=(), weight=(), unversioned=(), keeps=(),
-                   kept=()) -> PartitionInstance:
+                   kept=(), gradient_delta=()) -> PartitionInstance:
     """An instance from plain numbers; memory tables from planner.cost for the schedule; `weight`
     (a split backward's W per block) only where the schedule splits backwards; `unversioned` [d][k]:
     parameter bytes device d keeps no old version of (embedding tables only looked up); `keeps` [d]:
     whether device d keeps activations, `kept` [d][k]: what block k holds then per further
-    micro-batch in flight."""
+    micro-batch in flight; `gradient_delta` [d][k]: what a table's gradient held as rows changes
+    against its dense charge."""
     nd, n = len(devices), len(params)
     return PartitionInstance(
         tuple(devices), tuple(f"b{k}" for k in range(n)), tuple(map(tuple, compute)), tuple(params), tuple(inputs),
@@ -78,7 +79,7 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         unversioned_copies=tuple(tuple(unversioned_copies(schedule, p, s, m) for s in range(p))
                                  for p in range(1, nd + 1)),
         unversioned_bytes=tuple(map(tuple, unversioned)), keeps_activations=tuple(keeps),
-        kept_bytes=tuple(map(tuple, kept)))
+        kept_bytes=tuple(map(tuple, kept)), gradient_delta_bytes=tuple(map(tuple, gradient_delta)))
 
 
 @st.composite
@@ -117,9 +118,13 @@ def instances(draw, tight: bool | None = None):
     # micro-batch in flight (planner.cost.workspace_of)
     keeps = [draw(st.booleans()) for _ in range(nd)]
     kept = [ints(0, 20, n) for _ in range(nd)]
+    # that table's gradient held as rows: less than its dense copy, or more (a small table looked up
+    # often), on the devices that know the engine
+    rows = draw(st.integers(0, 2 * table))
+    gradient_delta = [[rows - table if k == 0 and draw(st.booleans()) else 0 for k in range(n)] for _ in range(nd)]
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
                           bandwidth, latency, schedule, m, optimizer, recompute, update, weight, unversioned,
-                          keeps, kept)
+                          keeps, kept, gradient_delta)
 
 
 @st.composite
@@ -142,7 +147,7 @@ def repeated_instances(draw):
                           [[0 if d == e else link(d, e, lat) for e in range(nd)] for d in range(nd)],
                           base.schedule, base.microbatches, base.optimizer, pick(base.recompute_us), pick(base.update_us),
                           pick(base.weight_us), pick(base.unversioned_bytes), pick(base.keeps_activations),
-                          pick(base.kept_bytes))
+                          pick(base.kept_bytes), pick(base.gradient_delta_bytes))
 
 
 def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
@@ -206,7 +211,7 @@ def _memory_by_hand(inst: PartitionInstance, part: Partition) -> list[int]:
         blocks = range(st.first_block, st.last_block + 1)
         out.append(inst.overhead_bytes[d] + sum(
             inst.params_bytes[k] * inst.weight_copies[p - 1][i] - inst.unversioned_bytes[d][k] * inst.unversioned_copies[p - 1][i]
-            + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
+            + inst.gradient_delta_bytes[d][k] + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
             + (inst.kept_bytes[d][k] * (fl - 1) if inst.keeps_activations[d] else 0) for k in blocks))
     return out
 

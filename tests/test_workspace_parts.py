@@ -16,7 +16,7 @@ import pytest
 from ir.graph import block_signature
 from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec
-from planner.cost import stage_costs, stage_memory_bytes, transient_bytes, workspace_of
+from planner.cost import row_gradient_delta_bytes, stage_costs, stage_memory_bytes, transient_bytes, workspace_of
 from planner.onnx_import import load_model
 from planner.partition import manual_partition
 from planner.partition.instance import make_instance
@@ -132,6 +132,34 @@ def test_three_minilm_layers_on_mnn_peak_where_the_measured_parts_say(minilm_onn
     predicted = 3 * cost.stacked + cost.transient
     assert abs(predicted - measured) <= 0.12 * measured, (predicted / MIB, measured / MIB)
     assert 3 * cost.workspace_bytes >= 1.2 * measured, (cost.workspace_bytes / MIB, measured / MIB)
+
+
+def test_tables_only_looked_up_are_charged_their_gradient_as_rows(graph):
+    """The tiny BERT's three tables (word 500 x 64, token type 2 x 64, position 64 x 64, float32),
+    looked up 2 x 12, 2 x 12 and 1 x 12 times a micro-batch: with 4 micro-batches an update sums
+    4 x that many rows of 64 floats and an int64 id, held twice while the sum is joined anew,
+    instead of a dense gradient of each table."""
+    row = 64 * 4 + 8
+    dense = (500 + 2 + 64) * 64 * 4
+    want = 2 * (24 + 24 + 12) * 4 * row - dense
+    assert want < 0  # rows take less than the dense copies here
+    keep = _device(graph, True)
+    assert row_gradient_delta_bytes(graph, 0, 0, keep, 4) == want
+    assert row_gradient_delta_bytes(graph, 0, len(graph.blocks) - 1, keep, 4) == want  # no other table
+    assert row_gradient_delta_bytes(graph, 1, len(graph.blocks) - 1, keep, 4) == 0
+    # one micro-batch an update: a quarter of the rows
+    assert row_gradient_delta_bytes(graph, 0, 0, keep, 1) == 2 * 60 * row - dense
+    # an engine the model knows nothing of: charged dense, as before
+    other = dataclasses.replace(keep.profile, backends=(dataclasses.replace(keep.profile.backends[0],
+                                                                            backend="onnx:cpu:t1"),))
+    assert row_gradient_delta_bytes(graph, 0, 0, dataclasses.replace(keep, profile=other), 4) == 0
+    # and the stage's memory has it: against the unknown engine, with no workspace and no old
+    # versions (1f1b-flush), nothing else differs
+    args = (0, 1, 0, 2, "1f1b-flush", 4, "adamw")
+    bare = _bare(graph, keep)
+    assert stage_memory_bytes(graph, bare, *args) - stage_memory_bytes(
+        graph, dataclasses.replace(bare, profile=dataclasses.replace(other, backends=(dataclasses.replace(
+            bare.profile.backends[0], backend="onnx:cpu:t1"),))), *args) == want
 
 
 def test_profiles_without_the_parts_load_and_round_trip(graph):

@@ -19,6 +19,9 @@ What is measured, per block kind and backend (one warm-up, then the median of `r
   charged to whichever block comes first. Limits: this is RSS, so memory an allocator recycles
   without the kernel seeing it is missed; torch still measured ~25 MiB more for a shape's first
   run than for a repeat (MiniLM layer: ~105 vs ~82 MiB); MNN repeats agree within ~10%.
+* what a stage holds of it (`peak_workspace`: stages of several blocks, for `stacked_bytes`) and
+  what a further micro-batch in flight adds when the engine keeps activations (`kept_workspace`,
+  for `kept_bytes`); `runtime.profiling.device.measure_block` takes both.
 * per attention block the lowering placed, an `AttentionCurve`: forward+backward seconds of the
   block's attention for h = 1..H heads (key/value groups under grouped-query attention, with their
   query heads; the piece has the block's pre-norm and rotary embeddings too). "Fused" runs all h heads batched in one piece (Q/K/V projections of width
