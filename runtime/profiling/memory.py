@@ -3,8 +3,9 @@ idle runtime and a head-split child process cost.
 
 `memory_available_bytes` is MemAvailable from /proc/meminfo unless given;
 `runtime_overhead_bytes` is the resident memory of a fresh interpreter that imported the worker
-runtime and built nothing (measured in a child process, so the caller's model does not count):
-the MNN runtime's, ~47 MiB here. Importing torch adds ~240 MiB on top, which this figure does not
+runtime, brought a ZeroMQ CURVE link up and passed one 4 MiB tensor over it, and built nothing
+(measured in a child process, so the caller's model does not count): the MNN runtime's, ~49 MiB
+here (~43 before the link). Importing torch adds ~240 MiB on top, which this figure does not
 include; a plan that puts torch in a device's main process must allow for it.
 
 `split_child_bytes` (engine kind -> bytes) is what each child process of a head split costs
@@ -98,13 +99,26 @@ def memory_available_bytes() -> int:
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout: a child imports the runtime from it
 _RUNTIME_IMPORTS = ("import sys; sys.path.insert(0, sys.argv[1])\n"
                     "import runtime.pipeline.worker, runtime.engines.mnn, runtime.transport.zeromq\n")
+# A worker's transport up and one tensor through it: ZeroMQ's context and I/O thread, CURVE's
+# buffers (~6 MiB here with both ends of a loopback link in the one process, so a slight over-count
+# of one end), which a runtime that only imported the modules does not hold.
+_TRANSPORT_UP = ("from runtime.keys import KeyPair\n"
+                 "from runtime.transport.zeromq import ZmqTransport\n"
+                 "from runtime.transport.wire import Expected\n"
+                 "import numpy as np\n"
+                 "_a, _b = KeyPair.generate('worker'), KeyPair.generate('peer')\n"
+                 "_w = ZmqTransport('worker', 'tcp://127.0.0.1:0', keys=_a.curve_keys(), accept={'peer': _b.public.curve})\n"
+                 "_p = ZmqTransport('peer', None, {'worker': _w.address}, keys=_b.curve_keys(),"
+                 " peer_keys={'worker': _a.public.curve})\n"
+                 "_p.send_tensor('worker', 'act', 0, 0, np.ones(1 << 20, np.float32))\n"
+                 "_w.recv_tensor('peer', Expected('act', 0, 0), timeout=30)\n")
 _PRINT_RSS = "print('RSS', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])\n"
 
 
 def runtime_overhead_bytes(timeout_s: float = 60.0, also: str = "") -> int:
     """Resident memory of a fresh interpreter after importing the worker runtime (0 if unknown);
     `also`: a further statement to run first (an engine's import)."""
-    probe = _RUNTIME_IMPORTS + (also + "\n" if also else "") + _PRINT_RSS
+    probe = _RUNTIME_IMPORTS + _TRANSPORT_UP + (also + "\n" if also else "") + _PRINT_RSS
     try:
         proc = subprocess.run([sys.executable, "-c", probe, str(_ROOT)], capture_output=True,
                               text=True, timeout=timeout_s)
