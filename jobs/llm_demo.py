@@ -73,8 +73,9 @@ def _pipeline(model: Path, plan_dir: Path, train: Path, dev: Path, settings: Tra
     where = ", ".join(f"{d.name} {d.first_block}-{d.last_block}" for d in plan.devices)
     reporter.note(f"[5/5] the same fine-tune on the plan's {plan.stages} stages ({where}) as local worker "
                   f"processes, {plan.schedule}, {plan.microbatches} micro-batches")
+    # what the plan chose each stage does with its activations, so its planned memory is comparable
     pipeline = PipelineSettings(schedule=plan.schedule, microbatches=plan.microbatches, cuts=cuts,
-                                on_failure="stop")
+                                on_failure="stop", activations=tuple(d.activations for d in plan.devices))
     return train_pipeline_job(model, train, dev, replace(settings, threads=1), pipeline, local=plan.stages,
                               reporter=reporter, task="causal-lm")
 
