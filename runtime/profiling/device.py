@@ -60,8 +60,8 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     Memory besides the workspace: `kept_bytes`, what a second micro-batch in flight adds under an
     engine that keeps activations (`kept_workspace`, on the run of blocks of this kind described
     next, divided by its length: one block alone measured 27-28 MiB a MiniLM layer on MNN, three
-    35), and, for a kind whose next block is of the
-    same kind, `stacked_bytes`: what each further block of the kind adds to a stage. Peaks of
+    35), and, for a kind whose next block is of the same kind, `stacked_bytes`: what each further
+    block of the kind adds to a stage. Peaks of
     stages of 1, 2 (and 3, where the model has three in a row) such blocks are measured
     (`peak_workspace`, freshly built engines after the timed run, so none pays the shape's first
     run), and the larger of the last step and the mean step is taken: a single block's peak

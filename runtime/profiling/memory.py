@@ -4,8 +4,8 @@ idle runtime and a head-split child process cost.
 `memory_available_bytes` is MemAvailable from /proc/meminfo unless given;
 `runtime_overhead_bytes` is the resident memory of a fresh interpreter that imported the worker
 runtime, brought a ZeroMQ CURVE link up and passed one 4 MiB tensor over it, and built nothing
-(measured in a child process, so the caller's model does not count): the MNN runtime's, ~49 MiB
-here (~43 before the link). Importing torch adds ~240 MiB on top, which this figure does not
+(measured in a child process, so the caller's model does not count): the MNN runtime's, ~55 MiB
+here (43-45 before the link). Importing torch adds ~240 MiB on top, which this figure does not
 include; a plan that puts torch in a device's main process must allow for it.
 
 `split_child_bytes` (engine kind -> bytes) is what each child process of a head split costs
@@ -116,7 +116,8 @@ _PRINT_RSS = "print('RSS', [int(l.split()[1]) * 1024 for l in open('/proc/self/s
 
 
 def runtime_overhead_bytes(timeout_s: float = 60.0, also: str = "") -> int:
-    """Resident memory of a fresh interpreter after importing the worker runtime (0 if unknown);
+    """Resident memory of a fresh interpreter after importing the worker runtime and passing a tensor
+    over a transport link (0 if unknown);
     `also`: a further statement to run first (an engine's import)."""
     probe = _RUNTIME_IMPORTS + _TRANSPORT_UP + (also + "\n" if also else "") + _PRINT_RSS
     try:
