@@ -69,6 +69,7 @@ Decoder LLMs:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import replace
 from functools import lru_cache
 from typing import Sequence
@@ -271,10 +272,10 @@ def stage_params_bytes(graph: Graph, first: int, last: int) -> int:
     return total
 
 
-# The graphs whose tables were last looked at, with what `_graph_tables` found: the planner asks
-# for every block range of every device (make_instance: 2 x blocks calls per device), and a scan of
-# the nodes each time cost 7-9 ms a device on SmolLM2's 1063 nodes.
-_TABLE_FACTS: list[tuple[Graph, tuple[frozenset[str], frozenset[str], dict[str, int | None]]]] = []
+# The graphs whose tables were last looked at (weakly: a graph holds its weights), with what
+# `_graph_tables` found: the planner asks for every block range of every device (make_instance: 2 x
+# blocks calls per device), and a scan of the nodes each time cost 7-9 ms a device on SmolLM2's 1063.
+_TABLE_FACTS: list[tuple[weakref.ref, tuple[frozenset[str], frozenset[str], dict[str, int | None]]]] = []
 
 
 def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[str, int | None]]:
@@ -282,7 +283,7 @@ def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[st
     micro-batch of each table: the elements of its index inputs, None where a shape is unknown),
     from one pass over the nodes, kept for the last few graphs."""
     for known, facts in _TABLE_FACTS:
-        if known is graph:
+        if known() is graph:
             return facts
     tables = frozenset(n.inputs[0] for n in graph.nodes if n.op == "Gather") & frozenset(graph.constants)
     read = frozenset(i for n in graph.nodes if n.op != "Gather" for i in n.inputs) & tables
@@ -293,7 +294,7 @@ def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[st
             ok = shape and all(isinstance(d, int) and d >= 0 for d in shape)
             lookups[n.inputs[0]] = lookups[n.inputs[0]] + math.prod(shape) if ok else None
     facts = (tables, read, lookups)
-    _TABLE_FACTS[:] = [(graph, facts)] + _TABLE_FACTS[:3]
+    _TABLE_FACTS[:] = [(weakref.ref(graph), facts)] + [e for e in _TABLE_FACTS if e[0]() is not None][:3]
     return facts
 
 
