@@ -70,6 +70,10 @@ class BackendProfile:
     # resident memory this engine adds to the idle runtime (`DeviceProfile.runtime_overhead_bytes`,
     # which has MNN loaded): PyTorch's import, some 300 MB; 0 for MNN or when not measured
     engine_overhead_bytes: int = 0
+    # seconds per parameter byte of the optimizers this engine steps with a native kernel of its
+    # own (PyTorch: AdamW's fused kernel), by optimizer name; an optimizer not here is stepped by
+    # runtime.optim's numpy (`DeviceProfile.update_s_per_param_byte`). Empty in profiles made before.
+    update_s_per_param_byte: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -135,6 +139,7 @@ class DeviceProfile:
                     {k: AttentionCurve(tuple(v["seconds"]), tuple(v.get("fused_faster", ())))
                      for k, v in b.get("attention", {}).items()},
                     int(b.get("engine_overhead_bytes", 0)),
+                    {str(k): _seconds(v) for k, v in b.get("update_s_per_param_byte", {}).items()},
                 ) for b in doc["backends"])
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
                        int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),

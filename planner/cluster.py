@@ -162,6 +162,16 @@ def device_backend(device: DeviceSpec) -> BackendProfile:
     return next((b for b in ranked if base + b.engine_overhead_bytes <= device.memory_budget_bytes), ranked[0])
 
 
+def update_rate(device: DeviceSpec, optimizer: str) -> float:
+    """Seconds per parameter byte of one `optimizer` step on the device: its backend's native
+    kernel where the profile measured one (PyTorch's fused AdamW), else runtime.optim's numpy
+    step; 0 for a profile that measured neither."""
+    native = device_backend(device).update_s_per_param_byte
+    if optimizer in native:
+        return native[optimizer]
+    return device.profile.update_s_per_param_byte.get(optimizer, 0.0)
+
+
 def runtime_bytes(device: DeviceSpec) -> int:
     """What the device holds before any stage: the idle runtime and its backend's engine."""
     return device.profile.runtime_overhead_bytes + device_backend(device).engine_overhead_bytes

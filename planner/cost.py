@@ -79,7 +79,7 @@ from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import WEIGHT_GRAD_SHARE, Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.profile import BlockCost
-from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes
+from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, update_rate
 
 
 # Weights a stage holds per parameter byte, besides gradients, optimizer state and old versions.
@@ -440,7 +440,7 @@ def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer:
     _check_range(graph, first, last)
     check_optimizer_name(optimizer)
     params = stage_params_bytes(graph, first, last)
-    return params * device.profile.update_s_per_param_byte.get(optimizer, 0.0)
+    return params * update_rate(device, optimizer)
 
 
 def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,

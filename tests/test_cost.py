@@ -175,6 +175,38 @@ def test_optimizer_update_time_from_the_profile_enters_the_step():
     assert predicted_step_s(stash, "1f1b-stash", 4) == pytest.approx(4 * max(slowest, *boundary_link_s(stash)))
 
 
+def test_a_backends_own_optimizer_kernel_sets_the_update_time():
+    """A backend the profile measured a native AdamW step for (PyTorch's fused kernel) is charged
+    that rate, on a fixed backend and on an auto device's pick alike; SGD, which it steps with
+    numpy, keeps the device's rate; so does a backend without one."""
+    import dataclasses
+
+    from planner.cluster import update_rate
+    from planner.partition.instance import make_instance
+
+    g, cl = tiny_graph(), tiny_cluster()
+    numpy_rate, native_rate = 4e-6, 1e-6
+
+    def with_rates(d, backend, picked=None):
+        b = d.profile.backends[0]
+        fast = dataclasses.replace(b, backend="torch:cpu:t1", update_s_per_param_byte={"adamw": native_rate})
+        plain = dataclasses.replace(b, backend="mnn:cpu:t1")
+        prof = dataclasses.replace(d.profile, backends=(plain, fast),
+                                   update_s_per_param_byte={"adamw": numpy_rate, "sgd": numpy_rate})
+        return dataclasses.replace(d, profile=prof, backend=backend, picked=picked)
+
+    for backend, picked, want in [("torch:cpu:t1", None, native_rate), ("mnn:cpu:t1", None, numpy_rate),
+                                  (None, "torch:cpu:t1", native_rate), (None, "mnn:cpu:t1", numpy_rate)]:
+        cl2 = dataclasses.replace(cl, devices=tuple(with_rates(d, backend, picked) for d in cl.devices))
+        assert update_rate(cl2.devices[0], "adamw") == want
+        assert update_rate(cl2.devices[0], "sgd") == numpy_rate
+        costs = stage_costs(g, cl2, _two_stages(), "1f1b-flush", 4, "adamw")
+        assert [c.update_s for c in costs] == pytest.approx([3000 * want, 2100 * want])
+        inst = make_instance(g, cl2, "1f1b-flush", 4, "adamw")
+        assert inst.update_us == tuple(tuple(round(b.params_bytes * want * 1e6) for b in g.blocks)
+                                       for _ in cl2.devices)
+
+
 def test_gradient_accumulation_is_charged_to_the_backward_under_flush_schedules():
     """m micro-batches' gradients are summed before one update: m-1 additions of the stage's
     parameter bytes per step, (m-1)/m per micro-batch; 1f1b-stash updates after every backward."""

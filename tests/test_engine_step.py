@@ -16,7 +16,7 @@ import torch
 from planner.onnx_import import load_model
 from runtime.engines.base import RowGradient, accumulate, dense_gradient
 from runtime.engines.factory import make_engine
-from runtime.engines.pytorch import TorchStageEngine
+from runtime.engines.pytorch import TorchStageEngine, fused_adamw
 from runtime.engines.stage import stage_spec
 from runtime.optim import SGD, AdamW
 from support import M, ROWS, S as SEQ, assert_grads_close, export_onnx, single_device_training, synthetic_batch, token_feeds
@@ -75,7 +75,12 @@ def test_step_equals_copy_step_write_bit_for_bit(graph, engine, optimizer, block
                 accumulate(total, e.backward(m, _grad_out(spec, graph)).params)
             sums.append(total)
         stepped.step(opt_stepped, sums[0])
-        opt_copied.step(params, {k: dense_gradient(g) for k, g in sums[1].items()})
+        if engine == "torch" and isinstance(opt_copied, AdamW):
+            # PyTorch's engine steps AdamW's dense weights with its fused kernel (tables by rows,
+            # in numpy): the copy path with the same kernel on the same gradients
+            opt_copied.step(params, sums[1], dense_kernel=fused_adamw)
+        else:
+            opt_copied.step(params, {k: dense_gradient(g) for k, g in sums[1].items()})
         copied.set_parameters(params)
     got, want = stepped.parameters(), copied.parameters()
     assert set(got) == set(spec.params)
@@ -320,3 +325,46 @@ def test_mnn_holds_its_weights_once_until_it_updates_with_forwards_in_flight(gra
     gc.collect()
     for p in in_vars:  # the Vars live as long as an array over their memory does
         np.testing.assert_array_equal(views[p], trained[p], err_msg=p)
+
+
+def test_pytorchs_adamw_kernel_is_torch_fused_adamw_with_runtime_optims_state():
+    """The PyTorch engine's native AdamW step (`fused_adamw`, through runtime.optim's `dense_kernel`)
+    is torch.optim.AdamW(fused=True) bit for bit, weights and moments, over steps with bias
+    correction; within float32 rounding of float64 AdamW; and an array the kernel cannot take as it
+    is (not C-contiguous) goes numpy's way in the same step, to the same float64 reference."""
+    rng = np.random.default_rng(5)
+    shapes = [(48, 32), (32,), (5, 3, 2)]
+    start = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(4)]
+    ours = {str(i): w.copy() for i, w in enumerate(start)}
+    opt = AdamW(lr=0.01, weight_decay=0.1)
+    fused = [torch.tensor(w, requires_grad=True) for w in start]
+    ref = torch.optim.AdamW(fused, lr=0.01, weight_decay=0.1, fused=True)
+    exact = [torch.tensor(w, dtype=torch.float64, requires_grad=True) for w in start]
+    ref64 = torch.optim.AdamW(exact, lr=0.01, weight_decay=0.1)
+    for step in grads:
+        # the last weight's gradient as a transposed view: not C-contiguous, so numpy steps it
+        given = {str(i): g for i, g in enumerate(step[:2])} | {"2": np.asfortranarray(step[2])}
+        opt.step(ours, given, dense_kernel=fused_adamw)
+        for t, t64, g in zip(fused, exact, step):
+            t.grad, t64.grad = torch.tensor(g), torch.tensor(g, dtype=torch.float64)
+        ref.step()
+        ref64.step()
+    for i in range(2):
+        np.testing.assert_array_equal(ours[str(i)], fused[i].detach().numpy())
+        np.testing.assert_array_equal(opt.m[str(i)], ref.state[fused[i]]["exp_avg"].numpy())
+        np.testing.assert_array_equal(opt.v[str(i)], ref.state[fused[i]]["exp_avg_sq"].numpy())
+    for i in range(3):
+        np.testing.assert_allclose(ours[str(i)], exact[i].detach().numpy(), rtol=0, atol=2e-6)
+    assert not np.array_equal(ours["0"], start[0])
+
+
+def test_pytorchs_engine_steps_adamw_with_its_kernel_and_sgd_with_numpy(graph):
+    """`TorchStageEngine.step` hands AdamW its fused kernel (its profile rate is that kernel's) and
+    SGD none; MNN's engine has no kernel of its own."""
+    spec = stage_spec(graph, 2, 4)
+    torch_engine, mnn_engine = make_engine("torch:cpu:t1", spec), make_engine("mnn:cpu:t1", spec)
+    assert torch_engine.optimizer_kernel(AdamW(lr=0.1)) is fused_adamw
+    assert torch_engine.optimizer_kernel(SGD(lr=0.1)) is None
+    assert mnn_engine.optimizer_kernel(AdamW(lr=0.1)) is None
+    assert TorchStageEngine(spec, dtype=torch.float64).optimizer_kernel(AdamW(lr=0.1)) is None

@@ -363,6 +363,29 @@ def test_profile_measures_the_gradient_accumulation_rate_and_old_profiles_load(t
         DeviceProfile.from_json({**prof.to_json(), "accumulate_s_per_param_byte": -1.0})
 
 
+@pytest.mark.slow  # the module's profile of every backend (~13 s)
+def test_a_backend_with_its_own_optimizer_kernel_has_its_rate_measured(tiny_profile):
+    """PyTorch's backends step AdamW with its fused kernel, so the profile measures that kernel's
+    rate for them (and only for AdamW); MNN's are runtime.optim's numpy step, the device's rate.
+    The rates survive JSON, and a profile made before them loads with none."""
+    prof, lines = tiny_profile
+    for b in prof.backends:
+        if b.backend.startswith("torch:"):
+            assert set(b.update_s_per_param_byte) == {"adamw"}, b.backend
+            assert 1e-13 < b.update_s_per_param_byte["adamw"] < 1e-7  # seconds per byte, as update_rates
+            assert any(line.startswith(f"{b.backend}: its own adamw step, ") for line in lines)
+        else:
+            assert b.update_s_per_param_byte == {}, b.backend
+    assert DeviceProfile.from_json(prof.to_json()) == prof
+    doc = prof.to_json()
+    for b in doc["backends"]:
+        del b["update_s_per_param_byte"]
+    assert all(b.update_s_per_param_byte == {} for b in DeviceProfile.from_json(doc).backends)
+    doc["backends"][0]["update_s_per_param_byte"] = {"adamw": float("nan")}
+    with pytest.raises(ValueError, match="malformed profile"):
+        DeviceProfile.from_json(doc)
+
+
 @pytest.mark.parametrize("backend", ["mnn:cpu:t1", "torch:cpu:t1"])
 def test_a_stage_is_timed_with_its_table_gradient_as_rows(tiny_graph, backend, monkeypatch):
     """The profile times the embeddings' backward as pipelines and the trainer run it (the table's

@@ -33,7 +33,7 @@ from typing import Sequence
 from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
-from planner.cluster import Cluster, runtime_bytes
+from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (accumulated_share, block_costs, block_input_bytes, block_weight_grads_s, check_blocks,
                           double_held_bytes, in_flight_microbatches, keeps_activations, reuses_forward,
                           row_gradient_delta_bytes, transient_bytes, unversioned_bytes, unversioned_copies, weight_copies)
@@ -235,7 +235,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         microbatches=microbatches, schedule=schedule, optimizer=optimizer,
         # the re-run is part of the backward: a noisy profile may time it above the backward itself
         recompute_us=tuple(tuple(round(min(c.recompute_s, c.backward_s) * US_PER_S) for c in row) for row in costs),
-        update_us=tuple(tuple(round(b.params_bytes * s.profile.update_s_per_param_byte.get(optimizer, 0.0) * US_PER_S)
+        update_us=tuple(tuple(round(b.params_bytes * update_rate(s, optimizer) * US_PER_S)
                               for b in blocks) for s in specs),
         weight_us=tuple(tuple(round(w * US_PER_S) for w in block_weight_grads_s(graph, s, schedule, microbatches))
                         for s in specs) if schedule in SPLIT_BACKWARD_SCHEDULES else (),

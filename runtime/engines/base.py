@@ -146,6 +146,11 @@ class StageEngine(ABC):
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite parameters (from a checkpoint, or a re-plan's move)."""
 
+    def optimizer_kernel(self, optimizer):
+        """The engine's native kernel for `optimizer`'s dense weights (`runtime.optim`'s
+        `dense_kernel`: PyTorch's fused AdamW), or None where numpy's step is the engine's."""
+        return None
+
     def step(self, optimizer, grads: Mapping[str, np.ndarray]) -> None:
         """One optimizer step (`runtime.optim`, which updates the arrays it is given in place) on this
         stage's parameters with the summed `grads`. The caller keeps no copy of the weights between

@@ -23,6 +23,7 @@ from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array
 from runtime.engines.lm_loss import chunk_rows
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_up_only
+from runtime.optim import AdamW, AdamWStep
 
 
 def _run_node(node: Node, args: list[torch.Tensor]) -> torch.Tensor:
@@ -257,6 +258,16 @@ def _bias_fusions(spec: StageSpec, constants: set[str]) -> dict[str, _Linear]:
     return out
 
 
+def fused_adamw(batch, hp: AdamWStep) -> None:
+    """AdamW on [(weight, gradient, m, v), ...] (runtime.optim's arrays, seen as tensors sharing
+    their memory) with PyTorch's fused kernel, in place: one vectorised pass per tensor where
+    numpy makes a dozen. torch.optim.AdamW(fused=True)'s arithmetic, so its rounding, not numpy's."""
+    weights, grads, ms, vs = ([torch.from_numpy(entry[i]) for entry in batch] for i in range(4))
+    step = torch.tensor(float(hp.step))  # read, not advanced, by the kernel
+    torch._fused_adamw_(weights, grads, ms, vs, [], [step] * len(weights), lr=hp.lr, beta1=hp.beta1,
+                        beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False)
+
+
 class TorchStageEngine(StageEngine):
     """The stage on PyTorch. `recompute`: a training forward keeps only its inputs (and the weight
     tensors it used) instead of autograd's graph of every activation, and its backward runs the
@@ -267,12 +278,15 @@ class TorchStageEngine(StageEngine):
 
     def __init__(self, spec: StageSpec, dtype: torch.dtype = torch.float32, threads: int | None = None,
                  weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False, take_weights: bool = False,
-                 fuse_attention: bool = True):
+                 fuse_attention: bool = True, native_step: bool = True):
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
         self.dtype = dtype
         self.recompute = bool(recompute)
+        # AdamW's dense weights stepped by PyTorch's fused kernel (runtime.optim keeps the state):
+        # a quarter of numpy's time, which 1f1b-stash pays after every backward
+        self.native_step = bool(native_step) and dtype == torch.float32
         source = weights if weights is not None else spec.graph.constants
         # with take_weights a parameter shares the caller's array (torch.from_numpy): one copy of the weights
         np_dtype = np.float32 if dtype == torch.float32 else np.float64
@@ -547,7 +561,15 @@ class TorchStageEngine(StageEngine):
             # autograd graph holds them), so the step writes new ones; taken arrays stay with it
             self._params = self._new_version()
         # numpy views of the leaf tensors, stepped in place: nothing else holds them now
-        optimizer.step({k: p.detach().numpy() for k, p in self._params.items()}, grads)
+        views = {k: p.detach().numpy() for k, p in self._params.items()}
+        kernel = self.optimizer_kernel(optimizer)
+        if kernel is None:
+            optimizer.step(views, grads)
+        else:
+            optimizer.step(views, grads, dense_kernel=kernel)
+
+    def optimizer_kernel(self, optimizer):
+        return fused_adamw if self.native_step and isinstance(optimizer, AdamW) else None
 
     def set_parameters(self, values):
         # New leaf tensors rather than in-place copies: a forward still waiting for its backward

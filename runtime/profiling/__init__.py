@@ -15,6 +15,7 @@ from runtime.profiling.backends import (
 from runtime.profiling.compute import (
                                       accumulate_rate,
                                       attention_curve,
+                                      engine_update_rates,
                                       measure_stage,
                                       update_rates,
 )
@@ -42,6 +43,7 @@ from runtime.profiling.split_costs import (
 
 __all__ = [
     "DEFAULT_BACKENDS", "PeakRss", "SplitExtraCost", "SplitRun", "accumulate_rate", "attention_curve", "block_mask",
+    "engine_update_rates",
     "discover", "distinct_blocks", "link_from_round_trips", "link_probe_server", "measure_link", "measure_stage",
     "memory_available_bytes", "present_backends", "profile_device", "runtime_overhead_bytes", "split_allocations",
     "split_child_bytes", "split_extra_cost", "split_primary", "synthetic_feeds", "thread_variants",

@@ -196,6 +196,28 @@ def update_rates(nbytes: int = 32 << 20, reps: int = 3) -> dict[str, float]:
     return rates
 
 
+def engine_update_rates(backend: BackendSpec, spec: StageSpec, nbytes: int = 32 << 20,
+                        reps: int = 3) -> dict[str, float]:
+    """Seconds per parameter byte of one step of each optimizer `backend`'s engine steps with a
+    native kernel of its own (`StageEngine.optimizer_kernel`: PyTorch's fused AdamW), measured as
+    `update_rates` is, at the engine's thread setting; {} for an engine that has none (MNN)."""
+    from runtime.optim import make_optimizer
+
+    engine = make_engine(backend, spec)
+    rates = {}
+    for name in ("sgd", "adamw"):
+        optimizer = make_optimizer(name, 1e-4)
+        kernel = engine.optimizer_kernel(optimizer)
+        if kernel is None:
+            continue
+        params = {"w": np.zeros(nbytes // 4, np.float32)}
+        grads = {"w": np.full(nbytes // 4, 1e-3, np.float32)}
+        optimizer.step(params, grads, dense_kernel=kernel)  # state allocated, as later steps find it
+        rates[name] = statistics.median(timed(lambda: optimizer.step(params, grads, dense_kernel=kernel))
+                                        for _ in range(reps)) / nbytes
+    return rates
+
+
 def accumulate_rate(nbytes: int = 32 << 20, reps: int = 3) -> float:
     """Seconds per parameter byte of adding one micro-batch's gradient into the running sum, as
     runtime.pipeline.executor does (`acc += g`, in place)."""

@@ -33,8 +33,8 @@ from runtime.engines import mnn_kernels as K
 from runtime.engines.split.piece import attention_form
 from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
-from runtime.profiling.compute import (accumulate_rate, attention_curve, kept_workspace, measure_stage, peak_workspace,
-                                       update_rates)
+from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_update_rates, kept_workspace,
+                                       measure_stage, peak_workspace, update_rates)
 from runtime.profiling.inputs import Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
@@ -155,7 +155,10 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     say(f"{backend.name} {block.name} attention 1..{form.units} {unit}: "
                         f"{curve.seconds[0] * 1e3:.1f} .. {curve.seconds[-1] * 1e3:.1f} ms "
                         f"[{time.perf_counter() - started:.1f} s]")
-            profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine]))
+            native = engine_update_rates(backend, stage_spec(graph, cheapest.index, cheapest.index))
+            for optimizer, rate in native.items():
+                say(f"{backend.name}: its own {optimizer} step, {rate * 2**20 * 1e3:.2f} ms per MiB of weights")
+            profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native))
         children = measure_split_children(graph, kinds, feeds, present, say, started) if attention else {}
         extra = (measure_split_extra_costs(graph, kinds, feeds, present, profiles, reps, say, started)
                  if attention else {})
