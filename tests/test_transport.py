@@ -759,3 +759,38 @@ def test_only_the_zmq_transport_imports_zmq():
     code = "import sys, runtime.transport.local; print(sorted(m for m in sys.modules if m.startswith('zmq')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["curve", "insecure"])
+def test_zmq_drops_what_a_names_old_holder_sent_once_the_name_changes_hands(secure):
+    """A re-plan gives a lost worker's position, so its name, to another worker (issue 13: a frozen
+    worker thaws and flushes what it had queued). A gradient the old holder sent and nobody took,
+    with the very stage and micro-batch the new holder's will carry, must not pass for the new
+    holder's; what the old holder sends later is refused; the new holder's is taken."""
+    def endpoint(name: str, pair: KeyPair) -> ZmqTransport:
+        if not secure:
+            return ZmqTransport(name, "tcp://127.0.0.1:0", linger_s=0.2, insecure=True)
+        return ZmqTransport(name, "tcp://127.0.0.1:0", keys=pair.curve_keys(), linger_s=0.2)
+
+    pairs = {k: KeyPair.generate(k) for k in ("survivor", "old", "new")}
+    survivor, old, new = (endpoint(n, pairs[k]) for n, k in (("stage0", "survivor"), ("stage1", "old"),
+                                                              ("stage1", "new")))
+    key = {k: pairs[k].public.curve if secure else None for k in pairs}
+    try:
+        survivor.connect("stage1", old.address, key=key["old"])
+        old.connect("stage0", survivor.address, key=key["survivor"])
+        old.send_tensor("stage0", "grad", 1, 0, X)
+        old.send_control("stage0", {"type": "marker"})  # after the gradient on one connection: it is filed
+        assert survivor.recv_control("stage1", timeout=5) == ("stage1", {"type": "marker"})
+        survivor.connect("stage1", new.address, key=key["new"])  # the name changes hands
+        old.send_tensor("stage0", "grad", 1, 1, 2 * X)
+        new.connect("stage0", survivor.address, key=key["survivor"])
+        new.send_tensor("stage0", "grad", 1, 0, 3 * X)
+        _, got = survivor.recv_tensor("stage1", Expected("grad", 1, 0), timeout=5)
+        np.testing.assert_array_equal(got, 3 * X)
+        with pytest.raises(PeerTimeout):
+            survivor.recv_tensor("stage1", Expected("grad", 1, 1), timeout=0.5)
+        assert survivor.refused, "the old holder's late message was not recorded as refused"
+    finally:
+        for t in (survivor, old, new):
+            t.close()

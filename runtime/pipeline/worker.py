@@ -321,7 +321,8 @@ class Worker:
         # the step's batches came before the abort on the same connection: all are here, and stale
         self.transport.discard(COORDINATOR, controls=False)
         lost = set(msg.get("lost") or ())
-        for peer in lost:  # what a lost neighbour sent is of no step to come (another may take its name)
+        for peer in lost:  # what a lost neighbour sent, or sends if it thaws, is of no step to come
+            self.transport.retire(peer)
             self.transport.discard(peer)
         neighbours = [p for p in getattr(self.transport, "peers", {}) if p != COORDINATOR and p not in lost]
         for peer in neighbours:

@@ -269,6 +269,15 @@ class ZmqTransport(Transport):
             raise RuntimeError(f"transport {self.name!r} is closed")
         if self._peers.get(peer) == address and self._bound.get(peer) == (key if self.secure else None):
             return
+        old_address, old_key = self._peers.get(peer), self._bound.get(peer)
+        if (old_address is not None and old_address != address) or (
+                self.secure and old_key is not None and old_key != key):
+            # The name changes hands (a re-plan gives a lost or released worker's position to
+            # another): whatever its old holder sent that was not taken, or is still on its way (a
+            # frozen process that thaws flushes its queue), is of a pipeline that went on without
+            # it and would pass for the new holder's (same name, stage and micro-batch)
+            self.retire(peer)
+            self.discard(peer)
         self._bind_name(peer, key)
         old = self._links.pop(peer, None)
         if old is not None:
