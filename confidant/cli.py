@@ -348,6 +348,12 @@ def _add_plan(sub) -> None:
     p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds (default %(default)s)")
     p.add_argument("-o", "--output", type=Path, default=Path("plan"), help="plan folder (default %(default)s)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="the training data `confidant train` will get (read as it reads it): the rows of each "
+                        "embedding table it looks up bound that table's AdamW state, which is otherwise charged "
+                        "whole (MiniLM's word table: 94 MB); train then refuses data that looks up more rows")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="with --data: the tokenizer.json train will use (default: the model's, as train's)")
     _add_security_flags(p)
     _add_lora_flags(p)
 

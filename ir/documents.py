@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ir.backend import BackendSpec
@@ -338,6 +338,10 @@ class PlanDocument:
     bottleneck_s: float = 0.0
     cluster_sha256: str | None = None
     base_sha256: str | None = None
+    # distinct rows of each embedding table the data the plan was made for looks up (`plan --data`,
+    # `ir.graph.Graph.lookup_rows`): the memory model holds those tables' AdamW state for that many
+    # rows, so `train` refuses data that looks up more. Empty: tables charged whole.
+    lookup_rows: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def stages(self) -> int:
@@ -379,6 +383,8 @@ class PlanDocument:
             doc["cluster_sha256"] = self.cluster_sha256
         if self.base_sha256 is not None:
             doc["base_sha256"] = self.base_sha256
+        if self.lookup_rows:
+            doc["lookup_rows"] = dict(sorted(self.lookup_rows.items()))
         return doc
 
     @classmethod
@@ -440,12 +446,16 @@ class PlanDocument:
         for key in ("batch", "seq"):
             if not _is_int(doc[key]) or doc[key] < 1:
                 raise fail(f"{key} is {doc[key]!r}, not an integer >= 1")
+        lookup_rows = doc.get("lookup_rows", {})
+        if not (isinstance(lookup_rows, dict)
+                and all(isinstance(k, str) and _is_int(v) and v >= 0 for k, v in lookup_rows.items())):
+            raise fail(f"lookup_rows is {lookup_rows!r:.80}, not an object of table names to row counts >= 0")
         return cls(doc["model"], schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth,
                    doc["batch"], doc["seq"], tuple(blocks), doc["engine"], doc["backend"],
                    OptimizerSettings.from_json(doc["optimizer"]), parsed, doc["predicted_step_s"],
                    doc["partition_method"], tuple(tuple(str(a) for a in row) for row in schedule.actions),
                    doc.get("graph"), bool(doc.get("partition_optimal", False)), float(doc.get("bottleneck_s", 0.0)),
-                   cluster_digest, base_digest)
+                   cluster_digest, base_digest, dict(lookup_rows))
 
 
 def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:

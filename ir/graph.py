@@ -166,6 +166,11 @@ class Graph:
     blocks: tuple[Block, ...] = ()
     batch: int = 0
     seq: int = 0
+    # How many distinct rows of each embedding table the training data looks up (table name ->
+    # rows; `planner.lookups`, from `confidant plan --data`): the optimizer keeps state only for
+    # those rows (runtime.optim), which the memory model then charges instead of the whole table.
+    # A fact about the data, like `batch` and `seq`; empty (the default): unknown, charged dense.
+    lookup_rows: Mapping[str, int] = field(default_factory=dict)
 
     def node(self, name: str) -> Node:
         return self._node_index()[name]

@@ -74,8 +74,10 @@ def run_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent
     from runtime.keys import signer
 
     keys = home / "keys"  # the coordinator's key signs the bundles and secures the links
+    # with the training data: the word embeddings' AdamW state is charged for the rows it looks up
     plan_model(model, cluster_path, PlanSettings("1f1b-flush", settings.batch, settings.seq, DEMO_MICROBATCHES,
-                                                 optimizer=settings.optimizer, lr=settings.lr), plan_dir, reporter,
+                                                 optimizer=settings.optimizer, lr=settings.lr, data=train,
+                                                 tokenizer=settings.tokenizer), plan_dir, reporter,
                sign=signer(coordinator_pair(keys, note=reporter.note)))
     reporter.note(f"[6/6] training from the plan on {len(load_plan(plan_dir).devices)} local worker processes "
                   f"({settings.steps} steps)")

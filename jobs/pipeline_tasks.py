@@ -38,6 +38,8 @@ class PipelineTask:
     evaluate: Callable[[Mapping[str, np.ndarray]], EvalFigures | None]
     headline: Callable[[EvalFigures], str]
     labels: tuple[str, ...] = ()
+    # distinct batches before `feeds_of_step` repeats them (one pass over the data); 0: not said
+    batches: int = 0
 
 
 def step_feeds(batches, step: int, micro_rows: int, microbatches: int, num_labels: int) -> list[dict[str, np.ndarray]]:
@@ -95,7 +97,7 @@ def _classification(task: str, model: Path, data: Path, eval_path: Path | None, 
         return f"accuracy {f.after:.4f}, macro-F1 {f.macro_f1:.4f}" if task == "seq-cls" else f"entity F1 {f.after:.4f}"
 
     return PipelineTask(task, graph, lambda k: step_feeds(batches, k, rows, microbatches, n_labels), evaluate,
-                        headline, tuple(run.labels))
+                        headline, tuple(run.labels), len(batches))
 
 
 def _causal_lm(model: Path, data: Path, eval_path: Path | None, training: TrainingSettings, microbatches: int,
@@ -125,4 +127,4 @@ def _causal_lm(model: Path, data: Path, eval_path: Path | None, training: Traini
     def headline(f: EvalFigures) -> str:
         return f"dev perplexity {f.perplexity:.3f}, exact match {f.after:.3f}"
 
-    return PipelineTask("causal-lm", graph, feeds_of_step, evaluate, headline)
+    return PipelineTask("causal-lm", graph, feeds_of_step, evaluate, headline, batches=len(batches))

@@ -133,13 +133,9 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     rescuer = replanner if replanner is not None else _failure_replanner(settings, plan_dir, plan, contents, sign)
     spares = _spare_devices(replanner or rescuer, names)
     M, rows, seq = plan.microbatches, plan.batch, plan.seq
-    full = merge_slices([c.graph for c in contents])
-    if is_causal_lm(full):
-        task = _causal_lm_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
-    elif len(full.values[full.blocks[-2].output].shape) == 2:  # logits [batch, labels]
-        task = _seqcls_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
-    else:
-        task = _ner_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+    full = _plan_graph(plan, contents)
+    task = data_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+    check_lookup_rows(plan, task, settings.steps, data)
     if not settings.local and not all(d.address for d in plan.devices):
         raise JobError(f"{plan_dir}/plan.json lacks worker addresses; pass --local or re-plan with addresses")
     config = PipelineConfig(schedule=plan.schedule, microbatches=M, timeout_s=settings.timeout_s)
@@ -200,6 +196,41 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     return metrics
 
 
+def data_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int, M: int,
+              seq: int) -> PipelineTask:
+    """The task `full` (the model at micro-batch `rows`) trains, on `data`: a causal LM, sequence
+    classification (logits [batch, labels]) or NER. `plan_dir`: where a causal LM's tokenizer is
+    (unless settings.tokenizer), and the model named in label-count errors."""
+    if is_causal_lm(full):
+        return _causal_lm_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+    if len(full.values[full.blocks[-2].output].shape) == 2:  # logits [batch, labels]
+        return _seqcls_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+    return _ner_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+
+
+def task_lookup_rows(task: PipelineTask, steps: int | None = None) -> dict[str, int]:
+    """`planner.lookups.lookup_rows` of the batches of `steps` training steps (None: one pass over
+    the data, every batch the task has)."""
+    from planner.lookups import lookup_rows
+
+    count = task.batches if steps is None else (min(steps, task.batches) if task.batches else steps)
+    return lookup_rows(task.graph, (feed for k in range(count) for feed in task.feeds_of_step(k)))
+
+
+def check_lookup_rows(plan, task: PipelineTask, steps: int, data: Path) -> None:
+    """A JobError when this run looks up more rows of a table than the data the plan was made for
+    (`confidant plan --data`): the plan holds that table's AdamW state for that many rows only."""
+    if not plan.lookup_rows:
+        return
+    here = task_lookup_rows(task, steps)
+    for table, planned in sorted(plan.lookup_rows.items()):
+        if here.get(table, 0) > planned:
+            raise JobError(f"{data} looks up {here[table]} rows of embedding table {table!r} in {steps} steps, but the "
+                           f"plan was made for data that looks up {planned} (`confidant plan --data`), and its memory "
+                           f"model holds that table's optimizer state for {planned} rows only: re-plan with --data "
+                           f"{data}, or without --data to charge the table whole")
+
+
 def _ner_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int, M: int,
               seq: int) -> PipelineTask:
     """NER from a plan: CoNLL files, entity F1 of the trained weights on the merged slices."""
@@ -211,7 +242,7 @@ def _ner_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: Plan
         return eval_figures(score_weights(full, weights, ner, rows)) if ner.dev else None
 
     return PipelineTask("ner", full, lambda k: step_feeds(batches, k, rows, M, len(ner.labels)), evaluate,
-                        lambda f: f"entity F1 {f.after:.4f}", tuple(ner.labels))
+                        lambda f: f"entity F1 {f.after:.4f}", tuple(ner.labels), len(batches))
 
 
 def _seqcls_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int,
@@ -239,7 +270,8 @@ def _seqcls_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: P
         return class_figures(score_classes(engine, full, run, rows))
 
     return PipelineTask("seq-cls", full, lambda k: step_feeds(batches, k, rows, M, len(run.labels)), evaluate,
-                        lambda f: f"accuracy {f.after:.4f}, macro-F1 {f.macro_f1:.4f}", tuple(run.labels))
+                        lambda f: f"accuracy {f.after:.4f}, macro-F1 {f.macro_f1:.4f}", tuple(run.labels),
+                        len(batches))
 
 
 def _causal_lm_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int,
@@ -279,7 +311,8 @@ def _causal_lm_task(plan_dir: Path, data: Path, eval_path: Path | None, settings
         nll = engine_nll(engine, make_lm_batches(dev_rows, rows, seq, pad_id, shuffle=False), rows, pad_id)
         return EvalFigures(nll.perplexity, None, None, metric="perplexity", perplexity=nll.perplexity)
 
-    return PipelineTask("causal-lm", full, feeds_of_step, evaluate, lambda f: f"dev perplexity {f.perplexity:.3f}")
+    return PipelineTask("causal-lm", full, feeds_of_step, evaluate, lambda f: f"dev perplexity {f.perplexity:.3f}",
+                        batches=len(batches))
 
 
 # --- re-planning while training from a plan folder --------------------------------------------------
@@ -305,6 +338,12 @@ def _plan_over(replanner, address_of):
     return plan_over
 
 
+def _plan_graph(plan: PlanDocument, contents):
+    """The whole model from the plan's bundles, with the lookups of the data it was planned for
+    (so that a re-plan charges the tables' optimizer state as the first plan did)."""
+    return replace(merge_slices([c.graph for c in contents]), lookup_rows=dict(plan.lookup_rows))
+
+
 def _failure_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, contents, sign):
     """Without --replan-every: a re-planner used only when a device is lost (None when the plan has
     no cluster.json to re-plan with, or --on-failure stop)."""
@@ -312,7 +351,7 @@ def _failure_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocu
         return None
     try:
         cluster = load_cluster(settings.cluster) if settings.cluster is not None else load_plan_cluster(plan_dir)
-        return PlanReplanner(plan_dir, plan, merge_slices([c.graph for c in contents]), cluster,
+        return PlanReplanner(plan_dir, plan, _plan_graph(plan, contents), cluster,
                              settings.replan_threshold, sign=sign)
     except (BundleError, ValueError):
         return None
@@ -343,7 +382,7 @@ def _plan_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocumen
                        f"plan {plan_dir} runs ({plan.batch}, {plan.seq}); give a cluster profiled at the "
                        f"plan's shape")
     try:
-        return PlanReplanner(plan_dir, plan, merge_slices([c.graph for c in contents]), cluster,
+        return PlanReplanner(plan_dir, plan, _plan_graph(plan, contents), cluster,
                              settings.replan_threshold, sign=sign)
     except ValueError as exc:
         raise JobError(str(exc)) from None

@@ -15,7 +15,8 @@ from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, device_backend, load_cluster
-from planner.cost import activations_of, check_tied_schedule, compute_s, keeps_activations, predicted_step_s, stage_costs
+from planner.cost import (ROWS_DENSE_SHARE, activations_of, check_tied_schedule, compute_s, keeps_activations,
+                          predicted_step_s, stage_costs)
 from planner.engines import pick_engines, recompute_everywhere
 from planner.emit import emit_plan
 from planner.lora import LoraSettings
@@ -43,6 +44,10 @@ class PlanSettings:
     devices: tuple[str, ...] | None = None
     time_limit_s: float = 10.0
     lora: LoraSettings | None = None  # None: full fine-tuning
+    # the training data (and its tokenizer, else the model's): the embedding rows it looks up set
+    # how much AdamW state the memory model charges those tables (`planner.lookups`)
+    data: Path | None = None
+    tokenizer: Path | None = None
 
 
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
@@ -59,6 +64,8 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         raise JobError(f"the profiles were measured at (micro-batch rows, seq) {sorted(profiled)} but this plan uses "
                        f"({graph.batch}, {graph.seq}) = --batch {settings.batch} / --microbatches {M}, --seq "
                        f"{settings.seq}; re-profile with `confidant profile --batch {graph.batch} --seq {graph.seq}`")
+    if settings.data is not None:
+        graph = _with_lookup_rows(graph, Path(model), settings, reporter)
     cluster, splits = _with_head_splits(graph, cluster, reporter)
     instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer)
     reporter.note(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({settings.schedule}, "
@@ -106,6 +113,31 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         if copied:
             reporter.note(f"copied the tokenizer beside the plan ({', '.join(copied)}): `confidant train` reads it there")
     return Path(output)
+
+
+def _with_lookup_rows(graph, model: Path, settings: PlanSettings, reporter: Reporter):
+    """The graph with the rows of each embedding table one pass over `settings.data` looks up, read
+    as `confidant train` will read it (the same task, tokenizer and batches)."""
+    from jobs.plan_training import PlanRunSettings, data_task, task_lookup_rows
+
+    M = settings.microbatches
+    try:
+        task = data_task(model, settings.data, None, PlanRunSettings(tokenizer=settings.tokenizer), graph,
+                         graph.batch, M, settings.seq)
+        rows = task_lookup_rows(task)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"--data {settings.data}: {exc}") from None
+    for table, n in sorted(rows.items()):
+        total = graph.constants[table].shape[0]
+        if settings.optimizer != "adamw":
+            why = f"{settings.optimizer}'s state of the table is charged whole (only AdamW's is kept as rows)"
+        elif n <= ROWS_DENSE_SHARE * total:
+            why = "AdamW's state of the table is charged for those rows"
+        else:
+            why = f"over {ROWS_DENSE_SHARE:.0%} of them, AdamW's state of the table is dense, charged whole"
+        reporter.note(f"--data looks up {n} of the {total} rows of {table} ({100 * n / total:.1f}%, {task.batches} "
+                      f"batches): {why}")
+    return dataclasses.replace(graph, lookup_rows=rows)
 
 
 def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, reporter: Reporter,

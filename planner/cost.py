@@ -98,6 +98,14 @@ GRADIENT_COPIES = 1
 ROW_GRADIENT_COPIES = 2
 # Optimizer state per parameter (runtime/optim.py): SGD one momentum buffer, AdamW two moments.
 OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
+# AdamW keeps an embedding table's m and v only for the rows that ever had a gradient
+# (runtime.optim's `_RowState`: an int64 slot per table row, then per held row an int64 id and a
+# row of each moment, in arrays that grow by doubling, old and new alive while they grow: up to 3x
+# the rows) until more than ROWS_DENSE_SHARE of the rows have state; then they are dense for good.
+# The same constants as runtime.optim's (tests/test_cost.py holds them equal).
+ROWS_DENSE_SHARE = 0.4
+ROW_STATE_GROWTH = 3
+ROW_STATE_MIN_ROWS = 64
 # Each old weight version kept under 1f1b-stash is one numpy copy (`MNNStageEngine._old_versions`).
 STASHED_VERSION_COPIES = 1
 
@@ -351,6 +359,30 @@ def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: Device
     return delta
 
 
+def table_state_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, optimizer: str) -> int:
+    """What the AdamW state of the embedding tables of blocks first..last that nothing but lookups
+    read holds, less its dense charge (`OPTIMIZER_STATE_COPIES` x the table; negative where rows
+    take less), for the tables whose rows the training data looks up are known
+    (`Graph.lookup_rows`, `confidant plan --data`) and stay at most ROWS_DENSE_SHARE of the table:
+    runtime.optim keeps m and v for those rows only. 0 for a table whose rows are unknown, for SGD
+    (whose momentum goes dense with any weight decay, which the plan does not know), and for engines
+    the model knows nothing of."""
+    if optimizer != "adamw" or device_engine(device) not in ("mnn", "torch") or not graph.lookup_rows:
+        return 0
+    tables, read = _tables(graph, first, last)
+    states = OPTIMIZER_STATE_COPIES[optimizer]
+    delta = 0
+    for t in sorted(tables - read):
+        rows = graph.lookup_rows.get(t)
+        table = graph.constants[t]
+        if rows is None or rows > ROWS_DENSE_SHARE * table.shape[0]:
+            continue
+        row = int(table.nbytes) // table.shape[0]
+        held = ROW_STATE_GROWTH * max(rows, ROW_STATE_MIN_ROWS) * (8 + states * row) + 8 * table.shape[0]
+        delta += min(0, held - states * int(table.nbytes))
+    return delta
+
+
 def tied_bytes(graph: Graph, first: int, last: int) -> int:
     """Bytes of the trainable weights blocks first..last share with blocks outside the range (tied
     weights cut by the stage's boundaries: a copy on each holder, gradients summed every step)."""
@@ -464,6 +496,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
             - unversioned_bytes(graph, first, last, device) * unversioned_copies(schedule, stages, stage, microbatches)
             + row_gradient_delta_bytes(graph, first, last, device, microbatches)
+            + table_state_delta_bytes(graph, first, last, device, optimizer)
             + tied_bytes(graph, first, last) + held
             + sum(inputs) * in_flight + workspace + runtime_bytes(device))
 

@@ -211,7 +211,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
                         schedule.stash_depth, graph.batch, graph.seq, tuple(b.name for b in graph.blocks),
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
                         tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
-                        partition.bottleneck_s, cluster_sha256, base_sha256)
+                        partition.bottleneck_s, cluster_sha256, base_sha256, dict(graph.lookup_rows))
     doc = plan.to_json()
     PlanDocument.from_json(doc, str(out_dir))  # what a reader will check, before anything is written
     path = out_dir / PLAN

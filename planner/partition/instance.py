@@ -34,9 +34,10 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes, update_rate
-from planner.cost import (accumulated_share, block_costs, block_input_bytes, block_weight_grads_s, check_blocks,
-                          double_held_bytes, in_flight_microbatches, keeps_activations, reuses_forward,
-                          row_gradient_delta_bytes, transient_bytes, unversioned_bytes, unversioned_copies, weight_copies)
+from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, block_costs, block_input_bytes,
+                          block_weight_grads_s, check_blocks, double_held_bytes, in_flight_microbatches,
+                          keeps_activations, reuses_forward, row_gradient_delta_bytes, table_state_delta_bytes,
+                          transient_bytes, unversioned_bytes, unversioned_copies, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -87,10 +88,10 @@ class PartitionInstance:
     # that keeps its activations (planner.cost.workspace_of: the profile's `BlockCost.kept`).
     # Empty: the whole workspace again (the older model).
     kept_bytes: tuple[tuple[int, ...], ...] = ()
-    # [d][k] what holding the gradient of block k's embedding tables only looked up as rows changes
-    # on device d against its dense charge in weight_copies (planner.cost.row_gradient_delta_bytes;
-    # negative: less). Empty: all zero.
-    gradient_delta_bytes: tuple[tuple[int, ...], ...] = ()
+    # [d][k] what holding the gradient and AdamW state of block k's embedding tables only looked up
+    # as rows changes on device d against their dense charge in weight_copies
+    # (planner.cost.row_gradient_delta_bytes, table_state_delta_bytes; negative: less). Empty: all zero.
+    table_delta_bytes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -129,13 +130,14 @@ class PartitionInstance:
             object.__setattr__(self, "keeps_activations", (False,) * nd)
         elif len(self.keeps_activations) != nd:
             raise ValueError(f"PartitionInstance.keeps_activations needs one entry per device ({nd})")
-        if not self.gradient_delta_bytes:
-            object.__setattr__(self, "gradient_delta_bytes", tuple((0,) * n for _ in range(nd)))
-        elif len(self.gradient_delta_bytes) != nd or any(len(r) != n for r in self.gradient_delta_bytes):
-            raise ValueError(f"PartitionInstance.gradient_delta_bytes must have shape {(nd, n)}")
-        if any(-d > p for row in self.gradient_delta_bytes for d, p in zip(row, self.params_bytes)):
-            raise ValueError("PartitionInstance.gradient_delta_bytes takes off more than a block's parameters: "
-                             "only their gradient copy can be charged otherwise")
+        if not self.table_delta_bytes:
+            object.__setattr__(self, "table_delta_bytes", tuple((0,) * n for _ in range(nd)))
+        elif len(self.table_delta_bytes) != nd or any(len(r) != n for r in self.table_delta_bytes):
+            raise ValueError(f"PartitionInstance.table_delta_bytes must have shape {(nd, n)}")
+        most = GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[self.optimizer]
+        if any(-d > most * p for row in self.table_delta_bytes for d, p in zip(row, self.params_bytes)):
+            raise ValueError(f"PartitionInstance.table_delta_bytes takes off more than {most}x a block's parameters: "
+                             f"only their gradient and optimizer state can be charged otherwise")
         if not self.kept_bytes:
             object.__setattr__(self, "kept_bytes", self.workspace_bytes)
         elif len(self.kept_bytes) != nd or any(len(r) != n or any(x < 0 for x in r) for r in self.kept_bytes):
@@ -180,7 +182,7 @@ class PartitionInstance:
         """Bytes of block k's parameters (weights, gradient, optimizer state, old versions) device d
         holds at stage s of p."""
         return (self.params_bytes[k] * self.weight_copies[p - 1][s]
-                - self.unversioned_bytes[d][k] * self.unversioned_copies[p - 1][s] + self.gradient_delta_bytes[d][k])
+                - self.unversioned_bytes[d][k] * self.unversioned_copies[p - 1][s] + self.table_delta_bytes[d][k])
 
     def held_workspace(self, d: int, k: int, in_flight: int) -> int:
         """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
@@ -247,9 +249,16 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         unversioned_bytes=tuple(tuple(unversioned_bytes(graph, 0, k, spec) - (unversioned_bytes(graph, 0, k - 1, spec)
                                                                             if k else 0)
                                       for k in range(len(blocks))) for spec in specs),
-        gradient_delta_bytes=tuple(tuple(row_gradient_delta_bytes(graph, 0, k, spec, microbatches)
-                                         - (row_gradient_delta_bytes(graph, 0, k - 1, spec, microbatches) if k else 0)
-                                         for k in range(len(blocks))) for spec in specs))
+        table_delta_bytes=tuple(tuple(_table_delta(graph, k, spec, microbatches, optimizer)
+                                      - (_table_delta(graph, k - 1, spec, microbatches, optimizer) if k else 0)
+                                      for k in range(len(blocks))) for spec in specs))
+
+
+def _table_delta(graph: Graph, last: int, device, microbatches: int, optimizer: str) -> int:
+    """What blocks 0..last's looked-up-only tables' gradients and optimizer state, held as rows,
+    change against their dense charge (a table goes with the first block that lists it)."""
+    return (row_gradient_delta_bytes(graph, 0, last, device, microbatches)
+            + table_state_delta_bytes(graph, 0, last, device, optimizer))
 
 
 # --- evaluating one assignment (shared by brute force, the solver's answer and manual plans) ---
@@ -336,7 +345,7 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     bw, lat = inst.link_bandwidth_bytes_per_s, inst.link_latency_us
     keys: dict = {}
     label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.weight_us[d],
-                              inst.workspace_bytes[d], inst.kept_bytes[d], inst.gradient_delta_bytes[d],
+                              inst.workspace_bytes[d], inst.kept_bytes[d], inst.table_delta_bytes[d],
                               inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d]),
                              len(keys)) for d in range(nd)]
 

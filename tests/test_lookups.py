@@ -1,0 +1,151 @@
+"""The rows of an embedding table the training data looks up bound its AdamW state (issue 14's memory
+model): `planner.lookups` counts them from the feeds `confidant train` will run, the memory model
+charges the table's m and v as those rows (`planner.cost.table_state_delta_bytes`) as runtime.optim
+holds them, `plan --data` records them and `train` refuses data that looks up more."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from ir.graph import block_signature
+from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
+from planner.cluster import DeviceSpec
+from planner.cost import (OPTIMIZER_STATE_COPIES, ROW_STATE_GROWTH, ROW_STATE_MIN_ROWS, ROWS_DENSE_SHARE,
+                          stage_memory_bytes, table_state_delta_bytes)
+from planner.lookups import lookup_rows, table_index_inputs
+from planner.onnx_import import load_model
+from planner.partition import make_instance, manual_partition
+from planner.cluster import Cluster
+from support import S, export_onnx, token_feeds
+
+MIB = 2 ** 20
+WORD = "inner.bert.embeddings.word_embeddings.weight"
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_checkpoint, export_dir):
+    return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), 2, S)
+
+
+def _device(graph, name="box", engine="mnn") -> DeviceSpec:
+    costs = {block_signature(b): BlockCost(0.01, 0.02, workspace_bytes=MIB) for b in graph.blocks}
+    profile = DeviceProfile(name, graph.name, graph.batch, graph.seq, (BackendProfile(f"{engine}:cpu:t1", costs),),
+                            memory_available_bytes=8 << 30, runtime_overhead_bytes=100 * MIB)
+    return DeviceSpec(name, "tcp://127.0.0.1:1", profile, 4 << 30)
+
+
+def test_the_tables_indexed_by_fed_inputs_and_their_distinct_rows(graph):
+    """The word and token-type tables are looked up by inputs as fed; the position table by ids the
+    graph computes, so it is left out. Rows count each distinct index once, a negative one as the
+    row it takes; an index outside the table is an error naming input, index and table."""
+    sources = table_index_inputs(graph)
+    assert sources[WORD] == "input_ids"
+    assert "token_type_ids" in sources.values()
+    assert not any("position" in t for t in sources), sources
+    rows = graph.constants[WORD].shape[0]
+    feeds = [token_feeds(2, S, vocab=50, seed=s) for s in range(3)]
+    want = len(set(np.concatenate([f["input_ids"].reshape(-1) for f in feeds]).tolist()))
+    assert lookup_rows(graph, feeds)[WORD] == want
+    extra = {**feeds[0], "input_ids": np.full_like(feeds[0]["input_ids"], -1)}  # the last row
+    assert lookup_rows(graph, feeds + [extra])[WORD] == want + 1
+    assert WORD not in lookup_rows(graph, [{"token_type_ids": feeds[0]["token_type_ids"]}])
+    with pytest.raises(ValueError, match=rf"input 'input_ids' holds index {rows}, outside table '{WORD}' of {rows} rows"):
+        lookup_rows(graph, [{**feeds[0], "input_ids": np.full_like(feeds[0]["input_ids"], rows)}])
+
+
+def test_the_memory_model_charges_a_tables_adamw_state_as_the_rows_looked_up(graph):
+    """Known rows under ROWS_DENSE_SHARE: m and v for those rows (grown by doubling) and a slot per
+    table row instead of two whole tables; past the share, unknown rows, SGD, or an engine the model
+    does not know: the whole table. The partition instance agrees with the stage's memory."""
+    table = graph.constants[WORD]
+    n, row = table.shape[0], table.nbytes // table.shape[0]
+    device = _device(graph)
+    last = len(graph.blocks) - 1
+    few = dataclasses.replace(graph, lookup_rows={WORD: 40})
+    held = ROW_STATE_GROWTH * max(40, ROW_STATE_MIN_ROWS) * (8 + 2 * row) + 8 * n
+    want = min(0, held - 2 * table.nbytes)
+    assert table_state_delta_bytes(few, 0, last, device, "adamw") == want < 0
+    assert (stage_memory_bytes(few, device, 0, last, 0, 1, "1f1b-flush", 2, "adamw")
+            - stage_memory_bytes(graph, device, 0, last, 0, 1, "1f1b-flush", 2, "adamw")) == want
+    many = dataclasses.replace(graph, lookup_rows={WORD: int(ROWS_DENSE_SHARE * n) + 1})
+    assert table_state_delta_bytes(many, 0, last, device, "adamw") == 0
+    assert table_state_delta_bytes(graph, 0, last, device, "adamw") == 0
+    assert table_state_delta_bytes(few, 0, last, device, "sgd") == 0
+    assert table_state_delta_bytes(few, 1, last, device, "adamw") == 0  # the table is in block 0
+    odd = dataclasses.replace(device, profile=dataclasses.replace(
+        device.profile, backends=(dataclasses.replace(device.profile.backends[0], backend="tflite:cpu:t1"),)))
+    assert table_state_delta_bytes(few, 0, last, odd, "adamw") == 0
+    cluster = Cluster((device, _device(graph, "b", "torch")), Link(1e9, 1e-4))
+    inst = make_instance(few, cluster, "1f1b-flush", 2, "adamw")
+    plan = manual_partition(inst, ["box", "b"], [2])
+    assert plan.stages[0].memory_bytes == stage_memory_bytes(few, device, 0, 1, 0, 2, "1f1b-flush", 2, "adamw")
+
+
+def test_runtime_optim_holds_no_more_than_the_memory_model_charges():
+    """The model's constants are runtime.optim's, and AdamW's row state after steps over tables of
+    looked-up rows stays within what `table_state_delta_bytes` charges for that many rows."""
+    from runtime import optim
+    from runtime.engines.base import RowGradient
+
+    assert (optim.ROWS_DENSE_SHARE, OPTIMIZER_STATE_COPIES["adamw"]) == (ROWS_DENSE_SHARE, 2)
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((3000, 16)).astype(np.float32)
+    opt, used = optim.AdamW(lr=1e-3), set()
+    for _ in range(12):
+        ids = rng.integers(0, 1000, 37)
+        used |= set(ids.tolist())
+        opt.step({"t": table}, {"t": RowGradient(ids, rng.standard_normal((37, 16)).astype(np.float32), table.shape)})
+        state = opt.rows["t"]
+        held = state.slot.nbytes + state.ids.nbytes + sum(a.nbytes for a in state.arrays)
+        charged = ROW_STATE_GROWTH * max(len(used), ROW_STATE_MIN_ROWS) * (8 + 2 * 16 * 4) + 8 * 3000
+        assert state.n == len(used) and held <= charged
+
+
+def _minilm_cluster(graph, folder, budget="4GiB"):
+    profile = _device(graph).profile
+    profile.save(folder / "box.json")
+    devices = [{"name": n, "address": f"tcp://127.0.0.1:{i + 1}", "profile": "box.json", "memory_budget": budget,
+                "backend": "mnn:cpu:t1"} for i, n in enumerate(("a", "b"))]
+    (folder / "cluster.json").write_text(json.dumps({"devices": devices, "links": {
+        "default": {"bandwidth": "1GB/s", "latency": "0.1ms"}}}))
+    return folder / "cluster.json"
+
+
+def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_more(minilm_onnx, tmp_path):
+    from jobs.errors import JobError
+    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.planning import PlanSettings, plan_model
+    from tasks.datagen import write_splits
+
+    seq = 32
+    graph = load_model(minilm_onnx, 4, seq)
+    cluster = _minilm_cluster(graph, tmp_path)
+    small, _ = write_splits(tmp_path / "small", n_train=8, n_dev=2, seed=1)
+    large, _ = write_splits(tmp_path / "large", n_train=200, n_dev=2, seed=2)
+    settings = PlanSettings(batch=8, seq=seq, microbatches=2, cuts=(3,), devices=("a", "b"))
+    whole = json.loads((plan_model(minilm_onnx, cluster, settings, tmp_path / "whole") / "plan.json").read_text())
+    out = plan_model(minilm_onnx, cluster, dataclasses.replace(settings, data=small), tmp_path / "rows")
+    planned = json.loads((out / "plan.json").read_text())
+    rows = planned["lookup_rows"][WORD]
+    assert 0 < rows < ROWS_DENSE_SHARE * graph.constants[WORD].shape[0]
+    saved = table_state_delta_bytes(dataclasses.replace(graph, lookup_rows={WORD: rows}), 0, 2,
+                                    _device(graph), "adamw")
+    assert planned["devices"][0]["memory_bytes"] - whole["devices"][0]["memory_bytes"] == saved < -50 * MIB
+    assert planned["devices"][1]["memory_bytes"] == whole["devices"][1]["memory_bytes"]
+    with pytest.raises(JobError, match=rf"{large} looks up \d+ rows of embedding table '{WORD}' in 40 steps, but the "
+                                       rf"plan was made for data that looks up {rows} \(`confidant plan --data`\)"):
+        train_from_plan(out, large, None, PlanRunSettings(steps=40, local=True, insecure=True))
+
+
+def test_plan_names_what_data_and_tokenizer_do_and_refuses_a_tokenizer_alone(tmp_path):
+    from support import run_cli
+
+    proc = run_cli("plan", "--help")
+    assert proc.returncode == 0 and "--data" in proc.stdout and "AdamW state" in proc.stdout
+    proc = run_cli("plan", tmp_path / "m.onnx", "--cluster", tmp_path / "c.json", "--tokenizer", tmp_path / "t.json")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("confidant plan: error: --tokenizer is the tokenizer of --data: give the training "
+                                   "data with it")
