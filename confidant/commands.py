@@ -424,6 +424,10 @@ def show_plan(plan_dir: Path) -> None:
                          f"of engine" if c.runner_up_extra_bytes else "")
                 line += f"; runner-up {c.runner_up} {c.runner_up_seconds * 1000:.0f} ms{extra}"
             print(line)
+    if plan.lookup_rows:
+        print("embedding rows the data it was planned for looks up (plan --data; their AdamW state is charged as "
+              "rows, and train refuses data that looks up more): "
+              + ", ".join(f"{table} {rows}" for table, rows in sorted(plan.lookup_rows.items())))
     if plan.base_sha256 is not None:
         print(f"base weights: {plan_dir / PLAN_BASE} (sha256 {plan.base_sha256[:12]}...): a device started with "
               f"`confidant worker --base` on a copy reads its frozen weights there instead of over the link")

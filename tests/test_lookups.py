@@ -114,7 +114,7 @@ def _minilm_cluster(graph, folder, budget="4GiB"):
     return folder / "cluster.json"
 
 
-def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_more(minilm_onnx, tmp_path):
+def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_more(minilm_onnx, tmp_path, capsys):
     from jobs.errors import JobError
     from jobs.plan_training import PlanRunSettings, train_from_plan
     from jobs.planning import PlanSettings, plan_model
@@ -135,6 +135,11 @@ def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_mo
                                     _device(graph), "adamw")
     assert planned["devices"][0]["memory_bytes"] - whole["devices"][0]["memory_bytes"] == saved < -50 * MIB
     assert planned["devices"][1]["memory_bytes"] == whole["devices"][1]["memory_bytes"]
+    from confidant.commands import show_plan
+
+    show_plan(out)
+    assert f"looks up (plan --data; their AdamW state is charged as rows, and train refuses data that looks up more): " \
+           f"inner.bert.embeddings.token_type_embeddings.weight 1, {WORD} {rows}" in capsys.readouterr().out
     with pytest.raises(JobError, match=rf"{large} looks up \d+ rows of embedding table '{WORD}' in 40 steps, but the "
                                        rf"plan was made for data that looks up {rows} \(`confidant plan --data`\)"):
         train_from_plan(out, large, None, PlanRunSettings(steps=40, local=True, insecure=True))
