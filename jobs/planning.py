@@ -16,7 +16,7 @@ from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, device_backend, load_cluster
 from planner.cost import (ROWS_DENSE_SHARE, activations_of, check_tied_schedule, compute_s, keeps_activations,
-                          predicted_step_s, stage_costs)
+                          looked_up_only, predicted_step_s, stage_costs)
 from planner.engines import pick_engines, recompute_everywhere
 from planner.emit import emit_plan
 from planner.lora import LoraSettings
@@ -127,17 +127,24 @@ def _with_lookup_rows(graph, model: Path, settings: PlanSettings, reporter: Repo
         rows = task_lookup_rows(task)
     except (ValueError, OSError) as exc:
         raise JobError(f"--data {settings.data}: {exc}") from None
+    # only the tables whose charge the rows set are kept (and checked again by train)
+    charged, only_looked_up = {}, looked_up_only(graph)
     for table, n in sorted(rows.items()):
         total = graph.constants[table].shape[0]
-        if settings.optimizer != "adamw":
+        if table not in graph.params:
+            continue  # frozen (LoRA's base): no optimizer state
+        if table not in only_looked_up:
+            why = "another op reads it too (a tied head): its gradient and state are dense, charged whole"
+        elif settings.optimizer != "adamw":
             why = f"{settings.optimizer}'s state of the table is charged whole (only AdamW's is kept as rows)"
-        elif n <= ROWS_DENSE_SHARE * total:
-            why = "AdamW's state of the table is charged for those rows"
-        else:
+        elif n > ROWS_DENSE_SHARE * total:
             why = f"over {ROWS_DENSE_SHARE:.0%} of them, AdamW's state of the table is dense, charged whole"
+        else:
+            why = "AdamW's state of the table is charged for those rows"
+            charged[table] = n
         reporter.note(f"--data looks up {n} of the {total} rows of {table} ({100 * n / total:.1f}%, {task.batches} "
                       f"batches): {why}")
-    return dataclasses.replace(graph, lookup_rows=rows)
+    return dataclasses.replace(graph, lookup_rows=charged)
 
 
 def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, reporter: Reporter,

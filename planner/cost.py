@@ -314,6 +314,13 @@ def _tables(graph: Graph, first: int, last: int) -> tuple[set[str], set[str]]:
     return tables, tables & all_read
 
 
+def looked_up_only(graph: Graph) -> frozenset[str]:
+    """The embedding tables of the model that nothing but lookups read (not a tied LM head's weight):
+    their gradients are rows, and AdamW's state of them is kept as rows (`table_state_delta_bytes`)."""
+    tables, read, _ = _graph_tables(graph)
+    return tables - read
+
+
 def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the parameters of blocks first..last the device holds once more than other weights:
     on MNN, an embedding table that an op other than a lookup also reads anywhere in the model (a

@@ -127,9 +127,25 @@ def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_mo
     large, _ = write_splits(tmp_path / "large", n_train=200, n_dev=2, seed=2)
     settings = PlanSettings(batch=8, seq=seq, microbatches=2, cuts=(3,), devices=("a", "b"))
     whole = json.loads((plan_model(minilm_onnx, cluster, settings, tmp_path / "whole") / "plan.json").read_text())
-    out = plan_model(minilm_onnx, cluster, dataclasses.replace(settings, data=small), tmp_path / "rows")
+    from jobs.report import Silent
+
+    class Notes(Silent):
+        def __init__(self):
+            self.lines = []
+
+        def note(self, text):
+            self.lines.append(text)
+
+    notes = Notes()
+    out = plan_model(minilm_onnx, cluster, dataclasses.replace(settings, data=small), tmp_path / "rows", notes)
     planned = json.loads((out / "plan.json").read_text())
     rows = planned["lookup_rows"][WORD]
+    # token types: 1 of 2 rows, over ROWS_DENSE_SHARE: charged whole, so neither recorded nor checked
+    assert set(planned["lookup_rows"]) == {WORD}
+    assert any(f"rows of {WORD} (" in n and n.endswith("AdamW's state of the table is charged for those rows")
+               for n in notes.lines), notes.lines
+    assert any("token_type_embeddings.weight (50.0%" in n and n.endswith("AdamW's state of the table is dense, "
+                                                                          "charged whole") for n in notes.lines)
     assert 0 < rows < ROWS_DENSE_SHARE * graph.constants[WORD].shape[0]
     saved = table_state_delta_bytes(dataclasses.replace(graph, lookup_rows={WORD: rows}), 0, 2,
                                     _device(graph), "adamw")
@@ -139,7 +155,7 @@ def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_mo
 
     show_plan(out)
     assert f"looks up (plan --data; their AdamW state is charged as rows, and train refuses data that looks up more): " \
-           f"inner.bert.embeddings.token_type_embeddings.weight 1, {WORD} {rows}" in capsys.readouterr().out
+           f"{WORD} {rows}\n" in capsys.readouterr().out
     with pytest.raises(JobError, match=rf"{large} looks up \d+ rows of embedding table '{WORD}' in 40 steps, but the "
                                        rf"plan was made for data that looks up {rows} \(`confidant plan --data`\)"):
         train_from_plan(out, large, None, PlanRunSettings(steps=40, local=True, insecure=True))
@@ -154,3 +170,17 @@ def test_plan_names_what_data_and_tokenizer_do_and_refuses_a_tokenizer_alone(tmp
     assert proc.returncode == 1
     assert proc.stderr.strip() == ("confidant plan: error: --tokenizer is the tokenizer of --data: give the training "
                                    "data with it")
+
+
+def test_a_tied_tables_rows_change_nothing(tmp_path):
+    """A table the LM head also reads (tied embeddings) has a dense gradient, so its AdamW state is
+    dense whatever rows the data looks up: the memory model charges it whole."""
+    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from planner.cost import looked_up_only
+
+    path = export_causal_lm(random_causal_lm("llama"), tmp_path / "llama.onnx", LlmExportOptions(), kv_cache=False)
+    tied = load_model(path, 2, 12)
+    table = "model.embed_tokens.weight"
+    assert table_index_inputs(tied)[table] == "input_ids" and table not in looked_up_only(tied)
+    few = dataclasses.replace(tied, lookup_rows={table: 5})
+    assert table_state_delta_bytes(few, 0, len(tied.blocks) - 1, _device(tied), "adamw") == 0
