@@ -164,3 +164,27 @@ def test_a_sequence_classifier_plan_trains_from_its_bundles_as_one_device_does(s
     one = train_local(model, train, dev, TrainingSettings(steps=3, batch=8, seq=32, lr=5e-5, seed=0), task="seq-cls")
     np.testing.assert_allclose(_losses(metrics), _losses(one), rtol=1e-4)
     assert metrics.eval.metric == "accuracy" and metrics.eval.after == pytest.approx(one.eval.after, abs=1 / 16)
+
+
+def test_plan_with_seq_cls_data_counts_the_rows_it_looks_up(seqcls_model, tmp_path):
+    """`plan --data` reads a classification file as `train` will (the same task code): the word
+    table's rows are the distinct token ids of the encoded sentences (and padding)."""
+    import json
+
+    from ir.graph import block_signature
+    from ir.profile import BackendProfile, BlockCost, DeviceProfile
+    from jobs.planning import PlanSettings, plan_model
+    from planner.onnx_import import load_model
+    from tasks.seqcls import load_seqcls_data
+
+    model, train, _ = seqcls_model
+    graph = load_model(model, 4, 32)
+    costs = {block_signature(b): BlockCost(0.01, 0.02, workspace_bytes=1 << 20) for b in graph.blocks}
+    DeviceProfile("box", graph.name, 4, 32, (BackendProfile("mnn:cpu:t1", costs),), 8 << 30).save(tmp_path / "p.json")
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+        {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "p.json", "memory_budget": "4GiB"}]}))
+    settings = PlanSettings(batch=8, seq=32, microbatches=2, data=train)
+    plan = json.loads((plan_model(model, tmp_path / "cluster.json", settings, tmp_path / "plan") / "plan.json").read_text())
+    encoded = load_seqcls_data(train, None, 32, None).train_encoded
+    ids = {int(i) for e in encoded for i in np.asarray(e.input_ids).reshape(-1)} | {0}  # + the padding id
+    assert plan["lookup_rows"] == {"inner.bert.embeddings.word_embeddings.weight": len(ids)}
