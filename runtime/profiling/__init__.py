@@ -44,7 +44,7 @@ from runtime.profiling.split_costs import (
 __all__ = [
     "DEFAULT_BACKENDS", "PeakRss", "SplitExtraCost", "SplitRun", "accumulate_rate", "attention_curve", "block_mask",
     "discover", "distinct_blocks", "engine_update_rates", "link_from_round_trips", "link_probe_server",
-    "measure_link", "measure_stage", "memory_available_bytes", "present_backends", "profile_device", "runtime_overhead_bytes", "split_allocations",
-    "split_child_bytes", "split_extra_cost", "split_primary", "synthetic_feeds", "thread_variants",
-    "time_split_attention", "torch_devices", "update_rates",
+    "measure_link", "measure_stage", "memory_available_bytes", "present_backends", "profile_device",
+    "runtime_overhead_bytes", "split_allocations", "split_child_bytes", "split_extra_cost", "split_primary",
+    "synthetic_feeds", "thread_variants", "time_split_attention", "torch_devices", "update_rates",
 ]
