@@ -246,19 +246,20 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                  for p in range(1, nd + 1)),
         # a table goes with the first block that lists it (planner.cost.unversioned_bytes counts it
         # once per range; attributing it once keeps the instance's sum at most that)
-        unversioned_bytes=tuple(tuple(unversioned_bytes(graph, 0, k, spec) - (unversioned_bytes(graph, 0, k - 1, spec)
-                                                                            if k else 0)
-                                      for k in range(len(blocks))) for spec in specs),
-        table_delta_bytes=tuple(tuple(_table_delta(graph, k, spec, microbatches, optimizer)
-                                      - (_table_delta(graph, k - 1, spec, microbatches, optimizer) if k else 0)
-                                      for k in range(len(blocks))) for spec in specs))
+        unversioned_bytes=tuple(_per_block(lambda k: unversioned_bytes(graph, 0, k, spec), len(blocks))
+                                for spec in specs),
+        # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
+        # against their dense charge
+        table_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches)
+                                           + table_state_delta_bytes(graph, 0, k, spec, optimizer), len(blocks))
+                                for spec in specs))
 
 
-def _table_delta(graph: Graph, last: int, device, microbatches: int, optimizer: str) -> int:
-    """What blocks 0..last's looked-up-only tables' gradients and optimizer state, held as rows,
-    change against their dense charge (a table goes with the first block that lists it)."""
-    return (row_gradient_delta_bytes(graph, 0, last, device, microbatches)
-            + table_state_delta_bytes(graph, 0, last, device, optimizer))
+def _per_block(prefix, n: int) -> tuple[int, ...]:
+    """Block k's share of a figure counted once per range of blocks 0..k (`prefix(k)`): prefix(k) -
+    prefix(k-1), each prefix computed once."""
+    sums = [prefix(k) for k in range(n)]
+    return tuple(b - a for a, b in zip([0] + sums[:-1], sums))
 
 
 # --- evaluating one assignment (shared by brute force, the solver's answer and manual plans) ---

@@ -182,18 +182,21 @@ def attention_curve(backend: BackendSpec, batch: int, seq: int, hidden: int, hea
     return AttentionCurve(seconds, tuple(f <= h * one for h, f in enumerate(fused, start=1)))
 
 
+def _step_rate(optimizer, nbytes: int, reps: int, **step_options) -> float:
+    """Seconds per parameter byte of one `optimizer.step` over `nbytes` of weights, its state
+    allocated by a first step as later steps find it."""
+    params = {"w": np.zeros(nbytes // 4, np.float32)}
+    grads = {"w": np.full(nbytes // 4, 1e-3, np.float32)}
+    optimizer.step(params, grads, **step_options)
+    return statistics.median(timed(lambda: optimizer.step(params, grads, **step_options))
+                             for _ in range(reps)) / nbytes
+
+
 def update_rates(nbytes: int = 32 << 20, reps: int = 3) -> dict[str, float]:
     """Seconds per parameter byte of one optimizer step (runtime.optim, in place, state allocated)."""
     from runtime.optim import make_optimizer
 
-    params = {"w": np.zeros(nbytes // 4, np.float32)}
-    grads = {"w": np.full(nbytes // 4, 1e-3, np.float32)}
-    rates = {}
-    for name in ("sgd", "adamw"):
-        optimizer = make_optimizer(name, 1e-4)
-        optimizer.step(params, grads)  # allocates the optimizer state, which later steps reuse
-        rates[name] = statistics.median(timed(lambda: optimizer.step(params, grads)) for _ in range(reps)) / nbytes
-    return rates
+    return {name: _step_rate(make_optimizer(name, 1e-4), nbytes, reps) for name in ("sgd", "adamw")}
 
 
 def engine_update_rates(backend: BackendSpec, spec: StageSpec, nbytes: int = 32 << 20,
@@ -208,13 +211,8 @@ def engine_update_rates(backend: BackendSpec, spec: StageSpec, nbytes: int = 32 
     for name in ("sgd", "adamw"):
         optimizer = make_optimizer(name, 1e-4)
         kernel = engine.optimizer_kernel(optimizer)
-        if kernel is None:
-            continue
-        params = {"w": np.zeros(nbytes // 4, np.float32)}
-        grads = {"w": np.full(nbytes // 4, 1e-3, np.float32)}
-        optimizer.step(params, grads, dense_kernel=kernel)  # state allocated, as later steps find it
-        rates[name] = statistics.median(timed(lambda: optimizer.step(params, grads, dense_kernel=kernel))
-                                        for _ in range(reps)) / nbytes
+        if kernel is not None:
+            rates[name] = _step_rate(optimizer, nbytes, reps, dense_kernel=kernel)
     return rates
 
 
