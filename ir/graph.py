@@ -64,7 +64,8 @@ class AttentionSite:
     the column range [first, end) of a fused projection (GPT-2's c_attn, x @ W layout) is the
     role's share (None, None: the whole constant); `scale` multiplies the scores.
     `norm`: "LayerNorm" or "RMSNorm" when the attention reads norm(x) (a pre-norm block: GPT-2,
-    Llama), None when it reads x (post-LN BERT); `norm_epsilon` its epsilon. `rotary`: the (cos,
+    Llama), None when it reads x (post-LN BERT); `norm_epsilon` its epsilon, `norm_offset` what an
+    RMSNorm adds to its scale (Gemma's 1). `rotary`: the (cos,
     sin) constants of rotary embeddings applied to Q and K, None without them."""
 
     x: str
@@ -77,6 +78,7 @@ class AttentionSite:
     norm: str | None = None
     norm_epsilon: float = 0.0
     rotary: tuple[str, str] | None = None
+    norm_offset: float = 0.0
 
     @property
     def weight_of(self) -> dict[str, tuple[str, bool]]:
@@ -93,6 +95,8 @@ class AttentionSite:
                "nodes": list(self.nodes), "weights": [list(w) for w in self.weights], "scale": self.scale}
         if self.norm is not None:
             doc["norm"], doc["norm_epsilon"] = self.norm, self.norm_epsilon
+            if self.norm_offset:
+                doc["norm_offset"] = self.norm_offset
         if self.rotary is not None:
             doc["rotary"] = list(self.rotary)
         return doc
@@ -108,7 +112,8 @@ class AttentionSite:
         return cls(str(doc["x"]), str(doc["mask"]), str(doc["output"]), str(doc["residual"]),
                    tuple(str(n) for n in doc["nodes"]), tuple(weight(w) for w in doc["weights"]),
                    float(doc["scale"]), None if doc.get("norm") is None else str(doc["norm"]),
-                   float(doc.get("norm_epsilon", 0.0)), None if rotary is None else (str(rotary[0]), str(rotary[1])))
+                   float(doc.get("norm_epsilon", 0.0)), None if rotary is None else (str(rotary[0]), str(rotary[1])),
+                   float(doc.get("norm_offset", 0.0)))
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,7 @@ HOST_IMPLS: dict[str, Callable] = {
     "Neg": lambda attrs, a: -a,
     "CumSum": _cumsum,  # RoBERTa's position ids: cumsum(input_ids != pad) * mask + pad
     "Transpose": lambda attrs, x: np.transpose(x, attrs.get("perm")),
+    "Tile": lambda attrs, x, repeats: np.tile(x, [int(r) for r in np.asarray(repeats).reshape(-1)]),  # GPT-J's sin/cos
 }
 
 

@@ -26,7 +26,7 @@ the node's name. Ops come in two tiers:
 | Transpose           | compute | x                          | perm                     | permuted                             |
 | Reshape             | compute | x                          | shape (static, no -1)    | shape                                |
 | SoftmaxCrossEntropy | compute | logits, targets            | —                        | [] = -sum(targets * log_softmax)     |
-| RMSNorm             | compute | x, scale                   | epsilon (over last axis) | x.shape: x / sqrt(mean(x^2)+eps) * s |
+| RMSNorm             | compute | x, scale                   | epsilon (over last axis), offset (default 0) | x.shape: x / sqrt(mean(x^2)+eps) * (s + offset) |
 | Sigmoid, Silu       | compute | x                          | —                        | x.shape (Silu: x * sigmoid(x))       |
 | Rotary              | compute | x, cos, sin (constants)    | —                        | x.shape: x*cos + rotate_half(x)*sin  |
 | Expand              | compute | x                          | shape                    | broadcast(x.shape, shape)            |
@@ -75,7 +75,7 @@ HOST_OPS = frozenset(
         "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Cast", "Range", "ConstantOfShape",
         "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Not", "Where",
         "Expand", "Flatten", "Reshape", "GatherND", "Max", "Min", "Add", "Sub", "Mul", "Div", "Neg",
-        "Identity", "Transpose", "Shape", "CumSum", "GatherElements",
+        "Identity", "Transpose", "Shape", "CumSum", "GatherElements", "Tile",
     }
 )
 

@@ -327,7 +327,8 @@ class _Matcher:
         return AttentionSite(block.inputs[0], mask, output, residual.outputs[0],
                              tuple(n.name for n in self.nodes if n.name in names), weights, scale,
                              None if norm is None else norm.op,
-                             0.0 if norm is None else float(norm.attrs.get("epsilon", 1e-5)), rot_q)
+                             0.0 if norm is None else float(norm.attrs.get("epsilon", 1e-5)), rot_q,
+                             0.0 if norm is None else float(norm.attrs.get("offset", 0.0)))
 
     def check_widths(self, wq, cq, wk, ck, wv, cv) -> None:
         """Each projection's share is heads (or kv_heads) x head size wide."""

@@ -3,7 +3,7 @@
 
 * ``fuse_rms_norm`` ensures: x * (1 / sqrt(mean(x^2) + eps)) * w (TorchScript's Div(1, Sqrt),
   dynamo's Reciprocal, or x / sqrt(...) * w; either factor order) is one ``RMSNorm`` node, as the
-  decomposed LayerNorm is one ``LayerNorm``.
+  decomposed LayerNorm is one ``LayerNorm``; Gemma's scale (c + w), a constant c, is its ``offset``.
 * ``fuse_silu`` ensures: x * Sigmoid(x) is one ``Silu`` (the SwiGLU MLP is then
   down(Silu(gate(x)) * up(x)), plain MatMuls and a Mul).
 * ``fuse_rotary`` ensures: HF's rotate-half rotary embedding, x * cos + concat(-x[..., d/2:],
@@ -155,12 +155,21 @@ def _match_rms_norm(ix: _Index, sqrt: Node):
     scale_mul = after[0]
     scale = _other(scale_mul, normed.outputs[0])
     width = ix.graph.values[x].shape[-1]
+    attrs = {"epsilon": eps}
+    shifted = ix.node(scale or "", "Add")
+    if shifted is not None and any(i in ix.params for i in shifted.inputs):  # Gemma's (1 + w)
+        offset = ix.scalar(_other(shifted, next(i for i in shifted.inputs if i in ix.params)) or "")
+        if offset is None:
+            return None
+        scale = next(i for i in shifted.inputs if i in ix.params)
+        chain.append(shifted)
+        attrs["offset"] = offset
     if scale not in ix.params or tuple(ix.graph.constants[scale].shape) != (width,):
         return None
     chain.append(scale_mul)
     if not ix.only_inside(chain, scale_mul.outputs[0]):
         return None
-    return chain, Node(scale_mul.name, "RMSNorm", (x, scale), scale_mul.outputs, {"epsilon": eps})
+    return chain, Node(scale_mul.name, "RMSNorm", (x, scale), scale_mul.outputs, attrs)
 
 
 # --- SiLU ------------------------------------------------------------------------------------

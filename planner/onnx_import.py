@@ -188,6 +188,9 @@ class _Lowering:
         self.inputs: list[Value] = []
         self.nan_test: dict[str, str] = {}  # IsNaN output -> the value it tests (resolved by a Where)
         self.clamped: dict[str, str] = {}  # mask value -> its clamped copy
+        # activations sliced to nothing (Phi-3's rotary "pass-through" part when the rotary covers the
+        # whole head) -> the node that made them: only a Concat may read one, which then drops it
+        self.empty: dict[str, str] = {}
         self._names: set[str] = set()
         self._schemas: dict[tuple[str, str], object] = {}
         self.opset = opset
@@ -454,7 +457,11 @@ class _Lowering:
             try:
                 return [eval_host_op(op, attrs, vals)]
             except Exception as exc:
-                raise self._fail(node, f"cannot fold constant inputs ({type(exc).__name__}: {exc})") from None
+                why = f"cannot fold constant inputs ({type(exc).__name__}: {exc})"
+                if op == "Gather" and isinstance(exc, IndexError):  # positions past a position table
+                    why += (f" at batch {self.opt.batch} x sequence {self.opt.seq}; the model may not take "
+                            "sequences this long (its position table): try a smaller --seq")
+                raise self._fail(node, why) from None
         if op in _FOLDABLE_FLOAT and _FOLDABLE_FLOAT[op] is not None:
             return [_FOLDABLE_FLOAT[op](vals[0])]
         if op == "Pow":
@@ -655,7 +662,9 @@ class _Lowering:
             if len(idx) == self.shape[cur][a] and int(st) == 1:
                 continue
             if len(idx) == 0:
-                raise self._fail(node, f"slices axis {a} of an activation to nothing")
+                self.empty[out] = node.name or out
+                self.shape[out], self.dtype[out], self.tier[out] = tuple(int(d) for d in final), "float32", "compute"
+                return
             target = list(self.shape[cur])
             target[a] = len(idx)
             nxt = out if k == len(starts) - 1 else self._fresh(f"{name}/axis{a}")
@@ -677,6 +686,10 @@ class _Lowering:
         if len(outs) > 1 and any(outs[1:]) and op not in ("LayerNormalization", "Dropout"):
             raise self._fail(node, "several outputs are not supported on the compute path")
         out = outs[0]
+        empty = [i for i in ins if i in self.empty]
+        if empty and op != "Concat":
+            raise self._fail(node, f"reads {empty[0]!r}, which node {self.empty[empty[0]]!r} sliced to nothing; "
+                                   f"only a Concat may read an empty activation")
         if op == "Transpose" and ins[0] in self.weights and len(self.shape[ins[0]]) == 2 \
                 and list(attrs.get("perm") or [1, 0]) == [1, 0]:
             self.transposed[out] = ins[0]  # emitted as trans_b of the MatMul that reads it (or on first other use)
@@ -735,7 +748,17 @@ class _Lowering:
             self._emit(name, "Expand", ins[:1], out, {"shape": [int(d) for d in shape]})
         elif op == "Concat":
             rank = len(self.shape[ins[0]])
-            self._emit(name, "Concat", [i for i in ins if i], out, {"axis": int(attrs.get("axis", 0)) % rank})
+            axis = int(attrs.get("axis", 0)) % rank
+            parts = [i for i in ins if i and i not in self.empty]
+            want = list(self.shape[ins[0]])
+            want[axis] = sum(self.shape[i][axis] for i in ins if i)
+            if not parts:
+                raise self._fail(node, "concatenates only activations sliced to nothing")
+            if len(parts) == 1:  # the others were empty: the one left is the result
+                self.alias[out] = parts[0]
+            else:
+                self._emit(name, "Concat", parts, out, {"axis": axis})
+            self._check_shape(node, out, tuple(want))
         elif op == "ReduceMean":
             axes = attrs.get("axes")
             if axes is None and len(ins) > 1 and ins[1]:

@@ -86,7 +86,7 @@ def _lower_node(node: Node, a: list) -> "K.Var":
     if op == "SoftmaxCrossEntropy":
         return K.softmax_cross_entropy(a[0], a[1])
     if op == "RMSNorm":
-        return K.rms_norm(a[0], a[1], attrs["epsilon"])
+        return K.rms_norm(a[0], a[1], attrs["epsilon"], attrs.get("offset", 0.0))
     if op == "Sigmoid":
         return K.sigmoid(a[0])
     if op == "Silu":

@@ -378,9 +378,12 @@ def mean_last(x: Var) -> Var:
     return R.reshape(R.matmul(R.reshape(x, [-1, n]), column, False, False), shape[:-1] + [1])
 
 
-def rms_norm(x: Var, scale: Var, eps: float = 1e-6) -> Var:
-    """RMSNorm over the last axis (Llama's): ``x / sqrt(mean(x^2) + eps) * scale``, composed."""
+def rms_norm(x: Var, scale: Var, eps: float = 1e-6, offset: float = 0.0) -> Var:
+    """RMSNorm over the last axis (Llama's): ``x / sqrt(mean(x^2) + eps) * scale``, composed;
+    Gemma's multiplies by ``scale + offset`` (offset 1)."""
     mean_square = mean_last(R.multiply(x, x))
+    if offset:
+        scale = R.add(scale, constant(np.float32(offset)))
     return R.multiply(R.multiply(x, R.rsqrt(R.add(mean_square, constant(np.float32(eps))))), scale)
 
 

@@ -26,6 +26,11 @@ from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_
 from runtime.optim import AdamW, AdamWStep
 
 
+def _shifted(scale: torch.Tensor, offset: float | None) -> torch.Tensor:
+    """An RMSNorm's scale plus its offset (Gemma's 1 + w); the scale itself without one."""
+    return scale + offset if offset else scale
+
+
 def _run_node(node: Node, args: list[torch.Tensor]) -> torch.Tensor:
     op, a = node.op, node.attrs
     if op == "Gather":
@@ -67,7 +72,7 @@ def _run_node(node: Node, args: list[torch.Tensor]) -> torch.Tensor:
         return -(args[1] * torch.log_softmax(args[0], dim=-1)).sum()
     if op == "RMSNorm":
         x = args[0]
-        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + a["epsilon"]) * args[1]
+        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + a["epsilon"]) * _shifted(args[1], a.get("offset"))
     if op == "Sigmoid":
         return torch.sigmoid(args[0])
     if op == "Silu":
@@ -418,7 +423,7 @@ class TorchStageEngine(StageEngine):
                 b = unit.weight("norm_b")
                 a = F.layer_norm(x, (D,), w, env[b[0]] if b else None, site.norm_epsilon)
             else:  # RMSNorm, as _run_node computes it
-                a = x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + site.norm_epsilon) * w
+                a = x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + site.norm_epsilon) * _shifted(w, site.norm_offset)
 
         def project(role: str, bias_role: str, y: torch.Tensor) -> torch.Tensor:
             name, transposed, first, end = unit.weight(role)

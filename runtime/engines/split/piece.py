@@ -31,7 +31,8 @@ class AttentionForm:
     `kv_heads` key/value heads (equal without grouped-query attention; each key/value head serves
     `group` = heads / kv_heads query heads) of `head_size`; `roles`: the weight roles present
     (`PROJECTIONS`, and of `BIASES` and `NORM_WEIGHTS` those the block has); `norm`: "LayerNorm" or
-    "RMSNorm" when the attention reads norm(x) (pre-norm), with `norm_epsilon`; `cos`, `sin`:
+    "RMSNorm" when the attention reads norm(x) (pre-norm), with `norm_epsilon` (and an RMSNorm's
+    `norm_offset`, added to its scale: Gemma's 1); `cos`, `sin`:
     rotary tables (1 or batch, 1, seq, head size) applied to Q and K, None without rotary
     embeddings; `scale` multiplies the scores.
 
@@ -48,6 +49,7 @@ class AttentionForm:
     cos: np.ndarray | None = None
     sin: np.ndarray | None = None
     scale: float | None = None
+    norm_offset: float = 0.0
 
     def __post_init__(self) -> None:
         if self.heads < 1 or self.kv_heads < 1 or self.heads % self.kv_heads:
@@ -116,7 +118,7 @@ def attention_form(graph: Graph, block: Block) -> AttentionForm:
         cos, sin = (np.asarray(graph.constants[t], np.float32) for t in site.rotary)
     return AttentionForm(int(graph.values[site.x].shape[-1]), int(block.heads), int(block.split_units),
                          int(block.head_size), frozenset(site.weight_of), site.norm, site.norm_epsilon, cos, sin,
-                         site.scale)
+                         site.scale, site.norm_offset)
 
 
 def attention_piece(batch: int, seq: int, hidden: int, heads: int, head_size: int,
@@ -168,7 +170,8 @@ def attention_piece(batch: int, seq: int, hidden: int, heads: int, head_size: in
     a = x
     if form.norm is not None:
         norm_inputs = [x] + [weight(r) for r in NORM_WEIGHTS if r in form.roles]
-        a = node(form.norm, norm_inputs, "normed", (B, S, D), epsilon=float(form.norm_epsilon))
+        offset = {"offset": float(form.norm_offset)} if form.norm_offset else {}
+        a = node(form.norm, norm_inputs, "normed", (B, S, D), epsilon=float(form.norm_epsilon), **offset)
     rotary = None
     if form.cos is not None:
         rotary = (const("rotary_cos", form.cos), const("rotary_sin", form.sin))

@@ -1,0 +1,178 @@
+"""Decoder families beyond Llama and GPT-2, as `confidant export --task causal-lm` exports them from
+a checkpoint (eager attention, TorchScript): Qwen2 (biased Q/K/V), Qwen3 (Q/K norms, heads x head
+size wider than the model), Phi-3 (fused QKV and gate/up projections, a rotary that covers the whole
+head, so its pass-through part is sliced to nothing), Gemma (RMSNorm scaled by 1 + w, a scaled
+embedding, tanh-GELU gating), GPT-J (interleaved rotary tables built with Tile, parallel residual),
+GPT-NeoX (partial rotary), OPT (learned positions with an offset, ReLU) and Falcon (multi-query).
+
+Each is a tiny model with scrambled weights: the lowered model's logits on MNN and PyTorch equal ONNX
+Runtime's and transformers', and every weight's gradient equals transformers' own model in float64.
+Gemma's norm is one RMSNorm node with its offset, on every engine path (op by op, the fused
+attention, the head split)."""
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from jobs.export_llm import LlmExportOptions, export_causal_lm
+from planner.onnx_import import ImportError_, load_model
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.pytorch import TorchStageEngine
+from runtime.engines.split.engine import SplitStageEngine
+from runtime.engines.stage import stage_spec
+from ir.graph import AttentionSite
+from support import Lazy, assert_grads_close, lm_step_feeds
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+B, S, VOCAB = 2, 12, 256
+
+
+def _config(family: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    return {
+        "qwen2": lambda: tf.Qwen2Config(num_key_value_heads=2, **common),
+        "qwen3": lambda: tf.Qwen3Config(num_key_value_heads=2, head_dim=32, **common),
+        "phi3": lambda: tf.Phi3Config(num_key_value_heads=2, pad_token_id=0, **common),
+        "gemma": lambda: tf.GemmaConfig(num_key_value_heads=2, head_dim=32, **common),
+        "gptj": lambda: tf.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                      n_positions=64),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**common),
+        "opt": lambda: tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64),
+        "falcon": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, new_decoder_architecture=False, multi_query=True,
+                                          alibi=False),
+    }[family]()
+
+
+FAMILIES = ("qwen2", "qwen3", "phi3", "gemma", "gptj", "gpt_neox", "opt", "falcon")
+
+
+def _model(family: str):
+    """The family's tiny model, every parameter seeded noise (no zero biases, no unit or zero norm
+    scales: a gradient routed to the wrong weight shows)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """family -> (the transformers model, its ONNX file, the lowered graph), made on first use."""
+    root = tmp_path_factory.mktemp("families")
+
+    def make(family):
+        model = _model(family)
+        path = export_causal_lm(model, root / family / "m.onnx", LlmExportOptions(), kv_cache=False)
+        return model, path, load_model(path, B, S)
+
+    return Lazy(make)
+
+
+def _feeds() -> dict[str, np.ndarray]:
+    return lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
+
+
+def _engine(kind: str, spec):
+    return MnnStageEngine(spec) if kind == "mnn" else TorchStageEngine(spec)
+
+
+@pytest.mark.parametrize("engine", ["mnn", "torch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_onnxruntime_and_transformers(exported, family, engine):
+    model, path, graph = exported[family]
+    assert [b.kind for b in graph.blocks] == ["embeddings", "decoder", "decoder", "head", "loss"]
+    feeds = _feeds()
+    inputs = {k: feeds[k] for k in ("input_ids", "attention_mask")}
+    logits = _engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1)).forward(
+        feeds, train=False, until_block=len(graph.blocks) - 2)
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    with torch.no_grad():
+        hf = model(**{k: torch.from_numpy(v) for k, v in inputs.items()}).logits.numpy()
+    scale = float(np.abs(hf).max())
+    assert float(np.abs(logits - ref).max()) <= 2e-6 * scale
+    assert float(np.abs(logits - hf).max()) <= 2e-6 * scale
+
+
+def _token_ce(logits: torch.Tensor, feeds) -> torch.Tensor:
+    ids = torch.from_numpy(feeds["target_ids"])
+    return torch.logsumexp(logits, -1) - logits.gather(-1, ids[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("engine", ["mnn", "torch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_gradient_equals_transformers_in_float64(exported, family, engine):
+    model, _, graph = exported[family]
+    feeds = _feeds()
+    run = _engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1))
+    run.forward(feeds, 0)
+    got = run.backward(0).params
+    model64 = copy.deepcopy(model).double()
+    logits = model64(input_ids=torch.from_numpy(feeds["input_ids"]),
+                     attention_mask=torch.from_numpy(feeds["attention_mask"])).logits
+    (torch.from_numpy(feeds["target_weights"]).double() * _token_ce(logits, feeds)).sum().backward()
+    want = {n: p.grad.numpy() for n, p in model64.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    assert_grads_close(got, want)
+
+
+def test_gemmas_norm_is_one_rmsnorm_with_its_offset_on_every_path(exported):
+    """(1 + w) is the norm's offset, not an Add of its own: the attention reads a pre-norm (so the
+    fused attention and the head split take it), the site carries the offset through a plan's JSON,
+    and the split engine gives the unsplit engine's loss and gradients."""
+    _, _, graph = exported["gemma"]
+    norms = [n for n in graph.nodes if n.op == "RMSNorm"]
+    assert len(norms) == 5 and {n.attrs.get("offset") for n in norms} == {1.0}
+    assert not [n for n in graph.nodes if n.op == "Add" and set(n.inputs) & set(graph.params)]
+    sites = [b.attention for b in graph.blocks if b.kind == "decoder"]
+    assert all(s is not None and s.norm == "RMSNorm" and s.norm_offset == 1.0 for s in sites)
+    assert AttentionSite.from_json(sites[0].to_json()) == sites[0]
+    spec = stage_spec(graph, 0, len(graph.blocks) - 1)
+    feeds = _feeds()
+    ref = MnnStageEngine(spec)
+    want_loss = float(np.asarray(ref.forward(feeds, 0)).reshape(-1)[0])
+    want = ref.backward(0).params
+    with SplitStageEngine(spec, {"mnn:cpu:t1": 1, "torch:cpu:t1": 1}) as split:
+        assert len([s for s in split.segments if hasattr(s, "attention")]) == 2
+        assert float(np.asarray(split.forward(feeds, 0)).reshape(-1)[0]) == pytest.approx(want_loss, rel=1e-6)
+        assert_grads_close(split.backward(0).params, want, rtol=1e-5)
+
+
+def test_an_activation_sliced_to_nothing_may_only_be_concatenated(exported, tmp_path):
+    """Phi-3's rotary pass-through part is empty and only concatenated (so it is dropped); any other
+    reader of an empty slice is named."""
+    _, path, _ = exported["phi3"]
+    model = onnx.load(str(path))
+    made_by = {o: n.op_type for n in model.graph.node for o in n.output}
+    # cat((x * cos + rotate_half(x) * sin), x[..., rotary:]): the rotated half and the empty rest
+    concat = next(n for n in model.graph.node
+                  if n.op_type == "Concat" and [made_by.get(i) for i in n.input] == ["Add", "Slice"])
+    concat.op_type = "Add"
+    broken = tmp_path / "broken.onnx"
+    onnx.save(model, str(broken))
+    with pytest.raises(ImportError_, match=rf"node '{concat.name}' \(op Add\): reads '[^']+', which node "
+                                           r"'[^']+' sliced to nothing; only a Concat may read an empty activation"):
+        load_model(broken, B, S)
+
+
+def test_a_sequence_past_gpt_js_position_table_says_to_shorten_it(exported):
+    _, path, _ = exported["gptj"]  # 64 positions
+    with pytest.raises(ImportError_, match=r"node '[^']*rotary_emb/Gather' \(op Gather\): cannot fold constant inputs "
+                                           r"\(IndexError: .*\) at batch 2 x sequence 65; the model may not take "
+                                           r"sequences this long \(its position table\): try a smaller --seq"):
+        load_model(path, B, 65)
