@@ -136,6 +136,9 @@ HOST_IMPLS: dict[str, Callable] = {
     "Neg": lambda attrs, a: -a,
     "CumSum": _cumsum,  # RoBERTa's position ids: cumsum(input_ids != pad) * mask + pad
     "Transpose": lambda attrs, x: np.transpose(x, attrs.get("perm")),
+    # relative-position buckets (MPNet, T5-style) and sliding-window masks (ModernBERT): |i - j|, log
+    "Abs": lambda attrs, x: np.abs(x),
+    "Log": lambda attrs, x: np.log(x),
     "Tile": lambda attrs, x, repeats: np.tile(x, [int(r) for r in np.asarray(repeats).reshape(-1)]),  # GPT-J's sin/cos
 }
 

@@ -75,7 +75,7 @@ HOST_OPS = frozenset(
         "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Cast", "Range", "ConstantOfShape",
         "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Not", "Where",
         "Expand", "Flatten", "Reshape", "GatherND", "Max", "Min", "Add", "Sub", "Mul", "Div", "Neg",
-        "Identity", "Transpose", "Shape", "CumSum", "GatherElements", "Tile",
+        "Identity", "Transpose", "Shape", "CumSum", "GatherElements", "Tile", "Abs", "Log",
     }
 )
 

@@ -360,8 +360,10 @@ def find_blocks(graph: Graph) -> Graph:
     chain.reverse()
     boundaries = [c for c in chain if by_name[c].op == "LayerNorm"]
     segments = _segments(compute, idom, src, boundaries)
-    if not boundaries or any(n.op == "Softmax" for n in segments[0]):
-        # pre-norm: no norm dominates before the attention of the first layer
+    if not boundaries or any(n.op == "Softmax" for n in segments[0]) \
+            or any(sum(n.op == "Softmax" for n in seg) > 1 for seg in segments):
+        # pre-norm: no norm dominates before the attention of the first layer, or (a pre-norm encoder
+        # whose embeddings end in a norm: ModernBERT) several attentions between two norms of the path
         residuals = _residual_adds(chain, idom, by_name, prod, compute)
         if residuals:
             return _decoder_blocks(graph, compute, idom, src, residuals)
@@ -422,7 +424,9 @@ def _residual_adds(chain: list[str], idom: dict, by_name: dict[str, Node], prod:
                    compute: list[Node]) -> list[str]:
     """The pre-norm residual Adds on the dominator chain: h = x + f(norm(x)), x the output of the
     chain node before (which dominates it) and f a branch that starts with a LayerNorm or RMSNorm
-    of x; with the node producing the first x (the embeddings' output) in front."""
+    of x; with the node producing the first x (the embeddings' output) in front. The first may read
+    x itself when x is a norm's output (ModernBERT's first layer has no norm of its own: its input
+    is the embeddings' norm)."""
     normed = {n.inputs[0] for n in compute if n.op in ("LayerNorm", "RMSNorm")}
     out: list[str] = []
     for prev, name in zip(chain, chain[1:]):
@@ -431,7 +435,8 @@ def _residual_adds(chain: list[str], idom: dict, by_name: dict[str, Node], prod:
             continue
         x = before.outputs[0]
         other = [i for i in node.inputs if i != x]
-        if node.inputs.count(x) != 1 or len(other) != 1 or other[0] not in prod or x not in normed:
+        first_of_norm = not out and before.op in ("LayerNorm", "RMSNorm")
+        if node.inputs.count(x) != 1 or len(other) != 1 or other[0] not in prod or not (x in normed or first_of_norm):
             continue
         if not out:
             out.append(prev)
