@@ -134,17 +134,24 @@ def _decoder_roles(graph: Graph, block: Block) -> dict[str, str]:
             return n.inputs[1]
         return None
 
-    def source(value: str) -> str | None:
-        """The projection weight `value` is computed from, through layout ops and bias Adds."""
-        for _ in range(32):
+    def source(value: str, depth: int = 32) -> str | None:
+        """The projection weight `value` is computed from, through layout ops and bias Adds, and
+        through a rotary applied to part of the heads (Slices, rotation, Concat: every branch from
+        the same weight)."""
+        for step in range(depth):
             n = prod.get(value)
             if n is None:
                 return None
             if weight_of(n):
                 return weight_of(n)
             inside = [i for i in n.inputs if i in prod or i == block.inputs[0]]
-            if n.op not in _THROUGH + ("Add", "Mul", "Div") or len(inside) != 1:
+            if n.op not in _THROUGH + ("Add", "Mul", "Div", "Concat", "MatMul") or not inside:
                 return None
+            if len(inside) > 1 or n.op == "MatMul":
+                if n.op == "MatMul" and len(inside) != 1:  # a product of two activations: not a projection
+                    return None
+                found = {source(i, depth - step - 1) for i in inside}
+                return found.pop() if len(found) == 1 else None
             value = inside[0]
         return None
 

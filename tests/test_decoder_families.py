@@ -176,3 +176,23 @@ def test_a_sequence_past_gpt_js_position_table_says_to_shorten_it(exported):
                                            r"\(IndexError: .*\) at batch 2 x sequence 65; the model may not take "
                                            r"sequences this long \(its position table\): try a smaller --seq"):
         load_model(path, B, 65)
+
+
+LORA_ROLES = {
+    "qwen2": {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+              "down_proj": "down"},
+    "phi3": {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "up", "down_proj": "down"},
+    "gptj": {"q_proj": "q", "k_proj": "k", "v_proj": "v", "out_proj": "o", "fc_in": "up", "fc_out": "down"},
+    "gpt_neox": {"query_key_value": "qkv", "dense": "o", "dense_h_to_4h": "up", "dense_4h_to_h": "down"},
+}
+
+
+@pytest.mark.parametrize("family", list(LORA_ROLES))
+def test_lora_finds_each_projection_by_structure(exported, family):
+    """Through a rotary over part of the heads (GPT-NeoX's fused QKV, GPT-J's interleaved pairs) and
+    a parallel block (GPT-J: attention and MLP read one norm)."""
+    from planner.lora import projection_roles
+
+    _, _, graph = exported[family]
+    roles = projection_roles(graph, graph.blocks[1])
+    assert {w.rsplit(".", 2)[-2]: r for w, r in roles.items()} == LORA_ROLES[family]
