@@ -45,6 +45,9 @@ PLACEHOLDER_POS = "-X-"
 PLACEHOLDER_CHUNK = "-X-"
 
 _TAG_RE = re.compile(r"O|[BI]-\S+")
+# BIOES (S- single, E- end) and BILOU (U- unit, L- last) tags, read as IOB2 when normalising
+_SPAN_END_RE = re.compile(r"[SEUL]-\S+")
+_AS_IOB2 = {"S": "B", "U": "B", "E": "I", "L": "I"}
 # CoNLL columns are separated by ASCII spaces (tabs tolerated).  Splitting
 # on str.split()'s Unicode whitespace would break words that contain, e.g.,
 # a non-breaking space.
@@ -126,8 +129,10 @@ def read_conll(
     and a missing final blank line are tolerated.
 
     With ``iob2=True`` (the default) tags are normalised to IOB2 so IOB1
-    files (the original CoNLL-2003 release) and IOB2 files give the same
-    result; ``iob2=False`` returns the tags exactly as written.
+    files (the original CoNLL-2003 release), IOB2 files and BIOES / BILOU
+    files (``S-``/``U-`` a one-token entity, ``E-``/``L-`` its last token)
+    give the same result; ``iob2=False`` returns the tags exactly as
+    written (O, B- and I- only).
 
     Raises ``ir.errors.InputFileError`` (a ValueError) naming ``path:line`` for malformed lines, and when
     the file holds no sentence at all.
@@ -188,10 +193,12 @@ def read_conll(
             raise InputFileError(
                 f"{name}:{lineno}: tag_column {tag_column} selects the word column"
             )
+        if iob2 and _SPAN_END_RE.fullmatch(tag):
+            tag = _AS_IOB2[tag[0]] + tag[1:]
         if not is_valid_tag(tag):
             raise InputFileError(
                 f"{name}:{lineno}: invalid NER tag {tag!r} "
-                f"(expected O, B-TYPE or I-TYPE): {line!r}"
+                f"(expected O, B-TYPE or I-TYPE; BIOES and BILOU tags are read as IOB2): {line!r}"
             )
         words.append(columns[0])
         tags.append(tag)

@@ -135,16 +135,28 @@ def test_invalid_tag_names_file_and_line(tmp_path):
     with pytest.raises(ValueError) as err:
         read_conll(path)
     assert str(err.value) == (
-        f"{path}:3: invalid NER tag 'X-PER' (expected O, B-TYPE or I-TYPE): "
+        f"{path}:3: invalid NER tag 'X-PER' (expected O, B-TYPE or I-TYPE; BIOES and BILOU tags are read as IOB2): "
         "'Peter NNP I-NP X-PER'"
     )
 
 
-@pytest.mark.parametrize("bad", ["B-", "I", "B_PER", "o", "S-PER"])
+@pytest.mark.parametrize("bad", ["B-", "I", "B_PER", "o", "S-", "X-PER"])
 def test_malformed_tags_rejected(tmp_path, bad):
     path = write_text(tmp_path, f"word POS CHUNK {bad}\n")
     with pytest.raises(ValueError, match=r"train.txt:1: invalid NER tag"):
         read_conll(path)
+
+
+def test_bioes_and_bilou_files_read_as_their_iob2_equivalent(tmp_path):
+    iob2 = ["B-ORG O B-MISC I-MISC I-MISC O B-PER B-PER", "O B-LOC"]
+    for scheme, tags in (("bioes", ["S-ORG O B-MISC I-MISC E-MISC O S-PER S-PER", "O S-LOC"]),
+                         ("bilou", ["U-ORG O B-MISC I-MISC L-MISC O U-PER U-PER", "O U-LOC"])):
+        text = "\n\n".join("\n".join(f"w{i} {t}" for i, t in enumerate(s.split())) for s in tags) + "\n"
+        path = tmp_path / f"{scheme}.txt"
+        path.write_text(text)
+        assert [list(s.tags) for s in read_conll(path)] == [s.split() for s in iob2]
+        with pytest.raises(ValueError, match=rf"{scheme}.txt:1: invalid NER tag '[SU]-ORG'"):
+            read_conll(path, iob2=False)  # as written: the pipeline's tags are O, B- and I- only
 
 
 def test_inconsistent_column_count(tmp_path):
