@@ -100,6 +100,23 @@ def _div(attrs, a, b):
     return (a / b).astype(a.dtype)
 
 
+def _log(attrs, x):
+    with np.errstate(divide="ignore", invalid="ignore"):  # log(0) = -inf, as in ONNX (buckets: then not taken)
+        return np.log(x)
+
+
+def _cast(attrs, x):
+    with np.errstate(invalid="ignore"):  # -inf to an integer (a bucket Where then discards it)
+        return x.astype(ONNX_DTYPES[int(attrs["to"])])
+
+
+def _clip(attrs, x, lo=None, hi=None):
+    lo = attrs.get("min") if lo is None else lo  # opset < 11: bounds as attributes
+    hi = attrs.get("max") if hi is None else hi
+    out = x if lo is None else np.maximum(x, np.asarray(lo, x.dtype))
+    return out if hi is None else np.minimum(out, np.asarray(hi, x.dtype))
+
+
 HOST_IMPLS: dict[str, Callable] = {
     "Identity": lambda attrs, x: x,
     "Shape": lambda attrs, x: np.array(x.shape, dtype=np.int64)[attrs.get("start", 0):attrs.get("end")],
@@ -112,7 +129,7 @@ HOST_IMPLS: dict[str, Callable] = {
     "Squeeze": _squeeze,
     "Concat": lambda attrs, *xs: np.concatenate(xs, axis=int(attrs["axis"])),
     "Slice": lambda attrs, *xs: _slice(attrs, *xs),
-    "Cast": lambda attrs, x: x.astype(ONNX_DTYPES[int(attrs["to"])]),
+    "Cast": _cast,
     "Range": lambda attrs, s, l, d: np.arange(s.item(), l.item(), d.item()).astype(np.asarray(s).dtype),
     "ConstantOfShape": _constant_of_shape,
     "Equal": lambda attrs, a, b: np.equal(a, b),
@@ -138,7 +155,11 @@ HOST_IMPLS: dict[str, Callable] = {
     "Transpose": lambda attrs, x: np.transpose(x, attrs.get("perm")),
     # relative-position buckets (MPNet, T5-style) and sliding-window masks (ModernBERT): |i - j|, log
     "Abs": lambda attrs, x: np.abs(x),
-    "Log": lambda attrs, x: np.log(x),
+    "Log": _log,
+    "Sign": lambda attrs, x: np.sign(x),
+    "Ceil": lambda attrs, x: np.ceil(x),
+    "Floor": lambda attrs, x: np.floor(x),
+    "Clip": _clip,
     "Tile": lambda attrs, x, repeats: np.tile(x, [int(r) for r in np.asarray(repeats).reshape(-1)]),  # GPT-J's sin/cos
 }
 

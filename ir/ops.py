@@ -76,6 +76,7 @@ HOST_OPS = frozenset(
         "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Not", "Where",
         "Expand", "Flatten", "Reshape", "GatherND", "Max", "Min", "Add", "Sub", "Mul", "Div", "Neg",
         "Identity", "Transpose", "Shape", "CumSum", "GatherElements", "Tile", "Abs", "Log",
+        "Sign", "Ceil", "Floor", "Clip",
     }
 )
 

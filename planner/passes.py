@@ -334,7 +334,11 @@ class BlockError(ValueError):
 
 
 def find_blocks(graph: Graph) -> Graph:
-    compute = [n for n in graph.nodes if n.tier == "compute"]
+    every = [n for n in graph.nodes if n.tier == "compute"]
+    free = _weight_derived(graph, every)
+    # the layer structure is that of the nodes on the data's path; what is computed from weights and
+    # constants alone (MPNet's relative-position bias, read by every layer) joins its readers' blocks
+    compute = [n for n in every if n.name not in free]
     prod = {o: n for n in compute for o in n.outputs}
     dag = nx.DiGraph()
     src = "__source__"
@@ -366,7 +370,7 @@ def find_blocks(graph: Graph) -> Graph:
         # whose embeddings end in a norm: ModernBERT) several attentions between two norms of the path
         residuals = _residual_adds(chain, idom, by_name, prod, compute)
         if residuals:
-            return _decoder_blocks(graph, compute, idom, src, residuals)
+            return _decoder_blocks(graph, compute, idom, src, residuals, free)
     if not boundaries:
         raise BlockError("no LayerNorm on the path to the output: cannot find layer boundaries")
     loss_nodes = [n for n in segments[-1] if n.op in LOSS_OPS]
@@ -394,7 +398,69 @@ def find_blocks(graph: Graph) -> Graph:
     if loss_nodes:
         groups.append(("loss", "loss", loss_nodes))
 
-    return _with_groups(graph, groups)
+    return _with_groups(*_attach_weight_derived(graph, groups, free))
+
+
+def _weight_derived(graph: Graph, compute: list[Node]) -> frozenset[str]:
+    """Compute nodes whose inputs are weights, constants or the outputs of such nodes: nothing of
+    the data flows into them."""
+    made: set[str] = set()
+    free: set[str] = set()
+    for n in compute:  # topological order
+        if all(i in graph.constants or i in made for i in n.inputs if i):
+            free.add(n.name)
+            made.update(n.outputs)
+    return frozenset(free)
+
+
+def _attach_weight_derived(graph: Graph, groups: list[tuple[str, str, list[Node]]],
+                           free: frozenset[str]) -> tuple[Graph, list[tuple[str, str, list[Node]]]]:
+    """Each weight-derived node joins the block of its readers. Read from several blocks, it is
+    computed again in each (a copy named NAME@BLOCK), so no value crosses a pipeline cut: its
+    weights are then read by several blocks, as a tied weight is (gradients summed over readers)."""
+    if not free:
+        return graph, groups
+    current = {n.name: n for n in graph.nodes}
+    group_of = {n.name: k for k, (_, _, nodes) in enumerate(groups) for n in nodes}
+    members: list[list[str]] = [[n.name for n in nodes] for _, _, nodes in groups]
+    readers: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        if n.tier == "compute":
+            for i in n.inputs:
+                readers.setdefault(i, []).append(n.name)
+    values = dict(graph.values)
+    for name in reversed([n.name for n in graph.nodes if n.name in free]):
+        node = current[name]
+        where = sorted({group_of[r] for o in node.outputs for r in readers.get(o, []) if r in group_of})
+        if not where:
+            raise ValueError(f"node {name!r} ({node.op}) computes from weights alone and nothing reads it")
+        home, *others = where
+        group_of[name] = home
+        members[home].append(name)
+        for k in others:
+            suffix = f"@{groups[k][0]}"
+            renamed = {o: o + suffix for o in node.outputs}
+            copy = Node(name + suffix, node.op, node.inputs, tuple(renamed.values()), node.attrs, node.tier)
+            current[copy.name] = copy
+            group_of[copy.name] = k
+            members[k].append(copy.name)
+            for o, o2 in renamed.items():
+                values[o2] = Value(o2, values[o].shape, values[o].dtype)
+                moved = [r for r in readers.get(o, []) if group_of.get(r) == k]
+                for r in moved:
+                    current[r] = Node(current[r].name, current[r].op,
+                                      tuple(o2 if i == o else i for i in current[r].inputs), current[r].outputs,
+                                      current[r].attrs, current[r].tier)
+                readers[o] = [r for r in readers[o] if r not in moved]
+                readers[o2] = moved
+            for i in node.inputs:
+                readers.setdefault(i, []).append(copy.name)
+    ordered = topological_order(list(current.values()), [v.name for v in graph.inputs] + list(graph.constants))
+    graph = Graph(graph.name, graph.inputs, graph.outputs, tuple(ordered), values, graph.constants, graph.params,
+                  (), graph.batch, graph.seq, graph.lookup_rows)
+    position = {n.name: k for k, n in enumerate(ordered)}
+    return graph, [(gname, kind, sorted((current[m] for m in names), key=lambda n: position[n.name]))
+                   for (gname, kind, _), names in zip(groups, members)]
 
 
 def _with_groups(graph: Graph, groups: list[tuple[str, str, list[Node]]]) -> Graph:
@@ -444,7 +510,8 @@ def _residual_adds(chain: list[str], idom: dict, by_name: dict[str, Node], prod:
     return out
 
 
-def _decoder_blocks(graph: Graph, compute: list[Node], idom: dict, src: str, boundaries: list[str]) -> Graph:
+def _decoder_blocks(graph: Graph, compute: list[Node], idom: dict, src: str, boundaries: list[str],
+                    free: frozenset[str] = frozenset()) -> Graph:
     """Blocks of a pre-norm decoder cut at its residual Adds (see the module docstring)."""
     segments = _segments(compute, idom, src, boundaries)
     embeddings, body, last = segments[0], segments[1:-1], segments[-1]
@@ -472,7 +539,7 @@ def _decoder_blocks(graph: Graph, compute: list[Node], idom: dict, src: str, bou
     groups.append(("head", "head", tail))
     if loss_nodes:
         groups.append(("loss", "loss", loss_nodes))
-    return _with_groups(graph, groups)
+    return _with_groups(*_attach_weight_derived(graph, groups, free))
 
 
 class _GraphIndex:

@@ -139,7 +139,9 @@ def _recalibration(before: DeviceProfile, after: DeviceProfile) -> float:
 def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_that_step(planned):
     root, train, tokenizer = planned
     common = ["--data", train, "--local", "--tokenizer", tokenizer]
-    proc = _cli("train", "plan", *common, "--steps", STEPS, "--replan-every", EVERY,
+    # any predicted gain re-plans: a is SLOWER times slower than its profile, but b's measured time
+    # is inflated too when the other test worker loads the machine (a 6.6% gain was seen under -n 2)
+    proc = _cli("train", "plan", *common, "--steps", STEPS, "--replan-every", EVERY, "--replan-threshold", 0,
                 "--checkpoint", "live", "--metrics-out", "live.json", cwd=root)
     figures = json.loads((root / "live.json").read_text())
     assert len(figures["replans"]) == 1, (figures["replan_checks"], proc.stderr[-2000:])
