@@ -3,7 +3,8 @@ a checkpoint (eager attention, TorchScript): Qwen2 (biased Q/K/V), Qwen3 (Q/K no
 size wider than the model), Phi-3 (fused QKV and gate/up projections, a rotary that covers the whole
 head, so its pass-through part is sliced to nothing), Gemma (RMSNorm scaled by 1 + w, a scaled
 embedding, tanh-GELU gating), GPT-J (interleaved rotary tables built with Tile, parallel residual),
-GPT-NeoX (partial rotary), OPT (learned positions with an offset, ReLU) and Falcon (multi-query).
+GPT-NeoX (partial rotary), OPT (learned positions with an offset, ReLU), Falcon (multi-query) and
+BLOOM (ALiBi position biases from the mask, a normed embedding before pre-norm layers).
 
 Each is a tiny model with scrambled weights: the lowered model's logits on MNN and PyTorch equal ONNX
 Runtime's and transformers', and every weight's gradient equals transformers' own model in float64.
@@ -48,13 +49,14 @@ def _config(family: str):
         "gpt_neox": lambda: tf.GPTNeoXConfig(**common),
         "opt": lambda: tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                     num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64),
+        "bloom": lambda: tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
         "falcon": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, new_decoder_architecture=False, multi_query=True,
                                           alibi=False),
     }[family]()
 
 
-FAMILIES = ("qwen2", "qwen3", "phi3", "gemma", "gptj", "gpt_neox", "opt", "falcon")
+FAMILIES = ("qwen2", "qwen3", "phi3", "gemma", "gptj", "gpt_neox", "opt", "falcon", "bloom")
 
 
 def _model(family: str):
