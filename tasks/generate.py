@@ -203,6 +203,7 @@ class OnnxCausalLM:
 
     def _generate_cached(self, prompts, settings, stop, rng) -> list[list[int]]:
         session = self._step_session()
+        declared = {i.name for i in session.get_inputs()}  # BLOOM's step takes no position_ids (ALiBi)
         past_names = [i.name for i in session.get_inputs() if i.name.startswith("past.")]
         present_names = [n.replace("past.", "present.") for n in past_names]
         cfg = self.meta["config"]
@@ -219,8 +220,8 @@ class OnnxCausalLM:
         active = np.arange(n)
         next_position = positions[:, -1] + 1
         for _ in range(settings.max_new_tokens):
-            results = session.run(["logits", *present_names], {"input_ids": ids, "attention_mask": mask,
-                                                                "position_ids": positions, **past})
+            feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, **past}
+            results = session.run(["logits", *present_names], {k: v for k, v in feeds.items() if k in declared})
             picked = self._pick(results[0][:, -1], settings, rng)
             for i, token in zip(active, picked):
                 out[i].append(int(token))

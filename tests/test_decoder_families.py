@@ -198,3 +198,24 @@ def test_lora_finds_each_projection_by_structure(exported, family):
     _, _, graph = exported[family]
     roles = projection_roles(graph, graph.blocks[1])
     assert {w.rsplit(".", 2)[-2]: r for w, r in roles.items()} == LORA_ROLES[family]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma", "gptj", "falcon", "bloom"])
+def test_generation_with_the_key_value_cache_equals_transformers_greedy(family, tmp_path):
+    """NAME.kv.onnx (the step graph `generate` runs) per family: two prompts of different lengths
+    (left-padded together) give transformers' greedy tokens, with the cache and without. BLOOM's
+    step takes no position_ids (its ALiBi biases come from the mask)."""
+    from tasks.generate import GenerationSettings, OnnxCausalLM
+
+    model = _model(family)
+    lm = OnnxCausalLM(export_causal_lm(model, tmp_path / "m.onnx", LlmExportOptions()))
+    prompts = [[5, 17, 33, 2, 9, 41], [7, 8]]
+    want = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    assert lm.generate(prompts, GenerationSettings(max_new_tokens=6)) == want
+    assert lm.generate(prompts, GenerationSettings(max_new_tokens=6, kv_cache=False)) == want
