@@ -298,13 +298,29 @@ def tiny_model(family: str, task: str = "token-classification", layers: int = 2,
     cls = T.AutoModelForSequenceClassification if task == "seq-cls" else T.AutoModelForTokenClassification
     model = cls.from_config(cfg, attn_implementation=attention)
     if scramble:
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                base = 1.0 if name.endswith("LayerNorm.weight") or "layer_norm.weight" in name else 0.0
-                p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+        scramble_weights(model, seed + 1, lambda name: name.endswith("LayerNorm.weight") or "layer_norm.weight" in name)
     model.eval()
     return model if dtype is None else model.to(dtype)
+
+
+def scramble_weights(model, seed: int = 1, unit_scale=lambda name: False):
+    """Every parameter replaced by seeded noise (std 0.2; around 1 where `unit_scale(name)`, a
+    norm's scale), so no two tensors are equal and a gradient routed to the wrong weight shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if unit_scale(name) else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def stage_engine(kind: str, spec):
+    """The MNN or the PyTorch stage engine over `spec` ("mnn" or "torch")."""
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.engines.pytorch import TorchStageEngine
+
+    return MnnStageEngine(spec) if kind == "mnn" else TorchStageEngine(spec)
 
 
 def family_feeds(inputs, batch: int, seq: int, vocab: int, num_labels: int, task: str = "token-classification",

@@ -21,15 +21,14 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from ir.graph import AttentionSite
 from jobs.export_llm import LlmExportOptions, export_causal_lm
 from planner.onnx_import import ImportError_, load_model
 from runtime.engines.mnn import MnnStageEngine
-from runtime.engines.pytorch import TorchStageEngine
 from runtime.engines.split.engine import SplitStageEngine
 from runtime.engines.stage import stage_spec
-from ir.graph import AttentionSite
-from support import Lazy, assert_grads_close, lm_step_feeds
 
+from support import Lazy, assert_grads_close, lm_step_feeds, scramble_weights, stage_engine
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S, VOCAB = 2, 12, 256
 
@@ -66,11 +65,7 @@ def _model(family: str):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model.eval()
+    return scramble_weights(model).eval()
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +85,6 @@ def _feeds() -> dict[str, np.ndarray]:
     return lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
 
 
-def _engine(kind: str, spec):
-    return MnnStageEngine(spec) if kind == "mnn" else TorchStageEngine(spec)
-
 
 @pytest.mark.parametrize("engine", ["mnn", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -101,7 +93,7 @@ def test_logits_equal_onnxruntime_and_transformers(exported, family, engine):
     assert [b.kind for b in graph.blocks] == ["embeddings", "decoder", "decoder", "head", "loss"]
     feeds = _feeds()
     inputs = {k: feeds[k] for k in ("input_ids", "attention_mask")}
-    logits = _engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1)).forward(
+    logits = stage_engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1)).forward(
         feeds, train=False, until_block=len(graph.blocks) - 2)
     ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
     with torch.no_grad():
@@ -121,7 +113,7 @@ def _token_ce(logits: torch.Tensor, feeds) -> torch.Tensor:
 def test_every_gradient_equals_transformers_in_float64(exported, family, engine):
     model, _, graph = exported[family]
     feeds = _feeds()
-    run = _engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1))
+    run = stage_engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1))
     run.forward(feeds, 0)
     got = run.backward(0).params
     model64 = copy.deepcopy(model).double()

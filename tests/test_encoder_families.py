@@ -23,9 +23,8 @@ import torch
 from jobs.export import ExportOptions, export_checkpoint, model_inputs, read_hf_sidecar
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
-from runtime.engines.pytorch import TorchStageEngine
 from runtime.engines.stage import stage_spec
-from support import Lazy, assert_grads_close, family_feeds
+from support import Lazy, assert_grads_close, family_feeds, scramble_weights, stage_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S, VOCAB, LABELS, LAYERS = 2, 10, 120, 3, 3
@@ -49,12 +48,7 @@ def _model(family: str):
 
     torch.manual_seed(0)
     model = AutoModelForTokenClassification.from_config(_config(family), attn_implementation="eager")
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if "norm" in name.lower() and name.endswith("weight") else 0.0
-            p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    return scramble_weights(model, unit_scale=lambda name: "norm" in name.lower() and name.endswith("weight")).eval()
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +69,6 @@ def _feeds(model) -> dict[str, np.ndarray]:
     return family_feeds(model_inputs(model), B, S, VOCAB, LABELS, pad_id=model.config.pad_token_id or 0)
 
 
-def _engine(kind: str, spec):
-    return MnnStageEngine(spec) if kind == "mnn" else TorchStageEngine(spec)
-
 
 @pytest.mark.parametrize("engine", ["mnn", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -87,7 +78,7 @@ def test_one_block_per_layer_and_logits_equal_onnxruntime_and_transformers(expor
     assert [b.name for b in layers] == [f"layer.{i}" for i in range(LAYERS)]
     assert graph.blocks[0].kind == "embeddings" and [b.kind for b in graph.blocks[-2:]] == ["head", "loss"]
     feeds = _feeds(model)
-    logits = _engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1)).forward(
+    logits = stage_engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1)).forward(
         feeds, train=False, until_block=len(graph.blocks) - 2)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     ref = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})[0]
@@ -102,7 +93,7 @@ def test_one_block_per_layer_and_logits_equal_onnxruntime_and_transformers(expor
 def test_every_gradient_equals_transformers_in_float64(exported, family, engine):
     model, _, graph = exported[family]
     feeds = _feeds(model)
-    run = _engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1))
+    run = stage_engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1))
     run.forward(feeds, 0)
     got = run.backward(0).params
     names = read_hf_sidecar(exported[family][1])["weights"]  # IR weight -> the state dict's key, transposed?
