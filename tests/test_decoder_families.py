@@ -27,8 +27,8 @@ from planner.onnx_import import ImportError_, load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.split.engine import SplitStageEngine
 from runtime.engines.stage import stage_spec
-
 from support import Lazy, assert_grads_close, lm_step_feeds, scramble_weights, stage_engine
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S, VOCAB = 2, 12, 256
 
