@@ -157,11 +157,12 @@ def _match_rms_norm(ix: _Index, sqrt: Node):
     width = ix.graph.values[x].shape[-1]
     attrs = {"epsilon": eps}
     shifted = ix.node(scale or "", "Add")
-    if shifted is not None and any(i in ix.params for i in shifted.inputs):  # Gemma's (1 + w)
-        offset = ix.scalar(_other(shifted, next(i for i in shifted.inputs if i in ix.params)) or "")
+    weight = next((i for i in shifted.inputs if i in ix.params), None) if shifted is not None else None
+    if weight is not None:  # Gemma's (1 + w)
+        offset = ix.scalar(_other(shifted, weight) or "")
         if offset is None:
             return None
-        scale = next(i for i in shifted.inputs if i in ix.params)
+        scale = weight
         chain.append(shifted)
         attrs["offset"] = offset
     if scale not in ix.params or tuple(ix.graph.constants[scale].shape) != (width,):
