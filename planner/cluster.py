@@ -185,8 +185,12 @@ class Cluster:
     devices: tuple[DeviceSpec, ...]
     default_link: Link
     links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+    # devices by name, for `device` and `link` (the planner asks for every pair of 64 devices per
+    # instance: a scan of the names each time was a second of a 64-device plan)
+    _by_name: Mapping[str, DeviceSpec] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {d.name: d for d in reversed(self.devices)})  # the first of a name
         # a pair given as (b, a) must not be silently missed by `link`, which looks up (a, b)
         canonical: dict[tuple[str, str], Link] = {}
         for (a, b), link in self.links.items():
@@ -201,15 +205,15 @@ class Cluster:
         return tuple(d.name for d in self.devices)
 
     def device(self, name: str) -> DeviceSpec:
-        for d in self.devices:
-            if d.name == name:
-                return d
+        d = self._by_name.get(name)
+        if d is not None:
+            return d
         raise KeyError(f"no device {name!r} in the cluster (devices: {', '.join(self.names)})")
 
     def link(self, a: str, b: str) -> Link:
         """The link between devices a and b, in either order; the default link unless the file named the pair."""
         for n in (a, b):
-            if n not in self.names:
+            if n not in self._by_name:
                 raise KeyError(f"no device {n!r} in the cluster (devices: {', '.join(self.names)})")
         if a == b:
             raise ValueError(f"device {a!r} needs no link to itself")

@@ -68,6 +68,7 @@ Decoder LLMs:
 """
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 from dataclasses import replace
@@ -283,13 +284,14 @@ def stage_params_bytes(graph: Graph, first: int, last: int) -> int:
 # The graphs whose tables were last looked at (weakly: a graph holds its weights), with what
 # `_graph_tables` found: the planner asks for every block range of every device (make_instance: 2 x
 # blocks calls per device), and a scan of the nodes each time cost 7-9 ms a device on SmolLM2's 1063.
-_TABLE_FACTS: list[tuple[weakref.ref, tuple[frozenset[str], frozenset[str], dict[str, int | None]]]] = []
+_TABLE_FACTS: list[tuple[weakref.ref, tuple]] = []
 
 
-def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[str, int | None]]:
+def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[str, int | None], dict[str, list[int]]]:
     """(every embedding table of the graph, those an op other than a lookup also reads, lookups per
-    micro-batch of each table: the elements of its index inputs, None where a shape is unknown),
-    from one pass over the nodes, kept for the last few graphs."""
+    micro-batch of each table: the elements of its index inputs, None where a shape is unknown, the
+    blocks whose parameters list each table, ascending), from one pass over the nodes, kept for the
+    last few graphs."""
     for known, facts in _TABLE_FACTS:
         if known() is graph:
             return facts
@@ -301,7 +303,11 @@ def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[st
             shape = graph.values[n.inputs[1]].shape if n.inputs[1] in graph.values else None
             ok = shape and all(isinstance(d, int) and d >= 0 for d in shape)
             lookups[n.inputs[0]] = lookups[n.inputs[0]] + math.prod(shape) if ok else None
-    facts = (tables, read, lookups)
+    listed: dict[str, list[int]] = {t: [] for t in tables}
+    for k, b in enumerate(graph.blocks):
+        for t in tables.intersection(b.params):
+            listed[t].append(k)
+    facts = (tables, read, lookups, listed)
     _TABLE_FACTS[:] = [(weakref.ref(graph), facts)] + [e for e in _TABLE_FACTS if e[0]() is not None][:3]
     return facts
 
@@ -309,15 +315,17 @@ def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[st
 def _tables(graph: Graph, first: int, last: int) -> tuple[set[str], set[str]]:
     """(the embedding tables among the parameters of blocks first..last, those of them an op other
     than a lookup also reads anywhere in the model)."""
-    all_tables, all_read, _ = _graph_tables(graph)
-    tables = {p for b in graph.blocks[first:last + 1] for p in b.params} & all_tables
+    _, all_read, _, listed = _graph_tables(graph)
+    # a table is in the range when a block of the range lists it: a search per table, not a scan of
+    # the range's parameters (the planner asks for every prefix of the blocks: quadratic in depth)
+    tables = {t for t, ks in listed.items() if (i := bisect.bisect_left(ks, first)) < len(ks) and ks[i] <= last}
     return tables, tables & all_read
 
 
 def looked_up_only(graph: Graph) -> frozenset[str]:
     """The embedding tables of the model that nothing but lookups read (not a tied LM head's weight):
     their gradients are rows, and AdamW's state of them is kept as rows (`table_state_delta_bytes`)."""
-    tables, read, _ = _graph_tables(graph)
+    tables, read, _, _ = _graph_tables(graph)
     return tables - read
 
 

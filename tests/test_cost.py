@@ -266,3 +266,22 @@ def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_che
         n = len(g.blocks)
         plan = manual_partition(inst, ["d0", "d1", "d2"], [2, n - 1])
         assert plan.stages[0].memory_bytes == stash, backend
+
+
+def test_the_tables_of_a_block_range_are_those_its_blocks_list(chat_llama):
+    """`_tables` finds a range's embedding tables by searching each table's blocks (it is asked for
+    every prefix of the blocks, so a scan of the range's parameters made planning quadratic in
+    depth): the same sets as that scan, for every range of a tied Llama (its table read by the LM
+    head too) and of the tiny BERT, and the same as before for the memory model's figures."""
+    from planner.cost import _graph_tables, _tables
+    from planner.onnx_import import load_model
+
+    llama = load_model(chat_llama[0], 1, 16)
+    assert _graph_tables(llama)[1]  # a table another op reads too: the tied head
+    for graph in (llama, tiny_graph()):
+        tables, read = _graph_tables(graph)[:2]
+        n = len(graph.blocks)
+        for first in range(n):
+            for last in range(first, n):
+                scanned = {p for b in graph.blocks[first:last + 1] for p in b.params} & tables
+                assert _tables(graph, first, last) == (scanned, scanned & read), (graph.name, first, last)
