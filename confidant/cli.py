@@ -346,7 +346,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--cuts", default=None, help="manual cuts instead of the solver (first block of stages 2..p)")
     p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds (default %(default)s)")
+    p.add_argument("--time-limit", type=float, default=10.0,
+                   help="seconds the whole plan may take, lowering included: the searches for the cuts (and the "
+                        "re-solves after each device's engine is picked) share what is left, at least 0.5 s each, "
+                        "and stop early once they prove their plan optimal (default %(default)s)")
     p.add_argument("-o", "--output", type=Path, default=Path("plan"), help="plan folder (default %(default)s)")
     p.add_argument("--data", type=Path, default=None,
                    help="the training data `confidant train` will get (read as it reads it): the rows of each "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from confidant.errors import CliError
@@ -351,9 +352,10 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    started = time.monotonic()  # --time-limit counts the whole command, its imports too
     from jobs.planning import PlanSettings, plan_model
 
-    settings = PlanSettings(schedule=args.schedule, batch=args.batch, seq=args.seq, microbatches=args.microbatches,
+    settings = PlanSettings(started_s=started, schedule=args.schedule, batch=args.batch, seq=args.seq, microbatches=args.microbatches,
                             update_every=_update_every(args), optimizer=args.optimizer, lr=args.lr,
                             cuts=_cuts(args.cuts), devices=tuple(args.devices.split(",")) if args.devices else None,
                             time_limit_s=args.time_limit, lora=_lora_settings(args), data=args.data,

@@ -133,8 +133,11 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 # Writing --------------------------------------------------------------------------------------
 
-def _json_bytes(doc: Any, sort_keys: bool) -> bytes:
-    return (json.dumps(doc, indent=1, sort_keys=sort_keys) + "\n").encode("utf-8")
+def _json_bytes(doc: Any, sort_keys: bool, indent: int | None = 1) -> bytes:
+    """`doc` as JSON; indent None writes it on one line with json's C encoder (an indent makes json
+    encode in Python: 1.8 s of a 64-device plan's 16 graph documents)."""
+    separators = None if indent is not None else (",", ":")
+    return (json.dumps(doc, indent=indent, sort_keys=sort_keys, separators=separators) + "\n").encode("utf-8")
 
 
 def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: Mapping[str, Any],
@@ -147,7 +150,7 @@ def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: 
         stage_doc = StageDocument.from_json(stage_doc, f"bundle {source}: {STAGE}")
     try:
         tokens = [str(a if isinstance(a, Action) else Action.parse(a)) for a in actions]
-        files = {STAGE: _json_bytes(stage_doc.to_json(), sort_keys=True), GRAPH: _json_bytes(dict(graph_doc), sort_keys=False),
+        files = {STAGE: _json_bytes(stage_doc.to_json(), sort_keys=True), GRAPH: _json_bytes(dict(graph_doc), sort_keys=False, indent=None),
                  WEIGHTS: encode_safetensors(constants), ACTIONS: "".join(t + "\n" for t in tokens).encode("ascii")}
     except (TypeError, ValueError) as exc:
         raise BundleError(f"bundle {source}: cannot be written: {exc}") from None

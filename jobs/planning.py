@@ -4,6 +4,7 @@ device). The decisions are the planner's pure functions; this job joins them and
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from planner.simulate import simulate, write_chrome_trace
 class PlanSettings:
     """What to plan for: the schedule, batch rows, tokens per row, micro-batches, backwards per update
     (1f1b-stash), the optimizer and learning rate, manual cuts and device order (None: the solver's),
-    and the solver's time limit in seconds."""
+    and the planning time limit in seconds (`_Deadline`)."""
 
     schedule: str = "1f1b-flush"
     batch: int = 8
@@ -43,6 +44,9 @@ class PlanSettings:
     cuts: tuple[int, ...] | None = None
     devices: tuple[str, ...] | None = None
     time_limit_s: float = 10.0
+    # time.monotonic() when the time limit started counting (the command's start, before its
+    # imports); None: when plan_model is called
+    started_s: float | None = None
     lora: LoraSettings | None = None  # None: full fine-tuning
     # the training data (and its tokenizer, else the model's): the embedding rows it looks up set
     # how much AdamW state the memory model charges those tables (`planner.lookups`)
@@ -50,10 +54,32 @@ class PlanSettings:
     tokenizer: Path | None = None
 
 
+# The first search's share of the time left: the re-solves after the engine picks share the rest.
+FIRST_SEARCH_SHARE = 0.6
+
+
+class _Deadline:
+    """`PlanSettings.time_limit_s` spent over the whole plan, lowering included: each search gets a
+    share of what is left before a reserve for writing the bundles, and at least MIN_SEARCH_S (a
+    search stops early anyway once it proves its plan optimal). Before, every search had the whole
+    limit, and the re-solves after picking engines half of it each: 64 devices x 193 blocks took
+    21 s with the default 10."""
+
+    MIN_SEARCH_S = 0.5
+    WRITE_SHARE = 0.2  # kept back for costing, scheduling and writing the plan
+
+    def __init__(self, limit_s: float, started_s: float | None = None):
+        self.end = (time.monotonic() if started_s is None else started_s) + (1 - self.WRITE_SHARE) * limit_s
+
+    def search_s(self, share: float) -> float:
+        return max(self.MIN_SEARCH_S, share * (self.end - time.monotonic()))
+
+
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
                reporter: Reporter = Silent(), sign=None) -> Path:
     """Write the plan folder `output` for `model` over the cluster in `cluster_file`; returns it.
     `sign` (runtime.keys.signer of the coordinator's key) signs every bundle."""
+    deadline = _Deadline(settings.time_limit_s, settings.started_s)
     M = settings.microbatches
     if M < 1 or settings.batch % M:
         raise JobError(f"--batch {settings.batch} must be a multiple of --microbatches {M}")
@@ -79,7 +105,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
                 raise JobError("the manual cuts do not fit: " + "; ".join(problems))
         else:
             try:
-                partition = solve_partition(instance, time_limit_s=settings.time_limit_s)
+                partition = solve_partition(instance, time_limit_s=deadline.search_s(FIRST_SEARCH_SHARE))
             except PlanDoesNotFit:
                 # every activation kept (PyTorch's default) may not fit where recomputing them does:
                 # start from the leanest, and pick_engines keeps them again wherever they fit
@@ -87,11 +113,11 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
                     raise
                 lean = recompute_everywhere(cluster)
                 partition = solve_partition(make_instance(graph, lean, settings.schedule, M, settings.optimizer),
-                                            time_limit_s=settings.time_limit_s)
+                                            time_limit_s=deadline.search_s(FIRST_SEARCH_SHARE))
                 cluster = lean
     except PlanDoesNotFit as exc:
         raise JobError(str(exc)) from None
-    partition, cluster = _pick_engines(graph, cluster, partition, settings, reporter, frozenset(splits))
+    partition, cluster = _pick_engines(graph, cluster, partition, settings, reporter, frozenset(splits), deadline)
     try:
         check_tied_schedule(graph, partition.ranges, settings.schedule)
     except ValueError as exc:
@@ -148,14 +174,14 @@ def _with_lookup_rows(graph, model: Path, settings: PlanSettings, reporter: Repo
 
 
 def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, reporter: Reporter,
-                  fixed: frozenset[str] = frozenset()):
+                  fixed: frozenset[str], deadline: _Deadline):
     """Each device's engine (auto devices) and activations re-picked for the blocks it got, the
     partition re-solved for the picks (manual cuts stay); head-split devices (`fixed`) keep theirs;
     `planner.engines`."""
     M = settings.microbatches
 
     def solve(inst):
-        return solve_partition(inst, time_limit_s=max(1.0, settings.time_limit_s / 2))
+        return solve_partition(inst, time_limit_s=deadline.search_s(0.5))
 
     picks = pick_engines(graph, cluster, partition, settings.schedule, M, settings.optimizer,
                          solve=None if settings.cuts else solve, fixed=fixed)

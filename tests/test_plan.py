@@ -359,3 +359,18 @@ def test_errors_fall_back_to_list_positions_when_the_dry_run_cannot_run():
     assert "rows: list positions" in e.grid and ">>s1.RECV_GRAD.m1<s2<<" in e.grid
     e = _rejects(_edit(FLUSH, 1, _replace("s1.RECV_ACT.m2<s0", None)), "send/receive pairing")
     assert "rows: ticks of the dry run" in e.grid and ">>s0.SEND_ACT.m2>s1<<" in e.grid
+
+
+def test_the_time_limit_is_shared_by_the_whole_plan():
+    """`--time-limit` counts from the command's start: each search gets its share of what is left
+    before the reserve for writing the plan, and at least MIN_SEARCH_S once the time is spent."""
+    import time
+
+    from jobs.planning import _Deadline
+
+    fresh = _Deadline(10.0)
+    assert 0.6 * 8.0 - 0.1 <= fresh.search_s(0.6) <= 0.6 * 8.0  # 8 s before the 20% reserve
+    started_earlier = _Deadline(10.0, started_s=time.monotonic() - 6.0)
+    assert 0.5 * 2.0 - 0.1 <= started_earlier.search_s(0.5) <= 0.5 * 2.0
+    spent = _Deadline(10.0, started_s=time.monotonic() - 60.0)
+    assert spent.search_s(0.5) == _Deadline.MIN_SEARCH_S

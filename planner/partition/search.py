@@ -193,7 +193,7 @@ class OrderSearch:
         """Search until `deadline` (time.monotonic()): first improvement over the shuffled
         neighbourhood of the current order; a kick from the best order once a whole neighbourhood
         brought nothing (a local optimum)."""
-        if self.best.order is None:
+        if self.best.order is None or time.monotonic() >= deadline:
             return
         if self.current is None:
             self._restart()
