@@ -186,10 +186,30 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
     picks = pick_engines(graph, cluster, partition, settings.schedule, M, settings.optimizer,
                          solve=None if settings.cuts else solve, fixed=fixed)
     if picks.changed:
-        moves = ", ".join(f"{name}: {a} -> {b}" for name, (a, b) in picks.changed.items())
+        moves = ", ".join(_devices_moved(picks.changed))
         reporter.note(f"engine per device for the blocks it runs: {moves} (predicted step "
                       f"{picks.before_us / 1e3:.0f} -> {picks.after_us / 1e3:.0f} ms)")
     return picks.partition, picks.cluster
+
+
+def _devices_moved(changed: dict[str, tuple[str, str]]) -> list[str]:
+    """`name: before -> after` per device, devices with the same move as one entry (a 64-device plan
+    moves a dozen devices the same way): `a, b, c (3 devices): before -> after`, at most
+    SHOWN_NAMES names each."""
+    by_move: dict[tuple[str, str], list[str]] = {}
+    for name, move in changed.items():
+        by_move.setdefault(move, []).append(name)
+    out = []
+    for (before, after), names in by_move.items():
+        if len(names) == 1:
+            out.append(f"{names[0]}: {before} -> {after}")
+        else:
+            shown = ", ".join(names[:SHOWN_NAMES]) + (", ..." if len(names) > SHOWN_NAMES else "")
+            out.append(f"{shown} ({len(names)} devices): {before} -> {after}")
+    return out
+
+
+SHOWN_NAMES = 4
 
 
 def copy_lm_tokenizer(model: Path, plan_dir: Path) -> list[str]:

@@ -193,3 +193,12 @@ def test_pick_engines_keeps_what_the_cluster_file_chose_and_never_predicts_slowe
     assert picks.changed and all(before == "torch:cpu:t1 (keep)" for before, _ in picks.changed.values())
     assert picks.after_us < picks.before_us
     assert {d.picked for d in picks.cluster.devices if d.name in picks.changed} == {"mnn:cpu:t1"}
+
+
+def test_devices_with_the_same_engine_move_are_named_together():
+    from jobs.planning import _devices_moved
+
+    moves = {f"d{i}": ("mnn:cpu:t1 (recompute)", "mnn:cpu:t1 (keep)") for i in range(6)}
+    moves["laptop"] = ("mnn:cpu:t2 (recompute)", "torch:cpu:t2 (keep)")
+    assert _devices_moved(moves) == ["d0, d1, d2, d3, ... (6 devices): mnn:cpu:t1 (recompute) -> mnn:cpu:t1 (keep)",
+                                     "laptop: mnn:cpu:t2 (recompute) -> torch:cpu:t2 (keep)"]
