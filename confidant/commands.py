@@ -355,10 +355,10 @@ def cmd_plan(args) -> int:
     started = time.monotonic()  # --time-limit counts the whole command, its imports too
     from jobs.planning import PlanSettings, plan_model
 
-    settings = PlanSettings(started_s=started, schedule=args.schedule, batch=args.batch, seq=args.seq, microbatches=args.microbatches,
+    settings = PlanSettings(schedule=args.schedule, batch=args.batch, seq=args.seq, microbatches=args.microbatches,
                             update_every=_update_every(args), optimizer=args.optimizer, lr=args.lr,
                             cuts=_cuts(args.cuts), devices=tuple(args.devices.split(",")) if args.devices else None,
-                            time_limit_s=args.time_limit, lora=_lora_settings(args), data=args.data,
+                            time_limit_s=args.time_limit, started_s=started, lora=_lora_settings(args), data=args.data,
                             tokenizer=args.tokenizer)
     if args.tokenizer is not None and args.data is None:
         raise CliError("--tokenizer is the tokenizer of --data: give the training data with it")

@@ -14,8 +14,8 @@ business, and which engine runs a backend is `runtime.engines.factory`'s.
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 
 # Devices per engine, in listing order. MNN's are those runtime.engines.mnn_kernels probes (a test keeps the
 # two in step); importing that module here would load MNN just to parse a name.

@@ -150,7 +150,8 @@ def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: 
         stage_doc = StageDocument.from_json(stage_doc, f"bundle {source}: {STAGE}")
     try:
         tokens = [str(a if isinstance(a, Action) else Action.parse(a)) for a in actions]
-        files = {STAGE: _json_bytes(stage_doc.to_json(), sort_keys=True), GRAPH: _json_bytes(dict(graph_doc), sort_keys=False, indent=None),
+        files = {STAGE: _json_bytes(stage_doc.to_json(), sort_keys=True),
+                 GRAPH: _json_bytes(dict(graph_doc), sort_keys=False, indent=None),
                  WEIGHTS: encode_safetensors(constants), ACTIONS: "".join(t + "\n" for t in tokens).encode("ascii")}
     except (TypeError, ValueError) as exc:
         raise BundleError(f"bundle {source}: cannot be written: {exc}") from None

@@ -61,9 +61,7 @@ FIRST_SEARCH_SHARE = 0.6
 class _Deadline:
     """`PlanSettings.time_limit_s` spent over the whole plan, lowering included: each search gets a
     share of what is left before a reserve for writing the bundles, and at least MIN_SEARCH_S (a
-    search stops early anyway once it proves its plan optimal). Before, every search had the whole
-    limit, and the re-solves after picking engines half of it each: 64 devices x 193 blocks took
-    21 s with the default 10."""
+    search stops early anyway once it proves its plan optimal)."""
 
     MIN_SEARCH_S = 0.5
     WRITE_SHARE = 0.2  # kept back for costing, scheduling and writing the plan
@@ -192,6 +190,9 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
     return picks.partition, picks.cluster
 
 
+SHOWN_NAMES = 4  # device names per engine move in plan's note
+
+
 def _devices_moved(changed: dict[str, tuple[str, str]]) -> list[str]:
     """`name: before -> after` per device, devices with the same move as one entry (a 64-device plan
     moves a dozen devices the same way): `a, b, c (3 devices): before -> after`, at most
@@ -207,9 +208,6 @@ def _devices_moved(changed: dict[str, tuple[str, str]]) -> list[str]:
             shown = ", ".join(names[:SHOWN_NAMES]) + (", ..." if len(names) > SHOWN_NAMES else "")
             out.append(f"{shown} ({len(names)} devices): {before} -> {after}")
     return out
-
-
-SHOWN_NAMES = 4
 
 
 def copy_lm_tokenizer(model: Path, plan_dir: Path) -> list[str]:
