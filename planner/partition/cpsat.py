@@ -29,9 +29,15 @@ reports its tightest device, by how much it is over, and what would help.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
-import importlib
+from ir.partition import Partition
+from ir.plan import ASYNC_SCHEDULES
+from planner.partition.explain import PlanDoesNotFit, _does_not_fit
+from planner.partition.instance import (Assignment, PartitionInstance, _objective_us, _overflows, _partition,
+                                        _stage_times_us, _times_us, _weights_us, device_classes)
+from planner.partition.simple import greedy_partition
 
 
 class _OnFirstUse:
@@ -46,13 +52,6 @@ class _OnFirstUse:
 
 
 cp_model = _OnFirstUse()
-
-from ir.partition import Partition
-from ir.plan import ASYNC_SCHEDULES
-from planner.partition.explain import PlanDoesNotFit, _does_not_fit
-from planner.partition.instance import (Assignment, PartitionInstance, _objective_us, _overflows, _partition,
-                                        _stage_times_us, _times_us, _weights_us, device_classes)
-from planner.partition.simple import greedy_partition
 
 
 # One model for every stage count. Stages are numbered from the END of the pipeline (position
