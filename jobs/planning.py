@@ -16,10 +16,10 @@ from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, device_backend, load_cluster
-from planner.cost import (ROWS_DENSE_SHARE, activations_of, check_tied_schedule, compute_s, keeps_activations,
-                          looked_up_only, predicted_step_s, stage_costs)
-from planner.engines import pick_engines, recompute_everywhere
+from planner.cost import activations_of, check_tied_schedule, compute_s, predicted_step_s, stage_costs
+from planner.engines import first_partition, pick_engines
 from planner.emit import emit_plan
+from planner.lookups import charged_rows
 from planner.lora import LoraSettings
 from planner.heads import HeadSplit, choose_head_split, profile_with_head_split, split_base_backend, split_extra_cost_s
 from planner.onnx_import import load_model
@@ -91,28 +91,22 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     if settings.data is not None:
         graph = _with_lookup_rows(graph, Path(model), settings, reporter)
     cluster, splits = _with_head_splits(graph, cluster, reporter)
-    instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer)
     reporter.note(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({settings.schedule}, "
                   f"{M} micro-batches)")
     try:
         if settings.cuts:
             order = list(settings.devices) if settings.devices else [d.name for d in cluster.devices]
+            instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer)
             partition = manual_partition(instance, order[:len(settings.cuts) + 1], list(settings.cuts))
             problems = check_feasible(partition, instance)
             if problems:
                 raise JobError("the manual cuts do not fit: " + "; ".join(problems))
         else:
-            try:
-                partition = solve_partition(instance, time_limit_s=deadline.search_s(FIRST_SEARCH_SHARE))
-            except PlanDoesNotFit:
-                # every activation kept (PyTorch's default) may not fit where recomputing them does:
-                # start from the leanest, and pick_engines keeps them again wherever they fit
-                if not any(keeps_activations(d) for d in cluster.devices):
-                    raise
-                lean = recompute_everywhere(cluster)
-                partition = solve_partition(make_instance(graph, lean, settings.schedule, M, settings.optimizer),
-                                            time_limit_s=deadline.search_s(FIRST_SEARCH_SHARE))
-                cluster = lean
+            # where nothing fits the whole-model choice, from the leanest (`first_partition`):
+            # pick_engines keeps activations and takes faster engines again wherever they fit
+            cluster, partition = first_partition(
+                graph, cluster, settings.schedule, M, settings.optimizer,
+                lambda inst: solve_partition(inst, time_limit_s=deadline.search_s(FIRST_SEARCH_SHARE)))
     except PlanDoesNotFit as exc:
         raise JobError(str(exc)) from None
     partition, cluster = _pick_engines(graph, cluster, partition, settings, reporter, frozenset(splits), deadline)
@@ -152,20 +146,10 @@ def _with_lookup_rows(graph, model: Path, settings: PlanSettings, reporter: Repo
     except (ValueError, OSError) as exc:
         raise JobError(f"--data {settings.data}: {exc}") from None
     # only the tables whose charge the rows set are kept (and checked again by train)
-    charged, only_looked_up = {}, looked_up_only(graph)
-    for table, n in sorted(rows.items()):
-        total = graph.constants[table].shape[0]
-        if table not in graph.params:
-            continue  # frozen (LoRA's base): no optimizer state
-        if table not in only_looked_up:
-            why = "another op reads it too (a tied head): its gradient and state are dense, charged whole"
-        elif settings.optimizer != "adamw":
-            why = f"{settings.optimizer}'s state of the table is charged whole (only AdamW's is kept as rows)"
-        elif n > ROWS_DENSE_SHARE * total:
-            why = f"over {ROWS_DENSE_SHARE:.0%} of them, AdamW's state of the table is dense, charged whole"
-        else:
-            why = "AdamW's state of the table is charged for those rows"
-            charged[table] = n
+    charged = {}
+    for table, n, total, rows_charged, why in charged_rows(graph, rows, settings.optimizer):
+        if rows_charged is not None:
+            charged[table] = rows_charged
         reporter.note(f"--data looks up {n} of the {total} rows of {table} ({100 * n / total:.1f}%, {task.batches} "
                       f"batches): {why}")
     return dataclasses.replace(graph, lookup_rows=charged)

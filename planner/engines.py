@@ -13,7 +13,7 @@ this machine PyTorch runs a decoder's vocabulary-sized LM head and loss several 
 MNN while MNN runs the small decoder layers faster, so the device holding the head wants torch and
 the one holding the layers wants MNN; and which blocks a device holds depends on how fast its
 backend is. `pick_engines` therefore alternates, starting from the partition the whole-model
-choice gives:
+choice gives (where none fits it, from the leanest that fits: `first_partition`):
 
 1. for every stage, rank the device's backends (an auto device's all, another's own) with keeping or
    recomputing activations by the forward+backward time of the stage's blocks (with the schedule's
@@ -39,7 +39,8 @@ from typing import Callable
 from ir.graph import Graph
 from ir.partition import Partition
 from planner.cluster import Cluster, DeviceSpec, device_backend
-from planner.cost import ACTIVATIONS, activations_of, compute_s, reuses_forward, stage_memory_bytes
+from planner.cost import (ACTIVATIONS, activations_of, compute_s, keeps_activations, reuses_forward,
+                          stage_memory_bytes)
 from planner.partition import (PartitionInstance, PlanDoesNotFit, check_feasible, make_instance, manual_partition,
                                predicted_step_us)
 
@@ -93,6 +94,44 @@ def recompute_everywhere(cluster: Cluster) -> Cluster:
     does not fit with PyTorch keeping them (`pick_engines` then keeps them wherever they fit)."""
     return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, activations="recompute")
                                                       for d in cluster.devices))
+
+
+def leanest_everywhere(cluster: Cluster) -> Cluster:
+    """`cluster` with every device recomputing its activations and every auto device (no `backend`
+    in the cluster file) on the profiled backend whose engine adds the least memory to the runtime
+    (MNN: nothing; PyTorch's import: some 200-300 MB), the fastest of those at a tie. The whole-model
+    choice takes the fastest engine that fits beside the runtime alone, which can leave no room for
+    any stage on a small device where the leaner engine would fit one."""
+    def lean(device: DeviceSpec) -> DeviceSpec:
+        if device.backend is not None or not device.profile.backends:
+            return dataclasses.replace(device, activations="recompute")
+        backend = min(device.profile.backends, key=lambda b: (b.engine_overhead_bytes, b.seconds))
+        return dataclasses.replace(device, picked=backend.backend, activations="recompute")
+
+    return dataclasses.replace(cluster, devices=tuple(lean(d) for d in cluster.devices))
+
+
+def first_partition(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str,
+                    solve: Solve) -> tuple[Cluster, Partition]:
+    """The cluster and partition `pick_engines` starts from: the whole-model choice's partition;
+    where no plan fits that, every device recomputing its activations (`recompute_everywhere`);
+    where none fits that either, every auto device on its leanest engine as well
+    (`leanest_everywhere`). `pick_engines` then keeps activations and takes faster engines again
+    wherever they fit. Raises the last attempt's PlanDoesNotFit (the leanest: what fits nowhere)."""
+    def costed_as(c: Cluster) -> tuple:
+        return tuple((device_backend(d).backend, keeps_activations(d)) for d in c.devices)
+
+    attempts = [cluster]
+    for lean in (recompute_everywhere(cluster), leanest_everywhere(cluster)):
+        if costed_as(lean) != costed_as(attempts[-1]):
+            attempts.append(lean)
+    for k, attempt in enumerate(attempts):
+        try:
+            return attempt, solve(make_instance(graph, attempt, schedule, microbatches, optimizer))
+        except PlanDoesNotFit:
+            if k == len(attempts) - 1:
+                raise
+    raise AssertionError("unreachable: the loop returns or raises")
 
 
 def _choice(device: DeviceSpec) -> str:

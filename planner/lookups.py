@@ -15,6 +15,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from ir.graph import Graph
+from planner.cost import ROWS_DENSE_SHARE, looked_up_only
 
 # ops whose output holds exactly its first input's values (in another shape or integer type)
 _SAME_VALUES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
@@ -58,3 +59,28 @@ def lookup_rows(graph: Graph, feeds: Iterable[Mapping[str, np.ndarray]]) -> dict
             mask = seen.setdefault(table, np.zeros(rows, bool))
             mask[ids % rows] = True
     return {table: int(mask.sum()) for table, mask in seen.items()}
+
+
+def charged_rows(graph: Graph, rows: Mapping[str, int], optimizer: str) -> list[tuple[str, int, int, int | None, str]]:
+    """How the memory model charges each table of `rows` (its looked-up row counts, `lookup_rows`):
+    (table, rows looked up, rows in all, the rows charged or None for the whole table, why), in
+    table order. Only AdamW keeps a table's state as rows, only for a table nothing but lookups
+    reads (`planner.cost.looked_up_only`) and while at most ROWS_DENSE_SHARE of its rows are
+    looked up; a frozen table (LoRA's base) has no state and is left out."""
+    out = []
+    only_looked_up = looked_up_only(graph)
+    for table, n in sorted(rows.items()):
+        total = int(graph.constants[table].shape[0])
+        if table not in graph.params:
+            continue
+        charged = None
+        if table not in only_looked_up:
+            why = "another op reads it too (a tied head): its gradient and state are dense, charged whole"
+        elif optimizer != "adamw":
+            why = f"{optimizer}'s state of the table is charged whole (only AdamW's is kept as rows)"
+        elif n > ROWS_DENSE_SHARE * total:
+            why = f"over {ROWS_DENSE_SHARE:.0%} of them, AdamW's state of the table is dense, charged whole"
+        else:
+            why, charged = "AdamW's state of the table is charged for those rows", n
+        out.append((table, n, total, charged, why))
+    return out

@@ -10,6 +10,7 @@ import pytest
 
 from ir.graph import block_signature
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
+from jobs.errors import JobError
 from jobs.planning import PlanSettings, engine_choices, plan_model
 from planner.cluster import DeviceSpec, device_backend, runtime_bytes
 from planner.onnx_import import load_model
@@ -82,6 +83,19 @@ def test_the_plan_runs_the_chosen_engine_and_show_names_the_runner_up(graph, tin
             f"+300 MiB of engine") in out
     show_plan(given_dir)
     assert "  box: mnn:cpu:t1 (the cluster file's)" in capsys.readouterr().out
+
+
+def test_where_no_stage_fits_beside_torchs_import_the_plan_starts_from_the_leaner_engine(graph, tiny_onnx, tmp_path):
+    """A budget 1 MiB over the runtime and torch's import: torch's engine fits beside the runtime,
+    so the whole-model choice is torch, but no stage fits there (each block holds 1 MiB of workspace
+    besides its weights), with or without its activations; on MNN the whole model does."""
+    budget = RUNTIME + TORCH_IMPORT + MIB
+    assert device_backend(DeviceSpec("box", "tcp://x:1", _profile(graph), budget)).backend == "torch:cpu:t1"
+    _, device = _plan(graph, tmp_path, tiny_onnx, f"{budget // MIB}MiB")
+    assert (device["engine"], tuple(device["blocks"])) == ("mnn", (0, len(graph.blocks) - 1))
+    assert RUNTIME < device["memory_bytes"] <= budget
+    with pytest.raises(JobError, match=r"^no plan fits the memory budgets .* 'box'"):
+        _plan(graph, tmp_path / "tiny", tiny_onnx, f"{RUNTIME // MIB}MiB")  # not even MNN's stage
 
 
 @pytest.mark.slow  # two fresh interpreters, one of them importing torch

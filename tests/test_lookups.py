@@ -15,7 +15,7 @@ from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import DeviceSpec
 from planner.cost import (OPTIMIZER_STATE_COPIES, ROW_STATE_GROWTH, ROW_STATE_MIN_ROWS, ROWS_DENSE_SHARE,
                           stage_memory_bytes, table_state_delta_bytes)
-from planner.lookups import lookup_rows, table_index_inputs
+from planner.lookups import charged_rows, lookup_rows, table_index_inputs
 from planner.onnx_import import load_model
 from planner.partition import make_instance, manual_partition
 from planner.cluster import Cluster
@@ -54,6 +54,22 @@ def test_the_tables_indexed_by_fed_inputs_and_their_distinct_rows(graph):
     assert WORD not in lookup_rows(graph, [{"token_type_ids": feeds[0]["token_type_ids"]}])
     with pytest.raises(ValueError, match=rf"input 'input_ids' holds index {rows}, outside table '{WORD}' of {rows} rows"):
         lookup_rows(graph, [{**feeds[0], "input_ids": np.full_like(feeds[0]["input_ids"], rows)}])
+
+
+def test_which_tables_are_charged_as_rows_and_why_not(graph):
+    """`charged_rows`, what `plan --data` notes and the pipeline benchmark charges: AdamW's state as
+    the rows looked up while they are at most ROWS_DENSE_SHARE of the table; past that, or under
+    SGD, the whole table, each with its reason; a table that is not a parameter is left out."""
+    n = graph.constants[WORD].shape[0]
+    over = int(ROWS_DENSE_SHARE * n) + 1
+    assert charged_rows(graph, {WORD: 40}, "adamw") == [
+        (WORD, 40, n, 40, "AdamW's state of the table is charged for those rows")]
+    assert charged_rows(graph, {WORD: over}, "adamw") == [
+        (WORD, over, n, None, f"over {ROWS_DENSE_SHARE:.0%} of them, AdamW's state of the table is dense, charged whole")]
+    assert charged_rows(graph, {WORD: 40}, "sgd") == [
+        (WORD, 40, n, None, "sgd's state of the table is charged whole (only AdamW's is kept as rows)")]
+    frozen = dataclasses.replace(graph, params=tuple(p for p in graph.params if p != WORD))
+    assert charged_rows(frozen, {WORD: 40}, "adamw") == []
 
 
 def test_the_memory_model_charges_a_tables_adamw_state_as_the_rows_looked_up(graph):
