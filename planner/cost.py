@@ -24,7 +24,8 @@ Time, for one micro-batch on stage s of p (device d, blocks first..last):
 
 Memory, peak bytes of stage s of p under the schedule (facts of runtime/engines/mnn.py,
 runtime/pipeline/executor.py and runtime/optim.py; the constants below say which):
-    params x (WEIGHT_COPIES, or ASYNC_WEIGHT_COPIES under 1f1b-stash and 2bw, + GRADIENT_COPIES
+    params x (WEIGHT_COPIES, or ASYNC_WEIGHT_COPIES under 1f1b-stash and 2bw on a stage with
+              forwards in flight at its updates (every stage but the last), + GRADIENT_COPIES
               + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
   + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
   + for an embedding table only looked up, its gradient as the rows an update sums instead of a
@@ -87,8 +88,10 @@ from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, 
 # Flush schedules: once (MNN's current weights are its Vars' own memory, `K.memory_of`; PyTorch's
 # tensors share the arrays the worker received). Schedules that update with forwards in flight
 # (1f1b-stash, 2bw): twice (MNN's current weights apart from the Var set a forward in flight reads,
-# PyTorch's new tensors beside the ones autograd holds). An embedding table another op also reads
-# (a tied LM head) is held once more on MNN (`double_held_bytes`).
+# PyTorch's new tensors beside the ones autograd holds), except on the last stage, which runs each
+# forward's backward at once and so updates with nothing in flight: both engines then step their
+# weights where they are (`async_extra_copies`). An embedding table another op also reads (a tied
+# LM head) is held once more on MNN (`double_held_bytes`).
 WEIGHT_COPIES = 1
 ASYNC_WEIGHT_COPIES = 2
 # The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter. An embedding
@@ -153,19 +156,31 @@ def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches
     return min(1, old) if schedule == "2bw" else old
 
 
+def async_extra_copies(schedule: str, stages: int, stage: int) -> int:
+    """Current weights held besides WEIGHT_COPIES: ASYNC_WEIGHT_COPIES - WEIGHT_COPIES where the
+    schedule updates with forwards in flight (1f1b-stash and 2bw, every stage but the last; the
+    last runs F B F B, so nothing is in flight at its updates and neither engine separates its
+    current weights: PyTorch's `step` writes new tensors only while `_saved` holds a forward, MNN's
+    `_keep_old_version` copies only for a stashed forward of the current version), else 0."""
+    check_schedule_name(schedule)
+    if schedule not in ASYNC_SCHEDULES or stage == stages - 1:
+        return 0
+    return ASYNC_WEIGHT_COPIES - WEIGHT_COPIES
+
+
 def unversioned_copies(schedule: str, stages: int, stage: int, microbatches: int) -> int:
     """Copies within `weight_copies` that an embedding table nothing but lookups read
     (`unversioned_bytes`) is not held in: its old versions, and under 1f1b-stash and 2bw its
     second current copy, since both engines step such a table in place (PyTorch's `_new_version`,
     MNN's numpy tables): no forward in flight reads it again."""
-    async_extra = ASYNC_WEIGHT_COPIES - WEIGHT_COPIES if schedule in ASYNC_SCHEDULES else 0
-    return STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches) + async_extra
+    return (STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches)
+            + async_extra_copies(schedule, stages, stage))
 
 
 def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int) -> int:
     """Bytes a stage holds per byte of its parameters: weights, gradient, optimizer state, old versions."""
     check_optimizer_name(optimizer)
-    return ((ASYNC_WEIGHT_COPIES if schedule in ASYNC_SCHEDULES else WEIGHT_COPIES)
+    return (WEIGHT_COPIES + async_extra_copies(schedule, stages, stage)
             + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[optimizer]
             + STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches))
 

@@ -12,7 +12,7 @@ from typing import Sequence
 from ir.partition import Partition
 from ir.plan import ASYNC_SCHEDULES
 from planner.cluster import format_bytes
-from planner.cost import OPTIMIZER_STATE_COPIES
+from planner.cost import OPTIMIZER_STATE_COPIES, stashed_weight_versions
 from planner.partition.instance import PartitionInstance, _overflows, _partition
 
 
@@ -51,12 +51,16 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
     params = sum(inst.params_bytes[first:last + 1])
     activations = sum(inst.input_bytes[first:last + 1])
     hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
-    # copies beyond a one-stage pipeline's are old weight versions (1f1b-stash only)
-    old = inst.weight_copies[p - 1][s] - inst.weight_copies[0][0] if inst.schedule in ASYNC_SCHEDULES else 0
+    # copies beyond a one-stage pipeline's (1f1b-stash only): old weight versions, and the current
+    # weights' second copy on a stage with forwards in flight at its updates
+    extra = inst.weight_copies[p - 1][s] - inst.weight_copies[0][0] if inst.schedule in ASYNC_SCHEDULES else 0
     versioned = params - sum(inst.unversioned_bytes[d][first:last + 1])  # tables only looked up keep none
-    if old > 0 and versioned:
-        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(old * versioned)} on {name!r} "
-                     f"({old} old weight version{'s' if old != 1 else ''})")
+    if extra > 0 and versioned:
+        old = stashed_weight_versions(inst.schedule, p, s, inst.microbatches)
+        what = [f"{old} old weight version{'s' if old != 1 else ''}"] if old else []
+        what += ["the current weights' second copy"] if extra > old else []
+        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(extra * versioned)} on {name!r} "
+                     f"({' and '.join(what)})")
     in_flight = inst.in_flight[p - 1][s]
     if activations and in_flight:
         hints.append(f"fewer micro-batches in flight or smaller micro-batches: stashed activations take "
