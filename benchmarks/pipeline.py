@@ -458,40 +458,64 @@ def _profile(graph, model: Path):
     return _PROFILES[key]
 
 
-def plan_picked(graph, model: Path, stages: int, schedule: str, M: int):
+def plan_picked(graph, model: Path, stages: int, schedule: str, M: int, budget_bytes: int | None = None,
+                batches=None):
     """What `confidant plan` decides for `stages` devices like this machine (each a copy of its
-    profile, auto engine, the machine's memory as budget, loopback links): the block ranges, and the
-    engine and activations per stage (planner.partition.solve_partition, then
-    planner.engines.pick_engines, as jobs.planning.plan_model does)."""
+    profile, auto engine, `budget_bytes` or else the machine's memory as budget, loopback links), for
+    `batches` as `plan --data` plans for them (None: every embedding row charged): the block ranges,
+    the engine and activations per stage, and the predicted peak bytes per stage
+    (planner.engines.first_partition, then pick_engines, as jobs.planning.plan_model does)."""
     from ir.backend import engine_of
     from ir.profile import Link
     from planner.cluster import Cluster, DeviceSpec, device_backend
     from planner.cost import activations_of
-    from planner.engines import pick_engines
-    from planner.partition import make_instance, solve_partition
+    from planner.engines import first_partition, pick_engines
+    from planner.partition import solve_partition
 
     profile = _profile(graph, model)
-    devices = tuple(DeviceSpec(f"dev{k}", f"tcp://127.0.0.1:{k + 1}", profile, profile.memory_available_bytes)
-                    for k in range(stages))
+    if batches is not None:
+        graph = _charging_lookups(graph, batches)
+    budget = profile.memory_available_bytes if budget_bytes is None else budget_bytes
+    devices = tuple(DeviceSpec(f"dev{k}", f"tcp://127.0.0.1:{k + 1}", profile, budget) for k in range(stages))
     # loopback: a 384 KiB activation takes well under a millisecond, as measured in the transport rows
     cluster = Cluster(devices, Link(bandwidth_bytes_per_s=2e9, latency_s=50e-6))
     solve = lambda inst: solve_partition(inst, time_limit_s=10.0)  # noqa: E731
-    partition = solve(make_instance(graph, cluster, schedule, M, "adamw"))
+    cluster, partition = first_partition(graph, cluster, schedule, M, "adamw", solve)
     picks = pick_engines(graph, cluster, partition, schedule, M, "adamw", solve=solve)
     partition = picks.partition
     if len(partition.stages) != stages:
         raise RuntimeError(f"the plan uses {len(partition.stages)} of the {stages} devices")
     chosen = [picks.cluster.device(name) for name in partition.devices]
     return ([tuple(r) for r in partition.ranges], tuple(engine_of(device_backend(d).backend) for d in chosen),
-            tuple(activations_of(d) for d in chosen))
+            tuple(activations_of(d) for d in chosen), tuple(s.memory_bytes for s in partition.stages))
 
 
-def run_planned(graph, model: Path, batches, M: int, stages: int, schedule: str, steps: int) -> dict:
-    """`run_mnn_pipeline` on the plan's cuts, engines and activations (`plan_picked`)."""
-    ranges, picked, kept = plan_picked(graph, model, stages, schedule, M)
+def _charging_lookups(graph, batches):
+    """The graph with the embedding rows `batches` (the run's) look up, charged as `confidant plan
+    --data` charges them: the runtime keeps AdamW's state of a table for the rows that had a gradient
+    only."""
+    import dataclasses
+
+    from planner.lookups import charged_rows, lookup_rows
+    from tasks.trainer import batch_feeds
+
+    rows = lookup_rows(graph, (batch_feeds(b, NUM_LABELS) for b in batches))
+    charged = {table: n for table, _, _, n, _ in charged_rows(graph, rows, "adamw") if n is not None}
+    return dataclasses.replace(graph, lookup_rows=charged)
+
+
+def run_planned(graph, model: Path, batches, M: int, stages: int, schedule: str, steps: int,
+                budget_bytes: int | None = None) -> dict:
+    """`run_mnn_pipeline` on the plan's cuts, engines and activations (`plan_picked` for these
+    batches, each device's budget `budget_bytes` or the machine's memory), with the plan's predicted
+    peak per stage beside the measured one."""
+    ranges, picked, kept, predicted = plan_picked(graph, model, stages, schedule, M, budget_bytes, batches)
     label = ",".join(f"{a}-{b}:{e}/{k}" if k else f"{a}-{b}:{e}" for (a, b), e, k in zip(ranges, picked, kept))
-    return run_mnn_pipeline(graph, batches, M, stages, schedule, steps, engine=picked, activations=kept,
-                            ranges=ranges, variant=f"plan[{label}]")
+    within = "" if budget_bytes is None else f"<={budget_bytes / 2**20:.0f}MB"
+    result = run_mnn_pipeline(graph, batches, M, stages, schedule, steps, engine=picked, activations=kept,
+                              ranges=ranges, variant=f"plan{within}[{label}]")
+    return {**result, "predicted_mb": [b / 2**20 for b in predicted], "budget_mb": None if budget_bytes is None
+            else budget_bytes / 2**20}
 
 
 _PROFILES: dict = {}
@@ -749,6 +773,38 @@ def split_table(results: list[dict], framework: str) -> list[str]:
     return _table(rows, header)
 
 
+def _tdp_best(results: list[dict], stages: int, M: int) -> dict | None:
+    """torch.distributed.pipelining's fastest schedule on `stages` ranks at M micro-batches."""
+    tdp = [t for t in results if t["framework"] == "torch" and t["stages"] == stages and t["microbatches"] == M
+           and t["schedule"] != "single"]
+    return max(tdp, key=lambda t: t["samples_per_s"]) if tdp else None
+
+
+def targets_table(results: list[dict]) -> list[str]:
+    """Issue 14's first target, side by side: each Confidant row planned within a budget (a fraction
+    of the largest rank of torch.distributed.pipelining's fastest schedule, `--within-tdp`) against
+    that schedule on as many processes: throughput ratio (target >= 1.2) and largest process ratio
+    (target <= 0.5), with the plan's predicted peaks beside the measured ones."""
+    rows = []
+    for r in (r for r in results if r["framework"] == "mnn" and r.get("budget_mb") is not None):
+        best = _tdp_best(results, r["stages"], r["microbatches"])
+        if best is None:
+            continue
+        largest = max(best["peak_rss_mb"])
+        rows.append([f"{r['schedule']} {r['variant']}", str(r["stages"]), f"{r['samples_per_s']:.2f}",
+                     f"{best['samples_per_s']:.2f} {TORCH_SCHEDULES.get(best['schedule'], best['schedule'])}",
+                     f"{r['samples_per_s'] / best['samples_per_s']:.2f}",
+                     "/".join(f"{x:.0f}" for x in r["peak_rss_mb"]), "/".join(f"{x:.0f}" for x in r["predicted_mb"]),
+                     f"{largest:.0f}", f"{max(r['peak_rss_mb']) / largest:.2f}"])
+    if not rows:
+        return []
+    header = ["planned within budget", "procs", "samp/s", "TDP best samp/s", "x TDP", "peak MB per proc",
+              "predicted MB", "its largest rank", "max/TDP"]
+    return ["", "Issue 14's targets: throughput >= 1.2x TDP's fastest schedule and largest process <= 0.5x that "
+                "schedule's largest rank, at once (each device's budget: --within-tdp x that rank in this run)"
+            ] + _table(rows, header)
+
+
 def report(results: list[dict], errors: list[str], steps: int, elapsed: float, model: Path) -> str:
     import importlib.metadata as md
 
@@ -779,6 +835,7 @@ def report(results: list[dict], errors: list[str], steps: int, elapsed: float, m
     if torch_rows:
         out.append("")
         out += split_table(results, "torch")
+    out += targets_table(results)
     # transport
     pipes = [r for r in results if r["framework"] == "mnn" and r["schedule"] != "single" and r.get("send_ms_per_msg")]
     if pipes:
@@ -839,6 +896,10 @@ def main(argv=None) -> int:
                     help="also run 1f1b-stash on the PyTorch engine at these cuts: the first block of stages 2..p, "
                          "comma-separated, ';' between configurations (e.g. '3;2,5': blocks 0-2 | 3-8 on 2 "
                          "processes, and 0-1 | 2-4 | 5-8 on 3); for memory against speed beside the plan's cuts")
+    ap.add_argument("--within-tdp", type=float, default=0.5, metavar="FRACTION",
+                    help="after torch.distributed.pipelining's rows, plan 1f1b-stash, 1f1b-flush and zb-h1 with each "
+                         "device's budget FRACTION x the largest rank of TDP's fastest schedule in this run (issue "
+                         "14's target: 0.5) and run those plans; 0 skips them (default 0.5)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration (default 600)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
@@ -847,6 +908,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
+    if not 0 <= args.within_tdp:
+        ap.error(f"--within-tdp: a fraction of TDP's largest rank, 0 or more (0 skips), not {args.within_tdp}")
 
     if args.child:
         kind, M = args.child[0], int(args.child[1])
@@ -949,6 +1012,13 @@ def main(argv=None) -> int:
                 for schedule in TORCH_SCHEDULES:
                     attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
                             lambda: run_torch_pipeline(M, stages, schedule, args.steps, args.timeout))
+                best = _tdp_best(results, stages, M)
+                if args.within_tdp > 0 and best is not None:
+                    budget = int(args.within_tdp * max(best["peak_rss_mb"]) * 2**20)
+                    for schedule in ("1f1b-stash", "1f1b-flush", "zb-h1"):
+                        attempt(f"mnn {schedule} as planned within {budget / 2**20:.0f} MB M={M} {stages} stages",
+                                lambda: run_planned(graph, Path(model), batches, M, stages, schedule, args.steps,
+                                                    budget))
     elapsed = time.perf_counter() - start
     order = {"single": 0, **{s: i + 1 for i, s in enumerate(SCHEDULES + ("2bw", "zb-h1"))}}
     results.sort(key=lambda r: (r["framework"] != "mnn", r["microbatches"], r["stages"], order[r["schedule"]],
