@@ -68,7 +68,8 @@ class BackendProfile:
     blocks: Mapping[str, BlockCost] = field(default_factory=dict)
     attention: Mapping[str, AttentionCurve] = field(default_factory=dict)
     # resident memory this engine adds to the idle runtime (`DeviceProfile.runtime_overhead_bytes`,
-    # which has MNN loaded): PyTorch's import, some 300 MB; 0 for MNN or when not measured
+    # which has MNN loaded): PyTorch's import (~185 MB here) and its first training run's one-time
+    # start-up (~40 MB; profiles made before counted only the import); 0 for MNN or when not measured
     engine_overhead_bytes: int = 0
     # seconds per parameter byte of the optimizers this engine steps with a native kernel of its
     # own (PyTorch: AdamW's fused kernel), by optimizer name; an optimizer not here is stepped by

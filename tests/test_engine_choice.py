@@ -109,6 +109,32 @@ def test_the_profile_measures_what_torchs_import_adds_to_the_runtime():
     assert engine_overhead_bytes("mnn", runtime) == 0  # MNN is in the runtime already
 
 
+@pytest.mark.slow  # a fresh interpreter profiling both engines, and the import probe's two more
+def test_the_profile_charges_torchs_start_up_with_its_engine(tiny_onnx):
+    """A worker pays PyTorch's first training run once (kernels, autograd's engine, threads: ~40 MiB
+    here) beside its import: the profile charges it with the engine. Measured in a fresh interpreter,
+    since a process that already trained with torch shows no start-up; MNN's is nothing."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = ("import sys; sys.path.insert(0, sys.argv[2])\n"
+             "from planner.onnx_import import load_model\n"
+             "from runtime.profiling.device import profile_device\n"
+             "p = profile_device(load_model(sys.argv[1], 2, 16), 't', ('mnn:cpu:t1', 'torch:cpu:t1'), reps=1,"
+             " attention=False)\n"
+             "print('OVERHEAD', p.runtime_overhead_bytes, *(b.engine_overhead_bytes for b in p.backends))\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", probe, str(tiny_onnx["torchscript-17"]), str(root)],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    runtime, mnn, torch = (int(x) for x in out.split("OVERHEAD", 1)[1].split())
+    from runtime.profiling.memory import engine_overhead_bytes
+
+    assert mnn == 0
+    assert torch > engine_overhead_bytes("torch", runtime) + 10 * MIB  # the import alone, and the start-up
+
+
 # --- the engine per device for the blocks it runs (planner.engines) ---------------------------------
 
 def _split_profile(graph) -> DeviceProfile:

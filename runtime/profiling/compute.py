@@ -15,8 +15,8 @@ What is measured, per block kind and backend (one warm-up, then the median of `r
   glibc's `malloc_trim`), the kernel's peak-RSS mark is reset (`/proc/self/clear_refs` = 5,
   Linux >= 4.0), and the peak (VmHWM) minus the RSS at the start is taken. Where the reset is
   refused, a thread samples VmRSS every millisecond instead, which can miss short peaks. Each
-  backend first runs its cheapest block once unmeasured, so one-time engine start-up is not
-  charged to whichever block comes first. Limits: this is RSS, so memory an allocator recycles
+  backend first runs its cheapest block twice (`start_up_bytes`), so the engine's one-time start-up
+  is charged with the engine (`BackendProfile.engine_overhead_bytes`), not to the first block. Limits: this is RSS, so memory an allocator recycles
   without the kernel seeing it is missed; torch still measured ~25 MiB more for a shape's first
   run than for a repeat (MiniLM layer: ~105 vs ~82 MiB); MNN repeats agree within ~10%.
 * what a stage holds of it (`peak_workspace`: stages of several blocks, for `stacked_bytes`) and
@@ -99,6 +99,16 @@ def _run_in_flight(engine, stage_feeds, grad, in_flight: int) -> None:
         engine.forward(stage_feeds, mb)
     for mb in range(in_flight):
         engine.backward(mb, grad)
+
+
+def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
+    """What the first training run of `backend`'s engine in this process holds beyond a repeat of
+    it (`measure_stage`'s workspace twice, on fresh engines): the engine's one-time start-up, which
+    every worker pays once beside its import (PyTorch, 2 x 128 MiniLM: ~40 MiB of kernels, autograd's
+    engine and threads; MNN: nothing measurable). 0 once the engine has run in this process."""
+    first = measure_stage(backend, spec, feeds, reps=1).workspace_bytes
+    again = measure_stage(backend, spec, feeds, reps=1).workspace_bytes
+    return max(0, first - again)
 
 
 def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:

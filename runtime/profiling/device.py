@@ -34,13 +34,16 @@ from runtime.engines.split.piece import attention_form
 from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_update_rates, kept_workspace,
-                                       measure_stage, peak_workspace, update_rates)
+                                       measure_stage, peak_workspace, start_up_bytes, update_rates)
 from runtime.profiling.inputs import Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
 from runtime.profiling.split_costs import measure_split_extra_costs
 
 DEFAULT_BACKENDS = ("mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1", "torch:cpu:t2")
+# Below this, a first run's excess over a repeat is page-level noise (MNN measures 0.2 MiB), not
+# an engine's start-up.
+START_UP_NOISE_BYTES = 1 << 20
 
 
 def distinct_blocks(graph: Graph) -> dict[str, Block]:
@@ -117,6 +120,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     for b, why in skipped.items():
         say(f"skip {b}: {why}")
     engines = {}  # engine -> the memory its import adds to the runtime, measured once per engine
+    start_up: dict[str, int] = {}  # engine -> what its first training run adds once (`start_up_bytes`)
     for backend in present:
         if backend.engine not in engines:
             engines[backend.engine] = engine_overhead_bytes(backend.engine, overhead)
@@ -130,11 +134,14 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
         for backend in present:
             costs: dict[str, BlockCost] = {}
             curves: dict[str, AttentionCurve] = {}
-            # One unmeasured run of the cheapest block takes the engine's one-time, process-wide
-            # start-up (torch: ~50 MiB of lazily built kernels and threads) out of the first
-            # block's workspace; that is runtime overhead, not the block's.
+            # A first run of the cheapest block takes the engine's one-time, process-wide start-up
+            # (torch: ~40 MiB of lazily built kernels, autograd's engine and threads) out of the
+            # first block's workspace: every worker pays it once, beside its import, so it is the
+            # engine's overhead (`start_up_bytes`), not a block's.
             cheapest = min(kinds.values(), key=lambda b: (b.flops, b.params_bytes))
-            measure_stage(backend, stage_spec(graph, cheapest.index, cheapest.index), feeds, reps=1)
+            once = start_up_bytes(backend, stage_spec(graph, cheapest.index, cheapest.index), feeds)
+            if once >= START_UP_NOISE_BYTES:
+                start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
             for sig, block in kinds.items():
                 cost = measure_block(backend, graph, block, feeds, reps)
                 costs[sig] = cost
@@ -159,6 +166,13 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
             for optimizer, rate in native.items():
                 say(f"{backend.name}: its own {optimizer} step, {rate * 2**20 * 1e3:.2f} ms per MiB of weights")
             profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native))
+        # an engine's start-up shows on the first of its backends to run here: charged to them all
+        profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + start_up.get(b.engine, 0))
+                    for p, b in zip(profiles, present)]
+        for engine, extra in start_up.items():
+            if extra:
+                say(f"{engine}: its first training run adds {extra / 2**20:.0f} MiB once (kernels and threads "
+                    f"built on first use), charged with its engine")
         children = measure_split_children(graph, kinds, feeds, present, say, started) if attention else {}
         extra = (measure_split_extra_costs(graph, kinds, feeds, present, profiles, reps, say, started)
                  if attention else {})
