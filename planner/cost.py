@@ -26,7 +26,8 @@ Memory, peak bytes of stage s of p under the schedule (facts of runtime/engines/
 runtime/pipeline/executor.py and runtime/optim.py; the constants below say which):
     params x (WEIGHT_COPIES, or ASYNC_WEIGHT_COPIES under 1f1b-stash and 2bw on a stage with
               forwards in flight at its updates (every stage but the last), + GRADIENT_COPIES
-              + OPTIMIZER_STATE_COPIES[opt] + old weight versions)
+              where backwards are summed (not 1f1b-stash) + OPTIMIZER_STATE_COPIES[opt] + old
+              weight versions)
   + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
   + for an embedding table only looked up, its gradient as the rows an update sums instead of a
     dense copy (`row_gradient_delta_bytes`: MiniLM's 47 MB word table, 3 MiB of rows at 8 x 128)
@@ -96,6 +97,9 @@ WEIGHT_COPIES = 1
 ASYNC_WEIGHT_COPIES = 2
 # The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter. An embedding
 # table nothing but lookups read has rows instead, never made dense (`row_gradient_delta_bytes`).
+# Not under 1f1b-stash, which the cost model prices with an update after every backward (as
+# `accumulated_share` does): each backward's gradient is stepped as it comes, and its arrays are
+# part of the workspace the profile measured (`gradient_copies`).
 GRADIENT_COPIES = 1
 # A row gradient's sum is joined anew at each micro-batch's backward (`runtime.engines.base.
 # accumulate`), the old sum alive while the new one is built: up to twice the rows of an update.
@@ -177,11 +181,19 @@ def unversioned_copies(schedule: str, stages: int, stage: int, microbatches: int
             + async_extra_copies(schedule, stages, stage))
 
 
+def gradient_copies(schedule: str) -> int:
+    """Gradient sums a stage holds per byte of its parameters: GRADIENT_COPIES where backwards are
+    summed before an update (flush schedules, 2bw), none under 1f1b-stash (an update after every
+    backward: the backward's own gradient is in the measured workspace)."""
+    check_schedule_name(schedule)
+    return 0 if schedule == "1f1b-stash" else GRADIENT_COPIES
+
+
 def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int) -> int:
     """Bytes a stage holds per byte of its parameters: weights, gradient, optimizer state, old versions."""
     check_optimizer_name(optimizer)
     return (WEIGHT_COPIES + async_extra_copies(schedule, stages, stage)
-            + GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[optimizer]
+            + gradient_copies(schedule) + OPTIMIZER_STATE_COPIES[optimizer]
             + STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches))
 
 
@@ -368,14 +380,16 @@ def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
     return sum(int(graph.constants[t].nbytes) for t in tables - read)
 
 
-def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int) -> int:
+def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int,
+                             schedule: str = "1f1b-flush") -> int:
     """What the gradients of the embedding tables of blocks first..last that nothing but lookups read
-    hold, less their dense charge (`GRADIENT_COPIES` x the table; negative where rows take less):
+    hold, less their dense charge (`gradient_copies` x the table; negative where rows take less):
     both engines give such a table's gradient as the rows its lookups touched (`RowGradient`), the
     executor sums them as rows (ROW_GRADIENT_COPIES x one row, its float32 values and an int64 id,
     per lookup of every micro-batch of an update) and the optimizer steps them without a dense
-    copy (`runtime.optim`). 0 for engines the model knows nothing of, or a lookup of unknown shape."""
-    if device_engine(device) not in ("mnn", "torch"):
+    copy (`runtime.optim`). 0 for engines the model knows nothing of, or a lookup of unknown shape,
+    and under a schedule that sums no gradients (1f1b-stash: no dense charge, no sum of rows)."""
+    if device_engine(device) not in ("mnn", "torch") or gradient_copies(schedule) == 0:
         return 0
     tables, read = _tables(graph, first, last)
     lookups = _graph_tables(graph)[2]
@@ -525,7 +539,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     workspace = workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device)
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
             - unversioned_bytes(graph, first, last, device) * unversioned_copies(schedule, stages, stage, microbatches)
-            + row_gradient_delta_bytes(graph, first, last, device, microbatches)
+            + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule)
             + table_state_delta_bytes(graph, first, last, device, optimizer)
             + tied_bytes(graph, first, last) + held
             + sum(inputs) * in_flight + workspace + runtime_bytes(device))

@@ -35,14 +35,15 @@ def test_memory_by_hand():
     # stage 0 of 2 on a, blocks 0-1: params 3000, stashed inputs 0 + 400, workspace 50 + 300, overhead 5000
     # 1f1b-flush, sgd: 1 weight + 1 gradient + 1 momentum = 3 copies; min(p-s, m) = 2 in flight
     assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == 3 * 3000 + 2 * 400 + 350 + 5000 == 15150
-    # 1f1b-stash holds the weights twice and one old version on stage 0 of 2 (p-s-1); adamw two moments
-    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "sgd") == 5 * 3000 + 800 + 350 + 5000
-    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "adamw") == 6 * 3000 + 800 + 350 + 5000
+    # 1f1b-stash holds the weights twice and one old version on stage 0 of 2 (p-s-1), and no gradient
+    # sum (an update after every backward); adamw two moments
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "sgd") == 4 * 3000 + 800 + 350 + 5000
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "adamw") == 5 * 3000 + 800 + 350 + 5000
     # gpipe holds all m = 4 micro-batches
     assert stage_memory_bytes(g, a, 0, 1, 0, 2, "gpipe", 4, "sgd") == 3 * 3000 + 4 * 400 + 350 + 5000
     # the last stage: one micro-batch in flight, no old versions even under stash, and its weights
-    # once (nothing in flight at its updates): weight, gradient, two moments
-    assert stage_memory_bytes(g, b, 2, 3, 1, 2, "1f1b-stash", 4, "adamw") == 4 * 2100 + 800 + 310 + 7000
+    # once (nothing in flight at its updates): weight and two moments
+    assert stage_memory_bytes(g, b, 2, 3, 1, 2, "1f1b-stash", 4, "adamw") == 3 * 2100 + 800 + 310 + 7000
 
 
 def test_stage_costs_and_step_times_by_hand():
@@ -129,8 +130,10 @@ def test_in_flight_and_weight_versions_match_the_schedules(name):
 
 def test_weight_versions_reach_pipedreams_numbers_in_the_steady_state():
     assert [stashed_weight_versions("1f1b-stash", 4, s, 100) for s in range(4)] == [3, 2, 1, 0]
-    # and the current weights twice where forwards are in flight at an update: not on the last stage
-    assert [weight_copies("1f1b-stash", "adamw", 4, s, 100) for s in range(4)] == [8, 7, 6, 4]
+    # and the current weights twice where forwards are in flight at an update (not on the last
+    # stage), and no gradient sum (an update after every backward)
+    assert [weight_copies("1f1b-stash", "adamw", 4, s, 100) for s in range(4)] == [7, 6, 5, 3]
+    assert [weight_copies("2bw", "adamw", 4, s, 100) for s in range(4)] == [6, 6, 6, 4]
     assert [weight_copies("1f1b-flush", "sgd", 4, s, 100) for s in range(4)] == [3, 3, 3, 3]
 
 
@@ -238,7 +241,7 @@ def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_che
     The partition instance (what every solver checks) says the same."""
     from ir.graph import block_signature
     from ir.profile import BlockCost
-    from planner.cost import stage_params_bytes, unversioned_bytes
+    from planner.cost import row_gradient_delta_bytes, stage_params_bytes, unversioned_bytes
     from planner.onnx_import import load_model
     from planner.partition import make_instance, manual_partition
     from support import export_onnx
@@ -260,9 +263,11 @@ def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_che
         assert unversioned_bytes(g, 0, 1, dev) == unversioned
         stash = stage_memory_bytes(g, dev, 0, 1, 0, 3, "1f1b-stash", 4, "sgd")
         flush = stage_memory_bytes(g, dev, 0, 1, 0, 3, "1f1b-flush", 4, "sgd")
-        # one more copy of the weights, and stage 0 of 3 holds two old versions
+        # one more copy of the weights, and stage 0 of 3 holds two old versions; no gradient sum
+        # (nor the table's rows summed, which the flush holds instead of its dense gradient)
         assert stashed_weight_versions("1f1b-stash", 3, 0, 4) == 2
-        assert stash - flush == params * (1 + 2) - (1 + 2) * unversioned, backend
+        rows = row_gradient_delta_bytes(g, 0, 1, dev, 4, "1f1b-flush")
+        assert stash - flush == params * (1 + 2 - 1) - (1 + 2) * unversioned - rows, backend
         cluster = Cluster(tuple(device(f"d{i}", backend, activations) for i in range(3)), Link(1e9, 0.0))
         inst = make_instance(g, cluster, "1f1b-stash", 4, "sgd")
         n = len(g.blocks)

@@ -325,34 +325,34 @@ def test_objective_within_bounds(inst):
             assert value is not None and value <= predicted_step_us(inst, other)
 
 
-def _handcrafted(budgets=(500, 550), schedule="1f1b-stash", optimizer="adamw") -> PartitionInstance:
+def _handcrafted(budgets=(400, 450), schedule="1f1b-stash", optimizer="adamw") -> PartitionInstance:
     # two blocks of 100 parameter bytes; the second reads a 10-byte activation; m = 2
     return build_instance(["phone", "laptop"], [[10, 10], [10, 10]], [100, 100], [0, 10], [[0, 0], [0, 0]], [0, 0],
                           list(budgets), [[0, 1.0], [1.0, 0]], [[0, 0], [0, 0]], schedule, 2, optimizer)
 
 
 def test_nothing_fits_names_the_tightest_device_exactly():
-    # Stash + adamw on 2 stages: stage 0 holds 2 + 1 + 2 + 1 old version = 6 copies, stage 1 four
-    # (its weights once: nothing in flight at its updates) plus its 10-byte input once (min(p-s, m)
-    # = 1). phone first: phone 600 > 500 (over 100); laptop first: laptop 600 > 550 (over 50), phone
-    # 410; one device: 800 (over 250+).
+    # Stash + adamw on 2 stages: stage 0 holds 2 weights + 2 moments + 1 old version = 5 copies (no
+    # gradient sum: an update after every backward), stage 1 three (its weights once: nothing in
+    # flight at its updates) plus its 10-byte input once (min(p-s, m) = 1). phone first: phone 500 >
+    # 400 (over 100); laptop first: laptop 500 > 450 (over 50), phone 310; one device: 600 (over 150+).
     inst = _handcrafted()
     with pytest.raises(PlanDoesNotFit) as exc:
         _solve(inst)
     assert str(exc.value) == (
         "no plan fits the memory budgets (1f1b-stash, 2 micro-batches, adamw): every plan overflows some device "
         "by at least 50 bytes. Tightest device: 'laptop', which in the best attempt (laptop block 0, phone block 1) "
-        "needs 600 bytes of its 550-byte budget. What would make it fit:\n"
+        "needs 500 bytes of its 450-byte budget. What would make it fit:\n"
         "  - more devices, or larger memory budgets (at least 50 more bytes on 'laptop')\n"
-        "  - 1f1b-flush instead of 1f1b-stash: saves 200 bytes on 'laptop' (1 old weight version and the current "
-        "weights' second copy)\n"
+        "  - 1f1b-flush instead of 1f1b-stash: saves 100 bytes on 'laptop' (1 old weight version, the current "
+        "weights' second copy, less the gradient sum it holds)\n"
         "  - sgd instead of adamw: saves 100 bytes on 'laptop' (one optimizer state copy less)")
     assert (exc.value.device, exc.value.over_bytes) == ("laptop", 50)
     with pytest.raises(PlanDoesNotFit) as oracle:
         brute_force_partition(inst)
     assert str(oracle.value) == str(exc.value)
     # and each suggestion indeed makes it fit here
-    for fixed in (_handcrafted(schedule="1f1b-flush"), _handcrafted(optimizer="sgd"), _handcrafted(budgets=(510, 600))):
+    for fixed in (_handcrafted(schedule="1f1b-flush"), _handcrafted(optimizer="sgd"), _handcrafted(budgets=(400, 500))):
         assert check_feasible(_solve(fixed), fixed) == []
 
 
@@ -371,36 +371,37 @@ def test_gpipe_hint_points_at_the_activations_in_flight():
 
 def test_stash_keeps_no_old_version_of_a_table_and_every_solver_knows():
     """Block 0 is an embedding table weight stashing keeps no old version of, nor a second current
-    copy (stepped in place): on the fast device at stage 0 of 2 it needs 5 copies of 100 bytes
-    less those two = 300 bytes, which fit its 350 (400 or 500 would not). That plan (4 x 1000 us)
+    copy (stepped in place): on the fast device at stage 0 of 2 it needs 4 copies of 100 bytes (two
+    of the weights, the momentum, an old version; no gradient sum under an update per backward)
+    less those two = 200 bytes, which fit its 250 (300 or 400 would not). That plan (4 x 1000 us)
     beats the slow device alone (4 x 2000); the other order does not fit (block 1 and its 60-byte
-    input on the fast device as the last stage, its weights once: 360)."""
+    input on the fast device as the last stage, its weights once: 260)."""
     def inst_with(table):
         return build_instance(["fast", "slow"], [[10, 10], [1000, 1000]], [100, 100], [0, 60], [[0, 0], [0, 0]],
-                              [0, 0], [350, 10**6], [[0, 1e9], [1e9, 0]], [[0, 0], [0, 0]], "1f1b-stash", 4, "sgd",
+                              [0, 0], [250, 10**6], [[0, 1e9], [1e9, 0]], [[0, 0], [0, 0]], "1f1b-stash", 4, "sgd",
                               unversioned=[[table, 0], [table, 0]])
     inst = inst_with(100)
     assert inst.unversioned_copies[1] == (2, 0)  # stage 0 of 2: an old version and the second copy
     for plan in (_solve(inst), _cp_sat(inst), brute_force_partition(inst)):
         assert ([s.device for s in plan.stages], plan.ranges) == (["fast", "slow"], [(0, 0), (1, 1)]), plan.method
-        assert [s.memory_bytes for s in plan.stages] == [300, 3 * 100 + 60]
+        assert [s.memory_bytes for s in plan.stages] == [200, 2 * 100 + 60]
     assert predicted_step_us(inst, _solve(inst)) == 4 * 1000
-    assert [s.device for s in _solve(inst_with(0)).stages] == ["slow"]  # every weight versioned: 500 > 350
+    assert [s.device for s in _solve(inst_with(0)).stages] == ["slow"]  # every weight versioned: 400 > 250
 
 
 def test_stash_memory_depends_on_the_position():
-    """Under 1f1b-stash stage 0 of 2 holds an old weight version and a second current copy (5
-    copies of 100 bytes = 500) and stage 1 neither (3 copies + one 10-byte input = 310): with 450
-    bytes the small device fits
-    only at the end, and the solver puts it there (two stages beat the big device alone)."""
+    """Under 1f1b-stash (sgd, no gradient sum) stage 0 of 2 holds an old weight version and a
+    second current copy (4 copies of 100 bytes = 400) and stage 1 neither (2 copies + one 10-byte
+    input = 210): with 350 bytes the small device fits only at the end, and the solver puts it
+    there (two stages beat the big device alone)."""
     inst = build_instance(["small", "big"], [[100, 100], [100, 100]], [100, 100], [0, 10], [[0, 0], [0, 0]], [0, 0],
-                          [450, 10_000], [[0, 1e6], [1e6, 0]], [[0, 0], [0, 0]], "1f1b-stash", 4, "sgd")
+                          [350, 10_000], [[0, 1e6], [1e6, 0]], [[0, 0], [0, 0]], "1f1b-stash", 4, "sgd")
     plan = _solve(inst)
     assert [s.device for s in plan.stages] == ["big", "small"]
-    assert [s.memory_bytes for s in plan.stages] == [500, 310]
+    assert [s.memory_bytes for s in plan.stages] == [400, 210]
     assert predicted_step_us(inst, plan) == 4 * 100 < predicted_step_us(inst, manual_partition(inst, ["big"], []))
     assert check_feasible(manual_partition(inst, ["small", "big"], [1]), inst) == [
-        "stage 0 on 'small': needs 500 bytes, 50 over its budget of 450"]
+        "stage 0 on 'small': needs 400 bytes, 50 over its budget of 350"]
 
 
 def test_make_instance_agrees_with_the_cost_model():

@@ -12,7 +12,7 @@ from typing import Sequence
 from ir.partition import Partition
 from ir.plan import ASYNC_SCHEDULES
 from planner.cluster import format_bytes
-from planner.cost import OPTIMIZER_STATE_COPIES, stashed_weight_versions
+from planner.cost import OPTIMIZER_STATE_COPIES, async_extra_copies, gradient_copies, stashed_weight_versions
 from planner.partition.instance import PartitionInstance, _overflows, _partition
 
 
@@ -51,16 +51,21 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
     params = sum(inst.params_bytes[first:last + 1])
     activations = sum(inst.input_bytes[first:last + 1])
     hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
-    # copies beyond a one-stage pipeline's (1f1b-stash only): old weight versions, and the current
-    # weights' second copy on a stage with forwards in flight at its updates
-    extra = inst.weight_copies[p - 1][s] - inst.weight_copies[0][0] if inst.schedule in ASYNC_SCHEDULES else 0
+    # what 1f1b-flush holds instead here: a one-stage pipeline's copies (no old weight version, no
+    # second copy of the current weights) with its gradient sum
+    saved = 0
+    if inst.schedule in ASYNC_SCHEDULES:
+        flush = inst.weight_copies[0][0] - gradient_copies(inst.schedule) + gradient_copies("1f1b-flush")
+        saved = inst.weight_copies[p - 1][s] - flush
     versioned = params - sum(inst.unversioned_bytes[d][first:last + 1])  # tables only looked up keep none
-    if extra > 0 and versioned:
+    if saved > 0 and versioned:
         old = stashed_weight_versions(inst.schedule, p, s, inst.microbatches)
         what = [f"{old} old weight version{'s' if old != 1 else ''}"] if old else []
-        what += ["the current weights' second copy"] if extra > old else []
-        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(extra * versioned)} on {name!r} "
-                     f"({' and '.join(what)})")
+        what += ["the current weights' second copy"] if async_extra_copies(inst.schedule, p, s) else []
+        if gradient_copies("1f1b-flush") > gradient_copies(inst.schedule):
+            what.append("less the gradient sum it holds")
+        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(saved * versioned)} on {name!r} "
+                     f"({', '.join(what)})")
     in_flight = inst.in_flight[p - 1][s]
     if activations and in_flight:
         hints.append(f"fewer micro-batches in flight or smaller micro-batches: stashed activations take "

@@ -250,7 +250,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                 for spec in specs),
         # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
         # against their dense charge
-        table_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches)
+        table_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule)
                                            + table_state_delta_bytes(graph, 0, k, spec, optimizer), len(blocks))
                                 for spec in specs))
 
