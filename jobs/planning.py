@@ -93,6 +93,11 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     cluster, splits = _with_head_splits(graph, cluster, reporter)
     reporter.note(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({settings.schedule}, "
                   f"{M} micro-batches)")
+    if settings.schedule == "1f1b-stash" and settings.update_every > 1:
+        # planner.cost prices 1f1b-stash with an update after every backward (`gradient_copies`)
+        reporter.note(f"the memory model prices 1f1b-stash with an update after every backward; with --update-every "
+                      f"{settings.update_every} each stage also holds a gradient sum (one more copy of its weights), "
+                      f"which the plan's memory figures leave out: keep that much free on every device")
     try:
         if settings.cuts:
             order = list(settings.devices) if settings.devices else [d.name for d in cluster.devices]

@@ -242,3 +242,29 @@ def test_devices_with_the_same_engine_move_are_named_together():
     moves["laptop"] = ("mnn:cpu:t2 (recompute)", "torch:cpu:t2 (keep)")
     assert _devices_moved(moves) == ["d0, d1, d2, d3, ... (6 devices): mnn:cpu:t1 (recompute) -> mnn:cpu:t1 (keep)",
                                      "laptop: mnn:cpu:t2 (recompute) -> torch:cpu:t2 (keep)"]
+
+
+def test_a_stash_plan_updating_every_few_backwards_says_what_its_memory_leaves_out(graph, tiny_onnx, tmp_path):
+    """The memory model prices 1f1b-stash with an update after every backward (no gradient sum);
+    planned with --update-every 2, the plan says each stage also holds a sum."""
+    from jobs.report import Silent
+
+    _profile(graph).save(tmp_path / "box.json")
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+        {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": "2GiB"}]}))
+    notes: list[str] = []
+
+    class Notes(Silent):
+        def note(self, text):
+            notes.append(text)
+
+    for every in (1, 2):
+        notes.clear()
+        settings = PlanSettings(schedule="1f1b-stash", batch=8, seq=S, microbatches=2, optimizer="adamw", lr=5e-5,
+                                time_limit_s=5.0, update_every=every)
+        plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / f"plan{every}", Notes())
+        said = [n for n in notes if "gradient sum" in n]
+        assert said == ([] if every == 1 else [
+            "the memory model prices 1f1b-stash with an update after every backward; with --update-every 2 each "
+            "stage also holds a gradient sum (one more copy of its weights), which the plan's memory figures leave "
+            "out: keep that much free on every device"])
