@@ -16,9 +16,11 @@ What is measured, per block kind and backend (one warm-up, then the median of `r
   Linux >= 4.0), and the peak (VmHWM) minus the RSS at the start is taken. Where the reset is
   refused, a thread samples VmRSS every millisecond instead, which can miss short peaks. Each
   backend first runs its cheapest block twice (`start_up_bytes`), so the engine's one-time start-up
-  is charged with the engine (`BackendProfile.engine_overhead_bytes`), not to the first block. Limits: this is RSS, so memory an allocator recycles
-  without the kernel seeing it is missed; torch still measured ~25 MiB more for a shape's first
-  run than for a repeat (MiniLM layer: ~105 vs ~82 MiB); MNN repeats agree within ~10%.
+  is charged with the engine (`BackendProfile.engine_overhead_bytes`), not to the first block (a
+  process that trained with the engine before the profile shows none: `confidant profile` starts
+  fresh). Limits: this is RSS, so memory an allocator recycles without the kernel seeing it is
+  missed; torch still measured ~25 MiB more for a shape's first run than for a repeat (MiniLM
+  layer: ~105 vs ~82 MiB); MNN repeats agree within ~10%.
 * what a stage holds of it (`peak_workspace`: stages of several blocks, for `stacked_bytes`) and
   what a further micro-batch in flight adds when the engine keeps activations (`kept_workspace`,
   for `kept_bytes`); `runtime.profiling.device.measure_block` takes both.
