@@ -125,13 +125,12 @@ def first_partition(graph: Graph, cluster: Cluster, schedule: str, microbatches:
     for lean in (recompute_everywhere(cluster), leanest_everywhere(cluster)):
         if costed_as(lean) != costed_as(attempts[-1]):
             attempts.append(lean)
-    for k, attempt in enumerate(attempts):
+    for attempt in attempts[:-1]:
         try:
             return attempt, solve(make_instance(graph, attempt, schedule, microbatches, optimizer))
         except PlanDoesNotFit:
-            if k == len(attempts) - 1:
-                raise
-    raise AssertionError("unreachable: the loop returns or raises")
+            pass
+    return attempts[-1], solve(make_instance(graph, attempts[-1], schedule, microbatches, optimizer))
 
 
 def _choice(device: DeviceSpec) -> str:

@@ -12,7 +12,8 @@ from typing import Sequence
 from ir.partition import Partition
 from ir.plan import ASYNC_SCHEDULES
 from planner.cluster import format_bytes
-from planner.cost import OPTIMIZER_STATE_COPIES, async_extra_copies, gradient_copies, stashed_weight_versions
+from planner.cost import (OPTIMIZER_STATE_COPIES, async_extra_copies, gradient_copies, stashed_weight_versions,
+                          weight_copies)
 from planner.partition.instance import PartitionInstance, _overflows, _partition
 
 
@@ -51,12 +52,10 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
     params = sum(inst.params_bytes[first:last + 1])
     activations = sum(inst.input_bytes[first:last + 1])
     hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
-    # what 1f1b-flush holds instead here: a one-stage pipeline's copies (no old weight version, no
-    # second copy of the current weights) with its gradient sum
+    # against what 1f1b-flush holds at this position (no old version or second copy; a gradient sum)
     saved = 0
     if inst.schedule in ASYNC_SCHEDULES:
-        flush = inst.weight_copies[0][0] - gradient_copies(inst.schedule) + gradient_copies("1f1b-flush")
-        saved = inst.weight_copies[p - 1][s] - flush
+        saved = inst.weight_copies[p - 1][s] - weight_copies("1f1b-flush", inst.optimizer, p, s, inst.microbatches)
     versioned = params - sum(inst.unversioned_bytes[d][first:last + 1])  # tables only looked up keep none
     if saved > 0 and versioned:
         old = stashed_weight_versions(inst.schedule, p, s, inst.microbatches)
