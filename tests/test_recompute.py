@@ -55,13 +55,53 @@ def test_recomputing_gives_the_gradients_of_keeping_bit_for_bit(graph):
         assert all(np.array_equal(k.params[n], a.params[n]) for n in k.params)
 
 
+def _first_stage_run(graph, recompute: bool):
+    """The first stage (the embedding tables with it) with rows for gradients, two micro-batches in
+    flight and an AdamW step between them (1f1b-stash's F F B U B): the tables stepped in place,
+    the second backward with the weights and rows its forward used."""
+    from runtime.optim import make_optimizer
+
+    spec = stage_spec(graph, 0, 2)
+    engine = TorchStageEngine(spec, recompute=recompute)
+    engine.row_gradients = True
+    tables = {k: engine._params[k] for k in engine._stepped_in_place}
+    feeds = [token_feeds(B, S, vocab=500, seed=m) for m in range(2)]
+    outs = [engine.forward(f, m) for m, f in enumerate(feeds)]
+    first = engine.backward(0, np.ones_like(outs[0]))
+    engine.step(make_optimizer("adamw", 0.1), first.params)
+    second = engine.backward(1, np.ones_like(outs[1]))
+    assert tables and all(engine._params[k] is t for k, t in tables.items())  # stepped where they are
+    return outs, [first, second]
+
+
+def test_recomputing_with_the_tables_stepped_in_place_gives_the_gradients_of_keeping(graph):
+    """A recomputed forward replays the rows its first run gathered: the table stepped since then
+    holds other values (with lr 0.1, every row by about 0.1), which a lookup run again would read."""
+    kept_out, kept = _first_stage_run(graph, False)
+    again_out, again = _first_stage_run(graph, True)
+    assert all(np.array_equal(a, b) for a, b in zip(kept_out, again_out))
+    for k, a in zip(kept, again):
+        assert k.activation_input is None and a.activation_input is None
+        assert k.params.keys() == a.params.keys()
+        for n in k.params:
+            kg, ag = k.params[n], a.params[n]
+            if hasattr(kg, "rows"):  # a table's gradient: the rows its lookups touched
+                assert np.array_equal(kg.ids, ag.ids) and np.array_equal(kg.rows, ag.rows), n
+            else:
+                assert np.array_equal(kg, ag), n
+
+
 def test_a_recomputing_engine_holds_no_graph_between_forward_and_backward(graph):
     spec = stage_spec(graph, 0, len(graph.blocks) - 1)
     engine = TorchStageEngine(spec, recompute=True)
     engine.forward(token_feeds(B, S, vocab=500), 0)
-    inputs, x_in, params = engine._saved[0]
+    inputs, x_in, params, gathered = engine._saved[0]
     assert x_in is None and all(not t.requires_grad for t in inputs.values())
     assert all(v.grad_fn is None for v in inputs.values())  # only inputs: no activation is kept
+    # and the rows of the tables it looked up (stepped in place, which a re-run must not read)
+    assert gathered.keys() == {n.name for n in spec.compute_nodes
+                               if n.op == "Gather" and n.inputs[0] in engine._stepped_in_place}
+    assert gathered and all(v.grad_fn is None for v in gathered.values())
     with pytest.raises(ValueError, match="a training forward must run the whole stage"):
         engine.forward(token_feeds(B, S, vocab=500), 1, until_block=1)
 

@@ -213,6 +213,24 @@ class _DeferredLinear(torch.autograd.Function):
         return dx, None, None, torch.zeros((), dtype=grad_y.dtype), None, None, None
 
 
+class _ReplayedLookup(torch.autograd.Function):
+    """A lookup a recomputed forward does not run again: the rows the stage's first forward gathered
+    (the table has been stepped in place since), with the lookup's own backward (aten's
+    embedding_backward: it reads the ids, never the table), rows or dense as `as_rows` says."""
+
+    @staticmethod
+    def forward(ctx, table, ids, rows, as_rows):
+        ctx.save_for_backward(ids)
+        ctx.rows_of_table, ctx.as_rows = table.shape[0], as_rows
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        table_grad = torch.ops.aten.embedding_backward(grad, ids, ctx.rows_of_table, -1, False, ctx.as_rows)
+        return table_grad, None, None, None
+
+
 def _weight_grads(pending: list[_PendingWeightGrad], shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
     """The deferred weight (and bias) gradients, summed per parameter."""
     out: dict[str, torch.Tensor] = {}
@@ -311,9 +329,10 @@ class TorchStageEngine(StageEngine):
         # autograd graphs hold the old ones). Tensors of versions no forward in flight holds any
         # more are reused for that (no fresh pages to fault in, 47 MB for MiniLM's table), and a
         # table that is only looked up is stepped in place: an embedding's backward reads its
-        # indices, never the table's values (unless the forward is re-run, with `recompute`).
+        # indices, never the table's values (a forward re-run with `recompute` replays the rows its
+        # first run gathered).
         self._retired: list[dict[str, torch.Tensor]] = []
-        self._stepped_in_place = frozenset() if self.recompute else looked_up_only(spec)
+        self._stepped_in_place = looked_up_only(spec)
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))
         # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)
@@ -338,9 +357,12 @@ class TorchStageEngine(StageEngine):
         if train and self.recompute:
             if until_block is not None:
                 raise ValueError("a training forward must run the whole stage")
+            gathered: dict[str, torch.Tensor] = {}
             with torch.no_grad():
-                out = self._run(inputs, x_in, params, False, None)
-            self._saved[microbatch] = (inputs, x_in, params)  # what the backward runs the forward from
+                out = self._run(inputs, x_in, params, False, None, lookups=gathered)
+            # what the backward runs the forward from: the rows of the tables stepped in place are
+            # the ones this forward gathered (an update may have stepped the table since)
+            self._saved[microbatch] = (inputs, x_in, params, gathered)
         else:
             deferral = self._deferral() if train else None
             out = self._run(inputs, x_in, params, train, until_block, deferral)
@@ -356,9 +378,12 @@ class TorchStageEngine(StageEngine):
         return torch.zeros((), dtype=self.dtype, requires_grad=True), [], set()
 
     def _run(self, inputs: Mapping[str, torch.Tensor], x_in: torch.Tensor | None, params: Mapping[str, torch.Tensor],
-             train: bool, until_block: int | None, deferral: tuple | None = None) -> torch.Tensor:
+             train: bool, until_block: int | None, deferral: tuple | None = None,
+             lookups: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The stage's forward from its host values, activation input and weight tensors. With a
-        `deferral`, every projection by a trainable 2-D weight runs as `_DeferredLinear`."""
+        `deferral`, every projection by a trainable 2-D weight runs as `_DeferredLinear`. With
+        `lookups`, the lookups of the tables stepped in place: a forward without gradients keeps
+        their rows there (by lookup node), one with gradients replays them (`_ReplayedLookup`)."""
         env: dict[str, torch.Tensor] = dict(inputs)
         if x_in is not None:
             x_in.requires_grad_(train)
@@ -391,6 +416,13 @@ class TorchStageEngine(StageEngine):
                         if deferred is not _SKIP:
                             env[node.outputs[0]] = deferred
                         continue
+                if lookups is not None and node.op == "Gather" and node.inputs[0] in self._stepped_in_place:
+                    table, ids = env[node.inputs[0]], env[node.inputs[1]].long()
+                    if train:
+                        env[node.outputs[0]] = _ReplayedLookup.apply(table, ids, lookups[node.name], self.row_gradients)
+                    else:
+                        env[node.outputs[0]] = lookups[node.name] = F.embedding(ids, table)
+                    continue
                 if node.op == "Gather" and train and self.row_gradients and node.inputs[0] in params:
                     # the table's gradient as the rows it touches (base.RowGradient), not a dense copy
                     env[node.outputs[0]] = F.embedding(env[node.inputs[1]].long(), env[node.inputs[0]], sparse=True)
@@ -492,9 +524,10 @@ class TorchStageEngine(StageEngine):
         if microbatch not in self._saved:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         if self.recompute:
-            inputs, x_in, used = self._saved.pop(microbatch)
+            inputs, x_in, used, gathered = self._saved.pop(microbatch)
             deferral = self._deferral()
-            out = self._run(inputs, x_in, used, True, None, deferral)  # the forward again, with its graph this time
+            # the forward again, with its graph this time
+            out = self._run(inputs, x_in, used, True, None, deferral, lookups=gathered)
         else:
             x_in, out, used, deferral = self._saved.pop(microbatch)
         seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
