@@ -25,7 +25,8 @@ Time, for one micro-batch on stage s of p (device d, blocks first..last):
 Memory, peak bytes of stage s of p under the schedule (facts of runtime/engines/mnn.py,
 runtime/pipeline/executor.py and runtime/optim.py; the constants below say which):
     params x (WEIGHT_COPIES, or ASYNC_WEIGHT_COPIES under 1f1b-stash and 2bw on a stage with
-              forwards in flight at its updates (every stage but the last), + GRADIENT_COPIES
+              forwards in flight at its updates (every stage but the last; not on PyTorch, whose
+              new tensors are an old version's charge: `shared_current_bytes`), + GRADIENT_COPIES
               where backwards are summed (not 1f1b-stash) + OPTIMIZER_STATE_COPIES[opt] + old
               weight versions)
   + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
@@ -88,11 +89,11 @@ from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, 
 # Weights a stage holds per parameter byte, besides gradients, optimizer state and old versions.
 # Flush schedules: once (MNN's current weights are its Vars' own memory, `K.memory_of`; PyTorch's
 # tensors share the arrays the worker received). Schedules that update with forwards in flight
-# (1f1b-stash, 2bw): twice (MNN's current weights apart from the Var set a forward in flight reads,
-# PyTorch's new tensors beside the ones autograd holds), except on the last stage, which runs each
-# forward's backward at once and so updates with nothing in flight: both engines then step their
-# weights where they are (`async_extra_copies`). An embedding table another op also reads (a tied
-# LM head) is held once more on MNN (`double_held_bytes`).
+# (1f1b-stash, 2bw): twice on MNN (its current weights apart from the Var set a forward in flight
+# reads; PyTorch's new tensors are what an old version is charged, `shared_current_bytes`), except
+# on the last stage, which runs each forward's backward at once and so updates with nothing in
+# flight: both engines then step their weights where they are (`async_extra_copies`). An embedding
+# table another op also reads (a tied LM head) is held once more on MNN (`double_held_bytes`).
 WEIGHT_COPIES = 1
 ASYNC_WEIGHT_COPIES = 2
 # The executor's gradient sum (`StageExecutor.grad_sum`): one array per parameter. An embedding
@@ -370,14 +371,25 @@ def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
 def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the parameters of blocks first..last that weight stashing keeps no old version of on
     the device: embedding tables nothing but lookups read anywhere in the model (neither engine's
-    lookup backward reads its table, and MNN feeds a forward it re-runs the rows that forward
-    gathered), except on PyTorch re-running its forwards (`recompute`), which reads the table again,
-    and on engines the model knows nothing of."""
-    engine = device_engine(device)
-    if engine not in ("mnn", "torch") or (engine == "torch" and activations_of(device) == "recompute"):
+    lookup backward reads its table, and both feed a forward they re-run the rows that forward
+    gathered), except on engines the model knows nothing of."""
+    if device_engine(device) not in ("mnn", "torch"):
         return 0
     tables, read = _tables(graph, first, last)
     return sum(int(graph.constants[t].nbytes) for t in tables - read)
+
+
+def shared_current_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
+    """Bytes of the parameters of blocks first..last whose current weights the device does not hold
+    apart from its old versions where `async_extra_copies` charges a second copy: on PyTorch every
+    parameter but the tables stepped in place (`unversioned_bytes`, which come off already). Its
+    step with forwards in flight writes new tensors (or a retired version's) while autograd keeps the
+    ones those forwards ran with: the copy an old version is charged (`stashed_weight_versions`),
+    none besides. MNN holds its current weights in its Vars apart from the numpy copies of its
+    versions (`MnnStageEngine._keep_old_version`): 0, as on engines the model knows nothing of."""
+    if device_engine(device) != "torch":
+        return 0
+    return stage_params_bytes(graph, first, last) - unversioned_bytes(graph, first, last, device)
 
 
 def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int,
@@ -539,6 +551,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     workspace = workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device)
     return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
             - unversioned_bytes(graph, first, last, device) * unversioned_copies(schedule, stages, stage, microbatches)
+            - shared_current_bytes(graph, first, last, device) * async_extra_copies(schedule, stages, stage)
             + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule)
             + table_state_delta_bytes(graph, first, last, device, optimizer)
             + tied_bytes(graph, first, last) + held

@@ -234,10 +234,10 @@ def test_gradient_accumulation_is_charged_to_the_backward_under_flush_schedules(
 
 
 def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_checkpoint, export_dir):
-    """Under 1f1b-stash a stage holds its weights twice plus p-s-1 old versions, but its embedding
-    tables once (no lookup backward reads them, and both engines step them in place): on MNN and
-    on PyTorch keeping its activations; PyTorch re-running its forwards reads the table again, so
-    it keeps the copies.
+    """Under 1f1b-stash a stage holds its weights twice on MNN (once on PyTorch, whose new tensors
+    are an old version's charge) plus p-s-1 old versions, but its embedding tables once (no lookup
+    backward reads them, both engines step them in place, and a forward re-run replays the rows its
+    first run gathered): on MNN, and on PyTorch keeping or recomputing its activations.
     The partition instance (what every solver checks) says the same."""
     from ir.graph import block_signature
     from ir.profile import BlockCost
@@ -257,17 +257,17 @@ def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_che
         profile = DeviceProfile(name, g.name, g.batch, g.seq, (BackendProfile(backend, costs),), 10**12)
         return DeviceSpec(name, f"tcp://{name}:1", profile, 10**12, backend, activations=activations)
 
-    for backend, activations, unversioned in (("mnn:cpu:t1", None, nbytes), ("torch:cpu:t1", "keep", nbytes),
-                                              ("torch:cpu:t1", "recompute", 0)):
+    for backend, activations, second in (("mnn:cpu:t1", None, 1), ("torch:cpu:t1", "keep", 0),
+                                         ("torch:cpu:t1", "recompute", 0)):
         dev = device("d0", backend, activations)
-        assert unversioned_bytes(g, 0, 1, dev) == unversioned
+        assert unversioned_bytes(g, 0, 1, dev) == nbytes
         stash = stage_memory_bytes(g, dev, 0, 1, 0, 3, "1f1b-stash", 4, "sgd")
         flush = stage_memory_bytes(g, dev, 0, 1, 0, 3, "1f1b-flush", 4, "sgd")
-        # one more copy of the weights, and stage 0 of 3 holds two old versions; no gradient sum
-        # (nor the table's rows summed, which the flush holds instead of its dense gradient)
+        # a second current copy of the weights on MNN, and stage 0 of 3 holds two old versions; no
+        # gradient sum (nor the table's rows summed, which the flush holds instead of its dense gradient)
         assert stashed_weight_versions("1f1b-stash", 3, 0, 4) == 2
         rows = row_gradient_delta_bytes(g, 0, 1, dev, 4, "1f1b-flush")
-        assert stash - flush == params * (1 + 2 - 1) - (1 + 2) * unversioned - rows, backend
+        assert stash - flush == (params - nbytes) * (second + 2) - params - rows, backend
         cluster = Cluster(tuple(device(f"d{i}", backend, activations) for i in range(3)), Link(1e9, 0.0))
         inst = make_instance(g, cluster, "1f1b-stash", 4, "sgd")
         n = len(g.blocks)

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 from ir.partition import Partition, StageAssignment
 from ir.plan import SPLIT_BACKWARD_SCHEDULES
-from planner.cost import (in_flight_microbatches, predicted_step_s, stage_costs, unversioned_copies,
-                          weight_copies)
+from planner.cost import (async_extra_copies, in_flight_microbatches, predicted_step_s, stage_costs,
+                          unversioned_copies, weight_copies)
 import planner.partition.solve as solve_module
 from planner.partition import (PartitionInstance, PlanDoesNotFit, brute_force_partition, check_feasible,
                                cpsat_partition, device_classes, even_partition, make_instance, manual_partition,
@@ -60,13 +60,14 @@ def _cp_sat(inst: PartitionInstance) -> Partition:
 
 def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
                    schedule, m, optimizer, recompute=(), update=(), weight=(), unversioned=(), keeps=(),
-                   kept=(), gradient_delta=()) -> PartitionInstance:
+                   kept=(), gradient_delta=(), shared=()) -> PartitionInstance:
     """An instance from plain numbers; memory tables from planner.cost for the schedule; `weight`
     (a split backward's W per block) only where the schedule splits backwards; `unversioned` [d][k]:
     parameter bytes device d keeps no old version of (embedding tables only looked up); `keeps` [d]:
     whether device d keeps activations, `kept` [d][k]: what block k holds then per further
     micro-batch in flight; `gradient_delta` [d][k]: what a table's gradient held as rows changes
-    against its dense charge."""
+    against its dense charge; `shared` [d][k]: parameter bytes device d holds no second current copy
+    of under 1f1b-stash and 2bw (PyTorch)."""
     nd, n = len(devices), len(params)
     return PartitionInstance(
         tuple(devices), tuple(f"b{k}" for k in range(n)), tuple(map(tuple, compute)), tuple(params), tuple(inputs),
@@ -79,7 +80,9 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         unversioned_copies=tuple(tuple(unversioned_copies(schedule, p, s, m) for s in range(p))
                                  for p in range(1, nd + 1)),
         unversioned_bytes=tuple(map(tuple, unversioned)), keeps_activations=tuple(keeps),
-        kept_bytes=tuple(map(tuple, kept)), table_delta_bytes=tuple(map(tuple, gradient_delta)))
+        kept_bytes=tuple(map(tuple, kept)), table_delta_bytes=tuple(map(tuple, gradient_delta)),
+        async_copies=tuple(tuple(async_extra_copies(schedule, p, s) for s in range(p)) for p in range(1, nd + 1)),
+        shared_current_bytes=tuple(map(tuple, shared)))
 
 
 @st.composite
@@ -122,9 +125,11 @@ def instances(draw, tight: bool | None = None):
     # often), on the devices that know the engine
     rows = draw(st.integers(0, 2 * table))
     gradient_delta = [[rows - table if k == 0 and draw(st.booleans()) else 0 for k in range(n)] for _ in range(nd)]
+    # PyTorch-like devices hold no second current copy of their versioned weights under stash
+    shared = [[p - u for p, u in zip(params, row)] if draw(st.booleans()) else [0] * n for row in unversioned]
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
                           bandwidth, latency, schedule, m, optimizer, recompute, update, weight, unversioned,
-                          keeps, kept, gradient_delta)
+                          keeps, kept, gradient_delta, shared)
 
 
 @st.composite
@@ -203,7 +208,8 @@ def test_cp_sat_matches_the_brute_force_oracle(inst):
 
 def _memory_by_hand(inst: PartitionInstance, part: Partition) -> list[int]:
     """Each stage's memory once more, from the fields' comments: weights and their copies less the
-    copies an unversioned table is not held in, stashed inputs per micro-batch in flight, the
+    copies an unversioned table is not held in and the second current copies a PyTorch-like device
+    does not hold, stashed inputs per micro-batch in flight, the
     workspace, and on a device that keeps activations the kept part per further micro-batch."""
     p, out = len(part.stages), []
     for i, st in enumerate(part.stages):
@@ -211,7 +217,7 @@ def _memory_by_hand(inst: PartitionInstance, part: Partition) -> list[int]:
         blocks = range(st.first_block, st.last_block + 1)
         out.append(inst.overhead_bytes[d] + sum(
             inst.params_bytes[k] * inst.weight_copies[p - 1][i] - inst.unversioned_bytes[d][k] * inst.unversioned_copies[p - 1][i]
-            + inst.table_delta_bytes[d][k] + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
+            - inst.shared_current_bytes[d][k] * inst.async_copies[p - 1][i] + inst.table_delta_bytes[d][k] + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
             + (inst.kept_bytes[d][k] * (fl - 1) if inst.keeps_activations[d] else 0) for k in blocks))
     return out
 
@@ -387,6 +393,23 @@ def test_stash_keeps_no_old_version_of_a_table_and_every_solver_knows():
         assert [s.memory_bytes for s in plan.stages] == [200, 2 * 100 + 60]
     assert predicted_step_us(inst, _solve(inst)) == 4 * 1000
     assert [s.device for s in _solve(inst_with(0)).stages] == ["slow"]  # every weight versioned: 400 > 250
+
+
+def test_a_device_without_a_second_current_copy_fits_where_the_model_charged_one():
+    """PyTorch-like devices hold no second current copy under 1f1b-stash (`shared`): stage 0 of 2
+    (sgd) holds its 100 weight bytes 3 times (weights, momentum, an old version) instead of 4. The
+    fast devices' 310-byte budgets then fit stage 0 (300) and stage 1 (two copies and its 10-byte
+    input: 210), which every solver finds; charged the copy (400), only the slow device fits stage 0."""
+    def inst_with(shared):
+        return build_instance(["fast", "also", "slow"], [[10, 10], [10, 10], [1000, 1000]], [100, 100], [0, 10],
+                              [[0, 0]] * 3, [0, 0, 0], [310, 310, 10**6], [[0, 1e9, 1e9], [1e9, 0, 1e9], [1e9, 1e9, 0]],
+                              [[0] * 3] * 3, "1f1b-stash", 4, "sgd", shared=[[shared] * 2, [shared] * 2, [0, 0]])
+    inst = inst_with(100)
+    assert inst.async_copies[1] == (1, 0)
+    for plan in (_solve(inst), _cp_sat(inst), brute_force_partition(inst)):
+        assert sorted(s.device for s in plan.stages) == ["also", "fast"], plan.method
+        assert plan.ranges == [(0, 0), (1, 1)] and [s.memory_bytes for s in plan.stages] == [300, 210]
+    assert [s.device for s in _solve(inst_with(0)).stages] == ["slow", "fast"]
 
 
 def test_stash_memory_depends_on_the_position():

@@ -65,3 +65,36 @@ def test_mnn_keeps_its_weights_in_its_vars_unless_a_forward_is_in_flight(graph, 
     _run(engine, spec, graph, in_flight)
     assert engine._current_in_vars is (in_flight == 1)
     assert engine.stashed_versions() == in_flight - 1
+
+
+def test_pytorch_holds_no_second_current_copy_besides_the_version_in_flight(graph):
+    """Stage 0 of 2 under 1f1b-stash (F F B UPDATE): PyTorch holds each versioned weight twice, the
+    tensors the forward in flight ran with and the new current ones (WEIGHT_COPIES plus one old
+    version), and its tables once; the model charges it that (`shared_current_bytes` takes the
+    second current copy MNN holds off every weight but the tables)."""
+    from dataclasses import replace
+
+    from ir.profile import BackendProfile, DeviceProfile
+    from planner.cluster import DeviceSpec
+    from planner.cost import (WEIGHT_COPIES, shared_current_bytes, stage_params_bytes, stashed_weight_versions,
+                              unversioned_bytes)
+    from runtime.engines.pytorch import TorchStageEngine
+
+    spec = stage_spec(graph, 0, 2)
+    engine = TorchStageEngine(spec)
+    engine.row_gradients = True
+    _run(engine, spec, graph, 2)
+    held = {k: {id(engine._params[k])} | {id(entry[2][k]) for entry in engine._saved.values()}
+            for k in spec.params}
+    tables = engine._stepped_in_place
+    assert tables and all(len(held[k]) == 1 for k in tables)
+    old = stashed_weight_versions("1f1b-stash", 2, 0, 4)
+    assert old == 1 and all(len(held[k]) == WEIGHT_COPIES + old for k in spec.params if k not in tables)
+
+    profile = DeviceProfile("d", graph.name, graph.batch, graph.seq,
+                            (BackendProfile("torch:cpu:t1", {}), BackendProfile("mnn:cpu:t1", {})), 10**12)
+    torch_device = DeviceSpec("d", "tcp://d:1", profile, 10**12, "torch:cpu:t1")
+    assert shared_current_bytes(graph, 0, 2, torch_device) == (stage_params_bytes(graph, 0, 2)
+                                                               - unversioned_bytes(graph, 0, 2, torch_device)) > 0
+    assert async_extra_copies("1f1b-stash", 2, 0) == 1
+    assert shared_current_bytes(graph, 0, 2, replace(torch_device, backend="mnn:cpu:t1")) == 0

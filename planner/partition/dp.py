@@ -104,6 +104,7 @@ class OrderSolver:
         self._pw = np.hstack([zero, np.cumsum(np.array(inst.workspace_bytes, dtype=np.float64), axis=1)])
         self._pk = np.hstack([zero, np.cumsum(np.array(inst.kept_bytes, dtype=np.float64), axis=1)])
         self._pv = np.hstack([zero, np.cumsum(np.array(inst.unversioned_bytes, dtype=np.float64), axis=1)])
+        self._ps = np.hstack([zero, np.cumsum(np.array(inst.shared_current_bytes, dtype=np.float64), axis=1)])
         # position-independent, like the workspace (PartitionInstance.weight_bytes)
         self._pw += np.hstack([zero, np.cumsum(np.array(inst.table_delta_bytes, dtype=np.float64), axis=1)])
         self.has_update = bool(np.any(self._pu[:, -1] > 0))
@@ -114,11 +115,14 @@ class OrderSolver:
         fl = [inst.in_flight[r][0] for r in range(nd)]
         reuse = [inst.reuses(r + 1, 0) for r in range(nd)]
         sv = [inst.unversioned_copies[r][0] for r in range(nd)]
+        ac = [inst.async_copies[r][0] for r in range(nd)]
         R = nd - 1
-        while R > 0 and (wc[R - 1], fl[R - 1], reuse[R - 1], sv[R - 1]) == (wc[R], fl[R], reuse[R], sv[R]):
+        tables = list(zip(wc, fl, reuse, sv, ac))
+        while R > 0 and tables[R - 1] == tables[R]:
             R -= 1
         self.R = R
         self._sv = sv[:R + 1]
+        self._ac = ac[:R + 1]
         self._reuse = reuse[:R + 1]
         self._pm = [np.concatenate([[0.0], np.cumsum(params * wc[c] + inputs * fl[c])]) for c in range(R + 1)]
         # a device whose engine keeps every activation of each micro-batch in flight holds its kept
@@ -148,8 +152,10 @@ class OrderSolver:
         return min(r, self.R)
 
     def _memory_prefix(self, d: int, c: int) -> np.ndarray:
-        # old versions leave out what device d keeps none of (PartitionInstance.weight_bytes)
-        return self._pm[c] + self._pw[d] + self._pk[d] * self._further[d][c] - self._pv[d] * self._sv[c]
+        # old versions (and second current copies) leave out what device d keeps none of
+        # (PartitionInstance.weight_bytes)
+        return (self._pm[c] + self._pw[d] + self._pk[d] * self._further[d][c] - self._pv[d] * self._sv[c]
+                - self._ps[d] * self._ac[c])
 
     def last(self, d: int) -> _Last:
         """Blocks [i, n) on device d at the last position."""

@@ -57,13 +57,17 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
     if inst.schedule in ASYNC_SCHEDULES:
         saved = inst.weight_copies[p - 1][s] - weight_copies("1f1b-flush", inst.optimizer, p, s, inst.microbatches)
     versioned = params - sum(inst.unversioned_bytes[d][first:last + 1])  # tables only looked up keep none
-    if saved > 0 and versioned:
+    # what the device holds no second current copy of (PyTorch: its new weights are an old version's)
+    shared_bytes = sum(inst.shared_current_bytes[d][first:last + 1])
+    shared = shared_bytes * inst.async_copies[p - 1][s]
+    if saved > 0 and versioned and saved * versioned > shared:
         old = stashed_weight_versions(inst.schedule, p, s, inst.microbatches)
         what = [f"{old} old weight version{'s' if old != 1 else ''}"] if old else []
-        what += ["the current weights' second copy"] if async_extra_copies(inst.schedule, p, s) else []
+        if async_extra_copies(inst.schedule, p, s) and shared_bytes < versioned:
+            what.append("the current weights' second copy")
         if gradient_copies("1f1b-flush") > gradient_copies(inst.schedule):
             what.append("less the gradient sum it holds")
-        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(saved * versioned)} on {name!r} "
+        hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(saved * versioned - shared)} on {name!r} "
                      f"({', '.join(what)})")
     in_flight = inst.in_flight[p - 1][s]
     if activations and in_flight:

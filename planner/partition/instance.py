@@ -34,10 +34,11 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes, update_rate
-from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, block_costs, block_input_bytes,
-                          block_weight_grads_s, check_blocks, double_held_bytes, in_flight_microbatches,
-                          keeps_activations, reuses_forward, row_gradient_delta_bytes, table_state_delta_bytes,
-                          transient_bytes, unversioned_bytes, unversioned_copies, weight_copies)
+from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, async_extra_copies, block_costs,
+                          block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
+                          in_flight_microbatches, keeps_activations, reuses_forward, row_gradient_delta_bytes,
+                          shared_current_bytes, table_state_delta_bytes, transient_bytes, unversioned_bytes,
+                          unversioned_copies, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -84,6 +85,11 @@ class PartitionInstance:
     # device d (planner.cost.unversioned_bytes). Empty: all zero.
     unversioned_copies: tuple[tuple[int, ...], ...] = ()
     unversioned_bytes: tuple[tuple[int, ...], ...] = ()
+    # [p-1][s] the second current copy within weight_copies under 1f1b-stash and 2bw (planner.cost.
+    # async_extra_copies), and [d][k] the bytes of block k's parameters device d holds no such copy
+    # of (PyTorch: all but the unversioned tables, planner.cost.shared_current_bytes). Empty: all zero.
+    async_copies: tuple[tuple[int, ...], ...] = ()
+    shared_current_bytes: tuple[tuple[int, ...], ...] = ()
     # [d][k] what each micro-batch in flight after the first adds to block k's workspace on a device
     # that keeps its activations (planner.cost.workspace_of: the profile's `BlockCost.kept`).
     # Empty: the whole workspace again (the older model).
@@ -118,9 +124,10 @@ class PartitionInstance:
             for r in rows:
                 if any(x < 0 for x in r):
                     raise ValueError(f"PartitionInstance.{name} has a negative entry")
-        if not self.unversioned_copies:
-            object.__setattr__(self, "unversioned_copies", tuple((0,) * p for p in range(1, nd + 1)))
-        for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes"):
+        for name in ("unversioned_copies", "async_copies"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, tuple((0,) * p for p in range(1, nd + 1)))
+        for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes", "shared_current_bytes"):
             table = getattr(self, name)
             if not table:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
@@ -150,7 +157,11 @@ class PartitionInstance:
                              "backward")
         if any(u > b for row in self.unversioned_bytes for u, b in zip(row, self.params_bytes)):
             raise ValueError("PartitionInstance.unversioned_bytes exceeds params_bytes: they are parameters")
-        for name in ("weight_copies", "in_flight", "unversioned_copies"):
+        if any(u + c > b for ur, cr in zip(self.unversioned_bytes, self.shared_current_bytes)
+               for u, c, b in zip(ur, cr, self.params_bytes)):
+            raise ValueError("PartitionInstance.shared_current_bytes and unversioned_bytes exceed params_bytes: "
+                             "they are parameters apart")
+        for name in ("weight_copies", "in_flight", "unversioned_copies", "async_copies"):
             table = getattr(self, name)
             if len(table) != nd or any(len(row) != p + 1 for p, row in enumerate(table)):
                 raise ValueError(f"PartitionInstance.{name} needs one row per stage count 1..{nd}, of that length")
@@ -182,7 +193,8 @@ class PartitionInstance:
         """Bytes of block k's parameters (weights, gradient, optimizer state, old versions) device d
         holds at stage s of p."""
         return (self.params_bytes[k] * self.weight_copies[p - 1][s]
-                - self.unversioned_bytes[d][k] * self.unversioned_copies[p - 1][s] + self.table_delta_bytes[d][k])
+                - self.unversioned_bytes[d][k] * self.unversioned_copies[p - 1][s]
+                - self.shared_current_bytes[d][k] * self.async_copies[p - 1][s] + self.table_delta_bytes[d][k])
 
     def held_workspace(self, d: int, k: int, in_flight: int) -> int:
         """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
@@ -248,6 +260,9 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         # once per range; attributing it once keeps the instance's sum at most that)
         unversioned_bytes=tuple(_per_block(lambda k: unversioned_bytes(graph, 0, k, spec), len(blocks))
                                 for spec in specs),
+        async_copies=tuple(tuple(async_extra_copies(schedule, p, s) for s in range(p)) for p in range(1, nd + 1)),
+        shared_current_bytes=tuple(_per_block(lambda k: shared_current_bytes(graph, 0, k, spec), len(blocks))
+                                   for spec in specs),
         # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
         # against their dense charge
         table_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule)
