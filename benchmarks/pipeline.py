@@ -464,12 +464,12 @@ def plan_picked(graph, model: Path, stages: int, schedule: str, M: int, budget_b
     profile, auto engine, `budget_bytes` or else the machine's memory as budget, loopback links), for
     `batches` as `plan --data` plans for them (None: every embedding row charged): the block ranges,
     the engine and activations per stage, and the predicted peak bytes per stage
-    (planner.engines.first_partition, then pick_engines, as jobs.planning.plan_model does)."""
+    (planner.engines.best_picks, as jobs.planning.plan_model does)."""
     from ir.backend import engine_of
     from ir.profile import Link
     from planner.cluster import Cluster, DeviceSpec, device_backend
     from planner.cost import activations_of
-    from planner.engines import first_partition, pick_engines
+    from planner.engines import best_picks
     from planner.partition import solve_partition
 
     profile = _profile(graph, model)
@@ -480,8 +480,7 @@ def plan_picked(graph, model: Path, stages: int, schedule: str, M: int, budget_b
     # loopback: a 384 KiB activation takes well under a millisecond, as measured in the transport rows
     cluster = Cluster(devices, Link(bandwidth_bytes_per_s=2e9, latency_s=50e-6))
     solve = lambda inst: solve_partition(inst, time_limit_s=10.0)  # noqa: E731
-    cluster, partition = first_partition(graph, cluster, schedule, M, "adamw", solve)
-    picks = pick_engines(graph, cluster, partition, schedule, M, "adamw", solve=solve)
+    picks = best_picks(graph, cluster, schedule, M, "adamw", solve)
     partition = picks.partition
     if len(partition.stages) != stages:
         raise RuntimeError(f"the plan uses {len(partition.stages)} of the {stages} devices")

@@ -17,7 +17,7 @@ from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, device_backend, load_cluster
 from planner.cost import activations_of, check_tied_schedule, compute_s, predicted_step_s, stage_costs
-from planner.engines import first_partition, pick_engines
+from planner.engines import best_picks, pick_engines
 from planner.emit import emit_plan
 from planner.lookups import charged_rows
 from planner.lora import LoraSettings
@@ -54,8 +54,9 @@ class PlanSettings:
     tokenizer: Path | None = None
 
 
-# The first search's share of the time left: the re-solves after the engine picks share the rest.
-FIRST_SEARCH_SHARE = 0.6
+# Each search's share of the time left (planner.engines.best_picks solves once per starting
+# cluster and again after each round of engine picks; most stop early, proven optimal).
+SEARCH_SHARE = 0.4
 
 
 class _Deadline:
@@ -71,6 +72,9 @@ class _Deadline:
 
     def search_s(self, share: float) -> float:
         return max(self.MIN_SEARCH_S, share * (self.end - time.monotonic()))
+
+    def left(self) -> bool:
+        return time.monotonic() < self.end
 
 
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
@@ -98,22 +102,15 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         reporter.note(f"the memory model prices 1f1b-stash with an update after every backward; with --update-every "
                       f"{settings.update_every} each stage also holds a gradient sum (one more copy of its weights), "
                       f"which the plan's memory figures leave out: keep that much free on every device")
-    try:
-        if settings.cuts:
-            order = list(settings.devices) if settings.devices else [d.name for d in cluster.devices]
-            instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer)
-            partition = manual_partition(instance, order[:len(settings.cuts) + 1], list(settings.cuts))
-            problems = check_feasible(partition, instance)
-            if problems:
-                raise JobError("the manual cuts do not fit: " + "; ".join(problems))
-        else:
-            # where nothing fits the whole-model choice, from the leanest (`first_partition`):
-            # pick_engines keeps activations and takes faster engines again wherever they fit
-            cluster, partition = first_partition(
-                graph, cluster, settings.schedule, M, settings.optimizer,
-                lambda inst: solve_partition(inst, time_limit_s=deadline.search_s(FIRST_SEARCH_SHARE)))
-    except PlanDoesNotFit as exc:
-        raise JobError(str(exc)) from None
+    if settings.cuts:
+        order = list(settings.devices) if settings.devices else [d.name for d in cluster.devices]
+        instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer)
+        partition = manual_partition(instance, order[:len(settings.cuts) + 1], list(settings.cuts))
+        problems = check_feasible(partition, instance)
+        if problems:
+            raise JobError("the manual cuts do not fit: " + "; ".join(problems))
+    else:
+        partition = None
     partition, cluster = _pick_engines(graph, cluster, partition, settings, reporter, frozenset(splits), deadline)
     try:
         check_tied_schedule(graph, partition.ranges, settings.schedule)
@@ -162,16 +159,23 @@ def _with_lookup_rows(graph, model: Path, settings: PlanSettings, reporter: Repo
 
 def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, reporter: Reporter,
                   fixed: frozenset[str], deadline: _Deadline):
-    """Each device's engine (auto devices) and activations re-picked for the blocks it got, the
-    partition re-solved for the picks (manual cuts stay); head-split devices (`fixed`) keep theirs;
-    `planner.engines`."""
+    """Each device's engine (auto devices) and activations picked for the blocks it gets, with the
+    partition solved for the picks (`planner.engines.best_picks`), or re-picked for the manual cuts'
+    `partition` (which stays); head-split devices (`fixed`) keep their engine."""
     M = settings.microbatches
 
     def solve(inst):
-        return solve_partition(inst, time_limit_s=deadline.search_s(0.5))
+        return solve_partition(inst, time_limit_s=deadline.search_s(SEARCH_SHARE))
 
-    picks = pick_engines(graph, cluster, partition, settings.schedule, M, settings.optimizer,
-                         solve=None if settings.cuts else solve, fixed=fixed)
+    if partition is not None:
+        picks = pick_engines(graph, cluster, partition, settings.schedule, M, settings.optimizer, solve=None,
+                             fixed=fixed)
+    else:
+        try:
+            picks = best_picks(graph, cluster, settings.schedule, M, settings.optimizer, solve, fixed=fixed,
+                               keep_going=deadline.left)
+        except PlanDoesNotFit as exc:
+            raise JobError(str(exc)) from None
     if picks.changed:
         moves = ", ".join(_devices_moved(picks.changed))
         reporter.note(f"engine per device for the blocks it runs: {moves} (predicted step "

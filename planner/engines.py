@@ -12,8 +12,9 @@ Why a search and not one choice per device. Which backend is fastest depends on 
 this machine PyTorch runs a decoder's vocabulary-sized LM head and loss several times faster than
 MNN while MNN runs the small decoder layers faster, so the device holding the head wants torch and
 the one holding the layers wants MNN; and which blocks a device holds depends on how fast its
-backend is. `pick_engines` therefore alternates, starting from the partition the whole-model
-choice gives (where none fits it, from the leanest that fits: `first_partition`):
+backend is. `pick_engines` therefore alternates, starting from a partition; `best_picks` runs it
+from the whole-model choice's, every device recomputing's and the leanest engines' (those that
+fit) and keeps the best:
 
 1. for every stage, rank the device's backends (an auto device's all, another's own) with keeping or
    recomputing activations by the forward+backward time of the stage's blocks (with the schedule's
@@ -111,26 +112,52 @@ def leanest_everywhere(cluster: Cluster) -> Cluster:
     return dataclasses.replace(cluster, devices=tuple(lean(d) for d in cluster.devices))
 
 
-def first_partition(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str,
-                    solve: Solve) -> tuple[Cluster, Partition]:
-    """The cluster and partition `pick_engines` starts from: the whole-model choice's partition;
-    where no plan fits that, every device recomputing its activations (`recompute_everywhere`);
-    where none fits that either, every auto device on its leanest engine as well
-    (`leanest_everywhere`). `pick_engines` then keeps activations and takes faster engines again
-    wherever they fit. Raises the last attempt's PlanDoesNotFit (the leanest: what fits nowhere)."""
+def starting_clusters(cluster: Cluster) -> list[Cluster]:
+    """The clusters `best_picks` starts `pick_engines` from, each costed differently from the one
+    before it: the whole-model choice, every device recomputing its activations
+    (`recompute_everywhere`), and every auto device on its leanest engine as well
+    (`leanest_everywhere`)."""
     def costed_as(c: Cluster) -> tuple:
         return tuple((device_backend(d).backend, keeps_activations(d)) for d in c.devices)
 
-    attempts = [cluster]
+    starts = [cluster]
     for lean in (recompute_everywhere(cluster), leanest_everywhere(cluster)):
-        if costed_as(lean) != costed_as(attempts[-1]):
-            attempts.append(lean)
-    for attempt in attempts[:-1]:
+        if costed_as(lean) != costed_as(starts[-1]):
+            starts.append(lean)
+    return starts
+
+
+def best_picks(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str, solve: Solve,
+               fixed: frozenset[str] = frozenset(), rounds: int = 4,
+               keep_going: Callable[[], bool] = lambda: True) -> EnginePicks:
+    """`pick_engines` from the partition of each starting cluster that fits (`starting_clusters`),
+    the result predicting the shortest step (at a tie the least memory, then the earlier start).
+    Starting lean matters: `pick_engines` re-picks per stage for the cuts it has, so from the
+    whole-model choice (PyTorch keeping its activations, say) it never finds the cut that only
+    recomputing on one device makes fit, which a start with every device recomputing does (it
+    then keeps them wherever they fit). `changed` and `before_us` are against the whole-model
+    choice (its partition where it fits, else the first start that does). Raises the leanest
+    start's PlanDoesNotFit where none fits (what fits nowhere). A further start is tried only while
+    `keep_going()` (a planning deadline) or while nothing has fitted yet."""
+    results: list[EnginePicks] = []
+    error: PlanDoesNotFit | None = None
+    for start in starting_clusters(cluster):
+        if results and not keep_going():
+            break
         try:
-            return attempt, solve(make_instance(graph, attempt, schedule, microbatches, optimizer))
-        except PlanDoesNotFit:
-            pass
-    return attempts[-1], solve(make_instance(graph, attempts[-1], schedule, microbatches, optimizer))
+            partition = solve(make_instance(graph, start, schedule, microbatches, optimizer))
+        except PlanDoesNotFit as exc:
+            error = exc
+            continue
+        results.append(pick_engines(graph, start, partition, schedule, microbatches, optimizer, solve=solve,
+                                    rounds=rounds, fixed=fixed))
+    if not results:
+        raise error
+    # (pick_engines answers 0 us for a partition that does not fit as given: never the best)
+    best = min(results, key=lambda r: (r.after_us <= 0, r.after_us, _memory(r.partition)))
+    origin = {d.name: _choice(d) for d in cluster.devices}
+    changed = {d.name: (origin[d.name], _choice(d)) for d in best.cluster.devices if _choice(d) != origin[d.name]}
+    return dataclasses.replace(best, changed=changed, before_us=results[0].before_us)
 
 
 def _choice(device: DeviceSpec) -> str:

@@ -235,6 +235,50 @@ def test_pick_engines_keeps_what_the_cluster_file_chose_and_never_predicts_slowe
     assert {d.picked for d in picks.cluster.devices if d.name in picks.changed} == {"mnn:cpu:t1"}
 
 
+def test_a_cut_that_fits_only_recomputing_on_one_device_is_found(graph):
+    """PyTorch only, 1f1b-flush with 2 micro-batches: stage 0 holds a second micro-batch's
+    activations where it keeps them (40 MiB a block), which its budget fits for one block only.
+    From the whole-model choice (keeping everywhere) the cut after block 0 is all that fits, and
+    re-picking per stage changes nothing (keeping is faster for the blocks each stage has); from
+    every device recomputing, the solver cuts later and the last stage then keeps its activations
+    (nothing else in flight there): a shorter step, which `best_picks` returns."""
+    from ir.profile import Link
+    from planner.cluster import Cluster
+    from planner.cost import stage_memory_bytes
+    from planner.engines import best_picks, pick_engines
+    from planner.partition import make_instance, solve_partition
+
+    sigs = {block_signature(b) for b in graph.blocks}
+    costs = {s: BlockCost(0.010, 0.020, workspace_bytes=41 * MIB, stacked_bytes=1 * MIB, kept_bytes=40 * MIB)
+             for s in sigs}
+    profile = DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs),),
+                            memory_available_bytes=8 << 30, runtime_overhead_bytes=RUNTIME)
+    n = len(graph.blocks)
+
+    def memory(first, last, stage, activations):
+        device = DeviceSpec("p", "tcp://x:9", profile, 8 << 30, activations=activations)
+        return stage_memory_bytes(graph, device, first, last, stage, 2, "1f1b-flush", 2, "adamw")
+
+    budget = memory(0, 0, 0, "keep") + 20 * MIB
+    cut = n // 2
+    assert memory(0, 1, 0, "keep") > budget >= max(memory(0, cut - 1, 0, "recompute"), memory(cut, n - 1, 1, "keep"))
+    cluster = Cluster(tuple(DeviceSpec(name, f"tcp://x:{i}", profile, budget) for i, name in enumerate("ab")),
+                      Link(1e9, 1e-4))
+
+    def solve(inst):
+        return solve_partition(inst, time_limit_s=2.0)
+
+    whole = pick_engines(graph, cluster, solve(make_instance(graph, cluster, "1f1b-flush", 2, "adamw")),
+                         "1f1b-flush", 2, "adamw", solve)
+    assert whole.partition.ranges == [(0, 0), (1, n - 1)] and whole.changed == {}
+    best = best_picks(graph, cluster, "1f1b-flush", 2, "adamw", solve)
+    assert best.after_us < whole.after_us and best.before_us == whole.before_us
+    assert best.partition.ranges[0][1] > 0
+    first, rest = (best.cluster.device(name) for name in best.partition.devices)
+    assert (first.activations, rest.activations) == ("recompute", "keep")
+    assert best.changed == {first.name: ("torch:cpu:t1 (keep)", "torch:cpu:t1 (recompute)")}
+
+
 def test_devices_with_the_same_engine_move_are_named_together():
     from jobs.planning import _devices_moved
 
