@@ -97,14 +97,9 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     cluster, splits = _with_head_splits(graph, cluster, reporter)
     reporter.note(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({settings.schedule}, "
                   f"{M} micro-batches)")
-    if settings.schedule == "1f1b-stash" and settings.update_every > 1:
-        # planner.cost prices 1f1b-stash with an update after every backward (`gradient_copies`)
-        reporter.note(f"the memory model prices 1f1b-stash with an update after every backward; with --update-every "
-                      f"{settings.update_every} each stage also holds a gradient sum (one more copy of its weights), "
-                      f"which the plan's memory figures leave out: keep that much free on every device")
     if settings.cuts:
         order = list(settings.devices) if settings.devices else [d.name for d in cluster.devices]
-        instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer)
+        instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer, settings.update_every)
         partition = manual_partition(instance, order[:len(settings.cuts) + 1], list(settings.cuts))
         problems = check_feasible(partition, instance)
         if problems:
@@ -122,7 +117,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         reporter.note(f"{len(tied)} weight(s) tied across stages {holders} (e.g. {next(iter(tied))!r}): each holder keeps "
                       "a copy, charged in memory and in the update's transfer time; their gradients are summed "
                       "through the coordinator before every update")
-    costs = stage_costs(graph, cluster, partition, settings.schedule, M, settings.optimizer)
+    costs = stage_costs(graph, cluster, partition, settings.schedule, M, settings.optimizer, settings.update_every)
     schedule = make_schedule(settings.schedule, len(partition.stages), M, update_every=settings.update_every)
     config = _emit_config(Path(model).name, cluster, partition.devices, splits, settings)
     path = emit_plan(output, graph, partition, schedule, config, costs, predicted_step_s(costs, settings.schedule, M),
@@ -169,11 +164,11 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
 
     if partition is not None:
         picks = pick_engines(graph, cluster, partition, settings.schedule, M, settings.optimizer, solve=None,
-                             fixed=fixed)
+                             fixed=fixed, update_every=settings.update_every)
     else:
         try:
             picks = best_picks(graph, cluster, settings.schedule, M, settings.optimizer, solve, fixed=fixed,
-                               keep_going=deadline.left)
+                               keep_going=deadline.left, update_every=settings.update_every)
         except PlanDoesNotFit as exc:
             raise JobError(str(exc)) from None
     if picks.changed:

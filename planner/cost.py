@@ -83,7 +83,9 @@ from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import WEIGHT_GRAD_SHARE, Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.profile import BlockCost
+from ir.verify import peak_weight_versions
 from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, update_rate
+from planner.schedule import one_f_one_b_stash
 
 
 # Weights a stage holds per parameter byte, besides gradients, optimizer state and old versions.
@@ -137,10 +139,12 @@ def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches:
 
 
 @lru_cache(maxsize=None)
-def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches: int) -> int:
-    """Weight versions stage `stage` keeps besides the current one, at its peak (update after
-    every backward). PipeDream's p-s-1 in the steady state; fewer when the run is too short to
-    reach it. Equals `ir.verify.peak_weight_versions` of the compute schedule minus one.
+def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches: int, update_every: int = 1) -> int:
+    """Weight versions stage `stage` keeps besides the current one, at its peak (an update after
+    every `update_every` backwards). PipeDream's p-s-1 in the steady state with an update after
+    every backward; fewer when the run is too short to reach it, or with updates further apart
+    (the forwards in flight then span fewer updates). Equals `ir.verify.peak_weight_versions` of
+    the compute schedule minus one, which is what 1f1b-stash with `update_every` > 1 is priced by.
 
     Derivation for 1f1b-stash: stage s runs w = min(p-s-1, m) warm-up forwards on version 0, then
     F(w+i), B(i), UPDATE for i < m-w; forward w+i uses version i. Right after UPDATE i the
@@ -150,15 +154,23 @@ def stashed_weight_versions(schedule: str, stages: int, stage: int, microbatches
     """
     check_schedule_name(schedule)
     _check_position(stages, stage, microbatches)
+    _check_update_every(update_every)
     if schedule not in ASYNC_SCHEDULES:
         return 0
+    if schedule == "1f1b-stash" and update_every > 1:
+        return peak_weight_versions(one_f_one_b_stash(stages, microbatches, update_every))[stage] - 1
     w = min(stages - stage - 1, microbatches)
     if microbatches > w:
         old = min(w, microbatches - w)
     else:
         old = 1 if microbatches >= 2 else 0
-    # PipeDream-2BW: two versions at most (planner.schedule.pipedream_2bw)
+    # PipeDream-2BW: two versions at most (planner.schedule.pipedream_2bw), whatever its update_every
     return min(1, old) if schedule == "2bw" else old
+
+
+def _check_update_every(update_every: int) -> None:
+    if not isinstance(update_every, int) or isinstance(update_every, bool) or update_every < 1:
+        raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
 
 
 def async_extra_copies(schedule: str, stages: int, stage: int) -> int:
@@ -173,29 +185,32 @@ def async_extra_copies(schedule: str, stages: int, stage: int) -> int:
     return ASYNC_WEIGHT_COPIES - WEIGHT_COPIES
 
 
-def unversioned_copies(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+def unversioned_copies(schedule: str, stages: int, stage: int, microbatches: int, update_every: int = 1) -> int:
     """Copies within `weight_copies` that an embedding table nothing but lookups read
     (`unversioned_bytes`) is not held in: its old versions, and under 1f1b-stash and 2bw its
     second current copy, since both engines step such a table in place (PyTorch's `_new_version`,
     MNN's numpy tables): no forward in flight reads it again."""
-    return (STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches)
+    return (STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches, update_every)
             + async_extra_copies(schedule, stages, stage))
 
 
-def gradient_copies(schedule: str) -> int:
+def gradient_copies(schedule: str, update_every: int = 1) -> int:
     """Gradient sums a stage holds per byte of its parameters: GRADIENT_COPIES where backwards are
-    summed before an update (flush schedules, 2bw), none under 1f1b-stash (an update after every
-    backward: the backward's own gradient is in the measured workspace)."""
+    summed before an update (flush schedules, 2bw, 1f1b-stash updating every few backwards), none
+    under 1f1b-stash with an update after every backward (the backward's own gradient is in the
+    measured workspace)."""
     check_schedule_name(schedule)
-    return 0 if schedule == "1f1b-stash" else GRADIENT_COPIES
+    _check_update_every(update_every)
+    return 0 if schedule == "1f1b-stash" and update_every == 1 else GRADIENT_COPIES
 
 
-def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int) -> int:
+def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int,
+                  update_every: int = 1) -> int:
     """Bytes a stage holds per byte of its parameters: weights, gradient, optimizer state, old versions."""
     check_optimizer_name(optimizer)
     return (WEIGHT_COPIES + async_extra_copies(schedule, stages, stage)
-            + gradient_copies(schedule) + OPTIMIZER_STATE_COPIES[optimizer]
-            + STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches))
+            + gradient_copies(schedule, update_every) + OPTIMIZER_STATE_COPIES[optimizer]
+            + STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches, update_every))
 
 
 def check_blocks(graph: Graph) -> tuple[Block, ...]:
@@ -393,16 +408,19 @@ def shared_current_bytes(graph: Graph, first: int, last: int, device: DeviceSpec
 
 
 def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int,
-                             schedule: str = "1f1b-flush") -> int:
+                             schedule: str = "1f1b-flush", update_every: int = 1) -> int:
     """What the gradients of the embedding tables of blocks first..last that nothing but lookups read
     hold, less their dense charge (`gradient_copies` x the table; negative where rows take less):
     both engines give such a table's gradient as the rows its lookups touched (`RowGradient`), the
     executor sums them as rows (ROW_GRADIENT_COPIES x one row, its float32 values and an int64 id,
     per lookup of every micro-batch of an update) and the optimizer steps them without a dense
     copy (`runtime.optim`). 0 for engines the model knows nothing of, or a lookup of unknown shape,
-    and under a schedule that sums no gradients (1f1b-stash: no dense charge, no sum of rows)."""
-    if device_engine(device) not in ("mnn", "torch") or gradient_copies(schedule) == 0:
+    and where nothing is summed (1f1b-stash updating after every backward: no dense charge, no sum
+    of rows). An update sums the micro-batches of a batch (flush schedules) or `update_every`
+    backwards (1f1b-stash, 2bw)."""
+    if device_engine(device) not in ("mnn", "torch") or gradient_copies(schedule, update_every) == 0:
         return 0
+    summed = min(update_every, microbatches) if schedule in ASYNC_SCHEDULES else microbatches
     tables, read = _tables(graph, first, last)
     lookups = _graph_tables(graph)[2]
     delta = 0
@@ -411,7 +429,7 @@ def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: Device
             return 0
         table = graph.constants[t]
         row = int(table.nbytes) // table.shape[0] + 8
-        delta += ROW_GRADIENT_COPIES * lookups[t] * microbatches * row - GRADIENT_COPIES * int(table.nbytes)
+        delta += ROW_GRADIENT_COPIES * lookups[t] * summed * row - GRADIENT_COPIES * int(table.nbytes)
     return delta
 
 
@@ -532,8 +550,9 @@ def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer:
 
 
 def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,
-                       schedule: str, microbatches: int, optimizer: str) -> int:
-    """Predicted peak bytes of stage `stage` of `stages` running blocks first..last on the device."""
+                       schedule: str, microbatches: int, optimizer: str, update_every: int = 1) -> int:
+    """Predicted peak bytes of stage `stage` of `stages` running blocks first..last on the device,
+    with an update after every `update_every` backwards (1f1b-stash and 2bw)."""
     _check_range(graph, first, last)
     blocks = graph.blocks[first:last + 1]
     params = stage_params_bytes(graph, first, last)
@@ -549,10 +568,11 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
         if last == n - 2:  # the head without its loss: its logits wait for their gradient
             held = graph.blocks[last].activation_bytes * in_flight
     workspace = workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device)
-    return (params * weight_copies(schedule, optimizer, stages, stage, microbatches) + frozen
-            - unversioned_bytes(graph, first, last, device) * unversioned_copies(schedule, stages, stage, microbatches)
+    return (params * weight_copies(schedule, optimizer, stages, stage, microbatches, update_every) + frozen
+            - unversioned_bytes(graph, first, last, device)
+            * unversioned_copies(schedule, stages, stage, microbatches, update_every)
             - shared_current_bytes(graph, first, last, device) * async_extra_copies(schedule, stages, stage)
-            + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule)
+            + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
             + table_state_delta_bytes(graph, first, last, device, optimizer)
             + tied_bytes(graph, first, last) + held
             + sum(inputs) * in_flight + workspace + runtime_bytes(device))
@@ -595,8 +615,10 @@ def transfer_s(nbytes: int, cluster: Cluster, a: str, b: str) -> float:
 
 
 def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: Sequence[tuple[int, int]],
-               stage: int, schedule: str, microbatches: int, optimizer: str) -> StageCost:
-    """The StageCost of stage `stage` of the pipeline devices[i] runs ranges[i] (inclusive)."""
+               stage: int, schedule: str, microbatches: int, optimizer: str, update_every: int = 1) -> StageCost:
+    """The StageCost of stage `stage` of the pipeline devices[i] runs ranges[i] (inclusive); its
+    memory with an update after every `update_every` backwards (1f1b-stash and 2bw: the time model
+    prices an update per backward, `accumulated_share`)."""
     if len(devices) != len(ranges):
         raise ValueError(f"{len(devices)} devices for {len(ranges)} block ranges")
     p = len(devices)
@@ -610,7 +632,7 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
         send_act = transfer_s(graph.blocks[last].activation_bytes, cluster, devices[stage], devices[stage + 1])
     if stage > 0:
         send_grad = transfer_s(graph.blocks[first - 1].activation_bytes, cluster, devices[stage], devices[stage - 1])
-    memory = stage_memory_bytes(graph, spec, first, last, stage, p, schedule, microbatches, optimizer)
+    memory = stage_memory_bytes(graph, spec, first, last, stage, p, schedule, microbatches, optimizer, update_every)
     update = update_s(graph, spec, first, last, optimizer)
     tied = tied_bytes(graph, first, last)
     if tied and p > 1:  # its gradient for the tied weights out, the sum back, before the update
@@ -627,7 +649,7 @@ def stage_time_s(cost: StageCost) -> float:
 
 
 def stage_costs(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
-                optimizer: str) -> list[StageCost]:
+                optimizer: str, update_every: int = 1) -> list[StageCost]:
     """The StageCost of every stage of `partition` (whose ranges must cover the graph's blocks in order)."""
     ranges = partition.ranges
     n = len(check_blocks(graph))
@@ -639,7 +661,7 @@ def stage_costs(graph: Graph, cluster: Cluster, partition: Partition, schedule: 
     if expected != n:
         raise ValueError(f"partition covers blocks 0..{expected - 1} of {n}")
     check_tied_schedule(graph, ranges, schedule)
-    return [stage_cost(graph, cluster, partition.devices, ranges, s, schedule, microbatches, optimizer)
+    return [stage_cost(graph, cluster, partition.devices, ranges, s, schedule, microbatches, optimizer, update_every)
             for s in range(len(ranges))]
 
 

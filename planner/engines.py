@@ -62,7 +62,7 @@ class EnginePicks:
 
 
 def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int, schedule: str,
-               microbatches: int, optimizer: str) -> tuple[str, str | None] | None:
+               microbatches: int, optimizer: str, update_every: int = 1) -> tuple[str, str | None] | None:
     """(backend, activations) for blocks first..last at this stage position: the fastest backend
     of `device` (only the cluster file's, where it names one) whose stage fits the device's budget,
     with its activations kept or recomputed (`planner.cost.activations_of`: keeping is faster,
@@ -81,7 +81,8 @@ def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: i
                 forward, backward = compute_s(graph, trial, first, last, reuse)
             except ValueError:  # this backend lacks a block
                 continue
-            memory = stage_memory_bytes(graph, trial, first, last, stage, stages, schedule, microbatches, optimizer)
+            memory = stage_memory_bytes(graph, trial, first, last, stage, stages, schedule, microbatches, optimizer,
+                                        update_every)
             if memory <= device.memory_budget_bytes:
                 options.append((forward + backward, memory, name, activations_of(trial)))
     if not options:
@@ -129,7 +130,7 @@ def starting_clusters(cluster: Cluster) -> list[Cluster]:
 
 def best_picks(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str, solve: Solve,
                fixed: frozenset[str] = frozenset(), rounds: int = 4,
-               keep_going: Callable[[], bool] = lambda: True) -> EnginePicks:
+               keep_going: Callable[[], bool] = lambda: True, update_every: int = 1) -> EnginePicks:
     """`pick_engines` from the partition of each starting cluster that fits (`starting_clusters`),
     the result predicting the shortest step (at a tie the least memory, then the earlier start).
     Starting lean matters: `pick_engines` re-picks per stage for the cuts it has, so from the
@@ -145,12 +146,12 @@ def best_picks(graph: Graph, cluster: Cluster, schedule: str, microbatches: int,
         if results and not keep_going():
             break
         try:
-            partition = solve(make_instance(graph, start, schedule, microbatches, optimizer))
+            partition = solve(make_instance(graph, start, schedule, microbatches, optimizer, update_every))
         except PlanDoesNotFit as exc:
             error = exc
             continue
         results.append(pick_engines(graph, start, partition, schedule, microbatches, optimizer, solve=solve,
-                                    rounds=rounds, fixed=fixed))
+                                    rounds=rounds, fixed=fixed, update_every=update_every))
     if not results:
         raise error
     # (pick_engines answers 0 us for a partition that does not fit as given: never the best)
@@ -184,12 +185,12 @@ def _memory(partition: Partition) -> int:
 
 def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
                  optimizer: str, solve: Solve | None = None, rounds: int = 4,
-                 fixed: frozenset[str] = frozenset()) -> EnginePicks:
+                 fixed: frozenset[str] = frozenset(), update_every: int = 1) -> EnginePicks:
     """Re-pick every device's backend (auto devices) and activations for the blocks `partition`
     gives it, re-solving the partition with `solve` (an instance -> its partition; None: keep the
     cuts, e.g. manual `--cuts`), as the module docstring says; devices in `fixed` (head-split ones) keep what they have."""
     start = {d.name: _choice(d) for d in cluster.devices}
-    first = _recosted(make_instance(graph, cluster, schedule, microbatches, optimizer), partition)
+    first = _recosted(make_instance(graph, cluster, schedule, microbatches, optimizer, update_every), partition)
     if first is None:  # the partition given does not fit: nothing to improve on here
         return EnginePicks(cluster, partition, {}, 0, 0)
     best_us = before_us = first[0]
@@ -201,7 +202,7 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
             device = cluster.device(name)
             if name in fixed:
                 continue
-            pick = stage_pick(graph, device, lo, hi, s, p, schedule, microbatches, optimizer)
+            pick = stage_pick(graph, device, lo, hi, s, p, schedule, microbatches, optimizer, update_every)
             if pick is not None and pick != (device_backend(device).backend, activations_of(device)):
                 picks[name] = pick
         if not picks:
@@ -210,7 +211,7 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
             dataclasses.replace(d, picked=None if d.backend is not None else picks[d.name][0],
                                 activations=picks[d.name][1]) if d.name in picks else d for d in cluster.devices))
         options: list[tuple[int, Partition]] = []
-        inst = make_instance(graph, trial, schedule, microbatches, optimizer)  # once per round
+        inst = make_instance(graph, trial, schedule, microbatches, optimizer, update_every)  # once per round
         same = _recosted(inst, partition)
         if same is not None:
             options.append(same)

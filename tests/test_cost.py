@@ -292,3 +292,22 @@ def test_the_tables_of_a_block_range_are_those_its_blocks_list(chat_llama):
             for last in range(first, n):
                 scanned = {p for b in graph.blocks[first:last + 1] for p in b.params} & tables
                 assert _tables(graph, first, last) == (scanned, scanned & read), (graph.name, first, last)
+
+
+def test_stash_versions_and_gradient_sum_follow_update_every():
+    """1f1b-stash updating every k backwards: the old versions each stage keeps are those of its
+    compute schedule (`ir.verify.peak_weight_versions`; the closed form where k = 1), fewer as k
+    grows, and a stage holds a gradient sum once k > 1 (2bw always does; flush schedules too)."""
+    from planner.cost import gradient_copies
+    from planner.schedule import one_f_one_b_stash
+
+    for p in range(1, 5):
+        for m in range(1, 9):
+            for k in range(1, 5):
+                peaks = peak_weight_versions(one_f_one_b_stash(p, m, k))
+                assert [stashed_weight_versions("1f1b-stash", p, s, m, k) for s in range(p)] == [x - 1 for x in peaks]
+    assert [stashed_weight_versions("1f1b-stash", 4, 0, 8, k) for k in (1, 2, 3, 4)] == [3, 2, 1, 1]
+    assert (gradient_copies("1f1b-stash"), gradient_copies("1f1b-stash", 2), gradient_copies("2bw", 4),
+            gradient_copies("1f1b-flush")) == (0, 1, 1, 1)
+    with pytest.raises(ValueError, match="update_every must be an int >= 1, got 0"):
+        gradient_copies("1f1b-stash", 0)

@@ -288,27 +288,26 @@ def test_devices_with_the_same_engine_move_are_named_together():
                                      "laptop: mnn:cpu:t2 (recompute) -> torch:cpu:t2 (keep)"]
 
 
-def test_a_stash_plan_updating_every_few_backwards_says_what_its_memory_leaves_out(graph, tiny_onnx, tmp_path):
-    """The memory model prices 1f1b-stash with an update after every backward (no gradient sum);
-    planned with --update-every 2, the plan says each stage also holds a sum."""
-    from jobs.report import Silent
+def test_a_stash_plan_updating_every_few_backwards_charges_its_gradient_sum(graph, tiny_onnx, tmp_path):
+    """1f1b-stash with --update-every 2 sums two backwards' gradients before each update: the plan
+    charges each stage that sum (one copy of its weights, the tables' rows instead where they are
+    only looked up), which an update after every backward does not hold."""
+    from planner.cost import row_gradient_delta_bytes, stage_params_bytes
 
     _profile(graph).save(tmp_path / "box.json")
     (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
         {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": "2GiB"}]}))
-    notes: list[str] = []
-
-    class Notes(Silent):
-        def note(self, text):
-            notes.append(text)
-
+    memory = {}
     for every in (1, 2):
-        notes.clear()
         settings = PlanSettings(schedule="1f1b-stash", batch=8, seq=S, microbatches=2, optimizer="adamw", lr=5e-5,
                                 time_limit_s=5.0, update_every=every)
-        plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / f"plan{every}", Notes())
-        said = [n for n in notes if "gradient sum" in n]
-        assert said == ([] if every == 1 else [
-            "the memory model prices 1f1b-stash with an update after every backward; with --update-every 2 each "
-            "stage also holds a gradient sum (one more copy of its weights), which the plan's memory figures leave "
-            "out: keep that much free on every device"])
+        out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / f"plan{every}")
+        plan = json.loads((out / "plan.json").read_text())
+        assert plan["update_every"] == every
+        (device,) = plan["devices"]
+        memory[every] = device["memory_bytes"]
+    n = len(graph.blocks)
+    spec = DeviceSpec("box", "tcp://127.0.0.1:1", _profile(graph), 2 << 30)
+    rows = row_gradient_delta_bytes(graph, 0, n - 1, spec, 2, "1f1b-stash", update_every=2)
+    assert rows < 0  # the word table's rows, not a dense copy of it
+    assert memory[2] - memory[1] == stage_params_bytes(graph, 0, n - 1) + rows

@@ -209,8 +209,10 @@ class PartitionInstance:
         return round(self.boundary_bytes[k] * US_PER_S / self.link_bandwidth_bytes_per_s[d][e]) + self.link_latency_us[d][e]
 
 
-def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str) -> PartitionInstance:
-    """The instance for partitioning `graph` over all of `cluster`'s devices (planner.cost's numbers)."""
+def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str,
+                  update_every: int = 1) -> PartitionInstance:
+    """The instance for partitioning `graph` over all of `cluster`'s devices (planner.cost's numbers;
+    memory with an update after every `update_every` backwards under 1f1b-stash and 2bw)."""
     check_schedule_name(schedule)
     check_optimizer_name(optimizer)
     blocks = check_blocks(graph)
@@ -242,8 +244,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                                for e in range(nd)) for d in range(nd)),
         link_latency_us=tuple(tuple(0 if link(d, e) is None else round(link(d, e).latency_s * US_PER_S)
                                     for e in range(nd)) for d in range(nd)),
-        weight_copies=tuple(tuple(weight_copies(schedule, optimizer, p, s, microbatches) for s in range(p))
-                            for p in range(1, nd + 1)),
+        weight_copies=tuple(tuple(weight_copies(schedule, optimizer, p, s, microbatches, update_every)
+                                  for s in range(p)) for p in range(1, nd + 1)),
         in_flight=tuple(tuple(in_flight_microbatches(schedule, p, s, microbatches) for s in range(p))
                         for p in range(1, nd + 1)),
         microbatches=microbatches, schedule=schedule, optimizer=optimizer,
@@ -254,8 +256,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         weight_us=tuple(tuple(round(w * US_PER_S) for w in block_weight_grads_s(graph, s, schedule, microbatches))
                         for s in specs) if schedule in SPLIT_BACKWARD_SCHEDULES else (),
         keeps_activations=tuple(keeps_activations(s) for s in specs),
-        unversioned_copies=tuple(tuple(unversioned_copies(schedule, p, s, microbatches) for s in range(p))
-                                 for p in range(1, nd + 1)),
+        unversioned_copies=tuple(tuple(unversioned_copies(schedule, p, s, microbatches, update_every)
+                                       for s in range(p)) for p in range(1, nd + 1)),
         # a table goes with the first block that lists it (planner.cost.unversioned_bytes counts it
         # once per range; attributing it once keeps the instance's sum at most that)
         unversioned_bytes=tuple(_per_block(lambda k: unversioned_bytes(graph, 0, k, spec), len(blocks))
@@ -265,7 +267,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                    for spec in specs),
         # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
         # against their dense charge
-        table_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule)
+        table_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
+                                                                              update_every)
                                            + table_state_delta_bytes(graph, 0, k, spec, optimizer), len(blocks))
                                 for spec in specs))
 
