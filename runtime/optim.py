@@ -195,8 +195,16 @@ class SGD:
     row_buffers: dict[str, _RowState] = field(default_factory=dict)
     dense_tables: set[str] = field(default_factory=set)  # tables whose rows with state passed ROWS_DENSE_SHARE
 
-    def step(self, params: dict[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def begin_step(self) -> None:
+        """Begin a step taken in parts (`step(..., begun=True)` for each): its count, once."""
         self.steps += 1
+
+    def step(self, params: dict[str, np.ndarray], grads: Mapping[str, np.ndarray],
+             begun: bool = False) -> dict[str, np.ndarray]:
+        """One step over `params` in place; `begun`: these are part of the step `begin_step` began
+        (an engine stepping each weight as its gradient comes), which other parts take too."""
+        if not begun:
+            self.begin_step()
         f = np.float32
         scratch = _scratch(params)
         for name, p in params.items():
@@ -319,14 +327,20 @@ class AdamW:
     rows: dict[str, _RowState] = field(default_factory=dict)
     dense_tables: set[str] = field(default_factory=set)  # tables whose rows with state passed ROWS_DENSE_SHARE
 
+    def begin_step(self) -> None:
+        """Begin a step taken in parts (`step(..., begun=True)` for each): its count, once."""
+        self.steps += 1
+
     def step(self, params: dict[str, np.ndarray], grads: Mapping[str, np.ndarray],
-             dense_kernel: "DenseAdamWKernel | None" = None) -> dict[str, np.ndarray]:
+             dense_kernel: "DenseAdamWKernel | None" = None, begun: bool = False) -> dict[str, np.ndarray]:
         """One step over `params` in place. `dense_kernel`, an engine's native step (PyTorch's
         fused AdamW on the engine's own tensors), takes the weights with a dense float32 gradient
         all at once, this optimizer keeping their state: faster where the engine's kernel is, and
         the same semantics, though not bit for bit this module's rounding. Tables stepped by rows,
-        and whatever the kernel does not take, go the numpy way."""
-        self.steps += 1
+        and whatever the kernel does not take, go the numpy way. `begun`: these are part of the
+        step `begin_step` began (an engine stepping each weight as its gradient comes)."""
+        if not begun:
+            self.begin_step()
         b1, b2 = self.betas
         c1 = 1 - b1 ** self.steps
         c2 = 1 - b2 ** self.steps

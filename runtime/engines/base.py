@@ -132,6 +132,18 @@ class StageEngine(ABC):
         """W of a split backward: the parameter gradients `backward_input` left for later."""
         return {}
 
+    # Whether `backward_and_step` steps each weight as its gradient comes (else it is `backward`
+    # then `step`): the executor fuses a B with the UPDATE that follows it alone.
+    steps_in_backward: bool = False
+
+    def backward_and_step(self, microbatch: int, optimizer, grad_output: np.ndarray | None = None
+                          ) -> np.ndarray | None:
+        """`backward`, then `step` with its gradients (an update after this backward alone); the
+        gradient of the stage input (None on the first stage)."""
+        result = self.backward(microbatch, grad_output)
+        self.step(optimizer, result.params)
+        return result.activation_input
+
     @abstractmethod
     def parameters(self) -> dict[str, np.ndarray]:
         """Copies of the current parameters, by name."""

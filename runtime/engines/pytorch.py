@@ -593,6 +593,88 @@ class TorchStageEngine(StageEngine):
         self._retired = still + [old]  # spare tensors not taken now are let go
         return fresh
 
+    steps_in_backward = True
+
+    def backward_and_step(self, microbatch: int, optimizer, grad_output=None) -> np.ndarray | None:
+        """`backward` then `step` with its gradients as one (B then UPDATE of 1f1b-stash updating
+        after every backward): each weight is stepped once its gradient is complete (autograd's
+        post-accumulate hook: every op reading it has run its backward) and the gradient let go,
+        so the stage never holds all its weight gradients at once. With forwards in flight the new
+        weights go where `step` would put them (a retired version's tensors no forward in flight
+        holds, this micro-batch's own once its backward is past them, else new ones): the same
+        weights and optimizer state as `backward` then `step`, bit for bit. Returns the gradient of
+        the stage input (None on the first stage)."""
+        if self.split_backward:
+            raise RuntimeError("a split backward steps after its W, not in its B")
+        if microbatch not in self._saved:
+            raise KeyError(f"backward of micro-batch {microbatch} before its forward")
+        if self.recompute:
+            inputs, x_in, used, gathered = self._saved.pop(microbatch)
+            out = self._run(inputs, x_in, used, True, None, None, lookups=gathered)
+        else:
+            x_in, out, used, _ = self._saved.pop(microbatch)
+        in_flight = bool(self._saved or self._pending)
+        current = dict(self._params)
+        spare: dict[str, list[torch.Tensor]] = {}
+        still = self._retired
+        if in_flight:  # as `_new_version`, except that this micro-batch's tensors free up one by one
+            held = self._in_flight_tensors() | {id(t) for t in current.values()}
+            still = []
+            for version in self._retired:
+                if any(id(t) in held for t in version.values()):
+                    still.append(version)
+                else:
+                    for k, t in version.items():
+                        spare.setdefault(k, []).append(t)
+        kernel = self.optimizer_kernel(optimizer)
+        stepped: dict[str, torch.Tensor] = {}
+
+        def step_one(name: str, grad: torch.Tensor | None) -> None:
+            p = current[name]
+            if in_flight and name not in self._stepped_in_place:
+                with torch.no_grad():
+                    p = spare[name].pop().copy_(p) if spare.get(name) else p.detach().clone().requires_grad_(True)
+            if grad is None:
+                g = np.zeros(tuple(p.shape), np.float32 if self.dtype == torch.float32 else np.float64)
+            elif grad.is_sparse:
+                g = RowGradient(grad._indices()[0].numpy(), grad._values().detach().numpy(), tuple(p.shape))
+            else:
+                g = grad.detach().numpy()
+            views, grads = {name: p.detach().numpy()}, {name: g}
+            if kernel is None:
+                optimizer.step(views, grads, begun=True)
+            else:
+                optimizer.step(views, grads, dense_kernel=kernel, begun=True)
+            stepped[name] = p
+
+        def hook(name: str):
+            def take(t: torch.Tensor) -> None:
+                grad, t.grad = t.grad, None
+                step_one(name, grad)
+            return take
+
+        optimizer.begin_step()
+        handles = [t.register_post_accumulate_grad_hook(hook(k)) for k, t in used.items()]
+        try:
+            seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
+            wrt = list(used.values()) + ([x_in] if x_in is not None else [])
+            if wrt:
+                torch.autograd.backward([out], [seed], inputs=wrt)
+        finally:
+            for h in handles:
+                h.remove()
+        for name in current:  # a weight no op of this micro-batch reached: its step with a zero gradient
+            if name not in stepped:
+                step_one(name, None)
+        if in_flight:
+            self._params = stepped
+            self._retired = still + [{k: p for k, p in current.items() if k not in self._stepped_in_place}]
+        dx = None
+        if x_in is not None:
+            dx, x_in.grad = x_in.grad, None
+            dx = (torch.zeros_like(x_in) if dx is None else dx).detach().numpy()
+        return dx
+
     def step(self, optimizer, grads) -> None:
         if self._saved or self._pending:
             # a micro-batch in flight keeps the tensors its forward ran with (weight stashing: its

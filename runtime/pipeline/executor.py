@@ -47,6 +47,23 @@ def stage_peer(stage: int) -> str:
     return f"stage{stage}"
 
 
+def fused_backwards(actions: Sequence[Action]) -> list[Action]:
+    """The B actions of a stage's list whose UPDATE follows with no other compute between and sums
+    that backward alone (1f1b-stash updating after every backward): an engine may step each weight
+    as its gradient comes (`StageEngine.backward_and_step`) instead of holding them all."""
+    fused, since, last_b = [], 0, None
+    for a in actions:
+        if a.kind is ActionKind.B:
+            since, last_b = since + 1, a
+        elif a.kind is ActionKind.UPDATE:
+            if since == 1 and last_b is not None:
+                fused.append(last_b)
+            since, last_b = 0, None
+        elif a.kind in (ActionKind.F, ActionKind.W):
+            last_b = None
+    return fused
+
+
 def busy_fraction(seconds: Mapping[str, float], wall_s: float) -> float:
     """The share of `wall_s` a stage spent computing, from its seconds per action kind (a worker's
     'done' report carries both); 0 when no time passed."""
@@ -104,6 +121,10 @@ class StageExecutor:
         self._grads_in: dict[int, np.ndarray] = {}
         self._grads_out: dict[int, np.ndarray | None] = {}
         self.losses: dict[int, float] = {}
+        # the B actions whose UPDATE follows them alone (`prepare`), run as the engine's
+        # backward_and_step; `_stepped`: that UPDATE's step has been taken
+        self._fused: frozenset[Action] = frozenset()
+        self._stepped = False
         self.stats = ExecutorStats()
         # called while waiting for a message, every POLL_S: raises (StepAborted) to stop waiting
         self.interrupt = interrupt
@@ -133,6 +154,7 @@ class StageExecutor:
             store.clear()
         self.grad_sum = {}
         self.backwards_since_update = 0
+        self._stepped = False
         self.losses.clear()
 
     def _graph_inputs(self, microbatch: int) -> dict[str, np.ndarray]:
@@ -157,6 +179,8 @@ class StageExecutor:
         if in_flight and not self.engine.updates_in_flight:
             self.engine.updates_in_flight = True
         self.engine.row_gradients = True  # `_accumulate` sums them
+        self._fused = frozenset(fused_backwards(actions)) if self.engine.steps_in_backward and not (
+            split or self.tied) else frozenset()
 
     def run(self, actions: Sequence[Action]) -> ExecutorStats:
         self.prepare(actions)
@@ -196,13 +220,22 @@ class StageExecutor:
             self._grads_in[m] = self._recv(stage_peer(action.peer), "grad", action.peer, m)
         elif kind is ActionKind.B:
             upstream = None if self.is_last else self._grads_in.pop(m)
-            if self.engine.split_backward:
-                result = self.engine.backward_input(m, upstream)
-            else:
-                result = self.engine.backward(m, upstream)
+            if action in self._fused:
+                # its UPDATE sums this backward alone: each weight stepped as its gradient comes
+                if self.grad_sum or self._stepped:
+                    raise RuntimeError(f"stage {self.stage}: {action} steps in its backward with gradients "
+                                       f"not yet stepped")
+                self._grads_out[m] = self.engine.backward_and_step(m, self.optimizer, upstream)
                 self.backwards_since_update += 1
-            self._accumulate(result.params)
-            self._grads_out[m] = result.activation_input
+                self._stepped = True
+            else:
+                if self.engine.split_backward:
+                    result = self.engine.backward_input(m, upstream)
+                else:
+                    result = self.engine.backward(m, upstream)
+                    self.backwards_since_update += 1
+                self._accumulate(result.params)
+                self._grads_out[m] = result.activation_input
         elif kind is ActionKind.W:
             if not self.engine.split_backward:
                 raise RuntimeError(f"stage {self.stage}: {action} in a plan the executor was not prepared for "
@@ -228,11 +261,14 @@ class StageExecutor:
         # A stage without parameters (e.g. only the loss block) still takes its UPDATE as a step
         # over nothing, so its optimizer's step count stays that of the other stages: re-planning
         # hands optimizer state between stages by that count.
-        if self.param_names and not self.grad_sum:
-            raise RuntimeError(f"stage {self.stage}: UPDATE with no accumulated gradient")
-        if self.tied:
-            self._sum_tied()
-        self.engine.step(self.optimizer, self.grad_sum)
+        if self._stepped:  # taken in the backward (`prepare`'s fused B)
+            self._stepped = False
+        else:
+            if self.param_names and not self.grad_sum:
+                raise RuntimeError(f"stage {self.stage}: UPDATE with no accumulated gradient")
+            if self.tied:
+                self._sum_tied()
+            self.engine.step(self.optimizer, self.grad_sum)
         self.grad_sum = {}
         self.backwards_since_update = 0
         self.updates += 1
