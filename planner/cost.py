@@ -407,6 +407,18 @@ def shared_current_bytes(graph: Graph, first: int, last: int, device: DeviceSpec
     return stage_params_bytes(graph, first, last) - unversioned_bytes(graph, first, last, device)
 
 
+def stepped_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, schedule: str,
+                           update_every: int = 1) -> int:
+    """Weight gradients of blocks first..last that the profile's workspace holds (a block's backward
+    keeps them until the update) and the device never holds at once: PyTorch under 1f1b-stash with
+    an update after every backward steps each weight as soon as its gradient is complete and lets
+    it go (`TorchStageEngine.backward_and_step`): its dense weights' gradients come off (the
+    tables' are rows, `row_gradient_delta_bytes`). 0 elsewhere."""
+    if schedule != "1f1b-stash" or update_every != 1:
+        return 0
+    return shared_current_bytes(graph, first, last, device)
+
+
 def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int,
                              schedule: str = "1f1b-flush", update_every: int = 1) -> int:
     """What the gradients of the embedding tables of blocks first..last that nothing but lookups read
@@ -573,6 +585,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
             * unversioned_copies(schedule, stages, stage, microbatches, update_every)
             - shared_current_bytes(graph, first, last, device) * async_extra_copies(schedule, stages, stage)
             + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
+            - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
             + table_state_delta_bytes(graph, first, last, device, optimizer)
             + tied_bytes(graph, first, last) + held
             + sum(inputs) * in_flight + workspace + runtime_bytes(device))

@@ -235,7 +235,8 @@ def test_gradient_accumulation_is_charged_to_the_backward_under_flush_schedules(
 
 def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_checkpoint, export_dir):
     """Under 1f1b-stash a stage holds its weights twice on MNN (once on PyTorch, whose new tensors
-    are an old version's charge) plus p-s-1 old versions, but its embedding tables once (no lookup
+    are an old version's charge, and never all its weight gradients: it steps each as it comes)
+    plus p-s-1 old versions, but its embedding tables once (no lookup
     backward reads them, both engines step them in place, and a forward re-run replays the rows its
     first run gathered): on MNN, and on PyTorch keeping or recomputing its activations.
     The partition instance (what every solver checks) says the same."""
@@ -257,8 +258,10 @@ def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_che
         profile = DeviceProfile(name, g.name, g.batch, g.seq, (BackendProfile(backend, costs),), 10**12)
         return DeviceSpec(name, f"tcp://{name}:1", profile, 10**12, backend, activations=activations)
 
-    for backend, activations, second in (("mnn:cpu:t1", None, 1), ("torch:cpu:t1", "keep", 0),
-                                         ("torch:cpu:t1", "recompute", 0)):
+    # PyTorch holds no second current copy, and steps each weight as its gradient comes (the
+    # workspace's gradients come off): `stepped`
+    for backend, activations, second, stepped in (("mnn:cpu:t1", None, 1, 0), ("torch:cpu:t1", "keep", 0, 1),
+                                                  ("torch:cpu:t1", "recompute", 0, 1)):
         dev = device("d0", backend, activations)
         assert unversioned_bytes(g, 0, 1, dev) == nbytes
         stash = stage_memory_bytes(g, dev, 0, 1, 0, 3, "1f1b-stash", 4, "sgd")
@@ -267,7 +270,7 @@ def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_che
         # gradient sum (nor the table's rows summed, which the flush holds instead of its dense gradient)
         assert stashed_weight_versions("1f1b-stash", 3, 0, 4) == 2
         rows = row_gradient_delta_bytes(g, 0, 1, dev, 4, "1f1b-flush")
-        assert stash - flush == (params - nbytes) * (second + 2) - params - rows, backend
+        assert stash - flush == (params - nbytes) * (second + 2 - stepped) - params - rows, backend
         cluster = Cluster(tuple(device(f"d{i}", backend, activations) for i in range(3)), Link(1e9, 0.0))
         inst = make_instance(g, cluster, "1f1b-stash", 4, "sgd")
         n = len(g.blocks)

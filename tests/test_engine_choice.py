@@ -291,8 +291,9 @@ def test_devices_with_the_same_engine_move_are_named_together():
 def test_a_stash_plan_updating_every_few_backwards_charges_its_gradient_sum(graph, tiny_onnx, tmp_path):
     """1f1b-stash with --update-every 2 sums two backwards' gradients before each update: the plan
     charges each stage that sum (one copy of its weights, the tables' rows instead where they are
-    only looked up), which an update after every backward does not hold."""
-    from planner.cost import row_gradient_delta_bytes, stage_params_bytes
+    only looked up), which an update after every backward does not hold; nor does PyTorch then
+    hold its weight gradients at once (it steps each as it comes: `stepped_gradient_bytes`)."""
+    from planner.cost import row_gradient_delta_bytes, stage_params_bytes, stepped_gradient_bytes
 
     _profile(graph).save(tmp_path / "box.json")
     (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
@@ -305,9 +306,12 @@ def test_a_stash_plan_updating_every_few_backwards_charges_its_gradient_sum(grap
         plan = json.loads((out / "plan.json").read_text())
         assert plan["update_every"] == every
         (device,) = plan["devices"]
+        assert device["engine"] == "torch"
         memory[every] = device["memory_bytes"]
     n = len(graph.blocks)
-    spec = DeviceSpec("box", "tcp://127.0.0.1:1", _profile(graph), 2 << 30)
+    spec = DeviceSpec("box", "tcp://127.0.0.1:1", _profile(graph), 2 << 30, backend="torch:cpu:t1")
     rows = row_gradient_delta_bytes(graph, 0, n - 1, spec, 2, "1f1b-stash", update_every=2)
-    assert rows < 0  # the word table's rows, not a dense copy of it
-    assert memory[2] - memory[1] == stage_params_bytes(graph, 0, n - 1) + rows
+    stepped = stepped_gradient_bytes(graph, 0, n - 1, spec, "1f1b-stash")
+    assert rows < 0 < stepped  # the word table's rows, not a dense copy of it; the dense weights' gradients
+    assert stepped_gradient_bytes(graph, 0, n - 1, spec, "1f1b-stash", update_every=2) == 0
+    assert memory[2] - memory[1] == stage_params_bytes(graph, 0, n - 1) + rows + stepped

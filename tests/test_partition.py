@@ -80,7 +80,7 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         unversioned_copies=tuple(tuple(unversioned_copies(schedule, p, s, m) for s in range(p))
                                  for p in range(1, nd + 1)),
         unversioned_bytes=tuple(map(tuple, unversioned)), keeps_activations=tuple(keeps),
-        kept_bytes=tuple(map(tuple, kept)), table_delta_bytes=tuple(map(tuple, gradient_delta)),
+        kept_bytes=tuple(map(tuple, kept)), state_delta_bytes=tuple(map(tuple, gradient_delta)),
         async_copies=tuple(tuple(async_extra_copies(schedule, p, s) for s in range(p)) for p in range(1, nd + 1)),
         shared_current_bytes=tuple(map(tuple, shared)))
 
@@ -152,7 +152,7 @@ def repeated_instances(draw):
                           [[0 if d == e else link(d, e, lat) for e in range(nd)] for d in range(nd)],
                           base.schedule, base.microbatches, base.optimizer, pick(base.recompute_us), pick(base.update_us),
                           pick(base.weight_us), pick(base.unversioned_bytes), pick(base.keeps_activations),
-                          pick(base.kept_bytes), pick(base.table_delta_bytes))
+                          pick(base.kept_bytes), pick(base.state_delta_bytes))
 
 
 def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
@@ -217,7 +217,7 @@ def _memory_by_hand(inst: PartitionInstance, part: Partition) -> list[int]:
         blocks = range(st.first_block, st.last_block + 1)
         out.append(inst.overhead_bytes[d] + sum(
             inst.params_bytes[k] * inst.weight_copies[p - 1][i] - inst.unversioned_bytes[d][k] * inst.unversioned_copies[p - 1][i]
-            - inst.shared_current_bytes[d][k] * inst.async_copies[p - 1][i] + inst.table_delta_bytes[d][k] + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
+            - inst.shared_current_bytes[d][k] * inst.async_copies[p - 1][i] + inst.state_delta_bytes[d][k] + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
             + (inst.kept_bytes[d][k] * (fl - 1) if inst.keeps_activations[d] else 0) for k in blocks))
     return out
 

@@ -106,7 +106,7 @@ class OrderSolver:
         self._pv = np.hstack([zero, np.cumsum(np.array(inst.unversioned_bytes, dtype=np.float64), axis=1)])
         self._ps = np.hstack([zero, np.cumsum(np.array(inst.shared_current_bytes, dtype=np.float64), axis=1)])
         # position-independent, like the workspace (PartitionInstance.weight_bytes)
-        self._pw += np.hstack([zero, np.cumsum(np.array(inst.table_delta_bytes, dtype=np.float64), axis=1)])
+        self._pw += np.hstack([zero, np.cumsum(np.array(inst.state_delta_bytes, dtype=np.float64), axis=1)])
         self.has_update = bool(np.any(self._pu[:, -1] > 0))
         params = np.array(inst.params_bytes, dtype=np.float64)
         inputs = np.array(inst.input_bytes, dtype=np.float64)

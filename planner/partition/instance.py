@@ -37,8 +37,8 @@ from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, async_extra_copies, block_costs,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           in_flight_microbatches, keeps_activations, reuses_forward, row_gradient_delta_bytes,
-                          shared_current_bytes, table_state_delta_bytes, transient_bytes, unversioned_bytes,
-                          unversioned_copies, weight_copies)
+                          shared_current_bytes, stepped_gradient_bytes, table_state_delta_bytes, transient_bytes,
+                          unversioned_bytes, unversioned_copies, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -94,10 +94,12 @@ class PartitionInstance:
     # that keeps its activations (planner.cost.workspace_of: the profile's `BlockCost.kept`).
     # Empty: the whole workspace again (the older model).
     kept_bytes: tuple[tuple[int, ...], ...] = ()
-    # [d][k] what holding the gradient and AdamW state of block k's embedding tables only looked up
-    # as rows changes on device d against their dense charge in weight_copies
-    # (planner.cost.row_gradient_delta_bytes, table_state_delta_bytes; negative: less). Empty: all zero.
-    table_delta_bytes: tuple[tuple[int, ...], ...] = ()
+    # [d][k] what device d holds of block k's gradient and optimizer state otherwise than
+    # weight_copies charges (negative: less): an embedding table only looked up has its gradient and
+    # AdamW state as rows (planner.cost.row_gradient_delta_bytes, table_state_delta_bytes), and
+    # PyTorch stepping in its backward never holds its weight gradients at once (planner.cost.
+    # stepped_gradient_bytes). Empty: all zero.
+    state_delta_bytes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -137,13 +139,13 @@ class PartitionInstance:
             object.__setattr__(self, "keeps_activations", (False,) * nd)
         elif len(self.keeps_activations) != nd:
             raise ValueError(f"PartitionInstance.keeps_activations needs one entry per device ({nd})")
-        if not self.table_delta_bytes:
-            object.__setattr__(self, "table_delta_bytes", tuple((0,) * n for _ in range(nd)))
-        elif len(self.table_delta_bytes) != nd or any(len(r) != n for r in self.table_delta_bytes):
-            raise ValueError(f"PartitionInstance.table_delta_bytes must have shape {(nd, n)}")
+        if not self.state_delta_bytes:
+            object.__setattr__(self, "state_delta_bytes", tuple((0,) * n for _ in range(nd)))
+        elif len(self.state_delta_bytes) != nd or any(len(r) != n for r in self.state_delta_bytes):
+            raise ValueError(f"PartitionInstance.state_delta_bytes must have shape {(nd, n)}")
         most = GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[self.optimizer]
-        if any(-d > most * p for row in self.table_delta_bytes for d, p in zip(row, self.params_bytes)):
-            raise ValueError(f"PartitionInstance.table_delta_bytes takes off more than {most}x a block's parameters: "
+        if any(-d > most * p for row in self.state_delta_bytes for d, p in zip(row, self.params_bytes)):
+            raise ValueError(f"PartitionInstance.state_delta_bytes takes off more than {most}x a block's parameters: "
                              f"only their gradient and optimizer state can be charged otherwise")
         if not self.kept_bytes:
             object.__setattr__(self, "kept_bytes", self.workspace_bytes)
@@ -194,7 +196,7 @@ class PartitionInstance:
         holds at stage s of p."""
         return (self.params_bytes[k] * self.weight_copies[p - 1][s]
                 - self.unversioned_bytes[d][k] * self.unversioned_copies[p - 1][s]
-                - self.shared_current_bytes[d][k] * self.async_copies[p - 1][s] + self.table_delta_bytes[d][k])
+                - self.shared_current_bytes[d][k] * self.async_copies[p - 1][s] + self.state_delta_bytes[d][k])
 
     def held_workspace(self, d: int, k: int, in_flight: int) -> int:
         """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
@@ -266,10 +268,12 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         shared_current_bytes=tuple(_per_block(lambda k: shared_current_bytes(graph, 0, k, spec), len(blocks))
                                    for spec in specs),
         # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
-        # against their dense charge
-        table_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
+        # against their dense charge, less the gradients PyTorch steps in its backward
+        state_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
                                                                               update_every)
-                                           + table_state_delta_bytes(graph, 0, k, spec, optimizer), len(blocks))
+                                           + table_state_delta_bytes(graph, 0, k, spec, optimizer)
+                                           - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every),
+                                           len(blocks))
                                 for spec in specs))
 
 
@@ -364,7 +368,7 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     bw, lat = inst.link_bandwidth_bytes_per_s, inst.link_latency_us
     keys: dict = {}
     label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.weight_us[d],
-                              inst.workspace_bytes[d], inst.kept_bytes[d], inst.table_delta_bytes[d],
+                              inst.workspace_bytes[d], inst.kept_bytes[d], inst.state_delta_bytes[d],
                               inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d]),
                              len(keys)) for d in range(nd)]
 
