@@ -22,8 +22,9 @@ fit) and keeps the best:
 2. if any device's pick changed, re-cost the same cuts with the new picks and re-solve the
    partition for them (`solve`), and keep whichever predicts the shorter step;
 3. accept the round only if it predicts a shorter step than the plan before it, or the same step
-   in less memory (summed over the stages); stop when a round changes nothing or does not help
-   (at most `rounds`).
+   in less memory (summed over the stages), or the same step and memory with less work (forward
+   and backward summed over the stages: keeping activations where that costs no memory the budget
+   lacks); stop when a round changes nothing or does not help (at most `rounds`).
 
 No accepted round raises the predicted step time, so the result is never predicted slower than
 the whole-model choice; it is a local optimum of this alternation, not a proven joint optimum
@@ -155,10 +156,15 @@ def best_picks(graph: Graph, cluster: Cluster, schedule: str, microbatches: int,
     if not results:
         raise error
     # (pick_engines answers 0 us for a partition that does not fit as given: never the best)
-    best = min(results, key=lambda r: (r.after_us <= 0, r.after_us, _memory(r.partition)))
+    best = min(results, key=lambda r: (r.after_us <= 0, r.after_us, _memory(r.partition), _work_us(r.partition)))
     origin = {d.name: _choice(d) for d in cluster.devices}
     changed = {d.name: (origin[d.name], _choice(d)) for d in best.cluster.devices if _choice(d) != origin[d.name]}
     return dataclasses.replace(best, changed=changed, before_us=results[0].before_us)
+
+
+def _picked(device: DeviceSpec, pick: tuple[str, str | None]) -> DeviceSpec:
+    """The device running `pick` (backend, activations); a backend the cluster file fixed stays."""
+    return dataclasses.replace(device, picked=None if device.backend is not None else pick[0], activations=pick[1])
 
 
 def _choice(device: DeviceSpec) -> str:
@@ -183,6 +189,13 @@ def _memory(partition: Partition) -> int:
     return sum(s.memory_bytes for s in partition.stages)
 
 
+def _work_us(partition: Partition) -> int:
+    """The stages' forward+backward per micro-batch, summed: at the same step and memory, the plan
+    that computes less (a stage off the critical path keeping activations it has room for rather
+    than recomputing them) is as fast on its own devices and faster where they share processors."""
+    return round(sum(s.predicted_time_s for s in partition.stages) * 1e6)
+
+
 def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
                  optimizer: str, solve: Solve | None = None, rounds: int = 4,
                  fixed: frozenset[str] = frozenset(), update_every: int = 1) -> EnginePicks:
@@ -194,7 +207,7 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
     if first is None:  # the partition given does not fit: nothing to improve on here
         return EnginePicks(cluster, partition, {}, 0, 0)
     best_us = before_us = first[0]
-    best_memory = _memory(first[1])
+    best_memory, best_work = _memory(first[1]), _work_us(first[1])
     for _ in range(rounds):
         p = len(partition.stages)
         picks: dict[str, tuple[str, str | None]] = {}
@@ -207,28 +220,39 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
                 picks[name] = pick
         if not picks:
             break
-        trial = dataclasses.replace(cluster, devices=tuple(
-            dataclasses.replace(d, picked=None if d.backend is not None else picks[d.name][0],
-                                activations=picks[d.name][1]) if d.name in picks else d for d in cluster.devices))
-        options: list[tuple[int, Partition]] = []
-        inst = make_instance(graph, trial, schedule, microbatches, optimizer, update_every)  # once per round
-        same = _recosted(inst, partition)
-        if same is not None:
-            options.append(same)
-        if solve is not None:
-            try:
-                again = solve(inst)
-            except PlanDoesNotFit:
-                again = None
-            if again is not None:
-                options.append((predicted_step_us(inst, again), again))
+        # every pick at once, and (should that not help) the picks that add no memory to their
+        # stage at its cuts: a stage off the critical path that keeps what it recomputed at no cost
+        held = {st.device: st.memory_bytes for st in partition.stages}
+        free = {}
+        for s, (name, (lo, hi)) in enumerate(zip(partition.devices, partition.ranges)):
+            if name in picks:
+                trial_device = _picked(cluster.device(name), picks[name])
+                if stage_memory_bytes(graph, trial_device, lo, hi, s, p, schedule, microbatches, optimizer,
+                                      update_every) <= held[name]:
+                    free[name] = picks[name]
+        options: list[tuple[int, Partition, Cluster]] = []
+        for chosen_picks in ([picks] + ([free] if free and free != picks else [])):
+            trial = dataclasses.replace(cluster, devices=tuple(
+                _picked(d, chosen_picks[d.name]) if d.name in chosen_picks else d for d in cluster.devices))
+            inst = make_instance(graph, trial, schedule, microbatches, optimizer, update_every)
+            same = _recosted(inst, partition)
+            if same is not None:
+                options.append((*same, trial))
+            if solve is not None:
+                try:
+                    again = solve(inst)
+                except PlanDoesNotFit:
+                    again = None
+                if again is not None:
+                    options.append((predicted_step_us(inst, again), again, trial))
         if not options:
             break
         # a shorter step first; at the same step, less memory (a stage off the critical path that
-        # needs no PyTorch import leaves its device the ~200 MB the import costs)
-        us, chosen = min(options, key=lambda o: (o[0], _memory(o[1])))
-        if (us, _memory(chosen)) >= (best_us, best_memory):
+        # needs no PyTorch import leaves its device the ~200 MB the import costs), then less work
+        us, chosen, trial = min(options, key=lambda o: (o[0], _memory(o[1]), _work_us(o[1])))
+        if (us, _memory(chosen), _work_us(chosen)) >= (best_us, best_memory, best_work):
             break
-        cluster, partition, best_us, best_memory = trial, chosen, us, _memory(chosen)
+        cluster, partition = trial, chosen
+        best_us, best_memory, best_work = us, _memory(chosen), _work_us(chosen)
     changed = {d.name: (start[d.name], _choice(d)) for d in cluster.devices if _choice(d) != start[d.name]}
     return EnginePicks(cluster, partition, changed, before_us, best_us)

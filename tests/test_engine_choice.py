@@ -279,6 +279,43 @@ def test_a_cut_that_fits_only_recomputing_on_one_device_is_found(graph):
     assert best.changed == {first.name: ("torch:cpu:t1 (keep)", "torch:cpu:t1 (recompute)")}
 
 
+def test_a_stage_keeps_what_it_recomputed_where_that_costs_no_memory(graph):
+    """PyTorch only, 1f1b-stash (its step: m x the slowest stage), 4 micro-batches, the cuts fixed: stage 0 (blocks 0-2, the slowest)
+    must recompute (keeping does not fit its budget); stage 1 could keep (two micro-batches in
+    flight: 40 MiB more) and stage 2, the last, keeps at no cost (one in flight). Neither shortens
+    the step; keeping on stage 1 costs memory, so that pick is dropped, and the last stage's is
+    taken alone: the same step and memory, less work."""
+    from ir.profile import Link
+    from planner.cluster import Cluster
+    from planner.cost import stage_memory_bytes
+    from planner.engines import pick_engines, recompute_everywhere
+    from planner.partition import make_instance, manual_partition
+
+    sigs = {block_signature(b) for b in graph.blocks}
+    costs = {s: BlockCost(0.010, 0.020, workspace_bytes=41 * MIB, stacked_bytes=1 * MIB, kept_bytes=40 * MIB)
+             for s in sigs}
+    profile = DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs),),
+                            memory_available_bytes=8 << 30, runtime_overhead_bytes=RUNTIME)
+    n = len(graph.blocks)
+    assert n == 5
+
+    def memory(first, last, stage, activations):
+        device = DeviceSpec("p", "tcp://x:9", profile, 8 << 30, activations=activations)
+        return stage_memory_bytes(graph, device, first, last, stage, 3, "1f1b-stash", 4, "adamw")
+
+    budget = memory(0, 2, 0, "recompute") + MIB
+    assert memory(0, 2, 0, "keep") > budget
+    assert memory(3, 3, 1, "keep") > memory(3, 3, 1, "recompute") and memory(4, 4, 2, "keep") == memory(4, 4, 2, "recompute")
+    cluster = recompute_everywhere(Cluster((DeviceSpec("a", "tcp://x:1", profile, budget),
+                                            DeviceSpec("b", "tcp://x:2", profile, 8 << 30),
+                                            DeviceSpec("c", "tcp://x:3", profile, 8 << 30)), Link(1e9, 1e-4)))
+    partition = manual_partition(make_instance(graph, cluster, "1f1b-stash", 4, "adamw"), ["a", "b", "c"], [3, 4])
+    picks = pick_engines(graph, cluster, partition, "1f1b-stash", 4, "adamw")
+    assert picks.after_us == picks.before_us and picks.partition.ranges == partition.ranges
+    assert [picks.cluster.device(name).activations for name in "abc"] == ["recompute", "recompute", "keep"]
+    assert picks.changed == {"c": ("torch:cpu:t1 (recompute)", "torch:cpu:t1 (keep)")}
+
+
 def test_devices_with_the_same_engine_move_are_named_together():
     from jobs.planning import _devices_moved
 
