@@ -67,14 +67,19 @@ class _Deadline:
     MIN_SEARCH_S = 0.5
     WRITE_SHARE = 0.2  # kept back for costing, scheduling and writing the plan
 
+    # a further starting point of the engine search (planner.engines.best_picks) only while this
+    # share of the limit is left: its solve and re-solves take at least MIN_SEARCH_S each
+    FURTHER_START_SHARE = 0.3
+
     def __init__(self, limit_s: float, started_s: float | None = None):
+        self.limit_s = limit_s
         self.end = (time.monotonic() if started_s is None else started_s) + (1 - self.WRITE_SHARE) * limit_s
 
     def search_s(self, share: float) -> float:
         return max(self.MIN_SEARCH_S, share * (self.end - time.monotonic()))
 
-    def left(self) -> bool:
-        return time.monotonic() < self.end
+    def room_for_another_start(self) -> bool:
+        return self.end - time.monotonic() > self.FURTHER_START_SHARE * self.limit_s
 
 
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
@@ -168,7 +173,7 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
     else:
         try:
             picks = best_picks(graph, cluster, settings.schedule, M, settings.optimizer, solve, fixed=fixed,
-                               keep_going=deadline.left, update_every=settings.update_every)
+                               keep_going=deadline.room_for_another_start, update_every=settings.update_every)
         except PlanDoesNotFit as exc:
             raise JobError(str(exc)) from None
     if picks.changed:
