@@ -113,6 +113,38 @@ def test_weight_stashing_equals_sequential_replay_and_differs_without_it(graph, 
     assert step_losses[1] != pytest.approx(single_losses[1], rel=1e-6)
 
 
+def test_torch_stages_stepping_in_their_backwards_equal_the_replay_stepping_after(graph, batches):
+    """PyTorch workers under 1f1b-stash step each weight in its backward (the executor fuses each B
+    with its UPDATE): the same losses and weights, exactly, as the sequential replay whose engines
+    take the whole backward and then the step; the replay without weight stashing (every forward on
+    the newest weights: set_parameters after each step) differs."""
+    from runtime.engines.pytorch import TorchStageEngine
+
+    config = PipelineConfig(schedule="1f1b-stash", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30,
+                            engine="torch")
+    with InProcessWorkers(3, timeout_s=30) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, STEPS, transport=workers.coordinator)
+    assert workers.codes == [0] * 3, workers.errors
+
+    def engine(spec, stash: bool = True):
+        e = TorchStageEngine(spec, threads=1)  # as the workers run it (a GEMM's sums follow its threads)
+        e.steps_in_backward = False  # the reference: backward, then step
+        if not stash:
+            e.step = lambda optimizer, grads: e.set_parameters(optimizer.step(e.parameters(), grads))
+        return e
+
+    feeds = [batch_feeds(mb, 9, b.n_labelled) for b in batches[:STEPS] for mb in split_microbatches(b, M)]
+    schedule = make_schedule("1f1b-stash", 3, STEPS * M)
+    replayed = {}
+    for stash in (True, False):
+        pipe = LocalPipeline(graph, result.ranges, lambda spec: engine(spec, stash), "adamw", 1e-3)
+        replayed[stash] = pipe.run(schedule, feeds), pipe.parameters()
+    losses, weights = replayed[True]
+    assert result.losses == [sum(losses[i * M:(i + 1) * M]) for i in range(STEPS)]
+    _assert_same_weights(result.weights, weights)
+    assert _differs(replayed[False][1], weights)
+
+
 # --- checkpoints ------------------------------------------------------------------------------------
 
 def test_checkpoint_then_resume_continues_identically(graph, batches, tmp_path):
