@@ -133,7 +133,8 @@ def best_picks(graph: Graph, cluster: Cluster, schedule: str, microbatches: int,
                fixed: frozenset[str] = frozenset(), rounds: int = 4,
                keep_going: Callable[[], bool] = lambda: True, update_every: int = 1) -> EnginePicks:
     """`pick_engines` from the partition of each starting cluster that fits (`starting_clusters`),
-    the result predicting the shortest step (at a tie the least memory, then the earlier start).
+    the result predicting the shortest step (at a tie the least memory, then the least work, then
+    the earlier start).
     Starting lean matters: `pick_engines` re-picks per stage for the cuts it has, so from the
     whole-model choice (PyTorch keeping its activations, say) it never finds the cut that only
     recomputing on one device makes fit, which a start with every device recomputing does (it

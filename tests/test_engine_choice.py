@@ -235,6 +235,15 @@ def test_pick_engines_keeps_what_the_cluster_file_chose_and_never_predicts_slowe
     assert {d.picked for d in picks.cluster.devices if d.name in picks.changed} == {"mnn:cpu:t1"}
 
 
+def _keeping_profile(graph) -> DeviceProfile:
+    """torch:cpu:t1 only, every block 10 + 20 ms; keeping its activations costs a block 40 MiB
+    more per further micro-batch in flight (1 MiB otherwise)."""
+    costs = {block_signature(b): BlockCost(0.010, 0.020, workspace_bytes=41 * MIB, stacked_bytes=1 * MIB,
+                                           kept_bytes=40 * MIB) for b in graph.blocks}
+    return DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs),),
+                         memory_available_bytes=8 << 30, runtime_overhead_bytes=RUNTIME)
+
+
 def test_a_cut_that_fits_only_recomputing_on_one_device_is_found(graph):
     """PyTorch only, 1f1b-flush with 2 micro-batches: stage 0 holds a second micro-batch's
     activations where it keeps them (40 MiB a block), which its budget fits for one block only.
@@ -248,11 +257,7 @@ def test_a_cut_that_fits_only_recomputing_on_one_device_is_found(graph):
     from planner.engines import best_picks, pick_engines
     from planner.partition import make_instance, solve_partition
 
-    sigs = {block_signature(b) for b in graph.blocks}
-    costs = {s: BlockCost(0.010, 0.020, workspace_bytes=41 * MIB, stacked_bytes=1 * MIB, kept_bytes=40 * MIB)
-             for s in sigs}
-    profile = DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs),),
-                            memory_available_bytes=8 << 30, runtime_overhead_bytes=RUNTIME)
+    profile = _keeping_profile(graph)
     n = len(graph.blocks)
 
     def memory(first, last, stage, activations):
@@ -291,11 +296,7 @@ def test_a_stage_keeps_what_it_recomputed_where_that_costs_no_memory(graph):
     from planner.engines import pick_engines, recompute_everywhere
     from planner.partition import make_instance, manual_partition
 
-    sigs = {block_signature(b) for b in graph.blocks}
-    costs = {s: BlockCost(0.010, 0.020, workspace_bytes=41 * MIB, stacked_bytes=1 * MIB, kept_bytes=40 * MIB)
-             for s in sigs}
-    profile = DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs),),
-                            memory_available_bytes=8 << 30, runtime_overhead_bytes=RUNTIME)
+    profile = _keeping_profile(graph)
     n = len(graph.blocks)
     assert n == 5
 

@@ -568,9 +568,9 @@ class TorchStageEngine(StageEngine):
         held |= {id(t) for _, weights in self._pending.values() for t in weights.values()}
         return held
 
-    def _new_version(self) -> dict[str, torch.Tensor]:
-        """Leaf tensors holding the current weights, for a step while forwards are in flight: the
-        tensors of a retired version no forward in flight holds where there is one."""
+    def _spare_versions(self) -> tuple[list[dict[str, torch.Tensor]], dict[str, list[torch.Tensor]]]:
+        """The retired versions a forward in flight (or the current weights) still holds, and the
+        tensors of the others by parameter: free for a step's new weights."""
         held = self._in_flight_tensors() | {id(t) for t in self._params.values()}
         spare: dict[str, list[torch.Tensor]] = {}
         still = []
@@ -580,6 +580,12 @@ class TorchStageEngine(StageEngine):
             else:
                 for k, t in version.items():
                     spare.setdefault(k, []).append(t)
+        return still, spare
+
+    def _new_version(self) -> dict[str, torch.Tensor]:
+        """Leaf tensors holding the current weights, for a step while forwards are in flight: the
+        tensors of a retired version no forward in flight holds where there is one."""
+        still, spare = self._spare_versions()
         fresh: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for k, p in self._params.items():
@@ -618,14 +624,7 @@ class TorchStageEngine(StageEngine):
         spare: dict[str, list[torch.Tensor]] = {}
         still = self._retired
         if in_flight:  # as `_new_version`, except that this micro-batch's tensors free up one by one
-            held = self._in_flight_tensors() | {id(t) for t in current.values()}
-            still = []
-            for version in self._retired:
-                if any(id(t) in held for t in version.values()):
-                    still.append(version)
-                else:
-                    for k, t in version.items():
-                        spare.setdefault(k, []).append(t)
+            still, spare = self._spare_versions()
         kernel = self.optimizer_kernel(optimizer)
         stepped: dict[str, torch.Tensor] = {}
 
