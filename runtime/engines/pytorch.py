@@ -520,16 +520,20 @@ class TorchStageEngine(StageEngine):
                 result.params[name] = g
         return result
 
-    def backward_input(self, microbatch: int, grad_output=None) -> StageGradients:
+    def _graph_of(self, microbatch: int) -> tuple:
+        """(stage input, output, the weight tensors it ran with, deferral) of `microbatch`'s training
+        forward, its graph rebuilt where the engine recomputes (the rows it gathered replayed)."""
         if microbatch not in self._saved:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
-        if self.recompute:
-            inputs, x_in, used, gathered = self._saved.pop(microbatch)
-            deferral = self._deferral()
-            # the forward again, with its graph this time
-            out = self._run(inputs, x_in, used, True, None, deferral, lookups=gathered)
-        else:
-            x_in, out, used, deferral = self._saved.pop(microbatch)
+        if not self.recompute:
+            return self._saved.pop(microbatch)
+        inputs, x_in, used, gathered = self._saved.pop(microbatch)
+        deferral = self._deferral()
+        # the forward again, with its graph this time
+        return x_in, self._run(inputs, x_in, used, True, None, deferral, lookups=gathered), used, deferral
+
+    def backward_input(self, microbatch: int, grad_output=None) -> StageGradients:
+        x_in, out, used, deferral = self._graph_of(microbatch)
         seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
         deferred = deferral[2] if deferral is not None else set()
         now = {k: p for k, p in used.items() if k not in deferred}
@@ -612,13 +616,7 @@ class TorchStageEngine(StageEngine):
         the stage input (None on the first stage)."""
         if self.split_backward:
             raise RuntimeError("a split backward steps after its W, not in its B")
-        if microbatch not in self._saved:
-            raise KeyError(f"backward of micro-batch {microbatch} before its forward")
-        if self.recompute:
-            inputs, x_in, used, gathered = self._saved.pop(microbatch)
-            out = self._run(inputs, x_in, used, True, None, None, lookups=gathered)
-        else:
-            x_in, out, used, _ = self._saved.pop(microbatch)
+        x_in, out, used, _ = self._graph_of(microbatch)
         in_flight = bool(self._saved or self._pending)
         current = dict(self._params)
         spare: dict[str, list[torch.Tensor]] = {}
