@@ -239,7 +239,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
         transport.close()
         raise
     if plan_over is None and bundles is None and graph is not None and stage_graphs is None:
-        plan_over = _flops_plan_over(graph, config)
+        plan_over = _flops_plan_over(graph, config, update_every)
     run = _Run(coordinator, batches, num_labels, graph.batch, config, on_step,
                PipelineResult([], [], [], [], {}, [], ranges, devices=list(devices) if devices is not None else None,
                               addresses=list(addresses)),
@@ -272,20 +272,21 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     return result
 
 
-def _flops_plan_over(graph, config: PipelineConfig):
+def _flops_plan_over(graph, config: PipelineConfig, update_every: int = 1):
     """plan_over for graph slices: the planner's best cuts over the candidates, in their order
-    (FLOPs-priced, as TimingReplanner starts out): planner.replan.replan_without when stages
-    left, replan_with when workers came back (None unless that is predicted faster)."""
+    (FLOPs-priced, as TimingReplanner starts out, with the run's update after every `update_every`
+    backwards): planner.replan.replan_without when stages left, replan_with when workers came back
+    (None unless that is predicted faster)."""
     from planner.replan import replan_with, replan_without
 
     def plan_over(step: int, snapshot: Snapshot, stages: Sequence[str], candidates: Sequence[str]) -> SurvivorPlan | None:
         gone = [a for a in stages if a not in set(candidates)]
         if gone:
             ranges = replan_without(graph, snapshot.ranges, list(stages), gone, config.schedule, config.microbatches,
-                                    config.optimizer)
+                                    config.optimizer, update_every=update_every)
             return SurvivorPlan(ranges, [a for a in stages if a not in set(gone)])
         ranges = replan_with(graph, snapshot.ranges, list(stages), list(candidates), config.schedule,
-                             config.microbatches, config.optimizer)
+                             config.microbatches, config.optimizer, update_every=update_every)
         return None if ranges is None else SurvivorPlan(ranges, list(candidates))
 
     return plan_over
@@ -744,7 +745,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     replanner = None
     if pipeline.replan_every is not None:
         replanner = TimingReplanner(graph, ranges, pipeline.schedule, M, training.optimizer,
-                                    pipeline.replan_threshold)
+                                    pipeline.replan_threshold, update_every=pipeline.update_every)
     faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, 1, pipeline.checkpoint_every)
     addresses, keys = (None, None) if local else parse_workers(workers, pipeline.keys, pipeline.insecure)
     reporter.start(f"train ({n_stages} stages, {pipeline.schedule}, {M} micro-batches)", training.steps)

@@ -125,7 +125,8 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     costs = stage_costs(graph, cluster, partition, settings.schedule, M, settings.optimizer, settings.update_every)
     schedule = make_schedule(settings.schedule, len(partition.stages), M, update_every=settings.update_every)
     config = _emit_config(Path(model).name, cluster, partition.devices, splits, settings)
-    path = emit_plan(output, graph, partition, schedule, config, costs, predicted_step_s(costs, settings.schedule, M),
+    step_s = predicted_step_s(costs, settings.schedule, M, settings.update_every)
+    path = emit_plan(output, graph, partition, schedule, config, costs, step_s,
                      cluster=cluster, sign=sign)
     reporter.note(f"wrote {path} and {len(partition.stages)} bundles")
     if is_causal_lm(graph):

@@ -517,19 +517,33 @@ def compute_s(graph: Graph, device: DeviceSpec, first: int, last: int, reuse: bo
             sum(c.backward_s - (min(c.recompute_s, c.backward_s) if reuse else 0.0) for c in costs))
 
 
-def accumulated_share(schedule: str, microbatches: int) -> float:
+def accumulated_share(schedule: str, microbatches: int, update_every: int = 1) -> float:
     """Gradient additions per micro-batch: flush schedules sum m micro-batches' gradients before
-    one update (m-1 additions: the first gradient is taken as it is); 1f1b-stash updates after
-    every backward (the cost model's update_every = 1), so nothing accumulates."""
+    one update (m-1 additions: the first gradient is taken as it is); 1f1b-stash and 2bw sum
+    `update_every` backwards before each update (k-1 additions per k; none updating after every
+    backward)."""
     check_schedule_name(schedule)
-    return 0.0 if schedule in ASYNC_SCHEDULES else (microbatches - 1) / microbatches
+    _check_update_every(update_every)
+    if schedule in ASYNC_SCHEDULES:
+        return (update_every - 1) / update_every
+    return (microbatches - 1) / microbatches
 
 
-def accumulate_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedule: str, microbatches: int) -> float:
+def updates_per_microbatch(schedule: str, microbatches: int, update_every: int = 1) -> float:
+    """Optimizer steps per micro-batch: one per batch of `microbatches` under flush schedules, one
+    per `update_every` backwards under 1f1b-stash and 2bw (which run the batches as one stream)."""
+    check_schedule_name(schedule)
+    _check_update_every(update_every)
+    return 1 / update_every if schedule in ASYNC_SCHEDULES else 1 / microbatches
+
+
+def accumulate_s(graph: Graph, device: DeviceSpec, first: int, last: int, schedule: str, microbatches: int,
+                 update_every: int = 1) -> float:
     """Seconds per micro-batch of adding gradients into the running sum, for blocks first..last."""
     _check_range(graph, first, last)
     params = stage_params_bytes(graph, first, last)
-    return params * device.profile.accumulate_s_per_param_byte * accumulated_share(schedule, microbatches)
+    return (params * device.profile.accumulate_s_per_param_byte
+            * accumulated_share(schedule, microbatches, update_every))
 
 
 def block_weight_grads_s(graph: Graph, device: DeviceSpec, schedule: str, microbatches: int) -> tuple[float, ...] | None:
@@ -629,9 +643,10 @@ def transfer_s(nbytes: int, cluster: Cluster, a: str, b: str) -> float:
 
 def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: Sequence[tuple[int, int]],
                stage: int, schedule: str, microbatches: int, optimizer: str, update_every: int = 1) -> StageCost:
-    """The StageCost of stage `stage` of the pipeline devices[i] runs ranges[i] (inclusive); its
-    memory with an update after every `update_every` backwards (1f1b-stash and 2bw: the time model
-    prices an update per backward, `accumulated_share`)."""
+    """The StageCost of stage `stage` of the pipeline devices[i] runs ranges[i] (inclusive), with an
+    update after every `update_every` backwards under 1f1b-stash and 2bw: its memory (the gradient
+    sum, the versions) and its backward (the additions into the sum, `accumulated_share`); `update_s`
+    stays one optimizer step (`predicted_step_s` counts how many a micro-batch takes)."""
     if len(devices) != len(ranges):
         raise ValueError(f"{len(devices)} devices for {len(ranges)} block ranges")
     p = len(devices)
@@ -639,7 +654,7 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
     first, last = ranges[stage]
     spec = cluster.device(devices[stage])
     forward, backward = compute_s(graph, spec, first, last, reuses_forward(schedule, p, stage, microbatches))
-    backward += accumulate_s(graph, spec, first, last, schedule, microbatches)
+    backward += accumulate_s(graph, spec, first, last, schedule, microbatches, update_every)
     send_act = send_grad = 0.0
     if stage < p - 1:
         send_act = transfer_s(graph.blocks[last].activation_bytes, cluster, devices[stage], devices[stage + 1])
@@ -683,7 +698,7 @@ def boundary_link_s(costs: Sequence[StageCost]) -> list[float]:
     return [costs[s].send_act_s + costs[s + 1].send_grad_s for s in range(len(costs) - 1)]
 
 
-def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: int) -> float:
+def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: int, update_every: int = 1) -> float:
     """Seconds per step of `microbatches` micro-batches (DESIGN's numbers).
 
     Flush schedules (gpipe, 1f1b-flush): the sum of stage times (the first micro-batch's trip
@@ -693,7 +708,8 @@ def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: in
     the sum of stage times less the W's + (m-1) x the slowest stage time + the slowest W + update
     (uniform stages F, B, W, no update: m (F+B+W) + (p-1)(F+B), ZB-H1's makespan).
     Asynchronous schedules (1f1b-stash, 2bw; steady state, transfers overlapped with compute): m x
-    the larger of the slowest stage's forward+backward+update and the slowest boundary's link time.
+    the larger of the slowest stage's forward+backward+update/`update_every` (an update after every
+    `update_every` backwards) and the slowest boundary's link time.
     """
     check_schedule_name(schedule)
     if not costs:
@@ -701,9 +717,12 @@ def predicted_step_s(costs: Sequence[StageCost], schedule: str, microbatches: in
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
     # The optimizer step (update_s, from the profile; 0 for profiles without it) runs once per batch
-    # on every stage at once under flush schedules, and after every backward under 1f1b-stash.
+    # on every stage at once under flush schedules, and after every update_every-th backward under
+    # 1f1b-stash and 2bw.
     if schedule in ASYNC_SCHEDULES:
-        period = max([c.forward_s + c.backward_s + c.update_s for c in costs] + boundary_link_s(costs))
+        per_microbatch = updates_per_microbatch(schedule, microbatches, update_every)
+        period = max([c.forward_s + c.backward_s + c.update_s * per_microbatch for c in costs]
+                     + boundary_link_s(costs))
         return microbatches * period
     times = [stage_time_s(c) for c in costs]
     if schedule in SPLIT_BACKWARD_SCHEDULES:

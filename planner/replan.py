@@ -47,7 +47,7 @@ from ir.graph import Graph, block_signature
 from ir.partition import Partition, StageAssignment
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec, device_backend
-from ir.plan import check_optimizer_name
+from ir.plan import ASYNC_SCHEDULES, check_optimizer_name
 from planner.cost import OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, compute_s, reuses_forward
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
                                manual_partition, predicted_step_us, solve_partition)
@@ -166,29 +166,30 @@ def profile_from_timings(profile: DeviceProfile, measured_stage_seconds: float, 
 
 
 def predicted_compute_s(graph: Graph, cluster: Cluster, partition: Partition, microbatches: int = 1,
-                        schedule: str = "1f1b-flush") -> list[float]:
+                        schedule: str = "1f1b-flush", update_every: int = 1) -> list[float]:
     """Per stage, the predicted forward+backward seconds of `microbatches` micro-batches (one
-    step) under `schedule` (which decides where MNN skips its forward re-run): what the runtime's
-    measured F+B seconds per step compare with."""
+    step) under `schedule` (which decides where MNN skips its forward re-run) with an update after
+    every `update_every` backwards (1f1b-stash, 2bw): what the runtime's measured F+B seconds per
+    step compare with."""
     out, p = [], len(partition.stages)
     for s, st in enumerate(partition.stages):
         spec = cluster.device(st.device)
         forward, backward = compute_s(graph, spec, st.first_block, st.last_block,
                                       reuses_forward(schedule, p, s, microbatches))
-        backward += accumulate_s(graph, spec, st.first_block, st.last_block, schedule, microbatches)
+        backward += accumulate_s(graph, spec, st.first_block, st.last_block, schedule, microbatches, update_every)
         out.append(microbatches * (forward + backward))
     return out
 
 
 def recalibrate(graph: Graph, cluster: Cluster, partition: Partition, measured_stage_seconds: Sequence[float],
-                microbatches: int = 1, schedule: str = "1f1b-flush") -> Cluster:
+                microbatches: int = 1, schedule: str = "1f1b-flush", update_every: int = 1) -> Cluster:
     """The cluster with each of the plan's devices' profiles scaled by measured / predicted
     forward+backward seconds of its stage (`measured_stage_seconds[s]` for stage s, per step of
     `microbatches` micro-batches). Devices outside the plan keep their profiles."""
     measured = list(measured_stage_seconds)
     if len(measured) != len(partition.stages):
         raise ValueError(f"{len(measured)} measured stage times for a plan of {len(partition.stages)} stages")
-    predicted = predicted_compute_s(graph, cluster, partition, microbatches, schedule)
+    predicted = predicted_compute_s(graph, cluster, partition, microbatches, schedule, update_every)
     profiles = {st.device: profile_from_timings(cluster.device(st.device).profile, m, p,
                                                 cluster.device(st.device).backend)
                 for st, m, p in zip(partition.stages, measured, predicted)}
@@ -277,13 +278,15 @@ def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
 
 def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str, m: int, optimizer: str,
            threshold: float = 0.1, *, keep_order: bool = False, time_limit_s: float = 10.0, workers: int = 8,
-           seed: int = 0) -> ReplanDecision:
-    """Whether and how to re-plan `current` for the cluster as it is now (see the module docstring).
+           seed: int = 0, update_every: int = 1) -> ReplanDecision:
+    """Whether and how to re-plan `current` for the cluster as it is now (see the module docstring),
+    priced with an update after every `update_every` backwards (1f1b-stash, 2bw: the gradient sum
+    in memory, the additions and the fewer updates in time).
 
     Raises PlanDoesNotFit when no plan fits the new cluster's budgets."""
     if not (isinstance(threshold, (int, float)) and threshold >= 0):
         raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
-    inst = make_instance(graph, cluster_new, schedule, m, optimizer)
+    inst = make_instance(graph, cluster_new, schedule, m, optimizer, update_every)
     _owners(current, inst.blocks, "current")
     gone = [d for d in current.devices if d not in cluster_new.names]
     forced = None
@@ -324,7 +327,8 @@ def partition_of(ranges: Sequence[tuple[int, int]], devices: Sequence[str], meth
 
 
 def replan_without(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Sequence[str], gone: Sequence[str],
-                   schedule: str, m: int, optimizer: str, cluster: Cluster | None = None) -> list[tuple[int, int]]:
+                   schedule: str, m: int, optimizer: str, cluster: Cluster | None = None,
+                   update_every: int = 1) -> list[tuple[int, int]]:
     """The best block ranges for the devices left when `gone` have left, in their order (stage k of
     the result on the k-th survivor): `replan` forced by the loss, keep-order, over `cluster`
     (default: FLOPs-only profiles, `flops_cluster`, as when nothing was profiled)."""
@@ -335,12 +339,13 @@ def replan_without(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Seq
     cluster = cluster if cluster is not None else flops_cluster(graph, list(devices))
     current = partition_of([tuple(r) for r in ranges], list(devices))
     left = without_devices(cluster, *[d for d in devices if d in gone and d in cluster.names])
-    decision = replan(graph, left, current, schedule, m, optimizer, keep_order=True)
+    decision = replan(graph, left, current, schedule, m, optimizer, keep_order=True, update_every=update_every)
     return [tuple(r) for r in decision.new_partition.ranges]
 
 
 def replan_with(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Sequence[str], order: Sequence[str],
-                schedule: str, m: int, optimizer: str, cluster: Cluster | None = None) -> list[tuple[int, int]] | None:
+                schedule: str, m: int, optimizer: str, cluster: Cluster | None = None,
+                update_every: int = 1) -> list[tuple[int, int]] | None:
     """The best block ranges over `order` (the current `devices`, which run `ranges`, and devices
     that came back, in the order wanted), one stage each, keep-order over `cluster` (default:
     FLOPs-only profiles, as `replan_without`); None when that plan does not fit or is predicted
@@ -349,7 +354,7 @@ def replan_with(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Sequen
     if missing:
         raise ValueError(f"the new order {list(order)} leaves out current devices {missing}; use replan_without")
     cluster = cluster if cluster is not None else flops_cluster(graph, list(order))
-    inst = make_instance(graph, cluster, schedule, m, optimizer)
+    inst = make_instance(graph, cluster, schedule, m, optimizer, update_every)
     current = manual_partition(inst, list(devices), [r[0] for r in ranges[1:]])
     new = best_cuts(inst, list(order))
     if check_feasible(new, inst):
@@ -367,10 +372,11 @@ class TimingReplanner:
     above `threshold`. `decisions` keeps every (step, ReplanDecision) for reporting."""
 
     def __init__(self, graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str, microbatches: int,
-                 optimizer: str, threshold: float = 0.1, cluster: Cluster | None = None):
+                 optimizer: str, threshold: float = 0.1, cluster: Cluster | None = None, update_every: int = 1):
         self.graph = graph
         self.schedule = schedule
         self.microbatches = microbatches
+        self.update_every = update_every
         self.optimizer = optimizer
         self.threshold = threshold
         names = [f"stage{k}" for k in range(len(ranges))]
@@ -389,9 +395,9 @@ class TimingReplanner:
         if any(not (math.isfinite(x) and x > 0) for x in measured_stage_seconds):
             return None  # nothing measured on some stage: no basis for a decision
         self.cluster = recalibrate(self.graph, self.cluster, self.partition, measured_stage_seconds, self.microbatches,
-                                   self.schedule)
+                                   self.schedule, self.update_every)
         decision = replan(self.graph, self.cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
-                          self.threshold, keep_order=True)
+                          self.threshold, keep_order=True, update_every=self.update_every)
         self.decisions.append((step, decision))
         if decision.new_partition is None:
             return None
@@ -462,6 +468,8 @@ class PlanReplanner:
         self.workers = workers
         self.schedule = plan.schedule
         self.microbatches = plan.microbatches
+        # the plan records a flush schedule's one update per batch as update_every = m
+        self.update_every = plan.update_every if plan.schedule in ASYNC_SCHEDULES else 1
         self.optimizer = plan.optimizer.name
         names = plan.device_names
         missing = [n for n in names if n not in cluster.names]
@@ -478,9 +486,10 @@ class PlanReplanner:
         if any(not (math.isfinite(x) and x > 0) for x in measured_stage_seconds):
             return None  # nothing measured on some stage: no basis for a decision
         self.cluster = recalibrate(self.graph, self.cluster, self.partition, measured_stage_seconds, self.microbatches,
-                                   self.schedule)
+                                   self.schedule, self.update_every)
         decision = replan(self.graph, self.cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
-                          self.threshold, time_limit_s=self.time_limit_s, workers=self.workers)
+                          self.threshold, time_limit_s=self.time_limit_s, workers=self.workers,
+                          update_every=self.update_every)
         self.decisions.append((step, decision))
         if decision.new_partition is None:
             return None
@@ -517,7 +526,8 @@ class PlanReplanner:
         cluster = dataclasses.replace(self.cluster, devices=tuple(d for d in self.cluster.devices if d.name in names),
                                       links={k: v for k, v in self.cluster.links.items() if set(k) <= set(names)})
         decision = replan(self.graph, cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
-                          threshold, time_limit_s=self.time_limit_s, workers=self.workers)
+                          threshold, time_limit_s=self.time_limit_s, workers=self.workers,
+                          update_every=self.update_every)
         self.decisions.append((step, decision))
         new = decision.new_partition
         if new is None:
@@ -547,11 +557,12 @@ class PlanReplanner:
         if unknown:
             raise ValueError(f"the gathered weights name {unknown[:5]}, which are not parameters of the model")
         graph = dataclasses.replace(self.graph, constants={**self.graph.constants, **weights})
-        # flush schedules only (re-planning needs one), which update once per batch
-        schedule = make_schedule(self.schedule, len(partition.stages), self.microbatches)
-        costs = stage_costs(graph, self.cluster, partition, self.schedule, self.microbatches, self.optimizer)
+        schedule = make_schedule(self.schedule, len(partition.stages), self.microbatches, self.update_every)
+        costs = stage_costs(graph, self.cluster, partition, self.schedule, self.microbatches, self.optimizer,
+                            self.update_every)
         emit_plan(directory, graph, partition, schedule, self._config(partition.devices), costs,
-                  predicted_step_s(costs, self.schedule, self.microbatches), cluster=self.cluster, sign=self.sign)
+                  predicted_step_s(costs, self.schedule, self.microbatches, self.update_every), cluster=self.cluster,
+                  sign=self.sign)
         return schedule
 
     def _config(self, devices: Sequence[str]) -> dict[str, Any]:

@@ -314,3 +314,37 @@ def test_stash_versions_and_gradient_sum_follow_update_every():
             gradient_copies("1f1b-flush")) == (0, 1, 1, 1)
     with pytest.raises(ValueError, match="update_every must be an int >= 1, got 0"):
         gradient_copies("1f1b-stash", 0)
+
+
+def test_stash_time_counts_one_update_per_update_every_backwards():
+    """1f1b-stash and 2bw with an update after every k backwards: a micro-batch costs its forward,
+    its backward with (k-1)/k gradient additions, and 1/k of an optimizer step; the partition
+    instance (what the solvers and the DP price) says the same as stage_costs + predicted_step_s."""
+    import dataclasses
+
+    from planner.cost import accumulate_s, accumulated_share, stage_params_bytes, update_s
+    from planner.partition import make_instance, manual_partition, predicted_step_us
+
+    g, cl = tiny_graph(), tiny_cluster()
+    cl = dataclasses.replace(cl, devices=tuple(dataclasses.replace(d, profile=dataclasses.replace(
+        d.profile, update_s_per_param_byte={"sgd": 2e-6}, accumulate_s_per_param_byte=1e-6)) for d in cl.devices))
+    assert [accumulated_share(s, 4, k) for s, k in (("1f1b-stash", 1), ("1f1b-stash", 4), ("2bw", 2),
+                                                     ("1f1b-flush", 1))] == [0.0, 0.75, 0.5, 0.75]
+    a = cl.device("a")
+    params = stage_params_bytes(g, 0, 1)
+    assert accumulate_s(g, a, 0, 1, "1f1b-stash", 4, 4) == pytest.approx(params * 1e-6 * 0.75)
+    one = stage_costs(g, cl, _two_stages(), "1f1b-stash", 8, "sgd")
+    for k in (1, 2, 4):
+        costs = stage_costs(g, cl, _two_stages(), "1f1b-stash", 8, "sgd", k)
+        for c, c1 in zip(costs, one):
+            first, last = _two_stages().ranges[c.stage]
+            added = stage_params_bytes(g, first, last) * 1e-6 * (k - 1) / k
+            assert c.backward_s == pytest.approx(c1.backward_s + added)
+            assert c.update_s > 0 and c.update_s == pytest.approx(update_s(g, cl.device(c.device), first, last, "sgd"))
+        period = max(max(c.forward_s + c.backward_s + c.update_s / k for c in costs), *boundary_link_s(costs))
+        assert predicted_step_s(costs, "1f1b-stash", 8, k) == pytest.approx(8 * period)
+        inst = make_instance(g, cl, "1f1b-stash", 8, "sgd", k)
+        assert predicted_step_us(inst, manual_partition(inst, ["a", "b"], [2])) / 1e6 == pytest.approx(
+            predicted_step_s(costs, "1f1b-stash", 8, k), rel=1e-4)
+    assert (predicted_step_s(stage_costs(g, cl, _two_stages(), "1f1b-stash", 8, "sgd", 4), "1f1b-stash", 8, 4)
+            < predicted_step_s(one, "1f1b-stash", 8))

@@ -12,10 +12,11 @@ import pytest
 
 from jobs.pipeline_training import LocalWorkers, step_feeds, train_pipeline
 from planner.onnx_import import load_model
-from planner.partition import PlanDoesNotFit, make_instance, manual_partition, predicted_step_us, solve_partition
+from planner.partition import (PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us,
+                               solve_partition)
 from planner.replan import (BlockMove, TimingReplanner, best_cuts, flops_cluster, moves_between, partition_of,
-                            predicted_compute_s, profile_from_timings, recalibrate, replan, scale_profile,
-                            with_devices, without_devices)
+                            predicted_compute_s, profile_from_timings, recalibrate, replan, replan_without,
+                            scale_profile, with_devices, without_devices)
 from planner.schedule import make_schedule
 from ir.partition import even_ranges
 from runtime.pipeline.checkpoints import load_checkpoint
@@ -413,3 +414,18 @@ def test_a_replan_that_renumbers_workers_trains_like_the_new_plan_from_that_step
     for kind in reference.optimizer:
         for k in reference.optimizer[kind]:
             np.testing.assert_array_equal(state.optimizer[kind][k], reference.optimizer[kind][k], err_msg=k)
+
+
+def test_a_failure_replan_prices_the_gradient_sum_of_update_every():
+    """1f1b-stash with an update per 4 backwards holds a gradient sum on every stage: where a's
+    budget holds blocks 1-3 only without it, the re-plan after c leaves must cut elsewhere, as the
+    planner would (`best_cuts` of the instance priced with update_every=4)."""
+    g, cl = tiny_graph(), tiny_cluster()
+    tight = with_devices(cl, {"a": {"memory_budget_bytes": 17_000}, "b": {"memory_budget_bytes": 21_000}})
+    current, devices = [(0, 0), (1, 2), (3, 3)], ["b", "a", "c"]
+    k1 = replan_without(g, current, devices, ["c"], "1f1b-stash", MB, OPT, cluster=tight)
+    k4 = replan_without(g, current, devices, ["c"], "1f1b-stash", MB, OPT, cluster=tight, update_every=4)
+    assert k1 == [(0, 0), (1, 3)]  # blocks 1-3 fit a with no gradient sum
+    inst = make_instance(g, without_devices(tight, "c"), "1f1b-stash", MB, OPT, 4)
+    assert check_feasible(manual_partition(inst, ["b", "a"], [1]), inst)  # ... but not with one
+    assert k4 == best_cuts(inst, ["b", "a"]).ranges == [(0, 1), (2, 3)]

@@ -6,6 +6,7 @@ a run that used the new plan from that step."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from pathlib import Path
 
@@ -241,3 +242,33 @@ def test_train_from_a_stashing_plan_runs_every_step(planned, tiny_onnx):
          "stash3.json", cwd=root)
     doc = json.loads((root / "stash3.json").read_text())
     assert [s["step"] for s in doc["steps"]] == [1, 2, 3] and doc["events"] == []
+
+
+def test_a_recovery_replan_of_a_stashing_plan_keeps_its_update_every(tiny_onnx, tmp_path):
+    """A device lost under 1f1b-stash with an update per 2 backwards: the new plan folder runs the
+    same schedule with the same update_every, and its predicted step counts one update per 2
+    backwards (not one per backward, as re-plans priced it before)."""
+    from planner.cost import predicted_step_s, stage_costs
+    from planner.replan import PlanReplanner
+
+    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
+    rate = {"sgd": 1e-6}
+    cluster = _cluster(graph)
+    cluster = dataclasses.replace(cluster, devices=tuple(
+        dataclasses.replace(d, profile=dataclasses.replace(d.profile, update_s_per_param_byte=rate))
+        for d in cluster.devices))
+    partition = Partition((StageAssignment(0, "b", 0, 1), StageAssignment(1, "a", 2, 4)), "manual")
+    emit_plan(tmp_path / "plan", graph, partition, make_schedule("1f1b-stash", 2, M, update_every=2),
+              {"model": "tiny", "optimizer": {"name": "sgd"}}, cluster=cluster)
+    plan = load_plan(tmp_path / "plan", verify_bundles=True)
+    assert plan.update_every == 2
+    replanner = PlanReplanner(tmp_path / "plan", plan, graph, load_plan_cluster(tmp_path / "plan"))
+    new = replanner.without(3, ["b"], {})
+    assert new.schedule.name == "1f1b-stash" and new.schedule.update_every == 2
+    doc = load_plan(new.directory, verify_bundles=True)
+    assert doc.update_every == 2 and doc.schedule == "1f1b-stash"
+    costs = stage_costs(graph, replanner.cluster, new.decision.new_partition, "1f1b-stash", M, "sgd", 2)
+    assert any(c.update_s > 0 for c in costs)
+    assert new.decision.predicted_new_s == pytest.approx(predicted_step_s(costs, "1f1b-stash", M, 2), rel=1e-4)
+    assert new.decision.predicted_new_s < predicted_step_s(costs, "1f1b-stash", M, 1)
+    assert load_bundle_dir(new.bundles[0]).graph is not None

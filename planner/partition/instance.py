@@ -38,7 +38,7 @@ from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_s
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           in_flight_microbatches, keeps_activations, reuses_forward, row_gradient_delta_bytes,
                           shared_current_bytes, stepped_gradient_bytes, table_state_delta_bytes, transient_bytes,
-                          unversioned_bytes, unversioned_copies, weight_copies)
+                          unversioned_bytes, unversioned_copies, updates_per_microbatch, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -68,7 +68,8 @@ class PartitionInstance:
     schedule: str
     optimizer: str = "sgd"
     # [d][k] the part of compute_us that is MNN's re-run of the forward, skipped where the stage
-    # reuses its forward (`reuses`); [d][k] one optimizer step over block k's parameters.
+    # reuses its forward (`reuses`); [d][k] one optimizer step over block k's parameters (under
+    # 1f1b-stash and 2bw: its share per micro-batch, one step per update_every backwards).
     # Empty: all zero (profiles without these measurements).
     recompute_us: tuple[tuple[int, ...], ...] = ()
     update_us: tuple[tuple[int, ...], ...] = ()
@@ -220,7 +221,10 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
     blocks = check_blocks(graph)
     specs = cluster.devices
     costs = [block_costs(graph, spec) for spec in specs]
-    share = accumulated_share(schedule, microbatches)  # gradient additions per micro-batch
+    share = accumulated_share(schedule, microbatches, update_every)  # gradient additions per micro-batch
+    # update_us: one optimizer step under flush schedules (once per batch); under 1f1b-stash and 2bw
+    # the steps per micro-batch (one per update_every backwards), as the step formula counts it m times
+    per_update = updates_per_microbatch(schedule, microbatches, update_every) if schedule in ASYNC_SCHEDULES else 1.0
     nd = len(specs)
 
     def link(d: int, e: int):
@@ -253,7 +257,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         microbatches=microbatches, schedule=schedule, optimizer=optimizer,
         # the re-run is part of the backward: a noisy profile may time it above the backward itself
         recompute_us=tuple(tuple(round(min(c.recompute_s, c.backward_s) * US_PER_S) for c in row) for row in costs),
-        update_us=tuple(tuple(round(b.params_bytes * update_rate(s, optimizer) * US_PER_S)
+        update_us=tuple(tuple(round(b.params_bytes * update_rate(s, optimizer) * per_update * US_PER_S)
                               for b in blocks) for s in specs),
         weight_us=tuple(tuple(round(w * US_PER_S) for w in block_weight_grads_s(graph, s, schedule, microbatches))
                         for s in specs) if schedule in SPLIT_BACKWARD_SCHEDULES else (),
