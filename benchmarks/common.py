@@ -13,6 +13,11 @@ import time
 from pathlib import Path
 
 
+# PyTorch held to AVX2, the ISA of the MNN wheel's GEMM (x86): side by side, what is left is MNN's own
+# kernels, not the wheel's missing AVX-512 (read once at start-up, so only a child process can take it)
+TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def machine_busy_s() -> float | None:
     """CPU seconds spent busy by the whole machine since boot (Linux /proc/stat), else None."""
     try:

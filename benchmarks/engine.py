@@ -42,6 +42,13 @@ Usage
     ``--reps`` overrides the default 5 repetitions for the layer and 3 for the model.  Without
     ``--model`` the default checkpoint is exported once to ``~/.cache/confidant/bench-minilm.onnx``
     and reused.  About 70 s on 2 idle cores.
+
+    .venv/bin/python benchmarks/engine.py --isa-matched ROUNDS [--reps N]
+    only the ISA-matched comparison (issue 14's MNN target): the whole model, one thread, MNN and
+    PyTorch held to AVX2 (``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    ONEDNN_MAX_CPU_ISA=AVX2``, the MNN wheel's GEMM ISA; the child checks PyTorch dispatched to
+    AVX2) in alternating children, ROUNDS of each; the ratio of medians against the 1.15x target.
+    ``benchmarks/pipeline.py`` prints the same line with its targets (``--isa-rounds``).
 """
 from __future__ import annotations
 
@@ -62,10 +69,13 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
-from benchmarks.common import default_model, machine_busy_s  # noqa: E402
+from benchmarks.common import TORCH_AVX2_ENV, default_model, machine_busy_s  # noqa: E402
 
 BATCH, SEQ = 8, 128
 ENGINES = ("mnn", "mnn-recompute", "torch")
+# the same TorchStageEngine in a child held to AVX2 (TORCH_AVX2_ENV): the ISA-matched comparison
+CHILD_ENGINES = ENGINES + ("torch-avx2",)
+ISA_TARGET = 1.15  # issue 14: MNN's whole-model fwd+bwd within 1.15x of PyTorch at the same ISA
 THREADS = (1, 2)
 CASES = ("layer", "model")
 DEFAULT_REPS = {"layer": 5, "model": 3}
@@ -194,6 +204,7 @@ def run_child(engine: str, threads: int, case: str, model: str, reps: int) -> di
 
     result = {
         "engine": engine, "threads": threads, "case": case, "reps": reps,
+        "cpu_capability": _torch_cpu_capability(),
         "blocks": [spec.first_block, spec.last_block], "options": options,
         "build_ms": 1000 * build_s,
         "fb_warm_ms": 1000 * fb_warm,
@@ -219,6 +230,17 @@ def run_child(engine: str, threads: int, case: str, model: str, reps: int) -> di
 # Parent: run every configuration in its own child, print the tables
 # --------------------------------------------------------------------------
 
+def _torch_cpu_capability() -> str | None:
+    """The ISA PyTorch's kernels dispatch to in this process (None where torch was not imported)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except AttributeError:  # an older torch
+        return None
+
+
 def spawn_child(engine: str, threads: int, case: str, model: Path, reps: int, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, str(threads), case,
            "--model", str(model), "--reps", str(reps)]
@@ -227,6 +249,10 @@ def spawn_child(engine: str, threads: int, case: str, model: Path, reps: int, ti
     # consistently, so drop them.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.pop(var, None)
+    for var in TORCH_AVX2_ENV:
+        env.pop(var, None)
+    if engine == "torch-avx2":
+        env.update(TORCH_AVX2_ENV)
     busy0, own0, t0 = machine_busy_s(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     busy1, own1, wall = machine_busy_s(), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
@@ -240,6 +266,40 @@ def spawn_child(engine: str, threads: int, case: str, model: Path, reps: int, ti
         own = (own1.ru_utime - own0.ru_utime) + (own1.ru_stime - own0.ru_stime)
         result["others_cpu"] = max(0.0, (busy1 - busy0 - own) / ((os.cpu_count() or 1) * wall))
     return result
+
+
+def isa_matched(model: Path, pairs: int = 3, reps: int = 3, timeout: float = 300.0) -> dict:
+    """MNN against PyTorch held to AVX2 on the whole model (token ids to loss), one thread each:
+    `pairs` rounds, each one MNN child then one PyTorch-AVX2 child (alternating, so drift in the
+    machine's speed falls on both), each timing `reps` training steps. The figure is the ratio of
+    the medians of the rounds' fwd+bwd medians (above 1: MNN slower); `pairwise` the rounds' own."""
+    if pairs < 1:
+        raise ValueError(f"pairs must be >= 1, got {pairs}")
+    mnn, avx2, others = [], [], []
+    for k in range(pairs):
+        for engine, into in (("mnn", mnn), ("torch-avx2", avx2)):
+            print(f"  ISA-matched round {k + 1}/{pairs}: {engine} ...", file=sys.stderr, flush=True)
+            r = spawn_child(engine, 1, "model", Path(model), reps, timeout)
+            if engine == "torch-avx2" and r.get("cpu_capability") not in (None, "AVX2"):
+                raise RuntimeError(f"PyTorch ran at {r['cpu_capability']} with {TORCH_AVX2_ENV}: the comparison "
+                                   f"would not be ISA-matched")
+            into.append(r["fb_ms"])
+            others.append(r.get("others_cpu"))
+    ratio = statistics.median(mnn) / statistics.median(avx2)
+    return {"mnn_fb_ms": mnn, "torch_avx2_fb_ms": avx2, "ratio": ratio,
+            "pairwise": [a / b for a, b in zip(mnn, avx2)], "target": ISA_TARGET, "met": ratio <= ISA_TARGET,
+            "others_cpu": [x for x in others if x is not None]}
+
+
+def isa_matched_lines(doc: dict) -> list[str]:
+    """The ISA-matched comparison as report lines."""
+    busy = max(doc["others_cpu"], default=0.0)
+    return [f"MNN whole-model fwd+bwd vs PyTorch held to AVX2 (1 thread, {len(doc['mnn_fb_ms'])} alternating "
+            f"rounds, ms): MNN {' / '.join(f'{x:.0f}' for x in doc['mnn_fb_ms'])}, PyTorch AVX2 "
+            f"{' / '.join(f'{x:.0f}' for x in doc['torch_avx2_fb_ms'])}: {doc['ratio']:.2f}x (ratio of medians; "
+            f"rounds {min(doc['pairwise']):.2f}-{max(doc['pairwise']):.2f}); target <= {doc['target']:.2f}x: "
+            f"{'met' if doc['met'] else 'NOT met'}"
+            + (f" (others used up to {busy:.0%} of the CPUs meanwhile)" if busy > 0.10 else "")]
 
 
 def _ratio(a, b) -> str:
@@ -317,12 +377,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write all figures to this JSON file")
     ap.add_argument("--child", nargs=3, metavar=("ENGINE", "THREADS", "CASE"), help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per child (default 300)")
+    ap.add_argument("--isa-matched", type=int, default=None, metavar="ROUNDS",
+                    help="only compare MNN with PyTorch held to AVX2 (the MNN wheel's GEMM ISA) on the whole "
+                         "model, one thread, ROUNDS alternating rounds (issue 14's target: <= 1.15x)")
     args = ap.parse_args(argv)
 
     if args.child:
         engine, threads, case = args.child[0], int(args.child[1]), args.child[2]
-        if engine not in ENGINES or case not in CASES:
-            ap.error(f"--child: engine in {ENGINES}, case in {CASES}")
+        if engine not in CHILD_ENGINES or case not in CASES:
+            ap.error(f"--child: engine in {CHILD_ENGINES}, case in {CASES}")
         reps = args.reps or DEFAULT_REPS[case]
         result = run_child(engine, threads, case, str(args.model), reps)
         sys.stdout.flush()
@@ -334,6 +397,16 @@ def main(argv=None) -> int:
     model = args.model if args.model is not None else default_model()
     if not Path(model).is_file():
         ap.error(f"model {model} does not exist")
+
+    if args.isa_matched is not None:
+        if args.isa_matched < 1:
+            ap.error("--isa-matched needs at least 1 round")
+        doc = isa_matched(Path(model), args.isa_matched, args.reps or DEFAULT_REPS["model"], args.timeout)
+        print("\n".join(isa_matched_lines(doc)))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"model": str(model), "isa_matched": doc}, indent=2) + "\n")
+        return 0
 
     results = []
     start = time.perf_counter()

@@ -804,7 +804,32 @@ def targets_table(results: list[dict]) -> list[str]:
             ] + _table(rows, header)
 
 
-def report(results: list[dict], errors: list[str], steps: int, elapsed: float, model: Path) -> str:
+def other_targets_lines(results: list[dict]) -> list[str]:
+    """Issue 14's other pipeline targets from this run: the 2-process pipeline's speedup over
+    Confidant's own single process (its fastest 2-process row, target >= 1.6x), and 1f1b-stash
+    against 1f1b-flush on the same work (the fixed cuts, MNN: target stash at least as fast)."""
+    out = []
+    for M in sorted({r["microbatches"] for r in results}):
+        mine = [r for r in results if r["framework"] == "mnn" and r["microbatches"] == M]
+        single = next((r for r in mine if r["schedule"] == "single"), None)
+        two = [r for r in mine if r["stages"] == 2 and r["schedule"] != "single"]
+        if single is not None and two:
+            best = min(two, key=lambda r: r["step_s"])
+            x = single["step_s"] / best["step_s"]
+            out.append(f"M={M}: 2 processes over Confidant's single process: {x:.2f}x ({_label(best)}, "
+                       f"{best['step_s']:.2f} s against {single['step_s']:.2f} s; target >= 1.6x: "
+                       f"{'met' if x >= 1.6 else 'NOT met'})")
+        for stages in sorted({r["stages"] for r in mine if r["schedule"] != "single"}):
+            plain = {r["schedule"]: r for r in mine if r["stages"] == stages and not r.get("variant")}
+            if "1f1b-stash" in plain and "1f1b-flush" in plain:
+                a, b = plain["1f1b-stash"]["step_s"], plain["1f1b-flush"]["step_s"]
+                out.append(f"M={M}, {stages} processes, fixed cuts, MNN: 1f1b-stash {a:.2f} s against 1f1b-flush "
+                           f"{b:.2f} s per step (target: stash at least as fast: {'met' if a <= b else 'NOT met'})")
+    return [""] + out if out else []
+
+
+def report(results: list[dict], errors: list[str], steps: int, elapsed: float, model: Path,
+           isa: dict | None = None) -> str:
     import importlib.metadata as md
 
     def version(dist):
@@ -835,6 +860,11 @@ def report(results: list[dict], errors: list[str], steps: int, elapsed: float, m
         out.append("")
         out += split_table(results, "torch")
     out += targets_table(results)
+    out += other_targets_lines(results)
+    if isa is not None:
+        from benchmarks.engine import isa_matched_lines
+
+        out += isa_matched_lines(isa)
     # transport
     pipes = [r for r in results if r["framework"] == "mnn" and r["schedule"] != "single" and r.get("send_ms_per_msg")]
     if pipes:
@@ -900,6 +930,10 @@ def main(argv=None) -> int:
                          "device's budget FRACTION x the largest rank of TDP's fastest schedule in this run (issue "
                          "14's target: 0.5) and run those plans; 0 skips them (default 0.5)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration (default 600)")
+    ap.add_argument("--isa-rounds", type=int, default=3, metavar="N",
+                    help="also compare MNN's whole-model fwd+bwd with PyTorch held to AVX2 (this MNN wheel's GEMM "
+                         "ISA), N alternating rounds of benchmarks/engine.py's children, about 25 s each; 0 skips "
+                         "(default 3)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--schedule", help=argparse.SUPPRESS)
@@ -907,6 +941,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
+    if args.isa_rounds < 0:
+        ap.error(f"--isa-rounds: 0 (skip) or more, not {args.isa_rounds}")
     if not 0 <= args.within_tdp:
         ap.error(f"--within-tdp: a fraction of TDP's largest rank, 0 or more (0 skips), not {args.within_tdp}")
 
@@ -1018,11 +1054,20 @@ def main(argv=None) -> int:
                         attempt(f"mnn {schedule} as planned within {budget / 2**20:.0f} MB M={M} {stages} stages",
                                 lambda: run_planned(graph, Path(model), batches, M, stages, schedule, args.steps,
                                                     budget))
+    isa = None
+    if args.isa_rounds:
+        from benchmarks.engine import isa_matched
+
+        try:
+            isa = isa_matched(Path(model), args.isa_rounds, timeout=args.timeout)
+        except Exception as exc:  # keep the pipeline figures
+            errors.append(f"ISA-matched engine comparison: not measured because {type(exc).__name__}: "
+                          f"{str(exc).strip()[-1500:]}")
     elapsed = time.perf_counter() - start
     order = {"single": 0, **{s: i + 1 for i, s in enumerate(SCHEDULES + ("2bw", "zb-h1"))}}
     results.sort(key=lambda r: (r["framework"] != "mnn", r["microbatches"], r["stages"], order[r["schedule"]],
                                 r.get("variant") or ""))
-    print(report(results, errors, args.steps, elapsed, Path(model)))
+    print(report(results, errors, args.steps, elapsed, Path(model), isa))
 
     if args.json:
         import importlib.metadata as md
@@ -1036,7 +1081,7 @@ def main(argv=None) -> int:
         doc = {"model": str(model), "batch": BATCH, "seq": SEQ, "num_labels": NUM_LABELS, "lr": LR,
                "steps": args.steps, "microbatches": mbs, "cpus": os.cpu_count(), "machine": platform.machine(),
                "python": platform.python_version(), "mnn": version("MNN"), "torch": version("torch"),
-               "elapsed_s": elapsed, "results": [_strip(r) for r in results], "errors": errors}
+               "elapsed_s": elapsed, "results": [_strip(r) for r in results], "errors": errors, "isa_matched": isa}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
     return 0
