@@ -84,8 +84,12 @@ Noise and oversubscription
 
 Usage
     .venv/bin/python benchmarks/pipeline.py [--steps N] [--microbatches 4,8] [--json OUT]
-                                            [--model PATH] [--skip-torch]
-    ``--steps`` timed steps per configuration (default 3; one more runs as warm-up).  Without
+                                            [--model PATH] [--skip-torch] [--rounds R] [--isa-rounds N]
+    ``--steps`` timed steps per configuration (default 3; one more runs as warm-up).  ``--rounds``
+    repeats TDP's schedules and the plans within ``--within-tdp`` R times, alternating, and gives
+    issue 14's first target as the median of the rounds' ratios (TDP's own step time moves up to
+    30% between runs on this machine); ``--isa-rounds`` (default 3) the ISA-matched engine
+    comparison of ``benchmarks/engine.py --isa-matched``.  Without
     ``--model`` the default checkpoint is exported once to ``~/.cache/confidant/bench-minilm.onnx``
     (shared with benchmarks/engine.py).  6 to 8 minutes on 2 cores with the defaults.
 """
@@ -772,10 +776,11 @@ def split_table(results: list[dict], framework: str) -> list[str]:
     return _table(rows, header)
 
 
-def _tdp_best(results: list[dict], stages: int, M: int) -> dict | None:
-    """torch.distributed.pipelining's fastest schedule on `stages` ranks at M micro-batches."""
+def _tdp_best(results: list[dict], stages: int, M: int, round_: int = 0) -> dict | None:
+    """torch.distributed.pipelining's fastest schedule on `stages` ranks at M micro-batches (in
+    round `round_` of `--rounds`)."""
     tdp = [t for t in results if t["framework"] == "torch" and t["stages"] == stages and t["microbatches"] == M
-           and t["schedule"] != "single"]
+           and t["schedule"] != "single" and t.get("round", 0) == round_]
     return max(tdp, key=lambda t: t["samples_per_s"]) if tdp else None
 
 
@@ -783,18 +788,29 @@ def targets_table(results: list[dict]) -> list[str]:
     """Issue 14's first target, side by side: each Confidant row planned within a budget (a fraction
     of the largest rank of torch.distributed.pipelining's fastest schedule, `--within-tdp`) against
     that schedule on as many processes: throughput ratio (target >= 1.2) and largest process ratio
-    (target <= 0.5), with the plan's predicted peaks beside the measured ones."""
+    (target <= 0.5), with the plan's predicted peaks beside the measured ones. With `--rounds` R > 1
+    each row is measured R times, each time beside TDP's schedules measured again just before it:
+    then ``x TDP`` is the median of the rounds' ratios (each round's in brackets) and ``max/TDP``
+    the worst round's."""
     rows = []
-    for r in (r for r in results if r["framework"] == "mnn" and r.get("budget_mb") is not None):
-        best = _tdp_best(results, r["stages"], r["microbatches"])
-        if best is None:
+    for r in (r for r in results if r["framework"] == "mnn" and r.get("budget_mb") is not None
+              and r.get("round", 0) == 0):
+        rounds = [x for x in results if x["framework"] == "mnn" and x.get("budget_mb") is not None
+                  and _label(x) == _label(r) and (x["stages"], x["microbatches"]) == (r["stages"], r["microbatches"])]
+        pairs = [(x, _tdp_best(results, r["stages"], r["microbatches"], x.get("round", 0))) for x in rounds]
+        pairs = [(x, b) for x, b in pairs if b is not None]
+        if not pairs:
             continue
+        best = pairs[0][1]
         largest = max(best["peak_rss_mb"])
+        speed = [x["samples_per_s"] / b["samples_per_s"] for x, b in pairs]
+        memory = [max(x["peak_rss_mb"]) / max(b["peak_rss_mb"]) for x, b in pairs]
+        shown = f"{statistics.median(speed):.2f}" + (
+            f" [{' '.join(f'{v:.2f}' for v in speed)}]" if len(speed) > 1 else "")
         rows.append([f"{r['schedule']} {r['variant']}", str(r["stages"]), f"{r['samples_per_s']:.2f}",
                      f"{best['samples_per_s']:.2f} {TORCH_SCHEDULES.get(best['schedule'], best['schedule'])}",
-                     f"{r['samples_per_s'] / best['samples_per_s']:.2f}",
-                     "/".join(f"{x:.0f}" for x in r["peak_rss_mb"]), "/".join(f"{x:.0f}" for x in r["predicted_mb"]),
-                     f"{largest:.0f}", f"{max(r['peak_rss_mb']) / largest:.2f}"])
+                     shown, "/".join(f"{x:.0f}" for x in r["peak_rss_mb"]),
+                     "/".join(f"{x:.0f}" for x in r["predicted_mb"]), f"{largest:.0f}", f"{max(memory):.2f}"])
     if not rows:
         return []
     header = ["planned within budget", "procs", "samp/s", "TDP best samp/s", "x TDP", "peak MB per proc",
@@ -839,6 +855,7 @@ def report(results: list[dict], errors: list[str], steps: int, elapsed: float, m
             return None
 
     cpus = os.cpu_count() or 1
+    every_round, results = results, [r for r in results if r.get("round", 0) == 0]  # the tables show round 1
     out = [f"MiniLM {model}: batch {BATCH}, seq {SEQ}, float32, AdamW lr {LR}, 1 thread per process; "
            f"{steps} timed steps (+1 warm-up), medians; {cpus} CPUs; MNN {version('MNN')}, torch {version('torch')}; "
            f"{elapsed:.0f} s", ""]
@@ -859,7 +876,7 @@ def report(results: list[dict], errors: list[str], steps: int, elapsed: float, m
     if torch_rows:
         out.append("")
         out += split_table(results, "torch")
-    out += targets_table(results)
+    out += targets_table(every_round)
     out += other_targets_lines(results)
     if isa is not None:
         from benchmarks.engine import isa_matched_lines
@@ -930,6 +947,10 @@ def main(argv=None) -> int:
                          "device's budget FRACTION x the largest rank of TDP's fastest schedule in this run (issue "
                          "14's target: 0.5) and run those plans; 0 skips them (default 0.5)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration (default 600)")
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="measure TDP's schedules and the plans within --within-tdp R times, alternating, and "
+                         "give the targets as the median of the rounds' ratios (TDP's own step time moves up to "
+                         "30%% between runs here); the plans keep round 1's budgets (default 1)")
     ap.add_argument("--isa-rounds", type=int, default=3, metavar="N",
                     help="also compare MNN's whole-model fwd+bwd with PyTorch held to AVX2 (this MNN wheel's GEMM "
                          "ISA), N alternating rounds of benchmarks/engine.py's children, about 25 s each; 0 skips "
@@ -941,6 +962,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
+    if args.rounds < 1:
+        ap.error(f"--rounds: 1 or more, not {args.rounds}")
     if args.isa_rounds < 0:
         ap.error(f"--isa-rounds: 0 (skip) or more, not {args.isa_rounds}")
     if not 0 <= args.within_tdp:
@@ -981,11 +1004,12 @@ def main(argv=None) -> int:
     errors: list[str] = []
     start = time.perf_counter()
 
-    def attempt(label: str, fn):
+    def attempt(label: str, fn, round_: int = 0):
         print(f"  {label} ...", file=sys.stderr, flush=True)
         t = time.perf_counter()
         try:
             r = fn()
+            r["round"] = round_
             results.append(r)
             print(f"    {r['step_s']:.2f} s/step ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
         except Exception as exc:  # keep the other configurations
@@ -1043,17 +1067,21 @@ def main(argv=None) -> int:
                 attempt(f"mnn 1f1b-stash torch engine at {label} M={M} {stages} stages",
                         lambda: run_mnn_pipeline(graph, batches, M, stages, "1f1b-stash", args.steps,
                                                  engine="torch", ranges=ranges, variant=f"torch[{label}]"))
-            if not args.skip_torch:
+            budget = None
+            for round_ in range(args.rounds if not args.skip_torch else 0):
+                tag = f" (round {round_ + 1}/{args.rounds})" if args.rounds > 1 else ""
                 for schedule in TORCH_SCHEDULES:
-                    attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks",
-                            lambda: run_torch_pipeline(M, stages, schedule, args.steps, args.timeout))
-                best = _tdp_best(results, stages, M)
+                    attempt(f"torch.distributed.pipelining {TORCH_SCHEDULES[schedule]} M={M} {stages} ranks{tag}",
+                            lambda: run_torch_pipeline(M, stages, schedule, args.steps, args.timeout), round_)
+                best = _tdp_best(results, stages, M, round_)
                 if args.within_tdp > 0 and best is not None:
-                    budget = int(args.within_tdp * max(best["peak_rss_mb"]) * 2**20)
+                    if budget is None:  # round 1's: every round runs the same plans
+                        budget = int(args.within_tdp * max(best["peak_rss_mb"]) * 2**20)
                     for schedule in ("1f1b-stash", "1f1b-flush", "zb-h1"):
-                        attempt(f"mnn {schedule} as planned within {budget / 2**20:.0f} MB M={M} {stages} stages",
+                        attempt(f"mnn {schedule} as planned within {budget / 2**20:.0f} MB M={M} {stages} "
+                                f"stages{tag}",
                                 lambda: run_planned(graph, Path(model), batches, M, stages, schedule, args.steps,
-                                                    budget))
+                                                    budget), round_)
     isa = None
     if args.isa_rounds:
         from benchmarks.engine import isa_matched
