@@ -3,6 +3,8 @@ training (flush schedules), the in-process sequential replay (weight stashing), 
 checkpoint; plus what a garbled message does."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -116,9 +118,20 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
         placements = [StagePlacement(0, 0, 1, fake.address), StagePlacement(1, 2, 4, worker.addresses[0])]
         coordinator = Coordinator(graph, placements, _config("1f1b-flush"), coord,
                                   worker_keys={**keys.workers, fake.address: me.public})
-        fake.connect("coordinator", coord.address, key=boss)
-        fake.send_control("coordinator", {"type": "ready", "stage": 0})
+
+        def answer_setup():
+            # as a worker does: 'ready' once the setup came, when the coordinator knows the fake's
+            # key (it learns it connecting in setup(); a connection before that is refused, and on
+            # a loaded machine the 'ready' sent over it could be lost with it)
+            while fake.recv_control(None, timeout=60.0)[1].get("type") != "setup":
+                pass
+            fake.connect("coordinator", coord.address, key=boss)
+            fake.send_control("coordinator", {"type": "ready", "stage": 0})
+
+        answering = threading.Thread(target=answer_setup, daemon=True)
+        answering.start()
         coordinator.setup()
+        answering.join(60.0)
         fake.connect("stage1", worker.addresses[0], key=real)
         header = fake.send_tensor  # a real header for micro-batch 0 ...
         act = np.zeros(graph.values[graph.blocks[2].inputs[0]].shape, np.float32)
