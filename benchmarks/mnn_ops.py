@@ -49,7 +49,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 B, S, H, HEADS, FF = 8, 128, 384, 12, 1536
 D = H // HEADS
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # (name, count in one layer)
 OPS = [("linear HxH", 4), ("linear Hx4H", 1), ("linear 4HxH", 1), ("scores QK^T", 1), ("probs @ V", 1),
        ("softmax", 1), ("layer norm", 2), ("gelu (erf)", 1), ("add", 2)]
@@ -206,7 +205,11 @@ def _run_torch(reps: int) -> dict:
 # --- driver ------------------------------------------------------------------------------------
 
 def _child(engine: str, reps: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(AVX2 if engine == "torch-avx2" else {})}
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.common import TORCH_AVX2_ENV
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(TORCH_AVX2_ENV if engine == "torch-avx2" else {})}
     proc = subprocess.run([sys.executable, __file__, "--child", engine, "--reps", str(reps)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
