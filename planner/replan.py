@@ -256,6 +256,8 @@ def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
                          f"re-plan with keep_order=False (the CP-SAT solver)")
     best = least = None
     for cuts in itertools.combinations(range(1, n), p - 1):
+        if any(c - 1 in inst.joined for c in cuts):  # blocks that stay on one stage
+            continue
         part = manual_partition(inst, devices, list(cuts))
         if _fits(part):
             value = predicted_step_us(inst, part)
@@ -265,6 +267,9 @@ def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
             over = max(s.memory_bytes - s.memory_budget_bytes for s in part.stages)
             if least is None or over < least[0]:
                 least = (over, part)
+    if best is None and least is None:
+        raise ValueError(f"{p} devices in order cannot each run a stage of {n} blocks when blocks "
+                         f"{', '.join(f'{k}-{k + 1}' for k in inst.joined)} stay on one stage")
     if best is None:
         over, part = least
         tight = max(part.stages, key=lambda s: s.memory_bytes - s.memory_budget_bytes)
@@ -290,8 +295,13 @@ def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str
     _owners(current, inst.blocks, "current")
     gone = [d for d in current.devices if d not in cluster_new.names]
     forced = None
+    split = [last for _, last in current.ranges[:-1] if last in inst.joined]
     if gone:
         forced = f"device{'s' if len(gone) > 1 else ''} {', '.join(map(repr, gone))} left the cluster"
+        old_s = math.inf
+    elif split:  # a plan made before planner.cost.joined_boundaries
+        forced = (f"the current plan separates blocks {split[0]} and {split[0] + 1}, which run as one on a stage "
+                  f"(an LM head fused with its loss)")
         old_s = math.inf
     else:
         repriced = manual_partition(inst, current.devices, [r[0] for r in current.ranges[1:]])

@@ -60,14 +60,14 @@ def _cp_sat(inst: PartitionInstance) -> Partition:
 
 def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
                    schedule, m, optimizer, recompute=(), update=(), weight=(), unversioned=(), keeps=(),
-                   kept=(), gradient_delta=(), shared=()) -> PartitionInstance:
+                   kept=(), gradient_delta=(), shared=(), joined=()) -> PartitionInstance:
     """An instance from plain numbers; memory tables from planner.cost for the schedule; `weight`
     (a split backward's W per block) only where the schedule splits backwards; `unversioned` [d][k]:
     parameter bytes device d keeps no old version of (embedding tables only looked up); `keeps` [d]:
     whether device d keeps activations, `kept` [d][k]: what block k holds then per further
     micro-batch in flight; `gradient_delta` [d][k]: what a table's gradient held as rows changes
     against its dense charge; `shared` [d][k]: parameter bytes device d holds no second current copy
-    of under 1f1b-stash and 2bw (PyTorch)."""
+    of under 1f1b-stash and 2bw (PyTorch); `joined`: boundaries no plan cuts (a head and its loss)."""
     nd, n = len(devices), len(params)
     return PartitionInstance(
         tuple(devices), tuple(f"b{k}" for k in range(n)), tuple(map(tuple, compute)), tuple(params), tuple(inputs),
@@ -82,7 +82,7 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         unversioned_bytes=tuple(map(tuple, unversioned)), keeps_activations=tuple(keeps),
         kept_bytes=tuple(map(tuple, kept)), state_delta_bytes=tuple(map(tuple, gradient_delta)),
         async_copies=tuple(tuple(async_extra_copies(schedule, p, s) for s in range(p)) for p in range(1, nd + 1)),
-        shared_current_bytes=tuple(map(tuple, shared)))
+        shared_current_bytes=tuple(map(tuple, shared)), joined=tuple(joined))
 
 
 @st.composite
@@ -127,9 +127,11 @@ def instances(draw, tight: bool | None = None):
     gradient_delta = [[rows - table if k == 0 and draw(st.booleans()) else 0 for k in range(n)] for _ in range(nd)]
     # PyTorch-like devices hold no second current copy of their versioned weights under stash
     shared = [[p - u for p, u in zip(params, row)] if draw(st.booleans()) else [0] * n for row in unversioned]
+    # in a third of them, boundaries no plan may cut (a decoder's LM head and its fused loss)
+    joined = sorted(draw(st.sets(st.integers(0, n - 2), max_size=2))) if n > 1 and draw(st.integers(0, 2)) == 0 else []
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
                           bandwidth, latency, schedule, m, optimizer, recompute, update, weight, unversioned,
-                          keeps, kept, gradient_delta, shared)
+                          keeps, kept, gradient_delta, shared, joined)
 
 
 @st.composite
@@ -324,7 +326,7 @@ def test_objective_within_bounds(inst):
     value = None if plan is None else predicted_step_us(inst, plan)
     assert plan is None or lower <= value
     others = [manual_partition(inst, [d], []) for d in inst.devices]
-    if len(inst.devices) <= inst.blocks:
+    if len(inst.devices) <= inst.blocks - len(inst.joined):
         others.append(even_partition(inst))
     for other in others:
         if not check_feasible(other, inst):
@@ -479,6 +481,20 @@ def test_manual_and_even_partitions():
                                       [100] * 4, [[1.0] * 4] * 4, [[0] * 4] * 4, "gpipe", 1, "sgd"))
 
 
+def test_the_even_partition_moves_its_cuts_off_joined_boundaries():
+    """Blocks joined to the next (a decoder's head and its fused loss) count as one with it: the even
+    split is over those units, and more stages than units is an error that says so."""
+    inst = make_instance(tiny_graph(), tiny_cluster(), "1f1b-flush", 2, "sgd")
+    assert even_partition(inst, ["a", "b"]).ranges == [(0, 1), (2, 3)]
+    assert even_partition(dataclasses.replace(inst, joined=(1,)), ["a", "b"]).ranges == [(0, 2), (3, 3)]
+    assert even_partition(dataclasses.replace(inst, joined=(0, 1)), ["a", "b"]).ranges == [(0, 2), (3, 3)]
+    assert even_partition(dataclasses.replace(inst, joined=(2,)), ["a", "b", "c"]).ranges == [(0, 0), (1, 1), (2, 3)]
+    with pytest.raises(ValueError, match=r"3 devices for 4 blocks \(2 once the joined blocks \[1, 2\] stay together\)"):
+        even_partition(dataclasses.replace(inst, joined=(1, 2)), ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"joined must be ascending boundaries in 0..2, got \(3,\)"):
+        dataclasses.replace(inst, joined=(3,))
+
+
 def test_check_feasible_finds_each_problem():
     inst = make_instance(tiny_graph(), tiny_cluster(), "gpipe", 2, "sgd")
     good = manual_partition(inst, ["a", "b"], [2])
@@ -536,6 +552,8 @@ def _order_oracle(inst, order):
     for p in range(1, min(len(order), n) + 1):
         devs = tuple(order[r] for r in range(p - 1, -1, -1))
         for cuts in itertools.combinations(range(1, n), p - 1):
+            if any(c - 1 in inst.joined for c in cuts):
+                continue
             bounds = (0,) + cuts + (n,)
             ranges = tuple((bounds[i], bounds[i + 1] - 1) for i in range(p))
             if max(_overflows(inst, devs, ranges)) <= 0:
@@ -591,7 +609,8 @@ def longer_instances(draw):
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs,
                           [[rnd.randint(0, 40) for _ in range(n)] for _ in range(nd)],
                           [rnd.randint(0, 100) for _ in range(nd)], budgets, bandwidth, latency, base.schedule, m,
-                          base.optimizer, recompute, update, weight)
+                          base.optimizer, recompute, update, weight,
+                          joined=sorted(rnd.sample(range(n - 1), rnd.choice([0, 0, 1, 2]))))
 
 
 def _check_order(inst, order):

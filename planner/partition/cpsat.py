@@ -85,6 +85,8 @@ def _add_stage_order(model: cp_model.CpModel, inst: PartitionInstance, P: int):
     pos = [model.new_int_var(0, P - 1, f"pos_{k}") for k in range(n)]
     in_pos = [[model.new_bool_var(f"in_{r}_{k}") for k in range(n)] for r in range(P)]
     cut_after = [model.new_bool_var(f"cut_{k}") for k in range(n - 1)]
+    for k in inst.joined:  # blocks k and k+1 stay on one stage
+        model.add(cut_after[k] == 0)
     model.add(pos[n - 1] == 0)
     for k in range(n):
         model.add_exactly_one(in_pos[r][k] for r in range(P))

@@ -190,6 +190,10 @@ class OrderSolver:
                 i = np.arange(n)[:, None]
                 j = i + 1 + np.arange(K)[None, :]
                 valid = j <= jmax[:, None]
+                if self.inst.joined:  # a stage may not end before a joined boundary
+                    ends = np.ones(n, dtype=bool)
+                    ends[list(self.inst.joined)] = False
+                    valid &= ends[np.minimum(j, n - 1) - 1]
                 jc = np.where(valid, j, n - 1)
                 pc = self._pc_reuse[d] if self._reuse[c] else self._pc[d]
                 compute = np.where(valid, pc[jc] - pc[i], INF)

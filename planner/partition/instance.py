@@ -101,6 +101,9 @@ class PartitionInstance:
     # PyTorch stepping in its backward never holds its weight gradients at once (planner.cost.
     # stepped_gradient_bytes). Empty: all zero.
     state_delta_bytes: tuple[tuple[int, ...], ...] = ()
+    # the boundaries no plan cuts, ascending (k: blocks k and k+1 stay on one stage; planner.cost.
+    # joined_boundaries: a decoder's LM head and its fused loss). Empty: any cut.
+    joined: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -144,6 +147,8 @@ class PartitionInstance:
             object.__setattr__(self, "state_delta_bytes", tuple((0,) * n for _ in range(nd)))
         elif len(self.state_delta_bytes) != nd or any(len(r) != n for r in self.state_delta_bytes):
             raise ValueError(f"PartitionInstance.state_delta_bytes must have shape {(nd, n)}")
+        if list(self.joined) != sorted(set(self.joined)) or any(not 0 <= k < n - 1 for k in self.joined):
+            raise ValueError(f"PartitionInstance.joined must be ascending boundaries in 0..{n - 2}, got {self.joined}")
         most = GRADIENT_COPIES + OPTIMIZER_STATE_COPIES[self.optimizer]
         if any(-d > most * p for row in self.state_delta_bytes for d, p in zip(row, self.params_bytes)):
             raise ValueError(f"PartitionInstance.state_delta_bytes takes off more than {most}x a block's parameters: "
@@ -325,6 +330,11 @@ def _objective_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
         return inst.microbatches * max([c + u for c, u in zip(compute, update)] + [2 * b for b in link])
     times, weight = _stage_times_us(compute, link), _weights_us(inst, devs, ranges)
     return sum(times) - sum(weight) + (inst.microbatches - 1) * max(times) + max(w + u for w, u in zip(weight, update))
+
+
+def _cuts_joined(inst: PartitionInstance, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """The joined boundaries (PartitionInstance.joined) the ranges cut."""
+    return [last for _, last in ranges[:-1] if last in inst.joined]
 
 
 def _overflows(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:

@@ -14,8 +14,8 @@ from typing import Sequence
 
 from ir.partition import Partition, even_ranges
 from planner.partition.explain import _does_not_fit
-from planner.partition.instance import (US_PER_S, Assignment, PartitionInstance, _objective_us, _overflows,
-                                        _partition)
+from planner.partition.instance import (US_PER_S, Assignment, PartitionInstance, _cuts_joined, _objective_us,
+                                        _overflows, _partition)
 
 # --- brute force (the tests' oracle) ---------------------------------------------------------
 
@@ -23,6 +23,8 @@ def _all_assignments(inst: PartitionInstance):
     n, nd = inst.blocks, len(inst.devices)
     for p in range(1, min(nd, n) + 1):
         for cuts in itertools.combinations(range(1, n), p - 1):
+            if any(c - 1 in inst.joined for c in cuts):
+                continue
             bounds = (0,) + cuts + (n,)
             ranges = tuple((bounds[i], bounds[i + 1] - 1) for i in range(p))
             for devs in itertools.permutations(range(nd), p):
@@ -74,17 +76,38 @@ def manual_partition(inst: PartitionInstance, devices: Sequence[str], cuts: Sequ
         if not (isinstance(b, int) and a < b):
             raise ValueError(f"cuts must be increasing block indices in 1..{inst.blocks - 1}, got {cuts}")
     ranges = tuple((bounds[i], bounds[i + 1] - 1) for i in range(len(devs)))
+    _check_joined(inst, ranges)
     return _partition(inst, devs, ranges, "manual")
+
+
+def _check_joined(inst: PartitionInstance, ranges: Sequence[tuple[int, int]]) -> None:
+    cut = _cuts_joined(inst, ranges)
+    if cut:
+        k = cut[0]
+        raise ValueError(f"cannot cut between block {k} {inst.block_names[k]!r} and block {k + 1} "
+                         f"{inst.block_names[k + 1]!r}: they run as one on a stage (a decoder's LM head fused "
+                         f"with its loss, planner.cost.joined_boundaries); cut before block {k} or after "
+                         f"block {k + 1} instead")
 
 
 def even_partition(inst: PartitionInstance, devices: Sequence[str] | None = None) -> Partition:
     """Equal block counts (the first stages take one more when it does not divide) over `devices`,
-    all of the cluster's in order by default. Budgets are not enforced here."""
+    all of the cluster's in order by default; blocks joined to the next (`PartitionInstance.joined`)
+    count as one with it. Budgets are not enforced here."""
     devices = list(inst.devices if devices is None else devices)
     devs = _device_indices(inst, devices)
-    if len(devs) > inst.blocks:
-        raise ValueError(f"{len(devs)} devices for {inst.blocks} blocks: each stage needs at least one block")
-    return _partition(inst, devs, tuple(even_ranges(inst.blocks, len(devs))), "even")
+    # the units no cut may split: runs of blocks joined to the next
+    units = [[0]]
+    for k in range(1, inst.blocks):
+        if k - 1 in inst.joined:
+            units[-1].append(k)
+        else:
+            units.append([k])
+    if len(devs) > len(units):
+        joined = f" ({len(units)} once the joined blocks {list(inst.joined)} stay together)" if inst.joined else ""
+        raise ValueError(f"{len(devs)} devices for {inst.blocks} blocks{joined}: each stage needs at least one block")
+    ranges = tuple((units[a][0], units[b][-1]) for a, b in even_ranges(len(units), len(devs)))
+    return _partition(inst, devs, ranges, "even")
 
 
 # --- a greedy start -------------------------------------------------------------------------
@@ -106,6 +129,8 @@ def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -
             if memory + grow > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
                 break
             memory, time_us, k = memory + grow, time_us + more, k - 1
+        while k < last and k in inst.joined:  # the stage may not start inside a joined pair: give
+            k += 1                             # its first block back to the next device
         if k < last:
             devs.append(d)
             ranges.append((k + 1, last))
@@ -189,6 +214,10 @@ def check_feasible(partition: Partition, inst: PartitionInstance) -> list[str]:
         seen.add(st.device)
     if next_block != inst.blocks:
         problems.append(f"the stages end at block {next_block - 1}, the model has blocks 0..{inst.blocks - 1}")
+    for st in stages[:-1]:
+        if st.last_block in inst.joined:
+            problems.append(f"stage {st.stage} on {st.device!r}: ends at block {st.last_block}, which is joined "
+                            f"to block {st.last_block + 1} (they stay on one stage)")
     if problems:
         return problems
     for i, st in enumerate(stages):
