@@ -57,17 +57,21 @@ Decoder LLMs:
 - The causal-LM loss with the LM head on the same stage runs fused (`runtime.engines.stage.
   fused_lm_head`): the vocabulary-sized logits are never held, the loss block stashes only the
   head's hidden state (`block_input_bytes`), and the profile charges the fused kernel's time and
-  workspace to the head's signature (`runtime.profiling.device`). A cut between the head and the loss
-  makes the logits a boundary activation: sent and received (link time), stashed on the loss's stage
-  and held by the head's stage until its gradient returns; `stage_memory_bytes` counts both. (The
-  partition instance sums `block_input_bytes` per block, so for that one cut it misses the loss
-  stage's stash; the cut's link time makes it a poor choice anyway.)
+  workspace to the head's signature (`runtime.profiling.device`), so the loss carries no workspace
+  of its own (`block_costs`). No plan cuts between the two (`joined_boundaries`, which every
+  partitioner honours). A plan from before that made the logits a boundary activation: sent and
+  received, stashed on the loss's stage and held by the head's stage until its gradient returns;
+  `stage_memory_bytes` still prices such a plan so (with the loss's own measured workspace).
 - Tied weights across stages (the embedding on the first stage, the head on the last): each holder
   keeps a copy and, at every flush, sends its gradient for them and receives the sum before its
-  update (DESIGN.md; the runtime protocol: README, "Causal LMs: training"): memory one more
-  copy (`tied_bytes`, the sum received), time two transfers of those bytes per step, charged to the
-  stage's update (`stage_cost`). 1f1b-stash cannot keep the copies equal: `check_tied_schedule`
-  refuses such a cut under it.
+  update (DESIGN.md; the runtime protocol: README, "Causal LMs: training"): time two transfers of
+  those bytes per step (`tied_bytes`), charged to the stage's update (`stage_cost`); memory the
+  table once more where the holder's gradient is rows (`tied_sum_bytes`: the lookup's stage, whose
+  sum arrives dense; measured on SmolLM2 at the update, the peak of its first stage), none where
+  its blocks made a dense gradient of it every backward (the head's, counted in its workspace). An
+  MNN device holds a table twice only where an MNN graph reads it (`double_held_bytes`: a tied head
+  not fused). 1f1b-stash cannot keep the copies equal: `check_tied_schedule` refuses such a cut
+  under it.
 """
 from __future__ import annotations
 
@@ -275,7 +279,19 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         elif kept:
             cost = replace(cost, backward_s=cost.backward_s - min(cost.recompute_s, cost.backward_s), recompute_s=0.0)
         out.append(cost)
+    if joined_boundaries(graph):
+        # the head's measured workspace is the head and its loss run fused on one stage (runtime.
+        # profiling.device.measure_block), which no plan separates: the loss's own figure, measured
+        # alone on the logits, is no part of the pair's peak (SmolLM2: 72 MiB counted twice)
+        out[-1] = replace(out[-1], workspace_bytes=0, stacked_bytes=0, kept_bytes=0)
     return tuple(out)
+
+
+def _loss_alone_bytes(graph: Graph, device: DeviceSpec) -> int:
+    """The workspace of a fusable loss alone on a stage as its profile measured it (a plan cut between
+    the head and its loss before `joined_boundaries` existed), which `block_costs` leaves out."""
+    cost = device_backend(device).blocks.get(block_signature(graph.blocks[-1]))
+    return 0 if cost is None else cost.workspace_bytes
 
 
 def block_input_bytes(graph: Graph) -> tuple[int, ...]:
@@ -295,6 +311,20 @@ def fused_loss_hidden_bytes(graph: Graph) -> int | None:
     loss). The test is the engines' (`runtime.engines.stage.fused_lm_head`, which the planner may not
     import): the loss block's one TokenCrossEntropy reads the head's output, made by a MatMul of a
     2-D weight that nothing else reads."""
+    for known, hidden in _FUSED_FACTS:
+        if known() is graph:
+            return hidden
+    hidden = _fused_loss_hidden_bytes(graph)
+    _FUSED_FACTS[:] = [(weakref.ref(graph), hidden)] + [e for e in _FUSED_FACTS if e[0]() is not None][:3]
+    return hidden
+
+
+# The graphs last asked about, with their answer (`block_costs` asks on every call, and the scan of
+# the nodes that finds the loss's readers is the planner's to avoid, as `_TABLE_FACTS` below)
+_FUSED_FACTS: list[tuple[weakref.ref, int | None]] = []
+
+
+def _fused_loss_hidden_bytes(graph: Graph) -> int | None:
     blocks = graph.blocks
     if len(blocks) < 2 or len(blocks[-1].nodes) != 1 or not graph.nodes:
         return None
@@ -309,6 +339,45 @@ def fused_loss_hidden_bytes(graph: Graph) -> int | None:
     if [n.name for n in graph.nodes if head.output in n.inputs] != [node.name]:
         return None
     return int(graph.values[last.inputs[0]].nbytes)
+
+
+def joined_boundaries(graph: Graph) -> tuple[int, ...]:
+    """The block boundaries no plan cuts (k: blocks k and k+1 stay on one stage): a decoder's LM head
+    and its causal-LM loss, which the engines run fused (`fused_loss_hidden_bytes`: no logits are
+    made). The profile measures the head fused with its loss, so the pair's memory is the head's
+    measured workspace (`block_costs`); cut apart, the head would make the vocabulary-sized logits,
+    hold them, send them and take their gradient back, which no plan gains from."""
+    return (len(graph.blocks) - 2,) if fused_loss_hidden_bytes(graph) is not None else ()
+
+
+# The graphs whose tied-table readers were last looked at, as `_TABLE_FACTS` (below) for tables.
+_READER_FACTS: list[tuple[weakref.ref, tuple]] = []
+
+
+def _table_readers(graph: Graph) -> tuple[dict[str, set[int]], frozenset[str]]:
+    """(per embedding table, the blocks with an op other than a lookup that reads it; the tables an
+    MNN graph reads somewhere, i.e. read otherwise than by lookups and by an LM head fused with its
+    loss, whose weight the engine keeps in numpy), from one pass over the nodes, kept for the last
+    few graphs."""
+    for known, facts in _READER_FACTS:
+        if known() is graph:
+            return facts
+    tables = _graph_tables(graph)[0]
+    block_of = {name: k for k, b in enumerate(graph.blocks) for name in b.nodes}
+    fused = graph.blocks[-2].nodes[-1] if fused_loss_hidden_bytes(graph) is not None else None
+    dense: dict[str, set[int]] = {t: set() for t in tables}
+    var_read = set()
+    for n in graph.nodes:
+        if n.op == "Gather":
+            continue
+        for t in tables.intersection(n.inputs):
+            if n.name in block_of:
+                dense[t].add(block_of[n.name])
+            if n.name != fused and n.op != "TokenCrossEntropy":
+                var_read.add(t)
+    facts = (dense, frozenset(var_read))
+    _READER_FACTS[:] = [(weakref.ref(graph), facts)] + [e for e in _READER_FACTS if e[0]() is not None][:3]
+    return facts
 
 
 def stage_params_bytes(graph: Graph, first: int, last: int) -> int:
@@ -374,13 +443,15 @@ def looked_up_only(graph: Graph) -> frozenset[str]:
 
 def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the parameters of blocks first..last the device holds once more than other weights:
-    on MNN, an embedding table that an op other than a lookup also reads anywhere in the model (a
-    tied LM head: MNN looks tables up in numpy and reads the head's weight from a Var; a fused head
-    reads numpy too, which this conservatively ignores). Each table counted once per range."""
+    on MNN, an embedding table that an op of an MNN graph also reads anywhere in the model (a tied LM
+    head not fused with its loss: MNN looks tables up in numpy and reads such a head's weight from a
+    Var). A head fused with its loss reads the table from numpy (`runtime.engines.mnn`: no Var), and
+    no stage holds a second copy (SmolLM2, measured: its last stage at the charge without it). Each
+    table counted once per range."""
     if device_engine(device) != "mnn":
         return 0
-    _, read = _tables(graph, first, last)
-    return sum(int(graph.constants[t].nbytes) for t in read)
+    tables, _ = _tables(graph, first, last)
+    return sum(int(graph.constants[t].nbytes) for t in tables & _table_readers(graph)[1])
 
 
 def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
@@ -475,6 +546,21 @@ def tied_bytes(graph: Graph, first: int, last: int) -> int:
     inside = {p for b in graph.blocks[first:last + 1] for p in b.params}
     outside = {p for k, b in enumerate(graph.blocks) if not first <= k <= last for p in b.params}
     return sum(int(graph.constants[p].nbytes) for p in inside & outside if p in graph.constants)
+
+
+def tied_sum_bytes(graph: Graph, first: int, last: int) -> int:
+    """Memory the tied-gradient exchange adds to a stage running blocks first..last, block by block
+    (an additive charge, as the partitioners need): for each block that reads an embedding table
+    another block also holds only through lookups, the table's bytes. That block's gradient is rows,
+    made dense for the exchange, and the sum comes back dense: new memory at the update (SmolLM2's
+    first stage, measured: its peak at the update, about the table above the steps before). A block
+    that reads it otherwise (the LM head) held a dense gradient of it in every backward, which its
+    measured workspace counts and which is gone by the update (its last stage measured without the
+    charge). A stage holding every holder exchanges nothing: this over-charges a one-stage plan."""
+    _, _, _, listed = _graph_tables(graph)
+    dense = _table_readers(graph)[0]
+    return sum(int(graph.constants[t].nbytes) for t, blocks in listed.items() if len(blocks) > 1
+               for k in blocks if first <= k <= last and k not in dense[t])
 
 
 def check_tied_schedule(graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str) -> None:
@@ -589,8 +675,9 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     held = 0
     n = len(graph.blocks)
     if fused_loss_hidden_bytes(graph) is not None:
-        if first == n - 1:  # the loss alone: it stashes the logits it receives
-            inputs[0] = graph.blocks[n - 2].activation_bytes
+        if first == n - 1:  # the loss alone: it stashes the logits it receives (a plan from before
+            inputs[0] = graph.blocks[n - 2].activation_bytes  # `joined_boundaries`)
+            held = _loss_alone_bytes(graph, device)
         if last == n - 2:  # the head without its loss: its logits wait for their gradient
             held = graph.blocks[last].activation_bytes * in_flight
     workspace = workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device)
@@ -601,7 +688,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
             + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
             - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
             + table_state_delta_bytes(graph, first, last, device, optimizer)
-            + tied_bytes(graph, first, last) + held
+            + tied_sum_bytes(graph, first, last) + held
             + sum(inputs) * in_flight + workspace + runtime_bytes(device))
 
 

@@ -260,14 +260,20 @@ def test_tied_embeddings_on_two_stages_equal_one_device_when_their_gradients_are
 def test_the_planner_counts_a_tied_head_once_per_stage_and_charges_the_cut(graphs):
     from ir.profile import BackendProfile, BlockCost, DeviceProfile
     from planner.cluster import DeviceSpec
-    from planner.cost import (block_input_bytes, check_tied_schedule, stage_memory_bytes, stage_params_bytes,
-                              tied_bytes)
+    from planner.cost import (block_input_bytes, check_tied_schedule, joined_boundaries, stage_memory_bytes,
+                              stage_params_bytes, tied_bytes, tied_sum_bytes)
 
     graph = graphs["llama"]
     table = graph.constants["model.embed_tokens.weight"].nbytes
     blocks = graph.blocks
     assert stage_params_bytes(graph, 0, 4) == sum(b.params_bytes for b in blocks) - table
     assert tied_bytes(graph, 0, 4) == 0 and tied_bytes(graph, 0, 1) == table == tied_bytes(graph, 2, 4)
+    # memory: the sum arrives dense where the holder's gradient is rows (the lookup's stage); the
+    # head's stage held a dense gradient of it in every backward (counted in its workspace); a stage
+    # holding both is charged too (an additive charge: a one-stage plan over-charged by the table)
+    assert tied_sum_bytes(graph, 0, 1) == table and tied_sum_bytes(graph, 2, 4) == 0
+    assert tied_sum_bytes(graph, 0, 4) == table and tied_sum_bytes(graph, 1, 3) == 0
+    assert joined_boundaries(graph) == (3,)
     hidden = graph.values[graph.node(blocks[3].nodes[-1]).inputs[0]].nbytes
     assert block_input_bytes(graph)[-1] == hidden < blocks[3].activation_bytes  # no logits stashed when fused
     costs = {block_signature(b): BlockCost(0.01, 0.02, 0.0, 0) for b in blocks}
@@ -280,6 +286,60 @@ def test_the_planner_counts_a_tied_head_once_per_stage_and_charges_the_cut(graph
     check_tied_schedule(graph, [(0, 1), (2, 4)], "1f1b-flush")
     with pytest.raises(ValueError, match="1f1b-stash cannot train weights tied across stages"):
         check_tied_schedule(graph, [(0, 1), (2, 4)], "1f1b-stash")
+
+
+def test_the_partition_instance_prices_a_tied_decoder_as_the_cost_model_and_keeps_head_and_loss_together(graphs):
+    """A tied Llama over three MNN devices: the partitioners' instance charges every stage what
+    planner.cost charges it (the tied sum on the lookup's stage, no second copy of a table a fused
+    head reads from numpy, the loss's own workspace not on top of the fused head's), for every cut
+    of two and three stages that keeps the head with its loss, and the solver never separates them."""
+    import dataclasses
+
+    from ir.partition import Partition, StageAssignment
+    from ir.profile import BackendProfile, BlockCost, DeviceProfile
+    from planner.cluster import Cluster, DeviceSpec, Link
+    from planner.cost import stage_costs
+    from planner.partition import check_feasible, make_instance, manual_partition, solve_partition
+
+    graph = graphs["llama"]
+    n = len(graph.blocks)
+    table = graph.constants["model.embed_tokens.weight"].nbytes
+    sigs = [block_signature(b) for b in graph.blocks]
+    # a loss measured alone with a workspace of its own, which the fused head's figure already holds
+    costs = {sig: BlockCost(0.18 if k == n - 1 else 0.01, 0.02, 0.001, 3000 + 100 * k, stacked_bytes=2000,
+                            kept_bytes=500) for k, sig in enumerate(sigs)}
+    profile = DeviceProfile("d", graph.name, B, S, (BackendProfile("mnn:cpu:t1", costs),), 10**6)
+    devices = tuple(DeviceSpec(name, f"tcp://{name}:1", profile, 10**9, "mnn:cpu:t1") for name in ("a", "b", "c"))
+    cluster = Cluster(devices, Link(1e8, 0.001), {})
+    # the same devices with a loss that measured no workspace of its own
+    bare = dict(costs)
+    bare[sigs[-1]] = BlockCost(costs[sigs[-1]].forward_s, 0.02, 0.001, 0, stacked_bytes=0, kept_bytes=0)
+    bare_profile = DeviceProfile("d", graph.name, B, S, (BackendProfile("mnn:cpu:t1", bare),), 10**6)
+    bare_cluster = Cluster(tuple(dataclasses.replace(d, profile=bare_profile) for d in devices), Link(1e8, 0.001), {})
+    for schedule in ("1f1b-flush", "gpipe"):
+        inst = make_instance(graph, cluster, schedule, 2, "adamw")
+        assert inst.joined == (n - 2,)
+        for names, cuts in ((["a", "b"], [2]), (["a", "b"], [1]), (["c", "a", "b"], [1, 2])):
+            plan = manual_partition(inst, names, cuts)
+            got = [c.memory_bytes for c in stage_costs(graph, cluster, plan, schedule, 2, "adamw")]
+            assert [s.memory_bytes for s in plan.stages] == got
+            assert got == [c.memory_bytes for c in stage_costs(graph, bare_cluster, plan, schedule, 2, "adamw")]
+        # one stage holds both copies of the tied table: the per-block instance over-charges it, never under
+        whole = manual_partition(inst, ["a"], [])
+        assert whole.stages[0].memory_bytes >= stage_costs(graph, cluster, whole, schedule, 2, "adamw")[0].memory_bytes
+        # the tied sum on the lookup's block, not on the head's (whose dense gradient its workspace held)
+        assert inst.state_delta_bytes[0][0] == table and inst.state_delta_bytes[0][n - 2] == 0
+        assert inst.workspace_bytes[0][n - 1] == 0
+        with pytest.raises(ValueError, match=rf"cannot cut between block {n - 2} 'head' and block {n - 1} 'loss'"):
+            manual_partition(inst, ["a", "b"], [n - 1])
+        split = Partition((StageAssignment(0, "a", 0, n - 2, 0.1, 1, 10**9),
+                           StageAssignment(1, "b", n - 1, n - 1, 0.1, 1, 10**9)), "manual", 0.1)
+        assert any("joined to block" in problem for problem in check_feasible(split, inst))
+        # the loss is the slowest block here, so a cut before it would balance best: never made
+        plan = solve_partition(inst, time_limit_s=5.0, workers=1)
+        assert all(last != n - 2 for _, last in plan.ranges[:-1]) and check_feasible(plan, inst) == []
+        free = solve_partition(dataclasses.replace(inst, joined=()), time_limit_s=5.0, workers=1)
+        assert [last for _, last in free.ranges[:-1]][-1] == n - 2
 
 
 # --- LoRA ------------------------------------------------------------------------------------------

@@ -35,10 +35,14 @@ CUTS = {2: [2], 3: [1, 3]}
 
 
 @pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    path = export_causal_lm(random_causal_lm("llama"), tmp_path_factory.mktemp("tied") / "llama.onnx",
+def model_path(tmp_path_factory):
+    return export_causal_lm(random_causal_lm("llama"), tmp_path_factory.mktemp("tied") / "llama.onnx",
                             LlmExportOptions(), kv_cache=False)
-    return load_model(path, ROWS, S)
+
+
+@pytest.fixture(scope="module")
+def graph(model_path):
+    return load_model(model_path, ROWS, S)
 
 
 def step_feeds(step: int) -> list[dict[str, np.ndarray]]:
@@ -133,10 +137,12 @@ def test_worker_processes_with_tied_weights_equal_single_device_training(graph, 
     _check(result, graph, reference, stages)
 
 
-def test_the_memory_model_counts_a_tied_table_twice_on_mnn_only(graph):
-    """MNN looks the table up in numpy and reads a tied head's weight from a Var: the memory model
-    adds the table once more on an MNN device, once per stage however many of its blocks read it,
-    and not on PyTorch (one tensor)."""
+def test_the_memory_model_counts_a_tied_table_twice_where_an_mnn_graph_reads_it(graph, model_path):
+    """MNN looks the table up in numpy. A tied head fused with its loss (the decoder's last stage) reads
+    it from numpy as well, so no stage holds a second copy; a head that is not fused (here: a model
+    lowered without its loss) reads it from a Var, and the memory model then adds the table once
+    more on an MNN device, once per stage however many of its blocks read it, and never on PyTorch
+    (one tensor)."""
     import dataclasses
 
     from planner.cost import double_held_bytes
@@ -146,9 +152,17 @@ def test_the_memory_model_counts_a_tied_table_twice_on_mnn_only(graph):
     torch_backend = dataclasses.replace(mnn.profile.backends[0], backend="torch:cpu:t1")
     torch_device = dataclasses.replace(mnn, backend="torch:cpu:t1", profile=dataclasses.replace(
         mnn.profile, backends=mnn.profile.backends + (torch_backend,)))
-    table = next(n.inputs[0] for n in graph.nodes if n.op == "Gather")
+    table = graph.constants[TIED].nbytes
     n = len(graph.blocks)
-    assert double_held_bytes(graph, 0, 0, mnn) == graph.constants[table].nbytes
-    assert double_held_bytes(graph, 0, n - 1, mnn) == graph.constants[table].nbytes
-    assert double_held_bytes(graph, 1, 1, mnn) == 0  # a layer: no table
-    assert double_held_bytes(graph, 0, n - 1, torch_device) == 0
+    last = MnnStageEngine(stage_spec(graph, 2, n - 1))  # the engine the fused charge rests on
+    assert TIED in last._tables and TIED not in last._params
+    assert [double_held_bytes(graph, a, b, mnn) for a, b in ((0, 0), (0, n - 1), (2, n - 1))] == [0, 0, 0]
+
+    unfused = load_model(model_path, ROWS, S, with_loss=False)
+    m = len(unfused.blocks)
+    head = MnnStageEngine(stage_spec(unfused, 1, m - 1))
+    assert TIED in head._params
+    assert double_held_bytes(unfused, 0, 0, mnn) == table
+    assert double_held_bytes(unfused, 0, m - 1, mnn) == table
+    assert double_held_bytes(unfused, 1, 1, mnn) == 0  # a layer: no table
+    assert double_held_bytes(unfused, 0, m - 1, torch_device) == 0

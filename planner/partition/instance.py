@@ -36,9 +36,10 @@ from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_n
 from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, async_extra_copies, block_costs,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
-                          in_flight_microbatches, keeps_activations, reuses_forward, row_gradient_delta_bytes,
-                          shared_current_bytes, stepped_gradient_bytes, table_state_delta_bytes, transient_bytes,
-                          unversioned_bytes, unversioned_copies, updates_per_microbatch, weight_copies)
+                          in_flight_microbatches, joined_boundaries, keeps_activations, reuses_forward,
+                          row_gradient_delta_bytes, shared_current_bytes, stepped_gradient_bytes,
+                          table_state_delta_bytes, tied_sum_bytes, transient_bytes, unversioned_bytes,
+                          unversioned_copies, updates_per_microbatch, weight_copies)
 
 US_PER_S = 1_000_000
 
@@ -99,7 +100,8 @@ class PartitionInstance:
     # weight_copies charges (negative: less): an embedding table only looked up has its gradient and
     # AdamW state as rows (planner.cost.row_gradient_delta_bytes, table_state_delta_bytes), and
     # PyTorch stepping in its backward never holds its weight gradients at once (planner.cost.
-    # stepped_gradient_bytes). Empty: all zero.
+    # stepped_gradient_bytes); a tied table's gradient sum arrives dense at an update (planner.cost.
+    # tied_sum_bytes). Empty: all zero.
     state_delta_bytes: tuple[tuple[int, ...], ...] = ()
     # the boundaries no plan cuts, ascending (k: blocks k and k+1 stay on one stage; planner.cost.
     # joined_boundaries: a decoder's LM head and its fused loss). Empty: any cut.
@@ -277,13 +279,16 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         shared_current_bytes=tuple(_per_block(lambda k: shared_current_bytes(graph, 0, k, spec), len(blocks))
                                    for spec in specs),
         # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
-        # against their dense charge, less the gradients PyTorch steps in its backward
+        # against their dense charge, less the gradients PyTorch steps in its backward, plus the
+        # tied-gradient sums received at an update (planner.cost.tied_sum_bytes)
         state_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
                                                                               update_every)
                                            + table_state_delta_bytes(graph, 0, k, spec, optimizer)
-                                           - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every),
+                                           - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
+                                           + tied_sum_bytes(graph, 0, k),
                                            len(blocks))
-                                for spec in specs))
+                                for spec in specs),
+        joined=joined_boundaries(graph))
 
 
 def _per_block(prefix, n: int) -> tuple[int, ...]:
