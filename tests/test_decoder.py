@@ -300,6 +300,7 @@ def test_the_partition_instance_prices_a_tied_decoder_as_the_cost_model_and_keep
     from planner.cluster import Cluster, DeviceSpec, Link
     from planner.cost import stage_costs
     from planner.partition import check_feasible, make_instance, manual_partition, solve_partition
+    from planner.replan import best_cuts, partition_of, replan
 
     graph = graphs["llama"]
     n = len(graph.blocks)
@@ -340,6 +341,13 @@ def test_the_partition_instance_prices_a_tied_decoder_as_the_cost_model_and_keep
         assert all(last != n - 2 for _, last in plan.ranges[:-1]) and check_feasible(plan, inst) == []
         free = solve_partition(dataclasses.replace(inst, joined=()), time_limit_s=5.0, workers=1)
         assert [last for _, last in free.ranges[:-1]][-1] == n - 2
+    # a plan made before the two were joined is re-planned at once, whatever the gain
+    decision = replan(graph, cluster, partition_of([(0, n - 2), (n - 1, n - 1)], ["a", "b"]), "1f1b-flush", 2,
+                      "adamw", workers=1, time_limit_s=5.0)
+    assert decision.forced and f"separates blocks {n - 2} and {n - 1}" in decision.reason
+    assert all(last != n - 2 for _, last in decision.new_partition.ranges[:-1])
+    assert all(last != n - 2 for _, last in best_cuts(make_instance(graph, cluster, "1f1b-flush", 2, "adamw"),
+                                                       ["a", "b", "c"]).ranges[:-1])
 
 
 # --- LoRA ------------------------------------------------------------------------------------------
