@@ -84,10 +84,11 @@ def _check_joined(inst: PartitionInstance, ranges: Sequence[tuple[int, int]]) ->
     cut = _cuts_joined(inst, ranges)
     if cut:
         k = cut[0]
+        other = f" or {k + 2}" if k + 2 < inst.blocks else ""
         raise ValueError(f"cannot cut between block {k} {inst.block_names[k]!r} and block {k + 1} "
                          f"{inst.block_names[k + 1]!r}: they run as one on a stage (a decoder's LM head fused "
-                         f"with its loss, planner.cost.joined_boundaries); cut before block {k} or after "
-                         f"block {k + 1} instead")
+                         f"with its loss, planner.cost.joined_boundaries); start the stage at block {k}{other} "
+                         f"instead")
 
 
 def even_partition(inst: PartitionInstance, devices: Sequence[str] | None = None) -> Partition:
