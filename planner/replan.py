@@ -51,6 +51,7 @@ from ir.plan import ASYNC_SCHEDULES, check_optimizer_name
 from planner.cost import OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, compute_s, reuses_forward
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
                                manual_partition, predicted_step_us, solve_partition)
+from planner.partition.instance import _cuts_joined
 
 if TYPE_CHECKING:
     import numpy as np
@@ -295,7 +296,7 @@ def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str
     _owners(current, inst.blocks, "current")
     gone = [d for d in current.devices if d not in cluster_new.names]
     forced = None
-    split = [last for _, last in current.ranges[:-1] if last in inst.joined]
+    split = _cuts_joined(inst, current.ranges)
     if gone:
         forced = f"device{'s' if len(gone) > 1 else ''} {', '.join(map(repr, gone))} left the cluster"
         old_s = math.inf
