@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from jobs.errors import JobError
-from tasks.generate import GenerationSettings, OnnxCausalLM, generate_text
+from tasks.generate import GenerationSettings, OnnxCausalLM, generate_text, lm_metadata
 from tasks.lm_data import read_instructions
 from tasks.lm_eval import InstructionScores, evaluate_instructions
 from tasks.lm_tokenizer import load_lm_tokenizer
@@ -27,7 +27,13 @@ def _open(model: Path, initializers, threads):
     except FileNotFoundError as exc:
         raise JobError(str(exc)) from None
     try:
-        lm = OnnxCausalLM(model, initializers, threads)
+        shapes = None
+        if initializers and model.is_file() and lm_metadata(model) is None:
+            # a file exported elsewhere: replacement weights are checked against its own initializers
+            from planner.onnx_import import initializer_shapes
+
+            shapes = initializer_shapes(model)
+        lm = OnnxCausalLM(model, initializers, threads, weight_shapes=shapes)
     except ValueError as exc:
         raise JobError(str(exc)) from None
     return lm, tokenizer

@@ -72,7 +72,8 @@ def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarr
                        ) -> dict[str, np.ndarray]:
     """The trained weights by the exported file's initializer names (adapters merged into their base
     weights): what ONNX Runtime generates with. Parameters that are no initializer of the file are
-    left out (there are none in a `confidant export --task causal-lm` TorchScript file)."""
+    left out (there are none in a `confidant export --task causal-lm` TorchScript file); a file exported
+    elsewhere gets its folded transposed copies of them too (`planner.onnx_import.with_folded_copies`)."""
     out = {p: weights[p] for p in graph.params if p in weights}
     for a in adapters:
         delta = scale * (weights[a.a].astype(np.float64) @ weights[a.b].astype(np.float64))
@@ -81,8 +82,14 @@ def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarr
         out.pop(a.a, None)
         out.pop(a.b, None)
     meta = lm_metadata(model)
-    known = set(meta["weights"]) if meta else set(out)
-    return {k: v for k, v in out.items() if k in known}
+    if meta is None:
+        # a file exported elsewhere may read a weight through a transposed copy the exporter folded
+        # (a tied LM head): that copy must hold the trained weight too
+        from planner.onnx_import import initializer_shapes, with_folded_copies
+
+        names = initializer_shapes(model)
+        return {k: v for k, v in with_folded_copies(model, out).items() if k in names}
+    return {k: v for k, v in out.items() if k in set(meta["weights"])}
 
 
 def _rows_of(path: Path, tokenizer: LmTokenizer, seq: int, what: str):
@@ -171,6 +178,14 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
                          on_step=lambda r: reporter.step(r.step, loss=r.loss, **{"tok/s": r.tokens_per_s}),
                          step_feeds=lambda b: microbatch_feeds(pad_lm_batch(b, config.batch, pad_id), 1))
     trained = engine.parameters()
+    if checkpoint is not None:
+        # before the evaluation: the trained weights are on disk whatever the evaluation meets
+        _write_checkpoint(checkpoint, trained, result.optimizer_state, graph, {
+            "command": "train-local", "model": Path(model).name, "model_path": str(Path(model).resolve()),
+            "task": "causal-lm", "labels": [], "schedule": None, "microbatches": 1, "batch": config.batch,
+            "seq": config.seq, "optimizer": config.optimizer, "lr": config.lr, "seed": config.seed,
+            "step": config.steps, "lora": None if settings.lora is None else asdict(settings.lora)})
+        reporter.note(f"wrote checkpoint {checkpoint}")
     after = measure(trained) if dev else None
     losses = [s.loss for s in result.steps]
     k = max(1, len(losses) // 5)
@@ -181,13 +196,6 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     reporter.note(f"loss {sum(losses[:k]) / k:.4f} (first steps) -> {sum(losses[-k:]) / k:.4f} (last steps); "
                   f"{scored}peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB; "
                   f"{sum(s.tokens_per_s for s in result.steps) / len(result.steps):.0f} tokens/s")
-    if checkpoint is not None:
-        _write_checkpoint(checkpoint, trained, result.optimizer_state, graph, {
-            "command": "train-local", "model": Path(model).name, "model_path": str(Path(model).resolve()),
-            "task": "causal-lm", "labels": [], "schedule": None, "microbatches": 1, "batch": config.batch,
-            "seq": config.seq, "optimizer": config.optimizer, "lr": config.lr, "seed": config.seed,
-            "step": config.steps, "lora": None if settings.lora is None else asdict(settings.lora)})
-        reporter.note(f"wrote checkpoint {checkpoint}")
     steps = tuple(StepFigures(s.step, s.loss, s.seconds, config.batch / s.seconds if s.seconds > 0 else float("nan"),
                               s.tokens_per_s) for s in result.steps)
     figures = lm_figures(after, before) if after is not None else None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -52,6 +53,9 @@ from ir.verify import GraphError, verify_graph
 
 SUPPORTED_OPSETS = range(14, 21)
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# A graph input of this name (optimum's exports, a plain export given positions) is bound to 0..S-1 on
+# every row: what transformers computes when it is not given, for right-padded rows as trained here.
+POSITION_IDS_INPUT = "position_ids"
 TARGETS_INPUT = "targets"
 TARGET_IDS_INPUT = "target_ids"
 TARGET_WEIGHTS_INPUT = "target_weights"
@@ -94,8 +98,9 @@ def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool
     return lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path))
 
 
-def read_onnx(path: Path):
-    """The ONNX ModelProto in `path`, or an error saying why the file is not a usable ONNX model."""
+def read_onnx(path: Path, external_data: bool = True):
+    """The ONNX ModelProto in `path`, or an error saying why the file is not a usable ONNX model
+    (`external_data` False: weights stored beside the file are not read)."""
     import onnx
 
     if path.is_dir():
@@ -119,7 +124,7 @@ def read_onnx(path: Path):
     if not model.graph.node:
         raise ImportError_(f"{path}: the ONNX graph has no nodes; {_DAMAGED}")
     external = [t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    if external:
+    if external and external_data:
         try:
             from onnx.external_data_helper import load_external_data_for_model
 
@@ -176,7 +181,7 @@ class _Lowering:
         # several layers, as ALBERT's, and hide the initializer a trained model is written back to):
         # the IR's parameters are exactly these initializers.
         self.weights: set[str] = {k for k, v in self.const.items() if v.dtype.kind == "f" and v.size >= 2}
-        self.weights -= _position_buffers(onnx_graph, self.weights)
+        self.weights -= _position_buffers(onnx_graph, self.weights, {POSITION_IDS_INPUT})
         self.token_table_rows: int | None = None  # rows of the table input_ids is looked up in
         self.transposed: dict[str, str] = {}  # Transpose(W) output -> W, used as MatMul(x, W, trans_b)
         self.dtype: dict[str, str] = {}
@@ -194,6 +199,13 @@ class _Lowering:
         self._names: set[str] = set()
         self._schemas: dict[tuple[str, str], object] = {}
         self.opset = opset
+        # a weight's transpose folded by the exporter into an initializer of its own is that weight
+        for copy, weight in folded_transposes(onnx_graph, self.const, self.weights).items():
+            del self.const[copy]
+            self.weights.discard(copy)
+            self.transposed[copy] = weight
+            self.shape[copy] = self.shape[weight][::-1]
+            self.dtype[copy], self.tier[copy] = "float32", "compute"
 
     # --- helpers -------------------------------------------------------------------------
     def _where(self, node) -> str:
@@ -252,6 +264,9 @@ class _Lowering:
             if dtype is None:
                 raise ImportError_(f"{self.source}: graph input {vi.name!r} has unsupported element type "
                                    f"{t.elem_type}; token inputs are int64 (or int32) tensors")
+            if vi.name == POSITION_IDS_INPUT:
+                self._bind_positions(vi.name, dims, dtype)
+                continue
             self.shape[vi.name] = tuple(dims)
             self.dtype[vi.name] = dtype
             self.tier[vi.name] = "host" if dtype != "float32" else "compute"
@@ -261,6 +276,15 @@ class _Lowering:
             raise ImportError_(f"{self.source}: the model has no graph input named 'input_ids' "
                                f"(inputs: {[v.name for v in self.inputs]}); re-export a token model with "
                                "`confidant export`, whose inputs are input_ids, attention_mask and token_type_ids")
+
+    def _bind_positions(self, name: str, dims: list[int], dtype: str) -> None:
+        """`position_ids` as the constant 0..S-1 on every row (`POSITION_IDS_INPUT`): the rotary
+        tables and position embeddings it selects then fold as they do without it."""
+        if dtype not in ("int64", "int32") or not 1 <= len(dims) <= 2 or dims[-1] != self.opt.seq:
+            raise ImportError_(f"{self.source}: graph input {name!r} is {dtype} {dims}; Confidant binds it to the "
+                               f"positions 0..{self.opt.seq - 1} and needs an int64 or int32 [batch, seq] input "
+                               "(re-export with dynamic axes, or without position_ids)")
+        self._set_const(name, np.broadcast_to(np.arange(self.opt.seq), dims).astype(dtype))
 
     # --- main loop -----------------------------------------------------------------------
     def run(self) -> Graph:
@@ -856,12 +880,13 @@ def _split_sizes(length: int, n: int, attrs: dict, sizes: np.ndarray | None) -> 
     return [min(part, length - k * part) for k in range(n)]
 
 
-def _position_buffers(onnx_graph, weights: set[str]) -> set[str]:
+def _position_buffers(onnx_graph, weights: set[str], bound: set[str] = frozenset()) -> set[str]:
     """Float initializers that are buffers of the rotary position code, not weights: those a Cos or
-    Sin node reads through values that depend on nothing but initializers, constants and shapes (the
-    positions), and that nothing else reads (the dynamo exporter keeps `inv_freq` as an
-    initializer). Their values fold with the positions once the sequence length is bound."""
-    static = {i.name for i in onnx_graph.initializer}
+    Sin node reads through values that depend on nothing but initializers, constants, shapes and the
+    inputs the lowering binds to constants (`bound`: the positions), and that nothing else reads (the
+    dynamo exporter keeps `inv_freq` as an initializer). Their values fold with the positions once
+    the sequence length is bound."""
+    static = {i.name for i in onnx_graph.initializer} | {i.name for i in onnx_graph.input if i.name in bound}
     producer = {}
     for n in onnx_graph.node:
         for o in n.output:
@@ -888,6 +913,47 @@ def _position_buffers(onnx_graph, weights: set[str]) -> set[str]:
     return found
 
 
+def folded_transposes(onnx_graph, values: Mapping[str, np.ndarray], weights: set[str] | None = None
+                      ) -> dict[str, str]:
+    """Initializers that are another weight's transpose, folded by the exporter (copy -> weight).
+
+    TorchScript's constant folding (on by default) turns `x @ W.T` into a MatMul by a new
+    initializer `W.T`: for a decoder whose LM head is tied to the token embedding, the head then
+    reads a copy of the table that would train on its own (the model silently untied; its gradients
+    no longer transformers'). A 2-D float initializer equal element by element to the transpose of
+    another, neither of constant value, is that other weight read transposed; the weight kept is
+    the one a Gather reads (the embedding table), else the one not named by the exporter
+    (`onnx::...`), else the first in the file. Equal values cannot be told from a tie: an untied
+    head that starts as an exact copy of the embedding trains tied (as transformers does by
+    default)."""
+    weights = set(values) if weights is None else weights
+    gathered = {n.input[0] for n in onnx_graph.node if n.op_type == "Gather" and n.input}
+    order = {i.name: k for k, i in enumerate(onnx_graph.initializer)}
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for name in weights:
+        v = values.get(name)
+        if v is not None and v.ndim == 2 and v.dtype.kind == "f" and v.shape[0] != v.shape[1] \
+                and not _all_equal(v):
+            by_shape.setdefault(v.shape, []).append(name)
+
+    def rank(name: str) -> tuple:
+        return (name not in gathered, name.startswith("onnx::"), order.get(name, len(order)), name)
+
+    found: dict[str, str] = {}
+    for shape, names in sorted(by_shape.items()):
+        if shape[0] > shape[1]:
+            continue  # each pair once, from its wide side
+        for a in names:
+            for b in by_shape.get(shape[::-1], []):
+                if a in found or b in found:
+                    continue
+                va, vb = values[a], values[b]
+                if va[0, 0] == vb[0, 0] and np.array_equal(va, vb.T):
+                    keep, copy = sorted((a, b), key=rank)
+                    found[copy] = keep
+    return found
+
+
 def _all_equal(value: np.ndarray) -> bool:
     flat = np.asarray(value).reshape(-1)
     return bool(flat.size == 0 or np.all(flat == flat[0]))
@@ -895,6 +961,27 @@ def _all_equal(value: np.ndarray) -> bool:
 
 def _np_dtype(name: str):
     return np.bool_ if name == "bool" else np.dtype(name)
+
+
+def initializer_shapes(path: str | Path) -> dict[str, list[int]]:
+    """Name -> shape of every initializer of the ONNX file `path` (its weights are not read)."""
+    model = read_onnx(Path(path), external_data=False)
+    return {t.name: [int(d) for d in t.dims] for t in model.graph.initializer}
+
+
+def with_folded_copies(path: str | Path, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`weights` (IR parameter name -> array) plus, for each initializer of the file `path` that the
+    exporter folded as one of them transposed (`folded_transposes`), that array transposed: what the
+    file's initializers must hold to compute with `weights`."""
+    from onnx import numpy_helper
+
+    model = read_onnx(Path(path))
+    two_d = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) == 2}
+    out = dict(weights)
+    for copy, weight in folded_transposes(model.graph, two_d).items():
+        if weight in out and copy not in out:
+            out[copy] = np.asarray(out[weight]).T
+    return out
 
 
 def write_weights(source: str | Path, destination: str | Path, weights, keep: set[str] | None = None) -> Path:
@@ -905,6 +992,8 @@ def write_weights(source: str | Path, destination: str | Path, weights, keep: se
     layout: the lowering reads it with `trans_b`), except the parameters the lowering untied from
     an Identity of a merged initializer (`_Lowering._untie`): each becomes an initializer of its
     own under the Identity's output name, and the Identity goes. A name that is neither is refused.
+    An initializer the exporter folded as a weight's transpose (`folded_transposes`) gets the
+    transpose of that weight's new value, so the file stays tied as the training was.
     """
     import onnx
     from onnx import numpy_helper
@@ -912,6 +1001,11 @@ def write_weights(source: str | Path, destination: str | Path, weights, keep: se
     source, destination = Path(source), Path(destination)
     model = read_onnx(source)
     by_name = {t.name: t for t in model.graph.initializer}
+    two_d = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) == 2}
+    weights = dict(weights)
+    for copy, weight in folded_transposes(model.graph, two_d).items():
+        if weight in weights and copy not in weights:
+            weights[copy] = np.asarray(weights[weight]).T
     identities = {n.output[0]: n for n in model.graph.node if n.op_type == "Identity" and n.input[0] in by_name}
     unknown = [k for k in weights if k not in by_name and k not in identities]
     if unknown:

@@ -64,12 +64,16 @@ def lm_metadata(model_path: Path) -> dict | None:
     return d
 
 
-def _check_initializers(initializers: Mapping[str, np.ndarray], meta: dict | None, model: Path) -> dict:
-    if meta is None:
+def _check_initializers(initializers: Mapping[str, np.ndarray], meta: dict | None, model: Path,
+                        weight_shapes: Mapping[str, Sequence[int]] | None = None) -> dict:
+    if meta is not None:
+        known = meta["weights"]
+    elif weight_shapes is not None:
+        known = weight_shapes
+    else:
         raise ValueError(f"{model} has no {model.with_suffix('.lm.json').name}, so replacement weights cannot be "
                          "checked (ONNX Runtime ignores unknown names): export it with `confidant export --task "
                          "causal-lm`")
-    known = meta["weights"]
     out = {}
     for name, array in initializers.items():
         if name not in known:
@@ -115,15 +119,19 @@ class OnnxCausalLM:
 
     `initializers`: replacement weights by `NAME.onnx` initializer name (module docstring); `optimize`
     False runs ONNX Runtime without graph optimisations (its fused kernels round differently, which
-    matters only for comparisons at float32's last digits)."""
+    matters only for comparisons at float32's last digits). `weight_shapes` (initializer name ->
+    shape, read from the file by the caller) checks replacement weights of a file exported elsewhere,
+    which has no `NAME.lm.json`."""
 
     def __init__(self, model_path: str | Path, initializers: Mapping[str, np.ndarray] | None = None,
-                 threads: int | None = None, optimize: bool = True):
+                 threads: int | None = None, optimize: bool = True,
+                 weight_shapes: Mapping[str, Sequence[int]] | None = None):
         self.path = Path(model_path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such ONNX file")
         self.meta = lm_metadata(self.path)
-        self.initializers = _check_initializers(initializers, self.meta, self.path) if initializers else {}
+        self.initializers = (_check_initializers(initializers, self.meta, self.path, weight_shapes)
+                             if initializers else {})
         self.threads, self.optimize = threads, optimize
         self._full = None
         self._step = None
@@ -150,7 +158,14 @@ class OnnxCausalLM:
         """float32 [B, S, V] logits of the training graph (right padding)."""
         input_ids = np.asarray(input_ids, np.int64)
         mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask, np.int64)
-        return self._full_session().run(["logits"], {"input_ids": input_ids, "attention_mask": mask})[0]
+        session = self._full_session()
+        # what the file declares: a file exported elsewhere may take position_ids (right padding:
+        # 0..S-1 on every row, transformers' default) or no mask, and int32 ids
+        positions = np.broadcast_to(np.arange(input_ids.shape[1], dtype=np.int64), input_ids.shape)
+        offered = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions}
+        feeds = {i.name: offered[i.name].astype(np.int32 if i.type == "tensor(int32)" else np.int64)
+                 for i in session.get_inputs() if i.name in offered}
+        return session.run(["logits"], feeds)[0]
 
     # --- generation ------------------------------------------------------------------------------
 
