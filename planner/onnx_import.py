@@ -147,6 +147,7 @@ def lower_model(model, options: ImportOptions, source: str = "<model>") -> Graph
         )
     if options.batch < 1 or options.seq < 1:
         raise ValueError(f"batch and seq must be positive, got batch={options.batch} seq={options.seq}")
+    model = _as_float32(model)
     lowering = _Lowering(model.graph, options, source, opset)
     graph = lowering.run()
     try:
@@ -159,6 +160,50 @@ def lower_model(model, options: ImportOptions, source: str = "<model>") -> Graph
                            "LLMs (embeddings, pre-norm decoder layers, final norm + LM head) exported with "
                            "`confidant export --task causal-lm`") from None
     return graph
+
+
+_HALF_TYPES = (10, 16)  # TensorProto.FLOAT16, BFLOAT16
+
+
+def _as_float32(model):
+    """`model`, or a copy of it with every float16 and bfloat16 tensor as float32: initializers,
+    Constant and ConstantOfShape values, Cast targets, graph inputs, outputs and value types. A file
+    saved in half precision (`model.half()` before export) trains in float32 as any other; the
+    trained weights go back into it in its own precision (`write_weights`). Its numbers are the
+    half-precision values widened, so they match ONNX Runtime on the file to half precision only."""
+    from onnx import numpy_helper
+
+    def half(t) -> bool:
+        return t.data_type in _HALF_TYPES
+
+    graph = model.graph
+    values = list(graph.input) + list(graph.output) + list(graph.value_info)
+    tensors = [a.t for n in graph.node for a in n.attribute if a.HasField("t")]
+    if not (any(half(t) for t in graph.initializer) or any(half(t) for t in tensors)
+            or any(v.type.tensor_type.elem_type in _HALF_TYPES for v in values)
+            or any(a.name == "to" and a.i in _HALF_TYPES for n in graph.node if n.op_type == "Cast"
+                   for a in n.attribute)):
+        return model
+    widened = type(model)()
+    widened.CopyFrom(model)
+    graph = widened.graph
+
+    def widen(t) -> None:
+        if half(t):
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+
+    for t in graph.initializer:
+        widen(t)
+    for n in graph.node:
+        for a in n.attribute:
+            if a.HasField("t"):
+                widen(a.t)
+            if n.op_type == "Cast" and a.name == "to" and a.i in _HALF_TYPES:
+                a.i = 1
+    for v in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if v.type.tensor_type.elem_type in _HALF_TYPES:
+            v.type.tensor_type.elem_type = 1
+    return widened
 
 
 class _Lowering:

@@ -12,7 +12,10 @@ copy holding the trained table's transpose. A file without `NAME.lm.json` trains
 
 A `position_ids` input (optimum exports one, and so does a plain export given positions) is bound to
 0..S-1 on every row, transformers' default: BERT's position embeddings and Llama's rotary tables
-then fold as without it, and ONNX Runtime fed those positions gives the lowered model's logits."""
+then fold as without it, and ONNX Runtime fed those positions gives the lowered model's logits.
+
+A file saved in half precision (`model.half()` before export) is widened to float32 as it is read:
+it lowers, trains and goes back out in its own precision."""
 from __future__ import annotations
 
 import copy
@@ -29,7 +32,7 @@ from onnx import numpy_helper
 
 from planner.onnx_import import folded_transposes, load_model, with_folded_copies, write_weights
 from runtime.engines.stage import stage_spec
-from support import Lazy, lm_step_feeds, scramble_weights, stage_engine
+from support import Lazy, assert_grads_close, lm_step_feeds, scramble_weights, stage_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S, VOCAB = 2, 12, 256
@@ -244,3 +247,39 @@ def test_a_position_ids_input_is_bound_to_the_positions(family, tmp_path):
 
         got = OnnxCausalLM(path).logits(inputs["input_ids"], inputs["attention_mask"])
         assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+def _export_classifier(model, path, vocab: int = 120):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ids = torch.randint(3, vocab, (B, S), generator=torch.Generator().manual_seed(0))
+    names = ["input_ids", "attention_mask"]
+    with torch.no_grad():
+        torch.onnx.export(model.eval(), (ids, torch.ones_like(ids)), str(path), dynamo=False, opset_version=17,
+                          input_names=names, output_names=["logits"],
+                          dynamic_axes={n: {0: "batch", 1: "seq"} for n in names + ["logits"]})
+    return path
+
+
+def test_a_half_precision_file_trains_as_its_weights_widened_and_goes_out_in_half(tmp_path):
+    """The float16 file lowers to what the float32 export of the same (rounded) weights lowers to:
+    equal losses and gradients on both engines, to the half-precision rounding of the file's own
+    constants (its attention scale 1/sqrt(8) is 0.35351562, 1e-4 off); export-trained writes
+    float16 weights back."""
+    from support import tiny_model, token_feeds
+
+    model = tiny_model("bert", attention="eager", scramble=True).half()
+    half = _export_classifier(model, tmp_path / "half" / "model.onnx")
+    full = _export_classifier(model.float(), tmp_path / "full" / "model.onnx")
+    g16, g32 = load_model(half, B, S), load_model(full, B, S)
+    assert sorted(g16.params) == sorted(g32.params)
+    assert all(g16.constants[p].dtype == np.float32 for p in g16.params)
+    feeds = token_feeds(B, S, 120, num_labels=3)
+    for engine in ("mnn", "torch"):
+        runs = [stage_engine(engine, stage_spec(g, 0, len(g.blocks) - 1)) for g in (g16, g32)]
+        losses = [float(np.asarray(r.forward(feeds, 0)).reshape(-1)[0]) for r in runs]
+        grads = [r.backward(0).params for r in runs]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+        assert_grads_close(grads[0], grads[1], rtol=1e-3)
+    out = write_weights(half, tmp_path / "trained.onnx", {p: g16.constants[p] + 1 for p in g16.params})
+    written = onnx.load(str(out))
+    assert {t.data_type for t in written.graph.initializer if t.name in g16.params} == {onnx.TensorProto.FLOAT16}
