@@ -129,6 +129,9 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, doc: Mapping, source: str = "<profile>") -> "DeviceProfile":
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"{source}: a profile is a JSON object (what `confidant profile` writes), not a "
+                             f"{type(doc).__name__}")
         if doc.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"{source}: profile schema_version {doc.get('schema_version')!r} is not "
                              f"{SCHEMA_VERSION}; re-run `confidant profile`")
@@ -136,7 +139,7 @@ class DeviceProfile:
             backends = tuple(
                 BackendProfile(
                     b["backend"],
-                    {k: BlockCost(**v) for k, v in b.get("blocks", {}).items()},
+                    {k: _block_cost(v, f"{b.get('backend')} block {k}") for k, v in b.get("blocks", {}).items()},
                     {k: AttentionCurve(tuple(v["seconds"]), tuple(v.get("fused_faster", ())))
                      for k, v in b.get("attention", {}).items()},
                     int(b.get("engine_overhead_bytes", 0)),
@@ -165,6 +168,41 @@ class DeviceProfile:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not JSON ({exc})") from None
         return cls.from_json(doc, str(path))
+
+
+_BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s")
+_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes")
+
+
+def _block_cost(doc, where: str) -> BlockCost:
+    """A BlockCost from JSON, every field checked (times finite and >= 0, sizes whole and >= 0)."""
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"{where}: expected an object of {_BLOCK_TIMES + _BLOCK_BYTES}, got {doc!r}")
+    unknown = sorted(set(doc) - set(_BLOCK_TIMES + _BLOCK_BYTES))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}")
+    fields = {}
+    for key, value in doc.items():
+        try:
+            if key in _BLOCK_TIMES:
+                fields[key] = _seconds(value)
+            elif value is not None or key == "workspace_bytes":
+                fields[key] = _bytes(value)
+            else:
+                fields[key] = None
+        except ValueError as exc:
+            raise ValueError(f"{where}: {key} {exc}") from None
+    missing = [k for k in ("forward_s", "backward_s") if k not in fields]
+    if missing:
+        raise ValueError(f"{where}: missing {missing}")
+    return BlockCost(**fields)
+
+
+def _bytes(x) -> int:
+    """A size from JSON: a whole number >= 0."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 or x != int(x):
+        raise ValueError(f"{x!r} is not a size in bytes (a whole number >= 0)")
+    return int(x)
 
 
 def _seconds(x) -> float:

@@ -111,9 +111,11 @@ def load_classifier(checkpoint: Path, task: str = "token-classification", num_la
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "some weights newly initialised" is expected for the head
     try:
+        # a head of another size (a 9-label tagger exported with --num-labels 5, or as a sequence
+        # classifier) is replaced by a new seeded one, as a base checkpoint's missing head is
         model = cls.from_pretrained(str(checkpoint), num_labels=num_labels, attn_implementation=attention,
-                                    local_files_only=True)
-    except (ValueError, KeyError) as exc:
+                                    local_files_only=True, ignore_mismatched_sizes=True)
+    except (ValueError, KeyError, RuntimeError) as exc:
         raise ValueError(f"{checkpoint}: transformers cannot build a {task} model from it ({exc})") from None
     finally:
         hf_logging.set_verbosity(previous)

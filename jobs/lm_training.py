@@ -24,6 +24,7 @@ import numpy as np
 
 from ir.backend import BackendSpec
 from ir.graph import Graph
+from ir.errors import InputFileError
 from jobs.errors import JobError
 from jobs.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
 from jobs.report import Reporter, Silent
@@ -95,8 +96,8 @@ def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarr
 def _rows_of(path: Path, tokenizer: LmTokenizer, seq: int, what: str):
     try:
         return load_lm_examples(path, tokenizer, seq, truncate=True)
-    except (ValueError, OSError) as exc:
-        raise JobError(f"{what} {path}: {exc}") from None
+    except (ValueError, OSError) as exc:  # the file, or what it holds at this --seq: fix the input
+        raise InputFileError(f"{what} {path}: {exc}") from None
 
 
 def train_rows_of(data: Path, tokenizer: LmTokenizer, seq: int):

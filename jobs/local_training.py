@@ -25,7 +25,7 @@ from planner.onnx_import import load_model
 from runtime.engines.factory import make_engine
 from runtime.engines.stage import stage_spec
 from runtime.pipeline.checkpoints import save_checkpoint
-from tasks.ner import check_label_count, load_ner_data
+from tasks.ner import check_label_count, eval_only_labels, load_ner_data
 from tasks.tokenize import make_batches
 from tasks.trainer import TrainConfig, train_steps
 
@@ -73,7 +73,8 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     started = time.perf_counter()
     graph = adapted(load_model(model, config.batch, config.seq), settings.lora, reporter)
     check_task_shape(model, graph, task)
-    check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], run.labels)
+    check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], run.labels, eval_only_labels(run),
+                      eval_path)
     batches = make_batches(run.train_encoded, config.batch, config.seq, seed=config.seed,
                            per_sequence=task == "seq-cls")
     try:

@@ -71,14 +71,15 @@ def _classification(task: str, model: Path, data: Path, eval_path: Path | None, 
     from planner.onnx_import import load_model
     from runtime.engines.factory import make_engine
     from runtime.engines.stage import stage_spec
-    from tasks.ner import check_label_count
+    from tasks.ner import check_label_count, eval_only_labels
     from tasks.tokenize import make_batches
 
     run = _task_data(task, model, data, eval_path, training)
     rows = training.batch // microbatches
     graph = adapted(load_model(model, rows, training.seq), training.lora, reporter)
     check_task_shape(model, graph, task)
-    check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], run.labels)
+    check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], run.labels, eval_only_labels(run),
+                      eval_path)
     batches = make_batches(run.train_encoded, training.batch, training.seq, seed=training.seed,
                            per_sequence=task == "seq-cls")
     n_labels = len(run.labels)

@@ -28,7 +28,7 @@ from runtime.procfs import peak_rss_bytes
 from ir.graph import is_causal_lm
 from jobs.metrics import EvalFigures
 from jobs.pipeline_tasks import PipelineTask, step_feeds
-from tasks.ner import check_label_count, load_ner_data
+from tasks.ner import check_label_count, eval_only_labels, load_ner_data
 from tasks.tokenize import make_batches
 
 
@@ -235,7 +235,8 @@ def _ner_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: Plan
               seq: int) -> PipelineTask:
     """NER from a plan: CoNLL files, entity F1 of the trained weights on the merged slices."""
     ner = load_ner_data(data, eval_path, seq, settings.tokenizer)
-    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], ner.labels)
+    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], ner.labels, eval_only_labels(ner),
+                      eval_path)
     batches = make_batches(ner.train_encoded, rows * M, seq, seed=settings.seed)
 
     def evaluate(weights):
@@ -259,7 +260,8 @@ def _seqcls_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: P
         run = load_seqcls_data(data, eval_path, seq, settings.tokenizer)
     except (ValueError, OSError) as exc:
         raise JobError(f"--data/--eval: {exc}") from None
-    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], run.labels)
+    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], run.labels, eval_only_labels(run),
+                      eval_path)
     batches = make_batches(run.train_encoded, rows * M, seq, seed=settings.seed, per_sequence=True)
 
     def evaluate(weights):

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
+from ir.errors import InputFileError
 from tasks.lm_tokenizer import check_messages
 
 if TYPE_CHECKING:
@@ -227,21 +228,31 @@ def read_instructions(path: str | os.PathLike[str]) -> list[list[dict[str, str]]
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not a JSON object ({exc.msg})") from None
+            raise InputFileError(f"{where}: not a JSON object ({exc.msg})") from None
+        except RecursionError:
+            raise InputFileError(f"{where}: JSON nested too deeply to be a conversation") from None
+        try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputFileError(f"{where}: a string holds {exc.object[exc.start:exc.end]!r}, half of a UTF-16 "
+                             "surrogate pair (an escape like \\ud800 without its partner), not a character") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            raise InputFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
         if "messages" in record:
-            messages = check_messages(record["messages"], f"{where}: messages")
+            try:
+                messages = check_messages(record["messages"], f"{where}: messages")
+            except ValueError as exc:
+                raise InputFileError(str(exc)) from None
         elif isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
             messages = [{"role": "user", "content": record["prompt"]},
                         {"role": "assistant", "content": record["response"]}]
             if isinstance(record.get("system"), str):
                 messages.insert(0, {"role": "system", "content": record["system"]})
         else:
-            raise ValueError(f"{where}: expected {{\"prompt\", \"response\"}} (text) or {{\"messages\": [...]}}, "
+            raise InputFileError(f"{where}: expected {{\"prompt\", \"response\"}} (text) or {{\"messages\": [...]}}, "
                              f"got the keys {sorted(record)}")
         if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError(f"{where}: no assistant message, so nothing to train on")
+            raise InputFileError(f"{where}: no assistant message, so nothing to train on")
         conversations.append(messages)
     return conversations
 

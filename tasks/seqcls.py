@@ -62,7 +62,7 @@ def read_labelled(path: str | Path) -> list[LabelledText]:
     if not any(line.strip() for line in lines):
         raise InputFileError(f"{path}: no examples (the file is empty); write one `sentence<TAB>label` a line")
     delim = _delimiter(path, lines[0])
-    rows = list(csv.reader(io.StringIO(text), delimiter=delim, quotechar='"'))
+    rows, lines = _rows(text, delim)
     header = [c.strip().lower() for c in rows[0]]
     columns = None
     if "label" in header:
@@ -70,13 +70,13 @@ def read_labelled(path: str | Path) -> list[LabelledText]:
         first = next((header.index(c) for c in FIRST if c in header), None)
         second = next((header.index(c) for c in SECOND if c in header), None)
         if first is None:
-            raise InputFileError(f"{path}:1: a header without a text column (one of {', '.join(FIRST)}): {rows[0]}")
-        columns, rows, start = (first, second, label_at), rows[1:], 2
-    else:
-        start = 1
+            raise InputFileError(f"{path}:1: a header without a text column (one of {', '.join(FIRST)}): "
+                                 f"{_shown(rows[0])}")
+        columns, rows, lines = (first, second, label_at), rows[1:], lines[1:]
+    start = lines[0] if lines else 1
     out: list[LabelledText] = []
     width = None
-    for lineno, row in enumerate(rows, start=start):
+    for lineno, row in zip(lines, rows):
         if not row or all(not c.strip() for c in row):
             continue
         if columns is None:
@@ -84,26 +84,56 @@ def read_labelled(path: str | Path) -> list[LabelledText]:
                 width = len(row)
                 if width not in (2, 3):
                     raise InputFileError(f"{path}:{lineno}: expected `sentence{delim!r}label` or "
-                                         f"`sentence{delim!r}sentence2{delim!r}label`, got {len(row)} columns: {row}")
+                                         f"`sentence{delim!r}sentence2{delim!r}label`, got {len(row)} columns: {_shown(row)}")
             if len(row) != width:
                 raise InputFileError(f"{path}:{lineno}: expected {width} columns like line {start}, got {len(row)}: "
-                                     f"{row} (quote a text that holds {delim!r})")
+                                     f"{_shown(row)} (quote a text that holds {delim!r})")
             a, b, label = (row[0], None, row[1]) if width == 2 else (row[0], row[1], row[2])
         else:
             need = max(c for c in columns if c is not None)
             if len(row) <= need:
                 raise InputFileError(f"{path}:{lineno}: expected {len(header)} columns like the header, got "
-                                     f"{len(row)}: {row}")
+                                     f"{len(row)}: {_shown(row)}")
             a, b, label = row[columns[0]], (row[columns[1]] if columns[1] is not None else None), row[columns[2]]
         label = label.strip()
         if not label:
-            raise InputFileError(f"{path}:{lineno}: the label is empty: {row}")
+            raise InputFileError(f"{path}:{lineno}: the label is empty: {_shown(row)}")
         if not a.strip():
-            raise InputFileError(f"{path}:{lineno}: the sentence is empty: {row}")
+            raise InputFileError(f"{path}:{lineno}: the sentence is empty: {_shown(row)}")
         out.append(LabelledText(a.strip(), label, b.strip() if b is not None else None))
     if not out:
         raise InputFileError(f"{path}: no examples after the header")
     return out
+
+
+def _rows(text: str, delim: str) -> tuple[list[list[str]], list[int]]:
+    """The file's rows and the line each starts on (a quoted field may hold line breaks). csv's
+    field limit (128 KiB) is raised to the file's size for the read: a long text is a text."""
+    reader = csv.reader(io.StringIO(text), delimiter=delim, quotechar='"')
+    rows, lines, previous = [], [], 0
+    limit = csv.field_size_limit()
+    csv.field_size_limit(max(limit, len(text) + 1))
+    try:
+        for row in reader:
+            rows.append(row)
+            lines.append(previous + 1)
+            previous = reader.line_num
+    finally:
+        csv.field_size_limit(limit)
+    return rows, lines
+
+
+_SHOWN_CHARS = 160
+
+
+def _shown(row: Sequence[str]) -> str:
+    """A row for an error message, cut to a readable length (an unclosed quote can make one row of
+    the rest of the file)."""
+    text = repr(row)
+    if len(text) <= _SHOWN_CHARS + 40:
+        return text
+    why = "; an unclosed quote takes the lines after it into one field" if any("\n" in c for c in row) else ""
+    return f"{text[:_SHOWN_CHARS]}... ({len(text)} characters{why})"
 
 
 def write_labelled(path: str | Path, examples: Sequence[LabelledText]) -> Path:
@@ -201,9 +231,10 @@ def load_seqcls_data(train: Path, dev: Path | None, seq: int, tokenizer: Path | 
     dev_rows = read_labelled(dev) if dev is not None else []
     found = label_order([e.label for e in train_rows + dev_rows])
     order = tuple(labels) if labels else found
-    unknown = sorted(set(found) - set(order))
-    if unknown:
-        raise InputFileError(f"{train}: labels {unknown} are not among the model's {list(order)}")
+    for path, rows in ((train, train_rows), (dev, dev_rows)):
+        unknown = sorted({e.label for e in rows} - set(order))
+        if unknown:
+            raise InputFileError(f"{path}: labels {unknown} are not among the model's {list(order)}")
     index = {label: i for i, label in enumerate(order)}
     tok = load_tokenizer(tokenizer or default_tokenizer_path())
 

@@ -68,10 +68,18 @@ def test_label_count_mismatch_says_how_to_fix(tiny_onnx, tmp_path):
     data.write_text("Ann B-PER\nvisits O\nOslo B-LOC\non O\nMonday B-DATE\n\n")
     proc = _run("train-local", tiny_onnx["torchscript-17"], "--data", data, "--eval", data, "--steps", 1,
                 "--seq", 16, "--batch", 2)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr  # the model and the data disagree: bad input
     assert proc.stderr.strip() == (
         f"confidant train-local: error: {tiny_onnx['torchscript-17']} predicts 9 labels but the data has 7 "
         "(O, B-DATE, I-DATE, B-LOC, I-LOC, B-PER, I-PER); re-export with `confidant export --num-labels 7`")
+    dev = tmp_path / "dev.txt"  # a tag only the evaluation file has is named with that file
+    dev.write_text("Ann B-PER\nvisits O\nIBM B-ORG\nin O\nMay B-DATE\nwith O\nGerman B-MISC\n\n")
+    proc = _run("train-local", tiny_onnx["torchscript-17"], "--data", data, "--eval", dev, "--steps", 1,
+                "--seq", 16, "--batch", 2)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith(
+        f"re-export with `confidant export --num-labels 11`; ['B-MISC', 'B-ORG'] appear only in --eval {dev}, which the "
+        "training never sees: drop them from it or add training sentences with them")
 
 
 def test_backends_reports_cpu_present_and_fallbacks_absent():

@@ -114,6 +114,23 @@ def test_confidant_export_takes_a_family_checkpoint(tmp_path):
     assert read_hf_sidecar(out)["architecture"] == "RobertaForTokenClassification"
 
 
+def test_a_checkpoints_head_of_another_size_or_task_is_replaced_by_a_seeded_one(tmp_path):
+    """A tagger's 3-label head is kept at --num-labels 3, replaced by a new seeded head at 5 or as a
+    sequence classifier (before: transformers' size-mismatch traceback); the encoder is kept."""
+    from jobs.export import load_classifier
+
+    model = tiny_model("bert", num_labels=3, scramble=True)
+    model.save_pretrained(tmp_path / "bert")
+    same = load_classifier(tmp_path / "bert", num_labels=3)
+    assert torch.equal(same.classifier.weight, model.classifier.weight)
+    for task in ("token-classification", "seq-cls"):
+        other = load_classifier(tmp_path / "bert", task, num_labels=5)
+        assert other.classifier.weight.shape == (5, model.config.hidden_size)
+        assert torch.equal(other.bert.embeddings.word_embeddings.weight, model.bert.embeddings.word_embeddings.weight)
+        again = load_classifier(tmp_path / "bert", task, num_labels=5)
+        assert torch.equal(again.classifier.weight, other.classifier.weight)  # seeded
+
+
 # --- ALBERT: a shared layer across a pipeline cut --------------------------------------------------
 
 def _albert_graph(tmp_path):

@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from ir.errors import InputFileError
+
 from tasks.lm_data import (LmBatch, encode_instructions, lm_feeds, load_lm_examples, make_lm_batches,
                            microbatch_feeds, pack_documents, pad_lm_batch, read_instructions, read_text_documents,
                            split_microbatches)
@@ -171,9 +173,11 @@ def test_jsonl_layouts_and_errors_name_the_line(tmp_path):
     assert conversations[2][1] == {"role": "assistant", "content": "d"}
     for bad, match in [("not json", ":2: not a JSON object"), ('{"prompt": "a"}', ":2: expected"),
                        ('{"messages": [{"role": "user", "content": "a"}]}', ":2: no assistant message"),
-                       ('{"messages": [{"role": "robot", "content": "a"}]}', r":2: messages\[0\]")]:
+                       ('{"messages": [{"role": "robot", "content": "a"}]}', r":2: messages\[0\]"),
+                       ('{"prompt": "a\\ud800", "response": "b"}', r":2: a string holds '\\ud800', half of a UTF-16"),
+                       ("[" * 100_000, ":2: JSON nested too deeply")]:
         path.write_text(json.dumps(good[0]) + "\n" + bad + "\n")
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(InputFileError, match=match):  # a bad input file: exit status 2
             read_instructions(path)
 
 

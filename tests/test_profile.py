@@ -132,6 +132,29 @@ def test_split_child_bytes_round_trip_and_old_profiles_load():
         DeviceProfile.from_json({**doc, "split_child_bytes": [1, 2]})
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("forward_s", "fast", r"mnn:cpu:t1 block b: forward_s 'fast' is not a time in seconds"),
+    ("backward_s", float("nan"), r"mnn:cpu:t1 block b: backward_s nan is not a time in seconds"),
+    ("recompute_s", -1.0, r"mnn:cpu:t1 block b: recompute_s -1.0 is not a time in seconds"),
+    ("workspace_bytes", 1.5, r"mnn:cpu:t1 block b: workspace_bytes 1.5 is not a size in bytes"),
+    ("kept_bytes", -4, r"mnn:cpu:t1 block b: kept_bytes -4 is not a size in bytes"),
+    ("fast", 1, r"mnn:cpu:t1 block b: unknown field\(s\) \['fast'\]"),
+])
+def test_a_block_cost_that_is_no_measurement_is_refused_by_field(field, value, says):
+    from ir.profile import BackendProfile, BlockCost
+
+    prof = DeviceProfile("d", "m", 2, 16, (BackendProfile("mnn:cpu:t1", {"b": BlockCost(0.1, 0.2, 0.05, 1 << 20, 1 << 19,
+                                                                                          1 << 18)}),), 1 << 30)
+    doc = prof.to_json()
+    assert DeviceProfile.from_json(doc) == prof
+    doc["backends"][0]["blocks"]["b"][field] = value
+    with pytest.raises(ValueError, match=f"p.json: malformed profile \\(ValueError: {says}"):
+        DeviceProfile.from_json(doc, "p.json")
+    with pytest.raises(ValueError, match=r"p.json: a profile is a JSON object \(what `confidant profile` writes\), "
+                                         r"not a list"):
+        DeviceProfile.from_json([doc], "p.json")
+
+
 def test_split_extra_cost_round_trip_and_old_profiles_load():
     import dataclasses
 

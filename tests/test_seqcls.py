@@ -49,6 +49,30 @@ def test_bad_files_name_the_line(tmp_path, content, says):
         read_labelled(f)
 
 
+def test_a_text_longer_than_csvs_field_limit_is_read_and_an_unclosed_quote_is_shown_short(tmp_path):
+    f = tmp_path / "long.tsv"
+    f.write_text("sentence\tlabel\n" + "word " * 40_000 + "\tpos\nshort\tneg\n")  # 200 kB, csv's limit 128 KiB
+    rows = read_labelled(f)
+    assert [r.label for r in rows] == ["pos", "neg"] and len(rows[0].text) == 5 * 40_000 - 1
+    g = tmp_path / "quote.tsv"
+    g.write_text("sentence\tlabel\n" + '"unclosed quote here\tpos\n' + "".join(f"line {i}\tneg\n" for i in range(500)))
+    with pytest.raises(InputFileError, match=r"quote.tsv:2: expected 2 columns like the header, got 1: "
+                                             r"\['unclosed quote here.*\.\.\. \(\d+ characters; an unclosed quote "
+                                             r"takes the lines after it into one field\)") as info:
+        read_labelled(g)
+    assert len(str(info.value)) < 400
+
+
+def test_a_label_only_the_eval_file_has_is_named_with_that_file(tmp_path, tokenizer_path):
+    from tasks.seqcls import load_seqcls_data
+
+    train, dev = tmp_path / "train.tsv", tmp_path / "dev.tsv"
+    train.write_text("good\tpos\nbad\tneg\n")
+    dev.write_text("fine\tpos\nodd\tweird\n")
+    with pytest.raises(InputFileError, match=r"dev.tsv: labels \['weird'\] are not among the model's \['neg', 'pos'\]"):
+        load_seqcls_data(train, dev, 16, tokenizer_path, labels=("neg", "pos"))
+
+
 def test_write_then_read_round_trips(tmp_path):
     rows = [LabelledText("one", "a"), LabelledText("two, with comma", "b", "second")]
     assert read_labelled(write_labelled(tmp_path / "x.tsv", rows)) == [LabelledText("one", "a", ""), rows[1]]
