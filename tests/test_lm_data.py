@@ -179,6 +179,11 @@ def test_jsonl_layouts_and_errors_name_the_line(tmp_path):
         path.write_text(json.dumps(good[0]) + "\n" + bad + "\n")
         with pytest.raises(InputFileError, match=match):  # a bad input file: exit status 2
             read_instructions(path)
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(good[0]).encode() + b"\n")  # a byte-order mark is no content
+    assert read_instructions(path) == conversations[:1]
+    path.write_bytes(b'{"prompt": "\x8f"}\n')
+    with pytest.raises(InputFileError, match=r"data.jsonl: not UTF-8 text \(invalid start byte at byte 12\); save it"):
+        read_instructions(path)
 
 
 def test_too_long_is_an_error_unless_truncated():
