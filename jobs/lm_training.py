@@ -146,7 +146,10 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
                     reporter: Reporter = Silent(), checkpoint: Path | None = None) -> TrainingMetrics:
     """Fine-tune a causal LM on `data` for `settings.steps` steps; perplexity and exact match on
     `eval_path` (JSONL instructions) before and after (module docstring)."""
+    from runtime.pipeline.checkpoints import check_checkpoint_target
 
+    if checkpoint is not None:  # before training: a path no checkpoint can be written to loses the run
+        check_checkpoint_target(checkpoint)
     started = time.perf_counter()
     tokenizer = lm_tokenizer(model, settings)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0

@@ -24,7 +24,7 @@ from jobs.settings import TrainingSettings
 from planner.onnx_import import load_model
 from runtime.engines.factory import make_engine
 from runtime.engines.stage import stage_spec
-from runtime.pipeline.checkpoints import save_checkpoint
+from runtime.pipeline.checkpoints import check_checkpoint_target, save_checkpoint
 from tasks.ner import check_label_count, eval_only_labels, load_ner_data
 from tasks.tokenize import make_batches
 from tasks.trainer import TrainConfig, train_steps
@@ -63,6 +63,8 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     settings.check()
     if task not in TASKS:
         raise JobError(f"--task {task!r} is not one of {', '.join(TASKS)}")
+    if checkpoint is not None:  # before training: a path no checkpoint can be written to loses the run
+        check_checkpoint_target(checkpoint)
     if task == "causal-lm":
         from jobs.lm_training import train_causal_lm
 

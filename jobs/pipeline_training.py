@@ -28,7 +28,8 @@ from planner.partition import PlanDoesNotFit
 from planner.replan import TimingReplanner
 from planner.schedule import make_schedule
 from runtime.keys import ClusterKeys
-from runtime.pipeline.checkpoints import TrainingState, load_checkpoint, merge_checkpoint, save_checkpoint
+from runtime.pipeline.checkpoints import (TrainingState, check_checkpoint_target, check_tensors_fit, load_checkpoint,
+                                          merge_checkpoint, save_checkpoint)
 from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
                                           WorkerLost)
 from runtime.pipeline.executor import busy_fraction
@@ -220,6 +221,8 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     `feeds_of_step(k)` (a list of one feed dict per micro-batch: a causal LM's, tasks.lm_data)."""
     _check_replanning(config, replan_every, on_replan, bundles, stage_graphs)
     faults.check()
+    if checkpoint_dir is not None:  # before any step: a path no checkpoint can be written to loses the run
+        check_checkpoint_target(checkpoint_dir)
     if stage_graphs is not None:
         ranges = [(b.first_block, b.last_block) for b in stage_graphs]
         stage_graphs = [b.graph for b in stage_graphs]
@@ -715,6 +718,8 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     checked before any worker starts."""
     training.check()
     pipeline.check(training.batch)
+    if pipeline.checkpoint is not None:
+        check_checkpoint_target(pipeline.checkpoint)
     M = pipeline.microbatches
     n_stages = len(workers) if workers else (local or 0)
     if n_stages < 1:
@@ -728,7 +733,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
             "labels": list(run_task.labels), "lora": None if training.lora is None else asdict(training.lora)}
     start_step, weights, opt_state = 0, None, None
     if pipeline.resume:
-        start_step, weights, opt_state, cuts = _resumed(pipeline.resume, meta, n_stages)
+        start_step, weights, opt_state, cuts = _resumed(pipeline.resume, meta, n_stages, graph, model)
         reporter.note(f"resuming from {pipeline.resume} at step {start_step}")
     try:
         ranges = stage_ranges(len(graph.blocks), n_stages, cuts)
@@ -829,9 +834,11 @@ def describe_event(event: Mapping) -> str:
     return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "at"))
 
 
-def _resumed(folder: Path, meta: dict, n_stages: int):
+def _resumed(folder: Path, meta: dict, n_stages: int, graph=None, model: Path | None = None):
     """(the step to continue from, weights, optimizer state per stage, the cuts) of a checkpoint,
-    once it is one of this run's (same model, schedule, shape, optimizer, seed, stage count)."""
+    once it is one of this run's (same model, schedule, shape, optimizer, seed, stage count) and
+    its tensors are `graph`'s trainable parameters by name and shape (a model of the same file name
+    is not the same model). A torn or hand-broken checkpoint is refused by `load_checkpoint`."""
     saved, weights, opt_state = load_checkpoint(folder)
     for key in ("model", "task", "schedule", "microbatches", "batch", "seq", "optimizer", "seed", "lora"):
         # as JSON reads it back (tuples become lists); checkpoints from before tasks were NER
@@ -839,4 +846,8 @@ def _resumed(folder: Path, meta: dict, n_stages: int):
             raise JobError(f"--resume {folder}: checkpoint has {key}={saved.get(key)!r}, this run {meta[key]!r}")
     if saved["stages"] != n_stages:
         raise JobError(f"--resume {folder}: checkpoint has {saved['stages']} stages, this run {n_stages}")
+    if graph is not None:
+        check_tensors_fit(folder, weights, opt_state, {p: graph.constants[p].shape for p in graph.params},
+                          model or meta["model"], f"resume with the model it was trained from "
+                          f"({saved.get('model_path') or saved.get('model')}), or train without --resume")
     return int(saved["step"]), weights, opt_state, [r[0] for r in saved["ranges"][1:]]

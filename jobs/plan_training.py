@@ -22,6 +22,7 @@ from planner.cluster import ClusterError, load_cluster
 from planner.emit import load_plan_cluster
 from planner.replan import PlanReplanner
 from runtime.pipeline.bundles import plan_base
+from runtime.pipeline.checkpoints import check_checkpoint_target
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.executor import busy_fraction
 from runtime.procfs import peak_rss_bytes
@@ -116,6 +117,8 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     if settings.steps < 1:
         raise JobError(f"--steps must be at least 1, got {settings.steps}")
     check_fault_flags(settings.on_failure, settings.failure_timeout_s, settings.checkpoint_every, settings.checkpoint)
+    if settings.checkpoint is not None:
+        check_checkpoint_target(settings.checkpoint)
     plan_dir = Path(plan_dir)
     plan = load_plan(plan_dir, verify_bundles=True)
     names = plan.device_names

@@ -32,7 +32,7 @@ from jobs.errors import JobError
 from planner.onnx_import import load_model, write_weights
 from runtime.engines.factory import make_engine
 from runtime.engines.stage import stage_spec
-from runtime.pipeline.checkpoints import load_checkpoint
+from runtime.pipeline.checkpoints import check_tensors_fit, load_checkpoint
 from tasks.tokenize import CONLL_LABELS
 
 FORMATS = ("conll", "jsonl")
@@ -95,9 +95,9 @@ def label_names(trained: TrainedModel, n_labels: int, task: str, given: Sequence
 
 def _engine(trained: TrainedModel, batch: int, seq: int, threads: int):
     graph = load_model(trained.model_path, batch, seq)
-    missing = sorted(set(graph.params) - set(trained.weights)) if trained.weights else []
-    if missing:
-        raise JobError(f"{trained.source}: lacks trained weights {missing[:4]} of {trained.model_path}")
+    if trained.weights:  # the ONNX file at model_path may have been replaced by another model's
+        check_tensors_fit(trained.source, trained.weights, {}, {p: graph.constants[p].shape for p in graph.params},
+                          trained.model_path, f"put the ONNX file it was trained from back at {trained.model_path}")
     engine = make_engine(BackendSpec.cpu("mnn", threads), stage_spec(graph, 0, len(graph.blocks) - 1),
                          weights={**graph.constants, **trained.weights}, cache_activations=False)
     return graph, engine
