@@ -108,11 +108,20 @@ def _engine(trained: TrainedModel, batch: int, seq: int, threads: int):
 _WORD = re.compile(r"\w+(?:[-'.]\w+)*|[^\w\s]", re.UNICODE)
 
 
+def _input_text(path: Path) -> str:
+    """`predict`'s input as text, or an error naming the file and the first byte that is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InputFileError(f"--input {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); give a text, "
+                             "CoNLL or TSV/CSV file saved as UTF-8") from None
+
+
 def _read_sentences(path: Path) -> list[list[str]]:
     """Words per sentence: a CoNLL file (its first column), or plain text, one sentence a line."""
     from tasks.conll import is_valid_tag, read_conll
 
-    text = path.read_text(encoding="utf-8-sig")
+    text = _input_text(path)
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith("-DOCSTART-")]
     if lines and all(len(line.split()) >= 2 and is_valid_tag(line.split()[-1]) for line in lines):
         return [list(s.tokens) for s in read_conll(path)]
@@ -126,7 +135,7 @@ def _read_texts(path: Path) -> list[tuple[str, str | None]]:
 
     from tasks.seqcls import FIRST, SECOND
 
-    text = path.read_text(encoding="utf-8-sig")
+    text = _input_text(path)
     if path.suffix.lower() in (".tsv", ".csv"):
         rows = list(csv.reader(io.StringIO(text), delimiter="," if path.suffix.lower() == ".csv" else "\t"))
         header = [c.strip().lower() for c in rows[0]] if rows else []
@@ -162,6 +171,7 @@ def predict(model: Path, input_path: Path, labels: Sequence[str] | None = None, 
     input_path = Path(input_path)
     if not input_path.is_file():
         raise FileNotFoundError(f"--input {input_path}: no such file")
+    _input_text(input_path)  # an unreadable input is refused before the model is built
     graph, engine = _engine(trained, batch, seq, threads)
     task = _task_of(trained, graph)
     names = label_names(trained, graph.values[graph.blocks[-2].output].shape[-1], task, labels)

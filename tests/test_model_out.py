@@ -143,6 +143,11 @@ def test_the_model_out_refuses_what_it_cannot_do(tmp_path):
     assert proc.returncode == 1 and "give -o FILE.onnx, --hf DIR, or both" in proc.stderr
     proc = _cli("predict", ckpt, "--input", tmp_path / "missing.txt", ok=False)
     assert proc.returncode == 2 and "missing.txt: no such file" in proc.stderr
+    (tmp_path / "binary.txt").write_bytes(b"\x8f\x00\x01")
+    proc = _cli("predict", ckpt, "--input", tmp_path / "binary.txt", ok=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"confidant predict: error: --input {tmp_path / 'binary.txt'}: not UTF-8 text (invalid start byte at "
+        "byte 0); give a text, CoNLL or TSV/CSV file saved as UTF-8")
     (path.with_name(path.stem + ".hf.json")).unlink()
     proc = _cli("export-trained", ckpt, "--hf", tmp_path / "out", ok=False)
     assert proc.returncode == 1 and "has no bert.hf.json next to it" in proc.stderr
