@@ -309,6 +309,7 @@ class _Run:
                                                                            on_step, result)
         self.faults, self.plan_over, self.on_event = faults, plan_over, on_event
         self.checkpoint_dir, self.meta = checkpoint_dir, meta
+        self.start_step = 0  # the step this run started at (a resume's), set by `stash` / `flush`
         self.snapshot: Snapshot | None = None
         self.running_low: dict[str, str] = {}  # address -> "memory_low" | "battery_low", after the last step
         # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
@@ -342,10 +343,14 @@ class _Run:
         return self.snapshot
 
     def save(self, directory: Path, step: int, per_stage, ranges=None) -> None:
+        # the loss of every step up to `step`: a resumed run's earlier ones (meta's "losses"), then this
+        # run's, not those of steps past `step` (a stop after a loss saves the snapshot before them)
+        earlier = list((self.meta or {}).get("losses") or [])
+        losses = earlier + self.result.losses[:max(0, step - self.start_step)]
         save_checkpoint(directory, per_stage,
                         {**(self.meta or {}), "stages": len(per_stage), "ranges": ranges or self.result.ranges,
                          "step": step, "schedule": self.config.schedule, "microbatches": self.M,
-                         "losses": self.result.losses, "checkpoint_every": self.faults.checkpoint_every,
+                         "losses": losses, "checkpoint_every": self.faults.checkpoint_every,
                          "devices": self.result.devices})
 
     def _boundary(self, step: int, start_step: int) -> bool:
@@ -550,6 +555,7 @@ class _Run:
         at multiples of `faults.checkpoint_every` (absolute steps; without it the whole run is one
         segment), where the pipeline drains: a checkpoint there continues exactly, and a lost
         device replays at most the segment it interrupted."""
+        self.start_step = start_step
         M, end = self.M, start_step + steps
         every = self.faults.checkpoint_every
         if self.keep_state:
@@ -589,6 +595,7 @@ class _Run:
               address_of: Mapping[str, str], on_replan, on_replanned) -> None:
         """Flush schedules: one schedule per step, a snapshot at each boundary the fault policy asks
         for, and a re-plan check every `replan_every` steps."""
+        self.start_step = start_step
         # per step since the last re-plan check: F+B seconds per stage, and whether that step was
         # the first after a setup, which builds the engines' graphs and caches: not steady state,
         # so it is left out whenever later steps were measured
@@ -733,7 +740,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
             "labels": list(run_task.labels), "lora": None if training.lora is None else asdict(training.lora)}
     start_step, weights, opt_state = 0, None, None
     if pipeline.resume:
-        start_step, weights, opt_state, cuts = _resumed(pipeline.resume, meta, n_stages, graph, model)
+        start_step, weights, opt_state, cuts, meta["losses"] = _resumed(pipeline.resume, meta, n_stages, graph, model)
         reporter.note(f"resuming from {pipeline.resume} at step {start_step}")
     try:
         ranges = stage_ranges(len(graph.blocks), n_stages, cuts)
@@ -835,7 +842,8 @@ def describe_event(event: Mapping) -> str:
 
 
 def _resumed(folder: Path, meta: dict, n_stages: int, graph=None, model: Path | None = None):
-    """(the step to continue from, weights, optimizer state per stage, the cuts) of a checkpoint,
+    """(the step to continue from, weights, optimizer state per stage, the cuts, the losses of its
+    steps) of a checkpoint,
     once it is one of this run's (same model, schedule, shape, optimizer, seed, stage count) and
     its tensors are `graph`'s trainable parameters by name and shape (a model of the same file name
     is not the same model). A torn or hand-broken checkpoint is refused by `load_checkpoint`."""
@@ -850,4 +858,5 @@ def _resumed(folder: Path, meta: dict, n_stages: int, graph=None, model: Path | 
         check_tensors_fit(folder, weights, opt_state, {p: graph.constants[p].shape for p in graph.params},
                           model or meta["model"], f"resume with the model it was trained from "
                           f"({saved.get('model_path') or saved.get('model')}), or train without --resume")
-    return int(saved["step"]), weights, opt_state, [r[0] for r in saved["ranges"][1:]]
+    step = int(saved["step"])
+    return step, weights, opt_state, [r[0] for r in saved["ranges"][1:]], list(saved.get("losses") or [])[:step]

@@ -118,10 +118,13 @@ def test_train_pipeline_end_to_end_with_resume(minilm_onnx, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     resumed = tmp_path / "resumed.json"
     proc = _run("train-pipeline", minilm_onnx, *common, "--steps", 1, "--resume", tmp_path / "ckpt",
-                "--metrics-out", resumed)
+                "--metrics-out", resumed, "--checkpoint", tmp_path / "ckpt2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resuming from" in proc.stderr
     a, b = json.loads(whole.read_text()), json.loads(resumed.read_text())
     assert b["steps"][0]["step"] == 3
     assert b["steps"][0]["loss"] == a["steps"][2]["loss"]
+    # the resumed run's checkpoint carries the loss of every step, the earlier run's first
+    meta = json.loads((tmp_path / "ckpt2" / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["losses"] == [s["loss"] for s in a["steps"]]
     assert len(a["devices"]) == 3 and all(d["peak_rss_bytes"] > 0 for d in a["devices"])

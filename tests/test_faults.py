@@ -10,6 +10,7 @@ the survivors' plan at the recovery step" is checked against single-device train
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -300,6 +301,8 @@ def test_on_failure_stop_ends_with_a_resumable_checkpoint(graph, batches, tmp_pa
             train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
                            on_step=on_step, checkpoint_dir=tmp_path / "ckpt", faults=FaultPolicy(on_failure="stop"))
     assert err.value.checkpoint == tmp_path / "ckpt" and (tmp_path / "ckpt" / "meta.json").is_file()
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    assert len(meta["losses"]) == meta["step"]  # a loss per step the checkpoint holds, none past it
 
 
 def test_1f1b_stash_resumed_at_a_checkpoint_boundary_continues_exactly(graph, batches, tmp_path):
