@@ -9,6 +9,33 @@ from confidant.errors import CliError
 from confidant.home import DEMO_DIR
 from ir.plan import OPTIMIZER_NAMES, SCHEDULE_NAMES
 
+
+def _address(text: str, listen: bool = False) -> str:
+    """An address flag, checked as argparse reads it (`ir.address`): a bad one is a usage error (exit 2)."""
+    from ir.address import AddressError, parse_address
+
+    try:
+        parse_address(text, listen=listen)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _listen_address(text: str) -> str:
+    return _address(text, listen=True)
+
+
+def _worker_addresses(text: str) -> str:
+    """--workers NAME=ADDRESS,...: every ADDRESS checked (the NAMEs are jobs.workers.parse_workers')."""
+    for item in text.split(","):
+        name, sep, address = item.partition("=")
+        try:
+            _address((address if sep else name).strip())
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{item.strip()}: {exc}") from None
+    return text
+
+
 def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60) -> None:
     g = p.add_argument_group("training (the same flags on every training command)")
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
@@ -257,8 +284,9 @@ def _add_train_pipeline(sub) -> None:
     p.add_argument("--eval", type=Path, default=None,
                    help="evaluation file, same layout as --data; the task's metric is computed after training")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--workers", help="comma-separated NAME=ADDRESS (NAME.pub in --keys; plain ADDRESS with "
-                                         "--insecure), stage 0 first")
+    where.add_argument("--workers", type=_worker_addresses,
+                       help="comma-separated NAME=ADDRESS (NAME.pub in --keys; plain ADDRESS with --insecure), stage "
+                            "0 first")
     where.add_argument("--local", type=int, metavar="N", help="start N local worker processes")
     p.add_argument("--cuts", default=None,
                    help="first block of every stage after the first, e.g. 3 or 2,5 (default: even split by blocks; "
@@ -287,7 +315,7 @@ def _add_train_pipeline(sub) -> None:
                         "--replan-threshold; weights and optimizer state move between steps, no update is lost")
     p.add_argument("--replan-threshold", type=float, default=0.1,
                    help="least predicted throughput gain that re-cuts the model (default %(default)s: 10%%)")
-    p.add_argument("--listen", default="tcp://127.0.0.1:0",
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", type=_listen_address,
                    help="coordinator address workers connect back to (default %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent worker (default %(default)s)")
     _add_fault_flags(p)
@@ -311,9 +339,11 @@ def _add_profile(sub) -> None:
     p.add_argument("--memory", default=None, help="memory this device may use, e.g. 3GiB (default: MemAvailable)")
     p.add_argument("--reps", type=int, default=3, help="repetitions per measurement (default %(default)s)")
     p.add_argument("--no-attention", action="store_true", help="skip the attention-by-heads curve")
-    p.add_argument("--link", default=None, metavar="ADDRESS", help="measure the link to a peer instead")
+    p.add_argument("--link", default=None, metavar="ADDRESS", type=_address,
+                   help="measure the link to a peer instead")
     p.add_argument("--serve-link", action="store_true", help="answer link probes from peers (with --listen)")
-    p.add_argument("--listen", default="tcp://127.0.0.1:0", help="with --serve-link (default %(default)s)")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", type=_listen_address,
+                   help="with --serve-link (default %(default)s)")
     p.add_argument("-o", "--output", type=Path, default=None, help="write the profile (or link) JSON here")
     _add_lora_flags(p)
 
@@ -389,7 +419,7 @@ def _add_train(sub) -> None:
     p.add_argument("--cluster", type=Path, default=None,
                    help="with --replan-every: the cluster file to re-plan with (default: the cluster.json `confidant "
                         "plan` wrote into the plan folder)")
-    p.add_argument("--listen", default="tcp://127.0.0.1:0")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", type=_listen_address)
     p.add_argument("--timeout", type=float, default=600.0)
     _add_fault_flags(p)
     _add_security_flags(p)
@@ -400,7 +430,7 @@ def _add_worker(sub) -> None:
     p = sub.add_parser("worker", help="run a device's runtime and wait for a stage from a coordinator",
                        description="Bind ADDRESS, print 'listening <address>', then run whatever stage the "
                                    "coordinator assigns (weights and action list arrive over the wire).")
-    p.add_argument("--listen", default="tcp://127.0.0.1:0",
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", type=_listen_address,
                    help="ZeroMQ address to bind (default %(default)s; port 0 picks a free port)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent peer (default %(default)s)")
     p.add_argument("--failure-timeout", type=float, default=3.0, metavar="S",

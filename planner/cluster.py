@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ir.address import AddressError, parse_address
+from ir.errors import InputFileError
 from ir.profile import BackendProfile, DeviceProfile, Link
 
 try:  # YAML is optional: JSON cluster files work without it
@@ -47,8 +49,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     _yaml = None
 
 
-class ClusterError(ValueError):
-    """A cluster file that cannot be used; the message names file, device or link, and field."""
+class ClusterError(InputFileError):
+    """A cluster file that cannot be used; the message names file, device or link, and field (a
+    bad input: the command line exits 2, as for any file that cannot be used)."""
 
 
 # --- units -------------------------------------------------------------------------------------
@@ -318,6 +321,10 @@ def _device(raw: Any, index: int, source: str, base_dir: Path, load_profile: Cal
     address = need("address")
     if not isinstance(address, str) or not address.strip():
         raise ClusterError(f"{source}: {where}address {address!r} is not a non-empty string")
+    try:
+        parse_address(address)
+    except AddressError as exc:
+        raise ClusterError(f"{source}: {where}address {exc}") from None
     profile_field = need("profile")
     if not isinstance(profile_field, str) or not profile_field.strip():
         raise ClusterError(f"{source}: {where}profile {profile_field!r} is not a path")

@@ -39,7 +39,9 @@ wait, nameless, until a later re-plan takes them back or the final stop.
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -52,11 +54,18 @@ from ir.serialize import graph_to_json, slice_graph
 from runtime.pipeline.checkpoints import TrainingState, dense_from_wire, merge_checkpoint
 from runtime.pipeline.executor import COORDINATOR, stage_peer
 from runtime.engines.stage import stage_spec
+from runtime.pipeline import worker as _worker
 from runtime.transport.wire import Expected, PeerTimeout
 
 
 class WorkerFailed(RuntimeError):
     """A worker reported an error or went silent; the message names the stage and the cause."""
+
+
+class CoordinatorStalled(WorkerFailed):
+    """This process stood still (stopped, suspended, starved) longer than a worker waits for a silent
+    coordinator: every worker has dropped its stage and ignores this coordinator's old connections,
+    so the run cannot go on. A WorkerFailed, so that whoever ends a run on a failure ends it here."""
 
 
 class WorkerLost(WorkerFailed):
@@ -164,6 +173,7 @@ class Coordinator:
         self.ready: list[dict] = []
         self._pending: list[tuple[str, dict]] = []
         self._known_lost: set[str] = set()  # stage peers already being recovered from (during `abort`)
+        self._since = _StallWatch.start()  # stalls of this process from now on end the run (`_check_stalled`)
         self.bundle_mode = False
         self.setup_bytes = 0
         self.base_bytes_held = 0
@@ -205,7 +215,10 @@ class Coordinator:
 
     def _check_lost(self) -> None:
         """Raise WorkerLost when the link to any stage's worker is down (other than those already
-        known lost, while an abort is under way)."""
+        known lost, while an abort is under way); first, CoordinatorStalled when this process stood
+        still too long (a thawed coordinator must not take its workers' dropped links for losses
+        of theirs, nor wait for answers that never come)."""
+        self._check_stalled()
         lost = self.transport.lost_peers()
         if not lost:
             return
@@ -213,6 +226,14 @@ class Coordinator:
                     if stage_peer(p.stage) in lost and stage_peer(p.stage) not in self._known_lost}
         if by_stage:
             raise WorkerLost(by_stage)
+
+    def _check_stalled(self) -> None:
+        stalled = _StallWatch.longest_since(self._since)
+        if stalled >= _worker.COORDINATOR_GRACE_S:
+            raise CoordinatorStalled(
+                f"this coordinator stood still for {stalled:.0f} s (stopped, suspended or starved of CPU), longer "
+                f"than a worker waits for a silent coordinator ({_worker.COORDINATOR_GRACE_S:g} s): every worker has "
+                f"dropped its stage and ignores this run; start it again (from its last checkpoint, if it wrote one)")
 
     def _check_errors(self) -> bool:
         """Take one control message that has arrived, without waiting: an answer waits its turn, an
@@ -696,3 +717,55 @@ def _moves(blocks, old: Sequence[StagePlacement], new: Sequence[StagePlacement],
         if before != after:
             moves.append(WeightMove(b.index, before, after, tuple(b.params), sum(state.nbytes(x) for x in b.params)))
     return moves
+
+
+class _StallWatch:
+    """Notices when this whole process stood still: a SIGSTOP, a paused VM or a suspended laptop stop
+    every thread, the ZeroMQ I/O thread that answers heartbeats included, so the workers take the
+    coordinator for lost (`runtime.pipeline.worker.COORDINATOR_GRACE_S`); a busy main thread does not
+    (the I/O thread keeps answering). One daemon thread per process ticks every `TICK_S` and keeps the
+    gaps between its ticks much longer than that; the clock counts suspended time where the platform
+    has one that does (CLOCK_BOOTTIME), since the workers' clocks ran on meanwhile."""
+
+    TICK_S = 0.25
+    _KEPT = 64
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+    _last_tick = 0.0
+    _stalls: deque = deque(maxlen=_KEPT)  # (ended at, seconds), oldest first
+
+    @staticmethod
+    def clock() -> float:
+        boottime = getattr(time, "CLOCK_BOOTTIME", None)
+        return time.clock_gettime(boottime) if boottime is not None else time.monotonic()
+
+    @classmethod
+    def start(cls) -> float:
+        """Start the watch if it is not running; returns now, on its clock."""
+        with cls._lock:
+            if cls._thread is None:
+                cls._last_tick = cls.clock()
+                cls._thread = threading.Thread(target=cls._run, name="confidant-stall-watch", daemon=True)
+                cls._thread.start()
+        return cls.clock()
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            time.sleep(cls.TICK_S)
+            now = cls.clock()
+            with cls._lock:
+                gap = now - cls._last_tick - cls.TICK_S
+                if gap > 1.0:
+                    cls._stalls.append((now, gap))
+                cls._last_tick = now
+
+    @classmethod
+    def longest_since(cls, since: float) -> float:
+        """The longest stall (seconds) that ended after `since`, the one this thread may be the first to
+        see counted too (after a thaw, the caller can run before the watch's own thread)."""
+        now = cls.clock()
+        with cls._lock:
+            open_gap = now - cls._last_tick - cls.TICK_S
+            ended = [gap for at, gap in cls._stalls if at > since]
+        return max([open_gap, *ended])

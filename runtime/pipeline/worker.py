@@ -38,7 +38,9 @@ Trust: the worker knows its coordinator's public key from the start (`--keys DIR
 coordinator.pub) and accepts nothing from anyone else until a setup (over that authenticated
 link) names the neighbours and their keys; a bundle must be signed by that same key. A worker whose
 coordinator is lost (its heartbeats stop) drops its stage and waits, nameless, for a coordinator
-again; one started by a coordinator as a local process dies with it (`watch_parent`).
+again, deaf to that coordinator's old connections (one that was frozen and thaws is ignored, not
+obeyed: this worker no longer holds the stage its orders are for); one started by a coordinator as
+a local process dies with it (`watch_parent`).
 
 A worker's transport name is its stage ("stage<k>"): neighbours and the coordinator tell its
 messages apart by it. A setup under another stage index than the one the worker holds is refused
@@ -391,7 +393,17 @@ class Worker:
 
     def drop_coordinator(self) -> None:
         """The coordinator is lost: drop the stage and the name, close every connection, and wait
-        for a coordinator again, as a worker that was never set up."""
+        for a coordinator again, as a worker that was never set up.
+
+        Nothing that comes over the old connections is taken from now on (`Transport.retire`): the
+        coordinator's, should it come back (a frozen one that thaws reconnects under its old
+        connection's routing id and sends the orders it had queued, which are of a pipeline this
+        worker no longer holds; the transport logs and drops them), and the neighbours', which are
+        of the same pipeline. A coordinator that calls this worker again does so over a new
+        connection: a restarted one, or one that lost this worker and sends a hello."""
+        for peer in {COORDINATOR, *getattr(self.transport, "peers", {})}:
+            self.transport.retire(peer)
+            self.transport.discard(peer)
         self.reset()
         for peer in list(getattr(self.transport, "peers", {})):
             self.transport.disconnect(peer)
@@ -406,11 +418,9 @@ class Worker:
                 and isinstance(reply_to, str) and reply_to):
             raise ValueError(f"hello: expected a 'probe ...' name and a reply_to address, got {name!r:.80}, "
                              f"{reply_to!r:.80}")
-        # orders of the old pipeline may still arrive over the coordinator's old connections, and
-        # neighbours' tensors over theirs: none is for whatever this worker is given next
-        for peer in {COORDINATOR, *getattr(self.transport, "peers", {})}:
-            self.transport.retire(peer)
-            self.transport.discard(peer)
+        # orders of the old pipeline may still arrive over the coordinator's old connections (the
+        # hello's own among them), and neighbours' tensors over theirs: none is for whatever this
+        # worker is given next, so drop_coordinator retires them all
         self.drop_coordinator()
         if hasattr(self.transport, "rename"):
             self.transport.rename(name)

@@ -14,6 +14,7 @@ Wire format (protocol version 2):
   in `payload_parts(nbytes)` frames of `PART_BYTES` each but the last (one frame, maybe empty, up
   to `PART_BYTES`), and `checksum` is the zlib.crc32 of all of it.
 - control: one frame, `{"v": 2, "control": {...}}` (JSON, at most `MAX_CONTROL_BYTES`).
+- so no frame is larger than `MAX_FRAME_BYTES` (1 MiB), however big the tensor.
 
 (Version 1 sent a payload as one frame: ZeroMQ's CURVE encrypts and decrypts a frame through two
 fresh buffers of its size, so a 47 MB embedding table cost its sender ~140 MB more memory while it
@@ -51,6 +52,10 @@ MAX_CONTROL_BYTES = 1024 * 1024
 MAX_PAYLOAD_BYTES = 16 * 1024 ** 3
 PART_BYTES = 1 << 20  # a payload's frames (see the module's docstring)
 MAX_FRAMES = 1 + -(-MAX_PAYLOAD_BYTES // PART_BYTES)
+# The largest frame this format ever sends (a header, a payload part or a control message), so a
+# transport can refuse a bigger one as it arrives, before it has buffered it (a peer that declares
+# a 4 GiB frame before it has even authenticated must cost the receiver nothing).
+MAX_FRAME_BYTES = max(MAX_HEADER_BYTES, PART_BYTES, MAX_CONTROL_BYTES)
 MAX_NDIM = 32
 MAX_NAME_CHARS = 256
 # Names only, no byte order: the wire is always little-endian (see `wire_dtype`).

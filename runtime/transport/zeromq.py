@@ -42,6 +42,15 @@ inside the socket while the stage computes, so posting receives early is unneces
 only drains what already arrived (poller with a timeout) into the per-peer FIFOs. Sends return as
 soon as the message is queued; the I/O thread transmits it while the stage computes the next action.
 
+Frame size: no legal frame is larger than `wire.MAX_FRAME_BYTES` (1 MiB: payloads go in parts), so
+every socket refuses bigger ones at the wire (`MAX_WIRE_FRAME_BYTES`): a peer that sends one, or
+only declares one (a stranger before its CURVE HELLO), is disconnected, at a cost of at most one
+frame's memory per connection; a receiver sees nothing of it (a PeerTimeout if it waits).
+
+Addresses are `tcp://HOST:PORT` (`ir.address`), checked before any socket uses them: a bad one is
+a ValueError that names it, and a connect that fails anyway closes its socket, so `close` never
+waits on a socket left open.
+
 Payloads travel without copies in this process: the array's buffer goes to ZeroMQ with `copy=False`
 (pyzmq keeps the array alive until it is sent), and received payload frames are wrapped in place by
 `numpy.frombuffer` (see `runtime.transport._array_from_payload` for why the result is read-only).
@@ -59,8 +68,9 @@ from typing import Iterable, Mapping, Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ir.address import AddressError, parse_address
 from runtime.transport.security import CurveKeys, RefusalLog, check_curve_key
-from runtime.transport.wire import MAX_PAYLOAD_BYTES, LostPeer, PeerTimeout, Transport
+from runtime.transport.wire import MAX_FRAME_BYTES, LostPeer, PeerTimeout, Transport
 
 # A pipeline keeps at most a few micro-batches in flight per link; the static plan bounds this, so
 # the high-water mark is a backstop that must never be what limits a correct plan.
@@ -76,6 +86,13 @@ DEFAULT_HEARTBEAT_S = 3.0
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_DOMAIN = b"confidant"
 _TAG_BYTES = 6
+# Under CURVE a frame crosses as a MESSAGE command (RFC 26): the command's name with its length byte
+# (8 bytes), an 8-byte nonce, then the frame behind its flags byte, boxed with a 16-byte MAC.
+_CURVE_FRAME_OVERHEAD = len(b"\x07MESSAGE") + 8 + 1 + 16
+# libzmq checks every frame's declared size against ZMQ_MAXMSGSIZE as the frame starts to arrive,
+# before it reserves memory for it and before the handshake is done; a bigger one drops the
+# connection. So no peer, authenticated or not, makes an endpoint buffer more than this per connection.
+MAX_WIRE_FRAME_BYTES = MAX_FRAME_BYTES + _CURVE_FRAME_OVERHEAD
 _DEALER_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CLOSED)
 _ROUTER_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -165,6 +182,11 @@ class ZmqTransport(Transport):
                  linger_s: float = DEFAULT_LINGER_S, send_timeout_s: float | None = DEFAULT_SEND_TIMEOUT_S,
                  heartbeat_s: float | None = DEFAULT_HEARTBEAT_S):
         super().__init__(name)
+        if listen is not None:
+            try:
+                parse_address(listen, listen=True)
+            except AddressError as exc:
+                raise ValueError(f"transport {name!r}: listen address {exc}") from None
         if (keys is None) == (not insecure):
             raise ValueError(f"transport {name!r}: give CURVE keys (keys=CurveKeys, see runtime.keys) or, on a "
                              f"network nobody else can reach, insecure=True; not {'both' if keys else 'neither'}")
@@ -207,11 +229,12 @@ class ZmqTransport(Transport):
                     self._router.setsockopt(zmq.CURVE_SERVER, 1)
                     self._router.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
                     self._router.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
-                # No single frame is legally larger than a payload; such a frame is cut off at the wire
-                # (the sender is disconnected, and the receiver sees a PeerTimeout) instead of in memory.
-                self._router.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)
                 self._router_monitor = self._router.get_monitor_socket(_ROUTER_EVENTS)
-                self._router.bind(re.sub(r"^(tcp://.*):0$", r"\1:*", listen))
+                try:
+                    self._router.bind(re.sub(r"^(tcp://.*):0$", r"\1:*", listen))
+                except zmq.ZMQError as exc:
+                    raise ValueError(f"transport {name!r} cannot listen at {listen!r}: "
+                                     f"{zmq.strerror(exc.errno)}") from None
                 self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             for peer, address in (peers or {}).items():
                 self.connect(peer, address, key=(peer_keys or {}).get(peer))
@@ -224,6 +247,8 @@ class ZmqTransport(Transport):
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, self._linger_ms)
+        # every socket, DEALERs too: a "peer" this endpoint connects to may be anyone at that address
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_FRAME_BYTES)
         if self.heartbeat_s is not None:
             # A PING waits behind the message being written on its connection (one tensor: a weight
             # shard at most), so the timeout is most of heartbeat_s, not a small part of it.
@@ -267,6 +292,10 @@ class ZmqTransport(Transport):
         was still queued for its old address."""
         if self._closed:
             raise RuntimeError(f"transport {self.name!r} is closed")
+        try:
+            parse_address(address)
+        except AddressError as exc:
+            raise ValueError(f"transport {self.name!r}: peer {peer!r}: address {exc}") from None
         if self._peers.get(peer) == address and self._bound.get(peer) == (key if self.secure else None):
             return
         old_address, old_key = self._peers.get(peer), self._bound.get(peer)
@@ -306,8 +335,15 @@ class ZmqTransport(Transport):
         if self._send_timeout_s is not None:
             dealer.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
         monitor = dealer.get_monitor_socket(_DEALER_EVENTS)
-        dealer.connect(self._peers[peer])
-        link = self._links[peer] = _Link(dealer, monitor, down_since=time.monotonic())
+        link = _Link(dealer, monitor, down_since=time.monotonic())
+        try:
+            dealer.connect(self._peers[peer])
+        except zmq.ZMQError as exc:
+            # closed at once: an open socket would keep `close` (the context's term) waiting forever
+            self._close_link(link, linger=0)
+            raise ValueError(f"transport {self.name!r} cannot connect to peer {peer!r} at "
+                             f"{self._peers[peer]!r}: {zmq.strerror(exc.errno)}") from None
+        self._links[peer] = link
         self._poll = None
         return link
 
