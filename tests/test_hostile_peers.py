@@ -241,3 +241,32 @@ def test_a_frozen_coordinator_that_thaws_is_ignored_by_its_workers_and_ends_with
             p.wait()
             p.stdout.close()
 
+
+def test_a_worker_without_a_stage_waits_for_a_coordinator_past_its_timeout(tmp_path):
+    """`--timeout` bounds the wait on a silent peer of a stage; a worker that holds none (started by
+    hand, a spare, one whose coordinator was lost) is a server and waits as long as it takes (it
+    exited with status 1 after 600 s, or after --timeout)."""
+    keys = tmp_path / "keys"
+    pairs = {name: KeyPair.generate(name) for name in ("coordinator", "w1")}
+    for pair in pairs.values():
+        write_keypair(keys, pair)
+    worker = subprocess.Popen([sys.executable, "-m", "confidant", "worker", "--listen", "tcp://127.0.0.1:0",
+                               "--keys", str(keys), "--name", "w1", "--timeout", "0.5"], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        address = worker.stdout.readline().split()[-1]
+        time.sleep(3.0)
+        assert worker.poll() is None, worker.stderr.read()
+        coordinator = ZmqTransport("coordinator", None, keys=pairs["coordinator"].curve_keys(), linger_s=2.0)
+        try:
+            coordinator.connect("w1", address, key=pairs["w1"].public.curve)
+            coordinator.send_control("w1", {"type": "stop"})
+        finally:
+            coordinator.close()
+        assert worker.wait(10) == 0, worker.stderr.read()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+        worker.stdout.close()
+        worker.stderr.close()

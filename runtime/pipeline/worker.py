@@ -380,14 +380,18 @@ class Worker:
 
     def _next_order(self) -> dict:
         """The coordinator's next message; while this worker holds a stage, its coordinator is
-        watched, and a lost one raises CoordinatorLost."""
+        watched, and a lost one raises CoordinatorLost, and a silent one PeerTimeout after `timeout`.
+        A worker without a stage waits for a coordinator as long as it takes: it is a server (a
+        device started by hand, a spare of the cluster, one whose coordinator was lost)."""
         deadline = time.monotonic() + self.timeout
         while True:
             try:
                 return self.transport.recv_control(COORDINATOR, timeout=_LIVENESS_POLL_S)[1]
             except PeerTimeout:
                 self._check_coordinator()
-                if time.monotonic() >= deadline:
+                if self.stage is None:
+                    deadline = time.monotonic() + self.timeout
+                elif time.monotonic() >= deadline:
                     raise PeerTimeout(COORDINATOR, self.transport.address_of(COORDINATOR), "a control message",
                                       self.timeout) from None
 
