@@ -432,7 +432,9 @@ def _add_worker(sub) -> None:
                                    "coordinator assigns (weights and action list arrive over the wire).")
     p.add_argument("--listen", default="tcp://127.0.0.1:0", type=_listen_address,
                    help="ZeroMQ address to bind (default %(default)s; port 0 picks a free port)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait on a silent peer (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait on a silent peer while holding a stage (default %(default)s); without "
+                        "one, the worker waits for a coordinator as long as it takes")
     p.add_argument("--failure-timeout", type=float, default=3.0, metavar="S",
                    help="the coordinator is lost when silent this long (default %(default)s)")
     p.add_argument("--base", type=Path, action="append", default=[], metavar="FILE",
