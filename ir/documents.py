@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ir.address import AddressError, parse_address
 from ir.backend import BackendSpec
 from ir.plan import Action, ActionKind, Schedule
 from ir.verify import verify_plan
@@ -480,8 +481,11 @@ def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
     digest = d["manifest_sha256"]
     if d["bundle"] != name or not (isinstance(digest, str) and SHA256.fullmatch(digest)):
         raise fail(f"device {name!r}: bundle must be its name and manifest_sha256 a sha256 hex digest")
-    if d.get("address") is not None and not isinstance(d["address"], str):
-        raise fail(f"device {name!r} address is {d['address']!r}, not a string")
+    if d.get("address") is not None:
+        try:
+            parse_address(d["address"])
+        except AddressError as exc:
+            raise fail(f"device {name!r} address {exc}") from None
     threads = d.get("threads", 1)
     if not _is_int(threads) or threads < 1:
         raise fail(f"device {name!r} threads is {threads!r}, not an integer >= 1")

@@ -314,6 +314,12 @@ def test_load_plan_refuses_stale_bundles_and_foreign_versions(plan_dir, tmp_path
     (copy / PLAN).write_text(json.dumps({**doc, "devices": doc["devices"][::-1]}))
     with pytest.raises(BundleError, match=r"is stage 1 at position 0"):
         load_plan(copy)
+    edited = json.loads(json.dumps(doc))
+    edited["devices"][0]["address"] = "10.0.0.2:5555"
+    (copy / PLAN).write_text(json.dumps(edited))
+    with pytest.raises(BundleError, match=rf"device '{DEVICES[0]}' address '10.0.0.2:5555' is not of the form "
+                                          r"tcp://HOST:PORT \(it does not start with tcp://\)"):
+        load_plan(copy)
 
 
 @pytest.mark.parametrize("bad", ["../evil", "a/b", "", ".hidden", "-x", "con", "NUL.txt", "plan.json", "x" * 65,
