@@ -843,6 +843,22 @@ def test_what_a_lost_worker_sent_is_not_taken_for_its_successors(graph, batches)
     _same(result.weights, want_weights)
 
 
+def test_a_worker_reports_the_peak_of_its_stage_not_of_its_life():
+    """A worker taking a stage starts its peak again: what it held before (an earlier run, a
+    stranger's traffic) is not reported as this run's peak memory."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import numpy as np\n"
+            "from runtime.pipeline.worker import Worker\n"
+            "from runtime.procfs import peak_rss_bytes\n"
+            "a = np.ones(300 << 18, np.float32); del a\n"  # 300 MiB held, then freed
+            "before = peak_rss_bytes()\n"
+            "Worker(object())._take_stage(0)\n"
+            "print(before >> 20, peak_rss_bytes() >> 20)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
+    before, after = (int(x) for x in out.stdout.split())
+    assert before - after > 250, out.stdout + out.stderr
+
+
 def test_the_peak_memory_can_be_measured_from_a_phase_on():
     """`reset_peak_rss` (VmHWM restarted from the current RSS): a 200 MiB array made and freed before
     the reset does not count in the peak after it."""

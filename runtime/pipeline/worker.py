@@ -66,7 +66,7 @@ from runtime.pipeline.checkpoints import rows_on_wire
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
-from runtime.procfs import device_state, peak_rss_bytes, rss_bytes
+from runtime.procfs import device_state, peak_rss_bytes, reset_peak_rss, rss_bytes
 from runtime.transport.wire import Expected, PeerTimeout
 
 # How often a worker waiting for the coordinator looks whether it is still there, and how long its
@@ -162,6 +162,9 @@ class Worker:
             if hasattr(self.transport, "rename"):
                 self.transport.rename(stage_peer(stage))
             self.stage = stage
+            # the peak this worker reports is this stage's, not its lifetime's (an earlier run, a
+            # stranger's traffic before it)
+            reset_peak_rss()
         elif stage != self.stage:
             raise ValueError(f"this worker is stage {self.stage} (its name on the wire) and cannot be set up as stage "
                              f"{stage} without a release first: the coordinator must release a worker's name before "
