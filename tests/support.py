@@ -315,6 +315,17 @@ def scramble_weights(model, seed: int = 1, unit_scale=lambda name: False):
     return model
 
 
+def scrambled_causal_lm(config):
+    """A transformers causal LM of `config`, eager attention, every parameter seeded noise (no zero
+    biases, no unit or zero norm scales: a gradient routed to the wrong weight shows), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    return scramble_weights(model).eval()
+
+
 def stage_engine(kind: str, spec):
     """The MNN or the PyTorch stage engine over `spec` ("mnn" or "torch")."""
     from runtime.engines.mnn import MnnStageEngine

@@ -27,7 +27,7 @@ from planner.onnx_import import ImportError_, load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.split.engine import SplitStageEngine
 from runtime.engines.stage import stage_spec
-from support import Lazy, assert_grads_close, lm_step_feeds, scramble_weights, stage_engine
+from support import Lazy, assert_grads_close, lm_step_feeds, scrambled_causal_lm, stage_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S, VOCAB = 2, 12, 256
@@ -59,13 +59,8 @@ FAMILIES = ("qwen2", "qwen3", "phi3", "gemma", "gptj", "gpt_neox", "opt", "falco
 
 
 def _model(family: str):
-    """The family's tiny model, every parameter seeded noise (no zero biases, no unit or zero norm
-    scales: a gradient routed to the wrong weight shows)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager", dtype=torch.float32)
-    return scramble_weights(model).eval()
+    """The family's tiny model, every parameter seeded noise (`support.scrambled_causal_lm`)."""
+    return scrambled_causal_lm(_config(family))
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from onnx import numpy_helper
 
 from planner.onnx_import import folded_transposes, load_model, with_folded_copies, write_weights
 from runtime.engines.stage import stage_spec
-from support import Lazy, assert_grads_close, lm_step_feeds, scramble_weights, stage_engine
+from support import Lazy, assert_grads_close, lm_step_feeds, scrambled_causal_lm, stage_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S, VOCAB = 2, 12, 256
@@ -70,11 +70,7 @@ def _plain_export(model, path, vocab: int = VOCAB):
 
 
 def _model(family: str, vocab: int = VOCAB):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(family, vocab), attn_implementation="eager", dtype=torch.float32)
-    return scramble_weights(model).eval()
+    return scrambled_causal_lm(_config(family, vocab))
 
 
 @pytest.fixture(scope="module")
