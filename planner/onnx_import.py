@@ -51,7 +51,7 @@ from ir.host_eval import HOST_IMPLS, ONNX_DTYPES, eval_host_op
 from ir.ops import compute_output_shape
 from ir.verify import GraphError, verify_graph
 
-SUPPORTED_OPSETS = range(14, 21)
+SUPPORTED_OPSETS = range(14, 23)  # 21-22 add types (int4, bfloat16), no semantics the lowering reads
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 # A graph input of this name (optimum's exports, a plain export given positions) is bound to 0..S-1 on
 # every row: what transformers computes when it is not given, for right-padded rows as trained here.

@@ -279,3 +279,27 @@ def test_a_half_precision_file_trains_as_its_weights_widened_and_goes_out_in_hal
     out = write_weights(half, tmp_path / "trained.onnx", {p: g16.constants[p] + 1 for p in g16.params})
     written = onnx.load(str(out))
     assert {t.data_type for t in written.graph.initializer if t.name in g16.params} == {onnx.TensorProto.FLOAT16}
+
+
+@pytest.mark.parametrize("family, opset", [("bert", 21), ("bert", 22), ("llama-tied", 22)])
+def test_the_dynamo_exporter_at_opsets_past_20_is_read(family, opset, tmp_path):
+    """Opsets 21 and 22 add element types (int4, bfloat16) to ops the lowering reads, nothing else:
+    a dynamo export at either lowers to ONNX Runtime's logits."""
+    from support import tiny_model
+
+    model = tiny_model("bert", attention="sdpa", scramble=True) if family == "bert" else _model(family)
+    model.config.use_cache = False  # the logits only, no key/value cache out
+    ids = torch.randint(3, 100, (B, S), generator=torch.Generator().manual_seed(0))
+    example = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", min=2, max=64)
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(model, (), str(path), kwargs=example, dynamo=True, opset_version=opset,
+                      dynamic_shapes={n: {0: batch, 1: seq} for n in example}, output_names=["logits"])
+    graph = load_model(path, B, S)
+    feeds = {k: v.numpy() for k, v in example.items()}
+    full = {**feeds, **{v.name: np.zeros(v.shape, np.float32 if v.dtype == "float32" else np.int64)
+                        for v in graph.inputs if v.name not in feeds}}
+    logits = stage_engine("mnn", stage_spec(graph, 0, len(graph.blocks) - 1)).forward(
+        full, train=False, until_block=len(graph.blocks) - 2)
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert np.abs(logits - ref).max() <= 2e-5 * np.abs(ref).max()
