@@ -59,12 +59,14 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora", type=int, default=None, metavar="R",
                    help="train rank-R adapters on the targeted projections instead of every weight (default: full "
                         "fine-tuning)")
-    g.add_argument("--lora-alpha", type=float, default=8.0, help="adapter scale alpha (update x alpha / R; default "
-                                                                "%(default)s, PEFT's)")
-    g.add_argument("--lora-targets", default="q,k,v,o",
-                   help="comma-separated roles (q, k, v, o: attention projections; up, down: feed-forward) or "
-                        "substrings of weight names (default %(default)s)")
-    g.add_argument("--train-also", default="auto",
+    # None: not given (the defaults are applied with --lora; without it, giving these is an error)
+    g.add_argument("--lora-alpha", type=float, default=None, help="adapter scale alpha (update x alpha / R; default "
+                                                                 "8, PEFT's)")
+    g.add_argument("--lora-targets", default=None,
+                   help="comma-separated roles (q, k, v, o: attention projections; up, down, gate: feed-forward; "
+                        "qkv: a fused attention projection) or substrings of weight names; each must match "
+                        "(default q,k,v,o)")
+    g.add_argument("--train-also", default=None,
                    help="also trained in full: block kinds (head, embeddings), norms, or substrings of parameter "
                         "names; 'none' for adapters only (default auto: an encoder's head, nothing of a decoder LLM)")
 

@@ -13,14 +13,22 @@ from confidant.progress import TerminalReporter
 
 def _lora_settings(args):
     """The LoRA settings of `--lora R ...`, or None (full fine-tuning) without it."""
+    given = [f for f in ("lora_alpha", "lora_targets", "train_also") if getattr(args, f, None) is not None]
     if getattr(args, "lora", None) is None:
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise CliError(f"{flags} set LoRA's adapters, but without --lora R every weight trains in full; "
+                           "add --lora R (e.g. --lora 8), or drop them")
         return None
-    from planner.lora import LoraSettings
+    from planner.lora import DEFAULT_TARGETS, LoraSettings
 
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    also = tuple(t.strip() for t in args.train_also.split(",") if t.strip() and t.strip() != "none")
+    text = args.lora_targets if args.lora_targets is not None else ",".join(DEFAULT_TARGETS)
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    also_text = args.train_also if args.train_also is not None else "auto"
+    also = tuple(t.strip() for t in also_text.split(",") if t.strip() and t.strip() != "none")
+    alpha = args.lora_alpha if args.lora_alpha is not None else 8.0
     try:
-        return LoraSettings(args.lora, args.lora_alpha, targets, also, seed=getattr(args, "seed", 0))
+        return LoraSettings(args.lora, alpha, targets, also, seed=getattr(args, "seed", 0))
     except ValueError as exc:
         raise CliError(f"--lora: {exc}") from None
 

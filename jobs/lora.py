@@ -14,7 +14,7 @@ def adapted(graph: Graph, settings: LoraSettings | None, reporter: Reporter = Si
     try:
         lora, adapters = add_lora(graph, settings)
     except ValueError as exc:
-        raise JobError(f"--lora-targets: {exc}") from None
+        raise JobError(str(exc) if str(exc).startswith("--") else f"--lora-targets: {exc}") from None
     trainable = sum(int(lora.constants[p].nbytes) for p in lora.params)
     frozen = sum(b.frozen_bytes for b in lora.blocks)
     reporter.note(f"LoRA r={settings.rank} alpha={settings.alpha:g} on {len(adapters)} projections "

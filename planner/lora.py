@@ -222,7 +222,7 @@ def _feeds_activation(weight: str, nodes: list[Node], users: dict[str, list[Node
 
 def _targeted(graph: Graph, settings: LoraSettings) -> list[tuple[Block, Node, str]]:
     """(block, MatMul node, role or pattern) of every projection the settings target, each once."""
-    roles_wanted = {t for t in settings.targets if t in ATTENTION_ROLES + MLP_ROLES}
+    roles_wanted = {t for t in settings.targets if t in ATTENTION_ROLES + MLP_ROLES + (_FUSED_QKV,)}
     patterns = [t for t in settings.targets if t not in roles_wanted]
     chosen, seen = [], set()
     for block in graph.blocks:
@@ -234,12 +234,39 @@ def _targeted(graph: Graph, settings: LoraSettings) -> list[tuple[Block, Node, s
             if len(graph.constants[w].shape) != 2:
                 continue
             role = roles.get(w)
-            wanted = role in roles_wanted or (role == _FUSED_QKV and roles_wanted & {"q", "k", "v"})
+            wanted = role in roles_wanted or (role == _FUSED_QKV and roles_wanted & {"q", "k", "v", _FUSED_QKV})
             why = role if wanted else next((p for p in patterns if p in w), None)
             if why is not None:
                 chosen.append((block, node, why))
                 seen.add(w)
     return chosen
+
+
+def _check_targets(graph: Graph, settings: LoraSettings, chosen) -> None:
+    """Every target chose a projection (a typo is no silent no-op), every `train_also` item names
+    something, and no adapter sits on a weight the model also reads as a lookup table (a tied LM
+    head: the adapter would change the head only, while merged into the one weight it changes the
+    token embedding too, and PEFT adapts the lookup instead)."""
+    roles = {t for t in settings.targets if t in ATTENTION_ROLES + MLP_ROLES + (_FUSED_QKV,)}
+    used = {why for _, _, why in chosen}
+    fused = {"q", "k", "v", _FUSED_QKV} & roles if _FUSED_QKV in used else set()
+    missed = [t for t in settings.targets if t not in used and t not in fused]
+    present = sorted({r for b in graph.blocks for r in projection_roles(graph, b).values()})
+    if missed:
+        raise ValueError(f"LoRA targets {missed} match no linear projection of {graph.name!r} (its roles: "
+                         f"{', '.join(present)}; other targets are substrings of weight names)")
+    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather"}
+    tied = [(node.inputs[1], why) for _, node, why in chosen if node.inputs[1] in tables]
+    if tied:
+        weight, why = tied[0]
+        raise ValueError(f"LoRA target {why!r} chose {weight!r}, the LM head tied to the token embedding table: "
+                         "an adapter there would change the head but, merged or loaded by PEFT, the lookup too; "
+                         "target the projections, or train the head in full (--train-also head)")
+    kinds = ("auto", "head", "embeddings", "encoder", "decoder", "loss", "norms")
+    unknown = [t for t in settings.train_also if t not in kinds and not any(t in p for p in graph.params)]
+    if unknown:
+        raise ValueError(f"--train-also {unknown} names nothing of {graph.name!r} (give {', '.join(kinds)}, or "
+                         "a substring of weight names)")
 
 
 def _trained_in_full(graph: Graph, names: Sequence[str]) -> set[str]:
@@ -265,6 +292,7 @@ def add_lora(graph: Graph, settings: LoraSettings) -> tuple[Graph, tuple[Adapter
         raise ValueError(f"LoRA targets {list(settings.targets)} match no linear projection of {graph.name!r} "
                          f"(roles: {', '.join(ATTENTION_ROLES + MLP_ROLES)}; other targets are substrings of "
                          f"weight names)")
+    _check_targets(graph, settings, chosen)
     rng = np.random.default_rng(settings.seed)
     constants, values = dict(graph.constants), dict(graph.values)
     scale_name = "lora.scale"

@@ -59,6 +59,16 @@ def test_nothing_matched_says_what_can_be(graph):
         LoraSettings(0)
 
 
+def test_a_target_or_train_also_item_that_matches_nothing_is_no_silent_no_op(graph):
+    with pytest.raises(ValueError, match=r"LoRA targets \['vv', 'kk'\] match no linear projection of .* \(its roles: "
+                                         r"down, k, o, q, up, v; other targets are substrings of weight names\)"):
+        add_lora(graph, LoraSettings(2, targets=("q", "vv", "kk")))
+    with pytest.raises(ValueError, match=r"LoRA targets \['gate'\] match no linear projection"):
+        add_lora(graph, LoraSettings(2, targets=("q", "gate")))  # BERT has no gated MLP
+    with pytest.raises(ValueError, match=r"--train-also \['zzz'\] names nothing of .* \(give auto, head, embeddings"):
+        add_lora(graph, LoraSettings(2, train_also=("zzz",)))
+
+
 def test_b_zero_leaves_the_model_unchanged(graph, adapted):
     lora, _ = adapted
     feeds = token_feeds(B, S, vocab=500)
@@ -234,3 +244,20 @@ def test_a_lora_plan_records_trainable_and_frozen_bytes_and_show_prints_them(ada
     assert "trainable / frozen" in out
     d = plan.devices[0]
     assert f"{d.trainable_bytes / 2**20:.1f} / {d.frozen_bytes / 2**20:.1f} MiB" in out
+
+
+def test_lora_flags_without_lora_are_refused_not_ignored():
+    """--lora-targets / --lora-alpha / --train-also without --lora ran full fine-tuning silently."""
+    import argparse
+
+    from confidant.commands import _lora_settings
+    from confidant.errors import CliError
+
+    args = argparse.Namespace(lora=None, lora_alpha=None, lora_targets="q,v", train_also=None)
+    with pytest.raises(CliError, match=r"^--lora-targets set LoRA's adapters, but without --lora R every weight "
+                                       r"trains in full; add --lora R \(e.g. --lora 8\), or drop them$"):
+        _lora_settings(args)
+    assert _lora_settings(argparse.Namespace(lora=None, lora_alpha=None, lora_targets=None, train_also=None)) is None
+    settings = _lora_settings(argparse.Namespace(lora=4, lora_alpha=None, lora_targets=None, train_also=None))
+    assert (settings.rank, settings.alpha, settings.targets, settings.train_also) == (4, 8.0, ("q", "k", "v", "o"),
+                                                                                     ("auto",))

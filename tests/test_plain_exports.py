@@ -303,3 +303,20 @@ def test_the_dynamo_exporter_at_opsets_past_20_is_read(family, opset, tmp_path):
         full, train=False, until_block=len(graph.blocks) - 2)
     ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     assert np.abs(logits - ref).max() <= 2e-5 * np.abs(ref).max()
+
+
+def test_lora_on_a_tied_head_is_refused_and_a_fused_qkv_is_its_own_role(exported):
+    """An adapter on a head tied to the token table would adapt the head only, while merged into the
+    one weight (or loaded by PEFT, which adapts the lookup) it changes the embedding too: refused.
+    GPT-2's fused c_attn answers to q, k, v and to its own role name, qkv."""
+    from planner.lora import LoraSettings, add_lora
+
+    llama = exported["llama-tied"][2]
+    table = next(n.inputs[0] for n in llama.nodes if n.op == "Gather")
+    with pytest.raises(ValueError, match=rf"LoRA target 'embed_tokens' chose '{table}', the LM head tied to the token "
+                                         r"embedding table: .* train the head in full \(--train-also head\)"):
+        add_lora(llama, LoraSettings(2, targets=("embed_tokens", "up")))
+    gpt2 = exported["gpt2"][2]
+    for targets in (("qkv",), ("q", "k", "v", "o")):
+        _, adapters = add_lora(gpt2, LoraSettings(2, targets=targets))
+        assert sum(a.role == "qkv" for a in adapters) == 2  # one fused projection per layer
