@@ -36,17 +36,26 @@ def _worker_addresses(text: str) -> str:
     return text
 
 
-def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60) -> None:
+# What a plan fixes (its bundles were compiled for them): `train PLAN` refuses these flags (`PLAN_FIXED`).
+PLAN_FIXED = ("batch", "seq", "lr", "optimizer", "threads", "engine")
+
+
+def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60, from_plan: bool = False) -> None:
     g = p.add_argument_group("training (the same flags on every training command)")
+    fixed = "set by the plan: another value is refused (re-plan with `confidant plan` to change it)"
+
+    def default(value, text: str) -> dict:
+        return {"default": None, "help": fixed} if from_plan else {"default": value, "help": text}
+
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
-    g.add_argument("--batch", type=int, default=8, help="sentences per batch (default %(default)s)")
-    g.add_argument("--seq", type=int, default=128, help="tokens per sentence incl. [CLS]/[SEP] (default %(default)s)")
-    g.add_argument("--lr", type=float, default=5e-5, help="learning rate (default %(default)s)")
-    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw", help="default %(default)s")
+    g.add_argument("--batch", type=int, **default(8, "sentences per batch (default %(default)s)"))
+    g.add_argument("--seq", type=int, **default(128, "tokens per sentence incl. [CLS]/[SEP] (default %(default)s)"))
+    g.add_argument("--lr", type=float, **default(5e-5, "learning rate (default %(default)s)"))
+    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, **default("adamw", "default %(default)s"))
     g.add_argument("--seed", type=int, default=0, help="shuffling seed (default %(default)s)")
-    g.add_argument("--threads", type=int, default=1, help="CPU threads for the engine (default %(default)s)")
-    g.add_argument("--engine", choices=("mnn", "torch"), default="mnn",
-                   help="compute engine: mnn (default, no torch needed) or torch (optional extra)")
+    g.add_argument("--threads", type=int, **default(1, "CPU threads for the engine (default %(default)s)"))
+    g.add_argument("--engine", choices=("mnn", "torch"),
+                   **default("mnn", "compute engine: mnn (default, no torch needed) or torch (optional extra)"))
     g.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json of the model (default: the bundled all-MiniLM-L6-v2 one)")
     g.add_argument("--metrics-out", type=Path, default=None,
@@ -425,7 +434,7 @@ def _add_train(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
     _add_fault_flags(p)
     _add_security_flags(p)
-    _add_training_flags(p)
+    _add_training_flags(p, from_plan=True)
 
 
 def _add_worker(sub) -> None:
@@ -495,7 +504,9 @@ FAILED = 1  # anything else that stopped the command
 def _is_bad_input(exc: BaseException) -> bool:
     from ir.errors import InputFileError
 
-    return isinstance(exc, (InputFileError, FileNotFoundError, IsADirectoryError, NotADirectoryError))
+    from confidant.errors import UsageError
+
+    return isinstance(exc, (InputFileError, UsageError, FileNotFoundError, IsADirectoryError, NotADirectoryError))
 
 
 def _add_export_adapter(sub) -> None:

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from confidant.errors import CliError
+from confidant.errors import CliError, UsageError
 from confidant.progress import TerminalReporter
 
 
@@ -17,7 +17,7 @@ def _lora_settings(args):
     if getattr(args, "lora", None) is None:
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
-            raise CliError(f"{flags} set LoRA's adapters, but without --lora R every weight trains in full; "
+            raise UsageError(f"{flags} set LoRA's adapters, but without --lora R every weight trains in full; "
                            "add --lora R (e.g. --lora 8), or drop them")
         return None
     from planner.lora import DEFAULT_TARGETS, LoraSettings
@@ -235,8 +235,18 @@ def cmd_train_pipeline(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from confidant.cli import PLAN_FIXED
+    from jobs.plan_training import PlanRunSettings, planned_values, train_from_plan
 
+    given = {f: getattr(args, f) for f in PLAN_FIXED if getattr(args, f, None) is not None}
+    if given:  # a value the plan was not made for would be ignored: its bundles fix it
+        planned = planned_values(args.plan)
+        differ = [f"--{f} {v} (the plan's: {', '.join(str(x) for x in sorted(planned[f], key=str))})"
+                  for f, v in given.items() if planned[f] != {v}]
+        if differ:
+            raise UsageError(f"{'; '.join(differ)}: the plan fixes {'these' if len(differ) > 1 else 'this'} (its bundles "
+                           f"were compiled for {'them' if len(differ) > 1 else 'it'}); re-plan with `confidant plan` to "
+                           "change it, or drop the flag")
     _, insecure = _security(args)
     settings = PlanRunSettings(steps=args.steps, seed=args.seed, tokenizer=args.tokenizer, local=args.local,
                                checkpoint=args.checkpoint, replan_every=args.replan_every,

@@ -56,6 +56,17 @@ class PlanRunSettings:
     checkpoint_every: int | None = None
 
 
+def planned_values(plan_dir: Path) -> dict[str, set]:
+    """What the plan at `plan_dir` fixes of the training flags, flag -> the value(s) its devices use
+    (a plan may give its devices different engines and thread counts)."""
+    try:
+        plan = load_plan(Path(plan_dir))
+    except (BundleError, FileNotFoundError, ValueError) as exc:
+        raise JobError(str(exc)) from None
+    return {"batch": {plan.batch}, "seq": {plan.seq}, "lr": {plan.optimizer.lr}, "optimizer": {plan.optimizer.name},
+            "engine": {d.engine for d in plan.devices}, "threads": {d.threads for d in plan.devices}}
+
+
 def _coordinator_keys(settings: PlanRunSettings, bundles, reporter):
     """The coordinator's pair, after checking that it signed every bundle of the plan (a worker
     would refuse them otherwise; better said here, before any worker starts)."""

@@ -251,10 +251,10 @@ def test_lora_flags_without_lora_are_refused_not_ignored():
     import argparse
 
     from confidant.commands import _lora_settings
-    from confidant.errors import CliError
+    from confidant.errors import UsageError
 
     args = argparse.Namespace(lora=None, lora_alpha=None, lora_targets="q,v", train_also=None)
-    with pytest.raises(CliError, match=r"^--lora-targets set LoRA's adapters, but without --lora R every weight "
+    with pytest.raises(UsageError, match=r"^--lora-targets set LoRA's adapters, but without --lora R every weight "
                                        r"trains in full; add --lora R \(e.g. --lora 8\), or drop them$"):
         _lora_settings(args)
     assert _lora_settings(argparse.Namespace(lora=None, lora_alpha=None, lora_targets=None, train_also=None)) is None

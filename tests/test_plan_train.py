@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,14 @@ def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
     assert len(losses) == 2 and all(l > 0 for l in losses)
     assert [d["name"] for d in figures["devices"]] == [d["name"] for d in plan["devices"]]
     assert "predicted" in proc.stderr and "measured" in proc.stderr
+    # a flag the plan fixes, with another value than the plan's, is refused (it was ignored)
+    proc = subprocess.run([sys.executable, "-m", "confidant", "train", "plan", "--data", str(train), "--local",
+                           "--steps", "1", "--lr", "1000", "--engine", "torch"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and re.search(
+        r"error: --lr 1000.0 \(the plan's: [0-9.e-]+\); --engine torch \(the plan's: [a-z, ]+\): the plan fixes these "
+        r"\(its bundles were compiled for them\); re-plan with `confidant plan` to change it, or drop the flag$",
+        proc.stderr.strip()), proc.stderr
 
 
 def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
