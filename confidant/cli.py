@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -495,6 +496,15 @@ def main(argv: list[str] | None = None) -> int:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"confidant {args.command}: error: {message}", file=sys.stderr)
         return BAD_INPUT if _is_bad_input(exc) else FAILED
+    except (FileExistsError, PermissionError) as exc:  # a path given (or CONFIDANT_HOME) that cannot be written
+        where = exc.filename if exc.filename is not None else "a path"
+        why = ("a file is in the way of a folder to make there" if isinstance(exc, FileExistsError)
+               else "permission denied")
+        home = os.environ.get("CONFIDANT_HOME")
+        hint = (" (CONFIDANT_HOME names the folder for keys, caches and the demo's files)"
+                if home and str(where).startswith(home) else "")
+        print(f"confidant {args.command}: error: {where}: {why}; give a path that can be written{hint}", file=sys.stderr)
+        return BAD_INPUT
 
 
 BAD_INPUT = 2  # a file the user gave cannot be used (as argparse's usage errors: fix the input, run again)

@@ -128,3 +128,16 @@ def test_train_pipeline_end_to_end_with_resume(minilm_onnx, tmp_path):
     meta = json.loads((tmp_path / "ckpt2" / "meta.json").read_text())
     assert meta["step"] == 3 and meta["losses"] == [s["loss"] for s in a["steps"]]
     assert len(a["devices"]) == 3 and all(d["peak_rss_bytes"] > 0 for d in a["devices"])
+
+
+def test_a_path_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    """`datagen -o FILE` and a CONFIDANT_HOME that is a file ended in FileExistsError tracebacks."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc = _run("datagen", "-o", blocker)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"confidant datagen: error: {blocker}: a file is in the way of a folder to make "
+                                   "there; give a path that can be written")
+    monkeypatch.setenv("CONFIDANT_HOME", str(blocker))
+    proc = _run("keys", blocker / "keys", "coordinator")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(blocker) in proc.stderr
