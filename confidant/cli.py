@@ -464,14 +464,25 @@ def _add_backends(sub) -> None:
     p.add_argument("--json", action="store_true", help="print {backend: present} as JSON")
 
 
+# the NER demo's training defaults: its generated sentences are at most 28 WordPiece tokens long
+# (padding them to 128 would spend three quarters of the compute on padding)
+DEMO_DEFAULTS = {"steps": 60, "batch": 8, "seq": 32, "lr": 1e-4, "threads": 1}
+
+
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the main job end to end on the bundled MiniLM and generated data",
                        description="Export all-MiniLM-L6-v2, generate NER data, fine-tune on this device and report "
                                    f"F1 before and after. Files go to $CONFIDANT_HOME (default {DEMO_DIR}).")
     _add_training_flags(p, steps=60)
-    # the generated sentences are at most 28 WordPiece tokens long: padding them to 128 would
-    # spend three quarters of the compute on padding
-    p.set_defaults(seq=32, lr=1e-4)
+    # Unset (None) until the command knows which demo runs: each has its own defaults, and what the
+    # user gave (however argparse spelled it: --step 3 is --steps 3) wins over both.
+    from jobs.llm_demo import LLM_DEMO_DEFAULTS
+
+    for action in p._actions:
+        if action.dest in DEMO_DEFAULTS:
+            llm = LLM_DEMO_DEFAULTS.get(action.dest, DEMO_DEFAULTS[action.dest])
+            action.help = f"{(action.help or '').split(' (default')[0]} (default {DEMO_DEFAULTS[action.dest]}; --llm: {llm})"
+            action.default = None
     p.add_argument("--llm", action="store_true",
                    help="the decoder demo instead: SmolLM2-135M-Instruct fine-tuned on the generated entities-json "
                         "task on this device and on a planned 3-device pipeline (local worker processes), memory, "

@@ -304,16 +304,28 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def demo_args(args):
+    """`args` of `demo` with the flags the user left unset (None) given this demo's defaults (the
+    NER demo's, or with --llm SmolLM2's)."""
+    from confidant.cli import DEMO_DEFAULTS
+
+    if getattr(args, "llm", False):
+        from jobs.llm_demo import LLM_DEMO_DEFAULTS as defaults
+    else:
+        defaults = DEMO_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    return args
+
+
 def cmd_demo(args) -> int:
     from confidant.home import DEMO_DIR
 
-    if getattr(args, "llm", False):
-        from jobs.llm_demo import LLM_DEMO_DEFAULTS, llm_demo_table, run_llm_demo
+    args = demo_args(args)
+    if args.llm:
+        from jobs.llm_demo import llm_demo_table, run_llm_demo
 
-        given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
-        for name, value in LLM_DEMO_DEFAULTS.items():  # the NER demo's defaults do not fit SmolLM2
-            if f"--{name.replace('_', '-')}" not in given and (name != "eval_limit" or args.eval_limit is None):
-                setattr(args, name, value)
         rows = llm_demo_table(run_llm_demo(DEMO_DIR, _training_settings(args), TerminalReporter()))
     else:
         from jobs.demo import demo_table, run_demo

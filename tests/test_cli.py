@@ -141,3 +141,19 @@ def test_a_path_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypa
     monkeypatch.setenv("CONFIDANT_HOME", str(blocker))
     proc = _run("keys", blocker / "keys", "coordinator")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(blocker) in proc.stderr
+
+
+def test_the_demos_defaults_yield_to_flags_however_spelled():
+    """`demo --llm --step 3 --thread 1` ran 10 steps on 2 threads: the override looked for the literal
+    `--steps` in sys.argv (and missed flags given through main(argv) too)."""
+    from confidant.cli import build_parser
+    from confidant.commands import demo_args
+
+    def parsed(*argv):
+        a = demo_args(build_parser().parse_args(["demo", *argv]))
+        return a.steps, a.batch, a.seq, a.lr, a.threads, a.eval_limit
+
+    assert parsed("--llm", "--step", "3", "--thread", "1") == (3, 4, 128, 2e-4, 1, 16)
+    assert parsed("--llm", "--seq", "64", "--eval-limit", "2") == (10, 4, 64, 2e-4, 2, 2)
+    assert parsed() == (60, 8, 32, 1e-4, 1, None)
+    assert parsed("--steps", "5", "--batch", "2") == (5, 2, 32, 1e-4, 1, None)
