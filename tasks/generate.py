@@ -178,6 +178,12 @@ class OnnxCausalLM:
             raise ValueError("an empty prompt: give at least one token (a bos token, for a raw start)")
         if not prompts or settings.max_new_tokens == 0:
             return [[] for _ in prompts]
+        limit = int(((self.meta or {}).get("config") or {}).get("max_positions") or 0)
+        longest = max(len(p) for p in prompts)
+        if limit and longest + settings.max_new_tokens > limit:
+            raise ValueError(f"the longest prompt has {longest} tokens; with {settings.max_new_tokens} new ones that is "
+                             f"{longest + settings.max_new_tokens} positions, past the {limit} this model has "
+                             "(max_positions): shorten the prompt or ask for fewer new tokens (--max-new-tokens)")
         rng = np.random.default_rng(settings.seed)
         stop = {int(s) for s in stop_ids}
         use_kv = settings.kv_cache and self.kv_unavailable is None
