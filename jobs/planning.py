@@ -102,6 +102,12 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     cluster, splits = _with_head_splits(graph, cluster, reporter)
     reporter.note(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({settings.schedule}, "
                   f"{M} micro-batches)")
+    if settings.devices and not settings.cuts:
+        raise JobError(f"--devices {','.join(settings.devices)} orders the devices of --cuts; without --cuts the planner "
+                       "picks the devices and their order itself: give --cuts too, or drop --devices")
+    if settings.cuts and settings.devices and len(settings.devices) != len(settings.cuts) + 1:
+        raise JobError(f"--devices names {len(settings.devices)} devices but --cuts {','.join(map(str, settings.cuts))} "
+                       f"makes {len(settings.cuts) + 1} stages: give one device per stage, in pipeline order")
     if settings.cuts:
         order = list(settings.devices) if settings.devices else [d.name for d in cluster.devices]
         instance = make_instance(graph, cluster, settings.schedule, M, settings.optimizer, settings.update_every)

@@ -430,3 +430,10 @@ def test_profile_plan_show_and_simulate_a_decoder(tiny, tmp_path, capsys):
     with pytest.raises(Exception, match="1f1b-stash cannot train weights tied across stages"):
         plan_model(path, tmp_path / "cluster.yaml", PlanSettings("1f1b-stash", 4, 16, 2, cuts=(3,)),
                    tmp_path / "plan2", notes, sign=None)
+    # --devices orders the stages of --cuts: alone, or naming another number of devices, it was ignored
+    with pytest.raises(Exception, match=r"^--devices b orders the devices of --cuts; without --cuts the planner picks"):
+        plan_model(path, tmp_path / "cluster.yaml", PlanSettings("1f1b-flush", 4, 16, 2, devices=("b",)),
+                   tmp_path / "plan3", notes, sign=None)
+    with pytest.raises(Exception, match=r"^--devices names 1 devices but --cuts 3 makes 2 stages: give one device per"):
+        plan_model(path, tmp_path / "cluster.yaml", PlanSettings("1f1b-flush", 4, 16, 2, cuts=(3,), devices=("b",)),
+                   tmp_path / "plan3", notes, sign=None)
