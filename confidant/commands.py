@@ -189,7 +189,7 @@ def cmd_generate(args) -> int:
         settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       top_k=args.top_k, seed=args.seed, kv_cache=not args.no_kv_cache)
     except ValueError as exc:
-        raise CliError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     answers = generate(args.model, args.prompt, settings, raw=args.raw, system=args.system, threads=args.threads)
     for answer in answers:
         print(answer)

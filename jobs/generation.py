@@ -22,6 +22,8 @@ __all__ = ["evaluate_lm", "generate", "write_task_data"]
 
 
 def _open(model: Path, initializers, threads):
+    if not model.is_file():
+        raise FileNotFoundError(f"{model}: no such ONNX file")
     try:
         tokenizer = load_lm_tokenizer(model)
     except FileNotFoundError as exc:

@@ -25,6 +25,7 @@ at an end-of-sequence id (kept in its output, as transformers' generate keeps it
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
@@ -49,8 +50,12 @@ class GenerationSettings:
     kv_cache: bool = True  # use NAME.kv.onnx when it is there and can take the weights
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
-            raise ValueError(f"max_new_tokens, temperature and top_k must not be negative: {self}")
+        for name, value in (("max new tokens", self.max_new_tokens), ("top-k", self.top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"the {name} must be a whole number >= 0, not {value!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"the temperature must be a finite number >= 0 (0: greedy), not {self.temperature!r}")
 
 
 def lm_metadata(model_path: Path) -> dict | None:

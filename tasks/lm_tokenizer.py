@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from ir.errors import InputFileError
 from tasks.tokenize import load_tokenizer
 
 if TYPE_CHECKING:
@@ -211,8 +212,12 @@ def load_lm_tokenizer(path: str | Path) -> LmTokenizer:
     chat_file = tokenizer_file.parent / CHAT_TEMPLATE_FILE
     if not chat_file.is_file():
         return LmTokenizer(tokenizer, None, None, None)
-    d = json.loads(chat_file.read_text())
-    if d.get("format") != "confidant-chat-template":
+    try:
+        d = json.loads(chat_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputFileError(f"{chat_file}: not valid JSON ({exc}); re-export the model "
+                             "(`confidant export --task causal-lm`) or delete the file for raw prompts") from None
+    if not isinstance(d, dict) or d.get("format") != "confidant-chat-template":
         raise ValueError(f"{chat_file}: not a chat_template.json written by `confidant export --task causal-lm`")
     pieces = ChatPieces.from_json(d["pieces"]) if d.get("pieces") else None
     return LmTokenizer(tokenizer, pieces, d.get("eos_token_id"), d.get("pad_token_id"), d.get("bos_token_id"),

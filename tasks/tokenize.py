@@ -30,6 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
+from ir.errors import InputFileError
 from tasks.conll import Sentence, to_iob2
 
 __all__ = [
@@ -65,7 +66,11 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {p}")
-    tokenizer = Tokenizer.from_file(str(p))
+    try:
+        tokenizer = Tokenizer.from_file(str(p))
+    except Exception as exc:  # the tokenizers library raises its own Exception for any damage
+        raise InputFileError(f"{p}: not a readable tokenizer.json ({str(exc)[:200]}); use the tokenizer.json "
+                             "exported with the model") from None
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer

@@ -207,5 +207,39 @@ def test_the_generate_command(models, capsys):
     assert main(["generate", str(path), "--prompt", "w1 w2 w3", "--raw", "--max-new-tokens", "4",
                  "--no-kv-cache"]) == 0
     assert capsys.readouterr().out.strip() == tok.decode(_hf_greedy(model, raw_ids, 4, eos=vocab["<|im_end|>"]))
-    assert main(["generate", str(path), "--prompt", "w1", "--temperature", "-1"]) == 1
+    assert main(["generate", str(path), "--prompt", "w1", "--temperature", "-1"]) == 2  # a bad flag value: exit 2
 
+
+
+def test_damaged_side_files_and_settings_are_named(models, tmp_path):
+    """A corrupt tokenizer.json was a traceback, a broken chat_template.json a JSON error naming no
+    file, a missing model 'no tokenizer.json beside', a NaN temperature numpy's 'Probabilities
+    contain NaN', a negative --max-new-tokens the settings' repr."""
+    import json
+    import math
+    import shutil
+
+    from ir.errors import InputFileError
+    from jobs.errors import JobError
+    from jobs.generation import generate
+    from support import find_tokenizer_json
+    from tasks.lm_tokenizer import load_lm_tokenizer
+
+    with pytest.raises(ValueError, match=r"^the temperature must be a finite number >= 0 \(0: greedy\), not nan$"):
+        GenerationSettings(temperature=math.nan)
+    with pytest.raises(ValueError, match=r"^the max new tokens must be a whole number >= 0, not -1$"):
+        GenerationSettings(max_new_tokens=-1)
+    with pytest.raises(FileNotFoundError, match=r"missing.onnx: no such ONNX file$"):
+        generate(tmp_path / "missing.onnx", ["hi"])
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(InputFileError, match=r"tokenizer.json: not a readable tokenizer.json \("):
+        load_lm_tokenizer(folder)
+    shutil.copy(find_tokenizer_json(), folder / "tokenizer.json")  # a good one; the template is broken
+    (folder / "chat_template.json").write_text("{'format': 1}")
+    with pytest.raises(InputFileError, match=r"chat_template.json: not valid JSON \(.*\); re-export the model"):
+        load_lm_tokenizer(folder)
+    (folder / "chat_template.json").write_text(json.dumps([1]))
+    with pytest.raises(ValueError, match=r"chat_template.json: not a chat_template.json written by"):
+        load_lm_tokenizer(folder)
