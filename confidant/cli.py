@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,28 @@ def _address(text: str, listen: bool = False) -> str:
     except AddressError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _count(text: str) -> int:
+    """A whole number >= 1 (micro-batches, generated examples)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
+    return value
 
 
 def _listen_address(text: str) -> str:
@@ -235,8 +258,8 @@ def _add_datagen(sub) -> None:
                         "sentences labelled negative/neutral/positive, GLUE layout) or entities-json "
                         "(train.jsonl/dev.jsonl: "
                         "instructions for a causal LM to list a sentence's people, places and organisations as JSON)")
-    p.add_argument("--train", type=int, default=None, help="training sentences (default 3000; entities-json 1000)")
-    p.add_argument("--dev", type=int, default=None, help="dev sentences (default 500; entities-json 100)")
+    p.add_argument("--train", type=_count, default=None, help="training sentences (default 3000; entities-json 1000)")
+    p.add_argument("--dev", type=_count, default=None, help="dev sentences (default 500; entities-json 100)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -309,7 +332,7 @@ def _add_train_pipeline(sub) -> None:
                         "gradients; same result and memory as 1f1b-flush), 1f1b-stash (PipeDream asynchronous "
                         "1F1B with weight stashing: p-s weight versions on stage s), or 2bw (PipeDream-2BW: "
                         "asynchronous, two weight versions, an update every --update-every backwards)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (default %(default)s)")
+    p.add_argument("--microbatches", type=_count, default=4, help="micro-batches per batch (default %(default)s)")
     p.add_argument("--update-every", type=int, default=None,
                    help="1f1b-stash and 2bw: backwards per weight update on each stage (default: 1 for 1f1b-stash, "
                         "--microbatches for 2bw, which needs at least the number of stages)")
@@ -381,14 +404,14 @@ def _add_plan(sub) -> None:
                         "--help")
     p.add_argument("--batch", type=int, default=8, help="samples per batch (default %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="default %(default)s")
-    p.add_argument("--microbatches", type=int, default=4, help="default %(default)s")
+    p.add_argument("--microbatches", type=_count, default=4, help="default %(default)s")
     p.add_argument("--update-every", type=int, default=None,
                    help="1f1b-stash and 2bw: backwards per update (default: 1 for 1f1b-stash, --microbatches for 2bw)")
     p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--cuts", default=None, help="manual cuts instead of the solver (first block of stages 2..p)")
     p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
-    p.add_argument("--time-limit", type=float, default=10.0,
+    p.add_argument("--time-limit", type=_seconds, default=10.0,
                    help="seconds the whole plan may take, lowering included: the searches for the cuts (and the "
                         "re-solves after each device's engine is picked) share what is left, at least 0.5 s each, "
                         "and stop early once they prove their plan optimal (default %(default)s)")

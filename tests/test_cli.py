@@ -157,3 +157,16 @@ def test_the_demos_defaults_yield_to_flags_however_spelled():
     assert parsed("--llm", "--seq", "64", "--eval-limit", "2") == (10, 4, 64, 2e-4, 2, 2)
     assert parsed() == (60, 8, 32, 1e-4, 1, None)
     assert parsed("--steps", "5", "--batch", "2") == (5, 2, 32, 1e-4, 1, None)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("datagen", "--task", "seq-cls", "--train", "-5"), "argument --train: -5 is not at least 1"),
+    (("plan", "m.onnx", "--cluster", "c.json", "--time-limit", "nan"), "argument --time-limit: nan is not a number of "
+                                                                       "seconds > 0"),
+    (("plan", "m.onnx", "--cluster", "c.json", "--microbatches", "0"), "argument --microbatches: 0 is not at least 1"),
+])
+def test_counts_and_time_limits_out_of_range_are_usage_errors(argv, says):
+    """--train -5 wrote a header-only file, --time-limit nan/0/-1 was taken, --microbatches 0 said
+    'must be a multiple of 0'."""
+    proc = _run(*argv)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(says)
