@@ -343,6 +343,9 @@ class PlanDocument:
     # `ir.graph.Graph.lookup_rows`): the memory model holds those tables' AdamW state for that many
     # rows, so `train` refuses data that looks up more. Empty: tables charged whole.
     lookup_rows: Mapping[str, int] = field(default_factory=dict)
+    # the ONNX file the plan was made from (absolute, as planned; None: not recorded): a checkpoint of
+    # `train PLAN` names it, so predict and export-trained find the model the weights belong to
+    model_path: str | None = None
 
     @property
     def stages(self) -> int:
@@ -386,6 +389,8 @@ class PlanDocument:
             doc["base_sha256"] = self.base_sha256
         if self.lookup_rows:
             doc["lookup_rows"] = dict(sorted(self.lookup_rows.items()))
+        if self.model_path is not None:
+            doc["model_path"] = self.model_path
         return doc
 
     @classmethod
@@ -451,12 +456,15 @@ class PlanDocument:
         if not (isinstance(lookup_rows, dict)
                 and all(isinstance(k, str) and _is_int(v) and v >= 0 for k, v in lookup_rows.items())):
             raise fail(f"lookup_rows is {lookup_rows!r:.80}, not an object of table names to row counts >= 0")
+        model_path = doc.get("model_path")
+        if model_path is not None and not (isinstance(model_path, str) and model_path):
+            raise fail(f"model_path is {model_path!r:.80}, not null or a path")
         return cls(doc["model"], schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth,
                    doc["batch"], doc["seq"], tuple(blocks), doc["engine"], doc["backend"],
                    OptimizerSettings.from_json(doc["optimizer"]), parsed, doc["predicted_step_s"],
                    doc["partition_method"], tuple(tuple(str(a) for a in row) for row in schedule.actions),
                    doc.get("graph"), bool(doc.get("partition_optimal", False)), float(doc.get("bottleneck_s", 0.0)),
-                   cluster_digest, base_digest, dict(lookup_rows))
+                   cluster_digest, base_digest, dict(lookup_rows), model_path)
 
 
 def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:

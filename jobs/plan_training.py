@@ -56,6 +56,16 @@ class PlanRunSettings:
     checkpoint_every: int | None = None
 
 
+def _checkpoint_meta(plan_dir: Path, plan: PlanDocument, task) -> dict:
+    """What a checkpoint of this run records beside the weights: the plan, and what predict and
+    export-trained need to use them (the model file the plan was made from, the task, its labels)."""
+    meta = {"plan": str(plan_dir), "model": plan.model, "task": task.name, "labels": list(task.labels),
+            "batch": plan.batch, "seq": plan.seq, "optimizer": plan.optimizer.name, "lr": plan.optimizer.lr}
+    if plan.model_path is not None:
+        meta["model_path"] = plan.model_path
+    return meta
+
+
 def planned_values(plan_dir: Path) -> dict[str, set]:
     """What the plan at `plan_dir` fixes of the training flags, flag -> the value(s) its devices use
     (a plan may give its devices different engines and thread counts)."""
@@ -179,7 +189,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         result = train_pipeline(None, None, len(task.labels), addresses, config, settings.steps,
                                 listen=settings.listen, on_step=on_step, bundles=bundles, devices=names,
                                 stage_graphs=contents, checkpoint_dir=settings.checkpoint,
-                                meta={"plan": str(plan_dir)}, replan_every=settings.replan_every,
+                                meta=_checkpoint_meta(plan_dir, plan, task), replan_every=settings.replan_every,
                                 on_replan=replanner, spare_devices=spares,
                                 on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf),
                                 schedule=None if plan.schedule in ASYNC_SCHEDULES else plan.to_schedule(),

@@ -130,7 +130,8 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
                       "through the coordinator before every update")
     costs = stage_costs(graph, cluster, partition, settings.schedule, M, settings.optimizer, settings.update_every)
     schedule = make_schedule(settings.schedule, len(partition.stages), M, update_every=settings.update_every)
-    config = _emit_config(Path(model).name, cluster, partition.devices, splits, settings)
+    config = {**_emit_config(Path(model).name, cluster, partition.devices, splits, settings),
+              "model_path": str(Path(model).resolve())}
     step_s = predicted_step_s(costs, settings.schedule, M, settings.update_every)
     path = emit_plan(output, graph, partition, schedule, config, costs, step_s,
                      cluster=cluster, sign=sign)

@@ -63,9 +63,13 @@ def open_trained(path: Path) -> TrainedModel:
             raise JobError(f"{path} is a LoRA run's checkpoint: write its adapters with `confidant export-adapter "
                            f"{path} -o DIR` (PEFT's format)")
         model = Path(meta.get("model_path") or "")
+        if not meta.get("model_path"):
+            raise JobError(f"{path}: its meta.json does not say which ONNX file it was trained from (a checkpoint "
+                           f"of `train` from a plan made before plans recorded it: {meta.get('plan')}); re-plan and "
+                           "train again, or train with train-local / train-pipeline")
         if not model.is_file():
-            raise JobError(f"{path}: the model it was trained from ({meta.get('model_path') or meta.get('model')}) "
-                           "is not there; its meta.json has `model_path`, put the ONNX file back there")
+            raise JobError(f"{path}: the model it was trained from ({meta.get('model_path')}) is not there; its "
+                           "meta.json has `model_path`, put the ONNX file back there")
         return TrainedModel(model, weights, meta, path)
     if path.is_dir():
         raise InputFileError(f"{path}: a folder without meta.json is not a checkpoint; give a checkpoint folder "

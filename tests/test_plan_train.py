@@ -60,13 +60,20 @@ def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
     assert any(e.get("ph") == "X" for e in trace["traceEvents"])
     train, dev = write_splits(tmp_path / "data", n_train=48, n_dev=8, seed=4)
     proc = _run("train", "plan", "--data", train, "--eval", dev, "--local", "--steps", 2, "--seq", 32,
-                "--metrics-out", "m.json", cwd=tmp_path)
+                "--metrics-out", "m.json", "--checkpoint", "ck", cwd=tmp_path)
     figures = json.loads((tmp_path / "m.json").read_text())
     assert figures["schema_version"] == 1 and figures["command"] == "train"
     losses = [s["loss"] for s in figures["steps"]]
     assert len(losses) == 2 and all(l > 0 for l in losses)
     assert [d["name"] for d in figures["devices"]] == [d["name"] for d in plan["devices"]]
     assert "predicted" in proc.stderr and "measured" in proc.stderr
+    # its checkpoint names the model the plan was made from, the task and labels: predict reads it
+    meta = json.loads((tmp_path / "ck" / "meta.json").read_text())
+    assert meta["model_path"] == str(Path(minilm_onnx).resolve()) and meta["task"] == "ner" and meta["labels"]
+    (tmp_path / "in.txt").write_text("Ann lives in Oslo .\n")
+    tagged = _run("predict", "ck", "--input", "in.txt", "--seq", 32, cwd=tmp_path).stdout
+    assert [line.split("\t")[0] for line in tagged.strip().splitlines()] == ["Ann", "lives", "in", "Oslo", "."]
+    assert all(line.split("\t")[1] in meta["labels"] for line in tagged.strip().splitlines())
     # a flag the plan fixes, with another value than the plan's, is refused (it was ignored)
     proc = subprocess.run([sys.executable, "-m", "confidant", "train", "plan", "--data", str(train), "--local",
                            "--steps", "1", "--lr", "1000", "--engine", "torch"], cwd=tmp_path, capture_output=True,
