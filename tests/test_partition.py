@@ -351,7 +351,9 @@ def test_nothing_fits_names_the_tightest_device_exactly():
         "no plan fits the memory budgets (1f1b-stash, 2 micro-batches, adamw): every plan overflows some device "
         "by at least 50 bytes. Tightest device: 'laptop', which in the best attempt (laptop block 0, phone block 1) "
         "needs 500 bytes of its 450-byte budget. What would make it fit:\n"
-        "  - more devices, or larger memory budgets (at least 50 more bytes on 'laptop')\n"
+        "  - larger memory budgets: block 0 alone needs 500 bytes where it runs, more than the 450 bytes budget of "
+        "'laptop', and more devices cannot split one block (a device with at least that much, or less to hold: LoRA "
+        "adapters, or `plan --data` for embedding tables charged for the rows the data looks up)\n"
         "  - 1f1b-flush instead of 1f1b-stash: saves 100 bytes on 'laptop' (1 old weight version, the current "
         "weights' second copy, less the gradient sum it holds)\n"
         "  - sgd instead of adamw: saves 100 bytes on 'laptop' (one optimizer state copy less)")

@@ -51,7 +51,13 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
     others = [f"{inst.devices[devs[i]]!r} by {_nbytes(over[i])}" for i in range(p) if i != s and over[i] > 0]
     params = sum(inst.params_bytes[first:last + 1])
     activations = sum(inst.input_bytes[first:last + 1])
-    hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
+    if first == last:  # one block no cut can split: another device only helps if its budget is larger
+        hints = [f"larger memory budgets: block {first} alone needs {_nbytes(budget + worst)} where it runs, more "
+                 f"than the {_nbytes(budget)} budget of {name!r}, and more devices cannot split one block (a device "
+                 f"with at least that much, or less to hold: LoRA adapters, or `plan --data` for embedding tables "
+                 f"charged for the rows the data looks up)"]
+    else:
+        hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
     # against what 1f1b-flush holds at this position (no old version or second copy; a gradient sum)
     saved = 0
     if inst.schedule in ASYNC_SCHEDULES:
