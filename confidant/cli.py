@@ -566,6 +566,8 @@ def _add_export_adapter(sub) -> None:
                    help="write the ONNX model the run trained, the adapters merged into its base weights (W + "
                         "alpha/r A B) and the parameters trained in full replaced; ONNX Runtime runs it")
     p.add_argument("--base", type=Path, default=None,
-                   help="the transformers checkpoint the model was exported from (default: the bundled MiniLM)")
-    p.add_argument("--num-labels", type=int, default=9, help="labels of the exported head (default %(default)s)")
+                   help="the transformers checkpoint the model was exported from: a folder, or for a causal LM a "
+                        ".gguf file (default: the bundled MiniLM; a causal LM: the source its NAME.lm.json records)")
+    p.add_argument("--num-labels", type=int, default=None,
+                   help="labels of the exported head (default: the run's labels, else 9)")
     p.add_argument("--seed", type=int, default=0, help="the export's head seed (default %(default)s)")

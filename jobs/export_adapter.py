@@ -48,7 +48,7 @@ def lora_run(checkpoint: Path):
 
 
 def export_adapter(checkpoint: Path, out: Path, base_state: dict[str, np.ndarray], task_type: str = "TOKEN_CLS",
-                   base_name: str | None = None) -> Path:
+                   base_name: str | None = None, fan_in_fan_out: bool = False) -> Path:
     """Write `out`/adapter_config.json and `out`/adapter_model.safetensors from a LoRA checkpoint;
     `base_state` is the transformers model's state dict (numpy) the ONNX file was exported from."""
     meta, weights, settings, graph, adapters = lora_run(checkpoint)
@@ -70,7 +70,7 @@ def export_adapter(checkpoint: Path, out: Path, base_state: dict[str, np.ndarray
     save_safetensors(out / PEFT_WEIGHTS, {k: np.asarray(v, np.float32) for k, v in tensors.items()})
     config = {
         "peft_type": "LORA", "task_type": task_type, "r": settings.rank, "lora_alpha": settings.alpha,
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": fan_in_fan_out, "inference_mode": True,
         "init_lora_weights": True, "base_model_name_or_path": base_name,
         "target_modules": sorted({names[a.base].module for a in adapters}),
         "modules_to_save": sorted({names[p].module.rsplit(".", 1)[-1] for p in in_full}) or None,
@@ -79,16 +79,37 @@ def export_adapter(checkpoint: Path, out: Path, base_state: dict[str, np.ndarray
     return out
 
 
-def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, num_labels: int = 9,
+def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, num_labels: int | None = None,
                        seed: int = 0) -> Path:
-    """`export_adapter` against the transformers token classifier at `base` (default: the bundled
-    MiniLM) with the exported head's label count and seed."""
-    from jobs.export import default_checkpoint_dir, load_token_classifier
+    """`export_adapter` against the transformers model the run's ONNX file was exported from, as its
+    task has it: a token or sequence classifier at `base` (default: the bundled MiniLM) with the run's
+    label count (`num_labels`, else the checkpoint's labels) and seed, or a causal LM at `base` (a
+    Hugging Face folder or a .gguf file; default: the source its NAME.lm.json records)."""
+    from jobs.export import default_checkpoint_dir, load_classifier
 
-    base = Path(base) if base else default_checkpoint_dir()
-    model = load_token_classifier(base, num_labels, seed)
+    meta, _, _, _, _ = lora_run(checkpoint)
+    task = meta.get("task") or "ner"
+    if task == "causal-lm":
+        from jobs.export_llm import load_causal_lm
+        from tasks.generate import lm_metadata
+
+        if base is None:
+            source = ((lm_metadata(Path(meta["model_path"])) or {}).get("source") or {}).get("path")
+            if not source:
+                raise JobError(f"{checkpoint}: a causal LM's adapters are named against its transformers model: give "
+                               "--base (the Hugging Face folder or .gguf file it was exported from)")
+            base = Path(source)
+        model = load_causal_lm(Path(base))[0]
+        task_type = "CAUSAL_LM"
+    else:
+        base = Path(base) if base else default_checkpoint_dir()
+        labels = num_labels or len(meta.get("labels") or ()) or 9
+        model = load_classifier(base, "seq-cls" if task == "seq-cls" else "token-classification", labels, seed)
+        task_type = "SEQ_CLS" if task == "seq-cls" else "TOKEN_CLS"
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    return export_adapter(checkpoint, out, state, base_name=str(base))
+    # GPT-2's projections are Conv1D (weights [in, out]): PEFT merges those with fan_in_fan_out
+    conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
+    return export_adapter(checkpoint, out, state, task_type, base_name=str(base), fan_in_fan_out=conv1d)
 
 
 def merged_weights(graph, weights, adapters, scale: float) -> dict[str, np.ndarray]:

@@ -154,3 +154,39 @@ def test_the_merged_onnx_gives_the_trained_logits_on_onnx_runtime(trained, tmp_p
     base = ort.InferenceSession(str(model_path)).run(
         None, {k: feeds[k] for k in ("input_ids", "attention_mask", "token_type_ids")})[0]
     assert float(np.abs(base - want).max()) > 1e-3  # the adapters are in it
+
+
+def test_a_causal_lms_adapter_loads_onto_its_transformers_model_through_peft(tmp_path):
+    """export-adapter of a causal-LM run (before: only token classifiers, the MiniLM default blamed
+    for the mismatch): named against the transformers model at --base, CAUSAL_LM, and GPT-2's Conv1D
+    projections marked fan_in_fan_out; PEFT's logits are the engine's with the same weights."""
+    import transformers as tf
+    from peft import PeftModel
+
+    from jobs.export_adapter import export_adapter_for
+    from jobs.export_llm import LlmExportOptions, export_causal_lm
+    from runtime.pipeline.checkpoints import save_checkpoint
+    from support import lm_step_feeds, scrambled_causal_lm
+
+    model = scrambled_causal_lm(tf.GPT2Config(vocab_size=120, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    model.save_pretrained(tmp_path / "hf")
+    path = export_causal_lm(model, tmp_path / "onnx" / "m.onnx", LlmExportOptions(), kv_cache=False)
+    settings = LoraSettings(2, 8.0, targets=("qkv", "o"), train_also=(), seed=3)
+    graph, adapters = add_lora(load_model(path, 2, 12), settings)
+    rng = np.random.default_rng(0)
+    weights = {p: rng.normal(0, 0.3, graph.constants[p].shape).astype(np.float32) for p in graph.params}
+    save_checkpoint(tmp_path / "ck", [{f"param/{k}": v for k, v in weights.items()}],
+                    {"model": "m.onnx", "model_path": str(path), "task": "causal-lm", "step": 1, "stages": 1,
+                     "ranges": [[0, len(graph.blocks) - 1]], "lora": {"rank": 2, "alpha": 8.0, "targets": ["qkv", "o"],
+                                                                      "train_also": [], "seed": 3}})
+    out = export_adapter_for(tmp_path / "ck", tmp_path / "adapter", base=tmp_path / "hf")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["task_type"], config["fan_in_fan_out"]) == ("CAUSAL_LM", True)
+    peft_model = PeftModel.from_pretrained(model, out).eval()
+    feeds = lm_step_feeds(0, 2, 12, 1, vocab=120)[0]
+    with torch.no_grad():
+        want = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
+                          attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
