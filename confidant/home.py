@@ -4,4 +4,5 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-DEMO_DIR = Path(os.environ.get("CONFIDANT_HOME", Path.home() / ".cache" / "confidant"))
+# an empty CONFIDANT_HOME is unset (Path("") is the working folder: keys would land in ./keys)
+DEMO_DIR = Path(os.environ.get("CONFIDANT_HOME") or Path.home() / ".cache" / "confidant")

@@ -61,7 +61,8 @@ def open_trained(path: Path) -> TrainedModel:
         meta, weights, _ = load_checkpoint(path)
         if meta.get("lora"):
             raise JobError(f"{path} is a LoRA run's checkpoint: write its adapters with `confidant export-adapter "
-                           f"{path} -o DIR` (PEFT's format)")
+                           f"{path} -o DIR` (PEFT's format), or the merged model with `confidant export-adapter {path} "
+                           "--merged -o FILE.onnx`, which predict takes")
         model = Path(meta.get("model_path") or "")
         if not meta.get("model_path"):
             raise JobError(f"{path}: its meta.json does not say which ONNX file it was trained from (a checkpoint "
