@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from confidant.defaults import DEMO_DEFAULTS
 from confidant.errors import CliError
 from confidant.home import DEMO_DIR
 from ir.plan import OPTIMIZER_NAMES, SCHEDULE_NAMES
@@ -58,10 +59,6 @@ def _worker_addresses(text: str) -> str:
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{item.strip()}: {exc}") from None
     return text
-
-
-# What a plan fixes (its bundles were compiled for them): `train PLAN` refuses these flags (`PLAN_FIXED`).
-PLAN_FIXED = ("batch", "seq", "lr", "optimizer", "threads", "engine")
 
 
 def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60, from_plan: bool = False) -> None:
@@ -485,11 +482,6 @@ def _add_backends(sub) -> None:
                        description="Probe each MNN backend by running a one-op model on it (MNN silently falls back "
                                    "to the CPU for a missing one; that counts as absent) and check for PyTorch.")
     p.add_argument("--json", action="store_true", help="print {backend: present} as JSON")
-
-
-# the NER demo's training defaults: its generated sentences are at most 28 WordPiece tokens long
-# (padding them to 128 would spend three quarters of the compute on padding)
-DEMO_DEFAULTS = {"steps": 60, "batch": 8, "seq": 32, "lr": 1e-4, "threads": 1}
 
 
 def _add_demo(sub) -> None:

@@ -235,7 +235,7 @@ def cmd_train_pipeline(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from confidant.cli import PLAN_FIXED
+    from confidant.defaults import PLAN_FIXED
     from jobs.plan_training import PlanRunSettings, planned_values, train_from_plan
 
     given = {f: getattr(args, f) for f in PLAN_FIXED if getattr(args, f, None) is not None}
@@ -307,7 +307,7 @@ def cmd_keys(args) -> int:
 def demo_args(args):
     """`args` of `demo` with the flags the user left unset (None) given this demo's defaults (the
     NER demo's, or with --llm SmolLM2's)."""
-    from confidant.cli import DEMO_DEFAULTS
+    from confidant.defaults import DEMO_DEFAULTS
 
     if getattr(args, "llm", False):
         from jobs.llm_demo import LLM_DEMO_DEFAULTS as defaults

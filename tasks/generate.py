@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 __all__ = ["GenerationSettings", "OnnxCausalLM", "generate_text", "lm_metadata"]
 
 
+# model families (transformers' model_type) whose positions are rows of a learned table: no position
+# past max_positions exists
+LEARNED_POSITIONS = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "xglm"})
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
     max_new_tokens: int = 64
@@ -183,7 +188,10 @@ class OnnxCausalLM:
             raise ValueError("an empty prompt: give at least one token (a bos token, for a raw start)")
         if not prompts or settings.max_new_tokens == 0:
             return [[] for _ in prompts]
-        limit = int(((self.meta or {}).get("config") or {}).get("max_positions") or 0)
+        config = (self.meta or {}).get("config") or {}
+        # only a learned position table ends there (GPT-2's): rotary and ALiBi models run on past their
+        # trained length, as transformers lets them
+        limit = int(config.get("max_positions") or 0) if config.get("family") in LEARNED_POSITIONS else 0
         longest = max(len(p) for p in prompts)
         if limit and longest + settings.max_new_tokens > limit:
             raise ValueError(f"the longest prompt has {longest} tokens; with {settings.max_new_tokens} new ones that is "

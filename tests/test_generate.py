@@ -65,16 +65,20 @@ def test_a_row_stops_at_its_end_token_and_keeps_it(models):
         assert got[1:] == [_hf_greedy(model, p, 8, eos=eos) for p in PROMPTS[1:]]
 
 
-def test_generation_past_the_models_positions_is_refused_up_front(models):
-    """A GPT-2 (learned positions) asked past its table ended in ONNX Runtime's Gather traceback;
-    a rotary model ran on past its trained positions without a word."""
-    _, path = models["llama"]
+def test_generation_past_a_learned_position_table_is_refused_up_front(models):
+    """A GPT-2 (learned positions) asked past its table ended in ONNX Runtime's Gather traceback; a
+    rotary model runs on past its trained length, as transformers lets it."""
+    _, path = models["gpt2"]
     lm = OnnxCausalLM(path)
     limit = lm.meta["config"]["max_positions"]
     assert lm.generate([[5] * (limit - 2)], GenerationSettings(max_new_tokens=2))  # fits exactly
     with pytest.raises(ValueError, match=rf"the longest prompt has {limit - 2} tokens; with 3 new ones that is "
                                          rf"{limit + 1} positions, past the {limit} this model has \(max_positions\)"):
         lm.generate([[5], [5] * (limit - 2)], GenerationSettings(max_new_tokens=3))
+    _, path = models["llama"]
+    rotary = OnnxCausalLM(path)
+    limit = rotary.meta["config"]["max_positions"]
+    assert len(rotary.generate([[5] * limit], GenerationSettings(max_new_tokens=2))[0]) == 2
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(models):
