@@ -326,6 +326,22 @@ def scrambled_causal_lm(config):
     return scramble_weights(model).eval()
 
 
+def transformers_lm_gradients(model, feeds) -> dict:
+    """Every parameter's gradient (numpy, by transformers name) of the causal-LM loss the lowered
+    graph computes (sum of target_weights x token cross-entropy), on a float64 copy of `model`."""
+    import copy
+
+    import torch
+
+    model64 = copy.deepcopy(model).double()
+    logits = model64(input_ids=torch.from_numpy(feeds["input_ids"]),
+                     attention_mask=torch.from_numpy(feeds["attention_mask"])).logits
+    ids = torch.from_numpy(feeds["target_ids"])
+    ce = torch.logsumexp(logits, -1) - logits.gather(-1, ids[..., None])[..., 0]
+    (torch.from_numpy(feeds["target_weights"]).double() * ce).sum().backward()
+    return {n: p.grad.numpy() for n, p in model64.named_parameters() if p.grad is not None}
+
+
 def stage_engine(kind: str, spec):
     """The MNN or the PyTorch stage engine over `spec` ("mnn" or "torch")."""
     from runtime.engines.mnn import MnnStageEngine

@@ -12,7 +12,6 @@ Gemma's norm is one RMSNorm node with its offset, on every engine path (op by op
 attention, the head split)."""
 from __future__ import annotations
 
-import copy
 import os
 
 import numpy as np
@@ -27,7 +26,8 @@ from planner.onnx_import import ImportError_, load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.split.engine import SplitStageEngine
 from runtime.engines.stage import stage_spec
-from support import Lazy, assert_grads_close, lm_step_feeds, scrambled_causal_lm, stage_engine
+from support import (Lazy, assert_grads_close, lm_step_feeds, scrambled_causal_lm, stage_engine,
+                     transformers_lm_gradients)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S, VOCAB = 2, 12, 256
@@ -98,11 +98,6 @@ def test_logits_equal_onnxruntime_and_transformers(exported, family, engine):
     assert float(np.abs(logits - hf).max()) <= 2e-6 * scale
 
 
-def _token_ce(logits: torch.Tensor, feeds) -> torch.Tensor:
-    ids = torch.from_numpy(feeds["target_ids"])
-    return torch.logsumexp(logits, -1) - logits.gather(-1, ids[..., None])[..., 0]
-
-
 @pytest.mark.parametrize("engine", ["mnn", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_gradient_equals_transformers_in_float64(exported, family, engine):
@@ -111,11 +106,7 @@ def test_every_gradient_equals_transformers_in_float64(exported, family, engine)
     run = stage_engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1))
     run.forward(feeds, 0)
     got = run.backward(0).params
-    model64 = copy.deepcopy(model).double()
-    logits = model64(input_ids=torch.from_numpy(feeds["input_ids"]),
-                     attention_mask=torch.from_numpy(feeds["attention_mask"])).logits
-    (torch.from_numpy(feeds["target_weights"]).double() * _token_ce(logits, feeds)).sum().backward()
-    want = {n: p.grad.numpy() for n, p in model64.named_parameters() if p.grad is not None}
+    want = transformers_lm_gradients(model, feeds)
     assert set(got) == set(want)
     assert_grads_close(got, want)
 

@@ -18,7 +18,6 @@ A file saved in half precision (`model.half()` before export) is widened to floa
 it lowers, trains and goes back out in its own precision."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -32,7 +31,8 @@ from onnx import numpy_helper
 
 from planner.onnx_import import folded_transposes, load_model, with_folded_copies, write_weights
 from runtime.engines.stage import stage_spec
-from support import Lazy, assert_grads_close, lm_step_feeds, scrambled_causal_lm, stage_engine
+from support import (Lazy, assert_grads_close, lm_step_feeds, scrambled_causal_lm, stage_engine,
+                     transformers_lm_gradients)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, S, VOCAB = 2, 12, 256
@@ -135,14 +135,8 @@ def test_every_gradient_of_a_plain_export_equals_transformers_in_float64(exporte
     run = stage_engine(engine, stage_spec(graph, 0, len(graph.blocks) - 1))
     run.forward(feeds, 0)
     got = run.backward(0).params
-    model64 = copy.deepcopy(model).double()
-    logits = model64(input_ids=torch.from_numpy(feeds["input_ids"]),
-                     attention_mask=torch.from_numpy(feeds["attention_mask"])).logits
-    ids = torch.from_numpy(feeds["target_ids"])
-    ce = torch.logsumexp(logits, -1) - logits.gather(-1, ids[..., None])[..., 0]
-    (torch.from_numpy(feeds["target_weights"]).double() * ce).sum().backward()
     matched = _by_value(graph, {n: p.detach().float().numpy() for n, p in model.named_parameters()})
-    grads = {n: p.grad.numpy() for n, p in model64.named_parameters()}
+    grads = transformers_lm_gradients(model, feeds)
     assert set(got) == set(graph.params) and len(matched) == len(graph.params) == len(grads)
     for p, (name, transposed) in matched.items():
         want = grads[name].T if transposed else grads[name]
