@@ -24,26 +24,21 @@ def _address(text: str, listen: bool = False) -> str:
     return text
 
 
-def _count(text: str) -> int:
-    """A whole number >= 1 (micro-batches, generated examples)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
+def _checked(cast, what: str, ok, bound: str):
+    """An argparse type: `cast` of the text, refused unless it is `what` and `ok` (which says `bound`)."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {bound}")
+        return value
+    return parse
 
 
-def _seconds(text: str) -> float:
-    """A finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
-    return value
+_count = _checked(int, "a whole number", lambda v: v >= 1, "at least 1")  # micro-batches, generated examples
+_seconds = _checked(float, "a number of seconds", lambda v: math.isfinite(v) and v > 0, "a number of seconds > 0")
 
 
 def _listen_address(text: str) -> str:
