@@ -1018,9 +1018,12 @@ def with_folded_copies(path: str | Path, weights: Mapping[str, np.ndarray]) -> d
     """`weights` (IR parameter name -> array) plus, for each initializer of the file `path` that the
     exporter folded as one of them transposed (`folded_transposes`), that array transposed: what the
     file's initializers must hold to compute with `weights`."""
+    return _with_folded_copies(read_onnx(Path(path)), weights)
+
+
+def _with_folded_copies(model, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     from onnx import numpy_helper
 
-    model = read_onnx(Path(path))
     two_d = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) == 2}
     out = dict(weights)
     for copy, weight in folded_transposes(model.graph, two_d).items():
@@ -1046,11 +1049,7 @@ def write_weights(source: str | Path, destination: str | Path, weights, keep: se
     source, destination = Path(source), Path(destination)
     model = read_onnx(source)
     by_name = {t.name: t for t in model.graph.initializer}
-    two_d = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) == 2}
-    weights = dict(weights)
-    for copy, weight in folded_transposes(model.graph, two_d).items():
-        if weight in weights and copy not in weights:
-            weights[copy] = np.asarray(weights[weight]).T
+    weights = _with_folded_copies(model, weights)
     identities = {n.output[0]: n for n in model.graph.node if n.op_type == "Identity" and n.input[0] in by_name}
     unknown = [k for k in weights if k not in by_name and k not in identities]
     if unknown:
