@@ -114,12 +114,10 @@ _WORD = re.compile(r"\w+(?:[-'.]\w+)*|[^\w\s]", re.UNICODE)
 
 
 def _input_text(path: Path) -> str:
-    """`predict`'s input as text, or an error naming the file and the first byte that is not UTF-8."""
-    try:
-        return path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise InputFileError(f"--input {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); give a text, "
-                             "CoNLL or TSV/CSV file saved as UTF-8") from None
+    """`predict`'s input as text (`tasks.text_files.read_utf8_text`)."""
+    from tasks.text_files import read_utf8_text
+
+    return read_utf8_text(path, "give a text, CoNLL or TSV/CSV file saved as UTF-8", f"--input {path}")
 
 
 def _read_sentences(path: Path) -> list[list[str]]:

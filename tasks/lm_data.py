@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import numpy as np
 
 from ir.errors import InputFileError
+from tasks.text_files import read_utf8_text
 from tasks.lm_tokenizer import check_messages
 
 if TYPE_CHECKING:
@@ -181,19 +182,10 @@ def microbatch_feeds(batch: LmBatch, m: int) -> list[dict[str, np.ndarray]]:
 
 # --- plain text ---------------------------------------------------------------------------------------
 
-def _utf8_text(path: str | os.PathLike[str]) -> str:
-    """The file's text (a byte-order mark dropped), or an error naming the file and the first bad byte."""
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise InputFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
-
-
 def read_text_documents(path: str | os.PathLike[str]) -> list[str]:
     """The documents of a text file: runs of non-blank lines, separated by blank lines (line breaks
     inside a document are kept)."""
-    text = _utf8_text(path)
+    text = read_utf8_text(path)
     docs, current = [], []
     for line in text.splitlines():
         if line.strip():
@@ -230,7 +222,7 @@ def read_instructions(path: str | os.PathLike[str]) -> list[list[dict[str, str]]
     """Conversations of a JSONL file (module docstring: the two layouts); errors name the line."""
     conversations = []
     path = Path(path)
-    for number, line in enumerate(_utf8_text(path).splitlines(), 1):
+    for number, line in enumerate(read_utf8_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ir.errors import InputFileError
+from tasks.text_files import read_utf8_text
 
 __all__ = ["LabelledText", "SeqClsData", "generate_reviews", "label_order", "load_seqcls_data", "read_labelled",
            "write_labelled", "write_review_splits"]
@@ -54,10 +55,7 @@ def read_labelled(path: str | Path) -> list[LabelledText]:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give the TSV/CSV file in it (e.g. {path}/train.tsv)")
-    try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise InputFileError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    text = read_utf8_text(path)
     lines = text.splitlines()
     if not any(line.strip() for line in lines):
         raise InputFileError(f"{path}: no examples (the file is empty); write one `sentence<TAB>label` a line")
