@@ -435,3 +435,23 @@ def test_a_stage_is_timed_with_its_table_gradient_as_rows(tiny_graph, backend, m
     monkeypatch.setattr(compute, "make_engine", spying)
     compute.measure_stage(parse_backend(backend), stage_spec(tiny_graph, 0, 0), synthetic_feeds(tiny_graph), reps=1)
     assert RowGradient in seen
+
+
+@pytest.mark.parametrize("backend", ["mnn:cpu:t1", "torch:cpu:t1"])
+def test_a_frozen_first_block_under_lora_is_profiled(tiny_graph, backend):
+    """`profile --lora R` times the embeddings block, which LoRA leaves with no trainable weight and
+    no stage input: nothing to differentiate, so its backward gives no gradients (PyTorch's autograd
+    was asked for the gradients of an empty list and raised after a minute of profiling)."""
+    from planner.lora import LoraSettings, add_lora
+    from runtime.profiling import compute
+    from runtime.profiling.inputs import synthetic_feeds
+
+    lora, _ = add_lora(tiny_graph, LoraSettings(4))
+    spec = stage_spec(lora, 0, 0)
+    assert not spec.params, "the embeddings block should hold only frozen weights under LoRA"
+    cost = compute.measure_stage(parse_backend(backend), spec, synthetic_feeds(lora), reps=1)
+    assert cost.forward_s > 0 and cost.backward_s >= 0
+    engine = make_engine(parse_backend(backend), spec)
+    engine.forward(synthetic_feeds(lora), 0)
+    grads = engine.backward(0, np.ones(lora.values[spec.blocks[-1].output].shape, np.float32))
+    assert grads.params == {} and grads.activation_input is None

@@ -538,6 +538,10 @@ class TorchStageEngine(StageEngine):
         deferred = deferral[2] if deferral is not None else set()
         now = {k: p for k, p in used.items() if k not in deferred}
         wrt = list(now.values()) + ([x_in] if x_in is not None else []) + ([deferral[0]] if deferral else [])
+        if not wrt:
+            # nothing to differentiate: a first stage that holds only frozen weights (LoRA's
+            # embeddings); autograd refuses an empty list, and the answer is no gradients at all
+            return StageGradients({}, None)
         grads = torch.autograd.grad([out], wrt, [seed], allow_unused=True)
         params = {}
         # autograd's fresh tensors, shared with numpy without a copy (nothing else holds them; the
