@@ -73,7 +73,8 @@ def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60, from_plan: 
     g.add_argument("--engine", choices=("mnn", "torch"),
                    **default("mnn", "compute engine: mnn (default, no torch needed) or torch (optional extra)"))
     g.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer.json of the model (default: the bundled all-MiniLM-L6-v2 one)")
+                   help="tokenizer.json of the model (default: a causal LM's own, beside its ONNX file or in the plan "
+                        "folder; otherwise the bundled all-MiniLM-L6-v2 one)")
     g.add_argument("--metrics-out", type=Path, default=None,
                    help="write the metrics document (per-step loss and speed, memory per device, F1; schema in the "
                         "README) as JSON to this file")
@@ -123,6 +124,16 @@ def _add_fault_flags(p: argparse.ArgumentParser) -> None:
                         "continues exactly)")
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or "unknown" outside an install."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("confidant")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="confidant",
@@ -130,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Typical flow: confidant export -o model.onnx; confidant inspect model.onnx; "
                "confidant datagen -o data/; confidant train-local model.onnx --data data/train.txt --eval data/dev.txt",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_export(sub)
     _add_inspect(sub)
@@ -278,8 +290,10 @@ def _add_train_local(sub) -> None:
                        description="Fine-tune an exported model on one device and report entity-level F1 (NER) or "
                                    "accuracy and macro-F1 (--task seq-cls).")
     p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
-    p.add_argument("--task", choices=("ner", "seq-cls", "causal-lm"), default="ner",
-                   help="ner (default: CoNLL files, a label per word), seq-cls (TSV/CSV files `sentence[,sentence2],"
+    p.add_argument("--task", choices=("ner", "seq-cls", "causal-lm"), default=None,
+                   help="default: what the model's side files say (NAME.lm.json: causal-lm; NAME.hf.json: its "
+                        "exported task), else the data's kind (.jsonl: causal-lm, .tsv/.csv: seq-cls, else ner). "
+                        "ner (CoNLL files, a label per word), seq-cls (TSV/CSV files `sentence[,sentence2],"
                         "label`, a label per example; a model from `confidant export --task seq-cls`) or causal-lm "
                         "(JSONL instructions or plain text; a model from `confidant export --task causal-lm`: "
                         "perplexity and exact match of generated answers on --eval)")
@@ -300,8 +314,9 @@ def _add_train_pipeline(sub) -> None:
                                    "pipeline schedule over ZeroMQ. Workers are started by hand with `confidant worker "
                                    "--listen tcp://HOST:PORT` (--workers) or here as local processes (--local N).")
     p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
-    p.add_argument("--task", choices=("ner", "seq-cls", "causal-lm"), default="ner",
-                   help="ner (default: CoNLL files), seq-cls (TSV/CSV `sentence[,sentence2],label`) or causal-lm "
+    p.add_argument("--task", choices=("ner", "seq-cls", "causal-lm"), default=None,
+                   help="default: inferred as train-local does (side files, then the data's kind). ner (CoNLL "
+                        "files), seq-cls (TSV/CSV `sentence[,sentence2],label`) or causal-lm "
                         "(JSONL instructions or plain text; a decoder whose LM head is its embedding holds the table "
                         "on the first and last stage, their gradients summed before every update: 1f1b-flush or gpipe)")
     p.add_argument("--eval-limit", type=int, default=None, metavar="N",
@@ -428,13 +443,18 @@ def _add_train(sub) -> None:
                        description="Ship each worker its bundle over ZeroMQ (the worker verifies the manifest and "
                                    "refuses a bundle that fails it) and train with the plan's schedule. With "
                                    "--replan-every, re-plan from the measured stage times while training.")
-    p.add_argument("plan", type=Path)
-    p.add_argument("--data", type=Path, required=True)
-    p.add_argument("--eval", type=Path, default=None)
+    p.add_argument("plan", type=Path, help="the folder `confidant plan -o` wrote")
+    p.add_argument("--data", type=Path, required=True,
+                   help="training data for the plan's task: CoNLL (NER), TSV/CSV `sentence[,sentence2],label` "
+                        "(seq-cls), JSONL conversations or plain text (causal LM)")
+    p.add_argument("--eval", type=Path, default=None,
+                   help="dev data in the same format, scored before and after training")
     p.add_argument("--local", action="store_true",
                    help="start one local worker process per planned device (with --replan-every: per device of "
                         "the plan's cluster, so a re-plan may use any of them)")
-    p.add_argument("--checkpoint", type=Path, default=None)
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="write the trained stages here at the end (a folder; `predict`, `export-trained` and "
+                        "`export-adapter` read it, `--resume` continues from it)")
     p.add_argument("--replan-every", type=int, default=None, metavar="N",
                    help="flush schedules: every N steps, recalibrate the devices' profiles from the measured "
                         "forward+backward times and re-plan over the plan's cluster (any devices, any order); when "

@@ -198,11 +198,22 @@ def cmd_generate(args) -> int:
 
 # --- training --------------------------------------------------------------------------------------
 
+def _task(args) -> str:
+    """--task, or the task the model's side files (or the data's kind) name, said on a line of its own."""
+    from jobs.task_choice import infer_task
+
+    if getattr(args, "task", None):
+        return args.task
+    choice = infer_task(args.model, args.data)
+    print(f"task: {choice.task} ({choice.reason}; --task to choose another)")
+    return choice.task
+
+
 def cmd_train_local(args) -> int:
     from jobs.local_training import train_local
 
     metrics = train_local(args.model, args.data, args.eval, _training_settings(args), TerminalReporter(),
-                          task=getattr(args, "task", "ner"), checkpoint=getattr(args, "checkpoint", None))
+                          task=_task(args), checkpoint=getattr(args, "checkpoint", None))
     _write_metrics(metrics, args.metrics_out)
     return 0
 
@@ -229,7 +240,7 @@ def cmd_train_pipeline(args) -> int:
                                 failure_timeout_s=args.failure_timeout, checkpoint_every=args.checkpoint_every,
                                 activations=args.activations)
     metrics = train_pipeline_job(args.model, args.data, args.eval, _training_settings(args), pipeline,
-                                 workers=workers, local=args.local, reporter=TerminalReporter(), task=args.task)
+                                 workers=workers, local=args.local, reporter=TerminalReporter(), task=_task(args))
     _write_metrics(metrics, args.metrics_out)
     return 0
 

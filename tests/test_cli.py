@@ -170,3 +170,16 @@ def test_counts_and_time_limits_out_of_range_are_usage_errors(argv, says):
     'must be a multiple of 0'."""
     proc = _run(*argv)
     assert proc.returncode == 2 and proc.stderr.strip().endswith(says)
+
+
+def test_version_and_the_train_commands_help_name_every_flag():
+    from importlib.metadata import version
+
+    from support import run_cli
+
+    run = run_cli("--version")
+    assert run.returncode == 0 and run.stdout.strip() == f"confidant {version('confidant')}"
+    text = run_cli("train", "--help").stdout
+    for flag in ("--data DATA", "--eval EVAL", "--checkpoint CHECKPOINT"):
+        described = text.split(flag, 2)[-1].split("\n  -", 1)[0]  # its help, up to the next flag
+        assert len(described.split()) >= 4, f"train --help says nothing of {flag}"

@@ -1,0 +1,47 @@
+"""Which task a training command runs without --task: the model's side files (a real export's), then
+the data's kind; and a causal LM trained by `train-local MODEL --data x.jsonl` alone (it was read as
+CoNLL: "invalid NER tag")."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.task_choice import infer_task
+from support import run_cli
+
+
+def test_a_causal_lm_export_is_a_causal_lm_whatever_the_data(chat_llama):
+    model, train, _ = chat_llama
+    assert model.with_suffix(".lm.json").is_file()
+    for data in (train, model.parent / "notes.txt", None):
+        choice = infer_task(model, data)
+        assert choice.task == "causal-lm" and "m.lm.json" in choice.reason
+
+
+@pytest.mark.parametrize("exported, task", [("seq-cls", "seq-cls"), ("token-classification", "ner")])
+def test_an_encoder_export_names_its_task(tmp_path, exported, task):
+    model = tmp_path / "enc.onnx"
+    model.write_bytes(b"")
+    (tmp_path / "enc.hf.json").write_text(json.dumps({"format": "confidant-hf-export", "task": exported}))
+    # the side file wins over a data file whose kind says otherwise
+    assert infer_task(model, tmp_path / "train.jsonl").task == task
+
+
+@pytest.mark.parametrize("data, task", [("train.jsonl", "causal-lm"), ("train.TSV", "seq-cls"),
+                                        ("train.csv", "seq-cls"), ("eng.train", "ner"), ("train.txt", "ner")])
+def test_without_side_files_the_data_decides(tmp_path, data, task):
+    model = tmp_path / "plain.onnx"
+    model.write_bytes(b"")
+    (tmp_path / "plain.hf.json").write_text("{not json")  # an unreadable side file decides nothing
+    assert infer_task(model, tmp_path / data).task == task
+
+
+def test_train_local_infers_a_causal_lm_from_its_side_file(chat_llama, tmp_path):
+    model, train, dev = chat_llama
+    run = run_cli("train-local", model, "--data", train, "--eval", dev, "--eval-limit", "1", "--steps", "1",
+                  "--batch", "2", "--seq", "128", "--metrics-out", tmp_path / "run.json")
+    assert run.returncode == 0, run.stderr
+    assert "task: causal-lm (m.lm.json beside the model" in run.stdout
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["eval"]["perplexity"] is not None  # scored as a causal LM
