@@ -19,7 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -229,10 +229,17 @@ def load_seqcls_data(train: Path, dev: Path | None, seq: int, tokenizer: Path | 
     dev_rows = read_labelled(dev) if dev is not None else []
     found = label_order([e.label for e in train_rows + dev_rows])
     order = tuple(labels) if labels else found
+    if labels and set(found) - set(order) and all(label.isdigit() for label in found):
+        # GLUE-style ids (0..N-1) for a model whose labels have names: id i is the model's i-th label
+        # (an id past them stays as written, and is refused below)
+        def named(e: LabelledText) -> LabelledText:
+            return replace(e, label=order[int(e.label)]) if int(e.label) < len(order) else e
+        train_rows, dev_rows = [named(e) for e in train_rows], [named(e) for e in dev_rows]
     for path, rows in ((train, train_rows), (dev, dev_rows)):
         unknown = sorted({e.label for e in rows} - set(order))
         if unknown:
-            raise InputFileError(f"{path}: labels {unknown} are not among the model's {list(order)}")
+            raise InputFileError(f"{path}: labels {unknown} are not among the model's {list(order)} (or their "
+                                 f"indices 0-{len(order) - 1})")
     index = {label: i for i, label in enumerate(order)}
     tok = load_tokenizer(tokenizer or default_tokenizer_path())
 

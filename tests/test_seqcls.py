@@ -73,6 +73,23 @@ def test_a_label_only_the_eval_file_has_is_named_with_that_file(tmp_path, tokeni
         load_seqcls_data(train, dev, 16, tokenizer_path, labels=("neg", "pos"))
 
 
+def test_integer_labels_are_the_indices_of_a_models_named_labels(tmp_path, tokenizer_path):
+    """GLUE's files label by index (0, 1, 2): for a model exported with label names, id i is its
+    i-th label, in training and in the dev labels its metrics compare; an id past the labels is refused."""
+    from tasks.seqcls import load_seqcls_data
+
+    train, dev = tmp_path / "train.tsv", tmp_path / "dev.tsv"
+    train.write_text("sentence\tlabel\ngood\t2\nbad\t0\nmeh\t1\n")
+    dev.write_text("fine\t2\nawful\t0\n")
+    data = load_seqcls_data(train, dev, 16, tokenizer_path, labels=("negative", "neutral", "positive"))
+    assert [e.label for e in data.train] == ["positive", "negative", "neutral"]
+    assert data.dev_labels == ["positive", "negative"]
+    assert [int(row.labels[0]) for row in data.train_encoded] == [2, 0, 1]
+    dev.write_text("fine\t3\n")
+    with pytest.raises(InputFileError, match=r"dev.tsv: labels \['3'\] are not among the model's .* \(or their indices 0-2\)"):
+        load_seqcls_data(train, dev, 16, tokenizer_path, labels=("negative", "neutral", "positive"))
+
+
 def test_write_then_read_round_trips(tmp_path):
     rows = [LabelledText("one", "a"), LabelledText("two, with comma", "b", "second")]
     assert read_labelled(write_labelled(tmp_path / "x.tsv", rows)) == [LabelledText("one", "a", ""), rows[1]]
