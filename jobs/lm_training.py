@@ -18,7 +18,7 @@ import gc
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from runtime.engines.factory import make_engine
 from runtime.engines.stage import stage_spec
 from runtime.procfs import reset_peak_rss
 from tasks.generate import GenerationSettings, lm_metadata
-from tasks.lm_data import encode_instructions, load_lm_examples, make_lm_batches, microbatch_feeds, pad_lm_batch, \
+from tasks.lm_data import fit_conversations, load_lm_examples, make_lm_batches, microbatch_feeds, pad_lm_batch, \
     read_instructions
 from tasks.lm_eval import InstructionScores, engine_nll
 from tasks.lm_tokenizer import LmTokenizer, load_lm_tokenizer
@@ -93,26 +93,44 @@ def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarr
     return {k: v for k, v in out.items() if k in set(meta["weights"])}
 
 
-def _rows_of(path: Path, tokenizer: LmTokenizer, seq: int, what: str):
+def _fitted(conversations, tokenizer: LmTokenizer, seq: int, what: str, note: Callable[[str], None] | None):
+    """Rows of conversations at `seq` tokens (long ones cut, those with no answer left skipped), said."""
+    fitted = fit_conversations(tokenizer, conversations, seq)
+    line = fitted.summary(what)
+    if line is not None and note is not None:
+        note(line)
+    if not fitted.rows and fitted.skipped:
+        raise ValueError(f"every conversation's answer starts past token {seq}: raise --seq")
+    return fitted.rows
+
+
+def _rows_of(path: Path, tokenizer: LmTokenizer, seq: int, what: str, note: Callable[[str], None] | None):
     try:
-        return load_lm_examples(path, tokenizer, seq, truncate=True)
+        if path.suffix == ".jsonl":
+            return _fitted(read_instructions(path), tokenizer, seq, f"{what} {path.name}", note)
+        return load_lm_examples(path, tokenizer, seq)
     except (ValueError, OSError) as exc:  # the file, or what it holds at this --seq: fix the input
         raise InputFileError(f"{what} {path}: {exc}") from None
 
 
-def train_rows_of(data: Path, tokenizer: LmTokenizer, seq: int):
-    rows = _rows_of(data, tokenizer, seq, "--data")
+def train_rows_of(data: Path, tokenizer: LmTokenizer, seq: int, note: Callable[[str], None] | None = None):
+    """The training rows of `data` at `seq` tokens; `note` hears how many conversations were cut or skipped."""
+    rows = _rows_of(data, tokenizer, seq, "--data", note)
     if not rows:
         raise JobError(f"--data {data}: no training rows")
     return rows
 
 
-def dev_rows_of(eval_path: Path | None, tokenizer: LmTokenizer, settings: TrainingSettings):
+def dev_rows_of(eval_path: Path | None, tokenizer: LmTokenizer, settings: TrainingSettings,
+                note: Callable[[str], None] | None = None):
     """(the first `eval_limit` evaluation conversations, their encoded rows); empty without a file."""
     dev = read_instructions(eval_path)[:settings.eval_limit] if eval_path is not None else []
     if eval_path is not None and not dev:
         raise JobError(f"--eval {eval_path}: no conversations")
-    return dev, (encode_instructions(tokenizer, dev, settings.seq, truncate=True) if dev else [])
+    try:
+        return dev, (_fitted(dev, tokenizer, settings.seq, f"--eval {eval_path.name}", note) if dev else [])
+    except ValueError as exc:
+        raise InputFileError(f"--eval {eval_path}: {exc}") from None
 
 
 def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSettings, eval_path: Path, dev_batches,
@@ -153,8 +171,8 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     started = time.perf_counter()
     tokenizer = lm_tokenizer(model, settings)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    train_rows = train_rows_of(data, tokenizer, settings.seq)
-    dev, dev_rows = dev_rows_of(eval_path, tokenizer, settings)
+    train_rows = train_rows_of(data, tokenizer, settings.seq, reporter.note)
+    dev, dev_rows = dev_rows_of(eval_path, tokenizer, settings, reporter.note)
     graph, adapters = lm_graph(model, settings, reporter)
     config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)

@@ -110,8 +110,8 @@ def _causal_lm(model: Path, data: Path, eval_path: Path | None, training: Traini
 
     tokenizer = lm_tokenizer(model, training)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    rows = train_rows_of(data, tokenizer, training.seq)
-    dev, dev_rows = dev_rows_of(eval_path, tokenizer, training)
+    rows = train_rows_of(data, tokenizer, training.seq, reporter.note)
+    dev, dev_rows = dev_rows_of(eval_path, tokenizer, training, reporter.note)
     graph, _ = lm_graph(model, replace(training, batch=training.batch // microbatches), reporter)
     batches = make_lm_batches(rows, training.batch, training.seq, pad_id, seed=training.seed)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from ir.bundle import PLAN_BASE, BundleError, load_bundle_dir, load_plan
 from ir.documents import PlanDocument
@@ -158,7 +159,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     spares = _spare_devices(replanner or rescuer, names)
     M, rows, seq = plan.microbatches, plan.batch, plan.seq
     full = _plan_graph(plan, contents)
-    task = data_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+    task = data_task(plan_dir, data, eval_path, settings, full, rows, M, seq, note=reporter.note)
     check_lookup_rows(plan, task, settings.steps, data)
     if not settings.local and not all(d.address for d in plan.devices):
         raise JobError(f"{plan_dir}/plan.json lacks worker addresses; pass --local or re-plan with addresses")
@@ -221,12 +222,12 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
 
 
 def data_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int, M: int,
-              seq: int) -> PipelineTask:
+              seq: int, note: Callable[[str], None] | None = None) -> PipelineTask:
     """The task `full` (the model at micro-batch `rows`) trains, on `data`: a causal LM, sequence
     classification (logits [batch, labels]) or NER. `plan_dir`: where a causal LM's tokenizer is
     (unless settings.tokenizer), and the model named in label-count errors."""
     if is_causal_lm(full):
-        return _causal_lm_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+        return _causal_lm_task(plan_dir, data, eval_path, settings, full, rows, M, seq, note)
     if len(full.values[full.blocks[-2].output].shape) == 2:  # logits [batch, labels]
         return _seqcls_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
     return _ner_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
@@ -301,14 +302,14 @@ def _seqcls_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: P
 
 
 def _causal_lm_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int,
-                    M: int, seq: int) -> PipelineTask:
+                    M: int, seq: int, note: Callable[[str], None] | None = None) -> PipelineTask:
     """A causal LM from a plan: JSONL instructions or text encoded with the tokenizer `confidant plan`
     copied into the plan folder (or --tokenizer); the dev answers' perplexity of the trained weights
     on the merged slices (exact match needs the exported model file to generate with: `confidant
     generate` or train-pipeline)."""
-    from jobs.lm_training import train_rows_of
-    from tasks.lm_data import encode_instructions, make_lm_batches, microbatch_feeds, pad_lm_batch, \
-        read_instructions
+    from jobs.lm_training import dev_rows_of, train_rows_of
+    from jobs.settings import TrainingSettings
+    from tasks.lm_data import make_lm_batches, microbatch_feeds, pad_lm_batch
     from tasks.lm_eval import engine_nll
     from tasks.lm_tokenizer import load_lm_tokenizer
 
@@ -318,9 +319,8 @@ def _causal_lm_task(plan_dir: Path, data: Path, eval_path: Path | None, settings
         raise JobError(f"{exc} (pass --tokenizer with the exported model's folder)") from None
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     batch = rows * M
-    batches = make_lm_batches(train_rows_of(data, tokenizer, seq), batch, seq, pad_id, seed=settings.seed)
-    dev = read_instructions(eval_path) if eval_path is not None else []
-    dev_rows = encode_instructions(tokenizer, dev, seq, truncate=True) if dev else []
+    batches = make_lm_batches(train_rows_of(data, tokenizer, seq, note), batch, seq, pad_id, seed=settings.seed)
+    _, dev_rows = dev_rows_of(eval_path, tokenizer, TrainingSettings(seq=seq), note)
 
     def feeds_of_step(k: int):
         return microbatch_feeds(pad_lm_batch(batches[k % len(batches)], batch, pad_id), M)

@@ -43,7 +43,7 @@ from tasks.lm_tokenizer import check_messages
 if TYPE_CHECKING:
     from tasks.lm_tokenizer import LmTokenizer
 
-__all__ = ["LmBatch", "LmExample", "encode_instructions", "load_lm_examples", "lm_feeds", "make_lm_batches",
+__all__ = ["FittedConversations", "LmBatch", "LmExample", "encode_instructions", "fit_conversations", "load_lm_examples", "lm_feeds", "make_lm_batches",
            "microbatch_feeds", "pack_documents", "pad_lm_batch", "read_instructions", "read_text_documents",
            "split_microbatches"]
 
@@ -276,6 +276,53 @@ def encode_instructions(tokenizer: "LmTokenizer", conversations: Iterable[Sequen
             raise ValueError(f"conversation {i} has no target token within {len(ids)} tokens")
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class FittedConversations:
+    """Conversations encoded at a row length: the rows, how many were cut to it (their answers' ends
+    are not trained), and which were left out because their answer starts past it (nothing to train)."""
+
+    rows: list[LmExample]
+    seq_len: int
+    truncated: int
+    skipped: tuple[int, ...]
+
+    def summary(self, what: str) -> str | None:
+        """One line on what the row length did to `what` (e.g. "--data train.jsonl"), None if nothing."""
+        if not self.truncated and not self.skipped:
+            return None
+        total = len(self.rows) + len(self.skipped)
+        parts = []
+        if self.truncated:
+            parts.append(f"{self.truncated} of {total} conversations cut to --seq {self.seq_len} tokens")
+        if self.skipped:
+            parts.append(f"{len(self.skipped)} of {total} skipped, their answers starting past token {self.seq_len} "
+                         f"(first: conversation {self.skipped[0]})")
+        return f"{what}: " + "; ".join(parts) + "; raise --seq to train on them whole"
+
+
+def fit_conversations(tokenizer: "LmTokenizer", conversations: Iterable[Sequence[dict[str, str]]],
+                      seq_len: int) -> FittedConversations:
+    """Each conversation as one row of at most `seq_len` tokens: a longer one is cut there and, if
+    the cut leaves no answer token to train on, left out (training data is rarely all short; a
+    run that stops at the first long conversation, or pads every row to the longest, helps no one)."""
+    rows, truncated, skipped = [], 0, []
+    for i, messages in enumerate(conversations):
+        ids, counted = tokenizer.encode_chat(messages)
+        if len(ids) > seq_len:
+            ids, counted = ids[:seq_len], counted[:seq_len]
+            row = LmExample.of(ids, counted)
+            if row.n_targets == 0:
+                skipped.append(i)
+                continue
+            truncated += 1
+        else:
+            row = LmExample.of(ids, counted)
+            if row.n_targets == 0:
+                raise ValueError(f"conversation {i} has no answer token to train on")
+        rows.append(row)
+    return FittedConversations(rows, seq_len, truncated, tuple(skipped))
 
 
 def load_lm_examples(path: str | os.PathLike[str], tokenizer: "LmTokenizer", seq_len: int,

@@ -199,6 +199,24 @@ def test_too_long_is_an_error_unless_truncated():
         make_lm_batches(encode_instructions(tok, conversation), 1, 8, tok.pad_id)
 
 
+def test_long_conversations_are_cut_or_skipped_and_counted():
+    """A conversation longer than the row is cut there; one whose answer starts past it is left out
+    (it has nothing to train), and the summary counts both (training used to stop at the first)."""
+    from tasks.lm_data import fit_conversations
+
+    tok = _tokenizer()
+    short = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    long_answer = [{"role": "user", "content": "a b c d e"}, {"role": "assistant", "content": "a b c"}]  # 19 tokens
+    long_prompt = [{"role": "user", "content": "a b c d e a b c d e"}, {"role": "assistant", "content": "a"}]
+    fitted = fit_conversations(tok, [short, long_prompt, long_answer, long_prompt], seq_len=17)
+    assert [len(r) for r in fitted.rows] == [len(encode_instructions(tok, [short])[0]), 17]
+    assert fitted.rows[1].n_targets == 2 and fitted.truncated == 1 and fitted.skipped == (1, 3)
+    assert fitted.summary("--data d.jsonl") == (
+        "--data d.jsonl: 1 of 4 conversations cut to --seq 17 tokens; 2 of 4 skipped, their answers starting past "
+        "token 17 (first: conversation 1); raise --seq to train on them whole")
+    assert fit_conversations(tok, [short], seq_len=17).summary("x") is None
+
+
 def test_a_template_without_pieces_is_refused_not_replaced_by_concatenation():
     tok = _tokenizer(pieces=None)
     tok.template = "{{ messages }}"  # a Jinja template the exporter could not turn into pieces

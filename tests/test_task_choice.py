@@ -45,3 +45,20 @@ def test_train_local_infers_a_causal_lm_from_its_side_file(chat_llama, tmp_path)
     assert "task: causal-lm (m.lm.json beside the model" in run.stdout
     doc = json.loads((tmp_path / "run.json").read_text())
     assert doc["eval"]["perplexity"] is not None  # scored as a causal LM
+
+
+def test_a_short_seq_trains_on_what_fits_and_says_what_it_left_out(chat_llama, tmp_path):
+    """`--seq` shorter than some conversations (demo --llm --seq 64 stopped after its export): the long
+    ones are cut, those whose answer starts past the row left out, with a count, and training runs."""
+    model, train, dev = chat_llama
+    run = run_cli("train-local", model, "--data", train, "--eval", dev, "--eval-limit", "1", "--steps", "1",
+                  "--batch", "2", "--seq", "80")
+    assert run.returncode == 0, run.stderr
+    said = run.stdout + run.stderr
+    assert "--data train.jsonl: 37 of 40 conversations cut to --seq 80 tokens; 3 of 40 skipped, their answers " \
+           "starting past token 80" in said  # 84-110 tokens each: the 37 whose answers start within 80 are cut
+    run = run_cli("train-local", model, "--data", train, "--eval", dev, "--steps", "1", "--batch", "2", "--seq", "56")
+    assert run.returncode == 2 and "every conversation's answer starts past token 56: raise --seq" in run.stderr
+    run = run_cli("train-local", model, "--data", train, "--eval", dev, "--eval-limit", "2", "--steps", "1",
+                  "--batch", "2", "--seq", "72")
+    assert run.returncode == 2 and f"--eval {dev}: every conversation's answer starts past token 72" in run.stderr
