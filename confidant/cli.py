@@ -422,7 +422,10 @@ def _add_plan(sub) -> None:
                    help="seconds the whole plan may take, lowering included: the searches for the cuts (and the "
                         "re-solves after each device's engine is picked) share what is left, at least 0.5 s each, "
                         "and stop early once they prove their plan optimal (default %(default)s)")
-    p.add_argument("-o", "--output", type=Path, default=Path("plan"), help="plan folder (default %(default)s)")
+    p.add_argument("-o", "--output", type=Path, default=Path("plan"),
+                   help="plan folder (default %(default)s); one that already holds a plan is refused without --force")
+    p.add_argument("--force", action="store_true",
+                   help="replace the plan already in -o (the new one is made beside it and swapped in whole)")
     p.add_argument("--data", type=Path, default=None,
                    help="the training data `confidant train` will get (read as it reads it): the rows of each "
                         "embedding table it looks up bound that table's AdamW state, which is otherwise charged "

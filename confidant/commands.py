@@ -3,6 +3,8 @@ prints what it returns. Nothing here decides anything the planner or the runtime
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -411,8 +413,39 @@ def cmd_plan(args) -> int:
         from runtime.keys import signer
 
         sign = signer(coordinator_pair(_home_keys(args), note=reporter.note))
-    show_plan(plan_model(args.model, args.cluster, settings, args.output, reporter, sign=sign))
+    into = _plan_folder_to_write(args.output, getattr(args, "force", False))
+    try:
+        plan_model(args.model, args.cluster, settings, into, reporter, sign=sign)
+        if into != args.output:
+            _swap_in(into, args.output)
+            reporter.note(f"replaced the plan in {args.output} (--force)")
+    finally:
+        if into != args.output and into.exists():
+            shutil.rmtree(into, ignore_errors=True)
+    show_plan(args.output)
     return 0
+
+
+def _plan_folder_to_write(output: Path, force: bool) -> Path:
+    """Where `plan` writes: `output` itself when it is new or empty; a plan already there is refused
+    unless --force, and then the new plan is written beside it and swapped in whole once it is made
+    (a plan that does not fit leaves the old one as it was, and no bundle of the old plan stays)."""
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return output
+    if not output.is_dir():
+        raise UsageError(f"-o {output}: a file is in the way; give a folder for the plan")
+    if not (output / "plan.json").is_file():
+        raise UsageError(f"-o {output}: the folder holds files that are not a plan; give a new or empty folder")
+    if not force:
+        raise UsageError(f"-o {output} already holds a plan: give another -o, or --force to replace it")
+    return output.with_name(f".{output.name}.new-{os.getpid()}")
+
+
+def _swap_in(new: Path, output: Path) -> None:
+    old = output.with_name(f".{output.name}.old-{os.getpid()}")
+    output.rename(old)
+    new.rename(output)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def cmd_show(args) -> int:

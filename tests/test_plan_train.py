@@ -82,6 +82,16 @@ def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
         r"error: --lr 1000.0 \(the plan's: [0-9.e-]+\); --engine torch \(the plan's: [a-z, ]+\): the plan fixes these "
         r"\(its bundles were compiled for them\); re-plan with `confidant plan` to change it, or drop the flag$",
         proc.stderr.strip()), proc.stderr
+    # planning again into the folder: refused, then with --force replaced whole (no bundle of a dropped device)
+    again = ("plan", minilm_onnx, "--cluster", "cluster.yaml", "--batch", 8, "--seq", 32, "--microbatches", 2,
+             "--cuts", 5, "--devices", "laptop,board", "-o", "plan")
+    proc = subprocess.run([sys.executable, "-m", "confidant", *map(str, again)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "already holds a plan" in proc.stderr
+    assert "replaced the plan in plan" in _run(*again, "--force", cwd=tmp_path).stderr
+    replanned = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert [d["name"] for d in replanned["devices"]] == ["laptop", "board"]
+    assert sorted(p.name for p in (tmp_path / "plan").iterdir() if p.is_dir()) == ["board", "laptop"]
 
 
 def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
@@ -121,3 +131,26 @@ def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
     finally:
         coord.close()
     assert worker.wait(30.0) == [1]
+
+
+def test_plan_refuses_to_write_over_a_plan_unless_forced(tmp_path, monkeypatch):
+    """`plan -o DIR` on a folder that holds a plan is refused (it was silently overwritten, leaving
+    the bundles of devices the new plan dropped); with --force the new plan replaces the old whole,
+    and a --force plan that fails leaves the old one as it was."""
+    from planner.cluster import load_cluster  # noqa: F401  (the cluster file below is read for real)
+    from support import run_cli
+
+    first = tmp_path / "plan"
+    (first / "stale-device").mkdir(parents=True)
+    (first / "plan.json").write_text("{}")
+    run = run_cli("plan", tmp_path / "missing.onnx", "--cluster", tmp_path / "c.yaml", "-o", first)
+    assert run.returncode == 2 and "already holds a plan: give another -o, or --force" in run.stderr
+    run = run_cli("plan", tmp_path / "missing.onnx", "--cluster", tmp_path / "c.yaml", "-o", first, "--force")
+    assert run.returncode == 2  # the model is missing: nothing planned, the old folder untouched
+    assert (first / "stale-device").is_dir() and (first / "plan.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]  # no half-written folder left beside it
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("x")
+    run = run_cli("plan", tmp_path / "missing.onnx", "--cluster", tmp_path / "c.yaml", "-o", other, "--force")
+    assert run.returncode == 2 and "holds files that are not a plan" in run.stderr
