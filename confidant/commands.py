@@ -341,13 +341,19 @@ def cmd_demo(args) -> int:
 
         rows = llm_demo_table(run_llm_demo(DEMO_DIR, _training_settings(args), TerminalReporter()))
     else:
-        from jobs.demo import demo_table, run_demo
+        from confidant.defaults import DEMO_DEFAULTS
+        from jobs.demo import demo_table, f1_hint, run_demo
 
-        rows = demo_table(run_demo(DEMO_DIR, _training_settings(args), TerminalReporter()))
+        result = run_demo(DEMO_DIR, _training_settings(args), TerminalReporter())
+        rows = demo_table(result)
+        hint = f1_hint(result.single.eval.after if result.single.eval is not None else None, args.steps,
+                       DEMO_DEFAULTS["steps"])
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     print()
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, width)))
+    if not args.llm and hint is not None:
+        print(hint)
     return 0
 
 

@@ -183,3 +183,14 @@ def test_version_and_the_train_commands_help_name_every_flag():
     for flag in ("--data DATA", "--eval EVAL", "--checkpoint CHECKPOINT"):
         described = text.split(flag, 2)[-1].split("\n  -", 1)[0]  # its help, up to the next flag
         assert len(described.split()) >= 4, f"train --help says nothing of {flag}"
+
+
+def test_the_demo_explains_an_entity_f1_near_zero_after_few_steps():
+    """`demo --steps 10` ended on entity F1 0.0000 with no word on why."""
+    from confidant.defaults import DEMO_DEFAULTS
+    from jobs.demo import f1_hint
+
+    default = DEMO_DEFAULTS["steps"]
+    hint = f1_hint(0.0, 10, default)
+    assert hint.startswith("entity F1 0.000 after 10 steps") and f"--steps {default}" in hint
+    assert f1_hint(0.0, default, default) is None and f1_hint(0.6, 10, default) is None and f1_hint(None, 10, default) is None
