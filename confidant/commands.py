@@ -526,6 +526,11 @@ def cmd_simulate(args) -> int:
           f"{sim.throughput_samples_per_s(plan.batch):.1f} samples/s, bubble {sim.bubble_fraction:.1%}; "
           f"peak memory " + ", ".join(f"{d.name} {m / 2**20:.0f} MiB" for d, m in zip(plan.devices,
                                                                                    sim.peak_memory_bytes)))
+    predicted = plan.predicted_step_s
+    if predicted and abs(sim.step_s - predicted) > 0.05 * predicted:
+        print(f"the plan's predicted step (`show`) is {predicted:.3f} s: the planner's closed form for the schedule "
+              f"(stage times, the slowest stage once per further micro-batch, the update), which the solver "
+              f"minimises; this simulation replays every action and transfer in order, waits included")
     print(f"wrote {args.output} (open in Perfetto / chrome://tracing)")
     return 0
 
