@@ -22,10 +22,11 @@ from ir.profile import DeviceProfile, Link
 from jobs.errors import JobError
 from jobs.lora import adapted
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes
-from planner.cost import activations_of, stage_costs
+from planner.cost import stage_costs
 from planner.lora import LoraSettings
 from planner.memory_defaults import (default_profile, memory_parts, widened_bytes, with_frozen_precision,
                                      with_profile_costs)
+from planner.engines import best_picks
 from planner.partition import PlanDoesNotFit, make_instance, solve_partition
 
 MIB = 2 ** 20
@@ -40,8 +41,8 @@ MAX_ADDED_DEVICES = 8
 
 
 def mib(n: float) -> str:
-    """Bytes as whole MiB, the unit every message of the estimate leads with."""
-    return f"{n / MIB:.0f} MiB"
+    """Bytes in MiB, the unit every message of the estimate leads with (whole from 10 MiB up)."""
+    return f"{n / MIB:.0f} MiB" if abs(n) >= 10 * MIB else f"{n / MIB:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class VariantEstimate:
     stages: tuple[StageEstimate, ...]
     fits: bool
     idle: tuple[str, ...] = ()  # devices the plan leaves unused
+    budgets: Mapping[str, int] = dataclasses.field(default_factory=dict)  # every device's, by name
 
     @property
     def total_bytes(self) -> int:
@@ -226,15 +228,19 @@ class _Pricer:
             cluster = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(
                 d, profile=dataclasses.replace(d.profile, runtime_overhead_bytes=d.profile.runtime_overhead_bytes
                                                + widen)) for d in cluster.devices))
+        args = (settings.schedule, settings.microbatches, settings.optimizer)
         try:
-            inst = make_instance(graph, cluster, settings.schedule, settings.microbatches, settings.optimizer,
-                                 settings.update_every)
-        except ValueError as exc:
-            raise JobError(str(exc)) from None
-        try:
-            partition, fits = solve_partition(inst, time_limit_s=SOLVE_S), True
+            if activations is None:  # the planner's own choice of engine and activations per device
+                picks = best_picks(graph, cluster, *args, lambda inst: solve_partition(inst, time_limit_s=SOLVE_S),
+                                   update_every=settings.update_every)
+                partition, cluster, fits = picks.partition, picks.cluster, True
+            else:  # every device as told
+                inst = make_instance(graph, cluster, *args, settings.update_every)
+                partition, fits = solve_partition(inst, time_limit_s=SOLVE_S), True
         except PlanDoesNotFit as exc:
             partition, fits = exc.attempt, False
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
         costs = stage_costs(graph, cluster, partition, settings.schedule, settings.microbatches, settings.optimizer,
                             settings.update_every)
         stages = []
@@ -246,12 +252,8 @@ class _Pricer:
                                         parts))
         used = set(partition.devices)
         return VariantEstimate(settings, tuple(stages), fits, tuple(d.name for d in cluster.devices
-                                                                    if d.name not in used))
-
-    def activations_kept(self) -> bool:
-        """Whether any device keeps its activations (so that recomputing them would save memory)."""
-        graph = self.graph(self.base_settings)
-        return any(activations_of(d) == "keep" for d in self.cluster(graph, graph).devices)
+                                                                    if d.name not in used),
+                               {d.name: d.memory_budget_bytes for d in cluster.devices})
 
 
 def estimate_memory(model: Path, settings: EstimateSettings, devices: Sequence[tuple[str, int]] | None = None,
@@ -275,7 +277,7 @@ def estimate_memory(model: Path, settings: EstimateSettings, devices: Sequence[t
     lora = settings.lora or LoraSettings(DEFAULT_LORA_RANK)
     alternatives = []
     for alt in (dataclasses.replace(settings, lora=None, base_dtype="float32"),
-                dataclasses.replace(settings, lora=lora)):
+                dataclasses.replace(settings, lora=lora, base_dtype="float32")):
         if alt != settings:
             alternatives.append(pricer.estimate(alt))
     levers = _levers(pricer, settings, requested, alternatives)
@@ -305,13 +307,9 @@ def _levers(pricer: _Pricer, settings: EstimateSettings, requested: VariantEstim
         flag = ("" if settings.lora is not None else f"--lora {base.lora.rank} ") + f"--base-dtype {dtype}"
         out.append(_lever(flag, requested, pricer.estimate(alt),
                           f"frozen base at {bytes_per_frozen_element(dtype):g} bytes an element"))
-    if pricer.activations_kept():
-        out.append(_lever("activations: recompute (cluster file) or train-pipeline --activations recompute",
-                          requested, pricer.estimate(settings, activations="recompute"),
-                          "re-run each block's forward in its backward instead of keeping its caches"))
-    else:
-        out.append(Lever("recompute", 0, requested.fits,
-                         "already: MNN recomputes the activations of micro-batches in flight (its default)"))
+    out.append(_lever("recompute on every device", requested, pricer.estimate(settings, activations="recompute"),
+                      "each block's forward re-run in its backward instead of its caches kept per micro-batch in "
+                      "flight (the planner keeps them only where they fit: train-pipeline --activations)"))
     if settings.batch % (2 * settings.microbatches) == 0:
         smaller = dataclasses.replace(settings, microbatches=2 * settings.microbatches)
         try:
@@ -403,11 +401,7 @@ def _device_order(variants: Sequence[VariantEstimate]) -> list[str]:
 
 
 def _budget(variants: Sequence[VariantEstimate], name: str) -> int:
-    for v in variants:
-        for st in v.stages:
-            if st.device == name:
-                return st.budget_bytes
-    return 0
+    return next((v.budgets[name] for v in variants if name in v.budgets), 0)
 
 
 def estimate_json(est: Estimate) -> dict:
@@ -427,3 +421,22 @@ def estimate_json(est: Estimate) -> dict:
                         "fits": lv.fits, "note": lv.note} for lv in est.levers],
             "notes": list(est.notes)}
 
+
+
+def lora_fit_hint(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str,
+                  update_every: int = 1, rank: int = DEFAULT_LORA_RANK) -> str:
+    """A line for `plan`'s "what would make it fit" when full fine-tuning of `graph` does not fit
+    `cluster` but LoRA of rank `rank` does ("" otherwise): the planner's estimate of that run, the
+    devices' profiles pricing the adapted blocks as `estimate` does."""
+    try:
+        lora = adapted(graph, LoraSettings(rank))
+        devices = tuple(dataclasses.replace(d, profile=with_profile_costs(lora, d.profile, graph)[0])
+                        for d in cluster.devices)
+        inst = make_instance(lora, dataclasses.replace(cluster, devices=devices), schedule, microbatches, optimizer,
+                             update_every)
+        partition = solve_partition(inst, time_limit_s=SOLVE_S)
+    except (PlanDoesNotFit, JobError, ValueError):
+        return ""
+    tight = max(partition.stages, key=lambda s: s.memory_bytes / s.memory_budget_bytes)
+    return (f"\n  - --lora {rank}: fits (adapters only, the base frozen; tightest {tight.device!r} "
+            f"{mib(tight.memory_bytes)} of {mib(tight.memory_budget_bytes)}); `confidant estimate` prices every lever")

@@ -183,7 +183,12 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
             picks = best_picks(graph, cluster, settings.schedule, M, settings.optimizer, solve, fixed=fixed,
                                keep_going=deadline.room_for_another_start, update_every=settings.update_every)
         except PlanDoesNotFit as exc:
-            raise JobError(str(exc)) from None
+            hint = ""
+            if settings.lora is None:
+                from jobs.estimate import lora_fit_hint
+
+                hint = lora_fit_hint(graph, cluster, settings.schedule, M, settings.optimizer, settings.update_every)
+            raise JobError(str(exc) + hint) from None
     if picks.changed:
         moves = ", ".join(_devices_moved(picks.changed))
         reporter.note(f"engine per device for the blocks it runs: {moves} (predicted step "
