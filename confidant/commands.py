@@ -507,6 +507,16 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from jobs.report_page import write_report
+
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} must be at least 1")
+    path = write_report(args.plan, args.output, args.metrics, args.steps)
+    print(f"wrote {path} (one self-contained page: open it in any browser, no network needed)")
+    return 0
+
+
 def cmd_export_adapter(args) -> int:
     from jobs.export_adapter import export_adapter_for, export_merged
 

@@ -285,8 +285,15 @@ def _emit_config(model_name: str, cluster: Cluster, devices, splits: dict[str, H
 
 
 def simulate_plan(plan_dir: Path, steps: int, output: Path):
-    """Replay a plan's schedule on its cost model for `steps` batches and write a Chrome trace;
-    returns (the plan, the simulation)."""
+    """Replay a plan's schedule on its cost model for `steps` batches and write a Chrome trace (its
+    rows named by the plan's devices); returns (the plan, the simulation)."""
+    plan, sim = plan_simulation(plan_dir, steps)
+    write_chrome_trace(sim, output, [d.name for d in plan.devices])
+    return plan, sim
+
+
+def plan_simulation(plan_dir: Path, steps: int):
+    """(the plan, its schedule replayed on its cost model for `steps` batches)."""
     plan = load_plan(plan_dir)
     costs = []
     for d in plan.devices:
@@ -294,9 +301,7 @@ def simulate_plan(plan_dir: Path, steps: int, output: Path):
             raise JobError(f"{plan_dir}/plan.json has no cost model for device {d.name!r}; re-run `confidant plan`")
         costs.append(StageCost(stage=d.stage, device=d.name, memory_bytes=d.memory_bytes,
                                memory_budget_bytes=d.memory_budget_bytes, **dataclasses.asdict(d.cost)))
-    sim = simulate(plan.to_schedule(), costs, steps=steps)
-    write_chrome_trace(sim, output)
-    return plan, sim
+    return plan, simulate(plan.to_schedule(), costs, steps=steps)
 
 
 @dataclass(frozen=True)

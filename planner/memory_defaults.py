@@ -51,11 +51,12 @@ def default_block_cost(graph: Graph, block: Block) -> BlockCost:
                      workspace_bytes=stacked + max(produced, default=0), stacked_bytes=stacked, kept_bytes=caches)
 
 
-def default_profile(graph: Graph, name: str = "defaults", memory_available_bytes: int = UNLIMITED_BYTES
-                    ) -> DeviceProfile:
-    """A profile of `graph` derived from its shapes, on DEFAULT_BACKEND (see the module docstring)."""
+def default_profile(graph: Graph, name: str = "defaults", memory_available_bytes: int = UNLIMITED_BYTES,
+                    backend: str = DEFAULT_BACKEND) -> DeviceProfile:
+    """A profile of `graph` derived from its shapes, on `backend` (see the module docstring; its
+    engine decides what the memory model does with activations in flight)."""
     costs = {block_signature(b): default_block_cost(graph, b) for b in check_blocks(graph)}
-    return DeviceProfile(name, graph.name, graph.batch, graph.seq, (BackendProfile(DEFAULT_BACKEND, costs),),
+    return DeviceProfile(name, graph.name, graph.batch, graph.seq, (BackendProfile(backend, costs),),
                          memory_available_bytes, DEFAULT_RUNTIME_BYTES)
 
 
