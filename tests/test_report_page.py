@@ -148,3 +148,30 @@ def test_report_page_in_chromium(planned_run):
     subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
                     "--window-size=1000,900", page.as_uri()], capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 5000
+
+
+def test_train_local_and_train_pipeline_say_what_they_used(tiny_onnx, tmp_path):
+    """Runs planned in memory: each device's planned figure is the memory model's for the run's cuts
+    (for one device, what `confidant estimate` says of it), a one-device run's budget the room it had."""
+    from jobs.estimate import EstimateSettings, estimate_memory
+
+    model = tiny_onnx["torchscript-17"]
+    train, dev = write_splits(tmp_path / "data", n_train=16, n_dev=4, seed=5)
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    common = ("--data", train, "--steps", 2, "--batch", 4, "--seq", 16, "--tokenizer", tmp_path / "tokenizer.json")
+    proc = run_cli("train-local", model, *common, "--eval", dev, "--metrics-out", tmp_path / "local.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "local.json").read_text())
+    [device] = doc["devices"]
+    alone = estimate_memory(model, EstimateSettings(batch=4, seq=16, microbatches=1), devices=(("a", 2 ** 40),))
+    assert device["planned_bytes"] == alone.requested.stages[0].memory_bytes
+    assert device["budget_bytes"] > device["peak_rss_bytes"] > 0
+    assert (f"  this-device: {device['peak_rss_bytes'] / MIB:.0f} / {device['planned_bytes'] / MIB:.0f} / "
+            f"{device['budget_bytes'] / MIB:.0f}") in proc.stderr
+    proc = run_cli("train-pipeline", model, *common, "--local", 2, "--microbatches", 2, "--cuts", 2,
+                   "--metrics-out", tmp_path / "pipe.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "pipe.json").read_text())
+    assert [d["name"] for d in doc["devices"]] == ["stage0", "stage1"]
+    assert all(d["planned_bytes"] > 0 and d["budget_bytes"] is None for d in doc["devices"])
+    assert "memory per device, MiB (measured peak / planned by the memory model / budget):" in proc.stderr
