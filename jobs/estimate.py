@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ir.errors import InputFileError
 from ir.graph import Graph
 from ir.precision import BASE_DTYPES, bytes_per_frozen_element
 from ir.profile import DeviceProfile, Link
@@ -205,7 +206,7 @@ class _Pricer:
 
     def _check_shape(self, profile: DeviceProfile, graph: Graph, what: str) -> None:
         if (profile.batch, profile.seq) != (graph.batch, graph.seq):
-            raise JobError(f"{what} was measured at (micro-batch rows, seq) ({profile.batch}, {profile.seq}) but "
+            raise InputFileError(f"{what} was measured at (micro-batch rows, seq) ({profile.batch}, {profile.seq}) but "
                            f"this estimate uses ({graph.batch}, {graph.seq}) = --batch / --microbatches, --seq; "
                            f"re-profile with `confidant profile --batch {graph.batch} --seq {graph.seq}`, or drop "
                            f"the profile to estimate from the graph")
@@ -271,7 +272,10 @@ def estimate_memory(model: Path, settings: EstimateSettings, devices: Sequence[t
         raise JobError(f"--base-dtype {settings.base_dtype} sets the precision of the frozen base of a LoRA run; "
                        f"full fine-tuning trains every weight in float32: add --lora R (e.g. --lora 8)")
     cluster = load_cluster(cluster_file, require_address=False) if cluster_file is not None else None
-    prof = DeviceProfile.load(profile) if profile is not None else None
+    try:
+        prof = DeviceProfile.load(profile) if profile is not None else None
+    except ValueError as exc:
+        raise InputFileError(f"--profile {exc}") from None
     pricer = _Pricer(Path(model), settings, devices, cluster, prof)
     requested = pricer.estimate(settings)
     lora = settings.lora or LoraSettings(DEFAULT_LORA_RANK)
@@ -317,9 +321,12 @@ def _levers(pricer: _Pricer, settings: EstimateSettings, requested: VariantEstim
             out.append(_lever(f"--microbatches {smaller.microbatches}", requested, after,
                               f"micro-batches of {settings.batch // smaller.microbatches} row(s) instead of "
                               f"{settings.batch // settings.microbatches}"))
-        except JobError as exc:  # profiles hold one shape
+        except InputFileError:  # profiles hold one shape
+            rows = settings.batch // smaller.microbatches
             out.append(Lever(f"--microbatches {smaller.microbatches}", None, None,
-                             f"not priced: {str(exc).split(';')[0]}"))
+                             f"not priced: the profiles were measured at micro-batches of "
+                             f"{settings.batch // settings.microbatches} x {settings.seq}; re-profile at {rows} x "
+                             f"{settings.seq} (`confidant profile --batch {rows} --seq {settings.seq}`) to price it"))
     else:
         out.append(Lever("--microbatches", None, None, f"--batch {settings.batch} has no smaller micro-batch of "
                                                        f"{settings.microbatches} x 2 equal parts"))

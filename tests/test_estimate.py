@@ -5,6 +5,7 @@ own initializers (what LoRA trains), and `confidant plan` itself on the same clu
 must be the figure the plan promises, cut the same way)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -184,3 +185,20 @@ def test_parse_devices():
 def test_frozen_precision_leaves_a_float32_graph_alone(tiny):
     graph = load_model(tiny, 2, 16)
     assert with_frozen_precision(graph, "float32") is graph
+
+
+def test_a_profile_prices_every_device_and_lora_blocks_it_lacks(tiny, tmp_path):
+    graph = load_model(tiny, 2, 16)
+    profile = default_profile(graph, "box")
+    slow = dataclasses.replace(profile, runtime_overhead_bytes=100 * MIB)  # a measured runtime, say
+    (tmp_path / "box.json").write_text(json.dumps(slow.to_json()))
+    est = estimate_memory(tiny, EstimateSettings(**SHAPE, lora=LoraSettings(4)), devices=(("a", 2 ** 34),),
+                          profile=tmp_path / "box.json")
+    assert all(s.parts["runtime"] == 100 * MIB for v in (est.requested,) + est.alternatives for s in v.stages)
+    assert est.notes and "lacks" in est.notes[0] and "box" in est.notes[0]
+    assert "profile 'box'" in est.source
+    # the profile holds one micro-batch shape: the micro-batch lever cannot be priced by it, and says so
+    lever = next(lv for lv in est.levers if lv.flag.startswith("--microbatches"))
+    assert lever.saves_bytes is None and "re-profile" in lever.note
+    proc = run_cli("estimate", tiny, "--devices", "a=1GiB", "--profile", tmp_path / "box.json", "--seq", 32)
+    assert proc.returncode == 2 and "measured at (micro-batch rows, seq) (2, 16)" in proc.stderr
