@@ -28,8 +28,8 @@ from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
 from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
                           block_input_bytes, check_blocks, double_held_bytes, gradient_copies, in_flight_microbatches,
-                          stage_memory_bytes, stage_params_bytes, stashed_weight_versions, transient_bytes,
-                          workspace_of)
+                          looked_up_only, stage_memory_bytes, stage_params_bytes, stashed_weight_versions,
+                          transient_bytes, workspace_of)
 
 # Resident memory of an idle worker runtime with MNN and a ZeroMQ link up, as
 # `runtime.profiling.memory.runtime_overhead_bytes` measured it on the development machine (55.4 MiB).
@@ -45,7 +45,10 @@ def default_block_cost(graph: Graph, block: Block) -> BlockCost:
     """A block's cost derived from its shapes (see the module docstring)."""
     produced = [graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs if o in graph.values]
     caches = sum(produced)
-    stacked = caches + block.params_bytes
+    # weight gradients, less the tables only looked up: their gradient is the rows looked up, which
+    # the memory model charges itself (`planner.cost.row_gradient_delta_bytes`)
+    rows_only = looked_up_only(graph).intersection(block.params)
+    stacked = caches + block.params_bytes - sum(int(graph.constants[t].nbytes) for t in rows_only)
     forward = max(block.flops * NOMINAL_S_PER_FLOP, MIN_BLOCK_S)
     return BlockCost(forward_s=forward, backward_s=3 * forward, recompute_s=forward,
                      workspace_bytes=stacked + max(produced, default=0), stacked_bytes=stacked, kept_bytes=caches)
