@@ -366,12 +366,12 @@ def estimate_lines(est: Estimate) -> list[str]:
              f"tokens, {s.schedule}, {s.optimizer}; memory from {est.source}"]
     variants = (est.requested,) + est.alternatives
     names = _device_order(variants)
-    header = ["training"] + names + ["fits"]
-    rows = [header, [""] + [f"budget {mib(_budget(variants, n))}" for n in names] + [""]]
+    header = ["training"] + names + ["total", "fits"]
+    rows = [header, [""] + [f"budget {mib(_budget(variants, n))}" for n in names] + ["", ""]]
     for k, v in enumerate(variants):
         cells = {st.device: f"{mib(st.memory_bytes)} (blocks {st.first_block}-{st.last_block})" for st in v.stages}
         label = ("requested: " if k == 0 else "") + v.settings.label
-        rows.append([label] + [cells.get(n, "-") for n in names] + ["yes" if v.fits else "NO"])
+        rows.append([label] + [cells.get(n, "-") for n in names] + [mib(v.total_bytes), "yes" if v.fits else "NO"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     from planner.memory_defaults import PART_TITLES, PARTS

@@ -18,7 +18,7 @@ import html
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from jobs.errors import JobError
+from ir.errors import InputFileError
 
 MIB = 2 ** 20
 PART_COLOURS = {"weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759", "frozen": "#76b7b2",
@@ -111,8 +111,9 @@ def write_report(plan_dir: Path, output: Path, metrics_path: Path | None = None,
 
         try:
             metrics = read_metrics(metrics_path)
-        except (ValueError, OSError) as exc:
-            raise JobError(f"--metrics {metrics_path}: {exc}") from None
+        except (ValueError, OSError) as exc:  # JSONDecodeError is a ValueError
+            raise InputFileError(f"--metrics {metrics_path}: {exc} (give the --metrics-out document of a run of "
+                                 f"this plan)") from None
     page = report_html(plan_dir, metrics, steps)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)

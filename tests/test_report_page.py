@@ -175,3 +175,16 @@ def test_train_local_and_train_pipeline_say_what_they_used(tiny_onnx, tmp_path):
     assert [d["name"] for d in doc["devices"]] == ["stage0", "stage1"]
     assert all(d["planned_bytes"] > 0 and d["budget_bytes"] is None for d in doc["devices"])
     assert "memory per device, MiB (measured peak / planned by the memory model / budget):" in proc.stderr
+
+
+def test_report_of_a_plan_alone_and_a_bad_metrics_file(planned_run):
+    tmp, _ = planned_run
+    proc = run_cli("report", tmp / "plan", "-o", tmp / "plan-only.html")
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp / "plan-only.html").read_text()
+    assert "id='loss-curve'" not in page and "give --metrics RUN.json" in page
+    assert page.count("class='timeline-row'") == 2 and "data-measured-bytes=''" in page
+    (tmp / "not-metrics.json").write_text("{}")
+    proc = run_cli("report", tmp / "plan", "--metrics", tmp / "not-metrics.json", "-o", tmp / "x.html")
+    assert proc.returncode == 2 and "not a confidant-metrics document" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp / "x.html").exists()
