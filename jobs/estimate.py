@@ -22,6 +22,7 @@ from ir.precision import BASE_DTYPES, bytes_per_frozen_element
 from ir.profile import DeviceProfile, Link
 from jobs.errors import JobError
 from jobs.lora import adapted
+from jobs.planning import _with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes
 from planner.cost import stage_costs
 from planner.lora import LoraSettings
@@ -206,10 +207,10 @@ class _Pricer:
 
     def _check_shape(self, profile: DeviceProfile, graph: Graph, what: str) -> None:
         if (profile.batch, profile.seq) != (graph.batch, graph.seq):
-            raise InputFileError(f"{what} was measured at (micro-batch rows, seq) ({profile.batch}, {profile.seq}) but "
-                           f"this estimate uses ({graph.batch}, {graph.seq}) = --batch / --microbatches, --seq; "
-                           f"re-profile with `confidant profile --batch {graph.batch} --seq {graph.seq}`, or drop "
-                           f"the profile to estimate from the graph")
+            raise InputFileError(f"{what} was measured at (micro-batch rows, seq) ({profile.batch}, {profile.seq}) "
+                                 f"but this estimate uses ({graph.batch}, {graph.seq}) = --batch / --microbatches, "
+                                 f"--seq; re-profile with `confidant profile --batch {graph.batch} --seq "
+                                 f"{graph.seq}`, or drop the profile to estimate from the graph")
 
     def _note_missing(self, missing: tuple[int, ...], name: str) -> None:
         if missing:
@@ -224,6 +225,9 @@ class _Pricer:
         reference = self.graph(settings, unadapted=True)
         graph = with_frozen_precision(self.graph(settings), settings.base_dtype)
         cluster = self.cluster(graph, reference, extra, activations)
+        # as plan does first: attention heads split where a profile's curves say it is faster (a
+        # split device runs MNN and its split's child processes)
+        cluster, _ = _with_head_splits(graph, cluster)
         widen = widened_bytes(self.graph(settings), settings.base_dtype)
         if widen:  # one block's base widened to float32 at a time: every device's runtime holds it
             cluster = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(
@@ -429,21 +433,3 @@ def estimate_json(est: Estimate) -> dict:
             "notes": list(est.notes)}
 
 
-
-def lora_fit_hint(graph: Graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str,
-                  update_every: int = 1, rank: int = DEFAULT_LORA_RANK) -> str:
-    """A line for `plan`'s "what would make it fit" when full fine-tuning of `graph` does not fit
-    `cluster` but LoRA of rank `rank` does ("" otherwise): the planner's estimate of that run, the
-    devices' profiles pricing the adapted blocks as `estimate` does."""
-    try:
-        lora = adapted(graph, LoraSettings(rank))
-        devices = tuple(dataclasses.replace(d, profile=with_profile_costs(lora, d.profile, graph)[0])
-                        for d in cluster.devices)
-        inst = make_instance(lora, dataclasses.replace(cluster, devices=devices), schedule, microbatches, optimizer,
-                             update_every)
-        partition = solve_partition(inst, time_limit_s=SOLVE_S)
-    except (PlanDoesNotFit, JobError, ValueError):
-        return ""
-    tight = max(partition.stages, key=lambda s: s.memory_bytes / s.memory_budget_bytes)
-    return (f"\n  - --lora {rank}: fits (adapters only, the base frozen; tightest {tight.device!r} "
-            f"{mib(tight.memory_bytes)} of {mib(tight.memory_budget_bytes)}); `confidant estimate` prices every lever")

@@ -185,8 +185,6 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
         except PlanDoesNotFit as exc:
             hint = ""
             if settings.lora is None:
-                from jobs.estimate import lora_fit_hint
-
                 hint = lora_fit_hint(graph, cluster, settings.schedule, M, settings.optimizer, settings.update_every)
             raise JobError(str(exc) + hint) from None
     if picks.changed:
@@ -194,6 +192,32 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
         reporter.note(f"engine per device for the blocks it runs: {moves} (predicted step "
                       f"{picks.before_us / 1e3:.0f} -> {picks.after_us / 1e3:.0f} ms)")
     return picks.partition, picks.cluster
+
+
+# the rank `plan` tries when full fine-tuning does not fit (PEFT's usual first choice)
+HINT_LORA_RANK = 8
+
+
+def lora_fit_hint(graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str, update_every: int = 1,
+                  rank: int = HINT_LORA_RANK, time_limit_s: float = 1.0) -> str:
+    """A line for plan's "what would make it fit" when full fine-tuning of `graph` does not fit
+    `cluster` but LoRA of rank `rank` does ("" otherwise), priced as `confidant estimate` prices it:
+    the devices' profiles price the adapted blocks they lack as the same blocks without adapters."""
+    from planner.memory_defaults import with_profile_costs
+
+    try:
+        lora = adapted(graph, LoraSettings(rank))
+        devices = tuple(dataclasses.replace(d, profile=with_profile_costs(lora, d.profile, graph)[0])
+                        for d in cluster.devices)
+        inst = make_instance(lora, dataclasses.replace(cluster, devices=devices), schedule, microbatches, optimizer,
+                             update_every)
+        partition = solve_partition(inst, time_limit_s=time_limit_s)
+    except (JobError, ValueError):  # PlanDoesNotFit among them: LoRA does not fit either
+        return ""
+    tight = max(partition.stages, key=lambda s: s.memory_bytes / s.memory_budget_bytes)
+    return (f"\n  - --lora {rank}: fits (adapters only, the base frozen; tightest {tight.device!r} "
+            f"{tight.memory_bytes / 2**20:.0f} MiB of {tight.memory_budget_bytes / 2**20:.0f} MiB); `confidant "
+            f"estimate` prices every lever")
 
 
 SHOWN_NAMES = 4  # device names per engine move in plan's note
