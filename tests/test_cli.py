@@ -170,3 +170,13 @@ def test_counts_and_time_limits_out_of_range_are_usage_errors(argv, says):
     'must be a multiple of 0'."""
     proc = _run(*argv)
     assert proc.returncode == 2 and proc.stderr.strip().endswith(says)
+
+
+@pytest.mark.parametrize("command, teaches", [
+    ("show", "without running anything"), ("simulate", "Chrome trace, one row per device"),
+    ("estimate", "every lever with the MiB it saves"), ("report", "self-contained HTML page")])
+def test_plan_commands_describe_themselves(command, teaches):
+    proc = _run(command, "--help")
+    assert proc.returncode == 0
+    usage, _, rest = proc.stdout.partition("\n\n")
+    assert teaches in " ".join(rest.split()), rest[:400]
