@@ -420,9 +420,12 @@ def cmd_estimate(args) -> int:
     if args.base_dtype != "float32" and args.lora is None:
         raise UsageError(f"--base-dtype {args.base_dtype} sets the precision of a LoRA run's frozen base; full "
                          "fine-tuning trains every weight in float32: add --lora R (e.g. --lora 8)")
+    from ir.plan import default_update_every
+
     settings = EstimateSettings(batch=args.batch, seq=args.seq, microbatches=args.microbatches,
                                 schedule=args.schedule, optimizer=args.optimizer, lora=_lora_settings(args),
-                                base_dtype=args.base_dtype)
+                                base_dtype=args.base_dtype,
+                                update_every=default_update_every(args.schedule, args.microbatches))
     est = estimate_memory(args.model, settings, devices, args.cluster, args.profile)
     if args.json:
         print(json.dumps(estimate_json(est), indent=1))

@@ -814,7 +814,8 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         replans=replans, events=tuple(result.events), settings={**asdict(training), **asdict(pipeline), "task": task})
     planned = default_planned_bytes(graph, result.ranges, pipeline.schedule, M, training.optimizer,
                                     pipeline.update_every, training.engine)
-    return check_memory(metrics, {f"stage{k}": b for k, b in enumerate(planned)}, {}, reporter, "the memory model")
+    return check_memory(metrics, {f"stage{k}": b for k, b in enumerate(planned)}, {}, reporter, "the memory model",
+                        over_plan=False)
 
 
 def describe_event(event: Mapping) -> str:

@@ -50,6 +50,10 @@ def test_memory_check_warns_and_records_each_overrun():
     doc = out.to_json()
     assert doc["devices"][0]["planned_bytes"] == 478 * MIB and doc["events"][1]["event"] == "memory_over"
     assert memory_overrun(DeviceFigures("x", 0, 0, 0, 100, 100, 100)) is None
+    # a run planned in memory shows the graph-derived figure but holds only its budget against it
+    guessed = check_memory(metrics, {"board": 400 * MIB, "phone": 478 * MIB}, {"phone": 512 * MIB}, _Notes(),
+                           "the memory model", over_plan=False)
+    assert [(e["device"], e["over"]) for e in guessed.events] == [("phone", "budget")]
 
 
 class _Parts(HTMLParser):
