@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 
 from ir.errors import InputFileError
 from ir.graph import Graph
+from ir.partition import Partition, StageAssignment
 from ir.precision import BASE_DTYPES, bytes_per_frozen_element
 from ir.profile import DeviceProfile, Link
 from jobs.errors import JobError
@@ -93,6 +94,8 @@ class VariantEstimate:
     fits: bool
     idle: tuple[str, ...] = ()  # devices the plan leaves unused
     budgets: Mapping[str, int] = dataclasses.field(default_factory=dict)  # every device's, by name
+    # each used device's backend and activations as the planner picked them, by name
+    choices: Mapping[str, tuple[str | None, str | None]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -220,8 +223,11 @@ class _Pricer:
             if note not in self.notes:
                 self.notes.append(note)
 
-    def estimate(self, settings: EstimateSettings, extra: int = 0, activations: str | None = None
-                 ) -> VariantEstimate:
+    def estimate(self, settings: EstimateSettings, extra: int = 0, activations: str | None = None,
+                 fixed: VariantEstimate | None = None) -> VariantEstimate:
+        """The training's estimate: cut by the planner, or with `fixed` at that estimate's cuts and
+        per-device choices (what one change costs where nothing else moves); `activations` forces
+        every device's."""
         reference = self.graph(settings, unadapted=True)
         graph = with_frozen_precision(self.graph(settings), settings.base_dtype)
         cluster = self.cluster(graph, reference, extra, activations)
@@ -235,7 +241,16 @@ class _Pricer:
                                                + widen)) for d in cluster.devices))
         args = (settings.schedule, settings.microbatches, settings.optimizer)
         try:
-            if activations is None:  # the planner's own choice of engine and activations per device
+            if fixed is not None:
+                cluster = dataclasses.replace(cluster, devices=tuple(
+                    dataclasses.replace(d, picked=fixed.choices[d.name][0],
+                                        activations=activations or fixed.choices[d.name][1])
+                    if d.name in fixed.choices else d for d in cluster.devices))
+                partition = Partition(tuple(StageAssignment(k, st.device, st.first_block, st.last_block)
+                                            for k, st in enumerate(fixed.stages)), "fixed")
+                fits = all(c.memory_bytes <= c.memory_budget_bytes for c in stage_costs(
+                    graph, cluster, partition, *args, settings.update_every))
+            elif activations is None:  # the planner's own choice of engine and activations per device
                 picks = best_picks(graph, cluster, *args, lambda inst: solve_partition(inst, time_limit_s=SOLVE_S),
                                    update_every=settings.update_every)
                 partition, cluster, fits = picks.partition, picks.cluster, True
@@ -258,7 +273,8 @@ class _Pricer:
         used = set(partition.devices)
         return VariantEstimate(settings, tuple(stages), fits, tuple(d.name for d in cluster.devices
                                                                     if d.name not in used),
-                               {d.name: d.memory_budget_bytes for d in cluster.devices})
+                               {d.name: d.memory_budget_bytes for d in cluster.devices},
+                               {d.name: (d.picked, d.activations) for d in cluster.devices if d.name in used})
 
 
 def estimate_memory(model: Path, settings: EstimateSettings, devices: Sequence[tuple[str, int]] | None = None,
@@ -294,8 +310,14 @@ def estimate_memory(model: Path, settings: EstimateSettings, devices: Sequence[t
     return Estimate(str(model), source, requested, tuple(alternatives), tuple(levers), tuple(pricer.notes))
 
 
-def _lever(flag: str, before: VariantEstimate, after: VariantEstimate, note: str = "") -> Lever:
-    return Lever(flag, before.total_bytes - after.total_bytes, after.fits, note)
+def _lever(pricer: "_Pricer", flag: str, before: VariantEstimate, settings: EstimateSettings, note: str = "",
+           activations: str | None = None) -> Lever:
+    """The lever `settings` (or `activations`) against the request `before`: the MiB it saves over all
+    devices at the request's cuts and picks (the change alone), and whether the planner, free to cut
+    again, then makes it fit."""
+    same_cuts = pricer.estimate(settings, activations=activations, fixed=before)
+    replanned = pricer.estimate(settings, activations=activations)
+    return Lever(flag, before.total_bytes - same_cuts.total_bytes, replanned.fits or same_cuts.fits, note)
 
 
 def _levers(pricer: _Pricer, settings: EstimateSettings, requested: VariantEstimate,
@@ -304,7 +326,7 @@ def _levers(pricer: _Pricer, settings: EstimateSettings, requested: VariantEstim
     out = []
     if settings.lora is None:
         lora = next(a for a in alternatives if a.settings.lora is not None)
-        out.append(_lever(f"--lora {lora.settings.lora.rank}", requested, lora,
+        out.append(_lever(pricer, f"--lora {lora.settings.lora.rank}", requested, lora.settings,
                           "adapters only: the base weights stay frozen (no gradients or optimizer state)"))
         base = lora.settings
     else:
@@ -313,16 +335,16 @@ def _levers(pricer: _Pricer, settings: EstimateSettings, requested: VariantEstim
     for dtype in lower:
         alt = dataclasses.replace(base, base_dtype=dtype)
         flag = ("" if settings.lora is not None else f"--lora {base.lora.rank} ") + f"--base-dtype {dtype}"
-        out.append(_lever(flag, requested, pricer.estimate(alt),
+        out.append(_lever(pricer, flag, requested, alt,
                           f"frozen base at {bytes_per_frozen_element(dtype):g} bytes an element"))
-    out.append(_lever("recompute on every device", requested, pricer.estimate(settings, activations="recompute"),
+    out.append(_lever(pricer, "recompute on every device", requested, settings,
                       "each block's forward re-run in its backward instead of its caches kept per micro-batch in "
-                      "flight (the planner keeps them only where they fit: train-pipeline --activations)"))
+                      "flight (the planner keeps them only where they fit: train-pipeline --activations)",
+                      activations="recompute"))
     if settings.batch % (2 * settings.microbatches) == 0:
         smaller = dataclasses.replace(settings, microbatches=2 * settings.microbatches)
         try:
-            after = pricer.estimate(smaller)
-            out.append(_lever(f"--microbatches {smaller.microbatches}", requested, after,
+            out.append(_lever(pricer, f"--microbatches {smaller.microbatches}", requested, smaller,
                               f"micro-batches of {settings.batch // smaller.microbatches} row(s) instead of "
                               f"{settings.batch // settings.microbatches}"))
         except InputFileError:  # profiles hold one shape
@@ -335,7 +357,7 @@ def _levers(pricer: _Pricer, settings: EstimateSettings, requested: VariantEstim
         out.append(Lever("--microbatches", None, None, f"--batch {settings.batch} has no smaller micro-batch of "
                                                        f"{settings.microbatches} x 2 equal parts"))
     if settings.optimizer == "adamw":
-        out.append(_lever("--optimizer sgd", requested, pricer.estimate(dataclasses.replace(settings, optimizer="sgd")),
+        out.append(_lever(pricer, "--optimizer sgd", requested, dataclasses.replace(settings, optimizer="sgd"),
                           "one optimizer state copy instead of two"))
     out.append(_more_devices(pricer, settings, requested))
     return out
@@ -355,8 +377,9 @@ def _more_devices(pricer: _Pricer, settings: EstimateSettings, requested: Varian
         if after.fits:
             big = max((s for s in after.stages), key=lambda s: s.budget_bytes)
             name = big.device.split("+")[0]
-            return _lever(f"{extra} more device(s) like {name!r} ({mib(big.budget_bytes)} each)", requested, after,
-                          "the model cut over " + ", ".join(f"{s.device} {mib(s.memory_bytes)}" for s in after.stages))
+            return Lever(f"{extra} more device(s) like {name!r} ({mib(big.budget_bytes)} each)",
+                         requested.total_bytes - after.total_bytes, True,
+                         "the model cut over " + ", ".join(f"{s.device} {mib(s.memory_bytes)}" for s in after.stages))
     return Lever("more devices", None, False, f"{MAX_ADDED_DEVICES} more devices like the largest still do not fit")
 
 
@@ -392,7 +415,8 @@ def estimate_lines(est: Estimate) -> list[str]:
         tight = est.requested.tightest
         lines.append(f"does not fit: {tight.device!r} needs {mib(tight.memory_bytes)} of its "
                      f"{mib(tight.budget_bytes)} budget ({mib(tight.over_bytes)} over)")
-    lines.append("what would make it fit (MiB saved over all devices; each a change to the request alone):")
+    lines.append("what would make it fit (each a change to the request alone: the MiB it saves over all devices at "
+                 "these cuts; whether it fits once the planner cuts again):")
     for lv in est.levers:
         saved = "" if lv.saves_bytes is None else (f"saves {mib(lv.saves_bytes)}" if lv.saves_bytes >= 0
                                                    else f"costs {mib(-lv.saves_bytes)}")

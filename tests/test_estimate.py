@@ -134,7 +134,9 @@ def test_lora_is_a_lever_and_plan_offers_it_when_it_fits(tiny, tmp_path):
     lever = next(lv for lv in est.levers if lv.flag == "--lora 8")
     assert lever.fits and lever.saves_bytes == full - lora
     assert [lv.flag.split()[0] for lv in est.levers][:1] == ["--lora"]
-    assert any(lv.flag.startswith("--optimizer sgd") for lv in est.levers)
+    # sgd keeps one state copy of every trainable weight where adamw keeps two: exactly the weights' bytes
+    sgd = next(lv for lv in est.levers if lv.flag == "--optimizer sgd")
+    assert sgd.saves_bytes == sum(int(graph.constants[p].nbytes) for p in graph.params)
     assert any(lv.flag.startswith("--microbatches 4") for lv in est.levers)
     # two devices like 'a' split the model: the "more devices" lever finds how many
     more = next(lv for lv in est.levers if "more device" in lv.flag)
