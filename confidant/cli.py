@@ -152,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     _add_simulate(sub)
     _add_plan(sub)
+    _add_estimate(sub)
     _add_show(sub)
+    _add_report(sub)
     _add_train(sub)
     _add_worker(sub)
     _add_backends(sub)
@@ -391,7 +393,13 @@ def _add_profile(sub) -> None:
 
 
 def _add_simulate(sub) -> None:
-    p = sub.add_parser("simulate", help="replay a plan on its cost model; write a Chrome trace (Perfetto)")
+    p = sub.add_parser("simulate", help="replay a plan on its cost model; write a Chrome trace (Perfetto)",
+                       description="Replay a plan's action lists with its cost model's durations (forward, backward, "
+                                   "update, each transfer on its link) for --steps batches and write the timeline as a "
+                                   "Chrome trace, one row per device (named) and per link: open it in "
+                                   "https://ui.perfetto.dev or chrome://tracing. Prints the simulated step, throughput, "
+                                   "bubble and each device's peak memory. `confidant report` draws the same timeline "
+                                   "in an HTML page.")
     p.add_argument("plan", type=Path)
     p.add_argument("-o", "--output", type=Path, default=Path("trace.json"), help="default %(default)s")
     p.add_argument("--steps", type=int, default=2, help="batches to simulate (default %(default)s)")
@@ -436,8 +444,67 @@ def _add_plan(sub) -> None:
     _add_lora_flags(p)
 
 
+def _add_estimate(sub) -> None:
+    from ir.precision import BASE_DTYPES
+
+    p = sub.add_parser("estimate", help="will a model's training fit these devices? MiB per device, and what would "
+                                        "make it fit (nothing written)",
+                       description="Price a model's training on a list of devices before planning anything: the "
+                                   "model is lowered at the micro-batch shape (--batch / --microbatches rows, --seq), "
+                                   "adapted as `plan` would (--lora), its frozen base charged at --base-dtype, and "
+                                   "cut over the devices by the planner's own memory model and partitioner. Prints "
+                                   "each device's MiB against its budget for the requested training and, beside it, "
+                                   "full fine-tuning and LoRA, the parts of each device's memory, and every lever "
+                                   "with the MiB it saves (LoRA, base precision, recompute, micro-batch size, the "
+                                   "optimizer, more devices). Costs come from --profile (one profile for all "
+                                   "--devices) or the --cluster file's profiles; without either, from the graph's "
+                                   "shapes (no device needed). No bundle is written. Example: confidant estimate "
+                                   "smollm2.onnx --devices phone=1.5GiB,laptop=3GiB --lora 8")
+    p.add_argument("model", type=Path, help="ONNX model (`confidant export`)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--devices", default=None, metavar="NAME=SIZE,...",
+                       help="device names and memory budgets, e.g. phone=1.5GiB,laptop=3GiB")
+    where.add_argument("--cluster", type=Path, default=None,
+                       help="a cluster file (as `plan` reads; devices need no address): its devices, budgets, "
+                            "profiles and links")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="with --devices: a profile (`confidant profile`, at the micro-batch shape) that prices every "
+                        "device (default: derived from the graph's shapes)")
+    p.add_argument("--batch", type=int, default=8, help="samples per batch (default %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sample (default %(default)s)")
+    p.add_argument("--microbatches", type=_count, default=4, help="default %(default)s")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush", help="default %(default)s")
+    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw", help="default %(default)s")
+    p.add_argument("--base-dtype", choices=BASE_DTYPES, default="float32",
+                   help="with --lora: storage precision of the frozen base weights (int8/int4: blockwise, a float32 "
+                        "scale per 64; default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    _add_lora_flags(p)
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="one HTML page of a plan (and a run): memory per device against its budget, "
+                                      "the step's timeline, the loss curve",
+                       description="Write one self-contained HTML page (inline SVG, CSS and JavaScript; opens "
+                                   "offline) about a plan: each device's memory against its budget by part, planned "
+                                   "and (with --metrics) measured; the simulated step as a timeline per device, and "
+                                   "the measured step times; the loss curve and the task's metric from --metrics "
+                                   "(a run's --metrics-out document).")
+    p.add_argument("plan", type=Path, help="plan folder (`confidant plan -o`)")
+    p.add_argument("--metrics", type=Path, default=None, metavar="RUN.json",
+                   help="the metrics document of a run of this plan (`confidant train PLAN --metrics-out RUN.json`)")
+    p.add_argument("-o", "--output", type=Path, default=Path("report.html"), help="default %(default)s")
+    p.add_argument("--steps", type=int, default=2, help="batches to simulate (default %(default)s)")
+
+
 def _add_show(sub) -> None:
-    p = sub.add_parser("show", help="print a plan: devices, blocks, memory vs budget, predicted step, schedule")
+    p = sub.add_parser("show", help="print a plan: devices, blocks, memory vs budget, predicted step, schedule",
+                       description="Print a plan folder without running anything: each stage's device, blocks, "
+                                   "predicted memory against its budget, trainable and frozen weights, predicted "
+                                   "time per micro-batch, engine and head split; the predicted step (the cost "
+                                   "model's formula for the schedule; `simulate` replays the action lists and "
+                                   "its step can differ); why each device runs its engine; and each stage's "
+                                   "action list.")
     p.add_argument("plan", type=Path)
 
 

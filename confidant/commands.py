@@ -454,6 +454,36 @@ def _swap_in(new: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def cmd_estimate(args) -> int:
+    from jobs.estimate import EstimateSettings, estimate_json, estimate_lines, estimate_memory, parse_devices
+
+    if args.profile is not None and args.cluster is not None:
+        raise UsageError("--profile prices --devices; a --cluster file names each device's own profile: drop one")
+    try:
+        devices = parse_devices(args.devices) if args.devices is not None else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.batch < 1 or args.seq < 1:
+        raise UsageError(f"--batch {args.batch} and --seq {args.seq} must be at least 1")
+    if args.batch % args.microbatches:
+        raise UsageError(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
+    if args.base_dtype != "float32" and args.lora is None:
+        raise UsageError(f"--base-dtype {args.base_dtype} sets the precision of a LoRA run's frozen base; full "
+                         "fine-tuning trains every weight in float32: add --lora R (e.g. --lora 8)")
+    from ir.plan import default_update_every
+
+    settings = EstimateSettings(batch=args.batch, seq=args.seq, microbatches=args.microbatches,
+                                schedule=args.schedule, optimizer=args.optimizer, lora=_lora_settings(args),
+                                base_dtype=args.base_dtype,
+                                update_every=default_update_every(args.schedule, args.microbatches))
+    est = estimate_memory(args.model, settings, devices, args.cluster, args.profile)
+    if args.json:
+        print(json.dumps(estimate_json(est), indent=1))
+    else:
+        print("\n".join(estimate_lines(est)))
+    return 0
+
+
 def cmd_show(args) -> int:
     show_plan(args.plan)
     return 0
@@ -532,6 +562,16 @@ def cmd_simulate(args) -> int:
               f"(stage times, the slowest stage once per further micro-batch, the update), which the solver "
               f"minimises; this simulation replays every action and transfer in order, waits included")
     print(f"wrote {args.output} (open in Perfetto / chrome://tracing)")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from jobs.report_page import write_report
+
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} must be at least 1")
+    path = write_report(args.plan, args.output, args.metrics, args.steps)
+    print(f"wrote {path} (one self-contained page: open it in any browser, no network needed)")
     return 0
 
 

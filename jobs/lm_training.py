@@ -26,6 +26,7 @@ from ir.backend import BackendSpec
 from ir.graph import Graph
 from ir.errors import InputFileError
 from jobs.errors import JobError
+from jobs.memory_check import local_check, machine_room_bytes
 from jobs.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
 from jobs.report import Reporter, Silent
 from jobs.settings import TrainingSettings
@@ -168,7 +169,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
 
     if checkpoint is not None:  # before training: a path no checkpoint can be written to loses the run
         check_checkpoint_target(checkpoint)
-    started = time.perf_counter()
+    started, room = time.perf_counter(), machine_room_bytes()
     tokenizer = lm_tokenizer(model, settings)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     train_rows = train_rows_of(data, tokenizer, settings.seq, reporter.note)
@@ -221,9 +222,10 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     steps = tuple(StepFigures(s.step, s.loss, s.seconds, config.batch / s.seconds if s.seconds > 0 else float("nan"),
                               s.tokens_per_s) for s in result.steps)
     figures = lm_figures(after, before) if after is not None else None
-    return TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
-                           (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
-                           eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": "causal-lm"})
+    metrics = TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
+                              (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
+                              eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": "causal-lm"})
+    return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter)
 
 
 def _write_checkpoint(folder: Path, weights, optimizer_state, graph: Graph, meta: dict) -> Path:

@@ -18,6 +18,7 @@ from ir.backend import BackendSpec
 from jobs.errors import JobError
 from jobs.evaluation import class_figures, eval_figures, score, score_classes
 from jobs.lora import adapted
+from jobs.memory_check import local_check, machine_room_bytes
 from jobs.metrics import DeviceFigures, StepFigures, TrainingMetrics
 from jobs.report import Reporter, Silent
 from jobs.settings import TrainingSettings
@@ -72,7 +73,7 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
     run = _task_data(task, model, data, eval_path, settings)
-    started = time.perf_counter()
+    started, room = time.perf_counter(), machine_room_bytes()
     graph = adapted(load_model(model, config.batch, config.seq), settings.lora, reporter)
     check_task_shape(model, graph, task)
     check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], run.labels, eval_only_labels(run),
@@ -116,9 +117,10 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     figures = None
     if after is not None:
         figures = class_figures(after, before) if task == "seq-cls" else eval_figures(after, before)
-    return TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
-                           (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
-                           eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": task})
+    metrics = TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
+                              (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
+                              eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": task})
+    return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter)
 
 
 def write_single_device_checkpoint(folder: Path, weights, optimizer_state, graph, meta: dict) -> Path:

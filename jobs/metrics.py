@@ -4,7 +4,8 @@
      "command": "train-local" | "train-pipeline" | "train", "model": str, "plan": str | null,
      "schedule": str | null, "microbatches": int, "batch": int, "seq": int,
      "steps": [{"step", "loss", "seconds", "samples_per_s", "tokens_per_s"}],   one per optimizer step
-     "devices": [{"name", "stage", "blocks": [first, last], "peak_rss_bytes"}],   one per stage at the end
+     "devices": [{"name", "stage", "blocks": [first, last], "peak_rss_bytes", "planned_bytes" | null,
+                  "budget_bytes" | null}],   one per stage at the end
      "peak_rss_bytes": the largest device's, "coordinator_peak_rss_bytes": int | null,
      "predicted_step_s": float | null, "measured_step_s": float,
      "eval": null | {"metric": "entity_f1" | "accuracy" | "exact_match", "before": float | null, "after",
@@ -28,7 +29,8 @@ old_ranges, ranges, devices, plan, seconds; `left`: the devices moved off when r
 "recovered" {step, seconds (from detection to that step done), steps_replayed, ranges, devices},
 "checkpoint" {step, directory}, "memory_low" {step, device, mem_available_bytes}, "battery_low" {step,
 device, battery_percent}, "stayed" {step, devices, cause, reason: running low but nowhere to move}
-(jobs.pipeline_training). The README documents the same fields.
+(jobs.pipeline_training), "memory_over" {step, device, peak_rss_bytes, planned_bytes, budget_bytes, over:
+"budget" | "plan"} at the end of a run whose device went over (jobs.memory_check). The README documents the same fields.
 """
 from __future__ import annotations
 
@@ -58,6 +60,10 @@ class DeviceFigures:
     first_block: int
     last_block: int
     peak_rss_bytes: int | None
+    # what the device was promised: the plan's figure (or the memory model's for a run planned in
+    # memory) and its budget; None: unknown (jobs.memory_check)
+    planned_bytes: int | None = None
+    budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,8 @@ class TrainingMetrics:
             "steps": [{"step": s.step, "loss": s.loss, "seconds": s.seconds, "samples_per_s": s.samples_per_s,
                        "tokens_per_s": s.tokens_per_s} for s in self.steps],
             "devices": [{"name": d.name, "stage": d.stage, "blocks": [d.first_block, d.last_block],
-                         "peak_rss_bytes": d.peak_rss_bytes} for d in self.devices],
+                         "peak_rss_bytes": d.peak_rss_bytes, "planned_bytes": d.planned_bytes,
+                         "budget_bytes": d.budget_bytes} for d in self.devices],
             "peak_rss_bytes": self.peak_rss_bytes, "coordinator_peak_rss_bytes": self.coordinator_peak_rss_bytes,
             "predicted_step_s": self.predicted_step_s, "measured_step_s": _finite(self.measured_step_s),
             "eval": None if self.eval is None else {

@@ -18,6 +18,7 @@ from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
 from jobs.errors import JobError
+from jobs.memory_check import check_memory, default_planned_bytes
 from jobs.pipeline_tasks import pipeline_task, step_feeds
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.report import Reporter, Silent
@@ -805,12 +806,16 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     figures = run_task.evaluate(result.weights)
     if figures is not None:
         reporter.note(f"{run_task.headline(figures)} after pipeline training")
-    return TrainingMetrics(
+    metrics = TrainingMetrics(
         "train-pipeline", str(model), training.batch, training.seq,
         steps_from(result.losses, result.step_seconds, training.batch, start_step + 1),
         tuple(DeviceFigures(f"stage{k}", k, a, b, rss) for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))),
         microbatches=M, schedule=pipeline.schedule, eval=figures, coordinator_peak_rss_bytes=peak_rss_bytes(),
         replans=replans, events=tuple(result.events), settings={**asdict(training), **asdict(pipeline), "task": task})
+    planned = default_planned_bytes(graph, result.ranges, pipeline.schedule, M, training.optimizer,
+                                    pipeline.update_every, training.engine)
+    return check_memory(metrics, {f"stage{k}": b for k, b in enumerate(planned)}, {}, reporter, "the memory model",
+                        over_plan=False)
 
 
 def describe_event(event: Mapping) -> str:

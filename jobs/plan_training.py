@@ -13,6 +13,7 @@ from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES
 from ir.serialize import merge_slices
 from jobs.errors import JobError
 from jobs.evaluation import eval_figures, score_weights
+from jobs.memory_check import check_memory
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.pipeline_training import (FaultPolicy, PipelineResult, RecoveryImpossible, SurvivorPlan, describe_event,
                                     train_pipeline)
@@ -211,6 +212,11 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         settings=asdict(settings), events=tuple(result.events),
         **(_replan_figures(replanner, result) if replanner is not None else {}))
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
+    promised = plan  # after a re-plan, the figures of the plan the run ended on
+    if replanner is not None and replanner.applied:
+        promised = load_plan(Path(replanner.applied[-1].directory))
+    metrics = check_memory(metrics, {d.name: d.memory_bytes for d in promised.devices},
+                           {d.name: d.memory_budget_bytes for d in promised.devices}, reporter)
     if base is not None:
         reporter.note(f"setup sent {result.setup_bytes / 2**20:.1f} MiB; {result.base_bytes_held / 2**20:.1f} MiB of "
                       f"frozen weights came from the devices' own copies of {PLAN_BASE} (confidant worker --base)")

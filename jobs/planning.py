@@ -183,12 +183,41 @@ def _pick_engines(graph, cluster: Cluster, partition, settings: PlanSettings, re
             picks = best_picks(graph, cluster, settings.schedule, M, settings.optimizer, solve, fixed=fixed,
                                keep_going=deadline.room_for_another_start, update_every=settings.update_every)
         except PlanDoesNotFit as exc:
-            raise JobError(str(exc)) from None
+            hint = ""
+            if settings.lora is None:
+                hint = lora_fit_hint(graph, cluster, settings.schedule, M, settings.optimizer, settings.update_every)
+            raise JobError(str(exc) + hint) from None
     if picks.changed:
         moves = ", ".join(_devices_moved(picks.changed))
         reporter.note(f"engine per device for the blocks it runs: {moves} (predicted step "
                       f"{picks.before_us / 1e3:.0f} -> {picks.after_us / 1e3:.0f} ms)")
     return picks.partition, picks.cluster
+
+
+# the rank `plan` tries when full fine-tuning does not fit (PEFT's usual first choice)
+HINT_LORA_RANK = 8
+
+
+def lora_fit_hint(graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str, update_every: int = 1,
+                  rank: int = HINT_LORA_RANK, time_limit_s: float = 1.0) -> str:
+    """A line for plan's "what would make it fit" when full fine-tuning of `graph` does not fit
+    `cluster` but LoRA of rank `rank` does ("" otherwise), priced as `confidant estimate` prices it:
+    the devices' profiles price the adapted blocks they lack as the same blocks without adapters."""
+    from planner.memory_defaults import with_profile_costs
+
+    try:
+        lora = adapted(graph, LoraSettings(rank))
+        devices = tuple(dataclasses.replace(d, profile=with_profile_costs(lora, d.profile, graph)[0])
+                        for d in cluster.devices)
+        inst = make_instance(lora, dataclasses.replace(cluster, devices=devices), schedule, microbatches, optimizer,
+                             update_every)
+        partition = solve_partition(inst, time_limit_s=time_limit_s)
+    except (JobError, ValueError):  # PlanDoesNotFit among them: LoRA does not fit either
+        return ""
+    tight = max(partition.stages, key=lambda s: s.memory_bytes / s.memory_budget_bytes)
+    return (f"\n  - --lora {rank}: fits (adapters only, the base frozen; tightest {tight.device!r} "
+            f"{tight.memory_bytes / 2**20:.0f} MiB of {tight.memory_budget_bytes / 2**20:.0f} MiB); `confidant "
+            f"estimate` prices every lever")
 
 
 SHOWN_NAMES = 4  # device names per engine move in plan's note
@@ -280,8 +309,15 @@ def _emit_config(model_name: str, cluster: Cluster, devices, splits: dict[str, H
 
 
 def simulate_plan(plan_dir: Path, steps: int, output: Path):
-    """Replay a plan's schedule on its cost model for `steps` batches and write a Chrome trace;
-    returns (the plan, the simulation)."""
+    """Replay a plan's schedule on its cost model for `steps` batches and write a Chrome trace (its
+    rows named by the plan's devices); returns (the plan, the simulation)."""
+    plan, sim = plan_simulation(plan_dir, steps)
+    write_chrome_trace(sim, output, [d.name for d in plan.devices])
+    return plan, sim
+
+
+def plan_simulation(plan_dir: Path, steps: int):
+    """(the plan, its schedule replayed on its cost model for `steps` batches)."""
     plan = load_plan(plan_dir)
     costs = []
     for d in plan.devices:
@@ -289,9 +325,7 @@ def simulate_plan(plan_dir: Path, steps: int, output: Path):
             raise JobError(f"{plan_dir}/plan.json has no cost model for device {d.name!r}; re-run `confidant plan`")
         costs.append(StageCost(stage=d.stage, device=d.name, memory_bytes=d.memory_bytes,
                                memory_budget_bytes=d.memory_budget_bytes, **dataclasses.asdict(d.cost)))
-    sim = simulate(plan.to_schedule(), costs, steps=steps)
-    write_chrome_trace(sim, output)
-    return plan, sim
+    return plan, simulate(plan.to_schedule(), costs, steps=steps)
 
 
 @dataclass(frozen=True)

@@ -237,8 +237,10 @@ _LINK_KEYS = {"bandwidth", "latency"}
 _PAIR_KEYS = {"between", "bandwidth", "latency"}
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """Read and check a cluster file; profiles are read relative to the file's folder."""
+def load_cluster(path: str | Path, require_address: bool = True) -> Cluster:
+    """Read and check a cluster file; profiles are read relative to the file's folder.
+    `require_address` False: a device may leave out its address (`confidant estimate` connects to
+    nothing), which is then `estimate://NAME`."""
     path = Path(path)
     source = str(path)
     if not path.is_file():
@@ -257,11 +259,12 @@ def load_cluster(path: str | Path) -> Cluster:
             doc = _yaml.safe_load(text)
         except _yaml.YAMLError as exc:
             raise ClusterError(f"{source}: not YAML ({exc})") from None
-    return cluster_from_document(doc, source, path.parent)
+    return cluster_from_document(doc, source, path.parent, require_address=require_address)
 
 
 def cluster_from_document(doc: Any, source: str, base_dir: str | Path,
-                          load_profile: Callable[[Path], DeviceProfile] = DeviceProfile.load) -> Cluster:
+                          load_profile: Callable[[Path], DeviceProfile] = DeviceProfile.load,
+                          require_address: bool = True) -> Cluster:
     """The cluster a parsed file describes; `source` names the file in messages."""
     if not isinstance(doc, Mapping):
         raise ClusterError(f"{source}: expected a mapping with 'devices' and 'links' at the top, got {type(doc).__name__}")
@@ -274,7 +277,7 @@ def cluster_from_document(doc: Any, source: str, base_dir: str | Path,
     first_index: dict[str, int] = {}
     addresses: dict[str, str] = {}
     for i, raw in enumerate(raw_devices):
-        spec = _device(raw, i, source, Path(base_dir), load_profile, profiles)
+        spec = _device(raw, i, source, Path(base_dir), load_profile, profiles, require_address)
         if spec.name in first_index:
             raise ClusterError(f"{source}: device {spec.name!r} appears twice (devices[{first_index[spec.name]}] and "
                                f"devices[{i}]); device names must be unique")
@@ -302,7 +305,7 @@ def _no_unknown_keys(raw: Mapping, allowed: set[str], source: str, where: str) -
 
 
 def _device(raw: Any, index: int, source: str, base_dir: Path, load_profile: Callable[[Path], DeviceProfile],
-            profiles: dict[Path, DeviceProfile]) -> DeviceSpec:
+            profiles: dict[Path, DeviceProfile], require_address: bool = True) -> DeviceSpec:
     where = f"devices[{index}]: "
     if not isinstance(raw, Mapping):
         raise ClusterError(f"{source}: {where}expected a mapping with {', '.join(sorted(_DEVICE_KEYS))}")
@@ -318,13 +321,16 @@ def _device(raw: Any, index: int, source: str, base_dir: Path, load_profile: Cal
             raise ClusterError(f"{source}: {where}missing field {key!r}")
         return raw[key]
 
-    address = need("address")
-    if not isinstance(address, str) or not address.strip():
-        raise ClusterError(f"{source}: {where}address {address!r} is not a non-empty string")
-    try:
-        parse_address(address)
-    except AddressError as exc:
-        raise ClusterError(f"{source}: {where}address {exc}") from None
+    if require_address or raw.get("address") is not None:
+        address = need("address")
+        if not isinstance(address, str) or not address.strip():
+            raise ClusterError(f"{source}: {where}address {address!r} is not a non-empty string")
+        try:
+            parse_address(address)
+        except AddressError as exc:
+            raise ClusterError(f"{source}: {where}address {exc}") from None
+    else:
+        address = f"estimate://{name}"
     profile_field = need("profile")
     if not isinstance(profile_field, str) or not profile_field.strip():
         raise ClusterError(f"{source}: {where}profile {profile_field!r} is not a path")

@@ -204,10 +204,20 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], steps: int = 1,
 _CATEGORY = {"F": "compute", "B": "compute", "W": "compute", "UPDATE": "update", "SEND_ACT": "transfer", "SEND_GRAD": "transfer"}
 
 
-def chrome_trace(sim: Simulation) -> dict:
+def chrome_trace(sim: Simulation, devices: Sequence[str] | None = None) -> dict:
     """The timeline in Chrome's trace event format (open it in https://ui.perfetto.dev or
-    chrome://tracing): one track (thread) per stage, then one per directed link that carried a
-    transfer; every action is a complete ("X") event with microseconds in `ts` and `dur`."""
+    chrome://tracing): one track (thread) per stage, named `DEVICE (stage s)` when `devices` (one
+    name per stage) are given, then one per directed link that carried a transfer; every action is
+    a complete ("X") event with microseconds in `ts` and `dur`."""
+    if devices is not None and len(devices) != sim.stages:
+        raise ValueError(f"{len(devices)} device names for {sim.stages} stages")
+
+    def stage_label(s: int) -> str:
+        return f"stage {s}" if devices is None else f"{devices[s]} (stage {s})"
+
+    def link_label(a: int, b: int) -> str:
+        return f"link s{a} -> s{b}" if devices is None else f"link {devices[a]} -> {devices[b]}"
+
     links = sorted({e.link for e in sim.events if e.link is not None})
     tid = {("stage", s): s for s in range(sim.stages)}
     tid.update({("link", link): sim.stages + k for k, link in enumerate(links)})
@@ -215,7 +225,7 @@ def chrome_trace(sim: Simulation) -> dict:
     meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
              "args": {"name": f"{sim.schedule}: {sim.stages} stages x {sim.microbatches} micro-batches"}}]
     for (what, key), t in sorted(tid.items(), key=lambda kv: kv[1]):
-        label = f"stage {key}" if what == "stage" else f"link s{key[0]} -> s{key[1]}"
+        label = stage_label(key) if what == "stage" else link_label(*key)
         meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": label}})
         meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": t, "args": {"sort_index": t}})
     spans = []
@@ -229,7 +239,7 @@ def chrome_trace(sim: Simulation) -> dict:
     return {"traceEvents": meta + spans, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(sim: Simulation, path: str | Path) -> Path:
+def write_chrome_trace(sim: Simulation, path: str | Path, devices: Sequence[str] | None = None) -> Path:
     path = Path(path)
-    path.write_text(json.dumps(chrome_trace(sim)) + "\n")
+    path.write_text(json.dumps(chrome_trace(sim, devices)) + "\n")
     return path

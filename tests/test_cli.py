@@ -194,3 +194,13 @@ def test_the_demo_explains_an_entity_f1_near_zero_after_few_steps():
     hint = f1_hint(0.0, 10, default)
     assert hint.startswith("entity F1 0.000 after 10 steps") and f"--steps {default}" in hint
     assert f1_hint(0.0, default, default) is None and f1_hint(0.6, 10, default) is None and f1_hint(None, 10, default) is None
+
+
+@pytest.mark.parametrize("command, teaches", [
+    ("show", "without running anything"), ("simulate", "Chrome trace, one row per device"),
+    ("estimate", "every lever with the MiB it saves"), ("report", "self-contained HTML page")])
+def test_plan_commands_describe_themselves(command, teaches):
+    proc = _run(command, "--help")
+    assert proc.returncode == 0
+    usage, _, rest = proc.stdout.partition("\n\n")
+    assert teaches in " ".join(rest.split()), rest[:400]

@@ -350,7 +350,7 @@ def test_nothing_fits_names_the_tightest_device_exactly():
     assert str(exc.value) == (
         "no plan fits the memory budgets (1f1b-stash, 2 micro-batches, adamw): every plan overflows some device "
         "by at least 50 bytes. Tightest device: 'laptop', which in the best attempt (laptop block 0, phone block 1) "
-        "needs 500 bytes of its 450-byte budget. What would make it fit:\n"
+        "needs 500 bytes of its 450 bytes budget. What would make it fit:\n"
         "  - larger memory budgets: block 0 alone needs 500 bytes where it runs, more than the 450 bytes budget of "
         "'laptop', and more devices cannot split one block (a device with at least that much, or less to hold: LoRA "
         "adapters, or `plan --data` for embedding tables charged for the rows the data looks up)\n"
@@ -374,7 +374,7 @@ def test_gpipe_hint_points_at_the_activations_in_flight():
     assert (exc.value.device, exc.value.over_bytes) == ("a", 75)
     assert str(exc.value).endswith(
         "What would make it fit:\n"
-        "  - more devices, or larger memory budgets (at least 75 more bytes on 'a')\n"
+        "  - more devices, or larger memory budgets (at least 75 bytes more on 'a')\n"
         "  - fewer micro-batches in flight or smaller micro-batches: stashed activations take 4000 bytes (3.91 KiB) "
         "on 'a' (4 micro-batches in flight; 1f1b-flush keeps at most p-s of gpipe's m)")
 

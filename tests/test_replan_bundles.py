@@ -160,6 +160,8 @@ def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_tha
     new = load_plan(new_dir, verify_bundles=True)
     assert [{"device": d.name, "blocks": list(d.blocks)} for d in new.devices] == replan["new"]
     assert [d["name"] for d in figures["devices"]] == new.device_names
+    # the run's memory is held against the plan it ended on
+    assert [d["planned_bytes"] for d in figures["devices"]] == [d.memory_bytes for d in new.devices]
     assert load_plan_cluster(new_dir).names == ("a", "b", "c")
     # the new plan's cluster records what was measured: a's blocks far slower than its profile said,
     # more so than b's (whose sub-millisecond stage a loaded machine slows too: which blocks the new

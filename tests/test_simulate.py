@@ -113,6 +113,14 @@ def test_chrome_trace_is_valid_json_with_one_event_per_compute(tmp_path):
     last = max(e["ts"] + e["dur"] for e in spans)
     assert last == pytest.approx(sim.makespan_s * 1e6)
     assert chrome_trace(sim) == doc
+    # rows carry the devices' names when given (`confidant simulate` gives the plan's)
+    named = write_chrome_trace(sim, tmp_path / "named.json", ["phone", "laptop", "board"])
+    tracks = {e["args"]["name"]: e["tid"] for e in json.loads(named.read_text())["traceEvents"]
+              if e["name"] == "thread_name"}
+    assert tracks == {"phone (stage 0)": 0, "laptop (stage 1)": 1, "board (stage 2)": 2, "link phone -> laptop": 3,
+                      "link laptop -> phone": 4, "link laptop -> board": 5, "link board -> laptop": 6}
+    with pytest.raises(ValueError, match="2 device names for 3 stages"):
+        chrome_trace(sim, ["a", "b"])
 
 
 def test_deadlock_names_the_stuck_receives():

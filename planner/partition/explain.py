@@ -31,6 +31,9 @@ class PlanDoesNotFit(ValueError):
 
 
 def _nbytes(n: int) -> str:
+    """A size for a message, MiB first from 1 MiB up (what a user compares with budgets)."""
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.1f} MiB ({n} bytes)"
     return f"{n} bytes" if abs(n) < 1024 else f"{n} bytes ({format_bytes(n)})"
 
 
@@ -57,7 +60,7 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
                  f"with at least that much, or less to hold: LoRA adapters, or `plan --data` for embedding tables "
                  f"charged for the rows the data looks up)"]
     else:
-        hints = [f"more devices, or larger memory budgets (at least {worst} more bytes on {name!r})"]
+        hints = [f"more devices, or larger memory budgets (at least {_nbytes(worst)} more on {name!r})"]
     # against what 1f1b-flush holds at this position (no old version or second copy; a gradient sum)
     saved = 0
     if inst.schedule in ASYNC_SCHEDULES:
@@ -88,8 +91,8 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
              f"longer time_limit_s may find a plan)")
     message = (f"no plan fits the memory budgets ({inst.schedule}, {inst.microbatches} micro-batches, "
                f"{inst.optimizer}): {claim}. "
-               f"Tightest device: {name!r}, which in the best attempt ({plan}) needs {budget + worst} bytes "
-               f"of its {budget}-byte budget"
+               f"Tightest device: {name!r}, which in the best attempt ({plan}) needs {_nbytes(budget + worst)} "
+               f"of its {_nbytes(budget)} budget"
                + (f" (also over there: {', '.join(others)})" if others else "")
                + ". What would make it fit:\n" + "\n".join(f"  - {h}" for h in hints))
     return PlanDoesNotFit(message, name, worst, _partition(inst, devs, ranges, "least-overflow"))

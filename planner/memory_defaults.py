@@ -1,0 +1,148 @@
+"""The memory model without a measured profile: block costs derived from the graph's shapes, a stage's
+memory split into its parts, and frozen weights charged at their storage precision.
+
+`confidant estimate` answers "will it fit" before any device was profiled, so it prices the graph
+with the planner's own memory model (planner.cost) fed by a profile made from the graph
+(`default_profile`) instead of a measured one:
+- a block's workspace is what its forward leaves for its backward: every value its compute nodes
+  produce (the per-op caches an engine keeps; an upper bound, since some ops keep less), plus its
+  weight gradients (`stacked`), plus its largest single value as the one backward temporary
+  (`transient`); a further micro-batch in flight on a device that keeps activations adds the caches
+  again (`kept`);
+- the engine is MNN on the CPU, the default engine, which recomputes the activations of micro-batches
+  in flight (`planner.cost.DEFAULT_ACTIVATIONS`);
+- the idle runtime is DEFAULT_RUNTIME_BYTES;
+- times are nominal (FLOPs at one speed, backward twice the forward plus MNN's re-run of it): they
+  only choose where the planner cuts, as identical devices would.
+A measured profile replaces all of this; `with_profile_costs` fills only what a profile lacks (a
+LoRA model's blocks priced by a full fine-tuning profile, whose signatures differ).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from ir.graph import Block, Graph, block_signature
+from ir.precision import bytes_per_frozen_element
+from ir.profile import BackendProfile, BlockCost, DeviceProfile
+from planner.cluster import DeviceSpec, runtime_bytes
+from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
+                          block_input_bytes, check_blocks, double_held_bytes, gradient_copies, in_flight_microbatches,
+                          looked_up_only, stage_memory_bytes, stage_params_bytes, stashed_weight_versions,
+                          transient_bytes, workspace_of)
+
+# Resident memory of an idle worker runtime with MNN and a ZeroMQ link up, as
+# `runtime.profiling.memory.runtime_overhead_bytes` measured it on the development machine (55.4 MiB).
+DEFAULT_RUNTIME_BYTES = 56 * 2**20
+DEFAULT_BACKEND = "mnn:cpu:t1"
+# Nominal seconds per FLOP: only the ratio between blocks matters (where the cuts go).
+NOMINAL_S_PER_FLOP = 1e-10
+MIN_BLOCK_S = 1e-6
+UNLIMITED_BYTES = 2 ** 62
+
+
+def default_block_cost(graph: Graph, block: Block) -> BlockCost:
+    """A block's cost derived from its shapes (see the module docstring)."""
+    produced = [graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs if o in graph.values]
+    caches = sum(produced)
+    # weight gradients, less the tables only looked up: their gradient is the rows looked up, which
+    # the memory model charges itself (`planner.cost.row_gradient_delta_bytes`)
+    rows_only = looked_up_only(graph).intersection(block.params)
+    stacked = caches + block.params_bytes - sum(int(graph.constants[t].nbytes) for t in rows_only)
+    forward = max(block.flops * NOMINAL_S_PER_FLOP, MIN_BLOCK_S)
+    return BlockCost(forward_s=forward, backward_s=3 * forward, recompute_s=forward,
+                     workspace_bytes=stacked + max(produced, default=0), stacked_bytes=stacked, kept_bytes=caches)
+
+
+def default_profile(graph: Graph, name: str = "defaults", memory_available_bytes: int = UNLIMITED_BYTES,
+                    backend: str = DEFAULT_BACKEND) -> DeviceProfile:
+    """A profile of `graph` derived from its shapes, on `backend` (see the module docstring; its
+    engine decides what the memory model does with activations in flight)."""
+    costs = {block_signature(b): default_block_cost(graph, b) for b in check_blocks(graph)}
+    return DeviceProfile(name, graph.name, graph.batch, graph.seq, (BackendProfile(backend, costs),),
+                         memory_available_bytes, DEFAULT_RUNTIME_BYTES)
+
+
+def with_profile_costs(graph: Graph, profile: DeviceProfile, reference: Graph | None = None
+                       ) -> tuple[DeviceProfile, tuple[int, ...]]:
+    """`profile` with a cost for every block of `graph` on each backend, and the blocks it lacked.
+    A lacking block takes the cost the profile has for the block at the same index of `reference`
+    (the model before LoRA: the full fine-tuning profile's workspace holds the frozen weights'
+    gradients too, so it over-charges), else the cost derived from the shapes."""
+    blocks = check_blocks(graph)
+    missing: set[int] = set()
+    backends = []
+    for backend in profile.backends:
+        costs = dict(backend.blocks)
+        for b in blocks:
+            sig = block_signature(b)
+            if sig in costs:
+                continue
+            missing.add(b.index)
+            ref = None
+            if reference is not None and b.index < len(reference.blocks):
+                ref = backend.blocks.get(block_signature(reference.blocks[b.index]))
+            costs[sig] = ref if ref is not None else default_block_cost(graph, b)
+        backends.append(dataclasses.replace(backend, blocks=costs))
+    return dataclasses.replace(profile, backends=tuple(backends)), tuple(sorted(missing))
+
+
+def with_frozen_precision(graph: Graph, dtype: str) -> Graph:
+    """`graph` with each block's frozen bytes (float32 in the lowering) charged at `dtype`
+    (`ir.precision.bytes_per_frozen_element`): a quantized or bfloat16 LoRA base."""
+    per = bytes_per_frozen_element(dtype)
+    if per == 4.0:
+        return graph
+    blocks = tuple(dataclasses.replace(b, frozen_bytes=round(b.frozen_bytes / 4 * per)) for b in graph.blocks)
+    return dataclasses.replace(graph, blocks=blocks)
+
+
+def widened_bytes(graph: Graph, dtype: str) -> int:
+    """What holding a base below float32 adds at a time: the engines widen one block's frozen
+    weights to float32 while it runs and drop the copy, so the largest block's float32 frozen
+    bytes (0 for a float32 base), embedding tables left out (a lookup widens only its rows; a tied
+    LM head is widened a chunk of rows at a time). `graph`'s constants are the float32 ones."""
+    if bytes_per_frozen_element(dtype) == 4.0:
+        return 0
+    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather"}
+    trainable = set(graph.params)
+    widest = 0
+    for b in graph.blocks:
+        frozen = {i for name in b.nodes for i in graph.node(name).inputs
+                  if i in graph.constants and i not in trainable and i not in tables
+                  and graph.constants[i].ndim >= 2}
+        widest = max(widest, sum(int(graph.constants[i].nbytes) for i in frozen))
+    return widest
+
+
+# The parts of a stage's memory, in the order they are shown.
+PARTS = ("weights", "gradients", "optimizer", "frozen", "activations", "workspace", "runtime", "other")
+PART_TITLES = {"weights": "trainable weights (and old versions)", "gradients": "gradient sum",
+               "optimizer": "optimizer state", "frozen": "frozen weights", "activations": "stashed activations",
+               "workspace": "workspace (per-op caches, backward)", "runtime": "runtime and engine",
+               "other": "embedding rows, tied sums, corrections"}
+
+
+def memory_parts(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int, schedule: str,
+                 microbatches: int, optimizer: str, update_every: int = 1) -> Mapping[str, int]:
+    """`planner.cost.stage_memory_bytes` of the stage split into PARTS (bytes); they sum to it
+    exactly, `other` taking the model's corrections (row gradients and row state of embedding
+    tables, tied sums, tables held once)."""
+    total = stage_memory_bytes(graph, device, first, last, stage, stages, schedule, microbatches, optimizer,
+                               update_every)
+    params = stage_params_bytes(graph, first, last)
+    versions = stashed_weight_versions(schedule, stages, stage, microbatches, update_every)
+    in_flight = in_flight_microbatches(schedule, stages, stage, microbatches)
+    parts = {
+        "weights": params * (WEIGHT_COPIES + async_extra_copies(schedule, stages, stage)
+                             + STASHED_VERSION_COPIES * versions),
+        "gradients": params * gradient_copies(schedule, update_every),
+        "optimizer": params * OPTIMIZER_STATE_COPIES[optimizer],
+        "frozen": sum(b.frozen_bytes for b in graph.blocks[first:last + 1])
+        + double_held_bytes(graph, first, last, device),
+        "activations": sum(block_input_bytes(graph)[first:last + 1]) * in_flight,
+        "workspace": workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device),
+        "runtime": runtime_bytes(device),
+    }
+    parts["other"] = total - sum(parts.values())
+    return parts

@@ -1,0 +1,206 @@
+"""`confidant estimate`: the memory a plan would promise, without planning; levers with their MiB.
+
+References: a blockwise encoding made here in numpy (the bytes of a frozen element), the ONNX file's
+own initializers (what LoRA trains), and `confidant plan` itself on the same cluster (the estimate
+must be the figure the plan promises, cut the same way)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from ir.bundle import load_plan
+from ir.precision import bytes_per_frozen_element, frozen_tensor_bytes
+from jobs.errors import JobError
+from jobs.estimate import EstimateSettings, estimate_memory, parse_devices
+from jobs.planning import PlanSettings, plan_model
+from planner.cluster import DeviceSpec
+from planner.cost import stage_memory_bytes, stage_params_bytes
+from planner.lora import LoraSettings
+from planner.memory_defaults import PARTS, default_profile, memory_parts, with_frozen_precision
+from planner.onnx_import import load_model
+from support import run_cli
+
+SHAPE = dict(batch=4, seq=16, microbatches=2)
+MIB = 2 ** 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_onnx):
+    return tiny_onnx["torchscript-17"]
+
+
+def _blockwise(values: np.ndarray, bits: int) -> int:
+    """Bytes of `values` encoded blockwise as the engines hold a quantized base: per 64 elements one
+    float32 scale, and each element as a signed `bits`-bit integer (int4 packed two a byte)."""
+    pad = (-values.size) % 64
+    blocks = np.concatenate([values, np.zeros(pad, values.dtype)]).reshape(-1, 64)
+    scales = (np.abs(blocks).max(axis=1) / (2 ** (bits - 1) - 1)).astype(np.float32)
+    q = np.clip(np.round(blocks / np.where(scales == 0, 1, scales)[:, None]), -(2 ** (bits - 1)),
+                2 ** (bits - 1) - 1).astype(np.int8).ravel()[:values.size]
+    if bits == 4:
+        q = np.concatenate([q, np.zeros(q.size % 2, np.int8)])
+        q = ((q[0::2] & 0xF) | (q[1::2] << 4)).astype(np.uint8)
+    return q.nbytes + scales.nbytes
+
+
+@pytest.mark.parametrize("numel", [64, 1000, 4096 * 3 + 5])
+def test_frozen_bytes_are_those_of_a_blockwise_encoding(numel):
+    values = np.random.default_rng(0).standard_normal(numel).astype(np.float32)
+    assert frozen_tensor_bytes(numel, "int8") == _blockwise(values, 8)
+    assert frozen_tensor_bytes(numel, "int4") == _blockwise(values, 4)
+    assert frozen_tensor_bytes(numel, "bfloat16") == values.astype(np.float16).nbytes
+    assert frozen_tensor_bytes(numel, "float32") == values.nbytes
+    assert bytes_per_frozen_element("int8") == 1 + 4 / 64 and bytes_per_frozen_element("int4") == 0.5 + 4 / 64
+    with pytest.raises(ValueError, match="float32, bfloat16, int8, int4"):
+        bytes_per_frozen_element("fp8")
+
+
+def test_parts_sum_to_the_memory_model_and_weights_are_the_trainable_bytes(tiny):
+    graph = load_model(tiny, 2, 16)
+    profile = default_profile(graph)
+    device = DeviceSpec("d", "estimate://d", profile, 2 ** 40)
+    n = len(graph.blocks)
+    for first, last, stage, stages in ((0, n - 1, 0, 1), (0, 1, 0, 2), (2, n - 1, 1, 2)):
+        parts = memory_parts(graph, device, first, last, stage, stages, "1f1b-flush", 2, "adamw")
+        assert list(parts) == list(PARTS)
+        assert sum(parts.values()) == stage_memory_bytes(graph, device, first, last, stage, stages, "1f1b-flush", 2,
+                                                         "adamw")
+        in_range = {p for b in graph.blocks[first:last + 1] for p in b.params}
+        trainable = sum(int(graph.constants[p].nbytes) for p in in_range)
+        assert parts["weights"] == trainable == stage_params_bytes(graph, first, last)
+        assert parts["optimizer"] == 2 * trainable and parts["gradients"] == trainable
+        assert parts["workspace"] > 0 and parts["runtime"] == profile.runtime_overhead_bytes
+
+
+def _lora_trainable_bytes(rank: int, hidden: int = 64, layers: int = 2, labels: int = 9) -> int:
+    """What LoRA on q, k, v, o plus the new head trains in the tiny BERT (tests/conftest.py's config:
+    hidden 64, 2 layers, a 9-label head), float32: PEFT's count, written out."""
+    return 4 * (layers * 4 * rank * (hidden + hidden) + hidden * labels + labels)
+
+
+def test_lora_variant_trains_only_the_adapters_and_the_head(tiny):
+    est = estimate_memory(tiny, EstimateSettings(**SHAPE, lora=LoraSettings(4)), devices=(("a", 2 ** 34),))
+    graph = load_model(tiny, 2, 16)
+    assert sum(s.parts["weights"] for s in est.requested.stages) == _lora_trainable_bytes(4)
+    full = next(v for v in est.alternatives if v.settings.lora is None)
+    assert sum(s.parts["weights"] for s in full.stages) == sum(int(graph.constants[p].nbytes) for p in graph.params)
+    # an int4 base: the frozen part is the blockwise bytes of the frozen float32 weights
+    q = estimate_memory(tiny, EstimateSettings(**SHAPE, lora=LoraSettings(4), base_dtype="int4"), devices=(("a", 2 ** 34),))
+    frozen32 = sum(s.parts["frozen"] for s in est.requested.stages)
+    assert sum(s.parts["frozen"] for s in q.requested.stages) == pytest.approx(frozen32 / 4 * (0.5 + 4 / 64), abs=16)
+    assert frozen32 > 0
+
+
+def _write_cluster(folder, graph, budgets, addresses=True):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "p.json").write_text(json.dumps(default_profile(graph, "p").to_json()))
+    devices = [{"name": n, "profile": "p.json", "memory_budget": b,
+                **({"address": f"tcp://127.0.0.1:{5600 + k}"} if addresses else {})}
+               for k, (n, b) in enumerate(budgets)]
+    path = folder / ("cluster.json" if addresses else "cluster-noaddr.json")
+    path.write_text(json.dumps({"devices": devices, "links": {"default": {"bandwidth": "100Mbit/s",
+                                                                          "latency": "5ms"}}}))
+    return path
+
+
+def test_estimate_is_what_plan_promises_cut_the_same_way(tiny, tmp_path):
+    graph = load_model(tiny, 2, 16)
+    alone = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("big", 2 ** 40),)).requested.stages[0]
+    runtime = alone.parts["runtime"]
+    budget = runtime + int((alone.memory_bytes - runtime) * 0.8)  # neither device holds the whole model
+    cluster = _write_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)])
+    plan_dir = plan_model(tiny, cluster, PlanSettings(**SHAPE), tmp_path / "plan")
+    plan = load_plan(plan_dir)
+    est = estimate_memory(tiny, EstimateSettings(**SHAPE),
+                          cluster_file=_write_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)],
+                                                      addresses=False))
+    assert est.requested.fits and len(est.requested.stages) == 2
+    planned = {d.name: (d.first_block, d.last_block, d.memory_bytes) for d in plan.devices}
+    assert {s.device: (s.first_block, s.last_block, s.memory_bytes) for s in est.requested.stages} == planned
+
+
+def test_lora_is_a_lever_and_plan_offers_it_when_it_fits(tiny, tmp_path):
+    graph = load_model(tiny, 2, 16)
+    one = lambda lora: estimate_memory(tiny, EstimateSettings(**SHAPE, lora=lora),  # noqa: E731
+                                       devices=(("a", 2 ** 40),)).requested.stages[0].memory_bytes
+    full, lora = one(None), one(LoraSettings(8))
+    assert lora < full
+    budget = (full + lora) // 2
+    est = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("a", budget),))
+    assert not est.requested.fits
+    lever = next(lv for lv in est.levers if lv.flag == "--lora 8")
+    assert lever.fits and lever.saves_bytes == full - lora
+    assert [lv.flag.split()[0] for lv in est.levers][:1] == ["--lora"]
+    # sgd keeps one state copy of every trainable weight where adamw keeps two: exactly the weights' bytes
+    sgd = next(lv for lv in est.levers if lv.flag == "--optimizer sgd")
+    assert sgd.saves_bytes == sum(int(graph.constants[p].nbytes) for p in graph.params)
+    assert any(lv.flag.startswith("--microbatches 4") for lv in est.levers)
+    # two devices like 'a' split the model: the "more devices" lever finds how many
+    more = next(lv for lv in est.levers if "more device" in lv.flag)
+    assert more.fits and more.flag.startswith("1 more device(s) like 'a'")
+    # plan, on the same single device: does not fit, in MiB, and offers --lora
+    cluster = _write_cluster(tmp_path, graph, [("a", budget)])
+    with pytest.raises(JobError) as exc:
+        plan_model(tiny, cluster, PlanSettings(**SHAPE), tmp_path / "plan")
+    text = str(exc.value)
+    assert f"needs {full / MIB:.1f} MiB ({full} bytes) of its {budget / MIB:.1f} MiB ({budget} bytes) budget" in text
+    assert "\n  - --lora 8: fits" in text
+
+
+def test_cli_prints_mib_per_device_and_the_levers(tiny, tmp_path):
+    proc = run_cli("estimate", tiny, "--devices", "phone=60MiB,laptop=1GiB", "--batch", 4, "--microbatches", 2,
+                   "--seq", 16)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "budget 60 MiB" in out and "budget 1024 MiB" in out
+    assert "requested: full fine-tuning" in out and "LoRA r=8" in out
+    assert "what would make it fit" in out and "--lora 8 --base-dtype int4" in out
+    doc = json.loads(run_cli("estimate", tiny, "--devices", "phone=60MiB", "--batch", 4, "--microbatches", 2,
+                             "--seq", 16, "--lora", 4, "--base-dtype", "int8", "--json").stdout)
+    assert doc["requested"]["lora_rank"] == 4 and doc["requested"]["base_dtype"] == "int8"
+    assert [a["training"] for a in doc["alternatives"]] == ["full fine-tuning", "LoRA r=4"]
+    dev = doc["requested"]["devices"][0]
+    assert dev["memory_bytes"] == sum(dev["parts_bytes"].values())
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--devices", "phone"], "'phone' is not NAME=SIZE"),
+    (["--devices", "phone=512"], "write the unit"),
+    (["--devices", "a=1GiB", "--base-dtype", "int4"], "add --lora R"),
+    (["--devices", "a=1GiB", "--batch", 6], "--batch 6 must be a multiple of --microbatches 4"),
+])
+def test_cli_bad_input_is_one_line_exit_2(tiny, args, says):
+    proc = run_cli("estimate", tiny, *args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_parse_devices():
+    assert parse_devices("phone=1.5GiB, laptop=3GiB") == (("phone", 3 * 2 ** 29), ("laptop", 3 * 2 ** 30))
+    with pytest.raises(ValueError, match="twice"):
+        parse_devices("a=1GiB,a=2GiB")
+
+
+def test_frozen_precision_leaves_a_float32_graph_alone(tiny):
+    graph = load_model(tiny, 2, 16)
+    assert with_frozen_precision(graph, "float32") is graph
+
+
+def test_a_profile_prices_every_device_and_lora_blocks_it_lacks(tiny, tmp_path):
+    graph = load_model(tiny, 2, 16)
+    profile = default_profile(graph, "box")
+    slow = dataclasses.replace(profile, runtime_overhead_bytes=100 * MIB)  # a measured runtime, say
+    (tmp_path / "box.json").write_text(json.dumps(slow.to_json()))
+    est = estimate_memory(tiny, EstimateSettings(**SHAPE, lora=LoraSettings(4)), devices=(("a", 2 ** 34),),
+                          profile=tmp_path / "box.json")
+    assert all(s.parts["runtime"] == 100 * MIB for v in (est.requested,) + est.alternatives for s in v.stages)
+    assert est.notes and "lacks" in est.notes[0] and "box" in est.notes[0]
+    assert "profile 'box'" in est.source
+    # the profile holds one micro-batch shape: the micro-batch lever cannot be priced by it, and says so
+    lever = next(lv for lv in est.levers if lv.flag.startswith("--microbatches"))
+    assert lever.saves_bytes is None and "re-profile" in lever.note
+    proc = run_cli("estimate", tiny, "--devices", "a=1GiB", "--profile", tmp_path / "box.json", "--seq", 32)
+    assert proc.returncode == 2 and "measured at (micro-batch rows, seq) (2, 16)" in proc.stderr
