@@ -31,8 +31,7 @@ def lora_run(checkpoint: Path):
     checkpoint written by a LoRA run."""
     meta, weights, _ = load_checkpoint(Path(checkpoint))
     if not meta.get("lora"):
-        raise JobError(f"{checkpoint} is not the checkpoint of a LoRA run (its meta.json has no lora settings); "
-                       f"train with --lora R and --checkpoint DIR")
+        raise JobError(_not_a_lora_run(checkpoint, meta, weights))
     model = Path(meta.get("model_path", ""))
     if not model.is_file():
         raise JobError(f"{checkpoint}: the model it was trained from ({model}) is not there; the export needs it "
@@ -45,6 +44,24 @@ def lora_run(checkpoint: Path):
         raise JobError(f"{checkpoint} lacks trained weights {missing[:4]} of the adapted model; was it written by "
                        f"this LoRA run?")
     return meta, weights, settings, graph, adapters
+
+
+def _not_a_lora_run(checkpoint: Path, meta: dict, weights) -> str:
+    """Why a checkpoint without LoRA settings has no adapters to export, and what to run instead
+    (each flag named is one the command it names has)."""
+    if any(name.endswith((".lora_A", ".lora_B")) for name in weights):
+        if meta.get("plan"):
+            return (f"{checkpoint} holds LoRA adapters but its meta.json has no LoRA settings: it was trained from "
+                    f"the plan {meta['plan']}, made before plans recorded them; re-plan with `confidant plan MODEL "
+                    "--cluster FILE --lora R` (the same LoRA flags) and train again with `confidant train PLAN "
+                    "--checkpoint DIR`")
+        return (f"{checkpoint} holds LoRA adapters but its meta.json has no LoRA settings (a checkpoint written "
+                "before they were recorded); train again with --lora R --checkpoint DIR (train-local or "
+                "train-pipeline)")
+    return (f"{checkpoint} is the checkpoint of a full fine-tuning run (no adapters in it): write the trained model "
+            f"with `confidant export-trained {checkpoint} --hf DIR` (or -o FILE.onnx); for adapters, train with "
+            "--lora R (train-local and train-pipeline take it, and so does `confidant plan` for `confidant train "
+            "PLAN`)")
 
 
 def export_adapter(checkpoint: Path, out: Path, base_state: dict[str, np.ndarray], task_type: str = "TOKEN_CLS",

@@ -94,8 +94,87 @@ def test_a_full_fine_tuning_checkpoint_is_refused(trained, tmp_path):
     for f in folder.iterdir():
         (plain / f.name).write_bytes(f.read_bytes())
     (plain / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "lora"}))
-    with pytest.raises(JobError, match="not the checkpoint of a LoRA run"):
+    with pytest.raises(JobError, match=r"holds LoRA adapters but its meta.json has no LoRA settings .*; train again "
+                                       r"with --lora R --checkpoint DIR \(train-local or train-pipeline\)$"):
         export_adapter(plain, tmp_path / "out", {})
+    (plain / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "lora"} | {"plan": "p"}))
+    with pytest.raises(JobError, match=r"trained from the plan p, made before plans recorded them; re-plan with "
+                                       r"`confidant plan MODEL --cluster FILE --lora R`"):
+        export_adapter(plain, tmp_path / "out", {})
+    full = tmp_path / "full"
+    from runtime.pipeline.checkpoints import save_checkpoint
+
+    save_checkpoint(full, [{"param/w": np.zeros(2, np.float32)}], {"step": 1, "stages": 1, "ranges": [[0, 3]]})
+    with pytest.raises(JobError, match=r"a full fine-tuning run \(no adapters in it\): write the trained model with "
+                                       r"`confidant export-trained .*full --hf DIR`"):
+        export_adapter(full, tmp_path / "out", {})
+
+
+def _lora_plan(model, settings: LoraSettings, tmp_path):
+    """`model` planned with LoRA `settings` over two devices of a made-up profile, cut at block 2."""
+    from ir.graph import block_signature
+    from ir.profile import BackendProfile, BlockCost, DeviceProfile
+    from jobs.lora import adapted
+    from jobs.planning import PlanSettings, plan_model
+
+    graph = adapted(load_model(model, ROWS, S), settings)
+    costs = {block_signature(b): BlockCost(0.01, 0.02, workspace_bytes=1 << 20) for b in graph.blocks}
+    DeviceProfile("box", graph.name, ROWS, S, (BackendProfile("mnn:cpu:t1", costs),), 8 << 30).save(tmp_path / "p.json")
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+        {"name": n, "address": f"tcp://127.0.0.1:{5900 + i}", "profile": "p.json", "memory_budget": "4GiB"}
+        for i, n in enumerate(("a", "b"))], "links": {"default": {"bandwidth": "1Gbit/s", "latency": "0.2ms"}}}))
+    return plan_model(model, tmp_path / "cluster.json", PlanSettings(batch=ROWS * M, seq=S, microbatches=M, cuts=(2,),
+                                                                     lora=settings), tmp_path / "plan")
+
+
+def test_a_lora_plan_records_its_settings_and_its_train_checkpoint_exports_an_adapter(tiny_onnx, tiny_checkpoint,
+                                                                                       tmp_path):
+    """plan.json records the LoRA settings (before: nothing, and `export-adapter` refused every
+    checkpoint of `train PLAN`); the checkpoint meta of `train PLAN` carries them, and the adapter
+    exported from it gives, through PEFT, the logits of the trained weights on the plan's graph.
+    A plan.json without the field (full fine-tuning, or written before) still reads."""
+    from types import SimpleNamespace
+
+    from peft import PeftModel
+
+    from ir.bundle import load_plan
+    from ir.documents import PlanDocument, PlannedLora
+    from jobs.export_adapter import export_adapter_for
+    from jobs.plan_training import _checkpoint_meta
+    from runtime.pipeline.checkpoints import save_checkpoint
+
+    model = tiny_onnx["torchscript-17"]
+    plan_dir = _lora_plan(model, LORA, tmp_path)
+    doc = json.loads((plan_dir / "plan.json").read_text())
+    assert doc["lora"] == {"rank": 4, "alpha": 16.0, "targets": ["q", "k", "v", "o"], "train_also": ["head"], "seed": 2}
+    plan = load_plan(plan_dir)
+    assert plan.lora == PlannedLora(4, 16.0, ("q", "k", "v", "o"), ("head",), 2)
+    older = {k: v for k, v in doc.items() if k != "lora"}
+    assert PlanDocument.from_json(older, "old").lora is None and "lora" not in PlanDocument.from_json(older, "old").to_json()
+    with pytest.raises(ValueError, match=r"plan bad: lora is \{'rank': 0"):
+        PlanDocument.from_json({**doc, "lora": {**doc["lora"], "rank": 0}}, "bad")
+
+    meta = _checkpoint_meta(plan_dir, plan, SimpleNamespace(name="ner", labels=[f"L{i}" for i in range(9)]))
+    assert meta["lora"] == doc["lora"] and meta["model_path"] == str(model.resolve())
+    graph, _ = add_lora(load_model(model, ROWS, S), LORA)
+    rng = np.random.default_rng(5)
+    weights = {p: (graph.constants[p] + 0.1 * rng.standard_normal(graph.constants[p].shape)).astype(np.float32)
+               for p in graph.params}  # as training moves them: B away from zero, the head
+    ranges = [(d.first_block, d.last_block) for d in plan.devices]
+    stage_of = {p: i for i, (a, b) in enumerate(ranges) for k in range(a, b + 1) for p in graph.blocks[k].params}
+    save_checkpoint(tmp_path / "ck", [{f"param/{p}": w for p, w in weights.items() if stage_of[p] == i}
+                                      for i in range(len(ranges))],
+                    {**meta, "step": 1, "stages": len(ranges), "ranges": [list(r) for r in ranges]})
+    out = export_adapter_for(tmp_path / "ck", tmp_path / "adapter", base=tiny_checkpoint)
+    base, _ = _base_state(tiny_checkpoint)
+    peft_model = PeftModel.from_pretrained(base, out).eval()
+    feeds = token_feeds(ROWS, S, vocab=500, seed=4)
+    with torch.no_grad():
+        want = peft_model(**{k: torch.tensor(feeds[k]) for k in ("input_ids", "attention_mask", "token_type_ids")}
+                          ).logits.numpy()
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    assert float(np.abs(got - want).max()) <= 1e-4
 
 
 @pytest.mark.slow
