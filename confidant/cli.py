@@ -177,12 +177,17 @@ def _add_export_trained(sub) -> None:
     p = sub.add_parser("export-trained", help="write a trained checkpoint out as ONNX or as a transformers checkpoint",
                        description="Write the fine-tuned model out of Confidant: -o FILE.onnx is the model it was "
                                    "trained from with the trained weights (ONNX Runtime gives the training graph's "
-                                   "logits); --hf DIR writes model.safetensors and config.json that transformers' "
-                                   "from_pretrained loads (needs NAME.hf.json next to the model, which `confidant "
-                                   "export` writes).")
+                                   "logits); --hf DIR writes model.safetensors, config.json and the tokenizer, which "
+                                   "transformers' from_pretrained loads (needs NAME.hf.json next to the model, which "
+                                   "`confidant export` writes).")
     p.add_argument("checkpoint", type=Path, help="checkpoint folder (train-local/train-pipeline --checkpoint)")
     p.add_argument("-o", "--output", type=Path, default=None, help="write an ONNX model here")
-    p.add_argument("--hf", type=Path, default=None, metavar="DIR", help="write a transformers checkpoint folder here")
+    p.add_argument("--hf", type=Path, default=None, metavar="DIR",
+                   help="write a transformers checkpoint folder here (config.json, model.safetensors and the "
+                        "tokenizer: AutoTokenizer and AutoModelFor... load it)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="with --hf: the tokenizer.json or Hugging Face folder the model was trained with (default: "
+                        "the checkpoint it was exported from, else the bundled MiniLM's, as train and predict use)")
 
 
 def _add_keys(sub) -> None:

@@ -516,5 +516,5 @@ def cmd_export_trained(args) -> int:
     if args.output is not None:
         print(export_trained_onnx(args.checkpoint, args.output))
     if args.hf is not None:
-        print(export_trained_hf(args.checkpoint, args.hf))
+        print(export_trained_hf(args.checkpoint, args.hf, getattr(args, "tokenizer", None)))
     return 0

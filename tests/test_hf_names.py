@@ -74,7 +74,7 @@ def test_equal_valued_weights_are_told_apart_or_refused_never_swapped(tmp_path, 
     from planner.onnx_import import load_model
     from runtime.engines.mnn import MnnStageEngine
     from runtime.engines.stage import stage_spec
-    from support import TINY, family_feeds
+    from support import TINY, family_feeds, make_tiny_tokenizer
     from transformers import AutoModelForSequenceClassification
 
     model = _equal_weights_model(kind)
@@ -89,8 +89,9 @@ def test_equal_valued_weights_are_told_apart_or_refused_never_swapped(tmp_path, 
         "command": "train-local", "model": path.name, "model_path": str(path.resolve()), "task": "seq-cls",
         "labels": None, "step": 1})
     sidecar = read_hf_sidecar(path)
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
     try:
-        folder = export_trained_hf(ckpt, tmp_path / "hf")
+        folder = export_trained_hf(ckpt, tmp_path / "hf", tokenizer=tmp_path / "tokenizer.json")
     except JobError as exc:  # refused: the sidecar says which weights matched several parameters
         assert sidecar["unplaced"] and "matches [" in sidecar["unplaced"] and "could not name every weight" in str(exc)
         return

@@ -66,7 +66,8 @@ def test_export_trained_round_trips_through_onnxruntime_and_transformers(tmp_pat
         None, {i.name: feeds[i.name] for i in session.get_inputs()})[0]
     assert float(np.abs(untrained - ours).max()) > 1e-3  # the trained weights really went in
 
-    folder = export_trained_hf(ckpt, tmp_path / "hf")
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    folder = export_trained_hf(ckpt, tmp_path / "hf", tokenizer=tmp_path / "tokenizer.json")
     cls = AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForTokenClassification
     reloaded = cls.from_pretrained(str(folder), attn_implementation="eager").eval()
     with torch.no_grad():
@@ -148,6 +149,11 @@ def test_the_model_out_refuses_what_it_cannot_do(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"confidant predict: error: --input {tmp_path / 'binary.txt'}: not UTF-8 text (invalid start byte at "
         "byte 0); give a text, CoNLL or TSV/CSV file saved as UTF-8")
+    proc = _cli("export-trained", ckpt, "--hf", tmp_path / "out", ok=False)  # a model in memory, a 120-token vocabulary
+    assert proc.returncode == 1 and proc.stderr.strip().endswith(
+        "no tokenizer found for it (its bert.hf.json names no checkpoint with tokenizer files, and the bundled MiniLM's "
+        "does not fit its 120 tokens): pass --tokenizer (the tokenizer.json or Hugging Face folder it was trained with)")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
     (path.with_name(path.stem + ".hf.json")).unlink()
     proc = _cli("export-trained", ckpt, "--hf", tmp_path / "out", ok=False)
     assert proc.returncode == 1 and "has no bert.hf.json next to it" in proc.stderr
@@ -156,3 +162,51 @@ def test_the_model_out_refuses_what_it_cannot_do(tmp_path):
     assert proc.returncode == 2 and "the model may not take sequences this long" in proc.stderr
     proc = _cli("predict", ckpt, "--input", tmp_path / "in.txt", "--seq", 10, ok=False)
     assert proc.returncode == 1 and "pass --labels" in proc.stderr
+
+
+REVIEWS = ("The food was wonderful and the staff were kind .", "Terrible service , cold soup , never again .",
+           "It was fine , nothing special .", "I loved every minute of the show !",
+           "The hotel room smelled and the bed was broken .", "An average film with a few good scenes .")
+
+
+@pytest.mark.parametrize("sidecar_names_its_checkpoint", [True, False])
+def test_an_hf_export_loads_with_the_models_own_tokenizer_and_predicts_as_predict_does(
+        tmp_path, sidecar_names_its_checkpoint):
+    """export-trained --hf of a MiniLM review classifier: transformers' own AutoTokenizer and
+    AutoModelForSequenceClassification, from the folder alone, give `predict`'s labels and
+    probabilities (before: no tokenizer files, so AutoTokenizer built a 5-token tokenizer and every
+    review came out the same). The tokenizer is the checkpoint's the export recorded, or for an
+    export from before it recorded one, the bundled MiniLM's that train and predict default to."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from jobs.export import default_checkpoint_dir, export_checkpoint, hf_sidecar_path
+    from jobs.trained import predict
+
+    labels = ("negative", "neutral", "positive")
+    path = export_checkpoint(default_checkpoint_dir(), tmp_path / "minilm-cls.onnx",
+                             ExportOptions(num_labels=3, task="seq-cls", labels=labels))
+    if not sidecar_names_its_checkpoint:
+        sidecar = json.loads(hf_sidecar_path(path).read_text())
+        hf_sidecar_path(path).write_text(json.dumps({k: v for k, v in sidecar.items() if k != "checkpoint"}))
+    graph = load_model(path, B, S)
+    rng = np.random.default_rng(0)
+    head = set(graph.blocks[-2].params)  # moved far, so that the reviews get different labels
+    weights = {p: (graph.constants[p] + (3.0 if p in head else 0.02) * rng.standard_normal(graph.constants[p].shape)
+                   ).astype(np.float32) for p in graph.params}
+    ckpt = write_single_device_checkpoint(tmp_path / "ckpt", weights, {}, graph, {
+        "command": "train-local", "model": path.name, "model_path": str(path.resolve()), "task": "seq-cls",
+        "labels": list(labels), "step": 1})
+    (tmp_path / "reviews.txt").write_text("\n".join(REVIEWS) + "\n")
+    _, ours = predict(ckpt, tmp_path / "reviews.txt", seq=32)
+
+    folder = export_trained_hf(ckpt, tmp_path / "hf")
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForSequenceClassification.from_pretrained(str(folder)).eval()
+    assert len(tokenizer) == 30522 and tokenizer.cls_token == "[CLS]" and tokenizer.pad_token == "[PAD]"
+    with torch.no_grad():
+        probs = torch.softmax(model(**tokenizer(list(REVIEWS), padding=True, return_tensors="pt")).logits, -1).numpy()
+    theirs = [model.config.id2label[int(i)] for i in probs.argmax(-1)]
+    assert theirs == [p.label for p in ours]
+    assert len(set(theirs)) > 1  # the reviews are told apart (a wrong tokenizer made them all one label)
+    np.testing.assert_allclose(probs, [[p.scores[n] for n in labels] for p in ours], atol=1e-4)
