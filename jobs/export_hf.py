@@ -82,7 +82,7 @@ def load_hf_tokenizer(source: Path):
 
 def _specials_of(tokenizer_json: Path) -> tuple[dict[str, str], str | None]:
     """The special tokens of a bare tokenizer.json, and the chat template (see the module docstring)."""
-    from tokenizers import Tokenizer
+    from tasks.tokenize import load_tokenizer
 
     chat = tokenizer_json.parent / "chat_template.json"
     if chat.is_file():
@@ -90,7 +90,7 @@ def _specials_of(tokenizer_json: Path) -> tuple[dict[str, str], str | None]:
         if isinstance(doc, dict) and doc.get("format") == "confidant-chat-template":
             specials = {k: doc[k] for k in ("bos_token", "eos_token", "pad_token") if doc.get(k)}
             return specials, doc.get("template")
-    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab(with_added_tokens=True)
+    vocab = load_tokenizer(tokenizer_json).get_vocab(with_added_tokens=True)
     for table in (_BERT_SPECIALS, _ROBERTA_SPECIALS):
         if table["unk_token"] in vocab:
             return {k: t for k, t in table.items() if t in vocab}, None
