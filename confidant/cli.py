@@ -548,10 +548,13 @@ def _is_bad_input(exc: BaseException) -> bool:
 def _add_export_adapter(sub) -> None:
     p = sub.add_parser("export-adapter", help="write a LoRA run's adapters in PEFT's format (adapter_config.json, "
                                               "adapter_model.safetensors)",
-                       description="Read a checkpoint of a LoRA run (train-pipeline --lora R --checkpoint DIR) and "
-                                   "write its adapters and the modules trained in full as a PEFT adapter that "
-                                   "peft.PeftModel.from_pretrained loads onto the transformers model the ONNX file "
-                                   "was exported from.")
+                       description="Read a checkpoint of a LoRA run (train-local or train-pipeline --lora R "
+                                   "--checkpoint DIR, or train PLAN --checkpoint DIR of a plan made with --lora R) "
+                                   "and write its adapters and the modules trained in full as a PEFT adapter with "
+                                   "the tokenizer beside it; its base_model_name_or_path names the transformers "
+                                   "folder of the model the ONNX file was exported from (a GGUF or encoder base is "
+                                   "written into DIR/base), so peft's AutoPeftModelForCausalLM.from_pretrained(DIR) "
+                                   "loads it alone. Prints the Python lines that load it.")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True, help="adapter folder to write (with --merged: an ONNX file)")
     p.add_argument("--merged", action="store_true",
@@ -563,3 +566,7 @@ def _add_export_adapter(sub) -> None:
     p.add_argument("--num-labels", type=int, default=None,
                    help="labels of the exported head (default: the run's labels, else 9)")
     p.add_argument("--seed", type=int, default=0, help="the export's head seed (default %(default)s)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="the tokenizer.json or Hugging Face folder the model was trained with, written beside the "
+                        "adapter (default: the base's; else the one beside the model, or for an encoder the bundled "
+                        "MiniLM's)")

@@ -165,7 +165,11 @@ def test_a_lora_plan_records_its_settings_and_its_train_checkpoint_exports_an_ad
     save_checkpoint(tmp_path / "ck", [{f"param/{p}": w for p, w in weights.items() if stage_of[p] == i}
                                       for i in range(len(ranges))],
                     {**meta, "step": 1, "stages": len(ranges), "ranges": [list(r) for r in ranges]})
-    out = export_adapter_for(tmp_path / "ck", tmp_path / "adapter", base=tiny_checkpoint)
+    from support import make_tiny_tokenizer
+
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))  # the tiny BERT's folder has none
+    out = export_adapter_for(tmp_path / "ck", tmp_path / "adapter", base=tiny_checkpoint,
+                             tokenizer=tmp_path / "tokenizer.json")
     base, _ = _base_state(tiny_checkpoint)
     peft_model = PeftModel.from_pretrained(base, out).eval()
     feeds = token_feeds(ROWS, S, vocab=500, seed=4)
@@ -175,6 +179,19 @@ def test_a_lora_plan_records_its_settings_and_its_train_checkpoint_exports_an_ad
     engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
     got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
     assert float(np.abs(got - want).max()) <= 1e-4
+    # the folder alone: the base with the run's head size and labels is written into it, the tokenizer beside
+    from peft import AutoPeftModelForTokenClassification
+    from transformers import AutoTokenizer
+
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((out / "base").resolve())
+    alone = AutoPeftModelForTokenClassification.from_pretrained(str(out)).eval()
+    assert alone.config.id2label == {i: f"L{i}" for i in range(9)}
+    with torch.no_grad():
+        again = alone(**{k: torch.tensor(feeds[k]) for k in ("input_ids", "attention_mask", "token_type_ids")}
+                      ).logits.numpy()
+    assert float(np.abs(got - again).max()) <= 1e-4
+    assert AutoTokenizer.from_pretrained(str(out))("rome x")["input_ids"] == [2, 7, 8, 3]  # the tiny tokenizer
 
 
 @pytest.mark.slow
@@ -269,3 +286,94 @@ def test_a_causal_lms_adapter_loads_onto_its_transformers_model_through_peft(tmp
     engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
     got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def chat_llama_run(chat_llama, tmp_path_factory):
+    """The session's tiny random Llama with SmolLM2's tokenizer and chat template beside its ONNX file
+    (conftest), its transformers model rebuilt from the same seed and saved as a folder without a
+    tokenizer (as a converted model often is), and a LoRA checkpoint of it whose adapters moved:
+    (root, transformers model, ONNX file, adapted graph, weights)."""
+    from jobs.export_llm import random_causal_lm
+    from runtime.pipeline.checkpoints import save_checkpoint
+
+    path = chat_llama[0]
+    root = tmp_path_factory.mktemp("chat-llama-lora")
+    chat = json.loads((path.parent / "chat_template.json").read_text())
+    model = random_causal_lm("llama", 0, vocab_size=49152, bos_token_id=chat["bos_token_id"],
+                             eos_token_id=chat["eos_token_id"])
+    model.save_pretrained(root / "hf")
+    settings = LoraSettings(2, 8.0, targets=("q", "v"), train_also=(), seed=3)
+    graph, _ = add_lora(load_model(path, 2, 12), settings)
+    rng = np.random.default_rng(1)
+    weights = {p: rng.normal(0, 0.3, graph.constants[p].shape).astype(np.float32) for p in graph.params}
+    save_checkpoint(root / "ck", [{f"param/{k}": v for k, v in weights.items()}],
+                    {"model": "m.onnx", "model_path": str(path), "task": "causal-lm", "step": 1, "stages": 1,
+                     "ranges": [[0, len(graph.blocks) - 1]], "lora": asdict(settings)})
+    return root, model, path, graph, weights
+
+
+def test_a_causal_lm_adapter_folder_loads_alone_with_auto_peft_and_its_tokenizer(chat_llama_run, tmp_path):
+    """export-adapter writes the tokenizer (SmolLM2's, with its chat template) beside the adapter and
+    records a base transformers loads: AutoPeftModelForCausalLM.from_pretrained(DIR) with no other
+    argument gives the engine's logits, and AutoTokenizer.from_pretrained(DIR) encodes and renders
+    chats as training did (before: base_model_name_or_path could be a GGUF path, and no tokenizer)."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from jobs.export_adapter import export_adapter_for, loading_lines
+    from support import lm_step_feeds
+    from tasks.lm_tokenizer import load_lm_tokenizer
+
+    root, _, path, graph, weights = chat_llama_run
+    out = export_adapter_for(root / "ck", tmp_path / "adapter", base=root / "hf")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((root / "hf").resolve())  # a transformers folder, reused
+    assert not (out / "base").exists()
+    lines = loading_lines(out)
+    assert lines[0] == "from peft import AutoPeftModelForCausalLM; from transformers import AutoTokenizer"
+    namespace: dict = {}
+    exec("\n".join(lines), namespace)  # the three printed lines, as a user pastes them
+    peft_model, tokenizer = namespace["model"].eval(), namespace["tokenizer"]
+    assert isinstance(peft_model, type(AutoPeftModelForCausalLM.from_pretrained(str(out))))
+    feeds = lm_step_feeds(0, 2, 12, 1, vocab=49152)[0]
+    with torch.no_grad():
+        want = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
+                          attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+    ours = load_lm_tokenizer(path)
+    chat = [{"role": "user", "content": "List the places: Anna flew to Oslo."}]
+    assert len(tokenizer) == ours.vocab_size == 49152
+    assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == ours.render_chat(chat)
+    assert tokenizer("Anna flew to Oslo.")["input_ids"] == ours.encode("Anna flew to Oslo.")
+    assert AutoTokenizer.from_pretrained(str(out)).eos_token == "<|im_end|>"
+
+
+def test_a_merged_causal_lm_generates_and_gives_the_adapted_logits(chat_llama_run, tmp_path):
+    """export-adapter --merged writes, beside the merged ONNX file, NAME.lm.json, its key/value-cache
+    graph with the merged weights, and the tokenizer with its chat template: `generate` takes it
+    (before: refused, no tokenizer), and its logits are PEFT's merged model's."""
+    from peft import PeftModel
+
+    from jobs.export_adapter import export_adapter_for, export_merged
+    from jobs.generation import generate
+    from tasks.generate import GenerationSettings, OnnxCausalLM
+
+    root, model, _, _, _ = chat_llama_run
+    merged = export_merged(root / "ck", tmp_path / "merged" / "m.onnx")
+    assert {p.name for p in merged.parent.iterdir()} >= {"m.onnx", "m.kv.onnx", "m.lm.json", "tokenizer.json",
+                                                         "chat_template.json"}
+    adapter = export_adapter_for(root / "ck", tmp_path / "adapter", base=root / "hf")
+    reference = PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+    ids = np.array([[5, 900, 17, 4000, 33, 2]], np.int64)
+    with torch.no_grad():
+        want = reference(input_ids=torch.tensor(ids)).logits.numpy()
+    lm = OnnxCausalLM(merged)
+    assert lm.kv_path is not None and lm.kv_unavailable is None
+    got = lm.logits(ids, np.ones_like(ids))
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+    cached = generate(merged, ["Where is Oslo?"], GenerationSettings(max_new_tokens=4))
+    recomputed = generate(merged, ["Where is Oslo?"], GenerationSettings(max_new_tokens=4, kv_cache=False))
+    assert cached == recomputed and isinstance(cached[0], str)
