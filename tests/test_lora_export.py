@@ -377,3 +377,34 @@ def test_a_merged_causal_lm_generates_and_gives_the_adapted_logits(chat_llama_ru
     cached = generate(merged, ["Where is Oslo?"], GenerationSettings(max_new_tokens=4))
     recomputed = generate(merged, ["Where is Oslo?"], GenerationSettings(max_new_tokens=4, kv_cache=False))
     assert cached == recomputed and isinstance(cached[0], str)
+
+
+def test_a_merged_sequence_classifier_keeps_its_label_names(tmp_path):
+    """export-adapter --merged of a LoRA review classifier writes NAME.hf.json beside the merged file
+    with the run's label names: `predict` names its labels (before: it asked for --labels). The
+    merged file's logits: test_the_merged_onnx_gives_the_trained_logits_on_onnx_runtime."""
+    from jobs.export import ExportOptions, export_model
+    from jobs.export_adapter import export_merged
+    from jobs.trained import predict
+    from runtime.pipeline.checkpoints import save_checkpoint
+    from support import make_tiny_tokenizer, tiny_model
+
+    path = export_model(tiny_model("bert", task="seq-cls", num_labels=3, seed=5), tmp_path / "cls.onnx",
+                        ExportOptions(num_labels=3, task="seq-cls", attention="sdpa"))
+    settings = LoraSettings(2, 8.0, targets=("q", "v"), train_also=("head",), seed=1)
+    graph, _ = add_lora(load_model(path, 1, 8), settings)
+    rng = np.random.default_rng(2)
+    weights = {p: (graph.constants[p] + 0.5 * rng.standard_normal(graph.constants[p].shape)).astype(np.float32)
+               for p in graph.params}
+    labels = ["negative", "neutral", "positive"]
+    save_checkpoint(tmp_path / "ck", [{f"param/{k}": v for k, v in weights.items()}],
+                    {"model": path.name, "model_path": str(path), "task": "seq-cls", "labels": labels, "step": 1,
+                     "stages": 1, "ranges": [[0, len(graph.blocks) - 1]], "lora": asdict(settings)})
+    merged = export_merged(tmp_path / "ck", tmp_path / "out" / "merged.onnx")
+    assert json.loads((tmp_path / "out" / "merged.hf.json").read_text())["labels"] == labels
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "in.txt").write_text("rome x .\nunbelievable x\n")
+    _, predictions = predict(merged, tmp_path / "in.txt", seq=8, tokenizer=tmp_path / "tokenizer.json")
+    assert all(set(p.scores) == set(labels) and p.label in labels for p in predictions)
+    with pytest.raises(JobError, match="-o .* is the model the run was trained from"):
+        export_merged(tmp_path / "ck", path)
