@@ -210,3 +210,19 @@ def test_an_hf_export_loads_with_the_models_own_tokenizer_and_predicts_as_predic
     assert theirs == [p.label for p in ours]
     assert len(set(theirs)) > 1  # the reviews are told apart (a wrong tokenizer made them all one label)
     np.testing.assert_allclose(probs, [[p.scores[n] for n in labels] for p in ours], atol=1e-4)
+
+
+def test_the_demos_export_moves_its_sidecar_with_it(tmp_path):
+    """The demo exports under a temporary name and moves the file: its NAME.hf.json goes with it
+    (before: left as minilm-token-cls.partial.hf.json, and export-trained --hf asked for a re-export)."""
+    from jobs.demo import move_export
+
+    model = tiny_model("bert", task="seq-cls", num_labels=3, seed=1)
+    partial = export_model(model, tmp_path / "m.partial.onnx", ExportOptions(num_labels=3, task="seq-cls"))
+    path = move_export(partial, tmp_path / "m.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.hf.json", "m.onnx"]
+    graph = load_model(path, B, S)
+    ckpt = write_single_device_checkpoint(tmp_path / "ck", {p: graph.constants[p] for p in graph.params}, {}, graph,
+                                          {"model": path.name, "model_path": str(path), "task": "seq-cls", "step": 0})
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    assert (export_trained_hf(ckpt, tmp_path / "hf", tokenizer=tmp_path / "tokenizer.json") / "config.json").is_file()
