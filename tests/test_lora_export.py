@@ -408,3 +408,48 @@ def test_a_merged_sequence_classifier_keeps_its_label_names(tmp_path):
     assert all(set(p.scores) == set(labels) and p.label in labels for p in predictions)
     with pytest.raises(JobError, match="-o .* is the model the run was trained from"):
         export_merged(tmp_path / "ck", path)
+
+
+@pytest.mark.slow  # worker processes; the in-process tests above cover each part
+def test_plan_lora_then_train_plan_then_export_adapter_through_the_command_line(chat_llama_run, chat_llama,
+                                                                              tmp_path, monkeypatch):
+    """The issue's dead end, as a user runs it: `plan --lora 2`, `train PLAN --local --checkpoint`,
+    then `export-adapter` (before: "its meta.json has no lora settings", advice naming a flag train
+    lacks), and the printed lines load it: PEFT's logits are the engine's with the trained weights."""
+    from ir.graph import block_signature
+    from ir.profile import BackendProfile, BlockCost, DeviceProfile
+    from jobs.lora import adapted
+    from runtime.pipeline.checkpoints import load_checkpoint
+    from support import lm_step_feeds, run_cli
+
+    monkeypatch.setenv("CONFIDANT_HOME", str(tmp_path / "home"))
+    root, _, path, _, _ = chat_llama_run
+    _, train, _ = chat_llama
+    graph = adapted(load_model(path, 2, 128), LoraSettings(2))
+    costs = {block_signature(b): BlockCost(0.01, 0.02, workspace_bytes=1 << 20) for b in graph.blocks}
+    DeviceProfile("box", graph.name, 2, 128, (BackendProfile("mnn:cpu:t1", costs),), 8 << 30).save(tmp_path / "p.json")
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+        {"name": n, "address": f"tcp://127.0.0.1:{5910 + i}", "profile": "p.json", "memory_budget": "4GiB"}
+        for i, n in enumerate(("laptop", "phone"))], "links": {"default": {"bandwidth": "1Gbit/s", "latency": "0.2ms"}}}))
+    for args in (("plan", path, "--cluster", tmp_path / "cluster.json", "--batch", 4, "--seq", 128, "--microbatches", 2,
+                  "--cuts", 2, "--lora", 2, "-o", tmp_path / "plan"),
+                 ("train", tmp_path / "plan", "--data", train, "--local", "--steps", 2, "--checkpoint", tmp_path / "ck")):
+        proc = run_cli(*args)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_cli("export-adapter", tmp_path / "ck", "-o", tmp_path / "adapter", "--base", root / "hf")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line.strip() for line in proc.stdout.splitlines()[1:]]
+    assert lines[0] == "from peft import AutoPeftModelForCausalLM; from transformers import AutoTokenizer"
+    namespace: dict = {}
+    exec("\n".join(lines), namespace)
+    meta, weights, _ = load_checkpoint(tmp_path / "ck")
+    assert meta["lora"] == {"rank": 2, "alpha": 8.0, "targets": ["q", "k", "v", "o"], "train_also": ["auto"], "seed": 0}
+    feeds = lm_step_feeds(0, 2, 12, 1, vocab=49152)[0]
+    graph, _ = add_lora(load_model(path, 2, 12), LoraSettings(2))
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    with torch.no_grad():
+        want = namespace["model"].eval()(input_ids=torch.tensor(feeds["input_ids"]),
+                                          attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+    assert namespace["tokenizer"].eos_token == "<|im_end|>"
