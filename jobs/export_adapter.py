@@ -133,11 +133,13 @@ def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, nu
                 raise JobError(f"{checkpoint}: a causal LM's adapters are named against its transformers model: give "
                                "--base (the Hugging Face folder or .gguf file it was exported from)")
             base = Path(source)
-        model = load_causal_lm(Path(base))[0]
+        reuse_base = Path(base).is_dir() and (Path(base) / "config.json").is_file()
+        written = None if reuse_base else _written_base(Path(out) / BASE_FOLDER, _base_source(base, task, seed))
+        # a base written before is read back (safetensors) instead of dequantizing the GGUF again
+        model = load_causal_lm(written or Path(base))[0]
         task_type = "CAUSAL_LM"
         hf_tokenizer = (load_hf_tokenizer(Path(tokenizer)) if tokenizer is not None
                         else causal_lm_tokenizer(model_path, Path(base))[0])
-        reuse_base = Path(base).is_dir() and (Path(base) / "config.json").is_file()
     else:
         base = Path(base) if base else default_checkpoint_dir()
         labels = meta.get("labels") or ()
@@ -157,9 +159,8 @@ def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, nu
     if reuse_base:
         base_dir = Path(base).resolve()
     else:
-        base_dir = _write_base(model, hf_tokenizer, out / BASE_FOLDER, {"source": str(Path(base).resolve()),
-                                                                     "task": task, "seed": seed,
-                                                                     "labels": model.config.num_labels})
+        base_dir = _write_base(model, hf_tokenizer, out / BASE_FOLDER,
+                               _base_source(base, task, seed, model.config.num_labels if task != "causal-lm" else None))
     export_adapter(checkpoint, out, state, task_type, base_name=str(base_dir), fan_in_fan_out=conv1d)
     if hf_tokenizer is not None:
         from jobs.export_hf import write_hf_tokenizer
@@ -168,9 +169,16 @@ def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, nu
     return out
 
 
-def _write_base(model, tokenizer, folder: Path, source: dict) -> Path:
-    """`model` (and its tokenizer) saved by transformers into `folder`, unless a base written from
-    the same source is there already (BASE_MARK): the folder, absolute."""
+def _base_source(base: Path, task: str, seed: int, labels: int | None = None) -> dict:
+    """What a written base is made from (BASE_MARK): the same source gives the same folder."""
+    base = Path(base).resolve()
+    stat = base.stat()
+    return {"source": str(base), "size": stat.st_size if base.is_file() else None, "mtime_ns": stat.st_mtime_ns,
+            "task": task, "seed": seed, "labels": labels}
+
+
+def _written_base(folder: Path, source: dict) -> Path | None:
+    """`folder` (absolute) if it holds a base written from `source`, else None."""
     folder = Path(folder).resolve()
     mark = folder / BASE_MARK
     if mark.is_file() and (folder / "config.json").is_file():
@@ -179,6 +187,17 @@ def _write_base(model, tokenizer, folder: Path, source: dict) -> Path:
                 return folder
         except (UnicodeDecodeError, json.JSONDecodeError):
             pass
+    return None
+
+
+def _write_base(model, tokenizer, folder: Path, source: dict) -> Path:
+    """`model` (and its tokenizer) saved by transformers into `folder`, unless a base written from
+    the same source is there already (BASE_MARK): the folder, absolute."""
+    folder = Path(folder).resolve()
+    if _written_base(folder, source) is not None:
+        return folder
+    mark = folder / BASE_MARK
+    mark.unlink(missing_ok=True)  # written again: not the mark of another source meanwhile
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))
     if tokenizer is not None:
