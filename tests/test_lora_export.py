@@ -153,6 +153,14 @@ def test_a_lora_plan_records_its_settings_and_its_train_checkpoint_exports_an_ad
     assert PlanDocument.from_json(older, "old").lora is None and "lora" not in PlanDocument.from_json(older, "old").to_json()
     with pytest.raises(ValueError, match=r"plan bad: lora is \{'rank': 0"):
         PlanDocument.from_json({**doc, "lora": {**doc["lora"], "rank": 0}}, "bad")
+    # a re-plan (a device lost) writes a plan folder with the same settings and model file
+    from jobs.lora import adapted
+    from planner.emit import load_plan_cluster
+    from planner.replan import PlanReplanner
+
+    replanner = PlanReplanner(plan_dir, plan, adapted(load_model(model, ROWS, S), LORA), load_plan_cluster(plan_dir))
+    again = load_plan(replanner.without(1, ["a"], {}).directory)
+    assert (again.lora, again.model_path, again.device_names) == (plan.lora, plan.model_path, ["b"])
 
     meta = _checkpoint_meta(plan_dir, plan, SimpleNamespace(name="ner", labels=[f"L{i}" for i in range(9)]))
     assert meta["lora"] == doc["lora"] and meta["model_path"] == str(model.resolve())
