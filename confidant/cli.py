@@ -179,7 +179,8 @@ def _add_export_trained(sub) -> None:
                                    "trained from with the trained weights (ONNX Runtime gives the training graph's "
                                    "logits); --hf DIR writes model.safetensors, config.json and the tokenizer, which "
                                    "transformers' from_pretrained loads (needs NAME.hf.json next to the model, which "
-                                   "`confidant export` writes).")
+                                   "`confidant export` writes; for a causal LM, the model NAME.lm.json records it was "
+                                   "exported from).")
     p.add_argument("checkpoint", type=Path, help="checkpoint folder (train-local/train-pipeline --checkpoint)")
     p.add_argument("-o", "--output", type=Path, default=None, help="write an ONNX model here")
     p.add_argument("--hf", type=Path, default=None, metavar="DIR",

@@ -276,6 +276,10 @@ def export_trained_hf(checkpoint: Path, folder: Path, tokenizer: Path | None = N
     if not trained.weights:
         raise JobError(f"{checkpoint} is not a checkpoint folder (meta.json and stage files)")
     sidecar = trained.sidecar
+    if sidecar is None and (trained.meta.get("task") == "causal-lm" or trained.model_path.with_suffix(".lm.json").is_file()):
+        from jobs.export_llm import export_trained_causal_lm_hf
+
+        return export_trained_causal_lm_hf(trained.model_path, trained.weights, folder, tokenizer)
     if sidecar is None:
         raise JobError(f"{trained.model_path} has no {trained.model_path.stem}.hf.json next to it: --hf needs the "
                        "transformers config and weight names `confidant export` writes there; re-export the model with "

@@ -226,3 +226,41 @@ def test_the_demos_export_moves_its_sidecar_with_it(tmp_path):
                                           {"model": path.name, "model_path": str(path), "task": "seq-cls", "step": 0})
     make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
     assert (export_trained_hf(ckpt, tmp_path / "hf", tokenizer=tmp_path / "tokenizer.json") / "config.json").is_file()
+
+
+def test_a_fine_tuned_causal_lm_goes_out_as_a_transformers_folder_with_its_tokenizer(chat_llama, tmp_path):
+    """export-trained --hf of a causal LM's checkpoint (before: refused, advising a re-export that
+    writes no NAME.hf.json for a causal LM): the model it was exported from with the trained weights
+    and its tokenizer; AutoModelForCausalLM gives the engine's logits, AutoTokenizer renders chats
+    as training did."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jobs.export_hf import load_hf_tokenizer
+    from jobs.export_llm import LlmExportOptions, export_llm, random_causal_lm
+    from jobs.lm_training import _write_checkpoint
+    from support import lm_step_feeds
+    from tasks.lm_tokenizer import load_lm_tokenizer
+
+    tokenizer = load_hf_tokenizer(chat_llama[0].parent / "tokenizer.json")  # SmolLM2's, with its chat template
+    model = random_causal_lm("llama", 2, vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    path = export_llm(tmp_path / "src", tmp_path / "onnx" / "m.onnx", LlmExportOptions(), kv_cache=False)
+    graph = load_model(path, 2, 12)
+    rng = np.random.default_rng(0)
+    weights = {p: (graph.constants[p] + 0.05 * rng.standard_normal(graph.constants[p].shape)).astype(np.float32)
+               for p in graph.params}
+    ckpt = _write_checkpoint(tmp_path / "ck", weights, {}, graph, {"model": path.name, "model_path": str(path),
+                                                                   "task": "causal-lm", "step": 1})
+    folder = export_trained_hf(ckpt, tmp_path / "hf")
+    feeds = lm_step_feeds(0, 2, 12, 1, vocab=len(tokenizer))[0]
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    ours = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        theirs = reloaded(input_ids=torch.tensor(feeds["input_ids"]),
+                          attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
+    assert float(np.abs(theirs - ours).max()) <= 1e-4 * float(np.abs(ours).max())
+    chat = [{"role": "user", "content": "Where is Oslo?"}]
+    assert AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True) == load_lm_tokenizer(path).render_chat(chat)
