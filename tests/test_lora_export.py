@@ -461,3 +461,37 @@ def test_plan_lora_then_train_plan_then_export_adapter_through_the_command_line(
                                           attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
     assert namespace["tokenizer"].eos_token == "<|im_end|>"
+
+
+def _flags_of(command: str) -> set[str]:
+    import argparse
+
+    from confidant.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return set(sub.choices[command]._option_string_actions)
+
+
+def test_every_refusal_of_export_adapter_advises_flags_its_commands_have(tmp_path):
+    """The advice once said "train with --lora R" for a `train PLAN` checkpoint, a flag `train` lacks:
+    each flag an advice names belongs to the command it names (a `confidant CMD ...` span, or the
+    commands in parentheses after the flags)."""
+    import re
+
+    from jobs.export_adapter import _not_a_lora_run
+
+    adapters = {"w.lora_A": 0, "w.lora_B": 0}
+    messages = [_not_a_lora_run(tmp_path, {"plan": "p"}, adapters), _not_a_lora_run(tmp_path, {}, adapters),
+                _not_a_lora_run(tmp_path, {}, {"w": 0})]
+    checked = 0
+    for message in messages:
+        for command, args in re.findall(r"`confidant ([a-z-]+)([^`]*)`", message):
+            for flag in re.findall(r"(--[a-z-]+)", args):
+                assert flag in _flags_of(command), (command, flag, message)
+                checked += 1
+        for flags, commands in re.findall(r"((?:--[a-z-]+ [A-Z]+ ?)+)\(([a-z-]+(?: or [a-z-]+)*)\)", message):
+            for command in commands.split(" or "):
+                for flag in re.findall(r"--[a-z-]+", flags):
+                    assert flag in _flags_of(command), (command, flag, message)
+                    checked += 1
+    assert checked >= 6
