@@ -239,6 +239,16 @@ def test_the_command_line_trains_lora_checkpoints_and_exports_the_adapter(minilm
                           attention_mask=torch.tensor(feeds["attention_mask"]),
                           token_type_ids=torch.tensor(feeds["token_type_ids"])).logits.numpy()
     assert float(np.abs(got - want).max()) <= 1e-4
+    # the lines it printed load the folder alone: the base with the run's head written into it, MiniLM's tokenizer
+    lines = [line.strip() for line in proc.stdout.splitlines()[1:]]
+    assert lines[0] == "from peft import AutoPeftModelForTokenClassification; from transformers import AutoTokenizer"
+    namespace: dict = {}
+    exec("\n".join(lines), namespace)
+    with torch.no_grad():
+        alone = namespace["model"].eval()(**{k: torch.tensor(feeds[k]) for k in
+                                             ("input_ids", "attention_mask", "token_type_ids")}).logits.numpy()
+    assert float(np.abs(got - alone).max()) <= 1e-4
+    assert len(namespace["tokenizer"]) == 30522 and namespace["model"].config.id2label[1] == meta["labels"][1]
 
 
 def test_the_merged_onnx_gives_the_trained_logits_on_onnx_runtime(trained, tmp_path):
