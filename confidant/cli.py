@@ -556,11 +556,13 @@ def _add_export_adapter(sub) -> None:
                                    "folder of the model the ONNX file was exported from (a GGUF or encoder base is "
                                    "written into DIR/base), so peft's AutoPeftModelForCausalLM.from_pretrained(DIR) "
                                    "loads it alone. Prints the Python lines that load it.")
-    p.add_argument("checkpoint", type=Path)
+    p.add_argument("checkpoint", type=Path, help="checkpoint folder of a LoRA run (--checkpoint DIR)")
     p.add_argument("-o", "--output", type=Path, required=True, help="adapter folder to write (with --merged: an ONNX file)")
     p.add_argument("--merged", action="store_true",
                    help="write the ONNX model the run trained, the adapters merged into its base weights (W + "
-                        "alpha/r A B) and the parameters trained in full replaced; ONNX Runtime runs it")
+                        "alpha/r A B) and the parameters trained in full replaced; ONNX Runtime runs it, and with "
+                        "the side files written beside it (a causal LM's tokenizer, chat template and cache graph; a "
+                        "classifier's label names) `generate` and `predict` take it")
     p.add_argument("--base", type=Path, default=None,
                    help="the transformers checkpoint the model was exported from: a folder, or for a causal LM a "
                         ".gguf file (default: the bundled MiniLM; a causal LM: the source its NAME.lm.json records)")
