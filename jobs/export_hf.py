@@ -97,14 +97,13 @@ def _specials_of(tokenizer_json: Path) -> tuple[dict[str, str], str | None]:
     return {}, None
 
 
-def write_hf_tokenizer(tokenizer, folder: Path) -> list[str]:
-    """`tokenizer` saved into `folder` by transformers; the names of the files written."""
+def write_hf_tokenizer(tokenizer, folder: Path) -> Path:
+    """`tokenizer` saved into `folder` by transformers (tokenizer.json, tokenizer_config.json with the
+    special tokens, chat_template.jinja where there is a template); the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    before = {p.name for p in folder.iterdir()}
     tokenizer.save_pretrained(str(folder))
-    return sorted({p.name for p in folder.iterdir()} - before) or sorted(
-        f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if (folder / f).is_file())
+    return folder
 
 
 def encoder_tokenizer(model_path: Path, sidecar: dict | None, given: Path | None):
