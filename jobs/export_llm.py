@@ -534,8 +534,8 @@ def export_trained_causal_lm_hf(model_path: Path, weights, folder: Path, tokeniz
         raise JobError(str(exc)) from None
     unknown = sorted(set(weights) - set(names))
     if unknown:
-        raise JobError(f"trained weights {unknown[:4]} are not weights of {model_path.name}: was the checkpoint trained "
-                       "on this model?")
+        raise JobError(f"trained weights {unknown[:4]} are not weights of {model_path.name}: was the checkpoint "
+                       "trained on this model?")
     hf_tokenizer = (load_hf_tokenizer(Path(tokenizer)) if tokenizer is not None
                     else causal_lm_tokenizer(model_path, Path(source))[0])
     with torch.no_grad():

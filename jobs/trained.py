@@ -276,7 +276,8 @@ def export_trained_hf(checkpoint: Path, folder: Path, tokenizer: Path | None = N
     if not trained.weights:
         raise JobError(f"{checkpoint} is not a checkpoint folder (meta.json and stage files)")
     sidecar = trained.sidecar
-    if sidecar is None and (trained.meta.get("task") == "causal-lm" or trained.model_path.with_suffix(".lm.json").is_file()):
+    causal_lm = trained.meta.get("task") == "causal-lm" or trained.model_path.with_suffix(".lm.json").is_file()
+    if sidecar is None and causal_lm:
         from jobs.export_llm import export_trained_causal_lm_hf
 
         return export_trained_causal_lm_hf(trained.model_path, trained.weights, folder, tokenizer)
@@ -307,7 +308,8 @@ def export_trained_hf(checkpoint: Path, folder: Path, tokenizer: Path | None = N
         config["id2label"] = {str(i): name for i, name in enumerate(labels)}
         config["label2id"] = {name: i for i, name in enumerate(labels)}
     config["torch_dtype"] = "float32"
-    hf_tokenizer, _ = encoder_tokenizer(trained.model_path, sidecar, tokenizer)  # before writing: a refusal leaves nothing
+    # found before anything is written: a refusal leaves no half folder
+    hf_tokenizer, _ = encoder_tokenizer(trained.model_path, sidecar, tokenizer)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors(folder / "model.safetensors", tensors, metadata={"format": "pt"})

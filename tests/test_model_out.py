@@ -151,8 +151,9 @@ def test_the_model_out_refuses_what_it_cannot_do(tmp_path):
         "byte 0); give a text, CoNLL or TSV/CSV file saved as UTF-8")
     proc = _cli("export-trained", ckpt, "--hf", tmp_path / "out", ok=False)  # a model in memory, a 120-token vocabulary
     assert proc.returncode == 1 and proc.stderr.strip().endswith(
-        "no tokenizer found for it (its bert.hf.json names no checkpoint with tokenizer files, and the bundled MiniLM's "
-        "does not fit its 120 tokens): pass --tokenizer (the tokenizer.json or Hugging Face folder it was trained with)")
+        "no tokenizer found for it (its bert.hf.json names no checkpoint with tokenizer files, and the bundled "
+        "MiniLM's does not fit its 120 tokens): pass --tokenizer (the tokenizer.json or Hugging Face folder it was "
+        "trained with)")
     assert not (tmp_path / "out").exists()  # refused before anything is written
     (path.with_name(path.stem + ".hf.json")).unlink()
     proc = _cli("export-trained", ckpt, "--hf", tmp_path / "out", ok=False)

@@ -194,4 +194,5 @@ def test_a_smollm2_adapter_loads_with_auto_peft_alone_its_gguf_base_written_as_a
     assert float(np.abs(got - want)[attended].max()) <= 2e-5 * float(np.abs(want[attended]).max())
     hf_tokenizer = AutoTokenizer.from_pretrained(str(out))
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    assert hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == tokenizer.render_chat(chat)
+    rendered = hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == tokenizer.render_chat(chat)
