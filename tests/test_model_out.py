@@ -170,9 +170,18 @@ REVIEWS = ("The food was wonderful and the staff were kind .", "Terrible service
            "The hotel room smelled and the bed was broken .", "An average film with a few good scenes .")
 
 
+@pytest.fixture(scope="module")
+def minilm_reviews(tmp_path_factory):
+    """MiniLM exported as a 3-label review classifier (`confidant export --task seq-cls --labels ...`)."""
+    from jobs.export import default_checkpoint_dir, export_checkpoint
+
+    return export_checkpoint(default_checkpoint_dir(), tmp_path_factory.mktemp("minilm-reviews") / "minilm-cls.onnx",
+                             ExportOptions(num_labels=3, task="seq-cls", labels=("negative", "neutral", "positive")))
+
+
 @pytest.mark.parametrize("sidecar_names_its_checkpoint", [True, False])
 def test_an_hf_export_loads_with_the_models_own_tokenizer_and_predicts_as_predict_does(
-        tmp_path, sidecar_names_its_checkpoint):
+        minilm_reviews, tmp_path, sidecar_names_its_checkpoint):
     """export-trained --hf of a MiniLM review classifier: transformers' own AutoTokenizer and
     AutoModelForSequenceClassification, from the folder alone, give `predict`'s labels and
     probabilities (before: no tokenizer files, so AutoTokenizer built a 5-token tokenizer and every
@@ -180,12 +189,14 @@ def test_an_hf_export_loads_with_the_models_own_tokenizer_and_predicts_as_predic
     export from before it recorded one, the bundled MiniLM's that train and predict default to."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from jobs.export import default_checkpoint_dir, export_checkpoint, hf_sidecar_path
+    import shutil
+
+    from jobs.export import hf_sidecar_path
     from jobs.trained import predict
 
     labels = ("negative", "neutral", "positive")
-    path = export_checkpoint(default_checkpoint_dir(), tmp_path / "minilm-cls.onnx",
-                             ExportOptions(num_labels=3, task="seq-cls", labels=labels))
+    path = Path(shutil.copy(minilm_reviews, tmp_path / minilm_reviews.name))
+    shutil.copy(hf_sidecar_path(minilm_reviews), hf_sidecar_path(path))
     if not sidecar_names_its_checkpoint:
         sidecar = json.loads(hf_sidecar_path(path).read_text())
         hf_sidecar_path(path).write_text(json.dumps({k: v for k, v in sidecar.items() if k != "checkpoint"}))
