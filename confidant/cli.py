@@ -191,12 +191,18 @@ def _add_export_trained(sub) -> None:
     p = sub.add_parser("export-trained", help="write a trained checkpoint out as ONNX or as a transformers checkpoint",
                        description="Write the fine-tuned model out of Confidant: -o FILE.onnx is the model it was "
                                    "trained from with the trained weights (ONNX Runtime gives the training graph's "
-                                   "logits); --hf DIR writes model.safetensors and config.json that transformers' "
-                                   "from_pretrained loads (needs NAME.hf.json next to the model, which `confidant "
-                                   "export` writes).")
+                                   "logits); --hf DIR writes model.safetensors, config.json and the tokenizer, which "
+                                   "transformers' from_pretrained loads (needs NAME.hf.json next to the model, which "
+                                   "`confidant export` writes; for a causal LM, the model NAME.lm.json records it was "
+                                   "exported from).")
     p.add_argument("checkpoint", type=Path, help="checkpoint folder (train-local/train-pipeline --checkpoint)")
     p.add_argument("-o", "--output", type=Path, default=None, help="write an ONNX model here")
-    p.add_argument("--hf", type=Path, default=None, metavar="DIR", help="write a transformers checkpoint folder here")
+    p.add_argument("--hf", type=Path, default=None, metavar="DIR",
+                   help="write a transformers checkpoint folder here (config.json, model.safetensors and the "
+                        "tokenizer: AutoTokenizer and AutoModelFor... load it)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="with --hf: the tokenizer.json or Hugging Face folder the model was trained with (default: "
+                        "the checkpoint it was exported from, else the bundled MiniLM's, as train and predict use)")
 
 
 def _add_keys(sub) -> None:
@@ -633,18 +639,27 @@ def _is_bad_input(exc: BaseException) -> bool:
 def _add_export_adapter(sub) -> None:
     p = sub.add_parser("export-adapter", help="write a LoRA run's adapters in PEFT's format (adapter_config.json, "
                                               "adapter_model.safetensors)",
-                       description="Read a checkpoint of a LoRA run (train-pipeline --lora R --checkpoint DIR) and "
-                                   "write its adapters and the modules trained in full as a PEFT adapter that "
-                                   "peft.PeftModel.from_pretrained loads onto the transformers model the ONNX file "
-                                   "was exported from.")
-    p.add_argument("checkpoint", type=Path)
+                       description="Read a checkpoint of a LoRA run (train-local or train-pipeline --lora R "
+                                   "--checkpoint DIR, or train PLAN --checkpoint DIR of a plan made with --lora R) "
+                                   "and write its adapters and the modules trained in full as a PEFT adapter with "
+                                   "the tokenizer beside it; its base_model_name_or_path names the transformers "
+                                   "folder of the model the ONNX file was exported from (a GGUF or encoder base is "
+                                   "written into DIR/base), so peft's AutoPeftModelForCausalLM.from_pretrained(DIR) "
+                                   "loads it alone. Prints the Python lines that load it.")
+    p.add_argument("checkpoint", type=Path, help="checkpoint folder of a LoRA run (--checkpoint DIR)")
     p.add_argument("-o", "--output", type=Path, required=True, help="adapter folder to write (with --merged: an ONNX file)")
     p.add_argument("--merged", action="store_true",
                    help="write the ONNX model the run trained, the adapters merged into its base weights (W + "
-                        "alpha/r A B) and the parameters trained in full replaced; ONNX Runtime runs it")
+                        "alpha/r A B) and the parameters trained in full replaced; ONNX Runtime runs it, and with "
+                        "the side files written beside it (a causal LM's tokenizer, chat template and cache graph; a "
+                        "classifier's label names) `generate` and `predict` take it")
     p.add_argument("--base", type=Path, default=None,
                    help="the transformers checkpoint the model was exported from: a folder, or for a causal LM a "
                         ".gguf file (default: the bundled MiniLM; a causal LM: the source its NAME.lm.json records)")
     p.add_argument("--num-labels", type=int, default=None,
                    help="labels of the exported head (default: the run's labels, else 9)")
     p.add_argument("--seed", type=int, default=0, help="the export's head seed (default %(default)s)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="the tokenizer.json or Hugging Face folder the model was trained with, written beside the "
+                        "adapter (default: the base's; else the one beside the model, or for an encoder the bundled "
+                        "MiniLM's)")

@@ -576,17 +576,19 @@ def cmd_report(args) -> int:
 
 
 def cmd_export_adapter(args) -> int:
-    from jobs.export_adapter import export_adapter_for, export_merged
+    from jobs.export_adapter import export_adapter_for, export_merged, loading_lines
 
     if args.merged:
         print(f"wrote {export_merged(args.checkpoint, args.output)} (adapters merged into the base weights)")
         return 0
     try:
-        out = export_adapter_for(args.checkpoint, args.output, args.base, args.num_labels, args.seed)
+        out = export_adapter_for(args.checkpoint, args.output, args.base, args.num_labels, args.seed, args.tokenizer)
     except ModuleNotFoundError as exc:
         raise CliError(f"export-adapter needs the `export` extra ({exc.name} is missing): "
                        "pip install 'confidant[export]' torch==2.13.0") from None
-    print(f"wrote {out}: load it with peft.PeftModel.from_pretrained(model, {str(out)!r})")
+    print(f"wrote {out}; load it in Python with:")
+    for line in loading_lines(out):
+        print(f"    {line}")
     return 0
 
 
@@ -611,5 +613,5 @@ def cmd_export_trained(args) -> int:
     if args.output is not None:
         print(export_trained_onnx(args.checkpoint, args.output))
     if args.hf is not None:
-        print(export_trained_hf(args.checkpoint, args.hf))
+        print(export_trained_hf(args.checkpoint, args.hf, getattr(args, "tokenizer", None)))
     return 0

@@ -311,13 +311,46 @@ class DevicePlan:
 
 
 @dataclass(frozen=True)
+class PlannedLora:
+    """The LoRA settings a plan's graph was adapted with (`planner.lora.LoraSettings`, as plain
+    data: `ir` imports no planner): rank, alpha (the update is scaled by alpha / rank), the targeted
+    projections, what else trains in full, and the seed of A's initialisation. `train PLAN`'s
+    checkpoints carry them, so `export-adapter` can name the adapters and `predict` knows the run."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    train_also: tuple[str, ...]
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+                "train_also": list(self.train_also), "seed": self.seed}
+
+    @classmethod
+    def from_json(cls, doc: Any, fail) -> "PlannedLora":
+        def texts(v: Any) -> bool:
+            return isinstance(v, list) and all(isinstance(x, str) and x for x in v)
+
+        ok = (isinstance(doc, dict) and _is_int(doc.get("rank")) and doc["rank"] >= 1
+              and _number(doc.get("alpha")) and doc["alpha"] > 0 and texts(doc.get("targets")) and doc["targets"]
+              and texts(doc.get("train_also")) and _is_int(doc.get("seed", 0)))
+        if not ok:
+            raise fail(f"lora is {doc!r:.120}, not null or {{\"rank\": an integer >= 1, \"alpha\": a number > 0, "
+                       f"\"targets\": [names], \"train_also\": [names], \"seed\": an integer}}")
+        return cls(doc["rank"], float(doc["alpha"]), tuple(doc["targets"]), tuple(doc["train_also"]),
+                   int(doc.get("seed", 0)))
+
+
+@dataclass(frozen=True)
 class PlanDocument:
     """plan.json: the model and its block names, the schedule (name, micro-batches, stash depths and
     every stage's action tokens), the bound shape, the engine(s), the optimizer, the devices in
     pipeline order, the predicted step, how the partition was found, and the SHA-256 of the cluster
     file beside it (None: written without one) and of the base weights file (a model with frozen
     weights, LoRA's: every frozen weight in one file that a device may hold, so its stage's frozen
-    weights need not cross the link; None: no such file)."""
+    weights need not cross the link; None: no such file), and the LoRA settings its graph was adapted
+    with (None: full fine-tuning, or a plan written before plans recorded them)."""
 
     model: str
     schedule: str
@@ -346,6 +379,7 @@ class PlanDocument:
     # the ONNX file the plan was made from (absolute, as planned; None: not recorded): a checkpoint of
     # `train PLAN` names it, so predict and export-trained find the model the weights belong to
     model_path: str | None = None
+    lora: PlannedLora | None = None  # absent from plan.json when None (full fine-tuning, older plans)
 
     @property
     def stages(self) -> int:
@@ -391,6 +425,8 @@ class PlanDocument:
             doc["lookup_rows"] = dict(sorted(self.lookup_rows.items()))
         if self.model_path is not None:
             doc["model_path"] = self.model_path
+        if self.lora is not None:
+            doc["lora"] = self.lora.to_json()
         return doc
 
     @classmethod
@@ -459,12 +495,13 @@ class PlanDocument:
         model_path = doc.get("model_path")
         if model_path is not None and not (isinstance(model_path, str) and model_path):
             raise fail(f"model_path is {model_path!r:.80}, not null or a path")
+        lora = None if doc.get("lora") is None else PlannedLora.from_json(doc["lora"], fail)
         return cls(doc["model"], schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth,
                    doc["batch"], doc["seq"], tuple(blocks), doc["engine"], doc["backend"],
                    OptimizerSettings.from_json(doc["optimizer"]), parsed, doc["predicted_step_s"],
                    doc["partition_method"], tuple(tuple(str(a) for a in row) for row in schedule.actions),
                    doc.get("graph"), bool(doc.get("partition_optimal", False)), float(doc.get("bottleneck_s", 0.0)),
-                   cluster_digest, base_digest, dict(lookup_rows), model_path)
+                   cluster_digest, base_digest, dict(lookup_rows), model_path, lora)
 
 
 def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
@@ -542,5 +579,5 @@ def _planned_cost(doc: Any, device: str, fail) -> PlannedCost | None:
 
 
 __all__ = ["BundleError", "DevicePlan", "OptimizerSettings", "PLAN_FIELDS", "PLAN_DEVICE_FIELDS", "PLAN_FORMAT",
-           "PLAN_SCHEMA_VERSION", "PlanDocument", "PlannedCost", "PlannedHeadSplit", "STAGE_FIELDS",
+           "PLAN_SCHEMA_VERSION", "PlanDocument", "PlannedCost", "PlannedLora", "PlannedHeadSplit", "STAGE_FIELDS",
            "STAGE_OPTIONAL_FIELDS", "StageDocument", "check_device_name"]

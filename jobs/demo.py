@@ -25,6 +25,19 @@ class DemoResult:
     plan_dir: Path
 
 
+def move_export(partial: Path, model: Path) -> Path:
+    """An export written under a temporary name moved to `model`, with the side file named after it
+    (NAME.hf.json: left behind as NAME.partial.hf.json, `export-trained --hf` found none and asked
+    for a re-export)."""
+    from jobs.export import hf_sidecar_path
+
+    sidecar = hf_sidecar_path(partial)
+    if sidecar.is_file():
+        sidecar.replace(hf_sidecar_path(model))
+    Path(partial).replace(model)  # last: a model without its sidecar is never left under the final name
+    return model
+
+
 def run_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent()) -> DemoResult:
     home = Path(home)
     home.mkdir(parents=True, exist_ok=True)
@@ -38,7 +51,7 @@ def run_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent
         if proc.returncode != 0:
             raise JobError("exporting MiniLM failed (the demo needs the `export` extra: torch, transformers):\n"
                            + proc.stderr.strip()[-2000:])
-        partial.rename(model)
+        move_export(partial, model)
     else:
         reporter.note(f"[1/6] using {model}")
     data_dir = home / "data"

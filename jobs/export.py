@@ -20,8 +20,9 @@ too but marks each merged parameter with an Identity, which the lowering unties.
 really shares (ALBERT's one layer) stay one initializer read by every layer.
 
 Next to `NAME.onnx` the export writes `NAME.hf.json`: the transformers config, the task and labels,
-and which transformers parameter each ONNX weight is (`jobs.hf_names`), so a fine-tuned model can be
-written back as a transformers checkpoint (`confidant export-trained --hf`) without the original.
+which transformers parameter each ONNX weight is (`jobs.hf_names`), and the checkpoint folder it was
+exported from (for its tokenizer), so a fine-tuned model can be written back as a transformers
+checkpoint (`confidant export-trained --hf`) without the original weights.
 """
 from __future__ import annotations
 
@@ -152,8 +153,9 @@ def _example(model, names, options: ExportOptions):
     return tuple(values[n] for n in names)
 
 
-def export_model(model, out_path: Path, options: ExportOptions) -> Path:
-    """Export a loaded classifier to `out_path` (its token inputs, output logits), and the sidecar."""
+def export_model(model, out_path: Path, options: ExportOptions, checkpoint: Path | None = None) -> Path:
+    """Export a loaded classifier to `out_path` (its token inputs, output logits), and the sidecar
+    (which records `checkpoint`, the folder the model was loaded from, for its tokenizer)."""
     import torch
 
     options.check()
@@ -205,11 +207,11 @@ def export_model(model, out_path: Path, options: ExportOptions) -> Path:
                 opset_version=options.opset, do_constant_folding=options.constant_folding,
             )
     if options.sidecar:
-        write_hf_sidecar(model, out_path, options)
+        write_hf_sidecar(model, out_path, options, checkpoint)
     return out_path
 
 
-def write_hf_sidecar(model, out_path: Path, options: ExportOptions) -> Path:
+def write_hf_sidecar(model, out_path: Path, options: ExportOptions, checkpoint: Path | None = None) -> Path:
     """NAME.hf.json: config, task, labels and the transformers name of every ONNX weight."""
     from jobs.hf_names import hf_names
     from planner.onnx_import import load_model
@@ -232,6 +234,8 @@ def write_hf_sidecar(model, out_path: Path, options: ExportOptions) -> Path:
            "architecture": type(model).__name__, "config": config,
            "weights": {p: {"key": n.key, "transposed": n.transposed} for p, n in names.items()},
            "unplaced": unplaced,
+           # the folder exported from (None: a model in memory): its tokenizer goes with export-trained --hf
+           "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
            "export": {k: v for k, v in asdict(options).items() if k != "labels"}}
     sidecar = hf_sidecar_path(out_path)
     sidecar.write_text(json.dumps(doc, indent=1, default=list) + "\n")
@@ -257,4 +261,4 @@ def read_hf_sidecar(model_path: Path) -> dict | None:
 def export_checkpoint(checkpoint: Path, out_path: Path, options: ExportOptions = ExportOptions()) -> Path:
     options.check()
     model = load_classifier(Path(checkpoint), options.task, options.num_labels, options.seed, options.attention)
-    return export_model(model, out_path, options)
+    return export_model(model, out_path, options, Path(checkpoint))

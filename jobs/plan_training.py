@@ -59,12 +59,15 @@ class PlanRunSettings:
 
 
 def _checkpoint_meta(plan_dir: Path, plan: PlanDocument, task) -> dict:
-    """What a checkpoint of this run records beside the weights: the plan, and what predict and
-    export-trained need to use them (the model file the plan was made from, the task, its labels)."""
+    """What a checkpoint of this run records beside the weights: the plan, and what predict,
+    export-trained and export-adapter need to use them (the model file the plan was made from, the
+    task, its labels, the LoRA settings of a LoRA plan)."""
     meta = {"plan": str(plan_dir), "model": plan.model, "task": task.name, "labels": list(task.labels),
             "batch": plan.batch, "seq": plan.seq, "optimizer": plan.optimizer.name, "lr": plan.optimizer.lr}
     if plan.model_path is not None:
         meta["model_path"] = plan.model_path
+    if plan.lora is not None:  # export-adapter names the adapters from these; predict sends LoRA runs there
+        meta["lora"] = plan.lora.to_json()
     return meta
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ir.backend import engine_of, runs_as, threads_of
@@ -131,7 +131,8 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     costs = stage_costs(graph, cluster, partition, settings.schedule, M, settings.optimizer, settings.update_every)
     schedule = make_schedule(settings.schedule, len(partition.stages), M, update_every=settings.update_every)
     config = {**_emit_config(Path(model).name, cluster, partition.devices, splits, settings),
-              "model_path": str(Path(model).resolve())}
+              "model_path": str(Path(model).resolve()),
+              "lora": None if settings.lora is None else asdict(settings.lora)}
     step_s = predicted_step_s(costs, settings.schedule, M, settings.update_every)
     path = emit_plan(output, graph, partition, schedule, config, costs, step_s,
                      cluster=cluster, sign=sign)

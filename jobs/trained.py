@@ -12,7 +12,8 @@ Predictions run on one MNN engine holding the whole model, in batches of `batch`
 tokens (a long sentence is cut into windows and stitched back, as in training). Writing out:
 ONNX keeps the file's graph and swaps its weights (`planner.onnx_import.write_weights`); the
 transformers folder takes config.json from the export's sidecar and each weight's name there
-(`jobs.export`), through the project's own safetensors codec.
+(`jobs.export`), through the project's own safetensors codec, and the model's tokenizer beside them
+(`jobs.export_hf`), so that `AutoTokenizer.from_pretrained(folder)` is the real one.
 """
 from __future__ import annotations
 
@@ -265,12 +266,21 @@ def export_trained_onnx(checkpoint: Path, output: Path) -> Path:
     return write_weights(trained.model_path, output, trained.weights)
 
 
-def export_trained_hf(checkpoint: Path, folder: Path) -> Path:
-    """A transformers checkpoint folder (config.json, model.safetensors) with the trained weights."""
+def export_trained_hf(checkpoint: Path, folder: Path, tokenizer: Path | None = None) -> Path:
+    """A transformers checkpoint folder with the trained weights (config.json, model.safetensors) and
+    the model's tokenizer (`jobs.export_hf`: `tokenizer`, else the one it was exported with), so
+    transformers' Auto classes load both from the folder alone."""
+    from jobs.export_hf import encoder_tokenizer, write_hf_tokenizer
+
     trained = open_trained(checkpoint)
     if not trained.weights:
         raise JobError(f"{checkpoint} is not a checkpoint folder (meta.json and stage files)")
     sidecar = trained.sidecar
+    causal_lm = trained.meta.get("task") == "causal-lm" or trained.model_path.with_suffix(".lm.json").is_file()
+    if sidecar is None and causal_lm:
+        from jobs.export_llm import export_trained_causal_lm_hf
+
+        return export_trained_causal_lm_hf(trained.model_path, trained.weights, folder, tokenizer)
     if sidecar is None:
         raise JobError(f"{trained.model_path} has no {trained.model_path.stem}.hf.json next to it: --hf needs the "
                        "transformers config and weight names `confidant export` writes there; re-export the model with "
@@ -298,8 +308,11 @@ def export_trained_hf(checkpoint: Path, folder: Path) -> Path:
         config["id2label"] = {str(i): name for i, name in enumerate(labels)}
         config["label2id"] = {name: i for i, name in enumerate(labels)}
     config["torch_dtype"] = "float32"
+    # found before anything is written: a refusal leaves no half folder
+    hf_tokenizer, _ = encoder_tokenizer(trained.model_path, sidecar, tokenizer)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors(folder / "model.safetensors", tensors, metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_hf_tokenizer(hf_tokenizer, folder)
     return folder

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from ir.bundle import (MANIFEST, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, check_device_name,
                        load_bundle_dir, load_plan, sha256_hex, write_bundle)
-from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit,
+from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit, PlannedLora,
                           StageDocument)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
@@ -40,13 +40,15 @@ __all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan", "load_plan_cluster", "cl
 # {device: value} (devices may run different frameworks: MNN on phones, PyTorch on laptops);
 # `optimizer` is a name (with `lr`, `weight_decay`) or {"name", "lr", "weight_decay"};
 # `model_path` is the ONNX file planned (absolute; recorded in plan.json for the checkpoints of `train`);
+# `lora` the LoRA settings the graph was adapted with ({"rank", "alpha", "targets", "train_also", "seed"},
+# recorded in plan.json for the same checkpoints; None: full fine-tuning);
 # `addresses` maps device names to the worker addresses written into plan.json;
 # `head_split` maps device names to {"heads": {backend: n}, "predicted_s": s, "single_best": [backend, s]}
 # for devices whose attention heads are split across backends (others: no split);
 # `activations` maps device names to "keep" or "recompute" (what the engine does with the
 # activations of the micro-batches in flight; devices not named: the engine's default).
 CONFIG_DEFAULTS: dict[str, Any] = {
-    "model": None, "model_path": None, "engine": "mnn", "backend": "cpu", "threads": 1,
+    "model": None, "model_path": None, "lora": None, "engine": "mnn", "backend": "cpu", "threads": 1,
     "optimizer": "adamw", "lr": 5e-5, "weight_decay": None, "addresses": {}, "head_split": {}, "activations": {},
 }
 
@@ -99,7 +101,10 @@ def _settings(config: Mapping[str, Any], devices: Sequence[str], graph: Graph) -
     return {"activations": activations, "model": cfg["model"] if cfg["model"] is not None else graph.name, "engines": engines,
             "engine": next(iter(set(engines.values()))) if len(set(engines.values())) == 1 else "mixed",
             "backend": cfg["backend"], "optimizer": opt, "threads": per_device, "addresses": addresses,
-            "head_split": head_split, "model_path": cfg["model_path"]}
+            "head_split": head_split, "model_path": cfg["model_path"],
+            "lora": None if cfg["lora"] is None else PlannedLora.from_json(
+                {**cfg["lora"], "targets": list(cfg["lora"]["targets"]), "train_also": list(cfg["lora"]["train_also"])},
+                lambda what: ValueError(f"emit_plan: config['lora']: {what}"))}
 
 
 def _split_heads(cfg: Mapping[str, Any], device: str) -> dict[str, int] | None:
@@ -213,7 +218,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
                         tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
                         partition.bottleneck_s, cluster_sha256, base_sha256, dict(graph.lookup_rows),
-                        cfg["model_path"])
+                        cfg["model_path"], cfg["lora"])
     doc = plan.to_json()
     PlanDocument.from_json(doc, str(out_dir))  # what a reader will check, before anything is written
     path = out_dir / PLAN

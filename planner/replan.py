@@ -591,6 +591,8 @@ class PlanReplanner:
             if entry is not None and entry.head_split is not None:
                 head_split[name] = entry.head_split.to_json()
         activations = {n: before[n].activations for n in devices if n in before and before[n].activations}
+        # the model file and LoRA settings carry over: a checkpoint of training from the new folder needs them
         return {"model": self.plan.model, "backend": self.plan.backend, "optimizer": self.plan.optimizer.to_json(),
                 "engine": engine, "threads": threads, "addresses": addresses, "head_split": head_split,
-                "activations": activations}
+                "activations": activations, "model_path": self.plan.model_path,
+                "lora": None if self.plan.lora is None else self.plan.lora.to_json()}

@@ -103,7 +103,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "onnx": ("planner.onnx_import",),  # and the ONNX exporter, should it ever import onnx itself
     "networkx": ("planner.passes",),
     "torch": ("runtime.engines.pytorch", EXPORTER, "jobs.export_llm"),
-    "transformers": (EXPORTER, "jobs.export_llm"),
+    "transformers": (EXPORTER, "jobs.export_llm", "jobs.export_hf"),  # export_hf: the tokenizer of what we write
     "tokenizers": ("tasks.tokenize",),
     "zmq": ("runtime.transport.zeromq",),
     "nacl": ("runtime.keys",),

@@ -66,7 +66,8 @@ def test_export_trained_round_trips_through_onnxruntime_and_transformers(tmp_pat
         None, {i.name: feeds[i.name] for i in session.get_inputs()})[0]
     assert float(np.abs(untrained - ours).max()) > 1e-3  # the trained weights really went in
 
-    folder = export_trained_hf(ckpt, tmp_path / "hf")
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    folder = export_trained_hf(ckpt, tmp_path / "hf", tokenizer=tmp_path / "tokenizer.json")
     cls = AutoModelForSequenceClassification if task == "seq-cls" else AutoModelForTokenClassification
     reloaded = cls.from_pretrained(str(folder), attn_implementation="eager").eval()
     with torch.no_grad():
@@ -148,6 +149,12 @@ def test_the_model_out_refuses_what_it_cannot_do(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"confidant predict: error: --input {tmp_path / 'binary.txt'}: not UTF-8 text (invalid start byte at "
         "byte 0); give a text, CoNLL or TSV/CSV file saved as UTF-8")
+    proc = _cli("export-trained", ckpt, "--hf", tmp_path / "out", ok=False)  # a model in memory, a 120-token vocabulary
+    assert proc.returncode == 1 and proc.stderr.strip().endswith(
+        "no tokenizer found for it (its bert.hf.json names no checkpoint with tokenizer files, and the bundled "
+        "MiniLM's does not fit its 120 tokens): pass --tokenizer (the tokenizer.json or Hugging Face folder it was "
+        "trained with)")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
     (path.with_name(path.stem + ".hf.json")).unlink()
     proc = _cli("export-trained", ckpt, "--hf", tmp_path / "out", ok=False)
     assert proc.returncode == 1 and "has no bert.hf.json next to it" in proc.stderr
@@ -156,3 +163,116 @@ def test_the_model_out_refuses_what_it_cannot_do(tmp_path):
     assert proc.returncode == 2 and "the model may not take sequences this long" in proc.stderr
     proc = _cli("predict", ckpt, "--input", tmp_path / "in.txt", "--seq", 10, ok=False)
     assert proc.returncode == 1 and "pass --labels" in proc.stderr
+
+
+REVIEWS = ("The food was wonderful and the staff were kind .", "Terrible service , cold soup , never again .",
+           "It was fine , nothing special .", "I loved every minute of the show !",
+           "The hotel room smelled and the bed was broken .", "An average film with a few good scenes .")
+
+
+@pytest.fixture(scope="module")
+def minilm_reviews(tmp_path_factory):
+    """MiniLM exported as a 3-label review classifier (`confidant export --task seq-cls --labels ...`)."""
+    from jobs.export import default_checkpoint_dir, export_checkpoint
+
+    return export_checkpoint(default_checkpoint_dir(), tmp_path_factory.mktemp("minilm-reviews") / "minilm-cls.onnx",
+                             ExportOptions(num_labels=3, task="seq-cls", labels=("negative", "neutral", "positive")))
+
+
+@pytest.mark.parametrize("sidecar_names_its_checkpoint", [True, False])
+def test_an_hf_export_loads_with_the_models_own_tokenizer_and_predicts_as_predict_does(
+        minilm_reviews, tmp_path, sidecar_names_its_checkpoint):
+    """export-trained --hf of a MiniLM review classifier: transformers' own AutoTokenizer and
+    AutoModelForSequenceClassification, from the folder alone, give `predict`'s labels and
+    probabilities (before: no tokenizer files, so AutoTokenizer built a 5-token tokenizer and every
+    review came out the same). The tokenizer is the checkpoint's the export recorded, or for an
+    export from before it recorded one, the bundled MiniLM's that train and predict default to."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    import shutil
+
+    from jobs.export import hf_sidecar_path
+    from jobs.trained import predict
+
+    labels = ("negative", "neutral", "positive")
+    path = Path(shutil.copy(minilm_reviews, tmp_path / minilm_reviews.name))
+    shutil.copy(hf_sidecar_path(minilm_reviews), hf_sidecar_path(path))
+    if not sidecar_names_its_checkpoint:
+        sidecar = json.loads(hf_sidecar_path(path).read_text())
+        hf_sidecar_path(path).write_text(json.dumps({k: v for k, v in sidecar.items() if k != "checkpoint"}))
+    graph = load_model(path, B, S)
+    rng = np.random.default_rng(0)
+    head = set(graph.blocks[-2].params)  # moved far, so that the reviews get different labels
+    weights = {p: (graph.constants[p] + (3.0 if p in head else 0.02) * rng.standard_normal(graph.constants[p].shape)
+                   ).astype(np.float32) for p in graph.params}
+    ckpt = write_single_device_checkpoint(tmp_path / "ckpt", weights, {}, graph, {
+        "command": "train-local", "model": path.name, "model_path": str(path.resolve()), "task": "seq-cls",
+        "labels": list(labels), "step": 1})
+    (tmp_path / "reviews.txt").write_text("\n".join(REVIEWS) + "\n")
+    _, ours = predict(ckpt, tmp_path / "reviews.txt", seq=32)
+
+    folder = export_trained_hf(ckpt, tmp_path / "hf")
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForSequenceClassification.from_pretrained(str(folder)).eval()
+    assert len(tokenizer) == 30522 and tokenizer.cls_token == "[CLS]" and tokenizer.pad_token == "[PAD]"
+    with torch.no_grad():
+        probs = torch.softmax(model(**tokenizer(list(REVIEWS), padding=True, return_tensors="pt")).logits, -1).numpy()
+    theirs = [model.config.id2label[int(i)] for i in probs.argmax(-1)]
+    assert theirs == [p.label for p in ours]
+    assert len(set(theirs)) > 1  # the reviews are told apart (a wrong tokenizer made them all one label)
+    np.testing.assert_allclose(probs, [[p.scores[n] for n in labels] for p in ours], atol=1e-4)
+
+
+def test_the_demos_export_moves_its_sidecar_with_it(tmp_path):
+    """The demo exports under a temporary name and moves the file: its NAME.hf.json goes with it
+    (before: left as minilm-token-cls.partial.hf.json, and export-trained --hf asked for a re-export)."""
+    from jobs.demo import move_export
+
+    model = tiny_model("bert", task="seq-cls", num_labels=3, seed=1)
+    partial = export_model(model, tmp_path / "m.partial.onnx", ExportOptions(num_labels=3, task="seq-cls"))
+    path = move_export(partial, tmp_path / "m.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.hf.json", "m.onnx"]
+    graph = load_model(path, B, S)
+    ckpt = write_single_device_checkpoint(tmp_path / "ck", {p: graph.constants[p] for p in graph.params}, {}, graph,
+                                          {"model": path.name, "model_path": str(path), "task": "seq-cls", "step": 0})
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    assert (export_trained_hf(ckpt, tmp_path / "hf", tokenizer=tmp_path / "tokenizer.json") / "config.json").is_file()
+
+
+def test_a_fine_tuned_causal_lm_goes_out_as_a_transformers_folder_with_its_tokenizer(chat_llama, tmp_path):
+    """export-trained --hf of a causal LM's checkpoint (before: refused, advising a re-export that
+    writes no NAME.hf.json for a causal LM): the model it was exported from with the trained weights
+    and its tokenizer; AutoModelForCausalLM gives the engine's logits, AutoTokenizer renders chats
+    as training did."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jobs.export_hf import load_hf_tokenizer
+    from jobs.export_llm import LlmExportOptions, export_llm, random_causal_lm
+    from jobs.lm_training import _write_checkpoint
+    from support import lm_step_feeds
+    from tasks.lm_tokenizer import load_lm_tokenizer
+
+    tokenizer = load_hf_tokenizer(chat_llama[0].parent / "tokenizer.json")  # SmolLM2's, with its chat template
+    model = random_causal_lm("llama", 2, vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    path = export_llm(tmp_path / "src", tmp_path / "onnx" / "m.onnx", LlmExportOptions(), kv_cache=False)
+    graph = load_model(path, 2, 12)
+    rng = np.random.default_rng(0)
+    weights = {p: (graph.constants[p] + 0.05 * rng.standard_normal(graph.constants[p].shape)).astype(np.float32)
+               for p in graph.params}
+    ckpt = _write_checkpoint(tmp_path / "ck", weights, {}, graph, {"model": path.name, "model_path": str(path),
+                                                                   "task": "causal-lm", "step": 1})
+    folder = export_trained_hf(ckpt, tmp_path / "hf")
+    feeds = lm_step_feeds(0, 2, 12, 1, vocab=len(tokenizer))[0]
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    ours = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        theirs = reloaded(input_ids=torch.tensor(feeds["input_ids"]),
+                          attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
+    assert float(np.abs(theirs - ours).max()) <= 1e-4 * float(np.abs(ours).max())
+    chat = [{"role": "user", "content": "Where is Oslo?"}]
+    assert AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True) == load_lm_tokenizer(path).render_chat(chat)

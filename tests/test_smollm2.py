@@ -146,3 +146,53 @@ def test_a_short_smollm2_fine_tune_lowers_perplexity_and_raises_the_task_metric(
     assert ev.per_type["f1"] > ev.per_type["f1_before"] + 0.1  # the task metric: entity F1 of the JSON answers
     assert ev.after >= ev.before  # exact match of the generated answers
     metrics.write(tmp_path / "run.json")
+
+
+def test_a_smollm2_adapter_loads_with_auto_peft_alone_its_gguf_base_written_as_a_transformers_folder(
+        smollm2, tmp_path):
+    """SmolLM2 comes as a GGUF file, which PEFT cannot load as a base: export-adapter writes the
+    dequantized base into DIR/base (with its tokenizer) and records that folder, so
+    AutoPeftModelForCausalLM.from_pretrained(DIR) alone gives the engine's logits with the adapters
+    (before: base_model_name_or_path was the .gguf path, and from_pretrained failed); a second
+    export into the same folder reuses the base."""
+    import json
+    from dataclasses import asdict
+
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from jobs.export_adapter import BASE_FOLDER, export_adapter_for
+    from planner.lora import LoraSettings, add_lora
+    from runtime.pipeline.checkpoints import save_checkpoint
+
+    path, _, tokenizer = smollm2
+    settings = LoraSettings(2, 8.0, targets=("q", "v"), train_also=(), seed=1)
+    graph, _ = add_lora(load_model(path, B, S), settings)
+    rng = np.random.default_rng(3)
+    weights = {p: (graph.constants[p] + 0.05 * rng.standard_normal(graph.constants[p].shape)).astype(np.float32)
+               for p in graph.params}  # B away from zero: the adapters change the logits
+    save_checkpoint(tmp_path / "ck", [{f"param/{k}": v for k, v in weights.items()}],
+                    {"model": path.name, "model_path": str(path), "task": "causal-lm", "step": 1, "stages": 1,
+                     "ranges": [[0, len(graph.blocks) - 1]], "lora": asdict(settings)})
+    out = export_adapter_for(tmp_path / "ck", tmp_path / "adapter")
+    base = out / BASE_FOLDER
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in base.iterdir()}
+    written = (base / "model.safetensors").stat().st_mtime_ns
+    export_adapter_for(tmp_path / "ck", out)
+    assert (base / "model.safetensors").stat().st_mtime_ns == written  # reused, not written again
+    feeds = _feeds(tokenizer)
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    del engine
+    model = AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor(feeds["input_ids"]),
+                     attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
+    attended = feeds["attention_mask"].astype(bool)
+    assert float(np.abs(got - want)[attended].max()) <= 2e-5 * float(np.abs(want[attended]).max())
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(out))
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    rendered = hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == tokenizer.render_chat(chat)
