@@ -77,7 +77,7 @@ def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60, from_plan: 
                         "folder; otherwise the bundled all-MiniLM-L6-v2 one)")
     g.add_argument("--metrics-out", type=Path, default=None,
                    help="write the metrics document (per-step loss and speed, memory per device, F1; schema in the "
-                        "README) as JSON to this file")
+                        "docs/metrics.md) as JSON to this file")
 
 
 def _add_lora_flags(p: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ old_ranges, ranges, devices, plan, seconds; `left`: the devices moved off when r
 "checkpoint" {step, directory}, "memory_low" {step, device, mem_available_bytes}, "battery_low" {step,
 device, battery_percent}, "stayed" {step, devices, cause, reason: running low but nowhere to move}
 (jobs.pipeline_training), "memory_over" {step, device, peak_rss_bytes, planned_bytes, budget_bytes, over:
-"budget" | "plan"} at the end of a run whose device went over (jobs.memory_check). The README documents the same fields.
+"budget" | "plan"} at the end of a run whose device went over (jobs.memory_check). docs/metrics.md documents the same fields.
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ Decoder LLMs:
   `stage_memory_bytes` still prices such a plan so (with the loss's own measured workspace).
 - Tied weights across stages (the embedding on the first stage, the head on the last): each holder
   keeps a copy and, at every flush, sends its gradient for them and receives the sum before its
-  update (DESIGN.md; the runtime protocol: README, "Causal LMs: training"): time two transfers of
+  update (docs/DESIGN.md; the runtime protocol: docs/llms.md, "Training"): time two transfers of
   those bytes per step (`tied_bytes`), charged to the stage's update (`stage_cost`); memory the
   table once more where the holder's gradient is rows (`tied_sum_bytes`: the lookup's stage, whose
   sum arrives dense; measured on SmolLM2 at the update, the peak of its first stage), none where
