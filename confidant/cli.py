@@ -76,7 +76,7 @@ def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60, from_plan: 
                    help="tokenizer.json of the model (default: a causal LM's own, beside its ONNX file or in the plan "
                         "folder; otherwise the bundled all-MiniLM-L6-v2 one)")
     g.add_argument("--metrics-out", type=Path, default=None,
-                   help="write the metrics document (per-step loss and speed, memory per device, F1; schema in the "
+                   help="write the metrics document (per-step loss and speed, memory per device, F1; schema in "
                         "docs/metrics.md) as JSON to this file")
 
 
