@@ -94,6 +94,15 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-also", default=None,
                    help="also trained in full: block kinds (head, embeddings), norms, or substrings of parameter "
                         "names; 'none' for adapters only (default auto: an encoder's head, nothing of a decoder LLM)")
+    _add_base_dtype_flag(g)
+
+
+def _add_base_dtype_flag(g) -> None:
+    g.add_argument("--base-dtype", choices=("float32", "bfloat16", "int8", "int4"), default="float32",
+                   help="how the frozen base weights are held in memory (with --lora): float32 (default), bfloat16 "
+                        "(2 bytes a weight), int8 or int4 (symmetric, blocks of 32 along the input dimension, one "
+                        "float16 scale a block: ~1.06 and ~0.56 bytes a weight; QLoRA-style). Adapters and "
+                        "gradients stay float32, computed exactly on the dequantized base")
 
 
 def _add_security_flags(p: argparse.ArgumentParser, who: str = "coordinator") -> None:

@@ -14,7 +14,12 @@ from confidant.progress import TerminalReporter
 def _lora_settings(args):
     """The LoRA settings of `--lora R ...`, or None (full fine-tuning) without it."""
     given = [f for f in ("lora_alpha", "lora_targets", "train_also") if getattr(args, f, None) is not None]
+    base_dtype = getattr(args, "base_dtype", None) or "float32"
     if getattr(args, "lora", None) is None:
+        if base_dtype != "float32":
+            raise UsageError(f"--base-dtype {base_dtype} holds the frozen base weights at lower precision, but "
+                             "without --lora R every weight trains in full (and a trained weight stays float32); "
+                             "add --lora R (e.g. --lora 8), or drop --base-dtype")
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise UsageError(f"{flags} set LoRA's adapters, but without --lora R every weight trains in full; "
@@ -28,7 +33,7 @@ def _lora_settings(args):
     also = tuple(t.strip() for t in also_text.split(",") if t.strip() and t.strip() != "none")
     alpha = args.lora_alpha if args.lora_alpha is not None else 8.0
     try:
-        return LoraSettings(args.lora, alpha, targets, also, seed=getattr(args, "seed", 0))
+        return LoraSettings(args.lora, alpha, targets, also, seed=getattr(args, "seed", 0), base_dtype=base_dtype)
     except ValueError as exc:
         raise CliError(f"--lora: {exc}") from None
 
