@@ -97,6 +97,9 @@ class QuantizedTensor:
     def cols(self) -> int:
         return int(self.shape[self.axis])
 
+    def __len__(self) -> int:
+        return int(self.shape[0])
+
     def __array__(self, dtype=None, copy=None):
         out = dequantize(self)
         return out if dtype is None else out.astype(dtype, copy=False)
