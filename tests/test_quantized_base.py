@@ -260,3 +260,141 @@ def test_the_quantized_lm_head_loss_over_vocabulary_chunks_equals_the_whole_head
     assert got.grad_weight is None
     f32 = LinearCrossEntropy(transposed)(h, dequantize(head), ids, w, weight_grad=False)  # the float32 kernel
     assert quantized_linear_cross_entropy(h.astype(np.float32), head, ids, w).loss == pytest.approx(f32.loss, rel=1e-5)
+
+
+# --- plans, bundles, pipelines, the command line --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def int4_lora(tiny_onnx):
+    """The tiny BERT of the LoRA pipeline tests, adapters on q, v, up, its base held int4, B non-zero."""
+    from dataclasses import replace
+
+    from planner.lora import LoraSettings, add_lora
+    from planner.onnx_import import load_model
+    from support import ROWS, S as SEQ
+
+    lora, _ = add_lora(load_model(tiny_onnx["torchscript-17"], ROWS, SEQ),
+                       LoraSettings(4, 16.0, targets=("q", "v", "up"), seed=1, base_dtype="int4"))
+    rng = np.random.default_rng(9)
+    constants = dict(lora.constants)
+    for p in lora.params:
+        if p.endswith(".lora_B"):
+            constants[p] = rng.normal(0, 0.05, constants[p].shape).astype(np.float32)
+    return replace(lora, constants=constants)
+
+
+def test_a_plan_records_the_base_precision_and_its_bundles_hold_the_same_quantized_weights(int4_lora, tmp_path):
+    from ir.bundle import load_bundle_dir, load_plan
+    from planner.emit import emit_plan
+    from planner.partition import make_instance, solve_partition
+    from planner.replan import flops_cluster
+    from planner.schedule import make_schedule
+
+    cluster = flops_cluster(int4_lora, ["a", "b"])
+    partition = solve_partition(make_instance(int4_lora, cluster, "1f1b-flush", 2, "adamw"), time_limit_s=5)
+    emit_plan(tmp_path / "plan", int4_lora, partition, make_schedule("1f1b-flush", len(partition.stages), 2),
+              {"model": "tiny-int4"}, cluster=cluster)
+    plan = load_plan(tmp_path / "plan", verify_bundles=True)
+    assert plan.base_dtype == "int4" and plan.to_json()["base_dtype"] == "int4"
+    assert sum(d.frozen_bytes for d in plan.devices) == sum(b.frozen_bytes for b in int4_lora.blocks)
+    held = 0
+    for d in plan.devices:
+        graph = load_bundle_dir(tmp_path / "plan" / d.name).graph
+        for name, value in graph.constants.items():
+            original = int4_lora.constants[name]
+            if isinstance(original, QuantizedTensor):
+                held += 1
+                assert isinstance(value, QuantizedTensor) and value.storage == "int4"
+                assert np.array_equal(value.codes, original.codes) and np.array_equal(value.scales, original.scales)
+    assert held >= 8
+    # a plan from before --base-dtype (no field) reads as float32
+    from ir.documents import PlanDocument
+
+    doc = plan.to_json()
+    del doc["base_dtype"]
+    assert PlanDocument.from_json(doc, "old").base_dtype == "float32"
+    with pytest.raises(Exception, match="base_dtype is 'int3'"):
+        PlanDocument.from_json({**doc, "base_dtype": "int3"}, "bad")
+
+
+def test_what_would_make_it_fit_names_a_quantized_base_with_the_bytes_it_saves(int4_lora, tiny_onnx):
+    from dataclasses import replace
+
+    from planner.cost import quantizable_frozen_elements
+    from planner.lora import LoraSettings, add_lora
+    from planner.onnx_import import load_model
+    from planner.partition import make_instance, solve_partition
+    from planner.partition.explain import PlanDoesNotFit
+    from planner.replan import flops_cluster
+    from support import ROWS, S as SEQ
+
+    f32, _ = add_lora(load_model(tiny_onnx["torchscript-17"], ROWS, SEQ),
+                      LoraSettings(4, 16.0, targets=("q", "v", "up"), seed=1))
+    cluster = flops_cluster(f32, ["a"])
+    cluster = replace(cluster, devices=tuple(replace(d, memory_budget_bytes=1 << 16) for d in cluster.devices))
+    with pytest.raises(PlanDoesNotFit) as err:
+        solve_partition(make_instance(f32, cluster, "1f1b-flush", 2, "adamw"), time_limit_s=5)
+    elements = sum(quantizable_frozen_elements(f32))
+    assert elements == sum(int(v.size) for v in int4_lora.constants.values() if isinstance(v, QuantizedTensor))
+    int4 = int(elements * (4 - bytes_per_element("int4")))
+    int8 = int(elements * (4 - bytes_per_element("int8")))
+    assert f"--base-dtype int4 saves {int4} bytes" in str(err.value)
+    assert f"--base-dtype int8 saves {int8} bytes" in str(err.value)
+    with pytest.raises(PlanDoesNotFit) as err:  # already int4: nothing more to name
+        solve_partition(make_instance(int4_lora, cluster, "1f1b-flush", 2, "adamw"), time_limit_s=5)
+    assert "--base-dtype" not in str(err.value)
+
+
+@pytest.mark.slow  # in process: the bundle test above (the same int4 weights after the round trip)
+def test_a_pipeline_on_an_int4_base_equals_one_device(int4_lora):
+    """Real worker processes over ZeroMQ: each receives its stage's frozen weights as float32 values
+    and quantizes them again to the same int4 weights (ir.serialize), so the run equals one device."""
+    from jobs.pipeline_training import train_pipeline
+    from jobs.workers import LocalWorkers
+    from runtime.pipeline.coordinator import PipelineConfig
+    from support import M, single_device_training, synthetic_batch
+
+    batches = [synthetic_batch(i) for i in range(2)]
+    workers = LocalWorkers.start(2, threads=1)
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
+    try:
+        result = train_pipeline(int4_lora, batches, 9, workers.addresses, config, 2, keys=workers.keys)
+    finally:
+        assert workers.wait(30.0) == [0, 0]
+    losses, weights = single_device_training(int4_lora, batches, 2)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    for k in weights:
+        err = float(np.abs(result.weights[k] - weights[k]).max()) / max(float(np.abs(weights[k]).max()), 1e-12)
+        assert err <= 1e-5, k
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train-local", "--base-dtype", "int4"], "--base-dtype int4 holds the frozen base weights at lower precision, "
+                                               "but without --lora R every weight trains in full"),
+    (["plan", "--base-dtype", "int3"], "argument --base-dtype: invalid choice: 'int3'"),
+    (["train-pipeline", "--lora", "8", "--base-dtype", "float16"], "argument --base-dtype: invalid choice"),
+])
+def test_bad_base_dtypes_get_one_line_and_exit_2(argv, message, tmp_path):
+    from support import run_cli
+
+    data = tmp_path / "d.txt"
+    data.write_text("x\n")
+    extra = {"train-local": ["m.onnx", "--data", data, "--eval", data], "plan": ["m.onnx", "--cluster", "c.yaml"],
+             "train-pipeline": ["m.onnx", "--data", data]}[argv[0]]
+    run = run_cli(argv[0], *extra, *argv[1:])
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert message in run.stderr and "Traceback" not in run.stderr
+    assert len([line for line in run.stderr.splitlines() if line.startswith(("error", "confidant"))]) == 1
+
+
+def test_checkpoints_carry_the_base_precision_and_resume_refuses_another(tmp_path):
+    from dataclasses import asdict
+
+    from planner.lora import LoraSettings
+
+    settings = LoraSettings(8, base_dtype="int4")
+    assert asdict(settings)["base_dtype"] == "int4"
+    old = {k: v for k, v in asdict(LoraSettings(8)).items() if k != "base_dtype"}
+    assert LoraSettings(**old).base_dtype == "float32"  # a checkpoint's meta from before the field
+    with pytest.raises(ValueError, match="--base-dtype 'int2' is not one of"):
+        LoraSettings(8, base_dtype="int2")
