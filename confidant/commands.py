@@ -442,7 +442,8 @@ def show_plan(plan_dir: Path) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"plan {plan_dir}: model {plan.model}, schedule {plan.schedule}, {plan.microbatches} micro-batches "
           f"of {plan.batch} x {plan.seq}, partition {plan.partition_method}"
-          f"{' (optimal)' if plan.partition_optimal else ''}")
+          f"{' (optimal)' if plan.partition_optimal else ''}"
+          + (f", frozen base held {plan.base_dtype}" if plan.base_dtype != "float32" else ""))
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if plan.predicted_step_s:

@@ -6,18 +6,26 @@ planner's memory model and `confidant estimate` use:
 
 - `float32`: the array as is, 4 bytes an element.
 - `bfloat16`: the top 16 bits of each float32, rounded to nearest even; 2 bytes an element.
-- `int8`, `int4`: symmetric blockwise. A 2-D weight is cut into blocks of `BLOCK` (32) consecutive
+- `int8`: symmetric blockwise. A 2-D weight is cut into blocks of `BLOCK` (32) consecutive
   elements along its *input* dimension (the one a product sums over: rows of x @ W's W [in, out],
   columns of a [out, in] weight read transposed and of an embedding table); each block has one
-  scale s = max|w| / qmax, held as float16 (qmax = 127 for int8, 7 for int4), and each element
-  the integer q = round(w / s) clipped to [-qmax, qmax]; the weight the engines compute with is
-  exactly q * s (float32). int4 codes are stored q + 8 (1..15), two to a byte, the lower nibble
-  first. A dimension that is not a multiple of the block is padded with zeros (held, never read).
-  Bytes an element: int8 1 + 2/32 = 1.0625, int4 0.5 + 2/32 = 0.5625 (llama.cpp's Q8_0 / Q4_0
-  layout: the same block and scale widths).
-- Quantizing a dequantized weight gives back the same codes and scales (the float16 scale times
-  qmax is exact in float32 and so is its quotient), so a bundle can carry the widened values and a
-  device quantize them again to the very same weight: `quantize(dequantize(q)) == q`.
+  scale s = max|w| / 127, held as float16, and each element the integer q = round(w / s) clipped
+  to [-127, 127]; the weight the engines compute with is exactly q * s (float32). 1 + 2/32 =
+  1.0625 bytes an element (llama.cpp's Q8_0 layout).
+- `int4`: asymmetric blockwise, the same blocks: a float16 step d = (max - min) / 15 and a float16
+  offset m = min per block, codes q = round((w - m) / d) in [0, 15], two to a byte (the lower
+  nibble first); the weight is exactly q * d + m. 0.5 + 4/32 = 0.625 bytes an element: llama.cpp's
+  Q4_1, the format SmolLM2's shipped GGUF is in, so a model dequantized from Q4_1 comes back to
+  the very weights it was shipped as (measured: SmolLM2 LoRA's first loss 0.8966 at float32 and
+  int8, 0.8966 at this int4; 1.3336 with a symmetric 15-level int4, Q4_0-style, which re-rounds
+  every Q4_1 block: benchmarks/memory_quantized.py).
+- A dimension that is not a multiple of the block is padded with zeros (held, never read).
+- Quantizing a dequantized weight gives back the same codes and scales: the scale (and offset) are
+  float16 values re-derived exactly from the dequantized block's extremes, which the codes 0/15
+  (int4) or +-127 (int8) reproduce. So a bundle can carry the widened values and a device
+  quantize them again to the very same weight: `quantize(dequantize(q)) == q`. (An int4 block
+  whose spread is below float16's resolution of its offset, ~1e-3 of its magnitude, is the
+  exception; weights do not have such blocks.)
 
 Only 2-D float weights read by a product or a lookup are quantized (`quantizable`); norms, biases
 and anything 1-D stay float32 (a rounding of a scale vector is not worth its bytes).
@@ -34,8 +42,9 @@ import numpy as np
 
 BASE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 BLOCK = 32
-_QMAX = {"int8": 127, "int4": 7}
-_SCALE_BYTES = 2  # float16 scales
+_QMAX = {"int8": 127}
+_INT4_LEVELS = 15
+_SCALE_BYTES = 2  # float16 scales (and int4's float16 offsets)
 
 
 def bytes_per_element(dtype: str, block: int = BLOCK) -> float:
@@ -47,7 +56,7 @@ def bytes_per_element(dtype: str, block: int = BLOCK) -> float:
     if dtype == "int8":
         return 1.0 + _SCALE_BYTES / block
     if dtype == "int4":
-        return 0.5 + _SCALE_BYTES / block
+        return 0.5 + 2 * _SCALE_BYTES / block
     raise ValueError(f"base dtype {dtype!r} is not one of {', '.join(BASE_DTYPES)}")
 
 
@@ -63,7 +72,8 @@ class QuantizedTensor:
     """A frozen 2-D weight held at `dtype` (bfloat16, int8, int4). `codes` and `scales` are in
     *storage layout*: the blocked axis (`axis` of the logical shape) last, i.e. [rows, padded cols]
     where rows run over the other axis; int4 packs two codes a byte ([rows, padded cols / 2]);
-    `scales` [rows, padded cols / block] float16 (empty for bfloat16, whose codes are uint16).
+    `scales` [rows, padded cols / block] float16 (empty for bfloat16, whose codes are uint16);
+    `mins` int4's offsets, shaped as `scales` (None for the others).
 
     It answers `shape`, `ndim`, `size`, `dtype` (float32: what it computes as) like the float32
     array it stands for, `nbytes` with its storage, and `np.asarray(q)` (or `astype`) widens it
@@ -76,6 +86,7 @@ class QuantizedTensor:
     storage: str
     axis: int
     block: int = BLOCK
+    mins: np.ndarray | None = None
 
     dtype = np.dtype(np.float32)
     ndim = 2
@@ -86,7 +97,7 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.codes.nbytes) + int(self.scales.nbytes)
+        return int(self.codes.nbytes) + int(self.scales.nbytes) + (0 if self.mins is None else int(self.mins.nbytes))
 
     @property
     def rows(self) -> int:
@@ -113,13 +124,15 @@ class QuantizedTensor:
         if self.storage == "bfloat16":
             return (codes.astype(np.uint32) << 16).view(np.float32)
         if self.storage == "int4":
-            unpacked = np.empty((codes.shape[0], codes.shape[1] * 2), np.int8)
-            unpacked[:, 0::2] = (codes & 0x0F).astype(np.int8) - 8
-            unpacked[:, 1::2] = (codes >> 4).astype(np.int8) - 8
+            unpacked = np.empty((codes.shape[0], codes.shape[1] * 2), np.uint8)
+            unpacked[:, 0::2] = codes & 0x0F
+            unpacked[:, 1::2] = codes >> 4
             codes = unpacked
         scales = self.scales[index].astype(np.float32)
         n = codes.shape[0]
         out = codes.reshape(n, -1, self.block).astype(np.float32) * scales[:, :, None]
+        if self.mins is not None:
+            out += self.mins[index].astype(np.float32)[:, :, None]
         return out.reshape(n, -1)[:, :self.cols]
 
     def widen_rows(self, ids) -> np.ndarray:
@@ -159,11 +172,26 @@ def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> 
                                storage, axis, block)
     if block % 2:
         raise ValueError(f"block {block} must be even")
-    qmax = _QMAX[storage]
     padded = -(-cols // block) * block
     x = np.zeros((rows, padded), np.float32)
     x[:, :cols] = stored
+    if padded != cols:  # the padding repeats a real element: it widens no block's range
+        x[:, cols:] = stored[:, -1:]
     x = x.reshape(rows, padded // block, block)
+    if storage == "int4":
+        low, high = x.min(axis=2), x.max(axis=2)
+        if (np.abs(np.stack([low, high])) > np.finfo(np.float16).max).any():
+            raise ValueError(f"a weight of magnitude {np.abs(x).max():.3g} is beyond what a float16 block offset holds")
+        mins = low.astype(np.float16)
+        m = mins.astype(np.float32)
+        scales = ((high - m) / _INT4_LEVELS).astype(np.float16)
+        d = scales.astype(np.float32)
+        safe = np.where(d > 0, d, 1.0)
+        q = np.clip(np.rint((x - m[:, :, None]) / safe[:, :, None]), 0, _INT4_LEVELS).astype(np.uint8)
+        q = q.reshape(rows, padded)
+        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+        return QuantizedTensor(np.ascontiguousarray(packed), scales, tuple(w.shape), storage, axis, block, mins)
+    qmax = _QMAX[storage]
     absmax = np.abs(x).max(axis=2)
     if (absmax / qmax > np.finfo(np.float16).max).any():
         raise ValueError(f"a weight of magnitude {absmax.max():.3g} is beyond what a float16 block scale holds")
@@ -171,9 +199,6 @@ def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> 
     s = scales.astype(np.float32)
     safe = np.where(s > 0, s, 1.0)
     q = np.clip(np.rint(x / safe[:, :, None]), -qmax, qmax).astype(np.int8).reshape(rows, padded)
-    if storage == "int4":
-        u = (q + 8).astype(np.uint8)
-        q = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)
     return QuantizedTensor(np.ascontiguousarray(q), scales, tuple(w.shape), storage, axis, block)
 
 

@@ -458,7 +458,8 @@ def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
 def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the quantized frozen weights of blocks first..last beyond `Block.frozen_bytes`'
     charge (`ir.precision.bytes_per_element`) on the device: MNN's graphs hold an int8 / int4
-    weight's block scales as float32 (it has no float16 Var: 2 more bytes a block) and a bfloat16
+    weight's block scales (and int4's offsets) as float32 (it has no float16 Var: 2 more bytes
+    each, a block) and a bfloat16
     one as float32 (no bfloat16 Var); the weights MNN reads in numpy (tables, a fused LM head, kept
     in `ir.precision`'s form) cost none more. Each weight counted once per range."""
     if device_engine(device) != "mnn":
@@ -471,7 +472,7 @@ def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: Devi
     for name in {i for n in nodes for i in n.inputs if i not in in_numpy}:
         q = graph.constants.get(name)
         if isinstance(q, QuantizedTensor):
-            extra += 2 * (q.size if q.storage == "bfloat16" else int(q.scales.size))
+            extra += 2 * (q.size if q.storage == "bfloat16" else int(q.scales.size) * (1 if q.mins is None else 2))
     return extra
 
 

@@ -189,6 +189,7 @@ class _FrozenWeight:
         codes = q.codes
         self._codes = torch.from_numpy(codes.view(np.int16) if q.storage == "bfloat16" else codes)
         self._scales = torch.from_numpy(q.scales)
+        self._mins = None if q.mins is None else torch.from_numpy(q.mins)
 
     def widen(self) -> torch.Tensor:
         """The whole weight in its logical layout (a transposed view where it is blocked along rows)."""
@@ -197,9 +198,11 @@ class _FrozenWeight:
             stored = c.view(torch.bfloat16).to(self.dtype)
         else:
             if q.storage == "int4":
-                c = torch.stack(((c & 0x0F).to(torch.int8) - 8, (c >> 4).to(torch.int8) - 8), dim=-1)
+                c = torch.stack((c & 0x0F, c >> 4), dim=-1)
             rows = c.shape[0]
             stored = (c.reshape(rows, -1, q.block).to(self.dtype) * self._scales.to(self.dtype)[:, :, None])
+            if self._mins is not None:
+                stored += self._mins.to(self.dtype)[:, :, None]
             stored = stored.reshape(rows, -1)[:, :q.cols]
         return stored if q.axis == 1 else stored.t()
 
