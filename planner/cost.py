@@ -86,7 +86,7 @@ from ir.backend import engine_of
 from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import WEIGHT_GRAD_SHARE, Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
-from ir.precision import BLOCK, QuantizedTensor, bytes_per_element, quantizable
+from ir.precision import BLOCK, QuantizedTensor, bytes_per_element, lookup_tables, quantizable, storage_for
 from ir.profile import BlockCost
 from ir.verify import peak_weight_versions
 from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, update_rate
@@ -476,32 +476,29 @@ def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: Devi
     return extra
 
 
-def quantizable_frozen_elements(graph: Graph) -> tuple[int, ...]:
-    """[k] elements of the frozen weights block k is the first to read that `--base-dtype` can hold
-    quantized (`ir.precision.quantizable`): what `plan`'s "what would make it fit" prices."""
+def base_dtype_savings(graph: Graph) -> tuple[tuple[int, int], ...]:
+    """[k] (bytes saved with `--base-dtype int8`, with `int4`) on the frozen weights block k is the
+    first to read, against how they are held now (`ir.precision`: their storage bytes; int4 keeps
+    tables at int8): what `plan`'s "what would make it fit" names. Zeros for a model without frozen
+    weights (full fine-tuning)."""
+    if not any(b.frozen_bytes for b in graph.blocks):
+        return tuple((0, 0) for _ in graph.blocks)
     can = quantizable(graph.nodes, graph.constants, graph.params)
+    tables = lookup_tables(graph.nodes)
     seen: set[str] = set()
     out = []
     for b in graph.blocks:
-        count = 0
+        saved = [0, 0]
         for n in b.nodes:
             for i in graph.node(n).inputs:
                 if i in can and i not in seen:
                     seen.add(i)
-                    count += int(graph.constants[i].size)
-        out.append(count)
+                    value = graph.constants[i]
+                    for j, target in enumerate(("int8", "int4")):
+                        held = bytes_per_element(storage_for(target, i in tables), BLOCK) * value.size
+                        saved[j] += max(0, int(value.nbytes) - int(held))
+        out.append((saved[0], saved[1]))
     return tuple(out)
-
-
-def base_dtype_of(graph: Graph) -> str:
-    """The precision the graph's frozen base is held at (float32 when none is quantized)."""
-    held = {v.storage for v in graph.constants.values() if isinstance(v, QuantizedTensor)}
-    return held.pop() if len(held) == 1 else "float32"
-
-
-def base_dtype_saving_bytes(elements: int, held: str, target: str) -> int:
-    """Bytes saved holding `elements` frozen weights at `target` instead of `held`."""
-    return max(0, int(elements * (bytes_per_element(held, BLOCK) - bytes_per_element(target, BLOCK))))
 
 
 def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:

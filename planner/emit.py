@@ -28,7 +28,7 @@ from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCo
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
 from ir.plan import Schedule
-from ir.precision import frozen_precisions
+from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
 from ir.safetensors import encode_safetensors
 from ir.serialize import graph_to_json, slice_graph
@@ -320,6 +320,5 @@ def load_plan_cluster(plan_dir: str | Path) -> Cluster:
 
 
 def _base_dtype(graph) -> str:
-    """The precision the plan's frozen weights are held at (one for all: `--base-dtype`)."""
-    held = set(frozen_precisions(graph.constants).values())
-    return held.pop() if len(held) == 1 else "float32"
+    """The precision the plan's frozen weights are held at (`--base-dtype`)."""
+    return base_dtype_of(graph.constants)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ir.precision import (BASE_DTYPES, BLOCK, QuantizedTensor, bytes_per_element, dequantize, held_bytes,
-                          quantize, quantize_frozen)
+                          lookup_tables, quantize, quantize_frozen, storage_for)
 
 
 # --- the scheme -----------------------------------------------------------------------------------
@@ -125,9 +125,10 @@ def _round_to(model, storage: str):
 
     model = copy.deepcopy(model)
     with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.from_numpy(dequantize(quantize(p.detach().numpy(), storage, 1))))
+        for name, p in model.named_parameters():
+            if p.dim() == 2:  # int4 keeps the (tied) embedding table int8
+                held = storage_for(storage, "embed_tokens" in name)
+                p.copy_(torch.from_numpy(dequantize(quantize(p.detach().numpy(), held, 1))))
     return model
 
 
@@ -201,7 +202,7 @@ def test_lora_gradients_on_a_quantized_base_equal_pefts_on_the_dequantized_weigh
                                                                   base_dtype=storage))
     held = {k: v for k, v in graph.constants.items() if isinstance(v, QuantizedTensor)}
     # 2 layers x 7 projections, and the tied table (looked up and read by the LM head)
-    assert len(held) == 15 and {v.storage for v in held.values()} == {storage}
+    assert len(held) == 15 and {v.storage for v in held.values()} == {storage, storage_for(storage, True)}
     assert not set(held) & set(graph.params)
     rounded = _round_to(model, storage)
     feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
@@ -232,12 +233,17 @@ def test_the_lora_pass_charges_frozen_weights_at_their_precision(tiny_llama):
         frozen[storage] = sum(b.frozen_bytes for b in graph.blocks)
         trainable = sum(b.params_bytes for b in graph.blocks)
         assert trainable == sum(int(graph.constants[p].nbytes) for p in graph.params)  # adapters stay float32
-    # the 1-D norm scales stay float32 in every case; the 2-D weights scale with bytes_per_element
-    norms = sum(int(np.asarray(v).nbytes) for k, v in base.constants.items() if np.asarray(v).ndim == 1
-                and k in base.params)
+    # the 1-D norm scales stay float32 in every case; the 2-D weights cost bytes_per_element of the
+    # precision they are held at (int4: the tied table int8)
+    tables = lookup_tables(base.nodes)
+    two_d = {k: v for k, v in base.constants.items() if k in base.params and np.asarray(v).ndim == 2}
+    assert tables & set(two_d)
+    # a weight counts in each block that reads it (the tied table: the embeddings' and the head's)
+    readers = {k: sum(any(k in base.node(n).inputs for n in b.nodes) for b in base.blocks) for k in two_d}
     for storage in ("bfloat16", "int8", "int4"):
-        ratio = (frozen[storage] - norms) / (frozen["float32"] - norms)
-        assert ratio == pytest.approx(bytes_per_element(storage) / 4, rel=1e-6), storage
+        want = sum(readers[k] * v.size * (bytes_per_element(storage_for(storage, k in tables)) - 4)
+                   for k, v in two_d.items())
+        assert frozen[storage] - frozen["float32"] == pytest.approx(want, abs=len(two_d)), storage
 
 
 def test_quantize_frozen_leaves_trainable_and_1d_constants_alone(tiny_llama):
@@ -324,7 +330,7 @@ def test_a_plan_records_the_base_precision_and_its_bundles_hold_the_same_quantiz
             original = int4_lora.constants[name]
             if isinstance(original, QuantizedTensor):
                 held += 1
-                assert isinstance(value, QuantizedTensor) and value.storage == "int4"
+                assert isinstance(value, QuantizedTensor) and value.storage == original.storage
                 assert np.array_equal(value.codes, original.codes) and np.array_equal(value.scales, original.scales)
     assert held >= 8
     # a plan from before --base-dtype (no field) reads as float32
@@ -340,7 +346,6 @@ def test_a_plan_records_the_base_precision_and_its_bundles_hold_the_same_quantiz
 def test_what_would_make_it_fit_names_a_quantized_base_with_the_bytes_it_saves(int4_lora, tiny_onnx):
     from dataclasses import replace
 
-    from planner.cost import quantizable_frozen_elements
     from planner.lora import LoraSettings, add_lora
     from planner.onnx_import import load_model
     from planner.partition import make_instance, solve_partition
@@ -354,10 +359,10 @@ def test_what_would_make_it_fit_names_a_quantized_base_with_the_bytes_it_saves(i
     cluster = replace(cluster, devices=tuple(replace(d, memory_budget_bytes=1 << 16) for d in cluster.devices))
     with pytest.raises(PlanDoesNotFit) as err:
         solve_partition(make_instance(f32, cluster, "1f1b-flush", 2, "adamw"), time_limit_s=5)
-    elements = sum(quantizable_frozen_elements(f32))
-    assert elements == sum(int(v.size) for v in int4_lora.constants.values() if isinstance(v, QuantizedTensor))
-    int4 = int(elements * (4 - bytes_per_element("int4")))
-    int8 = int(elements * (4 - bytes_per_element("int8")))
+    quantized = {k: v for k, v in int4_lora.constants.items() if isinstance(v, QuantizedTensor)}
+    assert {v.storage for v in quantized.values()} == {"int4", "int8"}  # the embedding tables int8
+    int8 = sum(int(4 * v.size - v.size * bytes_per_element("int8")) for v in quantized.values())
+    int4 = sum(int(4 * v.size - v.nbytes) for v in quantized.values())
     assert f"--base-dtype int4 saves {int4} bytes" in str(err.value)
     assert f"--base-dtype int8 saves {int8} bytes" in str(err.value)
     with pytest.raises(PlanDoesNotFit) as err:  # already int4: nothing more to name

@@ -36,7 +36,7 @@ from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_n
 from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, async_extra_copies, block_costs,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
-                          base_dtype_of, frozen_storage_extra_bytes, quantizable_frozen_elements,
+                          base_dtype_savings, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, keeps_activations, reuses_forward,
                           row_gradient_delta_bytes, shared_current_bytes, stepped_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, transient_bytes, unversioned_bytes,
@@ -107,11 +107,9 @@ class PartitionInstance:
     # the boundaries no plan cuts, ascending (k: blocks k and k+1 stay on one stage; planner.cost.
     # joined_boundaries: a decoder's LM head and its fused loss). Empty: any cut.
     joined: tuple[int, ...] = ()
-    # [k] frozen elements block k holds that `--base-dtype` could quantize, and the precision they
-    # are held at: what "what would make it fit" prices (planner.cost.quantizable_frozen_elements).
-    # Empty: none (full fine-tuning).
-    frozen_elements: tuple[int, ...] = ()
-    base_dtype: str = "float32"
+    # [k] bytes `--base-dtype int8` and `int4` would save on block k's frozen weights: what "what
+    # would make it fit" names (planner.cost.base_dtype_savings). Empty: none.
+    base_dtype_savings: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -256,8 +254,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                     + frozen_storage_extra_bytes(graph, k, k, spec)
                                     for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
         kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
-        frozen_elements=quantizable_frozen_elements(graph) if any(b.frozen_bytes for b in blocks) else (),
-        base_dtype=base_dtype_of(graph),
+        base_dtype_savings=base_dtype_savings(graph),
         # the largest one-block transient is charged to every stage, as planner.cost does
         overhead_bytes=tuple(runtime_bytes(s) + transient_bytes(graph, s) for s in specs),
         memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-CHUNK_BYTES = 32 << 20  # one chunk of logits: ~170 rows of a 49152-token vocabulary
+CHUNK_BYTES = 32 << 20  # one chunk of logits: ~170 rows of a 49152-token vocabulary (or of a quantized head's widened rows)
 # the weight gradient is accumulated this many bytes of it at a time: numpy has no in-place GEMM
 # (C += A B), and a whole-weight temporary per chunk would be a second weight-sized array
 _ACCUMULATE_BYTES = 8 << 20
@@ -163,8 +163,9 @@ def quantized_linear_cross_entropy(hidden: np.ndarray, weight, ids: np.ndarray, 
     rows = np.nonzero(w)[0]
     hr, ids_r, w_r = h[rows], ids[rows].astype(np.int64), w[rows]
     vocab, count = weight.rows, len(rows)
-    step = int(min(vocab, max(64, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
-                              // (np.dtype(dt).itemsize * max(count, 1)))))
+    # a chunk bounds both the logits [count, step] and the widened rows [step, H] to chunk_bytes
+    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    step = int(min(vocab, max(64, budget // (np.dtype(dt).itemsize * max(count, weight.cols, 1)))))
     top = np.full(count, -np.inf, dt)
     total = np.zeros(count, np.float64)
     picked = np.zeros(count, np.float64)
