@@ -423,3 +423,25 @@ def test_checkpoints_carry_the_base_precision_and_resume_refuses_another(tmp_pat
     assert LoraSettings(**old).base_dtype == "float32"  # a checkpoint's meta from before the field
     with pytest.raises(ValueError, match="--base-dtype 'int2' is not one of"):
         LoraSettings(8, base_dtype="int2")
+
+
+def test_resume_refuses_another_base_precision_and_reads_old_checkpoints_as_float32(tmp_path):
+    from dataclasses import asdict
+
+    from jobs.errors import JobError
+    from jobs.pipeline_training import _resumed
+    from planner.lora import LoraSettings
+    from runtime.pipeline.checkpoints import save_checkpoint
+
+    meta = {"model": "m.onnx", "task": "causal-lm", "schedule": "1f1b-flush", "microbatches": 2, "batch": 2,
+            "seq": 8, "optimizer": "adamw", "seed": 0, "step": 1, "stages": 1, "ranges": [[0, 3]]}
+    old = {k: v for k, v in asdict(LoraSettings(4)).items() if k != "base_dtype"}
+    save_checkpoint(tmp_path / "old", [{"param/a": np.ones(3, np.float32)}], {**meta, "lora": old})
+    assert _resumed(tmp_path / "old", {**meta, "lora": asdict(LoraSettings(4))}, 1)[0] == 1
+    with pytest.raises(JobError, match="checkpoint has lora=.*'seed': 0}, this run .*'base_dtype': 'int4'"):
+        _resumed(tmp_path / "old", {**meta, "lora": asdict(LoraSettings(4, base_dtype="int4"))}, 1)
+    save_checkpoint(tmp_path / "q", [{"param/a": np.ones(3, np.float32)}],
+                    {**meta, "lora": asdict(LoraSettings(4, base_dtype="int4"))})
+    assert _resumed(tmp_path / "q", {**meta, "lora": asdict(LoraSettings(4, base_dtype="int4"))}, 1)[0] == 1
+    with pytest.raises(JobError, match="'base_dtype': 'int4'.*this run .*'int8'"):
+        _resumed(tmp_path / "q", {**meta, "lora": asdict(LoraSettings(4, base_dtype="int8"))}, 1)
