@@ -445,3 +445,25 @@ def test_resume_refuses_another_base_precision_and_reads_old_checkpoints_as_floa
     assert _resumed(tmp_path / "q", {**meta, "lora": asdict(LoraSettings(4, base_dtype="int4"))}, 1)[0] == 1
     with pytest.raises(JobError, match="'base_dtype': 'int4'.*this run .*'int8'"):
         _resumed(tmp_path / "q", {**meta, "lora": asdict(LoraSettings(4, base_dtype="int8"))}, 1)
+
+
+def test_the_memory_model_charges_mnns_float32_block_scales_and_nothing_more_on_pytorch(int4_lora):
+    """MNN has no float16 Var: the quantized weights its graphs read hold their block scales and
+    int4 offsets as float32 (2 bytes more each); tables stay in numpy in ir.precision's own form."""
+    import dataclasses
+
+    from planner.cost import frozen_storage_extra_bytes
+    from support import tiny_cluster
+
+    mnn = tiny_cluster().device("a")
+    torch_backend = dataclasses.replace(mnn.profile.backends[0], backend="torch:cpu:t1")
+    torch_device = dataclasses.replace(mnn, backend="torch:cpu:t1", profile=dataclasses.replace(
+        mnn.profile, backends=mnn.profile.backends + (torch_backend,)))
+    n = len(int4_lora.blocks)
+    tables = lookup_tables(int4_lora.nodes)
+    want = sum(2 * v.scales.size * (2 if v.mins is not None else 1) for k, v in int4_lora.constants.items()
+               if isinstance(v, QuantizedTensor) and k not in tables)
+    assert want > 0
+    assert frozen_storage_extra_bytes(int4_lora, 0, n - 1, mnn) == want
+    assert frozen_storage_extra_bytes(int4_lora, 0, n - 1, torch_device) == 0
+    assert frozen_storage_extra_bytes(int4_lora, 0, 0, mnn) == 0  # the embeddings: tables, in numpy
