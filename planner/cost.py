@@ -477,26 +477,23 @@ def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: Devi
 
 
 def base_dtype_savings(graph: Graph) -> tuple[tuple[int, int], ...]:
-    """[k] (bytes saved with `--base-dtype int8`, with `int4`) on the frozen weights block k is the
-    first to read, against how they are held now (`ir.precision`: their storage bytes; int4 keeps
-    tables at int8): what `plan`'s "what would make it fit" names. Zeros for a model without frozen
-    weights (full fine-tuning)."""
+    """[k] (bytes saved with `--base-dtype int8`, with `int4`) on the frozen weights block k reads,
+    against how they are held now (`ir.precision`: their storage bytes; int4 keeps tables at int8),
+    counted in every block that reads one as `Block.frozen_bytes` counts it (a tied table: the
+    embeddings' and the head's): what `plan`'s "what would make it fit" names. Zeros for a model
+    without frozen weights (full fine-tuning)."""
     if not any(b.frozen_bytes for b in graph.blocks):
         return tuple((0, 0) for _ in graph.blocks)
     can = quantizable(graph.nodes, graph.constants, graph.params)
     tables = lookup_tables(graph.nodes)
-    seen: set[str] = set()
     out = []
     for b in graph.blocks:
         saved = [0, 0]
-        for n in b.nodes:
-            for i in graph.node(n).inputs:
-                if i in can and i not in seen:
-                    seen.add(i)
-                    value = graph.constants[i]
-                    for j, target in enumerate(("int8", "int4")):
-                        held = bytes_per_element(storage_for(target, i in tables), BLOCK) * value.size
-                        saved[j] += max(0, int(value.nbytes) - int(held))
+        for i in {i for n in b.nodes for i in graph.node(n).inputs if i in can}:
+            value = graph.constants[i]
+            for j, target in enumerate(("int8", "int4")):
+                held = bytes_per_element(storage_for(target, i in tables), BLOCK) * value.size
+                saved[j] += max(0, int(value.nbytes) - int(held))
         out.append((saved[0], saved[1]))
     return tuple(out)
 
