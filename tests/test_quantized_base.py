@@ -467,3 +467,37 @@ def test_the_memory_model_charges_mnns_float32_block_scales_and_nothing_more_on_
     assert frozen_storage_extra_bytes(int4_lora, 0, n - 1, mnn) == want
     assert frozen_storage_extra_bytes(int4_lora, 0, n - 1, torch_device) == 0
     assert frozen_storage_extra_bytes(int4_lora, 0, 0, mnn) == 0  # the embeddings: tables, in numpy
+
+
+def test_the_recompute_widens_again_to_the_same_gradients(tiny_llama):
+    """A stage that recomputes its forward in the backward (PyTorch's recompute, MNN without per-op
+    caches) widens the quantized weights a second time: the same loss and gradients, input's too."""
+    from planner.lora import LoraSettings, add_lora
+    from planner.onnx_import import load_model
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.engines.pytorch import TorchStageEngine
+    from runtime.engines.stage import stage_spec
+    from support import lm_step_feeds
+
+    _, path = tiny_llama
+    graph, _ = add_lora(load_model(path, B, S), LoraSettings(RANK, ALPHA, ("q", "k", "v", "o"), (), base_dtype="int4"))
+    rng = np.random.default_rng(0)
+    weights = {p: rng.normal(0, 0.1, graph.constants[p].shape).astype(np.float32) for p in graph.params}
+    spec = stage_spec(graph, 1, len(graph.blocks) - 1)
+    feeds = {**lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0],
+             spec.activation_input: rng.standard_normal(graph.values[spec.activation_input].shape).astype(np.float32)}
+    runs = []
+    for make in (lambda: TorchStageEngine(spec), lambda: TorchStageEngine(spec, recompute=True),
+                 lambda: MnnStageEngine(spec, cache_activations=False)):
+        engine = make()
+        engine.set_parameters(weights)
+        loss = float(np.asarray(engine.forward(feeds, 0)).reshape(-1)[0])
+        result = engine.backward(0)
+        runs.append((loss, result.params, result.activation_input))
+    (loss, grads, dx), recomputed, mnn = runs
+    assert recomputed[0] == loss and all(np.array_equal(recomputed[1][k], grads[k]) for k in grads)
+    assert np.array_equal(recomputed[2], dx)
+    assert mnn[0] == pytest.approx(loss, rel=1e-6)
+    for k in grads:
+        assert float(np.abs(mnn[1][k] - grads[k]).max()) <= 1e-4 * float(np.abs(grads[k]).max()), k
+    assert float(np.abs(mnn[2] - dx).max()) <= 1e-4 * float(np.abs(dx).max())
