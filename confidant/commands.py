@@ -485,7 +485,8 @@ def cmd_estimate(args) -> int:
     from ir.plan import default_update_every
 
     settings = EstimateSettings(batch=args.batch, seq=args.seq, microbatches=args.microbatches,
-                                schedule=args.schedule, optimizer=args.optimizer, lora=_float32_base(_lora_settings(args)),
+                                schedule=args.schedule, optimizer=args.optimizer,
+                                lora=_float32_base(_lora_settings(args)),
                                 base_dtype=args.base_dtype,
                                 update_every=default_update_every(args.schedule, args.microbatches))
     est = estimate_memory(args.model, settings, devices, args.cluster, args.profile)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-CHUNK_BYTES = 32 << 20  # one chunk of logits: ~170 rows of a 49152-token vocabulary (or of a quantized head's widened rows)
+# one chunk of logits: ~170 rows of a 49152-token vocabulary (or of a quantized head's widened rows)
+CHUNK_BYTES = 32 << 20
 # the weight gradient is accumulated this many bytes of it at a time: numpy has no in-place GEMM
 # (C += A B), and a whole-weight temporary per chunk would be a second weight-sized array
 _ACCUMULATE_BYTES = 8 << 20
@@ -174,7 +175,8 @@ def quantized_linear_cross_entropy(hidden: np.ndarray, weight, ids: np.ndarray, 
         hi = min(vocab, lo + step)
         z = hr @ weight.widen_range(lo, hi).astype(dt, copy=False).T
         new_top = np.maximum(top, z.max(axis=1))
-        total = total * np.exp((top - new_top).astype(np.float64)) + np.exp(z - new_top[:, None]).sum(axis=1, dtype=np.float64)
+        total = (total * np.exp((top - new_top).astype(np.float64))
+                 + np.exp(z - new_top[:, None]).sum(axis=1, dtype=np.float64))
         top = new_top
         inside = (ids_r >= lo) & (ids_r < hi)
         picked[inside] = z[at[inside], ids_r[inside] - lo]

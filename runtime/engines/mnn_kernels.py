@@ -710,8 +710,8 @@ def widened_weight(q) -> Var:
     """The float32 weight of an `ir.precision.QuantizedTensor` (int8 or int4) as a graph expression
     over MNN constants that hold its codes as uint8 (MNN's wrapper has no int8 Var: int8 codes are
     held offset by 128; int4 codes two to a byte as stored) and its block scales (and int4's
-    offsets) as float32 (no float16 Var either). Each evaluation of a graph reading it widens the weight into a temporary
-    that MNN's executor does not keep: measured, a layer's forward+backward holds one widened
+    offsets) as float32 (no float16 Var either). Each evaluation of a graph reading it widens the
+    weight into a temporary that MNN's executor does not keep: measured, a layer's forward+backward holds one widened
     weight at a time, not one per graph (runtime/engines/MNN_BACKWARD.md)."""
     rows = q.codes.shape[0]
     raw = q.codes if q.storage == "int4" else (q.codes.astype(np.int16) + 128).astype(np.uint8)
