@@ -309,7 +309,8 @@ def int4_lora(tiny_onnx):
     return replace(lora, constants=constants)
 
 
-def test_a_plan_records_the_base_precision_and_its_bundles_hold_the_same_quantized_weights(int4_lora, tmp_path):
+def test_a_plan_records_the_base_precision_and_its_bundles_hold_the_same_quantized_weights(int4_lora, tmp_path,
+                                                                                          capsys):
     from ir.bundle import load_bundle_dir, load_plan
     from planner.emit import emit_plan
     from planner.partition import make_instance, solve_partition
@@ -322,6 +323,10 @@ def test_a_plan_records_the_base_precision_and_its_bundles_hold_the_same_quantiz
               {"model": "tiny-int4"}, cluster=cluster)
     plan = load_plan(tmp_path / "plan", verify_bundles=True)
     assert plan.base_dtype == "int4" and plan.to_json()["base_dtype"] == "int4"
+    from confidant.commands import show_plan
+
+    show_plan(tmp_path / "plan")
+    assert ", frozen base held int4" in capsys.readouterr().out.splitlines()[0]
     assert sum(d.frozen_bytes for d in plan.devices) == sum(b.frozen_bytes for b in int4_lora.blocks)
     held = 0
     for d in plan.devices:
