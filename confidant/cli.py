@@ -95,6 +95,15 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-also", default=None,
                    help="also trained in full: block kinds (head, embeddings), norms, or substrings of parameter "
                         "names; 'none' for adapters only (default auto: an encoder's head, nothing of a decoder LLM)")
+    _add_base_dtype_flag(g)
+
+
+def _add_base_dtype_flag(g) -> None:
+    g.add_argument("--base-dtype", choices=("float32", "bfloat16", "int8", "int4"), default="float32",
+                   help="how the frozen base weights are held in memory (with --lora): float32 (default), bfloat16 "
+                        "(2 bytes a weight), int8 or int4 (symmetric, blocks of 32 along the input dimension, one "
+                        "float16 scale a block: ~1.06 and ~0.56 bytes a weight; QLoRA-style). Adapters and "
+                        "gradients stay float32, computed exactly on the dequantized base")
 
 
 def _add_security_flags(p: argparse.ArgumentParser, who: str = "coordinator") -> None:
@@ -451,8 +460,6 @@ def _add_plan(sub) -> None:
 
 
 def _add_estimate(sub) -> None:
-    from ir.precision import BASE_DTYPES
-
     p = sub.add_parser("estimate", help="will a model's training fit these devices? MiB per device, and what would "
                                         "make it fit (nothing written)",
                        description="Price a model's training on a list of devices before planning anything: the "
@@ -481,9 +488,6 @@ def _add_estimate(sub) -> None:
     p.add_argument("--microbatches", type=_count, default=4, help="default %(default)s")
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush", help="default %(default)s")
     p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw", help="default %(default)s")
-    p.add_argument("--base-dtype", choices=BASE_DTYPES, default="float32",
-                   help="with --lora: storage precision of the frozen base weights (int8/int4: blockwise, a float32 "
-                        "scale per 64; default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     _add_lora_flags(p)
 

@@ -16,7 +16,12 @@ from confidant.progress import TerminalReporter
 def _lora_settings(args):
     """The LoRA settings of `--lora R ...`, or None (full fine-tuning) without it."""
     given = [f for f in ("lora_alpha", "lora_targets", "train_also") if getattr(args, f, None) is not None]
+    base_dtype = getattr(args, "base_dtype", None) or "float32"
     if getattr(args, "lora", None) is None:
+        if base_dtype != "float32":
+            raise UsageError(f"--base-dtype {base_dtype} holds the frozen base weights at lower precision, but "
+                             "without --lora R every weight trains in full (and a trained weight stays float32); "
+                             "add --lora R (e.g. --lora 8), or drop --base-dtype")
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise UsageError(f"{flags} set LoRA's adapters, but without --lora R every weight trains in full; "
@@ -30,9 +35,16 @@ def _lora_settings(args):
     also = tuple(t.strip() for t in also_text.split(",") if t.strip() and t.strip() != "none")
     alpha = args.lora_alpha if args.lora_alpha is not None else 8.0
     try:
-        return LoraSettings(args.lora, alpha, targets, also, seed=getattr(args, "seed", 0))
+        return LoraSettings(args.lora, alpha, targets, also, seed=getattr(args, "seed", 0), base_dtype=base_dtype)
     except ValueError as exc:
         raise CliError(f"--lora: {exc}") from None
+
+
+def _float32_base(lora):
+    """LoRA settings with the base left float32: the estimate prices --base-dtype without quantizing."""
+    import dataclasses
+
+    return None if lora is None else dataclasses.replace(lora, base_dtype="float32")
 
 
 def _training_settings(args):
@@ -473,7 +485,8 @@ def cmd_estimate(args) -> int:
     from ir.plan import default_update_every
 
     settings = EstimateSettings(batch=args.batch, seq=args.seq, microbatches=args.microbatches,
-                                schedule=args.schedule, optimizer=args.optimizer, lora=_lora_settings(args),
+                                schedule=args.schedule, optimizer=args.optimizer,
+                                lora=_float32_base(_lora_settings(args)),
                                 base_dtype=args.base_dtype,
                                 update_every=default_update_every(args.schedule, args.microbatches))
     est = estimate_memory(args.model, settings, devices, args.cluster, args.profile)
@@ -517,7 +530,8 @@ def show_plan(plan_dir: Path) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"plan {plan_dir}: model {plan.model}, schedule {plan.schedule}, {plan.microbatches} micro-batches "
           f"of {plan.batch} x {plan.seq}, partition {plan.partition_method}"
-          f"{' (optimal)' if plan.partition_optimal else ''}")
+          f"{' (optimal)' if plan.partition_optimal else ''}"
+          + (f", frozen base held {plan.base_dtype}" if plan.base_dtype != "float32" else ""))
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if plan.predicted_step_s:

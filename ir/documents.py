@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from ir.address import AddressError, parse_address
 from ir.backend import BackendSpec
 from ir.plan import Action, ActionKind, Schedule
+from ir.precision import BASE_DTYPES
 from ir.verify import verify_plan
 
 PLAN_SCHEMA_VERSION = 1
@@ -380,6 +381,10 @@ class PlanDocument:
     # `train PLAN` names it, so predict and export-trained find the model the weights belong to
     model_path: str | None = None
     lora: PlannedLora | None = None  # absent from plan.json when None (full fine-tuning, older plans)
+    # how the frozen base weights are held (`ir.precision`: float32, bfloat16, int8, int4; a LoRA
+    # plan's `--base-dtype`): each bundle's graph records its weights' precisions, this is the
+    # plan-wide choice `train PLAN` and `show` report. Plans from before it: float32.
+    base_dtype: str = "float32"
 
     @property
     def stages(self) -> int:
@@ -427,6 +432,8 @@ class PlanDocument:
             doc["model_path"] = self.model_path
         if self.lora is not None:
             doc["lora"] = self.lora.to_json()
+        if self.base_dtype != "float32":
+            doc["base_dtype"] = self.base_dtype
         return doc
 
     @classmethod
@@ -496,12 +503,15 @@ class PlanDocument:
         if model_path is not None and not (isinstance(model_path, str) and model_path):
             raise fail(f"model_path is {model_path!r:.80}, not null or a path")
         lora = None if doc.get("lora") is None else PlannedLora.from_json(doc["lora"], fail)
+        base_dtype = doc.get("base_dtype", "float32")
+        if base_dtype not in BASE_DTYPES:
+            raise fail(f"base_dtype is {base_dtype!r:.80}, not one of {', '.join(BASE_DTYPES)}")
         return cls(doc["model"], schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth,
                    doc["batch"], doc["seq"], tuple(blocks), doc["engine"], doc["backend"],
                    OptimizerSettings.from_json(doc["optimizer"]), parsed, doc["predicted_step_s"],
                    doc["partition_method"], tuple(tuple(str(a) for a in row) for row in schedule.actions),
                    doc.get("graph"), bool(doc.get("partition_optimal", False)), float(doc.get("bottleneck_s", 0.0)),
-                   cluster_digest, base_digest, dict(lookup_rows), model_path, lora)
+                   cluster_digest, base_digest, dict(lookup_rows), model_path, lora, base_dtype)
 
 
 def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ir.graph import AttentionSite, Block, Graph, Node, Value
+from ir.precision import QuantizedTensor, quantize
 
 SCHEMA_VERSION = 1
 
@@ -52,7 +53,18 @@ def slice_graph(graph: Graph, first_block: int, last_block: int) -> Graph:
 
 
 def graph_to_json(graph: Graph) -> dict:
-    """Everything but the constant tensors, as a JSON-ready dict."""
+    """Everything but the constant tensors, as a JSON-ready dict. A frozen weight held quantized
+    (`ir.precision`) travels as its float32 values (what its tensor file holds) plus its storage
+    precision under `precisions` (name -> [storage, blocked axis, block]): the reader quantizes
+    it again, which gives back the very same weight."""
+    doc = _graph_doc(graph)
+    held = {k: [v.storage, v.axis, v.block] for k, v in graph.constants.items() if isinstance(v, QuantizedTensor)}
+    if held:
+        doc["precisions"] = held
+    return doc
+
+
+def _graph_doc(graph: Graph) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
         "name": graph.name,
@@ -87,6 +99,10 @@ def graph_from_json(doc: Mapping, constants: Mapping[str, np.ndarray]) -> Graph:
         if str(arr.dtype) != dtype or list(arr.shape) != list(shape):
             raise ValueError(f"constant {name!r} is {arr.dtype}{list(arr.shape)}, declared {dtype}{shape}")
         consts[name] = arr
+    for name, (storage, axis, block) in doc.get("precisions", {}).items():
+        if name not in consts:
+            raise ValueError(f"precisions names {name!r}, which is not a constant of the graph")
+        consts[name] = quantize(consts[name], str(storage), int(axis), int(block))
     values = {name: Value(name, tuple(shape), dtype) for name, shape, dtype in doc["values"]}
     nodes = tuple(Node(n["name"], n["op"], tuple(n["inputs"]), tuple(n["outputs"]),
                        {k: _attr_from_json(v) for k, v in n["attrs"].items()}, n["tier"]) for n in doc["nodes"])

@@ -66,7 +66,8 @@ def lm_graph(model: Path, settings: TrainingSettings, reporter: Reporter = Silen
     trainable = sum(int(lora.constants[p].nbytes) for p in lora.params)
     reporter.note(f"LoRA r={settings.lora.rank} alpha={settings.lora.alpha:g} on {len(adapters)} projections "
                   f"({', '.join(sorted({a.role for a in adapters}))}); trainable {trainable / 2**20:.2f} MiB, "
-                  f"frozen {sum(b.frozen_bytes for b in lora.blocks) / 2**20:.1f} MiB")
+                  f"frozen {sum(b.frozen_bytes for b in lora.blocks) / 2**20:.1f} MiB"
+                  + (f" (held {settings.lora.base_dtype})" if settings.lora.base_dtype != "float32" else ""))
     return lora, adapters
 
 

@@ -19,5 +19,6 @@ def adapted(graph: Graph, settings: LoraSettings | None, reporter: Reporter = Si
     frozen = sum(b.frozen_bytes for b in lora.blocks)
     reporter.note(f"LoRA r={settings.rank} alpha={settings.alpha:g} on {len(adapters)} projections "
                   f"({', '.join(sorted({a.role for a in adapters}))}); trainable {trainable / 2**20:.2f} MiB, "
-                  f"frozen {frozen / 2**20:.1f} MiB")
+                  f"frozen {frozen / 2**20:.1f} MiB"
+                  + (f" (held {settings.base_dtype})" if settings.base_dtype != "float32" else ""))
     return lora

@@ -855,7 +855,10 @@ def _resumed(folder: Path, meta: dict, n_stages: int, graph=None, model: Path | 
     saved, weights, opt_state = load_checkpoint(folder)
     for key in ("model", "task", "schedule", "microbatches", "batch", "seq", "optimizer", "seed", "lora"):
         # as JSON reads it back (tuples become lists); checkpoints from before tasks were NER
-        if saved.get(key, "ner" if key == "task" else None) != json.loads(json.dumps(meta[key])):
+        was = saved.get(key, "ner" if key == "task" else None)
+        if key == "lora" and isinstance(was, dict):  # from before --base-dtype: a float32 base
+            was = {"base_dtype": "float32", **was}
+        if was != json.loads(json.dumps(meta[key])):
             raise JobError(f"--resume {folder}: checkpoint has {key}={saved.get(key)!r}, this run {meta[key]!r}")
     if saved["stages"] != n_stages:
         raise JobError(f"--resume {folder}: checkpoint has {saved['stages']} stages, this run {n_stages}")

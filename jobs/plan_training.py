@@ -68,6 +68,8 @@ def _checkpoint_meta(plan_dir: Path, plan: PlanDocument, task) -> dict:
         meta["model_path"] = plan.model_path
     if plan.lora is not None:  # export-adapter names the adapters from these; predict sends LoRA runs there
         meta["lora"] = plan.lora.to_json()
+        if plan.base_dtype != "float32":  # export-adapter and resume see the base's precision (absent: float32)
+            meta["lora"]["base_dtype"] = plan.base_dtype
     return meta
 
 

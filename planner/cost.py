@@ -86,6 +86,7 @@ from ir.backend import engine_of
 from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import WEIGHT_GRAD_SHARE, Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
+from ir.precision import BLOCK, QuantizedTensor, bytes_per_element, lookup_tables, quantizable, storage_for
 from ir.profile import BlockCost
 from ir.verify import peak_weight_versions
 from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, update_rate
@@ -454,6 +455,49 @@ def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
     return sum(int(graph.constants[t].nbytes) for t in tables & _table_readers(graph)[1])
 
 
+def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
+    """Bytes of the quantized frozen weights of blocks first..last beyond `Block.frozen_bytes`'
+    charge (`ir.precision.bytes_per_element`) on the device: MNN's graphs hold an int8 / int4
+    weight's block scales (and int4's offsets) as float32 (it has no float16 Var: 2 more bytes
+    each, a block) and a bfloat16
+    one as float32 (no bfloat16 Var); the weights MNN reads in numpy (tables, a fused LM head, kept
+    in `ir.precision`'s form) cost none more. Each weight counted once per range."""
+    if device_engine(device) != "mnn":
+        return 0
+    nodes = [graph.node(n) for b in graph.blocks[first:last + 1] for n in b.nodes]
+    in_numpy = {n.inputs[0] for n in graph.nodes if n.op == "Gather"}
+    losses = {n.inputs[0] for n in graph.nodes if n.op == "TokenCrossEntropy"}
+    in_numpy |= {n.inputs[1] for n in graph.nodes if n.op == "MatMul" and n.outputs[0] in losses}
+    extra = 0
+    for name in {i for n in nodes for i in n.inputs if i not in in_numpy}:
+        q = graph.constants.get(name)
+        if isinstance(q, QuantizedTensor):
+            extra += 2 * (q.size if q.storage == "bfloat16" else int(q.scales.size) * (1 if q.mins is None else 2))
+    return extra
+
+
+def base_dtype_savings(graph: Graph) -> tuple[tuple[int, int], ...]:
+    """[k] (bytes saved with `--base-dtype int8`, with `int4`) on the frozen weights block k reads,
+    against how they are held now (`ir.precision`: their storage bytes; int4 keeps tables at int8),
+    counted in every block that reads one as `Block.frozen_bytes` counts it (a tied table: the
+    embeddings' and the head's): what `plan`'s "what would make it fit" names. Zeros for a model
+    without frozen weights (full fine-tuning)."""
+    if not any(b.frozen_bytes for b in graph.blocks):
+        return tuple((0, 0) for _ in graph.blocks)
+    can = quantizable(graph.nodes, graph.constants, graph.params)
+    tables = lookup_tables(graph.nodes)
+    out = []
+    for b in graph.blocks:
+        saved = [0, 0]
+        for i in {i for n in b.nodes for i in graph.node(n).inputs if i in can}:
+            value = graph.constants[i]
+            for j, target in enumerate(("int8", "int4")):
+                held = bytes_per_element(storage_for(target, i in tables), BLOCK) * value.size
+                saved[j] += max(0, int(value.nbytes) - int(held))
+        out.append((saved[0], saved[1]))
+    return tuple(out)
+
+
 def unversioned_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the parameters of blocks first..last that weight stashing keeps no old version of on
     the device: embedding tables nothing but lookups read anywhere in the model (neither engine's
@@ -670,6 +714,7 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
     params = stage_params_bytes(graph, first, last)
     frozen = sum(b.frozen_bytes for b in blocks)  # held once: never stashed, stepped or accumulated
     frozen += double_held_bytes(graph, first, last, device)
+    frozen += frozen_storage_extra_bytes(graph, first, last, device)
     inputs = list(block_input_bytes(graph)[first:last + 1])
     in_flight = in_flight_microbatches(schedule, stages, stage, microbatches)
     held = 0

@@ -28,6 +28,7 @@ from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCo
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
 from ir.plan import Schedule
+from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
 from ir.safetensors import encode_safetensors
 from ir.serialize import graph_to_json, slice_graph
@@ -218,7 +219,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
                         tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
                         partition.bottleneck_s, cluster_sha256, base_sha256, dict(graph.lookup_rows),
-                        cfg["model_path"], cfg["lora"])
+                        cfg["model_path"], cfg["lora"], _base_dtype(graph))
     doc = plan.to_json()
     PlanDocument.from_json(doc, str(out_dir))  # what a reader will check, before anything is written
     path = out_dir / PLAN
@@ -321,3 +322,8 @@ def load_plan_cluster(plan_dir: str | Path) -> Cluster:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ClusterError(f"{source}: not JSON ({exc})") from None
     return cluster_from_json(doc, source)
+
+
+def _base_dtype(graph) -> str:
+    """The precision the plan's frozen weights are held at (`--base-dtype`)."""
+    return base_dtype_of(graph.constants)

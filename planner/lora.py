@@ -29,6 +29,12 @@ biases), or substrings of parameter names, trained in full beside the adapters. 
 ("auto") trains an encoder's task head in full (it is new and random, as PEFT's `modules_to_save`)
 and nothing else of a decoder LLM, whose head is pretrained (and, tied, the embedding table).
 
+`base_dtype` (`ir.precision`: float32, bfloat16, int8, int4) is how the frozen base is held: after
+the adapters are in, every frozen 2-D weight a product or a lookup reads becomes an
+`ir.precision.QuantizedTensor` (QLoRA's frozen 4-bit base under float adapters), the blocks'
+`frozen_bytes` count it at that precision, and every engine computes with exactly its dequantized
+values. float32 (the default) leaves the weights as they are.
+
 An adapted block's attention no longer has the plain pattern, so its heads are not split (the
 pass re-runs `planner.attention.annotate_attention`, which then finds no site there).
 """
@@ -41,6 +47,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ir.graph import Block, Graph, Node, Value
+from ir.precision import BASE_DTYPES, quantize_frozen
 from planner.attention import annotate_attention
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
@@ -65,6 +72,7 @@ class LoraSettings:
     targets: tuple[str, ...] = DEFAULT_TARGETS
     train_also: tuple[str, ...] = DEFAULT_TRAIN_ALSO
     seed: int = 0
+    base_dtype: str = "float32"  # how the frozen base weights are held (ir.precision)
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -73,6 +81,8 @@ class LoraSettings:
             raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
         if not self.targets:
             raise ValueError("LoRA needs at least one target (e.g. q,k,v,o)")
+        if self.base_dtype not in BASE_DTYPES:
+            raise ValueError(f"--base-dtype {self.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}")
 
     @property
     def scale(self) -> float:
@@ -334,6 +344,7 @@ def add_lora(graph: Graph, settings: LoraSettings) -> tuple[Graph, tuple[Adapter
     keep = _trained_in_full(graph, settings.train_also)
     adapter_params = {p for ps in new_params_of.values() for p in ps}
     params = tuple(p for p in graph.params if p in keep) + tuple(p for a in adapters for p in (a.a, a.b))
+    constants = quantize_frozen(nodes, constants, params, settings.base_dtype)
     blocks = tuple(_adapted_block(b, inserted, new_params_of.get(b.index, []), set(params), constants, values)
                    for b in graph.blocks)
     out = Graph(graph.name, graph.inputs, graph.outputs, tuple(nodes), values, constants, params, blocks,

@@ -20,10 +20,11 @@ LoRA model's blocks priced by a full fine-tuning profile, whose signatures diffe
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 from ir.graph import Block, Graph, block_signature
-from ir.precision import bytes_per_frozen_element
+from ir.precision import bytes_per_frozen_element, lookup_tables, quantizable, storage_for
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
 from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
@@ -88,13 +89,21 @@ def with_profile_costs(graph: Graph, profile: DeviceProfile, reference: Graph | 
 
 
 def with_frozen_precision(graph: Graph, dtype: str) -> Graph:
-    """`graph` with each block's frozen bytes (float32 in the lowering) charged at `dtype`
-    (`ir.precision.bytes_per_frozen_element`): a quantized or bfloat16 LoRA base."""
-    per = bytes_per_frozen_element(dtype)
-    if per == 4.0:
+    """`graph` (its frozen weights float32, as lowered) with each block's frozen bytes charged as
+    `--base-dtype dtype` would hold them (`ir.precision`: each frozen 2-D weight a product or a
+    lookup reads at `bytes_per_element` of `storage_for` its kind; int4 keeps tables int8)."""
+    if dtype == "float32":
         return graph
-    blocks = tuple(dataclasses.replace(b, frozen_bytes=round(b.frozen_bytes / 4 * per)) for b in graph.blocks)
-    return dataclasses.replace(graph, blocks=blocks)
+    can = quantizable(graph.nodes, graph.constants, graph.params)
+    tables = lookup_tables(graph.nodes)
+    blocks = []
+    for b in graph.blocks:
+        names = {i for n in b.nodes for i in graph.node(n).inputs if i in can}
+        saved = sum(int(graph.constants[i].nbytes)
+                    - math.ceil(graph.constants[i].size * bytes_per_frozen_element(storage_for(dtype, i in tables)))
+                    for i in names)
+        blocks.append(dataclasses.replace(b, frozen_bytes=max(0, b.frozen_bytes - saved)))
+    return dataclasses.replace(graph, blocks=tuple(blocks))
 
 
 def widened_bytes(graph: Graph, dtype: str) -> int:

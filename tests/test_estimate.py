@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ir.bundle import load_plan
-from ir.precision import bytes_per_frozen_element, frozen_tensor_bytes
+from ir.precision import bytes_per_frozen_element, frozen_tensor_bytes, lookup_tables, quantize, storage_for
 from jobs.errors import JobError
 from jobs.estimate import EstimateSettings, estimate_memory, parse_devices
 from jobs.planning import PlanSettings, plan_model
@@ -32,28 +32,15 @@ def tiny(tiny_onnx):
     return tiny_onnx["torchscript-17"]
 
 
-def _blockwise(values: np.ndarray, bits: int) -> int:
-    """Bytes of `values` encoded blockwise as the engines hold a quantized base: per 64 elements one
-    float32 scale, and each element as a signed `bits`-bit integer (int4 packed two a byte)."""
-    pad = (-values.size) % 64
-    blocks = np.concatenate([values, np.zeros(pad, values.dtype)]).reshape(-1, 64)
-    scales = (np.abs(blocks).max(axis=1) / (2 ** (bits - 1) - 1)).astype(np.float32)
-    q = np.clip(np.round(blocks / np.where(scales == 0, 1, scales)[:, None]), -(2 ** (bits - 1)),
-                2 ** (bits - 1) - 1).astype(np.int8).ravel()[:values.size]
-    if bits == 4:
-        q = np.concatenate([q, np.zeros(q.size % 2, np.int8)])
-        q = ((q[0::2] & 0xF) | (q[1::2] << 4)).astype(np.uint8)
-    return q.nbytes + scales.nbytes
-
-
 @pytest.mark.parametrize("numel", [64, 1000, 4096 * 3 + 5])
-def test_frozen_bytes_are_those_of_a_blockwise_encoding(numel):
+def test_frozen_bytes_are_those_of_the_engines_blockwise_encoding(numel):
+    """As `ir.precision.quantize` holds a weight (one row of `numel`): int8 one float16 scale per 32,
+    int4 a float16 step and offset per 32, codes two a byte; a partial last block padded."""
     values = np.random.default_rng(0).standard_normal(numel).astype(np.float32)
-    assert frozen_tensor_bytes(numel, "int8") == _blockwise(values, 8)
-    assert frozen_tensor_bytes(numel, "int4") == _blockwise(values, 4)
-    assert frozen_tensor_bytes(numel, "bfloat16") == values.astype(np.float16).nbytes
+    for dtype in ("int8", "int4", "bfloat16"):
+        assert frozen_tensor_bytes(numel, dtype) == quantize(values[None], dtype, 1).nbytes
     assert frozen_tensor_bytes(numel, "float32") == values.nbytes
-    assert bytes_per_frozen_element("int8") == 1 + 4 / 64 and bytes_per_frozen_element("int4") == 0.5 + 4 / 64
+    assert bytes_per_frozen_element("int8") == 1 + 2 / 32 and bytes_per_frozen_element("int4") == 0.5 + 4 / 32
     with pytest.raises(ValueError, match="float32, bfloat16, int8, int4"):
         bytes_per_frozen_element("fp8")
 
@@ -87,11 +74,16 @@ def test_lora_variant_trains_only_the_adapters_and_the_head(tiny):
     assert sum(s.parts["weights"] for s in est.requested.stages) == _lora_trainable_bytes(4)
     full = next(v for v in est.alternatives if v.settings.lora is None)
     assert sum(s.parts["weights"] for s in full.stages) == sum(int(graph.constants[p].nbytes) for p in graph.params)
-    # an int4 base: the frozen part is the blockwise bytes of the frozen float32 weights
+    # an int4 base: the frozen part is what the LoRA pass holds quantized (tables int8), priced
+    # exactly as it charges its blocks (planner.lora with base_dtype)
+    from planner.lora import add_lora
+
     q = estimate_memory(tiny, EstimateSettings(**SHAPE, lora=LoraSettings(4), base_dtype="int4"), devices=(("a", 2 ** 34),))
     frozen32 = sum(s.parts["frozen"] for s in est.requested.stages)
-    assert sum(s.parts["frozen"] for s in q.requested.stages) == pytest.approx(frozen32 / 4 * (0.5 + 4 / 64), abs=16)
-    assert frozen32 > 0
+    held, _ = add_lora(graph, LoraSettings(4, base_dtype="int4"))
+    assert sum(s.parts["frozen"] for s in q.requested.stages) == pytest.approx(
+        sum(b.frozen_bytes for b in held.blocks), abs=16 * len(held.blocks))
+    assert 0 < sum(s.parts["frozen"] for s in q.requested.stages) < frozen32 / 4
 
 
 def _write_cluster(folder, graph, budgets, addresses=True):

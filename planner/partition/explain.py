@@ -83,6 +83,12 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
         hints.append(f"fewer micro-batches in flight or smaller micro-batches: stashed activations take "
                      f"{_nbytes(in_flight * activations)} on {name!r} ({in_flight} micro-batches in flight"
                      + ("; 1f1b-flush keeps at most p-s of gpipe's m)" if inst.schedule == "gpipe" else ")"))
+    savings = inst.base_dtype_savings[first:last + 1] if inst.base_dtype_savings else ()
+    lower = [(t, sum(x[j] for x in savings)) for j, t in ((1, "int4"), (0, "int8"))]
+    lower = [(t, b) for t, b in lower if b > 0]
+    if lower:  # the frozen base held smaller (LoRA's base: QLoRA's 4-bit or 8-bit)
+        hints.append("a quantized frozen base: " + ", ".join(f"--base-dtype {t} saves {_nbytes(b)}" for t, b in lower)
+                     + f" on {name!r} (its frozen weights as they are held now; int4 keeps embedding tables int8)")
     if inst.optimizer == "adamw" and params:
         saving = (OPTIMIZER_STATE_COPIES["adamw"] - OPTIMIZER_STATE_COPIES["sgd"]) * params
         hints.append(f"sgd instead of adamw: saves {_nbytes(saving)} on {name!r} (one optimizer state copy less)")

@@ -36,6 +36,7 @@ from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_n
 from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, async_extra_copies, block_costs,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
+                          base_dtype_savings, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, keeps_activations, reuses_forward,
                           row_gradient_delta_bytes, shared_current_bytes, stepped_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, transient_bytes, unversioned_bytes,
@@ -106,6 +107,9 @@ class PartitionInstance:
     # the boundaries no plan cuts, ascending (k: blocks k and k+1 stay on one stage; planner.cost.
     # joined_boundaries: a decoder's LM head and its fused loss). Empty: any cut.
     joined: tuple[int, ...] = ()
+    # [k] bytes `--base-dtype int8` and `int4` would save on block k's frozen weights: what "what
+    # would make it fit" names (planner.cost.base_dtype_savings). Empty: none.
+    base_dtype_savings: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -247,8 +251,10 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         input_bytes=block_input_bytes(graph),
         # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
         workspace_bytes=tuple(tuple(c.stacked + b.frozen_bytes + double_held_bytes(graph, k, k, spec)
+                                    + frozen_storage_extra_bytes(graph, k, k, spec)
                                     for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
         kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
+        base_dtype_savings=base_dtype_savings(graph),
         # the largest one-block transient is charged to every stage, as planner.cost does
         overhead_bytes=tuple(runtime_bytes(s) + transient_bytes(graph, s) for s in specs),
         memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-CHUNK_BYTES = 32 << 20  # one chunk of logits: ~170 rows of a 49152-token vocabulary
+# one chunk of logits: ~170 rows of a 49152-token vocabulary (or of a quantized head's widened rows)
+CHUNK_BYTES = 32 << 20
 # the weight gradient is accumulated this many bytes of it at a time: numpy has no in-place GEMM
 # (C += A B), and a whole-weight temporary per chunk would be a second weight-sized array
 _ACCUMULATE_BYTES = 8 << 20
@@ -146,3 +147,55 @@ class LinearCrossEntropy:
         if grad:
             dh = dh.reshape(hidden.shape)
         return LinearCrossEntropyResult(total, dh, dw)
+
+
+def quantized_linear_cross_entropy(hidden: np.ndarray, weight, ids: np.ndarray, weights: np.ndarray,
+                                   grad: bool = True, chunk_bytes: int | None = None) -> LinearCrossEntropyResult:
+    """`LinearCrossEntropy` for a frozen LM head held quantized (`ir.precision.QuantizedTensor`,
+    whose storage layout is [V, H] for both head layouts: its blocks run along H). The head is
+    widened a chunk of vocabulary rows at a time, never whole: a first pass over the chunks keeps a
+    running logsumexp per target row (and picks each row's target logit), a second, with `grad`,
+    recomputes each chunk's logits and adds (softmax - onehot) W_chunk into the hidden gradient. No
+    weight gradient (the head is frozen). Computes in `hidden`'s float dtype (float64 for the
+    engines' oracles), the loss summed in float64."""
+    dt = np.float64 if np.asarray(hidden).dtype == np.float64 else np.float32
+    h = np.asarray(hidden, dt).reshape(-1, hidden.shape[-1])
+    ids, w = np.asarray(ids).reshape(-1), np.asarray(weights, dt).reshape(-1)
+    rows = np.nonzero(w)[0]
+    hr, ids_r, w_r = h[rows], ids[rows].astype(np.int64), w[rows]
+    vocab, count = weight.rows, len(rows)
+    # a chunk bounds both the logits [count, step] and the widened rows [step, H] to chunk_bytes
+    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    step = int(min(vocab, max(64, budget // (np.dtype(dt).itemsize * max(count, weight.cols, 1)))))
+    top = np.full(count, -np.inf, dt)
+    total = np.zeros(count, np.float64)
+    picked = np.zeros(count, np.float64)
+    at = np.arange(count)
+    for lo in range(0, vocab, step):
+        hi = min(vocab, lo + step)
+        z = hr @ weight.widen_range(lo, hi).astype(dt, copy=False).T
+        new_top = np.maximum(top, z.max(axis=1))
+        total = (total * np.exp((top - new_top).astype(np.float64))
+                 + np.exp(z - new_top[:, None]).sum(axis=1, dtype=np.float64))
+        top = new_top
+        inside = (ids_r >= lo) & (ids_r < hi)
+        picked[inside] = z[at[inside], ids_r[inside] - lo]
+    lse = np.log(total) + top.astype(np.float64)
+    loss = float(np.dot(w_r.astype(np.float64), lse - picked))
+    if not grad:
+        return LinearCrossEntropyResult(loss, None, None)
+    dh_r = np.zeros_like(hr)
+    lse_dt = lse.astype(dt)
+    for lo in range(0, vocab, step):
+        hi = min(vocab, lo + step)
+        chunk = weight.widen_range(lo, hi).astype(dt, copy=False)
+        z = hr @ chunk.T
+        np.subtract(z, lse_dt[:, None], out=z)
+        np.exp(z, out=z)
+        inside = (ids_r >= lo) & (ids_r < hi)
+        z[at[inside], ids_r[inside] - lo] -= 1.0
+        z *= w_r[:, None]
+        dh_r += z @ chunk
+    dh = np.zeros_like(h)
+    dh[rows] = dh_r
+    return LinearCrossEntropyResult(loss, dh.reshape(np.asarray(hidden).shape), None)

@@ -32,6 +32,7 @@ from typing import Mapping
 import numpy as np
 
 from ir.graph import Block, Node
+from ir.precision import QuantizedTensor
 from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, add_gradient, own_array
@@ -47,6 +48,22 @@ CACHED_OPS = ("MatMul", "Softmax", "Erf")
 
 # Host-value key prefix under which a forward keeps the rows its embedding lookups read (per node).
 GATHERED = "\0gathered:"
+
+
+def _constant_var(value) -> "K.Var":
+    """The Var of a graph constant: a frozen weight held int8 / int4 (`ir.precision`) stays so in
+    MNN and is widened inside each graph that reads it (`mnn_kernels.widened_weight`); bfloat16,
+    which MNN cannot hold, and every other constant become float32 constants."""
+    if isinstance(value, QuantizedTensor) and value.storage in ("int8", "int4"):
+        return K.widened_weight(value)
+    return K.constant(np.asarray(value, np.float32))
+
+
+def _frozen_table(value):
+    """A frozen table held in numpy (a lookup's, a fused LM head's): a quantized one as it is
+    (lookups widen the rows they gather, the loss a chunk of vocabulary rows at a time), any
+    other as float32."""
+    return value if isinstance(value, QuantizedTensor) else np.asarray(value, np.float32)
 
 
 def _lower_node(node: Node, a: list) -> "K.Var":
@@ -153,7 +170,7 @@ class _BlockProgram:
                         # one Var per constant for all the engine's graph sets: a frozen weight
                         # (LoRA's base) is held once however many sets there are
                         if i not in constants:
-                            constants[i] = K.constant(graph.constants[i].astype(np.float32))
+                            constants[i] = _constant_var(graph.constants[i])
                         env[i] = constants[i]
                     elif i not in produced:
                         raise KeyError(f"block {block.name!r}: node {n.name!r} reads {i!r}, which is not available")
@@ -225,7 +242,7 @@ class _BlockProgram:
                     raise ValueError(f"{lk.ids} holds id {int(ids.max() if ids.max() >= len(table) else ids.min())}, "
                                      f"outside the {len(table)} rows of {lk.table!r}: the tokenizer does not belong "
                                      f"to this model")
-                rows = table[ids]
+                rows = table.widen_rows(ids) if isinstance(table, QuantizedTensor) else table[ids]
                 if isinstance(host, dict):
                     # kept with the micro-batch's host values: a backward that re-runs this forward
                     # feeds the very rows its forward read, so the table itself needs no old version
@@ -345,6 +362,10 @@ class _LossProgram:
         self.fed_serial, self._x, self._host = serial, activation, host
 
     def _fused(self, grad: bool) -> lm_loss.LinearCrossEntropyResult:
+        weight = self._tables[self.fused.weight]
+        if isinstance(weight, QuantizedTensor):  # frozen: widened a chunk of vocabulary rows at a time
+            return lm_loss.quantized_linear_cross_entropy(self._x, weight, self._host[self.ids],
+                                                          self._host[self.weights], grad=grad)
         return self.kernel(self._x, self._tables[self.fused.weight], self._host[self.ids], self._host[self.weights],
                            grad=grad, weight_grad=self.weight_trained)
 
@@ -404,7 +425,7 @@ class MnnStageEngine(StageEngine):
                     and n.name not in skipped for i in n.inputs}
         self._tables = {p: own_array(source[p], np.float32, take_weights) for p in spec.params if p in numpy_held}
         # frozen tables (not parameters): looked up like the others, never differentiated or stepped
-        self._frozen_tables = {t: np.asarray(spec.graph.constants[t], np.float32) for t in numpy_held
+        self._frozen_tables = {t: _frozen_table(spec.graph.constants[t]) for t in numpy_held
                                if t not in self._tables and t in spec.graph.constants
                                and spec.graph.constants[t].dtype.kind == "f"}
         self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params

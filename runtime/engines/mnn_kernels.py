@@ -700,3 +700,38 @@ def available_backends(timeout: float = 60.0) -> dict[str, bool]:
 def release_memory() -> None:
     """Hand MNN's cached buffers back to the system (used before memory measurements)."""
     R.gc(True)
+
+
+# --------------------------------------------------------------------------
+# Frozen weights held quantized (ir.precision): widened inside the graph
+# --------------------------------------------------------------------------
+
+def widened_weight(q) -> Var:
+    """The float32 weight of an `ir.precision.QuantizedTensor` (int8 or int4) as a graph expression
+    over MNN constants that hold its codes as uint8 (MNN's wrapper has no int8 Var: int8 codes are
+    held offset by 128; int4 codes two to a byte as stored) and its block scales (and int4's
+    offsets) as float32 (no float16 Var either). Each evaluation of a graph reading it widens the
+    weight into a temporary that MNN's executor does not keep: measured, a layer's forward+backward holds one widened
+    weight at a time, not one per graph (runtime/engines/MNN_BACKWARD.md)."""
+    rows = q.codes.shape[0]
+    raw = q.codes if q.storage == "int4" else (q.codes.astype(np.int16) + 128).astype(np.uint8)
+    codes = R.cast(R.const(np.ascontiguousarray(raw), list(raw.shape), R.NCHW, R.uint8), R.int)
+    if q.storage == "int4":
+        sixteen = R.const(np.array([16], np.int32), [1], R.NCHW, R.int)
+        low, high = R.floormod(codes, sixteen), R.floordiv(codes, sixteen)  # the lower nibble first
+        codes = R.reshape(R.concat([R.reshape(low, [rows, -1, 1]), R.reshape(high, [rows, -1, 1])], 2), [rows, -1])
+        values = R.cast(codes, R.float)
+    elif q.storage == "int8":
+        values = R.cast(codes, R.float) - 128.0
+    else:
+        raise ValueError(f"MNN widens int8 and int4 weights in its graphs, not {q.storage}")
+    scales = q.scales.astype(np.float32)[:, :, None]
+    scale = R.const(np.ascontiguousarray(scales), list(scales.shape), R.NCHW, R.float)
+    blocks = R.reshape(values, [rows, -1, q.block]) * scale
+    if q.mins is not None:  # int4: q * d + m
+        mins = q.mins.astype(np.float32)[:, :, None]
+        blocks = blocks + R.const(np.ascontiguousarray(mins), list(mins.shape), R.NCHW, R.float)
+    stored = R.reshape(blocks, [rows, -1])
+    if stored.shape[1] != q.cols:
+        stored = slice_axis(stored, 1, 0, q.cols)
+    return stored if q.axis == 1 else R.transpose(stored, [1, 0])

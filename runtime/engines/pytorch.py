@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node
+from ir.precision import QuantizedTensor
 from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array
-from runtime.engines.lm_loss import chunk_rows
+from runtime.engines.lm_loss import chunk_rows, quantized_linear_cross_entropy
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_up_only
 from runtime.optim import AdamW, AdamWStep
 
@@ -178,6 +179,73 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh.reshape(hidden.shape), dw, None, None, None
 
 
+class _FrozenWeight:
+    """A frozen weight held quantized (`ir.precision.QuantizedTensor`): its codes and scales as
+    tensors sharing the numpy arrays' memory, widened to the engine's dtype on demand. Nothing
+    keeps a widened copy: each product widens it, uses it, drops it."""
+
+    def __init__(self, q: QuantizedTensor, dtype: torch.dtype):
+        self.q, self.dtype = q, dtype
+        codes = q.codes
+        self._codes = torch.from_numpy(codes.view(np.int16) if q.storage == "bfloat16" else codes)
+        self._scales = torch.from_numpy(q.scales)
+        self._mins = None if q.mins is None else torch.from_numpy(q.mins)
+
+    def widen(self) -> torch.Tensor:
+        """The whole weight in its logical layout (a transposed view where it is blocked along rows)."""
+        q, c = self.q, self._codes
+        if q.storage == "bfloat16":
+            stored = c.view(torch.bfloat16).to(self.dtype)
+        else:
+            if q.storage == "int4":
+                c = torch.stack((c & 0x0F, c >> 4), dim=-1)
+            rows = c.shape[0]
+            stored = (c.reshape(rows, -1, q.block).to(self.dtype) * self._scales.to(self.dtype)[:, :, None])
+            if self._mins is not None:
+                stored += self._mins.to(self.dtype)[:, :, None]
+            stored = stored.reshape(rows, -1)[:, :q.cols]
+        return stored if q.axis == 1 else stored.t()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a table blocked along its rows (an embedding lookup), widened."""
+        out = self.q.widen_rows(ids.reshape(-1).numpy())
+        return torch.from_numpy(out).to(self.dtype).reshape(*ids.shape, self.q.cols)
+
+
+class _FrozenQuantizedMatMul(torch.autograd.Function):
+    """x @ W (x @ W^T when `transposed`) for a frozen quantized W: the forward widens W, multiplies
+    and drops it; the backward widens it again for the input's gradient. No weight gradient, and
+    nothing saved but the handle: the product's memory is its output's."""
+
+    @staticmethod
+    def forward(ctx, x, weight: _FrozenWeight, transposed: bool):
+        ctx.weight, ctx.transposed = weight, transposed
+        w = weight.widen()
+        return torch.matmul(x, w.t() if transposed else w)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        w = ctx.weight.widen()
+        return torch.matmul(grad_y, w if ctx.transposed else w.t()), None, None
+
+
+class _QuantizedLinearCrossEntropy(torch.autograd.Function):
+    """The fused LM head and loss over a frozen quantized head (`lm_loss.quantized_linear_cross_entropy`:
+    the head widened a chunk of vocabulary rows at a time). The hidden state's gradient is computed in
+    the forward's second pass when one is needed and kept ([rows, H], the hidden state's size)."""
+
+    @staticmethod
+    def forward(ctx, hidden, ids, weights, weight: _FrozenWeight):
+        want = ctx.needs_input_grad[0]
+        r = quantized_linear_cross_entropy(hidden.detach().numpy(), weight.q, ids.numpy(), weights.numpy(), grad=want)
+        ctx.grad_hidden = None if r.grad_hidden is None else torch.from_numpy(r.grad_hidden)
+        return torch.tensor(r.loss, dtype=hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.grad_hidden * grad, None, None, None
+
+
 @dataclass(frozen=True)
 class _PendingWeightGrad:
     """What a deferred projection's weight gradient needs (zero-bubble W): its input and the
@@ -317,10 +385,15 @@ class TorchStageEngine(StageEngine):
                         for p in spec.params}
         param_set = set(spec.params)
         self._consts = {}
+        # frozen weights held quantized (LoRA's base under --base-dtype): widened per product
+        self._frozen: dict[str, _FrozenWeight] = {}
         for n in spec.compute_nodes:
             for i in n.inputs:
                 if i in spec.graph.constants and i not in param_set:
                     v = spec.graph.constants[i]
+                    if isinstance(v, QuantizedTensor):
+                        self._frozen[i] = _FrozenWeight(v, dtype)
+                        continue
                     self._consts[i] = torch.tensor(v, dtype=dtype if v.dtype.kind == "f" else torch.int64)
         self._saved: dict[int, tuple] = {}
         # split backwards: per micro-batch, the deferred weight gradients B left for its W
@@ -334,7 +407,7 @@ class TorchStageEngine(StageEngine):
         self._retired: list[dict[str, torch.Tensor]] = []
         self._stepped_in_place = looked_up_only(spec)
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
-        self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))
+        self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))  # never a quantized weight
         # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)
         self._units = attention_units(spec) if fuse_attention else {}
         self._unit_nodes = frozenset(n for u in self._units.values() for n in u.nodes)
@@ -405,6 +478,13 @@ class TorchStageEngine(StageEngine):
                     continue
                 if fused is not None and node.name == fused.matmul.name:
                     continue
+                if fused is not None and node.name == fused.loss.name and fused.weight in self._frozen:
+                    env[node.outputs[0]] = _QuantizedLinearCrossEntropy.apply(
+                        env[fused.hidden], env[node.inputs[1]], env[node.inputs[2]], self._frozen[fused.weight])
+                    continue
+                if any(i in self._frozen for i in node.inputs):
+                    env[node.outputs[0]] = self._run_frozen(node, env)
+                    continue
                 if fused is not None and node.name == fused.loss.name:
                     env[node.outputs[0]] = _LinearCrossEntropy.apply(
                         env[fused.hidden], env[fused.weight], env[node.inputs[1]], env[node.inputs[2]],
@@ -438,6 +518,16 @@ class TorchStageEngine(StageEngine):
                 env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
         return env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
 
+    def _run_frozen(self, node: Node, env: dict) -> torch.Tensor:
+        """A node reading a quantized frozen weight: a product widens it inside `_FrozenQuantizedMatMul`,
+        a lookup widens the rows it gathers; any other reader gets it widened for that node alone."""
+        if node.op == "MatMul" and node.inputs[1] in self._frozen and node.inputs[0] not in self._frozen:
+            return _FrozenQuantizedMatMul.apply(env[node.inputs[0]], self._frozen[node.inputs[1]],
+                                                bool(node.attrs.get("trans_b")))
+        if node.op == "Gather" and node.inputs[0] in self._frozen and self._frozen[node.inputs[0]].q.axis == 1:
+            return self._frozen[node.inputs[0]].rows(env[node.inputs[1]].long())
+        return _run_node(node, [self._frozen[i].widen() if i in self._frozen else env[i] for i in node.inputs])
+
     def _attention(self, unit: AttentionUnit, env: dict, params: Mapping[str, torch.Tensor],
                    deferral: tuple | None) -> torch.Tensor:
         """The residual of `unit`'s attention (the form `runtime.engines.split.piece.attention_piece`
@@ -469,7 +559,11 @@ class TorchStageEngine(StageEngine):
                     names.add(bias_name)
                 return _DeferredLinear.apply(y, params[name], env[bias[0]] if bias else None, anchor, transposed,
                                              sink, (name, bias_name))
-            weight = env[name] if transposed else env[name].t()  # [out, in], as F.linear takes it
+            if name in self._frozen and first is None:  # widened inside the product, then dropped
+                y = _FrozenQuantizedMatMul.apply(y, self._frozen[name], transposed)
+                return y if bias is None else y + (env[bias[0]] if bias[2] is None else env[bias[0]][bias[2]:bias[3]])
+            w_full = self._frozen[name].widen() if name in self._frozen else env[name]
+            weight = w_full if transposed else w_full.t()  # [out, in], as F.linear takes it
             b = None
             if bias is not None:
                 b = env[bias[0]] if bias[2] is None else env[bias[0]][bias[2]:bias[3]]
