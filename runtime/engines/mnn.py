@@ -420,7 +420,6 @@ class MnnStageEngine(StageEngine):
         self._taken = source if take_weights and isinstance(source, dict) else None
         if self._taken is not None:
             self._taken.update(self._current)
-        self._constants = {k: v for k, v in spec.graph.constants.items() if k not in self._params}
         if cache_slots is not None and (not isinstance(cache_slots, int) or cache_slots < 1):
             raise ValueError(f"cache_slots must be an int >= 1 or None (one per micro-batch in flight), "
                              f"got {cache_slots!r}")
@@ -445,6 +444,7 @@ class MnnStageEngine(StageEngine):
         self._slot_vars = [0]
         self._slots = [self._build_blocks(spec, self._lookup, self._params)]
         self._blocks = self._slots[0]
+        self._hold_frozen_once(spec.graph.constants)
         self._slot_used = [0] * len(self._slots)  # the serial of the last forward on each slot
         self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray], int]] = {}
         self._serial = 0
@@ -461,6 +461,22 @@ class MnnStageEngine(StageEngine):
         self._spare: dict[tuple, list[np.ndarray]] = {}
         # split backwards: per micro-batch, what its W multiplies (its B computed the rest)
         self._pending: dict[int, list[_PendingWeightGrad]] = {}
+
+    def _hold_frozen_once(self, constants) -> None:
+        """Give the graph, in place of each frozen float32 weight an MNN graph reads, a read-only view
+        of the constant Var built from it: MNN's const copies, so without this the stage holds every
+        frozen weight twice (the graph's array and the Var; +466 MiB on SmolLM2's LoRA). The values are
+        the same; the view keeps the Var alive, so the graph stays valid after the engine is gone.
+        A mapping that cannot be written (a lazily read file) is left as it is."""
+        if not isinstance(constants, dict):
+            return
+        for name, var in self._constant_vars.items():
+            arr = constants.get(name)
+            if not (isinstance(arr, np.ndarray) and arr.dtype == np.float32):
+                continue
+            view = K.frozen_view_of(var)
+            if view.dtype == np.float32 and view.size == arr.size:
+                constants[name] = view.reshape(arr.shape)
 
     def _build_blocks(self, spec: StageSpec, lookup, params: Mapping[str, "K.Var"]) -> list:
         """The stage's block programs over the weight Vars `params` (and a view of the tables: version
@@ -544,8 +560,8 @@ class MnnStageEngine(StageEngine):
     def _host(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env = host_values(self.spec, feeds)
         for n in self.spec.compute_nodes:  # constant lookup ids (position ids) join the host values
-            if n.op == "Gather" and n.inputs[1] in self._constants:
-                env[n.inputs[1]] = self._constants[n.inputs[1]]
+            if n.op == "Gather" and n.inputs[1] in self.spec.graph.constants and n.inputs[1] not in self._params:
+                env[n.inputs[1]] = self.spec.graph.constants[n.inputs[1]]
         return env
 
     def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None) -> np.ndarray:
