@@ -257,6 +257,19 @@ def keeps_activations(device: DeviceSpec) -> bool:
     return activations_of(device) == "keep"
 
 
+def kept_copies(in_flight: int, keeps: bool) -> int:
+    """How many more times than once a block's kept activations (`BlockCost.kept`) are held with
+    `in_flight` micro-batches in flight on a device that keeps activations (`keeps_activations`):
+    once per further micro-batch. The one formula of that term: the cost model, the partition
+    instance and the solvers all call it."""
+    return in_flight - 1 if keeps else 0
+
+
+def kept_activation_bytes(kept_bytes: int, in_flight: int, keeps: bool) -> int:
+    """Bytes of kept activations held beyond the block's own workspace (`kept_copies`)."""
+    return kept_bytes * kept_copies(in_flight, keeps)
+
+
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     """Per block of the graph, its measured cost on the device's backend, under its activation
     choice: PyTorch recomputing runs each block's forward once more in its backward; MNN keeping
@@ -712,8 +725,8 @@ def workspace_of(graph: Graph, device: DeviceSpec, first: int, last: int, in_fli
     the one transient (`transient_bytes`): each block's `stacked` part, and on a device that keeps
     activations its `kept` part once more for every further micro-batch in flight."""
     costs = block_costs(graph, device)[first:last + 1]
-    kept = sum(c.kept for c in costs) * (in_flight - 1) if keeps_activations(device) else 0
-    return sum(c.stacked for c in costs) + kept
+    return sum(c.stacked for c in costs) + kept_activation_bytes(sum(c.kept for c in costs), in_flight,
+                                                                 keeps_activations(device))
 
 
 def transient_bytes(graph: Graph, device: DeviceSpec) -> int:
