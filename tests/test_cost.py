@@ -10,7 +10,7 @@ from ir.profile import BackendProfile, DeviceProfile, Link
 from ir.verify import peak_weight_versions
 from planner.cluster import Cluster, DeviceSpec
 from planner.cost import (block_input_bytes, boundary_link_s, compute_s, in_flight_microbatches, predicted_step_s, stage_costs,
-                          stage_memory_bytes, stage_time_s, stashed_weight_versions, weight_copies)
+                          stage_memory_bytes, stage_memory_terms, stage_time_s, stashed_weight_versions, weight_copies)
 from planner.schedule import COMPUTE_ORDERS, peak_in_flight
 from support import HEAD, tiny_cluster, tiny_graph
 
@@ -373,6 +373,10 @@ def test_memory_by_hand_on_a_device_that_keeps_activations():
     want = 3 * 3000 + 2 * 400 + (40 + 200) + (30 + 120) * 1 + 100 + 5000
     assert want == 15290
     assert stage_memory_bytes(g, keep, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == want
+    terms = stage_memory_terms(g, keep, 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
+    assert (terms.trainable_bytes, terms.gradient_bytes, terms.optimizer_state_bytes) == (3000, 3000, 3000)
+    assert (terms.activation_bytes, terms.workspace_bytes, terms.runtime_bytes) == (800 + 150, 240 + 100, 5000)
+    assert terms.total == want and not terms.frozen_bytes
     # gpipe: all 4 in flight, the kept part 3 more times
     assert stage_memory_bytes(g, keep, 0, 1, 0, 2, "gpipe", 4, "sgd") == want + 2 * 400 + 2 * (30 + 120)
     # the same device recomputing holds no kept part

@@ -272,6 +272,16 @@ def test_a_lora_plan_records_trainable_and_frozen_bytes_and_show_prints_them(ada
     assert "trainable / frozen" in out
     d = plan.devices[0]
     assert f"{d.trainable_bytes / 2**20:.1f} / {d.frozen_bytes / 2**20:.1f} MiB" in out
+    # each device's memory by term, from the memory model, summing to its planned bytes: the frozen
+    # weights once, the adapters' weight, gradient and two AdamW moments once each (flush)
+    for d in plan.devices:
+        terms = d.memory_terms
+        assert sum(terms.values()) == d.memory_bytes and "other" not in terms
+        assert terms["frozen float32"] == d.frozen_bytes
+        assert terms["trainable"] == terms["gradients"] == terms["optimizer state"] / 2 == d.trainable_bytes
+        assert terms["activations"] > 0 and "runtime" in terms and "workspace" in terms
+        assert (f"  {d.name}: trainable {d.trainable_bytes / 2**20:.1f}, frozen float32 {d.frozen_bytes / 2**20:.1f}, "
+                f"gradients {d.trainable_bytes / 2**20:.1f}") in out
 
 
 def test_lora_flags_without_lora_are_refused_not_ignored():
