@@ -103,6 +103,21 @@ def _lower_node(node: Node, a: list) -> "K.Var":
     raise NotImplementedError(f"MNN engine: op {op} (node {node.name!r}) has no lowering")
 
 
+def _hold_once(constants, name: str, var: "K.Var") -> None:
+    """Give the graph, in place of the frozen float32 weight `name`, a read-only view of the constant
+    Var just built from it: MNN's const copies, so without this the stage holds every frozen weight
+    twice (the graph's array and the Var; +466 MiB on SmolLM2's LoRA), and replaced as each Var is
+    built, the engine's setup holds one weight twice at a time, not all of them. The values are the
+    same; the view keeps the Var alive, so the graph stays valid after the engine is gone. A mapping
+    that cannot be written (a lazily read file) is left as it is."""
+    arr = constants.get(name) if isinstance(constants, dict) else None
+    if not (isinstance(arr, np.ndarray) and arr.dtype == np.float32):
+        return
+    view = K.frozen_view_of(var)
+    if view.dtype == np.float32 and view.size == arr.size:
+        constants[name] = view.reshape(arr.shape)
+
+
 @dataclass
 class _Lookup:
     """An embedding lookup done in numpy: output placeholder fed with table[ids]."""
@@ -155,6 +170,7 @@ class _BlockProgram:
                         # (LoRA's base) is held once however many sets there are
                         if i not in constants:
                             constants[i] = K.constant(graph.constants[i].astype(np.float32))
+                            _hold_once(graph.constants, i, constants[i])
                         env[i] = constants[i]
                     elif i not in produced:
                         raise KeyError(f"block {block.name!r}: node {n.name!r} reads {i!r}, which is not available")
@@ -445,7 +461,11 @@ class MnnStageEngine(StageEngine):
         self._slot_vars = [0]
         self._slots = [self._build_blocks(spec, self._lookup, self._params)]
         self._blocks = self._slots[0]
-        self._hold_frozen_once(spec.graph.constants)
+        if self._constant_vars:
+            # the graph's arrays let go for views of the constant Vars (`_hold_once`) are glibc heap a
+            # later allocation may never reuse: hand it back now, or the frozen weights stay resident
+            # twice after all (a MiniLM LoRA stage: +41 MiB, tests/test_memory_phases.py)
+            release_free_heap()
         self._slot_used = [0] * len(self._slots)  # the serial of the last forward on each slot
         self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray], int]] = {}
         self._serial = 0
@@ -462,28 +482,6 @@ class MnnStageEngine(StageEngine):
         self._spare: dict[tuple, list[np.ndarray]] = {}
         # split backwards: per micro-batch, what its W multiplies (its B computed the rest)
         self._pending: dict[int, list[_PendingWeightGrad]] = {}
-
-    def _hold_frozen_once(self, constants) -> None:
-        """Give the graph, in place of each frozen float32 weight an MNN graph reads, a read-only view
-        of the constant Var built from it: MNN's const copies, so without this the stage holds every
-        frozen weight twice (the graph's array and the Var; +466 MiB on SmolLM2's LoRA). The values are
-        the same; the view keeps the Var alive, so the graph stays valid after the engine is gone.
-        A mapping that cannot be written (a lazily read file) is left as it is."""
-        if not isinstance(constants, dict):
-            return
-        replaced = 0
-        for name, var in self._constant_vars.items():
-            arr = constants.get(name)
-            if not (isinstance(arr, np.ndarray) and arr.dtype == np.float32):
-                continue
-            view = K.frozen_view_of(var)
-            if view.dtype == np.float32 and view.size == arr.size:
-                constants[name] = view.reshape(arr.shape)
-                replaced += 1
-        if replaced:
-            # the arrays let go are glibc heap a later allocation may never reuse: hand it back now,
-            # or the frozen weights stay resident twice after all (a MiniLM LoRA stage: +42 MiB)
-            release_free_heap()
 
     def _build_blocks(self, spec: StageSpec, lookup, params: Mapping[str, "K.Var"]) -> list:
         """The stage's block programs over the weight Vars `params` (and a view of the tables: version
