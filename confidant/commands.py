@@ -534,6 +534,12 @@ def show_plan(plan_dir: Path) -> None:
           + (f", frozen base held {plan.base_dtype}" if plan.base_dtype != "float32" else ""))
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if any(d.memory_terms for d in plan.devices):
+        print("memory per device (the memory model's terms, MiB; trainable: the adapters under LoRA):")
+        for d in plan.devices:
+            if d.memory_terms:
+                print(f"  {d.name}: " + ", ".join(f"{name} {b / 2**20:.1f}" for name, b in d.memory_terms.items())
+                      + f" = {d.memory_bytes / 2**20:.1f} of {d.memory_budget_bytes / 2**20:.0f} budget")
     if plan.predicted_step_s:
         print(f"predicted step: {plan.predicted_step_s:.3f} s "
               f"({plan.batch * plan.microbatches / plan.predicted_step_s:.1f} samples/s)")

@@ -287,6 +287,10 @@ class DevicePlan:
     trainable_bytes: int | None = None  # the stage's trainable parameters (None: plans written before)
     frozen_bytes: int | None = None     # its frozen weights (LoRA's base), held once
     activations: str | None = None      # "keep" or "recompute" (None: the engine's default)
+    # the memory model's terms of memory_bytes by name (planner.cost.MemoryTerms.by_name: trainable,
+    # frozen <precision>, gradients, optimizer state, activations, workspace, runtime), which sum to
+    # it; None: plans written before
+    memory_terms: Mapping[str, int] | None = None
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -306,6 +310,8 @@ class DevicePlan:
             out["cost"] = self.cost.to_json()
         if self.trainable_bytes is not None:
             out["trainable_bytes"], out["frozen_bytes"] = self.trainable_bytes, self.frozen_bytes or 0
+        if self.memory_terms is not None:
+            out["memory_terms"] = dict(self.memory_terms)
         if self.activations is not None:
             out["activations"] = self.activations
         return out
@@ -554,11 +560,15 @@ def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
         sizes[key] = d.get(key)
     if d.get("activations") not in (None,) + ACTIVATION_CHOICES:
         raise fail(f"device {name!r} activations is {d['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)}")
+    terms = d.get("memory_terms")
+    if terms is not None and not (isinstance(terms, dict) and all(isinstance(k, str) and _is_int(v)
+                                                                   for k, v in terms.items())):
+        raise fail(f"device {name!r} memory_terms must map term names to integer bytes, got {terms!r:.80}")
     return DevicePlan(name, i, b[0], b[1], int(d["memory_bytes"]), int(d["memory_budget_bytes"]),
                       float(d["predicted_time_s"]), d["bundle"], digest, threads, engine,
                       _planned_split(d.get("head_split"), name, fail), d.get("address"),
                       _planned_cost(d.get("cost"), name, fail), sizes["trainable_bytes"], sizes["frozen_bytes"],
-                      d.get("activations"))
+                      d.get("activations"), None if terms is None else dict(terms))
 
 
 def _planned_split(doc: Any, device: str, fail) -> PlannedHeadSplit | None:

@@ -78,9 +78,9 @@ from __future__ import annotations
 import bisect
 import math
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ir.backend import engine_of
 from ir.graph import Block, Graph, block_signature, tied_parameters
@@ -256,6 +256,19 @@ def keeps_activations(device: DeviceSpec) -> bool:
     """Whether the device keeps every activation of each micro-batch in flight until its backward
     (PyTorch by default; MNN with one set of block graphs per micro-batch in flight)."""
     return activations_of(device) == "keep"
+
+
+def kept_copies(in_flight: int, keeps: bool) -> int:
+    """How many more times than once a block's kept activations (`BlockCost.kept`) are held with
+    `in_flight` micro-batches in flight on a device that keeps activations (`keeps_activations`):
+    once per further micro-batch. The one formula of that term: the cost model, the partition
+    instance and the solvers all call it."""
+    return in_flight - 1 if keeps else 0
+
+
+def kept_activation_bytes(kept_bytes: int, in_flight: int, keeps: bool) -> int:
+    """Bytes of kept activations held beyond the block's own workspace (`kept_copies`)."""
+    return kept_bytes * kept_copies(in_flight, keeps)
 
 
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
@@ -705,11 +718,65 @@ def update_s(graph: Graph, device: DeviceSpec, first: int, last: int, optimizer:
     return params * update_rate(device, optimizer)
 
 
+@dataclass(frozen=True)
+class MemoryTerms:
+    """A stage's predicted peak bytes by what holds them (`stage_memory_terms`); `total` is the
+    stage's memory (`stage_memory_bytes`), and `confidant show` prints the terms in MiB."""
+
+    trainable_bytes: int      # trainable weights and their old versions (under LoRA: the adapters)
+    frozen_bytes: Mapping[str, int]  # frozen weights held once, by storage precision
+    gradient_bytes: int       # gradient sums (dense, row-wise, a tied weight's sum)
+    optimizer_state_bytes: int
+    activation_bytes: int     # stashed block inputs per micro-batch in flight, kept activations, held logits
+    workspace_bytes: int      # the blocks' stacked workspace and the largest one-block transient
+    runtime_bytes: int        # the idle runtime and its engine
+
+    @property
+    def total(self) -> int:
+        return (self.trainable_bytes + sum(self.frozen_bytes.values()) + self.gradient_bytes
+                + self.optimizer_state_bytes + self.activation_bytes + self.workspace_bytes + self.runtime_bytes)
+
+    def by_name(self) -> dict[str, int]:
+        """The terms as plan.json records them (`ir.documents.DevicePlan.memory_terms`): frozen
+        weights as one entry per precision, `frozen <precision>`."""
+        return {"trainable": self.trainable_bytes, **{f"frozen {p}": b for p, b in self.frozen_bytes.items()},
+                "gradients": self.gradient_bytes, "optimizer state": self.optimizer_state_bytes,
+                "activations": self.activation_bytes, "workspace": self.workspace_bytes, "runtime": self.runtime_bytes}
+
+
 def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,
                        schedule: str, microbatches: int, optimizer: str, update_every: int = 1) -> int:
     """Predicted peak bytes of stage `stage` of `stages` running blocks first..last on the device,
-    with an update after every `update_every` backwards (1f1b-stash and 2bw)."""
+    with an update after every `update_every` backwards (1f1b-stash and 2bw): `stage_memory_terms`' total."""
+    return stage_memory_terms(graph, device, first, last, stage, stages, schedule, microbatches, optimizer,
+                              update_every).total
+
+
+def _frozen_by_precision(graph: Graph, first: int, last: int, frozen: int) -> dict[str, int]:
+    """The frozen bytes `frozen` by storage precision: the quantized weights the blocks read
+    (`ir.precision.QuantizedTensor`) at their own, the rest (float32 weights, MNN's widened scales)
+    as float32. Labels only: the total is the memory model's."""
+    by: dict[str, int] = {}
+    seen: set[str] = set()
+    for block in graph.blocks[first:last + 1]:
+        for name in block.nodes:
+            for i in graph.node(name).inputs:
+                value = graph.constants.get(i)
+                if i not in seen and getattr(value, "storage", None) is not None:
+                    seen.add(i)
+                    by[value.storage] = by.get(value.storage, 0) + int(value.nbytes)
+    quantized = min(sum(by.values()), frozen)
+    out = {k: v for k, v in by.items()} if quantized == sum(by.values()) else {"quantized": quantized}
+    if frozen - quantized > 0:
+        out["float32"] = out.get("float32", 0) + frozen - quantized
+    return {k: v for k, v in out.items() if v}
+
+
+def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,
+                       schedule: str, microbatches: int, optimizer: str, update_every: int = 1) -> MemoryTerms:
+    """`stage_memory_bytes` term by term (module docstring): what each byte of the peak is for."""
     _check_range(graph, first, last)
+    check_optimizer_name(optimizer)
     blocks = graph.blocks[first:last + 1]
     params = stage_params_bytes(graph, first, last)
     frozen = sum(b.frozen_bytes for b in blocks)  # held once: never stashed, stepped or accumulated
@@ -725,16 +792,26 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
             held = _loss_alone_bytes(graph, device)
         if last == n - 2:  # the head without its loss: its logits wait for their gradient
             held = graph.blocks[last].activation_bytes * in_flight
-    workspace = workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device)
-    return (params * weight_copies(schedule, optimizer, stages, stage, microbatches, update_every) + frozen
-            - unversioned_bytes(graph, first, last, device)
-            * unversioned_copies(schedule, stages, stage, microbatches, update_every)
-            - shared_current_bytes(graph, first, last, device) * async_extra_copies(schedule, stages, stage)
-            + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
-            - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
-            + table_state_delta_bytes(graph, first, last, device, optimizer)
-            + tied_sum_bytes(graph, first, last) + held
-            + sum(inputs) * in_flight + workspace + runtime_bytes(device))
+    costs = block_costs(graph, device)[first:last + 1]
+    kept = kept_activation_bytes(sum(c.kept for c in costs), in_flight, keeps_activations(device))
+    stacked = sum(c.stacked for c in costs)  # `workspace_of` less the kept part, charged as activations
+    copies = weight_copies(schedule, optimizer, stages, stage, microbatches, update_every)
+    state = OPTIMIZER_STATE_COPIES[optimizer]
+    gradients = gradient_copies(schedule, update_every)
+    return MemoryTerms(
+        trainable_bytes=(params * (copies - state - gradients)
+                         - unversioned_bytes(graph, first, last, device)
+                         * unversioned_copies(schedule, stages, stage, microbatches, update_every)
+                         - shared_current_bytes(graph, first, last, device) * async_extra_copies(schedule, stages, stage)),
+        frozen_bytes=_frozen_by_precision(graph, first, last, frozen),
+        gradient_bytes=(params * gradients
+                        + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
+                        - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
+                        + tied_sum_bytes(graph, first, last)),
+        optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),
+        activation_bytes=sum(inputs) * in_flight + held + kept,
+        workspace_bytes=stacked + transient_bytes(graph, device),
+        runtime_bytes=runtime_bytes(device))
 
 
 def backend_times(graph: Graph, device: DeviceSpec, first: int, last: int,
@@ -757,8 +834,8 @@ def workspace_of(graph: Graph, device: DeviceSpec, first: int, last: int, in_fli
     the one transient (`transient_bytes`): each block's `stacked` part, and on a device that keeps
     activations its `kept` part once more for every further micro-batch in flight."""
     costs = block_costs(graph, device)[first:last + 1]
-    kept = sum(c.kept for c in costs) * (in_flight - 1) if keeps_activations(device) else 0
-    return sum(c.stacked for c in costs) + kept
+    return sum(c.stacked for c in costs) + kept_activation_bytes(sum(c.kept for c in costs), in_flight,
+                                                                 keeps_activations(device))
 
 
 def transient_bytes(graph: Graph, device: DeviceSpec) -> int:

@@ -34,6 +34,7 @@ from ir.safetensors import encode_safetensors
 from ir.serialize import graph_to_json, slice_graph
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
+from planner.cost import stage_memory_terms
 
 __all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan", "load_plan_cluster", "cluster_to_json", "cluster_from_json"]
 
@@ -157,6 +158,22 @@ def _check_inputs(graph: Graph, partition: Partition, schedule: Schedule, costs,
     verify_plan(schedule)
 
 
+def _memory_terms(graph: Graph, cluster: Cluster | None, assignment, stage: int, stages: int, schedule: Schedule,
+                  optimizer: str) -> dict[str, int] | None:
+    """The memory model's terms of a stage's planned bytes (`show` prints them); a planned figure the
+    terms do not make up (a partition costed elsewhere) shows its difference as `other`. None without
+    the cluster the plan was made for."""
+    if cluster is None or assignment.device not in {d.name for d in cluster.devices}:
+        return None
+    terms = stage_memory_terms(graph, cluster.device(assignment.device), assignment.first_block,
+                               assignment.last_block, stage, stages, schedule.name, schedule.microbatches, optimizer,
+                               schedule.update_every)
+    out = terms.by_name()
+    if terms.total != assignment.memory_bytes:
+        out["other"] = assignment.memory_bytes - terms.total
+    return out
+
+
 def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule: Schedule, config: Mapping[str, Any],
               costs: Sequence[StageCost] | None = None, predicted_step_s: float | None = None,
               cluster: Cluster | None = None, sign=None) -> Path:
@@ -200,7 +217,8 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             _planned_split(cfg, device), cfg["addresses"].get(device),
             None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s,
                                             c.weight_grad_s),
-            sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks), cfg["activations"].get(device)))
+            sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks), cfg["activations"].get(device),
+            _memory_terms(graph, cluster, assignment, s, p, schedule, optimizer.name)))
     cluster_sha256 = None
     if cluster_doc is not None:
         data = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")

@@ -10,7 +10,7 @@ from ir.profile import BackendProfile, DeviceProfile, Link
 from ir.verify import peak_weight_versions
 from planner.cluster import Cluster, DeviceSpec
 from planner.cost import (block_input_bytes, boundary_link_s, compute_s, in_flight_microbatches, predicted_step_s, stage_costs,
-                          stage_memory_bytes, stage_time_s, stashed_weight_versions, weight_copies)
+                          stage_memory_bytes, stage_memory_terms, stage_time_s, stashed_weight_versions, weight_copies)
 from planner.schedule import COMPUTE_ORDERS, peak_in_flight
 from support import HEAD, tiny_cluster, tiny_graph
 
@@ -348,3 +348,41 @@ def test_stash_time_counts_one_update_per_update_every_backwards():
             predicted_step_s(costs, "1f1b-stash", 8, k), rel=1e-4)
     assert (predicted_step_s(stage_costs(g, cl, _two_stages(), "1f1b-stash", 8, "sgd", 4), "1f1b-stash", 8, 4)
             < predicted_step_s(one, "1f1b-stash", 8))
+
+
+def test_memory_by_hand_on_a_device_that_keeps_activations():
+    """A device that keeps every activation of each micro-batch in flight holds each block's kept part
+    once more per further micro-batch: checked against a figure computed by hand, through both the
+    cost model and the partition instance the solvers read (one formula, `planner.cost.kept_copies`;
+    dropping the term fails both)."""
+    from dataclasses import replace
+
+    from ir.profile import BlockCost
+    from planner.partition.instance import _memory_bytes, make_instance
+    from support import EMB, ENC
+
+    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
+             ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120),
+             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
+    profile = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
+    keep = DeviceSpec("k", "tcp://k:1", profile, 10**6, "mnn:cpu:t1", activations="keep")
+    g = tiny_graph()
+    # stage 0 of 2, blocks 0-1, 1f1b-flush with 4 micro-batches: min(p-s, m) = 2 in flight; sgd: 3 copies
+    # of 3000 parameter bytes; stashed inputs 2 x (0 + 400); workspace stacked 40 + 200; kept
+    # (30 + 120) x (2 - 1) further micro-batch; the largest transient of any block 300 - 200; runtime 5000
+    want = 3 * 3000 + 2 * 400 + (40 + 200) + (30 + 120) * 1 + 100 + 5000
+    assert want == 15290
+    assert stage_memory_bytes(g, keep, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == want
+    terms = stage_memory_terms(g, keep, 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
+    assert (terms.trainable_bytes, terms.gradient_bytes, terms.optimizer_state_bytes) == (3000, 3000, 3000)
+    assert (terms.activation_bytes, terms.workspace_bytes, terms.runtime_bytes) == (800 + 150, 240 + 100, 5000)
+    assert terms.total == want and not terms.frozen_bytes
+    # gpipe: all 4 in flight, the kept part 3 more times
+    assert stage_memory_bytes(g, keep, 0, 1, 0, 2, "gpipe", 4, "sgd") == want + 2 * 400 + 2 * (30 + 120)
+    # the same device recomputing holds no kept part
+    recompute = replace(keep, activations="recompute")
+    assert stage_memory_bytes(g, recompute, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == want - (30 + 120)
+    inst = make_instance(g, Cluster((keep, replace(recompute, name="r", address="tcp://r:1")), Link(1e6, 0.001)),
+                         "1f1b-flush", 4, "sgd")
+    assert _memory_bytes(inst, 0, 0, 1, 0, 2) == want
+    assert _memory_bytes(inst, 1, 0, 1, 0, 2) == want - (30 + 120)

@@ -2,6 +2,8 @@
 PyTorch), frozen weights that never move, and only adapters (and what trains in full) as parameters."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -205,6 +207,32 @@ def test_training_moves_only_adapters_and_the_head(adapted):
     assert set(opt.state()) - {"steps"} <= {f"{kind}/{p}" for kind in ("m", "v") for p in lora.params}
 
 
+def test_the_mnn_engine_holds_each_frozen_weight_once_and_the_graph_stays_valid(adapted):
+    """The engine's constant Vars copy what they are built from (MNN's const); the graph's frozen
+    arrays are then views of those Vars, not a second copy, and still hold the same values after the
+    engine is gone (the view keeps its Var alive)."""
+    import gc
+
+    from runtime.engines import mnn_kernels as K
+
+    lora, _ = adapted
+    graph = replace(lora, constants=dict(lora.constants))  # the module's fixture stays untouched
+    before = {k: v.copy() for k, v in graph.constants.items()}
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    frozen_in_mnn = [k for k in engine._constant_vars if before[k].dtype == np.float32]
+    assert len(frozen_in_mnn) >= 4 * len(graph.blocks[1:-1])  # each layer's frozen projections at least
+    for k in frozen_in_mnn:
+        assert K.shares_memory(engine._constant_vars[k], graph.constants[k]), k
+        assert not graph.constants[k].flags.writeable  # a write would silently change training
+    loss = engine.forward(token_feeds(B, S, vocab=500, seed=0), 0)
+    del engine
+    gc.collect()
+    for k, v in before.items():
+        assert graph.constants[k].tobytes() == v.tobytes(), k
+    again = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    assert again.forward(token_feeds(B, S, vocab=500, seed=0), 0) == pytest.approx(loss, rel=1e-6)
+
+
 # --- the planner's view ------------------------------------------------------------------------------
 
 def test_the_memory_model_counts_frozen_weights_once_and_trainable_ones_per_copy(graph, adapted):
@@ -244,6 +272,16 @@ def test_a_lora_plan_records_trainable_and_frozen_bytes_and_show_prints_them(ada
     assert "trainable / frozen" in out
     d = plan.devices[0]
     assert f"{d.trainable_bytes / 2**20:.1f} / {d.frozen_bytes / 2**20:.1f} MiB" in out
+    # each device's memory by term, from the memory model, summing to its planned bytes: the frozen
+    # weights once, the adapters' weight, gradient and two AdamW moments once each (flush)
+    for d in plan.devices:
+        terms = d.memory_terms
+        assert sum(terms.values()) == d.memory_bytes and "other" not in terms
+        assert terms["frozen float32"] == d.frozen_bytes
+        assert terms["trainable"] == terms["gradients"] == terms["optimizer state"] / 2 == d.trainable_bytes
+        assert terms["activations"] > 0 and "runtime" in terms and "workspace" in terms
+        assert (f"  {d.name}: trainable {d.trainable_bytes / 2**20:.1f}, frozen float32 {d.frozen_bytes / 2**20:.1f}, "
+                f"gradients {d.trainable_bytes / 2**20:.1f}") in out
 
 
 def test_lora_flags_without_lora_are_refused_not_ignored():

@@ -51,6 +51,7 @@ from typing import Sequence
 import numpy as np
 
 from ir.plan import ASYNC_SCHEDULES
+from planner.cost import kept_copies
 from planner.partition.instance import Assignment, PartitionInstance
 
 INF = float("inf")
@@ -127,7 +128,7 @@ class OrderSolver:
         self._pm = [np.concatenate([[0.0], np.cumsum(params * wc[c] + inputs * fl[c])]) for c in range(R + 1)]
         # a device whose engine keeps every activation of each micro-batch in flight holds its kept
         # part once more per further micro-batch in flight (PartitionInstance.held_workspace)
-        self._further = [[fl[c] - 1 if inst.keeps_activations[d] else 0 for c in range(R + 1)] for d in range(nd)]
+        self._further = [[kept_copies(fl[c], inst.keeps_activations[d]) for c in range(R + 1)] for d in range(nd)]
         self._overhead = np.array(inst.overhead_bytes, dtype=np.float64)
         self._budget = np.array(inst.memory_budget_bytes, dtype=np.float64)
         # one transfer of the activation after block k between d and e, exactly as instance.transfer_us

@@ -37,8 +37,8 @@ from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, async_extra_copies, block_costs,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           base_dtype_savings, frozen_storage_extra_bytes,
-                          in_flight_microbatches, joined_boundaries, keeps_activations, reuses_forward,
-                          row_gradient_delta_bytes, shared_current_bytes, stepped_gradient_bytes,
+                          in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
+                          reuses_forward, row_gradient_delta_bytes, shared_current_bytes, stepped_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, transient_bytes, unversioned_bytes,
                           unversioned_copies, updates_per_microbatch, weight_copies)
 
@@ -212,7 +212,8 @@ class PartitionInstance:
 
     def held_workspace(self, d: int, k: int, in_flight: int) -> int:
         """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
-        return self.workspace_bytes[d][k] + (self.kept_bytes[d][k] * (in_flight - 1) if self.keeps_activations[d] else 0)
+        return self.workspace_bytes[d][k] + kept_activation_bytes(self.kept_bytes[d][k], in_flight,
+                                                                  self.keeps_activations[d])
 
     def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
         """Block k's forward+backward on device d at stage s of p."""

@@ -37,6 +37,7 @@ from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, add_gradient, own_array
 from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values, looked_up_only
+from runtime.procfs import release_free_heap
 
 
 # The ops whose results the per-op caches keep for the backward. MatMul and Softmax keep ~98% of the
@@ -119,6 +120,21 @@ def _lower_node(node: Node, a: list) -> "K.Var":
     raise NotImplementedError(f"MNN engine: op {op} (node {node.name!r}) has no lowering")
 
 
+def _hold_once(constants, name: str, var: "K.Var") -> None:
+    """Give the graph, in place of the frozen float32 weight `name`, a read-only view of the constant
+    Var just built from it: MNN's const copies, so without this the stage holds every frozen weight
+    twice (the graph's array and the Var; +466 MiB on SmolLM2's LoRA), and replaced as each Var is
+    built, the engine's setup holds one weight twice at a time, not all of them. The values are the
+    same; the view keeps the Var alive, so the graph stays valid after the engine is gone. A mapping
+    that cannot be written (a lazily read file) is left as it is."""
+    arr = constants.get(name) if isinstance(constants, dict) else None
+    if not (isinstance(arr, np.ndarray) and arr.dtype == np.float32):
+        return
+    view = K.frozen_view_of(var)
+    if view.dtype == np.float32 and view.size == arr.size:
+        constants[name] = view.reshape(arr.shape)
+
+
 @dataclass
 class _Lookup:
     """An embedding lookup done in numpy: output placeholder fed with table[ids]."""
@@ -171,6 +187,7 @@ class _BlockProgram:
                         # (LoRA's base) is held once however many sets there are
                         if i not in constants:
                             constants[i] = _constant_var(graph.constants[i])
+                            _hold_once(graph.constants, i, constants[i])
                         env[i] = constants[i]
                     elif i not in produced:
                         raise KeyError(f"block {block.name!r}: node {n.name!r} reads {i!r}, which is not available")
@@ -441,7 +458,6 @@ class MnnStageEngine(StageEngine):
         self._taken = source if take_weights and isinstance(source, dict) else None
         if self._taken is not None:
             self._taken.update(self._current)
-        self._constants = {k: v for k, v in spec.graph.constants.items() if k not in self._params}
         if cache_slots is not None and (not isinstance(cache_slots, int) or cache_slots < 1):
             raise ValueError(f"cache_slots must be an int >= 1 or None (one per micro-batch in flight), "
                              f"got {cache_slots!r}")
@@ -466,6 +482,11 @@ class MnnStageEngine(StageEngine):
         self._slot_vars = [0]
         self._slots = [self._build_blocks(spec, self._lookup, self._params)]
         self._blocks = self._slots[0]
+        if self._constant_vars:
+            # the graph's arrays let go for views of the constant Vars (`_hold_once`) are glibc heap a
+            # later allocation may never reuse: hand it back now, or the frozen weights stay resident
+            # twice after all (a MiniLM LoRA stage: +41 MiB, tests/test_memory_phases.py)
+            release_free_heap()
         self._slot_used = [0] * len(self._slots)  # the serial of the last forward on each slot
         self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray], int]] = {}
         self._serial = 0
@@ -565,8 +586,8 @@ class MnnStageEngine(StageEngine):
     def _host(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env = host_values(self.spec, feeds)
         for n in self.spec.compute_nodes:  # constant lookup ids (position ids) join the host values
-            if n.op == "Gather" and n.inputs[1] in self._constants:
-                env[n.inputs[1]] = self._constants[n.inputs[1]]
+            if n.op == "Gather" and n.inputs[1] in self.spec.graph.constants and n.inputs[1] not in self._params:
+                env[n.inputs[1]] = self.spec.graph.constants[n.inputs[1]]
         return env
 
     def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None) -> np.ndarray:

@@ -204,6 +204,15 @@ def memory_of(var: Var) -> np.ndarray:
     return arr
 
 
+def frozen_view_of(var: Var) -> np.ndarray:
+    """A read-only numpy array over a constant Var's own memory (no copy), keeping the Var alive:
+    what a caller holds in place of the array the Var was built from, so a frozen weight is held
+    once (MNN's const copies what it is given, and its Python binding cannot build over memory)."""
+    arr = np.asarray(_VarMemory(var))
+    arr.flags.writeable = False
+    return arr
+
+
 def shares_memory(var: Var, arr: np.ndarray) -> bool:
     """Whether ``arr`` (from :func:`memory_of`) still lies over the Var's memory."""
     return var.read().__array_interface__["data"][0] == arr.__array_interface__["data"][0]

@@ -245,6 +245,9 @@ class Worker:
                 raise
             raise BundleError(f"{exc} (its frozen weights were read from the base file {held}, taken for the "
                               f"plan's by its hash when this worker started: was it changed since?)") from None
+        # the received (or rebuilt) weights file: decoded into the graph by now, and one more copy of
+        # every weight while the engine is built if kept
+        del files
         if contents.stage != self.stage:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc

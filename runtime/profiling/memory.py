@@ -23,7 +23,6 @@ is not counted separately).
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from runtime.engines import mnn_kernels as K
 from runtime.engines.split.piece import AttentionForm, attention_form, bert_form, random_weights
 from runtime.engines.split.pieces import PieceShapes
 from runtime.engines.split.pool import child_peak_rss
-from runtime.procfs import meminfo_bytes, reset_peak_rss, status_bytes
+from runtime.procfs import meminfo_bytes, release_free_heap, reset_peak_rss, status_bytes
 from runtime.profiling.inputs import Progress, block_mask
 
 
@@ -50,10 +49,7 @@ def _release_free_heap() -> None:
     instead of 138 MiB without this), and glibc keeps freed heap pages."""
     gc.collect()
     K.release_memory()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere there is nothing to call
-    except (OSError, AttributeError):
-        pass
+    release_free_heap()
 
 
 class PeakRss:
