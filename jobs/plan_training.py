@@ -204,7 +204,8 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         if local:
             local.finish(failed)
     metrics = TrainingMetrics(
-        "train", plan.model, rows * M, seq, steps_from(result.losses, result.step_seconds, rows * M),
+        "train", plan.model, rows * M, seq, steps_from(result.losses, result.step_seconds, rows * M,
+                                                           state_seconds=result.state_seconds),
         _device_figures(result, names, replanner), microbatches=M, schedule=plan.schedule, plan=str(plan_dir),
         predicted_step_s=plan.predicted_step_s, coordinator_peak_rss_bytes=peak_rss_bytes(),
         settings=asdict(settings), events=tuple(result.events),

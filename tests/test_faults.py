@@ -155,7 +155,9 @@ def test_a_lost_worker_that_comes_back_is_taken_in_again(graph, batches):
     assert kinds == ["lost", "new_plan", "recovered", "joined", "new_plan"], kinds
     joined = result.events[3]
     assert (joined["address"], joined["taken_in"]) == (workers.addresses[1], True)
-    assert joined["step"] == 2  # the boundary after the restart (kill_then_restart waits for the answer)
+    # the boundary after the restart: on_step of step 2 comes once its wall clock ends, after its
+    # boundary (kill_then_restart waits for the answer), so the worker is found at the next one
+    assert joined["step"] == 3
     back = result.events[4]
     assert back["cause"] == "joined" and back["joined"] == [workers.addresses[1]]
     assert result.addresses == workers.addresses
@@ -777,6 +779,56 @@ def test_soak_every_process_keeps_a_flat_rss(graph, batches):
     assert c1 - c0 < limit, f"coordinator grew {(c1 - c0) / 2**20:.1f} MiB"
     for k, (a, b) in enumerate(zip(w0, w1)):
         assert b - a < limit, f"worker {k} grew {(b - a) / 2**20:.1f} MiB"
+
+
+def test_a_steps_seconds_are_wall_clock_with_the_state_copies_in_them(graph, batches, monkeypatch):
+    """Issue 32: a step's seconds run from its start to the next step's start, so the copy of the
+    state after it (slowed to 0.3 s here) is in them, listed apart as its state seconds; the
+    progress report says the same, and the metrics document gives their share."""
+    from jobs.metrics import TrainingMetrics, steps_from
+    from runtime.pipeline.coordinator import Coordinator
+
+    real = Coordinator.collect_checkpoint
+
+    def slow_copy(self):
+        time.sleep(0.3)
+        return real(self)
+
+    monkeypatch.setattr(Coordinator, "collect_checkpoint", slow_copy)
+    seen = []
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
+                                on_step=lambda step, loss, seconds, *_: seen.append((step, seconds)))
+    assert seen == list(zip([1, 2, 3], result.step_seconds))
+    assert all(0.3 <= copy <= sec for copy, sec in zip(result.state_seconds, result.step_seconds)), \
+        (result.state_seconds, result.step_seconds)
+    doc = TrainingMetrics("train-pipeline", "m", 8, 32, steps_from(result.losses, result.step_seconds, 8, 1,
+                                                                   result.state_seconds), ()).to_json()
+    assert doc["steps"][0]["seconds"] >= doc["steps"][0]["state_seconds"] >= 0.3 and 0.5 < doc["state_share"] <= 1
+
+
+def test_1f1b_stash_reports_each_step_as_it_finishes(graph, batches, monkeypatch):
+    """Under 1f1b-stash a segment of steps is one schedule; each step's progress report comes as its
+    last loss arrives (the coordinator is still running the segment), not all at the end."""
+    from runtime.pipeline.coordinator import Coordinator
+
+    real, running = Coordinator.run, []
+
+    def run(self, *args, **kwargs):
+        running.append(True)
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(Coordinator, "run", run)
+    seen = []
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), 4,
+                                transport=workers.coordinator, faults=FaultPolicy(on_failure="stop"),
+                                on_step=lambda step, loss, seconds, *_: seen.append((step, bool(running), seconds)))
+    assert [(step, during) for step, during, _ in seen] == [(1, True), (2, True), (3, True), (4, False)]
+    assert [sec for *_, sec in seen] == result.step_seconds and all(sec > 0 for sec in result.step_seconds)
 
 
 def test_events_reach_the_metrics_document_and_read_as_one_line_each():
