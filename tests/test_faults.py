@@ -110,6 +110,43 @@ def test_a_bundle_edited_and_rehashed_without_the_coordinators_key_is_refused(gr
         load_bundle(bundle, check_signature=verifier(boss.public))
 
 
+def test_a_signed_bundle_of_another_plan_swapped_into_a_plan_folder_is_refused(graph, tmp_path):
+    """Issue 32's attack: two plans of the same model, cuts and key, one at lr 1e-2; plan B's stage-0
+    bundle (validly signed) copied into plan A's folder and its manifest_sha256 edited into A's
+    plan.json (which is not signed). Each bundle's signed manifest names its plan, so A's folder
+    now holds bundles of two plans: refused in one line, naming the bundle; so is the same swap
+    with plan.json's plan_id edited too (then the other bundle is the odd one)."""
+    import shutil
+
+    from ir.bundle import MANIFEST, PLAN, BundleError, load_plan, sha256_hex
+    from ir.partition import Partition, StageAssignment
+    from planner.emit import emit_plan
+    from planner.schedule import make_schedule
+    from runtime.pipeline.bundles import load_bundle
+
+    boss = KeyPair.generate("coordinator")
+    last = len(graph.blocks) - 1
+    cut = Partition((StageAssignment(0, "a", 0, last // 2), StageAssignment(1, "b", last // 2 + 1, last)), "manual")
+    for name, lr in (("A", 5e-5), ("B", 1e-2)):
+        emit_plan(tmp_path / name, graph, cut, make_schedule("1f1b-flush", 2, M),
+                  {"model": "tiny", "optimizer": {"name": "adamw", "lr": lr}}, sign=signer(boss))
+    load_plan(tmp_path / "A", verify_bundles=True)  # as written: whole
+    shutil.rmtree(tmp_path / "A" / "a")
+    shutil.copytree(tmp_path / "B" / "a", tmp_path / "A" / "a")
+    assert load_bundle(tmp_path / "A" / "a", check_signature=verifier(boss.public)).stage_doc.optimizer.lr == 1e-2
+    doc = json.loads((tmp_path / "A" / PLAN).read_text())
+    doc["devices"][0]["manifest_sha256"] = sha256_hex((tmp_path / "A" / "a" / MANIFEST).read_bytes())
+    (tmp_path / "A" / PLAN).write_text(json.dumps(doc, indent=1) + "\n")
+    with pytest.raises(BundleError, match=r"bundle a/ belongs to another plan \(its signed manifest.json names plan "
+                                          r"[0-9a-f]{12}\.\.\., plan.json plan [0-9a-f]{12}\.\.\.\)") as err:
+        load_plan(tmp_path / "A", verify_bundles=True)
+    assert "\n" not in str(err.value)
+    doc["plan_id"] = json.loads((tmp_path / "A" / "a" / MANIFEST).read_text())["plan"]
+    (tmp_path / "A" / PLAN).write_text(json.dumps(doc, indent=1) + "\n")
+    with pytest.raises(BundleError, match=r"bundle b/ belongs to another plan"):
+        load_plan(tmp_path / "A", verify_bundles=True)
+
+
 # --- lost workers, in threads ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("lost", [0, 1, 2])

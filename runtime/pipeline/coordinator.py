@@ -531,6 +531,10 @@ class Coordinator:
                     raise ValueError(f"bundle {directory} holds weights for {name!r} that differ from the ones "
                                      f"training has reached; write the new plan from Coordinator.gather()'s weights")
             contents.append(c)
+        plans = {c.plan_id for c in contents}
+        if len(plans) > 1:  # each bundle's signed manifest names its plan: these are of several
+            raise ValueError(f"the new plan's bundles belong to {len(plans)} different plans (their signed manifests "
+                             f"name {sorted(str(p)[:12] for p in plans)}): a plan's bundles are used only together")
         return contents
 
     def reconfigure(self, placements: Sequence[StagePlacement], *, bundles: Sequence[Path] | None = None,
