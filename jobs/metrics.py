@@ -97,6 +97,8 @@ class TrainingMetrics:
     replan_checks: tuple[Mapping[str, Any], ...] = ()
     events: tuple[Mapping[str, Any], ...] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
+    # why the run ended early (a loss beyond recovery, --on-failure stop, a worker's error); None: it finished
+    error: str | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -139,6 +141,7 @@ class TrainingMetrics:
                 "perplexity_before": self.eval.perplexity_before},
             "replans": [dict(r) for r in self.replans], "replan_checks": [dict(c) for c in self.replan_checks],
             "events": [dict(e) for e in self.events], "settings": dict(self.settings),
+            **({} if self.error is None else {"error": self.error}),
         }
 
     def write(self, path: str | Path) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
-from jobs.errors import JobError
+from jobs.errors import JobError, RunFailed
 from jobs.pipeline_tasks import pipeline_task, step_feeds
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.report import Reporter, Silent
@@ -156,10 +157,12 @@ class SurvivorPlan:
 
 class RecoveryImpossible(RuntimeError):
     """The survivors cannot go on (no plan fits them, or the policy says stop); `checkpoint` is
-    where the resumable state was written, if anywhere."""
+    where the resumable state was written, if anywhere. `train_pipeline` gives it (and a
+    WorkerFailed) the run's `result` so far, as `result`: the steps done and the events."""
 
     def __init__(self, message: str, checkpoint: Path | None = None):
         self.checkpoint = checkpoint
+        self.result: PipelineResult | None = None
         super().__init__(message + (f"; the state before the failed step is in {checkpoint} (resume with "
                                     f"--resume {checkpoint})" if checkpoint is not None else ""))
 
@@ -301,6 +304,10 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
             result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
         if checkpoint_dir is not None:
             run.save(checkpoint_dir, start_step + steps, result.checkpoint)
+    except (WorkerFailed, RecoveryImpossible) as exc:
+        run._close_step()
+        exc.result = run.result  # what the run did before it ended: its steps and events reach the metrics
+        raise
     finally:
         coordinator.stop()
         transport.close()
@@ -862,7 +869,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     if pipeline.replan_every is not None:
         replanner = TimingReplanner(graph, ranges, pipeline.schedule, M, training.optimizer,
                                     pipeline.replan_threshold, update_every=pipeline.update_every)
-    faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, 1, pipeline.checkpoint_every)
+    faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, AUTO_SNAPSHOTS, pipeline.checkpoint_every)
     addresses, keys = (None, None) if local else parse_workers(workers, pipeline.keys, pipeline.insecure)
     reporter.start(f"train ({n_stages} stages, {pipeline.schedule}, {M} micro-batches)", training.steps)
 
@@ -874,6 +881,17 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         reporter.note(describe_event(event))
         if replanner is not None and event["event"] == "new_plan" and event.get("cause") == "lost":
             replanner.restart(event["ranges"])
+
+    def metrics_of(result: PipelineResult, figures=None, replans=(), error: str | None = None) -> TrainingMetrics:
+        stage_rss = [result.peak_rss_bytes.get(a) for a in result.addresses]
+        return TrainingMetrics(
+            "train-pipeline", str(model), training.batch, training.seq,
+            steps_from(result.losses, result.step_seconds, training.batch, start_step + 1, result.state_seconds),
+            tuple(DeviceFigures(f"stage{k}", k, a, b, rss)
+                  for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))),
+            microbatches=M, schedule=pipeline.schedule, eval=figures, coordinator_peak_rss_bytes=peak_rss_bytes(),
+            replans=replans, events=tuple(result.events), settings={**asdict(training), **asdict(pipeline), "task": task},
+            error=error)
 
     started = None
     if local:
@@ -892,7 +910,8 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
                                 feeds_of_step=run_task.feeds_of_step)
         failed = False
     except (WorkerFailed, RecoveryImpossible) as exc:
-        raise JobError(str(exc)) from None
+        partial = getattr(exc, "result", None)
+        raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
     finally:
         if started:
             codes = started.finish(failed)
@@ -909,12 +928,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     figures = run_task.evaluate(result.weights)
     if figures is not None:
         reporter.note(f"{run_task.headline(figures)} after pipeline training")
-    return TrainingMetrics(
-        "train-pipeline", str(model), training.batch, training.seq,
-        steps_from(result.losses, result.step_seconds, training.batch, start_step + 1, result.state_seconds),
-        tuple(DeviceFigures(f"stage{k}", k, a, b, rss) for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))),
-        microbatches=M, schedule=pipeline.schedule, eval=figures, coordinator_peak_rss_bytes=peak_rss_bytes(),
-        replans=replans, events=tuple(result.events), settings={**asdict(training), **asdict(pipeline), "task": task})
+    return metrics_of(result, figures, replans)
 
 
 def describe_event(event: Mapping) -> str:

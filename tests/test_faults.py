@@ -868,6 +868,54 @@ def test_1f1b_stash_reports_each_step_as_it_finishes(graph, batches, monkeypatch
     assert [sec for *_, sec in seen] == result.step_seconds and all(sec > 0 for sec in result.step_seconds)
 
 
+# --- every exit path says what happened (issue 32) ------------------------------------------------
+
+def test_a_run_that_stops_on_a_loss_hands_its_steps_and_events_to_the_metrics_document(graph, batches, tmp_path):
+    """--on-failure stop: the run ends on the loss, and the error carries what it did (the step
+    before the loss, the loss event), which the command line writes as the metrics document with
+    the error, then fails as before."""
+    from confidant.commands import _metrics_on_failure
+    from jobs.errors import RunFailed
+    from jobs.metrics import TrainingMetrics, read_metrics, steps_from
+
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 1:
+                workers.kill(1)
+
+        with pytest.raises(RecoveryImpossible) as err:
+            train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
+                           on_step=on_step, faults=FaultPolicy(on_failure="stop"))
+    done = err.value.result
+    assert done is not None and len(done.losses) >= 1 and [e["event"] for e in done.events] == ["lost"]
+    metrics = TrainingMetrics("train-pipeline", "tiny", ROWS * M, S, steps_from(done.losses, done.step_seconds, 8),
+                              (), events=tuple(done.events), error=str(err.value))
+    out = tmp_path / "metrics.json"
+    with pytest.raises(RunFailed):
+        with _metrics_on_failure(out):
+            raise RunFailed(str(err.value), metrics)
+    doc = read_metrics(out)
+    assert [e["event"] for e in doc["events"]] == ["lost"] and doc["steps"][0]["step"] == 1
+    assert "--on-failure stop" in doc["error"]
+
+
+def test_a_batch_that_micro_batches_do_not_divide_is_a_usage_error(tiny_onnx, tmp_path, capsys):
+    from confidant.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ner.conll").write_text("EU B-ORG\n")
+    code = main(["train-pipeline", str(tiny_onnx["torchscript-17"]), "--data", str(data / "ner.conll"),
+                 "--local", "2", "--batch", "2", "--microbatches", "4", "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["confidant train-pipeline: error: --batch 2 must be a multiple of --microbatches 4"]
+    # a folder given as --data: the message names the files it holds, not a train.txt it lacks
+    code = main(["train-pipeline", str(tiny_onnx["torchscript-17"]), "--data", str(data), "--local", "2",
+                 "--batch", "4", "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"{data}/ner.conll" in err[0] and "train.txt" not in err[0], err
+
+
 def test_events_reach_the_metrics_document_and_read_as_one_line_each():
     from jobs.metrics import TrainingMetrics
     from jobs.pipeline_training import describe_event

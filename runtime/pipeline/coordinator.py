@@ -474,8 +474,9 @@ class Coordinator:
             done = self._await_control(peer, "checkpoint_done")
             tensors = {}
             for i, name in enumerate(done["names"]):
-                arr = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
-                tensors[name] = np.array(arr)
+                # kept as received (read-only, on the receive buffer, which is this process's own):
+                # a copy would cost a pass over the whole state at every snapshot (issue 32)
+                tensors[name] = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
             out.append(dense_from_wire(tensors, done.get("rows"), f"stage {p.stage}'s checkpoint"))
         return out
 
