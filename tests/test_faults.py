@@ -147,6 +147,41 @@ def test_a_signed_bundle_of_another_plan_swapped_into_a_plan_folder_is_refused(g
         load_plan(tmp_path / "A", verify_bundles=True)
 
 
+@pytest.mark.parametrize("forgery", ["unsigned", "signed by another key"])
+def test_a_keyed_worker_refuses_a_bundle_its_coordinator_did_not_sign(graph, tmp_path, forgery):
+    """End to end (issue 32: with the worker's own check switched off 39 tests still passed): a
+    coordinator ships a plan's bundles to workers that trust its key; the bundles are unsigned, or
+    signed by a stranger's key. The worker's own check refuses them before using anything, and the
+    coordinator names the stage and the cause."""
+    from ir.bundle import load_bundle_dir
+    from ir.partition import Partition, StageAssignment
+    from planner.emit import emit_plan
+    from planner.schedule import make_schedule
+    from runtime.pipeline.coordinator import Coordinator, StagePlacement, WorkerFailed
+
+    boss, stranger = KeyPair.generate("coordinator"), KeyPair.generate("stranger")
+    last = len(graph.blocks) - 1
+    emit_plan(tmp_path / "plan", graph, Partition((StageAssignment(0, "a", 0, last // 2),
+                                                   StageAssignment(1, "b", last // 2 + 1, last)), "manual"),
+              make_schedule("1f1b-flush", 2, M), {"model": "tiny"},
+              sign=None if forgery == "unsigned" else signer(stranger))
+    bundles = [tmp_path / "plan" / d for d in "ab"]
+    contents = [load_bundle_dir(b) for b in bundles]
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        for w in workers.workers:
+            w.trusted = boss.public  # as `confidant worker --keys DIR` with the coordinator's public key
+        placements = [StagePlacement(k, c.first_block, c.last_block, a)
+                      for k, (c, a) in enumerate(zip(contents, workers.addresses))]
+        coordinator = Coordinator(None, placements, _config(), workers.coordinator,
+                                  stage_graphs=[c.graph for c in contents])
+        with pytest.raises(WorkerFailed) as err:
+            coordinator.setup_bundles(bundles, ["a", "b"])
+        coordinator.stop()
+    why = "it is not signed" if forgery == "unsigned" else "not by the trusted coordinator key"
+    assert "stage 0" in str(err.value) and "refused" in str(err.value) and why in str(err.value), str(err.value)
+    assert workers.codes[0] == 1 and workers.workers[0].executor is None  # nothing of the bundle was used
+
+
 # --- lost workers, in threads ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("lost", [0, 1, 2])
@@ -866,6 +901,73 @@ def test_1f1b_stash_reports_each_step_as_it_finishes(graph, batches, monkeypatch
                                 on_step=lambda step, loss, seconds, *_: seen.append((step, bool(running), seconds)))
     assert [(step, during) for step, during, _ in seen] == [(1, True), (2, True), (3, True), (4, False)]
     assert [sec for *_, sec in seen] == result.step_seconds and all(sec > 0 for sec in result.step_seconds)
+
+
+def test_auto_snapshots_copy_rarely_when_a_copy_is_dear_and_a_loss_replays_from_the_last(graph, batches,
+                                                                                         monkeypatch):
+    """The command line's policy (snapshot_every None): copies slowed to 0.2 s against steps of
+    milliseconds are taken only as often as SNAPSHOT_SHARE allows: once before the first step,
+    then (every step measured) not again; a worker lost after step 4 makes the run replay every
+    step since that copy, and the losses and weights are still single-device training's (the
+    data order is deterministic). A copy after every step would have made it replay one."""
+    from jobs.pipeline_training import AUTO_SNAPSHOTS, snapshot_interval
+    from runtime.pipeline.coordinator import Coordinator
+
+    assert snapshot_interval(0.46, 0.7) == 7  # MiniLM's copy and step: 14 for 5%, the replay bound says 7
+    assert snapshot_interval(0.46, 0.7, replay_budget_s=60) == 14 and snapshot_interval(0.01, 1.0) == 1
+    real = Coordinator.collect_checkpoint
+
+    def dear_copy(self):
+        time.sleep(0.2)
+        return real(self)
+
+    monkeypatch.setattr(Coordinator, "collect_checkpoint", dear_copy)
+    steps = 6
+    batches = [synthetic_batch(i) for i in range(steps)]
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 4:
+                workers.kill(1)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, transport=workers.coordinator,
+                                on_step=on_step, faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS))
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered"], kinds
+    restart = result.events[1]["step"]
+    assert restart == 0 and result.events[2]["steps_replayed"] == result.events[0]["step"] + 1 >= 5
+    # before the first step, the survivors' setup after the loss, and the final state
+    assert len(result.snapshot_seconds) <= 3, result.snapshot_seconds
+
+
+def test_1f1b_stash_without_checkpoints_replays_from_its_last_drain_and_says_so_truly(graph, batches, tmp_path,
+                                                                                      monkeypatch):
+    """Issue 32: under 1f1b-stash a loss replayed the run from step 0 and the event said "1 step
+    replayed, during step 1". Now the run drains and copies its state every STASH_SEGMENT_STEPS
+    steps (2 here): a worker lost once step 3 is done replays from step 2, the lost event names the
+    step really under way and the recovered event the steps really run again, and the result equals
+    3 workers to step 2, then the survivors' plan."""
+    import jobs.pipeline_training as pt
+
+    monkeypatch.setattr(pt, "STASH_SEGMENT_STEPS", 2)
+    steps = 6
+    batches = [synthetic_batch(i) for i in range(steps)]
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 3:
+                workers.kill(1)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), steps,
+                                transport=workers.coordinator, on_step=on_step)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered"], kinds
+    lost, new_plan, recovered = result.events
+    assert new_plan["step"] == 2 and lost["step"] >= 3  # step 3 was done (its report came) when it was lost
+    assert recovered["steps_replayed"] == 2  # steps 3 and 4: the segment [2, 4) again
+    assert len(result.losses) == steps
+    _equals_a_stash_run_switched_at_its_recovery(graph, batches, result, steps, FaultPolicy(), tmp_path)
 
 
 # --- every exit path says what happened (issue 32) ------------------------------------------------
