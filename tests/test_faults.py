@@ -182,6 +182,55 @@ def test_a_keyed_worker_refuses_a_bundle_its_coordinator_did_not_sign(graph, tmp
     assert workers.codes[0] == 1 and workers.workers[0].executor is None  # nothing of the bundle was used
 
 
+def test_a_valid_curve_key_not_on_the_allow_list_is_refused_at_the_handshake():
+    """Issue 32 (opening the ZAP allow-list failed only a text check): a worker endpoint that
+    admits its coordinator's key. A peer with a valid CURVE key of its own, calling itself the
+    coordinator, fails the handshake (its own socket sees the authentication fail) and nothing it
+    sends reaches the worker; the same dial with the coordinator's key succeeds and is heard."""
+    import zmq
+
+    from runtime.pipeline.executor import COORDINATOR
+    from runtime.transport.wire import PeerTimeout, encode_control
+    from runtime.transport.zeromq import ZmqTransport
+
+    boss, me, mallory = (KeyPair.generate(n).curve_keys() for n in ("coordinator", "worker", "mallory"))
+    worker = ZmqTransport("stage0", "tcp://127.0.0.1:0", keys=me, accept={COORDINATOR: boss.public})
+    ctx = zmq.Context()
+
+    def dial(keys) -> tuple[int, object]:
+        """(the first handshake event the dialler's socket sees, its socket); the dialler sends a stop."""
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IDENTITY, COORDINATOR.encode())
+        dealer.setsockopt(zmq.CURVE_SERVERKEY, me.public)
+        dealer.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        dealer.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        dealer.connect(worker.address)
+        dealer.send(encode_control({"type": "stop", "from": "dialler"}))
+        assert monitor.poll(5000), "no handshake within 5 s"
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)["event"]
+        dealer.disable_monitor()
+        monitor.close(linger=0)
+        return event, dealer
+
+    try:
+        event, stranger = dial(mallory)
+        assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        with pytest.raises(PeerTimeout):
+            worker.recv_control(None, timeout=1.0)  # nothing of the stranger's reached the worker
+        stranger.close(linger=0)
+        event, known = dial(boss)
+        assert event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert worker.recv_control(None, timeout=5.0) == (COORDINATOR, {"type": "stop", "from": "dialler"})
+        known.close(linger=0)
+    finally:
+        worker.close()
+        ctx.destroy(linger=0)  # closes the diallers' sockets too, whatever failed
+
+
 # --- lost workers, in threads ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("lost", [0, 1, 2])
