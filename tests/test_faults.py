@@ -854,6 +854,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_a_worker_lost_in_the_middle_of_a_step_is_recovered_from_in_the_fast_tier(graph, batches, monkeypatch):
+    """Issue 32 (a replay one step late was caught only by the SIGKILL test): the middle worker of
+    three vanishes once the first loss of step 3 has come back, its other micro-batches in flight.
+    The step is aborted on the survivors and run again from the copy after step 2, once: the
+    losses and weights are single-device training's, and the events say so."""
+    from runtime.pipeline.coordinator import Coordinator
+
+    real, losses_seen = Coordinator._await_tensor, []
+    steps = 4
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def await_tensor(self, peer, expected):
+            out = real(self, peer, expected)
+            if expected.kind == "loss":
+                losses_seen.append(expected.microbatch)
+                if len(losses_seen) == 2 * M + 1:  # step 3's first micro-batch: the others are in flight
+                    workers.kill(1)
+            return out
+
+        monkeypatch.setattr(Coordinator, "_await_tensor", await_tensor)
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, transport=workers.coordinator)
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    assert [e["event"] for e in result.events] == ["lost", "new_plan", "recovered"]
+    lost, new_plan, recovered = result.events
+    assert (lost["step"], lost["stage"], new_plan["step"]) == (2, 1, 2)  # during step 3; replayed from step 2
+    assert (recovered["step"], recovered["steps_replayed"]) == (3, 1)
+
+
 def test_a_worker_lost_while_the_state_is_being_copied_is_recovered_from_too(graph, batches):
     """The loss found during the copy of the state after a step (the survivors have already
     answered it): their answers are dropped, and the run replays from the copy before."""
