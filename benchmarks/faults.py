@@ -22,6 +22,11 @@ Columns
     ``state``         the share of the steps' wall clock spent copying the state to the coordinator.
     ``copy s``        median seconds of one copy of every stage's state.
     ``copies``        copies taken during the run (the one before the first step included).
+    ``MiB``           what one copy carries: every stage's trainable parameters and optimizer state.
+
+``--model smollm2`` measures SmolLM2-135M as a causal LM with LoRA adapters (``--lora`` rank) on
+q, k, v, o instead (benchmarks/lora.py's batch and sequence): a copy then carries the adapters and
+their optimizer state only, never the frozen base weights.
     ``detect s``      SIGKILL to the coordinator reporting the worker lost (target: at most 3 s).
     ``recover s``     SIGKILL to the first step completed after the recovery (target: at most 10 s).
     ``replayed``      steps run again (at most the copy interval K).
@@ -55,7 +60,7 @@ def _policy(name: str):
 
 
 def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bool = False,
-         kill: tuple[int, int] | None = None) -> dict:
+         kill: tuple[int, int] | None = None, feeds_of_step=None) -> dict:
     from jobs.pipeline_training import train_pipeline
     from jobs.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
@@ -72,7 +77,8 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
     try:
         with NoiseMeter() as noise:
             result = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, steps,
-                                    keys=workers.keys, insecure=insecure, on_step=on_step, faults=_policy(policy))
+                                    keys=workers.keys, insecure=insecure, on_step=on_step, faults=_policy(policy),
+                                    feeds_of_step=feeds_of_step)
     finally:
         workers.wait(60.0)
     copies = result.snapshot_seconds
@@ -80,6 +86,8 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
     out = {"step_s": statistics.median(result.step_seconds[steady]),
            "state_share": sum(result.state_seconds[steady]) / sum(result.step_seconds[steady]),
            "copy_s": statistics.median(copies) if copies else None, "copies": len(copies),
+           # what one copy carries: every stage's trainable parameters and optimizer state (LoRA: the adapters)
+           "state_mib": sum(int(v.nbytes) for stage in result.checkpoint for v in stage.values()) / 2**20,
            "others": noise.others, "ranges": [list(r) for r in result.ranges], "events": result.events,
            "step_seconds": result.step_seconds, "state_seconds": result.state_seconds, "losses": result.losses}
     if kill is not None:
@@ -101,31 +109,47 @@ def main(argv=None) -> int:
     parser.add_argument("--passes", type=int, default=2, help="alternating passes of the policy runs (default 2)")
     parser.add_argument("--only-policies", action="store_true", help="skip the CURVE and kill runs")
     parser.add_argument("--seed", type=int, default=0, help="chooses the step and the worker killed")
+    parser.add_argument("--model", choices=("minilm", "smollm2"), default="minilm",
+                        help="minilm (token classification, trained in full) or smollm2 (causal LM with LoRA "
+                             "adapters on q,k,v,o: benchmarks/lora.py's batch and sequence)")
+    parser.add_argument("--lora", type=int, default=8, help="smollm2: the LoRA rank (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     from planner.onnx_import import load_model
 
-    graph = load_model(default_model(), args.batch // M, args.seq)
-    batches = make_batches(args.steps + 1, batch=args.batch, seq=args.seq)
+    feeds_of_step, batches = None, None
+    if args.model == "smollm2":
+        from benchmarks.llm import smollm2_model
+        from benchmarks.lora import LM_BATCH, LM_SEQ, _lm_feeds, _lm_graph
+
+        args.batch, args.seq = LM_BATCH, LM_SEQ
+        graph = _lm_graph(smollm2_model(), LM_BATCH // M, args.lora)
+        feeds = _lm_feeds(smollm2_model())
+        feeds_of_step = lambda k: feeds  # noqa: E731 (one batch every step: the timing, not the learning)
+    else:
+        graph = load_model(default_model(), args.batch // M, args.seq)
+        batches = make_batches(args.steps + 1, batch=args.batch, seq=args.seq)
     rows: dict[str, list[dict]] = {}
     for p in range(args.passes):
         for name in ("default", "stop", "every-step"):
             print(f"running {name} (pass {p + 1}) ...", file=sys.stderr, flush=True)
-            rows.setdefault(name, []).append(_run(graph, batches, args.steps, args, policy=name))
+            rows.setdefault(name, []).append(_run(graph, batches, args.steps, args, policy=name,
+                                                  feeds_of_step=feeds_of_step))
     kill = None
     if not args.only_policies:
         rng = random.Random(args.seed)
         kill = (rng.randint(2, max(2, args.steps - 3)), rng.randrange(args.workers))
         for name, kwargs in (("curve", {}), ("insecure", {"insecure": True}), ("kill", {"kill": kill})):
             print(f"running {name} ...", file=sys.stderr, flush=True)
-            rows[name] = [_run(graph, batches, args.steps, args, **kwargs)]
+            rows[name] = [_run(graph, batches, args.steps, args, feeds_of_step=feeds_of_step, **kwargs)]
     best = {name: min(runs, key=lambda r: r["step_s"]) for name, runs in rows.items()}
-    print(f"MiniLM, batch {args.batch} x {args.seq}, {M} micro-batches, {args.schedule}, {args.engine}, "
+    what = "MiniLM" if args.model == "minilm" else f"SmolLM2-135M LoRA r{args.lora}"
+    print(f"{what}, batch {args.batch} x {args.seq}, {M} micro-batches, {args.schedule}, {args.engine}, "
           f"{args.workers} workers, {args.steps} steps; wall-clock steps, best of {args.passes} pass(es)")
-    print(f"{'run':11s} {'step s':>8s} {'state':>6s} {'copy s':>8s} {'copies':>6s} {'others':>7s}")
+    print(f"{'run':11s} {'step s':>8s} {'state':>6s} {'copy s':>8s} {'copies':>6s} {'MiB':>6s} {'others':>7s}")
     for name, r in best.items():
         print(f"{name:11s} {r['step_s']:8.3f} {r['state_share']:6.1%} {r['copy_s'] or 0:8.3f} {r['copies']:6d} "
-              f"{r['others'] or 0:7.0%}")
+              f"{r['state_mib']:6.1f} {r['others'] or 0:7.0%}")
     cost = best["default"]["step_s"] / best["stop"]["step_s"] - 1
     old = best["every-step"]["step_s"] / best["stop"]["step_s"] - 1
     print(f"default fault policy vs --on-failure stop: {cost:+.1%} (target <= +5%); a copy after every step: {old:+.1%}")
