@@ -152,7 +152,8 @@ def main(argv=None) -> int:
               f"{r['state_mib']:6.1f} {r['others'] or 0:7.0%}")
     cost = best["default"]["step_s"] / best["stop"]["step_s"] - 1
     old = best["every-step"]["step_s"] / best["stop"]["step_s"] - 1
-    print(f"default fault policy vs --on-failure stop: {cost:+.1%} (target <= +5%); a copy after every step: {old:+.1%}")
+    print(f"default fault policy vs --on-failure stop: {cost:+.1%} (target <= +5%); "
+          f"a copy after every step: {old:+.1%}")
     same = all(r["losses"] == rows["stop"][0]["losses"] for runs in rows.values() for r in runs
                if "killed" not in r) if args.schedule != "1f1b-stash" else None
     if same is not None:

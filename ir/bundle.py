@@ -53,8 +53,8 @@ from ir.verify import GraphError, verify_graph
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
            "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
-           "manifest_plan_id", "plan_identity", "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files", "sha256_hex",
-           "verify_bundle_files", "write_bundle"]
+           "manifest_plan_id", "plan_identity", "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files",
+           "sha256_hex", "verify_bundle_files", "write_bundle"]
 
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FORMAT = "confidant-bundle"

@@ -890,8 +890,8 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
             tuple(DeviceFigures(f"stage{k}", k, a, b, rss)
                   for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))),
             microbatches=M, schedule=pipeline.schedule, eval=figures, coordinator_peak_rss_bytes=peak_rss_bytes(),
-            replans=replans, events=tuple(result.events), settings={**asdict(training), **asdict(pipeline), "task": task},
-            error=error)
+            replans=replans, events=tuple(result.events),
+            settings={**asdict(training), **asdict(pipeline), "task": task}, error=error)
 
     started = None
     if local:

@@ -78,7 +78,8 @@ class PipelineSettings:
         if self.update_every < 1:
             raise FlagError(f"--update-every must be at least 1, got {self.update_every}")
         if self.update_every != 1 and self.schedule not in ASYNC_SCHEDULES:
-            raise FlagError(f"--update-every applies to 1f1b-stash and 2bw only; {self.schedule} updates once per batch")
+            raise FlagError(f"--update-every applies to 1f1b-stash and 2bw only; {self.schedule} updates once per "
+                            f"batch")
         if self.replan_every is not None and (self.replan_every < 1 or self.schedule not in FLUSH_SCHEDULES):
             raise FlagError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush, "
                            f"gpipe or zb-h1), got {self.replan_every} with {self.schedule}")
