@@ -54,7 +54,8 @@ class NoiseMeter:
 # The model and data every benchmark measures -------------------------------------------------
 
 BATCH, SEQ, NUM_LABELS, VOCAB = 8, 128, 9, 30522
-CACHE_PATH = Path.home() / ".cache" / "confidant" / "bench-minilm.onnx"
+# under $CONFIDANT_HOME, as the command line keeps its files (confidant.home)
+CACHE_PATH = Path(os.environ.get("CONFIDANT_HOME") or Path.home() / ".cache" / "confidant") / "bench-minilm.onnx"
 
 
 def default_model() -> Path:

@@ -1,26 +1,35 @@
-"""Lost devices and secure links: what a failure costs, and what CURVE costs.
+"""Lost devices and secure links: what the fault policy costs, what a failure costs, what CURVE costs.
 
 What it measures
     MiniLM (all-MiniLM-L6-v2) token classification, 9 labels, batch ``--batch`` x sequence
-    ``--seq``, AdamW, 4 micro-batches, 1f1b-flush, the even split over 3 worker processes
-    (`jobs.workers.LocalWorkers`, one compute thread each), this process the coordinator
-    (`jobs.pipeline_training.train_pipeline`), the state copied to the coordinator after every
-    step (the default fault policy: a recovery replays at most the interrupted step).
-      * ``curve`` / ``insecure``: ``--steps`` steps with CURVE on every link, then the same in
-        plaintext (``--insecure``); the step-time cost of CURVE is their ratio (target: at most 5%).
-      * ``kill``: ``--steps`` steps; at a random step (``--seed``) a random worker gets SIGKILL a
-        moment after the step before it finished; the run re-plans over the other two and goes on.
-      * ``survivors``: the re-planned optimum, i.e. a fresh run on 2 workers with the plan the
-        recovery chose, for the throughput the recovered run should reach.
+    ``--seq``, AdamW, 4 micro-batches, ``--schedule`` on ``--engine``, the even split over
+    ``--workers`` worker processes (`jobs.workers.LocalWorkers`, one compute thread each), this
+    process the coordinator (`jobs.pipeline_training.train_pipeline`). Every step time is wall
+    clock from the step's start to the next step's start: the copies of the state to the
+    coordinator, the fault policy's cost, are in it.
+      * ``default`` / ``stop`` / ``every-step``, side by side in alternating passes (``--passes``):
+        the command line's default fault policy (state copied every K steps, K chosen from the
+        measured copy and step times, at most 5% of the step; `jobs.pipeline_training.AUTO_SNAPSHOTS`),
+        ``--on-failure stop`` (no copy at all), and the old default (a copy after every step).
+        ``default`` over ``stop`` is the policy's cost (target: at most +5%).
+      * ``curve`` / ``insecure``: the default policy with CURVE on every link, then in plaintext
+        (``--insecure``); the step-time cost of CURVE is their ratio (target: at most 5%).
+      * ``kill``: the default policy; at a random step (``--seed``) a random worker gets SIGKILL a
+        moment after the step before it finished; the run re-plans over the others and goes on.
 
 Columns
-    ``step s``        median seconds of a training step (the first step is warm-up, left out);
-                      the state copy after each step is not in it (``copy s`` is).
-    ``copy s``        median seconds per step of copying every stage's state to the coordinator.
+    ``step s``        median wall-clock seconds of a training step (the first step is warm-up, left out).
+    ``state``         the share of the steps' wall clock spent copying the state to the coordinator.
+    ``copy s``        median seconds of one copy of every stage's state.
+    ``copies``        copies taken during the run (the one before the first step included).
+    ``MiB``           what one copy carries: every stage's trainable parameters and optimizer state.
+
+``--model smollm2`` measures SmolLM2-135M as a causal LM with LoRA adapters (``--lora`` rank) on
+q, k, v, o instead (benchmarks/lora.py's batch and sequence): a copy then carries the adapters and
+their optimizer state only, never the frozen base weights.
     ``detect s``      SIGKILL to the coordinator reporting the worker lost (target: at most 3 s).
     ``recover s``     SIGKILL to the first step completed after the recovery (target: at most 10 s).
-    ``replayed``      steps run again (at most the interrupted one).
-    ``after/optimum`` median step time after the recovery over the survivors' fresh run.
+    ``replayed``      steps run again (at most the copy interval K).
 """
 from __future__ import annotations
 
@@ -43,14 +52,21 @@ from benchmarks.common import NUM_LABELS, NoiseMeter, default_model, make_batche
 M = 4
 
 
-def _run(graph, batches, steps: int, insecure: bool = False, kill: tuple[int, int] | None = None, cuts=None,
-         workers_n: int = 3) -> dict:
+def _policy(name: str):
+    from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy
+
+    return {"default": FaultPolicy(snapshot_every=AUTO_SNAPSHOTS), "stop": FaultPolicy(on_failure="stop"),
+            "every-step": FaultPolicy(snapshot_every=1)}[name]
+
+
+def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bool = False,
+         kill: tuple[int, int] | None = None, feeds_of_step=None) -> dict:
     from jobs.pipeline_training import train_pipeline
     from jobs.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
 
-    config = PipelineConfig("1f1b-flush", M, optimizer="adamw", lr=1e-4, timeout_s=300)
-    workers = LocalWorkers.start(workers_n, threads=1, insecure=insecure)
+    config = PipelineConfig(args.schedule, M, engine=args.engine, optimizer="adamw", lr=1e-4, timeout_s=300)
+    workers = LocalWorkers.start(args.workers, threads=1, insecure=insecure)
     sent: dict = {}
 
     def on_step(step, *_):
@@ -60,20 +76,25 @@ def _run(graph, batches, steps: int, insecure: bool = False, kill: tuple[int, in
 
     try:
         with NoiseMeter() as noise:
-            result = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, steps, cuts=cuts,
-                                    keys=workers.keys, insecure=insecure, on_step=on_step)
+            result = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, steps,
+                                    keys=workers.keys, insecure=insecure, on_step=on_step, faults=_policy(policy),
+                                    feeds_of_step=feeds_of_step)
     finally:
         workers.wait(60.0)
     copies = result.snapshot_seconds
-    out = {"step_s": statistics.median(result.step_seconds[1:]), "copy_s": statistics.median(copies) if copies else None,
+    steady = slice(1, None)
+    out = {"step_s": statistics.median(result.step_seconds[steady]),
+           "state_share": sum(result.state_seconds[steady]) / sum(result.step_seconds[steady]),
+           "copy_s": statistics.median(copies) if copies else None, "copies": len(copies),
+           # what one copy carries: every stage's trainable parameters and optimizer state (LoRA: the adapters)
+           "state_mib": sum(int(v.nbytes) for stage in result.checkpoint for v in stage.values()) / 2**20,
            "others": noise.others, "ranges": [list(r) for r in result.ranges], "events": result.events,
-           "step_seconds": result.step_seconds}
+           "step_seconds": result.step_seconds, "state_seconds": result.state_seconds, "losses": result.losses}
     if kill is not None:
         lost = next(e for e in result.events if e["event"] == "lost")
         recovered = next(e for e in result.events if e["event"] == "recovered")
         out.update(detect_s=lost["at"] - sent["at"], recover_s=recovered["at"] - sent["at"],
-                   replayed=recovered["steps_replayed"], killed=kill,
-                   after_s=statistics.median(result.step_seconds[recovered["step"]:] or [float("nan")]))
+                   replayed=recovered["steps_replayed"], killed=kill)
     return out
 
 
@@ -82,35 +103,71 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per run (default %(default)s)")
     parser.add_argument("--batch", type=int, default=8, help="rows per batch (default %(default)s)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per row (default %(default)s)")
+    parser.add_argument("--workers", type=int, default=3, help="worker processes (default %(default)s)")
+    parser.add_argument("--schedule", default="1f1b-flush", help="pipeline schedule (default %(default)s)")
+    parser.add_argument("--engine", default="mnn", help="the workers' engine, mnn or torch (default %(default)s)")
+    parser.add_argument("--passes", type=int, default=2, help="alternating passes of the policy runs (default 2)")
+    parser.add_argument("--only-policies", action="store_true", help="skip the CURVE and kill runs")
     parser.add_argument("--seed", type=int, default=0, help="chooses the step and the worker killed")
+    parser.add_argument("--model", choices=("minilm", "smollm2"), default="minilm",
+                        help="minilm (token classification, trained in full) or smollm2 (causal LM with LoRA "
+                             "adapters on q,k,v,o: benchmarks/lora.py's batch and sequence)")
+    parser.add_argument("--lora", type=int, default=8, help="smollm2: the LoRA rank (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     from planner.onnx_import import load_model
 
-    graph = load_model(default_model(), args.batch // M, args.seq)
-    batches = make_batches(args.steps + 1, batch=args.batch, seq=args.seq)
-    rng = random.Random(args.seed)
-    kill = (rng.randint(2, max(2, args.steps - 3)), rng.randrange(3))
-    rows = {}
-    for name, kwargs in (("curve", {}), ("insecure", {"insecure": True}), ("kill", {"kill": kill})):
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        rows[name] = _run(graph, batches, args.steps, **kwargs)
-    survivors = rows["kill"]["ranges"]
-    print("running survivors ...", file=sys.stderr, flush=True)
-    rows["survivors"] = _run(graph, batches, max(4, args.steps // 2), cuts=[survivors[1][0]], workers_n=2)
-    kill_row = rows["kill"]
-    cost = rows["curve"]["step_s"] / rows["insecure"]["step_s"] - 1
-    print(f"MiniLM, batch {args.batch} x {args.seq}, {M} micro-batches, 1f1b-flush, 3 workers; "
-          f"killed worker {kill[1]} during step {kill[0] + 1}")
-    print(f"{'run':10s} {'step s':>8s} {'copy s':>8s} {'others':>7s}")
-    for name, r in rows.items():
-        print(f"{name:10s} {r['step_s']:8.3f} {r['copy_s'] or 0:8.3f} {r['others'] or 0:7.0%}")
-    print(f"CURVE vs insecure step time: {cost:+.1%} (target <= +5%)")
-    print(f"detect {kill_row['detect_s']:.2f} s (target <= 3), recover {kill_row['recover_s']:.2f} s (target <= 10), "
-          f"replayed {kill_row['replayed']} step(s), after/optimum "
-          f"{kill_row['after_s'] / rows['survivors']['step_s']:.2f} (survivors' plan {survivors})")
+    feeds_of_step, batches = None, None
+    if args.model == "smollm2":
+        from benchmarks.llm import smollm2_model
+        from benchmarks.lora import LM_BATCH, LM_SEQ, _lm_feeds, _lm_graph
+
+        args.batch, args.seq = LM_BATCH, LM_SEQ
+        graph = _lm_graph(smollm2_model(), LM_BATCH // M, args.lora)
+        feeds = _lm_feeds(smollm2_model())
+        feeds_of_step = lambda k: feeds  # noqa: E731 (one batch every step: the timing, not the learning)
+    else:
+        graph = load_model(default_model(), args.batch // M, args.seq)
+        batches = make_batches(args.steps + 1, batch=args.batch, seq=args.seq)
+    rows: dict[str, list[dict]] = {}
+    for p in range(args.passes):
+        for name in ("default", "stop", "every-step"):
+            print(f"running {name} (pass {p + 1}) ...", file=sys.stderr, flush=True)
+            rows.setdefault(name, []).append(_run(graph, batches, args.steps, args, policy=name,
+                                                  feeds_of_step=feeds_of_step))
+    kill = None
+    if not args.only_policies:
+        rng = random.Random(args.seed)
+        kill = (rng.randint(2, max(2, args.steps - 3)), rng.randrange(args.workers))
+        for name, kwargs in (("curve", {}), ("insecure", {"insecure": True}), ("kill", {"kill": kill})):
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            rows[name] = [_run(graph, batches, args.steps, args, feeds_of_step=feeds_of_step, **kwargs)]
+    best = {name: min(runs, key=lambda r: r["step_s"]) for name, runs in rows.items()}
+    what = "MiniLM" if args.model == "minilm" else f"SmolLM2-135M LoRA r{args.lora}"
+    print(f"{what}, batch {args.batch} x {args.seq}, {M} micro-batches, {args.schedule}, {args.engine}, "
+          f"{args.workers} workers, {args.steps} steps; wall-clock steps, best of {args.passes} pass(es)")
+    print(f"{'run':11s} {'step s':>8s} {'state':>6s} {'copy s':>8s} {'copies':>6s} {'MiB':>6s} {'others':>7s}")
+    for name, r in best.items():
+        print(f"{name:11s} {r['step_s']:8.3f} {r['state_share']:6.1%} {r['copy_s'] or 0:8.3f} {r['copies']:6d} "
+              f"{r['state_mib']:6.1f} {r['others'] or 0:7.0%}")
+    cost = best["default"]["step_s"] / best["stop"]["step_s"] - 1
+    old = best["every-step"]["step_s"] / best["stop"]["step_s"] - 1
+    print(f"default fault policy vs --on-failure stop: {cost:+.1%} (target <= +5%); "
+          f"a copy after every step: {old:+.1%}")
+    same = all(r["losses"] == rows["stop"][0]["losses"] for runs in rows.values() for r in runs
+               if "killed" not in r) if args.schedule != "1f1b-stash" else None
+    if same is not None:
+        print(f"losses identical across policies: {same}")
+    figures = {"rows": rows, "policy_cost": cost, "every_step_cost": old}
+    if kill is not None:
+        kill_row = best["kill"]
+        curve = best["curve"]["step_s"] / best["insecure"]["step_s"] - 1
+        figures["curve_cost"] = curve
+        print(f"CURVE vs insecure step time: {curve:+.1%} (target <= +5%)")
+        print(f"killed worker {kill[1]} during step {kill[0] + 1}: detect {kill_row['detect_s']:.2f} s (target <= 3), "
+              f"recover {kill_row['recover_s']:.2f} s (target <= 10), replayed {kill_row['replayed']} step(s)")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "curve_cost": cost}, indent=1, default=str))
+        args.json.write_text(json.dumps(figures, indent=1, default=str))
     return 0
 
 

@@ -90,8 +90,11 @@ Usage
     issue 14's first target as the median of the rounds' ratios (TDP's own step time moves up to
     30% between runs on this machine); ``--isa-rounds`` (default 3) the ISA-matched engine
     comparison of ``benchmarks/engine.py --isa-matched``.  Without
-    ``--model`` the default checkpoint is exported once to ``~/.cache/confidant/bench-minilm.onnx``
-    (shared with benchmarks/engine.py).  6 to 8 minutes on 2 cores with the defaults.
+    ``--model`` the default checkpoint is exported once to ``$CONFIDANT_HOME/bench-minilm.onnx``
+    (default ``~/.cache/confidant``; shared with benchmarks/engine.py).  6 to 8 minutes on 2 cores
+    with the defaults.  Confidant's pipelines run under the command line's default fault policy
+    (the state copied to the coordinator every K steps, `jobs.pipeline_training.AUTO_SNAPSHOTS`),
+    and a step's wall time runs from its start to the next step's start, the copies in it (issue 32).
 """
 from __future__ import annotations
 
@@ -529,7 +532,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
                      activations=None, ranges=None) -> dict:
     import numpy as np
 
-    from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
+    from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, LocalWorkers, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     n = steps + 1
@@ -546,7 +549,8 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
                                     engine=engine, activations=activations)
             cuts = [last + 1 for _, last in ranges[:-1]] if ranges else None
             res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=cuts, on_step=on_step,
-                                 keys=workers.keys, faults=FaultPolicy(on_failure="stop"), update_every=update_every)
+                                 keys=workers.keys, faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS),
+                                 update_every=update_every)
         finally:
             codes = workers.wait(60.0)
     if any(codes):

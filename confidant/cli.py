@@ -636,8 +636,10 @@ def _is_bad_input(exc: BaseException) -> bool:
     from ir.errors import InputFileError
 
     from confidant.errors import UsageError
+    from jobs.errors import FlagError
 
-    return isinstance(exc, (InputFileError, UsageError, FileNotFoundError, IsADirectoryError, NotADirectoryError))
+    return isinstance(exc, (InputFileError, UsageError, FlagError, FileNotFoundError, IsADirectoryError,
+                            NotADirectoryError))
 
 
 def _add_export_adapter(sub) -> None:

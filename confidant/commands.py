@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from confidant.errors import CliError, UsageError
@@ -223,6 +224,20 @@ def _task(args) -> str:
     return choice.task
 
 
+@contextmanager
+def _metrics_on_failure(path):
+    """A run that fails once started still writes its metrics document (the steps it did, its events,
+    the error), then fails as it would."""
+    from jobs.errors import RunFailed
+
+    try:
+        yield
+    except RunFailed as exc:
+        if exc.metrics is not None:
+            _write_metrics(exc.metrics, path)
+        raise
+
+
 def cmd_train_local(args) -> int:
     from jobs.local_training import train_local
 
@@ -253,8 +268,9 @@ def cmd_train_pipeline(args) -> int:
                                 keys=keys, insecure=insecure, on_failure=args.on_failure,
                                 failure_timeout_s=args.failure_timeout, checkpoint_every=args.checkpoint_every,
                                 activations=args.activations)
-    metrics = train_pipeline_job(args.model, args.data, args.eval, _training_settings(args), pipeline,
-                                 workers=workers, local=args.local, reporter=TerminalReporter(), task=_task(args))
+    with _metrics_on_failure(args.metrics_out):
+        metrics = train_pipeline_job(args.model, args.data, args.eval, _training_settings(args), pipeline,
+                                     workers=workers, local=args.local, reporter=TerminalReporter(), task=_task(args))
     _write_metrics(metrics, args.metrics_out)
     return 0
 
@@ -279,7 +295,8 @@ def cmd_train(args) -> int:
                                timeout_s=args.timeout, keys=_home_keys(args), insecure=insecure,
                                on_failure=args.on_failure, failure_timeout_s=args.failure_timeout,
                                checkpoint_every=args.checkpoint_every)
-    metrics = train_from_plan(args.plan, args.data, args.eval, settings, TerminalReporter())
+    with _metrics_on_failure(args.metrics_out):
+        metrics = train_from_plan(args.plan, args.data, args.eval, settings, TerminalReporter())
     _write_metrics(metrics, args.metrics_out)
     return 0
 

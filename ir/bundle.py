@@ -4,8 +4,9 @@ The planner writes one bundle per device (`planner.emit`); the device's runtime 
 using anything (`runtime.pipeline.bundles`). A bundle is a directory of five files:
 
     manifest.json        {"schema_version": 1, "format": "confidant-bundle", "device", "stage",
-                          "files": {file name: sha256 hex}}; written last, so a bundle whose
-                          writing was interrupted has no manifest and is refused
+                          "files": {file name: sha256 hex}, "plan": the plan's identity}; written
+                          last, so a bundle whose writing was interrupted has no manifest and is
+                          refused
     stage.json           this stage's settings (`ir.documents.StageDocument`): stage index and count,
                           device, block range, neighbouring devices, schedule, optimizer, engine,
                           batch/seq, head split
@@ -21,7 +22,10 @@ actions all of this stage). Errors name the bundle, the file and what is wrong.
 
 Signatures: a bundle may carry a sixth file, manifest.sig, written after the manifest by whoever
 holds the coordinator's key (`write_bundle(..., sign=)`; `runtime.keys` makes the signer). The
-manifest names every other file's SHA-256, so a signature over the manifest covers the bundle.
+manifest names every other file's SHA-256, so a signature over the manifest covers the bundle,
+and it names the plan's identity (`plan_identity`, also in plan.json) and the bundle's stage, so a
+signature binds the bundle to its plan: a bundle of another plan signed by the same key, swapped
+into a plan folder, is refused by `load_plan` (issue 32).
 `verify_bundle_files(..., check_signature=)` refuses a bundle whose signature the given check
 rejects (a worker passes the check of the coordinator key it trusts); without a check the
 signature is ignored. The cryptography is not here (`ir` imports only the standard library and
@@ -49,8 +53,8 @@ from ir.verify import GraphError, verify_graph
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
            "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
-           "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files", "sha256_hex",
-           "verify_bundle_files", "write_bundle"]
+           "manifest_plan_id", "plan_identity", "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files",
+           "sha256_hex", "verify_bundle_files", "write_bundle"]
 
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FORMAT = "confidant-bundle"
@@ -68,6 +72,7 @@ Signer = Callable[[bytes], bytes]
 SignatureCheck = Callable[[bytes, "bytes | None"], None]
 
 _MANIFEST_KEYS = ("schema_version", "format", "device", "stage", "files")
+_PLAN_KEY = "plan"  # the plan's identity; absent in bundles written on their own or before it existed
 
 @dataclass(frozen=True, eq=False)
 class BundleContents:
@@ -81,6 +86,7 @@ class BundleContents:
     graph: Graph
     actions: tuple[Action, ...]
     manifest: dict[str, str]
+    plan_id: str | None = None  # the identity of the plan the bundle was written for (signed with it)
 
     @property
     def stage(self) -> int:
@@ -142,10 +148,11 @@ def _json_bytes(doc: Any, sort_keys: bool, indent: int | None = 1) -> bytes:
 
 def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: Mapping[str, Any],
                        constants: Mapping[str, np.ndarray], actions: Iterable[Action | str],
-                       source: str = "<memory>", sign: Signer | None = None) -> dict[str, bytes]:
+                       source: str = "<memory>", sign: Signer | None = None,
+                       plan_id: str | None = None) -> dict[str, bytes]:
     """The bytes of every bundle file, manifest included, and its signature with `sign` (not yet
     verified: `write_bundle` does). `stage_doc` may be a StageDocument or its JSON (checked as a
-    reader would)."""
+    reader would). `plan_id` (`plan_identity`) goes into the manifest, under the signature."""
     if not isinstance(stage_doc, StageDocument):
         stage_doc = StageDocument.from_json(stage_doc, f"bundle {source}: {STAGE}")
     try:
@@ -157,6 +164,8 @@ def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: 
         raise BundleError(f"bundle {source}: cannot be written: {exc}") from None
     manifest = {"schema_version": BUNDLE_SCHEMA_VERSION, "format": BUNDLE_FORMAT, "device": stage_doc.device,
                 "stage": stage_doc.stage, "files": {name: sha256_hex(files[name]) for name in BUNDLE_FILES}}
+    if plan_id is not None:
+        manifest[_PLAN_KEY] = plan_id
     files[MANIFEST] = _json_bytes(manifest, sort_keys=False)
     if sign is not None:
         files[SIGNATURE] = bytes(sign(files[MANIFEST]))
@@ -165,7 +174,7 @@ def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: 
 
 def write_bundle(directory: str | Path, stage_doc: StageDocument | Mapping[str, Any], graph_doc: Mapping[str, Any],
                  constants: Mapping[str, np.ndarray], actions: Iterable[Action | str],
-                 sign: Signer | None = None) -> Path:
+                 sign: Signer | None = None, plan_id: str | None = None) -> Path:
     """Verify the bundle's bytes, then write its files into `directory`, the manifest last (and
     its signature after it, with `sign`).
 
@@ -173,7 +182,8 @@ def write_bundle(directory: str | Path, stage_doc: StageDocument | Mapping[str, 
     else in it is refused rather than deleted. Its manifest goes first, so an interrupted rewrite
     leaves a directory that no runtime accepts."""
     directory = Path(directory)
-    files = build_bundle_files(stage_doc, graph_doc, constants, actions, source=str(directory), sign=sign)
+    files = build_bundle_files(stage_doc, graph_doc, constants, actions, source=str(directory), sign=sign,
+                               plan_id=plan_id)
     verify_bundle_files(files, str(directory))
     if directory.exists():
         if not directory.is_dir():
@@ -248,9 +258,11 @@ def check_bundle_manifest(files: Mapping[str, bytes], source: str) -> dict[str, 
     if manifest.get("format") != BUNDLE_FORMAT:
         raise BundleError(f"bundle {source}: {MANIFEST} format is {manifest.get('format')!r}, "
                           f"expected {BUNDLE_FORMAT!r}")
-    if sorted(manifest) != sorted(_MANIFEST_KEYS):
+    if sorted(set(manifest) - {_PLAN_KEY}) != sorted(_MANIFEST_KEYS):
         raise BundleError(f"bundle {source}: {MANIFEST} has keys {sorted(manifest)}, expected "
-                          f"{sorted(_MANIFEST_KEYS)}")
+                          f"{sorted(_MANIFEST_KEYS)} and optionally {_PLAN_KEY!r}")
+    if _PLAN_KEY in manifest and not (isinstance(manifest[_PLAN_KEY], str) and SHA256.fullmatch(manifest[_PLAN_KEY])):
+        raise BundleError(f"bundle {source}: {MANIFEST} plan is {manifest[_PLAN_KEY]!r:.80}, not a sha256 hex digest")
     try:
         check_device_name(manifest["device"])
     except BundleError as exc:
@@ -380,7 +392,26 @@ def verify_bundle_files(files: Mapping[str, bytes], source: str,
     except GraphError as exc:
         raise BundleError(f"bundle {source}: {GRAPH}: {exc}") from None
     actions = _parse_actions(bytes(files[ACTIONS]), source, stage_doc)
-    return BundleContents(source, stage_doc, graph, actions, manifest)
+    return BundleContents(source, stage_doc, graph, actions, manifest, head.get(_PLAN_KEY))
+
+
+def plan_identity(settings: Any, constants: Mapping[str, np.ndarray]) -> str:
+    """A plan's identity, named by every bundle's signed manifest and by plan.json: the SHA-256 of
+    its settings (any JSON: the stages' documents and actions) and of every constant of the model
+    by name, dtype, shape and bytes. Plans that differ in any setting or weight differ in it; the
+    same plan written twice has the same one."""
+    digest = hashlib.sha256(_json_bytes(settings, sort_keys=True, indent=None))
+    for name in sorted(constants):
+        arr = np.ascontiguousarray(constants[name])
+        digest.update(f"\0{name}\0{arr.dtype.str}\0{list(arr.shape)}\0".encode("utf-8"))
+        digest.update(arr.reshape(-1).view(np.uint8) if arr.size else b"")
+    return digest.hexdigest()
+
+
+def manifest_plan_id(manifest_bytes: bytes, source: str) -> str | None:
+    """The plan identity a manifest names (None: none)."""
+    head = _load_json(manifest_bytes, source, MANIFEST)
+    return head.get(_PLAN_KEY) if isinstance(head, dict) else None
 
 
 def load_bundle_dir(directory: str | Path, check_signature: SignatureCheck | None = None) -> BundleContents:
@@ -413,6 +444,10 @@ def base_weights(graph: Graph) -> dict[str, np.ndarray]:
     return {n: c for n, c in graph.constants.items() if n not in trained and np.asarray(c).nbytes >= BASE_MIN_BYTES}
 
 
+def _short(plan_id: str | None) -> str:
+    return "(none)" if plan_id is None else plan_id[:12] + "..."
+
+
 def load_plan(out_dir: str | Path, verify_bundles: bool = False) -> PlanDocument:
     """plan.json of an emitted plan, validated, with each device's bundle checked to be the one the
     plan was written with (its manifest's SHA-256); `verify_bundles` also verifies each bundle fully."""
@@ -435,7 +470,13 @@ def load_plan(out_dir: str | Path, verify_bundles: bool = False) -> PlanDocument
         if not manifest.is_file():
             raise BundleError(f"plan {out_dir}: the bundle of device {d.name!r} has no "
                               f"{manifest.relative_to(out_dir)}")
-        got = sha256_hex(manifest.read_bytes())
+        data = manifest.read_bytes()
+        bound = manifest_plan_id(data, str(out_dir / d.bundle))
+        if bound != doc.plan_id:
+            raise BundleError(f"plan {out_dir}: bundle {d.bundle}/ belongs to another plan (its signed {MANIFEST} "
+                              f"names plan {_short(bound)}, {PLAN} plan {_short(doc.plan_id)}); a plan's bundles "
+                              f"are used only together: re-run `confidant plan`")
+        got = sha256_hex(data)
         if got != d.manifest_sha256:
             raise BundleError(f"plan {out_dir}: bundle {d.bundle}/ is not the one {PLAN} was written with "
                               f"({MANIFEST} sha256 expected {d.manifest_sha256[:12]}..., got {got[:12]}...); "

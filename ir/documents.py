@@ -391,6 +391,9 @@ class PlanDocument:
     # plan's `--base-dtype`): each bundle's graph records its weights' precisions, this is the
     # plan-wide choice `train PLAN` and `show` report. Plans from before it: float32.
     base_dtype: str = "float32"
+    # the identity every bundle's signed manifest names (`ir.bundle.plan_identity`): a bundle of
+    # another plan, signed by the same key, is refused in this plan's folder (None: written before)
+    plan_id: str | None = None
 
     @property
     def stages(self) -> int:
@@ -440,6 +443,8 @@ class PlanDocument:
             doc["lora"] = self.lora.to_json()
         if self.base_dtype != "float32":
             doc["base_dtype"] = self.base_dtype
+        if self.plan_id is not None:
+            doc["plan_id"] = self.plan_id
         return doc
 
     @classmethod
@@ -480,7 +485,8 @@ class PlanDocument:
         if expect_first != len(blocks):
             raise fail(f"the devices cover blocks 0..{expect_first - 1} of 0..{len(blocks) - 1}")
         cluster_digest, base_digest = doc.get("cluster_sha256"), doc.get("base_sha256")
-        for key, digest in (("cluster_sha256", cluster_digest), ("base_sha256", base_digest)):
+        for key, digest in (("cluster_sha256", cluster_digest), ("base_sha256", base_digest),
+                            ("plan_id", doc.get("plan_id"))):
             if digest is not None and not (isinstance(digest, str) and SHA256.fullmatch(digest)):
                 raise fail(f"{key} is {digest!r}, not null or a sha256 hex digest")
         if doc["predicted_step_s"] is not None and not _number(doc["predicted_step_s"]):
@@ -517,7 +523,8 @@ class PlanDocument:
                    OptimizerSettings.from_json(doc["optimizer"]), parsed, doc["predicted_step_s"],
                    doc["partition_method"], tuple(tuple(str(a) for a in row) for row in schedule.actions),
                    doc.get("graph"), bool(doc.get("partition_optimal", False)), float(doc.get("bottleneck_s", 0.0)),
-                   cluster_digest, base_digest, dict(lookup_rows), model_path, lora, base_dtype)
+                   cluster_digest, base_digest, dict(lookup_rows), model_path, lora, base_dtype,
+                   doc.get("plan_id"))
 
 
 def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:

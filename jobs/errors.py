@@ -4,3 +4,17 @@ without a traceback, by the command line."""
 
 class JobError(Exception):
     """An error the user can fix; the message names the cause and, where there is one, the fix."""
+
+
+class FlagError(JobError):
+    """Flags that cannot go together or a value out of range: a usage error (the command line exits 2)."""
+
+
+class RunFailed(JobError):
+    """A run that started and then could not go on (devices lost beyond recovery, `--on-failure
+    stop`, a worker's error): `metrics` (jobs.metrics.TrainingMetrics) holds what it did, its steps
+    and events, for the metrics document every exit path writes."""
+
+    def __init__(self, message: str, metrics=None):
+        super().__init__(message)
+        self.metrics = metrics

@@ -51,6 +51,9 @@ class StepFigures:
     seconds: float
     samples_per_s: float
     tokens_per_s: float | None = None
+    # of `seconds` (wall clock from the step's start to the next's): copying the state off the
+    # devices and writing checkpoints, what the fault policy cost this step (pipelines only)
+    state_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ class TrainingMetrics:
     replan_checks: tuple[Mapping[str, Any], ...] = ()
     events: tuple[Mapping[str, Any], ...] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
+    # why the run ended early (a loss beyond recovery, --on-failure stop, a worker's error); None: it finished
+    error: str | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -108,6 +113,14 @@ class TrainingMetrics:
     @property
     def measured_step_s(self) -> float:
         return sum(s.seconds for s in self.steps) / len(self.steps) if self.steps else math.nan
+
+    @property
+    def state_share(self) -> float | None:
+        """The share of the steps' wall clock spent copying state off the devices and writing
+        checkpoints (None where not measured)."""
+        known = [s for s in self.steps if s.state_seconds is not None]
+        total = sum(s.seconds for s in known)
+        return sum(s.state_seconds for s in known) / total if known and total > 0 else None
 
     @property
     def peak_rss_bytes(self) -> int | None:
@@ -120,12 +133,14 @@ class TrainingMetrics:
             "model": self.model, "plan": self.plan, "schedule": self.schedule, "microbatches": self.microbatches,
             "batch": self.batch, "seq": self.seq,
             "steps": [{"step": s.step, "loss": s.loss, "seconds": s.seconds, "samples_per_s": s.samples_per_s,
-                       "tokens_per_s": s.tokens_per_s} for s in self.steps],
+                       "tokens_per_s": s.tokens_per_s,
+                       **({} if s.state_seconds is None else {"state_seconds": s.state_seconds})} for s in self.steps],
             "devices": [{"name": d.name, "stage": d.stage, "blocks": [d.first_block, d.last_block],
                          "peak_rss_bytes": d.peak_rss_bytes, "planned_bytes": d.planned_bytes,
                          "budget_bytes": d.budget_bytes} for d in self.devices],
             "peak_rss_bytes": self.peak_rss_bytes, "coordinator_peak_rss_bytes": self.coordinator_peak_rss_bytes,
             "predicted_step_s": self.predicted_step_s, "measured_step_s": _finite(self.measured_step_s),
+            "state_share": self.state_share,
             "eval": None if self.eval is None else {
                 "metric": self.eval.metric, "before": self.eval.before, "after": self.eval.after,
                 "precision": self.eval.precision, "recall": self.eval.recall, "per_type": dict(self.eval.per_type),
@@ -133,6 +148,7 @@ class TrainingMetrics:
                 "perplexity_before": self.eval.perplexity_before},
             "replans": [dict(r) for r in self.replans], "replan_checks": [dict(c) for c in self.replan_checks],
             "events": [dict(e) for e in self.events], "settings": dict(self.settings),
+            **({} if self.error is None else {"error": self.error}),
         }
 
     def write(self, path: str | Path) -> Path:
@@ -153,11 +169,14 @@ def read_metrics(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-def steps_from(losses: Sequence[float], seconds: Sequence[float], rows: int, first_step: int = 1
-               ) -> tuple[StepFigures, ...]:
-    """Step figures of a pipeline run: loss and wall time per step, `rows` samples a step."""
-    return tuple(StepFigures(first_step + i, float(loss), float(sec), rows / sec if sec > 0 else math.nan)
-                 for i, (loss, sec) in enumerate(zip(losses, seconds)))
+def steps_from(losses: Sequence[float], seconds: Sequence[float], rows: int, first_step: int = 1,
+               state_seconds: Sequence[float] | None = None) -> tuple[StepFigures, ...]:
+    """Step figures of a pipeline run: loss and wall time per step (from its start to the next
+    step's), `rows` samples a step, and of that time the fault policy's state copies and checkpoints."""
+    state = list(state_seconds) if state_seconds is not None else [None] * len(losses)
+    return tuple(StepFigures(first_step + i, float(loss), float(sec), rows / sec if sec > 0 else math.nan,
+                             state_seconds=None if st is None else float(st))
+                 for i, (loss, sec, st) in enumerate(zip(losses, seconds, state)))
 
 
 def _finite(x: float) -> float | None:

@@ -7,6 +7,8 @@ runtime.pipeline.worker, the schedules in planner.schedule.
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,7 +19,7 @@ import numpy as np
 from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
-from jobs.errors import JobError
+from jobs.errors import JobError, RunFailed
 from jobs.memory_check import check_memory, default_planned_bytes
 from jobs.pipeline_tasks import pipeline_task, step_feeds
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
@@ -41,7 +43,7 @@ from runtime.transport.wire import Transport
 @dataclass
 class PipelineResult:
     losses: list[float]
-    step_seconds: list[float]
+    step_seconds: list[float]  # wall clock from each step's start to the next's (state copies included)
     stage_busy: list[list[float]]
     stage_reports: list[list[dict]]
     weights: dict[str, np.ndarray]
@@ -52,12 +54,36 @@ class PipelineResult:
     events: list[dict] = field(default_factory=list)  # failures and recoveries, as they happened (jobs.metrics)
     addresses: list[str] = field(default_factory=list)  # the worker of each stage at the end
     snapshot_seconds: list[float] = field(default_factory=list)  # each copy of the state to the coordinator
+    state_seconds: list[float] = field(default_factory=list)  # per step: the part of step_seconds spent copying
+    # the state to the coordinator and writing checkpoints (what the fault policy costs)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # worker address -> its peak over the run
     setup_bytes: int = 0  # what the first setup sent the workers (bundles or weights, optimizer state)
     base_bytes_held: int = 0  # frozen weights the first setup left to the workers' own base files
 
 
 FAILURE_POLICIES = ("replan", "stop")
+
+# The command line's snapshot policy (FaultPolicy.snapshot_every): chosen from measured costs.
+AUTO_SNAPSHOTS = None
+# What the state copies may cost of the wall-clock step under AUTO_SNAPSHOTS (issue 32's target).
+SNAPSHOT_SHARE = 0.05
+# At most this many seconds of steps replayed after a loss under AUTO_SNAPSHOTS: with a re-setup of
+# a few seconds, a recovery stays within 10 s (issue 13's target).
+REPLAY_BUDGET_S = 5.0
+# 1f1b-stash without --checkpoint-every under AUTO_SNAPSHOTS: the run drains (and copies its state)
+# every this many steps, so a loss replays at most these (issue 32: it replayed the run from step 0).
+STASH_SEGMENT_STEPS = 8
+
+
+def snapshot_interval(copy_s: float, step_s: float, share: float = SNAPSHOT_SHARE,
+                      replay_budget_s: float = REPLAY_BUDGET_S) -> int:
+    """Steps between state copies so that a copy of `copy_s` seconds costs at most `share` of
+    steps of `step_s` seconds (wall clock, copies left out), but no more steps than replay in
+    `replay_budget_s` (a recovery's bound wins: the copies then cost more than `share`)."""
+    if not step_s > 0:
+        return 1
+    wanted = math.ceil(copy_s / (share * step_s)) if copy_s > 0 else 1
+    return max(1, min(wanted, int(replay_budget_s // step_s)))
 
 
 @dataclass(frozen=True)
@@ -68,7 +94,13 @@ class FaultPolicy:
     devices) or "stop" (end with a resumable checkpoint). `detect_s`: a worker silent this long is
     lost (ZeroMQ heartbeats, so a busy one is never taken for lost). `snapshot_every`: steps
     between copies of every stage's state to the coordinator (flush boundaries; with 1 a recovery
-    replays at most the interrupted step). `checkpoint_every`: steps between checkpoints on disk
+    replays at most the interrupted step). `snapshot_every` None (`AUTO_SNAPSHOTS`, the command
+    line's default): flush schedules copy the state every K steps, K chosen from the measured
+    copy and step times so that the copies cost at most `SNAPSHOT_SHARE` of the wall-clock step,
+    and at most `REPLAY_BUDGET_S` of steps are replayed after a loss (the data order is
+    deterministic, so a replay retrains the same batches to the same bits); 1f1b-stash drains
+    and copies every `STASH_SEGMENT_STEPS` steps (a fixed count: where stash drains changes its
+    updates, so it must not depend on timing). `checkpoint_every`: steps between checkpoints on disk
     (needs a checkpoint folder); for 1f1b-stash also the length of the segments the run drains
     at, so a run resumed from such a checkpoint continues exactly as one that never stopped.
     `low_memory_bytes` / `low_battery_percent`: a device reporting less free memory (MemAvailable)
@@ -82,7 +114,7 @@ class FaultPolicy:
 
     on_failure: str = "replan"
     detect_s: float = 3.0
-    snapshot_every: int = 1
+    snapshot_every: int | None = 1
     checkpoint_every: int | None = None
     low_memory_bytes: int = 256 * 2 ** 20
     low_battery_percent: float = 15.0
@@ -93,8 +125,9 @@ class FaultPolicy:
             raise ValueError(f"--on-failure must be one of {', '.join(FAILURE_POLICIES)}, not {self.on_failure!r}")
         if not self.detect_s > 0:
             raise ValueError(f"--failure-timeout must be a positive number of seconds, got {self.detect_s}")
-        if self.snapshot_every < 1:
-            raise ValueError(f"snapshot_every must be at least 1 step, got {self.snapshot_every}")
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be at least 1 step (or None: chosen from measured costs), got "
+                             f"{self.snapshot_every}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every must be at least 1 step, got {self.checkpoint_every}")
         return self
@@ -125,10 +158,12 @@ class SurvivorPlan:
 
 class RecoveryImpossible(RuntimeError):
     """The survivors cannot go on (no plan fits them, or the policy says stop); `checkpoint` is
-    where the resumable state was written, if anywhere."""
+    where the resumable state was written, if anywhere. `train_pipeline` gives it (and a
+    WorkerFailed) the run's `result` so far, as `result`: the steps done and the events."""
 
     def __init__(self, message: str, checkpoint: Path | None = None):
         self.checkpoint = checkpoint
+        self.result: PipelineResult | None = None
         super().__init__(message + (f"; the state before the failed step is in {checkpoint} (resume with "
                                     f"--resume {checkpoint})" if checkpoint is not None else ""))
 
@@ -270,6 +305,10 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
             result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
         if checkpoint_dir is not None:
             run.save(checkpoint_dir, start_step + steps, result.checkpoint)
+    except (WorkerFailed, RecoveryImpossible) as exc:
+        run._close_step()
+        exc.result = run.result  # what the run did before it ended: its steps and events reach the metrics
+        raise
     finally:
         coordinator.stop()
         transport.close()
@@ -316,6 +355,10 @@ class _Run:
         # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
         self.keep_state = (faults.on_failure == "replan" and plan_over is not None) or checkpoint_dir is not None
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
+        # the last step done, whose wall clock runs on (state copies, checkpoints, re-plan checks)
+        # until the next step starts or the run ends: its seconds and progress report come then
+        self._open: dict | None = None
+        self._work_s: list[float] = []  # the coordinator's run of each step since the last setup (AUTO_SNAPSHOTS)
         self.final: list | None = None  # every stage's state after the last step, once the run is done
         # every worker of the run (stages, then spares) in its first order, less the lost and moved off
         self.workers = list(dict.fromkeys([*result.addresses, *(spare_devices or {}).values()]))
@@ -339,27 +382,52 @@ class _Run:
     def take_snapshot(self, step: int) -> Snapshot:
         start = time.perf_counter()
         per_stage = self.coordinator.collect_checkpoint()
-        self.result.snapshot_seconds.append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.result.snapshot_seconds.append(seconds)
+        self._charge(seconds)
         self.snapshot = Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(self.result.ranges))
         return self.snapshot
+
+    def _charge(self, seconds: float) -> None:
+        """Seconds of the step still open spent on the fault policy (state copies, checkpoints)."""
+        if self._open is not None:
+            self.result.state_seconds[self._open["index"]] += seconds
 
     def save(self, directory: Path, step: int, per_stage, ranges=None) -> None:
         # the loss of every step up to `step`: a resumed run's earlier ones (meta's "losses"), then this
         # run's, not those of steps past `step` (a stop after a loss saves the snapshot before them)
         earlier = list((self.meta or {}).get("losses") or [])
         losses = earlier + self.result.losses[:max(0, step - self.start_step)]
+        start = time.perf_counter()
         save_checkpoint(directory, per_stage,
                         {**(self.meta or {}), "stages": len(per_stage), "ranges": ranges or self.result.ranges,
                          "step": step, "schedule": self.config.schedule, "microbatches": self.M,
                          "losses": losses, "checkpoint_every": self.faults.checkpoint_every,
                          "devices": self.result.devices})
+        self._charge(time.perf_counter() - start)
+
+    def snapshot_every(self) -> int:
+        """Steps between state copies now: the policy's, or under AUTO_SNAPSHOTS the interval that
+        keeps the copies within SNAPSHOT_SHARE of the step, from the last copies and the steps run
+        since the last setup (its first step, which builds the engines, left out once others ran)."""
+        if self.faults.snapshot_every is not None:
+            return self.faults.snapshot_every
+        copies, work = self.result.snapshot_seconds[-3:], self._work_s[1:] or self._work_s
+        if not copies or not work:
+            return 1
+        return snapshot_interval(statistics.median(copies), statistics.median(work[-8:]))
 
     def _boundary(self, step: int, start_step: int) -> bool:
         """After `step` steps: is a snapshot due (and a checkpoint), so the next failure replays from here?"""
-        every = self.faults.snapshot_every if self.keep_state else None
         ckpt = self.faults.checkpoint_every if self.checkpoint_dir is not None else None
-        due = [e for e in (every, ckpt) if e]
-        return any((step - start_step) % e == 0 for e in due) if due else False
+        if ckpt and (step - start_step) % ckpt == 0:
+            return True
+        if not self.keep_state:
+            return False
+        if self.faults.snapshot_every is None:  # counted from the last copy (a recovery restarts the count)
+            last = self.snapshot.step if self.snapshot is not None else start_step
+            return step - last >= self.snapshot_every()
+        return (step - start_step) % self.faults.snapshot_every == 0
 
     def at_boundary(self, step: int, start_step: int) -> None:
         if not self._boundary(step, start_step):
@@ -370,16 +438,32 @@ class _Run:
             self.save(self.checkpoint_dir, step, snap.per_stage, snap.ranges)
             self.event("checkpoint", step=step, directory=str(self.checkpoint_dir))
 
-    def _record(self, step: int, loss: float, seconds: float, done: list[dict]) -> None:
+    def _record(self, step: int, loss: float, started: float, done: list[dict]) -> None:
+        """Step `step` is done (it started at `started`, perf_counter): its loss now; its seconds
+        and progress report once the next step starts or the run ends (`_close_step`)."""
+        self._close_step(started)
         self.result.losses.append(loss)
-        self.result.step_seconds.append(seconds)
+        self.result.step_seconds.append(time.perf_counter() - started)
+        self.result.state_seconds.append(0.0)
+        self._open = {"step": step, "loss": loss, "started": started, "done": done,
+                      "index": len(self.result.losses) - 1}
         if self._recovering is not None:
             r, self._recovering = self._recovering, None
             self.event("recovered", step=step, seconds=time.monotonic() - r["t0"], steps_replayed=r["replayed"],
                        ranges=[list(x) for x in self.result.ranges], devices=self._devices())
         self._watch_devices(step, done)
+
+    def _close_step(self, now: float | None = None) -> None:
+        """The step still open ends `now` (the next one starts, or the run ends): its wall-clock
+        seconds, from its start, with whatever the fault policy did after it, and its progress report."""
+        step, self._open = self._open, None
+        if step is None:
+            return
+        seconds = (time.perf_counter() if now is None else now) - step["started"]
+        self.result.step_seconds[step["index"]] = seconds
         if self.on_step:
-            self.on_step(step, loss, seconds, [d["seconds"] for d in done], done)
+            done = step["done"]
+            self.on_step(step["step"], step["loss"], seconds, [d["seconds"] for d in done], done)
 
     def _devices(self) -> list[str]:
         return [self.device_of.get(a, a) for a in self.result.addresses]
@@ -459,6 +543,7 @@ class _Run:
             self.device_of.update(dict(zip(plan.addresses, plan.devices)))
         reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
                                               state=snap.state, lost=lost)
+        self._work_s = []  # a new setup: its first step builds the engines again
         old_ranges = list(self.result.ranges)
         self.result.ranges = [tuple(r) for r in plan.ranges]
         self.result.addresses = list(plan.addresses)
@@ -496,7 +581,7 @@ class _Run:
     def _truncate(self, step: int, start_step: int) -> None:
         keep = step - start_step
         drop = len(self.result.losses) - keep  # the steps to run again
-        del self.result.losses[keep:], self.result.step_seconds[keep:]
+        del self.result.losses[keep:], self.result.step_seconds[keep:], self.result.state_seconds[keep:]
         if drop > 0 and self.config.schedule not in ASYNC_SCHEDULES:  # flush: one report per step
             del self.result.stage_reports[-drop:], self.result.stage_busy[-drop:]
 
@@ -506,6 +591,10 @@ class _Run:
         them, restore the snapshot and return the new plan's schedule (None: build one from the
         config); the caller then continues from `self.snapshot.step`."""
         t0 = time.monotonic()
+        if self._open is not None and self._open["step"] > (self.snapshot.step if self.snapshot else -1):
+            self._open = None  # replayed: it is reported when it is done again
+        self._close_step()
+        self._work_s = []  # a new setup: its first step builds the engines again
         for k, p in lost.lost.items():
             self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
                        address=p.address, detected_after_s=p.down_s, reason=p.reason)
@@ -558,7 +647,7 @@ class _Run:
         device replays at most the segment it interrupted."""
         self.start_step = start_step
         M, end = self.M, start_step + steps
-        every = self.faults.checkpoint_every
+        every = self.faults.checkpoint_every or (STASH_SEGMENT_STEPS if self.keep_state else None)
         if self.keep_state:
             self.take_snapshot(start_step)
         s = start_step
@@ -568,29 +657,46 @@ class _Run:
                                      update_every=update_every)
             feeds = [f for k in range(s, stop) for f in self.feeds(k)]
             start = time.perf_counter()
+            self._close_step(start)
+            arrived: list[float] = []
+            marks = [start]  # when each step of the segment was done: its last micro-batch's loss came
+
+            def on_loss(m: int, loss: float, s=s, stop=stop, arrived=arrived, marks=marks) -> None:
+                """Every step but the segment's last is reported as its last loss comes (the last one
+                once the stages' reports are in); its seconds run from the step before it."""
+                arrived.append(loss)
+                if len(arrived) % M == 0:
+                    k = len(arrived) // M
+                    marks.append(time.perf_counter())
+                    if s + k < stop:
+                        self._record(s + k, float(sum(arrived[-M:])), marks[-2], [])
+                        self._close_step(marks[-1])
+
             try:
-                losses, done = self.coordinator.run(schedule, feeds, s, send_actions=True)
+                losses, done = self.coordinator.run(schedule, feeds, s, send_actions=True, on_loss=on_loss)
             except WorkerLost as lost:
-                self.recover(lost, s, True, start_step)
+                finished = len(arrived) // M  # the steps whose losses all came before the loss was found
+                self.recover(lost, s + finished, s + finished < stop, start_step)
                 s = self.snapshot.step
                 continue
-            total = time.perf_counter() - start
-            for i in range(stop - s):
-                self._record(s + i + 1, float(sum(losses[i * M:(i + 1) * M])), total / (stop - s), done)
+            self._record(stop, float(sum(losses[-M:])), marks[-2], done)
             self._reports(done)
             s = stop
             try:
                 if s == end:
+                    self._close_step()
                     self.collect_final(s)
                     continue
                 snap = self.take_snapshot(s) if self.keep_state else None
-                if self.checkpoint_dir is not None and every and s % every == 0:
+                ckpt = self.faults.checkpoint_every
+                if self.checkpoint_dir is not None and ckpt and s % ckpt == 0:
                     snap = snap or self.take_snapshot(s)
                     self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
                     self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
             except WorkerLost as lost:
                 self.recover(lost, s, False, start_step)
                 s = self.snapshot.step
+        self._close_step()
 
     def flush(self, start_step: int, steps: int, schedule: Schedule, replan_every: int | None, from_bundles: bool,
               address_of: Mapping[str, str], on_replan, on_replanned) -> None:
@@ -608,6 +714,7 @@ class _Run:
         s = start_step
         while s < end:
             start = time.perf_counter()
+            self._close_step(start)
             try:
                 losses, done = self.coordinator.run(schedule, self.feeds(s), s)
             except WorkerLost as lost:
@@ -615,12 +722,14 @@ class _Run:
                     self.config.schedule, self.coordinator.stages, self.M)
                 s, window, warm_up = self.snapshot.step, [], True
                 continue
-            self._record(s + 1, float(sum(losses)), time.perf_counter() - start, done)
+            self._work_s.append(time.perf_counter() - start)
+            self._record(s + 1, float(sum(losses)), start, done)
             self._reports(done)
             s += 1
             try:
                 self.at_boundary(s, start_step)
                 if s == end:
+                    self._close_step()  # the last step ends here; collecting the final state is the run's
                     self.collect_final(s)
             except WorkerLost as lost:
                 schedule = self.recover(lost, s, False, start_step) or make_schedule(
@@ -663,6 +772,8 @@ class _Run:
                                              list(self.result.ranges))
                 if on_replanned:
                     on_replanned(s, reconf)
+                self._work_s = []  # a new setup: its first step builds the engines again
+        self._close_step()
 
 
 # Steps whose per-stage reports a result keeps (the figures over the whole run are kept as they go).
@@ -759,7 +870,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     if pipeline.replan_every is not None:
         replanner = TimingReplanner(graph, ranges, pipeline.schedule, M, training.optimizer,
                                     pipeline.replan_threshold, update_every=pipeline.update_every)
-    faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, 1, pipeline.checkpoint_every)
+    faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, AUTO_SNAPSHOTS, pipeline.checkpoint_every)
     addresses, keys = (None, None) if local else parse_workers(workers, pipeline.keys, pipeline.insecure)
     reporter.start(f"train ({n_stages} stages, {pipeline.schedule}, {M} micro-batches)", training.steps)
 
@@ -771,6 +882,17 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         reporter.note(describe_event(event))
         if replanner is not None and event["event"] == "new_plan" and event.get("cause") == "lost":
             replanner.restart(event["ranges"])
+
+    def metrics_of(result: PipelineResult, figures=None, replans=(), error: str | None = None) -> TrainingMetrics:
+        stage_rss = [result.peak_rss_bytes.get(a) for a in result.addresses]
+        return TrainingMetrics(
+            "train-pipeline", str(model), training.batch, training.seq,
+            steps_from(result.losses, result.step_seconds, training.batch, start_step + 1, result.state_seconds),
+            tuple(DeviceFigures(f"stage{k}", k, a, b, rss)
+                  for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))),
+            microbatches=M, schedule=pipeline.schedule, eval=figures, coordinator_peak_rss_bytes=peak_rss_bytes(),
+            replans=replans, events=tuple(result.events),
+            settings={**asdict(training), **asdict(pipeline), "task": task}, error=error)
 
     started = None
     if local:
@@ -789,7 +911,8 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
                                 feeds_of_step=run_task.feeds_of_step)
         failed = False
     except (WorkerFailed, RecoveryImpossible) as exc:
-        raise JobError(str(exc)) from None
+        partial = getattr(exc, "result", None)
+        raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
     finally:
         if started:
             codes = started.finish(failed)
@@ -806,12 +929,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     figures = run_task.evaluate(result.weights)
     if figures is not None:
         reporter.note(f"{run_task.headline(figures)} after pipeline training")
-    metrics = TrainingMetrics(
-        "train-pipeline", str(model), training.batch, training.seq,
-        steps_from(result.losses, result.step_seconds, training.batch, start_step + 1),
-        tuple(DeviceFigures(f"stage{k}", k, a, b, rss) for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))),
-        microbatches=M, schedule=pipeline.schedule, eval=figures, coordinator_peak_rss_bytes=peak_rss_bytes(),
-        replans=replans, events=tuple(result.events), settings={**asdict(training), **asdict(pipeline), "task": task})
+    metrics = metrics_of(result, figures, replans)
     planned = default_planned_bytes(graph, result.ranges, pipeline.schedule, M, training.optimizer,
                                     pipeline.update_every, training.engine)
     return check_memory(metrics, {f"stage{k}": b for k, b in enumerate(planned)}, {}, reporter, "the memory model",

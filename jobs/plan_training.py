@@ -11,12 +11,12 @@ from ir.bundle import PLAN_BASE, BundleError, load_bundle_dir, load_plan
 from ir.documents import PlanDocument
 from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES
 from ir.serialize import merge_slices
-from jobs.errors import JobError
+from jobs.errors import JobError, RunFailed
 from jobs.evaluation import eval_figures, score_weights
 from jobs.memory_check import check_memory
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
-from jobs.pipeline_training import (FaultPolicy, PipelineResult, RecoveryImpossible, SurvivorPlan, describe_event,
-                                    train_pipeline)
+from jobs.pipeline_training import (AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, RecoveryImpossible, SurvivorPlan,
+                                    describe_event, train_pipeline)
 from jobs.report import Reporter, Silent
 from jobs.settings import check_fault_flags
 from jobs.workers import LocalWorkers, coordinator_pair
@@ -190,7 +190,15 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         keys = None if pair is None else _remote_keys(settings, pair, names + list(spares),
                                                        addresses + list(spares.values()), plan_dir)
     address_of = {**dict(zip(names, addresses)), **spares}
-    faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, 1, settings.checkpoint_every)
+    faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, AUTO_SNAPSHOTS, settings.checkpoint_every)
+
+    def metrics_of(result: PipelineResult, error: str | None = None, **replan_figures) -> TrainingMetrics:
+        return TrainingMetrics(
+            "train", plan.model, rows * M, seq, steps_from(result.losses, result.step_seconds, rows * M,
+                                                               state_seconds=result.state_seconds),
+            _device_figures(result, names, replanner), microbatches=M, schedule=plan.schedule, plan=str(plan_dir),
+            predicted_step_s=plan.predicted_step_s, coordinator_peak_rss_bytes=peak_rss_bytes(),
+            settings=asdict(settings), events=tuple(result.events), error=error, **replan_figures)
     failed = True
     try:
         result = train_pipeline(None, None, len(task.labels), addresses, config, settings.steps,
@@ -206,16 +214,12 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
                                 feeds_of_step=task.feeds_of_step, base=base)
         failed = False
     except (WorkerFailed, RecoveryImpossible) as exc:
-        raise JobError(str(exc)) from None
+        partial = getattr(exc, "result", None)
+        raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
     finally:
         if local:
             local.finish(failed)
-    metrics = TrainingMetrics(
-        "train", plan.model, rows * M, seq, steps_from(result.losses, result.step_seconds, rows * M),
-        _device_figures(result, names, replanner), microbatches=M, schedule=plan.schedule, plan=str(plan_dir),
-        predicted_step_s=plan.predicted_step_s, coordinator_peak_rss_bytes=peak_rss_bytes(),
-        settings=asdict(settings), events=tuple(result.events),
-        **(_replan_figures(replanner, result) if replanner is not None else {}))
+    metrics = metrics_of(result, **(_replan_figures(replanner, result) if replanner is not None else {}))
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
     promised = plan  # after a re-plan, the figures of the plan the run ended on
     if replanner is not None and replanner.applied:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
-from jobs.errors import JobError
+from jobs.errors import FlagError, JobError
 from planner.lora import LoraSettings
 
 
@@ -72,20 +72,21 @@ class PipelineSettings:
         try:
             check_schedule_name(self.schedule)
         except ValueError as exc:
-            raise JobError(f"--schedule: {exc}") from None
+            raise FlagError(f"--schedule: {exc}") from None
         if self.microbatches < 1 or batch % self.microbatches:
-            raise JobError(f"--batch {batch} must be a multiple of --microbatches {self.microbatches}")
+            raise FlagError(f"--batch {batch} must be a multiple of --microbatches {self.microbatches}")
         if self.update_every < 1:
-            raise JobError(f"--update-every must be at least 1, got {self.update_every}")
+            raise FlagError(f"--update-every must be at least 1, got {self.update_every}")
         if self.update_every != 1 and self.schedule not in ASYNC_SCHEDULES:
-            raise JobError(f"--update-every applies to 1f1b-stash and 2bw only; {self.schedule} updates once per batch")
+            raise FlagError(f"--update-every applies to 1f1b-stash and 2bw only; {self.schedule} updates once per "
+                            f"batch")
         if self.replan_every is not None and (self.replan_every < 1 or self.schedule not in FLUSH_SCHEDULES):
-            raise JobError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush, "
+            raise FlagError(f"--replan-every needs a whole number of steps >= 1 and a flush schedule (1f1b-flush, "
                            f"gpipe or zb-h1), got {self.replan_every} with {self.schedule}")
         if not self.replan_threshold >= 0:
-            raise JobError(f"--replan-threshold must be a number >= 0 (0.1: 10% faster), got {self.replan_threshold}")
+            raise FlagError(f"--replan-threshold must be a number >= 0 (0.1: 10% faster), got {self.replan_threshold}")
         if not self.timeout_s > 0:
-            raise JobError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+            raise FlagError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         check_fault_flags(self.on_failure, self.failure_timeout_s, self.checkpoint_every, self.checkpoint)
         return self
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ir.bundle import (MANIFEST, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, check_device_name,
-                       load_bundle_dir, load_plan, sha256_hex, write_bundle)
+                       load_bundle_dir, load_plan, plan_identity, sha256_hex, write_bundle)
 from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit, PlannedLora,
                           StageDocument)
 from ir.graph import Graph
@@ -196,17 +196,20 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
     optimizer = OptimizerSettings(str(cfg["optimizer"]["name"]), float(cfg["optimizer"]["lr"]),
                                   cfg["optimizer"]["weight_decay"])
     entries = []
-    for s, assignment in enumerate(partition.stages):
+    stage_docs = [StageDocument(
+        s, p, a.device, a.first_block, a.last_block,
+        devices[s - 1] if s > 0 else None, devices[s + 1] if s < p - 1 else None,
+        schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth[s],
+        cfg["engines"][a.device], cfg["backend"], cfg["threads"][a.device], optimizer, graph.batch, graph.seq,
+        _split_heads(cfg, a.device), cfg["activations"].get(a.device)) for s, a in enumerate(partition.stages)]
+    # every bundle's signed manifest names it: a bundle of another plan is refused in this one's folder
+    plan_id = plan_identity({"model": cfg["model"], "graph": graph.name, "stages": [d.to_json() for d in stage_docs],
+                             "actions": [[str(a) for a in row] for row in schedule.actions]}, graph.constants)
+    for s, (assignment, stage_doc) in enumerate(zip(partition.stages, stage_docs)):
         part = slice_graph(graph, assignment.first_block, assignment.last_block)
         device = assignment.device
-        stage_doc = StageDocument(
-            s, p, device, assignment.first_block, assignment.last_block,
-            devices[s - 1] if s > 0 else None, devices[s + 1] if s < p - 1 else None,
-            schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth[s],
-            cfg["engines"][device], cfg["backend"], cfg["threads"][device], optimizer, graph.batch, graph.seq,
-            _split_heads(cfg, device), cfg["activations"].get(device))
         directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part), part.constants,
-                                 schedule.actions[s], sign=sign)
+                                 schedule.actions[s], sign=sign, plan_id=plan_id)
         load_bundle_dir(directory)  # read back from disk: what a device will receive
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]
@@ -237,7 +240,7 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
                         tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
                         partition.bottleneck_s, cluster_sha256, base_sha256, dict(graph.lookup_rows),
-                        cfg["model_path"], cfg["lora"], _base_dtype(graph))
+                        cfg["model_path"], cfg["lora"], _base_dtype(graph), plan_id)
     doc = plan.to_json()
     PlanDocument.from_json(doc, str(out_dir))  # what a reader will check, before anything is written
     path = out_dir / PLAN

@@ -13,6 +13,7 @@ from typing import Sequence
 from ir.errors import InputFileError
 from tasks.conll import Sentence, read_conll
 from tasks.models import default_tokenizer_path
+from tasks.text_files import directory_given
 from tasks.tokenize import CONLL_LABELS, Encoded, encode_sentences, label_list, load_tokenizer
 
 
@@ -45,7 +46,7 @@ def load_ner_data(train: Path, dev: Path | None, seq: int, tokenizer: Path | Non
     tokens with `tokenizer` (default: the bundled MiniLM's tokenizer.json)."""
     for what, path in (("--data", train), ("--eval", dev)):
         if path is not None and Path(path).is_dir():
-            raise IsADirectoryError(f"{what} {path} is a directory; give the CoNLL file in it (e.g. {path}/train.txt)")
+            raise directory_given(path, "CoNLL", what)
     train_sents = read_conll(train)
     dev_sents = read_conll(dev) if dev is not None else []
     labels = label_set(label_list(train_sents + dev_sents))

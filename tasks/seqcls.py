@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ir.errors import InputFileError
-from tasks.text_files import read_utf8_text
+from tasks.text_files import directory_given, read_utf8_text
 
 __all__ = ["LabelledText", "SeqClsData", "generate_reviews", "label_order", "load_seqcls_data", "read_labelled",
            "write_labelled", "write_review_splits"]
@@ -54,7 +54,7 @@ def read_labelled(path: str | Path) -> list[LabelledText]:
     """Read a GLUE-style TSV/CSV file (see the module docstring)."""
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"{path} is a directory; give the TSV/CSV file in it (e.g. {path}/train.tsv)")
+        raise directory_given(path, "TSV/CSV")
     text = read_utf8_text(path)
     lines = text.splitlines()
     if not any(line.strip() for line in lines):

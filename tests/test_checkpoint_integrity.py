@@ -74,6 +74,14 @@ elif point == "between the fallback's renames":  # no RENAME_EXCHANGE: old renam
             die()
         rename(a, b)
     ck.os.rename = rename_then_die
+elif point == "after the swap, before the old set is removed":  # the real swap, whichever way it is done
+    removals, rmtree = [], ck.shutil.rmtree
+    def rmtree_then_die(path, *args, **kwargs):
+        removals.append(path)
+        if len(removals) == 3:  # the first two clear a killed save's leftovers, before writing
+            die()
+        rmtree(path, *args, **kwargs)
+    ck.shutil.rmtree = rmtree_then_die
 ck.save_checkpoint(folder, _stages(6, 2.0), _meta(6))
 """
 
@@ -84,6 +92,7 @@ ck.save_checkpoint(folder, _stages(6, 2.0), _meta(6))
     ("before meta.json", (1.0, 3)),            # the probe's (b): every stage written, meta.json not
     ("after the exchange", (2.0, 6)),
     ("between the fallback's renames", (2.0, 6)),
+    ("after the swap, before the old set is removed", (2.0, 6)),  # no hook on _exchange: the swap is real
 ])
 def test_a_writer_killed_at_any_moment_of_a_save_leaves_one_whole_checkpoint(tmp_path, point, survivor):
     folder = tmp_path / "ck"
@@ -96,6 +105,28 @@ def test_a_writer_killed_at_any_moment_of_a_save_leaves_one_whole_checkpoint(tmp
     assert _value_and_step(folder) == (3.0, 9)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "stage0.safetensors", "stage1.safetensors"]
+
+
+def test_a_save_fsyncs_every_file_then_the_folder_before_the_swap_and_the_parent_after(tmp_path, monkeypatch):
+    """Issue 32 (removing os.fsync passed every test here): each file of the new set, then its
+    folder, are made durable while they still sit under the new set's temporary name, before it
+    is swapped in; then the parent folder, so that the swap itself survives a power cut."""
+    from runtime.pipeline.checkpoints import NEW_SUFFIX
+
+    folder = tmp_path / "ck"
+    save_checkpoint(folder, _stages(3, 1.0), _meta(3))
+    synced, fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))  # where the file is when it is synced
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    save_checkpoint(folder, _stages(6, 2.0), _meta(6))
+    new = folder.resolve().parent / f".ck{NEW_SUFFIX}"
+    assert synced == [new / "stage0.safetensors", new / "stage1.safetensors", new / "meta.json", new,
+                      folder.resolve().parent], synced
+    assert _value_and_step(folder) == (2.0, 6)
 
 
 def _two_saves(tmp_path: Path) -> tuple[Path, Path]:

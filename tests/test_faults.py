@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -110,6 +111,129 @@ def test_a_bundle_edited_and_rehashed_without_the_coordinators_key_is_refused(gr
         load_bundle(bundle, check_signature=verifier(boss.public))
 
 
+def test_a_signed_bundle_of_another_plan_swapped_into_a_plan_folder_is_refused(graph, tmp_path):
+    """Issue 32's attack: two plans of the same model, cuts and key, one at lr 1e-2; plan B's stage-0
+    bundle (validly signed) copied into plan A's folder and its manifest_sha256 edited into A's
+    plan.json (which is not signed). Each bundle's signed manifest names its plan, so A's folder
+    now holds bundles of two plans: refused in one line, naming the bundle; so is the same swap
+    with plan.json's plan_id edited too (then the other bundle is the odd one)."""
+    import shutil
+
+    from ir.bundle import MANIFEST, PLAN, BundleError, load_plan, sha256_hex
+    from ir.partition import Partition, StageAssignment
+    from planner.emit import emit_plan
+    from planner.schedule import make_schedule
+    from runtime.pipeline.bundles import load_bundle
+
+    boss = KeyPair.generate("coordinator")
+    last = len(graph.blocks) - 1
+    cut = Partition((StageAssignment(0, "a", 0, last // 2), StageAssignment(1, "b", last // 2 + 1, last)), "manual")
+    for name, lr in (("A", 5e-5), ("B", 1e-2)):
+        emit_plan(tmp_path / name, graph, cut, make_schedule("1f1b-flush", 2, M),
+                  {"model": "tiny", "optimizer": {"name": "adamw", "lr": lr}}, sign=signer(boss))
+    load_plan(tmp_path / "A", verify_bundles=True)  # as written: whole
+    shutil.rmtree(tmp_path / "A" / "a")
+    shutil.copytree(tmp_path / "B" / "a", tmp_path / "A" / "a")
+    assert load_bundle(tmp_path / "A" / "a", check_signature=verifier(boss.public)).stage_doc.optimizer.lr == 1e-2
+    doc = json.loads((tmp_path / "A" / PLAN).read_text())
+    doc["devices"][0]["manifest_sha256"] = sha256_hex((tmp_path / "A" / "a" / MANIFEST).read_bytes())
+    (tmp_path / "A" / PLAN).write_text(json.dumps(doc, indent=1) + "\n")
+    with pytest.raises(BundleError, match=r"bundle a/ belongs to another plan \(its signed manifest.json names plan "
+                                          r"[0-9a-f]{12}\.\.\., plan.json plan [0-9a-f]{12}\.\.\.\)") as err:
+        load_plan(tmp_path / "A", verify_bundles=True)
+    assert "\n" not in str(err.value)
+    doc["plan_id"] = json.loads((tmp_path / "A" / "a" / MANIFEST).read_text())["plan"]
+    (tmp_path / "A" / PLAN).write_text(json.dumps(doc, indent=1) + "\n")
+    with pytest.raises(BundleError, match=r"bundle b/ belongs to another plan"):
+        load_plan(tmp_path / "A", verify_bundles=True)
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "signed by another key"])
+def test_a_keyed_worker_refuses_a_bundle_its_coordinator_did_not_sign(graph, tmp_path, forgery):
+    """End to end (issue 32: with the worker's own check switched off 39 tests still passed): a
+    coordinator ships a plan's bundles to workers that trust its key; the bundles are unsigned, or
+    signed by a stranger's key. The worker's own check refuses them before using anything, and the
+    coordinator names the stage and the cause."""
+    from ir.bundle import load_bundle_dir
+    from ir.partition import Partition, StageAssignment
+    from planner.emit import emit_plan
+    from planner.schedule import make_schedule
+    from runtime.pipeline.coordinator import Coordinator, StagePlacement, WorkerFailed
+
+    boss, stranger = KeyPair.generate("coordinator"), KeyPair.generate("stranger")
+    last = len(graph.blocks) - 1
+    emit_plan(tmp_path / "plan", graph, Partition((StageAssignment(0, "a", 0, last // 2),
+                                                   StageAssignment(1, "b", last // 2 + 1, last)), "manual"),
+              make_schedule("1f1b-flush", 2, M), {"model": "tiny"},
+              sign=None if forgery == "unsigned" else signer(stranger))
+    bundles = [tmp_path / "plan" / d for d in "ab"]
+    contents = [load_bundle_dir(b) for b in bundles]
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        for w in workers.workers:
+            w.trusted = boss.public  # as `confidant worker --keys DIR` with the coordinator's public key
+        placements = [StagePlacement(k, c.first_block, c.last_block, a)
+                      for k, (c, a) in enumerate(zip(contents, workers.addresses))]
+        coordinator = Coordinator(None, placements, _config(), workers.coordinator,
+                                  stage_graphs=[c.graph for c in contents])
+        with pytest.raises(WorkerFailed) as err:
+            coordinator.setup_bundles(bundles, ["a", "b"])
+        coordinator.stop()
+    why = "it is not signed" if forgery == "unsigned" else "not by the trusted coordinator key"
+    message = str(err.value)  # whichever worker reported first
+    assert re.search(r"stage [01]: BundleError: bundle [ab] \(from the coordinator\): refused", message), message
+    assert why in message, message
+    assert 1 in workers.codes and all(w.executor is None for w in workers.workers)  # nothing of a bundle was used
+
+
+def test_a_valid_curve_key_not_on_the_allow_list_is_refused_at_the_handshake():
+    """Issue 32 (opening the ZAP allow-list failed only a text check): a worker endpoint that
+    admits its coordinator's key. A peer with a valid CURVE key of its own, calling itself the
+    coordinator, fails the handshake (its own socket sees the authentication fail) and nothing it
+    sends reaches the worker; the same dial with the coordinator's key succeeds and is heard."""
+    import zmq
+
+    from runtime.pipeline.executor import COORDINATOR
+    from runtime.transport.wire import PeerTimeout, encode_control
+    from runtime.transport.zeromq import ZmqTransport
+
+    boss, me, mallory = (KeyPair.generate(n).curve_keys() for n in ("coordinator", "worker", "mallory"))
+    worker = ZmqTransport("stage0", "tcp://127.0.0.1:0", keys=me, accept={COORDINATOR: boss.public})
+    ctx = zmq.Context()
+
+    def dial(keys) -> tuple[int, object]:
+        """(the first handshake event the dialler's socket sees, its socket); the dialler sends a stop."""
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IDENTITY, COORDINATOR.encode())
+        dealer.setsockopt(zmq.CURVE_SERVERKEY, me.public)
+        dealer.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        dealer.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        dealer.connect(worker.address)
+        dealer.send(encode_control({"type": "stop", "from": "dialler"}))
+        assert monitor.poll(5000), "no handshake within 5 s"
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)["event"]
+        dealer.disable_monitor()
+        monitor.close(linger=0)
+        return event, dealer
+
+    try:
+        event, stranger = dial(mallory)
+        assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        with pytest.raises(PeerTimeout):
+            worker.recv_control(None, timeout=1.0)  # nothing of the stranger's reached the worker
+        stranger.close(linger=0)
+        event, known = dial(boss)
+        assert event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert worker.recv_control(None, timeout=5.0) == (COORDINATOR, {"type": "stop", "from": "dialler"})
+        known.close(linger=0)
+    finally:
+        worker.close()
+        ctx.destroy(linger=0)  # closes the diallers' sockets too, whatever failed
+
+
 # --- lost workers, in threads ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("lost", [0, 1, 2])
@@ -155,7 +279,9 @@ def test_a_lost_worker_that_comes_back_is_taken_in_again(graph, batches):
     assert kinds == ["lost", "new_plan", "recovered", "joined", "new_plan"], kinds
     joined = result.events[3]
     assert (joined["address"], joined["taken_in"]) == (workers.addresses[1], True)
-    assert joined["step"] == 2  # the boundary after the restart (kill_then_restart waits for the answer)
+    # the boundary after the restart: on_step of step 2 comes once its wall clock ends, after its
+    # boundary (kill_then_restart waits for the answer), so the worker is found at the next one
+    assert joined["step"] == 3
     back = result.events[4]
     assert back["cause"] == "joined" and back["joined"] == [workers.addresses[1]]
     assert result.addresses == workers.addresses
@@ -731,6 +857,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_a_worker_lost_in_the_middle_of_a_step_is_recovered_from_in_the_fast_tier(graph, batches, monkeypatch):
+    """Issue 32 (a replay one step late was caught only by the SIGKILL test): the middle worker of
+    three vanishes once the first loss of step 3 has come back, its other micro-batches in flight.
+    The step is aborted on the survivors and run again from the copy after step 2, once: the
+    losses and weights are single-device training's, and the events say so."""
+    from runtime.pipeline.coordinator import Coordinator
+
+    real, losses_seen = Coordinator._await_tensor, []
+    steps = 4
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def await_tensor(self, peer, expected):
+            out = real(self, peer, expected)
+            if expected.kind == "loss":
+                losses_seen.append(expected.microbatch)
+                if len(losses_seen) == 2 * M + 1:  # step 3's first micro-batch: the others are in flight
+                    workers.kill(1)
+            return out
+
+        monkeypatch.setattr(Coordinator, "_await_tensor", await_tensor)
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, transport=workers.coordinator)
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    assert [e["event"] for e in result.events] == ["lost", "new_plan", "recovered"]
+    lost, new_plan, recovered = result.events
+    assert (lost["step"], lost["stage"], new_plan["step"]) == (2, 1, 2)  # during step 3; replayed from step 2
+    assert (recovered["step"], recovered["steps_replayed"]) == (3, 1)
+
+
 def test_a_worker_lost_while_the_state_is_being_copied_is_recovered_from_too(graph, batches):
     """The loss found during the copy of the state after a step (the survivors have already
     answered it): their answers are dropped, and the run replays from the copy before."""
@@ -777,6 +932,171 @@ def test_soak_every_process_keeps_a_flat_rss(graph, batches):
     assert c1 - c0 < limit, f"coordinator grew {(c1 - c0) / 2**20:.1f} MiB"
     for k, (a, b) in enumerate(zip(w0, w1)):
         assert b - a < limit, f"worker {k} grew {(b - a) / 2**20:.1f} MiB"
+
+
+def test_a_steps_seconds_are_wall_clock_with_the_state_copies_in_them(graph, batches, monkeypatch):
+    """Issue 32: a step's seconds run from its start to the next step's start, so the copy of the
+    state after it (slowed to 0.3 s here) is in them, listed apart as its state seconds; the
+    progress report says the same, and the metrics document gives their share."""
+    from jobs.metrics import TrainingMetrics, steps_from
+    from runtime.pipeline.coordinator import Coordinator
+
+    real = Coordinator.collect_checkpoint
+
+    def slow_copy(self):
+        time.sleep(0.3)
+        return real(self)
+
+    monkeypatch.setattr(Coordinator, "collect_checkpoint", slow_copy)
+    seen = []
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
+                                on_step=lambda step, loss, seconds, *_: seen.append((step, seconds)))
+    assert seen == list(zip([1, 2, 3], result.step_seconds))
+    assert all(0.3 <= copy <= sec for copy, sec in zip(result.state_seconds, result.step_seconds)), \
+        (result.state_seconds, result.step_seconds)
+    doc = TrainingMetrics("train-pipeline", "m", 8, 32, steps_from(result.losses, result.step_seconds, 8, 1,
+                                                                   result.state_seconds), ()).to_json()
+    assert doc["steps"][0]["seconds"] >= doc["steps"][0]["state_seconds"] >= 0.3 and 0.5 < doc["state_share"] <= 1
+
+
+def test_1f1b_stash_reports_each_step_as_it_finishes(graph, batches, monkeypatch):
+    """Under 1f1b-stash a segment of steps is one schedule; each step's progress report comes as its
+    last loss arrives (the coordinator is still running the segment), not all at the end."""
+    from runtime.pipeline.coordinator import Coordinator
+
+    real, running = Coordinator.run, []
+
+    def run(self, *args, **kwargs):
+        running.append(True)
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(Coordinator, "run", run)
+    seen = []
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), 4,
+                                transport=workers.coordinator, faults=FaultPolicy(on_failure="stop"),
+                                on_step=lambda step, loss, seconds, *_: seen.append((step, bool(running), seconds)))
+    assert [(step, during) for step, during, _ in seen] == [(1, True), (2, True), (3, True), (4, False)]
+    assert [sec for *_, sec in seen] == result.step_seconds and all(sec > 0 for sec in result.step_seconds)
+
+
+def test_auto_snapshots_copy_rarely_when_a_copy_is_dear_and_a_loss_replays_from_the_last(graph, batches,
+                                                                                         monkeypatch):
+    """The command line's policy (snapshot_every None): copies slowed to 0.5 s against steps of
+    milliseconds are taken only as often as SNAPSHOT_SHARE allows: once before the first step,
+    then (every step measured) not again; a worker lost after step 4 makes the run replay every
+    step since that copy, and the losses and weights are still single-device training's (the
+    data order is deterministic). A copy after every step would have made it replay one."""
+    from jobs.pipeline_training import AUTO_SNAPSHOTS, snapshot_interval
+    from runtime.pipeline.coordinator import Coordinator
+
+    assert snapshot_interval(0.46, 0.7) == 7  # MiniLM's copy and step: 14 for 5%, the replay bound says 7
+    assert snapshot_interval(0.46, 0.7, replay_budget_s=60) == 14 and snapshot_interval(0.01, 1.0) == 1
+    real = Coordinator.collect_checkpoint
+
+    def dear_copy(self):  # K = ceil(0.5 / (5% of a step)) > 6 for any step under 1.6 s
+        time.sleep(0.5)
+        return real(self)
+
+    monkeypatch.setattr(Coordinator, "collect_checkpoint", dear_copy)
+    steps = 6
+    batches = [synthetic_batch(i) for i in range(steps)]
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 4:
+                workers.kill(1)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, transport=workers.coordinator,
+                                on_step=on_step, faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS))
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered"], kinds
+    restart = result.events[1]["step"]
+    assert restart == 0 and result.events[2]["steps_replayed"] == result.events[0]["step"] + 1 >= 5
+    # before the first step, the survivors' setup after the loss, and the final state
+    assert len(result.snapshot_seconds) <= 3, result.snapshot_seconds
+
+
+def test_1f1b_stash_without_checkpoints_replays_from_its_last_drain_and_says_so_truly(graph, batches, tmp_path,
+                                                                                      monkeypatch):
+    """Issue 32: under 1f1b-stash a loss replayed the run from step 0 and the event said "1 step
+    replayed, during step 1". Now the run drains and copies its state every STASH_SEGMENT_STEPS
+    steps (2 here): a worker lost once step 3 is done replays from step 2, the lost event names the
+    step really under way and the recovered event the steps really run again, and the result equals
+    3 workers to step 2, then the survivors' plan."""
+    import jobs.pipeline_training as pt
+
+    monkeypatch.setattr(pt, "STASH_SEGMENT_STEPS", 2)
+    steps = 6
+    batches = [synthetic_batch(i) for i in range(steps)]
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 3:
+                workers.kill(1)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), steps,
+                                transport=workers.coordinator, on_step=on_step)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered"], kinds
+    lost, new_plan, recovered = result.events
+    assert new_plan["step"] == 2 and lost["step"] >= 3  # step 3 was done (its report came) when it was lost
+    assert recovered["steps_replayed"] == 2  # steps 3 and 4: the segment [2, 4) again
+    assert len(result.losses) == steps
+    _equals_a_stash_run_switched_at_its_recovery(graph, batches, result, steps, FaultPolicy(), tmp_path)
+
+
+# --- every exit path says what happened (issue 32) ------------------------------------------------
+
+def test_a_run_that_stops_on_a_loss_hands_its_steps_and_events_to_the_metrics_document(graph, batches, tmp_path):
+    """--on-failure stop: the run ends on the loss, and the error carries what it did (the step
+    before the loss, the loss event), which the command line writes as the metrics document with
+    the error, then fails as before."""
+    from confidant.commands import _metrics_on_failure
+    from jobs.errors import RunFailed
+    from jobs.metrics import TrainingMetrics, read_metrics, steps_from
+
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 1:
+                workers.kill(1)
+
+        with pytest.raises(RecoveryImpossible) as err:
+            train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
+                           on_step=on_step, faults=FaultPolicy(on_failure="stop"))
+    done = err.value.result
+    assert done is not None and len(done.losses) >= 1 and [e["event"] for e in done.events] == ["lost"]
+    metrics = TrainingMetrics("train-pipeline", "tiny", ROWS * M, S, steps_from(done.losses, done.step_seconds, 8),
+                              (), events=tuple(done.events), error=str(err.value))
+    out = tmp_path / "metrics.json"
+    with pytest.raises(RunFailed):
+        with _metrics_on_failure(out):
+            raise RunFailed(str(err.value), metrics)
+    doc = read_metrics(out)
+    assert [e["event"] for e in doc["events"]] == ["lost"] and doc["steps"][0]["step"] == 1
+    assert "--on-failure stop" in doc["error"]
+
+
+def test_a_batch_that_micro_batches_do_not_divide_is_a_usage_error(tiny_onnx, tmp_path, capsys):
+    from confidant.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ner.conll").write_text("EU B-ORG\n")
+    code = main(["train-pipeline", str(tiny_onnx["torchscript-17"]), "--data", str(data / "ner.conll"),
+                 "--local", "2", "--batch", "2", "--microbatches", "4", "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["confidant train-pipeline: error: --batch 2 must be a multiple of --microbatches 4"]
+    # a folder given as --data: the message names the files it holds, not a train.txt it lacks
+    code = main(["train-pipeline", str(tiny_onnx["torchscript-17"]), "--data", str(data), "--local", "2",
+                 "--batch", "4", "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"{data}/ner.conll" in err[0] and "train.txt" not in err[0], err
 
 
 def test_events_reach_the_metrics_document_and_read_as_one_line_each():

@@ -326,7 +326,7 @@ def test_the_cli_refuses_replanning_without_a_flush_schedule(tiny_onnx, tmp_path
     proc = subprocess.run([sys.executable, "-m", "confidant", "train-pipeline", str(tiny_onnx["torchscript-17"]),
                            "--data", str(tmp_path / "unused.txt"), "--local", "2", "--schedule", "1f1b-stash",
                            "--replan-every", "2"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a usage error (issue 32: flags that cannot go together exit 2)
     assert "--replan-every needs a whole number of steps >= 1 and a flush schedule" in proc.stderr
 
 

@@ -431,9 +431,10 @@ class Coordinator:
 
     # --- training ------------------------------------------------------------------------
     def run(self, schedule: Schedule, microbatch_feeds: Sequence[Mapping[str, np.ndarray]], step: int,
-            send_actions: bool | None = None) -> tuple[list[float], list[dict]]:
+            send_actions: bool | None = None, on_loss=None) -> tuple[list[float], list[dict]]:
         """Run one schedule (a batch for flush schedules, the whole run for 1f1b-stash); returns the
-        per-micro-batch losses in order and each stage's 'done' report.
+        per-micro-batch losses in order and each stage's 'done' report. `on_loss(m, loss)` hears
+        each micro-batch's loss as it arrives (1f1b-stash reports its steps as they finish).
 
         With bundles the workers run the action lists they verified and nothing else is sent, unless
         `send_actions` (1f1b-stash: a run of many steps is one schedule longer than the bundle's)."""
@@ -454,8 +455,11 @@ class Coordinator:
                     self.transport.send_tensor(stage_peer(p.stage), "batch", -1, m,
                                                np.asarray(feeds[name], order="C"), name=name)
         last = stage_peer(self.stages - 1)
-        losses = [float(self._await_tensor(last, Expected(kind="loss", stage=self.stages - 1, microbatch=m))[0])
-                  for m in range(schedule.microbatches)]
+        losses = []
+        for m in range(schedule.microbatches):
+            losses.append(float(self._await_tensor(last, Expected(kind="loss", stage=self.stages - 1, microbatch=m))[0]))
+            if on_loss is not None:
+                on_loss(m, losses[-1])
         self._sum_tied(schedule)
         done = [self._await_control(stage_peer(p.stage), "done") for p in self.placements]
         return losses, done
@@ -470,8 +474,9 @@ class Coordinator:
             done = self._await_control(peer, "checkpoint_done")
             tensors = {}
             for i, name in enumerate(done["names"]):
-                arr = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
-                tensors[name] = np.array(arr)
+                # kept as received (read-only, on the receive buffer, which is this process's own):
+                # a copy would cost a pass over the whole state at every snapshot (issue 32)
+                tensors[name] = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
             out.append(dense_from_wire(tensors, done.get("rows"), f"stage {p.stage}'s checkpoint"))
         return out
 
@@ -527,6 +532,10 @@ class Coordinator:
                     raise ValueError(f"bundle {directory} holds weights for {name!r} that differ from the ones "
                                      f"training has reached; write the new plan from Coordinator.gather()'s weights")
             contents.append(c)
+        plans = {c.plan_id for c in contents}
+        if len(plans) > 1:  # each bundle's signed manifest names its plan: these are of several
+            raise ValueError(f"the new plan's bundles belong to {len(plans)} different plans (their signed manifests "
+                             f"name {sorted(str(p)[:12] for p in plans)}): a plan's bundles are used only together")
         return contents
 
     def reconfigure(self, placements: Sequence[StagePlacement], *, bundles: Sequence[Path] | None = None,
