@@ -92,3 +92,15 @@ def make_batches(n: int, seed: int = 0, batch: int = BATCH, seq: int = SEQ):
         labels[mask == 0] = -100
         out.append(Batch(ids, mask, np.zeros_like(mask), labels, n_labelled=int((labels != -100).sum())))
     return out
+
+
+def engine_step(engine, feeds, optimizer) -> float:
+    """One optimizer step of a whole-model `engine` over the micro-batch `feeds`: each forward and
+    backward, the gradients summed, one update; the summed loss."""
+    total, loss = {}, 0.0
+    for m, f in enumerate(feeds):
+        loss += float(engine.forward(f, m))
+        for k, g in engine.backward(m).params.items():
+            total[k] = total[k] + g if k in total else g
+    engine.step(optimizer, total)
+    return loss

@@ -76,6 +76,7 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None)
     from runtime.engines.factory import make_engine
     from runtime.engines.stage import stage_spec
     from runtime.optim import make_optimizer
+    from benchmarks.common import engine_step
 
     feeds = _lm_feeds(model)
     graph = _graph(model, rank)
@@ -83,13 +84,7 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None)
     setup = _setup_done()
     opt, losses = make_optimizer("adamw", LR), []
     for _ in range(steps):
-        total, loss = {}, 0.0
-        for m, f in enumerate(feeds):
-            loss += float(engine.forward(f, m))
-            for k, g in engine.backward(m).params.items():
-                total[k] = total[k] + g if k in total else g
-        engine.step(opt, total)
-        losses.append(loss)
+        losses.append(engine_step(engine, feeds, opt))
     return {"peak_mib": [max(setup, _peak_mib())], "setup_mib": setup, "train_mib": _peak_mib(), "losses": losses}
 
 

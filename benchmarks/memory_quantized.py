@@ -53,6 +53,7 @@ def _child(engine_kind: str, base_dtype: str, steps: int) -> dict:
     from runtime.engines.factory import make_engine
     from runtime.engines.stage import stage_spec
     from runtime.optim import make_optimizer
+    from benchmarks.common import engine_step
     from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
     from tasks.lm_data import microbatch_feeds
 
@@ -69,14 +70,8 @@ def _child(engine_kind: str, base_dtype: str, steps: int) -> dict:
     opt, times, losses = make_optimizer("adamw", LR), [], []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        total, loss = {}, 0.0
-        for m, f in enumerate(feeds):
-            loss += float(engine.forward(f, m))
-            for k, g in engine.backward(m).params.items():
-                total[k] = total[k] + g if k in total else g
-        engine.step(opt, total)
+        losses.append(engine_step(engine, feeds, opt))
         times.append(time.perf_counter() - t0)
-        losses.append(loss)
     return {"engine": engine_kind, "base_dtype": base_dtype, "setup_mib": setup_peak / 2**20,
             "settled_mib": settled / 2**20,
             "train_mib": peak_rss_bytes() / 2**20 if reset else None, "rss_mib": (rss_bytes() or 0) / 2**20,
