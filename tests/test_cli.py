@@ -204,3 +204,13 @@ def test_plan_commands_describe_themselves(command, teaches):
     assert proc.returncode == 0
     usage, _, rest = proc.stdout.partition("\n\n")
     assert teaches in " ".join(rest.split()), rest[:400]
+
+
+def test_demo_llm_refuses_a_seq_its_conversations_cannot_fit_before_exporting(tmp_path, monkeypatch):
+    """`demo --llm --seq 64` exported SmolLM2 for minutes, then failed on the data's length."""
+    from support import run_cli
+
+    monkeypatch.setenv("CONFIDANT_HOME", str(tmp_path))
+    run = run_cli("demo", "--llm", "--seq", "64")
+    assert run.returncode == 2 and "demo --llm --seq 64: the demo's conversations run 83-122 tokens" in run.stderr
+    assert not any(tmp_path.rglob("*.onnx"))  # refused before the export
