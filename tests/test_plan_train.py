@@ -74,12 +74,14 @@ def test_profile_plan_show_simulate_train(minilm_onnx, tmp_path):
     tagged = _run("predict", "ck", "--input", "in.txt", "--seq", 32, cwd=tmp_path).stdout
     assert [line.split("\t")[0] for line in tagged.strip().splitlines()] == ["Ann", "lives", "in", "Oslo", "."]
     assert all(line.split("\t")[1] in meta["labels"] for line in tagged.strip().splitlines())
-    # a flag the plan fixes, with another value than the plan's, is refused (it was ignored)
+    # a flag the plan fixes, with another value than the plan's, is refused (it was ignored); which
+    # engines the plan picked follows the measured profile, so the other engine is asked for
+    other = "mnn" if {d["engine"] for d in plan["devices"]} == {"torch"} else "torch"
     proc = subprocess.run([sys.executable, "-m", "confidant", "train", "plan", "--data", str(train), "--local",
-                           "--steps", "1", "--lr", "1000", "--engine", "torch"], cwd=tmp_path, capture_output=True,
+                           "--steps", "1", "--lr", "1000", "--engine", other], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and re.search(
-        r"error: --lr 1000.0 \(the plan's: [0-9.e-]+\); --engine torch \(the plan's: [a-z, ]+\): the plan fixes these "
+        rf"error: --lr 1000.0 \(the plan's: [0-9.e-]+\); --engine {other} \(the plan's: [a-z, ]+\): the plan fixes these "
         r"\(its bundles were compiled for them\); re-plan with `confidant plan` to change it, or drop the flag$",
         proc.stderr.strip()), proc.stderr
     # planning again into the folder: refused, then with --force replaced whole (no bundle of a dropped device)
