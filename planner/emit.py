@@ -31,7 +31,7 @@ from ir.plan import Schedule
 from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
 from ir.safetensors import encode_safetensors
-from ir.serialize import graph_to_json, slice_graph
+from ir.serialize import graph_to_json, slice_graph, stored_constants
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
 from planner.cost import stage_memory_terms
@@ -205,8 +205,9 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
             schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth[s],
             cfg["engines"][device], cfg["backend"], cfg["threads"][device], optimizer, graph.batch, graph.seq,
             _split_heads(cfg, device), cfg["activations"].get(device))
-        directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part), part.constants,
-                                 schedule.actions[s], sign=sign)
+        # quantized frozen weights go as their storage arrays, never widened (ir.precision)
+        directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part, stored=True),
+                                 stored_constants(part.constants), schedule.actions[s], sign=sign)
         load_bundle_dir(directory)  # read back from disk: what a device will receive
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]
