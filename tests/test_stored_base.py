@@ -184,3 +184,20 @@ def test_in_process_workers_holding_the_int4_base_file_train_as_one_device(int4_
     for k in weights:
         err = float(np.abs(held.weights[k] - weights[k]).max()) / max(float(np.abs(weights[k]).max()), 1e-12)
         assert err <= 1e-5, k
+
+
+def test_mnn_holds_an_int4_weights_codes_once_the_graph_keeping_a_view_of_its_constant(int4_lora):
+    """MNN's const copies what it is given: the graph's QuantizedTensor then holds a read-only view
+    of the const's bytes in place of its own codes (the same values), not a second copy."""
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.engines.stage import stage_spec
+
+    graph = replace(int4_lora, constants=dict(int4_lora.constants))
+    before = {k: v for k, v in _quantized(graph).items() if v.storage == "int4"}
+    assert before and all(v.codes.flags.writeable for v in before.values())
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    for name, q in before.items():
+        now = graph.constants[name]
+        assert not now.codes.flags.writeable and not np.shares_memory(now.codes, q.codes), name
+        _same_weight(now, q, name)
+    assert engine is not None
