@@ -720,7 +720,7 @@ def widened_weight(q) -> Var:
     return widened_weight_parts(q)[0]
 
 
-def widened_weight_parts(q) -> tuple[Var, Var]:
+def widened_weight_parts(q) -> tuple[Var, dict[str, Var]]:
     """The float32 weight of an `ir.precision.QuantizedTensor` (int8 or int4) as a graph expression
     over MNN constants that hold its codes as uint8 (MNN's wrapper has no int8 Var: int8 codes are
     held offset by 128; int4 codes two to a byte as stored) and its block scales (and int4's
@@ -745,10 +745,15 @@ def widened_weight_parts(q) -> tuple[Var, Var]:
     blocks = R.reshape(values, [rows, -1, q.block]) * scale
     if q.mins is not None:  # int4: q * d + m
         mins = q.mins.astype(np.float32)[:, :, None]
-        blocks = blocks + R.const(np.ascontiguousarray(mins), list(mins.shape), R.NCHW, R.float)
+        offset = R.const(np.ascontiguousarray(mins), list(mins.shape), R.NCHW, R.float)
+        blocks = blocks + offset
     stored = R.reshape(blocks, [rows, -1])
     if stored.shape[1] != q.cols:
         stored = slice_axis(stored, 1, 0, q.cols)
-    # and the uint8 codes constant: int4's are the very bytes of `q.codes` (a caller can hold a view
-    # of them in its place, `frozen_view_of`, so they are held once)
-    return (stored if q.axis == 1 else R.transpose(stored, [1, 0])), held
+    # and the constants it reads, by the QuantizedTensor field they hold: int4's uint8 codes are the
+    # very bytes of `q.codes`, the float32 scales (and offsets) `q.scales` widened exactly, so a
+    # caller can hold views of them in their place (`frozen_view_of`) and each is held once
+    parts = {"codes": held, "scales": scale}
+    if q.mins is not None:
+        parts["mins"] = offset
+    return (stored if q.axis == 1 else R.transpose(stored, [1, 0])), parts
