@@ -18,10 +18,10 @@ Run
 
 Measured (SmolLM2-135M LoRA r=8 --base-dtype int4, 3 x 320 MiB, the first stage, blocks 0-15; planned
 306 MiB, of which frozen + trainable + runtime 124, activations 12.7, workspace 164): weights assembled
-105 MiB, engine built 142; the first forward +173 MiB (MNN keeps each block graph's intermediates
+105 MiB, engine built 136; the first forward +173 MiB (MNN keeps each block graph's intermediates
 allocated after it ran, ~10.8 MiB a block, though the stage recomputes: about the workspace charged),
-each further forward +5 (its block inputs), the first backward +30; steady 355 MiB. The same worker
-under `confidant train PLAN --local` peaks at 375 MiB.
+each further forward +5 (its block inputs), the first backward +30; steady 348 MiB. The same worker
+under `confidant train PLAN --local` peaks at 369 MiB.
 """
 from __future__ import annotations
 
