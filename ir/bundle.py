@@ -11,7 +11,10 @@ using anything (`runtime.pipeline.bundles`). A bundle is a directory of five fil
                           device, block range, neighbouring devices, schedule, optimizer, engine,
                           batch/seq, head split
     graph.json           `ir.serialize.graph_to_json` of the stage's graph slice
-    weights.safetensors  every constant of the slice by name (parameters included)
+    weights.safetensors  every constant of the slice by name (parameters included); a frozen
+                         weight held quantized as its storage arrays, never widened
+                         (NAME.q_codes, NAME.q_scales, int4's NAME.q_mins: `ir.precision`),
+                         its precision in graph.json's `quantized` table (`ir.serialize`)
     actions.txt          this stage's actions, one `Action` token per line
 
 Verification (`verify_bundle_files`) runs when a bundle is written and again wherever it is
@@ -31,7 +34,14 @@ rejects (a worker passes the check of the coordinator key it trusts); without a 
 signature is ignored. The cryptography is not here (`ir` imports only the standard library and
 numpy): callers pass functions.
 
-Weights are safetensors, read and written by `ir.safetensors` (the one codec of the project).
+Weights are safetensors, read and written by `ir.safetensors` (the one codec of the project). A
+worker that assembles weights.safetensors from pieces (the rest it received and its own copy of
+the plan's base file) passes an `ir.safetensors.HashedTensors` in its place: the tensors and the
+SHA-256 of the file they make, hashed piece by piece in file order, so the manifest still checks
+every byte and no second copy of the file is made.
+
+Bundles written before the storage form (a quantized weight as its float32 values under graph.json's
+`precisions`) still load: the reader quantizes them again to the same weight.
 """
 from __future__ import annotations
 
@@ -47,8 +57,9 @@ import numpy as np
 from ir.documents import SHA256, BundleError, PlanDocument, StageDocument, check_device_name
 from ir.graph import Graph
 from ir.plan import Action, ActionKind
-from ir.safetensors import decode_safetensors, encode_safetensors
-from ir.serialize import graph_from_json
+from ir.precision import QuantizedTensor, storage_tensors
+from ir.safetensors import HashedTensors, decode_safetensors, encode_safetensors
+from ir.serialize import constant_tensor_names, graph_from_json
 from ir.verify import GraphError, verify_graph
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
@@ -289,7 +300,8 @@ def check_bundle_manifest(files: Mapping[str, bytes], source: str) -> dict[str, 
                           f"{MANIFEST} (a bundle holds only its listed files; remove "
                           f"{'it' if len(extra) == 1 else 'them'} or re-run `confidant plan`)")
     for name in BUNDLE_FILES:
-        got = sha256_hex(files[name])
+        data = files[name]
+        got = data.sha256 if isinstance(data, HashedTensors) else sha256_hex(data)
         if got != listed[name]:
             raise BundleError(f"bundle {source}: {name} is corrupted (sha256 mismatch: expected "
                               f"{listed[name][:12]}..., got {got[:12]}...)")
@@ -362,11 +374,17 @@ def verify_bundle_files(files: Mapping[str, bytes], source: str,
     graph_doc = _load_json(bytes(files[GRAPH]), source, GRAPH)
     if not isinstance(graph_doc, dict) or not isinstance(graph_doc.get("constants"), dict):
         raise BundleError(f"bundle {source}: {GRAPH} is not a graph document (no constants table)")
+    if isinstance(files[WEIGHTS], HashedTensors):  # assembled from pieces, hashed as it was (above)
+        weights = dict(files[WEIGHTS].tensors)
+    else:
+        try:
+            weights = decode_safetensors(files[WEIGHTS])
+        except ValueError as exc:
+            raise BundleError(f"bundle {source}: {WEIGHTS} is not valid safetensors: {exc}") from None
     try:
-        weights = decode_safetensors(files[WEIGHTS])
+        declared = constant_tensor_names(graph_doc)
     except ValueError as exc:
-        raise BundleError(f"bundle {source}: {WEIGHTS} is not valid safetensors: {exc}") from None
-    declared = set(graph_doc["constants"])
+        raise BundleError(f"bundle {source}: {GRAPH} cannot be rebuilt: {exc}") from None
     missing, extra = sorted(declared - set(weights)), sorted(set(weights) - declared)
     if missing or extra:
         raise BundleError(f"bundle {source}: {WEIGHTS} does not match {GRAPH}'s constants: "
@@ -436,12 +454,19 @@ PLAN_BASE = "base.safetensors"
 # small ones, shapes and scales, are not worth a lookup).
 BASE_MIN_BYTES = 4096
 def base_weights(graph: Graph) -> dict[str, np.ndarray]:
-    """The frozen weights of a model that has any (LoRA's base, `Block.frozen_bytes`): every
-    constant no stage trains of at least BASE_MIN_BYTES; empty for a model that trains them all."""
+    """The frozen weights of a model that has any (LoRA's base, `Block.frozen_bytes`), as the
+    tensors the bundles' weights files hold them: every constant no stage trains of at least
+    BASE_MIN_BYTES held, a quantized one as its storage arrays (`ir.precision.storage_tensors`,
+    never widened); empty for a model that trains them all."""
     if not any(b.frozen_bytes for b in graph.blocks):
         return {}
     trained = set(graph.params)
-    return {n: c for n, c in graph.constants.items() if n not in trained and np.asarray(c).nbytes >= BASE_MIN_BYTES}
+    out: dict[str, np.ndarray] = {}
+    for name, value in graph.constants.items():
+        held = value.nbytes if isinstance(value, QuantizedTensor) else np.asarray(value).nbytes
+        if name not in trained and held >= BASE_MIN_BYTES:
+            out.update(storage_tensors(name, value))
+    return out
 
 
 def _short(plan_id: str | None) -> str:

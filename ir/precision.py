@@ -318,3 +318,64 @@ def base_dtype_of(constants: Mapping[str, np.ndarray]) -> str:
     (int4 keeps tables int8), float32 when none is quantized."""
     held = set(frozen_precisions(constants).values())
     return next((t for t in ("int4", "int8", "bfloat16") if t in held), "float32")
+
+
+# --- the storage form in files -------------------------------------------------------------------
+# A quantized frozen weight NAME is written to a tensor file (a bundle's weights.safetensors, a
+# plan's base.safetensors) as its storage arrays, never widened: `NAME.q_codes` (int8 codes, int4
+# codes packed two to a byte as uint8, bfloat16 bit patterns as uint16), `NAME.q_scales` (float16,
+# [rows, blocks]; [rows, 0] for bfloat16) and, for int4 only, `NAME.q_mins` (float16, as scales).
+# The graph document records its storage, blocked axis and block (`ir.serialize`), its logical
+# shape in the constants table; so a file's SHA-256 covers exactly the bytes the engines compute
+# from, and a reader rebuilds the QuantizedTensor from them without widening anything.
+PIECES = ("q_codes", "q_scales", "q_mins")
+_CODES_DTYPE = {"bfloat16": np.uint16, "int8": np.int8, "int4": np.uint8}
+
+
+def storage_piece_names(name: str, storage: str) -> tuple[str, ...]:
+    """The tensor names a weight held at `storage` is written as."""
+    check_base_dtype(storage)
+    if storage == "float32":
+        return (name,)
+    return tuple(f"{name}.{p}" for p in (PIECES if storage == "int4" else PIECES[:2]))
+
+
+def storage_tensors(name: str, value) -> dict[str, np.ndarray]:
+    """The tensors a constant is written as: a QuantizedTensor's storage arrays, else itself."""
+    if not isinstance(value, QuantizedTensor):
+        return {name: value}
+    arrays = (value.codes, value.scales) + (() if value.mins is None else (value.mins,))
+    return dict(zip(storage_piece_names(name, value.storage), arrays))
+
+
+def from_storage_tensors(name: str, tensors: Mapping[str, np.ndarray], storage: str, axis: int, block: int,
+                         shape) -> QuantizedTensor:
+    """The QuantizedTensor `storage_tensors` wrote, its arrays taken as they are (no copy); ValueError
+    naming the weight when a piece is missing or of the wrong dtype or shape for `shape`."""
+    check_base_dtype(storage)
+    if storage == "float32" or axis not in (0, 1) or not isinstance(block, int) or block < 2 or block % 2:
+        raise ValueError(f"weight {name!r}: storage {storage!r}, axis {axis!r}, block {block!r} is not a "
+                         f"quantized layout")
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != 2:
+        raise ValueError(f"weight {name!r}: a quantized weight is 2-D, declared {list(shape)}")
+    rows, cols = shape[1 - axis], shape[axis]
+    if storage == "bfloat16":
+        want = {"q_codes": (np.uint16, (rows, cols)), "q_scales": (np.float16, (rows, 0))}
+    else:
+        padded = -(-cols // block) * block
+        width = padded // 2 if storage == "int4" else padded
+        want = {"q_codes": (_CODES_DTYPE[storage], (rows, width)), "q_scales": (np.float16, (rows, padded // block))}
+        if storage == "int4":
+            want["q_mins"] = want["q_scales"]
+    got = {}
+    for piece, (dtype, pshape) in want.items():
+        key = f"{name}.{piece}"
+        if key not in tensors:
+            raise ValueError(f"weight {name!r} ({storage}): tensor {key!r} is missing")
+        arr = tensors[key]
+        if arr.dtype != np.dtype(dtype) or tuple(arr.shape) != pshape:
+            raise ValueError(f"weight {name!r} ({storage}): {key} is {arr.dtype}{list(arr.shape)}, expected "
+                             f"{np.dtype(dtype)}{list(pshape)}")
+        got[piece] = arr
+    return QuantizedTensor(got["q_codes"], got["q_scales"], shape, storage, axis, block, got.get("q_mins"))

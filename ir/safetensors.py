@@ -7,8 +7,10 @@ numpy, as DESIGN.md requires); tests check it against the `safetensors` package 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,12 +23,7 @@ _ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
 _ST_MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 
 
-def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The safetensors bytes of `tensors` (and the header's `__metadata__` strings, e.g.
-    {"format": "pt"} as transformers writes); deterministic, so equal weights give equal hashes.
-
-    Tensors are laid out widest dtype first, then by name (as the safetensors package does), so
-    every tensor starts aligned to its item size; the header is padded with spaces to 8 bytes."""
+def _checked_arrays(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     arrays = {}
     for name, value in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
@@ -36,24 +33,69 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str,
             raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, which safetensors cannot hold "
                              f"(supported: {', '.join(sorted(_ST_CODES))})")
         arrays[name] = arr
+    return arrays
+
+
+def _layout(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None) -> tuple[bytes, list[str]]:
+    """(the 8-byte length and padded header of a file of `arrays`, their names in file order)."""
     order = sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))
     header: dict[str, Any] = {}
-    chunks, offset = [], 0
+    offset = 0
     for name in order:
         arr = arrays[name]
-        # astype with an explicit little-endian dtype, not ascontiguousarray, which turns 0-d into 1-d.
-        raw = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C").tobytes()
+        size = int(arr.size) * arr.dtype.itemsize
         header[name] = {"dtype": _ST_CODES[arr.dtype.name], "shape": [int(d) for d in arr.shape],
-                        "data_offsets": [offset, offset + len(raw)]}
-        chunks.append(raw)
-        offset += len(raw)
+                        "data_offsets": [offset, offset + size]}
+        offset += size
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise ValueError("safetensors metadata must map strings to strings")
         header = {"__metadata__": dict(metadata), **header}
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text + b"".join(chunks)
+    return len(text).to_bytes(8, "little") + text, order
+
+
+def _raw(arr: np.ndarray) -> np.ndarray:
+    # an explicit little-endian dtype, not ascontiguousarray alone, which turns 0-d into 1-d
+    return np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
+
+
+def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The safetensors bytes of `tensors` (and the header's `__metadata__` strings, e.g.
+    {"format": "pt"} as transformers writes); deterministic, so equal weights give equal hashes.
+
+    Tensors are laid out widest dtype first, then by name (as the safetensors package does), so
+    every tensor starts aligned to its item size; the header is padded with spaces to 8 bytes."""
+    arrays = _checked_arrays(tensors)
+    prefix, order = _layout(arrays, metadata)
+    return prefix + b"".join(_raw(arrays[name]).tobytes() for name in order)
+
+
+@dataclass(frozen=True, eq=False)
+class HashedTensors:
+    """The tensors of a safetensors file that was never put together as one buffer, with the
+    SHA-256 that file's bytes (`encode_safetensors(tensors)`) have: what a worker checks against a
+    manifest when it assembles a stage's weights from pieces (`hash_tensors`)."""
+
+    tensors: Mapping[str, np.ndarray]
+    sha256: str
+    nbytes: int
+
+
+def hash_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> HashedTensors:
+    """`tensors` with the SHA-256 of `encode_safetensors(tensors, metadata)`, hashed one tensor at a
+    time in file order: every byte the file would hold is hashed, and no second copy is made."""
+    arrays = _checked_arrays(tensors)
+    prefix, order = _layout(arrays, metadata)
+    digest = hashlib.sha256(prefix)
+    total = len(prefix)
+    for name in order:
+        raw = _raw(arrays[name])
+        if raw.size:
+            digest.update(raw.reshape(-1).view(np.uint8))
+            total += raw.nbytes
+    return HashedTensors(dict(tensors), digest.hexdigest(), total)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ir.graph import AttentionSite, Block, Graph, Node, Value
-from ir.precision import QuantizedTensor, quantize
+from ir.precision import QuantizedTensor, from_storage_tensors, quantize, storage_piece_names, storage_tensors
 
 SCHEMA_VERSION = 1
 
@@ -52,16 +52,46 @@ def slice_graph(graph: Graph, first_block: int, last_block: int) -> Graph:
     return Graph(graph.name, inputs, outputs, nodes, values, constants, params, graph.blocks, graph.batch, graph.seq)
 
 
-def graph_to_json(graph: Graph) -> dict:
+def graph_to_json(graph: Graph, stored: bool = False) -> dict:
     """Everything but the constant tensors, as a JSON-ready dict. A frozen weight held quantized
-    (`ir.precision`) travels as its float32 values (what its tensor file holds) plus its storage
-    precision under `precisions` (name -> [storage, blocked axis, block]): the reader quantizes
-    it again, which gives back the very same weight."""
+    (`ir.precision`) travels one of two ways:
+
+    - `stored` (plan bundles): as its storage arrays (`ir.precision.storage_tensors`: NAME.q_codes,
+      NAME.q_scales, int4's NAME.q_mins), listed under `quantized` (name -> [storage, blocked axis,
+      block]); the tensors to send are `stored_constants(graph)`. Nothing is widened either side.
+    - otherwise (the coordinator's setup message): as its float32 values plus its precision under
+      `precisions` (same triple); the reader quantizes it again, which gives back the very same
+      weight. Bundles written before `stored` existed are read this way too."""
     doc = _graph_doc(graph)
     held = {k: [v.storage, v.axis, v.block] for k, v in graph.constants.items() if isinstance(v, QuantizedTensor)}
     if held:
-        doc["precisions"] = held
+        doc["quantized" if stored else "precisions"] = held
     return doc
+
+
+def stored_constants(constants) -> dict:
+    """The tensors a `graph_to_json(graph, stored=True)` document's weights file holds: each
+    quantized constant as its storage arrays, the others as they are."""
+    out = {}
+    for name, value in constants.items():
+        out.update(storage_tensors(name, value))
+    return out
+
+
+def constant_tensor_names(doc: Mapping) -> set[str]:
+    """The tensor names a graph document's weights file must hold (ValueError for a malformed
+    `quantized` table)."""
+    quantized = doc.get("quantized", {})
+    if not isinstance(quantized, Mapping) or not all(isinstance(v, list) and len(v) == 3 and isinstance(v[0], str)
+                                                     for v in quantized.values()):
+        raise ValueError("quantized must map each weight to [storage, axis, block]")
+    stray = sorted(set(quantized) - set(doc["constants"]))
+    if stray:
+        raise ValueError(f"quantized names {stray[0]!r}, which is not a constant of the graph")
+    names = set()
+    for name in doc["constants"]:
+        names.update(storage_piece_names(name, quantized[name][0]) if name in quantized else (name,))
+    return names
 
 
 def _graph_doc(graph: Graph) -> dict:
@@ -90,11 +120,18 @@ def graph_from_json(doc: Mapping, constants: Mapping[str, np.ndarray]) -> Graph:
         raise ValueError(f"graph schema version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}: "
                          "the sender runs a different Confidant version")
     declared = doc["constants"]
-    missing = sorted(set(declared) - set(constants))
+    missing = sorted(constant_tensor_names(doc) - set(constants))
     if missing:
         raise ValueError(f"graph constants missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    quantized = doc.get("quantized", {})
     consts = {}
     for name, (dtype, shape) in declared.items():
+        if name in quantized:
+            if dtype != "float32":
+                raise ValueError(f"constant {name!r} is held quantized, declared {dtype}")
+            storage, axis, block = quantized[name]
+            consts[name] = from_storage_tensors(name, constants, storage, axis, block, shape)
+            continue
         arr = np.asarray(constants[name])
         if str(arr.dtype) != dtype or list(arr.shape) != list(shape):
             raise ValueError(f"constant {name!r} is {arr.dtype}{list(arr.shape)}, declared {dtype}{shape}")

@@ -31,7 +31,7 @@ from ir.plan import Schedule
 from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
 from ir.safetensors import encode_safetensors
-from ir.serialize import graph_to_json, slice_graph
+from ir.serialize import graph_to_json, slice_graph, stored_constants
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
 from planner.cost import stage_memory_terms
@@ -204,12 +204,14 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
         _split_heads(cfg, a.device), cfg["activations"].get(a.device)) for s, a in enumerate(partition.stages)]
     # every bundle's signed manifest names it: a bundle of another plan is refused in this one's folder
     plan_id = plan_identity({"model": cfg["model"], "graph": graph.name, "stages": [d.to_json() for d in stage_docs],
-                             "actions": [[str(a) for a in row] for row in schedule.actions]}, graph.constants)
+                             "actions": [[str(a) for a in row] for row in schedule.actions]},
+                            stored_constants(graph.constants))
     for s, (assignment, stage_doc) in enumerate(zip(partition.stages, stage_docs)):
         part = slice_graph(graph, assignment.first_block, assignment.last_block)
         device = assignment.device
-        directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part), part.constants,
-                                 schedule.actions[s], sign=sign, plan_id=plan_id)
+        # quantized frozen weights go as their storage arrays, never widened (ir.precision)
+        directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part, stored=True),
+                                 stored_constants(part.constants), schedule.actions[s], sign=sign, plan_id=plan_id)
         load_bundle_dir(directory)  # read back from disk: what a device will receive
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]

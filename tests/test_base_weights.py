@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ir.bundle import (PLAN_BASE, WEIGHTS, BundleError, base_weights, load_bundle_dir, load_plan, read_bundle_files,
-                       sha256_file)
+                       sha256_file, sha256_hex)
 from ir.partition import Partition, StageAssignment
 from ir.safetensors import decode_safetensors, encode_safetensors, load_safetensors, save_safetensors
 from jobs.pipeline_training import train_pipeline
@@ -83,10 +83,16 @@ def test_rebuilt_weights_are_the_bundles_bytes_and_a_wrong_split_is_refused(plan
     files = read_bundle_files(plan_dir / plan.devices[1].bundle)
     local, rest = split_weights(files, plan_base(plan_dir, plan))
     assert local and len(rest) < len(files[WEIGHTS]) / 2
-    assert rebuild_weights(rest, plan_dir / PLAN_BASE, local) == files[WEIGHTS]
+    rebuilt = rebuild_weights(rest, plan_dir / PLAN_BASE, local)
+    # the file's hash and every tensor, without the file ever being put together
+    assert (rebuilt.sha256, rebuilt.nbytes) == (sha256_hex(files[WEIGHTS]), len(files[WEIGHTS]))
+    whole = decode_safetensors(files[WEIGHTS])
+    assert set(rebuilt.tensors) == set(whole)
+    for name, value in whole.items():
+        np.testing.assert_array_equal(rebuilt.tensors[name], value, err_msg=name)
     with pytest.raises(BundleError, match=r"the base weights file .*base.safetensors: it holds no tensor 'nope'"):
         rebuild_weights(rest, plan_dir / PLAN_BASE, [*local, "nope"])
-    whole = encode_safetensors(decode_safetensors(files[WEIGHTS]))
+    whole = encode_safetensors(whole)
     with pytest.raises(BundleError, match=rf"weights.rest.safetensors holds '{local[0]}', which the coordinator said"):
         rebuild_weights(whole, plan_dir / PLAN_BASE, local)
 

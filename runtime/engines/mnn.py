@@ -51,13 +51,14 @@ CACHED_OPS = ("MatMul", "Softmax", "Erf")
 GATHERED = "\0gathered:"
 
 
-def _constant_var(value) -> "K.Var":
-    """The Var of a graph constant: a frozen weight held int8 / int4 (`ir.precision`) stays so in
-    MNN and is widened inside each graph that reads it (`mnn_kernels.widened_weight`); bfloat16,
-    which MNN cannot hold, and every other constant become float32 constants."""
+def _constant_var(value) -> tuple["K.Var", dict]:
+    """The Var of a graph constant, and the constant Vars it reads by QuantizedTensor field: a frozen
+    weight held int8 / int4 (`ir.precision`) stays so in MNN and is widened inside each graph that
+    reads it (`mnn_kernels.widened_weight_parts`); bfloat16, which MNN cannot hold, and every other
+    constant become float32 constants."""
     if isinstance(value, QuantizedTensor) and value.storage in ("int8", "int4"):
-        return K.widened_weight(value)
-    return K.constant(np.asarray(value, np.float32))
+        return K.widened_weight_parts(value)
+    return K.constant(np.asarray(value, np.float32)), {}
 
 
 def _frozen_table(value):
@@ -120,7 +121,7 @@ def _lower_node(node: Node, a: list) -> "K.Var":
     raise NotImplementedError(f"MNN engine: op {op} (node {node.name!r}) has no lowering")
 
 
-def _hold_once(constants, name: str, var: "K.Var") -> None:
+def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] | None = None) -> None:
     """Give the graph, in place of the frozen float32 weight `name`, a read-only view of the constant
     Var just built from it: MNN's const copies, so without this the stage holds every frozen weight
     twice (the graph's array and the Var; +466 MiB on SmolLM2's LoRA), and replaced as each Var is
@@ -128,6 +129,21 @@ def _hold_once(constants, name: str, var: "K.Var") -> None:
     same; the view keeps the Var alive, so the graph stays valid after the engine is gone. A mapping
     that cannot be written (a lazily read file) is left as it is."""
     arr = constants.get(name) if isinstance(constants, dict) else None
+    if isinstance(arr, QuantizedTensor):
+        # a quantized weight's parts that MNN holds as the same values: the graph keeps views of
+        # them (int4's codes, the same bytes; the scales and int4's offsets, which MNN holds as
+        # float32: widening reads them as float32 either way). int8's codes MNN holds offset by 128.
+        held = {}
+        for field, part in (parts or {}).items():
+            if field == "codes" and arr.storage != "int4":
+                continue
+            mine = getattr(arr, field)
+            view = K.frozen_view_of(part)
+            if mine is not None and view.size == mine.size and (field != "codes" or view.dtype == mine.dtype):
+                held[field] = view.reshape(mine.shape)
+        if held:
+            constants[name] = replace(arr, **held)
+        return
     if not (isinstance(arr, np.ndarray) and arr.dtype == np.float32):
         return
     view = K.frozen_view_of(var)
@@ -186,8 +202,8 @@ class _BlockProgram:
                         # one Var per constant for all the engine's graph sets: a frozen weight
                         # (LoRA's base) is held once however many sets there are
                         if i not in constants:
-                            constants[i] = _constant_var(graph.constants[i])
-                            _hold_once(graph.constants, i, constants[i])
+                            constants[i], parts = _constant_var(graph.constants[i])
+                            _hold_once(graph.constants, i, constants[i], parts)
                         env[i] = constants[i]
                     elif i not in produced:
                         raise KeyError(f"block {block.name!r}: node {n.name!r} reads {i!r}, which is not available")

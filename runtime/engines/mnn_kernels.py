@@ -716,6 +716,11 @@ def release_memory() -> None:
 # --------------------------------------------------------------------------
 
 def widened_weight(q) -> Var:
+    """`widened_weight_parts(q)`'s expression."""
+    return widened_weight_parts(q)[0]
+
+
+def widened_weight_parts(q) -> tuple[Var, dict[str, Var]]:
     """The float32 weight of an `ir.precision.QuantizedTensor` (int8 or int4) as a graph expression
     over MNN constants that hold its codes as uint8 (MNN's wrapper has no int8 Var: int8 codes are
     held offset by 128; int4 codes two to a byte as stored) and its block scales (and int4's
@@ -724,7 +729,8 @@ def widened_weight(q) -> Var:
     weight at a time, not one per graph (runtime/engines/MNN_BACKWARD.md)."""
     rows = q.codes.shape[0]
     raw = q.codes if q.storage == "int4" else (q.codes.astype(np.int16) + 128).astype(np.uint8)
-    codes = R.cast(R.const(np.ascontiguousarray(raw), list(raw.shape), R.NCHW, R.uint8), R.int)
+    held = R.const(np.ascontiguousarray(raw), list(raw.shape), R.NCHW, R.uint8)
+    codes = R.cast(held, R.int)
     if q.storage == "int4":
         sixteen = R.const(np.array([16], np.int32), [1], R.NCHW, R.int)
         low, high = R.floormod(codes, sixteen), R.floordiv(codes, sixteen)  # the lower nibble first
@@ -739,8 +745,15 @@ def widened_weight(q) -> Var:
     blocks = R.reshape(values, [rows, -1, q.block]) * scale
     if q.mins is not None:  # int4: q * d + m
         mins = q.mins.astype(np.float32)[:, :, None]
-        blocks = blocks + R.const(np.ascontiguousarray(mins), list(mins.shape), R.NCHW, R.float)
+        offset = R.const(np.ascontiguousarray(mins), list(mins.shape), R.NCHW, R.float)
+        blocks = blocks + offset
     stored = R.reshape(blocks, [rows, -1])
     if stored.shape[1] != q.cols:
         stored = slice_axis(stored, 1, 0, q.cols)
-    return stored if q.axis == 1 else R.transpose(stored, [1, 0])
+    # and the constants it reads, by the QuantizedTensor field they hold: int4's uint8 codes are the
+    # very bytes of `q.codes`, the float32 scales (and offsets) `q.scales` widened exactly, so a
+    # caller can hold views of them in their place (`frozen_view_of`) and each is held once
+    parts = {"codes": held, "scales": scale}
+    if q.mins is not None:
+        parts["mins"] = offset
+    return (stored if q.axis == 1 else R.transpose(stored, [1, 0])), parts

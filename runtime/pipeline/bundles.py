@@ -12,10 +12,11 @@ The coordinator side: `bundle_to_wire` reads a bundle directory and checks its m
 Base weights held on the device (a plan with frozen weights, LoRA's: `ir.bundle.PLAN_BASE`): the
 coordinator offers to leave out the stage's frozen weights, named, with the base file's SHA-256; a
 worker started with a file of that SHA-256 (`confidant worker --base FILE`) accepts, receives
-weights.safetensors without them (as `REST`), and rebuilds the file from the two
-(`rebuild_weights`). The rebuilt bytes then go through the same verification as ever: they must
-hash to what the signed manifest says, so a wrong or damaged base file is refused like a damaged
-bundle.
+weights.safetensors without them (as `REST`), and takes its tensors from the two
+(`rebuild_weights`), hashing them in the file's order without putting the file together. They then
+go through the same verification as ever: that hash must be what the signed manifest says, so a
+wrong or damaged base file is refused like a damaged bundle. A quantized base is in both files at
+its storage precision (`ir.precision.storage_tensors`): nothing is widened on the way.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ import numpy as np
 from ir.bundle import (BUNDLE_FILES, MANIFEST, PLAN_BASE, SIGNATURE, WEIGHTS, BundleContents, BundleError,
                        SignatureCheck, check_bundle_manifest, load_plan, read_bundle_files, verify_bundle_files)
 from ir.documents import PlanDocument
-from ir.safetensors import decode_safetensors, encode_safetensors, load_safetensors_subset, safetensors_names
+from ir.safetensors import (HashedTensors, decode_safetensors, encode_safetensors, hash_tensors, load_safetensors_subset,
+                            safetensors_names)
 from runtime.transport.wire import Expected
 
 __all__ = ["BUNDLE_KIND", "REST", "BaseWeights", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire",
@@ -72,9 +74,12 @@ def split_weights(files: Mapping[str, bytes], base: BaseWeights) -> tuple[list[s
     return local, encode_safetensors({n: v for n, v in weights.items() if n not in set(local)})
 
 
-def rebuild_weights(rest: bytes, base_path: str | Path, local: Sequence[str]) -> bytes:
-    """weights.safetensors from `rest` and the tensors `local` read from the base file; BundleError
-    when the two do not make one set of weights (the manifest's hash checks the rest)."""
+def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequence[str]) -> HashedTensors:
+    """weights.safetensors's tensors from `rest` and the tensors `local` read from the base file,
+    with the SHA-256 of the file they make, hashed tensor by tensor (`ir.safetensors.hash_tensors`):
+    the file itself is never put together, and each tensor is read once, at its storage precision.
+    BundleError when the two do not make one set of weights; the manifest's check of the hash
+    (`verify_bundle_files`) then covers every byte, the rest's and the base file's alike."""
     try:
         tensors = decode_safetensors(rest)
     except ValueError as exc:
@@ -86,7 +91,7 @@ def rebuild_weights(rest: bytes, base_path: str | Path, local: Sequence[str]) ->
         tensors.update(load_safetensors_subset(base_path, local))
     except (OSError, ValueError) as exc:
         raise BundleError(f"the base weights file {exc}") from None
-    return encode_safetensors(tensors)
+    return hash_tensors(tensors)
 
 
 def as_uint8(data: bytes) -> np.ndarray:
@@ -101,6 +106,9 @@ def wire_to_files(arrays: Mapping[str, np.ndarray | bytes]) -> dict[str, bytes |
     (read-only) buffer, not a copy, since a stage's weights file can be hundreds of MB."""
     files = {}
     for name, value in arrays.items():
+        if isinstance(value, HashedTensors):  # weights assembled on this device (rebuild_weights)
+            files[name] = value
+            continue
         if isinstance(value, (bytes, bytearray, memoryview)):
             files[name] = bytes(value)
             continue
