@@ -15,6 +15,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ir.versioned import check_header
+
 SCHEMA_VERSION = 1
 
 # Every schedule by name (`planner.schedule` builds each), and the optimizers a plan may name
@@ -214,10 +216,7 @@ class Schedule:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Schedule":
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"schedule schema_version {version!r} is not supported; this build reads "
-                             f"schema_version {SCHEMA_VERSION}")
+        check_header(data, format=None, versions=SCHEMA_VERSION, where="schedule")
         missing = [k for k in ("name", "stages", "microbatches", "update_every", "stash_depth", "actions")
                    if k not in data]
         if missing:
@@ -272,9 +271,9 @@ class Schedule:
         missing = [k for k in need if k not in fields]
         if missing:
             raise ValueError(f"schedule header lacks {', '.join(missing)}")
-        if fields["schema_version"] != str(SCHEMA_VERSION):
-            raise ValueError(f"schedule schema_version {fields['schema_version']!r} is not supported; this build "
-                             f"reads schema_version {SCHEMA_VERSION}")
+        version = fields["schema_version"]
+        check_header({"schema_version": int(version) if version.isdigit() else version}, format=None,
+                     versions=SCHEMA_VERSION, where="schedule header")
         try:
             stages = int(fields["stages"])
             microbatches = int(fields["microbatches"])

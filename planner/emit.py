@@ -32,6 +32,7 @@ from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
 from ir.safetensors import encode_safetensors
 from ir.serialize import graph_to_json, slice_graph
+from ir.versioned import check_header
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
 from planner.cost import stage_memory_terms
@@ -290,11 +291,8 @@ def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
 
 def cluster_from_json(doc: Any, source: str) -> Cluster:
     """`cluster_to_json`'s document back; ClusterError names `source` and what is wrong."""
-    if not isinstance(doc, Mapping) or doc.get("format") != CLUSTER_FORMAT:
-        raise ClusterError(f"{source}: not a {CLUSTER_FORMAT} document")
-    if doc.get("schema_version") != CLUSTER_SCHEMA_VERSION:
-        raise ClusterError(f"{source}: schema_version {doc.get('schema_version')!r} is not supported (reads "
-                           f"{CLUSTER_SCHEMA_VERSION}); re-run `confidant plan` with this version")
+    check_header(doc, format=CLUSTER_FORMAT, versions=CLUSTER_SCHEMA_VERSION, where=source,
+                 redo="re-run `confidant plan` with this version", error=ClusterError)
     try:
         devices = tuple(DeviceSpec(str(d["name"]), str(d["address"]),
                                    DeviceProfile.from_json(d["profile"], f"{source}: device {d['name']!r}"),
