@@ -254,7 +254,7 @@ def read_hf_sidecar(model_path: Path) -> dict | None:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
-    check_header(doc, format="confidant-hf-export", versions=1, version_key="version", where=str(path),
+    check_header(doc, format="confidant-hf-export", versions=None, where=str(path),
                  redo="re-export the model with this version (`confidant export`)")
     return doc
 

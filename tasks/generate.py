@@ -70,7 +70,7 @@ def lm_metadata(model_path: Path) -> dict | None:
     if not path.is_file():
         return None
     d = json.loads(path.read_text())
-    check_header(d, format="confidant-causal-lm", versions=1, version_key="version", where=str(path),
+    check_header(d, format="confidant-causal-lm", versions=None, where=str(path),
                  redo="re-export the model with this version (`confidant export --task causal-lm`)")
     return d
 

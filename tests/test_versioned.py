@@ -9,6 +9,7 @@ from ir.versioned import HeaderError, check_header
 def test_a_good_header_gives_its_version():
     assert check_header({"format": "f", "schema_version": 2}, format="f", versions=(1, 2), where="x.json") == 2
     assert check_header({"version": 1}, format=None, versions=1, version_key="version", where="x.json") == 1
+    assert check_header({"format": "f"}, format="f", versions=None, version_key="version", where="x.json") is None
 
 
 @pytest.mark.parametrize("doc, message", [
