@@ -255,7 +255,7 @@ def read_hf_sidecar(model_path: Path) -> dict | None:
         return None
     doc = json.loads(path.read_text())
     check_header(doc, format="confidant-hf-export", versions=None, where=str(path),
-                 redo="re-export the model with this version (`confidant export`)")
+                 redo="re-export the model (`confidant export`)")
     return doc
 
 

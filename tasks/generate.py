@@ -71,7 +71,7 @@ def lm_metadata(model_path: Path) -> dict | None:
         return None
     d = json.loads(path.read_text())
     check_header(d, format="confidant-causal-lm", versions=None, where=str(path),
-                 redo="re-export the model with this version (`confidant export --task causal-lm`)")
+                 redo="re-export the model (`confidant export --task causal-lm`)")
     return d
 
 

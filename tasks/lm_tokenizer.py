@@ -219,7 +219,7 @@ def load_lm_tokenizer(path: str | Path) -> LmTokenizer:
         raise InputFileError(f"{chat_file}: not valid JSON ({exc}); re-export the model "
                              "(`confidant export --task causal-lm`) or delete the file for raw prompts") from None
     check_header(d, format="confidant-chat-template", versions=None, where=str(chat_file),
-                 redo="re-export the model with this version (`confidant export --task causal-lm`)")
+                 redo="re-export the model (`confidant export --task causal-lm`)")
     pieces = ChatPieces.from_json(d["pieces"]) if d.get("pieces") else None
     return LmTokenizer(tokenizer, pieces, d.get("eos_token_id"), d.get("pad_token_id"), d.get("bos_token_id"),
                        bool(d.get("adds_bos")), d.get("template"))
