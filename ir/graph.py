@@ -311,6 +311,17 @@ def is_causal_lm(graph: Graph) -> bool:
         "TokenCrossEntropy"
 
 
+def logits_shape(graph: Graph) -> tuple[int, ...]:
+    """The shape of the head's output, the logits the loss block reads: [batch, labels] for a
+    sequence classifier, [batch, seq, labels] for a token classifier (and a causal LM)."""
+    return tuple(graph.values[graph.blocks[-2].output].shape)
+
+
+def is_sequence_classifier(graph: Graph) -> bool:
+    """One label per sequence (logits [batch, labels]), not one per token."""
+    return len(logits_shape(graph)) == 2
+
+
 def tied_parameters(graph: Graph, ranges) -> dict[str, tuple[int, ...]]:
     """Parameters that more than one stage holds, for stages running the block ranges `ranges`
     ([first, last] per stage, in order): a weight read by blocks on several stages (ALBERT's one
