@@ -27,7 +27,7 @@ from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCo
                           StageDocument)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
-from ir.plan import Schedule
+from ir.plan import DEFAULT_LR, Schedule
 from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
 from ir.safetensors import encode_safetensors
@@ -52,7 +52,7 @@ __all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan", "load_plan_cluster", "cl
 # activations of the micro-batches in flight; devices not named: the engine's default).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "model": None, "model_path": None, "lora": None, "engine": "mnn", "backend": "cpu", "threads": 1,
-    "optimizer": "adamw", "lr": 5e-5, "weight_decay": None, "addresses": {}, "head_split": {}, "activations": {},
+    "optimizer": "adamw", "lr": DEFAULT_LR, "weight_decay": None, "addresses": {}, "head_split": {}, "activations": {},
 }
 
 
