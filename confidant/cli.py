@@ -10,7 +10,7 @@ from pathlib import Path
 from confidant.defaults import DEMO_DEFAULTS
 from confidant.errors import CliError
 from confidant.home import DEMO_DIR
-from ir.plan import OPTIMIZER_NAMES, SCHEDULE_NAMES
+from ir.plan import DEFAULT_LR, OPTIMIZER_NAMES, SCHEDULE_NAMES
 
 
 def _address(text: str, listen: bool = False) -> str:
@@ -66,7 +66,7 @@ def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60, from_plan: 
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     g.add_argument("--batch", type=int, **default(8, "sentences per batch (default %(default)s)"))
     g.add_argument("--seq", type=int, **default(128, "tokens per sentence incl. [CLS]/[SEP] (default %(default)s)"))
-    g.add_argument("--lr", type=float, **default(5e-5, "learning rate (default %(default)s)"))
+    g.add_argument("--lr", type=float, **default(DEFAULT_LR, "learning rate (default %(default)s)"))
     g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, **default("adamw", "default %(default)s"))
     g.add_argument("--seed", type=int, default=0, help="shuffling seed (default %(default)s)")
     g.add_argument("--threads", type=int, **default(1, "CPU threads for the engine (default %(default)s)"))
@@ -438,7 +438,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--update-every", type=int, default=None,
                    help="1f1b-stash and 2bw: backwards per update (default: 1 for 1f1b-stash, --microbatches for 2bw)")
     p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw")
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr", type=float, default=DEFAULT_LR)
     p.add_argument("--cuts", default=None, help="manual cuts instead of the solver (first block of stages 2..p)")
     p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
     p.add_argument("--time-limit", type=_seconds, default=10.0,

@@ -61,6 +61,7 @@ from ir.precision import QuantizedTensor, storage_tensors
 from ir.safetensors import HashedTensors, decode_safetensors, encode_safetensors
 from ir.serialize import constant_tensor_names, graph_from_json
 from ir.verify import GraphError, verify_graph
+from ir.versioned import check_header
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
            "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
@@ -258,17 +259,8 @@ def check_bundle_manifest(files: Mapping[str, bytes], source: str) -> dict[str, 
     if MANIFEST not in files:
         raise BundleError(f"bundle {source}: {MANIFEST} is missing (not a bundle, or its writing was interrupted)")
     manifest = _load_json(bytes(files[MANIFEST]), source, MANIFEST)
-    if not isinstance(manifest, dict):
-        raise BundleError(f"bundle {source}: {MANIFEST} is a JSON {type(manifest).__name__}, not an object")
-    version = manifest.get("schema_version")
-    if not _is_int(version):
-        raise BundleError(f"bundle {source}: {MANIFEST} has no integer schema_version (got {version!r})")
-    if version != BUNDLE_SCHEMA_VERSION:
-        raise BundleError(f"bundle {source}: schema_version {version} is not supported by this runtime "
-                          f"(reads {BUNDLE_SCHEMA_VERSION}); re-run `confidant plan` with this version")
-    if manifest.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"bundle {source}: {MANIFEST} format is {manifest.get('format')!r}, "
-                          f"expected {BUNDLE_FORMAT!r}")
+    check_header(manifest, format=BUNDLE_FORMAT, versions=BUNDLE_SCHEMA_VERSION, where=f"bundle {source}: {MANIFEST}",
+                 redo="re-run `confidant plan` with this version", error=BundleError)
     if sorted(set(manifest) - {_PLAN_KEY}) != sorted(_MANIFEST_KEYS):
         raise BundleError(f"bundle {source}: {MANIFEST} has keys {sorted(manifest)}, expected "
                           f"{sorted(_MANIFEST_KEYS)} and optionally {_PLAN_KEY!r}")

@@ -21,6 +21,7 @@ from ir.address import AddressError, parse_address
 from ir.backend import BackendSpec
 from ir.plan import Action, ActionKind, Schedule
 from ir.precision import BASE_DTYPES
+from ir.versioned import check_header
 from ir.verify import verify_plan
 
 PLAN_SCHEMA_VERSION = 1
@@ -454,16 +455,8 @@ class PlanDocument:
         def fail(what: str) -> BundleError:
             return BundleError(f"plan {where}: {what}")
 
-        if not isinstance(doc, dict):
-            raise fail(f"plan.json is a JSON {type(doc).__name__}, not an object")
-        version = doc.get("schema_version")
-        if not _is_int(version):
-            raise fail(f"plan.json has no integer schema_version (got {version!r})")
-        if version != PLAN_SCHEMA_VERSION:
-            raise fail(f"schema_version {version} is not supported by this build (reads {PLAN_SCHEMA_VERSION}); "
-                       f"re-run `confidant plan` with this version")
-        if doc.get("format") != PLAN_FORMAT:
-            raise fail(f"plan.json format is {doc.get('format')!r}, expected {PLAN_FORMAT!r}")
+        check_header(doc, format=PLAN_FORMAT, versions=PLAN_SCHEMA_VERSION, where=f"plan {where}: plan.json",
+                     redo="re-run `confidant plan` with this version", error=BundleError)
         missing = [k for k in PLAN_FIELDS if k not in doc]
         if missing:
             raise fail(f"plan.json lacks {', '.join(missing)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -187,15 +188,20 @@ class Graph:
             object.__setattr__(self, "_nodes_by_name", cache)
         return cache
 
-    def producers(self) -> dict[str, Node]:
-        return {o: n for n in self.nodes for o in n.outputs}
+    def producers(self) -> Mapping[str, Node]:
+        """Value name -> the node that writes it (read-only, built once per graph, as `node` is)."""
+        return MappingProxyType(self._use_def().producers)
 
-    def consumers(self) -> dict[str, list[Node]]:
-        out: dict[str, list[Node]] = {}
-        for n in self.nodes:
-            for i in n.inputs:
-                out.setdefault(i, []).append(n)
-        return out
+    def consumers(self) -> Mapping[str, tuple[Node, ...]]:
+        """Value name -> the nodes that read it, in graph order (read-only, built once per graph)."""
+        return MappingProxyType(self._use_def().readers)
+
+    def _use_def(self) -> "UseDef":  # plain dicts in the cache, so a Graph still pickles
+        cache = self.__dict__.get("_use_def_index")
+        if cache is None:
+            cache = use_def(self.nodes)
+            object.__setattr__(self, "_use_def_index", cache)
+        return cache
 
     def input_names(self) -> tuple[str, ...]:
         return tuple(v.name for v in self.inputs)
@@ -208,6 +214,25 @@ class Graph:
 
     def param_bytes(self) -> int:
         return sum(int(self.constants[p].nbytes) for p in self.params)
+
+
+@dataclass(frozen=True)
+class UseDef:
+    """Who writes and who reads each value of a list of nodes: the index a pass walks a pattern by.
+    A Graph's own is `Graph.producers()`/`consumers()`; `use_def(nodes)` gives one for part of a
+    graph (one block's nodes, the compute nodes of a stage)."""
+
+    producers: Mapping[str, Node]
+    readers: Mapping[str, tuple[Node, ...]]
+
+
+def use_def(nodes: Iterable[Node]) -> UseDef:
+    nodes = tuple(nodes)
+    readers: dict[str, list[Node]] = {}
+    for n in nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n)
+    return UseDef({o: n for n in nodes for o in n.outputs}, {k: tuple(v) for k, v in readers.items()})
 
 
 def topological_order(nodes: Iterable[Node], available: Iterable[str]) -> list[Node]:
@@ -284,6 +309,17 @@ def is_causal_lm(graph: Graph) -> bool:
     """A decoder lowered with its causal-LM loss (the last block's op is TokenCrossEntropy)."""
     return bool(graph.blocks and graph.blocks[-1].nodes) and graph.node(graph.blocks[-1].nodes[0]).op == \
         "TokenCrossEntropy"
+
+
+def logits_shape(graph: Graph) -> tuple[int, ...]:
+    """The shape of the head's output, the logits the loss block reads: [batch, labels] for a
+    sequence classifier, [batch, seq, labels] for a token classifier (and a causal LM)."""
+    return tuple(graph.values[graph.blocks[-2].output].shape)
+
+
+def is_sequence_classifier(graph: Graph) -> bool:
+    """One label per sequence (logits [batch, labels]), not one per token."""
+    return len(logits_shape(graph)) == 2
 
 
 def tied_parameters(graph: Graph, ranges) -> dict[str, tuple[int, ...]]:

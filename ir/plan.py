@@ -15,12 +15,18 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ir.versioned import check_header
+
 SCHEMA_VERSION = 1
 
 # Every schedule by name (`planner.schedule` builds each), and the optimizers a plan may name
 # (`runtime.optim` implements each): the one list every command and module checks against.
 SCHEDULE_NAMES = ("gpipe", "1f1b-flush", "1f1b-stash", "zb-h1", "2bw")
 OPTIMIZER_NAMES = ("sgd", "adamw")
+# The learning rate of a run that names none (BERT fine-tuning's usual 5e-5). Here, in `ir`, because
+# it is the one layer that all its users may import: the command line, jobs, tasks, the planner (a
+# plan's optimizer) and the runtime (the coordinator's config), which imports none of the others.
+DEFAULT_LR = 5e-5
 # Schedules that never flush: weights update while other micro-batches are still in flight, so
 # each stage keeps older weight versions (stashes) for their backwards.
 ASYNC_SCHEDULES = frozenset({"1f1b-stash", "2bw"})
@@ -214,10 +220,7 @@ class Schedule:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Schedule":
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"schedule schema_version {version!r} is not supported; this build reads "
-                             f"schema_version {SCHEMA_VERSION}")
+        check_header(data, format=None, versions=SCHEMA_VERSION, where="schedule")
         missing = [k for k in ("name", "stages", "microbatches", "update_every", "stash_depth", "actions")
                    if k not in data]
         if missing:
@@ -272,9 +275,9 @@ class Schedule:
         missing = [k for k in need if k not in fields]
         if missing:
             raise ValueError(f"schedule header lacks {', '.join(missing)}")
-        if fields["schema_version"] != str(SCHEMA_VERSION):
-            raise ValueError(f"schedule schema_version {fields['schema_version']!r} is not supported; this build "
-                             f"reads schema_version {SCHEMA_VERSION}")
+        version = fields["schema_version"]
+        check_header({"schema_version": int(version) if version.isdigit() else version}, format=None,
+                     versions=SCHEMA_VERSION, where="schedule header")
         try:
             stages = int(fields["stages"])
             microbatches = int(fields["microbatches"])

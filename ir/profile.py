@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from ir.versioned import check_header
+
 SCHEMA_VERSION = 1
 
 
@@ -129,12 +131,8 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, doc: Mapping, source: str = "<profile>") -> "DeviceProfile":
-        if not isinstance(doc, Mapping):
-            raise ValueError(f"{source}: a profile is a JSON object (what `confidant profile` writes), not a "
-                             f"{type(doc).__name__}")
-        if doc.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"{source}: profile schema_version {doc.get('schema_version')!r} is not "
-                             f"{SCHEMA_VERSION}; re-run `confidant profile`")
+        check_header(doc, format=None, versions=SCHEMA_VERSION, where=f"{source}: profile",
+                     redo="re-run `confidant profile`")
         try:
             backends = tuple(
                 BackendProfile(

@@ -13,6 +13,7 @@ import numpy as np
 
 from ir.graph import AttentionSite, Block, Graph, Node, Value
 from ir.precision import QuantizedTensor, from_storage_tensors, quantize, storage_piece_names, storage_tensors
+from ir.versioned import check_header
 
 SCHEMA_VERSION = 1
 
@@ -116,9 +117,8 @@ def _graph_doc(graph: Graph) -> dict:
 
 def graph_from_json(doc: Mapping, constants: Mapping[str, np.ndarray]) -> Graph:
     """Rebuild a graph; every declared constant must be present with its declared dtype and shape."""
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"graph schema version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}: "
-                         "the sender runs a different Confidant version")
+    check_header(doc, format=None, versions=SCHEMA_VERSION, where="graph",
+                 redo="the sender runs a different Confidant version")
     declared = doc["constants"]
     missing = sorted(constant_tensor_names(doc) - set(constants))
     if missing:

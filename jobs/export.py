@@ -33,6 +33,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ir.versioned import check_header
 from tasks.models import default_checkpoint_dir
 
 __all__ = ["DEFAULT_NUM_LABELS", "ExportOptions", "HF_SIDECAR_SUFFIX", "TASKS", "default_checkpoint_dir",
@@ -253,8 +254,8 @@ def read_hf_sidecar(model_path: Path) -> dict | None:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
-    if doc.get("format") != "confidant-hf-export":
-        raise ValueError(f"{path} is not a Confidant export sidecar (format {doc.get('format')!r})")
+    check_header(doc, format="confidant-hf-export", versions=None, where=str(path),
+                 redo="re-export the model (`confidant export`)")
     return doc
 
 

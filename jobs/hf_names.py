@@ -148,10 +148,7 @@ class _Candidates:
 def _by_bias(graph: Graph, weight: str, named: Mapping[str, HfName], state_dict) -> HfName | None:
     """The `M.weight` of a Linear `M` whose bias is already placed: `weight` feeds a MatMul whose
     result the bias `M.bias` is added to."""
-    consumers: dict[str, list] = {}
-    for n in graph.nodes:
-        for i in n.inputs:
-            consumers.setdefault(i, []).append(n)
+    consumers = graph.consumers()
     for mm in (n for n in graph.nodes if n.op == "MatMul" and n.inputs[1] == weight):
         value = mm.outputs[0]
         for _ in range(3):  # through a LoRA adapter's Add, if any

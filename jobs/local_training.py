@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ir.backend import BackendSpec
+from ir.graph import is_causal_lm, is_sequence_classifier, logits_shape
 from jobs.errors import JobError
 from jobs.evaluation import class_figures, eval_figures, score, score_classes
 from jobs.lora import adapted
@@ -35,11 +36,11 @@ TASKS = ("ner", "seq-cls", "causal-lm")
 
 def check_task_shape(model: Path, graph, task: str) -> None:
     """A JobError when the model's logits do not fit the task (token vs sequence classification)."""
-    logits = graph.values[graph.blocks[-2].output].shape
-    if task == "seq-cls" and len(logits) != 2:
+    logits = logits_shape(graph)
+    if task == "seq-cls" and not is_sequence_classifier(graph):
         raise JobError(f"{model} labels tokens (logits {list(logits)}); for --task seq-cls export a sequence "
                        "classifier: `confidant export --task seq-cls --num-labels N`")
-    if task in ("ner", "seq-cls") and graph.nodes and graph.node(graph.blocks[-1].nodes[0]).op == "TokenCrossEntropy":
+    if task in ("ner", "seq-cls") and is_causal_lm(graph):
         raise JobError(f"{model} is a causal language model: train it with --task causal-lm")
     if task == "ner" and len(logits) != 3:
         raise JobError(f"{model} labels whole sequences (logits {list(logits)}); train it with --task seq-cls, or "
@@ -76,7 +77,7 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     started, room = time.perf_counter(), machine_room_bytes()
     graph = adapted(load_model(model, config.batch, config.seq), settings.lora, reporter)
     check_task_shape(model, graph, task)
-    check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], run.labels, eval_only_labels(run),
+    check_label_count(model, logits_shape(graph)[-1], run.labels, eval_only_labels(run),
                       eval_path)
     batches = make_batches(run.train_encoded, config.batch, config.seq, seed=config.seed,
                            per_sequence=task == "seq-cls")

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ir.versioned import check_header
+
 METRICS_SCHEMA_VERSION = 1
 METRICS_FORMAT = "confidant-metrics"
 
@@ -161,11 +163,7 @@ class TrainingMetrics:
 def read_metrics(path: str | Path) -> dict[str, Any]:
     """A metrics document written by `TrainingMetrics.write`, checked for its format and version."""
     doc = json.loads(Path(path).read_text())
-    if not isinstance(doc, dict) or doc.get("format") != METRICS_FORMAT:
-        raise ValueError(f"{path}: not a {METRICS_FORMAT} document")
-    if doc.get("schema_version") != METRICS_SCHEMA_VERSION:
-        raise ValueError(f"{path}: metrics schema_version {doc.get('schema_version')!r} is not "
-                         f"{METRICS_SCHEMA_VERSION}")
+    check_header(doc, format=METRICS_FORMAT, versions=METRICS_SCHEMA_VERSION, where=str(path))
     return doc
 
 

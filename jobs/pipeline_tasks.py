@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ir.backend import BackendSpec
-from ir.graph import Graph
+from ir.graph import Graph, logits_shape
 from jobs.errors import JobError
 from jobs.metrics import EvalFigures
 from jobs.report import Reporter, Silent
@@ -78,7 +78,7 @@ def _classification(task: str, model: Path, data: Path, eval_path: Path | None, 
     rows = training.batch // microbatches
     graph = adapted(load_model(model, rows, training.seq), training.lora, reporter)
     check_task_shape(model, graph, task)
-    check_label_count(model, graph.values[graph.blocks[-2].output].shape[-1], run.labels, eval_only_labels(run),
+    check_label_count(model, logits_shape(graph)[-1], run.labels, eval_only_labels(run),
                       eval_path)
     batches = make_batches(run.train_encoded, training.batch, training.seq, seed=training.seed,
                            per_sequence=task == "seq-cls")

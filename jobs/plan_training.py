@@ -28,7 +28,7 @@ from runtime.pipeline.checkpoints import check_checkpoint_target
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.executor import busy_fraction
 from runtime.procfs import peak_rss_bytes
-from ir.graph import is_causal_lm
+from ir.graph import is_causal_lm, is_sequence_classifier, logits_shape
 from jobs.metrics import EvalFigures
 from jobs.pipeline_tasks import PipelineTask, step_feeds
 from tasks.ner import check_label_count, eval_only_labels, load_ner_data
@@ -243,7 +243,7 @@ def data_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: Plan
     (unless settings.tokenizer), and the model named in label-count errors."""
     if is_causal_lm(full):
         return _causal_lm_task(plan_dir, data, eval_path, settings, full, rows, M, seq, note)
-    if len(full.values[full.blocks[-2].output].shape) == 2:  # logits [batch, labels]
+    if is_sequence_classifier(full):
         return _seqcls_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
     return _ner_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
 
@@ -275,7 +275,7 @@ def _ner_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: Plan
               seq: int) -> PipelineTask:
     """NER from a plan: CoNLL files, entity F1 of the trained weights on the merged slices."""
     ner = load_ner_data(data, eval_path, seq, settings.tokenizer)
-    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], ner.labels, eval_only_labels(ner),
+    check_label_count(plan_dir, logits_shape(full)[-1], ner.labels, eval_only_labels(ner),
                       eval_path)
     batches = make_batches(ner.train_encoded, rows * M, seq, seed=settings.seed)
 
@@ -300,7 +300,7 @@ def _seqcls_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: P
         run = load_seqcls_data(data, eval_path, seq, settings.tokenizer)
     except (ValueError, OSError) as exc:
         raise JobError(f"--data/--eval: {exc}") from None
-    check_label_count(plan_dir, full.values[full.blocks[-2].output].shape[-1], run.labels, eval_only_labels(run),
+    check_label_count(plan_dir, logits_shape(full)[-1], run.labels, eval_only_labels(run),
                       eval_path)
     batches = make_batches(run.train_encoded, rows * M, seq, seed=settings.seed, per_sequence=True)
 

@@ -12,6 +12,7 @@ from ir.backend import engine_of, runs_as, threads_of
 from ir.bundle import load_plan
 from ir.graph import is_causal_lm, tied_parameters
 from ir.partition import StageCost
+from ir.plan import DEFAULT_LR
 from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
@@ -40,7 +41,7 @@ class PlanSettings:
     microbatches: int = 4
     update_every: int = 1
     optimizer: str = "adamw"
-    lr: float = 5e-5
+    lr: float = DEFAULT_LR
     cuts: tuple[int, ...] | None = None
     devices: tuple[str, ...] | None = None
     time_limit_s: float = 10.0

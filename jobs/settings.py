@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
+from ir.plan import ASYNC_SCHEDULES, DEFAULT_LR, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
 from jobs.errors import FlagError, JobError
 from planner.lora import LoraSettings
 
@@ -18,7 +18,7 @@ class TrainingSettings:
     steps: int = 60
     batch: int = 8
     seq: int = 128
-    lr: float = 5e-5
+    lr: float = DEFAULT_LR
     optimizer: str = "adamw"
     seed: int = 0
     threads: int = 1

@@ -28,6 +28,7 @@ import numpy as np
 
 from ir.backend import BackendSpec
 from ir.errors import InputFileError
+from ir.graph import is_sequence_classifier, logits_shape
 from ir.safetensors import save_safetensors
 from jobs.errors import JobError
 from planner.onnx_import import load_model, write_weights
@@ -83,7 +84,7 @@ def _task_of(trained: TrainedModel, graph) -> str:
     task = trained.meta.get("task")
     if task in ("ner", "seq-cls"):
         return task
-    return "seq-cls" if len(graph.values[graph.blocks[-2].output].shape) == 2 else "ner"
+    return "seq-cls" if is_sequence_classifier(graph) else "ner"
 
 
 def label_names(trained: TrainedModel, n_labels: int, task: str, given: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -178,7 +179,7 @@ def predict(model: Path, input_path: Path, labels: Sequence[str] | None = None, 
     _input_text(input_path)  # an unreadable input is refused before the model is built
     graph, engine = _engine(trained, batch, seq, threads)
     task = _task_of(trained, graph)
-    names = label_names(trained, graph.values[graph.blocks[-2].output].shape[-1], task, labels)
+    names = label_names(trained, logits_shape(graph)[-1], task, labels)
     tok = load_tokenizer(tokenizer or default_tokenizer_path())
     head = len(graph.blocks) - 2
     if task == "seq-cls":

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ir.graph import AttentionSite, Block, Graph, Node
+from ir.graph import AttentionSite, Block, Graph, Node, use_def
 
 NORMS = ("LayerNorm", "RMSNorm")
 
@@ -65,11 +65,8 @@ class _Matcher:
     def __init__(self, graph: Graph, block: Block):
         self.graph, self.block = graph, block
         self.nodes = [graph.node(n) for n in block.nodes]
-        self.inside = {o: n for n in self.nodes for o in n.outputs}
-        self.users: dict[str, list[Node]] = {}
-        for n in self.nodes:
-            for i in n.inputs:
-                self.users.setdefault(i, []).append(n)
+        index = use_def(self.nodes)
+        self.inside, self.users = index.producers, index.readers
         self.used: list[Node] = []
         self.params = frozenset(graph.params)
 

@@ -37,11 +37,8 @@ def run_decoder_fusions(graph: Graph) -> Graph:
 class _Index:
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.prod = {o: n for n in graph.nodes for o in n.outputs}
-        self.cons: dict[str, list[Node]] = {}
-        for n in graph.nodes:
-            for i in n.inputs:
-                self.cons.setdefault(i, []).append(n)
+        self.prod = graph.producers()
+        self.cons = graph.consumers()
         self.params = frozenset(graph.params)
         self.outputs = {v.name for v in graph.outputs}
 

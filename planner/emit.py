@@ -27,11 +27,12 @@ from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCo
                           StageDocument)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
-from ir.plan import Schedule
+from ir.plan import DEFAULT_LR, Schedule
 from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
 from ir.safetensors import encode_safetensors
 from ir.serialize import graph_to_json, slice_graph, stored_constants
+from ir.versioned import check_header
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
 from planner.cost import stage_memory_terms
@@ -51,7 +52,7 @@ __all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan", "load_plan_cluster", "cl
 # activations of the micro-batches in flight; devices not named: the engine's default).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "model": None, "model_path": None, "lora": None, "engine": "mnn", "backend": "cpu", "threads": 1,
-    "optimizer": "adamw", "lr": 5e-5, "weight_decay": None, "addresses": {}, "head_split": {}, "activations": {},
+    "optimizer": "adamw", "lr": DEFAULT_LR, "weight_decay": None, "addresses": {}, "head_split": {}, "activations": {},
 }
 
 
@@ -292,11 +293,8 @@ def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
 
 def cluster_from_json(doc: Any, source: str) -> Cluster:
     """`cluster_to_json`'s document back; ClusterError names `source` and what is wrong."""
-    if not isinstance(doc, Mapping) or doc.get("format") != CLUSTER_FORMAT:
-        raise ClusterError(f"{source}: not a {CLUSTER_FORMAT} document")
-    if doc.get("schema_version") != CLUSTER_SCHEMA_VERSION:
-        raise ClusterError(f"{source}: schema_version {doc.get('schema_version')!r} is not supported (reads "
-                           f"{CLUSTER_SCHEMA_VERSION}); re-run `confidant plan` with this version")
+    check_header(doc, format=CLUSTER_FORMAT, versions=CLUSTER_SCHEMA_VERSION, where=source,
+                 redo="re-run `confidant plan` with this version", error=ClusterError)
     try:
         devices = tuple(DeviceSpec(str(d["name"]), str(d["address"]),
                                    DeviceProfile.from_json(d["profile"], f"{source}: device {d['name']!r}"),

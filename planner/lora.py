@@ -46,7 +46,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ir.graph import Block, Graph, Node, Value
+from ir.graph import Block, Graph, Node, Value, use_def
 from ir.precision import BASE_DTYPES, quantize_frozen
 from planner.attention import annotate_attention
 
@@ -132,11 +132,8 @@ def _decoder_roles(graph: Graph, block: Block) -> dict[str, str]:
     """Roles of a decoder block's projections, traced from its attention (module docstring), with
     weight-name patterns for any the structure leaves open."""
     nodes = [graph.node(x) for x in block.nodes]
-    prod = {o: n for n in nodes for o in n.outputs}
-    users: dict[str, list[Node]] = {}
-    for n in nodes:
-        for i in n.inputs:
-            users.setdefault(i, []).append(n)
+    index = use_def(nodes)
+    prod, users = index.producers, index.readers
     params = frozenset(graph.params)
 
     def weight_of(n: Node | None) -> str | None:
@@ -217,7 +214,7 @@ def _decoder_roles(graph: Graph, block: Block) -> dict[str, str]:
     return roles
 
 
-def _feeds_activation(weight: str, nodes: list[Node], users: dict[str, list[Node]]) -> bool:
+def _feeds_activation(weight: str, nodes: list[Node], users: Mapping[str, Sequence[Node]]) -> bool:
     outs = [n.outputs[0] for n in nodes if n.op == "MatMul" and len(n.inputs) > 1 and n.inputs[1] == weight]
     for value in outs:
         for _ in range(3):

@@ -30,7 +30,7 @@ import math
 import networkx as nx
 import numpy as np
 
-from ir.graph import Block, Graph, Node, Value, topological_order
+from ir.graph import Block, Graph, Node, Value, topological_order, use_def
 from ir.ops import LOSS_INPUTS, LOSS_OPS, compute_flops
 from planner.attention import annotate_attention
 from planner.decoder import run_decoder_fusions
@@ -339,7 +339,7 @@ def find_blocks(graph: Graph) -> Graph:
     # the layer structure is that of the nodes on the data's path; what is computed from weights and
     # constants alone (MPNet's relative-position bias, read by every layer) joins its readers' blocks
     compute = [n for n in every if n.name not in free]
-    prod = {o: n for n in compute for o in n.outputs}
+    prod = use_def(compute).producers
     dag = nx.DiGraph()
     src = "__source__"
     dag.add_node(src)

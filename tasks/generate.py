@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from ir.versioned import check_header
 from runtime.engines import fpmode
 
 if TYPE_CHECKING:
@@ -69,8 +70,8 @@ def lm_metadata(model_path: Path) -> dict | None:
     if not path.is_file():
         return None
     d = json.loads(path.read_text())
-    if d.get("format") != "confidant-causal-lm":
-        raise ValueError(f"{path}: not written by `confidant export --task causal-lm`")
+    check_header(d, format="confidant-causal-lm", versions=None, where=str(path),
+                 redo="re-export the model (`confidant export --task causal-lm`)")
     return d
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ir.errors import InputFileError
+from ir.versioned import check_header
 from tasks.tokenize import load_tokenizer
 
 if TYPE_CHECKING:
@@ -217,8 +218,8 @@ def load_lm_tokenizer(path: str | Path) -> LmTokenizer:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputFileError(f"{chat_file}: not valid JSON ({exc}); re-export the model "
                              "(`confidant export --task causal-lm`) or delete the file for raw prompts") from None
-    if not isinstance(d, dict) or d.get("format") != "confidant-chat-template":
-        raise ValueError(f"{chat_file}: not a chat_template.json written by `confidant export --task causal-lm`")
+    check_header(d, format="confidant-chat-template", versions=None, where=str(chat_file),
+                 redo="re-export the model (`confidant export --task causal-lm`)")
     pieces = ChatPieces.from_json(d["pieces"]) if d.get("pieces") else None
     return LmTokenizer(tokenizer, pieces, d.get("eos_token_id"), d.get("pad_token_id"), d.get("bos_token_id"),
                        bool(d.get("adds_bos")), d.get("template"))

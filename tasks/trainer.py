@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ir.plan import DEFAULT_LR
 from runtime.engines.base import StageEngine, accumulate
 from runtime.procfs import peak_rss_bytes
 from tasks.metrics import ClassScores, Scores, class_scores, entity_f1
@@ -24,7 +25,7 @@ class TrainConfig:
     steps: int = 60
     batch: int = 8
     seq: int = 128
-    lr: float = 5e-5
+    lr: float = DEFAULT_LR
     optimizer: str = "adamw"
     seed: int = 0
     threads: int = 1

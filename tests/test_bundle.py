@@ -182,7 +182,7 @@ def test_foreign_schema_version_is_refused(files):
     manifest = json.loads(files[MANIFEST])
     manifest["schema_version"] = 2
     assert _refused({**files, MANIFEST: json.dumps(manifest).encode()}, "out/pi-a") == (
-        "bundle out/pi-a: schema_version 2 is not supported by this runtime (reads 1); "
+        "bundle out/pi-a: manifest.json: schema_version 2 is not supported by this build (reads 1); "
         "re-run `confidant plan` with this version")
 
 

@@ -245,5 +245,5 @@ def test_damaged_side_files_and_settings_are_named(models, tmp_path):
     with pytest.raises(InputFileError, match=r"chat_template.json: not valid JSON \(.*\); re-export the model"):
         load_lm_tokenizer(folder)
     (folder / "chat_template.json").write_text(json.dumps([1]))
-    with pytest.raises(ValueError, match=r"chat_template.json: not a chat_template.json written by"):
+    with pytest.raises(ValueError, match=r"chat_template.json is a JSON list, not an object; re-export the model"):
         load_lm_tokenizer(folder)

@@ -146,7 +146,8 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
         with pytest.raises(WorkerFailed) as err:
             coordinator.run(schedule, feeds, 0)
         text = str(err.value)
-        assert text.startswith(f"worker stage1 ({worker.addresses[0]}) failed: stage 1: MessageError: message from "
+        assert text.startswith(f"worker stage1 ({worker.addresses[0]}) failed: stage 1 in s1.RECV_ACT.m0<s0: MessageError: "
+                               f"message from "
                                f"peer 'stage0' ({fake.address}): expected act stage=0 mb=0")
         assert "checksum" in text
         del header

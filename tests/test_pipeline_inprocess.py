@@ -356,7 +356,8 @@ def test_a_garbled_activation_fails_the_receiving_stage_and_the_coordinator_name
         with InProcessWorkers(3, timeout_s=30, make_transport=make_transport) as workers:
             train_pipeline(graph, batches, 9, workers.addresses, _config(), STEPS, transport=workers.coordinator)
     text = str(err.value)
-    assert text.startswith(f"worker stage2 ({workers.addresses[2]}) failed: stage 2: MessageError: message from "
+    assert text.startswith(f"worker stage2 ({workers.addresses[2]}) failed: stage 2 in s2.RECV_ACT.m0<s1: MessageError: "
+                           f"message from "
                            f"peer 'stage1' ({workers.addresses[1]}): expected act stage=1 mb=0, received act stage=1 "
                            f"mb=0 (checksum mismatch")
     assert isinstance(workers.errors[2], MessageError) and workers.errors[2].problem.startswith("checksum mismatch")
@@ -377,6 +378,36 @@ def test_the_same_activation_uncorrupted_passes(graph, batches):
     with InProcessWorkers(3, timeout_s=30, make_transport=make_transport) as workers:
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(), STEPS, transport=workers.coordinator)
     assert workers.codes == [0, 0, 0] and len(result.losses) == STEPS
+
+
+def test_an_engine_failing_in_a_backward_is_named_by_its_action(graph, batches, monkeypatch):
+    """Stage 1's engine raises in its backward of micro-batch 1: the coordinator's error names the
+    stage and the action it was running in the plan's one-token text form (`s1.B.m1`), as
+    torch's pipelining names the failing cell of its grid, and the exception the engine raised."""
+    import runtime.pipeline.worker as worker_module
+
+    middle = even_ranges(len(graph.blocks), 3)[1][0]
+    made = worker_module.make_engine
+
+    def make_engine(backend, spec, **kwargs):
+        engine = made(backend, spec, **kwargs)
+        if spec.first_block == middle:
+            backward = engine.backward
+
+            def failing(microbatch, upstream):
+                if microbatch == 1:
+                    raise FloatingPointError("the engine's backward overflowed")
+                return backward(microbatch, upstream)
+            engine.backward = failing
+        return engine
+
+    monkeypatch.setattr(worker_module, "make_engine", make_engine)
+    with pytest.raises(WorkerFailed) as err:
+        with InProcessWorkers(3, timeout_s=30) as workers:
+            train_pipeline(graph, batches, 9, workers.addresses, _config(), STEPS, transport=workers.coordinator)
+    assert str(err.value) == (f"worker stage1 ({workers.addresses[1]}) failed: stage 1 in s1.B.m1: "
+                              f"FloatingPointError: the engine's backward overflowed")
+    assert isinstance(workers.errors[1], FloatingPointError) and workers.codes[1] == 1
 
 
 class _AnswersOutOfTurn(LocalTransport):
@@ -631,3 +662,26 @@ def test_a_snapshot_sends_a_tables_optimizer_state_as_rows_and_gathers_it_dense(
             assert f"opt/{kind}/{table}" not in names  # never sent dense
             n = names[f"opt/{kind}/{table}#ids"] // 8
             assert 0 < n < vocab and names[f"opt/{kind}/{table}#rows"] == n * graph.constants[table][0].nbytes
+
+
+def test_a_bundle_stage_failing_in_a_backward_is_named_by_device_and_action(graph, batches, tmp_path, monkeypatch):
+    """From plan bundles the worker's error also names the plan's device: `stage 1 (b) in s1.B.m1`."""
+    import runtime.pipeline.worker as worker_module
+
+    _plan_on_a_and_b(graph, tmp_path / "plan", "ab")
+    made = worker_module.make_engine
+
+    def make_engine(backend, spec, **kwargs):
+        engine = made(backend, spec, **kwargs)
+        if spec.first_block == 3:  # device b's stage
+            def failing(microbatch, upstream):
+                raise FloatingPointError("the engine's backward overflowed")
+            engine.backward = failing
+        return engine
+
+    monkeypatch.setattr(worker_module, "make_engine", make_engine)
+    with pytest.raises(WorkerFailed) as err:
+        with InProcessWorkers(2, timeout_s=30) as workers:
+            _bundle_run(workers, tmp_path / "plan", 1, batches)
+    assert str(err.value) == (f"worker stage1 ({workers.addresses[1]}) failed: stage 1 (b) in s1.B.m0: "
+                              f"FloatingPointError: the engine's backward overflowed")

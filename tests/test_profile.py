@@ -150,8 +150,7 @@ def test_a_block_cost_that_is_no_measurement_is_refused_by_field(field, value, s
     doc["backends"][0]["blocks"]["b"][field] = value
     with pytest.raises(ValueError, match=f"p.json: malformed profile \\(ValueError: {says}"):
         DeviceProfile.from_json(doc, "p.json")
-    with pytest.raises(ValueError, match=r"p.json: a profile is a JSON object \(what `confidant profile` writes\), "
-                                         r"not a list"):
+    with pytest.raises(ValueError, match=r"p.json: profile is a JSON list, not an object; re-run `confidant profile`"):
         DeviceProfile.from_json([doc], "p.json")
 
 

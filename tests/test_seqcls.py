@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ir.errors import InputFileError
+from ir.graph import is_sequence_classifier, logits_shape
 from tasks.metrics import class_scores
 from tasks.seqcls import (REVIEW_LABELS, LabelledText, generate_reviews, label_order, read_labelled, write_labelled,
                           _OPINIONS)
@@ -163,7 +164,7 @@ def test_fine_tuning_a_sequence_classifier_lowers_the_loss_and_raises_accuracy(t
 
     rows, seq = 8, 10
     graph = load_model(tiny_seqcls, rows, seq)
-    assert graph.values[graph.blocks[-2].output].shape == (rows, 2)
+    assert logits_shape(graph) == (rows, 2) and is_sequence_classifier(graph)
 
     def batch(seed):
         r = np.random.default_rng(seed)
@@ -211,3 +212,20 @@ def test_the_review_demo_raises_accuracy_on_minilm(tmp_path):
     ev = doc["eval"]
     assert ev["metric"] == "accuracy" and ev["before"] < 0.6 and ev["after"] > 0.85 and ev["macro_f1"] > 0.8
     assert np.mean([s["loss"] for s in doc["steps"][-5:]]) < 0.5 * np.mean([s["loss"] for s in doc["steps"][:5]])
+
+
+def test_the_logits_shape_tells_a_sequence_from_a_token_classifier(tiny_seqcls, tiny_onnx, tmp_path):
+    """`ir.graph.is_sequence_classifier`, and train-local's check of --task against the model with it."""
+    from jobs.errors import JobError
+    from jobs.local_training import check_task_shape
+    from planner.onnx_import import load_model
+
+    sequences, tokens = load_model(tiny_seqcls, 4, 10), load_model(tiny_onnx["dynamo-18"], 4, 10)
+    assert is_sequence_classifier(sequences) and not is_sequence_classifier(tokens)
+    assert logits_shape(tokens)[:2] == (4, 10)
+    check_task_shape(tmp_path / "m.onnx", sequences, "seq-cls")
+    check_task_shape(tmp_path / "m.onnx", tokens, "ner")
+    with pytest.raises(JobError, match=r"labels tokens \(logits \[4, 10, "):
+        check_task_shape(tmp_path / "m.onnx", tokens, "seq-cls")
+    with pytest.raises(JobError, match=r"labels whole sequences \(logits \[4, 2\]\)"):
+        check_task_shape(tmp_path / "m.onnx", sequences, "ner")

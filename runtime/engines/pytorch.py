@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ir.graph import Node
+from ir.graph import Node, use_def
 from ir.precision import QuantizedTensor
 from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array
@@ -327,11 +327,8 @@ def _bias_fusions(spec: StageSpec, constants: set[str]) -> dict[str, _Linear]:
     """MatMul node name and Add node name -> the `_Linear` they make, for every projection of the
     stage whose product feeds nothing but its bias Add (and is not the stage's output)."""
     graph = spec.graph
-    readers: dict[str, list[Node]] = {}
-    for n in spec.compute_nodes:
-        for i in n.inputs:
-            readers.setdefault(i, []).append(n)
-    producer = {o: n for n in spec.compute_nodes for o in n.outputs}
+    index = use_def(spec.compute_nodes)
+    readers, producer = index.readers, index.producers
     out: dict[str, _Linear] = {}
     for add in spec.compute_nodes:
         if add.op != "Add" or len(add.inputs) != 2:

@@ -49,7 +49,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ir.graph import Graph, tied_parameters_of_blocks
-from ir.plan import ActionKind, Schedule
+from ir.plan import DEFAULT_LR, ActionKind, Schedule
 from ir.serialize import graph_to_json, slice_graph
 from runtime.pipeline.checkpoints import TrainingState, dense_from_wire, merge_checkpoint
 from runtime.pipeline.executor import COORDINATOR, stage_peer
@@ -97,7 +97,7 @@ class PipelineConfig:
     engine: str | tuple[str, ...] = "mnn"  # one for all stages, or one per stage (mixed frameworks)
     threads: int = 1
     optimizer: str = "adamw"
-    lr: float = 5e-5
+    lr: float = DEFAULT_LR
     weight_decay: float | None = None
     timeout_s: float = 600.0
     # per stage: None (unsplit) or {backend: heads} splitting the attention heads of every encoder

@@ -126,6 +126,8 @@ class StageExecutor:
         self._fused: frozenset[Action] = frozenset()
         self._stepped = False
         self.stats = ExecutorStats()
+        # the action being executed, kept when it raises: a worker's error report names it (`s1.B.m3`)
+        self.in_flight: Action | None = None
         # called while waiting for a message, every POLL_S: raises (StepAborted) to stop waiting
         self.interrupt = interrupt
 
@@ -156,6 +158,7 @@ class StageExecutor:
         self.backwards_since_update = 0
         self._stepped = False
         self.losses.clear()
+        self.in_flight = None
 
     def _graph_inputs(self, microbatch: int) -> dict[str, np.ndarray]:
         return {n: self._recv(COORDINATOR, "batch", -1, microbatch, n) for n in self.input_names}
@@ -199,6 +202,7 @@ class StageExecutor:
             raise ValueError(f"action {action} is for stage {action.stage}, this executor runs stage {self.stage}")
         t0 = time.perf_counter()
         kind, m = action.kind, action.microbatch
+        self.in_flight = action
         if kind is ActionKind.RECV_ACT:
             self._acts[m] = self._recv(stage_peer(action.peer), "act", action.peer, m)
         elif kind is ActionKind.F:
@@ -252,6 +256,7 @@ class StageExecutor:
                 store.pop(m, None)
         else:  # pragma: no cover - ActionKind is closed
             raise ValueError(f"unknown action {action}")
+        self.in_flight = None
         self.stats.add(kind.value, time.perf_counter() - t0)
 
     def _accumulate(self, grads) -> None:

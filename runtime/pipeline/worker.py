@@ -99,6 +99,7 @@ class Worker:
         self.stage: int | None = None
         self.executor: StageExecutor | None = None
         self.bundle_actions: list[Action] | None = None
+        self.device: str | None = None  # the plan's name of this device, from its bundle
 
     def _interrupt(self) -> None:
         """While a stage waits for a neighbour: stop when the coordinator aborted the step, or is gone."""
@@ -141,6 +142,7 @@ class Worker:
             close()
         self.executor = None
         self.bundle_actions = None
+        self.device = None
 
     def release(self) -> None:
         """Drop the stage and give up the name: acknowledge under the old name (the coordinator
@@ -251,6 +253,7 @@ class Worker:
         if contents.stage != self.stage:
             raise ValueError(f"bundle is for stage {contents.stage}, the coordinator assigned stage {self.stage}")
         doc = contents.stage_doc
+        self.device = contents.device
         spec = stage_spec(contents.graph, contents.first_block, contents.last_block)
         # the bundle's decoded arrays are this worker's own (ir.safetensors gives writable copies)
         engine = make_engine(doc.backend_spec, spec, head_split=doc.head_split, activations=doc.activations,
@@ -372,8 +375,11 @@ class Worker:
 
     def failure(self, exc: BaseException) -> str:
         """`exc` as the coordinator's WorkerFailed quotes it: which stage (or, with none, which
-        worker) broke, and how."""
+        worker) broke, on which device of the plan, in which action (its one-token text form, `s1.B.m3`,
+        as the plan prints it), and how."""
         where = f"stage {self.stage}" if self.stage is not None else f"worker at {self.transport.address}"
+        action = self.executor.in_flight if self.executor is not None else None
+        where += (f" ({self.device})" if self.device else "") + (f" in {action}" if action is not None else "")
         return f"{where}: {type(exc).__name__}: {exc}"
 
     def report_failure(self, message: str) -> None:
