@@ -468,6 +468,28 @@ def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -
     return sum(int(graph.constants[t].nbytes) for t in tables & _table_readers(graph)[1])
 
 
+def shared_frozen_bytes(graph: Graph, first: int, last: int) -> int:
+    """Bytes `Block.frozen_bytes` counts more than once among blocks first..last though the stage
+    holds them once: a frozen embedding table another block of the range also reads (a tied LM head
+    under LoRA: the embeddings' block and the head's each count it; SmolLM2 on one device, 108 MiB
+    charged twice). Only looked-up tables, which are weights whatever their readers (a folded
+    constant shared by blocks is counted by none of them). A range-wide correction: the partition
+    instance's block-by-block sum keeps the over-charge, which only a stage holding both the first
+    and the last blocks (all of a decoder) sees."""
+    blocks = graph.blocks[first:last + 1]
+    if not any(b.frozen_bytes for b in blocks):
+        return 0
+    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather" and n.inputs[0] in graph.constants
+              and n.inputs[0] not in graph.params}
+    out = 0
+    for t in tables:
+        size = int(graph.constants[t].nbytes)
+        counted = [b for b in blocks if b.frozen_bytes >= size
+                   and any(t in graph.node(n).inputs for n in b.nodes)]
+        out += size * max(0, len(counted) - 1)
+    return out
+
+
 def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the quantized frozen weights of blocks first..last beyond `Block.frozen_bytes`'
     charge (`ir.precision.bytes_per_element`) on the device: MNN's graphs hold an int8 / int4
@@ -780,6 +802,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     blocks = graph.blocks[first:last + 1]
     params = stage_params_bytes(graph, first, last)
     frozen = sum(b.frozen_bytes for b in blocks)  # held once: never stashed, stepped or accumulated
+    frozen -= shared_frozen_bytes(graph, first, last)
     frozen += double_held_bytes(graph, first, last, device)
     frozen += frozen_storage_extra_bytes(graph, first, last, device)
     inputs = list(block_input_bytes(graph)[first:last + 1])

@@ -94,15 +94,12 @@ class ImportOptions:
 def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool = True, loss: str = "auto") -> Graph:
     """Read an ONNX file and lower it (see module docstring); errors name the file and node."""
     path = Path(path)
-    model = read_onnx(path)
-    return lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path))
+    model, arrays = read_onnx_apart(path)
+    return lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path), arrays=arrays)
 
 
-def read_onnx(path: Path, external_data: bool = True):
-    """The ONNX ModelProto in `path`, or an error saying why the file is not a usable ONNX model
-    (`external_data` False: weights stored beside the file are not read)."""
-    import onnx
-
+def _checked_size(path: Path) -> int:
+    """The size of the ONNX file `path`, or an error saying why it is not one."""
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.onnx"))[:3]
         fix = f"give one of its ONNX files, e.g. {path / inside[0]}" if inside else "give the .onnx file itself"
@@ -113,16 +110,21 @@ def read_onnx(path: Path, external_data: bool = True):
     if size == 0:
         raise ImportError_(f"{path}: the file is empty (0 bytes), not an ONNX model; re-export it "
                            "(`confidant export -o FILE`)")
+    return size
+
+
+def read_onnx(path: Path, external_data: bool = True):
+    """The ONNX ModelProto in `path`, or an error saying why the file is not a usable ONNX model
+    (`external_data` False: weights stored beside the file are not read)."""
+    import onnx
+
+    size = _checked_size(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several unrelated types for a damaged file
         raise ImportError_(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc}); "
                            f"{_DAMAGED}") from None
-    if not model.opset_import or not model.HasField("graph"):
-        raise ImportError_(f"{path}: not an ONNX model ({size} bytes without an ONNX graph or opset); "
-                           f"{_DAMAGED}")
-    if not model.graph.node:
-        raise ImportError_(f"{path}: the ONNX graph has no nodes; {_DAMAGED}")
+    _check_model(model, path, size)
     external = [t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     if external and external_data:
         try:
@@ -130,13 +132,100 @@ def read_onnx(path: Path, external_data: bool = True):
 
             load_external_data_for_model(model, str(path.parent))
         except Exception as exc:
-            raise ImportError_(f"{path}: the weights stored next to it (external data, e.g. {external[0]!r}) "
-                               f"cannot be read ({type(exc).__name__}: {exc}); keep the .onnx file and its "
-                               "data file(s) together in one folder") from None
+            raise _external_error(path, external[0], exc) from None
     return model
 
 
-def lower_model(model, options: ImportOptions, source: str = "<model>") -> Graph:
+def _external_error(path: Path, name: str, exc: Exception) -> ImportError_:
+    return ImportError_(f"{path}: the weights stored next to it (external data, e.g. {name!r}) "
+                        f"cannot be read ({type(exc).__name__}: {exc}); keep the .onnx file and its "
+                        "data file(s) together in one folder")
+
+
+def read_onnx_apart(path: Path) -> tuple[object, dict[str, np.ndarray]]:
+    """`read_onnx(path)` with its initializers' data out of the message: (the ModelProto without
+    them, initializer name -> array read straight from the file or its external data files, half
+    precision widened to float32 and typed so in the message). Each weight is held once: the file's
+    bytes and a parsed copy of every weight are never in memory beside the arrays
+    (planner/onnx_weights.py). A file the wire-format walk cannot read goes through `read_onnx`,
+    whose errors name what is wrong."""
+    import onnx
+
+    from planner.onnx_weights import RAW_DTYPES, WireError, read_raw, without_raw_data
+
+    size = _checked_size(path)
+    try:
+        stripped, spans = without_raw_data(path)
+        model = onnx.ModelProto.FromString(stripped)
+        del stripped
+        inits = model.graph.initializer
+        if any(s.index >= len(inits) for s in spans):
+            raise WireError("the walk and the parse disagree on the initializers")
+    except Exception:  # onnx's own reading says what is wrong (or reads what the walk does not)
+        model = read_onnx(path)
+        return model, {}
+    _check_model(model, path, size)
+    arrays: dict[str, np.ndarray] = {}
+    with open(path, "rb") as f:
+        for span in spans:
+            t = inits[span.index]
+            if t.data_type not in RAW_DTYPES:  # packed 4-bit, float8: onnx reads it from the message
+                f.seek(span.offset)
+                t.raw_data = f.read(span.nbytes)
+                continue
+            try:
+                arrays[t.name] = read_raw(f, span.offset, span.nbytes, t.data_type, tuple(t.dims))
+            except (WireError, ValueError) as exc:
+                raise ImportError_(f"{path}: initializer {t.name!r} cannot be read ({exc}); {_DAMAGED}") from None
+            if t.data_type in _HALF_TYPES:
+                t.data_type = onnx.TensorProto.FLOAT
+    for t in inits:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            try:
+                _read_external(t, path.parent, arrays, onnx)
+            except Exception as exc:
+                raise _external_error(path, t.name, exc) from None
+    return model, arrays
+
+
+def _read_external(tensor, folder: Path, arrays: dict[str, np.ndarray], onnx) -> None:
+    """The external data of `tensor` (a file in `folder`, at an offset) into `arrays`, or (a type
+    read only by onnx) into the message."""
+    from planner.onnx_weights import RAW_DTYPES, read_raw
+
+    info = {e.key: e.value for e in tensor.external_data}
+    location = Path(info.get("location", ""))
+    base = folder.resolve()
+    file = (base / location).resolve()
+    if not info.get("location") or location.is_absolute() or base not in file.parents:
+        raise ValueError(f"location {str(location)!r} is not a file inside {folder}")
+    if tensor.data_type not in RAW_DTYPES:
+        from onnx.external_data_helper import load_external_data_for_tensor
+
+        load_external_data_for_tensor(tensor, str(folder))
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        return
+    dims = tuple(tensor.dims)
+    nbytes = int(info["length"]) if "length" in info else \
+        int(np.prod(dims, dtype=np.int64)) * np.dtype(RAW_DTYPES[tensor.data_type]).itemsize
+    with open(file, "rb") as f:
+        arrays[tensor.name] = read_raw(f, int(info.get("offset", 0)), nbytes, tensor.data_type, dims)
+    if tensor.data_type in _HALF_TYPES:
+        tensor.data_type = onnx.TensorProto.FLOAT
+
+
+def _check_model(model, path: Path, size: int) -> None:
+    if not model.opset_import or not model.HasField("graph"):
+        raise ImportError_(f"{path}: not an ONNX model ({size} bytes without an ONNX graph or opset); "
+                           f"{_DAMAGED}")
+    if not model.graph.node:
+        raise ImportError_(f"{path}: the ONNX graph has no nodes; {_DAMAGED}")
+
+
+def lower_model(model, options: ImportOptions, source: str = "<model>",
+                arrays: Mapping[str, np.ndarray] | None = None) -> Graph:
+    """`model` lowered; `arrays` (initializer name -> array) are the initializers whose data the
+    message does not hold (`read_onnx_apart`)."""
     from planner.passes import run_passes
 
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
@@ -148,7 +237,8 @@ def lower_model(model, options: ImportOptions, source: str = "<model>") -> Graph
     if options.batch < 1 or options.seq < 1:
         raise ValueError(f"batch and seq must be positive, got batch={options.batch} seq={options.seq}")
     model = _as_float32(model)
-    lowering = _Lowering(model.graph, options, source, opset)
+    lowering = _Lowering(model.graph, options, source, opset, arrays or {})
+    del model, arrays
     graph = lowering.run()
     try:
         graph = run_passes(graph)
@@ -207,7 +297,8 @@ def _as_float32(model):
 
 
 class _Lowering:
-    def __init__(self, onnx_graph, options: ImportOptions, source: str, opset: int = 17):
+    def __init__(self, onnx_graph, options: ImportOptions, source: str, opset: int = 17,
+                 arrays: Mapping[str, np.ndarray] = {}):
         from onnx import numpy_helper
 
         self.g = onnx_graph
@@ -215,6 +306,9 @@ class _Lowering:
         self.source = source
         self.const: dict[str, np.ndarray] = {}
         for init in onnx_graph.initializer:
+            if init.name in arrays:
+                self.const[init.name] = arrays[init.name]
+                continue
             try:
                 self.const[init.name] = numpy_helper.to_array(init)
             except Exception as exc:

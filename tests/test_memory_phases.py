@@ -75,3 +75,37 @@ def test_a_lora_stage_holds_its_weights_once_as_the_memory_model_charges_them(mi
     # frozen weights its graphs read (measured: 20 MiB over the weights, and 61 with the copy)
     assert abs(phases["lowering"] - weights) <= 0.1 * weights, (phases["lowering"] / MIB, weights / MIB)
     assert phases["setup"] - weights <= 0.75 * frozen_in_layers, (phases["setup"] / MIB, weights / MIB)
+
+
+def test_a_tied_frozen_table_is_charged_once_on_a_stage_that_holds_both_its_readers(tmp_path):
+    """Under LoRA a tied LM head's table is frozen, and the embeddings' block and the head's each
+    count it in `Block.frozen_bytes`: a stage holding both holds it once (SmolLM2 on one device was
+    charged 108 MiB twice), a stage holding one of them holds it once too."""
+    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from planner.cost import double_held_bytes, stage_memory_terms
+    from planner.lora import LoraSettings, add_lora
+    from planner.onnx_import import load_model
+    from planner.replan import flops_cluster
+
+    base = load_model(export_causal_lm(random_causal_lm("llama"), tmp_path / "llama.onnx", LlmExportOptions(),
+                                       kv_cache=False), 2, 12)
+    graph, _ = add_lora(base, LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), seed=0))
+    device = flops_cluster(graph, ["d"]).device("d")
+    table = "model.embed_tokens.weight"
+    assert table in base.params and table not in graph.params
+    readers = [b.index for b in graph.blocks if any(table in graph.node(n).inputs for n in b.nodes)]
+    assert len(readers) == 2  # the embeddings and the tied head
+    frozen = set(base.params) - set(graph.params)
+    n = len(graph.blocks)
+
+    def charged(first: int, last: int) -> int:
+        terms = stage_memory_terms(graph, device, first, last, 0, 1, "1f1b-flush", 1, "adamw")
+        return sum(terms.frozen_bytes.values()) - double_held_bytes(graph, first, last, device)
+
+    def held(first: int, last: int) -> int:  # each frozen weight the range's nodes read, once
+        names = {i for b in graph.blocks[first:last + 1] for x in b.nodes for i in graph.node(x).inputs} & frozen
+        return sum(int(graph.constants[k].nbytes) for k in names)
+
+    assert charged(0, n - 1) == held(0, n - 1) == sum(int(graph.constants[k].nbytes) for k in frozen)
+    cut = readers[0] + 1
+    assert charged(0, cut - 1) == held(0, cut - 1) and charged(cut, n - 1) == held(cut, n - 1)

@@ -461,8 +461,16 @@ class MnnStageEngine(StageEngine):
         self._frozen_tables = {t: _frozen_table(spec.graph.constants[t]) for t in numpy_held
                                if t not in self._tables and t in spec.graph.constants
                                and spec.graph.constants[t].dtype.kind == "f"}
-        self._params = {p: K.trainable(np.asarray(source[p], np.float32)) for p in spec.params
-                        if p not in numpy_held or p in mnn_read}
+        taken = source if take_weights and isinstance(source, dict) else None
+        self._params = {}
+        for p in spec.params:
+            if p in numpy_held and p not in mnn_read:
+                continue
+            self._params[p] = K.trainable(np.asarray(source[p], np.float32))
+            if taken is not None and p not in numpy_held:
+                # the caller's array let go as soon as its Var holds a copy: building every Var
+                # first held the stage's weights twice at setup (SmolLM2 full: 1050 MiB for 513)
+                taken[p] = K.memory_of(self._params[p])
         # The current weights as numpy arrays (what the optimizer steps, old versions are copied
         # from, checkpoints read). Until the stage updates with forwards in flight they are the
         # Vars' own memory (`K.memory_of`): the weights held once, stepped in place, re-read by
@@ -498,7 +506,7 @@ class MnnStageEngine(StageEngine):
         self._slot_vars = [0]
         self._slots = [self._build_blocks(spec, self._lookup, self._params)]
         self._blocks = self._slots[0]
-        if self._constant_vars:
+        if self._constant_vars or self._taken is not None:
             # the graph's arrays let go for views of the constant Vars (`_hold_once`) are glibc heap a
             # later allocation may never reuse: hand it back now, or the frozen weights stay resident
             # twice after all (a MiniLM LoRA stage: +41 MiB, tests/test_memory_phases.py)

@@ -1,0 +1,146 @@
+"""An ONNX file's weights read straight from disk, apart from its protobuf (issue 31, lever 2).
+
+`onnx.load` holds the file's bytes and the parsed message (which copies every initializer's
+`raw_data`) at once, and turning each initializer into an array copies it again: lowering
+SmolLM2-135M peaked at 1124 MiB for 513 MiB of weights. Here the file is walked in protobuf's wire
+format (ModelProto.graph = field 7, GraphProto.initializer = field 5, TensorProto.raw_data = field
+9) without reading the weights: `without_raw_data` returns the message's bytes less every
+initializer's `raw_data` (a few MB: nodes, names, shapes) and where each one lies in the file, and
+`read_raw` reads one of them into an array of its own. Lowering then holds each weight once, plus
+one tensor while it is widened from half precision.
+
+Pure wire-format reading (numpy and the standard library only): the caller parses the stripped
+bytes with onnx and maps spans to its initializers by position (protobuf keeps a repeated field's
+order, also across merged copies of the `graph` field).
+"""
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+
+# ONNX TensorProto.DataType -> the numpy type of its little-endian raw_data (types of a whole number
+# of bytes per element; the packed 4-bit and float8 types are left in the message for onnx to read)
+RAW_DTYPES = {1: "<f4", 2: "u1", 3: "i1", 4: "<u2", 5: "<i2", 6: "<i4", 7: "<i8", 9: "?", 10: "<f2",
+              11: "<f8", 12: "<u4", 13: "<u8", 16: "<u2"}
+BFLOAT16 = 16
+
+
+class WireError(ValueError):
+    """The bytes are not the protobuf encoding this reader walks (a damaged file, or not ONNX)."""
+
+
+@dataclass(frozen=True)
+class RawSpan:
+    """Where the `raw_data` of the graph's initializer number `index` lies in the file."""
+
+    index: int
+    offset: int
+    nbytes: int
+
+
+def _varint(buf, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise WireError(f"a varint runs past byte {end}")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _fields(buf, start: int, end: int):
+    """(field number, wire type, start of the field's tag, start of its value, end of its value)."""
+    pos = start
+    while pos < end:
+        tag_at = pos
+        key, pos = _varint(buf, pos, end)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise WireError(f"field number 0 at byte {tag_at}")
+        if wire == _VARINT:
+            _, value_end = _varint(buf, pos, end)
+        elif wire == _FIXED64:
+            value_end = pos + 8
+        elif wire == _FIXED32:
+            value_end = pos + 4
+        elif wire == _LENGTH:
+            length, pos = _varint(buf, pos, end)
+            value_end = pos + length
+        else:  # groups (3, 4): deprecated, never written by ONNX
+            raise WireError(f"wire type {wire} at byte {tag_at}")
+        if value_end > end:
+            raise WireError(f"field {number} at byte {tag_at} runs past byte {end}")
+        yield number, wire, tag_at, pos, value_end
+        pos = value_end
+
+
+def _message(number: int, body: bytes) -> bytes:
+    return _encode_varint(number << 3 | _LENGTH) + _encode_varint(len(body)) + body
+
+
+def _strip(buf, start: int, end: int, path: tuple[int, ...], found: list[tuple[int, int] | None]) -> bytes:
+    """The message buf[start:end] re-encoded without the raw_data at the end of `path` (field
+    numbers from this message down); `found` gets each initializer's raw_data span, or None."""
+    out = bytearray()
+    for number, wire, tag_at, value_at, value_end in _fields(buf, start, end):
+        if wire == _LENGTH and path and number == path[0]:
+            if len(path) == 1:  # the raw_data itself: left out, remembered (a repeated one: the last wins)
+                found[-1] = (value_at, value_end - value_at)
+                continue
+            if len(path) == 2:  # an initializer: one entry in `found`
+                found.append(None)
+            out += _message(number, _strip(buf, value_at, value_end, path[1:], found))
+        else:
+            out += buf[tag_at:value_end]
+    return bytes(out)
+
+
+def without_raw_data(path: str | Path) -> tuple[bytes, list[RawSpan]]:
+    """The ModelProto in the file `path` as bytes less its initializers' `raw_data`, and the spans
+    those lie at in the file. Raises WireError where the file is not walkable protobuf."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        found: list[tuple[int, int] | None] = []
+        stripped = _strip(view, 0, len(view), (_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA), found)
+    return stripped, [RawSpan(k, *span) for k, span in enumerate(found) if span is not None]
+
+
+def read_raw(f, offset: int, nbytes: int, data_type: int, dims: tuple[int, ...], widen: bool = True) -> np.ndarray:
+    """The tensor of ONNX type `data_type` and shape `dims` whose little-endian bytes lie at
+    `offset` of the open binary file `f`, as a new array (float16 and bfloat16 widened to float32
+    where `widen`: one tensor's transient). Raises WireError for a size or type that does not fit."""
+    dtype = np.dtype(RAW_DTYPES[data_type])
+    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    if count * dtype.itemsize != nbytes:
+        raise WireError(f"{nbytes} bytes of data for {count} elements of {dtype.itemsize} bytes")
+    out = np.empty(count, dtype)
+    f.seek(offset)
+    if f.readinto(memoryview(out).cast("B")) != nbytes:
+        raise WireError(f"the file ends inside a tensor's {nbytes} bytes at byte {offset}")
+    if not out.dtype.isnative:
+        out = out.astype(out.dtype.newbyteorder("="))
+    if widen and data_type == BFLOAT16:
+        out = (out.astype(np.uint32) << 16).view(np.float32)
+    elif widen and data_type == 10:
+        out = out.astype(np.float32)
+    return out.reshape(dims)
