@@ -251,8 +251,10 @@ def main() -> None:
         from benchmarks.memory_quantized import quantized_base_rows
     except ImportError:
         quantized_base_rows = None
-    if quantized_base_rows is not None:
-        rows.extend(quantized_base_rows())
+    if quantized_base_rows is not None:  # its rows in this table's form: one process, its peak
+        rows.extend({"name": f"confidant single LoRA ({q['engine']}, base {q['base_dtype']})",
+                     "peak_mib": [max(q["setup_mib"], q["train_mib"] or 0.0)], "setup_mib": q["setup_mib"],
+                     "train_mib": q["train_mib"]} for q in quantized_base_rows(steps=args.steps))
 
     print(f"\nSmolLM2-135M-Instruct, batch {LM_BATCH} x {LM_SEQ} in {M} micro-batches, AdamW, LoRA r={RANK} alpha "
           f"{ALPHA:g} on q,k,v,o; {args.steps} steps, one thread")
