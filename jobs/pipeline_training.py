@@ -693,6 +693,9 @@ class _Run:
                     snap = snap or self.take_snapshot(s)
                     self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
                     self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
+                # a drain is a boundary like a flush schedule's: a lost device that answered the
+                # call back joins here (the next segment's schedule is made for the stages then)
+                self.take_in(s)
             except WorkerLost as lost:
                 self.recover(lost, s, False, start_step)
                 s = self.snapshot.step
