@@ -506,9 +506,9 @@ class _Run:
         return True, plan.schedule
 
     def take_in(self, step: int) -> tuple[bool, Schedule | None]:
-        """At the flush boundary after `step` steps: the lost workers that answered the call back
-        are `joined` events and candidates again, and the run re-plans over them when that is
-        predicted faster (moved, the new schedule or None for the config's)."""
+        """At the flush boundary (or 1f1b-stash drain) after `step` steps: the lost workers that
+        answered the call back are `joined` events and candidates again, and the run re-plans over
+        them when that is predicted faster (moved, the new schedule or None for the config's)."""
         back = self.coordinator.returned()
         if not back:
             return False, None
