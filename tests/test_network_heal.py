@@ -1,12 +1,13 @@
 """A worker cut off by a network outage comes back when the network heals (issue 32, item 2).
 
-A real worker process runs in a network namespace of its own, joined to this one by a veth pair
-in a private /30 that the test makes (and removes, whatever happens); the coordinator (this
-process) and the two other workers listen on this side's end of the pair. The link is set down
-for a few seconds during the run, on one end or the other, then up: the run must find the worker
-lost, recover on the other two, and take the worker back (`joined`) within 5 s of the heal, with
-the losses and weights of single-device training (flush schedule: every recovery and re-plan
-keeps them exact). Needs root and `ip netns`; skipped otherwise.
+A real worker process runs in a network namespace of its own; a switch (a bridge in a second
+namespace) joins it to this one, through two veth pairs in a private /30 that the test makes (and
+removes, whatever happens). The coordinator (this process) and the two other workers listen on
+this side's end. During the run the link fails for OUTAGE_S, both ways or one way (Link.cut),
+then heals: the run must find the worker lost, recover on the other two, and take the worker
+back (`joined`) within 5 s of the heal; under 1f1b-flush the losses and weights stay
+single-device training's (every recovery and re-plan keeps them exact). Needs root and
+`ip netns`; skipped otherwise. HEAL_OUTAGE_S sets the outage (default 15 s).
 """
 from __future__ import annotations
 
@@ -169,6 +170,9 @@ class Workers:
                 line = proc.stdout.readline()
                 assert line.startswith("listening "), f"a worker did not start: {line!r}, {self.stderr()}"
                 self.addresses.append(line.split()[1])
+        except BaseException:
+            self.close(kill=True)
+            raise
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         self.keys = ClusterKeys(self.coordinator, {a: p.public for a, p in zip(self.addresses, self.pairs)})
@@ -179,10 +183,15 @@ class Workers:
         self.log.seek(0)
         return self.log.read()[-4000:]
 
-    def close(self) -> list[int | None]:
+    def close(self, kill: bool = False) -> list[int | None]:
+        """Collect the workers (the run stops them); `kill` them first when it failed (they would
+        wait for a coordinator for ever)."""
         codes = []
         self.log.seek(0)
         self.stderr_text = self.log.read()[-4000:]
+        for proc in self.procs:
+            if kill and proc.poll() is None:
+                proc.kill()
         for proc in self.procs:
             try:
                 codes.append(proc.wait(timeout=20))
@@ -241,6 +250,7 @@ def test_a_worker_cut_off_by_an_outage_rejoins_within_5_s_of_the_heal(graph, lin
 
     config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
     faults = FaultPolicy(checkpoint_every=2) if schedule == "1f1b-stash" else FaultPolicy()
+    result = None
     try:
         result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, keys=workers.keys,
                                 listen=f"tcp://{link.host_ip}:0", on_step=on_step, on_event=on_event, faults=faults)
@@ -248,7 +258,7 @@ def test_a_worker_cut_off_by_an_outage_rejoins_within_5_s_of_the_heal(graph, lin
         if cut.is_alive():
             cut.join(OUTAGE_S + 5)
         link.heal(how)
-        codes = workers.close()
+        codes = workers.close(kill=result is None)
     firsts = {e["event"]: e for e in reversed(result.events)}
     kinds = [e["event"] for e in result.events]
     assert {"lost", "recovered", "joined"} <= set(kinds), (kinds, workers.stderr())
