@@ -506,9 +506,9 @@ class _Run:
         return True, plan.schedule
 
     def take_in(self, step: int) -> tuple[bool, Schedule | None]:
-        """At the flush boundary after `step` steps: the lost workers that answered the call back
-        are `joined` events and candidates again, and the run re-plans over them when that is
-        predicted faster (moved, the new schedule or None for the config's)."""
+        """At the flush boundary (or 1f1b-stash drain) after `step` steps: the lost workers that
+        answered the call back are `joined` events and candidates again, and the run re-plans over
+        them when that is predicted faster (moved, the new schedule or None for the config's)."""
         back = self.coordinator.returned()
         if not back:
             return False, None
@@ -693,6 +693,9 @@ class _Run:
                     snap = snap or self.take_snapshot(s)
                     self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
                     self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
+                # a drain is a boundary like a flush schedule's: a lost device that answered the
+                # call back joins here (the next segment's schedule is made for the stages then)
+                self.take_in(s)
             except WorkerLost as lost:
                 self.recover(lost, s, False, start_step)
                 s = self.snapshot.step

@@ -289,6 +289,28 @@ def test_a_lost_worker_that_comes_back_is_taken_in_again(graph, batches):
     assert workers.codes == [0, 0, 0]  # the new worker was stopped with the others
 
 
+def test_a_lost_worker_that_comes_back_is_taken_in_at_a_1f1b_stash_drain(graph, batches):
+    """The same return under 1f1b-stash (draining every 2 steps), which never called its lost
+    devices back in: the worker is a `joined` event at the first drain after it answered, the run
+    re-plans onto all three, and the steps before the join are the run's without the return."""
+    steps, faults = 6, FaultPolicy(checkpoint_every=2)
+    batches = [synthetic_batch(i) for i in range(steps)]
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), steps,
+                                transport=workers.coordinator, on_step=kill_then_restart(workers, 1), faults=faults)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered", "joined", "new_plan"], kinds
+    joined = result.events[3]
+    assert (joined["address"], joined["taken_in"], joined["step"] % 2) == (workers.addresses[1], True, 0)
+    assert result.addresses == workers.addresses and workers.codes == [0, 0, 0]
+    assert len(result.losses) == steps
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        alone = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), joined["step"],
+                               transport=workers.coordinator, on_step=kill_then_restart(workers, 1, back_after=99),
+                               faults=faults)
+    assert result.losses[:joined["step"]] == alone.losses
+
+
 def _flops_cuts(graph, n: int):
     """The planner's FLOPs-priced cuts over n equal workers: what a re-plan gives back."""
     from planner.partition import make_instance

@@ -37,6 +37,11 @@ frozen peer is found within about `heartbeat_s` of going silent. A PING shares i
 the data, so it waits behind the message being written (one tensor); on a link too slow to carry
 the largest tensor within 0.8 x `heartbeat_s`, raise it (`--failure-timeout`).
 
+Reconnects: libzmq reconnects a dropped link every 100 ms, and gives up a TCP connect not answered
+within `connect_timeout_s` (1 s, or a third of `heartbeat_s` if more) to start another, so a peer
+whose network heals is reached within about that long, even where the outage lost the SYNs
+silently (the kernel alone would back off for minutes).
+
 Overlap without a receive thread: ZeroMQ's I/O thread takes messages off the network and queues them
 inside the socket while the stage computes, so posting receives early is unnecessary; `recv_tensor`
 only drains what already arrived (poller with a timeout) into the per-peer FIFOs. Sends return as
@@ -83,6 +88,8 @@ DEFAULT_LINGER_S = 2.0
 DEFAULT_SEND_TIMEOUT_S = 300.0
 # A silent peer is reported lost within this many seconds (ZMTP heartbeats; see the docstring).
 DEFAULT_HEARTBEAT_S = 3.0
+# A connect not answered within this long (at least) is made again (see `_link`).
+MIN_CONNECT_TIMEOUT_S = 1.0
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_DOMAIN = b"confidant"
 _TAG_BYTES = 6
@@ -196,6 +203,9 @@ class ZmqTransport(Transport):
         self._linger_ms = int(linger_s * 1000)
         self._send_timeout_s = send_timeout_s
         self.heartbeat_s = heartbeat_s
+        # a TCP handshake is one round trip; a third of the heartbeat time leaves slow links (raised
+        # --failure-timeout) their margin, and 1 s (the kernel's first SYN retry) is the floor
+        self.connect_timeout_s = max(MIN_CONNECT_TIMEOUT_S, (heartbeat_s or DEFAULT_HEARTBEAT_S) / 3)
         self._context = zmq.Context(io_threads=1)
         self._peers: dict[str, str] = {}
         self._links: dict[str, _Link] = {}
@@ -328,6 +338,12 @@ class ZmqTransport(Transport):
         # Queue for a peer that has not bound yet instead of failing or dropping: processes start in
         # any order.
         dealer.setsockopt(zmq.IMMEDIATE, 0)
+        # A connect whose SYNs are lost on the way (an outage past a switch or router: nothing tells
+        # the sender) waits on the kernel's SYN back-off, 1 s apart five times, then 2, 4, 8, 16, 32 s
+        # (older kernels back off from the first), for up to ~2 min before libzmq tries again: a lost
+        # device's call back could reach it only seconds or minutes after its network healed (issue
+        # 32). Given up after a moment instead, a connect is made afresh every connect_timeout_s.
+        dealer.setsockopt(zmq.CONNECT_TIMEOUT, int(self.connect_timeout_s * 1000))
         if self.secure:
             dealer.setsockopt(zmq.CURVE_SERVERKEY, self._bound[peer])
             dealer.setsockopt(zmq.CURVE_PUBLICKEY, self._keys.public)
