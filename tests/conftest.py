@@ -113,8 +113,8 @@ def chat_llama(tmp_path_factory):
 # profile 30, partition 29, plan-train 24, pipeline 22, then 20 and less. The SmolLM2 export is made
 # by whichever module asks first and waited for by the other (support.made_once): the first two
 # modules start together on the two workers, so its two big users are kept apart in the order.
-LONGEST_FIRST = ("test_smollm2.py", "test_faults.py", "test_network_heal.py", "test_llm_export.py", "test_pipeline_tasks.py",
-                 "test_decoder_split.py", "test_profile.py", "test_partition.py", "test_plan_train.py",
+LONGEST_FIRST = ("test_smollm2.py", "test_faults.py", "test_network_heal.py", "test_llm_export.py",
+                 "test_pipeline_tasks.py", "test_decoder_split.py", "test_profile.py", "test_partition.py", "test_plan_train.py",
                  "test_pipeline.py", "test_seqcls.py", "test_finetune.py", "test_decoder.py", "test_cli.py")
 
 
