@@ -125,6 +125,25 @@ def token_feeds(batch: int, seq: int, vocab: int, num_labels: int = 9, seed: int
 M, ROWS, S = 2, 2, 12  # micro-batches per step, rows per micro-batch, tokens per row
 
 
+def tiny_lora_graph(onnx_path: Path, base_dtype: str = "float32") -> Graph:
+    """The tiny BERT at ROWS x S with LoRA adapters on q, v and up (r 4, alpha 16), its base held at
+    `base_dtype`, and every B non-zero, so that each adapter and the input gradients carry signal from
+    the first step (B starts at zero in PEFT and here)."""
+    from dataclasses import replace
+
+    from planner.lora import LoraSettings, add_lora
+    from planner.onnx_import import load_model
+
+    lora, _ = add_lora(load_model(onnx_path, ROWS, S),
+                       LoraSettings(4, 16.0, targets=("q", "v", "up"), seed=1, base_dtype=base_dtype))
+    rng = np.random.default_rng(9)
+    constants = dict(lora.constants)
+    for p in lora.params:
+        if p.endswith(".lora_B"):
+            constants[p] = rng.normal(0, 0.05, constants[p].shape).astype(np.float32)
+    return replace(lora, constants=constants)
+
+
 def synthetic_batch(seed: int, microbatches: int = M) -> Batch:
     """A synthetic batch of `microbatches` x ROWS rows of S tokens (the last row half padding)."""
     from tasks.tokenize import Batch

@@ -3,22 +3,19 @@ its sequential replay and stashes adapters only, and a checkpoint carries adapte
 optimizer state only and resumes bit-identically (real worker processes over ZeroMQ)."""
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from jobs.pipeline_training import train_pipeline
 from jobs.workers import LocalWorkers
-from planner.lora import LoraSettings, add_lora
-from planner.onnx_import import load_model
 from planner.schedule import make_schedule
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
 from runtime.pipeline.checkpoints import load_checkpoint
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.pipeline.local_replay import LocalPipeline
-from support import M, ROWS, S, single_device_training, synthetic_batch, token_feeds
+from support import M, ROWS, S, single_device_training, synthetic_batch, tiny_lora_graph, token_feeds
 from tasks.tokenize import split_microbatches
 from tasks.trainer import batch_feeds
 
@@ -27,15 +24,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def lora_graph(tiny_onnx):
-    graph = load_model(tiny_onnx["torchscript-17"], ROWS, S)
-    lora, _ = add_lora(graph, LoraSettings(4, 16.0, targets=("q", "v", "up"), seed=1))
-    # non-zero B, so that every adapter and the input gradients carry signal from the first step
-    rng = np.random.default_rng(9)
-    constants = dict(lora.constants)
-    for p in lora.params:
-        if p.endswith(".lora_B"):
-            constants[p] = rng.normal(0, 0.05, constants[p].shape).astype(np.float32)
-    return replace(lora, constants=constants)
+    return tiny_lora_graph(tiny_onnx["torchscript-17"])
 
 
 @pytest.fixture(scope="module")

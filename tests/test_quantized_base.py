@@ -293,20 +293,9 @@ def test_the_quantized_lm_head_loss_over_vocabulary_chunks_equals_the_whole_head
 @pytest.fixture(scope="module")
 def int4_lora(tiny_onnx):
     """The tiny BERT of the LoRA pipeline tests, adapters on q, v, up, its base held int4, B non-zero."""
-    from dataclasses import replace
+    from support import tiny_lora_graph
 
-    from planner.lora import LoraSettings, add_lora
-    from planner.onnx_import import load_model
-    from support import ROWS, S as SEQ
-
-    lora, _ = add_lora(load_model(tiny_onnx["torchscript-17"], ROWS, SEQ),
-                       LoraSettings(4, 16.0, targets=("q", "v", "up"), seed=1, base_dtype="int4"))
-    rng = np.random.default_rng(9)
-    constants = dict(lora.constants)
-    for p in lora.params:
-        if p.endswith(".lora_B"):
-            constants[p] = rng.normal(0, 0.05, constants[p].shape).astype(np.float32)
-    return replace(lora, constants=constants)
+    return tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
 
 
 def test_a_plan_records_the_base_precision_and_its_bundles_hold_the_same_quantized_weights(int4_lora, tmp_path,

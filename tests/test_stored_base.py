@@ -19,7 +19,7 @@ from ir.precision import QuantizedTensor, storage_piece_names
 from ir.safetensors import decode_safetensors, encode_safetensors, load_safetensors, save_safetensors
 from ir.serialize import graph_to_json, slice_graph
 from runtime.pipeline.bundles import plan_base, rebuild_weights, split_weights
-from support import M, ROWS, S
+from support import M, tiny_lora_graph
 
 STEPS = 2
 
@@ -27,17 +27,7 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def int4_lora(tiny_onnx):
     """The tiny BERT, adapters on q, v, up, its base held int4 (tables int8), B non-zero."""
-    from planner.lora import LoraSettings, add_lora
-    from planner.onnx_import import load_model
-
-    lora, _ = add_lora(load_model(tiny_onnx["torchscript-17"], ROWS, S),
-                       LoraSettings(4, 16.0, targets=("q", "v", "up"), seed=1, base_dtype="int4"))
-    rng = np.random.default_rng(9)
-    constants = dict(lora.constants)
-    for p in lora.params:
-        if p.endswith(".lora_B"):
-            constants[p] = rng.normal(0, 0.05, constants[p].shape).astype(np.float32)
-    return replace(lora, constants=constants)
+    return tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
 
 
 @pytest.fixture(scope="module")
