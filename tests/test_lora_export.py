@@ -281,7 +281,7 @@ def test_a_causal_lms_adapter_loads_onto_its_transformers_model_through_peft(tmp
     from jobs.export_adapter import export_adapter_for
     from jobs.export_llm import LlmExportOptions, export_causal_lm
     from runtime.pipeline.checkpoints import save_checkpoint
-    from support import lm_step_feeds, scrambled_causal_lm
+    from support import scrambled_causal_lm
 
     model = scrambled_causal_lm(tf.GPT2Config(vocab_size=120, n_embd=32, n_layer=2, n_head=4, n_positions=64))
     model.save_pretrained(tmp_path / "hf")
@@ -298,13 +298,7 @@ def test_a_causal_lms_adapter_loads_onto_its_transformers_model_through_peft(tmp
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["task_type"], config["fan_in_fan_out"]) == ("CAUSAL_LM", True)
     peft_model = PeftModel.from_pretrained(model, out).eval()
-    feeds = lm_step_feeds(0, 2, 12, 1, vocab=120)[0]
-    with torch.no_grad():
-        want = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
-                          attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
-    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
-    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
-    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+    _assert_engine_logits_equal_peft(peft_model, graph, weights, vocab=120)
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +335,6 @@ def test_a_causal_lm_adapter_folder_loads_alone_with_auto_peft_and_its_tokenizer
     from transformers import AutoTokenizer
 
     from jobs.export_adapter import export_adapter_for, loading_lines
-    from support import lm_step_feeds
     from tasks.lm_tokenizer import load_lm_tokenizer
 
     root, _, path, graph, weights = chat_llama_run
@@ -355,13 +348,7 @@ def test_a_causal_lm_adapter_folder_loads_alone_with_auto_peft_and_its_tokenizer
     exec("\n".join(lines), namespace)  # the three printed lines, as a user pastes them
     peft_model, tokenizer = namespace["model"].eval(), namespace["tokenizer"]
     assert isinstance(peft_model, type(AutoPeftModelForCausalLM.from_pretrained(str(out))))
-    feeds = lm_step_feeds(0, 2, 12, 1, vocab=49152)[0]
-    with torch.no_grad():
-        want = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
-                          attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
-    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
-    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
-    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+    _assert_engine_logits_equal_peft(peft_model, graph, weights, vocab=49152)
     ours = load_lm_tokenizer(path)
     chat = [{"role": "user", "content": "List the places: Anna flew to Oslo."}]
     assert len(tokenizer) == ours.vocab_size == 49152
@@ -508,3 +495,16 @@ def test_every_refusal_of_export_adapter_advises_flags_its_commands_have(tmp_pat
                     assert flag in _flags_of(command), (command, flag, message)
                     checked += 1
     assert checked >= 6
+
+
+def _assert_engine_logits_equal_peft(peft_model, graph, weights, vocab: int) -> None:
+    """The PEFT model's logits on a batch of token ids equal the MNN engine's on the trained weights."""
+    from support import lm_step_feeds
+
+    feeds = lm_step_feeds(0, 2, 12, 1, vocab=vocab)[0]
+    with torch.no_grad():
+        want = peft_model(input_ids=torch.tensor(feeds["input_ids"]),
+                          attention_mask=torch.tensor(feeds["attention_mask"])).logits.numpy()
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **weights})
+    got = engine.forward(feeds, train=False, until_block=len(graph.blocks) - 2)
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
