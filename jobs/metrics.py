@@ -3,11 +3,13 @@
     {"schema_version": 1, "format": "confidant-metrics",
      "command": "train-local" | "train-pipeline" | "train", "model": str, "plan": str | null,
      "schedule": str | null, "microbatches": int, "batch": int, "seq": int,
-     "steps": [{"step", "loss", "seconds", "samples_per_s", "tokens_per_s"}],   one per optimizer step
+     "steps": [{"step", "loss", "seconds", "samples_per_s", "tokens_per_s", "state_seconds" (pipelines)}],
+                                                                                one per optimizer step
      "devices": [{"name", "stage", "blocks": [first, last], "peak_rss_bytes", "planned_bytes" | null,
                   "budget_bytes" | null}],   one per stage at the end
      "peak_rss_bytes": the largest device's, "coordinator_peak_rss_bytes": int | null,
-     "predicted_step_s": float | null, "measured_step_s": float,
+     "predicted_step_s": float | null, "measured_step_s": float, "state_share": float | null,
+     "error": str (only a run that failed once started),
      "eval": null | {"metric": "entity_f1" | "accuracy" | "exact_match", "before": float | null, "after",
                      "precision", "recall", "per_type": {type or label: f1}, "macro_f1": float | null,
                      "perplexity": float | null, "perplexity_before": float | null},
