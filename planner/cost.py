@@ -777,7 +777,9 @@ def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, 
 def _frozen_by_precision(graph: Graph, first: int, last: int, frozen: int) -> dict[str, int]:
     """The frozen bytes `frozen` by storage precision: the quantized weights the blocks read
     (`ir.precision.QuantizedTensor`) at their own, the rest (float32 weights, MNN's widened scales)
-    as float32. Labels only: the total is the memory model's."""
+    as float32. Labels only: the total is the memory model's. (Full fine-tuning freezes nothing: no walk.)"""
+    if not frozen:
+        return {}
     by: dict[str, int] = {}
     seen: set[str] = set()
     for block in graph.blocks[first:last + 1]:
