@@ -58,7 +58,7 @@ from ir.documents import SHA256, BundleError, PlanDocument, StageDocument, check
 from ir.graph import Graph
 from ir.plan import Action, ActionKind
 from ir.precision import QuantizedTensor, storage_tensors
-from ir.safetensors import HashedTensors, decode_safetensors, encode_safetensors
+from ir.safetensors import HashedTensors, decode_safetensors, encode_safetensors, read_safetensors_hashed
 from ir.serialize import constant_tensor_names, graph_from_json
 from ir.verify import GraphError, verify_graph
 from ir.versioned import check_header
@@ -228,17 +228,20 @@ def sign_bundle(directory: str | Path, sign: Signer) -> Path:
     return path
 
 
-def read_bundle_files(directory: str | Path) -> dict[str, bytes]:
-    """Every file of a bundle directory by name, unchecked; anything but plain files is refused."""
+def read_bundle_files(directory: str | Path, skip: Iterable[str] = ()) -> dict[str, bytes]:
+    """Every file of a bundle directory by name (but those in `skip`, checked to be plain files all
+    the same), unchecked; anything but plain files is refused."""
     directory = Path(directory)
     if not directory.is_dir():
         raise BundleError(f"bundle {directory}: no such directory")
     files = {}
+    skip = set(skip)
     for path in sorted(directory.iterdir()):
         if path.is_symlink() or not path.is_file():
             kind = "a symbolic link" if path.is_symlink() else "not a plain file"
             raise BundleError(f"bundle {directory}: {path.name} is {kind}; a bundle holds only plain files")
-        files[path.name] = path.read_bytes()
+        if path.name not in skip:
+            files[path.name] = path.read_bytes()
     return files
 
 
@@ -424,9 +427,26 @@ def manifest_plan_id(manifest_bytes: bytes, source: str) -> str | None:
     return head.get(_PLAN_KEY) if isinstance(head, dict) else None
 
 
-def load_bundle_dir(directory: str | Path, check_signature: SignatureCheck | None = None) -> BundleContents:
-    """Read and verify a bundle directory."""
-    return verify_bundle_files(read_bundle_files(directory), str(directory), check_signature)
+def load_bundle_dir(directory: str | Path, check_signature: SignatureCheck | None = None,
+                    name: str | None = None) -> BundleContents:
+    """Read and verify a bundle directory. The weights file is read tensor by tensor straight into
+    the arrays the graph keeps, its SHA-256 streamed as it is read (`read_safetensors_hashed`), once
+    the signature (with `check_signature`) and the manifest's entries are known good: a stage's
+    weights are held once, not as the file's bytes and their decoded copies at once. A weights file
+    that does not parse is read whole, for verification to name the fault as it always has. `name`:
+    how errors refer to the bundle (default: the directory)."""
+    directory = Path(directory)
+    source = name or str(directory)
+    files: dict[str, Any] = read_bundle_files(directory, skip=(WEIGHTS,))
+    if check_signature is not None:
+        check_bundle_signature(files, source, check_signature)
+    path = directory / WEIGHTS
+    if path.is_file():
+        try:
+            files[WEIGHTS] = read_safetensors_hashed(path)
+        except (OSError, ValueError):
+            files[WEIGHTS] = path.read_bytes()
+    return verify_bundle_files(files, source, check_signature)
 
 
 # plan.json ---------------------------------------------------------------------------------------

@@ -183,6 +183,51 @@ def safetensors_names(path: str | Path) -> list[str]:
         return [name for _, _, name, _, _ in _spans(f.read(n), total - 8 - n)]
 
 
+def _read_array(f, name: str, np_dtype: np.dtype, shape: tuple[int, ...], digest=None) -> np.ndarray:
+    """The tensor at `f`'s position read straight into an array of its own (no bytes object beside
+    it: one tensor is never held twice), its bytes fed to `digest` as they are read."""
+    arr = np.empty(shape, dtype=np_dtype)
+    raw = arr.reshape(-1).view(np.uint8)
+    view = memoryview(raw)
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError(f"tensor {name!r}: the file ends {len(view) - got} bytes early")
+        got += n
+    if digest is not None and raw.size:
+        digest.update(raw)
+    if np_dtype == np.bool_ and arr.size and not np.isin(raw, (0, 1)).all():
+        raise ValueError(f"tensor {name!r}: BOOL bytes other than 0 and 1")
+    if np_dtype.byteorder not in ("=", "|") and np_dtype != np_dtype.newbyteorder("="):
+        arr = arr.astype(np_dtype.newbyteorder("="))  # a big-endian host: one tensor at a time
+    return arr
+
+
+def read_safetensors_hashed(path: str | Path) -> HashedTensors:
+    """Every tensor of a safetensors file, each read straight from the file into its own array,
+    with the SHA-256 of the file's bytes streamed as they are read: a stage's weights are held
+    once, never as the file's bytes and their decoded copies together (a bundle's weights file can
+    be hundreds of MB on a device with little more). ValueError names the file and what is wrong
+    (checked as `decode_safetensors` checks)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            total = path.stat().st_size
+            prefix = f.read(8)
+            n = _header_length(prefix, total)
+            header = f.read(n)
+            spans = _spans(header, total - 8 - n)
+            digest = hashlib.sha256(prefix)
+            digest.update(header)
+            tensors = {name: _read_array(f, name, np_dtype, shape, digest) for _, _, name, np_dtype, shape in spans}
+            if f.read(1):
+                raise ValueError("the file grew while it was read")
+            return HashedTensors(tensors, digest.hexdigest(), total)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
 def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
     """The tensors `names` of a safetensors file, reading only their bytes (a base model's file
     can be far larger than what one stage needs). ValueError names the file and what is wrong,
@@ -201,7 +246,7 @@ def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
             for name in names:
                 begin, stop, np_dtype, shape = where[name]
                 f.seek(8 + n + begin)
-                out[name] = _array(f.read(stop - begin), name, np_dtype, shape)
+                out[name] = _read_array(f, name, np_dtype, shape)
             return out
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None

@@ -27,7 +27,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ir.bundle import (BUNDLE_FILES, MANIFEST, PLAN_BASE, SIGNATURE, WEIGHTS, BundleContents, BundleError,
-                       SignatureCheck, check_bundle_manifest, load_plan, read_bundle_files, verify_bundle_files)
+                       SignatureCheck, check_bundle_manifest, load_bundle_dir, load_plan,
+                       read_bundle_files, verify_bundle_files)
 from ir.documents import PlanDocument
 from ir.safetensors import (HashedTensors, decode_safetensors, encode_safetensors, hash_tensors, load_safetensors_subset,
                             safetensors_names)
@@ -127,7 +128,8 @@ def load_bundle(source: str | Path | Mapping[str, bytes | np.ndarray], name: str
 
     `name` is how errors refer to the bundle (default: the directory, or '<memory>')."""
     if isinstance(source, (str, Path)):
-        return verify_bundle_files(read_bundle_files(source), name or str(source), check_signature)
+        # the weights read tensor by tensor, the file's bytes never held beside them
+        return load_bundle_dir(source, check_signature, name)
     return verify_bundle_files(wire_to_files(source), name or "<memory>", check_signature)
 
 
