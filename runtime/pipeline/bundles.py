@@ -20,6 +20,7 @@ its storage precision (`ir.precision.storage_tensors`): nothing is widened on th
 """
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -31,12 +32,12 @@ from ir.bundle import (BUNDLE_FILES, MANIFEST, PLAN_BASE, SIGNATURE, WEIGHTS, Bu
                        read_bundle_files, verify_bundle_files)
 from ir.documents import PlanDocument
 from ir.safetensors import (HashedTensors, decode_safetensors, encode_safetensors, hash_tensors, load_safetensors_subset,
-                            safetensors_names)
+                            read_safetensors_hashed, safetensors_names)
 from runtime.transport.wire import Expected
 
 __all__ = ["BUNDLE_KIND", "REST", "BaseWeights", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire",
            "as_uint8", "wire_to_files", "send_bundle", "recv_bundle", "recv_bundle_files", "load_plan", "plan_base",
-           "split_weights", "rebuild_weights"]
+           "split_weights", "rebuild_weights", "spool_weights"]
 
 BUNDLE_KIND = "bundle"
 # Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
@@ -93,6 +94,35 @@ def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequ
     except (OSError, ValueError) as exc:
         raise BundleError(f"the base weights file {exc}") from None
     return hash_tensors(tensors)
+
+
+def spool_weights(files: dict, source: str, check_signature: SignatureCheck | None = None,
+                  directory: str | Path | None = None) -> None:
+    """Replace the received weights file in `files` (its bytes, the only reference to them) by its
+    tensors, by way of a file: the bytes are written out and let go, then each tensor is read
+    straight into its own array and the file's SHA-256 streamed as it is read
+    (`ir.safetensors.read_safetensors_hashed`), so a worker never holds the received file and its
+    decoded copies at once (a stage's weights twice: the setup's peak). `check_signature` is
+    checked first (nothing of an untrusted bundle is parsed); a file that does not parse is
+    left as its bytes, for `load_bundle`'s verification to name the fault as ever. The spool file
+    (under `directory`, default the system's temporary folder) is gone on return."""
+    if WEIGHTS not in files or isinstance(files[WEIGHTS], HashedTensors):
+        return
+    if check_signature is not None:
+        from ir.bundle import check_bundle_signature
+
+        check_bundle_signature(wire_to_files({k: v for k, v in files.items() if k != WEIGHTS}), source,
+                               check_signature)
+    data = files.pop(WEIGHTS)
+    with tempfile.TemporaryDirectory(prefix="confidant-weights-", dir=directory) as folder:
+        path = Path(folder) / WEIGHTS
+        with open(path, "wb") as f:
+            f.write(data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
+        del data
+        try:
+            files[WEIGHTS] = read_safetensors_hashed(path)
+        except ValueError:
+            files[WEIGHTS] = path.read_bytes()
 
 
 def as_uint8(data: bytes) -> np.ndarray:

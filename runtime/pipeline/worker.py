@@ -229,7 +229,7 @@ class Worker:
         """Set up from a plan bundle: verify every file against its manifest before using any of it;
         the stage, graph slice, weights, actions and optimizer all come from the bundle."""
         from ir.bundle import BundleError
-        from runtime.pipeline.bundles import load_bundle
+        from runtime.pipeline.bundles import load_bundle, spool_weights
 
         self._take_stage(int(msg["stage"]))
         self._meet_peers(msg["peers"], msg.get("peer_keys"))
@@ -240,6 +240,8 @@ class Worker:
             check = verifier(self.trusted)
         source = f"{msg.get('device', 'bundle')} (from the coordinator)"
         files, held = self._receive_bundle(msg, source)
+        if held is None:  # read back tensor by tensor: never the received file and its decoded copies at once
+            spool_weights(files, source, check)
         try:
             contents = load_bundle(files, source, check)
         except BundleError as exc:

@@ -1,0 +1,209 @@
+"""An LLM stage fits a phone (issue 31, targets 1-3): planned against measured memory per device, from a plan folder.
+
+What it measures
+    For each model, LoRA r=8 alpha 16 on q, k, v, o with the frozen base held `--base-dtype int4`,
+    batch 4 x 128 in 4 micro-batches of one row, AdamW, 1f1b-flush, one thread per process:
+      1. `confidant profile` of this machine for the model (MNN, one thread, one repetition);
+      2. `confidant plan` over N copies of this machine with the target budget each (the issue's);
+         where no plan fits, the planner's own figure of the tightest device's need is reported and
+         the plan is made again at the smallest budget (a multiple of 16 MiB) the planner accepts,
+         so the memory model can still be checked against a run;
+      3. `confidant train PLAN --local` for `--steps` steps on the entities-json task: one worker
+         process per device, each started with the plan's base.safetensors (`--base`), as a user
+         runs it.
+    ``measured`` is each worker's own peak resident set (VmHWM, setup included: the worker's whole
+    life, as `train` reports it); ``planned`` the memory model's (plan.json, `confidant show`).
+
+Models
+    ``smollm2``: SmolLM2-135M-Instruct (benchmarks/llm.py's export), 3 devices of 256 MiB.
+    ``qwen``: a Qwen2.5-0.5B-class model: transformers' Qwen2Config with the published shape (vocab
+    151936, 24 layers, hidden 896, intermediate 4864, 14 heads / 2 key-value heads, tied embeddings),
+    random weights (seed 0), saved with save_pretrained and exported by the project's own causal-LM
+    exporter (jobs.export_llm, `confidant export --task causal-lm`), with SmolLM2's tokenizer beside
+    it (its ids are below Qwen's vocabulary); 3 devices of 512 MiB. Export: ~8 GiB for a moment.
+    ``llama1b``: a Llama-3.2-1B-class model the same way (vocab 128256, 16 layers, hidden 2048,
+    intermediate 8192, 32 / 8 heads, tied), 4 devices of 768 MiB. Its export needs ~20 GiB.
+
+Usage
+    python benchmarks/memory_plans.py [--models smollm2,qwen] [--steps 1] [--json OUT]
+`plan_rows()` returns the rows for benchmarks/memory.py (`--plans`) to print beside its own.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
+
+CACHE = Path.home() / ".cache" / "confidant"
+RANK, ALPHA, BATCH, SEQ, M = 8, 16.0, 4, 128, 4
+MIB = 2 ** 20
+# name -> (devices, budget MiB, HF config for a random model or None for SmolLM2)
+MODELS = {
+    "smollm2": (3, 256, None),
+    "qwen": (3, 512, {"family": "qwen2", "vocab_size": 151936, "num_hidden_layers": 24, "hidden_size": 896,
+                      "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
+                      "tie_word_embeddings": True, "max_position_embeddings": 32768, "rope_theta": 1e6,
+                      "rms_norm_eps": 1e-6}),
+    "llama1b": (4, 768, {"family": "llama", "vocab_size": 128256, "num_hidden_layers": 16, "hidden_size": 2048,
+                         "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
+                         "tie_word_embeddings": True, "max_position_embeddings": 131072, "rope_theta": 5e5,
+                         "rms_norm_eps": 1e-5}),
+}
+_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+_MAKE_RANDOM = """
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+shape = json.loads(sys.argv[2])
+family = shape.pop("family")
+config, cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+torch.manual_seed(0)
+cls(config(**shape)).save_pretrained(sys.argv[1])
+"""
+
+
+def model_path(name: str) -> Path:
+    """The ONNX export of `name`, made once and cached under ~/.cache/confidant."""
+    shape = MODELS[name][2]
+    if shape is None:
+        from benchmarks.llm import smollm2_model
+
+        return smollm2_model()
+    folder = CACHE / f"bench-{name}"
+    onnx = folder / f"{name}.onnx"
+    if onnx.is_file():
+        return onnx
+    hf = folder / "hf"
+    env = {**os.environ, **_ENV}
+    subprocess.run([sys.executable, "-c", _MAKE_RANDOM, str(hf), json.dumps(shape)], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "confidant", "export", "--task", "causal-lm", "--checkpoint", str(hf),
+                    "--no-kv-cache", "-o", str(onnx)], check=True, env=env, cwd=_HERE.parent)
+    smollm2 = model_path("smollm2").parent
+    for f in ("tokenizer.json", "chat_template.json"):  # SmolLM2's ids are all below the vocabulary
+        shutil.copy(smollm2 / f, folder / f)
+    shutil.rmtree(hf)
+    return onnx
+
+
+def _cluster(path: Path, profile: Path, devices: int, budget_mib: int) -> Path:
+    path.write_text("devices:\n" + "".join(
+        f"  - {{name: d{k}, address: 'tcp://127.0.0.1:59{k}1', profile: {profile.name}, memory_budget: "
+        f"{budget_mib}MiB, backend: 'mnn:cpu:t1'}}\n" for k in range(devices))
+        + "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
+    return path
+
+
+def plan_row(name: str, steps: int, out: Path, data: Path) -> dict:
+    from ir.bundle import load_plan
+    from jobs.errors import JobError
+    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.planning import PlanSettings, plan_model
+    from jobs.profiling import profile_this_device
+    from planner.lora import LoraSettings
+
+    devices, target, _ = MODELS[name]
+    model = model_path(name)
+    out.mkdir(parents=True, exist_ok=True)
+    lora = LoraSettings(RANK, ALPHA, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4")
+    profile = out / "dev.json"
+    profile_this_device(model, 1, SEQ, profile, name="dev", backends=("mnn:cpu:t1",), reps=1, attention=False,
+                        lora=lora)
+    settings = PlanSettings("1f1b-flush", BATCH, SEQ, M, lora=lora, data=data, time_limit_s=60.0)
+    row = {"model": name, "devices": devices, "target_mib": target, "fits_target": True, "needs_mib": None}
+    budget = target
+    try:
+        plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget), settings, out / "plan")
+    except JobError as exc:  # no plan fits: the planner's need for the tightest device, then plan there
+        need = re.search(r"needs ([0-9.]+) MiB", str(exc))
+        if need is None:
+            raise
+        row.update(fits_target=False, needs_mib=float(need.group(1)))
+        budget = 16 * math.ceil(row["needs_mib"] / 16)
+        while True:
+            try:
+                plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget), settings, out / "plan")
+                break
+            except JobError:
+                budget += 16
+    plan = load_plan(out / "plan")
+    row.update(budget_mib=budget, blocks=[list(d.blocks) for d in plan.devices],
+               planned_mib=[d.memory_bytes / MIB for d in plan.devices],
+               terms_mib=[{k: v / MIB for k, v in (d.memory_terms or {}).items()} for d in plan.devices])
+
+    started = time.perf_counter()
+    metrics = train_from_plan(out / "plan", data, None, PlanRunSettings(steps=steps, seed=0, local=True,
+                                                                        insecure=True))
+    by_name = {d.name: d.peak_rss_bytes for d in metrics.devices}
+    row["measured_mib"] = [by_name[d.name] / MIB if by_name.get(d.name) else None for d in plan.devices]
+    row["seconds"] = time.perf_counter() - started
+    row["loss"] = metrics.steps[-1].loss if metrics.steps else None
+    return row
+
+
+def _child(name: str, steps: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **_ENV}, timeout=7200)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][4:])
+
+
+def plan_rows(models=("smollm2", "qwen"), steps: int = 1) -> list[dict]:
+    """One row per model, each from its own child process, one after another."""
+    return [_child(m, steps) for m in models]
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        fits = ("fits" if r["fits_target"] else f"does not fit (tightest device needs {r['needs_mib']:.1f} MiB); "
+                f"planned and run at {r['budget_mib']} MiB")
+        lines.append(f"{r['model']}: {r['devices']} devices of {r['target_mib']} MiB: {fits}")
+        for k, blocks in enumerate(r["blocks"]):
+            planned, measured = r["planned_mib"][k], r["measured_mib"][k]
+            ratio = "-" if not measured else f"{measured / planned:.2f}"
+            within = "" if not measured else ("  over budget" if measured > r["budget_mib"] else "")
+            lines.append(f"  stage {k} blocks {blocks[0]}-{blocks[1]}: planned {planned:6.1f}  measured "
+                         f"{measured or float('nan'):6.1f} MiB  measured/planned {ratio}{within}")
+        worst = max(abs(m / p - 1) for p, m in zip(r["planned_mib"], r["measured_mib"]) if m)
+        lines.append(f"  memory model: worst {worst:.0%} off (target <= 10%); every peak within "
+                     f"{r['budget_mib']} MiB: {all(m and m <= r['budget_mib'] for m in r['measured_mib'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--models", default="smollm2,qwen", help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--steps", type=int, default=1, help="training steps per plan (default 1)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.child:
+        import tempfile
+
+        from jobs.generation import write_task_data
+
+        with tempfile.TemporaryDirectory() as d:
+            train, _ = write_task_data(Path(d), n_train=64, n_dev=1, seed=0)
+            print("ROW " + json.dumps(plan_row(args.child, args.steps, Path(d) / "run", train)), flush=True)
+        return 0
+    rows = plan_rows(tuple(args.models.split(",")), args.steps)
+    print(format_rows(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
