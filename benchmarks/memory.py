@@ -200,6 +200,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="training steps per row (default %(default)s)")
     parser.add_argument("--skip-full", action="store_true", help="leave out the full fine-tuning rows (5.5 GB)")
     parser.add_argument("--skip-plan", action="store_true", help="leave out the profile and the 3-device plan")
+    parser.add_argument("--plans", default="", help="also plan and train from a plan folder, planned vs measured "
+                        "per device (benchmarks/memory_plans.py: e.g. smollm2,qwen; issue 31 targets 1-3)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,6 +258,15 @@ def main() -> None:
                      "peak_mib": [max(q["setup_mib"], q["train_mib"] or 0.0)], "setup_mib": q["setup_mib"],
                      "train_mib": q["train_mib"]} for q in quantized_base_rows(steps=args.steps))
 
+    plans = []
+    if args.plans:  # int4 LoRA plans at the issue's budgets, trained from the plan folder
+        from benchmarks.memory_plans import plan_rows
+
+        plans = plan_rows(tuple(args.plans.split(",")), args.steps)
+        for q in plans:
+            rows.append({"name": f"confidant LoRA int4 {q['model']} {q['devices']} x {q['budget_mib']} MiB plan",
+                         "peak_mib": q["measured_mib"], "planned_mib": q["planned_mib"]})
+
     print(f"\nSmolLM2-135M-Instruct, batch {LM_BATCH} x {LM_SEQ} in {M} micro-batches, AdamW, LoRA r={RANK} alpha "
           f"{ALPHA:g} on q,k,v,o; {args.steps} steps, one thread")
     print(f"{'run':54s} {'setup':>6s} {'train':>6s} {'peak MiB (per process)':>24s} {'planned MiB':>20s} "
@@ -284,6 +295,10 @@ def main() -> None:
                              r["peak_mib"])]
     if worst:
         print(f"target 3: memory model vs measured, worst {max(worst):.0%} off (target <= 10%)")
+    if plans:
+        from benchmarks.memory_plans import format_rows
+
+        print("\ntargets 1-2 (int4 LoRA plans from a plan folder, each worker's own peak):\n" + format_rows(plans))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str))
 

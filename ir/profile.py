@@ -38,6 +38,10 @@ class BlockCost:
     # (PyTorch's saved tensors; MNN's further set of block graphs with their caches). None: not
     # measured, taken as the whole workspace.
     kept_bytes: int | None = None
+    # What building the block's engine holds beyond the weights it takes, as a worker builds it
+    # (MNN's graphs of the block and their tensors; `runtime.profiling.compute.engine_setup_bytes`).
+    # None: not measured (an older profile), taken as nothing.
+    engine_bytes: int | None = None
 
     @property
     def stacked(self) -> int:
@@ -169,7 +173,7 @@ class DeviceProfile:
 
 
 _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s")
-_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes")
+_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes")
 
 
 def _block_cost(doc, where: str) -> BlockCost:

@@ -297,7 +297,7 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         # the head's measured workspace is the head and its loss run fused on one stage (runtime.
         # profiling.device.measure_block), which no plan separates: the loss's own figure, measured
         # alone on the logits, is no part of the pair's peak (SmolLM2: 72 MiB counted twice)
-        out[-1] = replace(out[-1], workspace_bytes=0, stacked_bytes=0, kept_bytes=0)
+        out[-1] = replace(out[-1], workspace_bytes=0, stacked_bytes=0, kept_bytes=0, engine_bytes=0)
     return tuple(out)
 
 
@@ -509,6 +509,20 @@ def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: Devi
         if isinstance(q, QuantizedTensor):
             extra += 2 * (q.size if q.storage == "bfloat16" else int(q.scales.size) * (1 if q.mins is None else 2))
     return extra
+
+
+def engine_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
+    """What the device's engine holds for blocks first..last beyond their weights, from its build
+    (a setup term: MNN's graphs of each block and their tensors, SmolLM2 int4 ~1.6 MiB a decoder
+    layer, before charged nowhere: the profile's workspace is measured from a built engine, its
+    runtime before any): each block's `BlockCost.engine_bytes` (measured per block kind as a worker
+    builds it, `runtime.profiling.compute.engine_setup_bytes`), less what `frozen_storage_extra_bytes`
+    already charges of it (the frozen storage MNN widens). Nothing for a profile without it."""
+    costs = block_costs(graph, device)
+    if not any(c.engine_bytes for c in costs[first:last + 1]):
+        return 0
+    return sum(max(0, (costs[k].engine_bytes or 0) - frozen_storage_extra_bytes(graph, k, k, device))
+               for k in range(first, last + 1))
 
 
 def base_dtype_savings(graph: Graph) -> tuple[tuple[int, int], ...]:
@@ -752,18 +766,21 @@ class MemoryTerms:
     activation_bytes: int     # stashed block inputs per micro-batch in flight, kept activations, held logits
     workspace_bytes: int      # the blocks' stacked workspace and the largest one-block transient
     runtime_bytes: int        # the idle runtime and its engine
+    engine_bytes: int = 0     # what building the stage's engine holds beyond its weights (`engine_bytes`)
 
     @property
     def total(self) -> int:
         return (self.trainable_bytes + sum(self.frozen_bytes.values()) + self.gradient_bytes
-                + self.optimizer_state_bytes + self.activation_bytes + self.workspace_bytes + self.runtime_bytes)
+                + self.optimizer_state_bytes + self.activation_bytes + self.workspace_bytes + self.runtime_bytes
+                + self.engine_bytes)
 
     def by_name(self) -> dict[str, int]:
         """The terms as plan.json records them (`ir.documents.DevicePlan.memory_terms`): frozen
         weights as one entry per precision, `frozen <precision>`."""
         return {"trainable": self.trainable_bytes, **{f"frozen {p}": b for p, b in self.frozen_bytes.items()},
                 "gradients": self.gradient_bytes, "optimizer state": self.optimizer_state_bytes,
-                "activations": self.activation_bytes, "workspace": self.workspace_bytes, "runtime": self.runtime_bytes}
+                "activations": self.activation_bytes, "workspace": self.workspace_bytes, "runtime": self.runtime_bytes,
+                **({"engine": self.engine_bytes} if self.engine_bytes else {})}
 
 
 def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,
@@ -836,7 +853,8 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),
         activation_bytes=sum(inputs) * in_flight + held + kept,
         workspace_bytes=stacked + transient_bytes(graph, device),
-        runtime_bytes=runtime_bytes(device))
+        runtime_bytes=runtime_bytes(device),
+        engine_bytes=engine_bytes(graph, first, last, device))
 
 
 def backend_times(graph: Graph, device: DeviceSpec, first: int, last: int,

@@ -28,7 +28,8 @@ from ir.precision import bytes_per_frozen_element, lookup_tables, quantizable, s
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
 from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
-                          block_input_bytes, check_blocks, double_held_bytes, gradient_copies, in_flight_microbatches,
+                          block_input_bytes, check_blocks, double_held_bytes, engine_bytes, gradient_copies,
+                          in_flight_microbatches,
                           looked_up_only, stage_memory_bytes, stage_params_bytes, stashed_weight_versions,
                           transient_bytes, workspace_of)
 
@@ -151,7 +152,7 @@ def memory_parts(graph: Graph, device: DeviceSpec, first: int, last: int, stage:
         + double_held_bytes(graph, first, last, device),
         "activations": sum(block_input_bytes(graph)[first:last + 1]) * in_flight,
         "workspace": workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device),
-        "runtime": runtime_bytes(device),
+        "runtime": runtime_bytes(device) + engine_bytes(graph, first, last, device),
     }
     parts["other"] = total - sum(parts.values())
     return parts

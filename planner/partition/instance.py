@@ -36,7 +36,7 @@ from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_n
 from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, async_extra_copies, block_costs,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
-                          base_dtype_savings, frozen_storage_extra_bytes,
+                          base_dtype_savings, engine_bytes, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
                           reuses_forward, row_gradient_delta_bytes, shared_current_bytes, stepped_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, transient_bytes, unversioned_bytes,
@@ -252,7 +252,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         input_bytes=block_input_bytes(graph),
         # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
         workspace_bytes=tuple(tuple(c.stacked + b.frozen_bytes + double_held_bytes(graph, k, k, spec)
-                                    + frozen_storage_extra_bytes(graph, k, k, spec)
+                                    + frozen_storage_extra_bytes(graph, k, k, spec) + engine_bytes(graph, k, k, spec)
                                     for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
         kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
         base_dtype_savings=base_dtype_savings(graph),

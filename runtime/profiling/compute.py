@@ -95,6 +95,44 @@ def measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.
     return BlockCost(statistics.median(fwd), b_own, 0.0, peak.bytes)
 
 
+def engine_setup_bytes(backend: BackendSpec, spec: StageSpec) -> int:
+    """What building `spec`'s engine holds beyond the weights it takes, built as a worker builds
+    it (`take_weights`: the engine keeps the arrays, or lets each go for its own copy): MNN's graphs
+    of the blocks and their tensors (SmolLM2 int4: ~1.6 MiB a decoder layer, uncharged before),
+    and a frozen weight's storage the engine widens (MNN's float32 block scales; the cost model
+    takes off what it charges for those, `planner.cost.engine_bytes`). Measured on copies of the
+    stage's constants, so the profiled graph keeps its own: resident memory (freed heap handed
+    back) after the engine is built, less before."""
+    from dataclasses import replace as _replace
+
+    from ir.precision import QuantizedTensor
+    from runtime.procfs import release_free_heap, rss_bytes
+
+    read = {i for node in spec.compute_nodes for i in node.inputs} & set(spec.graph.constants)
+
+    def copied(value):
+        if isinstance(value, QuantizedTensor):
+            return _replace(value, codes=value.codes.copy(), scales=value.scales.copy(),
+                            mins=None if value.mins is None else value.mins.copy())
+        return np.array(value, copy=True)
+
+    constants = {k: copied(v) if k in read else v for k, v in spec.graph.constants.items()}
+    mine = stage_spec(_replace(spec.graph, constants=constants), spec.first_block, spec.last_block)
+    del constants
+    gc.collect()
+    release_free_heap()
+    before = rss_bytes()
+    engine = make_engine(backend, mine, take_weights=True)
+    gc.collect()
+    release_free_heap()
+    after = rss_bytes()
+    del engine, mine
+    gc.collect()
+    if before is None or after is None:
+        return 0
+    return max(0, after - before)
+
+
 def _run_in_flight(engine, stage_feeds, grad, in_flight: int) -> None:
     """Forwards of `in_flight` micro-batches, then their backwards (as 1F1B's warm-up holds them)."""
     for mb in range(in_flight):

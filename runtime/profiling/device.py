@@ -33,8 +33,8 @@ from runtime.engines import mnn_kernels as K
 from runtime.engines.split.piece import attention_form
 from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
-from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_update_rates, kept_workspace,
-                                       measure_stage, peak_workspace, start_up_bytes, update_rates)
+from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
+                                       kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
 from runtime.profiling.inputs import Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
@@ -80,12 +80,15 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
         loss = measure_stage(backend, loss_spec, feeds, reps)
         kept = max(0, kept_workspace(backend, both_spec, feeds) - kept_workspace(backend, loss_spec, feeds))
         return BlockCost(max(0.0, both.forward_s - loss.forward_s), max(0.0, both.backward_s - loss.backward_s),
-                         max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes, kept_bytes=kept)
+                         max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes, kept_bytes=kept,
+                         engine_bytes=engine_setup_bytes(backend, both_spec))
     spec = stage_spec(graph, i, i)
     cost = measure_stage(backend, spec, feeds, reps)
     run = 1  # blocks of this kind in a row from this one, up to three
     while run < 3 and i + run < len(graph.blocks) and block_signature(graph.blocks[i + run]) == block_signature(block):
         run += 1
+    # per block of the run (one alone measured 1.1-1.7 MiB a SmolLM2 layer, three 1.7 each, fifteen 1.8)
+    cost = replace(cost, engine_bytes=engine_setup_bytes(backend, stage_spec(graph, i, i + run - 1)) // run)
     kept = kept_workspace(backend, stage_spec(graph, i, i + run - 1), feeds) // run
     if run == 1:
         return replace(cost, kept_bytes=kept)
@@ -99,7 +102,8 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
 
 def _memory_parts(cost: BlockCost) -> str:
     stacked = "" if cost.stacked_bytes is None else f"{cost.stacked_bytes / 2**20:.1f} per further block, "
-    return f"{stacked}{cost.kept / 2**20:.1f} per further micro-batch kept"
+    engine = "" if not cost.engine_bytes else f", engine {cost.engine_bytes / 2**20:.1f}"
+    return f"{stacked}{cost.kept / 2**20:.1f} per further micro-batch kept{engine}"
 
 
 def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BACKENDS, reps: int = 3,
