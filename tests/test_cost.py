@@ -386,3 +386,39 @@ def test_memory_by_hand_on_a_device_that_keeps_activations():
                          "1f1b-flush", 4, "sgd")
     assert _memory_bytes(inst, 0, 0, 1, 0, 2) == want
     assert _memory_bytes(inst, 1, 0, 1, 0, 2) == want - (30 + 120)
+
+
+def test_the_engines_own_memory_is_charged_per_block_by_hand_through_the_cost_model_and_the_instance():
+    """What building a stage's engine holds beyond its weights (`BlockCost.engine_bytes`: MNN's
+    graphs of each block, ~1.4 MiB a SmolLM2 layer, charged nowhere before) is a term of its own,
+    summed over the stage's blocks, in `stage_memory_terms`, plan.json's terms and the partition
+    instance alike; a profile without it charges nothing (older profiles plan as before)."""
+    from dataclasses import replace
+
+    from ir.profile import BlockCost
+    from planner.partition.instance import _memory_bytes, make_instance
+    from support import EMB, ENC
+
+    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30, engine_bytes=7),
+             ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120, engine_bytes=11),
+             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10, engine_bytes=3)}
+    profile = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
+    dev = DeviceSpec("k", "tcp://k:1", profile, 10**6, "mnn:cpu:t1", activations="recompute")
+    g = tiny_graph()
+    assert [b.name for b in g.blocks][:2] == ["embeddings", "layer0"]
+    # stage 0 of 2, blocks 0-1 (the embeddings and one encoder layer): the figure of the test above
+    # on a device that recomputes, plus 7 + 11 of the engine's own
+    want = 15290 - (30 + 120) + 7 + 11
+    terms = stage_memory_terms(g, dev, 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
+    assert terms.engine_bytes == 18 and terms.total == want
+    assert stage_memory_bytes(g, dev, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == want
+    assert terms.by_name()["engine"] == 18
+    inst = make_instance(g, Cluster((dev, replace(dev, name="r", address="tcp://r:1")), Link(1e6, 0.001)),
+                         "1f1b-flush", 4, "sgd")
+    assert _memory_bytes(inst, 0, 0, 1, 0, 2) == want
+    older = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", {k: replace(c, engine_bytes=None)
+                                                                              for k, c in costs.items()}),), 10**6, 5000)
+    terms = stage_memory_terms(g, replace(dev, profile=older), 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
+    assert terms.engine_bytes == 0 and terms.total == want - 18 and "engine" not in terms.by_name()
+    # the profile's file keeps the figure
+    assert DeviceProfile.from_json(profile.to_json()).backends[0].blocks[ENC].engine_bytes == 11
