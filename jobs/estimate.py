@@ -23,7 +23,7 @@ from ir.precision import BASE_DTYPES, bytes_per_frozen_element
 from ir.profile import DeviceProfile, Link
 from jobs.errors import JobError
 from jobs.lora import adapted
-from jobs.planning import _with_head_splits
+from planner.compile import with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes
 from planner.cost import stage_costs
 from planner.lora import LoraSettings
@@ -233,7 +233,7 @@ class _Pricer:
         cluster = self.cluster(graph, reference, extra, activations)
         # as plan does first: attention heads split where a profile's curves say it is faster (a
         # split device runs MNN and its split's child processes)
-        cluster, _ = _with_head_splits(graph, cluster)
+        cluster, _ = with_head_splits(graph, cluster)
         widen = widened_bytes(self.graph(settings), settings.base_dtype)
         if widen:  # one block's base widened to float32 at a time: every device's runtime holds it
             cluster = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(
