@@ -23,13 +23,12 @@ from ir.precision import BASE_DTYPES, bytes_per_frozen_element
 from ir.profile import DeviceProfile, Link
 from jobs.errors import JobError
 from jobs.lora import adapted
-from planner.compile import with_head_splits
+from planner.compile import PlanRequest, search, with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes
 from planner.cost import stage_costs
 from planner.lora import LoraSettings
 from planner.memory_defaults import (default_profile, memory_parts, widened_bytes, with_frozen_precision,
                                      with_profile_costs)
-from planner.engines import best_picks
 from planner.partition import PlanDoesNotFit, make_instance, solve_partition
 
 MIB = 2 ** 20
@@ -231,9 +230,9 @@ class _Pricer:
         reference = self.graph(settings, unadapted=True)
         graph = with_frozen_precision(self.graph(settings), settings.base_dtype)
         cluster = self.cluster(graph, reference, extra, activations)
-        # as plan does first: attention heads split where a profile's curves say it is faster (a
-        # split device runs MNN and its split's child processes)
-        cluster, _ = with_head_splits(graph, cluster)
+        # as plan compiles it (planner.compile): attention heads split first where a profile's curves
+        # say it is faster (a split device runs MNN and its split's child processes), then engines and cuts
+        cluster, splits = with_head_splits(graph, cluster)
         widen = widened_bytes(self.graph(settings), settings.base_dtype)
         if widen:  # one block's base widened to float32 at a time: every device's runtime holds it
             cluster = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(
@@ -251,8 +250,8 @@ class _Pricer:
                 fits = all(c.memory_bytes <= c.memory_budget_bytes for c in stage_costs(
                     graph, cluster, partition, *args, settings.update_every))
             elif activations is None:  # the planner's own choice of engine and activations per device
-                picks = best_picks(graph, cluster, *args, lambda inst: solve_partition(inst, time_limit_s=SOLVE_S),
-                                   update_every=settings.update_every)
+                picks = search(graph, cluster, PlanRequest(*args, settings.update_every),
+                               lambda inst: solve_partition(inst, time_limit_s=SOLVE_S), fixed=frozenset(splits))
                 partition, cluster, fits = picks.partition, picks.cluster, True
             else:  # every device as told
                 inst = make_instance(graph, cluster, *args, settings.update_every)
