@@ -18,7 +18,7 @@ from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
 from planner.cluster import Cluster, load_cluster
-from planner.compile import CompileError, Deadline, PlanRequest, compile_plan, emit_compiled
+from planner.compile import SEARCH_SHARE, CompileError, Deadline, PlanRequest, compile_plan, emit_compiled
 from planner.lookups import charged_rows
 from planner.lora import LoraSettings
 from planner.onnx_import import load_model
@@ -62,11 +62,6 @@ def lora_record(lora: LoraSettings | None) -> PlannedLora | None:
     if lora is None:
         return None
     return PlannedLora(lora.rank, float(lora.alpha), tuple(lora.targets), tuple(lora.train_also), int(lora.seed))
-
-
-# Each search's share of the time left (planner.engines.best_picks solves once per starting
-# cluster and again after each round of engine picks; most stop early, proven optimal).
-SEARCH_SHARE = 0.4
 
 
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,

@@ -35,6 +35,10 @@ from planner.schedule import make_schedule
 
 Note = Callable[[str], None]
 
+# Each search's share of a Deadline's time left (planner.engines.best_picks solves once per starting
+# cluster and again after each round of engine picks; most stop early, proven optimal).
+SEARCH_SHARE = 0.4
+
 
 def _silent(_: str) -> None:
     pass
@@ -115,7 +119,7 @@ class CompiledPlan:
     schedule: Schedule
     step_s: float
     emit: EmitSettings
-    picks: EnginePicks
+    picks: EnginePicks | None = None  # None: a partition and picks decided elsewhere (planner.replan)
 
 
 class Deadline:
@@ -243,21 +247,26 @@ def finish(graph: Graph, cluster: Cluster, partition: Partition,
 def emit_settings(cluster: Cluster, devices: Sequence[str], splits: Mapping[str, HeadSplit],
                   optimizer: OptimizerSettings, model: str | None, model_path: str | None = None,
                   lora: PlannedLora | None = None, backend: str = "cpu",
-                  addresses: Mapping[str, str] | None = None) -> EmitSettings:
+                  addresses: Mapping[str, str] | None = None,
+                  previous: Mapping[str, DeviceRun] = {}) -> EmitSettings:
     """Each device runs the engine of its chosen (or picked) backend, so frameworks may differ; a
     split device runs MNN (the split engine runs the rest of its stage) and recomputes (one graph
-    set). Addresses: `addresses` where it names the device, else the cluster's."""
+    set). Addresses: `addresses` where it names the device, else the cluster's. `previous`: how the
+    plan before ran its devices, for one whose backend names no engine (a nominal profile's)."""
     runs = {}
     for name in devices:
         spec = cluster.device(name)
         backend_name = device_backend(spec).backend
+        try:
+            engine, threads = engine_of(backend_name), threads_of(backend_name)
+        except ValueError:  # a nominal profile's backend (planner.replan.flops_cluster) names no engine
+            engine, threads = (previous[name].engine, previous[name].threads) if name in previous else ("mnn", 1)
         split = splits.get(name)
         activations = activations_of(spec)
         if split is not None and activations is not None:
             activations = "recompute"
         runs[name] = DeviceRun(
-            "mnn" if split is not None else engine_of(backend_name), threads_of(backend_name),
-            (addresses or {}).get(name) or spec.address, activations,
+            "mnn" if split is not None else engine, threads, (addresses or {}).get(name) or spec.address, activations,
             None if split is None else PlannedHeadSplit(dict(split.heads), split.predicted_s,
                                                         (split.single_best[0], split.single_best[1])))
     return EmitSettings(model, optimizer, runs, model_path, lora, backend)
@@ -292,9 +301,15 @@ def compile_plan(graph: Graph, cluster: Cluster, request: PlanRequest, optimizer
     picks = search(graph, cluster, request, solve, frozenset(splits), partition, keep_going)
     note_engine_moves(picks, note)
     tied_note(graph, picks.partition, request.schedule, note)
-    costs, schedule, step_s = finish(graph, picks.cluster, picks.partition, request)
     emit = emit_settings(picks.cluster, picks.partition.devices, splits, optimizer, model, model_path, lora)
-    return CompiledPlan(graph, picks.cluster, picks.partition, splits, costs, schedule, step_s, emit, picks)
+    return assemble(graph, picks.cluster, picks.partition, splits, request, emit, picks)
+
+
+def assemble(graph: Graph, cluster: Cluster, partition: Partition, splits: Mapping[str, HeadSplit],
+             request: PlanRequest, emit: EmitSettings, picks: EnginePicks | None = None) -> CompiledPlan:
+    """The compiled plan of a decided partition over `cluster` (its devices' engines picked)."""
+    costs, schedule, step_s = finish(graph, cluster, partition, request)
+    return CompiledPlan(graph, cluster, partition, splits, costs, schedule, step_s, emit, picks)
 
 
 def emit_compiled(output, compiled: CompiledPlan, sign=None, graph: Graph | None = None):
