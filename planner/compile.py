@@ -169,7 +169,9 @@ def with_head_splits(graph: Graph, cluster: Cluster, note: Note = _silent,
             candidate = dataclasses.replace(d, backend=base, profile=profile_with_head_split(
                 d.profile, base, split, split_extra_cost_s(graph, d.profile, split)))
             with_split, without = sum(compute_s(graph, candidate, 0, n - 1)), sum(compute_s(graph, d, 0, n - 1))
-            if with_split < without:
+            # an applied device's profile was lowered by this split already, which lowering again
+            # may leave as it is (a block's time is never taken below zero): no slower counts there
+            if with_split < without or (d.name in applied and with_split <= without):
                 splits[d.name] = split
                 d = d if d.name in applied else candidate
             elif d.name not in applied:
