@@ -21,6 +21,7 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.precision import BASE_DTYPES, bytes_per_frozen_element
 from ir.profile import DeviceProfile, Link
+from ir.training import TRAINING
 from jobs.errors import JobError
 from jobs.lora import adapted
 from planner.compile import PlanRequest, search, with_head_splits
@@ -35,7 +36,7 @@ MIB = 2 ** 20
 # The link priced between devices given by --devices (no cluster file): a home Wi-Fi's order.
 # Only the cut's placement depends on it, never a device's memory.
 DEFAULT_LINK = Link(100e6 / 8, 5e-3)
-DEFAULT_LORA_RANK = 8
+DEFAULT_LORA_RANK = TRAINING.lora_rank
 # seconds the partitioner may take per estimate (each lever is one more)
 SOLVE_S = 1.0
 # at most this many devices added by the "more devices" lever
@@ -53,12 +54,12 @@ class EstimateSettings:
     `seq` tokens, the schedule, optimizer, LoRA (None: full fine-tuning) and the frozen base's
     storage precision (`ir.precision.BASE_DTYPES`)."""
 
-    batch: int = 8
-    seq: int = 128
-    microbatches: int = 4
-    schedule: str = "1f1b-flush"
-    optimizer: str = "adamw"
-    update_every: int = 1
+    batch: int = TRAINING.batch
+    seq: int = TRAINING.seq
+    microbatches: int = TRAINING.microbatches
+    schedule: str = TRAINING.schedule
+    optimizer: str = TRAINING.optimizer
+    update_every: int = TRAINING.update_every
     lora: LoraSettings | None = None
     base_dtype: str = "float32"
 

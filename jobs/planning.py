@@ -13,7 +13,7 @@ from ir.bundle import load_plan
 from ir.documents import OptimizerSettings, PlannedLora
 from ir.graph import is_causal_lm
 from ir.partition import StageCost
-from ir.plan import DEFAULT_LR
+from ir.training import TRAINING
 from jobs.errors import JobError
 from jobs.lora import adapted
 from jobs.report import Reporter, Silent
@@ -32,13 +32,13 @@ class PlanSettings:
     (1f1b-stash), the optimizer and learning rate, manual cuts and device order (None: the solver's),
     and the planning time limit in seconds (`planner.compile.Deadline`)."""
 
-    schedule: str = "1f1b-flush"
-    batch: int = 8
-    seq: int = 128
-    microbatches: int = 4
-    update_every: int = 1
-    optimizer: str = "adamw"
-    lr: float = DEFAULT_LR
+    schedule: str = TRAINING.schedule
+    batch: int = TRAINING.batch
+    seq: int = TRAINING.seq
+    microbatches: int = TRAINING.microbatches
+    update_every: int = TRAINING.update_every
+    optimizer: str = TRAINING.optimizer
+    lr: float = TRAINING.lr
     cuts: tuple[int, ...] | None = None
     devices: tuple[str, ...] | None = None
     time_limit_s: float = 10.0
@@ -133,7 +133,7 @@ def _with_lookup_rows(graph, model: Path, settings: PlanSettings, reporter: Repo
 
 
 # the rank `plan` tries when full fine-tuning does not fit (PEFT's usual first choice)
-HINT_LORA_RANK = 8
+HINT_LORA_RANK = TRAINING.lora_rank
 
 
 def lora_fit_hint(graph, cluster: Cluster, schedule: str, microbatches: int, optimizer: str, update_every: int = 1,

@@ -26,6 +26,7 @@ from ir.documents import OptimizerSettings, PlannedHeadSplit, PlannedLora
 from ir.graph import Graph, tied_parameters
 from ir.partition import Partition, StageCost
 from ir.plan import Schedule
+from ir.training import TRAINING
 from planner.cluster import Cluster, device_backend
 from planner.cost import activations_of, check_tied_schedule, compute_s, predicted_step_s, stage_costs
 from planner.engines import EnginePicks, Solve, best_picks, pick_engines
@@ -55,10 +56,10 @@ class PlanRequest:
     (1f1b-stash, 2bw), and manual cuts (first block of stages 2..p) with the devices that run the
     stages in pipeline order (None: the cluster's order); no cuts: the solver's."""
 
-    schedule: str = "1f1b-flush"
-    microbatches: int = 4
-    optimizer: str = "adamw"
-    update_every: int = 1
+    schedule: str = TRAINING.schedule
+    microbatches: int = TRAINING.microbatches
+    optimizer: str = TRAINING.optimizer
+    update_every: int = TRAINING.update_every
     cuts: tuple[int, ...] | None = None
     order: tuple[str, ...] | None = None
 

@@ -46,6 +46,7 @@ from ir.plan import Schedule
 from ir.graph import Graph, block_signature
 from ir.partition import Partition, StageAssignment
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
+from ir.training import TRAINING
 from planner.cluster import Cluster, DeviceSpec
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name
 from planner.compile import SEARCH_SHARE, Deadline, PlanRequest, search
@@ -289,7 +290,7 @@ def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
 
 
 def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str, m: int, optimizer: str,
-           threshold: float = 0.1, *, keep_order: bool = False, time_limit_s: float = 10.0, workers: int = 8,
+           threshold: float = TRAINING.replan_threshold, *, keep_order: bool = False, time_limit_s: float = 10.0, workers: int = 8,
            seed: int = 0, update_every: int = 1, fixed: frozenset[str] = frozenset()) -> ReplanDecision:
     """Whether and how to re-plan `current` for the cluster as it is now (see the module docstring),
     priced with an update after every `update_every` backwards (1f1b-stash, 2bw: the gradient sum
@@ -406,7 +407,7 @@ class TimingReplanner:
     above `threshold`. `decisions` keeps every (step, ReplanDecision) for reporting."""
 
     def __init__(self, graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str, microbatches: int,
-                 optimizer: str, threshold: float = 0.1, cluster: Cluster | None = None, update_every: int = 1):
+                 optimizer: str, threshold: float = TRAINING.replan_threshold, cluster: Cluster | None = None, update_every: int = 1):
         self.graph = graph
         self.schedule = schedule
         self.microbatches = microbatches
@@ -510,7 +511,7 @@ class PlanReplanner:
     `decisions` keeps every (step, ReplanDecision), `applied` every ReplannedPlan."""
 
     def __init__(self, plan_dir: str | Path, plan: PlanDocument, graph: Graph, cluster: Cluster,
-                 threshold: float = 0.1, time_limit_s: float = 10.0, workers: int = 8, sign=None):
+                 threshold: float = TRAINING.replan_threshold, time_limit_s: float = 10.0, workers: int = 8, sign=None):
         from planner.compile import with_head_splits
         from planner.heads import HeadSplit
 
