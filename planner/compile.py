@@ -251,7 +251,7 @@ def emit_settings(cluster: Cluster, devices: Sequence[str], splits: Mapping[str,
                   optimizer: OptimizerSettings, model: str | None, model_path: str | None = None,
                   lora: PlannedLora | None = None, backend: str = "cpu",
                   addresses: Mapping[str, str] | None = None,
-                  previous: Mapping[str, DeviceRun] = {}) -> EmitSettings:
+                  previous: Mapping[str, DeviceRun] | None = None) -> EmitSettings:
     """Each device runs the engine of its chosen (or picked) backend, so frameworks may differ; a
     split device runs MNN (the split engine runs the rest of its stage) and recomputes (one graph
     set). Addresses: `addresses` where it names the device, else the cluster's. `previous`: how the
@@ -263,7 +263,8 @@ def emit_settings(cluster: Cluster, devices: Sequence[str], splits: Mapping[str,
         try:
             engine, threads = engine_of(backend_name), threads_of(backend_name)
         except ValueError:  # a nominal profile's backend (planner.replan.flops_cluster) names no engine
-            engine, threads = (previous[name].engine, previous[name].threads) if name in previous else ("mnn", 1)
+            run = (previous or {}).get(name)
+            engine, threads = (run.engine, run.threads) if run is not None else ("mnn", 1)
         split = splits.get(name)
         activations = activations_of(spec)
         if split is not None and activations is not None:

@@ -50,6 +50,7 @@ from ir.training import TRAINING
 from planner.cluster import Cluster, DeviceSpec
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name
 from planner.compile import SEARCH_SHARE, Deadline, PlanRequest, search
+from planner.compile import engine_moves as engine_moves_text  # (ReplanDecision.engine_moves is the data)
 from planner.cost import OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, compute_s, reuses_forward
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
                                manual_partition, predicted_step_us, solve_partition)
@@ -337,9 +338,10 @@ def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str
     new, new_cluster = picks.partition, picks.cluster
     new_s = predicted_step_us(make_instance(graph, new_cluster, schedule, m, optimizer, update_every), new) / US_PER_S
     engines = {name: move for name, move in picks.changed.items() if name in new.devices}
+    moved = f"; engine per device for its new blocks: {', '.join(engine_moves_text(engines))}" if engines else ""
     if forced is not None:
         return ReplanDecision(new, moves_between(current, new, graph, optimizer), old_s, new_s,
-                              f"{forced}: re-planned (predicted step {new_s:.4g} s)", forced=True,
+                              f"{forced}: re-planned (predicted step {new_s:.4g} s){moved}", forced=True,
                               new_cluster=new_cluster, engine_moves=engines)
     decision = ReplanDecision(None, (), old_s, new_s, "")
     if new.devices == current.devices and new.ranges == current.ranges and not engines:
@@ -351,7 +353,8 @@ def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str
     return dataclasses.replace(decision, new_partition=new, moves=moves_between(current, new, graph, optimizer),
                                new_cluster=new_cluster, engine_moves=engines,
                                reason=f"predicted throughput gain {decision.gain:.1%} ({old_s:.4g} s -> "
-                                      f"{new_s:.4g} s per step) is above the threshold {threshold:.1%}: re-planned")
+                                      f"{new_s:.4g} s per step) is above the threshold {threshold:.1%}: re-planned"
+                                      f"{moved}")
 
 
 def partition_of(ranges: Sequence[tuple[int, int]], devices: Sequence[str], method: str = "manual") -> Partition:

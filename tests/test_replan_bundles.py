@@ -347,6 +347,7 @@ def test_a_device_that_takes_over_a_lost_ones_blocks_moves_to_the_engine_fastest
     assert load_bundle_dir(new.bundles[0]).stage_doc.backend_spec.engine == "torch"
     assert new.decision.forced and new.decision.engine_moves["a"][0].startswith("mnn:cpu:")
     assert new.decision.engine_moves["a"][1].startswith("torch:cpu:t1")
+    assert "engine per device for its new blocks: a: mnn:cpu:" in new.decision.reason
 
 
 def test_a_spare_device_a_recovery_plan_runs_gets_its_head_split(tiny_onnx, tmp_path):
