@@ -303,7 +303,8 @@ def _engines_profile(graph, name: str, torch_body: float, torch_head: float, cur
                          split_child_bytes={"mnn": 40 << 20, "torch": 340 << 20})
 
 
-def _engines_plan(tiny_onnx, tmp_path, profiles: dict) -> Path:
+def _engines_plan(tiny_onnx, tmp_path, profiles: dict, rows: int = ROWS, seq: int = SEQ, m: int = M,
+                  optimizer: str = "sgd", lr: float = 5e-5) -> Path:
     """`confidant plan` (jobs.planning.plan_model) with manual cuts: a runs the embeddings and both
     encoder layers, b the rest; every device auto (no backend in the cluster file)."""
     from jobs.planning import PlanSettings, plan_model
@@ -315,8 +316,8 @@ def _engines_plan(tiny_onnx, tmp_path, profiles: dict) -> Path:
                         "memory_budget": "8GiB"})
     (tmp_path / "cluster.json").write_text(json.dumps({"devices": devices, "links": {
         "default": {"bandwidth": "1GB/s", "latency": "0.1ms"}}}))
-    settings = PlanSettings(schedule="1f1b-flush", batch=ROWS * M, seq=SEQ, microbatches=M, optimizer="sgd",
-                            cuts=(3,), devices=("a", "b"), time_limit_s=5.0)
+    settings = PlanSettings(schedule="1f1b-flush", batch=rows * m, seq=seq, microbatches=m, optimizer=optimizer,
+                            lr=lr, cuts=(3,), devices=("a", "b"), time_limit_s=5.0)
     return plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / "plan")
 
 
@@ -364,3 +365,39 @@ def test_a_spare_device_a_recovery_plan_runs_gets_its_head_split(tiny_onnx, tmp_
     assert (c.name, c.blocks, c.engine, c.activations) == ("c", (0, 4), "mnn", "recompute")
     assert c.head_split is not None and dict(c.head_split.heads) == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
     assert load_bundle_dir(new.bundles[0]).stage_doc.head_split == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+
+
+def test_a_run_that_loses_a_device_goes_on_with_the_survivor_on_its_new_engine(tiny_onnx, tmp_path):
+    """As `confidant train PLAN` runs (in-process workers): b is lost after step 1, the recovery plan
+    (PlanReplanner.without through jobs.plan_training's plan_over) moves a to torch for all the
+    blocks, a's worker loads that bundle and training goes on; with a flush schedule the losses stay
+    single-device training's, to float32 rounding across the two frameworks."""
+    pytest.importorskip("torch")
+    from jobs.pipeline_training import train_pipeline
+    from jobs.plan_training import _plan_over
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+    from support import M as m, ROWS as rows, S as seq, kill_then_restart, single_device_training, synthetic_batch
+
+    graph = load_model(tiny_onnx["torchscript-17"], rows, seq)
+    plan_dir = _engines_plan(tiny_onnx, tmp_path, {"a": _engines_profile(graph, "a", 1.4, 0.02),
+                                                   "b": _engines_profile(graph, "b", 1.0, 1.0)},
+                             rows, seq, m, "adamw", 1e-3)
+    plan = load_plan(plan_dir, verify_bundles=True)
+    assert [d.engine for d in plan.devices] == ["mnn", "mnn"]
+    batches, steps = [synthetic_batch(i) for i in range(3)], 3
+    bundles = [plan_dir / d.bundle for d in plan.devices]
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        result = train_pipeline(None, batches, 9, workers.addresses, PipelineConfig(
+            schedule=plan.schedule, microbatches=plan.microbatches, timeout_s=30), steps, bundles=bundles,
+            devices=plan.device_names, stage_graphs=[load_bundle_dir(b) for b in bundles], schedule=plan.to_schedule(),
+            transport=workers.coordinator, on_step=kill_then_restart(workers, 1, lost_after=1, back_after=steps + 1),
+            plan_over=_plan_over(_replanner(plan_dir), dict(zip("ab", workers.addresses))))
+    assert workers.codes[0] == 0, workers.errors
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered"], kinds
+    recovery = load_plan(result.events[1]["plan"], verify_bundles=True)
+    assert [(d.name, d.engine) for d in recovery.devices] == [("a", "torch")]
+    assert len(result.losses) == steps
+    losses, _ = single_device_training(graph, batches, steps)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-4)
