@@ -10,7 +10,8 @@ from pathlib import Path
 from confidant.defaults import DEMO_DEFAULTS
 from confidant.errors import CliError
 from confidant.home import DEMO_DIR
-from ir.plan import DEFAULT_LR, OPTIMIZER_NAMES, SCHEDULE_NAMES
+from ir.plan import OPTIMIZER_NAMES, SCHEDULE_NAMES
+from ir.training import TRAINING
 
 
 def _address(text: str, listen: bool = False) -> str:
@@ -56,7 +57,7 @@ def _worker_addresses(text: str) -> str:
     return text
 
 
-def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60, from_plan: bool = False) -> None:
+def _add_training_flags(p: argparse.ArgumentParser, steps: int = TRAINING.steps, from_plan: bool = False) -> None:
     g = p.add_argument_group("training (the same flags on every training command)")
     fixed = "set by the plan: another value is refused (re-plan with `confidant plan` to change it)"
 
@@ -64,14 +65,17 @@ def _add_training_flags(p: argparse.ArgumentParser, steps: int = 60, from_plan: 
         return {"default": None, "help": fixed} if from_plan else {"default": value, "help": text}
 
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
-    g.add_argument("--batch", type=int, **default(8, "sentences per batch (default %(default)s)"))
-    g.add_argument("--seq", type=int, **default(128, "tokens per sentence incl. [CLS]/[SEP] (default %(default)s)"))
-    g.add_argument("--lr", type=float, **default(DEFAULT_LR, "learning rate (default %(default)s)"))
-    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, **default("adamw", "default %(default)s"))
-    g.add_argument("--seed", type=int, default=0, help="shuffling seed (default %(default)s)")
-    g.add_argument("--threads", type=int, **default(1, "CPU threads for the engine (default %(default)s)"))
+    g.add_argument("--batch", type=int, **default(TRAINING.batch, "sentences per batch (default %(default)s)"))
+    g.add_argument("--seq", type=int, **default(TRAINING.seq, "tokens per sentence incl. [CLS]/[SEP] (default "
+                                                               "%(default)s)"))
+    g.add_argument("--lr", type=float, **default(TRAINING.lr, "learning rate (default %(default)s)"))
+    g.add_argument("--optimizer", choices=OPTIMIZER_NAMES, **default(TRAINING.optimizer, "default %(default)s"))
+    g.add_argument("--seed", type=int, default=TRAINING.seed, help="shuffling seed (default %(default)s)")
+    g.add_argument("--threads", type=int, **default(TRAINING.threads,
+                                                    "CPU threads for the engine (default %(default)s)"))
     g.add_argument("--engine", choices=("mnn", "torch"),
-                   **default("mnn", "compute engine: mnn (default, no torch needed) or torch (optional extra)"))
+                   **default(TRAINING.engine, "compute engine: mnn (default, no torch needed) or torch (optional "
+                                              "extra)"))
     g.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json of the model (default: a causal LM's own, beside its ONNX file or in the plan "
                         "folder; otherwise the bundled all-MiniLM-L6-v2 one)")
@@ -87,7 +91,7 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
                         "fine-tuning)")
     # None: not given (the defaults are applied with --lora; without it, giving these is an error)
     g.add_argument("--lora-alpha", type=float, default=None, help="adapter scale alpha (update x alpha / R; default "
-                                                                 "8, PEFT's)")
+                                                                 f"{TRAINING.lora_alpha:g}, PEFT's)")
     g.add_argument("--lora-targets", default=None,
                    help="comma-separated roles (q, k, v, o: attention projections; up, down, gate: feed-forward; "
                         "qkv: a fused attention projection) or substrings of weight names; each must match "
@@ -350,13 +354,14 @@ def _add_train_pipeline(sub) -> None:
     p.add_argument("--cuts", default=None,
                    help="first block of every stage after the first, e.g. 3 or 2,5 (default: even split by blocks; "
                         "see `confidant inspect` for block indices)")
-    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush",
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default=TRAINING.schedule,
                    help="1f1b-flush (default; same result as single-device training), gpipe, zb-h1 (zero "
                         "bubble: each backward split into the input gradient, sent at once, and the weight "
                         "gradients; same result and memory as 1f1b-flush), 1f1b-stash (PipeDream asynchronous "
                         "1F1B with weight stashing: p-s weight versions on stage s), or 2bw (PipeDream-2BW: "
                         "asynchronous, two weight versions, an update every --update-every backwards)")
-    p.add_argument("--microbatches", type=_count, default=4, help="micro-batches per batch (default %(default)s)")
+    p.add_argument("--microbatches", type=_count, default=TRAINING.microbatches,
+                   help="micro-batches per batch (default %(default)s)")
     p.add_argument("--update-every", type=int, default=None,
                    help="1f1b-stash and 2bw: backwards per weight update on each stage (default: 1 for 1f1b-stash, "
                         "--microbatches for 2bw, which needs at least the number of stages)")
@@ -372,7 +377,7 @@ def _add_train_pipeline(sub) -> None:
                    help="flush schedules: every N steps, re-cut the model from the stages' measured forward+backward "
                         "times (same workers, same order) when that is predicted to be faster by more than "
                         "--replan-threshold; weights and optimizer state move between steps, no update is lost")
-    p.add_argument("--replan-threshold", type=float, default=0.1,
+    p.add_argument("--replan-threshold", type=float, default=TRAINING.replan_threshold,
                    help="least predicted throughput gain that re-cuts the model (default %(default)s: 10%%)")
     p.add_argument("--listen", default="tcp://127.0.0.1:0", type=_listen_address,
                    help="coordinator address workers connect back to (default %(default)s)")
@@ -429,16 +434,16 @@ def _add_plan(sub) -> None:
                                    "(--batch / --microbatches rows, --seq).")
     p.add_argument("model", type=Path)
     p.add_argument("--cluster", type=Path, required=True, help="cluster YAML or JSON file")
-    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush",
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default=TRAINING.schedule,
                    help="1f1b-flush (default), gpipe, zb-h1 (zero bubble), 1f1b-stash or 2bw; see train-pipeline "
                         "--help")
-    p.add_argument("--batch", type=int, default=8, help="samples per batch (default %(default)s)")
-    p.add_argument("--seq", type=int, default=128, help="default %(default)s")
-    p.add_argument("--microbatches", type=_count, default=4, help="default %(default)s")
+    p.add_argument("--batch", type=int, default=TRAINING.batch, help="samples per batch (default %(default)s)")
+    p.add_argument("--seq", type=int, default=TRAINING.seq, help="default %(default)s")
+    p.add_argument("--microbatches", type=_count, default=TRAINING.microbatches, help="default %(default)s")
     p.add_argument("--update-every", type=int, default=None,
                    help="1f1b-stash and 2bw: backwards per update (default: 1 for 1f1b-stash, --microbatches for 2bw)")
-    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw")
-    p.add_argument("--lr", type=float, default=DEFAULT_LR)
+    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=TRAINING.optimizer)
+    p.add_argument("--lr", type=float, default=TRAINING.lr)
     p.add_argument("--cuts", default=None, help="manual cuts instead of the solver (first block of stages 2..p)")
     p.add_argument("--devices", default=None, help="with --cuts: device order, comma-separated (default: file order)")
     p.add_argument("--time-limit", type=_seconds, default=10.0,
@@ -483,11 +488,11 @@ def _add_estimate(sub) -> None:
     p.add_argument("--profile", type=Path, default=None,
                    help="with --devices: a profile (`confidant profile`, at the micro-batch shape) that prices every "
                         "device (default: derived from the graph's shapes)")
-    p.add_argument("--batch", type=int, default=8, help="samples per batch (default %(default)s)")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sample (default %(default)s)")
-    p.add_argument("--microbatches", type=_count, default=4, help="default %(default)s")
-    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b-flush", help="default %(default)s")
-    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw", help="default %(default)s")
+    p.add_argument("--batch", type=int, default=TRAINING.batch, help="samples per batch (default %(default)s)")
+    p.add_argument("--seq", type=int, default=TRAINING.seq, help="tokens per sample (default %(default)s)")
+    p.add_argument("--microbatches", type=_count, default=TRAINING.microbatches, help="default %(default)s")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default=TRAINING.schedule, help="default %(default)s")
+    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=TRAINING.optimizer, help="default %(default)s")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     _add_lora_flags(p)
 
@@ -541,7 +546,7 @@ def _add_train(sub) -> None:
                         "that is predicted faster by more than --replan-threshold, write the new plan with the "
                         "current weights to PLAN/replan-stepNNNN/ and switch to it between two steps (weights and "
                         "optimizer state move, no update is lost)")
-    p.add_argument("--replan-threshold", type=float, default=0.1,
+    p.add_argument("--replan-threshold", type=float, default=TRAINING.replan_threshold,
                    help="least predicted throughput gain that switches plans (default %(default)s: 10%%)")
     p.add_argument("--cluster", type=Path, default=None,
                    help="with --replan-every: the cluster file to re-plan with (default: the cluster.json `confidant "

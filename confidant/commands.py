@@ -12,6 +12,7 @@ from pathlib import Path
 
 from confidant.errors import CliError, UsageError
 from confidant.progress import TerminalReporter
+from ir.training import TRAINING
 
 
 def _lora_settings(args):
@@ -34,7 +35,7 @@ def _lora_settings(args):
     targets = tuple(t.strip() for t in text.split(",") if t.strip())
     also_text = args.train_also if args.train_also is not None else "auto"
     also = tuple(t.strip() for t in also_text.split(",") if t.strip() and t.strip() != "none")
-    alpha = args.lora_alpha if args.lora_alpha is not None else 8.0
+    alpha = args.lora_alpha if args.lora_alpha is not None else TRAINING.lora_alpha
     try:
         return LoraSettings(args.lora, alpha, targets, also, seed=getattr(args, "seed", 0), base_dtype=base_dtype)
     except ValueError as exc:

@@ -15,6 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ir.training import TRAINING
 from ir.versioned import check_header
 
 SCHEMA_VERSION = 1
@@ -23,10 +24,8 @@ SCHEMA_VERSION = 1
 # (`runtime.optim` implements each): the one list every command and module checks against.
 SCHEDULE_NAMES = ("gpipe", "1f1b-flush", "1f1b-stash", "zb-h1", "2bw")
 OPTIMIZER_NAMES = ("sgd", "adamw")
-# The learning rate of a run that names none (BERT fine-tuning's usual 5e-5). Here, in `ir`, because
-# it is the one layer that all its users may import: the command line, jobs, tasks, the planner (a
-# plan's optimizer) and the runtime (the coordinator's config), which imports none of the others.
-DEFAULT_LR = 5e-5
+# The learning rate of a run that names none (ir.training's spec owns it and every other default).
+DEFAULT_LR = TRAINING.lr
 # Schedules that never flush: weights update while other micro-batches are still in flight, so
 # each stage keeps older weight versions (stashes) for their backwards.
 ASYNC_SCHEDULES = frozenset({"1f1b-stash", "2bw"})

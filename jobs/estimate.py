@@ -21,22 +21,22 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.precision import BASE_DTYPES, bytes_per_frozen_element
 from ir.profile import DeviceProfile, Link
+from ir.training import TRAINING
 from jobs.errors import JobError
 from jobs.lora import adapted
-from jobs.planning import _with_head_splits
+from planner.compile import PlanRequest, search, with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes
 from planner.cost import stage_costs
 from planner.lora import LoraSettings
 from planner.memory_defaults import (default_profile, memory_parts, widened_bytes, with_frozen_precision,
                                      with_profile_costs)
-from planner.engines import best_picks
 from planner.partition import PlanDoesNotFit, make_instance, solve_partition
 
 MIB = 2 ** 20
 # The link priced between devices given by --devices (no cluster file): a home Wi-Fi's order.
 # Only the cut's placement depends on it, never a device's memory.
 DEFAULT_LINK = Link(100e6 / 8, 5e-3)
-DEFAULT_LORA_RANK = 8
+DEFAULT_LORA_RANK = TRAINING.lora_rank
 # seconds the partitioner may take per estimate (each lever is one more)
 SOLVE_S = 1.0
 # at most this many devices added by the "more devices" lever
@@ -54,12 +54,12 @@ class EstimateSettings:
     `seq` tokens, the schedule, optimizer, LoRA (None: full fine-tuning) and the frozen base's
     storage precision (`ir.precision.BASE_DTYPES`)."""
 
-    batch: int = 8
-    seq: int = 128
-    microbatches: int = 4
-    schedule: str = "1f1b-flush"
-    optimizer: str = "adamw"
-    update_every: int = 1
+    batch: int = TRAINING.batch
+    seq: int = TRAINING.seq
+    microbatches: int = TRAINING.microbatches
+    schedule: str = TRAINING.schedule
+    optimizer: str = TRAINING.optimizer
+    update_every: int = TRAINING.update_every
     lora: LoraSettings | None = None
     base_dtype: str = "float32"
 
@@ -231,9 +231,9 @@ class _Pricer:
         reference = self.graph(settings, unadapted=True)
         graph = with_frozen_precision(self.graph(settings), settings.base_dtype)
         cluster = self.cluster(graph, reference, extra, activations)
-        # as plan does first: attention heads split where a profile's curves say it is faster (a
-        # split device runs MNN and its split's child processes)
-        cluster, _ = _with_head_splits(graph, cluster)
+        # as plan compiles it (planner.compile): attention heads split first where a profile's curves
+        # say it is faster (a split device runs MNN and its split's child processes), then engines and cuts
+        cluster, splits = with_head_splits(graph, cluster)
         widen = widened_bytes(self.graph(settings), settings.base_dtype)
         if widen:  # one block's base widened to float32 at a time: every device's runtime holds it
             cluster = dataclasses.replace(cluster, devices=tuple(dataclasses.replace(
@@ -251,8 +251,8 @@ class _Pricer:
                 fits = all(c.memory_bytes <= c.memory_budget_bytes for c in stage_costs(
                     graph, cluster, partition, *args, settings.update_every))
             elif activations is None:  # the planner's own choice of engine and activations per device
-                picks = best_picks(graph, cluster, *args, lambda inst: solve_partition(inst, time_limit_s=SOLVE_S),
-                                   update_every=settings.update_every)
+                picks = search(graph, cluster, PlanRequest(*args, settings.update_every),
+                               lambda inst: solve_partition(inst, time_limit_s=SOLVE_S), fixed=frozenset(splits))
                 partition, cluster, fits = picks.partition, picks.cluster, True
             else:  # every device as told
                 inst = make_instance(graph, cluster, *args, settings.update_every)

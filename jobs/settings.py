@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ir.plan import ASYNC_SCHEDULES, DEFAULT_LR, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
+from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
+from ir.training import TRAINING
 from jobs.errors import FlagError, JobError
 from planner.lora import LoraSettings
 
@@ -15,14 +16,14 @@ class TrainingSettings:
     """What every training command shares: steps, batch rows, tokens per row, optimizer, seed, the
     engine and its threads, and the tokenizer (None: the bundled MiniLM's)."""
 
-    steps: int = 60
-    batch: int = 8
-    seq: int = 128
-    lr: float = DEFAULT_LR
-    optimizer: str = "adamw"
-    seed: int = 0
-    threads: int = 1
-    engine: str = "mnn"
+    steps: int = TRAINING.steps
+    batch: int = TRAINING.batch
+    seq: int = TRAINING.seq
+    lr: float = TRAINING.lr
+    optimizer: str = TRAINING.optimizer
+    seed: int = TRAINING.seed
+    threads: int = TRAINING.threads
+    engine: str = TRAINING.engine
     tokenizer: Path | None = None
     lora: LoraSettings | None = None  # None: full fine-tuning
     eval_limit: int | None = None  # causal LMs: generate for the first N evaluation conversations only
@@ -50,14 +51,14 @@ class PipelineSettings:
     update (1f1b-stash), the cuts (None: the even split), checkpoint and resume folders,
     re-planning, the coordinator's address and how long to wait on a silent worker."""
 
-    schedule: str = "1f1b-flush"
-    microbatches: int = 4
-    update_every: int = 1
+    schedule: str = TRAINING.schedule
+    microbatches: int = TRAINING.microbatches
+    update_every: int = TRAINING.update_every
     cuts: tuple[int, ...] | None = None
     checkpoint: Path | None = None
     resume: Path | None = None
     replan_every: int | None = None
-    replan_threshold: float = 0.1
+    replan_threshold: float = TRAINING.replan_threshold
     listen: str = "tcp://127.0.0.1:0"
     timeout_s: float = 600.0
     keys: Path | None = None          # coordinator.key and the workers' NAME.pub (jobs.workers)

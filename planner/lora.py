@@ -48,6 +48,7 @@ import numpy as np
 
 from ir.graph import Block, Graph, Node, Value, use_def
 from ir.precision import BASE_DTYPES, quantize_frozen
+from ir.training import TRAINING
 from planner.attention import annotate_attention
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
@@ -68,7 +69,7 @@ class LoraSettings:
     what else trains in full, and the seed of A's initialisation."""
 
     rank: int
-    alpha: float = 8.0
+    alpha: float = TRAINING.lora_alpha
     targets: tuple[str, ...] = DEFAULT_TARGETS
     train_also: tuple[str, ...] = DEFAULT_TRAIN_ALSO
     seed: int = 0

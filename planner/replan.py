@@ -38,16 +38,19 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from ir.backend import engine_of, runs_as, threads_of
+from ir.backend import runs_as
 from ir.documents import PlanDocument
 from ir.plan import Schedule
 from ir.graph import Graph, block_signature
 from ir.partition import Partition, StageAssignment
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
-from planner.cluster import Cluster, DeviceSpec, device_backend
+from ir.training import TRAINING
+from planner.cluster import Cluster, DeviceSpec
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name
+from planner.compile import SEARCH_SHARE, Deadline, PlanRequest, search
+from planner.compile import engine_moves as engine_moves_text  # (ReplanDecision.engine_moves is the data)
 from planner.cost import OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, compute_s, reuses_forward
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
                                manual_partition, predicted_step_us, solve_partition)
@@ -86,6 +89,11 @@ class ReplanDecision:
     predicted_new_s: float
     reason: str
     forced: bool = False
+    # the cluster the new plan was costed on: its devices' engines and activations as picked for
+    # their new blocks (planner.compile.search); None when the current plan stays
+    new_cluster: Cluster | None = None
+    # devices of the new plan whose engine or activations the search changed: name -> (before, after)
+    engine_moves: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def gain(self) -> float:
@@ -283,11 +291,17 @@ def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
 
 
 def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str, m: int, optimizer: str,
-           threshold: float = 0.1, *, keep_order: bool = False, time_limit_s: float = 10.0, workers: int = 8,
-           seed: int = 0, update_every: int = 1) -> ReplanDecision:
+           threshold: float = TRAINING.replan_threshold, *, keep_order: bool = False, time_limit_s: float = 10.0, workers: int = 8,
+           seed: int = 0, update_every: int = 1, fixed: frozenset[str] = frozenset()) -> ReplanDecision:
     """Whether and how to re-plan `current` for the cluster as it is now (see the module docstring),
     priced with an update after every `update_every` backwards (1f1b-stash, 2bw: the gradient sum
     in memory, the additions and the fewer updates in time).
+
+    The new plan is searched as `confidant plan` searches (planner.compile.search): every device's
+    engine and activations picked again for the blocks it would get, the cuts solved for the picks;
+    `cluster_new`'s devices run as the current plan runs them (its picks), which prices the current
+    plan and is where the search starts; `fixed` devices (head-split ones) keep their engine.
+    `time_limit_s` is the whole search's (planner.compile.Deadline).
 
     Raises PlanDoesNotFit when no plan fits the new cluster's budgets."""
     if not (isinstance(threshold, (int, float)) and threshold >= 0):
@@ -310,24 +324,37 @@ def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str
         problems = check_feasible(repriced, inst)
         if problems:
             forced = "the current plan no longer fits: " + "; ".join(problems)
+    deadline = Deadline(time_limit_s)
     if keep_order:
-        new = best_cuts(inst, [d for d in current.devices if d not in gone])
+        order = [d for d in current.devices if d not in gone]
+
+        def solve(instance: PartitionInstance) -> Partition:
+            return best_cuts(instance, order)
     else:
-        new = solve_partition(inst, time_limit_s=time_limit_s, workers=workers, seed=seed)
-    new_s = predicted_step_us(inst, new) / US_PER_S
+        def solve(instance: PartitionInstance) -> Partition:
+            return solve_partition(instance, time_limit_s=deadline.search_s(SEARCH_SHARE), workers=workers, seed=seed)
+    picks = search(graph, cluster_new, PlanRequest(schedule, m, optimizer, update_every), solve, fixed,
+                   keep_going=deadline.room_for_another_start)
+    new, new_cluster = picks.partition, picks.cluster
+    new_s = predicted_step_us(make_instance(graph, new_cluster, schedule, m, optimizer, update_every), new) / US_PER_S
+    engines = {name: move for name, move in picks.changed.items() if name in new.devices}
+    moved = f"; engine per device for its new blocks: {', '.join(engine_moves_text(engines))}" if engines else ""
     if forced is not None:
         return ReplanDecision(new, moves_between(current, new, graph, optimizer), old_s, new_s,
-                              f"{forced}: re-planned (predicted step {new_s:.4g} s)", forced=True)
+                              f"{forced}: re-planned (predicted step {new_s:.4g} s){moved}", forced=True,
+                              new_cluster=new_cluster, engine_moves=engines)
     decision = ReplanDecision(None, (), old_s, new_s, "")
-    if new.devices == current.devices and new.ranges == current.ranges:
+    if new.devices == current.devices and new.ranges == current.ranges and not engines:
         return dataclasses.replace(decision, reason=f"the current plan is still the best (predicted step {old_s:.4g} s)")
     if decision.gain <= threshold:
         return dataclasses.replace(decision, reason=(
             f"predicted throughput gain {decision.gain:.1%} ({old_s:.4g} s -> {new_s:.4g} s per step) is not above "
             f"the threshold {threshold:.1%}: keeping the current plan"))
     return dataclasses.replace(decision, new_partition=new, moves=moves_between(current, new, graph, optimizer),
+                               new_cluster=new_cluster, engine_moves=engines,
                                reason=f"predicted throughput gain {decision.gain:.1%} ({old_s:.4g} s -> "
-                                      f"{new_s:.4g} s per step) is above the threshold {threshold:.1%}: re-planned")
+                                      f"{new_s:.4g} s per step) is above the threshold {threshold:.1%}: re-planned"
+                                      f"{moved}")
 
 
 def partition_of(ranges: Sequence[tuple[int, int]], devices: Sequence[str], method: str = "manual") -> Partition:
@@ -383,7 +410,7 @@ class TimingReplanner:
     above `threshold`. `decisions` keeps every (step, ReplanDecision) for reporting."""
 
     def __init__(self, graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str, microbatches: int,
-                 optimizer: str, threshold: float = 0.1, cluster: Cluster | None = None, update_every: int = 1):
+                 optimizer: str, threshold: float = TRAINING.replan_threshold, cluster: Cluster | None = None, update_every: int = 1):
         self.graph = graph
         self.schedule = schedule
         self.microbatches = microbatches
@@ -440,8 +467,8 @@ class ReplannedPlan:
 def _with_plan_engines(cluster: Cluster, plan: PlanDocument) -> Cluster:
     """`cluster` with each auto device's backend pinned (`DeviceSpec.picked`) to the engine and
     threads the plan runs it with (`planner.engines` may have picked them for its blocks), and its
-    choice of keeping or recomputing activations kept, so a re-plan costs every device as it really
-    runs."""
+    choice of keeping or recomputing activations kept, so a re-plan prices the current plan as it
+    really runs, and its search starts from there."""
     runs = {d.name: (d.engine, d.threads) for d in plan.devices}
     activations = {d.name: d.activations for d in plan.devices}
     devices = []
@@ -456,6 +483,22 @@ def _with_plan_engines(cluster: Cluster, plan: PlanDocument) -> Cluster:
     return dataclasses.replace(cluster, devices=tuple(devices))
 
 
+def _splits_applied(plan_dir: Path, cluster: Cluster) -> frozenset[str]:
+    """The devices of `cluster` whose profile is the one the plan folder's cluster.json recorded:
+    `confidant plan` wrote it with each head-split device's profile lowered by its split and its
+    backend pinned to the split's MNN one (planner.compile.with_head_splits), so the split is not
+    applied to it again. A cluster file given instead (`train --cluster`) holds profiles as measured."""
+    from ir.bundle import BundleError
+    from planner.emit import load_plan_cluster
+
+    try:
+        recorded = load_plan_cluster(plan_dir)
+    except (BundleError, ValueError, OSError):
+        return frozenset()
+    return frozenset(d.name for d in cluster.devices
+                     if d.name in recorded.names and recorded.device(d.name).profile == d.profile)
+
+
 class PlanReplanner:
     """`train_pipeline`'s on_replan for training from a plan folder (bundle mode).
 
@@ -463,17 +506,22 @@ class PlanReplanner:
     stage (`recalibrate`), search the best plan over the cluster's devices (`replan`, free order),
     and, when that passes `threshold`, write it as a new plan folder inside `plan_dir` from the
     weights training has reached (`weights()`, gathered from the workers only then), and return it.
-    Devices keep the engine, threads and head split the original plan gave them; a cluster
-    device the original plan left out runs its profiled backend's engine, unsplit.
+    The new plan is compiled as `confidant plan` compiles one (planner.compile): each device's
+    head split is decided from its profile (once, here: it does not depend on the cut), and its
+    engine and activations are picked again for the blocks it gets, so a device that takes over a
+    lost one's blocks may move to the engine that runs its new stage fastest, and a spare device
+    the first plan left out runs split where that is faster.
     `decisions` keeps every (step, ReplanDecision), `applied` every ReplannedPlan."""
 
     def __init__(self, plan_dir: str | Path, plan: PlanDocument, graph: Graph, cluster: Cluster,
-                 threshold: float = 0.1, time_limit_s: float = 10.0, workers: int = 8, sign=None):
+                 threshold: float = TRAINING.replan_threshold, time_limit_s: float = 10.0, workers: int = 8, sign=None):
+        from planner.compile import with_head_splits
+        from planner.heads import HeadSplit
+
         self.plan_dir = Path(plan_dir)
         self.sign = sign  # signs the new plans' bundles (planner.emit), as the first plan's were
         self.plan = plan
         self.graph = graph
-        self.cluster = cluster
         self.threshold = threshold
         self.time_limit_s = time_limit_s
         self.workers = workers
@@ -487,6 +535,11 @@ class PlanReplanner:
         if missing:
             raise ValueError(f"the plan's devices {missing} are not in the cluster to re-plan with "
                              f"(devices: {list(cluster.names)})")
+        cluster, self.splits = with_head_splits(graph, cluster, applied=_splits_applied(self.plan_dir, cluster))
+        for d in plan.devices:  # what the plan runs split is what its devices' profiles were lowered by
+            if d.head_split is not None and d.head_split.predicted_s is not None and d.head_split.single_best:
+                self.splits[d.name] = HeadSplit(dict(d.head_split.heads), d.head_split.predicted_s,
+                                                d.head_split.single_best)
         self.cluster = _with_plan_engines(cluster, plan)
         self.partition = partition_of([d.blocks for d in plan.devices], names)
         self.decisions: list[tuple[int, ReplanDecision]] = []
@@ -498,20 +551,7 @@ class PlanReplanner:
             return None  # nothing measured on some stage: no basis for a decision
         self.cluster = recalibrate(self.graph, self.cluster, self.partition, measured_stage_seconds, self.microbatches,
                                    self.schedule, self.update_every)
-        decision = replan(self.graph, self.cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
-                          self.threshold, time_limit_s=self.time_limit_s, workers=self.workers,
-                          update_every=self.update_every)
-        self.decisions.append((step, decision))
-        if decision.new_partition is None:
-            return None
-        new = decision.new_partition
-        directory = self.plan_dir / REPLAN_DIR.format(step=step)
-        schedule = self._emit(directory, new, weights())
-        old, self.partition = self.partition, new
-        bundles = [directory / d for d in new.devices]
-        self.applied.append(ReplannedPlan(step, directory, new.devices, new.ranges, bundles, decision,
-                                          old.devices, old.ranges, schedule))
-        return self.applied[-1]
+        return self._decide(step, self.cluster, self.threshold, weights, "")
 
     def without(self, step: int, gone: Sequence[str], weights: Mapping[str, "np.ndarray"],
                 keep: Sequence[str] | None = None) -> ReplannedPlan:
@@ -536,63 +576,53 @@ class PlanReplanner:
         """Re-plan over the cluster's devices `names`; the new plan folder when the decision is to move."""
         cluster = dataclasses.replace(self.cluster, devices=tuple(d for d in self.cluster.devices if d.name in names),
                                       links={k: v for k, v in self.cluster.links.items() if set(k) <= set(names)})
+        return self._decide(step, cluster, threshold, lambda: weights, "-" + why)
+
+    def _decide(self, step: int, cluster: Cluster, threshold: float,
+                weights: Callable[[], Mapping[str, "np.ndarray"]], suffix: str) -> ReplannedPlan | None:
+        """Re-plan over `cluster`; when the decision is to move, the new plan folder (REPLAN_DIR and
+        `suffix`, numbered when taken), and the devices' picks kept for the next re-plan."""
         decision = replan(self.graph, cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
                           threshold, time_limit_s=self.time_limit_s, workers=self.workers,
-                          update_every=self.update_every)
+                          update_every=self.update_every, fixed=frozenset(self.splits))
         self.decisions.append((step, decision))
         new = decision.new_partition
         if new is None:
             return None
-        directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"-{why}")
+        directory = self.plan_dir / (REPLAN_DIR.format(step=step) + suffix)
         n = 2
-        while directory.exists():
-            directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"-{why}{n}")
+        while suffix and directory.exists():
+            directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"{suffix}{n}")
             n += 1
-        schedule = self._emit(directory, new, weights)
-        old, self.partition = self.partition, new
+        picked = {d.name: d for d in decision.new_cluster.devices}
+        cluster = dataclasses.replace(self.cluster, devices=tuple(picked.get(d.name, d) for d in self.cluster.devices))
+        schedule = self._emit(directory, new, cluster, weights())
+        old, self.partition, self.cluster = self.partition, new, cluster
         bundles = [directory / d for d in new.devices]
         self.applied.append(ReplannedPlan(step, directory, new.devices, new.ranges, bundles, decision,
                                           old.devices, old.ranges, schedule))
         return self.applied[-1]
 
-    def _emit(self, directory: Path, partition: Partition, weights: Mapping[str, "np.ndarray"]) -> Schedule:
-        from planner.cost import predicted_step_s, stage_costs
-        from planner.emit import emit_plan
-        from planner.schedule import make_schedule
+    def _emit(self, directory: Path, partition: Partition, cluster: Cluster,
+              weights: Mapping[str, "np.ndarray"]) -> Schedule:
+        """Write the plan of `partition` over `cluster` as picked (planner.compile): the model file
+        and LoRA settings carry over (a checkpoint of training from the new folder needs them), as do
+        the optimizer and the addresses the first plan gave its devices."""
+        from planner.compile import DeviceRun, assemble, emit_compiled, emit_settings
 
-        taken = self.plan.device_names + list(self.cluster.names)
+        taken = self.plan.device_names + list(cluster.names)
         if directory.name.lower() in {n.lower() for n in taken}:
             raise ValueError(f"a device is named {directory.name!r}, the folder this re-plan goes to; "
                              f"rename the device")
         unknown = sorted(set(weights) - set(self.graph.params))
         if unknown:
             raise ValueError(f"the gathered weights name {unknown[:5]}, which are not parameters of the model")
+        before = {d.name: DeviceRun(d.engine, d.threads, d.address or "", d.activations) for d in self.plan.devices}
+        emit = emit_settings(cluster, partition.devices, self.splits, self.plan.optimizer, self.plan.model,
+                             self.plan.model_path, self.plan.lora, self.plan.backend,
+                             addresses={n: r.address for n, r in before.items() if r.address}, previous=before)
+        compiled = assemble(self.graph, cluster, partition, self.splits,
+                            PlanRequest(self.schedule, self.microbatches, self.optimizer, self.update_every), emit)
         graph = dataclasses.replace(self.graph, constants={**self.graph.constants, **weights})
-        schedule = make_schedule(self.schedule, len(partition.stages), self.microbatches, self.update_every)
-        costs = stage_costs(graph, self.cluster, partition, self.schedule, self.microbatches, self.optimizer,
-                            self.update_every)
-        emit_plan(directory, graph, partition, schedule, self._config(partition.devices), costs,
-                  predicted_step_s(costs, self.schedule, self.microbatches, self.update_every), cluster=self.cluster,
-                  sign=self.sign)
-        return schedule
-
-    def _config(self, devices: Sequence[str]) -> dict[str, Any]:
-        """planner.emit's config for `devices`: what the original plan set per device, else the
-        device's profiled backend."""
-        before = {d.name: d for d in self.plan.devices}
-        engine, threads, addresses, head_split = {}, {}, {}, {}
-        for name in devices:
-            spec = self.cluster.device(name)
-            backend = device_backend(spec).backend
-            entry = before.get(name)
-            engine[name] = entry.engine if entry is not None else engine_of(backend)
-            threads[name] = entry.threads if entry is not None else threads_of(backend)
-            addresses[name] = entry.address if entry is not None and entry.address is not None else spec.address
-            if entry is not None and entry.head_split is not None:
-                head_split[name] = entry.head_split.to_json()
-        activations = {n: before[n].activations for n in devices if n in before and before[n].activations}
-        # the model file and LoRA settings carry over: a checkpoint of training from the new folder needs them
-        return {"model": self.plan.model, "backend": self.plan.backend, "optimizer": self.plan.optimizer.to_json(),
-                "engine": engine, "threads": threads, "addresses": addresses, "head_split": head_split,
-                "activations": activations, "model_path": self.plan.model_path,
-                "lora": None if self.plan.lora is None else self.plan.lora.to_json()}
+        emit_compiled(directory, compiled, self.sign, graph)
+        return compiled.schedule

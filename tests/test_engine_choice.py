@@ -318,7 +318,7 @@ def test_a_stage_keeps_what_it_recomputed_where_that_costs_no_memory(graph):
 
 
 def test_devices_with_the_same_engine_move_are_named_together():
-    from jobs.planning import _devices_moved
+    from planner.compile import engine_moves as _devices_moved
 
     moves = {f"d{i}": ("mnn:cpu:t1 (recompute)", "mnn:cpu:t1 (keep)") for i in range(6)}
     moves["laptop"] = ("mnn:cpu:t2 (recompute)", "torch:cpu:t2 (keep)")

@@ -196,3 +196,34 @@ def test_a_profile_prices_every_device_and_lora_blocks_it_lacks(tiny, tmp_path):
     assert lever.saves_bytes is None and "re-profile" in lever.note
     proc = run_cli("estimate", tiny, "--devices", "a=1GiB", "--profile", tmp_path / "box.json", "--seq", 32)
     assert proc.returncode == 2 and "measured at (micro-batch rows, seq) (2, 16)" in proc.stderr
+
+
+def test_estimate_is_what_plan_promises_for_head_split_devices(tiny, tmp_path):
+    """Devices whose attention heads run split over MNN and torch: plan and estimate both compile
+    through planner.compile, so the estimate charges each split device as plan runs it (on MNN,
+    recomputing: the split engine holds one graph set) even where keeping activations would be
+    faster, and cuts the same way."""
+    from ir.graph import block_signature
+    from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile
+
+    graph = load_model(tiny, 2, 16)
+    enc = next(block_signature(b) for b in graph.blocks if b.attention is not None)
+    curves = {"mnn:cpu:t1": (0.010, 0.020, 0.030, 0.058), "torch:cpu:t1": (0.012, 0.022, 0.032, 0.060)}
+    backends = []
+    for name in ("mnn:cpu:t1", "torch:cpu:t1", "mnn:cpu:t2"):
+        # MNN re-runs each block's forward in its backward unless it keeps the activations
+        blocks = {block_signature(b): BlockCost(0.01, 0.02, 0.005 if name.startswith("mnn") else 0.0, 1 << 20)
+                  for b in graph.blocks}
+        backends.append(BackendProfile(name, blocks, {enc: AttentionCurve(curves[name])} if name in curves else {}))
+    DeviceProfile("box", graph.name, 2, 16, tuple(backends), 8 << 30,
+                  split_child_bytes={"mnn": 40 << 20, "torch": 340 << 20}).save(tmp_path / "box.json")
+    devices = [{"name": n, "address": f"tcp://127.0.0.1:{5610 + k}", "profile": "box.json", "memory_budget": "2GiB"}
+               for k, n in enumerate(("phone", "laptop"))]
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": devices, "links": {
+        "default": {"bandwidth": "100Mbit/s", "latency": "5ms"}}}))
+    plan = load_plan(plan_model(tiny, tmp_path / "cluster.json", PlanSettings(**SHAPE, time_limit_s=5.0),
+                                tmp_path / "plan"))
+    assert all(d.head_split is not None and d.activations == "recompute" for d in plan.devices)
+    est = estimate_memory(tiny, EstimateSettings(**SHAPE), cluster_file=tmp_path / "cluster.json")
+    planned = {d.name: (d.first_block, d.last_block, d.memory_bytes) for d in plan.devices}
+    assert {s.device: (s.first_block, s.last_block, s.memory_bytes) for s in est.requested.stages} == planned

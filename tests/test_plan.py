@@ -366,7 +366,7 @@ def test_the_time_limit_is_shared_by_the_whole_plan():
     before the reserve for writing the plan, and at least MIN_SEARCH_S once the time is spent."""
     import time
 
-    from jobs.planning import _Deadline
+    from planner.compile import Deadline as _Deadline
 
     fresh = _Deadline(10.0)
     assert 0.6 * 8.0 - 0.1 <= fresh.search_s(0.6) <= 0.6 * 8.0  # 8 s before the 20% reserve

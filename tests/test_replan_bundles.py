@@ -16,7 +16,7 @@ import pytest
 from ir.bundle import BundleError, load_bundle_dir, load_plan
 from ir.graph import block_signature
 from ir.partition import Partition, StageAssignment
-from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
+from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec
 from planner.emit import cluster_from_json, cluster_to_json, emit_plan, load_plan_cluster
 from planner.onnx_import import load_model
@@ -274,3 +274,130 @@ def test_a_recovery_replan_of_a_stashing_plan_keeps_its_update_every(tiny_onnx, 
     assert new.decision.predicted_new_s == pytest.approx(predicted_step_s(costs, "1f1b-stash", M, 2), rel=1e-4)
     assert new.decision.predicted_new_s < predicted_step_s(costs, "1f1b-stash", M, 1)
     assert load_bundle_dir(new.bundles[0]).graph is not None
+
+
+# --- a re-plan compiles as plan does: engines and head splits decided again ------------------------
+
+# H = 4 heads: mnn t1 and torch t1 each take 2 heads in 20/22 ms; one backend alone takes 58/60 ms
+SPLIT_CURVES = {"mnn:cpu:t1": (0.010, 0.020, 0.030, 0.058), "torch:cpu:t1": (0.012, 0.022, 0.032, 0.060)}
+
+
+def _engines_profile(graph, name: str, torch_body: float, torch_head: float, curves: bool = False) -> DeviceProfile:
+    """mnn:cpu:t1: 10 + 20 ms a block, the last (the head with its loss) 50 + 100 ms; torch:cpu:t1:
+    the body `torch_body` x and the head `torch_head` x that; mnn:cpu:t2 as mnn:cpu:t1 (a device of
+    two cores). With `curves`, attention curves on which splitting the heads pays."""
+    last = block_signature(graph.blocks[-1])
+    attention = block_signature(next(b for b in graph.blocks if b.attention is not None))
+
+    def costs(body: float, head: float) -> dict:
+        out = {block_signature(b): BlockCost(0.010 * body, 0.020 * body, 0.0, 1 << 20) for b in graph.blocks}
+        out[last] = BlockCost(0.050 * head, 0.100 * head, 0.0, 1 << 20)
+        return out
+
+    backends = []
+    for backend, body, head in (("mnn:cpu:t1", 1.0, 1.0), ("torch:cpu:t1", torch_body, torch_head),
+                                ("mnn:cpu:t2", 1.0, 1.0)):
+        curve = {attention: AttentionCurve(SPLIT_CURVES[backend])} if curves and backend in SPLIT_CURVES else {}
+        backends.append(BackendProfile(backend, costs(body, head), curve))
+    return DeviceProfile(name, graph.name, graph.batch, graph.seq, tuple(backends), 2**33,
+                         split_child_bytes={"mnn": 40 << 20, "torch": 340 << 20})
+
+
+def _engines_plan(tiny_onnx, tmp_path, profiles: dict, rows: int = ROWS, seq: int = SEQ, m: int = M,
+                  optimizer: str = "sgd", lr: float = 5e-5) -> Path:
+    """`confidant plan` (jobs.planning.plan_model) with manual cuts: a runs the embeddings and both
+    encoder layers, b the rest; every device auto (no backend in the cluster file)."""
+    from jobs.planning import PlanSettings, plan_model
+
+    devices = []
+    for i, (name, profile) in enumerate(profiles.items()):
+        profile.save(tmp_path / f"{name}.json")
+        devices.append({"name": name, "address": f"tcp://127.0.0.1:{5570 + i}", "profile": f"{name}.json",
+                        "memory_budget": "8GiB"})
+    (tmp_path / "cluster.json").write_text(json.dumps({"devices": devices, "links": {
+        "default": {"bandwidth": "1GB/s", "latency": "0.1ms"}}}))
+    settings = PlanSettings(schedule="1f1b-flush", batch=rows * m, seq=seq, microbatches=m, optimizer=optimizer,
+                            lr=lr, cuts=(3,), devices=("a", "b"), time_limit_s=5.0)
+    return plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json", settings, tmp_path / "plan")
+
+
+def _replanner(plan_dir: Path):
+    """The re-planner `confidant train PLAN` makes for a lost device (jobs.plan_training), over the
+    plan folder's own cluster.json."""
+    from ir.serialize import merge_slices
+    from planner.replan import PlanReplanner
+
+    plan = load_plan(plan_dir)
+    graph = merge_slices([load_bundle_dir(plan_dir / d.bundle).graph for d in plan.devices])
+    return PlanReplanner(plan_dir, plan, graph, load_plan_cluster(plan_dir), workers=1)
+
+
+def test_a_device_that_takes_over_a_lost_ones_blocks_moves_to_the_engine_fastest_for_them(tiny_onnx, tmp_path):
+    """a's torch runs the encoder layers 1.4x slower than its MNN but the vocabulary-sized head 50x
+    faster: the plan gives a the embeddings and encoders, on MNN; when b (the head) is lost, the
+    recovery plan gives a every block, and a re-pick for them moves a to torch (2 x 14 + 1 ms
+    beats 2 x 10 + 50 ms), in the plan folder the workers load."""
+    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
+    plan_dir = _engines_plan(tiny_onnx, tmp_path, {"a": _engines_profile(graph, "a", 1.4, 0.02),
+                                                   "b": _engines_profile(graph, "b", 1.0, 1.0)})
+    plan = load_plan(plan_dir)
+    assert [(d.name, d.blocks, d.engine) for d in plan.devices] == [("a", (0, 2), "mnn"), ("b", (3, 4), "mnn")]
+    new = _replanner(plan_dir).without(3, ["b"], {})
+    after = load_plan(new.directory, verify_bundles=True)
+    assert [(d.name, d.blocks, d.engine, d.threads) for d in after.devices] == [("a", (0, 4), "torch", 1)]
+    assert load_bundle_dir(new.bundles[0]).stage_doc.backend_spec.engine == "torch"
+    assert new.decision.forced and new.decision.engine_moves["a"][0].startswith("mnn:cpu:")
+    assert new.decision.engine_moves["a"][1].startswith("torch:cpu:t1")
+    assert "engine per device for its new blocks: a: mnn:cpu:" in new.decision.reason
+
+
+def test_a_spare_device_a_recovery_plan_runs_gets_its_head_split(tiny_onnx, tmp_path):
+    """c, whose attention heads run faster split over MNN and torch, is left out of the plan (the cuts
+    name a and b); when a and b are lost, the recovery plan runs every block on c, split as plan
+    would split it (the cluster.json beside the plan costs c split: its bundle must run so)."""
+    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
+    plan_dir = _engines_plan(tiny_onnx, tmp_path, {"a": _engines_profile(graph, "a", 1.4, 1.0),
+                                                   "b": _engines_profile(graph, "b", 1.0, 1.0),
+                                                   "c": _engines_profile(graph, "c", 1.4, 1.0, curves=True)})
+    assert "c" not in load_plan(plan_dir).device_names
+    new = _replanner(plan_dir).without(3, ["a", "b"], {})
+    (c,) = load_plan(new.directory, verify_bundles=True).devices
+    assert (c.name, c.blocks, c.engine, c.activations) == ("c", (0, 4), "mnn", "recompute")
+    assert c.head_split is not None and dict(c.head_split.heads) == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    assert load_bundle_dir(new.bundles[0]).stage_doc.head_split == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+
+
+def test_a_run_that_loses_a_device_goes_on_with_the_survivor_on_its_new_engine(tiny_onnx, tmp_path):
+    """As `confidant train PLAN` runs (in-process workers): b is lost after step 1, the recovery plan
+    (PlanReplanner.without through jobs.plan_training's plan_over) moves a to torch for all the
+    blocks, a's worker loads that bundle and training goes on; with a flush schedule the losses stay
+    single-device training's, to float32 rounding across the two frameworks."""
+    pytest.importorskip("torch")
+    from jobs.pipeline_training import train_pipeline
+    from jobs.plan_training import _plan_over
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+    from support import M as m, ROWS as rows, S as seq, kill_then_restart, single_device_training, synthetic_batch
+
+    graph = load_model(tiny_onnx["torchscript-17"], rows, seq)
+    plan_dir = _engines_plan(tiny_onnx, tmp_path, {"a": _engines_profile(graph, "a", 1.4, 0.02),
+                                                   "b": _engines_profile(graph, "b", 1.0, 1.0)},
+                             rows, seq, m, "adamw", 1e-3)
+    plan = load_plan(plan_dir, verify_bundles=True)
+    assert [d.engine for d in plan.devices] == ["mnn", "mnn"]
+    batches, steps = [synthetic_batch(i) for i in range(3)], 3
+    bundles = [plan_dir / d.bundle for d in plan.devices]
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        result = train_pipeline(None, batches, 9, workers.addresses, PipelineConfig(
+            schedule=plan.schedule, microbatches=plan.microbatches, timeout_s=30), steps, bundles=bundles,
+            devices=plan.device_names, stage_graphs=[load_bundle_dir(b) for b in bundles], schedule=plan.to_schedule(),
+            transport=workers.coordinator, on_step=kill_then_restart(workers, 1, lost_after=1, back_after=steps + 1),
+            plan_over=_plan_over(_replanner(plan_dir), dict(zip("ab", workers.addresses))))
+    assert workers.codes[0] == 0, workers.errors
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered"], kinds
+    recovery = load_plan(result.events[1]["plan"], verify_bundles=True)
+    assert [(d.name, d.engine) for d in recovery.devices] == [("a", "torch")]
+    assert len(result.losses) == steps
+    losses, _ = single_device_training(graph, batches, steps)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-4)
