@@ -136,14 +136,12 @@ def _child(kind: str, model: Path, rows: int, seq: int, reps: int, threads: int,
 
 
 def _confidant_step(kind: str, model: Path, rows: int, seq: int, feeds, threads: int):
-    from ir.backend import BackendSpec
     from planner.onnx_import import load_model
-    from runtime.engines.factory import make_engine
-    from runtime.engines.stage import stage_spec
+    from runtime.engines.factory import whole_model_engine
     from runtime.optim import make_optimizer
 
     graph = load_model(model, rows, seq, loss="causal-lm")
-    engine = make_engine(BackendSpec.cpu(kind.split("-")[1], threads), stage_spec(graph, 0, len(graph.blocks) - 1))
+    engine = whole_model_engine(graph, kind.split("-")[1], threads)
     optimizer = make_optimizer("adamw", 1e-5)
 
     def step():  # as tasks.trainer.train_steps does: the engine steps its own weights

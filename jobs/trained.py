@@ -26,15 +26,14 @@ from typing import Mapping, Sequence, TextIO
 
 import numpy as np
 
-from ir.backend import BackendSpec
 from ir.errors import InputFileError
-from ir.graph import is_sequence_classifier, logits_shape
+from ir.graph import logits_shape
 from ir.safetensors import save_safetensors
 from jobs.errors import JobError
 from planner.onnx_import import load_model, write_weights
-from runtime.engines.factory import make_engine
-from runtime.engines.stage import stage_spec
+from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_tensors_fit, load_checkpoint
+from tasks.choice import task_of
 from tasks.tokenize import CONLL_LABELS
 
 FORMATS = ("conll", "jsonl")
@@ -81,10 +80,11 @@ def open_trained(path: Path) -> TrainedModel:
 
 
 def _task_of(trained: TrainedModel, graph) -> str:
+    """The checkpoint's task when it records a classifier's, else the one the logits say."""
     task = trained.meta.get("task")
     if task in ("ner", "seq-cls"):
         return task
-    return "seq-cls" if is_sequence_classifier(graph) else "ner"
+    return task_of(graph).task
 
 
 def label_names(trained: TrainedModel, n_labels: int, task: str, given: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -105,8 +105,7 @@ def _engine(trained: TrainedModel, batch: int, seq: int, threads: int):
     if trained.weights:  # the ONNX file at model_path may have been replaced by another model's
         check_tensors_fit(trained.source, trained.weights, {}, {p: graph.constants[p].shape for p in graph.params},
                           trained.model_path, f"put the ONNX file it was trained from back at {trained.model_path}")
-    engine = make_engine(BackendSpec.cpu("mnn", threads), stage_spec(graph, 0, len(graph.blocks) - 1),
-                         weights={**graph.constants, **trained.weights}, cache_activations=False)
+    engine = whole_model_engine(graph, "mnn", threads, weights=trained.weights, cache_activations=False)
     return graph, engine
 
 
@@ -138,7 +137,7 @@ def _read_texts(path: Path) -> list[tuple[str, str | None]]:
     import csv
     import io
 
-    from tasks.seqcls import FIRST, SECOND
+    from tasks.seqcls.data import FIRST, SECOND
 
     text = _input_text(path)
     if path.suffix.lower() in (".tsv", ".csv"):

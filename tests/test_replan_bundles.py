@@ -195,7 +195,7 @@ def _train_from(plan_dir: Path, plan, bundles, train: Path, tokenizer: Path, per
     from jobs.pipeline_training import train_pipeline
     from jobs.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
-    from tasks.ner import load_ner_data
+    from tasks.ner.data import load_ner_data
     from tasks.tokenize import make_batches
 
     data = load_ner_data(train, None, SEQ, tokenizer)
