@@ -149,7 +149,7 @@ def _lm_graph(model: Path, rows: int, rank: int | None):
 
 def _lm_feeds(model: Path):
     from benchmarks.llm import _batch
-    from tasks.lm_data import microbatch_feeds
+    from tasks.causal_lm.data import microbatch_feeds
 
     return microbatch_feeds(_batch(model, LM_BATCH, LM_SEQ), M)
 

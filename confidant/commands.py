@@ -188,7 +188,7 @@ def cmd_datagen(args) -> int:
         train, dev = write_review_splits(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
         print(f"wrote {train} ({n_train} reviews) and {dev} ({n_dev} reviews): negative / neutral / positive")
         return 0
-    from tasks.datagen import write_splits
+    from tasks.ner.datagen import write_splits
 
     n_train, n_dev = _or(args.train, 3000), _or(args.dev, 500)
     train, dev = write_splits(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
@@ -198,7 +198,7 @@ def cmd_datagen(args) -> int:
 
 def cmd_generate(args) -> int:
     from jobs.generation import generate
-    from tasks.generate import GenerationSettings
+    from tasks.causal_lm.generate import GenerationSettings
 
     try:
         settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -2,7 +2,7 @@
 
 The model is an ONNX causal LM from `confidant export --task causal-lm` (tokenizer.json and
 chat_template.json beside it). Training data: JSONL instructions (loss on the answers only) or plain
-text (packed rows), `tasks.lm_data`. The evaluation file (JSONL instructions) is scored before and
+text (packed rows), `tasks.causal_lm.data`. The evaluation file (JSONL instructions) is scored before and
 after training:
 - perplexity of its answers, on the training engine itself (the lowered graph's causal-LM loss, so
   no vocabulary-sized logits are made);
@@ -33,10 +33,10 @@ from planner.onnx_import import load_model
 from runtime.engines.factory import whole_model_engine
 from runtime.procfs import release_free_heap, reset_peak_rss
 from tasks.causal_lm.task import CAUSAL_LM, LmData
-from tasks.generate import GenerationSettings, lm_metadata
-from tasks.lm_data import make_lm_batches
-from tasks.lm_eval import InstructionScores, engine_nll
-from tasks.lm_tokenizer import LmTokenizer, load_lm_tokenizer
+from tasks.causal_lm.generate import GenerationSettings, lm_metadata
+from tasks.causal_lm.data import make_lm_batches
+from tasks.causal_lm.evaluation import InstructionScores, engine_nll
+from tasks.causal_lm.tokenizer import LmTokenizer, load_lm_tokenizer
 from tasks.trainer import TrainConfig, train_steps
 
 ANSWER_TOKENS = 48  # the longest entities-json answer is 37 SmolLM2 tokens with its end token

@@ -5,7 +5,7 @@ each step's micro-batches, and the task's score of the trained weights.
 `pipeline_task`; the pipeline itself (runtime.pipeline) knows nothing of tasks. Micro-batching is
 exact for every task: NER and seq-cls losses are means over the whole batch's labelled tokens or
 examples, and a causal LM's targets are weighted by 1 / the whole batch's target count
-(tasks.lm_data.microbatch_feeds), so the micro-batch losses and gradients sum to the batch's.
+(tasks.causal_lm.data.microbatch_feeds), so the micro-batch losses and gradients sum to the batch's.
 """
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def _input_text(path: Path) -> str:
 
 def _read_sentences(path: Path) -> list[list[str]]:
     """Words per sentence: a CoNLL file (its first column), or plain text, one sentence a line."""
-    from tasks.conll import is_valid_tag, read_conll
+    from tasks.ner.conll import is_valid_tag, read_conll
 
     text = _input_text(path)
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith("-DOCSTART-")]
@@ -187,7 +187,7 @@ def predict(model: Path, input_path: Path, labels: Sequence[str] | None = None, 
 
 
 def _predict_words(engine, tok, sentences, names, batch, seq, head) -> list[Prediction]:
-    from tasks.conll import Sentence
+    from tasks.ner.conll import Sentence
     from tasks.tokenize import decode_predictions, encode_sentences
     from tasks.trainer import TrainConfig, predict as run
 

@@ -1,6 +1,6 @@
 """The side files `confidant export` writes beside a model, read where a task is chosen or its labels
 named: NAME.hf.json (what an encoder was exported for: its task, label names, transformers config)
-and NAME.lm.json (a causal LM's export record, `tasks.generate.lm_metadata`)."""
+and NAME.lm.json (a causal LM's export record, `tasks.causal_lm.generate.lm_metadata`)."""
 from __future__ import annotations
 
 import json

@@ -24,7 +24,7 @@ def cases(tiny_onnx, chat_llama, tmp_path_factory):
     generated CoNLL, a tiny BERT sequence classifier on generated reviews, a tiny Llama on the
     entities-json conversations."""
     from jobs.export import ExportOptions, export_model
-    from tasks.datagen import write_splits
+    from tasks.ner.datagen import write_splits
     from tasks.seqcls.data import write_review_splits
 
     root = tmp_path_factory.mktemp("task-protocol")

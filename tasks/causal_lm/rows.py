@@ -1,14 +1,14 @@
 """The rows a causal-LM run trains and is scored on, at `--seq` tokens: JSONL conversations (long ones
 cut, those whose answer starts past the row left out, and said) or plain text packed into rows
-(`tasks.lm_data`). Errors name the file and are `ir.errors.InputFileError`s."""
+(`tasks.causal_lm.data`). Errors name the file and are `ir.errors.InputFileError`s."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
 
 from ir.errors import InputFileError
-from tasks.lm_data import fit_conversations, load_lm_examples, read_instructions
-from tasks.lm_tokenizer import LmTokenizer
+from tasks.causal_lm.data import fit_conversations, load_lm_examples, read_instructions
+from tasks.causal_lm.tokenizer import LmTokenizer
 
 
 def _fitted(conversations, tokenizer: LmTokenizer, seq: int, what: str, note: Callable[[str], None] | None):

@@ -23,7 +23,7 @@ class LmData:
     """A causal-LM run's data: the tokenizer, its padding id, the training rows, the first
     `eval_limit` evaluation conversations and their rows, at `seq` tokens."""
 
-    tokenizer: object  # tasks.lm_tokenizer.LmTokenizer
+    tokenizer: object  # tasks.causal_lm.tokenizer.LmTokenizer
     pad_id: int
     train: list
     dev: list
@@ -46,7 +46,7 @@ class CausalLmTask:
         into), or `tokenizer`'s; the training rows of `data`, the evaluation conversations of
         `eval_path` (the first `eval_limit`). TokenizerNotFound when there is none."""
         from tasks.causal_lm.rows import dev_rows_of, train_rows_of
-        from tasks.lm_tokenizer import load_lm_tokenizer
+        from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
         try:
             tok = load_lm_tokenizer(tokenizer or model)
@@ -63,25 +63,25 @@ class CausalLmTask:
                                "export a causal LM with `confidant export --task causal-lm`")
 
     def batches(self, data: LmData, batch: int, seed: int) -> list:
-        from tasks.lm_data import make_lm_batches
+        from tasks.causal_lm.data import make_lm_batches
 
         return make_lm_batches(data.train, batch, data.seq, data.pad_id, seed=seed)
 
     def dev_batches(self, data: LmData, batch: int) -> list:
         """The evaluation rows in batches of `batch`, in order."""
-        from tasks.lm_data import make_lm_batches
+        from tasks.causal_lm.data import make_lm_batches
 
         return make_lm_batches(data.dev_rows, batch, data.seq, data.pad_id, shuffle=False) if data.dev_rows else []
 
     def feeds(self, data: LmData, batch, rows: int, microbatches: int) -> list[dict[str, np.ndarray]]:
-        """Targets weighted by 1 / the whole batch's target count (`tasks.lm_data.microbatch_feeds`)."""
-        from tasks.lm_data import microbatch_feeds, pad_lm_batch
+        """Targets weighted by 1 / the whole batch's target count (`tasks.causal_lm.data.microbatch_feeds`)."""
+        from tasks.causal_lm.data import microbatch_feeds, pad_lm_batch
 
         return microbatch_feeds(pad_lm_batch(batch, rows, data.pad_id), microbatches)
 
     def evaluate(self, engine, graph: Graph, data: LmData, batch: int) -> EvalFigures | None:
         """The dev answers' perplexity on `engine` (metric "perplexity")."""
-        from tasks.lm_eval import engine_nll
+        from tasks.causal_lm.evaluation import engine_nll
 
         if not data.dev_rows:
             return None

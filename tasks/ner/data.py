@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from tasks.conll import Sentence, read_conll
+from tasks.ner.conll import Sentence, read_conll
 from tasks.models import default_tokenizer_path
 from tasks.text_files import directory_given
 from tasks.tokenize import CONLL_LABELS, Encoded, encode_sentences, label_list, load_tokenizer
