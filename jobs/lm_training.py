@@ -32,10 +32,10 @@ from planner.lora import Adapter, add_lora
 from planner.onnx_import import load_model
 from runtime.engines.factory import whole_model_engine
 from runtime.procfs import release_free_heap, reset_peak_rss
-from tasks.causal_lm.task import CAUSAL_LM, LmData
-from tasks.causal_lm.generate import GenerationSettings, lm_metadata
 from tasks.causal_lm.data import make_lm_batches
 from tasks.causal_lm.evaluation import InstructionScores, engine_nll
+from tasks.causal_lm.generate import GenerationSettings, lm_metadata
+from tasks.causal_lm.task import CAUSAL_LM, LmData
 from tasks.causal_lm.tokenizer import LmTokenizer, load_lm_tokenizer
 from tasks.trainer import TrainConfig, train_steps
 

@@ -63,7 +63,7 @@ def pipeline_task(task: str, model: Path, data: Path, eval_path: Path | None, tr
     rows = training.batch // microbatches
     graph = adapted(load_model(model, rows, training.seq, loss=chosen.loss), training.lora, reporter)
     check_graph(chosen, model, graph, run, eval_path)
-    if chosen.loss == "causal-lm":
+    if chosen.loss == "causal-lm":  # the exported file is at hand: generate from the trained weights too
         evaluate = _generating(model, eval_path, training, run)
     else:
         def full() -> Graph:

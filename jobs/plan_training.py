@@ -28,9 +28,9 @@ from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.executor import busy_fraction
 from runtime.procfs import peak_rss_bytes
 from jobs.pipeline_tasks import PipelineTask, task_run, weights_evaluation
-from jobs.task_choice import check_graph, task_for
+from jobs.task_choice import check_graph
 from tasks.causal_lm.task import TokenizerNotFound
-from tasks.choice import task_of
+from tasks.choice import task_named, task_of
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def data_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: Plan
     a causal LM's tokenizer is (unless settings.tokenizer; exact match needs the exported model
     file to generate with: `confidant generate` or train-pipeline), and the model named in
     label-count errors."""
-    task = task_for(task_of(full).task)
+    task = task_named(task_of(full).task)
     try:
         run = task.read_data(plan_dir, data, eval_path, seq, tokenizer=settings.tokenizer, note=note)
     except TokenizerNotFound as exc:
