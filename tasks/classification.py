@@ -5,15 +5,38 @@ before-training figure beside the after.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from ir.errors import InputFileError
 from ir.graph import Graph, logits_shape
 from tasks.task import EvalFigures, before_after, loss_inputs_of
+
+
+PREDICTION_FORMATS = ("conll", "jsonl")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One input's prediction (`confidant predict`): its words and tags (token models) or its label
+    and the label probabilities (sequence models)."""
+
+    words: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    text: str | None = None
+    text_pair: str | None = None
+    label: str | None = None
+    scores: Mapping[str, float] = field(default_factory=dict)
+
+
+def read_input_text(path: Path) -> str:
+    """`predict`'s input as text (`tasks.text_files.read_utf8_text`)."""
+    from tasks.text_files import read_utf8_text
+
+    return read_utf8_text(path, "give a text, CoNLL or TSV/CSV file saved as UTF-8", f"--input {path}")
 
 
 def head_block(graph: Graph) -> int:
@@ -43,7 +66,9 @@ def eval_only_labels(data) -> list[str]:
 @dataclass(frozen=True)
 class ClassificationTask:
     """The part of `tasks.task.Task` both classification families share; each adds `read_data`,
-    `check_graph` (through `check_labels`), `evaluate` and `headline`."""
+    `check_graph` (through `check_labels`), `evaluate` and `headline`, and for `confidant predict`
+    `predict` (labels of new text, `Prediction`s), `write_predictions`, `default_format` and
+    `default_labels` (the label names of a model whose export named none)."""
 
     name: str
     examples: str

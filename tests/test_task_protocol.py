@@ -103,3 +103,15 @@ def test_the_whole_model_engine_is_the_one_built_by_hand_and_takes_trained_weigh
     assert float(whole_model_engine(graph, weights={}).forward(feeds, train=False)) == loss
     doubled = whole_model_engine(graph, weights={head: 2 * graph.constants[head]}, cache_activations=False)
     assert float(doubled.forward(feeds, train=False)) != pytest.approx(loss)
+
+
+def test_predict_says_a_causal_lm_is_no_classifier(cases, tmp_path):
+    """A causal LM's head says its task (`task_of`); predict, which labels tokens or sequences, says
+    so in one line instead of asking for 49152 label names."""
+    from support import run_cli
+
+    (_, _, _, dev, _), _, (_, llama, *_) = cases
+    run = run_cli("predict", llama, "--input", dev)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert f"{llama} is a causal-lm model: predict labels tokens or sequences; `confidant generate` answers " \
+           "prompts with a causal LM" in run.stderr

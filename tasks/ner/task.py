@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence, TextIO
 
 from ir.graph import Graph, is_causal_lm, logits_shape
-from tasks.classification import ClassificationTask, head_block
+from tasks.classification import ClassificationTask, Prediction, head_block
 from tasks.task import EvalFigures, TaskMismatch
 
 
@@ -45,6 +45,27 @@ class NerTask(ClassificationTask):
 
     def headline(self, figures: EvalFigures) -> str:
         return f"entity F1 {figures.after:.4f}"
+
+    # --- confidant predict ---
+    default_format = "conll"
+
+    def default_labels(self, count: int) -> tuple[str, ...] | None:
+        """CoNLL-2003's nine tags for a nine-label model whose export named none."""
+        from tasks.tokenize import CONLL_LABELS
+
+        return CONLL_LABELS if count == len(CONLL_LABELS) else None
+
+    def predict(self, engine, graph: Graph, tokenizer, input_path: Path, names, batch: int, seq: int
+                ) -> list[Prediction]:
+        """The tags of every sentence of `input_path` (`tasks.ner.predict`)."""
+        from tasks.ner.predict import predict_words, read_sentences
+
+        return predict_words(engine, tokenizer, read_sentences(input_path), names, batch, seq, head_block(graph))
+
+    def write_predictions(self, predictions: Sequence[Prediction], out: TextIO, fmt: str) -> None:
+        from tasks.ner.predict import write_tags
+
+        write_tags(predictions, out, fmt)
 
 
 NER = NerTask()

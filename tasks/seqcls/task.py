@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence, TextIO
 
 from ir.graph import Graph, is_sequence_classifier, logits_shape
-from tasks.classification import ClassificationTask, head_block
+from tasks.classification import ClassificationTask, Prediction, head_block
 from tasks.task import EvalFigures, TaskMismatch
 
 
@@ -46,6 +46,24 @@ class SeqClsTask(ClassificationTask):
 
     def headline(self, figures: EvalFigures) -> str:
         return f"accuracy {figures.after:.4f}, macro-F1 {figures.macro_f1:.4f}"
+
+    # --- confidant predict ---
+    default_format = "jsonl"
+
+    def default_labels(self, count: int) -> tuple[str, ...] | None:
+        return None  # a sequence classifier's labels are its export's, or --labels
+
+    def predict(self, engine, graph: Graph, tokenizer, input_path: Path, names, batch: int, seq: int
+                ) -> list[Prediction]:
+        """The label of every text of `input_path` (`tasks.seqcls.predict`)."""
+        from tasks.seqcls.predict import predict_texts, read_texts
+
+        return predict_texts(engine, tokenizer, read_texts(input_path), names, batch, seq, head_block(graph))
+
+    def write_predictions(self, predictions: Sequence[Prediction], out: TextIO, fmt: str) -> None:
+        from tasks.seqcls.predict import write_labels
+
+        write_labels(predictions, out, fmt)
 
 
 SEQ_CLS = SeqClsTask()
