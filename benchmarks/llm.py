@@ -68,8 +68,8 @@ def _batch(model: Path, rows: int, seq: int):
     import tempfile
 
     from jobs.generation import write_task_data
-    from tasks.lm_data import encode_instructions, make_lm_batches, read_instructions
-    from tasks.lm_tokenizer import load_lm_tokenizer
+    from tasks.causal_lm.data import encode_instructions, make_lm_batches, read_instructions
+    from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
     tokenizer = load_lm_tokenizer(model)
     with tempfile.TemporaryDirectory() as d:
@@ -90,7 +90,7 @@ def _pipeline_child(kind: str, model: Path, rows: int, seq: int, reps: int, micr
     from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
     from planner.onnx_import import load_model
     from runtime.pipeline.coordinator import PipelineConfig
-    from tasks.lm_data import microbatch_feeds
+    from tasks.causal_lm.data import microbatch_feeds
 
     workers_n, engine = int(kind[len("pipeline"):].split("-")[0]), kind.split("-")[1]
     batch = _batch(model, rows, seq)
@@ -115,7 +115,7 @@ def _pipeline_child(kind: str, model: Path, rows: int, seq: int, reps: int, micr
 def _child(kind: str, model: Path, rows: int, seq: int, reps: int, threads: int, microbatches: int = 4) -> dict:
     import numpy as np
 
-    from tasks.lm_data import lm_feeds
+    from tasks.causal_lm.data import lm_feeds
 
     if kind.startswith("pipeline"):
         return _pipeline_child(kind, model, rows, seq, reps, microbatches)
@@ -136,14 +136,12 @@ def _child(kind: str, model: Path, rows: int, seq: int, reps: int, threads: int,
 
 
 def _confidant_step(kind: str, model: Path, rows: int, seq: int, feeds, threads: int):
-    from ir.backend import BackendSpec
     from planner.onnx_import import load_model
-    from runtime.engines.factory import make_engine
-    from runtime.engines.stage import stage_spec
+    from runtime.engines.factory import whole_model_engine
     from runtime.optim import make_optimizer
 
     graph = load_model(model, rows, seq, loss="causal-lm")
-    engine = make_engine(BackendSpec.cpu(kind.split("-")[1], threads), stage_spec(graph, 0, len(graph.blocks) - 1))
+    engine = whole_model_engine(graph, kind.split("-")[1], threads)
     optimizer = make_optimizer("adamw", 1e-5)
 
     def step():  # as tasks.trainer.train_steps does: the engine steps its own weights

@@ -75,13 +75,12 @@ def _graph(model: Path, rows: int, rank: int | None):
 # --- children ----------------------------------------------------------------------------------------
 
 def child_mnn_single(model: Path, steps: int, rank: int | None) -> dict:
-    from runtime.engines.factory import make_engine
-    from runtime.engines.stage import stage_spec
+    from runtime.engines.factory import whole_model_engine
     from runtime.optim import make_optimizer
     from tasks.trainer import accumulate_gradients
 
     graph = _graph(model, BATCH // M, rank)
-    engine = make_engine("mnn:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1))
+    engine = whole_model_engine(graph)
     opt = make_optimizer("adamw", LR)
     batches, times = make_batches(steps + 1), []
     for step in range(steps + 1):
@@ -150,18 +149,17 @@ def _lm_graph(model: Path, rows: int, rank: int | None):
 
 def _lm_feeds(model: Path):
     from benchmarks.llm import _batch
-    from tasks.lm_data import microbatch_feeds
+    from tasks.causal_lm.data import microbatch_feeds
 
     return microbatch_feeds(_batch(model, LM_BATCH, LM_SEQ), M)
 
 
 def child_mnn_single_lm(model: Path, steps: int, rank: int | None) -> dict:
-    from runtime.engines.factory import make_engine
-    from runtime.engines.stage import stage_spec
+    from runtime.engines.factory import whole_model_engine
     from runtime.optim import make_optimizer
 
     graph = _lm_graph(model, LM_BATCH // M, rank)
-    engine = make_engine("mnn:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1))
+    engine = whole_model_engine(graph)
     opt, feeds, times = make_optimizer("adamw", LR), _lm_feeds(model), []
     for _ in range(steps + 1):
         t0 = time.perf_counter()

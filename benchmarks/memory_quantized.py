@@ -55,7 +55,7 @@ def _child(engine_kind: str, base_dtype: str, steps: int) -> dict:
     from runtime.optim import make_optimizer
     from benchmarks.common import engine_step
     from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from tasks.lm_data import microbatch_feeds
+    from tasks.causal_lm.data import microbatch_feeds
 
     model = smollm2_model()
     feeds = microbatch_feeds(_batch(model, ROWS, SEQ), M)

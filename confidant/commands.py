@@ -183,13 +183,13 @@ def cmd_datagen(args) -> int:
         print(f"wrote {train} ({n_train} instructions) and {dev} ({n_dev} instructions)")
         return 0
     if getattr(args, "task", "ner") == "seq-cls":
-        from tasks.seqcls import write_review_splits
+        from tasks.seqcls.data import write_review_splits
 
         n_train, n_dev = _or(args.train, 2000), _or(args.dev, 300)
         train, dev = write_review_splits(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
         print(f"wrote {train} ({n_train} reviews) and {dev} ({n_dev} reviews): negative / neutral / positive")
         return 0
-    from tasks.datagen import write_splits
+    from tasks.ner.datagen import write_splits
 
     n_train, n_dev = _or(args.train, 3000), _or(args.dev, 500)
     train, dev = write_splits(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
@@ -199,7 +199,7 @@ def cmd_datagen(args) -> int:
 
 def cmd_generate(args) -> int:
     from jobs.generation import generate
-    from tasks.generate import GenerationSettings
+    from tasks.causal_lm.generate import GenerationSettings
 
     try:
         settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -216,11 +216,11 @@ def cmd_generate(args) -> int:
 
 def _task(args) -> str:
     """--task, or the task the model's side files (or the data's kind) name, said on a line of its own."""
-    from jobs.task_choice import infer_task
+    from tasks.choice import task_of
 
     if getattr(args, "task", None):
         return args.task
-    choice = infer_task(args.model, args.data)
+    choice = task_of(model=args.model, data=args.data)
     print(f"task: {choice.task} ({choice.reason}; --task to choose another)")
     return choice.task
 

@@ -13,7 +13,7 @@ from jobs.local_training import train_local
 from jobs.metrics import TrainingMetrics
 from jobs.report import Reporter, Silent
 from jobs.settings import TrainingSettings
-from tasks.datagen import write_splits
+from tasks.ner.datagen import write_splits
 
 DEMO_MICROBATCHES = 4
 

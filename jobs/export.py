@@ -33,17 +33,16 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ir.versioned import check_header
 from tasks.models import default_checkpoint_dir
+from tasks.side_files import HF_SIDECAR_SUFFIX, hf_sidecar_path, read_hf_sidecar
 
 __all__ = ["DEFAULT_NUM_LABELS", "ExportOptions", "HF_SIDECAR_SUFFIX", "TASKS", "default_checkpoint_dir",
            "export_checkpoint", "export_model", "load_classifier", "load_token_classifier", "model_inputs",
-           "read_hf_sidecar"]
+           "hf_sidecar_path", "read_hf_sidecar"]
 
 DEFAULT_NUM_LABELS = 9  # CoNLL-2003: O plus B-/I- of PER, ORG, LOC, MISC
 TASKS = ("token-classification", "seq-cls")
 ATTENTIONS = ("eager", "sdpa")
-HF_SIDECAR_SUFFIX = ".hf.json"
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
@@ -241,22 +240,6 @@ def write_hf_sidecar(model, out_path: Path, options: ExportOptions, checkpoint: 
     sidecar = hf_sidecar_path(out_path)
     sidecar.write_text(json.dumps(doc, indent=1, default=list) + "\n")
     return sidecar
-
-
-def hf_sidecar_path(model_path: Path) -> Path:
-    model_path = Path(model_path)
-    return model_path.with_name(model_path.stem + HF_SIDECAR_SUFFIX)
-
-
-def read_hf_sidecar(model_path: Path) -> dict | None:
-    """The NAME.hf.json next to an exported NAME.onnx, or None (a file `confidant export` did not make)."""
-    path = hf_sidecar_path(model_path)
-    if not path.is_file():
-        return None
-    doc = json.loads(path.read_text())
-    check_header(doc, format="confidant-hf-export", versions=None, where=str(path),
-                 redo="re-export the model (`confidant export`)")
-    return doc
 
 
 def export_checkpoint(checkpoint: Path, out_path: Path, options: ExportOptions = ExportOptions()) -> Path:

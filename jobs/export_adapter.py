@@ -125,7 +125,7 @@ def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, nu
     model_path = Path(meta["model_path"])
     if task == "causal-lm":
         from jobs.export_llm import load_causal_lm
-        from tasks.generate import lm_metadata
+        from tasks.causal_lm.generate import lm_metadata
 
         if base is None:
             source = ((lm_metadata(model_path) or {}).get("source") or {}).get("path")
@@ -255,8 +255,8 @@ def _merged_side_files(source: Path, out: Path, merged: dict, meta: dict) -> Non
 
     from jobs.export import hf_sidecar_path, read_hf_sidecar
     from planner.onnx_import import write_weights
-    from tasks.generate import lm_metadata
-    from tasks.lm_tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+    from tasks.causal_lm.generate import lm_metadata
+    from tasks.causal_lm.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 
     lm = lm_metadata(source)
     if lm is not None:

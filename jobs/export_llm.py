@@ -9,7 +9,7 @@ The written files, for `-o DIR/NAME.onnx`:
   padding), output `logits` (float32 [batch, seq, vocab]); batch and sequence dynamic; positions are
   0..seq-1 in every row.
 - `NAME.kv.onnx` (unless `kv_cache=False`), the same weights as a one-step decoder with a key/value
-  cache, for generation only (tasks/generate.py): inputs `input_ids` [batch, new], `attention_mask`
+  cache, for generation only (tasks/causal_lm/generate.py): inputs `input_ids` [batch, new], `attention_mask`
   [batch, past + new], `position_ids` [batch, new], `past.{i}.key` / `past.{i}.value` [batch, kv_heads,
   past, head_size] for each layer i; outputs `logits` [batch, new, vocab] and `present.{i}.key` /
   `present.{i}.value` [batch, kv_heads, past + new, head_size]. Past is never empty (ONNX Reshape reads
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.errors import JobError
-from tasks.lm_tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+from tasks.causal_lm.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 
 __all__ = ["CHAT_TEMPLATE_FILE", "LlmExportOptions", "RANDOM_FAMILIES", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE",
            "TOKENIZER_FILE", "chat_pieces", "convert_gguf", "export_causal_lm", "export_llm",
@@ -517,7 +517,7 @@ def export_trained_causal_lm_hf(model_path: Path, weights, folder: Path, tokeniz
     from jobs.export_hf import causal_lm_tokenizer, load_hf_tokenizer, write_hf_tokenizer
     from jobs.hf_names import hf_names
     from planner.onnx_import import load_model
-    from tasks.generate import lm_metadata
+    from tasks.causal_lm.generate import lm_metadata
 
     model_path = Path(model_path)
     source = ((lm_metadata(model_path) or {}).get("source") or {}).get("path")

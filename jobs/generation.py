@@ -1,7 +1,7 @@
 """Jobs on an exported causal LM without training it: generate text, score it on instruction data, write
 the generated instruction task's files.
 
-The model runs on ONNX Runtime over its exported files (tasks/generate.py); `initializers` (initializer
+The model runs on ONNX Runtime over its exported files (tasks/causal_lm/generate.py); `initializers` (initializer
 name -> array) replaces the file's weights, which is how a fine-tuned model is tried before and after
 training without writing a new file.
 """
@@ -13,10 +13,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from jobs.errors import JobError
-from tasks.generate import GenerationSettings, OnnxCausalLM, generate_text, lm_metadata
-from tasks.lm_data import read_instructions
-from tasks.lm_eval import InstructionScores, evaluate_instructions
-from tasks.lm_tokenizer import load_lm_tokenizer
+from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, generate_text, lm_metadata
+from tasks.causal_lm.data import read_instructions
+from tasks.causal_lm.evaluation import InstructionScores, evaluate_instructions
+from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
 __all__ = ["evaluate_lm", "generate", "write_task_data"]
 
@@ -73,6 +73,6 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
 
 def write_task_data(out_dir: Path, n_train: int = 1000, n_dev: int = 100, seed: int = 0) -> tuple[Path, Path]:
     """`confidant datagen --task entities-json`: the generated instruction task's train/dev JSONL."""
-    from tasks.entity_task import write_entity_splits
+    from tasks.causal_lm.entity_task import write_entity_splits
 
     return write_entity_splits(out_dir, n_train, n_dev, seed)

@@ -2,7 +2,7 @@
 
 The model is an ONNX causal LM from `confidant export --task causal-lm` (tokenizer.json and
 chat_template.json beside it). Training data: JSONL instructions (loss on the answers only) or plain
-text (packed rows), `tasks.lm_data`. The evaluation file (JSONL instructions) is scored before and
+text (packed rows), `tasks.causal_lm.data`. The evaluation file (JSONL instructions) is scored before and
 after training:
 - perplexity of its answers, on the training engine itself (the lowered graph's causal-LM loss, so
   no vocabulary-sized logits are made);
@@ -22,9 +22,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ir.backend import BackendSpec
 from ir.graph import Graph
-from ir.errors import InputFileError
 from jobs.errors import JobError
 from jobs.memory_check import local_check, machine_room_bytes
 from jobs.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
@@ -32,14 +30,13 @@ from jobs.report import Reporter, Silent
 from jobs.settings import TrainingSettings
 from planner.lora import Adapter, add_lora
 from planner.onnx_import import load_model
-from runtime.engines.factory import make_engine
-from runtime.engines.stage import stage_spec
+from runtime.engines.factory import whole_model_engine
 from runtime.procfs import release_free_heap, reset_peak_rss
-from tasks.generate import GenerationSettings, lm_metadata
-from tasks.lm_data import fit_conversations, load_lm_examples, make_lm_batches, microbatch_feeds, pad_lm_batch, \
-    read_instructions
-from tasks.lm_eval import InstructionScores, engine_nll
-from tasks.lm_tokenizer import LmTokenizer, load_lm_tokenizer
+from tasks.causal_lm.data import make_lm_batches
+from tasks.causal_lm.evaluation import InstructionScores, engine_nll
+from tasks.causal_lm.generate import GenerationSettings, lm_metadata
+from tasks.causal_lm.task import CAUSAL_LM, LmData
+from tasks.causal_lm.tokenizer import LmTokenizer, load_lm_tokenizer
 from tasks.trainer import TrainConfig, train_steps
 
 ANSWER_TOKENS = 48  # the longest entities-json answer is 37 SmolLM2 tokens with its end token
@@ -56,7 +53,7 @@ def lm_graph(model: Path, settings: TrainingSettings, reporter: Reporter = Silen
              ) -> tuple[Graph, tuple[Adapter, ...]]:
     """The causal LM lowered at the training shape, with LoRA adapters when the settings ask (and
     the adapters, to merge them back for generation)."""
-    graph = load_model(model, settings.batch, settings.seq, loss="causal-lm")
+    graph = load_model(model, settings.batch, settings.seq, loss=CAUSAL_LM.loss)
     if settings.lora is None:
         return graph, ()
     try:
@@ -95,44 +92,13 @@ def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarr
     return {k: v for k, v in out.items() if k in set(meta["weights"])}
 
 
-def _fitted(conversations, tokenizer: LmTokenizer, seq: int, what: str, note: Callable[[str], None] | None):
-    """Rows of conversations at `seq` tokens (long ones cut, those with no answer left skipped), said."""
-    fitted = fit_conversations(tokenizer, conversations, seq)
-    line = fitted.summary(what)
-    if line is not None and note is not None:
-        note(line)
-    if not fitted.rows and fitted.skipped:
-        raise ValueError(f"every conversation's answer starts past token {seq}: raise --seq")
-    return fitted.rows
-
-
-def _rows_of(path: Path, tokenizer: LmTokenizer, seq: int, what: str, note: Callable[[str], None] | None):
-    try:
-        if path.suffix == ".jsonl":
-            return _fitted(read_instructions(path), tokenizer, seq, f"{what} {path.name}", note)
-        return load_lm_examples(path, tokenizer, seq)
-    except (ValueError, OSError) as exc:  # the file, or what it holds at this --seq: fix the input
-        raise InputFileError(f"{what} {path}: {exc}") from None
-
-
-def train_rows_of(data: Path, tokenizer: LmTokenizer, seq: int, note: Callable[[str], None] | None = None):
-    """The training rows of `data` at `seq` tokens; `note` hears how many conversations were cut or skipped."""
-    rows = _rows_of(data, tokenizer, seq, "--data", note)
-    if not rows:
-        raise JobError(f"--data {data}: no training rows")
-    return rows
-
-
-def dev_rows_of(eval_path: Path | None, tokenizer: LmTokenizer, settings: TrainingSettings,
-                note: Callable[[str], None] | None = None):
-    """(the first `eval_limit` evaluation conversations, their encoded rows); empty without a file."""
-    dev = read_instructions(eval_path)[:settings.eval_limit] if eval_path is not None else []
-    if eval_path is not None and not dev:
-        raise JobError(f"--eval {eval_path}: no conversations")
-    try:
-        return dev, (_fitted(dev, tokenizer, settings.seq, f"--eval {eval_path.name}", note) if dev else [])
-    except ValueError as exc:
-        raise InputFileError(f"--eval {eval_path}: {exc}") from None
+def lm_data(model: Path, data: Path, eval_path: Path | None, settings: TrainingSettings,
+            note: Callable[[str], None] | None = None) -> LmData:
+    """The causal-LM task's data of a run (`tasks.causal_lm.task.CausalLmTask.read_data`): the
+    tokenizer beside `model` (or --tokenizer's), the training rows, the first `settings.eval_limit`
+    evaluation conversations."""
+    return CAUSAL_LM.read_data(model, data, eval_path, settings.seq, tokenizer=settings.tokenizer,
+                               eval_limit=settings.eval_limit, note=note)
 
 
 def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSettings, eval_path: Path, dev_batches,
@@ -162,8 +128,7 @@ def lm_scores(model: Path, settings: TrainingSettings, eval_path: Path, dev_rows
     graph, adapters = lm_graph(model, settings)
     tokenizer = lm_tokenizer(model, settings)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    engine = make_engine(BackendSpec.cpu("mnn", settings.threads), stage_spec(graph, 0, len(graph.blocks) - 1),
-                         weights={**graph.constants, **weights}, cache_activations=False)
+    engine = whole_model_engine(graph, "mnn", settings.threads, weights=weights, cache_activations=False)
     batches = make_lm_batches(dev_rows, settings.batch, settings.seq, pad_id, shuffle=False)
     return _scores(engine, model, graph, adapters, settings, eval_path, batches, pad_id, weights)
 
@@ -177,21 +142,19 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     if checkpoint is not None:  # before training: a path no checkpoint can be written to loses the run
         check_checkpoint_target(checkpoint)
     started, room = time.perf_counter(), machine_room_bytes()
-    tokenizer = lm_tokenizer(model, settings)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    train_rows = train_rows_of(data, tokenizer, settings.seq, reporter.note)
-    dev, dev_rows = dev_rows_of(eval_path, tokenizer, settings, reporter.note)
+    run = lm_data(model, data, eval_path, settings, reporter.note)
+    pad_id, dev = run.pad_id, run.dev
     graph, adapters = lm_graph(model, settings, reporter)
     config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
     try:
-        engine = make_engine(BackendSpec.cpu(settings.engine, config.threads), stage_spec(graph, 0, len(graph.blocks) - 1))
+        engine = whole_model_engine(graph, settings.engine, config.threads)
     except ModuleNotFoundError:
         raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
-    batches = make_lm_batches(train_rows, config.batch, config.seq, pad_id, seed=config.seed)
-    dev_batches = make_lm_batches(dev_rows, config.batch, config.seq, pad_id, shuffle=False) if dev_rows else []
+    batches = CAUSAL_LM.batches(run, config.batch, config.seed)
+    dev_batches = CAUSAL_LM.dev_batches(run, config.batch)
     reporter.note(f"model {Path(model).name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB "
-                  f"trainable; {len(train_rows)} training rows, {len(dev)} eval conversations; engine "
+                  f"trainable; {len(run.train)} training rows, {len(dev)} eval conversations; engine "
                   f"{settings.engine}, {config.threads} thread(s); setup {time.perf_counter() - started:.1f}s")
 
     def measure(weights: Mapping[str, np.ndarray] | None) -> tuple[float, InstructionScores]:
@@ -208,7 +171,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     reporter.start("train", config.steps)
     result = train_steps(engine, batches, config, 0,
                          on_step=lambda r: reporter.step(r.step, loss=r.loss, **{"tok/s": r.tokens_per_s}),
-                         step_feeds=lambda b: microbatch_feeds(pad_lm_batch(b, config.batch, pad_id), 1))
+                         step_feeds=lambda b: CAUSAL_LM.feeds(run, b, config.batch, 1))
     trained = engine.parameters()
     if checkpoint is not None:
         # before the evaluation: the trained weights are on disk whatever the evaluation meets
@@ -223,13 +186,11 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         # the evaluation on an engine of its own without per-op caches, the training engine (its
         # caches, its optimizer's state) let go first: evaluating beside them set the run's peak
         # (SmolLM2 LoRA: 3.4 GB against training's 2.2)
-        backend = BackendSpec.cpu(settings.engine, config.threads)
         del engine
         result.optimizer_state = {}
         gc.collect()
         release_free_heap()
-        engine = make_engine(backend, stage_spec(graph, 0, len(graph.blocks) - 1), weights={**graph.constants, **trained},
-                             cache_activations=False)
+        engine = whole_model_engine(graph, settings.engine, config.threads, weights=trained, cache_activations=False)
         after = measure(trained)
     losses = [s.loss for s in result.steps]
     k = max(1, len(losses) // 5)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ir.versioned import check_header
+from tasks.task import EvalFigures  # the task's figures, the document's `eval`
 
 METRICS_SCHEMA_VERSION = 1
 METRICS_FORMAT = "confidant-metrics"
@@ -71,22 +72,6 @@ class DeviceFigures:
     # memory) and its budget; None: unknown (jobs.memory_check)
     planned_bytes: int | None = None
     budget_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class EvalFigures:
-    """The task's metric on the evaluation file, after training (and before, where measured):
-    entity-level F1 (NER), or accuracy with macro precision / recall / F1 (sequence classification)."""
-
-    after: float
-    precision: float
-    recall: float
-    before: float | None = None
-    per_type: Mapping[str, float] = field(default_factory=dict)
-    metric: str = "entity_f1"
-    macro_f1: float | None = None
-    perplexity: float | None = None  # causal LMs: the dev answers' perplexity after training
-    perplexity_before: float | None = None
 
 
 @dataclass(frozen=True)

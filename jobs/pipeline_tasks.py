@@ -5,7 +5,7 @@ each step's micro-batches, and the task's score of the trained weights.
 `pipeline_task`; the pipeline itself (runtime.pipeline) knows nothing of tasks. Micro-batching is
 exact for every task: NER and seq-cls losses are means over the whole batch's labelled tokens or
 examples, and a causal LM's targets are weighted by 1 / the whole batch's target count
-(tasks.lm_data.microbatch_feeds), so the micro-batch losses and gradients sum to the batch's.
+(tasks.causal_lm.data.microbatch_feeds), so the micro-batch losses and gradients sum to the batch's.
 """
 from __future__ import annotations
 
@@ -15,14 +15,12 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ir.backend import BackendSpec
-from ir.graph import Graph, logits_shape
-from jobs.errors import JobError
+from ir.graph import Graph
 from jobs.metrics import EvalFigures
 from jobs.report import Reporter, Silent
 from jobs.settings import TrainingSettings
-
-TASKS = ("ner", "seq-cls", "causal-lm")
+from jobs.task_choice import check_graph, task_for
+from tasks.task import Task
 
 
 @dataclass(frozen=True)
@@ -56,76 +54,63 @@ def pipeline_task(task: str, model: Path, data: Path, eval_path: Path | None, tr
                   microbatches: int, reporter: Reporter = Silent()) -> PipelineTask:
     """The task's data read and its graph lowered for a pipeline of `microbatches` micro-batches of
     `training.batch // microbatches` rows; a JobError names a file or model that does not fit."""
-    if task not in TASKS:
-        raise JobError(f"--task {task!r} is not one of {', '.join(TASKS)}")
-    if task == "causal-lm":
-        return _causal_lm(model, data, eval_path, training, microbatches, reporter)
-    return _classification(task, model, data, eval_path, training, microbatches, reporter)
-
-
-def _classification(task: str, model: Path, data: Path, eval_path: Path | None, training: TrainingSettings,
-                    microbatches: int, reporter: Reporter) -> PipelineTask:
-    from jobs.evaluation import class_figures, eval_figures, score, score_classes
-    from jobs.local_training import _task_data, check_task_shape
     from jobs.lora import adapted
     from planner.onnx_import import load_model
-    from runtime.engines.factory import make_engine
-    from runtime.engines.stage import stage_spec
-    from tasks.ner import check_label_count, eval_only_labels
-    from tasks.tokenize import make_batches
 
-    run = _task_data(task, model, data, eval_path, training)
+    chosen = task_for(task)
+    run = chosen.read_data(model, data, eval_path, training.seq, tokenizer=training.tokenizer,
+                           eval_limit=training.eval_limit, note=reporter.note)
     rows = training.batch // microbatches
-    graph = adapted(load_model(model, rows, training.seq), training.lora, reporter)
-    check_task_shape(model, graph, task)
-    check_label_count(model, logits_shape(graph)[-1], run.labels, eval_only_labels(run),
-                      eval_path)
-    batches = make_batches(run.train_encoded, training.batch, training.seq, seed=training.seed,
-                           per_sequence=task == "seq-cls")
-    n_labels = len(run.labels)
+    graph = adapted(load_model(model, rows, training.seq, loss=chosen.loss), training.lora, reporter)
+    check_graph(chosen, model, graph, run, eval_path)
+    if chosen.loss == "causal-lm":  # the exported file is at hand: generate from the trained weights too
+        evaluate = _generating(model, eval_path, training, run)
+    else:
+        def full() -> Graph:
+            return adapted(load_model(model, training.batch, training.seq), training.lora)
 
+        evaluate = weights_evaluation(chosen, full, run, training.batch, training.threads)
+    return task_run(chosen, graph, run, training.batch, microbatches, training.seed, evaluate)
+
+
+def task_run(task: Task, graph: Graph, run, batch: int, microbatches: int, seed: int,
+             evaluate: Callable[[Mapping[str, np.ndarray]], EvalFigures | None]) -> PipelineTask:
+    """What a pipeline run needs of `task` on `run` (its data), batches of `batch` rows shuffled by
+    `seed` and split into `microbatches`, `graph` the model at micro-batch rows."""
+    batches = task.batches(run, batch, seed)
+
+    def feeds_of_step(k: int) -> list[dict[str, np.ndarray]]:
+        return task.feeds(run, batches[k % len(batches)], batch, microbatches)
+
+    return PipelineTask(task.name, graph, feeds_of_step, evaluate, task.headline, tuple(run.labels), len(batches))
+
+
+def weights_evaluation(task: Task, graph: Graph | Callable[[], Graph], run, batch: int, threads: int = 1
+                       ) -> Callable[[Mapping[str, np.ndarray]], EvalFigures | None]:
+    """evaluate(weights): the task's figures of trained weights, on one MNN engine holding the whole
+    model (`graph`, or a function lowering it when first needed) at `batch` rows; None without
+    evaluation data."""
     def evaluate(weights: Mapping[str, np.ndarray]) -> EvalFigures | None:
         if not run.dev:
             return None
-        full = adapted(load_model(model, training.batch, training.seq), training.lora)
-        engine = make_engine(BackendSpec.cpu("mnn", training.threads), stage_spec(full, 0, len(full.blocks) - 1),
-                             weights={**full.constants, **weights}, cache_activations=False)
-        if task == "seq-cls":
-            return class_figures(score_classes(engine, full, run, training.batch))
-        return eval_figures(score(engine, full, run, training.batch))
+        from runtime.engines.factory import whole_model_engine
 
-    def headline(f: EvalFigures) -> str:
-        return f"accuracy {f.after:.4f}, macro-F1 {f.macro_f1:.4f}" if task == "seq-cls" else f"entity F1 {f.after:.4f}"
+        full = graph() if callable(graph) else graph
+        engine = whole_model_engine(full, "mnn", threads, weights=weights, cache_activations=False)
+        return task.evaluate(engine, full, run, batch)
 
-    return PipelineTask(task, graph, lambda k: step_feeds(batches, k, rows, microbatches, n_labels), evaluate,
-                        headline, tuple(run.labels), len(batches))
+    return evaluate
 
 
-def _causal_lm(model: Path, data: Path, eval_path: Path | None, training: TrainingSettings, microbatches: int,
-               reporter: Reporter) -> PipelineTask:
-    from dataclasses import replace
-
-    from jobs.lm_training import dev_rows_of, lm_graph, lm_scores, lm_tokenizer, train_rows_of
-    from tasks.lm_data import make_lm_batches, microbatch_feeds, pad_lm_batch
-
-    tokenizer = lm_tokenizer(model, training)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    rows = train_rows_of(data, tokenizer, training.seq, reporter.note)
-    dev, dev_rows = dev_rows_of(eval_path, tokenizer, training, reporter.note)
-    graph, _ = lm_graph(model, replace(training, batch=training.batch // microbatches), reporter)
-    batches = make_lm_batches(rows, training.batch, training.seq, pad_id, seed=training.seed)
-
-    def feeds_of_step(k: int) -> list[dict[str, np.ndarray]]:
-        return microbatch_feeds(pad_lm_batch(batches[k % len(batches)], training.batch, pad_id), microbatches)
-
+def _generating(model: Path, eval_path: Path | None, training: TrainingSettings, run
+                ) -> Callable[[Mapping[str, np.ndarray]], EvalFigures | None]:
+    """A causal LM's evaluate(weights) with the exported file at hand: the dev answers' perplexity
+    and the exact match of answers generated from the trained weights (`jobs.lm_training.lm_scores`)."""
     def evaluate(weights: Mapping[str, np.ndarray]) -> EvalFigures | None:
-        if not dev:
+        if not run.dev:
             return None
-        from jobs.lm_training import lm_figures
+        from jobs.lm_training import lm_figures, lm_scores
 
-        return lm_figures(lm_scores(model, training, eval_path, dev_rows, weights))
+        return lm_figures(lm_scores(model, training, eval_path, run.dev_rows, weights))
 
-    def headline(f: EvalFigures) -> str:
-        return f"dev perplexity {f.perplexity:.3f}, exact match {f.after:.3f}"
-
-    return PipelineTask("causal-lm", graph, feeds_of_step, evaluate, headline, batches=len(batches))
+    return evaluate

@@ -254,7 +254,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     worker holding it builds its stage's frozen weights from it instead of receiving them.
 
     The graph inputs of step k are NER `batches` (`step_feeds`, with `num_labels`), or
-    `feeds_of_step(k)` (a list of one feed dict per micro-batch: a causal LM's, tasks.lm_data)."""
+    `feeds_of_step(k)` (a list of one feed dict per micro-batch: a causal LM's, tasks.causal_lm.data)."""
     _check_replanning(config, replan_every, on_replan, bundles, stage_graphs)
     faults.check()
     if checkpoint_dir is not None:  # before any step: a path no checkpoint can be written to loses the run

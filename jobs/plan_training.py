@@ -12,7 +12,6 @@ from ir.documents import PlanDocument
 from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES
 from ir.serialize import merge_slices
 from jobs.errors import JobError, RunFailed
-from jobs.evaluation import eval_figures, score_weights
 from jobs.memory_check import check_memory
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.pipeline_training import (AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, RecoveryImpossible, SurvivorPlan,
@@ -28,11 +27,10 @@ from runtime.pipeline.checkpoints import check_checkpoint_target
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.executor import busy_fraction
 from runtime.procfs import peak_rss_bytes
-from ir.graph import is_causal_lm, is_sequence_classifier, logits_shape
-from jobs.metrics import EvalFigures
-from jobs.pipeline_tasks import PipelineTask, step_feeds
-from tasks.ner import check_label_count, eval_only_labels, load_ner_data
-from tasks.tokenize import make_batches
+from jobs.pipeline_tasks import PipelineTask, task_run, weights_evaluation
+from jobs.task_choice import check_graph
+from tasks.causal_lm.task import TokenizerNotFound
+from tasks.choice import task_named, task_of
 
 
 @dataclass(frozen=True)
@@ -238,14 +236,18 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
 
 def data_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int, M: int,
               seq: int, note: Callable[[str], None] | None = None) -> PipelineTask:
-    """The task `full` (the model at micro-batch `rows`) trains, on `data`: a causal LM, sequence
-    classification (logits [batch, labels]) or NER. `plan_dir`: where a causal LM's tokenizer is
-    (unless settings.tokenizer), and the model named in label-count errors."""
-    if is_causal_lm(full):
-        return _causal_lm_task(plan_dir, data, eval_path, settings, full, rows, M, seq, note)
-    if is_sequence_classifier(full):
-        return _seqcls_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
-    return _ner_task(plan_dir, data, eval_path, settings, full, rows, M, seq)
+    """The task `full` (the model at micro-batch `rows`) trains, on `data`: the one its head says
+    (`tasks.choice.task_of`), its figures of the trained weights on the merged slices. `plan_dir`: where
+    a causal LM's tokenizer is (unless settings.tokenizer; exact match needs the exported model
+    file to generate with: `confidant generate` or train-pipeline), and the model named in
+    label-count errors."""
+    task = task_named(task_of(full).task)
+    try:
+        run = task.read_data(plan_dir, data, eval_path, seq, tokenizer=settings.tokenizer, note=note)
+    except TokenizerNotFound as exc:
+        raise JobError(f"{exc} (pass --tokenizer with the exported model's folder)") from None
+    check_graph(task, plan_dir, full, run, eval_path)
+    return task_run(task, full, run, rows * M, M, settings.seed, weights_evaluation(task, full, run, rows))
 
 
 def task_lookup_rows(task: PipelineTask, steps: int | None = None) -> dict[str, int]:
@@ -269,91 +271,6 @@ def check_lookup_rows(plan, task: PipelineTask, steps: int, data: Path) -> None:
                            f"plan was made for data that looks up {planned} (`confidant plan --data`), and its memory "
                            f"model holds that table's optimizer state for {planned} rows only: re-plan with --data "
                            f"{data}, or without --data to charge the table whole")
-
-
-def _ner_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int, M: int,
-              seq: int) -> PipelineTask:
-    """NER from a plan: CoNLL files, entity F1 of the trained weights on the merged slices."""
-    ner = load_ner_data(data, eval_path, seq, settings.tokenizer)
-    check_label_count(plan_dir, logits_shape(full)[-1], ner.labels, eval_only_labels(ner),
-                      eval_path)
-    batches = make_batches(ner.train_encoded, rows * M, seq, seed=settings.seed)
-
-    def evaluate(weights):
-        return eval_figures(score_weights(full, weights, ner, rows)) if ner.dev else None
-
-    return PipelineTask("ner", full, lambda k: step_feeds(batches, k, rows, M, len(ner.labels)), evaluate,
-                        lambda f: f"entity F1 {f.after:.4f}", tuple(ner.labels), len(batches))
-
-
-def _seqcls_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int,
-                 M: int, seq: int) -> PipelineTask:
-    """Sequence classification from a plan: TSV/CSV `sentence[,sentence2],label` files (labels in the
-    files' order, `tasks.seqcls.label_order`), accuracy and macro-F1 of the trained weights."""
-    from ir.backend import BackendSpec
-    from jobs.evaluation import class_figures, score_classes
-    from runtime.engines.factory import make_engine
-    from runtime.engines.stage import stage_spec
-    from tasks.seqcls import load_seqcls_data
-
-    try:
-        run = load_seqcls_data(data, eval_path, seq, settings.tokenizer)
-    except (ValueError, OSError) as exc:
-        raise JobError(f"--data/--eval: {exc}") from None
-    check_label_count(plan_dir, logits_shape(full)[-1], run.labels, eval_only_labels(run),
-                      eval_path)
-    batches = make_batches(run.train_encoded, rows * M, seq, seed=settings.seed, per_sequence=True)
-
-    def evaluate(weights):
-        if not run.dev:
-            return None
-        engine = make_engine(BackendSpec.cpu("mnn", 1), stage_spec(full, 0, len(full.blocks) - 1),
-                             weights={**full.constants, **weights}, cache_activations=False)
-        return class_figures(score_classes(engine, full, run, rows))
-
-    return PipelineTask("seq-cls", full, lambda k: step_feeds(batches, k, rows, M, len(run.labels)), evaluate,
-                        lambda f: f"accuracy {f.after:.4f}, macro-F1 {f.macro_f1:.4f}", tuple(run.labels),
-                        len(batches))
-
-
-def _causal_lm_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int,
-                    M: int, seq: int, note: Callable[[str], None] | None = None) -> PipelineTask:
-    """A causal LM from a plan: JSONL instructions or text encoded with the tokenizer `confidant plan`
-    copied into the plan folder (or --tokenizer); the dev answers' perplexity of the trained weights
-    on the merged slices (exact match needs the exported model file to generate with: `confidant
-    generate` or train-pipeline)."""
-    from jobs.lm_training import dev_rows_of, train_rows_of
-    from jobs.settings import TrainingSettings
-    from tasks.lm_data import make_lm_batches, microbatch_feeds, pad_lm_batch
-    from tasks.lm_eval import engine_nll
-    from tasks.lm_tokenizer import load_lm_tokenizer
-
-    try:
-        tokenizer = load_lm_tokenizer(settings.tokenizer or plan_dir)
-    except FileNotFoundError as exc:
-        raise JobError(f"{exc} (pass --tokenizer with the exported model's folder)") from None
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    batch = rows * M
-    batches = make_lm_batches(train_rows_of(data, tokenizer, seq, note), batch, seq, pad_id, seed=settings.seed)
-    _, dev_rows = dev_rows_of(eval_path, tokenizer, TrainingSettings(seq=seq), note)
-
-    def feeds_of_step(k: int):
-        return microbatch_feeds(pad_lm_batch(batches[k % len(batches)], batch, pad_id), M)
-
-    def evaluate(weights):
-        if not dev_rows:
-            return None
-        from ir.backend import BackendSpec
-        from runtime.engines.factory import make_engine
-        from runtime.engines.stage import stage_spec
-
-        engine = make_engine(BackendSpec.cpu("mnn", 1), stage_spec(full, 0, len(full.blocks) - 1),
-                             weights={**full.constants, **weights}, cache_activations=False)
-        nll = engine_nll(engine, make_lm_batches(dev_rows, rows, seq, pad_id, shuffle=False), rows, pad_id)
-        return EvalFigures(nll.perplexity, None, None, metric="perplexity", perplexity=nll.perplexity)
-
-    return PipelineTask("causal-lm", full, feeds_of_step, evaluate, lambda f: f"dev perplexity {f.perplexity:.3f}",
-                        batches=len(batches))
 
 
 # --- re-planning while training from a plan folder --------------------------------------------------

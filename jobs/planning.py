@@ -164,7 +164,7 @@ def copy_lm_tokenizer(model: Path, plan_dir: Path) -> list[str]:
     instruction data with the plan alone; the names copied (none when the model has no tokenizer)."""
     import shutil
 
-    from tasks.lm_tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+    from tasks.causal_lm.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 
     copied = []
     for name in (TOKENIZER_FILE, CHAT_TEMPLATE_FILE):

@@ -3,10 +3,12 @@ export-trained` (an ONNX file with the trained weights, or a transformers checkp
 
 A trained model is a checkpoint folder (`runtime.pipeline.checkpoints`, written by `train-local
 --checkpoint` and `train-pipeline --checkpoint`: meta.json names the ONNX file it was trained from,
-`model_path`) or, untrained, an ONNX file itself. Its task is the checkpoint's (`ner`, `seq-cls`),
-else read off the logits ([B, S, labels]: tokens, [B, labels]: sequences); its label names are
-`--labels`, else the checkpoint's, else the export's (NAME.hf.json), else CoNLL-2003's nine for a
-nine-label token model.
+`model_path`) or, untrained, an ONNX file itself. Its task (`tasks.task.Task`, a classifier's) is
+the checkpoint's (`ner`, `seq-cls`), else read off the logits ([B, S, labels]: tokens, [B, labels]:
+sequences; `tasks.choice.task_of`); its label names are `--labels`, else the checkpoint's, else the
+export's (NAME.hf.json), else the task's default (CoNLL-2003's nine for a nine-label token model).
+The task reads the input, labels it and writes the predictions (`tasks.ner.predict`,
+`tasks.seqcls.predict`).
 
 Predictions run on one MNN engine holding the whole model, in batches of `batch` rows of `seq`
 tokens (a long sentence is cut into windows and stitched back, as in training). Writing out:
@@ -18,7 +20,6 @@ transformers folder takes config.json from the export's sidecar and each weight'
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,18 +27,16 @@ from typing import Mapping, Sequence, TextIO
 
 import numpy as np
 
-from ir.backend import BackendSpec
 from ir.errors import InputFileError
-from ir.graph import is_sequence_classifier, logits_shape
+from ir.graph import logits_shape
 from ir.safetensors import save_safetensors
 from jobs.errors import JobError
 from planner.onnx_import import load_model, write_weights
-from runtime.engines.factory import make_engine
-from runtime.engines.stage import stage_spec
+from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_tensors_fit, load_checkpoint
-from tasks.tokenize import CONLL_LABELS
+from tasks.choice import TASK_NAMES, task_named, task_of
+from tasks.classification import PREDICTION_FORMATS as FORMATS, Prediction
 
-FORMATS = ("conll", "jsonl")
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,14 +79,17 @@ def open_trained(path: Path) -> TrainedModel:
     return TrainedModel(path)
 
 
-def _task_of(trained: TrainedModel, graph) -> str:
-    task = trained.meta.get("task")
-    if task in ("ner", "seq-cls"):
-        return task
-    return "seq-cls" if is_sequence_classifier(graph) else "ner"
+def _task_of(trained: TrainedModel, graph):
+    """The classifier's task (`tasks.task.Task`): the checkpoint's, else the one the logits say."""
+    recorded = trained.meta.get("task")
+    task = task_named(recorded if recorded in TASK_NAMES else task_of(graph).task)
+    if not hasattr(task, "predict"):
+        raise JobError(f"{trained.model_path} is a {task.name} model: predict labels tokens or sequences; "
+                       "`confidant generate` answers prompts with a causal LM")
+    return task
 
 
-def label_names(trained: TrainedModel, n_labels: int, task: str, given: Sequence[str] | None = None) -> tuple[str, ...]:
+def label_names(trained: TrainedModel, n_labels: int, task, given: Sequence[str] | None = None) -> tuple[str, ...]:
     """The model's label names in output order (see the module docstring)."""
     sidecar = trained.sidecar or {}
     for names in (given, trained.meta.get("labels"), sidecar.get("labels")):
@@ -95,8 +97,8 @@ def label_names(trained: TrainedModel, n_labels: int, task: str, given: Sequence
             if len(names) != n_labels:
                 raise JobError(f"{len(names)} label names ({', '.join(names)}) for a model with {n_labels} outputs")
             return tuple(names)
-    if task == "ner" and n_labels == len(CONLL_LABELS):
-        return CONLL_LABELS
+    if task.default_labels(n_labels):
+        return task.default_labels(n_labels)
     raise JobError(f"the model has {n_labels} labels but no names for them: pass --labels A,B,... (in output order)")
 
 
@@ -105,65 +107,16 @@ def _engine(trained: TrainedModel, batch: int, seq: int, threads: int):
     if trained.weights:  # the ONNX file at model_path may have been replaced by another model's
         check_tensors_fit(trained.source, trained.weights, {}, {p: graph.constants[p].shape for p in graph.params},
                           trained.model_path, f"put the ONNX file it was trained from back at {trained.model_path}")
-    engine = make_engine(BackendSpec.cpu("mnn", threads), stage_spec(graph, 0, len(graph.blocks) - 1),
-                         weights={**graph.constants, **trained.weights}, cache_activations=False)
+    engine = whole_model_engine(graph, "mnn", threads, weights=trained.weights, cache_activations=False)
     return graph, engine
 
 
 # --- predict -----------------------------------------------------------------------------------
 
-_WORD = re.compile(r"\w+(?:[-'.]\w+)*|[^\w\s]", re.UNICODE)
-
-
 def _input_text(path: Path) -> str:
-    """`predict`'s input as text (`tasks.text_files.read_utf8_text`)."""
-    from tasks.text_files import read_utf8_text
+    from tasks.classification import read_input_text
 
-    return read_utf8_text(path, "give a text, CoNLL or TSV/CSV file saved as UTF-8", f"--input {path}")
-
-
-def _read_sentences(path: Path) -> list[list[str]]:
-    """Words per sentence: a CoNLL file (its first column), or plain text, one sentence a line."""
-    from tasks.conll import is_valid_tag, read_conll
-
-    text = _input_text(path)
-    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("-DOCSTART-")]
-    if lines and all(len(line.split()) >= 2 and is_valid_tag(line.split()[-1]) for line in lines):
-        return [list(s.tokens) for s in read_conll(path)]
-    return [_WORD.findall(line) for line in text.splitlines() if line.strip()]
-
-
-def _read_texts(path: Path) -> list[tuple[str, str | None]]:
-    """Texts (or pairs) to label: TSV/CSV `sentence[,sentence2][,label]` with a header, or one a line."""
-    import csv
-    import io
-
-    from tasks.seqcls import FIRST, SECOND
-
-    text = _input_text(path)
-    if path.suffix.lower() in (".tsv", ".csv"):
-        rows = list(csv.reader(io.StringIO(text), delimiter="," if path.suffix.lower() == ".csv" else "\t"))
-        header = [c.strip().lower() for c in rows[0]] if rows else []
-        first = next((header.index(c) for c in FIRST if c in header), None)
-        if first is not None:
-            second = next((header.index(c) for c in SECOND if c in header), None)
-            return [(r[first], r[second] if second is not None else None) for r in rows[1:]
-                    if any(c.strip() for c in r)]
-        return [(r[0], r[1] if len(r) > 2 else None) for r in rows if r and r[0].strip()]
-    return [(line.strip(), None) for line in text.splitlines() if line.strip()]
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """One input's prediction: its words and tags (token models) or its label and the label
-    probabilities (sequence models)."""
-
-    words: tuple[str, ...] = ()
-    tags: tuple[str, ...] = ()
-    text: str | None = None
-    text_pair: str | None = None
-    label: str | None = None
-    scores: Mapping[str, float] = field(default_factory=dict)
+    return read_input_text(path)
 
 
 def predict(model: Path, input_path: Path, labels: Sequence[str] | None = None, batch: int = 8, seq: int = 128,
@@ -181,66 +134,16 @@ def predict(model: Path, input_path: Path, labels: Sequence[str] | None = None, 
     task = _task_of(trained, graph)
     names = label_names(trained, logits_shape(graph)[-1], task, labels)
     tok = load_tokenizer(tokenizer or default_tokenizer_path())
-    head = len(graph.blocks) - 2
-    if task == "seq-cls":
-        return task, _predict_texts(engine, graph, tok, _read_texts(input_path), names, batch, seq, head)
-    return task, _predict_words(engine, tok, _read_sentences(input_path), names, batch, seq, head)
-
-
-def _predict_words(engine, tok, sentences, names, batch, seq, head) -> list[Prediction]:
-    from tasks.conll import Sentence
-    from tasks.tokenize import decode_predictions, encode_sentences
-    from tasks.trainer import TrainConfig, predict as run
-
-    sentences = [s for s in sentences if s]
-    sents = [Sentence(tuple(w), ("O",) * len(w)) for w in sentences]
-    encoded = encode_sentences(tok, sents, {n: i for i, n in enumerate(names)}, seq)
-    preds = run(engine, encoded, TrainConfig(batch=batch, seq=seq), len(names), head)
-    tags = decode_predictions(encoded, preds, list(names))
-    return [Prediction(words=tuple(w), tags=tuple(t)) for w, t in zip(sentences, tags)]
-
-
-def _predict_texts(engine, graph, tok, texts, names, batch, seq, head) -> list[Prediction]:
-    from tasks.tokenize import encode_texts, make_batches
-    from tasks.trainer import batch_feeds, pad_batch
-
-    encoded = encode_texts(tok, texts, [0] * len(texts), seq)
-    out: list[Prediction] = []
-    rows = iter(texts)
-    for b in make_batches(encoded, batch, seq, seed=0, shuffle=False, per_sequence=True):
-        logits = engine.forward(batch_feeds(pad_batch(b, batch), len(names)), train=False, until_block=head)[:b.size]
-        z = np.exp(logits - logits.max(-1, keepdims=True))
-        probs = z / z.sum(-1, keepdims=True)
-        for p in probs:
-            a, pair = next(rows)
-            out.append(Prediction(text=a, text_pair=pair, label=names[int(np.argmax(p))],
-                                  scores={n: round(float(x), 6) for n, x in zip(names, p)}))
-    return out
+    return task.name, task.predict(engine, graph, tok, input_path, names, batch, seq)
 
 
 def write_predictions(task: str, predictions: Sequence[Prediction], out: TextIO, fmt: str | None = None) -> None:
     """CoNLL (word TAB tag, a blank line between sentences; text TAB label for sequences) or JSONL."""
-    from tasks.metrics import extract_entities
-
-    fmt = fmt or ("jsonl" if task == "seq-cls" else "conll")
+    chosen = task_named(task)
+    fmt = fmt or chosen.default_format
     if fmt not in FORMATS:
         raise JobError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
-    for p in predictions:
-        if task == "seq-cls":
-            if fmt == "jsonl":
-                doc = {"text": p.text, **({"text_pair": p.text_pair} if p.text_pair is not None else {}),
-                       "label": p.label, "scores": dict(p.scores)}
-                out.write(json.dumps(doc, ensure_ascii=False) + "\n")
-            else:
-                cells = [p.text or ""] + ([p.text_pair] if p.text_pair is not None else []) + [p.label or ""]
-                out.write("\t".join(cells) + "\n")
-        elif fmt == "jsonl":
-            entities = [{"type": t, "start": a, "end": b, "text": " ".join(p.words[a:b])}
-                        for t, a, b in sorted(extract_entities(p.tags), key=lambda e: e[1])]
-            out.write(json.dumps({"words": list(p.words), "tags": list(p.tags), "entities": entities},
-                                 ensure_ascii=False) + "\n")
-        else:
-            out.write("".join(f"{w}\t{t}\n" for w, t in zip(p.words, p.tags)) + "\n")
+    chosen.write_predictions(predictions, out, fmt)
 
 
 def predict_to(model: Path, input_path: Path, output: Path | None, fmt: str | None = None, **kwargs) -> int:

@@ -31,7 +31,7 @@ buffer, not a weight); ``Expand`` of an activation (grouped-query attention repe
 heads) is the IR's ``Expand``; ``Concat``, ``Sigmoid`` and ``Reciprocal`` of activations lower to
 ``Concat``, ``Sigmoid`` and a ``Div``. A model whose logits are vocabulary-sized (their last axis
 has the rows of the table `input_ids` is looked up in) gets the causal-LM loss
-``TokenCrossEntropy`` over the inputs ``target_ids`` and ``target_weights`` (tasks/lm_data.py);
+``TokenCrossEntropy`` over the inputs ``target_ids`` and ``target_weights`` (tasks/causal_lm/data.py);
 any other model the classifier's ``SoftmaxCrossEntropy`` over ``targets``.
 
 Every failure names the file and the node and says what to do (``ImportError_``, an

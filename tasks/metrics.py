@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tasks.conll import is_valid_tag
+from tasks.ner.conll import is_valid_tag
 
 __all__ = ["ClassScores", "Entity", "Scores", "TypeScores", "class_scores", "entity_f1", "extract_entities"]
 

@@ -31,7 +31,7 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from ir.errors import InputFileError
-from tasks.conll import Sentence, to_iob2
+from tasks.ner.conll import Sentence, to_iob2
 
 __all__ = [
     "CONLL_LABELS",

@@ -111,7 +111,7 @@ def train_steps(engine: StageEngine, batches: Sequence, config: TrainConfig, num
     """`config.steps` optimizer steps over `batches` (cycled) on one engine holding the whole model.
     `step_feeds(batch)` gives a batch's micro-batch graph inputs (default: a token- or
     sequence-classification `Batch`, padded to `config.batch` rows; the causal-LM trainer passes
-    `tasks.lm_data`'s)."""
+    `tasks.causal_lm.data`'s)."""
     if not batches:
         raise ValueError("no training batches: the training file produced no sentences")
     optimizer = make_optimizer(config.optimizer, config.lr, config.weight_decay)

@@ -106,7 +106,7 @@ def test_train_pipeline_argument_errors(tiny_onnx, tmp_path):
 
 @pytest.mark.slow
 def test_train_pipeline_end_to_end_with_resume(minilm_onnx, tmp_path):
-    from tasks.datagen import write_splits
+    from tasks.ner.datagen import write_splits
 
     train, dev = write_splits(tmp_path / "data", n_train=64, n_dev=16, seed=2)
     common = ["--data", train, "--local", 3, "--schedule", "1f1b-flush", "--microbatches", 2, "--batch", 4,

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.conll import Sentence, read_conll, to_iob2, write_conll
-from tasks.datagen import generate
+from tasks.ner.conll import Sentence, read_conll, to_iob2, write_conll
+from tasks.ner.datagen import generate
 
 # The opening of the original CoNLL-2003 English training file: IOB1, so
 # entities start with I- and B- appears only between adjacent same-type

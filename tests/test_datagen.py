@@ -2,8 +2,8 @@
 
 import time
 
-from tasks.conll import read_conll, to_iob2
-from tasks.datagen import ENTITY_TYPES, TEMPLATES, generate, write_splits
+from tasks.ner.conll import read_conll, to_iob2
+from tasks.ner.datagen import ENTITY_TYPES, TEMPLATES, generate, write_splits
 from tasks.metrics import extract_entities
 
 

@@ -183,7 +183,7 @@ def test_generation_with_the_key_value_cache_equals_transformers_greedy(family, 
     """NAME.kv.onnx (the step graph `generate` runs) per family: two prompts of different lengths
     (left-padded together) give transformers' greedy tokens, with the cache and without. BLOOM's
     step takes no position_ids (its ALiBi biases come from the mask)."""
-    from tasks.generate import GenerationSettings, OnnxCausalLM
+    from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM
 
     model = _model(family)
     lm = OnnxCausalLM(export_causal_lm(model, tmp_path / "m.onnx", LlmExportOptions()))

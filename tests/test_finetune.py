@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.datagen import write_splits
+from tasks.ner.datagen import write_splits
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Generation on ONNX Runtime (tasks/generate.py): greedy equals transformers' generate token for token on
+"""Generation on ONNX Runtime (tasks/causal_lm/generate.py): greedy equals transformers' generate token for token on
 tiny random models, with the key/value cache and by recomputation; seeded sampling; replacement weights
 (a fine-tuned model) reach both graphs and are checked; `confidant generate` end to end."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
 from support import Lazy
-from tasks.generate import GenerationSettings, OnnxCausalLM
+from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -195,7 +195,7 @@ def _word_tokenizer_beside(path, words):
 
 def test_the_generate_command(models, capsys):
     from confidant.cli import main
-    from tasks.lm_tokenizer import load_lm_tokenizer
+    from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
     model, path = models["llama"]
     words = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"] + [f"w{i}" for i in range(250)]
@@ -227,7 +227,7 @@ def test_damaged_side_files_and_settings_are_named(models, tmp_path):
     from jobs.errors import JobError
     from jobs.generation import generate
     from support import find_tokenizer_json
-    from tasks.lm_tokenizer import load_lm_tokenizer
+    from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
     with pytest.raises(ValueError, match=r"^the temperature must be a finite number >= 0 \(0: greedy\), not nan$"):
         GenerationSettings(temperature=math.nan)

@@ -110,7 +110,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "ortools": (_first_existing("planner.partition.cpsat", "planner.partition"),),
     "yaml": ("planner.cluster",),
     "safetensors": (),  # the project has its own codec, ir.safetensors; the package is the tests' reference
-    "onnxruntime": ("tasks.generate",),  # generation on the exported file; and the tests' forward oracle
+    "onnxruntime": ("tasks.causal_lm.generate",),  # generation on the exported file; and the tests' forward oracle
 }
 # Third-party libraries any module may import.
 FREE = {"numpy"}

@@ -13,8 +13,8 @@ import pytest
 from jobs.export_llm import (LlmExportOptions, chat_pieces, export_causal_lm, random_causal_lm,
                              smollm2_gguf_path)
 from support import Lazy
-from tasks.generate import GenerationSettings, OnnxCausalLM, generate_text
-from tasks.lm_tokenizer import ChatPieces, load_lm_tokenizer
+from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, generate_text
+from tasks.causal_lm.tokenizer import ChatPieces, load_lm_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -1,4 +1,4 @@
-"""Causal-LM data (tasks/lm_data.py, tasks/lm_tokenizer.py): packed text and instruction rows, their exact
+"""Causal-LM data (tasks/causal_lm/data.py, tasks/causal_lm/tokenizer.py): packed text and instruction rows, their exact
 next-token targets and weights on hand-written examples, micro-batches that sum to the batch."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 
 from ir.errors import InputFileError
 
-from tasks.lm_data import (LmBatch, encode_instructions, lm_feeds, load_lm_examples, make_lm_batches,
+from tasks.causal_lm.data import (LmBatch, encode_instructions, lm_feeds, load_lm_examples, make_lm_batches,
                            microbatch_feeds, pack_documents, pad_lm_batch, read_instructions, read_text_documents,
                            split_microbatches)
-from tasks.lm_metrics import lm_loss
-from tasks.lm_tokenizer import ChatPieces, LmTokenizer
+from tasks.causal_lm.metrics import lm_loss
+from tasks.causal_lm.tokenizer import ChatPieces, LmTokenizer
 
 WORDS = ["<unk>", "<|im_end|>", "<|im_start|>", "system", "user", "assistant", "Be", "helpful", "What", "is",
          "the", "capital", "?", "Paris", "a", "b", "c", "d", "e"]
@@ -202,7 +202,7 @@ def test_too_long_is_an_error_unless_truncated():
 def test_long_conversations_are_cut_or_skipped_and_counted():
     """A conversation longer than the row is cut there; one whose answer starts past it is left out
     (it has nothing to train), and the summary counts both (training used to stop at the first)."""
-    from tasks.lm_data import fit_conversations
+    from tasks.causal_lm.data import fit_conversations
 
     tok = _tokenizer()
     short = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]

@@ -1,4 +1,4 @@
-"""The generated instruction task (tasks/entity_task.py) and the causal-LM metrics (tasks/lm_metrics.py) on
+"""The generated instruction task (tasks/causal_lm/entity_task.py) and the causal-LM metrics (tasks/causal_lm/metrics.py) on
 hand-checkable cases."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from tasks.conll import Sentence
-from tasks.entity_task import KEYS, answer_for, example_for, parse_answer, score_answers, sentence_text, \
+from tasks.ner.conll import Sentence
+from tasks.causal_lm.entity_task import KEYS, answer_for, example_for, parse_answer, score_answers, sentence_text, \
     write_entity_splits
-from tasks.lm_data import LmBatch
-from tasks.lm_metrics import NllSum, exact_match, perplexity, token_cross_entropy
+from tasks.causal_lm.data import LmBatch
+from tasks.causal_lm.metrics import NllSum, exact_match, perplexity, token_cross_entropy
 
 
 def test_a_sentence_becomes_a_prompt_and_its_json_answer():

@@ -134,7 +134,7 @@ def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_mo
     from jobs.errors import JobError
     from jobs.plan_training import PlanRunSettings, train_from_plan
     from jobs.planning import PlanSettings, plan_model
-    from tasks.datagen import write_splits
+    from tasks.ner.datagen import write_splits
 
     seq = 32
     graph = load_model(minilm_onnx, 4, seq)

@@ -212,7 +212,7 @@ def test_the_command_line_trains_lora_checkpoints_and_exports_the_adapter(minilm
     from peft import PeftModel
 
     from jobs.export import default_checkpoint_dir, load_token_classifier
-    from tasks.datagen import write_splits
+    from tasks.ner.datagen import write_splits
 
     train, _ = write_splits(tmp_path / "data", n_train=32, n_dev=4, seed=1)
     run = [sys.executable, "-m", "confidant"]
@@ -335,7 +335,7 @@ def test_a_causal_lm_adapter_folder_loads_alone_with_auto_peft_and_its_tokenizer
     from transformers import AutoTokenizer
 
     from jobs.export_adapter import export_adapter_for, loading_lines
-    from tasks.lm_tokenizer import load_lm_tokenizer
+    from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
     root, _, path, graph, weights = chat_llama_run
     out = export_adapter_for(root / "ck", tmp_path / "adapter", base=root / "hf")
@@ -365,7 +365,7 @@ def test_a_merged_causal_lm_generates_and_gives_the_adapted_logits(chat_llama_ru
 
     from jobs.export_adapter import export_adapter_for, export_merged
     from jobs.generation import generate
-    from tasks.generate import GenerationSettings, OnnxCausalLM
+    from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM
 
     root, model, _, _, _ = chat_llama_run
     merged = export_merged(root / "ck", tmp_path / "merged" / "m.onnx")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tasks.conll import to_iob2
-from tasks.datagen import generate
+from tasks.ner.conll import to_iob2
+from tasks.ner.datagen import generate
 from tasks.metrics import entity_f1, extract_entities
 
 

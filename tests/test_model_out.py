@@ -251,7 +251,7 @@ def test_a_fine_tuned_causal_lm_goes_out_as_a_transformers_folder_with_its_token
     from jobs.export_llm import LlmExportOptions, export_llm, random_causal_lm
     from jobs.lm_training import _write_checkpoint
     from support import lm_step_feeds
-    from tasks.lm_tokenizer import load_lm_tokenizer
+    from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
     tokenizer = load_hf_tokenizer(chat_llama[0].parent / "tokenizer.json")  # SmolLM2's, with its chat template
     model = random_causal_lm("llama", 2, vocab_size=len(tokenizer))

@@ -31,7 +31,7 @@ def seqcls_model(tmp_path_factory, tokenizer_path):
     from transformers import BertConfig, BertForSequenceClassification
 
     from jobs.export import ExportOptions, export_model
-    from tasks.seqcls import write_review_splits
+    from tasks.seqcls.data import write_review_splits
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -175,7 +175,7 @@ def test_plan_with_seq_cls_data_counts_the_rows_it_looks_up(seqcls_model, tmp_pa
     from ir.profile import BackendProfile, BlockCost, DeviceProfile
     from jobs.planning import PlanSettings, plan_model
     from planner.onnx_import import load_model
-    from tasks.seqcls import load_seqcls_data
+    from tasks.seqcls.data import load_seqcls_data
 
     model, train, _ = seqcls_model
     graph = load_model(model, 4, 32)

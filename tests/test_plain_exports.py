@@ -233,7 +233,7 @@ def test_a_position_ids_input_is_bound_to_the_positions(family, tmp_path):
     ref = session.run(None, {**inputs, "position_ids": np.broadcast_to(np.arange(S), (B, S)).astype(np.int64)})[0]
     assert np.abs(logits - ref).max() <= 2e-5 * np.abs(ref).max()
     if family != "bert":  # generation's full-sequence logits feed the positions the file asks for
-        from tasks.generate import OnnxCausalLM
+        from tasks.causal_lm.generate import OnnxCausalLM
 
         got = OnnxCausalLM(path).logits(inputs["input_ids"], inputs["attention_mask"])
         assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()

@@ -88,7 +88,7 @@ def _tokenizer(train: Path, out: Path) -> Path:
     """A WordPiece tokenizer over the training words that fits the tiny model's 500-token vocabulary."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-    from tasks.conll import read_conll
+    from tasks.ner.conll import read_conll
 
     words = collections.Counter(w.lower() for s in read_conll(train) for w in s.tokens)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
@@ -108,7 +108,7 @@ def planned(tiny_onnx, tmp_path_factory):
     """A plan of the tiny model that gives device a the embeddings and both encoder layers and b the
     rest (c waits as a spare): a's profile says it is SLOWER times faster than it is (one real
     profile for all three, a's scaled), as for a device slowed since it was profiled."""
-    from tasks.datagen import write_splits
+    from tasks.ner.datagen import write_splits
 
     root = tmp_path_factory.mktemp("replan-bundles")
     model = tiny_onnx["torchscript-17"]
@@ -195,7 +195,7 @@ def _train_from(plan_dir: Path, plan, bundles, train: Path, tokenizer: Path, per
     from jobs.pipeline_training import train_pipeline
     from jobs.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
-    from tasks.ner import load_ner_data
+    from tasks.ner.data import load_ner_data
     from tasks.tokenize import make_batches
 
     data = load_ner_data(train, None, SEQ, tokenizer)

@@ -18,7 +18,7 @@ from jobs.metrics import DeviceFigures, StepFigures, TrainingMetrics
 from planner.memory_defaults import default_profile
 from planner.onnx_import import load_model
 from support import make_tiny_tokenizer, run_cli
-from tasks.datagen import write_splits
+from tasks.ner.datagen import write_splits
 
 MIB = 2 ** 20
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

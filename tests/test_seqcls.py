@@ -12,7 +12,7 @@ import pytest
 from ir.errors import InputFileError
 from ir.graph import is_sequence_classifier, logits_shape
 from tasks.metrics import class_scores
-from tasks.seqcls import (REVIEW_LABELS, LabelledText, generate_reviews, label_order, read_labelled, write_labelled,
+from tasks.seqcls.data import (REVIEW_LABELS, LabelledText, generate_reviews, label_order, read_labelled, write_labelled,
                           _OPINIONS)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_a_text_longer_than_csvs_field_limit_is_read_and_an_unclosed_quote_is_sh
 
 
 def test_a_label_only_the_eval_file_has_is_named_with_that_file(tmp_path, tokenizer_path):
-    from tasks.seqcls import load_seqcls_data
+    from tasks.seqcls.data import load_seqcls_data
 
     train, dev = tmp_path / "train.tsv", tmp_path / "dev.tsv"
     train.write_text("good\tpos\nbad\tneg\n")
@@ -77,7 +77,7 @@ def test_a_label_only_the_eval_file_has_is_named_with_that_file(tmp_path, tokeni
 def test_integer_labels_are_the_indices_of_a_models_named_labels(tmp_path, tokenizer_path):
     """GLUE's files label by index (0, 1, 2): for a model exported with label names, id i is its
     i-th label, in training and in the dev labels its metrics compare; an id past the labels is refused."""
-    from tasks.seqcls import load_seqcls_data
+    from tasks.seqcls.data import load_seqcls_data
 
     train, dev = tmp_path / "train.tsv", tmp_path / "dev.tsv"
     train.write_text("sentence\tlabel\ngood\t2\nbad\t0\nmeh\t1\n")
@@ -215,17 +215,27 @@ def test_the_review_demo_raises_accuracy_on_minilm(tmp_path):
 
 
 def test_the_logits_shape_tells_a_sequence_from_a_token_classifier(tiny_seqcls, tiny_onnx, tmp_path):
-    """`ir.graph.is_sequence_classifier`, and train-local's check of --task against the model with it."""
+    """`ir.graph.is_sequence_classifier`, `tasks.choice.task_of` a lowered graph, and train-local's check
+    of --task against the model with it (`Task.check_graph`)."""
+    from types import SimpleNamespace
+
     from jobs.errors import JobError
-    from jobs.local_training import check_task_shape
+    from jobs.task_choice import check_graph
     from planner.onnx_import import load_model
+    from tasks.choice import task_named, task_of
 
     sequences, tokens = load_model(tiny_seqcls, 4, 10), load_model(tiny_onnx["dynamo-18"], 4, 10)
     assert is_sequence_classifier(sequences) and not is_sequence_classifier(tokens)
     assert logits_shape(tokens)[:2] == (4, 10)
-    check_task_shape(tmp_path / "m.onnx", sequences, "seq-cls")
-    check_task_shape(tmp_path / "m.onnx", tokens, "ner")
+    assert (task_of(sequences).task, task_of(tokens).task) == ("seq-cls", "ner")
+
+    def data(graph):  # as many labels as the head has: only the shape is checked here
+        return SimpleNamespace(labels=[str(i) for i in range(logits_shape(graph)[-1])], train=[], dev=[])
+
+    seqcls, ner = task_named("seq-cls"), task_named("ner")
+    check_graph(seqcls, tmp_path / "m.onnx", sequences, data(sequences))
+    check_graph(ner, tmp_path / "m.onnx", tokens, data(tokens))
     with pytest.raises(JobError, match=r"labels tokens \(logits \[4, 10, "):
-        check_task_shape(tmp_path / "m.onnx", tokens, "seq-cls")
+        check_graph(seqcls, tmp_path / "m.onnx", tokens, data(tokens))
     with pytest.raises(JobError, match=r"labels whole sequences \(logits \[4, 2\]\)"):
-        check_task_shape(tmp_path / "m.onnx", sequences, "ner")
+        check_graph(ner, tmp_path / "m.onnx", sequences, data(sequences))

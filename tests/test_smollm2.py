@@ -28,7 +28,7 @@ B, S = 2, 16
 
 def _feeds(tokenizer, seq: int = S):
     """Two real sentences (the second shorter, right-padded), next-token targets on every token."""
-    from tasks.lm_data import LmExample, lm_feeds, make_lm_batches
+    from tasks.causal_lm.data import LmExample, lm_feeds, make_lm_batches
 
     texts = ["The capital of France is Paris, and the capital of Italy is Rome; both are old cities.",
              "Hello! How are you today?"]
@@ -42,7 +42,7 @@ def _feeds(tokenizer, seq: int = S):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_onnx):
-    from tasks.lm_tokenizer import load_lm_tokenizer
+    from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
     tokenizer = load_lm_tokenizer(smollm2_onnx)
     return smollm2_onnx, load_model(smollm2_onnx, B, S), tokenizer

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jobs.task_choice import infer_task
+from tasks.choice import task_of
 from support import run_cli
 
 
@@ -15,7 +15,7 @@ def test_a_causal_lm_export_is_a_causal_lm_whatever_the_data(chat_llama):
     model, train, _ = chat_llama
     assert model.with_suffix(".lm.json").is_file()
     for data in (train, model.parent / "notes.txt", None):
-        choice = infer_task(model, data)
+        choice = task_of(model=model, data=data)
         assert choice.task == "causal-lm" and "m.lm.json" in choice.reason
 
 
@@ -25,7 +25,7 @@ def test_an_encoder_export_names_its_task(tmp_path, exported, task):
     model.write_bytes(b"")
     (tmp_path / "enc.hf.json").write_text(json.dumps({"format": "confidant-hf-export", "task": exported}))
     # the side file wins over a data file whose kind says otherwise
-    assert infer_task(model, tmp_path / "train.jsonl").task == task
+    assert task_of(model=model, data=tmp_path / "train.jsonl").task == task
 
 
 @pytest.mark.parametrize("data, task", [("train.jsonl", "causal-lm"), ("train.TSV", "seq-cls"),
@@ -34,7 +34,7 @@ def test_without_side_files_the_data_decides(tmp_path, data, task):
     model = tmp_path / "plain.onnx"
     model.write_bytes(b"")
     (tmp_path / "plain.hf.json").write_text("{not json")  # an unreadable side file decides nothing
-    assert infer_task(model, tmp_path / data).task == task
+    assert task_of(model=model, data=tmp_path / data).task == task
 
 
 def test_train_local_infers_a_causal_lm_from_its_side_file(chat_llama, tmp_path):

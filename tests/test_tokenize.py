@@ -5,8 +5,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from support import TINY_VOCAB, make_tiny_tokenizer
-from tasks.conll import Sentence
-from tasks.datagen import generate
+from tasks.ner.conll import Sentence
+from tasks.ner.datagen import generate
 from tasks.tokenize import (
     CONLL_LABELS,
     IGNORE_INDEX,

@@ -1,6 +1,7 @@
 """The one place stage engines are built: a backend name (`ir.backend.BackendSpec`), a stage and the
 plan's head split in, the engine that runs it out. Workers, the single-device trainer, the profiler
-and evaluation all come through here.
+and evaluation all come through here; `whole_model_engine` is the one spelling of an engine holding
+a whole model on this device's CPU (training on one device, scoring trained weights, predicting).
 
 An unsplit stage runs on one backend (`runtime.engines.single`); a stage whose attention heads the
 plan splits across backends runs on `runtime.engines.split.engine.SplitStageEngine`, which builds
@@ -13,10 +14,11 @@ from typing import Mapping
 import numpy as np
 
 from ir.backend import BackendSpec, parse_backend
+from ir.graph import Graph
 from runtime.engines.base import StageEngine
 from runtime.engines.single import single_engine
 from runtime.engines.split.engine import SplitStageEngine
-from runtime.engines.stage import StageSpec
+from runtime.engines.stage import StageSpec, stage_spec
 
 
 def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapping[str, int] | None = None,
@@ -49,3 +51,17 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
         raise ValueError(f"activations is {activations!r}: 'keep', 'recompute' or None (the engine's default)")
     return single_engine(backend, spec, weights=weights, stash_weights=stash_weights,
                          cache_activations=cache_activations, activations=activations, take_weights=take_weights)
+
+
+def whole_model_engine(graph: Graph, engine: str = "mnn", threads: int = 1, *,
+                       weights: Mapping[str, np.ndarray] | None = None, cache_activations: bool = True,
+                       take_weights: bool = False) -> StageEngine:
+    """The engine (`engine`: "mnn" or "torch", on the CPU with `threads` threads) that runs every block
+    of `graph` as one stage. `weights`: trained parameters by name, over the graph's own constants
+    (None: the graph as lowered); `cache_activations` False for an engine that only evaluates, so no
+    per-op caches stay resident (MNN); `take_weights` as `make_engine`'s. ModuleNotFoundError names the
+    fix when torch is asked for and not installed."""
+    if weights is not None:
+        weights = {**graph.constants, **weights}
+    return make_engine(BackendSpec.cpu(engine, threads), stage_spec(graph, 0, len(graph.blocks) - 1),
+                       weights=weights, cache_activations=cache_activations, take_weights=take_weights)

@@ -2,7 +2,7 @@
 answers (plus the entity task's scores when the answers are its JSON).
 
 `model` is anything with `logits(input_ids, attention_mask) -> [B, S, V]` and
-`generate(prompt_ids, settings, stop_ids) -> ids` (tasks/generate.py's OnnxCausalLM on the exported
+`generate(prompt_ids, settings, stop_ids) -> ids` (tasks/causal_lm/generate.py's OnnxCausalLM on the exported
 file, with or without trained weights); a lowered graph's logits fit `dev_perplexity` too.
 """
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from tasks.entity_task import parse_answer, score_answers
-from tasks.lm_data import encode_instructions, make_lm_batches
-from tasks.lm_metrics import NllSum, exact_match
+from tasks.causal_lm.entity_task import parse_answer, score_answers
+from tasks.causal_lm.data import encode_instructions, make_lm_batches
+from tasks.causal_lm.metrics import NllSum, exact_match
 
 if TYPE_CHECKING:
-    from tasks.generate import GenerationSettings
-    from tasks.lm_tokenizer import LmTokenizer
+    from tasks.causal_lm.generate import GenerationSettings
+    from tasks.causal_lm.tokenizer import LmTokenizer
 
 __all__ = ["InstructionScores", "dev_perplexity", "engine_nll", "evaluate_instructions", "generated_answers"]
 
@@ -74,11 +74,11 @@ def evaluate_instructions(model, tokenizer: "LmTokenizer", conversations: Sequen
 
 
 def engine_nll(engine, batches: Sequence, rows: int, pad_id: int = 0) -> NllSum:
-    """Summed answer NLL and target count of `batches` (tasks/lm_data.py's LmBatch) on a stage engine
+    """Summed answer NLL and target count of `batches` (tasks/causal_lm/data.py's LmBatch) on a stage engine
     holding a whole lowered causal LM (batch `rows`): each batch's loss, with the weights 1 / its own
     count, times that count. The engine's loss never makes the vocabulary-sized logits
     (`runtime.engines.lm_loss`)."""
-    from tasks.lm_data import lm_feeds, pad_lm_batch
+    from tasks.causal_lm.data import lm_feeds, pad_lm_batch
 
     total = NllSum()
     for b in batches:

@@ -9,7 +9,7 @@ Two sources:
   samples; a row may hold the end of one document and the start of the next, which attend to each
   other (the graph's mask is padding only), as in the usual packing.
 - JSONL instructions: one object per line, `{"prompt": ..., "response": ...}` (optional `"system"`) or
-  `{"messages": [{"role", "content"}, ...]}`, rendered with the model's chat template (tasks/lm_tokenizer.py),
+  `{"messages": [{"role", "content"}, ...]}`, rendered with the model's chat template (tasks/causal_lm/tokenizer.py),
   one conversation per row. Only the assistant's tokens are targets (its content and its end-of-sequence
   token), never the prompt's.
 
@@ -38,10 +38,10 @@ import numpy as np
 
 from ir.errors import InputFileError
 from tasks.text_files import read_utf8_text
-from tasks.lm_tokenizer import check_messages
+from tasks.causal_lm.tokenizer import check_messages
 
 if TYPE_CHECKING:
-    from tasks.lm_tokenizer import LmTokenizer
+    from tasks.causal_lm.tokenizer import LmTokenizer
 
 __all__ = ["FittedConversations", "LmBatch", "LmExample", "encode_instructions", "fit_conversations", "load_lm_examples", "lm_feeds", "make_lm_batches",
            "microbatch_feeds", "pack_documents", "pad_lm_batch", "read_instructions", "read_text_documents",
@@ -260,7 +260,7 @@ def read_instructions(path: str | os.PathLike[str]) -> list[list[dict[str, str]]
 
 def encode_instructions(tokenizer: "LmTokenizer", conversations: Iterable[Sequence[dict[str, str]]],
                         seq_len: int | None = None, truncate: bool = False) -> list[LmExample]:
-    """One row per conversation, with the assistant's tokens as targets (tasks/lm_tokenizer.py's
+    """One row per conversation, with the assistant's tokens as targets (tasks/causal_lm/tokenizer.py's
     `encode_chat`). A conversation longer than `seq_len` is an error, or with `truncate` cut to its
     first `seq_len` tokens (a cut that leaves no target is still an error)."""
     rows = []

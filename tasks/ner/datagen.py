@@ -32,7 +32,7 @@ import random
 from pathlib import Path
 from typing import Mapping
 
-from tasks.conll import Sentence, write_conll
+from tasks.ner.conll import Sentence, write_conll
 
 __all__ = ["ENTITY_TYPES", "TEMPLATES", "generate", "write_splits"]
 

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ir.errors import InputFileError
-from tasks.conll import Sentence, read_conll
+from tasks.ner.conll import Sentence, read_conll
 from tasks.models import default_tokenizer_path
 from tasks.text_files import directory_given
 from tasks.tokenize import CONLL_LABELS, Encoded, encode_sentences, label_list, load_tokenizer
@@ -56,21 +55,3 @@ def load_ner_data(train: Path, dev: Path | None, seq: int, tokenizer: Path | Non
     dev_enc = encode_sentences(tok, dev_sents, label_to_id, seq) if dev_sents else []
     return NerData(labels, train_sents, dev_sents, train_enc, dev_enc, seq)
 
-
-def check_label_count(model: Path, predicted: int, labels: Sequence[str], eval_only: Sequence[str] = (),
-                      eval_path: Path | None = None) -> None:
-    """A ValueError saying how to re-export when the model's head and the data disagree (and which
-    labels only the evaluation file brings: `eval_only`, from `eval_path`)."""
-    if predicted != len(labels):
-        only = (f"; {list(eval_only)} appear only in --eval {eval_path}, which the training never sees: drop them "
-                "from it or add training sentences with them" if eval_only else "")
-        raise InputFileError(f"{model} predicts {predicted} labels but the data has {len(labels)} ({', '.join(labels)}); "
-                         f"re-export with `confidant export --num-labels {len(labels)}`{only}")
-
-
-def eval_only_labels(data) -> list[str]:
-    """Labels of the evaluation examples that no training example has (NER tags, or sequence labels)."""
-    def labels(rows) -> set[str]:
-        return {t for r in rows for t in (r.tags if hasattr(r, "tags") else (r.label,))}
-
-    return sorted(labels(data.dev) - labels(data.train))

@@ -37,7 +37,7 @@ from ir.versioned import check_header
 from runtime.engines import fpmode
 
 if TYPE_CHECKING:
-    from tasks.lm_tokenizer import LmTokenizer, Message
+    from tasks.causal_lm.tokenizer import LmTokenizer, Message
 
 __all__ = ["GenerationSettings", "OnnxCausalLM", "generate_text", "lm_metadata"]
 

@@ -2,13 +2,13 @@
 
 Perplexity is exp(mean negative log-likelihood per target token) over a whole evaluation set: the sum
 of token losses over all batches divided by the count of all targets (never a mean of per-batch
-perplexities, which would weight short batches up). The targets are those of tasks/lm_data.py: for
+perplexities, which would weight short batches up). The targets are those of tasks/causal_lm/data.py: for
 instruction data the answer tokens only, so it is the perplexity of the answers given their prompts.
 A model that spreads its probability evenly over V tokens has perplexity V.
 
 Exact match compares a generated answer with the reference after stripping whitespace at both ends:
 nothing else is forgiven (a JSON answer with other spacing or key order is not a match; the entity task
-has its own, more lenient scores in tasks/entity_task.py).
+has its own, more lenient scores in tasks/causal_lm/entity_task.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from tasks.lm_data import LmBatch
+    from tasks.causal_lm.data import LmBatch
 
 __all__ = ["NllSum", "exact_match", "lm_loss", "perplexity", "token_cross_entropy"]
 
@@ -41,7 +41,7 @@ def token_cross_entropy(logits: np.ndarray, target_ids: np.ndarray) -> np.ndarra
 
 def lm_loss(logits: np.ndarray, feeds: Mapping[str, np.ndarray]) -> float:
     """The causal-LM loss of one (micro-)batch: sum(target_weights x token cross-entropy), the number
-    the graph's loss block computes (tasks/lm_data.py's `lm_feeds` makes the feeds)."""
+    the graph's loss block computes (tasks/causal_lm/data.py's `lm_feeds` makes the feeds)."""
     ce = token_cross_entropy(logits, feeds["target_ids"])
     return float((ce * feeds["target_weights"]).sum())
 

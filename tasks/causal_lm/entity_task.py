@@ -1,6 +1,6 @@
 """A generated instruction task for causal LMs: list a sentence's people, places and organisations as JSON.
 
-The sentences are the NER generator's (tasks/datagen.py: its templates and name lists, with the same
+The sentences are the NER generator's (tasks/ner/datagen.py: its templates and name lists, with the same
 held-out names: train draws only from the names that survive the seeded holdout, dev from all names,
 so dev asks about people, places and organisations never seen in training). Each example is
 
@@ -14,7 +14,7 @@ gives three empty lists). The answer's exact form is learnable from a few dozen 
 model answers in its own words or its own JSON, so exact match starts near 0; the entities themselves
 need the sentence's context ("Jordan" is a person or a place, "Leeds United" an organisation).
 
-Scores of generated answers (`score_answers`): exact match (tasks/lm_metrics.py), the share of answers
+Scores of generated answers (`score_answers`): exact match (tasks/causal_lm/metrics.py), the share of answers
 that parse as a JSON object with the three keys, and entity precision / recall / F1 over (key, name)
 pairs, which credits an answer that is right but for one name.
 """
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from tasks.conll import Sentence
+from tasks.ner.conll import Sentence
 # The generator's private pieces, used so that this task's train/dev split holds out exactly the names
 # write_splits holds out (the generator offers no public sentence-level split).
-from tasks.datagen import _FULL_POOLS, _generate, _train_pools
-from tasks.lm_metrics import exact_match
+from tasks.ner.datagen import _FULL_POOLS, _generate, _train_pools
+from tasks.causal_lm.metrics import exact_match
 
 __all__ = ["KEYS", "PROMPT", "EntityExample", "answer_for", "example_for", "parse_answer", "score_answers",
            "sentence_text", "write_entity_splits"]
