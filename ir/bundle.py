@@ -56,11 +56,11 @@ import numpy as np
 
 from ir.documents import SHA256, BundleError, PlanDocument, StageDocument, check_device_name
 from ir.graph import Graph
-from ir.plan import Action, ActionKind
+from ir.plan import Action, ActionKind, Schedule, SteadyState, unroll
 from ir.precision import QuantizedTensor, storage_tensors
 from ir.safetensors import HashedTensors, decode_safetensors, encode_safetensors
 from ir.serialize import constant_tensor_names, graph_from_json
-from ir.verify import GraphError, verify_graph
+from ir.verify import GraphError, verify_graph, verify_plan
 from ir.versioned import check_header
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
@@ -99,6 +99,19 @@ class BundleContents:
     actions: tuple[Action, ...]
     manifest: dict[str, str]
     plan_id: str | None = None  # the identity of the plan the bundle was written for (signed with it)
+    # asynchronous schedules: the actions each further step of a run without a flush adds before the
+    # drain, which starts at actions[drain_at] (stage.json's `steady`; ir.plan.SteadyState)
+    steady: tuple[Action, ...] | None = None
+    drain_at: int | None = None
+
+    def actions_for_steps(self, steps: int) -> tuple[Action, ...]:
+        """This stage's actions for `steps` steps run as one (ir.plan.Schedule.for_steps)."""
+        if steps == 1:
+            return self.actions
+        if self.steady is None:
+            raise ValueError(f"bundle {self.source}: {self.stage_doc.schedule} has no steady state to run {steps} "
+                             f"steps without a flush with")
+        return unroll(self.actions, self.steady, self.drain_at, steps, self.stage_doc.microbatches)
 
     @property
     def stage(self) -> int:
@@ -317,26 +330,42 @@ def _parse_actions(data: bytes, source: str, stage_doc: StageDocument) -> tuple[
     lines = text.split("\n")
     if lines[-1] != "":
         raise BundleError(f"bundle {source}: {ACTIONS} does not end with a newline")
-    stage, stages, m = stage_doc.stage, stage_doc.stages, stage_doc.microbatches
-    actions = []
-    for i, line in enumerate(lines[:-1], 1):
-        try:
-            a = Action.parse(line)
-        except ValueError as exc:
-            raise BundleError(f"bundle {source}: {ACTIONS} line {i}: {exc}") from None
-        if a.stage != stage:
-            raise BundleError(f"bundle {source}: {ACTIONS} line {i}: {a} is an action of stage {a.stage}, "
-                              f"this bundle is stage {stage}")
-        if a.peer is not None and (a.peer not in (stage - 1, stage + 1) or a.peer >= stages):
-            raise BundleError(f"bundle {source}: {ACTIONS} line {i}: {a} talks to stage {a.peer}, which is not a "
-                              f"neighbour of stage {stage} of {stages}")
-        if a.microbatch is not None and a.microbatch >= m:
-            raise BundleError(f"bundle {source}: {ACTIONS} line {i}: {a} names micro-batch {a.microbatch}, "
-                              f"the schedule has {m}")
-        actions.append(a)
+    actions = tuple(_stage_action(line, f"{ACTIONS} line {i}", source, stage_doc, stage_doc.microbatches)
+                    for i, line in enumerate(lines[:-1], 1))
     if not any(a.kind is ActionKind.F for a in actions):
         raise BundleError(f"bundle {source}: {ACTIONS} has no forward action")
-    return tuple(actions)
+    return actions
+
+
+def _stage_action(token: str, where: str, source: str, stage_doc: StageDocument, microbatches: int) -> Action:
+    """One action token of this stage, talking only to its neighbours, within `microbatches`."""
+    stage, stages = stage_doc.stage, stage_doc.stages
+    try:
+        a = Action.parse(token)
+    except ValueError as exc:
+        raise BundleError(f"bundle {source}: {where}: {exc}") from None
+    if a.stage != stage:
+        raise BundleError(f"bundle {source}: {where}: {a} is an action of stage {a.stage}, this bundle is stage {stage}")
+    if a.peer is not None and (a.peer not in (stage - 1, stage + 1) or a.peer >= stages):
+        raise BundleError(f"bundle {source}: {where}: {a} talks to stage {a.peer}, which is not a neighbour of "
+                          f"stage {stage} of {stages}")
+    if a.microbatch is not None and a.microbatch >= microbatches:
+        raise BundleError(f"bundle {source}: {where}: {a} names micro-batch {a.microbatch}, the schedule has "
+                          f"{microbatches}")
+    return a
+
+
+def _parse_steady(source: str, stage_doc: StageDocument, actions: tuple[Action, ...]):
+    """stage.json's steady state, parsed: (its actions, where the drain starts), or (None, None)."""
+    if stage_doc.steady is None:
+        return None, None
+    if stage_doc.steady.drain_at > len(actions):
+        raise BundleError(f"bundle {source}: {STAGE} steady drain_at {stage_doc.steady.drain_at} is past the "
+                          f"{len(actions)} actions of {ACTIONS}")
+    # written with the second step's micro-batches
+    steady = tuple(_stage_action(t, f"{STAGE} steady action {i}", source, stage_doc, 2 * stage_doc.microbatches)
+                   for i, t in enumerate(stage_doc.steady.actions, 1))
+    return steady, stage_doc.steady.drain_at
 
 
 def check_bundle_signature(files: Mapping[str, bytes], source: str, check_signature: SignatureCheck) -> None:
@@ -402,7 +431,27 @@ def verify_bundle_files(files: Mapping[str, bytes], source: str,
     except GraphError as exc:
         raise BundleError(f"bundle {source}: {GRAPH}: {exc}") from None
     actions = _parse_actions(bytes(files[ACTIONS]), source, stage_doc)
-    return BundleContents(source, stage_doc, graph, actions, manifest, head.get(_PLAN_KEY))
+    steady, drain_at = _parse_steady(source, stage_doc, actions)
+    return BundleContents(source, stage_doc, graph, actions, manifest, head.get(_PLAN_KEY), steady, drain_at)
+
+
+def schedule_of_bundles(contents: "list[BundleContents] | tuple[BundleContents, ...]") -> Schedule:
+    """The schedule a plan's bundles (one per stage, in order) run, with the steady state of an
+    asynchronous one, verified (`verify_plan`, one step and, for an asynchronous one, two steps
+    without a flush): the program the workers execute, as the coordinator must drive it."""
+    first = contents[0].stage_doc
+    steady = None
+    if all(c.steady is not None for c in contents):
+        steady = SteadyState(tuple(c.drain_at for c in contents), tuple(c.steady for c in contents))
+    schedule = Schedule(first.schedule, first.stages, first.microbatches, tuple(c.actions for c in contents),
+                        tuple(c.stage_doc.stash_depth for c in contents), first.update_every, steady)
+    try:
+        verify_plan(schedule)
+        if steady is not None:
+            verify_plan(schedule.for_steps(2))
+    except ValueError as exc:
+        raise BundleError(f"the bundles {', '.join(c.source for c in contents)} do not make one plan: {exc}") from None
+    return schedule
 
 
 def plan_identity(settings: Any, constants: Mapping[str, np.ndarray]) -> str:

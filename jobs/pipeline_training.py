@@ -289,12 +289,13 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
         else:
             coordinator.setup()
         run.result.setup_bytes, run.result.base_bytes_held = coordinator.setup_bytes, coordinator.base_bytes_held
+        if schedule is None:
+            schedule = make_schedule(config.schedule, len(placements), config.microbatches,
+                                     update_every if config.schedule in ASYNC_SCHEDULES else 1)
         if config.schedule in ASYNC_SCHEDULES:
-            run.stash(start_step, steps, update_every)
+            run.stash(start_step, steps, schedule, update_every)
         else:
             address_of = {**dict(zip(devices or (), addresses)), **spare_devices}
-            if schedule is None:
-                schedule = make_schedule(config.schedule, len(placements), config.microbatches)
             run.flush(start_step, steps, schedule, replan_every, bundles is not None, address_of,
                       on_replan, on_replanned)
         if run.final is None:  # no step to run
@@ -639,9 +640,10 @@ class _Run:
         return self.checkpoint_dir
 
     # --- schedules -------------------------------------------------------------------------------
-    def stash(self, start_step: int, steps: int, update_every: int) -> None:
-        """1f1b-stash: PipeDream never flushes, so a segment of steps is one schedule over steps x M
-        micro-batches, whose actions go to the workers with the run, bundles or not. Segments end
+    def stash(self, start_step: int, steps: int, plan: Schedule, update_every: int) -> None:
+        """1f1b-stash: PipeDream never flushes, so a segment of k steps is one schedule over k x M
+        micro-batches: the plan's one-step lists with their steady state unrolled (`plan.for_steps(k)`;
+        the workers unroll their bundles' alike). Segments end
         at multiples of `faults.checkpoint_every` (absolute steps; without it the whole run is one
         segment), where the pipeline drains: a checkpoint there continues exactly, and a lost
         device replays at most the segment it interrupted."""
@@ -653,8 +655,7 @@ class _Run:
         s = start_step
         while s < end:
             stop = min(end, (s // every + 1) * every) if every else end
-            schedule = make_schedule(self.config.schedule, self.coordinator.stages, (stop - s) * M,
-                                     update_every=update_every)
+            schedule = plan.for_steps(stop - s)
             feeds = [f for k in range(s, stop) for f in self.feeds(k)]
             start = time.perf_counter()
             self._close_step(start)
@@ -673,10 +674,11 @@ class _Run:
                         self._close_step(marks[-1])
 
             try:
-                losses, done = self.coordinator.run(schedule, feeds, s, send_actions=True, on_loss=on_loss)
+                losses, done = self.coordinator.run(schedule, feeds, s, steps=stop - s, on_loss=on_loss)
             except WorkerLost as lost:
                 finished = len(arrived) // M  # the steps whose losses all came before the loss was found
-                self.recover(lost, s + finished, s + finished < stop, start_step)
+                plan = self.recover(lost, s + finished, s + finished < stop, start_step) or make_schedule(
+                    self.config.schedule, self.coordinator.stages, M, update_every)
                 s = self.snapshot.step
                 continue
             self._record(stop, float(sum(losses[-M:])), marks[-2], done)
@@ -694,10 +696,13 @@ class _Run:
                     self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
                     self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
                 # a drain is a boundary like a flush schedule's: a lost device that answered the
-                # call back joins here (the next segment's schedule is made for the stages then)
-                self.take_in(s)
+                # call back joins here (the next segment runs the plan with it)
+                moved, new_plan = self.take_in(s)
+                if moved:
+                    plan = new_plan or make_schedule(self.config.schedule, self.coordinator.stages, M, update_every)
             except WorkerLost as lost:
-                self.recover(lost, s, False, start_step)
+                plan = self.recover(lost, s, False, start_step) or make_schedule(
+                    self.config.schedule, self.coordinator.stages, M, update_every)
                 s = self.snapshot.step
         self._close_step()
 

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from ir.bundle import PLAN_BASE, BundleError, load_bundle_dir, load_plan
+from ir.bundle import PLAN_BASE, BundleError, load_bundle_dir, load_plan, schedule_of_bundles
 from ir.documents import PlanDocument
-from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES
+from ir.plan import FLUSH_SCHEDULES
 from ir.serialize import merge_slices
 from jobs.errors import JobError, RunFailed
 from jobs.evaluation import eval_figures, score_weights
@@ -207,7 +207,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
                                 meta=_checkpoint_meta(plan_dir, plan, task), replan_every=settings.replan_every,
                                 on_replan=replanner, spare_devices=spares,
                                 on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf),
-                                schedule=None if plan.schedule in ASYNC_SCHEDULES else plan.to_schedule(),
+                                schedule=schedule_of_bundles(contents),
                                 update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
                                 plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
                                 on_event=lambda event: reporter.note(describe_event(event)),

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 from ir.bundle import (MANIFEST, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, check_device_name,
                        load_bundle_dir, load_plan, plan_identity, sha256_hex, write_bundle)
 from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit, PlannedLora,
-                          StageDocument)
+                          StageDocument, SteadyStage)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
 from ir.plan import DEFAULT_LR, Schedule
@@ -159,6 +159,14 @@ def _check_inputs(graph: Graph, partition: Partition, schedule: Schedule, costs,
     verify_plan(schedule)
 
 
+def _steady_of(schedule: Schedule, stage: int) -> SteadyStage | None:
+    """Stage `stage`'s part of an asynchronous schedule's steady state (None for flush schedules),
+    so that its bundle alone runs any number of steps without a flush."""
+    if schedule.flushes or schedule.steady is None:  # none: such a plan trains one step only (the run says so)
+        return None
+    return SteadyStage(schedule.steady.drain_at[stage], tuple(str(a) for a in schedule.steady.actions[stage]))
+
+
 def _memory_terms(graph: Graph, cluster: Cluster | None, assignment, stage: int, stages: int, schedule: Schedule,
                   optimizer: str) -> dict[str, int] | None:
     """The memory model's terms of a stage's planned bytes (`show` prints them); a planned figure the
@@ -202,7 +210,8 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
         devices[s - 1] if s > 0 else None, devices[s + 1] if s < p - 1 else None,
         schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth[s],
         cfg["engines"][a.device], cfg["backend"], cfg["threads"][a.device], optimizer, graph.batch, graph.seq,
-        _split_heads(cfg, a.device), cfg["activations"].get(a.device)) for s, a in enumerate(partition.stages)]
+        _split_heads(cfg, a.device), cfg["activations"].get(a.device), _steady_of(schedule, s))
+        for s, a in enumerate(partition.stages)]
     # every bundle's signed manifest names it: a bundle of another plan is refused in this one's folder
     plan_id = plan_identity({"model": cfg["model"], "graph": graph.name, "stages": [d.to_json() for d in stage_docs],
                              "actions": [[str(a) for a in row] for row in schedule.actions]},

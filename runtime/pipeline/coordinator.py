@@ -431,24 +431,25 @@ class Coordinator:
 
     # --- training ------------------------------------------------------------------------
     def run(self, schedule: Schedule, microbatch_feeds: Sequence[Mapping[str, np.ndarray]], step: int,
-            send_actions: bool | None = None, on_loss=None) -> tuple[list[float], list[dict]]:
-        """Run one schedule (a batch for flush schedules, the whole run for 1f1b-stash); returns the
-        per-micro-batch losses in order and each stage's 'done' report. `on_loss(m, loss)` hears
-        each micro-batch's loss as it arrives (1f1b-stash reports its steps as they finish).
+            steps: int = 1, on_loss=None) -> tuple[list[float], list[dict]]:
+        """Run one schedule (a batch for flush schedules; for 1f1b-stash `steps` steps without a flush,
+        `schedule` being the plan's `for_steps(steps)`); returns the per-micro-batch losses in order and
+        each stage's 'done' report. `on_loss(m, loss)` hears each micro-batch's loss as it arrives
+        (1f1b-stash reports its steps as they finish).
 
-        With bundles the workers run the action lists they verified and nothing else is sent, unless
-        `send_actions` (1f1b-stash: a run of many steps is one schedule longer than the bundle's)."""
+        With bundles the workers run the action lists they verified (for `steps` steps, their steady
+        state unrolled) and no action is sent."""
         if len(microbatch_feeds) != schedule.microbatches:
             raise ValueError(f"{len(microbatch_feeds)} micro-batches of data for a schedule of {schedule.microbatches}")
-        if send_actions is None:
-            send_actions = not self.bundle_mode
+        send_actions = not self.bundle_mode
         if self.tied and not schedule.flushes:
             name, stages = next(iter(self.tied.items()))
             raise ValueError(f"{schedule.name} cannot train weights tied across stages ({name!r} is on stages "
                              f"{list(stages)}): use 1f1b-flush or gpipe, or keep the tied blocks on one stage")
         for p in self.placements:
             actions = [str(a) for a in schedule.actions[p.stage]] if send_actions else None
-            self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "actions": actions})
+            self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "steps": steps,
+                                                              **({"actions": actions} if send_actions else {})})
         for m, feeds in enumerate(microbatch_feeds):
             for p, spec in zip(self.placements, self.specs):
                 for name in spec.graph_inputs:

@@ -7,7 +7,9 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          the activations of the micro-batches in flight)
                          then one "weights" tensor per constant (and "optstate" tensors on resume)
   worker -> coordinator  ready {stage, pid, rss}
-  coordinator -> worker  run {step, actions} ... and "batch" tensors for each micro-batch
+  coordinator -> worker  run {step, steps, actions} ... and "batch" tensors for each micro-batch (from a
+                         bundle no actions: the bundle's, for `steps` steps without a flush for an
+                         asynchronous schedule, its steady state unrolled)
   worker -> coordinator  "loss" tensors (last stage), then done {stats, version, rss}
   coordinator -> worker  checkpoint  ->  worker sends "ckpt" tensors, then checkpoint_done {names}
   coordinator -> worker  setup (or setup_bundle) again (re-planning, at a flush boundary): the old
@@ -58,7 +60,7 @@ import traceback
 
 import numpy as np
 
-from ir.plan import Action
+from ir.plan import Action, unroll
 from ir.serialize import graph_from_json
 from ir.backend import BackendSpec
 from runtime.engines.factory import make_engine
@@ -261,7 +263,8 @@ class Worker:
         optimizer = make_optimizer(doc.optimizer.name, doc.optimizer.lr, doc.optimizer.weight_decay)
         if msg.get("optimizer_state"):
             optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
-        self.bundle_actions = list(contents.actions)
+        # the program: its one-step actions and, for an asynchronous schedule, its steady state
+        self.bundle_actions = (contents.actions, contents.steady, contents.drain_at, doc.microbatches)
         self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
                                       spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
                                       tied=_tied_names(msg))
@@ -301,10 +304,18 @@ class Worker:
 
     def run(self, msg: dict) -> None:
         self._need_stage(f"run of step {msg.get('step')}")
+        steps = msg.get("steps", 1)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"run of step {msg.get('step')}: steps is {steps!r}, not a whole number >= 1")
         if msg.get("actions") is not None:
             actions = [Action.parse(t) for t in msg["actions"]]
         elif self.bundle_actions is not None:
-            actions = self.bundle_actions
+            actions, steady, drain_at, microbatches = self.bundle_actions
+            if steps > 1:
+                if steady is None:
+                    raise ValueError(f"run of {steps} steps without a flush, but this stage's bundle has no steady "
+                                     f"state (a flush schedule runs one step at a time)")
+                actions = unroll(actions, steady, drain_at, steps, microbatches)
         else:
             raise ValueError("run without actions: no bundle was loaded and the coordinator sent none")
         before = dict(self.executor.stats.seconds), self.executor.stats.wall_s
