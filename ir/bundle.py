@@ -66,7 +66,7 @@ from ir.versioned import check_header
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
            "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
            "manifest_plan_id", "plan_identity", "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files",
-           "sha256_hex", "verify_bundle_files", "write_bundle"]
+           "sha256_hex", "verify_bundle_files", "write_bundle", "write_bundle_files", "schedule_of_bundles"]
 
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FORMAT = "confidant-bundle"
@@ -210,6 +210,12 @@ def write_bundle(directory: str | Path, stage_doc: StageDocument | Mapping[str, 
     files = build_bundle_files(stage_doc, graph_doc, constants, actions, source=str(directory), sign=sign,
                                plan_id=plan_id)
     verify_bundle_files(files, str(directory))
+    return write_bundle_files(directory, files)
+
+
+def write_bundle_files(directory: str | Path, files: Mapping[str, bytes]) -> Path:
+    """Write a verified bundle's files (`build_bundle_files`) into `directory` as `write_bundle` does."""
+    directory = Path(directory)
     if directory.exists():
         if not directory.is_dir():
             raise BundleError(f"bundle {directory}: exists and is not a directory")

@@ -10,7 +10,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -36,6 +36,7 @@ from runtime.pipeline.checkpoints import (TrainingState, check_checkpoint_target
 from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
                                           WorkerLost)
 from runtime.pipeline.executor import busy_fraction
+from ir.bundle import load_bundle_dir, schedule_of_bundles
 from runtime.procfs import peak_rss_bytes
 from runtime.transport.wire import Transport
 
@@ -189,8 +190,8 @@ def _check_replanning(config: PipelineConfig, replan_every, on_replan, bundles, 
                          "the whole training as one schedule with weight versions in flight, so there is no step boundary "
                          "at which every stage holds the same weights")
     if bundles is None and stage_graphs is not None:
-        raise ValueError("re-planning from graph slices without their bundles is not possible: give the bundles "
-                         "(the new plan comes as bundles) or the whole model graph")
+        raise ValueError("stage graphs without their bundles: give the plan's bundles, or the whole model graph "
+                         "(a plan is then emitted from it)")
 
 
 def coordinator_transport(listen: str, keys: ClusterKeys | None, insecure: bool, detect_s: float) -> Transport:
@@ -217,9 +218,11 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                    keys: ClusterKeys | None = None, insecure: bool = False, faults: FaultPolicy = FaultPolicy(),
                    plan_over=None, on_event=None, feeds_of_step=None, base=None) -> PipelineResult:
     """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
-    With `bundles` (one plan bundle per stage, of `devices`) the workers get verified bundles
-    instead of graph slices, and the block ranges are the bundles'; `schedule` is then the plan's
-    (flush schedules run it every step; without it the schedule is built from `config`).
+    Every run is a plan (issue 34): the workers get verified bundles and run their actions, and
+    nothing is scheduled at run time. With `bundles` (one plan bundle per stage, of `devices`; a
+    plan folder's, with their contents as `stage_graphs`) the block ranges and schedule are the
+    plan's; without, `graph` is cut evenly or at `cuts` and emitted in memory with `config`'s
+    schedule, engines, optimizer, head splits and activation choices (`PlanInMemory`).
     `transport` is the coordinator's (default: ZeroMQ at `listen`, secured with `keys`, or
     plaintext with `insecure`; tests pass an in-process one).
 
@@ -230,8 +233,9 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     from that step, and `on_replanned(step, Reconfiguration)` hears what moved.
     The first step after a setup (engines build their graphs and caches) is left out of the
     measured average whenever later steps were measured.
-    - From graph slices, `on_replan(step, measured)` returns new block ranges (stage k on
-      addresses[k]; fewer ranges than workers leaves the last workers idle) or None to carry on.
+    - From `graph`, `on_replan(step, measured)` returns new block ranges (stage k on
+      addresses[k]; fewer ranges than workers leaves the last workers idle) or None to carry on;
+      the new plan is emitted in memory from the weights gathered at that boundary.
     - From bundles, `on_replan(step, measured, weights)` gets a third argument, a function that
       gathers the current parameters by name from the workers (once, at this boundary), and
       returns None or the new plan (planner.replan.ReplannedPlan: `devices`, `ranges`, `bundles`,
@@ -242,8 +246,8 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     (every `faults.snapshot_every` steps); when a worker is lost mid-run the step is aborted on
     the survivors, `plan_over(step, snapshot, stages, candidates)` returns a SurvivorPlan over
     `candidates` (the live workers, in the run's first order) for the pipeline whose stages run
-    on `stages` (default for graph slices: the planner's best cuts, in that order; with bundles
-    the caller must give one, e.g. planner.replan.PlanReplanner.without), the survivors are set
+    on `stages` (default from `graph`: the planner's best cuts, in that order, emitted in memory;
+    with bundles the caller must give one, e.g. planner.replan.PlanReplanner.without), the survivors are set
     up with the held state, and training goes on from the snapshot's step: no update is lost or
     applied twice. The same function moves off devices running low (candidates without them) and
     takes back devices that return (candidates with them; it may return None: no better plan).
@@ -259,44 +263,46 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     faults.check()
     if checkpoint_dir is not None:  # before any step: a path no checkpoint can be written to loses the run
         check_checkpoint_target(checkpoint_dir)
-    if stage_graphs is not None:
-        ranges = [(b.first_block, b.last_block) for b in stage_graphs]
-        stage_graphs = [b.graph for b in stage_graphs]
-        graph = stage_graphs[0]
-    else:
-        ranges = stage_ranges(len(graph.blocks), len(addresses), cuts)
-    placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(ranges, addresses))]
     spare_devices = dict(spare_devices or {})
+    in_memory = None
+    if bundles is None:  # every run is a plan: the whole graph's, cut evenly or at `cuts`, emitted in memory
+        ranges = stage_ranges(len(graph.blocks), len(addresses), cuts)
+        in_memory = PlanInMemory(graph, config, update_every, list(addresses) + list(spare_devices.values()),
+                                 sign=None if keys is None else _signer(keys))
+        first = in_memory(ranges, list(addresses), weights)
+        bundles, schedule = first.bundles, first.schedule
+        stage_devices, stage_graphs = first.devices, [graph] * len(ranges)
+        if plan_over is None:
+            plan_over = _flops_plan_over(graph, config, update_every)
+    else:  # a plan folder's bundles (train PLAN), loaded and verified by the caller or here
+        contents = list(stage_graphs) if stage_graphs is not None else [load_bundle_dir(b) for b in bundles]
+        ranges = [(c.first_block, c.last_block) for c in contents]
+        stage_graphs = [c.graph for c in contents]
+        stage_devices = devices
+        if schedule is None:
+            schedule = schedule_of_bundles(contents)
+    placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(ranges, addresses))]
     if transport is None:
         transport = coordinator_transport(listen, keys, insecure, faults.detect_s)
     try:
-        coordinator = Coordinator(graph, placements, config, transport, weights=weights,
-                                  optimizer_state=optimizer_state, stage_graphs=stage_graphs,
+        coordinator = Coordinator(placements, config, transport, stage_graphs, optimizer_state=optimizer_state,
                                   spares=list(spare_devices.values()),
                                   worker_keys=None if keys is None else keys.workers, base=base)
     except BaseException:
         transport.close()
         raise
-    if plan_over is None and bundles is None and graph is not None and stage_graphs is None:
-        plan_over = _flops_plan_over(graph, config, update_every)
-    run = _Run(coordinator, batches, num_labels, graph.batch, config, on_step,
+    run = _Run(coordinator, batches, num_labels, stage_graphs[0].batch, config, on_step,
                PipelineResult([], [], [], [], {}, [], ranges, devices=list(devices) if devices is not None else None,
                               addresses=list(addresses)),
-               faults, plan_over, on_event, checkpoint_dir, meta, devices, spare_devices, feeds_of_step)
+               faults, plan_over, on_event, checkpoint_dir, meta, devices, spare_devices, feeds_of_step, in_memory)
     try:
-        if bundles is not None:
-            coordinator.setup_bundles(bundles, devices)
-        else:
-            coordinator.setup()
+        coordinator.setup_bundles(bundles, stage_devices)
         run.result.setup_bytes, run.result.base_bytes_held = coordinator.setup_bytes, coordinator.base_bytes_held
-        if schedule is None:
-            schedule = make_schedule(config.schedule, len(placements), config.microbatches,
-                                     update_every if config.schedule in ASYNC_SCHEDULES else 1)
         if config.schedule in ASYNC_SCHEDULES:
-            run.stash(start_step, steps, schedule, update_every)
+            run.stash(start_step, steps, schedule)
         else:
             address_of = {**dict(zip(devices or (), addresses)), **spare_devices}
-            run.flush(start_step, steps, schedule, replan_every, bundles is not None, address_of,
+            run.flush(start_step, steps, schedule, replan_every, in_memory is None, address_of,
                       on_replan, on_replanned)
         if run.final is None:  # no step to run
             run.collect_final(start_step)
@@ -316,11 +322,80 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     return result
 
 
+class PlanInMemory:
+    """train-pipeline's plans (issue 34: every run is a plan): block ranges over workers, emitted as
+    bundles in memory (planner.emit.emit_in_memory: built, verified, signed with `sign`, never
+    written) with the schedule they carry, so the workers run a verified plan exactly as from a plan
+    folder. Each worker is a device named after its first position ("worker<k>", stages then spares)
+    and keeps the engine, head split and activation choice its first stage was given in `config`
+    (a device's, not a position's); workers new to the pipeline run `config`'s engine unsplit."""
+
+    def __init__(self, graph, config: PipelineConfig, update_every: int, workers: Sequence[str], sign=None):
+        self.graph, self.config, self.sign = graph, config, sign
+        self.update_every = update_every if config.schedule in ASYNC_SCHEDULES else 1
+        self.names = {a: f"worker{k}" for k, a in enumerate(dict.fromkeys(workers))}
+        self.engine, self.split, self.activations = {}, {}, {}
+        for k, address in enumerate(workers):
+            engine = _per_stage(config.engine, k, None)
+            if engine is not None:
+                self.engine[address] = engine
+            split = _per_stage(config.head_split, k, None)
+            if split is not None:
+                self.split[address] = {"heads": {str(b): int(h) for b, h in split.items()}}
+            choice = _per_stage(config.activations, k, None)
+            if choice is not None:
+                self.activations[address] = choice
+
+    def name_of(self, address: str) -> str:
+        if address not in self.names:
+            self.names[address] = f"worker{len(self.names)}"
+        return self.names[address]
+
+    def __call__(self, ranges: Sequence[tuple[int, int]], addresses: Sequence[str],
+                 weights: Mapping[str, np.ndarray] | None = None) -> SurvivorPlan:
+        """The plan of stage k running ranges[k] on addresses[k], from `weights` (default: the graph's)."""
+        from ir.partition import Partition, StageAssignment
+        from planner.emit import emit_in_memory
+
+        devices = [self.name_of(a) for a in addresses]
+        engines = {}
+        for d, a in zip(devices, addresses):
+            if a not in self.engine and not isinstance(self.config.engine, str):
+                raise ValueError(f"per-stage engines were given, but none for the new worker {a}")
+            engines[d] = self.engine.get(a, self.config.engine)
+        graph = self.graph
+        if weights:
+            graph = replace(graph, constants={**graph.constants, **weights})
+        schedule = make_schedule(self.config.schedule, len(ranges), self.config.microbatches, self.update_every)
+        partition = Partition(tuple(StageAssignment(k, d, a, b) for k, (d, (a, b)) in enumerate(zip(devices, ranges))),
+                              "manual")
+        config = {"model": graph.name, "engine": engines, "threads": self.config.threads,
+                  "optimizer": self.config.optimizer, "lr": self.config.lr, "weight_decay": self.config.weight_decay,
+                  "head_split": {d: self.split[a] for d, a in zip(devices, addresses) if a in self.split},
+                  "activations": {d: self.activations[a] for d, a in zip(devices, addresses) if a in self.activations}}
+        emitted = emit_in_memory(graph, partition, schedule, config, sign=self.sign)
+        return SurvivorPlan([tuple(r) for r in ranges], list(addresses), [emitted.bundles[d] for d in devices],
+                            devices, schedule)
+
+
+def _per_stage(value, stage: int, default):
+    """PipelineConfig's one value for every stage, or stage `stage`'s of a tuple (None: unset)."""
+    if value is None or isinstance(value, (str, Mapping)):
+        return value if value is not None else default
+    return value[stage] if stage < len(value) else default
+
+
+def _signer(keys: ClusterKeys):
+    from runtime.keys import signer
+
+    return signer(keys.coordinator)
+
+
 def _flops_plan_over(graph, config: PipelineConfig, update_every: int = 1):
-    """plan_over for graph slices: the planner's best cuts over the candidates, in their order
-    (FLOPs-priced, as TimingReplanner starts out, with the run's update after every `update_every`
-    backwards): planner.replan.replan_without when stages left, replan_with when workers came back
-    (None unless that is predicted faster)."""
+    """plan_over of a plan emitted in memory (`_Run._switch` emits the bundles): the planner's best
+    cuts over the candidates, in their order (FLOPs-priced, as TimingReplanner starts out, with the
+    run's update after every `update_every` backwards): planner.replan.replan_without when stages
+    left, replan_with when workers came back (None unless that is predicted faster)."""
     from planner.replan import replan_with, replan_without
 
     def plan_over(step: int, snapshot: Snapshot, stages: Sequence[str], candidates: Sequence[str]) -> SurvivorPlan | None:
@@ -343,12 +418,15 @@ class _Run:
     def __init__(self, coordinator: Coordinator, batches, num_labels: int, micro_rows: int, config: PipelineConfig,
                  on_step, result: PipelineResult, faults: FaultPolicy = FaultPolicy(), plan_over=None, on_event=None,
                  checkpoint_dir: Path | None = None, meta: dict | None = None, devices=None, spare_devices=None,
-                 feeds_of_step=None):
+                 feeds_of_step=None, in_memory: "PlanInMemory | None" = None):
         self.coordinator, self.batches, self.num_labels = coordinator, batches, num_labels
         self.feeds_of_step = feeds_of_step
         self.micro_rows, self.M, self.config, self.on_step, self.result = (micro_rows, config.microbatches, config,
                                                                            on_step, result)
         self.faults, self.plan_over, self.on_event = faults, plan_over, on_event
+        # train-pipeline's plans are emitted in memory: a plan of ranges over workers (plan_over's,
+        # on_replan's) gets its bundles here; a plan folder's re-plans bring their own
+        self.in_memory = in_memory
         self.checkpoint_dir, self.meta = checkpoint_dir, meta
         self.start_step = 0  # the step this run started at (a resume's), set by `stash` / `flush`
         self.snapshot: Snapshot | None = None
@@ -503,8 +581,7 @@ class _Run:
                        reason=f"the others cannot hold the model: {exc}")
             return False, None
         self.workers = [a for a in self.workers if a not in low]
-        self._switch(step, plan, snap, sorted(set(low.values()))[0], left=names)
-        return True, plan.schedule
+        return True, self._switch(step, plan, snap, sorted(set(low.values()))[0], left=names).schedule
 
     def take_in(self, step: int) -> tuple[bool, Schedule | None]:
         """At the flush boundary (or 1f1b-stash drain) after `step` steps: the lost workers that
@@ -532,15 +609,18 @@ class _Run:
                        **{k: b[k] for k in ("mem_available_bytes", "battery_percent") if b.get(k) is not None})
         if plan is None:
             return False, None
-        self._switch(step, plan, snap, "joined", joined=[self.device_of.get(a, a) for a in joined])
-        return True, plan.schedule
+        return True, self._switch(step, plan, snap, "joined", joined=[self.device_of.get(a, a) for a in joined]).schedule
 
     def _switch(self, step: int, plan: SurvivorPlan, snap: Snapshot, cause: str, lost: Sequence[str] = (),
-                **fields) -> None:
+                **fields) -> SurvivorPlan:
         """Set the pipeline up as `plan` with the state of `snap` (held off the devices, or gathered at
-        this boundary) and record the new plan (an event, result.ranges/addresses/devices/replans)."""
+        this boundary) and record the new plan (an event, result.ranges/addresses/devices/replans);
+        returns the plan as set up (with its bundles and schedule)."""
+        if plan.bundles is None:
+            plan = self.in_memory(plan.ranges, plan.addresses, snap.state.weights)
+        named = self.in_memory is None  # a plan folder's devices have names; train-pipeline's workers are addresses
         placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))]
-        if plan.devices is not None:
+        if named:
             self.device_of.update(dict(zip(plan.addresses, plan.devices)))
         reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
                                               state=snap.state, lost=lost)
@@ -548,7 +628,7 @@ class _Run:
         old_ranges = list(self.result.ranges)
         self.result.ranges = [tuple(r) for r in plan.ranges]
         self.result.addresses = list(plan.addresses)
-        if plan.devices is not None:
+        if named:
             self.result.devices = list(plan.devices)
         self.result.replans.append((snap.step, reconf))
         self.event("new_plan", step=snap.step, cause=cause, **fields, old_ranges=[list(r) for r in old_ranges],
@@ -557,6 +637,7 @@ class _Run:
         # the held state is the same, the stages are new: a checkpoint or a later recovery needs theirs
         self.snapshot = Snapshot(snap.step, self.coordinator.collect_checkpoint(), snap.state,
                                  list(self.result.ranges)) if self.keep_state else None
+        return plan
 
     def collect_final(self, step: int) -> None:
         """Every stage's state after the last step (`self.final`): the snapshot's when one was just
@@ -626,7 +707,7 @@ class _Run:
             raise RecoveryImpossible(f"{lost}; the survivors cannot hold the model: {exc}", self._rescue(snap)) from None
         if plan is None:
             raise RuntimeError("plan_over returned no plan after a loss")
-        self._switch(snap.step, plan, snap, "lost", lost=gone)
+        plan = self._switch(snap.step, plan, snap, "lost", lost=gone)
         replayed = step - snap.step + (1 if mid_step else 0)
         self._truncate(snap.step, start_step)
         self._recovering = {"t0": t0, "replayed": replayed}
@@ -640,7 +721,7 @@ class _Run:
         return self.checkpoint_dir
 
     # --- schedules -------------------------------------------------------------------------------
-    def stash(self, start_step: int, steps: int, plan: Schedule, update_every: int) -> None:
+    def stash(self, start_step: int, steps: int, plan: Schedule) -> None:
         """1f1b-stash: PipeDream never flushes, so a segment of k steps is one schedule over k x M
         micro-batches: the plan's one-step lists with their steady state unrolled (`plan.for_steps(k)`;
         the workers unroll their bundles' alike). Segments end
@@ -677,8 +758,7 @@ class _Run:
                 losses, done = self.coordinator.run(schedule, feeds, s, steps=stop - s, on_loss=on_loss)
             except WorkerLost as lost:
                 finished = len(arrived) // M  # the steps whose losses all came before the loss was found
-                plan = self.recover(lost, s + finished, s + finished < stop, start_step) or make_schedule(
-                    self.config.schedule, self.coordinator.stages, M, update_every)
+                plan = self.recover(lost, s + finished, s + finished < stop, start_step)
                 s = self.snapshot.step
                 continue
             self._record(stop, float(sum(losses[-M:])), marks[-2], done)
@@ -699,10 +779,9 @@ class _Run:
                 # call back joins here (the next segment runs the plan with it)
                 moved, new_plan = self.take_in(s)
                 if moved:
-                    plan = new_plan or make_schedule(self.config.schedule, self.coordinator.stages, M, update_every)
+                    plan = new_plan
             except WorkerLost as lost:
-                plan = self.recover(lost, s, False, start_step) or make_schedule(
-                    self.config.schedule, self.coordinator.stages, M, update_every)
+                plan = self.recover(lost, s, False, start_step)
                 s = self.snapshot.step
         self._close_step()
 
@@ -726,8 +805,7 @@ class _Run:
             try:
                 losses, done = self.coordinator.run(schedule, self.feeds(s), s)
             except WorkerLost as lost:
-                schedule = self.recover(lost, s, True, start_step) or make_schedule(
-                    self.config.schedule, self.coordinator.stages, self.M)
+                schedule = self.recover(lost, s, True, start_step)
                 s, window, warm_up = self.snapshot.step, [], True
                 continue
             self._work_s.append(time.perf_counter() - start)
@@ -740,8 +818,7 @@ class _Run:
                     self._close_step()  # the last step ends here; collecting the final state is the run's
                     self.collect_final(s)
             except WorkerLost as lost:
-                schedule = self.recover(lost, s, False, start_step) or make_schedule(
-                    self.config.schedule, self.coordinator.stages, self.M)
+                schedule = self.recover(lost, s, False, start_step)
                 s, window, warm_up = self.snapshot.step, [], True
                 continue
             if s < end:
@@ -749,7 +826,7 @@ class _Run:
                 if not moved and self.running_low:
                     moved, new_schedule = self.move_off(s)
                 if moved:
-                    schedule = new_schedule or make_schedule(self.config.schedule, self.coordinator.stages, self.M)
+                    schedule = new_schedule
                     window, warm_up = [], True
                     continue
             window.append([d["seconds"].get("F", 0.0) + d["seconds"].get("B", 0.0) for d in done])
@@ -765,9 +842,9 @@ class _Run:
                 replanned = _replan_bundles(self.coordinator, on_replan, s, measured, address_of, self.result, fresh)
                 reconf, new_schedule = replanned if replanned is not None else (None, None)
             else:
-                reconf = _replan_ranges(self.coordinator, on_replan, s, measured, self.workers, self.result, fresh)
-                new_schedule = None if reconf is None else make_schedule(self.config.schedule,
-                                                                         self.coordinator.stages, self.M)
+                replanned = _replan_ranges(self.coordinator, on_replan, s, measured, self.workers, self.result,
+                                           self.in_memory, fresh)
+                reconf, new_schedule = replanned if replanned is not None else (None, None)
             if reconf is not None:
                 window, warm_up = [], True
                 self.result.replans.append((s, reconf))
@@ -789,19 +866,23 @@ REPORTS_KEPT = 200
 
 
 def _replan_ranges(coordinator: Coordinator, on_replan, step: int, measured: list[float], workers: Sequence[str],
-                   result: PipelineResult, fresh: Snapshot | None = None) -> Reconfiguration | None:
-    """Graph slices: new block ranges from on_replan, stage k on workers[k] (the run's workers in
-    their first order, less any lost)."""
+                   result: PipelineResult, in_memory: "PlanInMemory", fresh: Snapshot | None = None
+                   ) -> tuple[Reconfiguration, Schedule] | None:
+    """A plan in memory: new block ranges from on_replan, stage k on workers[k] (the run's workers in
+    their first order, less any lost), emitted from the weights gathered here; what moved, and the
+    new plan's schedule."""
     new_ranges = on_replan(step, measured)
     if new_ranges is None or [tuple(r) for r in new_ranges] == result.ranges:
         return None
     if not 1 <= len(new_ranges) <= len(workers):
         raise ValueError(f"on_replan returned {len(new_ranges)} stages for {len(workers)} workers")
-    result.ranges = [tuple(r) for r in new_ranges]
-    result.addresses = workers[:len(result.ranges)]
-    return coordinator.reconfigure([StagePlacement(k, a, b, addr)
-                                    for k, ((a, b), addr) in enumerate(zip(result.ranges, result.addresses))],
-                                   state=None if fresh is None else fresh.state)
+    state = fresh.state if fresh is not None else coordinator.gather()
+    plan = in_memory([tuple(r) for r in new_ranges], list(workers[:len(new_ranges)]), state.weights)
+    reconf = coordinator.reconfigure([StagePlacement(k, a, b, addr)
+                                      for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))],
+                                     bundles=plan.bundles, devices=plan.devices, state=state)
+    result.ranges, result.addresses = list(plan.ranges), list(plan.addresses)
+    return reconf, plan.schedule
 
 
 def _replan_bundles(coordinator: Coordinator, on_replan, step: int, measured: list[float],

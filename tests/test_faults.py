@@ -173,8 +173,7 @@ def test_a_keyed_worker_refuses_a_bundle_its_coordinator_did_not_sign(graph, tmp
             w.trusted = boss.public  # as `confidant worker --keys DIR` with the coordinator's public key
         placements = [StagePlacement(k, c.first_block, c.last_block, a)
                       for k, (c, a) in enumerate(zip(contents, workers.addresses))]
-        coordinator = Coordinator(None, placements, _config(), workers.coordinator,
-                                  stage_graphs=[c.graph for c in contents])
+        coordinator = Coordinator(placements, _config(), workers.coordinator, [c.graph for c in contents])
         with pytest.raises(WorkerFailed) as err:
             coordinator.setup_bundles(bundles, ["a", "b"])
         coordinator.stop()
