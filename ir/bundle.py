@@ -66,7 +66,8 @@ from ir.versioned import check_header
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
            "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
            "manifest_plan_id", "plan_identity", "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files",
-           "sha256_hex", "verify_bundle_files", "write_bundle", "write_bundle_files", "schedule_of_bundles"]
+           "sha256_hex", "verify_bundle_files", "write_bundle", "write_bundle_files", "schedule_of_bundles",
+           "LoadedPlan", "load_plan_folder"]
 
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FORMAT = "confidant-bundle"
@@ -560,3 +561,49 @@ def load_plan(out_dir: str | Path, verify_bundles: bool = False) -> PlanDocument
                                   f"{[contents.first_block, contents.last_block]}, {PLAN} says stage {d.stage} "
                                   f"blocks {list(d.blocks)}")
     return doc
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedPlan:
+    """A plan folder read and verified once, to be shipped as it is: plan.json's document, each
+    device's bundle files as read (what the coordinator sends the workers, byte for byte), those
+    bundles parsed (verified), and the schedule they make (verified, steady state included).
+    Nothing of the folder is read or decoded again for the run."""
+
+    directory: Path
+    plan: PlanDocument
+    files: tuple[dict[str, bytes], ...]
+    contents: tuple[BundleContents, ...]
+    schedule: Schedule
+
+    @property
+    def devices(self) -> list[str]:
+        return self.plan.device_names
+
+    def check_signatures(self, check_signature: SignatureCheck) -> None:
+        """BundleError unless every bundle is signed as `check_signature` wants (its manifest only:
+        the manifest names every other file's hash, checked when the plan was loaded)."""
+        for d, files in zip(self.plan.devices, self.files):
+            check_bundle_signature(files, str(self.directory / d.bundle), check_signature)
+
+
+def load_plan_folder(out_dir: str | Path) -> LoadedPlan:
+    """`load_plan` (plan.json, its cluster.json, each bundle bound to the plan), then each bundle's
+    files read once and verified, and the plan's schedule from them (`schedule_of_bundles`)."""
+    out_dir = Path(out_dir)
+    plan = load_plan(out_dir)
+    files, contents = [], []
+    for d in plan.devices:
+        where = out_dir / d.bundle
+        read = read_bundle_files(where)
+        got = sha256_hex(read[MANIFEST]) if MANIFEST in read else None
+        if got != d.manifest_sha256:  # changed since load_plan looked
+            raise BundleError(f"plan {out_dir}: bundle {d.bundle}/ is not the one {PLAN} was written with; re-run "
+                              f"`confidant plan`")
+        c = verify_bundle_files(read, str(where))
+        if (c.stage, c.first_block, c.last_block) != (d.stage, d.first_block, d.last_block):
+            raise BundleError(f"plan {out_dir}: bundle {d.bundle}/ is stage {c.stage} blocks "
+                              f"{[c.first_block, c.last_block]}, {PLAN} says stage {d.stage} blocks {list(d.blocks)}")
+        files.append(read)
+        contents.append(c)
+    return LoadedPlan(out_dir, plan, tuple(files), tuple(contents), schedule_of_bundles(contents))

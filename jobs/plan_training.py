@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from ir.bundle import PLAN_BASE, BundleError, load_bundle_dir, load_plan, schedule_of_bundles
+from ir.bundle import PLAN_BASE, BundleError, LoadedPlan, load_plan, load_plan_folder
 from ir.documents import PlanDocument
 from ir.plan import FLUSH_SCHEDULES
 from ir.serialize import merge_slices
@@ -84,7 +84,7 @@ def planned_values(plan_dir: Path) -> dict[str, set]:
             "engine": {d.engine for d in plan.devices}, "threads": {d.threads for d in plan.devices}}
 
 
-def _coordinator_keys(settings: PlanRunSettings, bundles, reporter):
+def _coordinator_keys(settings: PlanRunSettings, loaded: LoadedPlan, reporter):
     """The coordinator's pair, after checking that it signed every bundle of the plan (a worker
     would refuse them otherwise; better said here, before any worker starts)."""
     from runtime.keys import KeyFileError, verifier
@@ -98,12 +98,10 @@ def _coordinator_keys(settings: PlanRunSettings, bundles, reporter):
         pair = coordinator_pair(settings.keys, note=reporter.note)
     except KeyFileError as exc:
         raise JobError(str(exc)) from None
-    check = verifier(pair.public)
-    for directory in bundles:
-        try:
-            load_bundle_dir(directory, check_signature=check)
-        except BundleError as exc:
-            raise JobError(f"{exc} (re-run `confidant plan` with this coordinator's --keys {settings.keys})") from None
+    try:
+        loaded.check_signatures(verifier(pair.public))
+    except BundleError as exc:
+        raise JobError(f"{exc} (re-run `confidant plan` with this coordinator's --keys {settings.keys})") from None
     return pair
 
 
@@ -148,12 +146,11 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     if settings.checkpoint is not None:
         check_checkpoint_target(settings.checkpoint)
     plan_dir = Path(plan_dir)
-    plan = load_plan(plan_dir, verify_bundles=True)
+    loaded = load_plan_folder(plan_dir)  # read and verified once; its bundles' bytes are what the workers get
+    plan, contents = loaded.plan, list(loaded.contents)
     names = plan.device_names
-    bundles = [plan_dir / d.bundle for d in plan.devices]
-    contents = [load_bundle_dir(b) for b in bundles]
     replanner = _plan_replanner(settings, plan_dir, plan, contents)  # None without --replan-every
-    pair = _coordinator_keys(settings, bundles, reporter)
+    pair = _coordinator_keys(settings, loaded, reporter)
     sign = None
     if pair is not None:
         from runtime.keys import signer
@@ -202,12 +199,12 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     failed = True
     try:
         result = train_pipeline(None, None, len(task.labels), addresses, config, settings.steps,
-                                listen=settings.listen, on_step=on_step, bundles=bundles, devices=names,
+                                listen=settings.listen, on_step=on_step, bundles=loaded.files, devices=names,
                                 stage_graphs=contents, checkpoint_dir=settings.checkpoint,
                                 meta=_checkpoint_meta(plan_dir, plan, task), replan_every=settings.replan_every,
                                 on_replan=replanner, spare_devices=spares,
                                 on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf),
-                                schedule=schedule_of_bundles(contents),
+                                schedule=loaded.schedule,
                                 update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
                                 plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
                                 on_event=lambda event: reporter.note(describe_event(event)),
