@@ -19,8 +19,9 @@ from ir.bundle import load_bundle_dir, schedule_of_bundles
 from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
-from jobs.errors import JobError, RunFailed
+from jobs.errors import JobError
 from jobs.memory_check import check_memory, default_planned_bytes
+from jobs.pipeline_run import describe_event, progress, run_on_workers
 from jobs.pipeline_tasks import pipeline_task, step_feeds
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.report import Reporter, Silent
@@ -31,8 +32,7 @@ from planner.replan import TimingReplanner
 from planner.schedule import make_schedule
 from runtime.keys import ClusterKeys
 from runtime.pipeline.checkpoints import check_checkpoint_target, check_tensors_fit, load_checkpoint
-from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement, WorkerFailed
-from runtime.pipeline.executor import busy_fraction
+from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement
 from runtime.pipeline.session import (AUTO_SNAPSHOTS, FAILURE_POLICIES, REPLAY_BUDGET_S, SNAPSHOT_SHARE,  # noqa: F401
                                       STASH_SEGMENT_STEPS, FaultPolicy, PipelineResult, RecoveryImpossible, Snapshot,
                                       SurvivorPlan, run_session, snapshot_interval)
@@ -309,10 +309,6 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     addresses, keys = (None, None) if local else parse_workers(workers, pipeline.keys, pipeline.insecure)
     reporter.start(f"train ({n_stages} stages, {pipeline.schedule}, {M} micro-batches)", training.steps)
 
-    def on_step(step, loss, seconds, stage_seconds, done):
-        busy = "/".join(f"{busy_fraction(d['seconds'], d.get('wall_s', 0.0)):.0%}" for d in done)
-        reporter.step(step - start_step, loss=loss, **{"samples/s": training.batch / seconds, "busy": busy})
-
     def on_event(event):
         reporter.note(describe_event(event))
         if replanner is not None and event["event"] == "new_plan" and event.get("cause") == "lost":
@@ -335,24 +331,13 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         started = LocalWorkers.start(local, training.threads, coordinator=pair, insecure=pipeline.insecure,
                                      failure_timeout_s=pipeline.failure_timeout_s)
         addresses, keys = started.addresses, started.keys
-    failed = True
-    try:
-        result = train_pipeline(graph, None, len(run_task.labels), addresses,
-                                config, training.steps, cuts=cuts, update_every=pipeline.update_every,
-                                start_step=start_step, weights=weights, optimizer_state=opt_state,
-                                listen=pipeline.listen, on_step=on_step, checkpoint_dir=pipeline.checkpoint, meta=meta,
-                                replan_every=pipeline.replan_every, on_replan=replanner, keys=keys,
-                                insecure=pipeline.insecure, faults=faults, on_event=on_event,
-                                feeds_of_step=run_task.feeds_of_step)
-        failed = False
-    except (WorkerFailed, RecoveryImpossible) as exc:
-        partial = getattr(exc, "result", None)
-        raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
-    finally:
-        if started:
-            codes = started.finish(failed)
-            if any(codes) and not failed:
-                reporter.note(f"local workers exited with codes {codes}")
+    result = run_on_workers(lambda: train_pipeline(
+        graph, None, len(run_task.labels), addresses, config, training.steps, cuts=cuts,
+        update_every=pipeline.update_every, start_step=start_step, weights=weights, optimizer_state=opt_state,
+        listen=pipeline.listen, on_step=progress(reporter, training.batch, start_step),
+        checkpoint_dir=pipeline.checkpoint, meta=meta, replan_every=pipeline.replan_every, on_replan=replanner,
+        keys=keys, insecure=pipeline.insecure, faults=faults, on_event=on_event,
+        feeds_of_step=run_task.feeds_of_step), metrics_of, started, reporter)
     stage_rss = [result.peak_rss_bytes.get(a) for a in result.addresses]
     reporter.note("per stage: " + "; ".join(f"stage {k} blocks {a}-{b} peak RSS {(rss or 0) / 2**20:.0f} MiB"
                                             for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))))
@@ -369,34 +354,6 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
                                     pipeline.update_every, training.engine)
     return check_memory(metrics, {f"stage{k}": b for k, b in enumerate(planned)}, {}, reporter, "the memory model",
                         over_plan=False)
-
-
-def describe_event(event: Mapping) -> str:
-    """One progress line for an event of `PipelineResult.events`."""
-    kind = event["event"]
-    if kind == "lost":
-        return (f"lost {event['device']} (stage {event['stage']}) during step {event['step'] + 1}: detected "
-                f"{event['detected_after_s']:.1f} s after its link went down ({event['reason']})")
-    if kind == "new_plan":
-        where = " | ".join(f"{d} {a}-{b}" for d, (a, b) in zip(event["devices"], event["ranges"]))
-        left = f"; moved off {', '.join(event['left'])}" if event.get("left") else ""
-        left += f"; took in {', '.join(event['joined'])}" if event.get("joined") else ""
-        return f"new plan after step {event['step']} ({event['cause']}{left}): {where}"
-    if kind == "recovered":
-        return (f"recovered: step {event['step']} done {event['seconds']:.1f} s after the loss was detected, "
-                f"{event['steps_replayed']} step(s) replayed")
-    if kind == "checkpoint":
-        return f"checkpoint after step {event['step']} in {event['directory']}"
-    if kind == "memory_low":
-        return f"{event['device']}: only {event['mem_available_bytes'] / 2**20:.0f} MiB free after step {event['step']}"
-    if kind == "battery_low":
-        return f"{event['device']}: battery at {event['battery_percent']:.0f}% after step {event['step']}"
-    if kind == "stayed":
-        return f"{', '.join(event['devices'])} running low ({', '.join(event['cause'])}) but kept: {event['reason']}"
-    if kind == "joined":
-        outcome = "taken in" if event.get("taken_in") else f"waits as a spare: {event.get('reason', 'not taken in')}"
-        return f"{event['device']} is back after step {event['step']}: {outcome}"
-    return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "at"))
 
 
 def _resumed(folder: Path, meta: dict, n_stages: int, graph=None, model: Path | None = None):

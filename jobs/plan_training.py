@@ -11,12 +11,12 @@ from ir.bundle import PLAN_BASE, BundleError, LoadedPlan, load_plan, load_plan_f
 from ir.documents import PlanDocument
 from ir.plan import FLUSH_SCHEDULES
 from ir.serialize import merge_slices
-from jobs.errors import JobError, RunFailed
+from jobs.errors import JobError
 from jobs.evaluation import eval_figures, score_weights
 from jobs.memory_check import check_memory
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
-from jobs.pipeline_training import (AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, RecoveryImpossible, SurvivorPlan,
-                                    describe_event, train_pipeline)
+from jobs.pipeline_run import describe_event, progress, run_on_workers
+from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, SurvivorPlan, train_pipeline
 from jobs.report import Reporter, Silent
 from jobs.settings import check_fault_flags
 from jobs.workers import LocalWorkers, coordinator_pair
@@ -25,8 +25,7 @@ from planner.emit import load_plan_cluster
 from planner.replan import PlanReplanner
 from runtime.pipeline.bundles import plan_base
 from runtime.pipeline.checkpoints import check_checkpoint_target
-from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
-from runtime.pipeline.executor import busy_fraction
+from runtime.pipeline.coordinator import PipelineConfig
 from runtime.procfs import peak_rss_bytes
 from ir.graph import is_causal_lm, is_sequence_classifier, logits_shape
 from jobs.metrics import EvalFigures
@@ -169,10 +168,6 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     config = PipelineConfig(schedule=plan.schedule, microbatches=M, timeout_s=settings.timeout_s)
     reporter.start(f"train {plan_dir.name} ({len(names)} devices, {plan.schedule})", settings.steps)
 
-    def on_step(step, loss, seconds, stage_seconds, done):
-        busy = "/".join(f"{busy_fraction(d['seconds'], d.get('wall_s', 0.0)):.0%}" for d in done)
-        reporter.step(step, loss=loss, **{"samples/s": rows * M / seconds, "busy": busy})
-
     base = plan_base(plan_dir, plan)
     local = None
     if settings.local:  # on this machine the plan's base weights file is at hand: no frozen weight is sent
@@ -196,26 +191,16 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
             _device_figures(result, names, replanner), microbatches=M, schedule=plan.schedule, plan=str(plan_dir),
             predicted_step_s=plan.predicted_step_s, coordinator_peak_rss_bytes=peak_rss_bytes(),
             settings=asdict(settings), events=tuple(result.events), error=error, **replan_figures)
-    failed = True
-    try:
-        result = train_pipeline(None, None, len(task.labels), addresses, config, settings.steps,
-                                listen=settings.listen, on_step=on_step, bundles=loaded.files, devices=names,
-                                stage_graphs=contents, checkpoint_dir=settings.checkpoint,
-                                meta=_checkpoint_meta(plan_dir, plan, task), replan_every=settings.replan_every,
-                                on_replan=replanner, spare_devices=spares,
-                                on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf),
-                                schedule=loaded.schedule,
-                                update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
-                                plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
-                                on_event=lambda event: reporter.note(describe_event(event)),
-                                feeds_of_step=task.feeds_of_step, base=base)
-        failed = False
-    except (WorkerFailed, RecoveryImpossible) as exc:
-        partial = getattr(exc, "result", None)
-        raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
-    finally:
-        if local:
-            local.finish(failed)
+    result = run_on_workers(lambda: train_pipeline(
+        None, None, len(task.labels), addresses, config, settings.steps, listen=settings.listen,
+        on_step=progress(reporter, rows * M), bundles=loaded.files, devices=names, stage_graphs=contents,
+        checkpoint_dir=settings.checkpoint, meta=_checkpoint_meta(plan_dir, plan, task),
+        replan_every=settings.replan_every, on_replan=replanner, spare_devices=spares,
+        on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf), schedule=loaded.schedule,
+        update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
+        plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
+        on_event=lambda event: reporter.note(describe_event(event)), feeds_of_step=task.feeds_of_step, base=base),
+        metrics_of, local, reporter)
     metrics = metrics_of(result, **(_replan_figures(replanner, result) if replanner is not None else {}))
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
     promised = plan  # after a re-plan, the figures of the plan the run ended on
