@@ -9,7 +9,7 @@ runtime.pipeline.worker, the schedules planner.schedule.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -87,13 +87,15 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                    spare_devices: Mapping[str, str] | None = None, on_replanned=None,
                    schedule: Schedule | None = None, transport: Transport | None = None,
                    keys: ClusterKeys | None = None, insecure: bool = False, faults: FaultPolicy = FaultPolicy(),
-                   plan_over=None, on_event=None, feeds_of_step=None, base=None) -> PipelineResult:
+                   plan_over=None, on_event=None, feeds_of_step=None, base=None,
+                   per_stage: Sequence[StageChoice | None] | None = None) -> PipelineResult:
     """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
     Every run is a plan (issue 34): the workers get verified bundles and run their actions, and
     nothing is scheduled at run time. With `bundles` (one plan bundle per stage, of `devices`; a
     plan folder's, with their contents as `stage_graphs`) the block ranges and schedule are the
     plan's; without, `graph` is cut evenly or at `cuts` and emitted in memory with `config`'s
-    schedule, engines, optimizer, head splits and activation choices (`PlanInMemory`).
+    schedule, engine, optimizer and activation choice, and what `per_stage` (a StageChoice per
+    stage, or None) gives its stage's device (`PlanInMemory`).
     `transport` is the coordinator's (default: ZeroMQ at `listen`, secured with `keys`, or
     plaintext with `insecure`; tests pass an in-process one).
 
@@ -138,8 +140,10 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     in_memory = None
     if bundles is None:  # every run is a plan: the whole graph's, cut evenly or at `cuts`, emitted in memory
         ranges = stage_ranges(len(graph.blocks), len(addresses), cuts)
+        if config.schedule in ASYNC_SCHEDULES:  # refused before anything is emitted
+            _check_steady(make_schedule(config.schedule, len(ranges), config.microbatches, update_every), steps)
         in_memory = PlanInMemory(graph, config, update_every, list(addresses) + list(spare_devices.values()),
-                                 sign=None if keys is None else _signer(keys))
+                                 sign=None if keys is None else _signer(keys), per_stage=per_stage)
         first = in_memory(ranges, list(addresses), weights)
         bundles, schedule = first.bundles, first.schedule
         stage_devices, stage_graphs = first.devices, [graph] * len(ranges)
@@ -152,6 +156,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
         stage_devices = devices
         if schedule is None:
             schedule = schedule_of_bundles(contents)
+    _check_steady(schedule, steps)
     placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(ranges, addresses))]
     if transport is None:
         transport = coordinator_transport(listen, keys, insecure, faults.detect_s)
@@ -172,29 +177,39 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                        replan_every=replan_every, on_replan=on_replan, on_replanned=on_replanned)
 
 
+@dataclass(frozen=True)
+class StageChoice:
+    """What one stage's device runs in a plan made in memory, beside PipelineConfig's settings for
+    all: its engine, its attention heads split across backends ({backend: heads}; MNN stages, flush
+    schedules), its activation choice ("keep" or "recompute"). None: PipelineConfig's."""
+
+    engine: str | None = None
+    head_split: Mapping[str, int] | None = None
+    activations: str | None = None
+
+
+def _check_steady(schedule: Schedule, steps: int) -> None:
+    """A ValueError when an asynchronous schedule cannot run `steps` steps from its lists (no steady state)."""
+    if not schedule.flushes and schedule.steady is None and steps > 1:
+        raise ValueError(f"{schedule.name} over {schedule.stages} stages with {schedule.microbatches} micro-batches "
+                         f"per step has no steady state to run {steps} steps with (it needs at least stages - 1 "
+                         f"micro-batches, and update_every dividing them): use more micro-batches or fewer stages")
+
+
 class PlanInMemory:
     """train-pipeline's plans (issue 34: every run is a plan): block ranges over workers, emitted as
     bundles in memory (planner.emit.emit_in_memory: built, verified, signed with `sign`, never
     written) with the schedule they carry, so the workers run a verified plan exactly as from a plan
     folder. Each worker is a device named after its first position ("worker<k>", stages then spares)
-    and keeps the engine, head split and activation choice its first stage was given in `config`
-    (a device's, not a position's); workers new to the pipeline run `config`'s engine unsplit."""
+    and keeps what its first stage was given (`per_stage[k]`, a StageChoice: a device's engine, head
+    split and activation choice, not a position's); workers new to the pipeline run `config`'s."""
 
-    def __init__(self, graph, config: PipelineConfig, update_every: int, workers: Sequence[str], sign=None):
+    def __init__(self, graph, config: PipelineConfig, update_every: int, workers: Sequence[str], sign=None,
+                 per_stage: Sequence[StageChoice | None] | None = None):
         self.graph, self.config, self.sign = graph, config, sign
         self.update_every = update_every if config.schedule in ASYNC_SCHEDULES else 1
         self.names = {a: f"worker{k}" for k, a in enumerate(dict.fromkeys(workers))}
-        self.engine, self.split, self.activations = {}, {}, {}
-        for k, address in enumerate(workers):
-            engine = _per_stage(config.engine, k, None)
-            if engine is not None:
-                self.engine[address] = engine
-            split = _per_stage(config.head_split, k, None)
-            if split is not None:
-                self.split[address] = {"heads": {str(b): int(h) for b, h in split.items()}}
-            choice = _per_stage(config.activations, k, None)
-            if choice is not None:
-                self.activations[address] = choice
+        self.choice = {a: c for a, c in zip(workers, per_stage or ()) if c is not None}
 
     def name_of(self, address: str) -> str:
         if address not in self.names:
@@ -208,31 +223,23 @@ class PlanInMemory:
         from planner.emit import emit_in_memory
 
         devices = [self.name_of(a) for a in addresses]
-        engines = {}
-        for d, a in zip(devices, addresses):
-            if a not in self.engine and not isinstance(self.config.engine, str):
-                raise ValueError(f"per-stage engines were given, but none for the new worker {a}")
-            engines[d] = self.engine.get(a, self.config.engine)
+        choices = [self.choice.get(a, StageChoice()) for a in addresses]
         graph = self.graph
         if weights:
             graph = replace(graph, constants={**graph.constants, **weights})
         schedule = make_schedule(self.config.schedule, len(ranges), self.config.microbatches, self.update_every)
         partition = Partition(tuple(StageAssignment(k, d, a, b) for k, (d, (a, b)) in enumerate(zip(devices, ranges))),
                               "manual")
-        config = {"model": graph.name, "engine": engines, "threads": self.config.threads,
-                  "optimizer": self.config.optimizer, "lr": self.config.lr, "weight_decay": self.config.weight_decay,
-                  "head_split": {d: self.split[a] for d, a in zip(devices, addresses) if a in self.split},
-                  "activations": {d: self.activations[a] for d, a in zip(devices, addresses) if a in self.activations}}
+        config = {"model": graph.name, "threads": self.config.threads, "optimizer": self.config.optimizer,
+                  "lr": self.config.lr, "weight_decay": self.config.weight_decay,
+                  "engine": {d: c.engine or self.config.engine for d, c in zip(devices, choices)},
+                  "head_split": {d: {"heads": {str(b): int(h) for b, h in c.head_split.items()}}
+                                 for d, c in zip(devices, choices) if c.head_split},
+                  "activations": {d: c.activations or self.config.activations for d, c in zip(devices, choices)
+                                  if c.activations or self.config.activations}}
         emitted = emit_in_memory(graph, partition, schedule, config, sign=self.sign)
         return SurvivorPlan([tuple(r) for r in ranges], list(addresses), [emitted.bundles[d] for d in devices],
                             devices, schedule)
-
-
-def _per_stage(value, stage: int, default):
-    """PipelineConfig's one value for every stage, or stage `stage`'s of a tuple (None: unset)."""
-    if value is None or isinstance(value, (str, Mapping)):
-        return value if value is not None else default
-    return value[stage] if stage < len(value) else default
 
 
 def _signer(keys: ClusterKeys):
@@ -298,9 +305,13 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     if tied:
         reporter.note(f"{len(tied)} weight(s) held by several stages ({', '.join(sorted(tied)[:3])}): their "
                       f"gradients are summed through the coordinator before every update")
+    # one activation choice for all stages, or one per stage (each stage's device's, as a plan gives them)
+    per_stage = None
+    if isinstance(pipeline.activations, tuple):
+        per_stage = tuple(StageChoice(activations=a) for a in pipeline.activations)
     config = PipelineConfig(schedule=pipeline.schedule, microbatches=M, engine=training.engine,
                             threads=training.threads, optimizer=training.optimizer, lr=training.lr,
-                            timeout_s=pipeline.timeout_s, activations=pipeline.activations)
+                            timeout_s=pipeline.timeout_s, activations=None if per_stage else pipeline.activations)
     replanner = None
     if pipeline.replan_every is not None:
         replanner = TimingReplanner(graph, ranges, pipeline.schedule, M, training.optimizer,
@@ -337,7 +348,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         listen=pipeline.listen, on_step=progress(reporter, training.batch, start_step),
         checkpoint_dir=pipeline.checkpoint, meta=meta, replan_every=pipeline.replan_every, on_replan=replanner,
         keys=keys, insecure=pipeline.insecure, faults=faults, on_event=on_event,
-        feeds_of_step=run_task.feeds_of_step), metrics_of, started, reporter)
+        feeds_of_step=run_task.feeds_of_step, per_stage=per_stage), metrics_of, started, reporter)
     stage_rss = [result.peak_rss_bytes.get(a) for a in result.addresses]
     reporter.note("per stage: " + "; ".join(f"stage {k} blocks {a}-{b} peak RSS {(rss or 0) / 2**20:.0f} MiB"
                                             for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))))

@@ -147,6 +147,10 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     plan_dir = Path(plan_dir)
     loaded = load_plan_folder(plan_dir)  # read and verified once; its bundles' bytes are what the workers get
     plan, contents = loaded.plan, list(loaded.contents)
+    if not loaded.schedule.flushes and loaded.schedule.steady is None and settings.steps > 1:
+        raise JobError(f"{plan_dir}: {plan.schedule} over {len(contents)} devices with {plan.microbatches} micro-batches "
+                       f"has no steady state to train {settings.steps} steps with (at least devices - 1 micro-batches "
+                       f"are needed): re-plan with more --microbatches")
     names = plan.device_names
     replanner = _plan_replanner(settings, plan_dir, plan, contents)  # None without --replan-every
     pair = _coordinator_keys(settings, loaded, reporter)

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import LocalWorkers, PlanInMemory, train_pipeline
+from jobs.pipeline_training import LocalWorkers, PlanInMemory, StageChoice, train_pipeline
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
 from runtime.pipeline.checkpoints import load_checkpoint
@@ -164,11 +164,11 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
 @pytest.mark.slow  # twin on threads: tests/test_pipeline_inprocess.py
 def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches):
     """Stage 0 on MNN, stage 1 on PyTorch: devices with different frameworks train one model."""
-    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120,
-                           engine=("mnn", "torch"))
+    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
     workers = LocalWorkers.start(2, threads=1)
     try:
-        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, keys=workers.keys)
+        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, keys=workers.keys,
+                                per_stage=(StageChoice(engine="mnn"), StageChoice(engine="torch")))
     finally:
         assert workers.wait(30.0) == [0, 0]
     losses, weights = single_device_training(graph, batches, STEPS)

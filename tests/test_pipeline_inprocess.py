@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ir.partition import even_ranges
-from jobs.pipeline_training import PlanInMemory, step_feeds, train_pipeline
+from jobs.pipeline_training import PlanInMemory, StageChoice, step_feeds, train_pipeline
 from planner.onnx_import import load_model
 from planner.replan import flops_cluster, partition_of, predicted_compute_s, recalibrate, replan, without_devices
 from planner.schedule import make_schedule
@@ -463,10 +463,10 @@ def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches, 
     """Twin of tests/test_pipeline.py's: stage 0 on MNN, stage 1 on PyTorch, in two threads (torch
     releases the GIL in its kernels, so here the two stages really compute at once)."""
     pytest.importorskip("torch")
-    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30,
-                           engine=("mnn", "torch"))
+    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30)
     with InProcessWorkers(2, timeout_s=30) as workers:
-        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, transport=workers.coordinator)
+        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, transport=workers.coordinator,
+                                per_stage=(StageChoice(engine="mnn"), StageChoice(engine="torch")))
     assert workers.codes == [0, 0], workers.errors
     (losses, weights), _ = single
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)

@@ -133,3 +133,17 @@ def test_an_async_schedule_runs_many_steps_from_its_one_step_lists_and_steady_st
             short.for_steps(2)
     with pytest.raises(ValueError, match="a flush schedule runs one step at a time"):
         make_schedule("1f1b-flush", 2, 2).for_steps(2)
+
+
+def test_a_stash_run_without_a_steady_state_is_refused_before_any_worker_starts():
+    """Issue 34: 1f1b-stash over 4 stages with 2 micro-batches per step has no steady state in its one-step
+    lists, so a run of several steps is refused up front, naming the fix (it was scheduled at run time)."""
+    from jobs.pipeline_training import train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
+    from support import tiny_graph
+
+    graph = tiny_graph()
+    with pytest.raises(ValueError, match="1f1b-stash over 4 stages with 2 micro-batches per step has no steady "
+                                         "state to run 3 steps with"):
+        train_pipeline(graph, [], 9, [f"tcp://127.0.0.1:{p}" for p in range(1, 5)],
+                       PipelineConfig("1f1b-stash", 2), 3, transport=object())

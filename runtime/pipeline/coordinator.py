@@ -94,23 +94,22 @@ class StagePlacement:
 
 @dataclass(frozen=True)
 class PipelineConfig:
+    """How a run goes: its schedule and micro-batches per step, and how long to wait for a silent
+    worker (`timeout_s`). The rest are the settings a plan made in memory is emitted with, one for
+    every stage (jobs.pipeline_training.PlanInMemory): engine, threads, optimizer, learning rate,
+    weight decay, and whether the engines "keep" the activations of the micro-batches in flight or
+    "recompute" them (None: the engine's default). What differs per device (engines, head splits,
+    activation choices) is the plan's, in each device's bundle, never the run's."""
+
     schedule: str
     microbatches: int
-    engine: str | tuple[str, ...] = "mnn"  # one for all stages, or one per stage (mixed frameworks)
+    engine: str = "mnn"
     threads: int = 1
     optimizer: str = "adamw"
     lr: float = DEFAULT_LR
     weight_decay: float | None = None
     timeout_s: float = 600.0
-    # per stage: None (unsplit) or {backend: heads} splitting the attention heads of every encoder
-    # block of that stage across backends (runtime.engines.split.engine; MNN stages, flush schedules only).
-    # Indexed by stage at first setup; a re-plan keeps each worker's split with the worker (the
-    # backends are the device's), and workers new to the pipeline run unsplit.
-    head_split: tuple[Mapping[str, int] | None, ...] | None = None
-    # one for all stages, or one per stage: "keep" the activations of the micro-batches in flight
-    # until their backwards (MNN: one set of block graphs per micro-batch in flight) or "recompute"
-    # them there from the stashed inputs; None: the engine's default (PyTorch keeps, MNN recomputes)
-    activations: str | None | tuple[str | None, ...] = None
+    activations: str | None = None
 
 
 @dataclass(frozen=True)
