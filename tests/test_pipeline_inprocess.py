@@ -692,3 +692,34 @@ def test_a_bundle_stage_failing_in_a_backward_is_named_by_device_and_action(grap
             _bundle_run(workers, tmp_path / "plan", 1, batches)
     assert str(err.value) == (f"worker stage1 ({workers.addresses[1]}) failed: stage 1 (b) in s1.B.m0: "
                               f"FloatingPointError: the engine's backward overflowed")
+
+
+# --- every run is a plan (issue 34) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["1f1b-flush", "1f1b-stash"])
+def test_the_coordinator_ships_bundles_and_sends_no_action_at_run_time(graph, batches, tmp_path, schedule):
+    """train_pipeline from a whole graph runs a plan made in memory: every stage is set up from a
+    bundle (no graph-slice setup), no run message carries actions (1f1b-stash's segments of 2 steps
+    are the bundle's steady state unrolled: the run says how many steps), and the losses are those of
+    the plan's schedule run as before (its sequential replay for 1f1b-stash, single-device for flush)."""
+    from runtime.pipeline.session import FaultPolicy
+
+    sent = []
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        send = workers.coordinator.send_control
+
+        def recording(peer, msg):
+            sent.append(dict(msg))
+            return send(peer, msg)
+
+        workers.coordinator.send_control = recording
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(schedule), 4,
+                                transport=workers.coordinator, faults=FaultPolicy(checkpoint_every=2),
+                                checkpoint_dir=tmp_path / "ck")
+    assert workers.codes == [0, 0], workers.errors
+    kinds = {m["type"] for m in sent}
+    assert "setup_bundle" in kinds and "setup" not in kinds, kinds
+    runs = [m for m in sent if m["type"] == "run"]
+    assert runs and not any("actions" in m for m in runs)
+    assert {m["steps"] for m in runs} == ({2} if schedule == "1f1b-stash" else {1})
+    assert len(result.losses) == 4
