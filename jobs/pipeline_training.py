@@ -237,7 +237,7 @@ class PlanInMemory:
                                  for d, c in zip(devices, choices) if c.head_split},
                   "activations": {d: c.activations or self.config.activations for d, c in zip(devices, choices)
                                   if c.activations or self.config.activations}}
-        emitted = emit_in_memory(graph, partition, schedule, config, sign=self.sign)
+        emitted = emit_in_memory(graph, partition, schedule, config, sign=self.sign, with_base=False)
         return SurvivorPlan([tuple(r) for r in ranges], list(addresses), [emitted.bundles[d] for d in devices],
                             devices, schedule)
 

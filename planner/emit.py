@@ -232,9 +232,12 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
 
 def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, config: Mapping[str, Any],
                    costs: Sequence[StageCost] | None = None, predicted_step_s: float | None = None,
-                   cluster: Cluster | None = None, sign=None, source: str = "<memory>") -> EmittedPlan:
+                   cluster: Cluster | None = None, sign=None, source: str = "<memory>",
+                   with_base: bool = True) -> EmittedPlan:
     """The plan `emit_plan` writes, in memory: every bundle built and verified, the schedule
-    verified, plan.json's document checked as a reader would; nothing touches the disk."""
+    verified, plan.json's document checked as a reader would; nothing touches the disk.
+    `with_base` False leaves out the base weights file (a plan run from memory ships whole bundles:
+    no device holds a copy of a file that was never written)."""
     _check_inputs(graph, partition, schedule, costs, predicted_step_s)
     devices = partition.devices
     cfg = _settings(config, devices, graph)
@@ -280,7 +283,7 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
         cluster_json = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")
         cluster_sha256 = sha256_hex(cluster_json)
     base_data = base_sha256 = None
-    base = base_weights(graph)
+    base = base_weights(graph) if with_base else None
     if base:
         base_data = encode_safetensors(base)
         base_sha256 = sha256_hex(base_data)
