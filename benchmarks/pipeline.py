@@ -532,7 +532,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
                      activations=None, ranges=None) -> dict:
     import numpy as np
 
-    from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, LocalWorkers, train_pipeline
+    from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, LocalWorkers, StageChoice, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     n = steps + 1
@@ -545,12 +545,18 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             cpu_marks.append([_proc_cpu_s(pid) for pid in pids])
 
         try:
+            # one engine and activation choice for all stages, or one per stage (each stage's device's)
+            per_stage = None
+            if not isinstance(engine, str) or isinstance(activations, tuple):
+                engines = (engine,) * stages if isinstance(engine, str) else engine
+                kept = activations if isinstance(activations, tuple) else (activations,) * stages
+                per_stage = tuple(StageChoice(engine=e, activations=a) for e, a in zip(engines, kept))
             config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300,
-                                    engine=engine, activations=activations)
+                                    **({} if per_stage else {"engine": engine, "activations": activations}))
             cuts = [last + 1 for _, last in ranges[:-1]] if ranges else None
             res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=cuts, on_step=on_step,
                                  keys=workers.keys, faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS),
-                                 update_every=update_every)
+                                 update_every=update_every, per_stage=per_stage)
         finally:
             codes = workers.wait(60.0)
     if any(codes):

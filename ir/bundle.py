@@ -56,17 +56,18 @@ import numpy as np
 
 from ir.documents import SHA256, BundleError, PlanDocument, StageDocument, check_device_name
 from ir.graph import Graph
-from ir.plan import Action, ActionKind
+from ir.plan import Action, ActionKind, Schedule, SteadyState, unroll
 from ir.precision import QuantizedTensor, storage_tensors
 from ir.safetensors import HashedTensors, decode_safetensors, encode_safetensors, read_safetensors_hashed
 from ir.serialize import constant_tensor_names, graph_from_json
-from ir.verify import GraphError, verify_graph
+from ir.verify import GraphError, verify_graph, verify_plan
 from ir.versioned import check_header
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
            "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
            "manifest_plan_id", "plan_identity", "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files",
-           "sha256_hex", "verify_bundle_files", "write_bundle"]
+           "sha256_hex", "verify_bundle_files", "write_bundle", "write_bundle_files", "schedule_of_bundles",
+           "LoadedPlan", "load_plan_folder"]
 
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FORMAT = "confidant-bundle"
@@ -99,6 +100,19 @@ class BundleContents:
     actions: tuple[Action, ...]
     manifest: dict[str, str]
     plan_id: str | None = None  # the identity of the plan the bundle was written for (signed with it)
+    # asynchronous schedules: the actions each further step of a run without a flush adds before the
+    # drain, which starts at actions[drain_at] (stage.json's `steady`; ir.plan.SteadyState)
+    steady: tuple[Action, ...] | None = None
+    drain_at: int | None = None
+
+    def actions_for_steps(self, steps: int) -> tuple[Action, ...]:
+        """This stage's actions for `steps` steps run as one (ir.plan.Schedule.for_steps)."""
+        if steps == 1:
+            return self.actions
+        if self.steady is None:
+            raise ValueError(f"bundle {self.source}: {self.stage_doc.schedule} has no steady state to run {steps} "
+                             f"steps without a flush with")
+        return unroll(self.actions, self.steady, self.drain_at, steps, self.stage_doc.microbatches)
 
     @property
     def stage(self) -> int:
@@ -197,6 +211,12 @@ def write_bundle(directory: str | Path, stage_doc: StageDocument | Mapping[str, 
     files = build_bundle_files(stage_doc, graph_doc, constants, actions, source=str(directory), sign=sign,
                                plan_id=plan_id)
     verify_bundle_files(files, str(directory))
+    return write_bundle_files(directory, files)
+
+
+def write_bundle_files(directory: str | Path, files: Mapping[str, bytes]) -> Path:
+    """Write a verified bundle's files (`build_bundle_files`) into `directory` as `write_bundle` does."""
+    directory = Path(directory)
     if directory.exists():
         if not directory.is_dir():
             raise BundleError(f"bundle {directory}: exists and is not a directory")
@@ -320,26 +340,42 @@ def _parse_actions(data: bytes, source: str, stage_doc: StageDocument) -> tuple[
     lines = text.split("\n")
     if lines[-1] != "":
         raise BundleError(f"bundle {source}: {ACTIONS} does not end with a newline")
-    stage, stages, m = stage_doc.stage, stage_doc.stages, stage_doc.microbatches
-    actions = []
-    for i, line in enumerate(lines[:-1], 1):
-        try:
-            a = Action.parse(line)
-        except ValueError as exc:
-            raise BundleError(f"bundle {source}: {ACTIONS} line {i}: {exc}") from None
-        if a.stage != stage:
-            raise BundleError(f"bundle {source}: {ACTIONS} line {i}: {a} is an action of stage {a.stage}, "
-                              f"this bundle is stage {stage}")
-        if a.peer is not None and (a.peer not in (stage - 1, stage + 1) or a.peer >= stages):
-            raise BundleError(f"bundle {source}: {ACTIONS} line {i}: {a} talks to stage {a.peer}, which is not a "
-                              f"neighbour of stage {stage} of {stages}")
-        if a.microbatch is not None and a.microbatch >= m:
-            raise BundleError(f"bundle {source}: {ACTIONS} line {i}: {a} names micro-batch {a.microbatch}, "
-                              f"the schedule has {m}")
-        actions.append(a)
+    actions = tuple(_stage_action(line, f"{ACTIONS} line {i}", source, stage_doc, stage_doc.microbatches)
+                    for i, line in enumerate(lines[:-1], 1))
     if not any(a.kind is ActionKind.F for a in actions):
         raise BundleError(f"bundle {source}: {ACTIONS} has no forward action")
-    return tuple(actions)
+    return actions
+
+
+def _stage_action(token: str, where: str, source: str, stage_doc: StageDocument, microbatches: int) -> Action:
+    """One action token of this stage, talking only to its neighbours, within `microbatches`."""
+    stage, stages = stage_doc.stage, stage_doc.stages
+    try:
+        a = Action.parse(token)
+    except ValueError as exc:
+        raise BundleError(f"bundle {source}: {where}: {exc}") from None
+    if a.stage != stage:
+        raise BundleError(f"bundle {source}: {where}: {a} is an action of stage {a.stage}, this bundle is stage {stage}")
+    if a.peer is not None and (a.peer not in (stage - 1, stage + 1) or a.peer >= stages):
+        raise BundleError(f"bundle {source}: {where}: {a} talks to stage {a.peer}, which is not a neighbour of "
+                          f"stage {stage} of {stages}")
+    if a.microbatch is not None and a.microbatch >= microbatches:
+        raise BundleError(f"bundle {source}: {where}: {a} names micro-batch {a.microbatch}, the schedule has "
+                          f"{microbatches}")
+    return a
+
+
+def _parse_steady(source: str, stage_doc: StageDocument, actions: tuple[Action, ...]):
+    """stage.json's steady state, parsed: (its actions, where the drain starts), or (None, None)."""
+    if stage_doc.steady is None:
+        return None, None
+    if stage_doc.steady.drain_at > len(actions):
+        raise BundleError(f"bundle {source}: {STAGE} steady drain_at {stage_doc.steady.drain_at} is past the "
+                          f"{len(actions)} actions of {ACTIONS}")
+    # written with the second step's micro-batches
+    steady = tuple(_stage_action(t, f"{STAGE} steady action {i}", source, stage_doc, 2 * stage_doc.microbatches)
+                   for i, t in enumerate(stage_doc.steady.actions, 1))
+    return steady, stage_doc.steady.drain_at
 
 
 def check_bundle_signature(files: Mapping[str, bytes], source: str, check_signature: SignatureCheck) -> None:
@@ -405,7 +441,27 @@ def verify_bundle_files(files: Mapping[str, bytes], source: str,
     except GraphError as exc:
         raise BundleError(f"bundle {source}: {GRAPH}: {exc}") from None
     actions = _parse_actions(bytes(files[ACTIONS]), source, stage_doc)
-    return BundleContents(source, stage_doc, graph, actions, manifest, head.get(_PLAN_KEY))
+    steady, drain_at = _parse_steady(source, stage_doc, actions)
+    return BundleContents(source, stage_doc, graph, actions, manifest, head.get(_PLAN_KEY), steady, drain_at)
+
+
+def schedule_of_bundles(contents: "list[BundleContents] | tuple[BundleContents, ...]") -> Schedule:
+    """The schedule a plan's bundles (one per stage, in order) run, with the steady state of an
+    asynchronous one, verified (`verify_plan`, one step and, for an asynchronous one, two steps
+    without a flush): the program the workers execute, as the coordinator must drive it."""
+    first = contents[0].stage_doc
+    steady = None
+    if all(c.steady is not None for c in contents):
+        steady = SteadyState(tuple(c.drain_at for c in contents), tuple(c.steady for c in contents))
+    schedule = Schedule(first.schedule, first.stages, first.microbatches, tuple(c.actions for c in contents),
+                        tuple(c.stage_doc.stash_depth for c in contents), first.update_every, steady)
+    try:
+        verify_plan(schedule)
+        if steady is not None:
+            verify_plan(schedule.for_steps(2))
+    except ValueError as exc:
+        raise BundleError(f"the bundles {', '.join(c.source for c in contents)} do not make one plan: {exc}") from None
+    return schedule
 
 
 def plan_identity(settings: Any, constants: Mapping[str, np.ndarray]) -> str:
@@ -525,3 +581,49 @@ def load_plan(out_dir: str | Path, verify_bundles: bool = False) -> PlanDocument
                                   f"{[contents.first_block, contents.last_block]}, {PLAN} says stage {d.stage} "
                                   f"blocks {list(d.blocks)}")
     return doc
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedPlan:
+    """A plan folder read and verified once, to be shipped as it is: plan.json's document, each
+    device's bundle files as read (what the coordinator sends the workers, byte for byte), those
+    bundles parsed (verified), and the schedule they make (verified, steady state included).
+    Nothing of the folder is read or decoded again for the run."""
+
+    directory: Path
+    plan: PlanDocument
+    files: tuple[dict[str, bytes], ...]
+    contents: tuple[BundleContents, ...]
+    schedule: Schedule
+
+    @property
+    def devices(self) -> list[str]:
+        return self.plan.device_names
+
+    def check_signatures(self, check_signature: SignatureCheck) -> None:
+        """BundleError unless every bundle is signed as `check_signature` wants (its manifest only:
+        the manifest names every other file's hash, checked when the plan was loaded)."""
+        for d, files in zip(self.plan.devices, self.files):
+            check_bundle_signature(files, str(self.directory / d.bundle), check_signature)
+
+
+def load_plan_folder(out_dir: str | Path) -> LoadedPlan:
+    """`load_plan` (plan.json, its cluster.json, each bundle bound to the plan), then each bundle's
+    files read once and verified, and the plan's schedule from them (`schedule_of_bundles`)."""
+    out_dir = Path(out_dir)
+    plan = load_plan(out_dir)
+    files, contents = [], []
+    for d in plan.devices:
+        where = out_dir / d.bundle
+        read = read_bundle_files(where)
+        got = sha256_hex(read[MANIFEST]) if MANIFEST in read else None
+        if got != d.manifest_sha256:  # changed since load_plan looked
+            raise BundleError(f"plan {out_dir}: bundle {d.bundle}/ is not the one {PLAN} was written with; re-run "
+                              f"`confidant plan`")
+        c = verify_bundle_files(read, str(where))
+        if (c.stage, c.first_block, c.last_block) != (d.stage, d.first_block, d.last_block):
+            raise BundleError(f"plan {out_dir}: bundle {d.bundle}/ is stage {c.stage} blocks "
+                              f"{[c.first_block, c.last_block]}, {PLAN} says stage {d.stage} blocks {list(d.blocks)}")
+        files.append(read)
+        contents.append(c)
+    return LoadedPlan(out_dir, plan, tuple(files), tuple(contents), schedule_of_bundles(contents))

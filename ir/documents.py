@@ -113,7 +113,7 @@ STAGE_FIELDS = (
 # set of block graphs per micro-batch in flight) or "recompute" (only the inputs held, the forward run
 # again in the backward), chosen by the planner; null or absent: the engine's default (PyTorch keeps,
 # MNN recomputes).
-STAGE_OPTIONAL_FIELDS = ("head_split", "activations")
+STAGE_OPTIONAL_FIELDS = ("head_split", "activations", "steady")
 ACTIVATION_CHOICES = ("keep", "recompute")
 
 
@@ -142,6 +142,9 @@ class StageDocument:
     seq: int
     head_split: Mapping[str, int] | None = None
     activations: str | None = None
+    # asynchronous schedules (ir.plan.SteadyState): where this stage's actions drain and the action
+    # tokens one more step adds before the drain, so a run of several steps needs no other actions
+    steady: "SteadyStage | None" = None
 
     @property
     def backend_spec(self) -> BackendSpec:
@@ -155,7 +158,8 @@ class StageDocument:
                 "stash_depth": self.stash_depth, "engine": self.engine, "backend": self.backend, "threads": self.threads,
                 "optimizer": self.optimizer.to_json(), "batch": self.batch, "seq": self.seq,
                 "head_split": None if self.head_split is None else dict(self.head_split),
-                "activations": self.activations}
+                "activations": self.activations,
+                **({} if self.steady is None else {"steady": self.steady.to_json()})}
 
     @staticmethod
     def problem(doc: Any) -> str | None:
@@ -196,6 +200,10 @@ class StageDocument:
         problem = OptimizerSettings.problem(doc["optimizer"]) or _head_split_problem(doc.get("head_split"))
         if problem:
             return problem
+        if "steady" in doc:
+            problem = SteadyStage.problem(doc["steady"])
+            if problem:
+                return f"steady {problem}"
         if doc.get("activations") not in (None,) + ACTIVATION_CHOICES:
             return f"activations is {doc['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)} (or null)"
         try:
@@ -216,7 +224,34 @@ class StageDocument:
                    doc["stash_depth"], doc["engine"], doc["backend"], doc["threads"],
                    OptimizerSettings.from_json(doc["optimizer"]), doc["batch"], doc["seq"],
                    None if split is None else {str(b): int(h) for b, h in split.items()},
-                   doc.get("activations"))
+                   doc.get("activations"), SteadyStage.from_json(doc["steady"]) if "steady" in doc else None)
+
+
+@dataclass(frozen=True)
+class SteadyStage:
+    """One stage's part of an asynchronous schedule's steady state (ir.plan.SteadyState): its
+    one-step actions drain from position `drain_at`, and `actions` (tokens) is what each further
+    step of a run without a flush adds before the drain."""
+
+    drain_at: int
+    actions: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"drain_at": self.drain_at, "actions": list(self.actions)}
+
+    @staticmethod
+    def problem(doc: Any) -> str | None:
+        if not isinstance(doc, dict) or sorted(doc) != ["actions", "drain_at"]:
+            return f"is {doc!r:.80}, not {{\"drain_at\": position, \"actions\": [action tokens]}}"
+        if not _is_int(doc["drain_at"]) or doc["drain_at"] < 0:
+            return f"drain_at is {doc['drain_at']!r}, not an integer >= 0"
+        if not isinstance(doc["actions"], list) or not all(isinstance(t, str) for t in doc["actions"]):
+            return "actions is not a list of action tokens"
+        return None
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "SteadyStage":
+        return cls(int(doc["drain_at"]), tuple(doc["actions"]))
 
 
 # --- plan.json ---------------------------------------------------------------------------------------
@@ -600,4 +635,4 @@ def _planned_cost(doc: Any, device: str, fail) -> PlannedCost | None:
 
 __all__ = ["BundleError", "DevicePlan", "OptimizerSettings", "PLAN_FIELDS", "PLAN_DEVICE_FIELDS", "PLAN_FORMAT",
            "PLAN_SCHEMA_VERSION", "PlanDocument", "PlannedCost", "PlannedLora", "PlannedHeadSplit", "STAGE_FIELDS",
-           "STAGE_OPTIONAL_FIELDS", "StageDocument", "check_device_name"]
+           "STAGE_OPTIONAL_FIELDS", "StageDocument", "SteadyStage", "check_device_name"]

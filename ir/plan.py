@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -136,6 +136,10 @@ class Action:
             text += f"{'>' if self.kind.is_send else '<'}s{self.peer}"
         return text
 
+    def shifted(self, by: int) -> "Action":
+        """This action `by` micro-batches later (an UPDATE closing a whole batch stays as it is)."""
+        return self if self.microbatch is None or by == 0 else replace(self, microbatch=self.microbatch + by)
+
     @classmethod
     def parse(cls, text: str) -> "Action":
         m = _TOKEN.fullmatch(text)
@@ -159,6 +163,35 @@ class Action:
             raise ValueError(f"cannot parse action {text!r}: {exc}") from None
 
 
+def unroll(actions: tuple[Action, ...], steady: tuple[Action, ...], drain_at: int, steps: int,
+           microbatches: int) -> tuple[Action, ...]:
+    """One stage's actions for `steps` steps without a flush (see SteadyState): `actions` up to
+    `drain_at`, `steady` once per step after the first (shifted `microbatches` further each time),
+    then the drain shifted to the last step."""
+    out = list(actions[:drain_at])
+    for k in range(steps - 1):
+        out += [a.shifted(k * microbatches) for a in steady]
+    return tuple(out + [a.shifted((steps - 1) * microbatches) for a in actions[drain_at:]])
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """How the one-step lists of an asynchronous schedule (1f1b-stash, 2bw) continue without a flush:
+    stage s runs its list up to `drain_at[s]` (warm-up and the first step's one-forward-one-backward),
+    then `actions[s]` once per further step (the steady state, written with the second step's
+    micro-batches; each further step shifts them by the micro-batches of a step), then the rest of
+    its list, the drain, shifted to the last step. `Schedule.for_steps` joins them."""
+
+    drain_at: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "drain_at", tuple(self.drain_at))
+        object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        if len(self.drain_at) != len(self.actions):
+            raise ValueError(f"a steady state has {len(self.drain_at)} drain positions for {len(self.actions)} stages")
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-stage action lists for one pipeline run; stage s runs on device s for now.
@@ -175,6 +208,9 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     stash_depth: tuple[int, ...]
     update_every: int = 1
+    # asynchronous schedules: how the one-step lists run for several steps without a flush
+    # (`for_steps`); None for flush schedules, which run their lists once per step
+    steady: "SteadyState | None" = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen here so schedules stay hashable and immutable.
@@ -203,6 +239,24 @@ class Schedule:
     def flushes(self) -> bool:
         """True when the pipeline drains before each UPDATE, so every stage keeps one weight version."""
         return self.name not in ASYNC_SCHEDULES
+
+    def for_steps(self, steps: int) -> "Schedule":
+        """The lists that run `steps` steps as one, without a flush in between: this schedule itself
+        for one step; for an asynchronous schedule, each stage's one-step list up to its drain, the
+        steady actions `steps - 1` times (micro-batches shifted a step further each time), then the
+        drain shifted to the last step (`SteadyState`). Nothing is scheduled here: the pieces are the
+        plan's, emitted and verified with it (planner.schedule.make_schedule)."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        if steps == 1:
+            return self
+        if self.steady is None:
+            raise ValueError(f"schedule {self.name!r} of {self.microbatches} micro-batches has no steady state to run "
+                             f"{steps} steps without a flush with" + (" (a flush schedule runs one step at a time)"
+                                                                       if self.flushes else ""))
+        rows = tuple(unroll(row, steady, drain_at, steps, self.microbatches)
+                     for row, drain_at, steady in zip(self.actions, self.steady.drain_at, self.steady.actions))
+        return Schedule(self.name, self.stages, steps * self.microbatches, rows, self.stash_depth, self.update_every)
 
     # JSON ---------------------------------------------------------------------------------------
 

@@ -7,15 +7,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from ir.bundle import PLAN_BASE, BundleError, load_bundle_dir, load_plan
+from ir.bundle import PLAN_BASE, BundleError, LoadedPlan, load_plan, load_plan_folder
 from ir.documents import PlanDocument
-from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES
+from ir.plan import FLUSH_SCHEDULES
 from ir.serialize import merge_slices
-from jobs.errors import JobError, RunFailed
+from jobs.errors import JobError
 from jobs.memory_check import check_memory
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
-from jobs.pipeline_training import (AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, RecoveryImpossible, SurvivorPlan,
-                                    describe_event, train_pipeline)
+from jobs.pipeline_run import describe_event, progress, run_on_workers
+from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, SurvivorPlan, train_pipeline
 from jobs.report import Reporter, Silent
 from jobs.settings import check_fault_flags
 from jobs.workers import LocalWorkers, coordinator_pair
@@ -24,8 +24,7 @@ from planner.emit import load_plan_cluster
 from planner.replan import PlanReplanner
 from runtime.pipeline.bundles import plan_base
 from runtime.pipeline.checkpoints import check_checkpoint_target
-from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
-from runtime.pipeline.executor import busy_fraction
+from runtime.pipeline.coordinator import PipelineConfig
 from runtime.procfs import peak_rss_bytes
 from jobs.pipeline_tasks import PipelineTask, task_run, weights_evaluation
 from jobs.task_choice import check_graph
@@ -82,7 +81,7 @@ def planned_values(plan_dir: Path) -> dict[str, set]:
             "engine": {d.engine for d in plan.devices}, "threads": {d.threads for d in plan.devices}}
 
 
-def _coordinator_keys(settings: PlanRunSettings, bundles, reporter):
+def _coordinator_keys(settings: PlanRunSettings, loaded: LoadedPlan, reporter):
     """The coordinator's pair, after checking that it signed every bundle of the plan (a worker
     would refuse them otherwise; better said here, before any worker starts)."""
     from runtime.keys import KeyFileError, verifier
@@ -96,12 +95,10 @@ def _coordinator_keys(settings: PlanRunSettings, bundles, reporter):
         pair = coordinator_pair(settings.keys, note=reporter.note)
     except KeyFileError as exc:
         raise JobError(str(exc)) from None
-    check = verifier(pair.public)
-    for directory in bundles:
-        try:
-            load_bundle_dir(directory, check_signature=check)
-        except BundleError as exc:
-            raise JobError(f"{exc} (re-run `confidant plan` with this coordinator's --keys {settings.keys})") from None
+    try:
+        loaded.check_signatures(verifier(pair.public))
+    except BundleError as exc:
+        raise JobError(f"{exc} (re-run `confidant plan` with this coordinator's --keys {settings.keys})") from None
     return pair
 
 
@@ -146,12 +143,15 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     if settings.checkpoint is not None:
         check_checkpoint_target(settings.checkpoint)
     plan_dir = Path(plan_dir)
-    plan = load_plan(plan_dir, verify_bundles=True)
+    loaded = load_plan_folder(plan_dir)  # read and verified once; its bundles' bytes are what the workers get
+    plan, contents = loaded.plan, list(loaded.contents)
+    if not loaded.schedule.flushes and loaded.schedule.steady is None and settings.steps > 1:
+        raise JobError(f"{plan_dir}: {plan.schedule} over {len(contents)} devices with {plan.microbatches} micro-batches "
+                       f"has no steady state to train {settings.steps} steps with (at least devices - 1 micro-batches "
+                       f"are needed): re-plan with more --microbatches")
     names = plan.device_names
-    bundles = [plan_dir / d.bundle for d in plan.devices]
-    contents = [load_bundle_dir(b) for b in bundles]
     replanner = _plan_replanner(settings, plan_dir, plan, contents)  # None without --replan-every
-    pair = _coordinator_keys(settings, bundles, reporter)
+    pair = _coordinator_keys(settings, loaded, reporter)
     sign = None
     if pair is not None:
         from runtime.keys import signer
@@ -169,10 +169,6 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         raise JobError(f"{plan_dir}/plan.json lacks worker addresses; pass --local or re-plan with addresses")
     config = PipelineConfig(schedule=plan.schedule, microbatches=M, timeout_s=settings.timeout_s)
     reporter.start(f"train {plan_dir.name} ({len(names)} devices, {plan.schedule})", settings.steps)
-
-    def on_step(step, loss, seconds, stage_seconds, done):
-        busy = "/".join(f"{busy_fraction(d['seconds'], d.get('wall_s', 0.0)):.0%}" for d in done)
-        reporter.step(step, loss=loss, **{"samples/s": rows * M / seconds, "busy": busy})
 
     base = plan_base(plan_dir, plan)
     local = None
@@ -197,26 +193,16 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
             _device_figures(result, names, replanner), microbatches=M, schedule=plan.schedule, plan=str(plan_dir),
             predicted_step_s=plan.predicted_step_s, coordinator_peak_rss_bytes=peak_rss_bytes(),
             settings=asdict(settings), events=tuple(result.events), error=error, **replan_figures)
-    failed = True
-    try:
-        result = train_pipeline(None, None, len(task.labels), addresses, config, settings.steps,
-                                listen=settings.listen, on_step=on_step, bundles=bundles, devices=names,
-                                stage_graphs=contents, checkpoint_dir=settings.checkpoint,
-                                meta=_checkpoint_meta(plan_dir, plan, task), replan_every=settings.replan_every,
-                                on_replan=replanner, spare_devices=spares,
-                                on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf),
-                                schedule=None if plan.schedule in ASYNC_SCHEDULES else plan.to_schedule(),
-                                update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
-                                plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
-                                on_event=lambda event: reporter.note(describe_event(event)),
-                                feeds_of_step=task.feeds_of_step, base=base)
-        failed = False
-    except (WorkerFailed, RecoveryImpossible) as exc:
-        partial = getattr(exc, "result", None)
-        raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
-    finally:
-        if local:
-            local.finish(failed)
+    result = run_on_workers(lambda: train_pipeline(
+        None, None, len(task.labels), addresses, config, settings.steps, listen=settings.listen,
+        on_step=progress(reporter, rows * M), bundles=loaded.files, devices=names, stage_graphs=contents,
+        checkpoint_dir=settings.checkpoint, meta=_checkpoint_meta(plan_dir, plan, task),
+        replan_every=settings.replan_every, on_replan=replanner, spare_devices=spares,
+        on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf), schedule=loaded.schedule,
+        update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
+        plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
+        on_event=lambda event: reporter.note(describe_event(event)), feeds_of_step=task.feeds_of_step, base=base),
+        metrics_of, local, reporter)
     metrics = metrics_of(result, **(_replan_figures(replanner, result) if replanner is not None else {}))
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
     promised = plan  # after a re-plan, the figures of the plan the run ended on

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ir.bundle import (MANIFEST, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, check_device_name,
-                       load_bundle_dir, load_plan, plan_identity, sha256_hex, write_bundle)
+from ir.bundle import (MANIFEST, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, build_bundle_files,
+                       check_device_name, load_bundle_dir, load_plan, plan_identity, sha256_hex, verify_bundle_files,
+                       write_bundle_files)
 from ir.documents import (DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit, PlannedLora,
-                          StageDocument)
+                          StageDocument, SteadyStage)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
 from ir.plan import DEFAULT_LR, Schedule
@@ -37,7 +39,7 @@ from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
 from planner.cost import stage_memory_terms
 
-__all__ = ["CONFIG_DEFAULTS", "emit_plan", "load_plan", "load_plan_cluster", "cluster_to_json", "cluster_from_json"]
+__all__ = ["CONFIG_DEFAULTS", "EmittedPlan", "emit_in_memory", "emit_plan", "load_plan", "load_plan_cluster", "cluster_to_json", "cluster_from_json"]
 
 # What `config` may set, with defaults. `threads` and `engine` are one value for all devices or
 # {device: value} (devices may run different frameworks: MNN on phones, PyTorch on laptops);
@@ -159,6 +161,14 @@ def _check_inputs(graph: Graph, partition: Partition, schedule: Schedule, costs,
     verify_plan(schedule)
 
 
+def _steady_of(schedule: Schedule, stage: int) -> SteadyStage | None:
+    """Stage `stage`'s part of an asynchronous schedule's steady state (None for flush schedules),
+    so that its bundle alone runs any number of steps without a flush."""
+    if schedule.flushes or schedule.steady is None:  # none: such a plan trains one step only (the run says so)
+        return None
+    return SteadyStage(schedule.steady.drain_at[stage], tuple(str(a) for a in schedule.steady.actions[stage]))
+
+
 def _memory_terms(graph: Graph, cluster: Cluster | None, assignment, stage: int, stages: int, schedule: Schedule,
                   optimizer: str) -> dict[str, int] | None:
     """The memory model's terms of a stage's planned bytes (`show` prints them); a planned figure the
@@ -175,6 +185,18 @@ def _memory_terms(graph: Graph, cluster: Cluster | None, assignment, stage: int,
     return out
 
 
+@dataclass(frozen=True)
+class EmittedPlan:
+    """A plan in memory, as `emit_plan` writes it: plan.json's document, each device's bundle files
+    (file name -> bytes, verified), and the bytes of cluster.json and of the base weights file (None
+    when the plan has none). `train-pipeline` runs such a plan without writing it (issue 34)."""
+
+    plan: PlanDocument
+    bundles: dict[str, dict[str, bytes]]
+    cluster_json: bytes | None = None
+    base: bytes | None = None
+
+
 def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule: Schedule, config: Mapping[str, Any],
               costs: Sequence[StageCost] | None = None, predicted_step_s: float | None = None,
               cluster: Cluster | None = None, sign=None) -> Path:
@@ -183,16 +205,43 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
     (bytes -> signature file bytes; `runtime.keys.signer` of the coordinator's key, passed in by
     the job) signs every bundle's manifest, which workers then require (ir.bundle)."""
     out_dir = Path(out_dir)
-    _check_inputs(graph, partition, schedule, costs, predicted_step_s)
-    devices = partition.devices
-    cfg = _settings(config, devices, graph)
-    cluster_doc = _cluster_for(cluster, devices)
+    emitted = emit_in_memory(graph, partition, schedule, config, costs, predicted_step_s, cluster, sign,
+                             source=str(out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     # A plan.json that outlives a failed re-emit would describe bundles it does not match, and a
     # cluster.json of an older plan would be taken for this one's.
     (out_dir / PLAN).unlink(missing_ok=True)
     (out_dir / PLAN_CLUSTER).unlink(missing_ok=True)
     (out_dir / PLAN_BASE).unlink(missing_ok=True)
+    for device, files in emitted.bundles.items():
+        directory = write_bundle_files(out_dir / device, files)
+        load_bundle_dir(directory)  # read back from disk: what a device will receive
+    if emitted.cluster_json is not None:
+        (out_dir / PLAN_CLUSTER).write_bytes(emitted.cluster_json)
+    if emitted.base is not None:  # written once per plan, any cut: a device holding a copy serves every re-plan too
+        tmp = out_dir / f".{PLAN_BASE}.tmp"
+        tmp.write_bytes(emitted.base)
+        tmp.replace(out_dir / PLAN_BASE)
+    path = out_dir / PLAN
+    tmp = out_dir / f".{PLAN}.tmp"
+    tmp.write_text(json.dumps(emitted.plan.to_json(), indent=1) + "\n")
+    tmp.replace(path)
+    load_plan(out_dir)
+    return path
+
+
+def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, config: Mapping[str, Any],
+                   costs: Sequence[StageCost] | None = None, predicted_step_s: float | None = None,
+                   cluster: Cluster | None = None, sign=None, source: str = "<memory>",
+                   with_base: bool = True) -> EmittedPlan:
+    """The plan `emit_plan` writes, in memory: every bundle built and verified, the schedule
+    verified, plan.json's document checked as a reader would; nothing touches the disk.
+    `with_base` False leaves out the base weights file (a plan run from memory ships whole bundles:
+    no device holds a copy of a file that was never written)."""
+    _check_inputs(graph, partition, schedule, costs, predicted_step_s)
+    devices = partition.devices
+    cfg = _settings(config, devices, graph)
+    cluster_doc = _cluster_for(cluster, devices)
     p = len(devices)
     optimizer = OptimizerSettings(str(cfg["optimizer"]["name"]), float(cfg["optimizer"]["lr"]),
                                   cfg["optimizer"]["weight_decay"])
@@ -202,56 +251,50 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
         devices[s - 1] if s > 0 else None, devices[s + 1] if s < p - 1 else None,
         schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth[s],
         cfg["engines"][a.device], cfg["backend"], cfg["threads"][a.device], optimizer, graph.batch, graph.seq,
-        _split_heads(cfg, a.device), cfg["activations"].get(a.device)) for s, a in enumerate(partition.stages)]
+        _split_heads(cfg, a.device), cfg["activations"].get(a.device), _steady_of(schedule, s))
+        for s, a in enumerate(partition.stages)]
     # every bundle's signed manifest names it: a bundle of another plan is refused in this one's folder
     plan_id = plan_identity({"model": cfg["model"], "graph": graph.name, "stages": [d.to_json() for d in stage_docs],
                              "actions": [[str(a) for a in row] for row in schedule.actions]},
                             stored_constants(graph.constants))
+    bundles = {}
     for s, (assignment, stage_doc) in enumerate(zip(partition.stages, stage_docs)):
         part = slice_graph(graph, assignment.first_block, assignment.last_block)
         device = assignment.device
+        where = f"{source}/{device}"
         # quantized frozen weights go as their storage arrays, never widened (ir.precision)
-        directory = write_bundle(out_dir / device, stage_doc, graph_to_json(part, stored=True),
-                                 stored_constants(part.constants), schedule.actions[s], sign=sign, plan_id=plan_id)
-        load_bundle_dir(directory)  # read back from disk: what a device will receive
+        files = build_bundle_files(stage_doc, graph_to_json(part, stored=True), stored_constants(part.constants),
+                                   schedule.actions[s], source=where, sign=sign, plan_id=plan_id)
+        verify_bundle_files(files, where)
+        bundles[device] = files
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]
         entries.append(DevicePlan(
             device, s, assignment.first_block, assignment.last_block, assignment.memory_bytes,
             assignment.memory_budget_bytes, assignment.predicted_time_s, device,
-            sha256_hex((directory / MANIFEST).read_bytes()), cfg["threads"][device], cfg["engines"][device],
+            sha256_hex(files[MANIFEST]), cfg["threads"][device], cfg["engines"][device],
             _planned_split(cfg, device), cfg["addresses"].get(device),
             None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s,
                                             c.weight_grad_s),
             sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks), cfg["activations"].get(device),
             _memory_terms(graph, cluster, assignment, s, p, schedule, optimizer.name)))
-    cluster_sha256 = None
+    cluster_json = cluster_sha256 = None
     if cluster_doc is not None:
-        data = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")
-        (out_dir / PLAN_CLUSTER).write_bytes(data)
-        cluster_sha256 = sha256_hex(data)
-    base_sha256 = None
-    base = base_weights(graph)
-    if base:  # written once per plan, any cut: a device holding a copy serves every re-plan too
-        data = encode_safetensors(base)
-        tmp = out_dir / f".{PLAN_BASE}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(out_dir / PLAN_BASE)
-        base_sha256 = sha256_hex(data)
+        cluster_json = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")
+        cluster_sha256 = sha256_hex(cluster_json)
+    base_data = base_sha256 = None
+    base = base_weights(graph) if with_base else None
+    if base:
+        base_data = encode_safetensors(base)
+        base_sha256 = sha256_hex(base_data)
     plan = PlanDocument(cfg["model"], schedule.name, schedule.microbatches, schedule.update_every,
                         schedule.stash_depth, graph.batch, graph.seq, tuple(b.name for b in graph.blocks),
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
                         tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
                         partition.bottleneck_s, cluster_sha256, base_sha256, dict(graph.lookup_rows),
                         cfg["model_path"], cfg["lora"], _base_dtype(graph), plan_id)
-    doc = plan.to_json()
-    PlanDocument.from_json(doc, str(out_dir))  # what a reader will check, before anything is written
-    path = out_dir / PLAN
-    tmp = out_dir / f".{PLAN}.tmp"
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
-    load_plan(out_dir)
-    return path
+    PlanDocument.from_json(plan.to_json(), source)  # what a reader will check, before anything is written
+    return EmittedPlan(plan, bundles, cluster_json, base_data)
 
 
 # --- the cluster beside the plan ----------------------------------------------------------------

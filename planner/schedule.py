@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from ir.plan import Action, ActionKind, Schedule, check_schedule_name
+from ir.plan import ASYNC_SCHEDULES, Action, ActionKind, Schedule, SteadyState, check_schedule_name
 from ir.verify import verify_plan
 
 F, B, W, UPDATE = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.UPDATE
@@ -237,19 +237,65 @@ COMPUTE_ORDERS: dict[str, Callable[..., Schedule]] = {
 }
 
 
-def make_schedule(name: str, stages: int, microbatches: int, update_every: int = 1) -> Schedule:
+def _lowered(name: str, stages: int, microbatches: int, update_every: int) -> Schedule:
     """The named schedule with communication and frees added, verified and dry-run."""
-    check_schedule_name(name)
-    if name in ("1f1b-stash", "2bw"):
+    if name in ASYNC_SCHEDULES:
         compute = COMPUTE_ORDERS[name](stages, microbatches, update_every)
     else:
-        if update_every != 1:
-            raise ValueError(f"update_every={update_every} applies to 1f1b-stash and 2bw only; {name} updates once "
-                             f"per batch")
         compute = COMPUTE_ORDERS[name](stages, microbatches)
     schedule = add_frees(add_communication(compute))
     verify_plan(schedule)
     return schedule
+
+
+def make_schedule(name: str, stages: int, microbatches: int, update_every: int = 1) -> Schedule:
+    """The named schedule with communication and frees added, verified and dry-run; an asynchronous
+    one (1f1b-stash, 2bw) with its steady state (`steady_state`), so that it runs any number of
+    steps without a flush from these lists alone (`Schedule.for_steps`)."""
+    check_schedule_name(name)
+    if name not in ASYNC_SCHEDULES and update_every != 1:
+        raise ValueError(f"update_every={update_every} applies to 1f1b-stash and 2bw only; {name} updates once "
+                         f"per batch")
+    schedule = _lowered(name, stages, microbatches, update_every)
+    if name in ASYNC_SCHEDULES:
+        schedule = replace(schedule, steady=steady_state(schedule))
+    return schedule
+
+
+def steady_state(one: Schedule) -> SteadyState | None:
+    """Where each stage's one-step list of an asynchronous schedule drains, and the actions one more
+    step adds before the drain (ir.plan.SteadyState), such that `for_steps(k)` is exactly the
+    schedule written over k steps' micro-batches, for k = 2 and 3, each of which is verified and
+    dry-run here. The lists of k steps are warm-up, k*m - w one-forward-one-backward pairs and a
+    drain of w backwards (w = the stage's warm-up, fixed once k*m >= p - s - 1): past the first
+    step each step adds the same m pairs, shifted by m, so agreement at k = 2 and 3 holds for every
+    k. None when the one-step lists are no such prefix (fewer micro-batches than stages less one,
+    or updates every `update_every` backwards with `update_every` not dividing a step's)."""
+    m = one.microbatches
+    if m % one.update_every:  # the last backward's extra update would fall mid-step past the first
+        return None
+    longer = {k: _lowered(one.name, one.stages, k * m, one.update_every) for k in (2, 3)}
+    drain_at, steady = [], []
+    for s, row in enumerate(one.actions):
+        two = longer[2].actions[s]
+        common = 0
+        while common < len(row) and row[common] == two[common]:
+            common += 1
+        for a in range(common, -1, -1):  # the longest prefix that works (a drain may begin like a pair)
+            tail = len(row) - a
+            piece = two[a:len(two) - tail]
+            if all(x.shifted(m) == y for x, y in zip(row[a:], two[len(two) - tail:])) and len(piece) + a + tail == len(two):
+                drain_at.append(a)
+                steady.append(piece)
+                break
+        else:
+            return None
+    state = SteadyState(tuple(drain_at), tuple(steady))
+    candidate = replace(one, steady=state)
+    for k, want in longer.items():
+        if candidate.for_steps(k).actions != want.actions:
+            return None
+    return state
 
 
 def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:

@@ -381,3 +381,31 @@ def test_build_refuses_a_bad_stage_doc(files, graph):
     with pytest.raises(BundleError, match=r"stage.json peers.next is None, not a device name"):
         build_bundle_files({**stage_doc, "peers": {"prev": None, "next": None}}, graph_to_json(part),
                            part.constants, [])
+
+
+def test_a_stash_plan_carries_its_steady_state_and_its_bundles_run_any_number_of_steps(graph, tmp_path):
+    """Issue 34: 1f1b-stash's steady state is emitted into each stage.json and verified with the
+    bundle; the bundles' one-step actions and steady state unroll to exactly the schedule over k
+    steps (what the coordinator once made and sent at run time), and a steady action of another
+    stage is refused like one of actions.txt."""
+    from ir.bundle import schedule_of_bundles
+
+    stash = make_schedule("1f1b-stash", 2, 4)
+    emit_plan(tmp_path / "plan", graph, _partition(), stash, CONFIG, predicted_step_s=0.5)
+    contents = [load_bundle(tmp_path / "plan" / d) for d in DEVICES]
+    assert all(c.steady for c in contents)
+    assert json.loads((tmp_path / "plan" / DEVICES[0] / STAGE).read_text())["steady"]["drain_at"] == contents[0].drain_at
+    plan = schedule_of_bundles(contents)
+    for k in (1, 2, 5):
+        want = make_schedule("1f1b-stash", 2, 4 * k).actions
+        assert plan.for_steps(k).actions == want
+        assert [c.actions_for_steps(k) for c in contents] == list(want)
+    # a flush plan's stage.json has no steady state (its bytes as before)
+    flush = tmp_path / "flush"
+    emit_plan(flush, graph, _partition(), make_schedule("1f1b-flush", 2, 4), CONFIG, predicted_step_s=0.5)
+    assert "steady" not in json.loads((flush / DEVICES[0] / STAGE).read_text())
+    files = read_bundle_files(tmp_path / "plan" / DEVICES[0])
+    doc = json.loads(files[STAGE])
+    doc["steady"]["actions"][0] = "s1.F.m4"
+    assert "stage.json steady action 1: s1.F.m4 is an action of stage 1, this bundle is stage 0" in _refused(
+        _rehash({**files, STAGE: (json.dumps(doc) + "\n").encode()}))

@@ -227,16 +227,16 @@ def test_a_pipeline_with_a_split_decoder_stage_equals_one_device(exports):
     """Two worker processes, 1F1B-flush, the tied embedding on both stages and stage 1's decoder
     block split over torch (in the worker) and MNN (in a child of it): the losses and weights of
     single-device training."""
-    from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
+    from jobs.pipeline_training import FaultPolicy, LocalWorkers, StageChoice, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     graph = load_model(exports["llama", "torchscript"], ROWS, S)
-    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120,
-                            head_split=(None, _alloc((1, 1))))
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
+    split = (None, StageChoice(head_split=_alloc((1, 1))))
     workers = LocalWorkers.start(2, threads=1)
     try:
         result = train_pipeline(graph, None, 0, workers.addresses, config, STEPS, cuts=[2], keys=workers.keys,
-                                feeds_of_step=_step_feeds, faults=FaultPolicy(on_failure="stop"))
+                                feeds_of_step=_step_feeds, faults=FaultPolicy(on_failure="stop"), per_stage=split)
     finally:
         assert workers.wait(30.0) == [0, 0]
     assert tuple(result.ranges[1])[0] == 2  # stage 1 holds decoder block 2

@@ -184,17 +184,18 @@ def test_pipeline_with_head_split_on_one_stage_equals_single_device(tiny_onnx):
     schedule): 2 worker processes, 1F1B-flush, stage 1's encoder block split 1 + 3 over MNN and
     torch (the torch backend in the worker, the MNN one in a child of it), against single-device
     MNN training, which tests/test_pipeline.py shows equals the unsplit pipeline."""
-    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from jobs.pipeline_training import LocalWorkers, StageChoice, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     graph = load_model(tiny_onnx["torchscript-17"], B, S)
     M, steps = 2, 2
     batches = [synthetic_batch(i, M) for i in range(steps)]
-    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120,
-                            head_split=(None, _alloc((1, 3))))
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
+    split = (None, StageChoice(head_split=_alloc((1, 3))))
     workers = LocalWorkers.start(2, threads=1)
     try:
-        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2], keys=workers.keys)
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2], keys=workers.keys,
+                                per_stage=split)
     finally:
         assert workers.wait(60.0) == [0, 0]
     assert result.ranges[1][0] <= 2 <= result.ranges[1][1]  # stage 1 holds an encoder block

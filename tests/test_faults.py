@@ -173,8 +173,7 @@ def test_a_keyed_worker_refuses_a_bundle_its_coordinator_did_not_sign(graph, tmp
             w.trusted = boss.public  # as `confidant worker --keys DIR` with the coordinator's public key
         placements = [StagePlacement(k, c.first_block, c.last_block, a)
                       for k, (c, a) in enumerate(zip(contents, workers.addresses))]
-        coordinator = Coordinator(None, placements, _config(), workers.coordinator,
-                                  stage_graphs=[c.graph for c in contents])
+        coordinator = Coordinator(placements, _config(), workers.coordinator, [c.graph for c in contents])
         with pytest.raises(WorkerFailed) as err:
             coordinator.setup_bundles(bundles, ["a", "b"])
         coordinator.stop()
@@ -1064,7 +1063,7 @@ def test_1f1b_stash_without_checkpoints_replays_from_its_last_drain_and_says_so_
     steps (2 here): a worker lost once step 3 is done replays from step 2, the lost event names the
     step really under way and the recovered event the steps really run again, and the result equals
     3 workers to step 2, then the survivors' plan."""
-    import jobs.pipeline_training as pt
+    import runtime.pipeline.session as pt
 
     monkeypatch.setattr(pt, "STASH_SEGMENT_STEPS", 2)
     steps = 6

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import LocalWorkers, train_pipeline
+from jobs.pipeline_training import LocalWorkers, PlanInMemory, StageChoice, train_pipeline
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
 from runtime.pipeline.checkpoints import load_checkpoint
@@ -17,6 +17,7 @@ from runtime.engines.mnn import MnnStageEngine
 from runtime.pipeline.local_replay import LocalPipeline
 from tasks.tokenize import Batch, split_microbatches
 from tasks.trainer import batch_feeds
+from runtime.keys import signer
 from runtime.transport.zeromq import ZmqTransport
 from support import M, ROWS, S, single_device_training, synthetic_batch
 
@@ -116,21 +117,23 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
     fake = ZmqTransport("stage0", "tcp://127.0.0.1:0", keys=me.curve_keys(), accept={"coordinator": boss, "stage1": real})
     try:
         placements = [StagePlacement(0, 0, 1, fake.address), StagePlacement(1, 2, 4, worker.addresses[0])]
-        coordinator = Coordinator(graph, placements, _config("1f1b-flush"), coord,
+        coordinator = Coordinator(placements, _config("1f1b-flush"), coord, [graph, graph],
                                   worker_keys={**keys.workers, fake.address: me.public})
+        plan = PlanInMemory(graph, _config("1f1b-flush"), 1, [p.address for p in placements],
+                            sign=signer(keys.coordinator))([(0, 1), (2, 4)], [p.address for p in placements])
 
         def answer_setup():
             # as a worker does: 'ready' once the setup came, when the coordinator knows the fake's
-            # key (it learns it connecting in setup(); a connection before that is refused, and on
-            # a loaded machine the 'ready' sent over it could be lost with it)
-            while fake.recv_control(None, timeout=60.0)[1].get("type") != "setup":
+            # key (it learns it connecting in setup_bundles(); a connection before that is refused,
+            # and on a loaded machine the 'ready' sent over it could be lost with it)
+            while fake.recv_control(None, timeout=60.0)[1].get("type") != "setup_bundle":
                 pass
             fake.connect("coordinator", coord.address, key=boss)
             fake.send_control("coordinator", {"type": "ready", "stage": 0})
 
         answering = threading.Thread(target=answer_setup, daemon=True)
         answering.start()
-        coordinator.setup()
+        coordinator.setup_bundles(plan.bundles, plan.devices)
         answering.join(60.0)
         fake.connect("stage1", worker.addresses[0], key=real)
         header = fake.send_tensor  # a real header for micro-batch 0 ...
@@ -146,7 +149,8 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
         with pytest.raises(WorkerFailed) as err:
             coordinator.run(schedule, feeds, 0)
         text = str(err.value)
-        assert text.startswith(f"worker stage1 ({worker.addresses[0]}) failed: stage 1 in s1.RECV_ACT.m0<s0: MessageError: "
+        assert text.startswith(f"worker stage1 ({worker.addresses[0]}) failed: stage 1 (worker1) in s1.RECV_ACT.m0<s0: "
+                               f"MessageError: "
                                f"message from "
                                f"peer 'stage0' ({fake.address}): expected act stage=0 mb=0")
         assert "checksum" in text
@@ -160,11 +164,11 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
 @pytest.mark.slow  # twin on threads: tests/test_pipeline_inprocess.py
 def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches):
     """Stage 0 on MNN, stage 1 on PyTorch: devices with different frameworks train one model."""
-    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120,
-                           engine=("mnn", "torch"))
+    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
     workers = LocalWorkers.start(2, threads=1)
     try:
-        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, keys=workers.keys)
+        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, keys=workers.keys,
+                                per_stage=(StageChoice(engine="mnn"), StageChoice(engine="torch")))
     finally:
         assert workers.wait(30.0) == [0, 0]
     losses, weights = single_device_training(graph, batches, STEPS)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ir.partition import even_ranges
-from jobs.pipeline_training import step_feeds, train_pipeline
+from jobs.pipeline_training import PlanInMemory, StageChoice, step_feeds, train_pipeline
 from planner.onnx_import import load_model
 from planner.replan import flops_cluster, partition_of, predicted_compute_s, recalibrate, replan, without_devices
 from planner.schedule import make_schedule
@@ -263,16 +263,21 @@ def _drive(graph, batches, workers: InProcessWorkers, first, steps, start_step=0
     opt = None if state is None or not keep_optimizer else {
         p.stage: state.stage_optimizer_state([x for b in graph.blocks[p.first_block:p.last_block + 1]
                                               for x in b.params]) for p in initial}
-    coord = Coordinator(graph, initial, _config(), workers.coordinator,
-                        weights=None if state is None else state.weights, optimizer_state=opt, spares=spares)
+    # every run is a plan: each placement emitted in memory from the weights of its step, as train_pipeline does
+    plans = PlanInMemory(graph, _config(), 1, workers.addresses)
+    plan = plans([(p.first_block, p.last_block) for p in initial], [p.address for p in initial],
+                 None if state is None else state.weights)
+    coord = Coordinator(initial, _config(), workers.coordinator, [graph] * len(initial), optimizer_state=opt,
+                        spares=spares)
     losses, reconf = [], None
     try:
-        coord.setup()
+        coord.setup_bundles(plan.bundles, plan.devices)
         for s in range(start_step, start_step + steps):
             if then is not None and s == AT:
-                reconf = coord.reconfigure(placements(then))
-            step_losses, _ = coord.run(make_schedule("1f1b-flush", coord.stages, M),
-                                       step_feeds(batches, s, graph.batch, M, 9), s)
+                now = coord.gather()
+                plan = plans([r for r, _ in then], [workers.addresses[w] for _, w in then], now.weights)
+                reconf = coord.reconfigure(placements(then), bundles=plan.bundles, devices=plan.devices, state=now)
+            step_losses, _ = coord.run(plan.schedule, step_feeds(batches, s, graph.batch, M, 9), s)
             losses.append(float(sum(step_losses)))
         return losses, coord.gather(), reconf
     finally:
@@ -356,7 +361,8 @@ def test_a_garbled_activation_fails_the_receiving_stage_and_the_coordinator_name
         with InProcessWorkers(3, timeout_s=30, make_transport=make_transport) as workers:
             train_pipeline(graph, batches, 9, workers.addresses, _config(), STEPS, transport=workers.coordinator)
     text = str(err.value)
-    assert text.startswith(f"worker stage2 ({workers.addresses[2]}) failed: stage 2 in s2.RECV_ACT.m0<s1: MessageError: "
+    assert text.startswith(f"worker stage2 ({workers.addresses[2]}) failed: stage 2 (worker2) in s2.RECV_ACT.m0<s1: "
+                           f"MessageError: "
                            f"message from "
                            f"peer 'stage1' ({workers.addresses[1]}): expected act stage=1 mb=0, received act stage=1 "
                            f"mb=0 (checksum mismatch")
@@ -405,7 +411,7 @@ def test_an_engine_failing_in_a_backward_is_named_by_its_action(graph, batches, 
     with pytest.raises(WorkerFailed) as err:
         with InProcessWorkers(3, timeout_s=30) as workers:
             train_pipeline(graph, batches, 9, workers.addresses, _config(), STEPS, transport=workers.coordinator)
-    assert str(err.value) == (f"worker stage1 ({workers.addresses[1]}) failed: stage 1 in s1.B.m1: "
+    assert str(err.value) == (f"worker stage1 ({workers.addresses[1]}) failed: stage 1 (worker1) in s1.B.m1: "
                               f"FloatingPointError: the engine's backward overflowed")
     assert isinstance(workers.errors[1], FloatingPointError) and workers.codes[1] == 1
 
@@ -457,10 +463,10 @@ def test_cross_framework_pipeline_mnn_then_torch_equals_all_mnn(graph, batches, 
     """Twin of tests/test_pipeline.py's: stage 0 on MNN, stage 1 on PyTorch, in two threads (torch
     releases the GIL in its kernels, so here the two stages really compute at once)."""
     pytest.importorskip("torch")
-    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30,
-                           engine=("mnn", "torch"))
+    mixed = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30)
     with InProcessWorkers(2, timeout_s=30) as workers:
-        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, transport=workers.coordinator)
+        result = train_pipeline(graph, batches, 9, workers.addresses, mixed, STEPS, transport=workers.coordinator,
+                                per_stage=(StageChoice(engine="mnn"), StageChoice(engine="torch")))
     assert workers.codes == [0, 0], workers.errors
     (losses, weights), _ = single
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
@@ -637,10 +643,11 @@ def test_a_snapshot_sends_a_tables_optimizer_state_as_rows_and_gathers_it_dense(
 
         workers.coordinator.recv_tensor = recording
         placements = [StagePlacement(k, a, b, workers.addresses[k]) for k, (a, b) in enumerate(even_ranges(5, 2))]
-        coord = Coordinator(graph, placements, _config(), workers.coordinator)
+        plan = PlanInMemory(graph, _config(), 1, workers.addresses)(even_ranges(5, 2), workers.addresses[:2])
+        coord = Coordinator(placements, _config(), workers.coordinator, [graph, graph])
         try:
-            coord.setup()
-            coord.run(make_schedule("1f1b-flush", 2, M), step_feeds(batches, 0, graph.batch, M, 9), 0)
+            coord.setup_bundles(plan.bundles, plan.devices)
+            coord.run(plan.schedule, step_feeds(batches, 0, graph.batch, M, 9), 0)
             per_stage = coord.collect_checkpoint()
             held = [w.executor.optimizer.state() for w in workers.workers]
             return per_stage, held, set(workers.workers[0].executor.optimizer.rows)
@@ -685,3 +692,34 @@ def test_a_bundle_stage_failing_in_a_backward_is_named_by_device_and_action(grap
             _bundle_run(workers, tmp_path / "plan", 1, batches)
     assert str(err.value) == (f"worker stage1 ({workers.addresses[1]}) failed: stage 1 (b) in s1.B.m0: "
                               f"FloatingPointError: the engine's backward overflowed")
+
+
+# --- every run is a plan (issue 34) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["1f1b-flush", "1f1b-stash"])
+def test_the_coordinator_ships_bundles_and_sends_no_action_at_run_time(graph, batches, tmp_path, schedule):
+    """train_pipeline from a whole graph runs a plan made in memory: every stage is set up from a
+    bundle (no graph-slice setup), no run message carries actions (1f1b-stash's segments of 2 steps
+    are the bundle's steady state unrolled: the run says how many steps), and the losses are those of
+    the plan's schedule run as before (its sequential replay for 1f1b-stash, single-device for flush)."""
+    from runtime.pipeline.session import FaultPolicy
+
+    sent = []
+    with InProcessWorkers(2, timeout_s=30) as workers:
+        send = workers.coordinator.send_control
+
+        def recording(peer, msg):
+            sent.append(dict(msg))
+            return send(peer, msg)
+
+        workers.coordinator.send_control = recording
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(schedule), 4,
+                                transport=workers.coordinator, faults=FaultPolicy(checkpoint_every=2),
+                                checkpoint_dir=tmp_path / "ck")
+    assert workers.codes == [0, 0], workers.errors
+    kinds = {m["type"] for m in sent}
+    assert "setup_bundle" in kinds and "setup" not in kinds, kinds
+    runs = [m for m in sent if m["type"] == "run"]
+    assert runs and not any("actions" in m for m in runs)
+    assert {m["steps"] for m in runs} == ({2} if schedule == "1f1b-stash" else {1})
+    assert len(result.losses) == 4

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import LocalWorkers, step_feeds, train_pipeline
+from jobs.pipeline_training import LocalWorkers, PlanInMemory, step_feeds, train_pipeline
 from planner.onnx_import import load_model
 from planner.partition import (PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us,
                                solve_partition)
@@ -22,6 +22,7 @@ from ir.partition import even_ranges
 from runtime.pipeline.checkpoints import load_checkpoint
 from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement
 from runtime.pipeline.executor import COORDINATOR
+from runtime.keys import signer
 from runtime.transport.zeromq import ZmqTransport
 from support import M, single_device_training, synthetic_batch, tiny_cluster, tiny_graph
 
@@ -194,17 +195,18 @@ def test_timing_replanner_moves_blocks_off_a_stage_measured_slow():
 def test_the_coordinator_checks_new_placements_before_touching_a_worker(tiny_onnx):
     g = load_model(tiny_onnx["torchscript-17"], 2, 12)
     placements = [StagePlacement(0, 0, 1, "tcp://w0:1"), StagePlacement(1, 2, 4, "tcp://w1:1")]
-    coord = Coordinator(g, placements, PipelineConfig("1f1b-flush", 2), transport=None)  # no worker is reached
+    coord = Coordinator(placements, PipelineConfig("1f1b-flush", 2), None, [g, g])  # no worker is reached
     with pytest.raises(ValueError, match="the new stages cover blocks 0..3, the model has 0..4"):
         coord.reconfigure([StagePlacement(0, 0, 3, "tcp://w0:1")])
     with pytest.raises(ValueError, match="placement 0 is numbered stage 1; number the stages 0..1"):
         coord.reconfigure([StagePlacement(1, 0, 1, "tcp://w1:1"), StagePlacement(0, 2, 4, "tcp://w0:1")])
     with pytest.raises(ValueError, match="a worker may run one stage only; addresses repeat"):
         coord.reconfigure([StagePlacement(0, 0, 1, "tcp://w0:1"), StagePlacement(1, 2, 4, "tcp://w0:1")])
-    with pytest.raises(ValueError, match="bundles given, but this pipeline was set up from graph slices"):
-        coord.reconfigure(placements, bundles=["plan/a", "plan/b"], devices=["a", "b"])
+    # every run is a plan: the new stages come as the new plan's bundles, never as graph slices
+    with pytest.raises(ValueError, match="a re-plan must bring the new plan's bundle and device name for each of its 2"):
+        coord.reconfigure(placements)
     with pytest.raises(ValueError, match="a worker may appear once among the stages and spares"):
-        Coordinator(g, placements, PipelineConfig("1f1b-flush", 2), transport=None, spares=["tcp://w1:1"])
+        Coordinator(placements, PipelineConfig("1f1b-flush", 2), None, [g, g], spares=["tcp://w1:1"])
 
 
 def test_replanning_needs_a_flush_schedule():
@@ -352,16 +354,21 @@ def _drive(graph, batches, addresses, first, steps, start_step=0, then=None, sta
     opt = None if state is None else {
         p.stage: state.stage_optimizer_state([x for b in graph.blocks[p.first_block:p.last_block + 1]
                                               for x in b.params]) for p in initial}
-    coord = Coordinator(graph, initial, _config(), transport, weights=None if state is None else state.weights,
-                        optimizer_state=opt, worker_keys=keys.workers)
+    # every run is a plan: each placement emitted in memory, signed, from the weights of its step
+    plans = PlanInMemory(graph, _config(), 1, addresses, sign=signer(keys.coordinator))
+    plan = plans([(p.first_block, p.last_block) for p in initial], [p.address for p in initial],
+                 None if state is None else state.weights)
+    coord = Coordinator(initial, _config(), transport, [graph] * len(initial), optimizer_state=opt,
+                        worker_keys=keys.workers)
     losses, reconf = [], None
     try:
-        coord.setup()
+        coord.setup_bundles(plan.bundles, plan.devices)
         for s in range(start_step, start_step + steps):
             if then is not None and s == AT:
-                reconf = coord.reconfigure(placements(then))
-            step_losses, _ = coord.run(make_schedule("1f1b-flush", coord.stages, M),
-                                       step_feeds(batches, s, graph.batch, M, 9), s)
+                now = coord.gather()
+                plan = plans([r for r, _ in then], [addresses[w] for _, w in then], now.weights)
+                reconf = coord.reconfigure(placements(then), bundles=plan.bundles, devices=plan.devices, state=now)
+            step_losses, _ = coord.run(plan.schedule, step_feeds(batches, s, graph.batch, M, 9), s)
             losses.append(float(sum(step_losses)))
         return losses, coord.gather(), reconf
     finally:

@@ -105,3 +105,45 @@ def test_schedules_are_pure_and_deterministic():
     assert make_schedule("1f1b-stash", 4, 6, 2) == make_schedule("1f1b-stash", 4, 6, 2)
     assert hash(make_schedule("gpipe", 2, 3)) == hash(make_schedule("gpipe", 2, 3))
     assert isinstance(make_schedule("gpipe", 2, 3).actions[0][0], Action)
+
+
+@pytest.mark.parametrize("name", ["1f1b-stash", "2bw"])
+def test_an_async_schedule_runs_many_steps_from_its_one_step_lists_and_steady_state(name):
+    """Issue 34: the plan's one-step lists and steady state make exactly the schedule written over k
+    steps' micro-batches, for every k (nothing is scheduled at run time); a flush schedule has none."""
+    from planner.schedule import _lowered
+
+    for p, m, u in [(1, 1, 1), (2, 2, 1), (3, 2, 1), (3, 4, 2), (4, 3, 1), (4, 4, 4), (5, 6, 3)]:
+        if name == "2bw" and u < p:
+            continue
+        one = make_schedule(name, p, m, u)
+        assert one.steady is not None, (p, m, u)
+        for k in range(1, 7):
+            many = one.for_steps(k)
+            assert many.actions == _lowered(name, p, k * m, u).actions, (p, m, u, k)
+            verify_plan(many)
+    # the steady state is part of no comparison: the plan's JSON form carries the one-step lists alone
+    assert Schedule.from_json(make_schedule(name, 3, 2, 1 if name == "1f1b-stash" else 3).to_json()) \
+        == make_schedule(name, 3, 2, 1 if name == "1f1b-stash" else 3)
+    # fewer micro-batches than stages less one: the warm-up of a longer run is not the one-step one's
+    if name == "1f1b-stash":
+        short = make_schedule(name, 4, 2)
+        assert short.steady is None and short.for_steps(1) is short
+        with pytest.raises(ValueError, match="no steady state"):
+            short.for_steps(2)
+    with pytest.raises(ValueError, match="a flush schedule runs one step at a time"):
+        make_schedule("1f1b-flush", 2, 2).for_steps(2)
+
+
+def test_a_stash_run_without_a_steady_state_is_refused_before_any_worker_starts():
+    """Issue 34: 1f1b-stash over 4 stages with 2 micro-batches per step has no steady state in its one-step
+    lists, so a run of several steps is refused up front, naming the fix (it was scheduled at run time)."""
+    from jobs.pipeline_training import train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
+    from support import tiny_graph
+
+    graph = tiny_graph()
+    with pytest.raises(ValueError, match="1f1b-stash over 4 stages with 2 micro-batches per step has no steady "
+                                         "state to run 3 steps with"):
+        train_pipeline(graph, [], 9, [f"tcp://127.0.0.1:{p}" for p in range(1, 5)],
+                       PipelineConfig("1f1b-stash", 2), 3, transport=object())

@@ -114,14 +114,14 @@ def test_real_pipeline_with_a_split_stage_under_weight_stashing(graph, batches):
     """Two worker processes over ZeroMQ, 1f1b-stash, stage 0 (both encoder blocks) split 1 + 3
     over MNN (a child of the worker) and torch (the worker): the losses and final weights of the
     unsplit replay."""
-    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from jobs.pipeline_training import LocalWorkers, StageChoice, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
-    config = PipelineConfig(schedule="1f1b-stash", microbatches=M, optimizer=OPTIMIZER, lr=LR, timeout_s=120,
-                            head_split=(SPLIT, None))
+    config = PipelineConfig(schedule="1f1b-stash", microbatches=M, optimizer=OPTIMIZER, lr=LR, timeout_s=120)
     workers = LocalWorkers.start(2, threads=1)
     try:
-        result = train_pipeline(graph, batches, 9, workers.addresses, config, STEPS, cuts=[3], keys=workers.keys)
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, STEPS, cuts=[3], keys=workers.keys,
+                                per_stage=(StageChoice(head_split=SPLIT), None))
     finally:
         assert workers.wait(60.0) == [0, 0]
     assert [tuple(r) for r in result.ranges] == [(0, 2), (3, 4)]

@@ -163,10 +163,14 @@ def load_bundle(source: str | Path | Mapping[str, bytes | np.ndarray], name: str
     return verify_bundle_files(wire_to_files(source), name or "<memory>", check_signature)
 
 
-def bundle_to_wire(directory: str | Path) -> dict[str, bytes]:
-    """A bundle directory's files, manifest first (its signature, if any, last), after checking the
-    manifest and every hash."""
-    files = read_bundle_files(directory)
+def bundle_to_wire(directory: str | Path | Mapping[str, bytes]) -> dict[str, bytes]:
+    """A bundle's files, manifest first (its signature, if any, last), after checking the manifest
+    and every hash: a bundle directory's, or a bundle in memory (file name -> bytes, as
+    `planner.emit.emit_in_memory` makes it)."""
+    if isinstance(directory, (str, Path)):
+        files = read_bundle_files(directory)
+    else:
+        files, directory = dict(directory), "<memory>"
     check_bundle_manifest(files, str(directory))
     signature = {SIGNATURE: files[SIGNATURE]} if SIGNATURE in files else {}
     return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}, **signature}

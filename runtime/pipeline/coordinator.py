@@ -9,12 +9,15 @@ Re-planning (`reconfigure`) happens at a flush boundary: between two steps of a 
 every stage has applied the same updates and holds no activation, gradient or in-flight message,
 so the stage's whole training state is its parameters plus its optimizer state. The coordinator
 gathers both from every stage (the checkpoint path, `gather`), then sets the workers up again
-with their new stages, each with the current weights and the optimizer entries of its own
-parameters (optimizer state is keyed by parameter name, runtime.optim), so no update is lost and
-training continues exactly as a run that had used the new plan from that step. Weights move
-through the coordinator (gather all, send each stage its slice, or a new plan bundle written from
-the gathered weights); `Reconfiguration.moves` says which blocks changed worker and how many bytes
-that was.
+with their new stages, each from the new plan's bundle (written from the gathered weights) and
+the optimizer entries of its own parameters (optimizer state is keyed by parameter name,
+runtime.optim), so no update is lost and training continues exactly as a run that had used the
+new plan from that step. `Reconfiguration.moves` says which blocks changed worker and how many
+bytes that was.
+
+Every run is a plan: a stage is always set up from its bundle (a plan folder's, or one emitted in
+memory by `train-pipeline`), and the workers run the bundle's verified actions; the coordinator
+sends data, never actions.
 
 Lost workers (`WorkerLost`): every wait also watches the transport's links (ZeroMQ heartbeats),
 so a worker that is killed, frozen or unreachable is reported within the transport's heartbeat
@@ -42,7 +45,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -50,7 +53,6 @@ import numpy as np
 
 from ir.graph import Graph, tied_parameters_of_blocks
 from ir.plan import DEFAULT_LR, ActionKind, Schedule
-from ir.serialize import graph_to_json, slice_graph
 from runtime.pipeline.checkpoints import TrainingState, dense_from_wire, merge_checkpoint
 from runtime.pipeline.executor import COORDINATOR, stage_peer
 from runtime.engines.stage import stage_spec
@@ -92,23 +94,22 @@ class StagePlacement:
 
 @dataclass(frozen=True)
 class PipelineConfig:
+    """How a run goes: its schedule and micro-batches per step, and how long to wait for a silent
+    worker (`timeout_s`). The rest are the settings a plan made in memory is emitted with, one for
+    every stage (jobs.pipeline_training.PlanInMemory): engine, threads, optimizer, learning rate,
+    weight decay, and whether the engines "keep" the activations of the micro-batches in flight or
+    "recompute" them (None: the engine's default). What differs per device (engines, head splits,
+    activation choices) is the plan's, in each device's bundle, never the run's."""
+
     schedule: str
     microbatches: int
-    engine: str | tuple[str, ...] = "mnn"  # one for all stages, or one per stage (mixed frameworks)
+    engine: str = "mnn"
     threads: int = 1
     optimizer: str = "adamw"
     lr: float = DEFAULT_LR
     weight_decay: float | None = None
     timeout_s: float = 600.0
-    # per stage: None (unsplit) or {backend: heads} splitting the attention heads of every encoder
-    # block of that stage across backends (runtime.engines.split.engine; MNN stages, flush schedules only).
-    # Indexed by stage at first setup; a re-plan keeps each worker's split with the worker (the
-    # backends are the device's), and workers new to the pipeline run unsplit.
-    head_split: tuple[Mapping[str, int] | None, ...] | None = None
-    # one for all stages, or one per stage: "keep" the activations of the micro-batches in flight
-    # until their backwards (MNN: one set of block graphs per micro-batch in flight) or "recompute"
-    # them there from the stashed inputs; None: the engine's default (PyTorch keeps, MNN recomputes)
-    activations: str | None | tuple[str | None, ...] = None
+    activations: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,17 +142,18 @@ class Reconfiguration:
 
 
 class Coordinator:
-    """Drives the workers at `placements` (stage k on placements[k].address) through a Transport.
+    """Drives the workers at `placements` (stage k on placements[k].address) through a Transport,
+    each stage from its plan bundle (`setup_bundles`: every run is a plan).
 
+    `stage_graphs`: each stage's graph slice (its bundle's; the whole model's graph serves every
+    stage too), for the stages' graph inputs and every block's metadata.
     `spares` are addresses of further workers that run no stage yet: they wait, nameless, until
     a re-plan gives them one, and are stopped with the rest."""
 
-    def __init__(self, graph: Graph | None, placements: Sequence[StagePlacement], config: PipelineConfig, transport,
-                 weights: Mapping[str, np.ndarray] | None = None,
-                 optimizer_state: Mapping[int, Mapping[str, np.ndarray]] | None = None,
-                 stage_graphs: Sequence[Graph] | None = None, spares: Sequence[str] = (),
+    def __init__(self, placements: Sequence[StagePlacement], config: PipelineConfig, transport,
+                 stage_graphs: Sequence[Graph],
+                 optimizer_state: Mapping[int, Mapping[str, np.ndarray]] | None = None, spares: Sequence[str] = (),
                  worker_keys: Mapping[str, object] | None = None, base=None):
-        self.graph = graph
         # the plan's base weights file (runtime.pipeline.bundles.BaseWeights) a worker may hold, so
         # that its stage's frozen weights need not be sent; None: every bundle goes whole
         self.base = base
@@ -162,52 +164,26 @@ class Coordinator:
         self.config = config
         self.transport = transport
         self.stages = len(placements)
-        self.weights = weights
         self.optimizer_state = optimizer_state or {}
-        # with plan bundles each stage's graph slice comes from its bundle; no whole model needed
-        graphs = stage_graphs if stage_graphs is not None else [graph] * len(placements)
-        self.specs = [stage_spec(g, p.first_block, p.last_block) for g, p in zip(graphs, placements)]
+        if len(stage_graphs) != len(placements):
+            raise ValueError(f"{len(stage_graphs)} stage graphs for {len(placements)} stages")
+        self.specs = [stage_spec(g, p.first_block, p.last_block) for g, p in zip(stage_graphs, placements)]
         # every slice keeps every block's metadata (names, parameters): enough to re-cut the model
-        self._blocks = (graph if graph is not None else graphs[0]).blocks
+        self._blocks = stage_graphs[0].blocks
         self._tied_updates = 0  # tied-gradient sums done since the stages were last set up
         self.ready: list[dict] = []
         self._pending: list[tuple[str, dict]] = []
         self._known_lost: set[str] = set()  # stage peers already being recovered from (during `abort`)
         self._since = _StallWatch.start()  # stalls of this process from now on end the run (`_check_stalled`)
-        self.bundle_mode = False
         self.setup_bytes = 0
         self.base_bytes_held = 0
         # workers that hold no stage (left out by a re-plan, or spares): nameless, stopped with the rest
         self.idle: list[str] = list(spares)
         self._connected: dict[str, str] = {}   # this side's peer name -> worker address, one per worker
-        self._engine_of: dict[str, str] = {}   # worker address -> the engine it was first given
-        self._split_of: dict[str, Mapping[str, int] | None] = {}  # worker address -> its first head split
         self._probes: dict[str, str] = {}  # lost worker's address -> the name it answers a hello under
         taken = [p.address for p in self.placements]
         if len(set(taken + self.idle)) != len(taken) + len(self.idle):
             raise ValueError(f"a worker may appear once among the stages and spares; addresses: {taken + self.idle}")
-        if config.head_split is not None and len(config.head_split) != self.stages:
-            raise ValueError(f"{len(config.head_split)} head splits given for {self.stages} stages")
-
-    def engine_of(self, stage: int) -> str:
-        engine = self.config.engine
-        if isinstance(engine, str):
-            return engine
-        if len(engine) != self.stages:
-            raise ValueError(f"{len(engine)} engines given for {self.stages} stages")
-        return engine[stage]
-
-    def activations_of(self, stage: int) -> str | None:
-        choice = self.config.activations
-        if choice is None or isinstance(choice, str):
-            return choice
-        return choice[stage] if stage < len(choice) else None
-
-    def head_split_of(self, stage: int) -> dict[str, int] | None:
-        splits = self.config.head_split
-        if splits is None or stage >= len(splits) or splits[stage] is None:
-            return None
-        return {str(k): int(v) for k, v in splits[stage].items()}
 
     # --- failures ------------------------------------------------------------------------
     _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here", "bundle_wants")
@@ -331,32 +307,6 @@ class Coordinator:
         return {"peer_keys": {stage_peer(q.stage): self._key_of(q.address).text
                               for q in self.placements if abs(q.stage - p.stage) == 1}}
 
-    def setup(self) -> list[dict]:
-        self._remember_workers()
-        self._connect_workers()
-        self.setup_bytes = 0  # weights and optimizer state sent by this setup
-        for p, spec in zip(self.placements, self.specs):
-            part = slice_graph(self.graph, p.first_block, p.last_block)
-            opt_state = self.optimizer_state.get(p.stage, {})
-            self.transport.send_control(stage_peer(p.stage), {
-                "type": "setup", "stage": p.stage, "stages": self.stages, "blocks": [p.first_block, p.last_block],
-                "graph": graph_to_json(part), "engine": self.engine_of(p.stage), "threads": self.config.threads,
-                "optimizer": {"name": self.config.optimizer, "lr": self.config.lr,
-                              "weight_decay": self.config.weight_decay},
-                "peers": self._neighbours(p), **self._peer_keys(p), "optimizer_state": list(opt_state),
-                **({"head_split": self.head_split_of(p.stage)} if self.head_split_of(p.stage) else {}),
-                **({"activations": self.activations_of(p.stage)} if self.activations_of(p.stage) else {}),
-                **self._tied_of(p.stage),
-            })
-            for i, (name, arr) in enumerate(part.constants.items()):
-                value = self.weights[name] if self.weights is not None and name in self.weights else arr
-                self.transport.send_tensor(stage_peer(p.stage), "weights", -1, i, np.asarray(value, order="C"), name=name)
-                self.setup_bytes += int(np.asarray(value).nbytes)
-            self._send_optimizer_state(p.stage, opt_state)
-        self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
-        self._tied_updates = 0
-        return self.ready
-
     @property
     def tied(self) -> dict[str, tuple[int, ...]]:
         """The weights several stages hold -> those stages (empty when no cut goes through one)."""
@@ -400,12 +350,12 @@ class Coordinator:
             self.transport.send_tensor(stage_peer(stage), "optstate", -1, i, np.asarray(arr, order="C"), name=name)
             self.setup_bytes += int(np.asarray(arr).nbytes)
 
-    def setup_bundles(self, bundle_dirs: Sequence[Path], devices: Sequence[str]) -> list[dict]:
-        """Ship each stage its plan bundle (workers verify it before use) instead of a graph slice."""
+    def setup_bundles(self, bundle_dirs: Sequence[Path | Mapping[str, bytes]], devices: Sequence[str]) -> list[dict]:
+        """Ship each stage its plan bundle, a directory or the files in memory (workers verify it
+        before use): its graph slice, weights, engine, optimizer and actions all come from it."""
         from ir.bundle import WEIGHTS
         from runtime.pipeline.bundles import REST, bundle_to_wire, send_bundle, split_weights
 
-        self.bundle_mode = True
         self._connect_workers()
         self.setup_bytes = 0  # bundle files and optimizer state sent by this setup
         self.base_bytes_held = 0  # frozen weights the workers took from their own base files instead
@@ -431,24 +381,22 @@ class Coordinator:
 
     # --- training ------------------------------------------------------------------------
     def run(self, schedule: Schedule, microbatch_feeds: Sequence[Mapping[str, np.ndarray]], step: int,
-            send_actions: bool | None = None, on_loss=None) -> tuple[list[float], list[dict]]:
-        """Run one schedule (a batch for flush schedules, the whole run for 1f1b-stash); returns the
-        per-micro-batch losses in order and each stage's 'done' report. `on_loss(m, loss)` hears
-        each micro-batch's loss as it arrives (1f1b-stash reports its steps as they finish).
+            steps: int = 1, on_loss=None) -> tuple[list[float], list[dict]]:
+        """Run one schedule (a batch for flush schedules; for 1f1b-stash `steps` steps without a flush,
+        `schedule` being the plan's `for_steps(steps)`); returns the per-micro-batch losses in order and
+        each stage's 'done' report. `on_loss(m, loss)` hears each micro-batch's loss as it arrives
+        (1f1b-stash reports its steps as they finish).
 
-        With bundles the workers run the action lists they verified and nothing else is sent, unless
-        `send_actions` (1f1b-stash: a run of many steps is one schedule longer than the bundle's)."""
+        With bundles the workers run the action lists they verified (for `steps` steps, their steady
+        state unrolled) and no action is sent."""
         if len(microbatch_feeds) != schedule.microbatches:
             raise ValueError(f"{len(microbatch_feeds)} micro-batches of data for a schedule of {schedule.microbatches}")
-        if send_actions is None:
-            send_actions = not self.bundle_mode
         if self.tied and not schedule.flushes:
             name, stages = next(iter(self.tied.items()))
             raise ValueError(f"{schedule.name} cannot train weights tied across stages ({name!r} is on stages "
                              f"{list(stages)}): use 1f1b-flush or gpipe, or keep the tied blocks on one stage")
         for p in self.placements:
-            actions = [str(a) for a in schedule.actions[p.stage]] if send_actions else None
-            self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "actions": actions})
+            self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "steps": steps})
         for m, feeds in enumerate(microbatch_feeds):
             for p, spec in zip(self.placements, self.specs):
                 for name in spec.graph_inputs:
@@ -486,13 +434,6 @@ class Coordinator:
         return TrainingState(*merge_checkpoint(self.collect_checkpoint()))
 
     # --- re-planning ---------------------------------------------------------------------
-    def _remember_workers(self) -> None:
-        """What a worker was first set up with that belongs to the device, not to the stage index:
-        its engine and head split go with it to whatever position a re-plan gives it."""
-        for p in self.placements:
-            self._engine_of.setdefault(p.address, self.engine_of(p.stage))
-            self._split_of.setdefault(p.address, self.head_split_of(p.stage))
-
     def _check_new_placements(self, placements: Sequence[StagePlacement]) -> None:
         n = len(self._blocks)
         expected = 0
@@ -509,19 +450,16 @@ class Coordinator:
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"a worker may run one stage only; addresses repeat: {addresses}")
 
-    def _check_new_bundles(self, placements: Sequence[StagePlacement], bundles: Sequence[Path] | None,
+    def _check_new_bundles(self, placements: Sequence[StagePlacement], bundles: Sequence[Path | Mapping[str, bytes]] | None,
                            devices: Sequence[str] | None, weights: Mapping[str, np.ndarray]) -> list:
         """The new plan's bundles, verified and parsed, after checking that they are the new stages,
         one each, in order, and hold the weights training has reached (a bundle written from older
         weights would silently undo the steps since)."""
         from runtime.pipeline.bundles import load_bundle
 
-        if bundles is None or devices is None or not len(bundles) == len(devices) == len(placements):
-            raise ValueError(f"this pipeline runs from plan bundles: a re-plan must bring the new plan's bundle and "
-                             f"device name for each of its {len(placements)} stages (bundles=, devices=)")
         contents = []
         for p, directory, device in zip(placements, bundles, devices):
-            c = load_bundle(directory)
+            c = load_bundle(directory, None if isinstance(directory, (str, Path)) else f"the new plan's {device}")
             if (c.stage, c.stages, c.device, c.first_block, c.last_block) != (
                     p.stage, len(placements), device, p.first_block, p.last_block):
                 raise ValueError(f"bundle {directory} is stage {c.stage} of {c.stages} on {c.device!r}, blocks "
@@ -538,7 +476,8 @@ class Coordinator:
                              f"name {sorted(str(p)[:12] for p in plans)}): a plan's bundles are used only together")
         return contents
 
-    def reconfigure(self, placements: Sequence[StagePlacement], *, bundles: Sequence[Path] | None = None,
+    def reconfigure(self, placements: Sequence[StagePlacement], *,
+                    bundles: Sequence[Path | Mapping[str, bytes]] | None = None,
                     devices: Sequence[str] | None = None, state: TrainingState | None = None,
                     lost: Sequence[str] = ()) -> Reconfiguration:
         """Switch to new stages at a flush boundary (call between steps of a flush schedule):
@@ -548,9 +487,8 @@ class Coordinator:
         parameters. Any block ranges, any order of any of the workers (including spares and
         workers left out before); workers not in `placements` wait idle until stopped.
 
-        From plan bundles (`setup_bundles`), the new stages come as the new plan's `bundles` and
-        `devices` (one per placement, holding the current weights); workers verify them as on
-        first setup. Otherwise each stage gets a slice of the whole graph.
+        The new stages come as the new plan's `bundles` and `devices` (one per placement, holding
+        the current weights); workers verify them as on first setup.
 
         After a loss (`lost`: the lost workers' addresses, already `forget`-ten), `state` must be
         the state held off the devices; lost workers are not asked to release anything."""
@@ -562,38 +500,22 @@ class Coordinator:
             raise ValueError("after a loss the state must come from elsewhere (state=): lost workers cannot be gathered")
         placements = list(placements)
         self._check_new_placements(placements)
-        if not self.bundle_mode and bundles is not None:
-            raise ValueError("bundles given, but this pipeline was set up from graph slices: re-plan it with "
-                             "placements alone")
-        if not self.bundle_mode and self.graph is None:
-            raise ValueError("re-planning from graph slices needs the whole model graph (Coordinator(graph=...))")
-        engines, splits = self.config.engine, self.config.head_split
-        if not self.bundle_mode and not isinstance(engines, str):  # per-stage engines stay with their workers
-            missing = [p.address for p in placements if p.address not in self._engine_of]
-            if missing:
-                raise ValueError(f"per-stage engines were given, but none for the new worker(s) {missing}")
-            engines = tuple(self._engine_of[p.address] for p in placements)
-        if splits is not None:  # so do head splits (their backends are the device's); new workers run unsplit
-            splits = tuple(self._split_of.get(p.address) for p in placements)
+        if bundles is None or devices is None or not len(bundles) == len(devices) == len(placements):
+            raise ValueError(f"every run is a plan: a re-plan must bring the new plan's bundle and device name for "
+                             f"each of its {len(placements)} stages (bundles=, devices=)")
         state = state if state is not None else self.gather()
-        contents = self._check_new_bundles(placements, bundles, devices, state.weights) if self.bundle_mode else None
+        contents = self._check_new_bundles(placements, bundles, devices, state.weights)
         old = self.placements
         moves = _moves(self._blocks, old, placements, state)
         self._release([p for p in old if _stage_at(placements, p.address) != p.stage and p.address not in lost])
         kept = {p.address for p in placements}
         self.idle = [a for a in [*self.idle, *(p.address for p in old)] if a not in kept and a not in lost]
-        self.weights = {**(self.weights or {}), **state.weights}
         self.optimizer_state = {p.stage: state.stage_optimizer_state(
             [x for b in self._blocks[p.first_block:p.last_block + 1] for x in b.params]) for p in placements}
         self.placements = placements
         self.stages = len(placements)
-        if self.bundle_mode:
-            self.specs = [stage_spec(c.graph, p.first_block, p.last_block) for c, p in zip(contents, placements)]
-            self.setup_bundles(bundles, devices)
-        else:
-            self.config = replace(self.config, engine=engines, head_split=splits)
-            self.specs = [stage_spec(self.graph, p.first_block, p.last_block) for p in placements]
-            self.setup()
+        self.specs = [stage_spec(c.graph, p.first_block, p.last_block) for c, p in zip(contents, placements)]
+        self.setup_bundles(bundles, devices)
         return Reconfiguration([(p.first_block, p.last_block) for p in old],
                                [(p.first_block, p.last_block) for p in placements], moves, self.setup_bytes,
                                list(self.idle), time.perf_counter() - start)

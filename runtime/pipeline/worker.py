@@ -1,18 +1,19 @@
-"""A device's runtime: bind, wait for a stage from the coordinator, run its action lists, report.
+"""A device's runtime: bind, wait for a stage from the coordinator, run its bundle's action lists, report.
 
 Protocol (JSON control messages; tensors as header + raw bytes, see runtime.transport.wire):
-  coordinator -> worker  setup {stage, stages, graph, blocks, engine, threads, optimizer, peers, ...}
-                         (optional head_split {backend: heads}: the stage's attention heads split;
-                         optional activations "keep" or "recompute": what the engine does with
-                         the activations of the micro-batches in flight)
-                         then one "weights" tensor per constant (and "optstate" tensors on resume)
+  coordinator -> worker  setup_bundle {stage, device, peers, bundle_files, optimizer_state, ...}
+                         then one "bundle" tensor per file (and "optstate" tensors on resume): the
+                         stage's graph slice, weights, engine, optimizer and actions all come from
+                         the bundle, verified (and its signature checked) before any use
   worker -> coordinator  ready {stage, pid, rss}
-  coordinator -> worker  run {step, actions} ... and "batch" tensors for each micro-batch
+  coordinator -> worker  run {step, steps} ... and "batch" tensors for each micro-batch: the worker
+                         runs its bundle's actions (for `steps` steps without a flush, an
+                         asynchronous schedule's steady state unrolled); no action comes at run time
   worker -> coordinator  "loss" tensors (last stage), then done {stats, version, rss}
   coordinator -> worker  checkpoint  ->  worker sends "ckpt" tensors, then checkpoint_done {names}
-  coordinator -> worker  setup (or setup_bundle) again (re-planning, at a flush boundary): the old
-                         stage is dropped and the new one built from what comes with the message;
-                         the peers in it replace the old neighbours
+  coordinator -> worker  setup_bundle again (re-planning, at a flush boundary): the old stage is
+                         dropped and the new one built from the new plan's bundle; the peers in
+                         it replace the old neighbours
   coordinator -> worker  release: drop the stage (engine, weights, optimizer) and give up the name
   worker -> coordinator  released {stage}, the last message under the old name; then the worker
                          closes every outgoing connection and waits, nameless, for a setup under
@@ -58,9 +59,7 @@ import traceback
 
 import numpy as np
 
-from ir.plan import Action
-from ir.serialize import graph_from_json
-from ir.backend import BackendSpec
+from ir.plan import unroll
 from runtime.engines.factory import make_engine
 from runtime.pipeline.checkpoints import rows_on_wire
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
@@ -98,7 +97,8 @@ class Worker:
         self.base_files = dict(base_files or {})
         self.stage: int | None = None
         self.executor: StageExecutor | None = None
-        self.bundle_actions: list[Action] | None = None
+        # the bundle's program: (one-step actions, steady-state actions or None, drain position, micro-batches)
+        self.bundle_actions: tuple | None = None
         self.device: str | None = None  # the plan's name of this device, from its bundle
 
     def _interrupt(self) -> None:
@@ -201,30 +201,6 @@ class Worker:
             else:
                 self.transport.connect(peer, address, key=key)
 
-    def setup(self, msg: dict) -> None:
-        self._take_stage(int(msg["stage"]))
-        stages = int(msg["stages"])
-        self._meet_peers(msg["peers"], msg.get("peer_keys"))
-        received = self._recv_tensors("weights", list(msg["graph"]["constants"]))
-        # writable copies of the read-only wire buffers, each buffer dropped once copied; the stage's
-        # engine takes the copies as its weights (take_weights): the graph is this worker's own
-        constants = {k: np.array(received.pop(k)) for k in list(received)}
-        graph = graph_from_json(msg["graph"], constants)
-        first, last = msg["blocks"]
-        spec = stage_spec(graph, first, last)
-        engine = make_engine(BackendSpec.cpu(msg.get("engine", "mnn"), int(msg.get("threads", 1))), spec,
-                             head_split=msg.get("head_split"), activations=_activations(msg.get("activations")),
-                             take_weights=True)
-        opt = msg["optimizer"]
-        optimizer = make_optimizer(opt["name"], float(opt["lr"]), opt.get("weight_decay"))
-        if msg.get("optimizer_state"):
-            optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
-        self.executor = StageExecutor(self.stage, stages, engine, self.transport, optimizer,
-                                      spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
-                                      tied=_tied_names(msg))
-        self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
-                                                  "rss_bytes": peak_rss_bytes(), **device_state()})
-
     def setup_bundle(self, msg: dict) -> None:
         """Set up from a plan bundle: verify every file against its manifest before using any of it;
         the stage, graph slice, weights, actions and optimizer all come from the bundle."""
@@ -263,7 +239,8 @@ class Worker:
         optimizer = make_optimizer(doc.optimizer.name, doc.optimizer.lr, doc.optimizer.weight_decay)
         if msg.get("optimizer_state"):
             optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
-        self.bundle_actions = list(contents.actions)
+        # the program: its one-step actions and, for an asynchronous schedule, its steady state
+        self.bundle_actions = (contents.actions, contents.steady, contents.drain_at, doc.microbatches)
         self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
                                       spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
                                       tied=_tied_names(msg))
@@ -303,12 +280,15 @@ class Worker:
 
     def run(self, msg: dict) -> None:
         self._need_stage(f"run of step {msg.get('step')}")
-        if msg.get("actions") is not None:
-            actions = [Action.parse(t) for t in msg["actions"]]
-        elif self.bundle_actions is not None:
-            actions = self.bundle_actions
-        else:
-            raise ValueError("run without actions: no bundle was loaded and the coordinator sent none")
+        steps = msg.get("steps", 1)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"run of step {msg.get('step')}: steps is {steps!r}, not a whole number >= 1")
+        actions, steady, drain_at, microbatches = self.bundle_actions
+        if steps > 1:
+            if steady is None:
+                raise ValueError(f"run of {steps} steps without a flush, but this stage's bundle has no steady "
+                                 f"state (a flush schedule runs one step at a time)")
+            actions = unroll(actions, steady, drain_at, steps, microbatches)
         before = dict(self.executor.stats.seconds), self.executor.stats.wall_s
         try:
             self.executor.run(actions)
@@ -464,8 +444,6 @@ class Worker:
         kind = msg.get("type")
         if kind == "abort":
             self.abort(msg)
-        elif kind == "setup":
-            self.setup(msg)
         elif kind == "setup_bundle":
             self.setup_bundle(msg)
         elif kind == "run":
@@ -513,13 +491,6 @@ def watch_parent(pid: int) -> None:
         os._exit(3)
 
     threading.Thread(target=watch, name="confidant-parent-watch", daemon=True).start()
-
-
-def _activations(value) -> str | None:
-    """A setup message's `activations`, checked (it comes from the network)."""
-    if value is None or value in ("keep", "recompute"):
-        return value
-    raise ValueError(f"setup: activations is {str(value)[:40]!r}, not 'keep' or 'recompute'")
 
 
 def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, keys=None, insecure: bool = False,

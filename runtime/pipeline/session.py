@@ -1,0 +1,704 @@
+"""A training run over set-up workers: the run controller (issue 34, step 2).
+
+`run_session` drives a coordinator through a plan's steps: flush schedules step by step, 1f1b-stash
+in segments of its plan's steady state unrolled; it holds every stage's state off the devices at the
+boundaries the fault policy asks for (`FaultPolicy`: snapshots, checkpoints), recovers from a lost
+worker (abort on the survivors, a plan over them, the held state restored, the lost steps replayed),
+moves off devices running low, takes back devices that return, re-plans from measured times, and
+records it all in a `PipelineResult` (steps, figures, events).
+
+What a re-plan is, the session does not decide: the job injects it. `plan_over(step, snapshot,
+stages, candidates)` returns the plan over the candidates (a `SurvivorPlan`), `on_replan` the
+measured re-plan, and `emit(ranges, addresses, weights)`, for a plan made in memory, its bundles.
+So the runtime imports no planner (tests/test_imports.py), and whoever computes a re-plan changes one
+call. Every plan the session sets up is bundles: nothing here makes a schedule.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ir.plan import ASYNC_SCHEDULES, Schedule
+from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint, save_checkpoint
+from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
+                                          WorkerLost)
+from runtime.pipeline.executor import busy_fraction
+
+
+@dataclass
+class PipelineResult:
+    losses: list[float]
+    step_seconds: list[float]  # wall clock from each step's start to the next's (state copies included)
+    stage_busy: list[list[float]]
+    stage_reports: list[list[dict]]
+    weights: dict[str, np.ndarray]
+    checkpoint: list[dict[str, np.ndarray]]
+    ranges: list[tuple[int, int]]  # at the end (after any re-plan)
+    replans: list[tuple[int, Reconfiguration]] = field(default_factory=list)  # (steps done before it, what moved)
+    devices: list[str] | None = None  # with bundles: the device of each stage at the end
+    events: list[dict] = field(default_factory=list)  # failures and recoveries, as they happened (jobs.metrics)
+    addresses: list[str] = field(default_factory=list)  # the worker of each stage at the end
+    snapshot_seconds: list[float] = field(default_factory=list)  # each copy of the state to the coordinator
+    state_seconds: list[float] = field(default_factory=list)  # per step: the part of step_seconds spent copying
+    # the state to the coordinator and writing checkpoints (what the fault policy costs)
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # worker address -> its peak over the run
+    setup_bytes: int = 0  # what the first setup sent the workers (bundles or weights, optimizer state)
+    base_bytes_held: int = 0  # frozen weights the first setup left to the workers' own base files
+
+
+FAILURE_POLICIES = ("replan", "stop")
+
+# The command line's snapshot policy (FaultPolicy.snapshot_every): chosen from measured costs.
+AUTO_SNAPSHOTS = None
+# What the state copies may cost of the wall-clock step under AUTO_SNAPSHOTS (issue 32's target).
+SNAPSHOT_SHARE = 0.05
+# At most this many seconds of steps replayed after a loss under AUTO_SNAPSHOTS: with a re-setup of
+# a few seconds, a recovery stays within 10 s (issue 13's target).
+REPLAY_BUDGET_S = 5.0
+# 1f1b-stash without --checkpoint-every under AUTO_SNAPSHOTS: the run drains (and copies its state)
+# every this many steps, so a loss replays at most these (issue 32: it replayed the run from step 0).
+STASH_SEGMENT_STEPS = 8
+
+
+def snapshot_interval(copy_s: float, step_s: float, share: float = SNAPSHOT_SHARE,
+                      replay_budget_s: float = REPLAY_BUDGET_S) -> int:
+    """Steps between state copies so that a copy of `copy_s` seconds costs at most `share` of
+    steps of `step_s` seconds (wall clock, copies left out), but no more steps than replay in
+    `replay_budget_s` (a recovery's bound wins: the copies then cost more than `share`)."""
+    if not step_s > 0:
+        return 1
+    wanted = math.ceil(copy_s / (share * step_s)) if copy_s > 0 else 1
+    return max(1, min(wanted, int(replay_budget_s // step_s)))
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """What a run does about lost devices.
+
+    `on_failure`: "replan" (re-plan over the survivors and continue from the state held off the
+    devices) or "stop" (end with a resumable checkpoint). `detect_s`: a worker silent this long is
+    lost (ZeroMQ heartbeats, so a busy one is never taken for lost). `snapshot_every`: steps
+    between copies of every stage's state to the coordinator (flush boundaries; with 1 a recovery
+    replays at most the interrupted step). `snapshot_every` None (`AUTO_SNAPSHOTS`, the command
+    line's default): flush schedules copy the state every K steps, K chosen from the measured
+    copy and step times so that the copies cost at most `SNAPSHOT_SHARE` of the wall-clock step,
+    and at most `REPLAY_BUDGET_S` of steps are replayed after a loss (the data order is
+    deterministic, so a replay retrains the same batches to the same bits); 1f1b-stash drains
+    and copies every `STASH_SEGMENT_STEPS` steps (a fixed count: where stash drains changes its
+    updates, so it must not depend on timing). `checkpoint_every`: steps between checkpoints on disk
+    (needs a checkpoint folder); for 1f1b-stash also the length of the segments the run drains
+    at, so a run resumed from such a checkpoint continues exactly as one that never stopped.
+    `low_memory_bytes` / `low_battery_percent`: a device reporting less free memory (MemAvailable)
+    or battery after a step is a `memory_low` / `battery_low` event, and under "replan" (flush
+    schedules) the run moves off it at that boundary, before it runs out: the planner's cuts over
+    the others, the state gathered from every stage, no step replayed; the device waits idle.
+    `take_back`: a lost device is called back (runtime.pipeline.coordinator.Coordinator.call_back);
+    when it answers (restarted, thawed, reachable again) it is a `joined` event and, under "replan"
+    (flush schedules), taken in at that boundary if the plan with it is predicted faster (it waits
+    as a spare otherwise)."""
+
+    on_failure: str = "replan"
+    detect_s: float = 3.0
+    snapshot_every: int | None = 1
+    checkpoint_every: int | None = None
+    low_memory_bytes: int = 256 * 2 ** 20
+    low_battery_percent: float = 15.0
+    take_back: bool = True
+
+    def check(self) -> "FaultPolicy":
+        if self.on_failure not in FAILURE_POLICIES:
+            raise ValueError(f"--on-failure must be one of {', '.join(FAILURE_POLICIES)}, not {self.on_failure!r}")
+        if not self.detect_s > 0:
+            raise ValueError(f"--failure-timeout must be a positive number of seconds, got {self.detect_s}")
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be at least 1 step (or None: chosen from measured costs), got "
+                             f"{self.snapshot_every}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be at least 1 step, got {self.checkpoint_every}")
+        return self
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every stage's state at the flush boundary after `step` steps, held by the coordinator."""
+
+    step: int
+    per_stage: list[dict[str, np.ndarray]]
+    state: TrainingState
+    ranges: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class SurvivorPlan:
+    """Where training goes on after a loss: stage k runs ranges[k] on addresses[k]; with bundles,
+    the new plan's bundles, devices and schedule too (planner.replan.ReplannedPlan's fields)."""
+
+    ranges: list[tuple[int, int]]
+    addresses: list[str]
+    bundles: list[Path] | None = None
+    devices: list[str] | None = None
+    schedule: Schedule | None = None
+    directory: Path | None = None
+
+
+class RecoveryImpossible(RuntimeError):
+    """The survivors cannot go on (no plan fits them, or the policy says stop); `checkpoint` is
+    where the resumable state was written, if anywhere. `train_pipeline` gives it (and a
+    WorkerFailed) the run's `result` so far, as `result`: the steps done and the events."""
+
+    def __init__(self, message: str, checkpoint: Path | None = None):
+        self.checkpoint = checkpoint
+        self.result: PipelineResult | None = None
+        super().__init__(message + (f"; the state before the failed step is in {checkpoint} (resume with "
+                                    f"--resume {checkpoint})" if checkpoint is not None else ""))
+
+
+class Session:
+    """One training run's steps on a set-up coordinator, recorded into `result`, with the state
+    snapshots a recovery restores from."""
+
+    def __init__(self, coordinator: Coordinator, feeds_of_step, config: PipelineConfig, on_step,
+                 result: PipelineResult, faults: FaultPolicy = FaultPolicy(), plan_over=None, on_event=None,
+                 checkpoint_dir: Path | None = None, meta: dict | None = None, devices=None, spare_devices=None,
+                 emit=None):
+        self.coordinator, self.feeds_of_step = coordinator, feeds_of_step
+        self.M, self.config, self.on_step, self.result = config.microbatches, config, on_step, result
+        self.faults, self.plan_over, self.on_event = faults, plan_over, on_event
+        # `emit(ranges, addresses, weights) -> SurvivorPlan`: the job's planner for a plan made in memory
+        # (train-pipeline): a plan of ranges over workers (plan_over's, on_replan's) gets its bundles
+        # from it; a plan folder's re-plans bring their own (None)
+        self.emit = emit
+        self.checkpoint_dir, self.meta = checkpoint_dir, meta
+        self.start_step = 0  # the step this run started at (a resume's), set by `stash` / `flush`
+        self.snapshot: Snapshot | None = None
+        self.running_low: dict[str, str] = {}  # address -> "memory_low" | "battery_low", after the last step
+        # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
+        self.keep_state = (faults.on_failure == "replan" and plan_over is not None) or checkpoint_dir is not None
+        self._recovering: dict | None = None  # the recovery whose first completed step is still to come
+        # the last step done, whose wall clock runs on (state copies, checkpoints, re-plan checks)
+        # until the next step starts or the run ends: its seconds and progress report come then
+        self._open: dict | None = None
+        self._work_s: list[float] = []  # the coordinator's run of each step since the last setup (AUTO_SNAPSHOTS)
+        self.final: list | None = None  # every stage's state after the last step, once the run is done
+        # every worker of the run (stages, then spares) in its first order, less the lost and moved off
+        self.workers = list(dict.fromkeys([*result.addresses, *(spare_devices or {}).values()]))
+        self.first_order = list(self.workers)
+        self.address_of_device = {**dict(zip(devices or (), result.addresses)), **dict(spare_devices or {})}
+        self.device_of = {a: d for d, a in self.address_of_device.items()}
+
+    def feeds(self, step: int):
+        return list(self.feeds_of_step(step))
+
+    # --- events, snapshots, checkpoints ----------------------------------------------------------
+    def event(self, kind: str, **fields) -> dict:
+        entry = {"event": kind, "at": time.time(), **fields}
+        self.result.events.append(entry)
+        if self.on_event:
+            self.on_event(entry)
+        return entry
+
+    def take_snapshot(self, step: int) -> Snapshot:
+        start = time.perf_counter()
+        per_stage = self.coordinator.collect_checkpoint()
+        seconds = time.perf_counter() - start
+        self.result.snapshot_seconds.append(seconds)
+        self._charge(seconds)
+        self.snapshot = Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(self.result.ranges))
+        return self.snapshot
+
+    def _charge(self, seconds: float) -> None:
+        """Seconds of the step still open spent on the fault policy (state copies, checkpoints)."""
+        if self._open is not None:
+            self.result.state_seconds[self._open["index"]] += seconds
+
+    def save(self, directory: Path, step: int, per_stage, ranges=None) -> None:
+        # the loss of every step up to `step`: a resumed run's earlier ones (meta's "losses"), then this
+        # run's, not those of steps past `step` (a stop after a loss saves the snapshot before them)
+        earlier = list((self.meta or {}).get("losses") or [])
+        losses = earlier + self.result.losses[:max(0, step - self.start_step)]
+        start = time.perf_counter()
+        save_checkpoint(directory, per_stage,
+                        {**(self.meta or {}), "stages": len(per_stage), "ranges": ranges or self.result.ranges,
+                         "step": step, "schedule": self.config.schedule, "microbatches": self.M,
+                         "losses": losses, "checkpoint_every": self.faults.checkpoint_every,
+                         "devices": self.result.devices})
+        self._charge(time.perf_counter() - start)
+
+    def snapshot_every(self) -> int:
+        """Steps between state copies now: the policy's, or under AUTO_SNAPSHOTS the interval that
+        keeps the copies within SNAPSHOT_SHARE of the step, from the last copies and the steps run
+        since the last setup (its first step, which builds the engines, left out once others ran)."""
+        if self.faults.snapshot_every is not None:
+            return self.faults.snapshot_every
+        copies, work = self.result.snapshot_seconds[-3:], self._work_s[1:] or self._work_s
+        if not copies or not work:
+            return 1
+        return snapshot_interval(statistics.median(copies), statistics.median(work[-8:]))
+
+    def _boundary(self, step: int, start_step: int) -> bool:
+        """After `step` steps: is a snapshot due (and a checkpoint), so the next failure replays from here?"""
+        ckpt = self.faults.checkpoint_every if self.checkpoint_dir is not None else None
+        if ckpt and (step - start_step) % ckpt == 0:
+            return True
+        if not self.keep_state:
+            return False
+        if self.faults.snapshot_every is None:  # counted from the last copy (a recovery restarts the count)
+            last = self.snapshot.step if self.snapshot is not None else start_step
+            return step - last >= self.snapshot_every()
+        return (step - start_step) % self.faults.snapshot_every == 0
+
+    def at_boundary(self, step: int, start_step: int) -> None:
+        if not self._boundary(step, start_step):
+            return
+        snap = self.take_snapshot(step)
+        ckpt = self.faults.checkpoint_every
+        if self.checkpoint_dir is not None and ckpt and step % ckpt == 0:
+            self.save(self.checkpoint_dir, step, snap.per_stage, snap.ranges)
+            self.event("checkpoint", step=step, directory=str(self.checkpoint_dir))
+
+    def _record(self, step: int, loss: float, started: float, done: list[dict]) -> None:
+        """Step `step` is done (it started at `started`, perf_counter): its loss now; its seconds
+        and progress report once the next step starts or the run ends (`_close_step`)."""
+        self._close_step(started)
+        self.result.losses.append(loss)
+        self.result.step_seconds.append(time.perf_counter() - started)
+        self.result.state_seconds.append(0.0)
+        self._open = {"step": step, "loss": loss, "started": started, "done": done,
+                      "index": len(self.result.losses) - 1}
+        if self._recovering is not None:
+            r, self._recovering = self._recovering, None
+            self.event("recovered", step=step, seconds=time.monotonic() - r["t0"], steps_replayed=r["replayed"],
+                       ranges=[list(x) for x in self.result.ranges], devices=self._devices())
+        self._watch_devices(step, done)
+
+    def _close_step(self, now: float | None = None) -> None:
+        """The step still open ends `now` (the next one starts, or the run ends): its wall-clock
+        seconds, from its start, with whatever the fault policy did after it, and its progress report."""
+        step, self._open = self._open, None
+        if step is None:
+            return
+        seconds = (time.perf_counter() if now is None else now) - step["started"]
+        self.result.step_seconds[step["index"]] = seconds
+        if self.on_step:
+            done = step["done"]
+            self.on_step(step["step"], step["loss"], seconds, [d["seconds"] for d in done], done)
+
+    def _devices(self) -> list[str]:
+        return [self.device_of.get(a, a) for a in self.result.addresses]
+
+    def _watch_devices(self, step: int, done: list[dict]) -> None:
+        """A device about to run out of memory or battery is an event, and a device to move off
+        (`self.running_low`, taken by `flush` at this boundary)."""
+        self.running_low = {}
+        for name, address, d in zip(self._devices(), self.result.addresses, done):
+            mem, battery = d.get("mem_available_bytes"), d.get("battery_percent")
+            if mem is not None and mem < self.faults.low_memory_bytes:
+                self.event("memory_low", step=step, device=name, mem_available_bytes=mem)
+                self.running_low.setdefault(address, "memory_low")
+            if battery is not None and battery < self.faults.low_battery_percent:
+                self.event("battery_low", step=step, device=name, battery_percent=battery)
+                self.running_low.setdefault(address, "battery_low")
+
+    def move_off(self, step: int) -> tuple[bool, Schedule | None]:
+        """At the flush boundary after `step` steps, re-plan without the devices running low (all
+        of them alive: the state comes from them, nothing is replayed). (moved, the new schedule or
+        None for the config's). Nothing moves when the policy is "stop", there is no re-planner,
+        every device is low, or no plan fits the others (an event says which)."""
+        low, self.running_low = dict(self.running_low), {}
+        if not low or self.faults.on_failure != "replan" or self.plan_over is None:
+            return False, None
+        names = [self.device_of.get(a, a) for a in low]
+        if len(low) >= len(self.result.addresses):
+            self.event("stayed", step=step, devices=names, cause=sorted(set(low.values())),
+                       reason="every device of the pipeline is running low")
+            return False, None
+        snap = self.snapshot if self.snapshot is not None and self.snapshot.step == step else self.take_snapshot(step)
+        try:
+            plan = self.plan_over(step, snap, list(self.result.addresses), [a for a in self.workers if a not in low])
+        except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
+            self.event("stayed", step=step, devices=names, cause=sorted(set(low.values())),
+                       reason=f"the others cannot hold the model: {exc}")
+            return False, None
+        self.workers = [a for a in self.workers if a not in low]
+        return True, self._switch(step, plan, snap, sorted(set(low.values()))[0], left=names).schedule
+
+    def take_in(self, step: int) -> tuple[bool, Schedule | None]:
+        """At the flush boundary (or 1f1b-stash drain) after `step` steps: the lost workers that
+        answered the call back are `joined` events and candidates again, and the run re-plans over
+        them when that is predicted faster (moved, the new schedule or None for the config's)."""
+        back = self.coordinator.returned()
+        if not back:
+            return False, None
+        joined = [b["address"] for b in back]
+        self.workers = [a for a in self.first_order if a in set(self.workers) | set(joined)]
+        plan, reason = None, "the policy is --on-failure stop" if self.faults.on_failure != "replan" else ""
+        if not reason and self.plan_over is None:
+            reason = "no way to re-plan this pipeline"
+        if not reason:
+            snap = self.snapshot if self.snapshot is not None and self.snapshot.step == step else self.take_snapshot(step)
+            try:
+                plan = self.plan_over(step, snap, list(self.result.addresses), list(self.workers))
+            except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
+                reason = f"no plan with it fits: {exc}"
+            if plan is None and not reason:
+                reason = "the plan with it is predicted no faster"
+        for b in back:
+            self.event("joined", step=step, device=self.device_of.get(b["address"], b["address"]),
+                       address=b["address"], taken_in=plan is not None, reason=reason or "re-planned with it",
+                       **{k: b[k] for k in ("mem_available_bytes", "battery_percent") if b.get(k) is not None})
+        if plan is None:
+            return False, None
+        return True, self._switch(step, plan, snap, "joined", joined=[self.device_of.get(a, a) for a in joined]).schedule
+
+    def _switch(self, step: int, plan: SurvivorPlan, snap: Snapshot, cause: str, lost: Sequence[str] = (),
+                **fields) -> SurvivorPlan:
+        """Set the pipeline up as `plan` with the state of `snap` (held off the devices, or gathered at
+        this boundary) and record the new plan (an event, result.ranges/addresses/devices/replans);
+        returns the plan as set up (with its bundles and schedule)."""
+        if plan.bundles is None:
+            plan = self.emit(plan.ranges, plan.addresses, snap.state.weights)
+        named = self.emit is None  # a plan folder's devices have names; train-pipeline's workers are addresses
+        placements = [StagePlacement(k, a, b, addr) for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))]
+        if named:
+            self.device_of.update(dict(zip(plan.addresses, plan.devices)))
+        reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
+                                              state=snap.state, lost=lost)
+        self._work_s = []  # a new setup: its first step builds the engines again
+        old_ranges = list(self.result.ranges)
+        self.result.ranges = [tuple(r) for r in plan.ranges]
+        self.result.addresses = list(plan.addresses)
+        if named:
+            self.result.devices = list(plan.devices)
+        self.result.replans.append((snap.step, reconf))
+        self.event("new_plan", step=snap.step, cause=cause, **fields, old_ranges=[list(r) for r in old_ranges],
+                   ranges=[list(r) for r in self.result.ranges], devices=self._devices(),
+                   plan=None if plan.directory is None else str(plan.directory), seconds=reconf.seconds)
+        # the held state is the same, the stages are new: a checkpoint or a later recovery needs theirs
+        self.snapshot = Snapshot(snap.step, self.coordinator.collect_checkpoint(), snap.state,
+                                 list(self.result.ranges)) if self.keep_state else None
+        return plan
+
+    def collect_final(self, step: int) -> None:
+        """Every stage's state after the last step (`self.final`): the snapshot's when one was just
+        taken, else collected now. A device lost here is a loss like any other (WorkerLost): the
+        caller recovers and replays, because the last steps' updates live only on the devices."""
+        if self.snapshot is not None and self.snapshot.step == step:
+            self.final = self.snapshot.per_stage
+        else:
+            self.final = self.coordinator.collect_checkpoint()
+
+    def _reports(self, done: list[dict]) -> None:
+        """Keep the stages' reports of the last REPORTS_KEPT steps (a long run's coordinator must not
+        grow with every step: issue 13 measured 4 KB a step) and each worker's peak memory."""
+        self.result.stage_reports.append(done)
+        self.result.stage_busy.append([busy_fraction(d["seconds"], d.get("wall_s", 0.0)) for d in done])
+        if len(self.result.stage_reports) > REPORTS_KEPT:
+            del self.result.stage_reports[0], self.result.stage_busy[0]
+        for address, d in zip(self.result.addresses, done):
+            peak = d.get("peak_rss_bytes")
+            if peak is not None:
+                self.result.peak_rss_bytes[address] = max(peak, self.result.peak_rss_bytes.get(address, 0))
+
+    def _truncate(self, step: int, start_step: int) -> None:
+        keep = step - start_step
+        drop = len(self.result.losses) - keep  # the steps to run again
+        del self.result.losses[keep:], self.result.step_seconds[keep:], self.result.state_seconds[keep:]
+        if drop > 0 and self.config.schedule not in ASYNC_SCHEDULES:  # flush: one report per step
+            del self.result.stage_reports[-drop:], self.result.stage_busy[-drop:]
+
+    # --- recovery --------------------------------------------------------------------------------
+    def recover(self, lost: WorkerLost, step: int, mid_step: bool, start_step: int) -> Schedule | None:
+        """After `lost` during (or right after) step `step`: abort it on the survivors, re-plan over
+        them, restore the snapshot and return the new plan's schedule (None: build one from the
+        config); the caller then continues from `self.snapshot.step`."""
+        t0 = time.monotonic()
+        if self._open is not None and self._open["step"] > (self.snapshot.step if self.snapshot else -1):
+            self._open = None  # replayed: it is reported when it is done again
+        self._close_step()
+        self._work_s = []  # a new setup: its first step builds the engines again
+        for k, p in lost.lost.items():
+            self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
+                       address=p.address, detected_after_s=p.down_s, reason=p.reason)
+        snap = self.snapshot
+        if self.faults.on_failure == "stop" or snap is None or self.plan_over is None:
+            why = ("--on-failure stop" if self.faults.on_failure == "stop" else
+                   "no state was held off the devices" if snap is None else "no way to re-plan this pipeline")
+            raise RecoveryImpossible(f"{lost} ({why})", self._rescue(snap))
+        while True:
+            try:
+                self.coordinator.abort(step, lost)
+                break
+            except WorkerLost as more:
+                for k, p in more.lost.items():
+                    if k not in lost.lost:
+                        self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
+                                   address=p.address, detected_after_s=p.down_s, reason=p.reason)
+                lost = more
+        self.coordinator.forget(lost.addresses)
+        gone = lost.addresses + self.coordinator.lost_spares()
+        self.coordinator.forget(gone)
+        if self.faults.take_back:
+            self.coordinator.call_back(gone)
+        self.workers = [a for a in self.workers if a not in gone]
+        try:
+            plan = self.plan_over(snap.step, snap, list(self.result.addresses), list(self.workers))
+        except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
+            raise RecoveryImpossible(f"{lost}; the survivors cannot hold the model: {exc}", self._rescue(snap)) from None
+        if plan is None:
+            raise RuntimeError("plan_over returned no plan after a loss")
+        plan = self._switch(snap.step, plan, snap, "lost", lost=gone)
+        replayed = step - snap.step + (1 if mid_step else 0)
+        self._truncate(snap.step, start_step)
+        self._recovering = {"t0": t0, "replayed": replayed}
+        return plan.schedule
+
+    def _rescue(self, snap: Snapshot | None) -> Path | None:
+        """Write the held state where a resume finds it (the checkpoint folder)."""
+        if snap is None or self.checkpoint_dir is None:
+            return None
+        self.save(self.checkpoint_dir, snap.step, snap.per_stage, snap.ranges)
+        return self.checkpoint_dir
+
+    # --- schedules -------------------------------------------------------------------------------
+    def stash(self, start_step: int, steps: int, plan: Schedule) -> None:
+        """1f1b-stash: PipeDream never flushes, so a segment of k steps is one schedule over k x M
+        micro-batches: the plan's one-step lists with their steady state unrolled (`plan.for_steps(k)`;
+        the workers unroll their bundles' alike). Segments end
+        at multiples of `faults.checkpoint_every` (absolute steps; without it the whole run is one
+        segment), where the pipeline drains: a checkpoint there continues exactly, and a lost
+        device replays at most the segment it interrupted."""
+        self.start_step = start_step
+        M, end = self.M, start_step + steps
+        every = self.faults.checkpoint_every or (STASH_SEGMENT_STEPS if self.keep_state else None)
+        if self.keep_state:
+            self.take_snapshot(start_step)
+        s = start_step
+        while s < end:
+            stop = min(end, (s // every + 1) * every) if every else end
+            schedule = plan.for_steps(stop - s)
+            feeds = [f for k in range(s, stop) for f in self.feeds(k)]
+            start = time.perf_counter()
+            self._close_step(start)
+            arrived: list[float] = []
+            marks = [start]  # when each step of the segment was done: its last micro-batch's loss came
+
+            def on_loss(m: int, loss: float, s=s, stop=stop, arrived=arrived, marks=marks) -> None:
+                """Every step but the segment's last is reported as its last loss comes (the last one
+                once the stages' reports are in); its seconds run from the step before it."""
+                arrived.append(loss)
+                if len(arrived) % M == 0:
+                    k = len(arrived) // M
+                    marks.append(time.perf_counter())
+                    if s + k < stop:
+                        self._record(s + k, float(sum(arrived[-M:])), marks[-2], [])
+                        self._close_step(marks[-1])
+
+            try:
+                losses, done = self.coordinator.run(schedule, feeds, s, steps=stop - s, on_loss=on_loss)
+            except WorkerLost as lost:
+                finished = len(arrived) // M  # the steps whose losses all came before the loss was found
+                plan = self.recover(lost, s + finished, s + finished < stop, start_step)
+                s = self.snapshot.step
+                continue
+            self._record(stop, float(sum(losses[-M:])), marks[-2], done)
+            self._reports(done)
+            s = stop
+            try:
+                if s == end:
+                    self._close_step()
+                    self.collect_final(s)
+                    continue
+                snap = self.take_snapshot(s) if self.keep_state else None
+                ckpt = self.faults.checkpoint_every
+                if self.checkpoint_dir is not None and ckpt and s % ckpt == 0:
+                    snap = snap or self.take_snapshot(s)
+                    self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
+                    self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
+                # a drain is a boundary like a flush schedule's: a lost device that answered the
+                # call back joins here (the next segment runs the plan with it)
+                moved, new_plan = self.take_in(s)
+                if moved:
+                    plan = new_plan
+            except WorkerLost as lost:
+                plan = self.recover(lost, s, False, start_step)
+                s = self.snapshot.step
+        self._close_step()
+
+    def flush(self, start_step: int, steps: int, schedule: Schedule, replan_every: int | None, from_bundles: bool,
+              address_of: Mapping[str, str], on_replan, on_replanned) -> None:
+        """Flush schedules: one schedule per step, a snapshot at each boundary the fault policy asks
+        for, and a re-plan check every `replan_every` steps."""
+        self.start_step = start_step
+        # per step since the last re-plan check: F+B seconds per stage, and whether that step was
+        # the first after a setup, which builds the engines' graphs and caches: not steady state,
+        # so it is left out whenever later steps were measured
+        window: list[list[float]] = []
+        warm_up = True
+        end = start_step + steps
+        if self.keep_state:
+            self.take_snapshot(start_step)
+        s = start_step
+        while s < end:
+            start = time.perf_counter()
+            self._close_step(start)
+            try:
+                losses, done = self.coordinator.run(schedule, self.feeds(s), s)
+            except WorkerLost as lost:
+                schedule = self.recover(lost, s, True, start_step)
+                s, window, warm_up = self.snapshot.step, [], True
+                continue
+            self._work_s.append(time.perf_counter() - start)
+            self._record(s + 1, float(sum(losses)), start, done)
+            self._reports(done)
+            s += 1
+            try:
+                self.at_boundary(s, start_step)
+                if s == end:
+                    self._close_step()  # the last step ends here; collecting the final state is the run's
+                    self.collect_final(s)
+            except WorkerLost as lost:
+                schedule = self.recover(lost, s, False, start_step)
+                s, window, warm_up = self.snapshot.step, [], True
+                continue
+            if s < end:
+                moved, new_schedule = self.take_in(s)
+                if not moved and self.running_low:
+                    moved, new_schedule = self.move_off(s)
+                if moved:
+                    schedule = new_schedule
+                    window, warm_up = [], True
+                    continue
+            window.append([d["seconds"].get("F", 0.0) + d["seconds"].get("B", 0.0) for d in done])
+            if warm_up and len(window) > 1:
+                window.pop(0)
+                warm_up = False
+            if not (replan_every and (s - start_step) % replan_every == 0 and s < end):
+                continue
+            measured = [sum(col) / len(window) for col in zip(*window)]
+            window, warm_up = [], False
+            fresh = self.snapshot if self.snapshot is not None and self.snapshot.step == s else None
+            if from_bundles:
+                replanned = _replan_bundles(self.coordinator, on_replan, s, measured, address_of, self.result, fresh)
+                reconf, new_schedule = replanned if replanned is not None else (None, None)
+            else:
+                replanned = _replan_ranges(self.coordinator, on_replan, s, measured, self.workers, self.result,
+                                           self.emit, fresh)
+                reconf, new_schedule = replanned if replanned is not None else (None, None)
+            if reconf is not None:
+                window, warm_up = [], True
+                self.result.replans.append((s, reconf))
+                self.event("new_plan", step=s, cause="measured", old_ranges=[list(r) for r in reconf.old_ranges],
+                           ranges=[list(r) for r in reconf.new_ranges], devices=self._devices(),
+                           seconds=reconf.seconds)
+                schedule = new_schedule
+                if self.snapshot is not None and self.snapshot.step == s:  # the state is the same, the stages not
+                    self.snapshot = Snapshot(s, self.coordinator.collect_checkpoint(), self.snapshot.state,
+                                             list(self.result.ranges))
+                if on_replanned:
+                    on_replanned(s, reconf)
+                self._work_s = []  # a new setup: its first step builds the engines again
+        self._close_step()
+
+
+# Steps whose per-stage reports a result keeps (the figures over the whole run are kept as they go).
+REPORTS_KEPT = 200
+
+
+def _replan_ranges(coordinator: Coordinator, on_replan, step: int, measured: list[float], workers: Sequence[str],
+                   result: PipelineResult, emit, fresh: Snapshot | None = None
+                   ) -> tuple[Reconfiguration, Schedule] | None:
+    """A plan in memory: new block ranges from on_replan, stage k on workers[k] (the run's workers in
+    their first order, less any lost), emitted from the weights gathered here; what moved, and the
+    new plan's schedule."""
+    new_ranges = on_replan(step, measured)
+    if new_ranges is None or [tuple(r) for r in new_ranges] == result.ranges:
+        return None
+    if not 1 <= len(new_ranges) <= len(workers):
+        raise ValueError(f"on_replan returned {len(new_ranges)} stages for {len(workers)} workers")
+    state = fresh.state if fresh is not None else coordinator.gather()
+    plan = emit([tuple(r) for r in new_ranges], list(workers[:len(new_ranges)]), state.weights)
+    reconf = coordinator.reconfigure([StagePlacement(k, a, b, addr)
+                                      for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))],
+                                     bundles=plan.bundles, devices=plan.devices, state=state)
+    result.ranges, result.addresses = list(plan.ranges), list(plan.addresses)
+    return reconf, plan.schedule
+
+
+def _replan_bundles(coordinator: Coordinator, on_replan, step: int, measured: list[float],
+                    address_of: Mapping[str, str], result: PipelineResult, fresh: Snapshot | None = None
+                    ) -> tuple[Reconfiguration, Schedule] | None:
+    """Bundles: a new plan from on_replan, written from the weights gathered here (at most once);
+    what moved, and the new plan's schedule."""
+    gathered = [fresh.state] if fresh is not None else []
+
+    def weights() -> dict[str, np.ndarray]:
+        if not gathered:
+            gathered.append(coordinator.gather())
+        return gathered[0].weights
+
+    plan = on_replan(step, measured, weights)
+    if plan is None:
+        return None
+    unknown = [d for d in plan.devices if d not in address_of]
+    if unknown:
+        raise ValueError(f"the new plan places stages on {unknown}, which have no worker (devices with workers: "
+                         f"{sorted(address_of)})")
+    if not gathered:
+        raise ValueError("on_replan returned a new plan without gathering the weights to write it with")
+    placements = [StagePlacement(k, a, b, address_of[d])
+                  for k, ((a, b), d) in enumerate(zip(plan.ranges, plan.devices))]
+    reconf = coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices, state=gathered[0])
+    result.ranges = [tuple(r) for r in plan.ranges]
+    result.devices = list(plan.devices)
+    result.addresses = [address_of[d] for d in plan.devices]
+    return reconf, plan.schedule
+
+
+def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config: PipelineConfig, steps: int,
+                feeds_of_step: Callable[[int], Sequence[Mapping[str, np.ndarray]]], *, start_step: int = 0,
+                on_step=None, faults: FaultPolicy = FaultPolicy(), plan_over=None, on_event=None,
+                checkpoint_dir: Path | None = None, meta: dict | None = None,
+                spare_devices: Mapping[str, str] | None = None, emit=None, replan_every: int | None = None,
+                on_replan=None, on_replanned=None) -> PipelineResult:
+    """Set the workers up with `plan` (its bundles, stage k on plan.addresses[k], running
+    plan.schedule) and train `steps` steps from `start_step`; then stop the workers and close
+    `transport`. `emit` is None for a plan folder's plan (its devices have names, which the result
+    and events use) and the job's planner for a plan made in memory (workers are named by address).
+    See jobs.pipeline_training.train_pipeline for the rest."""
+    spare_devices = dict(spare_devices or {})
+    named = emit is None
+    devices = list(plan.devices) if named else None
+    run = Session(coordinator, feeds_of_step, config, on_step,
+                  PipelineResult([], [], [], [], {}, [], [tuple(r) for r in plan.ranges], devices=devices,
+                                 addresses=list(plan.addresses)),
+                  faults, plan_over, on_event, checkpoint_dir, meta, devices, spare_devices, emit)
+    try:
+        coordinator.setup_bundles(plan.bundles, plan.devices)
+        run.result.setup_bytes, run.result.base_bytes_held = coordinator.setup_bytes, coordinator.base_bytes_held
+        if config.schedule in ASYNC_SCHEDULES:
+            run.stash(start_step, steps, plan.schedule)
+        else:
+            address_of = {**dict(zip(devices or (), plan.addresses)), **spare_devices}
+            run.flush(start_step, steps, plan.schedule, replan_every, named, address_of, on_replan, on_replanned)
+        if run.final is None:  # no step to run
+            run.collect_final(start_step)
+        result = run.result
+        result.checkpoint = run.final
+        for tensors in result.checkpoint:
+            result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
+        if checkpoint_dir is not None:
+            run.save(checkpoint_dir, start_step + steps, result.checkpoint)
+    except (WorkerFailed, RecoveryImpossible) as exc:
+        run._close_step()
+        exc.result = run.result  # what the run did before it ended: its steps and events reach the metrics
+        raise
+    finally:
+        coordinator.stop()
+        transport.close()
+    return result
