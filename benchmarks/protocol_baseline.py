@@ -86,7 +86,7 @@ def plan_losses(onnx: Path, work: Path, schedule: str) -> list[float]:
     from planner.emit import emit_plan
     from planner.onnx_import import load_model
     from planner.schedule import make_schedule
-    from tasks.datagen import write_splits
+    from tasks.ner.datagen import write_splits
 
     graph = load_model(onnx, ROWS, SEQ)
     n = len(graph.blocks)
