@@ -38,6 +38,11 @@ class BlockCost:
     # (PyTorch's saved tensors; MNN's further set of block graphs with their caches). None: not
     # measured, taken as the whole workspace.
     kept_bytes: int | None = None
+    # What one more block of this kind adds to a stage's peak when the engine recomputes activations
+    # per block (`activations: per-block`: MNN without per-op caches, each block's forward re-run
+    # inside its own backward), measured as `stacked_bytes` is. None: not measured, taken as
+    # `stacked` (no saving claimed).
+    per_block_stacked_bytes: int | None = None
 
     @property
     def stacked(self) -> int:
@@ -48,6 +53,13 @@ class BlockCost:
     def kept(self) -> int:
         """`kept_bytes`, or the whole workspace where it was not measured."""
         return self.workspace_bytes if self.kept_bytes is None else self.kept_bytes
+
+    @property
+    def per_block_stacked(self) -> int:
+        """`per_block_stacked_bytes`, or `stacked` where it was not measured."""
+        if self.per_block_stacked_bytes is None:
+            return self.stacked
+        return min(self.per_block_stacked_bytes, self.workspace_bytes)
 
     @property
     def transient(self) -> int:
@@ -169,7 +181,7 @@ class DeviceProfile:
 
 
 _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s")
-_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes")
+_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "per_block_stacked_bytes")
 
 
 def _block_cost(doc, where: str) -> BlockCost:

@@ -61,6 +61,7 @@ import numpy as np
 from ir.plan import Action
 from ir.serialize import graph_from_json
 from ir.backend import BackendSpec
+from ir.documents import ACTIVATION_CHOICES
 from runtime.engines.factory import make_engine
 from runtime.pipeline.checkpoints import rows_on_wire
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
@@ -515,9 +516,9 @@ def watch_parent(pid: int) -> None:
 
 def _activations(value) -> str | None:
     """A setup message's `activations`, checked (it comes from the network)."""
-    if value is None or value in ("keep", "recompute"):
+    if value is None or value in ACTIVATION_CHOICES:
         return value
-    raise ValueError(f"setup: activations is {str(value)[:40]!r}, not 'keep' or 'recompute'")
+    raise ValueError(f"setup: activations is {str(value)[:40]!r}, not one of {', '.join(ACTIVATION_CHOICES)}")
 
 
 def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, keys=None, insecure: bool = False,

@@ -72,7 +72,9 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     for 1-4 layers: 39 a layer from two on, 33-37 from one to two), and PyTorch's steps are
     noisy (6 to 14 MiB a layer, about 11 on average). The workspace is raised, where needed, to
     what that line puts at one block, so its transient part (`BlockCost.transient`) is the
-    line's intercept."""
+    line's intercept. On MNN the same line is measured once more with activations recomputed per
+    block (`per_block_stacked_bytes`: no per-op caches, what a block then holds between its forward
+    and its backward)."""
     i = block.index
     if fused_lm_head(graph, i, i + 1) is not None and i == len(graph.blocks) - 2:
         both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
@@ -90,15 +92,27 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     if run == 1:
         return replace(cost, kept_bytes=kept)
     peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, run + 1)]
-    most = peaks[-1]
-    stacked = max(0, most - peaks[-2], (most - peaks[0]) // (run - 1))
-    intercept = max(0, most - run * stacked)
+    stacked, intercept = _further_block_line(peaks)
+    per_block = None
+    if backend.engine == "mnn":  # MNN also recomputes per block: what a further block holds then
+        per_block, _ = _further_block_line([peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
+                                        for k in range(1, run + 1)])
     return replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked + intercept), stacked_bytes=stacked,
-                   kept_bytes=kept)
+                   kept_bytes=kept, per_block_stacked_bytes=per_block)
+
+
+def _further_block_line(peaks: list[int]) -> tuple[int, int]:
+    """(what each further block adds, the intercept) of the peaks of stages of 1, 2 (, 3) blocks of
+    a kind: the larger of the last step and the mean step (`measure_block`)."""
+    most = peaks[-1]
+    stacked = max(0, most - peaks[-2], (most - peaks[0]) // (len(peaks) - 1))
+    return stacked, max(0, most - len(peaks) * stacked)
 
 
 def _memory_parts(cost: BlockCost) -> str:
     stacked = "" if cost.stacked_bytes is None else f"{cost.stacked_bytes / 2**20:.1f} per further block, "
+    if cost.per_block_stacked_bytes is not None:
+        stacked += f"{cost.per_block_stacked_bytes / 2**20:.1f} recomputing per block, "
     return f"{stacked}{cost.kept / 2**20:.1f} per further micro-batch kept"
 
 
