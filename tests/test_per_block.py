@@ -58,15 +58,20 @@ def _whole(graph, activations, **kw):
 
 def test_a_per_block_engine_keeps_only_block_inputs_and_no_per_op_caches(graph):
     engine = _whole(graph, "per-block")
-    assert isinstance(engine, MnnStageEngine) and not engine.cache_activations
+    assert isinstance(engine, MnnStageEngine) and engine.per_block and not engine.cache_activations
     engine.forward(token_feeds(B, S, vocab=500), 0)
     _, _, block_inputs, _, _ = engine._stash[0]
     programs = engine._blocks
     # one stashed input per block (the first block's is the token ids, a host value)
     assert len(block_inputs) == len(programs) and block_inputs[0] is None
     assert all(x.shape == tuple(graph.values[p.block.inputs[0]].shape) for x, p in zip(block_inputs[1:], programs[1:]))
+    # each block let go of its buffers after its forward: its input placeholder shrunk, re-fed later
+    shrunk = [p for p in programs if getattr(p, "activation", None)]
+    assert shrunk and all(list(p.inputs[p.activation].shape)[:-1] == [1, 1] and p.fed_serial is None
+                          for p in shrunk)
     engine.backward(0)
     assert not any(getattr(p, "_caching", False) for p in programs)  # no op ever cached its result
+    assert all(list(p.inputs[p.activation].shape)[:-1] == [1, 1] for p in shrunk)  # and after its backward
     default = _whole(graph, None)
     default.forward(token_feeds(B, S, vocab=500), 0)
     assert all(p._caching for p in default._blocks if hasattr(p, "_caching"))  # what per-block leaves out
@@ -180,7 +185,7 @@ def test_a_pipeline_of_per_block_mnn_stages_trains_as_one_device(graph):
                                 transport=workers.coordinator, faults=FaultPolicy(on_failure="stop"))
         engines = [w.executor.engine for w in workers.workers]
     assert workers.codes == [0, 0], workers.errors
-    assert [e.cache_activations for e in engines] == [False, False]
+    assert [(e.per_block, e.cache_activations) for e in engines] == [(True, False)] * 2
     losses, _ = single_device_training(graph, batches, steps, M)
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
 

@@ -34,10 +34,10 @@ def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mappi
             raise NotImplementedError(f"{backend}: the MNN stage engine drives MNN's cpu backend only")
         from runtime.engines.mnn import MnnStageEngine
 
-        # per-block: no per-op caches (a block's activations exist only while its backward re-runs it)
         return MnnStageEngine(spec, threads=backend.thread_count, weights=weights, stash_weights=stash_weights,
-                              cache_activations=cache_activations and activations != "per-block",
-                              cache_slots=None if activations == "keep" else 1, take_weights=take_weights)
+                              cache_activations=cache_activations,
+                              cache_slots=None if activations == "keep" else 1, take_weights=take_weights,
+                              per_block=activations == "per-block")
     if backend.device != "cpu":
         raise NotImplementedError(f"{backend}: the torch stage engine runs on the cpu only "
                                   "(runtime.engines.pytorch has no device setting yet)")
