@@ -38,10 +38,12 @@ class BlockCost:
     # (PyTorch's saved tensors; MNN's further set of block graphs with their caches). None: not
     # measured, taken as the whole workspace.
     kept_bytes: int | None = None
-    # What one more block of this kind adds to a stage's peak when the engine recomputes activations
-    # per block (`activations: per-block`: MNN without per-op caches, each block's forward re-run
-    # inside its own backward), measured as `stacked_bytes` is. None: not measured, taken as
-    # `stacked` (no saving claimed).
+    # The same two figures when the engine recomputes activations per block (`activations:
+    # per-block`: MNN without per-op caches, each block's forward re-run inside its own backward):
+    # the peak of one block's forward and backward, and what one more block of the kind adds to a
+    # stage's peak, measured as `workspace_bytes` and `stacked_bytes` are. None: not measured,
+    # taken as those (no saving claimed).
+    per_block_workspace_bytes: int | None = None
     per_block_stacked_bytes: int | None = None
 
     @property
@@ -55,11 +57,16 @@ class BlockCost:
         return self.workspace_bytes if self.kept_bytes is None else self.kept_bytes
 
     @property
+    def per_block_workspace(self) -> int:
+        """`per_block_workspace_bytes`, or `workspace_bytes` where it was not measured."""
+        return self.workspace_bytes if self.per_block_workspace_bytes is None else self.per_block_workspace_bytes
+
+    @property
     def per_block_stacked(self) -> int:
-        """`per_block_stacked_bytes`, or `stacked` where it was not measured."""
-        if self.per_block_stacked_bytes is None:
-            return self.stacked
-        return min(self.per_block_stacked_bytes, self.workspace_bytes)
+        """`per_block_stacked_bytes`, or `stacked_bytes` (the whole workspace where neither was
+        measured), at most `per_block_workspace`."""
+        measured = self.per_block_stacked_bytes if self.per_block_stacked_bytes is not None else self.stacked_bytes
+        return self.per_block_workspace if measured is None else min(measured, self.per_block_workspace)
 
     @property
     def transient(self) -> int:
@@ -181,7 +188,7 @@ class DeviceProfile:
 
 
 _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s")
-_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "per_block_stacked_bytes")
+_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "per_block_workspace_bytes", "per_block_stacked_bytes")
 
 
 def _block_cost(doc, where: str) -> BlockCost:

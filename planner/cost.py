@@ -289,9 +289,9 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     """Per block of the graph, its measured cost on the device's backend, under its activation
     choice: PyTorch recomputing runs each block's forward once more in its backward; MNN keeping
     skips its measured re-run of the forward (`recompute_s`), as the last stage of 1F1B does; MNN
-    recomputing per block holds each block's `per_block_stacked` part where the others hold its
-    `stacked` part (the rest of the workspace is then the one-block transient), and never skips
-    the re-run (`reuses_forward` does not apply: no caches outlive a block's backward)."""
+    recomputing per block has the workspace measured that way (`per_block_workspace`, of which each
+    block holds its `per_block_stacked` part and the rest is the one-block transient), and never
+    skips the re-run (`reuses_forward` does not apply: no caches outlive a block's backward)."""
     backend = device_backend(device)
     engine, policy = device_engine(device), activations_of(device)
     again = engine == "torch" and policy == "recompute"
@@ -311,7 +311,7 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         elif kept:
             cost = replace(cost, backward_s=cost.backward_s - min(cost.recompute_s, cost.backward_s), recompute_s=0.0)
         elif per_block:
-            cost = replace(cost, stacked_bytes=cost.per_block_stacked)
+            cost = replace(cost, workspace_bytes=cost.per_block_workspace, stacked_bytes=cost.per_block_stacked)
         out.append(cost)
     if joined_boundaries(graph):
         # the head's measured workspace is the head and its loss run fused on one stage (runtime.

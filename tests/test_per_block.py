@@ -194,11 +194,12 @@ def test_a_pipeline_of_per_block_mnn_stages_trains_as_one_device(graph):
 
 def _mnn_profile(graph) -> DeviceProfile:
     """mnn:cpu:t1 only: every block 10 ms forward, 30 ms backward (10 of them its forward's re-run),
-    a workspace of 40 MiB of which 24 stay per further block with per-op caches, 2 recomputing per
-    block, and 16 more per further micro-batch kept."""
+    a workspace of 40 MiB of which 24 stay per further block with per-op caches and 16 more per
+    further micro-batch kept; recomputing per block, a workspace of 30 MiB of which 2 stay."""
     costs = {block_signature(b): BlockCost(0.010, 0.030, recompute_s=0.010, workspace_bytes=40 * MIB,
                                            stacked_bytes=24 * MIB, kept_bytes=16 * MIB,
-                                           per_block_stacked_bytes=2 * MIB) for b in graph.blocks}
+                                           per_block_workspace_bytes=30 * MIB, per_block_stacked_bytes=2 * MIB)
+             for b in graph.blocks}
     return DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("mnn:cpu:t1", costs),),
                          memory_available_bytes=16 << 30, runtime_overhead_bytes=100 * MIB)
 
@@ -208,7 +209,7 @@ def test_the_memory_models_activation_and_workspace_terms_against_a_hand_compute
     three inputs are hidden states of 2 x 12 x 64 float32: 6144 bytes each). By hand:
     keep:      activations 4 x 3 x 6144 + (4 - 1) x 3 x 16 MiB, workspace 3 x 24 MiB + (40 - 24) MiB
     recompute: activations 4 x 3 x 6144,                        workspace 3 x 24 MiB + (40 - 24) MiB
-    per-block: activations 4 x 3 x 6144,                        workspace 3 x 2 MiB  + (40 - 2) MiB"""
+    per-block: activations 4 x 3 x 6144,                        workspace 3 x 2 MiB  + (30 - 2) MiB"""
     hidden = B * S * 64 * 4
     assert [graph.blocks[k].activation_bytes for k in (0, 1, 2)] == [hidden] * 3
     terms = {}
@@ -220,7 +221,7 @@ def test_the_memory_models_activation_and_workspace_terms_against_a_hand_compute
     assert terms["keep"].activation_bytes == stashed + 3 * 3 * 16 * MIB
     assert terms["recompute"].activation_bytes == terms["per-block"].activation_bytes == stashed
     assert terms["keep"].workspace_bytes == terms["recompute"].workspace_bytes == 3 * 24 * MIB + 16 * MIB
-    assert terms["per-block"].workspace_bytes == 3 * 2 * MIB + 38 * MIB
+    assert terms["per-block"].workspace_bytes == 3 * 2 * MIB + 28 * MIB
     others = [{k: v for k, v in t.by_name().items() if k not in ("activations", "workspace")} for t in terms.values()]
     assert others[0] == others[1] == others[2]
 
@@ -237,7 +238,7 @@ def test_recomputing_per_block_never_skips_the_forward_re_run(graph):
 def test_the_planner_recomputes_per_block_only_where_nothing_faster_fits(graph, tiny_onnx, tmp_path, capsys):
     """One MNN device, 4 micro-batches of the tiny BERT (5 blocks). Under GPipe (4 in flight) keeping
     needs 100 + 5 x 24 + 16 + 3 x 5 x 16 MiB (and the weights), recomputing with caches 100 + 5 x 24
-    + 16, per block 100 + 5 x 2 + 38: a roomy budget keeps; in 300 MiB both recomputations fit and
+    + 16, per block 100 + 5 x 2 + 28: a roomy budget keeps; in 300 MiB both recomputations fit and
     cost the same re-run (no backward follows its own forward), so the leaner, per block, is taken.
     Under 1F1B one device's every backward follows its forward (one in flight): with caches it skips
     the re-run, so 300 MiB keeps them (or recomputes with caches: the same here), and only 200 MiB
