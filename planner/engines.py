@@ -4,9 +4,10 @@ and thread count) that runs the blocks the plan gives it fastest within its budg
 fastest over the whole model; and every device keeps the activations of each micro-batch in flight
 until its backward (fastest: PyTorch's autograd, MNN with one set of block graphs per micro-batch
 in flight) or recomputes them there (one micro-batch's activations held: PyTorch runs the forward
-again, MNN re-runs it as it does by default), whichever is faster within its budget (`planner.cost`:
+again, MNN re-runs it as it does by default) or, on MNN, recomputes them per block (only block
+inputs held, no per-op caches: the leanest), whichever is faster within its budget (`planner.cost`:
 the memory model charges a keeping device each block's measured kept part once more per further
-micro-batch in flight).
+micro-batch in flight, a per-block one its measured per-block parts).
 
 Why a search and not one choice per device. Which backend is fastest depends on the blocks: on
 this machine PyTorch runs a decoder's vocabulary-sized LM head and loss several times faster than
