@@ -169,6 +169,15 @@ def test_per_block_is_the_mnn_engines_and_other_values_are_refused(graph):
         make_engine("mnn:cpu:t1", spec, activations="blocks")
 
 
+def test_train_pipeline_refuses_per_block_on_the_torch_engine_in_one_line(tmp_path):
+    from support import run_cli
+
+    run = run_cli("train-pipeline", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.txt"),
+                  "--engine", "torch", "--activations", "per-block", "--local", "2")
+    assert run.returncode == 2 and "--activations per-block is the MNN engine's" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
 def test_a_pipeline_of_per_block_mnn_stages_trains_as_one_device(graph):
     """1F1B-flush on two MNN stages told to recompute per block: no stage caches an op, and the losses
     are single-device MNN training's (which keeps one micro-batch's caches)."""
