@@ -107,6 +107,28 @@ def test_per_block_gives_the_gradients_of_recomputing_with_caches(graph, tiny_on
             np.testing.assert_allclose(per_block[m][k], cached[m][k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
+def test_a_split_backward_per_block_gives_the_gradients_of_one_backward(tiny_onnx):
+    """Zero bubble's B then W on a per-block LoRA stage: the projections' inputs W multiplies are
+    read before each block lets go of its buffers."""
+    g = tiny_lora_graph(tiny_onnx["torchscript-17"])
+    spec = stage_spec(g, 1, 2)
+    dy = np.random.default_rng(4).standard_normal(g.values[spec.output].shape).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal(g.values[spec.activation_input].shape).astype(np.float32)
+    feeds = {**token_feeds(B, S, vocab=500), spec.activation_input: x}
+    whole = make_engine("mnn:cpu:t1", spec)
+    whole.forward(feeds, 0)
+    want = whole.backward(0, dy)
+    split = make_engine("mnn:cpu:t1", spec, activations="per-block")
+    split.split_backward = True
+    split.forward(feeds, 0)
+    got = split.backward_input(0, dy)
+    got.params.update(split.backward_weight(0))
+    assert got.params.keys() == want.params.keys()
+    np.testing.assert_allclose(got.activation_input, want.activation_input, rtol=1e-5, atol=1e-7)
+    for k in want.params:
+        np.testing.assert_allclose(got.params[k], want.params[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 def test_per_block_gradients_of_a_llama_equal_transformers_in_float64(tiny_llama):
     model, _, g = tiny_llama
     feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
