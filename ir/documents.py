@@ -110,11 +110,13 @@ STAGE_FIELDS = (
 # `head_split`: null, or {backend name: heads} when the stage's attention heads are split across
 # backends (`runtime.engines.split.engine.SplitStageEngine`); `activations`: "keep" (every
 # activation of each micro-batch in flight held until its backward: PyTorch's autograd, MNN with one
-# set of block graphs per micro-batch in flight) or "recompute" (only the inputs held, the forward run
-# again in the backward), chosen by the planner; null or absent: the engine's default (PyTorch keeps,
-# MNN recomputes).
+# set of block graphs per micro-batch in flight), "recompute" (only the inputs held, the forward run
+# again in the backward; MNN keeps one micro-batch's per-op caches for a backward that follows its
+# forward) or "per-block" (MNN: only each block's input held, each block's forward re-run inside its
+# own backward, no per-op caches: the leanest), chosen by the planner; null or absent: the engine's
+# default (PyTorch keeps, MNN recomputes).
 STAGE_OPTIONAL_FIELDS = ("head_split", "activations", "steady")
-ACTIVATION_CHOICES = ("keep", "recompute")
+ACTIVATION_CHOICES = ("keep", "recompute", "per-block")
 
 
 @dataclass(frozen=True)

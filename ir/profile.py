@@ -42,6 +42,13 @@ class BlockCost:
     # (MNN's graphs of the block and their tensors; `runtime.profiling.compute.engine_setup_bytes`).
     # None: not measured (an older profile), taken as nothing.
     engine_bytes: int | None = None
+    # The same two figures when the engine recomputes activations per block (`activations:
+    # per-block`: MNN without per-op caches, each block's forward re-run inside its own backward):
+    # the peak of one block's forward and backward, and what one more block of the kind adds to a
+    # stage's peak, measured as `workspace_bytes` and `stacked_bytes` are. None: not measured,
+    # taken as those (no saving claimed).
+    per_block_workspace_bytes: int | None = None
+    per_block_stacked_bytes: int | None = None
 
     @property
     def stacked(self) -> int:
@@ -52,6 +59,18 @@ class BlockCost:
     def kept(self) -> int:
         """`kept_bytes`, or the whole workspace where it was not measured."""
         return self.workspace_bytes if self.kept_bytes is None else self.kept_bytes
+
+    @property
+    def per_block_workspace(self) -> int:
+        """`per_block_workspace_bytes`, or `workspace_bytes` where it was not measured."""
+        return self.workspace_bytes if self.per_block_workspace_bytes is None else self.per_block_workspace_bytes
+
+    @property
+    def per_block_stacked(self) -> int:
+        """`per_block_stacked_bytes`, or `stacked_bytes` (the whole workspace where neither was
+        measured), at most `per_block_workspace`."""
+        measured = self.per_block_stacked_bytes if self.per_block_stacked_bytes is not None else self.stacked_bytes
+        return self.per_block_workspace if measured is None else min(measured, self.per_block_workspace)
 
     @property
     def transient(self) -> int:
@@ -173,7 +192,8 @@ class DeviceProfile:
 
 
 _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s")
-_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes")
+_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "per_block_workspace_bytes",
+                "per_block_stacked_bytes")
 
 
 def _block_cost(doc, where: str) -> BlockCost:

@@ -66,7 +66,8 @@ class PipelineSettings:
     on_failure: str = "replan"        # jobs.pipeline_training.FaultPolicy
     failure_timeout_s: float = 3.0
     checkpoint_every: int | None = None
-    # "keep" or "recompute" on every stage, or one per stage (a plan's choices); None: each engine's default
+    # "keep", "recompute" or "per-block" (MNN) on every stage, or one per stage (a plan's choices); None:
+    # each engine's default
     activations: str | None | tuple[str | None, ...] = None
 
     def check(self, batch: int) -> "PipelineSettings":

@@ -232,7 +232,11 @@ def check_blocks(graph: Graph) -> tuple[Block, ...]:
 # chooses (`DeviceSpec.activations`): PyTorch's autograd keeps them all; MNN keeps one micro-batch's
 # per-op caches and re-runs the forward in the backward of any other.
 DEFAULT_ACTIVATIONS = {"torch": "keep", "mnn": "recompute"}
-ACTIVATIONS = ("keep", "recompute")
+ACTIVATIONS = ("keep", "recompute", "per-block")
+# The choices each engine offers: MNN also recomputes per block ("per-block": no per-op caches, only
+# each block's input held, each block's forward re-run inside its own backward), charged each
+# block's `BlockCost.per_block_stacked` instead of its `stacked` part.
+ENGINE_ACTIVATIONS = {"torch": ("keep", "recompute"), "mnn": ("keep", "recompute", "per-block")}
 
 
 def device_engine(device: DeviceSpec) -> str | None:
@@ -244,12 +248,22 @@ def device_engine(device: DeviceSpec) -> str | None:
 
 
 def activations_of(device: DeviceSpec) -> str | None:
-    """"keep" or "recompute": the planner's choice, else the engine's default (None: an engine
-    the model knows nothing of, costed as measured)."""
+    """"keep", "recompute" or "per-block": the planner's choice, else the engine's default (None: an
+    engine the model knows nothing of, costed as measured)."""
     engine = device_engine(device)
     if engine not in DEFAULT_ACTIVATIONS:
         return None
     return device.activations or DEFAULT_ACTIVATIONS[engine]
+
+
+def offers_activations(device: DeviceSpec, activations: str) -> bool:
+    """Whether the device's engine can do `activations` (`ENGINE_ACTIVATIONS`)."""
+    return activations in ENGINE_ACTIVATIONS.get(device_engine(device), ())
+
+
+def leanest_activations(device: DeviceSpec) -> str:
+    """The choice that holds the fewest activations on the device's engine (the last it offers)."""
+    return ENGINE_ACTIVATIONS.get(device_engine(device), ("recompute",))[-1]
 
 
 def keeps_activations(device: DeviceSpec) -> bool:
@@ -274,11 +288,15 @@ def kept_activation_bytes(kept_bytes: int, in_flight: int, keeps: bool) -> int:
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     """Per block of the graph, its measured cost on the device's backend, under its activation
     choice: PyTorch recomputing runs each block's forward once more in its backward; MNN keeping
-    skips its measured re-run of the forward (`recompute_s`), as the last stage of 1F1B does."""
+    skips its measured re-run of the forward (`recompute_s`), as the last stage of 1F1B does; MNN
+    recomputing per block has the workspace measured that way (`per_block_workspace`, of which each
+    block holds its `per_block_stacked` part and the rest is the one-block transient), and never
+    skips the re-run (`reuses_forward` does not apply: no caches outlive a block's backward)."""
     backend = device_backend(device)
     engine, policy = device_engine(device), activations_of(device)
     again = engine == "torch" and policy == "recompute"
     kept = engine == "mnn" and policy == "keep"
+    per_block = engine == "mnn" and policy == "per-block"
     out = []
     for b in check_blocks(graph):
         sig = block_signature(b)
@@ -292,6 +310,8 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
             cost = replace(cost, backward_s=cost.backward_s + cost.forward_s)
         elif kept:
             cost = replace(cost, backward_s=cost.backward_s - min(cost.recompute_s, cost.backward_s), recompute_s=0.0)
+        elif per_block:
+            cost = replace(cost, workspace_bytes=cost.per_block_workspace, stacked_bytes=cost.per_block_stacked)
         out.append(cost)
     if joined_boundaries(graph):
         # the head's measured workspace is the head and its loss run fused on one stage (runtime.
@@ -692,6 +712,7 @@ def compute_s(graph: Graph, device: DeviceSpec, first: int, last: int, reuse: bo
     `reuse` (see `reuses_forward`) the backward skips MNN's re-run of the forward."""
     _check_range(graph, first, last)
     costs = block_costs(graph, device)[first:last + 1]
+    reuse = reuse and activations_of(device) != "per-block"
     return (sum(c.forward_s for c in costs),
             sum(c.backward_s - (min(c.recompute_s, c.backward_s) if reuse else 0.0) for c in costs))
 

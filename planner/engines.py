@@ -4,9 +4,10 @@ and thread count) that runs the blocks the plan gives it fastest within its budg
 fastest over the whole model; and every device keeps the activations of each micro-batch in flight
 until its backward (fastest: PyTorch's autograd, MNN with one set of block graphs per micro-batch
 in flight) or recomputes them there (one micro-batch's activations held: PyTorch runs the forward
-again, MNN re-runs it as it does by default), whichever is faster within its budget (`planner.cost`:
+again, MNN re-runs it as it does by default) or, on MNN, recomputes them per block (only block
+inputs held, no per-op caches: the leanest), whichever is faster within its budget (`planner.cost`:
 the memory model charges a keeping device each block's measured kept part once more per further
-micro-batch in flight).
+micro-batch in flight, a per-block one its measured per-block parts).
 
 Why a search and not one choice per device. Which backend is fastest depends on the blocks: on
 this machine PyTorch runs a decoder's vocabulary-sized LM head and loss several times faster than
@@ -41,8 +42,8 @@ from typing import Callable
 from ir.graph import Graph
 from ir.partition import Partition
 from planner.cluster import Cluster, DeviceSpec, device_backend
-from planner.cost import (ACTIVATIONS, activations_of, compute_s, keeps_activations, reuses_forward,
-                          stage_memory_bytes)
+from planner.cost import (ACTIVATIONS, activations_of, compute_s, leanest_activations, offers_activations,
+                          reuses_forward, stage_memory_bytes)
 from planner.partition import (PartitionInstance, PlanDoesNotFit, check_feasible, make_instance, manual_partition,
                                predicted_step_us)
 
@@ -78,6 +79,8 @@ def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: i
                                         activations=activations)
             if activations_of(trial) is None and activations != ACTIVATIONS[0]:
                 continue  # an engine the model cannot choose for: costed once, as measured
+            if activations_of(trial) is not None and not offers_activations(trial, activations):
+                continue  # per-block is MNN's
             try:
                 forward, backward = compute_s(graph, trial, first, last, reuse)
             except ValueError:  # this backend lacks a block
@@ -93,9 +96,11 @@ def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: i
 
 
 def recompute_everywhere(cluster: Cluster) -> Cluster:
-    """`cluster` with every device recomputing its activations: the leanest start, for a model that
-    does not fit with PyTorch keeping them (`pick_engines` then keeps them wherever they fit)."""
-    return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, activations="recompute")
+    """`cluster` with every device recomputing its activations as leanly as its engine can
+    (`planner.cost.leanest_activations`: MNN per block, PyTorch over the stage): the leanest start,
+    for a model that does not fit with PyTorch keeping them (`pick_engines` then keeps them, or
+    recomputes them less, wherever that fits)."""
+    return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, activations=leanest_activations(d))
                                                       for d in cluster.devices))
 
 
@@ -107,9 +112,10 @@ def leanest_everywhere(cluster: Cluster) -> Cluster:
     any stage on a small device where the leaner engine would fit one."""
     def lean(device: DeviceSpec) -> DeviceSpec:
         if device.backend is not None or not device.profile.backends:
-            return dataclasses.replace(device, activations="recompute")
+            return dataclasses.replace(device, activations=leanest_activations(device))
         backend = min(device.profile.backends, key=lambda b: (b.engine_overhead_bytes, b.seconds))
-        return dataclasses.replace(device, picked=backend.backend, activations="recompute")
+        picked = dataclasses.replace(device, picked=backend.backend)
+        return dataclasses.replace(picked, activations=leanest_activations(picked))
 
     return dataclasses.replace(cluster, devices=tuple(lean(d) for d in cluster.devices))
 
@@ -120,7 +126,7 @@ def starting_clusters(cluster: Cluster) -> list[Cluster]:
     (`recompute_everywhere`), and every auto device on its leanest engine as well
     (`leanest_everywhere`)."""
     def costed_as(c: Cluster) -> tuple:
-        return tuple((device_backend(d).backend, keeps_activations(d)) for d in c.devices)
+        return tuple((device_backend(d).backend, activations_of(d)) for d in c.devices)
 
     starts = [cluster]
     for lean in (recompute_everywhere(cluster), leanest_everywhere(cluster)):

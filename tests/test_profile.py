@@ -77,6 +77,11 @@ def test_profile_covers_every_block_kind_on_every_present_backend(tiny_graph, ti
                 assert 0 <= cost.stacked_bytes <= cost.workspace_bytes, (backend.backend, sig)
             else:
                 assert cost.stacked_bytes is None, (backend.backend, sig)
+            # what a further block holds recomputing per block: MNN's choice only
+            if repeated and backend.backend.startswith("mnn"):
+                assert isinstance(cost.per_block_stacked_bytes, int) and cost.per_block_stacked_bytes >= 0
+            else:
+                assert cost.per_block_stacked_bytes is None, (backend.backend, sig)
     assert prof.memory_available_bytes > 0 and prof.runtime_overhead_bytes > 10 * 2**20
     assert lines and any("layer.0" in line for line in lines)
 

@@ -34,7 +34,8 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes, update_rate
-from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, async_extra_copies, block_costs,
+from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activations_of,
+                          async_extra_copies, block_costs,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           base_dtype_savings, engine_bytes, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
@@ -269,8 +270,11 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         in_flight=tuple(tuple(in_flight_microbatches(schedule, p, s, microbatches) for s in range(p))
                         for p in range(1, nd + 1)),
         microbatches=microbatches, schedule=schedule, optimizer=optimizer,
-        # the re-run is part of the backward: a noisy profile may time it above the backward itself
-        recompute_us=tuple(tuple(round(min(c.recompute_s, c.backward_s) * US_PER_S) for c in row) for row in costs),
+        # the re-run is part of the backward: a noisy profile may time it above the backward itself;
+        # a device recomputing per block re-runs it in every backward (no forward reuse)
+        recompute_us=tuple(tuple(0 if activations_of(spec) == "per-block" else round(min(c.recompute_s, c.backward_s)
+                                                                                      * US_PER_S) for c in row)
+                           for row, spec in zip(costs, specs)),
         update_us=tuple(tuple(round(b.params_bytes * update_rate(s, optimizer) * per_update * US_PER_S)
                               for b in blocks) for s in specs),
         weight_us=tuple(tuple(round(w * US_PER_S) for w in block_weight_grads_s(graph, s, schedule, microbatches))

@@ -15,6 +15,7 @@ import numpy as np
 
 from ir.backend import BackendSpec, parse_backend
 from ir.graph import Graph
+from ir.documents import ACTIVATION_CHOICES
 from runtime.engines.base import StageEngine
 from runtime.engines.single import single_engine
 from runtime.engines.split.engine import SplitStageEngine
@@ -36,7 +37,8 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
     (PyTorch's autograd does by default; MNN builds a set of block graphs per micro-batch in flight,
     each keeping its per-op caches) or "recompute" them there from the stashed inputs (MNN's default:
     one graph set, whose caches serve only the micro-batch whose backward follows its forward;
-    PyTorch runs the forward again); None: the engine's default. `take_weights`: the caller gives up
+    PyTorch runs the forward again), or "per-block" (MNN only: each block's input held, no per-op
+    caches, each block's forward re-run inside its own backward); None: the engine's default. `take_weights`: the caller gives up
     the parameters' arrays (the graph's, or `weights`'), and the engine keeps those it can as its
     own weights and updates them in place instead of holding a copy (a worker, whose stage graph is
     its own).
@@ -47,8 +49,9 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
         if backend.engine != "mnn":
             raise ValueError(f"a head split runs its stage on MNN; backend {backend} was asked for")
         return SplitStageEngine(spec, dict(head_split), threads=backend.thread_count, stash_weights=stash_weights)
-    if activations not in (None, "keep", "recompute"):
-        raise ValueError(f"activations is {activations!r}: 'keep', 'recompute' or None (the engine's default)")
+    if activations not in (None,) + ACTIVATION_CHOICES:
+        raise ValueError(f"activations is {activations!r}: {', '.join(map(repr, ACTIVATION_CHOICES))} or None "
+                         f"(the engine's default)")
     return single_engine(backend, spec, weights=weights, stash_weights=stash_weights,
                          cache_activations=cache_activations, activations=activations, take_weights=take_weights)
 

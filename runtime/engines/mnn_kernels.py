@@ -83,6 +83,7 @@ __all__ = [
     "placeholder",
     "trainable",
     "write",
+    "shrink",
     "read",
     "matmul",
     "add",
@@ -184,6 +185,17 @@ def write(var: Var, value) -> None:
     if list(arr.shape) != list(var.shape):
         var.resize(list(arr.shape))
     var.write(arr)
+
+
+def shrink(var: Var) -> None:
+    """Resize the placeholder ``var`` to one row of its last dimension without evaluating anything:
+    MNN then lets go of the buffers of every graph that reads it (the block's output and its forward's
+    and gradient program's intermediates, ~1.1 and ~1.3 MiB a SmolLM2 layer at 1 x 128), which it
+    otherwise keeps until the Vars die. The next :func:`write` of a full-sized value resizes it back
+    (and the graphs plan their buffers anew at their next read)."""
+    shape = list(var.shape)
+    if len(shape) >= 2:
+        var.resize([1] * (len(shape) - 1) + [shape[-1]])
 
 
 class _VarMemory:

@@ -36,12 +36,16 @@ def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mappi
 
         return MnnStageEngine(spec, threads=backend.thread_count, weights=weights, stash_weights=stash_weights,
                               cache_activations=cache_activations,
-                              cache_slots=None if activations == "keep" else 1, take_weights=take_weights)
+                              cache_slots=None if activations == "keep" else 1, take_weights=take_weights,
+                              per_block=activations == "per-block")
     if backend.device != "cpu":
         raise NotImplementedError(f"{backend}: the torch stage engine runs on the cpu only "
                                   "(runtime.engines.pytorch has no device setting yet)")
     if not torch_installed():
         raise ModuleNotFoundError(f"{backend} needs PyTorch, which is not installed here (pip install torch==2.13.0)")
+    if activations == "per-block":
+        raise ValueError(f"{backend}: activations 'per-block' is the MNN engine's; the torch engine keeps or "
+                         f"recomputes a stage's activations ('keep' or 'recompute')")
     from runtime.engines.pytorch import TorchStageEngine
 
     return TorchStageEngine(spec, threads=backend.thread_count, weights=weights,

@@ -151,12 +151,14 @@ def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
     return max(0, first - again)
 
 
-def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
+def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
+                   activations: str | None = None) -> int:
     """Peak bytes above the weights of a freshly built engine running two forwards and backwards
     of `spec`, one after the other (MNN's second peaks ~5 MiB higher on three MiniLM layers, with
-    the first one's buffers kept while the second's temporaries come)."""
+    the first one's buffers kept while the second's temporaries come); `activations` as
+    `make_engine` takes it (None: the engine's default)."""
     stage_feeds, grad = _stage_inputs(spec, feeds)
-    engine = make_engine(backend, spec)
+    engine = make_engine(backend, spec, activations=activations)
     engine.row_gradients = True
     try:
         with PeakRss() as peak:

@@ -72,7 +72,10 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     for 1-4 layers: 39 a layer from two on, 33-37 from one to two), and PyTorch's steps are
     noisy (6 to 14 MiB a layer, about 11 on average). The workspace is raised, where needed, to
     what that line puts at one block, so its transient part (`BlockCost.transient`) is the
-    line's intercept."""
+    line's intercept. On MNN the same peaks are measured once more with activations recomputed per
+    block (`per_block_workspace_bytes`, `per_block_stacked_bytes`: no per-op caches, each block's
+    buffers let go after its forward and its backward). The LM head fused with its loss is not
+    (its per-block figures are its cached ones)."""
     i = block.index
     if fused_lm_head(graph, i, i + 1) is not None and i == len(graph.blocks) - 2:
         both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
@@ -90,18 +93,36 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     # per block of the run (one alone measured 1.1-1.7 MiB a SmolLM2 layer, three 1.7 each, fifteen 1.8)
     cost = replace(cost, engine_bytes=engine_setup_bytes(backend, stage_spec(graph, i, i + run - 1)) // run)
     kept = kept_workspace(backend, stage_spec(graph, i, i + run - 1), feeds) // run
+    if run > 1:
+        peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, run + 1)]
+        stacked, intercept = _further_block_line(peaks)
+        cost = replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked + intercept), stacked_bytes=stacked)
+    cost = replace(cost, kept_bytes=kept)
+    if backend.engine != "mnn":
+        return cost
+    # MNN also recomputes per block: the same peaks measured that way, the workspace taken from the
+    # line as well (a first stage's peak alone ran 40-64 MiB for a MiniLM layer, the line 40-41)
+    lean_peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block") for k in range(1, run + 1)]
     if run == 1:
-        return replace(cost, kept_bytes=kept)
-    peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, run + 1)]
+        return replace(cost, per_block_workspace_bytes=lean_peaks[0])
+    lean, lean_intercept = _further_block_line(lean_peaks)
+    return replace(cost, per_block_workspace_bytes=lean + lean_intercept, per_block_stacked_bytes=lean)
+
+
+def _further_block_line(peaks: list[int]) -> tuple[int, int]:
+    """(what each further block adds, the intercept) of the peaks of stages of 1, 2 (, 3) blocks of
+    a kind: the larger of the last step and the mean step (`measure_block`)."""
     most = peaks[-1]
-    stacked = max(0, most - peaks[-2], (most - peaks[0]) // (run - 1))
-    intercept = max(0, most - run * stacked)
-    return replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked + intercept), stacked_bytes=stacked,
-                   kept_bytes=kept)
+    stacked = max(0, most - peaks[-2], (most - peaks[0]) // (len(peaks) - 1))
+    return stacked, max(0, most - len(peaks) * stacked)
 
 
 def _memory_parts(cost: BlockCost) -> str:
     stacked = "" if cost.stacked_bytes is None else f"{cost.stacked_bytes / 2**20:.1f} per further block, "
+    if cost.per_block_workspace_bytes is not None:
+        further = ("" if cost.per_block_stacked_bytes is None
+                   else f", {cost.per_block_stacked_bytes / 2**20:.1f} per further block")
+        stacked += f"per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}; "
     engine = "" if not cost.engine_bytes else f", engine {cost.engine_bytes / 2**20:.1f}"
     return f"{stacked}{cost.kept / 2**20:.1f} per further micro-batch kept{engine}"
 

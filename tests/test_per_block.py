@@ -1,0 +1,300 @@
+"""Issue 31, lever 3: activations recomputed per block inside a stage. An MNN stage told
+`activations: per-block` keeps no per-op caches: its forward holds only each block's input, and its
+backward runs block by block from the last, each block's gradient program re-running that block's
+forward (nothing of a block outlives its backward but its output). Its gradients are the other
+modes' and PyTorch's float64 ones (full and LoRA, a tiny BERT and a tiny Llama); the memory model
+charges such a device each block's measured `per_block_stacked` part (a hand-computed figure
+below), and the planner picks it for a device too small to recompute with caches."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ir.graph import block_signature
+from ir.profile import BackendProfile, BlockCost, DeviceProfile
+from planner.cluster import DeviceSpec
+from planner.cost import activations_of, compute_s, stage_memory_terms
+from planner.onnx_import import load_model
+from runtime.engines.factory import make_engine
+from runtime.engines.mnn import MnnStageEngine
+from runtime.engines.stage import stage_spec
+from support import (S, assert_grads_close, lm_step_feeds, scrambled_causal_lm, single_device_training,
+                     synthetic_batch, tiny_lora_graph, token_feeds, transformers_lm_gradients)
+
+MIB = 2 ** 20
+B = 2
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_onnx):
+    return load_model(tiny_onnx["torchscript-17"], B, S)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny tied Llama (grouped-query attention, SwiGLU, rotary), scrambled, its export and graph."""
+    import transformers as tf
+
+    from jobs.export_llm import LlmExportOptions, export_causal_lm
+
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=True)
+    model = scrambled_causal_lm(config)
+    path = export_causal_lm(model, tmp_path_factory.mktemp("pbllama") / "m.onnx", LlmExportOptions(), kv_cache=False)
+    return model, path, load_model(path, B, S)
+
+
+def _whole(graph, activations, **kw):
+    return make_engine("mnn:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations, **kw)
+
+
+# --- the engine ----------------------------------------------------------------------------------------
+
+def test_a_per_block_engine_keeps_only_block_inputs_and_no_per_op_caches(graph):
+    engine = _whole(graph, "per-block")
+    assert isinstance(engine, MnnStageEngine) and engine.per_block and not engine.cache_activations
+    engine.forward(token_feeds(B, S, vocab=500), 0)
+    _, _, block_inputs, _, _ = engine._stash[0]
+    programs = engine._blocks
+    # one stashed input per block (the first block's is the token ids, a host value)
+    assert len(block_inputs) == len(programs) and block_inputs[0] is None
+    assert all(x.shape == tuple(graph.values[p.block.inputs[0]].shape) for x, p in zip(block_inputs[1:], programs[1:]))
+    # each block let go of its buffers after its forward: its input placeholder shrunk, re-fed later
+    shrunk = [p for p in programs if getattr(p, "activation", None)]
+    assert shrunk and all(list(p.inputs[p.activation].shape)[:-1] == [1, 1] and p.fed_serial is None
+                          for p in shrunk)
+    engine.backward(0)
+    assert not any(getattr(p, "_caching", False) for p in programs)  # no op ever cached its result
+    assert all(list(p.inputs[p.activation].shape)[:-1] == [1, 1] for p in shrunk)  # and after its backward
+    default = _whole(graph, None)
+    default.forward(token_feeds(B, S, vocab=500), 0)
+    assert all(p._caching for p in default._blocks if hasattr(p, "_caching"))  # what per-block leaves out
+
+
+def _one_f_one_b(engine, graph, spec, update: bool):
+    """Stage 0 of 2 under 1F1B with 4 micro-batches (F0 F1 B0 F2 B1 F3 B2 B3), an update after B0
+    when `update`: the gradients and input gradients."""
+    rng = np.random.default_rng(3)
+    dys = [rng.standard_normal(graph.values[spec.output].shape).astype(np.float32) for _ in range(4)]
+    grads = {}
+    for action in ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"):
+        m = int(action[1])
+        if action[0] == "F":
+            engine.forward(token_feeds(B, S, vocab=500, seed=m), m)
+        else:
+            grads[m] = engine.backward(m, dys[m]).params
+            if update and m == 0:
+                engine.set_parameters({k: v * 0.9 for k, v in engine.parameters().items()})
+    return grads
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("update", [False, True], ids=["flush", "stash"])
+def test_per_block_gives_the_gradients_of_recomputing_with_caches(graph, tiny_onnx, lora, update):
+    g = tiny_lora_graph(tiny_onnx["torchscript-17"]) if lora else graph
+    spec = stage_spec(g, 0, 2)
+    cached = _one_f_one_b(make_engine("mnn:cpu:t1", spec), g, spec, update)
+    per_block = _one_f_one_b(make_engine("mnn:cpu:t1", spec, activations="per-block"), g, spec, update)
+    for m in range(4):
+        assert per_block[m].keys() == cached[m].keys()
+        for k in cached[m]:
+            np.testing.assert_allclose(per_block[m][k], cached[m][k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_a_split_backward_per_block_gives_the_gradients_of_one_backward(tiny_onnx):
+    """Zero bubble's B then W on a per-block LoRA stage: the projections' inputs W multiplies are
+    read before each block lets go of its buffers."""
+    g = tiny_lora_graph(tiny_onnx["torchscript-17"])
+    spec = stage_spec(g, 1, 2)
+    dy = np.random.default_rng(4).standard_normal(g.values[spec.output].shape).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal(g.values[spec.activation_input].shape).astype(np.float32)
+    feeds = {**token_feeds(B, S, vocab=500), spec.activation_input: x}
+    whole = make_engine("mnn:cpu:t1", spec)
+    whole.forward(feeds, 0)
+    want = whole.backward(0, dy)
+    split = make_engine("mnn:cpu:t1", spec, activations="per-block")
+    split.split_backward = True
+    split.forward(feeds, 0)
+    got = split.backward_input(0, dy)
+    got.params.update(split.backward_weight(0))
+    assert got.params.keys() == want.params.keys()
+    np.testing.assert_allclose(got.activation_input, want.activation_input, rtol=1e-5, atol=1e-7)
+    for k in want.params:
+        np.testing.assert_allclose(got.params[k], want.params[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_per_block_gradients_of_a_llama_equal_transformers_in_float64(tiny_llama):
+    model, _, g = tiny_llama
+    feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
+    engine = _whole(g, "per-block")
+    engine.forward(feeds, 0)
+    got = engine.backward(0).params
+    want = transformers_lm_gradients(model, feeds)
+    assert set(got) == set(want)
+    assert_grads_close(got, want)
+
+
+def test_per_block_lora_gradients_of_a_llama_equal_pefts_in_float64(tiny_llama):
+    """LoRA on q, k, v, o of the tied Llama: each adapter's x·A is recomputed in its block's
+    backward like every other activation; the gradients are PEFT's (float64), A and B non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    from planner.lora import LoraSettings, add_lora
+
+    model, path, _ = tiny_llama
+    rank, alpha = 4, 8.0
+    peft = get_peft_model(copy.deepcopy(model).double(), LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    rng = np.random.default_rng(5)
+    layers = [m for _, m in peft.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    with torch.no_grad():
+        for m in layers:
+            for w in (m.lora_A["default"].weight, m.lora_B["default"].weight):
+                w.copy_(torch.from_numpy(rng.normal(0, 0.2, tuple(w.shape))))
+    feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
+    logits = peft(input_ids=torch.from_numpy(feeds["input_ids"]),
+                  attention_mask=torch.from_numpy(feeds["attention_mask"])).logits
+    ids = torch.from_numpy(feeds["target_ids"])
+    ce = torch.logsumexp(logits, -1) - logits.gather(-1, ids[..., None])[..., 0]
+    loss = (torch.from_numpy(feeds["target_weights"]).double() * ce).sum()
+    loss.backward()
+
+    lora, adapters = add_lora(load_model(path, B, S), LoraSettings(rank, alpha, targets=("q", "k", "v", "o")))
+    weights, want = {}, {}
+    for a in adapters:  # the PEFT layer over the same base weight (found by value)
+        w = np.asarray(lora.constants[a.base], np.float64)
+        hf = w if a.base_transposed else w.T
+        (m,) = [m for m in layers if tuple(m.base_layer.weight.shape) == hf.shape
+                and np.array_equal(m.base_layer.weight.detach().numpy(), hf)]
+        weights[a.a] = m.lora_A["default"].weight.detach().numpy().T.astype(np.float32)
+        weights[a.b] = m.lora_B["default"].weight.detach().numpy().T.astype(np.float32)
+        want[a.a] = m.lora_A["default"].weight.grad.numpy().T
+        want[a.b] = m.lora_B["default"].weight.grad.numpy().T
+    engine = _whole(lora, "per-block", weights={**lora.constants, **weights})
+    assert float(engine.forward(feeds, 0)) == pytest.approx(loss.item(), rel=1e-5)
+    got = engine.backward(0).params
+    assert set(got) == set(want)  # the frozen base gets no gradient
+    assert_grads_close(got, want)
+
+
+def test_per_block_is_the_mnn_engines_and_other_values_are_refused(graph):
+    spec = stage_spec(graph, 0, 1)
+    with pytest.raises(ValueError, match="activations 'per-block' is the MNN engine's"):
+        make_engine("torch:cpu:t1", spec, activations="per-block")
+    with pytest.raises(ValueError, match="activations is 'blocks': 'keep', 'recompute', 'per-block' or None"):
+        make_engine("mnn:cpu:t1", spec, activations="blocks")
+
+
+def test_train_pipeline_refuses_per_block_on_the_torch_engine_in_one_line(tmp_path):
+    from support import run_cli
+
+    run = run_cli("train-pipeline", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.txt"),
+                  "--engine", "torch", "--activations", "per-block", "--local", "2")
+    assert run.returncode == 2 and "--activations per-block is the MNN engine's" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_a_pipeline_of_per_block_mnn_stages_trains_as_one_device(graph):
+    """1F1B-flush on two MNN stages told to recompute per block: no stage caches an op, and the losses
+    are single-device MNN training's (which keeps one micro-batch's caches)."""
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+
+    M, steps = 4, 2
+    batches = [synthetic_batch(i, M) for i in range(steps)]
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60,
+                            activations="per-block")
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2],
+                                transport=workers.coordinator, faults=FaultPolicy(on_failure="stop"))
+        engines = [w.executor.engine for w in workers.workers]
+    assert workers.codes == [0, 0], workers.errors
+    assert [(e.per_block, e.cache_activations) for e in engines] == [(True, False)] * 2
+    losses, _ = single_device_training(graph, batches, steps, M)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+
+
+# --- the memory model and the planner's choice -------------------------------------------------------
+
+def _mnn_profile(graph) -> DeviceProfile:
+    """mnn:cpu:t1 only: every block 10 ms forward, 30 ms backward (10 of them its forward's re-run),
+    a workspace of 40 MiB of which 24 stay per further block with per-op caches and 16 more per
+    further micro-batch kept; recomputing per block, a workspace of 30 MiB of which 2 stay."""
+    costs = {block_signature(b): BlockCost(0.010, 0.030, recompute_s=0.010, workspace_bytes=40 * MIB,
+                                           stacked_bytes=24 * MIB, kept_bytes=16 * MIB,
+                                           per_block_workspace_bytes=30 * MIB, per_block_stacked_bytes=2 * MIB)
+             for b in graph.blocks}
+    return DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("mnn:cpu:t1", costs),),
+                         memory_available_bytes=16 << 30, runtime_overhead_bytes=100 * MIB)
+
+
+def test_the_memory_models_activation_and_workspace_terms_against_a_hand_computed_figure(graph):
+    """Stage 0 of 2 under GPipe with 4 micro-batches (4 in flight), blocks 1-3 of the tiny BERT (its
+    three inputs are hidden states of 2 x 12 x 64 float32: 6144 bytes each). By hand:
+    keep:      activations 4 x 3 x 6144 + (4 - 1) x 3 x 16 MiB, workspace 3 x 24 MiB + (40 - 24) MiB
+    recompute: activations 4 x 3 x 6144,                        workspace 3 x 24 MiB + (40 - 24) MiB
+    per-block: activations 4 x 3 x 6144,                        workspace 3 x 2 MiB  + (30 - 2) MiB"""
+    hidden = B * S * 64 * 4
+    assert [graph.blocks[k].activation_bytes for k in (0, 1, 2)] == [hidden] * 3
+    terms = {}
+    for choice in ("keep", "recompute", "per-block"):
+        device = DeviceSpec("a", "tcp://x:1", _mnn_profile(graph), 4 << 30, activations=choice)
+        assert activations_of(device) == choice
+        terms[choice] = stage_memory_terms(graph, device, 1, 3, 0, 2, "gpipe", 4, "adamw")
+    stashed = 4 * 3 * hidden
+    assert terms["keep"].activation_bytes == stashed + 3 * 3 * 16 * MIB
+    assert terms["recompute"].activation_bytes == terms["per-block"].activation_bytes == stashed
+    assert terms["keep"].workspace_bytes == terms["recompute"].workspace_bytes == 3 * 24 * MIB + 16 * MIB
+    assert terms["per-block"].workspace_bytes == 3 * 2 * MIB + 28 * MIB
+    others = [{k: v for k, v in t.by_name().items() if k not in ("activations", "workspace")} for t in terms.values()]
+    assert others[0] == others[1] == others[2]
+
+
+def test_recomputing_per_block_never_skips_the_forward_re_run(graph):
+    n = len(graph.blocks)
+    default = DeviceSpec("a", "tcp://x:1", _mnn_profile(graph), 4 << 30)
+    per_block = DeviceSpec("a", "tcp://x:1", _mnn_profile(graph), 4 << 30, activations="per-block")
+    # a backward that follows its forward reuses the forward's caches, unless there are none
+    assert compute_s(graph, default, 0, n - 1, reuse=True) == pytest.approx((0.010 * n, 0.020 * n))
+    assert compute_s(graph, per_block, 0, n - 1, reuse=True) == pytest.approx((0.010 * n, 0.030 * n))
+
+
+def test_the_planner_recomputes_per_block_only_where_nothing_faster_fits(graph, tiny_onnx, tmp_path, capsys):
+    """One MNN device, 4 micro-batches of the tiny BERT (5 blocks). Under GPipe (4 in flight) keeping
+    needs 100 + 5 x 24 + 16 + 3 x 5 x 16 MiB (and the weights), recomputing with caches 100 + 5 x 24
+    + 16, per block 100 + 5 x 2 + 28: a roomy budget keeps; in 300 MiB both recomputations fit and
+    cost the same re-run (no backward follows its own forward), so the leaner, per block, is taken.
+    Under 1F1B one device's every backward follows its forward (one in flight): with caches it skips
+    the re-run, so 300 MiB keeps them (or recomputes with caches: the same here), and only 200 MiB
+    recomputes per block."""
+    from confidant.commands import show_plan
+    from ir.bundle import load_bundle_dir
+    from jobs.planning import PlanSettings, plan_model
+
+    _mnn_profile(graph).save(tmp_path / "box.json")
+    got = {}
+    for schedule, budget in (("gpipe", "2GiB"), ("gpipe", "300MiB"), ("1f1b-flush", "300MiB"),
+                             ("1f1b-flush", "200MiB")):
+        (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+            {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": budget}]}))
+        out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json",
+                         PlanSettings(schedule=schedule, batch=B * 4, seq=S, microbatches=4, time_limit_s=5.0),
+                         tmp_path / f"plan-{schedule}-{budget}")
+        (device,) = json.loads((out / "plan.json").read_text())["devices"]
+        got[schedule, budget] = (device["activations"], device["memory_bytes"], out)
+    assert [a for a, _, _ in got.values()][:2] == ["keep", "per-block"]
+    assert got["1f1b-flush", "300MiB"][0] in ("keep", "recompute")  # the same time and memory with one in flight
+    assert got["1f1b-flush", "200MiB"][0] == "per-block"
+    lean = got["1f1b-flush", "200MiB"]
+    assert lean[1] <= 200 * MIB < got["1f1b-flush", "300MiB"][1]
+    assert load_bundle_dir(lean[2] / "box").stage_doc.activations == "per-block"
+    capsys.readouterr()
+    show_plan(lean[2])
+    assert "mnn (per-block)" in capsys.readouterr().out
