@@ -1,0 +1,312 @@
+"""Snapshots held on the workers, each stage's copied to a neighbour: the fault policy's state off
+the coordinator and off the step's critical path (issue 32).
+
+At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread_s} and does not
+wait. Each worker copies its stage's training state (its trainable parameters and its optimizer's
+state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into arrays it
+owns (~30 ms per 136 MB), before it runs the next step, and a sender thread ships the copy to
+the stage's holder (`holder_of`: the next stage, the last stage's the one before) while that
+step computes: in messages of at most `CHUNK_BYTES`, so the step's own activations and gradients,
+which share the connection, wait behind one chunk at most, spread over `spread_s` seconds. The
+holder files them in a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
+step's tensors), assembles the copy between orders, and tells the coordinator `replica_held`
+{sid, of}. So every stage's state is on two devices and on the coordinator never.
+
+A worker keeps its own copies and the replicas it holds of the snapshots `keep` names (the last
+one every stage's holder confirmed) and of the newest; the coordinator orders a new snapshot only
+once the previous one is confirmed, so a worker holds at most two copies of its state and two of
+its neighbour's. After a loss, the coordinator restores from the newest snapshot whose lost
+stages' replicas were confirmed (`PeerSnapshots.restorable`), fetching each stage's state from
+its own worker or, for a lost one, from its holder (`snapshot_send`); the replay from it is exact
+as from any copy: the data order is a function of the step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from runtime.pipeline.checkpoints import ROW_IDS, ROW_VALUES, TrainingState, merge_checkpoint, rows_on_wire
+from runtime.transport.wire import MAX_PAYLOAD_BYTES, SIDE_KIND, wire_dtype
+
+# A copy travels in messages of at most this many bytes: a step's tensor on the same connection
+# waits behind one of them at most (ZeroMQ interleaves whole messages only).
+CHUNK_BYTES = 4 << 20
+_BEGIN = "#begin"
+# Pauses shorter than this between chunks are not made (a sleep costs a thread switch, ~5 ms of a
+# Python thread's turn under a busy interpreter: many short ones would ship a copy slower than asked).
+_MIN_PAUSE_S = 0.005
+
+
+def holder_of(stage: int, stages: int) -> int | None:
+    """The stage that holds stage `stage`'s copy: its next neighbour, the last stage's the one
+    before (neighbours are connected already); None for a one-stage pipeline."""
+    if stages < 2:
+        return None
+    return stage + 1 if stage + 1 < stages else stage - 1
+
+
+def state_tensors(executor) -> list[tuple[str, np.ndarray]]:
+    """A stage's training state as checkpoint tensors (`param/<name>`, `opt/<kind>/<name>`, a
+    table's row state as `rows_on_wire` pairs): the engine's and optimizer's own arrays, no copies."""
+    tensors = [(f"param/{k}", v) for k, v in executor.engine.parameter_arrays().items()]
+    dense, rows = executor.optimizer_state_parts()
+    tensors += [(f"opt/{k}", np.asarray(v)) for k, v in dense.items()]
+    for k, sparse in rows.items():
+        tensors += rows_on_wire(f"opt/{k}", sparse)
+    return tensors
+
+
+def row_shapes(tensors: Sequence[tuple[str, np.ndarray]]) -> dict[str, list[int]]:
+    """The dense shape of each row-kept entry among `tensors` (its parameter's), as a checkpoint's
+    `rows` declares them."""
+    shapes = {name: list(arr.shape) for name, arr in tensors if name.startswith("param/")}
+    out = {}
+    for name, _ in tensors:
+        if name.endswith(ROW_IDS):
+            key = name[:-len(ROW_IDS)]
+            out[key] = shapes.get(f"param/{key.split('/', 2)[-1]}", [])
+    return out
+
+
+@dataclass
+class _Incoming:
+    sid: int
+    stage: int
+    count: int
+    done: dict[str, np.ndarray] = field(default_factory=dict)
+    filling: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)  # name -> (flat buffer, filled)
+
+
+class StateCopies:
+    """A worker's own snapshot copies, the replicas it holds for a neighbour, and the thread that
+    ships its newest copy to its holder."""
+
+    def __init__(self, transport, report: Callable[[dict], None]):
+        self.transport = transport
+        self.report = report  # sends the coordinator a control message
+        self.own: dict[int, list[tuple[str, np.ndarray]]] = {}  # sid -> this stage's copy
+        self.replicas: dict[tuple[int, int], list[tuple[str, np.ndarray]]] = {}  # (stage, sid) -> its copy
+        self._incoming: dict[str, _Incoming] = {}  # sender peer -> the copy it is sending
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.copy_s = 0.0  # the last copy's seconds (reported with the next step's done)
+
+    # --- taking and shipping -------------------------------------------------------------------
+    def take(self, sid: int, stage: int, tensors: Sequence[tuple[str, np.ndarray]], holder: str | None,
+             keep: Sequence[int], spread_s: float) -> None:
+        self.stop()
+        start = time.perf_counter()
+        copy = [(name, np.array(arr, order="C", copy=True)) for name, arr in tensors]
+        self.copy_s = time.perf_counter() - start
+        self.own[sid] = copy
+        self.forget_except({sid, *keep})
+        if holder is not None:
+            self.transport.open(holder)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._ship, args=(holder, sid, stage, copy, spread_s, self._stop),
+                                            name="confidant-snapshot-sender", daemon=True)
+            self._thread.start()
+
+    def forget_except(self, sids) -> None:
+        sids = set(sids)
+        self.own = {s: c for s, c in self.own.items() if s in sids}
+        self.replicas = {k: c for k, c in self.replicas.items() if k[1] in sids}
+
+    def _ship(self, holder: str, sid: int, stage: int, copy, spread_s: float, stop: threading.Event) -> None:
+        chunks = [(name, arr.reshape(-1), a, min(a + max(1, CHUNK_BYTES // max(1, arr.itemsize)), arr.size))
+                  for name, arr in copy for a in range(0, max(arr.size, 1), max(1, CHUNK_BYTES // max(1, arr.itemsize)))]
+        pause = spread_s / max(1, len(chunks))
+        pause = pause if pause >= _MIN_PAUSE_S else 0.0
+        try:
+            self.transport.send_tensor(holder, SIDE_KIND, stage, 0, np.array([len(copy)], np.int64), version=sid,
+                                       name=_BEGIN)
+            for i, (name, flat, a, b) in enumerate(chunks):
+                if stop.is_set():
+                    return
+                shape = ",".join(str(d) for d in copy_shape(copy, name))
+                self.transport.send_tensor(holder, SIDE_KIND, stage, i + 1, flat[a:b], version=sid,
+                                           name=f"{name}|{shape}|{a}")
+                if pause > 0 and stop.wait(pause):
+                    return
+        except Exception:  # the holder or this transport went away: the coordinator's acks tell
+            return
+
+    def stop(self) -> None:
+        """Stop shipping (a new copy, an abort, a new stage): the holder drops the partial copy."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def drop(self) -> None:
+        self.stop()
+        self.own.clear()
+        self.replicas.clear()
+        self._incoming.clear()
+
+    # --- holding a neighbour's copy ------------------------------------------------------------
+    def take_in(self, peers: Sequence[str], this_stage: int | None) -> None:
+        """File what neighbours' senders delivered so far (no waiting); a copy completed is a
+        replica held, and the coordinator hears so."""
+        for peer in peers:
+            while True:
+                got = self.transport.recv_side(peer)
+                if got is None:
+                    break
+                header, arr = got
+                self._file(peer, header, arr, this_stage)
+
+    def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> None:
+        if header.name == _BEGIN:
+            count = int(arr.reshape(-1)[0]) if arr.size == 1 else -1
+            if count < 0:
+                raise ValueError(f"a snapshot copy from {peer} declares {arr.tolist()!r:.40} tensors")
+            self._incoming[peer] = _Incoming(header.version, header.stage, count)
+            self._complete(peer, this_stage)
+            return
+        got = self._incoming.get(peer)
+        if got is None or got.sid != header.version or got.stage != header.stage:
+            return  # the rest of a copy its sender stopped shipping, or began before this stage's setup
+        try:
+            name, shape_text, offset = header.name.rsplit("|", 2)
+            shape = tuple(int(d) for d in shape_text.split(",")) if shape_text else ()
+            offset = int(offset)
+        except ValueError:
+            raise ValueError(f"a snapshot copy from {peer}: tensor name {header.name!r:.80} is not NAME|SHAPE|OFFSET") \
+                from None
+        size = int(np.prod(shape, dtype=np.int64))
+        if name in got.done or any(d < 0 for d in shape) or size * arr.itemsize > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80} repeated or of shape {shape}")
+        buffer, filled = got.filling.get(name, (None, 0))
+        if buffer is None:
+            buffer = np.empty(size, wire_dtype(arr.dtype.name))
+        if offset != filled or buffer.dtype != arr.dtype or offset + arr.size > size:
+            raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80}'s part at {offset} does not follow "
+                             f"its {filled} elements of {size}")
+        buffer[offset:offset + arr.size] = arr.reshape(-1)
+        filled += arr.size
+        if filled == size:
+            got.filling.pop(name, None)
+            got.done[name] = buffer.reshape(shape)
+        else:
+            got.filling[name] = (buffer, filled)
+        self._complete(peer, this_stage)
+
+    def _complete(self, peer: str, this_stage: int | None) -> None:
+        got = self._incoming[peer]
+        if len(got.done) < got.count or got.filling:
+            return
+        del self._incoming[peer]
+        self.replicas[(got.stage, got.sid)] = list(got.done.items())
+        self.report({"type": "replica_held", "stage": this_stage, "of": got.stage, "sid": got.sid})
+
+    def forget_from(self, peer: str) -> None:
+        """A lost neighbour's partial copy is of no use."""
+        self._incoming.pop(peer, None)
+
+    def copy_of(self, stage: int, own_stage: int | None, sid: int) -> list[tuple[str, np.ndarray]] | None:
+        if stage == own_stage:
+            return self.own.get(sid)
+        return self.replicas.get((stage, sid))
+
+
+def copy_shape(copy, name: str) -> tuple[int, ...]:
+    return next(arr.shape for n, arr in copy if n == name)
+
+
+# --- the coordinator's side ------------------------------------------------------------------------
+
+@dataclass
+class HeldSnapshot:
+    """A snapshot the workers hold (what `jobs.pipeline_training.Snapshot` is for state held on
+    the coordinator): `per_stage` and `state` are fetched from the workers when first asked for."""
+
+    step: int
+    sid: int
+    ranges: list[tuple[int, int]]
+    fetch: Callable[[int], list[dict[str, np.ndarray]]]
+    _per_stage: list | None = None
+    _state: TrainingState | None = None
+
+    @property
+    def per_stage(self) -> list[dict[str, np.ndarray]]:
+        if self._per_stage is None:
+            self._per_stage = self.fetch(self.sid)
+        return self._per_stage
+
+    @property
+    def state(self) -> TrainingState:
+        if self._state is None:
+            self._state = TrainingState(*merge_checkpoint(self.per_stage))
+        return self._state
+
+
+class PeerSnapshots:
+    """The coordinator's record of the snapshots held on the workers: which were ordered (by
+    `sid`), which every holder has confirmed, and from which a loss of given stages restores."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self.ordered: list[HeldSnapshot] = []  # newest last; at most the confirmed one and a newer
+
+    @classmethod
+    def for_run(cls, coordinator, faults, plan_over) -> "PeerSnapshots | None":
+        """The run's keeper when its policy holds the state on the workers: `state_on` "peers",
+        recovering by a re-plan (a stop writes the coordinator's copy to disk), more than one stage
+        (a lone stage has no neighbour to hold its copy)."""
+        if (faults.state_on != "peers" or faults.on_failure != "replan" or plan_over is None
+                or coordinator.stages < 2):
+            return None
+        return cls(coordinator)
+
+    def confirmed(self) -> HeldSnapshot | None:
+        held = self.coordinator.replicas_held
+        for snap in reversed(self.ordered):
+            if held.get(snap.sid, set()) >= set(range(len(snap.ranges))) or len(snap.ranges) < 2:
+                return snap
+        return None
+
+    def busy(self) -> bool:
+        """A snapshot is still being copied to its holders: a new one would make the workers hold
+        a third copy, so none is ordered until it is confirmed."""
+        self.coordinator.take_notices()
+        newest = self.ordered[-1] if self.ordered else None
+        return newest is not None and newest is not self.confirmed()
+
+    def take(self, step: int, ranges, step_seconds: Sequence[float]) -> HeldSnapshot:
+        """Order a snapshot after `step` steps; its copies are shipped over half a step (the
+        shortest of the last `step_seconds`: the first after a setup builds the engines, and a
+        copy shipped slower than the steps run would be confirmed only steps later), so that the
+        step's own tensors pass between its chunks."""
+        spread_s = 0.5 * min(step_seconds[-8:]) if step_seconds else 0.0
+        base = self.confirmed()
+        keep = [base.sid] if base is not None else []
+        sid = self.coordinator.snapshot_to_peers(keep, spread_s)
+        snap = HeldSnapshot(step, sid, [tuple(r) for r in ranges], self.coordinator.fetch_held)
+        self.ordered = [s for s in self.ordered if s is base] + [snap]
+        return snap
+
+    def restorable(self, lost_stages: Sequence[int], notices: bool = True) -> HeldSnapshot | None:
+        """The newest snapshot every lost stage's holder confirmed, the holder not lost too (None:
+        none can be restored); its fetch is bound to the lost stages now. With `notices`, the
+        confirmations that arrived are filed first (call between steps, or after an abort)."""
+        if notices:
+            self.coordinator.take_notices()
+        held = self.coordinator.replicas_held
+        lost = tuple(sorted(lost_stages))
+        for snap in reversed(self.ordered):
+            stages = len(snap.ranges)
+            holders = {holder_of(k, stages) for k in lost}
+            if set(lost) <= held.get(snap.sid, set()) and not holders & set(lost) and None not in holders:
+                snap.fetch = lambda sid, lost=lost: self.coordinator.fetch_held(sid, lost)
+                snap._per_stage = snap._state = None
+                return snap
+        return None
+
+    def reset(self) -> None:
+        """The stages were set up again: their copies are gone."""
+        self.ordered = []
