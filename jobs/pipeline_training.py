@@ -425,7 +425,8 @@ class _Run:
         since the last setup (its first step, which builds the engines, left out once others ran)."""
         if self.faults.snapshot_every is not None:
             return self.faults.snapshot_every
-        copies, work = self.result.snapshot_seconds[-3:], self._work_s[1:] or self._work_s
+        copies = self.result.snapshot_seconds[-3:] if self.held is None else self.held.costs()
+        work = self._work_s[1:] or self._work_s
         if not copies or not work:
             return 1
         return snapshot_interval(statistics.median(copies), statistics.median(work[-8:]))
@@ -591,9 +592,11 @@ class _Run:
         if len(self.result.stage_reports) > REPORTS_KEPT:
             del self.result.stage_reports[0], self.result.stage_busy[0]
         copied = max((d.get("snapshot_copy_s") or 0.0 for d in done), default=0.0)
-        if copied > 0:  # the workers' copies before this step: what a snapshot costs under "peers"
+        if copied > 0:  # the workers' copies before this step (state on "peers"): on its path
             self.result.snapshot_seconds.append(copied)
             self._charge(copied)
+        if self.held is not None:
+            self.held.note(done)
         for address, d in zip(self.result.addresses, done):
             peak = d.get("peak_rss_bytes")
             if peak is not None:

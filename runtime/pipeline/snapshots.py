@@ -30,11 +30,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from runtime.pipeline.checkpoints import ROW_IDS, ROW_VALUES, TrainingState, merge_checkpoint, rows_on_wire
-from runtime.transport.wire import MAX_PAYLOAD_BYTES, SIDE_KIND, wire_dtype
+from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
 
 # A copy travels in messages of at most this many bytes: a step's tensor on the same connection
-# waits behind one of them at most (ZeroMQ interleaves whole messages only).
-CHUNK_BYTES = 4 << 20
+# waits behind one of them at most (ZeroMQ interleaves whole messages only), and each arrives as
+# one frame, which the holder keeps as it is (a message of several frames is joined into a copy).
+CHUNK_BYTES = PART_BYTES
 _BEGIN = "#begin"
 # Pauses shorter than this between chunks are not made (a sleep costs a thread switch, ~5 ms of a
 # Python thread's turn under a busy interpreter: many short ones would ship a copy slower than asked).
@@ -77,8 +78,25 @@ class _Incoming:
     sid: int
     stage: int
     count: int
-    done: dict[str, np.ndarray] = field(default_factory=dict)
-    filling: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)  # name -> (flat buffer, filled)
+    done: dict[str, "_Parts"] = field(default_factory=dict)
+    filling: dict[str, "_Parts"] = field(default_factory=dict)
+
+
+@dataclass
+class _Parts:
+    """A neighbour's tensor as its chunks arrived (kept as they are, wrapped in the received
+    frames: no copy until the coordinator asks for it)."""
+
+    shape: tuple[int, ...]
+    size: int
+    chunks: list[np.ndarray] = field(default_factory=list)
+    filled: int = 0
+
+    def whole(self) -> np.ndarray:
+        if not self.chunks:
+            return np.zeros(self.shape, np.float32)
+        flat = self.chunks[0] if len(self.chunks) == 1 else np.concatenate(self.chunks)
+        return flat.reshape(self.shape)
 
 
 class StateCopies:
@@ -89,11 +107,17 @@ class StateCopies:
         self.transport = transport
         self.report = report  # sends the coordinator a control message
         self.own: dict[int, list[tuple[str, np.ndarray]]] = {}  # sid -> this stage's copy
-        self.replicas: dict[tuple[int, int], list[tuple[str, np.ndarray]]] = {}  # (stage, sid) -> its copy
+        self.replicas: dict[tuple[int, int], dict[str, _Parts]] = {}  # (stage, sid) -> its copy
         self._incoming: dict[str, _Incoming] = {}  # sender peer -> the copy it is sending
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.copy_s = 0.0  # the last copy's seconds (reported with the next step's done)
+        self.copy_s = 0.0  # the last copy's seconds, on the step's path (reported with the next done)
+        # what the snapshots have cost this worker's CPUs since its setup (the copies, the sender
+        # thread's own CPU time, filing a neighbour's copy), and how many it took: the coordinator
+        # chooses how often to snapshot from it
+        self.cpu_s = 0.0
+        self.taken = 0
+        self._lock = threading.Lock()
 
     # --- taking and shipping -------------------------------------------------------------------
     def take(self, sid: int, stage: int, tensors: Sequence[tuple[str, np.ndarray]], holder: str | None,
@@ -102,6 +126,9 @@ class StateCopies:
         start = time.perf_counter()
         copy = [(name, np.array(arr, order="C", copy=True)) for name, arr in tensors]
         self.copy_s = time.perf_counter() - start
+        with self._lock:
+            self.cpu_s += self.copy_s
+            self.taken += 1
         self.own[sid] = copy
         self.forget_except({sid, *keep})
         if holder is not None:
@@ -117,23 +144,29 @@ class StateCopies:
         self.replicas = {k: c for k, c in self.replicas.items() if k[1] in sids}
 
     def _ship(self, holder: str, sid: int, stage: int, copy, spread_s: float, stop: threading.Event) -> None:
-        chunks = [(name, arr.reshape(-1), a, min(a + max(1, CHUNK_BYTES // max(1, arr.itemsize)), arr.size))
-                  for name, arr in copy for a in range(0, max(arr.size, 1), max(1, CHUNK_BYTES // max(1, arr.itemsize)))]
+        cpu = time.thread_time()
+        chunks = []
+        for name, arr in copy:
+            step = max(1, CHUNK_BYTES // max(1, arr.itemsize))
+            chunks += [(name, arr.reshape(-1), a, min(a + step, arr.size)) for a in range(0, max(arr.size, 1), step)]
         pause = spread_s / max(1, len(chunks))
         pause = pause if pause >= _MIN_PAUSE_S else 0.0
+        shapes = {name: ",".join(str(d) for d in arr.shape) for name, arr in copy}
         try:
             self.transport.send_tensor(holder, SIDE_KIND, stage, 0, np.array([len(copy)], np.int64), version=sid,
                                        name=_BEGIN)
             for i, (name, flat, a, b) in enumerate(chunks):
                 if stop.is_set():
                     return
-                shape = ",".join(str(d) for d in copy_shape(copy, name))
                 self.transport.send_tensor(holder, SIDE_KIND, stage, i + 1, flat[a:b], version=sid,
-                                           name=f"{name}|{shape}|{a}")
+                                           name=f"{name}|{shapes[name]}|{a}")
                 if pause > 0 and stop.wait(pause):
                     return
         except Exception:  # the holder or this transport went away: the coordinator's acks tell
             return
+        finally:
+            with self._lock:
+                self.cpu_s += time.thread_time() - cpu
 
     def stop(self) -> None:
         """Stop shipping (a new copy, an abort, a new stage): the holder drops the partial copy."""
@@ -147,11 +180,13 @@ class StateCopies:
         self.own.clear()
         self.replicas.clear()
         self._incoming.clear()
+        self.cpu_s, self.taken = 0.0, 0
 
     # --- holding a neighbour's copy ------------------------------------------------------------
     def take_in(self, peers: Sequence[str], this_stage: int | None) -> None:
         """File what neighbours' senders delivered so far (no waiting); a copy completed is a
         replica held, and the coordinator hears so."""
+        start = time.thread_time()
         for peer in peers:
             while True:
                 got = self.transport.recv_side(peer)
@@ -159,6 +194,8 @@ class StateCopies:
                     break
                 header, arr = got
                 self._file(peer, header, arr, this_stage)
+        with self._lock:
+            self.cpu_s += time.thread_time() - start
 
     def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> None:
         if header.name == _BEGIN:
@@ -181,19 +218,14 @@ class StateCopies:
         size = int(np.prod(shape, dtype=np.int64))
         if name in got.done or any(d < 0 for d in shape) or size * arr.itemsize > MAX_PAYLOAD_BYTES:
             raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80} repeated or of shape {shape}")
-        buffer, filled = got.filling.get(name, (None, 0))
-        if buffer is None:
-            buffer = np.empty(size, wire_dtype(arr.dtype.name))
-        if offset != filled or buffer.dtype != arr.dtype or offset + arr.size > size:
+        parts = got.filling.setdefault(name, _Parts(shape, size))
+        if offset != parts.filled or (parts.chunks and parts.chunks[0].dtype != arr.dtype) or offset + arr.size > size:
             raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80}'s part at {offset} does not follow "
-                             f"its {filled} elements of {size}")
-        buffer[offset:offset + arr.size] = arr.reshape(-1)
-        filled += arr.size
-        if filled == size:
-            got.filling.pop(name, None)
-            got.done[name] = buffer.reshape(shape)
-        else:
-            got.filling[name] = (buffer, filled)
+                             f"its {parts.filled} elements of {size}")
+        parts.chunks.append(arr.reshape(-1))
+        parts.filled += arr.size
+        if parts.filled == size:
+            got.done[name] = got.filling.pop(name)
         self._complete(peer, this_stage)
 
     def _complete(self, peer: str, this_stage: int | None) -> None:
@@ -201,7 +233,7 @@ class StateCopies:
         if len(got.done) < got.count or got.filling:
             return
         del self._incoming[peer]
-        self.replicas[(got.stage, got.sid)] = list(got.done.items())
+        self.replicas[(got.stage, got.sid)] = got.done
         self.report({"type": "replica_held", "stage": this_stage, "of": got.stage, "sid": got.sid})
 
     def forget_from(self, peer: str) -> None:
@@ -211,11 +243,15 @@ class StateCopies:
     def copy_of(self, stage: int, own_stage: int | None, sid: int) -> list[tuple[str, np.ndarray]] | None:
         if stage == own_stage:
             return self.own.get(sid)
-        return self.replicas.get((stage, sid))
+        held = self.replicas.get((stage, sid))
+        return None if held is None else [(name, parts.whole()) for name, parts in held.items()]
 
-
-def copy_shape(copy, name: str) -> tuple[int, ...]:
-    return next(arr.shape for n, arr in copy if n == name)
+    def figures(self) -> dict:
+        """What a step's done reports: the copy on its path, and the snapshots' CPU so far."""
+        with self._lock:
+            out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s, "snapshots_taken": self.taken}
+        self.copy_s = 0.0
+        return out
 
 
 # --- the coordinator's side ------------------------------------------------------------------------
@@ -252,6 +288,7 @@ class PeerSnapshots:
     def __init__(self, coordinator):
         self.coordinator = coordinator
         self.ordered: list[HeldSnapshot] = []  # newest last; at most the confirmed one and a newer
+        self.cost_s: float | None = None
 
     @classmethod
     def for_run(cls, coordinator, faults, plan_over) -> "PeerSnapshots | None":
@@ -269,6 +306,20 @@ class PeerSnapshots:
             if held.get(snap.sid, set()) >= set(range(len(snap.ranges))) or len(snap.ranges) < 2:
                 return snap
         return None
+
+    def note(self, done: Sequence[dict]) -> None:
+        """The stages' reports of a step: what the snapshots have cost each worker's CPUs so far."""
+        costs = [d["snapshot_cpu_s"] / d["snapshots_taken"] for d in done
+                 if isinstance(d.get("snapshot_cpu_s"), (int, float)) and isinstance(d.get("snapshots_taken"), int)
+                 and d["snapshots_taken"] > 0]
+        if costs:
+            self.cost_s = max(costs)
+
+    def costs(self) -> list[float]:
+        """What one snapshot costs the busiest worker, in CPU seconds (its copy, the shipping
+        thread, filing its neighbour's copy): on a device with no CPU to spare, what it adds to the
+        steps; the policy's K is chosen from it (jobs.pipeline_training.snapshot_interval)."""
+        return [self.cost_s] if self.cost_s is not None else []
 
     def busy(self) -> bool:
         """A snapshot is still being copied to its holders: a new one would make the workers hold

@@ -331,10 +331,8 @@ class Worker:
             "wall_s": stats.wall_s - before[1], "updates_at_s": list(self.executor.updates_at_s),
             "version": getattr(self.executor.engine, "version", None),
             "updates": self.executor.updates, "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes(),
-            "snapshot_copy_s": self.copies.copy_s, **device_state(),
+            **self.copies.figures(), **device_state(),
         })
-        self.copies.copy_s = 0.0
-        self._take_in_copies()
 
     def abort(self, msg: dict) -> None:
         """Answer the coordinator's abort: drop the step in flight, fence every live neighbour and
@@ -442,6 +440,8 @@ class Worker:
         device started by hand, a spare of the cluster, one whose coordinator was lost)."""
         deadline = time.monotonic() + self.timeout
         while True:
+            if self.stage is not None and self.transport.peek_control(COORDINATOR) is None:
+                self._take_in_copies()  # idle: a neighbour's snapshot copy is filed now, off the step's path
             try:
                 return self.transport.recv_control(COORDINATOR, timeout=_LIVENESS_POLL_S)[1]
             except PeerTimeout:
@@ -507,8 +507,6 @@ class Worker:
         kind = msg.get("type")
         if kind not in ("run", "snapshot", "snapshot_send", "checkpoint", "abort"):
             self.copies.stop()  # the stage or its connections change: no thread may be sending on them
-        else:
-            self._take_in_copies()
         if kind == "abort":
             self.abort(msg)
         elif kind == "setup":
