@@ -19,7 +19,7 @@ import numpy as np
 from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
-from jobs.errors import JobError, RunFailed
+from jobs.errors import JobError, RunFailed, failure_text
 from jobs.memory_check import check_memory, default_planned_bytes
 from jobs.pipeline_tasks import pipeline_task, step_feeds
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
@@ -313,9 +313,9 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
             result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
         if checkpoint_dir is not None:
             run.save(checkpoint_dir, start_step + steps, result.checkpoint)
-    except (WorkerFailed, RecoveryImpossible) as exc:
+    except BaseException as exc:  # a lost run, Ctrl-C, any fault: what it did reaches the metrics document
         run._close_step()
-        exc.result = run.result  # what the run did before it ended: its steps and events reach the metrics
+        exc.result = run.result  # its steps and events
         raise
     finally:
         coordinator.stop()
@@ -945,6 +945,11 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     except (WorkerFailed, RecoveryImpossible) as exc:
         partial = getattr(exc, "result", None)
         raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
+    except BaseException as exc:  # Ctrl-C, or a fault of no known kind: the document is written all the same
+        partial = getattr(exc, "result", None)
+        if partial is not None:
+            exc.metrics = metrics_of(partial, error=failure_text(exc))
+        raise
     finally:
         if started:
             codes = started.finish(failed)

@@ -11,7 +11,7 @@ from ir.bundle import PLAN_BASE, BundleError, load_bundle_dir, load_plan
 from ir.documents import PlanDocument
 from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES
 from ir.serialize import merge_slices
-from jobs.errors import JobError, RunFailed
+from jobs.errors import JobError, RunFailed, failure_text
 from jobs.evaluation import eval_figures, score_weights
 from jobs.memory_check import check_memory
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
@@ -190,7 +190,8 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         keys = None if pair is None else _remote_keys(settings, pair, names + list(spares),
                                                        addresses + list(spares.values()), plan_dir)
     address_of = {**dict(zip(names, addresses)), **spares}
-    faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, AUTO_SNAPSHOTS, settings.checkpoint_every)
+    faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, AUTO_SNAPSHOTS, settings.checkpoint_every,
+                         state_on="peers")
 
     def metrics_of(result: PipelineResult, error: str | None = None, **replan_figures) -> TrainingMetrics:
         return TrainingMetrics(
@@ -216,6 +217,11 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     except (WorkerFailed, RecoveryImpossible) as exc:
         partial = getattr(exc, "result", None)
         raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
+    except BaseException as exc:  # Ctrl-C, or a fault of no known kind: the document is written all the same
+        partial = getattr(exc, "result", None)
+        if partial is not None:
+            exc.metrics = metrics_of(partial, error=failure_text(exc))
+        raise
     finally:
         if local:
             local.finish(failed)
