@@ -166,3 +166,45 @@ def test_auto_snapshots_on_peers_and_1f1b_stash(graph, batches):
                               transport=workers.coordinator, faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS))
     assert got.losses == want.losses
     _same(got.weights, want.weights)
+
+
+@pytest.mark.slow  # worker processes over CURVE; twin on threads: test_a_lost_workers_state_comes_back_from_its...
+@pytest.mark.parametrize("lost", [0, 2])
+def test_sigkill_of_a_worker_process_is_recovered_from_its_neighbours_copy(graph, batches, lost):
+    """Real worker processes over CURVE, the state held on them: SIGKILL of worker `lost` (of 3)
+    just after step 3 of 5. Its state comes from its neighbour's copy, the coordinator holds none,
+    and the losses and weights are single-device training's."""
+    import os
+    import signal
+    import threading
+
+    from jobs.workers import LocalWorkers
+
+    steps = 5
+    workers = LocalWorkers.start(3, threads=1)
+    fetched = []
+    real_fetch = Coordinator.fetch_held
+
+    def fetch(self, sid, gone=()):
+        fetched.append(tuple(gone))
+        return real_fetch(self, sid, gone)
+
+    def on_step(step, *_):
+        if step == 3:
+            threading.Timer(0.02, os.kill, (workers.procs[lost].pid, signal.SIGKILL)).start()
+        if step == steps - 1:
+            workers.procs[lost].wait(10)  # landed before the run ends, however late the timer fired
+
+    Coordinator.fetch_held = fetch
+    try:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, keys=workers.keys,
+                                on_step=on_step, faults=PEERS)
+    finally:
+        Coordinator.fetch_held = real_fetch
+        codes = workers.wait(30.0)
+    assert codes[lost] == -signal.SIGKILL
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
+    _same(result.weights, want_weights)
+    assert [e["event"] for e in result.events][:3] == ["lost", "new_plan", "recovered"]
+    assert (lost,) in fetched and len(result.ranges) == 2
