@@ -518,6 +518,12 @@ class Coordinator:
                 "keep": list(keep), "spread_s": float(spread_s)})
         return self._sid
 
+    def keep_snapshots(self, keep: Sequence[int]) -> None:
+        """Have the workers drop every snapshot copy but those of `keep` (a newer one is confirmed)."""
+        self.replicas_held = {k: v for k, v in self.replicas_held.items() if k in set(keep)}
+        for p in self.placements:
+            self.transport.send_control(stage_peer(p.stage), {"type": "snapshot_keep", "keep": list(keep)})
+
     def fetch_held(self, sid: int, lost: Sequence[int] = ()) -> list[dict[str, np.ndarray]]:
         """Every stage's state of snapshot `sid` as the workers hold it: each stage's from its own
         worker, a lost stage's (`lost`, already `forget`-ten) from its holder. Call between steps."""

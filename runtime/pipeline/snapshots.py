@@ -14,8 +14,9 @@ step's tensors), assembles the copy between orders, and tells the coordinator `r
 
 A worker keeps its own copies and the replicas it holds of the snapshots `keep` names (the last
 one every stage's holder confirmed) and of the newest; the coordinator orders a new snapshot only
-once the previous one is confirmed, so a worker holds at most two copies of its state and two of
-its neighbour's. After a loss, the coordinator restores from the newest snapshot whose lost
+once the previous one is confirmed, and then tells the workers to drop the older one
+(`snapshot_keep`), so a worker holds one copy of its state and one of its neighbour's between
+snapshots, and while one is shipped two of its own, one of its neighbour's and the part received. After a loss, the coordinator restores from the newest snapshot whose lost
 stages' replicas were confirmed (`PeerSnapshots.restorable`), fetching each stage's state from
 its own worker or, for a lost one, from its holder (`snapshot_send`); the replay from it is exact
 as from any copy: the data order is a function of the step.
@@ -326,7 +327,14 @@ class PeerSnapshots:
         a third copy, so none is ordered until it is confirmed."""
         self.coordinator.take_notices()
         newest = self.ordered[-1] if self.ordered else None
-        return newest is not None and newest is not self.confirmed()
+        if newest is None:
+            return False
+        if newest is not self.confirmed():
+            return True
+        if len(self.ordered) > 1:  # the older copies are of no use now: the workers drop them
+            self.ordered = [newest]
+            self.coordinator.keep_snapshots([newest.sid])
+        return False
 
     def take(self, step: int, ranges, step_seconds: Sequence[float]) -> HeldSnapshot:
         """Order a snapshot after `step` steps; its copies are shipped over half a step (the

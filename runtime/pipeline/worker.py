@@ -14,6 +14,8 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          it to the holder stage while the next step runs (runtime.pipeline.snapshots);
                          no answer (the coordinator does not wait); the holder, once it has the whole
                          copy, sends replica_held {stage, of, sid}
+  coordinator -> worker  snapshot_keep {keep: [sids]}: drop every other snapshot copy (a newer one is
+                         confirmed)
   coordinator -> worker  snapshot_send {sid, of: [stages]} (after a loss): send the copies of snapshot
                          sid of those stages (its own, or replicas held) as "held" tensors, each
                          followed by held_done {of, sid, names, rows} (or {of, sid, missing: true})
@@ -505,7 +507,7 @@ class Worker:
     def _obey(self, msg: dict) -> bool:
         """Carry out one order of the coordinator; True for stop."""
         kind = msg.get("type")
-        if kind not in ("run", "snapshot", "snapshot_send", "checkpoint", "abort"):
+        if kind not in ("run", "snapshot", "snapshot_keep", "snapshot_send", "checkpoint", "abort"):
             self.copies.stop()  # the stage or its connections change: no thread may be sending on them
         if kind == "abort":
             self.abort(msg)
@@ -521,6 +523,11 @@ class Worker:
             self.snapshot(msg)
         elif kind == "snapshot_send":
             self.snapshot_send(msg)
+        elif kind == "snapshot_keep":
+            keep = msg.get("keep")
+            if not (isinstance(keep, list) and all(isinstance(k, int) for k in keep)):
+                raise ValueError(f"snapshot_keep: expected keep [sids], got {msg!r:.120}")
+            self.copies.forget_except(keep)
         elif kind == "reset":
             self.reset()
         elif kind == "release":
