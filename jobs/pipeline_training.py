@@ -798,7 +798,10 @@ class _Run:
                            ranges=[list(r) for r in reconf.new_ranges], devices=self._devices(),
                            seconds=reconf.seconds)
                 schedule = new_schedule
-                if self.snapshot is not None and self.snapshot.step == s:  # the state is the same, the stages not
+                if self.held is not None:  # the new stages hold no copy yet: one of the state they start from
+                    self.held.reset()
+                    self.take_snapshot(s)
+                elif self.snapshot is not None and self.snapshot.step == s:  # the state is the same, the stages not
                     self.snapshot = Snapshot(s, self.coordinator.collect_checkpoint(), self.snapshot.state,
                                              list(self.result.ranges))
                 if on_replanned:

@@ -208,3 +208,29 @@ def test_sigkill_of_a_worker_process_is_recovered_from_its_neighbours_copy(graph
     _same(result.weights, want_weights)
     assert [e["event"] for e in result.events][:3] == ["lost", "new_plan", "recovered"]
     assert (lost,) in fetched and len(result.ranges) == 2
+
+
+def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(graph, batches):
+    """A re-plan at step 2 (blocks moved between the three workers) sets the stages up anew, which
+    drops their copies: the run takes a snapshot of the new stages at once, and a worker lost
+    after step 3 is recovered from it, exactly."""
+    steps = 5
+    n = len(graph.blocks)
+    moved = [(0, 0), (1, n - 2), (n - 1, n - 1)]
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 3:
+                deadline = time.monotonic() + 20  # the copies after the re-plan reached their holders
+                while time.monotonic() < deadline and any(
+                        w.copies._thread is not None and w.copies._thread.is_alive() for w in workers.workers):
+                    time.sleep(0.01)
+                workers.kill(1)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps,
+                                transport=workers.coordinator, on_step=on_step, faults=PEERS, replan_every=2,
+                                on_replan=lambda step, measured: moved if step == 2 else None)
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    kinds = [e["event"] for e in result.events]
+    assert kinds[-3:] == ["lost", "new_plan", "recovered"] and result.replans[0][0] == 2, kinds
