@@ -610,4 +610,5 @@ def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, 
         worker.report_failure(message)
         return 1
     finally:
+        worker.copies.stop()  # a snapshot sender must not use a socket that is being closed
         transport.close()
