@@ -622,7 +622,7 @@ class _Run:
         for k, p in lost.lost.items():
             self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
                        address=p.address, detected_after_s=p.down_s, reason=p.reason)
-        snap = self.snapshot if self.held is None else self.held.restorable(list(lost.lost), notices=False)
+        snap = self.snapshot  # on peers: which one restores is known after the abort (holders file what came)
         if self.faults.on_failure == "stop" or snap is None or self.plan_over is None:
             why = ("--on-failure stop" if self.faults.on_failure == "stop" else
                    "no state was held off the devices" if snap is None else "no way to re-plan this pipeline")
