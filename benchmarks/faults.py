@@ -7,11 +7,14 @@ What it measures
     process the coordinator (`jobs.pipeline_training.train_pipeline`). Every step time is wall
     clock from the step's start to the next step's start: the copies of the state to the
     coordinator, the fault policy's cost, are in it.
-      * ``default`` / ``stop`` / ``every-step``, side by side in alternating passes (``--passes``):
-        the command line's default fault policy (state copied every K steps, K chosen from the
-        measured copy and step times, at most 5% of the step; `jobs.pipeline_training.AUTO_SNAPSHOTS`),
-        ``--on-failure stop`` (no copy at all), and the old default (a copy after every step).
-        ``default`` over ``stop`` is the policy's cost (target: at most +5%).
+      * ``default`` / ``stop`` / ``coordinator`` / ``every-step``, side by side in alternating
+        passes (``--passes``; ``--policies`` picks some): the command line's default fault policy
+        (each worker copies its state at the step boundary and ships it to a neighbour while the
+        next step runs, runtime.pipeline.snapshots; as often as the last copy is confirmed, K from
+        `jobs.pipeline_training.AUTO_SNAPSHOTS`), ``--on-failure stop`` (no copy at all), the
+        previous default (every stage's state copied to the coordinator every K steps), and the
+        one before it (to the coordinator after every step). ``default`` over ``stop`` is the
+        policy's cost (target: at most +5%).
       * ``curve`` / ``insecure``: the default policy with CURVE on every link, then in plaintext
         (``--insecure``); the step-time cost of CURVE is their ratio (target: at most 5%).
       * ``kill``: the default policy; at a random step (``--seed``) a random worker gets SIGKILL a
@@ -23,6 +26,9 @@ Columns
     ``copy s``        median seconds of one copy of every stage's state.
     ``copies``        copies taken during the run (the one before the first step included).
     ``MiB``           what one copy carries: every stage's trainable parameters and optimizer state.
+    ``coord MiB``     the coordinator's peak resident memory over the run; ``(train)`` until the last
+                      step (before the final state comes to it as the run's result).
+    ``worker MiB``    the largest worker's peak.
 
 ``--model smollm2`` measures SmolLM2-135M as a causal LM with LoRA adapters (``--lora`` rank) on
 q, k, v, o instead (benchmarks/lora.py's batch and sequence): a copy then carries the adapters and
@@ -55,8 +61,13 @@ M = 4
 def _policy(name: str):
     from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy
 
-    return {"default": FaultPolicy(snapshot_every=AUTO_SNAPSHOTS), "stop": FaultPolicy(on_failure="stop"),
+    return {"default": FaultPolicy(snapshot_every=AUTO_SNAPSHOTS, state_on="peers"),
+            "stop": FaultPolicy(on_failure="stop"),
+            "coordinator": FaultPolicy(snapshot_every=AUTO_SNAPSHOTS),
             "every-step": FaultPolicy(snapshot_every=1)}[name]
+
+
+POLICIES = ("default", "stop", "coordinator", "every-step")
 
 
 def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bool = False,
@@ -68,8 +79,14 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
     config = PipelineConfig(args.schedule, M, engine=args.engine, optimizer="adamw", lr=1e-4, timeout_s=300)
     workers = LocalWorkers.start(args.workers, threads=1, insecure=insecure)
     sent: dict = {}
+    from runtime.procfs import peak_rss_bytes, reset_peak_rss
+
+    reset_peak_rss()
+    peaks: dict = {}
 
     def on_step(step, *_):
+        if step == steps:  # the peak while training, before the final state comes here (the run's result)
+            peaks["train"] = peak_rss_bytes()
         if kill is not None and step == kill[0] and not sent:
             sent["at"] = time.time()
             threading.Timer(0.05, os.kill, (workers.procs[kill[1]].pid, signal.SIGKILL)).start()
@@ -88,7 +105,9 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
            "copy_s": statistics.median(copies) if copies else None, "copies": len(copies),
            # what one copy carries: every stage's trainable parameters and optimizer state (LoRA: the adapters)
            "state_mib": sum(int(v.nbytes) for stage in result.checkpoint for v in stage.values()) / 2**20,
-           "others": noise.others, "ranges": [list(r) for r in result.ranges], "events": result.events,
+           "others": noise.others, "coord_train_mib": peaks.get("train", 0) / 2**20,
+           "coord_mib": peak_rss_bytes() / 2**20,
+           "worker_mib": max(result.peak_rss_bytes.values(), default=0) / 2**20, "ranges": [list(r) for r in result.ranges], "events": result.events,
            "step_seconds": result.step_seconds, "state_seconds": result.state_seconds, "losses": result.losses}
     if kill is not None:
         lost = next(e for e in result.events if e["event"] == "lost")
@@ -108,11 +127,14 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", default="mnn", help="the workers' engine, mnn or torch (default %(default)s)")
     parser.add_argument("--passes", type=int, default=2, help="alternating passes of the policy runs (default 2)")
     parser.add_argument("--only-policies", action="store_true", help="skip the CURVE and kill runs")
+    parser.add_argument("--kill", action="store_true", help="with --only-policies: the kill run all the same")
     parser.add_argument("--seed", type=int, default=0, help="chooses the step and the worker killed")
     parser.add_argument("--model", choices=("minilm", "smollm2"), default="minilm",
                         help="minilm (token classification, trained in full) or smollm2 (causal LM with LoRA "
                              "adapters on q,k,v,o: benchmarks/lora.py's batch and sequence)")
     parser.add_argument("--lora", type=int, default=8, help="smollm2: the LoRA rank (default %(default)s)")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"the policy runs, comma-separated, of {', '.join(POLICIES)} (default all)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     from planner.onnx_import import load_model
@@ -131,29 +153,37 @@ def main(argv=None) -> int:
         batches = make_batches(args.steps + 1, batch=args.batch, seq=args.seq)
     rows: dict[str, list[dict]] = {}
     for p in range(args.passes):
-        for name in ("default", "stop", "every-step"):
+        for name in args.policies.split(","):
             print(f"running {name} (pass {p + 1}) ...", file=sys.stderr, flush=True)
             rows.setdefault(name, []).append(_run(graph, batches, args.steps, args, policy=name,
                                                   feeds_of_step=feeds_of_step))
     kill = None
-    if not args.only_policies:
+    if not args.only_policies or args.kill:
         rng = random.Random(args.seed)
         kill = (rng.randint(2, max(2, args.steps - 3)), rng.randrange(args.workers))
-        for name, kwargs in (("curve", {}), ("insecure", {"insecure": True}), ("kill", {"kill": kill})):
+        extra = (("curve", {}), ("insecure", {"insecure": True})) if not args.only_policies else ()
+        for name, kwargs in (*extra, ("kill", {"kill": kill})):
             print(f"running {name} ...", file=sys.stderr, flush=True)
             rows[name] = [_run(graph, batches, args.steps, args, feeds_of_step=feeds_of_step, **kwargs)]
     best = {name: min(runs, key=lambda r: r["step_s"]) for name, runs in rows.items()}
     what = "MiniLM" if args.model == "minilm" else f"SmolLM2-135M LoRA r{args.lora}"
     print(f"{what}, batch {args.batch} x {args.seq}, {M} micro-batches, {args.schedule}, {args.engine}, "
           f"{args.workers} workers, {args.steps} steps; wall-clock steps, best of {args.passes} pass(es)")
-    print(f"{'run':11s} {'step s':>8s} {'state':>6s} {'copy s':>8s} {'copies':>6s} {'MiB':>6s} {'others':>7s}")
+    print(f"{'run':11s} {'step s':>8s} {'state':>6s} {'copy s':>8s} {'copies':>6s} {'MiB':>6s} {'others':>7s} "
+          f"{'coord MiB':>9s} {'(train)':>8s} {'worker MiB':>10s}")
     for name, r in best.items():
         print(f"{name:11s} {r['step_s']:8.3f} {r['state_share']:6.1%} {r['copy_s'] or 0:8.3f} {r['copies']:6d} "
-              f"{r['state_mib']:6.1f} {r['others'] or 0:7.0%}")
-    cost = best["default"]["step_s"] / best["stop"]["step_s"] - 1
-    old = best["every-step"]["step_s"] / best["stop"]["step_s"] - 1
-    print(f"default fault policy vs --on-failure stop: {cost:+.1%} (target <= +5%); "
-          f"a copy after every step: {old:+.1%}")
+              f"{r['state_mib']:6.1f} {r['others'] or 0:7.0%} {r['coord_mib']:9.0f} {r['coord_train_mib']:8.0f} "
+              f"{r['worker_mib']:10.0f}")
+    for name, runs in rows.items():  # per pass, against stop's of the same pass
+        if name != "stop" and "stop" in rows and len(runs) == len(rows["stop"]):
+            print(f"{name} / stop per pass: " + ", ".join(f"{r['step_s'] / s['step_s']:.3f}"
+                                                         for r, s in zip(runs, rows["stop"])))
+    cost = best["default"]["step_s"] / best["stop"]["step_s"] - 1 if "default" in best and "stop" in best else None
+    old = best["every-step"]["step_s"] / best["stop"]["step_s"] - 1 if "every-step" in best and "stop" in best else None
+    if cost is not None:
+        print(f"default fault policy vs --on-failure stop: {cost:+.1%} (target <= +5%)"
+              + (f"; a copy after every step on the coordinator: {old:+.1%}" if old is not None else ""))
     same = all(r["losses"] == rows["stop"][0]["losses"] for runs in rows.values() for r in runs
                if "killed" not in r) if args.schedule != "1f1b-stash" else None
     if same is not None:
@@ -161,9 +191,10 @@ def main(argv=None) -> int:
     figures = {"rows": rows, "policy_cost": cost, "every_step_cost": old}
     if kill is not None:
         kill_row = best["kill"]
-        curve = best["curve"]["step_s"] / best["insecure"]["step_s"] - 1
-        figures["curve_cost"] = curve
-        print(f"CURVE vs insecure step time: {curve:+.1%} (target <= +5%)")
+        if "curve" in best:
+            curve = best["curve"]["step_s"] / best["insecure"]["step_s"] - 1
+            figures["curve_cost"] = curve
+            print(f"CURVE vs insecure step time: {curve:+.1%} (target <= +5%)")
         print(f"killed worker {kill[1]} during step {kill[0] + 1}: detect {kill_row['detect_s']:.2f} s (target <= 3), "
               f"recover {kill_row['recover_s']:.2f} s (target <= 10), replayed {kill_row['replayed']} step(s)")
     if args.json:

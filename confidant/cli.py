@@ -127,8 +127,10 @@ def _add_security_flags(p: argparse.ArgumentParser, who: str = "coordinator") ->
 def _add_fault_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("lost devices")
     g.add_argument("--on-failure", choices=("replan", "stop"), default="replan",
-                   help="when a worker is lost: re-plan over the survivors from the state held off the devices and "
-                        "go on (default), or stop with a resumable checkpoint")
+                   help="when a worker is lost: re-plan over the survivors and go on from the last snapshot "
+                        "(default: each worker copies its state at a step boundary and ships it to a neighbour "
+                        "while the next step runs, so a lost worker's state comes from its neighbour), or stop "
+                        "with a resumable checkpoint (no snapshots)")
     g.add_argument("--failure-timeout", type=float, default=3.0, metavar="S",
                    help="a worker silent this long is lost (heartbeats; a busy one still answers; default "
                         "%(default)s)")

@@ -228,7 +228,8 @@ def _task(args) -> str:
 @contextmanager
 def _metrics_on_failure(path):
     """A run that fails once started still writes its metrics document (the steps it did, its events,
-    the error), then fails as it would."""
+    the error), then fails as it would: lost beyond recovery or stopped by `--on-failure stop`
+    (RunFailed), interrupted (Ctrl-C) or broken by any other error (the job's `metrics` on it)."""
     from jobs.errors import RunFailed
 
     try:
@@ -236,6 +237,11 @@ def _metrics_on_failure(path):
     except RunFailed as exc:
         if exc.metrics is not None:
             _write_metrics(exc.metrics, path)
+        raise
+    except BaseException as exc:  # Ctrl-C or a fault of no known kind: the job attached what it did
+        metrics = getattr(exc, "metrics", None)
+        if metrics is not None:
+            _write_metrics(metrics, path)
         raise
 
 

@@ -18,3 +18,11 @@ class RunFailed(JobError):
     def __init__(self, message: str, metrics=None):
         super().__init__(message)
         self.metrics = metrics
+
+
+def failure_text(exc: BaseException) -> str:
+    """What ended a run, for its metrics document's `error`: Ctrl-C as such, anything else by its
+    kind and message."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    return f"{type(exc).__name__}: {exc}"

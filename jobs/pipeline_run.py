@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from jobs.errors import RunFailed
+from jobs.errors import RunFailed, failure_text
 from jobs.report import Reporter
 from runtime.pipeline.coordinator import WorkerFailed
 from runtime.pipeline.executor import busy_fraction
@@ -35,6 +35,11 @@ def run_on_workers(run: Callable[[], PipelineResult], metrics_of, local, reporte
     except (WorkerFailed, RecoveryImpossible) as exc:
         partial = getattr(exc, "result", None)
         raise RunFailed(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
+    except BaseException as exc:  # Ctrl-C, or a fault of no known kind: the document is written all the same
+        partial = getattr(exc, "result", None)
+        if partial is not None:
+            exc.metrics = metrics_of(partial, error=failure_text(exc))
+        raise
     finally:
         if local is not None:
             codes = local.finish(failed)

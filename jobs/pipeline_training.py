@@ -316,7 +316,8 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     if pipeline.replan_every is not None:
         replanner = TimingReplanner(graph, ranges, pipeline.schedule, M, training.optimizer,
                                     pipeline.replan_threshold, update_every=pipeline.update_every)
-    faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, AUTO_SNAPSHOTS, pipeline.checkpoint_every)
+    faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, AUTO_SNAPSHOTS, pipeline.checkpoint_every,
+                         state_on="peers")
     addresses, keys = (None, None) if local else parse_workers(workers, pipeline.keys, pipeline.insecure)
     reporter.start(f"train ({n_stages} stages, {pipeline.schedule}, {M} micro-batches)", training.steps)
 

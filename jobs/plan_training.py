@@ -184,7 +184,8 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         keys = None if pair is None else _remote_keys(settings, pair, names + list(spares),
                                                        addresses + list(spares.values()), plan_dir)
     address_of = {**dict(zip(names, addresses)), **spares}
-    faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, AUTO_SNAPSHOTS, settings.checkpoint_every)
+    faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, AUTO_SNAPSHOTS, settings.checkpoint_every,
+                         state_on="peers")
 
     def metrics_of(result: PipelineResult, error: str | None = None, **replan_figures) -> TrainingMetrics:
         return TrainingMetrics(

@@ -1115,6 +1115,68 @@ def test_a_run_that_stops_on_a_loss_hands_its_steps_and_events_to_the_metrics_do
     assert "--on-failure stop" in doc["error"]
 
 
+def test_an_interrupted_run_hands_its_steps_to_the_metrics_document(graph, batches, tmp_path):
+    """Ctrl-C during a run (a KeyboardInterrupt at the end of step 2): the interrupt carries what
+    the run did (its steps), and the command line writes the document with it, then lets the
+    interrupt end the program as before."""
+    from confidant.commands import _metrics_on_failure
+    from jobs.errors import failure_text
+    from jobs.metrics import TrainingMetrics, read_metrics, steps_from
+
+    def on_step(step, *_):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        with pytest.raises(KeyboardInterrupt) as err:
+            train_pipeline(graph, batches, 9, workers.addresses, _config(), 4, transport=workers.coordinator,
+                           on_step=on_step)
+    done = err.value.result
+    assert len(done.losses) == 2, done.losses
+    interrupt = err.value
+    interrupt.metrics = TrainingMetrics("train-pipeline", "tiny", ROWS * M, S,
+                                        steps_from(done.losses, done.step_seconds, 8), (),
+                                        error=failure_text(interrupt))
+    out = tmp_path / "metrics.json"
+    with pytest.raises(KeyboardInterrupt):
+        with _metrics_on_failure(out):
+            raise interrupt
+    doc = read_metrics(out)
+    assert [s["step"] for s in doc["steps"]] == [1, 2] and doc["error"] == "interrupted (Ctrl-C)"
+
+
+@pytest.mark.slow  # two worker processes; twin in threads: test_an_interrupted_run_hands_its_steps_to_the_metrics...
+def test_train_pipeline_interrupted_writes_its_metrics_document(tiny_onnx, tmp_path, monkeypatch):
+    """The command itself, with local worker processes: Ctrl-C after step 2 of 4 still writes
+    --metrics-out (the steps done, the error), and the interrupt goes on up."""
+    import jobs.pipeline_training as pt
+    from confidant.cli import main
+    from jobs.metrics import read_metrics
+
+    real = pt.train_pipeline
+
+    def interrupted(*args, on_step=None, **kwargs):
+        def hook(step, *rest):
+            on_step(step, *rest)
+            if step == 2:
+                raise KeyboardInterrupt
+        return real(*args, on_step=hook, **kwargs)
+
+    monkeypatch.setattr(pt, "train_pipeline", interrupted)
+    from support import make_tiny_tokenizer
+
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    data = tmp_path / "d.txt"
+    data.write_text("Ann B-PER\nvisits O\nOslo B-LOC\n\n" * 8)
+    out = tmp_path / "metrics.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["train-pipeline", str(tiny_onnx["torchscript-17"]), "--data", str(data), "--local", "2", "--batch", "4",
+              "--microbatches", "2", "--seq", "16", "--steps", "4", "--insecure", "--metrics-out", str(out),
+              "--tokenizer", str(tmp_path / "tokenizer.json")])
+    doc = read_metrics(out)
+    assert [s["step"] for s in doc["steps"]] == [1, 2] and doc["error"] == "interrupted (Ctrl-C)"
+
+
 def test_a_batch_that_micro_batches_do_not_divide_is_a_usage_error(tiny_onnx, tmp_path, capsys):
     from confidant.cli import main
 

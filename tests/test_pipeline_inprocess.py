@@ -584,13 +584,17 @@ def test_a_replan_from_bundles_writes_a_new_plan_and_trains_like_it_from_that_st
     _assert_same_weights(live.weights, single)
 
 
-def test_a_plan_run_takes_back_a_device_that_returns_with_a_plan_written_for_it(graph, batches, tmp_path):
+@pytest.mark.parametrize("state_on", ["coordinator", "peers"])
+def test_a_plan_run_takes_back_a_device_that_returns_with_a_plan_written_for_it(graph, batches, tmp_path, state_on):
     """From bundles, as `confidant train PLAN` runs: a plan over devices a and b; b vanishes after
     step 1 and PlanReplanner.without writes the recovery plan (a alone); b's worker starts again
     after step 2, answers the call back, and PlanReplanner.with_devices writes a plan over both
     (`replan-step000N-joined`) that the run switches to. Flush: the losses and weights stay
-    single-device training's through both switches."""
+    single-device training's through both switches. The state held on the coordinator, or on
+    the workers as `confidant train PLAN` keeps it (b's copy on a: the recovery plan is written
+    from the weights fetched from it)."""
     from ir.bundle import load_plan
+    from jobs.pipeline_training import FaultPolicy
     from jobs.plan_training import _plan_over
 
     plan_dir = tmp_path / "plan"
@@ -598,7 +602,8 @@ def test_a_plan_run_takes_back_a_device_that_returns_with_a_plan_written_for_it(
     steps = 4
     with InProcessWorkers(2, timeout_s=30) as workers:
         result = _bundle_run(workers, plan_dir, steps, batches, on_step=kill_then_restart(workers, 1),
-                             plan_over=_plan_over(replanner, dict(zip("ab", workers.addresses))))
+                             plan_over=_plan_over(replanner, dict(zip("ab", workers.addresses))),
+                             faults=FaultPolicy(state_on=state_on))
     assert workers.codes == [0, 0], workers.errors
     kinds = [e["event"] for e in result.events]
     assert kinds == ["lost", "new_plan", "recovered", "joined", "new_plan"], kinds

@@ -181,12 +181,16 @@ class Coordinator:
         self.idle: list[str] = list(spares)
         self._connected: dict[str, str] = {}   # this side's peer name -> worker address, one per worker
         self._probes: dict[str, str] = {}  # lost worker's address -> the name it answers a hello under
+        # snapshots held on the workers (runtime.pipeline.snapshots): the last one ordered, and per
+        # snapshot the stages whose holder has confirmed the whole copy
+        self._sid = 0
+        self.replicas_held: dict[int, set[int]] = {}
         taken = [p.address for p in self.placements]
         if len(set(taken + self.idle)) != len(taken) + len(self.idle):
             raise ValueError(f"a worker may appear once among the stages and spares; addresses: {taken + self.idle}")
 
     # --- failures ------------------------------------------------------------------------
-    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here", "bundle_wants")
+    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here", "bundle_wants", "held_done")
     _POLL_S = 0.1  # how often a wait looks for lost workers (a message that arrives wakes it at once)
 
     def _check_lost(self) -> None:
@@ -218,6 +222,8 @@ class Coordinator:
             sender, msg = self.transport.recv_control(None, timeout=0)
         except PeerTimeout:
             return False
+        if self._noted(msg):
+            return True
         if msg.get("type") in self._ANSWERS:
             self._pending.append((sender, msg))
             return True
@@ -243,6 +249,8 @@ class Coordinator:
                 continue
             if msg.get("type") == "error":
                 raise WorkerFailed(f"worker {sender} ({self.transport.address_of(sender)}) failed: {msg.get('message')}")
+            if self._noted(msg):
+                continue
             if sender == peer and msg.get("type") == kind:
                 return msg
             if sender != peer and msg.get("type") in self._ANSWERS:
@@ -251,6 +259,20 @@ class Coordinator:
             if (stale and msg.get("type") in self._ANSWERS) or (msg.get("type") == "aborted" and kind != "aborted"):
                 continue  # answers to an aborted step, or a repeated abort's second answer
             raise WorkerFailed(f"expected '{kind}' from {peer}, got {msg.get('type')!r} from {sender}")
+
+    def _noted(self, msg: dict) -> bool:
+        """A notice that needs no answer, filed: a holder has a stage's whole snapshot copy."""
+        if msg.get("type") != "replica_held":
+            return False
+        sid, of = msg.get("sid"), msg.get("of")
+        if isinstance(sid, int) and isinstance(of, int) and sid in self.replicas_held:
+            self.replicas_held[sid].add(of)
+        return True
+
+    def take_notices(self) -> None:
+        """File every control message that has arrived, without waiting."""
+        while self._check_errors():
+            pass
 
     def _await_tensor(self, peer: str, expected: Expected) -> np.ndarray:
         deadline = time.monotonic() + self.config.timeout_s
@@ -427,6 +449,64 @@ class Coordinator:
                 tensors[name] = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
             out.append(dense_from_wire(tensors, done.get("rows"), f"stage {p.stage}'s checkpoint"))
         return out
+
+    def snapshot_to_peers(self, keep: Sequence[int], spread_s: float) -> int:
+        """Order snapshot `sid` (returned) at this flush boundary: each stage copies its state and
+        ships it to its holder while the next step runs (runtime.pipeline.snapshots); nothing is
+        waited for. The workers keep the copies of `keep` and of this one, no others."""
+        from runtime.pipeline.snapshots import holder_of
+
+        self._sid += 1
+        self.replicas_held = {k: v for k, v in self.replicas_held.items() if k in set(keep)}
+        self.replicas_held[self._sid] = set()
+        for p in self.placements:
+            holder = holder_of(p.stage, self.stages)
+            self.transport.send_control(stage_peer(p.stage), {
+                "type": "snapshot", "sid": self._sid, "holder": None if holder is None else stage_peer(holder),
+                "keep": list(keep), "spread_s": float(spread_s)})
+        return self._sid
+
+    def keep_snapshots(self, keep: Sequence[int]) -> None:
+        """Have the workers drop every snapshot copy but those of `keep` (a newer one is confirmed)."""
+        self.replicas_held = {k: v for k, v in self.replicas_held.items() if k in set(keep)}
+        for p in self.placements:
+            self.transport.send_control(stage_peer(p.stage), {"type": "snapshot_keep", "keep": list(keep)})
+
+    def fetch_held(self, sid: int, lost: Sequence[int] = ()) -> list[dict[str, np.ndarray]]:
+        """Every stage's state of snapshot `sid` as the workers hold it: each stage's from its own
+        worker, a lost stage's (`lost`, already `forget`-ten) from its holder. Call between steps."""
+        from runtime.pipeline.snapshots import holder_of
+
+        lost = set(lost)
+        source = {}
+        for p in self.placements:
+            k = p.stage
+            if k in lost:
+                holder = holder_of(k, self.stages)
+                if holder is None or holder in lost:
+                    raise WorkerFailed(f"stage {k}'s snapshot copy was on stage {holder}, lost too")
+                k = holder
+            source.setdefault(k, []).append(p.stage)
+        for k, of in source.items():
+            self.transport.send_control(stage_peer(k), {"type": "snapshot_send", "sid": sid, "of": of})
+        out: dict[int, dict[str, np.ndarray]] = {}
+        for k, of in source.items():
+            peer = stage_peer(k)
+            for stage in of:
+                # its tensors come before it on the same connection: all are here once it is
+                done = self._await_control(peer, "held_done")
+                if done.get("of") != stage or done.get("sid") != sid:
+                    raise WorkerFailed(f"expected snapshot {sid} of stage {stage} from {peer}, got {done!r:.120}")
+                names = [] if done.get("missing") else done.get("names")
+                if not isinstance(names, list):
+                    raise WorkerFailed(f"{peer}'s held_done names no tensors: {done!r:.120}")
+                tensors = {}
+                for i, name in enumerate(names):
+                    tensors[name] = self._await_tensor(peer, Expected(kind="held", stage=stage, microbatch=i, name=name))
+                if done.get("missing"):
+                    raise WorkerFailed(f"stage {k} does not hold snapshot {sid} of stage {stage}")
+                out[stage] = dense_from_wire(tensors, done.get("rows"), f"stage {stage}'s snapshot")
+        return [out[p.stage] for p in self.placements]
 
     def gather(self) -> TrainingState:
         """The whole training state, merged from every stage (call at a flush boundary): what a

@@ -29,6 +29,7 @@ from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint, save_c
 from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
                                           WorkerLost)
 from runtime.pipeline.executor import busy_fraction
+from runtime.pipeline.snapshots import PeerSnapshots
 
 
 @dataclass
@@ -53,6 +54,7 @@ class PipelineResult:
 
 
 FAILURE_POLICIES = ("replan", "stop")
+STATE_PLACES = ("coordinator", "peers")
 
 # The command line's snapshot policy (FaultPolicy.snapshot_every): chosen from measured costs.
 AUTO_SNAPSHOTS = None
@@ -110,6 +112,10 @@ class FaultPolicy:
     low_memory_bytes: int = 256 * 2 ** 20
     low_battery_percent: float = 15.0
     take_back: bool = True
+    # where the snapshots live: "coordinator" (every stage's state copied to it) or "peers" (each
+    # worker keeps its own copy and ships one to a neighbour while the next step runs; the
+    # coordinator holds none: runtime.pipeline.snapshots), the command line's default
+    state_on: str = "coordinator"
 
     def check(self) -> "FaultPolicy":
         if self.on_failure not in FAILURE_POLICIES:
@@ -121,6 +127,8 @@ class FaultPolicy:
                              f"{self.snapshot_every}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every must be at least 1 step, got {self.checkpoint_every}")
+        if self.state_on not in STATE_PLACES:
+            raise ValueError(f"state_on must be one of {', '.join(STATE_PLACES)}, not {self.state_on!r}")
         return self
 
 
@@ -180,6 +188,7 @@ class Session:
         self.running_low: dict[str, str] = {}  # address -> "memory_low" | "battery_low", after the last step
         # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
         self.keep_state = (faults.on_failure == "replan" and plan_over is not None) or checkpoint_dir is not None
+        self.held = PeerSnapshots.for_run(coordinator, faults, plan_over)  # None: snapshots on the coordinator
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
         # the last step done, whose wall clock runs on (state copies, checkpoints, re-plan checks)
         # until the next step starts or the run ends: its seconds and progress report come then
@@ -205,6 +214,10 @@ class Session:
 
     def take_snapshot(self, step: int) -> Snapshot:
         start = time.perf_counter()
+        if self.held is not None:  # copied on the workers, shipped to neighbours while the next step runs
+            self.snapshot = self.held.take(step, self.result.ranges, self._work_s)
+            self._charge(time.perf_counter() - start)
+            return self.snapshot
         per_stage = self.coordinator.collect_checkpoint()
         seconds = time.perf_counter() - start
         self.result.snapshot_seconds.append(seconds)
@@ -236,7 +249,8 @@ class Session:
         since the last setup (its first step, which builds the engines, left out once others ran)."""
         if self.faults.snapshot_every is not None:
             return self.faults.snapshot_every
-        copies, work = self.result.snapshot_seconds[-3:], self._work_s[1:] or self._work_s
+        copies = self.result.snapshot_seconds[-3:] if self.held is None else self.held.costs()
+        work = self._work_s[1:] or self._work_s
         if not copies or not work:
             return 1
         return snapshot_interval(statistics.median(copies), statistics.median(work[-8:]))
@@ -246,7 +260,7 @@ class Session:
         ckpt = self.faults.checkpoint_every if self.checkpoint_dir is not None else None
         if ckpt and (step - start_step) % ckpt == 0:
             return True
-        if not self.keep_state:
+        if not self.keep_state or (self.held is not None and self.held.busy()):
             return False
         if self.faults.snapshot_every is None:  # counted from the last copy (a recovery restarts the count)
             last = self.snapshot.step if self.snapshot is not None else start_step
@@ -380,6 +394,10 @@ class Session:
                    ranges=[list(r) for r in self.result.ranges], devices=self._devices(),
                    plan=None if plan.directory is None else str(plan.directory), seconds=reconf.seconds)
         # the held state is the same, the stages are new: a checkpoint or a later recovery needs theirs
+        if self.held is not None:
+            self.held.reset()
+            self.snapshot = self.held.take(snap.step, self.result.ranges, []) if self.keep_state else None
+            return plan
         self.snapshot = Snapshot(snap.step, self.coordinator.collect_checkpoint(), snap.state,
                                  list(self.result.ranges)) if self.keep_state else None
         return plan
@@ -400,6 +418,12 @@ class Session:
         self.result.stage_busy.append([busy_fraction(d["seconds"], d.get("wall_s", 0.0)) for d in done])
         if len(self.result.stage_reports) > REPORTS_KEPT:
             del self.result.stage_reports[0], self.result.stage_busy[0]
+        copied = max((d.get("snapshot_copy_s") or 0.0 for d in done), default=0.0)
+        if copied > 0:  # the workers' copies before this step (state on "peers"): on its path
+            self.result.snapshot_seconds.append(copied)
+            self._charge(copied)
+        if self.held is not None:
+            self.held.note(done)
         for address, d in zip(self.result.addresses, done):
             peak = d.get("peak_rss_bytes")
             if peak is not None:
@@ -425,7 +449,7 @@ class Session:
         for k, p in lost.lost.items():
             self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
                        address=p.address, detected_after_s=p.down_s, reason=p.reason)
-        snap = self.snapshot
+        snap = self.snapshot  # on peers: which one restores is known after the abort (holders file what came)
         if self.faults.on_failure == "stop" or snap is None or self.plan_over is None:
             why = ("--on-failure stop" if self.faults.on_failure == "stop" else
                    "no state was held off the devices" if snap is None else "no way to re-plan this pipeline")
@@ -440,6 +464,10 @@ class Session:
                         self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
                                    address=p.address, detected_after_s=p.down_s, reason=p.reason)
                 lost = more
+        if self.held is not None:
+            snap = self.held.restorable(list(lost.lost))
+            if snap is None:
+                raise RecoveryImpossible(f"{lost} (no snapshot of the lost stages was held by a survivor)")
         self.coordinator.forget(lost.addresses)
         gone = lost.addresses + self.coordinator.lost_spares()
         self.coordinator.forget(gone)
@@ -597,7 +625,10 @@ class Session:
                            ranges=[list(r) for r in reconf.new_ranges], devices=self._devices(),
                            seconds=reconf.seconds)
                 schedule = new_schedule
-                if self.snapshot is not None and self.snapshot.step == s:  # the state is the same, the stages not
+                if self.held is not None:  # the new stages hold no copy yet: one of the state they start from
+                    self.held.reset()
+                    self.take_snapshot(s)
+                elif self.snapshot is not None and self.snapshot.step == s:  # the state is the same, the stages not
                     self.snapshot = Snapshot(s, self.coordinator.collect_checkpoint(), self.snapshot.state,
                                              list(self.result.ranges))
                 if on_replanned:
@@ -694,9 +725,9 @@ def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config:
             result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
         if checkpoint_dir is not None:
             run.save(checkpoint_dir, start_step + steps, result.checkpoint)
-    except (WorkerFailed, RecoveryImpossible) as exc:
+    except BaseException as exc:  # a lost run, Ctrl-C, any fault: what it did reaches the metrics document
         run._close_step()
-        exc.result = run.result  # what the run did before it ended: its steps and events reach the metrics
+        exc.result = run.result  # its steps and events
         raise
     finally:
         coordinator.stop()

@@ -11,6 +11,15 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          asynchronous schedule's steady state unrolled); no action comes at run time
   worker -> coordinator  "loss" tensors (last stage), then done {stats, version, rss}
   coordinator -> worker  checkpoint  ->  worker sends "ckpt" tensors, then checkpoint_done {names}
+  coordinator -> worker  snapshot {sid, holder, keep, spread_s}: copy the stage's state now and ship
+                         it to the holder stage while the next step runs (runtime.pipeline.snapshots);
+                         no answer (the coordinator does not wait); the holder, once it has the whole
+                         copy, sends replica_held {stage, of, sid}
+  coordinator -> worker  snapshot_keep {keep: [sids]}: drop every other snapshot copy (a newer one is
+                         confirmed)
+  coordinator -> worker  snapshot_send {sid, of: [stages]} (after a loss): send the copies of snapshot
+                         sid of those stages (its own, or replicas held) as "held" tensors, each
+                         followed by held_done {of, sid, names, rows} (or {of, sid, missing: true})
   coordinator -> worker  setup_bundle again (re-planning, at a flush boundary): the old stage is
                          dropped and the new one built from the new plan's bundle; the peers in
                          it replace the old neighbours
@@ -61,7 +70,7 @@ import numpy as np
 
 from ir.plan import unroll
 from runtime.engines.factory import make_engine
-from runtime.pipeline.checkpoints import rows_on_wire
+from runtime.pipeline.snapshots import StateCopies, row_shapes, state_tensors
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
@@ -100,9 +109,12 @@ class Worker:
         # the bundle's program: (one-step actions, steady-state actions or None, drain position, micro-batches)
         self.bundle_actions: tuple | None = None
         self.device: str | None = None  # the plan's name of this device, from its bundle
+        # snapshot copies: this stage's own and the replicas it holds for a neighbour
+        self.copies = StateCopies(transport, lambda msg: self.transport.send_control(COORDINATOR, msg))
 
     def _interrupt(self) -> None:
         """While a stage waits for a neighbour: stop when the coordinator aborted the step, or is gone."""
+        self._take_in_copies()  # a neighbour's snapshot copy is filed while this stage has nothing to do
         pending = self.transport.peek_control(COORDINATOR)
         if pending is not None and pending.get("type") == "abort":
             raise StepAborted(f"stage {self.stage}: step {pending.get('step')} aborted by the coordinator")
@@ -140,6 +152,7 @@ class Worker:
         close = getattr(self.executor.engine, "close", None) if self.executor is not None else None
         if close is not None:  # a head-split engine's backend processes
             close()
+        self.copies.drop()
         self.executor = None
         self.bundle_actions = None
         self.device = None
@@ -302,7 +315,7 @@ class Worker:
             "wall_s": stats.wall_s - before[1], "updates_at_s": list(self.executor.updates_at_s),
             "version": getattr(self.executor.engine, "version", None),
             "updates": self.executor.updates, "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes(),
-            **device_state(),
+            **self.copies.figures(), **device_state(),
         })
 
     def abort(self, msg: dict) -> None:
@@ -311,12 +324,16 @@ class Worker:
         dropped), then acknowledge. Neighbours lost meanwhile are not waited for."""
         if self.executor is not None:
             self.executor.drop_step()
+        self.copies.stop()  # the copy being shipped: the snapshot it belongs to is not confirmed
         # the step's batches came before the abort on the same connection: all are here, and stale
         self.transport.discard(COORDINATOR, controls=False)
         lost = set(msg.get("lost") or ())
+        self._take_in_copies()  # a copy a lost neighbour completed before it went is still good
         for peer in lost:  # what a lost neighbour sent, or sends if it thaws, is of no step to come
             self.transport.retire(peer)
             self.transport.discard(peer)
+            self.transport.discard_side(peer)
+            self.copies.forget_from(peer)
         neighbours = [p for p in getattr(self.transport, "peers", {}) if p != COORDINATOR and p not in lost]
         for peer in neighbours:
             self.transport.send_control(peer, {"type": "fence", "stage": self.stage, "step": msg.get("step")})
@@ -344,16 +361,44 @@ class Worker:
         self._need_stage("checkpoint")
         # the engine's and optimizer's own arrays, no copies: the coordinator has them all before it
         # sends the next step, and a table's state goes as its rows (no dense copy built to send)
-        tensors = [(f"param/{k}", v) for k, v in self.executor.engine.parameter_arrays().items()]
-        dense, rows = self.executor.optimizer_state_parts()
-        tensors += [(f"opt/{k}", np.asarray(v)) for k, v in dense.items()]
-        for k, sparse in rows.items():
-            tensors += rows_on_wire(f"opt/{k}", sparse)
+        tensors = state_tensors(self.executor)
         for i, (name, arr) in enumerate(tensors):
             self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, i, np.asarray(arr, order="C"), name=name)
         self.transport.send_control(COORDINATOR, {"type": "checkpoint_done", "stage": self.stage,
-                                                  "names": [name for name, _ in tensors],
-                                                  "rows": {f"opt/{k}": list(s.shape) for k, s in rows.items()}})
+                                                  "names": [name for name, _ in tensors], "rows": row_shapes(tensors)})
+
+    def snapshot(self, msg: dict) -> None:
+        """Copy this stage's state for snapshot `sid` and ship it to its holder while the next step
+        runs (runtime.pipeline.snapshots); keep only the copies of the snapshots `keep` names."""
+        self._need_stage("snapshot")
+        sid, holder, keep, spread = msg.get("sid"), msg.get("holder"), msg.get("keep"), msg.get("spread_s", 0.0)
+        if not (isinstance(sid, int) and isinstance(keep, list) and all(isinstance(k, int) for k in keep)
+                and (holder is None or holder in getattr(self.transport, "peers", {}))
+                and isinstance(spread, (int, float)) and 0 <= spread < 3600):
+            raise ValueError(f"snapshot: expected sid, keep [sids], a neighbour as holder and spread_s, got "
+                             f"{msg!r:.120}")
+        self.copies.take(sid, self.stage, state_tensors(self.executor), holder, keep, float(spread))
+
+    def snapshot_send(self, msg: dict) -> None:
+        """Send the coordinator the copies of snapshot `sid` of the stages `of` (after a loss)."""
+        sid, of = msg.get("sid"), msg.get("of")
+        if not (isinstance(sid, int) and isinstance(of, list) and all(isinstance(k, int) for k in of)):
+            raise ValueError(f"snapshot_send: expected sid and of [stages], got {msg!r:.120}")
+        self._take_in_copies()
+        for k in of:
+            copy = self.copies.copy_of(k, self.stage, sid)
+            if copy is None:
+                self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "missing": True})
+                continue
+            for i, (name, arr) in enumerate(copy):
+                self.transport.send_tensor(COORDINATOR, "held", k, i, arr, name=name)
+            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid,
+                                                      "names": [name for name, _ in copy], "rows": row_shapes(copy)})
+
+    def _take_in_copies(self) -> None:
+        if self.stage is None:
+            return
+        self.copies.take_in([p for p in getattr(self.transport, "peers", {}) if p != COORDINATOR], self.stage)
 
     def failure(self, exc: BaseException) -> str:
         """`exc` as the coordinator's WorkerFailed quotes it: which stage (or, with none, which
@@ -379,6 +424,8 @@ class Worker:
         device started by hand, a spare of the cluster, one whose coordinator was lost)."""
         deadline = time.monotonic() + self.timeout
         while True:
+            if self.stage is not None and self.transport.peek_control(COORDINATOR) is None:
+                self._take_in_copies()  # idle: a neighbour's snapshot copy is filed now, off the step's path
             try:
                 return self.transport.recv_control(COORDINATOR, timeout=_LIVENESS_POLL_S)[1]
             except PeerTimeout:
@@ -442,6 +489,8 @@ class Worker:
     def _obey(self, msg: dict) -> bool:
         """Carry out one order of the coordinator; True for stop."""
         kind = msg.get("type")
+        if kind not in ("run", "snapshot", "snapshot_keep", "snapshot_send", "checkpoint", "abort"):
+            self.copies.stop()  # the stage or its connections change: no thread may be sending on them
         if kind == "abort":
             self.abort(msg)
         elif kind == "setup_bundle":
@@ -450,6 +499,15 @@ class Worker:
             self.run(msg)
         elif kind == "checkpoint":
             self.checkpoint()
+        elif kind == "snapshot":
+            self.snapshot(msg)
+        elif kind == "snapshot_send":
+            self.snapshot_send(msg)
+        elif kind == "snapshot_keep":
+            keep = msg.get("keep")
+            if not (isinstance(keep, list) and all(isinstance(k, int) for k in keep)):
+                raise ValueError(f"snapshot_keep: expected keep [sids], got {msg!r:.120}")
+            self.copies.forget_except(keep)
         elif kind == "reset":
             self.reset()
         elif kind == "release":
@@ -525,4 +583,5 @@ def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, 
         worker.report_failure(message)
         return 1
     finally:
+        worker.copies.stop()  # a snapshot sender must not use a socket that is being closed
         transport.close()

@@ -438,7 +438,12 @@ def _array_from_payload(header: TensorHeader, payload: bytes | memoryview) -> np
     return arr
 
 
-TENSOR, CONTROL = "tensor", "control"
+TENSOR, CONTROL, SIDE = "tensor", "control", "side"
+# Tensors of this kind travel in a lane of their own (`recv_side`): a stage's snapshot copy sent to
+# its neighbour while a step runs (runtime.pipeline.snapshots) must not meet the step's tensors,
+# whose FIFO order is the plan's.
+SIDE_KIND = "replica"
+_SIDE_PREFIX = b'{"v":%d,"kind":"%s"' % (PROTOCOL_VERSION, SIDE_KIND.encode())
 _CONTROL_WAIT = "a control message"
 
 
@@ -498,7 +503,10 @@ class Transport(ABC):
     def _accept(self, peer: str, frames: Sequence[bytes | memoryview]) -> None:
         """File one raw incoming message under its sender; frame count decides its channel."""
         if 2 <= len(frames) <= MAX_FRAMES:
-            self._fifos.setdefault((peer, TENSOR), deque()).append(frames)
+            # a header that claims the side lane and lies is refused where it is taken (`recv_side`
+            # checks it whole, as `recv_tensor` does)
+            side = bytes(frames[0][:len(_SIDE_PREFIX)]) == _SIDE_PREFIX
+            self._fifos.setdefault((peer, SIDE if side else TENSOR), deque()).append(frames)
         elif len(frames) == 1:
             self._fifos.setdefault((peer, CONTROL), deque()).append(frames[0])
             self._control_order.append(peer)
@@ -604,6 +612,32 @@ class Transport(ABC):
         except MessageError as err:
             raise err.at(peer, self.address_of(peer), expected) from None
         return header, _array_from_payload(header, payload)
+
+    def recv_side(self, peer: str) -> tuple[TensorHeader, np.ndarray] | None:
+        """The next side-lane tensor (`SIDE_KIND`) from `peer` that has arrived, without waiting;
+        None when none has."""
+        self._pump(0)
+        fifo = self._fifos.get((peer, SIDE))
+        if not fifo:
+            return None
+        raw_header, *parts = fifo.popleft()
+        try:
+            header = TensorHeader.decode(raw_header)
+            if header.kind != SIDE_KIND:
+                raise MessageError(f"kind {header.kind!r} in the {SIDE_KIND} lane", received=header)
+            payload = join_payload(header, parts)
+            del parts
+        except MessageError as err:
+            raise err.at(peer, self.address_of(peer), f"a {SIDE_KIND} tensor") from None
+        return header, _array_from_payload(header, payload)
+
+    def discard_side(self, peer: str) -> None:
+        self._fifos.pop((peer, SIDE), None)
+
+    def open(self, peer: str) -> None:
+        """Make the connection to `peer` now (a transport that connects lazily does it on first
+        send), so that another thread may send to it (`send_tensor` is safe from a second thread
+        to a peer whose connection exists: runtime.pipeline.snapshots' sender)."""
 
     def send_control(self, peer: str, obj: dict[str, Any]) -> None:
         """Send a JSON object (start, stop, stats, error reports) to `peer`."""

@@ -207,6 +207,7 @@ class ZmqTransport(Transport):
         # --failure-timeout) their margin, and 1 s (the kernel's first SYN retry) is the floor
         self.connect_timeout_s = max(MIN_CONNECT_TIMEOUT_S, (heartbeat_s or DEFAULT_HEARTBEAT_S) / 3)
         self._context = zmq.Context(io_threads=1)
+        self._send_lock = threading.Lock()
         self._peers: dict[str, str] = {}
         self._links: dict[str, _Link] = {}
         self._bound: dict[str, bytes | None] = {}   # peer name -> the key its messages must carry
@@ -458,12 +459,18 @@ class ZmqTransport(Transport):
 
     # --- frames ----------------------------------------------------------------------------------
 
+    def open(self, peer: str) -> None:
+        self._link(peer)
+
     def _send_frames(self, peer: str, frames: Sequence[bytes | memoryview]) -> None:
         if self._closed:
             raise RuntimeError(f"transport {self.name!r} is closed")
         link = self._link(peer)
         try:
-            link.dealer.send_multipart(frames, copy=False)
+            # a second thread may send to a peer whose connection exists (`Transport.open`): a
+            # ZeroMQ socket is not safe to use from two threads at once, so sends take turns
+            with self._send_lock:
+                link.dealer.send_multipart(frames, copy=False)
         except zmq.Again:
             raise PeerTimeout(peer, self._peers[peer], "a message", self._send_timeout_s, sending=True) from None
 

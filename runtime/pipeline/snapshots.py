@@ -1,0 +1,371 @@
+"""Snapshots held on the workers, each stage's copied to a neighbour: the fault policy's state off
+the coordinator and off the step's critical path (issue 32).
+
+At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread_s} and does not
+wait. Each worker copies its stage's training state (its trainable parameters and its optimizer's
+state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into arrays it
+owns (~30 ms per 136 MB), before it runs the next step, and a sender thread ships the copy to
+the stage's holder (`holder_of`: the next stage, the last stage's the one before) while that
+step computes: in messages of at most `CHUNK_BYTES`, so the step's own activations and gradients,
+which share the connection, wait behind one chunk at most, spread over `spread_s` seconds. The
+holder files them in a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
+step's tensors), assembles the copy between orders, and tells the coordinator `replica_held`
+{sid, of}. So every stage's state is on two devices and on the coordinator never.
+
+A worker keeps its own copies and the replicas it holds of the snapshots `keep` names (the last
+one every stage's holder confirmed) and of the newest; the coordinator orders a new snapshot only
+once the previous one is confirmed, and then tells the workers to drop the older one
+(`snapshot_keep`), so a worker holds one copy of its state and one of its neighbour's between
+snapshots, and while one is shipped two of its own, one of its neighbour's and the part received. After a loss, the coordinator restores from the newest snapshot whose lost
+stages' replicas were confirmed (`PeerSnapshots.restorable`), fetching each stage's state from
+its own worker or, for a lost one, from its holder (`snapshot_send`); the replay from it is exact
+as from any copy: the data order is a function of the step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from runtime.pipeline.checkpoints import ROW_IDS, ROW_VALUES, TrainingState, merge_checkpoint, rows_on_wire
+from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
+
+# A copy travels in messages of at most this many bytes: a step's tensor on the same connection
+# waits behind one of them at most (ZeroMQ interleaves whole messages only), and each arrives as
+# one frame, which the holder keeps as it is (a message of several frames is joined into a copy).
+CHUNK_BYTES = PART_BYTES
+_BEGIN = "#begin"
+# Pauses shorter than this between chunks are not made (a sleep costs a thread switch, ~5 ms of a
+# Python thread's turn under a busy interpreter: many short ones would ship a copy slower than asked).
+_MIN_PAUSE_S = 0.005
+
+
+def holder_of(stage: int, stages: int) -> int | None:
+    """The stage that holds stage `stage`'s copy: its next neighbour, the last stage's the one
+    before (neighbours are connected already); None for a one-stage pipeline."""
+    if stages < 2:
+        return None
+    return stage + 1 if stage + 1 < stages else stage - 1
+
+
+def state_tensors(executor) -> list[tuple[str, np.ndarray]]:
+    """A stage's training state as checkpoint tensors (`param/<name>`, `opt/<kind>/<name>`, a
+    table's row state as `rows_on_wire` pairs): the engine's and optimizer's own arrays, no copies."""
+    tensors = [(f"param/{k}", v) for k, v in executor.engine.parameter_arrays().items()]
+    dense, rows = executor.optimizer_state_parts()
+    tensors += [(f"opt/{k}", np.asarray(v)) for k, v in dense.items()]
+    for k, sparse in rows.items():
+        tensors += rows_on_wire(f"opt/{k}", sparse)
+    return tensors
+
+
+def row_shapes(tensors: Sequence[tuple[str, np.ndarray]]) -> dict[str, list[int]]:
+    """The dense shape of each row-kept entry among `tensors` (its parameter's), as a checkpoint's
+    `rows` declares them."""
+    shapes = {name: list(arr.shape) for name, arr in tensors if name.startswith("param/")}
+    out = {}
+    for name, _ in tensors:
+        if name.endswith(ROW_IDS):
+            key = name[:-len(ROW_IDS)]
+            out[key] = shapes.get(f"param/{key.split('/', 2)[-1]}", [])
+    return out
+
+
+@dataclass
+class _Incoming:
+    sid: int
+    stage: int
+    count: int
+    done: dict[str, "_Parts"] = field(default_factory=dict)
+    filling: dict[str, "_Parts"] = field(default_factory=dict)
+
+
+@dataclass
+class _Parts:
+    """A neighbour's tensor as its chunks arrived (kept as they are, wrapped in the received
+    frames: no copy until the coordinator asks for it)."""
+
+    shape: tuple[int, ...]
+    size: int
+    chunks: list[np.ndarray] = field(default_factory=list)
+    filled: int = 0
+
+    def whole(self) -> np.ndarray:
+        if not self.chunks:
+            return np.zeros(self.shape, np.float32)
+        flat = self.chunks[0] if len(self.chunks) == 1 else np.concatenate(self.chunks)
+        return flat.reshape(self.shape)
+
+
+class StateCopies:
+    """A worker's own snapshot copies, the replicas it holds for a neighbour, and the thread that
+    ships its newest copy to its holder."""
+
+    def __init__(self, transport, report: Callable[[dict], None]):
+        self.transport = transport
+        self.report = report  # sends the coordinator a control message
+        self.own: dict[int, list[tuple[str, np.ndarray]]] = {}  # sid -> this stage's copy
+        self.replicas: dict[tuple[int, int], dict[str, _Parts]] = {}  # (stage, sid) -> its copy
+        self._incoming: dict[str, _Incoming] = {}  # sender peer -> the copy it is sending
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.copy_s = 0.0  # the last copy's seconds, on the step's path (reported with the next done)
+        # what the snapshots have cost this worker's CPUs since its setup (the copies, the sender
+        # thread's own CPU time, filing a neighbour's copy), and how many it took: the coordinator
+        # chooses how often to snapshot from it
+        self.cpu_s = 0.0
+        self.taken = 0
+        self._lock = threading.Lock()
+
+    # --- taking and shipping -------------------------------------------------------------------
+    def take(self, sid: int, stage: int, tensors: Sequence[tuple[str, np.ndarray]], holder: str | None,
+             keep: Sequence[int], spread_s: float) -> None:
+        self.stop()
+        start = time.perf_counter()
+        copy = [(name, np.array(arr, order="C", copy=True)) for name, arr in tensors]
+        self.copy_s = time.perf_counter() - start
+        with self._lock:
+            self.cpu_s += self.copy_s
+            self.taken += 1
+        self.own[sid] = copy
+        self.forget_except({sid, *keep})
+        if holder is not None:
+            self.transport.open(holder)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._ship, args=(holder, sid, stage, copy, spread_s, self._stop),
+                                            name="confidant-snapshot-sender", daemon=True)
+            self._thread.start()
+
+    def forget_except(self, sids) -> None:
+        sids = set(sids)
+        self.own = {s: c for s, c in self.own.items() if s in sids}
+        self.replicas = {k: c for k, c in self.replicas.items() if k[1] in sids}
+
+    def _ship(self, holder: str, sid: int, stage: int, copy, spread_s: float, stop: threading.Event) -> None:
+        cpu = time.thread_time()
+        chunks = []
+        for name, arr in copy:
+            step = max(1, CHUNK_BYTES // max(1, arr.itemsize))
+            chunks += [(name, arr.reshape(-1), a, min(a + step, arr.size)) for a in range(0, max(arr.size, 1), step)]
+        pause = spread_s / max(1, len(chunks))
+        pause = pause if pause >= _MIN_PAUSE_S else 0.0
+        shapes = {name: ",".join(str(d) for d in arr.shape) for name, arr in copy}
+        try:
+            self.transport.send_tensor(holder, SIDE_KIND, stage, 0, np.array([len(copy)], np.int64), version=sid,
+                                       name=_BEGIN)
+            for i, (name, flat, a, b) in enumerate(chunks):
+                if stop.is_set():
+                    return
+                self.transport.send_tensor(holder, SIDE_KIND, stage, i + 1, flat[a:b], version=sid,
+                                           name=f"{name}|{shapes[name]}|{a}")
+                if pause > 0 and stop.wait(pause):
+                    return
+        except Exception:  # the holder or this transport went away: the coordinator's acks tell
+            return
+        finally:
+            with self._lock:
+                self.cpu_s += time.thread_time() - cpu
+
+    def stop(self) -> None:
+        """Stop shipping (a new copy, an abort, a new stage): the holder drops the partial copy."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def drop(self) -> None:
+        self.stop()
+        self.own.clear()
+        self.replicas.clear()
+        self._incoming.clear()
+        self.cpu_s, self.taken = 0.0, 0
+
+    # --- holding a neighbour's copy ------------------------------------------------------------
+    def take_in(self, peers: Sequence[str], this_stage: int | None) -> None:
+        """File what neighbours' senders delivered so far (no waiting); a copy completed is a
+        replica held, and the coordinator hears so."""
+        start = time.thread_time()
+        for peer in peers:
+            while True:
+                got = self.transport.recv_side(peer)
+                if got is None:
+                    break
+                header, arr = got
+                self._file(peer, header, arr, this_stage)
+        with self._lock:
+            self.cpu_s += time.thread_time() - start
+
+    def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> None:
+        if header.name == _BEGIN:
+            count = int(arr.reshape(-1)[0]) if arr.size == 1 else -1
+            if count < 0:
+                raise ValueError(f"a snapshot copy from {peer} declares {arr.tolist()!r:.40} tensors")
+            self._incoming[peer] = _Incoming(header.version, header.stage, count)
+            self._complete(peer, this_stage)
+            return
+        got = self._incoming.get(peer)
+        if got is None or got.sid != header.version or got.stage != header.stage:
+            return  # the rest of a copy its sender stopped shipping, or began before this stage's setup
+        try:
+            name, shape_text, offset = header.name.rsplit("|", 2)
+            shape = tuple(int(d) for d in shape_text.split(",")) if shape_text else ()
+            offset = int(offset)
+        except ValueError:
+            raise ValueError(f"a snapshot copy from {peer}: tensor name {header.name!r:.80} is not NAME|SHAPE|OFFSET") \
+                from None
+        size = int(np.prod(shape, dtype=np.int64))
+        if name in got.done or any(d < 0 for d in shape) or size * arr.itemsize > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80} repeated or of shape {shape}")
+        parts = got.filling.setdefault(name, _Parts(shape, size))
+        if offset != parts.filled or (parts.chunks and parts.chunks[0].dtype != arr.dtype) or offset + arr.size > size:
+            raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80}'s part at {offset} does not follow "
+                             f"its {parts.filled} elements of {size}")
+        parts.chunks.append(arr.reshape(-1))
+        parts.filled += arr.size
+        if parts.filled == size:
+            got.done[name] = got.filling.pop(name)
+        self._complete(peer, this_stage)
+
+    def _complete(self, peer: str, this_stage: int | None) -> None:
+        got = self._incoming[peer]
+        if len(got.done) < got.count or got.filling:
+            return
+        del self._incoming[peer]
+        self.replicas[(got.stage, got.sid)] = got.done
+        self.report({"type": "replica_held", "stage": this_stage, "of": got.stage, "sid": got.sid})
+
+    def forget_from(self, peer: str) -> None:
+        """A lost neighbour's partial copy is of no use."""
+        self._incoming.pop(peer, None)
+
+    def copy_of(self, stage: int, own_stage: int | None, sid: int) -> list[tuple[str, np.ndarray]] | None:
+        if stage == own_stage:
+            return self.own.get(sid)
+        held = self.replicas.get((stage, sid))
+        return None if held is None else [(name, parts.whole()) for name, parts in held.items()]
+
+    def figures(self) -> dict:
+        """What a step's done reports: the copy on its path, and the snapshots' CPU so far."""
+        with self._lock:
+            out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s, "snapshots_taken": self.taken}
+        self.copy_s = 0.0
+        return out
+
+
+# --- the coordinator's side ------------------------------------------------------------------------
+
+@dataclass
+class HeldSnapshot:
+    """A snapshot the workers hold (what `jobs.pipeline_training.Snapshot` is for state held on
+    the coordinator): `per_stage` and `state` are fetched from the workers when first asked for."""
+
+    step: int
+    sid: int
+    ranges: list[tuple[int, int]]
+    fetch: Callable[[int], list[dict[str, np.ndarray]]]
+    _per_stage: list | None = None
+    _state: TrainingState | None = None
+
+    @property
+    def per_stage(self) -> list[dict[str, np.ndarray]]:
+        if self._per_stage is None:
+            self._per_stage = self.fetch(self.sid)
+        return self._per_stage
+
+    @property
+    def state(self) -> TrainingState:
+        if self._state is None:
+            self._state = TrainingState(*merge_checkpoint(self.per_stage))
+        return self._state
+
+
+class PeerSnapshots:
+    """The coordinator's record of the snapshots held on the workers: which were ordered (by
+    `sid`), which every holder has confirmed, and from which a loss of given stages restores."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self.ordered: list[HeldSnapshot] = []  # newest last; at most the confirmed one and a newer
+        self.cost_s: float | None = None
+
+    @classmethod
+    def for_run(cls, coordinator, faults, plan_over) -> "PeerSnapshots | None":
+        """The run's keeper when its policy holds the state on the workers: `state_on` "peers",
+        recovering by a re-plan (a stop writes the coordinator's copy to disk), more than one stage
+        (a lone stage has no neighbour to hold its copy)."""
+        if (faults.state_on != "peers" or faults.on_failure != "replan" or plan_over is None
+                or coordinator.stages < 2):
+            return None
+        return cls(coordinator)
+
+    def confirmed(self) -> HeldSnapshot | None:
+        held = self.coordinator.replicas_held
+        for snap in reversed(self.ordered):
+            if held.get(snap.sid, set()) >= set(range(len(snap.ranges))) or len(snap.ranges) < 2:
+                return snap
+        return None
+
+    def note(self, done: Sequence[dict]) -> None:
+        """The stages' reports of a step: what the snapshots have cost each worker's CPUs so far."""
+        costs = [d["snapshot_cpu_s"] / d["snapshots_taken"] for d in done
+                 if isinstance(d.get("snapshot_cpu_s"), (int, float)) and isinstance(d.get("snapshots_taken"), int)
+                 and d["snapshots_taken"] > 0]
+        if costs:
+            self.cost_s = max(costs)
+
+    def costs(self) -> list[float]:
+        """What one snapshot costs the busiest worker, in CPU seconds (its copy, the shipping
+        thread, filing its neighbour's copy): on a device with no CPU to spare, what it adds to the
+        steps; the policy's K is chosen from it (jobs.pipeline_training.snapshot_interval)."""
+        return [self.cost_s] if self.cost_s is not None else []
+
+    def busy(self) -> bool:
+        """A snapshot is still being copied to its holders: a new one would make the workers hold
+        a third copy, so none is ordered until it is confirmed."""
+        self.coordinator.take_notices()
+        newest = self.ordered[-1] if self.ordered else None
+        if newest is None:
+            return False
+        if newest is not self.confirmed():
+            return True
+        if len(self.ordered) > 1:  # the older copies are of no use now: the workers drop them
+            self.ordered = [newest]
+            self.coordinator.keep_snapshots([newest.sid])
+        return False
+
+    def take(self, step: int, ranges, step_seconds: Sequence[float]) -> HeldSnapshot:
+        """Order a snapshot after `step` steps; its copies are shipped over half a step (the
+        shortest of the last `step_seconds`: the first after a setup builds the engines, and a
+        copy shipped slower than the steps run would be confirmed only steps later), so that the
+        step's own tensors pass between its chunks."""
+        spread_s = 0.5 * min(step_seconds[-8:]) if step_seconds else 0.0
+        base = self.confirmed()
+        keep = [base.sid] if base is not None else []
+        sid = self.coordinator.snapshot_to_peers(keep, spread_s)
+        snap = HeldSnapshot(step, sid, [tuple(r) for r in ranges], self.coordinator.fetch_held)
+        self.ordered = [s for s in self.ordered if s is base] + [snap]
+        return snap
+
+    def restorable(self, lost_stages: Sequence[int], notices: bool = True) -> HeldSnapshot | None:
+        """The newest snapshot every lost stage's holder confirmed, the holder not lost too (None:
+        none can be restored); its fetch is bound to the lost stages now. With `notices`, the
+        confirmations that arrived are filed first (call between steps, or after an abort)."""
+        if notices:
+            self.coordinator.take_notices()
+        held = self.coordinator.replicas_held
+        lost = tuple(sorted(lost_stages))
+        for snap in reversed(self.ordered):
+            stages = len(snap.ranges)
+            holders = {holder_of(k, stages) for k in lost}
+            if set(lost) <= held.get(snap.sid, set()) and not holders & set(lost) and None not in holders:
+                snap.fetch = lambda sid, lost=lost: self.coordinator.fetch_held(sid, lost)
+                snap._per_stage = snap._state = None
+                return snap
+        return None
+
+    def reset(self) -> None:
+        """The stages were set up again: their copies are gone."""
+        self.ordered = []

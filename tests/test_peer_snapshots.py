@@ -1,0 +1,236 @@
+"""Snapshots held on the workers, each stage's copied to a neighbour while the next step runs
+(issue 32, runtime.pipeline.snapshots): the coordinator holds no stage's state and waits on no
+copy, and a lost worker's state comes back from its neighbour, the replay from it exact
+(single-device training's losses and weights)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, train_pipeline
+from planner.onnx_import import load_model
+from runtime.pipeline.coordinator import Coordinator, PipelineConfig
+from runtime.pipeline.inprocess import InProcessWorkers
+from runtime.pipeline.snapshots import PeerSnapshots, holder_of
+from runtime.transport.local import LocalHub, LocalTransport
+from runtime.transport.wire import SIDE_KIND, Expected
+from support import M, ROWS, S, export_onnx, single_device_training, synthetic_batch
+
+PEERS = FaultPolicy(state_on="peers")
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_checkpoint, export_dir):
+    return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return [synthetic_batch(i) for i in range(6)]
+
+
+def _config(schedule: str = "1f1b-flush") -> PipelineConfig:
+    return PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60)
+
+
+def _same(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_holders_are_neighbours():
+    assert [holder_of(k, 3) for k in range(3)] == [1, 2, 1]
+    assert [holder_of(k, 2) for k in range(2)] == [1, 0]
+    assert holder_of(0, 1) is None
+
+
+def test_side_lane_tensors_never_meet_the_steps_own():
+    """A snapshot chunk sent between two activations neither breaks the activations' FIFO order
+    nor is taken as one of them; it waits in its own lane."""
+    hub = LocalHub()
+    a, b = LocalTransport("stage0", hub), LocalTransport("stage1", hub)
+    a.connect("stage1", b.address)
+    b.connect("stage0", a.address)
+    a.send_tensor("stage1", "act", 0, 0, np.ones(3, np.float32))
+    a.send_tensor("stage1", SIDE_KIND, 0, 0, np.arange(4, dtype=np.int64), version=7, name="#begin")
+    a.send_tensor("stage1", "act", 0, 1, np.full(3, 2, np.float32))
+    for m in range(2):
+        _, arr = b.recv_tensor("stage0", Expected(kind="act", stage=0, microbatch=m), timeout=5)
+        assert arr[0] == m + 1
+    header, arr = b.recv_side("stage0")
+    assert (header.kind, header.version, arr.tolist()) == (SIDE_KIND, 7, [0, 1, 2, 3])
+    assert b.recv_side("stage0") is None
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("lost", [0, 1, 2])
+def test_a_lost_workers_state_comes_back_from_its_neighbour_and_the_replay_is_exact(graph, batches, monkeypatch,
+                                                                                     lost):
+    """Three workers, the state held on them (never collected by the coordinator while training:
+    `collect_checkpoint` fails before the last step); worker `lost` vanishes after step 3 of 5. Its state
+    comes from its holder, the survivors' from themselves, and the run's losses and weights are
+    single-device training's."""
+    steps = 5
+    real_collect, done, at_kill = Coordinator.collect_checkpoint, [], []
+
+    def no_collect(self):
+        if not done:
+            raise AssertionError("the coordinator collected the stages' state")
+        return real_collect(self)
+
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == steps:
+                done.append(True)  # the final state comes to the coordinator: the run's result
+            if step == 3:
+                # the newest snapshot ordered is copied and shipped whole by every worker (a holder
+                # files it at its next order, the abort's included): the loss restores from it
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline and not all(
+                        sids[-1] in w.copies.own and not (w.copies._thread and w.copies._thread.is_alive())
+                        for w in workers.workers):
+                    time.sleep(0.01)
+                at_kill.append(ordered[-1])
+                workers.kill(lost)
+
+        monkeypatch.setattr(Coordinator, "collect_checkpoint", no_collect)
+        fetched = []
+        real_fetch = Coordinator.fetch_held
+
+        def fetch(self, sid, gone=()):
+            fetched.append(tuple(gone))
+            return real_fetch(self, sid, gone)
+
+        monkeypatch.setattr(Coordinator, "fetch_held", fetch)
+        ordered, sids = [], []
+        real_take = PeerSnapshots.take
+
+        def take(self, step, *args):
+            ordered.append(step)
+            snap = real_take(self, step, *args)
+            sids.append(snap.sid)
+            return snap
+
+        monkeypatch.setattr(PeerSnapshots, "take", take)
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps,
+                                transport=workers.coordinator, on_step=on_step, faults=PEERS)
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered"], kinds
+    assert (lost,) in fetched  # the lost stage's state came from its holder
+    # from the newest snapshot ordered before the loss (every copy of it had been shipped whole)
+    newest = at_kill[0]
+    assert result.events[1]["step"] == newest and result.events[2]["steps_replayed"] == 4 - newest  # step 4 was under way
+
+
+def test_the_coordinator_does_not_wait_on_the_copies(graph, batches, monkeypatch):
+    """Copies shipped slowly (a pause between chunks) do not slow the coordinator's steps: the
+    state seconds the coordinator spends are the order's, and no snapshot is ordered while the
+    last one is still being shipped (each worker holds at most two of its own)."""
+    import runtime.pipeline.snapshots as snapshots
+
+    monkeypatch.setattr(snapshots, "CHUNK_BYTES", 1024)
+    real_take = snapshots.StateCopies.take
+    own_counts = []
+
+    def take(self, sid, stage, tensors, holder, keep, spread_s):
+        real_take(self, sid, stage, tensors, holder, keep, 2.0)  # ~2 s to ship each copy
+        own_counts.append(len(self.own))
+
+    monkeypatch.setattr(snapshots.StateCopies, "take", take)
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), 4, transport=workers.coordinator,
+                                faults=PEERS)
+    want_losses, _ = single_device_training(graph, batches, 4)
+    assert result.losses == want_losses
+    assert max(result.state_seconds) < 0.5, result.state_seconds
+    assert max(own_counts) <= 2
+    assert len(own_counts) < 2 * 5  # not one after every step: the copies were still on their way
+
+
+def test_auto_snapshots_on_peers_and_1f1b_stash(graph, batches):
+    """The command line's policy on a drained 1f1b-stash run: the state goes to peers and the run
+    trains as without faults (the drains are where the segments end either way)."""
+    steps = 4
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        got = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), steps,
+                             transport=workers.coordinator,
+                             faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS, state_on="peers"))
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        want = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), steps,
+                              transport=workers.coordinator, faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS))
+    assert got.losses == want.losses
+    _same(got.weights, want.weights)
+
+
+@pytest.mark.slow  # worker processes over CURVE; twin on threads: test_a_lost_workers_state_comes_back_from_its...
+@pytest.mark.parametrize("lost", [0, 2])
+def test_sigkill_of_a_worker_process_is_recovered_from_its_neighbours_copy(graph, batches, lost):
+    """Real worker processes over CURVE, the state held on them: SIGKILL of worker `lost` (of 3)
+    just after step 3 of 5. Its state comes from its neighbour's copy, the coordinator holds none,
+    and the losses and weights are single-device training's."""
+    import os
+    import signal
+    import threading
+
+    from jobs.workers import LocalWorkers
+
+    steps = 5
+    workers = LocalWorkers.start(3, threads=1)
+    fetched = []
+    real_fetch = Coordinator.fetch_held
+
+    def fetch(self, sid, gone=()):
+        fetched.append(tuple(gone))
+        return real_fetch(self, sid, gone)
+
+    def on_step(step, *_):
+        if step == 3:
+            threading.Timer(0.02, os.kill, (workers.procs[lost].pid, signal.SIGKILL)).start()
+        if step == steps - 1:
+            workers.procs[lost].wait(10)  # landed before the run ends, however late the timer fired
+
+    Coordinator.fetch_held = fetch
+    try:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, keys=workers.keys,
+                                on_step=on_step, faults=PEERS)
+    finally:
+        Coordinator.fetch_held = real_fetch
+        codes = workers.wait(30.0)
+    assert codes[lost] == -signal.SIGKILL
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
+    _same(result.weights, want_weights)
+    assert [e["event"] for e in result.events][:3] == ["lost", "new_plan", "recovered"]
+    assert (lost,) in fetched and len(result.ranges) == 2
+
+
+def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(graph, batches):
+    """A re-plan at step 2 (blocks moved between the three workers) sets the stages up anew, which
+    drops their copies: the run takes a snapshot of the new stages at once, and a worker lost
+    after step 3 is recovered from it, exactly."""
+    steps = 5
+    n = len(graph.blocks)
+    moved = [(0, 0), (1, n - 2), (n - 1, n - 1)]
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 3:
+                deadline = time.monotonic() + 20  # the copies after the re-plan reached their holders
+                while time.monotonic() < deadline and any(
+                        w.copies._thread is not None and w.copies._thread.is_alive() for w in workers.workers):
+                    time.sleep(0.01)
+                workers.kill(1)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps,
+                                transport=workers.coordinator, on_step=on_step, faults=PEERS, replan_every=2,
+                                on_replan=lambda step, measured: moved if step == 2 else None)
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    kinds = [e["event"] for e in result.events]
+    assert kinds[-3:] == ["lost", "new_plan", "recovered"] and result.replans[0][0] == 2, kinds
