@@ -24,6 +24,7 @@ from planner.emit import load_plan_cluster
 from planner.replan import PlanReplanner
 from runtime.pipeline.bundles import plan_base
 from runtime.pipeline.checkpoints import check_checkpoint_target
+from runtime.pipeline.snapshots import peer_snapshot_bytes
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.procfs import peak_rss_bytes
 from jobs.pipeline_tasks import PipelineTask, task_run, weights_evaluation
@@ -184,8 +185,11 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         keys = None if pair is None else _remote_keys(settings, pair, names + list(spares),
                                                        addresses + list(spares.values()), plan_dir)
     address_of = {**dict(zip(names, addresses)), **spares}
+    state_on, why = state_place(plan.devices)
+    if why:
+        reporter.note(why)
     faults = FaultPolicy(settings.on_failure, settings.failure_timeout_s, AUTO_SNAPSHOTS, settings.checkpoint_every,
-                         state_on="peers")
+                         state_on=state_on)
 
     def metrics_of(result: PipelineResult, error: str | None = None, **replan_figures) -> TrainingMetrics:
         return TrainingMetrics(
@@ -380,3 +384,23 @@ def _device_figures(result: PipelineResult, names, replanner) -> tuple[DeviceFig
     final = result.devices or names
     return tuple(DeviceFigures(n, k, a, b, result.peak_rss_bytes.get(addr))
                  for k, (n, addr, (a, b)) in enumerate(zip(final, result.addresses, result.ranges)))
+
+
+def state_place(devices) -> tuple[str, str | None]:
+    """Where the fault policy keeps its snapshots for a plan's devices (`ir.documents.DevicePlan`,
+    in stage order): on the workers ("peers", the coordinator then holds none) when every device's
+    budget has room for the copies beside what the plan charges it
+    (`runtime.pipeline.snapshots.peer_snapshot_bytes`), else on the coordinator, with the line that
+    says why (a plan's memory is a promise: the copies must not take a device over its budget)."""
+    terms = [d.memory_terms or {} for d in devices]
+    state = [t.get("trainable", d.trainable_bytes or 0) + t.get("optimizer state", 0) for t, d in zip(terms, devices)]
+    extra = peer_snapshot_bytes(state)
+    over = [(d, e) for d, e in zip(devices, extra) if d.memory_bytes + e > d.memory_budget_bytes]
+    if not over:
+        return "peers", None
+    d, e = max(over, key=lambda de: de[0].memory_bytes + de[1] - de[0].memory_budget_bytes)
+    return "coordinator", (f"fault policy: the snapshots are kept on the coordinator; on the workers their copies "
+                           f"({e / 2**20:.0f} MiB on {d.name}) would take {d.name} to "
+                           f"{(d.memory_bytes + e) / 2**20:.0f} MiB, over its {d.memory_budget_bytes / 2**20:.0f} MiB "
+                           f"budget")
+

@@ -234,3 +234,33 @@ def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(grap
     _same(result.weights, want_weights)
     kinds = [e["event"] for e in result.events]
     assert kinds[-3:] == ["lost", "new_plan", "recovered"] and result.replans[0][0] == 2, kinds
+
+
+def test_what_peer_snapshots_add_to_each_device_by_hand():
+    """Each stage holds two copies of its own state and two of each stage it is the holder of
+    (stage 1 holds stage 0's; the last stage's copy goes to the one before it)."""
+    from runtime.pipeline.snapshots import peer_snapshot_bytes
+
+    assert peer_snapshot_bytes([10, 20, 30]) == [20, 2 * 20 + 2 * 10 + 2 * 30, 2 * 30 + 2 * 20]
+    assert peer_snapshot_bytes([10, 20]) == [20 + 2 * 20, 40 + 2 * 10]
+    assert peer_snapshot_bytes([10]) == [0]  # a lone stage has no neighbour: nothing is shipped
+
+
+def test_a_plan_without_room_for_the_copies_keeps_its_snapshots_on_the_coordinator():
+    """A plan's memory is a promise: the default fault policy holds the state on the workers only
+    where every device's budget has room for the copies beside what the plan charges it."""
+    from ir.documents import DevicePlan
+    from jobs.plan_training import state_place
+
+    MiB = 2 ** 20
+
+    def devices(budget_mib):
+        return [DevicePlan(name, k, k, k, 100 * MiB, budget_mib * MiB, 1.0, f"{name}.bundle", "0" * 64,
+                           memory_terms={"trainable": 10 * MiB, "optimizer state": 20 * MiB})
+                for k, name in enumerate(("phone", "laptop"))]
+
+    # each holds 2 x 30 of its own and 2 x 30 of the other's: 100 + 120 MiB
+    assert state_place(devices(220)) == ("peers", None)
+    place, why = state_place(devices(219))
+    assert place == "coordinator"
+    assert "120 MiB on phone" in why and "219 MiB budget" in why

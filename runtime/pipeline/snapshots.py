@@ -51,6 +51,20 @@ def holder_of(stage: int, stages: int) -> int | None:
     return stage + 1 if stage + 1 < stages else stage - 1
 
 
+def peer_snapshot_bytes(state_bytes: Sequence[int]) -> list[int]:
+    """What holding the snapshots on the workers adds to each stage's memory at its peak, given each
+    stage's training state in bytes (trainable parameters and optimizer state): while a snapshot is
+    shipped a worker holds two copies of its own state (the confirmed one and the new one) and up
+    to two of each stage it holds (the confirmed copy and the new one as it arrives)."""
+    stages = len(state_bytes)
+    extra = [2 * b for b in state_bytes] if stages > 1 else [0] * stages
+    for k, b in enumerate(state_bytes):
+        holder = holder_of(k, stages)
+        if holder is not None:
+            extra[holder] += 2 * b
+    return extra
+
+
 def state_tensors(executor) -> list[tuple[str, np.ndarray]]:
     """A stage's training state as checkpoint tensors (`param/<name>`, `opt/<kind>/<name>`, a
     table's row state as `rows_on_wire` pairs): the engine's and optimizer's own arrays, no copies."""
