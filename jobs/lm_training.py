@@ -185,7 +185,10 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
     try:
-        engine = make_engine(BackendSpec.cpu(settings.engine, config.threads), stage_spec(graph, 0, len(graph.blocks) - 1))
+        # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
+        # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
+        engine = make_engine(BackendSpec.cpu(settings.engine, config.threads), stage_spec(graph, 0, len(graph.blocks) - 1),
+                             take_weights=settings.lora is None)
     except ModuleNotFoundError:
         raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
     batches = make_lm_batches(train_rows, config.batch, config.seq, pad_id, seed=config.seed)

@@ -82,7 +82,10 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     batches = make_batches(run.train_encoded, config.batch, config.seq, seed=config.seed,
                            per_sequence=task == "seq-cls")
     try:
-        engine = make_engine(BackendSpec.cpu(settings.engine, config.threads), stage_spec(graph, 0, len(graph.blocks) - 1))
+        # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
+        # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
+        engine = make_engine(BackendSpec.cpu(settings.engine, config.threads), stage_spec(graph, 0, len(graph.blocks) - 1),
+                             take_weights=settings.lora is None)
     except ModuleNotFoundError:
         raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
     what = "examples" if task == "seq-cls" else "sentences"
