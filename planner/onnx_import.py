@@ -93,8 +93,14 @@ class ImportOptions:
 
 def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool = True, loss: str = "auto") -> Graph:
     """Read an ONNX file and lower it (see module docstring); errors name the file and node."""
+    from planner.onnx_quantize import widen_stored_weights
+
     path = Path(path)
     model, arrays = read_onnx_apart(path)
+    try:  # weights `confidant export --base-dtype` stored quantized: float32 initializers again
+        widen_stored_weights(model, arrays)
+    except ValueError as exc:
+        raise ImportError_(f"{path}: {exc}; {_DAMAGED}") from None
     return lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path), arrays=arrays)
 
 
