@@ -58,6 +58,7 @@ def quantize_export(model: Path, base_dtype: str, keep_head: bool = False) -> Qu
                 raise JobError(f"{kv.name} holds other weights than {model.name}: re-export both")
             files.append(kv)
         meta["base_dtype"] = base_dtype
+        meta["stored_quantized"] = sorted(done)  # computed from stored arrays, not initializers
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     stored = {k: weights[k] for k in done}
     return QuantizedExport(base_dtype, len(stored), sum(4 * q.size for q in stored.values()),

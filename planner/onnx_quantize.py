@@ -192,6 +192,31 @@ def widen_stored_weights(model, arrays: dict[str, np.ndarray]) -> None:
         graph.initializer.append(stub)
 
 
+def with_float_weights(path: Path, weights: Mapping[str, np.ndarray]) -> bytes:
+    """The ONNX file `path` as bytes with each of `weights` that it stores quantized a plain float32
+    initializer of the given value instead (its stored arrays and widening ops gone, the record
+    updated): what ONNX Runtime runs with trained weights in their place, since a weight computed by
+    ops cannot be replaced as an initializer can."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    props = {p.key: p for p in model.metadata_props}
+    record = json.loads(props[WEIGHTS_KEY].value) if WEIGHTS_KEY in props else {}
+    graph = model.graph
+    for name in [k for k in weights if k in record]:
+        prefix = f"{name}.q_"
+        for t in [t for t in graph.initializer if t.name.startswith(prefix)]:
+            graph.initializer.remove(t)
+        for n in [n for n in graph.node if n.name.startswith(prefix)]:
+            graph.node.remove(n)
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weights[name], np.float32), name))
+        del record[name]
+    if WEIGHTS_KEY in props:
+        props[WEIGHTS_KEY].value = json.dumps(record)
+    return model.SerializeToString()
+
+
 def recorded_base_dtype(path: Path) -> str:
     """The precision `confidant export --base-dtype` stored the file's frozen weights at (float32
     for a file it did not quantize, or one that is not ONNX at all: the lowering says why)."""
@@ -208,4 +233,4 @@ def recorded_base_dtype(path: Path) -> str:
 
 
 __all__ = ["BASE_DTYPE_KEY", "BLOCK", "WEIGHTS_KEY", "quantized_weights", "recorded_base_dtype", "widen_stored_weights",
-           "write_quantized"]
+           "with_float_weights", "write_quantized"]

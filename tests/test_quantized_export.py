@@ -157,3 +157,25 @@ def test_generate_runs_on_a_quantized_export_and_bad_flags_get_one_line(chat_lla
     assert run.returncode == 2 and "drop --dynamo" in run.stderr and len(run.stderr.strip().splitlines()) == 1
     run = run_cli("export", "--base-dtype", "int3", "-o", tmp_path / "e.onnx")
     assert run.returncode == 2 and "int3" in run.stderr
+
+
+def test_trained_weights_replace_stored_ones_for_onnx_runtime(float_llama, quantized):
+    """Evaluation after training (train-local) runs ONNX Runtime with the trained weights in place of
+    the file's: a weight stored quantized is ops' output, which ONNX Runtime would silently keep, so
+    the files are rewritten with it as an initializer (jobs.generation), and refused without that."""
+    from jobs.generation import _stored_replaced
+
+    _, path = float_llama
+    qpath, weights = quantized["int4"]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    trained = {name: dequantize(weights[name]) * 1.5}
+    ids = np.arange(9)[None] % 250
+    mask = np.ones_like(ids)
+    with pytest.raises(ValueError, match="cannot be\\s+replaced"):
+        OnnxCausalLM(qpath, trained)
+    got = OnnxCausalLM(qpath, trained, sources=_stored_replaced(qpath, trained), optimize=False).logits(ids, mask)
+    reference = OnnxCausalLM(path, {**{k: dequantize(q) for k, q in weights.items()}, **trained},
+                             optimize=False).logits(ids, mask)
+    np.testing.assert_allclose(got, reference, rtol=0, atol=1e-4)
+    untrained = OnnxCausalLM(qpath, optimize=False).logits(ids, mask)
+    assert np.abs(untrained - reference).max() > 1e-3
