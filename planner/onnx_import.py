@@ -1146,8 +1146,12 @@ def write_weights(source: str | Path, destination: str | Path, weights, keep: se
     import onnx
     from onnx import numpy_helper
 
+    from planner.onnx_quantize import as_plain_initializers
+
     source, destination = Path(source), Path(destination)
     model = read_onnx(source)
+    # weights `export --base-dtype` stored quantized that are written: plain initializers again
+    as_plain_initializers(model, {k: np.asarray(v) for k, v in weights.items()})
     by_name = {t.name: t for t in model.graph.initializer}
     weights = _with_folded_copies(model, weights)
     identities = {n.output[0]: n for n in model.graph.node if n.op_type == "Identity" and n.input[0] in by_name}

@@ -198,9 +198,17 @@ def with_float_weights(path: Path, weights: Mapping[str, np.ndarray]) -> bytes:
     updated): what ONNX Runtime runs with trained weights in their place, since a weight computed by
     ops cannot be replaced as an initializer can."""
     import onnx
-    from onnx import numpy_helper
 
     model = onnx.load(str(path))
+    as_plain_initializers(model, weights)
+    return model.SerializeToString()
+
+
+def as_plain_initializers(model, weights: Mapping[str, np.ndarray]) -> None:
+    """`with_float_weights` on a loaded ModelProto, in place (`planner.onnx_import.write_weights`
+    writes a trained model out of a stored-quantized export with it)."""
+    from onnx import numpy_helper
+
     props = {p.key: p for p in model.metadata_props}
     record = json.loads(props[WEIGHTS_KEY].value) if WEIGHTS_KEY in props else {}
     graph = model.graph
@@ -214,7 +222,6 @@ def with_float_weights(path: Path, weights: Mapping[str, np.ndarray]) -> bytes:
         del record[name]
     if WEIGHTS_KEY in props:
         props[WEIGHTS_KEY].value = json.dumps(record)
-    return model.SerializeToString()
 
 
 def recorded_base_dtype(path: Path) -> str:
@@ -232,5 +239,5 @@ def recorded_base_dtype(path: Path) -> str:
     return value if value in ("float32", "bfloat16", "int8", "int4") else "float32"
 
 
-__all__ = ["BASE_DTYPE_KEY", "BLOCK", "WEIGHTS_KEY", "quantized_weights", "recorded_base_dtype", "widen_stored_weights",
+__all__ = ["BASE_DTYPE_KEY", "as_plain_initializers", "BLOCK", "WEIGHTS_KEY", "quantized_weights", "recorded_base_dtype", "widen_stored_weights",
            "with_float_weights", "write_quantized"]

@@ -179,3 +179,22 @@ def test_trained_weights_replace_stored_ones_for_onnx_runtime(float_llama, quant
     np.testing.assert_allclose(got, reference, rtol=0, atol=1e-4)
     untrained = OnnxCausalLM(qpath, optimize=False).logits(ids, mask)
     assert np.abs(untrained - reference).max() > 1e-3
+
+
+def test_a_trained_model_is_written_out_of_a_stored_quantized_export(float_llama, quantized, tmp_path):
+    """`export-trained -o` (planner.onnx_import.write_weights): trained weights that the export stored
+    quantized become plain initializers of the written file; the others stay stored."""
+    from planner.onnx_import import write_weights
+
+    _, path = float_llama
+    qpath, weights = quantized["int8"]
+    name = "model.layers.1.mlp.down_proj.weight"
+    trained = {name: dequantize(weights[name]) - 0.01}
+    out = write_weights(qpath, tmp_path / "trained.onnx", trained)
+    ids = np.arange(7)[None] % 250
+    mask = np.ones_like(ids)
+    reference = OnnxCausalLM(path, {**{k: dequantize(q) for k, q in weights.items()}, **trained},
+                             optimize=False).logits(ids, mask)
+    np.testing.assert_allclose(OnnxCausalLM(out, optimize=False).logits(ids, mask), reference, rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(load_model(out, 1, 7).constants[name], trained[name])
+    assert _weight_bytes(out) < 0.5 * _weight_bytes(path)
