@@ -547,8 +547,8 @@ def cmd_estimate(args) -> int:
 
     settings = EstimateSettings(batch=args.batch, seq=args.seq, microbatches=args.microbatches,
                                 schedule=args.schedule, optimizer=args.optimizer,
-                                lora=_float32_base(_lora_settings(args)),
-                                base_dtype=args.base_dtype,
+                                lora=_float32_base(lora := _lora_settings(args)),
+                                base_dtype=args.base_dtype if lora is None else lora.base_dtype,  # a file's own
                                 update_every=default_update_every(args.schedule, args.microbatches))
     est = estimate_memory(args.model, settings, devices, args.cluster, args.profile)
     if args.json:
