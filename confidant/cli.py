@@ -103,7 +103,8 @@ def _add_base_dtype_flag(g) -> None:
                    help="how the frozen base weights are held in memory (with --lora): float32 (default), bfloat16 "
                         "(2 bytes a weight), int8 or int4 (symmetric, blocks of 32 along the input dimension, one "
                         "float16 scale a block: ~1.06 and ~0.56 bytes a weight; QLoRA-style). Adapters and "
-                        "gradients stay float32, computed exactly on the dequantized base")
+                        "gradients stay float32, computed exactly on the dequantized base. A model exported with "
+                        "`export --base-dtype` is held at its own precision (another is refused)")
 
 
 def _add_security_flags(p: argparse.ArgumentParser, who: str = "coordinator") -> None:

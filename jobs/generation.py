@@ -48,7 +48,8 @@ def _open(model: Path, initializers, threads):
             from planner.onnx_import import initializer_shapes
 
             shapes = initializer_shapes(model)
-        lm = OnnxCausalLM(model, initializers, threads, weight_shapes=shapes, sources=_stored_replaced(model, initializers))
+        lm = OnnxCausalLM(model, initializers, threads, weight_shapes=shapes,
+                          sources=_stored_replaced(model, initializers))
     except ValueError as exc:
         raise JobError(str(exc)) from None
     return lm, tokenizer

@@ -239,5 +239,5 @@ def recorded_base_dtype(path: Path) -> str:
     return value if value in ("float32", "bfloat16", "int8", "int4") else "float32"
 
 
-__all__ = ["BASE_DTYPE_KEY", "as_plain_initializers", "BLOCK", "WEIGHTS_KEY", "quantized_weights", "recorded_base_dtype", "widen_stored_weights",
-           "with_float_weights", "write_quantized"]
+__all__ = ["BASE_DTYPE_KEY", "BLOCK", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
+           "recorded_base_dtype", "widen_stored_weights", "with_float_weights", "write_quantized"]
