@@ -96,11 +96,10 @@ def make_batches(n: int, seed: int = 0, batch: int = BATCH, seq: int = SEQ):
 
 def engine_step(engine, feeds, optimizer) -> float:
     """One optimizer step of a whole-model `engine` over the micro-batch `feeds`: each forward and
-    backward, the gradients summed, one update; the summed loss."""
-    total, loss = {}, 0.0
-    for m, f in enumerate(feeds):
-        loss += float(engine.forward(f, m))
-        for k, g in engine.backward(m).params.items():
-            total[k] = total[k] + g if k in total else g
+    backward, the gradients summed, one update; the summed loss. The sum is `train-local`'s own
+    (`tasks.trainer.accumulate_feeds`: each block's gradients added in place as they come)."""
+    from tasks.trainer import accumulate_feeds
+
+    loss, total = accumulate_feeds(engine, feeds)
     engine.step(optimizer, total)
     return loss

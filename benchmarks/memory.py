@@ -83,7 +83,9 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None,
 
     feeds = _lm_feeds(model)
     graph = _graph(model, rank)
-    engine = make_engine(f"{engine_name}:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations)
+    # as train-local builds it: full fine-tuning gives the engine the lowered graph's arrays
+    engine = make_engine(f"{engine_name}:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations,
+                         take_weights=rank is None)
     setup = _setup_done()
     opt, losses, wall, cpu = make_optimizer("adamw", LR), [], [], []
     for _ in range(steps):

@@ -72,8 +72,7 @@ def main() -> None:
         for m, f in enumerate(feeds[:M]):
             engine.forward(f, m)
             mark(f"step {step} forward {m}")
-            for k, g in engine.backward(m).params.items():
-                total[k] = total[k] + g if k in total else g
+            engine.backward_into(m, total)
             mark(f"step {step} backward {m}")
         engine.step(optimizer, total)
         del total

@@ -107,7 +107,8 @@ def _add_base_dtype_flag(g) -> None:
                    help="how the frozen base weights are held in memory (with --lora): float32 (default), bfloat16 "
                         "(2 bytes a weight), int8 or int4 (symmetric, blocks of 32 along the input dimension, one "
                         "float16 scale a block: ~1.06 and ~0.56 bytes a weight; QLoRA-style). Adapters and "
-                        "gradients stay float32, computed exactly on the dequantized base")
+                        "gradients stay float32, computed exactly on the dequantized base. A model exported with "
+                        "`export --base-dtype` is held at its own precision (another is refused)")
 
 
 def _add_security_flags(p: argparse.ArgumentParser, who: str = "coordinator") -> None:
@@ -262,6 +263,13 @@ def _add_export(sub) -> None:
     p.add_argument("--labels", default=None,
                    help="comma-separated label names in output order, kept with the model (NAME.hf.json) for "
                         "`predict` and `export-trained --hf`, e.g. negative,neutral,positive")
+    p.add_argument("--base-dtype", choices=("float32", "bfloat16", "int8", "int4"), default="float32",
+                   help="store the weights a LoRA run keeps frozen at this precision in the file (default float32): "
+                        "bfloat16, int8 (blocks of 32, a float16 scale each: ~1.06 bytes a weight) or int4 "
+                        "(llama.cpp's Q4_1: a float16 step and offset a block, ~0.63 bytes; embedding tables int8). "
+                        "ONNX Runtime (`generate`) runs the file as it is; `train-local --lora` and `plan` hold the "
+                        "base at the file's precision. Norms, biases and a classifier's new head stay float32. "
+                        "TorchScript exporter only")
 
 
 def _add_inspect(sub) -> None:

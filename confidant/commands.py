@@ -18,7 +18,7 @@ from ir.training import TRAINING
 def _lora_settings(args):
     """The LoRA settings of `--lora R ...`, or None (full fine-tuning) without it."""
     given = [f for f in ("lora_alpha", "lora_targets", "train_also") if getattr(args, f, None) is not None]
-    base_dtype = getattr(args, "base_dtype", None) or "float32"
+    base_dtype = _base_dtype_of_file(args, getattr(args, "base_dtype", None) or "float32")
     if getattr(args, "lora", None) is None:
         if base_dtype != "float32":
             raise UsageError(f"--base-dtype {base_dtype} holds the frozen base weights at lower precision, but "
@@ -40,6 +40,28 @@ def _lora_settings(args):
         return LoraSettings(args.lora, alpha, targets, also, seed=getattr(args, "seed", 0), base_dtype=base_dtype)
     except ValueError as exc:
         raise CliError(f"--lora: {exc}") from None
+
+
+def _base_dtype_of_file(args, asked: str) -> str:
+    """The frozen base's precision for a model `confidant export --base-dtype` stored quantized: the
+    file's own (its weights are those rounded values: holding them so is exact, while another
+    precision would round them a second time, so that is refused); `asked` for any other file."""
+    model = getattr(args, "model", None)
+    if not (isinstance(model, Path) and model.suffix == ".onnx" and model.is_file()):
+        return asked
+    from planner.onnx_quantize import recorded_base_dtype
+
+    stored = recorded_base_dtype(model)
+    if stored == "float32" or asked == stored:
+        return asked
+    if asked != "float32":
+        raise UsageError(f"--base-dtype {asked}: {model.name} stores its frozen weights {stored} (exported with "
+                         f"--base-dtype {stored}), and holding them {asked} would round them a second time; drop "
+                         f"--base-dtype (the file's {stored} is used) or export the model again")
+    if getattr(args, "lora", None) is None:
+        return asked  # full fine-tuning: every weight trains in float32 from the stored values
+    print(f"{model.name} stores its frozen weights {stored}: the LoRA base is held {stored}", file=sys.stderr)
+    return stored
 
 
 def _float32_base(lora):
@@ -99,6 +121,7 @@ def _export_causal_lm(args) -> int:
                        "pip install 'confidant[export]' torch==2.13.0") from None
     if not 14 <= args.opset <= 20:
         raise CliError(f"--opset {args.opset} is outside the supported 14-20")
+    _check_base_dtype_flags(args)
     options = LlmExportOptions(opset=args.opset, dynamo=args.dynamo, seed=args.seed)
     exporter = "dynamo" if args.dynamo else "torchscript"
     if args.random:
@@ -116,8 +139,27 @@ def _export_causal_lm(args) -> int:
         print(f"exporting {source} -> {args.output} (opset {args.opset}, {exporter} exporter, causal LM)",
               file=sys.stderr)
         export_llm(args.checkpoint, args.output, options, kv_cache=not args.no_kv_cache)
+    _store_base(args)
     print(args.output)
     return 0
+
+
+def _check_base_dtype_flags(args) -> None:
+    if getattr(args, "base_dtype", "float32") != "float32" and args.dynamo:
+        raise UsageError(f"--base-dtype {args.base_dtype} rewrites the TorchScript exporter's files (the dynamo "
+                         "exporter renames and pre-transposes weights): drop --dynamo")
+
+
+def _store_base(args) -> None:
+    """--base-dtype: the written files with their frozen weights stored at that precision."""
+    base = getattr(args, "base_dtype", "float32")
+    if base == "float32":
+        return
+    from jobs.export_quantized import quantize_export
+
+    done = quantize_export(args.output, base, keep_head=args.task != "causal-lm")
+    print(f"stored {done.weights} weights {base}: {done.float_bytes / 2**20:.1f} MiB as float32 -> "
+          f"{done.stored_bytes / 2**20:.1f} MiB ({', '.join(p.name for p in done.files)})", file=sys.stderr)
 
 
 def cmd_export(args) -> int:
@@ -137,10 +179,12 @@ def cmd_export(args) -> int:
                                 task=args.task, attention=getattr(args, "attention", "eager"), labels=labels).check()
     except ValueError as exc:
         raise CliError(f"{exc} (--opset, --num-labels, --labels)") from None
+    _check_base_dtype_flags(args)
     checkpoint = args.checkpoint or default_checkpoint_dir()
     print(f"exporting {checkpoint} -> {args.output} ({args.task}, opset {args.opset}, "
           f"{'dynamo' if args.dynamo else 'torchscript'} exporter, {num_labels} labels)", file=sys.stderr)
     export_checkpoint(checkpoint, args.output, options)
+    _store_base(args)
     print(args.output)
     return 0
 
@@ -513,8 +557,8 @@ def cmd_estimate(args) -> int:
 
     settings = EstimateSettings(batch=args.batch, seq=args.seq, microbatches=args.microbatches,
                                 schedule=args.schedule, optimizer=args.optimizer,
-                                lora=_float32_base(_lora_settings(args)),
-                                base_dtype=args.base_dtype,
+                                lora=_float32_base(lora := _lora_settings(args)),
+                                base_dtype=args.base_dtype if lora is None else lora.base_dtype,  # a file's own
                                 update_every=default_update_every(args.schedule, args.microbatches))
     est = estimate_memory(args.model, settings, devices, args.cluster, args.profile)
     if args.json:

@@ -21,6 +21,19 @@ from tasks.causal_lm.tokenizer import load_lm_tokenizer
 __all__ = ["evaluate_lm", "generate", "write_task_data"]
 
 
+def _stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
+    """For a file `export --base-dtype` stored quantized whose stored weights are replaced (trained):
+    it and its cache graph as bytes with those weights as plain initializers (ONNX Runtime cannot
+    replace a weight that ops compute)."""
+    meta = lm_metadata(model) or {}
+    if not initializers or not set(meta.get("stored_quantized") or ()) & set(initializers):
+        return None
+    from planner.onnx_quantize import with_float_weights
+
+    files = [model] + ([model.parent / meta["kv_model"]] if meta.get("kv_model") else [])
+    return {f: with_float_weights(f, initializers) for f in files if f.is_file()}
+
+
 def _open(model: Path, initializers, threads):
     if not model.is_file():
         raise FileNotFoundError(f"{model}: no such ONNX file")
@@ -35,7 +48,8 @@ def _open(model: Path, initializers, threads):
             from planner.onnx_import import initializer_shapes
 
             shapes = initializer_shapes(model)
-        lm = OnnxCausalLM(model, initializers, threads, weight_shapes=shapes)
+        lm = OnnxCausalLM(model, initializers, threads, weight_shapes=shapes,
+                          sources=_stored_replaced(model, initializers))
     except ValueError as exc:
         raise JobError(str(exc)) from None
     return lm, tokenizer

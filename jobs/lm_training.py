@@ -148,7 +148,9 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
     try:
-        engine = whole_model_engine(graph, settings.engine, config.threads)
+        # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
+        # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
+        engine = whole_model_engine(graph, settings.engine, config.threads, take_weights=settings.lora is None)
     except ModuleNotFoundError:
         raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
     batches = CAUSAL_LM.batches(run, config.batch, config.seed)

@@ -93,8 +93,14 @@ class ImportOptions:
 
 def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool = True, loss: str = "auto") -> Graph:
     """Read an ONNX file and lower it (see module docstring); errors name the file and node."""
+    from planner.onnx_quantize import widen_stored_weights
+
     path = Path(path)
     model, arrays = read_onnx_apart(path)
+    try:  # weights `confidant export --base-dtype` stored quantized: float32 initializers again
+        widen_stored_weights(model, arrays)
+    except ValueError as exc:
+        raise ImportError_(f"{path}: {exc}; {_DAMAGED}") from None
     return lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path), arrays=arrays)
 
 
@@ -1140,8 +1146,12 @@ def write_weights(source: str | Path, destination: str | Path, weights, keep: se
     import onnx
     from onnx import numpy_helper
 
+    from planner.onnx_quantize import as_plain_initializers
+
     source, destination = Path(source), Path(destination)
     model = read_onnx(source)
+    # weights `export --base-dtype` stored quantized that are written: plain initializers again
+    as_plain_initializers(model, {k: np.asarray(v) for k, v in weights.items()})
     by_name = {t.name: t for t in model.graph.initializer}
     weights = _with_folded_copies(model, weights)
     identities = {n.output[0]: n for n in model.graph.node if n.op_type == "Identity" and n.input[0] in by_name}

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ir.plan import DEFAULT_LR
-from runtime.engines.base import StageEngine, accumulate
+from runtime.engines.base import StageEngine
 from runtime.procfs import peak_rss_bytes
 from tasks.metrics import ClassScores, Scores, class_scores, entity_f1
 from runtime.optim import make_optimizer
@@ -99,7 +99,7 @@ def accumulate_feeds(engine: StageEngine, feeds: Sequence[dict[str, np.ndarray]]
     try:
         for m, micro in enumerate(feeds):
             loss += float(engine.forward(micro, microbatch=m))
-            accumulate(grads, engine.backward(m).params)
+            engine.backward_into(m, grads)  # each block's gradients summed as they come
     finally:
         engine.row_gradients = was
     return loss, grads

@@ -100,7 +100,8 @@ EXPORTER = _first_existing("jobs.export", "confidant.export")
 OWNERS: dict[str, tuple[str, ...]] = {
     "MNN": ("runtime.engines.mnn_kernels",),
     "_mnncengine": ("runtime.engines.mnn_kernels",),
-    "onnx": ("planner.onnx_import",),  # and the ONNX exporter, should it ever import onnx itself
+    # onnx_quantize: export --base-dtype's files; and the ONNX exporter, should it ever import onnx itself
+    "onnx": ("planner.onnx_import", "planner.onnx_quantize"),
     "networkx": ("planner.passes",),
     "torch": ("runtime.engines.pytorch", EXPORTER, "jobs.export_llm"),
     "transformers": (EXPORTER, "jobs.export_llm", "jobs.export_hf"),  # export_hf: the tokenizer of what we write

@@ -398,13 +398,13 @@ def test_an_engine_failing_in_a_backward_is_named_by_its_action(graph, batches, 
     def make_engine(backend, spec, **kwargs):
         engine = made(backend, spec, **kwargs)
         if spec.first_block == middle:
-            backward = engine.backward
+            backward = engine.backward_into  # what the executor calls: gradients summed as they come
 
-            def failing(microbatch, upstream):
+            def failing(microbatch, into, upstream):
                 if microbatch == 1:
                     raise FloatingPointError("the engine's backward overflowed")
-                return backward(microbatch, upstream)
-            engine.backward = failing
+                return backward(microbatch, into, upstream)
+            engine.backward_into = failing
         return engine
 
     monkeypatch.setattr(worker_module, "make_engine", make_engine)
@@ -686,9 +686,9 @@ def test_a_bundle_stage_failing_in_a_backward_is_named_by_device_and_action(grap
     def make_engine(backend, spec, **kwargs):
         engine = made(backend, spec, **kwargs)
         if spec.first_block == 3:  # device b's stage
-            def failing(microbatch, upstream):
+            def failing(microbatch, into, upstream):
                 raise FloatingPointError("the engine's backward overflowed")
-            engine.backward = failing
+            engine.backward_into = failing  # what the executor calls
         return engine
 
     monkeypatch.setattr(worker_module, "make_engine", make_engine)

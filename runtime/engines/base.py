@@ -132,6 +132,17 @@ class StageEngine(ABC):
         """W of a split backward: the parameter gradients `backward_input` left for later."""
         return {}
 
+    def backward_into(self, microbatch: int, into: dict, grad_output: np.ndarray | None = None
+                      ) -> np.ndarray | None:
+        """`backward` with its parameter gradients added into the running sum `into` in place
+        (`accumulate`); the gradient of the stage input (None on the first stage). An engine that
+        computes its gradients a block at a time adds each block's as it comes, so no second whole
+        set of gradients (the micro-batch's own) lives beside the sum during a backward (SmolLM2 full
+        fine-tuning: 513 MiB). By default the whole backward, then the sum."""
+        result = self.backward(microbatch, grad_output)
+        accumulate(into, result.params)
+        return result.activation_input
+
     # Whether `backward_and_step` steps each weight as its gradient comes (else it is `backward`
     # then `step`): the executor fuses a B with the UPDATE that follows it alone.
     steps_in_backward: bool = False

@@ -688,7 +688,10 @@ class MnnStageEngine(StageEngine):
             accumulate(grads, {item.weight: item.gradient()})
         return grads
 
-    def _backward(self, microbatch: int, grad_output, split: bool) -> StageGradients:
+    def backward_into(self, microbatch: int, into: dict, grad_output=None):
+        return self._backward(microbatch, grad_output, split=False, into=into).activation_input
+
+    def _backward(self, microbatch: int, grad_output, split: bool, into: dict | None = None) -> StageGradients:
         if microbatch not in self._stash:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         serial, version, block_inputs, host, slot = self._stash.pop(microbatch)
@@ -720,6 +723,9 @@ class MnnStageEngine(StageEngine):
                     pg, g = prog.backward(g, host)
                 if self.per_block:
                     prog.release()
+                if into is not None:  # each block's into the running sum: no whole set of this one's
+                    accumulate(into, pg)
+                    continue
                 for k, v in pg.items():
                     grads[k] = add_gradient(grads[k], v) if k in grads else v
         finally:

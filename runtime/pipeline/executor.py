@@ -235,11 +235,11 @@ class StageExecutor:
             else:
                 if self.engine.split_backward:
                     result = self.engine.backward_input(m, upstream)
-                else:
-                    result = self.engine.backward(m, upstream)
+                    self._accumulate(result.params)
+                    self._grads_out[m] = result.activation_input
+                else:  # summed into grad_sum block by block as the engine computes them
+                    self._grads_out[m] = self.engine.backward_into(m, self.grad_sum, upstream)
                     self.backwards_since_update += 1
-                self._accumulate(result.params)
-                self._grads_out[m] = result.activation_input
         elif kind is ActionKind.W:
             if not self.engine.split_backward:
                 raise RuntimeError(f"stage {self.stage}: {action} in a plan the executor was not prepared for "

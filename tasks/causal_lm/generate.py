@@ -99,7 +99,8 @@ def _check_initializers(initializers: Mapping[str, np.ndarray], meta: dict | Non
     return out
 
 
-def _session(path: Path, initializers: Mapping[str, np.ndarray], threads: int | None, optimize: bool):
+def _session(path: Path, initializers: Mapping[str, np.ndarray], threads: int | None, optimize: bool,
+             stored_quantized: bool = False, source: bytes | None = None):
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
@@ -113,9 +114,13 @@ def _session(path: Path, initializers: Mapping[str, np.ndarray], threads: int | 
     # Constant folding (and the transpose optimizer's folding into initializers) reads the file's
     # weights, not the added ones: a folded Transpose(W) would keep the old W. Checked by moving every
     # weight in tests/test_generate.py.
-    disabled = ["ConstantFolding", "TransposeOptimizer"] if initializers else []
+    # A file whose weights are stored quantized (`export --base-dtype`) widens each weight with a few
+    # ops over its stored arrays: folded at load, every intermediate of every weight was held at once
+    # (SmolLM2 int4: 4.9 GB against 1.2 for the float file); left to run, each weight is widened when
+    # a product needs it and dropped after, so the session holds the small arrays.
+    disabled = ["ConstantFolding", "TransposeOptimizer"] if initializers or stored_quantized else []
     flushed = fpmode.denormals_flushed()
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
+    session = ort.InferenceSession(str(path) if source is None else source, options, providers=["CPUExecutionProvider"],
                                    disabled_optimizers=disabled)
     if flushed:
         # creating a session clears this thread's flush-to-zero bits (MXCSR), and an MNN engine in the
@@ -136,7 +141,8 @@ class OnnxCausalLM:
 
     def __init__(self, model_path: str | Path, initializers: Mapping[str, np.ndarray] | None = None,
                  threads: int | None = None, optimize: bool = True,
-                 weight_shapes: Mapping[str, Sequence[int]] | None = None):
+                 weight_shapes: Mapping[str, Sequence[int]] | None = None,
+                 sources: Mapping[Path, bytes] | None = None):
         self.path = Path(model_path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such ONNX file")
@@ -144,6 +150,15 @@ class OnnxCausalLM:
         self.initializers = (_check_initializers(initializers, self.meta, self.path, weight_shapes)
                              if initializers else {})
         self.threads, self.optimize = threads, optimize
+        self.stored_quantized = (self.meta or {}).get("base_dtype", "float32") != "float32"
+        # the files as bytes to run instead (path -> bytes): a stored-quantized file with trained weights
+        # as plain initializers (planner.onnx_quantize.with_float_weights, made by jobs.generation)
+        self.sources = {Path(k): v for k, v in (sources or {}).items()}
+        stored = set((self.meta or {}).get("stored_quantized") or ()) & set(self.initializers)
+        if stored and self.path not in self.sources:
+            raise ValueError(f"{self.path}: weight {sorted(stored)[0]!r} is stored {self.meta['base_dtype']} "
+                             "(exported with --base-dtype) and computed from its stored arrays, so it cannot be "
+                             "replaced as an initializer: give the files with it as one (`sources`)")
         self._full = None
         self._step = None
         kv = self.meta.get("kv_model") if self.meta else None
@@ -157,12 +172,14 @@ class OnnxCausalLM:
 
     def _full_session(self):
         if self._full is None:
-            self._full = _session(self.path, self.initializers, self.threads, self.optimize)
+            self._full = _session(self.path, self.initializers, self.threads, self.optimize, self.stored_quantized,
+                                  self.sources.get(self.path))
         return self._full[0]
 
     def _step_session(self):
         if self._step is None:
-            self._step = _session(self.kv_path, self.initializers, self.threads, self.optimize)
+            self._step = _session(self.kv_path, self.initializers, self.threads, self.optimize, self.stored_quantized,
+                                  self.sources.get(self.kv_path))
         return self._step[0]
 
     def logits(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:

@@ -1,0 +1,243 @@
+"""An exported ONNX model with its frozen weights stored quantized (`confidant export --base-dtype`).
+
+Each weight `ir.precision.quantizable` picks (a 2-D float weight read only by products and lookups,
+not a classifier's fresh head) is replaced in the file by its storage arrays, the ones a bundle
+holds (`ir.precision.storage_tensors`: `NAME.q_codes`, `NAME.q_scales`, int4's `NAME.q_mins`),
+and a few standard ops that widen them back to `NAME` as float32, so the rest of the graph is
+unchanged and ONNX Runtime (generation), the lowering (which folds them) and any other reader
+computes with exactly the weight `ir.precision.dequantize` gives:
+
+- int8: Cast(codes, float) [rows, blocks, 32] x Cast(scales, float) [rows, blocks, 1];
+- int4: the packed bytes Cast to float, the high nibble Floor(b / 16), the low b - 16 x high (exact
+  in float32), interleaved low first, x step + offset (llama.cpp's Q4_1: w = q d + m);
+- bfloat16: a BFLOAT16 tensor Cast to float;
+then reshaped to [rows, padded columns], cut to the real columns and, for a weight blocked along
+its first axis, transposed back. The float32 products and sums are the ones numpy makes in
+`QuantizedTensor.widen_storage_rows`, so the values are bit for bit the same.
+
+Why not ONNX's blocked `DequantizeLinear`: it needs opset 21 (the exports here are opset 14-20, and
+raising a model's opset changes other ops' forms), and Q4_1's per-block float offset is no integer
+zero point: y = (q - zp) d cannot give q d + m. The ops above run at every opset the exporters write.
+
+The file records what it did in its metadata (`confidant.base_dtype`, and per weight its storage and
+blocked axis in `confidant.quantized_weights`), so `train-local` and `plan` hold the base at the
+file's precision (quantizing its dequantized weights again gives back the very same codes, see
+ir/precision.py) and refuse another precision, which would round the rounded weights a second time.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from ir.precision import BLOCK, QuantizedTensor, check_base_dtype, quantize, storage_tensors
+
+BASE_DTYPE_KEY = "confidant.base_dtype"
+WEIGHTS_KEY = "confidant.quantized_weights"
+
+
+def _initializer(name: str, value: np.ndarray):
+    from onnx import TensorProto, helper, numpy_helper
+
+    if value.dtype == np.uint16:  # bfloat16 bit patterns: an ONNX BFLOAT16 tensor of those bits
+        return helper.make_tensor(name, TensorProto.BFLOAT16, list(value.shape), value.tobytes(), raw=True)
+    return numpy_helper.from_array(np.ascontiguousarray(value), name)
+
+
+def _widen_nodes(name: str, q: QuantizedTensor) -> tuple[list, list]:
+    """(initializers, nodes) that compute `name` (float32, its logical shape) from `q`'s storage arrays."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    pieces = storage_tensors(name, q)
+    inits = [_initializer(k, v) for k, v in pieces.items() if v.size]  # bfloat16's scales are empty
+    p = f"{name}.q_"
+    nodes = []
+
+    def const(suffix: str, value) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(value), p + suffix))
+        return p + suffix
+
+    def op(kind: str, inputs, suffix: str, **attrs) -> str:
+        nodes.append(helper.make_node(kind, list(inputs), [p + suffix], name=p + suffix, **attrs))
+        return p + suffix
+
+    rows, cols = q.rows, q.cols
+    if q.storage == "bfloat16":
+        stored = op("Cast", [f"{name}.q_codes"], "widened", to=TensorProto.FLOAT)
+        padded = cols
+    else:
+        codes = op("Cast", [f"{name}.q_codes"], "codes_f", to=TensorProto.FLOAT)
+        padded = q.codes.shape[1] * (2 if q.storage == "int4" else 1)
+        if q.storage == "int4":
+            high = op("Floor", [op("Mul", [codes, const("sixteenth", np.float32(1 / 16))], "over16")], "high")
+            low = op("Sub", [codes, op("Mul", [high, const("sixteen", np.float32(16))], "high16")], "low")
+            axes = const("axis2", np.array([2], np.int64))
+            pair = op("Concat", [op("Unsqueeze", [low, axes], "low3"), op("Unsqueeze", [high, axes], "high3")],
+                      "pairs", axis=2)
+            codes = pair
+        blocks = padded // q.block
+        shape3 = const("shape3", np.array([rows, blocks, q.block], np.int64))
+        shape_s = const("shape_s", np.array([rows, blocks, 1], np.int64))
+        grid = op("Reshape", [codes, shape3], "grid")
+        scales = op("Reshape", [op("Cast", [f"{name}.q_scales"], "scales_f", to=TensorProto.FLOAT), shape_s], "scales3")
+        out = op("Mul", [grid, scales], "scaled")
+        if q.storage == "int4":
+            mins = op("Reshape", [op("Cast", [f"{name}.q_mins"], "mins_f", to=TensorProto.FLOAT), shape_s], "mins3")
+            out = op("Add", [out, mins], "offset")
+        stored = op("Reshape", [out, const("shape2", np.array([rows, padded], np.int64))], "widened")
+    if padded != cols:
+        stored = op("Slice", [stored, const("start", np.array([0], np.int64)), const("end", np.array([cols], np.int64)),
+                              const("axes", np.array([1], np.int64))], "cut")
+    final = helper.make_node("Transpose", [stored], [name], name=p + "logical", perm=[1, 0]) if q.axis == 0 else \
+        helper.make_node("Identity", [stored], [name], name=p + "logical")
+    nodes.append(final)
+    return inits, nodes
+
+
+def quantized_weights(graph, storage: str, keep_float: set[str] = frozenset()) -> dict[str, QuantizedTensor]:
+    """The lowered `graph`'s frozen-to-be weights held at `storage` (tables at int8 under int4, as
+    `ir.precision.storage_for`), those in `keep_float` left out (a classifier's fresh head)."""
+    from ir.precision import lookup_tables, quantizable, storage_for
+
+    check_base_dtype(storage)
+    if storage == "float32":
+        return {}
+    tables = lookup_tables(graph.nodes)
+    return {name: quantize(np.asarray(graph.constants[name], np.float32), storage_for(storage, name in tables), axis)
+            for name, axis in quantizable(graph.nodes, graph.constants, keep_float).items()}
+
+
+def write_quantized(path: Path, weights: Mapping[str, QuantizedTensor], base_dtype: str) -> list[str]:
+    """Rewrite the ONNX file `path` in place with each of `weights` (by initializer name, logical
+    shape as in the file) stored quantized; the names replaced (a weight the file does not hold as
+    an initializer of that shape is skipped)."""
+    import onnx
+
+    path = Path(path)
+    model = onnx.load(str(path))  # a file this process just exported (the lowering read it first)
+    graph = model.graph
+    by_name = {t.name: t for t in graph.initializer}
+    done, inits, nodes = [], [], []
+    for name, q in weights.items():
+        old = by_name.get(name)
+        if old is None or tuple(old.dims) != tuple(q.shape):
+            continue
+        graph.initializer.remove(old)
+        more_inits, more_nodes = _widen_nodes(name, q)
+        inits += more_inits
+        nodes += more_nodes
+        done.append(name)
+    graph.initializer.extend(inits)
+    rest = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + rest)  # topological: the widened weights before any reader
+    stored = {k: weights[k] for k in done}
+    props = {p.key: p for p in model.metadata_props}
+    for key, value in ((BASE_DTYPE_KEY, base_dtype),
+                       (WEIGHTS_KEY, json.dumps({k: [q.storage, q.axis, q.block, *q.shape]
+                                                 for k, q in stored.items()}))):
+        if key in props:
+            props[key].value = value
+        else:
+            model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(path))
+    return done
+
+
+def widen_stored_weights(model, arrays: dict[str, np.ndarray]) -> None:
+    """For the lowering: each weight the file stores quantized (its metadata says which) becomes a
+    float32 initializer again (`dequantize` of its storage arrays: the values the widening ops give),
+    its storage arrays and widening ops gone from `model` (a ModelProto whose initializers' data is
+    in `arrays`, `planner.onnx_import.read_onnx_apart`, or in the message). A file without the
+    record is left as it is."""
+    from onnx import TensorProto, numpy_helper
+
+    from ir.precision import dequantize, from_storage_tensors
+
+    record = {p.key: p.value for p in model.metadata_props}.get(WEIGHTS_KEY)
+    if not record:
+        return
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+
+    def piece(key: str, dtype) -> np.ndarray:
+        if key in arrays:
+            value = arrays.pop(key)
+        elif key in inits:
+            value = numpy_helper.to_array(inits[key])
+        else:
+            raise ValueError(f"the file records {key.split('.q_')[0]!r} as stored quantized, but it has no {key!r}")
+        if dtype == np.uint16 and value.dtype == np.float32:  # bfloat16 bits, widened by the reader
+            return (np.ascontiguousarray(value).view(np.uint32) >> 16).astype(np.uint16)
+        return value.astype(dtype, copy=False)
+
+    for name, (storage, axis, block, *shape) in json.loads(record).items():
+        dtypes = {"q_codes": {"bfloat16": np.uint16, "int8": np.int8, "int4": np.uint8}[storage],
+                  "q_scales": np.float16, "q_mins": np.float16}
+        tensors = {f"{name}.{k}": piece(f"{name}.{k}", d) for k, d in dtypes.items()
+                   if (k != "q_mins" or storage == "int4") and (k != "q_scales" or storage != "bfloat16")}
+        if storage == "bfloat16":
+            tensors[f"{name}.q_scales"] = np.zeros((shape[1 - axis], 0), np.float16)
+        arrays[name] = dequantize(from_storage_tensors(name, tensors, storage, axis, block, shape))
+        prefix = f"{name}.q_"
+        for t in [t for t in graph.initializer if t.name.startswith(prefix)]:
+            graph.initializer.remove(t)
+            arrays.pop(t.name, None)
+        for n in [n for n in graph.node if n.name.startswith(prefix)]:
+            graph.node.remove(n)
+        stub = TensorProto(name=name, data_type=TensorProto.FLOAT)  # its data: arrays[name]
+        stub.dims.extend(int(d) for d in shape)
+        graph.initializer.append(stub)
+
+
+def with_float_weights(path: Path, weights: Mapping[str, np.ndarray]) -> bytes:
+    """The ONNX file `path` as bytes with each of `weights` that it stores quantized a plain float32
+    initializer of the given value instead (its stored arrays and widening ops gone, the record
+    updated): what ONNX Runtime runs with trained weights in their place, since a weight computed by
+    ops cannot be replaced as an initializer can."""
+    import onnx
+
+    model = onnx.load(str(path))
+    as_plain_initializers(model, weights)
+    return model.SerializeToString()
+
+
+def as_plain_initializers(model, weights: Mapping[str, np.ndarray]) -> None:
+    """`with_float_weights` on a loaded ModelProto, in place (`planner.onnx_import.write_weights`
+    writes a trained model out of a stored-quantized export with it)."""
+    from onnx import numpy_helper
+
+    props = {p.key: p for p in model.metadata_props}
+    record = json.loads(props[WEIGHTS_KEY].value) if WEIGHTS_KEY in props else {}
+    graph = model.graph
+    for name in [k for k in weights if k in record]:
+        prefix = f"{name}.q_"
+        for t in [t for t in graph.initializer if t.name.startswith(prefix)]:
+            graph.initializer.remove(t)
+        for n in [n for n in graph.node if n.name.startswith(prefix)]:
+            graph.node.remove(n)
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weights[name], np.float32), name))
+        del record[name]
+    if WEIGHTS_KEY in props:
+        props[WEIGHTS_KEY].value = json.dumps(record)
+
+
+def recorded_base_dtype(path: Path) -> str:
+    """The precision `confidant export --base-dtype` stored the file's frozen weights at (float32
+    for a file it did not quantize, or one that is not ONNX at all: the lowering says why)."""
+    import onnx
+
+    from planner.onnx_weights import without_raw_data
+
+    try:  # the message without its weights' bytes: a float model's 500 MB are never read for this
+        model = onnx.ModelProto.FromString(without_raw_data(Path(path))[0])
+    except Exception:  # noqa: BLE001 - not readable here: the lowering reports it properly
+        return "float32"
+    value = {p.key: p.value for p in model.metadata_props}.get(BASE_DTYPE_KEY, "float32")
+    return value if value in ("float32", "bfloat16", "int8", "int4") else "float32"
+
+
+__all__ = ["BASE_DTYPE_KEY", "BLOCK", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
+           "recorded_base_dtype", "widen_stored_weights", "with_float_weights", "write_quantized"]
