@@ -21,7 +21,7 @@ from jobs.export_quantized import quantize_export
 from planner.onnx_import import load_model
 from planner.onnx_quantize import quantized_weights, recorded_base_dtype
 from support import run_cli
-from tasks.generate import GenerationSettings, OnnxCausalLM
+from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DTYPES = ["int4", "int8", "bfloat16"]
