@@ -318,6 +318,15 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         # profiling.device.measure_block), which no plan separates: the loss's own figure, measured
         # alone on the logits, is no part of the pair's peak (SmolLM2: 72 MiB counted twice)
         out[-1] = replace(out[-1], workspace_bytes=0, stacked_bytes=0, kept_bytes=0, engine_bytes=0)
+        # the fused pair's workspace is a transient like any block's backward: only one runs at a
+        # time, so a stage holding the pair needs the larger of it and the blocks' transient
+        # (`transient_bytes`, charged to every stage), not both (SmolLM2 int4: ~150 + 25 MiB charged
+        # where ~150 peaked). The profile measures the pair's whole peak (no stacked part: the fused
+        # loss frees its chunks, a frozen or summed head weight's gradient is charged apart), so what
+        # it needs beyond the others' transient is charged as its stacked part.
+        head = out[-2]
+        others = max((c.transient for c in out[:-2]), default=0)
+        out[-2] = replace(head, stacked_bytes=max(0, head.workspace_bytes - others))
     return tuple(out)
 
 

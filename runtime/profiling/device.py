@@ -23,7 +23,6 @@ real head split costs beyond the curves), `links` (bandwidth and latency to a pe
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import replace
 from typing import Sequence
@@ -45,7 +44,7 @@ DEFAULT_BACKENDS = ("mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1", "torch:cpu:t2")
 # Below this, a first run's excess over a repeat is page-level noise (MNN measures 0.2 MiB), not
 # an engine's start-up.
 START_UP_NOISE_BYTES = 1 << 20
-# Peaks per stage length behind the per-block line (`_steady_peak`).
+# Peaks per stage length behind the per-block line (`measure_block`).
 LEAN_PEAK_REPEATS = 3
 
 
@@ -104,21 +103,21 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     if backend.engine != "mnn":
         return cost
     # MNN also recomputes per block: the same peaks measured that way, the workspace taken from the
-    # line as well (a first stage's peak alone ran 40-64 MiB for a MiniLM layer, the line 40-41)
-    lean_peaks = [_steady_peak(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block") for k in range(1, run + 1)]
+    # line as well (a first stage's peak alone ran 40-64 MiB for a MiniLM layer, the line 40-41).
+    # Each length is measured LEAN_PEAK_REPEATS times: what a further block adds is small (SmolLM2
+    # int4 LoRA: its stashed input and LoRA gradients, ~0.4 MiB), and a peak lands ~10 MiB high now
+    # and then (SmolLM2 layers 1-6, three rounds: 23.9 .. 26.6 MiB, once 34.2-34.8 at any length), so
+    # one peak per length put that into every block (0.3, 5.4 and 0.4 MiB a further layer in three
+    # profiles, 5.4 x 15 layers charging a stage 76 MiB it never used). The line is drawn through
+    # each length's lowest peak, and the workspace is the highest peak less the blocks the line
+    # stacks under it: a high peak is charged once, as the transient it is, never per block.
+    lean_runs = [[peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
+                  for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, run + 1)]
     if run == 1:
-        return replace(cost, per_block_workspace_bytes=lean_peaks[0])
-    lean, lean_intercept = _further_block_line(lean_peaks)
-    return replace(cost, per_block_workspace_bytes=lean + lean_intercept, per_block_stacked_bytes=lean)
-
-
-def _steady_peak(backend, spec, feeds, activations: str) -> int:
-    """The median of LEAN_PEAK_REPEATS peaks of `spec` (`peak_workspace`): per block, what a further
-    block adds is small (SmolLM2 int4 LoRA: its stashed input, ~0.3 MiB), so one peak's noise of a
-    few MiB decides the line (three profiles measured 0.3, 5.4 and 0.4 MiB a further layer, 5.4 x
-    15 layers charging a stage 76 MiB it never used); a peak that lands high once is left out."""
-    return int(statistics.median_low(peak_workspace(backend, spec, feeds, activations)
-                                     for _ in range(LEAN_PEAK_REPEATS)))
+        return replace(cost, per_block_workspace_bytes=max(lean_runs[0]))
+    lean, _ = _further_block_line([min(peaks) for peaks in lean_runs])
+    workspace = max(p - k * lean for k, peaks in enumerate(lean_runs) for p in peaks)
+    return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
 
 
 def _further_block_line(peaks: list[int]) -> tuple[int, int]:
