@@ -102,20 +102,21 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     cost = replace(cost, kept_bytes=kept)
     if backend.engine != "mnn":
         return cost
-    # MNN also recomputes per block: the same peaks measured that way, the workspace taken from the
-    # line as well (a first stage's peak alone ran 40-64 MiB for a MiniLM layer, the line 40-41).
-    # Each length is measured LEAN_PEAK_REPEATS times: what a further block adds is small (SmolLM2
-    # int4 LoRA: its stashed input and LoRA gradients, ~0.4 MiB), and a peak lands ~10 MiB high now
-    # and then (SmolLM2 layers 1-6, three rounds: 23.9 .. 26.6 MiB, once 34.2-34.8 at any length), so
-    # one peak per length put that into every block (0.3, 5.4 and 0.4 MiB a further layer in three
-    # profiles, 5.4 x 15 layers charging a stage 76 MiB it never used). The line is drawn through
-    # each length's lowest peak, and the workspace is the highest peak less the blocks the line
-    # stacks under it: a high peak is charged once, as the transient it is, never per block.
+    # MNN also recomputes per block: the same peaks measured that way. Each length is measured LEAN_PEAK_REPEATS times: what a further block adds is small (SmolLM2
+    # int4 LoRA: its stashed input and LoRA gradients, ~0.4 MiB), and the peaks sit at one of two
+    # levels ~10 MiB apart, the higher one entered at any point of a process and kept (SmolLM2 layer
+    # stages of 1, 2, 3 blocks: 24.5, 34.7, 34.4 | 35.0, 35.1, 35.4 | 35.6, 35.5, 35.5 MiB; another
+    # profile 24.5-25.6 throughout), so one peak per length, and the mean step, put the jump into
+    # every block (0.3, 5.4, 0.4, 6.0 MiB a further layer in four profiles, 5.4 x 15 layers charging
+    # a stage 76 MiB it never used). What a further block adds is the smallest step between the
+    # lengths' lowest peaks; the workspace is the highest peak less what that stacks under it: the
+    # jump is charged once, as a transient, never per block, and every measured stage is covered.
     lean_runs = [[peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
                   for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, run + 1)]
     if run == 1:
         return replace(cost, per_block_workspace_bytes=max(lean_runs[0]))
-    lean, _ = _further_block_line([min(peaks) for peaks in lean_runs])
+    lowest = [min(peaks) for peaks in lean_runs]
+    lean = max(0, min(b - a for a, b in zip(lowest, lowest[1:])))
     workspace = max(p - k * lean for k, peaks in enumerate(lean_runs) for p in peaks)
     return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
 
