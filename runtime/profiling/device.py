@@ -45,7 +45,9 @@ DEFAULT_BACKENDS = ("mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1", "torch:cpu:t2")
 # an engine's start-up.
 START_UP_NOISE_BYTES = 1 << 20
 # Peaks per stage length behind the per-block line (`measure_block`).
-LEAN_PEAK_REPEATS = 3
+LEAN_PEAK_REPEATS = 5
+# The longest stage of one block kind behind the per-block line (`measure_block`).
+LEAN_RUN = 4
 
 
 def distinct_blocks(graph: Graph) -> dict[str, Block]:
@@ -108,15 +110,22 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     # stages of 1, 2, 3 blocks: 24.5, 34.7, 34.4 | 35.0, 35.1, 35.4 | 35.6, 35.5, 35.5 MiB; another
     # profile 24.5-25.6 throughout), so one peak per length, and the mean step, put the jump into
     # every block (0.3, 5.4, 0.4, 6.0 MiB a further layer in four profiles, 5.4 x 15 layers charging
-    # a stage 76 MiB it never used). What a further block adds is the smallest step between the
+    # a stage 76 MiB it never used). What a further block adds is the median step between the
     # lengths' lowest peaks; the workspace is the highest peak less what that stacks under it: the
     # jump is charged once, as a transient, never per block, and every measured stage is covered.
+    # Stages of up to LEAN_RUN blocks: the smallest of two steps ran 0.0-0.7 MiB a SmolLM2 layer (a
+    # lowest peak can land low too), the median of three keeps to the ~0.5 a worker's stage shows.
+    lean_run = run  # up to LEAN_RUN blocks: three steps, so one jump is outvoted
+    while lean_run < LEAN_RUN and i + lean_run < len(graph.blocks) and \
+            block_signature(graph.blocks[i + lean_run]) == block_signature(block):
+        lean_run += 1
     lean_runs = [[peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
-                  for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, run + 1)]
-    if run == 1:
+                  for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, lean_run + 1)]
+    if lean_run == 1:
         return replace(cost, per_block_workspace_bytes=max(lean_runs[0]))
     lowest = [min(peaks) for peaks in lean_runs]
-    lean = max(0, min(b - a for a, b in zip(lowest, lowest[1:])))
+    steps = sorted(b - a for a, b in zip(lowest, lowest[1:]))
+    lean = max(0, steps[(len(steps) - 1) // 2])  # the median step (of two, the smaller)
     workspace = max(p - k * lean for k, peaks in enumerate(lean_runs) for p in peaks)
     return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
 
