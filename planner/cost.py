@@ -318,6 +318,21 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         # profiling.device.measure_block), which no plan separates: the loss's own figure, measured
         # alone on the logits, is no part of the pair's peak (SmolLM2: 72 MiB counted twice)
         out[-1] = replace(out[-1], workspace_bytes=0, stacked_bytes=0, kept_bytes=0, engine_bytes=0)
+        # The fused pair's measured peak (the profile's, a stage of the two alone) is a transient like
+        # a block's backward, but it does not replace the other blocks' transient (`transient_bytes`,
+        # charged to every stage) on a stage that also runs them: MNN keeps the blocks' pooled buffers
+        # while the loss's numpy chunks come (SmolLM2 int4, per block, every position a target: the
+        # head + loss alone 137 MiB above the weights, with two layers before them 163-165, the two
+        # layers alone 25-26). Charged additively: the pair its peak less that transient, the block
+        # before it that transient once more, so a stage of the pair alone pays its peak, one with
+        # blocks before it both, and one ending at that block (no plan needs it) a transient twice.
+        head = out[-2]
+        others = max((c.transient for c in out[:-2]), default=0)
+        out[-2] = replace(head, stacked_bytes=max(0, head.workspace_bytes - others))
+        if len(out) > 2:
+            before = out[-3]
+            out[-3] = replace(before, workspace_bytes=before.workspace_bytes + others,
+                              stacked_bytes=before.stacked + others)
     return tuple(out)
 
 

@@ -288,6 +288,45 @@ def test_the_planner_counts_a_tied_head_once_per_stage_and_charges_the_cut(graph
         check_tied_schedule(graph, [(0, 1), (2, 4)], "1f1b-stash")
 
 
+@pytest.mark.parametrize("activations", ["recompute", "per-block"])
+def test_the_fused_head_and_its_loss_alone_are_charged_their_peak_and_beside_blocks_the_blocks_transient_too(
+        graphs, activations):
+    """A tied Llama (embeddings, two layers, the head, its loss) on MNN. The head's measured workspace
+    is the fused head + loss stage's whole peak; alone on a stage that is all it needs (SmolLM2: 137
+    MiB above the weights; charged before besides the layers' transient, 25-35 MiB it never held),
+    beside layers the layers' transient comes on top (SmolLM2: 163-165 with two layers). By hand
+    (MiB), layers 40 (24 stacked; per block 30, 2 stacked), head 100."""
+    from ir.profile import BackendProfile, BlockCost, DeviceProfile
+    from planner.cluster import DeviceSpec
+    from planner.cost import stage_memory_terms
+
+    mib = 2 ** 20
+    graph = graphs["llama"]
+    blocks = graph.blocks
+    layer = BlockCost(0.01, 0.02, 0.0, 40 * mib, stacked_bytes=24 * mib, kept_bytes=16 * mib,
+                      per_block_workspace_bytes=30 * mib, per_block_stacked_bytes=2 * mib)
+    costs = {block_signature(blocks[0]): BlockCost(0.01, 0.02, 0.0, 0, stacked_bytes=0, kept_bytes=0),
+             block_signature(blocks[1]): layer,
+             block_signature(blocks[3]): BlockCost(0.01, 0.02, 0.0, 100 * mib, kept_bytes=0),
+             block_signature(blocks[4]): BlockCost(0.01, 0.02, 0.0, 50 * mib, kept_bytes=0)}
+    assert block_signature(blocks[2]) == block_signature(blocks[1])
+    profile = DeviceProfile("d", graph.name, B, S, (BackendProfile("mnn:cpu:t1", costs),), 10**10)
+    device = DeviceSpec("d", "tcp://d:1", profile, 10**10, "mnn:cpu:t1", activations=activations)
+    stacked, transient = (24, 16) if activations == "recompute" else (2, 28)
+
+    def workspace(first, last):
+        return stage_memory_terms(graph, device, first, last, 0, 1, "1f1b-flush", 1, "sgd").workspace_bytes / mib
+
+    assert workspace(3, 4) == 100
+    assert workspace(2, 4) == stacked + transient + 100
+    assert workspace(0, 4) == 2 * stacked + transient + 100
+    assert workspace(0, 1) == stacked + transient
+    assert workspace(0, 2) == 2 * stacked + 2 * transient  # a cut no plan makes: safe, not tight
+    # a head smaller than the layers' transient: the transient alone
+    costs[block_signature(blocks[3])] = BlockCost(0.01, 0.02, 0.0, 10 * mib, kept_bytes=0)
+    assert workspace(3, 4) == transient
+
+
 def test_the_partition_instance_prices_a_tied_decoder_as_the_cost_model_and_keeps_head_and_loss_together(graphs):
     """A tied Llama over three MNN devices: the partitioners' instance charges every stage what
     planner.cost charges it (the tied sum on the lookup's stage, no second copy of a table a fused
