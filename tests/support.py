@@ -462,3 +462,22 @@ def lm_single_device(graph: Graph, feeds_of_step, steps: int, lr: float = 1e-3):
     engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
     losses = lm_train(engine, feeds_of_step, steps, lr)
     return losses, engine.parameters()
+
+
+def one_f_one_b_gradients(engine, graph, spec, update: bool = False, rows: int = 2) -> dict:
+    """Stage 0 of 2 under 1F1B with 4 micro-batches (F0 F1 B0 F2 B1 F3 B2 B3) of `rows` x S tokens:
+    each micro-batch's parameter gradients, with an update after B0 when `update` (the stashed
+    version must then serve B1)."""
+    rng = np.random.default_rng(3)
+    dys = [rng.standard_normal(graph.values[spec.output].shape).astype(np.float32) for _ in range(4)]
+    grads = {}
+    for action in ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"):
+        m = int(action[1])
+        if action[0] == "F":
+            engine.forward(token_feeds(rows, S, vocab=500, seed=m), m)
+        else:
+            grads[m] = engine.backward(m, dys[m]).params
+            if update and m == 0:
+                engine.set_parameters({k: v * 0.9 for k, v in engine.parameters().items()})
+    return grads
+

@@ -22,8 +22,8 @@ from planner.onnx_import import load_model
 from runtime.engines.factory import make_engine
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
-from support import (S, assert_grads_close, lm_step_feeds, scrambled_causal_lm, single_device_training,
-                     synthetic_batch, tiny_lora_graph, token_feeds, transformers_lm_gradients)
+from support import (S, assert_grads_close, lm_step_feeds, one_f_one_b_gradients, scrambled_causal_lm,
+                     single_device_training, synthetic_batch, tiny_lora_graph, token_feeds, transformers_lm_gradients)
 
 MIB = 2 ** 20
 B = 2
@@ -77,30 +77,13 @@ def test_a_per_block_engine_keeps_only_block_inputs_and_no_per_op_caches(graph):
     assert all(p._caching for p in default._blocks if hasattr(p, "_caching"))  # what per-block leaves out
 
 
-def _one_f_one_b(engine, graph, spec, update: bool):
-    """Stage 0 of 2 under 1F1B with 4 micro-batches (F0 F1 B0 F2 B1 F3 B2 B3), an update after B0
-    when `update`: the gradients and input gradients."""
-    rng = np.random.default_rng(3)
-    dys = [rng.standard_normal(graph.values[spec.output].shape).astype(np.float32) for _ in range(4)]
-    grads = {}
-    for action in ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"):
-        m = int(action[1])
-        if action[0] == "F":
-            engine.forward(token_feeds(B, S, vocab=500, seed=m), m)
-        else:
-            grads[m] = engine.backward(m, dys[m]).params
-            if update and m == 0:
-                engine.set_parameters({k: v * 0.9 for k, v in engine.parameters().items()})
-    return grads
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("update", [False, True], ids=["flush", "stash"])
 def test_per_block_gives_the_gradients_of_recomputing_with_caches(graph, tiny_onnx, lora, update):
     g = tiny_lora_graph(tiny_onnx["torchscript-17"]) if lora else graph
     spec = stage_spec(g, 0, 2)
-    cached = _one_f_one_b(make_engine("mnn:cpu:t1", spec), g, spec, update)
-    per_block = _one_f_one_b(make_engine("mnn:cpu:t1", spec, activations="per-block"), g, spec, update)
+    cached = one_f_one_b_gradients(make_engine("mnn:cpu:t1", spec), g, spec, update)
+    per_block = one_f_one_b_gradients(make_engine("mnn:cpu:t1", spec, activations="per-block"), g, spec, update)
     for m in range(4):
         assert per_block[m].keys() == cached[m].keys()
         for k in cached[m]:

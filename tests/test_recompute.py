@@ -19,7 +19,7 @@ from planner.cost import keeps_activations, stage_memory_bytes
 from planner.onnx_import import load_model
 from runtime.engines.pytorch import TorchStageEngine
 from runtime.engines.stage import stage_spec
-from support import S, single_device_training, synthetic_batch, token_feeds
+from support import S, one_f_one_b_gradients, single_device_training, synthetic_batch, token_feeds
 
 MIB = 2 ** 20
 B = 2
@@ -190,23 +190,6 @@ def test_a_pipeline_of_recomputing_torch_stages_trains_as_one_device(graph):
 
 # --- MNN keeping: one set of block graphs per micro-batch in flight ---------------------------------
 
-def _one_f_one_b(engine, spec, graph, update: bool = False):
-    """Stage 0 of 2 under 1F1B with 4 micro-batches (F0 F1 B0 F2 B1 F3 B2 B3): the gradients, with
-    an update after B0 when `update` (the stashed version must serve B1)."""
-    rng = np.random.default_rng(3)
-    out_shape = graph.values[spec.output].shape
-    dys = [rng.standard_normal(out_shape).astype(np.float32) for _ in range(4)]
-    grads = {}
-    for action in ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"):
-        m = int(action[1])
-        if action[0] == "F":
-            engine.forward(token_feeds(B, S, vocab=500, seed=m), m)
-        else:
-            grads[m] = engine.backward(m, dys[m]).params
-            if update and m == 0:
-                engine.set_parameters({k: v * 0.9 for k, v in engine.parameters().items()})
-    return grads
-
 
 @pytest.mark.parametrize("update", [False, True], ids=["flush", "stash"])
 def test_mnn_keeping_gives_the_gradients_of_recomputing_bit_for_bit(graph, update):
@@ -215,11 +198,11 @@ def test_mnn_keeping_gives_the_gradients_of_recomputing_bit_for_bit(graph, updat
     spec = stage_spec(graph, 0, 2)
     kept_engine = MnnStageEngine(spec, cache_slots=None)
     constants = dict(kept_engine._constant_vars)
-    kept = _one_f_one_b(kept_engine, spec, graph, update)
+    kept = one_f_one_b_gradients(kept_engine, graph, spec, update)
     # the second graph set reads the first one's constants (a frozen base weight is held once)
     assert constants and kept_engine._constant_vars.keys() == constants.keys()
     assert all(kept_engine._constant_vars[k] is v for k, v in constants.items())
-    again = _one_f_one_b(MnnStageEngine(spec), spec, graph, update)
+    again = one_f_one_b_gradients(MnnStageEngine(spec), graph, spec, update)
     assert kept_engine.cache_slots == 2  # at most two micro-batches in flight on this stage
     for m in range(4):
         assert kept[m].keys() == again[m].keys()

@@ -143,7 +143,7 @@ def _memory_parts(cost: BlockCost) -> str:
     if cost.per_block_workspace_bytes is not None:
         further = ("" if cost.per_block_stacked_bytes is None
                    else f", {cost.per_block_stacked_bytes / 2**20:.1f} per further block")
-        stacked += f"per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}; "
+        stacked += f"recomputed per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}; "
     engine = "" if not cost.engine_bytes else f", engine {cost.engine_bytes / 2**20:.1f}"
     return f"{stacked}{cost.kept / 2**20:.1f} per further micro-batch kept{engine}"
 
