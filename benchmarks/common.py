@@ -62,7 +62,7 @@ def default_model() -> Path:
     """MiniLM exported once into the user's cache and reused by every benchmark."""
     if CACHE_PATH.is_file():
         return CACHE_PATH
-    from jobs.export import ExportOptions, default_checkpoint_dir, export_checkpoint
+    from jobs.export.encoder import ExportOptions, default_checkpoint_dir, export_checkpoint
 
     print(f"exporting MiniLM to {CACHE_PATH} (once) ...", file=sys.stderr, flush=True)
     CACHE_PATH.parent.mkdir(parents=True, exist_ok=True)

@@ -3,15 +3,15 @@
 What it measures
     MiniLM (all-MiniLM-L6-v2) token classification, 9 labels, batch ``--batch`` x sequence
     ``--seq``, AdamW, 4 micro-batches, ``--schedule`` on ``--engine``, the even split over
-    ``--workers`` worker processes (`jobs.workers.LocalWorkers`, one compute thread each), this
-    process the coordinator (`jobs.pipeline_training.train_pipeline`). Every step time is wall
+    ``--workers`` worker processes (`jobs.common.workers.LocalWorkers`, one compute thread each), this
+    process the coordinator (`jobs.train.pipeline.train_pipeline`). Every step time is wall
     clock from the step's start to the next step's start: the copies of the state to the
     coordinator, the fault policy's cost, are in it.
       * ``default`` / ``stop`` / ``coordinator`` / ``every-step``, side by side in alternating
         passes (``--passes``; ``--policies`` picks some): the command line's default fault policy
         (each worker copies its state at the step boundary and ships it to a neighbour while the
         next step runs, runtime.pipeline.snapshots; as often as the last copy is confirmed, K from
-        `jobs.pipeline_training.AUTO_SNAPSHOTS`), ``--on-failure stop`` (no copy at all), the
+        `jobs.train.pipeline.AUTO_SNAPSHOTS`), ``--on-failure stop`` (no copy at all), the
         previous default (every stage's state copied to the coordinator every K steps), and the
         one before it (to the coordinator after every step). ``default`` over ``stop`` is the
         policy's cost (target: at most +5%).
@@ -59,7 +59,7 @@ M = 4
 
 
 def _policy(name: str):
-    from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy
+    from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy
 
     return {"default": FaultPolicy(snapshot_every=AUTO_SNAPSHOTS, state_on="peers"),
             "stop": FaultPolicy(on_failure="stop"),
@@ -72,8 +72,8 @@ POLICIES = ("default", "stop", "coordinator", "every-step")
 
 def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bool = False,
          kill: tuple[int, int] | None = None, feeds_of_step=None) -> dict:
-    from jobs.pipeline_training import train_pipeline
-    from jobs.workers import LocalWorkers
+    from jobs.train.pipeline import train_pipeline
+    from jobs.common.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
 
     config = PipelineConfig(args.schedule, M, engine=args.engine, optimizer="adamw", lr=1e-4, timeout_s=300)

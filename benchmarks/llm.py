@@ -57,7 +57,7 @@ MARKER = "CONFIDANT_BENCH "
 def smollm2_model() -> Path:
     path = CACHE / "smollm2.onnx"
     if not path.is_file():
-        from jobs.export_llm import export_llm
+        from jobs.export.llm import export_llm
 
         export_llm(None, path)
     return path
@@ -87,7 +87,7 @@ def _pipeline_child(kind: str, model: Path, rows: int, seq: int, reps: int, micr
     """`kind` = pipeline<W>-<engine>: one warm-up step then `reps` steps over W worker processes."""
     import numpy as np
 
-    from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, LocalWorkers, train_pipeline
     from planner.onnx_import import load_model
     from runtime.pipeline.coordinator import PipelineConfig
     from tasks.causal_lm.data import microbatch_feeds
@@ -154,7 +154,7 @@ def _confidant_step(kind: str, model: Path, rows: int, seq: int, feeds, threads:
 def _hf_step(feeds, threads: int):
     import torch
 
-    from jobs.export_llm import load_causal_lm
+    from jobs.export.llm import load_causal_lm
 
     torch.set_num_threads(threads)
     model, _, _ = load_causal_lm(None)

@@ -6,8 +6,8 @@ What it measures
     warm-up step, the same seeded random batches everywhere (benchmarks/common.py).
       * ``mnn single full`` / ``mnn single lora``: one child process trains the whole model on the
         MNN engine (gradients of the 4 micro-batches accumulated, one AdamW step).
-      * ``mnn 3-stage full|lora flush|stash``: 3 worker processes (`jobs.workers.LocalWorkers`)
-        driven by `jobs.pipeline_training.train_pipeline` (this process is the coordinator) with the
+      * ``mnn 3-stage full|lora flush|stash``: 3 worker processes (`jobs.common.workers.LocalWorkers`)
+        driven by `jobs.train.pipeline.train_pipeline` (this process is the coordinator) with the
         even split of the model's 9 blocks, under ``1f1b-flush`` and ``1f1b-stash``.
       * ``torch+peft single full`` / ``torch+peft single lora``: one child process trains
         transformers' BertForTokenClassification (eval mode, as the ONNX export) with PyTorch, the
@@ -66,7 +66,7 @@ def _lora(rank: int):
 
 
 def _graph(model: Path, rows: int, rank: int | None):
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from planner.onnx_import import load_model
 
     return adapted(load_model(model, rows, SEQ), _lora(rank) if rank else None)
@@ -96,7 +96,7 @@ def child_torch_single(steps: int, rank: int | None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from jobs.export import default_checkpoint_dir, load_token_classifier
+    from jobs.export.encoder import default_checkpoint_dir, load_token_classifier
 
     torch.set_num_threads(1)
     model = load_token_classifier(default_checkpoint_dir(), NUM_LABELS, seed=0)
@@ -141,7 +141,7 @@ def _lm_lora(rank: int):
 
 
 def _lm_graph(model: Path, rows: int, rank: int | None):
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from planner.onnx_import import load_model
 
     return adapted(load_model(model, rows, LM_SEQ, loss="causal-lm"), _lm_lora(rank) if rank else None)
@@ -177,7 +177,7 @@ def child_mnn_single_lm(model: Path, steps: int, rank: int | None) -> dict:
 def child_torch_single_lm(model: Path, steps: int, rank: int | None) -> dict:
     import torch
 
-    from jobs.export_llm import load_causal_lm
+    from jobs.export.llm import load_causal_lm
 
     torch.set_num_threads(1)
     feeds = _lm_feeds(model)
@@ -229,8 +229,8 @@ def run_pipeline(model: Path, steps: int, rank: int | None, schedule: str) -> di
 def _run_pipeline(graph, steps: int, schedule: str, batches=None, feeds_of_step=None) -> dict:
     """`steps` + 1 steps of `graph` on 3 worker processes (this process coordinates): NER `batches`,
     or a causal LM's `feeds_of_step`."""
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
-    from jobs.workers import LocalWorkers
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
+    from jobs.common.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
 
     workers = LocalWorkers.start(3, threads=1)

@@ -101,7 +101,7 @@ def child_transformers(model: Path, steps: int, rank: int | None, checkpointing:
     import torch
 
     from benchmarks.lora import _lm_feeds
-    from jobs.export_llm import load_causal_lm
+    from jobs.export.llm import load_causal_lm
 
     torch.set_num_threads(1)
     feeds = _lm_feeds(model)
@@ -187,8 +187,8 @@ def run_plan(model: Path, graph, ranges, steps: int) -> list[float]:
     """Train `graph` cut at `ranges` on 3 worker processes (this process coordinates); each stage's
     measured peak, MiB."""
     from benchmarks.lora import _lm_feeds
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
-    from jobs.workers import LocalWorkers
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
+    from jobs.common.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
 
     feeds = _lm_feeds(model)

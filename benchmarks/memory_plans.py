@@ -19,7 +19,7 @@ Models
     ``qwen``: a Qwen2.5-0.5B-class model: transformers' Qwen2Config with the published shape (vocab
     151936, 24 layers, hidden 896, intermediate 4864, 14 heads / 2 key-value heads, tied embeddings),
     random weights (seed 0), saved with save_pretrained and exported by the project's own causal-LM
-    exporter (jobs.export_llm, `confidant export --task causal-lm`), with SmolLM2's tokenizer beside
+    exporter (jobs.export.llm, `confidant export --task causal-lm`), with SmolLM2's tokenizer beside
     it (its ids are below Qwen's vocabulary); 3 devices of 512 MiB. Export: ~8 GiB for a moment.
     ``llama1b``: a Llama-3.2-1B-class model the same way (vocab 128256, 16 layers, hidden 2048,
     intermediate 8192, 32 / 8 heads, tied), 4 devices of 768 MiB. Its export needs ~20 GiB.
@@ -105,8 +105,8 @@ def _cluster(path: Path, profile: Path, devices: int, budget_mib: int) -> Path:
 
 def plan_row(name: str, steps: int, out: Path, data: Path) -> dict:
     from ir.bundle import load_plan
-    from jobs.errors import JobError
-    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.common.errors import JobError
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
     from jobs.planning import PlanSettings, plan_model
     from jobs.profiling import profile_this_device
     from planner.lora import LoraSettings

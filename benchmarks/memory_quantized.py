@@ -4,7 +4,7 @@ What it measures
     SmolLM2-135M-Instruct (benchmarks/llm.py's export), LoRA r=8 alpha 16 on q, k, v, o (nothing else
     trained: the tied embedding / LM head is frozen too), batch 4 x 128 of the entities-json task in 4
     micro-batches of one row, AdamW lr 1e-4, one thread, on one device: each row is its own child process
-    (this file with --child) that lowers the model with `--base-dtype` (jobs.lora.adapted, as
+    (this file with --child) that lowers the model with `--base-dtype` (jobs.common.lora.adapted, as
     train-local does), builds the engine, runs one warm-up step and `--steps` timed steps.
 
 Columns
@@ -47,7 +47,7 @@ MARKER = "CONFIDANT_QBASE "
 
 def _child(engine_kind: str, base_dtype: str, steps: int) -> dict:
     from benchmarks.llm import _batch, smollm2_model
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from planner.lora import LoraSettings
     from planner.onnx_import import load_model
     from runtime.engines.factory import make_engine

@@ -12,8 +12,8 @@ What it measures
         with the graph lowered at the micro-batch size, ``tasks.trainer.accumulate_gradients``
         over the M micro-batches plus the optimizer step: single-device training of the same
         batch, same arithmetic.  Runs in a child process, so its peak RSS is its own.
-      * 2 and 3 worker processes (``jobs.pipeline_training.LocalWorkers``) driven by
-        ``jobs.pipeline_training.train_pipeline`` (this process is the coordinator) for the schedules
+      * 2 and 3 worker processes (``jobs.train.pipeline.LocalWorkers``) driven by
+        ``jobs.train.pipeline.train_pipeline`` (this process is the coordinator) for the schedules
         ``1f1b-flush``, ``gpipe`` and ``1f1b-stash``; stage k holds blocks
         ``stage_ranges(9, stages, None)[k]`` (block 0 embeddings, 1-6 encoder layers, 7 head,
         8 loss): 2 stages = 0-3 | 4-8, 3 stages = 0-2 | 3-5 | 6-8.  ``1f1b-stash`` runs with
@@ -93,7 +93,7 @@ Usage
     ``--model`` the default checkpoint is exported once to ``$CONFIDANT_HOME/bench-minilm.onnx``
     (default ``~/.cache/confidant``; shared with benchmarks/engine.py).  6 to 8 minutes on 2 cores
     with the defaults.  Confidant's pipelines run under the command line's default fault policy
-    (the state copied to the coordinator every K steps, `jobs.pipeline_training.AUTO_SNAPSHOTS`),
+    (the state copied to the coordinator every K steps, `jobs.train.pipeline.AUTO_SNAPSHOTS`),
     and a step's wall time runs from its start to the next step's start, the copies in it (issue 32).
 """
 from __future__ import annotations
@@ -283,7 +283,7 @@ def _torch_stage_module(model, first: int, last: int):
 
 
 def _torch_model():
-    from jobs.export import default_checkpoint_dir, load_token_classifier
+    from jobs.export.encoder import default_checkpoint_dir, load_token_classifier
 
     model = load_token_classifier(default_checkpoint_dir(), NUM_LABELS, seed=0)
     model.eval()  # dropout off: the MNN side trains the eval-mode export
@@ -333,7 +333,7 @@ def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) 
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from jobs.pipeline_training import stage_ranges
+    from jobs.train.pipeline import stage_ranges
 
     rss_base = _rss_mb()
     dist.init_process_group("gloo", rank=rank, world_size=stages, timeout=datetime.timedelta(seconds=300))
@@ -442,7 +442,7 @@ def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tu
     (planner.engines.stage_pick over a quick profile of MNN and PyTorch at one thread), for the
     benchmark's fixed block ranges."""
     from ir.backend import engine_of
-    from jobs.pipeline_training import stage_ranges
+    from jobs.train.pipeline import stage_ranges
     from planner.cluster import DeviceSpec
     from planner.engines import stage_pick
     from runtime.profiling.device import profile_device
@@ -532,7 +532,7 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
                      activations=None, ranges=None) -> dict:
     import numpy as np
 
-    from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, LocalWorkers, StageChoice, train_pipeline
+    from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, LocalWorkers, StageChoice, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     n = steps + 1

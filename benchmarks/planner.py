@@ -20,7 +20,7 @@ What it measures (four parts, ``--parts a,b,c,d``; all by default)
       ``sim×c`` the simulation with compute scaled by max(1, N / CPUs): a "contention-aware"
                 figure for N single-threaded workers sharing this machine's CPUs (the planner
                 assumes one device per stage, so with N > CPUs it must under-predict).
-    Then ``jobs.pipeline_training.train_pipeline`` trains on N ``LocalWorkers`` (one thread each) with
+    Then ``jobs.train.pipeline.train_pipeline`` trains on N ``LocalWorkers`` (one thread each) with
     the plan's block ranges. Measured: flush schedules run ``--steps`` + 1 steps, the first is
     warm-up (MNN builds its sessions), the figure is the median of the rest. 1f1b-stash has no
     flush: train_pipeline runs all steps as one schedule, so it runs twice (1 and ``--steps`` + 1

@@ -7,7 +7,7 @@ a plan") leaves them bit for bit as they were.
 
 WORK_DIR keeps the tiny model (a 2-layer BERT with MiniLM's vocabulary, so that the bundled tokenizer
 reads the CoNLL data) and the plan folders between runs. `train_pipeline` runs on in-process workers
-(runtime.pipeline.inprocess) over synthetic batches; `train PLAN` is `jobs.plan_training.train_from_plan`
+(runtime.pipeline.inprocess) over synthetic batches; `train PLAN` is `jobs.train.from_plan.train_from_plan`
 on local worker processes over generated CoNLL data. Losses are kept as `repr` of the floats.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def tiny_model(work: Path) -> Path:
     import torch
     from transformers import BertConfig, BertModel
 
-    from jobs.export import ExportOptions, export_checkpoint
+    from jobs.export.encoder import ExportOptions, export_checkpoint
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -64,7 +64,7 @@ def synthetic_batches(n: int):
 
 def pipeline_losses(onnx: Path, schedule: str, work: Path | None = None, segment: int | None = None) -> list[float]:
     """`segment`: 1f1b-stash drains every `segment` steps (checkpoints there, in work/ckpt)."""
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
     from planner.onnx_import import load_model
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
@@ -82,7 +82,7 @@ def pipeline_losses(onnx: Path, schedule: str, work: Path | None = None, segment
 
 def plan_losses(onnx: Path, work: Path, schedule: str) -> list[float]:
     from ir.partition import Partition, StageAssignment
-    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
     from planner.emit import emit_plan
     from planner.onnx_import import load_model
     from planner.schedule import make_schedule

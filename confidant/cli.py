@@ -47,7 +47,7 @@ def _listen_address(text: str) -> str:
 
 
 def _worker_addresses(text: str) -> str:
-    """--workers NAME=ADDRESS,...: every ADDRESS checked (the NAMEs are jobs.workers.parse_workers')."""
+    """--workers NAME=ADDRESS,...: every ADDRESS checked (the NAMEs are jobs.common.workers.parse_workers')."""
     for item in text.split(","):
         name, sep, address = item.partition("=")
         try:
@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from confidant import commands
-    from jobs.errors import JobError
+    from jobs.common.errors import JobError
 
     try:
         return getattr(commands, "cmd_" + args.command.replace("-", "_"))(args)
@@ -652,7 +652,7 @@ def _is_bad_input(exc: BaseException) -> bool:
     from ir.errors import InputFileError
 
     from confidant.errors import UsageError
-    from jobs.errors import FlagError
+    from jobs.common.errors import FlagError
 
     return isinstance(exc, (InputFileError, UsageError, FlagError, FileNotFoundError, IsADirectoryError,
                             NotADirectoryError))

@@ -72,7 +72,7 @@ def _float32_base(lora):
 
 
 def _training_settings(args):
-    from jobs.settings import TrainingSettings
+    from jobs.common.settings import TrainingSettings
 
     return TrainingSettings(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, optimizer=args.optimizer,
                             seed=args.seed, threads=args.threads, engine=args.engine, tokenizer=args.tokenizer,
@@ -115,7 +115,7 @@ def _cuts(text: str | None) -> tuple[int, ...] | None:
 
 def _export_causal_lm(args) -> int:
     try:
-        from jobs.export_llm import LlmExportOptions, export_llm, export_random_causal_lm, smollm2_gguf_path
+        from jobs.export.llm import LlmExportOptions, export_llm, export_random_causal_lm, smollm2_gguf_path
     except ModuleNotFoundError as exc:
         raise CliError(f"export needs the `export` extra ({exc.name} is missing): "
                        "pip install 'confidant[export]' torch==2.13.0") from None
@@ -155,7 +155,7 @@ def _store_base(args) -> None:
     base = getattr(args, "base_dtype", "float32")
     if base == "float32":
         return
-    from jobs.export_quantized import quantize_export
+    from jobs.export.quantized import quantize_export
 
     done = quantize_export(args.output, base, keep_head=args.task != "causal-lm")
     print(f"stored {done.weights} weights {base}: {done.float_bytes / 2**20:.1f} MiB as float32 -> "
@@ -168,7 +168,7 @@ def cmd_export(args) -> int:
     if getattr(args, "random", None) or getattr(args, "no_kv_cache", False):
         raise CliError("--random and --no-kv-cache are for --task causal-lm")
     try:
-        from jobs.export import ExportOptions, default_checkpoint_dir, export_checkpoint
+        from jobs.export.encoder import ExportOptions, default_checkpoint_dir, export_checkpoint
     except ModuleNotFoundError as exc:
         raise CliError(f"export needs the `export` extra ({exc.name} is missing): "
                        "pip install 'confidant[export]' torch==2.13.0") from None
@@ -274,7 +274,7 @@ def _metrics_on_failure(path):
     """A run that fails once started still writes its metrics document (the steps it did, its events,
     the error), then fails as it would: lost beyond recovery or stopped by `--on-failure stop`
     (RunFailed), interrupted (Ctrl-C) or broken by any other error (the job's `metrics` on it)."""
-    from jobs.errors import RunFailed
+    from jobs.common.errors import RunFailed
 
     try:
         yield
@@ -290,7 +290,7 @@ def _metrics_on_failure(path):
 
 
 def cmd_train_local(args) -> int:
-    from jobs.local_training import train_local
+    from jobs.train.local import train_local
 
     metrics = train_local(args.model, args.data, args.eval, _training_settings(args), TerminalReporter(),
                           task=_task(args), checkpoint=getattr(args, "checkpoint", None))
@@ -307,8 +307,8 @@ def _update_every(args) -> int:
 
 
 def cmd_train_pipeline(args) -> int:
-    from jobs.pipeline_training import train_pipeline_job
-    from jobs.settings import PipelineSettings
+    from jobs.train.pipeline import train_pipeline_job
+    from jobs.common.settings import PipelineSettings
 
     workers = [a.strip() for a in args.workers.split(",")] if args.workers else None
     if args.activations == "per-block" and args.engine == "torch":
@@ -331,7 +331,7 @@ def cmd_train_pipeline(args) -> int:
 
 def cmd_train(args) -> int:
     from confidant.defaults import PLAN_FIXED
-    from jobs.plan_training import PlanRunSettings, planned_values, train_from_plan
+    from jobs.train.from_plan import PlanRunSettings, planned_values, train_from_plan
 
     given = {f: getattr(args, f) for f in PLAN_FIXED if getattr(args, f, None) is not None}
     if given:  # a value the plan was not made for would be ignored: its bundles fix it
@@ -498,7 +498,7 @@ def cmd_plan(args) -> int:
     reporter = TerminalReporter()
     sign = None
     if not insecure:
-        from jobs.workers import coordinator_pair
+        from jobs.common.workers import coordinator_pair
         from runtime.keys import signer
 
         sign = signer(coordinator_pair(_home_keys(args), note=reporter.note))
@@ -667,7 +667,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_export_adapter(args) -> int:
-    from jobs.export_adapter import export_adapter_for, export_merged, loading_lines
+    from jobs.export.adapter import export_adapter_for, export_merged, loading_lines
 
     if args.merged:
         print(f"wrote {export_merged(args.checkpoint, args.output)} (adapters merged into the base weights)")

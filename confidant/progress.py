@@ -32,7 +32,7 @@ class Progress:
 
 
 class TerminalReporter:
-    """A `jobs.report.Reporter` for the terminal: notes as lines on stderr, steps as a `Progress` bar."""
+    """A `jobs.common.report.Reporter` for the terminal: notes as lines on stderr, steps as a `Progress` bar."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr

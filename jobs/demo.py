@@ -8,11 +8,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.errors import JobError
-from jobs.local_training import train_local
-from jobs.metrics import TrainingMetrics
-from jobs.report import Reporter, Silent
-from jobs.settings import TrainingSettings
+from jobs.common.errors import JobError
+from jobs.train.local import train_local
+from jobs.common.metrics import TrainingMetrics
+from jobs.common.report import Reporter, Silent
+from jobs.common.settings import TrainingSettings
 from tasks.ner.datagen import write_splits
 
 DEMO_MICROBATCHES = 4
@@ -29,7 +29,7 @@ def move_export(partial: Path, model: Path) -> Path:
     """An export written under a temporary name moved to `model`, with the side file named after it
     (NAME.hf.json: left behind as NAME.partial.hf.json, `export-trained --hf` found none and asked
     for a re-export)."""
-    from jobs.export import hf_sidecar_path
+    from jobs.export.encoder import hf_sidecar_path
 
     sidecar = hf_sidecar_path(partial)
     if sidecar.is_file():
@@ -62,7 +62,7 @@ def run_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent
     # Imported only now: the planner's libraries (OR-Tools alone is ~50 MiB) must not count in the
     # one-device run's peak memory, which the table compares the pipeline's devices against.
     from ir.bundle import load_plan
-    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
     from jobs.planning import PlanSettings, plan_model
     from jobs.profiling import profile_this_device
 
@@ -83,7 +83,7 @@ def run_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent
         "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
     plan_dir = home / "plan"
     reporter.note(f"[5/6] planning over {cluster_path} (1f1b-flush, {DEMO_MICROBATCHES} micro-batches)")
-    from jobs.workers import coordinator_pair
+    from jobs.common.workers import coordinator_pair
     from runtime.keys import signer
 
     keys = home / "keys"  # the coordinator's key signs the bundles and secures the links

@@ -22,8 +22,8 @@ from ir.partition import Partition, StageAssignment
 from ir.precision import BASE_DTYPES, bytes_per_frozen_element
 from ir.profile import DeviceProfile, Link
 from ir.training import TRAINING
-from jobs.errors import JobError
-from jobs.lora import adapted
+from jobs.common.errors import JobError
+from jobs.common.lora import adapted
 from planner.compile import PlanRequest, search, with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes
 from planner.cost import stage_costs

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, generate_text, lm_metadata
 from tasks.causal_lm.data import read_instructions
 from tasks.causal_lm.evaluation import InstructionScores, evaluate_instructions

@@ -16,11 +16,11 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 from ir.errors import InputFileError
-from jobs.metrics import TrainingMetrics
-from jobs.report import Reporter, Silent
-from jobs.settings import TrainingSettings
+from jobs.common.metrics import TrainingMetrics
+from jobs.common.report import Reporter, Silent
+from jobs.common.settings import TrainingSettings
 
 LLM_DEMO_DEFAULTS = {"steps": 10, "batch": 4, "seq": 128, "lr": 2e-4, "threads": 2, "eval_limit": 16}
 # The demo's entities-json conversations run 83-122 SmolLM2 tokens, their answers starting past token
@@ -40,7 +40,7 @@ class LlmDemoResult:
 def run_llm_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent(), plan: bool = True
                  ) -> LlmDemoResult:
     from jobs.generation import write_task_data
-    from jobs.lm_training import train_causal_lm
+    from jobs.train.causal_lm import train_causal_lm
 
     if settings.seq < LLM_DEMO_MIN_SEQ:
         raise InputFileError(f"demo --llm --seq {settings.seq}: the demo's conversations run 83-122 tokens, their answers "
@@ -75,8 +75,8 @@ def _pipeline(model: Path, plan_dir: Path, train: Path, dev: Path, settings: Tra
               reporter: Reporter) -> TrainingMetrics:
     """The plan's cuts trained on 3 local worker processes (the same steps, data and seed)."""
     from ir.bundle import load_plan
-    from jobs.pipeline_training import train_pipeline_job
-    from jobs.settings import PipelineSettings
+    from jobs.train.pipeline import train_pipeline_job
+    from jobs.common.settings import PipelineSettings
 
     plan = load_plan(plan_dir)
     cuts = tuple(d.first_block for d in plan.devices[1:])
@@ -94,7 +94,7 @@ def _plan(model: Path, home: Path, settings: TrainingSettings, reporter: Reporte
     """Profile SmolLM2 at micro-batch 1 and plan it over three devices (1f1b-flush, 4 micro-batches)."""
     from jobs.planning import PlanSettings, plan_model
     from jobs.profiling import profile_this_device
-    from jobs.workers import coordinator_pair
+    from jobs.common.workers import coordinator_pair
     from runtime.keys import signer
 
     micro = max(1, settings.batch // 4)

@@ -14,9 +14,9 @@ from ir.documents import OptimizerSettings, PlannedLora
 from ir.graph import is_causal_lm
 from ir.partition import StageCost
 from ir.training import TRAINING
-from jobs.errors import JobError
-from jobs.lora import adapted
-from jobs.report import Reporter, Silent
+from jobs.common.errors import JobError
+from jobs.common.lora import adapted
+from jobs.common.report import Reporter, Silent
 from planner.cluster import Cluster, load_cluster
 from planner.compile import SEARCH_SHARE, CompileError, Deadline, PlanRequest, compile_plan, emit_compiled
 from planner.lookups import charged_rows
@@ -113,7 +113,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
 def _with_lookup_rows(graph, model: Path, settings: PlanSettings, reporter: Reporter):
     """The graph with the rows of each embedding table one pass over `settings.data` looks up, read
     as `confidant train` will read it (the same task, tokenizer and batches)."""
-    from jobs.plan_training import PlanRunSettings, data_task, task_lookup_rows
+    from jobs.train.from_plan import PlanRunSettings, data_task, task_lookup_rows
 
     M = settings.microbatches
     try:

@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 
 import runtime.profiling as prof
 from ir.profile import DeviceProfile, Link
-from jobs.lora import adapted
-from jobs.report import Reporter, Silent
+from jobs.common.lora import adapted
+from jobs.common.report import Reporter, Silent
 from planner.lora import LoraSettings
 from planner.onnx_import import load_model
 

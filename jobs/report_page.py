@@ -107,7 +107,7 @@ def report_html(plan_dir: Path, metrics: Mapping[str, Any] | None = None, steps:
 def write_report(plan_dir: Path, output: Path, metrics_path: Path | None = None, steps: int = 2) -> Path:
     metrics = None
     if metrics_path is not None:
-        from jobs.metrics import read_metrics
+        from jobs.common.metrics import read_metrics
 
         try:
             metrics = read_metrics(metrics_path)

@@ -14,8 +14,8 @@ Predictions run on one MNN engine holding the whole model, in batches of `batch`
 tokens (a long sentence is cut into windows and stitched back, as in training). Writing out:
 ONNX keeps the file's graph and swaps its weights (`planner.onnx_import.write_weights`); the
 transformers folder takes config.json from the export's sidecar and each weight's name there
-(`jobs.export`), through the project's own safetensors codec, and the model's tokenizer beside them
-(`jobs.export_hf`), so that `AutoTokenizer.from_pretrained(folder)` is the real one.
+(`jobs.export.encoder`), through the project's own safetensors codec, and the model's tokenizer beside them
+(`jobs.common.hf_tokenizer`), so that `AutoTokenizer.from_pretrained(folder)` is the real one.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import numpy as np
 from ir.errors import InputFileError
 from ir.graph import logits_shape
 from ir.safetensors import save_safetensors
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 from planner.onnx_import import load_model, write_weights
 from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_tensors_fit, load_checkpoint
@@ -50,7 +50,7 @@ class TrainedModel:
 
     @property
     def sidecar(self) -> dict | None:
-        from jobs.export import read_hf_sidecar
+        from jobs.export.encoder import read_hf_sidecar
 
         return read_hf_sidecar(self.model_path)
 
@@ -172,9 +172,9 @@ def export_trained_onnx(checkpoint: Path, output: Path) -> Path:
 
 def export_trained_hf(checkpoint: Path, folder: Path, tokenizer: Path | None = None) -> Path:
     """A transformers checkpoint folder with the trained weights (config.json, model.safetensors) and
-    the model's tokenizer (`jobs.export_hf`: `tokenizer`, else the one it was exported with), so
+    the model's tokenizer (`jobs.common.hf_tokenizer`: `tokenizer`, else the one it was exported with), so
     transformers' Auto classes load both from the folder alone."""
-    from jobs.export_hf import encoder_tokenizer, write_hf_tokenizer
+    from jobs.common.hf_tokenizer import encoder_tokenizer, write_hf_tokenizer
 
     trained = open_trained(checkpoint)
     if not trained.weights:
@@ -182,7 +182,7 @@ def export_trained_hf(checkpoint: Path, folder: Path, tokenizer: Path | None = N
     sidecar = trained.sidecar
     causal_lm = trained.meta.get("task") == "causal-lm" or trained.model_path.with_suffix(".lm.json").is_file()
     if sidecar is None and causal_lm:
-        from jobs.export_llm import export_trained_causal_lm_hf
+        from jobs.export.llm import export_trained_causal_lm_hf
 
         return export_trained_causal_lm_hf(trained.model_path, trained.weights, folder, tokenizer)
     if sidecar is None:

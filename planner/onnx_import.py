@@ -592,7 +592,7 @@ class _Lowering:
         untied (it trains on its own, as in PyTorch), any other stays tied (one parameter, its
         gradient summed over its uses). Initializers read directly by several nodes are one weight:
         TorchScript shares them so; the dynamo exporter's optimizer also merges equal ones that
-        way, which `confidant export` therefore does not run (`jobs.export`)."""
+        way, which `confidant export` therefore does not run (`jobs.export.encoder`)."""
         self._set_const(name, self.const[weight].copy())
         self.weights.add(name)
 

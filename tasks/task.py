@@ -33,7 +33,7 @@ class EvalFigures:
     """The task's metric on the evaluation file, after training (and before, where measured):
     entity-level F1 (NER), accuracy with macro precision / recall / F1 (sequence classification),
     exact match of generated answers or the answers' perplexity (causal LM). The metrics document's
-    `eval` (`jobs.metrics`)."""
+    `eval` (`jobs.common.metrics`)."""
 
     after: float
     precision: float

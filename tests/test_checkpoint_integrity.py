@@ -222,7 +222,7 @@ def _export(folder: Path, hidden: int) -> Path:
     import torch
     import transformers as T
 
-    from jobs.export import ExportOptions, export_model
+    from jobs.export.encoder import ExportOptions, export_model
 
     torch.manual_seed(0)
     cfg = tiny_config("bert", 2, 9, hidden_size=hidden)
@@ -254,13 +254,13 @@ def trained(tmp_path_factory):
 @pytest.fixture
 def no_workers(monkeypatch):
     """Every refusal below comes before a worker is started (or a step trained)."""
-    from jobs.pipeline_training import LocalWorkers
+    from jobs.train.pipeline import LocalWorkers
 
     def started(*a, **k):
         raise AssertionError("a worker was started")
 
     monkeypatch.setattr(LocalWorkers, "start", started)
-    monkeypatch.setattr("jobs.local_training.train_steps", started)
+    monkeypatch.setattr("jobs.train.local.train_steps", started)
 
 
 def test_resuming_a_torn_edited_or_foreign_checkpoint_is_refused_before_any_worker_starts(trained, tmp_path,

@@ -279,8 +279,8 @@ def test_device_names_that_differ_only_in_case_are_refused_when_read(tmp_path):
 def test_the_coordinator_takes_worker_keys_from_the_cluster_file_before_the_keys_folder(tmp_path):
     """`confidant train PLAN --cluster FILE`: a device's `key:` is its worker's key; a device without
     one is NAME.pub in --keys; one with neither is an error naming both places."""
-    from jobs.errors import JobError
-    from jobs.plan_training import PlanRunSettings, _remote_keys
+    from jobs.common.errors import JobError
+    from jobs.train.from_plan import PlanRunSettings, _remote_keys
     from runtime.keys import KeyPair, write_keypair
 
     phone, laptop, coordinator = (KeyPair.generate(n) for n in ("phone", "laptop", "coordinator"))

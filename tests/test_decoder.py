@@ -1,4 +1,4 @@
-"""Decoder LLMs (issue 11) on the tiny seeded random Llama and GPT-2 of jobs/export_llm.py: lowering
+"""Decoder LLMs (issue 11) on the tiny seeded random Llama and GPT-2 of jobs/export/llm.py: lowering
 to decoder blocks (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; GPT-2's Gemm, fused-QKV
 Split, tanh-GELU, learned positions), forward equal to ONNX Runtime and transformers, gradients of
 every decoder block kind on MNN and PyTorch equal PyTorch float64 autograd (the engine in float64 and
@@ -20,7 +20,7 @@ import torch
 
 from ir.graph import block_signature, tied_parameters
 from support import assert_grads_close
-from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
 from planner.onnx_import import ImportError_, load_model
 from runtime.engines import lm_loss
 from runtime.engines.mnn import MnnStageEngine
@@ -415,9 +415,9 @@ def test_lora_finds_decoder_projections_by_structure(graphs):
 
 @pytest.mark.slow  # a random Llama with the SmolLM2 tokenizer, trained and generated from
 def test_train_local_causal_lm_reports_perplexity_and_exact_match(chat_llama, tmp_path):
-    from jobs.local_training import train_local
-    from jobs.metrics import read_metrics
-    from jobs.settings import TrainingSettings
+    from jobs.train.local import train_local
+    from jobs.common.metrics import read_metrics
+    from jobs.common.settings import TrainingSettings
 
     path, train, dev = chat_llama
     settings = TrainingSettings(steps=4, batch=4, seq=128, lr=3e-3, seed=0, eval_limit=4)
@@ -438,7 +438,7 @@ def test_profile_plan_show_and_simulate_a_decoder(tiny, tmp_path, capsys):
     from confidant.cli import main
     from jobs.planning import PlanSettings, plan_model, simulate_plan
     from jobs.profiling import profile_this_device
-    from jobs.report import Silent
+    from jobs.common.report import Silent
 
     class Notes(Silent):
         def __init__(self):

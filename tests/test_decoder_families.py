@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ir.graph import AttentionSite
-from jobs.export_llm import LlmExportOptions, export_causal_lm
+from jobs.export.llm import LlmExportOptions, export_causal_lm
 from planner.onnx_import import ImportError_, load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.split.engine import SplitStageEngine

@@ -6,7 +6,7 @@ the profiler times the attention per key/value group; a plan records a split of 
 and a worker trains from its bundle; a pipeline of worker processes with a split stage and the
 tied embedding across stages equals one device.
 
-The models are jobs/export_llm.py's tiny seeded random Llama (4 query heads on 2 key/value heads)
+The models are jobs/export/llm.py's tiny seeded random Llama (4 query heads on 2 key/value heads)
 and GPT-2 (4 heads)."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ir.graph import AttentionSite, block_signature
-from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
 from planner.attention import PatternError, match_attention
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
@@ -184,7 +184,7 @@ def test_a_plan_splits_key_value_groups_and_a_worker_trains_from_its_bundle(expo
     three steps with the unsplit engine's losses."""
     from ir.bundle import load_bundle_dir, sign_bundle
     from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile
-    from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, LocalWorkers, train_pipeline
     from jobs.planning import PlanSettings, plan_model
     from runtime.keys import signer
     from runtime.pipeline.coordinator import PipelineConfig
@@ -227,7 +227,7 @@ def test_a_pipeline_with_a_split_decoder_stage_equals_one_device(exports):
     """Two worker processes, 1F1B-flush, the tied embedding on both stages and stage 1's decoder
     block split over torch (in the worker) and MNN (in a child of it): the losses and weights of
     single-device training."""
-    from jobs.pipeline_training import FaultPolicy, LocalWorkers, StageChoice, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, LocalWorkers, StageChoice, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     graph = load_model(exports["llama", "torchscript"], ROWS, S)

@@ -20,7 +20,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from jobs.export import ExportOptions, export_checkpoint, model_inputs, read_hf_sidecar
+from jobs.export.encoder import ExportOptions, export_checkpoint, model_inputs, read_hf_sidecar
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
@@ -130,7 +130,7 @@ def test_mpnet_across_a_cut_sums_its_bias_tables_gradients_and_equals_one_device
     and layer.1: the relative-position bias table is on both stages, its gradients are summed before
     each update (as a tied weight's), and three SGD steps equal one device's."""
     from ir.graph import tied_parameters
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
     from runtime.optim import make_optimizer
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers

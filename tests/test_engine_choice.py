@@ -10,7 +10,7 @@ import pytest
 
 from ir.graph import block_signature
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 from jobs.planning import PlanSettings, engine_choices, plan_model
 from planner.cluster import DeviceSpec, device_backend, runtime_bytes
 from planner.onnx_import import load_model
@@ -155,7 +155,7 @@ def _split_profile(graph) -> DeviceProfile:
 
 
 def _two_device_plan(graph, tmp_path, tiny_onnx, backend: str | None = None, cuts=None, notes=None):
-    from jobs.report import Silent
+    from jobs.common.report import Silent
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     _split_profile(graph).save(tmp_path / "box.json")

@@ -184,7 +184,7 @@ def test_pipeline_with_head_split_on_one_stage_equals_single_device(tiny_onnx):
     schedule): 2 worker processes, 1F1B-flush, stage 1's encoder block split 1 + 3 over MNN and
     torch (the torch backend in the worker, the MNN one in a child of it), against single-device
     MNN training, which tests/test_pipeline.py shows equals the unsplit pipeline."""
-    from jobs.pipeline_training import LocalWorkers, StageChoice, train_pipeline
+    from jobs.train.pipeline import LocalWorkers, StageChoice, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     graph = load_model(tiny_onnx["torchscript-17"], B, S)

@@ -139,7 +139,7 @@ def test_a_worker_steps_the_weights_of_its_own_graph(tiny_checkpoint, export_dir
     """Workers (the real Coordinator and Workers over the in-process transport) train as one device
     does, and each stage's graph holds the trained weights: the engine took the arrays the worker
     received instead of copying them, and stepped them in place."""
-    from jobs.pipeline_training import train_pipeline
+    from jobs.train.pipeline import train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
 
@@ -400,7 +400,7 @@ def test_mnn_backward_into_holds_no_second_set_of_gradients(tmp_path):
     micro-batch's whole set first (SmolLM2 full fine-tuning: 513 MiB more at every backward)."""
     import tracemalloc
 
-    from jobs.export import ExportOptions, export_model
+    from jobs.export.encoder import ExportOptions, export_model
     from support import tiny_model
 
     path = export_model(tiny_model("bert", layers=8, num_labels=9), tmp_path / "bert8.onnx",

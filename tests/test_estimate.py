@@ -13,7 +13,7 @@ import pytest
 
 from ir.bundle import load_plan
 from ir.precision import bytes_per_frozen_element, frozen_tensor_bytes, lookup_tables, quantize, storage_for
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 from jobs.estimate import EstimateSettings, estimate_memory, parse_devices
 from jobs.planning import PlanSettings, plan_model
 from planner.cluster import DeviceSpec

@@ -15,7 +15,7 @@ import torch
 
 from support import FAMILIES, assert_grads_close, TINY, family_feeds, tiny_model
 from ir.graph import tied_parameters
-from jobs.export import ExportOptions, export_checkpoint, model_inputs, read_hf_sidecar
+from jobs.export.encoder import ExportOptions, export_checkpoint, model_inputs, read_hf_sidecar
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
@@ -117,7 +117,7 @@ def test_confidant_export_takes_a_family_checkpoint(tmp_path):
 def test_a_checkpoints_head_of_another_size_or_task_is_replaced_by_a_seeded_one(tmp_path):
     """A tagger's 3-label head is kept at --num-labels 3, replaced by a new seeded head at 5 or as a
     sequence classifier (before: transformers' size-mismatch traceback); the encoder is kept."""
-    from jobs.export import load_classifier
+    from jobs.export.encoder import load_classifier
 
     model = tiny_model("bert", num_labels=3, scramble=True)
     model.save_pretrained(tmp_path / "bert")
@@ -210,7 +210,7 @@ def test_albert_pipeline_sums_its_shared_layer_through_the_coordinator(tmp_path,
     """The real pipeline (Coordinator and Workers over the in-process transport): a cut through the
     shared layer puts its weights on 2 or 3 stages, the coordinator sums their gradients before each
     update, and the run equals one device (SGD, as above)."""
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import FaultPolicy, RecoveryImpossible, train_pipeline
-from jobs.workers import LocalWorkers
+from jobs.train.pipeline import FaultPolicy, RecoveryImpossible, train_pipeline
+from jobs.common.workers import LocalWorkers
 from planner.onnx_import import load_model
 from runtime.keys import KeyDir, KeyFileError, KeyPair, PublicKey, read_keypair, signer, verifier, write_keypair
 from runtime.pipeline.coordinator import PipelineConfig
@@ -322,7 +322,7 @@ def _flops_cuts(graph, n: int):
 def test_a_worker_that_comes_back_waits_as_a_spare_when_it_would_not_help(graph, batches):
     """The same return, but the run's re-planner finds the plan with it no faster: a `joined`
     event that says so, no new plan, and the worker idle until the run stops it."""
-    from jobs.pipeline_training import _flops_plan_over
+    from jobs.train.pipeline import _flops_plan_over
 
     default = _flops_plan_over(graph, _config())
     asked = []
@@ -590,7 +590,7 @@ def test_strangers_change_nothing_and_the_wire_is_not_plaintext(graph, batches, 
     coordinator reaches worker 0 through a relay that records the bytes. The workers stay up, the
     losses and weights are single-device training's, the attempts are logged, and no header field
     or control message crosses the wire in the clear."""
-    from jobs.pipeline_training import coordinator_transport
+    from jobs.train.pipeline import coordinator_transport
 
     steps = 4
     with open(tmp_path / "workers.log", "w") as log:
@@ -829,8 +829,8 @@ def test_a_stage_made_5x_slower_is_not_declared_lost(graph, batches):
 
 COORDINATOR_SCRIPT = r"""
 import sys
-from jobs.pipeline_training import train_pipeline
-from jobs.workers import LocalWorkers
+from jobs.train.pipeline import train_pipeline
+from jobs.common.workers import LocalWorkers
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig
 sys.path.insert(0, sys.argv[2])
@@ -991,7 +991,7 @@ def test_a_steps_seconds_are_wall_clock_with_the_state_copies_in_them(graph, bat
     """Issue 32: a step's seconds run from its start to the next step's start, so the copy of the
     state after it (slowed to 0.3 s here) is in them, listed apart as its state seconds; the
     progress report says the same, and the metrics document gives their share."""
-    from jobs.metrics import TrainingMetrics, steps_from
+    from jobs.common.metrics import TrainingMetrics, steps_from
     from runtime.pipeline.coordinator import Coordinator
 
     real = Coordinator.collect_checkpoint
@@ -1044,7 +1044,7 @@ def test_auto_snapshots_copy_rarely_when_a_copy_is_dear_and_a_loss_replays_from_
     then (every step measured) not again; a worker lost after step 4 makes the run replay every
     step since that copy, and the losses and weights are still single-device training's (the
     data order is deterministic). A copy after every step would have made it replay one."""
-    from jobs.pipeline_training import AUTO_SNAPSHOTS, snapshot_interval
+    from jobs.train.pipeline import AUTO_SNAPSHOTS, snapshot_interval
     from runtime.pipeline.coordinator import Coordinator
 
     assert snapshot_interval(0.46, 0.7) == 7  # MiniLM's copy and step: 14 for 5%, the replay bound says 7
@@ -1111,8 +1111,8 @@ def test_a_run_that_stops_on_a_loss_hands_its_steps_and_events_to_the_metrics_do
     before the loss, the loss event), which the command line writes as the metrics document with
     the error, then fails as before."""
     from confidant.commands import _metrics_on_failure
-    from jobs.errors import RunFailed
-    from jobs.metrics import TrainingMetrics, read_metrics, steps_from
+    from jobs.common.errors import RunFailed
+    from jobs.common.metrics import TrainingMetrics, read_metrics, steps_from
 
     with InProcessWorkers(2, timeout_s=60) as workers:
         def on_step(step, *_):
@@ -1140,8 +1140,8 @@ def test_an_interrupted_run_hands_its_steps_to_the_metrics_document(graph, batch
     the run did (its steps), and the command line writes the document with it, then lets the
     interrupt end the program as before."""
     from confidant.commands import _metrics_on_failure
-    from jobs.errors import failure_text
-    from jobs.metrics import TrainingMetrics, read_metrics, steps_from
+    from jobs.common.errors import failure_text
+    from jobs.common.metrics import TrainingMetrics, read_metrics, steps_from
 
     def on_step(step, *_):
         if step == 2:
@@ -1169,9 +1169,9 @@ def test_an_interrupted_run_hands_its_steps_to_the_metrics_document(graph, batch
 def test_train_pipeline_interrupted_writes_its_metrics_document(tiny_onnx, tmp_path, monkeypatch):
     """The command itself, with local worker processes: Ctrl-C after step 2 of 4 still writes
     --metrics-out (the steps done, the error), and the interrupt goes on up."""
-    import jobs.pipeline_training as pt
+    import jobs.train.pipeline as pt
     from confidant.cli import main
-    from jobs.metrics import read_metrics
+    from jobs.common.metrics import read_metrics
 
     real = pt.train_pipeline
 
@@ -1215,8 +1215,8 @@ def test_a_batch_that_micro_batches_do_not_divide_is_a_usage_error(tiny_onnx, tm
 
 
 def test_events_reach_the_metrics_document_and_read_as_one_line_each():
-    from jobs.metrics import TrainingMetrics
-    from jobs.pipeline_training import describe_event
+    from jobs.common.metrics import TrainingMetrics
+    from jobs.train.pipeline import describe_event
 
     events = (
         {"event": "lost", "at": 1.0, "step": 2, "stage": 1, "device": "phone", "address": "tcp://x:1",

@@ -21,7 +21,7 @@ B, S = 2, 12
 @pytest.fixture(scope="module")
 def decoders(tmp_path_factory):
     """family -> a tiny random decoder LLM's graph (torchscript export), lowered on first use."""
-    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
 
     root = tmp_path_factory.mktemp("fused-decoders")
     return Lazy(lambda family: load_model(export_causal_lm(random_causal_lm(family), root / f"{family}.onnx",

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
 from support import Lazy
 from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM
 
@@ -224,7 +224,7 @@ def test_damaged_side_files_and_settings_are_named(models, tmp_path):
     import shutil
 
     from ir.errors import InputFileError
-    from jobs.errors import JobError
+    from jobs.common.errors import JobError
     from jobs.generation import generate
     from support import find_tokenizer_json
     from tasks.causal_lm.tokenizer import load_lm_tokenizer

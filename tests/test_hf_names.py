@@ -1,4 +1,4 @@
-"""The value search of `jobs.hf_names`: the probe prefilter finds every parameter the whole-array
+"""The value search of `jobs.common.hf_names`: the probe prefilter finds every parameter the whole-array
 comparison accepts (as it is or transposed), so placing weights stays exact while it stops being
 quadratic in the number of same-shaped parameters."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jobs.hf_names import ATOL, _Candidates, _same
+from jobs.common.hf_names import ATOL, _Candidates, _same
 
 
 def _state(rng):
@@ -67,9 +67,9 @@ def test_equal_valued_weights_are_told_apart_or_refused_never_swapped(tmp_path, 
     the export-trained folder would differ from the trained model's."""
     import torch
 
-    from jobs.errors import JobError
-    from jobs.export import ExportOptions, export_model, model_inputs, read_hf_sidecar
-    from jobs.local_training import write_single_device_checkpoint
+    from jobs.common.errors import JobError
+    from jobs.export.encoder import ExportOptions, export_model, model_inputs, read_hf_sidecar
+    from jobs.train.local import write_single_device_checkpoint
     from jobs.trained import export_trained_hf
     from planner.onnx_import import load_model
     from runtime.engines.mnn import MnnStageEngine

@@ -156,8 +156,8 @@ import sys
 import runtime.pipeline.worker as worker
 worker.COORDINATOR_GRACE_S = float(sys.argv[1])
 sys.path.insert(0, sys.argv[2])
-from jobs.pipeline_training import FaultPolicy, train_pipeline
-from jobs.workers import parse_workers
+from jobs.train.pipeline import FaultPolicy, train_pipeline
+from jobs.common.workers import parse_workers
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from support import M, ROWS, S, synthetic_batch

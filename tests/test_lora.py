@@ -84,7 +84,7 @@ def test_b_zero_leaves_the_model_unchanged(graph, adapted):
 def _peft_model(tiny_checkpoint):
     from peft import LoraConfig, get_peft_model
 
-    from jobs.export import load_token_classifier
+    from jobs.export.encoder import load_token_classifier
 
     model = load_token_classifier(tiny_checkpoint, LABELS, seed=0).double()
     config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, modules_to_save=["classifier"],

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from jobs.errors import JobError
-from jobs.export_adapter import export_adapter
-from jobs.hf_names import hf_names
-from jobs.pipeline_training import train_pipeline
+from jobs.common.errors import JobError
+from jobs.export.adapter import export_adapter
+from jobs.common.hf_names import hf_names
+from jobs.train.pipeline import train_pipeline
 from planner.lora import LoraSettings, add_lora
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
@@ -26,7 +26,7 @@ LORA = LoraSettings(4, 16.0, targets=("q", "k", "v", "o"), train_also=("head",),
 
 
 def _base_state(tiny_checkpoint):
-    from jobs.export import load_token_classifier
+    from jobs.export.encoder import load_token_classifier
 
     model = load_token_classifier(tiny_checkpoint, 9, seed=0)
     return model, {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -114,7 +114,7 @@ def _lora_plan(model, settings: LoraSettings, tmp_path):
     """`model` planned with LoRA `settings` over two devices of a made-up profile, cut at block 2."""
     from ir.graph import block_signature
     from ir.profile import BackendProfile, BlockCost, DeviceProfile
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from jobs.planning import PlanSettings, plan_model
 
     graph = adapted(load_model(model, ROWS, S), settings)
@@ -139,8 +139,8 @@ def test_a_lora_plan_records_its_settings_and_its_train_checkpoint_exports_an_ad
 
     from ir.bundle import load_plan
     from ir.documents import PlanDocument, PlannedLora
-    from jobs.export_adapter import export_adapter_for
-    from jobs.plan_training import _checkpoint_meta
+    from jobs.export.adapter import export_adapter_for
+    from jobs.train.from_plan import _checkpoint_meta
     from runtime.pipeline.checkpoints import save_checkpoint
 
     model = tiny_onnx["torchscript-17"]
@@ -155,7 +155,7 @@ def test_a_lora_plan_records_its_settings_and_its_train_checkpoint_exports_an_ad
     with pytest.raises(ValueError, match=r"plan bad: lora is \{'rank': 0"):
         PlanDocument.from_json({**doc, "lora": {**doc["lora"], "rank": 0}}, "bad")
     # a re-plan (a device lost) writes a plan folder with the same settings and model file
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from planner.emit import load_plan_cluster
     from planner.replan import PlanReplanner
 
@@ -211,7 +211,7 @@ def test_the_command_line_trains_lora_checkpoints_and_exports_the_adapter(minilm
 
     from peft import PeftModel
 
-    from jobs.export import default_checkpoint_dir, load_token_classifier
+    from jobs.export.encoder import default_checkpoint_dir, load_token_classifier
     from tasks.ner.datagen import write_splits
 
     train, _ = write_splits(tmp_path / "data", n_train=32, n_dev=4, seed=1)
@@ -255,7 +255,7 @@ def test_the_command_line_trains_lora_checkpoints_and_exports_the_adapter(minilm
 def test_the_merged_onnx_gives_the_trained_logits_on_onnx_runtime(trained, tmp_path):
     import onnxruntime as ort
 
-    from jobs.export_adapter import export_merged
+    from jobs.export.adapter import export_merged
 
     model_path, folder, result = trained
     merged = export_merged(folder, tmp_path / "merged.onnx")
@@ -278,8 +278,8 @@ def test_a_causal_lms_adapter_loads_onto_its_transformers_model_through_peft(tmp
     import transformers as tf
     from peft import PeftModel
 
-    from jobs.export_adapter import export_adapter_for
-    from jobs.export_llm import LlmExportOptions, export_causal_lm
+    from jobs.export.adapter import export_adapter_for
+    from jobs.export.llm import LlmExportOptions, export_causal_lm
     from runtime.pipeline.checkpoints import save_checkpoint
     from support import scrambled_causal_lm
 
@@ -307,7 +307,7 @@ def chat_llama_run(chat_llama, tmp_path_factory):
     (conftest), its transformers model rebuilt from the same seed and saved as a folder without a
     tokenizer (as a converted model often is), and a LoRA checkpoint of it whose adapters moved:
     (root, transformers model, ONNX file, adapted graph, weights)."""
-    from jobs.export_llm import random_causal_lm
+    from jobs.export.llm import random_causal_lm
     from runtime.pipeline.checkpoints import save_checkpoint
 
     path = chat_llama[0]
@@ -334,7 +334,7 @@ def test_a_causal_lm_adapter_folder_loads_alone_with_auto_peft_and_its_tokenizer
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
-    from jobs.export_adapter import export_adapter_for, loading_lines
+    from jobs.export.adapter import export_adapter_for, loading_lines
     from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
     root, _, path, graph, weights = chat_llama_run
@@ -363,7 +363,7 @@ def test_a_merged_causal_lm_generates_and_gives_the_adapted_logits(chat_llama_ru
     (before: refused, no tokenizer), and its logits are PEFT's merged model's."""
     from peft import PeftModel
 
-    from jobs.export_adapter import export_adapter_for, export_merged
+    from jobs.export.adapter import export_adapter_for, export_merged
     from jobs.generation import generate
     from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM
 
@@ -389,8 +389,8 @@ def test_a_merged_sequence_classifier_keeps_its_label_names(tmp_path):
     """export-adapter --merged of a LoRA review classifier writes NAME.hf.json beside the merged file
     with the run's label names: `predict` names its labels (before: it asked for --labels). The
     merged file's logits: test_the_merged_onnx_gives_the_trained_logits_on_onnx_runtime."""
-    from jobs.export import ExportOptions, export_model
-    from jobs.export_adapter import export_merged
+    from jobs.export.encoder import ExportOptions, export_model
+    from jobs.export.adapter import export_merged
     from jobs.trained import predict
     from runtime.pipeline.checkpoints import save_checkpoint
     from support import make_tiny_tokenizer, tiny_model
@@ -424,7 +424,7 @@ def test_plan_lora_then_train_plan_then_export_adapter_through_the_command_line(
     lacks), and the printed lines load it: PEFT's logits are the engine's with the trained weights."""
     from ir.graph import block_signature
     from ir.profile import BackendProfile, BlockCost, DeviceProfile
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from runtime.pipeline.checkpoints import load_checkpoint
     from support import lm_step_feeds, run_cli
 
@@ -478,7 +478,7 @@ def test_every_refusal_of_export_adapter_advises_flags_its_commands_have(tmp_pat
     commands in parentheses after the flags)."""
     import re
 
-    from jobs.export_adapter import _not_a_lora_run
+    from jobs.export.adapter import _not_a_lora_run
 
     adapters = {"w.lora_A": 0, "w.lora_B": 0}
     messages = [_not_a_lora_run(tmp_path, {"plan": "p"}, adapters), _not_a_lora_run(tmp_path, {}, adapters),

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import train_pipeline
-from jobs.workers import LocalWorkers
+from jobs.train.pipeline import train_pipeline
+from jobs.common.workers import LocalWorkers
 from planner.schedule import make_schedule
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec

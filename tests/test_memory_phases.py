@@ -81,7 +81,7 @@ def test_a_tied_frozen_table_is_charged_once_on_a_stage_that_holds_both_its_read
     """Under LoRA a tied LM head's table is frozen, and the embeddings' block and the head's each
     count it in `Block.frozen_bytes`: a stage holding both holds it once (SmolLM2 on one device was
     charged 108 MiB twice), a stage holding one of them holds it once too."""
-    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
     from planner.cost import double_held_bytes, stage_memory_terms
     from planner.lora import LoraSettings, add_lora
     from planner.onnx_import import load_model
@@ -116,7 +116,7 @@ import gc, json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from ir.backend import parse_backend
-from jobs.lora import adapted
+from jobs.common.lora import adapted
 from planner.lora import LoraSettings
 from planner.onnx_import import load_model
 from runtime.engines.factory import make_engine
@@ -147,10 +147,10 @@ def test_the_engines_own_memory_at_setup_is_what_the_profile_charges_per_block(t
     and plan-folder workers ran above plan by). The profile measures it per block kind as a worker
     builds it (`engine_setup_bytes` on three layers, divided); a worker's build of many layers holds
     about that many times it, besides the frozen storage MNN widens (charged apart)."""
-    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
     from planner.cost import frozen_storage_extra_bytes
     from planner.lora import LoraSettings
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from planner.onnx_import import load_model
     from planner.replan import flops_cluster
 

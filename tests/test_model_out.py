@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from support import TINY, family_feeds, make_tiny_tokenizer, run_cli, tiny_model
-from jobs.export import ExportOptions, export_model, model_inputs
-from jobs.local_training import write_single_device_checkpoint
+from jobs.export.encoder import ExportOptions, export_model, model_inputs
+from jobs.train.local import write_single_device_checkpoint
 from jobs.trained import export_trained_hf, export_trained_onnx, open_trained
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
@@ -173,7 +173,7 @@ REVIEWS = ("The food was wonderful and the staff were kind .", "Terrible service
 @pytest.fixture(scope="module")
 def minilm_reviews(tmp_path_factory):
     """MiniLM exported as a 3-label review classifier (`confidant export --task seq-cls --labels ...`)."""
-    from jobs.export import default_checkpoint_dir, export_checkpoint
+    from jobs.export.encoder import default_checkpoint_dir, export_checkpoint
 
     return export_checkpoint(default_checkpoint_dir(), tmp_path_factory.mktemp("minilm-reviews") / "minilm-cls.onnx",
                              ExportOptions(num_labels=3, task="seq-cls", labels=("negative", "neutral", "positive")))
@@ -191,7 +191,7 @@ def test_an_hf_export_loads_with_the_models_own_tokenizer_and_predicts_as_predic
 
     import shutil
 
-    from jobs.export import hf_sidecar_path
+    from jobs.export.encoder import hf_sidecar_path
     from jobs.trained import predict
 
     labels = ("negative", "neutral", "positive")
@@ -247,9 +247,9 @@ def test_a_fine_tuned_causal_lm_goes_out_as_a_transformers_folder_with_its_token
     as training did."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jobs.export_hf import load_hf_tokenizer
-    from jobs.export_llm import LlmExportOptions, export_llm, random_causal_lm
-    from jobs.lm_training import _write_checkpoint
+    from jobs.common.hf_tokenizer import load_hf_tokenizer
+    from jobs.export.llm import LlmExportOptions, export_llm, random_causal_lm
+    from jobs.train.causal_lm import _write_checkpoint
     from support import lm_step_feeds
     from tasks.causal_lm.tokenizer import load_lm_tokenizer
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import FaultPolicy, train_pipeline
+from jobs.train.pipeline import FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.keys import COORDINATOR_KEY, ClusterKeys, KeyPair, write_keypair
 from runtime.pipeline.coordinator import PipelineConfig

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, train_pipeline
+from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import Coordinator, PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
@@ -178,7 +178,7 @@ def test_sigkill_of_a_worker_process_is_recovered_from_its_neighbours_copy(graph
     import signal
     import threading
 
-    from jobs.workers import LocalWorkers
+    from jobs.common.workers import LocalWorkers
 
     steps = 5
     workers = LocalWorkers.start(3, threads=1)
@@ -250,7 +250,7 @@ def test_a_plan_without_room_for_the_copies_keeps_its_snapshots_on_the_coordinat
     """A plan's memory is a promise: the default fault policy holds the state on the workers only
     where every device's budget has room for the copies beside what the plan charges it."""
     from ir.documents import DevicePlan
-    from jobs.plan_training import state_place
+    from jobs.train.from_plan import state_place
 
     MiB = 2 ** 20
 

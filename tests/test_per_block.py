@@ -40,7 +40,7 @@ def tiny_llama(tmp_path_factory):
     """A tiny tied Llama (grouped-query attention, SwiGLU, rotary), scrambled, its export and graph."""
     import transformers as tf
 
-    from jobs.export_llm import LlmExportOptions, export_causal_lm
+    from jobs.export.llm import LlmExportOptions, export_causal_lm
 
     config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -186,7 +186,7 @@ def test_train_pipeline_refuses_per_block_on_the_torch_engine_in_one_line(tmp_pa
 def test_a_pipeline_of_per_block_mnn_stages_trains_as_one_device(graph):
     """1F1B-flush on two MNN stages told to recompute per block: no stage caches an op, and the losses
     are single-device MNN training's (which keeps one micro-batch's caches)."""
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
 

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import LocalWorkers, PlanInMemory, StageChoice, train_pipeline
+from jobs.train.pipeline import LocalWorkers, PlanInMemory, StageChoice, train_pipeline
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
 from runtime.pipeline.checkpoints import load_checkpoint

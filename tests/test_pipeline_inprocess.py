@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ir.partition import even_ranges
-from jobs.pipeline_training import PlanInMemory, StageChoice, step_feeds, train_pipeline
+from jobs.train.pipeline import PlanInMemory, StageChoice, step_feeds, train_pipeline
 from planner.onnx_import import load_model
 from planner.replan import flops_cluster, partition_of, predicted_compute_s, recalibrate, replan, without_devices
 from planner.schedule import make_schedule
@@ -594,8 +594,8 @@ def test_a_plan_run_takes_back_a_device_that_returns_with_a_plan_written_for_it(
     the workers as `confidant train PLAN` keeps it (b's copy on a: the recovery plan is written
     from the weights fetched from it)."""
     from ir.bundle import load_plan
-    from jobs.pipeline_training import FaultPolicy
-    from jobs.plan_training import _plan_over
+    from jobs.train.pipeline import FaultPolicy
+    from jobs.train.from_plan import _plan_over
 
     plan_dir = tmp_path / "plan"
     _, _, replanner = _plan_on_a_and_b(graph, plan_dir, "ab")

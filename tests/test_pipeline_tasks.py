@@ -1,4 +1,4 @@
-"""`confidant train-pipeline --task seq-cls|causal-lm` (jobs.pipeline_tasks): the job over real worker
+"""`confidant train-pipeline --task seq-cls|causal-lm` (jobs.common.pipeline_tasks): the job over real worker
 processes trains as `train-local` does on the same data, seed and batch (the pipeline cuts each batch
 into micro-batches; every task's loss is normalised by the whole batch, so the step losses agree),
 and the task's metric comes back. The causal LM is a tiny random Llama with SmolLM2's tokenizer,
@@ -11,10 +11,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from jobs.local_training import train_local
-from jobs.pipeline_training import train_pipeline_job
-from jobs.errors import JobError
-from jobs.settings import PipelineSettings, TrainingSettings
+from jobs.train.local import train_local
+from jobs.train.pipeline import train_pipeline_job
+from jobs.common.errors import JobError
+from jobs.common.settings import PipelineSettings, TrainingSettings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,7 +30,7 @@ def seqcls_model(tmp_path_factory, tokenizer_path):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from jobs.export import ExportOptions, export_model
+    from jobs.export.encoder import ExportOptions, export_model
     from tasks.seqcls.data import write_review_splits
 
     torch.manual_seed(0)
@@ -79,7 +79,7 @@ def test_causal_lm_pipeline_with_a_tied_head_trains_as_one_device_does(chat_llam
     assert (tmp_path / "c" / "meta.json").is_file()
     # resuming checks the task
     with pytest.raises(JobError, match="checkpoint has task='causal-lm', this run 'ner'"):
-        from jobs.pipeline_training import _resumed
+        from jobs.train.pipeline import _resumed
 
         _resumed(tmp_path / "c", {"model": "m.onnx", "task": "ner"}, 3)
 
@@ -99,7 +99,7 @@ def _two_device_plan(model, batch: int, seq: int, budget: str, tmp_path):
     block 2, bundles signed: (the plan folder, the coordinator's keys folder)."""
     from jobs.planning import PlanSettings, plan_model
     from jobs.profiling import profile_this_device
-    from jobs.workers import coordinator_pair
+    from jobs.common.workers import coordinator_pair
     from runtime.keys import signer
 
     _, profile = profile_this_device(model, batch // 2, seq, tmp_path / "dev.json", name="dev",
@@ -117,7 +117,7 @@ def _two_device_plan(model, batch: int, seq: int, budget: str, tmp_path):
 
 def _train_plan(plan, train, dev, keys):
     """`confidant train PLAN --local` for 3 steps (seed 0)."""
-    from jobs.plan_training import PlanRunSettings, train_from_plan
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
 
     return train_from_plan(plan, train, dev, PlanRunSettings(steps=3, seed=0, local=True, keys=keys))
 

@@ -6,7 +6,7 @@ initializer `W.T` (`onnx::MatMul_N`). For a decoder whose LM head is tied to the
 initializer is a second copy of the table: trained on its own, the model would silently be untied
 and its gradients no longer transformers'. The importer takes such a copy for the weight it
 transposes (`planner.onnx_import.folded_transposes`); the trained weights go back into the file
-(`write_weights`) and into ONNX Runtime's generation (`jobs.lm_training.generation_weights`) with the
+(`write_weights`) and into ONNX Runtime's generation (`jobs.train.causal_lm.generation_weights`) with the
 copy holding the trained table's transpose. A file without `NAME.lm.json` trains with
 `train-local --task causal-lm` to the end and keeps its checkpoint.
 

@@ -97,7 +97,7 @@ def test_no_split_where_the_mnn_base_it_needs_is_slower_than_torch_unsplit(tiny_
                                                 for k in b.blocks})
                  if b.backend == "torch:cpu:t1" else b for b in profile.backends)
     from jobs.planning import PlanSettings, plan_model
-    from jobs.report import Silent
+    from jobs.common.report import Silent
 
     class Notes(Silent):
         def __init__(self):
@@ -249,7 +249,7 @@ def test_training_from_a_split_bundle_gives_the_unsplit_losses(tiny_onnx, tmp_pa
     and trains; the losses equal one unsplit MNN engine on the same micro-batches."""
     import numpy as np
 
-    from jobs.pipeline_training import LocalWorkers, train_pipeline
+    from jobs.train.pipeline import LocalWorkers, train_pipeline
     from ir.bundle import load_bundle_dir
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.engines.mnn import MnnStageEngine

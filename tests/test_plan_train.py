@@ -102,7 +102,7 @@ def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
     from planner.onnx_import import load_model
     from planner.schedule import make_schedule
     from ir.partition import Partition, StageAssignment
-    from jobs.pipeline_training import LocalWorkers
+    from jobs.train.pipeline import LocalWorkers
     from runtime.pipeline.bundles import as_uint8, bundle_to_wire
     from runtime.pipeline.executor import COORDINATOR
     from runtime.transport.zeromq import ZmqTransport

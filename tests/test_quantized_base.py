@@ -136,7 +136,7 @@ def _round_to(model, storage: str):
 def tiny_llama(tmp_path_factory):
     import transformers as tf
 
-    from jobs.export_llm import LlmExportOptions, export_causal_lm
+    from jobs.export.llm import LlmExportOptions, export_causal_lm
     from support import scrambled_causal_lm
 
     config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -368,8 +368,8 @@ def test_what_would_make_it_fit_names_a_quantized_base_with_the_bytes_it_saves(i
 def test_a_pipeline_on_an_int4_base_equals_one_device(int4_lora):
     """Real worker processes over ZeroMQ: each receives its stage's frozen weights as float32 values
     and quantizes them again to the same int4 weights (ir.serialize), so the run equals one device."""
-    from jobs.pipeline_training import train_pipeline
-    from jobs.workers import LocalWorkers
+    from jobs.train.pipeline import train_pipeline
+    from jobs.common.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
     from support import M, single_device_training, synthetic_batch
 
@@ -422,8 +422,8 @@ def test_checkpoints_carry_the_base_precision_and_resume_refuses_another(tmp_pat
 def test_resume_refuses_another_base_precision_and_reads_old_checkpoints_as_float32(tmp_path):
     from dataclasses import asdict
 
-    from jobs.errors import JobError
-    from jobs.pipeline_training import _resumed
+    from jobs.common.errors import JobError
+    from jobs.train.pipeline import _resumed
     from planner.lora import LoraSettings
     from runtime.pipeline.checkpoints import save_checkpoint
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from ir.precision import QuantizedTensor, dequantize
-from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
-from jobs.export_quantized import quantize_export
+from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
+from jobs.export.quantized import quantize_export
 from planner.onnx_import import load_model
 from planner.onnx_quantize import quantized_weights, recorded_base_dtype
 from support import run_cli

@@ -169,7 +169,7 @@ def test_the_planner_keeps_activations_where_they_fit_and_recomputes_where_only_
 def test_a_pipeline_of_recomputing_torch_stages_trains_as_one_device(graph):
     """Two stages on the PyTorch engine, both told to recompute, 1F1B-flush: every stage's engine
     recomputes, and the losses are those of single-device training on the same engine."""
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
 
@@ -244,7 +244,7 @@ def test_an_mnn_device_keeps_where_that_fits_and_skips_its_forward_re_run(graph,
 def test_a_pipeline_of_mnn_stages_keeping_activations_trains_as_one_device(graph):
     """1F1B-flush on two MNN stages told to keep: stage 0 builds a second set of block graphs (two
     micro-batches in flight), and the losses are single-device MNN training's."""
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
 

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from jobs.pipeline_training import LocalWorkers, PlanInMemory, step_feeds, train_pipeline
+from jobs.train.pipeline import LocalWorkers, PlanInMemory, step_feeds, train_pipeline
 from planner.onnx_import import load_model
 from planner.partition import (PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us,
                                solve_partition)

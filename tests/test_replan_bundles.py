@@ -192,8 +192,8 @@ def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_tha
 def _train_from(plan_dir: Path, plan, bundles, train: Path, tokenizer: Path, per_stage):
     """Steps EVERY.. on fresh workers from `plan_dir`'s bundles, with the optimizer state saved at
     step EVERY, fed exactly as `confidant train` feeds them."""
-    from jobs.pipeline_training import train_pipeline
-    from jobs.workers import LocalWorkers
+    from jobs.train.pipeline import train_pipeline
+    from jobs.common.workers import LocalWorkers
     from runtime.pipeline.coordinator import PipelineConfig
     from tasks.ner.data import load_ner_data
     from tasks.tokenize import make_batches
@@ -203,7 +203,7 @@ def _train_from(plan_dir: Path, plan, bundles, train: Path, tokenizer: Path, per
     batches = make_batches(data.train_encoded, ROWS * M, SEQ, seed=0)
     union = {k: v for state in per_stage.values() for k, v in state.items()}  # each stage takes its own
     from confidant.home import DEMO_DIR
-    from jobs.workers import coordinator_pair
+    from jobs.common.workers import coordinator_pair
 
     # the CLI signed the plan with the default coordinator key; the workers must trust that one
     local = LocalWorkers.start(len(bundles), threads=1, coordinator=coordinator_pair(DEMO_DIR / "keys"))
@@ -322,7 +322,7 @@ def _engines_plan(tiny_onnx, tmp_path, profiles: dict, rows: int = ROWS, seq: in
 
 
 def _replanner(plan_dir: Path):
-    """The re-planner `confidant train PLAN` makes for a lost device (jobs.plan_training), over the
+    """The re-planner `confidant train PLAN` makes for a lost device (jobs.train.from_plan), over the
     plan folder's own cluster.json."""
     from ir.serialize import merge_slices
     from planner.replan import PlanReplanner
@@ -369,12 +369,12 @@ def test_a_spare_device_a_recovery_plan_runs_gets_its_head_split(tiny_onnx, tmp_
 
 def test_a_run_that_loses_a_device_goes_on_with_the_survivor_on_its_new_engine(tiny_onnx, tmp_path):
     """As `confidant train PLAN` runs (in-process workers): b is lost after step 1, the recovery plan
-    (PlanReplanner.without through jobs.plan_training's plan_over) moves a to torch for all the
+    (PlanReplanner.without through jobs.train.from_plan's plan_over) moves a to torch for all the
     blocks, a's worker loads that bundle and training goes on; with a flush schedule the losses stay
     single-device training's, to float32 rounding across the two frameworks."""
     pytest.importorskip("torch")
-    from jobs.pipeline_training import train_pipeline
-    from jobs.plan_training import _plan_over
+    from jobs.train.pipeline import train_pipeline
+    from jobs.train.from_plan import _plan_over
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
     from support import M as m, ROWS as rows, S as seq, kill_then_restart, single_device_training, synthetic_batch

@@ -13,8 +13,8 @@ from html.parser import HTMLParser
 
 import pytest
 
-from jobs.memory_check import check_memory, memory_overrun
-from jobs.metrics import DeviceFigures, StepFigures, TrainingMetrics
+from jobs.common.memory_check import check_memory, memory_overrun
+from jobs.common.metrics import DeviceFigures, StepFigures, TrainingMetrics
 from planner.memory_defaults import default_profile
 from planner.onnx_import import load_model
 from support import make_tiny_tokenizer, run_cli

@@ -138,7 +138,7 @@ def test_an_async_schedule_runs_many_steps_from_its_one_step_lists_and_steady_st
 def test_a_stash_run_without_a_steady_state_is_refused_before_any_worker_starts():
     """Issue 34: 1f1b-stash over 4 stages with 2 micro-batches per step has no steady state in its one-step
     lists, so a run of several steps is refused up front, naming the fix (it was scheduled at run time)."""
-    from jobs.pipeline_training import train_pipeline
+    from jobs.train.pipeline import train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
     from support import tiny_graph
 

@@ -147,7 +147,7 @@ def tiny_seqcls(tmp_path_factory):
     """A tiny random BERT sequence classifier (2 labels) through `confidant export`'s exporter."""
     from support import tiny_model
 
-    from jobs.export import ExportOptions, export_model
+    from jobs.export.encoder import ExportOptions, export_model
 
     root = tmp_path_factory.mktemp("seqcls")
     return export_model(tiny_model("bert", task="seq-cls", num_labels=2, seed=3), root / "tiny-seqcls.onnx",
@@ -219,8 +219,8 @@ def test_the_logits_shape_tells_a_sequence_from_a_token_classifier(tiny_seqcls, 
     of --task against the model with it (`Task.check_graph`)."""
     from types import SimpleNamespace
 
-    from jobs.errors import JobError
-    from jobs.task_choice import check_graph
+    from jobs.common.errors import JobError
+    from jobs.common.task_choice import check_graph
     from planner.onnx_import import load_model
     from tasks.choice import task_named, task_of
 

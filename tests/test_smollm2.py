@@ -83,7 +83,7 @@ def test_a_smollm2_layer_split_over_key_value_groups_equals_the_unsplit_layer(sm
 
 
 def test_smollm2_forward_on_mnn_equals_onnxruntime_and_transformers(smollm2):
-    from jobs.export_llm import load_causal_lm
+    from jobs.export.llm import load_causal_lm
 
     path, graph, tokenizer = smollm2
     feeds = _feeds(tokenizer)
@@ -133,8 +133,8 @@ def test_a_short_smollm2_fine_tune_lowers_perplexity_and_raises_the_task_metric(
     """10 AdamW steps of 4 entities-json conversations (seed 0) on MNN; 16 dev conversations scored
     before and after (dev perplexity on the engine, generated answers on ONNX Runtime)."""
     from jobs.generation import write_task_data
-    from jobs.local_training import train_local
-    from jobs.settings import TrainingSettings
+    from jobs.train.local import train_local
+    from jobs.common.settings import TrainingSettings
 
     train, dev = write_task_data(tmp_path / "data", n_train=200, n_dev=16, seed=0)
     # one thread: the suite runs on two workers, and two MNN threads beside the other worker's tests
@@ -161,7 +161,7 @@ def test_a_smollm2_adapter_loads_with_auto_peft_alone_its_gguf_base_written_as_a
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
-    from jobs.export_adapter import BASE_FOLDER, export_adapter_for
+    from jobs.export.adapter import BASE_FOLDER, export_adapter_for
     from planner.lora import LoraSettings, add_lora
     from runtime.pipeline.checkpoints import save_checkpoint
 

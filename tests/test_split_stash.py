@@ -114,7 +114,7 @@ def test_real_pipeline_with_a_split_stage_under_weight_stashing(graph, batches):
     """Two worker processes over ZeroMQ, 1f1b-stash, stage 0 (both encoder blocks) split 1 + 3
     over MNN (a child of the worker) and torch (the worker): the losses and final weights of the
     unsplit replay."""
-    from jobs.pipeline_training import LocalWorkers, StageChoice, train_pipeline
+    from jobs.train.pipeline import LocalWorkers, StageChoice, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     config = PipelineConfig(schedule="1f1b-stash", microbatches=M, optimizer=OPTIMIZER, lr=LR, timeout_s=120)

@@ -148,7 +148,7 @@ def test_a_bundle_written_with_float32_values_of_a_quantized_base_still_loads(in
 def test_in_process_workers_holding_the_int4_base_file_train_as_one_device(int4_lora, plan_dir):
     """The workers' engines built from bundles whose frozen weights came from the base file at int4:
     the losses and adapters of those sent everything, and of one device on the in-memory graph."""
-    from jobs.pipeline_training import train_pipeline
+    from jobs.train.pipeline import train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
     from support import single_device_training, synthetic_batch

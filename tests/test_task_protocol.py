@@ -23,7 +23,7 @@ def cases(tiny_onnx, chat_llama, tmp_path_factory):
     """(task name, model, train, dev, tokenizer) for each family: a tiny BERT token classifier on
     generated CoNLL, a tiny BERT sequence classifier on generated reviews, a tiny Llama on the
     entities-json conversations."""
-    from jobs.export import ExportOptions, export_model
+    from jobs.export.encoder import ExportOptions, export_model
     from tasks.ner.datagen import write_splits
     from tasks.seqcls.data import write_review_splits
 

@@ -3,7 +3,7 @@
 coordinator at each UPDATE, and every holder steps with the same sum, so 1f1b-flush and gpipe on 2
 and 3 stages equal single-device training and the copies stay bit-identical.
 
-The model is jobs/export_llm.py's tiny seeded random Llama (tied embeddings, RMSNorm, RoPE,
+The model is jobs/export/llm.py's tiny seeded random Llama (tied embeddings, RMSNorm, RoPE,
 grouped-query attention, SwiGLU), cut so that its first and last blocks are on different stages.
 The reference is one MNN engine over the whole model, micro-batch gradients summed in order, the
 same AdamW. Threads over the in-process transport for every case; worker processes over CURVE
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from ir.graph import tied_parameters
-from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
-from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
+from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
+from jobs.train.pipeline import FaultPolicy, LocalWorkers, train_pipeline
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec

@@ -290,7 +290,7 @@ def test_mnn_split_backward_keeps_each_microbatch_apart(graph):
 @pytest.fixture(scope="module")
 def decoders(tmp_path_factory):
     """family -> a tiny random decoder LLM's graph (torchscript export), lowered on first use."""
-    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
     from support import Lazy
 
     root = tmp_path_factory.mktemp("zb-decoders")
@@ -346,7 +346,7 @@ def batches():
 def test_a_zb_h1_pipeline_equals_single_device_training(graph, batches, stages, engine):
     """Within 1e-5 of the same engine on one device: the deferred weight gradients are the same
     sums, computed apart (MNN's in numpy)."""
-    from jobs.pipeline_training import train_pipeline
+    from jobs.train.pipeline import train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers
 
@@ -427,7 +427,7 @@ def test_a_2bw_pipeline_equals_its_sequential_replay(graph):
     """Three stages over ZeroMQ-free in-process workers, 2 steps of 3 micro-batches, an update per
     3 backwards: the same losses and weights as the same schedule replayed in one thread, and not
     those of the flush schedule (the updates really happen mid-run, on stashed versions)."""
-    from jobs.pipeline_training import train_pipeline
+    from jobs.train.pipeline import train_pipeline
     from runtime.engines.mnn import MnnStageEngine
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.inprocess import InProcessWorkers

@@ -98,7 +98,7 @@ def main(minilm: Path, smollm2: Path, work: Path) -> dict:
     out["minilm-stash"] = _plan(minilm, cluster, work / "minilm" / "plan-stash", *common, "--schedule", "1f1b-stash",
                                 "--optimizer", "sgd")
 
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from planner.lora import LoraSettings
 
     seq, batch, m = 32, 4, 2

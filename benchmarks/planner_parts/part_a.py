@@ -33,7 +33,7 @@ def loopback_link():
 
 
 def train_local(graph, batches, ranges, schedule: str, M: int, n_steps: int) -> dict:
-    from jobs.pipeline_training import FaultPolicy, LocalWorkers, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, LocalWorkers, train_pipeline
     from runtime.pipeline.coordinator import PipelineConfig
 
     workers = LocalWorkers.start(len(ranges), threads=1)

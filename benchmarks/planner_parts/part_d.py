@@ -193,7 +193,7 @@ def measure_netns_link(net: Netns, port: int, sizes=(1 << 10, 1 << 18, 1 << 20),
 
 def child_d(config_path: str) -> int:
     """The coordinator, run inside the coordinator's namespace: train, print figures as JSON."""
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
     from planner.onnx_import import load_model
     from runtime.pipeline.coordinator import PipelineConfig
 

@@ -25,7 +25,7 @@ time, naming its stage and address, instead of after `timeout_s` of silence; a b
 answering heartbeats and is never taken for lost. `abort` then stops the step on the survivors
 (see runtime.pipeline.worker for the fence that keeps the aborted step's messages out of the next),
 `forget` drops the lost workers, and `reconfigure(..., state=)` sets the survivors up again from
-state held here (jobs.pipeline_training keeps it at every flush boundary), so no update is lost.
+state held here (jobs.train.pipeline keeps it at every flush boundary), so no update is lost.
 
 Tied weights (`ir.graph.tied_parameters`: a weight read by blocks of several stages) are summed
 here: at every UPDATE each holder sends its accumulated gradient ("tied_grad"), the coordinator
@@ -96,7 +96,7 @@ class StagePlacement:
 class PipelineConfig:
     """How a run goes: its schedule and micro-batches per step, and how long to wait for a silent
     worker (`timeout_s`). The rest are the settings a plan made in memory is emitted with, one for
-    every stage (jobs.pipeline_training.PlanInMemory): engine, threads, optimizer, learning rate,
+    every stage (jobs.train.pipeline.PlanInMemory): engine, threads, optimizer, learning rate,
     weight decay, and whether the engines "keep" the activations of the micro-batches in flight or
     "recompute" them (None: the engine's default). What differs per device (engines, head splits,
     activation choices) is the plan's, in each device's bundle, never the run's."""

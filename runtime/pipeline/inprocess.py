@@ -4,7 +4,7 @@ DESIGN.md habit 9, "fake hardware first": `InProcessWorkers(n)` starts `n` real
 `runtime.pipeline.worker.Worker` objects, each in its own daemon thread at its own address on one
 `LocalHub`, nameless until the coordinator's setup names it, exactly as `confidant worker` processes
 wait on their sockets. The coordinator (the real `runtime.pipeline.coordinator.Coordinator`, or
-`jobs.pipeline_training.train_pipeline` with `transport=workers.coordinator`) drives them through
+`jobs.train.pipeline.train_pipeline` with `transport=workers.coordinator`) drives them through
 the same protocol as over ZeroMQ; only the frames' way between endpoints differs.
 
 Failures: a worker thread that raises reports it to the coordinator as `worker.serve` does for a

@@ -43,7 +43,7 @@ class PipelineResult:
     ranges: list[tuple[int, int]]  # at the end (after any re-plan)
     replans: list[tuple[int, Reconfiguration]] = field(default_factory=list)  # (steps done before it, what moved)
     devices: list[str] | None = None  # with bundles: the device of each stage at the end
-    events: list[dict] = field(default_factory=list)  # failures and recoveries, as they happened (jobs.metrics)
+    events: list[dict] = field(default_factory=list)  # failures and recoveries, as they happened (jobs.common.metrics)
     addresses: list[str] = field(default_factory=list)  # the worker of each stage at the end
     snapshot_seconds: list[float] = field(default_factory=list)  # each copy of the state to the coordinator
     state_seconds: list[float] = field(default_factory=list)  # per step: the part of step_seconds spent copying
@@ -701,7 +701,7 @@ def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config:
     plan.schedule) and train `steps` steps from `start_step`; then stop the workers and close
     `transport`. `emit` is None for a plan folder's plan (its devices have names, which the result
     and events use) and the job's planner for a plan made in memory (workers are named by address).
-    See jobs.pipeline_training.train_pipeline for the rest."""
+    See jobs.train.pipeline.train_pipeline for the rest."""
     spare_devices = dict(spare_devices or {})
     named = emit is None
     devices = list(plan.devices) if named else None

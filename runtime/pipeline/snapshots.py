@@ -273,7 +273,7 @@ class StateCopies:
 
 @dataclass
 class HeldSnapshot:
-    """A snapshot the workers hold (what `jobs.pipeline_training.Snapshot` is for state held on
+    """A snapshot the workers hold (what `jobs.train.pipeline.Snapshot` is for state held on
     the coordinator): `per_stage` and `state` are fetched from the workers when first asked for."""
 
     step: int
@@ -333,7 +333,7 @@ class PeerSnapshots:
     def costs(self) -> list[float]:
         """What one snapshot costs the busiest worker, in CPU seconds (its copy, the shipping
         thread, filing its neighbour's copy): on a device with no CPU to spare, what it adds to the
-        steps; the policy's K is chosen from it (jobs.pipeline_training.snapshot_interval)."""
+        steps; the policy's K is chosen from it (jobs.train.pipeline.snapshot_interval)."""
         return [self.cost_s] if self.cost_s is not None else []
 
     def busy(self) -> bool:

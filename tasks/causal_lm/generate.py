@@ -1,7 +1,7 @@
 """Text generation and logits of an exported causal LM on ONNX Runtime (the project's one use of it).
 
 The runtime's engines run graphs lowered at one batch and sequence length; generation needs every
-length, so it runs the exported ONNX files themselves (jobs/export_llm.py), with their dynamic shapes:
+length, so it runs the exported ONNX files themselves (jobs/export/llm.py), with their dynamic shapes:
 - with a key/value cache (`NAME.kv.onnx`, the default when it is there): the prompts, left-padded
   after one masked dummy position (the cache graph's past is never empty), run once; then one token per
   step, each step feeding the previous step's `present.*` as `past.*`. Positions count the real tokens

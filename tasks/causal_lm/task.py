@@ -1,7 +1,7 @@
 """A causal LM as a `tasks.task.Task`: JSONL instructions or plain text in, the dev answers'
 perplexity out, measured on the training engine itself (the lowered graph's causal-LM loss, so no
 vocabulary-sized logits are made). Exact match of generated answers needs the exported model file
-to generate with on ONNX Runtime, so the jobs that have one add it (`jobs.lm_training`)."""
+to generate with on ONNX Runtime, so the jobs that have one add it (`jobs.train.causal_lm`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

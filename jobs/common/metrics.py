@@ -31,8 +31,8 @@ old_ranges, ranges, devices, plan, seconds; `left`: the devices moved off when r
 "recovered" {step, seconds (from detection to that step done), steps_replayed, ranges, devices},
 "checkpoint" {step, directory}, "memory_low" {step, device, mem_available_bytes}, "battery_low" {step,
 device, battery_percent}, "stayed" {step, devices, cause, reason: running low but nowhere to move}
-(jobs.pipeline_training), "memory_over" {step, device, peak_rss_bytes, planned_bytes, budget_bytes, over:
-"budget" | "plan"} at the end of a run whose device went over (jobs.memory_check). docs/metrics.md documents the same fields.
+(jobs.train.pipeline), "memory_over" {step, device, peak_rss_bytes, planned_bytes, budget_bytes, over:
+"budget" | "plan"} at the end of a run whose device went over (jobs.common.memory_check). docs/metrics.md documents the same fields.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class DeviceFigures:
     last_block: int
     peak_rss_bytes: int | None
     # what the device was promised: the plan's figure (or the memory model's for a run planned in
-    # memory) and its budget; None: unknown (jobs.memory_check)
+    # memory) and its budget; None: unknown (jobs.common.memory_check)
     planned_bytes: int | None = None
     budget_bytes: int | None = None
 

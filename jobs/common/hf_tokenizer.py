@@ -24,7 +24,7 @@ import json
 import os
 from pathlib import Path
 
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 
 __all__ = ["TOKENIZER_FILES", "has_tokenizer_files", "load_hf_tokenizer", "write_hf_tokenizer"]
 

@@ -20,7 +20,7 @@ too but marks each merged parameter with an Identity, which the lowering unties.
 really shares (ALBERT's one layer) stay one initializer read by every layer.
 
 Next to `NAME.onnx` the export writes `NAME.hf.json`: the transformers config, the task and labels,
-which transformers parameter each ONNX weight is (`jobs.hf_names`), and the checkpoint folder it was
+which transformers parameter each ONNX weight is (`jobs.common.hf_names`), and the checkpoint folder it was
 exported from (for its tokenizer), so a fine-tuned model can be written back as a transformers
 checkpoint (`confidant export-trained --hf`) without the original weights.
 """
@@ -213,7 +213,7 @@ def export_model(model, out_path: Path, options: ExportOptions, checkpoint: Path
 
 def write_hf_sidecar(model, out_path: Path, options: ExportOptions, checkpoint: Path | None = None) -> Path:
     """NAME.hf.json: config, task, labels and the transformers name of every ONNX weight."""
-    from jobs.hf_names import hf_names
+    from jobs.common.hf_names import hf_names
     from planner.onnx_import import load_model
 
     graph = load_model(out_path, 1, 8, with_loss=False)

@@ -155,7 +155,7 @@ def coordinator_pair(keys_dir: Path, create: bool = True, note=None) -> KeyPair:
 def parse_workers(spec: Sequence[str], keys_dir: Path | None, insecure: bool) -> tuple[list[str], ClusterKeys | None]:
     """`--workers NAME=ADDRESS,...` (NAME.pub in --keys DIR) as addresses and the cluster's keys;
     plain ADDRESS entries only with --insecure."""
-    from jobs.errors import JobError
+    from jobs.common.errors import JobError
     from runtime.keys import KeyDir, KeyFileError
 
     names, addresses = [], []

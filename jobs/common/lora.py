@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from ir.graph import Graph
-from jobs.errors import JobError
-from jobs.report import Reporter, Silent
+from jobs.common.errors import JobError
+from jobs.common.report import Reporter, Silent
 from planner.lora import LoraSettings, add_lora
 
 

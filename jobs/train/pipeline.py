@@ -19,14 +19,14 @@ from ir.bundle import load_bundle_dir, schedule_of_bundles
 from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
-from jobs.errors import JobError
-from jobs.memory_check import check_memory, default_planned_bytes
-from jobs.pipeline_run import describe_event, progress, run_on_workers
-from jobs.pipeline_tasks import pipeline_task, step_feeds
-from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
-from jobs.report import Reporter, Silent
-from jobs.settings import PipelineSettings, TrainingSettings
-from jobs.workers import LocalWorkers, coordinator_pair, parse_workers
+from jobs.common.errors import JobError
+from jobs.common.memory_check import check_memory, default_planned_bytes
+from jobs.common.pipeline_run import describe_event, progress, run_on_workers
+from jobs.common.pipeline_tasks import pipeline_task, step_feeds
+from jobs.common.metrics import DeviceFigures, TrainingMetrics, steps_from
+from jobs.common.report import Reporter, Silent
+from jobs.common.settings import PipelineSettings, TrainingSettings
+from jobs.common.workers import LocalWorkers, coordinator_pair, parse_workers
 from planner.cost import check_tied_schedule
 from planner.replan import TimingReplanner
 from planner.schedule import make_schedule

@@ -17,8 +17,8 @@ import time
 from typing import Mapping, Sequence
 
 from ir.graph import Graph
-from jobs.metrics import DeviceFigures, TrainingMetrics
-from jobs.report import Reporter
+from jobs.common.metrics import DeviceFigures, TrainingMetrics
+from jobs.common.report import Reporter
 
 MIB = 2 ** 20
 # measured above planned by more than this share: the memory model missed something worth a warning

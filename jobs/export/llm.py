@@ -44,7 +44,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 from tasks.causal_lm.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 
 __all__ = ["CHAT_TEMPLATE_FILE", "LlmExportOptions", "RANDOM_FAMILIES", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE",
@@ -510,12 +510,12 @@ def export_trained_causal_lm_hf(model_path: Path, weights, folder: Path, tokeniz
     """A fine-tuned causal LM as a transformers folder (config.json, model.safetensors, tokenizer and
     chat template): the transformers model NAME.lm.json records as the export's source, loaded again,
     with `weights` (IR name -> array, trained) put in place of its parameters (each placed by name
-    and value, `jobs.hf_names`), saved by transformers itself."""
+    and value, `jobs.common.hf_names`), saved by transformers itself."""
     import numpy as np
     import torch
 
-    from jobs.export_hf import causal_lm_tokenizer, load_hf_tokenizer, write_hf_tokenizer
-    from jobs.hf_names import hf_names
+    from jobs.common.hf_tokenizer import causal_lm_tokenizer, load_hf_tokenizer, write_hf_tokenizer
+    from jobs.common.hf_names import hf_names
     from planner.onnx_import import load_model
     from tasks.causal_lm.generate import lm_metadata
 

@@ -3,7 +3,7 @@
 Three tasks: token classification (NER on CoNLL files, entity F1), sequence classification
 (`task="seq-cls"`, GLUE-style TSV/CSV, accuracy and macro-F1) and causal language modelling
 (`task="causal-lm"`, a decoder LLM on JSONL instructions or plain text, perplexity and exact match of
-generated answers: `jobs.lm_training`). With `checkpoint` the trained
+generated answers: `jobs.train.causal_lm`). With `checkpoint` the trained
 weights and optimizer state go to a checkpoint folder in the one format the pipeline writes
 (`runtime.pipeline.checkpoints`: one stage), which `confidant predict` and `confidant
 export-trained` read.
@@ -14,13 +14,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from jobs.errors import JobError
-from jobs.lora import adapted
-from jobs.memory_check import local_check, machine_room_bytes
-from jobs.metrics import DeviceFigures, StepFigures, TrainingMetrics
-from jobs.report import Reporter, Silent
-from jobs.settings import TrainingSettings
-from jobs.task_choice import check_graph, task_for
+from jobs.common.errors import JobError
+from jobs.common.lora import adapted
+from jobs.common.memory_check import local_check, machine_room_bytes
+from jobs.common.metrics import DeviceFigures, StepFigures, TrainingMetrics
+from jobs.common.report import Reporter, Silent
+from jobs.common.settings import TrainingSettings
+from jobs.common.task_choice import check_graph, task_for
 from planner.onnx_import import load_model
 from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_checkpoint_target, save_checkpoint
@@ -36,7 +36,7 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     if checkpoint is not None:  # before training: a path no checkpoint can be written to loses the run
         check_checkpoint_target(checkpoint)
     if the_task.loss == "causal-lm":  # scored by generating from the exported file too
-        from jobs.lm_training import train_causal_lm
+        from jobs.train.causal_lm import train_causal_lm
 
         return train_causal_lm(model, data, eval_path, settings, reporter, checkpoint)
     config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,

@@ -12,7 +12,7 @@ class FlagError(JobError):
 
 class RunFailed(JobError):
     """A run that started and then could not go on (devices lost beyond recovery, `--on-failure
-    stop`, a worker's error): `metrics` (jobs.metrics.TrainingMetrics) holds what it did, its steps
+    stop`, a worker's error): `metrics` (jobs.common.metrics.TrainingMetrics) holds what it did, its steps
     and events, for the metrics document every exit path writes."""
 
     def __init__(self, message: str, metrics=None):

@@ -23,11 +23,11 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ir.graph import Graph
-from jobs.errors import JobError
-from jobs.memory_check import local_check, machine_room_bytes
-from jobs.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
-from jobs.report import Reporter, Silent
-from jobs.settings import TrainingSettings
+from jobs.common.errors import JobError
+from jobs.common.memory_check import local_check, machine_room_bytes
+from jobs.common.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
+from jobs.common.report import Reporter, Silent
+from jobs.common.settings import TrainingSettings
 from planner.lora import Adapter, add_lora
 from planner.onnx_import import load_model
 from runtime.engines.factory import whole_model_engine
@@ -213,7 +213,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
 
 
 def _write_checkpoint(folder: Path, weights, optimizer_state, graph: Graph, meta: dict) -> Path:
-    """The one-stage checkpoint `jobs.local_training.write_single_device_checkpoint` writes (the
+    """The one-stage checkpoint `jobs.train.local.write_single_device_checkpoint` writes (the
     pipeline's format), without importing that module (which dispatches here)."""
     from runtime.pipeline.checkpoints import save_checkpoint
 

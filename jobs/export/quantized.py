@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ PEFT keeps, per adapted Linear `M` of the base model, `base_model.model.M.lora_A
 `base_model.model.M.lora_B.weight` [out, r] (Confidant's A is [in, r] and B [r, out]: transposed),
 and every module trained in full (`modules_to_save`: the task head) under its own parameter names
 `base_model.model.<name>`. Which transformers module each weight of the lowered model is, is
-`jobs.hf_names`' business; this job only writes the files (with the project's own safetensors codec).
+`jobs.common.hf_names`' business; this job only writes the files (with the project's own safetensors codec).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ir.safetensors import save_safetensors
-from jobs.errors import JobError
-from jobs.hf_names import hf_names
+from jobs.common.errors import JobError
+from jobs.common.hf_names import hf_names
 from planner.lora import LoraSettings, add_lora
 from planner.onnx_import import load_model
 from runtime.pipeline.checkpoints import load_checkpoint
@@ -110,21 +110,21 @@ def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, nu
     task has it: a token or sequence classifier at `base` (default: the bundled MiniLM) with the run's
     label count (`num_labels`, else the checkpoint's labels) and seed, or a causal LM at `base` (a
     Hugging Face folder or a .gguf file; default: the source its NAME.lm.json records). `tokenizer`:
-    the tokenizer.json or folder it was trained with (default: the base's, else `jobs.export_hf`'s).
+    the tokenizer.json or folder it was trained with (default: the base's, else `jobs.common.hf_tokenizer`'s).
 
     The folder loads by PEFT's and transformers' own calls with no other argument
     (`loading_lines`): its tokenizer is written beside the adapter, and `base_model_name_or_path`
     names a transformers folder: a causal LM's Hugging Face folder as it is, else the base written
     into `out`/base (a GGUF file dequantized; an encoder with the run's head size, labels and seeded
     head, which the adapter's trained head replaces), reused when it is already there."""
-    from jobs.export import default_checkpoint_dir, load_classifier, read_hf_sidecar
-    from jobs.export_hf import causal_lm_tokenizer, encoder_tokenizer, has_tokenizer_files, load_hf_tokenizer
+    from jobs.export.encoder import default_checkpoint_dir, load_classifier, read_hf_sidecar
+    from jobs.common.hf_tokenizer import causal_lm_tokenizer, encoder_tokenizer, has_tokenizer_files, load_hf_tokenizer
 
     meta, _, _, _, _ = lora_run(checkpoint)
     task = meta.get("task") or "ner"
     model_path = Path(meta["model_path"])
     if task == "causal-lm":
-        from jobs.export_llm import load_causal_lm
+        from jobs.export.llm import load_causal_lm
         from tasks.causal_lm.generate import lm_metadata
 
         if base is None:
@@ -163,7 +163,7 @@ def export_adapter_for(checkpoint: Path, out: Path, base: Path | None = None, nu
                                _base_source(base, task, seed, model.config.num_labels if task != "causal-lm" else None))
     export_adapter(checkpoint, out, state, task_type, base_name=str(base_dir), fan_in_fan_out=conv1d)
     if hf_tokenizer is not None:
-        from jobs.export_hf import write_hf_tokenizer
+        from jobs.common.hf_tokenizer import write_hf_tokenizer
 
         write_hf_tokenizer(hf_tokenizer, out)
     return out
@@ -253,7 +253,7 @@ def export_merged(checkpoint: Path, out: Path) -> Path:
 def _merged_side_files(source: Path, out: Path, merged: dict, meta: dict) -> None:
     import shutil
 
-    from jobs.export import hf_sidecar_path, read_hf_sidecar
+    from jobs.export.encoder import hf_sidecar_path, read_hf_sidecar
     from planner.onnx_import import write_weights
     from tasks.causal_lm.generate import lm_metadata
     from tasks.causal_lm.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE

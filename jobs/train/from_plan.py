@@ -11,14 +11,14 @@ from ir.bundle import PLAN_BASE, BundleError, LoadedPlan, load_plan, load_plan_f
 from ir.documents import PlanDocument
 from ir.plan import FLUSH_SCHEDULES
 from ir.serialize import merge_slices
-from jobs.errors import JobError
-from jobs.memory_check import check_memory
-from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
-from jobs.pipeline_run import describe_event, progress, run_on_workers
-from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, SurvivorPlan, train_pipeline
-from jobs.report import Reporter, Silent
-from jobs.settings import check_fault_flags
-from jobs.workers import LocalWorkers, coordinator_pair
+from jobs.common.errors import JobError
+from jobs.common.memory_check import check_memory
+from jobs.common.metrics import DeviceFigures, TrainingMetrics, steps_from
+from jobs.common.pipeline_run import describe_event, progress, run_on_workers
+from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, SurvivorPlan, train_pipeline
+from jobs.common.report import Reporter, Silent
+from jobs.common.settings import check_fault_flags
+from jobs.common.workers import LocalWorkers, coordinator_pair
 from planner.cluster import ClusterError, load_cluster
 from planner.emit import load_plan_cluster
 from planner.replan import PlanReplanner
@@ -27,8 +27,8 @@ from runtime.pipeline.checkpoints import check_checkpoint_target
 from runtime.pipeline.snapshots import peer_snapshot_bytes
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.procfs import peak_rss_bytes
-from jobs.pipeline_tasks import PipelineTask, task_run, weights_evaluation
-from jobs.task_choice import check_graph
+from jobs.common.pipeline_tasks import PipelineTask, task_run, weights_evaluation
+from jobs.common.task_choice import check_graph
 from tasks.causal_lm.task import TokenizerNotFound
 from tasks.choice import task_named, task_of
 

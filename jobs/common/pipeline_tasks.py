@@ -1,7 +1,7 @@
 """What a pipeline run needs of its task: the graph lowered at micro-batch rows, the graph inputs of
 each step's micro-batches, and the task's score of the trained weights.
 
-`confidant train-pipeline --task ner|seq-cls|causal-lm` (jobs.pipeline_training) builds one with
+`confidant train-pipeline --task ner|seq-cls|causal-lm` (jobs.train.pipeline) builds one with
 `pipeline_task`; the pipeline itself (runtime.pipeline) knows nothing of tasks. Micro-batching is
 exact for every task: NER and seq-cls losses are means over the whole batch's labelled tokens or
 examples, and a causal LM's targets are weighted by 1 / the whole batch's target count
@@ -16,10 +16,10 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ir.graph import Graph
-from jobs.metrics import EvalFigures
-from jobs.report import Reporter, Silent
-from jobs.settings import TrainingSettings
-from jobs.task_choice import check_graph, task_for
+from jobs.common.metrics import EvalFigures
+from jobs.common.report import Reporter, Silent
+from jobs.common.settings import TrainingSettings
+from jobs.common.task_choice import check_graph, task_for
 from tasks.task import Task
 
 
@@ -54,7 +54,7 @@ def pipeline_task(task: str, model: Path, data: Path, eval_path: Path | None, tr
                   microbatches: int, reporter: Reporter = Silent()) -> PipelineTask:
     """The task's data read and its graph lowered for a pipeline of `microbatches` micro-batches of
     `training.batch // microbatches` rows; a JobError names a file or model that does not fit."""
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from planner.onnx_import import load_model
 
     chosen = task_for(task)
@@ -105,11 +105,11 @@ def weights_evaluation(task: Task, graph: Graph | Callable[[], Graph], run, batc
 def _generating(model: Path, eval_path: Path | None, training: TrainingSettings, run
                 ) -> Callable[[Mapping[str, np.ndarray]], EvalFigures | None]:
     """A causal LM's evaluate(weights) with the exported file at hand: the dev answers' perplexity
-    and the exact match of answers generated from the trained weights (`jobs.lm_training.lm_scores`)."""
+    and the exact match of answers generated from the trained weights (`jobs.train.causal_lm.lm_scores`)."""
     def evaluate(weights: Mapping[str, np.ndarray]) -> EvalFigures | None:
         if not run.dev:
             return None
-        from jobs.lm_training import lm_figures, lm_scores
+        from jobs.train.causal_lm import lm_figures, lm_scores
 
         return lm_figures(lm_scores(model, training, eval_path, run.dev_rows, weights))
 

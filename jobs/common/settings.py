@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.training import TRAINING
-from jobs.errors import FlagError, JobError
+from jobs.common.errors import FlagError, JobError
 from planner.lora import LoraSettings
 
 
@@ -61,9 +61,9 @@ class PipelineSettings:
     replan_threshold: float = TRAINING.replan_threshold
     listen: str = "tcp://127.0.0.1:0"
     timeout_s: float = 600.0
-    keys: Path | None = None          # coordinator.key and the workers' NAME.pub (jobs.workers)
+    keys: Path | None = None          # coordinator.key and the workers' NAME.pub (jobs.common.workers)
     insecure: bool = False            # plaintext links, no signatures
-    on_failure: str = "replan"        # jobs.pipeline_training.FaultPolicy
+    on_failure: str = "replan"        # jobs.train.pipeline.FaultPolicy
     failure_timeout_s: float = 3.0
     checkpoint_every: int | None = None
     # "keep", "recompute" or "per-block" (MNN) on every stage, or one per stage (a plan's choices); None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from jobs.errors import RunFailed, failure_text
-from jobs.report import Reporter
+from jobs.common.errors import RunFailed, failure_text
+from jobs.common.report import Reporter
 from runtime.pipeline.coordinator import WorkerFailed
 from runtime.pipeline.executor import busy_fraction
 from runtime.pipeline.session import PipelineResult, RecoveryImpossible

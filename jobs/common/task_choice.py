@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobs.errors import JobError
+from jobs.common.errors import JobError
 from tasks.choice import task_named
 from tasks.task import Task, TaskMismatch
 
