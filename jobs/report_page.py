@@ -2,7 +2,7 @@
 a run of it. Everything is inline (SVG drawn here, CSS, no script needed, nothing fetched), so the
 page opens offline and can be mailed.
 
-Parts, each findable by id and data attributes (tests/test_report_page.py reads them in Chromium):
+Parts, each findable by id and data attributes (tests/jobs/test_report_page.py reads them in Chromium):
 - `#memory`: per device (`.device-memory[data-device]`) a bar of its planned memory by part
   (`rect[data-part]`, planner.memory_defaults.PARTS), its measured peak (`.measured`) and its budget
   (`.budget`), in MiB;

@@ -118,7 +118,7 @@ OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
 # (runtime.optim's `_RowState`: an int64 slot per table row, then per held row an int64 id and a
 # row of each moment, in arrays that grow by doubling, old and new alive while they grow: up to 3x
 # the rows) until more than ROWS_DENSE_SHARE of the rows have state; then they are dense for good.
-# runtime.optim's figures (tests/test_lookups.py holds the model to what it keeps).
+# runtime.optim's figures (tests/planner/test_lookups.py holds the model to what it keeps).
 ROWS_DENSE_SHARE = 0.4
 ROW_STATE_GROWTH = 3
 ROW_STATE_MIN_ROWS = 64

@@ -286,7 +286,7 @@ def split_child_processes(split: "HeadSplit | Mapping[str, int]") -> list[str]:
     engine runs it) puts in child processes, in the split's order: with two or more backends given
     heads, all but one; the one kept in the calling process is the first torch backend if there is
     one (torch computes without holding the GIL), else the first. Restated here because the
-    planner does not import the runtime; tests/test_heads.py checks it against the runtime's."""
+    planner does not import the runtime; tests/planner/test_heads.py checks it against the runtime's."""
     given = split.heads if isinstance(split, HeadSplit) else split
     used = [b for b, h in given.items() if h > 0]
     if len(used) < 2:

@@ -55,7 +55,7 @@ def run_cli(*args, cwd: Path | None = None) -> CliRun:
     """`confidant ARGS` run the way `python -m confidant` runs it (confidant.cli.main, argparse's exits
     included), in this process (in `cwd` if given, restored after): a new interpreter costs ~2 s of
     imports per call. An exception that main does not turn into a one-line error propagates and
-    fails the test, as a traceback would fail a test's "no Traceback" check. tests/test_cli.py keeps
+    fails the test, as a traceback would fail a test's "no Traceback" check. tests/jobs/test_cli.py keeps
     one run through the real entry point."""
     from confidant.cli import main
 

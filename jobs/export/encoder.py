@@ -182,7 +182,7 @@ def export_model(model, out_path: Path, options: ExportOptions, checkpoint: Path
     wrapped = _LogitsOnly(model).eval()
     logits_axes = {0: "batch", 1: "seq"} if options.task == "token-classification" else {0: "batch"}
     # The exporters warn about trace-time constants in transformers' mask code (checked: the graph
-    # is correct at every batch and sequence length, see tests/test_onnx_import.py); keep the
+    # is correct at every batch and sequence length, see tests/planner/test_onnx_import.py); keep the
     # user's terminal for real problems.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -455,7 +455,7 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
         raise JobError(f"this {shape.family} model's logits are not its base model + LM head (max difference "
                        f"{error:.3g}; a logit scale or soft-cap?): the exporter does not support it")
     # The exporters warn about trace-time constants in transformers' mask code; the graphs are checked
-    # at other batch and sequence lengths by tests/test_llm_export.py.
+    # at other batch and sequence lengths by tests/models/test_llm_export.py.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opset = options.opset
@@ -478,7 +478,7 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
                               dynamic_axes={n: {0: "batch", 1: "seq"} for n in names + ["logits"]},
                               opset_version=options.opset, do_constant_folding=False)
             # Unfolded TorchScript keeps every parameter as an initializer under its name (one per
-            # shared tensor, under its first name); tests/test_llm_export.py reads the file to check.
+            # shared tensor, under its first name); tests/models/test_llm_export.py reads the file to check.
             weights = _weights((n, p.shape, p.is_floating_point()) for n, p in logits_module.named_parameters())
         kv_path = out_path.with_suffix(".kv.onnx")
         if kv_cache:

@@ -20,7 +20,7 @@ exact program (over position and first block, the device class chosen per stage)
 - subset (`SubsetRelaxation`, on small clusters): the state holds how many devices of each class
   are used (prod(class size + 1) states), so distinctness is exact and only the order is relaxed;
   its linked form (`value_linked`) prices the links exactly too. Without links its value is the
-  least sum exactly (tests/test_partition.py checks that): the prices cannot see that one
+  least sum exactly (tests/planner/test_partition.py checks that): the prices cannot see that one
   relaxed sequence uses a fast device twice and another none, this pass can.
 
 The objectives. Flush: the step is sum w + (m-1) max w + max U. For a threshold T, a relaxation

@@ -534,7 +534,7 @@ class MnnStageEngine(StageEngine):
         if self._constant_vars or self._taken is not None:
             # the graph's arrays let go for views of the constant Vars (`_hold_once`) are glibc heap a
             # later allocation may never reuse: hand it back now, or the frozen weights stay resident
-            # twice after all (a MiniLM LoRA stage: +41 MiB, tests/test_memory_phases.py)
+            # twice after all (a MiniLM LoRA stage: +41 MiB, tests/planner/test_memory_phases.py)
             release_free_heap()
         self._slot_used = [0] * len(self._slots)  # the serial of the last forward on each slot
         self._stash: dict[int, tuple[int, int, list[np.ndarray | None], dict[str, np.ndarray], int]] = {}

@@ -10,7 +10,7 @@ records it all in a `PipelineResult` (steps, figures, events).
 What a re-plan is, the session does not decide: the job injects it. `plan_over(step, snapshot,
 stages, candidates)` returns the plan over the candidates (a `SurvivorPlan`), `on_replan` the
 measured re-plan, and `emit(ranges, addresses, weights)`, for a plan made in memory, its bundles.
-So the runtime imports no planner (tests/test_imports.py), and whoever computes a re-plan changes one
+So the runtime imports no planner (tests/project/test_imports.py), and whoever computes a re-plan changes one
 call. Every plan the session sets up is bundles: nothing here makes a schedule.
 """
 from __future__ import annotations

@@ -113,7 +113,7 @@ def _session(path: Path, initializers: Mapping[str, np.ndarray], threads: int | 
         options.add_initializer(name, value)
     # Constant folding (and the transpose optimizer's folding into initializers) reads the file's
     # weights, not the added ones: a folded Transpose(W) would keep the old W. Checked by moving every
-    # weight in tests/test_generate.py.
+    # weight in tests/tasks/test_generate.py.
     # A file whose weights are stored quantized (`export --base-dtype`) widens each weight with a few
     # ops over its stored arrays: folded at load, every intermediate of every weight was held at once
     # (SmolLM2 int4: 4.9 GB against 1.2 for the float file); left to run, each weight is widened when
