@@ -14,7 +14,7 @@ from ir.serialize import merge_slices
 from jobs.common.errors import JobError
 from jobs.common.memory_check import check_memory
 from jobs.common.metrics import DeviceFigures, TrainingMetrics, steps_from
-from jobs.common.pipeline_run import describe_event, progress, run_on_workers
+from jobs.train.pipeline_run import describe_event, progress, run_on_workers
 from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, SurvivorPlan, train_pipeline
 from jobs.common.report import Reporter, Silent
 from jobs.common.settings import check_fault_flags
@@ -27,7 +27,7 @@ from runtime.pipeline.checkpoints import check_checkpoint_target
 from runtime.pipeline.snapshots import peer_snapshot_bytes
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.procfs import peak_rss_bytes
-from jobs.common.pipeline_tasks import PipelineTask, task_run, weights_evaluation
+from jobs.train.pipeline_tasks import PipelineTask, task_run, weights_evaluation
 from jobs.common.task_choice import check_graph
 from tasks.causal_lm.task import TokenizerNotFound
 from tasks.choice import task_named, task_of

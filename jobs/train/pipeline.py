@@ -21,8 +21,8 @@ from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
 from jobs.common.errors import JobError
 from jobs.common.memory_check import check_memory, default_planned_bytes
-from jobs.common.pipeline_run import describe_event, progress, run_on_workers
-from jobs.common.pipeline_tasks import pipeline_task, step_feeds
+from jobs.train.pipeline_run import describe_event, progress, run_on_workers
+from jobs.train.pipeline_tasks import pipeline_task, step_feeds
 from jobs.common.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.common.report import Reporter, Silent
 from jobs.common.settings import PipelineSettings, TrainingSettings

@@ -1,4 +1,4 @@
-"""`confidant train-pipeline --task seq-cls|causal-lm` (jobs.common.pipeline_tasks): the job over real worker
+"""`confidant train-pipeline --task seq-cls|causal-lm` (jobs.train.pipeline_tasks): the job over real worker
 processes trains as `train-local` does on the same data, seed and batch (the pipeline cuts each batch
 into micro-batches; every task's loss is normalised by the whole batch, so the step losses agree),
 and the task's metric comes back. The causal LM is a tiny random Llama with SmolLM2's tokenizer,
