@@ -1,4 +1,6 @@
-"""The import graph of DESIGN.md: no circles, the dependency direction, one owner per library, no MNN.tools.
+"""The import graph of DESIGN.md: no circles, the dependency direction, one owner per library, no MNN.tools,
+jobs/common the floor below the jobs (and every other module of jobs/ run by a command), no private
+name of another module used by a job.
 
 The graph is read from the source with `ast`, nothing is imported: a node per module of the project's
 packages (subpackages included, `pkg/__init__.py` is the module `pkg`), an edge per import anywhere in
@@ -88,6 +90,7 @@ def _first_existing(*candidates: str) -> str:
 
 # What each package may not import (by top-level name), and for `ir` the only things it may import.
 FORBIDDEN = {
+    "jobs": {"confidant"},
     "runtime": {"planner", "tasks", "jobs", "confidant"},
     "tasks": {"planner", "jobs", "confidant"},
     "planner": {"runtime", "tasks", "jobs", "confidant"},
@@ -161,6 +164,52 @@ def forbidden_edges(graph: Graph) -> list[str]:
     return problems
 
 
+# jobs/ (DESIGN.md's module map): jobs/common holds what the jobs share and is the floor below them;
+# every other module of jobs/ is a job, or a part of a job group's folder (jobs/train/pipeline_run.py).
+JOBS_COMMON = "jobs.common"
+UPPER_FLOORS = ("jobs", "confidant")  # whose modules may not import another module's private names
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def job_floor_problems(graph: Graph) -> list[str]:
+    """jobs.common importing a job; a module of jobs/ (not jobs.common, not a package) that neither
+    the command line (confidant) nor a module of its own folder imports: no command runs it, so it is
+    no job, and what jobs share belongs in jobs.common."""
+    packages = {m.rsplit(".", 1)[0] for m in graph if "." in m}
+    problems = []
+    for module, names in sorted(graph.items()):
+        if _within(module, JOBS_COMMON):
+            problems += [f"{module} imports {n}, a job: jobs.common is the floor below the jobs"
+                         for n in sorted(names) if _top(n) == "jobs" and n in graph and n not in packages
+                         and not _within(n, JOBS_COMMON)]
+    for module in sorted(graph):
+        if _top(module) != "jobs" or module in packages or _within(module, JOBS_COMMON):
+            continue
+        folder = module.rsplit(".", 1)[0]
+        users = [u for u, names in graph.items() if module in names and u != module]
+        if not any(_top(u) == "confidant" or u.rsplit(".", 1)[0] == folder for u in users):
+            problems.append(f"{module} is run by no command (confidant imports it not, nor does its folder)")
+    return problems
+
+
+def private_name_imports(sources: Mapping[str, str], floors: Iterable[str] = UPPER_FLOORS) -> list[str]:
+    """`from pkg.mod import _name` in a module of `floors` from another module: a private name used
+    across modules is a shared part with no owner (it belongs public in the module both use)."""
+    problems = []
+    for module, source in sorted(sources.items()):
+        if _top(module) not in floors:
+            continue
+        for node in _import_nodes(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and _top(node.module or "") in PACKAGES \
+                    and node.module != module:
+                problems += [f"{module} imports {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+    return problems
+
+
 def misplaced_libraries(graph: Graph, owners: Mapping[str, tuple[str, ...]] = OWNERS) -> list[str]:
     problems = []
     for module, names in sorted(graph.items()):
@@ -226,6 +275,16 @@ def test_each_third_party_library_has_its_one_owner(graph):
     assert not problems, "\n".join(problems)
 
 
+def test_jobs_common_is_the_floor_below_the_jobs_and_every_other_job_module_is_run_by_a_command(graph):
+    problems = job_floor_problems(graph)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_job_imports_another_modules_private_names():
+    problems = private_name_imports({m: p.read_text() for m, p in project_files().items()})
+    assert not problems, "\n".join(problems)
+
+
 def test_no_module_imports_mnn_tools(graph):
     problems = telemetry_imports(graph)
     assert not problems, "\n".join(problems)
@@ -286,6 +345,24 @@ def test_the_checks_report_a_fake_graphs_faults():
         "planner.p imports zmq; only runtime.transport.zeromq may",
     ]
     assert telemetry_imports(fake) == ["confidant.c imports MNN.tools.mnnconvert"]
+
+
+def test_the_job_floor_checks_report_a_fake_graphs_faults():
+    fake = {
+        "jobs": set(), "jobs.common": set(), "jobs.train": set(), "confidant.commands": {"jobs.train.local", "jobs.plan"},
+        "jobs.common.report": set(), "jobs.common.settings": {"jobs.common.report", "jobs.plan"},  # common -> a job
+        "jobs.plan": {"jobs.common.settings"},
+        "jobs.train.local": {"jobs.train.part", "jobs.common"},
+        "jobs.train.part": set(),      # a part of jobs/train: imported by its folder
+        "jobs.orphan": {"jobs.plan"},  # no command runs it
+    }
+    assert job_floor_problems(fake) == [
+        "jobs.common.settings imports jobs.plan, a job: jobs.common is the floor below the jobs",
+        "jobs.orphan is run by no command (confidant imports it not, nor does its folder)"]
+    assert forbidden_edges({"jobs.plan": {"confidant.progress"}}) == ["jobs.plan imports confidant.progress"]
+    sources = {"jobs.a": "from jobs.b import _helper, public, __version__\nfrom . import _x\n",
+               "jobs.b": "from jobs.b import _self\n", "planner.p": "from planner.q import _shared\n"}
+    assert private_name_imports(sources) == ["jobs.a imports jobs.b._helper"]
 
 
 def test_the_loaded_module_guard_sees_planted_mnn_tools():
