@@ -121,3 +121,12 @@ LONGEST_FIRST = ("test_smollm2.py", "test_faults.py", "test_network_heal.py", "t
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A tier with no test in what was asked (`-m slow` over a folder that has no slow test) passes:
+    the README's command runs the two tiers one after the other, and an empty one is no failure.
+    tests/project/test_ci_command.py checks that the two tiers are `-m "not slow"` and `-m slow`, so
+    every test runs in exactly one of them."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.config.getoption("markexpr"):
+        session.exitstatus = pytest.ExitCode.OK
