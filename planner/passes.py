@@ -195,11 +195,9 @@ def simplify_layout(graph: Graph) -> Graph:
     constants = dict(graph.constants)
     values = dict(graph.values)
     params = frozenset(graph.params)
-    prod = {o: n.name for n in graph.nodes for o in n.outputs}
-    readers: dict[str, set[str]] = {}
-    for n in graph.nodes:
-        for i in n.inputs:
-            readers.setdefault(i, set()).add(n.name)
+    # the graph's use-def view by node name, copied: this pass keeps it up to date as it rewrites nodes
+    prod = {o: n.name for o, n in graph.producers().items()}
+    readers = {v: {n.name for n in ns} for v, ns in graph.consumers().items()}
     keep_names = {v.name for v in graph.outputs}
 
     def only_reader(value: str, reader: str) -> bool:
@@ -423,11 +421,9 @@ def _attach_weight_derived(graph: Graph, groups: list[tuple[str, str, list[Node]
     current = {n.name: n for n in graph.nodes}
     group_of = {n.name: k for k, (_, _, nodes) in enumerate(groups) for n in nodes}
     members: list[list[str]] = [[n.name for n in nodes] for _, _, nodes in groups]
-    readers: dict[str, list[str]] = {}
-    for n in graph.nodes:
-        if n.tier == "compute":
-            for i in n.inputs:
-                readers.setdefault(i, []).append(n.name)
+    # the compute nodes' readers by name, copied: kept up to date below as copies take readers over
+    readers = {v: [n.name for n in ns]
+               for v, ns in use_def(n for n in graph.nodes if n.tier == "compute").readers.items()}
     values = dict(graph.values)
     for name in reversed([n.name for n in graph.nodes if n.name in free]):
         node = current[name]
@@ -548,12 +544,9 @@ class _GraphIndex:
 
     def __init__(self, graph: Graph):
         self.order = {n.name: k for k, n in enumerate(graph.nodes)}
-        self.host_prod = {o: n for n in graph.nodes if n.tier == "host" for o in n.outputs}
-        self.compute_readers: dict[str, set[str]] = {}
-        for n in graph.nodes:
-            if n.tier == "compute":
-                for i in n.inputs:
-                    self.compute_readers.setdefault(i, set()).add(n.name)
+        self.host_prod = use_def(n for n in graph.nodes if n.tier == "host").producers
+        self.compute_readers = {v: {n.name for n in ns}
+                                for v, ns in use_def(n for n in graph.nodes if n.tier == "compute").readers.items()}
         self.graph_inputs = set(graph.input_names())
         self.params = frozenset(graph.params)
 

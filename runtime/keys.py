@@ -28,6 +28,7 @@ import nacl.bindings
 import nacl.exceptions
 import nacl.signing
 
+from ir.versioned import check_header
 from runtime.transport.security import CurveKeys
 
 KEY_FORMAT = "confidant-key"
@@ -154,8 +155,7 @@ def read_keypair(path: str | Path) -> KeyPair:
                            f"must be readable by its owner only (chmod 600 {path})")
     try:
         doc = json.loads(path.read_text())
-        if not isinstance(doc, dict) or doc.get("format") != KEY_FORMAT:
-            raise ValueError(f"not a {KEY_FORMAT} file")
+        check_header(doc, format=KEY_FORMAT, versions=None, where="it", error=ValueError)
         pair = KeyPair.from_seed(check_key_name(doc["name"]), bytes.fromhex(doc["secret"]))
     except (ValueError, KeyError, TypeError, nacl.exceptions.CryptoError) as exc:
         raise KeyFileError(f"{path}: not a secret key file ({exc})") from None
@@ -219,8 +219,7 @@ def check_signature(trusted: PublicKey, data: bytes, signature: bytes | None) ->
                          f"(write the plan with that coordinator's keys: `confidant plan --keys DIR`)")
     try:
         doc = json.loads(bytes(signature).decode("ascii"))
-        if not isinstance(doc, dict) or doc.get("format") != SIGNATURE_FORMAT:
-            raise ValueError(f"not a {SIGNATURE_FORMAT} document")
+        check_header(doc, format=SIGNATURE_FORMAT, versions=None, where="it", error=ValueError)
         key = PublicKey.parse(doc["key"], "signature key")
         raw = bytes.fromhex(doc["signature"])
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
