@@ -12,7 +12,7 @@ from runtime.keys import KeyFileError, KeyPair, check_signature, read_keypair, s
     ({"format": "confidant-signature", "name": "phone"}, "it is not a confidant-key document (its format is "
                                                          "'confidant-signature')"),
     (["confidant-key"], "it is a JSON list, not an object"),
-])
+], ids=["another-format", "not-an-object"])
 def test_a_key_file_of_another_kind_is_refused_by_the_header_check(tmp_path, doc, why):
     secret, _ = write_keypair(tmp_path, KeyPair.generate("phone"))
     os.chmod(secret, 0o600)
