@@ -53,7 +53,7 @@ def _value_and_step(folder: Path) -> tuple[float, int]:
 _KILLED_WRITER = r"""
 import os, signal, sys
 from pathlib import Path
-sys.path[:0] = [sys.argv[3], sys.argv[3] + "/tests"]
+sys.path[:0] = [sys.argv[3], sys.argv[3] + "/tests", sys.argv[3] + "/tests/runtime"]  # this module
 import runtime.pipeline.checkpoints as ck
 from test_checkpoint_integrity import _meta, _stages
 
