@@ -294,8 +294,9 @@ def test_the_fused_head_and_its_loss_alone_are_charged_their_peak_and_beside_blo
     """A tied Llama (embeddings, two layers, the head, its loss) on MNN. The head's measured workspace
     is the fused head + loss stage's whole peak; alone on a stage that is all it needs (SmolLM2: 137
     MiB above the weights; charged before besides the layers' transient, 25-35 MiB it never held),
-    beside layers the layers' transient comes on top (SmolLM2: 163-165 with two layers). By hand
-    (MiB), layers 40 (24 stacked; per block 30, 2 stacked), head 100."""
+    beside layers the layers' transient comes on top (SmolLM2: 163-165 with two layers), once per
+    stage, and a stage ending at the last layer pays that transient once too. By hand (MiB), layers
+    40 (24 stacked; per block 30, 2 stacked), head 100."""
     from ir.profile import BackendProfile, BlockCost, DeviceProfile
     from planner.cluster import DeviceSpec
     from planner.cost import stage_memory_terms
@@ -321,10 +322,11 @@ def test_the_fused_head_and_its_loss_alone_are_charged_their_peak_and_beside_blo
     assert workspace(2, 4) == stacked + transient + 100
     assert workspace(0, 4) == 2 * stacked + transient + 100
     assert workspace(0, 1) == stacked + transient
-    assert workspace(0, 2) == 2 * stacked + 2 * transient  # a cut no plan makes: safe, not tight
-    # a head smaller than the layers' transient: the transient alone
+    assert workspace(0, 2) == 2 * stacked + transient  # a stage ending at the last layer: its transient once
+    # a head smaller than the layers' transient: alone, its own peak; beside a layer, both
     costs[block_signature(blocks[3])] = BlockCost(0.01, 0.02, 0.0, 10 * mib, kept_bytes=0)
-    assert workspace(3, 4) == transient
+    assert workspace(3, 4) == 10
+    assert workspace(2, 4) == stacked + transient + 10
 
 
 def test_the_partition_instance_prices_a_tied_decoder_as_the_cost_model_and_keeps_head_and_loss_together(graphs):
