@@ -24,6 +24,12 @@ Models
     ``llama1b``: a Llama-3.2-1B-class model the same way (vocab 128256, 16 layers, hidden 2048,
     intermediate 8192, 32 / 8 heads, tied), 4 devices of 768 MiB. Its export needs ~20 GiB.
 
+Further rows (`CONFIGS`): ``smollm2-all-target`` (data whose every position is a target: the fused
+LM head + loss's worst case, which the model charges), ``smollm2-float32`` (a float32 base),
+``smollm2-stash`` (1f1b-stash), ``smollm2-modes`` (budgets 1024 / 448 / 256 MiB: the planner picks
+keep, recompute or per-block per device by its budget), ``minilm-full-2`` / ``minilm-full-3``
+(MiniLM full fine-tuning, token classification, over 2 and 3 devices at the least budget that plans).
+
 Usage
     python benchmarks/memory_plans.py [--models smollm2,qwen] [--steps 1] [--json OUT]
 `plan_rows()` returns the rows for benchmarks/memory.py (`--plans`) to print beside its own.
@@ -248,11 +254,18 @@ def main(argv=None) -> int:
                 train, _ = write_task_data(Path(d), n_train=64, n_dev=1, seed=0)
             print("ROW " + json.dumps(plan_row(args.child, args.steps, Path(d) / "run", train)), flush=True)
         return 0
-    rows = plan_rows(tuple(args.models.split(",")), args.steps)
-    print(format_rows(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    rows, failed = [], []
+    for name in args.models.split(","):  # each row printed as it comes; a failed one named, the rest still run
+        try:
+            rows.append(_child(name, args.steps))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            failed.append(name)
+            print(f"{name}: failed: {exc}", flush=True)
+            continue
+        print(format_rows(rows[-1:]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

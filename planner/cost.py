@@ -795,23 +795,33 @@ class MemoryTerms:
     frozen_bytes: Mapping[str, int]  # frozen weights held once, by storage precision
     gradient_bytes: int       # gradient sums (dense, row-wise, a tied weight's sum)
     optimizer_state_bytes: int
-    activation_bytes: int     # stashed block inputs per micro-batch in flight, kept activations, held logits
-    workspace_bytes: int      # the blocks' stacked workspace and the largest one-block transient
+    activation_bytes: int     # stashed block inputs per micro-batch in flight, held logits
+    workspace_bytes: int      # the blocks' stacked workspace and the stage's largest one-block transient
     runtime_bytes: int        # the idle runtime and its engine
     engine_bytes: int = 0     # what building the stage's engine holds beyond its weights (`engine_bytes`)
+    # on a device that keeps its activations, each block's kept part once more per further micro-batch
+    # in flight (`kept_activation_bytes`)
+    kept_activation_bytes: int = 0
+    # of the workspace, the fused LM head + loss's measured peak (the profile's, with every position of
+    # a micro-batch a target: the worst case of any data; the loss skips positions of weight 0)
+    head_loss_bytes: int = 0
 
     @property
     def total(self) -> int:
         return (self.trainable_bytes + sum(self.frozen_bytes.values()) + self.gradient_bytes
-                + self.optimizer_state_bytes + self.activation_bytes + self.workspace_bytes + self.runtime_bytes
-                + self.engine_bytes)
+                + self.optimizer_state_bytes + self.activation_bytes + self.kept_activation_bytes
+                + self.workspace_bytes + self.runtime_bytes + self.engine_bytes)
 
     def by_name(self) -> dict[str, int]:
         """The terms as plan.json records them (`ir.documents.DevicePlan.memory_terms`): frozen
         weights as one entry per precision, `frozen <precision>`."""
         return {"trainable": self.trainable_bytes, **{f"frozen {p}": b for p, b in self.frozen_bytes.items()},
                 "gradients": self.gradient_bytes, "optimizer state": self.optimizer_state_bytes,
-                "activations": self.activation_bytes, "workspace": self.workspace_bytes, "runtime": self.runtime_bytes,
+                "activations": self.activation_bytes,
+                **({"activations kept": self.kept_activation_bytes} if self.kept_activation_bytes else {}),
+                "workspace": self.workspace_bytes - self.head_loss_bytes,
+                **({"LM head + loss": self.head_loss_bytes} if self.head_loss_bytes else {}),
+                "runtime": self.runtime_bytes,
                 **({"engine": self.engine_bytes} if self.engine_bytes else {})}
 
 
@@ -860,6 +870,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     in_flight = in_flight_microbatches(schedule, stages, stage, microbatches)
     held = 0
     n = len(graph.blocks)
+    fused = bool(joined_boundaries(graph))  # the LM head and its loss run fused on their stage
     if fused_loss_hidden_bytes(graph) is not None:
         if first == n - 1:  # the loss alone: it stashes the logits it receives (a plan from before
             inputs[0] = graph.blocks[n - 2].activation_bytes  # `joined_boundaries`)
@@ -883,7 +894,10 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
                         - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
                         + tied_sum_bytes(graph, first, last)),
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),
-        activation_bytes=sum(inputs) * in_flight + held + kept,
+        activation_bytes=sum(inputs) * in_flight + held,
+        kept_activation_bytes=kept,
+        # the fused pair's peak, all stacked on the head's block (`block_costs`)
+        head_loss_bytes=costs[n - 2 - first].stacked if fused and first <= n - 2 <= last else 0,
         workspace_bytes=stacked + transient_bytes(graph, device, first, last),
         runtime_bytes=runtime_bytes(device),
         engine_bytes=engine_bytes(graph, first, last, device))

@@ -158,6 +158,8 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
                     if t:
                         v.model.add(transient >= t * v.in_pos[r][k])
                 used = used + transient
+            if r == 0 and inst.whole_model_delta_bytes[d]:  # the whole model on one stage (PartitionInstance.stage_bytes)
+                used = used + inst.whole_model_delta_bytes[d] * (1 - v.used[1] if v.positions > 1 else 1)
             limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
             v.model.add(used <= limit).only_enforce_if(v.on[r][c])
 
@@ -244,7 +246,8 @@ def _build(inst: PartitionInstance, soft_memory: bool = False) -> _Vars:
         v.weight = [model.new_int_var(0, compute_ub, f"weight_{r}") for r in range(P)]
     _add_compute(v, inst)
     if soft_memory:
-        max_use = max(o + max(t, default=0) for o, t in zip(inst.overhead_bytes, inst.transient_bytes)) + sum(
+        max_use = max(o + max(t, default=0) + max(w, 0) for o, t, w in
+                      zip(inst.overhead_bytes, inst.transient_bytes, inst.whole_model_delta_bytes)) + sum(
             inst.params_bytes[k] * max(map(max, inst.weight_copies)) + inst.input_bytes[k] * max(map(max, inst.in_flight))
             + max(inst.held_workspace(d, k, max(map(max, inst.in_flight))) for d in range(len(inst.devices)))
             for k in range(inst.blocks))

@@ -170,6 +170,7 @@ class OrderSolver:
             mp = self._memory_prefix(d, 0)
             transient = np.maximum.accumulate(self._transient[d][::-1])[::-1]  # [i] max over blocks i..n-1
             over = self._overhead[d] + mp[n] - mp[:n] + transient - self._budget[d]
+            over[0] += self.inst.whole_model_delta_bytes[d]  # blocks [0, n): the whole model on one stage
             compute = pc[n] - pc[:n]
             got = _Last(np.where(over <= 0, compute, INF), self._pu[d][n] - self._pu[d][:n],
                         self._pwt[d][n] - self._pwt[d][:n])

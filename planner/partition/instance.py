@@ -25,6 +25,7 @@ evaluates them; planner.partition.cpsat models them).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_s
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           base_dtype_savings, engine_bytes, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
-                          reuses_forward, row_gradient_delta_bytes, shared_current_bytes, stepped_gradient_bytes,
+                          reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, unversioned_bytes,
                           unversioned_copies, updates_per_microbatch, weight_copies)
 
@@ -115,6 +116,11 @@ class PartitionInstance:
     # only while it runs); a stage is charged the largest of its own blocks' once (`stage_bytes`),
     # not a sum. Empty: all zero.
     transient_bytes: tuple[tuple[int, ...], ...] = ()
+    # [d] what planner.cost charges the whole model on device d alone (one stage) beyond the per-block
+    # sum (negative: a weight several blocks read, a tied table, is held once there, and its blocks
+    # each count it). Every other stage of a decoder holds at most one reader of such a weight, so the
+    # sum is exact there. Empty: all zero.
+    whole_model_delta_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -151,6 +157,10 @@ class PartitionInstance:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
             elif len(table) != nd or any(len(r) != n or any(x < 0 for x in r) for r in table):
                 raise ValueError(f"PartitionInstance.{name} must have shape {(nd, n)} with entries >= 0")
+        if not self.whole_model_delta_bytes:
+            object.__setattr__(self, "whole_model_delta_bytes", (0,) * nd)
+        elif len(self.whole_model_delta_bytes) != nd:
+            raise ValueError(f"PartitionInstance.whole_model_delta_bytes needs one entry per device ({nd})")
         if not self.keeps_activations:
             object.__setattr__(self, "keeps_activations", (False,) * nd)
         elif len(self.keeps_activations) != nd:
@@ -233,7 +243,8 @@ class PartitionInstance:
         state the same sum linearly (and the transient as a max), and tests hold all three to
         planner.cost."""
         fl = self.in_flight[p - 1][s]
-        return (self.overhead_bytes[d] + self.stage_transient(d, first, last)
+        whole = self.whole_model_delta_bytes[d] if (first, last) == (0, self.blocks - 1) else 0
+        return (self.overhead_bytes[d] + whole + self.stage_transient(d, first, last)
                 + sum(self.weight_bytes(d, k, p, s) + self.input_bytes[k] * fl + self.held_workspace(d, k, fl)
                       for k in range(first, last + 1)))
 
@@ -264,7 +275,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
     def link(d: int, e: int):
         return None if d == e else cluster.link(specs[d].name, specs[e].name)
 
-    return PartitionInstance(
+    inst = PartitionInstance(
         devices=tuple(s.name for s in specs),
         block_names=tuple(b.name for b in blocks),
         compute_us=tuple(tuple(round((c.forward_s + c.backward_s + b.params_bytes * share
@@ -322,6 +333,11 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                            len(blocks))
                                 for spec in specs),
         joined=joined_boundaries(graph))
+    # the one stage that holds every reader of a shared weight: priced by planner.cost itself
+    n = len(blocks)
+    whole = tuple(stage_memory_bytes(graph, spec, 0, n - 1, 0, 1, schedule, microbatches, optimizer, update_every)
+                  - inst.stage_bytes(d, 0, n - 1, 1, 0) for d, spec in enumerate(specs))
+    return dataclasses.replace(inst, whole_model_delta_bytes=whole)
 
 
 def _per_block(prefix, n: int) -> tuple[int, ...]:
@@ -420,7 +436,7 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.weight_us[d],
                               inst.workspace_bytes[d], inst.kept_bytes[d], inst.state_delta_bytes[d],
                               inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d],
-                              inst.transient_bytes[d]),
+                              inst.transient_bytes[d], inst.whole_model_delta_bytes[d]),
                              len(keys)) for d in range(nd)]
 
     def towards(d: int) -> dict[int, list]:
