@@ -467,7 +467,12 @@ def test_profile_plan_show_and_simulate_a_decoder(tiny, tmp_path, capsys):
     _, sim = simulate_plan(plan, 1, tmp_path / "trace.json")
     assert (tmp_path / "trace.json").is_file()
     assert main(["show", str(plan)]) == 0
-    assert "predicted step" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "predicted step" in shown
+    # the head's stage names the fused head + loss's part of its memory, and says it is the worst case
+    b_line = next(line for line in shown.splitlines() if line.startswith("  b: "))
+    assert "LM head + loss" in b_line and "trainable" in b_line and "workspace" in b_line
+    assert "every position of a micro-batch a target, the worst case" in shown
     with pytest.raises(Exception, match="1f1b-stash cannot train weights tied across stages"):
         plan_model(path, tmp_path / "cluster.yaml", PlanSettings("1f1b-stash", 4, 16, 2, cuts=(3,)),
                    tmp_path / "plan2", notes, sign=None)
