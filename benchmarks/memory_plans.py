@@ -26,7 +26,8 @@ Models
 
 Further rows (`CONFIGS`): ``smollm2-all-target`` (data whose every position is a target: the fused
 LM head + loss's worst case, which the model charges), ``smollm2-float32`` (a float32 base),
-``smollm2-stash`` (1f1b-stash), ``smollm2-modes`` (budgets 1024 / 448 / 256 MiB: the planner picks
+``smollm2-stash`` (1f1b-stash), ``smollm2-recompute`` (3 x 384 MiB: MNN's per-op caches of one
+micro-batch fit), ``smollm2-modes`` (budgets 1024 / 448 / 256 MiB: the planner picks
 keep, recompute or per-block per device by its budget), ``minilm-full-2`` / ``minilm-full-3``
 (MiniLM full fine-tuning, token classification, over 2 and 3 devices at the least budget that plans).
 
@@ -78,6 +79,7 @@ CONFIGS = {
     "smollm2-stash": ("smollm2", {"schedule": "1f1b-stash"}),
     # one device of each activation mode the planner picks by budget (keep, recompute, per block)
     "smollm2-modes": ("smollm2", {"budget": [1024, 448, 256], "base_dtype": "float32"}),
+    "smollm2-recompute": ("smollm2", {"budget": 384}),  # room for one micro-batch's caches, not for more
     "minilm-full-2": ("minilm", {"full": True, "devices": 2, "budget": 128}),
     "minilm-full-3": ("minilm", {"full": True, "devices": 3, "budget": 96}),
 }
