@@ -161,7 +161,8 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
     profile_this_device(model, 1, SEQ, profile, name="dev", backends=("mnn:cpu:t1",), reps=1, attention=False,
                         lora=lora)
     schedule = over.get("schedule", "1f1b-flush")
-    settings = PlanSettings(schedule, BATCH, SEQ, M, lora=lora, data=data if lora else None, time_limit_s=60.0)
+    # the plan knows its data (`plan --data`): an embedding table's AdamW state is charged for the rows it looks up
+    settings = PlanSettings(schedule, BATCH, SEQ, M, lora=lora, data=data, time_limit_s=60.0)
     row = {"model": config, "devices": devices, "target_mib": target, "fits_target": True, "needs_mib": None,
            "schedule": schedule}
     budget = target
