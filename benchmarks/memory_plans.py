@@ -24,6 +24,13 @@ Models
     ``llama1b``: a Llama-3.2-1B-class model the same way (vocab 128256, 16 layers, hidden 2048,
     intermediate 8192, 32 / 8 heads, tied), 4 devices of 768 MiB. Its export needs ~20 GiB.
 
+Further rows (`CONFIGS`): ``smollm2-all-target`` (data whose every position is a target: the fused
+LM head + loss's worst case, which the model charges), ``smollm2-float32`` (a float32 base),
+``smollm2-stash`` (1f1b-stash), ``smollm2-recompute`` (3 x 384 MiB: MNN's per-op caches of one
+micro-batch fit), ``smollm2-modes`` (budgets 1024 / 448 / 256 MiB: the planner picks
+keep, recompute or per-block per device by its budget), ``minilm-full-2`` / ``minilm-full-3``
+(MiniLM full fine-tuning, token classification, over 2 and 3 devices at the least budget that plans).
+
 Usage
     python benchmarks/memory_plans.py [--models smollm2,qwen] [--steps 1] [--json OUT]
 `plan_rows()` returns the rows for benchmarks/memory.py (`--plans`) to print beside its own.
@@ -59,6 +66,23 @@ MODELS = {
                          "tie_word_embeddings": True, "max_position_embeddings": 131072, "rope_theta": 5e5,
                          "rms_norm_eps": 1e-5}),
 }
+# Further rows for the memory model (issue 31 target 3), each a model of MODELS (or "minilm") run another
+# way: name -> (model, overrides). Overrides: base_dtype ("int4", "float32"; None with full fine-tuning),
+# full (no LoRA), schedule, devices, budget (MiB: one for all, or one per device, which then is planned
+# as given), data ("entities" or "all-target": every position a target, the fused loss's worst case).
+CONFIGS = {
+    "smollm2": ("smollm2", {}),
+    "qwen": ("qwen", {}),
+    "llama1b": ("llama1b", {}),
+    "smollm2-all-target": ("smollm2", {"data": "all-target"}),
+    "smollm2-float32": ("smollm2", {"base_dtype": "float32"}),
+    "smollm2-stash": ("smollm2", {"schedule": "1f1b-stash"}),
+    # one device of each activation mode the planner picks by budget (keep, recompute, per block)
+    "smollm2-modes": ("smollm2", {"budget": [1024, 448, 256], "base_dtype": "float32"}),
+    "smollm2-recompute": ("smollm2", {"budget": 384}),  # room for one micro-batch's caches, not for more
+    "minilm-full-2": ("minilm", {"full": True, "devices": 2, "budget": 128}),
+    "minilm-full-3": ("minilm", {"full": True, "devices": 3, "budget": 96}),
+}
 _ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 _MAKE_RANDOM = """
@@ -74,6 +98,10 @@ cls(config(**shape)).save_pretrained(sys.argv[1])
 
 def model_path(name: str) -> Path:
     """The ONNX export of `name`, made once and cached under ~/.cache/confidant."""
+    if name == "minilm":
+        from benchmarks.common import default_model
+
+        return default_model()
     shape = MODELS[name][2]
     if shape is None:
         from benchmarks.llm import smollm2_model
@@ -95,15 +123,24 @@ def model_path(name: str) -> Path:
     return onnx
 
 
-def _cluster(path: Path, profile: Path, devices: int, budget_mib: int) -> Path:
+def _cluster(path: Path, profile: Path, devices: int, budget_mib) -> Path:
+    budgets = budget_mib if isinstance(budget_mib, list) else [budget_mib] * devices
     path.write_text("devices:\n" + "".join(
         f"  - {{name: d{k}, address: 'tcp://127.0.0.1:59{k}1', profile: {profile.name}, memory_budget: "
-        f"{budget_mib}MiB, backend: 'mnn:cpu:t1'}}\n" for k in range(devices))
+        f"{budgets[k]}MiB, backend: 'mnn:cpu:t1'}}\n" for k in range(devices))
         + "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
     return path
 
 
-def plan_row(name: str, steps: int, out: Path, data: Path) -> dict:
+def all_target_data(path: Path, rows: int = 64) -> Path:
+    """Entities-json-shaped rows whose every position is a target: a one-letter prompt and a response
+    longer than the sequence (the fused loss's worst case: it skips positions of weight 0)."""
+    words = " ".join(f"word{i % 50}" for i in range(200))
+    path.write_text("".join(json.dumps({"prompt": "x", "response": words}) + "\n" for _ in range(rows)))
+    return path
+
+
+def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
     from ir.bundle import load_plan
     from jobs.common.errors import JobError
     from jobs.train.from_plan import PlanRunSettings, train_from_plan
@@ -111,21 +148,29 @@ def plan_row(name: str, steps: int, out: Path, data: Path) -> dict:
     from jobs.profiling import profile_this_device
     from planner.lora import LoraSettings
 
-    devices, target, _ = MODELS[name]
+    name, over = CONFIGS[config]
+    devices, target = MODELS[name][:2] if name in MODELS else (2, 128)
+    devices, target = over.get("devices", devices), over.get("budget", target)
     model = model_path(name)
     out.mkdir(parents=True, exist_ok=True)
-    lora = LoraSettings(RANK, ALPHA, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4")
+    lora = None if over.get("full") else LoraSettings(RANK, ALPHA, targets=("q", "k", "v", "o"), train_also=(),
+                                                      seed=0, base_dtype=over.get("base_dtype", "int4"))
+    if over.get("data") == "all-target":
+        data = all_target_data(out / "all-target.jsonl")
     profile = out / "dev.json"
     profile_this_device(model, 1, SEQ, profile, name="dev", backends=("mnn:cpu:t1",), reps=1, attention=False,
                         lora=lora)
-    settings = PlanSettings("1f1b-flush", BATCH, SEQ, M, lora=lora, data=data, time_limit_s=60.0)
-    row = {"model": name, "devices": devices, "target_mib": target, "fits_target": True, "needs_mib": None}
+    schedule = over.get("schedule", "1f1b-flush")
+    # the plan knows its data (`plan --data`): an embedding table's AdamW state is charged for the rows it looks up
+    settings = PlanSettings(schedule, BATCH, SEQ, M, lora=lora, data=data, time_limit_s=60.0)
+    row = {"model": config, "devices": devices, "target_mib": target, "fits_target": True, "needs_mib": None,
+           "schedule": schedule}
     budget = target
     try:
         plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget), settings, out / "plan")
     except JobError as exc:  # no plan fits: the planner's need for the tightest device, then plan there
         need = re.search(r"needs ([0-9.]+) MiB", str(exc))
-        if need is None:
+        if need is None or isinstance(target, list):
             raise
         row.update(fits_target=False, needs_mib=float(need.group(1)))
         budget = 16 * math.ceil(row["needs_mib"] / 16)
@@ -136,7 +181,11 @@ def plan_row(name: str, steps: int, out: Path, data: Path) -> dict:
             except JobError:
                 budget += 16
     plan = load_plan(out / "plan")
-    row.update(budget_mib=budget, blocks=[list(d.blocks) for d in plan.devices],
+    budgets = budget if isinstance(budget, list) else [budget] * devices
+    by_device = {f"d{k}": b for k, b in enumerate(budgets)}
+    row.update(budget_mib=budget, budgets_mib=[by_device[d.name] for d in plan.devices],
+               blocks=[list(d.blocks) for d in plan.devices],
+               activations=[d.activations for d in plan.devices],
                planned_mib=[d.memory_bytes / MIB for d in plan.devices],
                terms_mib=[{k: v / MIB for k, v in (d.memory_terms or {}).items()} for d in plan.devices])
 
@@ -151,6 +200,8 @@ def plan_row(name: str, steps: int, out: Path, data: Path) -> dict:
 
 
 def _child(name: str, steps: int) -> dict:
+    if name not in CONFIGS:
+        raise SystemExit(f"--models: {name!r} is not one of {', '.join(CONFIGS)}")
     cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **_ENV}, timeout=7200)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ROW ")]
@@ -169,23 +220,26 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         fits = ("fits" if r["fits_target"] else f"does not fit (tightest device needs {r['needs_mib']:.1f} MiB); "
                 f"planned and run at {r['budget_mib']} MiB")
-        lines.append(f"{r['model']}: {r['devices']} devices of {r['target_mib']} MiB: {fits}")
+        lines.append(f"{r['model']} ({r.get('schedule', '1f1b-flush')}): {r['devices']} devices of "
+                     f"{r['target_mib']} MiB: {fits}")
+        budgets = r.get("budgets_mib") or [r["budget_mib"]] * len(r["blocks"])
         for k, blocks in enumerate(r["blocks"]):
             planned, measured = r["planned_mib"][k], r["measured_mib"][k]
             ratio = "-" if not measured else f"{measured / planned:.2f}"
-            within = "" if not measured else ("  over budget" if measured > r["budget_mib"] else "")
-            lines.append(f"  stage {k} blocks {blocks[0]}-{blocks[1]}: planned {planned:6.1f}  measured "
+            within = "" if not measured else ("  over budget" if measured > budgets[k] else "")
+            mode = (r.get("activations") or [None] * len(r["blocks"]))[k] or "default"
+            lines.append(f"  stage {k} blocks {blocks[0]}-{blocks[1]} ({mode}): planned {planned:6.1f}  measured "
                          f"{measured or float('nan'):6.1f} MiB  measured/planned {ratio}{within}")
         worst = max(abs(m / p - 1) for p, m in zip(r["planned_mib"], r["measured_mib"]) if m)
-        lines.append(f"  memory model: worst {worst:.0%} off (target <= 10%); every peak within "
-                     f"{r['budget_mib']} MiB: {all(m and m <= r['budget_mib'] for m in r['measured_mib'])}")
+        lines.append(f"  memory model: worst {worst:.0%} off (target <= 10%); every peak within its budget: "
+                     f"{all(m and m <= b for m, b in zip(r['measured_mib'], budgets))}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--models", default="smollm2,qwen", help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--models", default="smollm2,qwen", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--steps", type=int, default=1, help="training steps per plan (default 1)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -195,14 +249,26 @@ def main(argv=None) -> int:
         from jobs.generation import write_task_data
 
         with tempfile.TemporaryDirectory() as d:
-            train, _ = write_task_data(Path(d), n_train=64, n_dev=1, seed=0)
+            if CONFIGS[args.child][0] == "minilm":
+                from tasks.ner.datagen import write_splits
+
+                train, _ = write_splits(Path(d), n_train=64, n_dev=1, seed=0)
+            else:
+                train, _ = write_task_data(Path(d), n_train=64, n_dev=1, seed=0)
             print("ROW " + json.dumps(plan_row(args.child, args.steps, Path(d) / "run", train)), flush=True)
         return 0
-    rows = plan_rows(tuple(args.models.split(",")), args.steps)
-    print(format_rows(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    rows, failed = [], []
+    for name in args.models.split(","):  # each row printed as it comes; a failed one named, the rest still run
+        try:
+            rows.append(_child(name, args.steps))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            failed.append(name)
+            print(f"{name}: failed: {exc}", flush=True)
+            continue
+        print(format_rows(rows[-1:]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

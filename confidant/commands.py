@@ -573,6 +573,11 @@ def cmd_show(args) -> int:
     return 0
 
 
+def _term_label(name: str, lora) -> str:
+    """A plan.json memory term as `show` names it (the trainable weights are the adapters under LoRA)."""
+    return "adapters" if name == "trainable" and lora is not None else name
+
+
 def _heads_cell(split) -> str:
     """'mnn:cpu:t1 1 + torch:cpu:t1 3 (pred 41 ms vs 58 ms single)', or '-' without a split."""
     if split is None:
@@ -606,11 +611,17 @@ def show_plan(plan_dir: Path) -> None:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if any(d.memory_terms for d in plan.devices):
-        print("memory per device (the memory model's terms, MiB; trainable: the adapters under LoRA):")
+        print("memory per device (the memory model's terms, MiB; frozen weights by the precision held; activations: "
+              "the stashed block inputs, kept: what a device keeping activations holds per further micro-batch; "
+              "workspace: the blocks' caches and the stage's largest one-block transient):")
         for d in plan.devices:
             if d.memory_terms:
-                print(f"  {d.name}: " + ", ".join(f"{name} {b / 2**20:.1f}" for name, b in d.memory_terms.items())
+                print(f"  {d.name}: " + ", ".join(f"{_term_label(name, plan.lora)} {b / 2**20:.1f}"
+                                                  for name, b in d.memory_terms.items())
                       + f" = {d.memory_bytes / 2**20:.1f} of {d.memory_budget_bytes / 2**20:.0f} budget")
+        if any("LM head + loss" in (d.memory_terms or {}) for d in plan.devices):
+            print("  (LM head + loss: the fused head and loss's peak with every position of a micro-batch a target, "
+                  "the worst case of any data; positions that are no target (prompts, padding) cost less)")
     if plan.predicted_step_s:
         print(f"predicted step: {plan.predicted_step_s:.3f} s "
               f"({plan.batch * plan.microbatches / plan.predicted_step_s:.1f} samples/s)")

@@ -41,8 +41,9 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
     one that recomputes holds one micro-batch's (`DeviceSpec.activations`, `block_costs`: PyTorch
     runs each block's forward once more in its backward, MNN keeping skips its re-run). Profiles
     without those two measurements charge the whole workspace for each (the older model).
-  + the largest transient of any block of the model (`transient_bytes`: workspace - stacked; one
-    block's backward temporaries exist at a time)
+  + the largest transient of the stage's own blocks (`transient_bytes`: workspace - stacked; one
+    block's backward temporaries exist at a time), once per stage (the partitioners take the same
+    max over a stage's blocks: `PartitionInstance.stage_bytes`)
   + the profile's `runtime_overhead_bytes`.
 Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash and 2bw only; an embedding
 table nothing but lookups read is held once under every schedule, stepped in place with no old
@@ -318,21 +319,16 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         # profiling.device.measure_block), which no plan separates: the loss's own figure, measured
         # alone on the logits, is no part of the pair's peak (SmolLM2: 72 MiB counted twice)
         out[-1] = replace(out[-1], workspace_bytes=0, stacked_bytes=0, kept_bytes=0, engine_bytes=0)
-        # The fused pair's measured peak (the profile's, a stage of the two alone) is a transient like
-        # a block's backward, but it does not replace the other blocks' transient (`transient_bytes`,
-        # charged to every stage) on a stage that also runs them: MNN keeps the blocks' pooled buffers
-        # while the loss's numpy chunks come (SmolLM2 int4, per block, every position a target: the
-        # head + loss alone 137 MiB above the weights, with two layers before them 163-165, the two
-        # layers alone 25-26). Charged additively: the pair its peak less that transient, the block
-        # before it that transient once more, so a stage of the pair alone pays its peak, one with
-        # blocks before it both, and one ending at that block (no plan needs it) a transient twice.
+        # The fused pair's measured peak (the profile's, a stage of the two alone) is held beside the
+        # other blocks' transient on a stage that also runs them, not instead of it: MNN keeps the
+        # blocks' pooled buffers while the loss's numpy chunks come (SmolLM2 int4, per block, every
+        # position a target: the head + loss alone 137 MiB above the weights, with two layers before
+        # them 163-165, the two layers alone 25-26). So the pair's peak is all stacked (no transient
+        # of its own) and the stage's transient, the largest of its blocks' (`transient_bytes`),
+        # comes on top once: the pair alone pays its peak, with layers both, and a stage ending at
+        # the last layer the layers' transient once.
         head = out[-2]
-        others = max((c.transient for c in out[:-2]), default=0)
-        out[-2] = replace(head, stacked_bytes=max(0, head.workspace_bytes - others))
-        if len(out) > 2:
-            before = out[-3]
-            out[-3] = replace(before, workspace_bytes=before.workspace_bytes + others,
-                              stacked_bytes=before.stacked + others)
+        out[-2] = replace(head, stacked_bytes=head.workspace_bytes)
     return tuple(out)
 
 
@@ -799,23 +795,33 @@ class MemoryTerms:
     frozen_bytes: Mapping[str, int]  # frozen weights held once, by storage precision
     gradient_bytes: int       # gradient sums (dense, row-wise, a tied weight's sum)
     optimizer_state_bytes: int
-    activation_bytes: int     # stashed block inputs per micro-batch in flight, kept activations, held logits
-    workspace_bytes: int      # the blocks' stacked workspace and the largest one-block transient
+    activation_bytes: int     # stashed block inputs per micro-batch in flight, held logits
+    workspace_bytes: int      # the blocks' stacked workspace and the stage's largest one-block transient
     runtime_bytes: int        # the idle runtime and its engine
     engine_bytes: int = 0     # what building the stage's engine holds beyond its weights (`engine_bytes`)
+    # on a device that keeps its activations, each block's kept part once more per further micro-batch
+    # in flight (`kept_activation_bytes`)
+    kept_activation_bytes: int = 0
+    # of the workspace, the fused LM head + loss's measured peak (the profile's, with every position of
+    # a micro-batch a target: the worst case of any data; the loss skips positions of weight 0)
+    head_loss_bytes: int = 0
 
     @property
     def total(self) -> int:
         return (self.trainable_bytes + sum(self.frozen_bytes.values()) + self.gradient_bytes
-                + self.optimizer_state_bytes + self.activation_bytes + self.workspace_bytes + self.runtime_bytes
-                + self.engine_bytes)
+                + self.optimizer_state_bytes + self.activation_bytes + self.kept_activation_bytes
+                + self.workspace_bytes + self.runtime_bytes + self.engine_bytes)
 
     def by_name(self) -> dict[str, int]:
         """The terms as plan.json records them (`ir.documents.DevicePlan.memory_terms`): frozen
         weights as one entry per precision, `frozen <precision>`."""
         return {"trainable": self.trainable_bytes, **{f"frozen {p}": b for p, b in self.frozen_bytes.items()},
                 "gradients": self.gradient_bytes, "optimizer state": self.optimizer_state_bytes,
-                "activations": self.activation_bytes, "workspace": self.workspace_bytes, "runtime": self.runtime_bytes,
+                "activations": self.activation_bytes,
+                **({"activations kept": self.kept_activation_bytes} if self.kept_activation_bytes else {}),
+                "workspace": self.workspace_bytes - self.head_loss_bytes,
+                **({"LM head + loss": self.head_loss_bytes} if self.head_loss_bytes else {}),
+                "runtime": self.runtime_bytes,
                 **({"engine": self.engine_bytes} if self.engine_bytes else {})}
 
 
@@ -864,6 +870,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     in_flight = in_flight_microbatches(schedule, stages, stage, microbatches)
     held = 0
     n = len(graph.blocks)
+    fused = bool(joined_boundaries(graph))  # the LM head and its loss run fused on their stage
     if fused_loss_hidden_bytes(graph) is not None:
         if first == n - 1:  # the loss alone: it stashes the logits it receives (a plan from before
             inputs[0] = graph.blocks[n - 2].activation_bytes  # `joined_boundaries`)
@@ -887,8 +894,11 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
                         - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
                         + tied_sum_bytes(graph, first, last)),
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),
-        activation_bytes=sum(inputs) * in_flight + held + kept,
-        workspace_bytes=stacked + transient_bytes(graph, device),
+        activation_bytes=sum(inputs) * in_flight + held,
+        kept_activation_bytes=kept,
+        # the fused pair's peak, all stacked on the head's block (`block_costs`)
+        head_loss_bytes=costs[n - 2 - first].stacked if fused and first <= n - 2 <= last else 0,
+        workspace_bytes=stacked + transient_bytes(graph, device, first, last),
         runtime_bytes=runtime_bytes(device),
         engine_bytes=engine_bytes(graph, first, last, device))
 
@@ -910,18 +920,25 @@ def backend_times(graph: Graph, device: DeviceSpec, first: int, last: int,
 
 def workspace_of(graph: Graph, device: DeviceSpec, first: int, last: int, in_flight: int = 1) -> int:
     """Workspace blocks first..last hold together with `in_flight` micro-batches in flight, besides
-    the one transient (`transient_bytes`): each block's `stacked` part, and on a device that keeps
+    the stage's one transient (`transient_bytes`): each block's `stacked` part, and on a device that keeps
     activations its `kept` part once more for every further micro-batch in flight."""
     costs = block_costs(graph, device)[first:last + 1]
     return sum(c.stacked for c in costs) + kept_activation_bytes(sum(c.kept for c in costs), in_flight,
                                                                  keeps_activations(device))
 
 
-def transient_bytes(graph: Graph, device: DeviceSpec) -> int:
-    """The largest transient of any block of the graph on the device (`BlockCost.transient`): one
-    block's backward runs at a time, so a stage needs one, which is charged to every stage (an
-    upper bound that keeps a stage's memory a sum over its blocks, as the partitioners need)."""
-    return max((c.transient for c in block_costs(graph, device)), default=0)
+def transient_bytes(graph: Graph, device: DeviceSpec, first: int, last: int) -> int:
+    """The largest transient (`BlockCost.transient`) of blocks first..last on the device: one block's
+    backward runs at a time, so a stage needs the largest of its own blocks' once. Not a sum over
+    blocks: the partitioners take this max per stage (`PartitionInstance.stage_bytes`, the CP-SAT
+    model's transient variable, the DP's running max), from the per-block figures `block_transients`
+    gives them."""
+    return max(block_transients(graph, device)[first:last + 1], default=0)
+
+
+def block_transients(graph: Graph, device: DeviceSpec) -> tuple[int, ...]:
+    """Per block, its transient on the device (`BlockCost.transient` under `block_costs`)."""
+    return tuple(c.transient for c in block_costs(graph, device))
 
 
 def transfer_s(nbytes: int, cluster: Cluster, a: str, b: str) -> float:

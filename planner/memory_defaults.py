@@ -151,7 +151,7 @@ def memory_parts(graph: Graph, device: DeviceSpec, first: int, last: int, stage:
         "frozen": sum(b.frozen_bytes for b in graph.blocks[first:last + 1])
         + double_held_bytes(graph, first, last, device),
         "activations": sum(block_input_bytes(graph)[first:last + 1]) * in_flight,
-        "workspace": workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device),
+        "workspace": workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device, first, last),
         "runtime": runtime_bytes(device) + engine_bytes(graph, first, last, device),
     }
     parts["other"] = total - sum(parts.values())

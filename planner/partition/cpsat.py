@@ -141,7 +141,9 @@ def _add_compute(v: _Vars, inst: PartitionInstance) -> None:
 
 
 def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
-    """The stage at position r fits its device's budget (or exceeds it by at most `overflow`)."""
+    """The stage at position r fits its device's budget (or exceeds it by at most `overflow`):
+    PartitionInstance.stage_bytes, its per-block sum linear in in_pos and its one transient (the
+    largest of the stage's blocks') a variable at least each of its blocks' transients."""
     for r in range(v.positions):
         fl = inst.in_flight[r][0]  # stage 0 of r+1 stages is at position r
         for c, members in enumerate(v.classes):
@@ -149,6 +151,15 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
             used = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
                 inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
                 for k in range(inst.blocks)])
+            transients = inst.transient_bytes[d]
+            if any(transients):
+                transient = v.model.new_int_var(0, max(transients), f"transient_{r}_{c}")
+                for k, t in enumerate(transients):
+                    if t:
+                        v.model.add(transient >= t * v.in_pos[r][k])
+                used = used + transient
+            if r == 0 and inst.whole_model_delta_bytes[d]:  # the whole model on one stage (PartitionInstance.stage_bytes)
+                used = used + inst.whole_model_delta_bytes[d] * (1 - v.used[1] if v.positions > 1 else 1)
             limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
             v.model.add(used <= limit).only_enforce_if(v.on[r][c])
 
@@ -235,7 +246,8 @@ def _build(inst: PartitionInstance, soft_memory: bool = False) -> _Vars:
         v.weight = [model.new_int_var(0, compute_ub, f"weight_{r}") for r in range(P)]
     _add_compute(v, inst)
     if soft_memory:
-        max_use = max(inst.overhead_bytes) + sum(
+        max_use = max(o + max(t, default=0) + max(w, 0) for o, t, w in
+                      zip(inst.overhead_bytes, inst.transient_bytes, inst.whole_model_delta_bytes)) + sum(
             inst.params_bytes[k] * max(map(max, inst.weight_copies)) + inst.input_bytes[k] * max(map(max, inst.in_flight))
             + max(inst.held_workspace(d, k, max(map(max, inst.in_flight))) for d in range(len(inst.devices)))
             for k in range(inst.blocks))

@@ -130,6 +130,9 @@ class OrderSolver:
         # part once more per further micro-batch in flight (PartitionInstance.held_workspace)
         self._further = [[kept_copies(fl[c], inst.keeps_activations[d]) for c in range(R + 1)] for d in range(nd)]
         self._overhead = np.array(inst.overhead_bytes, dtype=np.float64)
+        # a stage's one transient, the largest of its blocks' (PartitionInstance.stage_bytes): not a
+        # prefix sum, so the bands take a running max over each range and `last` a suffix max
+        self._transient = np.array(inst.transient_bytes, dtype=np.float64).reshape(nd, n)
         self._budget = np.array(inst.memory_budget_bytes, dtype=np.float64)
         # one transfer of the activation after block k between d and e, exactly as instance.transfer_us
         sizes = sorted(set(inst.boundary_bytes))
@@ -165,7 +168,9 @@ class OrderSolver:
             n = self.n
             pc = self._pc_reuse[d] if self._reuse[0] else self._pc[d]
             mp = self._memory_prefix(d, 0)
-            over = self._overhead[d] + mp[n] - mp[:n] - self._budget[d]
+            transient = np.maximum.accumulate(self._transient[d][::-1])[::-1]  # [i] max over blocks i..n-1
+            over = self._overhead[d] + mp[n] - mp[:n] + transient - self._budget[d]
+            over[0] += self.inst.whole_model_delta_bytes[d]  # blocks [0, n): the whole model on one stage
             compute = pc[n] - pc[:n]
             got = _Last(np.where(over <= 0, compute, INF), self._pu[d][n] - self._pu[d][:n],
                         self._pwt[d][n] - self._pwt[d][:n])
@@ -183,7 +188,8 @@ class OrderSolver:
         if n > 1:
             mp = self._memory_prefix(d, c)
             cap = self._budget[d] - self._overhead[d]
-            # the longest fitting range from each i (memory grows with j); ends j <= n-1
+            # the longest range from each i that fits without its transient (memory grows with j;
+            # an upper bound), ends j <= n-1; each range is then checked with its transient below
             jmax = np.minimum(np.searchsorted(mp, mp[:n] + cap, side="right") - 1, n - 1)
             length = jmax - np.arange(n)
             K = int(length.max(initial=0))
@@ -191,6 +197,9 @@ class OrderSolver:
                 i = np.arange(n)[:, None]
                 j = i + 1 + np.arange(K)[None, :]
                 valid = j <= jmax[:, None]
+                # the stage's transient: the running max of its blocks' over the range [i, j)
+                transient = np.maximum.accumulate(self._transient[d][np.minimum(j - 1, n - 1)], axis=1)
+                valid &= mp[np.minimum(j, n)] - mp[i] + transient <= cap
                 if self.inst.joined:  # a stage may not end before a joined boundary
                     ends = np.ones(n, dtype=bool)
                     ends[list(self.inst.joined)] = False

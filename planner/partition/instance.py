@@ -25,6 +25,7 @@ evaluates them; planner.partition.cpsat models them).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -35,12 +36,12 @@ from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activations_of,
-                          async_extra_copies, block_costs,
+                          async_extra_copies, block_costs, block_transients,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           base_dtype_savings, engine_bytes, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
-                          reuses_forward, row_gradient_delta_bytes, shared_current_bytes, stepped_gradient_bytes,
-                          table_state_delta_bytes, tied_sum_bytes, transient_bytes, unversioned_bytes,
+                          reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
+                          table_state_delta_bytes, tied_sum_bytes, unversioned_bytes,
                           unversioned_copies, updates_per_microbatch, weight_copies)
 
 US_PER_S = 1_000_000
@@ -60,7 +61,7 @@ class PartitionInstance:
     params_bytes: tuple[int, ...]                    # [k]
     input_bytes: tuple[int, ...]                     # [k] activation block k reads, stashed per micro-batch
     workspace_bytes: tuple[tuple[int, ...], ...]     # [d][k] per-op caches of one micro-batch
-    overhead_bytes: tuple[int, ...]                  # [d] resident runtime
+    overhead_bytes: tuple[int, ...]                  # [d] resident runtime (and engine)
     memory_budget_bytes: tuple[int, ...]             # [d]
     boundary_bytes: tuple[int, ...]                  # [k], k < n-1: bytes crossing a cut after block k
     link_bandwidth_bytes_per_s: tuple[tuple[float, ...], ...]  # [d][e]; the diagonal is unused
@@ -111,6 +112,15 @@ class PartitionInstance:
     # [k] bytes `--base-dtype int8` and `int4` would save on block k's frozen weights: what "what
     # would make it fit" names (planner.cost.base_dtype_savings). Empty: none.
     base_dtype_savings: tuple[tuple[int, int], ...] = ()
+    # [d][k] block k's transient on device d (planner.cost.block_transients: what its backward needs
+    # only while it runs); a stage is charged the largest of its own blocks' once (`stage_bytes`),
+    # not a sum. Empty: all zero.
+    transient_bytes: tuple[tuple[int, ...], ...] = ()
+    # [d] what planner.cost charges the whole model on device d alone (one stage) beyond the per-block
+    # sum (negative: a weight several blocks read, a tied table, is held once there, and its blocks
+    # each count it). Every other stage of a decoder holds at most one reader of such a weight, so the
+    # sum is exact there. Empty: all zero.
+    whole_model_delta_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -140,12 +150,17 @@ class PartitionInstance:
         for name in ("unversioned_copies", "async_copies"):
             if not getattr(self, name):
                 object.__setattr__(self, name, tuple((0,) * p for p in range(1, nd + 1)))
-        for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes", "shared_current_bytes"):
+        for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes", "shared_current_bytes",
+                     "transient_bytes"):
             table = getattr(self, name)
             if not table:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
             elif len(table) != nd or any(len(r) != n or any(x < 0 for x in r) for r in table):
                 raise ValueError(f"PartitionInstance.{name} must have shape {(nd, n)} with entries >= 0")
+        if not self.whole_model_delta_bytes:
+            object.__setattr__(self, "whole_model_delta_bytes", (0,) * nd)
+        elif len(self.whole_model_delta_bytes) != nd:
+            raise ValueError(f"PartitionInstance.whole_model_delta_bytes needs one entry per device ({nd})")
         if not self.keeps_activations:
             object.__setattr__(self, "keeps_activations", (False,) * nd)
         elif len(self.keeps_activations) != nd:
@@ -216,6 +231,23 @@ class PartitionInstance:
         return self.workspace_bytes[d][k] + kept_activation_bytes(self.kept_bytes[d][k], in_flight,
                                                                   self.keeps_activations[d])
 
+    def stage_transient(self, d: int, first: int, last: int) -> int:
+        """The largest transient of blocks first..last on device d, charged once per stage
+        (planner.cost.transient_bytes)."""
+        return max(self.transient_bytes[d][first:last + 1], default=0)
+
+    def stage_bytes(self, d: int, first: int, last: int, p: int, s: int) -> int:
+        """Memory of stage s of p running blocks first..last on device d: the instance's one form of
+        planner.cost.stage_memory_bytes (the resident runtime, per block its weights and their copies,
+        its stashed inputs and workspace, and the stage's one transient). The CP-SAT model and the DP
+        state the same sum linearly (and the transient as a max), and tests hold all three to
+        planner.cost."""
+        fl = self.in_flight[p - 1][s]
+        whole = self.whole_model_delta_bytes[d] if (first, last) == (0, self.blocks - 1) else 0
+        return (self.overhead_bytes[d] + whole + self.stage_transient(d, first, last)
+                + sum(self.weight_bytes(d, k, p, s) + self.input_bytes[k] * fl + self.held_workspace(d, k, fl)
+                      for k in range(first, last + 1)))
+
     def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
         """Block k's forward+backward on device d at stage s of p."""
         return self.compute_us[d][k] - (self.recompute_us[d][k] if self.reuses(p, s) else 0)
@@ -243,7 +275,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
     def link(d: int, e: int):
         return None if d == e else cluster.link(specs[d].name, specs[e].name)
 
-    return PartitionInstance(
+    inst = PartitionInstance(
         devices=tuple(s.name for s in specs),
         block_names=tuple(b.name for b in blocks),
         compute_us=tuple(tuple(round((c.forward_s + c.backward_s + b.params_bytes * share
@@ -257,8 +289,9 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                     for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
         kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
         base_dtype_savings=base_dtype_savings(graph),
-        # the largest one-block transient is charged to every stage, as planner.cost does
-        overhead_bytes=tuple(runtime_bytes(s) + transient_bytes(graph, s) for s in specs),
+        overhead_bytes=tuple(runtime_bytes(s) for s in specs),
+        # each stage pays the largest of its own blocks' transients (planner.cost.transient_bytes)
+        transient_bytes=tuple(block_transients(graph, s) for s in specs),
         memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
         boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
         link_bandwidth_bytes_per_s=tuple(tuple(math.inf if link(d, e) is None else link(d, e).bandwidth_bytes_per_s
@@ -300,6 +333,11 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                            len(blocks))
                                 for spec in specs),
         joined=joined_boundaries(graph))
+    # the one stage that holds every reader of a shared weight: priced by planner.cost itself
+    n = len(blocks)
+    whole = tuple(stage_memory_bytes(graph, spec, 0, n - 1, 0, 1, schedule, microbatches, optimizer, update_every)
+                  - inst.stage_bytes(d, 0, n - 1, 1, 0) for d, spec in enumerate(specs))
+    return dataclasses.replace(inst, whole_model_delta_bytes=whole)
 
 
 def _per_block(prefix, n: int) -> tuple[int, ...]:
@@ -315,9 +353,7 @@ Assignment = tuple[tuple[int, ...], tuple[tuple[int, int], ...]]  # device indic
 
 
 def _memory_bytes(inst: PartitionInstance, d: int, first: int, last: int, s: int, p: int) -> int:
-    fl = inst.in_flight[p - 1][s]
-    return inst.overhead_bytes[d] + sum(inst.weight_bytes(d, k, p, s) + inst.input_bytes[k] * fl
-                                        + inst.held_workspace(d, k, fl) for k in range(first, last + 1))
+    return inst.stage_bytes(d, first, last, p, s)
 
 
 def _times_us(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence[tuple[int, int]]):
@@ -399,7 +435,8 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     keys: dict = {}
     label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.weight_us[d],
                               inst.workspace_bytes[d], inst.kept_bytes[d], inst.state_delta_bytes[d],
-                              inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d]),
+                              inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d],
+                              inst.transient_bytes[d], inst.whole_model_delta_bytes[d]),
                              len(keys)) for d in range(nd)]
 
     def towards(d: int) -> dict[int, list]:

@@ -123,13 +123,15 @@ def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -
             break
         r = len(devs)
         fl = inst.in_flight[r][0]
-        memory, time_us, last = inst.overhead_bytes[d], 0, k
+        memory, time_us, last, transient = inst.overhead_bytes[d], 0, k, 0
         while k >= 0:
             grow = inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
             more = inst.stage_compute_us(d, k, r + 1, 0)
-            if memory + grow > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
+            # the stage's one transient, the largest of its blocks' (PartitionInstance.stage_bytes)
+            wider = max(transient, inst.transient_bytes[d][k])
+            if memory + grow + wider > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
                 break
-            memory, time_us, k = memory + grow, time_us + more, k - 1
+            memory, time_us, k, transient = memory + grow, time_us + more, k - 1, wider
         while k < last and k in inst.joined:  # the stage may not start inside a joined pair: give
             k += 1                             # its first block back to the next device
         if k < last:
@@ -224,11 +226,7 @@ def check_feasible(partition: Partition, inst: PartitionInstance) -> list[str]:
     for i, st in enumerate(stages):
         d = inst.devices.index(st.device)
         blocks = range(st.first_block, st.last_block + 1)
-        weights = sum(inst.weight_bytes(d, k, p, i) for k in blocks)
-        stashed = sum(inst.input_bytes[k] for k in blocks) * inst.in_flight[p - 1][i]
-        # more per further micro-batch in flight on an engine that keeps its activations
-        workspace = sum(inst.held_workspace(d, k, inst.in_flight[p - 1][i]) for k in blocks)
-        need = weights + stashed + workspace + inst.overhead_bytes[d]
+        need = inst.stage_bytes(d, st.first_block, st.last_block, p, i)
         budget = inst.memory_budget_bytes[d]
         where = f"stage {i} on {st.device!r}"
         if need > budget:

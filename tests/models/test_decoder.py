@@ -294,8 +294,9 @@ def test_the_fused_head_and_its_loss_alone_are_charged_their_peak_and_beside_blo
     """A tied Llama (embeddings, two layers, the head, its loss) on MNN. The head's measured workspace
     is the fused head + loss stage's whole peak; alone on a stage that is all it needs (SmolLM2: 137
     MiB above the weights; charged before besides the layers' transient, 25-35 MiB it never held),
-    beside layers the layers' transient comes on top (SmolLM2: 163-165 with two layers). By hand
-    (MiB), layers 40 (24 stacked; per block 30, 2 stacked), head 100."""
+    beside layers the layers' transient comes on top (SmolLM2: 163-165 with two layers), once per
+    stage, and a stage ending at the last layer pays that transient once too. By hand (MiB), layers
+    40 (24 stacked; per block 30, 2 stacked), head 100."""
     from ir.profile import BackendProfile, BlockCost, DeviceProfile
     from planner.cluster import DeviceSpec
     from planner.cost import stage_memory_terms
@@ -321,10 +322,11 @@ def test_the_fused_head_and_its_loss_alone_are_charged_their_peak_and_beside_blo
     assert workspace(2, 4) == stacked + transient + 100
     assert workspace(0, 4) == 2 * stacked + transient + 100
     assert workspace(0, 1) == stacked + transient
-    assert workspace(0, 2) == 2 * stacked + 2 * transient  # a cut no plan makes: safe, not tight
-    # a head smaller than the layers' transient: the transient alone
+    assert workspace(0, 2) == 2 * stacked + transient  # a stage ending at the last layer: its transient once
+    # a head smaller than the layers' transient: alone, its own peak; beside a layer, both
     costs[block_signature(blocks[3])] = BlockCost(0.01, 0.02, 0.0, 10 * mib, kept_bytes=0)
-    assert workspace(3, 4) == transient
+    assert workspace(3, 4) == 10
+    assert workspace(2, 4) == stacked + transient + 10
 
 
 def test_the_partition_instance_prices_a_tied_decoder_as_the_cost_model_and_keeps_head_and_loss_together(graphs):
@@ -465,7 +467,12 @@ def test_profile_plan_show_and_simulate_a_decoder(tiny, tmp_path, capsys):
     _, sim = simulate_plan(plan, 1, tmp_path / "trace.json")
     assert (tmp_path / "trace.json").is_file()
     assert main(["show", str(plan)]) == 0
-    assert "predicted step" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "predicted step" in shown
+    # the head's stage names the fused head + loss's part of its memory, and says it is the worst case
+    b_line = next(line for line in shown.splitlines() if line.startswith("  b: "))
+    assert "LM head + loss" in b_line and "trainable" in b_line and "workspace" in b_line
+    assert "every position of a micro-batch a target, the worst case" in shown
     with pytest.raises(Exception, match="1f1b-stash cannot train weights tied across stages"):
         plan_model(path, tmp_path / "cluster.yaml", PlanSettings("1f1b-stash", 4, 16, 2, cuts=(3,)),
                    tmp_path / "plan2", notes, sign=None)

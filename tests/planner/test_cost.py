@@ -369,13 +369,15 @@ def test_memory_by_hand_on_a_device_that_keeps_activations():
     g = tiny_graph()
     # stage 0 of 2, blocks 0-1, 1f1b-flush with 4 micro-batches: min(p-s, m) = 2 in flight; sgd: 3 copies
     # of 3000 parameter bytes; stashed inputs 2 x (0 + 400); workspace stacked 40 + 200; kept
-    # (30 + 120) x (2 - 1) further micro-batch; the largest transient of any block 300 - 200; runtime 5000
+    # (30 + 120) x (2 - 1) further micro-batch; the largest transient of the stage's blocks 300 - 200; runtime 5000
     want = 3 * 3000 + 2 * 400 + (40 + 200) + (30 + 120) * 1 + 100 + 5000
     assert want == 15290
     assert stage_memory_bytes(g, keep, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == want
     terms = stage_memory_terms(g, keep, 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
     assert (terms.trainable_bytes, terms.gradient_bytes, terms.optimizer_state_bytes) == (3000, 3000, 3000)
-    assert (terms.activation_bytes, terms.workspace_bytes, terms.runtime_bytes) == (800 + 150, 240 + 100, 5000)
+    assert (terms.activation_bytes, terms.kept_activation_bytes, terms.workspace_bytes, terms.runtime_bytes) \
+        == (800, 150, 240 + 100, 5000)
+    assert terms.by_name()["activations kept"] == 150
     assert terms.total == want and not terms.frozen_bytes
     # gpipe: all 4 in flight, the kept part 3 more times
     assert stage_memory_bytes(g, keep, 0, 1, 0, 2, "gpipe", 4, "sgd") == want + 2 * 400 + 2 * (30 + 120)

@@ -60,14 +60,16 @@ def _cp_sat(inst: PartitionInstance) -> Partition:
 
 def build_instance(devices, compute, params, inputs, workspace, overhead, budgets, bandwidth, latency,
                    schedule, m, optimizer, recompute=(), update=(), weight=(), unversioned=(), keeps=(),
-                   kept=(), gradient_delta=(), shared=(), joined=()) -> PartitionInstance:
+                   kept=(), gradient_delta=(), shared=(), joined=(), transient=(), whole=()) -> PartitionInstance:
     """An instance from plain numbers; memory tables from planner.cost for the schedule; `weight`
     (a split backward's W per block) only where the schedule splits backwards; `unversioned` [d][k]:
     parameter bytes device d keeps no old version of (embedding tables only looked up); `keeps` [d]:
     whether device d keeps activations, `kept` [d][k]: what block k holds then per further
     micro-batch in flight; `gradient_delta` [d][k]: what a table's gradient held as rows changes
     against its dense charge; `shared` [d][k]: parameter bytes device d holds no second current copy
-    of under 1f1b-stash and 2bw (PyTorch); `joined`: boundaries no plan cuts (a head and its loss)."""
+    of under 1f1b-stash and 2bw (PyTorch); `joined`: boundaries no plan cuts (a head and its loss);
+    `transient` [d][k]: block k's transient on device d, a stage paying the largest of its blocks';
+    `whole` [d]: what the whole model on device d alone is charged beyond its blocks' sum."""
     nd, n = len(devices), len(params)
     return PartitionInstance(
         tuple(devices), tuple(f"b{k}" for k in range(n)), tuple(map(tuple, compute)), tuple(params), tuple(inputs),
@@ -82,7 +84,8 @@ def build_instance(devices, compute, params, inputs, workspace, overhead, budget
         unversioned_bytes=tuple(map(tuple, unversioned)), keeps_activations=tuple(keeps),
         kept_bytes=tuple(map(tuple, kept)), state_delta_bytes=tuple(map(tuple, gradient_delta)),
         async_copies=tuple(tuple(async_extra_copies(schedule, p, s) for s in range(p)) for p in range(1, nd + 1)),
-        shared_current_bytes=tuple(map(tuple, shared)), joined=tuple(joined))
+        shared_current_bytes=tuple(map(tuple, shared)), joined=tuple(joined), transient_bytes=tuple(map(tuple, transient)),
+        whole_model_delta_bytes=tuple(whole))
 
 
 @st.composite
@@ -129,9 +132,14 @@ def instances(draw, tight: bool | None = None):
     shared = [[p - u for p, u in zip(params, row)] if draw(st.booleans()) else [0] * n for row in unversioned]
     # in a third of them, boundaries no plan may cut (a decoder's LM head and its fused loss)
     joined = sorted(draw(st.sets(st.integers(0, n - 2), max_size=2))) if n > 1 and draw(st.integers(0, 2)) == 0 else []
+    # each block's transient (its backward's temporaries): a stage pays the largest of its blocks'
+    # once, not a sum (PartitionInstance.stage_bytes), in half of them
+    transient = [ints(0, 60, n) if draw(st.booleans()) else [0] * n for _ in range(nd)]
     return build_instance([f"d{i}" for i in range(nd)], compute, params, inputs, workspace, overhead, budgets,
                           bandwidth, latency, schedule, m, optimizer, recompute, update, weight, unversioned,
-                          keeps, kept, gradient_delta, shared, joined)
+                          keeps, kept, gradient_delta, shared, joined, transient,
+                          # a tied table both ends of the model read, held once by a one-stage plan
+                          [-draw(st.integers(0, 40)) for _ in range(nd)] if draw(st.booleans()) else [])
 
 
 @st.composite
@@ -154,7 +162,8 @@ def repeated_instances(draw):
                           [[0 if d == e else link(d, e, lat) for e in range(nd)] for d in range(nd)],
                           base.schedule, base.microbatches, base.optimizer, pick(base.recompute_us), pick(base.update_us),
                           pick(base.weight_us), pick(base.unversioned_bytes), pick(base.keeps_activations),
-                          pick(base.kept_bytes), pick(base.state_delta_bytes))
+                          pick(base.kept_bytes), pick(base.state_delta_bytes), transient=pick(base.transient_bytes),
+                          whole=pick(base.whole_model_delta_bytes))
 
 
 def _step_by_hand(inst: PartitionInstance, part: Partition) -> int:
@@ -212,12 +221,14 @@ def _memory_by_hand(inst: PartitionInstance, part: Partition) -> list[int]:
     """Each stage's memory once more, from the fields' comments: weights and their copies less the
     copies an unversioned table is not held in and the second current copies a PyTorch-like device
     does not hold, stashed inputs per micro-batch in flight, the
-    workspace, and on a device that keeps activations the kept part per further micro-batch."""
+    workspace, and on a device that keeps activations the kept part per further micro-batch, and the
+    largest transient of the stage's blocks once."""
     p, out = len(part.stages), []
     for i, st in enumerate(part.stages):
         d, fl = inst.devices.index(st.device), inst.in_flight[p - 1][i]
         blocks = range(st.first_block, st.last_block + 1)
-        out.append(inst.overhead_bytes[d] + sum(
+        whole = inst.whole_model_delta_bytes[d] if len(blocks) == inst.blocks else 0
+        out.append(inst.overhead_bytes[d] + whole + max(inst.transient_bytes[d][k] for k in blocks) + sum(
             inst.params_bytes[k] * inst.weight_copies[p - 1][i] - inst.unversioned_bytes[d][k] * inst.unversioned_copies[p - 1][i]
             - inst.shared_current_bytes[d][k] * inst.async_copies[p - 1][i] + inst.state_delta_bytes[d][k] + inst.input_bytes[k] * fl + inst.workspace_bytes[d][k]
             + (inst.kept_bytes[d][k] * (fl - 1) if inst.keeps_activations[d] else 0) for k in blocks))

@@ -232,11 +232,13 @@ def test_the_memory_models_activation_and_workspace_terms_against_a_hand_compute
         assert activations_of(device) == choice
         terms[choice] = stage_memory_terms(graph, device, 1, 3, 0, 2, "gpipe", 4, "adamw")
     stashed = 4 * 3 * hidden
-    assert terms["keep"].activation_bytes == stashed + 3 * 3 * 16 * MIB
+    assert terms["keep"].activation_bytes == stashed and terms["keep"].kept_activation_bytes == 3 * 3 * 16 * MIB
     assert terms["recompute"].activation_bytes == terms["per-block"].activation_bytes == stashed
+    assert terms["recompute"].kept_activation_bytes == terms["per-block"].kept_activation_bytes == 0
     assert terms["keep"].workspace_bytes == terms["recompute"].workspace_bytes == 3 * 24 * MIB + 16 * MIB
     assert terms["per-block"].workspace_bytes == 3 * 2 * MIB + 28 * MIB
-    others = [{k: v for k, v in t.by_name().items() if k not in ("activations", "workspace")} for t in terms.values()]
+    others = [{k: v for k, v in t.by_name().items() if k not in ("activations", "activations kept", "workspace")}
+              for t in terms.values()]
     assert others[0] == others[1] == others[2]
 
 

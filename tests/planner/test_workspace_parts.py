@@ -3,7 +3,7 @@ only while it runs. A profile measures, per block kind, the peak of one forward 
 (`workspace_bytes`), what a further block of the kind adds to a stage (`stacked_bytes`) and what a
 further micro-batch in flight adds under an engine that keeps activations (`kept_bytes`); the cost
 model charges a stage the stacked parts, the kept parts per further micro-batch in flight, and the
-model's largest transient once, where it charged every block's whole workspace per micro-batch in
+largest transient of its own blocks once, where it charged every block's whole workspace per micro-batch in
 flight. Checked by hand on a profile with chosen figures, against the partition instance every
 solver reads, and against the measured peak of a real MNN stage of three MiniLM layers."""
 from __future__ import annotations
@@ -73,23 +73,27 @@ def test_the_workspace_of_a_stage_by_hand(graph):
     # stage 0 of 2 under 1f1b-flush with 4 micro-batches: 2 in flight
     args = (first, last, 0, 2, "1f1b-flush", 4, "adamw")
     keep, again = _device(graph, True), _device(graph, True, "recompute")
-    # kept: n x 25 stacked + n x 10 for the second micro-batch + the head's transient of 30, once
+    # kept: n x 25 stacked + n x 10 for the second micro-batch + the layers' transient of 15, once (the
+    # head's larger one belongs to the head's stage)
     assert stage_memory_bytes(graph, keep, *args) - stage_memory_bytes(graph, _bare(graph, keep), *args) \
-        == (n * 25 + n * 10 + 30) * MIB
-    assert workspace_of(graph, keep, first, last, 2) == n * 35 * MIB and transient_bytes(graph, keep) == 30 * MIB
+        == (n * 25 + n * 10 + 15) * MIB
+    assert workspace_of(graph, keep, first, last, 2) == n * 35 * MIB and transient_bytes(graph, keep, first, last) == 15 * MIB
+    # with the head on the stage, the head's transient of 30 instead: the largest of the stage's, once
+    head = next(b.index for b in graph.blocks if b.name == "head")
+    assert transient_bytes(graph, keep, first, head) == 30 * MIB
     # recomputing: one micro-batch's (the second micro-batch's stashed input is counted apart)
     assert stage_memory_bytes(graph, again, *args) - stage_memory_bytes(graph, _bare(graph, again), *args) \
-        == (n * 25 + 30) * MIB
+        == (n * 25 + 15) * MIB
     # a block kind measured neither way is charged its whole workspace for each: the older model
     old = _device(graph, False)
     assert stage_memory_bytes(graph, old, *args) - stage_memory_bytes(graph, _bare(graph, old), *args) \
         == n * 40 * 2 * MIB
-    # the largest transient goes with every stage, even one without the block that has it
+    # a stage pays its own blocks' largest transient, not the model's: none here
     e = graph.blocks[0]
     assert e.name == "embeddings"
     one = (0, 0, 0, 2, "1f1b-flush", 4, "adamw")
     assert stage_memory_bytes(graph, keep, *one) - stage_memory_bytes(graph, _bare(graph, keep), *one) \
-        == (40 + 4 + 30) * MIB  # stacked unmeasured: the whole 40; kept 4; the head's transient
+        == (40 + 4) * MIB  # stacked unmeasured: the whole 40 (no transient of its own); kept 4
 
 
 def test_the_partition_instance_charges_what_the_cost_model_does(graph):
