@@ -652,6 +652,10 @@ class Coordinator:
             self.transport.send_control(peer, {"type": "hello", "reply_to": self.transport.address, "name": peer})
             self._probes[address] = peer
 
+    def calling_back(self) -> bool:
+        """Some lost worker called back has not answered yet."""
+        return bool(self._probes)
+
     def returned(self) -> list[dict]:
         """The workers called back that have answered since the last call (their `here` reports, with
         `address`), without waiting: each is idle from now on, a worker a re-plan may use."""

@@ -167,6 +167,15 @@ class RecoveryImpossible(RuntimeError):
                                     f"--resume {checkpoint})" if checkpoint is not None else ""))
 
 
+class _Returned(Exception):
+    """Lost workers called back answered in the middle of a 1f1b-stash segment (`back`: their
+    `here` reports), found once `steps_done` steps of it were done (Session.stash)."""
+
+    def __init__(self, back: list[dict], steps_done: int):
+        self.back, self.steps_done = back, steps_done
+        super().__init__(f"{len(back)} worker(s) answered the call back")
+
+
 class Session:
     """One training run's steps on a set-up coordinator, recorded into `result`, with the state
     snapshots a recovery restores from."""
@@ -486,6 +495,61 @@ class Session:
         self._recovering = {"t0": t0, "replayed": replayed}
         return plan.schedule
 
+    def _may_readmit(self, drain: int) -> bool:
+        """Can a worker that answers its call back in the middle of the 1f1b-stash segment begun at
+        the drain after `drain` steps be taken in at once (`readmit`)? When the state of that drain
+        is held off the devices and the run re-plans."""
+        return (self.faults.take_back and self.faults.on_failure == "replan" and self.plan_over is not None
+                and self.snapshot is not None and self.snapshot.step == drain)
+
+    def readmit(self, back: list[dict], step: int, start_step: int) -> Schedule:
+        """Lost workers called back (`back`, their `here` reports) answered while step `step` of a
+        1f1b-stash segment was under way. Only at a drain are the stages' weights one consistent
+        state, and waiting for the next one could take a whole segment, so the segment is aborted on
+        every stage and the run goes on from the drain it began at (`self.snapshot`, held off the
+        devices): a `joined` event, re-planned with them when that is predicted faster, else on the
+        same workers again; the steps since that drain are run again (no update lost or doubled:
+        the run is one that switched plans at that drain) and the event says how many. Returns the
+        schedule to go on with; the caller continues from `self.snapshot.step`."""
+        drain = self.snapshot.step
+        if self._open is not None and self._open["step"] > drain:
+            self._open = None  # run again: reported when it is done again
+        self._close_step()
+        joined = [b["address"] for b in back]
+        self.workers = [a for a in self.first_order if a in set(self.workers) | set(joined)]
+        try:
+            self.coordinator.abort(step, WorkerLost({}))
+        except WorkerLost:
+            for b in back:  # a loss meanwhile: its recovery plans over them (self.workers)
+                self.event("joined", step=step, device=self.device_of.get(b["address"], b["address"]),
+                           address=b["address"], taken_in=False, reason="a stage was lost meanwhile: the recovery "
+                           "plans over the workers that are back")
+            raise
+        snap = self.held.restorable([]) if self.held is not None else self.snapshot
+        plan, reason = None, ""
+        try:
+            plan = self.plan_over(drain, snap, list(self.result.addresses), list(self.workers))
+        except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
+            reason = f"no plan with it fits: {exc}"
+        if plan is None and not reason:
+            reason = "the plan with it is predicted no faster"
+        replayed = step - drain
+        for b in back:
+            self.event("joined", step=step, device=self.device_of.get(b["address"], b["address"]),
+                       address=b["address"], taken_in=plan is not None, reason=reason or "re-planned with it",
+                       from_step=drain, steps_replayed=replayed,
+                       **{k: b[k] for k in ("mem_available_bytes", "battery_percent") if b.get(k) is not None})
+        names = [self.device_of.get(a, a) for a in joined]
+        if plan is not None:
+            plan = self._switch(drain, plan, snap, "joined", joined=names)
+        else:  # the same stages again, from the drain's state (theirs ran on past it)
+            current = list(self.result.addresses)
+            same = (SurvivorPlan(list(self.result.ranges), current) if self.emit is not None
+                    else self.plan_over(drain, snap, current + [a for a in joined if a not in current], current))
+            plan = self._switch(drain, same, snap, "restored", joined=names)
+        self._truncate(drain, start_step)
+        return plan.schedule
+
     def _rescue(self, snap: Snapshot | None) -> Path | None:
         """Write the held state where a resume finds it (the checkpoint folder)."""
         if snap is None or self.checkpoint_dir is None:
@@ -526,12 +590,25 @@ class Session:
                     if s + k < stop:
                         self._record(s + k, float(sum(arrived[-M:])), marks[-2], [])
                         self._close_step(marks[-1])
+                # a lost worker that answers its call back is taken in now, not at the drain that ends
+                # the segment (up to STASH_SEGMENT_STEPS steps away; issue 32: within 5 s of a heal)
+                if (len(arrived) - 1) // M < stop - s - 1 and self._may_readmit(s) and self.coordinator.calling_back():
+                    back = self.coordinator.returned()
+                    if back:
+                        raise _Returned(back, len(arrived) // M)
 
             try:
                 losses, done = self.coordinator.run(schedule, feeds, s, steps=stop - s, on_loss=on_loss)
             except WorkerLost as lost:
                 finished = len(arrived) // M  # the steps whose losses all came before the loss was found
                 plan = self.recover(lost, s + finished, s + finished < stop, start_step)
+                s = self.snapshot.step
+                continue
+            except _Returned as ret:
+                try:
+                    plan = self.readmit(ret.back, s + ret.steps_done, start_step)
+                except WorkerLost as lost:
+                    plan = self.recover(lost, s + ret.steps_done, True, start_step)
                 s = self.snapshot.step
                 continue
             self._record(stop, float(sum(losses[-M:])), marks[-2], done)
@@ -549,7 +626,8 @@ class Session:
                     self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
                     self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
                 # a drain is a boundary like a flush schedule's: a lost device that answered the
-                # call back joins here (the next segment runs the plan with it)
+                # call back joins here (the next segment runs the plan with it); one that answers
+                # in the middle of a segment aborts it (`readmit`)
                 moved, new_plan = self.take_in(s)
                 if moved:
                     plan = new_plan
