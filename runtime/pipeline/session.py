@@ -29,7 +29,7 @@ from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint, save_c
 from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
                                           WorkerLost)
 from runtime.pipeline.executor import busy_fraction
-from runtime.pipeline.snapshots import PeerSnapshots
+from runtime.pipeline.snapshots import FallbackCopies, PeerSnapshots
 
 
 @dataclass
@@ -66,6 +66,12 @@ REPLAY_BUDGET_S = 5.0
 # 1f1b-stash without --checkpoint-every under AUTO_SNAPSHOTS: the run drains (and copies its state)
 # every this many steps, so a loss replays at most these (issue 32: it replayed the run from step 0).
 STASH_SEGMENT_STEPS = 8
+# State on peers: a stage lost together with the neighbour holding its copy is recovered from a copy
+# of every stage's state the coordinator spools to disk (FallbackCopies) every K steps, K chosen so
+# that those copies cost at most FALLBACK_SHARE of the wall-clock step, and no more steps than run
+# in FALLBACK_REPLAY_S (the replay of such a double loss). A run writing checkpoints uses them too.
+FALLBACK_SHARE = 0.01
+FALLBACK_REPLAY_S = 60.0
 
 
 def snapshot_interval(copy_s: float, step_s: float, share: float = SNAPSHOT_SHARE,
@@ -198,6 +204,10 @@ class Session:
         # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
         self.keep_state = (faults.on_failure == "replan" and plan_over is not None) or checkpoint_dir is not None
         self.held = PeerSnapshots.for_run(coordinator, faults, plan_over)  # None: snapshots on the coordinator
+        # with the state on peers: the coordinator's copy for a loss of a stage and its copy's holder
+        self.fallback = FallbackCopies() if self.held is not None else None
+        self._checkpointed: tuple[int, list] | None = None  # (step, ranges) of the last checkpoint written
+        self._state_from = "coordinator"  # where the last recovery's state came from (its event says)
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
         # the last step done, whose wall clock runs on (state copies, checkpoints, re-plan checks)
         # until the next step starts or the run ends: its seconds and progress report come then
@@ -224,6 +234,7 @@ class Session:
     def take_snapshot(self, step: int) -> Snapshot:
         start = time.perf_counter()
         if self.held is not None:  # copied on the workers, shipped to neighbours while the next step runs
+            self._keep_fallback(step)
             self.snapshot = self.held.take(step, self.result.ranges, self._work_s)
             self._charge(time.perf_counter() - start)
             return self.snapshot
@@ -233,6 +244,58 @@ class Session:
         self._charge(seconds)
         self.snapshot = Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(self.result.ranges))
         return self.snapshot
+
+    def _keep_fallback(self, step: int, new_stages: bool = False) -> None:
+        """State on peers: at the boundary after `step` steps, spool every stage's state to the
+        coordinator's disk when the last copy (spooled or checkpointed) is K steps old or of other
+        stages (`fallback_interval`); not where a checkpoint is written at this step, unless the
+        stages were just set up (`new_stages`: no checkpoint of theirs follows)."""
+        if self.fallback is None:
+            return
+        ranges = [tuple(r) for r in self.result.ranges]
+        ckpt = self.faults.checkpoint_every if self.checkpoint_dir is not None else None
+        if ckpt and step % ckpt == 0 and step != self.start_step and not new_stages:
+            return  # the checkpoint written at this boundary is the copy
+        copies = [c for c in ((self.fallback.step, self.fallback.ranges), self._checkpointed or (None, None))
+                  if c[0] is not None and c[1] == ranges]
+        if copies and step - max(c[0] for c in copies) < self.fallback_interval():
+            return
+        start = time.perf_counter()
+        self.fallback.spool(step, ranges, self.coordinator.collect_checkpoint())
+        seconds = time.perf_counter() - start
+        self.fallback.seconds.append(seconds)
+        self._charge(seconds)
+
+    def fallback_interval(self) -> int:
+        """Steps between the coordinator's fallback copies: each (collected and spooled, measured)
+        costs at most FALLBACK_SHARE of the wall-clock step, and a double loss replays at most
+        FALLBACK_REPLAY_S of steps."""
+        steps = self.result.step_seconds[-8:]
+        if not self.fallback.seconds or not steps:
+            return 1
+        return snapshot_interval(statistics.median(self.fallback.seconds[-3:]), statistics.median(steps),
+                                 FALLBACK_SHARE, FALLBACK_REPLAY_S)
+
+    def _fallback_snapshot(self) -> Snapshot | None:
+        """The coordinator's newest copy of the current stages' state (spooled, or the run's last
+        checkpoint), read back; None when it has none."""
+        ranges = [tuple(r) for r in self.result.ranges]
+        found = []
+        if self.fallback is not None and self.fallback.step is not None and self.fallback.ranges == ranges:
+            found.append((self.fallback.step, "coordinator", self.fallback.spooled))
+        if self._checkpointed is not None and [tuple(r) for r in self._checkpointed[1]] == ranges:
+            found.append((self._checkpointed[0], "checkpoint", lambda: FallbackCopies.checkpointed(self.checkpoint_dir)))
+        if not found:
+            return None
+        _, source, read = max(found, key=lambda f: f[0])
+        step, ranges, per_stage = read()
+        self._state_from = source
+        return Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(ranges))
+
+    def close(self) -> None:
+        """The run is over: its spooled copy goes."""
+        if self.fallback is not None:
+            self.fallback.close()
 
     def _charge(self, seconds: float) -> None:
         """Seconds of the step still open spent on the fault policy (state copies, checkpoints)."""
@@ -245,6 +308,8 @@ class Session:
         earlier = list((self.meta or {}).get("losses") or [])
         losses = earlier + self.result.losses[:max(0, step - self.start_step)]
         start = time.perf_counter()
+        if self.checkpoint_dir is not None and Path(directory) == Path(self.checkpoint_dir):
+            self._checkpointed = (step, [tuple(r) for r in (ranges or self.result.ranges)])
         save_checkpoint(directory, per_stage,
                         {**(self.meta or {}), "stages": len(per_stage), "ranges": ranges or self.result.ranges,
                          "step": step, "schedule": self.config.schedule, "microbatches": self.M,
@@ -297,7 +362,8 @@ class Session:
         if self._recovering is not None:
             r, self._recovering = self._recovering, None
             self.event("recovered", step=step, seconds=time.monotonic() - r["t0"], steps_replayed=r["replayed"],
-                       ranges=[list(x) for x in self.result.ranges], devices=self._devices())
+                       state_from=r.get("state_from"), ranges=[list(x) for x in self.result.ranges],
+                       devices=self._devices())
         self._watch_devices(step, done)
 
     def _close_step(self, now: float | None = None) -> None:
@@ -405,6 +471,8 @@ class Session:
         # the held state is the same, the stages are new: a checkpoint or a later recovery needs theirs
         if self.held is not None:
             self.held.reset()
+            if self.keep_state:
+                self._keep_fallback(snap.step, new_stages=True)  # a copy of the new stages (the last is of others)
             self.snapshot = self.held.take(snap.step, self.result.ranges, []) if self.keep_state else None
             return plan
         self.snapshot = Snapshot(snap.step, self.coordinator.collect_checkpoint(), snap.state,
@@ -473,10 +541,14 @@ class Session:
                         self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
                                    address=p.address, detected_after_s=p.down_s, reason=p.reason)
                 lost = more
+        self._state_from = "coordinator" if self.held is None else "peers"
         if self.held is not None:
             snap = self.held.restorable(list(lost.lost))
+            if snap is None:  # a stage lost with the neighbour holding its copy: the coordinator's copy
+                snap = self._fallback_snapshot()
             if snap is None:
-                raise RecoveryImpossible(f"{lost} (no snapshot of the lost stages was held by a survivor)")
+                raise RecoveryImpossible(f"{lost} (no snapshot of the lost stages was held by a survivor, nor by "
+                                         f"the coordinator)")
         self.coordinator.forget(lost.addresses)
         gone = lost.addresses + self.coordinator.lost_spares()
         self.coordinator.forget(gone)
@@ -492,7 +564,7 @@ class Session:
         plan = self._switch(snap.step, plan, snap, "lost", lost=gone)
         replayed = step - snap.step + (1 if mid_step else 0)
         self._truncate(snap.step, start_step)
-        self._recovering = {"t0": t0, "replayed": replayed}
+        self._recovering = {"t0": t0, "replayed": replayed, "state_from": self._state_from}
         return plan.schedule
 
     def _may_readmit(self, drain: int) -> bool:
@@ -808,6 +880,7 @@ def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config:
         exc.result = run.result  # its steps and events
         raise
     finally:
+        run.close()
         coordinator.stop()
         transport.close()
     return result

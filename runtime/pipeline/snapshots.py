@@ -23,14 +23,20 @@ as from any copy: the data order is a function of the step.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-from runtime.pipeline.checkpoints import ROW_IDS, ROW_VALUES, TrainingState, merge_checkpoint, rows_on_wire
+from ir.safetensors import encode_safetensors, load_safetensors
+from runtime.pipeline.checkpoints import (ROW_IDS, ROW_VALUES, TrainingState, merge_checkpoint, read_meta,
+                                          rows_on_wire)
 from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
 
 # A copy travels in messages of at most this many bytes: a step's tensor on the same connection
@@ -383,3 +389,51 @@ class PeerSnapshots:
     def reset(self) -> None:
         """The stages were set up again: their copies are gone."""
         self.ordered = []
+
+
+# --- the coordinator's fallback: when a stage and the neighbour holding its copy are lost together --
+
+class FallbackCopies:
+    """What the coordinator keeps for a loss its peers cannot recover from (a stage lost together
+    with the neighbour that holds its copy): every stage's state at a boundary, written to a spool
+    folder of its own (safetensors, one file a stage; not fsynced, since it serves this run only)
+    and so held in no memory between recoveries. Or, where the run writes checkpoints, the last
+    of those, which costs nothing more. Its state is read back only for such a loss."""
+
+    def __init__(self):
+        self.folder: Path | None = None
+        self.step: int | None = None  # the boundary the spooled copy is of
+        self.ranges: list[tuple[int, int]] = []
+        self.seconds: list[float] = []  # what each spooled copy cost (collecting and writing it)
+
+    def spool(self, step: int, ranges, per_stage) -> None:
+        """Write `per_stage` (every stage's state after `step` steps), replacing the last copy."""
+        if self.folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="confidant-fallback-"))
+        for k, tensors in enumerate(per_stage):
+            part = self.folder / f".stage{k}.new"
+            part.write_bytes(encode_safetensors(dict(tensors)))
+        for old in self.folder.glob("stage*.safetensors"):
+            old.unlink()
+        for k in range(len(per_stage)):
+            os.replace(self.folder / f".stage{k}.new", self.folder / f"stage{k}.safetensors")
+        self.step, self.ranges = step, [tuple(r) for r in ranges]
+
+    def spooled(self) -> tuple[int, list[tuple[int, int]], list[dict[str, np.ndarray]]] | None:
+        """(step, ranges, every stage's state) of the spooled copy; None when there is none."""
+        if self.step is None:
+            return None
+        return self.step, self.ranges, [load_safetensors(self.folder / f"stage{k}.safetensors")
+                                        for k in range(len(self.ranges))]
+
+    @staticmethod
+    def checkpointed(directory: Path) -> tuple[int, list[tuple[int, int]], list[dict[str, np.ndarray]]]:
+        """(step, ranges, every stage's state) of the checkpoint the run wrote last to `directory`."""
+        meta = read_meta(directory)
+        per_stage = [load_safetensors(Path(directory) / f"stage{k}.safetensors") for k in range(meta["stages"])]
+        return int(meta["step"]), [tuple(r) for r in meta["ranges"]], per_stage
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder, self.step = None, None
