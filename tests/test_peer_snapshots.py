@@ -70,27 +70,18 @@ def test_side_lane_tensors_never_meet_the_steps_own():
 @pytest.mark.parametrize("lost", [0, 1, 2])
 def test_a_lost_workers_state_comes_back_from_its_neighbour_and_the_replay_is_exact(graph, batches, monkeypatch,
                                                                                      lost):
-    """Three workers, the state held on them (collected by the coordinator while training only for
-    its fallback copy, spooled to disk: `collect_checkpoint` fails anywhere else before the last
-    step); worker `lost` vanishes after step 3 of 5. Its state
+    """Three workers, the state held on them (never collected whole by the coordinator while
+    training: `collect_checkpoint` fails before the last step; its fallback copy goes to its disk
+    stage by stage); worker `lost` vanishes after step 3 of 5. Its state
     comes from its holder, the survivors' from themselves, and the run's losses and weights are
     single-device training's."""
     steps = 5
     real_collect, done, at_kill = Coordinator.collect_checkpoint, [], []
 
     def no_collect(self):
-        if not done and not spooling:
+        if not done:
             raise AssertionError("the coordinator collected the stages' state")
         return real_collect(self)
-
-    spooling, real_keep = [], Session._keep_fallback
-
-    def keep_fallback(self, *args, **kwargs):
-        spooling.append(True)
-        try:
-            return real_keep(self, *args, **kwargs)
-        finally:
-            spooling.pop()
 
     with InProcessWorkers(3, timeout_s=60) as workers:
         def on_step(step, *_):
@@ -108,7 +99,6 @@ def test_a_lost_workers_state_comes_back_from_its_neighbour_and_the_replay_is_ex
                 workers.kill(lost)
 
         monkeypatch.setattr(Coordinator, "collect_checkpoint", no_collect)
-        monkeypatch.setattr(Session, "_keep_fallback", keep_fallback)
         fetched = []
         real_fetch = Coordinator.fetch_held
 

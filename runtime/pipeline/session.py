@@ -261,7 +261,7 @@ class Session:
         if copies and step - max(c[0] for c in copies) < self.fallback_interval():
             return
         start = time.perf_counter()
-        self.fallback.spool(step, ranges, self.coordinator.collect_checkpoint())
+        self.fallback.spool(step, ranges, self.coordinator.collect_stages())
         seconds = time.perf_counter() - start
         self.fallback.seconds.append(seconds)
         self._charge(seconds)

@@ -407,15 +407,18 @@ class FallbackCopies:
         self.seconds: list[float] = []  # what each spooled copy cost (collecting and writing it)
 
     def spool(self, step: int, ranges, per_stage) -> None:
-        """Write `per_stage` (every stage's state after `step` steps), replacing the last copy."""
+        """Write `per_stage` (every stage's state after `step` steps, an iterable: each stage is
+        written before the next is taken, so that the coordinator holds one at a time), replacing
+        the last copy once all are written."""
         if self.folder is None:
             self.folder = Path(tempfile.mkdtemp(prefix="confidant-fallback-"))
+        count = 0
         for k, tensors in enumerate(per_stage):
-            part = self.folder / f".stage{k}.new"
-            part.write_bytes(encode_safetensors(dict(tensors)))
+            (self.folder / f".stage{k}.new").write_bytes(encode_safetensors(dict(tensors)))
+            count, tensors = k + 1, None
         for old in self.folder.glob("stage*.safetensors"):
             old.unlink()
-        for k in range(len(per_stage)):
+        for k in range(count):
             os.replace(self.folder / f".stage{k}.new", self.folder / f"stage{k}.safetensors")
         self.step, self.ranges = step, [tuple(r) for r in ranges]
 
