@@ -450,6 +450,20 @@ class Coordinator:
             out.append(dense_from_wire(tensors, done.get("rows"), f"stage {p.stage}'s checkpoint"))
         return out
 
+    def collect_stages(self):
+        """Every stage's parameters and optimizer state as they come off the wire, one stage after
+        the other (each ordered once the last was taken), one tensor at a time: yields (stage, its
+        `rows` declaration for `dense_from_wire`, an iterator of (name, tensor) to use up before the
+        next stage). Whoever writes each tensor away before taking the next holds one tensor, not
+        the whole model's state (call at a flush boundary)."""
+        for p in self.placements:
+            peer = stage_peer(p.stage)
+            self.transport.send_control(peer, {"type": "checkpoint"})
+            done = self._await_control(peer, "checkpoint_done")
+            names = list(done["names"])
+            yield p.stage, done.get("rows"), ((name, self._await_tensor(
+                peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))) for i, name in enumerate(names))
+
     def snapshot_to_peers(self, keep: Sequence[int], spread_s: float) -> int:
         """Order snapshot `sid` (returned) at this flush boundary: each stage copies its state and
         ships it to its holder while the next step runs (runtime.pipeline.snapshots); nothing is
@@ -651,6 +665,10 @@ class Coordinator:
             self._connect(peer, address)
             self.transport.send_control(peer, {"type": "hello", "reply_to": self.transport.address, "name": peer})
             self._probes[address] = peer
+
+    def calling_back(self) -> bool:
+        """Some lost worker called back has not answered yet."""
+        return bool(self._probes)
 
     def returned(self) -> list[dict]:
         """The workers called back that have answered since the last call (their `here` reports, with

@@ -29,7 +29,7 @@ from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint, save_c
 from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
                                           WorkerLost)
 from runtime.pipeline.executor import busy_fraction
-from runtime.pipeline.snapshots import PeerSnapshots
+from runtime.pipeline.snapshots import FallbackCopies, PeerSnapshots
 
 
 @dataclass
@@ -66,6 +66,12 @@ REPLAY_BUDGET_S = 5.0
 # 1f1b-stash without --checkpoint-every under AUTO_SNAPSHOTS: the run drains (and copies its state)
 # every this many steps, so a loss replays at most these (issue 32: it replayed the run from step 0).
 STASH_SEGMENT_STEPS = 8
+# State on peers: a stage lost together with the neighbour holding its copy is recovered from a copy
+# of every stage's state the coordinator spools to disk (FallbackCopies) every K steps, K chosen so
+# that those copies cost at most FALLBACK_SHARE of the wall-clock step, and no more steps than run
+# in FALLBACK_REPLAY_S (the replay of such a double loss). A run writing checkpoints uses them too.
+FALLBACK_SHARE = 0.01
+FALLBACK_REPLAY_S = 60.0
 
 
 def snapshot_interval(copy_s: float, step_s: float, share: float = SNAPSHOT_SHARE,
@@ -167,6 +173,15 @@ class RecoveryImpossible(RuntimeError):
                                     f"--resume {checkpoint})" if checkpoint is not None else ""))
 
 
+class _Returned(Exception):
+    """Lost workers called back answered in the middle of a 1f1b-stash segment (`back`: their
+    `here` reports), found once `steps_done` steps of it were done (Session.stash)."""
+
+    def __init__(self, back: list[dict], steps_done: int):
+        self.back, self.steps_done = back, steps_done
+        super().__init__(f"{len(back)} worker(s) answered the call back")
+
+
 class Session:
     """One training run's steps on a set-up coordinator, recorded into `result`, with the state
     snapshots a recovery restores from."""
@@ -189,6 +204,10 @@ class Session:
         # state is held off the devices when a loss can be recovered from, or a stop must leave a checkpoint
         self.keep_state = (faults.on_failure == "replan" and plan_over is not None) or checkpoint_dir is not None
         self.held = PeerSnapshots.for_run(coordinator, faults, plan_over)  # None: snapshots on the coordinator
+        # with the state on peers: the coordinator's copy for a loss of a stage and its copy's holder
+        self.fallback = FallbackCopies() if self.held is not None else None
+        self._checkpointed: tuple[int, list] | None = None  # (step, ranges) of the last checkpoint written
+        self._state_from = "coordinator"  # where the last recovery's state came from (its event says)
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
         # the last step done, whose wall clock runs on (state copies, checkpoints, re-plan checks)
         # until the next step starts or the run ends: its seconds and progress report come then
@@ -215,6 +234,7 @@ class Session:
     def take_snapshot(self, step: int) -> Snapshot:
         start = time.perf_counter()
         if self.held is not None:  # copied on the workers, shipped to neighbours while the next step runs
+            self._keep_fallback(step)
             self.snapshot = self.held.take(step, self.result.ranges, self._work_s)
             self._charge(time.perf_counter() - start)
             return self.snapshot
@@ -224,6 +244,58 @@ class Session:
         self._charge(seconds)
         self.snapshot = Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(self.result.ranges))
         return self.snapshot
+
+    def _keep_fallback(self, step: int, new_stages: bool = False) -> None:
+        """State on peers: at the boundary after `step` steps, spool every stage's state to the
+        coordinator's disk when the last copy (spooled or checkpointed) is K steps old or of other
+        stages (`fallback_interval`); not where a checkpoint is written at this step, unless the
+        stages were just set up (`new_stages`: no checkpoint of theirs follows)."""
+        if self.fallback is None:
+            return
+        ranges = [tuple(r) for r in self.result.ranges]
+        ckpt = self.faults.checkpoint_every if self.checkpoint_dir is not None else None
+        if ckpt and step % ckpt == 0 and step != self.start_step and not new_stages:
+            return  # the checkpoint written at this boundary is the copy
+        copies = [c for c in ((self.fallback.step, self.fallback.ranges), self._checkpointed or (None, None))
+                  if c[0] is not None and c[1] == ranges]
+        if copies and step - max(c[0] for c in copies) < self.fallback_interval():
+            return
+        start = time.perf_counter()
+        self.fallback.spool(step, ranges, self.coordinator.collect_stages())
+        seconds = time.perf_counter() - start
+        self.fallback.seconds.append(seconds)
+        self._charge(seconds)
+
+    def fallback_interval(self) -> int:
+        """Steps between the coordinator's fallback copies: each (collected and spooled, measured)
+        costs at most FALLBACK_SHARE of the wall-clock step, and a double loss replays at most
+        FALLBACK_REPLAY_S of steps."""
+        steps = self.result.step_seconds[-8:]
+        if not self.fallback.seconds or not steps:
+            return 1
+        return snapshot_interval(statistics.median(self.fallback.seconds[-3:]), statistics.median(steps),
+                                 FALLBACK_SHARE, FALLBACK_REPLAY_S)
+
+    def _fallback_snapshot(self) -> Snapshot | None:
+        """The coordinator's newest copy of the current stages' state (spooled, or the run's last
+        checkpoint), read back; None when it has none."""
+        ranges = [tuple(r) for r in self.result.ranges]
+        found = []
+        if self.fallback is not None and self.fallback.step is not None and self.fallback.ranges == ranges:
+            found.append((self.fallback.step, "coordinator", self.fallback.spooled))
+        if self._checkpointed is not None and [tuple(r) for r in self._checkpointed[1]] == ranges:
+            found.append((self._checkpointed[0], "checkpoint", lambda: FallbackCopies.checkpointed(self.checkpoint_dir)))
+        if not found:
+            return None
+        _, source, read = max(found, key=lambda f: f[0])
+        step, ranges, per_stage = read()
+        self._state_from = source
+        return Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(ranges))
+
+    def close(self) -> None:
+        """The run is over: its spooled copy goes."""
+        if self.fallback is not None:
+            self.fallback.close()
 
     def _charge(self, seconds: float) -> None:
         """Seconds of the step still open spent on the fault policy (state copies, checkpoints)."""
@@ -236,6 +308,8 @@ class Session:
         earlier = list((self.meta or {}).get("losses") or [])
         losses = earlier + self.result.losses[:max(0, step - self.start_step)]
         start = time.perf_counter()
+        if self.checkpoint_dir is not None and Path(directory) == Path(self.checkpoint_dir):
+            self._checkpointed = (step, [tuple(r) for r in (ranges or self.result.ranges)])
         save_checkpoint(directory, per_stage,
                         {**(self.meta or {}), "stages": len(per_stage), "ranges": ranges or self.result.ranges,
                          "step": step, "schedule": self.config.schedule, "microbatches": self.M,
@@ -288,7 +362,8 @@ class Session:
         if self._recovering is not None:
             r, self._recovering = self._recovering, None
             self.event("recovered", step=step, seconds=time.monotonic() - r["t0"], steps_replayed=r["replayed"],
-                       ranges=[list(x) for x in self.result.ranges], devices=self._devices())
+                       state_from=r.get("state_from"), ranges=[list(x) for x in self.result.ranges],
+                       devices=self._devices())
         self._watch_devices(step, done)
 
     def _close_step(self, now: float | None = None) -> None:
@@ -396,6 +471,8 @@ class Session:
         # the held state is the same, the stages are new: a checkpoint or a later recovery needs theirs
         if self.held is not None:
             self.held.reset()
+            if self.keep_state:
+                self._keep_fallback(snap.step, new_stages=True)  # a copy of the new stages (the last is of others)
             self.snapshot = self.held.take(snap.step, self.result.ranges, []) if self.keep_state else None
             return plan
         self.snapshot = Snapshot(snap.step, self.coordinator.collect_checkpoint(), snap.state,
@@ -464,10 +541,14 @@ class Session:
                         self.event("lost", step=step, stage=k, device=self.device_of.get(p.address, p.address),
                                    address=p.address, detected_after_s=p.down_s, reason=p.reason)
                 lost = more
+        self._state_from = "coordinator" if self.held is None else "peers"
         if self.held is not None:
             snap = self.held.restorable(list(lost.lost))
+            if snap is None:  # a stage lost with the neighbour holding its copy: the coordinator's copy
+                snap = self._fallback_snapshot()
             if snap is None:
-                raise RecoveryImpossible(f"{lost} (no snapshot of the lost stages was held by a survivor)")
+                raise RecoveryImpossible(f"{lost} (no snapshot of the lost stages was held by a survivor, nor by "
+                                         f"the coordinator)")
         self.coordinator.forget(lost.addresses)
         gone = lost.addresses + self.coordinator.lost_spares()
         self.coordinator.forget(gone)
@@ -483,7 +564,62 @@ class Session:
         plan = self._switch(snap.step, plan, snap, "lost", lost=gone)
         replayed = step - snap.step + (1 if mid_step else 0)
         self._truncate(snap.step, start_step)
-        self._recovering = {"t0": t0, "replayed": replayed}
+        self._recovering = {"t0": t0, "replayed": replayed, "state_from": self._state_from}
+        return plan.schedule
+
+    def _may_readmit(self, drain: int) -> bool:
+        """Can a worker that answers its call back in the middle of the 1f1b-stash segment begun at
+        the drain after `drain` steps be taken in at once (`readmit`)? When the state of that drain
+        is held off the devices and the run re-plans."""
+        return (self.faults.take_back and self.faults.on_failure == "replan" and self.plan_over is not None
+                and self.snapshot is not None and self.snapshot.step == drain)
+
+    def readmit(self, back: list[dict], step: int, start_step: int) -> Schedule:
+        """Lost workers called back (`back`, their `here` reports) answered while step `step` of a
+        1f1b-stash segment was under way. Only at a drain are the stages' weights one consistent
+        state, and waiting for the next one could take a whole segment, so the segment is aborted on
+        every stage and the run goes on from the drain it began at (`self.snapshot`, held off the
+        devices): a `joined` event, re-planned with them when that is predicted faster, else on the
+        same workers again; the steps since that drain are run again (no update lost or doubled:
+        the run is one that switched plans at that drain) and the event says how many. Returns the
+        schedule to go on with; the caller continues from `self.snapshot.step`."""
+        drain = self.snapshot.step
+        if self._open is not None and self._open["step"] > drain:
+            self._open = None  # run again: reported when it is done again
+        self._close_step()
+        joined = [b["address"] for b in back]
+        self.workers = [a for a in self.first_order if a in set(self.workers) | set(joined)]
+        try:
+            self.coordinator.abort(step, WorkerLost({}))
+        except WorkerLost:
+            for b in back:  # a loss meanwhile: its recovery plans over them (self.workers)
+                self.event("joined", step=step, device=self.device_of.get(b["address"], b["address"]),
+                           address=b["address"], taken_in=False, reason="a stage was lost meanwhile: the recovery "
+                           "plans over the workers that are back")
+            raise
+        snap = self.held.restorable([]) if self.held is not None else self.snapshot
+        plan, reason = None, ""
+        try:
+            plan = self.plan_over(drain, snap, list(self.result.addresses), list(self.workers))
+        except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
+            reason = f"no plan with it fits: {exc}"
+        if plan is None and not reason:
+            reason = "the plan with it is predicted no faster"
+        replayed = step - drain
+        for b in back:
+            self.event("joined", step=step, device=self.device_of.get(b["address"], b["address"]),
+                       address=b["address"], taken_in=plan is not None, reason=reason or "re-planned with it",
+                       from_step=drain, steps_replayed=replayed,
+                       **{k: b[k] for k in ("mem_available_bytes", "battery_percent") if b.get(k) is not None})
+        names = [self.device_of.get(a, a) for a in joined]
+        if plan is not None:
+            plan = self._switch(drain, plan, snap, "joined", joined=names)
+        else:  # the same stages again, from the drain's state (theirs ran on past it)
+            current = list(self.result.addresses)
+            same = (SurvivorPlan(list(self.result.ranges), current) if self.emit is not None
+                    else self.plan_over(drain, snap, current + [a for a in joined if a not in current], current))
+            plan = self._switch(drain, same, snap, "restored", joined=names)
+        self._truncate(drain, start_step)
         return plan.schedule
 
     def _rescue(self, snap: Snapshot | None) -> Path | None:
@@ -526,12 +662,25 @@ class Session:
                     if s + k < stop:
                         self._record(s + k, float(sum(arrived[-M:])), marks[-2], [])
                         self._close_step(marks[-1])
+                # a lost worker that answers its call back is taken in now, not at the drain that ends
+                # the segment (up to STASH_SEGMENT_STEPS steps away; issue 32: within 5 s of a heal)
+                if (len(arrived) - 1) // M < stop - s - 1 and self._may_readmit(s) and self.coordinator.calling_back():
+                    back = self.coordinator.returned()
+                    if back:
+                        raise _Returned(back, len(arrived) // M)
 
             try:
                 losses, done = self.coordinator.run(schedule, feeds, s, steps=stop - s, on_loss=on_loss)
             except WorkerLost as lost:
                 finished = len(arrived) // M  # the steps whose losses all came before the loss was found
                 plan = self.recover(lost, s + finished, s + finished < stop, start_step)
+                s = self.snapshot.step
+                continue
+            except _Returned as ret:
+                try:
+                    plan = self.readmit(ret.back, s + ret.steps_done, start_step)
+                except WorkerLost as lost:
+                    plan = self.recover(lost, s + ret.steps_done, True, start_step)
                 s = self.snapshot.step
                 continue
             self._record(stop, float(sum(losses[-M:])), marks[-2], done)
@@ -549,7 +698,8 @@ class Session:
                     self.save(self.checkpoint_dir, s, snap.per_stage, snap.ranges)
                     self.event("checkpoint", step=s, directory=str(self.checkpoint_dir))
                 # a drain is a boundary like a flush schedule's: a lost device that answered the
-                # call back joins here (the next segment runs the plan with it)
+                # call back joins here (the next segment runs the plan with it); one that answers
+                # in the middle of a segment aborts it (`readmit`)
                 moved, new_plan = self.take_in(s)
                 if moved:
                     plan = new_plan
@@ -730,6 +880,7 @@ def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config:
         exc.result = run.result  # its steps and events
         raise
     finally:
+        run.close()
         coordinator.stop()
         transport.close()
     return result

@@ -23,14 +23,21 @@ as from any copy: the data order is a function of the step.
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-from runtime.pipeline.checkpoints import ROW_IDS, ROW_VALUES, TrainingState, merge_checkpoint, rows_on_wire
+from ir.safetensors import load_safetensors
+from runtime.pipeline.checkpoints import (ROW_IDS, ROW_VALUES, TrainingState, dense_from_wire, merge_checkpoint,
+                                          read_meta, rows_on_wire)
 from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
 
 # A copy travels in messages of at most this many bytes: a step's tensor on the same connection
@@ -383,3 +390,65 @@ class PeerSnapshots:
     def reset(self) -> None:
         """The stages were set up again: their copies are gone."""
         self.ordered = []
+
+
+# --- the coordinator's fallback: when a stage and the neighbour holding its copy are lost together --
+
+class FallbackCopies:
+    """What the coordinator keeps for a loss its peers cannot recover from (a stage lost together
+    with the neighbour that holds its copy): every stage's state at a boundary, written to a spool
+    folder of its own tensor by tensor as it comes off the wire (`Coordinator.collect_stages`; .npy
+    files, read back without pickle; not fsynced, since it serves this run only), so the coordinator
+    holds one tensor at a time, and none between recoveries. Its state is read back only for such a
+    loss. (A run writing checkpoints has those too: `checkpointed`.)"""
+
+    def __init__(self):
+        self.folder: Path | None = None
+        self.step: int | None = None  # the boundary the spooled copy is of
+        self.ranges: list[tuple[int, int]] = []
+        self.seconds: list[float] = []  # what each spooled copy cost (collecting and writing it)
+
+    def spool(self, step: int, ranges, stages) -> None:
+        """Write `stages` ((stage, rows declaration, iterator of (name, tensor)) each, as
+        `Coordinator.collect_stages` yields them: every stage's state after `step` steps),
+        replacing the last copy once all are written."""
+        if self.folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="confidant-fallback-"))
+        new = self.folder / "new"
+        shutil.rmtree(new, ignore_errors=True)
+        new.mkdir()
+        for k, rows, tensors in stages:
+            part = new / f"stage{k}"
+            part.mkdir()
+            names = []
+            for i, (name, arr) in enumerate(tensors):
+                np.save(part / f"{i}.npy", np.asarray(arr), allow_pickle=False)
+                names.append(name)
+            (part / "index.json").write_text(json.dumps({"names": names, "rows": rows}))
+        shutil.rmtree(self.folder / "copy", ignore_errors=True)
+        os.rename(new, self.folder / "copy")
+        self.step, self.ranges = step, [tuple(r) for r in ranges]
+
+    def spooled(self) -> tuple[int, list[tuple[int, int]], list[dict[str, np.ndarray]]] | None:
+        """(step, ranges, every stage's state) of the spooled copy; None when there is none."""
+        if self.step is None:
+            return None
+        per_stage = []
+        for k in range(len(self.ranges)):
+            part = self.folder / "copy" / f"stage{k}"
+            index = json.loads((part / "index.json").read_text())
+            tensors = {name: np.load(part / f"{i}.npy", allow_pickle=False) for i, name in enumerate(index["names"])}
+            per_stage.append(dense_from_wire(tensors, index["rows"], f"the coordinator's copy of stage {k}"))
+        return self.step, self.ranges, per_stage
+
+    @staticmethod
+    def checkpointed(directory: Path) -> tuple[int, list[tuple[int, int]], list[dict[str, np.ndarray]]]:
+        """(step, ranges, every stage's state) of the checkpoint the run wrote last to `directory`."""
+        meta = read_meta(directory)
+        per_stage = [load_safetensors(Path(directory) / f"stage{k}.safetensors") for k in range(meta["stages"])]
+        return int(meta["step"]), [tuple(r) for r in meta["ranges"]], per_stage
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder, self.step = None, None

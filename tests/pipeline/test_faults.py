@@ -310,6 +310,50 @@ def test_a_lost_worker_that_comes_back_is_taken_in_at_a_1f1b_stash_drain(graph, 
     assert result.losses[:joined["step"]] == alone.losses
 
 
+@pytest.mark.parametrize("state_on", ["coordinator", "peers"])
+def test_a_worker_back_in_the_middle_of_a_1f1b_stash_segment_is_taken_in_at_once(graph, monkeypatch, state_on):
+    """Issue 32: under 1f1b-stash a worker that answered its call back waited for the next drain
+    (up to STASH_SEGMENT_STEPS steps; 4 here). Now the segment under way is aborted on every stage
+    when it answers, and the run re-plans onto it from the drain the segment began at: `joined`
+    comes at the step after its answer, says truly how many steps are run again, and since the new
+    plan is the first one's, the run equals 3 workers that were never interrupted (no update lost
+    or doubled)."""
+    import runtime.pipeline.session as pt
+
+    monkeypatch.setattr(pt, "STASH_SEGMENT_STEPS", 4)
+    steps, every = 8, 4
+    batches = [synthetic_batch(i) for i in range(steps)]
+    cuts = [r[0] for r in _flops_cuts(graph, 3)[1:]]  # the plan a re-plan over all three gives back
+    faults = FaultPolicy(state_on=state_on)
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        happened = []
+
+        def on_step(step, *_):  # lost once step 5 is done; back once the replay has done step 6
+            if step == 5 and not happened:
+                workers.kill(1)
+                happened.append("lost")
+            elif step == 6 and happened == ["lost"]:
+                workers.restart(1)
+                workers.wait_answered(1)
+                happened.append("back")
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-stash"), steps,
+                                transport=workers.coordinator, on_step=on_step, faults=faults, cuts=cuts)
+    codes = list(workers.codes)
+    kinds = [e["event"] for e in result.events]
+    assert kinds == ["lost", "new_plan", "recovered", "joined", "new_plan"], kinds
+    joined, back = result.events[3], result.events[4]
+    assert (joined["address"], joined["taken_in"], back["cause"]) == (workers.addresses[1], True, "joined")
+    assert joined["step"] == 6 and joined["step"] % every != 0, joined  # not at a drain: the step after its answer
+    assert joined["from_step"] == back["step"] == every and joined["steps_replayed"] == 2, joined
+    assert result.addresses == workers.addresses and codes == [0, 0, 0]
+    with InProcessWorkers(3, timeout_s=60) as threads:
+        whole = train_pipeline(graph, batches, 9, threads.addresses, _config("1f1b-stash"), steps,
+                               transport=threads.coordinator, faults=faults, cuts=cuts)
+    assert result.losses == whole.losses
+    _same(result.weights, whole.weights)
+
+
 def _flops_cuts(graph, n: int):
     """The planner's FLOPs-priced cuts over n equal workers: what a re-plan gives back."""
     from planner.partition import make_instance

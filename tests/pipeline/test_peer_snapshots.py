@@ -13,6 +13,7 @@ from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import Coordinator, PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
+from runtime.pipeline.session import Session
 from runtime.pipeline.snapshots import PeerSnapshots, holder_of
 from runtime.transport.local import LocalHub, LocalTransport
 from runtime.transport.wire import SIDE_KIND, Expected
@@ -69,8 +70,9 @@ def test_side_lane_tensors_never_meet_the_steps_own():
 @pytest.mark.parametrize("lost", [0, 1, 2])
 def test_a_lost_workers_state_comes_back_from_its_neighbour_and_the_replay_is_exact(graph, batches, monkeypatch,
                                                                                      lost):
-    """Three workers, the state held on them (never collected by the coordinator while training:
-    `collect_checkpoint` fails before the last step); worker `lost` vanishes after step 3 of 5. Its state
+    """Three workers, the state held on them (never collected whole by the coordinator while
+    training: `collect_checkpoint` fails before the last step; its fallback copy goes to its disk
+    stage by stage); worker `lost` vanishes after step 3 of 5. Its state
     comes from its holder, the survivors' from themselves, and the run's losses and weights are
     single-device training's."""
     steps = 5
@@ -208,6 +210,54 @@ def test_sigkill_of_a_worker_process_is_recovered_from_its_neighbours_copy(graph
     _same(result.weights, want_weights)
     assert [e["event"] for e in result.events][:3] == ["lost", "new_plan", "recovered"]
     assert (lost,) in fetched and len(result.ranges) == 2
+
+
+@pytest.mark.parametrize("lost", [(0, 1), (1, 2)])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["spooled", "checkpointed"])
+def test_a_worker_lost_with_the_neighbour_holding_its_copy_is_recovered_from_the_coordinators(
+        graph, batches, monkeypatch, tmp_path, lost, checkpointed):
+    """Two adjacent workers of three vanish together after step 4 of 6: a lost stage's copy was on
+    the other, so no survivor holds it. The coordinator's copy restores it instead: the one it
+    spools to disk every K steps (K from the copies' measured cost: every 3 steps here), or, in a
+    run writing checkpoints (every 3 steps), the last checkpoint. The replay is from that copy's
+    step, the events say so truly, and the losses and weights are single-device training's."""
+    from runtime.pipeline.snapshots import FallbackCopies
+
+    steps, every = 6, 3
+    monkeypatch.setattr(Session, "fallback_interval", lambda self: every)
+    spooled, real_spool = [], FallbackCopies.spool
+
+    def spool(self, step, *args):
+        spooled.append(step)
+        return real_spool(self, step, *args)
+
+    monkeypatch.setattr(FallbackCopies, "spool", spool)
+    faults = FaultPolicy(state_on="peers", checkpoint_every=every if checkpointed else None)
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == 4 and workers.codes[lost[0]] is None:
+                for k in lost:
+                    workers.kill(k)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, transport=workers.coordinator,
+                                on_step=on_step, faults=faults, checkpoint_dir=tmp_path / "ckpt" if checkpointed else None)
+    want_losses, want_weights = single_device_training(graph, batches, steps)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+    kinds = [e["event"] for e in result.events if e["event"] != "checkpoint"]
+    assert kinds == ["lost", "lost", "new_plan", "recovered"], kinds
+    new_plan, recovered = (e for e in result.events if e["event"] in ("new_plan", "recovered"))
+    assert sorted(e["stage"] for e in result.events if e["event"] == "lost") == list(lost)
+    # the copy of step 3 (a checkpoint), or of the first boundary K steps after the start's copy
+    # where a snapshot was taken (one is not while the last is still being shipped): 3 or 4
+    copied = new_plan["step"]
+    assert (copied == every if checkpointed else every <= copied <= 4), (new_plan, spooled)
+    assert recovered["steps_replayed"] == 5 - copied  # step 5 was under way
+    assert recovered["state_from"] == ("checkpoint" if checkpointed else "coordinator")
+    # spooled at the start and K steps later (not where a checkpoint is written), then for the new stage
+    want = [0, copied] if checkpointed else [0, copied, copied]
+    assert spooled[:len(want)] == want, spooled
+    assert len(result.ranges) == 1
 
 
 def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(graph, batches):
