@@ -32,7 +32,7 @@ Columns
     ``wCPU/step``     the workers' CPU seconds (all their threads, user + system, from their start to
                       their exit: setup included) per step: what the policy costs on devices with no
                       core to spare, and a figure a loaded machine disturbs far less than wall clock.
-    ``snap cpu``      one snapshot's CPU seconds on the busiest worker (its copy, its sender thread,
+    ``snap cpu``      one snapshot's CPU seconds on the busiest worker (its copy, shipping it,
                       filing its neighbour's copy; the transport's encryption thread left out): what
                       the policy's K is chosen from.
 

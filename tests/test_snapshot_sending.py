@@ -39,9 +39,10 @@ def _ship(sender: StateCopies, holder: StateCopies, sid: int, state, keep) -> li
     deadline = time.monotonic() + 30
     while (0, sid) not in holder.replicas:
         assert time.monotonic() < deadline, "the copy never reached its holder"
+        sender.pump()  # what the executor does between actions
         holder.take_in(["stage0"], 1)
         time.sleep(0.01)
-    sender.stop()
+    assert not sender.shipping
     return sender.own[sid]
 
 
@@ -78,6 +79,7 @@ def test_a_copy_whose_shipping_stopped_half_way_is_never_written_again():
     a, b = _pair()
     sender = StateCopies(a, lambda msg: None)
     sender.take(1, 0, _state(1), "stage1", [], 10.0)  # spread over 10 s: still shipping when stopped
+    assert sender.shipping
     sender.stop()
     first = sender.own[1]
     sender.take(2, 0, _state(2), "stage1", [], 0.0)  # nothing kept: 1 was never confirmed

@@ -4,10 +4,15 @@ the coordinator and off the step's critical path (issue 32).
 At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread_s} and does not
 wait. Each worker copies its stage's training state (its trainable parameters and its optimizer's
 state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into arrays it
-owns (~30 ms per 136 MB), before it runs the next step, and a sender thread ships the copy to
-the stage's holder (`holder_of`: the next stage, the last stage's the one before) while that
-step computes: in messages of at most `CHUNK_BYTES`, so the step's own activations and gradients,
-which share the connection, wait behind one chunk at most, spread over `spread_s` seconds. The
+owns (into the arrays of a copy dropped once confirmed: fresh ones cost their pages' first touch),
+before it runs the next step, and ships the copy to the stage's holder (`holder_of`: the next
+stage, the last stage's the one before) while that step computes: from the stage's own thread,
+between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an engine that
+holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting and the
+step stalled behind it), in messages of at most `CHUNK_BYTES`, at most `PUMP_CHUNKS` at a time,
+spread over `spread_s` seconds, so the step's own activations and gradients, which share the
+connection, wait behind a few chunks at most. Over CURVE the chunks go without their CRC-32 (the
+link's MAC authenticates every byte: `Transport.authenticated`). The
 holder files them in a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
 step's tensors), assembles the copy between orders, and tells the coordinator `replica_held`
 {sid, of}. So every stage's state is on two devices and on the coordinator never.
@@ -38,9 +43,9 @@ from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
 # one frame, which the holder keeps as it is (a message of several frames is joined into a copy).
 CHUNK_BYTES = PART_BYTES
 _BEGIN = "#begin"
-# Pauses shorter than this between chunks are not made (a sleep costs a thread switch, ~5 ms of a
-# Python thread's turn under a busy interpreter: many short ones would ship a copy slower than asked).
-_MIN_PAUSE_S = 0.005
+# At most this many chunks are sent per `StateCopies.pump` call (between two actions of a step): a
+# step's tensor to the same neighbour waits behind at most these (~4 MiB, a few ms of CURVE).
+PUMP_CHUNKS = 4
 
 
 def holder_of(stage: int, stages: int) -> int | None:
@@ -114,9 +119,40 @@ class _Parts:
         return flat.reshape(self.shape)
 
 
+class _Shipment:
+    """A copy on its way to its holder: its chunks, sent in order, evenly over `spread_s` from its
+    start (the "#begin" message, which names how many tensors follow, goes at once)."""
+
+    def __init__(self, holder: str, sid: int, stage: int, copy, spread_s: float):
+        self.holder, self.sid, self.stage = holder, sid, stage
+        self.chunks = []
+        for name, arr in copy:
+            step = max(1, CHUNK_BYTES // max(1, arr.itemsize))
+            flat = arr.reshape(-1)
+            self.chunks += [(name, flat, a, min(a + step, arr.size)) for a in range(0, max(arr.size, 1), step)]
+        self.shapes = {name: ",".join(str(d) for d in arr.shape) for name, arr in copy}
+        self.count = len(copy)
+        self.spread_s = spread_s
+        self.start = time.monotonic()
+        self.sent = 0
+        self.begun = False
+
+    def due(self, now: float) -> int:
+        """How many chunks should have gone by `now`."""
+        if self.spread_s <= 0:
+            return len(self.chunks)
+        return min(len(self.chunks), int(len(self.chunks) * (now - self.start) / self.spread_s) + 1)
+
+    def next_at(self) -> float:
+        """When the next chunk is due (monotonic seconds)."""
+        if self.spread_s <= 0:
+            return self.start
+        return self.start + self.spread_s * self.sent / len(self.chunks)
+
+
 class StateCopies:
-    """A worker's own snapshot copies, the replicas it holds for a neighbour, and the thread that
-    ships its newest copy to its holder."""
+    """A worker's own snapshot copies, the replicas it holds for a neighbour, and the shipping of
+    its newest copy to its holder (`pump`, called from the stage's own thread)."""
 
     def __init__(self, transport, report: Callable[[dict], None]):
         self.transport = transport
@@ -124,8 +160,7 @@ class StateCopies:
         self.own: dict[int, list[tuple[str, np.ndarray]]] = {}  # sid -> this stage's copy
         self.replicas: dict[tuple[int, int], dict[str, _Parts]] = {}  # (stage, sid) -> its copy
         self._incoming: dict[str, _Incoming] = {}  # sender peer -> the copy it is sending
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._shipment: _Shipment | None = None  # the copy being shipped to its holder (`pump`)
         # snapshots every holder confirmed (the coordinator's `keep` names only such): all of a
         # confirmed copy's chunks reached its holder, so the transport reads its arrays no more and
         # they may be written again; the arrays of a dropped confirmed copy, by shape and dtype,
@@ -133,12 +168,12 @@ class StateCopies:
         self._confirmed: set[int] = set()
         self._spare: dict[tuple, list[np.ndarray]] = {}
         self.copy_s = 0.0  # the last copy's seconds, on the step's path (reported with the next done)
-        # what the snapshots have cost this worker's CPUs since its setup (the copies, the sender
-        # thread's own CPU time, filing a neighbour's copy), and how many it took: the coordinator
+        # what the snapshots have cost this worker's CPUs since its setup (the copies, shipping,
+        # filing a neighbour's copy), and how many it took: the coordinator
         # chooses how often to snapshot from it
         self.cpu_s = 0.0
         self.taken = 0
-        # the same CPU by part: the copy at the boundary, the sender thread, filing a neighbour's
+        # the same CPU by part: the copy at the boundary, shipping it, filing a neighbour's
         self.cpu_parts = {"copy": 0.0, "send": 0.0, "file": 0.0}
         self._lock = threading.Lock()
 
@@ -159,10 +194,8 @@ class StateCopies:
         self.own[sid] = copy
         if holder is not None:
             self.transport.open(holder)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._ship, args=(holder, sid, stage, copy, spread_s, self._stop),
-                                            name="confidant-snapshot-sender", daemon=True)
-            self._thread.start()
+            self._shipment = _Shipment(holder, sid, stage, copy, spread_s)
+            self.pump()
 
     def _recycled(self, arr: np.ndarray) -> np.ndarray:
         """A copy of `arr` of its own, written into a dropped copy's array of its shape where one is
@@ -193,38 +226,49 @@ class StateCopies:
         self.own = {s: c for s, c in self.own.items() if s in sids}
         self.replicas = {k: c for k, c in self.replicas.items() if k[1] in sids}
 
-    def _ship(self, holder: str, sid: int, stage: int, copy, spread_s: float, stop: threading.Event) -> None:
+    @property
+    def shipping(self) -> bool:
+        """A copy is still being shipped to its holder."""
+        return self._shipment is not None
+
+    def pump(self) -> float | None:
+        """Send the chunks of the copy being shipped that are due (spread evenly over its
+        `spread_s`, at most `PUMP_CHUNKS` a call), from the stage's own thread: its executor calls
+        this between actions and while it waits for a neighbour, the worker while it waits for an
+        order. Returns the seconds until the next chunk is due (0: behind), None when none is left."""
+        ship = self._shipment
+        if ship is None:
+            return None
         cpu = time.thread_time()
-        chunks = []
-        for name, arr in copy:
-            step = max(1, CHUNK_BYTES // max(1, arr.itemsize))
-            chunks += [(name, arr.reshape(-1), a, min(a + step, arr.size)) for a in range(0, max(arr.size, 1), step)]
-        pause = spread_s / max(1, len(chunks))
-        pause = pause if pause >= _MIN_PAUSE_S else 0.0
-        shapes = {name: ",".join(str(d) for d in arr.shape) for name, arr in copy}
         try:
-            self.transport.send_tensor(holder, SIDE_KIND, stage, 0, np.array([len(copy)], np.int64), version=sid,
-                                       name=_BEGIN)
-            for i, (name, flat, a, b) in enumerate(chunks):
-                if stop.is_set():
-                    return
-                self.transport.send_tensor(holder, SIDE_KIND, stage, i + 1, flat[a:b], version=sid,
-                                           name=f"{name}|{shapes[name]}|{a}")
-                if pause > 0 and stop.wait(pause):
-                    return
+            if not ship.begun:
+                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, 0,
+                                           np.array([ship.count], np.int64), version=ship.sid, name=_BEGIN)
+                ship.begun = True
+            due = ship.due(time.monotonic())
+            sent = 0
+            while ship.sent < due and sent < PUMP_CHUNKS:
+                name, flat, a, b = ship.chunks[ship.sent]
+                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, ship.sent + 1, flat[a:b],
+                                           version=ship.sid, name=f"{name}|{ship.shapes[name]}|{a}")
+                ship.sent += 1
+                sent += 1
         except Exception:  # the holder or this transport went away: the coordinator's acks tell
-            return
+            self._shipment = None
+            return None
         finally:
             with self._lock:
-                self.cpu_s += time.thread_time() - cpu
-                self.cpu_parts["send"] += time.thread_time() - cpu
+                spent = time.thread_time() - cpu
+                self.cpu_s += spent
+                self.cpu_parts["send"] += spent
+        if ship.sent >= len(ship.chunks):
+            self._shipment = None
+            return None
+        return max(0.0, ship.next_at() - time.monotonic())
 
     def stop(self) -> None:
         """Stop shipping (a new copy, an abort, a new stage): the holder drops the partial copy."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
+        self._shipment = None
 
     def drop(self) -> None:
         self.stop()
