@@ -33,7 +33,7 @@ Columns
                       their exit: setup included) per step: what the policy costs on devices with no
                       core to spare, and a figure a loaded machine disturbs far less than wall clock.
     ``snap cpu``      one snapshot's CPU seconds on the busiest worker (its copy, shipping it,
-                      filing its neighbour's copy; the transport's encryption thread left out): what
+                      filing its neighbour's copy, the transport's I/O threads, CURVE's): what
                       the policy's K is chosen from.
 
 ``--model smollm2`` measures SmolLM2-135M as a causal LM with LoRA adapters (``--lora`` rank) on
@@ -131,8 +131,13 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
            # per snapshot, summed over the workers: the copies, the sender threads, the filing
            "snapshot_cpu_parts_s": {part: sum(d.get("snapshot_cpu_parts_s", {}).get(part, 0.0) for d in last)
                                     / max(1, max((d.get("snapshots_taken", 0) for d in last), default=0))
-                                    for part in ("copy", "send", "file")},
+                                    for part in ("copy", "send", "file", "io")},
            "threads_cpu_s": peaks.get("threads", {}),
+           # each stage's compute seconds (F, B, W, UPDATE) a step, median over the steps after the
+           # first: a sender thread that takes the interpreter's lock from a stage shows here
+           "busy_s": [statistics.median(sum(r[k]["seconds"].get(a, 0.0) for a in ("F", "B", "W", "UPDATE"))
+                                        for r in result.stage_reports[1:]) for k in range(len(result.ranges))]
+           if len(result.stage_reports) > 1 else [],
            # the snapshots the first stage had taken by each step's report (the last REPORTS_KEPT steps)
            "snapshots_by_step": [r[0].get("snapshots_taken", 0) for r in result.stage_reports if r],
            "snapshots_on_peers": max((d.get("snapshots_taken", 0) for d in last), default=0),
@@ -235,6 +240,9 @@ def main(argv=None) -> int:
         if r["snapshots_on_peers"]:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["snapshot_cpu_parts_s"].items())
             print(f"{name}: {r['snapshots_on_peers']} snapshots on the workers; CPU-s per snapshot, all workers: {parts}")
+    for name, runs in rows.items():
+        print(f"{name}: each stage's compute seconds a step, per pass: "
+              + "; ".join(" ".join(f"{x:.3f}" for x in r["busy_s"]) for r in runs))
     for name, r in best.items():
         print(f"{name}: the workers' CPU-s by thread until the last step: "
               + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["threads_cpu_s"].items())))

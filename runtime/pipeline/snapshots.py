@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from runtime.procfs import threads_cpu_s
 from runtime.pipeline.checkpoints import ROW_IDS, ROW_VALUES, TrainingState, merge_checkpoint, rows_on_wire
 from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
 
@@ -119,6 +120,10 @@ class _Parts:
         return flat.reshape(self.shape)
 
 
+def _io_cpu_s() -> float:
+    return threads_cpu_s("ZMQbg/IO") or 0.0
+
+
 class _Shipment:
     """A copy on its way to its holder: its chunks, sent in order, evenly over `spread_s` from its
     start (the "#begin" message, which names how many tensors follow, goes at once)."""
@@ -175,6 +180,11 @@ class StateCopies:
         self.taken = 0
         # the same CPU by part: the copy at the boundary, shipping it, filing a neighbour's
         self.cpu_parts = {"copy": 0.0, "send": 0.0, "file": 0.0}
+        # the transport's I/O threads' CPU at this worker's setup: their CPU since is charged to the
+        # snapshots (CURVE encrypts and decrypts the copies there: ~0.1 CPU-s per 100 MiB each way,
+        # the largest part of a snapshot's cost; the step's own tensors, a few ms a step on
+        # MiniLM, are counted too: K errs long)
+        self._io_start = _io_cpu_s()
         self._lock = threading.Lock()
 
     # --- taking and shipping -------------------------------------------------------------------
@@ -183,6 +193,8 @@ class StateCopies:
         self.stop()
         self._confirmed.update(keep)
         self.forget_except(keep)  # the copies dropped now lend their arrays to this one
+        if not self.taken:  # counted from the first snapshot: a setup's weights went through them too
+            self._io_start = _io_cpu_s()
         start, cpu = time.perf_counter(), time.thread_time()
         copy = [(name, self._recycled(arr)) for name, arr in tensors]
         self._spare.clear()  # what this copy did not take is not held until the next
@@ -279,6 +291,7 @@ class StateCopies:
         self._spare.clear()
         self.cpu_s, self.taken = 0.0, 0
         self.cpu_parts = dict.fromkeys(self.cpu_parts, 0.0)
+        self._io_start = _io_cpu_s()
 
     # --- holding a neighbour's copy ------------------------------------------------------------
     def take_in(self, peers: Sequence[str], this_stage: int | None) -> None:
@@ -348,8 +361,9 @@ class StateCopies:
     def figures(self) -> dict:
         """What a step's done reports: the copy on its path, and the snapshots' CPU so far."""
         with self._lock:
-            out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s, "snapshots_taken": self.taken,
-                   "snapshot_cpu_parts_s": dict(self.cpu_parts)}
+            io = _io_cpu_s() - self._io_start if self.taken else 0.0
+            out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s + io, "snapshots_taken": self.taken,
+                   "snapshot_cpu_parts_s": {**self.cpu_parts, "io": io}}
         self.copy_s = 0.0
         return out
 
