@@ -143,3 +143,40 @@ def test_a_corrupted_chunk_over_an_unauthenticated_link_is_refused():
     with pytest.raises(MessageError, match="checksum mismatch"):
         b.recv_side("stage0")
     a.close(), b.close()
+
+
+def test_a_copy_ships_between_the_steps_actions(tiny_checkpoint, export_dir):
+    """The executor ships what is due of a snapshot copy between its actions and while it waits
+    (an MNN graph holds the interpreter's lock: a sender thread could not), and the run's losses
+    are single-device training's."""
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from planner.onnx_import import load_model
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.executor import StageExecutor
+    from runtime.pipeline.inprocess import InProcessWorkers
+    from support import ROWS, S, export_onnx, single_device_training, synthetic_batch
+
+    import runtime.pipeline.snapshots as snapshots
+
+    graph = load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
+    batches = [synthetic_batch(i) for i in range(4)]
+    in_step = []  # chunks sent inside an action of a step (its end, or a wait for a neighbour)
+    real_execute = StageExecutor.execute
+
+    def execute(self, action):
+        copies = self.between.__self__
+        ship = copies._shipment
+        before = ship.sent if ship is not None else None
+        real_execute(self, action)
+        if ship is not None and ship.sent > before:
+            in_step.append(ship.sent - before)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(snapshots, "CHUNK_BYTES", 4096)  # many chunks for a tiny model's state
+        mp.setattr(StageExecutor, "execute", execute)
+        config = PipelineConfig(schedule="1f1b-flush", microbatches=4, optimizer="adamw", lr=1e-3, timeout_s=60)
+        with InProcessWorkers(2, timeout_s=60) as workers:
+            result = train_pipeline(graph, batches, 9, workers.addresses, config, 4, transport=workers.coordinator,
+                                    faults=FaultPolicy(state_on="peers"))
+    assert in_step, "no chunk of a snapshot copy was sent while a step ran"
+    assert result.losses == single_device_training(graph, batches, 4)[0]
