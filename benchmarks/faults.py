@@ -128,13 +128,13 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
            "worker_mib": max(result.peak_rss_bytes.values(), default=0) / 2**20, "ranges": [list(r) for r in result.ranges], "events": result.events,
            "workers_cpu_step_s": workers_cpu / max(1, len(result.step_seconds)),
            "snapshot_cpu_s": max(snap_cpu, default=None),
-           # per snapshot, summed over the workers: the copies, the sender threads, the filing
+           # per snapshot, summed over the workers: the copies, shipping them, filing them, the I/O threads
            "snapshot_cpu_parts_s": {part: sum(d.get("snapshot_cpu_parts_s", {}).get(part, 0.0) for d in last)
                                     / max(1, max((d.get("snapshots_taken", 0) for d in last), default=0))
                                     for part in ("copy", "send", "file", "io")},
            "threads_cpu_s": peaks.get("threads", {}),
            # each stage's compute seconds (F, B, W, UPDATE) a step, median over the steps after the
-           # first: a sender thread that takes the interpreter's lock from a stage shows here
+           # first: a stage held up by the snapshots' shipping shows here
            "busy_s": [statistics.median(sum(r[k]["seconds"].get(a, 0.0) for a in ("F", "B", "W", "UPDATE"))
                                         for r in result.stage_reports[1:]) for k in range(len(result.ranges))]
            if len(result.stage_reports) > 1 else [],

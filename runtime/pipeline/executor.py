@@ -131,9 +131,10 @@ class StageExecutor:
         # called while waiting for a message, every POLL_S: raises (StepAborted) to stop waiting
         self.interrupt = interrupt
         # called between actions and while waiting for a message: sends what is due of a snapshot
-        # copy (runtime.pipeline.snapshots.StateCopies.pump) from this thread, so an engine that
-        # holds the interpreter's lock through a whole graph (MNN) never stalls a sender thread,
-        # nor one this; returns the seconds until more is due, None when nothing is left
+        # copy (runtime.pipeline.snapshots.StateCopies.pump) from this thread: an engine that holds
+        # the interpreter's lock through a whole graph (MNN) would leave a sender thread waiting,
+        # and the thread would take the lock back from the stage each time a graph returned;
+        # returns the seconds until more is due, None when nothing is left
         self.between = between
 
     @property

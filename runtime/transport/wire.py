@@ -12,7 +12,8 @@ Wire format (protocol version 2):
   ASCII JSON with exactly the keys `v, kind, stage, microbatch, version, dtype, shape, nbytes,
   checksum, name` (see `TensorHeader`); the payload is `nbytes` raw bytes, C order, little-endian,
   in `payload_parts(nbytes)` frames of `PART_BYTES` each but the last (one frame, maybe empty, up
-  to `PART_BYTES`), and `checksum` is the zlib.crc32 of all of it.
+  to `PART_BYTES`), and `checksum` is the zlib.crc32 of all of it (0, and not checked, for a
+  snapshot copy's chunk, `SIDE_KIND`, over a link that authenticates every byte: CURVE's MAC).
 - control: one frame, `{"v": 2, "control": {...}}` (JSON, at most `MAX_CONTROL_BYTES`).
 - so no frame is larger than `MAX_FRAME_BYTES` (1 MiB), however big the tensor.
 
