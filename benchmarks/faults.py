@@ -29,6 +29,12 @@ Columns
     ``coord MiB``     the coordinator's peak resident memory over the run; ``(train)`` until the last
                       step (before the final state comes to it as the run's result).
     ``worker MiB``    the largest worker's peak.
+    ``wCPU/step``     the workers' CPU seconds (all their threads, user + system, from their start to
+                      their exit: setup included) per step: what the policy costs on devices with no
+                      core to spare, and a figure a loaded machine disturbs far less than wall clock.
+    ``snap cpu``      one snapshot's CPU seconds on the busiest worker (its copy, shipping it,
+                      filing its neighbour's copy, the transport's I/O threads, CURVE's): what
+                      the policy's K is chosen from.
 
 ``--model smollm2`` measures SmolLM2-135M as a causal LM with LoRA adapters (``--lora`` rank) on
 q, k, v, o instead (benchmarks/lora.py's batch and sequence): a copy then carries the adapters and
@@ -58,6 +64,13 @@ from benchmarks.common import NUM_LABELS, NoiseMeter, default_model, make_batche
 M = 4
 
 
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _policy(name: str):
     from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy
 
@@ -83,10 +96,12 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
 
     reset_peak_rss()
     peaks: dict = {}
+    children_cpu = _children_cpu_s()
 
     def on_step(step, *_):
         if step == steps:  # the peak while training, before the final state comes here (the run's result)
             peaks["train"] = peak_rss_bytes()
+            peaks["threads"] = _threads_cpu_s([p.pid for p in workers.procs])
         if kill is not None and step == kill[0] and not sent:
             sent["at"] = time.time()
             threading.Timer(0.05, os.kill, (workers.procs[kill[1]].pid, signal.SIGKILL)).start()
@@ -98,6 +113,9 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
                                     feeds_of_step=feeds_of_step)
     finally:
         workers.wait(60.0)
+    workers_cpu = _children_cpu_s() - children_cpu  # the workers were waited for: their CPU is counted
+    last = result.stage_reports[-1] if result.stage_reports else []
+    snap_cpu = [d["snapshot_cpu_s"] / d["snapshots_taken"] for d in last if d.get("snapshots_taken")]
     copies = result.snapshot_seconds
     steady = slice(1, None)
     out = {"step_s": statistics.median(result.step_seconds[steady]),
@@ -108,12 +126,47 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
            "others": noise.others, "coord_train_mib": peaks.get("train", 0) / 2**20,
            "coord_mib": peak_rss_bytes() / 2**20,
            "worker_mib": max(result.peak_rss_bytes.values(), default=0) / 2**20, "ranges": [list(r) for r in result.ranges], "events": result.events,
+           "workers_cpu_step_s": workers_cpu / max(1, len(result.step_seconds)),
+           "snapshot_cpu_s": max(snap_cpu, default=None),
+           # per snapshot, summed over the workers: the copies, shipping them, filing them, the I/O threads
+           "snapshot_cpu_parts_s": {part: sum(d.get("snapshot_cpu_parts_s", {}).get(part, 0.0) for d in last)
+                                    / max(1, max((d.get("snapshots_taken", 0) for d in last), default=0))
+                                    for part in ("copy", "send", "file", "io")},
+           "threads_cpu_s": peaks.get("threads", {}),
+           # each stage's compute seconds (F, B, W, UPDATE) a step, median over the steps after the
+           # first: a stage held up by the snapshots' shipping shows here
+           "busy_s": [statistics.median(sum(r[k]["seconds"].get(a, 0.0) for a in ("F", "B", "W", "UPDATE"))
+                                        for r in result.stage_reports[1:]) for k in range(len(result.ranges))]
+           if len(result.stage_reports) > 1 else [],
+           # the snapshots the first stage had taken by each step's report (the last REPORTS_KEPT steps)
+           "snapshots_by_step": [r[0].get("snapshots_taken", 0) for r in result.stage_reports if r],
+           "snapshots_on_peers": max((d.get("snapshots_taken", 0) for d in last), default=0),
            "step_seconds": result.step_seconds, "state_seconds": result.state_seconds, "losses": result.losses}
     if kill is not None:
         lost = next(e for e in result.events if e["event"] == "lost")
         recovered = next(e for e in result.events if e["event"] == "recovered")
         out.update(detect_s=lost["at"] - sent["at"], recover_s=recovered["at"] - sent["at"],
                    replayed=recovered["steps_replayed"], killed=kill)
+    return out
+
+
+def _threads_cpu_s(pids) -> dict[str, float]:
+    """CPU seconds (user + system) of the processes `pids`' threads so far, summed by thread name
+    (the interpreter's, ZeroMQ's I/O threads, the snapshot sender, ...), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            out[name] = out.get(name, 0.0) + (int(rest[11]) + int(rest[12])) / tick
     return out
 
 
@@ -170,15 +223,29 @@ def main(argv=None) -> int:
     print(f"{what}, batch {args.batch} x {args.seq}, {M} micro-batches, {args.schedule}, {args.engine}, "
           f"{args.workers} workers, {args.steps} steps; wall-clock steps, best of {args.passes} pass(es)")
     print(f"{'run':11s} {'step s':>8s} {'state':>6s} {'copy s':>8s} {'copies':>6s} {'MiB':>6s} {'others':>7s} "
-          f"{'coord MiB':>9s} {'(train)':>8s} {'worker MiB':>10s}")
+          f"{'coord MiB':>9s} {'(train)':>8s} {'worker MiB':>10s} {'wCPU/step':>9s} {'snap cpu':>8s}")
     for name, r in best.items():
         print(f"{name:11s} {r['step_s']:8.3f} {r['state_share']:6.1%} {r['copy_s'] or 0:8.3f} {r['copies']:6d} "
               f"{r['state_mib']:6.1f} {r['others'] or 0:7.0%} {r['coord_mib']:9.0f} {r['coord_train_mib']:8.0f} "
-              f"{r['worker_mib']:10.0f}")
+              f"{r['worker_mib']:10.0f} {r['workers_cpu_step_s']:9.3f} {r['snapshot_cpu_s'] or 0:8.3f}")
     for name, runs in rows.items():  # per pass, against stop's of the same pass
         if name != "stop" and "stop" in rows and len(runs) == len(rows["stop"]):
             print(f"{name} / stop per pass: " + ", ".join(f"{r['step_s'] / s['step_s']:.3f}"
                                                          for r, s in zip(runs, rows["stop"])))
+    for name, runs in rows.items():  # the workers' CPU per step, against stop's of the same pass
+        if name != "stop" and "stop" in rows and len(runs) == len(rows["stop"]):
+            print(f"{name} / stop workers' CPU per step, per pass: " + ", ".join(
+                f"{r['workers_cpu_step_s'] / s['workers_cpu_step_s']:.3f}" for r, s in zip(runs, rows["stop"])))
+    for name, r in best.items():
+        if r["snapshots_on_peers"]:
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in r["snapshot_cpu_parts_s"].items())
+            print(f"{name}: {r['snapshots_on_peers']} snapshots on the workers; CPU-s per snapshot, all workers: {parts}")
+    for name, runs in rows.items():
+        print(f"{name}: each stage's compute seconds a step, per pass: "
+              + "; ".join(" ".join(f"{x:.3f}" for x in r["busy_s"]) for r in runs))
+    for name, r in best.items():
+        print(f"{name}: the workers' CPU-s by thread until the last step: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["threads_cpu_s"].items())))
     cost = best["default"]["step_s"] / best["stop"]["step_s"] - 1 if "default" in best and "stop" in best else None
     old = best["every-step"]["step_s"] / best["stop"]["step_s"] - 1 if "every-step" in best and "stop" in best else None
     if cost is not None:

@@ -95,3 +95,27 @@ def release_free_heap() -> bool:
     except (OSError, AttributeError):
         return False
     return True
+
+
+def threads_cpu_s(name_prefix: str) -> float | None:
+    """CPU seconds (user + system) this process's threads whose name starts with `name_prefix` have
+    used (ZeroMQ's I/O threads: "ZMQbg/IO"), from /proc/self/task; None where there is no /proc."""
+    import os
+
+    try:
+        tasks = os.listdir("/proc/self/task")
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    total = 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        if name.startswith(name_prefix):
+            fields = stat[stat.rfind(")") + 2:].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total

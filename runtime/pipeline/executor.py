@@ -96,7 +96,7 @@ class StageExecutor:
 
     def __init__(self, stage: int, stages: int, engine: StageEngine, transport: Transport, optimizer,
                  input_names: Sequence[str], timeout: float | None = 300.0, interrupt=None,
-                 tied: Sequence[str] = ()):
+                 tied: Sequence[str] = (), between=None):
         self.stage = stage
         self.stages = stages
         self.engine = engine
@@ -130,6 +130,12 @@ class StageExecutor:
         self.in_flight: Action | None = None
         # called while waiting for a message, every POLL_S: raises (StepAborted) to stop waiting
         self.interrupt = interrupt
+        # called between actions and while waiting for a message: sends what is due of a snapshot
+        # copy (runtime.pipeline.snapshots.StateCopies.pump) from this thread: an engine that holds
+        # the interpreter's lock through a whole graph (MNN) would leave a sender thread waiting,
+        # and the thread would take the lock back from the stage each time a graph returned;
+        # returns the seconds until more is due, None when nothing is left
+        self.between = between
 
     @property
     def is_last(self) -> bool:
@@ -137,16 +143,24 @@ class StageExecutor:
 
     def _recv(self, peer: str, kind: str, stage: int, microbatch: int, name: str = "") -> np.ndarray:
         expected = Expected(kind=kind, stage=stage, microbatch=microbatch, name=name or None)
-        if self.interrupt is None:
+        if self.interrupt is None and self.between is None:
             return self.transport.recv_tensor(peer, expected, timeout=self.timeout)[1]
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        poll_at = time.monotonic() + POLL_S
         while True:
-            wait = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
+            due = self.between() if self.between is not None else None
+            now = time.monotonic()
+            wait = max(0.0, poll_at - now) if due is None else min(max(0.0, poll_at - now), due)
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - now))
             try:
                 return self.transport.recv_tensor(peer, expected, timeout=wait)[1]
             except PeerTimeout:
-                self.interrupt()
-                if deadline is not None and time.monotonic() >= deadline:
+                now = time.monotonic()
+                if self.interrupt is not None and now >= poll_at:
+                    self.interrupt()
+                poll_at = poll_at + POLL_S if now >= poll_at else poll_at
+                if deadline is not None and now >= deadline:
                     raise PeerTimeout(peer, self.transport.address_of(peer), str(expected), self.timeout) from None
 
     def drop_step(self) -> None:
@@ -258,6 +272,8 @@ class StageExecutor:
             raise ValueError(f"unknown action {action}")
         self.in_flight = None
         self.stats.add(kind.value, time.perf_counter() - t0)
+        if self.between is not None:
+            self.between()
 
     def _accumulate(self, grads) -> None:
         accumulate(self.grad_sum, grads)

@@ -4,10 +4,15 @@ the coordinator and off the step's critical path (issue 32).
 At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread_s} and does not
 wait. Each worker copies its stage's training state (its trainable parameters and its optimizer's
 state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into arrays it
-owns (~30 ms per 136 MB), before it runs the next step, and a sender thread ships the copy to
-the stage's holder (`holder_of`: the next stage, the last stage's the one before) while that
-step computes: in messages of at most `CHUNK_BYTES`, so the step's own activations and gradients,
-which share the connection, wait behind one chunk at most, spread over `spread_s` seconds. The
+owns (into the arrays of a copy dropped once confirmed: fresh ones cost their pages' first touch),
+before it runs the next step, and ships the copy to the stage's holder (`holder_of`: the next
+stage, the last stage's the one before) while that step computes: from the stage's own thread,
+between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an engine that
+holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting and the
+step stalled behind it), in messages of at most `CHUNK_BYTES`, at most `PUMP_CHUNKS` at a time,
+spread over `spread_s` seconds, so the step's own activations and gradients, which share the
+connection, wait behind a few chunks at most. Over CURVE the chunks go without their CRC-32 (the
+link's MAC authenticates every byte: `Transport.authenticated`). The
 holder files them in a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
 step's tensors), assembles the copy between orders, and tells the coordinator `replica_held`
 {sid, of}. So every stage's state is on two devices and on the coordinator never.
@@ -36,6 +41,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ir.safetensors import load_safetensors
+from runtime.procfs import threads_cpu_s
 from runtime.pipeline.checkpoints import (ROW_IDS, ROW_VALUES, TrainingState, dense_from_wire, merge_checkpoint,
                                           read_meta, rows_on_wire)
 from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
@@ -45,9 +51,9 @@ from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
 # one frame, which the holder keeps as it is (a message of several frames is joined into a copy).
 CHUNK_BYTES = PART_BYTES
 _BEGIN = "#begin"
-# Pauses shorter than this between chunks are not made (a sleep costs a thread switch, ~5 ms of a
-# Python thread's turn under a busy interpreter: many short ones would ship a copy slower than asked).
-_MIN_PAUSE_S = 0.005
+# At most this many chunks are sent per `StateCopies.pump` call (between two actions of a step): a
+# step's tensor to the same neighbour waits behind at most these (~4 MiB, a few ms of CURVE).
+PUMP_CHUNKS = 4
 
 
 def holder_of(stage: int, stages: int) -> int | None:
@@ -121,9 +127,44 @@ class _Parts:
         return flat.reshape(self.shape)
 
 
+def _io_cpu_s() -> float:
+    return threads_cpu_s("ZMQbg/IO") or 0.0
+
+
+class _Shipment:
+    """A copy on its way to its holder: its chunks, sent in order, evenly over `spread_s` from its
+    start (the "#begin" message, which names how many tensors follow, goes at once)."""
+
+    def __init__(self, holder: str, sid: int, stage: int, copy, spread_s: float):
+        self.holder, self.sid, self.stage = holder, sid, stage
+        self.chunks = []
+        for name, arr in copy:
+            step = max(1, CHUNK_BYTES // max(1, arr.itemsize))
+            flat = arr.reshape(-1)
+            self.chunks += [(name, flat, a, min(a + step, arr.size)) for a in range(0, max(arr.size, 1), step)]
+        self.shapes = {name: ",".join(str(d) for d in arr.shape) for name, arr in copy}
+        self.count = len(copy)
+        self.spread_s = spread_s
+        self.start = time.monotonic()
+        self.sent = 0
+        self.begun = False
+
+    def due(self, now: float) -> int:
+        """How many chunks should have gone by `now`."""
+        if self.spread_s <= 0:
+            return len(self.chunks)
+        return min(len(self.chunks), int(len(self.chunks) * (now - self.start) / self.spread_s) + 1)
+
+    def next_at(self) -> float:
+        """When the next chunk is due (monotonic seconds)."""
+        if self.spread_s <= 0:
+            return self.start
+        return self.start + self.spread_s * self.sent / len(self.chunks)
+
+
 class StateCopies:
-    """A worker's own snapshot copies, the replicas it holds for a neighbour, and the thread that
-    ships its newest copy to its holder."""
+    """A worker's own snapshot copies, the replicas it holds for a neighbour, and the shipping of
+    its newest copy to its holder (`pump`, called from the stage's own thread)."""
 
     def __init__(self, transport, report: Callable[[dict], None]):
         self.transport = transport
@@ -131,78 +172,133 @@ class StateCopies:
         self.own: dict[int, list[tuple[str, np.ndarray]]] = {}  # sid -> this stage's copy
         self.replicas: dict[tuple[int, int], dict[str, _Parts]] = {}  # (stage, sid) -> its copy
         self._incoming: dict[str, _Incoming] = {}  # sender peer -> the copy it is sending
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._shipment: _Shipment | None = None  # the copy being shipped to its holder (`pump`)
+        # snapshots every holder confirmed (the coordinator's `keep` names only such): all of a
+        # confirmed copy's chunks reached its holder, so the transport reads its arrays no more and
+        # they may be written again; the arrays of a dropped confirmed copy, by shape and dtype,
+        # which the next copy is taken into (`_recycled`)
+        self._confirmed: set[int] = set()
+        self._spare: dict[tuple, list[np.ndarray]] = {}
         self.copy_s = 0.0  # the last copy's seconds, on the step's path (reported with the next done)
-        # what the snapshots have cost this worker's CPUs since its setup (the copies, the sender
-        # thread's own CPU time, filing a neighbour's copy), and how many it took: the coordinator
+        # what the snapshots have cost this worker's CPUs since its setup (the copies, shipping,
+        # filing a neighbour's copy), and how many it took: the coordinator
         # chooses how often to snapshot from it
         self.cpu_s = 0.0
         self.taken = 0
+        # the same CPU by part: the copy at the boundary, shipping it, filing a neighbour's
+        self.cpu_parts = {"copy": 0.0, "send": 0.0, "file": 0.0}
+        # the transport's I/O threads' CPU at this worker's setup: their CPU since is charged to the
+        # snapshots (CURVE encrypts and decrypts the copies there: ~0.1 CPU-s per 100 MiB each way,
+        # the largest part of a snapshot's cost; the step's own tensors, a few ms a step on
+        # MiniLM, are counted too: K errs long)
+        self._io_start = _io_cpu_s()
         self._lock = threading.Lock()
 
     # --- taking and shipping -------------------------------------------------------------------
     def take(self, sid: int, stage: int, tensors: Sequence[tuple[str, np.ndarray]], holder: str | None,
              keep: Sequence[int], spread_s: float) -> None:
         self.stop()
-        start = time.perf_counter()
-        copy = [(name, np.array(arr, order="C", copy=True)) for name, arr in tensors]
+        self._confirmed.update(keep)
+        self.forget_except(keep)  # the copies dropped now lend their arrays to this one
+        if not self.taken:  # counted from the first snapshot: a setup's weights went through them too
+            self._io_start = _io_cpu_s()
+        start, cpu = time.perf_counter(), time.thread_time()
+        copy = [(name, self._recycled(arr)) for name, arr in tensors]
+        self._spare.clear()  # what this copy did not take is not held until the next
         self.copy_s = time.perf_counter() - start
         with self._lock:
             self.cpu_s += self.copy_s
+            self.cpu_parts["copy"] += time.thread_time() - cpu
             self.taken += 1
         self.own[sid] = copy
-        self.forget_except({sid, *keep})
         if holder is not None:
             self.transport.open(holder)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._ship, args=(holder, sid, stage, copy, spread_s, self._stop),
-                                            name="confidant-snapshot-sender", daemon=True)
-            self._thread.start()
+            self._shipment = _Shipment(holder, sid, stage, copy, spread_s)
+            self.pump()
+
+    def _recycled(self, arr: np.ndarray) -> np.ndarray:
+        """A copy of `arr` of its own, written into a dropped copy's array of its shape where one is
+        spare: a fresh array of a snapshot's size costs its pages' first touch (the kernel zeroes
+        them: ~0.2 CPU-s per 100 MiB against ~0.03 for the copy into a used one)."""
+        arr = np.asarray(arr)
+        spare = self._spare.get((arr.shape, arr.dtype.str))
+        if not spare:
+            return np.array(arr, order="C", copy=True)
+        out = spare.pop()
+        np.copyto(out, arr)
+        return out
+
+    def confirm(self, sids) -> None:
+        """Every holder of the snapshots `sids` confirmed its copy (the coordinator's `keep` lists
+        name only such)."""
+        self._confirmed.update(sids)
 
     def forget_except(self, sids) -> None:
         sids = set(sids)
+        for s, copy in self.own.items():
+            # only a confirmed copy's arrays are written again: the transport may still be sending
+            # one whose shipping stopped half-way (it holds the chunks without a copy)
+            if s not in sids and s in self._confirmed:
+                for _, arr in copy:
+                    self._spare.setdefault((arr.shape, arr.dtype.str), []).append(arr)
+        self._confirmed &= sids
         self.own = {s: c for s, c in self.own.items() if s in sids}
         self.replicas = {k: c for k, c in self.replicas.items() if k[1] in sids}
 
-    def _ship(self, holder: str, sid: int, stage: int, copy, spread_s: float, stop: threading.Event) -> None:
+    @property
+    def shipping(self) -> bool:
+        """A copy is still being shipped to its holder."""
+        return self._shipment is not None
+
+    def pump(self) -> float | None:
+        """Send the chunks of the copy being shipped that are due (spread evenly over its
+        `spread_s`, at most `PUMP_CHUNKS` a call), from the stage's own thread: its executor calls
+        this between actions and while it waits for a neighbour, the worker while it waits for an
+        order. Returns the seconds until the next chunk is due (0: behind), None when none is left."""
+        ship = self._shipment
+        if ship is None:
+            return None
         cpu = time.thread_time()
-        chunks = []
-        for name, arr in copy:
-            step = max(1, CHUNK_BYTES // max(1, arr.itemsize))
-            chunks += [(name, arr.reshape(-1), a, min(a + step, arr.size)) for a in range(0, max(arr.size, 1), step)]
-        pause = spread_s / max(1, len(chunks))
-        pause = pause if pause >= _MIN_PAUSE_S else 0.0
-        shapes = {name: ",".join(str(d) for d in arr.shape) for name, arr in copy}
         try:
-            self.transport.send_tensor(holder, SIDE_KIND, stage, 0, np.array([len(copy)], np.int64), version=sid,
-                                       name=_BEGIN)
-            for i, (name, flat, a, b) in enumerate(chunks):
-                if stop.is_set():
-                    return
-                self.transport.send_tensor(holder, SIDE_KIND, stage, i + 1, flat[a:b], version=sid,
-                                           name=f"{name}|{shapes[name]}|{a}")
-                if pause > 0 and stop.wait(pause):
-                    return
+            if not ship.begun:
+                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, 0,
+                                           np.array([ship.count], np.int64), version=ship.sid, name=_BEGIN)
+                ship.begun = True
+            due = ship.due(time.monotonic())
+            sent = 0
+            while ship.sent < due and sent < PUMP_CHUNKS:
+                name, flat, a, b = ship.chunks[ship.sent]
+                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, ship.sent + 1, flat[a:b],
+                                           version=ship.sid, name=f"{name}|{ship.shapes[name]}|{a}")
+                ship.sent += 1
+                sent += 1
         except Exception:  # the holder or this transport went away: the coordinator's acks tell
-            return
+            self._shipment = None
+            return None
         finally:
             with self._lock:
-                self.cpu_s += time.thread_time() - cpu
+                spent = time.thread_time() - cpu
+                self.cpu_s += spent
+                self.cpu_parts["send"] += spent
+        if ship.sent >= len(ship.chunks):
+            self._shipment = None
+            return None
+        return max(0.0, ship.next_at() - time.monotonic())
 
     def stop(self) -> None:
         """Stop shipping (a new copy, an abort, a new stage): the holder drops the partial copy."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
+        self._shipment = None
 
     def drop(self) -> None:
         self.stop()
         self.own.clear()
         self.replicas.clear()
         self._incoming.clear()
+        self._confirmed.clear()
+        self._spare.clear()
         self.cpu_s, self.taken = 0.0, 0
+        self.cpu_parts = dict.fromkeys(self.cpu_parts, 0.0)
+        self._io_start = _io_cpu_s()
 
     # --- holding a neighbour's copy ------------------------------------------------------------
     def take_in(self, peers: Sequence[str], this_stage: int | None) -> None:
@@ -218,6 +314,7 @@ class StateCopies:
                 self._file(peer, header, arr, this_stage)
         with self._lock:
             self.cpu_s += time.thread_time() - start
+            self.cpu_parts["file"] += time.thread_time() - start
 
     def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> None:
         if header.name == _BEGIN:
@@ -271,7 +368,9 @@ class StateCopies:
     def figures(self) -> dict:
         """What a step's done reports: the copy on its path, and the snapshots' CPU so far."""
         with self._lock:
-            out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s, "snapshots_taken": self.taken}
+            io = _io_cpu_s() - self._io_start if self.taken else 0.0
+            out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s + io, "snapshots_taken": self.taken,
+                   "snapshot_cpu_parts_s": {**self.cpu_parts, "io": io}}
         self.copy_s = 0.0
         return out
 

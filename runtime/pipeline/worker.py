@@ -256,7 +256,7 @@ class Worker:
         self.bundle_actions = (contents.actions, contents.steady, contents.drain_at, doc.microbatches)
         self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
                                       spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
-                                      tied=_tied_names(msg))
+                                      tied=_tied_names(msg), between=self.copies.pump)
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device,
                                                   **device_state()})
@@ -423,12 +423,18 @@ class Worker:
         A worker without a stage waits for a coordinator as long as it takes: it is a server (a
         device started by hand, a spare of the cluster, one whose coordinator was lost)."""
         deadline = time.monotonic() + self.timeout
+        check_at = time.monotonic() + _LIVENESS_POLL_S
         while True:
+            due = self.copies.pump()  # idle: what is due of this stage's snapshot copy goes now
             if self.stage is not None and self.transport.peek_control(COORDINATOR) is None:
                 self._take_in_copies()  # idle: a neighbour's snapshot copy is filed now, off the step's path
+            wait = max(0.0, check_at - time.monotonic())
             try:
-                return self.transport.recv_control(COORDINATOR, timeout=_LIVENESS_POLL_S)[1]
+                return self.transport.recv_control(COORDINATOR, timeout=wait if due is None else min(wait, due))[1]
             except PeerTimeout:
+                if time.monotonic() < check_at:
+                    continue  # a chunk of the copy is due
+                check_at = time.monotonic() + _LIVENESS_POLL_S
                 self._check_coordinator()
                 if self.stage is None:
                     deadline = time.monotonic() + self.timeout
@@ -507,6 +513,7 @@ class Worker:
             keep = msg.get("keep")
             if not (isinstance(keep, list) and all(isinstance(k, int) for k in keep)):
                 raise ValueError(f"snapshot_keep: expected keep [sids], got {msg!r:.120}")
+            self.copies.confirm(keep)  # the coordinator keeps only snapshots every holder confirmed
             self.copies.forget_except(keep)
         elif kind == "reset":
             self.reset()

@@ -12,7 +12,8 @@ Wire format (protocol version 2):
   ASCII JSON with exactly the keys `v, kind, stage, microbatch, version, dtype, shape, nbytes,
   checksum, name` (see `TensorHeader`); the payload is `nbytes` raw bytes, C order, little-endian,
   in `payload_parts(nbytes)` frames of `PART_BYTES` each but the last (one frame, maybe empty, up
-  to `PART_BYTES`), and `checksum` is the zlib.crc32 of all of it.
+  to `PART_BYTES`), and `checksum` is the zlib.crc32 of all of it (0, and not checked, for a
+  snapshot copy's chunk, `SIDE_KIND`, over a link that authenticates every byte: CURVE's MAC).
 - control: one frame, `{"v": 2, "control": {...}}` (JSON, at most `MAX_CONTROL_BYTES`).
 - so no frame is larger than `MAX_FRAME_BYTES` (1 MiB), however big the tensor.
 
@@ -368,10 +369,12 @@ def split_payload(payload: memoryview) -> list[memoryview]:
     return [payload[i:i + PART_BYTES] for i in range(0, n, PART_BYTES)] if n else [payload]
 
 
-def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview]) -> bytes | memoryview:
+def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview],
+                 checksum: bool = True) -> bytes | memoryview:
     """A tensor's payload from its frames, checked (`check_payload`, and as many frames as its size
     needs, each `PART_BYTES` but the last); one frame is returned as it is, several are copied into
-    one buffer."""
+    one buffer. Without `checksum` the CRC-32 is not verified (a link whose every byte its cipher's
+    MAC authenticated: `Transport.authenticated`)."""
     views = [memoryview(p).cast("B") for p in parts]
     _check_size(header, sum(v.nbytes for v in views))
     want = payload_parts(header.nbytes)
@@ -381,12 +384,13 @@ def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview]) -> b
                            f"payload of {header.nbytes} bytes comes in {want} frame{'s' if want != 1 else ''} of "
                            f"{PART_BYTES} bytes but the last", received=header)
     if len(parts) == 1:
-        check_payload(header, parts[0])
+        if checksum:
+            check_payload(header, parts[0])
         return parts[0]
     crc = 0
-    for v in views:
+    for v in views if checksum else ():
         crc = zlib.crc32(v, crc)
-    if crc != header.checksum:
+    if checksum and crc != header.checksum:
         raise MessageError(f"checksum mismatch: payload crc32 0x{crc:08x}, header says 0x{header.checksum:08x}",
                            received=header)
     joined = np.empty(header.nbytes, np.uint8)
@@ -457,6 +461,10 @@ class Transport(ABC):
 
     name: str
     address: str | None
+    # every byte received was authenticated by the link (CURVE's MAC: altered bytes never arrive),
+    # so a side-lane copy (`SIDE_KIND`, many MiB a snapshot) goes without its CRC-32, computed by
+    # neither end (the step's tensors keep theirs)
+    authenticated: bool = False
 
     def __init__(self, name: str):
         if not isinstance(name, str) or not name or not name.isprintable():
@@ -590,7 +598,8 @@ class Transport(ABC):
         header = TensorHeader(kind=kind, stage=operator.index(stage), microbatch=operator.index(microbatch),
                               version=operator.index(version),
                               dtype=arr.dtype.name, shape=tuple(int(d) for d in arr.shape),
-                              nbytes=arr.nbytes, checksum=zlib.crc32(payload), name=name)
+                              nbytes=arr.nbytes, checksum=0 if self._unchecked(kind) else zlib.crc32(payload),
+                              name=name)
         self._send_frames(peer, [header.encode(), *split_payload(payload)])
         return header
 
@@ -625,11 +634,15 @@ class Transport(ABC):
             header = TensorHeader.decode(raw_header)
             if header.kind != SIDE_KIND:
                 raise MessageError(f"kind {header.kind!r} in the {SIDE_KIND} lane", received=header)
-            payload = join_payload(header, parts)
+            payload = join_payload(header, parts, checksum=not self._unchecked(SIDE_KIND))
             del parts
         except MessageError as err:
             raise err.at(peer, self.address_of(peer), f"a {SIDE_KIND} tensor") from None
         return header, _array_from_payload(header, payload)
+
+    def _unchecked(self, kind: str) -> bool:
+        """A tensor of `kind` goes without its CRC-32: a side-lane copy over an authenticated link."""
+        return kind == SIDE_KIND and self.authenticated
 
     def discard_side(self, peer: str) -> None:
         self._fifos.pop((peer, SIDE), None)

@@ -198,6 +198,7 @@ class ZmqTransport(Transport):
             raise ValueError(f"transport {name!r}: give CURVE keys (keys=CurveKeys, see runtime.keys) or, on a "
                              f"network nobody else can reach, insecure=True; not {'both' if keys else 'neither'}")
         self.secure = keys is not None
+        self.authenticated = self.secure  # CURVE: every message's bytes authenticated by its MAC
         self._keys = keys
         self._hwm = hwm
         self._linger_ms = int(linger_s * 1000)

@@ -92,7 +92,7 @@ def test_a_lost_workers_state_comes_back_from_its_neighbour_and_the_replay_is_ex
                 # files it at its next order, the abort's included): the loss restores from it
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline and not all(
-                        sids[-1] in w.copies.own and not (w.copies._thread and w.copies._thread.is_alive())
+                        sids[-1] in w.copies.own and not w.copies.shipping
                         for w in workers.workers):
                     time.sleep(0.01)
                 at_kill.append(ordered[-1])
@@ -272,7 +272,7 @@ def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(grap
             if step == 3:
                 deadline = time.monotonic() + 20  # the copies after the re-plan reached their holders
                 while time.monotonic() < deadline and any(
-                        w.copies._thread is not None and w.copies._thread.is_alive() for w in workers.workers):
+                        w.copies.shipping for w in workers.workers):
                     time.sleep(0.01)
                 workers.kill(1)
 

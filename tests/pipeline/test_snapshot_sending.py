@@ -1,0 +1,182 @@
+"""The sending side of the snapshots held on the workers (issue 32, runtime.pipeline.snapshots):
+what each snapshot costs a worker. A copy is taken into the arrays of a copy every holder confirmed
+(fresh arrays cost their pages' first touch), never into those of a copy whose shipping stopped
+half-way (the transport may still be sending them); over an authenticated link (CURVE) a copy's
+chunks go without their CRC-32, in plaintext they keep it."""
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from runtime.keys import KeyPair
+from runtime.pipeline.snapshots import StateCopies
+from runtime.transport.local import LocalHub, LocalTransport
+from runtime.transport.wire import SIDE_KIND, Expected, MessageError
+from runtime.transport.zeromq import ZmqTransport
+
+
+def _pair():
+    hub = LocalHub()
+    a, b = LocalTransport("stage0", hub), LocalTransport("stage1", hub)
+    a.connect("stage1", b.address)
+    b.connect("stage0", a.address)
+    return a, b
+
+
+def _state(seed: int) -> list[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [("param/w", rng.standard_normal((300, 700)).astype(np.float32)),  # > 1 chunk of 1 MiB
+            ("opt/adamw/m/w", rng.standard_normal((300, 700)).astype(np.float32)),
+            ("param/b", rng.standard_normal(7).astype(np.float32))]
+
+
+def _ship(sender: StateCopies, holder: StateCopies, sid: int, state, keep) -> list[tuple[str, np.ndarray]]:
+    """Take snapshot `sid` of `state` on the sender, ship it, file it on the holder; the copy taken."""
+    sender.take(sid, 0, state, "stage1", keep, 0.0)
+    deadline = time.monotonic() + 30
+    while (0, sid) not in holder.replicas:
+        assert time.monotonic() < deadline, "the copy never reached its holder"
+        sender.pump()  # what the executor does between actions
+        holder.take_in(["stage0"], 1)
+        time.sleep(0.01)
+    assert not sender.shipping
+    return sender.own[sid]
+
+
+def _assert_copy(got, want) -> None:
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (name, g), (_, w) in zip(got, want):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def test_a_copy_is_taken_into_the_arrays_of_a_confirmed_copy_and_stays_exact():
+    a, b = _pair()
+    reports = []
+    sender, holder = StateCopies(a, reports.append), StateCopies(b, reports.append)
+    first = _ship(sender, holder, 1, _state(1), keep=[])
+    second = _ship(sender, holder, 2, _state(2), keep=[1])  # 1 confirmed: kept while 2 ships
+    assert not any(np.shares_memory(x, y) for (_, x), (_, y) in zip(first, second))
+    sender.confirm([2])  # the coordinator's snapshot_keep once 2 is confirmed
+    sender.forget_except([2])
+    state3 = _state(3)
+    third = _ship(sender, holder, 3, state3, keep=[2])
+    # snapshot 1's arrays hold snapshot 3 now, and hold it exactly, on the sender and its holder
+    assert {id(x) for _, x in first} == {id(x) for _, x in third}
+    _assert_copy(third, state3)
+    _assert_copy(holder.copy_of(0, 1, 3), state3)
+    _assert_copy(sender.copy_of(0, 0, 2), _state(2))  # the kept copy untouched
+    assert all(not any(np.shares_memory(x, live) for _, live in state3) for _, x in third)
+    assert {"type": "replica_held", "stage": 1, "of": 0, "sid": 3} in reports
+    a.close(), b.close()
+
+
+def test_a_copy_whose_shipping_stopped_half_way_is_never_written_again():
+    """Snapshot 1's shipping stops unconfirmed (an abort): the transport may hold its chunks
+    without a copy, so snapshot 2 gets arrays of its own."""
+    a, b = _pair()
+    sender = StateCopies(a, lambda msg: None)
+    sender.take(1, 0, _state(1), "stage1", [], 10.0)  # spread over 10 s: still shipping when stopped
+    assert sender.shipping
+    sender.stop()
+    first = sender.own[1]
+    sender.take(2, 0, _state(2), "stage1", [], 0.0)  # nothing kept: 1 was never confirmed
+    sender.stop()
+    assert not any(np.shares_memory(x, y) for (_, x), (_, y) in zip(first, sender.own[2]))
+    _assert_copy(first, _state(1))  # what may still be in flight was not overwritten
+    a.close(), b.close()
+
+
+def _endpoints(insecure: bool):
+    names = ("stage0", "stage1")
+    pairs = {n: KeyPair.generate(n) for n in names}
+    if insecure:
+        ends = {n: ZmqTransport(n, "tcp://127.0.0.1:0", linger_s=0.2, insecure=True) for n in names}
+    else:
+        ends = {n: ZmqTransport(n, "tcp://127.0.0.1:0", keys=pairs[n].curve_keys(), linger_s=0.2,
+                                accept={o: pairs[o].public.curve for o in names if o != n}) for n in names}
+    for n, t in ends.items():
+        for o, other in ends.items():
+            if o != n:
+                t.connect(o, other.address, **({} if insecure else {"key": pairs[o].public.curve}))
+    return ends["stage0"], ends["stage1"]
+
+
+def _side(receiver, peer: str):
+    deadline = time.monotonic() + 10
+    while (got := receiver.recv_side(peer)) is None:
+        assert time.monotonic() < deadline, "nothing arrived in the side lane"
+        time.sleep(0.01)
+    return got
+
+
+@pytest.mark.parametrize("insecure", [False, True], ids=["curve", "plaintext"])
+def test_a_copys_chunks_go_without_their_crc_only_over_an_authenticated_link(insecure):
+    a, b = _endpoints(insecure)
+    try:
+        chunk = np.arange(1000, dtype=np.float32)
+        sent = a.send_tensor("stage1", SIDE_KIND, 0, 1, chunk, version=4, name="param/w|1000|0")
+        step = a.send_tensor("stage1", "act", 0, 0, chunk)
+        crc = zlib.crc32(chunk.tobytes())
+        assert step.checksum == crc  # a step's own tensors keep theirs either way
+        assert sent.checksum == (crc if insecure else 0)
+        header, got = _side(b, "stage0")
+        assert header.checksum == sent.checksum
+        np.testing.assert_array_equal(got, chunk)
+        _, act = b.recv_tensor("stage0", Expected(kind="act", stage=0, microbatch=0), timeout=10)
+        np.testing.assert_array_equal(act, chunk)
+    finally:
+        a.close(), b.close()
+
+
+def test_a_corrupted_chunk_over_an_unauthenticated_link_is_refused():
+    """In plaintext (a transport whose links authenticate nothing) the CRC-32 still guards a copy."""
+    a, b = _pair()
+    assert not a.authenticated and not b.authenticated
+    frames = []
+    a._send_frames = lambda peer, fr: frames.append([bytes(f) for f in fr])
+    a.send_tensor("stage1", SIDE_KIND, 0, 1, np.arange(64, dtype=np.float32), version=4, name="param/w|64|0")
+    header, payload = frames[0]
+    b._accept("stage0", [header, payload[:-1] + bytes([payload[-1] ^ 1])])
+    with pytest.raises(MessageError, match="checksum mismatch"):
+        b.recv_side("stage0")
+    a.close(), b.close()
+
+
+def test_a_copy_ships_between_the_steps_actions(tiny_checkpoint, export_dir):
+    """The executor ships what is due of a snapshot copy between its actions and while it waits
+    (an MNN graph holds the interpreter's lock: a sender thread could not), and the run's losses
+    are single-device training's."""
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from planner.onnx_import import load_model
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.executor import StageExecutor
+    from runtime.pipeline.inprocess import InProcessWorkers
+    from support import ROWS, S, export_onnx, single_device_training, synthetic_batch
+
+    import runtime.pipeline.snapshots as snapshots
+
+    graph = load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
+    batches = [synthetic_batch(i) for i in range(4)]
+    in_step = []  # chunks sent inside an action of a step (its end, or a wait for a neighbour)
+    real_execute = StageExecutor.execute
+
+    def execute(self, action):
+        copies = self.between.__self__
+        ship = copies._shipment
+        before = ship.sent if ship is not None else None
+        real_execute(self, action)
+        if ship is not None and ship.sent > before:
+            in_step.append(ship.sent - before)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(snapshots, "CHUNK_BYTES", 4096)  # many chunks for a tiny model's state
+        mp.setattr(StageExecutor, "execute", execute)
+        config = PipelineConfig(schedule="1f1b-flush", microbatches=4, optimizer="adamw", lr=1e-3, timeout_s=60)
+        with InProcessWorkers(2, timeout_s=60) as workers:
+            result = train_pipeline(graph, batches, 9, workers.addresses, config, 4, transport=workers.coordinator,
+                                    faults=FaultPolicy(state_on="peers"))
+    assert in_step, "no chunk of a snapshot copy was sent while a step ran"
+    assert result.losses == single_device_training(graph, batches, 4)[0]
