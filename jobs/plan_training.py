@@ -212,7 +212,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
     promised = plan  # after a re-plan, the figures of the plan the run ended on
     if replanner is not None and replanner.applied:
-        promised = load_plan(Path(replanner.applied[-1].directory))
+        promised = replanner.applied[-1].loaded.plan
     metrics = check_memory(metrics, {d.name: d.memory_bytes for d in promised.devices},
                            {d.name: d.memory_budget_bytes for d in promised.devices}, reporter)
     if base is not None:
@@ -282,7 +282,7 @@ def _plan_over(replanner, address_of):
         if plan is None:
             return None
         return SurvivorPlan([tuple(r) for r in plan.ranges], [address_of[d] for d in plan.devices],
-                            list(plan.bundles), list(plan.devices), plan.schedule, plan.directory)
+                            list(plan.bundles), list(plan.devices), plan.schedule, plan.directory, plan.loaded)
 
     return plan_over
 

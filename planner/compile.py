@@ -165,7 +165,7 @@ def with_head_splits(graph: Graph, cluster: Cluster, note: Note = _silent,
     n = len(graph.blocks)
     for d in cluster.devices:
         split = choose_head_split(graph, d.profile)
-        base = split_base_backend(d.profile, d.backend)
+        base = split_base_backend(d.profile, d.backend) if split is not None else None  # (nominal profiles: no split)
         if split is not None and base is not None:
             candidate = dataclasses.replace(d, backend=base, profile=profile_with_head_split(
                 d.profile, base, split, split_extra_cost_s(graph, d.profile, split)))
