@@ -20,7 +20,7 @@ from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
 from ir.training import TRAINING
-from jobs.errors import JobError
+from jobs.errors import FlagError, JobError
 from jobs.memory_check import check_memory, default_planned_bytes
 from jobs.pipeline_run import describe_event, progress, run_on_workers
 from jobs.pipeline_tasks import pipeline_task, step_feeds
@@ -193,10 +193,11 @@ class StageChoice:
 
 def _check_steady(schedule: Schedule, steps: int) -> None:
     """A ValueError when an asynchronous schedule cannot run `steps` steps from its lists (no steady state)."""
-    if not schedule.flushes and schedule.steady is None and steps > 1:
-        raise ValueError(f"{schedule.name} over {schedule.stages} stages with {schedule.microbatches} micro-batches "
-                         f"per step has no steady state to run {steps} steps with (it needs at least stages - 1 "
-                         f"micro-batches, and update_every dividing them): use more micro-batches or fewer stages")
+    from planner.compile import steady_state_refusal
+
+    refusal = steady_state_refusal(schedule, steps)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 class PlanInMemory:
@@ -346,6 +347,11 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         check_tied_schedule(graph, ranges, pipeline.schedule)
     except ValueError as exc:
         raise JobError(str(exc)) from None
+    if pipeline.schedule in ASYNC_SCHEDULES:  # refused before any worker starts: the fix is a flag
+        try:
+            _check_steady(make_schedule(pipeline.schedule, len(ranges), M, pipeline.update_every), training.steps)
+        except ValueError as exc:
+            raise FlagError(str(exc)) from None
     tied = tied_parameters(graph, ranges)
     if tied:
         reporter.note(f"{len(tied)} weight(s) held by several stages ({', '.join(sorted(tied)[:3])}): their "

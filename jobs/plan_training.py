@@ -11,7 +11,7 @@ from ir.bundle import PLAN_BASE, BundleError, LoadedPlan, load_plan, load_plan_f
 from ir.documents import PlanDocument
 from ir.plan import FLUSH_SCHEDULES
 from ir.serialize import merge_slices
-from jobs.errors import JobError
+from jobs.errors import FlagError, JobError
 from jobs.memory_check import check_memory
 from jobs.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.pipeline_run import describe_event, progress, run_on_workers
@@ -21,6 +21,7 @@ from jobs.settings import check_fault_flags
 from jobs.workers import LocalWorkers, coordinator_pair
 from planner.cluster import ClusterError, load_cluster
 from planner.emit import load_plan_cluster
+from planner.compile import steady_state_refusal
 from planner.replan import PlanReplanner
 from runtime.pipeline.bundles import plan_base
 from runtime.pipeline.checkpoints import check_checkpoint_target
@@ -146,10 +147,9 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     plan_dir = Path(plan_dir)
     loaded = load_plan_folder(plan_dir)  # read and verified once; its bundles' bytes are what the workers get
     plan, contents = loaded.plan, list(loaded.contents)
-    if not loaded.schedule.flushes and loaded.schedule.steady is None and settings.steps > 1:
-        raise JobError(f"{plan_dir}: {plan.schedule} over {len(contents)} devices with {plan.microbatches} micro-batches "
-                       f"has no steady state to train {settings.steps} steps with (at least devices - 1 micro-batches "
-                       f"are needed): re-plan with more --microbatches")
+    refusal = steady_state_refusal(loaded.schedule, settings.steps)
+    if refusal is not None:
+        raise FlagError(f"{plan_dir}: {refusal} (re-plan with `confidant plan`)")
     names = plan.device_names
     replanner = _plan_replanner(settings, plan_dir, plan, contents)  # None without --replan-every
     pair = _coordinator_keys(settings, loaded, reporter)
