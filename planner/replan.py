@@ -17,11 +17,15 @@ any that left), moving only the cut points: an exact enumeration, cheap and pred
 the cluster's devices in any order) is what `PlanReplanner` uses for a plan folder: the runtime
 renumbers worker processes at a re-plan (runtime.pipeline.coordinator), so a new order needs no restart.
 
-Re-planning from a plan folder (`PlanReplanner`, `confidant train plan/ --replan-every N`): the
-folder's cluster.json (planner.emit) gives the devices and profiles; each re-plan that passes the
-threshold is written as a complete new plan folder inside it (plan/replan-step0012/: plan.json,
-cluster.json with the recalibrated profiles, one bundle per device holding the weights training
-has reached), which the workers then verify and load like the first one.
+One re-planner (`PlanReplanner`) serves every run (issue 34). From a plan folder (`confidant train
+plan/ --replan-every N`): the folder's cluster.json (planner.emit) gives the devices and profiles;
+each re-plan that passes the threshold is written as a complete new plan folder inside it
+(plan/replan-step0012/: plan.json, cluster.json with the recalibrated profiles, one bundle per
+device holding the weights training has reached), read and verified once (`ir.bundle.LoadedPlan`),
+which the workers then verify and load like the first one. For `confidant train-pipeline
+--replan-every N` the plan in use was made in memory: the same re-planner, `keep_order`, over the
+workers as devices with FLOPs-only profiles (`flops_cluster`) that the measured times recalibrate,
+emits each new plan in memory (jobs.pipeline_training.PlanInMemory).
 
 Re-profiling cheaply. A full `confidant profile` takes minutes; the runtime measures each stage's
 forward and backward seconds every step anyway. `profile_from_timings` turns "stage s took k
