@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import weakref
 
 import numpy as np
 import pytest
@@ -99,7 +100,7 @@ def test_a_replanned_folder_is_read_once_and_shipped_as_read(graph, batches, tmp
     loaded = load_plan_folder(tmp_path / "plan")
     whole = graph
     replanner = PlanReplanner(tmp_path / "plan", loaded.plan, whole, cluster, workers=1)
-    moved = []
+    moved, slices = [], []
 
     def on_replan(step, measured, weights):
         predicted = predicted_compute_s(whole, replanner.cluster, replanner.partition, M)
@@ -108,13 +109,22 @@ def test_a_replanned_folder_is_read_once_and_shipped_as_read(graph, batches, tmp
         if new is not None:
             assert new.loaded.directory == new.directory and len(new.loaded.contents) == len(new.devices)
             shutil.move(str(new.directory), str(tmp_path / "away"))  # nothing may read it again
+            slices.extend(weakref.ref(c.graph) for c in new.loaded.contents)
             moved.append(new)
         return new
 
+    parsed_after = []
+
+    def on_step(step, *_):
+        if step > 2:  # after the switch: no parsed bundle of the new plan (its slices' weights) is held here
+            gc.collect()
+            parsed_after.append(sum(ref() is not None for ref in slices))
+
     with InProcessWorkers(2, timeout_s=30) as workers:
-        result = _run(workers, loaded, STEPS, batches, replan_every=2, on_replan=on_replan)
+        result = _run(workers, loaded, STEPS, batches, replan_every=2, on_replan=on_replan, on_step=on_step)
     assert workers.codes == [0, 0], workers.errors
     (new,) = moved
+    assert parsed_after == [0, 0]
     assert result.replans[0][0] == 2 and result.ranges == new.ranges and new.ranges != [(0, 2), (3, 4)]
     assert new.loaded.released  # shipped, then let go
     losses, weights = single_device_training(graph, batches, STEPS)

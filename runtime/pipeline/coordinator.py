@@ -167,7 +167,10 @@ class Coordinator:
         self.optimizer_state = optimizer_state or {}
         if len(stage_graphs) != len(placements):
             raise ValueError(f"{len(stage_graphs)} stage graphs for {len(placements)} stages")
-        self.specs = [stage_spec(g, p.first_block, p.last_block) for g, p in zip(stage_graphs, placements)]
+        # what each stage is fed (its graph inputs): only the names are kept, not the slices, whose
+        # weights would be a model's worth held here for the run
+        self.inputs_of = [stage_spec(g, p.first_block, p.last_block).graph_inputs
+                          for g, p in zip(stage_graphs, placements)]
         # every slice keeps every block's metadata (names, parameters): enough to re-cut the model
         self._blocks = stage_graphs[0].blocks
         self._tied_updates = 0  # tied-gradient sums done since the stages were last set up
@@ -425,8 +428,8 @@ class Coordinator:
         for p in self.placements:
             self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "steps": steps})
         for m, feeds in enumerate(microbatch_feeds):
-            for p, spec in zip(self.placements, self.specs):
-                for name in spec.graph_inputs:
+            for p, inputs in zip(self.placements, self.inputs_of):
+                for name in inputs:
                     self.transport.send_tensor(stage_peer(p.stage), "batch", -1, m,
                                                np.asarray(feeds[name], order="C"), name=name)
         last = stage_peer(self.stages - 1)
@@ -605,7 +608,8 @@ class Coordinator:
             [x for b in self._blocks[p.first_block:p.last_block + 1] for x in b.params]) for p in placements}
         self.placements = placements
         self.stages = len(placements)
-        self.specs = [stage_spec(c.graph, p.first_block, p.last_block) for c, p in zip(contents, placements)]
+        self.inputs_of = [stage_spec(c.graph, p.first_block, p.last_block).graph_inputs
+                          for c, p in zip(contents, placements)]
         self.setup_bundles(bundles, devices)
         return Reconfiguration([(p.first_block, p.last_block) for p in old],
                                [(p.first_block, p.last_block) for p in placements], moves, self.setup_bytes,
