@@ -583,14 +583,20 @@ def load_plan(out_dir: str | Path, verify_bundles: bool = False) -> PlanDocument
     return doc
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class LoadedPlan:
-    """A plan folder read and verified once, to be shipped as it is: plan.json's document, each
-    device's bundle files as read (what the coordinator sends the workers, byte for byte), those
-    bundles parsed (verified), and the schedule they make (verified, steady state included).
-    Nothing of the folder is read or decoded again for the run."""
+    """A plan read and verified once, to be shipped as it is: plan.json's document, each device's
+    bundle files as read (what the coordinator sends the workers, byte for byte), those bundles
+    parsed (verified), and the schedule they make (verified, steady state included). Nothing of
+    the folder is read or decoded again for the run. `directory` None: a plan emitted in memory
+    (`planner.emit.emit_in_memory`), never written.
 
-    directory: Path
+    Once shipped, the bytes and the parsed bundles are let go (`release`; the coordinator empties
+    each bundle's files as it sends them): a model's worth of bytes is not held for the whole run.
+    What a later recovery needs is read from the folder again (and verified again) or comes from
+    the workers."""
+
+    directory: Path | None
     plan: PlanDocument
     files: tuple[dict[str, bytes], ...]
     contents: tuple[BundleContents, ...]
@@ -604,7 +610,19 @@ class LoadedPlan:
         """BundleError unless every bundle is signed as `check_signature` wants (its manifest only:
         the manifest names every other file's hash, checked when the plan was loaded)."""
         for d, files in zip(self.plan.devices, self.files):
-            check_bundle_signature(files, str(self.directory / d.bundle), check_signature)
+            where = d.bundle if self.directory is None else str(self.directory / d.bundle)
+            check_bundle_signature(files, where, check_signature)
+
+    def release(self) -> None:
+        """Let the bundles' bytes and parsed contents go (they have been shipped); the document and
+        the schedule stay."""
+        for files in self.files:
+            files.clear()
+        self.files, self.contents = (), ()
+
+    @property
+    def released(self) -> bool:
+        return not any(self.files) and not self.contents
 
 
 def load_plan_folder(out_dir: str | Path) -> LoadedPlan:

@@ -43,10 +43,15 @@ def slice_graph(graph: Graph, first_block: int, last_block: int) -> Graph:
     blocks = graph.blocks[first_block : last_block + 1]
     names = {n for b in blocks for n in b.nodes} | {n for b in blocks for n in b.host_nodes}
     nodes = tuple(n for n in graph.nodes if n.name in names)
-    used = {i for n in nodes for i in n.inputs if i} | {o for n in nodes for o in n.outputs}
-    used |= {i for b in blocks for i in b.inputs} | {blocks[-1].output}
-    values = {k: v for k, v in graph.values.items() if k in used}
-    constants = {k: v for k, v in graph.constants.items() if k in used}
+    # The slice's values and constants in the order of first use (the graph's inputs it reads, then each node's
+    # inputs and outputs in node order, then the blocks' inputs and the last block's output), not in
+    # the order of the graph's dicts: a lowered graph's dicts may come out in an order that depends
+    # on the interpreter's string hashing (PYTHONHASHSEED), and a bundle's bytes must not.
+    order = [x for n in nodes for x in (*n.inputs, *n.outputs) if x]
+    order += [i for b in blocks for i in b.inputs] + [blocks[-1].output]
+    used = dict.fromkeys([v.name for v in graph.inputs if v.name in set(order)] + order)
+    values = {k: graph.values[k] for k in used if k in graph.values}
+    constants = {k: graph.constants[k] for k in used if k in graph.constants}
     params = tuple(p for p in graph.params if p in constants)
     inputs = tuple(v for v in graph.inputs if v.name in used)
     outputs = (graph.values[blocks[-1].output],)

@@ -14,11 +14,11 @@ from ir.documents import OptimizerSettings, PlannedLora
 from ir.graph import is_causal_lm
 from ir.partition import StageCost
 from ir.training import TRAINING
-from jobs.common.errors import JobError
+from jobs.common.errors import FlagError, JobError
 from jobs.common.lora import adapted
 from jobs.common.report import Reporter, Silent
 from planner.cluster import Cluster, load_cluster
-from planner.compile import SEARCH_SHARE, CompileError, Deadline, PlanRequest, compile_plan, emit_compiled
+from planner.compile import SEARCH_SHARE, CompileError, NoSteadyState, Deadline, PlanRequest, compile_plan, emit_compiled
 from planner.lookups import charged_rows
 from planner.lora import LoraSettings
 from planner.onnx_import import load_model
@@ -94,6 +94,8 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
             model=Path(model).name, model_path=str(Path(model).resolve()),
             lora=lora_record(settings.lora),
             keep_going=deadline.room_for_another_start, note=reporter.note)
+    except NoSteadyState as exc:  # the fix is a flag: a usage error
+        raise FlagError(str(exc)) from None
     except CompileError as exc:
         raise JobError(str(exc)) from None
     except PlanDoesNotFit as exc:

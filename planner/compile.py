@@ -50,6 +50,24 @@ class CompileError(ValueError):
     cannot carry a weight tied across stages): one line naming what."""
 
 
+class NoSteadyState(CompileError):
+    """An asynchronous schedule (1f1b-stash, 2bw) over too few micro-batches for its stages: it has
+    no steady state, so it could train one step only. A usage error: the fix is a flag."""
+
+
+def steady_state_refusal(schedule: Schedule, steps: int | None = None) -> str | None:
+    """The one line that refuses `schedule` for a run of `steps` steps (None: any number, as a plan
+    is made for) when it has no steady state to run them with; None when it can run them."""
+    if schedule.flushes or schedule.steady is not None or steps == 1:
+        return None
+    p, m = schedule.stages, schedule.microbatches
+    every = "" if schedule.update_every in (1, m) else f" and --update-every {schedule.update_every} dividing them"
+    return (f"{schedule.name} over {p} stages with {m} micro-batch{'es' if m != 1 else ''} per step has no steady "
+            f"state (it needs at least stages - 1 = {p - 1} micro-batches{every}), so it cannot train "
+            f"{'more than one step' if steps is None else f'{steps} steps'}: use --microbatches {max(p - 1, 1)} or "
+            f"more, or --schedule 1f1b-flush")
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What to plan: the schedule, micro-batches per batch, the optimizer, backwards per update
@@ -165,7 +183,7 @@ def with_head_splits(graph: Graph, cluster: Cluster, note: Note = _silent,
     n = len(graph.blocks)
     for d in cluster.devices:
         split = choose_head_split(graph, d.profile)
-        base = split_base_backend(d.profile, d.backend)
+        base = split_base_backend(d.profile, d.backend) if split is not None else None  # (nominal profiles: no split)
         if split is not None and base is not None:
             candidate = dataclasses.replace(d, backend=base, profile=profile_with_head_split(
                 d.profile, base, split, split_extra_cost_s(graph, d.profile, split)))
@@ -306,7 +324,11 @@ def compile_plan(graph: Graph, cluster: Cluster, request: PlanRequest, optimizer
     note_engine_moves(picks, note)
     tied_note(graph, picks.partition, request.schedule, note)
     emit = emit_settings(picks.cluster, picks.partition.devices, splits, optimizer, model, model_path, lora)
-    return assemble(graph, picks.cluster, picks.partition, splits, request, emit, picks)
+    compiled = assemble(graph, picks.cluster, picks.partition, splits, request, emit, picks)
+    refusal = steady_state_refusal(compiled.schedule)
+    if refusal is not None:
+        raise NoSteadyState(refusal)
+    return compiled
 
 
 def assemble(graph: Graph, cluster: Cluster, partition: Partition, splits: Mapping[str, HeadSplit],

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ir.bundle import (MANIFEST, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, build_bundle_files,
+from ir.bundle import (MANIFEST, BundleContents, LoadedPlan, schedule_of_bundles, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, build_bundle_files,
                        check_device_name, load_bundle_dir, load_plan, plan_identity, sha256_hex, verify_bundle_files,
                        write_bundle_files)
 from ir.documents import (ACTIVATION_CHOICES, DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit, PlannedLora,
@@ -195,6 +195,14 @@ class EmittedPlan:
     bundles: dict[str, dict[str, bytes]]
     cluster_json: bytes | None = None
     base: bytes | None = None
+    contents: dict[str, BundleContents] = field(default_factory=dict)  # each bundle as verified, parsed
+
+    def loaded(self) -> LoadedPlan:
+        """The plan as `ir.bundle.LoadedPlan` (no folder): what a run ships, verified once here."""
+        devices = self.plan.device_names
+        contents = [self.contents[d] for d in devices]
+        return LoadedPlan(None, self.plan, tuple(self.bundles[d] for d in devices), tuple(contents),
+                          schedule_of_bundles(contents))
 
 
 def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule: Schedule, config: Mapping[str, Any],
@@ -257,7 +265,7 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
     plan_id = plan_identity({"model": cfg["model"], "graph": graph.name, "stages": [d.to_json() for d in stage_docs],
                              "actions": [[str(a) for a in row] for row in schedule.actions]},
                             stored_constants(graph.constants))
-    bundles = {}
+    bundles, contents = {}, {}
     for s, (assignment, stage_doc) in enumerate(zip(partition.stages, stage_docs)):
         part = slice_graph(graph, assignment.first_block, assignment.last_block)
         device = assignment.device
@@ -265,7 +273,7 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
         # quantized frozen weights go as their storage arrays, never widened (ir.precision)
         files = build_bundle_files(stage_doc, graph_to_json(part, stored=True), stored_constants(part.constants),
                                    schedule.actions[s], source=where, sign=sign, plan_id=plan_id)
-        verify_bundle_files(files, where)
+        contents[device] = verify_bundle_files(files, where)
         bundles[device] = files
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]
@@ -294,7 +302,7 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
                         partition.bottleneck_s, cluster_sha256, base_sha256, dict(graph.lookup_rows),
                         cfg["model_path"], cfg["lora"], _base_dtype(graph), plan_id)
     PlanDocument.from_json(plan.to_json(), source)  # what a reader will check, before anything is written
-    return EmittedPlan(plan, bundles, cluster_json, base_data)
+    return EmittedPlan(plan, bundles, cluster_json, base_data, contents)
 
 
 # --- the cluster beside the plan ----------------------------------------------------------------

@@ -17,11 +17,15 @@ any that left), moving only the cut points: an exact enumeration, cheap and pred
 the cluster's devices in any order) is what `PlanReplanner` uses for a plan folder: the runtime
 renumbers worker processes at a re-plan (runtime.pipeline.coordinator), so a new order needs no restart.
 
-Re-planning from a plan folder (`PlanReplanner`, `confidant train plan/ --replan-every N`): the
-folder's cluster.json (planner.emit) gives the devices and profiles; each re-plan that passes the
-threshold is written as a complete new plan folder inside it (plan/replan-step0012/: plan.json,
-cluster.json with the recalibrated profiles, one bundle per device holding the weights training
-has reached), which the workers then verify and load like the first one.
+One re-planner (`PlanReplanner`) serves every run (issue 34). From a plan folder (`confidant train
+plan/ --replan-every N`): the folder's cluster.json (planner.emit) gives the devices and profiles;
+each re-plan that passes the threshold is written as a complete new plan folder inside it
+(plan/replan-step0012/: plan.json, cluster.json with the recalibrated profiles, one bundle per
+device holding the weights training has reached), read and verified once (`ir.bundle.LoadedPlan`),
+which the workers then verify and load like the first one. For `confidant train-pipeline
+--replan-every N` the plan in use was made in memory: the same re-planner, `keep_order`, over the
+workers as devices with FLOPs-only profiles (`flops_cluster`) that the measured times recalibrate,
+emits each new plan in memory (jobs.train.pipeline.PlanInMemory).
 
 Re-profiling cheaply. A full `confidant profile` takes minutes; the runtime measures each stage's
 forward and backward seconds every step anyway. `profile_from_timings` turns "stage s took k
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ir.backend import runs_as
+from ir.bundle import LoadedPlan, load_plan_folder
 from ir.documents import PlanDocument
 from ir.plan import Schedule
 from ir.graph import Graph, block_signature
@@ -402,47 +407,6 @@ def replan_with(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Sequen
     return [tuple(r) for r in new.ranges]
 
 
-class TimingReplanner:
-    """`train_pipeline`'s on_replan from measured timings alone: the stages' workers are devices
-    named stage0..stage<p-1> with FLOPs-only profiles (`flops_cluster`), recalibrated at every call
-    from the measured forward+backward seconds, then re-planned with the same devices in the same
-    order (`keep_order`). Returns the new block ranges, or None while the predicted gain is not
-    above `threshold`. `decisions` keeps every (step, ReplanDecision) for reporting."""
-
-    def __init__(self, graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str, microbatches: int,
-                 optimizer: str, threshold: float = TRAINING.replan_threshold, cluster: Cluster | None = None, update_every: int = 1):
-        self.graph = graph
-        self.schedule = schedule
-        self.microbatches = microbatches
-        self.update_every = update_every
-        self.optimizer = optimizer
-        self.threshold = threshold
-        names = [f"stage{k}" for k in range(len(ranges))]
-        self.cluster = cluster if cluster is not None else flops_cluster(graph, names)
-        self.partition = partition_of([tuple(r) for r in ranges], names)
-        self.decisions: list[tuple[int, ReplanDecision]] = []
-
-    def restart(self, ranges: Sequence[tuple[int, int]]) -> None:
-        """Carry on from a plan the run switched to by itself (a recovery over fewer workers): its
-        stages are the devices stage0..stage<p-1> again, with nominal profiles."""
-        names = [f"stage{k}" for k in range(len(ranges))]
-        self.cluster = flops_cluster(self.graph, names)
-        self.partition = partition_of([tuple(r) for r in ranges], names)
-
-    def __call__(self, step: int, measured_stage_seconds: Sequence[float]) -> list[tuple[int, int]] | None:
-        if any(not (math.isfinite(x) and x > 0) for x in measured_stage_seconds):
-            return None  # nothing measured on some stage: no basis for a decision
-        self.cluster = recalibrate(self.graph, self.cluster, self.partition, measured_stage_seconds, self.microbatches,
-                                   self.schedule, self.update_every)
-        decision = replan(self.graph, self.cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
-                          self.threshold, keep_order=True, update_every=self.update_every)
-        self.decisions.append((step, decision))
-        if decision.new_partition is None:
-            return None
-        self.partition = decision.new_partition
-        return self.partition.ranges
-
-
 # --- re-planning a plan folder --------------------------------------------------------------------
 
 REPLAN_DIR = "replan-step{step:04d}"  # inside the plan folder, one per re-plan that was applied
@@ -450,18 +414,28 @@ REPLAN_DIR = "replan-step{step:04d}"  # inside the plan folder, one per re-plan 
 
 @dataclass(frozen=True)
 class ReplannedPlan:
-    """A re-plan written to disk: the new plan folder `directory` (after `step` steps), its devices
-    in pipeline order with their block ranges and bundle directories, and the decision behind it."""
+    """A re-plan made (after `step` steps): the new plan, read and verified once (`loaded`,
+    `ir.bundle.LoadedPlan`: a plan folder's, `directory`, or one emitted in memory, directory None),
+    its devices in pipeline order with their block ranges, and the decision behind it."""
 
     step: int
-    directory: Path
+    directory: Path | None
     devices: list[str]
     ranges: list[tuple[int, int]]
-    bundles: list[Path]
+    loaded: LoadedPlan
     decision: ReplanDecision
     old_devices: list[str]
     old_ranges: list[tuple[int, int]]
-    schedule: Schedule  # the new plan's, which the stages run from the next step on
+
+    @property
+    def bundles(self) -> list[dict[str, bytes]]:
+        """The new plan's bundle files by device, in pipeline order, as read once (shipped as they are)."""
+        return list(self.loaded.files)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The new plan's, which the stages run from the next step on."""
+        return self.loaded.schedule
 
 
 def _with_plan_engines(cluster: Cluster, plan: PlanDocument) -> Cluster:
@@ -500,26 +474,40 @@ def _splits_applied(plan_dir: Path, cluster: Cluster) -> frozenset[str]:
 
 
 class PlanReplanner:
-    """`train_pipeline`'s on_replan for training from a plan folder (bundle mode).
+    """The re-planner (issue 34: one for every run): `train_pipeline`'s on_replan, and the plan_over
+    of a run from a plan folder (`without`, `with_devices`).
 
     At each call: recalibrate the plan's devices from the measured forward+backward seconds per
-    stage (`recalibrate`), search the best plan over the cluster's devices (`replan`, free order),
-    and, when that passes `threshold`, write it as a new plan folder inside `plan_dir` from the
-    weights training has reached (`weights()`, gathered from the workers only then), and return it.
-    The new plan is compiled as `confidant plan` compiles one (planner.compile): each device's
-    head split is decided from its profile (once, here: it does not depend on the cut), and its
-    engine and activations are picked again for the blocks it gets, so a device that takes over a
-    lost one's blocks may move to the engine that runs its new stage fastest, and a spare device
-    the first plan left out runs split where that is faster.
+    stage (`recalibrate`), search the best plan over the cluster's devices (`replan`: free order,
+    or with `keep_order` the current devices in their order, moving only the cuts), and, when that
+    passes `threshold`, emit it from the weights training has reached (`weights()`, gathered from
+    the workers only then), read and verified once (`ir.bundle.LoadedPlan`), and return it
+    (`ReplannedPlan`).
+
+    Where a new plan goes: with `plan_dir`, a new plan folder inside it (REPLAN_DIR), compiled as
+    `confidant plan` compiles one (planner.compile): each device's head split is decided from its
+    profile (once, here: it does not depend on the cut), and its engine and activations are picked
+    again for the blocks it gets, so a device that takes over a lost one's blocks may move to the
+    engine that runs its new stage fastest, and a spare device the first plan left out runs split
+    where that is faster. Without (`plan_dir` None), `emit(partition, cluster, weights)` makes it in
+    memory (`train-pipeline`'s plans: jobs.train.pipeline.PlanInMemory, whose workers keep the
+    engine, head split and activations they were given).
     `decisions` keeps every (step, ReplanDecision), `applied` every ReplannedPlan."""
 
-    def __init__(self, plan_dir: str | Path, plan: PlanDocument, graph: Graph, cluster: Cluster,
-                 threshold: float = TRAINING.replan_threshold, time_limit_s: float = 10.0, workers: int = 8, sign=None):
+    def __init__(self, plan_dir: str | Path | None, plan: PlanDocument, graph: Graph, cluster: Cluster,
+                 threshold: float = TRAINING.replan_threshold, time_limit_s: float = 10.0, workers: int = 8, sign=None,
+                 keep_order: bool = False,
+                 emit: Callable[[Partition, Cluster, Mapping[str, "np.ndarray"]], LoadedPlan] | None = None):
         from planner.compile import with_head_splits
         from planner.heads import HeadSplit
 
-        self.plan_dir = Path(plan_dir)
+        if (plan_dir is None) == (emit is None):
+            raise ValueError("a re-planner writes its plans into a plan folder (plan_dir) or emits them in memory "
+                             "(emit), one of the two")
+        self.plan_dir = None if plan_dir is None else Path(plan_dir)
+        self.emit = emit
         self.sign = sign  # signs the new plans' bundles (planner.emit), as the first plan's were
+        self.keep_order = keep_order
         self.plan = plan
         self.graph = graph
         self.threshold = threshold
@@ -535,7 +523,8 @@ class PlanReplanner:
         if missing:
             raise ValueError(f"the plan's devices {missing} are not in the cluster to re-plan with "
                              f"(devices: {list(cluster.names)})")
-        cluster, self.splits = with_head_splits(graph, cluster, applied=_splits_applied(self.plan_dir, cluster))
+        applied = _splits_applied(self.plan_dir, cluster) if self.plan_dir is not None else frozenset()
+        cluster, self.splits = with_head_splits(graph, cluster, applied=applied)
         for d in plan.devices:  # what the plan runs split is what its devices' profiles were lowered by
             if d.head_split is not None and d.head_split.predicted_s is not None and d.head_split.single_best:
                 self.splits[d.name] = HeadSplit(dict(d.head_split.heads), d.head_split.predicted_s,
@@ -544,6 +533,14 @@ class PlanReplanner:
         self.partition = partition_of([d.blocks for d in plan.devices], names)
         self.decisions: list[tuple[int, ReplanDecision]] = []
         self.applied: list[ReplannedPlan] = []
+
+    def follow(self, devices: Sequence[str], ranges: Sequence[tuple[int, int]]) -> None:
+        """Carry on from a plan the run switched to without this re-planner (stage k runs ranges[k]
+        on devices[k]); the devices keep what was measured of them."""
+        unknown = [d for d in devices if d not in self.cluster.names]
+        if unknown:
+            raise ValueError(f"the run switched to devices {unknown}, which are not in the cluster to re-plan with")
+        self.partition = partition_of([tuple(r) for r in ranges], list(devices))
 
     def __call__(self, step: int, measured_stage_seconds: Sequence[float],
                  weights: Callable[[], Mapping[str, "np.ndarray"]]) -> ReplannedPlan | None:
@@ -580,34 +577,41 @@ class PlanReplanner:
 
     def _decide(self, step: int, cluster: Cluster, threshold: float,
                 weights: Callable[[], Mapping[str, "np.ndarray"]], suffix: str) -> ReplannedPlan | None:
-        """Re-plan over `cluster`; when the decision is to move, the new plan folder (REPLAN_DIR and
-        `suffix`, numbered when taken), and the devices' picks kept for the next re-plan."""
+        """Re-plan over `cluster`; when the decision is to move, the new plan (in a folder named
+        REPLAN_DIR and `suffix`, numbered when taken, or in memory), and the devices' picks kept for
+        the next re-plan."""
         decision = replan(self.graph, cluster, self.partition, self.schedule, self.microbatches, self.optimizer,
-                          threshold, time_limit_s=self.time_limit_s, workers=self.workers,
+                          threshold, keep_order=self.keep_order, time_limit_s=self.time_limit_s, workers=self.workers,
                           update_every=self.update_every, fixed=frozenset(self.splits))
         self.decisions.append((step, decision))
         new = decision.new_partition
         if new is None:
             return None
-        directory = self.plan_dir / (REPLAN_DIR.format(step=step) + suffix)
-        n = 2
-        while suffix and directory.exists():
-            directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"{suffix}{n}")
-            n += 1
         picked = {d.name: d for d in decision.new_cluster.devices}
         cluster = dataclasses.replace(self.cluster, devices=tuple(picked.get(d.name, d) for d in self.cluster.devices))
-        schedule = self._emit(directory, new, cluster, weights())
+        directory = None
+        if self.plan_dir is not None:
+            directory = self.plan_dir / (REPLAN_DIR.format(step=step) + suffix)
+            n = 2
+            while suffix and directory.exists():
+                directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"{suffix}{n}")
+                n += 1
+            loaded = self._emit(directory, new, cluster, weights())
+        else:
+            loaded = self.emit(new, cluster, weights())
+        if loaded.devices != list(new.devices):
+            raise ValueError(f"the new plan runs devices {loaded.devices}, the decision {list(new.devices)}")
         old, self.partition, self.cluster = self.partition, new, cluster
-        bundles = [directory / d for d in new.devices]
-        self.applied.append(ReplannedPlan(step, directory, new.devices, new.ranges, bundles, decision,
-                                          old.devices, old.ranges, schedule))
+        self.applied.append(ReplannedPlan(step, directory, new.devices, new.ranges, loaded, decision,
+                                          old.devices, old.ranges))
         return self.applied[-1]
 
     def _emit(self, directory: Path, partition: Partition, cluster: Cluster,
-              weights: Mapping[str, "np.ndarray"]) -> Schedule:
+              weights: Mapping[str, "np.ndarray"]) -> LoadedPlan:
         """Write the plan of `partition` over `cluster` as picked (planner.compile): the model file
         and LoRA settings carry over (a checkpoint of training from the new folder needs them), as do
-        the optimizer and the addresses the first plan gave its devices."""
+        the optimizer and the addresses the first plan gave its devices. Returns the folder read
+        and verified once (`ir.bundle.load_plan_folder`): what the workers get, byte for byte."""
         from planner.compile import DeviceRun, assemble, emit_compiled, emit_settings
 
         taken = self.plan.device_names + list(cluster.names)
@@ -625,4 +629,4 @@ class PlanReplanner:
                             PlanRequest(self.schedule, self.microbatches, self.optimizer, self.update_every), emit)
         graph = dataclasses.replace(self.graph, constants={**self.graph.constants, **weights})
         emit_compiled(directory, compiled, self.sign, graph)
-        return compiled.schedule
+        return load_plan_folder(directory)

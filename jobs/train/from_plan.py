@@ -11,7 +11,7 @@ from ir.bundle import PLAN_BASE, BundleError, LoadedPlan, load_plan, load_plan_f
 from ir.documents import PlanDocument
 from ir.plan import FLUSH_SCHEDULES
 from ir.serialize import merge_slices
-from jobs.common.errors import JobError
+from jobs.common.errors import FlagError, JobError
 from jobs.common.memory_check import check_memory
 from jobs.common.metrics import DeviceFigures, TrainingMetrics, steps_from
 from jobs.train.pipeline_run import describe_event, progress, run_on_workers
@@ -21,6 +21,7 @@ from jobs.common.settings import check_fault_flags
 from jobs.common.workers import LocalWorkers, coordinator_pair
 from planner.cluster import ClusterError, load_cluster
 from planner.emit import load_plan_cluster
+from planner.compile import steady_state_refusal
 from planner.replan import PlanReplanner
 from runtime.pipeline.bundles import plan_base
 from runtime.pipeline.checkpoints import check_checkpoint_target
@@ -146,10 +147,9 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     plan_dir = Path(plan_dir)
     loaded = load_plan_folder(plan_dir)  # read and verified once; its bundles' bytes are what the workers get
     plan, contents = loaded.plan, list(loaded.contents)
-    if not loaded.schedule.flushes and loaded.schedule.steady is None and settings.steps > 1:
-        raise JobError(f"{plan_dir}: {plan.schedule} over {len(contents)} devices with {plan.microbatches} micro-batches "
-                       f"has no steady state to train {settings.steps} steps with (at least devices - 1 micro-batches "
-                       f"are needed): re-plan with more --microbatches")
+    refusal = steady_state_refusal(loaded.schedule, settings.steps)
+    if refusal is not None:
+        raise FlagError(f"{plan_dir}: {refusal} (re-plan with `confidant plan`)")
     names = plan.device_names
     replanner = _plan_replanner(settings, plan_dir, plan, contents)  # None without --replan-every
     pair = _coordinator_keys(settings, loaded, reporter)
@@ -212,7 +212,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
     promised = plan  # after a re-plan, the figures of the plan the run ended on
     if replanner is not None and replanner.applied:
-        promised = load_plan(Path(replanner.applied[-1].directory))
+        promised = replanner.applied[-1].loaded.plan
     metrics = check_memory(metrics, {d.name: d.memory_bytes for d in promised.devices},
                            {d.name: d.memory_budget_bytes for d in promised.devices}, reporter)
     if base is not None:
@@ -282,7 +282,7 @@ def _plan_over(replanner, address_of):
         if plan is None:
             return None
         return SurvivorPlan([tuple(r) for r in plan.ranges], [address_of[d] for d in plan.devices],
-                            list(plan.bundles), list(plan.devices), plan.schedule, plan.directory)
+                            list(plan.bundles), list(plan.devices), plan.schedule, plan.directory, plan.loaded)
 
     return plan_over
 

@@ -19,7 +19,8 @@ from ir.bundle import load_bundle_dir, schedule_of_bundles
 from ir.graph import tied_parameters
 from ir.partition import even_ranges, ranges_at_cuts
 from ir.plan import ASYNC_SCHEDULES, Schedule
-from jobs.common.errors import JobError
+from ir.training import TRAINING
+from jobs.common.errors import FlagError, JobError
 from jobs.common.memory_check import check_memory, default_planned_bytes
 from jobs.train.pipeline_run import describe_event, progress, run_on_workers
 from jobs.train.pipeline_tasks import pipeline_task, step_feeds
@@ -28,7 +29,6 @@ from jobs.common.report import Reporter, Silent
 from jobs.common.settings import PipelineSettings, TrainingSettings
 from jobs.common.workers import LocalWorkers, coordinator_pair, parse_workers
 from planner.cost import check_tied_schedule
-from planner.replan import TimingReplanner
 from planner.schedule import make_schedule
 from runtime.keys import ClusterKeys
 from runtime.pipeline.checkpoints import check_checkpoint_target, check_tensors_fit, load_checkpoint
@@ -88,7 +88,8 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                    schedule: Schedule | None = None, transport: Transport | None = None,
                    keys: ClusterKeys | None = None, insecure: bool = False, faults: FaultPolicy = FaultPolicy(),
                    plan_over=None, on_event=None, feeds_of_step=None, base=None,
-                   per_stage: Sequence[StageChoice | None] | None = None) -> PipelineResult:
+                   per_stage: Sequence[StageChoice | None] | None = None,
+                   in_memory: "PlanInMemory | None" = None) -> PipelineResult:
     """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
     Every run is a plan (issue 34): the workers get verified bundles and run their actions, and
     nothing is scheduled at run time. With `bundles` (one plan bundle per stage, of `devices`; a
@@ -106,14 +107,14 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     from that step, and `on_replanned(step, Reconfiguration)` hears what moved.
     The first step after a setup (engines build their graphs and caches) is left out of the
     measured average whenever later steps were measured.
-    - From `graph`, `on_replan(step, measured)` returns new block ranges (stage k on
-      addresses[k]; fewer ranges than workers leaves the last workers idle) or None to carry on;
-      the new plan is emitted in memory from the weights gathered at that boundary.
-    - From bundles, `on_replan(step, measured, weights)` gets a third argument, a function that
-      gathers the current parameters by name from the workers (once, at this boundary), and
-      returns None or the new plan (planner.replan.ReplannedPlan: `devices`, `ranges`, `bundles`,
-      `schedule`, written with those weights). Its devices may be any of `devices` and
-      `spare_devices` (device name -> address of a worker that waits without a stage), in any order.
+    `on_replan(step, measured, weights)` gets a third argument, a function that gathers the current
+    parameters by name from the workers (once, at this boundary), and returns None or the new plan
+    (planner.replan.ReplannedPlan: `devices`, `ranges`, `bundles`, `schedule`, made with those
+    weights): one re-planner for both kinds of run (planner.replan.PlanReplanner). From bundles its
+    devices may be any of `devices` and `spare_devices` (device name -> address of a worker that
+    waits without a stage), in any order; from `graph`, the plan is made in memory by `in_memory`
+    (a PlanInMemory over these workers, made here when not given), whose `measured_replans()` is the
+    re-planner's on_replan, its devices named after the workers ("worker<k>").
 
     Lost devices (`faults`): the coordinator holds every stage's state from the last snapshot
     (every `faults.snapshot_every` steps); when a worker is lost mid-run the step is aborted on
@@ -137,19 +138,20 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     if checkpoint_dir is not None:  # before any step: a path no checkpoint can be written to loses the run
         check_checkpoint_target(checkpoint_dir)
     spare_devices = dict(spare_devices or {})
-    in_memory = None
     if bundles is None:  # every run is a plan: the whole graph's, cut evenly or at `cuts`, emitted in memory
         ranges = stage_ranges(len(graph.blocks), len(addresses), cuts)
         if config.schedule in ASYNC_SCHEDULES:  # refused before anything is emitted
             _check_steady(make_schedule(config.schedule, len(ranges), config.microbatches, update_every), steps)
-        in_memory = PlanInMemory(graph, config, update_every, list(addresses) + list(spare_devices.values()),
-                                 sign=None if keys is None else _signer(keys), per_stage=per_stage)
+        if in_memory is None:
+            in_memory = PlanInMemory(graph, config, update_every, list(addresses) + list(spare_devices.values()),
+                                     sign=None if keys is None else _signer(keys), per_stage=per_stage)
         first = in_memory(ranges, list(addresses), weights)
         bundles, schedule = first.bundles, first.schedule
         stage_devices, stage_graphs = first.devices, [graph] * len(ranges)
         if plan_over is None:
             plan_over = _flops_plan_over(graph, config, update_every)
     else:  # a plan folder's bundles (train PLAN), loaded and verified by the caller or here
+        in_memory = None
         contents = list(stage_graphs) if stage_graphs is not None else [load_bundle_dir(b) for b in bundles]
         ranges = [(c.first_block, c.last_block) for c in contents]
         stage_graphs = [c.graph for c in contents]
@@ -171,6 +173,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
         feeds_of_step = lambda k: step_feeds(batches, k, stage_graphs[0].batch, config.microbatches,  # noqa: E731
                                              num_labels)
     plan = SurvivorPlan(ranges, list(addresses), list(bundles), list(stage_devices), schedule)
+    del bundles  # shipped by the session, which lets them go
     return run_session(coordinator, transport, plan, config, steps, feeds_of_step, start_step=start_step,
                        on_step=on_step, faults=faults, plan_over=plan_over, on_event=on_event,
                        checkpoint_dir=checkpoint_dir, meta=meta, spare_devices=spare_devices, emit=in_memory,
@@ -190,10 +193,11 @@ class StageChoice:
 
 def _check_steady(schedule: Schedule, steps: int) -> None:
     """A ValueError when an asynchronous schedule cannot run `steps` steps from its lists (no steady state)."""
-    if not schedule.flushes and schedule.steady is None and steps > 1:
-        raise ValueError(f"{schedule.name} over {schedule.stages} stages with {schedule.microbatches} micro-batches "
-                         f"per step has no steady state to run {steps} steps with (it needs at least stages - 1 "
-                         f"micro-batches, and update_every dividing them): use more micro-batches or fewer stages")
+    from planner.compile import steady_state_refusal
+
+    refusal = steady_state_refusal(schedule, steps)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 class PlanInMemory:
@@ -202,7 +206,11 @@ class PlanInMemory:
     written) with the schedule they carry, so the workers run a verified plan exactly as from a plan
     folder. Each worker is a device named after its first position ("worker<k>", stages then spares)
     and keeps what its first stage was given (`per_stage[k]`, a StageChoice: a device's engine, head
-    split and activation choice, not a position's); workers new to the pipeline run `config`'s."""
+    split and activation choice, not a position's); workers new to the pipeline run `config`'s.
+
+    Its measured re-plans are the one re-planner's (`replanner`: planner.replan.PlanReplanner over
+    the plan in use, the workers in their order, FLOPs-priced profiles recalibrated from what each
+    stage measured), emitted here in memory."""
 
     def __init__(self, graph, config: PipelineConfig, update_every: int, workers: Sequence[str], sign=None,
                  per_stage: Sequence[StageChoice | None] | None = None):
@@ -210,6 +218,8 @@ class PlanInMemory:
         self.update_every = update_every if config.schedule in ASYNC_SCHEDULES else 1
         self.names = {a: f"worker{k}" for k, a in enumerate(dict.fromkeys(workers))}
         self.choice = {a: c for a, c in zip(workers, per_stage or ()) if c is not None}
+        self.first = None  # the first plan's document (ir.documents.PlanDocument), once emitted
+        self._replanner = None
 
     def name_of(self, address: str) -> str:
         if address not in self.names:
@@ -219,17 +229,34 @@ class PlanInMemory:
     def __call__(self, ranges: Sequence[tuple[int, int]], addresses: Sequence[str],
                  weights: Mapping[str, np.ndarray] | None = None) -> SurvivorPlan:
         """The plan of stage k running ranges[k] on addresses[k], from `weights` (default: the graph's)."""
+        from planner.replan import partition_of
+
+        devices = [self.name_of(a) for a in addresses]
+        loaded = self.emit(partition_of([tuple(r) for r in ranges], devices), None, weights)
+        if self.first is None:
+            self.first = loaded.plan
+            loaded.contents = ()  # the run's first setup parses nothing: the graph is at hand
+        elif self._replanner is not None:  # the run switched plans by itself (a loss, a device back)
+            self._replanner.follow(devices, ranges)
+        return SurvivorPlan([tuple(r) for r in ranges], list(addresses), list(loaded.files), devices, loaded.schedule,
+                            loaded=loaded)
+
+    def emit(self, partition, cluster=None, weights: Mapping[str, np.ndarray] | None = None):
+        """The plan of `partition` (devices named as `name_of` names workers) emitted in memory from
+        `weights`, as ir.bundle.LoadedPlan (verified once); `cluster` is not consulted: each worker
+        runs what it was given."""
         from ir.partition import Partition, StageAssignment
         from planner.emit import emit_in_memory
 
-        devices = [self.name_of(a) for a in addresses]
-        choices = [self.choice.get(a, StageChoice()) for a in addresses]
+        address_of = {n: a for a, n in self.names.items()}
+        devices = list(partition.devices)
+        choices = [self.choice.get(address_of.get(d), StageChoice()) for d in devices]
         graph = self.graph
         if weights:
             graph = replace(graph, constants={**graph.constants, **weights})
-        schedule = make_schedule(self.config.schedule, len(ranges), self.config.microbatches, self.update_every)
-        partition = Partition(tuple(StageAssignment(k, d, a, b) for k, (d, (a, b)) in enumerate(zip(devices, ranges))),
-                              "manual")
+        schedule = make_schedule(self.config.schedule, len(devices), self.config.microbatches, self.update_every)
+        partition = Partition(tuple(StageAssignment(k, d, st.first_block, st.last_block)
+                                    for k, (d, st) in enumerate(zip(devices, partition.stages))), "manual")
         config = {"model": graph.name, "threads": self.config.threads, "optimizer": self.config.optimizer,
                   "lr": self.config.lr, "weight_decay": self.config.weight_decay,
                   "engine": {d: c.engine or self.config.engine for d, c in zip(devices, choices)},
@@ -237,9 +264,28 @@ class PlanInMemory:
                                  for d, c in zip(devices, choices) if c.head_split},
                   "activations": {d: c.activations or self.config.activations for d, c in zip(devices, choices)
                                   if c.activations or self.config.activations}}
-        emitted = emit_in_memory(graph, partition, schedule, config, sign=self.sign, with_base=False)
-        return SurvivorPlan([tuple(r) for r in ranges], list(addresses), [emitted.bundles[d] for d in devices],
-                            devices, schedule)
+        return emit_in_memory(graph, partition, schedule, config, sign=self.sign, with_base=False).loaded()
+
+    def replanner(self, threshold: float = TRAINING.replan_threshold):
+        """The one re-planner (planner.replan.PlanReplanner) over the plan in use, made on first use
+        (after the first plan): the workers in their order (`keep_order`: they are not named devices),
+        each a device with FLOPs-only profiles (planner.replan.flops_cluster) that its measured
+        forward+backward seconds recalibrate; its new plans emitted here, in memory."""
+        from planner.replan import PlanReplanner, flops_cluster
+
+        if self._replanner is None:
+            if self.first is None:
+                raise ValueError("no plan has been emitted yet to re-plan")
+            self._replanner = PlanReplanner(None, self.first, self.graph, flops_cluster(self.graph, list(self.names.values())),
+                                            threshold, keep_order=True, emit=self.emit)
+        return self._replanner
+
+    def measured_replans(self, threshold: float = TRAINING.replan_threshold):
+        """train_pipeline's on_replan: `replanner(threshold)`'s, made once the first plan is."""
+        def on_replan(step, measured, weights):
+            return self.replanner(threshold)(step, measured, weights)
+
+        return on_replan
 
 
 def _signer(keys: ClusterKeys):
@@ -249,8 +295,8 @@ def _signer(keys: ClusterKeys):
 
 
 def _flops_plan_over(graph, config: PipelineConfig, update_every: int = 1):
-    """plan_over of a plan emitted in memory (`_Run._switch` emits the bundles): the planner's best
-    cuts over the candidates, in their order (FLOPs-priced, as TimingReplanner starts out, with the
+    """plan_over of a plan emitted in memory (`Session._switch` emits the bundles): the planner's best
+    cuts over the candidates, in their order (FLOPs-priced, as the re-planner starts out, with the
     run's update after every `update_every` backwards): planner.replan.replan_without when stages
     left, replan_with when workers came back (None unless that is predicted faster)."""
     from planner.replan import replan_with, replan_without
@@ -275,7 +321,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
                        reporter: Reporter = Silent(), task: str = "ner") -> TrainingMetrics:
     """Cut `model` into one stage per worker (at `pipeline.cuts`, else evenly) and train it with the
     pipeline's schedule on the workers at `workers`, or on `local` worker processes started here;
-    `task` is ner, seq-cls or causal-lm (jobs.pipeline_tasks). Everything that can be refused is
+    `task` is ner, seq-cls or causal-lm (jobs.train.pipeline_tasks). Everything that can be refused is
     checked before any worker starts."""
     training.check()
     pipeline.check(training.batch)
@@ -301,6 +347,11 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         check_tied_schedule(graph, ranges, pipeline.schedule)
     except ValueError as exc:
         raise JobError(str(exc)) from None
+    if pipeline.schedule in ASYNC_SCHEDULES:  # refused before any worker starts: the fix is a flag
+        try:
+            _check_steady(make_schedule(pipeline.schedule, len(ranges), M, pipeline.update_every), training.steps)
+        except ValueError as exc:
+            raise FlagError(str(exc)) from None
     tied = tied_parameters(graph, ranges)
     if tied:
         reporter.note(f"{len(tied)} weight(s) held by several stages ({', '.join(sorted(tied)[:3])}): their "
@@ -312,10 +363,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     config = PipelineConfig(schedule=pipeline.schedule, microbatches=M, engine=training.engine,
                             threads=training.threads, optimizer=training.optimizer, lr=training.lr,
                             timeout_s=pipeline.timeout_s, activations=None if per_stage else pipeline.activations)
-    replanner = None
-    if pipeline.replan_every is not None:
-        replanner = TimingReplanner(graph, ranges, pipeline.schedule, M, training.optimizer,
-                                    pipeline.replan_threshold, update_every=pipeline.update_every)
+    made: list[PlanInMemory] = []  # the run's plans in memory, whose re-planner's decisions are reported
     faults = FaultPolicy(pipeline.on_failure, pipeline.failure_timeout_s, AUTO_SNAPSHOTS, pipeline.checkpoint_every,
                          state_on="peers")
     addresses, keys = (None, None) if local else parse_workers(workers, pipeline.keys, pipeline.insecure)
@@ -323,8 +371,6 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
 
     def on_event(event):
         reporter.note(describe_event(event))
-        if replanner is not None and event["event"] == "new_plan" and event.get("cause") == "lost":
-            replanner.restart(event["ranges"])
 
     def metrics_of(result: PipelineResult, figures=None, replans=(), error: str | None = None) -> TrainingMetrics:
         stage_rss = [result.peak_rss_bytes.get(a) for a in result.addresses]
@@ -343,20 +389,28 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
         started = LocalWorkers.start(local, training.threads, coordinator=pair, insecure=pipeline.insecure,
                                      failure_timeout_s=pipeline.failure_timeout_s)
         addresses, keys = started.addresses, started.keys
-    result = run_on_workers(lambda: train_pipeline(
-        graph, None, len(run_task.labels), addresses, config, training.steps, cuts=cuts,
-        update_every=pipeline.update_every, start_step=start_step, weights=weights, optimizer_state=opt_state,
-        listen=pipeline.listen, on_step=progress(reporter, training.batch, start_step),
-        checkpoint_dir=pipeline.checkpoint, meta=meta, replan_every=pipeline.replan_every, on_replan=replanner,
-        keys=keys, insecure=pipeline.insecure, faults=faults, on_event=on_event,
-        feeds_of_step=run_task.feeds_of_step, per_stage=per_stage), metrics_of, started, reporter)
+
+    def run() -> PipelineResult:
+        in_memory = PlanInMemory(graph, config, pipeline.update_every, addresses,
+                                 sign=None if keys is None else _signer(keys), per_stage=per_stage)
+        made.append(in_memory)
+        on_replan = None if pipeline.replan_every is None else in_memory.measured_replans(pipeline.replan_threshold)
+        return train_pipeline(
+            graph, None, len(run_task.labels), addresses, config, training.steps, cuts=cuts,
+            update_every=pipeline.update_every, start_step=start_step, weights=weights, optimizer_state=opt_state,
+            listen=pipeline.listen, on_step=progress(reporter, training.batch, start_step),
+            checkpoint_dir=pipeline.checkpoint, meta=meta, replan_every=pipeline.replan_every, on_replan=on_replan,
+            keys=keys, insecure=pipeline.insecure, faults=faults, on_event=on_event,
+            feeds_of_step=run_task.feeds_of_step, in_memory=in_memory)
+
+    result = run_on_workers(run, metrics_of, started, reporter)
     stage_rss = [result.peak_rss_bytes.get(a) for a in result.addresses]
     reporter.note("per stage: " + "; ".join(f"stage {k} blocks {a}-{b} peak RSS {(rss or 0) / 2**20:.0f} MiB"
                                             for k, ((a, b), rss) in enumerate(zip(result.ranges, stage_rss))))
     replans = tuple({"step": step, "old_ranges": r.old_ranges, "new_ranges": r.new_ranges,
                      "moved_bytes": r.moved_bytes, "seconds": r.seconds} for step, r in result.replans)
-    if replanner is not None:
-        for step, decision in replanner.decisions:
+    if pipeline.replan_every is not None and made and made[0]._replanner is not None:
+        for step, decision in made[0]._replanner.decisions:
             reporter.note(f"after step {step}: {decision.reason}")
     figures = run_task.evaluate(result.weights)
     if figures is not None:

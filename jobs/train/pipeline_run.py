@@ -1,5 +1,5 @@
-"""What `confidant train PLAN` (jobs.plan_training) and `confidant train-pipeline`
-(jobs.pipeline_training) share around a plan's run on workers: one progress line per step and per
+"""What `confidant train PLAN` (jobs.train.from_plan) and `confidant train-pipeline`
+(jobs.train.pipeline) share around a plan's run on workers: one progress line per step and per
 event, and the run itself with its local worker processes finished however it ends, a lost or failed
 worker turned into RunFailed carrying the metrics of the steps done."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ def progress(reporter: Reporter, samples_per_step: int, first_step: int = 0):
 
 
 def run_on_workers(run: Callable[[], PipelineResult], metrics_of, local, reporter: Reporter) -> PipelineResult:
-    """`run()` (a train_pipeline call); `local` (jobs.workers.LocalWorkers or None) finished after it,
+    """`run()` (a train_pipeline call); `local` (jobs.common.workers.LocalWorkers or None) finished after it,
     however it ends. A lost or failed worker ends the run as RunFailed with `metrics_of(the partial
     result, error=...)`, so the steps done and the events reach --metrics-out."""
     failed = True

@@ -167,7 +167,10 @@ class Coordinator:
         self.optimizer_state = optimizer_state or {}
         if len(stage_graphs) != len(placements):
             raise ValueError(f"{len(stage_graphs)} stage graphs for {len(placements)} stages")
-        self.specs = [stage_spec(g, p.first_block, p.last_block) for g, p in zip(stage_graphs, placements)]
+        # what each stage is fed (its graph inputs): only the names are kept, not the slices, whose
+        # weights would be a model's worth held here for the run
+        self.inputs_of = [stage_spec(g, p.first_block, p.last_block).graph_inputs
+                          for g, p in zip(stage_graphs, placements)]
         # every slice keeps every block's metadata (names, parameters): enough to re-cut the model
         self._blocks = stage_graphs[0].blocks
         self._tied_updates = 0  # tied-gradient sums done since the stages were last set up
@@ -374,7 +377,9 @@ class Coordinator:
 
     def setup_bundles(self, bundle_dirs: Sequence[Path | Mapping[str, bytes]], devices: Sequence[str]) -> list[dict]:
         """Ship each stage its plan bundle, a directory or the files in memory (workers verify it
-        before use): its graph slice, weights, engine, optimizer and actions all come from it."""
+        before use): its graph slice, weights, engine, optimizer and actions all come from it.
+        Files given in memory are let go once sent (each mapping emptied): the coordinator does not
+        hold a model's worth of bundle bytes for the run (a recovery reads a plan folder again)."""
         from ir.bundle import WEIGHTS
         from runtime.pipeline.bundles import REST, bundle_to_wire, send_bundle, split_weights
 
@@ -396,6 +401,9 @@ class Coordinator:
                          for name, data in files.items()}
             send_bundle(self.transport, peer, files)
             self.setup_bytes += sum(len(data) for data in files.values())
+            del files, rest
+            if isinstance(directory, dict):  # shipped: every holder of these bytes lets them go
+                directory.clear()
             self._send_optimizer_state(p.stage, opt_state)
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
         self._tied_updates = 0
@@ -420,8 +428,8 @@ class Coordinator:
         for p in self.placements:
             self.transport.send_control(stage_peer(p.stage), {"type": "run", "step": step, "steps": steps})
         for m, feeds in enumerate(microbatch_feeds):
-            for p, spec in zip(self.placements, self.specs):
-                for name in spec.graph_inputs:
+            for p, inputs in zip(self.placements, self.inputs_of):
+                for name in inputs:
                     self.transport.send_tensor(stage_peer(p.stage), "batch", -1, m,
                                                np.asarray(feeds[name], order="C"), name=name)
         last = stage_peer(self.stages - 1)
@@ -545,15 +553,20 @@ class Coordinator:
             raise ValueError(f"a worker may run one stage only; addresses repeat: {addresses}")
 
     def _check_new_bundles(self, placements: Sequence[StagePlacement], bundles: Sequence[Path | Mapping[str, bytes]] | None,
-                           devices: Sequence[str] | None, weights: Mapping[str, np.ndarray]) -> list:
-        """The new plan's bundles, verified and parsed, after checking that they are the new stages,
+                           devices: Sequence[str] | None, weights: Mapping[str, np.ndarray],
+                           contents: Sequence | None = None) -> list:
+        """The new plan's bundles, verified and parsed (`contents`: as the plan was loaded, verified
+        once, `ir.bundle.LoadedPlan`; else parsed here), after checking that they are the new stages,
         one each, in order, and hold the weights training has reached (a bundle written from older
         weights would silently undo the steps since)."""
         from runtime.pipeline.bundles import load_bundle
 
-        contents = []
-        for p, directory, device in zip(placements, bundles, devices):
-            c = load_bundle(directory, None if isinstance(directory, (str, Path)) else f"the new plan's {device}")
+        parsed = []
+        for k, (p, directory, device) in enumerate(zip(placements, bundles, devices)):
+            if contents:
+                c = contents[k]
+            else:
+                c = load_bundle(directory, None if isinstance(directory, (str, Path)) else f"the new plan's {device}")
             if (c.stage, c.stages, c.device, c.first_block, c.last_block) != (
                     p.stage, len(placements), device, p.first_block, p.last_block):
                 raise ValueError(f"bundle {directory} is stage {c.stage} of {c.stages} on {c.device!r}, blocks "
@@ -561,19 +574,19 @@ class Coordinator:
                                  f"{len(placements)} on {device!r}, blocks {p.first_block}..{p.last_block}")
             for name in c.graph.params:
                 if name in weights and not np.array_equal(c.graph.constants[name], weights[name]):
-                    raise ValueError(f"bundle {directory} holds weights for {name!r} that differ from the ones "
+                    raise ValueError(f"bundle {c.source} holds weights for {name!r} that differ from the ones "
                                      f"training has reached; write the new plan from Coordinator.gather()'s weights")
-            contents.append(c)
-        plans = {c.plan_id for c in contents}
+            parsed.append(c)
+        plans = {c.plan_id for c in parsed}
         if len(plans) > 1:  # each bundle's signed manifest names its plan: these are of several
             raise ValueError(f"the new plan's bundles belong to {len(plans)} different plans (their signed manifests "
                              f"name {sorted(str(p)[:12] for p in plans)}): a plan's bundles are used only together")
-        return contents
+        return parsed
 
     def reconfigure(self, placements: Sequence[StagePlacement], *,
                     bundles: Sequence[Path | Mapping[str, bytes]] | None = None,
                     devices: Sequence[str] | None = None, state: TrainingState | None = None,
-                    lost: Sequence[str] = ()) -> Reconfiguration:
+                    lost: Sequence[str] = (), contents: Sequence | None = None) -> Reconfiguration:
         """Switch to new stages at a flush boundary (call between steps of a flush schedule):
         gather every stage's weights and optimizer state (or take `state`, gathered at this same
         boundary), release the name of every worker that leaves or changes position, and set up
@@ -582,7 +595,8 @@ class Coordinator:
         workers left out before); workers not in `placements` wait idle until stopped.
 
         The new stages come as the new plan's `bundles` and `devices` (one per placement, holding
-        the current weights); workers verify them as on first setup.
+        the current weights); workers verify them as on first setup. `contents`: those bundles as
+        verified and parsed when the plan was loaded (`ir.bundle.LoadedPlan`), not parsed again here.
 
         After a loss (`lost`: the lost workers' addresses, already `forget`-ten), `state` must be
         the state held off the devices; lost workers are not asked to release anything."""
@@ -598,7 +612,7 @@ class Coordinator:
             raise ValueError(f"every run is a plan: a re-plan must bring the new plan's bundle and device name for "
                              f"each of its {len(placements)} stages (bundles=, devices=)")
         state = state if state is not None else self.gather()
-        contents = self._check_new_bundles(placements, bundles, devices, state.weights)
+        contents = self._check_new_bundles(placements, bundles, devices, state.weights, contents)
         old = self.placements
         moves = _moves(self._blocks, old, placements, state)
         self._release([p for p in old if _stage_at(placements, p.address) != p.stage and p.address not in lost])
@@ -608,7 +622,8 @@ class Coordinator:
             [x for b in self._blocks[p.first_block:p.last_block + 1] for x in b.params]) for p in placements}
         self.placements = placements
         self.stages = len(placements)
-        self.specs = [stage_spec(c.graph, p.first_block, p.last_block) for c, p in zip(contents, placements)]
+        self.inputs_of = [stage_spec(c.graph, p.first_block, p.last_block).graph_inputs
+                          for c, p in zip(contents, placements)]
         self.setup_bundles(bundles, devices)
         return Reconfiguration([(p.first_block, p.last_block) for p in old],
                                [(p.first_block, p.last_block) for p in placements], moves, self.setup_bytes,

@@ -15,6 +15,7 @@ call. Every plan the session sets up is bundles: nothing here makes a schedule.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -159,6 +160,9 @@ class SurvivorPlan:
     devices: list[str] | None = None
     schedule: Schedule | None = None
     directory: Path | None = None
+    # the new plan as read and verified once (ir.bundle.LoadedPlan), whose files `bundles` are: its
+    # parsed bundles are not parsed again, and all of it is let go once shipped
+    loaded: object | None = None
 
 
 class RecoveryImpossible(RuntimeError):
@@ -457,7 +461,8 @@ class Session:
         if named:
             self.device_of.update(dict(zip(plan.addresses, plan.devices)))
         reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
-                                              state=snap.state, lost=lost)
+                                              state=snap.state, lost=lost, contents=_contents(plan))
+        _release(plan)
         self._work_s = []  # a new setup: its first step builds the engines again
         old_ranges = list(self.result.ranges)
         self.result.ranges = [tuple(r) for r in plan.ranges]
@@ -708,7 +713,7 @@ class Session:
                 s = self.snapshot.step
         self._close_step()
 
-    def flush(self, start_step: int, steps: int, schedule: Schedule, replan_every: int | None, from_bundles: bool,
+    def flush(self, start_step: int, steps: int, schedule: Schedule, replan_every: int | None,
               address_of: Mapping[str, str], on_replan, on_replanned) -> None:
         """Flush schedules: one schedule per step, a snapshot at each boundary the fault policy asks
         for, and a re-plan check every `replan_every` steps."""
@@ -761,13 +766,9 @@ class Session:
             measured = [sum(col) / len(window) for col in zip(*window)]
             window, warm_up = [], False
             fresh = self.snapshot if self.snapshot is not None and self.snapshot.step == s else None
-            if from_bundles:
-                replanned = _replan_bundles(self.coordinator, on_replan, s, measured, address_of, self.result, fresh)
-                reconf, new_schedule = replanned if replanned is not None else (None, None)
-            else:
-                replanned = _replan_ranges(self.coordinator, on_replan, s, measured, self.workers, self.result,
-                                           self.emit, fresh)
-                reconf, new_schedule = replanned if replanned is not None else (None, None)
+            replanned = _replan(self.coordinator, on_replan, s, measured, address_of, self.result, fresh,
+                                named=self.emit is None)
+            reconf, new_schedule = replanned if replanned is not None else (None, None)
             if reconf is not None:
                 window, warm_up = [], True
                 self.result.replans.append((s, reconf))
@@ -791,31 +792,26 @@ class Session:
 REPORTS_KEPT = 200
 
 
-def _replan_ranges(coordinator: Coordinator, on_replan, step: int, measured: list[float], workers: Sequence[str],
-                   result: PipelineResult, emit, fresh: Snapshot | None = None
-                   ) -> tuple[Reconfiguration, Schedule] | None:
-    """A plan in memory: new block ranges from on_replan, stage k on workers[k] (the run's workers in
-    their first order, less any lost), emitted from the weights gathered here; what moved, and the
-    new plan's schedule."""
-    new_ranges = on_replan(step, measured)
-    if new_ranges is None or [tuple(r) for r in new_ranges] == result.ranges:
-        return None
-    if not 1 <= len(new_ranges) <= len(workers):
-        raise ValueError(f"on_replan returned {len(new_ranges)} stages for {len(workers)} workers")
-    state = fresh.state if fresh is not None else coordinator.gather()
-    plan = emit([tuple(r) for r in new_ranges], list(workers[:len(new_ranges)]), state.weights)
-    reconf = coordinator.reconfigure([StagePlacement(k, a, b, addr)
-                                      for k, ((a, b), addr) in enumerate(zip(plan.ranges, plan.addresses))],
-                                     bundles=plan.bundles, devices=plan.devices, state=state)
-    result.ranges, result.addresses = list(plan.ranges), list(plan.addresses)
-    return reconf, plan.schedule
+def _contents(plan) -> tuple | None:
+    """A new plan's bundles as parsed when it was loaded (None: the coordinator parses them)."""
+    loaded = getattr(plan, "loaded", None)
+    return None if loaded is None or not loaded.contents else loaded.contents
 
 
-def _replan_bundles(coordinator: Coordinator, on_replan, step: int, measured: list[float],
-                    address_of: Mapping[str, str], result: PipelineResult, fresh: Snapshot | None = None
-                    ) -> tuple[Reconfiguration, Schedule] | None:
-    """Bundles: a new plan from on_replan, written from the weights gathered here (at most once);
-    what moved, and the new plan's schedule."""
+def _release(plan) -> None:
+    """The new plan is shipped: its bytes and parsed bundles go."""
+    loaded = getattr(plan, "loaded", None)
+    if loaded is not None:
+        loaded.release()
+
+
+def _replan(coordinator: Coordinator, on_replan, step: int, measured: list[float], address_of: Mapping[str, str],
+            result: PipelineResult, fresh: Snapshot | None = None, named: bool = True
+            ) -> tuple[Reconfiguration, Schedule] | None:
+    """A measured re-plan: the new plan from on_replan (the job's re-planner, planner.replan.PlanReplanner,
+    for a plan folder and a plan made in memory alike), made from the weights gathered here (at most
+    once) and set up; what moved, and the new plan's schedule. `named`: the plan's devices are named
+    in the result (a plan folder's; train-pipeline's workers are reported by address)."""
     gathered = [fresh.state] if fresh is not None else []
 
     def weights() -> dict[str, np.ndarray]:
@@ -834,9 +830,12 @@ def _replan_bundles(coordinator: Coordinator, on_replan, step: int, measured: li
         raise ValueError("on_replan returned a new plan without gathering the weights to write it with")
     placements = [StagePlacement(k, a, b, address_of[d])
                   for k, ((a, b), d) in enumerate(zip(plan.ranges, plan.devices))]
-    reconf = coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices, state=gathered[0])
+    reconf = coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices, state=gathered[0],
+                                     contents=_contents(plan))
+    _release(plan)
     result.ranges = [tuple(r) for r in plan.ranges]
-    result.devices = list(plan.devices)
+    if named:
+        result.devices = list(plan.devices)
     result.addresses = [address_of[d] for d in plan.devices]
     return reconf, plan.schedule
 
@@ -861,12 +860,14 @@ def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config:
                   faults, plan_over, on_event, checkpoint_dir, meta, devices, spare_devices, emit)
     try:
         coordinator.setup_bundles(plan.bundles, plan.devices)
+        _release(plan)  # shipped: the coordinator keeps no bundle bytes for the run
+        schedule, plan = plan.schedule, dataclasses.replace(plan, bundles=None, loaded=None)
         run.result.setup_bytes, run.result.base_bytes_held = coordinator.setup_bytes, coordinator.base_bytes_held
         if config.schedule in ASYNC_SCHEDULES:
-            run.stash(start_step, steps, plan.schedule)
+            run.stash(start_step, steps, schedule)
         else:
-            address_of = {**dict(zip(devices or (), plan.addresses)), **spare_devices}
-            run.flush(start_step, steps, plan.schedule, replan_every, named, address_of, on_replan, on_replanned)
+            address_of = {**dict(zip(plan.devices, plan.addresses)), **spare_devices}
+            run.flush(start_step, steps, schedule, replan_every, address_of, on_replan, on_replanned)
         if run.final is None:  # no step to run
             run.collect_final(start_step)
         result = run.result

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jobs.train.pipeline import train_pipeline
+from jobs.train.pipeline import PlanInMemory, train_pipeline
 from jobs.common.workers import LocalWorkers
 from planner.schedule import make_schedule
 from runtime.engines.mnn import MnnStageEngine
@@ -118,8 +118,11 @@ def test_a_lora_replan_moves_adapters_and_their_optimizer_state_only(lora_graph,
     assert lora_graph.blocks[a_ranges[0][1]].kind == "encoder"
     config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30)
     with InProcessWorkers(2, timeout_s=30) as workers:
+        plans = PlanInMemory(lora_graph, config, 1, workers.addresses)  # a re-plan by hand: b_ranges after step 1
         result = train_pipeline(lora_graph, batches, 9, workers.addresses, config, 3, transport=workers.coordinator,
-                                replan_every=1, on_replan=lambda step, measured: b_ranges if step == 1 else None)
+                                replan_every=1, in_memory=plans,
+                                on_replan=lambda step, measured, weights: plans(b_ranges, workers.addresses,
+                                                                                weights()) if step == 1 else None)
     (step, reconf), = result.replans
     moved = [lora_graph.blocks[m.block] for m in reconf.moves]
     assert step == 1 and moved and all(m.params == lora_graph.blocks[m.block].params for m in reconf.moves)

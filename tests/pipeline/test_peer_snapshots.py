@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, train_pipeline
+from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, PlanInMemory, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import Coordinator, PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
@@ -276,9 +276,11 @@ def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(grap
                     time.sleep(0.01)
                 workers.kill(1)
 
+        plans = PlanInMemory(graph, _config(), 1, workers.addresses)  # a re-plan by hand: `moved` after step 2
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps,
                                 transport=workers.coordinator, on_step=on_step, faults=PEERS, replan_every=2,
-                                on_replan=lambda step, measured: moved if step == 2 else None)
+                                in_memory=plans, on_replan=lambda step, measured, weights: plans(
+                                    moved, workers.addresses, weights()) if step == 2 else None)
     want_losses, want_weights = single_device_training(graph, batches, steps)
     assert result.losses == want_losses
     _same(result.weights, want_weights)

@@ -51,9 +51,13 @@ def _config(schedule: str = "1f1b-flush") -> PipelineConfig:
     return PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=30)
 
 
-def _train(graph, batches, stages: int, steps: int = STEPS, schedule: str = "1f1b-flush", **kwargs):
-    """`train_pipeline` over `stages` in-process workers: the result and the workers (joined)."""
+def _train(graph, batches, stages: int, steps: int = STEPS, schedule: str = "1f1b-flush", replans_of=None, **kwargs):
+    """`train_pipeline` over `stages` in-process workers: the result and the workers (joined).
+    `replans_of(plans)`: the run's on_replan, given its plans in memory (a PlanInMemory)."""
     with InProcessWorkers(stages, timeout_s=30) as workers:
+        if replans_of is not None:
+            plans = PlanInMemory(graph, _config(schedule), 1, workers.addresses)
+            kwargs.update(in_memory=plans, on_replan=replans_of(plans))
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(schedule), steps,
                                 transport=workers.coordinator, **kwargs)
     assert workers.codes == [0] * stages, workers.errors
@@ -170,25 +174,28 @@ def test_a_slowed_worker_triggers_a_replan_that_trains_like_the_new_plan_from_th
     slower than predicted, the plan moves blocks off it (B), and steps 2-3 run on B. That equals,
     exactly, A for two steps, checkpointed, then B from step 2 on fresh workers; and single-device
     training."""
-    names = ["w0", "w1", "w2"]
+    names = ["worker0", "worker1", "worker2"]  # the devices of a plan made in memory are its workers
     a_ranges = even_ranges(len(graph.blocks), 3)
     calls = []
 
-    def on_replan(step, measured):
-        assert len(measured) == 3 and all(x > 0 for x in measured)  # the real F+B seconds per step
-        cluster = flops_cluster(graph, names)
-        current = partition_of(a_ranges, names)
-        predicted = predicted_compute_s(graph, cluster, current, M)
-        slowed = [predicted[0], 6 * predicted[1], predicted[2]]
-        decision = replan(graph, recalibrate(graph, cluster, current, slowed, M), current, "1f1b-flush", M,
-                          "adamw", keep_order=True)
-        calls.append((step, decision))
-        return decision.new_partition.ranges if decision.new_partition else None
+    def replans_of(plans):
+        def on_replan(step, measured, weights):
+            assert len(measured) == 3 and all(x > 0 for x in measured)  # the real F+B seconds per step
+            replanner = plans.replanner()  # the one re-planner, over the plan in use
+            predicted = predicted_compute_s(graph, replanner.cluster, replanner.partition, M)
+            new = replanner(step, [predicted[0], 6 * predicted[1], predicted[2]], weights)  # worker 1: 6x slower
+            calls.append((step, replanner.decisions[-1][1], new))
+            return new
+        return on_replan
 
-    result, workers = _train(graph, batches, 3, 4, replan_every=2, on_replan=on_replan)
-    assert [step for step, _ in calls] == [2]  # not after the last step
-    decision = calls[0][1]
+    result, workers = _train(graph, batches, 3, 4, replan_every=2, replans_of=replans_of)
+    assert [step for step, _, _ in calls] == [2]  # not after the last step
+    decision, new = calls[0][1:]
     b_ranges = decision.new_partition.ranges
+    # what the workers got is a verified plan of the re-planner's decision, made in memory
+    assert new.directory is None and new.ranges == b_ranges and new.loaded.plan.device_names == names
+    assert [list(d.blocks) for d in new.loaded.plan.devices] == [list(r) for r in b_ranges]
+    assert new.loaded.released  # shipped, then let go
     assert b_ranges != a_ranges and result.ranges == b_ranges
     flops = lambda r: sum(b.flops for b in graph.blocks[r[0]:r[1] + 1])  # noqa: E731
     assert flops(b_ranges[1]) < flops(a_ranges[1])  # the slowed worker does less
@@ -221,16 +228,19 @@ def test_a_slowed_worker_triggers_a_replan_that_trains_like_the_new_plan_from_th
 def test_a_worker_leaving_at_the_end_of_the_pipeline(graph, batches):
     """Worker 2 leaves after step 1: the forced re-plan gives its blocks to the others; it is
     released, waits nameless and stops cleanly at the end; training equals single-device training."""
-    names = ["w0", "w1", "w2"]
     a_ranges = even_ranges(len(graph.blocks), 3)
+    forced = []
 
-    def on_replan(step, measured):
-        d = replan(graph, without_devices(flops_cluster(graph, names), "w2"), partition_of(a_ranges, names),
-                   "1f1b-flush", M, "adamw", keep_order=True)
-        assert d.forced
-        return d.new_partition.ranges
+    def replans_of(plans):
+        def on_replan(step, measured, weights):
+            replanner = plans.replanner()
+            new = replanner.without(step, ["worker2"], weights())
+            forced.append(replanner.decisions[-1][1].forced)
+            return new
+        return on_replan
 
-    result, workers = _train(graph, batches, 3, 3, replan_every=1, on_replan=on_replan)
+    result, workers = _train(graph, batches, 3, 3, replan_every=1, replans_of=replans_of)
+    assert forced == [True, False]
     (step, reconf), = result.replans  # the second call returns the same ranges: nothing to do
     assert step == 1 and len(reconf.new_ranges) == 2 and reconf.new_ranges[-1][1] == len(graph.blocks) - 1
     assert reconf.idle == [workers.addresses[2]]

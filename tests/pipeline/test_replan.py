@@ -14,7 +14,7 @@ from jobs.train.pipeline import LocalWorkers, PlanInMemory, step_feeds, train_pi
 from planner.onnx_import import load_model
 from planner.partition import (PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us,
                                solve_partition)
-from planner.replan import (BlockMove, TimingReplanner, best_cuts, flops_cluster, moves_between, partition_of,
+from planner.replan import (BlockMove, best_cuts, flops_cluster, moves_between, partition_of,
                             predicted_compute_s, profile_from_timings, recalibrate, replan, replan_without,
                             scale_profile, with_devices, without_devices)
 from planner.schedule import make_schedule
@@ -178,16 +178,34 @@ def test_keep_order_moves_only_the_cuts_and_is_the_best_such_plan():
     assert err.value.over_bytes > 0 and err.value.device in ("b", "c")
 
 
-def test_timing_replanner_moves_blocks_off_a_stage_measured_slow():
-    g = tiny_graph()
-    plan = TimingReplanner(g, [(0, 1), (2, 3)], SCHEDULE, MB, OPT, threshold=0.1)
-    predicted = predicted_compute_s(g, plan.cluster, plan.partition, MB)
-    assert plan(1, predicted) is None  # as predicted: nothing to gain
-    assert plan(2, [x * 1.03 for x in predicted]) is None  # uniformly slower: the same plan is still best
-    ranges = plan(3, [predicted[0], 5 * predicted[1]])  # stage 1 five times slower than predicted
-    assert ranges is not None and ranges[1][0] > 2  # it gives blocks to stage 0
-    assert plan.partition.ranges == ranges and plan.decisions[-1][0] == 3
-    assert plan(4, [0.0, 1.0]) is None  # nothing measured on a stage: no decision
+def test_the_replanner_of_a_plan_in_memory_moves_blocks_off_a_stage_measured_slow(graph):
+    """train-pipeline's re-plans are the one re-planner's (planner.replan.PlanReplanner, the workers
+    in their order, FLOPs-priced profiles recalibrated from what each stage measured), and what it
+    returns is a verified plan emitted in memory from the weights given."""
+    plans = PlanInMemory(graph, _config(), 1, ["tcp://w0:1", "tcp://w1:1"])
+    plans([(0, 1), (2, 4)], ["tcp://w0:1", "tcp://w1:1"])
+    replanner = plans.replanner(0.1)
+    predicted = predicted_compute_s(graph, replanner.cluster, replanner.partition, M)
+    trained = {name: graph.constants[name] + 1.0 for name in graph.params}  # the weights training has reached
+    gathered = []
+
+    def weights():
+        gathered.append(1)
+        return trained
+    assert replanner(1, predicted, weights) is None  # as predicted: nothing to gain
+    assert replanner(2, [x * 1.03 for x in predicted], weights) is None  # uniformly slower: still the best
+    assert gathered == []  # no weights are gathered for a plan that stays
+    new = replanner(3, [predicted[0], 5 * predicted[1]], weights)  # stage 1 five times slower than predicted
+    assert new is not None and new.ranges[1][0] > 2  # it gives blocks to stage 0
+    assert replanner.partition.ranges == new.ranges and replanner.decisions[-1][0] == 3
+    assert new.directory is None and new.devices == ["worker0", "worker1"] and gathered == [1]
+    # the plan: verified once, its bundles the new stages with the weights given, its schedule the run's
+    assert [(c.first_block, c.last_block) for c in new.loaded.contents] == new.ranges
+    for c in new.loaded.contents:
+        for name in c.graph.params:
+            np.testing.assert_array_equal(c.graph.constants[name], trained[name])
+    assert new.schedule.name == "1f1b-flush" and new.schedule.stages == 2
+    assert replanner(4, [0.0, 1.0], weights) is None  # nothing measured on a stage: no decision
 
 
 # --- the coordinator refuses what the workers cannot do --------------------------------------------
@@ -233,10 +251,14 @@ def _config() -> PipelineConfig:
     return PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=120)
 
 
-def _train(graph, batches, workers: int, steps: int, **kwargs):
-    """The result, and the workers' addresses (stage k on the k-th)."""
+def _train(graph, batches, workers: int, steps: int, replans_of=None, **kwargs):
+    """The result, and the workers' addresses (stage k on the k-th). `replans_of(plans)`: the run's
+    on_replan, given its plans in memory (a PlanInMemory)."""
     local = LocalWorkers.start(workers, threads=1)
     try:
+        if replans_of is not None:
+            plans = PlanInMemory(graph, _config(), 1, local.addresses, sign=signer(local.keys.coordinator))
+            kwargs.update(in_memory=plans, on_replan=replans_of(plans))
         return train_pipeline(graph, batches, 9, local.addresses, _config(), steps, keys=local.keys, **kwargs), local.addresses
     finally:
         assert local.wait(30.0) == [0] * workers
@@ -253,22 +275,22 @@ def test_a_slowed_worker_triggers_a_replan_that_trains_like_the_new_plan_from_th
     """Steps 0-1 on ranges A; after step 2 worker 1 is measured 6x slower than predicted, the plan
     moves blocks off it (B), and steps 2-3 run on B. That must equal, exactly, a run on A for two
     steps, checkpointed, then resumed on B; and (flush schedule) single-device training."""
-    names = ["w0", "w1", "w2"]
+    names = ["worker0", "worker1", "worker2"]  # the devices of a plan made in memory are its workers
     a_ranges = even_ranges(len(graph.blocks), 3)
     calls = []
 
-    def on_replan(step, measured):
-        assert len(measured) == 3 and all(x > 0 for x in measured)  # the real F+B seconds per step
-        cluster = flops_cluster(graph, names)
-        current = partition_of(a_ranges, names)
-        predicted = predicted_compute_s(graph, cluster, current, M)
-        slowed = [predicted[0], 6 * predicted[1], predicted[2]]  # what a worker with its threads cut reports
-        decision = replan(graph, recalibrate(graph, cluster, current, slowed, M), current, "1f1b-flush", M,
-                          "adamw", keep_order=True)
-        calls.append((step, decision))
-        return decision.new_partition.ranges if decision.new_partition else None
+    def replans_of(plans):
+        def on_replan(step, measured, weights):
+            assert len(measured) == 3 and all(x > 0 for x in measured)  # the real F+B seconds per step
+            replanner = plans.replanner()  # the one re-planner, over the plan in use
+            predicted = predicted_compute_s(graph, replanner.cluster, replanner.partition, M)
+            # what a worker with its threads cut reports
+            new = replanner(step, [predicted[0], 6 * predicted[1], predicted[2]], weights)
+            calls.append((step, replanner.decisions[-1][1]))
+            return new
+        return on_replan
 
-    result, addresses = _train(graph, batches, 3, 4, replan_every=2, on_replan=on_replan)
+    result, addresses = _train(graph, batches, 3, 4, replan_every=2, replans_of=replans_of)
     assert [step for step, _ in calls] == [2]  # not after the last step
     decision = calls[0][1]
     b_ranges = decision.new_partition.ranges
@@ -304,17 +326,19 @@ def test_a_slowed_worker_triggers_a_replan_that_trains_like_the_new_plan_from_th
 def test_a_worker_leaving_at_the_end_of_the_pipeline(graph, batches):
     """Worker 2 leaves after step 1: the forced re-plan gives its blocks to the others; it is reset,
     waits idle and exits cleanly at the end; training continues like single-device training."""
-    names = ["w0", "w1", "w2"]
     a_ranges = even_ranges(len(graph.blocks), 3)
+    forced = []
 
-    def on_replan(step, measured):
-        cluster = flops_cluster(graph, names)
-        d = replan(graph, without_devices(cluster, "w2"), partition_of(a_ranges, names), "1f1b-flush", M, "adamw",
-                   keep_order=True)
-        assert d.forced
-        return d.new_partition.ranges
+    def replans_of(plans):
+        def on_replan(step, measured, weights):
+            replanner = plans.replanner()
+            new = replanner.without(step, ["worker2"], weights())
+            forced.append(replanner.decisions[-1][1].forced)
+            return new
+        return on_replan
 
-    result, addresses = _train(graph, batches, 3, 3, replan_every=1, on_replan=on_replan)
+    result, addresses = _train(graph, batches, 3, 3, replan_every=1, replans_of=replans_of)
+    assert forced == [True, False]
     (step, reconf), = result.replans  # the second call returns the same ranges: nothing to do
     assert step == 1 and len(reconf.new_ranges) == 2 and reconf.new_ranges[-1][1] == len(graph.blocks) - 1
     assert reconf.idle == [addresses[2]]

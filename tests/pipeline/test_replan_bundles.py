@@ -273,7 +273,7 @@ def test_a_recovery_replan_of_a_stashing_plan_keeps_its_update_every(tiny_onnx, 
     assert any(c.update_s > 0 for c in costs)
     assert new.decision.predicted_new_s == pytest.approx(predicted_step_s(costs, "1f1b-stash", M, 2), rel=1e-4)
     assert new.decision.predicted_new_s < predicted_step_s(costs, "1f1b-stash", M, 1)
-    assert load_bundle_dir(new.bundles[0]).graph is not None
+    assert load_bundle_dir(new.directory / new.devices[0]).graph is not None
 
 
 # --- a re-plan compiles as plan does: engines and head splits decided again ------------------------
@@ -345,7 +345,7 @@ def test_a_device_that_takes_over_a_lost_ones_blocks_moves_to_the_engine_fastest
     new = _replanner(plan_dir).without(3, ["b"], {})
     after = load_plan(new.directory, verify_bundles=True)
     assert [(d.name, d.blocks, d.engine, d.threads) for d in after.devices] == [("a", (0, 4), "torch", 1)]
-    assert load_bundle_dir(new.bundles[0]).stage_doc.backend_spec.engine == "torch"
+    assert load_bundle_dir(new.directory / new.devices[0]).stage_doc.backend_spec.engine == "torch"
     assert new.decision.forced and new.decision.engine_moves["a"][0].startswith("mnn:cpu:")
     assert new.decision.engine_moves["a"][1].startswith("torch:cpu:t1")
     assert "engine per device for its new blocks: a: mnn:cpu:" in new.decision.reason
@@ -364,7 +364,7 @@ def test_a_spare_device_a_recovery_plan_runs_gets_its_head_split(tiny_onnx, tmp_
     (c,) = load_plan(new.directory, verify_bundles=True).devices
     assert (c.name, c.blocks, c.engine, c.activations) == ("c", (0, 4), "mnn", "recompute")
     assert c.head_split is not None and dict(c.head_split.heads) == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
-    assert load_bundle_dir(new.bundles[0]).stage_doc.head_split == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
+    assert load_bundle_dir(new.directory / new.devices[0]).stage_doc.head_split == {"mnn:cpu:t1": 2, "torch:cpu:t1": 2}
 
 
 def test_a_run_that_loses_a_device_goes_on_with_the_survivor_on_its_new_engine(tiny_onnx, tmp_path):

@@ -149,7 +149,7 @@ def test_a_copy_ships_between_the_steps_actions(tiny_checkpoint, export_dir):
     """The executor ships what is due of a snapshot copy between its actions and while it waits
     (an MNN graph holds the interpreter's lock: a sender thread could not), and the run's losses
     are single-device training's."""
-    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from jobs.train.pipeline import FaultPolicy, train_pipeline
     from planner.onnx_import import load_model
     from runtime.pipeline.coordinator import PipelineConfig
     from runtime.pipeline.executor import StageExecutor

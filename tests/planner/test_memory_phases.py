@@ -177,7 +177,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from ir.backend import parse_backend
 from ir.graph import block_signature
-from jobs.lora import adapted
+from jobs.common.lora import adapted
 from planner.lora import LoraSettings
 from planner.onnx_import import load_model
 from runtime.engines.stage import stage_spec
@@ -210,8 +210,8 @@ def test_a_stage_s_workspace_is_its_blocks_stacked_parts_and_its_own_largest_tra
     stacked parts and transient. Charged is never under the run (a plan's promise) and within 1.6x of
     it on a model this small (MiB of RSS granularity beside ~20 MiB peaks)."""
     from ir.profile import BackendProfile, BlockCost, DeviceProfile
-    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
-    from jobs.lora import adapted
+    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from jobs.common.lora import adapted
     from planner.cluster import DeviceSpec
     from planner.cost import stage_memory_terms, transient_bytes
     from planner.lora import LoraSettings

@@ -27,7 +27,7 @@ RUNTIME = 50 * MIB
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory):
-    from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
     from planner.onnx_import import load_model
 
     path = export_causal_lm(random_causal_lm("llama", num_hidden_layers=LAYERS),
@@ -39,7 +39,7 @@ def graph(tmp_path_factory):
 def lora_graph(graph):
     """The same Llama under LoRA on q, k, v, o with its frozen base held int4 (issue 31's plans): the
     tied table frozen, counted by both its readers' blocks."""
-    from jobs.lora import adapted
+    from jobs.common.lora import adapted
     from planner.lora import LoraSettings
 
     return adapted(graph, LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
