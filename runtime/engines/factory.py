@@ -15,7 +15,7 @@ import numpy as np
 
 from ir.backend import BackendSpec, parse_backend
 from ir.graph import Graph
-from ir.documents import ACTIVATION_CHOICES
+from ir.documents import activations_mode
 from runtime.engines.base import StageEngine
 from runtime.engines.single import single_engine
 from runtime.engines.split.engine import SplitStageEngine
@@ -25,7 +25,7 @@ from runtime.engines.stage import StageSpec, stage_spec
 def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapping[str, int] | None = None,
                 weights: Mapping[str, np.ndarray] | None = None, stash_weights: bool = True,
                 cache_activations: bool = True, activations: str | None = None,
-                take_weights: bool = False) -> StageEngine:
+                take_weights: bool = False, cached_blocks: int = 0) -> StageEngine:
     """The stage engine that runs `spec` on `backend` with its thread setting.
 
     `head_split` ({backend: units}) splits the attention heads of each block the lowering placed
@@ -41,7 +41,9 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
     caches, each block's forward re-run inside its own backward); None: the engine's default. `take_weights`: the caller gives up
     the parameters' arrays (the graph's, or `weights`'), and the engine keeps those it can as its
     own weights and updates them in place instead of holding a copy (a worker, whose stage graph is
-    its own).
+    its own). `cached_blocks` (with "per-block"): the stage's last that many blocks keep their per-op
+    caches instead, so their backwards skip the re-run of their forwards (a hybrid: time bought back
+    at one block's caches each).
     Raises NotImplementedError for backends the engines cannot drive yet, and ModuleNotFoundError
     naming the fix when torch is asked for and not installed."""
     backend = parse_backend(backend)
@@ -49,11 +51,11 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
         if backend.engine != "mnn":
             raise ValueError(f"a head split runs its stage on MNN; backend {backend} was asked for")
         return SplitStageEngine(spec, dict(head_split), threads=backend.thread_count, stash_weights=stash_weights)
-    if activations not in (None,) + ACTIVATION_CHOICES:
-        raise ValueError(f"activations is {activations!r}: {', '.join(map(repr, ACTIVATION_CHOICES))} or None "
-                         f"(the engine's default)")
+    activations, hybrid = activations_mode(activations)  # "per-block+K": per block, K blocks cached
+    cached_blocks = cached_blocks or hybrid
     return single_engine(backend, spec, weights=weights, stash_weights=stash_weights,
-                         cache_activations=cache_activations, activations=activations, take_weights=take_weights)
+                         cache_activations=cache_activations, activations=activations, take_weights=take_weights,
+                         cached_blocks=cached_blocks)
 
 
 def whole_model_engine(graph: Graph, engine: str = "mnn", threads: int = 1, *,
