@@ -311,9 +311,6 @@ def cmd_train_pipeline(args) -> int:
     from jobs.settings import PipelineSettings
 
     workers = [a.strip() for a in args.workers.split(",")] if args.workers else None
-    if args.activations == "per-block" and args.engine == "torch":
-        raise UsageError("--activations per-block is the MNN engine's (no per-op caches, each block recomputed in "
-                         "its own backward); with --engine torch use keep or recompute")
     keys, insecure = _security(args)
     pipeline = PipelineSettings(schedule=args.schedule, microbatches=args.microbatches,
                                 update_every=_update_every(args), cuts=_cuts(args.cuts), checkpoint=args.checkpoint,
