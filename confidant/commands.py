@@ -290,9 +290,12 @@ def _metrics_on_failure(path):
 
 
 def cmd_train_local(args) -> int:
+    import dataclasses
+
     from jobs.local_training import train_local
 
-    metrics = train_local(args.model, args.data, args.eval, _training_settings(args), TerminalReporter(),
+    settings = dataclasses.replace(_training_settings(args), activations=args.activations)
+    metrics = train_local(args.model, args.data, args.eval, settings, TerminalReporter(),
                           task=_task(args), checkpoint=getattr(args, "checkpoint", None))
     _write_metrics(metrics, args.metrics_out)
     return 0

@@ -60,13 +60,14 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
 
 def whole_model_engine(graph: Graph, engine: str = "mnn", threads: int = 1, *,
                        weights: Mapping[str, np.ndarray] | None = None, cache_activations: bool = True,
-                       take_weights: bool = False) -> StageEngine:
+                       take_weights: bool = False, activations: str | None = None) -> StageEngine:
     """The engine (`engine`: "mnn" or "torch", on the CPU with `threads` threads) that runs every block
     of `graph` as one stage. `weights`: trained parameters by name, over the graph's own constants
     (None: the graph as lowered); `cache_activations` False for an engine that only evaluates, so no
-    per-op caches stay resident (MNN); `take_weights` as `make_engine`'s. ModuleNotFoundError names the
-    fix when torch is asked for and not installed."""
+    per-op caches stay resident (MNN); `take_weights` and `activations` as `make_engine`'s.
+    ModuleNotFoundError names the fix when torch is asked for and not installed."""
     if weights is not None:
         weights = {**graph.constants, **weights}
     return make_engine(BackendSpec.cpu(engine, threads), stage_spec(graph, 0, len(graph.blocks) - 1),
-                       weights=weights, cache_activations=cache_activations, take_weights=take_weights)
+                       weights=weights, cache_activations=cache_activations, take_weights=take_weights,
+                       activations=activations)
