@@ -127,6 +127,21 @@ def _lower_node(node: Node, a: list) -> "K.Var":
     raise NotImplementedError(f"MNN engine: op {op} (node {node.name!r}) has no lowering")
 
 
+# Key prefix (in the engine's constant Vars) of an int4 weight's widened halves (`_int4_split`).
+HALVES = "\0halves:"
+
+
+def _int4_split(node: Node, graph, params) -> QuantizedTensor | None:
+    """The int4 frozen weight a MatMul multiplies by, where `mnn_kernels.int4_matmul` can take it in
+    halves (widened at half the cost of the whole weight); None otherwise."""
+    if node.op != "MatMul" or node.inputs[1] in params:
+        return None
+    q = graph.constants.get(node.inputs[1])
+    if isinstance(q, QuantizedTensor) and K.int4_splits(q, bool(node.attrs.get("trans_b"))):
+        return q
+    return None
+
+
 def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] | None = None) -> None:
     """Give the graph, in place of the frozen float32 weight `name`, a read-only view of the constant
     Var just built from it: MNN's const copies, so without this the stage holds every frozen weight
@@ -198,6 +213,17 @@ class _BlockProgram:
         cached = []  # the intermediates whose results the backward reuses, in creation order
         for n in nodes:
             if n.op == "Gather":
+                continue
+            split = _int4_split(n, graph, params)
+            if split is not None and n.inputs[0] in env:
+                # an int4 frozen weight's product by its two widened halves (`mnn_kernels.int4_matmul`),
+                # the halves built once for all the engine's graph sets, their constants held once
+                key = HALVES + n.inputs[1]
+                if key not in constants:
+                    constants[key], parts = K.int4_halves_parts(split)
+                    _hold_once(graph.constants, n.inputs[1], None, parts)
+                env[n.outputs[0]] = K.int4_matmul(env[n.inputs[0]], constants[key], split, bool(n.attrs.get("trans_b")))
+                cached.append(env[n.outputs[0]])
                 continue
             args = []
             for i in n.inputs:
