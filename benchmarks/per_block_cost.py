@@ -9,8 +9,8 @@ What it measures
       * ``per-block``: no per-op caches, each block's input held, its forward re-run in its backward;
       * ``per-block+K``: the hybrid, the stage's last K blocks keeping their per-op caches
         (`make_engine(..., activations="per-block", cached_blocks=K)`);
-      * ``--base-dtype int4|int8``: the same with the frozen base held quantized (widened inside the
-        graphs at every forward, re-run and backward).
+      * ``--base-dtype int4|int8`` (or a mode's ``@int4`` suffix, ``recompute@int4``): the same with
+        the frozen base held quantized (widened inside the graphs at every forward, re-run and backward).
     Each mode runs in a child process of its own (its peak is its own), one warm-up step and then
     `--steps` timed ones; the modes are interleaved (A B C A B C ...) for `--passes` passes, and each
     mode's best pass is reported: ``step s`` wall seconds, ``cpu s`` the process's CPU seconds (one
@@ -18,7 +18,7 @@ What it measures
     steps above what the process held after setup (VmHWM reset after setup), ``peak MiB`` the whole
     process's. The ratio column is each mode's CPU seconds over ``recompute``'s.
 
-    python benchmarks/per_block_cost.py [--steps 2] [--passes 2] [--modes recompute,per-block,per-block+6]
+    python benchmarks/per_block_cost.py [--steps 2] [--passes 2] [--modes recompute,per-block,per-block+6,recompute@int4]
                                         [--base-dtype int4]
     python benchmarks/per_block_cost.py --child per-block+6 --steps 2      (one mode's child alone: JSON)
 """
@@ -39,10 +39,12 @@ LR, RANK = 1e-4, 8
 DEFAULT_MODES = "recompute,per-block,per-block+4,per-block+6,per-block+10"
 
 
-def parse_mode(mode: str) -> tuple[str, int]:
-    """("recompute"|"keep"|"per-block", cached blocks) of a mode's name ("per-block+6": 6 cached)."""
+def parse_mode(mode: str) -> tuple[str, int, str | None]:
+    """("recompute"|"keep"|"per-block", cached blocks, base dtype or None) of a mode's name
+    ("per-block+6": 6 cached; "recompute@int4": the base held int4, whatever --base-dtype says)."""
+    mode, _, dtype = mode.partition("@")
     name, _, cached = mode.partition("+")
-    return name, int(cached or 0)
+    return name, int(cached or 0), dtype or None
 
 
 def child(mode: str, steps: int, base_dtype: str) -> dict:
@@ -58,11 +60,11 @@ def child(mode: str, steps: int, base_dtype: str) -> dict:
     from runtime.engines.stage import stage_spec
     from runtime.optim import make_optimizer
 
+    activations, cached, dtype = parse_mode(mode)
     model = smollm2_model()
     feeds = _lm_feeds(model)
-    settings = dataclasses.replace(_lm_lora(RANK), base_dtype=base_dtype)
+    settings = dataclasses.replace(_lm_lora(RANK), base_dtype=dtype or base_dtype)
     graph = adapted(load_model(model, LM_BATCH // M, LM_SEQ, loss="causal-lm"), settings)
-    activations, cached = parse_mode(mode)
     engine = make_engine("mnn:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations,
                          cached_blocks=cached)
     opt = make_optimizer("adamw", LR)
