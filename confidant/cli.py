@@ -388,8 +388,8 @@ def _add_train_pipeline(sub) -> None:
                    help="what every stage does with the activations of its micro-batches in flight: keep them until "
                         "their backwards (faster; memory of one micro-batch per micro-batch in flight; MNN builds a "
                         "set of block graphs per micro-batch in flight), recompute them there from the stashed "
-                        "inputs (memory of one), or per-block (MNN only: only each block's input held, each block's "
-                        "forward re-run inside its own backward; the least memory, about one more forward of time). "
+                        "inputs (memory of one), or per-block (only each block's input held, each block's forward re-run "
+                        "inside its own backward; the least memory, about one more forward of time). "
                         "Default: each engine's own (torch keeps, MNN recomputes); `plan` chooses per device")
     p.add_argument("--checkpoint", type=Path, default=None, help="write weights and optimizer state here at the end")
     p.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint folder")

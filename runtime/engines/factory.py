@@ -37,11 +37,12 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
     (PyTorch's autograd does by default; MNN builds a set of block graphs per micro-batch in flight,
     each keeping its per-op caches) or "recompute" them there from the stashed inputs (MNN's default:
     one graph set, whose caches serve only the micro-batch whose backward follows its forward;
-    PyTorch runs the forward again), or "per-block" (MNN only: each block's input held, no per-op
-    caches, each block's forward re-run inside its own backward); None: the engine's default. `take_weights`: the caller gives up
+    PyTorch runs the forward again), or "per-block" (each block's input held, each block's forward
+    re-run inside its own backward: MNN keeps no per-op caches, PyTorch checkpoints each block), or
+    "per-block+K" (MNN: the same with `cached_blocks` K); None: the engine's default. `take_weights`: the caller gives up
     the parameters' arrays (the graph's, or `weights`'), and the engine keeps those it can as its
     own weights and updates them in place instead of holding a copy (a worker, whose stage graph is
-    its own). `cached_blocks` (with "per-block"): the stage's last that many blocks keep their per-op
+    its own). `cached_blocks` (with "per-block", MNN): the stage's last that many layers keep their per-op
     caches instead, so their backwards skip the re-run of their forwards (a hybrid: time bought back
     at one block's caches each).
     Raises NotImplementedError for backends the engines cannot drive yet, and ModuleNotFoundError
