@@ -134,3 +134,25 @@ def test_the_planner_fills_a_per_block_devices_spare_budget_with_cached_blocks(g
     cluster = Cluster((DeviceSpec("a", "tcp://x:1", _profile(graph), 1 << 32, activations="per-block"),), Link(1e6, 0.001))
     partition = manual_partition(make_instance(graph, cluster, "gpipe", 4, "adamw"), ["a"], [])
     assert hybrid_activations(graph, cluster, partition, "gpipe", 4, "adamw").devices[0].activations == "per-block"
+
+
+def test_a_pipeline_of_hybrid_stages_trains_as_one_device(graph):
+    """1F1B-flush on two MNN stages told `per-block+1` (as a plan's stage documents carry it to the
+    workers): each keeps one layer's caches, and the losses are single-device training's."""
+    from jobs.pipeline_training import FaultPolicy, train_pipeline
+    from runtime.pipeline.coordinator import PipelineConfig
+    from runtime.pipeline.inprocess import InProcessWorkers
+    from support import single_device_training, synthetic_batch
+
+    M, steps = 4, 2
+    batches = [synthetic_batch(i, M) for i in range(steps)]
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60,
+                            activations="per-block+1")
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, steps, cuts=[2],
+                                transport=workers.coordinator, faults=FaultPolicy(on_failure="stop"))
+        engines = [w.executor.engine for w in workers.workers]
+    assert workers.codes == [0, 0], workers.errors
+    assert [(e.per_block, e.cached_blocks, sum(p.keeps_caches for p in e._blocks)) for e in engines] == [(True, 1, 1)] * 2
+    losses, _ = single_device_training(graph, batches, steps, M)
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
