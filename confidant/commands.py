@@ -290,9 +290,12 @@ def _metrics_on_failure(path):
 
 
 def cmd_train_local(args) -> int:
+    import dataclasses
+
     from jobs.train.local import train_local
 
-    metrics = train_local(args.model, args.data, args.eval, _training_settings(args), TerminalReporter(),
+    settings = dataclasses.replace(_training_settings(args), activations=args.activations)
+    metrics = train_local(args.model, args.data, args.eval, settings, TerminalReporter(),
                           task=_task(args), checkpoint=getattr(args, "checkpoint", None))
     _write_metrics(metrics, args.metrics_out)
     return 0
@@ -311,9 +314,6 @@ def cmd_train_pipeline(args) -> int:
     from jobs.common.settings import PipelineSettings
 
     workers = [a.strip() for a in args.workers.split(",")] if args.workers else None
-    if args.activations == "per-block" and args.engine == "torch":
-        raise UsageError("--activations per-block is the MNN engine's (no per-op caches, each block recomputed in "
-                         "its own backward); with --engine torch use keep or recompute")
     keys, insecure = _security(args)
     pipeline = PipelineSettings(schedule=args.schedule, microbatches=args.microbatches,
                                 update_every=_update_every(args), cuts=_cuts(args.cuts), checkpoint=args.checkpoint,

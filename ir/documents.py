@@ -113,10 +113,34 @@ STAGE_FIELDS = (
 # set of block graphs per micro-batch in flight), "recompute" (only the inputs held, the forward run
 # again in the backward; MNN keeps one micro-batch's per-op caches for a backward that follows its
 # forward) or "per-block" (MNN: only each block's input held, each block's forward re-run inside its
-# own backward, no per-op caches: the leanest), chosen by the planner; null or absent: the engine's
+# own backward, no per-op caches: the leanest) or "per-block+K" (MNN's hybrid: per block, but the
+# stage's last K blocks keep their per-op caches), chosen by the planner; null or absent: the engine's
 # default (PyTorch keeps, MNN recomputes).
 STAGE_OPTIONAL_FIELDS = ("head_split", "activations", "steady")
 ACTIVATION_CHOICES = ("keep", "recompute", "per-block")
+HYBRID = "per-block+"  # "per-block+K": per block, the stage's last K blocks keeping their per-op caches
+
+
+def activations_mode(value: str | None) -> tuple[str | None, int]:
+    """(mode, cached blocks) of an activations choice: "per-block+6" is ("per-block", 6), any other
+    choice (or None) itself with 0. ValueError for a value that is none of them."""
+    if isinstance(value, str) and value.startswith(HYBRID):
+        count = value[len(HYBRID):]
+        if count.isdigit() and int(count) > 0 and str(int(count)) == count:
+            return "per-block", int(count)
+    elif value is None or value in ACTIVATION_CHOICES:
+        return value, 0
+    raise ValueError(f"activations is {value!r}: {', '.join(map(repr, ACTIVATION_CHOICES))}, "
+                     f"'{HYBRID}K' (K > 0 blocks keeping their caches) or None")
+
+
+def valid_activations(value) -> bool:
+    """Whether `value` is an activations choice (`activations_mode`)."""
+    try:
+        activations_mode(value)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -206,8 +230,9 @@ class StageDocument:
             problem = SteadyStage.problem(doc["steady"])
             if problem:
                 return f"steady {problem}"
-        if doc.get("activations") not in (None,) + ACTIVATION_CHOICES:
-            return f"activations is {doc['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)} (or null)"
+        if not valid_activations(doc.get("activations")):
+            return (f"activations is {doc['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)}, "
+                    f"{HYBRID}K (or null)")
         try:
             BackendSpec(doc["engine"], doc["backend"], threads=doc["threads"] if doc["backend"] == "cpu" else None)
         except ValueError as exc:
@@ -595,8 +620,9 @@ def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
         if d.get(key) is not None and not (_is_int(d[key]) and d[key] >= 0):
             raise fail(f"device {name!r} {key} is {d[key]!r}, not an integer >= 0")
         sizes[key] = d.get(key)
-    if d.get("activations") not in (None,) + ACTIVATION_CHOICES:
-        raise fail(f"device {name!r} activations is {d['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)}")
+    if not valid_activations(d.get("activations")):
+        raise fail(f"device {name!r} activations is {d['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)} "
+                   f"or {HYBRID}K")
     terms = d.get("memory_terms")
     if terms is not None and not (isinstance(terms, dict) and all(isinstance(k, str) and _is_int(v)
                                                                    for k, v in terms.items())):

@@ -84,6 +84,7 @@ from functools import lru_cache
 from typing import Mapping, Sequence
 
 from ir.backend import engine_of
+from ir.documents import HYBRID, activations_mode
 from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import WEIGHT_GRAD_SHARE, Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
@@ -257,6 +258,63 @@ def activations_of(device: DeviceSpec) -> str | None:
     return device.activations or DEFAULT_ACTIVATIONS[engine]
 
 
+def activation_mode(device: DeviceSpec) -> tuple[str | None, int]:
+    """(mode, cached blocks) of the device's activations (`activations_of`): "per-block+6" (MNN's
+    hybrid, `hybrid_activations`) is ("per-block", 6); any other choice itself with 0."""
+    return activations_mode(activations_of(device))
+
+
+def cached_block_indices(graph: Graph, first: int, last: int, count: int) -> list[int]:
+    """The blocks of first..last whose per-op caches a per-block stage with `count` cached blocks
+    keeps (`runtime.engines.mnn.cached_programs`): the last `count` that read an activation, never the
+    embedding (block 0), nor the loss or an LM head fused with it (the pair's charge is its own)."""
+    n = len(graph.blocks)
+    fused = fused_loss_hidden_bytes(graph) is not None
+    skip = {0}
+    if fused:
+        skip.add(n - 1)
+        if last == n - 1:
+            skip.add(n - 2)
+    candidates = [i for i in range(first, last + 1) if i not in skip]
+    return candidates[max(0, len(candidates) - count):] if count > 0 else []
+
+
+def cache_bytes_per_block(graph: Graph, device: DeviceSpec) -> list[int]:
+    """Per block, what keeping its per-op caches adds to a per-block stage: its measured stacked
+    workspace with caches less that recomputing per block (`BlockCost.stacked`, `per_block_stacked`)."""
+    backend = device_backend(device)
+    return [max(0, c.stacked - c.per_block_stacked) if (c := backend.blocks.get(block_signature(b))) else 0
+            for b in check_blocks(graph)]
+
+
+def hybrid_cache_bytes(graph: Graph, device: DeviceSpec, first: int, last: int) -> int:
+    """The caches a hybrid per-block device keeps over blocks first..last (0 for any other choice)."""
+    mode, count = activation_mode(device)
+    if mode != "per-block" or not count:
+        return 0
+    per_block = cache_bytes_per_block(graph, device)
+    return sum(per_block[i] for i in cached_block_indices(graph, first, last, count))
+
+
+def hybrid_count(graph: Graph, device: DeviceSpec, first: int, last: int, room: int) -> int:
+    """How many blocks of first..last a per-block device can keep the caches of in `room` bytes (the
+    last ones first, as the engine does): the most whose caches fit."""
+    per_block = cache_bytes_per_block(graph, device)
+    candidates = cached_block_indices(graph, first, last, last - first + 1)
+    count, used = 0, 0
+    for i in reversed(candidates):
+        if used + per_block[i] > room:
+            break
+        used += per_block[i]
+        count += 1
+    return count
+
+
+def with_cached_blocks(device: DeviceSpec, count: int) -> DeviceSpec:
+    """The device recomputing per block with its stage's last `count` blocks cached (0: plain per-block)."""
+    return replace(device, activations=f"{HYBRID}{count}" if count > 0 else "per-block")
+
+
 def offers_activations(device: DeviceSpec, activations: str) -> bool:
     """Whether the device's engine can do `activations` (`ENGINE_ACTIVATIONS`)."""
     return activations in ENGINE_ACTIVATIONS.get(device_engine(device), ())
@@ -294,7 +352,7 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     block holds its `per_block_stacked` part and the rest is the one-block transient), and never
     skips the re-run (`reuses_forward` does not apply: no caches outlive a block's backward)."""
     backend = device_backend(device)
-    engine, policy = device_engine(device), activations_of(device)
+    engine, policy = device_engine(device), activation_mode(device)[0]
     again = engine == "torch" and policy == "recompute"
     kept = engine == "mnn" and policy == "keep"
     per_block = engine == "mnn" and policy == "per-block"
@@ -723,9 +781,12 @@ def compute_s(graph: Graph, device: DeviceSpec, first: int, last: int, reuse: bo
     `reuse` (see `reuses_forward`) the backward skips MNN's re-run of the forward."""
     _check_range(graph, first, last)
     costs = block_costs(graph, device)[first:last + 1]
-    reuse = reuse and activations_of(device) != "per-block"
+    mode, count = activation_mode(device)
+    # recomputing per block, only a hybrid's cached blocks skip the re-run
+    cached = set(range(first, last + 1)) if mode != "per-block" else set(cached_block_indices(graph, first, last, count))
     return (sum(c.forward_s for c in costs),
-            sum(c.backward_s - (min(c.recompute_s, c.backward_s) if reuse else 0.0) for c in costs))
+            sum(c.backward_s - (min(c.recompute_s, c.backward_s) if reuse and i in cached else 0.0)
+                for i, c in enumerate(costs, start=first)))
 
 
 def accumulated_share(schedule: str, microbatches: int, update_every: int = 1) -> float:
@@ -898,7 +959,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         kept_activation_bytes=kept,
         # the fused pair's peak, all stacked on the head's block (`block_costs`)
         head_loss_bytes=costs[n - 2 - first].stacked if fused and first <= n - 2 <= last else 0,
-        workspace_bytes=stacked + transient_bytes(graph, device, first, last),
+        workspace_bytes=stacked + transient_bytes(graph, device, first, last) + hybrid_cache_bytes(graph, device, first, last),
         runtime_bytes=runtime_bytes(device),
         engine_bytes=engine_bytes(graph, first, last, device))
 

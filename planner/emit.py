@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 from ir.bundle import (MANIFEST, BundleContents, LoadedPlan, schedule_of_bundles, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, build_bundle_files,
                        check_device_name, load_bundle_dir, load_plan, plan_identity, sha256_hex, verify_bundle_files,
                        write_bundle_files)
-from ir.documents import (ACTIVATION_CHOICES, DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit, PlannedLora,
+from ir.documents import (ACTIVATION_CHOICES, valid_activations, DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit, PlannedLora,
                           StageDocument, SteadyStage)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
@@ -100,7 +100,7 @@ def _settings(config: Mapping[str, Any], devices: Sequence[str], graph: Graph) -
     if stray:
         raise ValueError(f"emit_plan: config['activations'] names {stray}, which are not devices of this plan "
                          f"({list(devices)})")
-    bad = {d: a for d, a in activations.items() if a not in ACTIVATION_CHOICES}
+    bad = {d: a for d, a in activations.items() if a is None or not valid_activations(a)}
     if bad:
         raise ValueError(f"emit_plan: config['activations'] is {bad}; each is one of {', '.join(ACTIVATION_CHOICES)}")
     return {"activations": activations, "model": cfg["model"] if cfg["model"] is not None else graph.name, "engines": engines,

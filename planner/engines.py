@@ -42,8 +42,9 @@ from typing import Callable
 from ir.graph import Graph
 from ir.partition import Partition
 from planner.cluster import Cluster, DeviceSpec, device_backend
-from planner.cost import (ACTIVATIONS, activations_of, compute_s, leanest_activations, offers_activations,
-                          reuses_forward, stage_memory_bytes)
+from planner.cost import (ACTIVATIONS, activation_mode, activations_of, compute_s, device_engine, hybrid_count,
+                          leanest_activations, offers_activations, reuses_forward, stage_memory_bytes,
+                          with_cached_blocks)
 from planner.partition import (PartitionInstance, PlanDoesNotFit, check_feasible, make_instance, manual_partition,
                                predicted_step_us)
 
@@ -261,5 +262,29 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
             break
         cluster, partition = trial, chosen
         best_us, best_memory, best_work = us, _memory(chosen), _work_us(chosen)
+    cluster = hybrid_activations(graph, cluster, partition, schedule, microbatches, optimizer, update_every)
     changed = {d.name: (start[d.name], _choice(d)) for d in cluster.devices if _choice(d) != start[d.name]}
     return EnginePicks(cluster, partition, changed, before_us, best_us)
+
+
+def hybrid_activations(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
+                       optimizer: str, update_every: int = 1) -> Cluster:
+    """`cluster` with every MNN device that recomputes per block, and whose every backward follows
+    its own forward (`reuses_forward`: one device, the last stage of 1F1B), keeping the per-op caches
+    of as many of its stage's last blocks as its budget has room for beside what the stage holds
+    recomputing per block ("per-block+K", `planner.cost.hybrid_count`): each such block skips its
+    forward's re-run in its backward (a SmolLM2 layer: ~47 ms of a ~5.5 s step of 4 x 1 x 128, for
+    ~10 MiB of caches). Where no backward follows its forward the caches would go stale unused, so
+    such a stage stays plain per-block. Pure."""
+    stages = len(partition.stages)
+    devices = {d.name: d for d in cluster.devices}
+    for s, (name, (lo, hi)) in enumerate(zip(partition.devices, partition.ranges)):
+        device = with_cached_blocks(devices[name], 0) if activation_mode(devices[name])[0] == "per-block" \
+            else devices[name]
+        if (activation_mode(device)[0] != "per-block" or device_engine(device) != "mnn"
+                or not reuses_forward(schedule, stages, s, microbatches)):
+            continue
+        held = stage_memory_bytes(graph, device, lo, hi, s, stages, schedule, microbatches, optimizer, update_every)
+        count = hybrid_count(graph, device, lo, hi, device.memory_budget_bytes - held)
+        devices[name] = with_cached_blocks(device, count)
+    return dataclasses.replace(cluster, devices=tuple(devices[d.name] for d in cluster.devices))

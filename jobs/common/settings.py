@@ -27,6 +27,9 @@ class TrainingSettings:
     tokenizer: Path | None = None
     lora: LoraSettings | None = None  # None: full fine-tuning
     eval_limit: int | None = None  # causal LMs: generate for the first N evaluation conversations only
+    # train-local: "keep", "recompute" or "per-block" (runtime.engines.factory.make_engine); None: the
+    # engine's default (torch keeps, MNN recomputes)
+    activations: str | None = None
 
     def check(self) -> "TrainingSettings":
         for flag, value in (("--steps", self.steps), ("--batch", self.batch), ("--threads", self.threads)):

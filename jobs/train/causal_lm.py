@@ -150,7 +150,8 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     try:
         # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
         # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
-        engine = whole_model_engine(graph, settings.engine, config.threads, take_weights=settings.lora is None)
+        engine = whole_model_engine(graph, settings.engine, config.threads, take_weights=settings.lora is None,
+                                    activations=settings.activations)
     except ModuleNotFoundError:
         raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
     batches = CAUSAL_LM.batches(run, config.batch, config.seed)

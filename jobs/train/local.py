@@ -49,7 +49,8 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     try:
         # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
         # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
-        engine = whole_model_engine(graph, settings.engine, config.threads, take_weights=settings.lora is None)
+        engine = whole_model_engine(graph, settings.engine, config.threads, take_weights=settings.lora is None,
+                                    activations=settings.activations)
     except ModuleNotFoundError:
         raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
     reporter.note(f"model {Path(model).name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB "

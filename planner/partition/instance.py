@@ -35,7 +35,7 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes, update_rate
-from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activations_of,
+from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activation_mode, activations_of,
                           async_extra_copies, block_costs, block_transients,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           base_dtype_savings, engine_bytes, frozen_storage_extra_bytes,
@@ -305,7 +305,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         microbatches=microbatches, schedule=schedule, optimizer=optimizer,
         # the re-run is part of the backward: a noisy profile may time it above the backward itself;
         # a device recomputing per block re-runs it in every backward (no forward reuse)
-        recompute_us=tuple(tuple(0 if activations_of(spec) == "per-block" else round(min(c.recompute_s, c.backward_s)
+        recompute_us=tuple(tuple(0 if activation_mode(spec)[0] == "per-block" else round(min(c.recompute_s, c.backward_s)
                                                                                       * US_PER_S) for c in row)
                            for row, spec in zip(costs, specs)),
         update_us=tuple(tuple(round(b.params_bytes * update_rate(s, optimizer) * per_update * US_PER_S)

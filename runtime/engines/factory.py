@@ -15,7 +15,7 @@ import numpy as np
 
 from ir.backend import BackendSpec, parse_backend
 from ir.graph import Graph
-from ir.documents import ACTIVATION_CHOICES
+from ir.documents import activations_mode
 from runtime.engines.base import StageEngine
 from runtime.engines.single import single_engine
 from runtime.engines.split.engine import SplitStageEngine
@@ -25,7 +25,7 @@ from runtime.engines.stage import StageSpec, stage_spec
 def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapping[str, int] | None = None,
                 weights: Mapping[str, np.ndarray] | None = None, stash_weights: bool = True,
                 cache_activations: bool = True, activations: str | None = None,
-                take_weights: bool = False) -> StageEngine:
+                take_weights: bool = False, cached_blocks: int = 0) -> StageEngine:
     """The stage engine that runs `spec` on `backend` with its thread setting.
 
     `head_split` ({backend: units}) splits the attention heads of each block the lowering placed
@@ -37,11 +37,14 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
     (PyTorch's autograd does by default; MNN builds a set of block graphs per micro-batch in flight,
     each keeping its per-op caches) or "recompute" them there from the stashed inputs (MNN's default:
     one graph set, whose caches serve only the micro-batch whose backward follows its forward;
-    PyTorch runs the forward again), or "per-block" (MNN only: each block's input held, no per-op
-    caches, each block's forward re-run inside its own backward); None: the engine's default. `take_weights`: the caller gives up
+    PyTorch runs the forward again), or "per-block" (each block's input held, each block's forward
+    re-run inside its own backward: MNN keeps no per-op caches, PyTorch checkpoints each block), or
+    "per-block+K" (MNN: the same with `cached_blocks` K); None: the engine's default. `take_weights`: the caller gives up
     the parameters' arrays (the graph's, or `weights`'), and the engine keeps those it can as its
     own weights and updates them in place instead of holding a copy (a worker, whose stage graph is
-    its own).
+    its own). `cached_blocks` (with "per-block", MNN): the stage's last that many layers keep their per-op
+    caches instead, so their backwards skip the re-run of their forwards (a hybrid: time bought back
+    at one block's caches each).
     Raises NotImplementedError for backends the engines cannot drive yet, and ModuleNotFoundError
     naming the fix when torch is asked for and not installed."""
     backend = parse_backend(backend)
@@ -49,22 +52,23 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
         if backend.engine != "mnn":
             raise ValueError(f"a head split runs its stage on MNN; backend {backend} was asked for")
         return SplitStageEngine(spec, dict(head_split), threads=backend.thread_count, stash_weights=stash_weights)
-    if activations not in (None,) + ACTIVATION_CHOICES:
-        raise ValueError(f"activations is {activations!r}: {', '.join(map(repr, ACTIVATION_CHOICES))} or None "
-                         f"(the engine's default)")
+    activations, hybrid = activations_mode(activations)  # "per-block+K": per block, K blocks cached
+    cached_blocks = cached_blocks or hybrid
     return single_engine(backend, spec, weights=weights, stash_weights=stash_weights,
-                         cache_activations=cache_activations, activations=activations, take_weights=take_weights)
+                         cache_activations=cache_activations, activations=activations, take_weights=take_weights,
+                         cached_blocks=cached_blocks)
 
 
 def whole_model_engine(graph: Graph, engine: str = "mnn", threads: int = 1, *,
                        weights: Mapping[str, np.ndarray] | None = None, cache_activations: bool = True,
-                       take_weights: bool = False) -> StageEngine:
+                       take_weights: bool = False, activations: str | None = None) -> StageEngine:
     """The engine (`engine`: "mnn" or "torch", on the CPU with `threads` threads) that runs every block
     of `graph` as one stage. `weights`: trained parameters by name, over the graph's own constants
     (None: the graph as lowered); `cache_activations` False for an engine that only evaluates, so no
-    per-op caches stay resident (MNN); `take_weights` as `make_engine`'s. ModuleNotFoundError names the
-    fix when torch is asked for and not installed."""
+    per-op caches stay resident (MNN); `take_weights` and `activations` as `make_engine`'s.
+    ModuleNotFoundError names the fix when torch is asked for and not installed."""
     if weights is not None:
         weights = {**graph.constants, **weights}
     return make_engine(BackendSpec.cpu(engine, threads), stage_spec(graph, 0, len(graph.blocks) - 1),
-                       weights=weights, cache_activations=cache_activations, take_weights=take_weights)
+                       weights=weights, cache_activations=cache_activations, take_weights=take_weights,
+                       activations=activations)

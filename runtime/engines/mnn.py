@@ -127,6 +127,21 @@ def _lower_node(node: Node, a: list) -> "K.Var":
     raise NotImplementedError(f"MNN engine: op {op} (node {node.name!r}) has no lowering")
 
 
+# Key prefix (in the engine's constant Vars) of an int4 weight's widened halves (`_int4_split`).
+HALVES = "\0halves:"
+
+
+def _int4_split(node: Node, graph, params) -> QuantizedTensor | None:
+    """The int4 frozen weight a MatMul multiplies by, where `mnn_kernels.int4_matmul` can take it in
+    halves (widened at half the cost of the whole weight); None otherwise."""
+    if node.op != "MatMul" or node.inputs[1] in params:
+        return None
+    q = graph.constants.get(node.inputs[1])
+    if isinstance(q, QuantizedTensor) and K.int4_splits(q, bool(node.attrs.get("trans_b"))):
+        return q
+    return None
+
+
 def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] | None = None) -> None:
     """Give the graph, in place of the frozen float32 weight `name`, a read-only view of the constant
     Var just built from it: MNN's const copies, so without this the stage holds every frozen weight
@@ -199,6 +214,17 @@ class _BlockProgram:
         for n in nodes:
             if n.op == "Gather":
                 continue
+            split = _int4_split(n, graph, params)
+            if split is not None and n.inputs[0] in env:
+                # an int4 frozen weight's product by its two widened halves (`mnn_kernels.int4_matmul`),
+                # the halves built once for all the engine's graph sets, their constants held once
+                key = HALVES + n.inputs[1]
+                if key not in constants:
+                    constants[key], parts = K.int4_halves_parts(split)
+                    _hold_once(graph.constants, n.inputs[1], None, parts)
+                env[n.outputs[0]] = K.int4_matmul(env[n.inputs[0]], constants[key], split, bool(n.attrs.get("trans_b")))
+                cached.append(env[n.outputs[0]])
+                continue
             args = []
             for i in n.inputs:
                 if i not in env:
@@ -246,6 +272,8 @@ class _BlockProgram:
         self._intermediates = cached
         self.fed_serial: int | None = None
         self._caching = False
+
+    keeps_caches = False  # a per-block stage's block that keeps its per-op caches (`cached_programs`)
 
     def enable_op_caches(self) -> None:
         """Read every intermediate once, in creation order, so each op keeps its own result.
@@ -403,6 +431,8 @@ class _LossProgram:
         self._host: Mapping[str, np.ndarray] = {}
         self._saved: tuple[int | None, lm_loss.LinearCrossEntropyResult] | None = None
 
+    keeps_caches = False
+
     def enable_op_caches(self) -> None:
         pass
 
@@ -447,17 +477,30 @@ class _LossProgram:
         return grads, dx
 
 
+def cached_programs(programs: list, count: int, head_index: int | None = None) -> list:
+    """The block programs of a per-block stage that keep their per-op caches: the last `count` MNN
+    graphs that read an activation (an embedding's lookups and an LM head fused with its loss are
+    never among them: the planner charges the layers' caches, `planner.cost.cached_block_indices`).
+    The last ones, because in a stage whose backward follows its forward (one device, the last
+    pipeline stage) their backwards come first."""
+    graphs = [p for p in programs if isinstance(p, _BlockProgram) and p.activation is not None
+              and p.block.index != head_index]
+    return graphs[max(0, len(graphs) - count):] if count > 0 else []
+
+
 class MnnStageEngine(StageEngine):
     """A stage on MNN. `stash_weights` keeps, for every micro-batch in flight, the weight version its
     forward used, and runs its backward on that version (PipeDream weight stashing): MNN Vars are
     updated in place, so without it a backward after an update would silently use the new weights.
     `cache_slots`: sets of block graphs (module docstring); 1 re-runs the forward in any backward
     that does not directly follow its own forward, None adds a set whenever every set is held.
-    `per_block`: activations recomputed per block (module docstring; no per-op caches)."""
+    `per_block`: activations recomputed per block (module docstring; no per-op caches);
+    `cached_blocks` with it: the stage's last that many layers keep their per-op caches (a hybrid:
+    each saves its forward's re-run where a backward follows its forward, for its caches' memory)."""
 
     def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
                  cache_activations: bool = True, stash_weights: bool = True, cache_slots: int | None = 1,
-                 take_weights: bool = False, per_block: bool = False):
+                 take_weights: bool = False, per_block: bool = False, cached_blocks: int = 0):
         if K.denormals_flushed_at_import():
             # before MNN (re)starts its worker threads, which inherit this thread's flush-to-zero bits;
             # another library may have cleared them since MNN was imported (creating an ONNX Runtime
@@ -470,6 +513,13 @@ class MnnStageEngine(StageEngine):
         # holds for it after its forward and after its backward (`_BlockProgram.release`)
         self.per_block = bool(per_block)
         cache_activations = cache_activations and not self.per_block
+        if cached_blocks < 0 or (cached_blocks and not self.per_block):
+            raise ValueError(f"cached_blocks is {cached_blocks!r}: a count >= 0 of the blocks a per-block stage "
+                             f"keeps the per-op caches of")
+        # a hybrid: the last `cached_blocks` blocks of a per-block stage keep their per-op caches (as
+        # the default mode does), so their backward skips the re-run of their forward where it follows
+        # its own forward; the rest recompute per block
+        self.cached_blocks = int(cached_blocks)
         source = weights if weights is not None else spec.graph.constants
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         # weights held in numpy: embedding tables (MNN's Gather has no gradient) and a fused LM
@@ -567,6 +617,9 @@ class MnnStageEngine(StageEngine):
             else:
                 blocks.append(_BlockProgram(b, nodes, spec, params, lookup, set(self._tables),
                                             self._constant_vars))
+        head = self._lm.head_index if self._lm is not None else None
+        for prog in cached_programs(blocks, self.cached_blocks if self.per_block else 0, head):
+            prog.keeps_caches = True
         return blocks
 
     def _free_slot(self) -> int:
@@ -664,11 +717,11 @@ class MnnStageEngine(StageEngine):
                 break
             block_inputs.append(x)
             prog.feed(x, host, serial)
-            if self.cache_activations:
+            if self.cache_activations or prog.keeps_caches:
                 # also on an inference forward: priming later would leave the caches unused for good
                 prog.enable_op_caches()
             x = prog.forward(train)
-            if self.per_block:
+            if self.per_block and not prog.keeps_caches:
                 prog.release()
         if self._lm is not None and until_block == self._lm.head_index:
             x = programs[-1].logits(x)  # the head's real output, for evaluation
@@ -721,7 +774,7 @@ class MnnStageEngine(StageEngine):
                     pg, g = prog.backward(g, host, self.row_gradients)
                 else:
                     pg, g = prog.backward(g, host)
-                if self.per_block:
+                if self.per_block and not prog.keeps_caches:
                     prog.release()
                 if into is not None:  # each block's into the running sum: no whole set of this one's
                     accumulate(into, pg)

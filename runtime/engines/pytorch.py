@@ -17,6 +17,7 @@ from typing import Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from ir.graph import Node, use_def
 from ir.precision import QuantizedTensor
@@ -360,18 +361,25 @@ class TorchStageEngine(StageEngine):
     """The stage on PyTorch. `recompute`: a training forward keeps only its inputs (and the weight
     tensors it used) instead of autograd's graph of every activation, and its backward runs the
     forward again with gradients on (activation checkpointing over the whole stage): memory of one
-    micro-batch's activations however many are in flight, for one more forward per backward. The
-    planner chooses it where keeping them does not fit (`planner.cost`). Gradients are the same
-    either way: the same ops on the same inputs."""
+    micro-batch's activations however many are in flight, for one more forward per backward.
+    `per_block`: each block's forward runs under a checkpoint of its own (`torch.utils.checkpoint`),
+    so a micro-batch in flight holds only its blocks' inputs, and each block's backward runs that
+    block's forward again: memory of one block's activations at a time, for one more forward per
+    backward (the planner's `activations: per-block`). The planner chooses where keeping them does
+    not fit (`planner.cost`). Gradients are the same every way: the same ops on the same inputs."""
 
     def __init__(self, spec: StageSpec, dtype: torch.dtype = torch.float32, threads: int | None = None,
                  weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False, take_weights: bool = False,
-                 fuse_attention: bool = True, native_step: bool = True):
+                 fuse_attention: bool = True, native_step: bool = True, per_block: bool = False):
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
         self.dtype = dtype
+        if recompute and per_block:
+            raise ValueError("recompute (the whole stage's forward again) and per_block (each block's) are two "
+                             "choices, not one")
         self.recompute = bool(recompute)
+        self.per_block = bool(per_block)
         # AdamW's dense weights stepped by PyTorch's fused kernel (runtime.optim keeps the state):
         # a quarter of numpy's time, which 1f1b-stash pays after every backward
         self.native_step = bool(native_step) and dtype == torch.float32
@@ -408,6 +416,13 @@ class TorchStageEngine(StageEngine):
         # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)
         self._units = attention_units(spec) if fuse_attention else {}
         self._unit_nodes = frozenset(n for u in self._units.values() for n in u.nodes)
+        # per block: (block, its nodes, whether it runs as it is); the others run under a checkpoint.
+        # A block with a lookup runs as it is (a table stepped in place would give a re-run other rows,
+        # and its activations are the looked-up rows, its output), as does the LM head with its loss
+        # (the fused loss keeps only its input, the head's hidden state)
+        head = {self._lm.matmul.name, self._lm.loss.name} if self._lm is not None else set()
+        self._block_runs = [(b, nodes, any(n.op in ("Gather", "TokenCrossEntropy") or n.name in head for n in nodes))
+                            for b, nodes in spec.block_nodes()]
 
     @property
     def fused_attention_blocks(self) -> tuple[int, ...]:
@@ -465,55 +480,85 @@ class TorchStageEngine(StageEngine):
             stop_after = {n for b in self.spec.graph.blocks[until_block + 1:] for n in b.nodes}
         fused = self._lm if until_block is None else None
         with torch.set_grad_enabled(train):
-            for node in self.spec.compute_nodes:
-                if node.name in stop_after:
-                    break
-                if node.name in self._unit_nodes:
-                    unit = self._units.get(node.name)
-                    if unit is not None:  # the site's last node: every input of the unit is there
-                        env[unit.site.residual] = self._attention(unit, env, params, deferral)
-                    continue
-                if fused is not None and node.name == fused.matmul.name:
-                    continue
-                if fused is not None and node.name == fused.loss.name and fused.weight in self._frozen:
-                    env[node.outputs[0]] = _QuantizedLinearCrossEntropy.apply(
-                        env[fused.hidden], env[node.inputs[1]], env[node.inputs[2]], self._frozen[fused.weight])
-                    continue
-                if any(i in self._frozen for i in node.inputs):
-                    env[node.outputs[0]] = self._run_frozen(node, env)
-                    continue
-                if fused is not None and node.name == fused.loss.name:
-                    env[node.outputs[0]] = _LinearCrossEntropy.apply(
-                        env[fused.hidden], env[fused.weight], env[node.inputs[1]], env[node.inputs[2]],
-                        fused.transposed)
-                    continue
-                if deferral is not None and node.op in ("MatMul", "Add"):
-                    deferred = self._defer(node, env, params, deferral)
-                    if deferred is not None:
-                        if deferred is not _SKIP:
-                            env[node.outputs[0]] = deferred
-                        continue
-                if lookups is not None and node.op == "Gather" and node.inputs[0] in self._stepped_in_place:
-                    table, ids = env[node.inputs[0]], env[node.inputs[1]].long()
-                    if train:
-                        env[node.outputs[0]] = _ReplayedLookup.apply(table, ids, lookups[node.name], self.row_gradients)
+            if train and self.per_block and until_block is None:
+                for block, nodes, alone in self._block_runs:
+                    if alone:
+                        for node in nodes:
+                            self._node(node, env, params, train, deferral, lookups, fused)
                     else:
-                        env[node.outputs[0]] = lookups[node.name] = F.embedding(ids, table)
-                    continue
-                if node.op == "Gather" and train and self.row_gradients and node.inputs[0] in params:
-                    # the table's gradient as the rows it touches (base.RowGradient), not a dense copy
-                    env[node.outputs[0]] = F.embedding(env[node.inputs[1]].long(), env[node.inputs[0]], sparse=True)
-                    continue
-                linear = self._linear.get(node.name)
-                if linear is not None:
-                    if linear.add == node.name:  # MatMul + bias as one addmm (skips a pass each way)
-                        mm = linear.matmul
-                        w = env[mm.inputs[1]]
-                        env[node.outputs[0]] = F.linear(env[mm.inputs[0]], w if mm.attrs.get("trans_b") else w.t(),
-                                                        env[linear.bias])
-                    continue  # the MatMul itself: computed with its bias
-                env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
+                        env[block.output] = self._checkpointed(block, nodes, env, params, deferral, lookups, fused)
+            else:
+                for node in self.spec.compute_nodes:
+                    if node.name in stop_after:
+                        break
+                    self._node(node, env, params, train, deferral, lookups, fused)
         return env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
+
+    def _checkpointed(self, block, nodes: list[Node], env: dict, params: Mapping[str, torch.Tensor],
+                      deferral: tuple | None, lookups: dict | None, fused) -> torch.Tensor:
+        """`block`'s output, its forward run under `torch.utils.checkpoint` (non-reentrant): autograd
+        keeps none of its intermediates, only what the block reads (its input, the weights, the
+        host values), and runs the block's forward again inside its own backward."""
+        produced = {o for n in nodes for o in n.outputs}
+        reads = {i: env[i] for n in nodes for i in n.inputs if i not in produced and i in env}
+
+        def run(*_: torch.Tensor) -> torch.Tensor:
+            local = dict(reads)
+            for node in nodes:
+                self._node(node, local, params, True, deferral, lookups, fused)
+            return local[block.output]
+
+        held = [t for t in reads.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        return torch.utils.checkpoint.checkpoint(run, *held, use_reentrant=False, preserve_rng_state=False)
+
+    def _node(self, node: Node, env: dict, params: Mapping[str, torch.Tensor], train: bool,
+              deferral: tuple | None, lookups: dict | None, fused) -> None:
+        """Run one compute node of the stage into `env` (a fused unit at its last node)."""
+        if node.name in self._unit_nodes:
+            unit = self._units.get(node.name)
+            if unit is not None:  # the site's last node: every input of the unit is there
+                env[unit.site.residual] = self._attention(unit, env, params, deferral)
+            return
+        if fused is not None and node.name == fused.matmul.name:
+            return
+        if fused is not None and node.name == fused.loss.name and fused.weight in self._frozen:
+            env[node.outputs[0]] = _QuantizedLinearCrossEntropy.apply(
+                env[fused.hidden], env[node.inputs[1]], env[node.inputs[2]], self._frozen[fused.weight])
+            return
+        if any(i in self._frozen for i in node.inputs):
+            env[node.outputs[0]] = self._run_frozen(node, env)
+            return
+        if fused is not None and node.name == fused.loss.name:
+            env[node.outputs[0]] = _LinearCrossEntropy.apply(
+                env[fused.hidden], env[fused.weight], env[node.inputs[1]], env[node.inputs[2]],
+                fused.transposed)
+            return
+        if deferral is not None and node.op in ("MatMul", "Add"):
+            deferred = self._defer(node, env, params, deferral)
+            if deferred is not None:
+                if deferred is not _SKIP:
+                    env[node.outputs[0]] = deferred
+                return
+        if lookups is not None and node.op == "Gather" and node.inputs[0] in self._stepped_in_place:
+            table, ids = env[node.inputs[0]], env[node.inputs[1]].long()
+            if train:
+                env[node.outputs[0]] = _ReplayedLookup.apply(table, ids, lookups[node.name], self.row_gradients)
+            else:
+                env[node.outputs[0]] = lookups[node.name] = F.embedding(ids, table)
+            return
+        if node.op == "Gather" and train and self.row_gradients and node.inputs[0] in params:
+            # the table's gradient as the rows it touches (base.RowGradient), not a dense copy
+            env[node.outputs[0]] = F.embedding(env[node.inputs[1]].long(), env[node.inputs[0]], sparse=True)
+            return
+        linear = self._linear.get(node.name)
+        if linear is not None:
+            if linear.add == node.name:  # MatMul + bias as one addmm (skips a pass each way)
+                mm = linear.matmul
+                w = env[mm.inputs[1]]
+                env[node.outputs[0]] = F.linear(env[mm.inputs[0]], w if mm.attrs.get("trans_b") else w.t(),
+                                                env[linear.bias])
+            return  # the MatMul itself: computed with its bias
+        env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
 
     def _run_frozen(self, node: Node, env: dict) -> torch.Tensor:
         """A node reading a quantized frozen weight: a product widens it inside `_FrozenQuantizedMatMul`,

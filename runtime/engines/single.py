@@ -26,7 +26,8 @@ def torch_installed() -> bool:
 
 def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mapping[str, np.ndarray] | None = None,
                   stash_weights: bool = True, cache_activations: bool = True,
-                  activations: str | None = None, take_weights: bool = False) -> StageEngine:
+                  activations: str | None = None, take_weights: bool = False,
+                  cached_blocks: int = 0) -> StageEngine:
     """The engine that runs `spec` on `backend` (options as `runtime.engines.factory.make_engine`)."""
     backend = parse_backend(backend)
     if backend.engine == "mnn":
@@ -37,16 +38,16 @@ def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mappi
         return MnnStageEngine(spec, threads=backend.thread_count, weights=weights, stash_weights=stash_weights,
                               cache_activations=cache_activations,
                               cache_slots=None if activations == "keep" else 1, take_weights=take_weights,
-                              per_block=activations == "per-block")
+                              per_block=activations == "per-block", cached_blocks=cached_blocks)
     if backend.device != "cpu":
         raise NotImplementedError(f"{backend}: the torch stage engine runs on the cpu only "
                                   "(runtime.engines.pytorch has no device setting yet)")
     if not torch_installed():
         raise ModuleNotFoundError(f"{backend} needs PyTorch, which is not installed here (pip install torch==2.13.0)")
-    if activations == "per-block":
-        raise ValueError(f"{backend}: activations 'per-block' is the MNN engine's; the torch engine keeps or "
-                         f"recomputes a stage's activations ('keep' or 'recompute')")
+    if cached_blocks:
+        raise ValueError(f"{backend}: cached_blocks is the MNN engine's hybrid of per-block recompute")
     from runtime.engines.pytorch import TorchStageEngine
 
     return TorchStageEngine(spec, threads=backend.thread_count, weights=weights,
-                            recompute=activations == "recompute", take_weights=take_weights)
+                            recompute=activations == "recompute", take_weights=take_weights,
+                            per_block=activations == "per-block")

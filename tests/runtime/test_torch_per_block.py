@@ -1,0 +1,166 @@
+"""Issue 31: activations recomputed per block on the PyTorch engine. A torch stage told `activations:
+per-block` runs each block's forward under a checkpoint of its own (non-reentrant
+`torch.utils.checkpoint`): a micro-batch in flight holds its blocks' inputs, and each block's backward
+runs that block's forward again. Its gradients are the keep mode's, MNN per-block's and float64
+transformers' (LoRA: PEFT's); what autograd holds for a micro-batch in flight is a fraction of the
+keep mode's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from planner.onnx_import import load_model
+from runtime.engines.factory import make_engine
+from runtime.engines.pytorch import TorchStageEngine
+from runtime.engines.stage import stage_spec
+from support import (S, assert_grads_close, lm_step_feeds, one_f_one_b_gradients, scrambled_causal_lm,
+                     tiny_lora_graph, token_feeds, transformers_lm_gradients)
+
+B = 2
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_onnx):
+    return load_model(tiny_onnx["torchscript-17"], B, S)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    import transformers as tf
+
+    from jobs.export.llm import LlmExportOptions, export_causal_lm
+
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=True)
+    model = scrambled_causal_lm(config)
+    path = export_causal_lm(model, tmp_path_factory.mktemp("tpbllama") / "m.onnx", LlmExportOptions(), kv_cache=False)
+    return model, path, load_model(path, B, S)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("update", [False, True], ids=["flush", "stash"])
+def test_torch_per_block_gives_the_gradients_of_keeping_and_of_mnn_per_block(graph, tiny_onnx, lora, update):
+    g = tiny_lora_graph(tiny_onnx["torchscript-17"]) if lora else graph
+    spec = stage_spec(g, 0, 2)
+    kept = one_f_one_b_gradients(make_engine("torch:cpu:t1", spec, activations="keep"), g, spec, update)
+    engine = make_engine("torch:cpu:t1", spec, activations="per-block")
+    assert isinstance(engine, TorchStageEngine) and engine.per_block
+    per_block = one_f_one_b_gradients(engine, g, spec, update)
+    mnn = one_f_one_b_gradients(make_engine("mnn:cpu:t1", spec, activations="per-block"), g, spec, update)
+    for m in range(4):
+        assert per_block[m].keys() == kept[m].keys() == mnn[m].keys()
+        for k in kept[m]:
+            np.testing.assert_array_equal(per_block[m][k], kept[m][k], err_msg=k)  # the same ops, bit for bit
+        assert_grads_close(per_block[m], mnn[m])  # two engines' float32 rounding
+
+
+def test_a_split_backward_per_block_on_torch_gives_the_gradients_of_one_backward(tiny_onnx):
+    g = tiny_lora_graph(tiny_onnx["torchscript-17"])
+    spec = stage_spec(g, 1, 2)
+    dy = np.random.default_rng(4).standard_normal(g.values[spec.output].shape).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal(g.values[spec.activation_input].shape).astype(np.float32)
+    feeds = {**token_feeds(B, S, vocab=500), spec.activation_input: x}
+    whole = make_engine("torch:cpu:t1", spec, activations="keep")
+    whole.forward(feeds, 0)
+    want = whole.backward(0, dy)
+    split = make_engine("torch:cpu:t1", spec, activations="per-block")
+    split.split_backward = True
+    split.forward(feeds, 0)
+    got = split.backward_input(0, dy)
+    got.params.update(split.backward_weight(0))
+    assert got.params.keys() == want.params.keys()
+    np.testing.assert_allclose(got.activation_input, want.activation_input, rtol=1e-6, atol=1e-7)
+    for k in want.params:
+        np.testing.assert_allclose(got.params[k], want.params[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def _float64_engine(graph, weights=None) -> TorchStageEngine:
+    return TorchStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), dtype=torch.float64, weights=weights,
+                            per_block=True)
+
+
+def test_torch_per_block_gradients_of_a_llama_equal_transformers_in_float64(tiny_llama):
+    model, _, g = tiny_llama
+    feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
+    engine = _float64_engine(g)
+    engine.forward(feeds, 0)
+    got = engine.backward(0).params
+    want = transformers_lm_gradients(model, feeds)
+    assert set(got) == set(want)
+    assert_grads_close(got, want, rtol=1e-5)  # the export's float32 constants (rotary tables)
+
+
+def test_torch_per_block_lora_gradients_of_a_llama_equal_pefts_in_float64(tiny_llama):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from planner.lora import LoraSettings, add_lora
+
+    model, path, _ = tiny_llama
+    rank, alpha = 4, 8.0
+    peft = get_peft_model(copy.deepcopy(model).double(), LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    rng = np.random.default_rng(5)
+    layers = [m for _, m in peft.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    with torch.no_grad():
+        for m in layers:
+            for w in (m.lora_A["default"].weight, m.lora_B["default"].weight):
+                w.copy_(torch.from_numpy(rng.normal(0, 0.2, tuple(w.shape))))
+    feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
+    logits = peft(input_ids=torch.from_numpy(feeds["input_ids"]),
+                  attention_mask=torch.from_numpy(feeds["attention_mask"])).logits
+    ids = torch.from_numpy(feeds["target_ids"])
+    ce = torch.logsumexp(logits, -1) - logits.gather(-1, ids[..., None])[..., 0]
+    loss = (torch.from_numpy(feeds["target_weights"]).double() * ce).sum()
+    loss.backward()
+
+    lora, adapters = add_lora(load_model(path, B, S), LoraSettings(rank, alpha, targets=("q", "k", "v", "o")))
+    weights, want = {}, {}
+    for a in adapters:  # the PEFT layer over the same base weight (found by value)
+        w = np.asarray(lora.constants[a.base], np.float64)
+        hf = w if a.base_transposed else w.T
+        (m,) = [m for m in layers if tuple(m.base_layer.weight.shape) == hf.shape
+                and np.array_equal(m.base_layer.weight.detach().numpy(), hf)]
+        weights[a.a] = m.lora_A["default"].weight.detach().numpy().T
+        weights[a.b] = m.lora_B["default"].weight.detach().numpy().T
+        want[a.a] = m.lora_A["default"].weight.grad.numpy().T
+        want[a.b] = m.lora_B["default"].weight.grad.numpy().T
+    engine = _float64_engine(lora, weights={**lora.constants, **weights})
+    assert float(engine.forward(feeds, 0)) == pytest.approx(loss.item(), rel=1e-6)
+    got = engine.backward(0).params
+    assert set(got) == set(want)  # the frozen base gets no gradient
+    assert_grads_close(got, want, rtol=1e-5)  # the export's float32 constants (rotary tables)
+
+
+def _saved_bytes(engine, feeds) -> int:
+    """Bytes autograd saves for the backward of one training forward outside any checkpoint (what a
+    micro-batch in flight holds beyond its output). A checkpoint's own hooks take the tensors saved
+    inside it, so a per-block block's intermediates never reach this one."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        engine.forward(feeds, 0)
+    engine.backward(0)
+    return sum(seen.values())
+
+
+def test_a_per_block_torch_stage_holds_a_fraction_of_the_activations_keeping_holds(tiny_llama):
+    _, _, g = tiny_llama
+    spec = stage_spec(g, 0, len(g.blocks) - 1)
+    feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
+    params = sum(int(np.asarray(g.constants[p]).nbytes) for p in g.params)
+    kept = _saved_bytes(make_engine("torch:cpu:t1", spec, activations="keep"), feeds) - params
+    per_block = _saved_bytes(make_engine("torch:cpu:t1", spec, activations="per-block"), feeds) - params
+    hidden = B * S * 64 * 4
+    # keeping: every layer's intermediates (dozens of hidden-sized tensors a layer); per block: the
+    # inputs of the embedding lookup, the head's norm and the fused loss, a few hidden states
+    assert kept > 20 * hidden
+    assert per_block < 6 * hidden, (per_block / hidden, kept / hidden)
