@@ -48,10 +48,17 @@ def _initializer(name: str, value: np.ndarray):
 
 def _widen_nodes(name: str, q: QuantizedTensor) -> tuple[list, list]:
     """(initializers, nodes) that compute `name` (float32, its logical shape) from `q`'s storage arrays."""
+    arrays, inits, nodes = widen_parts(name, q)
+    return [_initializer(k, v) for k, v in arrays] + inits, nodes
+
+
+def widen_parts(name: str, q: QuantizedTensor) -> tuple[list, list, list]:
+    """(storage arrays as (initializer name, array), the widening's small constant initializers, its
+    nodes): `_widen_nodes` with the big arrays left as arrays, for a writer that streams them."""
     from onnx import TensorProto, helper, numpy_helper
 
-    pieces = storage_tensors(name, q)
-    inits = [_initializer(k, v) for k, v in pieces.items() if v.size]  # bfloat16's scales are empty
+    arrays = [(k, v) for k, v in storage_tensors(name, q).items() if v.size]  # bfloat16's scales are empty
+    inits = []
     p = f"{name}.q_"
     nodes = []
 
@@ -93,7 +100,7 @@ def _widen_nodes(name: str, q: QuantizedTensor) -> tuple[list, list]:
     final = helper.make_node("Transpose", [stored], [name], name=p + "logical", perm=[1, 0]) if q.axis == 0 else \
         helper.make_node("Identity", [stored], [name], name=p + "logical")
     nodes.append(final)
-    return inits, nodes
+    return arrays, inits, nodes
 
 
 def quantized_weights(graph, storage: str, keep_float: set[str] = frozenset()) -> dict[str, QuantizedTensor]:
@@ -240,4 +247,4 @@ def recorded_base_dtype(path: Path) -> str:
 
 
 __all__ = ["BASE_DTYPE_KEY", "BLOCK", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
-           "recorded_base_dtype", "widen_stored_weights", "with_float_weights", "write_quantized"]
+           "recorded_base_dtype", "widen_parts", "widen_stored_weights", "with_float_weights", "write_quantized"]
