@@ -23,7 +23,7 @@ Models
     it (its ids are below Qwen's vocabulary); 3 devices of 512 MiB. Export: ~8 GiB for a moment.
     ``llama1b``: a Llama-3.2-1B-class model the same way (vocab 128256, 16 layers, hidden 2048,
     intermediate 8192, 32 / 8 heads, tied), 4 devices of 768 MiB, exported with `--base-dtype int4`
-    (jobs/export_stream.py: the export holds the loaded model and the quantized file, ~5 GiB; it needed ~20).
+    (planner/onnx_quantize.py's lean export: it holds the loaded model and the quantized file, ~5 GiB; it needed ~20).
 
 Usage
     python benchmarks/memory_plans.py [--models smollm2,qwen] [--steps 1] [--json OUT]

@@ -146,7 +146,7 @@ def _export_causal_lm(args) -> int:
         print(f"exporting {source} -> {args.output} (opset {args.opset}, {exporter} exporter, causal LM)",
               file=sys.stderr)
         export_llm(args.checkpoint, args.output, options, kv_cache=not args.no_kv_cache)
-    if base != "float32":  # written quantized tensor by tensor by the exporter itself (jobs/export_stream.py)
+    if base != "float32":  # written quantized tensor by tensor by the exporter itself (planner/onnx_quantize.py, the lean export)
         meta = json.loads(Path(args.output).with_suffix(".lm.json").read_text())
         print(f"stored {len(meta.get('stored_quantized', []))} weights {base}", file=sys.stderr)
     print(args.output)

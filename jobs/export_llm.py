@@ -69,7 +69,7 @@ class LlmExportOptions:
     example_batch: int = 2
     example_seq: int = 16
     # the frozen weights' storage in the written files (`--base-dtype`, jobs/export_quantized.py); the
-    # TorchScript exporter writes them lean (jobs/export_stream.py), quantized tensor by tensor
+    # TorchScript exporter writes them lean (planner/onnx_quantize.py: the lean export), quantized tensor by tensor
     base_dtype: str = "float32"
 
 
@@ -436,19 +436,48 @@ def _export_cache_graph(step, shape: _Shape, out_path: Path, options: LlmExportO
                      opset_version=options.opset, do_constant_folding=False))
 
 
+def _trace_without_weights(module, args, **export_kwargs):
+    """The TorchScript export of `module` on `args` (ONNX bytes) with its weights as graph inputs.
+
+    The exporter's ONNX shape inference (`_jit_pass_onnx_graph_shape_type_inference`, run twice)
+    serializes the graph with every parameter's data even under `export_params=False`: 2x the
+    weights for a moment (measured: +225 MiB for 108 MiB of weights). It is given only the small
+    constants (under 1024 elements: ones that may feed a shape); the weights are typed graph
+    inputs, which inference reads by their declared types. tests/test_lean_export.py checks the
+    nodes against the old export's (planner.onnx_quantize: the rest of the lean export)."""
+    import io
+
+    import torch
+
+    infer = getattr(torch._C, "_jit_pass_onnx_graph_shape_type_inference", None)
+
+    def lean_infer(graph, params, *rest):
+        return infer(graph, {k: v for k, v in params.items() if v.numel() < 1024}, *rest)
+
+    buf = io.BytesIO()
+    if infer is not None:
+        torch._C._jit_pass_onnx_graph_shape_type_inference = lean_infer
+    try:
+        torch.onnx.export(module, args, buf, dynamo=False, export_params=False, **export_kwargs)
+    finally:
+        if infer is not None:
+            torch._C._jit_pass_onnx_graph_shape_type_inference = infer
+    return buf.getvalue()
+
+
+
 def _write_lean(module, args, out_path: Path, weights: dict | None, export_kwargs: dict,
                 base_dtype: str = "float32") -> dict:
     """`module` traced without its weights and written to `out_path` with them streamed
-    (jobs/export_stream.py); `weights` (name -> array or QuantizedTensor) when another graph of the
+    (planner/onnx_quantize.py: the lean export); `weights` (name -> array or QuantizedTensor) when another graph of the
     same module already made them, else made here: views of the parameters, the ones `base_dtype`
     stores quantized quantized one at a time. Returns the weights written."""
     from ir.precision import quantize
-    from jobs.export_stream import stored_precisions, take_weight_inputs, trace_without_weights, write_with_weights
+    from planner.onnx_quantize import stored_precisions, take_weight_inputs, write_with_weights
 
     tensors = dict(module.named_parameters())
     tensors.update((n, b) for n, b in module.named_buffers() if n not in tensors)
-    graph = trace_without_weights(module, args, **export_kwargs)
-    names = take_weight_inputs(graph, tensors)
+    graph, names = take_weight_inputs(_trace_without_weights(module, args, **export_kwargs), tensors)
     if weights is None:
         plan = stored_precisions(graph, {n: tuple(tensors[n].shape) for n in names}, base_dtype)
         weights = {}

@@ -1077,7 +1077,8 @@ def folded_transposes(onnx_graph, values: Mapping[str, np.ndarray], weights: set
     by_shape: dict[tuple[int, ...], list[str]] = {}
     for name in weights:
         v = values.get(name)
-        if v is not None and v.ndim == 2 and v.dtype.kind == "f" and v.shape[0] != v.shape[1] \
+        # a weight the file stores quantized (a QuantizedTensor) is its own: no exporter folded it
+        if isinstance(v, np.ndarray) and v.ndim == 2 and v.dtype.kind == "f" and v.shape[0] != v.shape[1] \
                 and not _all_equal(v):
             by_shape.setdefault(v.shape, []).append(name)
 

@@ -1,4 +1,4 @@
-"""The lean causal-LM export (jobs/export_stream.py): the graph traced without its weights and the
+"""The lean causal-LM export (planner/onnx_quantize.py (the lean export)): the graph traced without its weights and the
 weights streamed in after it, quantized one at a time for `--base-dtype`.
 
 Held to independent references: the files the old path wrote (TorchScript's export with its
@@ -130,7 +130,7 @@ def test_the_cache_graph_gets_the_same_quantized_weights_and_generation_runs(tmp
 def test_a_float_file_over_the_inline_limit_keeps_its_weights_in_one_data_file(tmp_path, monkeypatch):
     import torch
 
-    import jobs.export_stream as stream
+    import planner.onnx_quantize as stream
     from planner.onnx_import import load_model
 
     monkeypatch.setattr(stream, "INLINE_LIMIT", 1000)
@@ -153,7 +153,7 @@ _PEAK = r"""
 import json, sys, warnings
 import torch
 from jobs.export_llm import LlmExportOptions, export_causal_lm, random_causal_lm
-import jobs.export_stream, planner.onnx_import, onnx, ir.precision, jobs.export_quantized  # imports before the baseline
+import planner.onnx_import, onnx, ir.precision, jobs.export_quantized  # imports before the baseline
 from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
 torch.set_num_threads(1)
 model = random_causal_lm("llama", 0, vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=3,
@@ -185,3 +185,41 @@ def test_the_export_holds_no_second_copy_of_the_weights(tmp_path, base_dtype):
     # the lowering's work (~20 MiB). The old path: 3.2x the weights over the model (float32 and int4).
     held = got["file"] if base_dtype == "int4" else 0
     assert got["over"] < held + 0.3 * got["weights"], got
+
+
+_LOWER_PEAK = r"""
+import json, os, sys
+import numpy as np
+from planner.onnx_import import load_model
+from ir.precision import QuantizedTensor
+from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
+load_model(sys.argv[1] + "/warm.onnx", 1, 8, with_loss=False)  # the lowering's own imports and caches
+base = rss_bytes()
+assert reset_peak_rss()
+graph = load_model(sys.argv[1] + "/m.onnx", 1, 8, with_loss=False)
+over = peak_rss_bytes() - base
+big_floats = [k for k, v in graph.constants.items() if isinstance(v, np.ndarray) and v.ndim == 2 and v.size >= 4096]
+held = sum(1 for v in graph.constants.values() if isinstance(v, QuantizedTensor))
+print(json.dumps({"over": over, "file": os.path.getsize(sys.argv[1] + "/m.onnx"), "big_floats": big_floats,
+                  "held_quantized": held}))
+"""
+
+
+def test_lowering_a_quantized_file_keeps_its_storage_arrays_and_no_float32_copy(tmp_path):
+    """The lowering used to widen every stored weight to float32 (SmolLM2 int4: 598 MiB over its start for
+    a 92 MB file); it now holds them as the file stores them, widened only where a consumer asks."""
+    model = random_causal_lm("llama", 0, vocab_size=32000, hidden_size=512, intermediate_size=2048,
+                             num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    export_causal_lm(model, tmp_path / "m.onnx", LlmExportOptions(base_dtype="int4"), kv_cache=False)
+    export_causal_lm(random_causal_lm("llama", 1), tmp_path / "warm.onnx", LlmExportOptions(base_dtype="int4"),
+                     kv_cache=False)
+    del model
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _LOWER_PEAK, str(tmp_path)], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["big_floats"] == [] and got["held_quantized"] == 1 + 7 * 3, got
+    # the stored arrays (the file) and the lowering's own work; the old lowering: + the float32 weights
+    assert got["over"] < got["file"] + 0.2 * weights, (got, weights)
