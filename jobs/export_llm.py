@@ -483,7 +483,8 @@ def _write_lean(module, args, out_path: Path, weights: dict | None, export_kwarg
     same module already made them, else made here: views of the parameters, the ones `base_dtype`
     stores quantized quantized one at a time. Returns the weights written."""
     from ir.precision import quantize
-    from planner.onnx_quantize import stored_precisions, take_weight_inputs, write_with_weights
+    from planner.onnx_import import stored_precisions
+    from planner.onnx_quantize import take_weight_inputs, write_with_weights
 
     tensors = dict(module.named_parameters())
     tensors.update((n, b) for n, b in module.named_buffers() if n not in tensors)

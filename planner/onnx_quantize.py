@@ -261,7 +261,8 @@ def recorded_base_dtype(path: Path) -> str:
 # 1. the TorchScript exporter traces with `export_params=False`: the weights are graph inputs named
 #    as in the state dict (the exporter's own names, one per shared tensor), the message is a few MB;
 # 2. which weights are stored quantized is decided by lowering that graph with zero-stride stand-ins
-#    (`np.broadcast_to`: the shape, no memory), by the same rule as before (`ir.precision.quantizable`);
+#    (`np.broadcast_to`: the shape, no memory), by the same rule as before (`ir.precision.quantizable`;
+#    `planner.onnx_import.stored_precisions`);
 # 3. the file is written in protobuf's wire format: the message less its weights, then each weight
 #    as an initializer whose bytes are copied from the model's own tensor (a view of the torch
 #    parameter) or from its quantized storage arrays, quantized a chunk of rows at a time. A float
@@ -288,31 +289,6 @@ def take_weight_inputs(data: bytes, known: Mapping[str, object]) -> tuple[object
     del model.graph.input[:]
     model.graph.input.extend(i for i in inputs if i.name not in known)
     return model, names
-
-
-def stored_precisions(model, shapes: Mapping[str, tuple[int, ...]], base_dtype: str) -> dict[str, tuple[str, int]]:
-    """weight name -> (storage, blocked axis) for the weights `base_dtype` stores quantized in `model`
-    (a graph whose weights `take_weight_inputs` took), decided on the lowered graph as the lowering
-    of the written file will see it, with zero-stride stand-ins for the weights."""
-    from onnx import ModelProto, TensorProto
-
-    from ir.precision import check_base_dtype, lookup_tables, quantizable, storage_for
-    from planner.onnx_import import ImportOptions, lower_model
-
-    check_base_dtype(base_dtype)
-    if base_dtype == "float32":
-        return {}
-    probe = ModelProto()
-    probe.CopyFrom(model)
-    for name, shape in shapes.items():
-        stub = TensorProto(name=name, data_type=TensorProto.FLOAT)
-        stub.dims.extend(int(d) for d in shape)
-        probe.graph.initializer.append(stub)
-    stand_ins = {name: np.broadcast_to(np.float32(0), tuple(shape)) for name, shape in shapes.items()}
-    graph = lower_model(probe, ImportOptions(1, 8, False), source="the traced graph", arrays=stand_ins)
-    tables = lookup_tables(graph.nodes)
-    return {name: (storage_for(base_dtype, name in tables), axis)
-            for name, axis in quantizable(graph.nodes, graph.constants, ()).items() if name in shapes}
 
 
 def _varint(value: int) -> bytes:
@@ -418,5 +394,5 @@ def _bytes_of(array: np.ndarray) -> memoryview:
 
 
 __all__ = ["BASE_DTYPE_KEY", "BLOCK", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
-           "recorded_base_dtype", "INLINE_LIMIT", "stored_precisions", "take_weight_inputs",
+           "recorded_base_dtype", "INLINE_LIMIT", "take_weight_inputs",
            "widen_parts", "widen_stored_weights", "with_float_weights", "write_quantized", "write_with_weights"]
