@@ -22,7 +22,8 @@ Models
     exporter (jobs.export.llm, `confidant export --task causal-lm`), with SmolLM2's tokenizer beside
     it (its ids are below Qwen's vocabulary); 3 devices of 512 MiB. Export: ~8 GiB for a moment.
     ``llama1b``: a Llama-3.2-1B-class model the same way (vocab 128256, 16 layers, hidden 2048,
-    intermediate 8192, 32 / 8 heads, tied), 4 devices of 768 MiB. Its export needs ~20 GiB.
+    intermediate 8192, 32 / 8 heads, tied), 4 devices of 768 MiB, exported with `--base-dtype int4`
+    (planner/onnx_quantize.py's lean export: it holds the loaded model and the quantized file, ~5 GiB; it needed ~20).
 
 Further rows (`CONFIGS`): ``smollm2-all-target`` (data whose every position is a target: the fused
 LM head + loss's worst case, which the model charges), ``smollm2-float32`` (a float32 base),
@@ -61,10 +62,14 @@ MODELS = {
                       "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
                       "tie_word_embeddings": True, "max_position_embeddings": 32768, "rope_theta": 1e6,
                       "rms_norm_eps": 1e-6}),
+    # Llama-3.2-1B's published config; exported with --base-dtype int4 (a 1 GiB file, not 4.7 GiB of float32)
     "llama1b": (4, 768, {"family": "llama", "vocab_size": 128256, "num_hidden_layers": 16, "hidden_size": 2048,
                          "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
-                         "tie_word_embeddings": True, "max_position_embeddings": 131072, "rope_theta": 5e5,
-                         "rms_norm_eps": 1e-5}),
+                         "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+                         "rope_theta": 5e5, "rms_norm_eps": 1e-5, "bos_token_id": 128000, "eos_token_id": 128001,
+                         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                         "export_flags": ["--base-dtype", "int4"]}),
 }
 # Further rows for the memory model (issue 31 target 3), each a model of MODELS (or "minilm") run another
 # way: name -> (model, overrides). Overrides: base_dtype ("int4", "float32"; None with full fine-tuning),
@@ -113,9 +118,12 @@ def model_path(name: str) -> Path:
         return onnx
     hf = folder / "hf"
     env = {**os.environ, **_ENV}
-    subprocess.run([sys.executable, "-c", _MAKE_RANDOM, str(hf), json.dumps(shape)], check=True, env=env)
+    shape = dict(shape)
+    flags = shape.pop("export_flags", [])
+    if not (hf / "config.json").is_file():
+        subprocess.run([sys.executable, "-c", _MAKE_RANDOM, str(hf), json.dumps(shape)], check=True, env=env)
     subprocess.run([sys.executable, "-m", "confidant", "export", "--task", "causal-lm", "--checkpoint", str(hf),
-                    "--no-kv-cache", "-o", str(onnx)], check=True, env=env, cwd=_HERE.parent)
+                    "--no-kv-cache", *flags, "-o", str(onnx)], check=True, env=env, cwd=_HERE.parent)
     smollm2 = model_path("smollm2").parent
     for f in ("tokenizer.json", "chat_template.json"):  # SmolLM2's ids are all below the vocabulary
         shutil.copy(smollm2 / f, folder / f)

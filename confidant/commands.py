@@ -122,7 +122,14 @@ def _export_causal_lm(args) -> int:
     if not 14 <= args.opset <= 20:
         raise CliError(f"--opset {args.opset} is outside the supported 14-20")
     _check_base_dtype_flags(args)
-    options = LlmExportOptions(opset=args.opset, dynamo=args.dynamo, seed=args.seed)
+    base = getattr(args, "base_dtype", "float32")
+    try:
+        from ir.precision import check_base_dtype
+
+        check_base_dtype(base)
+    except ValueError as exc:
+        raise UsageError(f"--base-dtype: {exc}") from None
+    options = LlmExportOptions(opset=args.opset, dynamo=args.dynamo, seed=args.seed, base_dtype=base)
     exporter = "dynamo" if args.dynamo else "torchscript"
     if args.random:
         if args.checkpoint:
@@ -139,7 +146,9 @@ def _export_causal_lm(args) -> int:
         print(f"exporting {source} -> {args.output} (opset {args.opset}, {exporter} exporter, causal LM)",
               file=sys.stderr)
         export_llm(args.checkpoint, args.output, options, kv_cache=not args.no_kv_cache)
-    _store_base(args)
+    if base != "float32":  # written quantized tensor by tensor by the exporter itself (planner/onnx_quantize.py, the lean export)
+        meta = json.loads(Path(args.output).with_suffix(".lm.json").read_text())
+        print(f"stored {len(meta.get('stored_quantized', []))} weights {base}", file=sys.stderr)
     print(args.output)
     return 0
 

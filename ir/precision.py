@@ -181,23 +181,49 @@ def _to_bfloat16_bits(w: np.ndarray) -> np.ndarray:
 
 def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> "QuantizedTensor | np.ndarray":
     """`w` (2-D float) held at `storage`, blocked along `axis` (its input dimension); float32
-    gives the float32 array back. Raises ValueError for a weight a float16 scale cannot hold."""
+    gives the float32 array back. Raises ValueError for a weight a float16 scale cannot hold.
+    Rows are quantized a chunk at a time (each row's blocks are independent), so the work arrays
+    are a few MiB whatever the weight's size: an export quantizes a 1 GiB embedding table without
+    holding several float32 copies of it."""
     check_base_dtype(storage)
-    w = np.asarray(w, np.float32)
+    w = np.asarray(w)
+    if w.dtype != np.float32 and storage == "float32":
+        w = w.astype(np.float32)
     if storage == "float32":
         return w
     if w.ndim != 2 or axis not in (0, 1):
         raise ValueError(f"only 2-D weights are quantized (got shape {w.shape}, axis {axis})")
-    if not np.isfinite(w).all():
-        raise ValueError("a weight to quantize has a NaN or an infinity")
+    if storage != "bfloat16" and block % 2:
+        raise ValueError(f"block {block} must be even")
     stored = w if axis == 1 else w.T
     rows, cols = stored.shape
-    if storage == "bfloat16":
-        return QuantizedTensor(_to_bfloat16_bits(stored), np.zeros((rows, 0), np.float16), tuple(w.shape),
-                               storage, axis, block)
-    if block % 2:
-        raise ValueError(f"block {block} must be even")
-    padded = -(-cols // block) * block
+    padded = cols if storage == "bfloat16" else -(-cols // block) * block
+    width = padded // 2 if storage == "int4" else padded
+    codes = np.empty((rows, width), {"bfloat16": np.uint16, "int8": np.int8, "int4": np.uint8}[storage])
+    scales = np.empty((rows, 0 if storage == "bfloat16" else padded // block), np.float16)
+    mins = np.empty_like(scales) if storage == "int4" else None
+    step = max(1, _CHUNK_ELEMENTS // max(padded, 1))
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        part = np.asarray(stored[lo:hi], np.float32)
+        if not np.isfinite(part).all():
+            raise ValueError("a weight to quantize has a NaN or an infinity")
+        if storage == "bfloat16":
+            codes[lo:hi] = _to_bfloat16_bits(part)
+            continue
+        got = _quantize_rows(part, storage, padded, block)
+        codes[lo:hi], scales[lo:hi] = got[0], got[1]
+        if mins is not None:
+            mins[lo:hi] = got[2]
+    return QuantizedTensor(codes, scales, tuple(w.shape), storage, axis, block, mins)
+
+
+_CHUNK_ELEMENTS = 1 << 20  # float32 elements a chunk of rows is quantized in (4 MiB, a few work arrays)
+
+
+def _quantize_rows(stored: np.ndarray, storage: str, padded: int, block: int) -> tuple:
+    """(codes, scales[, mins]) of float32 rows `stored` [rows, cols] at int8 or int4."""
+    rows, cols = stored.shape
     x = np.zeros((rows, padded), np.float32)
     x[:, :cols] = stored
     if padded != cols:  # the padding repeats a real element: it widens no block's range
@@ -214,8 +240,7 @@ def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> 
         safe = np.where(d > 0, d, 1.0)
         q = np.clip(np.rint((x - m[:, :, None]) / safe[:, :, None]), 0, _INT4_LEVELS).astype(np.uint8)
         q = q.reshape(rows, padded)
-        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
-        return QuantizedTensor(np.ascontiguousarray(packed), scales, tuple(w.shape), storage, axis, block, mins)
+        return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8), scales, mins
     qmax = _QMAX[storage]
     absmax = np.abs(x).max(axis=2)
     if (absmax / qmax > np.finfo(np.float16).max).any():
@@ -223,8 +248,7 @@ def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> 
     scales = (absmax / qmax).astype(np.float16)
     s = scales.astype(np.float32)
     safe = np.where(s > 0, s, 1.0)
-    q = np.clip(np.rint(x / safe[:, :, None]), -qmax, qmax).astype(np.int8).reshape(rows, padded)
-    return QuantizedTensor(np.ascontiguousarray(q), scales, tuple(w.shape), storage, axis, block)
+    return np.clip(np.rint(x / safe[:, :, None]), -qmax, qmax).astype(np.int8).reshape(rows, padded), scales
 
 
 def dequantize(q: "QuantizedTensor | np.ndarray") -> np.ndarray:

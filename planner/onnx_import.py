@@ -104,6 +104,30 @@ def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool
     return lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path), arrays=arrays)
 
 
+def stored_precisions(model, shapes: Mapping[str, tuple[int, ...]], base_dtype: str) -> dict[str, tuple[str, int]]:
+    """weight name -> (storage, blocked axis) for the weights `base_dtype` stores quantized in `model`
+    (a graph whose weights `planner.onnx_quantize.take_weight_inputs` took), decided on the lowered graph as the lowering
+    of the written file will see it, with zero-stride stand-ins for the weights."""
+    from onnx import ModelProto, TensorProto
+
+    from ir.precision import check_base_dtype, lookup_tables, quantizable, storage_for
+
+    check_base_dtype(base_dtype)
+    if base_dtype == "float32":
+        return {}
+    probe = ModelProto()
+    probe.CopyFrom(model)
+    for name, shape in shapes.items():
+        stub = TensorProto(name=name, data_type=TensorProto.FLOAT)
+        stub.dims.extend(int(d) for d in shape)
+        probe.graph.initializer.append(stub)
+    stand_ins = {name: np.broadcast_to(np.float32(0), tuple(shape)) for name, shape in shapes.items()}
+    graph = lower_model(probe, ImportOptions(1, 8, False), source="the traced graph", arrays=stand_ins)
+    tables = lookup_tables(graph.nodes)
+    return {name: (storage_for(base_dtype, name in tables), axis)
+            for name, axis in quantizable(graph.nodes, graph.constants, ()).items() if name in shapes}
+
+
 def _checked_size(path: Path) -> int:
     """The size of the ONNX file `path`, or an error saying why it is not one."""
     if path.is_dir():
@@ -1077,7 +1101,8 @@ def folded_transposes(onnx_graph, values: Mapping[str, np.ndarray], weights: set
     by_shape: dict[tuple[int, ...], list[str]] = {}
     for name in weights:
         v = values.get(name)
-        if v is not None and v.ndim == 2 and v.dtype.kind == "f" and v.shape[0] != v.shape[1] \
+        # a weight the file stores quantized (a QuantizedTensor) is its own: no exporter folded it
+        if isinstance(v, np.ndarray) and v.ndim == 2 and v.dtype.kind == "f" and v.shape[0] != v.shape[1] \
                 and not _all_equal(v):
             by_shape.setdefault(v.shape, []).append(name)
 

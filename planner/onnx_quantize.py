@@ -48,10 +48,17 @@ def _initializer(name: str, value: np.ndarray):
 
 def _widen_nodes(name: str, q: QuantizedTensor) -> tuple[list, list]:
     """(initializers, nodes) that compute `name` (float32, its logical shape) from `q`'s storage arrays."""
+    arrays, inits, nodes = widen_parts(name, q)
+    return [_initializer(k, v) for k, v in arrays] + inits, nodes
+
+
+def widen_parts(name: str, q: QuantizedTensor) -> tuple[list, list, list]:
+    """(storage arrays as (initializer name, array), the widening's small constant initializers, its
+    nodes): `_widen_nodes` with the big arrays left as arrays, for a writer that streams them."""
     from onnx import TensorProto, helper, numpy_helper
 
-    pieces = storage_tensors(name, q)
-    inits = [_initializer(k, v) for k, v in pieces.items() if v.size]  # bfloat16's scales are empty
+    arrays = [(k, v) for k, v in storage_tensors(name, q).items() if v.size]  # bfloat16's scales are empty
+    inits = []
     p = f"{name}.q_"
     nodes = []
 
@@ -93,7 +100,7 @@ def _widen_nodes(name: str, q: QuantizedTensor) -> tuple[list, list]:
     final = helper.make_node("Transpose", [stored], [name], name=p + "logical", perm=[1, 0]) if q.axis == 0 else \
         helper.make_node("Identity", [stored], [name], name=p + "logical")
     nodes.append(final)
-    return inits, nodes
+    return arrays, inits, nodes
 
 
 def quantized_weights(graph, storage: str, keep_float: set[str] = frozenset()) -> dict[str, QuantizedTensor]:
@@ -180,7 +187,10 @@ def widen_stored_weights(model, arrays: dict[str, np.ndarray]) -> None:
                    if (k != "q_mins" or storage == "int4") and (k != "q_scales" or storage != "bfloat16")}
         if storage == "bfloat16":
             tensors[f"{name}.q_scales"] = np.zeros((shape[1 - axis], 0), np.float16)
-        arrays[name] = dequantize(from_storage_tensors(name, tensors, storage, axis, block, shape))
+        # held as stored: a QuantizedTensor over the file's own arrays (no float32 copy); it reads as the
+        # float32 weight it stands for wherever a consumer widens it (np.asarray), and a quantized base
+        # of its precision takes it as it is (ir.precision.quantize_frozen)
+        arrays[name] = from_storage_tensors(name, tensors, storage, axis, block, shape)
         prefix = f"{name}.q_"
         for t in [t for t in graph.initializer if t.name.startswith(prefix)]:
             graph.initializer.remove(t)
@@ -239,5 +249,150 @@ def recorded_base_dtype(path: Path) -> str:
     return value if value in ("float32", "bfloat16", "int8", "int4") else "float32"
 
 
+# --- the lean export (`confidant export --task causal-lm`) ---------------------------------------------
+# The lean ONNX export of a causal LM (issue 31): the graph traced without its weights, the weights
+# written after it one tensor at a time (quantized one at a time for `--base-dtype`).
+#
+# Why: `torch.onnx.export` with its parameters builds the whole protobuf in memory (a copy of every
+# weight), serializes it (another), and `--base-dtype` then read the file back, lowered it (float32
+# weights again), quantized and rewrote it through `onnx.load` / `onnx.save` (two more copies): a
+# Llama-3.2-1B-class model (4.7 GiB of float32 weights) needed ~20 GiB, a laptop's whole memory. Here:
+#
+# 1. the TorchScript exporter traces with `export_params=False`: the weights are graph inputs named
+#    as in the state dict (the exporter's own names, one per shared tensor), the message is a few MB;
+# 2. which weights are stored quantized is decided by lowering that graph with zero-stride stand-ins
+#    (`np.broadcast_to`: the shape, no memory), by the same rule as before (`ir.precision.quantizable`;
+#    `planner.onnx_import.stored_precisions`);
+# 3. the file is written in protobuf's wire format: the message less its weights, then each weight
+#    as an initializer whose bytes are copied from the model's own tensor (a view of the torch
+#    parameter) or from its quantized storage arrays, quantized a chunk of rows at a time. A float
+#    file over protobuf's 2 GiB limit keeps its weights in one external data file beside it
+#    (`NAME.onnx.data`), which ONNX Runtime and the lowering read.
+#
+# So the export holds the loaded model, the quantized arrays (the file's size) and one tensor's work.
+# The files are the ones the old path wrote: same nodes, same initializer names and values (the
+# widening ops of `planner.onnx_quantize`), checked against it by tests/models/test_lean_export.py.
+
+INLINE_LIMIT = 1_900_000_000  # bytes of weights kept inside the protobuf (its limit is 2 GiB)
+_LENGTH = 2
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+
+
+def take_weight_inputs(data: bytes, known: Mapping[str, object]) -> tuple[object, list[str]]:
+    """The ONNX model in `data` with the graph inputs that are weights (names in `known`) taken out of
+    its inputs, and those names in order."""
+    import onnx
+
+    model = onnx.load_from_string(data)
+    inputs = list(model.graph.input)
+    names = [i.name for i in inputs if i.name in known]
+    del model.graph.input[:]
+    model.graph.input.extend(i for i in inputs if i.name not in known)
+    return model, names
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def _field(number: int, length: int) -> bytes:
+    return _varint(number << 3 | _LENGTH) + _varint(length)
+
+
+def _onnx_type(array: np.ndarray) -> int:
+    from onnx import TensorProto, helper
+
+    if array.dtype == np.uint16:  # bfloat16 bit patterns (planner.onnx_quantize stores them so)
+        return TensorProto.BFLOAT16
+    return helper.np_dtype_to_tensor_dtype(array.dtype)
+
+
+def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dtype: str = "float32") -> list[str]:
+    """Write `model` (weights taken out, `take_weight_inputs`) to `path` with `weights` (name -> float
+    array, or QuantizedTensor for a weight stored quantized) as its initializers, streamed; the names
+    stored quantized. Float weights over `INLINE_LIMIT` go to `NAME.onnx.data` beside the file."""
+    import json
+
+    from onnx import ModelProto, TensorProto
+
+    from ir.precision import QuantizedTensor
+
+    path = Path(path)
+    pieces: list[tuple[str, np.ndarray]] = []
+    nodes, record = [], {}
+    for name, value in weights.items():
+        if isinstance(value, QuantizedTensor):
+            arrays, consts, widen = widen_parts(name, value)
+            pieces += arrays
+            model.graph.initializer.extend(consts)
+            nodes += widen
+            record[name] = [value.storage, value.axis, value.block, *value.shape]
+        else:
+            pieces.append((name, np.ascontiguousarray(value)))
+    if nodes:  # topological: the widened weights before any reader
+        rest = list(model.graph.node)
+        del model.graph.node[:]
+        model.graph.node.extend(nodes + rest)
+    if record:
+        for key, value in ((BASE_DTYPE_KEY, base_dtype), (WEIGHTS_KEY, json.dumps(record))):
+            model.metadata_props.add(key=key, value=value)
+    external = sum(a.nbytes for _, a in pieces) > INLINE_LIMIT
+    data_path = path.with_name(path.name + ".data")
+    headers, offset = [], 0
+    for name, array in pieces:
+        t = TensorProto(name=name, data_type=_onnx_type(array))
+        t.dims.extend(int(d) for d in array.shape)
+        if external:
+            t.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", data_path.name), ("offset", str(offset)),
+                               ("length", str(array.nbytes))):
+                t.external_data.add(key=key, value=value)
+            offset += -(-array.nbytes // 4096) * 4096
+        headers.append(t.SerializeToString())
+    head = ModelProto()
+    head.CopyFrom(model)
+    head.ClearField("graph")
+    graph_bytes = model.graph.SerializeToString()
+    entries = []
+    for header, (_, array) in zip(headers, pieces):
+        inner = len(header) + (0 if external else len(_field(_TENSOR_RAW_DATA, array.nbytes)) + array.nbytes)
+        entries.append((_field(_GRAPH_INITIALIZER, inner), header))
+    graph_length = len(graph_bytes) + sum(len(tag) + len(h) for tag, h in entries) + \
+        (0 if external else sum(len(_field(_TENSOR_RAW_DATA, a.nbytes)) + a.nbytes for _, a in pieces))
+    with open(path, "wb") as f:
+        f.write(head.SerializeToString())
+        f.write(_field(_MODEL_GRAPH, graph_length))
+        f.write(graph_bytes)
+        for (tag, header), (_, array) in zip(entries, pieces):
+            f.write(tag)
+            f.write(header)
+            if not external:
+                f.write(_field(_TENSOR_RAW_DATA, array.nbytes))
+                f.write(_bytes_of(array))
+    if external:
+        with open(data_path, "wb") as f:
+            for _, array in pieces:
+                f.write(_bytes_of(array))
+                f.write(b"\0" * (-array.nbytes % 4096))
+    elif data_path.exists():
+        data_path.unlink()  # a stale data file of an earlier, larger export
+    return list(record)
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    array = np.ascontiguousarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return memoryview(array.reshape(-1)).cast("B")
+
+
 __all__ = ["BASE_DTYPE_KEY", "BLOCK", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
-           "recorded_base_dtype", "widen_stored_weights", "with_float_weights", "write_quantized"]
+           "recorded_base_dtype", "INLINE_LIMIT", "take_weight_inputs",
+           "widen_parts", "widen_stored_weights", "with_float_weights", "write_quantized", "write_with_weights"]

@@ -42,6 +42,8 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
+
+import numpy as np
 from pathlib import Path
 
 from jobs.common.errors import JobError
@@ -66,6 +68,9 @@ class LlmExportOptions:
     seed: int = 0  # the example inputs' seed (and a random model's weights, see random_causal_lm)
     example_batch: int = 2
     example_seq: int = 16
+    # the frozen weights' storage in the written files (`--base-dtype`, jobs/export_quantized.py); the
+    # TorchScript exporter writes them lean (planner/onnx_quantize.py: the lean export), quantized tensor by tensor
+    base_dtype: str = "float32"
 
 
 # --- where models come from --------------------------------------------------------------------------
@@ -127,14 +132,24 @@ def _load_gguf(path: Path):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config._attn_implementation = "eager"
-    torch.manual_seed(0)  # from_config initialises weights before they are replaced
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # built on the meta device and given the loaded tensors themselves (assign): one model's weights in
+    # memory, not two (a randomly initialised copy was +513 MiB on SmolLM2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False, assign=True)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise JobError(f"{path}: the dequantized state dict does not fit its config (missing {missing[:5]}, "
                        f"unexpected {unexpected[:5]})")
+    for name, buffer in loaded.named_buffers():  # those outside the state dict (RoPE's inverse frequencies)
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if module._buffers.get(leaf) is not None and module._buffers[leaf].is_meta:
+            module._buffers[leaf] = buffer
     model.tie_weights()
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise JobError(f"{path}: the dequantized model leaves {meta[:3]} without values")
     return model.eval(), tokenizer
 
 
@@ -407,8 +422,9 @@ def _cache_names(shape: _Shape) -> tuple[list[str], list[str]]:
     return past, [p.replace("past.", "present.") for p in past]
 
 
-def _export_cache_graph(step, shape: _Shape, out_path: Path, options: LlmExportOptions) -> None:
-    """NAME.kv.onnx by the TorchScript exporter without folding (the training graph's weight names)."""
+def _export_cache_graph(step, shape: _Shape, out_path: Path, options: LlmExportOptions, weights: dict) -> None:
+    """NAME.kv.onnx by the TorchScript exporter without folding (the training graph's weight names),
+    written with `weights` (the training graph's, quantized ones included)."""
     import torch
 
     b, past_len, new = 2, 3, 4
@@ -425,9 +441,73 @@ def _export_cache_graph(step, shape: _Shape, out_path: Path, options: LlmExportO
             "position_ids": {0: "batch", 1: "new"}, "logits": {0: "batch", 1: "new"}}
     axes.update({n: {0: "batch", 2: "past"} for n in past_names})
     axes.update({n: {0: "batch", 2: "total"} for n in present_names})
-    torch.onnx.export(step, (input_ids, mask, position_ids, *past), str(out_path), dynamo=False,
-                      input_names=inputs, output_names=["logits", *present_names], dynamic_axes=axes,
-                      opset_version=options.opset, do_constant_folding=False)
+    _write_lean(step, (input_ids, mask, position_ids, *past), out_path, weights,
+                dict(input_names=inputs, output_names=["logits", *present_names], dynamic_axes=axes,
+                     opset_version=options.opset, do_constant_folding=False))
+
+
+def _trace_without_weights(module, args, **export_kwargs):
+    """The TorchScript export of `module` on `args` (ONNX bytes) with its weights as graph inputs.
+
+    The exporter's ONNX shape inference (`_jit_pass_onnx_graph_shape_type_inference`, run twice)
+    serializes the graph with every parameter's data even under `export_params=False`: 2x the
+    weights for a moment (measured: +225 MiB for 108 MiB of weights). It is given only the small
+    constants (under 1024 elements: ones that may feed a shape); the weights are typed graph
+    inputs, which inference reads by their declared types. tests/models/test_lean_export.py checks the
+    nodes against the old export's (planner.onnx_quantize: the rest of the lean export)."""
+    import io
+
+    import torch
+
+    infer = getattr(torch._C, "_jit_pass_onnx_graph_shape_type_inference", None)
+
+    def lean_infer(graph, params, *rest):
+        return infer(graph, {k: v for k, v in params.items() if v.numel() < 1024}, *rest)
+
+    buf = io.BytesIO()
+    if infer is not None:
+        torch._C._jit_pass_onnx_graph_shape_type_inference = lean_infer
+    try:
+        torch.onnx.export(module, args, buf, dynamo=False, export_params=False, **export_kwargs)
+    finally:
+        if infer is not None:
+            torch._C._jit_pass_onnx_graph_shape_type_inference = infer
+    return buf.getvalue()
+
+
+
+def _write_lean(module, args, out_path: Path, weights: dict | None, export_kwargs: dict,
+                base_dtype: str = "float32") -> dict:
+    """`module` traced without its weights and written to `out_path` with them streamed
+    (planner/onnx_quantize.py: the lean export); `weights` (name -> array or QuantizedTensor) when another graph of the
+    same module already made them, else made here: views of the parameters, the ones `base_dtype`
+    stores quantized quantized one at a time. Returns the weights written."""
+    from ir.precision import quantize
+    from planner.onnx_import import stored_precisions
+    from planner.onnx_quantize import take_weight_inputs, write_with_weights
+
+    tensors = dict(module.named_parameters())
+    tensors.update((n, b) for n, b in module.named_buffers() if n not in tensors)
+    graph, names = take_weight_inputs(_trace_without_weights(module, args, **export_kwargs), tensors)
+    if weights is None:
+        plan = stored_precisions(graph, {n: tuple(tensors[n].shape) for n in names}, base_dtype)
+        weights = {}
+        for n in names:
+            view = tensors[n].detach().numpy()
+            weights[n] = quantize(view, *plan[n]) if n in plan else view
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise JobError(f"{out_path.name} reads weights the training graph does not ({missing[:3]}): export with "
+                       "--no-kv-cache")
+    write_with_weights(graph, {n: weights[n] for n in names}, out_path, base_dtype if base_dtype != "float32"
+                       else _base_of(weights))
+    return weights
+
+
+def _base_of(weights: dict) -> str:
+    """The --base-dtype the quantized ones of `weights` were made for (int4's tables are int8)."""
+    kinds = {getattr(v, "storage", "float32") for v in weights.values()} - {"float32"}
+    return "int4" if "int4" in kinds else (kinds.pop() if kinds else "float32")
 
 
 def _weights(named) -> dict[str, list[int]]:
@@ -444,7 +524,11 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if options.base_dtype != "float32" and options.dynamo:
+        raise JobError(f"--base-dtype {options.base_dtype} needs the TorchScript exporter (the dynamo exporter "
+                       "renames and pre-transposes weights): drop --dynamo")
     shape = _Shape.of(model)
+    stored: dict = {}
     logits_module, step_module = _modules(model)
     args = _example_inputs(shape.vocab, options)
     names = ["input_ids", "attention_mask"]
@@ -473,16 +557,17 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
             weights = _weights((n, v.shape, v.dtype is not None and v.dtype.is_floating_point())
                                for n, v in program.model.graph.initializers.items())
         else:
-            torch.onnx.export(logits_module, args, str(out_path), dynamo=False, input_names=names,
-                              output_names=["logits"],
-                              dynamic_axes={n: {0: "batch", 1: "seq"} for n in names + ["logits"]},
-                              opset_version=options.opset, do_constant_folding=False)
+            stored = _write_lean(logits_module, args, out_path, None,
+                                 dict(input_names=names, output_names=["logits"],
+                                      dynamic_axes={n: {0: "batch", 1: "seq"} for n in names + ["logits"]},
+                                      opset_version=options.opset, do_constant_folding=False),
+                                 options.base_dtype)
             # Unfolded TorchScript keeps every parameter as an initializer under its name (one per
             # shared tensor, under its first name); tests/models/test_llm_export.py reads the file to check.
             weights = _weights((n, p.shape, p.is_floating_point()) for n, p in logits_module.named_parameters())
         kv_path = out_path.with_suffix(".kv.onnx")
         if kv_cache:
-            _export_cache_graph(step_module, shape, kv_path, options)
+            _export_cache_graph(step_module, shape, kv_path, options, stored)
         elif kv_path.exists():
             kv_path.unlink()  # a stale cache graph would hold other weights
     document = {
@@ -497,6 +582,10 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
         "weights": weights,
         "source": source or {"path": None, "format": "in-memory", "note": None},
     }
+    quantized = sorted(k for k, v in stored.items() if not isinstance(v, np.ndarray))
+    if quantized:
+        document["base_dtype"] = options.base_dtype
+        document["stored_quantized"] = quantized
     out_path.with_suffix(".lm.json").write_text(json.dumps(document, indent=1) + "\n")
     if tokenizer is not None:
         folder = out_path.parent

@@ -1,0 +1,225 @@
+"""The lean causal-LM export (planner/onnx_quantize.py (the lean export)): the graph traced without its weights and the
+weights streamed in after it, quantized one at a time for `--base-dtype`.
+
+Held to independent references: the files the old path wrote (TorchScript's export with its
+parameters, then `quantize_export`'s rewrite through onnx.load / onnx.save) initializer for
+initializer and through ONNX Runtime's logits, for a tiny Llama and a tiny Qwen2; transformers' own
+logits for a float file whose weights lie in an external data file; and the export's peak resident
+memory against the model's weights (the old path held several copies of them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jobs.export.llm import LlmExportOptions, _example_inputs, _modules, export_causal_lm, random_causal_lm
+from jobs.export.quantized import quantize_export
+from tasks.causal_lm.generate import OnnxCausalLM
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _tiny_qwen():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, num_hidden_layers=2, max_position_embeddings=128, tie_word_embeddings=True,
+                         rope_theta=1e6, rms_norm_eps=1e-6, **TINY)
+    model = Qwen2ForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # random norms and biases, so a misplaced one shows (as random_causal_lm does)
+        gen = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_((0.0 if name.endswith(".bias") else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+MODELS = {"llama": lambda: random_causal_lm("llama", 0, **TINY), "qwen2": _tiny_qwen}
+
+
+def _old_export(model, path: Path, base_dtype: str) -> Path:
+    """What `confidant export --task causal-lm --no-kv-cache [--base-dtype]` wrote before the lean path."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module, _ = _modules(model)
+    args = _example_inputs(model.config.vocab_size, LlmExportOptions())
+    names = ["input_ids", "attention_mask"]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, args, str(path), dynamo=False, input_names=names, output_names=["logits"],
+                          dynamic_axes={n: {0: "batch", 1: "seq"} for n in names + ["logits"]}, opset_version=17,
+                          do_constant_folding=False)
+    if base_dtype != "float32":
+        quantize_export(path, base_dtype)
+    return path
+
+
+def _initializers(path: Path) -> dict[str, tuple[int, tuple, bytes]]:
+    import onnx
+
+    model = onnx.load(str(path))
+    return {t.name: (t.data_type, tuple(t.dims), t.raw_data) for t in model.graph.initializer}
+
+
+def _ids():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 256, (2, 9))
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("base_dtype", ["float32", "int4"])
+def test_the_lean_export_writes_the_old_paths_weights_and_onnx_runtime_gives_its_logits(tmp_path, family, base_dtype):
+    model = MODELS[family]()
+    old = _old_export(model, tmp_path / "old" / "m.onnx", base_dtype)
+    new = export_causal_lm(model, tmp_path / "new" / "m.onnx", LlmExportOptions(base_dtype=base_dtype), kv_cache=False)
+    import onnx
+
+    old_graph, new_graph = (onnx.load(str(f), load_external_data=False).graph for f in (old, new))
+    assert [n.SerializeToString() for n in new_graph.node] == [n.SerializeToString() for n in old_graph.node]
+    assert new_graph.output == old_graph.output and new_graph.input == old_graph.input
+    old_inits, new_inits = _initializers(old), _initializers(new)
+    assert sorted(new_inits) == sorted(old_inits)
+    for name, (kind, dims, data) in old_inits.items():  # the very bytes: codes, scales, offsets and floats
+        assert new_inits[name] == (kind, dims, data), name
+    ids, mask = _ids()
+    got = OnnxCausalLM(new, optimize=False).logits(ids, mask)
+    np.testing.assert_array_equal(got, OnnxCausalLM(old, optimize=False).logits(ids, mask))
+    import torch
+
+    with torch.no_grad():
+        reference = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    rows = mask.astype(bool)
+    if base_dtype == "float32":  # quantized weights move the logits: the old file is their reference
+        np.testing.assert_allclose(got[rows], reference[rows], rtol=0, atol=1e-4)
+    meta = json.loads(new.with_suffix(".lm.json").read_text())
+    assert meta.get("base_dtype", "float32") == base_dtype
+    quantized = [k for k in new_inits if k.endswith(".q_codes")]
+    assert sorted(meta.get("stored_quantized", [])) == sorted(k[:-len(".q_codes")] for k in quantized)
+    assert len(quantized) == (1 + 7 * 2 if base_dtype == "int4" else 0)  # the table, 7 projections a layer
+
+
+def test_the_cache_graph_gets_the_same_quantized_weights_and_generation_runs(tmp_path):
+    from tasks.causal_lm.generate import GenerationSettings
+
+    model = random_causal_lm("llama", 0, **TINY)
+    path = export_causal_lm(model, tmp_path / "m.onnx", LlmExportOptions(base_dtype="int4"))
+    main, kv = _initializers(path), _initializers(path.with_suffix(".kv.onnx"))
+    assert main == kv
+    lm = OnnxCausalLM(path, optimize=False)
+    ids, mask = _ids()
+    step = lm.logits(ids[:1, :5], mask[:1, :5])
+    out = lm.generate([list(ids[0, :5])], GenerationSettings(max_new_tokens=3))
+    assert out[0][0] == int(step[0, -1].argmax())  # the cache graph's first token is the full graph's argmax
+
+
+def test_a_float_file_over_the_inline_limit_keeps_its_weights_in_one_data_file(tmp_path, monkeypatch):
+    import torch
+
+    import planner.onnx_quantize as stream
+    from planner.onnx_import import load_model
+
+    monkeypatch.setattr(stream, "INLINE_LIMIT", 1000)
+    model = random_causal_lm("llama", 0, **TINY)
+    path = export_causal_lm(model, tmp_path / "m.onnx", kv_cache=False)
+    data = tmp_path / "m.onnx.data"
+    assert data.is_file() and path.stat().st_size < 200_000 < data.stat().st_size
+    ids, mask = _ids()
+    with torch.no_grad():
+        reference = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    got = OnnxCausalLM(path, optimize=False).logits(ids, mask)
+    rows = mask.astype(bool)
+    np.testing.assert_allclose(got[rows], reference[rows], rtol=0, atol=1e-4)
+    graph = load_model(path, 1, 8, with_loss=False)  # the lowering reads the data file
+    table = model.model.embed_tokens.weight.detach().numpy()
+    assert np.array_equal(graph.constants["model.embed_tokens.weight"], table)
+
+
+_PEAK = r"""
+import json, sys, warnings
+import torch
+from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
+import planner.onnx_import, onnx, ir.precision, jobs.export.quantized  # imports before the baseline
+from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
+torch.set_num_threads(1)
+model = random_causal_lm("llama", 0, vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=4)
+weights = sum(p.numel() * 4 for p in model.parameters())
+small = random_causal_lm("llama", 1)  # warm the tracer and the lowering on a small model
+export_causal_lm(small, sys.argv[1] + "/warm.onnx", LlmExportOptions(base_dtype=sys.argv[2]), kv_cache=False)
+del small
+base = rss_bytes()
+assert reset_peak_rss()
+export_causal_lm(model, sys.argv[1] + "/m.onnx", LlmExportOptions(base_dtype=sys.argv[2]), kv_cache=False)
+import os
+print(json.dumps({"weights": weights, "over": peak_rss_bytes() - base, "file": os.path.getsize(sys.argv[1] + "/m.onnx")}))
+"""
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "int4"])
+def test_the_export_holds_no_second_copy_of_the_weights(tmp_path, base_dtype):
+    """The old path held the protobuf's copy, its serialization and (--base-dtype) the lowering's and the
+    rewrite's: 2x the float weights and more over the loaded model. Lean: the file's weights at most,
+    plus the tracer's and a chunk's work."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path), base_dtype], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    # float32: the file's bytes are the parameters' own (views); int4: the quantized arrays, held for the
+    # cache graph (the file's size: 0.25x here, the int8 table is most of the model). Then the tracer's and
+    # the lowering's work (~20 MiB). The old path: 3.2x the weights over the model (float32 and int4).
+    held = got["file"] if base_dtype == "int4" else 0
+    assert got["over"] < held + 0.3 * got["weights"], got
+
+
+_LOWER_PEAK = r"""
+import json, os, sys
+import numpy as np
+from planner.onnx_import import load_model
+from ir.precision import QuantizedTensor
+from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
+load_model(sys.argv[1] + "/warm.onnx", 1, 8, with_loss=False)  # the lowering's own imports and caches
+base = rss_bytes()
+assert reset_peak_rss()
+graph = load_model(sys.argv[1] + "/m.onnx", 1, 8, with_loss=False)
+over = peak_rss_bytes() - base
+big_floats = [k for k, v in graph.constants.items() if isinstance(v, np.ndarray) and v.ndim == 2 and v.size >= 4096]
+held = sum(1 for v in graph.constants.values() if isinstance(v, QuantizedTensor))
+print(json.dumps({"over": over, "file": os.path.getsize(sys.argv[1] + "/m.onnx"), "big_floats": big_floats,
+                  "held_quantized": held}))
+"""
+
+
+def test_lowering_a_quantized_file_keeps_its_storage_arrays_and_no_float32_copy(tmp_path):
+    """The lowering used to widen every stored weight to float32 (SmolLM2 int4: 598 MiB over its start for
+    a 92 MB file); it now holds them as the file stores them, widened only where a consumer asks."""
+    model = random_causal_lm("llama", 0, vocab_size=32000, hidden_size=512, intermediate_size=2048,
+                             num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    export_causal_lm(model, tmp_path / "m.onnx", LlmExportOptions(base_dtype="int4"), kv_cache=False)
+    export_causal_lm(random_causal_lm("llama", 1), tmp_path / "warm.onnx", LlmExportOptions(base_dtype="int4"),
+                     kv_cache=False)
+    del model
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _LOWER_PEAK, str(tmp_path)], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["big_floats"] == [] and got["held_quantized"] == 1 + 7 * 3, got
+    # the stored arrays (the file) and the lowering's own work; the old lowering: + the float32 weights
+    assert got["over"] < got["file"] + 0.2 * weights, (got, weights)
