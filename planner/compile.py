@@ -31,7 +31,7 @@ from planner.cluster import Cluster, device_backend
 from planner.cost import activations_of, check_tied_schedule, compute_s, predicted_step_s, stage_costs
 from planner.engines import EnginePicks, Solve, best_picks, pick_engines
 from planner.heads import HeadSplit, choose_head_split, profile_with_head_split, split_base_backend, split_extra_cost_s
-from planner.partition import check_feasible, make_instance, manual_partition
+from planner.partition import PlanDoesNotFit, check_feasible, make_instance, manual_partition
 from planner.schedule import make_schedule
 
 Note = Callable[[str], None]
@@ -328,7 +328,26 @@ def compile_plan(graph: Graph, cluster: Cluster, request: PlanRequest, optimizer
     refusal = steady_state_refusal(compiled.schedule)
     if refusal is not None:
         raise NoSteadyState(refusal)
+    check_within_budgets(compiled)
     return compiled
+
+
+def check_within_budgets(compiled: CompiledPlan) -> None:
+    """A plan is a promise that each device's run stays within its budget: the stage costs the
+    plan will carry, priced after every choice (engines, activations, cached blocks), must fit, or
+    PlanDoesNotFit names the device. (A search's starting partition once came back from the
+    engine picks without fitting, and the plan was written over its budget.)"""
+    over = [(c.memory_bytes - c.memory_budget_bytes, c) for c in compiled.costs
+            if c.memory_budget_bytes > 0 and c.memory_bytes > c.memory_budget_bytes]
+    if not over:
+        return
+    worst, cost = max(over, key=lambda pair: pair[0])
+    mib = 1 << 20
+    raise PlanDoesNotFit(
+        f"device {cost.device!r} (stage {cost.stage}) needs {cost.memory_bytes / mib:.1f} MiB against its "
+        f"{cost.memory_budget_bytes / mib:.1f} MiB budget ({worst / mib:.1f} MiB over) in the best plan found: "
+        "give it more memory, add a device, or lower what a device holds (--lora, --base-dtype, more "
+        "--microbatches)", cost.device, worst, compiled.partition)
 
 
 def assemble(graph: Graph, cluster: Cluster, partition: Partition, splits: Mapping[str, HeadSplit],

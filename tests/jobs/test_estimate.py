@@ -227,3 +227,27 @@ def test_estimate_is_what_plan_promises_for_head_split_devices(tiny, tmp_path):
     est = estimate_memory(tiny, EstimateSettings(**SHAPE), cluster_file=tmp_path / "cluster.json")
     planned = {d.name: (d.first_block, d.last_block, d.memory_bytes) for d in plan.devices}
     assert {s.device: (s.first_block, s.last_block, s.memory_bytes) for s in est.requested.stages} == planned
+
+
+def test_a_compiled_plan_over_a_devices_budget_is_refused_naming_the_device(tiny, tmp_path):
+    """The last check before a plan is written: every stage's priced bytes within its device's
+    budget, whatever the search and the engine picks returned (a starting partition once came back
+    over its budget and was written). Here a real compiled plan passes, and the same plan with one
+    device's budget a MiB short of its stage is refused with that device's name and MiB."""
+    from ir.documents import OptimizerSettings
+    from planner.cluster import load_cluster
+    from planner.compile import PlanRequest, check_within_budgets, compile_plan
+    from planner.partition import PlanDoesNotFit, solve_partition
+
+    graph = load_model(tiny, 2, 16)
+    cluster = load_cluster(_write_cluster(tmp_path, graph, [("phone", 2 << 30), ("laptop", 2 << 30)]))
+    compiled = compile_plan(graph, cluster, PlanRequest(microbatches=2), OptimizerSettings("adamw", 1e-3),
+                            lambda inst: solve_partition(inst, time_limit_s=5.0))
+    check_within_budgets(compiled)
+    last = compiled.costs[-1]
+    short = tuple(dataclasses.replace(c, memory_budget_bytes=c.memory_bytes - (1 << 20)) if c is last else c
+                  for c in compiled.costs)
+    with pytest.raises(PlanDoesNotFit) as exc:
+        check_within_budgets(dataclasses.replace(compiled, costs=short))
+    assert exc.value.device == last.device and exc.value.over_bytes == 1 << 20
+    assert f"device {last.device!r}" in str(exc.value) and "(1.0 MiB over)" in str(exc.value)
