@@ -399,18 +399,23 @@ def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) 
 # --------------------------------------------------------------------------
 
 def parse_config(spec: str) -> dict:
-    """A --compare configuration: SCHEDULE[:ENGINE[:ACTIVATIONS]], ENGINE and ACTIVATIONS one for
-    every stage or one per stage joined by '+' (e.g. 'zb-h1:torch', '1f1b-flush:mnn+torch:per-block+')."""
+    """A --compare configuration: SCHEDULE[:ENGINE[:ACTIVATIONS[:POLICY]]], ENGINE and ACTIVATIONS one
+    for every stage or one per stage joined by '+' (e.g. 'zb-h1:torch', '1f1b-flush:mnn+torch:per-block+'),
+    POLICY the fault policy: 'default' (the command line's: snapshots on the peers) or 'stop'
+    (`--on-failure stop`: no snapshots)."""
     parts = spec.split(":")
-    if not 1 <= len(parts) <= 3 or not parts[0]:
-        raise ValueError(f"not SCHEDULE[:ENGINE[:ACTIVATIONS]]: {spec!r}")
+    if not 1 <= len(parts) <= 4 or not parts[0]:
+        raise ValueError(f"not SCHEDULE[:ENGINE[:ACTIVATIONS[:POLICY]]]: {spec!r}")
+    policy = parts[3] if len(parts) > 3 and parts[3] else "default"
+    if policy not in ("default", "stop"):
+        raise ValueError(f"policy 'default' or 'stop', not {policy!r}, in {spec!r}")
     schedule = parts[0]
     engine = parts[1] if len(parts) > 1 and parts[1] else "mnn"
     acts = parts[2] if len(parts) > 2 and parts[2] else None
     engines = tuple(engine.split("+")) if "+" in engine else engine
     if acts is not None and "+" in acts:
         acts = tuple(a or None for a in acts.split("+"))
-    return {"schedule": schedule, "engine": engines, "activations": acts}
+    return {"schedule": schedule, "engine": engines, "activations": acts, "policy": policy}
 
 
 def child_mnn_pipeline(model: str, M: int, stages: int, spec: str, steps: int) -> dict:
@@ -423,7 +428,7 @@ def child_mnn_pipeline(model: str, M: int, stages: int, spec: str, steps: int) -
     graph = load_model(model, batch=BATCH // M, seq=SEQ)
     batches = make_batches(steps + 1)
     r = run_mnn_pipeline(graph, batches, M, stages, c["schedule"], steps, engine=c["engine"],
-                         activations=c["activations"], variant=spec)
+                         activations=c["activations"], variant=spec, policy=c["policy"])
     r["coordinator_peak_mb"] = peak_rss_bytes() / 2**20
     return r
 
@@ -640,7 +645,7 @@ _PROFILES: dict = {}
 
 def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int,
                      engine: str | tuple[str, ...] = "mnn", update_every: int = 1, variant: str | None = None,
-                     activations=None, ranges=None) -> dict:
+                     activations=None, ranges=None, policy: str = "default") -> dict:
     import numpy as np
 
     from jobs.pipeline_training import AUTO_SNAPSHOTS, FaultPolicy, LocalWorkers, StageChoice, train_pipeline
@@ -665,8 +670,11 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300,
                                     **({} if per_stage else {"engine": engine, "activations": activations}))
             cuts = [last + 1 for _, last in ranges[:-1]] if ranges else None
+            # the command line's default policy, or --on-failure stop (no snapshots)
+            faults = (FaultPolicy(on_failure="stop") if policy == "stop"
+                      else FaultPolicy(snapshot_every=AUTO_SNAPSHOTS, state_on="peers"))
             res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=cuts, on_step=on_step,
-                                 keys=workers.keys, faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS, state_on="peers"),
+                                 keys=workers.keys, faults=faults,
                                  update_every=update_every, per_stage=per_stage)
         finally:
             codes = workers.wait(60.0)
@@ -1078,8 +1086,8 @@ def main(argv=None) -> int:
                          "(default 3)")
     ap.add_argument("--compare", metavar="CONFIGS", default="",
                     help="only the targets of issues 31 (5) and 32: these Confidant configurations, comma-separated "
-                         "SCHEDULE[:ENGINE[:ACTIVATIONS]] ('+' between per-stage values, e.g. 'zb-h1:torch,"
-                         "1f1b-flush:mnn:per-block'), each with its coordinator in a process of its own (counted), "
+                         "SCHEDULE[:ENGINE[:ACTIVATIONS[:POLICY]]] ('+' between per-stage values, e.g. 'zb-h1:torch,"
+                         "1f1b-flush:mnn:per-block,zb-h1:torch::stop'; POLICY default or stop), each with its coordinator in a process of its own (counted), "
                          "against torch.distributed.pipelining's schedules on --compare-stages processes, --rounds "
                          "rounds alternating; wall-clock steps, every process's peak")
     ap.add_argument("--compare-stages", type=int, default=2, help="processes for --compare (default 2)")

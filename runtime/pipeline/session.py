@@ -39,6 +39,7 @@ class PipelineResult:
     stage_busy: list[list[float]]
     stage_reports: list[list[dict]]
     weights: dict[str, np.ndarray]
+    # every stage's state at the end: parameters, and the optimizer's state when a checkpoint is written
     checkpoint: list[dict[str, np.ndarray]]
     ranges: list[tuple[int, int]]  # at the end (after any re-plan)
     replans: list[tuple[int, Reconfiguration]] = field(default_factory=list)  # (steps done before it, what moved)
@@ -51,6 +52,7 @@ class PipelineResult:
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # worker address -> its peak over the run
     setup_bytes: int = 0  # what the first setup sent the workers (bundles or weights, optimizer state)
     base_bytes_held: int = 0  # frozen weights the first setup left to the workers' own base files
+    state_bytes: int = 0  # every stage's trainable state at the end (parameters and optimizer state), as sent
 
 
 FAILURE_POLICIES = ("replan", "stop")
@@ -408,8 +410,13 @@ class Session:
         caller recovers and replays, because the last steps' updates live only on the devices."""
         if self.snapshot is not None and self.snapshot.step == step:
             self.final = self.snapshot.per_stage
+            self.result.state_bytes = sum(int(v.nbytes) for stage in self.final for v in stage.values())
         else:
-            self.final = self.coordinator.collect_checkpoint()
+            # the optimizer state only for a checkpoint: the run's result is its weights, and the
+            # moments (twice the weights under AdamW) would set the coordinator's peak (issue 31)
+            self.final = (self.coordinator.collect_checkpoint() if self.checkpoint_dir is not None
+                          else self.coordinator.collect_weights())
+            self.result.state_bytes = getattr(self.coordinator, "state_bytes", 0)
 
     def _reports(self, done: list[dict]) -> None:
         """Keep the stages' reports of the last REPORTS_KEPT steps (a long run's coordinator must not
