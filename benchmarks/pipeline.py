@@ -82,6 +82,20 @@ Noise and oversubscription
     machine the 3 worker processes (plus the coordinator) share 2 cores: those rows measure
     contention as much as pipelining; the script says so when stages > CPUs.
 
+Issues 31 (target 5) and 32 (throughput), alone: ``--compare CONFIGS``
+    Only the named Confidant configurations (SCHEDULE[:ENGINE[:ACTIVATIONS[:POLICY]]], POLICY
+    ``default``, the command line's fault policy with its snapshots on the peers, or ``stop``) and
+    torch.distributed.pipelining's three schedules, on ``--compare-stages`` (2) processes, alternating
+    over ``--rounds``.  Each Confidant configuration runs in a child process that is its coordinator,
+    so every process's peak (VmHWM, setup included) is measured, the coordinator's too, and counted
+    (it is the last in ``peak MB per process``); ``coord cpu s`` is the coordinator's CPU seconds a
+    step.  Steps are wall clock on both sides (Confidant: a step's start to the next's, the
+    snapshots in it; TDP: rank 0 between barriers, the optimizer step in it); the best round of each
+    configuration is compared with TDP's fastest schedule: throughput (issue 32: >= 1.2x) and the
+    largest process against that schedule's largest rank (issue 31 target 5: <= 0.5x).  Neither side
+    evaluates.  E.g. ``--compare zb-h1:torch,1f1b-flush:mnn,1f1b-flush:mnn::stop --microbatches 4
+    --steps 4 --rounds 2`` (~15 min on 2 busy cores).
+
 Usage
     .venv/bin/python benchmarks/pipeline.py [--steps N] [--microbatches 4,8] [--json OUT]
                                             [--model PATH] [--skip-torch] [--rounds R] [--isa-rounds N]
@@ -430,6 +444,7 @@ def child_mnn_pipeline(model: str, M: int, stages: int, spec: str, steps: int) -
     r = run_mnn_pipeline(graph, batches, M, stages, c["schedule"], steps, engine=c["engine"],
                          activations=c["activations"], variant=spec, policy=c["policy"])
     r["coordinator_peak_mb"] = peak_rss_bytes() / 2**20
+    r["coordinator_imports_torch"] = "torch" in sys.modules  # a few hundred MB when it does
     return r
 
 
@@ -489,11 +504,14 @@ def compare_report(results: list[dict], M: int, stages: int, steps: int) -> str:
         b = min(rs, key=lambda r: r["step_s"])
         best[key] = b
         peaks = max((r["peak_rss_mb"] for r in rs), key=max)
+        coord = b.get("coordinator_cpu_s")
+        if any(r.get("events") for r in rs):
+            key += " (events: " + "; ".join(",".join(r["events"]) for r in rs if r.get("events")) + ")"
         rows.append([key, f"{b['step_s']:.3f}", " ".join(f"{r['step_s']:.3f}" for r in rs),
                      f"{BATCH / b['step_s']:.2f}", "/".join(f"{x:.0f}" for x in peaks), f"{max(peaks):.0f}",
-                     " ".join(f"{r['load_avg'][0]:.1f}" for r in rs)])
+                     "-" if coord is None else f"{coord:.3f}", " ".join(f"{r['load_avg'][0]:.1f}" for r in rs)])
     out += _table(rows, ["configuration", "step s", "per round", "samp/s", "peak MB per process", "largest",
-                         "load avg"])
+                         "coord cpu s", "load avg"])
     tdp = [k for k in best if k.startswith("torch ")]
     mine = [k for k in best if k.startswith("mnn ")]
     if tdp and mine:
@@ -653,12 +671,14 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
 
     n = steps + 1
     cpu_marks: list[list[float | None]] = []
+    coord_marks: list[float] = []
     with NoiseMeter() as noise:
         workers = LocalWorkers.start(stages, threads=1)
         pids = [p.pid for p in workers.procs]
 
         def on_step(*_):
             cpu_marks.append([_proc_cpu_s(pid) for pid in pids])
+            coord_marks.append(time.process_time())  # the coordinator's own CPU (this process)
 
         try:
             # one engine and activation choice for all stages, or one per stage (each stage's device's)
@@ -750,6 +770,8 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             "per_stage": per_stage, "send_ms_per_msg": 1000 * sends / msgs if msgs else None,
             "act_bytes": act_bytes, "losses": res.losses, "first_loss": res.losses[0] if schedule not in ASYNC else None,
             "stage_busy": res.stage_busy, "others_cpu": noise.others,
+            "coordinator_cpu_s": _median([b - a for a, b in zip(coord_marks[1:], coord_marks[2:])]),
+            "events": [e.get("event") for e in res.events],  # a loss under load (recovery) shows here
             "reports": [[{"seconds": d["seconds"], "wall_s": d["wall_s"], "peak_rss_bytes": d["peak_rss_bytes"]}
                          for d in done] for done in res.stage_reports]}
 

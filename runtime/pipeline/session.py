@@ -408,7 +408,10 @@ class Session:
         """Every stage's state after the last step (`self.final`): the snapshot's when one was just
         taken, else collected now. A device lost here is a loss like any other (WorkerLost): the
         caller recovers and replays, because the last steps' updates live only on the devices."""
-        if self.snapshot is not None and self.snapshot.step == step:
+        if self.snapshot is not None and self.snapshot.step == step and (
+                self.held is None or self.checkpoint_dir is not None):
+            # the coordinator's copy of it (or, for a checkpoint, the peers' copies: the whole state
+            # is wanted); a snapshot held on the peers is not fetched for weights alone
             self.final = self.snapshot.per_stage
             self.result.state_bytes = sum(int(v.nbytes) for stage in self.final for v in stage.values())
         else:
