@@ -502,7 +502,10 @@ class Worker:
         elif kind == "run":
             self.run(msg)
         elif kind == "checkpoint":
-            self.checkpoint(msg.get("optimizer") is not False)
+            if msg.get("optimizer") is False:  # the run's final weights
+                self.checkpoint(optimizer=False)
+            else:
+                self.checkpoint()
         elif kind == "snapshot":
             self.snapshot(msg)
         elif kind == "snapshot_send":
