@@ -122,7 +122,7 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
            "state_share": sum(result.state_seconds[steady]) / sum(result.step_seconds[steady]),
            "copy_s": statistics.median(copies) if copies else None, "copies": len(copies),
            # what one copy carries: every stage's trainable parameters and optimizer state (LoRA: the adapters)
-           "state_mib": sum(int(v.nbytes) for stage in result.checkpoint for v in stage.values()) / 2**20,
+           "state_mib": result.state_bytes / 2**20,
            "others": noise.others, "coord_train_mib": peaks.get("train", 0) / 2**20,
            "coord_mib": peak_rss_bytes() / 2**20,
            "worker_mib": max(result.peak_rss_bytes.values(), default=0) / 2**20, "ranges": [list(r) for r in result.ranges], "events": result.events,

@@ -82,6 +82,20 @@ Noise and oversubscription
     machine the 3 worker processes (plus the coordinator) share 2 cores: those rows measure
     contention as much as pipelining; the script says so when stages > CPUs.
 
+Issues 31 (target 5) and 32 (throughput), alone: ``--compare CONFIGS``
+    Only the named Confidant configurations (SCHEDULE[:ENGINE[:ACTIVATIONS[:POLICY]]], POLICY
+    ``default``, the command line's fault policy with its snapshots on the peers, or ``stop``) and
+    torch.distributed.pipelining's three schedules, on ``--compare-stages`` (2) processes, alternating
+    over ``--rounds``.  Each Confidant configuration runs in a child process that is its coordinator,
+    so every process's peak (VmHWM, setup included) is measured, the coordinator's too, and counted
+    (it is the last in ``peak MB per process``); ``coord cpu s`` is the coordinator's CPU seconds a
+    step.  Steps are wall clock on both sides (Confidant: a step's start to the next's, the
+    snapshots in it; TDP: rank 0 between barriers, the optimizer step in it); the best round of each
+    configuration is compared with TDP's fastest schedule: throughput (issue 32: >= 1.2x) and the
+    largest process against that schedule's largest rank (issue 31 target 5: <= 0.5x).  Neither side
+    evaluates.  E.g. ``--compare zb-h1:torch,1f1b-flush:mnn,1f1b-flush:mnn::stop --microbatches 4
+    --steps 4 --rounds 2`` (~15 min on 2 busy cores).
+
 Usage
     .venv/bin/python benchmarks/pipeline.py [--steps N] [--microbatches 4,8] [--json OUT]
                                             [--model PATH] [--skip-torch] [--rounds R] [--isa-rounds N]
@@ -93,8 +107,9 @@ Usage
     ``--model`` the default checkpoint is exported once to ``$CONFIDANT_HOME/bench-minilm.onnx``
     (default ``~/.cache/confidant``; shared with benchmarks/engine.py).  6 to 8 minutes on 2 cores
     with the defaults.  Confidant's pipelines run under the command line's default fault policy
-    (the state copied to the coordinator every K steps, `jobs.train.pipeline.AUTO_SNAPSHOTS`),
-    and a step's wall time runs from its start to the next step's start, the copies in it (issue 32).
+    (each stage's state copied every K steps, `jobs.train.pipeline.AUTO_SNAPSHOTS`, and shipped to
+    a neighbouring worker while the next step runs: `FaultPolicy(state_on="peers")`), and a step's
+    wall time runs from its start to the next step's start, the copies in it (issue 32).
 """
 from __future__ import annotations
 
@@ -394,6 +409,125 @@ def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) 
 
 
 # --------------------------------------------------------------------------
+# Child: a Confidant pipeline with its coordinator in a process of its own (--compare)
+# --------------------------------------------------------------------------
+
+def parse_config(spec: str) -> dict:
+    """A --compare configuration: SCHEDULE[:ENGINE[:ACTIVATIONS[:POLICY]]], ENGINE and ACTIVATIONS one
+    for every stage or one per stage joined by '+' (e.g. 'zb-h1:torch', '1f1b-flush:mnn+torch:per-block+'),
+    POLICY the fault policy: 'default' (the command line's: snapshots on the peers) or 'stop'
+    (`--on-failure stop`: no snapshots)."""
+    parts = spec.split(":")
+    if not 1 <= len(parts) <= 4 or not parts[0]:
+        raise ValueError(f"not SCHEDULE[:ENGINE[:ACTIVATIONS[:POLICY]]]: {spec!r}")
+    policy = parts[3] if len(parts) > 3 and parts[3] else "default"
+    if policy not in ("default", "stop"):
+        raise ValueError(f"policy 'default' or 'stop', not {policy!r}, in {spec!r}")
+    schedule = parts[0]
+    engine = parts[1] if len(parts) > 1 and parts[1] else "mnn"
+    acts = parts[2] if len(parts) > 2 and parts[2] else None
+    engines = tuple(engine.split("+")) if "+" in engine else engine
+    if acts is not None and "+" in acts:
+        acts = tuple(a or None for a in acts.split("+"))
+    return {"schedule": schedule, "engine": engines, "activations": acts, "policy": policy}
+
+
+def child_mnn_pipeline(model: str, M: int, stages: int, spec: str, steps: int) -> dict:
+    """One Confidant configuration, this process its coordinator: every process's peak (VmHWM, setup
+    included), the coordinator's too, and wall-clock steps."""
+    from planner.onnx_import import load_model
+    from runtime.procfs import peak_rss_bytes
+
+    c = parse_config(spec)
+    graph = load_model(model, batch=BATCH // M, seq=SEQ)
+    batches = make_batches(steps + 1)
+    r = run_mnn_pipeline(graph, batches, M, stages, c["schedule"], steps, engine=c["engine"],
+                         activations=c["activations"], variant=spec, policy=c["policy"])
+    r["coordinator_peak_mb"] = peak_rss_bytes() / 2**20
+    r["coordinator_imports_torch"] = "torch" in sys.modules  # a few hundred MB when it does
+    return r
+
+
+def run_mnn_pipeline_apart(model: Path, M: int, stages: int, spec: str, steps: int, timeout: float) -> dict:
+    """`child_mnn_pipeline` in a child process: the coordinator's peak is its own."""
+    r = _spawn(["--child", "mnn-pipeline", str(M), "--model", str(model), "--stages", str(stages),
+                "--schedule", spec, "--steps", str(steps)], timeout)
+    r["workers_peak_mb"] = list(r["peak_rss_mb"])
+    r["peak_rss_mb"] = r["workers_peak_mb"] + [r["coordinator_peak_mb"]]  # the coordinator is a process too
+    return r
+
+
+def compare(model: Path, M: int, stages: int, specs: list[str], rounds: int, steps: int, timeout: float,
+            skip_torch: bool = False) -> list[dict]:
+    """Issue 31 target 5 and issue 32's throughput target, side by side: each Confidant configuration
+    (coordinator counted as a process) and torch.distributed.pipelining's schedules on `stages`
+    processes, alternating (A B A B ...) over `rounds`."""
+    results = []
+    for round_ in range(rounds):
+        runs = [("mnn", s) for s in specs] + ([] if skip_torch else [("torch", s) for s in TORCH_SCHEDULES])
+        if round_ % 2:
+            runs.reverse()
+        for fw, s in runs:
+            label = f"{fw} {s} M={M} {stages}p (round {round_ + 1}/{rounds})"
+            print(f"  {label} ...", file=sys.stderr, flush=True)
+            t = time.perf_counter()
+            try:
+                if fw == "mnn":
+                    r = run_mnn_pipeline_apart(model, M, stages, s, steps, timeout)
+                else:
+                    r = run_torch_pipeline(M, stages, s, steps, timeout)
+                r["round"] = round_
+                r["load_avg"] = os.getloadavg()
+                results.append(r)
+                print(f"    {r['step_s']:.3f} s/step, peaks {'/'.join(f'{x:.0f}' for x in r['peak_rss_mb'])} MB "
+                      f"({time.perf_counter() - t:.0f} s, load {r['load_avg'][0]:.1f})", file=sys.stderr, flush=True)
+            except Exception as exc:  # keep the others
+                print(f"    {label}: not measured because {type(exc).__name__}: {str(exc).strip()[-1500:]}",
+                      file=sys.stderr, flush=True)
+    return results
+
+
+def compare_report(results: list[dict], M: int, stages: int, steps: int) -> str:
+    """Per configuration: best (minimum over rounds) wall-clock step, every process's peak; then the
+    targets against TDP's fastest schedule (its best round) and that schedule's largest rank."""
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        key = f"{r['framework']} {r.get('variant') or r.get('torch_schedule') or r['schedule']}"
+        by.setdefault(key, []).append(r)
+    out = [f"MiniLM batch {BATCH} x {SEQ}, {M} micro-batches, {stages} processes, 1 thread each, {steps} timed "
+           f"steps (+1 warm-up), wall clock from a step's start to the next's (Confidant: snapshots of the default "
+           f"fault policy included); best round of {max(r['round'] for r in results) + 1}; peaks are VmHWM, setup "
+           "included, Confidant's coordinator counted as a process (last)", ""]
+    rows = []
+    best = {}
+    for key, rs in by.items():
+        b = min(rs, key=lambda r: r["step_s"])
+        best[key] = b
+        peaks = max((r["peak_rss_mb"] for r in rs), key=max)
+        coord = b.get("coordinator_cpu_s")
+        if any(r.get("events") for r in rs):
+            key += " (events: " + "; ".join(",".join(r["events"]) for r in rs if r.get("events")) + ")"
+        rows.append([key, f"{b['step_s']:.3f}", " ".join(f"{r['step_s']:.3f}" for r in rs),
+                     f"{BATCH / b['step_s']:.2f}", "/".join(f"{x:.0f}" for x in peaks), f"{max(peaks):.0f}",
+                     "-" if coord is None else f"{coord:.3f}", " ".join(f"{r['load_avg'][0]:.1f}" for r in rs)])
+    out += _table(rows, ["configuration", "step s", "per round", "samp/s", "peak MB per process", "largest",
+                         "coord cpu s", "load avg"])
+    tdp = [k for k in best if k.startswith("torch ")]
+    mine = [k for k in best if k.startswith("mnn ")]
+    if tdp and mine:
+        t = min(tdp, key=lambda k: best[k]["step_s"])
+        rank = max(max(r["peak_rss_mb"]) for r in by[t])
+        out += ["", f"TDP's fastest: {t} {best[t]['step_s']:.3f} s a step, largest rank {rank:.0f} MB"]
+        for k in mine:
+            x = best[t]["step_s"] / best[k]["step_s"]
+            largest = max(max(r["peak_rss_mb"]) for r in by[k])
+            out.append(f"  {k}: throughput {x:.2f}x TDP's (issue 32: >= 1.2x {'met' if x >= 1.2 else 'NOT met'}); "
+                       f"largest process {largest:.0f} MB = {largest / rank:.2f}x TDP's largest rank (issue 31 "
+                       f"target 5: <= 0.5x {'met' if largest <= 0.5 * rank else 'NOT met'})")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------
 # Parent: configurations
 # --------------------------------------------------------------------------
 
@@ -529,7 +663,7 @@ _PROFILES: dict = {}
 
 def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: int,
                      engine: str | tuple[str, ...] = "mnn", update_every: int = 1, variant: str | None = None,
-                     activations=None, ranges=None) -> dict:
+                     activations=None, ranges=None, policy: str = "default") -> dict:
     import numpy as np
 
     from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, LocalWorkers, StageChoice, train_pipeline
@@ -537,12 +671,14 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
 
     n = steps + 1
     cpu_marks: list[list[float | None]] = []
+    coord_marks: list[float] = []
     with NoiseMeter() as noise:
         workers = LocalWorkers.start(stages, threads=1)
         pids = [p.pid for p in workers.procs]
 
         def on_step(*_):
             cpu_marks.append([_proc_cpu_s(pid) for pid in pids])
+            coord_marks.append(time.process_time())  # the coordinator's own CPU (this process)
 
         try:
             # one engine and activation choice for all stages, or one per stage (each stage's device's)
@@ -554,8 +690,11 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=LR, timeout_s=300,
                                     **({} if per_stage else {"engine": engine, "activations": activations}))
             cuts = [last + 1 for _, last in ranges[:-1]] if ranges else None
+            # the command line's default policy, or --on-failure stop (no snapshots)
+            faults = (FaultPolicy(on_failure="stop") if policy == "stop"
+                      else FaultPolicy(snapshot_every=AUTO_SNAPSHOTS, state_on="peers"))
             res = train_pipeline(graph, batches, NUM_LABELS, workers.addresses, config, n, cuts=cuts, on_step=on_step,
-                                 keys=workers.keys, faults=FaultPolicy(snapshot_every=AUTO_SNAPSHOTS),
+                                 keys=workers.keys, faults=faults,
                                  update_every=update_every, per_stage=per_stage)
         finally:
             codes = workers.wait(60.0)
@@ -631,6 +770,8 @@ def run_mnn_pipeline(graph, batches, M: int, stages: int, schedule: str, steps: 
             "per_stage": per_stage, "send_ms_per_msg": 1000 * sends / msgs if msgs else None,
             "act_bytes": act_bytes, "losses": res.losses, "first_loss": res.losses[0] if schedule not in ASYNC else None,
             "stage_busy": res.stage_busy, "others_cpu": noise.others,
+            "coordinator_cpu_s": _median([b - a for a, b in zip(coord_marks[1:], coord_marks[2:])]),
+            "events": [e.get("event") for e in res.events],  # a loss under load (recovery) shows here
             "reports": [[{"seconds": d["seconds"], "wall_s": d["wall_s"], "peak_rss_bytes": d["peak_rss_bytes"]}
                          for d in done] for done in res.stage_reports]}
 
@@ -965,6 +1106,13 @@ def main(argv=None) -> int:
                     help="also compare MNN's whole-model fwd+bwd with PyTorch held to AVX2 (this MNN wheel's GEMM "
                          "ISA), N alternating rounds of benchmarks/engine.py's children, about 25 s each; 0 skips "
                          "(default 3)")
+    ap.add_argument("--compare", metavar="CONFIGS", default="",
+                    help="only the targets of issues 31 (5) and 32: these Confidant configurations, comma-separated "
+                         "SCHEDULE[:ENGINE[:ACTIVATIONS[:POLICY]]] ('+' between per-stage values, e.g. 'zb-h1:torch,"
+                         "1f1b-flush:mnn:per-block,zb-h1:torch::stop'; POLICY default or stop), each with its coordinator in a process of its own (counted), "
+                         "against torch.distributed.pipelining's schedules on --compare-stages processes, --rounds "
+                         "rounds alternating; wall-clock steps, every process's peak")
+    ap.add_argument("--compare-stages", type=int, default=2, help="processes for --compare (default 2)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--schedule", help=argparse.SUPPRESS)
@@ -987,10 +1135,12 @@ def main(argv=None) -> int:
             result = child_single_torch(M, args.steps)
         elif kind == "torch-rank":
             result = child_torch_rank(M, args.stages, args.schedule, args.rank, args.steps)
+        elif kind == "mnn-pipeline":
+            result = child_mnn_pipeline(str(args.model), M, args.stages, args.schedule, args.steps)
         else:
             ap.error(f"unknown child kind {kind}")
         sys.stdout.flush()
-        print(MARKER + json.dumps(result), flush=True)
+        print(MARKER + json.dumps(result, default=float), flush=True)
         return 0
 
     try:
@@ -1006,6 +1156,22 @@ def main(argv=None) -> int:
     model = args.model if args.model is not None else default_model()
     if not Path(model).is_file():
         ap.error(f"model {model} does not exist")
+    if args.compare:
+        specs = [x.strip() for x in args.compare.split(",") if x.strip()]
+        try:
+            for spec in specs:
+                parse_config(spec)
+        except ValueError as exc:
+            ap.error(f"--compare: {exc}")
+        for M in mbs:
+            results = compare(Path(model), M, args.compare_stages, specs, args.rounds, args.steps, args.timeout,
+                              args.skip_torch)
+            print(compare_report(results, M, args.compare_stages, args.steps) if results else "nothing measured")
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps({"microbatches": M, "results": [_strip(r) for r in results]},
+                                                indent=1, default=float) + "\n")
+        return 0
 
     from planner.onnx_import import load_model
 

@@ -444,18 +444,42 @@ class Coordinator:
 
     def collect_checkpoint(self) -> list[dict[str, np.ndarray]]:
         """Every stage's parameters and optimizer state (call at a flush boundary)."""
+        return self._collect(optimizer=True)
+
+    def collect_weights(self) -> list[dict[str, np.ndarray]]:
+        """Every stage's parameters only (call at a flush boundary): each optimizer tensor is dropped
+        as it arrives, never made dense. A run's final state when no checkpoint is written: MiniLM's
+        AdamW moments, twice its weights, set the coordinator's peak (issue 31)."""
+        return self._collect(optimizer=False)
+
+    def _collect(self, optimizer: bool) -> list[dict[str, np.ndarray]]:
+        """Without `optimizer` the workers send their parameters only (one that sends more has the
+        rest dropped as it arrives). `self.state_bytes`: every stage's whole state (parameters and
+        optimizer state), as the workers report it."""
+        order = {"type": "checkpoint"} if optimizer else {"type": "checkpoint", "optimizer": False}
         for p in self.placements:
-            self.transport.send_control(stage_peer(p.stage), {"type": "checkpoint"})
+            self.transport.send_control(stage_peer(p.stage), order)
         out = []
+        self.state_bytes = 0
         for p in self.placements:
             peer = stage_peer(p.stage)
             done = self._await_control(peer, "checkpoint_done")
             tensors = {}
+            received = 0
             for i, name in enumerate(done["names"]):
                 # kept as received (read-only, on the receive buffer, which is this process's own):
                 # a copy would cost a pass over the whole state at every snapshot (issue 32)
-                tensors[name] = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
-            out.append(dense_from_wire(tensors, done.get("rows"), f"stage {p.stage}'s checkpoint"))
+                arr = self._await_tensor(peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))
+                received += int(arr.nbytes)
+                if optimizer or not name.startswith("opt/"):
+                    tensors[name] = arr
+                del arr
+            reported = done.get("state_bytes")
+            self.state_bytes += reported if isinstance(reported, int) and reported >= received else received
+            rows = done.get("rows")
+            if not optimizer and isinstance(rows, dict):  # row-wise entries are optimizer state only
+                rows = {k: v for k, v in rows.items() if not (isinstance(k, str) and k.startswith("opt/"))}
+            out.append(dense_from_wire(tensors, rows, f"stage {p.stage}'s checkpoint"))
         return out
 
     def collect_stages(self):

@@ -40,6 +40,7 @@ class PipelineResult:
     stage_busy: list[list[float]]
     stage_reports: list[list[dict]]
     weights: dict[str, np.ndarray]
+    # every stage's state at the end: parameters, and the optimizer's state when a checkpoint is written
     checkpoint: list[dict[str, np.ndarray]]
     ranges: list[tuple[int, int]]  # at the end (after any re-plan)
     replans: list[tuple[int, Reconfiguration]] = field(default_factory=list)  # (steps done before it, what moved)
@@ -52,6 +53,7 @@ class PipelineResult:
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # worker address -> its peak over the run
     setup_bytes: int = 0  # what the first setup sent the workers (bundles or weights, optimizer state)
     base_bytes_held: int = 0  # frozen weights the first setup left to the workers' own base files
+    state_bytes: int = 0  # every stage's trainable state at the end (parameters and optimizer state), as sent
 
 
 FAILURE_POLICIES = ("replan", "stop")
@@ -488,10 +490,18 @@ class Session:
         """Every stage's state after the last step (`self.final`): the snapshot's when one was just
         taken, else collected now. A device lost here is a loss like any other (WorkerLost): the
         caller recovers and replays, because the last steps' updates live only on the devices."""
-        if self.snapshot is not None and self.snapshot.step == step:
+        if self.snapshot is not None and self.snapshot.step == step and (
+                self.held is None or self.checkpoint_dir is not None):
+            # the coordinator's copy of it (or, for a checkpoint, the peers' copies: the whole state
+            # is wanted); a snapshot held on the peers is not fetched for weights alone
             self.final = self.snapshot.per_stage
+            self.result.state_bytes = sum(int(v.nbytes) for stage in self.final for v in stage.values())
         else:
-            self.final = self.coordinator.collect_checkpoint()
+            # the optimizer state only for a checkpoint: the run's result is its weights, and the
+            # moments (twice the weights under AdamW) would set the coordinator's peak (issue 31)
+            self.final = (self.coordinator.collect_checkpoint() if self.checkpoint_dir is not None
+                          else self.coordinator.collect_weights())
+            self.result.state_bytes = getattr(self.coordinator, "state_bytes", 0)
 
     def _reports(self, done: list[dict]) -> None:
         """Keep the stages' reports of the last REPORTS_KEPT steps (a long run's coordinator must not

@@ -357,15 +357,19 @@ class Worker:
                 raise PeerTimeout(sorted(waiting)[0], None, "a fence after an abort", self.timeout)
         self.transport.send_control(COORDINATOR, {"type": "aborted", "stage": self.stage, "step": msg.get("step")})
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, optimizer: bool = True) -> None:
         self._need_stage("checkpoint")
         # the engine's and optimizer's own arrays, no copies: the coordinator has them all before it
         # sends the next step, and a table's state goes as its rows (no dense copy built to send)
         tensors = state_tensors(self.executor)
+        state_bytes = sum(int(arr.nbytes) for _, arr in tensors)
+        if not optimizer:  # the run's final weights: the moments would only be dropped on arrival
+            tensors = [(name, arr) for name, arr in tensors if name.startswith("param/")]
         for i, (name, arr) in enumerate(tensors):
             self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, i, np.asarray(arr, order="C"), name=name)
         self.transport.send_control(COORDINATOR, {"type": "checkpoint_done", "stage": self.stage,
-                                                  "names": [name for name, _ in tensors], "rows": row_shapes(tensors)})
+                                                  "names": [name for name, _ in tensors], "rows": row_shapes(tensors),
+                                                  "state_bytes": state_bytes})
 
     def snapshot(self, msg: dict) -> None:
         """Copy this stage's state for snapshot `sid` and ship it to its holder while the next step
@@ -504,7 +508,10 @@ class Worker:
         elif kind == "run":
             self.run(msg)
         elif kind == "checkpoint":
-            self.checkpoint()
+            if msg.get("optimizer") is False:  # the run's final weights
+                self.checkpoint(optimizer=False)
+            else:
+                self.checkpoint()
         elif kind == "snapshot":
             self.snapshot(msg)
         elif kind == "snapshot_send":
