@@ -67,13 +67,13 @@ def _batch(model: Path, rows: int, seq: int):
     """One LmBatch of `rows` entities-json conversations (answer tokens are the targets)."""
     import tempfile
 
-    from jobs.generation import write_task_data
+    from tasks.causal_lm.entity_task import write_entity_splits
     from tasks.causal_lm.data import encode_instructions, make_lm_batches, read_instructions
     from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
     tokenizer = load_lm_tokenizer(model)
     with tempfile.TemporaryDirectory() as d:
-        train, _ = write_task_data(Path(d), n_train=rows, n_dev=1, seed=0)
+        train, _ = write_entity_splits(Path(d), n_train=rows, n_dev=1, seed=0)
         conversations = read_instructions(train)
     examples = encode_instructions(tokenizer, conversations, seq, truncate=True)
     return make_lm_batches(examples, rows, seq, tokenizer.pad_id or 0, shuffle=False)[0]

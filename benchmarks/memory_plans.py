@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     if args.child:
         import tempfile
 
-        from jobs.generation import write_task_data
+        from tasks.causal_lm.entity_task import write_entity_splits
 
         with tempfile.TemporaryDirectory() as d:
             if CONFIGS[args.child][0] == "minilm":
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
 
                 train, _ = write_splits(Path(d), n_train=64, n_dev=1, seed=0)
             else:
-                train, _ = write_task_data(Path(d), n_train=64, n_dev=1, seed=0)
+                train, _ = write_entity_splits(Path(d), n_train=64, n_dev=1, seed=0)
             print("ROW " + json.dumps(plan_row(args.child, args.steps, Path(d) / "run", train)), flush=True)
         return 0
     rows, failed = [], []

@@ -4,7 +4,7 @@ dev perplexity after the same steps at --base-dtype float32 and int4 (and any ot
 What it measures
     SmolLM2-135M-Instruct (benchmarks/llm.py's export of the bundled GGUF), LoRA r=8 alpha 16 on q, k,
     v, o (the decoder's default: nothing else trains), the entities-json task of `confidant datagen
-    --task entities-json` (`jobs.generation.write_task_data`, seed 0: --train conversations to train
+    --task entities-json` (`tasks.causal_lm.entity_task.write_entity_splits`, seed 0: --train conversations to train
     on, the first --dev of its held-out dev set to score), batch 4 x 128, AdamW lr 2e-4, seed 0, MNN
     at one thread: what `confidant train-local MODEL --task causal-lm --data train.jsonl --eval
     dev.jsonl --lora 8 --lora-alpha 16 --lr 2e-4 --steps N [--base-dtype D]` trains, each dtype in a
@@ -45,7 +45,7 @@ TARGET = 1.05  # issue 31, target 6: int4's dev perplexity within 5% of float32'
 
 def _child(base_dtype: str, steps: int, n_train: int, n_dev: int) -> dict:
     from benchmarks.llm import smollm2_model
-    from jobs.generation import write_task_data
+    from tasks.causal_lm.entity_task import write_entity_splits
     from jobs.train.causal_lm import lm_data, lm_graph
     from jobs.common.settings import TrainingSettings
     from planner.lora import LoraSettings
@@ -60,7 +60,7 @@ def _child(base_dtype: str, steps: int, n_train: int, n_dev: int) -> dict:
     settings = TrainingSettings(steps=steps, batch=ROWS, seq=SEQ, lr=LR, optimizer="adamw", seed=0, threads=1,
                                 engine="mnn", lora=lora, eval_limit=n_dev)
     with tempfile.TemporaryDirectory() as d:
-        train, dev = write_task_data(Path(d), n_train=n_train, n_dev=max(n_dev, 1), seed=0)
+        train, dev = write_entity_splits(Path(d), n_train=n_train, n_dev=max(n_dev, 1), seed=0)
         run = lm_data(model, train, dev, settings)
     graph, _ = lm_graph(model, settings)
     engine = whole_model_engine(graph, "mnn", 1)

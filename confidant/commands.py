@@ -229,10 +229,10 @@ def _or(value, default):
 
 def cmd_datagen(args) -> int:
     if getattr(args, "task", "ner") == "entities-json":
-        from jobs.generation import write_task_data
+        from tasks.causal_lm.entity_task import write_entity_splits
 
         n_train, n_dev = _or(args.train, 1000), _or(args.dev, 100)
-        train, dev = write_task_data(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
+        train, dev = write_entity_splits(args.output, n_train=n_train, n_dev=n_dev, seed=args.seed)
         print(f"wrote {train} ({n_train} instructions) and {dev} ({n_dev} instructions)")
         return 0
     if getattr(args, "task", "ner") == "seq-cls":
@@ -706,7 +706,7 @@ def cmd_export_adapter(args) -> int:
 # --- the model out ---------------------------------------------------------------------------------
 
 def cmd_predict(args) -> int:
-    from jobs.trained import predict_to
+    from jobs.predict import predict_to
 
     labels = tuple(x.strip() for x in args.labels.split(",")) if args.labels else None
     n = predict_to(args.model, args.input, args.output, args.format, labels=labels, batch=args.batch, seq=args.seq,
@@ -717,7 +717,7 @@ def cmd_predict(args) -> int:
 
 
 def cmd_export_trained(args) -> int:
-    from jobs.trained import export_trained_hf, export_trained_onnx
+    from jobs.export.trained import export_trained_hf, export_trained_onnx
 
     if args.output is None and args.hf is None:
         raise CliError("give -o FILE.onnx, --hf DIR, or both")

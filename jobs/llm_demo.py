@@ -24,7 +24,7 @@ from jobs.common.settings import TrainingSettings
 
 LLM_DEMO_DEFAULTS = {"steps": 10, "batch": 4, "seq": 128, "lr": 2e-4, "threads": 2, "eval_limit": 16}
 # The demo's entities-json conversations run 83-122 SmolLM2 tokens, their answers starting past token
-# 64 in every one (measured on `write_task_data`'s output, seed 0): a row of 64 or fewer trains
+# 64 in every one (measured on `write_entity_splits`'s output, seed 0): a row of 64 or fewer trains
 # nothing, which only the export (minutes) would reveal, so such a --seq is refused before anything
 # runs. Between this and 96 the long ones are cut or skipped, with a count.
 LLM_DEMO_MIN_SEQ = 65
@@ -39,7 +39,7 @@ class LlmDemoResult:
 
 def run_llm_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent(), plan: bool = True
                  ) -> LlmDemoResult:
-    from jobs.generation import write_task_data
+    from tasks.causal_lm.entity_task import write_entity_splits
     from jobs.train.causal_lm import train_causal_lm
 
     if settings.seq < LLM_DEMO_MIN_SEQ:
@@ -61,7 +61,7 @@ def run_llm_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Si
         reporter.note(f"[1/5] using {model}")
     data = home / "llm-data"
     reporter.note(f"[2/5] generating the entities-json task in {data}")
-    train, dev = write_task_data(data, n_train=400, n_dev=100, seed=0)
+    train, dev = write_entity_splits(data, n_train=400, n_dev=100, seed=0)
     reporter.note(f"[3/5] fine-tuning on this device ({settings.steps} steps of {settings.batch} x {settings.seq}, "
                   f"{settings.eval_limit or 'all'} dev conversations scored before and after)")
     single = train_causal_lm(model, train, dev, settings, reporter)

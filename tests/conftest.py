@@ -97,12 +97,12 @@ def chat_llama(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template (jobs.export.llm), and the
     generated entities-json task (40 training, 8 dev conversations): (model, train, dev)."""
     from jobs.export.llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
-    from jobs.generation import write_task_data
+    from tasks.causal_lm.entity_task import write_entity_splits
 
     root = shared_root(tmp_path_factory) / "chat-llama"
     path = made_once(root / "m.onnx", lambda out: export_random_causal_lm("llama", out, LlmExportOptions(),
                                                                          tokenizer_from=smollm2_gguf_path()))
-    train, dev = write_task_data(tmp_path_factory.mktemp("chat-llama-data"), n_train=40, n_dev=8)
+    train, dev = write_entity_splits(tmp_path_factory.mktemp("chat-llama-data"), n_train=40, n_dev=8)
     return path, train, dev
 
 

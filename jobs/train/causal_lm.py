@@ -7,7 +7,7 @@ after training:
 - perplexity of its answers, on the training engine itself (the lowered graph's causal-LM loss, so
   no vocabulary-sized logits are made);
 - exact match of generated answers (greedy), by generating from the trained weights on ONNX Runtime
-  over the exported file (`jobs.generation.evaluate_lm`, its weights replaced by the trained ones;
+  over the exported file (`jobs.common.onnx_lm.evaluate_lm`, its weights replaced by the trained ones;
   LoRA adapters are merged into their base weights first), plus the entity task's JSON scores when
   the answers are its JSON.
 `eval_limit` caps how many evaluation conversations are generated for (generation is the slow part).
@@ -104,7 +104,7 @@ def lm_data(model: Path, data: Path, eval_path: Path | None, settings: TrainingS
 def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSettings, eval_path: Path, dev_batches,
             pad_id: int, weights: Mapping[str, np.ndarray] | None) -> tuple[float, InstructionScores]:
     """(dev perplexity on `engine`, which holds `weights`, generated answers' scores with them)."""
-    from jobs.generation import evaluate_lm
+    from jobs.common.onnx_lm import evaluate_lm
 
     # generation first: its ONNX Runtime sessions are the evaluation's largest part, and the engine's
     # evaluation keeps its activations' caches resident afterwards; the sessions' freed heap is

@@ -152,7 +152,7 @@ class OnnxCausalLM:
         self.threads, self.optimize = threads, optimize
         self.stored_quantized = (self.meta or {}).get("base_dtype", "float32") != "float32"
         # the files as bytes to run instead (path -> bytes): a stored-quantized file with trained weights
-        # as plain initializers (planner.onnx_quantize.with_float_weights, made by jobs.generation)
+        # as plain initializers (planner.onnx_quantize.with_float_weights, made by jobs.common.onnx_lm)
         self.sources = {Path(k): v for k, v in (sources or {}).items()}
         stored = set((self.meta or {}).get("stored_quantized") or ()) & set(self.initializers)
         if stored and self.path not in self.sources:

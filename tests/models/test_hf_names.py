@@ -70,7 +70,7 @@ def test_equal_valued_weights_are_told_apart_or_refused_never_swapped(tmp_path, 
     from jobs.common.errors import JobError
     from jobs.export.encoder import ExportOptions, export_model, model_inputs, read_hf_sidecar
     from jobs.train.local import write_single_device_checkpoint
-    from jobs.trained import export_trained_hf
+    from jobs.export.trained import export_trained_hf
     from planner.onnx_import import load_model
     from runtime.engines.mnn import MnnStageEngine
     from runtime.engines.stage import stage_spec

@@ -391,7 +391,7 @@ def test_a_merged_sequence_classifier_keeps_its_label_names(tmp_path):
     merged file's logits: test_the_merged_onnx_gives_the_trained_logits_on_onnx_runtime."""
     from jobs.export.encoder import ExportOptions, export_model
     from jobs.export.adapter import export_merged
-    from jobs.trained import predict
+    from jobs.predict import predict
     from runtime.pipeline.checkpoints import save_checkpoint
     from support import make_tiny_tokenizer, tiny_model
 

@@ -14,7 +14,8 @@ import torch
 from support import TINY, family_feeds, make_tiny_tokenizer, run_cli, tiny_model
 from jobs.export.encoder import ExportOptions, export_model, model_inputs
 from jobs.train.local import write_single_device_checkpoint
-from jobs.trained import export_trained_hf, export_trained_onnx, open_trained
+from jobs.common.trained import open_trained
+from jobs.export.trained import export_trained_hf, export_trained_onnx
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
@@ -192,7 +193,7 @@ def test_an_hf_export_loads_with_the_models_own_tokenizer_and_predicts_as_predic
     import shutil
 
     from jobs.export.encoder import hf_sidecar_path
-    from jobs.trained import predict
+    from jobs.predict import predict
 
     labels = ("negative", "neutral", "positive")
     path = Path(shutil.copy(minilm_reviews, tmp_path / minilm_reviews.name))

@@ -162,8 +162,8 @@ def test_generate_runs_on_a_quantized_export_and_bad_flags_get_one_line(chat_lla
 def test_trained_weights_replace_stored_ones_for_onnx_runtime(float_llama, quantized):
     """Evaluation after training (train-local) runs ONNX Runtime with the trained weights in place of
     the file's: a weight stored quantized is ops' output, which ONNX Runtime would silently keep, so
-    the files are rewritten with it as an initializer (jobs.generation), and refused without that."""
-    from jobs.generation import _stored_replaced
+    the files are rewritten with it as an initializer (jobs.common.onnx_lm), and refused without that."""
+    from jobs.common.onnx_lm import stored_replaced as _stored_replaced
 
     _, path = float_llama
     qpath, weights = quantized["int4"]

@@ -132,11 +132,11 @@ def test_smollm2_block_gradients_equal_torch_float64(smollm2, blocks):
 def test_a_short_smollm2_fine_tune_lowers_perplexity_and_raises_the_task_metric(smollm2_onnx, tmp_path):
     """10 AdamW steps of 4 entities-json conversations (seed 0) on MNN; 16 dev conversations scored
     before and after (dev perplexity on the engine, generated answers on ONNX Runtime)."""
-    from jobs.generation import write_task_data
+    from tasks.causal_lm.entity_task import write_entity_splits
     from jobs.train.local import train_local
     from jobs.common.settings import TrainingSettings
 
-    train, dev = write_task_data(tmp_path / "data", n_train=200, n_dev=16, seed=0)
+    train, dev = write_entity_splits(tmp_path / "data", n_train=200, n_dev=16, seed=0)
     # one thread: the suite runs on two workers, and two MNN threads beside the other worker's tests
     # took 166 s where one took 103 s (same losses)
     settings = TrainingSettings(steps=10, batch=4, seq=128, lr=2e-4, seed=0, threads=1, eval_limit=16)
