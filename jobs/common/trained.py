@@ -28,7 +28,7 @@ class TrainedModel:
 
     @property
     def sidecar(self) -> dict | None:
-        from jobs.export.encoder import read_hf_sidecar
+        from tasks.side_files import read_hf_sidecar
 
         return read_hf_sidecar(self.model_path)
 
