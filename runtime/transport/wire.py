@@ -370,7 +370,7 @@ def split_payload(payload: memoryview) -> list[memoryview]:
 
 
 def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview],
-                 checksum: bool = True) -> bytes | memoryview:
+                 checksum: bool = True, consume: bool = False) -> bytes | memoryview:
     """A tensor's payload from its frames, checked (`check_payload`, and as many frames as its size
     needs, each `PART_BYTES` but the last); one frame is returned as it is, several are copied into
     one buffer. Without `checksum` the CRC-32 is not verified (a link whose every byte its cipher's
@@ -394,10 +394,19 @@ def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview],
         raise MessageError(f"checksum mismatch: payload crc32 0x{crc:08x}, header says 0x{header.checksum:08x}",
                            received=header)
     joined = np.empty(header.nbytes, np.uint8)
-    at = 0
-    for v in views:
-        joined[at:at + v.nbytes] = np.frombuffer(v, np.uint8)
-        at += v.nbytes
+    # Each frame is let go as soon as it is copied (when the caller gave its list away: `consume`),
+    # so the frames and the joined buffer are not both held whole (a stage's weights file twice).
+    # Last frame first: frames received one after another lie one above another in the allocator's
+    # heap, and only memory freed at its top goes back to the OS.
+    if consume:
+        parts.clear()
+    at = header.nbytes
+    while views:
+        v = views.pop()
+        joined[at - v.nbytes:at] = np.frombuffer(v, np.uint8)
+        at -= v.nbytes
+        v.release()
+        del v
     return memoryview(joined)
 
 
@@ -616,7 +625,7 @@ class Transport(ABC):
             problem = expected.mismatch(header)
             if problem is not None:
                 raise MessageError(problem, received=header)
-            payload = join_payload(header, parts)
+            payload = join_payload(header, parts, consume=True)
             del parts  # the frames, once joined: not held while the array lives
         except MessageError as err:
             raise err.at(peer, self.address_of(peer), expected) from None
@@ -634,7 +643,7 @@ class Transport(ABC):
             header = TensorHeader.decode(raw_header)
             if header.kind != SIDE_KIND:
                 raise MessageError(f"kind {header.kind!r} in the {SIDE_KIND} lane", received=header)
-            payload = join_payload(header, parts, checksum=not self._unchecked(SIDE_KIND))
+            payload = join_payload(header, parts, checksum=not self._unchecked(SIDE_KIND), consume=True)
             del parts
         except MessageError as err:
             raise err.at(peer, self.address_of(peer), f"a {SIDE_KIND} tensor") from None
