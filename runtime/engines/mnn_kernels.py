@@ -792,7 +792,7 @@ def int4_halves_parts(q) -> tuple[tuple[Var, Var], dict[str, Var]]:
     float floor and arithmetic a quarter more); and transposed, each block's scale and offset broadcast
     along the middle axis of [blocks, block / 2, other], which MNN does 4x faster than along a last
     axis of one ([other, blocks, block / 2] by [other, blocks, 1]). A SmolLM2 MLP weight's product
-    (128 tokens, one thread) 4.5 -> 3.8 ms by the masks (float32 2.7); see MEMORY_NOTES for the layout.
+    (128 tokens, one thread) 4.5 ms -> 3.8 by the masks -> 3.4 transposed (float32 2.6; MEMORY_NOTES).
     `int4_matmul` multiplies by the halves. The decoded values pass through a Cast (int to float),
     which stops MNN's gradient walk (nothing here needs one)."""
     rows = q.codes.shape[0]
