@@ -143,8 +143,11 @@ class QuantizedTensor:
     def astype(self, dtype, copy: bool = True) -> np.ndarray:
         return dequantize(self).astype(dtype, copy=False)
 
-    def widen_storage_rows(self, index) -> np.ndarray:
-        """Float32 [n, cols] of storage rows `index` (a slice or integer array), in storage layout."""
+    def widen_storage_rows(self, index, out: np.ndarray | None = None) -> np.ndarray:
+        """Float32 [n, cols] of storage rows `index` (a slice or integer array), in storage layout.
+        `out`: a float32 buffer of at least n x (blocks x block) elements to widen into (an LM head's
+        chunks reuse one: a fresh 33 MB array per chunk cost SmolLM2's int8 head its page faults);
+        the result is then a view of it."""
         codes = self.codes[index]
         if self.storage == "bfloat16":
             return (codes.astype(np.uint32) << 16).view(np.float32)
@@ -155,10 +158,20 @@ class QuantizedTensor:
             codes = unpacked
         scales = self.scales[index].astype(np.float32)
         n = codes.shape[0]
-        out = codes.reshape(n, -1, self.block).astype(np.float32) * scales[:, :, None]
+        blocks = codes.reshape(n, -1, self.block)
+        if out is None:
+            out = blocks.astype(np.float32) * scales[:, :, None]
+        else:
+            out = out.reshape(-1)[:blocks.size].reshape(blocks.shape)
+            np.multiply(blocks, scales[:, :, None], out=out)
         if self.mins is not None:
             out += self.mins[index].astype(np.float32)[:, :, None]
         return out.reshape(n, -1)[:, :self.cols]
+
+    def widen_range(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Storage rows lo..hi as a float32 [hi - lo, cols] array (one chunk of an LM head's rows),
+        widened into `out` where given (`widen_storage_rows`)."""
+        return self.widen_storage_rows(slice(lo, hi), out)
 
     def widen_rows(self, ids) -> np.ndarray:
         """Logical rows `ids` of a weight blocked along axis 1 (an embedding table): [len(ids), cols]."""
@@ -167,10 +180,6 @@ class QuantizedTensor:
         ids = np.asarray(ids)
         flat = self.widen_storage_rows(ids.reshape(-1))
         return flat.reshape(*ids.shape, self.cols)
-
-    def widen_range(self, lo: int, hi: int) -> np.ndarray:
-        """Storage rows lo..hi as a float32 [hi - lo, cols] array (one chunk of an LM head's rows)."""
-        return self.widen_storage_rows(slice(lo, hi))
 
 
 def _to_bfloat16_bits(w: np.ndarray) -> np.ndarray:

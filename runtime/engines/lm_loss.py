@@ -175,9 +175,12 @@ def quantized_linear_cross_entropy(hidden: np.ndarray, weight, ids: np.ndarray, 
     # logsumexp and rescaled as `top` rises (the online softmax), so the head is widened once per
     # micro-batch, not twice (its widening was most of an int4 stage's loss: SmolLM2 0.28 -> 1.25 s a step)
     acc = np.zeros_like(hr) if grad else None
+    # every chunk widened into one buffer (a fresh chunk-sized array each time cost page faults)
+    buffer = np.empty(step * weight.codes.shape[1] * (2 if weight.storage == "int4" else 1), np.float32) \
+        if weight.storage in ("int8", "int4") else None
     for lo in range(0, vocab, step):
         hi = min(vocab, lo + step)
-        chunk = weight.widen_range(lo, hi).astype(dt, copy=False)
+        chunk = weight.widen_range(lo, hi, buffer).astype(dt, copy=False)
         z = hr @ chunk.T
         new_top = np.maximum(top, z.max(axis=1))
         rescale = np.exp((top - new_top).astype(np.float64))

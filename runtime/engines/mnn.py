@@ -142,13 +142,15 @@ def _int4_split(node: Node, graph, params) -> QuantizedTensor | None:
     return None
 
 
-def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] | None = None) -> None:
+def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] | None = None,
+               transposed: bool = False) -> None:
     """Give the graph, in place of the frozen float32 weight `name`, a read-only view of the constant
     Var just built from it: MNN's const copies, so without this the stage holds every frozen weight
     twice (the graph's array and the Var; +466 MiB on SmolLM2's LoRA), and replaced as each Var is
     built, the engine's setup holds one weight twice at a time, not all of them. The values are the
     same; the view keeps the Var alive, so the graph stays valid after the engine is gone. A mapping
-    that cannot be written (a lazily read file) is left as it is."""
+    that cannot be written (a lazily read file) is left as it is. `transposed`: the parts are held
+    transposed (`mnn_kernels.int4_halves_parts`), the graph's fields become transposed views of them."""
     arr = constants.get(name) if isinstance(constants, dict) else None
     if isinstance(arr, QuantizedTensor):
         # a quantized weight's parts that MNN holds as the same values: the graph keeps views of
@@ -161,7 +163,7 @@ def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] 
             mine = getattr(arr, field)
             view = K.frozen_view_of(part)
             if mine is not None and view.size == mine.size and (field != "codes" or view.dtype == mine.dtype):
-                held[field] = view.reshape(mine.shape)
+                held[field] = K.transposed_view(view, mine.shape) if transposed else view.reshape(mine.shape)
         if held:
             constants[name] = replace(arr, **held)
         return
@@ -221,7 +223,7 @@ class _BlockProgram:
                 key = HALVES + n.inputs[1]
                 if key not in constants:
                     constants[key], parts = K.int4_halves_parts(split)
-                    _hold_once(graph.constants, n.inputs[1], None, parts)
+                    _hold_once(graph.constants, n.inputs[1], None, parts, transposed=True)
                 env[n.outputs[0]] = K.int4_matmul(env[n.inputs[0]], constants[key], split, bool(n.attrs.get("trans_b")))
                 cached.append(env[n.outputs[0]])
                 continue

@@ -47,3 +47,29 @@ def test_the_mnn_engine_multiplies_an_int4_base_in_halves(tiny_onnx):
     g = tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
     engine = make_engine("mnn:cpu:t1", stage_spec(g, 0, len(g.blocks) - 1))
     assert any(k.startswith(HALVES) for k in engine._constant_vars)
+
+
+def test_the_engine_holds_an_int4_weight_once_and_the_graph_keeps_its_values(tiny_onnx):
+    """The halves' constants are held transposed (their scales broadcast faster so): the graph's
+    QuantizedTensor becomes a view of them, each field still equal to what it was."""
+    from ir.precision import QuantizedTensor
+    from runtime.engines.mnn import HALVES
+    from runtime.engines.factory import make_engine
+    from runtime.engines.stage import stage_spec
+    from support import tiny_lora_graph
+
+    g = tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
+    before = {name: (v.codes.copy(), v.scales.astype(np.float32), v.mins.astype(np.float32))
+              for name, v in g.constants.items() if isinstance(v, QuantizedTensor) and v.storage == "int4"}
+    engine = make_engine("mnn:cpu:t1", stage_spec(g, 0, len(g.blocks) - 1))
+    split = [k[len(HALVES):] for k in engine._constant_vars if k.startswith(HALVES)]
+    assert split
+    for name in split:
+        q = g.constants[name]
+        codes, scales, mins = before[name]
+        assert not q.codes.flags.owndata and not q.codes.flags.c_contiguous, name  # a view of the held bytes
+        np.testing.assert_array_equal(q.codes, codes, err_msg=name)
+        np.testing.assert_array_equal(q.scales, scales, err_msg=name)
+        np.testing.assert_array_equal(q.mins, mins, err_msg=name)
+        np.testing.assert_array_equal(dequantize(q), dequantize(QuantizedTensor(**{
+            **{f: getattr(q, f) for f in q.__dataclass_fields__}, "codes": codes})), err_msg=name)
