@@ -422,7 +422,7 @@ def _cache_names(shape: _Shape) -> tuple[list[str], list[str]]:
     return past, [p.replace("past.", "present.") for p in past]
 
 
-def _export_cache_graph(step, shape: _Shape, out_path: Path, options: LlmExportOptions, weights: dict) -> None:
+def _export_cache_graph(step, shape: _Shape, out_path: Path, options: LlmExportOptions, weights: dict | None) -> None:
     """NAME.kv.onnx by the TorchScript exporter without folding (the training graph's weight names),
     written with `weights` (the training graph's, quantized ones included)."""
     import torch
@@ -567,7 +567,9 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
             weights = _weights((n, p.shape, p.is_floating_point()) for n, p in logits_module.named_parameters())
         kv_path = out_path.with_suffix(".kv.onnx")
         if kv_cache:
-            _export_cache_graph(step_module, shape, kv_path, options, stored)
+            # the dynamo graph names its weights its own way (kv_same_weight_names false): the cache
+            # graph, TorchScript's, then writes the step module's own weights under their names
+            _export_cache_graph(step_module, shape, kv_path, options, None if options.dynamo else stored)
         elif kv_path.exists():
             kv_path.unlink()  # a stale cache graph would hold other weights
     document = {
