@@ -481,3 +481,47 @@ def one_f_one_b_gradients(engine, graph, spec, update: bool = False, rows: int =
                 engine.set_parameters({k: v * 0.9 for k, v in engine.parameters().items()})
     return grads
 
+
+
+def peft_lora_reference(model, path: Path, rows: int, seq: int, vocab: int, rank: int = 4, alpha: float = 8.0,
+                        seed: int = 5):
+    """PEFT's LoRA on q, k, v, o of a causal LM (float64), its adapters set to non-zero values, one
+    micro-batch of `lm_step_feeds` through it and back: the reference a LoRA engine's gradients are
+    held to. Returns (feeds, loss, the exported model at `path` with LoRA added, the adapters' values
+    and PEFT's gradients by the graph's adapter names (float64, in the graph's layout))."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from planner.lora import LoraSettings, add_lora
+    from planner.onnx_import import load_model
+
+    peft = get_peft_model(copy.deepcopy(model).double(), LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    rng = np.random.default_rng(seed)
+    layers = [m for _, m in peft.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    with torch.no_grad():
+        for m in layers:
+            for w in (m.lora_A["default"].weight, m.lora_B["default"].weight):
+                w.copy_(torch.from_numpy(rng.normal(0, 0.2, tuple(w.shape))))
+    feeds = lm_step_feeds(0, rows, seq, 1, vocab=vocab)[0]
+    logits = peft(input_ids=torch.from_numpy(feeds["input_ids"]),
+                  attention_mask=torch.from_numpy(feeds["attention_mask"])).logits
+    ids = torch.from_numpy(feeds["target_ids"])
+    ce = torch.logsumexp(logits, -1) - logits.gather(-1, ids[..., None])[..., 0]
+    loss = (torch.from_numpy(feeds["target_weights"]).double() * ce).sum()
+    loss.backward()
+
+    lora, adapters = add_lora(load_model(path, rows, seq), LoraSettings(rank, alpha, targets=("q", "k", "v", "o")))
+    weights, want = {}, {}
+    for a in adapters:  # the PEFT layer over the same base weight (found by value)
+        w = np.asarray(lora.constants[a.base], np.float64)
+        hf = w if a.base_transposed else w.T
+        (m,) = [m for m in layers if tuple(m.base_layer.weight.shape) == hf.shape
+                and np.array_equal(m.base_layer.weight.detach().numpy(), hf)]
+        weights[a.a] = m.lora_A["default"].weight.detach().numpy().T
+        weights[a.b] = m.lora_B["default"].weight.detach().numpy().T
+        want[a.a] = m.lora_A["default"].weight.grad.numpy().T
+        want[a.b] = m.lora_B["default"].weight.grad.numpy().T
+    return feeds, loss.item(), lora, weights, want

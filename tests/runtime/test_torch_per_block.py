@@ -14,7 +14,8 @@ from planner.onnx_import import load_model
 from runtime.engines.factory import make_engine
 from runtime.engines.pytorch import TorchStageEngine
 from runtime.engines.stage import stage_spec
-from support import (S, assert_grads_close, lm_step_feeds, one_f_one_b_gradients, scrambled_causal_lm,
+from support import (S, assert_grads_close, lm_step_feeds, one_f_one_b_gradients, peft_lora_reference,
+                     scrambled_causal_lm,
                      tiny_lora_graph, token_feeds, transformers_lm_gradients)
 
 B = 2
@@ -94,43 +95,10 @@ def test_torch_per_block_gradients_of_a_llama_equal_transformers_in_float64(tiny
 
 
 def test_torch_per_block_lora_gradients_of_a_llama_equal_pefts_in_float64(tiny_llama):
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    from planner.lora import LoraSettings, add_lora
-
     model, path, _ = tiny_llama
-    rank, alpha = 4, 8.0
-    peft = get_peft_model(copy.deepcopy(model).double(), LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    rng = np.random.default_rng(5)
-    layers = [m for _, m in peft.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-    with torch.no_grad():
-        for m in layers:
-            for w in (m.lora_A["default"].weight, m.lora_B["default"].weight):
-                w.copy_(torch.from_numpy(rng.normal(0, 0.2, tuple(w.shape))))
-    feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
-    logits = peft(input_ids=torch.from_numpy(feeds["input_ids"]),
-                  attention_mask=torch.from_numpy(feeds["attention_mask"])).logits
-    ids = torch.from_numpy(feeds["target_ids"])
-    ce = torch.logsumexp(logits, -1) - logits.gather(-1, ids[..., None])[..., 0]
-    loss = (torch.from_numpy(feeds["target_weights"]).double() * ce).sum()
-    loss.backward()
-
-    lora, adapters = add_lora(load_model(path, B, S), LoraSettings(rank, alpha, targets=("q", "k", "v", "o")))
-    weights, want = {}, {}
-    for a in adapters:  # the PEFT layer over the same base weight (found by value)
-        w = np.asarray(lora.constants[a.base], np.float64)
-        hf = w if a.base_transposed else w.T
-        (m,) = [m for m in layers if tuple(m.base_layer.weight.shape) == hf.shape
-                and np.array_equal(m.base_layer.weight.detach().numpy(), hf)]
-        weights[a.a] = m.lora_A["default"].weight.detach().numpy().T
-        weights[a.b] = m.lora_B["default"].weight.detach().numpy().T
-        want[a.a] = m.lora_A["default"].weight.grad.numpy().T
-        want[a.b] = m.lora_B["default"].weight.grad.numpy().T
+    feeds, loss, lora, weights, want = peft_lora_reference(model, path, B, S, VOCAB)
     engine = _float64_engine(lora, weights={**lora.constants, **weights})
-    assert float(engine.forward(feeds, 0)) == pytest.approx(loss.item(), rel=1e-6)
+    assert float(engine.forward(feeds, 0)) == pytest.approx(loss, rel=1e-6)
     got = engine.backward(0).params
     assert set(got) == set(want)  # the frozen base gets no gradient
     assert_grads_close(got, want, rtol=1e-5)  # the export's float32 constants (rotary tables)
