@@ -45,6 +45,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from runtime.procfs import release_free_heap
+
 PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 MAX_CONTROL_BYTES = 1024 * 1024
@@ -52,6 +54,9 @@ MAX_CONTROL_BYTES = 1024 * 1024
 # and refusing it up front keeps a corrupted size from reserving memory.
 MAX_PAYLOAD_BYTES = 16 * 1024 ** 3
 PART_BYTES = 1 << 20  # a payload's frames (see the module's docstring)
+# While a payload of many frames is joined, the freed frames are handed back to the OS every this many
+# (`join_payload`; payloads of more frames only): each trim is ~0.1 ms, a frame 1 MiB.
+RELEASE_EVERY_PARTS = 4
 MAX_FRAMES = 1 + -(-MAX_PAYLOAD_BYTES // PART_BYTES)
 # The largest frame this format ever sends (a header, a payload part or a control message), so a
 # transport can refuse a bigger one as it arrives, before it has buffered it (a peer that declares
@@ -407,6 +412,11 @@ def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview],
         at -= v.nbytes
         v.release()
         del v
+        if consume and want > RELEASE_EVERY_PARTS and len(views) % RELEASE_EVERY_PARTS == 0:
+            # Freed frames go back to the OS only where they top the allocator's heap; where they lie
+            # below live memory (which depends on what else the process allocated as they arrived),
+            # only an explicit trim returns their pages.
+            release_free_heap()
     return memoryview(joined)
 
 

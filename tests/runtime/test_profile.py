@@ -275,9 +275,15 @@ def test_attention_time_grows_with_heads(backend):
         pytest.importorskip("torch")
     mask = np.zeros((4, 1, 1, 64), np.float32)
     mask[-1, ..., 32:] = -10000.0
-    curve = attention_curve(parse_backend(backend), 4, 64, 256, 4, 64, mask, reps=5)
-    assert len(curve.seconds) == 4
-    assert curve.seconds[-1] > curve.seconds[0]
+    # Timings on a shared machine: one measurement of 1 head can land on a busy moment and come out
+    # slower than 4 heads (CI saw 0.0503 s against 0.0500); four heads' work is measured more than
+    # one's in at least one of three curves.
+    for _ in range(3):
+        curve = attention_curve(parse_backend(backend), 4, 64, 256, 4, 64, mask, reps=5)
+        assert len(curve.seconds) == 4
+        if curve.seconds[-1] > curve.seconds[0]:
+            break
+    assert curve.seconds[-1] > curve.seconds[0], curve.seconds
 
 
 def test_attention_piece_computes_attention():
