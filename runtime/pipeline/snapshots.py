@@ -2,29 +2,32 @@
 the coordinator and off the step's critical path (issue 32).
 
 At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread_s} and does not
-wait. Each worker copies its stage's training state (its trainable parameters and its optimizer's
-state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into arrays it
-owns (into the arrays of a copy dropped once confirmed: fresh ones cost their pages' first touch),
-before it runs the next step, and ships the copy to the stage's holder (`holder_of`: the next
-stage, the last stage's the one before) while that step computes: from the stage's own thread,
-between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an engine that
-holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting and the
-step stalled behind it), in messages of at most `CHUNK_BYTES`, at most `PUMP_CHUNKS` at a time,
-spread over `spread_s` seconds, so the step's own activations and gradients, which share the
-connection, wait behind a few chunks at most. Over CURVE the chunks go without their CRC-32 (the
-link's MAC authenticates every byte: `Transport.authenticated`). The
-holder files them in a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
-step's tensors), assembles the copy between orders, and tells the coordinator `replica_held`
-{sid, of}. So every stage's state is on two devices and on the coordinator never.
+wait. Each worker writes its stage's training state (its trainable parameters and its optimizer's
+state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into a file of its
+own (`SpooledCopy`: an unlinked temporary file, a dropped copy's rewritten in place where one is
+spare), before it runs the next step, and ships the copy to the stage's holder (`holder_of`: the
+next stage, the last stage's the one before) while that step computes: from the stage's own
+thread, between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an
+engine that holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting
+and the step stalled behind it), in chunks of at most `CHUNK_BYTES` read back from the file, at
+most `PUMP_CHUNKS` at a time, spread over `spread_s` seconds, so the step's own activations and
+gradients, which share the connection, wait behind a few chunks at most. Over CURVE the chunks go
+without their CRC-32 (the link's MAC authenticates every byte: `Transport.authenticated`). The
+holder takes them from a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
+step's tensors), appends each to a file of its own between its actions and while idle, and once
+every chunk of a copy arrived holds it and tells the coordinator `replica_held` {sid, of}. So every
+stage's state is on two devices and on the coordinator never; in neither device's memory but for
+the chunks on their way (the page cache is not the process's: `peer_snapshot_bytes`).
 
 A worker keeps its own copies and the replicas it holds of the snapshots `keep` names (the last
 one every stage's holder confirmed) and of the newest; the coordinator orders a new snapshot only
 once the previous one is confirmed, and then tells the workers to drop the older one
-(`snapshot_keep`), so a worker holds one copy of its state and one of its neighbour's between
-snapshots, and while one is shipped two of its own, one of its neighbour's and the part received. After a loss, the coordinator restores from the newest snapshot whose lost
-stages' replicas were confirmed (`PeerSnapshots.restorable`), fetching each stage's state from
-its own worker or, for a lost one, from its holder (`snapshot_send`); the replay from it is exact
-as from any copy: the data order is a function of the step.
+(`snapshot_keep`), so a worker holds one file of its state and one of its neighbour's between
+snapshots, and while one is shipped two of its own, one of its neighbour's and the part received.
+After a loss, the coordinator restores from the newest snapshot whose lost stages' replicas were
+confirmed (`PeerSnapshots.restorable`), fetching each stage's state from its own worker or, for a
+lost one, from its holder (`snapshot_send`: read back from the file tensor by tensor); the replay
+from it is exact as from any copy: the data order is a function of the step.
 """
 from __future__ import annotations
 
