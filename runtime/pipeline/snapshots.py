@@ -300,11 +300,6 @@ class StateCopies:
             self._shipment = _Shipment(holder, sid, stage, copy, spread_s)
             self.pump()
 
-    def confirm(self, sids) -> None:
-        """Every holder of the snapshots `sids` confirmed its copy (the coordinator's `keep` lists
-        name only such). Kept for the worker's protocol: a spooled copy's file may be written again
-        once dropped, confirmed or not (its chunks were read into buffers of their own)."""
-
     def forget_except(self, sids) -> None:
         sids = set(sids)
         ship = self._shipment

@@ -531,7 +531,6 @@ class Worker:
             keep = msg.get("keep")
             if not (isinstance(keep, list) and all(isinstance(k, int) for k in keep)):
                 raise ValueError(f"snapshot_keep: expected keep [sids], got {msg!r:.120}")
-            self.copies.confirm(keep)  # the coordinator keeps only snapshots every holder confirmed
             self.copies.forget_except(keep)
         elif kind == "reset":
             self.reset()
