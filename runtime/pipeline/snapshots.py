@@ -2,29 +2,32 @@
 the coordinator and off the step's critical path (issue 32).
 
 At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread_s} and does not
-wait. Each worker copies its stage's training state (its trainable parameters and its optimizer's
-state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into arrays it
-owns (into the arrays of a copy dropped once confirmed: fresh ones cost their pages' first touch),
-before it runs the next step, and ships the copy to the stage's holder (`holder_of`: the next
-stage, the last stage's the one before) while that step computes: from the stage's own thread,
-between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an engine that
-holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting and the
-step stalled behind it), in messages of at most `CHUNK_BYTES`, at most `PUMP_CHUNKS` at a time,
-spread over `spread_s` seconds, so the step's own activations and gradients, which share the
-connection, wait behind a few chunks at most. Over CURVE the chunks go without their CRC-32 (the
-link's MAC authenticates every byte: `Transport.authenticated`). The
-holder files them in a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
-step's tensors), assembles the copy between orders, and tells the coordinator `replica_held`
-{sid, of}. So every stage's state is on two devices and on the coordinator never.
+wait. Each worker writes its stage's training state (its trainable parameters and its optimizer's
+state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into a file of its
+own (`SpooledCopy`: an unlinked temporary file, a dropped copy's rewritten in place where one is
+spare), before it runs the next step, and ships the copy to the stage's holder (`holder_of`: the
+next stage, the last stage's the one before) while that step computes: from the stage's own
+thread, between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an
+engine that holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting
+and the step stalled behind it), in chunks of at most `CHUNK_BYTES` read back from the file, at
+most `PUMP_CHUNKS` at a time, spread over `spread_s` seconds, so the step's own activations and
+gradients, which share the connection, wait behind a few chunks at most. Over CURVE the chunks go
+without their CRC-32 (the link's MAC authenticates every byte: `Transport.authenticated`). The
+holder takes them from a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
+step's tensors), appends each to a file of its own between its actions and while idle, and once
+every chunk of a copy arrived holds it and tells the coordinator `replica_held` {sid, of}. So every
+stage's state is on two devices and on the coordinator never; in neither device's memory but for
+the chunks on their way (the page cache is not the process's: `peer_snapshot_bytes`).
 
 A worker keeps its own copies and the replicas it holds of the snapshots `keep` names (the last
 one every stage's holder confirmed) and of the newest; the coordinator orders a new snapshot only
 once the previous one is confirmed, and then tells the workers to drop the older one
-(`snapshot_keep`), so a worker holds one copy of its state and one of its neighbour's between
-snapshots, and while one is shipped two of its own, one of its neighbour's and the part received. After a loss, the coordinator restores from the newest snapshot whose lost
-stages' replicas were confirmed (`PeerSnapshots.restorable`), fetching each stage's state from
-its own worker or, for a lost one, from its holder (`snapshot_send`); the replay from it is exact
-as from any copy: the data order is a function of the step.
+(`snapshot_keep`), so a worker holds one file of its state and one of its neighbour's between
+snapshots, and while one is shipped two of its own, one of its neighbour's and the part received.
+After a loss, the coordinator restores from the newest snapshot whose lost stages' replicas were
+confirmed (`PeerSnapshots.restorable`), fetching each stage's state from its own worker or, for a
+lost one, from its holder (`snapshot_send`: read back from the file tensor by tensor); the replay
+from it is exact as from any copy: the data order is a function of the step.
 """
 from __future__ import annotations
 
@@ -54,6 +57,11 @@ _BEGIN = "#begin"
 # At most this many chunks are sent per `StateCopies.pump` call (between two actions of a step): a
 # step's tensor to the same neighbour waits behind at most these (~4 MiB, a few ms of CURVE).
 PUMP_CHUNKS = 4
+# Files of dropped copies kept to be written again: the next own copy's and the next replica's.
+_SPARE_FILES = 2
+# What a worker holds of the copies in memory while training: the chunks it sent that its link has
+# not sent yet and those it received and has not filed yet (filed between the step's actions).
+SPOOL_WORKING_BYTES = 4 * PUMP_CHUNKS * CHUNK_BYTES
 
 
 def holder_of(stage: int, stages: int) -> int | None:
@@ -66,16 +74,18 @@ def holder_of(stage: int, stages: int) -> int | None:
 
 def peer_snapshot_bytes(state_bytes: Sequence[int]) -> list[int]:
     """What holding the snapshots on the workers adds to each stage's memory at its peak, given each
-    stage's training state in bytes (trainable parameters and optimizer state): while a snapshot is
-    shipped a worker holds two copies of its own state (the confirmed one and the new one) and up
-    to two of each stage it holds (the confirmed copy and the new one as it arrives)."""
+    stage's training state in bytes (trainable parameters and optimizer state). The copies lie in
+    files (`SpooledCopy`): while training, a worker holds only the chunks on their way
+    (`SPOOL_WORKING_BYTES`); after a loss it reads its own copy and those it holds back tensor by
+    tensor for the coordinator, and its link queues them until they are out (on a slow link, all of
+    them), so the charge is the larger of the two."""
     stages = len(state_bytes)
-    extra = [2 * b for b in state_bytes] if stages > 1 else [0] * stages
+    if stages < 2:
+        return [0] * stages
+    sent = list(state_bytes)
     for k, b in enumerate(state_bytes):
-        holder = holder_of(k, stages)
-        if holder is not None:
-            extra[holder] += 2 * b
-    return extra
+        sent[holder_of(k, stages)] += b
+    return [max(SPOOL_WORKING_BYTES, b) for b in sent]
 
 
 def state_tensors(executor) -> list[tuple[str, np.ndarray]]:
@@ -101,30 +111,103 @@ def row_shapes(tensors: Sequence[tuple[str, np.ndarray]]) -> dict[str, list[int]
     return out
 
 
+@dataclass(frozen=True)
+class SpooledTensor:
+    """Where one tensor of a spooled copy lies in its file: `nbytes` bytes at `offset`, C order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy's dtype.str
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+class SpooledCopy:
+    """One snapshot copy in a file of its own (an unlinked temporary file: the kernel frees it with
+    the process, a worker killed included), its tensors one after another. Written through the page
+    cache and read back with `pread` into fresh buffers, never mapped, so none of it is the process's
+    resident memory but the one tensor or chunk being read."""
+
+    def __init__(self, file):
+        self.file = file  # a binary file object, open for reading and writing
+        self.tensors: list[SpooledTensor] = []
+        self.end = 0  # bytes written
+
+    def append(self, name: str, arr: np.ndarray) -> SpooledTensor:
+        """Write `arr` after what is written (no copy of it in memory: its buffer goes to the file)."""
+        arr = np.asarray(arr, order="C")  # (np.ascontiguousarray would make a 0-d array of shape (1,))
+        entry = SpooledTensor(name, tuple(int(d) for d in arr.shape), arr.dtype.str, self.end)
+        self.write(arr)
+        self.tensors.append(entry)
+        return entry
+
+    def write(self, arr: np.ndarray) -> None:
+        """Write `arr`'s bytes (C order) at the end."""
+        data = memoryview(np.asarray(arr, order="C").reshape(-1)).cast("B")
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.file.fileno(), data[done:], self.end + done)
+        self.end += len(data)
+
+    def finish(self) -> None:
+        """Every tensor is written: cut what a longer copy left in a reused file."""
+        self.file.truncate(self.end)
+
+    def read(self, entry: SpooledTensor, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Elements [start, stop) of `entry` (flat; the whole tensor, shaped, by default), read into a
+        buffer of its own."""
+        item = np.dtype(entry.dtype).itemsize
+        stop = entry.size if stop is None else stop
+        count = (stop - start) * item
+        data = os.pread(self.file.fileno(), count, entry.offset + start * item) if count else b""
+        if len(data) != count:
+            raise OSError(f"a spooled snapshot copy is short: {len(data)} of {count} bytes of {entry.name!r}")
+        flat = np.frombuffer(data, np.dtype(entry.dtype)) if count else np.zeros(0, np.dtype(entry.dtype))
+        return flat if (start, stop) != (0, entry.size) else flat.reshape(entry.shape)
+
+    def items(self):
+        """(name, tensor) one at a time, each read when asked for."""
+        for entry in self.tensors:
+            yield entry.name, self.read(entry)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _spool_file(spare: list):
+    """A file for a new copy: a dropped copy's where one is spare (overwriting pages already in the
+    page cache costs a copy; a new file's pages cost their allocation, several times more), else a
+    new unlinked temporary file."""
+    return spare.pop() if spare else tempfile.TemporaryFile(prefix="confidant-copy-")
+
+
 @dataclass
 class _Incoming:
     sid: int
     stage: int
     count: int
-    done: dict[str, "_Parts"] = field(default_factory=dict)
-    filling: dict[str, "_Parts"] = field(default_factory=dict)
+    spool: SpooledCopy
+    done: set[str] = field(default_factory=set)
+    filling: "_Filling | None" = None
 
 
 @dataclass
-class _Parts:
-    """A neighbour's tensor as its chunks arrived (kept as they are, wrapped in the received
-    frames: no copy until the coordinator asks for it)."""
+class _Filling:
+    """A neighbour's tensor as its chunks arrive, appended to the copy's file as they come."""
 
+    name: str
     shape: tuple[int, ...]
     size: int
-    chunks: list[np.ndarray] = field(default_factory=list)
+    dtype: str
+    offset: int
     filled: int = 0
-
-    def whole(self) -> np.ndarray:
-        if not self.chunks:
-            return np.zeros(self.shape, np.float32)
-        flat = self.chunks[0] if len(self.chunks) == 1 else np.concatenate(self.chunks)
-        return flat.reshape(self.shape)
 
 
 def _io_cpu_s() -> float:
@@ -132,18 +215,18 @@ def _io_cpu_s() -> float:
 
 
 class _Shipment:
-    """A copy on its way to its holder: its chunks, sent in order, evenly over `spread_s` from its
-    start (the "#begin" message, which names how many tensors follow, goes at once)."""
+    """A copy on its way to its holder: its chunks, read back from its file and sent in order, evenly
+    over `spread_s` from its start (the "#begin" message, which names how many tensors follow, goes
+    at once)."""
 
-    def __init__(self, holder: str, sid: int, stage: int, copy, spread_s: float):
-        self.holder, self.sid, self.stage = holder, sid, stage
+    def __init__(self, holder: str, sid: int, stage: int, copy: SpooledCopy, spread_s: float):
+        self.holder, self.sid, self.stage, self.copy = holder, sid, stage, copy
         self.chunks = []
-        for name, arr in copy:
-            step = max(1, CHUNK_BYTES // max(1, arr.itemsize))
-            flat = arr.reshape(-1)
-            self.chunks += [(name, flat, a, min(a + step, arr.size)) for a in range(0, max(arr.size, 1), step)]
-        self.shapes = {name: ",".join(str(d) for d in arr.shape) for name, arr in copy}
-        self.count = len(copy)
+        for entry in copy.tensors:
+            step = max(1, CHUNK_BYTES // max(1, np.dtype(entry.dtype).itemsize))
+            self.chunks += [(entry, a, min(a + step, entry.size)) for a in range(0, max(entry.size, 1), step)]
+        self.shapes = {e.name: ",".join(str(d) for d in e.shape) for e in copy.tensors}
+        self.count = len(copy.tensors)
         self.spread_s = spread_s
         self.start = time.monotonic()
         self.sent = 0
@@ -164,21 +247,21 @@ class _Shipment:
 
 class StateCopies:
     """A worker's own snapshot copies, the replicas it holds for a neighbour, and the shipping of
-    its newest copy to its holder (`pump`, called from the stage's own thread)."""
+    its newest copy to its holder (`pump`, called from the stage's own thread). Every copy lies in a
+    file of its own (`SpooledCopy`), not in the worker's memory: while one ships, the worker's peak
+    is its stage's own state and a few chunks, not two to four copies of it."""
 
     def __init__(self, transport, report: Callable[[dict], None]):
         self.transport = transport
         self.report = report  # sends the coordinator a control message
-        self.own: dict[int, list[tuple[str, np.ndarray]]] = {}  # sid -> this stage's copy
-        self.replicas: dict[tuple[int, int], dict[str, _Parts]] = {}  # (stage, sid) -> its copy
+        self.own: dict[int, SpooledCopy] = {}  # sid -> this stage's copy
+        self.replicas: dict[tuple[int, int], SpooledCopy] = {}  # (stage, sid) -> its copy
         self._incoming: dict[str, _Incoming] = {}  # sender peer -> the copy it is sending
         self._shipment: _Shipment | None = None  # the copy being shipped to its holder (`pump`)
-        # snapshots every holder confirmed (the coordinator's `keep` names only such): all of a
-        # confirmed copy's chunks reached its holder, so the transport reads its arrays no more and
-        # they may be written again; the arrays of a dropped confirmed copy, by shape and dtype,
-        # which the next copy is taken into (`_recycled`)
-        self._confirmed: set[int] = set()
-        self._spare: dict[tuple, list[np.ndarray]] = {}
+        # the files of dropped copies, which the next copies are written into (`_spool_file`): a
+        # chunk is read into a buffer of its own before it is sent, so no chunk in ZeroMQ's queue
+        # is in a file that is written again
+        self._spare: list = []
         self.copy_s = 0.0  # the last copy's seconds, on the step's path (reported with the next done)
         # what the snapshots have cost this worker's CPUs since its setup (the copies, shipping,
         # filing a neighbour's copy), and how many it took: the coordinator
@@ -198,13 +281,14 @@ class StateCopies:
     def take(self, sid: int, stage: int, tensors: Sequence[tuple[str, np.ndarray]], holder: str | None,
              keep: Sequence[int], spread_s: float) -> None:
         self.stop()
-        self._confirmed.update(keep)
-        self.forget_except(keep)  # the copies dropped now lend their arrays to this one
+        self.forget_except(keep)  # the copies dropped now lend their files to this one
         if not self.taken:  # counted from the first snapshot: a setup's weights went through them too
             self._io_start = _io_cpu_s()
         start, cpu = time.perf_counter(), time.thread_time()
-        copy = [(name, self._recycled(arr)) for name, arr in tensors]
-        self._spare.clear()  # what this copy did not take is not held until the next
+        copy = SpooledCopy(_spool_file(self._spare))
+        for name, arr in tensors:
+            copy.append(name, np.asarray(arr))
+        copy.finish()
         self.copy_s = time.perf_counter() - start
         with self._lock:
             self.cpu_s += self.copy_s
@@ -216,34 +300,18 @@ class StateCopies:
             self._shipment = _Shipment(holder, sid, stage, copy, spread_s)
             self.pump()
 
-    def _recycled(self, arr: np.ndarray) -> np.ndarray:
-        """A copy of `arr` of its own, written into a dropped copy's array of its shape where one is
-        spare: a fresh array of a snapshot's size costs its pages' first touch (the kernel zeroes
-        them: ~0.2 CPU-s per 100 MiB against ~0.03 for the copy into a used one)."""
-        arr = np.asarray(arr)
-        spare = self._spare.get((arr.shape, arr.dtype.str))
-        if not spare:
-            return np.array(arr, order="C", copy=True)
-        out = spare.pop()
-        np.copyto(out, arr)
-        return out
-
-    def confirm(self, sids) -> None:
-        """Every holder of the snapshots `sids` confirmed its copy (the coordinator's `keep` lists
-        name only such)."""
-        self._confirmed.update(sids)
-
     def forget_except(self, sids) -> None:
         sids = set(sids)
-        for s, copy in self.own.items():
-            # only a confirmed copy's arrays are written again: the transport may still be sending
-            # one whose shipping stopped half-way (it holds the chunks without a copy)
-            if s not in sids and s in self._confirmed:
-                for _, arr in copy:
-                    self._spare.setdefault((arr.shape, arr.dtype.str), []).append(arr)
-        self._confirmed &= sids
-        self.own = {s: c for s, c in self.own.items() if s in sids}
-        self.replicas = {k: c for k, c in self.replicas.items() if k[1] in sids}
+        ship = self._shipment
+        for held in (self.own, self.replicas):
+            for key in [k for k in held if (k if held is self.own else k[1]) not in sids]:
+                copy = held.pop(key)
+                if ship is not None and ship.copy is copy:
+                    self.stop()
+                self._spare.append(copy.file)
+        for f in self._spare[_SPARE_FILES:]:  # the next copy and the next replica take at most two
+            f.close()
+        del self._spare[_SPARE_FILES:]
 
     @property
     def shipping(self) -> bool:
@@ -254,7 +322,8 @@ class StateCopies:
         """Send the chunks of the copy being shipped that are due (spread evenly over its
         `spread_s`, at most `PUMP_CHUNKS` a call), from the stage's own thread: its executor calls
         this between actions and while it waits for a neighbour, the worker while it waits for an
-        order. Returns the seconds until the next chunk is due (0: behind), None when none is left."""
+        order. Each chunk is read from the copy's file into a buffer of its own. Returns the seconds
+        until the next chunk is due (0: behind), None when none is left."""
         ship = self._shipment
         if ship is None:
             return None
@@ -267,9 +336,9 @@ class StateCopies:
             due = ship.due(time.monotonic())
             sent = 0
             while ship.sent < due and sent < PUMP_CHUNKS:
-                name, flat, a, b = ship.chunks[ship.sent]
-                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, ship.sent + 1, flat[a:b],
-                                           version=ship.sid, name=f"{name}|{ship.shapes[name]}|{a}")
+                entry, a, b = ship.chunks[ship.sent]
+                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, ship.sent + 1, ship.copy.read(entry, a, b),
+                                           version=ship.sid, name=f"{entry.name}|{ship.shapes[entry.name]}|{a}")
                 ship.sent += 1
                 sent += 1
         except Exception:  # the holder or this transport went away: the coordinator's acks tell
@@ -291,10 +360,13 @@ class StateCopies:
 
     def drop(self) -> None:
         self.stop()
+        for copy in [*self.own.values(), *self.replicas.values(), *(g.spool for g in self._incoming.values())]:
+            copy.close()
+        for f in self._spare:
+            f.close()
         self.own.clear()
         self.replicas.clear()
         self._incoming.clear()
-        self._confirmed.clear()
         self._spare.clear()
         self.cpu_s, self.taken = 0.0, 0
         self.cpu_parts = dict.fromkeys(self.cpu_parts, 0.0)
@@ -321,7 +393,8 @@ class StateCopies:
             count = int(arr.reshape(-1)[0]) if arr.size == 1 else -1
             if count < 0:
                 raise ValueError(f"a snapshot copy from {peer} declares {arr.tolist()!r:.40} tensors")
-            self._incoming[peer] = _Incoming(header.version, header.stage, count)
+            self.forget_from(peer)  # a copy it stopped sending half-way: its file is written again
+            self._incoming[peer] = _Incoming(header.version, header.stage, count, SpooledCopy(_spool_file(self._spare)))
             self._complete(peer, this_stage)
             return
         got = self._incoming.get(peer)
@@ -335,35 +408,49 @@ class StateCopies:
             raise ValueError(f"a snapshot copy from {peer}: tensor name {header.name!r:.80} is not NAME|SHAPE|OFFSET") \
                 from None
         size = int(np.prod(shape, dtype=np.int64))
-        if name in got.done or any(d < 0 for d in shape) or size * arr.itemsize > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80} repeated or of shape {shape}")
-        parts = got.filling.setdefault(name, _Parts(shape, size))
-        if offset != parts.filled or (parts.chunks and parts.chunks[0].dtype != arr.dtype) or offset + arr.size > size:
+        if got.filling is None or got.filling.name != name:
+            if got.filling is not None or name in got.done or any(d < 0 for d in shape) \
+                    or size * arr.itemsize > MAX_PAYLOAD_BYTES:
+                raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80} repeated, of shape {shape}, or "
+                                 f"begun before the last was whole")
+            got.filling = _Filling(name, shape, size, arr.dtype.str, got.spool.end)
+        parts = got.filling
+        if offset != parts.filled or parts.dtype != arr.dtype.str or offset + arr.size > size:
             raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80}'s part at {offset} does not follow "
                              f"its {parts.filled} elements of {size}")
-        parts.chunks.append(arr.reshape(-1))
+        got.spool.write(arr)
         parts.filled += arr.size
         if parts.filled == size:
-            got.done[name] = got.filling.pop(name)
+            got.spool.tensors.append(SpooledTensor(name, shape, parts.dtype, parts.offset))
+            got.done.add(name)
+            got.filling = None
         self._complete(peer, this_stage)
 
     def _complete(self, peer: str, this_stage: int | None) -> None:
         got = self._incoming[peer]
-        if len(got.done) < got.count or got.filling:
+        if len(got.done) < got.count or got.filling is not None:
             return
         del self._incoming[peer]
-        self.replicas[(got.stage, got.sid)] = got.done
+        got.spool.finish()
+        # only a copy every chunk of which arrived is held: a sender lost half-way leaves a partial
+        # file that is never taken (`forget_from`)
+        self.replicas[(got.stage, got.sid)] = got.spool
         self.report({"type": "replica_held", "stage": this_stage, "of": got.stage, "sid": got.sid})
 
     def forget_from(self, peer: str) -> None:
-        """A lost neighbour's partial copy is of no use."""
-        self._incoming.pop(peer, None)
+        """A lost neighbour's partial copy is of no use: its file is written again."""
+        got = self._incoming.pop(peer, None)
+        if got is not None:
+            self._spare.append(got.spool.file)
+
+    def spooled(self, stage: int, own_stage: int | None, sid: int) -> SpooledCopy | None:
+        """The copy of `stage` for snapshot `sid`: this stage's own or a replica held."""
+        return self.own.get(sid) if stage == own_stage else self.replicas.get((stage, sid))
 
     def copy_of(self, stage: int, own_stage: int | None, sid: int) -> list[tuple[str, np.ndarray]] | None:
-        if stage == own_stage:
-            return self.own.get(sid)
-        held = self.replicas.get((stage, sid))
-        return None if held is None else [(name, parts.whole()) for name, parts in held.items()]
+        """The same, read whole into memory (tests; the worker sends a copy tensor by tensor)."""
+        copy = self.spooled(stage, own_stage, sid)
+        return None if copy is None else list(copy.items())
 
     def figures(self) -> dict:
         """What a step's done reports: the copy on its path, and the snapshots' CPU so far."""

@@ -256,7 +256,7 @@ class Worker:
         self.bundle_actions = (contents.actions, contents.steady, contents.drain_at, doc.microbatches)
         self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
                                       spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
-                                      tied=_tied_names(msg), between=self.copies.pump)
+                                      tied=_tied_names(msg), between=self._between)
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device,
                                                   **device_state()})
@@ -390,14 +390,25 @@ class Worker:
             raise ValueError(f"snapshot_send: expected sid and of [stages], got {msg!r:.120}")
         self._take_in_copies()
         for k in of:
-            copy = self.copies.copy_of(k, self.stage, sid)
+            copy = self.copies.spooled(k, self.stage, sid)
             if copy is None:
                 self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "missing": True})
                 continue
-            for i, (name, arr) in enumerate(copy):
+            # read from the copy's file tensor by tensor: the whole copy is never in this worker's memory
+            for i, (name, arr) in enumerate(copy.items()):
                 self.transport.send_tensor(COORDINATOR, "held", k, i, arr, name=name)
+            entries = [(e.name, e) for e in copy.tensors]
             self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid,
-                                                      "names": [name for name, _ in copy], "rows": row_shapes(copy)})
+                                                      "names": [name for name, _ in entries],
+                                                      "rows": row_shapes(entries)})
+
+    def _between(self) -> float | None:
+        """Between a step's actions and while it waits: ship what is due of this stage's snapshot copy,
+        and file what a neighbour's arrived (a write into the page cache: the received chunks are
+        not held until the stage is idle). Returns the seconds until the next chunk is due."""
+        due = self.copies.pump()
+        self._take_in_copies()
+        return due
 
     def _take_in_copies(self) -> None:
         if self.stage is None:
@@ -520,7 +531,6 @@ class Worker:
             keep = msg.get("keep")
             if not (isinstance(keep, list) and all(isinstance(k, int) for k in keep)):
                 raise ValueError(f"snapshot_keep: expected keep [sids], got {msg!r:.120}")
-            self.copies.confirm(keep)  # the coordinator keeps only snapshots every holder confirmed
             self.copies.forget_except(keep)
         elif kind == "reset":
             self.reset()
@@ -597,5 +607,5 @@ def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, 
         worker.report_failure(message)
         return 1
     finally:
-        worker.copies.stop()  # a snapshot sender must not use a socket that is being closed
+        worker.copies.drop()  # a snapshot sender must not use a socket that is being closed; its files go
         transport.close()

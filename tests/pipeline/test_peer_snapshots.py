@@ -289,12 +289,14 @@ def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(grap
 
 
 def test_what_peer_snapshots_add_to_each_device_by_hand():
-    """Each stage holds two copies of its own state and two of each stage it is the holder of
-    (stage 1 holds stage 0's; the last stage's copy goes to the one before it)."""
-    from runtime.pipeline.snapshots import peer_snapshot_bytes
+    """The copies lie in files: while training a worker holds a few chunks of them; after a loss it
+    sends the coordinator its own copy and those it holds (stage 1 holds stage 0's; the last stage's
+    copy goes to the one before it), which its link may queue whole."""
+    from runtime.pipeline.snapshots import SPOOL_WORKING_BYTES, peer_snapshot_bytes
 
-    assert peer_snapshot_bytes([10, 20, 30]) == [20, 2 * 20 + 2 * 10 + 2 * 30, 2 * 30 + 2 * 20]
-    assert peer_snapshot_bytes([10, 20]) == [20 + 2 * 20, 40 + 2 * 10]
+    MiB = 2 ** 20
+    assert peer_snapshot_bytes([10 * MiB, 20 * MiB, 30 * MiB]) == [SPOOL_WORKING_BYTES, 60 * MiB, 50 * MiB]
+    assert peer_snapshot_bytes([10, 20]) == [SPOOL_WORKING_BYTES] * 2  # the chunks on their way
     assert peer_snapshot_bytes([10]) == [0]  # a lone stage has no neighbour: nothing is shipped
 
 
@@ -311,8 +313,8 @@ def test_a_plan_without_room_for_the_copies_keeps_its_snapshots_on_the_coordinat
                            memory_terms={"trainable": 10 * MiB, "optimizer state": 20 * MiB})
                 for k, name in enumerate(("phone", "laptop"))]
 
-    # each holds 2 x 30 of its own and 2 x 30 of the other's: 100 + 120 MiB
-    assert state_place(devices(220)) == ("peers", None)
-    place, why = state_place(devices(219))
+    # each sends the coordinator its own 30 and the other's 30 after a loss: 100 + 60 MiB
+    assert state_place(devices(160)) == ("peers", None)
+    place, why = state_place(devices(159))
     assert place == "coordinator"
-    assert "120 MiB on phone" in why and "219 MiB budget" in why
+    assert "60 MiB on phone" in why and "159 MiB budget" in why
