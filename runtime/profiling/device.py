@@ -104,10 +104,23 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     # per block of the run (one alone measured 1.1-1.7 MiB a SmolLM2 layer, three 1.7 each, fifteen 1.8)
     cost = replace(cost, engine_bytes=engine_setup_bytes(backend, stage_spec(graph, i, i + run - 1)) // run)
     kept = kept_workspace(backend, stage_spec(graph, i, i + run - 1), feeds) // run
-    if run > 1:
-        peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, run + 1)]
-        stacked, intercept = _further_block_line(peaks)
-        cost = replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked + intercept), stacked_bytes=stacked)
+    # The cached (keep) line through stages of up to LEAN_RUN blocks, each step between lengths one
+    # vote: through 1-3 blocks, three profiles of one machine put a SmolLM2 int4 layer at 12.8 / 13.5 /
+    # 17.6 MiB stacked (MNN's peaks sit at one of two levels ~10 MiB apart, as the per-block line's
+    # do, and one jump within two steps moved the line), which moves a 12-layer keeping stage's charge
+    # by tens of MiB. With three steps the median is taken (one jump outvoted) and the workspace
+    # covers the highest peak less what stacks under it (a jump charged once, as a transient); with
+    # fewer, the larger of the last and the mean step, as before (`_further_block_line`).
+    keep_run = run
+    while keep_run < LEAN_RUN and i + keep_run < len(graph.blocks) and \
+            block_signature(graph.blocks[i + keep_run]) == block_signature(block):
+        keep_run += 1
+    if keep_run > 1:
+        peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, keep_run + 1)]
+        steps = sorted(b - a for a, b in zip(peaks, peaks[1:]))
+        stacked = max(0, steps[len(steps) // 2]) if len(steps) >= 3 else _further_block_line(peaks)[0]
+        workspace = max(p - k * stacked for k, p in enumerate(peaks))
+        cost = replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked, workspace), stacked_bytes=stacked)
     cost = replace(cost, kept_bytes=kept)
     if backend.engine != "mnn":
         return cost
