@@ -26,7 +26,7 @@ Models
     (planner/onnx_quantize.py's lean export: it holds the loaded model and the quantized file, ~5 GiB; it needed ~20).
 
 Further rows (`CONFIGS`): ``smollm2-all-target`` (data whose every position is a target: the fused
-LM head + loss's worst case, which the model charges), ``smollm2-float32`` (a float32 base),
+LM head + loss's worst case; `plan --data` charges the head for the data's most targets a micro-batch), ``smollm2-float32`` (a float32 base),
 ``smollm2-stash`` (1f1b-stash), ``smollm2-recompute`` (3 x 384 MiB: MNN's per-op caches of one
 micro-batch fit), ``smollm2-modes`` (budgets 1024 / 448 / 256 MiB: the planner picks
 keep, recompute or per-block per device by its budget), ``minilm-full-2`` / ``minilm-full-3``

@@ -477,7 +477,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--data", type=Path, default=None,
                    help="the training data `confidant train` will get (read as it reads it): the rows of each "
                         "embedding table it looks up bound that table's AdamW state, which is otherwise charged "
-                        "whole (MiniLM's word table: 94 MB); train then refuses data that looks up more rows")
+                        "whole (MiniLM's word table: 94 MB), and a causal LM's most target positions in a "
+                        "micro-batch bound its LM head + loss (otherwise charged with every position a target); "
+                        "train then refuses data that looks up more rows or has more targets")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="with --data: the tokenizer.json train will use (default: the model's, as train's)")
     _add_security_flags(p)

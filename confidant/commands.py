@@ -629,8 +629,13 @@ def show_plan(plan_dir: Path) -> None:
                                                   for name, b in d.memory_terms.items())
                       + f" = {d.memory_bytes / 2**20:.1f} of {d.memory_budget_bytes / 2**20:.0f} budget")
         if any("LM head + loss" in (d.memory_terms or {}) for d in plan.devices):
-            print("  (LM head + loss: the fused head and loss's peak with every position of a micro-batch a target, "
-                  "the worst case of any data; positions that are no target (prompts, padding) cost less)")
+            if plan.target_positions is None:
+                print("  (LM head + loss: the fused head and loss's peak with every position of a micro-batch a "
+                      "target, the worst case of any data; positions that are no target (prompts, padding) cost less)")
+            else:
+                print(f"  (LM head + loss: the fused head and loss's peak at {plan.target_positions} target positions "
+                      f"a micro-batch, the most the data it was planned for has (plan --data); train refuses data "
+                      f"with more)")
     if plan.predicted_step_s:
         print(f"predicted step: {plan.predicted_step_s:.3f} s "
               f"({plan.batch * plan.microbatches / plan.predicted_step_s:.1f} samples/s)")

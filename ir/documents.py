@@ -457,6 +457,10 @@ class PlanDocument:
     # the identity every bundle's signed manifest names (`ir.bundle.plan_identity`): a bundle of
     # another plan, signed by the same key, is refused in this plan's folder (None: written before)
     plan_id: str | None = None
+    # the most loss-target positions one micro-batch of the data the plan was made for has (`plan
+    # --data`, `ir.graph.Graph.target_positions`): the LM head + loss stage is charged for that many,
+    # so `train` refuses data with more. None: every position charged (the worst case).
+    target_positions: int | None = None
 
     @property
     def stages(self) -> int:
@@ -508,6 +512,8 @@ class PlanDocument:
             doc["base_dtype"] = self.base_dtype
         if self.plan_id is not None:
             doc["plan_id"] = self.plan_id
+        if self.target_positions is not None:
+            doc["target_positions"] = self.target_positions
         return doc
 
     @classmethod
@@ -566,6 +572,9 @@ class PlanDocument:
         if not (isinstance(lookup_rows, dict)
                 and all(isinstance(k, str) and _is_int(v) and v >= 0 for k, v in lookup_rows.items())):
             raise fail(f"lookup_rows is {lookup_rows!r:.80}, not an object of table names to row counts >= 0")
+        target_positions = doc.get("target_positions")
+        if target_positions is not None and not (_is_int(target_positions) and target_positions >= 0):
+            raise fail(f"target_positions is {target_positions!r:.80}, not null or a count >= 0")
         model_path = doc.get("model_path")
         if model_path is not None and not (isinstance(model_path, str) and model_path):
             raise fail(f"model_path is {model_path!r:.80}, not null or a path")
@@ -579,7 +588,7 @@ class PlanDocument:
                    doc["partition_method"], tuple(tuple(str(a) for a in row) for row in schedule.actions),
                    doc.get("graph"), bool(doc.get("partition_optimal", False)), float(doc.get("bottleneck_s", 0.0)),
                    cluster_digest, base_digest, dict(lookup_rows), model_path, lora, base_dtype,
-                   doc.get("plan_id"))
+                   doc.get("plan_id"), target_positions)
 
 
 def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:

@@ -177,6 +177,11 @@ class Graph:
     # those rows (runtime.optim), which the memory model then charges instead of the whole table.
     # A fact about the data, like `batch` and `seq`; empty (the default): unknown, charged dense.
     lookup_rows: Mapping[str, int] = field(default_factory=dict)
+    # The most positions of one micro-batch that are loss targets in the data the plan is made for
+    # (`confidant plan --data`): a causal LM's fused head + loss computes logits for those only, so
+    # its workspace is charged for that many (`ir.profile.BlockCost.workspace_at_targets`). A fact
+    # about the data, like `lookup_rows`; None (the default): unknown, every position charged.
+    target_positions: int | None = None
 
     def node(self, name: str) -> Node:
         return self._node_index()[name]

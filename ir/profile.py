@@ -49,6 +49,31 @@ class BlockCost:
     # taken as those (no saving claimed).
     per_block_workspace_bytes: int | None = None
     per_block_stacked_bytes: int | None = None
+    # A decoder's LM head fused with its loss (`runtime.engines.lm_loss`) computes logits only for
+    # the positions that are targets, so its workspace depends on the data: `workspace_bytes` is
+    # measured with every position a target (`target_positions` of them in the profile's
+    # micro-batch: the worst case of any data), `sparse_workspace_bytes` with only
+    # `sparse_target_positions` of them targets. None: not measured (another block, an older
+    # profile), the worst case charged whatever the data (`workspace_at_targets`).
+    target_positions: int | None = None
+    sparse_target_positions: int | None = None
+    sparse_workspace_bytes: int | None = None
+
+    def workspace_at_targets(self, targets: int | None) -> int:
+        """The workspace of a micro-batch with at most `targets` target positions (None: unknown, the
+        worst case): the line through the two measured points, never below the sparse point's
+        peak (no extrapolation under it) nor above the all-target one. The loss's logits grow with
+        the targets up to a chunk of rows and stay there (`lm_loss.chunk_rows`), so the line is at or
+        above the peaks between the points."""
+        full, sparse, at = self.target_positions, self.sparse_target_positions, self.sparse_workspace_bytes
+        if targets is None or full is None or sparse is None or at is None or full <= sparse:
+            return self.workspace_bytes
+        at = min(at, self.workspace_bytes)
+        if targets <= sparse:
+            return at
+        if targets >= full:
+            return self.workspace_bytes
+        return at + -(-(self.workspace_bytes - at) * (targets - sparse) // (full - sparse))
 
     @property
     def stacked(self) -> int:
@@ -193,14 +218,16 @@ class DeviceProfile:
 
 _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s")
 _BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "per_block_workspace_bytes",
-                "per_block_stacked_bytes")
+                "per_block_stacked_bytes", "sparse_workspace_bytes")
+# counts, checked as sizes are (whole numbers >= 0)
+_BLOCK_COUNTS = ("target_positions", "sparse_target_positions")
 
 
 def _block_cost(doc, where: str) -> BlockCost:
     """A BlockCost from JSON, every field checked (times finite and >= 0, sizes whole and >= 0)."""
     if not isinstance(doc, Mapping):
-        raise ValueError(f"{where}: expected an object of {_BLOCK_TIMES + _BLOCK_BYTES}, got {doc!r}")
-    unknown = sorted(set(doc) - set(_BLOCK_TIMES + _BLOCK_BYTES))
+        raise ValueError(f"{where}: expected an object of {_BLOCK_TIMES + _BLOCK_BYTES + _BLOCK_COUNTS}, got {doc!r}")
+    unknown = sorted(set(doc) - set(_BLOCK_TIMES + _BLOCK_BYTES + _BLOCK_COUNTS))
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}")
     fields = {}

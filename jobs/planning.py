@@ -80,7 +80,7 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
                        f"({graph.batch}, {graph.seq}) = --batch {settings.batch} / --microbatches {M}, --seq "
                        f"{settings.seq}; re-profile with `confidant profile --batch {graph.batch} --seq {graph.seq}`")
     if settings.data is not None:
-        graph = _with_lookup_rows(graph, Path(model), settings, reporter)
+        graph = _with_data_figures(graph, Path(model), settings, reporter)
     if settings.devices and not settings.cuts:
         raise JobError(f"--devices {','.join(settings.devices)} orders the devices of --cuts; without --cuts the planner "
                        "picks the devices and their order itself: give --cuts too, or drop --devices")
@@ -112,18 +112,24 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     return Path(output)
 
 
-def _with_lookup_rows(graph, model: Path, settings: PlanSettings, reporter: Reporter):
-    """The graph with the rows of each embedding table one pass over `settings.data` looks up, read
-    as `confidant train` will read it (the same task, tokenizer and batches)."""
-    from jobs.train.from_plan import PlanRunSettings, data_task, task_lookup_rows
+def _with_data_figures(graph, model: Path, settings: PlanSettings, reporter: Reporter):
+    """The graph with the facts of one pass over `settings.data` that the memory model charges by,
+    read as `confidant train` will read it (the same task, tokenizer and batches): the rows of each
+    embedding table it looks up, and the most loss-target positions a micro-batch of it has."""
+    from jobs.train.from_plan import PlanRunSettings, data_task, task_lookup_rows, task_target_positions
 
     M = settings.microbatches
     try:
         task = data_task(model, settings.data, None, PlanRunSettings(tokenizer=settings.tokenizer), graph,
                          graph.batch, M, settings.seq)
         rows = task_lookup_rows(task)
+        targets = task_target_positions(task)
     except (ValueError, OSError) as exc:
         raise JobError(f"--data {settings.data}: {exc}") from None
+    if targets is not None:
+        reporter.note(f"--data has at most {targets} loss-target positions in a micro-batch of {graph.batch} x "
+                      f"{graph.seq}: the LM head + loss is charged for that many (train refuses data with more)")
+        graph = dataclasses.replace(graph, target_positions=targets)
     # only the tables whose charge the rows set are kept (and checked again by train)
     charged = {}
     for table, n, total, rows_charged, why in charged_rows(graph, rows, settings.optimizer):

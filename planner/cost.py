@@ -385,8 +385,11 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         # of its own) and the stage's transient, the largest of its blocks' (`transient_bytes`),
         # comes on top once: the pair alone pays its peak, with layers both, and a stage ending at
         # the last layer the layers' transient once.
+        # The pair computes logits only for target positions: charged for the most a micro-batch of
+        # the plan's data has (`Graph.target_positions`, `plan --data`), else for every position.
         head = out[-2]
-        out[-2] = replace(head, stacked_bytes=head.workspace_bytes)
+        workspace = head.workspace_at_targets(graph.target_positions)
+        out[-2] = replace(head, workspace_bytes=workspace, stacked_bytes=workspace)
     return tuple(out)
 
 
@@ -863,8 +866,9 @@ class MemoryTerms:
     # on a device that keeps its activations, each block's kept part once more per further micro-batch
     # in flight (`kept_activation_bytes`)
     kept_activation_bytes: int = 0
-    # of the workspace, the fused LM head + loss's measured peak (the profile's, with every position of
-    # a micro-batch a target: the worst case of any data; the loss skips positions of weight 0)
+    # of the workspace, the fused LM head + loss's measured peak (the profile's, at the most target
+    # positions a micro-batch of the plan's data has, `plan --data`; without it every position a
+    # target, the worst case of any data; the loss skips positions of weight 0)
     head_loss_bytes: int = 0
 
     @property

@@ -300,7 +300,7 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
                         tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
                         partition.bottleneck_s, cluster_sha256, base_sha256, dict(graph.lookup_rows),
-                        cfg["model_path"], cfg["lora"], _base_dtype(graph), plan_id)
+                        cfg["model_path"], cfg["lora"], _base_dtype(graph), plan_id, graph.target_positions)
     PlanDocument.from_json(plan.to_json(), source)  # what a reader will check, before anything is written
     return EmittedPlan(plan, bundles, cluster_json, base_data, contents)
 

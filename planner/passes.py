@@ -453,7 +453,7 @@ def _attach_weight_derived(graph: Graph, groups: list[tuple[str, str, list[Node]
                 readers.setdefault(i, []).append(copy.name)
     ordered = topological_order(list(current.values()), [v.name for v in graph.inputs] + list(graph.constants))
     graph = Graph(graph.name, graph.inputs, graph.outputs, tuple(ordered), values, graph.constants, graph.params,
-                  (), graph.batch, graph.seq, graph.lookup_rows)
+                  (), graph.batch, graph.seq, graph.lookup_rows, graph.target_positions)
     position = {n.name: k for k, n in enumerate(ordered)}
     return graph, [(gname, kind, sorted((current[m] for m in names), key=lambda n: position[n.name]))
                    for (gname, kind, _), names in zip(groups, members)]

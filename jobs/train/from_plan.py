@@ -166,6 +166,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     full = _plan_graph(plan, contents)
     task = data_task(plan_dir, data, eval_path, settings, full, rows, M, seq, note=reporter.note)
     check_lookup_rows(plan, task, settings.steps, data)
+    check_target_positions(plan, task, settings.steps, data)
     if not settings.local and not all(d.address for d in plan.devices):
         raise JobError(f"{plan_dir}/plan.json lacks worker addresses; pass --local or re-plan with addresses")
     config = PipelineConfig(schedule=plan.schedule, microbatches=M, timeout_s=settings.timeout_s)
@@ -251,17 +252,41 @@ def task_lookup_rows(task: PipelineTask, steps: int | None = None) -> dict[str, 
 
 
 def check_lookup_rows(plan, task: PipelineTask, steps: int, data: Path) -> None:
-    """A JobError when this run looks up more rows of a table than the data the plan was made for
-    (`confidant plan --data`): the plan holds that table's AdamW state for that many rows only."""
+    """A FlagError (bad input, exit 2) when this run looks up more rows of a table than the data the
+    plan was made for (`confidant plan --data`): the plan holds that table's AdamW state for that
+    many rows only."""
     if not plan.lookup_rows:
         return
     here = task_lookup_rows(task, steps)
     for table, planned in sorted(plan.lookup_rows.items()):
         if here.get(table, 0) > planned:
-            raise JobError(f"{data} looks up {here[table]} rows of embedding table {table!r} in {steps} steps, but the "
+            raise FlagError(f"{data} looks up {here[table]} rows of embedding table {table!r} in {steps} steps, but the "
                            f"plan was made for data that looks up {planned} (`confidant plan --data`), and its memory "
                            f"model holds that table's optimizer state for {planned} rows only: re-plan with --data "
                            f"{data}, or without --data to charge the table whole")
+
+
+def task_target_positions(task: PipelineTask, steps: int | None = None) -> int | None:
+    """`planner.targets.most_target_positions` of the micro-batches of `steps` training steps (None:
+    one pass over the data); None for a task without per-position targets."""
+    from planner.targets import most_target_positions
+
+    count = task.batches if steps is None else (min(steps, task.batches) if task.batches else steps)
+    return most_target_positions(feed for k in range(count) for feed in task.feeds_of_step(k))
+
+
+def check_target_positions(plan, task: PipelineTask, steps: int, data: Path) -> None:
+    """A FlagError (bad input, exit 2) when a micro-batch of this run has more loss-target positions
+    than the data the plan was made for (`confidant plan --data`): its LM head + loss stage is
+    charged for that many only."""
+    if plan.target_positions is None:
+        return
+    here = task_target_positions(task, steps)
+    if here is not None and here > plan.target_positions:
+        raise FlagError(f"{data} has {here} loss-target positions in a micro-batch in {steps} steps, but the plan was "
+                       f"made for data with at most {plan.target_positions} (`confidant plan --data`), and its memory "
+                       f"model charges the LM head + loss for that many only: re-plan with --data {data}, or "
+                       f"without --data to charge every position")
 
 
 # --- re-planning while training from a plan folder --------------------------------------------------
@@ -288,9 +313,11 @@ def _plan_over(replanner, address_of):
 
 
 def _plan_graph(plan: PlanDocument, contents):
-    """The whole model from the plan's bundles, with the lookups of the data it was planned for
-    (so that a re-plan charges the tables' optimizer state as the first plan did)."""
-    return replace(merge_slices([c.graph for c in contents]), lookup_rows=dict(plan.lookup_rows))
+    """The whole model from the plan's bundles, with the lookups and target positions of the data it
+    was planned for (so that a re-plan charges the tables' optimizer state and the LM head + loss as
+    the first plan did)."""
+    return replace(merge_slices([c.graph for c in contents]), lookup_rows=dict(plan.lookup_rows),
+                   target_positions=plan.target_positions)
 
 
 def _failure_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, contents, sign):

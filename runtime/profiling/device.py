@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+
+import numpy as np
 from typing import Sequence
 
 from ir.graph import Block, Graph, block_signature
@@ -35,7 +37,7 @@ from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
                                        kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
-from runtime.profiling.inputs import Progress, block_mask, synthetic_feeds
+from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
 from runtime.profiling.split_costs import measure_split_extra_costs
@@ -48,6 +50,10 @@ START_UP_NOISE_BYTES = 1 << 20
 LEAN_PEAK_REPEATS = 5
 # The longest stage of one block kind behind the per-block line (`measure_block`).
 LEAN_RUN = 4
+# The fused LM head + loss's second memory point: 1/this of its target positions targets, each point's
+# peak measured this many times (`_with_sparse_targets`).
+SPARSE_TARGET_SHARE = 8
+TARGET_PEAK_REPEATS = 3
 
 
 def distinct_blocks(graph: Graph) -> dict[str, Block]:
@@ -86,9 +92,10 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
         both = measure_stage(backend, both_spec, feeds, reps)
         loss = measure_stage(backend, loss_spec, feeds, reps)
         kept = max(0, kept_workspace(backend, both_spec, feeds) - kept_workspace(backend, loss_spec, feeds))
-        return BlockCost(max(0.0, both.forward_s - loss.forward_s), max(0.0, both.backward_s - loss.backward_s),
+        cost = BlockCost(max(0.0, both.forward_s - loss.forward_s), max(0.0, both.backward_s - loss.backward_s),
                          max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes, kept_bytes=kept,
                          engine_bytes=engine_setup_bytes(backend, both_spec))
+        return _with_sparse_targets(cost, backend, both_spec, feeds)
     spec = stage_spec(graph, i, i)
     cost = measure_stage(backend, spec, feeds, reps)
     run = 1  # blocks of this kind in a row from this one, up to three
@@ -97,10 +104,30 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     # per block of the run (one alone measured 1.1-1.7 MiB a SmolLM2 layer, three 1.7 each, fifteen 1.8)
     cost = replace(cost, engine_bytes=engine_setup_bytes(backend, stage_spec(graph, i, i + run - 1)) // run)
     kept = kept_workspace(backend, stage_spec(graph, i, i + run - 1), feeds) // run
-    if run > 1:
-        peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, run + 1)]
-        stacked, intercept = _further_block_line(peaks)
-        cost = replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked + intercept), stacked_bytes=stacked)
+    # The cached (keep) line through stages of up to LEAN_RUN blocks, each step between lengths one
+    # vote: through 1-3 blocks, three profiles of one machine put a SmolLM2 int4 layer at 12.8 / 13.5 /
+    # 17.6 MiB stacked (MNN's peaks sit at one of two levels ~10 MiB apart, as the per-block line's
+    # do, and one jump within two steps moved the line), which moves a 12-layer keeping stage's charge
+    # by tens of MiB. With three steps the median is taken (one jump outvoted) and the workspace
+    # covers the highest peak less what stacks under it (a jump charged once, as a transient); with
+    # fewer, the larger of the last and the mean step, as before (`_further_block_line`).
+    keep_run = run
+    while keep_run < LEAN_RUN and i + keep_run < len(graph.blocks) and \
+            block_signature(graph.blocks[i + keep_run]) == block_signature(block):
+        keep_run += 1
+    if keep_run > 1:
+        peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, keep_run + 1)]
+        steps = sorted(b - a for a, b in zip(peaks, peaks[1:]))
+        stacked = max(0, steps[len(steps) // 2]) if len(steps) >= 3 else _further_block_line(peaks)[0]
+        workspace = max(p - k * stacked for k, p in enumerate(peaks))
+        if backend.engine == "mnn":
+            # A further block keeps its per-op caches of the micro-batch, what a further micro-batch
+            # keeps per block (`kept`): the line's step, measured in this process after its other
+            # engines, lands below a worker's fresh one (SmolLM2 int4: 8.6-9.4 MiB a layer against 10.8
+            # in a worker-like fresh process; kept 12.5 in each of six profiles), and a stage keeping
+            # 9 layers then peaked 11% over its plan.
+            stacked = max(stacked, kept)
+        cost = replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked, workspace), stacked_bytes=stacked)
     cost = replace(cost, kept_bytes=kept)
     if backend.engine != "mnn":
         return cost
@@ -130,6 +157,33 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
 
 
+def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
+    """The fused LM head + loss's cost with its second point: the peak with only 1/SPARSE_TARGET_SHARE
+    of the micro-batch's target positions targets (`BlockCost.workspace_at_targets`). The loss
+    computes logits for target rows only (`runtime.engines.lm_loss`), so instruction data whose
+    answers are a few dozen of 128 positions peaks lower (SmolLM2 int4: ~27 MiB below every position
+    a target, in a worker). What the fewer targets save is the lowest of TARGET_PEAK_REPEATS peaks
+    with every position a target less the highest with few: a saving measured low, never high, so
+    the line stays on or above a run's peak."""
+    weights = feeds.get(TARGET_WEIGHTS)
+    if weights is None:
+        return cost
+    flat = np.asarray(weights).reshape(-1)
+    at = np.flatnonzero(flat)
+    full = len(at)
+    sparse = max(1, full // SPARSE_TARGET_SHARE)
+    if full <= sparse:
+        return cost
+    few = np.zeros_like(flat)
+    few[at[:sparse]] = flat[at[:sparse]]
+    sparse_feeds = {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
+    every = min(peak_workspace(backend, spec, feeds) for _ in range(TARGET_PEAK_REPEATS))
+    fewer = max(peak_workspace(backend, spec, sparse_feeds) for _ in range(TARGET_PEAK_REPEATS))
+    saved = max(0, every - fewer)
+    return replace(cost, target_positions=full, sparse_target_positions=sparse,
+                   sparse_workspace_bytes=max(0, cost.workspace_bytes - saved))
+
+
 def _further_block_line(peaks: list[int]) -> tuple[int, int]:
     """(what each further block adds, the intercept) of the peaks of stages of 1, 2 (, 3) blocks of
     a kind: the larger of the last step and the mean step (`measure_block`)."""
@@ -145,7 +199,10 @@ def _memory_parts(cost: BlockCost) -> str:
                    else f", {cost.per_block_stacked_bytes / 2**20:.1f} per further block")
         stacked += f"recomputed per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}; "
     engine = "" if not cost.engine_bytes else f", engine {cost.engine_bytes / 2**20:.1f}"
-    return f"{stacked}{cost.kept / 2**20:.1f} per further micro-batch kept{engine}"
+    targets = ("" if cost.sparse_workspace_bytes is None else
+               f", {cost.sparse_workspace_bytes / 2**20:.1f} with {cost.sparse_target_positions} of its "
+               f"{cost.target_positions} target positions targets")
+    return f"{stacked}{cost.kept / 2**20:.1f} per further micro-batch kept{engine}{targets}"
 
 
 def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BACKENDS, reps: int = 3,

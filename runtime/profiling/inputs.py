@@ -12,6 +12,8 @@ from runtime.engines.stage import host_values, stage_spec
 
 # Where profiling reports progress, one line at a time (the CLI prints them).
 Progress = Callable[[str], None]
+# a causal LM's per-position loss weights (`ir.ops` TokenCrossEntropy's third input)
+TARGET_WEIGHTS = "target_weights"
 
 
 def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:

@@ -156,3 +156,26 @@ def test_a_pipeline_of_hybrid_stages_trains_as_one_device(graph):
     assert [(e.per_block, e.cached_blocks, sum(p.keeps_caches for p in e._blocks)) for e in engines] == [(True, 1, 1)] * 2
     losses, _ = single_device_training(graph, batches, steps, M)
     np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+
+
+def test_a_hybrid_stage_s_planned_bytes_are_its_memory_model_charge_with_its_caches(graph):
+    """The engine search picks the hybrid after the partition was costed plain per block: the stage's
+    planned bytes (what plan.json promises and `train` checks) are the memory model's charge with the
+    caches, not the plain per-block figure (SmolLM2 int4, 1f1b-stash, per-block+5: planned 190.9 MiB,
+    its terms 252.8, measured 231.3)."""
+    from planner.engines import pick_engines
+    from planner.partition import make_instance, manual_partition
+
+    n = len(graph.blocks)
+    device = DeviceSpec("a", "tcp://x:1", _profile(graph), 4 << 30, activations="per-block")
+    need = stage_memory_bytes(graph, device, 0, n - 1, 0, 1, "1f1b-flush", 4, "adamw")
+    cluster = Cluster((DeviceSpec("a", "tcp://x:1", _profile(graph), need + 3 * 22 * MIB + MIB,
+                                  activations="per-block"),), Link(1e6, 0.001))
+    partition = manual_partition(make_instance(graph, cluster, "1f1b-flush", 4, "adamw"), ["a"], [])
+    assert partition.stages[0].memory_bytes == need
+    picks = pick_engines(graph, cluster, partition, "1f1b-flush", 4, "adamw", solve=None,
+                         fixed=frozenset({"a"}))
+    hybrid = picks.cluster.devices[0]
+    assert hybrid.activations == "per-block+3"
+    charged = stage_memory_bytes(graph, hybrid, 0, n - 1, 0, 1, "1f1b-flush", 4, "adamw")
+    assert picks.partition.stages[0].memory_bytes == charged == need + 3 * 22 * MIB
