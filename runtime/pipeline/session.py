@@ -30,6 +30,7 @@ from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint, save_c
 from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
                                           WorkerLost)
 from runtime.pipeline.executor import busy_fraction
+from runtime.pipeline.restore import RestoredSnapshot, RestoreSpool
 from runtime.pipeline.snapshots import FallbackCopies, PeerSnapshots
 
 
@@ -212,6 +213,9 @@ class Session:
         self.held = PeerSnapshots.for_run(coordinator, faults, plan_over)  # None: snapshots on the coordinator
         # with the state on peers: the coordinator's copy for a loss of a stage and its copy's holder
         self.fallback = FallbackCopies() if self.held is not None else None
+        # where a recovery's optimizer state waits for the new stages' setup (runtime.pipeline.restore):
+        # the coordinator never holds the whole state at once
+        self.restore_spool = RestoreSpool() if self.held is not None else None
         self._checkpointed: tuple[int, list] | None = None  # (step, ranges) of the last checkpoint written
         self._state_from = "coordinator"  # where the last recovery's state came from (its event says)
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
@@ -294,14 +298,20 @@ class Session:
         if not found:
             return None
         _, source, read = max(found, key=lambda f: f[0])
-        step, ranges, per_stage = read()
         self._state_from = source
-        return Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(ranges))
+        if source == "coordinator":  # its spooled files, read back one tensor at a time as they are sent
+            state = self.restore_spool.state_of(self.fallback.spooled_stages(), "the coordinator's copy")
+            return RestoredSnapshot(self.fallback.step, state, list(self.fallback.ranges), lambda: read()[2])
+        step, ranges, stages = FallbackCopies.checkpointed_stages(self.checkpoint_dir)  # a stage's file at a time
+        state = self.restore_spool.state_of(stages, f"checkpoint {self.checkpoint_dir}")
+        return RestoredSnapshot(step, state, list(ranges), lambda: read()[2])
 
     def close(self) -> None:
         """The run is over: its spooled copy goes."""
         if self.fallback is not None:
             self.fallback.close()
+        if self.restore_spool is not None:
+            self.restore_spool.close()
 
     def _charge(self, seconds: float) -> None:
         """Seconds of the step still open spent on the fault policy (state copies, checkpoints)."""
@@ -570,6 +580,10 @@ class Session:
         if self.faults.take_back:
             self.coordinator.call_back(gone)
         self.workers = [a for a in self.workers if a not in gone]
+        if self.held is not None and self._state_from == "peers":
+            # streamed from the survivors (the lost forgotten): the weights kept, the optimizer state
+            # spooled to disk until the new stages' setup sends it
+            snap = snap.spooled(self.restore_spool, self.coordinator.fetch_held_stages(snap.sid, list(lost.lost)))
         try:
             plan = self.plan_over(snap.step, snap, list(self.result.addresses), list(self.workers))
         except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
@@ -577,6 +591,8 @@ class Session:
         if plan is None:
             raise RuntimeError("plan_over returned no plan after a loss")
         plan = self._switch(snap.step, plan, snap, "lost", lost=gone)
+        if self.restore_spool is not None:  # the new stages hold the restored state now
+            self.restore_spool.clear()
         replayed = step - snap.step + (1 if mid_step else 0)
         self._truncate(snap.step, start_step)
         self._recovering = {"t0": t0, "replayed": replayed, "state_from": self._state_from}

@@ -17,9 +17,10 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          copy, sends replica_held {stage, of, sid}
   coordinator -> worker  snapshot_keep {keep: [sids]}: drop every other snapshot copy (a newer one is
                          confirmed)
-  coordinator -> worker  snapshot_send {sid, of: [stages]} (after a loss): send the copies of snapshot
-                         sid of those stages (its own, or replicas held) as "held" tensors, each
-                         followed by held_done {of, sid, names, rows} (or {of, sid, missing: true})
+  coordinator -> worker  snapshot_send {sid, of: [stages], first, count} (after a loss): send the copies
+                         of snapshot sid of those stages (its own, or replicas held) as "held"
+                         tensors (with first and count: only those of each copy), each followed by
+                         held_done {of, sid, first, total, names, rows} (or {of, sid, missing: true})
   coordinator -> worker  setup_bundle again (re-planning, at a flush boundary): the old stage is
                          dropped and the new one built from the new plan's bundle; the peers in
                          it replace the old neighbours
@@ -111,6 +112,7 @@ class Worker:
         self.device: str | None = None  # the plan's name of this device, from its bundle
         # snapshot copies: this stage's own and the replicas it holds for a neighbour
         self.copies = StateCopies(transport, lambda msg: self.transport.send_control(COORDINATOR, msg))
+        self._sending = None  # (sid, stage, copy) a coordinator is fetching window by window (snapshot_send)
 
     def _interrupt(self) -> None:
         """While a stage waits for a neighbour: stop when the coordinator aborted the step, or is gone."""
@@ -153,6 +155,7 @@ class Worker:
         if close is not None:  # a head-split engine's backend processes
             close()
         self.copies.drop()
+        self._sending = None
         self.executor = None
         self.bundle_actions = None
         self.device = None
@@ -384,20 +387,32 @@ class Worker:
         self.copies.take(sid, self.stage, state_tensors(self.executor), holder, keep, float(spread))
 
     def snapshot_send(self, msg: dict) -> None:
-        """Send the coordinator the copies of snapshot `sid` of the stages `of` (after a loss)."""
+        """Send the coordinator the copies of snapshot `sid` of the stages `of` (after a loss); with
+        `first` and `count`, only those tensors of each copy (the coordinator asks for a few at a
+        time, so that it never holds a whole copy: Coordinator.fetch_held_stages)."""
         sid, of = msg.get("sid"), msg.get("of")
-        if not (isinstance(sid, int) and isinstance(of, list) and all(isinstance(k, int) for k in of)):
-            raise ValueError(f"snapshot_send: expected sid and of [stages], got {msg!r:.120}")
+        first, count = msg.get("first", 0), msg.get("count")
+        if not (isinstance(sid, int) and isinstance(of, list) and all(isinstance(k, int) for k in of)
+                and isinstance(first, int) and first >= 0 and (count is None or isinstance(count, int) and count > 0)):
+            raise ValueError(f"snapshot_send: expected sid, of [stages] and optionally first and count, got {msg!r:.120}")
         self._take_in_copies()
         for k in of:
-            copy = self.copies.copy_of(k, self.stage, sid)
+            # a held replica is made whole once for all of its windows (not once a window), and let
+            # go with its last one
+            cached = self._sending if self._sending is not None and self._sending[:2] == (sid, k) else None
+            copy = cached[2] if cached is not None else self.copies.copy_of(k, self.stage, sid)
+            self._sending = None
             if copy is None:
                 self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "missing": True})
                 continue
-            for i, (name, arr) in enumerate(copy):
-                self.transport.send_tensor(COORDINATOR, "held", k, i, arr, name=name)
-            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid,
-                                                      "names": [name for name, _ in copy], "rows": row_shapes(copy)})
+            part = copy[first:] if count is None else copy[first:first + count]
+            if first + len(part) < len(copy):
+                self._sending = (sid, k, copy)
+            for i, (name, arr) in enumerate(part):
+                self.transport.send_tensor(COORDINATOR, "held", k, first + i, arr, name=name)
+            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "first": first,
+                                                      "total": len(copy), "names": [name for name, _ in part],
+                                                      "rows": row_shapes(copy)})
 
     def _take_in_copies(self) -> None:
         if self.stage is None:
