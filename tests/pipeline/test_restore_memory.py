@@ -17,7 +17,7 @@ from support import M, ROWS, S, export_onnx, made_once, single_device_training, 
 
 
 def _wide_bert(folder: Path) -> None:
-    """A randomly initialised 2-layer BERT wide enough (6.6 M parameters: 26 MiB of weights, 79 MiB
+    """A randomly initialised 2-layer BERT wide enough (6.6 M parameters: 25 MiB of weights, 76 MiB
     with AdamW's moments) that its state stands well above the coordinator's other allocations."""
     import torch
     from transformers import BertConfig, BertModel
@@ -41,8 +41,8 @@ def test_a_recovery_does_not_gather_the_whole_state_on_the_coordinator(wide_grap
     less than the weights and half the optimizer state: the new stages' bundles are written from
     the weights, but the optimizer state (twice the weights) is spooled to disk as it arrives, a
     few tensors at a time, and sent on one tensor at a time. Gathering every stage's state here,
-    as the recovery did before, grows it by the whole state and the bundles (measured: +113 MiB
-    against 79 MiB of state; +62 MiB with the spool). The losses and weights are single-device
+    as the recovery did before, grew it by the whole state and more (measured: +86 MiB against
+    76 MiB of state; +39 MiB with the spool). The losses and weights are single-device
     training's."""
     from jobs.common.workers import LocalWorkers
     from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
