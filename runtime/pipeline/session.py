@@ -475,6 +475,8 @@ class Session:
         reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
                                               state=snap.state, lost=lost, contents=_contents(plan))
         _release(plan)
+        if self.restore_spool is not None:  # the new stages hold the restored state now
+            self.restore_spool.clear()
         self._work_s = []  # a new setup: its first step builds the engines again
         old_ranges = list(self.result.ranges)
         self.result.ranges = [tuple(r) for r in plan.ranges]
@@ -580,10 +582,8 @@ class Session:
         if self.faults.take_back:
             self.coordinator.call_back(gone)
         self.workers = [a for a in self.workers if a not in gone]
-        if self.held is not None and self._state_from == "peers":
-            # streamed from the survivors (the lost forgotten): the weights kept, the optimizer state
-            # spooled to disk until the new stages' setup sends it
-            snap = snap.spooled(self.restore_spool, self.coordinator.fetch_held_stages(snap.sid, list(lost.lost)))
+        if self.held is not None and self._state_from == "peers":  # the lost forgotten: from the survivors
+            snap = self._spooled(snap, list(lost.lost))
         try:
             plan = self.plan_over(snap.step, snap, list(self.result.addresses), list(self.workers))
         except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
@@ -591,12 +591,19 @@ class Session:
         if plan is None:
             raise RuntimeError("plan_over returned no plan after a loss")
         plan = self._switch(snap.step, plan, snap, "lost", lost=gone)
-        if self.restore_spool is not None:  # the new stages hold the restored state now
-            self.restore_spool.clear()
         replayed = step - snap.step + (1 if mid_step else 0)
         self._truncate(snap.step, start_step)
         self._recovering = {"t0": t0, "replayed": replayed, "state_from": self._state_from}
         return plan.schedule
+
+    def _spooled(self, snap, lost: Sequence[int] = ()):
+        """A snapshot held on the workers about to be restored, its state streamed off them a few
+        tensors at a time (`lost` stages' from their holders): the weights kept here, the optimizer
+        state spooled to disk until the new stages' setup sends it (runtime.pipeline.restore), so
+        the coordinator never holds the whole state."""
+        if snap is None:
+            return None
+        return snap.spooled(self.restore_spool, self.coordinator.fetch_held_stages(snap.sid, list(lost)))
 
     def _may_readmit(self, drain: int) -> bool:
         """Can a worker that answers its call back in the middle of the 1f1b-stash segment begun at
@@ -628,7 +635,7 @@ class Session:
                            address=b["address"], taken_in=False, reason="a stage was lost meanwhile: the recovery "
                            "plans over the workers that are back")
             raise
-        snap = self.held.restorable([]) if self.held is not None else self.snapshot
+        snap = self._spooled(self.held.restorable([])) if self.held is not None else self.snapshot
         plan, reason = None, ""
         try:
             plan = self.plan_over(drain, snap, list(self.result.addresses), list(self.workers))

@@ -23,8 +23,9 @@ once the previous one is confirmed, and then tells the workers to drop the older
 (`snapshot_keep`), so a worker holds one copy of its state and one of its neighbour's between
 snapshots, and while one is shipped two of its own, one of its neighbour's and the part received. After a loss, the coordinator restores from the newest snapshot whose lost
 stages' replicas were confirmed (`PeerSnapshots.restorable`), fetching each stage's state from
-its own worker or, for a lost one, from its holder (`snapshot_send`); the replay from it is exact
-as from any copy: the data order is a function of the step.
+its own worker or, for a lost one, from its holder (`snapshot_send`, a few tensors at a time,
+the optimizer state spooled to the coordinator's disk as it arrives: runtime.pipeline.restore);
+the replay from it is exact as from any copy: the data order is a function of the step.
 """
 from __future__ import annotations
 
