@@ -486,19 +486,45 @@ class Coordinator:
             out.append(dense_from_wire(tensors, rows, f"stage {p.stage}'s checkpoint"))
         return out
 
+    # at most this many tensors of a stage's state are asked for at a time (`collect_stages`,
+    # `fetch_held_stages`): the coordinator receives no more than these before it has written the
+    # last ones away
+    HELD_WINDOW = 4
+
     def collect_stages(self):
         """Every stage's parameters and optimizer state as they come off the wire, one stage after
-        the other (each ordered once the last was taken), one tensor at a time: yields (stage, its
-        `rows` declaration for `dense_from_wire`, an iterator of (name, tensor) to use up before the
-        next stage). Whoever writes each tensor away before taking the next holds one tensor, not
-        the whole model's state (call at a flush boundary)."""
+        the other, one tensor at a time: yields (stage, its `rows` declaration for
+        `dense_from_wire`, an iterator of (name, tensor) to use up before the next stage). Each
+        stage is asked for `HELD_WINDOW` tensors at a time (`checkpoint` {first, count}), the next
+        window once the last was taken, so whoever writes each tensor away before taking the next
+        holds a few tensors, not the whole model's state nor a stage's in the receive queue (call
+        at a flush boundary)."""
         for p in self.placements:
-            peer = stage_peer(p.stage)
-            self.transport.send_control(peer, {"type": "checkpoint"})
-            done = self._await_control(peer, "checkpoint_done")
-            names = list(done["names"])
-            yield p.stage, done.get("rows"), ((name, self._await_tensor(
-                peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))) for i, name in enumerate(names))
+            done = self._ask_checkpoint(p.stage, 0)
+            yield p.stage, done.get("rows"), self._checkpoint_tensors(p.stage, done)
+
+    def _ask_checkpoint(self, stage: int, first: int) -> dict:
+        peer = stage_peer(stage)
+        self.transport.send_control(peer, {"type": "checkpoint", "first": first, "count": self.HELD_WINDOW})
+        done = self._await_control(peer, "checkpoint_done")
+        if not isinstance(done.get("names"), list):
+            raise WorkerFailed(f"{peer}'s checkpoint_done names no tensors: {done!r:.120}")
+        return done
+
+    def _checkpoint_tensors(self, stage: int, done: dict):
+        peer, first = stage_peer(stage), 0
+        while True:
+            names = done["names"]
+            tensors = [(name, self._await_tensor(peer, Expected(kind="ckpt", stage=stage, microbatch=first + i,
+                                                                name=name)))
+                       for i, name in enumerate(names)]
+            yield from tensors
+            del tensors
+            total = done.get("total")
+            if not isinstance(total, int) or first + len(names) >= total or not names:
+                return
+            first += len(names)
+            done = self._ask_checkpoint(stage, first)
 
     def snapshot_to_peers(self, keep: Sequence[int], spread_s: float) -> int:
         """Order snapshot `sid` (returned) at this flush boundary: each stage copies its state and
@@ -521,10 +547,6 @@ class Coordinator:
         self.replicas_held = {k: v for k, v in self.replicas_held.items() if k in set(keep)}
         for p in self.placements:
             self.transport.send_control(stage_peer(p.stage), {"type": "snapshot_keep", "keep": list(keep)})
-
-    # at most this many tensors of a held copy are asked for at a time (`fetch_held_stages`): the
-    # coordinator receives no more than these before it has written the last ones away
-    HELD_WINDOW = 4
 
     def fetch_held(self, sid: int, lost: Sequence[int] = ()) -> list[dict[str, np.ndarray]]:
         """Every stage's state of snapshot `sid` as the workers hold it, whole in memory: each stage's
