@@ -10,8 +10,8 @@ time, one tensor at a time. So the state comes off the wire (`Coordinator.fetch_
 few tensors at a time) into a `TrainingState` whose weights and scalars are in memory and whose
 optimizer entries are `SpooledTensor`s: written to a folder of this run as they arrive and read
 back one at a time when a setup sends them (`np.asarray` reads one). The coordinator's fallback
-copy (`FallbackCopies`' spool) and a checkpoint are read the same way, their files read back only
-as each tensor is sent.
+copy (`FallbackCopies`' spool) is read the same way, its files read back only as each tensor is
+sent; a checkpoint one stage's file at a time, its optimizer state written here.
 """
 from __future__ import annotations
 
