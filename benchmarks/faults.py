@@ -92,7 +92,7 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
     config = PipelineConfig(args.schedule, M, engine=args.engine, optimizer="adamw", lr=1e-4, timeout_s=300)
     workers = LocalWorkers.start(args.workers, threads=1, insecure=insecure)
     sent: dict = {}
-    from runtime.procfs import peak_rss_bytes, reset_peak_rss
+    from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     reset_peak_rss()
     peaks: dict = {}
@@ -104,6 +104,9 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
             peaks["threads"] = _threads_cpu_s([p.pid for p in workers.procs])
         if kill is not None and step == kill[0] and not sent:
             sent["at"] = time.time()
+            peaks["before_kill"] = peak_rss_bytes()
+            peaks["at_kill"] = rss_bytes()
+            reset_peak_rss()  # from here the peak is the recovery's (and the steps after it)
             threading.Timer(0.05, os.kill, (workers.procs[kill[1]].pid, signal.SIGKILL)).start()
 
     try:
@@ -146,7 +149,12 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
         lost = next(e for e in result.events if e["event"] == "lost")
         recovered = next(e for e in result.events if e["event"] == "recovered")
         out.update(detect_s=lost["at"] - sent["at"], recover_s=recovered["at"] - sent["at"],
-                   replayed=recovered["steps_replayed"], killed=kill)
+                   replayed=recovered["steps_replayed"], killed=kill,
+                   # the coordinator's peak before the kill, and from the kill to the last step (the
+                   # recovery: the survivors' state restored, the stages set up again)
+                   coord_before_kill_mib=peaks.get("before_kill", 0) / 2**20,
+                   coord_at_kill_mib=peaks.get("at_kill", 0) / 2**20,
+                   coord_recovery_mib=peaks.get("train", 0) / 2**20)
     return out
 
 
@@ -265,7 +273,11 @@ def main(argv=None) -> int:
             figures["curve_cost"] = curve
             print(f"CURVE vs insecure step time: {curve:+.1%} (target <= +5%)")
         print(f"killed worker {kill[1]} during step {kill[0] + 1}: detect {kill_row['detect_s']:.2f} s (target <= 3), "
-              f"recover {kill_row['recover_s']:.2f} s (target <= 10), replayed {kill_row['replayed']} step(s)")
+              f"recover {kill_row['recover_s']:.2f} s (target <= 10), replayed {kill_row['replayed']} step(s); "
+              f"coordinator's peak before the kill {kill_row['coord_before_kill_mib']:.0f} MiB, from the kill to the "
+              f"last step {kill_row['coord_recovery_mib']:.0f} MiB (+{kill_row['coord_recovery_mib'] - kill_row['coord_at_kill_mib']:.0f} "
+              f"over its {kill_row['coord_at_kill_mib']:.0f} MiB at the kill), the largest worker's {kill_row['worker_mib']:.0f} MiB; "
+              f"losses equal the stop runs': {kill_row['losses'] == rows['stop'][0]['losses'] if 'stop' in rows else None}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, default=str))
     return 0

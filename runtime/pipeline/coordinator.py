@@ -371,9 +371,13 @@ class Coordinator:
             self._tied_updates += 1
 
     def _send_optimizer_state(self, stage: int, opt_state: Mapping[str, np.ndarray]) -> None:
+        # one tensor at a time: a recovery's state is read back from the coordinator's disk here
+        # (runtime.pipeline.restore.SpooledTensor), each let go once ZeroMQ has sent it
         for i, (name, arr) in enumerate(opt_state.items()):
-            self.transport.send_tensor(stage_peer(stage), "optstate", -1, i, np.asarray(arr, order="C"), name=name)
-            self.setup_bytes += int(np.asarray(arr).nbytes)
+            arr = np.asarray(arr, order="C")
+            self.transport.send_tensor(stage_peer(stage), "optstate", -1, i, arr, name=name)
+            self.setup_bytes += int(arr.nbytes)
+            del arr
 
     def setup_bundles(self, bundle_dirs: Sequence[Path | Mapping[str, bytes]], devices: Sequence[str]) -> list[dict]:
         """Ship each stage its plan bundle, a directory or the files in memory (workers verify it
@@ -482,19 +486,45 @@ class Coordinator:
             out.append(dense_from_wire(tensors, rows, f"stage {p.stage}'s checkpoint"))
         return out
 
+    # at most this many tensors of a stage's state are asked for at a time (`collect_stages`,
+    # `fetch_held_stages`): the coordinator receives no more than these before it has written the
+    # last ones away
+    HELD_WINDOW = 4
+
     def collect_stages(self):
         """Every stage's parameters and optimizer state as they come off the wire, one stage after
-        the other (each ordered once the last was taken), one tensor at a time: yields (stage, its
-        `rows` declaration for `dense_from_wire`, an iterator of (name, tensor) to use up before the
-        next stage). Whoever writes each tensor away before taking the next holds one tensor, not
-        the whole model's state (call at a flush boundary)."""
+        the other, one tensor at a time: yields (stage, its `rows` declaration for
+        `dense_from_wire`, an iterator of (name, tensor) to use up before the next stage). Each
+        stage is asked for `HELD_WINDOW` tensors at a time (`checkpoint` {first, count}), the next
+        window once the last was taken, so whoever writes each tensor away before taking the next
+        holds a few tensors, not the whole model's state nor a stage's in the receive queue (call
+        at a flush boundary)."""
         for p in self.placements:
-            peer = stage_peer(p.stage)
-            self.transport.send_control(peer, {"type": "checkpoint"})
-            done = self._await_control(peer, "checkpoint_done")
-            names = list(done["names"])
-            yield p.stage, done.get("rows"), ((name, self._await_tensor(
-                peer, Expected(kind="ckpt", stage=p.stage, microbatch=i, name=name))) for i, name in enumerate(names))
+            done = self._ask_checkpoint(p.stage, 0)
+            yield p.stage, done.get("rows"), self._checkpoint_tensors(p.stage, done)
+
+    def _ask_checkpoint(self, stage: int, first: int) -> dict:
+        peer = stage_peer(stage)
+        self.transport.send_control(peer, {"type": "checkpoint", "first": first, "count": self.HELD_WINDOW})
+        done = self._await_control(peer, "checkpoint_done")
+        if not isinstance(done.get("names"), list):
+            raise WorkerFailed(f"{peer}'s checkpoint_done names no tensors: {done!r:.120}")
+        return done
+
+    def _checkpoint_tensors(self, stage: int, done: dict):
+        peer, first = stage_peer(stage), 0
+        while True:
+            names = done["names"]
+            tensors = [(name, self._await_tensor(peer, Expected(kind="ckpt", stage=stage, microbatch=first + i,
+                                                                name=name)))
+                       for i, name in enumerate(names)]
+            yield from tensors
+            del tensors
+            total = done.get("total")
+            if not isinstance(total, int) or first + len(names) >= total or not names:
+                return
+            first += len(names)
+            done = self._ask_checkpoint(stage, first)
 
     def snapshot_to_peers(self, keep: Sequence[int], spread_s: float) -> int:
         """Order snapshot `sid` (returned) at this flush boundary: each stage copies its state and
@@ -519,40 +549,66 @@ class Coordinator:
             self.transport.send_control(stage_peer(p.stage), {"type": "snapshot_keep", "keep": list(keep)})
 
     def fetch_held(self, sid: int, lost: Sequence[int] = ()) -> list[dict[str, np.ndarray]]:
-        """Every stage's state of snapshot `sid` as the workers hold it: each stage's from its own
-        worker, a lost stage's (`lost`, already `forget`-ten) from its holder. Call between steps."""
+        """Every stage's state of snapshot `sid` as the workers hold it, whole in memory: each stage's
+        from its own worker, a lost stage's (`lost`, already `forget`-ten) from its holder. Call
+        between steps. (A recovery streams it instead: `fetch_held_stages`.)"""
+        out = []
+        for stage, rows, tensors in self.fetch_held_stages(sid, lost):
+            out.append(dense_from_wire(dict(tensors), rows, f"stage {stage}'s snapshot"))
+        return out
+
+    def fetch_held_stages(self, sid: int, lost: Sequence[int] = ()):
+        """Snapshot `sid` as the workers hold it, one stage after the other, a few tensors at a
+        time: yields (stage, its `rows` declaration for `dense_from_wire`, an iterator of (name,
+        tensor) to use up before the next stage), as `collect_stages` does. Each stage's copy comes
+        from its own worker, a lost stage's (`lost`, already `forget`-ten) from its holder, in
+        windows of `HELD_WINDOW` tensors (`snapshot_send` {sid, of, first, count}), each asked for
+        once the last was taken: whoever writes each tensor away before taking the next holds a
+        few tensors, never the whole state (a worker sending a whole copy at once would fill this
+        process's receive queue with it). Call between steps."""
         from runtime.pipeline.snapshots import holder_of
 
         lost = set(lost)
-        source = {}
         for p in self.placements:
-            k = p.stage
-            if k in lost:
-                holder = holder_of(k, self.stages)
-                if holder is None or holder in lost:
-                    raise WorkerFailed(f"stage {k}'s snapshot copy was on stage {holder}, lost too")
-                k = holder
-            source.setdefault(k, []).append(p.stage)
-        for k, of in source.items():
-            self.transport.send_control(stage_peer(k), {"type": "snapshot_send", "sid": sid, "of": of})
-        out: dict[int, dict[str, np.ndarray]] = {}
-        for k, of in source.items():
-            peer = stage_peer(k)
-            for stage in of:
-                # its tensors come before it on the same connection: all are here once it is
-                done = self._await_control(peer, "held_done")
-                if done.get("of") != stage or done.get("sid") != sid:
-                    raise WorkerFailed(f"expected snapshot {sid} of stage {stage} from {peer}, got {done!r:.120}")
-                names = [] if done.get("missing") else done.get("names")
-                if not isinstance(names, list):
-                    raise WorkerFailed(f"{peer}'s held_done names no tensors: {done!r:.120}")
-                tensors = {}
-                for i, name in enumerate(names):
-                    tensors[name] = self._await_tensor(peer, Expected(kind="held", stage=stage, microbatch=i, name=name))
-                if done.get("missing"):
-                    raise WorkerFailed(f"stage {k} does not hold snapshot {sid} of stage {stage}")
-                out[stage] = dense_from_wire(tensors, done.get("rows"), f"stage {stage}'s snapshot")
-        return [out[p.stage] for p in self.placements]
+            source = p.stage
+            if source in lost:
+                source = holder_of(p.stage, self.stages)
+                if source is None or source in lost:
+                    raise WorkerFailed(f"stage {p.stage}'s snapshot copy was on stage {source}, lost too")
+            first = self._ask_held(source, sid, p.stage, 0)
+            yield p.stage, first.get("rows"), self._held_tensors(source, sid, p.stage, first)
+
+    def _ask_held(self, source: int, sid: int, stage: int, first: int) -> dict:
+        peer = stage_peer(source)
+        self.transport.send_control(peer, {"type": "snapshot_send", "sid": sid, "of": [stage], "first": first,
+                                           "count": self.HELD_WINDOW})
+        # its tensors come before it on the same connection: all are here once it is
+        done = self._await_control(peer, "held_done")
+        if done.get("of") != stage or done.get("sid") != sid:
+            raise WorkerFailed(f"expected snapshot {sid} of stage {stage} from {peer}, got {done!r:.120}")
+        names = [] if done.get("missing") else done.get("names")
+        if not isinstance(names, list):
+            raise WorkerFailed(f"{peer}'s held_done names no tensors: {done!r:.120}")
+        return done
+
+    def _held_tensors(self, source: int, sid: int, stage: int, done: dict):
+        peer = stage_peer(source)
+        first = 0
+        while True:
+            names = done.get("names") or []
+            tensors = [(name, self._await_tensor(peer, Expected(kind="held", stage=stage, microbatch=first + i,
+                                                                name=name)))
+                       for i, name in enumerate(names)]
+            if done.get("missing"):
+                raise WorkerFailed(f"stage {source} does not hold snapshot {sid} of stage {stage}")
+            yield from tensors
+            del tensors
+            total = done.get("total")
+            # a worker that sends the whole copy at once names no total: it is all here
+            if not isinstance(total, int) or first + len(names) >= total or not names:
+                return
+            first += len(names)
+            done = self._ask_held(source, sid, stage, first)
 
     def gather(self) -> TrainingState:
         """The whole training state, merged from every stage (call at a flush boundary): what a

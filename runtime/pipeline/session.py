@@ -30,6 +30,7 @@ from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint, save_c
 from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
                                           WorkerLost)
 from runtime.pipeline.executor import busy_fraction
+from runtime.pipeline.restore import RestoredSnapshot, RestoreSpool
 from runtime.pipeline.snapshots import FallbackCopies, PeerSnapshots
 
 
@@ -212,6 +213,9 @@ class Session:
         self.held = PeerSnapshots.for_run(coordinator, faults, plan_over)  # None: snapshots on the coordinator
         # with the state on peers: the coordinator's copy for a loss of a stage and its copy's holder
         self.fallback = FallbackCopies() if self.held is not None else None
+        # where a recovery's optimizer state waits for the new stages' setup (runtime.pipeline.restore):
+        # the coordinator never holds the whole state at once
+        self.restore_spool = RestoreSpool() if self.held is not None else None
         self._checkpointed: tuple[int, list] | None = None  # (step, ranges) of the last checkpoint written
         self._state_from = "coordinator"  # where the last recovery's state came from (its event says)
         self._recovering: dict | None = None  # the recovery whose first completed step is still to come
@@ -294,14 +298,20 @@ class Session:
         if not found:
             return None
         _, source, read = max(found, key=lambda f: f[0])
-        step, ranges, per_stage = read()
         self._state_from = source
-        return Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(ranges))
+        if source == "coordinator":  # its spooled files, read back one tensor at a time as they are sent
+            state = self.restore_spool.state_of(self.fallback.spooled_stages(), "the coordinator's copy")
+            return RestoredSnapshot(self.fallback.step, state, list(self.fallback.ranges), lambda: read()[2])
+        step, ranges, stages = FallbackCopies.checkpointed_stages(self.checkpoint_dir)  # a stage's file at a time
+        state = self.restore_spool.state_of(stages, f"checkpoint {self.checkpoint_dir}")
+        return RestoredSnapshot(step, state, list(ranges), lambda: read()[2])
 
     def close(self) -> None:
         """The run is over: its spooled copy goes."""
         if self.fallback is not None:
             self.fallback.close()
+        if self.restore_spool is not None:
+            self.restore_spool.close()
 
     def _charge(self, seconds: float) -> None:
         """Seconds of the step still open spent on the fault policy (state copies, checkpoints)."""
@@ -465,6 +475,8 @@ class Session:
         reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
                                               state=snap.state, lost=lost, contents=_contents(plan))
         _release(plan)
+        if self.restore_spool is not None:  # the new stages hold the restored state now
+            self.restore_spool.clear()
         self._work_s = []  # a new setup: its first step builds the engines again
         old_ranges = list(self.result.ranges)
         self.result.ranges = [tuple(r) for r in plan.ranges]
@@ -570,6 +582,8 @@ class Session:
         if self.faults.take_back:
             self.coordinator.call_back(gone)
         self.workers = [a for a in self.workers if a not in gone]
+        if self.held is not None and self._state_from == "peers":  # the lost forgotten: from the survivors
+            snap = self._spooled(snap, list(lost.lost))
         try:
             plan = self.plan_over(snap.step, snap, list(self.result.addresses), list(self.workers))
         except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
@@ -581,6 +595,15 @@ class Session:
         self._truncate(snap.step, start_step)
         self._recovering = {"t0": t0, "replayed": replayed, "state_from": self._state_from}
         return plan.schedule
+
+    def _spooled(self, snap, lost: Sequence[int] = ()):
+        """A snapshot held on the workers about to be restored, its state streamed off them a few
+        tensors at a time (`lost` stages' from their holders): the weights kept here, the optimizer
+        state spooled to disk until the new stages' setup sends it (runtime.pipeline.restore), so
+        the coordinator never holds the whole state."""
+        if snap is None:
+            return None
+        return snap.spooled(self.restore_spool, self.coordinator.fetch_held_stages(snap.sid, list(lost)))
 
     def _may_readmit(self, drain: int) -> bool:
         """Can a worker that answers its call back in the middle of the 1f1b-stash segment begun at
@@ -612,7 +635,7 @@ class Session:
                            address=b["address"], taken_in=False, reason="a stage was lost meanwhile: the recovery "
                            "plans over the workers that are back")
             raise
-        snap = self.held.restorable([]) if self.held is not None else self.snapshot
+        snap = self._spooled(self.held.restorable([])) if self.held is not None else self.snapshot
         plan, reason = None, ""
         try:
             plan = self.plan_over(drain, snap, list(self.result.addresses), list(self.workers))

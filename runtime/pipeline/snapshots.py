@@ -26,8 +26,9 @@ once the previous one is confirmed, and then tells the workers to drop the older
 snapshots, and while one is shipped two of its own, one of its neighbour's and the part received.
 After a loss, the coordinator restores from the newest snapshot whose lost stages' replicas were
 confirmed (`PeerSnapshots.restorable`), fetching each stage's state from its own worker or, for a
-lost one, from its holder (`snapshot_send`: read back from the file tensor by tensor); the replay
-from it is exact as from any copy: the data order is a function of the step.
+lost one, from its holder (`snapshot_send`: read back from the file a few tensors at a time, the
+optimizer state spooled to the coordinator's disk as it arrives: runtime.pipeline.restore); the
+replay from it is exact as from any copy: the data order is a function of the step.
 """
 from __future__ import annotations
 
@@ -488,6 +489,13 @@ class HeldSnapshot:
             self._state = TrainingState(*merge_checkpoint(self.per_stage))
         return self._state
 
+    def spooled(self, spool, stages) -> "HeldSnapshot":
+        """This snapshot with its state streamed from `stages` (`Coordinator.fetch_held_stages`)
+        into `spool` (runtime.pipeline.restore.RestoreSpool): the weights in memory, the optimizer
+        state on the coordinator's disk, never the whole state in memory."""
+        self._state = spool.state_of(stages, f"snapshot {self.sid}")
+        return self
+
 
 class PeerSnapshots:
     """The coordinator's record of the snapshots held on the workers: which were ordered (by
@@ -627,12 +635,31 @@ class FallbackCopies:
             per_stage.append(dense_from_wire(tensors, index["rows"], f"the coordinator's copy of stage {k}"))
         return self.step, self.ranges, per_stage
 
+    def spooled_stages(self):
+        """The spooled copy as `RestoreSpool.state_of` takes it: (stage, rows declaration, (name,
+        tensor) pairs), each tensor a file read back only when used (runtime.pipeline.restore)."""
+        from runtime.pipeline.restore import SpooledTensor
+
+        for k in range(len(self.ranges)):
+            part = self.folder / "copy" / f"stage{k}"
+            index = json.loads((part / "index.json").read_text())
+            yield k, index["rows"], [(name, SpooledTensor.npy(part / f"{i}.npy")) for i, name in enumerate(index["names"])]
+
     @staticmethod
     def checkpointed(directory: Path) -> tuple[int, list[tuple[int, int]], list[dict[str, np.ndarray]]]:
         """(step, ranges, every stage's state) of the checkpoint the run wrote last to `directory`."""
         meta = read_meta(directory)
         per_stage = [load_safetensors(Path(directory) / f"stage{k}.safetensors") for k in range(meta["stages"])]
         return int(meta["step"]), [tuple(r) for r in meta["ranges"]], per_stage
+
+    @staticmethod
+    def checkpointed_stages(directory: Path):
+        """(step, ranges, the stages as `RestoreSpool.state_of` takes them) of the checkpoint the run
+        wrote last to `directory`: each stage's file read when its turn comes."""
+        meta = read_meta(directory)
+        stages = ((k, None, load_safetensors(Path(directory) / f"stage{k}.safetensors").items())
+                  for k in range(meta["stages"]))
+        return int(meta["step"]), [tuple(r) for r in meta["ranges"]], stages
 
     def close(self) -> None:
         if self.folder is not None:

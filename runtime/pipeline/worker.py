@@ -10,16 +10,18 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          runs its bundle's actions (for `steps` steps without a flush, an
                          asynchronous schedule's steady state unrolled); no action comes at run time
   worker -> coordinator  "loss" tensors (last stage), then done {stats, version, rss}
-  coordinator -> worker  checkpoint  ->  worker sends "ckpt" tensors, then checkpoint_done {names}
+  coordinator -> worker  checkpoint {first, count}  ->  worker sends "ckpt" tensors (with first and count:
+                         only those), then checkpoint_done {names, first, total, rows, state_bytes}
   coordinator -> worker  snapshot {sid, holder, keep, spread_s}: copy the stage's state now and ship
                          it to the holder stage while the next step runs (runtime.pipeline.snapshots);
                          no answer (the coordinator does not wait); the holder, once it has the whole
                          copy, sends replica_held {stage, of, sid}
   coordinator -> worker  snapshot_keep {keep: [sids]}: drop every other snapshot copy (a newer one is
                          confirmed)
-  coordinator -> worker  snapshot_send {sid, of: [stages]} (after a loss): send the copies of snapshot
-                         sid of those stages (its own, or replicas held) as "held" tensors, each
-                         followed by held_done {of, sid, names, rows} (or {of, sid, missing: true})
+  coordinator -> worker  snapshot_send {sid, of: [stages], first, count} (after a loss): send the copies
+                         of snapshot sid of those stages (its own, or replicas held) as "held"
+                         tensors (with first and count: only those of each copy), each followed by
+                         held_done {of, sid, first, total, names, rows} (or {of, sid, missing: true})
   coordinator -> worker  setup_bundle again (re-planning, at a flush boundary): the old stage is
                          dropped and the new one built from the new plan's bundle; the peers in
                          it replace the old neighbours
@@ -357,7 +359,9 @@ class Worker:
                 raise PeerTimeout(sorted(waiting)[0], None, "a fence after an abort", self.timeout)
         self.transport.send_control(COORDINATOR, {"type": "aborted", "stage": self.stage, "step": msg.get("step")})
 
-    def checkpoint(self, optimizer: bool = True) -> None:
+    def checkpoint(self, optimizer: bool = True, first: int = 0, count: int | None = None) -> None:
+        """Send the coordinator this stage's state (with `first` and `count`, only those tensors of
+        it: the coordinator spooling a copy asks for a few at a time, `Coordinator.collect_stages`)."""
         self._need_stage("checkpoint")
         # the engine's and optimizer's own arrays, no copies: the coordinator has them all before it
         # sends the next step, and a table's state goes as its rows (no dense copy built to send)
@@ -365,11 +369,12 @@ class Worker:
         state_bytes = sum(int(arr.nbytes) for _, arr in tensors)
         if not optimizer:  # the run's final weights: the moments would only be dropped on arrival
             tensors = [(name, arr) for name, arr in tensors if name.startswith("param/")]
-        for i, (name, arr) in enumerate(tensors):
-            self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, i, np.asarray(arr, order="C"), name=name)
-        self.transport.send_control(COORDINATOR, {"type": "checkpoint_done", "stage": self.stage,
-                                                  "names": [name for name, _ in tensors], "rows": row_shapes(tensors),
-                                                  "state_bytes": state_bytes})
+        part = tensors[first:] if count is None else tensors[first:first + count]
+        for i, (name, arr) in enumerate(part):
+            self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, first + i, np.asarray(arr, order="C"), name=name)
+        self.transport.send_control(COORDINATOR, {"type": "checkpoint_done", "stage": self.stage, "first": first,
+                                                  "total": len(tensors), "names": [name for name, _ in part],
+                                                  "rows": row_shapes(tensors), "state_bytes": state_bytes})
 
     def snapshot(self, msg: dict) -> None:
         """Copy this stage's state for snapshot `sid` and ship it to its holder while the next step
@@ -384,23 +389,29 @@ class Worker:
         self.copies.take(sid, self.stage, state_tensors(self.executor), holder, keep, float(spread))
 
     def snapshot_send(self, msg: dict) -> None:
-        """Send the coordinator the copies of snapshot `sid` of the stages `of` (after a loss)."""
+        """Send the coordinator the copies of snapshot `sid` of the stages `of` (after a loss); with
+        `first` and `count`, only those tensors of each copy (the coordinator asks for a few at a
+        time, so that it never holds a whole copy: Coordinator.fetch_held_stages)."""
         sid, of = msg.get("sid"), msg.get("of")
-        if not (isinstance(sid, int) and isinstance(of, list) and all(isinstance(k, int) for k in of)):
-            raise ValueError(f"snapshot_send: expected sid and of [stages], got {msg!r:.120}")
+        first, count = msg.get("first", 0), msg.get("count")
+        if not (isinstance(sid, int) and isinstance(of, list) and all(isinstance(k, int) for k in of)
+                and isinstance(first, int) and first >= 0 and (count is None or isinstance(count, int) and count > 0)):
+            raise ValueError(f"snapshot_send: expected sid, of [stages] and optionally first and count, got {msg!r:.120}")
         self._take_in_copies()
         for k in of:
             copy = self.copies.spooled(k, self.stage, sid)
             if copy is None:
                 self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "missing": True})
                 continue
-            # read from the copy's file tensor by tensor: the whole copy is never in this worker's memory
-            for i, (name, arr) in enumerate(copy.items()):
-                self.transport.send_tensor(COORDINATOR, "held", k, i, arr, name=name)
-            entries = [(e.name, e) for e in copy.tensors]
-            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid,
-                                                      "names": [name for name, _ in entries],
-                                                      "rows": row_shapes(entries)})
+            # only the window asked for, read from the copy's file tensor by tensor: the whole copy is
+            # never in this worker's memory (nor in the coordinator's: it asks for a few at a time)
+            entries = copy.tensors
+            part = entries[first:] if count is None else entries[first:first + count]
+            for i, entry in enumerate(part):
+                self.transport.send_tensor(COORDINATOR, "held", k, first + i, copy.read(entry), name=entry.name)
+            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "first": first,
+                                                      "total": len(entries), "names": [e.name for e in part],
+                                                      "rows": row_shapes([(e.name, e) for e in entries])})
 
     def _between(self) -> float | None:
         """Between a step's actions and while it waits: ship what is due of this stage's snapshot copy,
@@ -519,10 +530,13 @@ class Worker:
         elif kind == "run":
             self.run(msg)
         elif kind == "checkpoint":
-            if msg.get("optimizer") is False:  # the run's final weights
-                self.checkpoint(optimizer=False)
-            else:
-                self.checkpoint()
+            kwargs = {"optimizer": False} if msg.get("optimizer") is False else {}  # the run's final weights
+            if "first" in msg or "count" in msg:  # a window of it (Coordinator.collect_stages)
+                first, count = msg.get("first", 0), msg.get("count")
+                if not (isinstance(first, int) and first >= 0 and (count is None or isinstance(count, int) and count > 0)):
+                    raise ValueError(f"checkpoint: first and count must be whole numbers, got {msg!r:.120}")
+                kwargs.update(first=first, count=count)
+            self.checkpoint(**kwargs)
         elif kind == "snapshot":
             self.snapshot(msg)
         elif kind == "snapshot_send":

@@ -84,13 +84,13 @@ def test_a_snapshot_on_the_peers_at_the_last_step_is_not_fetched_for_the_weights
     are collected as they are, not by fetching that snapshot's whole copies (parameters and
     optimizer state, 662 MiB on MiniLM's coordinator against 427)."""
     fetched = []
-    real = Coordinator.fetch_held
+    real = Coordinator.fetch_held_stages
 
     def fetch(self, sid, lost=()):
         fetched.append(sid)
         return real(self, sid, lost)
 
-    monkeypatch.setattr(Coordinator, "fetch_held", fetch)
+    monkeypatch.setattr(Coordinator, "fetch_held_stages", fetch)
     # every boundary orders one, the last included (not only once the one before is confirmed)
     monkeypatch.setattr(PeerSnapshots, "busy", lambda self: False)
     config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60)

@@ -100,13 +100,13 @@ def test_a_lost_workers_state_comes_back_from_its_neighbour_and_the_replay_is_ex
 
         monkeypatch.setattr(Coordinator, "collect_checkpoint", no_collect)
         fetched = []
-        real_fetch = Coordinator.fetch_held
+        real_fetch = Coordinator.fetch_held_stages
 
         def fetch(self, sid, gone=()):
             fetched.append(tuple(gone))
             return real_fetch(self, sid, gone)
 
-        monkeypatch.setattr(Coordinator, "fetch_held", fetch)
+        monkeypatch.setattr(Coordinator, "fetch_held_stages", fetch)
         ordered, sids = [], []
         real_take = PeerSnapshots.take
 
@@ -185,7 +185,7 @@ def test_sigkill_of_a_worker_process_is_recovered_from_its_neighbours_copy(graph
     steps = 5
     workers = LocalWorkers.start(3, threads=1)
     fetched = []
-    real_fetch = Coordinator.fetch_held
+    real_fetch = Coordinator.fetch_held_stages
 
     def fetch(self, sid, gone=()):
         fetched.append(tuple(gone))
@@ -197,12 +197,12 @@ def test_sigkill_of_a_worker_process_is_recovered_from_its_neighbours_copy(graph
         if step == steps - 1:
             workers.procs[lost].wait(10)  # landed before the run ends, however late the timer fired
 
-    Coordinator.fetch_held = fetch
+    Coordinator.fetch_held_stages = fetch
     try:
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(), steps, keys=workers.keys,
                                 on_step=on_step, faults=PEERS)
     finally:
-        Coordinator.fetch_held = real_fetch
+        Coordinator.fetch_held_stages = real_fetch
         codes = workers.wait(30.0)
     assert codes[lost] == -signal.SIGKILL
     want_losses, want_weights = single_device_training(graph, batches, steps)
