@@ -252,6 +252,80 @@ def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: {exc}") from None
 
 
+_FLOAT_CODES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16: its bit patterns
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """A float tensor of a safetensors file, read (and widened to float32) only when asked: an export
+    streams a checkpoint's weights one at a time instead of holding them all widened. `shape`,
+    `dtype` (float32: what `read` gives) and `nbytes` answer as the float32 array would."""
+
+    path: Path
+    name: str
+    stored: str  # the file's dtype code: F32, F16 or BF16
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+    dtype = np.dtype(np.float32)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.size
+
+    def read(self) -> np.ndarray:
+        """The tensor as a float32 array of its own: F16 and BF16 widened exactly (bfloat16 is float32's
+        upper half), with only the stored bytes beside it for the moment."""
+        raw = np.empty(self.shape, np.dtype(_FLOAT_CODES[self.stored]).newbyteorder("<"))
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            view = memoryview(raw.reshape(-1).view(np.uint8))
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise ValueError(f"{self.path}: tensor {self.name!r}: the file ends {len(view) - got} bytes early")
+                got += n
+        if self.stored == "F32":
+            return raw.astype(np.float32, copy=False)
+        out = np.empty(self.shape, np.float32)
+        if self.stored == "BF16":
+            np.left_shift(raw, 16, out=out.view(np.uint32), dtype=np.uint32)
+        else:
+            out[...] = raw
+        return out
+
+
+def safetensors_float_tensors(path: str | Path) -> dict[str, FileTensor]:
+    """The float tensors (F32, F16, BF16) of a safetensors file, from its checked header alone (the
+    bytes are read by `FileTensor.read`); the file's other tensors are left out."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            total = path.stat().st_size
+            n = _header_length(f.read(8), total)
+            header_bytes = f.read(n)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:  # BF16 is read here (as its bit patterns) though the codec does not write it
+        header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        if not isinstance(header, dict):
+            raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
+        codes = {k: v.get("dtype") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+        as_u16 = {k: ({**v, "dtype": "U16"} if isinstance(v, dict) and v.get("dtype") == "BF16" else v)
+                  for k, v in header.items()}
+        checked = json.dumps(as_u16).encode()
+        spans = _spans(checked, total - 8 - n)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a valid safetensors file: {exc}") from None
+    return {name: FileTensor(path, name, codes[name], shape, 8 + n + begin)
+            for begin, _, name, _, shape in spans if codes[name] in _FLOAT_CODES}
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
