@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -279,25 +280,33 @@ class FileTensor:
 
     def read(self) -> np.ndarray:
         """The tensor as a float32 array of its own: F16 and BF16 widened exactly (bfloat16 is float32's
-        upper half), with only the stored bytes beside it for the moment."""
-        raw = np.empty(self.shape, np.dtype(_FLOAT_CODES[self.stored]).newbyteorder("<"))
+        upper half) a chunk at a time, so nothing but the float32 array and a few MiB is held."""
+        out = np.empty(self.shape, np.float32)
+        flat = out.reshape(-1)
+        stored = np.dtype(_FLOAT_CODES[self.stored]).newbyteorder("<")
+        step = _READ_CHUNK // stored.itemsize
         with open(self.path, "rb") as f:
             f.seek(self.offset)
-            view = memoryview(raw.reshape(-1).view(np.uint8))
-            got = 0
-            while got < len(view):
-                n = f.readinto(view[got:])
-                if not n:
-                    raise ValueError(f"{self.path}: tensor {self.name!r}: the file ends {len(view) - got} bytes early")
-                got += n
-        if self.stored == "F32":
-            return raw.astype(np.float32, copy=False)
-        out = np.empty(self.shape, np.float32)
-        if self.stored == "BF16":
-            np.left_shift(raw, 16, out=out.view(np.uint32), dtype=np.uint32)
-        else:
-            out[...] = raw
+            for lo in range(0, flat.size, step):
+                part = flat[lo:lo + step]
+                raw = part.view(np.uint8)[: part.size * stored.itemsize]  # read into the output's own bytes
+                view, got = memoryview(raw), 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise ValueError(f"{self.path}: tensor {self.name!r}: the file ends early")
+                    got += n
+                if self.stored == "BF16":  # the chunk's first half holds its bit patterns: widen back to front
+                    bits = raw.view(stored).copy()
+                    np.left_shift(bits, 16, out=part.view(np.uint32), dtype=np.uint32)
+                elif self.stored == "F16":
+                    part[...] = raw.view(stored).copy()
+                elif sys.byteorder == "big":  # the file is little-endian
+                    part.byteswap(inplace=True)
         return out
+
+
+_READ_CHUNK = 4 << 20  # bytes of the file read at a time
 
 
 def safetensors_float_tensors(path: str | Path) -> dict[str, FileTensor]:

@@ -257,14 +257,17 @@ def test_safetensors_codec_agrees_with_the_safetensors_package(graph):
         encode_safetensors({"x": np.zeros(2, np.complex64)})
 
 
-def test_a_checkpoints_float_tensors_read_one_at_a_time_as_float32_as_torch_widens_them(tmp_path):
+@pytest.mark.parametrize("chunk", [4 << 20, 64])  # one read a tensor, and many (the last one short)
+def test_a_checkpoints_float_tensors_read_one_at_a_time_as_float32_as_torch_widens_them(tmp_path, monkeypatch, chunk):
     """`safetensors_float_tensors`: the F32, F16 and BF16 tensors of a file the safetensors package wrote
     (transformers' checkpoints), each read alone and widened exactly: torch's `.float()` is the reference."""
     import torch
     from safetensors.torch import save_file
 
+    import ir.safetensors
     from ir.safetensors import safetensors_float_tensors
 
+    monkeypatch.setattr(ir.safetensors, "_READ_CHUNK", chunk)
     gen = torch.Generator().manual_seed(0)
     special = torch.tensor([0.0, -0.0, 1e-40, -3.5e38, float("inf"), float("-inf"), float("nan"), 65504.0])
     tensors = {"w.bf16": torch.randn(33, 7, generator=gen).to(torch.bfloat16), "b.bf16": special.to(torch.bfloat16),
