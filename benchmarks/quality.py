@@ -20,8 +20,21 @@ Columns
     ``step s``      median seconds a step; ``peak MiB`` the child's VmHWM (setup, both evaluations
                     and training together).
 
+A float base (--float-base)
+    The bundled SmolLM2 is a Q4_1 GGUF dequantized: its float32 weights already lie on a 4-bit grid
+    (llama.cpp's Q4_1 is ir.precision's int4), so int4 equals float32 to every digit and says nothing.
+    --float-base first makes (once, cached in --work) a float checkpoint off that grid by real
+    training: SmolLM2 fully fine-tuned in float32 by transformers/torch (AdamW, lr --ft-lr, --ft-steps
+    steps of 4 x 128 tokens) on other text (the plain-text pydoc pages of a fixed list of standard library
+    modules: this machine's Python, no network), written as a Hugging Face folder and exported with
+    `confidant export --task causal-lm --checkpoint FOLDER`. It prints how far each base is from the grid
+    --base-dtype int4 holds it on (projections int4, the table int8), by storage, before the table:
+    ``on grid`` the share of weights the round trip gives back exactly, ``err/step`` the mean round-trip
+    error over the mean step of its block (0 on the grid; weights spread evenly between steps: 0.25).
+
 Usage
     .venv/bin/python benchmarks/quality.py [--steps 30] [--dtypes float32,int4] [--dev 64] [--json OUT]
+    .venv/bin/python benchmarks/quality.py --float-base [--ft-steps 30] [--ft-lr 2e-4] [--work DIR] ...
 """
 from __future__ import annotations
 
@@ -43,7 +56,7 @@ MARKER = "CONFIDANT_QUALITY "
 TARGET = 1.05  # issue 31, target 6: int4's dev perplexity within 5% of float32's
 
 
-def _child(base_dtype: str, steps: int, n_train: int, n_dev: int) -> dict:
+def _child(base_dtype: str, steps: int, n_train: int, n_dev: int, model: Path | None = None) -> dict:
     from benchmarks.llm import smollm2_model
     from tasks.causal_lm.entity_task import write_entity_splits
     from jobs.train.causal_lm import lm_data, lm_graph
@@ -55,7 +68,7 @@ def _child(base_dtype: str, steps: int, n_train: int, n_dev: int) -> dict:
     from tasks.causal_lm.task import CAUSAL_LM
     from tasks.trainer import TrainConfig, train_steps
 
-    model = smollm2_model()
+    model = model or smollm2_model()
     lora = LoraSettings(RANK, ALPHA, seed=0, base_dtype=base_dtype)
     settings = TrainingSettings(steps=steps, batch=ROWS, seq=SEQ, lr=LR, optimizer="adamw", seed=0, threads=1,
                                 engine="mnn", lora=lora, eval_limit=n_dev)
@@ -76,10 +89,11 @@ def _child(base_dtype: str, steps: int, n_train: int, n_dev: int) -> dict:
             "dev_conversations": len(run.dev), "train_rows": len(run.train)}
 
 
-def run_child(base_dtype: str, steps: int, n_train: int, n_dev: int, timeout: float) -> dict:
+def run_child(base_dtype: str, steps: int, n_train: int, n_dev: int, timeout: float,
+              model: Path | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", base_dtype, "--steps", str(steps),
-           "--train", str(n_train), "--dev", str(n_dev)]
+           "--train", str(n_train), "--dev", str(n_dev)] + (["--model", str(model)] if model else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
     if proc.returncode != 0 or not lines:
@@ -88,9 +102,105 @@ def run_child(base_dtype: str, steps: int, n_train: int, n_dev: int, timeout: fl
     return json.loads(lines[-1][len(MARKER):])
 
 
-def report(rows: list[dict], steps: int) -> str:
+# --- a float base off the 4-bit grid (--float-base) ------------------------------------------------------
+
+# Plain text the entities-json task has nothing to do with, fixed on this machine: pydoc's pages of
+# these standard library modules (the Python that runs this).
+TEXT_MODULES = ("argparse", "collections", "json", "logging", "pathlib", "subprocess", "typing", "unittest",
+                "email.message", "http.client", "string", "textwrap")
+FT_ROWS, FT_SEQ = 4, 128
+
+
+def _pydoc_text() -> str:
+    import importlib
+    import pydoc
+
+    return "\n\n".join(pydoc.render_doc(importlib.import_module(m), renderer=pydoc.plaintext)
+                        for m in TEXT_MODULES)
+
+
+def make_float_base(folder: Path, steps: int, lr: float) -> Path:
+    """SmolLM2 (the bundled GGUF, dequantized) fully fine-tuned in float32 for `steps` AdamW steps of
+    4 x 128 tokens of `_pydoc_text`, written to `folder` as a Hugging Face checkpoint (model and
+    tokenizer). Seeded: the same folder on the same machine (one thread)."""
+    import torch
+
+    from jobs.export.llm import load_causal_lm
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model, tokenizer, _ = load_causal_lm(None)
+    ids = tokenizer(_pydoc_text(), add_special_tokens=False)["input_ids"]
+    rows = torch.tensor(ids[: len(ids) // FT_SEQ * FT_SEQ]).view(-1, FT_SEQ)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))
+    if len(rows) < steps * FT_ROWS:
+        order = order.repeat(-(-steps * FT_ROWS // len(rows)))
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        batch = rows[order[step * FT_ROWS:(step + 1) * FT_ROWS]]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        print(f"    fine-tune step {step + 1}/{steps}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    (folder / "fine_tune.json").write_text(json.dumps({"steps": steps, "lr": lr, "rows": FT_ROWS, "seq": FT_SEQ,
+                                                       "text_modules": TEXT_MODULES, "tokens": len(ids),
+                                                       "losses": losses}, indent=1) + "\n")
+    return folder
+
+
+def float_base_model(work: Path, steps: int, lr: float) -> Path:
+    """The exported float base (`confidant export --task causal-lm --checkpoint FOLDER -o ...`), made once."""
+    folder = work / f"smollm2-ft{steps}-lr{lr:g}"
+    onnx = folder / "onnx" / "model.onnx"
+    if not onnx.is_file():
+        if not (folder / "fine_tune.json").is_file():
+            make_float_base(folder, steps, lr)
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(_HERE.parent))
+        subprocess.run([sys.executable, "-m", "confidant", "export", "--task", "causal-lm", "--checkpoint", str(folder),
+                        "-o", str(onnx), "--no-kv-cache"], check=True, env=env)
+    return onnx
+
+
+def grid_distance(model: Path) -> dict:
+    """How far a lowered model's 2-D float weights are from the grid `--base-dtype int4` puts them on (its
+    projections int4, its lookup table int8, `ir.precision.storage_for`), by storage: the share of elements
+    the round trip (`ir.precision.quantize`, blocked along the input) gives back exactly, and the mean
+    round-trip error over the mean step of its block (an even spread over the grid's steps gives 0.25)."""
+    import numpy as np
+
+    from ir.precision import dequantize, lookup_tables, quantize, storage_for
+    from planner.onnx_import import load_model
+
+    graph = load_model(model, 1, 8, with_loss=False)
+    tables = lookup_tables(graph.nodes)
+    out: dict[str, dict] = {}
+    for name, w in graph.constants.items():
+        if not isinstance(w, np.ndarray) or w.ndim != 2 or w.dtype != np.float32 or w.size < 4096:
+            continue
+        storage = storage_for("int4", name in tables)
+        q = quantize(w, storage, axis=1)
+        diff = np.abs(dequantize(q) - w)
+        step = q.scales.astype(np.float64)  # a block's step is its scale (int4 and int8 alike)
+        acc = out.setdefault(storage, {"exact": 0, "elements": 0, "err": 0.0, "step": 0.0})
+        acc["exact"] += int((diff == 0).sum())
+        acc["elements"] += w.size
+        acc["err"] += float(diff.sum())
+        acc["step"] += float(step.sum()) * q.block
+    return {k: {"on_grid": v["exact"] / v["elements"], "err_over_step": v["err"] / v["step"], "elements": v["elements"]}
+            for k, v in sorted(out.items())}
+
+
+def report(rows: list[dict], steps: int, base_name: str = "SmolLM2-135M") -> str:
     base = next((r for r in rows if r["base_dtype"] == "float32"), None)
-    out = [f"SmolLM2-135M LoRA r={RANK} alpha {ALPHA:g} (q,k,v,o) on entities-json, {steps} AdamW steps of "
+    out = [f"{base_name} LoRA r={RANK} alpha {ALPHA:g} (q,k,v,o) on entities-json, {steps} AdamW steps of "
            f"{ROWS} x {SEQ} at lr {LR:g}, MNN, 1 thread; dev perplexity of the answers "
            f"({rows[0]['dev_conversations']} dev conversations)", ""]
     header = ["base", "ppl before", "ppl after", "x float32", "loss first -> last", "step s", "peak MiB"]
@@ -124,27 +234,45 @@ def main(argv=None) -> int:
     ap.add_argument("--dev", type=int, default=64, help="dev conversations scored (default 64)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per precision (default 3600)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    ap.add_argument("--float-base", action="store_true",
+                    help="start from SmolLM2 fine-tuned in float32 (off the 4-bit grid; made once in --work)")
+    ap.add_argument("--ft-steps", type=int, default=30, help="--float-base: full fine-tuning steps (default 30)")
+    ap.add_argument("--ft-lr", type=float, default=2e-4, help="--float-base: its AdamW learning rate (default 2e-4)")
+    ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "confidant" / "quality",
+                    help="--float-base: where the fine-tuned checkpoint and its export are kept")
     ap.add_argument("--child", metavar="DTYPE", help=argparse.SUPPRESS)
+    ap.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.train < 1 or args.dev < 1:
+    if args.steps < 1 or args.train < 1 or args.dev < 1 or args.ft_steps < 1:
         ap.error("--steps, --train and --dev must be at least 1")
     if args.child:
-        print(MARKER + json.dumps(_child(args.child, args.steps, args.train, args.dev)), flush=True)
+        print(MARKER + json.dumps(_child(args.child, args.steps, args.train, args.dev, args.model)), flush=True)
         return 0
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in ("float32", "bfloat16", "int8", "int4")]
     if bad or not dtypes:
         ap.error(f"--dtypes: float32, bfloat16, int8 or int4, comma-separated, not {args.dtypes!r}")
+    model = None
+    grid = {}
+    if args.float_base:
+        from benchmarks.llm import smollm2_model
+
+        model = float_base_model(args.work, args.ft_steps, args.ft_lr)
+        for label, path in (("bundled SmolLM2 (Q4_1 GGUF)", smollm2_model()), (f"float base ({model})", model)):
+            grid[label] = grid_distance(path)
+            print(f"{label}: " + "; ".join(f"{k} ({g['elements']} weights): on grid {g['on_grid']:.4f}, err/step "
+                                           f"{g['err_over_step']:.4f}" for k, g in grid[label].items()))
     rows = []
     for d in dtypes:
         t = time.perf_counter()
         print(f"  --base-dtype {d} ...", file=sys.stderr, flush=True)
-        rows.append(run_child(d, args.steps, args.train, args.dev, args.timeout))
+        rows.append(run_child(d, args.steps, args.train, args.dev, args.timeout, model))
         print(f"    ppl {rows[-1]['ppl_before']:.4f} -> {rows[-1]['ppl_after']:.4f} ({time.perf_counter() - t:.0f} s)",
               file=sys.stderr, flush=True)
-    print(report(rows, args.steps))
+    print(report(rows, args.steps, "SmolLM2-135M fine-tuned in float32 (--float-base)" if model else "SmolLM2-135M"))
     if args.json:
-        args.json.write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=1) + "\n")
+        document = {"steps": args.steps, "rows": rows, "grid": grid, "model": str(model) if model else None}
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -250,6 +251,88 @@ def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
             return out
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+_FLOAT_CODES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16: its bit patterns
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """A float tensor of a safetensors file, read (and widened to float32) only when asked: an export
+    streams a checkpoint's weights one at a time instead of holding them all widened. `shape`,
+    `dtype` (float32: what `read` gives) and `nbytes` answer as the float32 array would."""
+
+    path: Path
+    name: str
+    stored: str  # the file's dtype code: F32, F16 or BF16
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+    dtype = np.dtype(np.float32)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.size
+
+    def read(self) -> np.ndarray:
+        """The tensor as a float32 array of its own: F16 and BF16 widened exactly (bfloat16 is float32's
+        upper half) a chunk at a time, so nothing but the float32 array and a few MiB is held."""
+        out = np.empty(self.shape, np.float32)
+        flat = out.reshape(-1)
+        stored = np.dtype(_FLOAT_CODES[self.stored]).newbyteorder("<")
+        step = _READ_CHUNK // stored.itemsize
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for lo in range(0, flat.size, step):
+                part = flat[lo:lo + step]
+                raw = part.view(np.uint8)[: part.size * stored.itemsize]  # read into the output's own bytes
+                view, got = memoryview(raw), 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise ValueError(f"{self.path}: tensor {self.name!r}: the file ends early")
+                    got += n
+                if self.stored == "BF16":  # the chunk's first half holds its bit patterns: widen back to front
+                    bits = raw.view(stored).copy()
+                    np.left_shift(bits, 16, out=part.view(np.uint32), dtype=np.uint32)
+                elif self.stored == "F16":
+                    part[...] = raw.view(stored).copy()
+                elif sys.byteorder == "big":  # the file is little-endian
+                    part.byteswap(inplace=True)
+        return out
+
+
+_READ_CHUNK = 4 << 20  # bytes of the file read at a time
+
+
+def safetensors_float_tensors(path: str | Path) -> dict[str, FileTensor]:
+    """The float tensors (F32, F16, BF16) of a safetensors file, from its checked header alone (the
+    bytes are read by `FileTensor.read`); the file's other tensors are left out."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            total = path.stat().st_size
+            n = _header_length(f.read(8), total)
+            header_bytes = f.read(n)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:  # BF16 is read here (as its bit patterns) though the codec does not write it
+        header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        if not isinstance(header, dict):
+            raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
+        codes = {k: v.get("dtype") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+        as_u16 = {k: ({**v, "dtype": "U16"} if isinstance(v, dict) and v.get("dtype") == "BF16" else v)
+                  for k, v in header.items()}
+        checked = json.dumps(as_u16).encode()
+        spans = _spans(checked, total - 8 - n)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a valid safetensors file: {exc}") from None
+    return {name: FileTensor(path, name, codes[name], shape, 8 + n + begin)
+            for begin, _, name, _, shape in spans if codes[name] in _FLOAT_CODES}
 
 
 def _is_int(x: Any) -> bool:

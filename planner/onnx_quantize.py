@@ -316,16 +316,18 @@ def _onnx_type(array: np.ndarray) -> int:
 
 def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dtype: str = "float32") -> list[str]:
     """Write `model` (weights taken out, `take_weight_inputs`) to `path` with `weights` (name -> float
-    array, or QuantizedTensor for a weight stored quantized) as its initializers, streamed; the names
+    array, QuantizedTensor for a weight stored quantized, or `ir.safetensors.FileTensor`, read from its
+    checkpoint as it is written) as its initializers, streamed; the names
     stored quantized. Float weights over `INLINE_LIMIT` go to `NAME.onnx.data` beside the file."""
     import json
 
     from onnx import ModelProto, TensorProto
 
     from ir.precision import QuantizedTensor
+    from ir.safetensors import FileTensor
 
     path = Path(path)
-    pieces: list[tuple[str, np.ndarray]] = []
+    pieces: list[tuple[str, np.ndarray | FileTensor]] = []
     nodes, record = [], {}
     for name, value in weights.items():
         if isinstance(value, QuantizedTensor):
@@ -334,6 +336,8 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
             model.graph.initializer.extend(consts)
             nodes += widen
             record[name] = [value.storage, value.axis, value.block, *value.shape]
+        elif isinstance(value, FileTensor):
+            pieces.append((name, value))  # read when its bytes are written: one such tensor held at a time
         else:
             pieces.append((name, np.ascontiguousarray(value)))
     if nodes:  # topological: the widened weights before any reader
@@ -386,8 +390,10 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
     return list(record)
 
 
-def _bytes_of(array: np.ndarray) -> memoryview:
-    array = np.ascontiguousarray(array)
+def _bytes_of(array) -> memoryview:
+    from ir.safetensors import FileTensor
+
+    array = np.ascontiguousarray(array.read() if isinstance(array, FileTensor) else array)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     return memoryview(array.reshape(-1)).cast("B")

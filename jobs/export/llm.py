@@ -174,13 +174,107 @@ def load_causal_lm(checkpoint: Path | None = None):
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True,
                                                          attn_implementation="eager").eval()
-            tokenizer = None  # transformers would make an empty one for a folder without tokenizer files
-            if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-                tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            tokenizer = _folder_tokenizer(path)
             source = {"path": str(path), "format": "huggingface", "note": None}
     finally:
         restore()
     return model, tokenizer, source
+
+
+def _folder_tokenizer(path: Path):
+    """The tokenizer of a Hugging Face folder, or None: transformers would make an empty one for a folder
+    without tokenizer files."""
+    from transformers import AutoTokenizer
+
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return None
+
+
+def _narrow_checkpoint_tensors(path: Path) -> dict | None:
+    """The float tensors (`ir.safetensors.FileTensor`, by name) of a Hugging Face folder's safetensors
+    files when any of them is stored narrower than float32 (bfloat16, float16), else None: transformers
+    memory-maps a float32 file (its pages are the file's), but widens a narrower one whole at load."""
+    from ir.safetensors import safetensors_float_tensors
+
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (path / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            return None
+        tensors = {}
+        for name in files:
+            tensors.update(safetensors_float_tensors(path / name))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # transformers' own load says what is wrong with the folder
+    return tensors if any(t.stored != "F32" for t in tensors.values()) else None
+
+
+def _streamed_causal_lm(checkpoint: Path | None):
+    """(model, tokenizer, source, file weights) for a Hugging Face folder whose weights are stored narrower
+    than float32, without widening them: the float32 model is built on the meta device, each parameter
+    of 2+ dimensions given a stand-in of its shape (a Hankel view of a few random floats: no memory, yet
+    no two rows alike, so the export's check of its logits still sees the model's own arithmetic), the
+    1-D ones (norms, biases) and the RoPE tables their real values; the export then reads each weight from
+    the file as it writes it (`export_causal_lm(file_weights=...)`). None when the checkpoint is not such
+    a folder or its tensors do not map onto the model one to one by name and shape: then it is loaded
+    whole (`load_causal_lm`)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _resolve(checkpoint)
+    if path.suffix == ".gguf":
+        return None
+    tensors = _narrow_checkpoint_tensors(path)
+    if tensors is None:
+        return None
+    restore = _quiet_hf()
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+        aliases: dict[int, list[str]] = {}  # a tied parameter is one object under several names
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        file_weights, gen = {}, torch.Generator().manual_seed(0)
+        for names in aliases.values():
+            stored = next((tensors[n] for n in names if n in tensors), None)
+            shape = tuple(params[names[0]].shape)
+            if stored is None or stored.shape != shape:
+                return None
+            if len(shape) < 2:
+                value = torch.from_numpy(stored.read())
+            else:
+                seed = 0.02 * torch.randn(sum(shape) - len(shape) + 1, generator=gen)
+                value = seed.as_strided(shape, (1,) * len(shape))  # [i, j] = seed[i + j]
+            stand_in = torch.nn.Parameter(value, requires_grad=False)
+            for name in names:
+                owner, _, leaf = name.rpartition(".")
+                model.get_submodule(owner)._parameters[leaf] = stand_in
+                file_weights[name] = stored
+        for name, buffer in list(model.named_buffers()):  # RoPE's tables: made by transformers' own init
+            if not buffer.is_meta:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if "RotaryEmbedding" not in type(module).__name__:
+                return None
+            for key, value in list(module._buffers.items()):
+                if value is not None and value.is_meta:
+                    module._buffers[key] = torch.empty_like(value, device="cpu")
+            model._init_weights(module)
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            return None
+        tokenizer = _folder_tokenizer(path)
+    finally:
+        restore()
+    source = {"path": str(path), "format": "huggingface", "note": None}  # as load_causal_lm's
+    return model.eval(), tokenizer, source, file_weights
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -477,11 +571,12 @@ def _trace_without_weights(module, args, **export_kwargs):
 
 
 def _write_lean(module, args, out_path: Path, weights: dict | None, export_kwargs: dict,
-                base_dtype: str = "float32") -> dict:
+                base_dtype: str = "float32", file_weights: dict | None = None) -> dict:
     """`module` traced without its weights and written to `out_path` with them streamed
-    (planner/onnx_quantize.py: the lean export); `weights` (name -> array or QuantizedTensor) when another graph of the
-    same module already made them, else made here: views of the parameters, the ones `base_dtype`
-    stores quantized quantized one at a time. Returns the weights written."""
+    (planner/onnx_quantize.py: the lean export); `weights` (name -> array, QuantizedTensor or FileTensor) when
+    another graph of the same module already made them, else made here: views of the parameters (or, for
+    a name in `file_weights`, its `ir.safetensors.FileTensor`, read as it is written: the module holds
+    a stand-in), the ones `base_dtype` stores quantized quantized one at a time. Returns the weights written."""
     from ir.precision import quantize
     from planner.onnx_import import stored_precisions
     from planner.onnx_quantize import take_weight_inputs, write_with_weights
@@ -493,6 +588,10 @@ def _write_lean(module, args, out_path: Path, weights: dict | None, export_kwarg
         plan = stored_precisions(graph, {n: tuple(tensors[n].shape) for n in names}, base_dtype)
         weights = {}
         for n in names:
+            stored = (file_weights or {}).get(n)
+            if stored is not None:
+                weights[n] = quantize(stored.read(), *plan[n]) if n in plan else stored
+                continue
             view = tensors[n].detach().numpy()
             weights[n] = quantize(view, *plan[n]) if n in plan else view
     missing = [n for n in names if n not in weights]
@@ -517,13 +616,20 @@ def _weights(named) -> dict[str, list[int]]:
 
 
 def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExportOptions(), tokenizer=None,
-                     source: dict | None = None, kv_cache: bool = True) -> Path:
+                     source: dict | None = None, kv_cache: bool = True, file_weights: dict | None = None) -> Path:
     """Export a loaded causal LM to `out_path`, with NAME.kv.onnx and NAME.lm.json beside it, and
-    tokenizer.json and chat_template.json when there is a tokenizer. Returns `out_path`."""
+    tokenizer.json and chat_template.json when there is a tokenizer. Returns `out_path`.
+    `file_weights` (parameter name -> `ir.safetensors.FileTensor`, `_streamed_causal_lm`): the written
+    values of those parameters, read from the checkpoint one at a time; the model holds stand-ins."""
     import torch
+
+    from ir.precision import QuantizedTensor
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if file_weights and options.dynamo:
+        raise JobError("a checkpoint streamed from its file needs the TorchScript exporter (the dynamo exporter "
+                       "writes the module's own weights)")
     if options.base_dtype != "float32" and options.dynamo:
         raise JobError(f"--base-dtype {options.base_dtype} needs the TorchScript exporter (the dynamo exporter "
                        "renames and pre-transposes weights): drop --dynamo")
@@ -561,7 +667,7 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
                                  dict(input_names=names, output_names=["logits"],
                                       dynamic_axes={n: {0: "batch", 1: "seq"} for n in names + ["logits"]},
                                       opset_version=options.opset, do_constant_folding=False),
-                                 options.base_dtype)
+                                 options.base_dtype, file_weights)
             # Unfolded TorchScript keeps every parameter as an initializer under its name (one per
             # shared tensor, under its first name); tests/models/test_llm_export.py reads the file to check.
             weights = _weights((n, p.shape, p.is_floating_point()) for n, p in logits_module.named_parameters())
@@ -584,7 +690,7 @@ def export_causal_lm(model, out_path: Path, options: LlmExportOptions = LlmExpor
         "weights": weights,
         "source": source or {"path": None, "format": "in-memory", "note": None},
     }
-    quantized = sorted(k for k, v in stored.items() if not isinstance(v, np.ndarray))
+    quantized = sorted(k for k, v in stored.items() if isinstance(v, QuantizedTensor))
     if quantized:
         document["base_dtype"] = options.base_dtype
         document["stored_quantized"] = quantized
@@ -648,7 +754,14 @@ def export_trained_causal_lm_hf(model_path: Path, weights, folder: Path, tokeniz
 
 def export_llm(checkpoint: Path | None, out_path: Path, options: LlmExportOptions = LlmExportOptions(),
                kv_cache: bool = True) -> Path:
-    """`confidant export --task causal-lm`: load (default SmolLM2, Q4_1-dequantized) and export."""
+    """`confidant export --task causal-lm`: load (default SmolLM2, Q4_1-dequantized) and export. A Hugging
+    Face folder stored in bfloat16 or float16 is not widened whole: its weights are read from the file
+    one at a time as they are written (`_streamed_causal_lm`); the files are the ones its whole load
+    writes (tests/models/test_lean_export.py)."""
+    streamed = None if options.dynamo else _streamed_causal_lm(checkpoint)
+    if streamed is not None:
+        model, tokenizer, source, file_weights = streamed
+        return export_causal_lm(model, out_path, options, tokenizer, source, kv_cache, file_weights)
     model, tokenizer, source = load_causal_lm(checkpoint)
     return export_causal_lm(model, out_path, options, tokenizer, source, kv_cache)
 

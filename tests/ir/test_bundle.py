@@ -257,6 +257,37 @@ def test_safetensors_codec_agrees_with_the_safetensors_package(graph):
         encode_safetensors({"x": np.zeros(2, np.complex64)})
 
 
+@pytest.mark.parametrize("chunk", [4 << 20, 64])  # one read a tensor, and many (the last one short)
+def test_a_checkpoints_float_tensors_read_one_at_a_time_as_float32_as_torch_widens_them(tmp_path, monkeypatch, chunk):
+    """`safetensors_float_tensors`: the F32, F16 and BF16 tensors of a file the safetensors package wrote
+    (transformers' checkpoints), each read alone and widened exactly: torch's `.float()` is the reference."""
+    import torch
+    from safetensors.torch import save_file
+
+    import ir.safetensors
+    from ir.safetensors import safetensors_float_tensors
+
+    monkeypatch.setattr(ir.safetensors, "_READ_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, 1e-40, -3.5e38, float("inf"), float("-inf"), float("nan"), 65504.0])
+    tensors = {"w.bf16": torch.randn(33, 7, generator=gen).to(torch.bfloat16), "b.bf16": special.to(torch.bfloat16),
+               "w.f16": torch.randn(5, 9, generator=gen).to(torch.float16), "w.f32": torch.randn(4, 3, generator=gen),
+               "ids": torch.arange(6), "scalar": torch.tensor(1.5, dtype=torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    got = safetensors_float_tensors(tmp_path / "m.safetensors")
+    assert sorted(got) == sorted(k for k in tensors if k != "ids")
+    assert {k: t.stored for k, t in got.items()} == {"w.bf16": "BF16", "b.bf16": "BF16", "w.f16": "F16",
+                                                    "w.f32": "F32", "scalar": "BF16"}
+    for name, t in got.items():
+        value = t.read()
+        assert value.dtype == np.float32 and value.shape == tuple(tensors[name].shape) == t.shape
+        assert t.nbytes == value.nbytes
+        assert value.tobytes() == tensors[name].float().numpy().tobytes(), name  # bitwise, NaN included
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        (tmp_path / "bad.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0[]")
+        safetensors_float_tensors(tmp_path / "bad.safetensors")
+
+
 _DTYPES = ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
            "uint8", "bool")
 
