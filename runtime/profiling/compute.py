@@ -62,10 +62,12 @@ def _stage_inputs(spec: StageSpec, feeds: Mapping[str, np.ndarray], seed: int = 
     return stage_feeds, grad
 
 
-def measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray], reps: int = 3) -> BlockCost:
-    """Forward, backward (with MNN's forward re-run), recompute and workspace of one stage."""
+def measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray], reps: int = 3,
+                  activations: str | None = None) -> BlockCost:
+    """Forward, backward (with MNN's forward re-run), recompute and workspace of one stage;
+    `activations` as `make_engine` takes it (None: the engine's default)."""
     stage_feeds, grad = _stage_inputs(spec, feeds)
-    engine = make_engine(backend, spec)
+    engine = make_engine(backend, spec, activations=activations)
     # as the executor and the trainer run it: an embedding table's gradient as the rows it touches
     # (measured here on MiniLM's embeddings, 2 x 128: backward 19.8 -> 0.4 ms on PyTorch, 6.0 -> 0.5 on MNN)
     engine.row_gradients = True

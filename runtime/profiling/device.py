@@ -76,19 +76,23 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     for 1-4 layers: 39 a layer from two on, 33-37 from one to two), and PyTorch's steps are
     noisy (6 to 14 MiB a layer, about 11 on average). The workspace is raised, where needed, to
     what that line puts at one block, so its transient part (`BlockCost.transient`) is the
-    line's intercept. On MNN the same peaks are measured once more with activations recomputed per
-    block (`per_block_workspace_bytes`, `per_block_stacked_bytes`: no per-op caches, each block's
-    buffers let go after its forward and its backward). The LM head fused with its loss is not
-    (its per-block figures are its cached ones)."""
+    line's intercept. The same peaks are measured once more with activations recomputed per block
+    (`per_block_workspace_bytes`, `per_block_stacked_bytes`: MNN without per-op caches, each block's
+    buffers let go after its forward and its backward; PyTorch with each block under a checkpoint
+    of its own), and on PyTorch the backward that way too (`per_block_backward_s`: each block's
+    forward re-run in it). The LM head fused with its loss is not (its per-block figures are its
+    cached ones: PyTorch runs the pair as it is on a per-block stage)."""
     i = block.index
     if fused_lm_head(graph, i, i + 1) is not None and i == len(graph.blocks) - 2:
         both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
         both = measure_stage(backend, both_spec, feeds, reps)
         loss = measure_stage(backend, loss_spec, feeds, reps)
         kept = max(0, kept_workspace(backend, both_spec, feeds) - kept_workspace(backend, loss_spec, feeds))
-        return BlockCost(max(0.0, both.forward_s - loss.forward_s), max(0.0, both.backward_s - loss.backward_s),
+        backward = max(0.0, both.backward_s - loss.backward_s)
+        return BlockCost(max(0.0, both.forward_s - loss.forward_s), backward,
                          max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes, kept_bytes=kept,
-                         engine_bytes=engine_setup_bytes(backend, both_spec))
+                         engine_bytes=engine_setup_bytes(backend, both_spec),
+                         per_block_backward_s=backward if backend.engine == "torch" else None)
     spec = stage_spec(graph, i, i)
     cost = measure_stage(backend, spec, feeds, reps)
     run = 1  # blocks of this kind in a row from this one, up to three
@@ -102,10 +106,14 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
         stacked, intercept = _further_block_line(peaks)
         cost = replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked + intercept), stacked_bytes=stacked)
     cost = replace(cost, kept_bytes=kept)
-    if backend.engine != "mnn":
+    if backend.engine == "torch":
+        # each block's forward re-run in its own backward (a lookup block runs as it is: no re-run)
+        cost = replace(cost, per_block_backward_s=measure_stage(backend, spec, feeds, reps, "per-block").backward_s)
+    elif backend.engine != "mnn":
         return cost
-    # MNN also recomputes per block: the same peaks measured that way. Each length is measured LEAN_PEAK_REPEATS times: what a further block adds is small (SmolLM2
-    # int4 LoRA: its stashed input and LoRA gradients, ~0.4 MiB), and the peaks sit at one of two
+    # Both engines also recompute per block: the same peaks measured that way. Each length is
+    # measured LEAN_PEAK_REPEATS times: what a further block adds is small (SmolLM2 int4 LoRA on
+    # MNN: its stashed input and LoRA gradients, ~0.4 MiB), and the peaks sit at one of two
     # levels ~10 MiB apart, the higher one entered at any point of a process and kept (SmolLM2 layer
     # stages of 1, 2, 3 blocks: 24.5, 34.7, 34.4 | 35.0, 35.1, 35.4 | 35.6, 35.5, 35.5 MiB; another
     # profile 24.5-25.6 throughout), so one peak per length, and the mean step, put the jump into
@@ -136,6 +144,10 @@ def _further_block_line(peaks: list[int]) -> tuple[int, int]:
     most = peaks[-1]
     stacked = max(0, most - peaks[-2], (most - peaks[0]) // (len(peaks) - 1))
     return stacked, max(0, most - len(peaks) * stacked)
+
+
+def _per_block_backward(cost: BlockCost) -> str:
+    return "" if cost.per_block_backward_s is None else f", per block {cost.per_block_backward_s * 1e3:.1f}"
 
 
 def _memory_parts(cost: BlockCost) -> str:
@@ -192,7 +204,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                 cost = measure_block(backend, graph, block, feeds, reps)
                 costs[sig] = cost
                 say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
-                    f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}), workspace "
+                    f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
+                    f"{_per_block_backward(cost)}), workspace "
                     f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
                     f"[{time.perf_counter() - started:.1f} s]")
             if attention:
