@@ -99,9 +99,9 @@ def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: i
 
 def recompute_everywhere(cluster: Cluster) -> Cluster:
     """`cluster` with every device recomputing its activations as leanly as its engine can
-    (`planner.cost.leanest_activations`: per block, PyTorch over the stage where its profile did not measure per block): the leanest start,
-    for a model that does not fit with PyTorch keeping them (`pick_engines` then keeps them, or
-    recomputes them less, wherever that fits)."""
+    (`planner.cost.leanest_activations`: per block; PyTorch over the stage where its profile did not
+    measure per block): the leanest start, for a model that does not fit with PyTorch keeping them
+    (`pick_engines` then keeps them, or recomputes them less, wherever that fits)."""
     return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, activations=leanest_activations(d))
                                                       for d in cluster.devices))
 
