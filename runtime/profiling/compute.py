@@ -143,13 +143,14 @@ def _run_in_flight(engine, stage_feeds, grad, in_flight: int) -> None:
         engine.backward(mb, grad)
 
 
-def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
+def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
+                   activations: str | None = None) -> int:
     """What the first training run of `backend`'s engine in this process holds beyond a repeat of
     it (`measure_stage`'s workspace twice, on fresh engines): the engine's one-time start-up, which
     every worker pays once beside its import (PyTorch, 2 x 128 MiniLM: ~40 MiB of kernels, autograd's
     engine and threads; MNN: nothing measurable). 0 once the engine has run in this process."""
-    first = measure_stage(backend, spec, feeds, reps=1).workspace_bytes
-    again = measure_stage(backend, spec, feeds, reps=1).workspace_bytes
+    first = measure_stage(backend, spec, feeds, reps=1, activations=activations).workspace_bytes
+    again = measure_stage(backend, spec, feeds, reps=1, activations=activations).workspace_bytes
     return max(0, first - again)
 
 
