@@ -15,7 +15,8 @@ What is measured, per block kind and backend (one warm-up, then the median of `r
   glibc's `malloc_trim`), the kernel's peak-RSS mark is reset (`/proc/self/clear_refs` = 5,
   Linux >= 4.0), and the peak (VmHWM) minus the RSS at the start is taken. Where the reset is
   refused, a thread samples VmRSS every millisecond instead, which can miss short peaks. Each
-  backend first runs its cheapest block twice (`start_up_bytes`), so the engine's one-time start-up
+  backend first runs its cheapest block twice, then its most repeated kind (a decoder layer) twice
+  keeping and twice per block (`start_up_bytes`), so the engine's one-time start-up
   is charged with the engine (`BackendProfile.engine_overhead_bytes`), not to the first block (a
   process that trained with the engine before the profile shows none: `confidant profile` starts
   fresh). Limits: this is RSS, so memory an allocator recycles without the kernel seeing it is
