@@ -28,7 +28,8 @@ Models
 Further rows (`CONFIGS`): ``smollm2-all-target`` (data whose every position is a target: the fused
 LM head + loss's worst case, which the model charges), ``smollm2-float32`` (a float32 base),
 ``smollm2-stash`` (1f1b-stash), ``smollm2-torch`` (every device on PyTorch, profiled and planned
-there: the least budget from 320 MiB up that plans; layer stages recompute per block), ``smollm2-recompute`` (3 x 384 MiB: MNN's per-op caches of one
+there: the least budget from 320 MiB up that plans; layer stages recompute per block; ``-float32``
+the same with a float32 base; ``-roomy`` at 1024 MiB, where they keep), ``smollm2-recompute`` (3 x 384 MiB: MNN's per-op caches of one
 micro-batch fit), ``smollm2-modes`` (budgets 1024 / 448 / 256 MiB: the planner picks
 keep, recompute or per-block per device by its budget), ``minilm-full-2`` / ``minilm-full-3``
 (MiniLM full fine-tuning, token classification, over 2 and 3 devices at the least budget that plans).
