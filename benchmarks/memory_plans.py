@@ -27,7 +27,9 @@ Models
 
 Further rows (`CONFIGS`): ``smollm2-all-target`` (data whose every position is a target: the fused
 LM head + loss's worst case; `plan --data` charges the head for the data's most targets a micro-batch), ``smollm2-float32`` (a float32 base),
-``smollm2-stash`` (1f1b-stash), ``smollm2-recompute`` (3 x 384 MiB: MNN's per-op caches of one
+``smollm2-stash`` (1f1b-stash), ``smollm2-torch`` (every device on PyTorch, profiled and planned
+there: the least budget from 320 MiB up that plans; layer stages recompute per block; ``-float32``
+the same with a float32 base; ``-roomy`` at 1024 MiB, where they keep), ``smollm2-recompute`` (3 x 384 MiB: MNN's per-op caches of one
 micro-batch fit), ``smollm2-modes`` (budgets 1024 / 448 / 256 MiB: the planner picks
 keep, recompute or per-block per device by its budget), ``minilm-full-2`` / ``minilm-full-3``
 (MiniLM full fine-tuning, token classification, over 2 and 3 devices at the least budget that plans).
@@ -85,6 +87,11 @@ CONFIGS = {
     # one device of each activation mode the planner picks by budget (keep, recompute, per block)
     "smollm2-modes": ("smollm2", {"budget": [1024, 448, 256], "base_dtype": "float32"}),
     "smollm2-recompute": ("smollm2", {"budget": 384}),  # room for one micro-batch's caches, not for more
+    # every device on the PyTorch engine (its import and start-up ~190 MiB a process): the least budget
+    # that plans, where layer stages recompute per block (each block under a checkpoint of its own)
+    "smollm2-torch": ("smollm2", {"engine": "torch", "budget": 320}),
+    "smollm2-torch-roomy": ("smollm2", {"engine": "torch", "budget": 1024}),  # the same where keeping fits
+    "smollm2-torch-float32": ("smollm2", {"engine": "torch", "budget": 320, "base_dtype": "float32"}),
     "minilm-full-2": ("minilm", {"full": True, "devices": 2, "budget": 128}),
     "minilm-full-3": ("minilm", {"full": True, "devices": 3, "budget": 96}),
 }
@@ -131,11 +138,11 @@ def model_path(name: str) -> Path:
     return onnx
 
 
-def _cluster(path: Path, profile: Path, devices: int, budget_mib) -> Path:
+def _cluster(path: Path, profile: Path, devices: int, budget_mib, engine: str = "mnn") -> Path:
     budgets = budget_mib if isinstance(budget_mib, list) else [budget_mib] * devices
     path.write_text("devices:\n" + "".join(
         f"  - {{name: d{k}, address: 'tcp://127.0.0.1:59{k}1', profile: {profile.name}, memory_budget: "
-        f"{budgets[k]}MiB, backend: 'mnn:cpu:t1'}}\n" for k in range(devices))
+        f"{budgets[k]}MiB, backend: '{engine}:cpu:t1'}}\n" for k in range(devices))
         + "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
     return path
 
@@ -166,16 +173,17 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
     if over.get("data") == "all-target":
         data = all_target_data(out / "all-target.jsonl")
     profile = out / "dev.json"
-    profile_this_device(model, 1, SEQ, profile, name="dev", backends=("mnn:cpu:t1",), reps=1, attention=False,
-                        lora=lora)
+    engine = over.get("engine", "mnn")
+    profile_this_device(model, 1, SEQ, profile, name="dev", backends=(f"{engine}:cpu:t1",), reps=1,
+                        attention=False, lora=lora)
     schedule = over.get("schedule", "1f1b-flush")
     # the plan knows its data (`plan --data`): an embedding table's AdamW state is charged for the rows it looks up
     settings = PlanSettings(schedule, BATCH, SEQ, M, lora=lora, data=data, time_limit_s=60.0)
     row = {"model": config, "devices": devices, "target_mib": target, "fits_target": True, "needs_mib": None,
-           "schedule": schedule}
+           "schedule": schedule, "engine": engine}
     budget = target
     try:
-        plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget), settings, out / "plan")
+        plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget, engine), settings, out / "plan")
     except JobError as exc:  # no plan fits: the planner's need for the tightest device, then plan there
         need = re.search(r"needs ([0-9.]+) MiB", str(exc))
         if need is None or isinstance(target, list):
@@ -184,7 +192,7 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
         budget = 16 * math.ceil(row["needs_mib"] / 16)
         while True:
             try:
-                plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget), settings, out / "plan")
+                plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget, engine), settings, out / "plan")
                 break
             except JobError:
                 budget += 16
@@ -236,6 +244,7 @@ def format_rows(rows: list[dict]) -> str:
             ratio = "-" if not measured else f"{measured / planned:.2f}"
             within = "" if not measured else ("  over budget" if measured > budgets[k] else "")
             mode = (r.get("activations") or [None] * len(r["blocks"]))[k] or "default"
+            mode = f"{r['engine']}, {mode}" if r.get("engine", "mnn") != "mnn" else mode
             lines.append(f"  stage {k} blocks {blocks[0]}-{blocks[1]} ({mode}): planned {planned:6.1f}  measured "
                          f"{measured or float('nan'):6.1f} MiB  measured/planned {ratio}{within}")
         worst = max(abs(m / p - 1) for p, m in zip(r["planned_mib"], r["measured_mib"]) if m)

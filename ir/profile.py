@@ -75,6 +75,13 @@ class BlockCost:
             return self.workspace_bytes
         return at + -(-(self.workspace_bytes - at) * (targets - sparse) // (full - sparse))
 
+    # The backward recomputing per block, where that is not `backward_s`: PyTorch's per-block stage
+    # (`activations: per-block`, each block under a checkpoint of its own) re-runs a block's forward
+    # inside its backward, which its keeping `backward_s` does not, except for the blocks it runs as
+    # they are (a lookup, the LM head with its loss). None: not measured (MNN's `backward_s` already
+    # re-runs the forward; an older profile), taken as `backward_s` plus `forward_s` on PyTorch.
+    per_block_backward_s: float | None = None
+
     @property
     def stacked(self) -> int:
         """`stacked_bytes`, or the whole workspace where it was not measured."""
@@ -216,7 +223,7 @@ class DeviceProfile:
         return cls.from_json(doc, str(path))
 
 
-_BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s")
+_BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s", "per_block_backward_s")
 _BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "per_block_workspace_bytes",
                 "per_block_stacked_bytes", "sparse_workspace_bytes")
 # counts, checked as sizes are (whole numbers >= 0)
@@ -233,8 +240,10 @@ def _block_cost(doc, where: str) -> BlockCost:
     fields = {}
     for key, value in doc.items():
         try:
-            if key in _BLOCK_TIMES:
+            if key in _BLOCK_TIMES and (value is not None or key != "per_block_backward_s"):
                 fields[key] = _seconds(value)
+            elif key in _BLOCK_TIMES:
+                fields[key] = None
             elif value is not None or key == "workspace_bytes":
                 fields[key] = _bytes(value)
             else:

@@ -26,7 +26,7 @@ from jobs.common.errors import JobError
 from jobs.common.lora import adapted
 from planner.compile import PlanRequest, search, with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes
-from planner.cost import stage_costs
+from planner.cost import activations_of, stage_costs
 from planner.lora import LoraSettings
 from planner.memory_defaults import (default_profile, memory_parts, widened_bytes, with_frozen_precision,
                                      with_profile_costs)
@@ -94,7 +94,8 @@ class VariantEstimate:
     fits: bool
     idle: tuple[str, ...] = ()  # devices the plan leaves unused
     budgets: Mapping[str, int] = dataclasses.field(default_factory=dict)  # every device's, by name
-    # each used device's backend and activations as the planner picked them, by name
+    # each used device's backend as the planner picked it (None: the cluster file's or the only one) and
+    # what it does with its activations (`planner.cost.activations_of`: the engine's default where not picked)
     choices: Mapping[str, tuple[str | None, str | None]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -274,7 +275,7 @@ class _Pricer:
         return VariantEstimate(settings, tuple(stages), fits, tuple(d.name for d in cluster.devices
                                                                     if d.name not in used),
                                {d.name: d.memory_budget_bytes for d in cluster.devices},
-                               {d.name: (d.picked, d.activations) for d in cluster.devices if d.name in used})
+                               {d.name: (d.picked, activations_of(d)) for d in cluster.devices if d.name in used})
 
 
 def estimate_memory(model: Path, settings: EstimateSettings, devices: Sequence[tuple[str, int]] | None = None,
@@ -341,6 +342,11 @@ def _levers(pricer: _Pricer, settings: EstimateSettings, requested: VariantEstim
                       "each block's forward re-run in its backward instead of its caches kept per micro-batch in "
                       "flight (the planner keeps them only where they fit: train-pipeline --activations)",
                       activations="recompute"))
+    out.append(_lever(pricer, "recompute per block on every device", requested, settings,
+                      "only each block's input held per micro-batch in flight, each block's forward re-run inside "
+                      "its own backward (train-pipeline --activations per-block; the planner picks it where nothing "
+                      "faster fits, on MNN and on PyTorch where the profile measured it)",
+                      activations="per-block"))
     if settings.batch % (2 * settings.microbatches) == 0:
         smaller = dataclasses.replace(settings, microbatches=2 * settings.microbatches)
         try:
@@ -406,7 +412,7 @@ def estimate_lines(est: Estimate) -> list[str]:
     lines.append(f"requested ({s.label}), by part (MiB):")
     for st in est.requested.stages:
         shown = [f"{PART_TITLES[p].split(' (')[0]} {st.parts[p] / MIB:.0f}" for p in PARTS if st.parts[p]]
-        lines.append(f"  {st.device}: " + ", ".join(shown))
+        lines.append(f"  {st.device}{_choice_text(est.requested.choices.get(st.device))}: " + ", ".join(shown))
     if est.requested.fits:
         tight = est.requested.tightest
         lines.append(f"fits: tightest {tight.device!r} needs {mib(tight.memory_bytes)} of its "
@@ -424,6 +430,14 @@ def estimate_lines(est: Estimate) -> list[str]:
         lines.append("  - " + "; ".join(x for x in (lv.flag, saved, verdict, lv.note) if x))
     lines += [f"note: {n}" for n in est.notes]
     return lines
+
+
+def _choice_text(choice: tuple[str | None, str | None] | None) -> str:
+    """" (torch:cpu:t1, activations per-block)": the backend the planner picked (none where the
+    cluster file fixed it) and what the device does with its activations (none: the engine's default)."""
+    picked, activations = choice or (None, None)
+    said = [x for x in (picked, None if activations is None else f"activations {activations}") if x]
+    return f" ({', '.join(said)})" if said else ""
 
 
 def _device_order(variants: Sequence[VariantEstimate]) -> list[str]:

@@ -235,10 +235,12 @@ def check_blocks(graph: Graph) -> tuple[Block, ...]:
 # per-op caches and re-runs the forward in the backward of any other.
 DEFAULT_ACTIVATIONS = {"torch": "keep", "mnn": "recompute"}
 ACTIVATIONS = ("keep", "recompute", "per-block")
-# The choices each engine offers: MNN also recomputes per block ("per-block": no per-op caches, only
-# each block's input held, each block's forward re-run inside its own backward), charged each
-# block's `BlockCost.per_block_stacked` instead of its `stacked` part.
-ENGINE_ACTIVATIONS = {"torch": ("keep", "recompute"), "mnn": ("keep", "recompute", "per-block")}
+# The choices each engine offers: both also recompute per block ("per-block": only each block's input
+# held, each block's forward re-run inside its own backward; MNN keeps no per-op caches, PyTorch runs
+# each block under a checkpoint of its own), charged each block's `BlockCost.per_block_stacked`
+# instead of its `stacked` part. PyTorch's per-block only where its profile measured it
+# (`measured_per_block`).
+ENGINE_ACTIVATIONS = {"torch": ("keep", "recompute", "per-block"), "mnn": ("keep", "recompute", "per-block")}
 
 
 def device_engine(device: DeviceSpec) -> str | None:
@@ -315,14 +317,32 @@ def with_cached_blocks(device: DeviceSpec, count: int) -> DeviceSpec:
     return replace(device, activations=f"{HYBRID}{count}" if count > 0 else "per-block")
 
 
+def measured_per_block(device: DeviceSpec) -> bool:
+    """Whether the device's profile measured its backend recomputing per block (some block with
+    `BlockCost.per_block_workspace_bytes`). PyTorch profiles made before `profile` measured it have
+    none: per-block would be priced as recomputing the whole stage (no saving claimed, a guessed
+    time), so it is not offered there and their plans stay as they were."""
+    return any(c.per_block_workspace_bytes is not None for c in device_backend(device).blocks.values())
+
+
+def engine_activations(device: DeviceSpec) -> tuple[str, ...]:
+    """The choices the device's engine offers (`ENGINE_ACTIVATIONS`), PyTorch's per-block only where
+    measured (`measured_per_block`)."""
+    engine = device_engine(device)
+    offered = ENGINE_ACTIVATIONS.get(engine, ())
+    if engine == "torch" and not measured_per_block(device):
+        offered = tuple(a for a in offered if a != "per-block")
+    return offered
+
+
 def offers_activations(device: DeviceSpec, activations: str) -> bool:
-    """Whether the device's engine can do `activations` (`ENGINE_ACTIVATIONS`)."""
-    return activations in ENGINE_ACTIVATIONS.get(device_engine(device), ())
+    """Whether the device's engine can do `activations` (`engine_activations`)."""
+    return activations in engine_activations(device)
 
 
 def leanest_activations(device: DeviceSpec) -> str:
     """The choice that holds the fewest activations on the device's engine (the last it offers)."""
-    return ENGINE_ACTIVATIONS.get(device_engine(device), ("recompute",))[-1]
+    return (engine_activations(device) or ("recompute",))[-1]
 
 
 def keeps_activations(device: DeviceSpec) -> bool:
@@ -350,12 +370,14 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     skips its measured re-run of the forward (`recompute_s`), as the last stage of 1F1B does; MNN
     recomputing per block has the workspace measured that way (`per_block_workspace`, of which each
     block holds its `per_block_stacked` part and the rest is the one-block transient), and never
-    skips the re-run (`reuses_forward` does not apply: no caches outlive a block's backward)."""
+    skips the re-run (`reuses_forward` does not apply: no caches outlive a block's backward).
+    PyTorch recomputing per block has those workspace figures too, and its backward measured that
+    way (`per_block_backward_s`, else the forward once more), of which the re-run is `recompute_s`."""
     backend = device_backend(device)
     engine, policy = device_engine(device), activation_mode(device)[0]
     again = engine == "torch" and policy == "recompute"
     kept = engine == "mnn" and policy == "keep"
-    per_block = engine == "mnn" and policy == "per-block"
+    per_block = engine in ("mnn", "torch") and policy == "per-block"
     out = []
     for b in check_blocks(graph):
         sig = block_signature(b)
@@ -371,6 +393,10 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
             cost = replace(cost, backward_s=cost.backward_s - min(cost.recompute_s, cost.backward_s), recompute_s=0.0)
         elif per_block:
             cost = replace(cost, workspace_bytes=cost.per_block_workspace, stacked_bytes=cost.per_block_stacked)
+            if engine == "torch":
+                backward = (cost.backward_s + cost.forward_s if cost.per_block_backward_s is None
+                            else max(cost.backward_s, cost.per_block_backward_s))
+                cost = replace(cost, backward_s=backward, recompute_s=backward - cost.backward_s)
         out.append(cost)
     if joined_boundaries(graph):
         # the head's measured workspace is the head and its loss run fused on one stage (runtime.

@@ -4,8 +4,9 @@ and thread count) that runs the blocks the plan gives it fastest within its budg
 fastest over the whole model; and every device keeps the activations of each micro-batch in flight
 until its backward (fastest: PyTorch's autograd, MNN with one set of block graphs per micro-batch
 in flight) or recomputes them there (one micro-batch's activations held: PyTorch runs the forward
-again, MNN re-runs it as it does by default) or, on MNN, recomputes them per block (only block
-inputs held, no per-op caches: the leanest), whichever is faster within its budget (`planner.cost`:
+again, MNN re-runs it as it does by default) or recomputes them per block (only block inputs held:
+MNN keeps no per-op caches, PyTorch checkpoints each block, where its profile measured that: the
+leanest), whichever is faster within its budget (`planner.cost`:
 the memory model charges a keeping device each block's measured kept part once more per further
 micro-batch in flight, a per-block one its measured per-block parts).
 
@@ -81,7 +82,7 @@ def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: i
             if activations_of(trial) is None and activations != ACTIVATIONS[0]:
                 continue  # an engine the model cannot choose for: costed once, as measured
             if activations_of(trial) is not None and not offers_activations(trial, activations):
-                continue  # per-block is MNN's
+                continue  # per-block on PyTorch only where its profile measured it
             try:
                 forward, backward = compute_s(graph, trial, first, last, reuse)
             except ValueError:  # this backend lacks a block
@@ -98,9 +99,9 @@ def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: i
 
 def recompute_everywhere(cluster: Cluster) -> Cluster:
     """`cluster` with every device recomputing its activations as leanly as its engine can
-    (`planner.cost.leanest_activations`: MNN per block, PyTorch over the stage): the leanest start,
-    for a model that does not fit with PyTorch keeping them (`pick_engines` then keeps them, or
-    recomputes them less, wherever that fits)."""
+    (`planner.cost.leanest_activations`: per block; PyTorch over the stage where its profile did not
+    measure per block): the leanest start, for a model that does not fit with PyTorch keeping them
+    (`pick_engines` then keeps them, or recomputes them less, wherever that fits)."""
     return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, activations=leanest_activations(d))
                                                       for d in cluster.devices))
 

@@ -15,7 +15,8 @@ What is measured, per block kind and backend (one warm-up, then the median of `r
   glibc's `malloc_trim`), the kernel's peak-RSS mark is reset (`/proc/self/clear_refs` = 5,
   Linux >= 4.0), and the peak (VmHWM) minus the RSS at the start is taken. Where the reset is
   refused, a thread samples VmRSS every millisecond instead, which can miss short peaks. Each
-  backend first runs its cheapest block twice (`start_up_bytes`), so the engine's one-time start-up
+  backend first runs its cheapest block twice, then its most repeated kind (a decoder layer) twice
+  keeping and twice per block (`start_up_bytes`), so the engine's one-time start-up
   is charged with the engine (`BackendProfile.engine_overhead_bytes`), not to the first block (a
   process that trained with the engine before the profile shows none: `confidant profile` starts
   fresh). Limits: this is RSS, so memory an allocator recycles without the kernel seeing it is
@@ -62,10 +63,12 @@ def _stage_inputs(spec: StageSpec, feeds: Mapping[str, np.ndarray], seed: int = 
     return stage_feeds, grad
 
 
-def measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray], reps: int = 3) -> BlockCost:
-    """Forward, backward (with MNN's forward re-run), recompute and workspace of one stage."""
+def measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray], reps: int = 3,
+                  activations: str | None = None) -> BlockCost:
+    """Forward, backward (with MNN's forward re-run), recompute and workspace of one stage;
+    `activations` as `make_engine` takes it (None: the engine's default)."""
     stage_feeds, grad = _stage_inputs(spec, feeds)
-    engine = make_engine(backend, spec)
+    engine = make_engine(backend, spec, activations=activations)
     # as the executor and the trainer run it: an embedding table's gradient as the rows it touches
     # (measured here on MiniLM's embeddings, 2 x 128: backward 19.8 -> 0.4 ms on PyTorch, 6.0 -> 0.5 on MNN)
     engine.row_gradients = True
@@ -141,13 +144,14 @@ def _run_in_flight(engine, stage_feeds, grad, in_flight: int) -> None:
         engine.backward(mb, grad)
 
 
-def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
+def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
+                   activations: str | None = None) -> int:
     """What the first training run of `backend`'s engine in this process holds beyond a repeat of
     it (`measure_stage`'s workspace twice, on fresh engines): the engine's one-time start-up, which
     every worker pays once beside its import (PyTorch, 2 x 128 MiniLM: ~40 MiB of kernels, autograd's
     engine and threads; MNN: nothing measurable). 0 once the engine has run in this process."""
-    first = measure_stage(backend, spec, feeds, reps=1).workspace_bytes
-    again = measure_stage(backend, spec, feeds, reps=1).workspace_bytes
+    first = measure_stage(backend, spec, feeds, reps=1, activations=activations).workspace_bytes
+    again = measure_stage(backend, spec, feeds, reps=1, activations=activations).workspace_bytes
     return max(0, first - again)
 
 

@@ -82,19 +82,23 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     for 1-4 layers: 39 a layer from two on, 33-37 from one to two), and PyTorch's steps are
     noisy (6 to 14 MiB a layer, about 11 on average). The workspace is raised, where needed, to
     what that line puts at one block, so its transient part (`BlockCost.transient`) is the
-    line's intercept. On MNN the same peaks are measured once more with activations recomputed per
-    block (`per_block_workspace_bytes`, `per_block_stacked_bytes`: no per-op caches, each block's
-    buffers let go after its forward and its backward). The LM head fused with its loss is not
-    (its per-block figures are its cached ones)."""
+    line's intercept. The same peaks are measured once more with activations recomputed per block
+    (`per_block_workspace_bytes`, `per_block_stacked_bytes`: MNN without per-op caches, each block's
+    buffers let go after its forward and its backward; PyTorch with each block under a checkpoint
+    of its own), and on PyTorch the backward that way too (`per_block_backward_s`: each block's
+    forward re-run in it). The LM head fused with its loss is not (its per-block figures are its
+    cached ones: PyTorch runs the pair as it is on a per-block stage)."""
     i = block.index
     if fused_lm_head(graph, i, i + 1) is not None and i == len(graph.blocks) - 2:
         both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
         both = measure_stage(backend, both_spec, feeds, reps)
         loss = measure_stage(backend, loss_spec, feeds, reps)
         kept = max(0, kept_workspace(backend, both_spec, feeds) - kept_workspace(backend, loss_spec, feeds))
-        cost = BlockCost(max(0.0, both.forward_s - loss.forward_s), max(0.0, both.backward_s - loss.backward_s),
+        backward = max(0.0, both.backward_s - loss.backward_s)
+        cost = BlockCost(max(0.0, both.forward_s - loss.forward_s), backward,
                          max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes, kept_bytes=kept,
-                         engine_bytes=engine_setup_bytes(backend, both_spec))
+                         engine_bytes=engine_setup_bytes(backend, both_spec),
+                         per_block_backward_s=backward if backend.engine == "torch" else None)
         return _with_sparse_targets(cost, backend, both_spec, feeds)
     spec = stage_spec(graph, i, i)
     cost = measure_stage(backend, spec, feeds, reps)
@@ -129,10 +133,14 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
             stacked = max(stacked, kept)
         cost = replace(cost, workspace_bytes=max(cost.workspace_bytes, stacked, workspace), stacked_bytes=stacked)
     cost = replace(cost, kept_bytes=kept)
-    if backend.engine != "mnn":
+    if backend.engine == "torch":
+        # each block's forward re-run in its own backward (a lookup block runs as it is: no re-run)
+        cost = replace(cost, per_block_backward_s=measure_stage(backend, spec, feeds, reps, "per-block").backward_s)
+    elif backend.engine != "mnn":
         return cost
-    # MNN also recomputes per block: the same peaks measured that way. Each length is measured LEAN_PEAK_REPEATS times: what a further block adds is small (SmolLM2
-    # int4 LoRA: its stashed input and LoRA gradients, ~0.4 MiB), and the peaks sit at one of two
+    # Both engines also recompute per block: the same peaks measured that way. Each length is
+    # measured LEAN_PEAK_REPEATS times: what a further block adds is small (SmolLM2 int4 LoRA on
+    # MNN: its stashed input and LoRA gradients, ~0.4 MiB), and the peaks sit at one of two
     # levels ~10 MiB apart, the higher one entered at any point of a process and kept (SmolLM2 layer
     # stages of 1, 2, 3 blocks: 24.5, 34.7, 34.4 | 35.0, 35.1, 35.4 | 35.6, 35.5, 35.5 MiB; another
     # profile 24.5-25.6 throughout), so one peak per length, and the mean step, put the jump into
@@ -184,12 +192,24 @@ def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
                    sparse_workspace_bytes=max(0, cost.workspace_bytes - saved))
 
 
+def _most_repeated(graph: Graph, kinds: dict[str, Block]) -> Block:
+    """The first block of the kind the graph has most of (at a tie, the most flops)."""
+    count: dict[str, int] = {}
+    for b in graph.blocks:
+        count[block_signature(b)] = count.get(block_signature(b), 0) + 1
+    return max(kinds.values(), key=lambda b: (count[block_signature(b)], b.flops))
+
+
 def _further_block_line(peaks: list[int]) -> tuple[int, int]:
     """(what each further block adds, the intercept) of the peaks of stages of 1, 2 (, 3) blocks of
     a kind: the larger of the last step and the mean step (`measure_block`)."""
     most = peaks[-1]
     stacked = max(0, most - peaks[-2], (most - peaks[0]) // (len(peaks) - 1))
     return stacked, max(0, most - len(peaks) * stacked)
+
+
+def _per_block_backward(cost: BlockCost) -> str:
+    return "" if cost.per_block_backward_s is None else f", per block {cost.per_block_backward_s * 1e3:.1f}"
 
 
 def _memory_parts(cost: BlockCost) -> str:
@@ -243,13 +263,22 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
             # engine's overhead (`start_up_bytes`), not a block's.
             cheapest = min(kinds.values(), key=lambda b: (b.flops, b.params_bytes))
             once = start_up_bytes(backend, stage_spec(graph, cheapest.index, cheapest.index), feeds)
+            # and what the model's most repeated kind (a decoder layer) first builds beyond it, kept and
+            # recomputed per block: torch's kernels and buffers of the layer's ops, held for the process's
+            # life (a fresh process running SmolLM2 int4 LoRA layers 1 x 128 holds 46 MiB after its first
+            # step keeping, 83 per block, whether 3 or 17 layers; the embeddings' first run 2)
+            layer = _most_repeated(graph, kinds)
+            if layer.index != cheapest.index:
+                once += sum(start_up_bytes(backend, stage_spec(graph, layer.index, layer.index), feeds, activations)
+                            for activations in ("keep", "per-block"))
             if once >= START_UP_NOISE_BYTES:
                 start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
             for sig, block in kinds.items():
                 cost = measure_block(backend, graph, block, feeds, reps)
                 costs[sig] = cost
                 say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
-                    f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}), workspace "
+                    f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
+                    f"{_per_block_backward(cost)}), workspace "
                     f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
                     f"[{time.perf_counter() - started:.1f} s]")
             if attention:

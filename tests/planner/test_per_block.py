@@ -278,3 +278,86 @@ def test_one_high_peak_is_charged_once_per_stage_not_per_further_block(graph, mo
     assert cost.per_block_stacked_bytes is not None and cost.per_block_stacked_bytes < 8 * MIB
     # the high peak is still covered: a two-layer stage is charged at least what it peaked at
     assert cost.per_block_workspace_bytes + cost.per_block_stacked_bytes >= raised[0]
+
+
+# --- PyTorch recomputing per block: measured by `profile`, charged and picked as MNN's --------------------
+
+def _torch_profile(graph, per_block: bool = True) -> DeviceProfile:
+    """torch:cpu:t1 only: every block 10 ms forward, 20 ms backward keeping (autograd's saved tensors),
+    35 ms recomputing per block (its forward re-run under a checkpoint, measured); a workspace of 40 MiB
+    of which 24 stay per further block and 16 more per further micro-batch kept; per block, 30 MiB of
+    which 2 stay. `per_block=False`: a profile from before `profile` measured PyTorch per block."""
+    more = dict(per_block_workspace_bytes=30 * MIB, per_block_stacked_bytes=2 * MIB,
+                per_block_backward_s=0.035) if per_block else {}
+    costs = {block_signature(b): BlockCost(0.010, 0.020, workspace_bytes=40 * MIB, stacked_bytes=24 * MIB,
+                                           kept_bytes=16 * MIB, **more)
+             for b in graph.blocks}
+    return DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs),),
+                         memory_available_bytes=16 << 30, runtime_overhead_bytes=100 * MIB)
+
+
+def test_torch_per_block_is_charged_its_measured_parts_and_its_measured_backward(graph):
+    """Stage 0 of 2 under GPipe with 4 micro-batches, blocks 1-3 (as the MNN figure above): recomputing
+    per block on PyTorch holds 3 x 2 MiB + (30 - 2) MiB of workspace and no kept copies, and its
+    backward is the measured 35 ms a block (of which 15 the re-run), not keeping's 20 nor the whole
+    stage's recompute (20 + 10). A profile without the measurement prices it as recomputing the stage."""
+    from planner.cost import block_costs
+
+    hidden = B * S * 64 * 4
+    terms, times = {}, {}
+    for choice in ("keep", "recompute", "per-block"):
+        device = DeviceSpec("a", "tcp://x:1", _torch_profile(graph), 4 << 30, activations=choice)
+        terms[choice] = stage_memory_terms(graph, device, 1, 3, 0, 2, "gpipe", 4, "adamw")
+        times[choice] = compute_s(graph, device, 1, 3)
+    assert terms["per-block"].activation_bytes == 4 * 3 * hidden and terms["per-block"].kept_activation_bytes == 0
+    assert terms["per-block"].workspace_bytes == 3 * 2 * MIB + 28 * MIB
+    assert terms["recompute"].workspace_bytes == 3 * 24 * MIB + 16 * MIB
+    assert times["keep"] == pytest.approx((0.030, 0.060))
+    assert times["recompute"] == pytest.approx((0.030, 0.090))
+    assert times["per-block"] == pytest.approx((0.030, 0.105))
+    device = DeviceSpec("a", "tcp://x:1", _torch_profile(graph), 4 << 30, activations="per-block")
+    assert [c.recompute_s for c in block_costs(graph, device)] == pytest.approx([0.015] * len(graph.blocks))
+    unmeasured = DeviceSpec("a", "tcp://x:1", _torch_profile(graph, per_block=False), 4 << 30, activations="per-block")
+    assert compute_s(graph, unmeasured, 1, 3) == pytest.approx((0.030, 0.090))
+
+
+def test_torch_per_block_is_offered_only_where_the_profile_measured_it(graph):
+    from planner.cost import leanest_activations, offers_activations
+
+    measured = DeviceSpec("a", "tcp://x:1", _torch_profile(graph), 4 << 30)
+    older = DeviceSpec("a", "tcp://x:1", _torch_profile(graph, per_block=False), 4 << 30)
+    assert offers_activations(measured, "per-block") and leanest_activations(measured) == "per-block"
+    assert not offers_activations(older, "per-block") and leanest_activations(older) == "recompute"
+
+
+def test_the_planner_recomputes_per_block_on_torch_only_where_nothing_faster_fits(graph, tiny_onnx, tmp_path,
+                                                                                    capsys):
+    """One PyTorch device, GPipe over 4 micro-batches of the tiny BERT (5 blocks): keeping needs
+    100 + 5 x 24 + 16 + 3 x 5 x 16 MiB (and the weights), recomputing the stage 100 + 5 x 24 + 16, per
+    block 100 + 5 x 2 + 28. 2 GiB keeps, 300 MiB recomputes the stage (30 ms a backward against per
+    block's 35), and 200 MiB only fits per block: the plan, its bundle and `show` say so. From a profile
+    that did not measure per block nothing fits in 200 MiB."""
+    from confidant.commands import show_plan
+    from ir.bundle import load_bundle_dir
+    from jobs.common.errors import JobError
+    from jobs.planning import PlanSettings, plan_model
+
+    def plan(profile, budget):
+        profile.save(tmp_path / "box.json")
+        (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
+            {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": budget}]}))
+        out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json",
+                         PlanSettings(schedule="gpipe", batch=B * 4, seq=S, microbatches=4, time_limit_s=5.0),
+                         tmp_path / f"plan-{budget}")
+        (device,) = json.loads((out / "plan.json").read_text())["devices"]
+        return device["activations"], device["memory_bytes"], out
+
+    got = {budget: plan(_torch_profile(graph), budget) for budget in ("2GiB", "300MiB", "200MiB")}
+    assert [a for a, _, _ in got.values()] == ["keep", "recompute", "per-block"]
+    assert got["200MiB"][1] <= 200 * MIB < got["300MiB"][1]
+    assert load_bundle_dir(got["200MiB"][2] / "box").stage_doc.activations == "per-block"
+    capsys.readouterr()
+    show_plan(got["200MiB"][2])
+    assert "torch (per-block)" in capsys.readouterr().out
+    with pytest.raises(JobError, match="200"):
+        plan(_torch_profile(graph, per_block=False), "200MiB")

@@ -77,11 +77,16 @@ def test_profile_covers_every_block_kind_on_every_present_backend(tiny_graph, ti
                 assert 0 <= cost.stacked_bytes <= cost.workspace_bytes, (backend.backend, sig)
             else:
                 assert cost.stacked_bytes is None, (backend.backend, sig)
-            # what a further block holds recomputing per block: MNN's choice only
-            if repeated and backend.backend.startswith("mnn"):
+            # what a further block holds recomputing per block: both engines measure it
+            if repeated:
                 assert isinstance(cost.per_block_stacked_bytes, int) and cost.per_block_stacked_bytes >= 0
             else:
                 assert cost.per_block_stacked_bytes is None, (backend.backend, sig)
+            # and PyTorch its backward that way (each block's forward re-run); MNN's backward re-runs already
+            if backend.backend.startswith("torch"):
+                assert cost.per_block_backward_s > 0 and cost.per_block_workspace_bytes is not None, sig
+            else:
+                assert cost.per_block_backward_s is None, (backend.backend, sig)
     assert prof.memory_available_bytes > 0 and prof.runtime_overhead_bytes > 10 * 2**20
     assert lines and any("layer.0" in line for line in lines)
 
@@ -143,6 +148,7 @@ def test_split_child_bytes_round_trip_and_old_profiles_load():
     ("recompute_s", -1.0, r"mnn:cpu:t1 block b: recompute_s -1.0 is not a time in seconds"),
     ("workspace_bytes", 1.5, r"mnn:cpu:t1 block b: workspace_bytes 1.5 is not a size in bytes"),
     ("kept_bytes", -4, r"mnn:cpu:t1 block b: kept_bytes -4 is not a size in bytes"),
+    ("per_block_backward_s", "slow", r"mnn:cpu:t1 block b: per_block_backward_s 'slow' is not a time in seconds"),
     ("fast", 1, r"mnn:cpu:t1 block b: unknown field\(s\) \['fast'\]"),
 ])
 def test_a_block_cost_that_is_no_measurement_is_refused_by_field(field, value, says):
