@@ -390,9 +390,12 @@ def check_bundle_signature(files: Mapping[str, bytes], source: str, check_signat
 
 
 def verify_bundle_files(files: Mapping[str, bytes], source: str,
-                        check_signature: SignatureCheck | None = None) -> BundleContents:
+                        check_signature: SignatureCheck | None = None, copy: bool = True) -> BundleContents:
     """Check a bundle's bytes completely and parse them; BundleError names the file and the fault.
-    With `check_signature`, the signature is checked first: nothing of an untrusted bundle is parsed."""
+    With `check_signature`, the signature is checked first: nothing of an untrusted bundle is parsed.
+    `copy` False: the parsed weights are read-only views onto `files`' weights bytes, not copies
+    (a plan emitted in memory holds its bundles' bytes beside their parsed contents until shipped:
+    copies would hold its weights twice)."""
     if check_signature is not None:
         check_bundle_signature(files, source, check_signature)
     manifest = check_bundle_manifest(files, source)
@@ -409,7 +412,7 @@ def verify_bundle_files(files: Mapping[str, bytes], source: str,
         weights = dict(files[WEIGHTS].tensors)
     else:
         try:
-            weights = decode_safetensors(files[WEIGHTS])
+            weights = decode_safetensors(files[WEIGHTS], copy=copy)
         except ValueError as exc:
             raise BundleError(f"bundle {source}: {WEIGHTS} is not valid safetensors: {exc}") from None
     try:

@@ -70,7 +70,9 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str,
     every tensor starts aligned to its item size; the header is padded with spaces to 8 bytes."""
     arrays = _checked_arrays(tensors)
     prefix, order = _layout(arrays, metadata)
-    return prefix + b"".join(_raw(arrays[name]).tobytes() for name in order)
+    # joined from views of the arrays: the file's bytes are the one copy made (tobytes() per tensor
+    # and `prefix + ...` held a stage's weights three times over while a bundle was built)
+    return b"".join([prefix, *(_raw(arrays[name]).reshape(-1).view(np.uint8) for name in order)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,22 +159,28 @@ def _header_length(prefix: bytes, total: int) -> int:
     return n
 
 
-def _array(raw, name: str, np_dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+def _array(raw, name: str, np_dtype: np.dtype, shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
     arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
     if np_dtype == np.bool_ and arr.size and not np.isin(arr.view(np.uint8), (0, 1)).all():
         raise ValueError(f"tensor {name!r}: BOOL bytes other than 0 and 1")
-    return arr.astype(np_dtype.newbyteorder("="), copy=True)
+    native = np_dtype.newbyteorder("=")
+    if not copy and arr.dtype == native:
+        return arr
+    return arr.astype(native, copy=True)
 
 
-def decode_safetensors(data: bytes | memoryview) -> dict[str, np.ndarray]:
+def decode_safetensors(data: bytes | memoryview, copy: bool = True) -> dict[str, np.ndarray]:
     """Parse safetensors bytes (or any flat buffer: read, never copied whole, since a stage's
     weights file arrives as one and may be hundreds of MB) strictly (header, dtypes, shapes, byte
-    ranges that tile the data exactly); returns writable copies. ValueError says what is wrong."""
+    ranges that tile the data exactly); returns writable copies, or with `copy` False arrays that
+    are views onto `data` (read-only over bytes; a big-endian host still gets copies): for a reader
+    that only checks them while it holds the bytes anyway. ValueError says what is wrong."""
     data = memoryview(data).cast("B")
     n = _header_length(data, len(data))
     buffer = data[8 + n :]
     spans = _spans(bytes(data[8 : 8 + n]), len(buffer))
-    return {name: _array(buffer[begin:stop], name, np_dtype, shape) for begin, stop, name, np_dtype, shape in spans}
+    return {name: _array(buffer[begin:stop], name, np_dtype, shape, copy)
+            for begin, stop, name, np_dtype, shape in spans}
 
 
 def safetensors_names(path: str | Path) -> list[str]:

@@ -273,7 +273,8 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
         # quantized frozen weights go as their storage arrays, never widened (ir.precision)
         files = build_bundle_files(stage_doc, graph_to_json(part, stored=True), stored_constants(part.constants),
                                    schedule.actions[s], source=where, sign=sign, plan_id=plan_id)
-        contents[device] = verify_bundle_files(files, where)
+        # parsed as views onto the bytes just built (held together until shipped): not a second copy
+        contents[device] = verify_bundle_files(files, where, copy=False)
         bundles[device] = files
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]

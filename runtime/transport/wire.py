@@ -493,6 +493,12 @@ class Transport(ABC):
         # Arrival order of pending control messages across peers, for recv_control(None).
         self._control_order: deque[str] = deque()
 
+    def wait_sent(self, peer: str) -> None:
+        """Return once the messages sent to `peer` so far have left this process's queues (their
+        buffers let go), so that a sender of many large tensors in a row (a recovery's optimizer
+        state) holds a bounded part of them; PeerTimeout when that takes longer than the transport's
+        send timeout. Here nothing is queued: a transport that queues says otherwise."""
+
     # --- what subclasses provide -------------------------------------------------------------
 
     @abstractmethod

@@ -83,6 +83,8 @@ DEFAULT_HWM = 10_000
 # Long enough to flush a final stop/stats message on close, short enough that close never hangs on
 # a peer that is gone.
 DEFAULT_LINGER_S = 2.0
+# messages at least this large are sent tracked (`wait_sent`); smaller ones are copied by ZeroMQ anyway
+_TRACKED_BYTES = 1 << 20
 # A send blocks only when a peer's queue is at the high-water mark, i.e. the peer stopped taking
 # messages; after this long that is reported instead of hanging the stage.
 DEFAULT_SEND_TIMEOUT_S = 300.0
@@ -107,6 +109,17 @@ _ROUTER_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_P
 
 
 NOT_CONNECTED_YET = "no connection yet"  # a link's problem before its first handshake
+
+
+def _send_tracked(dealer, frames) -> object | None:
+    """Send one multipart message without copies; the tracker of its last frame that ZeroMQ holds
+    (a frame under pyzmq's copy threshold is copied, its tracker done at once), or None."""
+    last = None
+    for i, frame in enumerate(frames):
+        tracker = dealer.send(frame, zmq.SNDMORE if i < len(frames) - 1 else 0, copy=False, track=True)
+        if tracker is not None and not tracker.done:
+            last = tracker
+    return last
 
 
 @dataclass
@@ -203,6 +216,7 @@ class ZmqTransport(Transport):
         self._hwm = hwm
         self._linger_ms = int(linger_s * 1000)
         self._send_timeout_s = send_timeout_s
+        self._last_tracker: dict[str, object] = {}  # peer -> the last large message's (`wait_sent`)
         self.heartbeat_s = heartbeat_s
         # a TCP handshake is one round trip; a third of the heartbeat time leaves slow links (raised
         # --failure-timeout) their margin, and 1 s (the kernel's first SYN retry) is the floor
@@ -471,9 +485,23 @@ class ZmqTransport(Transport):
             # a second thread may send to a peer whose connection exists (`Transport.open`): a
             # ZeroMQ socket is not safe to use from two threads at once, so sends take turns
             with self._send_lock:
-                link.dealer.send_multipart(frames, copy=False)
+                if sum(memoryview(f).nbytes for f in frames) < _TRACKED_BYTES:
+                    link.dealer.send_multipart(frames, copy=False)
+                else:  # a large message: `wait_sent` can wait for ZeroMQ to let go of its buffers
+                    self._last_tracker[peer] = _send_tracked(link.dealer, frames)
         except zmq.Again:
             raise PeerTimeout(peer, self._peers[peer], "a message", self._send_timeout_s, sending=True) from None
+
+    def wait_sent(self, peer: str) -> None:
+        # the last large message's frames released by ZeroMQ (encrypted and handed to the socket's
+        # encoder): every earlier message to `peer` went through the same pipe before it
+        tracker = self._last_tracker.pop(peer, None)
+        if tracker is None:
+            return
+        try:
+            tracker.wait(-1 if self._send_timeout_s is None else self._send_timeout_s)
+        except zmq.NotDone:
+            raise PeerTimeout(peer, self._peers.get(peer), "a message", self._send_timeout_s, sending=True) from None
 
     def _pump(self, timeout: float | None) -> bool:
         if self._closed:

@@ -275,6 +275,34 @@ def test_zmq_queues_sends_to_a_peer_that_has_not_bound_yet():
         early.close()
 
 
+def test_zmq_wait_sent_waits_for_a_large_message_to_leave_and_reports_one_that_cannot():
+    """`wait_sent` (what bounds a recovery's optimizer state in ZeroMQ's queue): a large tensor
+    queued for a peer that has not bound yet is still held when the send timeout runs out
+    (PeerTimeout, sending); once the peer is there, a wait after the next one returns and the peer
+    gets both, intact."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    big = np.arange(2 << 20, dtype=np.float32)  # 8 MiB: tracked, in frames of a mebibyte
+    early = zmq_endpoint("early", None, {"late": address}, linger_s=0.2, send_timeout_s=2.0)
+    try:
+        early.wait_sent("late")  # nothing sent yet: nothing to wait for
+        early.send_tensor("late", "optstate", -1, 0, big)
+        with pytest.raises(PeerTimeout):
+            early.wait_sent("late")
+        late = zmq_endpoint("late", address, accept=["early"], linger_s=0.2)
+        try:
+            early.send_tensor("late", "optstate", -1, 1, 2 * big)
+            early.wait_sent("late")
+            for i, want in ((0, big), (1, 2 * big)):
+                np.testing.assert_array_equal(late.recv_tensor("early", Expected("optstate", -1, i), timeout=10)[1], want)
+        finally:
+            late.close()
+    finally:
+        early.close()
+
+
 # --- connections: addresses, names, renaming (the same rules over both transports) -------------
 
 def make_endpoint(kind: str, name: str, hub: LocalHub, address: str, **zmq_options):
