@@ -57,6 +57,7 @@ def _plan(graph, plan_dir):
 
 def _bundle_bytes_alive() -> int:
     """Bytes of bundle weights files held by live bundle file mappings (name -> bytes) in this process."""
+    gc.collect()  # what only a reference cycle held is not held (else the count depends on when gc last ran)
     found = {}
     for holder in gc.get_objects():  # a dict of bytes alone is not tracked: look among what holds it too
         for obj in (holder, *gc.get_referents(holder)):
