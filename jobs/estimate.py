@@ -345,7 +345,7 @@ def _levers(pricer: _Pricer, settings: EstimateSettings, requested: VariantEstim
     out.append(_lever(pricer, "recompute per block on every device", requested, settings,
                       "only each block's input held per micro-batch in flight, each block's forward re-run inside "
                       "its own backward (train-pipeline --activations per-block; the planner picks it where nothing "
-                      "faster fits, on MNN and on PyTorch where the profile measured it)",
+                      "faster fits, on MNN; on PyTorch by request only: its fresh workers outgrow the profile)",
                       activations="per-block"))
     if settings.batch % (2 * settings.microbatches) == 0:
         smaller = dataclasses.replace(settings, microbatches=2 * settings.microbatches)

@@ -240,7 +240,12 @@ ACTIVATIONS = ("keep", "recompute", "per-block")
 # each block under a checkpoint of its own), charged each block's `BlockCost.per_block_stacked`
 # instead of its `stacked` part. PyTorch's per-block only where its profile measured it
 # (`measured_per_block`).
-ENGINE_ACTIVATIONS = {"torch": ("keep", "recompute", "per-block"), "mnn": ("keep", "recompute", "per-block")}
+# Not offered on PyTorch yet, though measured and charged: a fresh torch worker grows ~3.5-4 MiB a
+# further layer recomputing per block (glibc's dynamic mmap threshold keeps the layers' temporaries in a
+# growing heap), where `profile`, warm in its own process, measures 0.5-3.1; its plans ran 1.01-1.21x
+# their figure (benchmarks/MEMORY_NOTES.md, "The torch last stage's 0.87 not reproduced..."), and a
+# plan is a promise. `train-pipeline --engine torch --activations per-block` runs it on request.
+ENGINE_ACTIVATIONS = {"torch": ("keep", "recompute"), "mnn": ("keep", "recompute", "per-block")}
 
 
 def device_engine(device: DeviceSpec) -> str | None:

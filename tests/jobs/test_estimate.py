@@ -251,29 +251,3 @@ def test_a_compiled_plan_over_a_devices_budget_is_refused_naming_the_device(tiny
         check_within_budgets(dataclasses.replace(compiled, costs=short))
     assert exc.value.device == last.device and exc.value.over_bytes == 1 << 20
     assert f"device {last.device!r}" in str(exc.value) and "(1.0 MiB over)" in str(exc.value)
-
-
-def test_estimate_prints_a_torch_devices_per_block_choice_where_only_it_fits(tiny, tmp_path):
-    """A PyTorch profile that measured recomputing per block (each block 40 MiB of workspace, 24 of
-    them per further block; per block 30, 2 of them): one device just under keeping's figure is
-    planned per block, and the estimate says so beside its parts; the per-block lever is priced."""
-    from ir.graph import block_signature
-    from ir.profile import BackendProfile, BlockCost, DeviceProfile
-    from jobs.estimate import estimate_lines
-
-    graph = load_model(tiny, 2, 16)
-    costs = {block_signature(b): BlockCost(0.010, 0.020, workspace_bytes=40 * MIB, stacked_bytes=24 * MIB,
-                                           kept_bytes=16 * MIB, per_block_workspace_bytes=30 * MIB,
-                                           per_block_stacked_bytes=2 * MIB, per_block_backward_s=0.035)
-             for b in graph.blocks}
-    DeviceProfile("box", graph.name, 2, 16, (BackendProfile("torch:cpu:t1", costs),), 16 << 30,
-                  100 * MIB).save(tmp_path / "box.json")
-    roomy = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("a", 2 ** 34),), profile=tmp_path / "box.json")
-    assert roomy.requested.choices["a"][1] == "keep"
-    budget = roomy.requested.stages[0].memory_bytes - MIB
-    est = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("a", budget),), profile=tmp_path / "box.json")
-    assert est.requested.fits and est.requested.choices["a"][1] == "per-block"
-    assert any(line.startswith("  a (activations per-block): ") for line in estimate_lines(est)), estimate_lines(est)
-    lever = next(lv for lv in roomy.levers if lv.flag == "recompute per block on every device")
-    # five blocks' stacked parts less their per-block ones, less the larger one-block transient (28 - 16)
-    assert lever.saves_bytes == (5 * (24 - 2) - (28 - 16)) * MIB

@@ -321,43 +321,12 @@ def test_torch_per_block_is_charged_its_measured_parts_and_its_measured_backward
     assert compute_s(graph, unmeasured, 1, 3) == pytest.approx((0.030, 0.090))
 
 
-def test_torch_per_block_is_offered_only_where_the_profile_measured_it(graph):
+def test_torch_per_block_is_not_offered_by_the_planner_while_a_fresh_worker_outgrows_its_profile(graph):
+    """Measured and charged (above), but not offered: a fresh PyTorch worker grows more a further
+    layer recomputing per block than the profile measures in its warm process, and its plans ran
+    over their figure (planner.cost.ENGINE_ACTIVATIONS). Recomputing the stage is the leanest."""
     from planner.cost import leanest_activations, offers_activations
 
-    measured = DeviceSpec("a", "tcp://x:1", _torch_profile(graph), 4 << 30)
-    older = DeviceSpec("a", "tcp://x:1", _torch_profile(graph, per_block=False), 4 << 30)
-    assert offers_activations(measured, "per-block") and leanest_activations(measured) == "per-block"
-    assert not offers_activations(older, "per-block") and leanest_activations(older) == "recompute"
-
-
-def test_the_planner_recomputes_per_block_on_torch_only_where_nothing_faster_fits(graph, tiny_onnx, tmp_path,
-                                                                                    capsys):
-    """One PyTorch device, GPipe over 4 micro-batches of the tiny BERT (5 blocks): keeping needs
-    100 + 5 x 24 + 16 + 3 x 5 x 16 MiB (and the weights), recomputing the stage 100 + 5 x 24 + 16, per
-    block 100 + 5 x 2 + 28. 2 GiB keeps, 300 MiB recomputes the stage (30 ms a backward against per
-    block's 35), and 200 MiB only fits per block: the plan, its bundle and `show` say so. From a profile
-    that did not measure per block nothing fits in 200 MiB."""
-    from confidant.commands import show_plan
-    from ir.bundle import load_bundle_dir
-    from jobs.common.errors import JobError
-    from jobs.planning import PlanSettings, plan_model
-
-    def plan(profile, budget):
-        profile.save(tmp_path / "box.json")
-        (tmp_path / "cluster.json").write_text(json.dumps({"devices": [
-            {"name": "box", "address": "tcp://127.0.0.1:1", "profile": "box.json", "memory_budget": budget}]}))
-        out = plan_model(tiny_onnx["torchscript-17"], tmp_path / "cluster.json",
-                         PlanSettings(schedule="gpipe", batch=B * 4, seq=S, microbatches=4, time_limit_s=5.0),
-                         tmp_path / f"plan-{budget}")
-        (device,) = json.loads((out / "plan.json").read_text())["devices"]
-        return device["activations"], device["memory_bytes"], out
-
-    got = {budget: plan(_torch_profile(graph), budget) for budget in ("2GiB", "300MiB", "200MiB")}
-    assert [a for a, _, _ in got.values()] == ["keep", "recompute", "per-block"]
-    assert got["200MiB"][1] <= 200 * MIB < got["300MiB"][1]
-    assert load_bundle_dir(got["200MiB"][2] / "box").stage_doc.activations == "per-block"
-    capsys.readouterr()
-    show_plan(got["200MiB"][2])
-    assert "torch (per-block)" in capsys.readouterr().out
-    with pytest.raises(JobError, match="200"):
-        plan(_torch_profile(graph, per_block=False), "200MiB")
+    for profile in (_torch_profile(graph), _torch_profile(graph, per_block=False)):
+        device = DeviceSpec("a", "tcp://x:1", profile, 4 << 30)
+        assert not offers_activations(device, "per-block") and leanest_activations(device) == "recompute"
