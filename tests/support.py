@@ -345,6 +345,20 @@ def scrambled_causal_lm(config):
     return scramble_weights(model).eval()
 
 
+def tiny_tied_llama(folder: Path, vocab: int = 256):
+    """A tiny tied Llama (grouped-query attention, SwiGLU, rotary: 2 layers, hidden 64), scrambled,
+    and its ONNX export (no KV cache) in `folder`: (model, path)."""
+    import transformers as tf
+
+    from jobs.export.llm import LlmExportOptions, export_causal_lm
+
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=True)
+    model = scrambled_causal_lm(config)
+    return model, export_causal_lm(model, folder / "m.onnx", LlmExportOptions(), kv_cache=False)
+
+
 def transformers_lm_gradients(model, feeds) -> dict:
     """Every parameter's gradient (numpy, by transformers name) of the causal-LM loss the lowered
     graph computes (sum of target_weights x token cross-entropy), on a float64 copy of `model`."""

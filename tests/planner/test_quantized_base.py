@@ -134,16 +134,10 @@ def _round_to(model, storage: str):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    import transformers as tf
+    """A tiny tied Llama (support.tiny_tied_llama), its export."""
+    from support import tiny_tied_llama
 
-    from jobs.export.llm import LlmExportOptions, export_causal_lm
-    from support import scrambled_causal_lm
-
-    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                            tie_word_embeddings=True)
-    model = scrambled_causal_lm(config)
-    path = export_causal_lm(model, tmp_path_factory.mktemp("qllama") / "m.onnx", LlmExportOptions(), kv_cache=False)
+    model, path = tiny_tied_llama(tmp_path_factory.mktemp("qllama"), VOCAB)
     return model, path
 
 

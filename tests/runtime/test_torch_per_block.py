@@ -15,7 +15,7 @@ from runtime.engines.factory import make_engine
 from runtime.engines.pytorch import TorchStageEngine
 from runtime.engines.stage import stage_spec
 from support import (S, assert_grads_close, lm_step_feeds, one_f_one_b_gradients, peft_lora_reference,
-                     scrambled_causal_lm,
+                     tiny_tied_llama,
                      tiny_lora_graph, token_feeds, transformers_lm_gradients)
 
 B = 2
@@ -29,15 +29,8 @@ def graph(tiny_onnx):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    import transformers as tf
-
-    from jobs.export.llm import LlmExportOptions, export_causal_lm
-
-    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                            tie_word_embeddings=True)
-    model = scrambled_causal_lm(config)
-    path = export_causal_lm(model, tmp_path_factory.mktemp("tpbllama") / "m.onnx", LlmExportOptions(), kv_cache=False)
+    """A tiny tied Llama (support.tiny_tied_llama), its export and graph."""
+    model, path = tiny_tied_llama(tmp_path_factory.mktemp("tpbllama"), VOCAB)
     return model, path, load_model(path, B, S)
 
 
