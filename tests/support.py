@@ -539,3 +539,53 @@ def peft_lora_reference(model, path: Path, rows: int, seq: int, vocab: int, rank
         want[a.a] = m.lora_A["default"].weight.grad.numpy().T
         want[a.b] = m.lora_B["default"].weight.grad.numpy().T
     return feeds, loss.item(), lora, weights, want
+
+
+# --- measurements in a fresh process ---------------------------------------------------------------
+
+def run_child(script: str, marker: str, *args, timeout: int = 600) -> dict:
+    """Run `script` (`python -c`) in a fresh process at one thread, the repository and tests/ on its
+    path (so it can import from here), and return the JSON it printed after `marker`: memory read in
+    a process that ran nothing else, as a worker would."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script, str(root), *map(str, args)], capture_output=True, text=True,
+                         timeout=timeout, cwd=root / "tests",
+                         env={"PYTHONPATH": f"{root}:{root / 'tests'}", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith(marker + " "))[len(marker) + 1:])
+
+
+def int4_lora_graph(model: Path, seq: int) -> Graph:
+    """A causal LM at 1 x `seq` with LoRA r 4 (alpha 8) on q, k, v and o over an int4 base."""
+    from planner.lora import LoraSettings
+    from jobs.common.lora import adapted
+    from planner.onnx_import import load_model
+
+    return adapted(load_model(Path(model), 1, seq),
+                   LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
+
+
+def measured_block_costs(graph: Graph, backend, feeds) -> dict[str, dict]:
+    """Each block kind of `graph` measured once on `backend` as `profile` does, as JSON-ready dicts."""
+    import dataclasses
+
+    from runtime.profiling.device import measure_block
+
+    kinds: dict[str, Block] = {}
+    for b in graph.blocks:
+        kinds.setdefault(block_signature(b), b)
+    return {sig: dataclasses.asdict(measure_block(backend, graph, b, feeds, reps=1)) for sig, b in kinds.items()}
+
+
+def mnn_device(graph: Graph, costs: dict[str, dict], activations: str) -> DeviceSpec:
+    """A 4 GiB device profiled on MNN at one thread with `costs` (from `measured_block_costs`)."""
+    from ir.profile import BlockCost
+
+    seq = graph.seq
+    profile = DeviceProfile("d", graph.name, 1, seq,
+                            (BackendProfile("mnn:cpu:t1", {sig: BlockCost(**c) for sig, c in costs.items()}),), 16 << 30, 0)
+    return DeviceSpec("d", "tcp://d:1", profile, 4 << 30, "mnn:cpu:t1", activations=activations)

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ir.graph import block_signature
 from ir.profile import BlockCost
+from support import int4_lora_graph, mnn_device, run_child
 
-ROOT = Path(__file__).resolve().parents[2]
 MIB = 2 ** 20
 SEQ = 128
 
@@ -158,29 +156,20 @@ def _synthetic_target_count(graph) -> int:
 
 
 _HEAD_CHILD = """
-import dataclasses, json, sys
+import json, sys
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
 import numpy as np
 from ir.backend import parse_backend
-from ir.graph import block_signature
-from jobs.common.lora import adapted
-from planner.lora import LoraSettings
-from planner.onnx_import import load_model
 from runtime.engines.stage import stage_spec
 from runtime.profiling.compute import peak_workspace
-from runtime.profiling.device import measure_block
 from runtime.profiling.inputs import synthetic_feeds
+from support import int4_lora_graph, measured_block_costs
 
-graph = adapted(load_model(Path(sys.argv[2]), 1, 128),
-                LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
+graph = int4_lora_graph(Path(sys.argv[2]), 128)
 backend = parse_backend("mnn:cpu:t1")
 feeds = synthetic_feeds(graph, 0)
 n = len(graph.blocks)
-kinds = {}
-for b in graph.blocks:
-    kinds.setdefault(block_signature(b), b)
-costs = {sig: dataclasses.asdict(measure_block(backend, graph, b, feeds, reps=1)) for sig, b in kinds.items()}
+costs = measured_block_costs(graph, backend, feeds)
 # the head + loss stage run on data with a third of its positions targets (instruction data's answers)
 weights = feeds["target_weights"].reshape(-1)
 at = np.flatnonzero(weights)
@@ -202,26 +191,15 @@ def test_a_measured_head_stage_on_sparse_targets_is_within_the_charge_and_near_i
     micro-batch with a third of its positions targets. The charge at that many targets is never
     under the run and within a quarter of what the worst case over-charged (measured here, MiB:
     every position 50.6, a third 40.1, charged 40.3; the worst case charged 51.0)."""
-    from ir.profile import BackendProfile, DeviceProfile
-    from jobs.common.lora import adapted
     from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
-    from planner.cluster import DeviceSpec
     from planner.cost import stage_memory_terms
-    from planner.lora import LoraSettings
-    from planner.onnx_import import load_model
 
     model = export_causal_lm(random_causal_lm("llama", num_hidden_layers=2, hidden_size=256, intermediate_size=768,
                                               vocab_size=32768),
                              tmp_path / "llama.onnx", LlmExportOptions(), kv_cache=False)
-    out = subprocess.run([sys.executable, "-c", _HEAD_CHILD, str(ROOT), str(model)], capture_output=True, text=True,
-                         timeout=600, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("HEAD "))[5:])
-    graph = adapted(load_model(model, 1, 128),
-                    LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
-    costs = {sig: BlockCost(**c) for sig, c in got["costs"].items()}
-    profile = DeviceProfile("d", graph.name, 1, 128, (BackendProfile("mnn:cpu:t1", costs),), 16 << 30, 0)
-    device = DeviceSpec("d", "tcp://d:1", profile, 4 << 30, "mnn:cpu:t1", activations="keep")
+    got = run_child(_HEAD_CHILD, "HEAD", model)
+    graph = int4_lora_graph(model, 128)
+    device = mnn_device(graph, got["costs"], "keep")
     n = len(graph.blocks)
 
     def charged(targets):

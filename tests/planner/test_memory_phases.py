@@ -5,12 +5,8 @@ frozen weight once (`MemoryTerms.frozen_bytes`); an engine that kept the lowered
 beside its own constant Vars held the frozen projections twice (+42 MiB here, +466 MiB on SmolLM2)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from support import int4_lora_graph, mnn_device, run_child
 
-ROOT = Path(__file__).resolve().parents[2]
 MIB = 2 ** 20
 
 _CHILD = """
@@ -63,11 +59,7 @@ def test_a_lora_stage_holds_its_weights_once_as_the_memory_model_charges_them(mi
     weights = terms.trainable_bytes + sum(terms.frozen_bytes.values())
     frozen_in_layers = sum(b.frozen_bytes for b in graph.blocks if b.name.startswith("layer"))
     assert frozen_in_layers > 40 * MIB  # what a second copy would add: far above the noise
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), str(minilm_onnx)], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT / "tests", env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
-                                                                "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    phases = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PHASES "))[7:])
+    phases = run_child(_CHILD, "PHASES", minilm_onnx, timeout=300)
     # the model's weight terms are the lowered graph's arrays (less a few bytes of shape constants)
     assert 0 <= phases["constants"] - weights < 2 ** 16
     # the lowered graph holds its weights (and little else); setting the engine up and running one
@@ -156,10 +148,7 @@ def test_the_engines_own_memory_at_setup_is_what_the_profile_charges_per_block(t
 
     model = export_causal_lm(random_causal_lm("llama", num_hidden_layers=16, hidden_size=128, intermediate_size=256),
                              tmp_path / "llama16.onnx", LlmExportOptions(), kv_cache=False)
-    out = subprocess.run([sys.executable, "-c", _ENGINE_CHILD, str(ROOT), str(model)], capture_output=True, text=True,
-                         timeout=300, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("ENGINE "))[7:])
+    got = run_child(_ENGINE_CHILD, "ENGINE", model, timeout=300)
     graph = adapted(load_model(model, 1, 32, loss="causal-lm"),
                     LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
     device = flops_cluster(graph, ["d"]).device("d")
@@ -172,28 +161,19 @@ def test_the_engines_own_memory_at_setup_is_what_the_profile_charges_per_block(t
 
 
 _WORKSPACE_CHILD = """
-import dataclasses, json, sys
+import json, sys
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
 from ir.backend import parse_backend
-from ir.graph import block_signature
-from jobs.common.lora import adapted
-from planner.lora import LoraSettings
-from planner.onnx_import import load_model
 from runtime.engines.stage import stage_spec
 from runtime.profiling.compute import peak_workspace
-from runtime.profiling.device import measure_block
 from runtime.profiling.inputs import synthetic_feeds
+from support import int4_lora_graph, measured_block_costs
 
-graph = adapted(load_model(Path(sys.argv[2]), 1, 64),
-                LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
+graph = int4_lora_graph(Path(sys.argv[2]), 64)
 backend = parse_backend("mnn:cpu:t1")
 feeds = synthetic_feeds(graph, 0)
 n = len(graph.blocks)
-kinds = {}
-for b in graph.blocks:
-    kinds.setdefault(block_signature(b), b)
-costs = {sig: dataclasses.asdict(measure_block(backend, graph, b, feeds, reps=1)) for sig, b in kinds.items()}
+costs = measured_block_costs(graph, backend, feeds)
 # stages as a pipeline cuts them: layers ending at the last layer, and two layers with the head + loss
 stages = {"layers": (1, n - 3), "tail": (n - 4, n - 1)}
 peaks = {k: min(peak_workspace(backend, stage_spec(graph, a, b), feeds) for _ in range(2)) for k, (a, b) in stages.items()}
@@ -209,27 +189,15 @@ def test_a_stage_s_workspace_is_its_blocks_stacked_parts_and_its_own_largest_tra
     stage); the tail (two layers, the head and its loss) the head + loss's peak beside the layers'
     stacked parts and transient. Charged is never under the run (a plan's promise) and within 1.6x of
     it on a model this small (MiB of RSS granularity beside ~20 MiB peaks)."""
-    from ir.profile import BackendProfile, BlockCost, DeviceProfile
     from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
-    from jobs.common.lora import adapted
-    from planner.cluster import DeviceSpec
     from planner.cost import stage_memory_terms, transient_bytes
-    from planner.lora import LoraSettings
-    from planner.onnx_import import load_model
 
     model = export_causal_lm(random_causal_lm("llama", num_hidden_layers=6, hidden_size=256, intermediate_size=768,
                                               vocab_size=8192),
                              tmp_path / "llama6.onnx", LlmExportOptions(), kv_cache=False)
-    out = subprocess.run([sys.executable, "-c", _WORKSPACE_CHILD, str(ROOT), str(model)], capture_output=True,
-                         text=True, timeout=600, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                                                      "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("WORKSPACE "))[10:])
-    graph = adapted(load_model(model, 1, 64),
-                    LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
-    costs = {sig: BlockCost(**c) for sig, c in got["costs"].items()}
-    profile = DeviceProfile("d", graph.name, 1, 64, (BackendProfile("mnn:cpu:t1", costs),), 16 << 30, 0)
-    device = DeviceSpec("d", "tcp://d:1", profile, 4 << 30, "mnn:cpu:t1", activations="recompute")
+    got = run_child(_WORKSPACE_CHILD, "WORKSPACE", model)
+    graph = int4_lora_graph(model, 64)
+    device = mnn_device(graph, got["costs"], "recompute")
     report = {}
     for name, (first, last) in got["stages"].items():
         terms = stage_memory_terms(graph, device, first, last, 0, 1, "1f1b-flush", 1, "adamw")
