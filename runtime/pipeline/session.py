@@ -241,11 +241,17 @@ class Session:
             self.on_event(entry)
         return entry
 
-    def take_snapshot(self, step: int) -> Snapshot:
+    def take_snapshot(self, step: int, confirmed: bool = False) -> Snapshot:
+        """Copy every stage's state after `step` steps. On peers the copies ship while the next step
+        runs; with `confirmed`, this returns once every holder has its copy, shipped at once (a
+        1f1b-stash drain: the next segment is STASH_SEGMENT_STEPS steps with no boundary, and a
+        loss in it must not replay the segment before too)."""
         start = time.perf_counter()
         if self.held is not None:  # copied on the workers, shipped to neighbours while the next step runs
             self._keep_fallback(step)
-            self.snapshot = self.held.take(step, self.result.ranges, self._work_s)
+            self.snapshot = self.held.take(step, self.result.ranges, [] if confirmed else self._work_s)
+            if confirmed:
+                self.held.wait_confirmed(self.snapshot)
             self._charge(time.perf_counter() - start)
             return self.snapshot
         per_stage = self.coordinator.collect_checkpoint()
@@ -729,7 +735,9 @@ class Session:
                     self._close_step()
                     self.collect_final(s)
                     continue
-                snap = self.take_snapshot(s) if self.keep_state else None
+                # waits for the holders' confirmations (issue 32: a loss right after a drain whose copy
+                # was still on its way replayed two segments)
+                snap = self.take_snapshot(s, confirmed=True) if self.keep_state else None
                 ckpt = self.faults.checkpoint_every
                 if self.checkpoint_dir is not None and ckpt and s % ckpt == 0:
                     snap = snap or self.take_snapshot(s)

@@ -616,6 +616,15 @@ class PeerSnapshots:
         self.ordered = [s for s in self.ordered if s is base] + [snap]
         return snap
 
+    def wait_confirmed(self, snap: HeldSnapshot) -> None:
+        """Return once every holder has confirmed `snap` (the workers ship while idle, all at once
+        when ordered with no spread), the older copies dropped: what 1f1b-stash does at a drain, so
+        that a loss in the segment after it replays that segment at most (with the copy still on its
+        way, a loss right after the drain restored the drain before: two segments)."""
+        if len(snap.ranges) > 1:
+            self.coordinator.await_replicas(snap.sid)
+        self.busy()  # confirmed: the workers drop the older copies now
+
     def restorable(self, lost_stages: Sequence[int], notices: bool = True) -> HeldSnapshot | None:
         """The newest snapshot every lost stage's holder confirmed, the holder not lost too (None:
         none can be restored); its fetch is bound to the lost stages now. With `notices`, the
