@@ -350,13 +350,18 @@ class StateCopies:
         self._lock = threading.Lock()
 
     # --- taking and shipping -------------------------------------------------------------------
-    def take(self, sid: int, stage: int, tensors: Sequence[tuple[str, np.ndarray]], holder: str | None,
-             keep: Sequence[int], spread_s: float) -> None:
+    def take(self, sid: int, stage: int,
+             tensors: Sequence[tuple[str, np.ndarray]] | Callable[[], Sequence[tuple[str, np.ndarray]]],
+             holder: str | None, keep: Sequence[int], spread_s: float) -> None:
+        """Copy `tensors` (or what calling it returns: gathering them is charged to the copy too) as
+        snapshot `sid` and begin shipping it to `holder`."""
         self.stop()
-        self.forget_except(keep)  # the copies dropped now lend their files to this one
         if not self.taken:  # counted from the first snapshot: a setup's weights went through them too
             self._io_start = _io_cpu_s()
         start, cpu = time.perf_counter(), time.thread_time()
+        self.forget_except(keep)  # the copies dropped now lend their files to this one
+        if callable(tensors):
+            tensors = tensors()
         copy = SpooledCopy(_spool_file(self._spare))
         copy.extend(tensors)
         copy.finish()
@@ -508,7 +513,13 @@ class StateCopies:
     def figures(self) -> dict:
         """What a step's done reports: the copy on its path, and the snapshots' CPU so far."""
         with self._lock:
-            io = _io_cpu_s() - self._io_start if self.taken else 0.0
+            io = 0.0
+            if self.taken:
+                cpu = time.thread_time()
+                now = _io_cpu_s()
+                # reading the I/O threads' CPU (/proc, each of the process's threads) is the snapshots' too
+                self._io_start -= time.thread_time() - cpu
+                io = now - self._io_start
             out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s + io, "snapshots_taken": self.taken,
                    "snapshot_cpu_parts_s": {**self.cpu_parts, "io": io}}
         self.copy_s = 0.0

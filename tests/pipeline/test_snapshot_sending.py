@@ -313,3 +313,23 @@ def test_a_copy_whose_bytes_are_not_all_in_is_never_held():
         holder.take_in(["stage0"], 1)
     assert not holder.replicas
     a.close(), b.close()
+
+
+def test_what_a_snapshot_costs_counts_gathering_the_state_and_reading_the_io_threads():
+    """K (`runtime.pipeline.session.snapshot_interval`) is chosen from what a worker reports a
+    snapshot cost its CPUs: gathering the stage's state (the engine's and optimizer's arrays: per
+    tensor, ~700 for a LoRA stage) is in it, not left out before the copy's clock starts."""
+    a, b = _pair()
+    sender = StateCopies(a, lambda msg: None)
+
+    def gather():  # what state_tensors does, made dear: 0.1 CPU-s
+        start = time.thread_time()
+        while time.thread_time() - start < 0.1:
+            pass
+        return _state(1)
+
+    sender.take(1, 0, gather, None, [], 0.0)
+    figures = sender.figures()
+    assert figures["snapshot_cpu_parts_s"]["copy"] >= 0.1 and figures["snapshot_cpu_s"] >= 0.1, figures
+    _assert_copy(sender.copy_of(0, 0, 1), _state(1))
+    a.close(), b.close()
