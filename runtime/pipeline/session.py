@@ -251,10 +251,13 @@ class Session:
         loss in it must not replay the segment before too)."""
         start = time.perf_counter()
         if self.held is not None:  # copied on the workers, shipped to neighbours while the next step runs
-            self._keep_fallback(step)
-            self.snapshot = self.held.take(step, self.result.ranges, [] if confirmed else self._work_s)
-            if confirmed:
+            if confirmed:  # ordered first: the copies ship while the coordinator takes its fallback copy
+                self.snapshot = self.held.take(step, self.result.ranges, [])
+                self._keep_fallback(step)
                 self.held.wait_confirmed(self.snapshot)
+            else:
+                self._keep_fallback(step)
+                self.snapshot = self.held.take(step, self.result.ranges, self._work_s)
             self._charge(time.perf_counter() - start)
             return self.snapshot
         per_stage = self.coordinator.collect_checkpoint()
