@@ -36,6 +36,7 @@ replay from it is exact as from any copy: the data order is a function of the st
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -255,12 +256,12 @@ def parse_copy_index(arr: np.ndarray, where: str) -> tuple[list[SpooledTensor], 
         if name in names or offset != at:
             raise bad(f"names {name!r:.80} twice, or at {offset} where the one before ends at {at}")
         dt = wire_dtype(dtype)
-        entry = SpooledTensor(name, tuple(shape), dt.str, offset)
-        if entry.nbytes > MAX_PAYLOAD_BYTES:
-            raise bad(f"declares {name!r:.80} of {entry.nbytes} bytes")
+        nbytes = math.prod(shape) * dt.itemsize  # Python's integers: a huge shape does not wrap around
+        if nbytes > MAX_PAYLOAD_BYTES:
+            raise bad(f"declares {name!r:.80} of {nbytes} bytes")
         names.add(name)
-        tensors.append(entry)
-        at += entry.nbytes
+        tensors.append(SpooledTensor(name, tuple(shape), dt.str, offset))
+        at += nbytes
     if doc["bytes"] != at:
         raise bad(f"declares {doc['bytes']} bytes, its tensors take {at}")
     return tensors, at

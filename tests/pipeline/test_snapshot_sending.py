@@ -286,6 +286,7 @@ def test_a_copy_of_many_small_tensors_goes_in_a_few_messages_and_file_writes(mon
     (b'{"bytes": 8, "tensors": [["param/w", "object", [2], 0]]}', "that is not \\[name, dtype, shape, offset\\]"),
     (b'{"bytes": 8, "tensors": [["param/w", "float32", [2], 4]]}', "where the one before ends at 0"),
     (b'{"bytes": 12, "tensors": [["param/w", "float32", [2], 0]]}', "declares 12 bytes, its tensors take 8"),
+    (b'{"bytes": 0, "tensors": [["param/w", "float32", [4294967296, 4294967296], 0]]}', "of 73786976294838206464 bytes"),
 ])
 def test_a_copys_index_that_is_not_a_packed_layout_is_refused(index, problem):
     a, b = _pair()
