@@ -277,6 +277,29 @@ class Coordinator:
         while self._check_errors():
             pass
 
+    def await_replicas(self, sid: int) -> None:
+        """Wait until every stage's holder has confirmed its copy of snapshot `sid` (`replica_held`),
+        filing other messages as `take_notices` does; WorkerLost when a worker is lost meanwhile,
+        WorkerFailed past the run's timeout."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while not self.replicas_held.get(sid, set()) >= set(range(self.stages)):
+            try:
+                sender, msg = self.transport.recv_control(None, timeout=self._POLL_S)
+            except PeerTimeout:
+                self._check_lost()
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"snapshot {sid} was not held whole by every stage's neighbour within "
+                                       f"{self.config.timeout_s:.0f} s") from None
+                continue
+            if self._noted(msg):
+                continue
+            if msg.get("type") in self._ANSWERS:
+                self._pending.append((sender, msg))
+            elif msg.get("type") == "error":
+                raise WorkerFailed(f"worker {sender} ({self.transport.address_of(sender)}) failed: {msg.get('message')}")
+            else:
+                raise WorkerFailed(f"unexpected control message from {sender}: {msg}")
+
     def _await_tensor(self, peer: str, expected: Expected) -> np.ndarray:
         deadline = time.monotonic() + self.config.timeout_s
         while True:

@@ -5,17 +5,20 @@ At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread
 wait. Each worker writes its stage's training state (its trainable parameters and its optimizer's
 state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into a file of its
 own (`SpooledCopy`: an unlinked temporary file, a dropped copy's rewritten in place where one is
-spare), before it runs the next step, and ships the copy to the stage's holder (`holder_of`: the
+spare; the tensors packed one after another, written with a `pwritev` per ~1000 tensors), before it
+runs the next step, and ships the copy to the stage's holder (`holder_of`: the
 next stage, the last stage's the one before) while that step computes: from the stage's own
 thread, between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an
 engine that holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting
-and the step stalled behind it), in chunks of at most `CHUNK_BYTES` read back from the file, at
+and the step stalled behind it): first its index (`copy_index`: each tensor's name, dtype, shape
+and offset, JSON), then the file's bytes in chunks of at most `CHUNK_BYTES` read back from it,
+whatever tensors each spans (a LoRA stage's ~700 small tensors go in a few messages, not ~700), at
 most `PUMP_CHUNKS` at a time, spread over `spread_s` seconds, so the step's own activations and
 gradients, which share the connection, wait behind a few chunks at most. Over CURVE the chunks go
 without their CRC-32 (the link's MAC authenticates every byte: `Transport.authenticated`). The
 holder takes them from a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
 step's tensors), appends each to a file of its own between its actions and while idle, and once
-every chunk of a copy arrived holds it and tells the coordinator `replica_held` {sid, of}. So every
+every byte the index declares arrived (a torn copy is never held) holds it and tells the coordinator `replica_held` {sid, of}. So every
 stage's state is on two devices and on the coordinator never; in neither device's memory but for
 the chunks on their way (the page cache is not the process's: `peer_snapshot_bytes`).
 
@@ -33,12 +36,13 @@ replay from it is exact as from any copy: the data order is a function of the st
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -48,13 +52,16 @@ from ir.safetensors import load_safetensors
 from runtime.procfs import threads_cpu_s
 from runtime.pipeline.checkpoints import (ROW_IDS, ROW_VALUES, TrainingState, dense_from_wire, merge_checkpoint,
                                           read_meta, rows_on_wire)
-from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
+from runtime.transport.wire import DTYPES, MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND, wire_dtype
 
 # A copy travels in messages of at most this many bytes: a step's tensor on the same connection
 # waits behind one of them at most (ZeroMQ interleaves whole messages only), and each arrives as
 # one frame, which the holder keeps as it is (a message of several frames is joined into a copy).
 CHUNK_BYTES = PART_BYTES
-_BEGIN = "#begin"
+_BEGIN = "#begin"  # a copy's first message: its index (`copy_index`)
+_BYTES = "#bytes"  # a chunk of a copy's bytes: "#bytes|OFFSET"
+# buffers per `pwritev` (the system's limit, 1024 on Linux)
+_IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
 # At most this many chunks are sent per `StateCopies.pump` call (between two actions of a step): a
 # step's tensor to the same neighbour waits behind at most these (~4 MiB, a few ms of CURVE).
 PUMP_CHUNKS = 4
@@ -143,11 +150,39 @@ class SpooledCopy:
 
     def append(self, name: str, arr: np.ndarray) -> SpooledTensor:
         """Write `arr` after what is written (no copy of it in memory: its buffer goes to the file)."""
-        arr = np.asarray(arr, order="C")  # (np.ascontiguousarray would make a 0-d array of shape (1,))
-        entry = SpooledTensor(name, tuple(int(d) for d in arr.shape), arr.dtype.str, self.end)
-        self.write(arr)
-        self.tensors.append(entry)
-        return entry
+        return self.extend([(name, arr)])[0]
+
+    def extend(self, tensors: Sequence[tuple[str, np.ndarray]]) -> list[SpooledTensor]:
+        """Write `tensors` one after another after what is written, in as few system calls as
+        `pwritev` allows (`_IOV_MAX` buffers each: a LoRA stage's ~700 small tensors in one), never
+        joined in memory; each in the wire's byte order (little-endian: no copy on x86 and ARM)."""
+        entries, views, at = [], [], self.end
+        for name, arr in tensors:
+            arr = np.asarray(arr)
+            # (np.ascontiguousarray would make a 0-d array of shape (1,))
+            arr = np.asarray(arr, dtype=wire_dtype(arr.dtype.name), order="C")
+            entry = SpooledTensor(name, tuple(int(d) for d in arr.shape), arr.dtype.str, at)
+            if arr.nbytes:
+                views.append(memoryview(arr.reshape(-1)).cast("B"))
+                at += arr.nbytes
+            entries.append(entry)
+            if len(views) >= _IOV_MAX:
+                self._writev(views)
+                views = []
+        self._writev(views)
+        self.tensors += entries
+        return entries
+
+    def _writev(self, views: list) -> None:
+        """Write `views` at the end, one `pwritev` for all (again from where a short write stopped)."""
+        while views:
+            done = os.pwritev(self.file.fileno(), views, self.end)
+            self.end += done
+            while views and done >= views[0].nbytes:
+                done -= views[0].nbytes
+                views = views[1:]
+            if views and done:
+                views = [views[0][done:], *views[1:]]
 
     def write(self, arr: np.ndarray) -> None:
         """Write `arr`'s bytes (C order) at the end."""
@@ -156,6 +191,13 @@ class SpooledCopy:
         while done < len(data):
             done += os.pwrite(self.file.fileno(), data[done:], self.end + done)
         self.end += len(data)
+
+    def read_bytes(self, start: int, stop: int) -> np.ndarray:
+        """Bytes [start, stop) of the file, into a buffer of their own."""
+        data = os.pread(self.file.fileno(), stop - start, start) if stop > start else b""
+        if len(data) != stop - start:
+            raise OSError(f"a spooled snapshot copy is short: {len(data)} of {stop - start} bytes at {start}")
+        return np.frombuffer(data, np.uint8)
 
     def finish(self) -> None:
         """Every tensor is written: cut what a longer copy left in a reused file."""
@@ -182,6 +224,49 @@ class SpooledCopy:
         self.file.close()
 
 
+def copy_index(copy: SpooledCopy) -> np.ndarray:
+    """A copy's index as its holder takes it (`parse_copy_index`): JSON, {"bytes": the file's size,
+    "tensors": [[name, dtype, shape, offset], ...]} in file order, as uint8."""
+    doc = {"bytes": copy.end,
+           "tensors": [[e.name, np.dtype(e.dtype).name, list(e.shape), e.offset] for e in copy.tensors]}
+    return np.frombuffer(json.dumps(doc, separators=(",", ":")).encode("ascii"), np.uint8)
+
+
+def parse_copy_index(arr: np.ndarray, where: str) -> tuple[list[SpooledTensor], int]:
+    """(tensors, total bytes) of a copy's index as `copy_index` writes it: parsed as JSON only; each
+    tensor a known dtype, a shape of non-negative sizes, each named once, laid one after another from
+    0 to the total (so a copy whose bytes are all in is whole, and no tensor reads past its end)."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{where}: its index {why}")
+
+    try:
+        doc = json.loads(bytes(np.asarray(arr, np.uint8)).decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        raise bad("is not JSON") from None
+    if not isinstance(doc, dict) or set(doc) != {"bytes", "tensors"} or not isinstance(doc["tensors"], list) \
+            or not isinstance(doc["bytes"], int) or isinstance(doc["bytes"], bool):
+        raise bad('is not {"bytes": N, "tensors": [...]}')
+    tensors, names, at = [], set(), 0
+    for item in doc["tensors"]:
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and item[1] in DTYPES
+                and isinstance(item[2], list) and all(type(d) is int and d >= 0 for d in item[2])
+                and type(item[3]) is int):
+            raise bad(f"has an entry {item!r:.80} that is not [name, dtype, shape, offset]")
+        name, dtype, shape, offset = item
+        if name in names or offset != at:
+            raise bad(f"names {name!r:.80} twice, or at {offset} where the one before ends at {at}")
+        dt = wire_dtype(dtype)
+        nbytes = math.prod(shape) * dt.itemsize  # Python's integers: a huge shape does not wrap around
+        if nbytes > MAX_PAYLOAD_BYTES:
+            raise bad(f"declares {name!r:.80} of {nbytes} bytes")
+        names.add(name)
+        tensors.append(SpooledTensor(name, tuple(shape), dt.str, offset))
+        at += nbytes
+    if doc["bytes"] != at:
+        raise bad(f"declares {doc['bytes']} bytes, its tensors take {at}")
+    return tensors, at
+
+
 def _spool_file(spare: list):
     """A file for a new copy: a dropped copy's where one is spare (overwriting pages already in the
     page cache costs a copy; a new file's pages cost their allocation, several times more), else a
@@ -191,24 +276,14 @@ def _spool_file(spare: list):
 
 @dataclass
 class _Incoming:
+    """A neighbour's copy as its bytes arrive: its index (from its "#begin"), appended to a file of
+    this worker's as they come, in order; held only once all `total` bytes are in."""
+
     sid: int
     stage: int
-    count: int
+    tensors: list[SpooledTensor]
+    total: int
     spool: SpooledCopy
-    done: set[str] = field(default_factory=set)
-    filling: "_Filling | None" = None
-
-
-@dataclass
-class _Filling:
-    """A neighbour's tensor as its chunks arrive, appended to the copy's file as they come."""
-
-    name: str
-    shape: tuple[int, ...]
-    size: int
-    dtype: str
-    offset: int
-    filled: int = 0
 
 
 def _io_cpu_s() -> float:
@@ -216,18 +291,15 @@ def _io_cpu_s() -> float:
 
 
 class _Shipment:
-    """A copy on its way to its holder: its chunks, read back from its file and sent in order, evenly
-    over `spread_s` from its start (the "#begin" message, which names how many tensors follow, goes
-    at once)."""
+    """A copy on its way to its holder: the bytes of its file, read back and sent in order in chunks
+    of `CHUNK_BYTES` (however many tensors each spans: a LoRA stage's ~700 small tensors go in a few
+    messages, not one or more each), evenly over `spread_s` from its start. The "#begin" message,
+    the copy's index (each tensor's name, dtype, shape and offset, as JSON), goes at once."""
 
     def __init__(self, holder: str, sid: int, stage: int, copy: SpooledCopy, spread_s: float):
         self.holder, self.sid, self.stage, self.copy = holder, sid, stage, copy
-        self.chunks = []
-        for entry in copy.tensors:
-            step = max(1, CHUNK_BYTES // max(1, np.dtype(entry.dtype).itemsize))
-            self.chunks += [(entry, a, min(a + step, entry.size)) for a in range(0, max(entry.size, 1), step)]
-        self.shapes = {e.name: ",".join(str(d) for d in e.shape) for e in copy.tensors}
-        self.count = len(copy.tensors)
+        self.chunks = [(a, min(a + CHUNK_BYTES, copy.end)) for a in range(0, copy.end, CHUNK_BYTES)]
+        self.index = copy_index(copy)
         self.spread_s = spread_s
         self.start = time.monotonic()
         self.sent = 0
@@ -279,16 +351,20 @@ class StateCopies:
         self._lock = threading.Lock()
 
     # --- taking and shipping -------------------------------------------------------------------
-    def take(self, sid: int, stage: int, tensors: Sequence[tuple[str, np.ndarray]], holder: str | None,
-             keep: Sequence[int], spread_s: float) -> None:
+    def take(self, sid: int, stage: int,
+             tensors: Sequence[tuple[str, np.ndarray]] | Callable[[], Sequence[tuple[str, np.ndarray]]],
+             holder: str | None, keep: Sequence[int], spread_s: float) -> None:
+        """Copy `tensors` (or what calling it returns: gathering them is charged to the copy too) as
+        snapshot `sid` and begin shipping it to `holder`."""
         self.stop()
-        self.forget_except(keep)  # the copies dropped now lend their files to this one
         if not self.taken:  # counted from the first snapshot: a setup's weights went through them too
             self._io_start = _io_cpu_s()
         start, cpu = time.perf_counter(), time.thread_time()
+        self.forget_except(keep)  # the copies dropped now lend their files to this one
+        if callable(tensors):
+            tensors = tensors()
         copy = SpooledCopy(_spool_file(self._spare))
-        for name, arr in tensors:
-            copy.append(name, np.asarray(arr))
+        copy.extend(tensors)
         copy.finish()
         self.copy_s = time.perf_counter() - start
         with self._lock:
@@ -331,15 +407,15 @@ class StateCopies:
         cpu = time.thread_time()
         try:
             if not ship.begun:
-                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, 0,
-                                           np.array([ship.count], np.int64), version=ship.sid, name=_BEGIN)
+                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, 0, ship.index, version=ship.sid,
+                                           name=_BEGIN)
                 ship.begun = True
             due = ship.due(time.monotonic())
             sent = 0
             while ship.sent < due and sent < PUMP_CHUNKS:
-                entry, a, b = ship.chunks[ship.sent]
-                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, ship.sent + 1, ship.copy.read(entry, a, b),
-                                           version=ship.sid, name=f"{entry.name}|{ship.shapes[entry.name]}|{a}")
+                a, b = ship.chunks[ship.sent]
+                self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, ship.sent + 1,
+                                           ship.copy.read_bytes(a, b), version=ship.sid, name=f"{_BYTES}|{a}")
                 ship.sent += 1
                 sent += 1
         except Exception:  # the holder or this transport went away: the coordinator's acks tell
@@ -377,7 +453,7 @@ class StateCopies:
     def take_in(self, peers: Sequence[str], this_stage: int | None) -> None:
         """File what neighbours' senders delivered so far (no waiting); a copy completed is a
         replica held, and the coordinator hears so."""
-        start = time.thread_time()
+        start, filed = time.thread_time(), 0
         for peer in peers:
             while True:
                 got = self.transport.recv_side(peer)
@@ -385,53 +461,38 @@ class StateCopies:
                     break
                 header, arr = got
                 self._file(peer, header, arr, this_stage)
+                filed += 1
+        if not filed:  # a look that found nothing: the worker looks as often with no snapshots at all
+            return
         with self._lock:
             self.cpu_s += time.thread_time() - start
             self.cpu_parts["file"] += time.thread_time() - start
 
     def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> None:
         if header.name == _BEGIN:
-            count = int(arr.reshape(-1)[0]) if arr.size == 1 else -1
-            if count < 0:
-                raise ValueError(f"a snapshot copy from {peer} declares {arr.tolist()!r:.40} tensors")
+            tensors, total = parse_copy_index(arr, f"a snapshot copy from {peer}")
             self.forget_from(peer)  # a copy it stopped sending half-way: its file is written again
-            self._incoming[peer] = _Incoming(header.version, header.stage, count, SpooledCopy(_spool_file(self._spare)))
+            self._incoming[peer] = _Incoming(header.version, header.stage, tensors, total,
+                                             SpooledCopy(_spool_file(self._spare)))
             self._complete(peer, this_stage)
             return
         got = self._incoming.get(peer)
         if got is None or got.sid != header.version or got.stage != header.stage:
             return  # the rest of a copy its sender stopped shipping, or began before this stage's setup
-        try:
-            name, shape_text, offset = header.name.rsplit("|", 2)
-            shape = tuple(int(d) for d in shape_text.split(",")) if shape_text else ()
-            offset = int(offset)
-        except ValueError:
-            raise ValueError(f"a snapshot copy from {peer}: tensor name {header.name!r:.80} is not NAME|SHAPE|OFFSET") \
-                from None
-        size = int(np.prod(shape, dtype=np.int64))
-        if got.filling is None or got.filling.name != name:
-            if got.filling is not None or name in got.done or any(d < 0 for d in shape) \
-                    or size * arr.itemsize > MAX_PAYLOAD_BYTES:
-                raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80} repeated, of shape {shape}, or "
-                                 f"begun before the last was whole")
-            got.filling = _Filling(name, shape, size, arr.dtype.str, got.spool.end)
-        parts = got.filling
-        if offset != parts.filled or parts.dtype != arr.dtype.str or offset + arr.size > size:
-            raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80}'s part at {offset} does not follow "
-                             f"its {parts.filled} elements of {size}")
+        tag, _, offset = header.name.partition("|")
+        if tag != _BYTES or not offset.isdigit() or int(offset) != got.spool.end or arr.dtype != np.uint8 \
+                or got.spool.end + arr.size > got.total:
+            raise ValueError(f"a snapshot copy from {peer}: part {header.name!r:.80} of {arr.size} bytes ({arr.dtype}) "
+                             f"does not follow its {got.spool.end} bytes of {got.total}")
         got.spool.write(arr)
-        parts.filled += arr.size
-        if parts.filled == size:
-            got.spool.tensors.append(SpooledTensor(name, shape, parts.dtype, parts.offset))
-            got.done.add(name)
-            got.filling = None
         self._complete(peer, this_stage)
 
     def _complete(self, peer: str, this_stage: int | None) -> None:
         got = self._incoming[peer]
-        if len(got.done) < got.count or got.filling is not None:
+        if got.spool.end < got.total:
             return
         del self._incoming[peer]
+        got.spool.tensors = got.tensors
         got.spool.finish()
         # only a copy every chunk of which arrived is held: a sender lost half-way leaves a partial
         # file that is never taken (`forget_from`)
@@ -456,7 +517,13 @@ class StateCopies:
     def figures(self) -> dict:
         """What a step's done reports: the copy on its path, and the snapshots' CPU so far."""
         with self._lock:
-            io = _io_cpu_s() - self._io_start if self.taken else 0.0
+            io = 0.0
+            if self.taken:
+                cpu = time.thread_time()
+                now = _io_cpu_s()
+                # reading the I/O threads' CPU (/proc, each of the process's threads) is the snapshots' too
+                self._io_start -= time.thread_time() - cpu
+                io = now - self._io_start
             out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s + io, "snapshots_taken": self.taken,
                    "snapshot_cpu_parts_s": {**self.cpu_parts, "io": io}}
         self.copy_s = 0.0
@@ -563,6 +630,15 @@ class PeerSnapshots:
         snap = HeldSnapshot(step, sid, [tuple(r) for r in ranges], self.coordinator.fetch_held)
         self.ordered = [s for s in self.ordered if s is base] + [snap]
         return snap
+
+    def wait_confirmed(self, snap: HeldSnapshot) -> None:
+        """Return once every holder has confirmed `snap` (the workers ship while idle, all at once
+        when ordered with no spread), the older copies dropped: what 1f1b-stash does at a drain, so
+        that a loss in the segment after it replays that segment at most (with the copy still on its
+        way, a loss right after the drain restored the drain before: two segments)."""
+        if len(snap.ranges) > 1:
+            self.coordinator.await_replicas(snap.sid)
+        self.busy()  # confirmed: the workers drop the older copies now
 
     def restorable(self, lost_stages: Sequence[int], notices: bool = True) -> HeldSnapshot | None:
         """The newest snapshot every lost stage's holder confirmed, the holder not lost too (None:

@@ -386,7 +386,7 @@ class Worker:
                 and isinstance(spread, (int, float)) and 0 <= spread < 3600):
             raise ValueError(f"snapshot: expected sid, keep [sids], a neighbour as holder and spread_s, got "
                              f"{msg!r:.120}")
-        self.copies.take(sid, self.stage, state_tensors(self.executor), holder, keep, float(spread))
+        self.copies.take(sid, self.stage, lambda: state_tensors(self.executor), holder, keep, float(spread))
 
     def snapshot_send(self, msg: dict) -> None:
         """Send the coordinator the copies of snapshot `sid` of the stages `of` (after a loss); with

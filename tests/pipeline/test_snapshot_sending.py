@@ -244,3 +244,93 @@ def test_a_copy_ships_between_the_steps_actions(tiny_checkpoint, export_dir):
                                     faults=FaultPolicy(state_on="peers"))
     assert in_step, "no chunk of a snapshot copy was sent while a step ran"
     assert result.losses == single_device_training(graph, batches, 4)[0]
+
+
+def test_a_copy_of_many_small_tensors_goes_in_a_few_messages_and_file_writes(monkeypatch):
+    """A LoRA stage's state is ~700 small tensors: its copy is packed (one file of the tensors one
+    after another, an index beside it), so taking, shipping and filing it costs a few system calls
+    and messages, not one or more per tensor, and the holder's copy is exact."""
+    import os
+
+    import runtime.pipeline.snapshots as snapshots
+
+    rng = np.random.default_rng(5)
+    state = [(f"param/l{i}.lora_{ab}", rng.standard_normal((8, 16)).astype(np.float32))
+             for i in range(300) for ab in "AB"]
+    state += [(f"opt/adamw/{m}/{name}", rng.standard_normal(arr.shape).astype(np.float32))
+              for m in ("m", "v") for name, arr in list(state)]
+    state += [("opt/adamw/t", np.array(7, np.int64)), ("param/empty", np.zeros((0, 3), np.float32))]
+    assert len(state) == 1802 and sum(a.nbytes for _, a in state) < snapshots.CHUNK_BYTES
+    a, b = _pair()
+    sent = []
+    real_send = a._send_frames
+    a._send_frames = lambda peer, frames: (sent.append(len(frames)), real_send(peer, frames))
+    writes = []
+    for call in ("pwrite", "pwritev"):
+        real = getattr(os, call)
+        monkeypatch.setattr(os, call, lambda *args, real=real, call=call: (writes.append(call), real(*args))[1])
+    reports = []
+    sender, holder = StateCopies(a, reports.append), StateCopies(b, reports.append)
+    _ship(sender, holder, 1, state, keep=[])
+    assert len(sent) <= 3, f"{len(sent)} messages for a copy of {len(state)} tensors"
+    assert len(writes) <= 4, f"{len(writes)} file writes for a copy of {len(state)} tensors (sender and holder)"
+    _assert_copy(holder.copy_of(0, 1, 1), state)
+    _assert_copy(sender.copy_of(0, 0, 1), state)
+    assert reports == [{"type": "replica_held", "stage": 1, "of": 0, "sid": 1}]
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("index, problem", [
+    (b"\x80\x04K\x01.", "is not JSON"),  # a pickle is never unpickled
+    (b'{"bytes": 8, "tensors": [["param/w", "float32", [2], 0], ["param/w", "float32", [0], 8]]}', "twice"),
+    (b'{"bytes": 8, "tensors": [["param/w", "object", [2], 0]]}', "that is not \\[name, dtype, shape, offset\\]"),
+    (b'{"bytes": 8, "tensors": [["param/w", "float32", [2], 4]]}', "where the one before ends at 0"),
+    (b'{"bytes": 12, "tensors": [["param/w", "float32", [2], 0]]}', "declares 12 bytes, its tensors take 8"),
+    (b'{"bytes": 0, "tensors": [["param/w", "float32", [4294967296, 4294967296], 0]]}', "of 73786976294838206464 bytes"),
+])
+def test_a_copys_index_that_is_not_a_packed_layout_is_refused(index, problem):
+    a, b = _pair()
+    holder = StateCopies(b, lambda msg: None)
+    a.send_tensor("stage1", SIDE_KIND, 0, 0, np.frombuffer(index, np.uint8), version=1, name="#begin")
+    with pytest.raises(ValueError, match=problem):
+        holder.take_in(["stage0"], 1)
+    assert not holder.replicas
+    a.close(), b.close()
+
+
+def test_a_copy_whose_bytes_are_not_all_in_is_never_held():
+    """A torn copy (its sender stopped after some chunks) is never taken; a chunk out of order is refused."""
+    import runtime.pipeline.snapshots as snapshots
+
+    a, b = _pair()
+    sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
+    sender.take(1, 0, _state(1), "stage1", [], 100.0)  # spread over 100 s: the first chunk only
+    holder.take_in(["stage0"], 1)
+    got = holder._incoming["stage0"]
+    assert 0 < got.spool.end < got.total and not holder.replicas
+    a.send_tensor("stage1", SIDE_KIND, 0, 9, np.zeros(16, np.uint8), version=1,
+                  name=f"{snapshots._BYTES}|{got.spool.end + 16}")
+    with pytest.raises(ValueError, match="does not follow"):
+        holder.take_in(["stage0"], 1)
+    assert not holder.replicas
+    a.close(), b.close()
+
+
+def test_what_a_snapshot_costs_counts_gathering_the_state_and_reading_the_io_threads():
+    """K (`runtime.pipeline.session.snapshot_interval`) is chosen from what a worker reports a
+    snapshot cost its CPUs: gathering the stage's state (the engine's and optimizer's arrays: per
+    tensor, ~700 for a LoRA stage) is in it, not left out before the copy's clock starts."""
+    a, b = _pair()
+    sender = StateCopies(a, lambda msg: None)
+
+    def gather():  # what state_tensors does, made dear: 0.1 CPU-s
+        start = time.thread_time()
+        while time.thread_time() - start < 0.1:
+            pass
+        return _state(1)
+
+    sender.take(1, 0, gather, None, [], 0.0)
+    figures = sender.figures()
+    assert figures["snapshot_cpu_parts_s"]["copy"] >= 0.1 and figures["snapshot_cpu_s"] >= 0.1, figures
+    _assert_copy(sender.copy_of(0, 0, 1), _state(1))
+    a.close(), b.close()
