@@ -63,6 +63,13 @@ _SPARE_FILES = 2
 # What a worker holds of the copies in memory while training: the chunks it sent that its link has
 # not sent yet and those it received and has not filed yet (filed between the step's actions).
 SPOOL_WORKING_BYTES = 4 * PUMP_CHUNKS * CHUNK_BYTES
+# What a worker sends the coordinator per request when it is asked for its state a window at a time
+# (after a loss, `snapshot_send`; a checkpoint or the coordinator's copy, `checkpoint`): chunks of
+# at most `CHUNK_BYTES` (one frame each, kept as received), at most this many bytes of them, read
+# into buffers of their own (a held copy) or views of the stage's own arrays (`send_window`). A
+# window of whole tensors is not bounded: MiniLM's word embeddings and their two AdamW moments are
+# 3 x 45 MiB.
+FETCH_WINDOW_BYTES = 4 * CHUNK_BYTES
 
 
 def holder_of(stage: int, stages: int) -> int | None:
@@ -75,18 +82,75 @@ def holder_of(stage: int, stages: int) -> int | None:
 
 def peer_snapshot_bytes(state_bytes: Sequence[int]) -> list[int]:
     """What holding the snapshots on the workers adds to each stage's memory at its peak, given each
-    stage's training state in bytes (trainable parameters and optimizer state). The copies lie in
-    files (`SpooledCopy`): while training, a worker holds only the chunks on their way
-    (`SPOOL_WORKING_BYTES`); after a loss it reads its own copy and those it holds back tensor by
-    tensor for the coordinator, and its link queues them until they are out (on a slow link, all of
-    them), so the charge is the larger of the two."""
-    stages = len(state_bytes)
-    if stages < 2:
-        return [0] * stages
-    sent = list(state_bytes)
-    for k, b in enumerate(state_bytes):
-        sent[holder_of(k, stages)] += b
-    return [max(SPOOL_WORKING_BYTES, b) for b in sent]
+    stage's training state in bytes (trainable parameters and optimizer state; a lone stage, which
+    has no neighbour to hold its copy, is charged nothing). The copies lie in files (`SpooledCopy`),
+    so the charge does not grow with the state:
+    - while training, a worker holds only the chunks on their way (`SPOOL_WORKING_BYTES`);
+    - after a loss it reads its own copy and those it holds back for the coordinator a window at a
+      time (`send_window`: at most `FETCH_WINDOW_BYTES` in chunks of `CHUNK_BYTES`, each window let
+      go by its transport (`wait_sent`) before it answers, and the next asked for once that answer
+      arrived), so its link's queue holds one window at most.
+    The two do not overlap: the abort that begins a recovery stops the shipping, and the chunks
+    received before the neighbours' fences are filed before a window is read. Before windows were
+    counted in bytes, a worker was charged its own copy and every copy it holds, as if all were
+    in memory at once (the demo's phone: 96 MiB, which kept its snapshots on the coordinator)."""
+    return [max(SPOOL_WORKING_BYTES, FETCH_WINDOW_BYTES) if len(state_bytes) > 1 else 0 for _ in state_bytes]
+
+
+@dataclass(frozen=True)
+class WindowEntry:
+    """One tensor of a state sent a window at a time: `part(a, b)` gives its flat elements [a, b)
+    (a view of the stage's own array, or read from a copy's file into a buffer of its own)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    part: Callable[[int, int], np.ndarray]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @classmethod
+    def of_array(cls, name: str, arr: np.ndarray) -> "WindowEntry":
+        arr = np.asarray(arr)
+        # a C-contiguous array (the engines' own) is sent as views of its buffer, no copy
+        return cls(name, tuple(int(d) for d in arr.shape), arr.dtype,
+                   lambda a, b: np.asarray(arr, order="C").reshape(-1)[a:b])
+
+    @classmethod
+    def of_spooled(cls, copy: "SpooledCopy", entry: "SpooledTensor") -> "WindowEntry":
+        return cls(entry.name, entry.shape, np.dtype(entry.dtype), lambda a, b: copy.read(entry, a, b))
+
+
+def send_window(transport, peer: str, kind: str, stage: int, entries: Sequence[WindowEntry], first: int, start: int,
+                budget: int) -> dict:
+    """Send `peer` the part of `entries` from element `start` of tensor `first` on: chunks of at most
+    `CHUNK_BYTES`, as many as fit in `budget` bytes (one at least), each a flat `kind` tensor named
+    as its tensor, with the tensor's index as its micro-batch. Returns what the answer that follows
+    them says of them (`Coordinator._windowed` reads it): `parts` ([index, start, count] each, in
+    the order sent), the `shapes` of their tensors, `names`, `total` and `next` ([index, start] of
+    the next window; None: the last was sent). The chunks are let go by the transport
+    (`wait_sent`) before this returns: a worker holds one window of its state at most."""
+    if not (0 <= first <= len(entries) and (first == len(entries) or 0 <= start <= max(entries[first].size - 1, 0))):
+        raise ValueError(f"a window of {len(entries)} tensors cannot start at tensor {first}, element {start}")
+    parts, shapes, sent = [], {}, 0
+    i, a = first, start
+    while i < len(entries):
+        e = entries[i]
+        b = min(e.size, a + max(1, CHUNK_BYTES // e.dtype.itemsize))
+        nbytes = (b - a) * e.dtype.itemsize
+        if parts and sent + nbytes > budget:
+            break
+        transport.send_tensor(peer, kind, stage, i, e.part(a, b), name=e.name)
+        parts.append([i, a, b - a])
+        shapes[e.name] = list(e.shape)
+        sent += nbytes
+        i, a = (i + 1, 0) if b >= e.size else (i, b)
+    transport.wait_sent(peer)
+    return {"first": first, "start": start, "parts": parts, "shapes": shapes,
+            "names": [entries[k].name for k, _, _ in parts], "total": len(entries),
+            "next": [i, a] if i < len(entries) else None}
 
 
 def state_tensors(executor) -> list[tuple[str, np.ndarray]]:
