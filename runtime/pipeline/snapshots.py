@@ -26,8 +26,9 @@ once the previous one is confirmed, and then tells the workers to drop the older
 snapshots, and while one is shipped two of its own, one of its neighbour's and the part received.
 After a loss, the coordinator restores from the newest snapshot whose lost stages' replicas were
 confirmed (`PeerSnapshots.restorable`), fetching each stage's state from its own worker or, for a
-lost one, from its holder (`snapshot_send`: read back from the file a few tensors at a time, the
-optimizer state spooled to the coordinator's disk as it arrives: runtime.pipeline.restore); the
+lost one, from its holder (`snapshot_send`: read back from the file a window of 1 MiB chunks at a
+time, `send_window`, the optimizer state spooled to the coordinator's disk as it arrives:
+runtime.pipeline.restore); the
 replay from it is exact as from any copy: the data order is a function of the step.
 """
 from __future__ import annotations
@@ -84,17 +85,21 @@ def peer_snapshot_bytes(state_bytes: Sequence[int]) -> list[int]:
     """What holding the snapshots on the workers adds to each stage's memory at its peak, given each
     stage's training state in bytes (trainable parameters and optimizer state; a lone stage, which
     has no neighbour to hold its copy, is charged nothing). The copies lie in files (`SpooledCopy`),
-    so the charge does not grow with the state:
-    - while training, a worker holds only the chunks on their way (`SPOOL_WORKING_BYTES`);
-    - after a loss it reads its own copy and those it holds back for the coordinator a window at a
-      time (`send_window`: at most `FETCH_WINDOW_BYTES` in chunks of `CHUNK_BYTES`, each window let
-      go by its transport (`wait_sent`) before it answers, and the next asked for once that answer
-      arrived), so its link's queue holds one window at most.
-    The two do not overlap: the abort that begins a recovery stops the shipping, and the chunks
-    received before the neighbours' fences are filed before a window is read. Before windows were
-    counted in bytes, a worker was charged its own copy and every copy it holds, as if all were
-    in memory at once (the demo's phone: 96 MiB, which kept its snapshots on the coordinator)."""
-    return [max(SPOOL_WORKING_BYTES, FETCH_WINDOW_BYTES) if len(state_bytes) > 1 else 0 for _ in state_bytes]
+    but while one ships nothing paces it to the link or to its holder: the sender's ZeroMQ queue
+    holds what its link has not sent, and the holder's receive queue what arrived while it computed
+    (the holder files chunks only between its actions), up to the whole copy either side on a
+    loaded device (`confidant demo` under load average ~29, copies on the workers: each worker's
+    peak 28-48 MiB over the same plan's with the copies on the coordinator). So a worker is charged
+    its own copy and each copy it holds, never less than `SPOOL_WORKING_BYTES`. After a loss it
+    sends the coordinator one window at a time (`send_window`, at most `FETCH_WINDOW_BYTES`), well
+    within that."""
+    stages = len(state_bytes)
+    if stages < 2:
+        return [0] * stages
+    held = list(state_bytes)
+    for k, b in enumerate(state_bytes):
+        held[holder_of(k, stages)] += b
+    return [max(SPOOL_WORKING_BYTES, FETCH_WINDOW_BYTES, b) for b in held]
 
 
 @dataclass(frozen=True)
