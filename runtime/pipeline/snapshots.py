@@ -56,13 +56,22 @@ from runtime.transport.wire import MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND
 # one frame, which the holder keeps as it is (a message of several frames is joined into a copy).
 CHUNK_BYTES = PART_BYTES
 _BEGIN = "#begin"
+# The holder's word to the sender of a copy: how many of its chunks it has filed so far.
+_FILED = "#filed"
 # At most this many chunks are sent per `StateCopies.pump` call (between two actions of a step): a
 # step's tensor to the same neighbour waits behind at most these (~4 MiB, a few ms of CURVE).
 PUMP_CHUNKS = 4
+# At most this many bytes of a copy are on their way unfiled (sent, not yet filed by the holder,
+# which says so: `_FILED`): nothing else paces the shipping to the link or to the holder, whose
+# receive queue took what arrived while it computed (the demo under load: 28-48 MiB over plan).
+# In bytes, not chunks: a small tensor is a chunk of its own, and a copy of many small ones (a
+# tiny model's, LoRA's) would wait on its holder's actions for nothing.
+CREDIT_BYTES = PUMP_CHUNKS * CHUNK_BYTES
 # Files of dropped copies kept to be written again: the next own copy's and the next replica's.
 _SPARE_FILES = 2
-# What a worker holds of the copies in memory while training: the chunks it sent that its link has
-# not sent yet and those it received and has not filed yet (filed between the step's actions).
+# What a worker holds of the copies in memory while training: the chunks it sent that its holder
+# has not filed yet and those it received and has not filed yet (filed between the step's actions),
+# `CREDIT_BYTES` per copy on its way (its own, and up to two it holds), with room to spare.
 SPOOL_WORKING_BYTES = 4 * PUMP_CHUNKS * CHUNK_BYTES
 # What a worker sends the coordinator per request when it is asked for its state a window at a time
 # (after a loss, `snapshot_send`; a checkpoint or the coordinator's copy, `checkpoint`): chunks of
@@ -85,21 +94,19 @@ def peer_snapshot_bytes(state_bytes: Sequence[int]) -> list[int]:
     """What holding the snapshots on the workers adds to each stage's memory at its peak, given each
     stage's training state in bytes (trainable parameters and optimizer state; a lone stage, which
     has no neighbour to hold its copy, is charged nothing). The copies lie in files (`SpooledCopy`),
-    but while one ships nothing paces it to the link or to its holder: the sender's ZeroMQ queue
-    holds what its link has not sent, and the holder's receive queue what arrived while it computed
-    (the holder files chunks only between its actions), up to the whole copy either side on a
-    loaded device (`confidant demo` under load average ~29, copies on the workers: each worker's
-    peak 28-48 MiB over the same plan's with the copies on the coordinator). So a worker is charged
-    its own copy and each copy it holds, never less than `SPOOL_WORKING_BYTES`. After a loss it
-    sends the coordinator one window at a time (`send_window`, at most `FETCH_WINDOW_BYTES`), well
-    within that."""
-    stages = len(state_bytes)
-    if stages < 2:
-        return [0] * stages
-    held = list(state_bytes)
-    for k, b in enumerate(state_bytes):
-        held[holder_of(k, stages)] += b
-    return [max(SPOOL_WORKING_BYTES, FETCH_WINDOW_BYTES, b) for b in held]
+    so the charge does not grow with the state:
+    - while training, a worker holds the chunks on their way (`SPOOL_WORKING_BYTES`): at most
+      `CREDIT_BYTES` of its own copy beyond what its holder said it filed, and as many of each
+      copy it holds (a holder files between its actions; before that pacing, its receive queue took
+      what arrived while it computed: the demo's workers peaked 28-48 MiB over their plan);
+    - after a loss it reads its own copy and those it holds back for the coordinator a window at a
+      time (`send_window`: at most `FETCH_WINDOW_BYTES` in chunks of `CHUNK_BYTES`, let go by its
+      transport (`wait_sent`) before it answers, the next asked for once that answer arrived).
+    The two do not overlap: the abort that begins a recovery stops the shipping, and the chunks
+    received before the neighbours' fences are filed before a window is read. (Before both, a
+    worker was charged its own copy and every copy it holds: the demo's phone 96 MiB, which kept
+    its snapshots on the coordinator.)"""
+    return [max(SPOOL_WORKING_BYTES, FETCH_WINDOW_BYTES) if len(state_bytes) > 1 else 0 for _ in state_bytes]
 
 
 @dataclass(frozen=True)
@@ -258,12 +265,16 @@ def _spool_file(spare: list):
     return spare.pop() if spare else tempfile.TemporaryFile(prefix="confidant-copy-")
 
 
+_CREDIT_POLL_S = 0.005
+
+
 @dataclass
 class _Incoming:
     sid: int
     stage: int
     count: int
     spool: SpooledCopy
+    filed: int = 0  # bytes filed
     done: set[str] = field(default_factory=set)
     filling: "_Filling | None" = None
 
@@ -300,6 +311,8 @@ class _Shipment:
         self.spread_s = spread_s
         self.start = time.monotonic()
         self.sent = 0
+        self.sent_bytes = 0
+        self.filed = 0  # bytes the holder said it filed (`_FILED`)
         self.begun = False
 
     def due(self, now: float) -> int:
@@ -404,12 +417,15 @@ class StateCopies:
                                            np.array([ship.count], np.int64), version=ship.sid, name=_BEGIN)
                 ship.begun = True
             due = ship.due(time.monotonic())
+            if ship.sent < due and ship.sent_bytes - ship.filed >= CREDIT_BYTES:
+                self.take_in([ship.holder], ship.stage)  # its word on what it filed, and its own copy's chunks
             sent = 0
-            while ship.sent < due and sent < PUMP_CHUNKS:
+            while ship.sent < due and sent < PUMP_CHUNKS and ship.sent_bytes - ship.filed < CREDIT_BYTES:
                 entry, a, b = ship.chunks[ship.sent]
                 self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, ship.sent + 1, ship.copy.read(entry, a, b),
                                            version=ship.sid, name=f"{entry.name}|{ship.shapes[entry.name]}|{a}")
                 ship.sent += 1
+                ship.sent_bytes += (b - a) * np.dtype(entry.dtype).itemsize
                 sent += 1
         except Exception:  # the holder or this transport went away: the coordinator's acks tell
             self._shipment = None
@@ -422,6 +438,8 @@ class StateCopies:
         if ship.sent >= len(ship.chunks):
             self._shipment = None
             return None
+        if ship.sent_bytes - ship.filed >= CREDIT_BYTES:
+            return _CREDIT_POLL_S  # the holder has not filed what is on its way: ask again soon
         return max(0.0, ship.next_at() - time.monotonic())
 
     def stop(self) -> None:
@@ -448,17 +466,31 @@ class StateCopies:
         replica held, and the coordinator hears so."""
         start = time.thread_time()
         for peer in peers:
+            filed = None
             while True:
                 got = self.transport.recv_side(peer)
                 if got is None:
                     break
                 header, arr = got
-                self._file(peer, header, arr, this_stage)
+                filed = self._file(peer, header, arr, this_stage) or filed
+            if filed is not None:  # the sender may send as many more bytes (`CREDIT_BYTES`)
+                try:
+                    self.transport.send_tensor(peer, SIDE_KIND, filed[1], 0, np.array([filed[2]], np.int64),
+                                               version=filed[0], name=_FILED)
+                except Exception:  # the sender went away: the coordinator hears of it
+                    pass
         with self._lock:
             self.cpu_s += time.thread_time() - start
             self.cpu_parts["file"] += time.thread_time() - start
 
-    def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> None:
+    def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> tuple[int, int, int] | None:
+        """File one side-lane message from `peer`; (sid, stage, bytes filed) of its copy when it was
+        a chunk of one, for the word back to the sender."""
+        if header.name == _FILED:
+            ship = self._shipment
+            if ship is not None and ship.holder == peer and ship.sid == header.version and arr.size == 1:
+                ship.filed = max(ship.filed, int(arr.reshape(-1)[0]))
+            return None
         if header.name == _BEGIN:
             count = int(arr.reshape(-1)[0]) if arr.size == 1 else -1
             if count < 0:
@@ -466,10 +498,10 @@ class StateCopies:
             self.forget_from(peer)  # a copy it stopped sending half-way: its file is written again
             self._incoming[peer] = _Incoming(header.version, header.stage, count, SpooledCopy(_spool_file(self._spare)))
             self._complete(peer, this_stage)
-            return
+            return None
         got = self._incoming.get(peer)
         if got is None or got.sid != header.version or got.stage != header.stage:
-            return  # the rest of a copy its sender stopped shipping, or began before this stage's setup
+            return None  # the rest of a copy its sender stopped shipping, or began before this stage's setup
         try:
             name, shape_text, offset = header.name.rsplit("|", 2)
             shape = tuple(int(d) for d in shape_text.split(",")) if shape_text else ()
@@ -489,12 +521,14 @@ class StateCopies:
             raise ValueError(f"a snapshot copy from {peer}: tensor {name!r:.80}'s part at {offset} does not follow "
                              f"its {parts.filled} elements of {size}")
         got.spool.write(arr)
+        got.filed += int(arr.nbytes)
         parts.filled += arr.size
         if parts.filled == size:
             got.spool.tensors.append(SpooledTensor(name, shape, parts.dtype, parts.offset))
             got.done.add(name)
             got.filling = None
         self._complete(peer, this_stage)
+        return got.sid, got.stage, got.filed
 
     def _complete(self, peer: str, this_stage: int | None) -> None:
         got = self._incoming[peer]
