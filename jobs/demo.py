@@ -63,8 +63,26 @@ def run_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent
     # one-device run's peak memory, which the table compares the pipeline's devices against.
     from ir.bundle import load_plan
     from jobs.train.from_plan import PlanRunSettings, train_from_plan
+
+    plan_dir, keys = plan_demo(home, model, train, settings, reporter)
+    reporter.note(f"[6/6] training from the plan on {len(load_plan(plan_dir).devices)} local worker processes "
+                  f"({settings.steps} steps)")
+    pipeline = train_from_plan(plan_dir, train, dev, PlanRunSettings(steps=settings.steps, seed=settings.seed,
+                                                                     tokenizer=settings.tokenizer, local=True,
+                                                                     keys=keys),
+                               reporter)
+    return DemoResult(single, pipeline, plan_dir)
+
+
+def plan_demo(home: Path, model: Path, train: Path, settings: TrainingSettings,
+              reporter: Reporter = Silent()) -> tuple[Path, Path]:
+    """Steps 4 and 5 of the demo: profile this device and plan `model` over the demo's three devices
+    (this machine's profile with laptop-, board- and phone-like budgets); the plan's folder and the
+    coordinator's keys folder."""
+    from jobs.common.workers import coordinator_pair
     from jobs.planning import PlanSettings, plan_model
     from jobs.profiling import profile_this_device
+    from runtime.keys import signer
 
     rows_per_micro = settings.batch // DEMO_MICROBATCHES
     reporter.note(f"[4/6] profiling this device at micro-batch {rows_per_micro} x {settings.seq}")
@@ -83,22 +101,13 @@ def run_demo(home: Path, settings: TrainingSettings, reporter: Reporter = Silent
         "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
     plan_dir = home / "plan"
     reporter.note(f"[5/6] planning over {cluster_path} (1f1b-flush, {DEMO_MICROBATCHES} micro-batches)")
-    from jobs.common.workers import coordinator_pair
-    from runtime.keys import signer
-
     keys = home / "keys"  # the coordinator's key signs the bundles and secures the links
     # with the training data: the word embeddings' AdamW state is charged for the rows it looks up
     plan_model(model, cluster_path, PlanSettings("1f1b-flush", settings.batch, settings.seq, DEMO_MICROBATCHES,
                                                  optimizer=settings.optimizer, lr=settings.lr, data=train,
                                                  tokenizer=settings.tokenizer), plan_dir, reporter,
                sign=signer(coordinator_pair(keys, note=reporter.note)))
-    reporter.note(f"[6/6] training from the plan on {len(load_plan(plan_dir).devices)} local worker processes "
-                  f"({settings.steps} steps)")
-    pipeline = train_from_plan(plan_dir, train, dev, PlanRunSettings(steps=settings.steps, seed=settings.seed,
-                                                                     tokenizer=settings.tokenizer, local=True,
-                                                                     keys=keys),
-                               reporter)
-    return DemoResult(single, pipeline, plan_dir)
+    return plan_dir, keys
 
 
 def demo_table(result: DemoResult) -> list[tuple[str, str, str]]:

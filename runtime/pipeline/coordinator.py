@@ -516,10 +516,6 @@ class Coordinator:
             out.append(dense_from_wire(tensors, rows, f"stage {p.stage}'s checkpoint"))
         return out
 
-    # at most this many tensors of a stage's state are asked for at a time (`collect_stages`,
-    # `fetch_held_stages`): the coordinator receives no more than these before it has written the
-    # last ones away
-    HELD_WINDOW = 4
     # at most about this many bytes of optimizer state wait in the transport's queue while a setup
     # sends them (`_send_optimizer_state`: the sender waits for them to leave before reading more)
     SEND_WINDOW = 4 << 20
@@ -528,36 +524,71 @@ class Coordinator:
         """Every stage's parameters and optimizer state as they come off the wire, one stage after
         the other, one tensor at a time: yields (stage, its `rows` declaration for
         `dense_from_wire`, an iterator of (name, tensor) to use up before the next stage). Each
-        stage is asked for `HELD_WINDOW` tensors at a time (`checkpoint` {first, count}), the next
-        window once the last was taken, so whoever writes each tensor away before taking the next
-        holds a few tensors, not the whole model's state nor a stage's in the receive queue (call
-        at a flush boundary)."""
+        stage is asked for one window of its state at a time (`checkpoint` {first, start, bytes}:
+        chunks of at most 1 MiB, `FETCH_WINDOW_BYTES` of them), the next once the last was taken
+        (`_windowed`), so whoever writes each tensor away before taking the next holds one tensor
+        and a window, not the whole model's state nor a stage's in the receive queue (call at a
+        flush boundary)."""
         for p in self.placements:
-            done = self._ask_checkpoint(p.stage, 0)
-            yield p.stage, done.get("rows"), self._checkpoint_tensors(p.stage, done)
+            ask = lambda first, start, stage=p.stage: self._ask_checkpoint(stage, first, start)
+            done = ask(0, 0)
+            yield p.stage, done.get("rows"), self._windowed(stage_peer(p.stage), "ckpt", p.stage, done, ask)
 
-    def _ask_checkpoint(self, stage: int, first: int) -> dict:
+    def _ask_checkpoint(self, stage: int, first: int, start: int) -> dict:
+        from runtime.pipeline.snapshots import FETCH_WINDOW_BYTES
+
         peer = stage_peer(stage)
-        self.transport.send_control(peer, {"type": "checkpoint", "first": first, "count": self.HELD_WINDOW})
-        done = self._await_control(peer, "checkpoint_done")
-        if not isinstance(done.get("names"), list):
-            raise WorkerFailed(f"{peer}'s checkpoint_done names no tensors: {done!r:.120}")
-        return done
+        self.transport.send_control(peer, {"type": "checkpoint", "first": first, "start": start,
+                                           "bytes": FETCH_WINDOW_BYTES})
+        return self._await_control(peer, "checkpoint_done")
 
-    def _checkpoint_tensors(self, stage: int, done: dict):
-        peer, first = stage_peer(stage), 0
+    def _windowed(self, peer: str, kind: str, stage: int, done: dict, ask):
+        """(name, tensor) of a stage's state as its windows come (`runtime.pipeline.snapshots.send_window`):
+        `done` the answer to the first, `ask(first, start)` the next's. A tensor in one chunk is kept
+        as received (read-only, on the receive buffer); a larger one is put together in one array
+        of its own as its chunks come. The answers of `collect_stages` and `fetch_held_stages` are
+        the same."""
+        building = None  # [name, shape, flat array, elements filled] of a tensor that comes in several chunks
         while True:
-            names = done["names"]
-            tensors = [(name, self._await_tensor(peer, Expected(kind="ckpt", stage=stage, microbatch=first + i,
-                                                                name=name)))
-                       for i, name in enumerate(names)]
-            yield from tensors
-            del tensors
-            total = done.get("total")
-            if not isinstance(total, int) or first + len(names) >= total or not names:
+            parts, shapes, names = done.get("parts"), done.get("shapes"), done.get("names")
+            if not (isinstance(parts, list) and isinstance(shapes, dict) and isinstance(names, list)
+                    and len(names) == len(parts)):
+                raise WorkerFailed(f"{peer} sent no window of its state: {done!r:.120}")
+            for part, name in zip(parts, names):
+                try:
+                    index, start, count = (int(x) for x in part)
+                    shape = tuple(int(d) for d in shapes[name])
+                except (TypeError, ValueError, KeyError):
+                    raise WorkerFailed(f"{peer} declared a chunk {part!r:.60} of {name!r:.60} without its place or "
+                                       f"shape") from None
+                arr = self._await_tensor(peer, Expected(kind=kind, stage=stage, microbatch=index, name=name))
+                size = int(np.prod(shape, dtype=np.int64))
+                if building is None and start == 0 and arr.size == count == size:
+                    yield name, arr.reshape(shape)
+                    continue
+                if building is None and start == 0:
+                    building = [name, shape, np.empty(size, arr.dtype), 0]
+                if (building is None or building[0] != name or building[1] != shape or start != building[3]
+                        or arr.size != count or arr.dtype != building[2].dtype or start + count > size):
+                    raise WorkerFailed(f"{peer} sent a chunk of {name!r:.60} at element {start} of {size}, not the "
+                                       f"next of the tensor it was sending")
+                building[2][start:start + count] = arr.reshape(-1)
+                building[3] += count
+                del arr
+                if building[3] == size:
+                    whole, building = building[2].reshape(shape), None
+                    yield name, whole
+                    del whole
+            nxt = done.get("next")
+            if nxt is None:
+                if building is not None:
+                    raise WorkerFailed(f"{peer} stopped sending {building[0]!r:.60} after {building[3]} elements")
                 return
-            first += len(names)
-            done = self._ask_checkpoint(stage, first)
+            try:
+                first, start = (int(x) for x in nxt)
+            except (TypeError, ValueError):
+                raise WorkerFailed(f"{peer} named no next window of its state: {nxt!r:.60}") from None
+            done = ask(first, start)
 
     def snapshot_to_peers(self, keep: Sequence[int], spread_s: float) -> int:
         """Order snapshot `sid` (returned) at this flush boundary: each stage copies its state and
@@ -591,14 +622,15 @@ class Coordinator:
         return out
 
     def fetch_held_stages(self, sid: int, lost: Sequence[int] = ()):
-        """Snapshot `sid` as the workers hold it, one stage after the other, a few tensors at a
-        time: yields (stage, its `rows` declaration for `dense_from_wire`, an iterator of (name,
-        tensor) to use up before the next stage), as `collect_stages` does. Each stage's copy comes
-        from its own worker, a lost stage's (`lost`, already `forget`-ten) from its holder, in
-        windows of `HELD_WINDOW` tensors (`snapshot_send` {sid, of, first, count}), each asked for
-        once the last was taken: whoever writes each tensor away before taking the next holds a
-        few tensors, never the whole state (a worker sending a whole copy at once would fill this
-        process's receive queue with it). Call between steps."""
+        """Snapshot `sid` as the workers hold it, one stage after the other, a tensor at a time:
+        yields (stage, its `rows` declaration for `dense_from_wire`, an iterator of (name, tensor)
+        to use up before the next stage), as `collect_stages` does. Each stage's copy comes from its
+        own worker, a lost stage's (`lost`, already `forget`-ten) from its holder, one window at a
+        time (`snapshot_send` {sid, of, first, start, bytes}: chunks read back from the copy's file,
+        `FETCH_WINDOW_BYTES` of them), each asked for once the last was taken (`_windowed`): the
+        worker holds one window, never a whole copy or a whole large tensor of it, and whoever writes
+        each tensor away before taking the next holds one tensor and a window here. Call between
+        steps."""
         from runtime.pipeline.snapshots import holder_of
 
         lost = set(lost)
@@ -608,40 +640,23 @@ class Coordinator:
                 source = holder_of(p.stage, self.stages)
                 if source is None or source in lost:
                     raise WorkerFailed(f"stage {p.stage}'s snapshot copy was on stage {source}, lost too")
-            first = self._ask_held(source, sid, p.stage, 0)
-            yield p.stage, first.get("rows"), self._held_tensors(source, sid, p.stage, first)
+            ask = lambda first, start, source=source, stage=p.stage: self._ask_held(source, sid, stage, first, start)
+            done = ask(0, 0)
+            yield p.stage, done.get("rows"), self._windowed(stage_peer(source), "held", p.stage, done, ask)
 
-    def _ask_held(self, source: int, sid: int, stage: int, first: int) -> dict:
+    def _ask_held(self, source: int, sid: int, stage: int, first: int, start: int) -> dict:
+        from runtime.pipeline.snapshots import FETCH_WINDOW_BYTES
+
         peer = stage_peer(source)
         self.transport.send_control(peer, {"type": "snapshot_send", "sid": sid, "of": [stage], "first": first,
-                                           "count": self.HELD_WINDOW})
-        # its tensors come before it on the same connection: all are here once it is
+                                           "start": start, "bytes": FETCH_WINDOW_BYTES})
+        # its chunks come before it on the same connection: all are here once it is
         done = self._await_control(peer, "held_done")
         if done.get("of") != stage or done.get("sid") != sid:
             raise WorkerFailed(f"expected snapshot {sid} of stage {stage} from {peer}, got {done!r:.120}")
-        names = [] if done.get("missing") else done.get("names")
-        if not isinstance(names, list):
-            raise WorkerFailed(f"{peer}'s held_done names no tensors: {done!r:.120}")
+        if done.get("missing"):
+            raise WorkerFailed(f"stage {source} does not hold snapshot {sid} of stage {stage}")
         return done
-
-    def _held_tensors(self, source: int, sid: int, stage: int, done: dict):
-        peer = stage_peer(source)
-        first = 0
-        while True:
-            names = done.get("names") or []
-            tensors = [(name, self._await_tensor(peer, Expected(kind="held", stage=stage, microbatch=first + i,
-                                                                name=name)))
-                       for i, name in enumerate(names)]
-            if done.get("missing"):
-                raise WorkerFailed(f"stage {source} does not hold snapshot {sid} of stage {stage}")
-            yield from tensors
-            del tensors
-            total = done.get("total")
-            # a worker that sends the whole copy at once names no total: it is all here
-            if not isinstance(total, int) or first + len(names) >= total or not names:
-                return
-            first += len(names)
-            done = self._ask_held(source, sid, stage, first)
 
     def gather(self) -> TrainingState:
         """The whole training state, merged from every stage (call at a flush boundary): what a

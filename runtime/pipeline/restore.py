@@ -7,7 +7,7 @@ written from the weights training has reached, and from the optimizer state of i
 (runtime.pipeline.coordinator.reconfigure). The weights must be at hand to write the bundles; the
 optimizer state (AdamW's two moments: twice the weights) is only passed on, one stage's at a
 time, one tensor at a time. So the state comes off the wire (`Coordinator.fetch_held_stages`, a
-few tensors at a time) into a `TrainingState` whose weights and scalars are in memory and whose
+window of 1 MiB chunks at a time, a larger tensor put together as they come) into a `TrainingState` whose weights and scalars are in memory and whose
 optimizer entries are `SpooledTensor`s: written to a folder of this run as they arrive and read
 back one at a time when a setup sends them (`np.asarray` reads one). The coordinator's fallback
 copy (`FallbackCopies`' spool) is read the same way, its files read back only as each tensor is

@@ -29,8 +29,9 @@ once the previous one is confirmed, and then tells the workers to drop the older
 snapshots, and while one is shipped two of its own, one of its neighbour's and the part received.
 After a loss, the coordinator restores from the newest snapshot whose lost stages' replicas were
 confirmed (`PeerSnapshots.restorable`), fetching each stage's state from its own worker or, for a
-lost one, from its holder (`snapshot_send`: read back from the file a few tensors at a time, the
-optimizer state spooled to the coordinator's disk as it arrives: runtime.pipeline.restore); the
+lost one, from its holder (`snapshot_send`: read back from the file a window of 1 MiB chunks at a
+time, `send_window`, the optimizer state spooled to the coordinator's disk as it arrives:
+runtime.pipeline.restore); the
 replay from it is exact as from any copy: the data order is a function of the step.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ import numpy as np
 
 from ir.safetensors import load_safetensors
 from runtime.procfs import threads_cpu_s
-from runtime.pipeline.checkpoints import (ROW_IDS, ROW_VALUES, TrainingState, dense_from_wire, merge_checkpoint,
+from runtime.pipeline.checkpoints import (ROW_IDS, TrainingState, dense_from_wire, merge_checkpoint,
                                           read_meta, rows_on_wire)
 from runtime.transport.wire import DTYPES, MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_KIND, wire_dtype
 
@@ -60,16 +61,32 @@ from runtime.transport.wire import DTYPES, MAX_PAYLOAD_BYTES, PART_BYTES, SIDE_K
 CHUNK_BYTES = PART_BYTES
 _BEGIN = "#begin"  # a copy's first message: its index (`copy_index`)
 _BYTES = "#bytes"  # a chunk of a copy's bytes: "#bytes|OFFSET"
+# The holder's word to the sender of a copy: how many of its bytes it has filed so far.
+_FILED = "#filed"
 # buffers per `pwritev` (the system's limit, 1024 on Linux)
 _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
 # At most this many chunks are sent per `StateCopies.pump` call (between two actions of a step): a
 # step's tensor to the same neighbour waits behind at most these (~4 MiB, a few ms of CURVE).
 PUMP_CHUNKS = 4
+# At most this many bytes of a copy are on their way unfiled (sent, not yet filed by the holder,
+# which says so: `_FILED`): nothing else paces the shipping to the link or to the holder, whose
+# receive queue took what arrived while it computed (the demo under load: 28-48 MiB over plan).
+# In bytes, not chunks: a small tensor is a chunk of its own, and a copy of many small ones (a
+# tiny model's, LoRA's) would wait on its holder's actions for nothing.
+CREDIT_BYTES = PUMP_CHUNKS * CHUNK_BYTES
 # Files of dropped copies kept to be written again: the next own copy's and the next replica's.
 _SPARE_FILES = 2
-# What a worker holds of the copies in memory while training: the chunks it sent that its link has
-# not sent yet and those it received and has not filed yet (filed between the step's actions).
+# What a worker holds of the copies in memory while training: the chunks it sent that its holder
+# has not filed yet and those it received and has not filed yet (filed between the step's actions),
+# `CREDIT_BYTES` per copy on its way (its own, and up to two it holds), with room to spare.
 SPOOL_WORKING_BYTES = 4 * PUMP_CHUNKS * CHUNK_BYTES
+# What a worker sends the coordinator per request when it is asked for its state a window at a time
+# (after a loss, `snapshot_send`; a checkpoint or the coordinator's copy, `checkpoint`): chunks of
+# at most `CHUNK_BYTES` (one frame each, kept as received), at most this many bytes of them, read
+# into buffers of their own (a held copy) or views of the stage's own arrays (`send_window`). A
+# window of whole tensors is not bounded: MiniLM's word embeddings and their two AdamW moments are
+# 3 x 45 MiB.
+FETCH_WINDOW_BYTES = 4 * CHUNK_BYTES
 
 
 def holder_of(stage: int, stages: int) -> int | None:
@@ -82,18 +99,77 @@ def holder_of(stage: int, stages: int) -> int | None:
 
 def peer_snapshot_bytes(state_bytes: Sequence[int]) -> list[int]:
     """What holding the snapshots on the workers adds to each stage's memory at its peak, given each
-    stage's training state in bytes (trainable parameters and optimizer state). The copies lie in
-    files (`SpooledCopy`): while training, a worker holds only the chunks on their way
-    (`SPOOL_WORKING_BYTES`); after a loss it reads its own copy and those it holds back tensor by
-    tensor for the coordinator, and its link queues them until they are out (on a slow link, all of
-    them), so the charge is the larger of the two."""
-    stages = len(state_bytes)
-    if stages < 2:
-        return [0] * stages
-    sent = list(state_bytes)
-    for k, b in enumerate(state_bytes):
-        sent[holder_of(k, stages)] += b
-    return [max(SPOOL_WORKING_BYTES, b) for b in sent]
+    stage's training state in bytes (trainable parameters and optimizer state; a lone stage, which
+    has no neighbour to hold its copy, is charged nothing). The copies lie in files (`SpooledCopy`),
+    so the charge does not grow with the state:
+    - while training, a worker holds the chunks on their way (`SPOOL_WORKING_BYTES`): at most
+      `CREDIT_BYTES` of its own copy beyond what its holder said it filed, and as many of each
+      copy it holds (a holder files between its actions; before that pacing, its receive queue took
+      what arrived while it computed: the demo's workers peaked 28-48 MiB over their plan);
+    - after a loss it reads its own copy and those it holds back for the coordinator a window at a
+      time (`send_window`: at most `FETCH_WINDOW_BYTES` in chunks of `CHUNK_BYTES`, let go by its
+      transport (`wait_sent`) before it answers, the next asked for once that answer arrived).
+    The two do not overlap: the abort that begins a recovery stops the shipping, and the chunks
+    received before the neighbours' fences are filed before a window is read. (Before both, a
+    worker was charged its own copy and every copy it holds: the demo's phone 96 MiB, which kept
+    its snapshots on the coordinator.)"""
+    return [max(SPOOL_WORKING_BYTES, FETCH_WINDOW_BYTES) if len(state_bytes) > 1 else 0 for _ in state_bytes]
+
+
+@dataclass(frozen=True)
+class WindowEntry:
+    """One tensor of a state sent a window at a time: `part(a, b)` gives its flat elements [a, b)
+    (a view of the stage's own array, or read from a copy's file into a buffer of its own)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    part: Callable[[int, int], np.ndarray]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @classmethod
+    def of_array(cls, name: str, arr: np.ndarray) -> "WindowEntry":
+        arr = np.asarray(arr)
+        # a C-contiguous array (the engines' own) is sent as views of its buffer, no copy
+        return cls(name, tuple(int(d) for d in arr.shape), arr.dtype,
+                   lambda a, b: np.asarray(arr, order="C").reshape(-1)[a:b])
+
+    @classmethod
+    def of_spooled(cls, copy: "SpooledCopy", entry: "SpooledTensor") -> "WindowEntry":
+        return cls(entry.name, entry.shape, np.dtype(entry.dtype), lambda a, b: copy.read(entry, a, b))
+
+
+def send_window(transport, peer: str, kind: str, stage: int, entries: Sequence[WindowEntry], first: int, start: int,
+                budget: int) -> dict:
+    """Send `peer` the part of `entries` from element `start` of tensor `first` on: chunks of at most
+    `CHUNK_BYTES`, as many as fit in `budget` bytes (one at least), each a flat `kind` tensor named
+    as its tensor, with the tensor's index as its micro-batch. Returns what the answer that follows
+    them says of them (`Coordinator._windowed` reads it): `parts` ([index, start, count] each, in
+    the order sent), the `shapes` of their tensors, `names`, `total` and `next` ([index, start] of
+    the next window; None: the last was sent). The chunks are let go by the transport
+    (`wait_sent`) before this returns: a worker holds one window of its state at most."""
+    if not (0 <= first <= len(entries) and (first == len(entries) or 0 <= start <= max(entries[first].size - 1, 0))):
+        raise ValueError(f"a window of {len(entries)} tensors cannot start at tensor {first}, element {start}")
+    parts, shapes, sent = [], {}, 0
+    i, a = first, start
+    while i < len(entries):
+        e = entries[i]
+        b = min(e.size, a + max(1, CHUNK_BYTES // e.dtype.itemsize))
+        nbytes = (b - a) * e.dtype.itemsize
+        if parts and sent + nbytes > budget:
+            break
+        transport.send_tensor(peer, kind, stage, i, e.part(a, b), name=e.name)
+        parts.append([i, a, b - a])
+        shapes[e.name] = list(e.shape)
+        sent += nbytes
+        i, a = (i + 1, 0) if b >= e.size else (i, b)
+    transport.wait_sent(peer)
+    return {"first": first, "start": start, "parts": parts, "shapes": shapes,
+            "names": [entries[k].name for k, _, _ in parts], "total": len(entries),
+            "next": [i, a] if i < len(entries) else None}
 
 
 def state_tensors(executor) -> list[tuple[str, np.ndarray]]:
@@ -274,6 +350,9 @@ def _spool_file(spare: list):
     return spare.pop() if spare else tempfile.TemporaryFile(prefix="confidant-copy-")
 
 
+_CREDIT_POLL_S = 0.005
+
+
 @dataclass
 class _Incoming:
     """A neighbour's copy as its bytes arrive: its index (from its "#begin"), appended to a file of
@@ -284,6 +363,7 @@ class _Incoming:
     tensors: list[SpooledTensor]
     total: int
     spool: SpooledCopy
+    filed: int = 0  # bytes filed
 
 
 def _io_cpu_s() -> float:
@@ -303,6 +383,8 @@ class _Shipment:
         self.spread_s = spread_s
         self.start = time.monotonic()
         self.sent = 0
+        self.sent_bytes = 0
+        self.filed = 0  # bytes the holder said it filed (`_FILED`)
         self.begun = False
 
     def due(self, now: float) -> int:
@@ -411,12 +493,15 @@ class StateCopies:
                                            name=_BEGIN)
                 ship.begun = True
             due = ship.due(time.monotonic())
+            if ship.sent < due and ship.sent_bytes - ship.filed >= CREDIT_BYTES:
+                self.take_in([ship.holder], ship.stage)  # its word on what it filed, and its own copy's chunks
             sent = 0
-            while ship.sent < due and sent < PUMP_CHUNKS:
+            while ship.sent < due and sent < PUMP_CHUNKS and ship.sent_bytes - ship.filed < CREDIT_BYTES:
                 a, b = ship.chunks[ship.sent]
                 self.transport.send_tensor(ship.holder, SIDE_KIND, ship.stage, ship.sent + 1,
                                            ship.copy.read_bytes(a, b), version=ship.sid, name=f"{_BYTES}|{a}")
                 ship.sent += 1
+                ship.sent_bytes += b - a
                 sent += 1
         except Exception:  # the holder or this transport went away: the coordinator's acks tell
             self._shipment = None
@@ -429,6 +514,8 @@ class StateCopies:
         if ship.sent >= len(ship.chunks):
             self._shipment = None
             return None
+        if ship.sent_bytes - ship.filed >= CREDIT_BYTES:
+            return _CREDIT_POLL_S  # the holder has not filed what is on its way: ask again soon
         return max(0.0, ship.next_at() - time.monotonic())
 
     def stop(self) -> None:
@@ -453,39 +540,55 @@ class StateCopies:
     def take_in(self, peers: Sequence[str], this_stage: int | None) -> None:
         """File what neighbours' senders delivered so far (no waiting); a copy completed is a
         replica held, and the coordinator hears so."""
-        start, filed = time.thread_time(), 0
+        start, looked = time.thread_time(), False
         for peer in peers:
+            filed = None
             while True:
                 got = self.transport.recv_side(peer)
                 if got is None:
                     break
                 header, arr = got
-                self._file(peer, header, arr, this_stage)
-                filed += 1
-        if not filed:  # a look that found nothing: the worker looks as often with no snapshots at all
+                filed = self._file(peer, header, arr, this_stage) or filed
+                looked = True
+            if filed is not None:  # the sender may send as many more bytes (`CREDIT_BYTES`)
+                try:
+                    self.transport.send_tensor(peer, SIDE_KIND, filed[1], 0, np.array([filed[2]], np.int64),
+                                               version=filed[0], name=_FILED)
+                except Exception:  # the sender went away: the coordinator hears of it
+                    pass
+        if not looked:  # a look that found nothing: the worker looks as often with no snapshots at all
             return
         with self._lock:
             self.cpu_s += time.thread_time() - start
             self.cpu_parts["file"] += time.thread_time() - start
 
-    def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> None:
+    def _file(self, peer: str, header, arr: np.ndarray, this_stage: int | None) -> tuple[int, int, int] | None:
+        """File one side-lane message from `peer`; (sid, stage, bytes filed) of its copy when it was
+        a chunk of one, for the word back to the sender."""
+        if header.name == _FILED:
+            ship = self._shipment
+            if ship is not None and ship.holder == peer and ship.sid == header.version and arr.size == 1:
+                ship.filed = max(ship.filed, int(arr.reshape(-1)[0]))
+            return None
         if header.name == _BEGIN:
             tensors, total = parse_copy_index(arr, f"a snapshot copy from {peer}")
             self.forget_from(peer)  # a copy it stopped sending half-way: its file is written again
             self._incoming[peer] = _Incoming(header.version, header.stage, tensors, total,
                                              SpooledCopy(_spool_file(self._spare)))
             self._complete(peer, this_stage)
-            return
+            return None
         got = self._incoming.get(peer)
         if got is None or got.sid != header.version or got.stage != header.stage:
-            return  # the rest of a copy its sender stopped shipping, or began before this stage's setup
+            return None  # the rest of a copy its sender stopped shipping, or began before this stage's setup
         tag, _, offset = header.name.partition("|")
         if tag != _BYTES or not offset.isdigit() or int(offset) != got.spool.end or arr.dtype != np.uint8 \
                 or got.spool.end + arr.size > got.total:
             raise ValueError(f"a snapshot copy from {peer}: part {header.name!r:.80} of {arr.size} bytes ({arr.dtype}) "
                              f"does not follow its {got.spool.end} bytes of {got.total}")
         got.spool.write(arr)
+        got.filed += int(arr.nbytes)
         self._complete(peer, this_stage)
+        return got.sid, got.stage, got.filed
 
     def _complete(self, peer: str, this_stage: int | None) -> None:
         got = self._incoming[peer]

@@ -10,18 +10,21 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          runs its bundle's actions (for `steps` steps without a flush, an
                          asynchronous schedule's steady state unrolled); no action comes at run time
   worker -> coordinator  "loss" tensors (last stage), then done {stats, version, rss}
-  coordinator -> worker  checkpoint {first, count}  ->  worker sends "ckpt" tensors (with first and count:
-                         only those), then checkpoint_done {names, first, total, rows, state_bytes}
+  coordinator -> worker  checkpoint  ->  worker sends "ckpt" tensors, then checkpoint_done {names, total,
+                         rows, state_bytes}; with {first, start, bytes}: one window of them, chunks of
+                         at most 1 MiB from element start of tensor first, at most `bytes` bytes (and at
+                         most snapshots.FETCH_WINDOW_BYTES), the answer adding {parts, shapes, next}
   coordinator -> worker  snapshot {sid, holder, keep, spread_s}: copy the stage's state now and ship
                          it to the holder stage while the next step runs (runtime.pipeline.snapshots);
                          no answer (the coordinator does not wait); the holder, once it has the whole
                          copy, sends replica_held {stage, of, sid}
   coordinator -> worker  snapshot_keep {keep: [sids]}: drop every other snapshot copy (a newer one is
                          confirmed)
-  coordinator -> worker  snapshot_send {sid, of: [stages], first, count} (after a loss): send the copies
-                         of snapshot sid of those stages (its own, or replicas held) as "held"
-                         tensors (with first and count: only those of each copy), each followed by
-                         held_done {of, sid, first, total, names, rows} (or {of, sid, missing: true})
+  coordinator -> worker  snapshot_send {sid, of: [stages], first, start, bytes} (after a loss): send one
+                         window of the copies of snapshot sid of those stages (its own, or replicas
+                         held) as "held" chunks, as checkpoint does, each copy's followed by held_done
+                         {of, sid, first, start, parts, shapes, names, total, next, rows} (or {of, sid,
+                         missing: true})
   coordinator -> worker  setup_bundle again (re-planning, at a flush boundary): the old stage is
                          dropped and the new one built from the new plan's bundle; the peers in
                          it replace the old neighbours
@@ -72,7 +75,8 @@ import numpy as np
 
 from ir.plan import unroll
 from runtime.engines.factory import make_engine
-from runtime.pipeline.snapshots import StateCopies, row_shapes, state_tensors
+from runtime.pipeline.snapshots import (FETCH_WINDOW_BYTES, StateCopies, WindowEntry, row_shapes, send_window,
+                                         state_tensors)
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
@@ -359,9 +363,10 @@ class Worker:
                 raise PeerTimeout(sorted(waiting)[0], None, "a fence after an abort", self.timeout)
         self.transport.send_control(COORDINATOR, {"type": "aborted", "stage": self.stage, "step": msg.get("step")})
 
-    def checkpoint(self, optimizer: bool = True, first: int = 0, count: int | None = None) -> None:
-        """Send the coordinator this stage's state (with `first` and `count`, only those tensors of
-        it: the coordinator spooling a copy asks for a few at a time, `Coordinator.collect_stages`)."""
+    def checkpoint(self, optimizer: bool = True, window: tuple[int, int, int] | None = None) -> None:
+        """Send the coordinator this stage's state: whole, tensor by tensor, or with `window` (first
+        tensor, its first element, bytes) one window of it in chunks (`send_window`: the coordinator
+        spooling a copy asks for one at a time, `Coordinator.collect_stages`)."""
         self._need_stage("checkpoint")
         # the engine's and optimizer's own arrays, no copies: the coordinator has them all before it
         # sends the next step, and a table's state goes as its rows (no dense copy built to send)
@@ -369,12 +374,17 @@ class Worker:
         state_bytes = sum(int(arr.nbytes) for _, arr in tensors)
         if not optimizer:  # the run's final weights: the moments would only be dropped on arrival
             tensors = [(name, arr) for name, arr in tensors if name.startswith("param/")]
-        part = tensors[first:] if count is None else tensors[first:first + count]
-        for i, (name, arr) in enumerate(part):
-            self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, first + i, np.asarray(arr, order="C"), name=name)
-        self.transport.send_control(COORDINATOR, {"type": "checkpoint_done", "stage": self.stage, "first": first,
-                                                  "total": len(tensors), "names": [name for name, _ in part],
-                                                  "rows": row_shapes(tensors), "state_bytes": state_bytes})
+        done = {"type": "checkpoint_done", "stage": self.stage, "rows": row_shapes(tensors), "state_bytes": state_bytes}
+        if window is None:
+            for i, (name, arr) in enumerate(tensors):
+                self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, i, np.asarray(arr, order="C"), name=name)
+            done.update(first=0, total=len(tensors), names=[name for name, _ in tensors])
+        else:
+            first, start, budget = window
+            done.update(send_window(self.transport, COORDINATOR, "ckpt", self.stage,
+                                    [WindowEntry.of_array(name, arr) for name, arr in tensors], first, start,
+                                    min(budget, FETCH_WINDOW_BYTES)))
+        self.transport.send_control(COORDINATOR, done)
 
     def snapshot(self, msg: dict) -> None:
         """Copy this stage's state for snapshot `sid` and ship it to its holder while the next step
@@ -389,29 +399,27 @@ class Worker:
         self.copies.take(sid, self.stage, lambda: state_tensors(self.executor), holder, keep, float(spread))
 
     def snapshot_send(self, msg: dict) -> None:
-        """Send the coordinator the copies of snapshot `sid` of the stages `of` (after a loss); with
-        `first` and `count`, only those tensors of each copy (the coordinator asks for a few at a
-        time, so that it never holds a whole copy: Coordinator.fetch_held_stages)."""
-        sid, of = msg.get("sid"), msg.get("of")
-        first, count = msg.get("first", 0), msg.get("count")
+        """Send the coordinator one window of the copies of snapshot `sid` of the stages `of` (after a
+        loss): from element `start` of tensor `first` of each, at most `bytes` bytes (and at most
+        `FETCH_WINDOW_BYTES`), read back from the copy's file a chunk at a time (`send_window`), so
+        neither this worker nor the coordinator ever holds a whole copy, nor a whole large tensor
+        of one (Coordinator.fetch_held_stages)."""
+        sid, of, first, start, budget = (msg.get(k) for k in ("sid", "of", "first", "start", "bytes"))
         if not (isinstance(sid, int) and isinstance(of, list) and all(isinstance(k, int) for k in of)
-                and isinstance(first, int) and first >= 0 and (count is None or isinstance(count, int) and count > 0)):
-            raise ValueError(f"snapshot_send: expected sid, of [stages] and optionally first and count, got {msg!r:.120}")
-        self._take_in_copies()
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (first, start, budget))
+                and budget > 0):
+            raise ValueError(f"snapshot_send: expected sid, of [stages], first, start and bytes, got {msg!r:.120}")
+        self._take_in_copies()  # the chunks that arrived before the neighbours' fences: filed, not held
         for k in of:
             copy = self.copies.spooled(k, self.stage, sid)
             if copy is None:
                 self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "missing": True})
                 continue
-            # only the window asked for, read from the copy's file tensor by tensor: the whole copy is
-            # never in this worker's memory (nor in the coordinator's: it asks for a few at a time)
-            entries = copy.tensors
-            part = entries[first:] if count is None else entries[first:first + count]
-            for i, entry in enumerate(part):
-                self.transport.send_tensor(COORDINATOR, "held", k, first + i, copy.read(entry), name=entry.name)
-            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "first": first,
-                                                      "total": len(entries), "names": [e.name for e in part],
-                                                      "rows": row_shapes([(e.name, e) for e in entries])})
+            sent = send_window(self.transport, COORDINATOR, "held", k,
+                               [WindowEntry.of_spooled(copy, e) for e in copy.tensors], first, start,
+                               min(budget, FETCH_WINDOW_BYTES))
+            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, **sent,
+                                                      "rows": row_shapes([(e.name, e) for e in copy.tensors])})
 
     def _between(self) -> float | None:
         """Between a step's actions and while it waits: ship what is due of this stage's snapshot copy,
@@ -531,11 +539,11 @@ class Worker:
             self.run(msg)
         elif kind == "checkpoint":
             kwargs = {"optimizer": False} if msg.get("optimizer") is False else {}  # the run's final weights
-            if "first" in msg or "count" in msg:  # a window of it (Coordinator.collect_stages)
-                first, count = msg.get("first", 0), msg.get("count")
-                if not (isinstance(first, int) and first >= 0 and (count is None or isinstance(count, int) and count > 0)):
-                    raise ValueError(f"checkpoint: first and count must be whole numbers, got {msg!r:.120}")
-                kwargs.update(first=first, count=count)
+            if "first" in msg or "bytes" in msg:  # a window of it (Coordinator.collect_stages)
+                window = tuple(msg.get(k) for k in ("first", "start", "bytes"))
+                if not (all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in window) and window[2] > 0):
+                    raise ValueError(f"checkpoint: first, start and bytes must be whole numbers, got {msg!r:.120}")
+                kwargs.update(window=window)
             self.checkpoint(**kwargs)
         elif kind == "snapshot":
             self.snapshot(msg)

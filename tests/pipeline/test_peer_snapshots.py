@@ -292,14 +292,18 @@ def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(grap
 
 
 def test_what_peer_snapshots_add_to_each_device_by_hand():
-    """The copies lie in files: while training a worker holds a few chunks of them; after a loss it
-    sends the coordinator its own copy and those it holds (stage 1 holds stage 0's; the last stage's
-    copy goes to the one before it), which its link may queue whole."""
-    from runtime.pipeline.snapshots import SPOOL_WORKING_BYTES, peer_snapshot_bytes
+    """The copies lie in files: while training a worker holds a few chunks of them (the shipping is
+    paced by what the holder filed); after a loss it sends the coordinator its own copy and those it
+    holds one window of chunks at a time. So the charge is the larger of the two, whatever the
+    state's size."""
+    from runtime.pipeline.snapshots import CREDIT_BYTES, FETCH_WINDOW_BYTES, SPOOL_WORKING_BYTES, peer_snapshot_bytes
 
     MiB = 2 ** 20
-    assert peer_snapshot_bytes([10 * MiB, 20 * MiB, 30 * MiB]) == [SPOOL_WORKING_BYTES, 60 * MiB, 50 * MiB]
-    assert peer_snapshot_bytes([10, 20]) == [SPOOL_WORKING_BYTES] * 2  # the chunks on their way
+    working = max(SPOOL_WORKING_BYTES, FETCH_WINDOW_BYTES)
+    assert 3 * CREDIT_BYTES <= SPOOL_WORKING_BYTES <= 16 * MiB  # its own copy's and two held
+    assert peer_snapshot_bytes([10 * MiB, 20 * MiB, 30 * MiB]) == [working] * 3
+    assert peer_snapshot_bytes([10, 20]) == [working] * 2
+    assert peer_snapshot_bytes([300 * MiB, 300 * MiB]) == [working] * 2  # not the copies themselves
     assert peer_snapshot_bytes([10]) == [0]  # a lone stage has no neighbour: nothing is shipped
 
 
@@ -316,8 +320,12 @@ def test_a_plan_without_room_for_the_copies_keeps_its_snapshots_on_the_coordinat
                            memory_terms={"trainable": 10 * MiB, "optimizer state": 20 * MiB})
                 for k, name in enumerate(("phone", "laptop"))]
 
-    # each sends the coordinator its own 30 and the other's 30 after a loss: 100 + 60 MiB
-    assert state_place(devices(160)) == ("peers", None)
-    place, why = state_place(devices(159))
+    # the copies' working bytes (the chunks on their way, or a window of them) beside the plan's 100 MiB
+    from runtime.pipeline.snapshots import peer_snapshot_bytes
+
+    extra = peer_snapshot_bytes([30 * MiB, 30 * MiB])[0]
+    assert extra % MiB == 0 and 0 < extra < 30 * MiB
+    assert state_place(devices(100 + extra // MiB)) == ("peers", None)
+    place, why = state_place(devices(100 + extra // MiB - 1))
     assert place == "coordinator"
-    assert "60 MiB on phone" in why and "159 MiB budget" in why
+    assert f"{extra // MiB} MiB on phone" in why and f"{100 + extra // MiB - 1} MiB budget" in why
