@@ -701,6 +701,46 @@ class TorchStageEngine(StageEngine):
         # a deferred weight no projection of this micro-batch reached still gets its zero gradient
         return {k: (grads[k] if k in grads else torch.zeros_like(w)).numpy() for k, w in weights.items()}
 
+    def backward_weight_into(self, microbatch: int, into: dict) -> None:
+        """W one parameter at a time: each weight's (and bias's) gradient summed over its projections
+        in `_weight_grads`' order and added into `into` once its last projection is done, each
+        projection's (x, dy) let go once read. So a W holds one weight's gradient beside the sum,
+        never the micro-batch's whole set (+27 MiB on MiniLM's stage 0), and the sum is bit for bit
+        `backward_weight`'s then `accumulate`'s."""
+        if microbatch not in self._pending:
+            return
+        sink, weights = self._pending.pop(microbatch)
+        left: dict[str, int] = {}
+        for item in sink:
+            for name in (item.weight, item.bias):
+                if name is not None:
+                    left[name] = left.get(name, 0) + 1
+        partial: dict[str, torch.Tensor] = {}
+
+        def add(name: str, g: torch.Tensor) -> None:
+            acc = partial.get(name)
+            if acc is None:
+                partial[name] = g
+            else:
+                acc += g
+            left[name] -= 1
+            if not left[name]:
+                accumulate(into, {name: partial.pop(name).numpy()})
+
+        with torch.no_grad():
+            for k in range(len(sink)):
+                item, sink[k] = sink[k], None  # its (x, dy) go once both products have read them
+                x = item.x.reshape(-1, item.x.shape[-1])
+                gy = item.grad_y.reshape(-1, item.grad_y.shape[-1])
+                add(item.weight, (gy.t() @ x if item.transposed else x.t() @ gy).reshape(weights[item.weight].shape))
+                if item.bias is not None:
+                    add(item.bias, gy.sum(0))
+                del item, x, gy
+            # a deferred weight no projection of this micro-batch reached still gets its zero gradient
+            for k, w in weights.items():
+                if k not in left:
+                    accumulate(into, {k: torch.zeros_like(w).numpy()})
+
     def parameters(self):
         return {k: v.detach().numpy().copy() for k, v in self._params.items()}
 
