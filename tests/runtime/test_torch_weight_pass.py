@@ -110,3 +110,31 @@ def test_a_w_into_the_sum_is_bit_for_bit_w_then_accumulate(graph, first):
         a = a.dense() if hasattr(a, "dense") else a
         b = b.dense() if hasattr(b, "dense") else b
         np.testing.assert_array_equal(b, a, err_msg=k)
+
+
+@pytest.mark.slow  # two worker processes with torch (~20-40 s here); twin on threads in tests/pipeline/test_zero_bubble.py
+def test_a_zb_h1_pipeline_of_torch_worker_processes_equals_single_device_training(graph):
+    """zb-h1 over real ZeroMQ sockets between two torch worker processes, every W summed into the
+    running sum in place: the losses and weights of single-device training on the same engine."""
+    pytest.importorskip("torch")
+    from jobs.train.pipeline import LocalWorkers, train_pipeline
+    from runtime.engines.pytorch import TorchStageEngine
+    from runtime.pipeline.coordinator import PipelineConfig
+    from support import single_device_training, synthetic_batch
+
+    batches = [synthetic_batch(i) for i in range(2)]
+    config = PipelineConfig(schedule="zb-h1", microbatches=2, optimizer="adamw", lr=1e-3, timeout_s=120,
+                            engine="torch")
+    workers = LocalWorkers.start(2, threads=1)
+    try:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, 2, keys=workers.keys)
+    finally:
+        assert workers.wait(30.0) == [0, 0]
+    assert all(d["seconds"].get("W", 0) > 0 for d in result.stage_reports[-1])  # W ran on both workers
+    losses, weights = single_device_training(graph, batches, 2, engine=TorchStageEngine(
+        stage_spec(graph, 0, len(graph.blocks) - 1)))
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    for k, want in weights.items():
+        # a bias whose true gradient is 0 gets float32 noise that AdamW scales to lr-sized steps
+        bound = 2 * 1e-3 * 2 if k.endswith("attention.self.key.bias") else 1e-5 * max(1.0, float(np.abs(want).max()))
+        assert float(np.abs(result.weights[k] - want).max()) <= bound, k
