@@ -258,7 +258,7 @@ class StageExecutor:
             if not self.engine.split_backward:
                 raise RuntimeError(f"stage {self.stage}: {action} in a plan the executor was not prepared for "
                                    f"(StageExecutor.prepare must see the actions before the first forward)")
-            self._accumulate(self.engine.backward_weight(m))
+            self.engine.backward_weight_into(m, self.grad_sum)
             self.backwards_since_update += 1
         elif kind is ActionKind.SEND_GRAD:
             self.transport.send_tensor(stage_peer(action.peer), "grad", self.stage, m, self._grads_out.pop(m))
