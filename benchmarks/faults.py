@@ -206,11 +206,12 @@ def main(argv=None) -> int:
         from benchmarks.lora import LM_BATCH, LM_SEQ, _lm_feeds, _lm_graph
 
         args.batch, args.seq = LM_BATCH, LM_SEQ
-        graph = _lm_graph(smollm2_model(), LM_BATCH // M, args.lora)
+        # mapped, as train-pipeline's coordinator loads it (jobs.train.pipeline_tasks)
+        graph = _lm_graph(smollm2_model(), LM_BATCH // M, args.lora, mapped=True)
         feeds = _lm_feeds(smollm2_model())
         feeds_of_step = lambda k: feeds  # noqa: E731 (one batch every step: the timing, not the learning)
     else:
-        graph = load_model(default_model(), args.batch // M, args.seq)
+        graph = load_model(default_model(), args.batch // M, args.seq, mapped=True)
         batches = make_batches(args.steps + 1, batch=args.batch, seq=args.seq)
     rows: dict[str, list[dict]] = {}
     for p in range(args.passes):

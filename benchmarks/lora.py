@@ -140,11 +140,11 @@ def _lm_lora(rank: int):
     return LoraSettings(rank, ALPHA, targets=("q", "k", "v", "o"), train_also=(), seed=0)
 
 
-def _lm_graph(model: Path, rows: int, rank: int | None):
+def _lm_graph(model: Path, rows: int, rank: int | None, mapped: bool = False):
     from jobs.common.lora import adapted
     from planner.onnx_import import load_model
 
-    return adapted(load_model(model, rows, LM_SEQ, loss="causal-lm"), _lm_lora(rank) if rank else None)
+    return adapted(load_model(model, rows, LM_SEQ, loss="causal-lm", mapped=mapped), _lm_lora(rank) if rank else None)
 
 
 def _lm_feeds(model: Path):

@@ -38,6 +38,7 @@ from ir.versioned import check_header
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
 from planner.cost import stage_memory_terms
+from planner.onnx_weights import drop_mapped_pages
 
 __all__ = ["CONFIG_DEFAULTS", "EmittedPlan", "emit_in_memory", "emit_plan", "load_plan", "load_plan_cluster", "cluster_to_json", "cluster_from_json"]
 
@@ -265,6 +266,10 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
     plan_id = plan_identity({"model": cfg["model"], "graph": graph.name, "stages": [d.to_json() for d in stage_docs],
                              "actions": [[str(a) for a in row] for row in schedule.actions]},
                             stored_constants(graph.constants))
+    # weights mapped from the model file (planner.onnx_weights.map_raw) are resident only while read:
+    # given back after the hash and after each stage's bundle, so emitting holds the bundles' bytes
+    # and one stage's weights, not the model's weights besides (issue 32)
+    drop_mapped_pages(graph.constants.values())
     bundles, contents = {}, {}
     for s, (assignment, stage_doc) in enumerate(zip(partition.stages, stage_docs)):
         part = slice_graph(graph, assignment.first_block, assignment.last_block)
@@ -276,6 +281,7 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
         # parsed as views onto the bytes just built (held together until shipped): not a second copy
         contents[device] = verify_bundle_files(files, where, copy=False)
         bundles[device] = files
+        drop_mapped_pages(part.constants.values())
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]
         entries.append(DevicePlan(
@@ -296,6 +302,7 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
     if base:
         base_data = encode_safetensors(base)
         base_sha256 = sha256_hex(base_data)
+        drop_mapped_pages(base.values())
     plan = PlanDocument(cfg["model"], schedule.name, schedule.microbatches, schedule.update_every,
                         schedule.stash_depth, graph.batch, graph.seq, tuple(b.name for b in graph.blocks),
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,

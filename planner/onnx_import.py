@@ -91,17 +91,26 @@ class ImportOptions:
     loss: str = "auto"
 
 
-def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool = True, loss: str = "auto") -> Graph:
-    """Read an ONNX file and lower it (see module docstring); errors name the file and node."""
+def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool = True, loss: str = "auto",
+               mapped: bool = False) -> Graph:
+    """Read an ONNX file and lower it (see module docstring); errors name the file and node.
+    `mapped`: the weights stored as they are used are read-only views onto a mapping of the file
+    (planner.onnx_weights.map_raw), resident only while read: for a process that ships them
+    (a pipeline's coordinator emits its plans from the graph), not for one that trains them in
+    place (an engine given them with `take_weights` would copy each)."""
     from planner.onnx_quantize import widen_stored_weights
+    from planner.onnx_weights import drop_mapped_pages
 
     path = Path(path)
-    model, arrays = read_onnx_apart(path)
+    model, arrays = read_onnx_apart(path, mapped)
     try:  # weights `confidant export --base-dtype` stored quantized: float32 initializers again
         widen_stored_weights(model, arrays)
     except ValueError as exc:
         raise ImportError_(f"{path}: {exc}; {_DAMAGED}") from None
-    return lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path), arrays=arrays)
+    graph = lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path), arrays=arrays)
+    if mapped:  # what lowering read of the mapped weights (tied ones compared)
+        drop_mapped_pages(graph.constants.values())
+    return graph
 
 
 def stored_precisions(model, shapes: Mapping[str, tuple[int, ...]], base_dtype: str) -> dict[str, tuple[str, int]]:
@@ -172,16 +181,17 @@ def _external_error(path: Path, name: str, exc: Exception) -> ImportError_:
                         "data file(s) together in one folder")
 
 
-def read_onnx_apart(path: Path) -> tuple[object, dict[str, np.ndarray]]:
+def read_onnx_apart(path: Path, mapped: bool = False) -> tuple[object, dict[str, np.ndarray]]:
     """`read_onnx(path)` with its initializers' data out of the message: (the ModelProto without
     them, initializer name -> array read straight from the file or its external data files, half
     precision widened to float32 and typed so in the message). Each weight is held once: the file's
     bytes and a parsed copy of every weight are never in memory beside the arrays
     (planner/onnx_weights.py). A file the wire-format walk cannot read goes through `read_onnx`,
-    whose errors name what is wrong."""
+    whose errors name what is wrong. `mapped`: where a weight is stored as it is used, its array is
+    a read-only view onto a mapping of the file instead (`load_model`'s)."""
     import onnx
 
-    from planner.onnx_weights import RAW_DTYPES, WireError, read_raw, without_raw_data
+    from planner.onnx_weights import RAW_DTYPES, WireError, map_file, map_raw, read_raw, without_raw_data
 
     size = _checked_size(path)
     try:
@@ -196,6 +206,9 @@ def read_onnx_apart(path: Path) -> tuple[object, dict[str, np.ndarray]]:
         return model, {}
     _check_model(model, path, size)
     arrays: dict[str, np.ndarray] = {}
+    # weights stored as they are used are views onto a mapping of the file: file-backed pages that
+    # a coordinator gives back once it has shipped them (planner.onnx_weights.drop_mapped_pages)
+    view = map_file(path) if spans and mapped else None
     with open(path, "rb") as f:
         for span in spans:
             t = inits[span.index]
@@ -204,7 +217,9 @@ def read_onnx_apart(path: Path) -> tuple[object, dict[str, np.ndarray]]:
                 t.raw_data = f.read(span.nbytes)
                 continue
             try:
-                arrays[t.name] = read_raw(f, span.offset, span.nbytes, t.data_type, tuple(t.dims))
+                on_file = None if view is None else map_raw(view, span.offset, span.nbytes, t.data_type, tuple(t.dims))
+                arrays[t.name] = on_file if on_file is not None else \
+                    read_raw(f, span.offset, span.nbytes, t.data_type, tuple(t.dims))
             except (WireError, ValueError) as exc:
                 raise ImportError_(f"{path}: initializer {t.name!r} cannot be read ({exc}); {_DAMAGED}") from None
             if t.data_type in _HALF_TYPES:

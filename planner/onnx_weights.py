@@ -9,6 +9,14 @@ initializer's `raw_data` (a few MB: nodes, names, shapes) and where each one lie
 `read_raw` reads one of them into an array of its own. Lowering then holds each weight once, plus
 one tensor while it is widened from half precision.
 
+`map_raw` goes one step further for a tensor stored as it is used (not half precision, this
+machine's byte order, at least `MAP_MIN_BYTES`): the array is a read-only view onto a read-only
+mapping of the file, so the weights are file-backed pages, resident only while something reads
+them. `drop_mapped_pages` gives those pages back (madvise DONTNEED: the next read faults them in
+again from the page cache, or the disk): a coordinator that emitted a plan from its graph holds
+none of the weights it shipped (issue 32), and a re-plan reads the frozen ones from the file again.
+The file must not be truncated or rewritten while the graph is in use (a read would then fault).
+
 Pure wire-format reading (numpy and the standard library only): the caller parses the stripped
 bytes with onnx and maps spans to its initializers by position (protobuf keeps a repeated field's
 order, also across merged copies of the `graph` field).
@@ -144,3 +152,58 @@ def read_raw(f, offset: int, nbytes: int, data_type: int, dims: tuple[int, ...],
     elif widen and data_type == 10:
         out = out.astype(np.float32)
     return out.reshape(dims)
+
+
+# smaller tensors (biases, norms, shape constants) are read as their own arrays: a page of the
+# mapping each would save nothing, and lowering may reshape or cast them freely
+MAP_MIN_BYTES = 1 << 16
+
+
+def map_raw(view: mmap.mmap, offset: int, nbytes: int, data_type: int, dims: tuple[int, ...]) -> np.ndarray | None:
+    """The tensor of ONNX type `data_type` and shape `dims` at `offset` of the read-only mapping
+    `view`, as a read-only array onto the mapping (no copy), or None where it must be read
+    (`read_raw`): half precision (widened), another byte order, under MAP_MIN_BYTES. Raises
+    WireError for a size or type that does not fit."""
+    dtype = np.dtype(RAW_DTYPES[data_type])
+    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    if count * dtype.itemsize != nbytes:
+        raise WireError(f"{nbytes} bytes of data for {count} elements of {dtype.itemsize} bytes")
+    if nbytes < MAP_MIN_BYTES or not dtype.isnative or data_type in (10, BFLOAT16):
+        return None
+    if offset + nbytes > len(view):
+        raise WireError(f"the file ends inside a tensor's {nbytes} bytes at byte {offset}")
+    return np.frombuffer(view, dtype, count, offset).reshape(dims)
+
+
+def map_file(path: str | Path) -> mmap.mmap:
+    """A read-only mapping of the whole file (kept open by the arrays `map_raw` makes onto it)."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _mapping_of(value) -> mmap.mmap | None:
+    """The file mapping `value`'s memory lies in (a `map_raw` array or a view of one), or None."""
+    while isinstance(value, np.ndarray):
+        value = value.base
+    if isinstance(value, memoryview):
+        value = value.obj
+    return value if isinstance(value, mmap.mmap) else None
+
+
+def drop_mapped_pages(values) -> int:
+    """Give back the resident pages of every file mapping that one of `values` (arrays; others are
+    skipped) lies in: madvise DONTNEED, after which the process's resident memory no longer counts
+    them and a later read faults them in again from the file. Returns how many mappings."""
+    mappings = {}
+    for value in values:
+        mapping = _mapping_of(value)
+        if mapping is not None:
+            mappings[id(mapping)] = mapping
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    for mapping in mappings.values():
+        if advice is not None and not mapping.closed:
+            try:
+                mapping.madvise(advice)
+            except (OSError, ValueError):  # a platform without it: the pages stay until reclaimed
+                pass
+    return len(mappings)

@@ -61,7 +61,8 @@ def pipeline_task(task: str, model: Path, data: Path, eval_path: Path | None, tr
     run = chosen.read_data(model, data, eval_path, training.seq, tokenizer=training.tokenizer,
                            eval_limit=training.eval_limit, note=reporter.note)
     rows = training.batch // microbatches
-    graph = adapted(load_model(model, rows, training.seq, loss=chosen.loss), training.lora, reporter)
+    # mapped: the coordinator ships the weights in its plans and holds none of them resident after
+    graph = adapted(load_model(model, rows, training.seq, loss=chosen.loss, mapped=True), training.lora, reporter)
     check_graph(chosen, model, graph, run, eval_path)
     if chosen.loss == "causal-lm":  # the exported file is at hand: generate from the trained weights too
         evaluate = _generating(model, eval_path, training, run)

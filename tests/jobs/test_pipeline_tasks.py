@@ -188,3 +188,36 @@ def test_plan_with_seq_cls_data_counts_the_rows_it_looks_up(seqcls_model, tmp_pa
     encoded = load_seqcls_data(train, None, 32, None).train_encoded
     ids = {int(i) for e in encoded for i in np.asarray(e.input_ids).reshape(-1)} | {0}  # + the padding id
     assert plan["lookup_rows"] == {"inner.bert.embeddings.word_embeddings.weight": len(ids)}
+
+
+def test_a_pipelines_lm_evaluation_builds_its_engine_after_generating(chat_llama, monkeypatch):
+    """The causal LM's evaluation after pipeline training (jobs.train.causal_lm.lm_scores) generates on
+    ONNX Runtime before it builds the whole-model engine for the perplexity, so the sessions and the
+    engine's copy of the model are never held at once (SmolLM2 LoRA: 2393 MiB at the peak with the
+    engine built first, 2053 after; FAULTS.md), and the figures are those of the engine built first."""
+    import jobs.common.onnx_lm as onnx_lm
+    import jobs.train.causal_lm as causal_lm
+
+    path, train, dev = chat_llama
+    settings = TrainingSettings(steps=1, batch=4, seq=128, seed=0, eval_limit=2)
+    run = causal_lm.lm_data(path, train, dev, settings)
+    graph, _ = causal_lm.lm_graph(path, settings)
+    weights = {p: np.array(graph.constants[p]) * 1.01 for p in graph.params}  # "trained" weights
+    order, real_engine, real_generate = [], causal_lm.whole_model_engine, onnx_lm.evaluate_lm
+
+    def engine(*args, **kwargs):
+        order.append("engine")
+        return real_engine(*args, **kwargs)
+
+    def generate(*args, **kwargs):
+        order.append("generate")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(causal_lm, "whole_model_engine", engine)
+    monkeypatch.setattr(onnx_lm, "evaluate_lm", generate)
+    perplexity, scores = causal_lm.lm_scores(path, settings, dev, run.dev_rows, weights)
+    assert order == ["generate", "engine"]
+    first = real_engine(graph, "mnn", settings.threads, weights=weights, cache_activations=False)
+    batches = causal_lm.make_lm_batches(run.dev_rows, settings.batch, settings.seq, run.pad_id or 0, shuffle=False)
+    assert perplexity == causal_lm.engine_nll(first, batches, settings.batch, run.pad_id or 0).perplexity
+    assert 0.0 <= scores.exact_match <= 1.0

@@ -145,3 +145,31 @@ def test_external_data_outside_the_model_s_folder_is_refused(tmp_path):
     with pytest.raises(ImportError_, match=r"model.onnx: the weights stored next to it \(external data, .*"
                                            r"not a file inside"):
         load_model(inside / "model.onnx", 2, 12)
+
+
+def test_a_mapped_lowering_equals_the_read_one_and_gives_its_pages_back(minilm_onnx):
+    """`load_model(mapped=True)` (a pipeline coordinator's, issue 32): the same graph, its weights
+    of 64 KiB or more read-only views onto a mapping of the file, resident only while read:
+    `drop_mapped_pages` after reading them all gives back about the weights' bytes of resident
+    memory (the arrays of a plain lowering are the process's own: nothing to give back)."""
+    from planner.onnx_weights import MAP_MIN_BYTES, drop_mapped_pages
+    from runtime.procfs import rss_bytes
+
+    read = load_model(minilm_onnx, 2, 16)
+    mapped = load_model(minilm_onnx, 2, 16, mapped=True)
+    assert mapped.nodes == read.nodes and mapped.params == read.params and mapped.constants.keys() == read.constants.keys()
+    big = [n for n, v in mapped.constants.items() if v.nbytes >= MAP_MIN_BYTES]
+    on_file = sum(mapped.constants[n].nbytes for n in big)
+    assert on_file > 80 * MIB
+    for name, value in read.constants.items():
+        ours = mapped.constants[name]
+        assert ours.dtype == value.dtype and np.array_equal(ours, value), name
+        assert not ours.flags.writeable or name not in big, name
+    assert drop_mapped_pages(read.constants.values()) == 0
+    assert drop_mapped_pages(mapped.constants.values()) == 1
+    before = rss_bytes()
+    assert sum(float(mapped.constants[n].sum()) for n in big) != 0.0  # every page read
+    touched = rss_bytes()
+    drop_mapped_pages(mapped.constants.values())
+    assert touched - before > 0.9 * on_file, ((touched - before) / MIB, on_file / MIB)
+    assert touched - rss_bytes() > 0.9 * on_file, ((touched - rss_bytes()) / MIB, on_file / MIB)
