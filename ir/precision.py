@@ -193,19 +193,25 @@ def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> 
     gives the float32 array back. Raises ValueError for a weight a float16 scale cannot hold.
     Rows are quantized a chunk at a time (each row's blocks are independent), so the work arrays
     are a few MiB whatever the weight's size: an export quantizes a 1 GiB embedding table without
-    holding several float32 copies of it."""
+    holding several float32 copies of it. `w` may also be a tensor in a file (`read_rows(lo, hi)`, `read()`,
+    `shape`: `ir.safetensors.FileTensor`): blocked along axis 1, only a chunk of its rows is ever read."""
     check_base_dtype(storage)
-    w = np.asarray(w)
-    if w.dtype != np.float32 and storage == "float32":
-        w = w.astype(np.float32)
-    if storage == "float32":
-        return w
-    if w.ndim != 2 or axis not in (0, 1):
-        raise ValueError(f"only 2-D weights are quantized (got shape {w.shape}, axis {axis})")
+    read_rows = getattr(w, "read_rows", None)  # a tensor read from its file (ir.safetensors.FileTensor)
+    if read_rows is not None and axis == 1 and storage != "float32" and len(w.shape) == 2:
+        shape = tuple(w.shape)  # blocked along its rows' elements: read a chunk of rows at a time
+    else:
+        w = np.asarray(w.read() if read_rows is not None else w)
+        if w.dtype != np.float32 and storage == "float32":
+            w = w.astype(np.float32)
+        if storage == "float32":
+            return w
+        if w.ndim != 2 or axis not in (0, 1):
+            raise ValueError(f"only 2-D weights are quantized (got shape {w.shape}, axis {axis})")
+        shape, stored = tuple(w.shape), (w if axis == 1 else w.T)
+        read_rows = lambda lo, hi: stored[lo:hi]  # noqa: E731
     if storage != "bfloat16" and block % 2:
         raise ValueError(f"block {block} must be even")
-    stored = w if axis == 1 else w.T
-    rows, cols = stored.shape
+    rows, cols = shape if axis == 1 else shape[::-1]
     padded = cols if storage == "bfloat16" else -(-cols // block) * block
     width = padded // 2 if storage == "int4" else padded
     codes = np.empty((rows, width), {"bfloat16": np.uint16, "int8": np.int8, "int4": np.uint8}[storage])
@@ -214,7 +220,7 @@ def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> 
     step = max(1, _CHUNK_ELEMENTS // max(padded, 1))
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        part = np.asarray(stored[lo:hi], np.float32)
+        part = np.asarray(read_rows(lo, hi), np.float32)
         if not np.isfinite(part).all():
             raise ValueError("a weight to quantize has a NaN or an infinity")
         if storage == "bfloat16":
@@ -224,7 +230,7 @@ def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> 
         codes[lo:hi], scales[lo:hi] = got[0], got[1]
         if mins is not None:
             mins[lo:hi] = got[2]
-    return QuantizedTensor(codes, scales, tuple(w.shape), storage, axis, block, mins)
+    return QuantizedTensor(codes, scales, shape, storage, axis, block, mins)
 
 
 _CHUNK_ELEMENTS = 1 << 20  # float32 elements a chunk of rows is quantized in (4 MiB, a few work arrays)

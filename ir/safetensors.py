@@ -289,12 +289,29 @@ class FileTensor:
     def read(self) -> np.ndarray:
         """The tensor as a float32 array of its own: F16 and BF16 widened exactly (bfloat16 is float32's
         upper half) a chunk at a time, so nothing but the float32 array and a few MiB is held."""
-        out = np.empty(self.shape, np.float32)
-        flat = out.reshape(-1)
+        return self._read_flat(0, self.size).reshape(self.shape)
+
+    def read_rows(self, lo: int, hi: int) -> np.ndarray:
+        """Rows `lo:hi` (of the first dimension) as a float32 array of their own, as `read` widens them."""
+        row = math.prod(self.shape[1:])
+        lo, hi = max(0, lo), min(self.shape[0], hi)
+        return self._read_flat(lo * row, max(0, hi - lo) * row).reshape((max(0, hi - lo),) + tuple(self.shape[1:]))
+
+    def row_chunks(self, max_bytes: int = 4 << 20):
+        """(lo, hi) row ranges covering the tensor whose float32 is at most `max_bytes` (a row at least):
+        a writer widens one at a time instead of the whole tensor."""
+        rows = self.shape[0] if self.shape else 1
+        step = max(1, max_bytes // max(4 * math.prod(self.shape[1:]), 1))
+        return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
+
+    def _read_flat(self, first: int, count: int) -> np.ndarray:
+        """`count` elements from the `first` (in the tensor's row-major order), widened to float32."""
+        out = np.empty(count, np.float32)
+        flat = out
         stored = np.dtype(_FLOAT_CODES[self.stored]).newbyteorder("<")
         step = _READ_CHUNK // stored.itemsize
         with open(self.path, "rb") as f:
-            f.seek(self.offset)
+            f.seek(self.offset + first * stored.itemsize)
             for lo in range(0, flat.size, step):
                 part = flat[lo:lo + step]
                 raw = part.view(np.uint8)[: part.size * stored.itemsize]  # read into the output's own bytes

@@ -379,21 +379,33 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
             f.write(header)
             if not external:
                 f.write(_field(_TENSOR_RAW_DATA, array.nbytes))
-                f.write(_bytes_of(array))
+                for chunk in _byte_chunks(array):
+                    f.write(chunk)
     if external:
         with open(data_path, "wb") as f:
             for _, array in pieces:
-                f.write(_bytes_of(array))
+                for chunk in _byte_chunks(array):
+                    f.write(chunk)
                 f.write(b"\0" * (-array.nbytes % 4096))
     elif data_path.exists():
         data_path.unlink()  # a stale data file of an earlier, larger export
     return list(record)
 
 
-def _bytes_of(array) -> memoryview:
+def _byte_chunks(array):
+    """The little-endian bytes of `array`, in order: an `ir.safetensors.FileTensor` read from its checkpoint
+    and widened a few MiB of rows at a time (a 544 MB tied table is never held whole to be written)."""
     from ir.safetensors import FileTensor
 
-    array = np.ascontiguousarray(array.read() if isinstance(array, FileTensor) else array)
+    if isinstance(array, FileTensor):
+        for lo, hi in array.row_chunks():
+            yield _bytes_of(array.read_rows(lo, hi))
+    else:
+        yield _bytes_of(array)
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    array = np.ascontiguousarray(array)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     return memoryview(array.reshape(-1)).cast("B")

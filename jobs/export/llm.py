@@ -213,7 +213,7 @@ def _narrow_checkpoint_tensors(path: Path) -> dict | None:
     return tensors if any(t.stored != "F32" for t in tensors.values()) else None
 
 
-def _streamed_causal_lm(checkpoint: Path | None):
+def _streamed_causal_lm(checkpoint: Path | None, options: LlmExportOptions | None = None):
     """(model, tokenizer, source, file weights) for a Hugging Face folder whose weights are stored narrower
     than float32, without widening them: the float32 model is built on the meta device, each parameter
     of 2+ dimensions given a stand-in of its shape (a Hankel view of a few random floats: no memory, yet
@@ -221,7 +221,12 @@ def _streamed_causal_lm(checkpoint: Path | None):
     1-D ones (norms, biases) and the RoPE tables their real values; the export then reads each weight from
     the file as it writes it (`export_causal_lm(file_weights=...)`). None when the checkpoint is not such
     a folder or its tensors do not map onto the model one to one by name and shape: then it is loaded
-    whole (`load_causal_lm`)."""
+    whole (`load_causal_lm`).
+
+    A weight of `_ZERO_STAND_IN_BYTES` or more as float32 (a large vocabulary's table and tied LM head)
+    gets a contiguous stand-in instead (`_zero_stand_in`): torch would make the Hankel view contiguous for
+    each product, a float32 copy of the table in the check and one or two in the trace, on top of its
+    reading when written."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -249,6 +254,9 @@ def _streamed_causal_lm(checkpoint: Path | None):
                 return None
             if len(shape) < 2:
                 value = torch.from_numpy(stored.read())
+            elif math.prod(shape) * 4 >= _ZERO_STAND_IN_BYTES:
+                ids = _example_inputs(int(config.vocab_size), options or LlmExportOptions())[0]
+                value = torch.from_numpy(_zero_stand_in(shape, ids.reshape(-1).tolist(), gen))
             else:
                 seed = 0.02 * torch.randn(sum(shape) - len(shape) + 1, generator=gen)
                 value = seed.as_strided(shape, (1,) * len(shape))  # [i, j] = seed[i + j]
@@ -275,6 +283,34 @@ def _streamed_causal_lm(checkpoint: Path | None):
         restore()
     source = {"path": str(path), "format": "huggingface", "note": None}  # as load_causal_lm's
     return model.eval(), tokenizer, source, file_weights
+
+
+# float32 bytes from which a streamed weight's stand-in is a zero-page array (below it, a Hankel view: no
+# memory either, but torch copies it whole for a product; every weight of a 0.5B model is under 18 MB but
+# its table, 544 MB)
+_ZERO_STAND_IN_BYTES = 32 << 20
+
+
+def _zero_stand_in(shape: tuple[int, ...], rows: list[int], gen) -> "np.ndarray":
+    """A float32 array of `shape`, contiguous (torch multiplies it as it is), zero but for `rows` (and the
+    first 8) of its first dimension, which get random values: anonymous memory that is never written reads
+    as the kernel's one zero page, so only the seeded rows' pages become resident. The seeded rows are those
+    the export's example inputs look up, so the check that the logits are the base model's and the LM head
+    still sees non-zero hidden states."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    count = math.prod(shape)
+    # private (a shared anonymous mapping is shmem: reading it allocates), and not numpy's allocator (it
+    # asks for huge pages: 2 MiB resident a seeded row)
+    area = mmap.mmap(-1, max(4 * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out = np.frombuffer(area, np.float32, count).reshape(shape)
+    seeded = sorted({r % shape[0] for r in rows} | set(range(min(8, shape[0]))))
+    values = 0.02 * torch.randn(len(seeded), math.prod(shape[1:]), generator=gen)
+    out[seeded] = values.numpy().reshape((len(seeded),) + tuple(shape[1:]))
+    return out
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -590,7 +626,7 @@ def _write_lean(module, args, out_path: Path, weights: dict | None, export_kwarg
         for n in names:
             stored = (file_weights or {}).get(n)
             if stored is not None:
-                weights[n] = quantize(stored.read(), *plan[n]) if n in plan else stored
+                weights[n] = quantize(stored, *plan[n]) if n in plan else stored  # read a chunk at a time
                 continue
             view = tensors[n].detach().numpy()
             weights[n] = quantize(view, *plan[n]) if n in plan else view
@@ -758,7 +794,7 @@ def export_llm(checkpoint: Path | None, out_path: Path, options: LlmExportOption
     Face folder stored in bfloat16 or float16 is not widened whole: its weights are read from the file
     one at a time as they are written (`_streamed_causal_lm`); the files are the ones its whole load
     writes (tests/models/test_lean_export.py)."""
-    streamed = None if options.dynamo else _streamed_causal_lm(checkpoint)
+    streamed = None if options.dynamo else _streamed_causal_lm(checkpoint, options=options)
     if streamed is not None:
         model, tokenizer, source, file_weights = streamed
         return export_causal_lm(model, out_path, options, tokenizer, source, kv_cache, file_weights)

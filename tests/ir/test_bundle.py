@@ -264,6 +264,7 @@ def test_a_checkpoints_float_tensors_read_one_at_a_time_as_float32_as_torch_wide
     import torch
     from safetensors.torch import save_file
 
+    import ir.precision
     import ir.safetensors
     from ir.safetensors import safetensors_float_tensors
 
@@ -283,6 +284,19 @@ def test_a_checkpoints_float_tensors_read_one_at_a_time_as_float32_as_torch_wide
         assert value.dtype == np.float32 and value.shape == tuple(tensors[name].shape) == t.shape
         assert t.nbytes == value.nbytes
         assert value.tobytes() == tensors[name].float().numpy().tobytes(), name  # bitwise, NaN included
+        if value.ndim == 2:  # a writer's chunks of rows: the same bits, every row once, in order
+            chunks = t.row_chunks(max_bytes=5 * 4 * value.shape[1])
+            assert chunks[0][0] == 0 and chunks[-1][1] == value.shape[0] and len(chunks) == -(-value.shape[0] // 5)
+            rows = np.concatenate([t.read_rows(lo, hi) for lo, hi in chunks])
+            assert rows.tobytes() == value.tobytes(), name
+    # quantized from the file a chunk of rows at a time (blocked along its rows): what the whole array gives
+    from ir.precision import dequantize, quantize
+
+    monkeypatch.setattr(ir.precision, "_CHUNK_ELEMENTS", 64)
+    for storage in ("int4", "int8", "bfloat16"):
+        whole, streamed = quantize(got["w.bf16"].read(), storage, axis=1), quantize(got["w.bf16"], storage, axis=1)
+        assert streamed.shape == whole.shape and np.array_equal(dequantize(streamed), dequantize(whole)), storage
+        assert np.array_equal(streamed.codes, whole.codes) and np.array_equal(streamed.scales, whole.scales)
     with pytest.raises(ValueError, match="not a valid safetensors file"):
         (tmp_path / "bad.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0[]")
         safetensors_float_tensors(tmp_path / "bad.safetensors")
