@@ -49,6 +49,12 @@ class BlockCost:
     # taken as those (no saving claimed).
     per_block_workspace_bytes: int | None = None
     per_block_stacked_bytes: int | None = None
+    # What a further micro-batch in flight adds per further block recomputing per block (PyTorch's
+    # checkpoints hold more than the block inputs the activations term charges: a SmolLM2 int4 stage
+    # of 12 layers, 1 x 128, ~19 MiB a further micro-batch against 12 x 0.28), the line's per-block
+    # part, measured as a fresh worker runs (`runtime.profiling.device.measure_block`; its once part
+    # is in `per_block_workspace_bytes`). None: not measured, taken as nothing.
+    per_block_kept_bytes: int | None = None
     # A decoder's LM head fused with its loss (`runtime.engines.lm_loss`) computes logits only for
     # the positions that are targets, so its workspace depends on the data: `workspace_bytes` is
     # measured with every position a target (`target_positions` of them in the profile's
@@ -132,6 +138,11 @@ class BackendProfile:
     # own (PyTorch: AdamW's fused kernel), by optimizer name; an optimizer not here is stepped by
     # runtime.optim's numpy (`DeviceProfile.update_s_per_param_byte`). Empty in profiles made before.
     update_s_per_param_byte: Mapping[str, float] = field(default_factory=dict)
+    # Whether the engine's start-up and each repeated block kind's per-layer lines (keeping, per
+    # block) were measured as a worker runs, in fresh child interpreters (`runtime.profiling.fresh`);
+    # False in profiles made before, measured in the warm profiling process, which a fresh PyTorch
+    # worker recomputing per block outgrew (~3.5 MiB a layer against 0.5-3.1 measured).
+    fresh_lines: bool = False
 
     @property
     def seconds(self) -> float:
@@ -197,6 +208,7 @@ class DeviceProfile:
                      for k, v in b.get("attention", {}).items()},
                     int(b.get("engine_overhead_bytes", 0)),
                     {str(k): _seconds(v) for k, v in b.get("update_s_per_param_byte", {}).items()},
+                    bool(b.get("fresh_lines", False)),
                 ) for b in doc["backends"])
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
                        int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),
@@ -225,7 +237,7 @@ class DeviceProfile:
 
 _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s", "per_block_backward_s")
 _BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "per_block_workspace_bytes",
-                "per_block_stacked_bytes", "sparse_workspace_bytes")
+                "per_block_stacked_bytes", "per_block_kept_bytes", "sparse_workspace_bytes")
 # counts, checked as sizes are (whole numbers >= 0)
 _BLOCK_COUNTS = ("target_positions", "sparse_target_positions")
 

@@ -19,13 +19,15 @@ from planner.onnx_import import load_model
 def profile_this_device(model: Path, batch: int, seq: int, output: Path | None = None, name: str | None = None,
                         backends: Sequence[str] | None = None, memory_bytes: int | None = None, reps: int = 3,
                         attention: bool = True, lora: LoraSettings | None = None,
-                        reporter: Reporter = Silent()) -> tuple[DeviceProfile, Path]:
+                        reporter: Reporter = Silent(), fresh: bool = True) -> tuple[DeviceProfile, Path]:
     """Profile this device at (`batch` rows, `seq` tokens) for `model` (with LoRA adapters when
-    `lora` is given: a LoRA plan needs its blocks profiled) and save it; (profile, file)."""
+    `lora` is given: a LoRA plan needs its blocks profiled) and save it; (profile, file). `fresh`:
+    as `runtime.profiling.profile_device` takes it."""
     graph = adapted(load_model(model, batch, seq), lora, reporter)
     name = name or socket.gethostname()
     profile = prof.profile_device(graph, name, backends=tuple(backends) if backends else prof.DEFAULT_BACKENDS,
-                                  reps=reps, memory_bytes=memory_bytes, attention=attention, progress=reporter.note)
+                                  reps=reps, memory_bytes=memory_bytes, attention=attention, progress=reporter.note,
+                                  fresh=fresh)
     profile = dataclasses.replace(profile, model=Path(model).name)
     output = Path(output) if output else Path(f"{name}.profile.json")
     profile.save(output)

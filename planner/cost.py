@@ -240,12 +240,11 @@ ACTIVATIONS = ("keep", "recompute", "per-block")
 # each block under a checkpoint of its own), charged each block's `BlockCost.per_block_stacked`
 # instead of its `stacked` part. PyTorch's per-block only where its profile measured it
 # (`measured_per_block`).
-# Not offered on PyTorch yet, though measured and charged: a fresh torch worker grows ~3.5-4 MiB a
-# further layer recomputing per block (glibc's dynamic mmap threshold keeps the layers' temporaries in a
-# growing heap), where `profile`, warm in its own process, measures 0.5-3.1; its plans ran 1.01-1.21x
-# their figure (benchmarks/MEMORY_NOTES.md, "The torch last stage's 0.87 not reproduced..."), and a
-# plan is a promise. `train-pipeline --engine torch --activations per-block` runs it on request.
-ENGINE_ACTIVATIONS = {"torch": ("keep", "recompute"), "mnn": ("keep", "recompute", "per-block")}
+# On PyTorch only from a profile that measured its lines as a worker runs (`BackendProfile.fresh_lines`):
+# a fresh torch worker grows ~3.5-4 MiB a further layer recomputing per block (glibc's dynamic mmap
+# threshold keeps the layers' temporaries in a growing heap), where `profile`, warm in its own process,
+# measured 0.5-3.1, and those plans ran 1.01-1.21x their figure (benchmarks/MEMORY_NOTES.md).
+ENGINE_ACTIVATIONS = {"torch": ("keep", "recompute", "per-block"), "mnn": ("keep", "recompute", "per-block")}
 
 
 def device_engine(device: DeviceSpec) -> str | None:
@@ -326,8 +325,12 @@ def measured_per_block(device: DeviceSpec) -> bool:
     """Whether the device's profile measured its backend recomputing per block (some block with
     `BlockCost.per_block_workspace_bytes`). PyTorch profiles made before `profile` measured it have
     none: per-block would be priced as recomputing the whole stage (no saving claimed, a guessed
-    time), so it is not offered there and their plans stay as they were."""
-    return any(c.per_block_workspace_bytes is not None for c in device_backend(device).blocks.values())
+    time), so it is not offered there and their plans stay as they were; nor where they measured it
+    in the warm profiling process (not `BackendProfile.fresh_lines`), which a fresh worker outgrew."""
+    backend = device_backend(device)
+    if device_engine(device) == "torch" and not backend.fresh_lines:
+        return False
+    return any(c.per_block_workspace_bytes is not None for c in backend.blocks.values())
 
 
 def engine_activations(device: DeviceSpec) -> tuple[str, ...]:
@@ -351,9 +354,14 @@ def leanest_activations(device: DeviceSpec) -> str:
 
 
 def keeps_activations(device: DeviceSpec) -> bool:
-    """Whether the device keeps every activation of each micro-batch in flight until its backward
-    (PyTorch by default; MNN with one set of block graphs per micro-batch in flight)."""
-    return activations_of(device) == "keep"
+    """Whether the device holds something of each further micro-batch in flight beyond the block
+    inputs (`BlockCost.kept` under `block_costs`): keeping every activation until its backward
+    (PyTorch by default; MNN with one set of block graphs per micro-batch in flight), or PyTorch
+    recomputing per block (a further micro-batch's checkpoints: ~13-19 MiB a SmolLM2 int4 stage,
+    of which `BlockCost.per_block_kept_bytes` is the per-layer part; the once part is in the
+    per-block workspace)."""
+    policy = activations_of(device)
+    return policy == "keep" or (policy == "per-block" and device_engine(device) == "torch")
 
 
 def kept_copies(in_flight: int, keeps: bool) -> int:
@@ -399,6 +407,8 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         elif per_block:
             cost = replace(cost, workspace_bytes=cost.per_block_workspace, stacked_bytes=cost.per_block_stacked)
             if engine == "torch":
+                # a further micro-batch's checkpoints (`keeps_activations`): as measured, else nothing
+                cost = replace(cost, kept_bytes=cost.per_block_kept_bytes or 0)
                 backward = (cost.backward_s + cost.forward_s if cost.per_block_backward_s is None
                             else max(cost.backward_s, cost.per_block_backward_s))
                 cost = replace(cost, backward_s=backward, recompute_s=backward - cost.backward_s)

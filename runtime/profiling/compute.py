@@ -156,18 +156,19 @@ def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
 
 
 def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
-                   activations: str | None = None) -> int:
+                   activations: str | None = None, in_flight: int = 1) -> int:
     """Peak bytes above the weights of a freshly built engine running two forwards and backwards
     of `spec`, one after the other (MNN's second peaks ~5 MiB higher on three MiniLM layers, with
     the first one's buffers kept while the second's temporaries come); `activations` as
-    `make_engine` takes it (None: the engine's default)."""
+    `make_engine` takes it (None: the engine's default); `in_flight`: micro-batches forwarded
+    before their backwards in each of the two rounds."""
     stage_feeds, grad = _stage_inputs(spec, feeds)
     engine = make_engine(backend, spec, activations=activations)
     engine.row_gradients = True
     try:
         with PeakRss() as peak:
-            _run_in_flight(engine, stage_feeds, grad, 1)
-            _run_in_flight(engine, stage_feeds, grad, 1)
+            _run_in_flight(engine, stage_feeds, grad, in_flight)
+            _run_in_flight(engine, stage_feeds, grad, in_flight)
     finally:
         del engine
         gc.collect()

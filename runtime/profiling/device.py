@@ -23,6 +23,8 @@ real head split costs beyond the curves), `links` (bandwidth and latency to a pe
 """
 from __future__ import annotations
 
+import contextlib
+import statistics
 import time
 from dataclasses import replace
 
@@ -37,6 +39,7 @@ from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
                                        kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
+from runtime.profiling.fresh import FreshProcesses, fresh_line, fresh_peaks, median_start_up
 from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
@@ -50,6 +53,9 @@ START_UP_NOISE_BYTES = 1 << 20
 LEAN_PEAK_REPEATS = 5
 # The longest stage of one block kind behind the per-block line (`measure_block`).
 LEAN_RUN = 4
+# Fresh child interpreters per stage length behind a repeated kind's lines, and behind the engine's
+# start-up (`runtime.profiling.fresh`): the median is taken.
+FRESH_PEAK_REPEATS = 3
 # The fused LM head + loss's second memory point: 1/this of its target positions targets, each point's
 # peak measured this many times (`_with_sparse_targets`).
 SPARSE_TARGET_SHARE = 8
@@ -64,7 +70,8 @@ def distinct_blocks(graph: Graph) -> dict[str, Block]:
     return out
 
 
-def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> BlockCost:
+def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: FreshProcesses | None = None,
+                  start_up: int = 0) -> BlockCost:
     """One block kind's cost as a stage pays it. A decoder's LM head is measured as it runs, fused
     with the causal-LM loss on its stage (`runtime.engines.lm_loss`: no logits are made), minus the
     loss alone (which the loss's own signature carries): the head's time is the fused kernel's, its
@@ -87,7 +94,15 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     buffers let go after its forward and its backward; PyTorch with each block under a checkpoint
     of its own), and on PyTorch the backward that way too (`per_block_backward_s`: each block's
     forward re-run in it). The LM head fused with its loss is not (its per-block figures are its
-    cached ones: PyTorch runs the pair as it is on a per-block stage)."""
+    cached ones: PyTorch runs the pair as it is on a per-block stage).
+
+    `fresh` given, on PyTorch: the per-block line of a repeated kind is measured as a worker runs
+    instead, each peak in a fresh child process (`runtime.profiling.fresh`: FRESH_PEAK_REPEATS per
+    length, the line through the medians), less `start_up` (what the engine's start-up is charged,
+    `profile_device`: a fresh first run pays it, and the engine's charge carries it), and what a
+    further micro-batch in flight adds per block that way (`per_block_kept_bytes`). The keep line, and
+    MNN's lines, stay measured here: measured fresh they charged SmolLM2 int4 torch keeping stages
+    0.77-0.92x their workers' peaks and MNN per-block stages 1.01x (benchmarks/MEMORY_NOTES.md)."""
     i = block.index
     if fused_lm_head(graph, i, i + 1) is not None and i == len(graph.blocks) - 2:
         both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
@@ -124,6 +139,7 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
         steps = sorted(b - a for a, b in zip(peaks, peaks[1:]))
         stacked = max(0, steps[len(steps) // 2]) if len(steps) >= 3 else _further_block_line(peaks)[0]
         workspace = max(p - k * stacked for k, p in enumerate(peaks))
+    if keep_run > 1:
         if backend.engine == "mnn":
             # A further block keeps its per-op caches of the micro-batch, what a further micro-batch
             # keeps per block (`kept`): the line's step, measured in this process after its other
@@ -154,6 +170,25 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int) -> Bloc
     while lean_run < LEAN_RUN and i + lean_run < len(graph.blocks) and \
             block_signature(graph.blocks[i + lean_run]) == block_signature(block):
         lean_run += 1
+    if lean_run > 1 and fresh is not None and backend.engine == "torch":
+        # As a worker runs (`fresh`): a fresh torch worker grew ~3.5 MiB a further SmolLM2 int4 layer
+        # where this process measured 0.5-3.1. And a further micro-batch in flight holds more than the
+        # block inputs the activations term charges: what it adds (the two-in-flight peak less the
+        # one-in-flight one, medians) at one block and at lean_run is a line, ~13 MiB once (the
+        # stage's output and its checkpoints' bookkeeping) and ~0.7 MiB a further SmolLM2 int4 layer
+        # (fresh processes, 12 layers: 157 / 178 / 196 MiB with 1 / 2 / 3 in flight, 4 layers +15).
+        # The per-block part is `per_block_kept_bytes`, charged per further micro-batch; the once part
+        # goes into the workspace, charged once a stage (as if one further micro-batch: the cost model
+        # has no per-stage term for it; a stage 0 of 3 with 3 in flight is ~13 MiB under by that).
+        peaks = fresh_peaks(fresh, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS)
+        lean, workspace = fresh_line(peaks, start_up)
+        two = {k: statistics.median(fresh.run(graph, feeds, [("peak2", i, i + k - 1, "per-block")])[0]
+                                    for _ in range(FRESH_PEAK_REPEATS)) for k in (1, lean_run)}
+        added = {k: max(0.0, two[k] - statistics.median(peaks[k - 1])) for k in (1, lean_run)}
+        kept_per_block = max(0, int((added[lean_run] - added[1]) / (lean_run - 1)))
+        once = max(0, int(added[1] - kept_per_block))
+        return replace(cost, per_block_workspace_bytes=workspace + once, per_block_stacked_bytes=lean,
+                       per_block_kept_bytes=kept_per_block)
     lean_runs = [[peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
                   for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, lean_run + 1)]
     if lean_run == 1:
@@ -227,11 +262,14 @@ def _memory_parts(cost: BlockCost) -> str:
 
 def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BACKENDS, reps: int = 3,
                    progress: Progress | None = None, memory_bytes: int | None = None,
-                   attention: bool = True, seed: int = 0) -> DeviceProfile:
+                   attention: bool = True, seed: int = 0, fresh: bool = True) -> DeviceProfile:
     """Profile every distinct block kind of `graph` on each requested backend that runs here.
 
     `memory_bytes` overrides the measured MemAvailable (a `--memory` flag); `attention=False`
-    skips the per-head curves. `progress` receives one line per measured item."""
+    skips the per-head curves. `progress` receives one line per measured item. `fresh` (the
+    default): the engine's start-up and each repeated kind's per-layer lines (keeping and per
+    block) are measured as a worker runs, in fresh child interpreters (`runtime.profiling.fresh`);
+    False: in this process, as before (warm: a fresh PyTorch worker outgrew those lines)."""
     if not graph.blocks:
         raise ValueError(f"graph {graph.name!r} has no blocks; run the block-finding pass first")
     if not isinstance(reps, int) or reps < 1:
@@ -271,16 +309,26 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
             if layer.index != cheapest.index:
                 once += sum(start_up_bytes(backend, stage_spec(graph, layer.index, layer.index), feeds, activations)
                             for activations in ("keep", "per-block"))
-            if once >= START_UP_NOISE_BYTES:
-                start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
-            for sig, block in kinds.items():
-                cost = measure_block(backend, graph, block, feeds, reps)
-                costs[sig] = cost
-                say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
-                    f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
-                    f"{_per_block_backward(cost)}), workspace "
-                    f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
-                    f"[{time.perf_counter() - started:.1f} s]")
+            with contextlib.ExitStack() as stack:
+                children = stack.enter_context(FreshProcesses(backend)) if fresh else None
+                if children is not None:
+                    # Those runs warm this process (its later figures are repeats); what a worker pays
+                    # is measured the same way in fresh children: here it moved 65-81 MiB between
+                    # profiles of SmolLM2 int4 layers on torch (the heap this process had left by then).
+                    runs = [("start_up", cheapest.index, cheapest.index, None)]
+                    if layer.index != cheapest.index:
+                        runs += [("start_up", layer.index, layer.index, a) for a in ("keep", "per-block")]
+                    once = median_start_up(children, graph, feeds, runs, FRESH_PEAK_REPEATS)
+                if once >= START_UP_NOISE_BYTES:
+                    start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
+                for sig, block in kinds.items():
+                    cost = measure_block(backend, graph, block, feeds, reps, children, start_up.get(backend.engine, 0))
+                    costs[sig] = cost
+                    say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
+                        f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
+                        f"{_per_block_backward(cost)}), workspace "
+                        f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
+                        f"[{time.perf_counter() - started:.1f} s]")
             if attention:
                 for sig, block in kinds.items():
                     if block.attention is None:  # no attention the lowering could place: not split
@@ -297,7 +345,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
             native = engine_update_rates(backend, stage_spec(graph, cheapest.index, cheapest.index))
             for optimizer, rate in native.items():
                 say(f"{backend.name}: its own {optimizer} step, {rate * 2**20 * 1e3:.2f} ms per MiB of weights")
-            profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native))
+            profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native, fresh))
         # an engine's start-up shows on the first of its backends to run here: charged to them all
         profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + start_up.get(b.engine, 0))
                     for p, b in zip(profiles, present)]

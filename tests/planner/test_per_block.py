@@ -274,17 +274,18 @@ def test_one_high_peak_is_charged_once_per_stage_not_per_further_block(graph, mo
 
 # --- PyTorch recomputing per block: measured by `profile`, charged and picked as MNN's --------------------
 
-def _torch_profile(graph, per_block: bool = True) -> DeviceProfile:
+def _torch_profile(graph, per_block: bool = True, fresh: bool = True) -> DeviceProfile:
     """torch:cpu:t1 only: every block 10 ms forward, 20 ms backward keeping (autograd's saved tensors),
     35 ms recomputing per block (its forward re-run under a checkpoint, measured); a workspace of 40 MiB
     of which 24 stay per further block and 16 more per further micro-batch kept; per block, 30 MiB of
-    which 2 stay. `per_block=False`: a profile from before `profile` measured PyTorch per block."""
+    which 2 stay. `per_block=False`: a profile from before `profile` measured PyTorch per block;
+    `fresh=False`: one that measured its lines in the warm profiling process (`BackendProfile.fresh_lines`)."""
     more = dict(per_block_workspace_bytes=30 * MIB, per_block_stacked_bytes=2 * MIB,
                 per_block_backward_s=0.035) if per_block else {}
     costs = {block_signature(b): BlockCost(0.010, 0.020, workspace_bytes=40 * MIB, stacked_bytes=24 * MIB,
                                            kept_bytes=16 * MIB, **more)
              for b in graph.blocks}
-    return DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs),),
+    return DeviceProfile("box", graph.name, graph.batch, graph.seq, (BackendProfile("torch:cpu:t1", costs, fresh_lines=fresh),),
                          memory_available_bytes=16 << 30, runtime_overhead_bytes=100 * MIB)
 
 
@@ -313,12 +314,35 @@ def test_torch_per_block_is_charged_its_measured_parts_and_its_measured_backward
     assert compute_s(graph, unmeasured, 1, 3) == pytest.approx((0.030, 0.090))
 
 
-def test_torch_per_block_is_not_offered_by_the_planner_while_a_fresh_worker_outgrows_its_profile(graph):
-    """Measured and charged (above), but not offered: a fresh PyTorch worker grows more a further
-    layer recomputing per block than the profile measures in its warm process, and its plans ran
-    over their figure (planner.cost.ENGINE_ACTIVATIONS). Recomputing the stage is the leanest."""
+def test_torch_per_block_is_offered_only_from_a_profile_that_measured_its_lines_as_a_fresh_worker_runs(graph):
+    """Measured and charged (above), offered by the planner only where the profile measured the per-layer
+    lines in fresh child interpreters (`BackendProfile.fresh_lines`): a fresh PyTorch worker grows more a
+    further layer recomputing per block than the warm profiling process measured, and those plans ran
+    over their figure (planner.cost.ENGINE_ACTIVATIONS). There recomputing the stage is the leanest."""
     from planner.cost import leanest_activations, offers_activations
 
-    for profile in (_torch_profile(graph), _torch_profile(graph, per_block=False)):
+    device = DeviceSpec("a", "tcp://x:1", _torch_profile(graph), 4 << 30)
+    assert offers_activations(device, "per-block") and leanest_activations(device) == "per-block"
+    for profile in (_torch_profile(graph, fresh=False), _torch_profile(graph, per_block=False)):
         device = DeviceSpec("a", "tcp://x:1", profile, 4 << 30)
         assert not offers_activations(device, "per-block") and leanest_activations(device) == "recompute"
+
+
+def test_torch_per_block_charges_what_a_further_micro_batch_s_checkpoints_hold_as_measured(graph):
+    """A PyTorch stage recomputing per block holds more of each further micro-batch in flight than its
+    block inputs (SmolLM2 int4, 12 layers, 1 x 128, fresh processes: 157 / 178 / 196 MiB with 1 / 2 / 3
+    in flight, ~1.6 MiB a layer against a 0.28 MiB input): `BlockCost.per_block_kept_bytes` is charged
+    once per further micro-batch in flight, as keeping's kept bytes are; a profile without it, nothing."""
+    from dataclasses import replace as _replace
+
+    profile = _torch_profile(graph)
+    backend = profile.backends[0]
+    measured = _replace(profile, backends=(_replace(backend, blocks={
+        k: _replace(c, per_block_kept_bytes=3 * MIB) for k, c in backend.blocks.items()}),))
+    # stage 0 of 2 under 1F1B with 4 micro-batches: 2 in flight
+    charged = {name: stage_memory_terms(graph, DeviceSpec("a", "tcp://x:1", p, 4 << 30, activations="per-block"),
+                                        1, 3, 0, 2, "1f1b-flush", 4, "adamw")
+               for name, p in (("measured", measured), ("unmeasured", profile))}
+    assert charged["measured"].kept_activation_bytes == 3 * 3 * MIB * (2 - 1)
+    assert charged["unmeasured"].kept_activation_bytes == 0
+    assert charged["measured"].total - charged["unmeasured"].total == 9 * MIB

@@ -1,0 +1,208 @@
+"""Memory figures measured as a fresh worker runs: each one in a child interpreter of its own.
+
+A worker is a fresh process: it imports the runtime, builds its stage's engine and runs its first
+steps. The profiling process is not: by the time it measures a decoder layer's per-layer line it has
+built and freed every other engine of the profile, and its heap has room that a worker's has not.
+glibc's malloc raises its mmap threshold each time a large mapped block is freed (up to 32 MiB), so
+a process that has freed big activations serves later ones from its heap, where freed pages stay.
+A fresh PyTorch worker recomputing SmolLM2 int4 layers per block grew ~3.5-4 MiB a further layer,
+where the warm profile measured 0.5-3.1, and its plans ran 1.06-1.21x their figure; torch's start-up
+term measured in the profiling process moved 65-81 MiB between profiles
+(benchmarks/MEMORY_NOTES.md, helpers h18 and h22).
+
+So `fresh_measurements` runs each measurement in a child started with `subprocess` (a new
+interpreter, not a fork: a fork inherits the parent's heap and its malloc settings), one at a time,
+each importing what a worker imports first (the runtime, its transport), then loading the stage's
+graph and feeds from a file this process wrote (the stage's constants only) and running the
+measurement on a freshly built engine (`peak_workspace`: peak above the built engine, first steps
+included; `start_up_bytes`). Engines set their own thread count from the backend name.
+Cost: a child per figure (~1 s for MNN, ~3-6 s for PyTorch here, most of it importing torch).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ir.backend import BackendSpec
+from ir.graph import Graph
+from runtime.engines.stage import stage_spec
+
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout: a child imports the runtime from it
+
+# (what, first block, last block, activations): "peak" is `peak_workspace` (one micro-batch in flight),
+# "peak2" the same with two in flight, "start_up" `start_up_bytes`
+Measurement = tuple[str, int, int, "str | None"]
+
+# The fork server: a fresh interpreter that imports what a worker imports first (the runtime, its
+# transport, the backend's engine and so torch), runs nothing, then forks one child per measurement
+# (a line on stdin: the path of its job file) and reports its exit. Each child starts from the heap
+# of imports alone, as a worker does, without paying torch's import again (~3-4 s each here).
+_SERVER = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import runtime.pipeline.worker, runtime.engines.mnn, runtime.transport.zeromq  # a worker's first imports
+from runtime.profiling.fresh import _preload, _run_child
+_preload(sys.argv[2])
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _run_child(sys.argv[2], line.strip())
+        except BaseException as exc:
+            print('FAILED ' + type(exc).__name__ + ': ' + str(exc)[-800:], flush=True)
+            code = 1
+        sys.stdout.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print('DONE ' + str(status), flush=True)
+"""
+
+
+def _preload(backend: str) -> None:
+    """In the server, before any fork: the modules a measurement needs, the backend's engine included."""
+    import ir.graph  # noqa: F401 (unpickling the stage's graph)
+    import runtime.engines.factory  # noqa: F401
+    import runtime.profiling.compute  # noqa: F401
+    from ir.backend import engine_of
+
+    if engine_of(backend) == "torch":
+        import runtime.engines.pytorch  # noqa: F401 (and torch)
+
+
+class FreshProcesses:
+    """`with FreshProcesses(backend) as fresh: fresh.run(graph, feeds, measurements)`: measurements,
+    each job in a child forked from one server interpreter that has only imported the runtime and
+    the backend's engine (`_SERVER`). Where fork is missing, each job in a new interpreter."""
+
+    def __init__(self, backend: BackendSpec | str, timeout_s: float = 600.0):
+        self.name = backend if isinstance(backend, str) else backend.name
+        self.timeout_s = timeout_s
+        self._server: subprocess.Popen | None = None
+        self._folder = tempfile.TemporaryDirectory(prefix="confidant-fresh-")
+
+    def __enter__(self) -> "FreshProcesses":
+        if hasattr(os, "fork"):
+            self._server = subprocess.Popen([sys.executable, "-c", _SERVER, str(_ROOT), self.name],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.stdin.close()
+            try:
+                self._server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+                self._server.wait()
+        self._folder.cleanup()
+
+    def run(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> list[int]:
+        """`measurements` in order in one fresh child; their bytes, in order (RuntimeError if it fails)."""
+        stage = _stage_graph(graph, [(first, last) for _, first, last, _ in measurements])
+        path = os.path.join(self._folder.name, "job.pickle")
+        with open(path, "wb") as f:
+            pickle.dump((stage, dict(feeds), list(measurements)), f, protocol=pickle.HIGHEST_PROTOCOL)
+        del stage
+        if self._server is None:
+            return _measure_in_new_interpreter(self.name, path, self.timeout_s)
+        self._server.stdin.write(path + "\n")
+        self._server.stdin.flush()
+        lines = []
+        for line in self._server.stdout:
+            if line.startswith("DONE "):
+                break
+            lines.append(line)
+        else:
+            raise RuntimeError(f"the fresh {self.name} measurement server ended (exit {self._server.poll()})")
+        return _result(self.name, lines, 0 if line.strip() == "DONE 0" else 1, "".join(lines))
+
+
+_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import runtime.pipeline.worker, runtime.engines.mnn, runtime.transport.zeromq  # a worker's first imports
+from runtime.profiling.fresh import _run_child
+_run_child(sys.argv[2], sys.argv[3])
+"""
+
+
+def _measure_in_new_interpreter(name: str, path: str, timeout_s: float) -> list[int]:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(_ROOT), name, path], capture_output=True,
+                          text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return _result(name, proc.stdout.splitlines(), proc.returncode, proc.stderr)
+
+
+def _result(name: str, lines: Sequence[str], code: int, errors: str) -> list[int]:
+    found = [line for line in lines if line.startswith("FRESH ")]
+    if code != 0 or not found:
+        raise RuntimeError(f"a fresh {name} measurement failed (exit {code}): {errors.strip()[-1500:]}")
+    return [int(v) for v in json.loads(found[-1][6:])]
+
+
+def _stage_graph(graph: Graph, ranges: Sequence[tuple[int, int]]) -> Graph:
+    """`graph` with only the constants the blocks of `ranges` read (what a child needs to build them)."""
+    read: set[str] = set()
+    for first, last in ranges:
+        spec = stage_spec(graph, first, last)
+        read |= {i for node in spec.compute_nodes + spec.host_nodes for i in node.inputs}
+    return replace(graph, constants={k: v for k, v in graph.constants.items() if k in read})
+
+
+def _run_child(backend: str, path: str) -> None:
+    """In the child: the measurements listed in `path`, one after another, printed as one JSON line."""
+    from ir.backend import parse_backend
+    from runtime.profiling.compute import peak_workspace, start_up_bytes
+
+    spec_of_backend = parse_backend(backend)
+    with open(path, "rb") as f:  # written by this checkout's parent process, never from a peer
+        graph, feeds, measurements = pickle.load(f)
+    out = []
+    for what, first, last, activations in measurements:
+        spec = stage_spec(graph, first, last)
+        measure = peak_workspace if what == "peak" else start_up_bytes
+        if what == "peak2":  # two micro-batches in flight
+            out.append(int(peak_workspace(spec_of_backend, spec, feeds, activations, in_flight=2)))
+        else:
+            out.append(int(measure(spec_of_backend, spec, feeds, activations)))
+    print("FRESH " + json.dumps(out), flush=True)
+
+
+def fresh_peaks(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
+                lengths: Sequence[int], activations: str | None, repeats: int) -> list[list[int]]:
+    """Per length k of `lengths`, `repeats` peaks (`peak_workspace`) of a stage of blocks first..first+k-1,
+    each in a fresh child: what a worker's first steps peak above its built engine (an engine's
+    start-up included)."""
+    return [[fresh.run(graph, feeds, [("peak", first, first + k - 1, activations)])[0] for _ in range(repeats)]
+            for k in lengths]
+
+
+def fresh_line(peaks: Sequence[Sequence[int]], less: int = 0) -> tuple[int, int]:
+    """(what each further block adds, the one-block workspace) of fresh peaks of stages of 1..L blocks
+    (`fresh_peaks`), `less` (the start-up charged with the engine) taken off each: a further block
+    adds the median step between the lengths' median peaks (three steps: one jump outvoted; two:
+    the smaller), and the workspace is the highest peak of any repeat less what stacks under it, so
+    every measured stage is covered. Neither below 0; the workspace at least the step."""
+    medians = [statistics.median(p) - less for p in peaks]
+    steps = sorted(b - a for a, b in zip(medians, medians[1:]))
+    step = max(0, int(steps[(len(steps) - 1) // 2])) if steps else 0
+    workspace = max(max(p) - less - k * step for k, p in enumerate(peaks))
+    return step, max(step, int(workspace))
+
+
+def median_start_up(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray],
+                    measurements: Sequence[Measurement], repeats: int) -> int:
+    """The median over `repeats` fresh children of the sum of `measurements` (`start_up_bytes` each,
+    in order in one child, as `profile_device` runs them)."""
+    return int(statistics.median(sum(fresh.run(graph, feeds, measurements)) for _ in range(repeats)))

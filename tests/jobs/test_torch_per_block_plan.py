@@ -1,0 +1,76 @@
+"""Issue 31, lever 3 and target 3 on PyTorch, end to end: `profile` measures a torch backend's per-layer
+lines and its start-up as a worker runs (each peak in a fresh child process, `runtime.profiling.fresh`),
+the planner charges and picks recomputing per block for a device whose budget nothing else fits, the
+bundle carries it, and `train PLAN` runs it on a real worker process whose measured peak (VmHWM, its
+whole life: setup, training) stays within the plan's figure, with the losses of the same model planned
+to keep its activations (the engine's gradients against keeping: tests/runtime/test_torch_per_block.py).
+Not within 10% yet: one device has one micro-batch in flight, and the part of a further micro-batch's
+checkpoints that is not per layer is charged on every per-block stage (in its workspace: the cost model
+has no per-stage term per micro-batch), so this plan is ~12% high (four layers: 483.2 MiB measured, 548.7 planned);
+the lower bound here is 0.85 (issue 31 target 3 asks 0.90).
+
+Measured in the warm profiling process instead (`profile_this_device(..., fresh=False)`, with the offer
+forced), the same plan's worker ran over its figure: CI's slow tier saw 485.1 MiB against 464.5 planned,
+and this machine 1.01-1.21x on SmolLM2's layer stages (benchmarks/MEMORY_NOTES.md)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+MIB = 2 ** 20
+
+
+@pytest.mark.slow  # an export, a real profile (~3-6 min on 2 loaded cores: fresh children), two plans, two runs
+def test_a_torch_device_that_only_fits_per_block_is_planned_so_and_runs_within_its_plan(tmp_path):
+    from jobs.export.llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
+    from jobs.planning import PlanSettings, plan_model
+    from jobs.profiling import profile_this_device
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
+    from planner.lora import LoraSettings
+    from tasks.causal_lm.entity_task import write_entity_splits
+
+    # a Llama whose layers' activations (2 x 128 tokens of 256 floats) outweigh the noise, with eight
+    # layers: what keeping holds a layer beyond per block (~7 MiB) outweighs the once part of a further
+    # micro-batch that per block is charged (with four, per block's figure came out at keep's in one
+    # profile of two, and nothing but keep fitted)
+    model = export_random_causal_lm("llama", tmp_path / "m.onnx", LlmExportOptions(), kv_cache=False,
+                                    tokenizer_from=smollm2_gguf_path(), hidden_size=256, intermediate_size=768,
+                                    num_hidden_layers=8)
+    train, _ = write_entity_splits(tmp_path / "data", n_train=16, n_dev=1)
+    lora = LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0)
+    profile, profile_file = profile_this_device(model, 2, 128, tmp_path / "dev.json", name="dev",
+                                                backends=("torch:cpu:t1",), reps=1, attention=False, lora=lora)
+    backend = profile.backend("torch:cpu:t1")
+    assert backend.fresh_lines
+    layers = [c for c in backend.blocks.values() if c.per_block_stacked_bytes is not None]
+    assert layers and all(c.per_block_stacked < c.stacked for c in layers)  # measured, and leaner
+
+    def planned(budget: str, name: str):
+        (tmp_path / "cluster.yaml").write_text(
+            f"devices:\n  - {{name: d0, address: 'tcp://127.0.0.1:5917', profile: {profile_file.name}, "
+            f"memory_budget: {budget}, backend: 'torch:cpu:t1'}}\n")
+        out = plan_model(model, tmp_path / "cluster.yaml",
+                         PlanSettings("1f1b-flush", 4, 128, 2, lora=lora, data=train, time_limit_s=20.0),
+                         tmp_path / name)
+        (device,) = json.loads((out / "plan.json").read_text())["devices"]
+        return out, device
+
+    roomy, kept = planned("4GiB", "keep")
+    assert kept["activations"] == "keep"
+    # one device, one micro-batch in flight: recomputing the whole stage holds what keeping does, so
+    # a budget just under keeping's figure fits only per block
+    budget = kept["memory_bytes"] - MIB
+    tight, lean = planned(f"{budget}B", "lean")
+    assert lean["activations"] == "per-block" and lean["memory_bytes"] <= budget
+    assert json.loads((tight / "d0" / "stage.json").read_text())["activations"] == "per-block"
+
+    runs = {}
+    for name, plan in (("keep", roomy), ("per-block", tight)):
+        runs[name] = train_from_plan(plan, train, None, PlanRunSettings(steps=2, seed=0, local=True, insecure=True))
+    (worker,) = runs["per-block"].devices
+    figures = (worker.peak_rss_bytes / MIB, lean["memory_bytes"] / MIB)
+    assert 0.85 * lean["memory_bytes"] <= worker.peak_rss_bytes <= lean["memory_bytes"], figures
+    np.testing.assert_allclose([s.loss for s in runs["per-block"].steps], [s.loss for s in runs["keep"].steps],
+                               rtol=1e-6)
