@@ -135,6 +135,16 @@ def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
 
 
+def _engine_loss_and_grads(engine: str, lora, weights, feeds):
+    """The whole adapted graph as one stage on `engine`, `weights` over its constants: one micro-batch's
+    loss and parameter gradients."""
+    spec = stage_spec(lora, 0, len(lora.blocks) - 1)
+    init = {**lora.constants, **weights}
+    eng = MnnStageEngine(spec, weights=init) if engine == "mnn" else TorchStageEngine(spec, weights=init)
+    loss = float(eng.forward(feeds, 0))
+    return loss, eng.backward(0).params
+
+
 @pytest.mark.parametrize("engine", ["mnn", "torch"])
 def test_adapter_gradients_equal_peft_in_float64(tiny_checkpoint, adapted, engine):
     lora, adapters = adapted
@@ -143,12 +153,8 @@ def test_adapter_gradients_equal_peft_in_float64(tiny_checkpoint, adapted, engin
     feeds = token_feeds(B, S, vocab=500)
     loss = _peft_loss(peft_model, feeds)
     loss.backward()
-    spec = stage_spec(lora, 0, len(lora.blocks) - 1)
-    init = {**lora.constants, **weights}
-    eng = MnnStageEngine(spec, weights=init) if engine == "mnn" else TorchStageEngine(spec, weights=init)
-    got_loss = float(eng.forward(feeds, 0))
+    got_loss, grads = _engine_loss_and_grads(engine, lora, weights, feeds)
     assert got_loss == pytest.approx(loss.item(), rel=1e-5)
-    grads = eng.backward(0).params
     assert set(grads) == set(lora.params)  # adapters and the head: frozen weights get none
     for a in adapters:
         layer = modules[a.base]
@@ -188,11 +194,8 @@ def test_adapter_gradients_on_an_int4_minilm_equal_peft_on_its_dequantized_weigh
     feeds = token_feeds(B, S, vocab=500)
     loss = _peft_loss(peft_model, feeds)
     loss.backward()
-    spec = stage_spec(lora, 0, len(lora.blocks) - 1)
-    init = {**lora.constants, **weights}
-    eng = MnnStageEngine(spec, weights=init) if engine == "mnn" else TorchStageEngine(spec, weights=init)
-    assert float(eng.forward(feeds, 0)) == pytest.approx(loss.item(), rel=1e-5)
-    grads = eng.backward(0).params
+    got_loss, grads = _engine_loss_and_grads(engine, lora, weights, feeds)
+    assert got_loss == pytest.approx(loss.item(), rel=1e-5)
     assert set(grads) == set(lora.params)
     # relative to the largest gradient of its kind: some of a real model's adapters get gradients ~1e-3 of the
     # largest, where float32 against float64 differs in the 2nd digit on the float32 base too (measured: per
