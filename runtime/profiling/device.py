@@ -310,7 +310,10 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                 once += sum(start_up_bytes(backend, stage_spec(graph, layer.index, layer.index), feeds, activations)
                             for activations in ("keep", "per-block"))
             with contextlib.ExitStack() as stack:
-                children = stack.enter_context(FreshProcesses(backend)) if fresh else None
+                # PyTorch's only: MNN's lines and start-up stay measured here (measured fresh, MNN's lines
+                # charged over the run, and its start-up came out a noise-level 1.6 MiB where it has none)
+                fresh_here = fresh and backend.engine == "torch"
+                children = stack.enter_context(FreshProcesses(backend)) if fresh_here else None
                 if children is not None:
                     # Those runs warm this process (its later figures are repeats); what a worker pays
                     # is measured the same way in fresh children: here it moved 65-81 MiB between
@@ -345,7 +348,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
             native = engine_update_rates(backend, stage_spec(graph, cheapest.index, cheapest.index))
             for optimizer, rate in native.items():
                 say(f"{backend.name}: its own {optimizer} step, {rate * 2**20 * 1e3:.2f} ms per MiB of weights")
-            profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native, fresh))
+            profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native,
+                                           fresh and backend.engine == "torch"))
         # an engine's start-up shows on the first of its backends to run here: charged to them all
         profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + start_up.get(b.engine, 0))
                     for p, b in zip(profiles, present)]
