@@ -135,27 +135,29 @@ def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
 
 
-def _engine_loss_and_grads(engine: str, lora, weights, feeds):
-    """The whole adapted graph as one stage on `engine`, `weights` over its constants: one micro-batch's
-    loss and parameter gradients."""
+def _peft_then_engine(engine: str, peft_model, lora, adapters):
+    """One micro-batch through `peft_model` (its gradients left on its modules) and through the whole
+    adapted graph as one stage on `engine` with the same adapter weights: the losses equal, the engine's
+    gradients for the adapters and the head only (frozen weights get none). Returns PEFT's modules by
+    base weight and the engine's gradients."""
+    weights, modules = _same_adapter_weights(peft_model, lora, adapters)
+    feeds = token_feeds(B, S, vocab=500)
+    loss = _peft_loss(peft_model, feeds)
+    loss.backward()
     spec = stage_spec(lora, 0, len(lora.blocks) - 1)
     init = {**lora.constants, **weights}
     eng = MnnStageEngine(spec, weights=init) if engine == "mnn" else TorchStageEngine(spec, weights=init)
-    loss = float(eng.forward(feeds, 0))
-    return loss, eng.backward(0).params
+    assert float(eng.forward(feeds, 0)) == pytest.approx(loss.item(), rel=1e-5)
+    grads = eng.backward(0).params
+    assert set(grads) == set(lora.params)
+    return modules, grads
 
 
 @pytest.mark.parametrize("engine", ["mnn", "torch"])
 def test_adapter_gradients_equal_peft_in_float64(tiny_checkpoint, adapted, engine):
     lora, adapters = adapted
     peft_model = _peft_model(tiny_checkpoint)
-    weights, modules = _same_adapter_weights(peft_model, lora, adapters)
-    feeds = token_feeds(B, S, vocab=500)
-    loss = _peft_loss(peft_model, feeds)
-    loss.backward()
-    got_loss, grads = _engine_loss_and_grads(engine, lora, weights, feeds)
-    assert got_loss == pytest.approx(loss.item(), rel=1e-5)
-    assert set(grads) == set(lora.params)  # adapters and the head: frozen weights get none
+    modules, grads = _peft_then_engine(engine, peft_model, lora, adapters)
     for a in adapters:
         layer = modules[a.base]
         ga = layer.lora_A["default"].weight.grad.numpy().T
@@ -190,13 +192,7 @@ def test_adapter_gradients_on_an_int4_minilm_equal_peft_on_its_dequantized_weigh
             wide = dequantize(q).astype(np.float64)
             assert np.abs(wide - w).max() > 0  # off the grid: the rounding moves it
             p.copy_(torch.from_numpy(wide.T if t else wide))
-    weights, modules = _same_adapter_weights(peft_model, lora, adapters)
-    feeds = token_feeds(B, S, vocab=500)
-    loss = _peft_loss(peft_model, feeds)
-    loss.backward()
-    got_loss, grads = _engine_loss_and_grads(engine, lora, weights, feeds)
-    assert got_loss == pytest.approx(loss.item(), rel=1e-5)
-    assert set(grads) == set(lora.params)
+    modules, grads = _peft_then_engine(engine, peft_model, lora, adapters)
     # relative to the largest gradient of its kind: some of a real model's adapters get gradients ~1e-3 of the
     # largest, where float32 against float64 differs in the 2nd digit on the float32 base too (measured: per
     # tensor 1.6e-2 at float32, all of them within 2.1e-5 of the largest)
