@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import statistics
 import subprocess
 import sys
@@ -111,9 +110,8 @@ class FreshProcesses:
     def run(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> list[int]:
         """`measurements` in order in one fresh child; their bytes, in order (RuntimeError if it fails)."""
         stage = _stage_graph(graph, [(first, last) for _, first, last, _ in measurements])
-        path = os.path.join(self._folder.name, "job.pickle")
-        with open(path, "wb") as f:
-            pickle.dump((stage, dict(feeds), list(measurements)), f, protocol=pickle.HIGHEST_PROTOCOL)
+        path = os.path.join(self._folder.name, "job.json")
+        _write_job(path, stage, feeds, measurements)
         del stage
         if self._server is None:
             return _measure_in_new_interpreter(self.name, path, self.timeout_s)
@@ -160,14 +158,41 @@ def _stage_graph(graph: Graph, ranges: Sequence[tuple[int, int]]) -> Graph:
     return replace(graph, constants={k: v for k, v in graph.constants.items() if k in read})
 
 
+def _write_job(path: str, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> None:
+    """A child's job in the formats bundles use, nothing pickled: `path` (JSON: the graph document as a
+    plan bundle writes it, quantized weights as their storage, and the measurements) beside
+    PATH.safetensors (the graph's constants under "c/", the feeds under "f/")."""
+    from ir.safetensors import save_safetensors
+    from ir.serialize import graph_to_json, stored_constants
+
+    tensors = {f"c/{k}": v for k, v in stored_constants(graph.constants).items()}
+    tensors.update({f"f/{k}": np.asarray(v) for k, v in feeds.items()})
+    save_safetensors(path + ".safetensors", tensors)
+    with open(path, "w") as f:
+        json.dump({"graph": graph_to_json(graph, stored=True), "measurements": [list(m) for m in measurements]}, f)
+
+
+def _read_job(path: str) -> tuple[Graph, dict[str, np.ndarray], list[Measurement]]:
+    """The graph, feeds and measurements `_write_job` wrote to `path`."""
+    from ir.safetensors import load_safetensors
+    from ir.serialize import graph_from_json
+
+    with open(path) as f:
+        doc = json.load(f)
+    tensors = load_safetensors(path + ".safetensors")
+    graph = graph_from_json(doc["graph"], {k[2:]: v for k, v in tensors.items() if k.startswith("c/")})
+    feeds = {k[2:]: v for k, v in tensors.items() if k.startswith("f/")}
+    return graph, feeds, [(what, int(first), int(last), activations)
+                          for what, first, last, activations in doc["measurements"]]
+
+
 def _run_child(backend: str, path: str) -> None:
     """In the child: the measurements listed in `path`, one after another, printed as one JSON line."""
     from ir.backend import parse_backend
     from runtime.profiling.compute import peak_workspace, start_up_bytes
 
     spec_of_backend = parse_backend(backend)
-    with open(path, "rb") as f:  # written by this checkout's parent process, never from a peer
-        graph, feeds, measurements = pickle.load(f)
+    graph, feeds, measurements = _read_job(path)
     out = []
     for what, first, last, activations in measurements:
         spec = stage_spec(graph, first, last)

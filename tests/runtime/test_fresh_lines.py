@@ -4,6 +4,7 @@ has room a worker's has not (a fresh PyTorch worker recomputing SmolLM2 int4 lay
 ~3.5-4 MiB a further layer where the warm profile measured 0.5-3.1; benchmarks/MEMORY_NOTES.md)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 MIB = 2 ** 20
@@ -48,3 +49,37 @@ def test_a_fresh_measurement_pays_what_a_worker_s_first_steps_pay_and_a_warm_rep
     with FreshProcesses(backend) as fresh:
         first, again = fresh.run(graph, feeds, [("peak", 1, 2, "per-block"), ("peak", 1, 2, "per-block")])
     assert first > again + 10 * MIB and first > warm + 10 * MIB, (first / MIB, again / MIB, warm / MIB)
+
+
+def test_a_fresh_childs_job_goes_as_bundle_formats_and_comes_back_whole(tmp_path, minilm_onnx):
+    """What a fresh child measures travels as a graph document and a safetensors file, nothing pickled:
+    an int4 LoRA graph's stored weights, the feeds and the measurements come back equal, and the
+    stage a child builds from it is the parent's."""
+    from ir.precision import QuantizedTensor
+    from planner.lora import LoraSettings, add_lora
+    from planner.onnx_import import load_model
+    from runtime.profiling.fresh import _read_job, _write_job
+    from runtime.profiling.inputs import synthetic_feeds
+
+    graph, _ = add_lora(load_model(minilm_onnx, 1, 16),
+                        LoraSettings(4, 8.0, targets=("q", "v"), seed=0, base_dtype="int4"))
+    feeds = synthetic_feeds(graph, 0)
+    jobs = [("peak", 1, 2, "per-block"), ("start_up", 1, 1, None)]
+    path = str(tmp_path / "job.json")
+    _write_job(path, graph, feeds, jobs)
+    got, got_feeds, got_jobs = _read_job(path)
+    assert got_jobs == jobs
+    assert set(got_feeds) == set(feeds) and all(np.array_equal(got_feeds[k], feeds[k]) for k in feeds)
+    assert set(got.constants) == set(graph.constants)
+    held = [k for k, v in graph.constants.items() if isinstance(v, QuantizedTensor)]
+    assert held  # the int4 base travels as its storage
+    for k, v in graph.constants.items():
+        w = got.constants[k]
+        if isinstance(v, QuantizedTensor):
+            assert isinstance(w, QuantizedTensor) and (w.storage, w.axis, w.block) == (v.storage, v.axis, v.block) \
+                and np.array_equal(w.codes, v.codes) and np.array_equal(w.scales, v.scales) \
+                and (v.mins is None or np.array_equal(w.mins, v.mins))
+        else:
+            assert np.array_equal(np.asarray(w), np.asarray(v))
+    assert [b.name for b in got.blocks] == [b.name for b in graph.blocks] and got.params == graph.params
+    assert open(path).read().lstrip().startswith("{")  # JSON, not a pickle
