@@ -40,6 +40,12 @@ the plan's base file) passes an `ir.safetensors.HashedTensors` in its place: the
 SHA-256 of the file they make, hashed piece by piece in file order, so the manifest still checks
 every byte and no second copy of the file is made.
 
+A bundle built in this process (`build_bundle_files`) or read and verified here
+(`load_plan_folder`) comes as `CheckedFiles`: its files with the SHA-256 each was found to have,
+carried with the bytes, so checking it again before it is shipped (`check_bundle_manifest`)
+compares digests instead of hashing the bytes again (a SmolLM2-135M plan is 540 MB: each pass
+over it cost seconds of a recovery). A worker receives plain bytes and hashes them itself.
+
 Bundles written before the storage form (a quantized weight as its float32 values under graph.json's
 `precisions`) still load: the reader quantizes them again to the same weight.
 """
@@ -64,7 +70,7 @@ from ir.verify import GraphError, verify_graph, verify_plan
 from ir.versioned import check_header
 
 __all__ = ["ACTIONS", "BUNDLE_FILES", "BUNDLE_FORMAT", "BUNDLE_SCHEMA_VERSION", "BundleContents", "BundleError", "GRAPH",
-           "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "check_bundle_manifest", "sign_bundle",
+           "MANIFEST", "PLAN", "PLAN_BASE", "PLAN_CLUSTER", "SIGNATURE", "base_weights", "STAGE", "WEIGHTS", "build_bundle_files", "CheckedFiles", "check_bundle_manifest", "sign_bundle",
            "manifest_plan_id", "plan_identity", "check_device_name", "load_bundle_dir", "load_plan", "read_bundle_files",
            "sha256_hex", "verify_bundle_files", "write_bundle", "write_bundle_files", "schedule_of_bundles",
            "LoadedPlan", "load_plan_folder"]
@@ -139,6 +145,18 @@ def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class CheckedFiles(dict):
+    """A bundle's files (name -> bytes) with the SHA-256 of each as computed in this process when
+    the bytes were made or read (`digests`): checking them against their manifest again
+    (`check_bundle_manifest`) compares the digests carried, without hashing the bytes again. Only
+    this process's own builders and readers make one; bytes from the wire are a plain dict and
+    are hashed (a worker checks every byte it loads)."""
+
+    def __init__(self, files: Mapping[str, Any], digests: Mapping[str, str]):
+        super().__init__(files)
+        self.digests = dict(digests)
+
+
 def sha256_file(path: str | Path) -> str:
     """A file's SHA-256, read in pieces (a base model's weights can be gigabytes)."""
     digest = hashlib.sha256()
@@ -175,27 +193,34 @@ def _json_bytes(doc: Any, sort_keys: bool, indent: int | None = 1) -> bytes:
 def build_bundle_files(stage_doc: StageDocument | Mapping[str, Any], graph_doc: Mapping[str, Any],
                        constants: Mapping[str, np.ndarray], actions: Iterable[Action | str],
                        source: str = "<memory>", sign: Signer | None = None,
-                       plan_id: str | None = None) -> dict[str, bytes]:
+                       plan_id: str | None = None) -> "CheckedFiles":
     """The bytes of every bundle file, manifest included, and its signature with `sign` (not yet
-    verified: `write_bundle` does). `stage_doc` may be a StageDocument or its JSON (checked as a
-    reader would). `plan_id` (`plan_identity`) goes into the manifest, under the signature."""
+    verified: `write_bundle` does), with each file's SHA-256 (`CheckedFiles`). `stage_doc` may be
+    a StageDocument or its JSON (checked as a reader would). `plan_id` (`plan_identity`) goes into
+    the manifest, under the signature. `constants` given as `ir.safetensors.HashedTensors` (hashed
+    already, as `planner.emit` does for the plan's identity) stay so in the files: the weights
+    file is neither hashed again nor put together here (`encode_safetensors(tensors)` makes its
+    bytes when it is shipped or written; `verify_bundle_files` reads the tensors as they are)."""
     if not isinstance(stage_doc, StageDocument):
         stage_doc = StageDocument.from_json(stage_doc, f"bundle {source}: {STAGE}")
     try:
         tokens = [str(a if isinstance(a, Action) else Action.parse(a)) for a in actions]
         files = {STAGE: _json_bytes(stage_doc.to_json(), sort_keys=True),
                  GRAPH: _json_bytes(dict(graph_doc), sort_keys=False, indent=None),
-                 WEIGHTS: encode_safetensors(constants), ACTIONS: "".join(t + "\n" for t in tokens).encode("ascii")}
+                 WEIGHTS: constants if isinstance(constants, HashedTensors) else encode_safetensors(constants),
+                 ACTIONS: "".join(t + "\n" for t in tokens).encode("ascii")}
     except (TypeError, ValueError) as exc:
         raise BundleError(f"bundle {source}: cannot be written: {exc}") from None
+    digests = {name: files[name].sha256 if isinstance(files[name], HashedTensors) else sha256_hex(files[name])
+               for name in BUNDLE_FILES}
     manifest = {"schema_version": BUNDLE_SCHEMA_VERSION, "format": BUNDLE_FORMAT, "device": stage_doc.device,
-                "stage": stage_doc.stage, "files": {name: sha256_hex(files[name]) for name in BUNDLE_FILES}}
+                "stage": stage_doc.stage, "files": digests}
     if plan_id is not None:
         manifest[_PLAN_KEY] = plan_id
     files[MANIFEST] = _json_bytes(manifest, sort_keys=False)
     if sign is not None:
         files[SIGNATURE] = bytes(sign(files[MANIFEST]))
-    return files
+    return CheckedFiles(files, digests)
 
 
 def write_bundle(directory: str | Path, stage_doc: StageDocument | Mapping[str, Any], graph_doc: Mapping[str, Any],
@@ -277,8 +302,8 @@ def _load_json(data: bytes, where: str, name: str) -> Any:
 def check_bundle_manifest(files: Mapping[str, bytes], source: str) -> dict[str, str]:
     """The manifest's file hashes once the manifest is sound and every file matches it exactly.
 
-    Cheap (hashing only): the coordinator runs it before shipping a bundle; `verify_bundle_files`
-    runs it first and then parses everything."""
+    Cheap (hashing only; `CheckedFiles` compare the digests they carry): the coordinator runs it
+    before shipping a bundle; `verify_bundle_files` runs it first and then parses everything."""
     if MANIFEST not in files:
         raise BundleError(f"bundle {source}: {MANIFEST} is missing (not a bundle, or its writing was interrupted)")
     manifest = _load_json(bytes(files[MANIFEST]), source, MANIFEST)
@@ -314,9 +339,11 @@ def check_bundle_manifest(files: Mapping[str, bytes], source: str) -> dict[str, 
         raise BundleError(f"bundle {source}: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not listed in "
                           f"{MANIFEST} (a bundle holds only its listed files; remove "
                           f"{'it' if len(extra) == 1 else 'them'} or re-run `confidant plan`)")
+    carried = files.digests if isinstance(files, CheckedFiles) else {}
     for name in BUNDLE_FILES:
         data = files[name]
-        got = data.sha256 if isinstance(data, HashedTensors) else sha256_hex(data)
+        got = (data.sha256 if isinstance(data, HashedTensors) else carried[name] if name in carried
+               else sha256_hex(data))
         if got != listed[name]:
             raise BundleError(f"bundle {source}: {name} is corrupted (sha256 mismatch: expected "
                               f"{listed[name][:12]}..., got {got[:12]}...)")
@@ -467,16 +494,16 @@ def schedule_of_bundles(contents: "list[BundleContents] | tuple[BundleContents, 
     return schedule
 
 
-def plan_identity(settings: Any, constants: Mapping[str, np.ndarray]) -> str:
+def plan_identity(settings: Any, weights_sha256: Iterable[str]) -> str:
     """A plan's identity, named by every bundle's signed manifest and by plan.json: the SHA-256 of
-    its settings (any JSON: the stages' documents and actions) and of every constant of the model
-    by name, dtype, shape and bytes. Plans that differ in any setting or weight differ in it; the
-    same plan written twice has the same one."""
+    its settings (any JSON: the stages' documents and actions) and of each stage's weights file's
+    SHA-256, in stage order (which covers every constant a stage holds by name, dtype, shape and
+    bytes). Plans that differ in any setting or weight differ in it; the same plan written twice
+    has the same one. From the weights files' digests, not the weights again: those digests go into
+    the manifests anyway, so a plan's weights are hashed once when it is emitted."""
     digest = hashlib.sha256(_json_bytes(settings, sort_keys=True, indent=None))
-    for name in sorted(constants):
-        arr = np.ascontiguousarray(constants[name])
-        digest.update(f"\0{name}\0{arr.dtype.str}\0{list(arr.shape)}\0".encode("utf-8"))
-        digest.update(arr.reshape(-1).view(np.uint8) if arr.size else b"")
+    for sha in weights_sha256:
+        digest.update(f"\0{sha}".encode("ascii"))
     return digest.hexdigest()
 
 
@@ -645,6 +672,6 @@ def load_plan_folder(out_dir: str | Path) -> LoadedPlan:
         if (c.stage, c.first_block, c.last_block) != (d.stage, d.first_block, d.last_block):
             raise BundleError(f"plan {out_dir}: bundle {d.bundle}/ is stage {c.stage} blocks "
                               f"{[c.first_block, c.last_block]}, {PLAN} says stage {d.stage} blocks {list(d.blocks)}")
-        files.append(read)
+        files.append(CheckedFiles(read, c.manifest))  # hashed once: shipping it compares the digests
         contents.append(c)
     return LoadedPlan(out_dir, plan, tuple(files), tuple(contents), schedule_of_bundles(contents))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ir.bundle import (MANIFEST, BundleContents, LoadedPlan, schedule_of_bundles, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, build_bundle_files,
+from ir.bundle import (MANIFEST, WEIGHTS, BundleContents, LoadedPlan, schedule_of_bundles, PLAN, PLAN_BASE, PLAN_CLUSTER, BundleError, base_weights, build_bundle_files,
                        check_device_name, load_bundle_dir, load_plan, plan_identity, sha256_hex, verify_bundle_files,
                        write_bundle_files)
 from ir.documents import (ACTIVATION_CHOICES, valid_activations, DevicePlan, OptimizerSettings, PlanDocument, PlannedCost, PlannedHeadSplit, PlannedLora,
@@ -32,7 +32,7 @@ from ir.partition import Partition, StageCost
 from ir.plan import DEFAULT_LR, Schedule
 from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
-from ir.safetensors import encode_safetensors
+from ir.safetensors import encode_safetensors, hash_tensors
 from ir.serialize import graph_to_json, slice_graph, stored_constants
 from ir.versioned import check_header
 from ir.verify import verify_plan
@@ -242,11 +242,14 @@ def emit_plan(out_dir: str | Path, graph: Graph, partition: Partition, schedule:
 def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, config: Mapping[str, Any],
                    costs: Sequence[StageCost] | None = None, predicted_step_s: float | None = None,
                    cluster: Cluster | None = None, sign=None, source: str = "<memory>",
-                   with_base: bool = True) -> EmittedPlan:
+                   with_base: bool = True, deferred: bool = False) -> EmittedPlan:
     """The plan `emit_plan` writes, in memory: every bundle built and verified, the schedule
     verified, plan.json's document checked as a reader would; nothing touches the disk.
     `with_base` False leaves out the base weights file (a plan run from memory ships whole bundles:
-    no device holds a copy of a file that was never written)."""
+    no device holds a copy of a file that was never written). `deferred`: each bundle's weights
+    file stays its tensors with their SHA-256 (`ir.safetensors.HashedTensors`), its bytes made
+    when it is shipped, one stage at a time (`runtime.pipeline.bundles.send_bundle`), so the
+    plan's bundles never lie in memory together as bytes."""
     _check_inputs(graph, partition, schedule, costs, predicted_step_s)
     devices = partition.devices
     cfg = _settings(config, devices, graph)
@@ -262,24 +265,35 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
         cfg["engines"][a.device], cfg["backend"], cfg["threads"][a.device], optimizer, graph.batch, graph.seq,
         _split_heads(cfg, a.device), cfg["activations"].get(a.device), _steady_of(schedule, s))
         for s, a in enumerate(partition.stages)]
+    # each stage's weights hashed once, as the file they make (ir.safetensors.hash_tensors): the
+    # digests name the plan (so they are needed before any manifest) and go into the manifests as
+    # they are, so a bundle's weights are never hashed again here (issue 32: a 540 MB plan hashed
+    # four times cost seconds of every recovery). Weights mapped from the model file
+    # (planner.onnx_weights.map_raw) are resident only while read: given back after each stage's
+    # hash and after its bundle, so emitting holds the bundles' bytes and one stage's weights, not
+    # the model's weights besides.
+    parts, hashed = [], []
+    for assignment in partition.stages:
+        part = slice_graph(graph, assignment.first_block, assignment.last_block)
+        # quantized frozen weights go as their storage arrays, never widened (ir.precision)
+        hashed.append(hash_tensors(stored_constants(part.constants)))
+        drop_mapped_pages(part.constants.values())
+        parts.append(part)
     # every bundle's signed manifest names it: a bundle of another plan is refused in this one's folder
     plan_id = plan_identity({"model": cfg["model"], "graph": graph.name, "stages": [d.to_json() for d in stage_docs],
-                             "actions": [[str(a) for a in row] for row in schedule.actions]},
-                            stored_constants(graph.constants))
-    # weights mapped from the model file (planner.onnx_weights.map_raw) are resident only while read:
-    # given back after the hash and after each stage's bundle, so emitting holds the bundles' bytes
-    # and one stage's weights, not the model's weights besides (issue 32)
+                             "actions": [[str(a) for a in row] for row in schedule.actions]}, [h.sha256 for h in hashed])
     drop_mapped_pages(graph.constants.values())
     bundles, contents = {}, {}
-    for s, (assignment, stage_doc) in enumerate(zip(partition.stages, stage_docs)):
-        part = slice_graph(graph, assignment.first_block, assignment.last_block)
+    for s, (assignment, stage_doc, part) in enumerate(zip(partition.stages, stage_docs, parts)):
         device = assignment.device
         where = f"{source}/{device}"
-        # quantized frozen weights go as their storage arrays, never widened (ir.precision)
-        files = build_bundle_files(stage_doc, graph_to_json(part, stored=True), stored_constants(part.constants),
-                                   schedule.actions[s], source=where, sign=sign, plan_id=plan_id)
-        # parsed as views onto the bytes just built (held together until shipped): not a second copy
+        files = build_bundle_files(stage_doc, graph_to_json(part, stored=True), hashed[s], schedule.actions[s],
+                                   source=where, sign=sign, plan_id=plan_id)
+        # parsed from the tensors themselves (no second copy), their digests carried (CheckedFiles),
+        # not computed again
         contents[device] = verify_bundle_files(files, where, copy=False)
+        if not deferred:  # the weights file's bytes now; deferred: when shipped (runtime.pipeline.bundles)
+            files[WEIGHTS] = encode_safetensors(hashed[s].tensors)
         bundles[device] = files
         drop_mapped_pages(part.constants.values())
         c = costs[s] if costs is not None else None

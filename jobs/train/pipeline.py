@@ -264,7 +264,9 @@ class PlanInMemory:
                                  for d, c in zip(devices, choices) if c.head_split},
                   "activations": {d: c.activations or self.config.activations for d, c in zip(devices, choices)
                                   if c.activations or self.config.activations}}
-        return emit_in_memory(graph, partition, schedule, config, sign=self.sign, with_base=False).loaded()
+        # deferred: each stage's weights file is put together as it is shipped, one stage at a time
+        return emit_in_memory(graph, partition, schedule, config, sign=self.sign, with_base=False,
+                              deferred=True).loaded()
 
     def replanner(self, threshold: float = TRAINING.replan_threshold):
         """The one re-planner (planner.replan.PlanReplanner) over the plan in use, made on first use

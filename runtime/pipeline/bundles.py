@@ -37,7 +37,7 @@ from runtime.transport.wire import Expected
 
 __all__ = ["BUNDLE_KIND", "REST", "BaseWeights", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire",
            "as_uint8", "wire_to_files", "send_bundle", "recv_bundle", "recv_bundle_files", "load_plan", "plan_base",
-           "split_weights", "rebuild_weights", "spool_weights"]
+           "split_weights", "rebuild_weights", "spool_weights", "file_bytes", "file_size"]
 
 BUNDLE_KIND = "bundle"
 # Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
@@ -71,7 +71,8 @@ def plan_base(plan_dir: str | Path, plan: PlanDocument) -> BaseWeights | None:
 
 def split_weights(files: Mapping[str, bytes], base: BaseWeights) -> tuple[list[str], bytes]:
     """(the names of a bundle's weights that its base file holds, weights.safetensors without them)."""
-    weights = decode_safetensors(files[WEIGHTS])
+    data = files[WEIGHTS]
+    weights = dict(data.tensors) if isinstance(data, HashedTensors) else decode_safetensors(data)
     local = sorted(n for n in weights if n in base.names)
     return local, encode_safetensors({n: v for n, v in weights.items() if n not in set(local)})
 
@@ -170,19 +171,34 @@ def bundle_to_wire(directory: str | Path | Mapping[str, bytes]) -> dict[str, byt
     if isinstance(directory, (str, Path)):
         files = read_bundle_files(directory)
     else:
-        files, directory = dict(directory), "<memory>"
+        files, directory = directory, "<memory>"
+    # a plan emitted or read in this process carries its files' digests (CheckedFiles): compared,
+    # not hashed again
     check_bundle_manifest(files, str(directory))
     signature = {SIGNATURE: files[SIGNATURE]} if SIGNATURE in files else {}
     return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}, **signature}
 
 
+def file_bytes(data) -> bytes:
+    """A bundle file's bytes: a weights file left as its hashed tensors (`planner.emit`'s deferred
+    bundles, `ir.safetensors.HashedTensors`) is put together now, the one copy of it, bytes for
+    which its SHA-256 stands (`hash_tensors` hashes exactly what `encode_safetensors` writes)."""
+    return encode_safetensors(data.tensors) if isinstance(data, HashedTensors) else data
+
+
+def file_size(data) -> int:
+    return int(data.nbytes) if isinstance(data, HashedTensors) else len(data)
+
+
 def send_bundle(transport, peer: str, directory: str | Path | Mapping[str, bytes]) -> list[str]:
     """Ship a checked bundle (a directory, or `bundle_to_wire`'s files) to `peer` as uint8 tensors;
     returns the file names in the order sent, which the receiver needs (send them in the setup
-    control message)."""
+    control message). A weights file given as its tensors is put together here, as it is sent."""
     files = bundle_to_wire(directory) if isinstance(directory, (str, Path)) else directory
     for i, (name, data) in enumerate(files.items()):
+        data = file_bytes(data)
         transport.send_tensor(peer, BUNDLE_KIND, -1, i, as_uint8(data), name=name)
+        del data
     return list(files)
 
 

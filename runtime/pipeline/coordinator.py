@@ -415,7 +415,7 @@ class Coordinator:
         Files given in memory are let go once sent (each mapping emptied): the coordinator does not
         hold a model's worth of bundle bytes for the run (a recovery reads a plan folder again)."""
         from ir.bundle import WEIGHTS
-        from runtime.pipeline.bundles import REST, bundle_to_wire, send_bundle, split_weights
+        from runtime.pipeline.bundles import REST, bundle_to_wire, file_size, send_bundle, split_weights
 
         self._connect_workers()
         self.setup_bytes = 0  # bundle files and optimizer state sent by this setup
@@ -430,11 +430,11 @@ class Coordinator:
                 **self._peer_keys(p), "bundle_files": list(files), "optimizer_state": list(opt_state),
                 **self._tied_of(p.stage), **({"base": {"sha256": self.base.sha256, "names": local}} if local else {})})
             if local and self._await_control(peer, "bundle_wants").get("base") is True:
-                self.base_bytes_held += len(files[WEIGHTS]) - len(rest)
+                self.base_bytes_held += file_size(files[WEIGHTS]) - len(rest)
                 files = {(REST if name == WEIGHTS else name): (rest if name == WEIGHTS else data)
                          for name, data in files.items()}
             send_bundle(self.transport, peer, files)
-            self.setup_bytes += sum(len(data) for data in files.values())
+            self.setup_bytes += sum(file_size(data) for data in files.values())
             del files, rest
             if isinstance(directory, dict):  # shipped: every holder of these bytes lets them go
                 directory.clear()

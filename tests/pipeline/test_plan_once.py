@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import pytest
 
-from ir.bundle import MANIFEST, WEIGHTS, load_plan_folder
+from ir.bundle import MANIFEST, WEIGHTS, CheckedFiles, load_plan_folder
 from ir.partition import Partition, StageAssignment
 from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
 from jobs.train.pipeline import train_pipeline
@@ -61,7 +61,7 @@ def _bundle_bytes_alive() -> int:
     found = {}
     for holder in gc.get_objects():  # a dict of bytes alone is not tracked: look among what holds it too
         for obj in (holder, *gc.get_referents(holder)):
-            if type(obj) is dict and MANIFEST in obj and WEIGHTS in obj:
+            if type(obj) in (dict, CheckedFiles) and MANIFEST in obj and WEIGHTS in obj:
                 data = obj[WEIGHTS]
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     found[id(obj)] = len(data)
