@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ir.mapped_pages import drop_mapped_pages  # noqa: F401 (where the planner's callers have taken it from)
+
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 
@@ -181,29 +183,3 @@ def map_file(path: str | Path) -> mmap.mmap:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-def _mapping_of(value) -> mmap.mmap | None:
-    """The file mapping `value`'s memory lies in (a `map_raw` array or a view of one), or None."""
-    while isinstance(value, np.ndarray):
-        value = value.base
-    if isinstance(value, memoryview):
-        value = value.obj
-    return value if isinstance(value, mmap.mmap) else None
-
-
-def drop_mapped_pages(values) -> int:
-    """Give back the resident pages of every file mapping that one of `values` (arrays; others are
-    skipped) lies in: madvise DONTNEED, after which the process's resident memory no longer counts
-    them and a later read faults them in again from the file. Returns how many mappings."""
-    mappings = {}
-    for value in values:
-        mapping = _mapping_of(value)
-        if mapping is not None:
-            mappings[id(mapping)] = mapping
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    for mapping in mappings.values():
-        if advice is not None and not mapping.closed:
-            try:
-                mapping.madvise(advice)
-            except (OSError, ValueError):  # a platform without it: the pages stay until reclaimed
-                pass
-    return len(mappings)

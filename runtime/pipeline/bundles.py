@@ -31,6 +31,7 @@ from ir.bundle import (BUNDLE_FILES, MANIFEST, PLAN_BASE, SIGNATURE, WEIGHTS, Bu
                        SignatureCheck, check_bundle_manifest, load_bundle_dir, load_plan,
                        read_bundle_files, verify_bundle_files)
 from ir.documents import PlanDocument
+from ir.mapped_pages import drop_mapped_pages
 from ir.safetensors import (HashedTensors, decode_safetensors, encode_safetensors, hash_tensors, load_safetensors_subset,
                             read_safetensors_hashed, safetensors_names)
 from runtime.transport.wire import Expected
@@ -182,8 +183,14 @@ def bundle_to_wire(directory: str | Path | Mapping[str, bytes]) -> dict[str, byt
 def file_bytes(data) -> bytes:
     """A bundle file's bytes: a weights file left as its hashed tensors (`planner.emit`'s deferred
     bundles, `ir.safetensors.HashedTensors`) is put together now, the one copy of it, bytes for
-    which its SHA-256 stands (`hash_tensors` hashes exactly what `encode_safetensors` writes)."""
-    return encode_safetensors(data.tensors) if isinstance(data, HashedTensors) else data
+    which its SHA-256 stands (`hash_tensors` hashes exactly what `encode_safetensors` writes).
+    Tensors mapped from the model file are given back once read (`ir.mapped_pages`): the
+    coordinator holds one stage's weights file while it ships it, not the model's pages besides."""
+    if not isinstance(data, HashedTensors):
+        return data
+    out = encode_safetensors(data.tensors)
+    drop_mapped_pages(data.tensors.values())
+    return out
 
 
 def file_size(data) -> int:
