@@ -118,7 +118,7 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
     drop_mapped_pages(graph.constants.values())  # the base weights the merge read (a mapped graph's)
     scores = evaluate_lm(model, eval_path, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
                          batch=max(settings.batch, 8), limit=settings.eval_limit, threads=settings.threads,
-                         initializers=initializers)
+                         initializers=initializers, perplexity=False, prepack=False)
     del initializers
     gc.collect()
     release_free_heap()

@@ -24,7 +24,7 @@ __all__ = ["InstructionScores", "dev_perplexity", "engine_nll", "evaluate_instru
 @dataclass(frozen=True)
 class InstructionScores:
     n_examples: int
-    perplexity: float  # of the reference answers' tokens given their prompts
+    perplexity: float | None  # of the reference answers' tokens given their prompts; None: not asked
     exact_match: float  # of greedy (or sampled) answers vs the references
     task: dict | None  # the entity task's scores (valid_json, precision, recall, f1), when its JSON
     predictions: tuple[str, ...]
@@ -60,17 +60,18 @@ def generated_answers(model, tokenizer: "LmTokenizer", conversations: Sequence, 
 
 
 def evaluate_instructions(model, tokenizer: "LmTokenizer", conversations: Sequence, settings: "GenerationSettings",
-                          batch: int = 8) -> InstructionScores:
+                          batch: int = 8, perplexity: bool = True) -> InstructionScores:
     """Perplexity and exact match on instruction conversations (their last assistant message is the
-    reference answer)."""
+    reference answer). `perplexity` False: generation only (the caller scores the perplexity on an
+    engine of its own), so `model.logits`, and the whole-sequence graph it runs, is never needed."""
     conversations = list(conversations)
     references = [[m for m in c if m["role"] == "assistant"][-1]["content"] for c in conversations]
     predictions = generated_answers(model, tokenizer, conversations, settings, batch)
     task = None
     if all(parse_answer(r) is not None for r in references):
         task = {k: v for k, v in score_answers(predictions, references).items() if k != "exact_match"}
-    return InstructionScores(len(conversations), dev_perplexity(model, tokenizer, conversations, batch),
-                             exact_match(predictions, references), task, tuple(predictions))
+    ppl = dev_perplexity(model, tokenizer, conversations, batch) if perplexity else None
+    return InstructionScores(len(conversations), ppl, exact_match(predictions, references), task, tuple(predictions))
 
 
 def engine_nll(engine, batches: Sequence, rows: int, pad_id: int = 0) -> NllSum:

@@ -221,3 +221,45 @@ def test_a_pipelines_lm_evaluation_builds_its_engine_after_generating(chat_llama
     batches = causal_lm.make_lm_batches(run.dev_rows, settings.batch, settings.seq, run.pad_id or 0, shuffle=False)
     assert perplexity == causal_lm.engine_nll(first, batches, settings.batch, run.pad_id or 0).perplexity
     assert 0.0 <= scores.exact_match <= 1.0
+
+
+def test_a_pipelines_lm_evaluation_generates_on_one_session_with_no_packed_copy(chat_llama, monkeypatch):
+    """The evaluation after pipeline training (jobs.train.causal_lm.lm_scores) opens one ONNX Runtime
+    session, the key/value-cache graph's, with no pre-packed copy of the weights: the perplexity is the
+    engine's, so the whole-sequence graph (a second copy of every weight) and its [B, S, V] logits are
+    never loaded beside it (SmolLM2 LoRA: the coordinator's peak 2072 MiB with both, 1081 with one,
+    against a largest worker of 1285; FAULTS.md). Its answers are those of the default sessions'."""
+    import jobs.train.causal_lm as causal_lm
+    import tasks.causal_lm.generate as generate
+    from jobs.common.onnx_lm import evaluate_lm
+
+    path, train, dev = chat_llama
+    settings = TrainingSettings(steps=1, batch=4, seq=128, seed=0, eval_limit=2)
+    run = causal_lm.lm_data(path, train, dev, settings)
+    graph, _ = causal_lm.lm_graph(path, settings)
+    weights = {p: np.array(graph.constants[p]) * 1.01 for p in graph.params}  # "trained" weights
+    opened, real_session = [], generate._session
+
+    def session(model, *args, **kwargs):
+        made = real_session(model, *args, **kwargs)
+        opened.append((model.name, made[0].get_session_options().get_session_config_entry(
+            "session.disable_prepacking") if _has_entry(made[0], "session.disable_prepacking") else "0"))
+        return made
+
+    monkeypatch.setattr(generate, "_session", session)
+    perplexity, scores = causal_lm.lm_scores(path, settings, dev, run.dev_rows, weights)
+    assert opened == [(path.with_suffix(".kv.onnx").name, "1")]
+    assert scores.perplexity is None and np.isfinite(perplexity)
+    monkeypatch.setattr(generate, "_session", real_session)
+    initializers = causal_lm.generation_weights(path, graph, weights, (), 1.0)
+    default = evaluate_lm(path, dev, generate.GenerationSettings(max_new_tokens=causal_lm.ANSWER_TOKENS),
+                          batch=8, limit=2, threads=settings.threads, initializers=initializers)
+    assert scores.predictions == default.predictions and scores.exact_match == default.exact_match
+
+
+def _has_entry(session, key: str) -> bool:
+    try:
+        session.get_session_options().get_session_config_entry(key)
+    except Exception:  # onnxruntime raises when the entry was never set
+        return False
+    return True
