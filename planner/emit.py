@@ -38,7 +38,7 @@ from ir.versioned import check_header
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
 from planner.cost import stage_memory_terms
-from planner.onnx_weights import drop_mapped_pages
+from planner.onnx_weights import check_mapped_files, drop_mapped_pages
 
 __all__ = ["CONFIG_DEFAULTS", "EmittedPlan", "emit_in_memory", "emit_plan", "load_plan", "load_plan_cluster", "cluster_to_json", "cluster_from_json"]
 
@@ -262,6 +262,9 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
         cfg["engines"][a.device], cfg["backend"], cfg["threads"][a.device], optimizer, graph.batch, graph.seq,
         _split_heads(cfg, a.device), cfg["activations"].get(a.device), _steady_of(schedule, s))
         for s, a in enumerate(partition.stages)]
+    # weights mapped from the model file are read from it again here (a re-plan after a loss among
+    # them): a file rewritten since it was mapped is one error naming it, not SIGBUS or other weights
+    check_mapped_files(graph.constants.values())
     # every bundle's signed manifest names it: a bundle of another plan is refused in this one's folder
     plan_id = plan_identity({"model": cfg["model"], "graph": graph.name, "stages": [d.to_json() for d in stage_docs],
                              "actions": [[str(a) for a in row] for row in schedule.actions]},
