@@ -75,3 +75,35 @@ def test_a_model_file_rewritten_under_a_run_is_named_when_a_loss_re_plans(chat_l
     assert "the model file changed" in document["error"]
     assert len(document["steps"]) >= 2
     assert any(e["event"] == "lost" for e in document["events"])
+
+
+def test_the_evaluation_after_a_run_skips_a_model_file_changed_since_it_was_mapped(chat_llama, tmp_path):
+    """The evaluation after pipeline training opens the model file by its path again (lowering, ONNX
+    Runtime): a file written to since the run mapped it (here a few weights' bytes, the same size)
+    would score other weights than those trained, so it is not evaluated and a note says why; the
+    run's trained weights stand."""
+    from jobs.common.report import Silent
+    from jobs.common.settings import TrainingSettings
+    from jobs.train.pipeline_tasks import pipeline_task
+
+    source, train, dev = chat_llama
+    folder = tmp_path / "model"
+    shutil.copytree(source.parent, folder, ignore=shutil.ignore_patterns("*.jsonl"))
+    model = folder / source.name
+    notes = []
+
+    class Notes(Silent):
+        def note(self, text: str) -> None:
+            notes.append(text)
+
+    settings = TrainingSettings(steps=1, batch=4, seq=128, seed=0, eval_limit=2)
+    run = pipeline_task("causal-lm", model, train, dev, settings, 2, Notes())
+    weights = {p: run.graph.constants[p] for p in run.graph.params}
+    size = model.stat().st_size
+    with open(model, "r+b") as f:  # bytes inside the weights (the tied embedding is most of the file)
+        f.seek(size // 2)
+        f.write(b"\x7f" * 4096)
+    assert model.stat().st_size == size
+    assert run.evaluate(weights) is None
+    assert notes and notes[-1].startswith(f"not evaluated: {model}: the model file changed while this run used it "
+                                          "(it was written to)")
