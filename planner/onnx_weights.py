@@ -23,7 +23,7 @@ now and raises `ModelFileChanged` (one line naming the file) before a caller tou
 again: every plan's emission (a recovery's re-plan among them) and the evaluation after a run,
 which opens the file by its path again.
 
-Pure wire-format reading (numpy, the standard library and ir's error kind): the caller parses the stripped
+Pure wire-format reading (numpy, the standard library, ir's error kind): the caller parses the stripped
 bytes with onnx and maps spans to its initializers by position (protobuf keeps a repeated field's
 order, also across merged copies of the `graph` field).
 """
@@ -262,8 +262,8 @@ def check_mapped_files(values, reopened: bool = False) -> int:
         if why is not None:
             raise ModelFileChanged(
                 f"{mapping.identity.path}: the model file changed while this run used it ({why}); its frozen weights "
-                "are read from that file during the run (a re-plan after a lost device, the evaluation), so it "
-                "cannot go on: leave the file unchanged until the run ends (write a new model to another path)")
+                "are read from that file again during the run (a re-plan after a lost device, the evaluation): "
+                "leave the file unchanged until the run ends (write a new model to another path)")
     return len(mappings)
 
 
