@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from tasks.causal_lm.entity_task import parse_answer, score_answers
 from tasks.causal_lm.data import encode_instructions, make_lm_batches
 from tasks.causal_lm.metrics import NllSum, exact_match
@@ -18,7 +20,8 @@ if TYPE_CHECKING:
     from tasks.causal_lm.generate import GenerationSettings
     from tasks.causal_lm.tokenizer import LmTokenizer
 
-__all__ = ["InstructionScores", "dev_perplexity", "engine_nll", "evaluate_instructions", "generated_answers"]
+__all__ = ["InstructionScores", "dev_perplexity", "engine_nll", "evaluate_instructions", "generated_answers",
+           "ranged_nll"]
 
 
 @dataclass(frozen=True)
@@ -87,5 +90,34 @@ def engine_nll(engine, batches: Sequence, rows: int, pad_id: int = 0) -> NllSum:
             continue
         loss = float(engine.forward(lm_feeds(pad_lm_batch(b, rows, pad_id)), train=False))
         total.nll += loss * b.n_targets
+        total.n_targets += b.n_targets
+    return total
+
+
+def ranged_nll(engine_of_range, ranges: Sequence[tuple[int, int]], batches: Sequence, rows: int,
+               pad_id: int = 0) -> NllSum:
+    """`engine_nll` of a whole lowered causal LM run a block range at a time: `engine_of_range(first,
+    last)` builds the stage engine of blocks first..last, which runs every batch to its boundary
+    activations (the next range's input) and is let go before the next one is built, so one range's
+    weights are held at a time, not the whole model's (the last range's output is each batch's loss).
+    The same figure as `engine_nll` on one engine of the whole model: each block computes as it
+    would there, on the same inputs."""
+    from tasks.causal_lm.data import lm_feeds, pad_lm_batch
+
+    scored = [b for b in batches if b.n_targets]
+    feeds = [lm_feeds(pad_lm_batch(b, rows, pad_id)) for b in scored]
+    outs: list = [None] * len(scored)
+    for first, last in ranges:
+        engine = engine_of_range(first, last)
+        spec = engine.spec
+        for k, f in enumerate(feeds):
+            given = {n: f[n] for n in spec.graph_inputs}
+            if spec.activation_input is not None:
+                given[spec.activation_input] = outs[k]
+            outs[k] = np.array(engine.forward(given, train=False))  # its own copy: the engine goes next
+        del engine
+    total = NllSum()
+    for b, loss in zip(scored, outs):
+        total.nll += float(np.asarray(loss).reshape(-1)[0]) * b.n_targets
         total.n_targets += b.n_targets
     return total

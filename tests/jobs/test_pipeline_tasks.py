@@ -6,6 +6,7 @@ whose tied embedding sits on the first and the last stage."""
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -190,11 +191,14 @@ def test_plan_with_seq_cls_data_counts_the_rows_it_looks_up(seqcls_model, tmp_pa
     assert plan["lookup_rows"] == {"inner.bert.embeddings.word_embeddings.weight": len(ids)}
 
 
-def test_a_pipelines_lm_evaluation_builds_its_engine_after_generating(chat_llama, monkeypatch):
+def test_a_pipelines_lm_evaluation_builds_its_engines_after_generating_a_block_range_at_a_time(chat_llama,
+                                                                                                 monkeypatch):
     """The causal LM's evaluation after pipeline training (jobs.train.causal_lm.lm_scores) generates on
-    ONNX Runtime before it builds the whole-model engine for the perplexity, so the sessions and the
-    engine's copy of the model are never held at once (SmolLM2 LoRA: 2393 MiB at the peak with the
-    engine built first, 2053 after; FAULTS.md), and the figures are those of the engine built first."""
+    ONNX Runtime before it builds any engine for the perplexity, so the sessions and an engine's copy
+    of the model are never held at once (SmolLM2 LoRA: 2393 MiB at the peak with the engine built
+    first, 2053 after; FAULTS.md), and runs the perplexity a block range at a time, each range's
+    engine let go before the next is built (the whole model's engine: 1057 MiB, against MNN workers of
+    600); the perplexity is that of one engine of the whole model."""
     import jobs.common.onnx_lm as onnx_lm
     import jobs.train.causal_lm as causal_lm
 
@@ -203,23 +207,32 @@ def test_a_pipelines_lm_evaluation_builds_its_engine_after_generating(chat_llama
     run = causal_lm.lm_data(path, train, dev, settings)
     graph, _ = causal_lm.lm_graph(path, settings)
     weights = {p: np.array(graph.constants[p]) * 1.01 for p in graph.params}  # "trained" weights
-    order, real_engine, real_generate = [], causal_lm.whole_model_engine, onnx_lm.evaluate_lm
+    order, real_engine, real_generate = [], causal_lm.make_engine, onnx_lm.evaluate_lm
+    alive = []
 
-    def engine(*args, **kwargs):
-        order.append("engine")
-        return real_engine(*args, **kwargs)
+    def engine(backend, spec, **kwargs):
+        alive[:] = [e for e in alive if e() is not None]
+        order.append(("engine", spec.first_block, spec.last_block, len(alive)))
+        built = real_engine(backend, spec, **kwargs)
+        alive.append(weakref.ref(built))
+        return built
 
     def generate(*args, **kwargs):
-        order.append("generate")
+        order.append(("generate",))
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(causal_lm, "whole_model_engine", engine)
+    monkeypatch.setattr(causal_lm, "make_engine", engine)
     monkeypatch.setattr(onnx_lm, "evaluate_lm", generate)
+    monkeypatch.setattr(causal_lm, "EVAL_RANGES", 3)
     perplexity, scores = causal_lm.lm_scores(path, settings, dev, run.dev_rows, weights)
-    assert order == ["generate", "engine"]
-    first = real_engine(graph, "mnn", settings.threads, weights=weights, cache_activations=False)
+    n = len(graph.blocks)
+    assert order[0] == ("generate",)
+    assert [o[1:3] for o in order[1:]] == [tuple(r) for r in causal_lm.even_ranges(n, 3)]
+    assert all(o[3] == 0 for o in order[1:])  # the range before it let go
+    first = causal_lm.whole_model_engine(graph, "mnn", settings.threads, weights=weights, cache_activations=False)
     batches = causal_lm.make_lm_batches(run.dev_rows, settings.batch, settings.seq, run.pad_id or 0, shuffle=False)
-    assert perplexity == causal_lm.engine_nll(first, batches, settings.batch, run.pad_id or 0).perplexity
+    assert perplexity == pytest.approx(causal_lm.engine_nll(first, batches, settings.batch, run.pad_id or 0).perplexity,
+                                       rel=1e-6)
     assert 0.0 <= scores.exact_match <= 1.0
 
 
