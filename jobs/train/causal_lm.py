@@ -136,9 +136,9 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
 def lm_scores(model: Path, settings: TrainingSettings, eval_path: Path, dev_rows, weights: Mapping[str, np.ndarray]
               ) -> tuple[float, InstructionScores]:
     """Dev perplexity and generated answers' scores of trained `weights` (a pipeline's, by name), on
-    the whole model lowered at `settings.batch` rows."""
-    # the weights mapped from the file, and the engine built only after generation: ONNX Runtime's
-    # sessions and the engine's copy of the whole model are never held at once (measured on SmolLM2
+    the whole model lowered at `settings.batch` rows, its perplexity a block range at a time."""
+    # the weights mapped from the file, and the engines built only after generation: ONNX Runtime's
+    # session and an engine's copy of the model are never held at once (measured on SmolLM2
     # LoRA: a 2393 MiB peak with the engine built first, 1052 of it the engine and the graph's pages)
     graph, adapters = lm_graph(model, settings, mapped=True)
     tokenizer = lm_tokenizer(model, settings)
