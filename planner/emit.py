@@ -38,7 +38,7 @@ from ir.versioned import check_header
 from ir.verify import verify_plan
 from planner.cluster import Cluster, ClusterError, DeviceSpec
 from planner.cost import stage_memory_terms
-from planner.onnx_weights import drop_mapped_pages
+from planner.onnx_weights import check_mapped_files, drop_mapped_pages
 
 __all__ = ["CONFIG_DEFAULTS", "EmittedPlan", "emit_in_memory", "emit_plan", "load_plan", "load_plan_cluster", "cluster_to_json", "cluster_from_json"]
 
@@ -265,6 +265,9 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
         cfg["engines"][a.device], cfg["backend"], cfg["threads"][a.device], optimizer, graph.batch, graph.seq,
         _split_heads(cfg, a.device), cfg["activations"].get(a.device), _steady_of(schedule, s))
         for s, a in enumerate(partition.stages)]
+    # weights mapped from the model file are read from it again here (a re-plan after a loss among
+    # them): a file rewritten since it was mapped is one error naming it, not SIGBUS or other weights
+    check_mapped_files(graph.constants.values())
     # each stage's weights hashed once, as the file they make (ir.safetensors.hash_tensors): the
     # digests name the plan (so they are needed before any manifest) and go into the manifests as
     # they are, so a bundle's weights are never hashed again here (issue 32: a 540 MB plan hashed

@@ -15,21 +15,30 @@ mapping of the file, so the weights are file-backed pages, resident only while s
 them. `drop_mapped_pages` gives those pages back (madvise DONTNEED: the next read faults them in
 again from the page cache, or the disk): a coordinator that emitted a plan from its graph holds
 none of the weights it shipped (issue 32), and a re-plan reads the frozen ones from the file again.
-The file must not be truncated or rewritten while the graph is in use (a read would then fault).
+The file must not be truncated or rewritten while the graph is in use: a read of a page past a
+truncated end is SIGBUS, one of a page rewritten in place reads other weights. So each mapping
+remembers the file it maps (`FileIdentity`: device, inode, size, mtime in ns, taken on the mapped
+descriptor) and keeps a descriptor on it; `check_mapped_files` compares them with what the file is
+now and raises `ModelFileChanged` (one line naming the file) before a caller touches the pages
+again: every plan's emission (a recovery's re-plan among them) and the evaluation after a run,
+which opens the file by its path again.
 
-Pure wire-format reading (numpy and the standard library only): the caller parses the stripped
+Pure wire-format reading (numpy, the standard library, ir's error kind): the caller parses the stripped
 bytes with onnx and maps spans to its initializers by position (protobuf keeps a repeated field's
 order, also across merged copies of the `graph` field).
 """
 from __future__ import annotations
 
 import mmap
+import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ir.mapped_pages import drop_mapped_pages  # noqa: F401 (where the planner's callers have taken it from)
+from ir.errors import InputFileError
+from ir.mapped_pages import drop_mapped_pages, mapping_of  # noqa: F401 (drop_mapped_pages: where the planner's callers take it from)
 
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
@@ -177,9 +186,92 @@ def map_raw(view: mmap.mmap, offset: int, nbytes: int, data_type: int, dims: tup
     return np.frombuffer(view, dtype, count, offset).reshape(dims)
 
 
-def map_file(path: str | Path) -> mmap.mmap:
-    """A read-only mapping of the whole file (kept open by the arrays `map_raw` makes onto it)."""
+class ModelFileChanged(InputFileError):
+    """A file whose weights a run reads through a mapping was rewritten, truncated or replaced
+    since it was mapped: its frozen weights are no longer the ones the run planned with."""
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a file was when it was mapped: its path, device and inode, size and modification time."""
+
+    path: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: str | Path, st: os.stat_result) -> "FileIdentity":
+        return cls(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class FileMapping(mmap.mmap):
+    """A read-only mapping of a whole file that remembers the file (`identity`) and holds a
+    descriptor on the inode it maps, so a change is seen on that inode even after a rename."""
+
+    identity: FileIdentity
+    _fd: int
+
+    def changed(self, reopened: bool = False) -> str | None:
+        """What changed in the mapped file since it was mapped (None: nothing); `reopened`: also
+        whether its path still names that file (a reader about to open it by its path again)."""
+        was = self.identity
+        now = os.fstat(self._fd)
+        if now.st_size != was.size:
+            return f"its size went from {was.size} to {now.st_size} bytes"
+        if now.st_mtime_ns != was.mtime_ns:
+            return "it was written to"
+        if reopened:
+            try:
+                there = os.stat(was.path)
+            except OSError:
+                return "it was removed"
+            if (there.st_dev, there.st_ino) != (was.device, was.inode):
+                return "another file was put in its place"
+        return None
+
+
+def map_file(path: str | Path) -> FileMapping:
+    """A read-only mapping of the whole file (kept open by the arrays `map_raw` makes onto it),
+    with the file's identity taken on the same descriptor it maps."""
     with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        fd = os.dup(f.fileno())
+        try:
+            st = os.fstat(fd)
+            view = FileMapping(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+    view.identity = FileIdentity.of(path, st)
+    view._fd = fd
+    weakref.finalize(view, os.close, fd)
+    return view
 
 
+def check_mapped_files(values, reopened: bool = False) -> int:
+    """Raise ModelFileChanged, naming the file, where one of the files that `values` (arrays;
+    others skipped) are mapped from changed since it was mapped: before reading those pages again
+    (a page past a truncated end would be SIGBUS, a rewritten one other weights). `reopened`: the
+    caller opens the file by its path again, so its path must still name the mapped file. Returns
+    how many mapped files were checked."""
+    mappings = _mappings(values)
+    for mapping in mappings:
+        if not isinstance(mapping, FileMapping):
+            continue
+        why = mapping.changed(reopened)
+        if why is not None:
+            raise ModelFileChanged(
+                f"{mapping.identity.path}: the model file changed while this run used it ({why}); its frozen weights "
+                "are read from that file again during the run (a re-plan after a lost device, the evaluation): "
+                "leave the file unchanged until the run ends (write a new model to another path)")
+    return len(mappings)
+
+
+def _mappings(values) -> list[mmap.mmap]:
+    mappings = {}
+    for value in values:
+        mapping = mapping_of(value)
+        if mapping is not None:
+            mappings[id(mapping)] = mapping
+    return list(mappings.values())

@@ -32,7 +32,7 @@ def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
     return {f: with_float_weights(f, initializers) for f in files if f.is_file()}
 
 
-def open_lm(model: Path, initializers, threads):
+def open_lm(model: Path, initializers, threads, prepack: bool = True):
     """The exported LM at `model` on ONNX Runtime (its weights replaced by `initializers`) and its tokenizer."""
     if not model.is_file():
         raise FileNotFoundError(f"{model}: no such ONNX file")
@@ -48,7 +48,7 @@ def open_lm(model: Path, initializers, threads):
 
             shapes = initializer_shapes(model)
         lm = OnnxCausalLM(model, initializers, threads, weight_shapes=shapes,
-                          sources=stored_replaced(model, initializers))
+                          sources=stored_replaced(model, initializers), prepack=prepack)
     except ValueError as exc:
         raise JobError(str(exc)) from None
     return lm, tokenizer
@@ -56,12 +56,16 @@ def open_lm(model: Path, initializers, threads):
 
 def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = GenerationSettings(max_new_tokens=48),
                 batch: int = 8, limit: int | None = None, threads: int | None = None,
-                initializers: Mapping[str, np.ndarray] | None = None) -> InstructionScores:
+                initializers: Mapping[str, np.ndarray] | None = None, perplexity: bool = True,
+                prepack: bool = True) -> InstructionScores:
     """Perplexity and exact match (and the entity task's scores) on a JSONL instruction file, the first
     `limit` conversations of it. The default 48 new tokens fit every entities-json answer (at most 37
-    SmolLM2 tokens with its end token); a base model that rambles is cut there."""
-    lm, tokenizer = open_lm(Path(model), initializers, threads)
+    SmolLM2 tokens with its end token); a base model that rambles is cut there. `perplexity` False:
+    the answers generated and scored only (`InstructionScores.perplexity` None), so ONNX Runtime holds
+    one session (the cache graph's), never the whole-sequence graph's beside it; `prepack` False: no
+    pre-packed copy of the weights (`OnnxCausalLM`)."""
+    lm, tokenizer = open_lm(Path(model), initializers, threads, prepack)
     conversations = read_instructions(data)[:limit]
     if not conversations:
         raise JobError(f"{data}: no conversations")
-    return evaluate_instructions(lm, tokenizer, conversations, settings, batch)
+    return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)

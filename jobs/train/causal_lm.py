@@ -32,16 +32,20 @@ from jobs.common.settings import TrainingSettings
 from planner.lora import Adapter, add_lora
 from planner.onnx_import import load_model
 from planner.onnx_weights import drop_mapped_pages
-from runtime.engines.factory import whole_model_engine
+from ir.backend import BackendSpec
+from ir.partition import even_ranges
+from runtime.engines.factory import make_engine, whole_model_engine
+from runtime.engines.stage import stage_spec
 from runtime.procfs import release_free_heap, reset_peak_rss
 from tasks.causal_lm.data import make_lm_batches
-from tasks.causal_lm.evaluation import InstructionScores, engine_nll
+from tasks.causal_lm.evaluation import InstructionScores, engine_nll, ranged_nll
 from tasks.causal_lm.generate import GenerationSettings, lm_metadata
 from tasks.causal_lm.task import CAUSAL_LM, LmData
 from tasks.causal_lm.tokenizer import LmTokenizer, load_lm_tokenizer
 from tasks.trainer import TrainConfig, train_steps
 
 ANSWER_TOKENS = 48  # the longest entities-json answer is 37 SmolLM2 tokens with its end token
+EVAL_RANGES = 4  # block ranges a pipeline's evaluation runs the perplexity in, one at a time
 
 
 def lm_tokenizer(model: Path, settings: TrainingSettings) -> LmTokenizer:
@@ -107,7 +111,8 @@ def lm_data(model: Path, data: Path, eval_path: Path | None, settings: TrainingS
 def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSettings, eval_path: Path, dev_batches,
             pad_id: int, weights: Mapping[str, np.ndarray] | None) -> tuple[float, InstructionScores]:
     """(dev perplexity on `engine`, which holds `weights`, generated answers' scores with them).
-    `engine` may be a function that builds it, called once generation is done."""
+    `engine` may be a function `(batches, rows, pad_id) -> NllSum` instead, called once generation is
+    done."""
     from jobs.common.onnx_lm import evaluate_lm
 
     # generation first: its ONNX Runtime sessions are the evaluation's largest part, and the engine's
@@ -118,12 +123,12 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
     drop_mapped_pages(graph.constants.values())  # the base weights the merge read (a mapped graph's)
     scores = evaluate_lm(model, eval_path, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
                          batch=max(settings.batch, 8), limit=settings.eval_limit, threads=settings.threads,
-                         initializers=initializers)
+                         initializers=initializers, perplexity=False, prepack=False)
     del initializers
     gc.collect()
     release_free_heap()
-    if inspect.isfunction(engine):  # a function building it: built once generation's sessions are gone
-        engine = engine()
+    if inspect.isfunction(engine):  # the perplexity's own function: run once generation's sessions are gone
+        return engine(dev_batches, settings.batch, pad_id).perplexity, scores
     nll = engine_nll(engine, dev_batches, settings.batch, pad_id)
     return nll.perplexity, scores
 
@@ -131,21 +136,32 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
 def lm_scores(model: Path, settings: TrainingSettings, eval_path: Path, dev_rows, weights: Mapping[str, np.ndarray]
               ) -> tuple[float, InstructionScores]:
     """Dev perplexity and generated answers' scores of trained `weights` (a pipeline's, by name), on
-    the whole model lowered at `settings.batch` rows."""
-    # the weights mapped from the file, and the engine built only after generation: ONNX Runtime's
-    # sessions and the engine's copy of the whole model are never held at once (measured on SmolLM2
+    the whole model lowered at `settings.batch` rows, its perplexity a block range at a time."""
+    # the weights mapped from the file, and the engines built only after generation: ONNX Runtime's
+    # session and an engine's copy of the model are never held at once (measured on SmolLM2
     # LoRA: a 2393 MiB peak with the engine built first, 1052 of it the engine and the graph's pages)
     graph, adapters = lm_graph(model, settings, mapped=True)
     tokenizer = lm_tokenizer(model, settings)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    every = {**graph.constants, **weights}
 
-    def engine():
-        built = whole_model_engine(graph, "mnn", settings.threads, weights=weights, cache_activations=False)
+    def range_engine(first: int, last: int):
+        gc.collect()
+        release_free_heap()  # the range before it: its engine's heap handed back
+        built = make_engine(BackendSpec.cpu("mnn", settings.threads), stage_spec(graph, first, last), weights=every,
+                            cache_activations=False)
         drop_mapped_pages(graph.constants.values())  # the engine holds its own copy
         return built
 
+    def nll(batches, rows: int, pad: int):
+        # a block range at a time (a quarter of the blocks): the engine of the whole model held the
+        # whole model's weights a second time after generation (SmolLM2 LoRA: 1057 MiB at its build
+        # against MNN workers of 600; FAULTS.md)
+        ranges = even_ranges(len(graph.blocks), min(EVAL_RANGES, len(graph.blocks)))
+        return ranged_nll(range_engine, ranges, batches, rows, pad)
+
     batches = make_lm_batches(dev_rows, settings.batch, settings.seq, pad_id, shuffle=False)
-    return _scores(engine, model, graph, adapters, settings, eval_path, batches, pad_id, weights)
+    return _scores(nll, model, graph, adapters, settings, eval_path, batches, pad_id, weights)
 
 
 def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: TrainingSettings,

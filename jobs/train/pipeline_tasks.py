@@ -71,7 +71,29 @@ def pipeline_task(task: str, model: Path, data: Path, eval_path: Path | None, tr
             return adapted(load_model(model, training.batch, training.seq), training.lora)
 
         evaluate = weights_evaluation(chosen, full, run, training.batch, training.threads)
-    return task_run(chosen, graph, run, training.batch, microbatches, training.seed, evaluate)
+    return task_run(chosen, graph, run, training.batch, microbatches, training.seed,
+                    _file_unchanged(graph, run, evaluate, reporter))
+
+
+def _file_unchanged(graph: Graph, run, evaluate: Callable[[Mapping[str, np.ndarray]], EvalFigures | None],
+                    reporter: Reporter) -> Callable[[Mapping[str, np.ndarray]], EvalFigures | None]:
+    """`evaluate`, once the model file `graph`'s weights are mapped from is as it was mapped: the
+    evaluation opens that file by its path again (lowering, ONNX Runtime), and a file changed under
+    the run would score other weights than those trained (planner.onnx_weights.ModelFileChanged).
+    Changed, the trained weights are kept and reported without figures, the reason in a note."""
+    from planner.onnx_weights import ModelFileChanged, check_mapped_files
+
+    def checked(weights: Mapping[str, np.ndarray]) -> EvalFigures | None:
+        if not run.dev:
+            return None
+        try:
+            check_mapped_files(graph.constants.values(), reopened=True)
+        except ModelFileChanged as exc:
+            reporter.note(f"not evaluated: {exc}")
+            return None
+        return evaluate(weights)
+
+    return checked
 
 
 def task_run(task: Task, graph: Graph, run, batch: int, microbatches: int, seed: int,

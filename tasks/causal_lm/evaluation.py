@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from tasks.causal_lm.entity_task import parse_answer, score_answers
 from tasks.causal_lm.data import encode_instructions, make_lm_batches
 from tasks.causal_lm.metrics import NllSum, exact_match
@@ -18,13 +20,14 @@ if TYPE_CHECKING:
     from tasks.causal_lm.generate import GenerationSettings
     from tasks.causal_lm.tokenizer import LmTokenizer
 
-__all__ = ["InstructionScores", "dev_perplexity", "engine_nll", "evaluate_instructions", "generated_answers"]
+__all__ = ["InstructionScores", "dev_perplexity", "engine_nll", "evaluate_instructions", "generated_answers",
+           "ranged_nll"]
 
 
 @dataclass(frozen=True)
 class InstructionScores:
     n_examples: int
-    perplexity: float  # of the reference answers' tokens given their prompts
+    perplexity: float | None  # of the reference answers' tokens given their prompts; None: not asked
     exact_match: float  # of greedy (or sampled) answers vs the references
     task: dict | None  # the entity task's scores (valid_json, precision, recall, f1), when its JSON
     predictions: tuple[str, ...]
@@ -60,17 +63,18 @@ def generated_answers(model, tokenizer: "LmTokenizer", conversations: Sequence, 
 
 
 def evaluate_instructions(model, tokenizer: "LmTokenizer", conversations: Sequence, settings: "GenerationSettings",
-                          batch: int = 8) -> InstructionScores:
+                          batch: int = 8, perplexity: bool = True) -> InstructionScores:
     """Perplexity and exact match on instruction conversations (their last assistant message is the
-    reference answer)."""
+    reference answer). `perplexity` False: generation only (the caller scores the perplexity on an
+    engine of its own), so `model.logits`, and the whole-sequence graph it runs, is never needed."""
     conversations = list(conversations)
     references = [[m for m in c if m["role"] == "assistant"][-1]["content"] for c in conversations]
     predictions = generated_answers(model, tokenizer, conversations, settings, batch)
     task = None
     if all(parse_answer(r) is not None for r in references):
         task = {k: v for k, v in score_answers(predictions, references).items() if k != "exact_match"}
-    return InstructionScores(len(conversations), dev_perplexity(model, tokenizer, conversations, batch),
-                             exact_match(predictions, references), task, tuple(predictions))
+    ppl = dev_perplexity(model, tokenizer, conversations, batch) if perplexity else None
+    return InstructionScores(len(conversations), ppl, exact_match(predictions, references), task, tuple(predictions))
 
 
 def engine_nll(engine, batches: Sequence, rows: int, pad_id: int = 0) -> NllSum:
@@ -86,5 +90,34 @@ def engine_nll(engine, batches: Sequence, rows: int, pad_id: int = 0) -> NllSum:
             continue
         loss = float(engine.forward(lm_feeds(pad_lm_batch(b, rows, pad_id)), train=False))
         total.nll += loss * b.n_targets
+        total.n_targets += b.n_targets
+    return total
+
+
+def ranged_nll(engine_of_range, ranges: Sequence[tuple[int, int]], batches: Sequence, rows: int,
+               pad_id: int = 0) -> NllSum:
+    """`engine_nll` of a whole lowered causal LM run a block range at a time: `engine_of_range(first,
+    last)` builds the stage engine of blocks first..last, which runs every batch to its boundary
+    activations (the next range's input) and is let go before the next one is built, so one range's
+    weights are held at a time, not the whole model's (the last range's output is each batch's loss).
+    The same figure as `engine_nll` on one engine of the whole model: each block computes as it
+    would there, on the same inputs."""
+    from tasks.causal_lm.data import lm_feeds, pad_lm_batch
+
+    scored = [b for b in batches if b.n_targets]
+    feeds = [lm_feeds(pad_lm_batch(b, rows, pad_id)) for b in scored]
+    outs: list = [None] * len(scored)
+    for first, last in ranges:
+        engine = engine_of_range(first, last)
+        spec = engine.spec
+        for k, f in enumerate(feeds):
+            given = {n: f[n] for n in spec.graph_inputs}
+            if spec.activation_input is not None:
+                given[spec.activation_input] = outs[k]
+            outs[k] = np.array(engine.forward(given, train=False))  # its own copy: the engine goes next
+        del engine
+    total = NllSum()
+    for b, loss in zip(scored, outs):
+        total.nll += float(np.asarray(loss).reshape(-1)[0]) * b.n_targets
         total.n_targets += b.n_targets
     return total

@@ -6,6 +6,7 @@ whose tied embedding sits on the first and the last stage."""
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -190,11 +191,14 @@ def test_plan_with_seq_cls_data_counts_the_rows_it_looks_up(seqcls_model, tmp_pa
     assert plan["lookup_rows"] == {"inner.bert.embeddings.word_embeddings.weight": len(ids)}
 
 
-def test_a_pipelines_lm_evaluation_builds_its_engine_after_generating(chat_llama, monkeypatch):
+def test_a_pipelines_lm_evaluation_builds_its_engines_after_generating_a_block_range_at_a_time(chat_llama,
+                                                                                                 monkeypatch):
     """The causal LM's evaluation after pipeline training (jobs.train.causal_lm.lm_scores) generates on
-    ONNX Runtime before it builds the whole-model engine for the perplexity, so the sessions and the
-    engine's copy of the model are never held at once (SmolLM2 LoRA: 2393 MiB at the peak with the
-    engine built first, 2053 after; FAULTS.md), and the figures are those of the engine built first."""
+    ONNX Runtime before it builds any engine for the perplexity, so the sessions and an engine's copy
+    of the model are never held at once (SmolLM2 LoRA: 2393 MiB at the peak with the engine built
+    first, 2053 after; FAULTS.md), and runs the perplexity a block range at a time, each range's
+    engine let go before the next is built (the whole model's engine: 1057 MiB, against MNN workers of
+    600); the perplexity is that of one engine of the whole model."""
     import jobs.common.onnx_lm as onnx_lm
     import jobs.train.causal_lm as causal_lm
 
@@ -203,21 +207,72 @@ def test_a_pipelines_lm_evaluation_builds_its_engine_after_generating(chat_llama
     run = causal_lm.lm_data(path, train, dev, settings)
     graph, _ = causal_lm.lm_graph(path, settings)
     weights = {p: np.array(graph.constants[p]) * 1.01 for p in graph.params}  # "trained" weights
-    order, real_engine, real_generate = [], causal_lm.whole_model_engine, onnx_lm.evaluate_lm
+    order, real_engine, real_generate = [], causal_lm.make_engine, onnx_lm.evaluate_lm
+    alive = []
 
-    def engine(*args, **kwargs):
-        order.append("engine")
-        return real_engine(*args, **kwargs)
+    def engine(backend, spec, **kwargs):
+        alive[:] = [e for e in alive if e() is not None]
+        order.append(("engine", spec.first_block, spec.last_block, len(alive)))
+        built = real_engine(backend, spec, **kwargs)
+        alive.append(weakref.ref(built))
+        return built
 
     def generate(*args, **kwargs):
-        order.append("generate")
+        order.append(("generate",))
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(causal_lm, "whole_model_engine", engine)
+    monkeypatch.setattr(causal_lm, "make_engine", engine)
     monkeypatch.setattr(onnx_lm, "evaluate_lm", generate)
+    monkeypatch.setattr(causal_lm, "EVAL_RANGES", 3)
     perplexity, scores = causal_lm.lm_scores(path, settings, dev, run.dev_rows, weights)
-    assert order == ["generate", "engine"]
-    first = real_engine(graph, "mnn", settings.threads, weights=weights, cache_activations=False)
+    n = len(graph.blocks)
+    assert order[0] == ("generate",)
+    assert [o[1:3] for o in order[1:]] == [tuple(r) for r in causal_lm.even_ranges(n, 3)]
+    assert all(o[3] == 0 for o in order[1:])  # the range before it let go
+    first = causal_lm.whole_model_engine(graph, "mnn", settings.threads, weights=weights, cache_activations=False)
     batches = causal_lm.make_lm_batches(run.dev_rows, settings.batch, settings.seq, run.pad_id or 0, shuffle=False)
-    assert perplexity == causal_lm.engine_nll(first, batches, settings.batch, run.pad_id or 0).perplexity
+    assert perplexity == pytest.approx(causal_lm.engine_nll(first, batches, settings.batch, run.pad_id or 0).perplexity,
+                                       rel=1e-6)
     assert 0.0 <= scores.exact_match <= 1.0
+
+
+def test_a_pipelines_lm_evaluation_generates_on_one_session_with_no_packed_copy(chat_llama, monkeypatch):
+    """The evaluation after pipeline training (jobs.train.causal_lm.lm_scores) opens one ONNX Runtime
+    session, the key/value-cache graph's, with no pre-packed copy of the weights: the perplexity is the
+    engine's, so the whole-sequence graph (a second copy of every weight) and its [B, S, V] logits are
+    never loaded beside it (SmolLM2 LoRA: the coordinator's peak 2072 MiB with both, 1081 with one,
+    against a largest worker of 1285; FAULTS.md). Its answers are those of the default sessions'."""
+    import jobs.train.causal_lm as causal_lm
+    import tasks.causal_lm.generate as generate
+    from jobs.common.onnx_lm import evaluate_lm
+
+    path, train, dev = chat_llama
+    settings = TrainingSettings(steps=1, batch=4, seq=128, seed=0, eval_limit=2)
+    run = causal_lm.lm_data(path, train, dev, settings)
+    graph, _ = causal_lm.lm_graph(path, settings)
+    weights = {p: np.array(graph.constants[p]) * 1.01 for p in graph.params}  # "trained" weights
+    opened, real_session = [], generate._session
+
+    def session(model, *args, **kwargs):
+        made = real_session(model, *args, **kwargs)
+        opened.append((model.name, made[0].get_session_options().get_session_config_entry(
+            "session.disable_prepacking") if _has_entry(made[0], "session.disable_prepacking") else "0"))
+        return made
+
+    monkeypatch.setattr(generate, "_session", session)
+    perplexity, scores = causal_lm.lm_scores(path, settings, dev, run.dev_rows, weights)
+    assert opened == [(path.with_suffix(".kv.onnx").name, "1")]
+    assert scores.perplexity is None and np.isfinite(perplexity)
+    monkeypatch.setattr(generate, "_session", real_session)
+    initializers = causal_lm.generation_weights(path, graph, weights, (), 1.0)
+    default = evaluate_lm(path, dev, generate.GenerationSettings(max_new_tokens=causal_lm.ANSWER_TOKENS),
+                          batch=8, limit=2, threads=settings.threads, initializers=initializers)
+    assert scores.predictions == default.predictions and scores.exact_match == default.exact_match
+
+
+def _has_entry(session, key: str) -> bool:
+    try:
+        session.get_session_options().get_session_config_entry(key)
+    except Exception:  # onnxruntime raises when the entry was never set
+        return False
+    return True

@@ -173,3 +173,85 @@ def test_a_mapped_lowering_equals_the_read_one_and_gives_its_pages_back(minilm_o
     drop_mapped_pages(mapped.constants.values())
     assert touched - before > 0.9 * on_file, ((touched - before) / MIB, on_file / MIB)
     assert touched - rss_bytes() > 0.9 * on_file, ((touched - rss_bytes()) / MIB, on_file / MIB)
+
+
+def test_a_mapped_file_changed_since_it_was_mapped_is_one_error_naming_it(tmp_path):
+    """Issue 32: the coordinator reads frozen weights through a mapping of the model file again
+    (a re-plan, the evaluation); the file rewritten in place (`open(path, "wb")`: the same inode,
+    truncated) or replaced is one ModelFileChanged naming it, seen on the mapped descriptor before
+    any page is read. A file renamed over the path leaves the mapping on the old inode intact: only a
+    reader opening the path again (`reopened`) is refused."""
+    from planner.onnx_weights import ModelFileChanged, check_mapped_files, map_file, map_raw
+
+    path = tmp_path / "w.bin"
+    weights = np.arange(1 << 15, dtype=np.float32)  # 128 KiB: mapped, not read
+    path.write_bytes(weights.tobytes())
+
+    def mapped():
+        return map_raw(map_file(path), 0, weights.nbytes, 1, weights.shape)
+
+    same = mapped()
+    assert check_mapped_files([same, np.zeros(3), "not an array"]) == 1
+    assert check_mapped_files([same], reopened=True) == 1
+    with open(path, "r+b") as f:  # the same size, other bytes
+        f.write(b"\1" * 64)
+    with pytest.raises(ModelFileChanged, match=f"^{path}: the model file changed while this run used it "
+                                               r"\(it was written to\)"):
+        check_mapped_files([same])
+    path.write_bytes(weights.tobytes())
+    view = mapped()
+    with open(path, "wb") as f:  # truncated in place: a read of the mapping past the end would be SIGBUS
+        f.write(weights[:10].tobytes())
+    with pytest.raises(ModelFileChanged, match=f"its size went from {weights.nbytes} to 40 bytes"):
+        check_mapped_files([view[5:]])  # a view of a mapped array finds its mapping too
+    path.write_bytes(weights.tobytes())
+    view = mapped()
+    other = tmp_path / "new.bin"
+    other.write_bytes((weights + 1).tobytes())
+    other.replace(path)  # renamed over: the mapping still reads the old inode's weights
+    assert check_mapped_files([view]) == 1 and float(view[7]) == 7.0
+    with pytest.raises(ModelFileChanged, match="another file was put in its place"):
+        check_mapped_files([view], reopened=True)
+    path.unlink()
+    with pytest.raises(ModelFileChanged, match="it was removed"):
+        check_mapped_files([view], reopened=True)
+
+
+_EMIT_AFTER_TRUNCATION = r"""
+import sys
+from pathlib import Path
+sys.path[:0] = [sys.argv[2]]
+from ir.partition import Partition, StageAssignment
+from planner.emit import emit_in_memory
+from planner.onnx_import import load_model
+from planner.schedule import make_schedule
+
+path = Path(sys.argv[1])
+graph = load_model(path, 2, 16, mapped=True)
+size = path.stat().st_size
+with open(path, "wb") as f:  # rewritten in place, shorter: the mapped pages past its end are gone
+    f.write(b"\0" * (size // 4))
+n = len(graph.blocks)
+partition = Partition((StageAssignment(0, "a", 0, 1), StageAssignment(1, "b", 2, n - 1)), "manual")
+try:
+    emit_in_memory(graph, partition, make_schedule("1f1b-flush", 2, 2), {})
+except ValueError as exc:
+    print("REFUSED", type(exc).__name__, exc, flush=True)
+    sys.exit(0)
+print("EMITTED", flush=True)
+"""
+
+
+def test_a_plan_emitted_from_a_model_file_truncated_since_it_was_mapped_is_refused_not_sigbus(tiny_onnx, tmp_path):
+    """A re-plan's emission reads the frozen weights through the mapping again: the file truncated in
+    place since is refused in one line naming it, where reading the mapping was SIGBUS (measured:
+    the child killed by signal 7 with the check left out)."""
+    import shutil
+
+    path = tmp_path / "m.onnx"
+    shutil.copy(tiny_onnx["torchscript-17"], path)
+    done = subprocess.run([sys.executable, "-c", _EMIT_AFTER_TRUNCATION, str(path), str(ROOT)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith(f"REFUSED ModelFileChanged {path}: the model file changed while this run used it"), \
+        done.stdout
