@@ -270,8 +270,8 @@ def _memory_parts(cost: BlockCost) -> str:
                    else f", {cost.per_block_stacked_bytes / 2**20:.1f} per further block")
         stacked += f"recomputed per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}; "
     if cost.per_block_kept_once_bytes is not None:
-        stacked += (f"a further micro-batch per block {(cost.per_block_kept_bytes or 0) / 2**20:.1f} per block, "
-                    f"{cost.per_block_kept_once_bytes / 2**20:.1f} once; ")
+        stacked += (f"a further micro-batch per block: {(cost.per_block_kept_bytes or 0) / 2**20:.1f} a block, "
+                    f"{cost.per_block_kept_once_bytes / 2**20:.1f} once a stage; ")
     engine = "" if not cost.engine_bytes else f", engine {cost.engine_bytes / 2**20:.1f}"
     targets = ("" if cost.sparse_workspace_bytes is None else
                f", {cost.sparse_workspace_bytes / 2**20:.1f} with {cost.sparse_target_positions} of its "
