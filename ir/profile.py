@@ -53,7 +53,7 @@ class BlockCost:
     # checkpoints hold more than the block inputs the activations term charges: a SmolLM2 int4 stage
     # of 12 layers, 1 x 128, ~19 MiB a further micro-batch against 12 x 0.28), the line's per-block
     # part, measured as a fresh worker runs (`runtime.profiling.device.measure_block`; its once part
-    # is in `per_block_workspace_bytes`). None: not measured, taken as nothing.
+    # is `per_block_kept_once_bytes`). None: not measured, taken as nothing.
     per_block_kept_bytes: int | None = None
     # A decoder's LM head fused with its loss (`runtime.engines.lm_loss`) computes logits only for
     # the positions that are targets, so its workspace depends on the data: `workspace_bytes` is
@@ -87,6 +87,13 @@ class BlockCost:
     # they are (a lookup, the LM head with its loss). None: not measured (MNN's `backward_s` already
     # re-runs the forward; an older profile), taken as `backward_s` plus `forward_s` on PyTorch.
     per_block_backward_s: float | None = None
+    # The line's once part: what a further micro-batch in flight adds to a stage recomputing per block
+    # beside its blocks' `per_block_kept_bytes` (PyTorch, SmolLM2 int4: ~13-24 MiB, the stage's output,
+    # its checkpoints' bookkeeping), measured with it, charged once per stage per further micro-batch in
+    # flight (`planner.cost.kept_once_bytes`: the largest of the stage's blocks'), so not at all where
+    # one micro-batch is in flight. None: not measured; profiles made before hold it in
+    # `per_block_workspace_bytes` (charged once on every stage, as then).
+    per_block_kept_once_bytes: int | None = None
 
     @property
     def stacked(self) -> int:
@@ -237,7 +244,8 @@ class DeviceProfile:
 
 _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s", "per_block_backward_s")
 _BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "per_block_workspace_bytes",
-                "per_block_stacked_bytes", "per_block_kept_bytes", "sparse_workspace_bytes")
+                "per_block_stacked_bytes", "per_block_kept_bytes", "per_block_kept_once_bytes",
+                "sparse_workspace_bytes")
 # counts, checked as sizes are (whole numbers >= 0)
 _BLOCK_COUNTS = ("target_positions", "sparse_target_positions")
 

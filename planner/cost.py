@@ -41,6 +41,9 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
     one that recomputes holds one micro-batch's (`DeviceSpec.activations`, `block_costs`: PyTorch
     runs each block's forward once more in its backward, MNN keeping skips its re-run). Profiles
     without those two measurements charge the whole workspace for each (the older model).
+  + on PyTorch recomputing per block, what each further micro-batch in flight holds once a stage
+    beside its blocks' kept parts (`kept_once_bytes`: the largest of the stage's blocks'
+    `BlockCost.per_block_kept_once_bytes`, x `kept_copies`; the partitioners take the same max)
   + the largest transient of the stage's own blocks (`transient_bytes`: workspace - stacked; one
     block's backward temporaries exist at a time), once per stage (the partitioners take the same
     max over a stage's blocks: `PartitionInstance.stage_bytes`)
@@ -358,8 +361,9 @@ def keeps_activations(device: DeviceSpec) -> bool:
     inputs (`BlockCost.kept` under `block_costs`): keeping every activation until its backward
     (PyTorch by default; MNN with one set of block graphs per micro-batch in flight), or PyTorch
     recomputing per block (a further micro-batch's checkpoints: ~13-19 MiB a SmolLM2 int4 stage,
-    of which `BlockCost.per_block_kept_bytes` is the per-layer part; the once part is in the
-    per-block workspace)."""
+    of which `BlockCost.per_block_kept_bytes` is the per-layer part and `per_block_kept_once_bytes`
+    the once-a-stage part, `kept_once_bytes`; profiles made before hold the latter in the per-block
+    workspace)."""
     policy = activations_of(device)
     return policy == "keep" or (policy == "per-block" and device_engine(device) == "torch")
 
@@ -375,6 +379,22 @@ def kept_copies(in_flight: int, keeps: bool) -> int:
 def kept_activation_bytes(kept_bytes: int, in_flight: int, keeps: bool) -> int:
     """Bytes of kept activations held beyond the block's own workspace (`kept_copies`)."""
     return kept_bytes * kept_copies(in_flight, keeps)
+
+
+def block_kept_once(graph: Graph, device: DeviceSpec) -> tuple[int, ...]:
+    """Per block, what a further micro-batch in flight holds once on a stage with the block beside the
+    blocks' kept parts (`BlockCost.per_block_kept_once_bytes` under `block_costs`: PyTorch recomputing
+    per block; 0 elsewhere and where not measured)."""
+    return tuple(c.per_block_kept_once_bytes or 0 for c in block_costs(graph, device))
+
+
+def kept_once_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, in_flight: int) -> int:
+    """What the further micro-batches in flight hold once a stage running blocks first..last: the
+    largest of its blocks' `block_kept_once`, once per further micro-batch (`kept_copies`: none with
+    one in flight). A max, not a sum: the stage's output and its checkpoints' bookkeeping are one a
+    micro-batch whatever the blocks (the partitioners take the same max, as for `transient_bytes`)."""
+    once = max(block_kept_once(graph, device)[first:last + 1], default=0)
+    return kept_activation_bytes(once, in_flight, keeps_activations(device))
 
 
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
@@ -407,17 +427,21 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         elif per_block:
             cost = replace(cost, workspace_bytes=cost.per_block_workspace, stacked_bytes=cost.per_block_stacked)
             if engine == "torch":
-                # a further micro-batch's checkpoints (`keeps_activations`): as measured, else nothing
+                # a further micro-batch's checkpoints (`keeps_activations`): as measured, else nothing;
+                # its once-a-stage part stays (`kept_once_bytes`)
                 cost = replace(cost, kept_bytes=cost.per_block_kept_bytes or 0)
                 backward = (cost.backward_s + cost.forward_s if cost.per_block_backward_s is None
                             else max(cost.backward_s, cost.per_block_backward_s))
                 cost = replace(cost, backward_s=backward, recompute_s=backward - cost.backward_s)
+        if cost.per_block_kept_once_bytes is not None and not (per_block and engine == "torch"):
+            cost = replace(cost, per_block_kept_once_bytes=None)  # held only recomputing per block on PyTorch
         out.append(cost)
     if joined_boundaries(graph):
         # the head's measured workspace is the head and its loss run fused on one stage (runtime.
         # profiling.device.measure_block), which no plan separates: the loss's own figure, measured
         # alone on the logits, is no part of the pair's peak (SmolLM2: 72 MiB counted twice)
-        out[-1] = replace(out[-1], workspace_bytes=0, stacked_bytes=0, kept_bytes=0, engine_bytes=0)
+        out[-1] = replace(out[-1], workspace_bytes=0, stacked_bytes=0, kept_bytes=0, engine_bytes=0,
+                          per_block_kept_once_bytes=None)
         # The fused pair's measured peak (the profile's, a stage of the two alone) is held beside the
         # other blocks' transient on a stage that also runs them, not instead of it: MNN keeps the
         # blocks' pooled buffers while the loss's numpy chunks come (SmolLM2 int4, per block, every
@@ -905,7 +929,7 @@ class MemoryTerms:
     runtime_bytes: int        # the idle runtime and its engine
     engine_bytes: int = 0     # what building the stage's engine holds beyond its weights (`engine_bytes`)
     # on a device that keeps its activations, each block's kept part once more per further micro-batch
-    # in flight (`kept_activation_bytes`)
+    # in flight (`kept_activation_bytes`), and as often the stage's once part (`kept_once_bytes`)
     kept_activation_bytes: int = 0
     # of the workspace, the fused LM head + loss's measured peak (the profile's, at the most target
     # positions a micro-batch of the plan's data has, `plan --data`; without it every position a
@@ -984,7 +1008,8 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         if last == n - 2:  # the head without its loss: its logits wait for their gradient
             held = graph.blocks[last].activation_bytes * in_flight
     costs = block_costs(graph, device)[first:last + 1]
-    kept = kept_activation_bytes(sum(c.kept for c in costs), in_flight, keeps_activations(device))
+    kept = (kept_activation_bytes(sum(c.kept for c in costs), in_flight, keeps_activations(device))
+            + kept_once_bytes(graph, device, first, last, in_flight))
     stacked = sum(c.stacked for c in costs)  # `workspace_of` less the kept part, charged as activations
     copies = weight_copies(schedule, optimizer, stages, stage, microbatches, update_every)
     state = OPTIMIZER_STATE_COPIES[optimizer]
@@ -1027,10 +1052,12 @@ def backend_times(graph: Graph, device: DeviceSpec, first: int, last: int,
 def workspace_of(graph: Graph, device: DeviceSpec, first: int, last: int, in_flight: int = 1) -> int:
     """Workspace blocks first..last hold together with `in_flight` micro-batches in flight, besides
     the stage's one transient (`transient_bytes`): each block's `stacked` part, and on a device that keeps
-    activations its `kept` part once more for every further micro-batch in flight."""
+    activations its `kept` part once more for every further micro-batch in flight, and the stage's
+    once part as often (`kept_once_bytes`)."""
     costs = block_costs(graph, device)[first:last + 1]
-    return sum(c.stacked for c in costs) + kept_activation_bytes(sum(c.kept for c in costs), in_flight,
-                                                                 keeps_activations(device))
+    return (sum(c.stacked for c in costs)
+            + kept_activation_bytes(sum(c.kept for c in costs), in_flight, keeps_activations(device))
+            + kept_once_bytes(graph, device, first, last, in_flight))
 
 
 def transient_bytes(graph: Graph, device: DeviceSpec, first: int, last: int) -> int:

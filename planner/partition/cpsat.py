@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ir.partition import Partition
 from ir.plan import ASYNC_SCHEDULES
+from planner.cost import kept_copies
 from planner.partition.explain import PlanDoesNotFit, _does_not_fit
 from planner.partition.instance import (Assignment, PartitionInstance, _objective_us, _overflows, _partition,
                                         _stage_times_us, _times_us, _weights_us, device_classes)
@@ -142,8 +143,9 @@ def _add_compute(v: _Vars, inst: PartitionInstance) -> None:
 
 def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
     """The stage at position r fits its device's budget (or exceeds it by at most `overflow`):
-    PartitionInstance.stage_bytes, its per-block sum linear in in_pos and its one transient (the
-    largest of the stage's blocks') a variable at least each of its blocks' transients."""
+    PartitionInstance.stage_bytes, its per-block sum linear in in_pos, its one transient (the
+    largest of the stage's blocks') a variable at least each of its blocks' transients, and its once
+    part per further micro-batch in flight likewise (PartitionInstance.stage_kept_once)."""
     for r in range(v.positions):
         fl = inst.in_flight[r][0]  # stage 0 of r+1 stages is at position r
         for c, members in enumerate(v.classes):
@@ -158,6 +160,13 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
                     if t:
                         v.model.add(transient >= t * v.in_pos[r][k])
                 used = used + transient
+            once, copies = inst.kept_once_bytes[d], kept_copies(fl, inst.keeps_activations[d])
+            if copies and any(once):
+                held = v.model.new_int_var(0, max(once), f"kept_once_{r}_{c}")
+                for k, o in enumerate(once):
+                    if o:
+                        v.model.add(held >= o * v.in_pos[r][k])
+                used = used + copies * held
             if r == 0 and inst.whole_model_delta_bytes[d]:  # the whole model on one stage (PartitionInstance.stage_bytes)
                 used = used + inst.whole_model_delta_bytes[d] * (1 - v.used[1] if v.positions > 1 else 1)
             limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
@@ -246,8 +255,10 @@ def _build(inst: PartitionInstance, soft_memory: bool = False) -> _Vars:
         v.weight = [model.new_int_var(0, compute_ub, f"weight_{r}") for r in range(P)]
     _add_compute(v, inst)
     if soft_memory:
-        max_use = max(o + max(t, default=0) + max(w, 0) for o, t, w in
-                      zip(inst.overhead_bytes, inst.transient_bytes, inst.whole_model_delta_bytes)) + sum(
+        most_in_flight = max(map(max, inst.in_flight))
+        max_use = max(o + max(t, default=0) + inst.stage_kept_once(d, 0, inst.blocks - 1, most_in_flight) + max(w, 0)
+                      for d, (o, t, w) in enumerate(zip(inst.overhead_bytes, inst.transient_bytes,
+                                                         inst.whole_model_delta_bytes))) + sum(
             inst.params_bytes[k] * max(map(max, inst.weight_copies)) + inst.input_bytes[k] * max(map(max, inst.in_flight))
             + max(inst.held_workspace(d, k, max(map(max, inst.in_flight))) for d in range(len(inst.devices)))
             for k in range(inst.blocks))

@@ -133,6 +133,9 @@ class OrderSolver:
         # a stage's one transient, the largest of its blocks' (PartitionInstance.stage_bytes): not a
         # prefix sum, so the bands take a running max over each range and `last` a suffix max
         self._transient = np.array(inst.transient_bytes, dtype=np.float64).reshape(nd, n)
+        # and its once part, the largest of its blocks', per further micro-batch in flight
+        # (PartitionInstance.stage_kept_once): the same running max, times `_further`
+        self._once = np.array(inst.kept_once_bytes, dtype=np.float64).reshape(nd, n)
         self._budget = np.array(inst.memory_budget_bytes, dtype=np.float64)
         # one transfer of the activation after block k between d and e, exactly as instance.transfer_us
         sizes = sorted(set(inst.boundary_bytes))
@@ -169,6 +172,7 @@ class OrderSolver:
             pc = self._pc_reuse[d] if self._reuse[0] else self._pc[d]
             mp = self._memory_prefix(d, 0)
             transient = np.maximum.accumulate(self._transient[d][::-1])[::-1]  # [i] max over blocks i..n-1
+            transient = transient + np.maximum.accumulate(self._once[d][::-1])[::-1] * self._further[d][0]
             over = self._overhead[d] + mp[n] - mp[:n] + transient - self._budget[d]
             over[0] += self.inst.whole_model_delta_bytes[d]  # blocks [0, n): the whole model on one stage
             compute = pc[n] - pc[:n]
@@ -199,6 +203,9 @@ class OrderSolver:
                 valid = j <= jmax[:, None]
                 # the stage's transient: the running max of its blocks' over the range [i, j)
                 transient = np.maximum.accumulate(self._transient[d][np.minimum(j - 1, n - 1)], axis=1)
+                if self._further[d][c]:  # the once part likewise (PartitionInstance.stage_kept_once)
+                    transient = transient + self._further[d][c] * np.maximum.accumulate(
+                        self._once[d][np.minimum(j - 1, n - 1)], axis=1)
                 valid &= mp[np.minimum(j, n)] - mp[i] + transient <= cap
                 if self.inst.joined:  # a stage may not end before a joined boundary
                     ends = np.ones(n, dtype=bool)

@@ -40,6 +40,7 @@ from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_s
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           base_dtype_savings, engine_bytes, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
+                          block_kept_once,
                           reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, unversioned_bytes,
                           unversioned_copies, updates_per_microbatch, weight_copies)
@@ -116,6 +117,11 @@ class PartitionInstance:
     # only while it runs); a stage is charged the largest of its own blocks' once (`stage_bytes`),
     # not a sum. Empty: all zero.
     transient_bytes: tuple[tuple[int, ...], ...] = ()
+    # [d][k] what each micro-batch in flight after the first holds once on a stage with block k on
+    # device d, beside the blocks' kept parts (planner.cost.block_kept_once: PyTorch recomputing per
+    # block); a stage is charged the largest of its own blocks' once per further micro-batch
+    # (`stage_kept_once`), not a sum. Empty: all zero.
+    kept_once_bytes: tuple[tuple[int, ...], ...] = ()
     # [d] what planner.cost charges the whole model on device d alone (one stage) beyond the per-block
     # sum (negative: a weight several blocks read, a tied table, is held once there, and its blocks
     # each count it). Every other stage of a decoder holds at most one reader of such a weight, so the
@@ -151,7 +157,7 @@ class PartitionInstance:
             if not getattr(self, name):
                 object.__setattr__(self, name, tuple((0,) * p for p in range(1, nd + 1)))
         for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes", "shared_current_bytes",
-                     "transient_bytes"):
+                     "transient_bytes", "kept_once_bytes"):
             table = getattr(self, name)
             if not table:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
@@ -236,15 +242,22 @@ class PartitionInstance:
         (planner.cost.transient_bytes)."""
         return max(self.transient_bytes[d][first:last + 1], default=0)
 
+    def stage_kept_once(self, d: int, first: int, last: int, in_flight: int) -> int:
+        """What the further micro-batches in flight hold once on a stage of blocks first..last on device
+        d: the largest of its blocks' `kept_once_bytes`, `kept_copies` times (planner.cost.kept_once_bytes)."""
+        return kept_activation_bytes(max(self.kept_once_bytes[d][first:last + 1], default=0), in_flight,
+                                     self.keeps_activations[d])
+
     def stage_bytes(self, d: int, first: int, last: int, p: int, s: int) -> int:
         """Memory of stage s of p running blocks first..last on device d: the instance's one form of
         planner.cost.stage_memory_bytes (the resident runtime, per block its weights and their copies,
-        its stashed inputs and workspace, and the stage's one transient). The CP-SAT model and the DP
-        state the same sum linearly (and the transient as a max), and tests hold all three to
-        planner.cost."""
+        its stashed inputs and workspace, the stage's one transient and its once part per further
+        micro-batch in flight). The CP-SAT model and the DP state the same sum linearly (and the
+        transient and the once part as maxima), and tests hold all three to planner.cost."""
         fl = self.in_flight[p - 1][s]
         whole = self.whole_model_delta_bytes[d] if (first, last) == (0, self.blocks - 1) else 0
         return (self.overhead_bytes[d] + whole + self.stage_transient(d, first, last)
+                + self.stage_kept_once(d, first, last, fl)
                 + sum(self.weight_bytes(d, k, p, s) + self.input_bytes[k] * fl + self.held_workspace(d, k, fl)
                       for k in range(first, last + 1)))
 
@@ -292,6 +305,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         overhead_bytes=tuple(runtime_bytes(s) for s in specs),
         # each stage pays the largest of its own blocks' transients (planner.cost.transient_bytes)
         transient_bytes=tuple(block_transients(graph, s) for s in specs),
+        # and the largest of its blocks' once part per further micro-batch (planner.cost.kept_once_bytes)
+        kept_once_bytes=tuple(block_kept_once(graph, s) for s in specs),
         memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
         boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
         link_bandwidth_bytes_per_s=tuple(tuple(math.inf if link(d, e) is None else link(d, e).bandwidth_bytes_per_s
@@ -436,7 +451,7 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.weight_us[d],
                               inst.workspace_bytes[d], inst.kept_bytes[d], inst.state_delta_bytes[d],
                               inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d],
-                              inst.transient_bytes[d], inst.whole_model_delta_bytes[d]),
+                              inst.transient_bytes[d], inst.kept_once_bytes[d], inst.whole_model_delta_bytes[d]),
                              len(keys)) for d in range(nd)]
 
     def towards(d: int) -> dict[int, list]:

@@ -127,9 +127,11 @@ def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -
         while k >= 0:
             grow = inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
             more = inst.stage_compute_us(d, k, r + 1, 0)
-            # the stage's one transient, the largest of its blocks' (PartitionInstance.stage_bytes)
+            # the stage's one transient and its once part, the largest of its blocks' (PartitionInstance.
+            # stage_bytes)
             wider = max(transient, inst.transient_bytes[d][k])
-            if memory + grow + wider > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
+            once = inst.stage_kept_once(d, k, last, fl)
+            if memory + grow + wider + once > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
                 break
             memory, time_us, k, transient = memory + grow, time_us + more, k - 1, wider
         while k < last and k in inst.joined:  # the stage may not start inside a joined pair: give

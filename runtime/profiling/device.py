@@ -100,7 +100,8 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     instead, each peak in a fresh child process (`runtime.profiling.fresh`: FRESH_PEAK_REPEATS per
     length, the line through the medians), less `start_up` (what the engine's start-up is charged,
     `profile_device`: a fresh first run pays it, and the engine's charge carries it), and what a
-    further micro-batch in flight adds per block that way (`per_block_kept_bytes`). The keep line, and
+    further micro-batch in flight adds per block that way (`per_block_kept_bytes`) and once a stage
+    (`per_block_kept_once_bytes`). The keep line, and
     MNN's lines, stay measured here: measured fresh they charged SmolLM2 int4 torch keeping stages
     0.77-0.92x their workers' peaks and MNN per-block stages 1.01x (benchmarks/MEMORY_NOTES.md)."""
     i = block.index
@@ -177,18 +178,20 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         # one-in-flight one, medians) at one block and at lean_run is a line, ~13 MiB once (the
         # stage's output and its checkpoints' bookkeeping) and ~0.7 MiB a further SmolLM2 int4 layer
         # (fresh processes, 12 layers: 157 / 178 / 196 MiB with 1 / 2 / 3 in flight, 4 layers +15).
-        # The per-block part is `per_block_kept_bytes`, charged per further micro-batch; the once part
-        # goes into the workspace, charged once a stage (as if one further micro-batch: the cost model
-        # has no per-stage term for it; a stage 0 of 3 with 3 in flight is ~13 MiB under by that).
+        # The per-block part is `per_block_kept_bytes`, charged per block per further micro-batch; the
+        # once part `per_block_kept_once_bytes`, charged once a stage per further micro-batch
+        # (`planner.cost.kept_once_bytes`: none where one is in flight; profiles made before put it
+        # in the workspace, once on every stage, which left a 1-in-flight stage ~13-24 MiB over its
+        # run and a 3-in-flight one ~13 MiB under).
         peaks = fresh_peaks(fresh, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS)
         lean, workspace = fresh_line(peaks, start_up)
         two = {k: statistics.median(fresh.run(graph, feeds, [("peak2", i, i + k - 1, "per-block")])[0]
                                     for _ in range(FRESH_PEAK_REPEATS)) for k in (1, lean_run)}
-        added = {k: max(0.0, two[k] - statistics.median(peaks[k - 1])) for k in (1, lean_run)}
-        kept_per_block = max(0, int((added[lean_run] - added[1]) / (lean_run - 1)))
-        once = max(0, int(added[1] - kept_per_block))
-        return replace(cost, per_block_workspace_bytes=workspace + once, per_block_stacked_bytes=lean,
-                       per_block_kept_bytes=kept_per_block)
+        kept_per_block, once = further_microbatch_parts(two[1] - statistics.median(peaks[0]),
+                                                        two[lean_run] - statistics.median(peaks[lean_run - 1]),
+                                                        lean_run)
+        return replace(cost, per_block_workspace_bytes=workspace, per_block_stacked_bytes=lean,
+                       per_block_kept_bytes=kept_per_block, per_block_kept_once_bytes=once)
     lean_runs = [[peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
                   for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, lean_run + 1)]
     if lean_run == 1:
@@ -198,6 +201,19 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     lean = max(0, steps[(len(steps) - 1) // 2])  # the median step (of two, the smaller)
     workspace = max(p - k * lean for k, peaks in enumerate(lean_runs) for p in peaks)
     return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
+
+
+def further_microbatch_parts(added_at_one: float, added_at_run: float, run: int) -> tuple[int, int]:
+    """(per block, once a stage) of what a further micro-batch in flight adds to a stage recomputing per
+    block, from what it added (two in flight less one) on stages of one block and of `run` blocks: the
+    line through the two points, its step `BlockCost.per_block_kept_bytes` and the rest at one block
+    `per_block_kept_once_bytes`, neither below 0. SmolLM2 int4 on PyTorch, fresh processes: ~0.7 MiB a
+    further layer, ~13 once."""
+    if run < 2:
+        raise ValueError(f"run must be >= 2 blocks for a line, got {run!r}")
+    one, most = max(0.0, added_at_one), max(0.0, added_at_run)
+    per_block = max(0, int((most - one) / (run - 1)))
+    return per_block, max(0, int(one - per_block))
 
 
 def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
@@ -253,6 +269,9 @@ def _memory_parts(cost: BlockCost) -> str:
         further = ("" if cost.per_block_stacked_bytes is None
                    else f", {cost.per_block_stacked_bytes / 2**20:.1f} per further block")
         stacked += f"recomputed per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}; "
+    if cost.per_block_kept_once_bytes is not None:
+        stacked += (f"a further micro-batch per block: {(cost.per_block_kept_bytes or 0) / 2**20:.1f} a block, "
+                    f"{cost.per_block_kept_once_bytes / 2**20:.1f} once a stage; ")
     engine = "" if not cost.engine_bytes else f", engine {cost.engine_bytes / 2**20:.1f}"
     targets = ("" if cost.sparse_workspace_bytes is None else
                f", {cost.sparse_workspace_bytes / 2**20:.1f} with {cost.sparse_target_positions} of its "

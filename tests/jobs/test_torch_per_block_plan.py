@@ -4,10 +4,10 @@ the planner charges and picks recomputing per block for a device whose budget no
 bundle carries it, and `train PLAN` runs it on a real worker process whose measured peak (VmHWM, its
 whole life: setup, training) stays within the plan's figure, with the losses of the same model planned
 to keep its activations (the engine's gradients against keeping: tests/runtime/test_torch_per_block.py).
-Not within 10% yet: one device has one micro-batch in flight, and the part of a further micro-batch's
-checkpoints that is not per layer is charged on every per-block stage (in its workspace: the cost model
-has no per-stage term per micro-batch), so this plan is ~12% high (four layers: 483.2 MiB measured, 548.7 planned);
-the lower bound here is 0.85 (issue 31 target 3 asks 0.90).
+One device has one micro-batch in flight, so the part of a further micro-batch's checkpoints that is
+not per layer (`BlockCost.per_block_kept_once_bytes`, measured apart) is charged nowhere here
+(`planner.cost.kept_once_bytes`: once a stage per further micro-batch); when it sat in the per-block
+workspace, charged on every stage, this plan was 10-13% high (0.87-0.90; benchmarks/MEMORY_NOTES.md).
 
 Measured in the warm profiling process instead (`profile_this_device(..., fresh=False)`, with the offer
 forced), the same plan's worker ran over its figure: CI's slow tier saw 485.1 MiB against 464.5 planned,
@@ -46,6 +46,8 @@ def test_a_torch_device_that_only_fits_per_block_is_planned_so_and_runs_within_i
     assert backend.fresh_lines
     layers = [c for c in backend.blocks.values() if c.per_block_stacked_bytes is not None]
     assert layers and all(c.per_block_stacked < c.stacked for c in layers)  # measured, and leaner
+    # a further micro-batch's once part measured apart from the workspace (charged per stage)
+    assert all(c.per_block_kept_once_bytes is not None for c in layers)
 
     def planned(budget: str, name: str):
         (tmp_path / "cluster.yaml").write_text(
@@ -71,6 +73,7 @@ def test_a_torch_device_that_only_fits_per_block_is_planned_so_and_runs_within_i
         runs[name] = train_from_plan(plan, train, None, PlanRunSettings(steps=2, seed=0, local=True, insecure=True))
     (worker,) = runs["per-block"].devices
     figures = (worker.peak_rss_bytes / MIB, lean["memory_bytes"] / MIB)
+    print(f"per block: measured {figures[0]:.1f} MiB, planned {figures[1]:.1f} ({figures[0] / figures[1]:.3f})")
     assert 0.85 * lean["memory_bytes"] <= worker.peak_rss_bytes <= lean["memory_bytes"], figures
     np.testing.assert_allclose([s.loss for s in runs["per-block"].steps], [s.loss for s in runs["keep"].steps],
                                rtol=1e-6)

@@ -26,6 +26,22 @@ def test_the_fresh_line_is_the_median_step_less_the_start_up_and_covers_every_pe
     assert fresh_line([[10 * MIB], [16 * MIB]], 20 * MIB) == (6 * MIB, 6 * MIB)
 
 
+def test_a_further_micro_batch_splits_into_a_per_block_line_and_a_once_a_stage_part():
+    """What a second micro-batch in flight added at one block and at four (fresh peaks, two in flight less
+    one): the step of the line is charged per block and further micro-batch, the rest at one block once a
+    stage per further micro-batch (`BlockCost.per_block_kept_once_bytes`; planner.cost.kept_once_bytes),
+    no longer put into the workspace, which charged it on every stage."""
+    from runtime.profiling.device import further_microbatch_parts
+
+    # SmolLM2 int4-like: 14 MiB at one layer, 16.1 at four: 0.7 a further layer, 13.3 once
+    per_block, once = further_microbatch_parts(14 * MIB, 16.1 * MIB, 4)
+    assert per_block == int(0.7 * MIB) and once == 14 * MIB - int(0.7 * MIB)
+    assert further_microbatch_parts(14 * MIB, 12 * MIB, 4) == (0, 14 * MIB)  # no negative step
+    assert further_microbatch_parts(-MIB, 3 * MIB, 2) == (3 * MIB, 0)  # nothing below 0
+    with pytest.raises(ValueError):
+        further_microbatch_parts(MIB, MIB, 1)
+
+
 @pytest.mark.slow  # a tiny export, torch in this process and in a child (~30-60 s loaded)
 def test_a_fresh_measurement_pays_what_a_worker_s_first_steps_pay_and_a_warm_repeat_does_not(tmp_path):
     """A torch layer's peak measured in a fresh child includes torch's start-up (its first steps' kernels
