@@ -154,7 +154,10 @@ class StageExecutor:
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - now))
             try:
-                return self.transport.recv_tensor(peer, expected, timeout=wait)[1]
+                # a snapshot chunk to file, or the holder's word for more of this stage's copy,
+                # ends the wait at once (`between` takes it), with no looks every few ms between
+                return self.transport.recv_tensor(peer, expected, timeout=wait,
+                                                  wake_on_side=self.between is not None)[1]
             except PeerTimeout:
                 now = time.monotonic()
                 if self.interrupt is not None and now >= poll_at:

@@ -464,7 +464,10 @@ class Worker:
                 self._take_in_copies()  # idle: a neighbour's snapshot copy is filed now, off the step's path
             wait = max(0.0, check_at - time.monotonic())
             try:
-                return self.transport.recv_control(COORDINATOR, timeout=wait if due is None else min(wait, due))[1]
+                # a neighbour's snapshot chunk, or its word for more of this stage's copy, wakes
+                # the wait: filed, or sent, at once
+                return self.transport.recv_control(COORDINATOR, timeout=wait if due is None else min(wait, due),
+                                                   wake_on_side=self.stage is not None)[1]
             except PeerTimeout:
                 if time.monotonic() < check_at:
                     continue  # a chunk of the copy is due
