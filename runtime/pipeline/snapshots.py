@@ -492,6 +492,12 @@ class StateCopies:
         del self._spare[_SPARE_FILES:]
 
     @property
+    def awaiting_word(self) -> bool:
+        """The copy being shipped is out of credit: what it waits for is its holder's word."""
+        ship = self._shipment
+        return ship is not None and ship.begun and not ship.credit() and ship.sent < len(ship.chunks)
+
+    @property
     def shipping(self) -> bool:
         """A copy is still being shipped to its holder."""
         return self._shipment is not None

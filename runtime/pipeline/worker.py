@@ -263,6 +263,9 @@ class Worker:
         self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
                                       spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
                                       tied=_tied_names(msg), between=self._between)
+        # a stage waiting for a neighbour while its copy waits for its holder's word is woken by
+        # that word; a neighbour's chunks are filed at its next action or look (several at a time)
+        self.executor.wake_on_side = lambda: self.copies.awaiting_word
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device,
                                                   **device_state()})
