@@ -11,9 +11,11 @@ next stage, the last stage's the one before) while that step computes: from the 
 thread, between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an
 engine that holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting
 and the step stalled behind it): first its index (`copy_index`: each tensor's name, dtype, shape
-and offset, JSON), then the file's bytes in chunks of at most `CHUNK_BYTES` read back from it,
-whatever tensors each spans (a LoRA stage's ~700 small tensors go in a few messages, not ~700), at
-most `PUMP_CHUNKS` at a time, spread over `spread_s` seconds, so the step's own activations and
+and offset, JSON), then the file's bytes read back from it in messages of `MESSAGE_CHUNKS` chunks
+of at most `CHUNK_BYTES` (one frame each), whatever tensors each spans (a LoRA stage's ~700 small
+tensors go in a few messages, not ~700), at most `PUMP_CHUNKS` chunks at a time, spread over
+`spread_s` seconds, at most `CREDIT_BYTES` beyond what the holder said it filed (its word wakes a
+sender that waits for it: `wake_on_side`), so the step's own activations and
 gradients, which share the connection, wait behind a few chunks at most. Over CURVE the chunks go
 without their CRC-32 (the link's MAC authenticates every byte: `Transport.authenticated`). The
 holder takes them from a lane of their own (`runtime.transport.wire.SIDE_KIND`: they never meet the
