@@ -136,6 +136,9 @@ class StageExecutor:
         # and the thread would take the lock back from the stage each time a graph returned;
         # returns the seconds until more is due, None when nothing is left
         self.between = between
+        # whether a wait for a neighbour ends as soon as a side-lane message arrives (the worker's
+        # `StateCopies.awaiting_word`: its copy's shipping waits for its holder's word); None: never
+        self.wake_on_side = None
 
     @property
     def is_last(self) -> bool:
@@ -154,7 +157,10 @@ class StageExecutor:
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - now))
             try:
-                return self.transport.recv_tensor(peer, expected, timeout=wait)[1]
+                # a snapshot chunk to file, or the holder's word for more of this stage's copy,
+                # ends the wait at once (`between` takes it), with no looks every few ms between
+                return self.transport.recv_tensor(peer, expected, timeout=wait,
+                                                  wake_on_side=bool(self.wake_on_side and self.wake_on_side()))[1]
             except PeerTimeout:
                 now = time.monotonic()
                 if self.interrupt is not None and now >= poll_at:

@@ -263,6 +263,9 @@ class Worker:
         self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
                                       spec.graph_inputs, timeout=self.timeout, interrupt=self._interrupt,
                                       tied=_tied_names(msg), between=self._between)
+        # a stage waiting for a neighbour while its copy waits for its holder's word is woken by
+        # that word; a neighbour's chunks are filed at its next action or look (several at a time)
+        self.executor.wake_on_side = lambda: self.copies.awaiting_word
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device,
                                                   **device_state()})
@@ -464,7 +467,10 @@ class Worker:
                 self._take_in_copies()  # idle: a neighbour's snapshot copy is filed now, off the step's path
             wait = max(0.0, check_at - time.monotonic())
             try:
-                return self.transport.recv_control(COORDINATOR, timeout=wait if due is None else min(wait, due))[1]
+                # a neighbour's snapshot chunk, or its word for more of this stage's copy, wakes
+                # the wait: filed, or sent, at once
+                return self.transport.recv_control(COORDINATOR, timeout=wait if due is None else min(wait, due),
+                                                   wake_on_side=self.stage is not None)[1]
             except PeerTimeout:
                 if time.monotonic() < check_at:
                     continue  # a chunk of the copy is due

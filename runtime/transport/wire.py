@@ -374,13 +374,23 @@ def split_payload(payload: memoryview) -> list[memoryview]:
     return [payload[i:i + PART_BYTES] for i in range(0, n, PART_BYTES)] if n else [payload]
 
 
-def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview],
-                 checksum: bool = True, consume: bool = False) -> bytes | memoryview:
-    """A tensor's payload from its frames, checked (`check_payload`, and as many frames as its size
-    needs, each `PART_BYTES` but the last); one frame is returned as it is, several are copied into
-    one buffer. Without `checksum` the CRC-32 is not verified (a link whose every byte its cipher's
-    MAC authenticated: `Transport.authenticated`)."""
+def payload_views(header: TensorHeader, parts: Sequence[bytes | memoryview], checksum: bool = True
+                  ) -> list[memoryview]:
+    """A tensor's payload as its frames' bytes, checked as `join_payload` checks them, not joined:
+    for a reader that writes them on as they are (a snapshot copy's chunk, filed with one
+    `pwritev`: runtime.pipeline.snapshots)."""
     views = [memoryview(p).cast("B") for p in parts]
+    _check_views(header, views)
+    crc = 0
+    for v in views if checksum else ():
+        crc = zlib.crc32(v, crc)
+    if checksum and crc != header.checksum:
+        raise MessageError(f"checksum mismatch: payload crc32 0x{crc:08x}, header says 0x{header.checksum:08x}",
+                           received=header)
+    return views
+
+
+def _check_views(header: TensorHeader, views: Sequence[memoryview]) -> None:
     _check_size(header, sum(v.nbytes for v in views))
     want = payload_parts(header.nbytes)
     if len(views) != want or any(v.nbytes != PART_BYTES for v in views[:-1]):
@@ -388,6 +398,17 @@ def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview],
         raise MessageError(f"payload in {len(views)} frame{'s' if len(views) != 1 else ''} of {sizes} bytes, a "
                            f"payload of {header.nbytes} bytes comes in {want} frame{'s' if want != 1 else ''} of "
                            f"{PART_BYTES} bytes but the last", received=header)
+
+
+def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview],
+                 checksum: bool = True, consume: bool = False) -> bytes | memoryview:
+    """A tensor's payload from its frames, checked (`check_payload`, and as many frames as its size
+    needs, each `PART_BYTES` but the last); one frame is returned as it is, several are copied into
+    one buffer. Without `checksum` the CRC-32 is not verified (a link whose every byte its cipher's
+    MAC authenticated: `Transport.authenticated`)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    _check_views(header, views)
+    want = len(views)
     if len(parts) == 1:
         if checksum:
             check_payload(header, parts[0])
@@ -492,6 +513,8 @@ class Transport(ABC):
         self._fifos: dict[tuple[str, str], deque] = {}
         # Arrival order of pending control messages across peers, for recv_control(None).
         self._control_order: deque[str] = deque()
+        # side-lane messages taken in so far: a wait with `wake_on_side` ends when this moves
+        self._side_arrivals = 0
 
     def wait_sent(self, peer: str) -> None:
         """Return once the messages sent to `peer` so far have left this process's queues (their
@@ -540,6 +563,7 @@ class Transport(ABC):
             # checks it whole, as `recv_tensor` does)
             side = bytes(frames[0][:len(_SIDE_PREFIX)]) == _SIDE_PREFIX
             self._fifos.setdefault((peer, SIDE if side else TENSOR), deque()).append(frames)
+            self._side_arrivals += side
         elif len(frames) == 1:
             self._fifos.setdefault((peer, CONTROL), deque()).append(frames[0])
             self._control_order.append(peer)
@@ -548,12 +572,17 @@ class Transport(ABC):
                                f"{MAX_FRAMES - 1} frames", peer=peer, address=self.address_of(peer),
                                received=f"{len(frames)} frames")
 
-    def _wait(self, peer: str | None, channel: str, timeout: float | None, what: Expected | str) -> tuple[str, Any]:
+    def _wait(self, peer: str | None, channel: str, timeout: float | None, what: Expected | str,
+              wake_on_side: bool = False) -> tuple[str, Any]:
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        side = self._side_arrivals
         while True:
             found = self._take(peer, channel)
             if found is not None:
                 return found
+            if wake_on_side and self._side_arrivals != side:
+                # a side-lane message came first: the caller takes it in and waits again
+                raise PeerTimeout(peer, None if peer is None else self.address_of(peer), str(what), timeout)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 arrived = self._pump(remaining)
@@ -628,14 +657,17 @@ class Transport(ABC):
         self._send_frames(peer, [header.encode(), *split_payload(payload)])
         return header
 
-    def recv_tensor(self, peer: str, expected: Expected, timeout: float | None = None
+    def recv_tensor(self, peer: str, expected: Expected, timeout: float | None = None, wake_on_side: bool = False
                     ) -> tuple[TensorHeader, np.ndarray]:
         """The next tensor from `peer`, which must match `expected`; the array is read-only.
 
-        Raises PeerTimeout when nothing arrives within `timeout` seconds (None waits forever) and
+        Raises PeerTimeout when nothing arrives within `timeout` seconds (None waits forever), and
+        with `wake_on_side` also as soon as a side-lane message (`SIDE_KIND`, from any peer)
+        arrives first: a worker then files a neighbour's snapshot chunk, or sends more of its own
+        copy on its holder's word, at once rather than looking every few ms (runtime.pipeline.snapshots).
         MessageError when what arrives is garbled, corrupted, or not the expected message."""
         self._check_peer(peer)
-        _, (raw_header, *parts) = self._wait(peer, TENSOR, timeout, expected)
+        _, (raw_header, *parts) = self._wait(peer, TENSOR, timeout, expected, wake_on_side)
         try:
             header = TensorHeader.decode(raw_header)
             problem = expected.mismatch(header)
@@ -665,6 +697,25 @@ class Transport(ABC):
             raise err.at(peer, self.address_of(peer), f"a {SIDE_KIND} tensor") from None
         return header, _array_from_payload(header, payload)
 
+    def take_side(self, peer: str) -> list[tuple[TensorHeader, list[memoryview]]]:
+        """Every side-lane message from `peer` that has arrived (one look at the network, no
+        waiting), each its header and its payload's frames, checked as `recv_side` checks them but
+        not joined: a chunk of several frames is written on with one `pwritev`, never copied into
+        one buffer first."""
+        self._pump(0)
+        fifo = self._fifos.get((peer, SIDE))
+        out = []
+        while fifo:
+            raw_header, *parts = fifo.popleft()
+            try:
+                header = TensorHeader.decode(raw_header)
+                if header.kind != SIDE_KIND:
+                    raise MessageError(f"kind {header.kind!r} in the {SIDE_KIND} lane", received=header)
+                out.append((header, payload_views(header, parts, checksum=not self._unchecked(SIDE_KIND))))
+            except MessageError as err:
+                raise err.at(peer, self.address_of(peer), f"a {SIDE_KIND} tensor") from None
+        return out
+
     def _unchecked(self, kind: str) -> bool:
         """A tensor of `kind` goes without its CRC-32: a side-lane copy over an authenticated link."""
         return kind == SIDE_KIND and self.authenticated
@@ -681,11 +732,13 @@ class Transport(ABC):
         """Send a JSON object (start, stop, stats, error reports) to `peer`."""
         self._send_frames(peer, [encode_control(obj)])
 
-    def recv_control(self, peer: str | None = None, timeout: float | None = None) -> tuple[str, dict[str, Any]]:
-        """The next control message from `peer`, or from whichever peer sent first when None."""
+    def recv_control(self, peer: str | None = None, timeout: float | None = None, wake_on_side: bool = False
+                     ) -> tuple[str, dict[str, Any]]:
+        """The next control message from `peer`, or from whichever peer sent first when None
+        (`wake_on_side` as for `recv_tensor`)."""
         if peer is not None:
             self._check_peer(peer)
-        sender, raw = self._wait(peer, CONTROL, timeout, _CONTROL_WAIT)
+        sender, raw = self._wait(peer, CONTROL, timeout, _CONTROL_WAIT, wake_on_side)
         try:
             return sender, decode_control(raw)
         except MessageError as err:

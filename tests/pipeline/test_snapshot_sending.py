@@ -28,8 +28,8 @@ def _pair():
 
 def _state(seed: int) -> list[tuple[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return [("param/w", rng.standard_normal((300, 700)).astype(np.float32)),  # > 1 chunk of 1 MiB
-            ("opt/adamw/m/w", rng.standard_normal((300, 700)).astype(np.float32)),
+    return [("param/w", rng.standard_normal((600, 700)).astype(np.float32)),  # > 1 message of 2 MiB, with m
+            ("opt/adamw/m/w", rng.standard_normal((600, 700)).astype(np.float32)),
             ("param/b", rng.standard_normal(7).astype(np.float32)),
             ("opt/adamw/t", np.array(seed, np.int64))]  # a 0-d tensor keeps its shape
 
@@ -400,3 +400,89 @@ def test_a_holder_busy_computing_receives_a_few_chunks_not_the_copy():
     print(f"the holder's peak rose {peak / 2**20:.1f} MiB taking a 48 MiB copy")
     # the chunks on their way, and what the interpreter and ZeroMQ keep: not the copy (48 MiB)
     assert peak <= PUMP_CHUNKS * CHUNK_BYTES + 8 * 2**20, peak / 2**20
+
+
+def test_a_copy_goes_in_messages_of_several_chunks_each_filed_with_one_write(monkeypatch):
+    """A copy's bytes go in messages of `MESSAGE_CHUNKS` chunks (the Python of a message, on both
+    ends, is paid per message: ~2/3 of a worker's own CPU for a copy in 1 MiB messages), and the
+    holder writes each message's frames with one `pwritev`, not joined first; the copy is exact."""
+    import os
+
+    import runtime.pipeline.snapshots as snapshots
+
+    rng = np.random.default_rng(9)
+    state = [(f"param/w{i}", rng.standard_normal(2**20 // 4 * 3 // 2).astype(np.float32)) for i in range(8)]
+    total = sum(a.nbytes for _, a in state)  # 12 MiB: 12 chunks, 6 messages
+    a, b = _pair()
+    chunks_sent = []
+    real_send = a._send_frames
+    a._send_frames = lambda peer, frames: (chunks_sent.append(len(frames) - 1) if b"#bytes" in bytes(frames[0]) else None,
+                                           real_send(peer, frames))[1]
+    sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
+    sender.take(1, 0, state, "stage1", [], 0.0)
+    writes = []
+    for call in ("pwrite", "pwritev"):
+        real = getattr(os, call)
+        monkeypatch.setattr(os, call, lambda *args, real=real, call=call: (writes.append(call), real(*args))[1])
+    deadline = time.monotonic() + 30
+    while (0, 1) not in holder.replicas:  # from here on only the holder writes
+        assert time.monotonic() < deadline, "the copy never reached its holder"
+        sender.pump()
+        holder.take_in(["stage0"], 1)
+    messages = -(-total // (snapshots.MESSAGE_CHUNKS * snapshots.CHUNK_BYTES))
+    assert snapshots.MESSAGE_CHUNKS >= 2 and len(chunks_sent) == messages == 6, chunks_sent
+    assert chunks_sent == [snapshots.MESSAGE_CHUNKS] * messages  # frames of 1 MiB, as the wire has them
+    assert len(writes) == messages, f"{len(writes)} file writes for {messages} messages"
+    _assert_copy(holder.copy_of(0, 1, 1), state)
+    a.close(), b.close()
+
+
+def test_a_sender_out_of_credit_waits_for_its_holders_word_without_looking_every_few_ms(monkeypatch):
+    """A stage waiting for a neighbour's tensor (the executor's own wait, `StageExecutor._recv`)
+    while its copy's shipping is out of credit (`CREDIT_BYTES` on its way, unfiled) is woken by its
+    holder's word on what it filed (`wake_on_side`), not by looks every 25 ms that find nothing: its
+    wake-ups (`between` calls) are a few per filing. Here the holder files every 0.25 s (it
+    "computes" between) a 16 MiB copy, 4 filings or more; with looks every 25 ms, ~10 a filing. (The
+    executor's look for an abort, every `POLL_S`, is set far apart here: those wake-ups are not the
+    copy's.)"""
+    import threading
+    from types import SimpleNamespace
+
+    import runtime.pipeline.executor as executor
+    from runtime.pipeline.executor import StageExecutor
+
+    monkeypatch.setattr(executor, "POLL_S", 30.0)
+
+    a, b = _pair()
+    sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
+    state = [(f"param/w{i}", np.random.default_rng(i).standard_normal(2**20).astype(np.float32)) for i in range(4)]
+    filings = []
+
+    def holder_side():
+        while (0, 1) not in holder.replicas:
+            time.sleep(0.25)  # computing
+            holder.take_in(["stage0"], 1)
+            filings.append(time.monotonic())
+        b.send_tensor("stage0", "act", 1, 0, np.ones(3, np.float32))  # what the waiting stage waits for
+
+    wakes = []
+
+    def between():
+        wakes.append(time.monotonic())
+        return sender.pump()
+
+    sender.take(1, 0, state, "stage1", [], 0.0)
+    thread = threading.Thread(target=holder_side, daemon=True)
+    thread.start()
+    # as the worker sets it up: woken by a side message while its copy waits for the holder's word
+    stage = SimpleNamespace(transport=a, interrupt=None, between=between, timeout=60.0,
+                            wake_on_side=lambda: sender.awaiting_word)
+    got = StageExecutor._recv(stage, "stage1", "act", 1, 0)
+    thread.join(10)
+    np.testing.assert_array_equal(got, np.ones(3, np.float32))
+    _assert_copy(holder.copy_of(0, 1, 1), state)
+    assert not sender.shipping and len(filings) >= 4
+    # each filing's word wakes the wait once (and the tensor waited for, at the end)
+    print(f"{len(wakes)} wake-ups for {len(filings)} filings")
+    assert len(wakes) <= 2 * len(filings) + 2, (len(wakes), len(filings))
+    a.close(), b.close()

@@ -872,3 +872,35 @@ def test_a_tensor_over_many_frames_is_never_held_twice_while_it_is_joined():
     assert proc.returncode == 0, proc.stderr[-2000:]
     over = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("JOIN "))[5:])["peak_over"]
     assert over < size / 4, f"receiving {size >> 20} MiB peaked {over / 2**20:.1f} MiB above its frames"
+
+
+def test_a_wait_with_wake_on_side_ends_when_a_side_lane_message_arrives_first(mesh):
+    """A worker waiting for a tensor or an order while its snapshot copy ships is woken by a
+    side-lane message (a neighbour's chunk to file, its holder's word for more), so neither end looks
+    every few ms; without `wake_on_side` the same wait goes on until what it waits for arrives. The
+    side message stays in its lane for `take_side`, its frames unjoined."""
+    import time
+
+    from runtime.transport.wire import SIDE_KIND
+
+    a, b = mesh("a", "b")
+    chunk = np.arange(PART_BYTES // 2, dtype=np.float32).view(np.uint8)  # 2 MiB: 2 frames
+    later = threading.Timer(0.3, a.send_tensor, ("b", SIDE_KIND, 0, 1, chunk), {"name": "#bytes|0"})
+    later.start()
+    start = time.monotonic()
+    with pytest.raises(PeerTimeout):
+        b.recv_tensor("a", Expected("act", 0, 0), timeout=20, wake_on_side=True)
+    assert time.monotonic() - start < 10  # woken by the side message, not at the timeout
+    [(header, views)] = b.take_side("a")
+    assert header.name == "#bytes|0" and [v.nbytes for v in views] == [PART_BYTES, PART_BYTES]
+    assert bytes(views[0]) + bytes(views[1]) == chunk.tobytes()
+    # a control wait is woken the same way; a wait without it is not
+    later = threading.Timer(0.3, a.send_tensor, ("b", SIDE_KIND, 0, 2, chunk[:10]), {"name": "#bytes|0"})
+    later.start()
+    with pytest.raises(PeerTimeout):
+        b.recv_control("a", timeout=20, wake_on_side=True)
+    assert len(b.take_side("a")) == 1
+    threading.Timer(0.3, a.send_tensor, ("b", SIDE_KIND, 0, 3, chunk[:10]), {"name": "#bytes|0"}).start()
+    threading.Timer(1.0, a.send_tensor, ("b", "act", 0, 0, np.ones(2, np.float32))).start()
+    _, got = b.recv_tensor("a", Expected("act", 0, 0), timeout=20)
+    assert np.array_equal(got, np.ones(2, np.float32)) and len(b.take_side("a")) == 1
