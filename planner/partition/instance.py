@@ -292,7 +292,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         overhead_bytes=tuple(runtime_bytes(s) for s in specs),
         # each stage pays the largest of its own blocks' transients (planner.cost.transient_bytes)
         transient_bytes=tuple(block_transients(graph, s) for s in specs),
-        memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
+        memory_budget_bytes=tuple(s.plannable_bytes for s in specs),  # less what the job reserved
         boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
         link_bandwidth_bytes_per_s=tuple(tuple(math.inf if link(d, e) is None else link(d, e).bandwidth_bytes_per_s
                                                for e in range(nd)) for d in range(nd)),
