@@ -2,6 +2,8 @@
 the plan leaves each device room for what holding them costs (`jobs.train.from_plan.state_place`)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 
@@ -46,3 +48,24 @@ def test_the_demos_plan_keeps_its_snapshot_copies_on_the_workers(export_dir, tmp
     assert [d.reserved_bytes for d in devices] == extra, figures
     assert all(d.promised_bytes == d.memory_bytes + e <= d.memory_budget_bytes for d, e in zip(devices, extra)), figures
     assert state_place(devices) == ("peers", None), figures
+
+
+def test_the_demos_memory_row_shows_what_the_plan_promised_beside_the_peaks(tmp_path):
+    """The demo's table puts each device's peak beside the figure `train PLAN` held it against (the
+    plan's and its reserve, as `check_memory` filled them in) and its budget: the board measured 171
+    MiB where the plan's own figure, 168, was all the demo showed."""
+    from jobs.common.metrics import DeviceFigures, StepFigures, TrainingMetrics
+    from jobs.demo import DemoResult, demo_table
+
+    mib = 2 ** 20
+    steps = (StepFigures(1, 2.0, 0.5, 16.0),)
+    single = TrainingMetrics("train-local", "m.onnx", 8, 32, steps, (DeviceFigures("this-device", 0, 0, 8, 489 * mib),))
+    pipe = TrainingMetrics("train", "m.onnx", 8, 32, steps, (
+        DeviceFigures("phone", 0, 0, 2, 232 * mib, 252 * mib, 256 * mib),
+        DeviceFigures("board", 1, 3, 4, 172 * mib, 183 * mib, 320 * mib),
+        DeviceFigures("laptop", 2, 5, 8, 174 * mib, 175 * mib, 1024 * mib)))
+    rows = {r[0]: r for r in demo_table(DemoResult(single, pipe, tmp_path))}
+    assert rows["peak memory per device"][2] == \
+        "232 / 172 / 174 MiB (planned incl. reserve 252 / 183 / 175 of 256 / 320 / 1024 MiB)"
+    unplanned = dataclasses.replace(pipe, devices=tuple(dataclasses.replace(d, planned_bytes=None) for d in pipe.devices))
+    assert demo_table(DemoResult(single, unplanned, tmp_path))[1][2] == "232 / 172 / 174 MiB"
