@@ -609,7 +609,9 @@ def show_plan(plan_dir: Path) -> None:
         weights = "-" if d.trainable_bytes is None else \
             f"{d.trainable_bytes / 2**20:.1f} / {(d.frozen_bytes or 0) / 2**20:.1f} MiB"
         rows.append((str(d.stage), d.name, d.address or "-", f"{d.first_block}-{d.last_block}",
-                     f"{d.memory_bytes / 2**20:.0f} / {d.memory_budget_bytes / 2**20:.0f} MiB", weights,
+                     f"{d.memory_bytes / 2**20:.0f}"
+                     + (f" + {d.reserved_bytes / 2**20:.0f}" if d.reserved_bytes else "")
+                     + f" / {d.memory_budget_bytes / 2**20:.0f} MiB", weights,
                      f"{d.predicted_time_s * 1000:.0f} ms", d.engine + (f" ({d.activations})" if d.activations else ""),
                      str(d.threads), _heads_cell(d.head_split)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -619,6 +621,9 @@ def show_plan(plan_dir: Path) -> None:
           + (f", frozen base held {plan.base_dtype}" if plan.base_dtype != "float32" else ""))
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if any(d.reserved_bytes for d in plan.devices):
+        print("memory: what the plan charges + what it left free of the budget for the fault policy's snapshot "
+              "copies on the workers (their chunks on the way; the copies lie in files)")
     if any(d.memory_terms for d in plan.devices):
         print("memory per device (the memory model's terms, MiB; frozen weights by the precision held; activations: "
               "the stashed block inputs, kept: what a device keeping activations holds per further micro-batch; "
@@ -627,7 +632,9 @@ def show_plan(plan_dir: Path) -> None:
             if d.memory_terms:
                 print(f"  {d.name}: " + ", ".join(f"{_term_label(name, plan.lora)} {b / 2**20:.1f}"
                                                   for name, b in d.memory_terms.items())
-                      + f" = {d.memory_bytes / 2**20:.1f} of {d.memory_budget_bytes / 2**20:.0f} budget")
+                      + f" = {d.memory_bytes / 2**20:.1f}"
+                      + (f", reserve {d.reserved_bytes / 2**20:.1f}" if d.reserved_bytes else "")
+                      + f" of {d.memory_budget_bytes / 2**20:.0f} budget")
         if any("LM head + loss" in (d.memory_terms or {}) for d in plan.devices):
             if plan.target_positions is None:
                 print("  (LM head + loss: the fused head and loss's peak with every position of a micro-batch a "

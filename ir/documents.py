@@ -354,10 +354,19 @@ class DevicePlan:
     # frozen <precision>, gradients, optimizer state, activations, workspace, runtime), which sum to
     # it; None: plans written before
     memory_terms: Mapping[str, int] | None = None
+    # bytes of the budget the plan left free for what the run holds beside memory_bytes (the fault
+    # policy's snapshot copies on their way on the workers), passed to the planner by the job;
+    # memory_bytes + reserved_bytes <= memory_budget_bytes. 0: none (and plans written before)
+    reserved_bytes: int = 0
 
     @property
     def blocks(self) -> tuple[int, int]:
         return (self.first_block, self.last_block)
+
+    @property
+    def promised_bytes(self) -> int:
+        """What a run of the plan may hold on the device: the planned figure and the reserve."""
+        return self.memory_bytes + self.reserved_bytes
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -377,6 +386,8 @@ class DevicePlan:
             out["memory_terms"] = dict(self.memory_terms)
         if self.activations is not None:
             out["activations"] = self.activations
+        if self.reserved_bytes:
+            out["reserved_bytes"] = self.reserved_bytes
         return out
 
 
@@ -632,6 +643,9 @@ def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
     if not valid_activations(d.get("activations")):
         raise fail(f"device {name!r} activations is {d['activations']!r}, not one of {', '.join(ACTIVATION_CHOICES)} "
                    f"or {HYBRID}K")
+    reserved = d.get("reserved_bytes", 0)
+    if not (_is_int(reserved) and reserved >= 0):
+        raise fail(f"device {name!r} reserved_bytes is {reserved!r}, not an integer >= 0")
     terms = d.get("memory_terms")
     if terms is not None and not (isinstance(terms, dict) and all(isinstance(k, str) and _is_int(v)
                                                                    for k, v in terms.items())):
@@ -640,7 +654,7 @@ def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:
                       float(d["predicted_time_s"]), d["bundle"], digest, threads, engine,
                       _planned_split(d.get("head_split"), name, fail), d.get("address"),
                       _planned_cost(d.get("cost"), name, fail), sizes["trainable_bytes"], sizes["frozen_bytes"],
-                      d.get("activations"), None if terms is None else dict(terms))
+                      d.get("activations"), None if terms is None else dict(terms), int(reserved))
 
 
 def _planned_split(doc: Any, device: str, fail) -> PlannedHeadSplit | None:

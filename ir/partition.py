@@ -15,7 +15,7 @@ class StageAssignment:
     last_block: int
     predicted_time_s: float = 0.0  # forward+backward of one micro-batch plus its link time
     memory_bytes: int = 0          # predicted peak under the chosen schedule
-    memory_budget_bytes: int = 0
+    memory_budget_bytes: int = 0   # what the plan may charge the device: its budget less any reserve
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class StageCost:
     send_act_s: float = 0.0        # link time to the next stage: bytes / bandwidth + latency
     send_grad_s: float = 0.0       # link time back to the previous stage
     memory_bytes: int = 0          # predicted peak under the schedule
-    memory_budget_bytes: int = 0
+    memory_budget_bytes: int = 0   # what the plan may charge the device: its budget less any reserve
     # the part of backward_s that is weight gradients (a schedule's W when it splits backwards);
     # None: half of it (a linear layer's input and weight gradients are GEMMs of the same size)
     weight_grad_s: float | None = None

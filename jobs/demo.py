@@ -120,13 +120,25 @@ def demo_table(result: DemoResult) -> list[tuple[str, str, str]]:
     f1 = (lambda m: f"{m.eval.after:.3f}" if m.eval is not None else "-")
     return [
         ("", "1 device", f"{len(stages)} devices (planned pipeline)"),
-        ("peak memory per device", f"{one / 2**20:.0f} MiB", " / ".join(f"{b / 2**20:.0f}" for b in stages) + " MiB"),
+        ("peak memory per device", f"{one / 2**20:.0f} MiB",
+         " / ".join(f"{b / 2**20:.0f}" for b in stages) + " MiB" + _promised(pipe)),
         ("largest device", f"{one / 2**20:.0f} MiB",
          f"{max(stages) / 2**20:.0f} MiB ({max(stages) / one:.0%} of 1 device)" if one else f"{max(stages) / 2**20:.0f} MiB"),
         ("samples/s", f"{single_sps:.1f}", f"{pipe_sps:.1f} (all workers share this machine's 2 cores)"),
         ("final loss", f"{single.steps[-1].loss:.3f}", f"{pipe.steps[-1].loss:.3f}"),
         ("entity F1", f1(single), f1(pipe)),
     ]
+
+
+def _promised(pipe) -> str:
+    """' (planned 184 / 150 / 120 of 256 / 320 / 1024 MiB)': each device's figure as `train PLAN`
+    held the run against it (the plan's, with what it left free for the fault policy's snapshot
+    copies on the workers: ir.documents.DevicePlan.promised_bytes) and its budget; '' without them."""
+    devices = pipe.devices
+    if not devices or any(d.planned_bytes is None or d.budget_bytes is None for d in devices):
+        return ""
+    return (" (planned incl. reserve " + " / ".join(f"{d.planned_bytes / 2**20:.0f}" for d in devices) + " of "
+            + " / ".join(f"{d.budget_bytes / 2**20:.0f}" for d in devices) + " MiB)")
 
 
 def f1_hint(f1_after: float | None, steps: int, default_steps: int) -> str | None:

@@ -24,8 +24,9 @@ from ir.profile import DeviceProfile, Link
 from ir.training import TRAINING
 from jobs.common.errors import JobError
 from jobs.common.lora import adapted
+from jobs.planning import snapshot_reserve
 from planner.compile import PlanRequest, search, with_head_splits
-from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes
+from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes, with_reserve
 from planner.cost import activations_of, stage_costs
 from planner.lora import LoraSettings
 from planner.memory_defaults import (default_profile, memory_parts, widened_bytes, with_frozen_precision,
@@ -76,7 +77,7 @@ class StageEstimate:
     first_block: int
     last_block: int
     memory_bytes: int
-    budget_bytes: int
+    budget_bytes: int  # what the stage may use: the device's budget less what `plan` keeps free of it
     parts: Mapping[str, int]
 
     @property
@@ -207,6 +208,14 @@ class _Pricer:
         if activations is not None:
             cluster = dataclasses.replace(cluster, devices=tuple(
                 dataclasses.replace(d, activations=activations) for d in cluster.devices))
+        # as `plan` leaves it: each budget less what the fault policy's snapshot copies on the workers hold
+        reserve = snapshot_reserve(cluster)
+        if any(reserve.values()):
+            cluster = with_reserve(cluster, reserve)
+            note = (f"each device's figure must fit its budget less the {max(reserve.values()) / MIB:.0f} MiB `plan` "
+                    f"keeps for the fault policy's snapshot copies on the workers")
+            if note not in self.notes:
+                self.notes.append(note)
         return cluster
 
     def _check_shape(self, profile: DeviceProfile, graph: Graph, what: str) -> None:

@@ -127,7 +127,9 @@ def llm_demo_table(result: LlmDemoResult) -> list[tuple[str, str, str]]:
         from ir.bundle import load_plan
 
         plan = load_plan(result.plan_dir)
-        predicted = " (planned " + " / ".join(f"{d.memory_bytes / 2**20:.0f}" for d in plan.devices) + ")"
+        # with what the plan left free for the fault policy's snapshot copies (DevicePlan.promised_bytes)
+        label = "planned incl. reserve" if any(d.reserved_bytes for d in plan.devices) else "planned"
+        predicted = f" ({label} " + " / ".join(f"{d.promised_bytes / 2**20:.0f}" for d in plan.devices) + ")"
 
     def step_s(metrics: TrainingMetrics) -> str:
         later = [s.seconds for s in metrics.steps[1:]] or [s.seconds for s in metrics.steps]

@@ -17,7 +17,7 @@ from ir.training import TRAINING
 from jobs.common.errors import FlagError, JobError
 from jobs.common.lora import adapted
 from jobs.common.report import Reporter, Silent
-from planner.cluster import Cluster, load_cluster
+from planner.cluster import Cluster, load_cluster, with_reserve
 from planner.compile import SEARCH_SHARE, CompileError, NoSteadyState, Deadline, PlanRequest, compile_plan, emit_compiled
 from planner.lookups import charged_rows
 from planner.lora import LoraSettings
@@ -50,6 +50,9 @@ class PlanSettings:
     # how much AdamW state the memory model charges those tables (`planner.lookups`)
     data: Path | None = None
     tokenizer: Path | None = None
+    # leave each device's budget room for the fault policy's snapshot copies on the workers, which
+    # `train` keeps there when the plan and they fit (`snapshot_reserve`); False: plan the whole budget
+    snapshot_reserve: bool = True
 
     @property
     def request(self) -> PlanRequest:
@@ -73,6 +76,11 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     if M < 1 or settings.batch % M:
         raise JobError(f"--batch {settings.batch} must be a multiple of --microbatches {M}")
     cluster = load_cluster(cluster_file)
+    reserve = snapshot_reserve(cluster) if settings.snapshot_reserve else {}
+    if any(reserve.values()):
+        cluster = with_reserve(cluster, reserve)
+        reporter.note(f"planning within each device's budget less {max(reserve.values()) / 2**20:.0f} MiB kept for "
+                      f"the fault policy's snapshot copies on the workers")
     graph = adapted(load_model(model, settings.batch // M, settings.seq), settings.lora, reporter)
     profiled = {(d.profile.batch, d.profile.seq) for d in cluster.devices}
     if profiled != {(graph.batch, graph.seq)}:
@@ -97,12 +105,12 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     except NoSteadyState as exc:  # the fix is a flag: a usage error
         raise FlagError(str(exc)) from None
     except CompileError as exc:
-        raise JobError(str(exc)) from None
+        raise JobError(str(exc) + _reserve_hint(reserve)) from None
     except PlanDoesNotFit as exc:
         hint = ""
         if settings.lora is None:
             hint = lora_fit_hint(graph, cluster, settings.schedule, M, settings.optimizer, settings.update_every)
-        raise JobError(str(exc) + hint) from None
+        raise JobError(str(exc) + hint + _reserve_hint(reserve)) from None
     path = emit_compiled(output, compiled, sign)
     reporter.note(f"wrote {path} and {len(compiled.partition.stages)} bundles")
     if is_causal_lm(graph):
@@ -110,6 +118,26 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         if copied:
             reporter.note(f"copied the tokenizer beside the plan ({', '.join(copied)}): `confidant train` reads it there")
     return Path(output)
+
+
+def snapshot_reserve(cluster: Cluster) -> dict[str, int]:
+    """Each device's reserve for the default fault policy: the working bytes of its snapshot copies
+    on the workers (`runtime.pipeline.snapshots.peer_snapshot_bytes`: the chunks on their way, or a
+    window sent after a loss; the copies themselves lie in files), which `train` keeps there only
+    when the plan's figure and they fit the budget (`jobs.train.from_plan.state_place`). Charged for
+    a pipeline over every device of the cluster (a plan that ends on one device needed none)."""
+    from runtime.pipeline.snapshots import peer_snapshot_bytes
+
+    charge = peer_snapshot_bytes([0] * len(cluster.devices))  # the charge does not grow with the state
+    return {d.name: b for d, b in zip(cluster.devices, charge)}
+
+
+def _reserve_hint(reserve: dict[str, int]) -> str:
+    """What a refusal's budgets mean when the plan kept a reserve ("" when it kept none)."""
+    if not any(reserve.values()):
+        return ""
+    return (f"\n  (each budget above is the device's less the {max(reserve.values()) / 2**20:.0f} MiB kept for the "
+            f"fault policy's snapshot copies on the workers)")
 
 
 def _with_data_figures(graph, model: Path, settings: PlanSettings, reporter: Reporter):

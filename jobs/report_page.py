@@ -23,7 +23,7 @@ from ir.errors import InputFileError
 MIB = 2 ** 20
 PART_COLOURS = {"weights": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759", "frozen": "#76b7b2",
                 "activations": "#59a14f", "workspace": "#edc948", "runtime": "#b07aa1", "other": "#9c755f",
-                "planned": "#4e79a7"}
+                "planned": "#4e79a7", "reserve": "#d3d3d3"}
 KIND_COLOURS = {"F": "#4e79a7", "B": "#e15759", "W": "#f28e2b", "UPDATE": "#59a14f", "SEND_ACT": "#bab0ac",
                 "SEND_GRAD": "#bab0ac"}
 
@@ -123,7 +123,7 @@ def write_report(plan_dir: Path, output: Path, metrics_path: Path | None = None,
 
 def _memory_section(plan, parts: Mapping[str, Mapping[str, int]], measured: Mapping[str, int | None]) -> str:
     width, row, left, right = 900, 34, 140, 190  # the figures' column on the right
-    top = max([d.memory_budget_bytes for d in plan.devices] + [d.memory_bytes for d in plan.devices]
+    top = max([d.memory_budget_bytes for d in plan.devices] + [d.promised_bytes for d in plan.devices]
               + [m for m in measured.values() if m]) or 1
     scale = (width - left - right) / top
     svg = [f"<svg id='memory-chart' width='{width}' height='{row * len(plan.devices) + 30}' "
@@ -132,7 +132,8 @@ def _memory_section(plan, parts: Mapping[str, Mapping[str, int]], measured: Mapp
         y = 10 + k * row
         peak = measured.get(d.name)
         svg.append(f"<g class='device-memory' data-device='{_esc(d.name)}' data-planned-bytes='{d.memory_bytes}' "
-                   f"data-budget-bytes='{d.memory_budget_bytes}' data-measured-bytes='{peak if peak else ''}'>")
+                   f"data-reserved-bytes='{d.reserved_bytes}' data-budget-bytes='{d.memory_budget_bytes}' "
+                   f"data-measured-bytes='{peak if peak else ''}'>")
         svg.append(f"<text x='0' y='{y + 15}'>{_esc(d.name)}</text>")
         x = left
         shown = {p: n for p, n in parts.get(d.name, {}).items() if n > 0}
@@ -144,6 +145,10 @@ def _memory_section(plan, parts: Mapping[str, Mapping[str, int]], measured: Mapp
             svg.append(f"<rect data-part='{part}' x='{x:.1f}' y='{y}' width='{w:.1f}' height='14' "
                        f"fill='{PART_COLOURS.get(part, '#888')}'><title>{_esc(part)}: {n / MIB:.1f} MiB</title></rect>")
             x += w
+        if d.reserved_bytes:  # left free by the plan for the fault policy's snapshot copies on the workers
+            svg.append(f"<rect data-part='reserve' x='{x:.1f}' y='{y}' width='{d.reserved_bytes * scale:.1f}' "
+                       f"height='14' fill='{PART_COLOURS['reserve']}'><title>reserve (the fault policy's snapshot "
+                       f"copies on their way): {d.reserved_bytes / MIB:.1f} MiB</title></rect>")
         if peak:
             svg.append(f"<rect class='measured' x='{left}' y='{y + 16}' width='{peak * scale:.1f}' height='6' "
                        f"fill='#333'><title>measured peak {peak / MIB:.0f} MiB</title></rect>")
@@ -152,11 +157,14 @@ def _memory_section(plan, parts: Mapping[str, Mapping[str, int]], measured: Mapp
                    f"stroke-width='2'><title>budget {d.memory_budget_bytes / MIB:.0f} MiB</title></line>")
         over = peak is not None and peak > d.memory_budget_bytes
         svg.append(f"<text x='{width - right + 10}' y='{y + 15}' class='{'over' if over else ''}'>"
-                   f"{d.memory_bytes / MIB:.0f}{f' / {peak / MIB:.0f}' if peak else ''} of "
+                   f"{d.memory_bytes / MIB:.0f}{f' + {d.reserved_bytes / MIB:.0f}' if d.reserved_bytes else ''}"
+                   f"{f' / {peak / MIB:.0f}' if peak else ''} of "
                    f"{d.memory_budget_bytes / MIB:.0f} MiB</text>")
         svg.append("</g>")
     svg.append("</svg>")
-    shown = sorted({p for v in parts.values() for p, n in v.items() if n > 0}, key=list(PART_COLOURS).index)
+    shown = sorted({p for v in parts.values() for p, n in v.items() if n > 0}
+                   | ({"reserve"} if any(d.reserved_bytes for d in plan.devices) else set()),
+                   key=list(PART_COLOURS).index)
     legend = "".join(f"<span><i style='background:{PART_COLOURS[p]}'></i>{_esc(p)}</span>" for p in shown)
     legend += "<span><i style='background:#333'></i>measured peak</span><span><i style='background:#c00'></i>budget</span>"
     return (f"<section id='memory'><h2>Memory per device: planned by part, measured peak, budget (MiB: planned / "

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -146,6 +146,16 @@ class DeviceSpec:
     # in flight (`planner.cost.activations_of`): "keep" them until their backwards, or "recompute"
     # them there from the stashed inputs; None: the engine's default (PyTorch keeps, MNN recomputes)
     activations: str | None = None
+    # bytes of the budget held back for what a run holds beside the plan's figure (the fault
+    # policy's snapshot copies on their way on the workers: runtime.pipeline.snapshots, whose figure
+    # the job passes in, `with_reserve`); the planner plans within `plannable_bytes`, and a plan
+    # records both (ir.documents.DevicePlan.reserved_bytes). Never read from a cluster file.
+    reserved_bytes: int = 0
+
+    @property
+    def plannable_bytes(self) -> int:
+        """What the plan may charge the device: its budget less what is reserved beside the plan."""
+        return self.memory_budget_bytes - self.reserved_bytes
 
 
 def device_backend(device: DeviceSpec) -> BackendProfile:
@@ -162,7 +172,7 @@ def device_backend(device: DeviceSpec) -> BackendProfile:
     if not ranked:
         raise ValueError(f"profile of {device.profile.name!r} has no backends")
     base = device.profile.runtime_overhead_bytes
-    return next((b for b in ranked if base + b.engine_overhead_bytes <= device.memory_budget_bytes), ranked[0])
+    return next((b for b in ranked if base + b.engine_overhead_bytes <= device.plannable_bytes), ranked[0])
 
 
 def update_rate(device: DeviceSpec, optimizer: str) -> float:
@@ -225,6 +235,19 @@ class Cluster:
 
 def _pair(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a <= b else (b, a)
+
+
+def with_reserve(cluster: Cluster, reserved_bytes: Mapping[str, int]) -> Cluster:
+    """The cluster with each named device's `reserved_bytes` set (bytes of its budget the plan must
+    leave free; the job says how many and for what); a device not named keeps its own."""
+    unknown = sorted(set(reserved_bytes) - set(cluster.names))
+    if unknown:
+        raise KeyError(f"no device {unknown[0]!r} in the cluster (devices: {', '.join(cluster.names)})")
+    if any(int(b) < 0 for b in reserved_bytes.values()):
+        raise ValueError(f"a reserve is a number of bytes >= 0, not {reserved_bytes}")
+    devices = tuple(replace(d, reserved_bytes=int(reserved_bytes[d.name])) if d.name in reserved_bytes else d
+                    for d in cluster.devices)
+    return Cluster(devices, cluster.default_link, cluster.links)
 
 
 # --- reading a cluster file --------------------------------------------------------------------

@@ -1105,7 +1105,7 @@ def stage_cost(graph: Graph, cluster: Cluster, devices: Sequence[str], ranges: S
         others = [d for k, d in enumerate(devices) if k != stage and tied_bytes(graph, *ranges[k])]
         peer = others[0] if others else devices[(stage + 1) % p]
         update += 2 * transfer_s(tied, cluster, devices[stage], peer)
-    return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.memory_budget_bytes,
+    return StageCost(stage, spec.name, forward, backward, update, send_act, send_grad, memory, spec.plannable_bytes,
                      weight_grad_s(graph, spec, first, last, schedule, microbatches))
 
 

@@ -301,15 +301,20 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
         drop_mapped_pages(part.constants.values())
         c = costs[s] if costs is not None else None
         blocks = graph.blocks[assignment.first_block:assignment.last_block + 1]
+        # a priced partition's budget is what the plan may charge (planner.cluster.DeviceSpec.plannable_bytes):
+        # plan.json records the device's own budget and, beside it, what the job reserved of it
+        reserved = 0
+        if cluster_doc is not None and assignment.memory_budget_bytes > 0:
+            reserved = cluster.device(device).reserved_bytes
         entries.append(DevicePlan(
             device, s, assignment.first_block, assignment.last_block, assignment.memory_bytes,
-            assignment.memory_budget_bytes, assignment.predicted_time_s, device,
+            assignment.memory_budget_bytes + reserved, assignment.predicted_time_s, device,
             sha256_hex(files[MANIFEST]), cfg["threads"][device], cfg["engines"][device],
             _planned_split(cfg, device), cfg["addresses"].get(device),
             None if c is None else PlannedCost(c.forward_s, c.backward_s, c.update_s, c.send_act_s, c.send_grad_s,
                                             c.weight_grad_s),
             sum(b.params_bytes for b in blocks), sum(b.frozen_bytes for b in blocks), cfg["activations"].get(device),
-            _memory_terms(graph, cluster, assignment, s, p, schedule, optimizer.name)))
+            _memory_terms(graph, cluster, assignment, s, p, schedule, optimizer.name), reserved))
     cluster_json = cluster_sha256 = None
     if cluster_doc is not None:
         cluster_json = (json.dumps(cluster_doc, indent=1, allow_nan=False) + "\n").encode("utf-8")
@@ -361,6 +366,7 @@ def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
         "schema_version": CLUSTER_SCHEMA_VERSION, "format": CLUSTER_FORMAT,
         "devices": [{"name": d.name, "address": d.address, "memory_budget_bytes": d.memory_budget_bytes,
                      "backend": d.backend, **({"key": d.key} if d.key else {}),
+                     **({"reserved_bytes": d.reserved_bytes} if d.reserved_bytes else {}),
                      "profile": d.profile.to_json()} for d in cluster.devices],
         "default_link": _link_to_json(cluster.default_link),
         "links": [{"between": list(pair), **_link_to_json(link)} for pair, link in sorted(cluster.links.items())],
@@ -374,7 +380,8 @@ def cluster_from_json(doc: Any, source: str) -> Cluster:
     try:
         devices = tuple(DeviceSpec(str(d["name"]), str(d["address"]),
                                    DeviceProfile.from_json(d["profile"], f"{source}: device {d['name']!r}"),
-                                   int(d["memory_budget_bytes"]), d["backend"], d.get("key"))
+                                   int(d["memory_budget_bytes"]), d["backend"], d.get("key"),
+                                   reserved_bytes=int(d.get("reserved_bytes", 0)))
                         for d in doc["devices"])
         default = _link_from_json(doc["default_link"], f"{source}: default_link")
         links = {}

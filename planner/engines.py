@@ -89,7 +89,7 @@ def stage_pick(graph: Graph, device: DeviceSpec, first: int, last: int, stage: i
                 continue
             memory = stage_memory_bytes(graph, trial, first, last, stage, stages, schedule, microbatches, optimizer,
                                         update_every)
-            if memory <= device.memory_budget_bytes:
+            if memory <= device.plannable_bytes:
                 options.append((forward + backward, memory, name, activations_of(trial)))
     if not options:
         return None
@@ -303,6 +303,6 @@ def hybrid_activations(graph: Graph, cluster: Cluster, partition: Partition, sch
                 or not reuses_forward(schedule, stages, s, microbatches)):
             continue
         held = stage_memory_bytes(graph, device, lo, hi, s, stages, schedule, microbatches, optimizer, update_every)
-        count = hybrid_count(graph, device, lo, hi, device.memory_budget_bytes - held)
+        count = hybrid_count(graph, device, lo, hi, device.plannable_bytes - held)
         devices[name] = with_cached_blocks(device, count)
     return dataclasses.replace(cluster, devices=tuple(devices[d.name] for d in cluster.devices))

@@ -590,19 +590,63 @@ def _trace_without_weights(module, args, **export_kwargs):
     import torch
 
     infer = getattr(torch._C, "_jit_pass_onnx_graph_shape_type_inference", None)
+    dedup = getattr(torch._C, "_jit_pass_onnx_deduplicate_initializers", None)
 
     def lean_infer(graph, params, *rest):
         return infer(graph, {k: v for k, v in params.items() if v.numel() < 1024}, *rest)
 
+    def lean_dedup(graph, params, *rest):
+        # the pass hashes each initializer by its first element through `reshape(-1)`, a whole copy of a
+        # strided stand-in (`_streamed_causal_lm`'s Hankel views), and the allocator kept those copies'
+        # pages: +1183 MiB on a Qwen2.5-0.5B-class export (benchmarks/MEMORY_NOTES.md). It sees
+        # `_flat_stand_ins` instead, which it merges exactly where it merged the views; the returned
+        # dictionary names the module's own tensors again.
+        out = dedup(graph, _flat_stand_ins(params), *rest)
+        return {k: params.get(k, v) for k, v in out.items()}
+
     buf = io.BytesIO()
     if infer is not None:
         torch._C._jit_pass_onnx_graph_shape_type_inference = lean_infer
+    if dedup is not None:
+        torch._C._jit_pass_onnx_deduplicate_initializers = lean_dedup
     try:
         torch.onnx.export(module, args, buf, dynamo=False, export_params=False, **export_kwargs)
     finally:
         if infer is not None:
             torch._C._jit_pass_onnx_graph_shape_type_inference = infer
+        if dedup is not None:
+            torch._C._jit_pass_onnx_deduplicate_initializers = dedup
     return buf.getvalue()
+
+
+def _flat_stand_ins(params: dict) -> dict:
+    """`params` with each view that overlaps itself (a Hankel stand-in: fewer bytes stored than it shows;
+    no weight is one) replaced by a contiguous tensor of its shape on pages never written but its first
+    (zero-page memory, as `_zero_stand_in`), one per tensor object (a tied weight's names share theirs).
+    The exporter's de-duplication merges initializers by data pointer (the ties: the same here) and by
+    value among those of equal dtype, shape, strides and first element: a Hankel view's strides are no
+    other weight's, and each of it is its own random seed, so it took part in no value merge; ours begin
+    with distinct negative integers, so they take part in none either, and the graph is the same."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    flat, out = {}, {}
+    for name, t in params.items():
+        # only views that overlap themselves (fewer bytes stored than they show): stand-ins, never a weight
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() > 0
+                and t.untyped_storage().nbytes() < 4 * t.numel()):
+            out[name] = t
+            continue
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if key not in flat:
+            area = mmap.mmap(-1, 4 * t.numel(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            array = np.frombuffer(area, np.float32, t.numel())
+            array[0] = -1.0 - len(flat)
+            flat[key] = torch.from_numpy(array).reshape(t.shape)
+        out[name] = flat[key]
+    return out
 
 
 

@@ -214,8 +214,15 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     promised = plan  # after a re-plan, the figures of the plan the run ended on
     if replanner is not None and replanner.applied:
         promised = replanner.applied[-1].loaded.plan
-    metrics = check_memory(metrics, {d.name: d.memory_bytes for d in promised.devices},
-                           {d.name: d.memory_budget_bytes for d in promised.devices}, reporter)
+    # a plan that left room for the snapshot copies on the workers promised its figure and that room
+    reserved = any(d.reserved_bytes for d in promised.devices)
+    if reserved:
+        kept = ", ".join(f"{d.name} {d.reserved_bytes / 2**20:.0f} MiB" for d in promised.devices)
+        reporter.note(f"planned memory below: each device's plan + what it left free for the fault policy's "
+                      f"snapshot copies on the workers ({kept})")
+    metrics = check_memory(metrics, {d.name: d.promised_bytes for d in promised.devices},
+                           {d.name: d.memory_budget_bytes for d in promised.devices}, reporter,
+                           "the plan + reserve" if reserved else "the plan")
     if base is not None:
         reporter.note(f"setup sent {result.setup_bytes / 2**20:.1f} MiB; {result.base_bytes_held / 2**20:.1f} MiB of "
                       f"frozen weights came from the devices' own copies of {PLAN_BASE} (confidant worker --base)")

@@ -36,6 +36,7 @@ from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlace
 from runtime.pipeline.session import (AUTO_SNAPSHOTS, FAILURE_POLICIES, REPLAY_BUDGET_S, SNAPSHOT_SHARE,  # noqa: F401
                                       STASH_SEGMENT_STEPS, FaultPolicy, PipelineResult, RecoveryImpossible, Snapshot,
                                       SurvivorPlan, run_session, snapshot_interval)
+from runtime.pipeline.snapshots import peer_snapshot_bytes
 from runtime.procfs import peak_rss_bytes
 from runtime.transport.wire import Transport
 
@@ -420,8 +421,11 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     metrics = metrics_of(result, figures, replans)
     planned = default_planned_bytes(graph, result.ranges, pipeline.schedule, M, training.optimizer,
                                     pipeline.update_every, training.engine)
-    return check_memory(metrics, {f"stage{k}": b for k, b in enumerate(planned)}, {}, reporter, "the memory model",
-                        over_plan=False)
+    # the run keeps its snapshot copies on the workers (`faults.state_on`): what they hold of them is
+    # charged beside the memory model's figure, as a plan's reserve is
+    copies = peer_snapshot_bytes([0] * len(planned))
+    return check_memory(metrics, {f"stage{k}": b + c for k, (b, c) in enumerate(zip(planned, copies))}, {}, reporter,
+                        "the memory model + snapshot copies", over_plan=False)
 
 
 def _resumed(folder: Path, meta: dict, n_stages: int, graph=None, model: Path | None = None):

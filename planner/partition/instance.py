@@ -307,7 +307,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         transient_bytes=tuple(block_transients(graph, s) for s in specs),
         # and the largest of its blocks' once part per further micro-batch (planner.cost.kept_once_bytes)
         kept_once_bytes=tuple(block_kept_once(graph, s) for s in specs),
-        memory_budget_bytes=tuple(s.memory_budget_bytes for s in specs),
+        memory_budget_bytes=tuple(s.plannable_bytes for s in specs),  # less what the job reserved
         boundary_bytes=tuple(b.activation_bytes for b in blocks[:-1]),
         link_bandwidth_bytes_per_s=tuple(tuple(math.inf if link(d, e) is None else link(d, e).bandwidth_bytes_per_s
                                                for e in range(nd)) for d in range(nd)),

@@ -14,7 +14,7 @@ import pytest
 from ir.bundle import load_plan
 from ir.precision import bytes_per_frozen_element, frozen_tensor_bytes, lookup_tables, quantize, storage_for
 from jobs.common.errors import JobError
-from jobs.estimate import EstimateSettings, estimate_memory, parse_devices
+from jobs.estimate import MAX_ADDED_DEVICES, EstimateSettings, estimate_memory, parse_devices
 from jobs.planning import PlanSettings, plan_model
 from planner.cluster import DeviceSpec
 from planner.cost import stage_memory_bytes, stage_params_bytes
@@ -102,7 +102,9 @@ def test_estimate_is_what_plan_promises_cut_the_same_way(tiny, tmp_path):
     graph = load_model(tiny, 2, 16)
     alone = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("big", 2 ** 40),)).requested.stages[0]
     runtime = alone.parts["runtime"]
-    budget = runtime + int((alone.memory_bytes - runtime) * 0.8)  # neither device holds the whole model
+    # neither device holds the whole model beside the 16 MiB both `plan` and `estimate` keep free of each
+    # budget for the snapshot copies on the workers
+    budget = runtime + int((alone.memory_bytes - runtime) * 0.8) + 16 * MIB
     cluster = _write_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)])
     plan_dir = plan_model(tiny, cluster, PlanSettings(**SHAPE), tmp_path / "plan")
     plan = load_plan(plan_dir)
@@ -130,9 +132,13 @@ def test_lora_is_a_lever_and_plan_offers_it_when_it_fits(tiny, tmp_path):
     sgd = next(lv for lv in est.levers if lv.flag == "--optimizer sgd")
     assert sgd.saves_bytes == sum(int(graph.constants[p].nbytes) for p in graph.params)
     assert any(lv.flag.startswith("--microbatches 4") for lv in est.levers)
-    # two devices like 'a' split the model: the "more devices" lever finds how many
+    # more devices like 'a' would each keep 16 MiB of the budget for the snapshot copies on the workers
+    # (as `plan` does): beside the runtime the tiny model's parts never fit what is left, so the "more
+    # devices" lever says so; two such devices with 16 MiB more each split the model
     more = next(lv for lv in est.levers if "more device" in lv.flag)
-    assert more.fits and more.flag.startswith("1 more device(s) like 'a'")
+    assert not more.fits and more.note == f"{MAX_ADDED_DEVICES} more devices like the largest still do not fit"
+    two = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("a", budget + 16 * MIB), ("b", budget + 16 * MIB)))
+    assert two.requested.fits and len(two.requested.stages) == 2
     # plan, on the same single device: does not fit, in MiB, and offers --lora
     cluster = _write_cluster(tmp_path, graph, [("a", budget)])
     with pytest.raises(JobError) as exc:

@@ -84,10 +84,11 @@ def planned_run(tiny_onnx, tmp_path_factory):
     model = tiny_onnx["torchscript-17"]
     graph = load_model(model, 2, 16)
     # a profile that under-counts the idle runtime (4 MiB; a worker holds ~55 MiB here): the plan
-    # fits its 16 MiB budgets on paper, the run cannot (the 478 planned, 1141 used)
+    # fits its 32 MiB budgets on paper (16 of them kept for the snapshot copies on the workers), the
+    # run cannot (the 478 planned, 1141 used)
     profile = dataclasses.replace(default_profile(graph, "p"), runtime_overhead_bytes=4 * MIB)
     (tmp / "p.json").write_text(json.dumps(profile.to_json()))
-    budget = "16MiB"
+    budget = "32MiB"
     (tmp / "cluster.json").write_text(json.dumps({"devices": [
         {"name": "phone", "address": "tcp://127.0.0.1:5701", "profile": "p.json", "memory_budget": budget},
         {"name": "laptop", "address": "tcp://127.0.0.1:5702", "profile": "p.json", "memory_budget": budget}],
@@ -107,14 +108,16 @@ def test_a_run_over_its_budget_says_so(planned_run):
     tmp, proc = planned_run
     doc = json.loads((tmp / "run.json").read_text())
     plan = json.loads((tmp / "plan" / "plan.json").read_text())
-    planned = {d["name"]: (d["memory_bytes"], d["memory_budget_bytes"]) for d in plan["devices"]}
+    # the run is held against the plan's figure and what it left free for the snapshot copies
+    assert all(d["reserved_bytes"] == 16 * MIB for d in plan["devices"])
+    planned = {d["name"]: (d["memory_bytes"] + d["reserved_bytes"], d["memory_budget_bytes"]) for d in plan["devices"]}
     assert {d["name"]: (d["planned_bytes"], d["budget_bytes"]) for d in doc["devices"]} == planned
     over = [e for e in doc["events"] if e["event"] == "memory_over"]
     peaks = {d["name"]: d["peak_rss_bytes"] for d in doc["devices"]}
-    assert {e["device"] for e in over} == {n for n, p in peaks.items() if p > 16 * MIB} == {"phone", "laptop"}
-    assert "memory per device, MiB (measured peak / planned by the plan / budget):" in proc.stderr
+    assert {e["device"] for e in over} == {n for n, p in peaks.items() if p > 32 * MIB} == {"phone", "laptop"}
+    assert "memory per device, MiB (measured peak / planned by the plan + reserve / budget):" in proc.stderr
     for name, peak in peaks.items():
-        assert f"warning: {name} used {peak / MIB:.0f} MiB, over its 16 MiB budget" in proc.stderr
+        assert f"warning: {name} used {peak / MIB:.0f} MiB, over its 32 MiB budget" in proc.stderr
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian: apt-get install chromium; "
@@ -135,10 +138,11 @@ def test_report_page_in_chromium(planned_run):
     assert set(memory) == {"phone", "laptop"}
     for d in run["devices"]:
         assert int(memory[d["name"]]["data-measured-bytes"]) == d["peak_rss_bytes"]
-        assert int(memory[d["name"]]["data-planned-bytes"]) == d["planned_bytes"]
+        assert int(memory[d["name"]]["data-planned-bytes"]) + int(memory[d["name"]]["data-reserved-bytes"]) \
+            == d["planned_bytes"]
         assert int(memory[d["name"]]["data-budget-bytes"]) == d["budget_bytes"]
     parts = [a["data-part"] for t, a in elements if t == "rect" and "data-part" in a]
-    assert {"weights", "optimizer", "runtime"} <= set(parts)
+    assert {"weights", "optimizer", "runtime", "reserve"} <= set(parts)
     rows = [a["data-device"] for t, a in elements if a.get("class") == "timeline-row"]
     assert rows == ["phone", "laptop"]
     kinds = [a["data-kind"] for t, a in elements if t == "rect" and "data-kind" in a]
@@ -178,7 +182,8 @@ def test_train_local_and_train_pipeline_say_what_they_used(tiny_onnx, tmp_path):
     doc = json.loads((tmp_path / "pipe.json").read_text())
     assert [d["name"] for d in doc["devices"]] == ["stage0", "stage1"]
     assert all(d["planned_bytes"] > 0 and d["budget_bytes"] is None for d in doc["devices"])
-    assert "memory per device, MiB (measured peak / planned by the memory model / budget):" in proc.stderr
+    assert "memory per device, MiB (measured peak / planned by the memory model + snapshot copies / budget):" \
+        in proc.stderr
 
 
 def test_report_of_a_plan_alone_and_a_bad_metrics_file(planned_run):

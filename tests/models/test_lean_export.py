@@ -348,3 +348,67 @@ def test_a_bfloat16_checkpoints_large_tied_table_is_never_held_whole_as_float32(
     # measured (100000 x 256 table, 97.7 MiB as float32): float32 37 MiB over the start, int4 57 (its file
     # 27 MiB); before, 126 and 151: the table's float32 held once or twice at a time
     assert got["over"] < held + 0.5 * table, (got, table)
+
+
+_DEDUP_PEAK = r"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+import jobs.export.llm as llm
+import planner.onnx_import, onnx, ir.precision, jobs.export.quantized  # imports before the baseline
+from runtime.procfs import peak_rss_bytes, reset_peak_rss, rss_bytes
+torch.set_num_threads(1)
+folder, out = sys.argv[1:3]
+passes = []
+dedup = torch._C._jit_pass_onnx_deduplicate_initializers
+
+
+def measured(graph, params, *rest):  # torch's own pass, what it adds to the peak
+    before = rss_bytes()
+    assert reset_peak_rss()
+    result = dedup(graph, params, *rest)
+    passes.append(peak_rss_bytes() - before)
+    return result
+
+
+torch._C._jit_pass_onnx_deduplicate_initializers = measured
+base = rss_bytes()  # no export before: what the allocator keeps of the pass's copies is what it takes
+assert reset_peak_rss()
+llm.export_llm(folder, out + "/m.onnx", llm.LlmExportOptions(base_dtype="int4"), kv_cache=False)
+over = peak_rss_bytes() - base
+print(json.dumps({"over": over, "dedup": max(passes), "file": __import__("os").path.getsize(out + "/m.onnx")}))
+"""
+
+
+@pytest.mark.slow  # an export in a child process, ~1 min here under load
+def test_the_exporters_deduplication_copies_no_stand_in(tmp_path):
+    """torch's `_jit_pass_onnx_deduplicate_initializers` hashes every initializer by its first element
+    through `reshape(-1)`: for the streamed export's Hankel stand-ins (strided views of a few floats) a
+    whole float32 copy each, whose pages the allocator kept (a Qwen2.5-0.5B-class int4 export: +1183 MiB
+    in the pass, the process's peak 1714 MiB; benchmarks/MEMORY_NOTES.md). The pass now sees contiguous
+    zero-page stand-ins (`jobs.export.llm._flat_stand_ins`): measured in a fresh process (before any other
+    export, whose freed pages the copies would reuse), the pass adds next to nothing. The files stay byte
+    for byte the whole float32 load's
+    (`test_a_bfloat16_checkpoint_streamed_from_its_file_exports_the_whole_loads_files`)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # Qwen2.5-0.5B's layer shapes (hidden 896, MLP 4864, 14 query heads on 2 key/value heads, q/k/v biases,
+    # tied table), four layers of its 24 and a smaller vocabulary
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=8000, hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    weights = sum(p.numel() * 4 for p in model.parameters() if p.ndim == 2)
+    model.save_pretrained(str(tmp_path / "big"))
+    del model
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    (tmp_path / "out").mkdir()
+    run = subprocess.run([sys.executable, "-c", _DEDUP_PEAK, str(tmp_path / "big"), str(tmp_path / "out")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    # measured here: the pass adds 0 (the export 235 MB over its start, imports' first use included); with
+    # the Hankel views handed to it, 151 MB (0.56x the 2-D weights as float32; the export 366 MB)
+    assert got["dedup"] < 0.05 * weights, (got, weights)

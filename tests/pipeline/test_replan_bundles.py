@@ -160,8 +160,10 @@ def test_train_replans_off_a_slowed_device_and_trains_like_the_new_plan_from_tha
     new = load_plan(new_dir, verify_bundles=True)
     assert [{"device": d.name, "blocks": list(d.blocks)} for d in new.devices] == replan["new"]
     assert [d["name"] for d in figures["devices"]] == new.device_names
-    # the run's memory is held against the plan it ended on
-    assert [d["planned_bytes"] for d in figures["devices"]] == [d.memory_bytes for d in new.devices]
+    # the run's memory is held against the plan it ended on: its figures and the room it kept, as the
+    # first plan did, for the snapshot copies on the workers (the reserve travels in cluster.json)
+    assert {d.reserved_bytes for d in old.devices + new.devices} == {16 * 2**20}
+    assert [d["planned_bytes"] for d in figures["devices"]] == [d.memory_bytes + d.reserved_bytes for d in new.devices]
     assert load_plan_cluster(new_dir).names == ("a", "b", "c")
     # the new plan's cluster records what was measured: a's blocks far slower than its profile said,
     # more so than b's (whose sub-millisecond stage a loaded machine slows too: which blocks the new
