@@ -12,7 +12,6 @@ By hand on a tiny Llama (embeddings, 4 layers, the LM head, its fused loss), PyT
 30 MiB of workspace of which 2 stay a further block, 1 MiB a further micro-batch per layer and 13 once."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
