@@ -39,7 +39,7 @@ from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
                                        kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
-from runtime.profiling.fresh import FreshProcesses, fresh_line, fresh_peaks, median_start_up
+from runtime.profiling.fresh import FreshProcesses, fresh_in_flight, fresh_line, fresh_peaks, median_start_up
 from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
@@ -101,9 +101,10 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     length, the line through the medians), less `start_up` (what the engine's start-up is charged,
     `profile_device`: a fresh first run pays it, and the engine's charge carries it), and what a
     further micro-batch in flight adds per block that way (`per_block_kept_bytes`) and once a stage
-    (`per_block_kept_once_bytes`). The keep line, and
-    MNN's lines, stay measured here: measured fresh they charged SmolLM2 int4 torch keeping stages
-    0.77-0.92x their workers' peaks and MNN per-block stages 1.01x (benchmarks/MEMORY_NOTES.md)."""
+    (`per_block_kept_once_bytes`); and the keep line the same way (`stacked_bytes`, the workspace,
+    and `kept_bytes` from two in flight: warm, the middle stage of SmolLM2 int4 torch keeping ran
+    1.04-1.09x its plan in five runs, with the line fresh 0.93-1.01 in three). MNN's lines stay
+    measured here: measured fresh they charged MNN per-block stages 1.01x (benchmarks/MEMORY_NOTES.md)."""
     i = block.index
     if fused_lm_head(graph, i, i + 1) is not None and i == len(graph.blocks) - 2:
         both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
@@ -135,12 +136,22 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     while keep_run < LEAN_RUN and i + keep_run < len(graph.blocks) and \
             block_signature(graph.blocks[i + keep_run]) == block_signature(block):
         keep_run += 1
-    if keep_run > 1:
+    if keep_run > 1 and fresh is not None and backend.engine == "torch":
+        # As a keeping worker runs (`fresh`), as the per-block line below: the line through fresh peaks
+        # of 1..keep_run layers less the start-up the engine is charged, and what a further micro-batch
+        # in flight adds (`fresh_in_flight`): per layer the kept bytes, once into the workspace. Warm,
+        # this process measured a SmolLM2 int4 LoRA layer 8.5 MiB stacked and 6.8 kept, where fresh
+        # children of 1 / 4 / 12 layers peak ~72 / ~112 / 207-225 MiB (start-up included) and a second
+        # micro-batch adds ~12 / ~30 / ~105 (benchmarks/MEMORY_NOTES.md, helper h26).
+        peaks = fresh_peaks(fresh, graph, feeds, i, range(1, keep_run + 1), "keep", FRESH_PEAK_REPEATS)
+        stacked, workspace = fresh_line(peaks, start_up)
+        kept, once = fresh_in_flight(fresh, graph, feeds, i, peaks, "keep", FRESH_PEAK_REPEATS)
+        cost = replace(cost, workspace_bytes=workspace + once, stacked_bytes=stacked)
+    elif keep_run > 1:
         peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, keep_run + 1)]
         steps = sorted(b - a for a, b in zip(peaks, peaks[1:]))
         stacked = max(0, steps[len(steps) // 2]) if len(steps) >= 3 else _further_block_line(peaks)[0]
         workspace = max(p - k * stacked for k, p in enumerate(peaks))
-    if keep_run > 1:
         if backend.engine == "mnn":
             # A further block keeps its per-op caches of the micro-batch, what a further micro-batch
             # keeps per block (`kept`): the line's step, measured in this process after its other

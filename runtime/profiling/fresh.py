@@ -226,6 +226,21 @@ def fresh_line(peaks: Sequence[Sequence[int]], less: int = 0) -> tuple[int, int]
     return step, max(step, int(workspace))
 
 
+def fresh_in_flight(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
+                    peaks: Sequence[Sequence[int]], activations: str | None, repeats: int) -> tuple[int, int]:
+    """(what a further micro-batch in flight adds per block, what it adds once) of a stage of blocks
+    first.. with `activations`: `repeats` fresh peaks with two micro-batches in flight ("peak2") at
+    one block and at len(`peaks`) blocks, each median less the median one-in-flight peak of that
+    length (`peaks`, from `fresh_peaks` of lengths 1..L), is a line: its slope per block, its
+    intercept once. Neither below 0."""
+    run = len(peaks)
+    two = {k: statistics.median(fresh.run(graph, feeds, [("peak2", first, first + k - 1, activations)])[0]
+                                for _ in range(repeats)) for k in (1, run)}
+    added = {k: max(0.0, two[k] - statistics.median(peaks[k - 1])) for k in (1, run)}
+    per_block = max(0, int((added[run] - added[1]) / (run - 1))) if run > 1 else 0
+    return per_block, max(0, int(added[1] - per_block))
+
+
 def median_start_up(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray],
                     measurements: Sequence[Measurement], repeats: int) -> int:
     """The median over `repeats` fresh children of the sum of `measurements` (`start_up_bytes` each,
