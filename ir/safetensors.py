@@ -13,7 +13,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -73,6 +73,29 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str,
     # joined from views of the arrays: the file's bytes are the one copy made (tobytes() per tensor
     # and `prefix + ...` held a stage's weights three times over while a bundle was built)
     return b"".join([prefix, *(_raw(arrays[name]).reshape(-1).view(np.uint8) for name in order)])
+
+
+def assemble_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None,
+                         after_each: Callable[[int], None] | None = None) -> bytearray:
+    """`encode_safetensors(tensors, metadata)`'s bytes, copied into one buffer a tensor at a time,
+    `after_each(bytes copied so far)` called after each tensor: a caller whose tensors are mapped
+    from a file gives their pages back as it goes (runtime.pipeline.bundles), so putting a stage's
+    weights file together holds the file and a tensor's pages, not the file and every page read."""
+    arrays = _checked_arrays(tensors)
+    prefix, order = _layout(arrays, metadata)
+    sizes = [int(arrays[name].size) * arrays[name].dtype.itemsize for name in order]
+    out = bytearray(len(prefix) + sum(sizes))
+    view = memoryview(out)
+    view[:len(prefix)] = prefix
+    at = len(prefix)
+    for name, size in zip(order, sizes):
+        if size:
+            view[at:at + size] = _raw(arrays[name]).reshape(-1).view(np.uint8)
+            at += size
+        if after_each is not None:
+            after_each(at)
+    view.release()
+    return out
 
 
 @dataclass(frozen=True, eq=False)

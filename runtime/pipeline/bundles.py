@@ -32,7 +32,7 @@ from ir.bundle import (BUNDLE_FILES, MANIFEST, PLAN_BASE, SIGNATURE, WEIGHTS, Bu
                        read_bundle_files, verify_bundle_files)
 from ir.documents import PlanDocument
 from ir.mapped_pages import drop_mapped_pages
-from ir.safetensors import (HashedTensors, decode_safetensors, encode_safetensors, hash_tensors, load_safetensors_subset,
+from ir.safetensors import (HashedTensors, assemble_safetensors, decode_safetensors, encode_safetensors, hash_tensors, load_safetensors_subset,
                             read_safetensors_hashed, safetensors_names)
 from runtime.transport.wire import Expected
 
@@ -180,15 +180,27 @@ def bundle_to_wire(directory: str | Path | Mapping[str, bytes]) -> dict[str, byt
     return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}, **signature}
 
 
-def file_bytes(data) -> bytes:
+# how many bytes of a weights file are copied from mapped tensors before their pages are given back
+RELEASE_EVERY = 32 << 20
+
+
+def file_bytes(data) -> bytes | bytearray:
     """A bundle file's bytes: a weights file left as its hashed tensors (`planner.emit`'s deferred
     bundles, `ir.safetensors.HashedTensors`) is put together now, the one copy of it, bytes for
     which its SHA-256 stands (`hash_tensors` hashes exactly what `encode_safetensors` writes).
-    Tensors mapped from the model file are given back once read (`ir.mapped_pages`): the
-    coordinator holds one stage's weights file while it ships it, not the model's pages besides."""
+    Tensors mapped from the model file are given back as they are read (`ir.mapped_pages`, every
+    RELEASE_EVERY bytes copied): the coordinator holds one stage's weights file while it ships it,
+    not that stage's pages of the model file besides."""
     if not isinstance(data, HashedTensors):
         return data
-    out = encode_safetensors(data.tensors)
+    released = [0]
+
+    def release(copied: int) -> None:
+        if copied - released[0] >= RELEASE_EVERY:
+            drop_mapped_pages(data.tensors.values())
+            released[0] = copied
+
+    out = assemble_safetensors(data.tensors, after_each=release)
     drop_mapped_pages(data.tensors.values())
     return out
 
@@ -200,12 +212,20 @@ def file_size(data) -> int:
 def send_bundle(transport, peer: str, directory: str | Path | Mapping[str, bytes]) -> list[str]:
     """Ship a checked bundle (a directory, or `bundle_to_wire`'s files) to `peer` as uint8 tensors;
     returns the file names in the order sent, which the receiver needs (send them in the setup
-    control message). A weights file given as its tensors is put together here, as it is sent."""
+    control message). A weights file given as its tensors is put together here, as it is sent, and
+    this returns once the transport has let go of it (`Transport.wait_sent`): a setup that ships
+    stage after stage holds one stage's weights file at a time, not the last one still queued
+    beside the next one being put together (issue 32: a 2-stage SmolLM2 setup peaked at 1039 MiB
+    on the coordinator, three stage-sized buffers, against 600 MiB on its largest worker)."""
     files = bundle_to_wire(directory) if isinstance(directory, (str, Path)) else directory
+    built = False
     for i, (name, data) in enumerate(files.items()):
+        built = built or isinstance(data, HashedTensors)
         data = file_bytes(data)
         transport.send_tensor(peer, BUNDLE_KIND, -1, i, as_uint8(data), name=name)
         del data
+    if built:
+        transport.wait_sent(peer)
     return list(files)
 
 

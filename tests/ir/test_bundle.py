@@ -1,6 +1,7 @@
 """Plan bundles: written, verified, read back and run the same; every kind of damage is refused by name."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -13,7 +14,7 @@ from support import export_onnx, token_feeds
 from ir.bundle import (ACTIONS, BUNDLE_FILES, GRAPH, MANIFEST, PLAN, STAGE, WEIGHTS, BundleError,
                        build_bundle_files, check_device_name, read_bundle_files, sha256_hex, verify_bundle_files,
                        write_bundle)
-from ir.safetensors import decode_safetensors, encode_safetensors
+from ir.safetensors import assemble_safetensors, decode_safetensors, encode_safetensors, hash_tensors
 from ir.partition import Partition, StageAssignment, StageCost
 from ir.serialize import graph_to_json, slice_graph
 from planner.emit import emit_plan, load_plan
@@ -327,6 +328,12 @@ def test_safetensors_codec_round_trips_any_tensors(tensors):
 
     data = encode_safetensors(tensors)
     assert data == encode_safetensors(dict(reversed(list(tensors.items()))))  # order-independent bytes
+    # put together a tensor at a time (a weights file as the coordinator ships it): the same bytes,
+    # the same SHA-256, told how far it got after each tensor
+    copied = []
+    assert assemble_safetensors(tensors, after_each=copied.append) == data
+    assert hash_tensors(tensors).sha256 == hashlib.sha256(data).hexdigest()
+    assert len(copied) == len(tensors) and copied == sorted(copied) and copied[-1:] in ([], [len(data)])
     for got in (decode_safetensors(data), load(data)):
         assert sorted(got) == sorted(tensors)
         for k, v in tensors.items():
