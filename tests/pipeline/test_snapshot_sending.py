@@ -529,3 +529,37 @@ def test_a_copys_file_is_written_a_mib_a_write_and_resumed_exactly_after_short_w
             f.seek(total)
             tail = f.read()
             assert tail == state[0][1].tobytes() + state[1][1].tobytes()
+
+
+def test_the_snapshot_interval_is_chosen_from_a_cost_that_counts_the_holders_filing_and_io():
+    """K (`runtime.pipeline.session.snapshot_interval`, from `PeerSnapshots.costs`) is chosen from
+    what each worker reports one snapshot cost its CPUs, and a holder's report counts what the
+    neighbour's copy cost it: filing the chunks (`take_in`: the side lane's look, the file writes,
+    its word back) and its ZeroMQ I/O threads (CURVE's decryption). Here the holder's own copy is
+    tiny and it files a 24 MiB copy over CURVE: its report is far above its own copy's cost, and
+    the keeper's cost is at least it."""
+    from runtime.pipeline.session import snapshot_interval
+    from runtime.pipeline.snapshots import PeerSnapshots
+
+    a, b = _endpoints(insecure=False)
+    try:
+        sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
+        holder.take(1, 1, [("param/b", np.ones(4, np.float32))], None, [], 0.0)  # its own stage's copy
+        rng = np.random.default_rng(13)
+        state = [(f"param/w{i}", rng.standard_normal(2**20).astype(np.float32)) for i in range(6)]
+        _ship(sender, holder, 1, state, keep=[])
+        reports = [sender.figures(), holder.figures()]
+        parts = reports[1]["snapshot_cpu_parts_s"]
+        assert parts["file"] > 2 * parts["copy"] and parts["io"] > 0, parts  # (io: this process's, both ends')
+        assert reports[1]["snapshot_cpu_s"] >= 0.99 * sum(parts.values()), reports[1]  # (each part its own clock read)
+        keeper = PeerSnapshots(None)
+        keeper.note(reports)
+        assert keeper.costs() == [max(r["snapshot_cpu_s"] for r in reports)]
+        assert keeper.costs()[0] >= reports[1]["snapshot_cpu_s"]
+        # what K does with it: a snapshot costing c CPU-s against steps of s is taken every
+        # ceil(c / (share * s)) steps, within the replay budget
+        cost = keeper.costs()[0]
+        assert snapshot_interval(cost, 10 * cost) == 4  # 2.5% of the step: every 4 steps
+        _assert_copy(holder.copy_of(0, 1, 1), state)
+    finally:
+        a.close(), b.close()
