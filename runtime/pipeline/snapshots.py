@@ -5,7 +5,7 @@ At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread
 wait. Each worker writes its stage's training state (its trainable parameters and its optimizer's
 state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into a file of its
 own (`SpooledCopy`: an unlinked temporary file, a dropped copy's rewritten in place where one is
-spare; the tensors packed one after another, written with a `pwritev` per ~1000 tensors), before it
+spare; the tensors packed one after another, written with a `pwritev` per MiB or ~1000 tensors), before it
 runs the next step, and ships the copy to the stage's holder (`holder_of`: the
 next stage, the last stage's the one before) while that step computes: from the stage's own
 thread, between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an
@@ -45,6 +45,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -67,12 +68,17 @@ _BYTES = "#bytes"  # a chunk of a copy's bytes: "#bytes|OFFSET"
 _FILED = "#filed"
 # buffers per `pwritev` (the system's limit, 1024 on Linux)
 _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
+# At most this many bytes per file write. In the workers (MiniLM over 3 MNN workers), a holder's
+# 2 MiB `pwritev` of a message's two frames cost 0.6-1.1 ms of CPU a MiB, a 2 MiB `pwrite` of them
+# joined as much, two 1 MiB writes 0.24 (as a lone process writes either size): the filing's CPU
+# per snapshot 0.17-0.21 CPU-s against 0.07 (runtime/pipeline/FAULTS.md, helper h33).
+WRITE_BYTES = 2 ** 20
 # A shipment's message carries this many chunks (its payload's frames, `CHUNK_BYTES` each): the
 # Python on both ends (a header built and checked, a look at the network, a file write) is paid
 # per message, and was ~2/3 of the workers' own CPU for a copy's bytes in 1 MiB messages (the rest:
 # reading the chunk from the file, writing it to the holder's). The holder writes a message's frames
-# with one `pwritev`, never joined. The step's tensors wait behind no more bytes than before: the
-# chunks a pump sends go out back to back either way.
+# as they are, never joined (a `pwritev` of at most `WRITE_BYTES` each). The step's tensors wait
+# behind no more bytes than before: the chunks a pump sends go out back to back either way.
 MESSAGE_CHUNKS = 2
 # At most this many chunks are sent per `StateCopies.pump` call (between two actions of a step): a
 # step's tensor to the same neighbour waits behind at most these (~4 MiB, a few ms of CURVE).
@@ -259,17 +265,21 @@ class SpooledCopy:
         return entries
 
     def _writev(self, views: list) -> None:
-        """Write `views` at the end, one `pwritev` for all (again from where a short write stopped)."""
-        while views:
-            done = os.pwritev(self.file.fileno(), views, self.end)
+        """Write `views` at the end, in `pwritev` calls of at most `WRITE_BYTES` each (many small
+        buffers in one call; a large one in several), again from where a short write stopped."""
+        pending = deque(v[i:i + WRITE_BYTES] for v in views for i in range(0, v.nbytes, WRITE_BYTES))
+        while pending:
+            batch, size = [], 0
+            while pending and len(batch) < _IOV_MAX and size + pending[0].nbytes <= WRITE_BYTES:
+                size += pending[0].nbytes
+                batch.append(pending.popleft())
+            done = os.pwritev(self.file.fileno(), batch, self.end)
             self.end += done
-            while views and done >= views[0].nbytes:
-                done -= views[0].nbytes
-                views = views[1:]
-            if views and done:  # a short write that stopped inside a buffer
-                views = [views[0][done:], *views[1:]]
-            if views and done:
-                views = [views[0][done:], *views[1:]]
+            while batch and done >= batch[0].nbytes:
+                done -= batch.pop(0).nbytes
+            if batch and done:  # a short write that stopped inside a buffer
+                batch[0] = batch[0][done:]
+            pending.extendleft(reversed(batch))  # what a short write left, first
 
     def write(self, arr: np.ndarray) -> None:
         """Write `arr`'s bytes (C order) at the end."""
@@ -280,7 +290,7 @@ class SpooledCopy:
         self.end += len(data)
 
     def write_views(self, views: Sequence[memoryview]) -> None:
-        """Write `views` (bytes) one after another at the end, one `pwritev` for all."""
+        """Write `views` (bytes) one after another at the end, never joined (`_writev`)."""
         self._writev([v for v in views if v.nbytes])
 
     def read_bytes(self, start: int, stop: int) -> np.ndarray:

@@ -402,10 +402,11 @@ def test_a_holder_busy_computing_receives_a_few_chunks_not_the_copy():
     assert peak <= PUMP_CHUNKS * CHUNK_BYTES + 8 * 2**20, peak / 2**20
 
 
-def test_a_copy_goes_in_messages_of_several_chunks_each_filed_with_one_write(monkeypatch):
+def test_a_copy_goes_in_messages_of_several_chunks_filed_a_chunk_a_write(monkeypatch):
     """A copy's bytes go in messages of `MESSAGE_CHUNKS` chunks (the Python of a message, on both
     ends, is paid per message: ~2/3 of a worker's own CPU for a copy in 1 MiB messages), and the
-    holder writes each message's frames with one `pwritev`, not joined first; the copy is exact."""
+    holder writes each message's frames as they are, not joined first, at most `WRITE_BYTES` a
+    write (2 MiB writes cost the workers 3-4x the CPU a MiB of 1 MiB ones); the copy is exact."""
     import os
 
     import runtime.pipeline.snapshots as snapshots
@@ -423,7 +424,9 @@ def test_a_copy_goes_in_messages_of_several_chunks_each_filed_with_one_write(mon
     writes = []
     for call in ("pwrite", "pwritev"):
         real = getattr(os, call)
-        monkeypatch.setattr(os, call, lambda *args, real=real, call=call: (writes.append(call), real(*args))[1])
+        monkeypatch.setattr(os, call, lambda fd, data, at, real=real: (
+            writes.append(sum(memoryview(d).nbytes for d in data) if isinstance(data, list) else memoryview(data).nbytes),
+            real(fd, data, at))[1])
     deadline = time.monotonic() + 30
     while (0, 1) not in holder.replicas:  # from here on only the holder writes
         assert time.monotonic() < deadline, "the copy never reached its holder"
@@ -432,7 +435,8 @@ def test_a_copy_goes_in_messages_of_several_chunks_each_filed_with_one_write(mon
     messages = -(-total // (snapshots.MESSAGE_CHUNKS * snapshots.CHUNK_BYTES))
     assert snapshots.MESSAGE_CHUNKS >= 2 and len(chunks_sent) == messages == 6, chunks_sent
     assert chunks_sent == [snapshots.MESSAGE_CHUNKS] * messages  # frames of 1 MiB, as the wire has them
-    assert len(writes) == messages, f"{len(writes)} file writes for {messages} messages"
+    assert writes == [snapshots.CHUNK_BYTES] * (messages * snapshots.MESSAGE_CHUNKS), \
+        f"file writes of {writes} bytes for {messages} messages of {snapshots.MESSAGE_CHUNKS} chunks"
     _assert_copy(holder.copy_of(0, 1, 1), state)
     a.close(), b.close()
 
@@ -486,3 +490,76 @@ def test_a_sender_out_of_credit_waits_for_its_holders_word_without_looking_every
     print(f"{len(wakes)} wake-ups for {len(filings)} filings")
     assert len(wakes) <= 2 * len(filings) + 2, (len(wakes), len(filings))
     a.close(), b.close()
+
+
+def test_a_copys_file_is_written_a_mib_a_write_and_resumed_exactly_after_short_writes(monkeypatch):
+    """A stage's own copy (large tensors and many small ones) is written at most `WRITE_BYTES` a
+    system call (larger writes cost the workers 3-4x the CPU a MiB), and a write the system cut
+    short is resumed where it stopped, inside a buffer too: the file is the tensors' bytes exactly."""
+    import os
+
+    import runtime.pipeline.snapshots as snapshots
+
+    rng = np.random.default_rng(11)
+    state = [("param/big", rng.standard_normal(3 * 2**20 // 4 + 5).astype(np.float32))]
+    state += [(f"param/small{i}", rng.standard_normal(1000 + i).astype(np.float32)) for i in range(300)]
+    state += [("opt/adamw/t", np.array(7, np.int64)), ("param/other", rng.standard_normal(2**18).astype(np.float32))]
+    total = sum(a.nbytes for _, a in state)
+    real = os.pwritev
+    for short in (None, 300_001):  # as the system writes, then every write cut to its first 300001 bytes
+        sizes = []
+
+        def pwritev(fd, buffers, at, short=short):
+            sizes.append(sum(memoryview(b).nbytes for b in buffers))
+            if short is None or sizes[-1] <= short:
+                return real(fd, buffers, at)
+            data = b"".join(bytes(b) for b in buffers)[:short]  # what a short write wrote
+            return real(fd, [data], at)
+
+        monkeypatch.setattr(os, "pwritev", pwritev)
+        with snapshots.tempfile.TemporaryFile() as f:
+            copy = snapshots.SpooledCopy(f)
+            copy.extend(state)
+            copy.write_views([memoryview(a.reshape(-1)).cast("B") for _, a in state[:2]])
+            assert copy.end == total + state[0][1].nbytes + state[1][1].nbytes
+            assert max(sizes) <= snapshots.WRITE_BYTES, sizes
+            if short is None:  # many small tensors still go several to a write
+                assert len(sizes) <= (2 * total) // snapshots.WRITE_BYTES + 8, f"{len(sizes)} writes"
+            _assert_copy(list(copy.items()), state)
+            f.seek(total)
+            tail = f.read()
+            assert tail == state[0][1].tobytes() + state[1][1].tobytes()
+
+
+def test_the_snapshot_interval_is_chosen_from_a_cost_that_counts_the_holders_filing_and_io():
+    """K (`runtime.pipeline.session.snapshot_interval`, from `PeerSnapshots.costs`) is chosen from
+    what each worker reports one snapshot cost its CPUs, and a holder's report counts what the
+    neighbour's copy cost it: filing the chunks (`take_in`: the side lane's look, the file writes,
+    its word back) and its ZeroMQ I/O threads (CURVE's decryption). Here the holder's own copy is
+    tiny and it files a 24 MiB copy over CURVE: its report is far above its own copy's cost, and
+    the keeper's cost is at least it."""
+    from runtime.pipeline.session import snapshot_interval
+    from runtime.pipeline.snapshots import PeerSnapshots
+
+    a, b = _endpoints(insecure=False)
+    try:
+        sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
+        holder.take(1, 1, [("param/b", np.ones(4, np.float32))], None, [], 0.0)  # its own stage's copy
+        rng = np.random.default_rng(13)
+        state = [(f"param/w{i}", rng.standard_normal(2**20).astype(np.float32)) for i in range(6)]
+        _ship(sender, holder, 1, state, keep=[])
+        reports = [sender.figures(), holder.figures()]
+        parts = reports[1]["snapshot_cpu_parts_s"]
+        assert parts["file"] > 2 * parts["copy"] and parts["io"] > 0, parts  # (io: this process's, both ends')
+        assert reports[1]["snapshot_cpu_s"] >= 0.99 * sum(parts.values()), reports[1]  # (each part its own clock read)
+        keeper = PeerSnapshots(None)
+        keeper.note(reports)
+        assert keeper.costs() == [max(r["snapshot_cpu_s"] for r in reports)]
+        assert keeper.costs()[0] >= reports[1]["snapshot_cpu_s"]
+        # what K does with it: a snapshot costing c CPU-s against steps of s is taken every
+        # ceil(c / (share * s)) steps, within the replay budget
+        cost = keeper.costs()[0]
+        assert snapshot_interval(cost, 10 * cost) == 4  # 2.5% of the step: every 4 steps
+        _assert_copy(holder.copy_of(0, 1, 1), state)
+    finally:
+        a.close(), b.close()
