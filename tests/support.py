@@ -589,3 +589,15 @@ def mnn_device(graph: Graph, costs: dict[str, dict], activations: str) -> Device
     profile = DeviceProfile("d", graph.name, 1, seq,
                             (BackendProfile("mnn:cpu:t1", {sig: BlockCost(**c) for sig, c in costs.items()}),), 16 << 30, 0)
     return DeviceSpec("d", "tcp://d:1", profile, 4 << 30, "mnn:cpu:t1", activations=activations)
+
+
+def wide_bert(folder: Path) -> None:
+    """A randomly initialised 2-layer BERT wide enough (6.6 M parameters: 25 MiB of weights, 76 MiB
+    with AdamW's moments) that its state stands well above the coordinator's other allocations."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=500, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
+                        intermediate_size=2048, max_position_embeddings=64)
+    BertModel(config).save_pretrained(folder)

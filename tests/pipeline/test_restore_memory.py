@@ -16,19 +16,7 @@ import pytest
 from jobs.train.pipeline import FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig
-from support import M, ROWS, S, export_onnx, made_once, single_device_training, synthetic_batch
-
-
-def _wide_bert(folder: Path) -> None:
-    """A randomly initialised 2-layer BERT wide enough (6.6 M parameters: 25 MiB of weights, 76 MiB
-    with AdamW's moments) that its state stands well above the coordinator's other allocations."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=500, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
-                        intermediate_size=2048, max_position_embeddings=64)
-    BertModel(config).save_pretrained(folder)
+from support import M, ROWS, S, export_onnx, made_once, single_device_training, synthetic_batch, wide_bert
 
 
 def _trim_heap() -> None:
@@ -46,7 +34,7 @@ def _trim_heap() -> None:
 
 @pytest.fixture(scope="module")
 def wide_graph_file(export_dir) -> Path:
-    checkpoint = made_once(export_dir / "wide-bert", _wide_bert)
+    checkpoint = made_once(export_dir / "wide-bert", wide_bert)
     return export_onnx(checkpoint, export_dir / "wide-ts17.onnx", opset=17)
 
 

@@ -17,8 +17,7 @@ import runtime.pipeline.bundles as bundles_module
 from jobs.train.pipeline import FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig
-from support import M, ROWS, S, export_onnx, made_once, single_device_training, synthetic_batch
-from test_restore_memory import _wide_bert
+from support import M, ROWS, S, export_onnx, made_once, single_device_training, synthetic_batch, wide_bert
 
 STEPS = 2
 RELEASE_EVERY = 1 << 20  # the pages given back every MiB copied, so a stage's pages (~12 MiB) stand out
@@ -27,7 +26,7 @@ READ_AHEAD = 2 << 20
 
 @pytest.fixture(scope="module")
 def wide_graph_file(export_dir) -> Path:
-    checkpoint = made_once(export_dir / "wide-bert", _wide_bert)
+    checkpoint = made_once(export_dir / "wide-bert", wide_bert)
     return export_onnx(checkpoint, export_dir / "wide-ts17.onnx", opset=17)
 
 
