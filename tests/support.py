@@ -601,3 +601,40 @@ def wide_bert(folder: Path) -> None:
     config = BertConfig(vocab_size=500, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
                         intermediate_size=2048, max_position_embeddings=64)
     BertModel(config).save_pretrained(folder)
+
+
+def bundle_weights_alive() -> int:
+    """Bytes of bundle weights files held by live bundle file mappings (name -> bytes) in this
+    process: the files put together and not yet let go."""
+    import gc
+
+    from ir.bundle import MANIFEST, WEIGHTS, CheckedFiles
+
+    gc.collect()  # what only a reference cycle held is not held (else the count depends on when gc last ran)
+    found = {}
+    for holder in gc.get_objects():  # a dict of bytes alone is not tracked: look among what holds it too
+        for obj in (holder, *gc.get_referents(holder)):
+            if type(obj) in (dict, CheckedFiles) and MANIFEST in obj and WEIGHTS in obj:
+                data = obj[WEIGHTS]
+                if isinstance(data, (bytes, bytearray, memoryview)):
+                    found[id(obj)] = len(data)
+    return sum(found.values())
+
+
+def tiny_llama_graph(folder, layers: int, batch: int, seq: int):
+    """A randomly initialised Llama of `layers` layers exported without a cache and lowered at
+    batch x seq (the planner's tests of per-stage terms)."""
+    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
+    from planner.onnx_import import load_model
+
+    path = export_causal_lm(random_causal_lm("llama", num_hidden_layers=layers), folder / "llama.onnx",
+                            LlmExportOptions(), kv_cache=False)
+    return load_model(path, batch, seq)
+
+
+def int4_lora_of(graph):
+    """`graph` under LoRA on q, k, v, o with its frozen base held int4 (issue 31's plans)."""
+    from jobs.common.lora import adapted
+    from planner.lora import LoraSettings
+
+    return adapted(graph, LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))

@@ -381,13 +381,19 @@ def payload_views(header: TensorHeader, parts: Sequence[bytes | memoryview], che
     `pwritev`: runtime.pipeline.snapshots)."""
     views = [memoryview(p).cast("B") for p in parts]
     _check_views(header, views)
+    if checksum:
+        _check_crc(header, views)
+    return views
+
+
+def _check_crc(header: TensorHeader, views: Sequence[memoryview]) -> None:
+    """The CRC-32 of a payload's frames, in order, against its header's."""
     crc = 0
-    for v in views if checksum else ():
+    for v in views:
         crc = zlib.crc32(v, crc)
-    if checksum and crc != header.checksum:
+    if crc != header.checksum:
         raise MessageError(f"checksum mismatch: payload crc32 0x{crc:08x}, header says 0x{header.checksum:08x}",
                            received=header)
-    return views
 
 
 def _check_views(header: TensorHeader, views: Sequence[memoryview]) -> None:
@@ -413,12 +419,8 @@ def join_payload(header: TensorHeader, parts: Sequence[bytes | memoryview],
         if checksum:
             check_payload(header, parts[0])
         return parts[0]
-    crc = 0
-    for v in views if checksum else ():
-        crc = zlib.crc32(v, crc)
-    if checksum and crc != header.checksum:
-        raise MessageError(f"checksum mismatch: payload crc32 0x{crc:08x}, header says 0x{header.checksum:08x}",
-                           received=header)
+    if checksum:
+        _check_crc(header, views)
     joined = np.empty(header.nbytes, np.uint8)
     # Each frame is let go as soon as it is copied (when the caller gave its list away: `consume`),
     # so the frames and the joined buffer are not both held whole (a stage's weights file twice).

@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import pytest
 
-from ir.bundle import MANIFEST, WEIGHTS, CheckedFiles, load_plan_folder
+from ir.bundle import WEIGHTS, load_plan_folder
 from ir.partition import Partition, StageAssignment
 from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
 from jobs.train.pipeline import train_pipeline
@@ -21,7 +21,7 @@ from planner.replan import PlanReplanner, predicted_compute_s
 from planner.schedule import make_schedule
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
-from support import M, ROWS, S, export_onnx, single_device_training, synthetic_batch
+from support import M, ROWS, S, export_onnx, single_device_training, synthetic_batch, bundle_weights_alive
 
 STEPS = 4
 
@@ -55,19 +55,6 @@ def _plan(graph, plan_dir):
     return cluster
 
 
-def _bundle_bytes_alive() -> int:
-    """Bytes of bundle weights files held by live bundle file mappings (name -> bytes) in this process."""
-    gc.collect()  # what only a reference cycle held is not held (else the count depends on when gc last ran)
-    found = {}
-    for holder in gc.get_objects():  # a dict of bytes alone is not tracked: look among what holds it too
-        for obj in (holder, *gc.get_referents(holder)):
-            if type(obj) in (dict, CheckedFiles) and MANIFEST in obj and WEIGHTS in obj:
-                data = obj[WEIGHTS]
-                if isinstance(data, (bytes, bytearray, memoryview)):
-                    found[id(obj)] = len(data)
-    return sum(found.values())
-
-
 def _run(workers, loaded, steps, batches, **kwargs):
     config = PipelineConfig(schedule=loaded.plan.schedule, microbatches=loaded.plan.microbatches, timeout_s=30)
     return train_pipeline(None, batches, 9, workers.addresses[:len(loaded.files)], config, steps, bundles=loaded.files,
@@ -81,11 +68,11 @@ def test_after_setup_the_coordinator_holds_no_bundle_bytes(graph, batches, tmp_p
     about a model's worth, for the whole run)."""
     _plan(graph, tmp_path / "plan")
     loaded = load_plan_folder(tmp_path / "plan")
-    held = _bundle_bytes_alive()
+    held = bundle_weights_alive()
     assert held >= sum(len(f[WEIGHTS]) for f in loaded.files) > 0  # the check sees them while they are held
     seen = []
     with InProcessWorkers(2, timeout_s=30) as workers:
-        result = _run(workers, loaded, 2, batches, on_step=lambda *_: seen.append(_bundle_bytes_alive()))
+        result = _run(workers, loaded, 2, batches, on_step=lambda *_: seen.append(bundle_weights_alive()))
     assert workers.codes == [0, 0], workers.errors
     assert seen == [0, 0]
     assert loaded.plan.device_names == ["a", "b"] and loaded.schedule.name == "1f1b-flush"  # what stays

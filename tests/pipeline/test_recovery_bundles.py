@@ -5,7 +5,6 @@ the bundles are put together one stage at a time as they are shipped, never all 
 recovery still equals single-device training, and each worker still checks what it loads."""
 from __future__ import annotations
 
-import gc
 import hashlib
 import threading
 
@@ -13,13 +12,12 @@ import numpy as np
 import pytest
 
 import runtime.pipeline.bundles as bundles_module
-from ir.bundle import MANIFEST, WEIGHTS, CheckedFiles
 from jobs.train.pipeline import FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
 from runtime.pipeline.session import Session
-from support import M, ROWS, S, export_onnx, single_device_training, synthetic_batch
+from support import M, ROWS, S, export_onnx, single_device_training, synthetic_batch, bundle_weights_alive
 
 STEPS, LOST_AFTER = 4, 2
 
@@ -63,19 +61,6 @@ class _Hashed:
         return Counting()
 
 
-def _built_weights_alive() -> int:
-    """Bytes of weights files put together and held in bundle file mappings (name -> bytes) now."""
-    gc.collect()
-    found = {}
-    for holder in gc.get_objects():
-        for obj in (holder, *gc.get_referents(holder)):
-            if type(obj) in (dict, CheckedFiles) and MANIFEST in obj and WEIGHTS in obj:
-                data = obj[WEIGHTS]
-                if isinstance(data, (bytes, bytearray, memoryview)):
-                    found[id(obj)] = len(data)
-    return sum(found.values())
-
-
 def test_a_recovery_hashes_each_bundle_once_and_builds_them_one_stage_at_a_time(graph, batches, monkeypatch):
     """Three workers, the last lost after step 2 of 4 (the state on the coordinator): while the
     coordinator recovers, the bytes it hashes are the new plan's bundles' bytes once (before: four
@@ -90,7 +75,7 @@ def test_a_recovery_hashes_each_bundle_once_and_builds_them_one_stage_at_a_time(
 
     def send(transport, peer, files):
         if counts["on"]:
-            held_at_send.append(_built_weights_alive())
+            held_at_send.append(bundle_weights_alive())
             shipped.append(sum(bundles_module.file_size(data) for data in files.values()))
         return real_send(transport, peer, files)
 

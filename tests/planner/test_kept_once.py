@@ -20,6 +20,7 @@ from ir.graph import block_signature
 from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec
 from planner.cost import kept_once_bytes, stage_costs, stage_memory_bytes, stage_memory_terms
+from support import int4_lora_of, tiny_llama_graph
 
 MIB = 2 ** 20
 B, S, LAYERS = 2, 12, 4
@@ -29,20 +30,14 @@ ONCE = 13
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory):
-    from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
-    from planner.onnx_import import load_model
-
-    path = export_causal_lm(random_causal_lm("llama", num_hidden_layers=LAYERS),
-                            tmp_path_factory.mktemp("llama") / "llama.onnx", LlmExportOptions(), kv_cache=False)
-    return load_model(path, B, S)
+    return tiny_llama_graph(tmp_path_factory.mktemp("llama"), LAYERS, B, S)
 
 
 @pytest.fixture(scope="module")
 def lora_graph(graph):
-    from jobs.common.lora import adapted
-    from planner.lora import LoraSettings
-
-    return adapted(graph, LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
+    """The same Llama under LoRA on q, k, v, o with its frozen base held int4 (issue 31's plans): the
+    tied table frozen, counted by both its readers' blocks."""
+    return int4_lora_of(graph)
 
 
 def _costs(graph, once_mib: int | None = ONCE) -> dict[str, BlockCost]:
