@@ -674,12 +674,40 @@ def engine_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int
     layer, before charged nowhere: the profile's workspace is measured from a built engine, its
     runtime before any): each block's `BlockCost.engine_bytes` (measured per block kind as a worker
     builds it, `runtime.profiling.compute.engine_setup_bytes`), less what `frozen_storage_extra_bytes`
-    already charges of it (the frozen storage MNN widens). Nothing for a profile without it."""
+    already charges of it (the frozen storage MNN widens) and what several blocks' figures count of one
+    copy the engine makes once a stage (`shared_engine_bytes`). Nothing for a profile without it."""
     costs = block_costs(graph, device)
     if not any(c.engine_bytes for c in costs[first:last + 1]):
         return 0
-    return sum(max(0, (costs[k].engine_bytes or 0) - frozen_storage_extra_bytes(graph, k, k, device))
-               for k in range(first, last + 1))
+    return max(0, sum(max(0, (costs[k].engine_bytes or 0) - frozen_storage_extra_bytes(graph, k, k, device))
+                      for k in range(first, last + 1)) - shared_engine_bytes(graph, first, last, device))
+
+
+def shared_engine_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
+    """Bytes the blocks' `BlockCost.engine_bytes` count more than once among blocks first..last though
+    the stage's engine holds them once: a frozen float embedding table another block of the range also
+    reads (a tied LM head under LoRA on a float base). PyTorch copies each frozen float constant
+    (`torch.tensor`, one per name a stage), so the embeddings' figure and the head's (measured apart,
+    `runtime.profiling.compute.engine_setup_bytes`) each hold the table's copy, which a stage of both
+    builds once: a hidden-256 Llama with SmolLM2's 49152-token table, 48.5 + 8 x 3.0 + 48.0 MiB by
+    blocks, 72.1 built as one stage (one device's per-block plan 10-16% above its run). Counted only
+    where every reader's figure holds a copy of the table (MNN looks tables up in numpy and a quantized
+    table is shared, not copied: their figures hold none, and nothing comes off). A range-wide
+    correction as `shared_frozen_bytes` is (the partition instance prices the whole model, the one
+    range holding both readers of a decoder's tied table, by this module)."""
+    blocks = graph.blocks[first:last + 1]
+    if first == last or not any(b.frozen_bytes for b in blocks):  # one block: one reader (the partitioners' case)
+        return 0
+    costs = block_costs(graph, device)
+    tables = {t for t in _graph_tables(graph)[0] if t not in graph.params
+              and not isinstance(graph.constants[t], QuantizedTensor)}
+    out = 0
+    for t in tables:
+        size = int(graph.constants[t].nbytes)
+        readers = [b.index for b in blocks if any(t in graph.node(n).inputs for n in b.nodes)]
+        if len(readers) > 1 and all((costs[k].engine_bytes or 0) >= size for k in readers):
+            out += size * (len(readers) - 1)
+    return out
 
 
 def base_dtype_savings(graph: Graph) -> tuple[tuple[int, int], ...]:
