@@ -8,6 +8,8 @@ One device has one micro-batch in flight, so the part of a further micro-batch's
 not per layer (`BlockCost.per_block_kept_once_bytes`, measured apart) is charged nowhere here
 (`planner.cost.kept_once_bytes`: once a stage per further micro-batch); when it sat in the per-block
 workspace, charged on every stage, this plan was 10-13% high (0.87-0.90; benchmarks/MEMORY_NOTES.md).
+The one device holds the embeddings and the tied LM head: PyTorch copies their frozen float table once
+(`planner.cost.shared_engine_bytes`), which the plan charged twice (48 MiB: 0.84-0.90 of the plan).
 
 Measured in the warm profiling process instead (`profile_this_device(..., fresh=False)`, with the offer
 forced), the same plan's worker ran over its figure: CI's slow tier saw 485.1 MiB against 464.5 planned,
@@ -74,8 +76,10 @@ def test_a_torch_device_that_only_fits_per_block_is_planned_so_and_runs_within_i
     (worker,) = runs["per-block"].devices
     figures = (worker.peak_rss_bytes / MIB, lean["memory_bytes"] / MIB)
     print(f"per block: measured {figures[0]:.1f} MiB, planned {figures[1]:.1f} ({figures[0] / figures[1]:.3f})")
-    # within the plan (the promise); at least 0.80 of it: measured 0.879-0.900 (h25), 0.836 in a clean-clone
-    # CI run (519.2 of 621.4 MiB; the profile's per-block workspace moves 57-114 MiB between profiles)
-    assert 0.80 * lean["memory_bytes"] <= worker.peak_rss_bytes <= lean["memory_bytes"], figures
+    # within the plan (the promise); at least 0.90 of it. With the tied table's engine copy charged twice
+    # (the embeddings' figure and the head's each held it; `planner.cost.shared_engine_bytes`) this plan
+    # was 48 MiB high: 0.879-0.900 (h25), 0.836 in a clean-clone CI run (519.2 of 621.4 MiB); charged
+    # once, 0.96 here (benchmarks/MEMORY_NOTES.md, helper h35)
+    assert 0.90 * lean["memory_bytes"] <= worker.peak_rss_bytes <= lean["memory_bytes"], figures
     np.testing.assert_allclose([s.loss for s in runs["per-block"].steps], [s.loss for s in runs["keep"].steps],
                                rtol=1e-6)
