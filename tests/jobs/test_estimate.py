@@ -21,7 +21,7 @@ from planner.cost import stage_memory_bytes, stage_params_bytes
 from planner.lora import LoraSettings
 from planner.memory_defaults import PARTS, default_profile, memory_parts, with_frozen_precision
 from planner.onnx_import import load_model
-from support import run_cli
+from support import run_cli, write_nominal_cluster
 
 SHAPE = dict(batch=4, seq=16, microbatches=2)
 MIB = 2 ** 20
@@ -86,18 +86,6 @@ def test_lora_variant_trains_only_the_adapters_and_the_head(tiny):
     assert 0 < sum(s.parts["frozen"] for s in q.requested.stages) < frozen32 / 4
 
 
-def _write_cluster(folder, graph, budgets, addresses=True):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "p.json").write_text(json.dumps(default_profile(graph, "p").to_json()))
-    devices = [{"name": n, "profile": "p.json", "memory_budget": b,
-                **({"address": f"tcp://127.0.0.1:{5600 + k}"} if addresses else {})}
-               for k, (n, b) in enumerate(budgets)]
-    path = folder / ("cluster.json" if addresses else "cluster-noaddr.json")
-    path.write_text(json.dumps({"devices": devices, "links": {"default": {"bandwidth": "100Mbit/s",
-                                                                          "latency": "5ms"}}}))
-    return path
-
-
 def test_estimate_is_what_plan_promises_cut_the_same_way(tiny, tmp_path):
     graph = load_model(tiny, 2, 16)
     alone = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("big", 2 ** 40),)).requested.stages[0]
@@ -105,11 +93,11 @@ def test_estimate_is_what_plan_promises_cut_the_same_way(tiny, tmp_path):
     # neither device holds the whole model beside the 16 MiB both `plan` and `estimate` keep free of each
     # budget for the snapshot copies on the workers
     budget = runtime + int((alone.memory_bytes - runtime) * 0.8) + 16 * MIB
-    cluster = _write_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)])
+    cluster = write_nominal_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)])
     plan_dir = plan_model(tiny, cluster, PlanSettings(**SHAPE), tmp_path / "plan")
     plan = load_plan(plan_dir)
     est = estimate_memory(tiny, EstimateSettings(**SHAPE),
-                          cluster_file=_write_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)],
+                          cluster_file=write_nominal_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)],
                                                       addresses=False))
     assert est.requested.fits and len(est.requested.stages) == 2
     planned = {d.name: (d.first_block, d.last_block, d.memory_bytes) for d in plan.devices}
@@ -140,7 +128,7 @@ def test_lora_is_a_lever_and_plan_offers_it_when_it_fits(tiny, tmp_path):
     two = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("a", budget + 16 * MIB), ("b", budget + 16 * MIB)))
     assert two.requested.fits and len(two.requested.stages) == 2
     # plan, on the same single device: does not fit, in MiB, and offers --lora
-    cluster = _write_cluster(tmp_path, graph, [("a", budget)])
+    cluster = write_nominal_cluster(tmp_path, graph, [("a", budget)])
     with pytest.raises(JobError) as exc:
         plan_model(tiny, cluster, PlanSettings(**SHAPE), tmp_path / "plan")
     text = str(exc.value)
@@ -246,7 +234,7 @@ def test_a_compiled_plan_over_a_devices_budget_is_refused_naming_the_device(tiny
     from planner.partition import PlanDoesNotFit, solve_partition
 
     graph = load_model(tiny, 2, 16)
-    cluster = load_cluster(_write_cluster(tmp_path, graph, [("phone", 2 << 30), ("laptop", 2 << 30)]))
+    cluster = load_cluster(write_nominal_cluster(tmp_path, graph, [("phone", 2 << 30), ("laptop", 2 << 30)]))
     compiled = compile_plan(graph, cluster, PlanRequest(microbatches=2), OptimizerSettings("adamw", 1e-3),
                             lambda inst: solve_partition(inst, time_limit_s=5.0))
     check_within_budgets(compiled)
