@@ -392,7 +392,8 @@ def _more_devices(pricer: _Pricer, settings: EstimateSettings, requested: Varian
         if after.fits:
             big = max((s for s in after.stages), key=lambda s: s.budget_bytes)
             name = big.device.split("+")[0]
-            return Lever(f"{extra} more device(s) like {name!r} ({mib(big.budget_bytes)} each)",
+            # the device's own budget (a stage's `budget_bytes` is what is left of it beside the reserve)
+            return Lever(f"{extra} more device(s) like {name!r} ({mib(after.budgets[big.device])} each)",
                          requested.total_bytes - after.total_bytes, True,
                          "the model cut over " + ", ".join(f"{s.device} {mib(s.memory_bytes)}" for s in after.stages))
     return Lever("more devices", None, False, f"{MAX_ADDED_DEVICES} more devices like the largest still do not fit")

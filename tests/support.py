@@ -657,3 +657,25 @@ def write_nominal_cluster(folder: Path, graph: Graph, budgets, addresses: bool =
     path.write_text(json.dumps({"devices": devices, "links": {"default": {"bandwidth": "100Mbit/s",
                                                                           "latency": "5ms"}}}))
     return path
+
+
+def whole_model_bytes(graph: Graph, device: DeviceSpec, microbatches: int, schedule: str = "1f1b-flush",
+                      optimizer: str = "adamw") -> int:
+    """The cost model's bytes for the whole of `graph` on `device` alone (a one-stage plan)."""
+    from planner.cost import stage_memory_bytes
+
+    return stage_memory_bytes(graph, device, 0, len(graph.blocks) - 1, 0, 1, schedule, microbatches, optimizer)
+
+
+def best_cut_in_two_bytes(graph: Graph, device: DeviceSpec, microbatches: int, schedule: str = "1f1b-flush",
+                          optimizer: str = "adamw") -> int:
+    """The least, over every cut of `graph` in two stages on two devices like `device`, of the
+    larger stage's bytes as the cost model charges them: the smallest budget a 2-device plan fits."""
+    from planner.cost import stage_memory_bytes
+
+    n = len(graph.blocks)
+
+    def cost(first: int, last: int, stage: int) -> int:
+        return stage_memory_bytes(graph, device, first, last, stage, 2, schedule, microbatches, optimizer)
+
+    return min(max(cost(0, c - 1, 0), cost(c, n - 1, 1)) for c in range(1, n))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from planner.cost import stage_memory_bytes, stage_params_bytes
 from planner.lora import LoraSettings
 from planner.memory_defaults import PARTS, default_profile, memory_parts, with_frozen_precision
 from planner.onnx_import import load_model
-from support import run_cli, write_nominal_cluster
+from support import best_cut_in_two_bytes, run_cli, whole_model_bytes, write_nominal_cluster
 
 SHAPE = dict(batch=4, seq=16, microbatches=2)
 MIB = 2 ** 20
@@ -245,3 +246,34 @@ def test_a_compiled_plan_over_a_devices_budget_is_refused_naming_the_device(tiny
         check_within_budgets(dataclasses.replace(compiled, costs=short))
     assert exc.value.device == last.device and exc.value.over_bytes == 1 << 20
     assert f"device {last.device!r}" in str(exc.value) and "(1.0 MiB over)" in str(exc.value)
+
+
+def test_more_devices_is_the_lever_and_the_count_it_names_plans_and_fits(minilm_onnx, tmp_path):
+    """MiniLM on one device whose budget holds half the model beside the runtime and the reserve a
+    pipeline keeps, but not the whole: "more devices" is what makes it fit; the count it names,
+    planned by `confidant plan` over that many devices like it, fits each budget with the reserve."""
+    from planner.cluster import load_cluster
+
+    graph = load_model(minilm_onnx, 2, 16)
+    device = load_cluster(write_nominal_cluster(tmp_path / "probe", graph, [("a", 2 << 30)])).devices[0]
+    alone, two = whole_model_bytes(graph, device, 2), best_cut_in_two_bytes(graph, device, 2)
+    budget = two + 16 * MIB + 8 * MIB
+    assert budget < alone, (two / MIB, alone / MIB)
+    est = estimate_memory(minilm_onnx, EstimateSettings(**SHAPE), devices=(("a", budget),))
+    assert not est.requested.fits
+    more = next(lv for lv in est.levers if "more device" in lv.flag)
+    added = re.fullmatch(r"(\d+) more device\(s\) like 'a' \((\d+) MiB each\)", more.flag)
+    assert more.fits and added is not None, more
+    assert int(added.group(2)) == round(budget / MIB), more  # the device's budget, not what the reserve leaves
+    count = 1 + int(added.group(1))
+    assert count == 2, more  # one more is enough: the best cut in two fits beside the reserve
+    cluster = write_nominal_cluster(tmp_path, graph, [("a", budget)] + [(f"a{k}", budget) for k in range(1, count)])
+    plan = load_plan(plan_model(minilm_onnx, cluster, PlanSettings(**SHAPE, time_limit_s=5.0), tmp_path / "plan"))
+    figures = [(d.name, d.memory_bytes / MIB, d.reserved_bytes / MIB, d.memory_budget_bytes / MIB)
+               for d in plan.devices]
+    assert len(plan.devices) == count, figures
+    assert all(d.reserved_bytes == 16 * MIB and d.memory_bytes + d.reserved_bytes <= budget for d in plan.devices), \
+        figures
+    # the lever's own cut is the plan's figures (estimate prices as plan compiles)
+    assert sorted(int(m) for m in re.findall(r" (\d+) MiB", more.note)) == \
+        sorted(round(d.memory_bytes / MIB) for d in plan.devices), (more.note, figures)

@@ -18,11 +18,10 @@ from jobs.common.errors import FlagError, JobError
 from jobs.planning import PlanSettings, plan_model
 from jobs.train.from_plan import plan_policy
 from planner.cluster import load_cluster
-from planner.cost import stage_memory_bytes
 from planner.emit import load_plan_cluster
 from planner.onnx_import import load_model
 from runtime.pipeline.snapshots import peer_snapshot_bytes
-from support import run_cli, write_nominal_cluster
+from support import best_cut_in_two_bytes, run_cli, whole_model_bytes, write_nominal_cluster
 
 MIB = 2 ** 20
 SHAPE = dict(batch=4, seq=16, microbatches=2)
@@ -35,26 +34,15 @@ def minilm(minilm_onnx):
     return minilm_onnx, load_model(minilm_onnx, SHAPE["batch"] // SHAPE["microbatches"], SHAPE["seq"])
 
 
-def _lone_bytes(graph, cluster_file) -> int:
-    """The whole model on one device of the cluster, as the cost model charges it."""
-    device = load_cluster(cluster_file).devices[0]
-    return stage_memory_bytes(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", SHAPE["microbatches"],
-                              "adamw")
-
-
-def _best_two_stage_bytes(graph, cluster_file) -> int:
-    """The least, over every cut of the model in two, of the larger stage's bytes (two equal devices)."""
-    device = load_cluster(cluster_file).devices[0]
-    n = len(graph.blocks)
-    cost = lambda first, last, stage: stage_memory_bytes(  # noqa: E731
-        graph, device, first, last, stage, 2, "1f1b-flush", SHAPE["microbatches"], "adamw")
-    return min(max(cost(0, c - 1, 0), cost(c, n - 1, 1)) for c in range(1, n))
+def _device(cluster_file):
+    return load_cluster(cluster_file).devices[0]
 
 
 def test_a_budget_that_fits_only_without_the_reserve_plans_under_stop_and_not_under_the_default(minilm, tmp_path):
     model, graph = minilm
     probe = write_nominal_cluster(tmp_path / "probe", graph, [("a", 2 << 30), ("b", 2 << 30)])
-    two, alone = _best_two_stage_bytes(graph, probe), _lone_bytes(graph, probe)
+    M = SHAPE["microbatches"]
+    two, alone = best_cut_in_two_bytes(graph, _device(probe), M), whole_model_bytes(graph, _device(probe), M)
     budget = two + RESERVE // 2  # a cut fits beside half the reserve, and no device holds the model alone
     assert budget < alone, (two / MIB, alone / MIB)
     cluster = write_nominal_cluster(tmp_path, graph, [("a", budget), ("b", budget)])
@@ -85,7 +73,7 @@ def test_a_plan_on_one_device_keeps_no_reserve(minilm, tmp_path):
     too); or the big device's budget holds the model only without the reserve."""
     model, graph = minilm
     probe = write_nominal_cluster(tmp_path / "probe", graph, [("a", 2 << 30)])
-    alone = _lone_bytes(graph, probe)
+    alone = whole_model_bytes(graph, _device(probe), SHAPE["microbatches"])
     for name, budget in (("roomy", 2 << 30), ("tight", alone + RESERVE // 2)):
         cluster = write_nominal_cluster(tmp_path / name, graph, [("big", budget), ("small", 60 * MIB)])
         plan = load_plan(plan_model(model, cluster, PlanSettings(**SHAPE, **FAST), tmp_path / name / "plan"))
