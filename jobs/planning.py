@@ -146,13 +146,15 @@ def snapshot_reserve(cluster: Cluster, on_failure: str = "replan") -> dict[str, 
 
 def compile_within_reserve(compile_over: Callable[[Cluster, PlanRequest], CompiledPlan], cluster: Cluster,
                            reserve: Mapping[str, int], request: PlanRequest,
-                           note: Callable[[str], None] = lambda _: None) -> CompiledPlan:
+                           note: Callable[[str], None] = lambda _: None,
+                           step_of: Callable[[CompiledPlan], float] = lambda c: c.step_s) -> CompiledPlan:
     """The plan `compile_over(cluster, request)` makes within each device's budget less its
     `reserve` (the snapshot copies' working bytes between the stages of a pipeline) where it spans
     several devices. A plan on one device has no peer to copy to, so it keeps no reserve: when the
     reserved plan ends on one device, that device is planned alone within its whole budget; when
     nothing fits with the reserve (and no cuts were asked for), each device is tried alone that way
-    and the fastest that fits is the plan (else the reserved plan's refusal stands)."""
+    and the fastest that fits (by `step_of`) is the plan (else the reserved plan's refusal stands).
+    `compile_over` may return anything with a `partition` (`estimate` passes the engine picks)."""
     if not any(reserve.values()) or request.cuts:  # manual cuts: the stages they make, each with its reserve
         return compile_over(with_reserve(cluster, reserve) if any(reserve.values()) else cluster, request)
     refusal = None
@@ -169,7 +171,7 @@ def compile_within_reserve(compile_over: Callable[[Cluster, PlanRequest], Compil
             lone = compile_over(cluster, dataclasses.replace(request, cuts=(), order=(name,)))
         except (PlanDoesNotFit, CompileError):
             continue
-        if best is None or lone.step_s < best.step_s:
+        if best is None or step_of(lone) < step_of(best):
             best = lone
     if best is None:
         if reserved is not None:

@@ -2,7 +2,8 @@
 policy. Under "replan" (the default) each device of a pipeline keeps 16 MiB of its budget for the
 snapshot copies' working bytes (`runtime.pipeline.snapshots.peer_snapshot_bytes`); a plan on one
 device has no peer to copy to and keeps none; under "stop" nothing is copied and nothing kept.
-plan.json records the policy, and `train PLAN` runs with it and refuses another.
+plan.json records the policy, and `train PLAN` runs with it and refuses another; `estimate` prices
+a lone device as `plan` plans it.
 
 MiniLM priced by the graph's nominal profile (`planner.memory_defaults.default_profile`): its
 trainable state (~350 MiB with AdamW) is large beside the reserve, so a budget can be set that a
@@ -15,6 +16,7 @@ import pytest
 
 from ir.bundle import load_plan
 from jobs.common.errors import FlagError, JobError
+from jobs.estimate import EstimateSettings, estimate_memory
 from jobs.planning import PlanSettings, plan_model
 from jobs.train.from_plan import plan_policy
 from planner.cluster import load_cluster
@@ -83,3 +85,7 @@ def test_a_plan_on_one_device_keeps_no_reserve(minilm, tmp_path):
         assert plan.devices[0].memory_bytes <= budget, (name, figures)
         if name == "tight":  # it needed the reserve's room
             assert plan.devices[0].memory_bytes > budget - RESERVE, figures
+        # `estimate` prices it as `plan` makes it: the big device alone, its whole budget
+        est = estimate_memory(model, EstimateSettings(**SHAPE), cluster_file=cluster).requested
+        assert est.fits and [(st.device, st.memory_bytes, st.budget_bytes) for st in est.stages] == \
+            [("big", plan.devices[0].memory_bytes, budget)], (name, est.stages)
