@@ -118,7 +118,9 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     except PlanDoesNotFit as exc:
         hint = ""
         if settings.lora is None:
-            hint = lora_fit_hint(graph, cluster, settings.schedule, M, settings.optimizer, settings.update_every)
+            # priced as the refused plan was: a pipeline within each budget less the reserve
+            hint = lora_fit_hint(graph, with_reserve(cluster, reserve), settings.schedule, M, settings.optimizer,
+                                 settings.update_every)
         raise JobError(str(exc) + hint + _reserve_hint(reserve)) from None
     path = emit_compiled(output, compiled, sign)
     reporter.note(f"wrote {path} and {len(compiled.partition.stages)} bundles")
