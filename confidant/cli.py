@@ -10,7 +10,7 @@ from pathlib import Path
 from confidant.defaults import DEMO_DEFAULTS
 from confidant.errors import CliError
 from confidant.home import DEMO_DIR
-from ir.plan import OPTIMIZER_NAMES, SCHEDULE_NAMES
+from ir.plan import FAILURE_POLICIES, OPTIMIZER_NAMES, SCHEDULE_NAMES
 from ir.training import TRAINING
 
 
@@ -125,13 +125,23 @@ def _add_security_flags(p: argparse.ArgumentParser, who: str = "coordinator") ->
                    help="plaintext links and no signature checks, for a network nobody else can reach (warns)")
 
 
-def _add_fault_flags(p: argparse.ArgumentParser) -> None:
+ON_FAILURE_HELP = ("when a worker is lost: re-plan over the survivors and go on from the last snapshot (default: "
+                   "each worker copies its state at a step boundary and ships it to a neighbour while the next step "
+                   "runs, so a lost worker's state comes from its neighbour), or stop with a resumable checkpoint "
+                   "(no snapshots)")
+
+
+def _add_on_failure_flag(g, default: str | None, also: str = "") -> None:
+    g.add_argument("--on-failure", choices=FAILURE_POLICIES, default=default, help=ON_FAILURE_HELP + also)
+
+
+def _add_fault_flags(p: argparse.ArgumentParser, from_plan: bool = False) -> None:
     g = p.add_argument_group("lost devices")
-    g.add_argument("--on-failure", choices=("replan", "stop"), default="replan",
-                   help="when a worker is lost: re-plan over the survivors and go on from the last snapshot "
-                        "(default: each worker copies its state at a step boundary and ships it to a neighbour "
-                        "while the next step runs, so a lost worker's state comes from its neighbour), or stop "
-                        "with a resumable checkpoint (no snapshots)")
+    if from_plan:  # None: the plan's (plan.json records the policy it left memory for); another is refused
+        _add_on_failure_flag(g, None, "; default: the policy the plan was made for (`plan --on-failure`), and "
+                                      "only that one")
+    else:
+        _add_on_failure_flag(g, "replan")
     g.add_argument("--failure-timeout", type=float, default=3.0, metavar="S",
                    help="a worker silent this long is lost (heartbeats; a busy one still answers; default "
                         "%(default)s)")
@@ -482,6 +492,11 @@ def _add_plan(sub) -> None:
                         "train then refuses data that looks up more rows or has more targets")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="with --data: the tokenizer.json train will use (default: the model's, as train's)")
+    _add_on_failure_flag(p.add_argument_group("lost devices"), "replan",
+                         ". The plan leaves room for what it runs with: under replan, each device of a pipeline "
+                         "keeps its budget less the snapshot copies' working bytes (16 MiB; none for a plan on one "
+                         "device, which has no peer to copy to); under stop, the whole budget. `train` runs the "
+                         "plan with this policy")
     _add_security_flags(p)
     _add_lora_flags(p)
 
@@ -575,7 +590,7 @@ def _add_train(sub) -> None:
                         "plan` wrote into the plan folder)")
     p.add_argument("--listen", default="tcp://127.0.0.1:0", type=_listen_address)
     p.add_argument("--timeout", type=float, default=600.0)
-    _add_fault_flags(p)
+    _add_fault_flags(p, from_plan=True)
     _add_security_flags(p)
     _add_training_flags(p, from_plan=True)
 

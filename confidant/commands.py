@@ -500,7 +500,7 @@ def cmd_plan(args) -> int:
                             update_every=_update_every(args), optimizer=args.optimizer, lr=args.lr,
                             cuts=_cuts(args.cuts), devices=tuple(args.devices.split(",")) if args.devices else None,
                             time_limit_s=args.time_limit, started_s=started, lora=_lora_settings(args), data=args.data,
-                            tokenizer=args.tokenizer)
+                            tokenizer=args.tokenizer, on_failure=args.on_failure)
     if args.tokenizer is not None and args.data is None:
         raise CliError("--tokenizer is the tokenizer of --data: give the training data with it")
     _, insecure = _security(args)
@@ -618,7 +618,8 @@ def show_plan(plan_dir: Path) -> None:
     print(f"plan {plan_dir}: model {plan.model}, schedule {plan.schedule}, {plan.microbatches} micro-batches "
           f"of {plan.batch} x {plan.seq}, partition {plan.partition_method}"
           f"{' (optimal)' if plan.partition_optimal else ''}"
-          + (f", frozen base held {plan.base_dtype}" if plan.base_dtype != "float32" else ""))
+          + (f", frozen base held {plan.base_dtype}" if plan.base_dtype != "float32" else "")
+          + f", --on-failure {plan.on_failure}")
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if any(d.reserved_bytes for d in plan.devices):

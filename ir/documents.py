@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from ir.address import AddressError, parse_address
 from ir.backend import BackendSpec
-from ir.plan import Action, ActionKind, Schedule
+from ir.plan import FAILURE_POLICIES, Action, ActionKind, Schedule
 from ir.precision import BASE_DTYPES
 from ir.versioned import check_header
 from ir.verify import verify_plan
@@ -472,6 +472,10 @@ class PlanDocument:
     # --data`, `ir.graph.Graph.target_positions`): the LM head + loss stage is charged for that many,
     # so `train` refuses data with more. None: every position charged (the worst case).
     target_positions: int | None = None
+    # the fault policy the plan left memory for (`ir.plan.FAILURE_POLICIES`, `plan --on-failure`):
+    # "replan" keeps each device of a pipeline's `reserved_bytes` free for the snapshot copies, "stop"
+    # none; `train PLAN` runs with it and refuses another. Plans written before it: "replan".
+    on_failure: str = "replan"
 
     @property
     def stages(self) -> int:
@@ -525,6 +529,7 @@ class PlanDocument:
             doc["plan_id"] = self.plan_id
         if self.target_positions is not None:
             doc["target_positions"] = self.target_positions
+        doc["on_failure"] = self.on_failure
         return doc
 
     @classmethod
@@ -593,13 +598,16 @@ class PlanDocument:
         base_dtype = doc.get("base_dtype", "float32")
         if base_dtype not in BASE_DTYPES:
             raise fail(f"base_dtype is {base_dtype!r:.80}, not one of {', '.join(BASE_DTYPES)}")
+        on_failure = doc.get("on_failure", "replan")
+        if on_failure not in FAILURE_POLICIES:
+            raise fail(f"on_failure is {on_failure!r:.80}, not one of {', '.join(FAILURE_POLICIES)}")
         return cls(doc["model"], schedule.name, schedule.microbatches, schedule.update_every, schedule.stash_depth,
                    doc["batch"], doc["seq"], tuple(blocks), doc["engine"], doc["backend"],
                    OptimizerSettings.from_json(doc["optimizer"]), parsed, doc["predicted_step_s"],
                    doc["partition_method"], tuple(tuple(str(a) for a in row) for row in schedule.actions),
                    doc.get("graph"), bool(doc.get("partition_optimal", False)), float(doc.get("bottleneck_s", 0.0)),
                    cluster_digest, base_digest, dict(lookup_rows), model_path, lora, base_dtype,
-                   doc.get("plan_id"), target_positions)
+                   doc.get("plan_id"), target_positions, on_failure)
 
 
 def _device_plan(d: Any, i: int, n_blocks: int, fail) -> DevicePlan:

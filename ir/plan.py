@@ -24,6 +24,11 @@ SCHEMA_VERSION = 1
 # (`runtime.optim` implements each): the one list every command and module checks against.
 SCHEDULE_NAMES = ("gpipe", "1f1b-flush", "1f1b-stash", "zb-h1", "2bw")
 OPTIMIZER_NAMES = ("sgd", "adamw")
+# What a run does when a worker is lost (`--on-failure`; runtime.pipeline.session.FaultPolicy):
+# "replan" over the survivors from snapshots copied between the workers (which a plan leaves room
+# for, `DeviceSpec.reserved_bytes`), or "stop" with a resumable checkpoint (no snapshots). The
+# first is the default; plan.json records the one a plan was made for.
+FAILURE_POLICIES = ("replan", "stop")
 # The learning rate of a run that names none (ir.training's spec owns it and every other default).
 DEFAULT_LR = TRAINING.lr
 # Schedules that never flush: weights update while other micro-batches are still in flight, so

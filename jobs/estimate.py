@@ -24,8 +24,8 @@ from ir.profile import DeviceProfile, Link
 from ir.training import TRAINING
 from jobs.common.errors import JobError
 from jobs.common.lora import adapted
-from jobs.planning import snapshot_reserve
-from planner.compile import PlanRequest, search, with_head_splits
+from jobs.planning import compile_within_reserve, snapshot_reserve
+from planner.compile import PlanRequest, manual_cuts, search, with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes, with_reserve
 from planner.cost import activations_of, stage_costs
 from planner.lora import LoraSettings
@@ -181,8 +181,10 @@ class _Pricer:
             self._graphs[lkey] = adapted(full, settings.lora)
         return self._graphs[lkey]
 
-    def cluster(self, graph: Graph, reference: Graph, extra: int = 0, activations: str | None = None) -> Cluster:
-        """The devices priced for `graph`, with `extra` copies of the largest-budget one added."""
+    def cluster(self, graph: Graph, reference: Graph, extra: int = 0,
+                activations: str | None = None) -> tuple[Cluster, dict[str, int]]:
+        """The devices priced for `graph`, with `extra` copies of the largest-budget one added, and
+        the reserve `plan` keeps on each device of a pipeline (`jobs.planning.snapshot_reserve`)."""
         if self.cluster_file is not None:
             devices = []
             for d in self.cluster_file.devices:
@@ -208,15 +210,16 @@ class _Pricer:
         if activations is not None:
             cluster = dataclasses.replace(cluster, devices=tuple(
                 dataclasses.replace(d, activations=activations) for d in cluster.devices))
-        # as `plan` leaves it: each budget less what the fault policy's snapshot copies on the workers hold
+        # as `plan` leaves it: each budget of a pipeline less what the fault policy's snapshot copies on
+        # the workers hold (a device alone keeps its whole budget)
         reserve = snapshot_reserve(cluster)
         if any(reserve.values()):
-            cluster = with_reserve(cluster, reserve)
-            note = (f"each device's figure must fit its budget less the {max(reserve.values()) / MIB:.0f} MiB `plan` "
-                    f"keeps for the fault policy's snapshot copies on the workers")
+            note = (f"each device of a pipeline must fit its figure within its budget less the "
+                    f"{max(reserve.values()) / MIB:.0f} MiB `plan` keeps for the fault policy's snapshot copies on "
+                    f"the workers (a device alone keeps none)")
             if note not in self.notes:
                 self.notes.append(note)
-        return cluster
+        return cluster, reserve
 
     def _check_shape(self, profile: DeviceProfile, graph: Graph, what: str) -> None:
         if (profile.batch, profile.seq) != (graph.batch, graph.seq):
@@ -240,7 +243,7 @@ class _Pricer:
         every device's."""
         reference = self.graph(settings, unadapted=True)
         graph = with_frozen_precision(self.graph(settings), settings.base_dtype)
-        cluster = self.cluster(graph, reference, extra, activations)
+        cluster, reserve = self.cluster(graph, reference, extra, activations)
         # as plan compiles it (planner.compile): attention heads split first where a profile's curves
         # say it is faster (a split device runs MNN and its split's child processes), then engines and cuts
         cluster, splits = with_head_splits(graph, cluster)
@@ -250,8 +253,10 @@ class _Pricer:
                 d, profile=dataclasses.replace(d.profile, runtime_overhead_bytes=d.profile.runtime_overhead_bytes
                                                + widen)) for d in cluster.devices))
         args = (settings.schedule, settings.microbatches, settings.optimizer)
+        request = PlanRequest(*args, settings.update_every)
         try:
-            if fixed is not None:
+            if fixed is not None:  # the reserve where `fixed` is a pipeline
+                cluster = with_reserve(cluster, reserve) if len(fixed.stages) > 1 else cluster
                 cluster = dataclasses.replace(cluster, devices=tuple(
                     dataclasses.replace(d, picked=fixed.choices[d.name][0],
                                         activations=activations or fixed.choices[d.name][1])
@@ -261,10 +266,11 @@ class _Pricer:
                 fits = all(c.memory_bytes <= c.memory_budget_bytes for c in stage_costs(
                     graph, cluster, partition, *args, settings.update_every))
             elif activations is None:  # the planner's own choice of engine and activations per device
-                picks = search(graph, cluster, PlanRequest(*args, settings.update_every),
-                               lambda inst: solve_partition(inst, time_limit_s=SOLVE_S), fixed=frozenset(splits))
+                picks = compile_within_reserve(lambda over, req: _picks(graph, over, req, frozenset(splits)), cluster,
+                                               reserve, request, step_of=lambda p: p.after_us)
                 partition, cluster, fits = picks.partition, picks.cluster, True
             else:  # every device as told
+                cluster = with_reserve(cluster, reserve)
                 inst = make_instance(graph, cluster, *args, settings.update_every)
                 partition, fits = solve_partition(inst, time_limit_s=SOLVE_S), True
         except PlanDoesNotFit as exc:
@@ -285,6 +291,20 @@ class _Pricer:
                                                                     if d.name not in used),
                                {d.name: d.memory_budget_bytes for d in cluster.devices},
                                {d.name: (d.picked, activations_of(d)) for d in cluster.devices if d.name in used})
+
+
+def _picks(graph: Graph, cluster: Cluster, request: PlanRequest, splits: frozenset[str]):
+    """The planner's engine picks and cut for `request` (as `plan` compiles it: planner.compile's
+    search; cuts=() with one device: that device alone, PlanDoesNotFit when it does not fit)."""
+    if request.cuts is None:
+        return search(graph, cluster, request, lambda inst: solve_partition(inst, time_limit_s=SOLVE_S), fixed=splits)
+    picks = search(graph, cluster, request, None, fixed=splits, partition=manual_cuts(graph, cluster, request))
+    costs = stage_costs(graph, picks.cluster, picks.partition, *request.costing, request.update_every)
+    over = [c for c in costs if c.memory_bytes > c.memory_budget_bytes]
+    if over:
+        raise PlanDoesNotFit(f"{over[0].device!r} alone does not fit", over[0].device,
+                             over[0].memory_bytes - over[0].memory_budget_bytes, picks.partition)
+    return picks
 
 
 def estimate_memory(model: Path, settings: EstimateSettings, devices: Sequence[tuple[str, int]] | None = None,
@@ -392,7 +412,8 @@ def _more_devices(pricer: _Pricer, settings: EstimateSettings, requested: Varian
         if after.fits:
             big = max((s for s in after.stages), key=lambda s: s.budget_bytes)
             name = big.device.split("+")[0]
-            return Lever(f"{extra} more device(s) like {name!r} ({mib(big.budget_bytes)} each)",
+            # the device's own budget (a stage's `budget_bytes` is what is left of it beside the reserve)
+            return Lever(f"{extra} more device(s) like {name!r} ({mib(after.budgets[big.device])} each)",
                          requested.total_bytes - after.total_bytes, True,
                          "the model cut over " + ", ".join(f"{s.device} {mib(s.memory_bytes)}" for s in after.stages))
     return Lever("more devices", None, False, f"{MAX_ADDED_DEVICES} more devices like the largest still do not fit")

@@ -7,18 +7,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Mapping
 
 from ir.backend import runs_as
 from ir.bundle import load_plan
 from ir.documents import OptimizerSettings, PlannedLora
 from ir.graph import is_causal_lm
 from ir.partition import StageCost
+from ir.plan import FAILURE_POLICIES
 from ir.training import TRAINING
 from jobs.common.errors import FlagError, JobError
 from jobs.common.lora import adapted
 from jobs.common.report import Reporter, Silent
 from planner.cluster import Cluster, load_cluster, with_reserve
-from planner.compile import SEARCH_SHARE, CompileError, NoSteadyState, Deadline, PlanRequest, compile_plan, emit_compiled
+from planner.compile import (SEARCH_SHARE, CompileError, CompiledPlan, Deadline, NoSteadyState, PlanRequest,
+                              compile_plan, emit_compiled)
 from planner.lookups import charged_rows
 from planner.lora import LoraSettings
 from planner.onnx_import import load_model
@@ -50,9 +53,10 @@ class PlanSettings:
     # how much AdamW state the memory model charges those tables (`planner.lookups`)
     data: Path | None = None
     tokenizer: Path | None = None
-    # leave each device's budget room for the fault policy's snapshot copies on the workers, which
-    # `train` keeps there when the plan and they fit (`snapshot_reserve`); False: plan the whole budget
-    snapshot_reserve: bool = True
+    # the fault policy `train` will run the plan with (`ir.plan.FAILURE_POLICIES`; plan.json records
+    # it): "replan" leaves each device of a pipeline room for the snapshot copies on the workers
+    # (`snapshot_reserve`; a plan on one device has no peer to copy to and keeps none), "stop" none
+    on_failure: str = "replan"
 
     @property
     def request(self) -> PlanRequest:
@@ -75,12 +79,14 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     M = settings.microbatches
     if M < 1 or settings.batch % M:
         raise JobError(f"--batch {settings.batch} must be a multiple of --microbatches {M}")
+    if settings.on_failure not in FAILURE_POLICIES:
+        raise FlagError(f"--on-failure must be {' or '.join(FAILURE_POLICIES)}, not {settings.on_failure!r}")
     cluster = load_cluster(cluster_file)
-    reserve = snapshot_reserve(cluster) if settings.snapshot_reserve else {}
+    reserve = snapshot_reserve(cluster, settings.on_failure)
     if any(reserve.values()):
-        cluster = with_reserve(cluster, reserve)
-        reporter.note(f"planning within each device's budget less {max(reserve.values()) / 2**20:.0f} MiB kept for "
-                      f"the fault policy's snapshot copies on the workers")
+        reporter.note(f"planning a pipeline within each device's budget less {max(reserve.values()) / 2**20:.0f} MiB "
+                      f"kept for the fault policy's snapshot copies on the workers (a device alone keeps none; "
+                      f"`--on-failure stop` keeps none)")
     graph = adapted(load_model(model, settings.batch // M, settings.seq), settings.lora, reporter)
     profiled = {(d.profile.batch, d.profile.seq) for d in cluster.devices}
     if profiled != {(graph.batch, graph.seq)}:
@@ -95,13 +101,16 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     if settings.cuts and settings.devices and len(settings.devices) != len(settings.cuts) + 1:
         raise JobError(f"--devices names {len(settings.devices)} devices but --cuts {','.join(map(str, settings.cuts))} "
                        f"makes {len(settings.cuts) + 1} stages: give one device per stage, in pipeline order")
-    try:
-        compiled = compile_plan(
-            graph, cluster, settings.request, OptimizerSettings(settings.optimizer, settings.lr),
+    def compile_over(over: Cluster, request: PlanRequest):
+        return compile_plan(
+            graph, over, request, OptimizerSettings(settings.optimizer, settings.lr),
             lambda inst: solve_partition(inst, time_limit_s=deadline.search_s(SEARCH_SHARE)),
             model=Path(model).name, model_path=str(Path(model).resolve()),
             lora=lora_record(settings.lora),
             keep_going=deadline.room_for_another_start, note=reporter.note)
+    try:
+        compiled = compile_within_reserve(compile_over, cluster, reserve, settings.request, reporter.note)
+        compiled = dataclasses.replace(compiled, emit=dataclasses.replace(compiled.emit, on_failure=settings.on_failure))
     except NoSteadyState as exc:  # the fix is a flag: a usage error
         raise FlagError(str(exc)) from None
     except CompileError as exc:
@@ -109,7 +118,9 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     except PlanDoesNotFit as exc:
         hint = ""
         if settings.lora is None:
-            hint = lora_fit_hint(graph, cluster, settings.schedule, M, settings.optimizer, settings.update_every)
+            # priced as the refused plan was: a pipeline within each budget less the reserve
+            hint = lora_fit_hint(graph, with_reserve(cluster, reserve), settings.schedule, M, settings.optimizer,
+                                 settings.update_every)
         raise JobError(str(exc) + hint + _reserve_hint(reserve)) from None
     path = emit_compiled(output, compiled, sign)
     reporter.note(f"wrote {path} and {len(compiled.partition.stages)} bundles")
@@ -120,16 +131,58 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
     return Path(output)
 
 
-def snapshot_reserve(cluster: Cluster) -> dict[str, int]:
-    """Each device's reserve for the default fault policy: the working bytes of its snapshot copies
-    on the workers (`runtime.pipeline.snapshots.peer_snapshot_bytes`: the chunks on their way, or a
-    window sent after a loss; the copies themselves lie in files), which `train` keeps there only
-    when the plan's figure and they fit the budget (`jobs.train.from_plan.state_place`). Charged for
-    a pipeline over every device of the cluster (a plan that ends on one device needed none)."""
+def snapshot_reserve(cluster: Cluster, on_failure: str = "replan") -> dict[str, int]:
+    """Each device's reserve under the fault policy `on_failure`: for "replan" (the default), the
+    working bytes of its snapshot copies on the workers (`runtime.pipeline.snapshots.peer_snapshot_bytes`:
+    the chunks on their way, or a window sent after a loss; the copies themselves lie in files), which
+    `train` keeps there only when the plan's figure and they fit the budget
+    (`jobs.train.from_plan.state_place`), charged for a pipeline over every device of the cluster
+    (`compile_within_reserve` plans a device alone without it); for "stop", which copies nothing, none."""
     from runtime.pipeline.snapshots import peer_snapshot_bytes
 
+    if on_failure == "stop":
+        return {}
     charge = peer_snapshot_bytes([0] * len(cluster.devices))  # the charge does not grow with the state
     return {d.name: b for d, b in zip(cluster.devices, charge)}
+
+
+def compile_within_reserve(compile_over: Callable[[Cluster, PlanRequest], CompiledPlan], cluster: Cluster,
+                           reserve: Mapping[str, int], request: PlanRequest,
+                           note: Callable[[str], None] = lambda _: None,
+                           step_of: Callable[[CompiledPlan], float] = lambda c: c.step_s) -> CompiledPlan:
+    """The plan `compile_over(cluster, request)` makes within each device's budget less its
+    `reserve` (the snapshot copies' working bytes between the stages of a pipeline) where it spans
+    several devices. A plan on one device has no peer to copy to, so it keeps no reserve: when the
+    reserved plan ends on one device, that device is planned alone within its whole budget; when
+    nothing fits with the reserve (and no cuts were asked for), each device is tried alone that way
+    and the fastest that fits (by `step_of`) is the plan (else the reserved plan's refusal stands).
+    `compile_over` may return anything with a `partition` (`estimate` passes the engine picks)."""
+    if not any(reserve.values()) or request.cuts:  # manual cuts: the stages they make, each with its reserve
+        return compile_over(with_reserve(cluster, reserve) if any(reserve.values()) else cluster, request)
+    refusal = None
+    try:
+        reserved = compile_over(with_reserve(cluster, reserve), request)
+    except PlanDoesNotFit as exc:
+        reserved, refusal = None, exc
+    if reserved is not None and len(reserved.partition.stages) > 1:
+        return reserved
+    names = [reserved.partition.devices[0]] if reserved is not None else list(cluster.names)
+    best = None
+    for name in names:
+        try:
+            lone = compile_over(cluster, dataclasses.replace(request, cuts=(), order=(name,)))
+        except (PlanDoesNotFit, CompileError):
+            continue
+        if best is None or step_of(lone) < step_of(best):
+            best = lone
+    if best is None:
+        if reserved is not None:
+            return reserved
+        raise refusal
+    if reserved is None:
+        note(f"no pipeline fits with the snapshot copies' reserve; {best.partition.devices[0]!r} alone fits its whole "
+             f"budget (one device copies no snapshots)")
+    return best
 
 
 def _reserve_hint(reserve: dict[str, int]) -> str:

@@ -72,7 +72,8 @@ def steady_state_refusal(schedule: Schedule, steps: int | None = None) -> str | 
 class PlanRequest:
     """What to plan: the schedule, micro-batches per batch, the optimizer, backwards per update
     (1f1b-stash, 2bw), and manual cuts (first block of stages 2..p) with the devices that run the
-    stages in pipeline order (None: the cluster's order); no cuts: the solver's."""
+    stages in pipeline order (None: the cluster's order); no cuts (None): the solver's; cuts=()
+    with one device in `order`: the whole model on that device."""
 
     schedule: str = TRAINING.schedule
     microbatches: int = TRAINING.microbatches
@@ -111,6 +112,7 @@ class EmitSettings:
     model_path: str | None = None
     lora: PlannedLora | None = None
     backend: str = "cpu"
+    on_failure: str = "replan"  # the fault policy the job left memory for (plan.json records it)
 
     def config(self) -> dict[str, Any]:
         """`emit_plan`'s config dict (planner.emit.CONFIG_DEFAULTS)."""
@@ -120,7 +122,8 @@ class EmitSettings:
                 "engine": {n: r.engine for n, r in runs.items()}, "threads": {n: r.threads for n, r in runs.items()},
                 "addresses": {n: r.address for n, r in runs.items()},
                 "head_split": {n: r.head_split.to_json() for n, r in runs.items() if r.head_split is not None},
-                "activations": {n: r.activations for n, r in runs.items() if r.activations is not None}}
+                "activations": {n: r.activations for n, r in runs.items() if r.activations is not None},
+                "on_failure": self.on_failure}
 
 
 @dataclass(frozen=True)
@@ -319,7 +322,8 @@ def compile_plan(graph: Graph, cluster: Cluster, request: PlanRequest, optimizer
     cluster, splits = with_head_splits(graph, cluster, note)
     note(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({request.schedule}, "
          f"{request.microbatches} micro-batches)")
-    partition = manual_cuts(graph, cluster, request) if request.cuts else None
+    # cuts=() with one device in `order`: the plan on that device alone
+    partition = manual_cuts(graph, cluster, request) if request.cuts is not None else None
     picks = search(graph, cluster, request, solve, frozenset(splits), partition, keep_going)
     note_engine_moves(picks, note)
     tied_note(graph, picks.partition, request.schedule, note)

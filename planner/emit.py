@@ -29,7 +29,7 @@ from ir.documents import (ACTIVATION_CHOICES, valid_activations, DevicePlan, Opt
                           StageDocument, SteadyStage)
 from ir.graph import Graph
 from ir.partition import Partition, StageCost
-from ir.plan import DEFAULT_LR, Schedule
+from ir.plan import DEFAULT_LR, FAILURE_POLICIES, Schedule
 from ir.precision import base_dtype_of
 from ir.profile import DeviceProfile, Link
 from ir.safetensors import encode_safetensors, hash_tensors
@@ -52,10 +52,12 @@ __all__ = ["CONFIG_DEFAULTS", "EmittedPlan", "emit_in_memory", "emit_plan", "loa
 # `head_split` maps device names to {"heads": {backend: n}, "predicted_s": s, "single_best": [backend, s]}
 # for devices whose attention heads are split across backends (others: no split);
 # `activations` maps device names to "keep" or "recompute" (what the engine does with the
-# activations of the micro-batches in flight; devices not named: the engine's default).
+# activations of the micro-batches in flight; devices not named: the engine's default);
+# `on_failure` the fault policy the job left memory for (`ir.plan.FAILURE_POLICIES`; recorded in plan.json).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "model": None, "model_path": None, "lora": None, "engine": "mnn", "backend": "cpu", "threads": 1,
     "optimizer": "adamw", "lr": DEFAULT_LR, "weight_decay": None, "addresses": {}, "head_split": {}, "activations": {},
+    "on_failure": "replan",
 }
 
 
@@ -101,13 +103,16 @@ def _settings(config: Mapping[str, Any], devices: Sequence[str], graph: Graph) -
     if stray:
         raise ValueError(f"emit_plan: config['activations'] names {stray}, which are not devices of this plan "
                          f"({list(devices)})")
+    if cfg["on_failure"] not in FAILURE_POLICIES:
+        raise ValueError(f"emit_plan: config['on_failure'] is {cfg['on_failure']!r}, not one of "
+                         f"{', '.join(FAILURE_POLICIES)}")
     bad = {d: a for d, a in activations.items() if a is None or not valid_activations(a)}
     if bad:
         raise ValueError(f"emit_plan: config['activations'] is {bad}; each is one of {', '.join(ACTIVATION_CHOICES)}")
     return {"activations": activations, "model": cfg["model"] if cfg["model"] is not None else graph.name, "engines": engines,
             "engine": next(iter(set(engines.values()))) if len(set(engines.values())) == 1 else "mixed",
             "backend": cfg["backend"], "optimizer": opt, "threads": per_device, "addresses": addresses,
-            "head_split": head_split, "model_path": cfg["model_path"],
+            "head_split": head_split, "model_path": cfg["model_path"], "on_failure": cfg["on_failure"],
             "lora": None if cfg["lora"] is None else PlannedLora.from_json(
                 {**cfg["lora"], "targets": list(cfg["lora"]["targets"]), "train_also": list(cfg["lora"]["train_also"])},
                 lambda what: ValueError(f"emit_plan: config['lora']: {what}"))}
@@ -330,7 +335,8 @@ def emit_in_memory(graph: Graph, partition: Partition, schedule: Schedule, confi
                         cfg["engine"], cfg["backend"], optimizer, tuple(entries), predicted_step_s, partition.method,
                         tuple(tuple(str(a) for a in row) for row in schedule.actions), graph.name, partition.optimal,
                         partition.bottleneck_s, cluster_sha256, base_sha256, dict(graph.lookup_rows),
-                        cfg["model_path"], cfg["lora"], _base_dtype(graph), plan_id, graph.target_positions)
+                        cfg["model_path"], cfg["lora"], _base_dtype(graph), plan_id, graph.target_positions,
+                        cfg["on_failure"])
     PlanDocument.from_json(plan.to_json(), source)  # what a reader will check, before anything is written
     return EmittedPlan(plan, bundles, cluster_json, base_data, contents)
 

@@ -625,6 +625,7 @@ class PlanReplanner:
         emit = emit_settings(cluster, partition.devices, self.splits, self.plan.optimizer, self.plan.model,
                              self.plan.model_path, self.plan.lora, self.plan.backend,
                              addresses={n: r.address for n, r in before.items() if r.address}, previous=before)
+        emit = dataclasses.replace(emit, on_failure=self.plan.on_failure)  # the policy the run goes on with
         compiled = assemble(self.graph, cluster, partition, self.splits,
                             PlanRequest(self.schedule, self.microbatches, self.optimizer, self.update_every), emit)
         graph = dataclasses.replace(self.graph, constants={**self.graph.constants, **weights})

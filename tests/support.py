@@ -638,3 +638,44 @@ def int4_lora_of(graph):
     from planner.lora import LoraSettings
 
     return adapted(graph, LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
+
+
+def write_nominal_cluster(folder: Path, graph: Graph, budgets, addresses: bool = True) -> Path:
+    """A cluster file in `folder` of devices (name, memory budget: bytes or text such as "2GiB"),
+    each priced by the graph's nominal profile (`planner.memory_defaults.default_profile`), over a
+    100 Mbit/s, 5 ms link; with addresses (cluster.json) or without (cluster-noaddr.json)."""
+    import json
+
+    from planner.memory_defaults import default_profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "p.json").write_text(json.dumps(default_profile(graph, "p").to_json()))
+    devices = [{"name": n, "profile": "p.json", "memory_budget": b,
+                **({"address": f"tcp://127.0.0.1:{5600 + k}"} if addresses else {})}
+               for k, (n, b) in enumerate(budgets)]
+    path = folder / ("cluster.json" if addresses else "cluster-noaddr.json")
+    path.write_text(json.dumps({"devices": devices, "links": {"default": {"bandwidth": "100Mbit/s",
+                                                                          "latency": "5ms"}}}))
+    return path
+
+
+def whole_model_bytes(graph: Graph, device: DeviceSpec, microbatches: int, schedule: str = "1f1b-flush",
+                      optimizer: str = "adamw") -> int:
+    """The cost model's bytes for the whole of `graph` on `device` alone (a one-stage plan)."""
+    from planner.cost import stage_memory_bytes
+
+    return stage_memory_bytes(graph, device, 0, len(graph.blocks) - 1, 0, 1, schedule, microbatches, optimizer)
+
+
+def best_cut_in_two_bytes(graph: Graph, device: DeviceSpec, microbatches: int, schedule: str = "1f1b-flush",
+                          optimizer: str = "adamw") -> int:
+    """The least, over every cut of `graph` in two stages on two devices like `device`, of the
+    larger stage's bytes as the cost model charges them: the smallest budget a 2-device plan fits."""
+    from planner.cost import stage_memory_bytes
+
+    n = len(graph.blocks)
+
+    def cost(first: int, last: int, stage: int) -> int:
+        return stage_memory_bytes(graph, device, first, last, stage, 2, schedule, microbatches, optimizer)
+
+    return min(max(cost(0, c - 1, 0), cost(c, n - 1, 1)) for c in range(1, n))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ir.plan import ASYNC_SCHEDULES, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
+from ir.plan import ASYNC_SCHEDULES, FAILURE_POLICIES, FLUSH_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.training import TRAINING
 from jobs.common.errors import FlagError, JobError
 from planner.lora import LoraSettings
@@ -98,8 +98,8 @@ class PipelineSettings:
 
 def check_fault_flags(on_failure: str, failure_timeout_s: float, checkpoint_every: int | None,
                       checkpoint: Path | None) -> None:
-    if on_failure not in ("replan", "stop"):
-        raise JobError(f"--on-failure must be replan or stop, not {on_failure!r}")
+    if on_failure not in FAILURE_POLICIES:
+        raise JobError(f"--on-failure must be {' or '.join(FAILURE_POLICIES)}, not {on_failure!r}")
     if not failure_timeout_s > 0:
         raise JobError(f"--failure-timeout must be a positive number of seconds, got {failure_timeout_s}")
     if checkpoint_every is not None:

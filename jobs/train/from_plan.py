@@ -52,7 +52,7 @@ class PlanRunSettings:
     timeout_s: float = 600.0
     keys: Path | None = None          # coordinator.key (signed the plan) and, for remote workers, NAME.pub
     insecure: bool = False
-    on_failure: str = "replan"
+    on_failure: str | None = None     # None: the plan's (plan.json's `on_failure`); another is refused
     failure_timeout_s: float = 3.0
     checkpoint_every: int | None = None
 
@@ -141,12 +141,13 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
                     reporter: Reporter = Silent()) -> TrainingMetrics:
     if settings.steps < 1:
         raise JobError(f"--steps must be at least 1, got {settings.steps}")
-    check_fault_flags(settings.on_failure, settings.failure_timeout_s, settings.checkpoint_every, settings.checkpoint)
     if settings.checkpoint is not None:
         check_checkpoint_target(settings.checkpoint)
     plan_dir = Path(plan_dir)
     loaded = load_plan_folder(plan_dir)  # read and verified once; its bundles' bytes are what the workers get
     plan, contents = loaded.plan, list(loaded.contents)
+    settings = replace(settings, on_failure=plan_policy(plan_dir, plan, settings.on_failure))
+    check_fault_flags(settings.on_failure, settings.failure_timeout_s, settings.checkpoint_every, settings.checkpoint)
     refusal = steady_state_refusal(loaded.schedule, settings.steps)
     if refusal is not None:
         raise FlagError(f"{plan_dir}: {refusal} (re-plan with `confidant plan`)")
@@ -231,6 +232,17 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         reporter.note(f"{task.headline(figures)} after training")
         metrics = replace(metrics, eval=figures)
     return metrics
+
+
+def plan_policy(plan_dir: Path, plan: PlanDocument, given: str | None) -> str:
+    """The fault policy a plan runs with: the one it was made for (plan.json's `on_failure`, whose
+    memory it left room for), or a FlagError naming both when `given` (--on-failure) is another."""
+    if given is not None and given != plan.on_failure:
+        room = "leaves room for" if plan.on_failure == "replan" else "has no room for"
+        raise FlagError(f"--on-failure {given}: {plan_dir} was planned for --on-failure {plan.on_failure} (its memory "
+                        f"{room} the snapshot copies); drop the flag, or re-plan with `confidant plan --on-failure "
+                        f"{given}`")
+    return plan.on_failure
 
 
 def data_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: PlanRunSettings, full, rows: int, M: int,

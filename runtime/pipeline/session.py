@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ir.plan import ASYNC_SCHEDULES, Schedule
+from ir.plan import ASYNC_SCHEDULES, FAILURE_POLICIES, Schedule
 from runtime.pipeline.checkpoints import TrainingState, merge_checkpoint, save_checkpoint
 from runtime.pipeline.coordinator import (Coordinator, PipelineConfig, Reconfiguration, StagePlacement, WorkerFailed,
                                           WorkerLost)
@@ -57,7 +57,6 @@ class PipelineResult:
     state_bytes: int = 0  # every stage's trainable state at the end (parameters and optimizer state), as sent
 
 
-FAILURE_POLICIES = ("replan", "stop")
 STATE_PLACES = ("coordinator", "peers")
 
 # The command line's snapshot policy (FaultPolicy.snapshot_every): chosen from measured costs.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from planner.cost import stage_memory_bytes, stage_params_bytes
 from planner.lora import LoraSettings
 from planner.memory_defaults import PARTS, default_profile, memory_parts, with_frozen_precision
 from planner.onnx_import import load_model
-from support import run_cli
+from support import best_cut_in_two_bytes, run_cli, whole_model_bytes, write_nominal_cluster
 
 SHAPE = dict(batch=4, seq=16, microbatches=2)
 MIB = 2 ** 20
@@ -86,18 +87,6 @@ def test_lora_variant_trains_only_the_adapters_and_the_head(tiny):
     assert 0 < sum(s.parts["frozen"] for s in q.requested.stages) < frozen32 / 4
 
 
-def _write_cluster(folder, graph, budgets, addresses=True):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "p.json").write_text(json.dumps(default_profile(graph, "p").to_json()))
-    devices = [{"name": n, "profile": "p.json", "memory_budget": b,
-                **({"address": f"tcp://127.0.0.1:{5600 + k}"} if addresses else {})}
-               for k, (n, b) in enumerate(budgets)]
-    path = folder / ("cluster.json" if addresses else "cluster-noaddr.json")
-    path.write_text(json.dumps({"devices": devices, "links": {"default": {"bandwidth": "100Mbit/s",
-                                                                          "latency": "5ms"}}}))
-    return path
-
-
 def test_estimate_is_what_plan_promises_cut_the_same_way(tiny, tmp_path):
     graph = load_model(tiny, 2, 16)
     alone = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("big", 2 ** 40),)).requested.stages[0]
@@ -105,11 +94,11 @@ def test_estimate_is_what_plan_promises_cut_the_same_way(tiny, tmp_path):
     # neither device holds the whole model beside the 16 MiB both `plan` and `estimate` keep free of each
     # budget for the snapshot copies on the workers
     budget = runtime + int((alone.memory_bytes - runtime) * 0.8) + 16 * MIB
-    cluster = _write_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)])
+    cluster = write_nominal_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)])
     plan_dir = plan_model(tiny, cluster, PlanSettings(**SHAPE), tmp_path / "plan")
     plan = load_plan(plan_dir)
     est = estimate_memory(tiny, EstimateSettings(**SHAPE),
-                          cluster_file=_write_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)],
+                          cluster_file=write_nominal_cluster(tmp_path, graph, [("phone", budget), ("laptop", budget)],
                                                       addresses=False))
     assert est.requested.fits and len(est.requested.stages) == 2
     planned = {d.name: (d.first_block, d.last_block, d.memory_bytes) for d in plan.devices}
@@ -140,7 +129,7 @@ def test_lora_is_a_lever_and_plan_offers_it_when_it_fits(tiny, tmp_path):
     two = estimate_memory(tiny, EstimateSettings(**SHAPE), devices=(("a", budget + 16 * MIB), ("b", budget + 16 * MIB)))
     assert two.requested.fits and len(two.requested.stages) == 2
     # plan, on the same single device: does not fit, in MiB, and offers --lora
-    cluster = _write_cluster(tmp_path, graph, [("a", budget)])
+    cluster = write_nominal_cluster(tmp_path, graph, [("a", budget)])
     with pytest.raises(JobError) as exc:
         plan_model(tiny, cluster, PlanSettings(**SHAPE), tmp_path / "plan")
     text = str(exc.value)
@@ -246,7 +235,7 @@ def test_a_compiled_plan_over_a_devices_budget_is_refused_naming_the_device(tiny
     from planner.partition import PlanDoesNotFit, solve_partition
 
     graph = load_model(tiny, 2, 16)
-    cluster = load_cluster(_write_cluster(tmp_path, graph, [("phone", 2 << 30), ("laptop", 2 << 30)]))
+    cluster = load_cluster(write_nominal_cluster(tmp_path, graph, [("phone", 2 << 30), ("laptop", 2 << 30)]))
     compiled = compile_plan(graph, cluster, PlanRequest(microbatches=2), OptimizerSettings("adamw", 1e-3),
                             lambda inst: solve_partition(inst, time_limit_s=5.0))
     check_within_budgets(compiled)
@@ -257,3 +246,34 @@ def test_a_compiled_plan_over_a_devices_budget_is_refused_naming_the_device(tiny
         check_within_budgets(dataclasses.replace(compiled, costs=short))
     assert exc.value.device == last.device and exc.value.over_bytes == 1 << 20
     assert f"device {last.device!r}" in str(exc.value) and "(1.0 MiB over)" in str(exc.value)
+
+
+def test_more_devices_is_the_lever_and_the_count_it_names_plans_and_fits(minilm_onnx, tmp_path):
+    """MiniLM on one device whose budget holds half the model beside the runtime and the reserve a
+    pipeline keeps, but not the whole: "more devices" is what makes it fit; the count it names,
+    planned by `confidant plan` over that many devices like it, fits each budget with the reserve."""
+    from planner.cluster import load_cluster
+
+    graph = load_model(minilm_onnx, 2, 16)
+    device = load_cluster(write_nominal_cluster(tmp_path / "probe", graph, [("a", 2 << 30)])).devices[0]
+    alone, two = whole_model_bytes(graph, device, 2), best_cut_in_two_bytes(graph, device, 2)
+    budget = two + 16 * MIB + 8 * MIB
+    assert budget < alone, (two / MIB, alone / MIB)
+    est = estimate_memory(minilm_onnx, EstimateSettings(**SHAPE), devices=(("a", budget),))
+    assert not est.requested.fits
+    more = next(lv for lv in est.levers if "more device" in lv.flag)
+    added = re.fullmatch(r"(\d+) more device\(s\) like 'a' \((\d+) MiB each\)", more.flag)
+    assert more.fits and added is not None, more
+    assert int(added.group(2)) == round(budget / MIB), more  # the device's budget, not what the reserve leaves
+    count = 1 + int(added.group(1))
+    assert count == 2, more  # one more is enough: the best cut in two fits beside the reserve
+    cluster = write_nominal_cluster(tmp_path, graph, [("a", budget)] + [(f"a{k}", budget) for k in range(1, count)])
+    plan = load_plan(plan_model(minilm_onnx, cluster, PlanSettings(**SHAPE, time_limit_s=5.0), tmp_path / "plan"))
+    figures = [(d.name, d.memory_bytes / MIB, d.reserved_bytes / MIB, d.memory_budget_bytes / MIB)
+               for d in plan.devices]
+    assert len(plan.devices) == count, figures
+    assert all(d.reserved_bytes == 16 * MIB and d.memory_bytes + d.reserved_bytes <= budget for d in plan.devices), \
+        figures
+    # the lever's own cut is the plan's figures (estimate prices as plan compiles)
+    assert sorted(int(m) for m in re.findall(r" (\d+) MiB", more.note)) == \
+        sorted(round(d.memory_bytes / MIB) for d in plan.devices), (more.note, figures)

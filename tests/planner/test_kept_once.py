@@ -20,24 +20,11 @@ from ir.graph import block_signature
 from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec
 from planner.cost import kept_once_bytes, stage_costs, stage_memory_bytes, stage_memory_terms
-from support import int4_lora_of, tiny_llama_graph
 
 MIB = 2 ** 20
 B, S, LAYERS = 2, 12, 4
 RUNTIME = 50 * MIB
 ONCE = 13
-
-
-@pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    return tiny_llama_graph(tmp_path_factory.mktemp("llama"), LAYERS, B, S)
-
-
-@pytest.fixture(scope="module")
-def lora_graph(graph):
-    """The same Llama under LoRA on q, k, v, o with its frozen base held int4 (issue 31's plans): the
-    tied table frozen, counted by both its readers' blocks."""
-    return int4_lora_of(graph)
 
 
 def _costs(graph, once_mib: int | None = ONCE) -> dict[str, BlockCost]:
@@ -59,61 +46,59 @@ def _device(graph, name="d", activations="per-block", budget=4 << 30, backend="t
     return DeviceSpec(name, f"tcp://{name}:1", profile, budget, backend, activations=activations)
 
 
-def test_a_stage_pays_the_once_part_per_further_micro_batch_in_flight_by_hand(graph):
+def test_a_stage_pays_the_once_part_per_further_micro_batch_in_flight_by_hand(tiny_llama):
     """The four layers under 1f1b-flush, 4 micro-batches, as stage s of 3: 3 - s in flight. Kept: 4 layers
     x 1 MiB and the once part 13 MiB, each (in flight - 1) times: 34 MiB at stage 0 (the once part twice),
     17 at stage 1, nothing at stage 2 (one in flight: no further micro-batch, so no once part either;
     before, 13 MiB of it sat in every stage's workspace). The workspace is the per-block line's alone."""
-    device = _device(graph)
+    device = _device(tiny_llama)
     first, last = 1, LAYERS
-    terms = [stage_memory_terms(graph, device, first, last, s, 3, "1f1b-flush", 4, "adamw") for s in range(3)]
+    terms = [stage_memory_terms(tiny_llama, device, first, last, s, 3, "1f1b-flush", 4, "adamw") for s in range(3)]
     assert [t.kept_activation_bytes for t in terms] == [2 * (4 + ONCE) * MIB, (4 + ONCE) * MIB, 0]
-    assert [kept_once_bytes(graph, device, first, last, 3 - s) for s in range(3)] == [2 * ONCE * MIB, ONCE * MIB, 0]
+    assert [kept_once_bytes(tiny_llama, device, first, last, 3 - s) for s in range(3)] == \
+        [2 * ONCE * MIB, ONCE * MIB, 0]
     assert all(t.workspace_bytes == (4 * 2 + 28) * MIB for t in terms)
     assert terms[0].by_name()["activations kept"] == 34 * MIB
     # the same profile without the measurement (the once part not split off): nothing per stage
-    bare = _device(graph, once_mib=None)
+    bare = _device(tiny_llama, once_mib=None)
     for s, want in enumerate((2 * ONCE, ONCE, 0)):
-        assert (stage_memory_bytes(graph, device, first, last, s, 3, "1f1b-flush", 4, "adamw")
-                - stage_memory_bytes(graph, bare, first, last, s, 3, "1f1b-flush", 4, "adamw")) == want * MIB
+        assert (stage_memory_bytes(tiny_llama, device, first, last, s, 3, "1f1b-flush", 4, "adamw")
+                - stage_memory_bytes(tiny_llama, bare, first, last, s, 3, "1f1b-flush", 4, "adamw")) == want * MIB
     # a max, not a sum: one layer pays it as four do; the embeddings alone, the head alone nothing
-    assert kept_once_bytes(graph, device, 1, 1, 3) == 2 * ONCE * MIB
-    assert kept_once_bytes(graph, device, 0, 0, 3) == kept_once_bytes(graph, device, LAYERS + 1, LAYERS + 2, 3) == 0
+    assert kept_once_bytes(tiny_llama, device, 1, 1, 3) == 2 * ONCE * MIB
+    assert kept_once_bytes(tiny_llama, device, 0, 0, 3) == 0
+    assert kept_once_bytes(tiny_llama, device, LAYERS + 1, LAYERS + 2, 3) == 0
     # gpipe: all 4 in flight on every stage, three further micro-batches
-    assert kept_once_bytes(graph, device, first, last, 4) == 3 * ONCE * MIB
+    assert kept_once_bytes(tiny_llama, device, first, last, 4) == 3 * ONCE * MIB
 
 
 @pytest.mark.parametrize("activations, backend", [("keep", "torch:cpu:t1"), ("recompute", "torch:cpu:t1"),
                                                   ("per-block", "mnn:cpu:t1"), ("keep", "mnn:cpu:t1")])
-def test_only_pytorch_recomputing_per_block_holds_the_once_part(graph, activations, backend):
+def test_only_pytorch_recomputing_per_block_holds_the_once_part(tiny_llama, activations, backend):
     """Keeping holds the whole of each further micro-batch (`BlockCost.kept`), recomputing the stage none,
     MNN per block no checkpoints: the once part is charged nowhere else, measured or not."""
-    device = _device(graph, activations=activations, backend=backend)
-    bare = _device(graph, activations=activations, backend=backend, once_mib=None)
-    assert kept_once_bytes(graph, device, 1, LAYERS, 3) == 0
-    assert (stage_memory_bytes(graph, device, 1, LAYERS, 0, 3, "1f1b-flush", 4, "adamw")
-            == stage_memory_bytes(graph, bare, 1, LAYERS, 0, 3, "1f1b-flush", 4, "adamw"))
+    device = _device(tiny_llama, activations=activations, backend=backend)
+    bare = _device(tiny_llama, activations=activations, backend=backend, once_mib=None)
+    assert kept_once_bytes(tiny_llama, device, 1, LAYERS, 3) == 0
+    assert (stage_memory_bytes(tiny_llama, device, 1, LAYERS, 0, 3, "1f1b-flush", 4, "adamw")
+            == stage_memory_bytes(tiny_llama, bare, 1, LAYERS, 0, 3, "1f1b-flush", 4, "adamw"))
 
 
-def test_an_older_profile_keeps_its_charge_and_loads(graph):
+def test_an_older_profile_keeps_its_charge_and_loads(tiny_llama):
     """A profile from before the split has no `per_block_kept_once_bytes` (its once part is in its
     per-block workspace): it loads, charges nothing per stage, and round-trips the new field."""
-    device = _device(graph, once_mib=None)
+    device = _device(tiny_llama, once_mib=None)
     doc = device.profile.to_json()
     for backend in doc["backends"]:
         for cost in backend["blocks"].values():
             cost.pop("per_block_kept_once_bytes")
     old = DeviceProfile.from_json(doc)
     assert all(c.per_block_kept_once_bytes is None for c in old.backends[0].blocks.values())
-    assert DeviceProfile.from_json(_device(graph).profile.to_json()) == _device(graph).profile
+    assert DeviceProfile.from_json(_device(tiny_llama).profile.to_json()) == _device(tiny_llama).profile
     with pytest.raises(ValueError, match="per_block_kept_once_bytes"):
-        bad = _device(graph).profile.to_json()
+        bad = _device(tiny_llama).profile.to_json()
         next(iter(bad["backends"][0]["blocks"].values()))["per_block_kept_once_bytes"] = -1
         DeviceProfile.from_json(bad)
-
-
-def _graph(request, kind):
-    return request.getfixturevalue("graph" if kind == "full" else "lora_graph")
 
 
 def _cluster(graph, budgets=(4 << 30,) * 3, once=(ONCE, 20, ONCE)) -> Cluster:
@@ -123,13 +108,13 @@ def _cluster(graph, budgets=(4 << 30,) * 3, once=(ONCE, 20, ONCE)) -> Cluster:
 
 
 @pytest.mark.parametrize("kind, schedule", [("full", "1f1b-flush"), ("full", "gpipe"), ("lora", "1f1b-flush")])
-def test_the_partition_instance_prices_every_stage_as_planner_cost(request, kind, schedule):
+def test_the_partition_instance_prices_every_stage_as_planner_cost(tiny_llama_of, kind, schedule):
     """Every cut of 1-3 stages that keeps the head with its loss, over PyTorch devices recomputing per
     block (two once parts) and keeping: the instance's stage bytes (what every partitioner reads) equal
     planner.cost's, the once part the stage's own largest, (in flight - 1) times."""
     from planner.partition import make_instance, manual_partition
 
-    graph = _graph(request, kind)
+    graph = tiny_llama_of(kind)
     n = len(graph.blocks)
     cluster = _cluster(graph)
     inst = make_instance(graph, cluster, schedule, 4, "adamw")
@@ -147,23 +132,23 @@ def test_the_partition_instance_prices_every_stage_as_planner_cost(request, kind
 
 
 @pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
-def test_each_partitioner_plans_stages_whose_bytes_are_planner_costs_and_fit(graph, schedule):
+def test_each_partitioner_plans_stages_whose_bytes_are_planner_costs_and_fit(tiny_llama, schedule):
     """The fixed-order program (solve_partition) and the CP-SAT model alone, on budgets that make the
     layers split, the once part large enough to matter (60 MiB): every stage they choose has
     planner.cost's bytes and fits its device by them; both find the same predicted step."""
     from planner.partition import cpsat_partition, make_instance, predicted_step_us, solve_partition
 
-    n = len(graph.blocks)
+    n = len(tiny_llama.blocks)
     once = (60, 60, 60)
-    loose = make_instance(graph, _cluster(graph, once=once), schedule, 4, "adamw")
+    loose = make_instance(tiny_llama, _cluster(tiny_llama, once=once), schedule, 4, "adamw")
     whole = max(loose.stage_bytes(d, 0, n - 1, 1, 0) for d in range(3))
-    cluster = _cluster(graph, tuple(int(whole * f) for f in (0.7, 0.8, 0.75)), once)
-    inst = make_instance(graph, cluster, schedule, 4, "adamw")
+    cluster = _cluster(tiny_llama, tuple(int(whole * f) for f in (0.7, 0.8, 0.75)), once)
+    inst = make_instance(tiny_llama, cluster, schedule, 4, "adamw")
     plans = [solve_partition(inst, time_limit_s=10.0, workers=1, seed=0),
              cpsat_partition(inst, time_limit_s=10.0, workers=1, seed=0)]
     for plan in plans:
         assert len(plan.stages) > 1
-        costs = stage_costs(graph, cluster, plan, schedule, 4, "adamw")
+        costs = stage_costs(tiny_llama, cluster, plan, schedule, 4, "adamw")
         for st, c in zip(plan.stages, costs):
             assert st.memory_bytes == c.memory_bytes <= cluster.device(st.device).memory_budget_bytes
     assert predicted_step_us(inst, plans[0]) == predicted_step_us(inst, plans[1])

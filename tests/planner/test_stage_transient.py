@@ -18,27 +18,10 @@ from ir.graph import block_signature
 from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
 from planner.cluster import Cluster, DeviceSpec
 from planner.cost import stage_costs, stage_memory_bytes, stage_memory_terms, transient_bytes
-from support import int4_lora_of, tiny_llama_graph
 
 MIB = 2 ** 20
 B, S, LAYERS = 2, 12, 4
 RUNTIME = 50 * MIB
-
-
-@pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    return tiny_llama_graph(tmp_path_factory.mktemp("llama"), LAYERS, B, S)
-
-
-@pytest.fixture(scope="module")
-def lora_graph(graph):
-    """The same Llama under LoRA on q, k, v, o with its frozen base held int4 (issue 31's plans): the
-    tied table frozen, counted by both its readers' blocks."""
-    return int4_lora_of(graph)
-
-
-def _graph(request, kind):
-    return request.getfixturevalue("graph" if kind == "full" else "lora_graph")
 
 
 def _costs(graph, layer_mib=(40, 24, 16), head_mib=100) -> dict[str, BlockCost]:
@@ -59,52 +42,52 @@ def _device(graph, name="d", activations="keep", budget=4 << 30, **kw) -> Device
     return DeviceSpec(name, f"tcp://{name}:1", profile, budget, "mnn:cpu:t1", activations=activations)
 
 
-def test_the_layers_and_the_blocks_around_them(graph):
-    n = len(graph.blocks)
-    assert n == LAYERS + 3 and graph.blocks[-2].name != graph.blocks[1].name
-    assert len({block_signature(b) for b in graph.blocks[1:-2]}) == 1
+def test_the_layers_and_the_blocks_around_them(tiny_llama):
+    n = len(tiny_llama.blocks)
+    assert n == LAYERS + 3 and tiny_llama.blocks[-2].name != tiny_llama.blocks[1].name
+    assert len({block_signature(b) for b in tiny_llama.blocks[1:-2]}) == 1
 
 
-def test_a_keeping_stage_of_layers_pays_their_transient_once_by_hand(graph):
+def test_a_keeping_stage_of_layers_pays_their_transient_once_by_hand(tiny_llama):
     """Stage 0 of 2 under 1f1b-flush with 4 micro-batches: 2 in flight. All four layers on a device
     that keeps activations: workspace 4 x 24 stacked + 16 transient = 112 MiB (the old model charged
     the model's largest transient, the head's, to every stage, and the layers' 16 once more to the
     block before the head); kept 4 x 16 x (2 - 1) = 64 MiB; nothing else moves with the workspace."""
-    device = _device(graph)
+    device = _device(tiny_llama)
     first, last = 1, LAYERS
-    terms = stage_memory_terms(graph, device, first, last, 0, 2, "1f1b-flush", 4, "adamw")
+    terms = stage_memory_terms(tiny_llama, device, first, last, 0, 2, "1f1b-flush", 4, "adamw")
     assert terms.workspace_bytes == 112 * MIB
     assert terms.kept_activation_bytes == 64 * MIB
-    assert transient_bytes(graph, device, first, last) == 16 * MIB
+    assert transient_bytes(tiny_llama, device, first, last) == 16 * MIB
     assert terms.head_loss_bytes == 0
-    bare = _device(graph, layer_mib=(0, 0, 0), head_mib=0)
-    assert (stage_memory_bytes(graph, device, first, last, 0, 2, "1f1b-flush", 4, "adamw")
-            - stage_memory_bytes(graph, bare, first, last, 0, 2, "1f1b-flush", 4, "adamw")) == (112 + 64) * MIB
+    bare = _device(tiny_llama, layer_mib=(0, 0, 0), head_mib=0)
+    assert (stage_memory_bytes(tiny_llama, device, first, last, 0, 2, "1f1b-flush", 4, "adamw")
+            - stage_memory_bytes(tiny_llama, bare, first, last, 0, 2, "1f1b-flush", 4, "adamw")) == (112 + 64) * MIB
     # the same layers recomputed: one micro-batch's caches, the same one transient, nothing kept
-    again = stage_memory_terms(graph, _device(graph, activations="recompute"), first, last, 0, 2, "1f1b-flush", 4,
-                               "adamw")
+    again = stage_memory_terms(tiny_llama, _device(tiny_llama, activations="recompute"), first, last, 0, 2,
+                               "1f1b-flush", 4, "adamw")
     assert (again.workspace_bytes, again.kept_activation_bytes) == (112 * MIB, 0)
     # per block: 4 x 2 stacked + (30 - 2) transient, once
-    per_block = stage_memory_terms(graph, _device(graph, activations="per-block"), first, last, 0, 2, "1f1b-flush",
-                                   4, "adamw")
+    per_block = stage_memory_terms(tiny_llama, _device(tiny_llama, activations="per-block"), first, last, 0, 2,
+                                   "1f1b-flush", 4, "adamw")
     assert per_block.workspace_bytes == (4 * 2 + 28) * MIB
 
 
-def test_the_head_stage_pays_its_peak_and_beside_layers_their_transient_once(graph):
+def test_the_head_stage_pays_its_peak_and_beside_layers_their_transient_once(tiny_llama):
     """The last stage (1 in flight): the fused head + loss alone its peak of 100; with two layers
     2 x 24 + 16 + 100 = 164 MiB, of which `show` names 100 'LM head + loss'; and a head smaller than
     the layers' transient alone is charged its own 10, not the layers' 16."""
-    n = len(graph.blocks)
-    device = _device(graph)
+    n = len(tiny_llama.blocks)
+    device = _device(tiny_llama)
 
     def terms(first, dev=device):
-        return stage_memory_terms(graph, dev, first, n - 1, 1, 2, "1f1b-flush", 4, "adamw")
+        return stage_memory_terms(tiny_llama, dev, first, n - 1, 1, 2, "1f1b-flush", 4, "adamw")
 
     assert terms(n - 2).workspace_bytes == 100 * MIB
     both = terms(n - 4)
     assert both.workspace_bytes == (2 * 24 + 16 + 100) * MIB and both.head_loss_bytes == 100 * MIB
     assert both.by_name()["LM head + loss"] == 100 * MIB and both.by_name()["workspace"] == 64 * MIB
-    assert terms(n - 2, _device(graph, head_mib=10)).workspace_bytes == 10 * MIB
+    assert terms(n - 2, _device(tiny_llama, head_mib=10)).workspace_bytes == 10 * MIB
 
 
 def _cluster(graph, budgets=(4 << 30,) * 3) -> Cluster:
@@ -114,13 +97,13 @@ def _cluster(graph, budgets=(4 << 30,) * 3) -> Cluster:
 
 @pytest.mark.parametrize("kind, schedule", [("full", "1f1b-flush"), ("full", "gpipe"), ("lora", "1f1b-flush"),
                                             ("lora", "1f1b-stash")])
-def test_the_partition_instance_prices_every_stage_as_planner_cost(request, kind, schedule):
+def test_the_partition_instance_prices_every_stage_as_planner_cost(tiny_llama_of, kind, schedule):
     """Every cut of 1-3 stages that keeps the head with its loss, over devices that keep, recompute
     and recompute per block: the instance's stage bytes (what every partitioner reads) equal
     planner.cost's one formula, the transient being the stage's own largest."""
     from planner.partition import make_instance, manual_partition
 
-    graph = _graph(request, kind)
+    graph = tiny_llama_of(kind)
     n = len(graph.blocks)
     cluster = _cluster(graph)
     inst = make_instance(graph, cluster, schedule, 4, "adamw")
@@ -137,13 +120,13 @@ def test_the_partition_instance_prices_every_stage_as_planner_cost(request, kind
 
 
 @pytest.mark.parametrize("kind, schedule", [("full", "1f1b-flush"), ("lora", "1f1b-stash")])
-def test_each_partitioner_plans_stages_whose_bytes_are_planner_costs_and_fit(request, kind, schedule):
+def test_each_partitioner_plans_stages_whose_bytes_are_planner_costs_and_fit(tiny_llama_of, kind, schedule):
     """The fixed-order program (solve_partition) and the CP-SAT model alone, on budgets tight enough
     that the layers must be split: every stage they choose has planner.cost's bytes and fits its
     device by them; the two find plans of the same predicted step (the exact optimum)."""
     from planner.partition import cpsat_partition, make_instance, predicted_step_us, solve_partition
 
-    graph = _graph(request, kind)
+    graph = tiny_llama_of(kind)
     n = len(graph.blocks)
     loose = make_instance(graph, _cluster(graph), schedule, 4, "adamw")
     # each device fits about half of the model at its position's worst
