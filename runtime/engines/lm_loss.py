@@ -122,24 +122,6 @@ class LinearCrossEntropy:
             return quantized_logits(hidden, weight, self.chunk_bytes)
         return hidden @ (weight.T if self.transposed else weight)
 
-
-def quantized_logits(hidden: np.ndarray, weight, chunk_bytes: int | None = None) -> np.ndarray:
-    """hidden [.., H] @ W^T for a head held quantized ([V, H] storage rows), float32 [.., V]: the
-    rows of W widened `chunk_bytes` at a time into one buffer (as `quantized_linear_cross_entropy`
-    widens them), each chunk's logits written into the output."""
-    h = np.asarray(hidden, np.float32).reshape(-1, np.asarray(hidden).shape[-1])
-    vocab = weight.rows
-    out = np.empty((h.shape[0], vocab), np.float32)
-    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    step = int(min(vocab, max(64, budget // (4 * max(weight.cols, 1)))))
-    buffer = np.empty(step * weight.codes.shape[1] * (2 if weight.storage == "int4" else 1), np.float32) \
-        if weight.storage in ("int8", "int4") else None
-    for lo in range(0, vocab, step):
-        hi = min(vocab, lo + step)
-        chunk = weight.widen_range(lo, hi, buffer).astype(np.float32, copy=False)
-        np.matmul(h, chunk.T, out=out[:, lo:hi])
-    return out.reshape(*np.asarray(hidden).shape[:-1], vocab)
-
     def __call__(self, hidden: np.ndarray, weight: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                  grad: bool = True, weight_grad: bool = True) -> LinearCrossEntropyResult:
         """`weight_grad` False (a frozen head weight, LoRA) skips the weight's gradient and its GEMM."""
@@ -169,6 +151,24 @@ def quantized_logits(hidden: np.ndarray, weight, chunk_bytes: int | None = None)
         if grad:
             dh = dh.reshape(hidden.shape)
         return LinearCrossEntropyResult(total, dh, dw)
+
+
+def quantized_logits(hidden: np.ndarray, weight, chunk_bytes: int | None = None) -> np.ndarray:
+    """hidden [.., H] @ W^T for a head held quantized ([V, H] storage rows), float32 [.., V]: the
+    rows of W widened `chunk_bytes` at a time into one buffer (as `quantized_linear_cross_entropy`
+    widens them), each chunk's logits written into the output."""
+    h = np.asarray(hidden, np.float32).reshape(-1, np.asarray(hidden).shape[-1])
+    vocab = weight.rows
+    out = np.empty((h.shape[0], vocab), np.float32)
+    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    step = int(min(vocab, max(64, budget // (4 * max(weight.cols, 1)))))
+    buffer = np.empty(step * weight.codes.shape[1] * (2 if weight.storage == "int4" else 1), np.float32) \
+        if weight.storage in ("int8", "int4") else None
+    for lo in range(0, vocab, step):
+        hi = min(vocab, lo + step)
+        chunk = weight.widen_range(lo, hi, buffer).astype(np.float32, copy=False)
+        np.matmul(h, chunk.T, out=out[:, lo:hi])
+    return out.reshape(*np.asarray(hidden).shape[:-1], vocab)
 
 
 def quantized_linear_cross_entropy(hidden: np.ndarray, weight, ids: np.ndarray, weights: np.ndarray,
