@@ -179,3 +179,26 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
         return lm_figures((nll.perplexity, scores))
 
     return evaluate
+
+
+def lm_perplexity_on_stages(graph: Graph, run, note: Callable[[str], None] | None = None
+                            ) -> Callable[[object], EvalFigures | None]:
+    """A causal LM's dev perplexity (metric "perplexity", as `weights_evaluation` scores it) computed on
+    the workers' engines before they stop (`staged_nll`), for a run with no exported file to generate
+    from (`confidant train PLAN`): the coordinator builds no engine of the model. `graph`: the
+    pipeline's (micro-batch rows)."""
+    from runtime.pipeline.coordinator import WorkerFailed
+    from tasks.causal_lm.evaluation import staged_nll
+
+    def evaluate(coordinator) -> EvalFigures | None:
+        if not run.dev_rows:
+            return None
+        try:
+            nll = staged_nll(coordinator.forward_only, run.dev_rows, graph.batch, run.seq, run.pad_id)
+        except WorkerFailed as exc:
+            if note is not None:
+                note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
+            return None
+        return EvalFigures(nll.perplexity, None, None, metric="perplexity", perplexity=nll.perplexity)
+
+    return evaluate

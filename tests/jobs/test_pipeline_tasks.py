@@ -137,6 +137,36 @@ def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, t
     assert metrics.eval.metric == "perplexity" and metrics.eval.perplexity > 1.0
 
 
+@pytest.mark.slow  # profile, plan and worker processes
+def test_a_decoder_plans_perplexity_is_scored_on_its_workers(chat_llama, tmp_path, monkeypatch):
+    """`confidant train PLAN` of a causal LM scores the dev perplexity on the workers (issue 32): this
+    process builds no engine of the model, and the figure is one whole-model engine's over the
+    checkpoint's weights (what the coordinator computed before), to 1e-5."""
+    import runtime.engines.factory as factory
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
+    from planner.onnx_import import load_model
+    from runtime.pipeline.checkpoints import load_checkpoint
+    from tasks.causal_lm.evaluation import engine_nll
+    from tasks.causal_lm.task import CAUSAL_LM
+
+    path, train, dev = chat_llama
+    plan, keys = _two_device_plan(path, 4, 128, "2GiB", tmp_path)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the coordinator built an engine to evaluate")
+
+    monkeypatch.setattr(factory, "whole_model_engine", refused)
+    metrics = train_from_plan(plan, train, dev, PlanRunSettings(steps=2, seed=0, local=True, keys=keys,
+                                                                checkpoint=tmp_path / "c"))
+    monkeypatch.undo()
+    _, weights, _ = load_checkpoint(tmp_path / "c")
+    graph = load_model(path, 4, 128, loss=CAUSAL_LM.loss)
+    engine = factory.whole_model_engine(graph, "mnn", 1, weights={**graph.constants, **weights}, cache_activations=False)
+    run = CAUSAL_LM.read_data(path, train, dev, 128)
+    want = engine_nll(engine, CAUSAL_LM.dev_batches(run, 4), 4, run.pad_id).perplexity
+    assert metrics.eval.metric == "perplexity" and metrics.eval.perplexity == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.slow  # worker processes, three runs
 def test_a_causal_lm_pipeline_resumes_exactly_and_replans(chat_llama, tmp_path):
     """Checkpoint after 2 steps then --resume for 2 more gives the 4-step run's losses bit for bit;
