@@ -308,12 +308,11 @@ class StageExecutor:
                 self.transport.send_tensor(COORDINATOR, "eval_loss", self.stage, m, np.asarray([loss], np.float64))
             else:
                 at = np.asarray(self._recv(COORDINATOR, "eval_at", -1, m), np.int64)
-                logits = np.asarray(self.engine.forward(feeds, microbatch=m, train=False, until_block=until_block))
-                if at.shape != (logits.shape[0],) or at.min(initial=0) < 0 or at.max(initial=0) >= logits.shape[1]:
-                    raise ValueError(f"stage {self.stage}: eval_at {at.tolist()[:8]} for logits of shape "
-                                     f"{list(logits.shape)}")
-                picked = logits[np.arange(len(at)), at].argmax(axis=-1).astype(np.int64)
-                del logits
+                rows, seq = self.engine.spec.graph.batch, self.engine.spec.graph.seq
+                if at.shape != (rows,) or at.min(initial=0) < 0 or at.max(initial=0) >= seq:
+                    raise ValueError(f"stage {self.stage}: eval_at {at.tolist()[:8]} for {rows} rows of {seq} "
+                                     f"positions")
+                picked = self.engine.logits_at(feeds, until_block, at).argmax(axis=-1).astype(np.int64)
                 self.transport.send_tensor(COORDINATOR, "eval_next", self.stage, m, picked)
 
     def _accumulate(self, grads) -> None:

@@ -98,3 +98,27 @@ def test_greedy_generation_through_stages_stops_at_a_stop_id_and_at_the_graphs_l
     assert calls == [2, 1, 1, 1, 1]
     with pytest.raises(ValueError, match="greedy only"):
         lm.generate([[1]], GenerationSettings(temperature=0.5))
+
+
+@pytest.mark.parametrize("engine", ["mnn", "torch"])
+def test_an_engines_logits_at_chosen_positions_are_its_whole_logits_there(chat_llama, engine):
+    """`StageEngine.logits_at` (what the LM head's stage argmaxes in generation on the workers): the
+    logits of each row at its position, those of the whole [rows, S, V] output of
+    `forward(until_block=head)`; MNN's head fused with its loss projects those rows only."""
+    from planner.onnx_import import load_model
+    from runtime.engines.factory import whole_model_engine
+    from tasks.causal_lm.task import CAUSAL_LM
+    from support import lm_step_feeds
+
+    path, _, _ = chat_llama
+    graph = load_model(path, ROWS, SEQ, loss=CAUSAL_LM.loss)
+    stage = whole_model_engine(graph, engine, 1, cache_activations=False)
+    head = len(graph.blocks) - 2
+    if engine == "mnn":
+        assert stage._lm is not None and stage._lm.head_index == head  # the fused path is the one tested
+    feeds = lm_step_feeds(0, ROWS, SEQ, 1, vocab=256)[0]
+    at = np.array([SEQ - 1, 5])
+    whole = np.asarray(stage.forward(feeds, train=False, until_block=head))
+    got = stage.logits_at(feeds, head, at)
+    assert got.shape == (ROWS, whole.shape[-1])
+    np.testing.assert_allclose(got, whole[np.arange(ROWS), at], rtol=1e-5, atol=1e-5)
