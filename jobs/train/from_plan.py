@@ -28,7 +28,7 @@ from runtime.pipeline.checkpoints import check_checkpoint_target
 from runtime.pipeline.snapshots import peer_snapshot_bytes
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.procfs import peak_rss_bytes
-from jobs.train.pipeline_tasks import PipelineTask, task_run, weights_evaluation
+from jobs.train.pipeline_tasks import PipelineTask, lm_perplexity_on_stages, task_run, weights_evaluation
 from jobs.common.task_choice import check_graph
 from tasks.causal_lm.task import TokenizerNotFound
 from tasks.choice import task_named, task_of
@@ -208,7 +208,8 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
         on_replanned=lambda step, reconf: _report_replan(reporter, replanner, step, reconf), schedule=loaded.schedule,
         update_every=plan.update_every, keys=keys, insecure=settings.insecure, faults=faults,
         plan_over=None if rescuer is None else _plan_over(rescuer, address_of),
-        on_event=lambda event: reporter.note(describe_event(event)), feeds_of_step=task.feeds_of_step, base=base),
+        on_event=lambda event: reporter.note(describe_event(event)), feeds_of_step=task.feeds_of_step, base=base,
+        after_training=task.evaluate_on_stages),
         metrics_of, local, reporter)
     metrics = metrics_of(result, **(_replan_figures(replanner, result) if replanner is not None else {}))
     reporter.note(f"step time: predicted {plan.predicted_step_s:.3f} s, measured {metrics.measured_step_s:.3f} s")
@@ -227,7 +228,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     if base is not None:
         reporter.note(f"setup sent {result.setup_bytes / 2**20:.1f} MiB; {result.base_bytes_held / 2**20:.1f} MiB of "
                       f"frozen weights came from the devices' own copies of {PLAN_BASE} (confidant worker --base)")
-    figures = task.evaluate(result.weights)
+    figures = result.after_training if task.evaluate_on_stages is not None else task.evaluate(result.weights)
     if figures is not None:
         reporter.note(f"{task.headline(figures)} after training")
         metrics = replace(metrics, eval=figures)
@@ -258,7 +259,10 @@ def data_task(plan_dir: Path, data: Path, eval_path: Path | None, settings: Plan
     except TokenizerNotFound as exc:
         raise JobError(f"{exc} (pass --tokenizer with the exported model's folder)") from None
     check_graph(task, plan_dir, full, run, eval_path)
-    return task_run(task, full, run, rows * M, M, settings.seed, weights_evaluation(task, full, run, rows))
+    made = task_run(task, full, run, rows * M, M, settings.seed, weights_evaluation(task, full, run, rows))
+    if task.loss == "causal-lm":  # scored on the workers, which hold the trained weights (issue 32)
+        return replace(made, evaluate_on_stages=lm_perplexity_on_stages(full, run, note))
+    return made
 
 
 def task_lookup_rows(task: PipelineTask, steps: int | None = None) -> dict[str, int]:

@@ -90,7 +90,7 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
                    keys: ClusterKeys | None = None, insecure: bool = False, faults: FaultPolicy = FaultPolicy(),
                    plan_over=None, on_event=None, feeds_of_step=None, base=None,
                    per_stage: Sequence[StageChoice | None] | None = None,
-                   in_memory: "PlanInMemory | None" = None) -> PipelineResult:
+                   in_memory: "PlanInMemory | None" = None, after_training=None) -> PipelineResult:
     """Train `steps` batches across the workers at `addresses`; stage k runs on addresses[k].
     Every run is a plan (issue 34): the workers get verified bundles and run their actions, and
     nothing is scheduled at run time. With `bundles` (one plan bundle per stage, of `devices`; a
@@ -133,7 +133,11 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     worker holding it builds its stage's frozen weights from it instead of receiving them.
 
     The graph inputs of step k are NER `batches` (`step_feeds`, with `num_labels`), or
-    `feeds_of_step(k)` (a list of one feed dict per micro-batch: a causal LM's, tasks.causal_lm.data)."""
+    `feeds_of_step(k)` (a list of one feed dict per micro-batch: a causal LM's, tasks.causal_lm.data).
+
+    `after_training(coordinator)`: called once the last step's state is collected, before the workers
+    stop (an evaluation on their trained weights, `Coordinator.forward_only`); its value is
+    `result.after_training`."""
     _check_replanning(config, replan_every, on_replan, bundles, stage_graphs)
     faults.check()
     if checkpoint_dir is not None:  # before any step: a path no checkpoint can be written to loses the run
@@ -178,7 +182,8 @@ def train_pipeline(graph, batches, num_labels: int, addresses: Sequence[str], co
     return run_session(coordinator, transport, plan, config, steps, feeds_of_step, start_step=start_step,
                        on_step=on_step, faults=faults, plan_over=plan_over, on_event=on_event,
                        checkpoint_dir=checkpoint_dir, meta=meta, spare_devices=spare_devices, emit=in_memory,
-                       replan_every=replan_every, on_replan=on_replan, on_replanned=on_replanned)
+                       replan_every=replan_every, on_replan=on_replan, on_replanned=on_replanned,
+                       after_training=after_training)
 
 
 @dataclass(frozen=True)
@@ -404,7 +409,7 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
             listen=pipeline.listen, on_step=progress(reporter, training.batch, start_step),
             checkpoint_dir=pipeline.checkpoint, meta=meta, replan_every=pipeline.replan_every, on_replan=on_replan,
             keys=keys, insecure=pipeline.insecure, faults=faults, on_event=on_event,
-            feeds_of_step=run_task.feeds_of_step, in_memory=in_memory)
+            feeds_of_step=run_task.feeds_of_step, in_memory=in_memory, after_training=run_task.evaluate_on_stages)
 
     result = run_on_workers(run, metrics_of, started, reporter)
     stage_rss = [result.peak_rss_bytes.get(a) for a in result.addresses]
@@ -415,7 +420,12 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     if pipeline.replan_every is not None and made and made[0]._replanner is not None:
         for step, decision in made[0]._replanner.decisions:
             reporter.note(f"after step {step}: {decision.reason}")
-    figures = run_task.evaluate(result.weights)
+    if run_task.evaluate_on_stages is not None:  # evaluated on the workers before they stopped
+        figures = result.after_training
+        if figures is not None:
+            reporter.note(f"evaluated on the workers in {result.after_training_s:.1f} s")
+    else:
+        figures = run_task.evaluate(result.weights)
     if figures is not None:
         reporter.note(f"{run_task.headline(figures)} after pipeline training")
     metrics = metrics_of(result, figures, replans)

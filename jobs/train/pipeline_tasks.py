@@ -9,7 +9,7 @@ examples, and a causal LM's targets are weighted by 1 / the whole batch's target
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -38,6 +38,10 @@ class PipelineTask:
     labels: tuple[str, ...] = ()
     # distinct batches before `feeds_of_step` repeats them (one pass over the data); 0: not said
     batches: int = 0
+    # the task's figures computed on the workers, which hold the trained weights, before they are
+    # stopped: `evaluate_on_stages(coordinator)` (runtime.pipeline.session.run_session's
+    # after_training; Coordinator.forward_only); None: `evaluate(weights)` on this process after
+    evaluate_on_stages: Callable[[object], EvalFigures | None] | None = None
 
 
 def step_feeds(batches, step: int, micro_rows: int, microbatches: int, num_labels: int) -> list[dict[str, np.ndarray]]:
@@ -64,15 +68,18 @@ def pipeline_task(task: str, model: Path, data: Path, eval_path: Path | None, tr
     # mapped: the coordinator ships the weights in its plans and holds none of them resident after
     graph = adapted(load_model(model, rows, training.seq, loss=chosen.loss, mapped=True), training.lora, reporter)
     check_graph(chosen, model, graph, run, eval_path)
+    on_stages = None
     if chosen.loss == "causal-lm":  # the exported file is at hand: generate from the trained weights too
         evaluate = _generating(model, eval_path, training, run)
+        on_stages = lm_evaluation_on_stages(graph, training, run, reporter)
     else:
         def full() -> Graph:
             return adapted(load_model(model, training.batch, training.seq), training.lora)
 
         evaluate = weights_evaluation(chosen, full, run, training.batch, training.threads)
-    return task_run(chosen, graph, run, training.batch, microbatches, training.seed,
+    made = task_run(chosen, graph, run, training.batch, microbatches, training.seed,
                     _file_unchanged(graph, run, evaluate, reporter))
+    return replace(made, evaluate_on_stages=on_stages) if on_stages is not None else made
 
 
 def _file_unchanged(graph: Graph, run, evaluate: Callable[[Mapping[str, np.ndarray]], EvalFigures | None],
@@ -135,5 +142,63 @@ def _generating(model: Path, eval_path: Path | None, training: TrainingSettings,
         from jobs.train.causal_lm import lm_figures, lm_scores
 
         return lm_figures(lm_scores(model, training, eval_path, run.dev_rows, weights))
+
+    return evaluate
+
+
+def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, reporter: Reporter = Silent()
+                            ) -> Callable[[object], EvalFigures | None]:
+    """A causal LM's evaluate_on_stages(coordinator): what `_generating` scores, computed on the
+    workers' engines, which hold the trained weights, so this process holds none of the model
+    (issue 32: the coordinator's peak at most the largest worker's). The dev answers' perplexity:
+    the dev rows forward only through the stages, the last returning each micro-batch's loss
+    (`tasks.causal_lm.evaluation.staged_nll`). Generation: greedy, one forward-only pass through the
+    stages up to the LM head per new token, that stage returning each row's next token
+    (`StagedGreedyLM`), at most `ANSWER_TOKENS` new tokens as `_generating`'s. `graph` is the
+    pipeline's (micro-batch rows). A worker lost or failing during it leaves the run trained and
+    unevaluated, the reason in a note."""
+    from jobs.train.causal_lm import ANSWER_TOKENS, lm_figures
+    from runtime.pipeline.coordinator import WorkerFailed
+    from tasks.causal_lm.evaluation import StagedGreedyLM, evaluate_instructions, staged_nll
+    from tasks.causal_lm.generate import GenerationSettings
+
+    rows, head = graph.batch, len(graph.blocks) - 2  # the LM head's block: the loss is the last
+
+    def evaluate(coordinator) -> EvalFigures | None:
+        if not run.dev:
+            return None
+        try:
+            nll = staged_nll(coordinator.forward_only, run.dev_rows, rows, training.seq, run.pad_id)
+            lm = StagedGreedyLM(lambda feeds, at: coordinator.forward_only(feeds, at, until_block=head), rows,
+                                training.seq, run.pad_id)
+            scores = evaluate_instructions(lm, run.tokenizer, run.dev, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
+                                           batch=max(1, len(run.dev)), perplexity=False)
+        except WorkerFailed as exc:
+            reporter.note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
+            return None
+        return lm_figures((nll.perplexity, scores))
+
+    return evaluate
+
+
+def lm_perplexity_on_stages(graph: Graph, run, note: Callable[[str], None] | None = None
+                            ) -> Callable[[object], EvalFigures | None]:
+    """A causal LM's dev perplexity (metric "perplexity", as `weights_evaluation` scores it) computed on
+    the workers' engines before they stop (`staged_nll`), for a run with no exported file to generate
+    from (`confidant train PLAN`): the coordinator builds no engine of the model. `graph`: the
+    pipeline's (micro-batch rows)."""
+    from runtime.pipeline.coordinator import WorkerFailed
+    from tasks.causal_lm.evaluation import staged_nll
+
+    def evaluate(coordinator) -> EvalFigures | None:
+        if not run.dev_rows:
+            return None
+        try:
+            nll = staged_nll(coordinator.forward_only, run.dev_rows, graph.batch, run.seq, run.pad_id)
+        except WorkerFailed as exc:
+            if note is not None:
+                note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
+            return None
+        return EvalFigures(nll.perplexity, None, None, metric="perplexity", perplexity=nll.perplexity)
 
     return evaluate

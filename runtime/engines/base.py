@@ -118,6 +118,14 @@ class StageEngine(ABC):
         `until_block` (inference only) stops after that block and returns its output, e.g. the
         head's logits for evaluation."""
 
+    def logits_at(self, feeds: Mapping[str, np.ndarray], until_block: int, positions: np.ndarray) -> np.ndarray:
+        """float32 [rows, V]: block `until_block`'s output (the LM head's logits) of each row at its
+        position `positions[row]`, an inference forward (evaluation: greedy generation on a pipeline's
+        workers). By default the forward's whole [rows, S, V] output, then those rows; an engine that
+        fuses the head with its loss computes the logits of those positions only."""
+        out = np.asarray(self.forward(feeds, train=False, until_block=until_block))
+        return np.array(out[np.arange(len(positions)), positions], np.float32)
+
     @abstractmethod
     def backward(self, microbatch: int, grad_output: np.ndarray | None = None) -> StageGradients:
         """Gradients for `microbatch` (its forward must have run with train=True); None seeds 1 for a loss."""

@@ -115,7 +115,11 @@ class LinearCrossEntropy:
         self.chunk_bytes = chunk_bytes
 
     def logits(self, hidden: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        """The full logits (evaluation only: one [.., V] array)."""
+        """The full logits (evaluation only: one [.., V] array). A head held quantized
+        (`ir.precision.QuantizedTensor`, storage [V, H] in both layouts) is widened a chunk of
+        vocabulary rows at a time (`quantized_logits`), never whole."""
+        if hasattr(weight, "widen_range"):
+            return quantized_logits(hidden, weight, self.chunk_bytes)
         return hidden @ (weight.T if self.transposed else weight)
 
     def __call__(self, hidden: np.ndarray, weight: np.ndarray, ids: np.ndarray, weights: np.ndarray,
@@ -147,6 +151,24 @@ class LinearCrossEntropy:
         if grad:
             dh = dh.reshape(hidden.shape)
         return LinearCrossEntropyResult(total, dh, dw)
+
+
+def quantized_logits(hidden: np.ndarray, weight, chunk_bytes: int | None = None) -> np.ndarray:
+    """hidden [.., H] @ W^T for a head held quantized ([V, H] storage rows), float32 [.., V]: the
+    rows of W widened `chunk_bytes` at a time into one buffer (as `quantized_linear_cross_entropy`
+    widens them), each chunk's logits written into the output."""
+    h = np.asarray(hidden, np.float32).reshape(-1, np.asarray(hidden).shape[-1])
+    vocab = weight.rows
+    out = np.empty((h.shape[0], vocab), np.float32)
+    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    step = int(min(vocab, max(64, budget // (4 * max(weight.cols, 1)))))
+    buffer = np.empty(step * weight.codes.shape[1] * (2 if weight.storage == "int4" else 1), np.float32) \
+        if weight.storage in ("int8", "int4") else None
+    for lo in range(0, vocab, step):
+        hi = min(vocab, lo + step)
+        chunk = weight.widen_range(lo, hi, buffer).astype(np.float32, copy=False)
+        np.matmul(h, chunk.T, out=out[:, lo:hi])
+    return out.reshape(*np.asarray(hidden).shape[:-1], vocab)
 
 
 def quantized_linear_cross_entropy(hidden: np.ndarray, weight, ids: np.ndarray, weights: np.ndarray,

@@ -694,7 +694,17 @@ class MnnStageEngine(StageEngine):
                 env[n.inputs[1]] = self.spec.graph.constants[n.inputs[1]]
         return env
 
-    def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None) -> np.ndarray:
+    def logits_at(self, feeds, until_block: int, positions) -> np.ndarray:
+        if self._lm is None or until_block != self._lm.head_index:
+            return super().logits_at(feeds, until_block, positions)
+        # the head fused with its loss: its projection of the chosen positions only ([rows, V], not
+        # [rows, S, V]: a micro-batch of SmolLM2 at 128 positions is 24 MiB of logits a row)
+        hidden = self.forward(feeds, train=False, until_block=until_block, _hidden=True)
+        rows = np.asarray(hidden)[np.arange(len(positions)), np.asarray(positions)]
+        return self._slots[0][-1].logits(rows)
+
+    def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None,
+                _hidden: bool = False) -> np.ndarray:
         if train and microbatch in self._stash:
             raise ValueError(f"micro-batch {microbatch} already has a forward waiting for its backward")
         host = self._host(feeds)
@@ -725,7 +735,7 @@ class MnnStageEngine(StageEngine):
             x = prog.forward(train)
             if self.per_block and not prog.keeps_caches:
                 prog.release()
-        if self._lm is not None and until_block == self._lm.head_index:
+        if self._lm is not None and until_block == self._lm.head_index and not _hidden:
             x = programs[-1].logits(x)  # the head's real output, for evaluation
         if train:
             self._stash[microbatch] = (self._serial, self.version, block_inputs, host, slot)

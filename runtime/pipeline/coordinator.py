@@ -180,6 +180,7 @@ class Coordinator:
         self._since = _StallWatch.start()  # stalls of this process from now on end the run (`_check_stalled`)
         self.setup_bytes = 0
         self.base_bytes_held = 0
+        self.eval_done: list[dict] = []  # each stage's answer to the last evaluation pass (`forward_only`)
         # workers that hold no stage (left out by a re-plan, or spares): nameless, stopped with the rest
         self.idle: list[str] = list(spares)
         self._connected: dict[str, str] = {}   # this side's peer name -> worker address, one per worker
@@ -193,7 +194,8 @@ class Coordinator:
             raise ValueError(f"a worker may appear once among the stages and spares; addresses: {taken + self.idle}")
 
     # --- failures ------------------------------------------------------------------------
-    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here", "bundle_wants", "held_done")
+    _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here", "bundle_wants", "held_done",
+                "eval_done")
     _POLL_S = 0.1  # how often a wait looks for lost workers (a message that arrives wakes it at once)
 
     def _check_lost(self) -> None:
@@ -475,6 +477,45 @@ class Coordinator:
         self._sum_tied(schedule)
         done = [self._await_control(stage_peer(p.stage), "done") for p in self.placements]
         return losses, done
+
+    # --- evaluation on the workers -------------------------------------------------------
+    def forward_only(self, microbatch_feeds: Sequence[Mapping[str, np.ndarray]],
+                     positions: Sequence[np.ndarray] | None = None, until_block: int | None = None) -> list:
+        """An evaluation pass on the stages' trained weights, after training (the workers hold them;
+        this process holds none): every micro-batch of `microbatch_feeds` forward only through the
+        stages (worker `eval_forward`, `StageExecutor.forward_only`). Without `until_block`: each
+        micro-batch's loss (float), from the last stage. With `until_block` (the LM head's block)
+        and `positions` (per micro-batch, int64 [rows]: the position of each row whose next token
+        is wanted): each micro-batch's greedy next tokens (int64 [rows]) from the stage holding
+        that block; the stages after it take no part. Call between steps (no step in flight)."""
+        n = len(microbatch_feeds)
+        if n == 0:
+            return []
+        if until_block is None:
+            end = self.stages - 1
+        else:
+            end = next((p.stage for p in self.placements if p.first_block <= until_block <= p.last_block), None)
+            if end is None or positions is None or len(positions) != n:
+                raise ValueError(f"an evaluation pass to block {until_block} needs a stage holding it and one "
+                                 f"positions array per micro-batch")
+        taking = [(p, inputs) for p, inputs in zip(self.placements, self.inputs_of) if p.stage <= end]
+        for p, _ in taking:
+            self.transport.send_control(stage_peer(p.stage), {"type": "eval_forward", "microbatches": n, "end": end,
+                                                              "until_block": until_block})
+        for m, feeds in enumerate(microbatch_feeds):
+            for p, inputs in taking:
+                for name in inputs:
+                    self.transport.send_tensor(stage_peer(p.stage), "eval_batch", -1, m,
+                                               np.asarray(feeds[name], order="C"), name=name)
+            if until_block is not None:
+                self.transport.send_tensor(stage_peer(end), "eval_at", -1, m, np.asarray(positions[m], np.int64))
+        kind = "eval_loss" if until_block is None else "eval_next"
+        out = []
+        for m in range(n):
+            got = self._await_tensor(stage_peer(end), Expected(kind=kind, stage=end, microbatch=m))
+            out.append(float(got.reshape(-1)[0]) if until_block is None else np.array(got, np.int64))
+        self.eval_done = [self._await_control(stage_peer(p.stage), "eval_done") for p, _ in taking]
+        return out
 
     def collect_checkpoint(self) -> list[dict[str, np.ndarray]]:
         """Every stage's parameters and optimizer state (call at a flush boundary)."""

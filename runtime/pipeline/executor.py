@@ -281,6 +281,40 @@ class StageExecutor:
         if self.between is not None:
             self.between()
 
+    def forward_only(self, microbatches: int, end: int, until_block: int | None = None) -> None:
+        """An evaluation pass over the stage's trained weights, outside any plan's action list:
+        `microbatches` inference forwards (no backward, no stash, no optimizer), each micro-batch's
+        graph inputs from the coordinator ("eval_batch"), its activation from the stage before
+        ("eval_act"), its output to the stage after. Stage `end` ends the pass: with `until_block`
+        None (a causal LM's perplexity) it sends the coordinator each micro-batch's loss
+        ("eval_loss", float64 [1]); with `until_block` (the LM head's block) it stops there and
+        sends the greedy next token of each row at the position the coordinator names for it
+        ("eval_at", int64 [rows] -> "eval_next", int64 [rows]): the logits never leave the stage.
+        Stages after `end` take no part."""
+        if not (0 <= self.stage <= end < self.stages):
+            raise ValueError(f"stage {self.stage}: an evaluation pass ending at stage {end} of {self.stages}")
+        for m in range(microbatches):
+            self.in_flight = None
+            feeds = {n: self._recv(COORDINATOR, "eval_batch", -1, m, n) for n in self.input_names}
+            if self.stage > 0:
+                feeds[self.engine.spec.activation_input] = self._recv(stage_peer(self.stage - 1), "eval_act",
+                                                                      self.stage - 1, m)
+            if self.stage < end:
+                out = self.engine.forward(feeds, microbatch=m, train=False)
+                self.transport.send_tensor(stage_peer(self.stage + 1), "eval_act", self.stage, m,
+                                           np.ascontiguousarray(out, np.float32))
+            elif until_block is None:
+                loss = float(np.asarray(self.engine.forward(feeds, microbatch=m, train=False)).reshape(-1)[0])
+                self.transport.send_tensor(COORDINATOR, "eval_loss", self.stage, m, np.asarray([loss], np.float64))
+            else:
+                at = np.asarray(self._recv(COORDINATOR, "eval_at", -1, m), np.int64)
+                rows, seq = self.engine.spec.graph.batch, self.engine.spec.graph.seq
+                if at.shape != (rows,) or at.min(initial=0) < 0 or at.max(initial=0) >= seq:
+                    raise ValueError(f"stage {self.stage}: eval_at {at.tolist()[:8]} for {rows} rows of {seq} "
+                                     f"positions")
+                picked = self.engine.logits_at(feeds, until_block, at).argmax(axis=-1).astype(np.int64)
+                self.transport.send_tensor(COORDINATOR, "eval_next", self.stage, m, picked)
+
     def _accumulate(self, grads) -> None:
         accumulate(self.grad_sum, grads)
 

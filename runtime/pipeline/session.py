@@ -55,6 +55,10 @@ class PipelineResult:
     setup_bytes: int = 0  # what the first setup sent the workers (bundles or weights, optimizer state)
     base_bytes_held: int = 0  # frozen weights the first setup left to the workers' own base files
     state_bytes: int = 0  # every stage's trainable state at the end (parameters and optimizer state), as sent
+    # what `run_session`'s `after_training(coordinator)` returned (an evaluation on the workers), and
+    # its seconds
+    after_training: object = None
+    after_training_s: float = 0.0
 
 
 STATE_PLACES = ("coordinator", "peers")
@@ -886,15 +890,30 @@ def _replan(coordinator: Coordinator, on_replan, step: int, measured: list[float
     return reconf, plan.schedule
 
 
+def _after_training(coordinator: Coordinator, result: PipelineResult, after_training) -> None:
+    """`after_training(coordinator)` into `result`, with the workers' peaks over it."""
+    started = time.perf_counter()
+    coordinator.eval_done = []
+    result.after_training = after_training(coordinator)
+    result.after_training_s = time.perf_counter() - started
+    by_stage = dict(enumerate(result.addresses))
+    for d in coordinator.eval_done:
+        address, peak = by_stage.get(d.get("stage")), d.get("peak_rss_bytes")
+        if address is not None and isinstance(peak, int):
+            result.peak_rss_bytes[address] = max(peak, result.peak_rss_bytes.get(address, 0))
+
+
 def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config: PipelineConfig, steps: int,
                 feeds_of_step: Callable[[int], Sequence[Mapping[str, np.ndarray]]], *, start_step: int = 0,
                 on_step=None, faults: FaultPolicy = FaultPolicy(), plan_over=None, on_event=None,
                 checkpoint_dir: Path | None = None, meta: dict | None = None,
                 spare_devices: Mapping[str, str] | None = None, emit=None, replan_every: int | None = None,
-                on_replan=None, on_replanned=None) -> PipelineResult:
+                on_replan=None, on_replanned=None, after_training=None) -> PipelineResult:
     """Set the workers up with `plan` (its bundles, stage k on plan.addresses[k], running
-    plan.schedule) and train `steps` steps from `start_step`; then stop the workers and close
-    `transport`. `emit` is None for a plan folder's plan (its devices have names, which the result
+    plan.schedule) and train `steps` steps from `start_step`; then `after_training(coordinator)`
+    when given (an evaluation on the workers' trained weights: `Coordinator.forward_only`; its
+    value is `result.after_training`, each worker's peak over it joins the result's); then stop the
+    workers and close `transport`. `emit` is None for a plan folder's plan (its devices have names, which the result
     and events use) and the job's planner for a plan made in memory (workers are named by address).
     See jobs.train.pipeline.train_pipeline for the rest."""
     spare_devices = dict(spare_devices or {})
@@ -922,6 +941,8 @@ def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config:
             result.weights.update({k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")})
         if checkpoint_dir is not None:
             run.save(checkpoint_dir, start_step + steps, result.checkpoint)
+        if after_training is not None:
+            _after_training(coordinator, result, after_training)
     except BaseException as exc:  # a lost run, Ctrl-C, any fault: what it did reaches the metrics document
         run._close_step()
         exc.result = run.result  # its steps and events

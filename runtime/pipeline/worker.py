@@ -45,6 +45,12 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          one), answers here {pid, rss, memory, battery} under the name the hello gives
                          (the coordinator admits its key under that name only) and waits,
                          nameless, for a setup (which closes that connection first) or stop
+  coordinator -> worker  eval_forward {microbatches, end, until_block} (after training: an evaluation on
+                         the trained weights, StageExecutor.forward_only), then "eval_batch" tensors
+                         per micro-batch (and "eval_at" to stage `end` with until_block): forward
+                         only, "eval_act" from stage to stage, stage `end` sending "eval_loss" or
+                         "eval_next" tensors; each stage up to `end` answers eval_done {stage,
+                         seconds, peak_rss_bytes}
   coordinator -> worker  stop
 Any failure is reported as error {stage, message} before the worker exits non-zero, so the
 coordinator can name the device and the cause instead of timing out.
@@ -327,6 +333,25 @@ class Worker:
             **self.copies.figures(), **device_state(),
         })
 
+    def eval_forward(self, msg: dict) -> None:
+        """An evaluation pass over this stage's trained weights (`StageExecutor.forward_only`: forward
+        only, ending at stage `end`, at the block `until_block` or at the loss), then eval_done."""
+        self._need_stage("evaluation pass")
+        n, end, until = msg.get("microbatches"), msg.get("end"), msg.get("until_block")
+        if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 4096 and isinstance(end, int)
+                and not isinstance(end, bool) and (until is None or (isinstance(until, int) and not isinstance(until, bool)
+                                                                     and until >= 0))):
+            raise ValueError(f"eval_forward: expected microbatches (1..4096), end (a stage) and until_block (a block "
+                             f"or null), got {msg!r:.120}")
+        if until is not None and end == self.stage and not (self.executor.engine.spec.first_block <= until
+                                      <= self.executor.engine.spec.last_block):
+            raise ValueError(f"eval_forward: block {until} is not on this stage")
+        started = time.perf_counter()
+        self.executor.forward_only(n, end, until)
+        self.transport.send_control(COORDINATOR, {"type": "eval_done", "stage": self.stage,
+                                                  "seconds": time.perf_counter() - started,
+                                                  "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes()})
+
     def abort(self, msg: dict) -> None:
         """Answer the coordinator's abort: drop the step in flight, fence every live neighbour and
         take their fences (what each sent before its fence belongs to the aborted step and is
@@ -535,7 +560,7 @@ class Worker:
     def _obey(self, msg: dict) -> bool:
         """Carry out one order of the coordinator; True for stop."""
         kind = msg.get("type")
-        if kind not in ("run", "snapshot", "snapshot_keep", "snapshot_send", "checkpoint", "abort"):
+        if kind not in ("run", "snapshot", "snapshot_keep", "snapshot_send", "checkpoint", "abort", "eval_forward"):
             self.copies.stop()  # the stage or its connections change: no thread may be sending on them
         if kind == "abort":
             self.abort(msg)
@@ -543,6 +568,8 @@ class Worker:
             self.setup_bundle(msg)
         elif kind == "run":
             self.run(msg)
+        elif kind == "eval_forward":
+            self.eval_forward(msg)
         elif kind == "checkpoint":
             kwargs = {"optimizer": False} if msg.get("optimizer") is False else {}  # the run's final weights
             if "first" in msg or "bytes" in msg:  # a window of it (Coordinator.collect_stages)

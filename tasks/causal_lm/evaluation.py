@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from tasks.causal_lm.generate import GenerationSettings
     from tasks.causal_lm.tokenizer import LmTokenizer
 
-__all__ = ["InstructionScores", "dev_perplexity", "engine_nll", "evaluate_instructions", "generated_answers",
-           "ranged_nll"]
+__all__ = ["InstructionScores", "StagedGreedyLM", "dev_perplexity", "engine_nll", "evaluate_instructions",
+           "generated_answers", "ranged_nll", "staged_nll"]
 
 
 @dataclass(frozen=True)
@@ -121,3 +121,80 @@ def ranged_nll(engine_of_range, ranges: Sequence[tuple[int, int]], batches: Sequ
         total.nll += float(np.asarray(loss).reshape(-1)[0]) * b.n_targets
         total.n_targets += b.n_targets
     return total
+
+
+def staged_nll(forward_loss, rows_of_dev: Sequence, rows: int, seq: int, pad_id: int = 0) -> NllSum:
+    """`engine_nll` of the dev rows on a pipeline's stages, which hold the trained weights: the rows
+    in micro-batches of `rows` (the stages' graph), each with the weights 1 / its own count, run
+    forward only through the stages by `forward_loss(feeds per micro-batch) -> loss per micro-batch`
+    (runtime.pipeline.coordinator.Coordinator.forward_only), each loss times its count. The same sum
+    as `engine_nll` on one engine of the whole model, up to float32 rounding of the per-row sums."""
+    from tasks.causal_lm.data import lm_feeds, make_lm_batches, pad_lm_batch
+
+    scored = [b for b in make_lm_batches(rows_of_dev, rows, seq, pad_id, shuffle=False) if b.n_targets]
+    losses = forward_loss([lm_feeds(pad_lm_batch(b, rows, pad_id)) for b in scored]) if scored else []
+    total = NllSum()
+    for b, loss in zip(scored, losses):
+        total.nll += float(loss) * b.n_targets
+        total.n_targets += b.n_targets
+    return total
+
+
+class StagedGreedyLM:
+    """Greedy generation through a forward of fixed shape (a pipeline's stages, lowered at `rows` x
+    `seq`): each new token is one forward-only pass of every unfinished row's whole sequence, right
+    padded to `seq` (the causal mask keeps the padding out of every position before it), `rows` rows
+    a micro-batch; `next_tokens(feeds per micro-batch, positions per micro-batch)` returns each
+    row's highest-logit token at its position (the first one on a tie, as numpy's and torch's
+    argmax pick), computed where the logits are (the stage holding the LM head). With the same
+    weights, the tokens of ONNX Runtime's greedy generation (`tasks.causal_lm.generate`), computed
+    again over the whole sequence instead of from a key/value cache (quadratic in the length).
+
+    A row stops at a stop id (kept), after `max_new_tokens`, or when it fills `seq` positions (no
+    position past the graph's exists): a conversation that fits `seq` fits its reference answer,
+    so only an answer longer than that is cut. `generate` is what `generated_answers` calls."""
+
+    def __init__(self, next_tokens, rows: int, seq: int, pad_id: int = 0):
+        self.next_tokens, self.rows, self.seq, self.pad_id = next_tokens, rows, seq, pad_id
+        self.passes = 0  # forward passes run (each over every unfinished row)
+
+    def generate(self, prompts: Sequence[Sequence[int]], settings: "GenerationSettings",
+                 stop_ids: Sequence[int] = ()) -> list[list[int]]:
+        from tasks.causal_lm.data import LmBatch, lm_feeds
+
+        if settings.temperature != 0:
+            raise ValueError("generation through the pipeline's stages is greedy only (temperature 0)")
+        prompts = [[int(t) for t in p] for p in prompts]
+        if any(not p for p in prompts):
+            raise ValueError("an empty prompt: give at least one token (a bos token, for a raw start)")
+        stop = {int(s) for s in stop_ids}
+        out: list[list[int]] = [[] for _ in prompts]
+        active = [i for i, p in enumerate(prompts) if len(p) < self.seq]
+        for _ in range(settings.max_new_tokens):
+            if not active:
+                break
+            feeds, positions, groups = [], [], []
+            for lo in range(0, len(active), self.rows):
+                group = active[lo:lo + self.rows]
+                # a short last micro-batch repeats its first row (its tokens are not read)
+                filled = group + [group[0]] * (self.rows - len(group))
+                ids = np.full((self.rows, self.seq), self.pad_id, np.int64)
+                mask = np.zeros((self.rows, self.seq), np.int64)
+                at = np.zeros(self.rows, np.int64)
+                for r, i in enumerate(filled):
+                    row = prompts[i] + out[i]
+                    ids[r, :len(row)] = row
+                    mask[r, :len(row)] = 1
+                    at[r] = len(row) - 1
+                zeros = np.zeros_like(ids)
+                feeds.append(lm_feeds(LmBatch(ids, mask, zeros, zeros.copy(), 0)))
+                positions.append(at)
+                groups.append(group)
+            picked = self.next_tokens(feeds, positions)
+            self.passes += 1
+            for group, tokens in zip(groups, picked):
+                for r, i in enumerate(group):
+                    out[i].append(int(tokens[r]))
+            active = [i for i in active
+                      if out[i][-1] not in stop and len(prompts[i]) + len(out[i]) < self.seq]
+        return out

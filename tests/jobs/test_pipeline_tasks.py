@@ -137,6 +137,36 @@ def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, t
     assert metrics.eval.metric == "perplexity" and metrics.eval.perplexity > 1.0
 
 
+@pytest.mark.slow  # profile, plan and worker processes
+def test_a_decoder_plans_perplexity_is_scored_on_its_workers(chat_llama, tmp_path, monkeypatch):
+    """`confidant train PLAN` of a causal LM scores the dev perplexity on the workers (issue 32): this
+    process builds no engine of the model, and the figure is one whole-model engine's over the
+    checkpoint's weights (what the coordinator computed before), to 1e-5."""
+    import runtime.engines.factory as factory
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
+    from planner.onnx_import import load_model
+    from runtime.pipeline.checkpoints import load_checkpoint
+    from tasks.causal_lm.evaluation import engine_nll
+    from tasks.causal_lm.task import CAUSAL_LM
+
+    path, train, dev = chat_llama
+    plan, keys = _two_device_plan(path, 4, 128, "2GiB", tmp_path)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the coordinator built an engine to evaluate")
+
+    monkeypatch.setattr(factory, "whole_model_engine", refused)
+    metrics = train_from_plan(plan, train, dev, PlanRunSettings(steps=2, seed=0, local=True, keys=keys,
+                                                                checkpoint=tmp_path / "c"))
+    monkeypatch.undo()
+    _, weights, _ = load_checkpoint(tmp_path / "c")
+    graph = load_model(path, 4, 128, loss=CAUSAL_LM.loss)
+    engine = factory.whole_model_engine(graph, "mnn", 1, weights={**graph.constants, **weights}, cache_activations=False)
+    run = CAUSAL_LM.read_data(path, train, dev, 128)
+    want = engine_nll(engine, CAUSAL_LM.dev_batches(run, 4), 4, run.pad_id).perplexity
+    assert metrics.eval.metric == "perplexity" and metrics.eval.perplexity == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.slow  # worker processes, three runs
 def test_a_causal_lm_pipeline_resumes_exactly_and_replans(chat_llama, tmp_path):
     """Checkpoint after 2 steps then --resume for 2 more gives the 4-step run's losses bit for bit;
@@ -189,6 +219,51 @@ def test_plan_with_seq_cls_data_counts_the_rows_it_looks_up(seqcls_model, tmp_pa
     encoded = load_seqcls_data(train, None, 32, None).train_encoded
     ids = {int(i) for e in encoded for i in np.asarray(e.input_ids).reshape(-1)} | {0}  # + the padding id
     assert plan["lookup_rows"] == {"inner.bert.embeddings.word_embeddings.weight": len(ids)}
+
+
+@pytest.mark.slow  # worker processes, two runs
+@pytest.mark.parametrize("engine, lora", [("mnn", None), ("torch", 4)])
+def test_a_causal_lm_pipeline_is_evaluated_on_its_workers(chat_llama, tmp_path, monkeypatch, engine, lora):
+    """train-pipeline --task causal-lm scores the trained model on the workers before they stop
+    (issue 32: the coordinator holds none of the model's weights): this process builds no engine
+    and opens no ONNX Runtime session, and the figures are those of the coordinator's evaluation
+    before (`lm_scores` on the trained weights: ONNX Runtime's greedy answers, one engine's
+    perplexity): the same generated answers, the perplexity to 1e-5."""
+    import jobs.train.causal_lm as causal_lm
+    import runtime.engines.factory as factory
+    import tasks.causal_lm.evaluation as evaluation
+    import tasks.causal_lm.generate as generate
+    from planner.lora import LoraSettings
+    from runtime.pipeline.checkpoints import load_checkpoint
+
+    path, train, dev = chat_llama
+    settings = TrainingSettings(steps=2, batch=4, seq=128, lr=3e-3, seed=0, eval_limit=2, engine=engine,
+                                lora=None if lora is None else LoraSettings(lora))
+    answered, real_evaluate = [], evaluation.evaluate_instructions
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the coordinator built an engine or a session to evaluate")
+
+    def evaluate(*args, **kwargs):
+        scores = real_evaluate(*args, **kwargs)
+        answered.append(scores)
+        return scores
+
+    for module, name in ((factory, "make_engine"), (factory, "whole_model_engine"), (causal_lm, "make_engine"),
+                         (generate, "_session")):
+        monkeypatch.setattr(module, name, refused)
+    monkeypatch.setattr(evaluation, "evaluate_instructions", evaluate)
+    pipe = train_pipeline_job(path, train, dev, settings,
+                              PipelineSettings(microbatches=2, checkpoint=tmp_path / "c", insecure=True), local=3,
+                              task="causal-lm")
+    monkeypatch.undo()
+    (scores,) = answered
+    _, weights, _ = load_checkpoint(tmp_path / "c")
+    run = causal_lm.lm_data(path, train, dev, settings)
+    perplexity, before = causal_lm.lm_scores(path, settings, dev, run.dev_rows, weights)
+    assert scores.predictions == before.predictions and len(scores.predictions) == 2
+    assert pipe.eval.after == before.exact_match and pipe.eval.metric == "exact_match"
+    assert pipe.eval.perplexity == pytest.approx(perplexity, rel=1e-5)
 
 
 def test_a_pipelines_lm_evaluation_builds_its_engines_after_generating_a_block_range_at_a_time(chat_llama,

@@ -282,6 +282,27 @@ def test_the_quantized_lm_head_loss_over_vocabulary_chunks_equals_the_whole_head
     assert quantized_linear_cross_entropy(h.astype(np.float32), head, ids, w).loss == pytest.approx(f32.loss, rel=1e-5)
 
 
+@pytest.mark.parametrize("storage", ["int4", "int8", "bfloat16"])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_the_logits_of_a_quantized_lm_head_are_the_whole_heads_chunk_by_chunk(transposed, storage):
+    """An MNN stage's logits for evaluation (`until_block` at a fused head, what a pipeline's
+    generation on its workers reads: jobs.train.pipeline_tasks.lm_evaluation_on_stages) of a head
+    held quantized: widened 64 vocabulary rows at a time (5 chunks, the last partial) they equal the
+    whole dequantized head's (an int4 base's tied head was refused: 'QuantizedTensor' has no 'T')."""
+    from runtime.engines.lm_loss import LinearCrossEntropy
+
+    rng = np.random.default_rng(5)
+    vocab, hidden = 300, 64
+    head = quantize(rng.standard_normal((vocab, hidden) if transposed else (hidden, vocab)).astype(np.float32),
+                    storage, 1 if transposed else 0)
+    h = rng.standard_normal((2, 6, hidden)).astype(np.float32)
+    full = dequantize(head)
+    want = h @ (full.T if transposed else full)
+    got = LinearCrossEntropy(transposed, chunk_bytes=1).logits(h, head)
+    assert got.shape == (2, 6, vocab) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 # --- plans, bundles, pipelines, the command line --------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,124 @@
+"""A causal LM's evaluation on the pipeline's stages after training (issue 32: the coordinator need not
+hold the model's weights to score them): `Coordinator.forward_only` runs micro-batches forward only
+through the workers' engines, which hold the trained weights; the last stage returns each
+micro-batch's loss (the dev perplexity, `staged_nll`), or the stage holding the LM head each row's
+greedy next token (`StagedGreedyLM`). Independent references: ONNX Runtime's greedy generation with
+a key/value cache over the exported file with the trained weights (the same tokens), and one engine
+of the whole model for the perplexity (to 1e-5). In-process workers, both engines, a tied head on
+the first and the last of three stages; the job over worker processes is
+tests/jobs/test_pipeline_tasks.py::test_a_causal_lm_pipeline_is_evaluated_on_its_workers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jobs.train.pipeline import FaultPolicy, train_pipeline
+from runtime.pipeline.coordinator import PipelineConfig
+from runtime.pipeline.inprocess import InProcessWorkers
+from support import lm_step_feeds
+
+ROWS, SEQ, STEPS, NEW = 2, 32, 2, 10
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, vocab, int(k)).tolist() for k in rng.integers(3, 14, n)]
+
+
+@pytest.mark.parametrize("engine", ["mnn", "torch"])
+def test_the_stages_score_and_generate_as_onnx_runtime_and_one_engine_do(chat_llama, engine):
+    from jobs.train.causal_lm import generation_weights
+    from planner.onnx_import import load_model
+    from runtime.engines.factory import whole_model_engine
+    from tasks.causal_lm.data import LmExample, make_lm_batches
+    from tasks.causal_lm.evaluation import StagedGreedyLM, engine_nll, staged_nll
+    from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM
+    from tasks.causal_lm.task import CAUSAL_LM
+
+    path, _, _ = chat_llama
+    graph = load_model(path, ROWS, SEQ, loss=CAUSAL_LM.loss)
+    vocab = int(graph.constants["model.embed_tokens.weight"].shape[0])
+    prompts = _prompts(5, vocab)  # 5 rows: three micro-batches, the last one short
+    rng = np.random.default_rng(3)
+    dev_rows = [LmExample.of(p + rng.integers(0, vocab, 6).tolist(), [False] * len(p) + [True] * 6) for p in prompts]
+    settings = GenerationSettings(max_new_tokens=NEW)
+    head = len(graph.blocks) - 2
+    seen = {}
+
+    def evaluate(coordinator):
+        nll = staged_nll(coordinator.forward_only, dev_rows, ROWS, SEQ)
+        lm = StagedGreedyLM(lambda feeds, at: coordinator.forward_only(feeds, at, until_block=head), ROWS, SEQ)
+        seen["passes_before"] = lm.passes
+        return nll, lm.generate(prompts, settings), lm.generate([prompts[0]], GenerationSettings(max_new_tokens=3),
+                                                                 stop_ids=[]), lm
+
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=2, engine=engine, lr=3e-3, timeout_s=60)
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        result = train_pipeline(graph, None, 0, workers.addresses, config, STEPS, transport=workers.coordinator,
+                                feeds_of_step=lambda k: lm_step_feeds(k, ROWS, SEQ, 2, vocab=vocab),
+                                faults=FaultPolicy("stop"), after_training=evaluate)
+    nll, generated, short, lm = result.after_training
+    assert lm.passes == NEW + 3 and result.after_training_s > 0
+
+    trained = {**graph.constants, **result.weights}
+    reference = OnnxCausalLM(path, generation_weights(path, graph, trained, (), 1.0), threads=1)
+    assert reference.kv_unavailable is None  # the reference generates from its key/value cache
+    assert generated == reference.generate(prompts, settings)
+    assert short == [generated[0][:3]]
+
+    whole = whole_model_engine(load_model(path, 4, SEQ, loss=CAUSAL_LM.loss), engine, 1, weights=trained,
+                               cache_activations=False)
+    one = engine_nll(whole, make_lm_batches(dev_rows, 4, SEQ, 0, shuffle=False), 4)
+    assert nll.n_targets == one.n_targets == 30
+    assert nll.perplexity == pytest.approx(one.perplexity, rel=1e-5)
+
+
+def test_greedy_generation_through_stages_stops_at_a_stop_id_and_at_the_graphs_length():
+    """`StagedGreedyLM` on a stand-in forward (the next token is the last one + 1): a row ends at a
+    stop id (kept), after max_new_tokens, or when it fills the graph's positions; finished rows
+    leave the passes, a short micro-batch is filled with its first row."""
+    from tasks.causal_lm.evaluation import StagedGreedyLM
+    from tasks.causal_lm.generate import GenerationSettings
+
+    calls = []
+
+    def next_tokens(feeds, positions):
+        calls.append(len(feeds))
+        out = []
+        for f, at in zip(feeds, positions):
+            assert f["input_ids"].shape == (2, 8) and not f["target_weights"].any()
+            assert (f["attention_mask"].sum(axis=1) == at + 1).all()
+            out.append(f["input_ids"][np.arange(2), at] + 1)
+        return out
+
+    lm = StagedGreedyLM(next_tokens, rows=2, seq=8)
+    got = lm.generate([[1, 2], [10], [20, 21, 22, 23, 24, 25, 26], [5] * 8], GenerationSettings(max_new_tokens=5),
+                      stop_ids=[4])
+    assert got == [[3, 4], [11, 12, 13, 14, 15], [27], []]
+    assert calls == [2, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="greedy only"):
+        lm.generate([[1]], GenerationSettings(temperature=0.5))
+
+
+@pytest.mark.parametrize("engine", ["mnn", "torch"])
+def test_an_engines_logits_at_chosen_positions_are_its_whole_logits_there(chat_llama, engine):
+    """`StageEngine.logits_at` (what the LM head's stage argmaxes in generation on the workers): the
+    logits of each row at its position, those of the whole [rows, S, V] output of
+    `forward(until_block=head)`; MNN's head fused with its loss projects those rows only."""
+    from planner.onnx_import import load_model
+    from runtime.engines.factory import whole_model_engine
+    from tasks.causal_lm.task import CAUSAL_LM
+    from support import lm_step_feeds
+
+    path, _, _ = chat_llama
+    graph = load_model(path, ROWS, SEQ, loss=CAUSAL_LM.loss)
+    stage = whole_model_engine(graph, engine, 1, cache_activations=False)
+    head = len(graph.blocks) - 2
+    if engine == "mnn":
+        assert stage._lm is not None and stage._lm.head_index == head  # the fused path is the one tested
+    feeds = lm_step_feeds(0, ROWS, SEQ, 1, vocab=256)[0]
+    at = np.array([SEQ - 1, 5])
+    whole = np.asarray(stage.forward(feeds, train=False, until_block=head))
+    got = stage.logits_at(feeds, head, at)
+    assert got.shape == (ROWS, whole.shape[-1])
+    np.testing.assert_allclose(got, whole[np.arange(ROWS), at], rtol=1e-5, atol=1e-5)
