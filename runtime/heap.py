@@ -1,17 +1,19 @@
-"""The C library's heap: the malloc settings a PyTorch process runs under, and freed heap given back.
+"""The C library's heap: freed heap given back, and a fixed mmap threshold (measured; no caller yet).
 
 The one module that calls glibc's malloc functions (through ctypes; musl, macOS and Windows have
 neither `mallopt` nor `malloc_trim`, and each call is then a no-op that says so).
 
-Why the settings (`steady_heap`): a keeping PyTorch stage's peak is the heap's high-water mark (freed
-activations stay resident), and with glibc's defaults it moved ~20% from one fresh interpreter to
-the next with nothing but Python's hash seed and the address layout changing: one SmolLM2 int4 LoRA
-stage of 12 layers, 319-392 MiB over ten runs (benchmarks/MEMORY_NOTES.md, helpers h26 and h34).
-glibc starts with a 128 KiB mmap threshold and raises it to the size of each mapped block that is
-freed (up to 32 MiB), so where in a run it rises, and so which later tensors land in the heap,
-depends on the order of allocations. A fixed threshold turns the rise off (glibc: any of the
-thresholds set by `mallopt` does): every block under it comes from the heap, every block over it is
-mapped and unmapped on free. Which threshold, and what it costs, is measured in MEMORY_NOTES.md.
+`steady_heap` (measured, not called yet): a keeping PyTorch stage's peak is the heap's high-water
+mark (freed activations stay resident), and with glibc's defaults it moves 11-16% from one fresh
+interpreter to the next with nothing but Python's hash seed and the address layout changing (one
+SmolLM2 int4 LoRA stage of 12 layers: 340-397 MiB; benchmarks/MEMORY_NOTES.md, helpers h26 and h34).
+glibc starts with a 128 KiB mmap threshold and raises it to the size of each mapped block freed (up
+to 32 MiB); a threshold set by `mallopt` is fixed (the rise off): every block under it comes from the
+heap, every block over it is mapped and unmapped on free. Fixed at 4 MiB (this default) and set
+where a torch worker imports its engine, the stage still spread 338-389 MiB and the profile's fresh
+keep line still charged 0.93-0.99x a keeping worker's peak, so nothing calls it; 1-2 MiB set at an
+interpreter's start measured ~2% at +6-26% CPU (the widened int4 weights mapped and faulted in
+afresh each step), not yet tried where a worker would set it.
 """
 from __future__ import annotations
 
@@ -21,11 +23,8 @@ import ctypes
 _M_MMAP_THRESHOLD = -3
 
 # A block of this size or more is mapped on its own and unmapped when freed; smaller ones come from
-# the heap. Measured on one keeping SmolLM2 int4 LoRA stage (12 layers, 2 in flight) in fresh
-# interpreters with random hash seeds (MEMORY_NOTES.md, helper h34): glibc's default spread its peak
-# ~11%; fixed at 4 MiB (a layer's activations, 0.3-0.8 MiB, and its widened int4 weights, up to
-# 3.4 MiB, from the heap as with the risen default) ~3% at the default's CPU; at 1 MiB ~2% but
-# ~1.2x the CPU (the widened weights mapped and faulted in afresh every step); 8 MiB 6%, 32 MiB 15%.
+# the heap: a SmolLM2 layer's activations (0.3-0.8 MiB) and its widened int4 weights (up to 3.4 MiB),
+# as under glibc's risen default, so the CPU a step is the default's (MEMORY_NOTES.md, helper h34).
 STEADY_MMAP_THRESHOLD_BYTES = 4 * 2 ** 20
 
 
@@ -38,10 +37,10 @@ def _libc():
 
 def steady_heap(mmap_threshold: int = STEADY_MMAP_THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold at `mmap_threshold` bytes (its dynamic rise off; the trim threshold
-    stays glibc's 128 KiB), for the rest of this process and the children it forks. Call it before a
-    PyTorch stage allocates its first activation: a worker and the profile's fresh children
-    (`runtime.profiling.fresh`) run under it alike, so a profile's keep line is measured as a worker
-    then runs. False where the C library has no `mallopt`."""
+    stays glibc's 128 KiB), for the rest of this process and the children it forks. Meant to be set
+    alike in a torch worker and the profile's fresh children (`runtime.profiling.fresh`) before their
+    first tensor, once a threshold is found that makes a keeping stage's peak repeat (the module's
+    docstring: 4 MiB does not). False where the C library has no `mallopt`."""
     libc = _libc()
     try:
         return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1

@@ -15,18 +15,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
-
-from runtime.heap import steady_heap
-
-# Before torch allocates anything: every process that runs a torch stage (a worker, the profile's
-# fresh children, which fork from a server that imports this module first, the profile itself, the
-# single-device trainer) under one fixed mmap threshold, so a keeping stage's peak repeats from run
-# to run and the profile's keep line is what a worker then peaks (runtime.heap, MEMORY_NOTES.md).
-steady_heap()
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torch.utils.checkpoint  # noqa: E402
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from ir.graph import Node, use_def
 from ir.precision import QuantizedTensor

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 # In a fresh process (the test process's heap and settings would blur it): a block three times the
@@ -47,10 +45,3 @@ def test_a_freed_large_block_goes_back_to_the_os_under_the_steady_heap():
     assert ok
     assert given > 0.9 * size, (given, size)
 
-
-def test_a_torch_process_runs_under_the_steady_heap():
-    """Importing the PyTorch engine (what a torch worker and the profile's fresh children do before their
-    first tensor) sets it."""
-    pytest.importorskip("torch")
-    given, size, ok = _given_back("import runtime.engines.pytorch; ok = True")
-    assert given > 0.9 * size, (given, size)
