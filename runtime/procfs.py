@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import resource
 
+from runtime.heap import release_free_heap  # noqa: F401 (glibc's calls live in runtime.heap; callers import it here)
+
 
 def _kib_field(path: str, key: str) -> int | None:
     try:
@@ -81,20 +83,6 @@ def device_state() -> dict:
     """What a worker reports with every answer, for the coordinator to re-plan before a device
     runs out: free memory and, where exposed, battery."""
     return {"mem_available_bytes": mem_available_bytes(), "battery_percent": battery_percent()}
-
-
-def release_free_heap() -> bool:
-    """Give the heap memory this process has freed back to the OS (glibc's `malloc_trim`): glibc
-    keeps freed memory mapped for reuse, so what an earlier phase freed (an evaluation's ONNX Runtime
-    sessions: 1.1 GB under SmolLM2's LoRA training) would still be resident under the next one's
-    peak. False where the C library has no `malloc_trim` (musl, macOS, Windows): nothing to do there."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return True
 
 
 def threads_cpu_s(name_prefix: str) -> float | None:
