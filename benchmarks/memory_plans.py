@@ -75,7 +75,8 @@ MODELS = {
 }
 # Further rows for the memory model (issue 31 target 3), each a model of MODELS (or "minilm") run another
 # way: name -> (model, overrides). Overrides: base_dtype ("int4", "float32"; None with full fine-tuning),
-# full (no LoRA), schedule, devices, budget (MiB: one for all, or one per device, which then is planned
+# full (no LoRA), schedule, update_every (backwards per update), devices,
+# budget (MiB: one for all, or one per device, which then is planned
 # as given), data ("entities" or "all-target": every position a target, the fused loss's worst case).
 CONFIGS = {
     "smollm2": ("smollm2", {}),
@@ -84,6 +85,11 @@ CONFIGS = {
     "smollm2-all-target": ("smollm2", {"data": "all-target"}),
     "smollm2-float32": ("smollm2", {"base_dtype": "float32"}),
     "smollm2-stash": ("smollm2", {"schedule": "1f1b-stash"}),
+    # 2bw keeps two weight versions: an update at most every `stages` backwards, dividing the 4 micro-batches,
+    # so 2 devices updating every 2 (256 MiB does not fit two stages: planned and run at their need)
+    "smollm2-2bw": ("smollm2", {"schedule": "2bw", "update_every": 2, "devices": 2}),
+    # full fine-tuning (no LoRA, a float32 base): 256 MiB does not fit, so planned and run at its need
+    "smollm2-full": ("smollm2", {"full": True}),
     # one device of each activation mode the planner picks by budget (keep, recompute, per block)
     "smollm2-modes": ("smollm2", {"budget": [1024, 448, 256], "base_dtype": "float32"}),
     "smollm2-recompute": ("smollm2", {"budget": 384}),  # room for one micro-batch's caches, not for more
@@ -92,6 +98,10 @@ CONFIGS = {
     "smollm2-torch": ("smollm2", {"engine": "torch", "budget": 320}),
     "smollm2-torch-roomy": ("smollm2", {"engine": "torch", "budget": 1024}),  # the same where keeping fits
     "smollm2-torch-float32": ("smollm2", {"engine": "torch", "budget": 320, "base_dtype": "float32"}),
+    "smollm2-torch-stash": ("smollm2", {"engine": "torch", "budget": 320, "schedule": "1f1b-stash"}),
+    "smollm2-torch-2bw": ("smollm2", {"engine": "torch", "budget": 320, "schedule": "2bw", "update_every": 2,
+                                       "devices": 2}),
+    "smollm2-torch-full": ("smollm2", {"engine": "torch", "full": True}),
     "minilm-full-2": ("minilm", {"full": True, "devices": 2, "budget": 128}),
     "minilm-full-3": ("minilm", {"full": True, "devices": 3, "budget": 96}),
 }
@@ -178,7 +188,8 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
                         attention=False, lora=lora)
     schedule = over.get("schedule", "1f1b-flush")
     # the plan knows its data (`plan --data`): an embedding table's AdamW state is charged for the rows it looks up
-    settings = PlanSettings(schedule, BATCH, SEQ, M, lora=lora, data=data, time_limit_s=60.0)
+    settings = PlanSettings(schedule, BATCH, SEQ, M, update_every=over.get("update_every", 1), lora=lora, data=data,
+                            time_limit_s=60.0)
     row = {"model": config, "devices": devices, "target_mib": target, "fits_target": True, "needs_mib": None,
            "schedule": schedule, "engine": engine}
     budget = target
