@@ -38,7 +38,7 @@ from runtime.transport.wire import Expected
 
 __all__ = ["BUNDLE_KIND", "REST", "BaseWeights", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire",
            "as_uint8", "wire_to_files", "send_bundle", "recv_bundle", "recv_bundle_files", "load_plan", "plan_base",
-           "split_weights", "rebuild_weights", "spool_weights", "file_bytes", "file_size"]
+           "split_weights", "rebuild_weights", "held_offer", "without_tensors", "weights_tensors", "spool_weights", "file_bytes", "file_size"]
 
 BUNDLE_KIND = "bundle"
 # Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
@@ -76,6 +76,30 @@ def split_weights(files: Mapping[str, bytes], base: BaseWeights) -> tuple[list[s
     weights = dict(data.tensors) if isinstance(data, HashedTensors) else decode_safetensors(data)
     local = sorted(n for n in weights if n in base.names)
     return local, encode_safetensors({n: v for n, v in weights.items() if n not in set(local)})
+
+
+def weights_tensors(data) -> dict[str, np.ndarray]:
+    """A bundle's weights file (its bytes, or its hashed tensors) as its tensors, no copy made."""
+    return dict(data.tensors) if isinstance(data, HashedTensors) else decode_safetensors(data, copy=False)
+
+
+def held_offer(data, trainable) -> dict[str, list]:
+    """What a setup offers a worker that may hold some of a bundle's weights from its last setup
+    (runtime.pipeline.held_weights): every tensor of the weights file that training does not
+    change (not in `trainable`), by name, as [dtype, shape]."""
+    from runtime.pipeline.held_weights import tensor_form
+
+    return {name: tensor_form(arr) for name, arr in weights_tensors(data).items() if name not in trainable}
+
+
+def without_tensors(data, names) -> bytes:
+    """The weights file `data` (bytes or hashed tensors) less the tensors `names`, as bytes; a
+    tensor mapped from the model file is given back once copied (`ir.mapped_pages`)."""
+    tensors = weights_tensors(data)
+    left = set(names)
+    rest = encode_safetensors({n: v for n, v in tensors.items() if n not in left})
+    drop_mapped_pages(tensors.values())
+    return rest
 
 
 def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequence[str]) -> HashedTensors:

@@ -1,0 +1,136 @@
+"""A recovery does not re-send what the survivors already hold (issue 32): a survivor keeps its last
+setup's weights file, the coordinator offers back the untrained tensors of its new bundle, and ships
+only the rest (runtime.pipeline.held_weights). Counted at the coordinator's transport: the weights
+bytes shipped to each survivor at the recovery are the moved blocks' share (its new stage's
+tensors less the frozen ones it held), and the run still equals single-device training; a kept
+file changed on disk is refused by the signed manifest's hash."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ir.bundle import WEIGHTS
+from jobs.train.pipeline import FaultPolicy, train_pipeline
+from runtime.engines.stage import stage_spec
+from runtime.pipeline.bundles import REST
+from runtime.pipeline.coordinator import PipelineConfig
+from runtime.pipeline.held_weights import HeldWeights
+from runtime.pipeline.inprocess import InProcessWorkers
+from runtime.pipeline.session import Session
+from runtime.transport.local import LocalTransport
+from ir.safetensors import encode_safetensors
+from support import single_device_training, synthetic_batch, tiny_lora_graph
+
+STEPS, LOST_AFTER = 4, 2
+
+
+@pytest.fixture(scope="module")
+def lora_graph(tiny_onnx):
+    return tiny_lora_graph(tiny_onnx["torchscript-17"])
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return [synthetic_batch(i) for i in range(STEPS + 1)]
+
+
+def _constants_of(graph, first: int, last: int) -> set[str]:
+    spec = stage_spec(graph, first, last)
+    return {i for node in spec.compute_nodes + spec.host_nodes for i in node.inputs if i in graph.constants}
+
+
+def _nbytes(graph, names) -> int:
+    return sum(int(np.asarray(graph.constants[n]).nbytes) for n in names)
+
+
+def _recovery(graph, batches, monkeypatch, state_on: str):
+    """Three in-process workers, the last lost after step LOST_AFTER: (result, weights-file bytes
+    the coordinator's transport sent each survivor's stage during `Session.recover`)."""
+    counting, sent = {"on": False}, {}
+    real_send = LocalTransport.send_tensor
+
+    def send_tensor(self, peer, kind, stage, microbatch, arr, *, name="", **kwargs):
+        if counting["on"] and kind == "bundle" and name in (WEIGHTS, REST):
+            sent[peer] = sent.get(peer, 0) + int(np.asarray(arr).nbytes)
+        return real_send(self, peer, kind, stage, microbatch, arr, name=name, **kwargs)
+
+    monkeypatch.setattr(LocalTransport, "send_tensor", send_tensor)
+    real_recover = Session.recover
+
+    def recover(self, *args, **kwargs):
+        counting["on"] = True
+        try:
+            return real_recover(self, *args, **kwargs)
+        finally:
+            counting["on"] = False
+
+    monkeypatch.setattr(Session, "recover", recover)
+    config = PipelineConfig(schedule="1f1b-flush", microbatches=2, optimizer="adamw", lr=1e-3, timeout_s=60)
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == LOST_AFTER:
+                workers.kill(2)
+
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, STEPS, transport=workers.coordinator,
+                                on_step=on_step, faults=FaultPolicy(snapshot_every=1, state_on=state_on))
+    return result, sent
+
+
+@pytest.mark.parametrize("state_on", ["coordinator", "peers"])
+def test_a_recovery_ships_a_survivor_only_the_weights_it_lacks(lora_graph, batches, monkeypatch, state_on):
+    """LoRA (the frozen base most of the bytes): after the loss, each survivor is sent its new
+    stage's trainable tensors and the frozen ones of blocks it did not hold, and nothing of the
+    frozen ones it held (before: its whole new bundle again). Losses and weights equal
+    single-device training's."""
+    graph = lora_graph
+    result, sent = _recovery(graph, batches, monkeypatch, state_on)
+    assert [e["event"] for e in result.events] == ["lost", "new_plan", "recovered"], result.events
+    (_, change), = result.replans
+    old, new = change.old_ranges, change.new_ranges
+    assert len(new) == 2 and set(sent) == {"stage0", "stage1"}, (new, sent)
+    trainable = set(graph.params)
+    for k, (first, last) in enumerate(new):
+        held = {n for n in _constants_of(graph, *old[k]) if n not in trainable}
+        wanted = _constants_of(graph, first, last)
+        lacking = _nbytes(graph, wanted - held)
+        whole = _nbytes(graph, wanted)
+        # the moved blocks' share, and a safetensors header (names, dtypes, offsets) at most
+        header = len(encode_safetensors({n: np.zeros(1, np.float32) for n in wanted}))
+        assert lacking <= sent[f"stage{k}"] <= lacking + header, (k, sent, lacking, whole)
+        if held & wanted:  # what it held was not sent again (the run before this change: `whole`)
+            assert sent[f"stage{k}"] < whole - _nbytes(graph, held & wanted) + header
+    assert any(_nbytes(graph, _constants_of(graph, *old[k]) & _constants_of(graph, *new[k]) - trainable) > 0
+               for k in range(2))  # the plan kept some frozen weights where they were
+    want_losses, want_weights = single_device_training(graph, batches, STEPS)
+    assert result.losses == want_losses
+    assert set(result.weights) == set(want_weights)
+    for name in want_weights:
+        np.testing.assert_array_equal(result.weights[name], want_weights[name], err_msg=name)
+
+
+def test_a_kept_file_changed_on_disk_fails_the_manifests_hash(tmp_path):
+    """What a worker reuses is checked, never trusted: tensors read back from a kept file that was
+    changed make weights whose SHA-256 differs from the untouched ones' (what the signed manifest
+    names), and a file gone is an error naming the tensor's file."""
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.ones(5, np.float32)
+    held = HeldWeights(tmp_path)
+    first = held.take(encode_safetensors({"a": a, "b": b}))
+    held.commit()
+    assert held.matching({"a": ("float32", (3, 4)), "b": ("float32", (4,))}) == ["a"]  # form checked too
+    good = held.take(encode_safetensors({"b": b}), ["a"])
+    assert good.sha256 == first.sha256  # the same file's hash, made from a kept part and a received one
+    held.discard()
+    (path,) = list(tmp_path.glob("confidant-held-*/*.safetensors"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # a bit of b, the last tensor
+    data[-5 - 4 * 5] ^= 1  # a bit of a (the byte before b's 20)
+    path.write_bytes(bytes(data))
+    changed = held.take(encode_safetensors({"b": b}), ["a"])
+    assert changed.sha256 != first.sha256
+    held.discard()
+    path.unlink()
+    with pytest.raises(OSError):
+        held.take(encode_safetensors({"b": b}), ["a"])
+    held.close()
+    assert not list(tmp_path.iterdir())
