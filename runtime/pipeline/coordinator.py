@@ -135,6 +135,9 @@ class Reconfiguration:
     sent_bytes: int
     idle: list[str]
     seconds: float
+    # weights the workers took from their own kept files instead of receiving them again
+    # (runtime.pipeline.held_weights): what the setup did not send
+    kept_bytes: int = 0
 
     @property
     def moved_bytes(self) -> int:
@@ -779,7 +782,7 @@ class Coordinator:
         self.setup_bundles(bundles, devices)
         return Reconfiguration([(p.first_block, p.last_block) for p in old],
                                [(p.first_block, p.last_block) for p in placements], moves, self.setup_bytes,
-                               list(self.idle), time.perf_counter() - start)
+                               list(self.idle), time.perf_counter() - start, self.held_bytes_reused)
 
     def abort(self, step: int, lost: WorkerLost) -> list[str]:
         """Stop step `step` on every surviving stage after `lost`: each drops what the step had in

@@ -99,8 +99,11 @@ def test_a_recovery_ships_a_survivor_only_the_weights_it_lacks(lora_graph, batch
         assert lacking <= sent[f"stage{k}"] <= lacking + header, (k, sent, lacking, whole)
         if held & wanted:  # what it held was not sent again (the run before this change: `whole`)
             assert sent[f"stage{k}"] < whole - _nbytes(graph, held & wanted) + header
-    assert any(_nbytes(graph, _constants_of(graph, *old[k]) & _constants_of(graph, *new[k]) - trainable) > 0
-               for k in range(2))  # the plan kept some frozen weights where they were
+    kept = sum(_nbytes(graph, _constants_of(graph, *old[k]) & _constants_of(graph, *new[k]) - trainable)
+               for k in range(2))
+    assert kept > 0  # the plan kept some frozen weights where they were
+    new_plan = next(e for e in result.events if e["event"] == "new_plan")
+    assert kept <= new_plan["kept_bytes"] == change.kept_bytes <= kept + 2 * header, (new_plan, kept)
     want_losses, want_weights = single_device_training(graph, batches, STEPS)
     assert result.losses == want_losses
     assert set(result.weights) == set(want_weights)
