@@ -6,10 +6,14 @@ tensors less the frozen ones it held), and the run still equals single-device tr
 file changed on disk is refused by the signed manifest's hash."""
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 
 from ir.bundle import WEIGHTS
+from jobs.common.workers import LocalWorkers
 from jobs.train.pipeline import FaultPolicy, train_pipeline
 from runtime.engines.stage import stage_spec
 from runtime.pipeline.bundles import REST
@@ -43,18 +47,18 @@ def _nbytes(graph, names) -> int:
     return sum(int(np.asarray(graph.constants[n]).nbytes) for n in names)
 
 
-def _recovery(graph, batches, monkeypatch, state_on: str):
-    """Three in-process workers, the last lost after step LOST_AFTER: (result, weights-file bytes
-    the coordinator's transport sent each survivor's stage during `Session.recover`)."""
+def _count_weights_sent(monkeypatch, transport_class) -> dict:
+    """Weights-file bytes the coordinator's `transport_class` sends each stage peer while
+    `Session.recover` runs (a bundle's weights.safetensors, or the part of it sent, `REST`)."""
     counting, sent = {"on": False}, {}
-    real_send = LocalTransport.send_tensor
+    real_send = transport_class.send_tensor
 
     def send_tensor(self, peer, kind, stage, microbatch, arr, *, name="", **kwargs):
         if counting["on"] and kind == "bundle" and name in (WEIGHTS, REST):
             sent[peer] = sent.get(peer, 0) + int(np.asarray(arr).nbytes)
         return real_send(self, peer, kind, stage, microbatch, arr, name=name, **kwargs)
 
-    monkeypatch.setattr(LocalTransport, "send_tensor", send_tensor)
+    monkeypatch.setattr(transport_class, "send_tensor", send_tensor)
     real_recover = Session.recover
 
     def recover(self, *args, **kwargs):
@@ -65,30 +69,24 @@ def _recovery(graph, batches, monkeypatch, state_on: str):
             counting["on"] = False
 
     monkeypatch.setattr(Session, "recover", recover)
-    config = PipelineConfig(schedule="1f1b-flush", microbatches=2, optimizer="adamw", lr=1e-3, timeout_s=60)
-    with InProcessWorkers(3, timeout_s=60) as workers:
-        def on_step(step, *_):
-            if step == LOST_AFTER:
-                workers.kill(2)
-
-        result = train_pipeline(graph, batches, 9, workers.addresses, config, STEPS, transport=workers.coordinator,
-                                on_step=on_step, faults=FaultPolicy(snapshot_every=1, state_on=state_on))
-    return result, sent
+    return sent
 
 
-@pytest.mark.parametrize("state_on", ["coordinator", "peers"])
-def test_a_recovery_ships_a_survivor_only_the_weights_it_lacks(lora_graph, batches, monkeypatch, state_on):
-    """LoRA (the frozen base most of the bytes): after the loss, each survivor is sent its new
-    stage's trainable tensors and the frozen ones of blocks it did not hold, and nothing of the
-    frozen ones it held (before: its whole new bundle again). Losses and weights equal
-    single-device training's."""
-    graph = lora_graph
-    result, sent = _recovery(graph, batches, monkeypatch, state_on)
+def _config() -> PipelineConfig:
+    return PipelineConfig(schedule="1f1b-flush", microbatches=2, optimizer="adamw", lr=1e-3, timeout_s=60)
+
+
+def _check_shipped_only_what_was_lacking(graph, batches, result, sent) -> None:
+    """Each survivor was sent its new stage's trainable tensors and the frozen ones of blocks it
+    did not hold, and nothing of the frozen ones it held (before this change: its whole new
+    bundle again); the new_plan event says what was kept; losses and weights equal single-device
+    training's."""
     assert [e["event"] for e in result.events] == ["lost", "new_plan", "recovered"], result.events
     (_, change), = result.replans
     old, new = change.old_ranges, change.new_ranges
     assert len(new) == 2 and set(sent) == {"stage0", "stage1"}, (new, sent)
     trainable = set(graph.params)
+    header = 0
     for k, (first, last) in enumerate(new):
         held = {n for n in _constants_of(graph, *old[k]) if n not in trainable}
         wanted = _constants_of(graph, first, last)
@@ -97,8 +95,6 @@ def test_a_recovery_ships_a_survivor_only_the_weights_it_lacks(lora_graph, batch
         # the moved blocks' share, and a safetensors header (names, dtypes, offsets) at most
         header = len(encode_safetensors({n: np.zeros(1, np.float32) for n in wanted}))
         assert lacking <= sent[f"stage{k}"] <= lacking + header, (k, sent, lacking, whole)
-        if held & wanted:  # what it held was not sent again (the run before this change: `whole`)
-            assert sent[f"stage{k}"] < whole - _nbytes(graph, held & wanted) + header
     kept = sum(_nbytes(graph, _constants_of(graph, *old[k]) & _constants_of(graph, *new[k]) - trainable)
                for k in range(2))
     assert kept > 0  # the plan kept some frozen weights where they were
@@ -109,6 +105,45 @@ def test_a_recovery_ships_a_survivor_only_the_weights_it_lacks(lora_graph, batch
     assert set(result.weights) == set(want_weights)
     for name in want_weights:
         np.testing.assert_array_equal(result.weights[name], want_weights[name], err_msg=name)
+
+
+@pytest.mark.parametrize("state_on", ["coordinator", "peers"])
+def test_a_recovery_ships_a_survivor_only_the_weights_it_lacks(lora_graph, batches, monkeypatch, state_on):
+    """LoRA (the frozen base most of the bytes), three in-process workers, the last lost after step
+    LOST_AFTER: the survivors are sent only what they lack."""
+    sent = _count_weights_sent(monkeypatch, LocalTransport)
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == LOST_AFTER:
+                workers.kill(2)
+
+        result = train_pipeline(lora_graph, batches, 9, workers.addresses, _config(), STEPS,
+                                transport=workers.coordinator, on_step=on_step,
+                                faults=FaultPolicy(snapshot_every=1, state_on=state_on))
+    _check_shipped_only_what_was_lacking(lora_graph, batches, result, sent)
+
+
+@pytest.mark.slow  # twin on threads: test_a_recovery_ships_a_survivor_only_the_weights_it_lacks
+def test_sigkill_a_worker_process_and_the_survivors_are_sent_only_what_they_lack(lora_graph, batches, monkeypatch):
+    """The same over worker processes and CURVE (the default policy: copies on the peers), the
+    last of three killed with SIGKILL after step LOST_AFTER."""
+    from runtime.transport.zeromq import ZmqTransport
+
+    sent = _count_weights_sent(monkeypatch, ZmqTransport)
+    workers = LocalWorkers.start(3, threads=1)
+
+    def on_step(step, *_):
+        if step == LOST_AFTER and workers.procs[2].poll() is None:
+            os.kill(workers.procs[2].pid, signal.SIGKILL)
+            workers.procs[2].wait(10)
+
+    try:
+        result = train_pipeline(lora_graph, batches, 9, workers.addresses, _config(), STEPS, keys=workers.keys,
+                                on_step=on_step, faults=FaultPolicy(snapshot_every=1, state_on="peers"))
+    finally:
+        codes = workers.wait(30.0)
+    assert codes[2] == -signal.SIGKILL and codes[:2] == [0, 0], codes
+    _check_shipped_only_what_was_lacking(lora_graph, batches, result, sent)
 
 
 def test_a_kept_file_changed_on_disk_fails_the_manifests_hash(tmp_path):
