@@ -327,7 +327,8 @@ class Worker:
         try:  # written out, kept, and read back tensor by tensor: never the file and its decoded copies at once
             files[WEIGHTS] = self.held.take(data, reused)
         except (OSError, ValueError) as exc:
-            raise BundleError(f"bundle {source}: {received}: {exc}") from None
+            own = f" (with {len(reused)} of its weights this worker's own, kept from its last setup)" if reused else ""
+            raise BundleError(f"bundle {source}: {received}{own}: {exc}") from None
         return files, held, reused
 
     def _need_stage(self, what: str) -> None:

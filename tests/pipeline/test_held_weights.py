@@ -6,6 +6,7 @@ tensors less the frozen ones it held), and the run still equals single-device tr
 file changed on disk is refused by the signed manifest's hash."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -17,7 +18,7 @@ from jobs.common.workers import LocalWorkers
 from jobs.train.pipeline import FaultPolicy, train_pipeline
 from runtime.engines.stage import stage_spec
 from runtime.pipeline.bundles import REST
-from runtime.pipeline.coordinator import PipelineConfig
+from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.held_weights import HeldWeights
 from runtime.pipeline.inprocess import InProcessWorkers
 from runtime.pipeline.session import Session
@@ -144,6 +145,36 @@ def test_sigkill_a_worker_process_and_the_survivors_are_sent_only_what_they_lack
         codes = workers.wait(30.0)
     assert codes[2] == -signal.SIGKILL and codes[:2] == [0, 0], codes
     _check_shipped_only_what_was_lacking(lora_graph, batches, result, sent)
+
+
+def _flip_first_bytes(path, names) -> None:
+    """Flip the first byte of each of the tensors `names` in the safetensors file at `path`."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8:8 + n]))
+    for name in names:
+        if name in header:
+            data[8 + n + header[name]["data_offsets"][0]] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_survivor_whose_kept_weights_changed_on_disk_refuses_its_new_bundle(lora_graph, batches):
+    """What a survivor reuses is checked against the signed manifest, not trusted: its kept file
+    changed on disk before the recovery (every frozen tensor's first byte flipped), the worker
+    refuses the new bundle (its weights' SHA-256 is not the manifest's), saying its own weights
+    were reused, and the run fails rather than training on them."""
+    with InProcessWorkers(3, timeout_s=60) as workers:
+        def on_step(step, *_):
+            if step == LOST_AFTER:
+                held = workers.workers[0].held
+                for path in {t.path for t in held._held.values()}:
+                    _flip_first_bytes(path, [n for n, t in held._held.items()
+                                             if n not in lora_graph.params and t.dtype.startswith("float")])
+                workers.kill(2)
+
+        with pytest.raises(WorkerFailed, match="kept from its last setup"):
+            train_pipeline(lora_graph, batches, 9, workers.addresses, _config(), STEPS,
+                           transport=workers.coordinator, on_step=on_step, faults=FaultPolicy(snapshot_every=1))
 
 
 def test_a_kept_file_changed_on_disk_fails_the_manifests_hash(tmp_path):
