@@ -123,7 +123,7 @@ def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequ
 
 
 def spool_weights(files: dict, source: str, check_signature: SignatureCheck | None = None,
-                  directory: str | Path | None = None) -> None:
+                  directory: str | Path | None = None, held=None, local: Sequence[str] = ()) -> None:
     """Replace the received weights file in `files` (its bytes, the only reference to them) by its
     tensors, by way of a file: the bytes are written out and let go, then each tensor is read
     straight into its own array and the file's SHA-256 streamed as it is read
@@ -131,15 +131,31 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
     decoded copies at once (a stage's weights twice: the setup's peak). `check_signature` is
     checked first (nothing of an untrusted bundle is parsed); a file that does not parse is
     left as its bytes, for `load_bundle`'s verification to name the fault as ever. The spool file
-    (under `directory`, default the system's temporary folder) is gone on return."""
-    if WEIGHTS not in files or isinstance(files[WEIGHTS], HashedTensors):
+    (under `directory`, default the system's temporary folder) is gone on return.
+
+    With `held` (a worker's `runtime.pipeline.held_weights.HeldWeights`) the file is written into it
+    instead and kept there for a later setup; `local` then names the tensors taken from what it
+    kept before, and the file received is `REST`, the weights less those."""
+    received = REST if local else WEIGHTS
+    if received not in files or isinstance(files[received], HashedTensors):
         return
     if check_signature is not None:
         from ir.bundle import check_bundle_signature
 
-        check_bundle_signature(wire_to_files({k: v for k, v in files.items() if k != WEIGHTS}), source,
+        check_bundle_signature(wire_to_files({k: v for k, v in files.items() if k != received}), source,
                                check_signature)
-    data = files.pop(WEIGHTS)
+    data = files.pop(received)
+    if held is not None:
+        path = held.new_file()
+        with open(path, "wb") as f:
+            f.write(data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
+        del data  # the only reference: let go before the weights are read back
+        try:
+            files[WEIGHTS] = held.take(path, local)
+        except (OSError, ValueError) as exc:
+            own = f" (with {len(local)} of its weights this worker's own, kept from its last setup)" if local else ""
+            raise BundleError(f"bundle {source}: {received}{own}: {exc}") from None
+        return
     with tempfile.TemporaryDirectory(prefix="confidant-weights-", dir=directory) as folder:
         path = Path(folder) / WEIGHTS
         with open(path, "wb") as f:

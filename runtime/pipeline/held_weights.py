@@ -78,7 +78,9 @@ class HeldWeights:
         self._pending: tuple[dict[str, HeldTensor], Path] | None = None
         self._count = 0
 
-    def _new_path(self) -> Path:
+    def new_file(self) -> Path:
+        """Where the next setup's received weights file is to be written (then `take`n)."""
+        self.discard()
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="confidant-held-", dir=self._parent))
         self._count += 1
@@ -89,19 +91,14 @@ class HeldWeights:
         return sorted(n for n, (dtype, shape) in offer.items()
                       if n in self._held and (self._held[n].dtype, self._held[n].shape) == (dtype, shape))
 
-    def take(self, received, local: Sequence[str] = ()) -> HashedTensors | bytes:
-        """A setup's weights: the received file `received` (bytes, or a received 1-D uint8 array,
-        its only reference handed over) written to a new kept file, and the tensors `local` read
+    def take(self, path: Path, local: Sequence[str] = ()) -> HashedTensors | bytes:
+        """A setup's weights: the received file written at `path` (`new_file`; the caller let its
+        bytes go first, so a stage's weights are never held twice), and the tensors `local` read
         from the files kept before; with the SHA-256 of the weights file they make (hashed as
         the file is read when nothing is held; tensor by tensor otherwise). A received whole file
         that does not parse comes back as its bytes (the bundle's verification names the fault,
         as ever); ValueError when a partial one does not parse, names a tensor of `local`, or a
         kept file lost one. The new index waits for `commit` (the caller's verification first)."""
-        self.discard()
-        path = self._new_path()
-        with open(path, "wb") as f:
-            f.write(received)
-        del received
         try:
             if not local:
                 try:

@@ -288,8 +288,8 @@ class Worker:
         may offer to leave out the weights a base file holds (with a file of that hash this worker
         takes them from it, runtime.pipeline.bundles), or the tensors this worker kept from its
         last setup (`held`: name -> [dtype, shape]; runtime.pipeline.held_weights)."""
-        from ir.bundle import WEIGHTS, BundleError, check_bundle_signature
-        from runtime.pipeline.bundles import REST, rebuild_weights, recv_bundle_files, wire_to_files
+        from ir.bundle import WEIGHTS
+        from runtime.pipeline.bundles import REST, rebuild_weights, recv_bundle_files, spool_weights, wire_to_files
 
         names, held, local, reused = list(msg["bundle_files"]), None, [], []
         if "base" in msg:
@@ -314,21 +314,11 @@ class Worker:
                 raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
             files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local)
             return files, held, reused
-        received = REST if reused else WEIGHTS
-        if received not in files:
-            if reused:
-                raise ValueError(f"bundle {source}: {REST} did not come, though this worker took its own weights")
-            return files, held, reused  # the bundle's verification names what is missing
-        if check is not None:  # nothing of an untrusted bundle is parsed
-            check_bundle_signature(wire_to_files({k: v for k, v in files.items() if k != received}), source, check)
-        data = files.pop(received)
-        if not isinstance(data, (bytes, bytearray)):
-            data = memoryview(np.ascontiguousarray(data))
-        try:  # written out, kept, and read back tensor by tensor: never the file and its decoded copies at once
-            files[WEIGHTS] = self.held.take(data, reused)
-        except (OSError, ValueError) as exc:
-            own = f" (with {len(reused)} of its weights this worker's own, kept from its last setup)" if reused else ""
-            raise BundleError(f"bundle {source}: {received}{own}: {exc}") from None
+        if reused and REST not in files:
+            raise ValueError(f"bundle {source}: {REST} did not come, though this worker took its own weights")
+        # written out, kept for the next setup, and read back tensor by tensor: never the received
+        # file and its decoded copies at once; the signature checked before any of it is parsed
+        spool_weights(files, source, check, held=self.held, local=reused)
         return files, held, reused
 
     def _need_stage(self, what: str) -> None:

@@ -177,6 +177,12 @@ def test_a_survivor_whose_kept_weights_changed_on_disk_refuses_its_new_bundle(lo
                            transport=workers.coordinator, on_step=on_step, faults=FaultPolicy(snapshot_every=1))
 
 
+def _written(held: HeldWeights, tensors):
+    path = held.new_file()
+    path.write_bytes(encode_safetensors(tensors))
+    return path
+
+
 def test_a_kept_file_changed_on_disk_fails_the_manifests_hash(tmp_path):
     """What a worker reuses is checked, never trusted: tensors read back from a kept file that was
     changed make weights whose SHA-256 differs from the untouched ones' (what the signed manifest
@@ -184,10 +190,10 @@ def test_a_kept_file_changed_on_disk_fails_the_manifests_hash(tmp_path):
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     b = np.ones(5, np.float32)
     held = HeldWeights(tmp_path)
-    first = held.take(encode_safetensors({"a": a, "b": b}))
+    first = held.take(_written(held, {"a": a, "b": b}))
     held.commit()
     assert held.matching({"a": ("float32", (3, 4)), "b": ("float32", (4,))}) == ["a"]  # form checked too
-    good = held.take(encode_safetensors({"b": b}), ["a"])
+    good = held.take(_written(held, {"b": b}), ["a"])
     assert good.sha256 == first.sha256  # the same file's hash, made from a kept part and a received one
     held.discard()
     (path,) = list(tmp_path.glob("confidant-held-*/*.safetensors"))
@@ -195,11 +201,11 @@ def test_a_kept_file_changed_on_disk_fails_the_manifests_hash(tmp_path):
     data[-1] ^= 1  # a bit of b, the last tensor
     data[-5 - 4 * 5] ^= 1  # a bit of a (the byte before b's 20)
     path.write_bytes(bytes(data))
-    changed = held.take(encode_safetensors({"b": b}), ["a"])
+    changed = held.take(_written(held, {"b": b}), ["a"])
     assert changed.sha256 != first.sha256
     held.discard()
     path.unlink()
     with pytest.raises(OSError):
-        held.take(encode_safetensors({"b": b}), ["a"])
+        held.take(_written(held, {"b": b}), ["a"])
     held.close()
     assert not list(tmp_path.iterdir())
