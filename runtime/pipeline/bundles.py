@@ -146,12 +146,11 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
                                check_signature)
     data = files.pop(received)
     if held is not None:
-        path = held.new_file()
-        with open(path, "wb") as f:
-            f.write(data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
+        kept = held.new_file()
+        held.write(kept, data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
         del data  # the only reference: let go before the weights are read back
         try:
-            files[WEIGHTS] = held.take(path, local)
+            files[WEIGHTS] = held.take(kept, local)
         except (OSError, ValueError) as exc:
             own = f" (with {len(local)} of its weights this worker's own, kept from its last setup)" if local else ""
             raise BundleError(f"bundle {source}: {received}{own}: {exc}") from None

@@ -17,17 +17,18 @@ is computed tensor by tensor (`ir.safetensors.hash_tensors`) and must be what th
 says (`ir.bundle.verify_bundle_files`), so a held file changed on disk is refused like a damaged
 bundle.
 
-What is kept: one stage's weights on the worker's disk for the run (a recovery's new stage may
-span a kept file and a received one; a file no tensor of the stage names any more is deleted at
-the setup's `commit`). Memory: as before, each tensor read from a file into its own array once.
+What is kept: one stage's weights on the worker's disk for the run, in unlinked temporary files
+(as the snapshot copies are, `runtime.pipeline.snapshots.SpooledCopy`: the kernel frees them with the
+process, a SIGKILLed worker included); a recovery's new stage may span a kept file and a received
+one, and a file no tensor of the stage lies in any more is closed at the setup's `commit`. Memory:
+as before, each tensor read from a file into its own array once.
 """
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import BinaryIO, Mapping, Sequence
 
 import numpy as np
 
@@ -41,7 +42,7 @@ MAX_OFFERED = 1 << 16
 class HeldTensor:
     """Where a tensor a worker holds lies: its file, dtype and shape (as a setup offers them)."""
 
-    path: Path
+    file: BinaryIO
     dtype: str
     shape: tuple[int, ...]
 
@@ -68,110 +69,113 @@ def check_offer(offer) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 class HeldWeights:
-    """The weights files of a worker's last setup, kept on its disk (under `directory`, default the
-    system's temporary folder, in a folder of its own removed by `close`)."""
+    """The weights files of a worker's last setup, kept on its disk as unlinked temporary files
+    (under `directory`, default the system's temporary folder)."""
 
     def __init__(self, directory: str | Path | None = None):
         self._parent = directory
-        self._folder: Path | None = None
         self._held: dict[str, HeldTensor] = {}
-        self._pending: tuple[dict[str, HeldTensor], Path] | None = None
-        self._count = 0
+        self._pending: tuple[dict[str, HeldTensor], BinaryIO] | None = None
 
-    def new_file(self) -> Path:
-        """Where the next setup's received weights file is to be written (then `take`n)."""
+    def new_file(self) -> BinaryIO:
+        """An empty file (unlinked) for the next setup's received weights, to be written then `take`n."""
         self.discard()
-        if self._folder is None:
-            self._folder = Path(tempfile.mkdtemp(prefix="confidant-held-", dir=self._parent))
-        self._count += 1
-        return self._folder / f"weights-{self._count}.safetensors"
+        # unbuffered: what is read back is what the file holds (no buffer of it in this process)
+        return tempfile.TemporaryFile(prefix="confidant-held-", dir=self._parent, buffering=0)
 
     def matching(self, offer: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[str]:
         """The offered names this worker holds in the offered form (dtype and shape), sorted."""
         return sorted(n for n, (dtype, shape) in offer.items()
                       if n in self._held and (self._held[n].dtype, self._held[n].shape) == (dtype, shape))
 
-    def take(self, path: Path, local: Sequence[str] = ()) -> HashedTensors | bytes:
-        """A setup's weights: the received file written at `path` (`new_file`; the caller let its
+    @staticmethod
+    def write(file: BinaryIO, data) -> None:
+        """All of `data` (bytes, or a 1-D uint8 array) into `file`, unbuffered writes resumed where
+        the system cut them short."""
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += file.write(view[done:])
+
+    def take(self, file: BinaryIO, local: Sequence[str] = ()) -> HashedTensors | bytes:
+        """A setup's weights: the received file written to `file` (`new_file`; the caller let its
         bytes go first, so a stage's weights are never held twice), and the tensors `local` read
         from the files kept before; with the SHA-256 of the weights file they make (hashed as
         the file is read when nothing is held; tensor by tensor otherwise). A received whole file
         that does not parse comes back as its bytes (the bundle's verification names the fault,
         as ever); ValueError when a partial one does not parse, names a tensor of `local`, or a
-        kept file lost one. The new index waits for `commit` (the caller's verification first)."""
+        kept file cannot be read. The new index waits for `commit` (the caller's verification first)."""
         try:
             if not local:
                 try:
-                    weights = read_safetensors_hashed(path)
+                    weights = read_safetensors_hashed(file)
                 except ValueError:  # left as its bytes, for the bundle's verification to name the fault
-                    data = path.read_bytes()
-                    path.unlink(missing_ok=True)
+                    file.seek(0)
+                    data = file.read()
+                    file.close()
                     return data
             else:
-                fresh = read_safetensors_hashed(path).tensors
+                fresh = read_safetensors_hashed(file).tensors
                 both = sorted(set(fresh) & set(local))
                 if both:
                     raise ValueError(f"the received weights hold {both[0]!r}, which this worker was to take from "
                                      f"its own")
                 tensors = dict(fresh)
                 del fresh
-                for file, names in self._by_file(local).items():
-                    tensors.update(load_safetensors_subset(file, names))
+                for kept, names in self._by_file(local).values():
+                    tensors.update(load_safetensors_subset(kept, names))
                 weights = hash_tensors(tensors)
                 del tensors
         except (OSError, ValueError):
-            path.unlink(missing_ok=True)
+            file.close()
             raise
         where = {name: self._held[name] for name in local}
         for name, arr in weights.tensors.items():
             if name not in where:
                 dtype, shape = tensor_form(arr)
-                where[name] = HeldTensor(path, dtype, tuple(shape))
-        self._pending = (where, path)
+                where[name] = HeldTensor(file, dtype, tuple(shape))
+        self._pending = (where, file)
         return weights
 
-    def _by_file(self, names: Sequence[str]) -> dict[Path, list[str]]:
-        out: dict[Path, list[str]] = {}
+    def _by_file(self, names: Sequence[str]) -> dict[int, tuple[BinaryIO, list[str]]]:
+        out: dict[int, tuple[BinaryIO, list[str]]] = {}
         for name in names:
             if name not in self._held:
                 raise ValueError(f"this worker holds no tensor {name!r}")
-            out.setdefault(self._held[name].path, []).append(name)
+            file = self._held[name].file
+            out.setdefault(id(file), (file, []))[1].append(name)
         return out
+
+    def _files(self, held: Mapping[str, HeldTensor]) -> dict[int, BinaryIO]:
+        return {id(t.file): t.file for t in held.values()}
 
     def commit(self) -> None:
         """The setup `take` served was verified: its weights are what this worker holds now; kept
-        files none of them lie in are deleted."""
+        files none of them lie in are closed (and so freed)."""
         if self._pending is None:
             return
+        old = self._files(self._held)
         self._held, _ = self._pending
         self._pending = None
-        used = {t.path for t in self._held.values()}
-        for path in sorted(self._folder.iterdir()) if self._folder is not None else ():
-            if path not in used:
-                path.unlink(missing_ok=True)
+        used = self._files(self._held)
+        for key, file in old.items():
+            if key not in used:
+                file.close()
 
     def discard(self) -> None:
-        """Forget a `take` that was not committed (its setup failed): its new file is deleted."""
+        """Forget a `take` that was not committed (its setup failed): its new file is closed."""
         if self._pending is not None:
-            _, path = self._pending
+            _, file = self._pending
             self._pending = None
-            if path not in {t.path for t in self._held.values()}:
-                path.unlink(missing_ok=True)
+            if id(file) not in self._files(self._held):
+                file.close()
 
     def forget(self) -> None:
-        """Hold nothing (a setup whose weights came another way, from a base file): every kept file
-        deleted."""
+        """Hold nothing (a setup whose weights came another way, from a base file; a coordinator lost)."""
         self.discard()
+        for file in self._files(self._held).values():
+            file.close()
         self._held = {}
-        if self._folder is not None:
-            for path in self._folder.iterdir():
-                path.unlink(missing_ok=True)
-
-    def held_bytes(self) -> int:
-        return sum(path.stat().st_size for path in {t.path for t in self._held.values()} if path.exists())
 
     def close(self) -> None:
-        self._pending, self._held = None, {}
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
+        self.forget()
