@@ -7,9 +7,11 @@ numpy, as DESIGN.md requires); tests check it against the `safetensors` package 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,16 +238,33 @@ def _read_array(f, name: str, np_dtype: np.dtype, shape: tuple[int, ...], digest
     return arr
 
 
+def _source(source) -> tuple[object, str]:
+    """A path, or an open binary file (read from its start; left open), and how errors name it."""
+    if hasattr(source, "read"):
+        return source, str(getattr(source, "name", "<file>"))
+    return Path(source), str(Path(source))
+
+
+@contextlib.contextmanager
+def _opened(source):
+    if hasattr(source, "read"):
+        source.seek(0)
+        yield source
+    else:
+        with open(source, "rb") as f:
+            yield f
+
+
 def read_safetensors_hashed(path: str | Path) -> HashedTensors:
     """Every tensor of a safetensors file, each read straight from the file into its own array,
     with the SHA-256 of the file's bytes streamed as they are read: a stage's weights are held
     once, never as the file's bytes and their decoded copies together (a bundle's weights file can
     be hundreds of MB on a device with little more). ValueError names the file and what is wrong
     (checked as `decode_safetensors` checks)."""
-    path = Path(path)
+    path, label = _source(path)
     try:
-        with open(path, "rb") as f:
-            total = path.stat().st_size
+        with _opened(path) as f:
+            total = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             n = _header_length(prefix, total)
             header = f.read(n)
@@ -257,17 +276,17 @@ def read_safetensors_hashed(path: str | Path) -> HashedTensors:
                 raise ValueError("the file grew while it was read")
             return HashedTensors(tensors, digest.hexdigest(), total)
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{label}: {exc}") from None
 
 
 def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
     """The tensors `names` of a safetensors file, reading only their bytes (a base model's file
     can be far larger than what one stage needs). ValueError names the file and what is wrong,
     a name it lacks included."""
-    path = Path(path)
+    path, label = _source(path)
     try:
-        with open(path, "rb") as f:
-            total = path.stat().st_size
+        with _opened(path) as f:
+            total = os.fstat(f.fileno()).st_size
             n = _header_length(f.read(8), total)
             where = {name: (begin, stop, dt, shape) for begin, stop, name, dt, shape in _spans(f.read(n), total - 8 - n)}
             missing = sorted(set(names) - set(where))
@@ -281,7 +300,7 @@ def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
                 out[name] = _read_array(f, name, np_dtype, shape)
             return out
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{label}: {exc}") from None
 
 
 _FLOAT_CODES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16: its bit patterns

@@ -27,7 +27,9 @@ entity task's JSON scores (valid_json, precision, recall, f1) when the answers a
 null where a command does not count tokens; `events` lists failures and recoveries as they happen
 (empty when none), each {"event", "at" (time.time()), ...}: "lost" {step, stage, device, address,
 detected_after_s, reason}, "new_plan" {step, cause ("lost" | "measured" | "memory_low" | "battery_low"),
-old_ranges, ranges, devices, plan, seconds; `left`: the devices moved off when running low},
+old_ranges, ranges, devices, plan, seconds, sent_bytes (bundles and optimizer state sent to set the new
+stages up), kept_bytes (weights the workers took from what they held instead); `left`: the devices moved
+off when running low},
 "recovered" {step, seconds (from detection to that step done), steps_replayed, ranges, devices},
 "checkpoint" {step, directory}, "memory_low" {step, device, mem_available_bytes}, "battery_low" {step,
 device, battery_percent}, "stayed" {step, devices, cause, reason: running low but nowhere to move}

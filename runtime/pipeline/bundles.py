@@ -38,7 +38,7 @@ from runtime.transport.wire import Expected
 
 __all__ = ["BUNDLE_KIND", "REST", "BaseWeights", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire",
            "as_uint8", "wire_to_files", "send_bundle", "recv_bundle", "recv_bundle_files", "load_plan", "plan_base",
-           "split_weights", "rebuild_weights", "spool_weights", "file_bytes", "file_size"]
+           "split_weights", "rebuild_weights", "held_offer", "without_tensors", "weights_tensors", "spool_weights", "file_bytes", "file_size"]
 
 BUNDLE_KIND = "bundle"
 # Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
@@ -78,6 +78,30 @@ def split_weights(files: Mapping[str, bytes], base: BaseWeights) -> tuple[list[s
     return local, encode_safetensors({n: v for n, v in weights.items() if n not in set(local)})
 
 
+def weights_tensors(data) -> dict[str, np.ndarray]:
+    """A bundle's weights file (its bytes, or its hashed tensors) as its tensors, no copy made."""
+    return dict(data.tensors) if isinstance(data, HashedTensors) else decode_safetensors(data, copy=False)
+
+
+def held_offer(data, trainable) -> dict[str, list]:
+    """What a setup offers a worker that may hold some of a bundle's weights from its last setup
+    (runtime.pipeline.held_weights): every tensor of the weights file that training does not
+    change (not in `trainable`), by name, as [dtype, shape]."""
+    from runtime.pipeline.held_weights import tensor_form
+
+    return {name: tensor_form(arr) for name, arr in weights_tensors(data).items() if name not in trainable}
+
+
+def without_tensors(data, names) -> bytes:
+    """The weights file `data` (bytes or hashed tensors) less the tensors `names`, as bytes; a
+    tensor mapped from the model file is given back once copied (`ir.mapped_pages`)."""
+    tensors = weights_tensors(data)
+    left = set(names)
+    rest = encode_safetensors({n: v for n, v in tensors.items() if n not in left})
+    drop_mapped_pages(tensors.values())
+    return rest
+
+
 def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequence[str]) -> HashedTensors:
     """weights.safetensors's tensors from `rest` and the tensors `local` read from the base file,
     with the SHA-256 of the file they make, hashed tensor by tensor (`ir.safetensors.hash_tensors`):
@@ -99,7 +123,7 @@ def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequ
 
 
 def spool_weights(files: dict, source: str, check_signature: SignatureCheck | None = None,
-                  directory: str | Path | None = None) -> None:
+                  directory: str | Path | None = None, held=None, local: Sequence[str] = ()) -> None:
     """Replace the received weights file in `files` (its bytes, the only reference to them) by its
     tensors, by way of a file: the bytes are written out and let go, then each tensor is read
     straight into its own array and the file's SHA-256 streamed as it is read
@@ -107,15 +131,30 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
     decoded copies at once (a stage's weights twice: the setup's peak). `check_signature` is
     checked first (nothing of an untrusted bundle is parsed); a file that does not parse is
     left as its bytes, for `load_bundle`'s verification to name the fault as ever. The spool file
-    (under `directory`, default the system's temporary folder) is gone on return."""
-    if WEIGHTS not in files or isinstance(files[WEIGHTS], HashedTensors):
+    (under `directory`, default the system's temporary folder) is gone on return.
+
+    With `held` (a worker's `runtime.pipeline.held_weights.HeldWeights`) the file is written into it
+    instead and kept there for a later setup; `local` then names the tensors taken from what it
+    kept before, and the file received is `REST`, the weights less those."""
+    received = REST if local else WEIGHTS
+    if received not in files or isinstance(files[received], HashedTensors):
         return
     if check_signature is not None:
         from ir.bundle import check_bundle_signature
 
-        check_bundle_signature(wire_to_files({k: v for k, v in files.items() if k != WEIGHTS}), source,
+        check_bundle_signature(wire_to_files({k: v for k, v in files.items() if k != received}), source,
                                check_signature)
-    data = files.pop(WEIGHTS)
+    data = files.pop(received)
+    if held is not None:
+        kept = held.new_file()
+        held.write(kept, data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
+        del data  # the only reference: let go before the weights are read back
+        try:
+            files[WEIGHTS] = held.take(kept, local)
+        except (OSError, ValueError) as exc:
+            own = f" (with {len(local)} of its weights this worker's own, kept from its last setup)" if local else ""
+            raise BundleError(f"bundle {source}: {received}{own}: {exc}") from None
+        return
     with tempfile.TemporaryDirectory(prefix="confidant-weights-", dir=directory) as folder:
         path = Path(folder) / WEIGHTS
         with open(path, "wb") as f:

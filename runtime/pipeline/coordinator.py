@@ -135,6 +135,9 @@ class Reconfiguration:
     sent_bytes: int
     idle: list[str]
     seconds: float
+    # weights the workers took from their own kept files instead of receiving them again
+    # (runtime.pipeline.held_weights): what the setup did not send
+    kept_bytes: int = 0
 
     @property
     def moved_bytes(self) -> int:
@@ -181,6 +184,11 @@ class Coordinator:
         self.setup_bytes = 0
         self.base_bytes_held = 0
         self.eval_done: list[dict] = []  # each stage's answer to the last evaluation pass (`forward_only`)
+        # bytes of weights files the workers took from their own kept weights at the last setup
+        # (runtime.pipeline.held_weights) instead of receiving them, and the workers that may hold
+        # some: those this coordinator set up before
+        self.held_bytes_reused = 0
+        self._set_up: set[str] = set()
         # workers that hold no stage (left out by a re-plan, or spares): nameless, stopped with the rest
         self.idle: list[str] = list(spares)
         self._connected: dict[str, str] = {}   # this side's peer name -> worker address, one per worker
@@ -417,26 +425,45 @@ class Coordinator:
         Files given in memory are let go once sent (each mapping emptied): the coordinator does not
         hold a model's worth of bundle bytes for the run (a recovery reads a plan folder again)."""
         from ir.bundle import WEIGHTS
-        from runtime.pipeline.bundles import REST, bundle_to_wire, file_size, send_bundle, split_weights
+        from runtime.pipeline.bundles import (REST, bundle_to_wire, file_size, held_offer, send_bundle, split_weights,
+                                              without_tensors)
 
         self._connect_workers()
         self.setup_bytes = 0  # bundle files and optimizer state sent by this setup
         self.base_bytes_held = 0  # frozen weights the workers took from their own base files instead
+        self.held_bytes_reused = 0  # weights the workers took from their own kept files instead
+        trainable = {name for b in self._blocks for name in b.params}
         for p, directory, device in zip(self.placements, bundle_dirs, devices):
             peer = stage_peer(p.stage)
             files = bundle_to_wire(directory)
             local, rest = split_weights(files, self.base) if self.base is not None else ([], b"")
+            # a worker set up before may hold the untrained tensors of its new bundle: offered, not sent
+            offer = held_offer(files[WEIGHTS], trainable) if not local and p.address in self._set_up else {}
             opt_state = self.optimizer_state.get(p.stage, {})
             self.transport.send_control(peer, {
                 "type": "setup_bundle", "stage": p.stage, "device": device, "peers": self._neighbours(p),
                 **self._peer_keys(p), "bundle_files": list(files), "optimizer_state": list(opt_state),
-                **self._tied_of(p.stage), **({"base": {"sha256": self.base.sha256, "names": local}} if local else {})})
+                **self._tied_of(p.stage), **({"base": {"sha256": self.base.sha256, "names": local}} if local else {}),
+                **({"held": offer} if offer else {})})
             if local and self._await_control(peer, "bundle_wants").get("base") is True:
                 self.base_bytes_held += file_size(files[WEIGHTS]) - len(rest)
                 files = {(REST if name == WEIGHTS else name): (rest if name == WEIGHTS else data)
                          for name, data in files.items()}
+            elif offer:
+                taken = self._await_control(peer, "bundle_wants").get("held")
+                if not (isinstance(taken, list) and all(isinstance(n, str) and n in offer for n in taken)):
+                    raise ValueError(f"stage {p.stage}'s worker answered the offer of its own weights with {taken!r:.80}, "
+                                     f"not a list of the names offered")
+                if taken:
+                    rest = without_tensors(files[WEIGHTS], taken)
+                    self.held_bytes_reused += file_size(files[WEIGHTS]) - len(rest)
+                    files = {(REST if name == WEIGHTS else name): (rest if name == WEIGHTS else data)
+                             for name, data in files.items()}
             send_bundle(self.transport, peer, files)
+            if REST in files:  # bytes put together here: let go before the next stage's are
+                self.transport.wait_sent(peer)
             self.setup_bytes += sum(file_size(data) for data in files.values())
+            self._set_up.add(p.address)
             del files, rest
             if isinstance(directory, dict):  # shipped: every holder of these bytes lets them go
                 directory.clear()
@@ -796,7 +823,7 @@ class Coordinator:
         self.setup_bundles(bundles, devices)
         return Reconfiguration([(p.first_block, p.last_block) for p in old],
                                [(p.first_block, p.last_block) for p in placements], moves, self.setup_bytes,
-                               list(self.idle), time.perf_counter() - start)
+                               list(self.idle), time.perf_counter() - start, self.held_bytes_reused)
 
     def abort(self, step: int, lost: WorkerLost) -> list[str]:
         """Stop step `step` on every surviving stage after `lost`: each drops what the step had in

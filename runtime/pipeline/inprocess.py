@@ -95,6 +95,7 @@ class InProcessWorkers:
             try:
                 worker.reset()  # a head-split engine's backend processes
             finally:
+                worker.held.close()
                 worker.transport.close()
 
     def join(self, timeout_s: float = 30.0) -> list[int]:

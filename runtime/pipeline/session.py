@@ -501,7 +501,8 @@ class Session:
         self.result.replans.append((snap.step, reconf))
         self.event("new_plan", step=snap.step, cause=cause, **fields, old_ranges=[list(r) for r in old_ranges],
                    ranges=[list(r) for r in self.result.ranges], devices=self._devices(),
-                   plan=None if plan.directory is None else str(plan.directory), seconds=reconf.seconds)
+                   plan=None if plan.directory is None else str(plan.directory), seconds=reconf.seconds,
+                   sent_bytes=reconf.sent_bytes, kept_bytes=reconf.kept_bytes)
         # the held state is the same, the stages are new: a checkpoint or a later recovery needs theirs
         if self.held is not None:
             self.held.reset()
@@ -824,7 +825,7 @@ class Session:
                 self.result.replans.append((s, reconf))
                 self.event("new_plan", step=s, cause="measured", old_ranges=[list(r) for r in reconf.old_ranges],
                            ranges=[list(r) for r in reconf.new_ranges], devices=self._devices(),
-                           seconds=reconf.seconds)
+                           seconds=reconf.seconds, sent_bytes=reconf.sent_bytes, kept_bytes=reconf.kept_bytes)
                 schedule = new_schedule
                 if self.held is not None:  # the new stages hold no copy yet: one of the state they start from
                     self.held.reset()

@@ -84,6 +84,7 @@ from runtime.engines.factory import make_engine
 from runtime.pipeline.snapshots import (FETCH_WINDOW_BYTES, StateCopies, WindowEntry, row_shapes, send_window,
                                          state_tensors)
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
+from runtime.pipeline.held_weights import HeldWeights, check_offer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
 from runtime.procfs import device_state, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -116,6 +117,9 @@ class Worker:
         self.trusted = trusted
         # base weights files this device holds (`--base FILE`): SHA-256 -> path
         self.base_files = dict(base_files or {})
+        # the weights file of the last setup, kept on disk: a later setup (a recovery's) takes the
+        # tensors of it the coordinator offers instead of receiving them again (runtime.pipeline.held_weights)
+        self.held = HeldWeights()
         self.stage: int | None = None
         self.executor: StageExecutor | None = None
         # the bundle's program: (one-step actions, steady-state actions or None, drain position, micro-batches)
@@ -230,7 +234,7 @@ class Worker:
         """Set up from a plan bundle: verify every file against its manifest before using any of it;
         the stage, graph slice, weights, actions and optimizer all come from the bundle."""
         from ir.bundle import BundleError
-        from runtime.pipeline.bundles import load_bundle, spool_weights
+        from runtime.pipeline.bundles import load_bundle
 
         self._take_stage(int(msg["stage"]))
         self._meet_peers(msg["peers"], msg.get("peer_keys"))
@@ -240,16 +244,23 @@ class Worker:
 
             check = verifier(self.trusted)
         source = f"{msg.get('device', 'bundle')} (from the coordinator)"
-        files, held = self._receive_bundle(msg, source)
-        if held is None:  # read back tensor by tensor: never the received file and its decoded copies at once
-            spool_weights(files, source, check)
+        files, held, reused = self._receive_bundle(msg, source, check)
         try:
             contents = load_bundle(files, source, check)
         except BundleError as exc:
-            if held is None:
-                raise
-            raise BundleError(f"{exc} (its frozen weights were read from the base file {held}, taken for the "
-                              f"plan's by its hash when this worker started: was it changed since?)") from None
+            self.held.discard()
+            if held is not None:
+                raise BundleError(f"{exc} (its frozen weights were read from the base file {held}, taken for the "
+                                  f"plan's by its hash when this worker started: was it changed since?)") from None
+            if reused:
+                raise BundleError(f"{exc} ({len(reused)} of its weights were this worker's own, kept from its last "
+                                  f"setup and offered back by the coordinator: was the kept file changed since?)") \
+                    from None
+            raise
+        if held is not None:  # its frozen weights lie in the base file: nothing of this setup's is kept
+            self.held.forget()
+        else:
+            self.held.commit()
         # the received (or rebuilt) weights file: decoded into the graph by now, and one more copy of
         # every weight while the engine is built if kept
         del files
@@ -276,14 +287,17 @@ class Worker:
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device,
                                                   **device_state()})
 
-    def _receive_bundle(self, msg: dict, source: str):
-        """The setup's bundle files, unverified, and the base file its weights were rebuilt with (None:
-        they came whole). The coordinator may offer to leave out the weights a base file holds;
-        with a file of that hash this worker takes them from it (runtime.pipeline.bundles)."""
+    def _receive_bundle(self, msg: dict, source: str, check=None):
+        """The setup's bundle files, unverified but for the signature (`check`, before anything of
+        the weights is parsed), the base file its weights were rebuilt with (None: not from one),
+        and the names of the tensors taken from this worker's own kept weights. The coordinator
+        may offer to leave out the weights a base file holds (with a file of that hash this worker
+        takes them from it, runtime.pipeline.bundles), or the tensors this worker kept from its
+        last setup (`held`: name -> [dtype, shape]; runtime.pipeline.held_weights)."""
         from ir.bundle import WEIGHTS
-        from runtime.pipeline.bundles import REST, rebuild_weights, recv_bundle_files, wire_to_files
+        from runtime.pipeline.bundles import REST, rebuild_weights, recv_bundle_files, spool_weights, wire_to_files
 
-        names, held, local = list(msg["bundle_files"]), None, []
+        names, held, local, reused = list(msg["bundle_files"]), None, [], []
         if "base" in msg:
             offer = msg["base"]
             local = offer.get("names") if isinstance(offer, dict) else None
@@ -295,12 +309,23 @@ class Worker:
                                                       "base": held is not None})
             if held is not None:
                 names = [REST if n == WEIGHTS else n for n in names]
+        elif "held" in msg:
+            reused = self.held.matching(check_offer(msg["held"]))
+            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage, "held": reused})
+            if reused:
+                names = [REST if n == WEIGHTS else n for n in names]
         files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, receive=self._from_coordinator)
         if held is not None:
             if REST not in files:
                 raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
             files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local)
-        return files, held
+            return files, held, reused
+        if reused and REST not in files:
+            raise ValueError(f"bundle {source}: {REST} did not come, though this worker took its own weights")
+        # written out, kept for the next setup, and read back tensor by tensor: never the received
+        # file and its decoded copies at once; the signature checked before any of it is parsed
+        spool_weights(files, source, check, held=self.held, local=reused)
+        return files, held, reused
 
     def _need_stage(self, what: str) -> None:
         if self.executor is None:
@@ -521,6 +546,7 @@ class Worker:
             self.transport.retire(peer)
             self.transport.discard(peer)
         self.reset()
+        self.held.forget()  # a coordinator to come offers nothing it did not set up itself
         for peer in list(getattr(self.transport, "peers", {})):
             self.transport.disconnect(peer)
         self.stage = None
@@ -663,4 +689,5 @@ def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, 
         return 1
     finally:
         worker.copies.drop()  # a snapshot sender must not use a socket that is being closed; its files go
+        worker.held.close()
         transport.close()

@@ -60,6 +60,10 @@ assert reset_peak_rss()
 received = rss_bytes() - before
 if sys.argv[3] == "spool":
     spool_weights(files, "wire")
+elif sys.argv[3] == "keep":  # as a worker spools it: into the weights it keeps for its next setup
+    from runtime.pipeline.held_weights import HeldWeights
+    held = HeldWeights()
+    spool_weights(files, "wire", held=held)
 contents = load_bundle(files, "wire")
 del files
 weights = sum(int(v.nbytes) for v in contents.graph.constants.values())
@@ -98,8 +102,9 @@ def _wire_load(bundle: Path, how: str) -> dict:
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("LOAD "))[5:])
 
 
-def test_a_received_bundle_is_spooled_so_its_weights_are_held_once(minilm_bundle):
-    load = _wire_load(minilm_bundle, "spool")
+@pytest.mark.parametrize("how", ["spool", "keep"])
+def test_a_received_bundle_is_spooled_so_its_weights_are_held_once(minilm_bundle, how):
+    load = _wire_load(minilm_bundle, how)
     assert load["received"] > 80 * MIB
     # measured: 1.0x the weights (the received file, then the arrays read back one by one); 2.0x
     # decoded from the received buffer while it is held (below)
