@@ -10,7 +10,12 @@ import mmap
 
 import numpy as np
 
-__all__ = ["drop_mapped_pages", "mapping_of"]
+__all__ = ["RELEASE_EVERY", "PagesGivenBack", "drop_mapped_pages", "mapping_of"]
+
+# how many bytes read from mapped arrays before their pages are given back, by a reader that walks
+# a whole model (quantizing its base, comparing its weights): its resident pages stay under this
+# plus one chunk, not the model file's size
+RELEASE_EVERY = 32 << 20
 
 
 def mapping_of(value) -> mmap.mmap | None:
@@ -39,3 +44,44 @@ def drop_mapped_pages(values) -> int:
             except (OSError, ValueError):  # a platform without it: the pages stay until reclaimed
                 pass
     return len(mappings)
+
+
+class PagesGivenBack:
+    """Gives back the pages of the read-only file mappings a reader has read from, every `every`
+    bytes it says it read (`read`), and once more when it is done (`done`): a walk over a whole
+    mapped model holds `every` bytes of its pages, not the file. Arrays in memory of their own, and
+    writable mappings (whose pages may hold what was written, anonymous memory), are left alone."""
+
+    def __init__(self, every: int | None = None):
+        self.every = RELEASE_EVERY if every is None else every
+        self._pending = 0
+        self._mappings: dict[int, mmap.mmap] = {}
+
+    def read(self, value, nbytes: int) -> None:
+        """`nbytes` of `value` (an array) were just read."""
+        mapping = mapping_of(value)
+        if mapping is None or mapping.closed or not _read_only(mapping):
+            return
+        self._mappings[id(mapping)] = mapping
+        self._pending += int(nbytes)
+        if self._pending >= self.every:
+            self.done()
+
+    def done(self) -> None:
+        """Give back what was read so far."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        for mapping in self._mappings.values():
+            if advice is not None and not mapping.closed:
+                try:
+                    mapping.madvise(advice)
+                except (OSError, ValueError):
+                    pass
+        self._pending = 0  # the mappings are kept: pages read since without a word are given back too
+
+
+def _read_only(mapping: mmap.mmap) -> bool:
+    try:
+        with memoryview(mapping) as view:
+            return view.readonly
+    except (TypeError, ValueError):
+        return False

@@ -41,9 +41,11 @@ the single source of truth. Standard library and numpy only (the `ir` rule).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
+
+from ir.mapped_pages import PagesGivenBack
 
 BASE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 BLOCK = 32
@@ -188,13 +190,16 @@ def _to_bfloat16_bits(w: np.ndarray) -> np.ndarray:
     return ((bits + rounding) >> 16).astype(np.uint16)
 
 
-def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> "QuantizedTensor | np.ndarray":
+def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK,
+             after_chunk: "Callable[[int], None] | None" = None) -> "QuantizedTensor | np.ndarray":
     """`w` (2-D float) held at `storage`, blocked along `axis` (its input dimension); float32
     gives the float32 array back. Raises ValueError for a weight a float16 scale cannot hold.
     Rows are quantized a chunk at a time (each row's blocks are independent), so the work arrays
     are a few MiB whatever the weight's size: an export quantizes a 1 GiB embedding table without
     holding several float32 copies of it. `w` may also be a tensor in a file (`read_rows(lo, hi)`, `read()`,
-    `shape`: `ir.safetensors.FileTensor`): blocked along axis 1, only a chunk of its rows is ever read."""
+    `shape`: `ir.safetensors.FileTensor`): blocked along axis 1, only a chunk of its rows is ever read.
+    `after_chunk(nbytes)` is told the float32 bytes of each chunk once it is quantized (a reader of
+    mapped weights gives their pages back as it goes: `quantize_frozen`)."""
     check_base_dtype(storage)
     read_rows = getattr(w, "read_rows", None)  # a tensor read from its file (ir.safetensors.FileTensor)
     if read_rows is not None and axis == 1 and storage != "float32" and len(w.shape) == 2:
@@ -230,6 +235,8 @@ def quantize(w: np.ndarray, storage: str, axis: int = 0, block: int = BLOCK) -> 
         codes[lo:hi], scales[lo:hi] = got[0], got[1]
         if mins is not None:
             mins[lo:hi] = got[2]
+        if after_chunk is not None:
+            after_chunk(part.nbytes)
     return QuantizedTensor(codes, scales, shape, storage, axis, block, mins)
 
 
@@ -332,18 +339,23 @@ def quantizable(graph_nodes, constants: Mapping[str, np.ndarray], params) -> dic
 def quantize_frozen(nodes, constants: Mapping[str, np.ndarray], params, storage: str) -> dict[str, np.ndarray]:
     """`constants` with every `quantizable` frozen weight held at `storage` (a new mapping; the
     others are the same arrays). Already-quantized ones are widened and quantized again, which
-    gives back the same weight (see the module's note), so a bundle's float32 copy round-trips."""
+    gives back the same weight (see the module's note), so a bundle's float32 copy round-trips.
+    Weights mapped from a model file (`planner.onnx_weights.map_raw`) have their pages given back
+    every `RELEASE_EVERY` bytes read: the quantized base and one chunk's pages are resident at a
+    time, not the float32 file (a coordinator quantizing an int4 base held the whole file's pages)."""
     check_base_dtype(storage)
     out = dict(constants)
     if storage == "float32":
         return out
     nodes = list(nodes)
     tables = lookup_tables(nodes)
+    pages = PagesGivenBack()
     for name, axis in quantizable(nodes, constants, params).items():
         value, held = constants[name], storage_for(storage, name in tables)
         if isinstance(value, QuantizedTensor) and value.storage == held:
             continue
-        out[name] = quantize(dequantize(value), held, axis)
+        out[name] = quantize(dequantize(value), held, axis, after_chunk=lambda n, v=value: pages.read(v, n))
+    pages.done()
     return out
 
 

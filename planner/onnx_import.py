@@ -1110,15 +1110,20 @@ def folded_transposes(onnx_graph, values: Mapping[str, np.ndarray], weights: set
     (`onnx::...`), else the first in the file. Equal values cannot be told from a tie: an untied
     head that starts as an exact copy of the embedding trains tied (as transformers does by
     default)."""
+    from ir.mapped_pages import PagesGivenBack
+
     weights = set(values) if weights is None else weights
     gathered = {n.input[0] for n in onnx_graph.node if n.op_type == "Gather" and n.input}
     order = {i.name: k for k, i in enumerate(onnx_graph.initializer)}
     by_shape: dict[tuple[int, ...], list[str]] = {}
+    # the weights may be mapped from the file: what is read of them is given back as it goes, so
+    # the comparisons hold a few MiB of the file's pages, not every weight's (planner.onnx_weights)
+    pages = PagesGivenBack()
     for name in weights:
         v = values.get(name)
         # a weight the file stores quantized (a QuantizedTensor) is its own: no exporter folded it
         if isinstance(v, np.ndarray) and v.ndim == 2 and v.dtype.kind == "f" and v.shape[0] != v.shape[1] \
-                and not _all_equal(v):
+                and not _all_equal(v, pages):
             by_shape.setdefault(v.shape, []).append(name)
 
     def rank(name: str) -> tuple:
@@ -1133,15 +1138,49 @@ def folded_transposes(onnx_graph, values: Mapping[str, np.ndarray], weights: set
                 if a in found or b in found:
                     continue
                 va, vb = values[a], values[b]
-                if va[0, 0] == vb[0, 0] and np.array_equal(va, vb.T):
+                pages.read(va, 0)  # the first elements' pages, given back with the rest
+                pages.read(vb, 0)
+                if va[0, 0] == vb[0, 0] and _transposes(va, vb, pages):
                     keep, copy = sorted((a, b), key=rank)
                     found[copy] = keep
+    pages.done()
     return found
 
 
-def _all_equal(value: np.ndarray) -> bool:
+_COMPARED_ELEMENTS = 1 << 20  # elements compared at a time (4 MiB of float32 a side)
+
+
+def _all_equal(value: np.ndarray, pages=None) -> bool:
+    """Every element of `value` its first: a chunk at a time, so a weight (which differs within its
+    first chunk) is read no further than that."""
     flat = np.asarray(value).reshape(-1)
-    return bool(flat.size == 0 or np.all(flat == flat[0]))
+    if flat.size == 0:
+        return True
+    head = min(flat.size, 1024)  # a page's worth first: a trained weight differs within it
+    for lo, hi in ((0, head), *((lo, lo + _COMPARED_ELEMENTS) for lo in range(head, flat.size, _COMPARED_ELEMENTS))):
+        part = flat[lo:hi]
+        same = bool(np.all(part == flat[0]))
+        if pages is not None:
+            pages.read(value, part.nbytes)
+        if not same:
+            return False
+    return True
+
+
+def _transposes(wide: np.ndarray, tall: np.ndarray, pages) -> bool:
+    """`np.array_equal(wide, tall.T)`, a chunk of `tall`'s rows at a time (read in order; `wide`'s
+    columns across its rows), stopping at the first difference."""
+    if wide.shape != tall.shape[::-1]:
+        return False
+    step = max(1, _COMPARED_ELEMENTS // max(tall.shape[1], 1))
+    for lo in range(0, tall.shape[0], step):
+        rows = tall[lo:lo + step]
+        same = bool(np.array_equal(rows, wide[:, lo:lo + step].T))
+        pages.read(tall, rows.nbytes)
+        pages.read(wide, rows.nbytes)
+        if not same:
+            return False
+    return True
 
 
 def _np_dtype(name: str):
