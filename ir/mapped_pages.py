@@ -13,8 +13,8 @@ import numpy as np
 __all__ = ["RELEASE_EVERY", "PagesGivenBack", "drop_mapped_pages", "mapping_of"]
 
 # how many bytes read from mapped arrays before their pages are given back, by a reader that walks
-# a whole model (quantizing its base, comparing its weights): its resident pages stay under this
-# plus one chunk, not the model file's size
+# a whole model (quantizing its base, comparing its weights, copying a stage's weights file out of
+# it: runtime.pipeline.bundles): its resident pages stay under this plus one chunk, not the file's size
 RELEASE_EVERY = 32 << 20
 
 

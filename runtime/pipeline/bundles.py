@@ -31,7 +31,7 @@ from ir.bundle import (BUNDLE_FILES, MANIFEST, PLAN_BASE, SIGNATURE, WEIGHTS, Bu
                        SignatureCheck, check_bundle_manifest, load_bundle_dir, load_plan,
                        read_bundle_files, verify_bundle_files)
 from ir.documents import PlanDocument
-from ir.mapped_pages import drop_mapped_pages
+from ir.mapped_pages import RELEASE_EVERY, drop_mapped_pages
 from ir.safetensors import (HashedTensors, assemble_safetensors, decode_safetensors, encode_safetensors, hash_tensors, load_safetensors_subset,
                             read_safetensors_hashed, safetensors_names)
 from runtime.transport.wire import Expected
@@ -218,9 +218,6 @@ def bundle_to_wire(directory: str | Path | Mapping[str, bytes]) -> dict[str, byt
     signature = {SIGNATURE: files[SIGNATURE]} if SIGNATURE in files else {}
     return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}, **signature}
 
-
-# how many bytes of a weights file are copied from mapped tensors before their pages are given back
-RELEASE_EVERY = 32 << 20
 
 
 def file_bytes(data) -> bytes | bytearray:
