@@ -219,7 +219,6 @@ def bundle_to_wire(directory: str | Path | Mapping[str, bytes]) -> dict[str, byt
     return {MANIFEST: files[MANIFEST], **{k: files[k] for k in BUNDLE_FILES}, **signature}
 
 
-
 def file_bytes(data) -> bytes | bytearray:
     """A bundle file's bytes: a weights file left as its hashed tensors (`planner.emit`'s deferred
     bundles, `ir.safetensors.HashedTensors`) is put together now, the one copy of it, bytes for
