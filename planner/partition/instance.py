@@ -342,13 +342,16 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
         # against their dense charge, less the gradients PyTorch steps in its backward, plus the
         # tied-gradient sums received at an update (planner.cost.tied_sum_bytes)
-        state_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
-                                                                              update_every)
-                                           + table_state_delta_bytes(graph, 0, k, spec, optimizer)
-                                           - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
-                                           - summed_gradient_bytes(graph, 0, k, spec, schedule, update_every)
-                                           + tied_sum_bytes(graph, 0, k),
-                                           len(blocks))
+        # less MNN's profiled gradients, per block on its own as `params_bytes` counts a shared table
+        # (on each block that reads it; the one stage holding every reader: `whole_model_delta_bytes`)
+        state_delta_bytes=tuple(tuple(d - summed_gradient_bytes(graph, k, k, spec, schedule, update_every)
+                                      for k, d in enumerate(_per_block(
+                                          lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
+                                                                             update_every)
+                                          + table_state_delta_bytes(graph, 0, k, spec, optimizer)
+                                          - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
+                                          + tied_sum_bytes(graph, 0, k),
+                                          len(blocks))))
                                 for spec in specs),
         joined=joined_boundaries(graph))
     # the one stage that holds every reader of a shared weight: priced by planner.cost itself
