@@ -73,3 +73,42 @@ def test_the_engine_holds_an_int4_weight_once_and_the_graph_keeps_its_values(tin
         np.testing.assert_array_equal(q.mins, mins, err_msg=name)
         np.testing.assert_array_equal(dequantize(q), dequantize(QuantizedTensor(**{
             **{f: getattr(q, f) for f in q.__dataclass_fields__}, "codes": codes})), err_msg=name)
+
+
+def _arrays(value) -> list[np.ndarray]:
+    from ir.precision import QuantizedTensor
+
+    if isinstance(value, QuantizedTensor):
+        return [a for a in (value.codes, value.scales, value.mins) if a is not None]
+    return [np.asarray(value)]
+
+
+@pytest.mark.parametrize("activations", ["recompute", "per-block"])
+def test_an_mnn_engine_leaves_the_int4_graph_it_is_given_as_it_was(tiny_onnx, activations):
+    """Built, trained a step and evaluated, an MNN engine not given the graph's arrays
+    (`take_weights` False: profiling, an evaluation) leaves every constant of the graph at its dtype
+    and bytes: a warm MNN run once widened the int4 scales and offsets to float32 in the graph (views
+    of its own), after which a fresh child measuring the same graph refused it ("q_scales is
+    float32[576, 18], expected float16", benchmarks/MEMORY_NOTES.md). A worker, whose stage graph is
+    its own (`take_weights`), still lets the graph's float16 scales go for views of MNN's float32."""
+    from ir.precision import QuantizedTensor
+    from runtime.engines.factory import make_engine
+    from runtime.engines.stage import stage_spec
+    from support import synthetic_batch, tiny_lora_graph
+    from tasks.trainer import accumulate_gradients
+
+    g = tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
+    quantized = [k for k, v in g.constants.items() if isinstance(v, QuantizedTensor) and v.storage == "int4"]
+    assert quantized and all(g.constants[k].scales.dtype == np.float16 for k in quantized)
+    before = {k: [(a.dtype, a.shape, a.tobytes()) for a in _arrays(v)] for k, v in g.constants.items()}
+    engine = make_engine("mnn:cpu:t1", stage_spec(g, 0, len(g.blocks) - 1), activations=activations)
+    loss, grads = accumulate_gradients(engine, synthetic_batch(0, 2), 2, 9)
+    assert np.isfinite(loss) and grads
+    assert {g.constants[k].scales.dtype for k in quantized} == {np.dtype(np.float16)}
+    assert {k: [(a.dtype, a.shape, a.tobytes()) for a in _arrays(v)] for k, v in g.constants.items()} == before
+    del engine
+    taken = tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
+    engine = make_engine("mnn:cpu:t1", stage_spec(taken, 0, len(taken.blocks) - 1), take_weights=True)
+    assert {taken.constants[k].scales.dtype for k in quantized} == {np.dtype(np.float32)}
+    for k in quantized:  # widened, the same values
+        np.testing.assert_array_equal(taken.constants[k].scales, g.constants[k].scales.astype(np.float32), err_msg=k)
