@@ -603,6 +603,27 @@ def wide_bert(folder: Path) -> None:
     BertModel(config).save_pretrained(folder)
 
 
+def wide_bert_onnx(export_dir: Path) -> Path:
+    """`wide_bert` exported once a session (opset 17) under `export_dir`: the model file the tests of
+    mapped pages map."""
+    checkpoint = made_once(export_dir / "wide-bert", wide_bert)
+    return export_onnx(checkpoint, export_dir / "wide-ts17.onnx", opset=17)
+
+
+def mapped_file_rss(path: Path) -> int:
+    """Resident bytes of this process's mappings of the file at `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    name = str(path.resolve())
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+                inside = head[-1] == name
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
 def bundle_weights_alive() -> int:
     """Bytes of bundle weights files held by live bundle file mappings (name -> bytes) in this
     process: the files put together and not yet let go."""

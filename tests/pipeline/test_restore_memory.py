@@ -16,7 +16,7 @@ import pytest
 from jobs.train.pipeline import FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig
-from support import M, ROWS, S, export_onnx, made_once, single_device_training, synthetic_batch, wide_bert
+from support import M, ROWS, S, single_device_training, synthetic_batch, wide_bert_onnx
 
 
 def _trim_heap() -> None:
@@ -34,8 +34,7 @@ def _trim_heap() -> None:
 
 @pytest.fixture(scope="module")
 def wide_graph_file(export_dir) -> Path:
-    checkpoint = made_once(export_dir / "wide-bert", wide_bert)
-    return export_onnx(checkpoint, export_dir / "wide-ts17.onnx", opset=17)
+    return wide_bert_onnx(export_dir)
 
 
 # The coordinator measured in a fresh process: in pytest's own, what earlier tests left in the heap

@@ -17,7 +17,7 @@ import runtime.pipeline.bundles as bundles_module
 from jobs.train.pipeline import FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig
-from support import M, ROWS, S, export_onnx, made_once, single_device_training, synthetic_batch, wide_bert
+from support import M, ROWS, S, mapped_file_rss, single_device_training, synthetic_batch, wide_bert_onnx
 
 STEPS = 2
 RELEASE_EVERY = 1 << 20  # the pages given back every MiB copied, so a stage's pages (~12 MiB) stand out
@@ -26,22 +26,7 @@ READ_AHEAD = 2 << 20
 
 @pytest.fixture(scope="module")
 def wide_graph_file(export_dir) -> Path:
-    checkpoint = made_once(export_dir / "wide-bert", wide_bert)
-    return export_onnx(checkpoint, export_dir / "wide-ts17.onnx", opset=17)
-
-
-def _mapped_rss(path: Path) -> int:
-    """Resident bytes of this process's mappings of the file at `path` (/proc/self/smaps)."""
-    total, inside = 0, False
-    name = str(path.resolve())
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()
-            if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
-                inside = head[-1] == name
-            elif inside and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
+    return wide_bert_onnx(export_dir)
 
 
 def _references(obj) -> int:
@@ -73,7 +58,7 @@ def test_the_first_setup_holds_one_stages_weights_file_and_gives_its_mapped_page
         return out
 
     def drop(values):
-        pages.append(_mapped_rss(wide_graph_file))
+        pages.append(mapped_file_rss(wide_graph_file))
         return real_drop(values)
 
     monkeypatch.setattr(bundles_module, "assemble_safetensors", assemble)

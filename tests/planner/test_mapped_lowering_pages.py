@@ -18,7 +18,7 @@ import planner.onnx_import as onnx_import_module
 from ir.precision import QuantizedTensor
 from planner.lora import LoraSettings, add_lora
 from planner.onnx_import import load_model
-from support import ROWS, S, export_onnx, made_once, wide_bert
+from support import ROWS, S, mapped_file_rss, wide_bert_onnx
 
 RELEASE_EVERY = 1 << 20  # pages given back every MiB read, so the file's ~25 MiB stand out
 CHUNK = 4 << 20  # what one step reads before it says so (a quantized chunk, a compared chunk)
@@ -27,22 +27,7 @@ READ_AHEAD = 2 << 20  # the kernel maps a faulting read's neighbours too
 
 @pytest.fixture(scope="module")
 def wide_graph_file(export_dir) -> Path:
-    checkpoint = made_once(export_dir / "wide-bert", wide_bert)
-    return export_onnx(checkpoint, export_dir / "wide-ts17.onnx", opset=17)
-
-
-def _mapped_rss(path: Path) -> int:
-    """Resident bytes of this process's mappings of the file at `path` (/proc/self/smaps)."""
-    total, inside = 0, False
-    name = str(path.resolve())
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()
-            if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
-                inside = head[-1] == name
-            elif inside and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
+    return wide_bert_onnx(export_dir)
 
 
 def _int4(graph):
@@ -64,16 +49,16 @@ def test_lowering_and_quantizing_a_mapped_model_hold_a_few_mib_of_its_pages(wide
 
     def folded(*args, **kwargs):
         out = real_folded(*args, **kwargs)
-        after_comparison.append(_mapped_rss(wide_graph_file))
+        after_comparison.append(mapped_file_rss(wide_graph_file))
         return out
 
     def rows(*args, **kwargs):
-        at_chunks.append(_mapped_rss(wide_graph_file))
+        at_chunks.append(mapped_file_rss(wide_graph_file))
         return real_rows(*args, **kwargs)
 
     def frozen(*args, **kwargs):
         out = real_frozen(*args, **kwargs)
-        at_chunks.append(_mapped_rss(wide_graph_file))
+        at_chunks.append(mapped_file_rss(wide_graph_file))
         return out
 
     monkeypatch.setattr(onnx_import_module, "folded_transposes", folded)
