@@ -700,3 +700,20 @@ def best_cut_in_two_bytes(graph: Graph, device: DeviceSpec, microbatches: int, s
         return stage_memory_bytes(graph, device, first, last, stage, 2, schedule, microbatches, optimizer)
 
     return min(max(cost(0, c - 1, 0), cost(c, n - 1, 1)) for c in range(1, n))
+
+
+def on_during_recovery(monkeypatch, flag: dict) -> None:
+    """`flag["on"]` True while a `Session.recover` runs, so a counter patched into a transport or a
+    bundle sender counts only what a recovery sends."""
+    from runtime.pipeline.session import Session
+
+    real_recover = Session.recover
+
+    def recover(self, *args, **kwargs):
+        flag["on"] = True
+        try:
+            return real_recover(self, *args, **kwargs)
+        finally:
+            flag["on"] = False
+
+    monkeypatch.setattr(Session, "recover", recover)

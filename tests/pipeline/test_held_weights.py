@@ -21,10 +21,9 @@ from runtime.pipeline.bundles import REST
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.held_weights import HeldWeights
 from runtime.pipeline.inprocess import InProcessWorkers
-from runtime.pipeline.session import Session
 from runtime.transport.local import LocalTransport
 from ir.safetensors import encode_safetensors
-from support import single_device_training, synthetic_batch, tiny_lora_graph
+from support import on_during_recovery, single_device_training, synthetic_batch, tiny_lora_graph
 
 STEPS, LOST_AFTER = 4, 2
 
@@ -60,16 +59,7 @@ def _count_weights_sent(monkeypatch, transport_class) -> dict:
         return real_send(self, peer, kind, stage, microbatch, arr, name=name, **kwargs)
 
     monkeypatch.setattr(transport_class, "send_tensor", send_tensor)
-    real_recover = Session.recover
-
-    def recover(self, *args, **kwargs):
-        counting["on"] = True
-        try:
-            return real_recover(self, *args, **kwargs)
-        finally:
-            counting["on"] = False
-
-    monkeypatch.setattr(Session, "recover", recover)
+    on_during_recovery(monkeypatch, counting)
     return sent
 
 

@@ -16,8 +16,7 @@ from jobs.train.pipeline import FaultPolicy, train_pipeline
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
-from runtime.pipeline.session import Session
-from support import M, ROWS, S, export_onnx, single_device_training, synthetic_batch, bundle_weights_alive
+from support import M, ROWS, S, bundle_weights_alive, export_onnx, on_during_recovery, single_device_training, synthetic_batch
 
 STEPS, LOST_AFTER = 4, 2
 
@@ -80,16 +79,7 @@ def test_a_recovery_hashes_each_bundle_once_and_builds_them_one_stage_at_a_time(
         return real_send(transport, peer, files)
 
     monkeypatch.setattr(bundles_module, "send_bundle", send)
-    real_recover = Session.recover
-
-    def recover(self, *args, **kwargs):
-        counts["on"] = True
-        try:
-            return real_recover(self, *args, **kwargs)
-        finally:
-            counts["on"] = False
-
-    monkeypatch.setattr(Session, "recover", recover)
+    on_during_recovery(monkeypatch, counts)
     config = PipelineConfig(schedule="1f1b-flush", microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60)
     with InProcessWorkers(3, timeout_s=60) as workers:
         def on_step(step, *_):
