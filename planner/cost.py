@@ -694,7 +694,10 @@ def shared_engine_bytes(graph: Graph, first: int, last: int, device: DeviceSpec)
     where every reader's figure holds a copy of the table (MNN looks tables up in numpy and a quantized
     table is shared, not copied: their figures hold none, and nothing comes off). A range-wide
     correction as `shared_frozen_bytes` is (the partition instance prices the whole model, the one
-    range holding both readers of a decoder's tied table, by this module)."""
+    range holding both readers of a decoder's tied table, by this module). Since h42 the PyTorch engine
+    reads frozen float weights through views of the graph's arrays (`runtime.engines.pytorch._frozen_tensor`):
+    its figures hold no copy either, so this takes nothing off them; kept for figures that do (an
+    engine that copies, an older profile)."""
     blocks = graph.blocks[first:last + 1]
     if first == last or not any(b.frozen_bytes for b in blocks):  # one block: one reader (the partitioners' case)
         return 0

@@ -11,6 +11,7 @@ alone, `_TokenCrossEntropy` writes its gradient over the logits it saved.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -364,6 +365,22 @@ def fused_adamw(batch, hp: AdamWStep) -> None:
                         beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False)
 
 
+def _frozen_tensor(value: np.ndarray, dtype: torch.dtype, np_dtype) -> torch.Tensor:
+    """A frozen constant as the engine reads it: a view of the graph's own array (`torch.from_numpy`)
+    where it already is the engine's float dtype, C-contiguous and aligned, else a copy. Frozen
+    weights are never written (no in-place op touches a constant; `set_parameters` replaces only
+    trainable ones), so a stage holds a float base once, not twice: the copy was 72 MiB of a 516 MiB
+    per-block stage (benchmarks/MEMORY_NOTES.md, h35, h42)."""
+    arr = np.asarray(value)
+    if arr.dtype == np_dtype and arr.flags.c_contiguous and arr.flags.aligned:
+        with warnings.catch_warnings():
+            # a mapped (read-only) array: torch warns that writing through the view is undefined;
+            # nothing writes a frozen weight
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            return torch.from_numpy(arr)
+    return torch.tensor(arr, dtype=dtype if arr.dtype.kind == "f" else torch.int64)
+
+
 class TorchStageEngine(StageEngine):
     """The stage on PyTorch. `recompute`: a training forward keeps only its inputs (and the weight
     tensors it used) instead of autograd's graph of every activation, and its backward runs the
@@ -406,7 +423,7 @@ class TorchStageEngine(StageEngine):
                     if isinstance(v, QuantizedTensor):
                         self._frozen[i] = _FrozenWeight(v, dtype)
                         continue
-                    self._consts[i] = torch.tensor(v, dtype=dtype if v.dtype.kind == "f" else torch.int64)
+                    self._consts[i] = _frozen_tensor(v, dtype, np_dtype)
         self._saved: dict[int, tuple] = {}
         # split backwards: per micro-batch, the deferred weight gradients B left for its W
         self._pending: dict[int, list[_PendingWeightGrad]] = {}
