@@ -771,22 +771,6 @@ def stepped_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSp
     return shared_current_bytes(graph, first, last, device)
 
 
-def summed_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, schedule: str,
-                          update_every: int = 1) -> int:
-    """Weight gradients of blocks first..last that the profile's workspace holds and an MNN device
-    never holds beside its gradient sum: the profile's backward returns a stage's whole set at once
-    (`runtime.profiling.compute.peak_workspace`), where a run sums each block's into the running sum
-    as its gradient program gives them (`MnnStageEngine.backward_into`), so the sum the gradient
-    term charges (`gradient_copies`) is the only set. SmolLM2 full fine-tuning over 3 MNN devices
-    ran 0.80-0.82x its plan with both charged (benchmarks/MEMORY_NOTES.md, helper h36). The dense
-    ones only: a table nothing but lookups read gives rows (`unversioned_bytes`, whose gradient
-    `row_gradient_delta_bytes` prices). 0 on PyTorch (its `backward_into` is the whole backward, then
-    the sum: both live), on engines the model knows nothing of, and where no sum is held."""
-    if device_engine(device) != "mnn" or gradient_copies(schedule, update_every) == 0:
-        return 0
-    return stage_params_bytes(graph, first, last) - unversioned_bytes(graph, first, last, device)
-
-
 def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int,
                              schedule: str = "1f1b-flush", update_every: int = 1) -> int:
     """What the gradients of the embedding tables of blocks first..last that nothing but lookups read
@@ -1070,7 +1054,6 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         gradient_bytes=(params * gradients
                         + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
                         - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
-                        - summed_gradient_bytes(graph, first, last, device, schedule, update_every)
                         + tied_sum_bytes(graph, first, last)),
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),
         activation_bytes=sum(inputs) * in_flight + held,

@@ -42,7 +42,6 @@ from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_s
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
                           block_kept_once,
                           reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
-                          summed_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, unversioned_bytes,
                           unversioned_copies, updates_per_microbatch, weight_copies)
 
@@ -105,8 +104,7 @@ class PartitionInstance:
     # weight_copies charges (negative: less): an embedding table only looked up has its gradient and
     # AdamW state as rows (planner.cost.row_gradient_delta_bytes, table_state_delta_bytes), and
     # PyTorch stepping in its backward never holds its weight gradients at once (planner.cost.
-    # stepped_gradient_bytes), nor MNN its profiled backward's whole set beside its gradient sum
-    # (planner.cost.summed_gradient_bytes); a tied table's gradient sum arrives dense at an update (planner.cost.
+    # stepped_gradient_bytes); a tied table's gradient sum arrives dense at an update (planner.cost.
     # tied_sum_bytes). Empty: all zero.
     state_delta_bytes: tuple[tuple[int, ...], ...] = ()
     # the boundaries no plan cuts, ascending (k: blocks k and k+1 stay on one stage; planner.cost.
@@ -342,16 +340,12 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
         # against their dense charge, less the gradients PyTorch steps in its backward, plus the
         # tied-gradient sums received at an update (planner.cost.tied_sum_bytes)
-        # less MNN's profiled gradients, per block on its own as `params_bytes` counts a shared table
-        # (on each block that reads it; the one stage holding every reader: `whole_model_delta_bytes`)
-        state_delta_bytes=tuple(tuple(d - summed_gradient_bytes(graph, k, k, spec, schedule, update_every)
-                                      for k, d in enumerate(_per_block(
-                                          lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
-                                                                             update_every)
-                                          + table_state_delta_bytes(graph, 0, k, spec, optimizer)
-                                          - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
-                                          + tied_sum_bytes(graph, 0, k),
-                                          len(blocks))))
+        state_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
+                                                                              update_every)
+                                           + table_state_delta_bytes(graph, 0, k, spec, optimizer)
+                                           - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
+                                           + tied_sum_bytes(graph, 0, k),
+                                           len(blocks))
                                 for spec in specs),
         joined=joined_boundaries(graph))
     # the one stage that holds every reader of a shared weight: priced by planner.cost itself

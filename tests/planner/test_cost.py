@@ -33,16 +33,14 @@ def test_compute_uses_the_chosen_backend_and_sums_the_blocks():
 def test_memory_by_hand():
     g, a, b = tiny_graph(), tiny_cluster().device("a"), tiny_cluster().device("b")
     # stage 0 of 2 on a, blocks 0-1: params 3000, stashed inputs 0 + 400, workspace 50 + 300, overhead 5000
-    # 1f1b-flush, sgd: 1 weight + 1 gradient sum + 1 momentum, less the backward's own gradients that the
-    # profiled workspace holds and MNN sums into the sum block by block (planner.cost.summed_gradient_bytes):
-    # 2 copies; min(p-s, m) = 2 in flight
-    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == 2 * 3000 + 2 * 400 + 350 + 5000 == 12150
+    # 1f1b-flush, sgd: 1 weight + 1 gradient + 1 momentum = 3 copies; min(p-s, m) = 2 in flight
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == 3 * 3000 + 2 * 400 + 350 + 5000 == 15150
     # 1f1b-stash holds the weights twice and one old version on stage 0 of 2 (p-s-1), and no gradient
     # sum (an update after every backward); adamw two moments
     assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "sgd") == 4 * 3000 + 800 + 350 + 5000
     assert stage_memory_bytes(g, a, 0, 1, 0, 2, "1f1b-stash", 4, "adamw") == 5 * 3000 + 800 + 350 + 5000
     # gpipe holds all m = 4 micro-batches
-    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "gpipe", 4, "sgd") == 2 * 3000 + 4 * 400 + 350 + 5000
+    assert stage_memory_bytes(g, a, 0, 1, 0, 2, "gpipe", 4, "sgd") == 3 * 3000 + 4 * 400 + 350 + 5000
     # the last stage: one micro-batch in flight, no old versions even under stash, and its weights
     # once (nothing in flight at its updates): weight and two moments
     assert stage_memory_bytes(g, b, 2, 3, 1, 2, "1f1b-stash", 4, "adamw") == 3 * 2100 + 800 + 310 + 7000
@@ -52,8 +50,8 @@ def test_stage_costs_and_step_times_by_hand():
     g, cl = tiny_graph(), tiny_cluster()
     costs = stage_costs(g, cl, _two_stages(), "1f1b-flush", 4, "sgd")
     link = 400 / 1e6 + 0.0005  # the a-b pair link, one direction
-    expected = [StageCost(0, "a", 0.011, 0.022, 0.0, link, 0.0, 12150, 30_000),
-                StageCost(1, "b", 0.021, 0.041, 0.0, 0.0, link, 2 * 2100 + 800 + 310 + 7000, 20_000)]
+    expected = [StageCost(0, "a", 0.011, 0.022, 0.0, link, 0.0, 15150, 30_000),
+                StageCost(1, "b", 0.021, 0.041, 0.0, 0.0, link, 3 * 2100 + 800 + 310 + 7000, 20_000)]
     for got, want in zip(costs, expected):
         assert (got.stage, got.device, got.memory_bytes, got.memory_budget_bytes) == \
             (want.stage, want.device, want.memory_bytes, want.memory_budget_bytes)
@@ -262,9 +260,8 @@ def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_che
 
     # PyTorch holds no second current copy, and steps each weight as its gradient comes (the
     # workspace's gradients come off): `stepped`
-    # MNN's flush holds no second set beside its gradient sum (`summed`: the workspace's set comes off there)
-    for backend, activations, second, stepped, summed in (("mnn:cpu:t1", None, 1, 0, 1), ("torch:cpu:t1", "keep", 0, 1, 0),
-                                                          ("torch:cpu:t1", "recompute", 0, 1, 0)):
+    for backend, activations, second, stepped in (("mnn:cpu:t1", None, 1, 0), ("torch:cpu:t1", "keep", 0, 1),
+                                                  ("torch:cpu:t1", "recompute", 0, 1)):
         dev = device("d0", backend, activations)
         assert unversioned_bytes(g, 0, 1, dev) == nbytes
         stash = stage_memory_bytes(g, dev, 0, 1, 0, 3, "1f1b-stash", 4, "sgd")
@@ -273,7 +270,7 @@ def test_weight_stashing_keeps_no_old_version_of_a_table_only_looked_up(tiny_che
         # gradient sum (nor the table's rows summed, which the flush holds instead of its dense gradient)
         assert stashed_weight_versions("1f1b-stash", 3, 0, 4) == 2
         rows = row_gradient_delta_bytes(g, 0, 1, dev, 4, "1f1b-flush")
-        assert stash - flush == (params - nbytes) * (second + 2 - stepped + summed) - params - rows, backend
+        assert stash - flush == (params - nbytes) * (second + 2 - stepped) - params - rows, backend
         cluster = Cluster(tuple(device(f"d{i}", backend, activations) for i in range(3)), Link(1e9, 0.0))
         inst = make_instance(g, cluster, "1f1b-stash", 4, "sgd")
         n = len(g.blocks)
@@ -370,15 +367,14 @@ def test_memory_by_hand_on_a_device_that_keeps_activations():
     profile = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
     keep = DeviceSpec("k", "tcp://k:1", profile, 10**6, "mnn:cpu:t1", activations="keep")
     g = tiny_graph()
-    # stage 0 of 2, blocks 0-1, 1f1b-flush with 4 micro-batches: min(p-s, m) = 2 in flight; sgd on MNN: 2
-    # copies of 3000 parameter bytes (weight, momentum; the gradient sum is the workspace's set,
-    # summed_gradient_bytes); stashed inputs 2 x (0 + 400); workspace stacked 40 + 200; kept
+    # stage 0 of 2, blocks 0-1, 1f1b-flush with 4 micro-batches: min(p-s, m) = 2 in flight; sgd: 3 copies
+    # of 3000 parameter bytes; stashed inputs 2 x (0 + 400); workspace stacked 40 + 200; kept
     # (30 + 120) x (2 - 1) further micro-batch; the largest transient of the stage's blocks 300 - 200; runtime 5000
-    want = 2 * 3000 + 2 * 400 + (40 + 200) + (30 + 120) * 1 + 100 + 5000
-    assert want == 12290
+    want = 3 * 3000 + 2 * 400 + (40 + 200) + (30 + 120) * 1 + 100 + 5000
+    assert want == 15290
     assert stage_memory_bytes(g, keep, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == want
     terms = stage_memory_terms(g, keep, 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
-    assert (terms.trainable_bytes, terms.gradient_bytes, terms.optimizer_state_bytes) == (3000, 0, 3000)
+    assert (terms.trainable_bytes, terms.gradient_bytes, terms.optimizer_state_bytes) == (3000, 3000, 3000)
     assert (terms.activation_bytes, terms.kept_activation_bytes, terms.workspace_bytes, terms.runtime_bytes) \
         == (800, 150, 240 + 100, 5000)
     assert terms.by_name()["activations kept"] == 150
@@ -414,7 +410,7 @@ def test_the_engines_own_memory_is_charged_per_block_by_hand_through_the_cost_mo
     assert [b.name for b in g.blocks][:2] == ["embeddings", "layer0"]
     # stage 0 of 2, blocks 0-1 (the embeddings and one encoder layer): the figure of the test above
     # on a device that recomputes, plus 7 + 11 of the engine's own
-    want = 12290 - (30 + 120) + 7 + 11
+    want = 15290 - (30 + 120) + 7 + 11
     terms = stage_memory_terms(g, dev, 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
     assert terms.engine_bytes == 18 and terms.total == want
     assert stage_memory_bytes(g, dev, 0, 1, 0, 2, "1f1b-flush", 4, "sgd") == want
