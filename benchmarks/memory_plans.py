@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--models", default="smollm2,qwen", help=f"comma-separated, of {', '.join(CONFIGS)}")
-    ap.add_argument("--steps", type=int, default=1, help="training steps per plan (default 1)")
+    ap.add_argument("--steps", type=int, default=2, help="training steps per plan (default 2: AdamW's moments exist from the first update on, so a run of one step never holds them during a backward)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.child:
