@@ -54,9 +54,8 @@ def measure(model: Path, base_dtype: str, seq: int = 128) -> dict:
     lengths = range(1, LEAN_RUN + 1)
     scales = sorted(k for k in graph.constants if k.endswith(".q_scales"))[:1]
     dtype_before = [str(graph.constants[k].dtype) for k in scales]
-    # fresh first: a warm MNN run once widened the graph's int4 scales in place (float16 -> float32),
-    # which the child's job file refused ("q_scales is float32, expected float16"); an engine not
-    # given the graph's arrays leaves them as they are now (runtime.engines.mnn._hold_once)
+    # fresh first: a warm MNN run widens the graph's int4 scales in place (float16 -> float32), which
+    # the child's job file then refuses ("q_scales is float32, expected float16")
     with FreshProcesses(backend) as fresh:
         fresh_raw = {a: fresh_peaks(fresh, graph, feeds, i, lengths, a, FRESH_PEAK_REPEATS)
                      for a in ("keep", "per-block")}

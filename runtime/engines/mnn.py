@@ -143,19 +143,14 @@ def _int4_split(node: Node, graph, params) -> QuantizedTensor | None:
 
 
 def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] | None = None,
-               transposed: bool = False, widen: bool = False) -> None:
+               transposed: bool = False) -> None:
     """Give the graph, in place of the frozen float32 weight `name`, a read-only view of the constant
     Var just built from it: MNN's const copies, so without this the stage holds every frozen weight
     twice (the graph's array and the Var; +466 MiB on SmolLM2's LoRA), and replaced as each Var is
     built, the engine's setup holds one weight twice at a time, not all of them. The values are the
     same; the view keeps the Var alive, so the graph stays valid after the engine is gone. A mapping
     that cannot be written (a lazily read file) is left as it is. `transposed`: the parts are held
-    transposed (`mnn_kernels.int4_halves_parts`), the graph's fields become transposed views of them.
-    `widen`: the caller gave the graph's arrays up (`take_weights`: a worker, whose stage graph is its
-    own), so a quantized weight's float16 scales and offsets may become views of MNN's float32 ones;
-    otherwise only parts held at the graph's own dtype are swapped, so the graph's arrays keep their
-    dtypes and bytes (a warm profiling run widened them, after which a fresh child measuring the same
-    graph refused its job: "q_scales is float32[576, 18], expected float16", benchmarks/MEMORY_NOTES.md)."""
+    transposed (`mnn_kernels.int4_halves_parts`), the graph's fields become transposed views of them."""
     arr = constants.get(name) if isinstance(constants, dict) else None
     if isinstance(arr, QuantizedTensor):
         # a quantized weight's parts that MNN holds as the same values: the graph keeps views of
@@ -167,7 +162,7 @@ def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] 
                 continue
             mine = getattr(arr, field)
             view = K.frozen_view_of(part)
-            if mine is not None and view.size == mine.size and (view.dtype == mine.dtype or (widen and field != "codes")):
+            if mine is not None and view.size == mine.size and (field != "codes" or view.dtype == mine.dtype):
                 held[field] = K.transposed_view(view, mine.shape) if transposed else view.reshape(mine.shape)
         if held:
             constants[name] = replace(arr, **held)
@@ -193,8 +188,7 @@ class _BlockProgram:
     """One block as an MNN graph plus its gradient program, both built once."""
 
     def __init__(self, block: Block, nodes: list[Node], spec: StageSpec, params: Mapping[str, "K.Var"],
-                 tables: Mapping[str, np.ndarray], trainable_tables: set[str], constants: dict[str, "K.Var"],
-                 widen: bool = False):
+                 tables: Mapping[str, np.ndarray], trainable_tables: set[str], constants: dict[str, "K.Var"]):
         graph = spec.graph
         self.block = block
         env: dict[str, K.Var] = {}
@@ -229,7 +223,7 @@ class _BlockProgram:
                 key = HALVES + n.inputs[1]
                 if key not in constants:
                     constants[key], parts = K.int4_halves_parts(split)
-                    _hold_once(graph.constants, n.inputs[1], None, parts, transposed=True, widen=widen)
+                    _hold_once(graph.constants, n.inputs[1], None, parts, transposed=True)
                 env[n.outputs[0]] = K.int4_matmul(env[n.inputs[0]], constants[key], split, bool(n.attrs.get("trans_b")))
                 cached.append(env[n.outputs[0]])
                 continue
@@ -243,7 +237,7 @@ class _BlockProgram:
                         # (LoRA's base) is held once however many sets there are
                         if i not in constants:
                             constants[i], parts = _constant_var(graph.constants[i])
-                            _hold_once(graph.constants, i, constants[i], parts, widen=widen)
+                            _hold_once(graph.constants, i, constants[i], parts)
                         env[i] = constants[i]
                     elif i not in produced:
                         raise KeyError(f"block {block.name!r}: node {n.name!r} reads {i!r}, which is not available")
@@ -517,8 +511,6 @@ class MnnStageEngine(StageEngine):
         K.set_threads(threads)
         self.spec = spec
         self.threads = threads
-        # the caller gives its arrays up: the graph's quantized scales may become views of MNN's wider ones
-        self._take_weights = bool(take_weights)
         # activations recomputed per block: no per-op caches, and each block lets go of what MNN
         # holds for it after its forward and after its backward (`_BlockProgram.release`)
         self.per_block = bool(per_block)
@@ -626,7 +618,7 @@ class MnnStageEngine(StageEngine):
                 blocks.append(_LossProgram(b, nodes[0], fused, lookup, set(self._tables)))
             else:
                 blocks.append(_BlockProgram(b, nodes, spec, params, lookup, set(self._tables),
-                                            self._constant_vars, widen=self._take_weights))
+                                            self._constant_vars))
         head = self._lm.head_index if self._lm is not None else None
         for prog in cached_programs(blocks, self.cached_blocks if self.per_block else 0, head):
             prog.keeps_caches = True

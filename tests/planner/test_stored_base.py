@@ -178,24 +178,18 @@ def test_in_process_workers_holding_the_int4_base_file_train_as_one_device(int4_
 
 def test_mnn_holds_an_int4_weights_codes_once_the_graph_keeping_a_view_of_its_constant(int4_lora):
     """MNN's const copies what it is given: the graph's QuantizedTensor then holds read-only views of
-    the consts in place of its own codes (the same bytes), not second copies; and, where the caller
-    gave the graph's arrays up (`take_weights`: a worker), of its scales and offsets too (MNN's are
-    float32: the same values). Otherwise those stay the graph's own float16 ones, so the engine
-    leaves the graph's arrays at their dtypes (tests/runtime/test_int4_matmul.py)."""
+    the consts in place of its own codes, scales and offsets (the same values), not second copies."""
     from runtime.engines.mnn import MnnStageEngine
     from runtime.engines.stage import stage_spec
 
-    for take in (False, True):
-        graph = replace(int4_lora, constants=dict(int4_lora.constants))
-        before = {k: v for k, v in _quantized(graph).items() if v.storage == "int4"}
-        assert before  # (an engine built earlier on the fixture's graph may have given it views already)
-        engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1), take_weights=take)
-        for name, q in before.items():
-            now = graph.constants[name]
-            for field in ("codes", "scales", "mins") if take else ("codes",):
-                mine, theirs = getattr(now, field), getattr(q, field)
-                assert not mine.flags.writeable and not np.shares_memory(mine, theirs), (name, field, take)
-            if not take:
-                assert now.scales is q.scales and now.mins is q.mins and q.scales.dtype == np.float16, name
-            _same_weight(now, q, name)
-        assert engine is not None
+    graph = replace(int4_lora, constants=dict(int4_lora.constants))
+    before = {k: v for k, v in _quantized(graph).items() if v.storage == "int4"}
+    assert before  # (an engine built earlier on the fixture's graph may have given it views already)
+    engine = MnnStageEngine(stage_spec(graph, 0, len(graph.blocks) - 1))
+    for name, q in before.items():
+        now = graph.constants[name]
+        for field in ("codes", "scales", "mins"):  # MNN's scales and offsets are float32: the same values
+            mine, theirs = getattr(now, field), getattr(q, field)
+            assert not mine.flags.writeable and not np.shares_memory(mine, theirs), (name, field)
+        _same_weight(now, q, name)
+    assert engine is not None
