@@ -64,6 +64,27 @@ def fused_backwards(actions: Sequence[Action]) -> list[Action]:
     return fused
 
 
+def sent_on_without_pause(actions: Sequence[Action]) -> list[Action]:
+    """The F and B actions of a stage's list whose result a neighbour waits for: a SEND of the same
+    micro-batch follows with only compute of that micro-batch between (`F.m SEND_ACT.m`, and on the
+    last stage `F.m B.m SEND_GRAD.m`). The executor runs nothing of its own between these and the
+    send (`StageExecutor.between`: a snapshot copy's chunks filed or shipped): the neighbour's wait,
+    and on a 2-stage pipeline the slowest stage's, would grow by it."""
+    held = []
+    for i, a in enumerate(actions):
+        if a.kind not in (ActionKind.F, ActionKind.B):
+            continue
+        for later in actions[i + 1:]:
+            if later.microbatch != a.microbatch:
+                break
+            if later.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
+                held.append(a)
+                break
+            if later.kind not in (ActionKind.F, ActionKind.B):
+                break
+    return held
+
+
 def busy_fraction(seconds: Mapping[str, float], wall_s: float) -> float:
     """The share of `wall_s` a stage spent computing, from its seconds per action kind (a worker's
     'done' report carries both); 0 when no time passed."""
@@ -124,6 +145,8 @@ class StageExecutor:
         # the B actions whose UPDATE follows them alone (`prepare`), run as the engine's
         # backward_and_step; `_stepped`: that UPDATE's step has been taken
         self._fused: frozenset[Action] = frozenset()
+        # the F and B actions whose result goes to a neighbour next (`prepare`): no `between` after them
+        self._sent_next: frozenset[Action] = frozenset()
         self._stepped = False
         self.stats = ExecutorStats()
         # the action being executed, kept when it raises: a worker's error report names it (`s1.B.m3`)
@@ -148,6 +171,10 @@ class StageExecutor:
         expected = Expected(kind=kind, stage=stage, microbatch=microbatch, name=name or None)
         if self.interrupt is None and self.between is None:
             return self.transport.recv_tensor(peer, expected, timeout=self.timeout)[1]
+        try:  # already here: taken before anything of `between`, which a neighbour would wait on
+            return self.transport.recv_tensor(peer, expected, timeout=0)[1]
+        except PeerTimeout:
+            pass
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         poll_at = time.monotonic() + POLL_S
         while True:
@@ -204,6 +231,7 @@ class StageExecutor:
         self.engine.row_gradients = True  # `_accumulate` sums them
         self._fused = frozenset(fused_backwards(actions)) if self.engine.steps_in_backward and not (
             split or self.tied) else frozenset()
+        self._sent_next = frozenset(sent_on_without_pause(actions))
 
     def run(self, actions: Sequence[Action]) -> ExecutorStats:
         self.prepare(actions)
@@ -278,7 +306,7 @@ class StageExecutor:
             raise ValueError(f"unknown action {action}")
         self.in_flight = None
         self.stats.add(kind.value, time.perf_counter() - t0)
-        if self.between is not None:
+        if self.between is not None and action not in self._sent_next:
             self.between()
 
     def forward_only(self, microbatches: int, end: int, until_block: int | None = None) -> None:
