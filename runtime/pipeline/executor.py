@@ -171,13 +171,13 @@ class StageExecutor:
         expected = Expected(kind=kind, stage=stage, microbatch=microbatch, name=name or None)
         if self.interrupt is None and self.between is None:
             return self.transport.recv_tensor(peer, expected, timeout=self.timeout)[1]
-        try:  # already here: taken before anything of `between`, which a neighbour would wait on
-            return self.transport.recv_tensor(peer, expected, timeout=0)[1]
-        except PeerTimeout:
-            pass
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         poll_at = time.monotonic() + POLL_S
         while True:
+            try:  # already here (or come while a chunk was filed): taken before anything of `between`
+                return self.transport.recv_tensor(peer, expected, timeout=0)[1]
+            except PeerTimeout:
+                pass
             due = self.between() if self.between is not None else None
             now = time.monotonic()
             wait = max(0.0, poll_at - now) if due is None else min(max(0.0, poll_at - now), due)
