@@ -341,7 +341,7 @@ def child_single_torch(M: int, steps: int) -> dict:
     return {"steps": rows, "rss_base_mb": rss_base, "peak_rss_mb": _rss_mb()}
 
 
-def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) -> dict:
+def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int, cuts=None) -> dict:
     torch = _torch_setup()
     import datetime
 
@@ -356,7 +356,7 @@ def child_torch_rank(M: int, stages: int, schedule: str, rank: int, steps: int) 
         batches = make_batches(steps + 1)
         model = _torch_model()
         n_blocks = len(model.bert.encoder.layer) + 3
-        first, last = stage_ranges(n_blocks, stages, None)[rank]
+        first, last = stage_ranges(n_blocks, stages, cuts)[rank]
         module = _torch_stage_module(model, first, last)
         del model
         import gc
@@ -432,7 +432,7 @@ def parse_config(spec: str) -> dict:
     return {"schedule": schedule, "engine": engines, "activations": acts, "policy": policy}
 
 
-def child_mnn_pipeline(model: str, M: int, stages: int, spec: str, steps: int) -> dict:
+def child_mnn_pipeline(model: str, M: int, stages: int, spec: str, steps: int, cuts=None) -> dict:
     """One Confidant configuration, this process its coordinator: every process's peak (VmHWM, setup
     included), the coordinator's too, and wall-clock steps."""
     from planner.onnx_import import load_model
@@ -441,24 +441,32 @@ def child_mnn_pipeline(model: str, M: int, stages: int, spec: str, steps: int) -
     c = parse_config(spec)
     graph = load_model(model, batch=BATCH // M, seq=SEQ)
     batches = make_batches(steps + 1)
+    from jobs.train.pipeline import stage_ranges
+
     r = run_mnn_pipeline(graph, batches, M, stages, c["schedule"], steps, engine=c["engine"],
-                         activations=c["activations"], variant=spec, policy=c["policy"])
+                         activations=c["activations"], variant=spec, policy=c["policy"],
+                         ranges=stage_ranges(len(graph.blocks), stages, cuts) if cuts else None)
     r["coordinator_peak_mb"] = peak_rss_bytes() / 2**20
     r["coordinator_imports_torch"] = "torch" in sys.modules  # a few hundred MB when it does
     return r
 
 
-def run_mnn_pipeline_apart(model: Path, M: int, stages: int, spec: str, steps: int, timeout: float) -> dict:
+def _cuts_args(cuts) -> list[str]:
+    return ["--compare-cuts", ",".join(map(str, cuts))] if cuts else []
+
+
+def run_mnn_pipeline_apart(model: Path, M: int, stages: int, spec: str, steps: int, timeout: float,
+                           cuts=None) -> dict:
     """`child_mnn_pipeline` in a child process: the coordinator's peak is its own."""
     r = _spawn(["--child", "mnn-pipeline", str(M), "--model", str(model), "--stages", str(stages),
-                "--schedule", spec, "--steps", str(steps)], timeout)
+                "--schedule", spec, "--steps", str(steps), *_cuts_args(cuts)], timeout)
     r["workers_peak_mb"] = list(r["peak_rss_mb"])
     r["peak_rss_mb"] = r["workers_peak_mb"] + [r["coordinator_peak_mb"]]  # the coordinator is a process too
     return r
 
 
 def compare(model: Path, M: int, stages: int, specs: list[str], rounds: int, steps: int, timeout: float,
-            skip_torch: bool = False) -> list[dict]:
+            skip_torch: bool = False, cuts=None) -> list[dict]:
     """Issue 31 target 5 and issue 32's throughput target, side by side: each Confidant configuration
     (coordinator counted as a process) and torch.distributed.pipelining's schedules on `stages`
     processes, alternating (A B A B ...) over `rounds`."""
@@ -473,9 +481,9 @@ def compare(model: Path, M: int, stages: int, specs: list[str], rounds: int, ste
             t = time.perf_counter()
             try:
                 if fw == "mnn":
-                    r = run_mnn_pipeline_apart(model, M, stages, s, steps, timeout)
+                    r = run_mnn_pipeline_apart(model, M, stages, s, steps, timeout, cuts)
                 else:
-                    r = run_torch_pipeline(M, stages, s, steps, timeout)
+                    r = run_torch_pipeline(M, stages, s, steps, timeout, cuts)
                 r["round"] = round_
                 r["load_avg"] = os.getloadavg()
                 results.append(r)
@@ -497,7 +505,9 @@ def compare_report(results: list[dict], M: int, stages: int, steps: int) -> str:
     out = [f"MiniLM batch {BATCH} x {SEQ}, {M} micro-batches, {stages} processes, 1 thread each, {steps} timed "
            f"steps (+1 warm-up), wall clock from a step's start to the next's (Confidant: snapshots of the default "
            f"fault policy included); best round of {max(r['round'] for r in results) + 1}; peaks are VmHWM, setup "
-           "included, Confidant's coordinator counted as a process (last)", ""]
+           "included, Confidant's coordinator counted as a process (last)",
+           "blocks per stage: " + "; ".join(sorted({f"{r['framework']} " + " | ".join(f"{a}-{b}" for a, b in r["ranges"])
+                                                   for r in results})), ""]
     rows = []
     best = {}
     for key, rs in by.items():
@@ -782,14 +792,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torch_pipeline(M: int, stages: int, schedule: str, steps: int, timeout: float) -> dict:
+def run_torch_pipeline(M: int, stages: int, schedule: str, steps: int, timeout: float, cuts=None) -> dict:
     env = _child_env()
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(stages)})
     procs = []
     with NoiseMeter() as noise:
         for rank in range(stages):
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "torch-rank", str(M), "--stages", str(stages),
-                   "--schedule", schedule, "--rank", str(rank), "--steps", str(steps)]
+                   "--schedule", schedule, "--rank", str(rank), "--steps", str(steps), *_cuts_args(cuts)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           env={**env, "RANK": str(rank)}))
         outs = []
@@ -1113,6 +1123,10 @@ def main(argv=None) -> int:
                          "against torch.distributed.pipelining's schedules on --compare-stages processes, --rounds "
                          "rounds alternating; wall-clock steps, every process's peak")
     ap.add_argument("--compare-stages", type=int, default=2, help="processes for --compare (default 2)")
+    ap.add_argument("--compare-cuts", default="", metavar="CUTS",
+                    help="--compare at these cuts (the first block of stages 2..p, comma-separated, e.g. '4': "
+                         "blocks 0-3 | 4-8), the same split for Confidant and for TDP's ranks (default: the even "
+                         "split of jobs.train.pipeline.stage_ranges, MiniLM's 0-4 | 5-8: 4 layers against 2)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "M"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--schedule", help=argparse.SUPPRESS)
@@ -1127,6 +1141,10 @@ def main(argv=None) -> int:
     if not 0 <= args.within_tdp:
         ap.error(f"--within-tdp: a fraction of TDP's largest rank, 0 or more (0 skips), not {args.within_tdp}")
 
+    try:
+        compare_cuts = [int(c) for c in args.compare_cuts.split(",") if c.strip()] or None
+    except ValueError:
+        ap.error(f"--compare-cuts: comma-separated block numbers, e.g. 4, not {args.compare_cuts!r}")
     if args.child:
         kind, M = args.child[0], int(args.child[1])
         if kind == "single-mnn":
@@ -1134,9 +1152,9 @@ def main(argv=None) -> int:
         elif kind == "single-torch":
             result = child_single_torch(M, args.steps)
         elif kind == "torch-rank":
-            result = child_torch_rank(M, args.stages, args.schedule, args.rank, args.steps)
+            result = child_torch_rank(M, args.stages, args.schedule, args.rank, args.steps, compare_cuts)
         elif kind == "mnn-pipeline":
-            result = child_mnn_pipeline(str(args.model), M, args.stages, args.schedule, args.steps)
+            result = child_mnn_pipeline(str(args.model), M, args.stages, args.schedule, args.steps, compare_cuts)
         else:
             ap.error(f"unknown child kind {kind}")
         sys.stdout.flush()
@@ -1165,7 +1183,7 @@ def main(argv=None) -> int:
             ap.error(f"--compare: {exc}")
         for M in mbs:
             results = compare(Path(model), M, args.compare_stages, specs, args.rounds, args.steps, args.timeout,
-                              args.skip_torch)
+                              args.skip_torch, compare_cuts)
             print(compare_report(results, M, args.compare_stages, args.steps) if results else "nothing measured")
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
