@@ -152,9 +152,9 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
     workers' engines, which hold the trained weights, so this process holds none of the model
     (issue 32: the coordinator's peak at most the largest worker's). The dev answers' perplexity:
     the dev rows forward only through the stages, the last returning each micro-batch's loss
-    (`tasks.causal_lm.evaluation.staged_nll`). Generation: greedy, one forward-only pass through the
-    stages up to the LM head per new token, that stage returning each row's next token
-    (`StagedGreedyLM`), at most `ANSWER_TOKENS` new tokens as `_generating`'s. `graph` is the
+    (`tasks.causal_lm.evaluation.staged_nll`). Generation: greedy, forward-only passes through the
+    stages up to the LM head, that stage returning each row's next token and the argmax at each
+    position of a drafted continuation (`StagedGreedyLM`: one or more tokens a pass), at most `ANSWER_TOKENS` new tokens as `_generating`'s. `graph` is the
     pipeline's (micro-batch rows). A worker lost or failing during it leaves the run trained and
     unevaluated, the reason in a note."""
     from jobs.train.causal_lm import ANSWER_TOKENS, lm_figures
@@ -173,6 +173,8 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
                                 training.seq, run.pad_id)
             scores = evaluate_instructions(lm, run.tokenizer, run.dev, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
                                            batch=max(1, len(run.dev)), perplexity=False)
+            reporter.note(f"generation on the workers: {lm.tokens} tokens in {lm.passes} passes "
+                          f"({lm.accepted} of {lm.drafted} drafted tokens kept)")
         except WorkerFailed as exc:
             reporter.note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
             return None

@@ -187,6 +187,7 @@ class StagedGreedyLM:
         self.draft, self.max_draft = draft, max(0, int(max_draft)) if draft is not None else 0
         self.passes = 0  # forward passes run (each over every unfinished row)
         self.drafted = self.accepted = 0  # drafted tokens fed, and those the argmax confirmed
+        self.tokens = 0  # tokens generated
 
     def generate(self, prompts: Sequence[Sequence[int]], settings: "GenerationSettings",
                  stop_ids: Sequence[int] = ()) -> list[list[int]]:
@@ -239,6 +240,7 @@ class StagedGreedyLM:
                     while len(new) <= len(draft) and new[-1] not in stop and new[-1] == draft[len(new) - 1]:
                         new.append(int(tokens[r, len(new)]))
                     self.accepted += len(new) - 1
+                    self.tokens += len(new)
                     out[i] += new
             active = [i for i in active
                       if out[i][-1] not in stop and len(out[i]) < settings.max_new_tokens

@@ -81,7 +81,7 @@ def test_the_stages_score_and_generate_as_onnx_runtime_and_one_engine_do(chat_ll
                                 feeds_of_step=lambda k: lm_step_feeds(k, ROWS, SEQ, 2, vocab=vocab),
                                 faults=FaultPolicy("stop"), after_training=evaluate)
     nll, generated, short, lm, drafted = result.after_training
-    assert lm.passes == NEW + 3 and result.after_training_s > 0
+    assert lm.passes == NEW + 3 and lm.tokens == len(prompts) * NEW + 3 and result.after_training_s > 0
 
     trained = {**graph.constants, **result.weights}
     reference = OnnxCausalLM(path, generation_weights(path, graph, trained, (), 1.0), threads=1)
