@@ -490,7 +490,7 @@ class TorchStageEngine(StageEngine):
         x_in = None if self.spec.activation_input is None else self._tensor(feeds[self.spec.activation_input])
         with torch.no_grad():
             hidden = self._run(inputs, x_in, dict(self._params), False, until_block, head_hidden=True)
-            rows = hidden[tuple(torch.from_numpy(i) for i in rows_at(positions))]
+            rows = hidden[tuple(torch.tensor(i) for i in rows_at(positions))]
             lm = self._lm
             if lm.weight in self._frozen:
                 logits = _FrozenQuantizedMatMul.apply(rows, self._frozen[lm.weight], lm.transposed)
