@@ -154,8 +154,8 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
     the dev rows forward only through the stages, the last returning each micro-batch's loss
     (`tasks.causal_lm.evaluation.staged_nll`). Generation: greedy, forward-only passes through the
     stages up to the LM head, that stage returning each row's next token and the argmax at each
-    position of a drafted continuation (`StagedGreedyLM`: one or more tokens a pass), at most `ANSWER_TOKENS` new tokens as `_generating`'s. `graph` is the
-    pipeline's (micro-batch rows). A worker lost or failing during it leaves the run trained and
+    position of a drafted continuation (`StagedGreedyLM`: one or more tokens a pass), at most
+    `ANSWER_TOKENS` new tokens as `_generating`'s. `graph` is the pipeline's (micro-batch rows). A worker lost or failing during it leaves the run trained and
     unevaluated, the reason in a note."""
     from jobs.train.causal_lm import ANSWER_TOKENS, lm_figures
     from runtime.pipeline.coordinator import WorkerFailed
