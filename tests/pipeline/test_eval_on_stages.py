@@ -131,18 +131,26 @@ def test_greedy_generation_through_stages_stops_at_a_stop_id_and_at_the_graphs_l
         lm.generate([[1]], GenerationSettings(temperature=0.5))
 
 
-@pytest.mark.parametrize("engine", ["mnn", "torch"])
-def test_an_engines_logits_at_chosen_positions_are_its_whole_logits_there(chat_llama, engine):
+@pytest.mark.parametrize("engine,base", [("mnn", "float32"), ("torch", "float32"), ("mnn", "int4"),
+                                         ("torch", "int4")])
+def test_an_engines_logits_at_chosen_positions_are_its_whole_logits_there(chat_llama, engine, base):
     """`StageEngine.logits_at` (what the LM head's stage argmaxes in generation on the workers): the
     logits of each row at its position, those of the whole [rows, S, V] output of
     `forward(until_block=head)`; MNN's head fused with its loss projects those rows only."""
     from planner.onnx_import import load_model
     from runtime.engines.factory import whole_model_engine
+    from runtime.engines.stage import fused_lm_head
     from tasks.causal_lm.task import CAUSAL_LM
     from support import lm_step_feeds
 
     path, _, _ = chat_llama
     graph = load_model(path, ROWS, SEQ, loss=CAUSAL_LM.loss)
+    if base == "int4":  # LoRA over a base held int4, the tied head among it (`--base-dtype int4`)
+        from ir.precision import QuantizedTensor
+        from planner.lora import LoraSettings, add_lora
+
+        graph, _ = add_lora(graph, LoraSettings(4, 8.0, targets=("q", "v"), base_dtype="int4"))
+        assert isinstance(graph.constants[fused_lm_head(graph, 0, len(graph.blocks) - 1).weight], QuantizedTensor)
     stage = whole_model_engine(graph, engine, 1, cache_activations=False)
     head = len(graph.blocks) - 2
     assert stage._lm is not None and stage._lm.head_index == head  # the fused path is the one tested
