@@ -43,7 +43,6 @@ def test_the_stages_score_and_generate_as_onnx_runtime_and_one_engine_do(chat_ll
     dev_rows = [LmExample.of(p + rng.integers(0, vocab, 6).tolist(), [False] * len(p) + [True] * 6) for p in prompts]
     settings = GenerationSettings(max_new_tokens=NEW)
     head = len(graph.blocks) - 2
-    seen = {}
 
     def evaluate(coordinator):
         nll = staged_nll(coordinator.forward_only, dev_rows, ROWS, SEQ)
