@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from tasks.causal_lm.generate import GenerationSettings
     from tasks.causal_lm.tokenizer import LmTokenizer
 
-__all__ = ["InstructionScores", "StagedGreedyLM", "dev_perplexity", "engine_nll", "evaluate_instructions",
-           "generated_answers", "ranged_nll", "staged_nll"]
+__all__ = ["InstructionScores", "StagedGreedyLM", "answer_index", "dev_perplexity", "engine_nll",
+           "evaluate_instructions", "generated_answers", "lookup_draft", "ranged_nll", "staged_nll"]
 
 
 @dataclass(frozen=True)
@@ -140,20 +140,38 @@ def staged_nll(forward_loss, rows_of_dev: Sequence, rows: int, seq: int, pad_id:
     return total
 
 
-def lookup_draft(sequence: Sequence[int], limit: int, longest: int = 3) -> list[int]:
+def answer_index(answers: Sequence[Sequence[int]], longest: int = 3, follow: int = 16
+                 ) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Each n-gram (n = 1..`longest`) of `answers` (token lists: the training rows' answers) and the
+    `follow` tokens after its first occurrence: `lookup_draft`'s second source, the skeleton a
+    fine-tuned model's answers share (the entity task's JSON keys and brackets, which its prompts
+    do not hold)."""
+    index: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for answer in answers:
+        a = [int(t) for t in answer]
+        for n in range(1, longest + 1):
+            for start in range(len(a) - n):
+                index.setdefault(tuple(a[start:start + n]), tuple(a[start + n:start + n + follow]))
+    return index
+
+
+def lookup_draft(sequence: Sequence[int], limit: int, longest: int = 3,
+                 index: dict[tuple[int, ...], tuple[int, ...]] | None = None) -> list[int]:
     """Prompt-lookup drafting: the tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens (n = `longest` down to 1), at most `limit` of them; [] when none
-    recurs. A guess only (`StagedGreedyLM` keeps what the model's own argmax confirms), and a good
-    one where the answer copies its prompt (the entity task's JSON lists names from the sentence) or
-    repeats itself."""
+    sequence's last n tokens (n = `longest` down to 1), else, with `index` (`answer_index`), those
+    that followed them in an answer, at most `limit` of them; [] when none recurs. A guess only
+    (`StagedGreedyLM` keeps what the model's own argmax confirms), and a good one where the answer
+    copies its prompt (the entity task's JSON lists names from the sentence) or repeats itself."""
     if limit <= 0:
         return []
     seq = list(sequence)
-    for n in range(min(longest, len(seq) - 1), 0, -1):
+    for n in range(min(longest, len(seq)), 0, -1):
         tail = seq[-n:]
         for start in range(len(seq) - n - 1, -1, -1):
             if seq[start:start + n] == tail:
                 return seq[start + n:start + n + limit]
+        if index is not None and tuple(tail) in index:
+            return list(index[tuple(tail)][:limit])
     return []
 
 

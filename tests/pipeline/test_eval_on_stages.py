@@ -187,7 +187,7 @@ def test_a_drafted_continuation_gives_the_tokens_of_one_pass_a_token_in_fewer_pa
     the row are checked at their positions, the tokens those of one pass a token, in fewer passes;
     a stop id inside an accepted draft ends the row there, and no row passes max_new_tokens or the
     graph's length."""
-    from tasks.causal_lm.evaluation import StagedGreedyLM, lookup_draft
+    from tasks.causal_lm.evaluation import StagedGreedyLM, answer_index, lookup_draft
     from tasks.causal_lm.generate import GenerationSettings
 
     def next_tokens(feeds, positions):
@@ -210,3 +210,16 @@ def test_a_drafted_continuation_gives_the_tokens_of_one_pass_a_token_in_fewer_pa
     assert one.generate(prompts, settings)[0] == [1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]  # the graph's 16 positions
     assert drafted.accepted > 0 and drafted.passes < one.passes
     assert lookup_draft([5, 1, 2, 7, 1, 2], 3) == [7, 1, 2] and lookup_draft([1, 2, 3], 4) == []
+    # the training answers' n-grams as a second source: the row's own occurrence first, then the
+    # longest n-gram an answer holds
+    index = answer_index([[8, 1, 2, 6, 6], [2, 9]])
+    assert lookup_draft([1, 2], 4, index=index) == [6, 6] and lookup_draft([4, 2], 1, index=index) == [6]
+    assert lookup_draft([4, 9, 2], 4, index=index) == [6, 6] and lookup_draft([1, 2, 9], 4, index=index) == []
+    assert lookup_draft([2, 5, 1, 2], 4, index=index) == [6, 6] and lookup_draft([2, 5, 2], 4, index=index) == [5, 2]
+    answers = answer_index([[2, 3, 0, 1, 2, 3, 0, 1]])
+    with_answers = StagedGreedyLM(next_tokens, rows=2, seq=16,
+                                  draft=lambda sq, limit: lookup_draft(sq, limit, index=answers))
+    own = StagedGreedyLM(next_tokens, rows=2, seq=16)
+    eight = GenerationSettings(max_new_tokens=8)
+    assert own.generate([[2]], eight) == with_answers.generate([[2]], eight) == [[3, 0, 1, 2, 3, 0, 1, 2]]
+    assert with_answers.passes == 1 < own.passes
