@@ -22,6 +22,10 @@ from jobs.common.settings import TrainingSettings
 from jobs.common.task_choice import check_graph, task_for
 from tasks.task import Task
 
+# training rows whose answers a causal LM's generation on the workers drafts from (`answer_index`):
+# enough for a task's answer skeleton, a bounded index however large the training set
+ANSWER_ROWS = 256
+
 
 @dataclass(frozen=True)
 class PipelineTask:
@@ -152,14 +156,16 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
     workers' engines, which hold the trained weights, so this process holds none of the model
     (issue 32: the coordinator's peak at most the largest worker's). The dev answers' perplexity:
     the dev rows forward only through the stages, the last returning each micro-batch's loss
-    (`tasks.causal_lm.evaluation.staged_nll`). Generation: greedy, one forward-only pass through the
-    stages up to the LM head per new token, that stage returning each row's next token
-    (`StagedGreedyLM`), at most `ANSWER_TOKENS` new tokens as `_generating`'s. `graph` is the
-    pipeline's (micro-batch rows). A worker lost or failing during it leaves the run trained and
-    unevaluated, the reason in a note."""
+    (`tasks.causal_lm.evaluation.staged_nll`). Generation: greedy, forward-only passes through the
+    stages up to the LM head, that stage returning each row's next token and the argmax at each
+    position of a drafted continuation (`StagedGreedyLM`: one or more tokens a pass), at most
+    `ANSWER_TOKENS` new tokens as `_generating`'s, drafts from the row and from the first
+    `ANSWER_ROWS` training answers. `graph` is the pipeline's (micro-batch rows). A worker lost or
+    failing during it leaves the run trained and unevaluated, the reason in a note."""
     from jobs.train.causal_lm import ANSWER_TOKENS, lm_figures
     from runtime.pipeline.coordinator import WorkerFailed
-    from tasks.causal_lm.evaluation import StagedGreedyLM, evaluate_instructions, staged_nll
+    from tasks.causal_lm.evaluation import (StagedGreedyLM, answer_index, evaluate_instructions, lookup_draft,
+                                            staged_nll)
     from tasks.causal_lm.generate import GenerationSettings
 
     rows, head = graph.batch, len(graph.blocks) - 2  # the LM head's block: the loss is the last
@@ -169,10 +175,16 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
             return None
         try:
             nll = staged_nll(coordinator.forward_only, run.dev_rows, rows, training.seq, run.pad_id)
+            # drafts also from the training rows' answers (the first ANSWER_ROWS): the skeleton a
+            # fine-tuned model's answers share, which its prompts do not hold
+            index = answer_index([np.asarray(r.ids)[np.asarray(r.counted)] for r in run.train[:ANSWER_ROWS]])
             lm = StagedGreedyLM(lambda feeds, at: coordinator.forward_only(feeds, at, until_block=head), rows,
-                                training.seq, run.pad_id)
+                                training.seq, run.pad_id,
+                                draft=lambda sequence, limit: lookup_draft(sequence, limit, index=index))
             scores = evaluate_instructions(lm, run.tokenizer, run.dev, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
                                            batch=max(1, len(run.dev)), perplexity=False)
+            reporter.note(f"generation on the workers: {lm.tokens} tokens in {lm.passes} passes "
+                          f"({lm.accepted} of {lm.drafted} drafted tokens kept)")
         except WorkerFailed as exc:
             reporter.note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
             return None

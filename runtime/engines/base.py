@@ -97,6 +97,12 @@ class StageGradients:
     activation_input: np.ndarray | None
 
 
+def rows_at(positions) -> tuple[np.ndarray, np.ndarray]:
+    """The index of each row's positions (int [rows] or [rows, k]) into a [rows, S, ...] array."""
+    at = np.asarray(positions, np.int64)
+    return np.arange(at.shape[0]).reshape((-1,) + (1,) * (at.ndim - 1)), at
+
+
 class StageEngine(ABC):
     spec: StageSpec
     # Set by the executor when the plan's schedule splits backwards into B and W (zero-bubble
@@ -119,12 +125,14 @@ class StageEngine(ABC):
         head's logits for evaluation."""
 
     def logits_at(self, feeds: Mapping[str, np.ndarray], until_block: int, positions: np.ndarray) -> np.ndarray:
-        """float32 [rows, V]: block `until_block`'s output (the LM head's logits) of each row at its
-        position `positions[row]`, an inference forward (evaluation: greedy generation on a pipeline's
-        workers). By default the forward's whole [rows, S, V] output, then those rows; an engine that
-        fuses the head with its loss computes the logits of those positions only."""
+        """float32 [rows, V] (or [rows, k, V]): block `until_block`'s output (the LM head's logits) of
+        each row at its position `positions[row]` (int [rows]; or its k positions, int [rows, k]: a
+        greedy generation checking a drafted continuation), an inference forward (evaluation: greedy
+        generation on a pipeline's workers). By default the forward's whole [rows, S, V] output, then
+        those rows; an engine that fuses the head with its loss computes the logits of those
+        positions only."""
         out = np.asarray(self.forward(feeds, train=False, until_block=until_block))
-        return np.array(out[np.arange(len(positions)), positions], np.float32)
+        return np.array(out[rows_at(positions)], np.float32)
 
     @abstractmethod
     def backward(self, microbatch: int, grad_output: np.ndarray | None = None) -> StageGradients:

@@ -41,7 +41,8 @@ from ir.graph import Block, Node
 from ir.precision import QuantizedTensor
 from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
-from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, add_gradient, own_array
+from runtime.engines.base import (RowGradient, StageEngine, StageGradients, accumulate, add_gradient, own_array,
+                                  rows_at)
 from runtime.engines.stage import FusedLmHead, StageSpec, fused_lm_head, host_values, looked_up_only
 from runtime.procfs import release_free_heap
 
@@ -700,8 +701,8 @@ class MnnStageEngine(StageEngine):
         # the head fused with its loss: its projection of the chosen positions only ([rows, V], not
         # [rows, S, V]: a micro-batch of SmolLM2 at 128 positions is 24 MiB of logits a row)
         hidden = self.forward(feeds, train=False, until_block=until_block, _hidden=True)
-        rows = np.asarray(hidden)[np.arange(len(positions)), np.asarray(positions)]
-        return self._slots[0][-1].logits(rows)
+        rows = np.asarray(hidden)[rows_at(positions)]
+        return self._slots[0][-1].logits(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], -1)
 
     def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None,
                 _hidden: bool = False) -> np.ndarray:

@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from ir.graph import Node, use_def
 from ir.precision import QuantizedTensor
 from runtime.engines.attention_sites import AttentionUnit, attention_units
-from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array
+from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array, rows_at
 from runtime.engines.lm_loss import chunk_rows, quantized_linear_cross_entropy
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_up_only
 from runtime.optim import AdamW, AdamWStep
@@ -481,6 +481,24 @@ class TorchStageEngine(StageEngine):
                 self._saved[microbatch] = (x_in, out, params, deferral)
         return out.detach().cpu().numpy().astype(np.float32 if self.dtype == torch.float32 else np.float64)
 
+    def logits_at(self, feeds, until_block: int, positions) -> np.ndarray:
+        if self._lm is None or until_block != self._lm.head_index:
+            return super().logits_at(feeds, until_block, positions)
+        # the head's projection of the chosen positions only: [rows, V] (or [rows, k, V]), never the
+        # [rows, S, V] logits (SmolLM2 at 128 positions: 24 MiB a row)
+        inputs = {k: self._tensor(v) for k, v in host_values(self.spec, feeds).items()}
+        x_in = None if self.spec.activation_input is None else self._tensor(feeds[self.spec.activation_input])
+        with torch.no_grad():
+            hidden = self._run(inputs, x_in, dict(self._params), False, until_block, head_hidden=True)
+            rows = hidden[tuple(torch.tensor(i) for i in rows_at(positions))]
+            lm = self._lm
+            if lm.weight in self._frozen:
+                logits = _FrozenQuantizedMatMul.apply(rows, self._frozen[lm.weight], lm.transposed)
+            else:
+                w = self._params[lm.weight] if lm.weight in self._params else self._consts[lm.weight]
+                logits = rows @ (w.t() if lm.transposed else w)
+        return logits.cpu().numpy().astype(np.float32)
+
     def _deferral(self) -> tuple | None:
         """(anchor, sink, deferred names) for a training forward whose weight gradients a split
         backward computes later; None when backwards are not split."""
@@ -490,11 +508,13 @@ class TorchStageEngine(StageEngine):
 
     def _run(self, inputs: Mapping[str, torch.Tensor], x_in: torch.Tensor | None, params: Mapping[str, torch.Tensor],
              train: bool, until_block: int | None, deferral: tuple | None = None,
-             lookups: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+             lookups: dict[str, torch.Tensor] | None = None, head_hidden: bool = False) -> torch.Tensor:
         """The stage's forward from its host values, activation input and weight tensors. With a
         `deferral`, every projection by a trainable 2-D weight runs as `_DeferredLinear`. With
         `lookups`, the lookups of the tables stepped in place: a forward without gradients keeps
-        their rows there (by lookup node), one with gradients replays them (`_ReplayedLookup`)."""
+        their rows there (by lookup node), one with gradients replays them (`_ReplayedLookup`).
+        `head_hidden` (with `until_block` the fused LM head's block): the head's input, its
+        projection left out."""
         env: dict[str, torch.Tensor] = dict(inputs)
         if x_in is not None:
             x_in.requires_grad_(train)
@@ -517,6 +537,8 @@ class TorchStageEngine(StageEngine):
                 for node in self.spec.compute_nodes:
                     if node.name in stop_after:
                         break
+                    if head_hidden and node.name == self._lm.matmul.name:
+                        return env[self._lm.hidden]
                     self._node(node, env, params, train, deferral, lookups, fused)
         return env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
 

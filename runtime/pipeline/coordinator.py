@@ -513,7 +513,8 @@ class Coordinator:
         stages (worker `eval_forward`, `StageExecutor.forward_only`). Without `until_block`: each
         micro-batch's loss (float), from the last stage. With `until_block` (the LM head's block)
         and `positions` (per micro-batch, int64 [rows]: the position of each row whose next token
-        is wanted): each micro-batch's greedy next tokens (int64 [rows]) from the stage holding
+        is wanted, or [rows, k]: k positions a row): each micro-batch's greedy next tokens (int64
+        [rows], or [rows, k]) from the stage holding
         that block; the stages after it take no part. Call between steps (no step in flight)."""
         n = len(microbatch_feeds)
         if n == 0:

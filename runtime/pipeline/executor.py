@@ -317,7 +317,8 @@ class StageExecutor:
         None (a causal LM's perplexity) it sends the coordinator each micro-batch's loss
         ("eval_loss", float64 [1]); with `until_block` (the LM head's block) it stops there and
         sends the greedy next token of each row at the position the coordinator names for it
-        ("eval_at", int64 [rows] -> "eval_next", int64 [rows]): the logits never leave the stage.
+        ("eval_at", int64 [rows] -> "eval_next", int64 [rows]; or at k positions a row, [rows, k] ->
+        [rows, k]: a drafted continuation checked in one pass): the logits never leave the stage.
         Stages after `end` take no part."""
         if not (0 <= self.stage <= end < self.stages):
             raise ValueError(f"stage {self.stage}: an evaluation pass ending at stage {end} of {self.stages}")
@@ -337,7 +338,8 @@ class StageExecutor:
             else:
                 at = np.asarray(self._recv(COORDINATOR, "eval_at", -1, m), np.int64)
                 rows, seq = self.engine.spec.graph.batch, self.engine.spec.graph.seq
-                if at.shape != (rows,) or at.min(initial=0) < 0 or at.max(initial=0) >= seq:
+                if (at.ndim not in (1, 2) or at.shape[0] != rows or at.size > rows * seq or at.min(initial=0) < 0
+                        or at.max(initial=0) >= seq):
                     raise ValueError(f"stage {self.stage}: eval_at {at.tolist()[:8]} for {rows} rows of {seq} "
                                      f"positions")
                 picked = self.engine.logits_at(feeds, until_block, at).argmax(axis=-1).astype(np.int64)

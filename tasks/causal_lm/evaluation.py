@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from tasks.causal_lm.generate import GenerationSettings
     from tasks.causal_lm.tokenizer import LmTokenizer
 
-__all__ = ["InstructionScores", "StagedGreedyLM", "dev_perplexity", "engine_nll", "evaluate_instructions",
-           "generated_answers", "ranged_nll", "staged_nll"]
+__all__ = ["InstructionScores", "StagedGreedyLM", "answer_index", "dev_perplexity", "engine_nll",
+           "evaluate_instructions", "generated_answers", "lookup_draft", "ranged_nll", "staged_nll"]
 
 
 @dataclass(frozen=True)
@@ -140,23 +140,72 @@ def staged_nll(forward_loss, rows_of_dev: Sequence, rows: int, seq: int, pad_id:
     return total
 
 
+def answer_index(answers: Sequence[Sequence[int]], longest: int = 3, follow: int = 16
+                 ) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Each n-gram (n = 1..`longest`) of `answers` (token lists: the training rows' answers) and the
+    `follow` tokens after its first occurrence: `lookup_draft`'s second source, the skeleton a
+    fine-tuned model's answers share (the entity task's JSON keys and brackets, which its prompts
+    do not hold)."""
+    index: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for answer in answers:
+        a = [int(t) for t in answer]
+        for n in range(1, longest + 1):
+            for start in range(len(a) - n):
+                index.setdefault(tuple(a[start:start + n]), tuple(a[start + n:start + n + follow]))
+    return index
+
+
+def lookup_draft(sequence: Sequence[int], limit: int, longest: int = 3,
+                 index: dict[tuple[int, ...], tuple[int, ...]] | None = None) -> list[int]:
+    """Prompt-lookup drafting: the tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens (n = `longest` down to 1), else, with `index` (`answer_index`), those
+    that followed them in an answer, at most `limit` of them; [] when none recurs. A guess only
+    (`StagedGreedyLM` keeps what the model's own argmax confirms), and a good one where the answer
+    copies its prompt (the entity task's JSON lists names from the sentence) or repeats itself."""
+    if limit <= 0:
+        return []
+    seq = list(sequence)
+    for n in range(min(longest, len(seq)), 0, -1):
+        tail = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == tail:
+                return seq[start + n:start + n + limit]
+        if index is not None and tuple(tail) in index:
+            return list(index[tuple(tail)][:limit])
+    return []
+
+
 class StagedGreedyLM:
     """Greedy generation through a forward of fixed shape (a pipeline's stages, lowered at `rows` x
-    `seq`): each new token is one forward-only pass of every unfinished row's whole sequence, right
+    `seq`): each pass is one forward-only pass of every unfinished row's whole sequence, right
     padded to `seq` (the causal mask keeps the padding out of every position before it), `rows` rows
     a micro-batch; `next_tokens(feeds per micro-batch, positions per micro-batch)` returns each
-    row's highest-logit token at its position (the first one on a tie, as numpy's and torch's
-    argmax pick), computed where the logits are (the stage holding the LM head). With the same
-    weights, the tokens of ONNX Runtime's greedy generation (`tasks.causal_lm.generate`), computed
-    again over the whole sequence instead of from a key/value cache (quadratic in the length).
+    row's highest-logit token at each of its positions (int64 [rows, k] for positions [rows, k]; the
+    first one on a tie, as numpy's and torch's argmax pick), computed where the logits are (the
+    stage holding the LM head). With the same weights, the tokens of ONNX Runtime's greedy
+    generation (`tasks.causal_lm.generate`), computed again over the whole sequence instead of from
+    a key/value cache.
+
+    The graph's positions past a row's last token are otherwise padding, so a pass fills them with a
+    drafted continuation (`draft(sequence, limit) -> tokens`, by default `lookup_draft`: copied from
+    earlier in the sequence, at most `max_draft` tokens) and reads the argmax at the row's last
+    position and at each drafted one: the causal mask makes the argmax at a drafted position the
+    greedy token after the sequence up to it, so the drafted tokens are kept while they equal the
+    argmax before them, and the argmax after the last kept one is one more token (speculative
+    decoding checked by the model itself). A pass gives each row 1 to 1 + its draft's length
+    tokens, the same ones a pass per token would give; a wrong draft costs only the head's
+    projection at its positions. `draft=None`: one token a pass.
 
     A row stops at a stop id (kept), after `max_new_tokens`, or when it fills `seq` positions (no
     position past the graph's exists): a conversation that fits `seq` fits its reference answer,
     so only an answer longer than that is cut. `generate` is what `generated_answers` calls."""
 
-    def __init__(self, next_tokens, rows: int, seq: int, pad_id: int = 0):
+    def __init__(self, next_tokens, rows: int, seq: int, pad_id: int = 0, draft=lookup_draft, max_draft: int = 16):
         self.next_tokens, self.rows, self.seq, self.pad_id = next_tokens, rows, seq, pad_id
+        self.draft, self.max_draft = draft, max(0, int(max_draft)) if draft is not None else 0
         self.passes = 0  # forward passes run (each over every unfinished row)
+        self.drafted = self.accepted = 0  # drafted tokens fed, and those the argmax confirmed
+        self.tokens = 0  # tokens generated
 
     def generate(self, prompts: Sequence[Sequence[int]], settings: "GenerationSettings",
                  stop_ids: Sequence[int] = ()) -> list[list[int]]:
@@ -169,10 +218,16 @@ class StagedGreedyLM:
             raise ValueError("an empty prompt: give at least one token (a bos token, for a raw start)")
         stop = {int(s) for s in stop_ids}
         out: list[list[int]] = [[] for _ in prompts]
-        active = [i for i, p in enumerate(prompts) if len(p) < self.seq]
-        for _ in range(settings.max_new_tokens):
-            if not active:
-                break
+        active = [i for i, p in enumerate(prompts) if len(p) < self.seq] if settings.max_new_tokens else []
+        while active:
+            drafts = {}
+            for i in active:
+                sequence = prompts[i] + out[i]
+                # room for the draft and the token after it: both within `seq` and max_new_tokens
+                room = min(self.seq - len(sequence), settings.max_new_tokens - len(out[i])) - 1
+                limit = min(room, self.max_draft)
+                drafts[i] = [int(t) for t in self.draft(sequence, limit)][:limit] if limit > 0 else []
+            k = 1 + max(len(d) for d in drafts.values())
             feeds, positions, groups = [], [], []
             for lo in range(0, len(active), self.rows):
                 group = active[lo:lo + self.rows]
@@ -180,12 +235,14 @@ class StagedGreedyLM:
                 filled = group + [group[0]] * (self.rows - len(group))
                 ids = np.full((self.rows, self.seq), self.pad_id, np.int64)
                 mask = np.zeros((self.rows, self.seq), np.int64)
-                at = np.zeros(self.rows, np.int64)
+                at = np.zeros((self.rows, k), np.int64)
                 for r, i in enumerate(filled):
-                    row = prompts[i] + out[i]
+                    row = prompts[i] + out[i] + drafts[i]
                     ids[r, :len(row)] = row
                     mask[r, :len(row)] = 1
-                    at[r] = len(row) - 1
+                    last = len(prompts[i]) + len(out[i]) - 1
+                    # the row's last position, then each drafted one (a shorter draft repeats its last)
+                    at[r] = np.minimum(last + np.arange(k), last + len(drafts[i]))
                 zeros = np.zeros_like(ids)
                 feeds.append(lm_feeds(LmBatch(ids, mask, zeros, zeros.copy(), 0)))
                 positions.append(at)
@@ -193,8 +250,17 @@ class StagedGreedyLM:
             picked = self.next_tokens(feeds, positions)
             self.passes += 1
             for group, tokens in zip(groups, picked):
+                tokens = np.asarray(tokens).reshape(self.rows, k)
                 for r, i in enumerate(group):
-                    out[i].append(int(tokens[r]))
+                    draft = drafts[i]
+                    self.drafted += len(draft)
+                    new = [int(tokens[r, 0])]
+                    while len(new) <= len(draft) and new[-1] not in stop and new[-1] == draft[len(new) - 1]:
+                        new.append(int(tokens[r, len(new)]))
+                    self.accepted += len(new) - 1
+                    self.tokens += len(new)
+                    out[i] += new
             active = [i for i in active
-                      if out[i][-1] not in stop and len(prompts[i]) + len(out[i]) < self.seq]
+                      if out[i][-1] not in stop and len(out[i]) < settings.max_new_tokens
+                      and len(prompts[i]) + len(out[i]) < self.seq]
         return out
