@@ -199,13 +199,22 @@ class _FrozenWeight:
         if q.storage == "bfloat16":
             stored = c.view(torch.bfloat16).to(self.dtype)
         else:
-            if q.storage == "int4":
-                c = torch.stack((c & 0x0F, c >> 4), dim=-1)
             rows = c.shape[0]
-            stored = (c.reshape(rows, -1, q.block).to(self.dtype) * self._scales.to(self.dtype)[:, :, None])
+            if q.storage == "int4":
+                # each nibble cast straight into its place in the one float array (lower first), where
+                # stacking them as bytes and casting that made two more weight-sized arrays: a SmolLM2
+                # MLP weight 1.39 -> 0.88 ms, a third of the int4 product's widening (MEMORY_NOTES, h45)
+                stored = torch.empty((rows, c.shape[1], 2), dtype=self.dtype)
+                stored[:, :, 0] = c & 0x0F
+                stored[:, :, 1] = c >> 4
+            else:
+                stored = c.to(self.dtype, memory_format=torch.contiguous_format)
+            # q * d (+ m) in place: the same two roundings as before, so the same bits
+            blocks = stored.view(rows, -1, q.block)
+            blocks.mul_(self._scales.to(self.dtype)[:, :, None])
             if self._mins is not None:
-                stored += self._mins.to(self.dtype)[:, :, None]
-            stored = stored.reshape(rows, -1)[:, :q.cols]
+                blocks.add_(self._mins.to(self.dtype)[:, :, None])
+            stored = blocks.view(rows, -1)[:, :q.cols]
         return stored if q.axis == 1 else stored.t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
