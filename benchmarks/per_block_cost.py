@@ -21,6 +21,11 @@ What it measures
     python benchmarks/per_block_cost.py [--steps 2] [--passes 2] [--modes recompute,per-block,per-block+6,recompute@int4]
                                         [--base-dtype int4]
     python benchmarks/per_block_cost.py --child per-block+6 --steps 2      (one mode's child alone: JSON)
+
+    A mode may name the PyTorch engine ("torch:per-block", "torch:per-block@int4"); the ``x float32``
+    column is each ``@int4``/``@int8`` mode's CPU seconds over the same mode's float32 run where it
+    ran too (issue 31 target 6). ``PER_BLOCK_COST_PROFILE=FILE`` with ``--child`` writes a cProfile of
+    the timed steps.
 """
 from __future__ import annotations
 
@@ -41,10 +46,17 @@ DEFAULT_MODES = "recompute,per-block,per-block+4,per-block+6,per-block+10"
 
 def parse_mode(mode: str) -> tuple[str, int, str | None]:
     """("recompute"|"keep"|"per-block", cached blocks, base dtype or None) of a mode's name
-    ("per-block+6": 6 cached; "recompute@int4": the base held int4, whatever --base-dtype says)."""
+    ("per-block+6": 6 cached; "recompute@int4": the base held int4, whatever --base-dtype says;
+    an engine prefix, "torch:per-block@int4", is `mode_engine`'s)."""
+    mode = mode.partition(":")[2] if ":" in mode else mode
     mode, _, dtype = mode.partition("@")
     name, _, cached = mode.partition("+")
     return name, int(cached or 0), dtype or None
+
+
+def mode_engine(mode: str) -> str:
+    """The engine a mode runs on: "mnn" unless it says "torch:" before its activations."""
+    return mode.partition(":")[0] if ":" in mode else "mnn"
 
 
 def child(mode: str, steps: int, base_dtype: str) -> dict:
@@ -65,17 +77,25 @@ def child(mode: str, steps: int, base_dtype: str) -> dict:
     feeds = _lm_feeds(model)
     settings = dataclasses.replace(_lm_lora(RANK), base_dtype=dtype or base_dtype)
     graph = adapted(load_model(model, LM_BATCH // M, LM_SEQ, loss="causal-lm"), settings)
-    engine = make_engine("mnn:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations,
+    engine = make_engine(f"{mode_engine(mode)}:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations,
                          cached_blocks=cached)
     opt = make_optimizer("adamw", LR)
     engine_step(engine, feeds, opt)  # warm-up: graphs planned, caches primed
     setup = _setup_done()
     wall, cpu, losses = [], [], []
+    profiler = None
+    if os.environ.get("PER_BLOCK_COST_PROFILE"):  # a cProfile of the timed steps, to that file
+        import cProfile
+        profiler = cProfile.Profile(time.process_time)  # CPU seconds, as the step's figure
+        profiler.enable()
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         losses.append(engine_step(engine, feeds, opt))
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.environ["PER_BLOCK_COST_PROFILE"])
     return {"mode": mode, "step_s": min(wall), "cpu_s": min(cpu), "train_mib": _peak_mib(),
             "peak_mib": max(setup, _peak_mib()), "setup_mib": setup, "losses": losses}
 
@@ -110,20 +130,28 @@ def main() -> None:
             row = _run_child(mode, args.steps, args.base_dtype)
             row["pass"] = p
             runs.append(row)
-            print(f"pass {p} {mode:>16}: step {row['step_s']:.2f} s, cpu {row['cpu_s']:.2f} s, train "
+            print(f"pass {p} {mode:>22}: step {row['step_s']:.2f} s, cpu {row['cpu_s']:.2f} s, train "
                   f"{row['train_mib']:.0f} MiB, peak {row['peak_mib']:.0f} MiB, load {os.getloadavg()[0]:.2f}",
                   file=sys.stderr, flush=True)
             if mode not in best or row["cpu_s"] < best[mode]["cpu_s"]:
                 best[mode] = row
     base = best.get("recompute")
+    # each mode also against its own engine's and activations' float32 run where there is one
+    # (torch:per-block@int4 against torch:per-block): issue 31 target 6's ratio
+    def float_twin(mode: str) -> dict | None:
+        twin = mode.partition("@")[0]
+        return best.get(twin) if twin != mode else None
     print(f"SmolLM2 LoRA r={RANK}, base {args.base_dtype}, one device, MNN, best of {args.passes} passes x "
           f"{args.steps} steps; load average {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':>16} {'step s':>7} {'cpu s':>7} {'x recompute':>11} {'train MiB':>9} {'peak MiB':>8}  losses")
+    print(f"{'mode':>22} {'step s':>7} {'cpu s':>7} {'x recompute':>11} {'x float32':>9} {'train MiB':>9} "
+          f"{'peak MiB':>8}  losses")
     for mode in modes:
         r = best[mode]
         ratio = f"{r['cpu_s'] / base['cpu_s']:.2f}x" if base else "-"
-        print(f"{mode:>16} {r['step_s']:7.2f} {r['cpu_s']:7.2f} {ratio:>11} {r['train_mib']:9.0f} {r['peak_mib']:8.0f}  "
-              + ", ".join(f"{x:.5f}" for x in r["losses"]))
+        twin = float_twin(mode)
+        own = f"{r['cpu_s'] / twin['cpu_s']:.2f}x" if twin else "-"
+        print(f"{mode:>22} {r['step_s']:7.2f} {r['cpu_s']:7.2f} {ratio:>11} {own:>9} {r['train_mib']:9.0f} "
+              f"{r['peak_mib']:8.0f}  " + ", ".join(f"{x:.5f}" for x in r["losses"]))
     if args.json:
         args.json.write_text(json.dumps({"best": best, "runs": runs}, indent=1))
 

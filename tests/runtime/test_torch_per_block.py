@@ -125,3 +125,44 @@ def test_a_per_block_torch_stage_holds_a_fraction_of_the_activations_keeping_hol
     # inputs of the embedding lookup, the head's norm and the fused loss, a few hidden states
     assert kept > 20 * hidden
     assert per_block < 6 * hidden, (per_block / hidden, kept / hidden)
+
+
+def test_an_int4_base_per_block_widens_each_weight_once_a_backward_with_keepings_gradients(tiny_llama, monkeypatch):
+    """Issue 31 target 6's cost: per block, the forward's re-run inside a block's backward widens each
+    int4 weight and its product's backward takes that widening (saved under the checkpoint, dropped
+    as each product's backward ends), so a micro-batch widens a product's weight twice (forward and
+    re-run), as keeping does where the product's input needs a gradient (forward and backward), not
+    three times. The gradients stay keeping's, bit
+    for bit, and the loss too."""
+    from planner.lora import LoraSettings, add_lora
+    from runtime.engines import pytorch as engine_module
+
+    _, path, base = tiny_llama
+    graph, _ = add_lora(base, LoraSettings(4, 8.0, ("q", "k", "v", "o"), (), base_dtype="int4"))
+    spec = stage_spec(graph, 0, len(graph.blocks) - 1)
+    feeds = lm_step_feeds(0, B, S, 1, vocab=VOCAB)[0]
+    widened: list[int] = []
+    widen = engine_module._FrozenWeight.widen
+
+    def counted(self):
+        widened.append(id(self))
+        return widen(self)
+
+    monkeypatch.setattr(engine_module._FrozenWeight, "widen", counted)
+    runs = {}
+    for mode in ("keep", "per-block"):
+        widened.clear()
+        engine = make_engine("torch:cpu:t1", spec, activations=mode)
+        loss = float(engine.forward(feeds, 0))
+        grads = engine.backward(0).params
+        products = {name: id(w) for name, w in engine._frozen.items() if w.q.storage == "int4"}
+        assert len(products) == 14  # 2 layers x 7 projections held int4
+        runs[mode] = loss, grads, {name: widened.count(i) for name, i in products.items()}
+    (keep_loss, keep_grads, keep_count), (loss, grads, count) = runs["keep"], runs["per-block"]
+    # keeping: forward and backward (layer 0's q, k, v forward only: the frozen table's rows need no gradient)
+    assert set(keep_count.values()) == {1, 2}
+    # per block: the forward and its re-run (3 where the backward widened afresh)
+    assert set(count.values()) == {2}, count
+    assert loss == keep_loss and grads.keys() == keep_grads.keys()
+    for k in grads:
+        np.testing.assert_array_equal(grads[k], keep_grads[k], err_msg=k)
