@@ -475,7 +475,7 @@ class Coordinator:
             try:
                 wants = self._await_control(peer, "bundle_wants")
             except WorkerLost as lost:
-                if p.address in self._set_up:
+                if p.address in self._set_up or set(lost.lost) != {p.stage}:
                     raise
                 raise WorkerLost(lost.lost, LOST_BEFORE_FIRST_ANSWER) from None
             if local and wants.get("base") is True:

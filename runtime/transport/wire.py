@@ -330,7 +330,7 @@ class ProtocolMismatch(MessageError):
     Confidant. `control`: the control message it carried, parsed as JSON and not trusted beyond
     that (a worker takes its coordinator's address from it, to say why it cannot go on)."""
 
-    def __init__(self, theirs, ours: int = PROTOCOL_VERSION, control: Any = None, **context):
+    def __init__(self, theirs, ours: int, control: Any = None, **context):
         self.theirs, self.ours, self.control = theirs, ours, control
         super().__init__(f"protocol version {theirs!r}, this side speaks {ours}: {SAME_CONFIDANT}", **context)
 
@@ -341,16 +341,8 @@ class ProtocolMismatch(MessageError):
                                 expected=self.expected if self.expected is not None else expected,
                                 received=self.received)
 
-    def __reduce__(self):  # an exception crosses processes by its arguments: keep the keyword ones
-        return _protocol_mismatch, (self.theirs, self.ours, self.control, self.peer, self.address, self.expected,
-                                    self.received)
-
 
 SAME_CONFIDANT = "run the same Confidant version on every device (the coordinator's and every worker's)"
-
-
-def _protocol_mismatch(theirs, ours, control, peer, address, expected, received) -> ProtocolMismatch:
-    return ProtocolMismatch(theirs, ours, control, peer=peer, address=address, expected=expected, received=received)
 
 
 def _check_version(v: Any, received: str, control: Any = None) -> None:
