@@ -678,10 +678,10 @@ def _is_bad_input(exc: BaseException) -> bool:
     from ir.errors import InputFileError
 
     from confidant.errors import UsageError
-    from jobs.common.errors import FlagError
+    from jobs.common.errors import FlagError, VersionMismatch
 
-    return isinstance(exc, (InputFileError, UsageError, FlagError, FileNotFoundError, IsADirectoryError,
-                            NotADirectoryError))
+    return isinstance(exc, (InputFileError, UsageError, FlagError, VersionMismatch, FileNotFoundError,
+                            IsADirectoryError, NotADirectoryError))
 
 
 def _add_export_adapter(sub) -> None:

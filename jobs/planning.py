@@ -151,38 +151,12 @@ def compile_within_reserve(compile_over: Callable[[Cluster, PlanRequest], Compil
                            note: Callable[[str], None] = lambda _: None,
                            step_of: Callable[[CompiledPlan], float] = lambda c: c.step_s) -> CompiledPlan:
     """The plan `compile_over(cluster, request)` makes within each device's budget less its
-    `reserve` (the snapshot copies' working bytes between the stages of a pipeline) where it spans
-    several devices. A plan on one device has no peer to copy to, so it keeps no reserve: when the
-    reserved plan ends on one device, that device is planned alone within its whole budget; when
-    nothing fits with the reserve (and no cuts were asked for), each device is tried alone that way
-    and the fastest that fits (by `step_of`) is the plan (else the reserved plan's refusal stands).
-    `compile_over` may return anything with a `partition` (`estimate` passes the engine picks)."""
-    if not any(reserve.values()) or request.cuts:  # manual cuts: the stages they make, each with its reserve
-        return compile_over(with_reserve(cluster, reserve) if any(reserve.values()) else cluster, request)
-    refusal = None
-    try:
-        reserved = compile_over(with_reserve(cluster, reserve), request)
-    except PlanDoesNotFit as exc:
-        reserved, refusal = None, exc
-    if reserved is not None and len(reserved.partition.stages) > 1:
-        return reserved
-    names = [reserved.partition.devices[0]] if reserved is not None else list(cluster.names)
-    best = None
-    for name in names:
-        try:
-            lone = compile_over(cluster, dataclasses.replace(request, cuts=(), order=(name,)))
-        except (PlanDoesNotFit, CompileError):
-            continue
-        if best is None or step_of(lone) < step_of(best):
-            best = lone
-    if best is None:
-        if reserved is not None:
-            return reserved
-        raise refusal
-    if reserved is None:
-        note(f"no pipeline fits with the snapshot copies' reserve; {best.partition.devices[0]!r} alone fits its whole "
-             f"budget (one device copies no snapshots)")
-    return best
+    `reserve` where it spans several devices, none on one device: `planner.compile.compile_within_reserve`,
+    the one rule `plan`, `estimate` and the re-plans during training (planner.replan) follow."""
+    from planner.compile import compile_within_reserve as within
+
+    return within(compile_over, with_reserve(cluster, reserve) if any(reserve.values()) else cluster, request, note,
+                  step_of)
 
 
 def _reserve_hint(reserve: dict[str, int]) -> str:

@@ -250,6 +250,15 @@ def with_reserve(cluster: Cluster, reserved_bytes: Mapping[str, int]) -> Cluster
     return Cluster(devices, cluster.default_link, cluster.links)
 
 
+def charged_reserve(cluster: Cluster, devices) -> Cluster:
+    """`cluster` as a plan over `devices` is charged: each device's reserve (the snapshot copies'
+    working bytes, which go to a neighbour) where the plan spans several devices; none where it runs
+    on one, which has no peer to copy to. `plan`, `estimate` and every re-plan charge by this."""
+    if len(set(devices)) > 1 or not any(d.reserved_bytes for d in cluster.devices):
+        return cluster
+    return Cluster(tuple(replace(d, reserved_bytes=0) for d in cluster.devices), cluster.default_link, cluster.links)
+
+
 # --- reading a cluster file --------------------------------------------------------------------
 
 _TOP_KEYS = {"devices", "links"}

@@ -27,7 +27,7 @@ from ir.graph import Graph, tied_parameters
 from ir.partition import Partition, StageCost
 from ir.plan import Schedule
 from ir.training import TRAINING
-from planner.cluster import Cluster, device_backend
+from planner.cluster import Cluster, charged_reserve, device_backend
 from planner.cost import activations_of, check_tied_schedule, compute_s, predicted_step_s, stage_costs
 from planner.engines import EnginePicks, Solve, best_picks, pick_engines
 from planner.heads import HeadSplit, choose_head_split, profile_with_head_split, split_base_backend, split_extra_cost_s
@@ -228,6 +228,48 @@ def search(graph: Graph, cluster: Cluster, request: PlanRequest, solve: Solve, f
                             update_every=request.update_every)
     return best_picks(graph, cluster, *request.costing, solve, fixed=fixed, keep_going=keep_going,
                       update_every=request.update_every)
+
+
+def compile_within_reserve(compile_over: Callable[[Cluster, PlanRequest], Any], cluster: Cluster,
+                           request: PlanRequest, note: Callable[[str], None] = lambda _: None,
+                           step_of: Callable[[Any], float] = lambda c: c.step_s) -> Any:
+    """The plan `compile_over(cluster, request)` makes within each device's budget less its reserve
+    (`DeviceSpec.reserved_bytes`: the snapshot copies' working bytes between the stages of a
+    pipeline) where it spans several devices. A plan on one device has no peer to copy to, so it
+    keeps no reserve (`charged_reserve`): when the reserved plan ends on one device, that device is
+    planned alone within its whole budget; when nothing fits with the reserve (and no cuts were
+    asked for), each device is tried alone that way and the fastest that fits (by `step_of`) is the
+    plan (else the reserved plan's refusal stands). A lone try is `compile_over(cluster without
+    reserves, request with cuts=() and order=(device,))`. `compile_over` may return anything with a
+    `partition` (`estimate` and `replan` pass the engine picks). `plan`, `estimate` and every
+    re-plan (`planner.replan.replan`) decide by this one function."""
+    if not any(d.reserved_bytes for d in cluster.devices) or request.cuts:  # manual cuts: each stage its reserve
+        return compile_over(cluster, request)
+    refusal = None
+    try:
+        reserved = compile_over(cluster, request)
+    except PlanDoesNotFit as exc:
+        reserved, refusal = None, exc
+    if reserved is not None and len(reserved.partition.stages) > 1:
+        return reserved
+    names = [reserved.partition.devices[0]] if reserved is not None else list(cluster.names)
+    bare = charged_reserve(cluster, names[:1])
+    best = None
+    for name in names:
+        try:
+            lone = compile_over(bare, dataclasses.replace(request, cuts=(), order=(name,)))
+        except (PlanDoesNotFit, CompileError):
+            continue
+        if best is None or step_of(lone) < step_of(best):
+            best = lone
+    if best is None:
+        if reserved is not None:
+            return reserved
+        raise refusal
+    if reserved is None:
+        note(f"no pipeline fits with the snapshot copies' reserve; {best.partition.devices[0]!r} alone fits its whole "
+             f"budget (one device copies no snapshots)")
+    return best
 
 
 SHOWN_NAMES = 4  # device names per engine move in a note

@@ -18,10 +18,14 @@ none of the weights it shipped (issue 32), and a re-plan reads the frozen ones f
 The file must not be truncated or rewritten while the graph is in use: a read of a page past a
 truncated end is SIGBUS, one of a page rewritten in place reads other weights. So each mapping
 remembers the file it maps (`FileIdentity`: device, inode, size, mtime in ns, taken on the mapped
-descriptor) and keeps a descriptor on it; `check_mapped_files` compares them with what the file is
-now and raises `ModelFileChanged` (one line naming the file) before a caller touches the pages
-again: every plan's emission (a recovery's re-plan among them) and the evaluation after a run,
-which opens the file by its path again.
+descriptor, and the SHA-256 of its bytes, read once as it is mapped) and keeps a descriptor on it;
+`check_mapped_files` compares them with what the file is now, the digest read again, and raises
+`ModelFileChanged` (one line naming the file) before a caller touches the pages again: every plan's
+emission (a recovery's re-plan among them) and the evaluation after a run, which opens the file by
+its path again. The digest catches what size and mtime do not: the file rewritten at its size with
+its mtime set back (seen: it passed the identity check). Its cost is one read of the file per check
+(with pread, in chunks: never through the mapping, whose pages would count in this process's
+memory), and checks happen at a plan's emission, never per step.
 
 Pure wire-format reading (numpy, the standard library, ir's error kind): the caller parses the stripped
 bytes with onnx and maps spans to its initializers by position (protobuf keeps a repeated field's
@@ -29,6 +33,7 @@ order, also across merged copies of the `graph` field).
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import weakref
@@ -191,19 +196,37 @@ class ModelFileChanged(InputFileError):
     since it was mapped: its frozen weights are no longer the ones the run planned with."""
 
 
+DIGEST_CHUNK_BYTES = 4 << 20  # what one pread of a file's digest holds
+
+
+def file_sha256(fd: int, size: int) -> str:
+    """The SHA-256 of the first `size` bytes of the file open as `fd`, read with pread a chunk at a
+    time (the descriptor's offset untouched; no page of a mapping faulted into this process)."""
+    digest, at = hashlib.sha256(), 0
+    while at < size:
+        chunk = os.pread(fd, min(DIGEST_CHUNK_BYTES, size - at), at)
+        if not chunk:
+            break
+        digest.update(chunk)
+        at += len(chunk)
+    return digest.hexdigest()
+
+
 @dataclass(frozen=True)
 class FileIdentity:
-    """What a file was when it was mapped: its path, device and inode, size and modification time."""
+    """What a file was when it was mapped: its path, device and inode, size and modification time,
+    and the SHA-256 of its bytes ("" when not taken)."""
 
     path: str
     device: int
     inode: int
     size: int
     mtime_ns: int
+    sha256: str = ""
 
     @classmethod
-    def of(cls, path: str | Path, st: os.stat_result) -> "FileIdentity":
-        return cls(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    def of(cls, path: str | Path, st: os.stat_result, sha256: str = "") -> "FileIdentity":
+        return cls(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256)
 
 
 class FileMapping(mmap.mmap):
@@ -222,6 +245,8 @@ class FileMapping(mmap.mmap):
             return f"its size went from {was.size} to {now.st_size} bytes"
         if now.st_mtime_ns != was.mtime_ns:
             return "it was written to"
+        if was.sha256 and file_sha256(self._fd, now.st_size) != was.sha256:
+            return "its bytes are not the ones mapped: their SHA-256 differs, at the same size and modification time"
         if reopened:
             try:
                 there = os.stat(was.path)
@@ -240,10 +265,11 @@ def map_file(path: str | Path) -> FileMapping:
         try:
             st = os.fstat(fd)
             view = FileMapping(f.fileno(), 0, access=mmap.ACCESS_READ)
+            sha256 = file_sha256(fd, st.st_size)  # once here; each check reads it again
         except BaseException:
             os.close(fd)
             raise
-    view.identity = FileIdentity.of(path, st)
+    view.identity = FileIdentity.of(path, st, sha256)
     view._fd = fd
     weakref.finalize(view, os.close, fd)
     return view

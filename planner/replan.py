@@ -52,9 +52,9 @@ from ir.graph import Graph, block_signature
 from ir.partition import Partition, StageAssignment
 from ir.profile import AttentionCurve, BackendProfile, BlockCost, DeviceProfile, Link
 from ir.training import TRAINING
-from planner.cluster import Cluster, DeviceSpec
+from planner.cluster import Cluster, DeviceSpec, charged_reserve
 from ir.plan import ASYNC_SCHEDULES, check_optimizer_name
-from planner.compile import SEARCH_SHARE, Deadline, PlanRequest, search
+from planner.compile import SEARCH_SHARE, Deadline, PlanRequest, compile_within_reserve, search
 from planner.compile import engine_moves as engine_moves_text  # (ReplanDecision.engine_moves is the data)
 from planner.cost import OPTIMIZER_STATE_COPIES, accumulate_s, check_blocks, compute_s, reuses_forward
 from planner.partition import (US_PER_S, PartitionInstance, PlanDoesNotFit, check_feasible, make_instance,
@@ -323,23 +323,33 @@ def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str
         forced = (f"the current plan separates blocks {split[0]} and {split[0] + 1}, which run as one on a stage "
                   f"(an LM head fused with its loss)")
         old_s = math.inf
-    else:
-        repriced = manual_partition(inst, current.devices, [r[0] for r in current.ranges[1:]])
-        old_s = predicted_step_us(inst, repriced) / US_PER_S
-        problems = check_feasible(repriced, inst)
+    else:  # priced as a plan is charged: a plan on one device keeps no reserve
+        charged = make_instance(graph, charged_reserve(cluster_new, current.devices), schedule, m, optimizer,
+                                update_every)
+        repriced = manual_partition(charged, current.devices, [r[0] for r in current.ranges[1:]])
+        old_s = predicted_step_us(charged, repriced) / US_PER_S
+        problems = check_feasible(repriced, charged)
         if problems:
             forced = "the current plan no longer fits: " + "; ".join(problems)
     deadline = Deadline(time_limit_s)
-    if keep_order:
-        order = [d for d in current.devices if d not in gone]
+    kept = [d for d in current.devices if d not in gone]
+
+    def pick(cluster: Cluster, request: PlanRequest):
+        # request.order: one device alone, within its whole budget (compile_within_reserve)
+        order = list(request.order) if request.order else kept
+        if request.order:
+            cluster = without_devices(cluster, *[d for d in cluster.names if d not in request.order])
 
         def solve(instance: PartitionInstance) -> Partition:
-            return best_cuts(instance, order)
-    else:
-        def solve(instance: PartitionInstance) -> Partition:
+            if keep_order or request.order:
+                return best_cuts(instance, order)
             return solve_partition(instance, time_limit_s=deadline.search_s(SEARCH_SHARE), workers=workers, seed=seed)
-    picks = search(graph, cluster_new, PlanRequest(schedule, m, optimizer, update_every), solve, fixed,
-                   keep_going=deadline.room_for_another_start)
+
+        return search(graph, cluster, request, solve, fixed, keep_going=deadline.room_for_another_start)
+
+    # the reserve as `plan` charges it: kept on a pipeline, none on a plan of one device
+    picks = compile_within_reserve(pick, cluster_new, PlanRequest(schedule, m, optimizer, update_every),
+                                   step_of=lambda p: p.after_us)
     new, new_cluster = picks.partition, picks.cluster
     new_s = predicted_step_us(make_instance(graph, new_cluster, schedule, m, optimizer, update_every), new) / US_PER_S
     engines = {name: move for name, move in picks.changed.items() if name in new.devices}
@@ -587,8 +597,13 @@ class PlanReplanner:
         new = decision.new_partition
         if new is None:
             return None
+        # the picks kept for the next re-plan, each device with its reserve (a plan of one device was
+        # searched without: the next may span several again)
         picked = {d.name: d for d in decision.new_cluster.devices}
-        cluster = dataclasses.replace(self.cluster, devices=tuple(picked.get(d.name, d) for d in self.cluster.devices))
+        cluster = dataclasses.replace(self.cluster, devices=tuple(
+            dataclasses.replace(picked[d.name], reserved_bytes=d.reserved_bytes) if d.name in picked else d
+            for d in self.cluster.devices))
+        charged = charged_reserve(cluster, new.devices)  # what the new plan records: none on one device
         directory = None
         if self.plan_dir is not None:
             directory = self.plan_dir / (REPLAN_DIR.format(step=step) + suffix)
@@ -596,9 +611,9 @@ class PlanReplanner:
             while suffix and directory.exists():
                 directory = self.plan_dir / (REPLAN_DIR.format(step=step) + f"{suffix}{n}")
                 n += 1
-            loaded = self._emit(directory, new, cluster, weights())
+            loaded = self._emit(directory, new, charged, weights())
         else:
-            loaded = self.emit(new, cluster, weights())
+            loaded = self.emit(new, charged, weights())
         if loaded.devices != list(new.devices):
             raise ValueError(f"the new plan runs devices {loaded.devices}, the decision {list(new.devices)}")
         old, self.partition, self.cluster = self.partition, new, cluster

@@ -20,6 +20,11 @@ class RunFailed(JobError):
         self.metrics = metrics
 
 
+class VersionMismatch(RunFailed):
+    """A worker runs another Confidant than the coordinator (another protocol version, found at its
+    setup): a setup the user fixes, as a bad input (the command line exits 2)."""
+
+
 def failure_text(exc: BaseException) -> str:
     """What ended a run, for its metrics document's `error`: Ctrl-C as such, anything else by its
     kind and message."""

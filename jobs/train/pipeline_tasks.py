@@ -163,9 +163,7 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
     `ANSWER_ROWS` training answers. `graph` is the pipeline's (micro-batch rows). A worker lost or
     failing during it leaves the run trained and unevaluated, the reason in a note."""
     from jobs.train.causal_lm import ANSWER_TOKENS, lm_figures
-    from runtime.pipeline.coordinator import WorkerFailed
-    from tasks.causal_lm.evaluation import (StagedGreedyLM, answer_index, evaluate_instructions, lookup_draft,
-                                            staged_nll)
+    from tasks.causal_lm.evaluation import StagedGreedyLM, answer_index, evaluate_instructions, lookup_draft
     from tasks.causal_lm.generate import GenerationSettings
 
     rows, head = graph.batch, len(graph.blocks) - 2  # the LM head's block: the loss is the last
@@ -173,8 +171,8 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
     def evaluate(coordinator) -> EvalFigures | None:
         if not run.dev:
             return None
-        try:
-            nll = staged_nll(coordinator.forward_only, run.dev_rows, rows, training.seq, run.pad_id)
+
+        def scored(nll) -> EvalFigures:
             # drafts also from the training rows' answers (the first ANSWER_ROWS): the skeleton a
             # fine-tuned model's answers share, which its prompts do not hold
             index = answer_index([np.asarray(r.ids)[np.asarray(r.counted)] for r in run.train[:ANSWER_ROWS]])
@@ -185,10 +183,9 @@ def lm_evaluation_on_stages(graph: Graph, training: TrainingSettings, run, repor
                                            batch=max(1, len(run.dev)), perplexity=False)
             reporter.note(f"generation on the workers: {lm.tokens} tokens in {lm.passes} passes "
                           f"({lm.accepted} of {lm.drafted} drafted tokens kept)")
-        except WorkerFailed as exc:
-            reporter.note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
-            return None
-        return lm_figures((nll.perplexity, scores))
+            return lm_figures((nll.perplexity, scores))
+
+        return _on_stages(coordinator, run, rows, training.seq, scored, reporter.note)
 
     return evaluate
 
@@ -199,18 +196,27 @@ def lm_perplexity_on_stages(graph: Graph, run, note: Callable[[str], None] | Non
     the workers' engines before they stop (`staged_nll`), for a run with no exported file to generate
     from (`confidant train PLAN`): the coordinator builds no engine of the model. `graph`: the
     pipeline's (micro-batch rows)."""
-    from runtime.pipeline.coordinator import WorkerFailed
-    from tasks.causal_lm.evaluation import staged_nll
-
     def evaluate(coordinator) -> EvalFigures | None:
         if not run.dev_rows:
             return None
-        try:
-            nll = staged_nll(coordinator.forward_only, run.dev_rows, graph.batch, run.seq, run.pad_id)
-        except WorkerFailed as exc:
-            if note is not None:
-                note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
-            return None
-        return EvalFigures(nll.perplexity, None, None, metric="perplexity", perplexity=nll.perplexity)
+        return _on_stages(coordinator, run, graph.batch, run.seq,
+                          lambda nll: EvalFigures(nll.perplexity, None, None, metric="perplexity",
+                                                  perplexity=nll.perplexity), note)
 
     return evaluate
+
+
+def _on_stages(coordinator, run, rows: int, seq: int, figures, note: Callable[[str], None] | None
+               ) -> EvalFigures | None:
+    """`figures(nll)` of the dev rows' loss computed forward only through the stages
+    (`tasks.causal_lm.evaluation.staged_nll`), or None, with a note, when a worker is lost or fails
+    meanwhile (the run stays trained, unevaluated): what both evaluations on the workers share."""
+    from runtime.pipeline.coordinator import WorkerFailed
+    from tasks.causal_lm.evaluation import staged_nll
+
+    try:
+        return figures(staged_nll(coordinator.forward_only, run.dev_rows, rows, seq, run.pad_id))
+    except WorkerFailed as exc:
+        if note is not None:
+            note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
+        return None

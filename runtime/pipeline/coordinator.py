@@ -57,7 +57,7 @@ from runtime.pipeline.checkpoints import TrainingState, dense_from_wire, merge_c
 from runtime.pipeline.executor import COORDINATOR, stage_peer
 from runtime.engines.stage import stage_spec
 from runtime.pipeline import worker as _worker
-from runtime.transport.wire import Expected, PeerTimeout
+from runtime.transport.wire import SAME_CONFIDANT, Expected, PeerTimeout, ProtocolMismatch
 
 
 class WorkerFailed(RuntimeError):
@@ -70,14 +70,31 @@ class CoordinatorStalled(WorkerFailed):
     so the run cannot go on. A WorkerFailed, so that whoever ends a run on a failure ends it here."""
 
 
+# A worker lost before it answered its first setup: a worker of a tree before protocol 3 (which
+# cannot say why) exits at the first frame of another version, so the coordinator sees it lost.
+LOST_BEFORE_FIRST_ANSWER = (f"before it answered its first setup; a worker of another Confidant stops at the first "
+                            f"message it cannot read, its log naming both protocol versions: {SAME_CONFIDANT}")
+
+
+class WorkerVersionMismatch(WorkerFailed):
+    """A worker answered in another protocol version than this coordinator's (`theirs`, `ours`): it
+    runs another Confidant, and cannot take this run's setup (found at the setup's first answer,
+    before any bundle is shipped)."""
+
+    def __init__(self, peer: str, address: str | None, theirs, ours: int):
+        self.theirs, self.ours = theirs, ours
+        super().__init__(f"the worker at {address} ({peer}) speaks protocol version {theirs!r}, this coordinator "
+                         f"version {ours}: {SAME_CONFIDANT}")
+
+
 class WorkerLost(WorkerFailed):
     """Workers whose links went down (killed, frozen, unreachable): `lost` maps each one's stage
     to its LostPeer (address, seconds down, what the transport saw)."""
 
-    def __init__(self, lost: Mapping[int, object]):
+    def __init__(self, lost: Mapping[int, object], note: str = ""):
         self.lost = dict(sorted(lost.items()))
         parts = [f"stage {k} ({p.address}) lost after {p.down_s:.1f} s: {p.reason}" for k, p in self.lost.items()]
-        super().__init__("worker " + "; worker ".join(parts))
+        super().__init__("worker " + "; worker ".join(parts) + (f" ({note})" if note else ""))
 
     @property
     def addresses(self) -> list[str]:
@@ -228,11 +245,19 @@ class Coordinator:
                 f"than a worker waits for a silent coordinator ({_worker.COORDINATOR_GRACE_S:g} s): every worker has "
                 f"dropped its stage and ignores this run; start it again (from its last checkpoint, if it wrote one)")
 
+    def _recv_control(self, timeout: float) -> tuple[str, dict]:
+        """The next control message from any worker; a worker of another protocol version is
+        WorkerVersionMismatch, naming it and both versions."""
+        try:
+            return self.transport.recv_control(None, timeout=timeout)
+        except ProtocolMismatch as exc:
+            raise WorkerVersionMismatch(exc.peer, exc.address, exc.theirs, exc.ours) from None
+
     def _check_errors(self) -> bool:
         """Take one control message that has arrived, without waiting: an answer waits its turn, an
         error report is raised. False when none had arrived."""
         try:
-            sender, msg = self.transport.recv_control(None, timeout=0)
+            sender, msg = self._recv_control(0)
         except PeerTimeout:
             return False
         if self._noted(msg):
@@ -253,7 +278,7 @@ class Coordinator:
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             try:
-                sender, msg = self.transport.recv_control(None, timeout=self._POLL_S)
+                sender, msg = self._recv_control(self._POLL_S)
             except PeerTimeout:
                 self._check_lost()
                 if time.monotonic() > deadline:
@@ -294,7 +319,7 @@ class Coordinator:
         deadline = time.monotonic() + self.config.timeout_s
         while not self.replicas_held.get(sid, set()) >= set(range(self.stages)):
             try:
-                sender, msg = self.transport.recv_control(None, timeout=self._POLL_S)
+                sender, msg = self._recv_control(self._POLL_S)
             except PeerTimeout:
                 self._check_lost()
                 if time.monotonic() > deadline:
@@ -445,12 +470,20 @@ class Coordinator:
                 **self._peer_keys(p), "bundle_files": list(files), "optimizer_state": list(opt_state),
                 **self._tied_of(p.stage), **({"base": {"sha256": self.base.sha256, "names": local}} if local else {}),
                 **({"held": offer} if offer else {})})
-            if local and self._await_control(peer, "bundle_wants").get("base") is True:
+            # every setup is answered before a byte of its bundle goes (protocol 3): a worker that
+            # cannot take it (another version, a setup it refuses) says so now, not after the bundle
+            try:
+                wants = self._await_control(peer, "bundle_wants")
+            except WorkerLost as lost:
+                if p.address in self._set_up or set(lost.lost) != {p.stage}:
+                    raise
+                raise WorkerLost(lost.lost, LOST_BEFORE_FIRST_ANSWER) from None
+            if local and wants.get("base") is True:
                 self.base_bytes_held += file_size(files[WEIGHTS]) - len(rest)
                 files = {(REST if name == WEIGHTS else name): (rest if name == WEIGHTS else data)
                          for name, data in files.items()}
             elif offer:
-                taken = self._await_control(peer, "bundle_wants").get("held")
+                taken = wants.get("held")
                 if not (isinstance(taken, list) and all(isinstance(n, str) and n in offer for n in taken)):
                     raise ValueError(f"stage {p.stage}'s worker answered the offer of its own weights with {taken!r:.80}, "
                                      f"not a list of the names offered")

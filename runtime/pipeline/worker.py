@@ -2,7 +2,11 @@
 
 Protocol (JSON control messages; tensors as header + raw bytes, see runtime.transport.wire):
   coordinator -> worker  setup_bundle {stage, device, peers, bundle_files, optimizer_state, ...}
-                         then one "bundle" tensor per file (and "optstate" tensors on resume): the
+  worker -> coordinator  bundle_wants {stage, base?, held?}: every setup answered before any of the
+                         bundle comes (what of its weights this worker holds, where offered); a
+                         worker of another protocol version answers with its error instead
+                         (runtime.transport.wire: ProtocolMismatch), and the run stops there
+  coordinator -> worker  then one "bundle" tensor per file (and "optstate" tensors on resume): the
                          stage's graph slice, weights, engine, optimizer and actions all come from
                          the bundle, verified (and its signature checked) before any use
   worker -> coordinator  ready {stage, pid, rss}
@@ -88,7 +92,7 @@ from runtime.pipeline.held_weights import HeldWeights, check_offer
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
 from runtime.procfs import device_state, peak_rss_bytes, reset_peak_rss, rss_bytes
-from runtime.transport.wire import Expected, PeerTimeout
+from runtime.transport.wire import Expected, PeerTimeout, ProtocolMismatch
 
 # How often a worker waiting for the coordinator looks whether it is still there, and how long its
 # link must stay down before the stage is dropped: far longer than the coordinator takes to find a
@@ -314,6 +318,8 @@ class Worker:
             self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage, "held": reused})
             if reused:
                 names = [REST if n == WEIGHTS else n for n in names]
+        else:  # no offer: answered all the same, before any of the bundle comes (protocol 3)
+            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage})
         files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, receive=self._from_coordinator)
         if held is not None:
             if REST not in files:
@@ -572,6 +578,31 @@ class Worker:
         self.transport.send_control(COORDINATOR, {"type": "here", "pid": os.getpid(), "rss_bytes": rss_bytes(),
                                                   **device_state()})
 
+    def reach_coordinator(self, mismatch: ProtocolMismatch) -> None:
+        """Connect back to a coordinator whose message this worker could not read (another protocol
+        version), so that its error report reaches it: the name and address are those a setup_bundle
+        (stage, peers) or a hello (name, reply_to) of every version has carried, read from the JSON
+        it parsed and used for nothing else. A worker that holds a stage has that link already."""
+        order = mismatch.control if isinstance(mismatch.control, dict) else {}
+        if mismatch.peer != COORDINATOR or self.stage is not None:
+            return
+        if order.get("type") == "setup_bundle":
+            stage, peers = order.get("stage"), order.get("peers")
+            name = stage_peer(stage) if isinstance(stage, int) and not isinstance(stage, bool) and stage >= 0 else None
+            address = peers.get(COORDINATOR) if isinstance(peers, dict) else None
+        elif order.get("type") == "hello":
+            name, address = order.get("name"), order.get("reply_to")
+        else:
+            return
+        if not (isinstance(name, str) and name.isprintable() and isinstance(address, str)):
+            return
+        try:
+            if hasattr(self.transport, "rename"):
+                self.transport.rename(name)
+            self._meet_peers({COORDINATOR: address})
+        except Exception:  # the report cannot go; this worker's own log says why it stopped
+            pass
+
     def serve(self) -> int:
         while True:
             try:
@@ -685,6 +716,10 @@ def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, 
         print(message, file=sys.stderr)
         if os.environ.get("CONFIDANT_DEBUG"):
             traceback.print_exc()
+        if isinstance(exc, ProtocolMismatch):  # a coordinator of another Confidant: told in this version's
+            worker.reach_coordinator(exc)      # frame, which it finds is not its own (bad setup: exit 2)
+            worker.report_failure(message)
+            return 2
         worker.report_failure(message)
         return 1
     finally:

@@ -6,7 +6,7 @@ out of step, or simply buggy, so nothing received is trusted: a tensor message i
 plus the raw little-endian bytes of the array, and a control message is one JSON object. Both are
 parsed with `json` and `numpy.frombuffer` only; no received byte is ever turned into code or objects.
 
-Wire format (protocol version 2):
+Wire format (protocol version 3):
 
 - tensor: a header frame and the payload's frames, `[header, part, ...]`. The header is compact
   ASCII JSON with exactly the keys `v, kind, stage, microbatch, version, dtype, shape, nbytes,
@@ -19,7 +19,15 @@ Wire format (protocol version 2):
 
 (Version 1 sent a payload as one frame: ZeroMQ's CURVE encrypts and decrypts a frame through two
 fresh buffers of its size, so a 47 MB embedding table cost its sender ~140 MB more memory while it
-went out, and its receiver as much; in frames of 1 MiB, a few MiB.)
+went out, and its receiver as much; in frames of 1 MiB, a few MiB. Version 3: every setup_bundle is
+answered with bundle_wants before a byte of the bundle goes, and may offer a worker its own kept
+weights (runtime.pipeline.held_weights); a version-2 worker ignored the offer and its coordinator
+waited out its timeout for the answer.)
+
+Versions: every frame carries the sender's `v`, and a receiver takes only its own. Any change to
+what a message means or must be answered with raises PROTOCOL_VERSION, so two trees that disagree
+find it at the first frame: `ProtocolMismatch`, naming both versions, never a wait for an answer
+the other side cannot give. The envelope itself (`v` and `control`, a header's `v`) never changes.
 
 Ordering: the pipeline plan is static, so each receiver knows exactly which message comes next from
 each peer. A transport keeps one FIFO per peer (and per channel: tensors and control messages are
@@ -47,7 +55,7 @@ import numpy as np
 
 from runtime.procfs import release_free_heap
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_HEADER_BYTES = 64 * 1024
 MAX_CONTROL_BYTES = 1024 * 1024
 # Far above any activation or weight shard of a BERT-class stage; a header claiming more is garbage,
@@ -154,9 +162,7 @@ class TensorHeader:
         problem = _key_problem(fields, _HEADER_KEYS)
         if problem is not None:
             raise MessageError(problem, received=received)
-        if fields["v"] != PROTOCOL_VERSION or not _is_int(fields["v"]):
-            raise MessageError(f"protocol version {fields['v']!r}, this side speaks {PROTOCOL_VERSION}",
-                               received=received)
+        _check_version(fields["v"], received)
         shape = fields["shape"]
         if not isinstance(shape, list):
             raise MessageError(f"shape is {type(shape).__name__}, not a list", received=received)
@@ -319,6 +325,34 @@ class MessageError(RuntimeError):
                             received=self.received)
 
 
+class ProtocolMismatch(MessageError):
+    """A frame of another protocol version (`theirs`; this side speaks `ours`): the peer runs another
+    Confidant. `control`: the control message it carried, parsed as JSON and not trusted beyond
+    that (a worker takes its coordinator's address from it, to say why it cannot go on)."""
+
+    def __init__(self, theirs, ours: int, control: Any = None, **context):
+        self.theirs, self.ours, self.control = theirs, ours, control
+        super().__init__(f"protocol version {theirs!r}, this side speaks {ours}: {SAME_CONFIDANT}", **context)
+
+    def at(self, peer: str | None, address: str | None, expected: Expected | str | None) -> ProtocolMismatch:
+        return ProtocolMismatch(self.theirs, self.ours, self.control,
+                                peer=self.peer if self.peer is not None else peer,
+                                address=self.address if self.address is not None else address,
+                                expected=self.expected if self.expected is not None else expected,
+                                received=self.received)
+
+
+SAME_CONFIDANT = "run the same Confidant version on every device (the coordinator's and every worker's)"
+
+
+def _check_version(v: Any, received: str, control: Any = None) -> None:
+    """A frame's `v`: this side's version, else ProtocolMismatch (a whole number) or MessageError."""
+    if not _is_int(v):
+        raise MessageError(f"protocol version {v!r} is not a whole number", received=received)
+    if v != PROTOCOL_VERSION:
+        raise ProtocolMismatch(v, PROTOCOL_VERSION, control if isinstance(control, dict) else None, received=received)
+
+
 @dataclass(frozen=True)
 class LostPeer:
     """A peer whose link has been down for `down_s` seconds: `reason` says what the transport saw;
@@ -462,9 +496,7 @@ def decode_control(data: bytes | memoryview) -> dict[str, Any]:
     problem = _key_problem(envelope, _CONTROL_KEYS)
     if problem is not None:
         raise MessageError(problem, received=received)
-    if envelope["v"] != PROTOCOL_VERSION or not _is_int(envelope["v"]):
-        raise MessageError(f"protocol version {envelope['v']!r}, this side speaks {PROTOCOL_VERSION}",
-                           received=received)
+    _check_version(envelope["v"], received, envelope["control"])
     if not isinstance(envelope["control"], dict):
         raise MessageError("control is not a JSON object", received=received)
     return envelope["control"]

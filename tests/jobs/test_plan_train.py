@@ -126,6 +126,7 @@ def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
         coord.connect("stage0", worker.addresses[0], key=worker.keys.workers[worker.addresses[0]].curve)
         coord.send_control("stage0", {"type": "setup_bundle", "stage": 0, "device": "a",
                                       "peers": {COORDINATOR: coord.address}, "bundle_files": names})
+        assert coord.recv_control("stage0", timeout=60)[1] == {"type": "bundle_wants", "stage": 0}
         for i, name in enumerate(names):
             data = bytearray(files[name])
             if name == "weights.safetensors":

@@ -129,6 +129,7 @@ def test_garbled_message_stops_the_worker_and_the_coordinator_names_it(graph, ba
             while fake.recv_control(None, timeout=60.0)[1].get("type") != "setup_bundle":
                 pass
             fake.connect("coordinator", coord.address, key=boss)
+            fake.send_control("coordinator", {"type": "bundle_wants", "stage": 0})
             fake.send_control("coordinator", {"type": "ready", "stage": 0})
 
         answering = threading.Thread(target=answer_setup, daemon=True)

@@ -95,3 +95,50 @@ def test_with_reserve_checks_its_figures(tight):
         with_reserve(cluster, {"phone": -1})
     assert with_reserve(cluster, {"phone": RESERVE}).device("phone").plannable_bytes == \
         cluster.device("phone").memory_budget_bytes - RESERVE
+
+
+def _two_stage_plan(graph, cluster):
+    """The tiny BERT cut in two, the embeddings on the laptop, the rest on the phone, planned when
+    both had a gigabyte (each with its reserve)."""
+    cluster = with_reserve(Cluster(tuple(DeviceSpec(d.name, d.address, d.profile, 2**30, "mnn:cpu:t1")
+                                         for d in cluster.devices), cluster.default_link),
+                           {"phone": RESERVE, "laptop": RESERVE})
+    compiled = compile_plan(graph, cluster, PlanRequest("1f1b-flush", M, "adamw", cuts=(1,), order=("laptop", "phone")),
+                            OptimizerSettings("adamw", 1e-3), None, model="tiny")
+    return emit_in_memory(compiled.graph, compiled.partition, compiled.schedule, compiled.emit.config(),
+                          list(compiled.costs), compiled.step_s, cluster=compiled.cluster, with_base=False).plan
+
+
+def test_a_replan_onto_one_device_keeps_no_reserve_as_plan_does(tight):
+    """h39 made `plan` keep no reserve on a one-device plan; the re-plans during training charged it
+    still. The laptop leaves; the phone alone needs `alone` bytes, its budget is alone + 8 MiB: within
+    its whole budget it holds the model, less the 16 MiB reserve it does not (so the re-plan after
+    the loss found no plan, though `plan` over the phone alone makes one)."""
+    from planner.replan import PlanReplanner, partition_of, replan, without_devices
+
+    graph, cluster, budget = tight
+    reserved = with_reserve(cluster, {"phone": RESERVE, "laptop": RESERVE})
+    alone = make_instance(graph, cluster, "1f1b-flush", M, "adamw").stage_bytes(0, 0, len(graph.blocks) - 1, 1, 0)
+    assert budget - RESERVE < alone <= budget == alone + RESERVE // 2  # hand-computed: fits only without it
+    last = len(graph.blocks) - 1
+    current = partition_of([(0, 0), (1, last)], ["laptop", "phone"])
+    decision = replan(graph, without_devices(reserved, "laptop"), current, "1f1b-flush", M, "adamw", keep_order=True)
+    assert decision.forced and [tuple(r) for r in decision.new_partition.ranges] == [(0, last)]
+    assert decision.new_cluster.device("phone").reserved_bytes == 0
+
+    # the re-planner a run uses: its new plan records no reserve, and it keeps the reserve for a
+    # later re-plan that may span several devices again
+    first = _two_stage_plan(graph, reserved)
+    assert [d.reserved_bytes for d in first.devices] == [RESERVE, RESERVE]
+    given = []
+
+    def emit(partition, cluster, weights):
+        given.append(cluster)
+        return type("Loaded", (), {"devices": list(partition.devices)})()
+
+    replanner = PlanReplanner(None, first, graph, reserved, emit=emit, keep_order=True)
+    made = replanner.without(3, ["laptop"], {})
+    assert made.devices == ["phone"] and made.ranges == [(0, last)]
+    assert given[0].device("phone").reserved_bytes == 0
+    assert replanner.cluster.device("phone").reserved_bytes == RESERVE
+

@@ -5,6 +5,7 @@ copy of them (`onnx.load` + `numpy_helper.to_array`: MiniLM 2.1x its weights at 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -215,6 +216,37 @@ def test_a_mapped_file_changed_since_it_was_mapped_is_one_error_naming_it(tmp_pa
     path.unlink()
     with pytest.raises(ModelFileChanged, match="it was removed"):
         check_mapped_files([view], reopened=True)
+
+
+
+def test_a_mapped_file_rewritten_at_its_size_with_its_mtime_set_back_is_refused_by_its_digest(tmp_path):
+    """h28's check compared the file's identity (device, inode, size, mtime): a file rewritten in
+    place at its size with its mtime restored passed it, and the run read other weights. The
+    mapping keeps the file's SHA-256, and a check reads the file again (with pread: no page of the
+    mapping is faulted in) and refuses it, one line naming the file."""
+    from planner.onnx_weights import ModelFileChanged, check_mapped_files, map_file, map_raw
+    from runtime.procfs import rss_bytes
+
+    path = tmp_path / "w.bin"
+    weights = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+    path.write_bytes(weights.tobytes())
+    view = map_raw(map_file(path), 0, weights.nbytes, 1, weights.shape)
+    before = os.stat(path)
+    rss = rss_bytes()
+    assert check_mapped_files([view]) == 1
+    assert rss_bytes() - rss < weights.nbytes // 2  # the digest read none of the mapping's pages in
+    with open(path, "r+b") as f:  # the same size, other bytes, and the mtime set back
+        f.seek(1 << 21)
+        f.write(np.float32(-1).tobytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_size == before.st_size and os.stat(path).st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(ModelFileChanged) as refused:
+        check_mapped_files([view])
+    assert str(refused.value) == (
+        f"{path}: the model file changed while this run used it (its bytes are not the ones mapped: their SHA-256 "
+        "differs, at the same size and modification time); its frozen weights are read from that file again during "
+        "the run (a re-plan after a lost device, the evaluation): leave the file unchanged until the run ends (write "
+        "a new model to another path)")
 
 
 _EMIT_AFTER_TRUNCATION = r"""

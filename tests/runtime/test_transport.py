@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from runtime.transport.wire import (DTYPES, MAX_FRAMES, MAX_HEADER_BYTES, PART_BYTES, Expected, MessageError,
-                                    PeerTimeout, TensorHeader, check_payload, decode_control, encode_control)
+from runtime.transport.wire import (DTYPES, MAX_FRAMES, MAX_HEADER_BYTES, PART_BYTES, PROTOCOL_VERSION, Expected,
+                                    MessageError, PeerTimeout, TensorHeader, check_payload, decode_control, encode_control)
 from runtime.transport.local import LocalHub, LocalTransport
 from runtime.keys import KeyPair, PublicKey
 from runtime.transport.zeromq import ZmqTransport
@@ -678,12 +678,12 @@ def test_zmq_drops_an_unknown_sender_and_records_it(secure):
 
 def test_garbled_control_frame(mesh):
     a, b = mesh("a", "b")
-    a._send_frames("b", [b'{"v":2}'])
-    a._send_frames("b", [b'{"v":2,"control":[1]}'])
+    a._send_frames("b", [b'{"v":%d}' % PROTOCOL_VERSION])
+    a._send_frames("b", [b'{"v":%d,"control":[1]}' % PROTOCOL_VERSION])
     with pytest.raises(MessageError) as info:
         b.recv_control("a", timeout=5)
     assert str(info.value) == (f"message from peer 'a' ({b.address_of('a')}): expected a control message, "
-                               "received control frame b'{\"v\":2}' (missing field 'control')")
+                               f"received control frame b'{{\"v\":{PROTOCOL_VERSION}}}' (missing field 'control')")
     with pytest.raises(MessageError, match="control is not a JSON object"):
         b.recv_control(None, timeout=5)
 
@@ -692,8 +692,9 @@ GOOD = json.loads(good_message(X)[0].encode())
 
 
 @pytest.mark.parametrize("change, problem", [
-    ({"v": 1}, "protocol version 1, this side speaks 2"),
-    ({"v": True}, "protocol version True, this side speaks 2"),
+    ({"v": 1}, f"protocol version 1, this side speaks {PROTOCOL_VERSION}: run the same Confidant version on every "
+               f"device (the coordinator's and every worker's)"),
+    ({"v": True}, "protocol version True is not a whole number"),
     ({"stage": True}, "stage True is not an integer >= -1"),
     ({"stage": -2}, "stage -2 is not an integer >= -1"),
     ({"microbatch": 1.0}, "microbatch 1.0 is not an integer >= -1"),
@@ -713,7 +714,7 @@ def test_header_decode_is_strict(change, problem):
 
 
 @pytest.mark.parametrize("raw, problem", [
-    (b'{"v":2,"v":2}', "header is not valid: duplicate key 'v'"),
+    (b'{"v":3,"v":3}', "header is not valid: duplicate key 'v'"),
     (json.dumps({**GOOD, "checksum": float("nan")}).encode(), "header is not valid: non-finite number NaN"),
     (b" " * (MAX_HEADER_BYTES + 1), f"header of {MAX_HEADER_BYTES + 1} bytes exceeds the limit of {MAX_HEADER_BYTES}"),
 ])
@@ -725,7 +726,7 @@ def test_header_decode_rejects_malformed_json(raw, problem):
 
 def test_header_and_control_encodings_round_trip():
     header, payload = good_message(X, name="layer.0.weight")
-    assert header.encode().startswith(b'{"v":2,"kind":"act",')
+    assert header.encode().startswith(b'{"v":%d,"kind":"act",' % PROTOCOL_VERSION)
     assert TensorHeader.decode(header.encode()) == header
     check_payload(header, payload)
     obj = {"op": "stats", "loss": 0.25, "per_stage": [1, 2], "note": "ok"}
