@@ -14,7 +14,7 @@ from planner.onnx_import import load_model
 from planner.schedule import make_schedule
 from runtime.optim import make_optimizer
 from runtime.pipeline.coordinator import PipelineConfig
-from runtime.pipeline.executor import COORDINATOR, StageExecutor, sent_on_without_pause, stage_peer
+from runtime.pipeline.executor import StageExecutor, sent_on_without_pause, stage_peer
 from runtime.pipeline.inprocess import InProcessWorkers
 from runtime.pipeline.worker import Worker
 from runtime.transport.local import LocalHub, LocalTransport
