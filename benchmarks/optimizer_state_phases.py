@@ -28,12 +28,13 @@ from runtime.procfs import peak_rss_bytes, release_free_heap, reset_peak_rss, rs
 from support import lm_step_feeds
 
 MIB = 2 ** 20
-out = Path(sys.argv[3] if len(sys.argv) > 3 else "/tmp/optimizer_state_phases/m.onnx")
+_SMOLLM2 = "--smollm2" in sys.argv  # then argv[3] is the flag, not a model path: no export
+out = Path(sys.argv[3] if len(sys.argv) > 3 and not _SMOLLM2 else "/tmp/optimizer_state_phases/m.onnx")
 out.parent.mkdir(parents=True, exist_ok=True)
-if not out.exists():
+if not _SMOLLM2 and not out.exists():
     export_random_causal_lm("llama", out, LlmExportOptions(), kv_cache=False, tokenizer_from=smollm2_gguf_path(),
                             hidden_size=256, intermediate_size=768, num_hidden_layers=8)
-if "--smollm2" in sys.argv:
+if _SMOLLM2:
     from benchmarks.llm import smollm2_model
     from ir.backend import parse_backend
     from runtime.profiling.compute import _stage_inputs, peak_workspace
