@@ -1,0 +1,62 @@
+"""Issue 31 target 3 under full fine-tuning on MNN, end to end: `profile`, `plan` over two MNN devices and
+`train PLAN` for two steps on real worker processes, each worker's measured peak (VmHWM, its whole life)
+within what the plan says it needs. Two steps, not one: AdamW's moments are made at the first update, so
+only a backward from the second step on holds them beside the gradient sum and the workspace; a plan
+checked over one step never sees that peak (benchmarks/MEMORY_NOTES.md, helpers h42, h43). The plan's
+gradient term and the profiled per-block workspace both hold the stage's gradients (the run holds one
+set, its sum), and that double charge is what today covers a worker's heap beyond the profile's figures
+(h43: ~19 MiB more non-gradient backward transient once the moments exist, ~18 MiB more at setup, on
+a SmolLM2 stage); a term that took the double charge off without charging those (h41's
+`summed_gradient_bytes`) ran SmolLM2's stages 1.05-1.13x their plans, and this plan's stages over theirs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+MIB = 2 ** 20
+
+
+# Known breach of the product rule, not yet charged (h43): the head stage (the fused LM head + loss over the tied
+# 49152 x 256 table) ran 1.021 and 1.025x its plan (321.8 / 323.2 MiB against 315.3 / 315.4) at step 2's forwards
+# of micro-batches 1-3, where the fused forward's 48 MiB table gradient sits beside the sum's and ~11-14 MiB of the
+# head's earlier transient stays resident above the level the terms charge (benchmarks/MEMORY_NOTES.md). With
+# h41's `summed_gradient_bytes` the same test ran 1.12 / 1.18x. Strict: once it passes, the charge is fixed and
+# this mark comes off.
+@pytest.mark.xfail(strict=True, reason="MNN full fine-tuning's head stage runs ~2% over its plan (h43)")
+@pytest.mark.slow  # an export, a real MNN profile, a plan and a two-step run of two workers (~4-8 min loaded)
+def test_mnn_full_fine_tuning_runs_two_steps_within_its_plan(tmp_path):
+    from jobs.export.llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
+    from jobs.planning import PlanSettings, plan_model
+    from jobs.profiling import profile_this_device
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
+    from tasks.causal_lm.entity_task import write_entity_splits
+
+    # SmolLM2's tokenizer and table (49152 x 256 here), four layers: trainable 57 MiB, AdamW's moments
+    # twice that, so the second step's backward is where the peak is
+    model = export_random_causal_lm("llama", tmp_path / "m.onnx", LlmExportOptions(), kv_cache=False,
+                                    tokenizer_from=smollm2_gguf_path(), hidden_size=256, intermediate_size=768,
+                                    num_hidden_layers=4)
+    train, _ = write_entity_splits(tmp_path / "data", n_train=16, n_dev=1)
+    _, profile_file = profile_this_device(model, 1, 128, tmp_path / "dev.json", name="dev",
+                                          backends=("mnn:cpu:t1",), reps=1, attention=False, lora=None)
+    (tmp_path / "cluster.yaml").write_text("devices:\n" + "".join(
+        f"  - {{name: d{k}, address: 'tcp://127.0.0.1:59{k}7', profile: {profile_file.name}, "
+        f"memory_budget: 2GiB, backend: 'mnn:cpu:t1'}}\n" for k in range(2))
+        + "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
+    out = plan_model(model, tmp_path / "cluster.yaml",
+                     PlanSettings("1f1b-flush", 4, 128, 4, lora=None, data=train, time_limit_s=20.0),
+                     tmp_path / "plan")
+    devices = json.loads((out / "plan.json").read_text())["devices"]
+    planned = {d["name"]: d["memory_bytes"] for d in devices}
+    for d in devices:  # what each figure is made of, for a failure's message
+        print(d["name"], d["blocks"], d.get("activations"),
+              {k: round(v / MIB, 1) for k, v in (d.get("memory_terms") or {}).items()})
+    assert len(planned) == 2
+    run = train_from_plan(out, train, None, PlanRunSettings(steps=2, seed=0, local=True, insecure=True))
+    measured = {d.name: d.peak_rss_bytes for d in run.devices}
+    figures = {n: (round(measured[n] / MIB, 1), round(planned[n] / MIB, 1), round(measured[n] / planned[n], 3))
+               for n in planned}
+    print(f"measured, planned MiB, ratio: {figures}")
+    # the promise: no worker past what its plan says it needs
+    assert all(measured[n] <= planned[n] for n in planned), figures
