@@ -199,7 +199,8 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
         need = re.search(r"needs ([0-9.]+) MiB", str(exc))
         if need is None or isinstance(target, list):
             raise
-        row.update(fits_target=False, needs_mib=float(need.group(1)))
+        # the planner's own line, with its "what would make it fit" (the levers and the MiB each saves)
+        row.update(fits_target=False, needs_mib=float(need.group(1)), no_fit=str(exc))
         budget = 16 * math.ceil(row["needs_mib"] / 16)
         while True:
             try:
@@ -249,6 +250,8 @@ def format_rows(rows: list[dict]) -> str:
                 f"planned and run at {r['budget_mib']} MiB")
         lines.append(f"{r['model']} ({r.get('schedule', '1f1b-flush')}): {r['devices']} devices of "
                      f"{r['target_mib']} MiB: {fits}")
+        if r.get("no_fit"):
+            lines.append("  plan at the target: " + r["no_fit"].replace("\n", "\n    "))
         budgets = r.get("budgets_mib") or [r["budget_mib"]] * len(r["blocks"])
         for k, blocks in enumerate(r["blocks"]):
             planned, measured = r["planned_mib"][k], r["measured_mib"][k]
