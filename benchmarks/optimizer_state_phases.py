@@ -92,4 +92,3 @@ for step in range(3):
     phase(f"step {step} forwards", lambda: [engine.forward(f, m) for m, f in enumerate(feeds)])
     phase(f"step {step} backwards", lambda: [engine.backward_into(m, total) for m in range(4)])
     phase(f"step {step} update", lambda: engine.step(opt, total))
-    del total
