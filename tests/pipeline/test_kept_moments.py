@@ -150,10 +150,29 @@ def test_only_the_moved_blocks_moments_go_through_the_coordinator(graph, batches
         assert result.losses == want_losses
         _same(result.weights, want_weights)
     else:
-        from test_faults import _equals_a_stash_run_switched_at_its_recovery
-
         assert result.events[1]["step"] == 2, result.events  # from the drain: moments there
-        _equals_a_stash_run_switched_at_its_recovery(graph, batches, result, STEPS, _faults(schedule), tmp_path)
+        _equals_a_stash_run_switched_at_its_recovery(graph, batches, result, tmp_path)
+
+
+def _equals_a_stash_run_switched_at_its_recovery(graph, batches, result, tmp_path: Path) -> None:
+    """A recovered 1f1b-stash run's losses and weights equal (as tests/pipeline/test_faults.py
+    checks them) 3 threads' run up to the step its new plan started from, checkpointed, then the
+    survivors' 2 from that checkpoint."""
+    from runtime.pipeline.checkpoints import load_checkpoint
+
+    switch = next(e for e in result.events if e["event"] == "new_plan")["step"]
+    faults = _faults("1f1b-stash")
+    with InProcessWorkers(3, timeout_s=60) as threads:
+        train_pipeline(graph, batches, 9, threads.addresses, _config("1f1b-stash"), switch,
+                       transport=threads.coordinator, faults=faults, checkpoint_dir=tmp_path / "ref")
+    _, weights, by_stage = load_checkpoint(tmp_path / "ref")
+    union = {k: v for state in by_stage.values() for k, v in state.items()}  # each stage takes its own
+    with InProcessWorkers(2, timeout_s=60) as threads:
+        rest = train_pipeline(graph, batches, 9, threads.addresses, _config("1f1b-stash"), STEPS - switch,
+                              start_step=switch, weights=weights, optimizer_state={0: union, 1: union},
+                              cuts=[result.ranges[1][0]], transport=threads.coordinator, faults=faults)
+    assert result.losses[switch:] == rest.losses
+    _same(result.weights, rest.weights)
 
 
 def _flip_moments(copy: SpooledCopy) -> None:
