@@ -47,26 +47,27 @@ def _same(got: dict, want: dict) -> None:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-def _count_moments(monkeypatch, coordinator: LocalTransport) -> dict:
+def _count_moments(monkeypatch, coordinator, transport_class=LocalTransport) -> dict:
     """Bytes of optimizer moments (`opt/<kind>/<param>` entries, not the scalars) the coordinator's
-    transport receives from snapshot copies (`held`) and sends to setups (`optstate`) while
+    transport (`coordinator`; None: every `transport_class`, the coordinator's being the only one
+    in this process) receives from snapshot copies (`held`) and sends to setups (`optstate`) while
     `Session.recover` runs."""
     counting, seen = {"on": False}, {"fetched": 0, "sent": 0}
-    real_send, real_recv = LocalTransport.send_tensor, LocalTransport.recv_tensor
+    real_send, real_recv = transport_class.send_tensor, transport_class.recv_tensor
 
     def send_tensor(self, peer, kind, stage, microbatch, arr, *, name="", **kwargs):
-        if counting["on"] and self is coordinator and kind == "optstate" and "/" in name:
+        if counting["on"] and coordinator in (None, self) and kind == "optstate" and "/" in name:
             seen["sent"] += int(np.asarray(arr).nbytes)
         return real_send(self, peer, kind, stage, microbatch, arr, name=name, **kwargs)
 
     def recv_tensor(self, peer, expected, *args, **kwargs):
         got = real_recv(self, peer, expected, *args, **kwargs)
-        if counting["on"] and self is coordinator and expected.kind == "held" and moment_param(expected.name):
+        if counting["on"] and coordinator in (None, self) and expected.kind == "held" and moment_param(expected.name):
             seen["fetched"] += int(got[1].nbytes)
         return got
 
-    monkeypatch.setattr(LocalTransport, "send_tensor", send_tensor)
-    monkeypatch.setattr(LocalTransport, "recv_tensor", recv_tensor)
+    monkeypatch.setattr(transport_class, "send_tensor", send_tensor)
+    monkeypatch.setattr(transport_class, "recv_tensor", recv_tensor)
     on_during_recovery(monkeypatch, counting)
     return seen
 
@@ -103,6 +104,15 @@ def _run(graph, batches, schedule: str, lost: int, monkeypatch, on_kill=None, n:
         result = train_pipeline(graph, batches, 9, workers.addresses, _config(schedule), STEPS,
                                 transport=workers.coordinator, on_step=on_step, faults=_faults(schedule))
     return result, seen, list(workers.addresses)
+
+
+def _moved_bytes(graph, result, old_addresses) -> int:
+    """Bytes of the parameters whose worker the recovery changed."""
+    (_, change), = result.replans
+    moved = set()
+    for k, r in enumerate(change.new_ranges):
+        moved |= _params_of(graph, *r) - _params_of(graph, *change.old_ranges[old_addresses.index(result.addresses[k])])
+    return sum(int(np.asarray(graph.constants[x]).nbytes) for x in moved)
 
 
 @pytest.mark.parametrize("schedule,lost,cuts", [("1f1b-flush", 2, None), ("1f1b-flush", 0, [(0, 2), (3, 4)]),
@@ -152,6 +162,39 @@ def test_only_the_moved_blocks_moments_go_through_the_coordinator(graph, batches
     else:
         assert result.events[1]["step"] == 2, result.events  # from the drain: moments there
         _equals_a_stash_run_switched_at_its_recovery(graph, batches, result, tmp_path)
+
+
+@pytest.mark.slow  # worker processes over CURVE; twin on threads: test_only_the_moved_blocks_moments_go_...
+def test_sigkill_a_worker_process_and_only_the_moved_moments_pass_the_coordinator(graph, batches, monkeypatch):
+    """The same over worker processes and CURVE (the default policy: copies on the peers): the
+    middle one of three SIGKILLed after step LOST_AFTER (both survivors' holder: each vouches for
+    its own copy); counted at the coordinator's ZeroMQ transport, and the run equals single-device
+    training's."""
+    import signal
+
+    from jobs.common.workers import LocalWorkers
+    from runtime.transport.zeromq import ZmqTransport
+
+    seen = _count_moments(monkeypatch, None, ZmqTransport)
+    workers = LocalWorkers.start(3, threads=1)
+
+    def on_step(step, *_):
+        if step == LOST_AFTER and workers.procs[1].poll() is None:
+            os.kill(workers.procs[1].pid, signal.SIGKILL)
+            workers.procs[1].wait(10)
+
+    try:
+        result = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-flush"), STEPS, keys=workers.keys,
+                                on_step=on_step, faults=FaultPolicy(state_on="peers"))
+    finally:
+        codes = workers.wait(30.0)
+    assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0, codes
+    assert [e["event"] for e in result.events] == ["lost", "new_plan", "recovered"], result.events
+    moved = _moved_bytes(graph, result, list(workers.addresses))
+    assert 0 < moved and seen["sent"] == 2 * moved and 0 < seen["fetched"] <= 2 * moved + 2 ** 16, (seen, moved)
+    want_losses, want_weights = single_device_training(graph, batches, STEPS)
+    np.testing.assert_allclose(result.losses, want_losses, rtol=1e-5)
+    _same(result.weights, want_weights)
 
 
 def _equals_a_stash_run_switched_at_its_recovery(graph, batches, result, tmp_path: Path) -> None:
