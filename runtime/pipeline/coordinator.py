@@ -744,7 +744,8 @@ class Coordinator:
         """The `own_state` of each new stage in `kept` (new stage -> (the old stage its worker ran,
         the parameters whose optimizer state it reads from its own copy of snapshot `sid`): {sid,
         params, sha256}, the SHA-256 of those entries as the old stage's holder made it from its
-        replica, or, where that holder was lost, as the survivor said (runtime.pipeline.kept_state).
+        replica, or, where that holder was lost or holds no whole replica of it, as the survivor said
+        (runtime.pipeline.kept_state).
         Every holder is asked first, so they hash at once. Call between steps, before the new setup."""
         from runtime.pipeline.snapshots import holder_of
 
@@ -759,6 +760,13 @@ class Coordinator:
         out = {}
         for k, old, source, params in asks:
             answer = self._await_control(stage_peer(source), "copy_digest")
+            if answer.get("missing") and answer.get("of") == old and source != old:
+                # its replica of that snapshot never came whole (only the lost stages' are sure to
+                # have been confirmed): the survivor vouches for its own copy
+                source = old
+                self.transport.send_control(stage_peer(old), {"type": "copy_digest", "sid": sid, "of": old,
+                                                              "params": params})
+                answer = self._await_control(stage_peer(old), "copy_digest")
             if answer.get("of") != old or answer.get("sid") != sid or answer.get("missing") \
                     or not isinstance(answer.get("sha256"), str):
                 raise WorkerFailed(f"stage {source} holds no copy of snapshot {sid} of stage {old} to vouch for: "

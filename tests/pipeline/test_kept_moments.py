@@ -240,6 +240,23 @@ def test_a_survivor_whose_own_copy_changed_on_disk_refuses_to_train_on_it(graph,
         _run(graph, batches, "1f1b-flush", 2, monkeypatch, on_kill=change)
 
 
+def test_a_holder_without_the_replica_leaves_the_survivor_to_vouch_for_its_copy(graph, batches, monkeypatch):
+    """Only the lost stages' replicas are sure to be whole at the restored snapshot: worker 1 has
+    let its replica of stage 0 go before worker 2 is lost, so the coordinator asks worker 0 itself
+    for its copy's digest, and the recovery goes on, equal to single-device training (before, the
+    holder's "missing" ended the run)."""
+    def drop_replica(workers):
+        replicas = workers.workers[1].copies.replicas
+        for key in [k for k in replicas if k[0] == 0]:
+            replicas.pop(key).close()
+
+    result, seen, _ = _run(graph, batches, "1f1b-flush", 2, monkeypatch, on_kill=drop_replica)
+    assert [e["event"] for e in result.events] == ["lost", "new_plan", "recovered"], result.events
+    want_losses, want_weights = single_device_training(graph, batches, STEPS)
+    assert result.losses == want_losses
+    _same(result.weights, want_weights)
+
+
 def test_the_kept_moments_are_chosen_by_parameter_and_hashed_whole(tmp_path):
     """`survivors_moments` keeps on each survivor what its new stage shares with its old one and
     fetches each other needed parameter once (a lost stage's come whole); `load_moments` reads a
