@@ -441,6 +441,9 @@ class Coordinator:
             local, rest = split_weights(files, self.base) if self.base is not None else ([], b"")
             # a worker set up before may hold the untrained tensors of its new bundle: offered, not sent
             offer = held_offer(files[WEIGHTS], trainable) if not local and p.address in self._set_up else {}
+            own = self._own_states.get(p.stage)
+            if own and not local:  # and the trainable weights its own snapshot copy holds (runtime.pipeline.kept_state)
+                offer.update((n, form) for n, form in held_offer(files[WEIGHTS], ()).items() if n in set(own["params"]))
             opt_state = self.optimizer_state.get(p.stage, {})
             self.transport.send_control(peer, {
                 "type": "setup_bundle", "stage": p.stage, "device": device, "peers": self._neighbours(p),

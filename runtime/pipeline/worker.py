@@ -336,6 +336,7 @@ class Worker:
         from runtime.pipeline.bundles import REST, rebuild_weights, recv_bundle_files, spool_weights, wire_to_files
 
         names, held, local, reused = list(msg["bundle_files"]), None, [], []
+        own: dict = {}  # trainable weights read from this worker's own snapshot copy
         if "base" in msg:
             offer = msg["base"]
             local = offer.get("names") if isinstance(offer, dict) else None
@@ -348,9 +349,17 @@ class Worker:
             if held is not None:
                 names = [REST if n == WEIGHTS else n for n in names]
         elif "held" in msg:
-            reused = self.held.matching(check_offer(msg["held"]))
-            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage, "held": reused})
-            if reused:
+            offer = check_offer(msg["held"])
+            # the trainable ones from the restored snapshot's copy (the kept weights file holds them
+            # as of the last setup, trained since), the rest from the kept file
+            own = self._own_weights(msg.get("own_state"), offer)
+            own_state = msg.get("own_state")
+            trained = {n for n in own_state.get("params", ()) if isinstance(n, str)} \
+                if isinstance(own_state, dict) and isinstance(own_state.get("params"), list) else set()
+            reused = self.held.matching({n: f for n, f in offer.items() if n not in trained})
+            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage,
+                                                      "held": reused + sorted(own)})
+            if reused or own:
                 names = [REST if n == WEIGHTS else n for n in names]
         files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, receive=self._from_coordinator)
         if held is not None:
@@ -358,12 +367,30 @@ class Worker:
                 raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
             files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local)
             return files, held, reused
-        if reused and REST not in files:
+        if (reused or own) and REST not in files:
             raise ValueError(f"bundle {source}: {REST} did not come, though this worker took its own weights")
         # written out, kept for the next setup, and read back tensor by tensor: never the received
         # file and its decoded copies at once; the signature checked before any of it is parsed
-        spool_weights(files, source, check, held=self.held, local=reused)
-        return files, held, reused
+        # (the signed manifest's SHA-256 checks the weights taken from the snapshot copy too)
+        spool_weights(files, source, check, held=self.held, local=reused, extra=own)
+        return files, held, reused + sorted(own)
+
+    def _own_weights(self, own, offer) -> dict[str, np.ndarray]:
+        """The trainable weights of the setup's `own_state` parameters offered in `offer` (name ->
+        (dtype, shape)) that this worker's own copy of the restored snapshot holds in that form,
+        read from it (runtime.pipeline.kept_state)."""
+        if not (isinstance(own, dict) and isinstance(own.get("sid"), int) and isinstance(own.get("params"), list)):
+            return {}
+        copy = self.kept_own.get(own["sid"])
+        if copy is None:
+            return {}
+        entries = {e.name: e for e in copy.tensors if e.name.startswith("param/")}
+        out = {}
+        for name in own["params"]:
+            e = entries.get(f"param/{name}") if isinstance(name, str) else None
+            if e is not None and name in offer and offer[name] == (np.dtype(e.dtype).name, tuple(e.shape)):
+                out[name] = copy.read(e)
+        return out
 
     def _need_stage(self, what: str) -> None:
         if self.executor is None:

@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ir.bundle import WEIGHTS
 from jobs.train.pipeline import FaultPolicy, train_pipeline
+from runtime.pipeline.bundles import REST
 from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.inprocess import InProcessWorkers
@@ -52,12 +54,14 @@ def _count_moments(monkeypatch, coordinator, transport_class=LocalTransport) -> 
     transport (`coordinator`; None: every `transport_class`, the coordinator's being the only one
     in this process) receives from snapshot copies (`held`) and sends to setups (`optstate`) while
     `Session.recover` runs."""
-    counting, seen = {"on": False}, {"fetched": 0, "sent": 0}
+    counting, seen = {"on": False}, {"fetched": 0, "sent": 0, "weights": 0}
     real_send, real_recv = transport_class.send_tensor, transport_class.recv_tensor
 
     def send_tensor(self, peer, kind, stage, microbatch, arr, *, name="", **kwargs):
         if counting["on"] and coordinator in (None, self) and kind == "optstate" and "/" in name:
             seen["sent"] += int(np.asarray(arr).nbytes)
+        if counting["on"] and coordinator in (None, self) and kind == "bundle" and name in (WEIGHTS, REST):
+            seen["weights"] += int(np.asarray(arr).nbytes)  # a bundle's weights file, or the part of it sent
         return real_send(self, peer, kind, stage, microbatch, arr, name=name, **kwargs)
 
     def recv_tensor(self, peer, expected, *args, **kwargs):
@@ -149,6 +153,10 @@ def test_only_the_moved_blocks_moments_go_through_the_coordinator(graph, batches
     kept = [sorted(_params_of(graph, *r) & old_params[old_addresses.index(new_addresses[k])])
             for k, r in enumerate(change.new_ranges)]
     assert moved_bytes < whole and (cuts is None or kept[0]), (moved_bytes, whole, kept, change.new_ranges)
+    # the weights files sent: the moved parameters, what the survivors hold of the rest (their own
+    # copies' trainable weights, h37's kept frozen ones) left out; headers and untrained constants
+    # of moved blocks within 64 KiB
+    assert moved_bytes <= seen["weights"] <= moved_bytes + 2 ** 16, (seen, moved_bytes)
     # two moments per moved parameter (dense at the setup; a table's as its rows when fetched)
     assert seen["sent"] == 2 * moved_bytes, (seen, moved_bytes, whole, result.events, old_addresses)
     assert seen["fetched"] <= 2 * moved_bytes + 2 ** 16, (seen, moved_bytes)  # + a table's row ids
@@ -233,7 +241,7 @@ def test_a_survivor_whose_own_copy_changed_on_disk_refuses_to_train_on_it(graph,
     survives), its setup refuses them and the run stops (before this change the coordinator
     fetched those moments from the changed copy and trained on them)."""
     def change(workers):
-        for copy in workers.workers[0].copies.own.values():
+        for copy in list(workers.workers[0].copies.own.values()):
             _flip_moments(copy)
 
     with pytest.raises(WorkerFailed, match="optimizer state this worker kept"):
@@ -247,7 +255,7 @@ def test_a_holder_without_the_replica_leaves_the_survivor_to_vouch_for_its_copy(
     holder's "missing" ended the run)."""
     def drop_replica(workers):
         replicas = workers.workers[1].copies.replicas
-        for key in [k for k in replicas if k[0] == 0]:
+        for key in [k for k in list(replicas) if k[0] == 0]:
             replicas.pop(key).close()
 
     result, seen, _ = _run(graph, batches, "1f1b-flush", 2, monkeypatch, on_kill=drop_replica)
