@@ -28,7 +28,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Mapping, Sequence
+from typing import BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -98,7 +98,7 @@ class HeldWeights:
             done += file.write(view[done:])
 
     def take(self, file: BinaryIO, local: Sequence[str] = (),
-             extra: Mapping[str, np.ndarray] | None = None) -> HashedTensors | bytes:
+             extra: Mapping[str, Callable[[], np.ndarray]] | None = None) -> HashedTensors | bytes:
         """A setup's weights: the received file written to `file` (`new_file`; the caller let its
         bytes go first, so a stage's weights are never held twice), and the tensors `local` read
         from the files kept before; with the SHA-256 of the weights file they make (hashed as
@@ -106,9 +106,9 @@ class HeldWeights:
         that does not parse comes back as its bytes (the bundle's verification names the fault,
         as ever); ValueError when a partial one does not parse, names a tensor of `local`, or a
         kept file cannot be read. The new index waits for `commit` (the caller's verification first).
-        `extra`: tensors of the weights the caller read from elsewhere (a survivor's trainable
-        weights from its own snapshot copy: runtime.pipeline.kept_state), hashed with the rest and
-        not kept for a later setup."""
+        `extra`: tensors of the weights the caller reads from elsewhere (name -> a reader: a
+        survivor's trainable weights from its own snapshot copy, runtime.pipeline.kept_state), read
+        once the received part is, hashed with the rest and not kept for a later setup."""
         extra = dict(extra or {})
         extra_names = set(extra)
         try:
@@ -130,7 +130,8 @@ class HeldWeights:
                 del fresh
                 for kept, names in self._by_file(local).values():
                     tensors.update(load_safetensors_subset(kept, names))
-                tensors.update(extra)
+                for name, read in extra.items():
+                    tensors[name] = read()
                 del extra
                 weights = hash_tensors(tensors)
                 del tensors

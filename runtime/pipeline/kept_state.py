@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -43,6 +44,20 @@ def moment_param(name: str) -> str | None:
         if param.endswith(suffix):
             return param[:-len(suffix)]
     return param
+
+
+def read_writable(copy, entry) -> np.ndarray:
+    """Tensor `entry` of `copy` read straight into an array of its own, writable (an engine given a
+    setup's weights trains them in place), with no second copy of it on the way."""
+    arr = np.empty(entry.shape, np.dtype(entry.dtype))
+    view = memoryview(arr.reshape(-1)).cast("B")
+    done = 0
+    while done < arr.nbytes:
+        got = os.preadv(copy.file.fileno(), [view[done:]], entry.offset + done)
+        if got <= 0:
+            raise OSError(f"a spooled snapshot copy is short: {done} of {arr.nbytes} bytes of {entry.name!r}")
+        done += got
+    return arr
 
 
 def select_entries(entries: Sequence, weights: bool = True, moments_of: Iterable[str] | None = None) -> list:

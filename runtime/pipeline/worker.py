@@ -86,7 +86,7 @@ from runtime.pipeline.snapshots import (FETCH_WINDOW_BYTES, StateCopies, WindowE
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
 from runtime.pipeline.checkpoints import ROW_IDS
 from runtime.pipeline.held_weights import HeldWeights, check_offer
-from runtime.pipeline.kept_state import load_moments, moments_digest, select_entries
+from runtime.pipeline.kept_state import load_moments, moments_digest, read_writable, select_entries
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
 from runtime.procfs import device_state, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -375,10 +375,11 @@ class Worker:
         spool_weights(files, source, check, held=self.held, local=reused, extra=own)
         return files, held, reused + sorted(own)
 
-    def _own_weights(self, own, offer) -> dict[str, np.ndarray]:
+    def _own_weights(self, own, offer) -> dict:
         """The trainable weights of the setup's `own_state` parameters offered in `offer` (name ->
-        (dtype, shape)) that this worker's own copy of the restored snapshot holds in that form,
-        read from it (runtime.pipeline.kept_state)."""
+        (dtype, shape)) that this worker's own copy of the restored snapshot holds in that form:
+        name -> its reader (read once the received part of the weights is: never both whole at
+        once; runtime.pipeline.kept_state)."""
         if not (isinstance(own, dict) and isinstance(own.get("sid"), int) and isinstance(own.get("params"), list)):
             return {}
         copy = self.kept_own.get(own["sid"])
@@ -389,7 +390,7 @@ class Worker:
         for name in own["params"]:
             e = entries.get(f"param/{name}") if isinstance(name, str) else None
             if e is not None and name in offer and offer[name] == (np.dtype(e.dtype).name, tuple(e.shape)):
-                out[name] = copy.read(e)
+                out[name] = lambda copy=copy, e=e: read_writable(copy, e)
         return out
 
     def _need_stage(self, what: str) -> None:
