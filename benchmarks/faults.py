@@ -154,6 +154,10 @@ def _run(graph, batches, steps: int, args, policy: str = "default", insecure: bo
                    # weights they took from their own kept files instead (runtime.pipeline.held_weights)
                    recovery_sent_mib=result.replans[0][1].sent_bytes / 2**20,
                    recovery_kept_mib=getattr(result.replans[0][1], "kept_bytes", 0) / 2**20,
+                   # the state the coordinator fetched off the survivors' copies for the recovery (the
+                   # weights, the lost stage's state, the moved blocks' moments: runtime.pipeline.kept_state)
+                   recovery_fetched_mib=next((e.get("state_fetched_bytes", 0) for e in result.events
+                                              if e["event"] == "new_plan"), 0) / 2**20,
                    # the coordinator's peak before the kill, and from the kill to the last step (the
                    # recovery: the survivors' state restored, the stages set up again)
                    coord_before_kill_mib=peaks.get("before_kill", 0) / 2**20,
@@ -279,7 +283,8 @@ def main(argv=None) -> int:
             print(f"CURVE vs insecure step time: {curve:+.1%} (target <= +5%)")
         print(f"killed worker {kill[1]} during step {kill[0] + 1}: detect {kill_row['detect_s']:.2f} s (target <= 3), "
               f"recover {kill_row['recover_s']:.2f} s (target <= 10), replayed {kill_row['replayed']} step(s); "
-              f"the recovery sent {kill_row['recovery_sent_mib']:.1f} MiB, the survivors kept "
+              f"the recovery fetched {kill_row['recovery_fetched_mib']:.1f} MiB of state off the workers and "
+              f"sent {kill_row['recovery_sent_mib']:.1f} MiB, the survivors kept "
               f"{kill_row['recovery_kept_mib']:.1f} MiB of their own; "
               f"coordinator's peak before the kill {kill_row['coord_before_kill_mib']:.0f} MiB, from the kill to the "
               f"last step {kill_row['coord_recovery_mib']:.0f} MiB (+{kill_row['coord_recovery_mib'] - kill_row['coord_at_kill_mib']:.0f} "

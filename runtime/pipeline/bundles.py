@@ -123,7 +123,8 @@ def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequ
 
 
 def spool_weights(files: dict, source: str, check_signature: SignatureCheck | None = None,
-                  directory: str | Path | None = None, held=None, local: Sequence[str] = ()) -> None:
+                  directory: str | Path | None = None, held=None, local: Sequence[str] = (),
+                  extra=None) -> None:
     """Replace the received weights file in `files` (its bytes, the only reference to them) by its
     tensors, by way of a file: the bytes are written out and let go, then each tensor is read
     straight into its own array and the file's SHA-256 streamed as it is read
@@ -135,8 +136,9 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
 
     With `held` (a worker's `runtime.pipeline.held_weights.HeldWeights`) the file is written into it
     instead and kept there for a later setup; `local` then names the tensors taken from what it
-    kept before, and the file received is `REST`, the weights less those."""
-    received = REST if local else WEIGHTS
+    kept before, and the file received is `REST`, the weights less those and less `extra` (tensors
+    the caller read elsewhere: `HeldWeights.take`)."""
+    received = REST if local or extra else WEIGHTS
     if received not in files or isinstance(files[received], HashedTensors):
         return
     if check_signature is not None:
@@ -150,7 +152,7 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
         held.write(kept, data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
         del data  # the only reference: let go before the weights are read back
         try:
-            files[WEIGHTS] = held.take(kept, local)
+            files[WEIGHTS] = held.take(kept, local, extra)
         except (OSError, ValueError) as exc:
             own = f" (with {len(local)} of its weights this worker's own, kept from its last setup)" if local else ""
             raise BundleError(f"bundle {source}: {received}{own}: {exc}") from None

@@ -200,6 +200,8 @@ class Coordinator:
         self._since = _StallWatch.start()  # stalls of this process from now on end the run (`_check_stalled`)
         self.setup_bytes = 0
         self.base_bytes_held = 0
+        # new stage -> the `own_state` its next setup carries (set by `reconfigure` after a loss)
+        self._own_states: dict[int, dict] = {}
         self.eval_done: list[dict] = []  # each stage's answer to the last evaluation pass (`forward_only`)
         # bytes of weights files the workers took from their own kept weights at the last setup
         # (runtime.pipeline.held_weights) instead of receiving them, and the workers that may hold
@@ -220,7 +222,7 @@ class Coordinator:
 
     # --- failures ------------------------------------------------------------------------
     _ANSWERS = ("ready", "done", "checkpoint_done", "released", "aborted", "here", "bundle_wants", "held_done",
-                "eval_done")
+                "eval_done", "copy_digest")
     _POLL_S = 0.1  # how often a wait looks for lost workers (a message that arrives wakes it at once)
 
     def _check_lost(self) -> None:
@@ -464,12 +466,16 @@ class Coordinator:
             local, rest = split_weights(files, self.base) if self.base is not None else ([], b"")
             # a worker set up before may hold the untrained tensors of its new bundle: offered, not sent
             offer = held_offer(files[WEIGHTS], trainable) if not local and p.address in self._set_up else {}
+            own = self._own_states.get(p.stage)
+            if own and not local:  # and the trainable weights its own snapshot copy holds (runtime.pipeline.kept_state)
+                offer.update((n, form) for n, form in held_offer(files[WEIGHTS], ()).items() if n in set(own["params"]))
             opt_state = self.optimizer_state.get(p.stage, {})
             self.transport.send_control(peer, {
                 "type": "setup_bundle", "stage": p.stage, "device": device, "peers": self._neighbours(p),
                 **self._peer_keys(p), "bundle_files": list(files), "optimizer_state": list(opt_state),
                 **self._tied_of(p.stage), **({"base": {"sha256": self.base.sha256, "names": local}} if local else {}),
-                **({"held": offer} if offer else {})})
+                **({"held": offer} if offer else {}),
+                **({"own_state": self._own_states[p.stage]} if p.stage in self._own_states else {})})
             # every setup is answered before a byte of its bundle goes (protocol 3): a worker that
             # cannot take it (another version, a setup it refuses) says so now, not after the bundle
             try:
@@ -502,6 +508,7 @@ class Coordinator:
                 directory.clear()
             self._send_optimizer_state(p.stage, opt_state)
         self.ready = [self._await_control(stage_peer(p.stage), "ready") for p in self.placements]
+        self._own_states = {}  # of this setup only
         self._tied_updates = 0
         return self.ready
 
@@ -723,7 +730,7 @@ class Coordinator:
             out.append(dense_from_wire(dict(tensors), rows, f"stage {stage}'s snapshot"))
         return out
 
-    def fetch_held_stages(self, sid: int, lost: Sequence[int] = ()):
+    def fetch_held_stages(self, sid: int, lost: Sequence[int] = (), select: Mapping[int, dict] | None = None):
         """Snapshot `sid` as the workers hold it, one stage after the other, a tensor at a time:
         yields (stage, its `rows` declaration for `dense_from_wire`, an iterator of (name, tensor)
         to use up before the next stage), as `collect_stages` does. Each stage's copy comes from its
@@ -732,26 +739,31 @@ class Coordinator:
         `FETCH_WINDOW_BYTES` of them), each asked for once the last was taken (`_windowed`): the
         worker holds one window, never a whole copy or a whole large tensor of it, and whoever writes
         each tensor away before taking the next holds one tensor and a window here. Call between
-        steps."""
+        steps. `select`: stage -> what of its copy (`snapshot_send`'s `weights` and `moments_of`,
+        runtime.pipeline.kept_state), only those stages; None: every stage's whole copy."""
         from runtime.pipeline.snapshots import holder_of
 
         lost = set(lost)
         for p in self.placements:
+            if select is not None and p.stage not in select:
+                continue
+            what = dict(select[p.stage]) if select is not None else {}
             source = p.stage
             if source in lost:
                 source = holder_of(p.stage, self.stages)
                 if source is None or source in lost:
                     raise WorkerFailed(f"stage {p.stage}'s snapshot copy was on stage {source}, lost too")
-            ask = lambda first, start, source=source, stage=p.stage: self._ask_held(source, sid, stage, first, start)
+            ask = lambda first, start, source=source, stage=p.stage, what=what: self._ask_held(
+                source, sid, stage, first, start, what)
             done = ask(0, 0)
             yield p.stage, done.get("rows"), self._windowed(stage_peer(source), "held", p.stage, done, ask)
 
-    def _ask_held(self, source: int, sid: int, stage: int, first: int, start: int) -> dict:
+    def _ask_held(self, source: int, sid: int, stage: int, first: int, start: int, what: Mapping | None = None) -> dict:
         from runtime.pipeline.snapshots import FETCH_WINDOW_BYTES
 
         peer = stage_peer(source)
         self.transport.send_control(peer, {"type": "snapshot_send", "sid": sid, "of": [stage], "first": first,
-                                           "start": start, "bytes": FETCH_WINDOW_BYTES})
+                                           "start": start, "bytes": FETCH_WINDOW_BYTES, **(what or {})})
         # its chunks come before it on the same connection: all are here once it is
         done = self._await_control(peer, "held_done")
         if done.get("of") != stage or done.get("sid") != sid:
@@ -759,6 +771,45 @@ class Coordinator:
         if done.get("missing"):
             raise WorkerFailed(f"stage {source} does not hold snapshot {sid} of stage {stage}")
         return done
+
+    def stage_params(self, first: int, last: int) -> list[str]:
+        """The trainable parameters of blocks first..last."""
+        return [x for b in self._blocks[first:last + 1] for x in b.params]
+
+    def own_states(self, sid: int, kept: Mapping[int, tuple[int, Sequence[str]]], lost: Sequence[int] = ()
+                   ) -> dict[int, dict]:
+        """The `own_state` of each new stage in `kept` (new stage -> (the old stage its worker ran,
+        the parameters whose optimizer state it reads from its own copy of snapshot `sid`): {sid,
+        params, sha256}, the SHA-256 of those entries as the old stage's holder made it from its
+        replica, or, where that holder was lost or holds no whole replica of it, as the survivor said
+        (runtime.pipeline.kept_state).
+        Every holder is asked first, so they hash at once. Call between steps, before the new setup."""
+        from runtime.pipeline.snapshots import holder_of
+
+        lost = set(lost)
+        asks = []
+        for k, (old, params) in sorted(kept.items()):
+            holder = holder_of(old, self.stages)
+            source = holder if holder is not None and holder not in lost else old
+            self.transport.send_control(stage_peer(source), {"type": "copy_digest", "sid": sid, "of": old,
+                                                             "params": list(params)})
+            asks.append((k, old, source, list(params)))
+        out = {}
+        for k, old, source, params in asks:
+            answer = self._await_control(stage_peer(source), "copy_digest")
+            if answer.get("missing") and answer.get("of") == old and source != old:
+                # its replica of that snapshot never came whole (only the lost stages' are sure to
+                # have been confirmed): the survivor vouches for its own copy
+                source = old
+                self.transport.send_control(stage_peer(old), {"type": "copy_digest", "sid": sid, "of": old,
+                                                              "params": params})
+                answer = self._await_control(stage_peer(old), "copy_digest")
+            if answer.get("of") != old or answer.get("sid") != sid or answer.get("missing") \
+                    or not isinstance(answer.get("sha256"), str):
+                raise WorkerFailed(f"stage {source} holds no copy of snapshot {sid} of stage {old} to vouch for: "
+                                   f"{answer!r:.120}")
+            out[k] = {"sid": sid, "params": params, "sha256": answer["sha256"]}
+        return out
 
     def gather(self) -> TrainingState:
         """The whole training state, merged from every stage (call at a flush boundary): what a
@@ -816,7 +867,8 @@ class Coordinator:
     def reconfigure(self, placements: Sequence[StagePlacement], *,
                     bundles: Sequence[Path | Mapping[str, bytes]] | None = None,
                     devices: Sequence[str] | None = None, state: TrainingState | None = None,
-                    lost: Sequence[str] = (), contents: Sequence | None = None) -> Reconfiguration:
+                    lost: Sequence[str] = (), contents: Sequence | None = None,
+                    own_states: Mapping[int, dict] | None = None) -> Reconfiguration:
         """Switch to new stages at a flush boundary (call between steps of a flush schedule):
         gather every stage's weights and optimizer state (or take `state`, gathered at this same
         boundary), release the name of every worker that leaves or changes position, and set up
@@ -829,7 +881,9 @@ class Coordinator:
         verified and parsed when the plan was loaded (`ir.bundle.LoadedPlan`), not parsed again here.
 
         After a loss (`lost`: the lost workers' addresses, already `forget`-ten), `state` must be
-        the state held off the devices; lost workers are not asked to release anything."""
+        the state held off the devices; lost workers are not asked to release anything.
+        `own_states`: new stage -> {sid, params, sha256} (`own_states()`): the optimizer state of
+        those parameters its worker reads from its own snapshot copy; it is neither in `state` nor sent."""
         start = time.perf_counter()
         lost = set(lost)
         if lost & {p.address for p in placements}:
@@ -848,8 +902,11 @@ class Coordinator:
         self._release([p for p in old if _stage_at(placements, p.address) != p.stage and p.address not in lost])
         kept = {p.address for p in placements}
         self.idle = [a for a in [*self.idle, *(p.address for p in old)] if a not in kept and a not in lost]
+        own_states = dict(own_states or {})
+        self._own_states = own_states
         self.optimizer_state = {p.stage: state.stage_optimizer_state(
-            [x for b in self._blocks[p.first_block:p.last_block + 1] for x in b.params]) for p in placements}
+            [x for b in self._blocks[p.first_block:p.last_block + 1] for x in b.params
+             if x not in set(own_states.get(p.stage, {}).get("params", ()))]) for p in placements}
         self.placements = placements
         self.stages = len(placements)
         self.inputs_of = [stage_spec(c.graph, p.first_block, p.last_block).graph_inputs

@@ -28,7 +28,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Mapping, Sequence
+from typing import BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -97,16 +97,22 @@ class HeldWeights:
         while done < len(view):
             done += file.write(view[done:])
 
-    def take(self, file: BinaryIO, local: Sequence[str] = ()) -> HashedTensors | bytes:
+    def take(self, file: BinaryIO, local: Sequence[str] = (),
+             extra: Mapping[str, Callable[[], np.ndarray]] | None = None) -> HashedTensors | bytes:
         """A setup's weights: the received file written to `file` (`new_file`; the caller let its
         bytes go first, so a stage's weights are never held twice), and the tensors `local` read
         from the files kept before; with the SHA-256 of the weights file they make (hashed as
         the file is read when nothing is held; tensor by tensor otherwise). A received whole file
         that does not parse comes back as its bytes (the bundle's verification names the fault,
         as ever); ValueError when a partial one does not parse, names a tensor of `local`, or a
-        kept file cannot be read. The new index waits for `commit` (the caller's verification first)."""
+        kept file cannot be read. The new index waits for `commit` (the caller's verification first).
+        `extra`: tensors of the weights the caller reads from elsewhere (name -> a reader: a
+        survivor's trainable weights from its own snapshot copy, runtime.pipeline.kept_state), read
+        once the received part is, hashed with the rest and not kept for a later setup."""
+        extra = dict(extra or {})
+        extra_names = set(extra)
         try:
-            if not local:
+            if not local and not extra:
                 try:
                     weights = read_safetensors_hashed(file)
                 except ValueError:  # left as its bytes, for the bundle's verification to name the fault
@@ -116,7 +122,7 @@ class HeldWeights:
                     return data
             else:
                 fresh = read_safetensors_hashed(file).tensors
-                both = sorted(set(fresh) & set(local))
+                both = sorted(set(fresh) & (set(local) | set(extra)))
                 if both:
                     raise ValueError(f"the received weights hold {both[0]!r}, which this worker was to take from "
                                      f"its own")
@@ -124,6 +130,9 @@ class HeldWeights:
                 del fresh
                 for kept, names in self._by_file(local).values():
                     tensors.update(load_safetensors_subset(kept, names))
+                for name, read in extra.items():
+                    tensors[name] = read()
+                del extra
                 weights = hash_tensors(tensors)
                 del tensors
         except (OSError, ValueError):
@@ -131,7 +140,7 @@ class HeldWeights:
             raise
         where = {name: self._held[name] for name in local}
         for name, arr in weights.tensors.items():
-            if name not in where:
+            if name not in where and name not in extra_names:
                 dtype, shape = tensor_form(arr)
                 where[name] = HeldTensor(file, dtype, tuple(shape))
         self._pending = (where, file)

@@ -66,6 +66,8 @@ class RestoreSpool:
     def __init__(self):
         self.folder: Path | None = None
         self._n = 0
+        # bytes of state that came in since the last `state_of` (what a recovery fetched off the workers)
+        self.bytes_in = 0
 
     def clear(self) -> None:
         if self.folder is not None:
@@ -82,11 +84,13 @@ class RestoreSpool:
         known), and written away too."""
         self.clear()
         self.folder = Path(tempfile.mkdtemp(prefix="confidant-restore-"))
+        self.bytes_in = 0
         per_stage = []
         for stage, rows, tensors in stages:
             kept: dict = {}
             pieces: dict[str, np.ndarray] = {}  # a table's rows, till its parameter's shape is known
             for name, arr in tensors:
+                self.bytes_in += int(arr.nbytes)
                 if _kept_in_memory(name):
                     kept[name] = np.asarray(arr)
                 elif name.endswith((ROW_IDS, ROW_VALUES)):
@@ -103,6 +107,35 @@ class RestoreSpool:
                 del dense, pieces
             per_stage.append(kept)
         return TrainingState(*merge_checkpoint(per_stage))
+
+    def add_moments(self, state: TrainingState, stages: Iterable, source: str) -> None:
+        """Add to `state` (from `state_of`) the optimizer tensors `stages` bring (as `state_of` takes
+        them; no parameters among them: a recovery's second fetch, of the moved blocks' moments
+        only, once the new plan says which moved: runtime.pipeline.kept_state), spooled here."""
+        for stage, rows, tensors in stages:
+            pieces: dict[str, np.ndarray] = {}
+            for name, arr in tensors:
+                self.bytes_in += int(arr.nbytes)
+                entry = name[len("opt/"):] if name.startswith("opt/") else ""
+                if "/" not in entry:
+                    raise ValueError(f"{source}, stage {stage}: {name!r} is not an optimizer tensor of a parameter")
+                if name.endswith((ROW_IDS, ROW_VALUES)):
+                    pieces[name] = np.asarray(arr)
+                else:
+                    kind, param = entry.split("/", 1)
+                    state.optimizer.setdefault(kind, {})[param] = self._write(arr)
+                del arr
+            if pieces or rows:
+                # the rows are checked against their parameter's shape: stand-ins of the weights' shapes
+                params = {f"param/{k.split('/', 2)[-1]}": np.broadcast_to(np.zeros((), np.float32),
+                                                                          state.weights[k.split("/", 2)[-1]].shape)
+                          for k in (rows or {}) if isinstance(k, str) and k.split("/", 2)[-1] in state.weights}
+                dense = dense_from_wire({**params, **pieces}, rows, f"{source}, stage {stage}")
+                for name, arr in dense.items():
+                    if name not in params:
+                        kind, param = name[len("opt/"):].split("/", 1)
+                        state.optimizer.setdefault(kind, {})[param] = self._write(arr)
+                del dense, pieces
 
     def _write(self, arr: np.ndarray) -> SpooledTensor:
         path = self.folder / f"{self._n}.npy"

@@ -477,7 +477,7 @@ class Session:
         return True, self._switch(step, plan, snap, "joined", joined=[self.device_of.get(a, a) for a in joined]).schedule
 
     def _switch(self, step: int, plan: SurvivorPlan, snap: Snapshot, cause: str, lost: Sequence[str] = (),
-                **fields) -> SurvivorPlan:
+                own_states: Mapping[int, dict] | None = None, **fields) -> SurvivorPlan:
         """Set the pipeline up as `plan` with the state of `snap` (held off the devices, or gathered at
         this boundary) and record the new plan (an event, result.ranges/addresses/devices/replans);
         returns the plan as set up (with its bundles and schedule)."""
@@ -488,7 +488,8 @@ class Session:
         if named:
             self.device_of.update(dict(zip(plan.addresses, plan.devices)))
         reconf = self.coordinator.reconfigure(placements, bundles=plan.bundles, devices=plan.devices,
-                                              state=snap.state, lost=lost, contents=_contents(plan))
+                                              state=snap.state, lost=lost, contents=_contents(plan),
+                                              own_states=own_states)
         _release(plan)
         if self.restore_spool is not None:  # the new stages hold the restored state now
             self.restore_spool.clear()
@@ -598,28 +599,53 @@ class Session:
         if self.faults.take_back:
             self.coordinator.call_back(gone)
         self.workers = [a for a in self.workers if a not in gone]
-        if self.held is not None and self._state_from == "peers":  # the lost forgotten: from the survivors
-            snap = self._spooled(snap, list(lost.lost))
+        from_peers = self.held is not None and self._state_from == "peers"
+        if from_peers:  # the lost forgotten: from the survivors, their moments once the plan says which move
+            snap = self._spooled(snap, list(lost.lost), moments=False)
         try:
             plan = self.plan_over(snap.step, snap, list(self.result.addresses), list(self.workers))
         except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
             raise RecoveryImpossible(f"{lost}; the survivors cannot hold the model: {exc}", self._rescue(snap)) from None
         if plan is None:
             raise RuntimeError("plan_over returned no plan after a loss")
-        plan = self._switch(snap.step, plan, snap, "lost", lost=gone)
+        own = self._moments_kept(snap, plan, list(lost.lost)) if from_peers else {}
+        fields = {"state_fetched_bytes": self.restore_spool.bytes_in} if from_peers else {}
+        plan = self._switch(snap.step, plan, snap, "lost", lost=gone, own_states=own, **fields)
         replayed = step - snap.step + (1 if mid_step else 0)
         self._truncate(snap.step, start_step)
         self._recovering = {"t0": t0, "replayed": replayed, "state_from": self._state_from}
         return plan.schedule
 
-    def _spooled(self, snap, lost: Sequence[int] = ()):
+    def _spooled(self, snap, lost: Sequence[int] = (), moments: bool = True):
         """A snapshot held on the workers about to be restored, its state streamed off them a few
         tensors at a time (`lost` stages' from their holders): the weights kept here, the optimizer
         state spooled to disk until the new stages' setup sends it (runtime.pipeline.restore), so
-        the coordinator never holds the whole state."""
+        the coordinator never holds the whole state. Without `moments`, the surviving stages'
+        optimizer state is left on them (`_moments_kept` fetches what moves); a lost stage's
+        comes whole."""
         if snap is None:
             return None
-        return snap.spooled(self.restore_spool, self.coordinator.fetch_held_stages(snap.sid, list(lost)))
+        select = None if moments else {p.stage: ({} if p.stage in set(lost) else {"moments_of": []})
+                                       for p in self.coordinator.placements}
+        return snap.spooled(self.restore_spool, self.coordinator.fetch_held_stages(snap.sid, list(lost), select))
+
+    def _moments_kept(self, snap, plan: SurvivorPlan, lost: Sequence[int]) -> dict[int, dict]:
+        """After a loss, the surviving stages' optimizer state left on them (`_spooled(moments=False)`):
+        the moved parameters' fetched into the restore spool now, and for each new stage whose
+        worker keeps parameters of its old stage, the `own_state` its setup reads them from its own
+        copy with (runtime.pipeline.kept_state)."""
+        from runtime.pipeline.kept_state import survivors_moments
+
+        old = self.coordinator.placements
+        kept, fetch = survivors_moments([set(self.coordinator.stage_params(p.first_block, p.last_block)) for p in old],
+                                        [p.address for p in old],
+                                        [set(self.coordinator.stage_params(a, b)) for a, b in plan.ranges],
+                                        list(plan.addresses), lost)
+        if fetch:
+            self.restore_spool.add_moments(snap.state, self.coordinator.fetch_held_stages(
+                snap.sid, lost, {s: {"weights": False, "moments_of": params} for s, params in fetch.items()}),
+                f"snapshot {snap.sid}")
+        return self.coordinator.own_states(snap.sid, kept, lost)
 
     def _may_readmit(self, drain: int) -> bool:
         """Can a worker that answers its call back in the middle of the 1f1b-stash segment begun at

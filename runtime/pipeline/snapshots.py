@@ -564,6 +564,14 @@ class StateCopies:
         """Stop shipping (a new copy, an abort, a new stage): the holder drops the partial copy."""
         self._shipment = None
 
+    def detach_own(self) -> dict[int, SpooledCopy]:
+        """This stage's own copies, taken out (sid -> copy): `drop` leaves them open for whoever
+        took them (a survivor's setup after a loss reads its unmoved blocks' optimizer state from
+        them: runtime.pipeline.kept_state), who closes them."""
+        self.stop()
+        own, self.own = dict(self.own), {}
+        return own
+
     def drop(self) -> None:
         self.stop()
         for copy in [*self.own.values(), *self.replicas.values(), *(g.spool for g in self._incoming.values())]:

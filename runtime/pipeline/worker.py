@@ -88,7 +88,9 @@ from runtime.engines.factory import make_engine
 from runtime.pipeline.snapshots import (FETCH_WINDOW_BYTES, StateCopies, WindowEntry, row_shapes, send_window,
                                          state_tensors)
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
+from runtime.pipeline.checkpoints import ROW_IDS
 from runtime.pipeline.held_weights import HeldWeights, check_offer
+from runtime.pipeline.kept_state import load_moments, moments_digest, read_writable, select_entries
 from runtime.optim import make_optimizer
 from runtime.engines.stage import stage_spec
 from runtime.procfs import device_state, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -131,6 +133,10 @@ class Worker:
         self.device: str | None = None  # the plan's name of this device, from its bundle
         # snapshot copies: this stage's own and the replicas it holds for a neighbour
         self.copies = StateCopies(transport, lambda msg: self.transport.send_control(COORDINATOR, msg))
+        # this stage's own snapshot copies (sid -> SpooledCopy) kept through a reset until the next
+        # setup is done: a recovery's setup reads its unmoved blocks' optimizer state from the
+        # restored one (`own_state`, runtime.pipeline.kept_state), not from the coordinator
+        self.kept_own: dict = {}
 
     def _interrupt(self) -> None:
         """While a stage waits for a neighbour: stop when the coordinator aborted the step, or is gone."""
@@ -172,10 +178,16 @@ class Worker:
         close = getattr(self.executor.engine, "close", None) if self.executor is not None else None
         if close is not None:  # a head-split engine's backend processes
             close()
+        self.kept_own.update(self.copies.detach_own())
         self.copies.drop()
         self.executor = None
         self.bundle_actions = None
         self.device = None
+
+    def _close_kept(self) -> None:
+        for copy in self.kept_own.values():
+            copy.close()
+        self.kept_own.clear()
 
     def release(self) -> None:
         """Drop the stage and give up the name: acknowledge under the old name (the coordinator
@@ -236,7 +248,16 @@ class Worker:
 
     def setup_bundle(self, msg: dict) -> None:
         """Set up from a plan bundle: verify every file against its manifest before using any of it;
-        the stage, graph slice, weights, actions and optimizer all come from the bundle."""
+        the stage, graph slice, weights, actions and optimizer all come from the bundle (the
+        optimizer's state from the coordinator, and, after a loss, that of the parameters the new
+        plan left here from this worker's own copy of the restored snapshot: `own_state`). The own
+        copies kept through the reset are let go once the setup is done, or failed."""
+        try:
+            self._setup_bundle(msg)
+        finally:
+            self._close_kept()
+
+    def _setup_bundle(self, msg: dict) -> None:
         from ir.bundle import BundleError
         from runtime.pipeline.bundles import load_bundle
 
@@ -277,8 +298,12 @@ class Worker:
         engine = make_engine(doc.backend_spec, spec, head_split=doc.head_split, activations=doc.activations,
                              take_weights=True)
         optimizer = make_optimizer(doc.optimizer.name, doc.optimizer.lr, doc.optimizer.weight_decay)
+        state = self._kept_moments(msg["own_state"]) if msg.get("own_state") is not None else {}
         if msg.get("optimizer_state"):
-            optimizer.load_state(self._recv_tensors("optstate", list(msg["optimizer_state"])))
+            state.update(self._recv_tensors("optstate", list(msg["optimizer_state"])))
+        if state:
+            optimizer.load_state(state)
+        del state
         # the program: its one-step actions and, for an asynchronous schedule, its steady state
         self.bundle_actions = (contents.actions, contents.steady, contents.drain_at, doc.microbatches)
         self.executor = StageExecutor(self.stage, doc.stages, engine, self.transport, optimizer,
@@ -291,6 +316,19 @@ class Worker:
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device,
                                                   **device_state()})
 
+    def _kept_moments(self, own) -> dict[str, np.ndarray]:
+        """The optimizer state of the parameters `own` {sid, params, sha256} names, read from this
+        worker's own copy of snapshot `sid` (kept through the reset) and checked against `sha256`."""
+        if not (isinstance(own, dict) and isinstance(own.get("sid"), int) and isinstance(own.get("params"), list)
+                and all(isinstance(p, str) for p in own["params"]) and isinstance(own.get("sha256"), str)):
+            raise ValueError(f"setup_bundle: 'own_state' must be {{sid, params, sha256}}, got {own!r:.80}")
+        copy = self.kept_own.get(own["sid"])
+        if copy is None:
+            raise ValueError(f"setup_bundle: own_state names snapshot {own['sid']}, of which this worker kept no copy "
+                             f"(it keeps {sorted(self.kept_own)})")
+        return load_moments(copy, own["params"], own["sha256"], f"stage {self.stage}'s own copy of snapshot "
+                                                                 f"{own['sid']}")
+
     def _receive_bundle(self, msg: dict, source: str, check=None):
         """The setup's bundle files, unverified but for the signature (`check`, before anything of
         the weights is parsed), the base file its weights were rebuilt with (None: not from one),
@@ -302,6 +340,7 @@ class Worker:
         from runtime.pipeline.bundles import REST, rebuild_weights, recv_bundle_files, spool_weights, wire_to_files
 
         names, held, local, reused = list(msg["bundle_files"]), None, [], []
+        own: dict = {}  # trainable weights read from this worker's own snapshot copy
         if "base" in msg:
             offer = msg["base"]
             local = offer.get("names") if isinstance(offer, dict) else None
@@ -314,9 +353,17 @@ class Worker:
             if held is not None:
                 names = [REST if n == WEIGHTS else n for n in names]
         elif "held" in msg:
-            reused = self.held.matching(check_offer(msg["held"]))
-            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage, "held": reused})
-            if reused:
+            offer = check_offer(msg["held"])
+            # the trainable ones from the restored snapshot's copy (the kept weights file holds them
+            # as of the last setup, trained since), the rest from the kept file
+            own = self._own_weights(msg.get("own_state"), offer)
+            own_state = msg.get("own_state")
+            trained = {n for n in own_state.get("params", ()) if isinstance(n, str)} \
+                if isinstance(own_state, dict) and isinstance(own_state.get("params"), list) else set()
+            reused = self.held.matching({n: f for n, f in offer.items() if n not in trained})
+            self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage,
+                                                      "held": reused + sorted(own)})
+            if reused or own:
                 names = [REST if n == WEIGHTS else n for n in names]
         else:  # no offer: answered all the same, before any of the bundle comes (protocol 3)
             self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage})
@@ -326,12 +373,31 @@ class Worker:
                 raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
             files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local)
             return files, held, reused
-        if reused and REST not in files:
+        if (reused or own) and REST not in files:
             raise ValueError(f"bundle {source}: {REST} did not come, though this worker took its own weights")
         # written out, kept for the next setup, and read back tensor by tensor: never the received
         # file and its decoded copies at once; the signature checked before any of it is parsed
-        spool_weights(files, source, check, held=self.held, local=reused)
-        return files, held, reused
+        # (the signed manifest's SHA-256 checks the weights taken from the snapshot copy too)
+        spool_weights(files, source, check, held=self.held, local=reused, extra=own)
+        return files, held, reused + sorted(own)
+
+    def _own_weights(self, own, offer) -> dict:
+        """The trainable weights of the setup's `own_state` parameters offered in `offer` (name ->
+        (dtype, shape)) that this worker's own copy of the restored snapshot holds in that form:
+        name -> its reader (read once the received part of the weights is: never both whole at
+        once; runtime.pipeline.kept_state)."""
+        if not (isinstance(own, dict) and isinstance(own.get("sid"), int) and isinstance(own.get("params"), list)):
+            return {}
+        copy = self.kept_own.get(own["sid"])
+        if copy is None:
+            return {}
+        entries = {e.name: e for e in copy.tensors if e.name.startswith("param/")}
+        out = {}
+        for name in own["params"]:
+            e = entries.get(f"param/{name}") if isinstance(name, str) else None
+            if e is not None and name in offer and offer[name] == (np.dtype(e.dtype).name, tuple(e.shape)):
+                out[name] = lambda copy=copy, e=e: read_writable(copy, e)
+        return out
 
     def _need_stage(self, what: str) -> None:
         if self.executor is None:
@@ -464,9 +530,14 @@ class Worker:
         neither this worker nor the coordinator ever holds a whole copy, nor a whole large tensor
         of one (Coordinator.fetch_held_stages)."""
         sid, of, first, start, budget = (msg.get(k) for k in ("sid", "of", "first", "start", "bytes"))
+        # what of each copy (optional): its parameters and scalars (`weights`, default true), and
+        # the optimizer state of the parameters `moments_of` (absent: of all); a recovery fetches
+        # only the moved blocks' (runtime.pipeline.kept_state)
+        weights, moments_of = msg.get("weights", True), msg.get("moments_of")
         if not (isinstance(sid, int) and isinstance(of, list) and all(isinstance(k, int) for k in of)
                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (first, start, budget))
-                and budget > 0):
+                and budget > 0 and isinstance(weights, bool)
+                and (moments_of is None or (isinstance(moments_of, list) and all(isinstance(p, str) for p in moments_of)))):
             raise ValueError(f"snapshot_send: expected sid, of [stages], first, start and bytes, got {msg!r:.120}")
         self._take_in_copies()  # the chunks that arrived before the neighbours' fences: filed, not held
         for k in of:
@@ -474,11 +545,31 @@ class Worker:
             if copy is None:
                 self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, "missing": True})
                 continue
+            entries = select_entries(copy.tensors, weights, moments_of)
             sent = send_window(self.transport, COORDINATOR, "held", k,
-                               [WindowEntry.of_spooled(copy, e) for e in copy.tensors], first, start,
+                               [WindowEntry.of_spooled(copy, e) for e in entries], first, start,
                                min(budget, FETCH_WINDOW_BYTES))
-            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, **sent,
-                                                      "rows": row_shapes([(e.name, e) for e in copy.tensors])})
+            names = {e.name for e in entries}
+            rows = {key: shape for key, shape in row_shapes([(e.name, e) for e in copy.tensors]).items()
+                    if key + ROW_IDS in names}
+            self.transport.send_control(COORDINATOR, {"type": "held_done", "of": k, "sid": sid, **sent, "rows": rows})
+
+    def copy_digest(self, msg: dict) -> None:
+        """Tell the coordinator the SHA-256 of the optimizer state of `params` in the copy of
+        snapshot `sid` of stage `of` this worker holds (its own or a replica): what a survivor's
+        setup that reads it from its own copy is checked against (runtime.pipeline.kept_state)."""
+        sid, of, params = msg.get("sid"), msg.get("of"), msg.get("params")
+        if not (isinstance(sid, int) and isinstance(of, int) and isinstance(params, list)
+                and all(isinstance(p, str) for p in params)):
+            raise ValueError(f"copy_digest: expected sid, of and params [names], got {msg!r:.120}")
+        self._take_in_copies()
+        copy = self.copies.spooled(of, self.stage, sid)
+        answer = {"type": "copy_digest", "of": of, "sid": sid}
+        if copy is None:
+            answer["missing"] = True
+        else:
+            answer["sha256"] = moments_digest(copy, params)
+        self.transport.send_control(COORDINATOR, answer)
 
     def _between(self) -> float | None:
         """Between a step's actions and while it waits: ship what is due of this stage's snapshot copy,
@@ -552,6 +643,7 @@ class Worker:
             self.transport.retire(peer)
             self.transport.discard(peer)
         self.reset()
+        self._close_kept()
         self.held.forget()  # a coordinator to come offers nothing it did not set up itself
         for peer in list(getattr(self.transport, "peers", {})):
             self.transport.disconnect(peer)
@@ -617,7 +709,8 @@ class Worker:
     def _obey(self, msg: dict) -> bool:
         """Carry out one order of the coordinator; True for stop."""
         kind = msg.get("type")
-        if kind not in ("run", "snapshot", "snapshot_keep", "snapshot_send", "checkpoint", "abort", "eval_forward"):
+        if kind not in ("run", "snapshot", "snapshot_keep", "snapshot_send", "copy_digest", "checkpoint", "abort",
+                        "eval_forward"):
             self.copies.stop()  # the stage or its connections change: no thread may be sending on them
         if kind == "abort":
             self.abort(msg)
@@ -639,6 +732,8 @@ class Worker:
             self.snapshot(msg)
         elif kind == "snapshot_send":
             self.snapshot_send(msg)
+        elif kind == "copy_digest":
+            self.copy_digest(msg)
         elif kind == "snapshot_keep":
             keep = msg.get("keep")
             if not (isinstance(keep, list) and all(isinstance(k, int) for k in keep)):

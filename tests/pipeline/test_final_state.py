@@ -86,9 +86,9 @@ def test_a_snapshot_on_the_peers_at_the_last_step_is_not_fetched_for_the_weights
     fetched = []
     real = Coordinator.fetch_held_stages
 
-    def fetch(self, sid, lost=()):
+    def fetch(self, sid, lost=(), *select):
         fetched.append(sid)
-        return real(self, sid, lost)
+        return real(self, sid, lost, *select)
 
     monkeypatch.setattr(Coordinator, "fetch_held_stages", fetch)
     # every boundary orders one, the last included (not only once the one before is confirmed)

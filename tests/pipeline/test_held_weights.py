@@ -67,30 +67,37 @@ def _config() -> PipelineConfig:
     return PipelineConfig(schedule="1f1b-flush", microbatches=2, optimizer="adamw", lr=1e-3, timeout_s=60)
 
 
-def _check_shipped_only_what_was_lacking(graph, batches, result, sent) -> None:
+def _params_of(graph, first: int, last: int) -> set[str]:
+    return {x for b in graph.blocks[first:last + 1] for x in b.params}
+
+
+def _check_shipped_only_what_was_lacking(graph, batches, result, sent, peers: bool) -> None:
     """Each survivor was sent its new stage's trainable tensors and the frozen ones of blocks it
     did not hold, and nothing of the frozen ones it held (before this change: its whole new
-    bundle again); the new_plan event says what was kept; losses and weights equal single-device
-    training's."""
+    bundle again); with the state on the peers, nothing of the trainable ones its own copy of the
+    restored snapshot holds either (runtime.pipeline.kept_state); the new_plan event says what was
+    kept; losses and weights equal single-device training's."""
     assert [e["event"] for e in result.events] == ["lost", "new_plan", "recovered"], result.events
     (_, change), = result.replans
     old, new = change.old_ranges, change.new_ranges
     assert len(new) == 2 and set(sent) == {"stage0", "stage1"}, (new, sent)
     trainable = set(graph.params)
-    header = 0
+    header = headers = 0
+    own = [_params_of(graph, *old[k]) & _params_of(graph, *new[k]) if peers else set() for k in range(2)]
     for k, (first, last) in enumerate(new):
-        held = {n for n in _constants_of(graph, *old[k]) if n not in trainable}
+        held = {n for n in _constants_of(graph, *old[k]) if n not in trainable} | own[k]
         wanted = _constants_of(graph, first, last)
         lacking = _nbytes(graph, wanted - held)
         whole = _nbytes(graph, wanted)
         # the moved blocks' share, and a safetensors header (names, dtypes, offsets) at most
         header = len(encode_safetensors({n: np.zeros(1, np.float32) for n in wanted}))
+        headers += header
         assert lacking <= sent[f"stage{k}"] <= lacking + header, (k, sent, lacking, whole)
-    kept = sum(_nbytes(graph, _constants_of(graph, *old[k]) & _constants_of(graph, *new[k]) - trainable)
+    kept = sum(_nbytes(graph, (_constants_of(graph, *old[k]) & _constants_of(graph, *new[k]) - trainable) | own[k])
                for k in range(2))
     assert kept > 0  # the plan kept some frozen weights where they were
     new_plan = next(e for e in result.events if e["event"] == "new_plan")
-    assert kept <= new_plan["kept_bytes"] == change.kept_bytes <= kept + 2 * header, (new_plan, kept)
+    assert kept <= new_plan["kept_bytes"] == change.kept_bytes <= kept + 2 * headers, (new_plan, kept)
     want_losses, want_weights = single_device_training(graph, batches, STEPS)
     assert result.losses == want_losses
     assert set(result.weights) == set(want_weights)
@@ -111,7 +118,7 @@ def test_a_recovery_ships_a_survivor_only_the_weights_it_lacks(lora_graph, batch
         result = train_pipeline(lora_graph, batches, 9, workers.addresses, _config(), STEPS,
                                 transport=workers.coordinator, on_step=on_step,
                                 faults=FaultPolicy(snapshot_every=1, state_on=state_on))
-    _check_shipped_only_what_was_lacking(lora_graph, batches, result, sent)
+    _check_shipped_only_what_was_lacking(lora_graph, batches, result, sent, state_on == "peers")
 
 
 @pytest.mark.slow  # twin on threads: test_a_recovery_ships_a_survivor_only_the_weights_it_lacks
@@ -134,7 +141,7 @@ def test_sigkill_a_worker_process_and_the_survivors_are_sent_only_what_they_lack
     finally:
         codes = workers.wait(30.0)
     assert codes[2] == -signal.SIGKILL and codes[:2] == [0, 0], codes
-    _check_shipped_only_what_was_lacking(lora_graph, batches, result, sent)
+    _check_shipped_only_what_was_lacking(lora_graph, batches, result, sent, True)
 
 
 def _flip_first_bytes(file, names) -> None:

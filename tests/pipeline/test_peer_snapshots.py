@@ -102,9 +102,9 @@ def test_a_lost_workers_state_comes_back_from_its_neighbour_and_the_replay_is_ex
         fetched = []
         real_fetch = Coordinator.fetch_held_stages
 
-        def fetch(self, sid, gone=()):
+        def fetch(self, sid, gone=(), *select):
             fetched.append(tuple(gone))
-            return real_fetch(self, sid, gone)
+            return real_fetch(self, sid, gone, *select)
 
         monkeypatch.setattr(Coordinator, "fetch_held_stages", fetch)
         ordered, sids = [], []
@@ -187,9 +187,9 @@ def test_sigkill_of_a_worker_process_is_recovered_from_its_neighbours_copy(graph
     fetched = []
     real_fetch = Coordinator.fetch_held_stages
 
-    def fetch(self, sid, gone=()):
+    def fetch(self, sid, gone=(), *select):
         fetched.append(tuple(gone))
-        return real_fetch(self, sid, gone)
+        return real_fetch(self, sid, gone, *select)
 
     killed = []
 
