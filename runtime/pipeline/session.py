@@ -85,13 +85,20 @@ FALLBACK_REPLAY_S = 60.0
 
 
 def snapshot_interval(copy_s: float, step_s: float, share: float = SNAPSHOT_SHARE,
-                      replay_budget_s: float = REPLAY_BUDGET_S) -> int:
+                      replay_budget_s: float = REPLAY_BUDGET_S, copies_cpu_s: float = 0.0,
+                      work_cpu_s: float = 0.0) -> int:
     """Steps between state copies so that a copy of `copy_s` seconds costs at most `share` of
-    steps of `step_s` seconds (wall clock, copies left out), but no more steps than replay in
+    steps of `step_s` seconds (wall clock, copies left out), and, given them, so that what one
+    snapshot costs all the workers together (`copies_cpu_s`, CPU seconds) is at most `share` of
+    what a step's own work costs them together (`work_cpu_s`): workers that share cores pay for
+    each other's copies, and a worker idle in the pipeline's bubbles has less CPU to lose to them
+    than its wall clock says. The larger of the two intervals, but no more steps than replay in
     `replay_budget_s` (a recovery's bound wins: the copies then cost more than `share`)."""
     if not step_s > 0:
         return 1
     wanted = math.ceil(copy_s / (share * step_s)) if copy_s > 0 else 1
+    if copies_cpu_s > 0 and work_cpu_s > 0:
+        wanted = max(wanted, math.ceil(copies_cpu_s / (share * work_cpu_s)))
     return max(1, min(wanted, int(replay_budget_s // step_s)))
 
 
@@ -358,7 +365,9 @@ class Session:
         work = self._work_s[1:] or self._work_s
         if not copies or not work:
             return 1
-        return snapshot_interval(statistics.median(copies), statistics.median(work[-8:]))
+        together = self.held.together() if self.held is not None else (0.0, 0.0)
+        return snapshot_interval(statistics.median(copies), statistics.median(work[-8:]),
+                                 copies_cpu_s=together[0], work_cpu_s=together[1])
 
     def _boundary(self, step: int, start_step: int) -> bool:
         """After `step` steps: is a snapshot due (and a checkpoint), so the next failure replays from here?"""

@@ -682,7 +682,10 @@ class StateCopies:
                 self._io_start -= time.thread_time() - cpu
                 io = now - self._io_start
             out = {"snapshot_copy_s": self.copy_s, "snapshot_cpu_s": self.cpu_s + io, "snapshots_taken": self.taken,
-                   "snapshot_cpu_parts_s": {**self.cpu_parts, "io": io}}
+                   "snapshot_cpu_parts_s": {**self.cpu_parts, "io": io},
+                   # the whole process's CPU so far (every thread): less the snapshots', a step's own
+                   # work between two reports, which K weighs all the workers' copies against
+                   "process_cpu_s": time.process_time()}
         self.copy_s = 0.0
         return out
 
@@ -721,6 +724,10 @@ class HeldSnapshot:
         return self
 
 
+# Steps whose own work (all the workers' CPU) K's choice takes the median of.
+WORK_STEPS = 8
+
+
 class PeerSnapshots:
     """The coordinator's record of the snapshots held on the workers: which were ordered (by
     `sid`), which every holder has confirmed, and from which a loss of given stages restores."""
@@ -728,7 +735,12 @@ class PeerSnapshots:
     def __init__(self, coordinator):
         self.coordinator = coordinator
         self.ordered: list[HeldSnapshot] = []  # newest last; at most the confirmed one and a newer
-        self.cost_s: float | None = None
+        self.cost_s: float | None = None  # one snapshot's CPU on the busiest worker
+        self.total_cost_s: float | None = None  # one snapshot's CPU summed over the workers
+        # per stage: (process CPU, snapshots' CPU, updates) at its last report, and each step's own
+        # work summed over the stages (CPU seconds less the snapshots'), the last WORK_STEPS steps
+        self._last: dict[int, tuple[float, float, int]] = {}
+        self._work_cpu: deque[float] = deque(maxlen=WORK_STEPS)
 
     @classmethod
     def for_run(cls, coordinator, faults, plan_over) -> "PeerSnapshots | None":
@@ -754,6 +766,35 @@ class PeerSnapshots:
                  and d["snapshots_taken"] > 0]
         if costs:
             self.cost_s = max(costs)
+            self.total_cost_s = sum(costs)
+        self._note_work(done)
+
+    def _note_work(self, done: Sequence[dict]) -> None:
+        """Each stage's CPU since its last report less what its snapshots took, per update, summed
+        over the stages: what a step's own work costs all the workers (None until every stage has
+        reported twice since its setup; a report whose counters went back, a new setup, starts over)."""
+        total, whole = 0.0, True
+        for k, d in enumerate(done):
+            now = (d.get("process_cpu_s"), d.get("snapshot_cpu_s", 0.0), d.get("updates"))
+            if not (isinstance(now[0], (int, float)) and isinstance(now[1], (int, float)) and isinstance(now[2], int)):
+                whole = False
+                continue
+            before, self._last[k] = self._last.get(k), now
+            if before is None or now[2] <= before[2] or now[0] < before[0] or now[1] < before[1]:
+                whole = False
+                continue
+            total += max(0.0, (now[0] - before[0]) - (now[1] - before[1])) / (now[2] - before[2])
+        if whole and done and total > 0:
+            self._work_cpu.append(total)
+
+    def together(self) -> tuple[float, float]:
+        """(one snapshot's CPU summed over the workers, a step's own work's CPU summed over them,
+        the median of the last WORK_STEPS): K weighs the first against the second (0.0, 0.0 until
+        both are known)."""
+        if self.total_cost_s is None or not self._work_cpu:
+            return 0.0, 0.0
+        work = sorted(self._work_cpu)
+        return self.total_cost_s, work[len(work) // 2]
 
     def costs(self) -> list[float]:
         """What one snapshot costs the busiest worker, in CPU seconds (its copy, the shipping
@@ -815,8 +856,10 @@ class PeerSnapshots:
         return None
 
     def reset(self) -> None:
-        """The stages were set up again: their copies are gone."""
+        """The stages were set up again: their copies are gone (and their counters start over)."""
         self.ordered = []
+        self._last.clear()
+        self._work_cpu.clear()
 
 
 # --- the coordinator's fallback: when a stage and the neighbour holding its copy are lost together --

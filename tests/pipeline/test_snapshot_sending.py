@@ -563,3 +563,52 @@ def test_the_snapshot_interval_is_chosen_from_a_cost_that_counts_the_holders_fil
         _assert_copy(holder.copy_of(0, 1, 1), state)
     finally:
         a.close(), b.close()
+
+
+def _report(process_cpu_s: float, snapshot_cpu_s: float, snapshots: int, updates: int) -> dict:
+    """What a worker's done says of its CPU (`StateCopies.figures` and the executor's updates)."""
+    return {"process_cpu_s": process_cpu_s, "snapshot_cpu_s": snapshot_cpu_s, "snapshots_taken": snapshots,
+            "updates": updates}
+
+
+def test_the_snapshot_interval_weighs_all_the_workers_copies_against_all_their_work():
+    """Issue 32: K was chosen from the busiest worker's snapshot against the wall-clock step, as if
+    each worker had a core of its own and computed the whole step. Two workers that each spend
+    0.0305 CPU-s on a snapshot, with 0.1 s steps in which each computes 0.04 CPU-s (idle in the
+    bubbles): the busiest against the step asks for every ceil(0.0305 / (2.5% of 0.1)) = 13 steps;
+    all the copies (0.061 CPU-s) against all the work (0.08 CPU-s a step) for every
+    ceil(0.061 / (2.5% of 0.08)) = 31 steps, and that is K (the 5 s replay bound allows 49)."""
+    from runtime.pipeline.session import FaultPolicy, Session, snapshot_interval
+    from runtime.pipeline.snapshots import PeerSnapshots
+
+    keeper = PeerSnapshots(None)
+    # each step 0.04 CPU-s of work on each worker; worker 0 also pays for snapshot 1 during step 2
+    # (its copy and shipping), worker 1 during step 3 (filing it): a step's work is the process's
+    # CPU since the last report less the snapshots'
+    keeper.note([_report(5.0, 0.0, 0, 1), _report(3.0, 0.0, 0, 1)])  # the first report: a baseline
+    keeper.note([_report(5.0705, 0.0305, 1, 2), _report(3.04, 0.0, 1, 2)])
+    keeper.note([_report(5.1105, 0.0305, 1, 3), _report(3.1105, 0.0305, 1, 3)])
+    keeper.note([_report(5.1505, 0.0305, 1, 4), _report(3.1505, 0.0305, 1, 4)])
+    copies, work = keeper.together()
+    assert keeper.costs() == [pytest.approx(0.0305)] and copies == pytest.approx(0.061)
+    assert work == pytest.approx(0.08)
+    assert snapshot_interval(0.0305, 0.1) == 13  # the busiest alone, as before
+    assert snapshot_interval(0.0305, 0.1, copies_cpu_s=copies, work_cpu_s=work) == 31
+    assert snapshot_interval(0.0305, 0.1, replay_budget_s=1.0, copies_cpu_s=copies, work_cpu_s=work) == 9
+    # workers busier than the wall clock (cores shared with others' work): never below the busiest's K
+    assert snapshot_interval(0.0305, 0.1, copies_cpu_s=0.061, work_cpu_s=0.3) == 13
+
+    # what the run asks: Session.snapshot_every under AUTO_SNAPSHOTS (its first step after the
+    # setup, which builds the engines, left out)
+    run = Session.__new__(Session)
+    run.faults, run.held, run._work_s = FaultPolicy(snapshot_every=None, state_on="peers"), keeper, [0.3, 0.1, 0.1]
+    assert run.snapshot_every() == 31
+
+    # a new setup starts the counters over: no work known, K from the busiest alone
+    keeper.reset()
+    keeper.note([_report(9.0, 0.0, 0, 1), _report(7.0, 0.0, 0, 1)])
+    assert keeper.together() == (0.0, 0.0) and run.snapshot_every() == 13
+    # counters that went back (a worker set up again) are a new baseline, not a negative step
+    keeper.note([_report(9.04, 0.0, 0, 2), _report(7.04, 0.0, 0, 2)])
+    keeper.note([_report(1.0, 0.0, 0, 1), _report(7.08, 0.0, 0, 3)])
+    assert keeper.together()[1] == pytest.approx(0.08)
