@@ -532,7 +532,9 @@ class StateCopies:
                 ship.begun = True
             due = ship.due(time.monotonic())
             if ship.sent < due and not ship.credit():
-                self.take_in([ship.holder], ship.stage)  # its word on what it filed, and its own copy's chunks
+                # its word on what it filed, and its own copy's chunks: what filing them cost is
+                # charged by take_in (`file`), not a second time here as sending
+                cpu += self.take_in([ship.holder], ship.stage)
             sent = 0
             while ship.sent < due and sent < PUMP_CHUNKS * CHUNK_BYTES and ship.credit():
                 a, b = ship.chunks[ship.sent]
@@ -587,9 +589,10 @@ class StateCopies:
         self._io_start = _io_cpu_s()
 
     # --- holding a neighbour's copy ------------------------------------------------------------
-    def take_in(self, peers: Sequence[str], this_stage: int | None) -> None:
+    def take_in(self, peers: Sequence[str], this_stage: int | None) -> float:
         """File what neighbours' senders delivered so far (no waiting); a copy completed is a
-        replica held, and the coordinator hears so."""
+        replica held, and the coordinator hears so. Returns the CPU seconds it charged to the
+        snapshots (`file`; 0.0 for a look that found nothing)."""
         start, looked = time.thread_time(), False
         for peer in peers:
             filed = None
@@ -603,10 +606,12 @@ class StateCopies:
                 except Exception:  # the sender went away: the coordinator hears of it
                     pass
         if not looked:  # a look that found nothing: the worker looks as often with no snapshots at all
-            return
+            return 0.0
+        spent = time.thread_time() - start
         with self._lock:
-            self.cpu_s += time.thread_time() - start
-            self.cpu_parts["file"] += time.thread_time() - start
+            self.cpu_s += spent
+            self.cpu_parts["file"] += spent
+        return spent
 
     def _file(self, peer: str, header, views: Sequence[memoryview], this_stage: int | None
               ) -> tuple[int, int, int] | None:

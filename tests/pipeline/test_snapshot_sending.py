@@ -559,7 +559,9 @@ def test_the_snapshot_interval_is_chosen_from_a_cost_that_counts_the_holders_fil
         # what K does with it: a snapshot costing c CPU-s against steps of s is taken every
         # ceil(c / (share * s)) steps, within the replay budget
         cost = keeper.costs()[0]
-        assert snapshot_interval(cost, 10 * cost) == 4  # 2.5% of the step: every 4 steps
+        # (a replay budget that does not bind: under load a copy here costs over 0.125 CPU-s, and
+        # 5 s of such 10x steps are 3)
+        assert snapshot_interval(cost, 10 * cost, replay_budget_s=60) == 4  # 2.5% of the step: every 4 steps
         _assert_copy(holder.copy_of(0, 1, 1), state)
     finally:
         a.close(), b.close()
@@ -612,3 +614,33 @@ def test_the_snapshot_interval_weighs_all_the_workers_copies_against_all_their_w
     keeper.note([_report(9.04, 0.0, 0, 2), _report(7.04, 0.0, 0, 2)])
     keeper.note([_report(1.0, 0.0, 0, 1), _report(7.08, 0.0, 0, 3)])
     assert keeper.together()[1] == pytest.approx(0.08)
+
+
+def test_filing_done_while_shipping_is_charged_once(monkeypatch):
+    """A sender out of credit files what its holder sent (the holder's word, its own copy's chunks)
+    from inside `pump`; `take_in` charges that to the snapshots as filing, and `pump` charged it
+    again as sending: K was chosen from a cost counted twice, and the parts misread. The sender's
+    filing made dear (0.05 CPU-s a message it files): every such CPU-second is in `file` once,
+    not in `send`."""
+    a, b = _pair()
+    sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
+    real_file, burnt = StateCopies._file, []
+
+    def dear_file(self, *args):
+        if self is sender:
+            start = time.thread_time()
+            while time.thread_time() - start < 0.05:
+                pass
+            burnt.append(time.thread_time() - start)
+        return real_file(self, *args)
+
+    monkeypatch.setattr(StateCopies, "_file", dear_file)
+    rng = np.random.default_rng(5)
+    state = [(f"param/w{i}", rng.standard_normal(2**20).astype(np.float32)) for i in range(4)]  # 16 MiB
+    _ship(sender, holder, 1, state, keep=[])
+    parts = sender.figures()["snapshot_cpu_parts_s"]
+    assert len(burnt) >= 3, burnt  # the holder's words, filed from inside pump (the test never calls it)
+    assert parts["file"] >= 0.99 * sum(burnt), (parts, sum(burnt))
+    assert parts["send"] < 0.5 * sum(burnt), (parts, sum(burnt))
+    _assert_copy(holder.copy_of(0, 1, 1), state)
+    a.close(), b.close()
