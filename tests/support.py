@@ -11,6 +11,7 @@ import fcntl
 import importlib.util
 import io
 import os
+import signal
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -717,3 +718,19 @@ def on_during_recovery(monkeypatch, flag: dict) -> None:
             flag["on"] = False
 
     monkeypatch.setattr(Session, "recover", recover)
+
+
+def ts17_graph(tiny_checkpoint: Path, export_dir: Path, rows: int = ROWS, seq: int = S) -> Graph:
+    """The tiny BERT exported at opset 17 (one file shared by the tests) and lowered at rows x seq."""
+    from planner.onnx_import import load_model
+    return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), rows, seq)
+
+
+def sigkill_on_step(workers, index: int, at_step: int) -> Callable:
+    """An `on_step` that SIGKILLs worker `index`'s process (`LocalWorkers`) once step `at_step` is
+    done, and waits for it to die: a loss the kernel makes, no goodbye on the wire."""
+    def on_step(step, *_):
+        if step == at_step and workers.procs[index].poll() is None:
+            os.kill(workers.procs[index].pid, signal.SIGKILL)
+            workers.procs[index].wait(10)
+    return on_step

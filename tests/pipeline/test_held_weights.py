@@ -23,7 +23,7 @@ from runtime.pipeline.held_weights import HeldWeights
 from runtime.pipeline.inprocess import InProcessWorkers
 from runtime.transport.local import LocalTransport
 from ir.safetensors import encode_safetensors
-from support import on_during_recovery, single_device_training, synthetic_batch, tiny_lora_graph
+from support import on_during_recovery, sigkill_on_step, single_device_training, synthetic_batch, tiny_lora_graph
 
 STEPS, LOST_AFTER = 4, 2
 
@@ -130,10 +130,7 @@ def test_sigkill_a_worker_process_and_the_survivors_are_sent_only_what_they_lack
     sent = _count_weights_sent(monkeypatch, ZmqTransport)
     workers = LocalWorkers.start(3, threads=1)
 
-    def on_step(step, *_):
-        if step == LOST_AFTER and workers.procs[2].poll() is None:
-            os.kill(workers.procs[2].pid, signal.SIGKILL)
-            workers.procs[2].wait(10)
+    on_step = sigkill_on_step(workers, 2, LOST_AFTER)
 
     try:
         result = train_pipeline(lora_graph, batches, 9, workers.addresses, _config(), STEPS, keys=workers.keys,

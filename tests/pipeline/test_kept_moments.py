@@ -17,21 +17,20 @@ import pytest
 from ir.bundle import WEIGHTS
 from jobs.train.pipeline import FaultPolicy, train_pipeline
 from runtime.pipeline.bundles import REST
-from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig, WorkerFailed
 from runtime.pipeline.inprocess import InProcessWorkers
 from runtime.pipeline.kept_state import (load_moments, moment_param, moments_digest, select_entries,
                                          survivors_moments)
 from runtime.pipeline.snapshots import SpooledCopy
 from runtime.transport.local import LocalTransport
-from support import M, ROWS, S, export_onnx, on_during_recovery, single_device_training, synthetic_batch
+from support import M, on_during_recovery, sigkill_on_step, single_device_training, synthetic_batch, ts17_graph
 
 STEPS, LOST_AFTER = 5, 3
 
 
 @pytest.fixture(scope="module")
 def graph(tiny_checkpoint, export_dir):
-    return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
+    return ts17_graph(tiny_checkpoint, export_dir)
 
 
 @pytest.fixture(scope="module")
@@ -186,10 +185,7 @@ def test_sigkill_a_worker_process_and_only_the_moved_moments_pass_the_coordinato
     seen = _count_moments(monkeypatch, None, ZmqTransport)
     workers = LocalWorkers.start(3, threads=1)
 
-    def on_step(step, *_):
-        if step == LOST_AFTER and workers.procs[1].poll() is None:
-            os.kill(workers.procs[1].pid, signal.SIGKILL)
-            workers.procs[1].wait(10)
+    on_step = sigkill_on_step(workers, 1, LOST_AFTER)
 
     try:
         result = train_pipeline(graph, batches, 9, workers.addresses, _config("1f1b-flush"), STEPS, keys=workers.keys,

@@ -13,17 +13,16 @@ import pytest
 
 import runtime.pipeline.bundles as bundles_module
 from jobs.train.pipeline import FaultPolicy, train_pipeline
-from planner.onnx_import import load_model
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.pipeline.inprocess import InProcessWorkers
-from support import M, ROWS, S, bundle_weights_alive, export_onnx, on_during_recovery, single_device_training, synthetic_batch
+from support import M, bundle_weights_alive, on_during_recovery, single_device_training, synthetic_batch, ts17_graph
 
 STEPS, LOST_AFTER = 4, 2
 
 
 @pytest.fixture(scope="module")
 def graph(tiny_checkpoint, export_dir):
-    return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
+    return ts17_graph(tiny_checkpoint, export_dir)
 
 
 @pytest.fixture(scope="module")
