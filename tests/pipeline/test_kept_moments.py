@@ -33,9 +33,12 @@ def graph(tiny_checkpoint, export_dir):
     return ts17_graph(tiny_checkpoint, export_dir)
 
 
+BATCHES = [synthetic_batch(i) for i in range(STEPS + 1)]  # the steps' batches, one list every test reads
+
+
 @pytest.fixture(scope="module")
 def batches():
-    return [synthetic_batch(i) for i in range(STEPS + 1)]
+    return BATCHES
 
 
 def _config(schedule: str) -> PipelineConfig:
