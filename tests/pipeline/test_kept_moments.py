@@ -91,8 +91,11 @@ def _wait_for_copies(workers) -> None:
 
 def _faults(schedule: str) -> FaultPolicy:
     # 1f1b-stash drains every 2 steps (else the run is one segment and a loss restores step 0,
-    # before AdamW has any moments)
-    return FaultPolicy(state_on="peers", checkpoint_every=2 if schedule == "1f1b-stash" else None)
+    # before AdamW has any moments); under flush a copy every step: K chosen from measured costs
+    # can leave the newest copy at step 0, with no moments to keep or to change (seen under load)
+    if schedule == "1f1b-stash":
+        return FaultPolicy(state_on="peers", checkpoint_every=2)
+    return FaultPolicy(state_on="peers", snapshot_every=1)
 
 
 def _run(graph, batches, schedule: str, lost: int, monkeypatch, on_kill=None, n: int = 3):
