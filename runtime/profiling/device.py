@@ -129,7 +129,17 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     # built first in fresh children 5.73 / 10.22 / 17.34 / 29.24 MiB for 1 / 3 / 6 / 11 layers, ~2.4 a layer and
     # ~3 once a stage, so a third of the once part rides on each layer: ~1 MiB a layer over, never under from
     # three layers on; Llama-3.2-1B-class int4 13.3 / 34.5 / 55.8 for 1 / 3 / 5, ~10.6 a layer and ~2.6 once)
-    cost = replace(cost, engine_bytes=_engine_build(backend, graph, i, i + run - 1, feeds, builds) // run)
+    # Since h53 split the line through the builds of one block and of the run (each in its own child): the
+    # step per further block in `engine_bytes`, the rest of one block's build in `engine_once_bytes`, which
+    # the planner charges once a stage (`planner.cost.engine_bytes`): a stage of k blocks is charged
+    # once + k x step, each build's figure at k = 1 and k = run.
+    built = _engine_build(backend, graph, i, i + run - 1, feeds, builds)
+    if run == 1:
+        cost = replace(cost, engine_bytes=built)
+    else:
+        one = _engine_build(backend, graph, i, i, feeds, builds)
+        step = max(0, built - one) // (run - 1)
+        cost = replace(cost, engine_bytes=step, engine_once_bytes=max(0, one - step))
     kept = kept_workspace(backend, stage_spec(graph, i, i + run - 1), feeds) // run
     # The cached (keep) line through stages of up to LEAN_RUN blocks, each step between lengths one
     # vote: through 1-3 blocks, three profiles of one machine put a SmolLM2 int4 layer at 12.8 / 13.5 /
@@ -303,6 +313,8 @@ def _memory_parts(cost: BlockCost) -> str:
         stacked += (f"a further micro-batch per block: {(cost.per_block_kept_bytes or 0) / 2**20:.1f} a block, "
                     f"{cost.per_block_kept_once_bytes / 2**20:.1f} once a stage; ")
     engine = "" if not cost.engine_bytes else f", engine {cost.engine_bytes / 2**20:.1f}"
+    if cost.engine_once_bytes is not None:
+        engine += f" a block + {cost.engine_once_bytes / 2**20:.1f} once a stage"
     targets = ("" if cost.sparse_workspace_bytes is None else
                f", {cost.sparse_workspace_bytes / 2**20:.1f} with {cost.sparse_target_positions} of its "
                f"{cost.target_positions} target positions targets")
