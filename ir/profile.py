@@ -40,7 +40,8 @@ class BlockCost:
     kept_bytes: int | None = None
     # What building the block's engine holds beyond the weights it takes, as a worker builds it
     # (MNN's graphs of the block and their tensors; `runtime.profiling.compute.engine_setup_bytes`).
-    # None: not measured (an older profile), taken as nothing.
+    # None: not measured (an older profile), taken as nothing. For a kind measured on a run of several
+    # blocks, the build's step per further block; what it holds once a stage is `engine_once_bytes`.
     engine_bytes: int | None = None
     # The same two figures when the engine recomputes activations per block (`activations:
     # per-block`: MNN without per-op caches, each block's forward re-run inside its own backward):
@@ -94,6 +95,13 @@ class BlockCost:
     # one micro-batch is in flight. None: not measured; profiles made before hold it in
     # `per_block_workspace_bytes` (charged once on every stage, as then).
     per_block_kept_once_bytes: int | None = None
+    # What building a stage's engine holds once whatever its length (MNN's executor, its shared
+    # tensors), from the builds of one block and of a run of the kind, each first in a fresh process:
+    # the one block's build less the step (`runtime.profiling.device.measure_block`; SmolLM2 int4
+    # 5.73 MiB for one layer, 10.22 for three: 2.25 a layer, 3.48 once). The planner charges the
+    # largest of the backend's once a stage (`planner.cost.engine_once_bytes`). None: not measured
+    # (an older profile, a kind with no run), taken as nothing (its `engine_bytes` holds its once part).
+    engine_once_bytes: int | None = None
 
     @property
     def stacked(self) -> int:
@@ -243,7 +251,8 @@ class DeviceProfile:
 
 
 _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s", "per_block_backward_s")
-_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "per_block_workspace_bytes",
+_BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "engine_once_bytes",
+                "per_block_workspace_bytes",
                 "per_block_stacked_bytes", "per_block_kept_bytes", "per_block_kept_once_bytes",
                 "sparse_workspace_bytes")
 # counts, checked as sizes are (whole numbers >= 0)

@@ -38,7 +38,7 @@ from planner.cluster import Cluster, runtime_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activation_mode, activations_of,
                           async_extra_copies, block_costs, block_transients,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
-                          base_dtype_savings, engine_bytes, frozen_storage_extra_bytes,
+                          base_dtype_savings, block_engine_bytes, engine_once_bytes, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
                           block_kept_once,
                           reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
@@ -298,11 +298,12 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         input_bytes=block_input_bytes(graph),
         # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
         workspace_bytes=tuple(tuple(c.stacked + b.frozen_bytes + double_held_bytes(graph, k, k, spec)
-                                    + frozen_storage_extra_bytes(graph, k, k, spec) + engine_bytes(graph, k, k, spec)
+                                    + frozen_storage_extra_bytes(graph, k, k, spec) + block_engine_bytes(graph, spec, k)
                                     for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
         kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
         base_dtype_savings=base_dtype_savings(graph),
-        overhead_bytes=tuple(runtime_bytes(s) for s in specs),
+        # the runtime, and what its engine's build holds once a stage (planner.cost.engine_once_bytes)
+        overhead_bytes=tuple(runtime_bytes(s) + engine_once_bytes(s) for s in specs),
         # each stage pays the largest of its own blocks' transients (planner.cost.transient_bytes)
         transient_bytes=tuple(block_transients(graph, s) for s in specs),
         # and the largest of its blocks' once part per further micro-batch (planner.cost.kept_once_bytes)

@@ -71,7 +71,7 @@ def distinct_blocks(graph: Graph) -> dict[str, Block]:
 
 
 def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: FreshProcesses | None = None,
-                  start_up: int = 0) -> BlockCost:
+                  start_up: int = 0, builds: FreshProcesses | None = None) -> BlockCost:
     """One block kind's cost as a stage pays it. A decoder's LM head is measured as it runs, fused
     with the causal-LM loss on its stage (`runtime.engines.lm_loss`: no logits are made), minus the
     loss alone (which the loss's own signature carries): the head's time is the fused kernel's, its
@@ -104,7 +104,10 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     (`per_block_kept_once_bytes`); and the keep line the same way (`stacked_bytes`, the workspace,
     and `kept_bytes` from two in flight: warm, the middle stage of SmolLM2 int4 torch keeping ran
     1.04-1.09x its plan in five runs, with the line fresh 0.93-1.01 in three). MNN's lines stay
-    measured here: measured fresh they charged MNN per-block stages 1.01x (benchmarks/MEMORY_NOTES.md)."""
+    measured here: measured fresh they charged MNN per-block stages 1.01x (benchmarks/MEMORY_NOTES.md).
+
+    `builds` given (`profile_device`'s `fresh`, every engine): the engine's build (`engine_bytes`) is
+    measured as a worker builds it, first in a fresh child (`_engine_build`), not here after the block ran."""
     i = block.index
     if fused_lm_head(graph, i, i + 1) is not None and i == len(graph.blocks) - 2:
         both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
@@ -114,7 +117,7 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         backward = max(0.0, both.backward_s - loss.backward_s)
         cost = BlockCost(max(0.0, both.forward_s - loss.forward_s), backward,
                          max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes, kept_bytes=kept,
-                         engine_bytes=engine_setup_bytes(backend, both_spec),
+                         engine_bytes=_engine_build(backend, graph, i, i + 1, feeds, builds),
                          per_block_backward_s=backward if backend.engine == "torch" else None)
         return _with_sparse_targets(cost, backend, both_spec, feeds)
     spec = stage_spec(graph, i, i)
@@ -122,8 +125,21 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     run = 1  # blocks of this kind in a row from this one, up to three
     while run < 3 and i + run < len(graph.blocks) and block_signature(graph.blocks[i + run]) == block_signature(block):
         run += 1
-    # per block of the run (one alone measured 1.1-1.7 MiB a SmolLM2 layer, three 1.7 each, fifteen 1.8)
-    cost = replace(cost, engine_bytes=engine_setup_bytes(backend, stage_spec(graph, i, i + run - 1)) // run)
+    # per block of the run (one alone measured 1.1-1.7 MiB a SmolLM2 layer, three 1.7 each, fifteen 1.8: warm;
+    # built first in fresh children 5.73 / 10.22 / 17.34 / 29.24 MiB for 1 / 3 / 6 / 11 layers, ~2.4 a layer and
+    # ~3 once a stage, so a third of the once part rides on each layer: ~1 MiB a layer over, never under from
+    # three layers on; Llama-3.2-1B-class int4 13.3 / 34.5 / 55.8 for 1 / 3 / 5, ~10.6 a layer and ~2.6 once)
+    # Since h53 split the line through the builds of one block and of the run (each in its own child): the
+    # step per further block in `engine_bytes`, the rest of one block's build in `engine_once_bytes`, which
+    # the planner charges once a stage (`planner.cost.engine_bytes`): a stage of k blocks is charged
+    # once + k x step, each build's figure at k = 1 and k = run.
+    built = _engine_build(backend, graph, i, i + run - 1, feeds, builds)
+    if run == 1:
+        cost = replace(cost, engine_bytes=built)
+    else:
+        one = _engine_build(backend, graph, i, i, feeds, builds)
+        step = max(0, built - one) // (run - 1)
+        cost = replace(cost, engine_bytes=step, engine_once_bytes=max(0, one - step))
     kept = kept_workspace(backend, stage_spec(graph, i, i + run - 1), feeds) // run
     # The cached (keep) line through stages of up to LEAN_RUN blocks, each step between lengths one
     # vote: through 1-3 blocks, three profiles of one machine put a SmolLM2 int4 layer at 12.8 / 13.5 /
@@ -214,6 +230,19 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
 
 
+def _engine_build(backend, graph: Graph, first: int, last: int, feeds, builds: FreshProcesses | None) -> int:
+    """What building the engine of blocks first..last holds (`engine_setup_bytes`): with `builds`, in a
+    fresh child of its own, as a worker builds its engine before anything runs; else in this process.
+    Here, after the block's runs, the build reuses heap they left and reads low: a Llama-3.2-1B-class int4
+    layer 7.26 MiB against 10.85 built first (below MNN's widened scales, 7.25, so its stages were
+    charged no engine and ran 1.01-1.03x their plans), SmolLM2's 1.8 against 3.4 in a fresh child; and a
+    child per stage, since a build after another build in one child reads low too (SmolLM2's head
+    0.05 MiB after the embeddings and three layers, 3.5 alone; benchmarks/MEMORY_NOTES.md, helper h52)."""
+    if builds is None:
+        return engine_setup_bytes(backend, stage_spec(graph, first, last))
+    return builds.run(graph, feeds, [("engine", first, last, None)])[0]
+
+
 def further_microbatch_parts(added_at_one: float, added_at_run: float, run: int) -> tuple[int, int]:
     """(per block, once a stage) of what a further micro-batch in flight adds to a stage recomputing per
     block, from what it added (two in flight less one) on stages of one block and of `run` blocks: the
@@ -284,6 +313,8 @@ def _memory_parts(cost: BlockCost) -> str:
         stacked += (f"a further micro-batch per block: {(cost.per_block_kept_bytes or 0) / 2**20:.1f} a block, "
                     f"{cost.per_block_kept_once_bytes / 2**20:.1f} once a stage; ")
     engine = "" if not cost.engine_bytes else f", engine {cost.engine_bytes / 2**20:.1f}"
+    if cost.engine_once_bytes is not None:
+        engine += f" a block + {cost.engine_once_bytes / 2**20:.1f} once a stage"
     targets = ("" if cost.sparse_workspace_bytes is None else
                f", {cost.sparse_workspace_bytes / 2**20:.1f} with {cost.sparse_target_positions} of its "
                f"{cost.target_positions} target positions targets")
@@ -298,7 +329,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     `memory_bytes` overrides the measured MemAvailable (a `--memory` flag); `attention=False`
     skips the per-head curves. `progress` receives one line per measured item. `fresh` (the
     default): the engine's start-up and each repeated kind's per-layer lines (keeping and per
-    block) are measured as a worker runs, in fresh child interpreters (`runtime.profiling.fresh`);
+    block) are measured as a worker runs, in fresh child interpreters (`runtime.profiling.fresh`), and
+    on every engine each kind's engine build (`BlockCost.engine_bytes`: a child per kind);
     False: in this process, as before (warm: a fresh PyTorch worker outgrew those lines)."""
     if not graph.blocks:
         raise ValueError(f"graph {graph.name!r} has no blocks; run the block-finding pass first")
@@ -352,10 +384,14 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     if layer.index != cheapest.index:
                         runs += [("start_up", layer.index, layer.index, a) for a in ("keep", "per-block")]
                     once = median_start_up(children, graph, feeds, runs, FRESH_PEAK_REPEATS)
+                # every engine's build measured as a worker builds it, first in a fresh child (`_engine_build`)
+                builds = children if children is not None or not fresh else \
+                    stack.enter_context(FreshProcesses(backend))
                 if once >= START_UP_NOISE_BYTES:
                     start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
                 for sig, block in kinds.items():
-                    cost = measure_block(backend, graph, block, feeds, reps, children, start_up.get(backend.engine, 0))
+                    cost = measure_block(backend, graph, block, feeds, reps, children, start_up.get(backend.engine, 0),
+                                         builds)
                     costs[sig] = cost
                     say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
                         f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"

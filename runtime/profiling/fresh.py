@@ -39,7 +39,8 @@ from runtime.engines.stage import stage_spec
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout: a child imports the runtime from it
 
 # (what, first block, last block, activations): "peak" is `peak_workspace` (one micro-batch in flight),
-# "peak2" the same with two in flight, "start_up" `start_up_bytes`
+# "peak2" the same with two in flight, "start_up" `start_up_bytes`, "engine" `engine_setup_bytes` (the
+# stage's engine built as a worker builds it, first: nothing run before it)
 Measurement = tuple[str, int, int, "str | None"]
 
 # The fork server: a fresh interpreter that imports what a worker imports first (the runtime, its
@@ -150,12 +151,23 @@ def _result(name: str, lines: Sequence[str], code: int, errors: str) -> list[int
 
 
 def _stage_graph(graph: Graph, ranges: Sequence[tuple[int, int]]) -> Graph:
-    """`graph` with only the constants the blocks of `ranges` read (what a child needs to build them)."""
+    """`graph` with only the constants the blocks of `ranges` read (what a child needs to build them), each
+    quantized weight's scales (and offsets) as its storage holds them: an MNN engine built in this process
+    leaves the graph views of its float32 copies of them (`runtime.engines.mnn._hold_once`), the same
+    values widened exactly, which the job's file format (float16) takes back exactly."""
+    from ir.precision import QuantizedTensor
+
+    def stored(value):
+        if not isinstance(value, QuantizedTensor) or value.scales.dtype == np.float16:
+            return value
+        return replace(value, scales=value.scales.astype(np.float16),
+                       mins=None if value.mins is None else value.mins.astype(np.float16))
+
     read: set[str] = set()
     for first, last in ranges:
         spec = stage_spec(graph, first, last)
         read |= {i for node in spec.compute_nodes + spec.host_nodes for i in node.inputs}
-    return replace(graph, constants={k: v for k, v in graph.constants.items() if k in read})
+    return replace(graph, constants={k: stored(v) for k, v in graph.constants.items() if k in read})
 
 
 def _write_job(path: str, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> None:
@@ -189,7 +201,7 @@ def _read_job(path: str) -> tuple[Graph, dict[str, np.ndarray], list[Measurement
 def _run_child(backend: str, path: str) -> None:
     """In the child: the measurements listed in `path`, one after another, printed as one JSON line."""
     from ir.backend import parse_backend
-    from runtime.profiling.compute import peak_workspace, start_up_bytes
+    from runtime.profiling.compute import engine_setup_bytes, peak_workspace, start_up_bytes
 
     spec_of_backend = parse_backend(backend)
     graph, feeds, measurements = _read_job(path)
@@ -199,6 +211,8 @@ def _run_child(backend: str, path: str) -> None:
         measure = peak_workspace if what == "peak" else start_up_bytes
         if what == "peak2":  # two micro-batches in flight
             out.append(int(peak_workspace(spec_of_backend, spec, feeds, activations, in_flight=2)))
+        elif what == "engine":
+            out.append(int(engine_setup_bytes(spec_of_backend, spec)))
         else:
             out.append(int(measure(spec_of_backend, spec, feeds, activations)))
     print("FRESH " + json.dumps(out), flush=True)

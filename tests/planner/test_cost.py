@@ -424,3 +424,54 @@ def test_the_engines_own_memory_is_charged_per_block_by_hand_through_the_cost_mo
     assert terms.engine_bytes == 0 and terms.total == want - 18 and "engine" not in terms.by_name()
     # the profile's file keeps the figure
     assert DeviceProfile.from_json(profile.to_json()).backends[0].blocks[ENC].engine_bytes == 11
+
+
+def test_the_engines_once_a_stage_part_is_charged_once_a_stage_by_hand_through_the_cost_model_and_the_instance():
+    """A stage's engine build is a line in its length, measured first in fresh processes (SmolLM2 int4
+    5.73 MiB for one layer, 10.22 for three, 29.24 for eleven: ~2.4 a layer and ~3.1 once a stage):
+    the profile carries the step per block (`BlockCost.engine_bytes`) and the once part
+    (`engine_once_bytes`), and the planner charges a stage of k blocks once + the blocks' steps. Charged
+    (three layers' build) / 3 on each layer, an 11-layer stage was ~9 MiB above its build (h52). The
+    partition instance charges the same (the once part with the runtime, once a stage); a profile
+    without the once part charges what it did."""
+    from dataclasses import replace
+
+    from ir.profile import BlockCost
+    from planner.cost import engine_bytes, engine_once_bytes
+    from planner.partition.instance import _memory_bytes, make_instance
+    from support import EMB, ENC
+
+    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30, engine_bytes=7),
+             ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120, engine_bytes=11,
+                            engine_once_bytes=40),
+             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10, engine_bytes=3)}
+    profile = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
+    dev = DeviceSpec("k", "tcp://k:1", profile, 10**6, "mnn:cpu:t1", activations="recompute")
+    g = tiny_graph()
+    assert [b.name for b in g.blocks] == ["embeddings", "layer0", "layer1", "head"]
+    assert engine_once_bytes(dev) == 40
+    # one layer: its build (40 + 11); two: once + 2 steps, not twice one layer's build
+    assert engine_bytes(g, 1, 1, dev) == 40 + 11
+    assert engine_bytes(g, 1, 2, dev) == 40 + 2 * 11
+    assert engine_bytes(g, 0, 3, dev) == 40 + 7 + 2 * 11 + 3
+    # the stage of the test above (the embeddings and one layer), its once part on top
+    want = 15290 - (30 + 120) + 7 + 11 + 40
+    terms = stage_memory_terms(g, dev, 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
+    assert terms.engine_bytes == 58 and terms.total == want and terms.by_name()["engine"] == 58
+    # the instance: each stage of a plan charged the once part once, as the cost model does
+    inst = make_instance(g, Cluster((dev, replace(dev, name="r", address="tcp://r:1")), Link(1e6, 0.001)),
+                         "1f1b-flush", 4, "sgd")
+    assert _memory_bytes(inst, 0, 0, 1, 0, 2) == want
+    for first, last, s, p in ((2, 3, 1, 2), (1, 2, 0, 2), (0, 3, 0, 1), (1, 1, 0, 2)):
+        assert _memory_bytes(inst, 1, first, last, s, p) == stage_memory_bytes(g, dev, first, last, s, p, "1f1b-flush",
+                                                                                4, "sgd"), (first, last)
+    # a profile made before (no once part): each block's figure as it was, nothing once
+    older = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", {k: replace(c, engine_once_bytes=None)
+                                                                              for k, c in costs.items()}),), 10**6, 5000)
+    assert engine_bytes(g, 1, 2, replace(dev, profile=older)) == 2 * 11
+    assert stage_memory_terms(g, replace(dev, profile=older), 0, 1, 0, 2, "1f1b-flush", 4, "sgd").total == want - 40
+    # the profile's file keeps the once part; one written before it loads as not measured
+    doc = profile.to_json()
+    assert DeviceProfile.from_json(doc).backends[0].blocks[ENC].engine_once_bytes == 40
+    del doc["backends"][0]["blocks"][ENC]["engine_once_bytes"]
+    assert DeviceProfile.from_json(doc).backends[0].blocks[ENC].engine_once_bytes is None

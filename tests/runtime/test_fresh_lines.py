@@ -99,3 +99,31 @@ def test_a_fresh_childs_job_goes_as_bundle_formats_and_comes_back_whole(tmp_path
             assert np.array_equal(np.asarray(w), np.asarray(v))
     assert [b.name for b in got.blocks] == [b.name for b in graph.blocks] and got.params == graph.params
     assert open(path).read().lstrip().startswith("{")  # JSON, not a pickle
+
+
+def test_a_job_written_after_an_mnn_build_in_this_process_carries_the_weights_as_stored(tmp_path, minilm_onnx):
+    """An MNN engine built here leaves the graph's int4 weights holding views of its float32 scales and
+    offsets (`runtime.engines.mnn._hold_once`); a fresh child's job (the profile's engine builds run after
+    its in-process engines) takes them back as the float16 they were widened from, exactly."""
+    from ir.precision import QuantizedTensor
+    from planner.lora import LoraSettings, add_lora
+    from planner.onnx_import import load_model
+    from runtime.engines.factory import make_engine
+    from runtime.engines.stage import stage_spec
+    from runtime.profiling.fresh import _read_job, _stage_graph, _write_job
+    from runtime.profiling.inputs import synthetic_feeds
+
+    graph, _ = add_lora(load_model(minilm_onnx, 1, 16),
+                        LoraSettings(4, 8.0, targets=("q", "v"), seed=0, base_dtype="int4"))
+    stored = {k: (v.scales.copy(), None if v.mins is None else v.mins.copy()) for k, v in graph.constants.items() if isinstance(v, QuantizedTensor)}
+    engine = make_engine("mnn:cpu:t1", stage_spec(graph, 1, 1))
+    widened = [k for k, v in graph.constants.items() if isinstance(v, QuantizedTensor) and v.scales.dtype == np.float32]
+    assert widened  # what the job's file format refused before
+    del engine
+    path = str(tmp_path / "job.json")
+    _write_job(path, _stage_graph(graph, [(1, 1)]), synthetic_feeds(graph, 0), [("engine", 1, 1, None)])
+    got, _, _ = _read_job(path)
+    for k in widened:
+        assert got.constants[k].scales.dtype == np.float16 and np.array_equal(got.constants[k].scales, stored[k][0])
+        assert (stored[k][1] is None and got.constants[k].mins is None) or \
+            (got.constants[k].mins.dtype == np.float16 and np.array_equal(got.constants[k].mins, stored[k][1]))
