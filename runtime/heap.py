@@ -1,4 +1,5 @@
-"""The C library's heap: freed heap given back, and a fixed mmap threshold (measured; no caller yet).
+"""The C library's heap: freed heap given back, one arena for a worker, and a fixed mmap threshold
+(measured; no caller yet).
 
 The one module that calls glibc's malloc functions (through ctypes; musl, macOS and Windows have
 neither `mallopt` nor `malloc_trim`, and each call is then a no-op that says so).
@@ -14,13 +15,24 @@ where a torch worker imports its engine, the stage still spread 338-389 MiB and 
 keep line still charged 0.93-0.99x a keeping worker's peak, so nothing calls it; 1-2 MiB set at an
 interpreter's start measured ~2% at +6-26% CPU (the widened int4 weights mapped and faulted in
 afresh each step), not yet tried where a worker would set it.
+
+`one_arena` (a worker calls it before its transport starts threads): glibc gives a thread that
+allocates while another holds the main heap an arena of its own (up to 8 per core), and memory freed
+in one arena is never reused by an allocation served from another. A worker's transport threads and
+its compute thread each had their own: the head stage of a small MNN full fine-tuning plan (the fused
+LM head + loss over a 49152 x 256 tied table, tests/jobs/test_full_finetune_plan.py) peaked at
+320.0-320.3 MiB against 315.4 planned with glibc's default, 306.0-306.1 with one arena; the stage
+before it 387.7-391.7 -> 384.9-385.4 (MALLOC_ARENA_MAX=1 in the workers' environment, two runs each;
+benchmarks/MEMORY_NOTES.md, helper h51). The profile measures in one thread's heap, so one arena is
+also what its figures describe.
 """
 from __future__ import annotations
 
 import ctypes
 
-# glibc's mallopt parameter (malloc.h)
+# glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 # A block of this size or more is mapped on its own and unmapped when freed; smaller ones come from
 # the heap: a SmolLM2 layer's activations (0.3-0.8 MiB) and its widened int4 weights (up to 3.4 MiB),
@@ -44,6 +56,18 @@ def steady_heap(mmap_threshold: int = STEADY_MMAP_THRESHOLD_BYTES) -> bool:
     libc = _libc()
     try:
         return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
+    except AttributeError:
+        return False
+
+
+def one_arena() -> bool:
+    """Serve every thread of this process from one malloc arena (glibc's M_ARENA_MAX = 1, as the
+    environment's MALLOC_ARENA_MAX=1 would): memory one thread frees is then reused by the next
+    allocation of any thread. Effective for arenas not yet made: called before the process starts
+    threads. False where the C library has no `mallopt`."""
+    libc = _libc()
+    try:
+        return libc is not None and libc.mallopt(_M_ARENA_MAX, 1) == 1
     except AttributeError:
         return False
 

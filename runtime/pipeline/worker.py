@@ -787,9 +787,13 @@ def serve(listen: str, threads_hint: int | None = None, timeout: float = 600.0, 
     """`confidant worker --listen ADDR --keys DIR --name NAME`: print the bound address, then
     serve until told to stop. `keys` is a runtime.keys.KeyDir holding this worker's pair and the
     coordinator's public key; `insecure` runs without (plaintext, no signature checks)."""
+    from runtime.heap import one_arena
     from runtime.keys import COORDINATOR_KEY
     from runtime.transport.zeromq import ZmqTransport
 
+    # before any thread (the parent watch, the transport's): one heap for the stage's arrays and the
+    # transport's messages, freed memory reused whichever thread frees it (runtime.heap.one_arena)
+    one_arena()
     if parent_pid is not None:
         watch_parent(parent_pid)
     if keys is not None:
