@@ -91,8 +91,8 @@ def _wait_for_copies(workers) -> None:
 
 def _faults(schedule: str) -> FaultPolicy:
     # 1f1b-stash drains every 2 steps (else the run is one segment and a loss restores step 0,
-    # before AdamW has any moments); under flush a copy every step: K chosen from measured costs
-    # can leave the newest copy at step 0, with no moments to keep or to change (seen under load)
+    # before AdamW has any moments); under flush a copy every step, so the restored snapshot is the
+    # kill's step's whatever K the machine's load would choose
     if schedule == "1f1b-stash":
         return FaultPolicy(state_on="peers", checkpoint_every=2)
     return FaultPolicy(state_on="peers", snapshot_every=1)
@@ -242,12 +242,21 @@ def test_a_survivor_whose_own_copy_changed_on_disk_refuses_to_train_on_it(graph,
     copies of worker 0 changed on disk before the loss of worker 2 (its holder, worker 1,
     survives), its setup refuses them and the run stops (before this change the coordinator
     fetched those moments from the changed copy and trained on them)."""
-    def change(workers):
-        for copy in list(workers.workers[0].copies.own.values()):
-            _flip_moments(copy)
+    from runtime.pipeline.worker import Worker
 
+    # changed where the setup will read them: the own copies worker 0's reset keeps (changing its
+    # copies at the kill raced the next step's copy, which the recovery then restored from)
+    survivor, reset = [], Worker.reset
+
+    def reset_then_change(self):
+        reset(self)
+        if survivor and self is survivor[0]:
+            for copy in list(self.kept_own.values()):
+                _flip_moments(copy)
+
+    monkeypatch.setattr(Worker, "reset", reset_then_change)
     with pytest.raises(WorkerFailed, match="optimizer state this worker kept"):
-        _run(graph, batches, "1f1b-flush", 2, monkeypatch, on_kill=change)
+        _run(graph, batches, "1f1b-flush", 2, monkeypatch, on_kill=lambda workers: survivor.append(workers.workers[0]))
 
 
 def test_a_holder_without_the_replica_leaves_the_survivor_to_vouch_for_its_copy(graph, batches, monkeypatch):
