@@ -40,8 +40,9 @@ def test_the_demos_plan_keeps_its_snapshot_copies_on_the_workers(export_dir, tmp
                         f"MiB (copies {e / 2**20:.0f} MiB), budget {d.memory_budget_bytes / 2**20:.0f} MiB, state "
                         f"{s / 2**20:.0f} MiB" for d, e, s in zip(devices, extra, state))
     print(figures)
-    phone = next(k for k, d in enumerate(devices) if d.name == "phone")
-    assert state[phone] > 4 * SPOOL_WORKING_BYTES, figures  # copies worth keeping off the phone's memory
+    # copies worth keeping off a device's memory: the largest stage's state (which device holds it
+    # follows the profile: the phone until the engine build was measured fresh, the board since)
+    assert max(state) > 4 * SPOOL_WORKING_BYTES, figures
     assert all(e <= SPOOL_WORKING_BYTES for e in extra), figures  # a window, not the copies
     assert len(devices) > 1 and all(e > 0 for e in extra), figures
     # the plan left each device the copies' charge: the decision no longer rests on profile noise
