@@ -208,6 +208,56 @@ def _ratio(a, b) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}x"
 
 
+def print_tables(rows: list[dict], plans: list[dict], steps: int) -> None:
+    """The table of `rows` (one per run, its peak per process and its plan's figure) and the targets'
+    lines; `plans` the plan folder rows of benchmarks/memory_plans.py (targets 1-2), if any."""
+    print(f"\nSmolLM2-135M-Instruct, batch {LM_BATCH} x {LM_SEQ} in {M} micro-batches, AdamW, LoRA r={RANK} alpha "
+          f"{ALPHA:g} on q,k,v,o; {steps} steps, one thread")
+    print(f"{'run':54s} {'setup':>6s} {'train':>6s} {'peak MiB (per process)':>24s} {'planned MiB':>24s} "
+          f"{'planned/measured':>17s}")
+    for r in rows:
+        peaks = r["peak_mib"]
+        plan = r.get("planned_mib")
+        # this row's planned figures (not `plans`, the plan rows printed below: shadowed, the targets 1-2
+        # table was handed the last row's figures)
+        row_planned = plan if isinstance(plan, list) else ([plan] if plan is not None else [])
+        ratio = " / ".join(f"{p / m:.2f}" for p, m in zip(row_planned, peaks)) if row_planned else "-"
+        setup, train = (f"{r[k]:.0f}" if r.get(k) is not None else "-" for k in ("setup_mib", "train_mib"))
+        print(f"{r['name']:54s} {setup:>6s} {train:>6s} {' / '.join(f'{p:.0f}' for p in peaks):>24s} "
+              f"{' / '.join(f'{p:.0f}' for p in row_planned) or '-':>24s} {ratio:>17s}")
+    by = {r["name"]: max(r["peak_mib"]) for r in rows}
+    print()
+    lora, ckpt = by.get("confidant single LoRA (mnn)"), by.get("PEFT + grad ckpt LoRA")
+    train = {r["name"]: r.get("train_mib") for r in rows}
+    print(f"target 4: LoRA one device, MNN / PEFT + grad ckpt {_ratio(lora, ckpt)} whole process, "
+          f"{_ratio(train.get('confidant single LoRA (mnn)'), train.get('PEFT + grad ckpt LoRA'))} training "
+          f"(target <= 0.50x); torch engine {_ratio(by.get('confidant single LoRA (torch engine)'), ckpt)}")
+    per_block = by.get("confidant single LoRA (mnn, per-block)")
+    if per_block is not None:
+        step_cpu = {r["name"]: r.get("step_cpu_s") for r in rows}
+        fast, lean = step_cpu.get("confidant single LoRA (mnn)"), step_cpu.get("confidant single LoRA (mnn, per-block)")
+        cost = f"{min(lean) / min(fast):.2f}x" if fast and lean else "-"
+        print(f"target 4: LoRA one device, MNN recomputing per block / PEFT + grad ckpt {_ratio(per_block, ckpt)} whole "
+              f"process, {_ratio(train.get('confidant single LoRA (mnn, per-block)'), train.get('PEFT + grad ckpt LoRA'))} "
+              f"training (target <= 0.50x); its step {cost} the default's (CPU seconds, the fastest step of each; "
+              f"target <= 1.30x)")
+    full, loop = by.get("confidant single full (mnn)"), by.get("transformers loop full")
+    if full is not None:
+        print(f"target 4: full one device, MNN / transformers loop {_ratio(full, loop)} (target <= 1.00x); "
+              f"torch engine {_ratio(by.get('confidant single full (torch engine)'), loop)}")
+    # off as measured / planned, as memory_plans.format_rows and issue 31's target 3 put it (p / m read 7%
+    # where the plan rows' own line read 6% on one Llama-1B-class row)
+    worst = [abs(m / p - 1) for r in rows if r.get("planned_mib") is not None
+             for p, m in zip(r["planned_mib"] if isinstance(r["planned_mib"], list) else [r["planned_mib"]],
+                             r["peak_mib"])]
+    if worst:
+        print(f"target 3: memory model vs measured, worst {max(worst):.0%} off (target <= 10%)")
+    if plans:
+        from benchmarks.memory_plans import format_rows
+
+        print("\ntargets 1-2 (int4 LoRA plans from a plan folder, each worker's own peak):\n" + format_rows(plans))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="training steps per row (default %(default)s)")
@@ -285,47 +335,7 @@ def main() -> None:
             rows.append({"name": f"confidant LoRA int4 {q['model']} {q['devices']} x {q['budget_mib']} MiB plan",
                          "peak_mib": q["measured_mib"], "planned_mib": q["planned_mib"]})
 
-    print(f"\nSmolLM2-135M-Instruct, batch {LM_BATCH} x {LM_SEQ} in {M} micro-batches, AdamW, LoRA r={RANK} alpha "
-          f"{ALPHA:g} on q,k,v,o; {args.steps} steps, one thread")
-    print(f"{'run':54s} {'setup':>6s} {'train':>6s} {'peak MiB (per process)':>24s} {'planned MiB':>20s} "
-          f"{'planned/measured':>17s}")
-    for r in rows:
-        peaks = r["peak_mib"]
-        plan = r.get("planned_mib")
-        plans = plan if isinstance(plan, list) else ([plan] if plan is not None else [])
-        ratio = " / ".join(f"{p / m:.2f}" for p, m in zip(plans, peaks)) if plans else "-"
-        setup, train = (f"{r[k]:.0f}" if r.get(k) is not None else "-" for k in ("setup_mib", "train_mib"))
-        print(f"{r['name']:54s} {setup:>6s} {train:>6s} {' / '.join(f'{p:.0f}' for p in peaks):>24s} "
-              f"{' / '.join(f'{p:.0f}' for p in plans) or '-':>20s} {ratio:>17s}")
-    by = {r["name"]: max(r["peak_mib"]) for r in rows}
-    print()
-    lora, ckpt = by.get("confidant single LoRA (mnn)"), by.get("PEFT + grad ckpt LoRA")
-    train = {r["name"]: r.get("train_mib") for r in rows}
-    print(f"target 4: LoRA one device, MNN / PEFT + grad ckpt {_ratio(lora, ckpt)} whole process, "
-          f"{_ratio(train.get('confidant single LoRA (mnn)'), train.get('PEFT + grad ckpt LoRA'))} training "
-          f"(target <= 0.50x); torch engine {_ratio(by.get('confidant single LoRA (torch engine)'), ckpt)}")
-    per_block = by.get("confidant single LoRA (mnn, per-block)")
-    if per_block is not None:
-        steps = {r["name"]: r.get("step_cpu_s") for r in rows}
-        fast, lean = steps.get("confidant single LoRA (mnn)"), steps.get("confidant single LoRA (mnn, per-block)")
-        cost = f"{min(lean) / min(fast):.2f}x" if fast and lean else "-"
-        print(f"target 4: LoRA one device, MNN recomputing per block / PEFT + grad ckpt {_ratio(per_block, ckpt)} whole "
-              f"process, {_ratio(train.get('confidant single LoRA (mnn, per-block)'), train.get('PEFT + grad ckpt LoRA'))} "
-              f"training (target <= 0.50x); its step {cost} the default's (CPU seconds, the fastest step of each; "
-              f"target <= 1.30x)")
-    full, loop = by.get("confidant single full (mnn)"), by.get("transformers loop full")
-    if full is not None:
-        print(f"target 4: full one device, MNN / transformers loop {_ratio(full, loop)} (target <= 1.00x); "
-              f"torch engine {_ratio(by.get('confidant single full (torch engine)'), loop)}")
-    worst = [abs(p / m - 1) for r in rows if r.get("planned_mib") is not None
-             for p, m in zip(r["planned_mib"] if isinstance(r["planned_mib"], list) else [r["planned_mib"]],
-                             r["peak_mib"])]
-    if worst:
-        print(f"target 3: memory model vs measured, worst {max(worst):.0%} off (target <= 10%)")
-    if plans:
-        from benchmarks.memory_plans import format_rows
-
-        print("\ntargets 1-2 (int4 LoRA plans from a plan folder, each worker's own peak):\n" + format_rows(plans))
+    print_tables(rows, plans, args.steps)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str))
 

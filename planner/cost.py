@@ -685,11 +685,14 @@ def engine_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int
     return max(0, blocks - shared_engine_bytes(graph, first, last, device)) + engine_once_bytes(device)
 
 
-def block_engine_bytes(graph: Graph, device: DeviceSpec, k: int, cost: BlockCost | None = None) -> int:
-    """Block k's engine build's step (`BlockCost.engine_bytes`, `cost` its `block_costs` entry) less the
-    frozen storage `frozen_storage_extra_bytes` already charges of it, at least 0."""
-    cost = block_costs(graph, device)[k] if cost is None else cost
-    return max(0, cost.engine_bytes - frozen_storage_extra_bytes(graph, k, k, device)) if cost.engine_bytes else 0
+def block_engine_bytes(graph: Graph, device: DeviceSpec, k: int, cost: BlockCost) -> int:
+    """Block k's engine build's step (`BlockCost.engine_bytes`; `cost` its `block_costs` entry, which
+    every caller holds) less the frozen storage `frozen_storage_extra_bytes` already charges of it, at
+    least 0. One rule for a figure not measured (None: a profile made before the engine term): nothing,
+    as such a profile has always been planned (its once part, `engine_once_bytes`, None too: nothing)."""
+    if cost.engine_bytes is None:
+        return 0
+    return max(0, cost.engine_bytes - frozen_storage_extra_bytes(graph, k, k, device))
 
 
 def engine_once_bytes(device: DeviceSpec) -> int:

@@ -298,7 +298,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         input_bytes=block_input_bytes(graph),
         # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
         workspace_bytes=tuple(tuple(c.stacked + b.frozen_bytes + double_held_bytes(graph, k, k, spec)
-                                    + frozen_storage_extra_bytes(graph, k, k, spec) + block_engine_bytes(graph, spec, k)
+                                    + frozen_storage_extra_bytes(graph, k, k, spec) + block_engine_bytes(graph, spec, k, c)
                                     for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
         kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
         base_dtype_savings=base_dtype_savings(graph),

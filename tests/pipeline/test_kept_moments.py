@@ -33,12 +33,10 @@ def graph(tiny_checkpoint, export_dir):
     return ts17_graph(tiny_checkpoint, export_dir)
 
 
-BATCHES = [synthetic_batch(i) for i in range(STEPS + 1)]  # the steps' batches, one list every test reads
-
-
 @pytest.fixture(scope="module")
 def batches():
-    return BATCHES
+    """The steps' batches (and one more), one list every test of the module reads."""
+    return [synthetic_batch(i) for i in range(STEPS + 1)]
 
 
 def _config(schedule: str) -> PipelineConfig:

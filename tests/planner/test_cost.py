@@ -398,6 +398,7 @@ def test_the_engines_own_memory_is_charged_per_block_by_hand_through_the_cost_mo
     from dataclasses import replace
 
     from ir.profile import BlockCost
+    from planner.cost import block_costs, block_engine_bytes
     from planner.partition.instance import _memory_bytes, make_instance
     from support import EMB, ENC
 
@@ -422,6 +423,12 @@ def test_the_engines_own_memory_is_charged_per_block_by_hand_through_the_cost_mo
                                                                               for k, c in costs.items()}),), 10**6, 5000)
     terms = stage_memory_terms(g, replace(dev, profile=older), 0, 1, 0, 2, "1f1b-flush", 4, "sgd")
     assert terms.engine_bytes == 0 and terms.total == want - 18 and "engine" not in terms.by_name()
+    # one rule for a figure not measured, per block and in the instance alike: nothing
+    old = replace(dev, profile=older)
+    assert [block_engine_bytes(g, old, k, c) for k, c in enumerate(block_costs(g, old))] == [0, 0, 0, 0]
+    inst = make_instance(g, Cluster((old, replace(old, name="r", address="tcp://r:1")), Link(1e6, 0.001)),
+                         "1f1b-flush", 4, "sgd")
+    assert _memory_bytes(inst, 0, 0, 1, 0, 2) == want - 18
     # the profile's file keeps the figure
     assert DeviceProfile.from_json(profile.to_json()).backends[0].blocks[ENC].engine_bytes == 11
 
@@ -470,6 +477,10 @@ def test_the_engines_once_a_stage_part_is_charged_once_a_stage_by_hand_through_t
                                                                               for k, c in costs.items()}),), 10**6, 5000)
     assert engine_bytes(g, 1, 2, replace(dev, profile=older)) == 2 * 11
     assert stage_memory_terms(g, replace(dev, profile=older), 0, 1, 0, 2, "1f1b-flush", 4, "sgd").total == want - 40
+    old = replace(dev, profile=older)
+    inst = make_instance(g, Cluster((old, replace(old, name="r", address="tcp://r:1")), Link(1e6, 0.001)),
+                         "1f1b-flush", 4, "sgd")
+    assert _memory_bytes(inst, 0, 0, 1, 0, 2) == want - 40
     # the profile's file keeps the once part; one written before it loads as not measured
     doc = profile.to_json()
     assert DeviceProfile.from_json(doc).backends[0].blocks[ENC].engine_once_bytes == 40
