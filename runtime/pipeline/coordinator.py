@@ -101,6 +101,16 @@ class WorkerLost(WorkerFailed):
         return [p.address for p in self.lost.values()]
 
 
+class WorkerLostBeforeFirstAnswer(WorkerLost):
+    """A worker never set up by this coordinator lost before it answered its first setup: most likely
+    a worker of a tree before protocol 3, which exits at the first frame it cannot read with no way
+    to say why (LOST_BEFORE_FIRST_ANSWER). A version mismatch as far as the command line goes: a
+    setup the user fixes (exit 2), as WorkerVersionMismatch is."""
+
+    def __init__(self, lost: Mapping[int, object]):
+        super().__init__(lost, LOST_BEFORE_FIRST_ANSWER)
+
+
 @dataclass(frozen=True)
 class StagePlacement:
     stage: int
@@ -483,7 +493,7 @@ class Coordinator:
             except WorkerLost as lost:
                 if p.address in self._set_up or set(lost.lost) != {p.stage}:
                     raise
-                raise WorkerLost(lost.lost, LOST_BEFORE_FIRST_ANSWER) from None
+                raise WorkerLostBeforeFirstAnswer(lost.lost) from None
             if local and wants.get("base") is True:
                 self.base_bytes_held += file_size(files[WEIGHTS]) - len(rest)
                 files = {(REST if name == WEIGHTS else name): (rest if name == WEIGHTS else data)
