@@ -639,7 +639,7 @@ class Coordinator:
     # sends them (`_send_optimizer_state`: the sender waits for them to leave before reading more)
     SEND_WINDOW = 4 << 20
 
-    def collect_stages(self):
+    def collect_stages(self, select: Mapping[int, dict] | None = None):
         """Every stage's parameters and optimizer state as they come off the wire, one stage after
         the other, one tensor at a time: yields (stage, its `rows` declaration for
         `dense_from_wire`, an iterator of (name, tensor) to use up before the next stage). Each
@@ -647,18 +647,23 @@ class Coordinator:
         chunks of at most 1 MiB, `FETCH_WINDOW_BYTES` of them), the next once the last was taken
         (`_windowed`), so whoever writes each tensor away before taking the next holds one tensor
         and a window, not the whole model's state nor a stage's in the receive queue (call at a
-        flush boundary)."""
+        flush boundary). `select`: stage -> what of its state (`checkpoint`'s `weights` and
+        `moments_of`, as `fetch_held_stages` takes them), only those stages; None: every stage's
+        whole state."""
         for p in self.placements:
-            ask = lambda first, start, stage=p.stage: self._ask_checkpoint(stage, first, start)
+            if select is not None and p.stage not in select:
+                continue
+            what = dict(select[p.stage]) if select is not None else {}
+            ask = lambda first, start, stage=p.stage, what=what: self._ask_checkpoint(stage, first, start, what)
             done = ask(0, 0)
             yield p.stage, done.get("rows"), self._windowed(stage_peer(p.stage), "ckpt", p.stage, done, ask)
 
-    def _ask_checkpoint(self, stage: int, first: int, start: int) -> dict:
+    def _ask_checkpoint(self, stage: int, first: int, start: int, what: Mapping | None = None) -> dict:
         from runtime.pipeline.snapshots import FETCH_WINDOW_BYTES
 
         peer = stage_peer(stage)
         self.transport.send_control(peer, {"type": "checkpoint", "first": first, "start": start,
-                                           "bytes": FETCH_WINDOW_BYTES})
+                                           "bytes": FETCH_WINDOW_BYTES, **(what or {})})
         return self._await_control(peer, "checkpoint_done")
 
     def _windowed(self, peer: str, kind: str, stage: int, done: dict, ask):
