@@ -259,9 +259,29 @@ def _fits(partition: Partition) -> bool:
     return all(s.memory_bytes <= s.memory_budget_bytes for s in partition.stages)
 
 
-def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
+# A re-plan after a loss counts plans predicted within this share of the best step as equal, and
+# takes among them the one that leaves the most of the survivors' trainable state where it is
+# (`bytes_in_place`): what stays needs no fetch, no send and no setup of its weights and moments
+# (runtime.pipeline.kept_state), and predicted steps a few % apart are within the cost model's error.
+KEEP_IN_PLACE_WITHIN = 0.03
+
+
+def bytes_in_place(graph: Graph, current: Partition, candidate: Partition) -> int:
+    """Bytes of the trainable parameters that `candidate` runs on the same device as `current` does
+    (blocks of a device gone from `candidate` are never in place)."""
+    blocks = check_blocks(graph)
+    before, after = _owners(current, len(blocks), "current"), _owners(candidate, len(blocks), "candidate")
+    return sum(b.params_bytes for b in blocks if before[b.index] == after[b.index])
+
+
+def best_cuts(inst: PartitionInstance, devices: Sequence[str], prefer: Callable[[Partition], int] | None = None,
+              within: float = 0.0) -> Partition:
     """The best plan that runs `devices` in this order, one stage each, by trying every placement of
-    the cuts (exact; for the few devices and tens of blocks of an edge cluster)."""
+    the cuts (exact; for the few devices and tens of blocks of an edge cluster). With `prefer`,
+    every plan predicted within `within` (a share) of the best step counts as best, and the one
+    `prefer` scores highest among them is taken (a tie: the faster)."""
+    if within < 0:
+        raise ValueError(f"within must be a share >= 0, got {within!r}")
     p, n = len(devices), inst.blocks
     if p > n:
         raise ValueError(f"{p} devices in order need at least {p} blocks, the model has {n}")
@@ -269,12 +289,15 @@ def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
         raise ValueError(f"{math.comb(n - 1, p - 1)} ways to cut {n} blocks for {p} devices are too many to try; "
                          f"re-plan with keep_order=False (the CP-SAT solver)")
     best = least = None
+    fitting: list[tuple[float, tuple[int, ...]]] = []  # with `prefer`: every fitting plan's step and cuts
     for cuts in itertools.combinations(range(1, n), p - 1):
         if any(c - 1 in inst.joined for c in cuts):  # blocks that stay on one stage
             continue
         part = manual_partition(inst, devices, list(cuts))
         if _fits(part):
             value = predicted_step_us(inst, part)
+            if prefer is not None:
+                fitting.append((value, cuts))
             if best is None or value < best[0]:
                 best = (value, part)
         elif best is None:
@@ -292,12 +315,18 @@ def best_cuts(inst: PartitionInstance, devices: Sequence[str]) -> Partition:
                              f"overflow attempt has {tight.device!r} over by {over} bytes. Re-plan with "
                              f"keep_order=False to choose devices freely, or raise the budgets",
                              tight.device, over, part)
+    if prefer is not None:
+        near = [(value, manual_partition(inst, devices, list(cuts))) for value, cuts in fitting
+                if value <= best[0] * (1 + within)]
+        value, part = max(near, key=lambda vp: (prefer(vp[1]), -vp[0]))
+        return dataclasses.replace(part, method="keep-order", optimal=value == best[0])
     return dataclasses.replace(best[1], method="keep-order", optimal=True)
 
 
 def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str, m: int, optimizer: str,
            threshold: float = TRAINING.replan_threshold, *, keep_order: bool = False, time_limit_s: float = 10.0, workers: int = 8,
-           seed: int = 0, update_every: int = 1, fixed: frozenset[str] = frozenset()) -> ReplanDecision:
+           seed: int = 0, update_every: int = 1, fixed: frozenset[str] = frozenset(),
+           keep_in_place: float = 0.0) -> ReplanDecision:
     """Whether and how to re-plan `current` for the cluster as it is now (see the module docstring),
     priced with an update after every `update_every` backwards (1f1b-stash, 2bw: the gradient sum
     in memory, the additions and the fewer updates in time).
@@ -306,7 +335,9 @@ def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str
     engine and activations picked again for the blocks it would get, the cuts solved for the picks;
     `cluster_new`'s devices run as the current plan runs them (its picks), which prices the current
     plan and is where the search starts; `fixed` devices (head-split ones) keep their engine.
-    `time_limit_s` is the whole search's (planner.compile.Deadline).
+    `time_limit_s` is the whole search's (planner.compile.Deadline). `keep_in_place` (a share, with
+    `keep_order`): plans predicted within it of the best count as equal, and the one that leaves
+    the most of `current`'s trainable bytes on their devices is taken (`bytes_in_place`).
 
     Raises PlanDoesNotFit when no plan fits the new cluster's budgets."""
     if not (isinstance(threshold, (int, float)) and threshold >= 0):
@@ -342,6 +373,8 @@ def replan(graph: Graph, cluster_new: Cluster, current: Partition, schedule: str
 
         def solve(instance: PartitionInstance) -> Partition:
             if keep_order or request.order:
+                if keep_in_place > 0:
+                    return best_cuts(instance, order, lambda part: bytes_in_place(graph, current, part), keep_in_place)
                 return best_cuts(instance, order)
             return solve_partition(instance, time_limit_s=deadline.search_s(SEARCH_SHARE), workers=workers, seed=seed)
 
@@ -384,7 +417,9 @@ def replan_without(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Seq
                    update_every: int = 1) -> list[tuple[int, int]]:
     """The best block ranges for the devices left when `gone` have left, in their order (stage k of
     the result on the k-th survivor): `replan` forced by the loss, keep-order, over `cluster`
-    (default: FLOPs-only profiles, `flops_cluster`, as when nothing was profiled)."""
+    (default: FLOPs-only profiles, `flops_cluster`, as when nothing was profiled); among plans
+    predicted within KEEP_IN_PLACE_WITHIN of the best, the one keeping most of the survivors'
+    trainable bytes in place (a lost first stage need not shift every range)."""
     gone = set(gone)
     survivors = [d for d in devices if d not in gone]
     if not survivors:
@@ -392,7 +427,8 @@ def replan_without(graph: Graph, ranges: Sequence[tuple[int, int]], devices: Seq
     cluster = cluster if cluster is not None else flops_cluster(graph, list(devices))
     current = partition_of([tuple(r) for r in ranges], list(devices))
     left = without_devices(cluster, *[d for d in devices if d in gone and d in cluster.names])
-    decision = replan(graph, left, current, schedule, m, optimizer, keep_order=True, update_every=update_every)
+    decision = replan(graph, left, current, schedule, m, optimizer, keep_order=True, update_every=update_every,
+                      keep_in_place=KEEP_IN_PLACE_WITHIN)
     return [tuple(r) for r in decision.new_partition.ranges]
 
 

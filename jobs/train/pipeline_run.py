@@ -8,7 +8,7 @@ from typing import Callable, Mapping
 
 from jobs.common.errors import RunFailed, VersionMismatch, failure_text
 from jobs.common.report import Reporter
-from runtime.pipeline.coordinator import WorkerFailed, WorkerVersionMismatch
+from runtime.pipeline.coordinator import WorkerFailed, WorkerLostBeforeFirstAnswer, WorkerVersionMismatch
 from runtime.pipeline.executor import busy_fraction
 from runtime.pipeline.session import PipelineResult, RecoveryImpossible
 
@@ -34,7 +34,9 @@ def run_on_workers(run: Callable[[], PipelineResult], metrics_of, local, reporte
         return result
     except (WorkerFailed, RecoveryImpossible) as exc:
         partial = getattr(exc, "result", None)
-        kind = VersionMismatch if isinstance(exc, WorkerVersionMismatch) else RunFailed
+        # a worker lost before its first setup's answer most likely runs a tree before protocol 3
+        mismatch = isinstance(exc, (WorkerVersionMismatch, WorkerLostBeforeFirstAnswer))
+        kind = VersionMismatch if mismatch else RunFailed
         raise kind(str(exc), None if partial is None else metrics_of(partial, error=str(exc))) from None
     except BaseException as exc:  # Ctrl-C, or a fault of no known kind: the document is written all the same
         partial = getattr(exc, "result", None)

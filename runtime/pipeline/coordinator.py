@@ -101,6 +101,16 @@ class WorkerLost(WorkerFailed):
         return [p.address for p in self.lost.values()]
 
 
+class WorkerLostBeforeFirstAnswer(WorkerLost):
+    """A worker never set up by this coordinator lost before it answered its first setup: most likely
+    a worker of a tree before protocol 3, which exits at the first frame it cannot read with no way
+    to say why (LOST_BEFORE_FIRST_ANSWER). A version mismatch as far as the command line goes: a
+    setup the user fixes (exit 2), as WorkerVersionMismatch is."""
+
+    def __init__(self, lost: Mapping[int, object]):
+        super().__init__(lost, LOST_BEFORE_FIRST_ANSWER)
+
+
 @dataclass(frozen=True)
 class StagePlacement:
     stage: int
@@ -483,7 +493,7 @@ class Coordinator:
             except WorkerLost as lost:
                 if p.address in self._set_up or set(lost.lost) != {p.stage}:
                     raise
-                raise WorkerLost(lost.lost, LOST_BEFORE_FIRST_ANSWER) from None
+                raise WorkerLostBeforeFirstAnswer(lost.lost) from None
             if local and wants.get("base") is True:
                 self.base_bytes_held += file_size(files[WEIGHTS]) - len(rest)
                 files = {(REST if name == WEIGHTS else name): (rest if name == WEIGHTS else data)
@@ -629,7 +639,7 @@ class Coordinator:
     # sends them (`_send_optimizer_state`: the sender waits for them to leave before reading more)
     SEND_WINDOW = 4 << 20
 
-    def collect_stages(self):
+    def collect_stages(self, select: Mapping[int, dict] | None = None):
         """Every stage's parameters and optimizer state as they come off the wire, one stage after
         the other, one tensor at a time: yields (stage, its `rows` declaration for
         `dense_from_wire`, an iterator of (name, tensor) to use up before the next stage). Each
@@ -637,18 +647,23 @@ class Coordinator:
         chunks of at most 1 MiB, `FETCH_WINDOW_BYTES` of them), the next once the last was taken
         (`_windowed`), so whoever writes each tensor away before taking the next holds one tensor
         and a window, not the whole model's state nor a stage's in the receive queue (call at a
-        flush boundary)."""
+        flush boundary). `select`: stage -> what of its state (`checkpoint`'s `weights` and
+        `moments_of`, as `fetch_held_stages` takes them), only those stages; None: every stage's
+        whole state."""
         for p in self.placements:
-            ask = lambda first, start, stage=p.stage: self._ask_checkpoint(stage, first, start)
+            if select is not None and p.stage not in select:
+                continue
+            what = dict(select[p.stage]) if select is not None else {}
+            ask = lambda first, start, stage=p.stage, what=what: self._ask_checkpoint(stage, first, start, what)
             done = ask(0, 0)
             yield p.stage, done.get("rows"), self._windowed(stage_peer(p.stage), "ckpt", p.stage, done, ask)
 
-    def _ask_checkpoint(self, stage: int, first: int, start: int) -> dict:
+    def _ask_checkpoint(self, stage: int, first: int, start: int, what: Mapping | None = None) -> dict:
         from runtime.pipeline.snapshots import FETCH_WINDOW_BYTES
 
         peer = stage_peer(stage)
         self.transport.send_control(peer, {"type": "checkpoint", "first": first, "start": start,
-                                           "bytes": FETCH_WINDOW_BYTES})
+                                           "bytes": FETCH_WINDOW_BYTES, **(what or {})})
         return self._await_control(peer, "checkpoint_done")
 
     def _windowed(self, peer: str, kind: str, stage: int, done: dict, ask):

@@ -16,6 +16,7 @@ call. Every plan the session sets up is bundles: nothing here makes a schedule.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -277,11 +278,15 @@ class Session:
         self.snapshot = Snapshot(step, per_stage, TrainingState(*merge_checkpoint(per_stage)), list(self.result.ranges))
         return self.snapshot
 
-    def _keep_fallback(self, step: int, new_stages: bool = False) -> None:
+    def _keep_fallback(self, step: int, new_stages: bool = False,
+                       restored: tuple[TrainingState, Mapping[int, dict]] | None = None) -> None:
         """State on peers: at the boundary after `step` steps, spool every stage's state to the
         coordinator's disk when the last copy (spooled or checkpointed) is K steps old or of other
         stages (`fallback_interval`); not where a checkpoint is written at this step, unless the
-        stages were just set up (`new_stages`: no checkpoint of theirs follows)."""
+        stages were just set up (`new_stages`: no checkpoint of theirs follows). `restored`: the
+        state the new stages were just set up from (held here, spooled) and the `own_state` of
+        each new stage that read its kept parameters' optimizer state from its own copy: the copy
+        is made of it, and only those moments come off the workers (`_restored_stages`)."""
         if self.fallback is None:
             return
         ranges = [tuple(r) for r in self.result.ranges]
@@ -293,10 +298,38 @@ class Session:
         if copies and step - max(c[0] for c in copies) < self.fallback_interval():
             return
         start = time.perf_counter()
-        self.fallback.spool(step, ranges, self.coordinator.collect_stages())
+        stages = self.coordinator.collect_stages() if restored is None else self._restored_stages(*restored)
+        self.fallback.spool(step, ranges, stages)
         seconds = time.perf_counter() - start
         self.fallback.seconds.append(seconds)
         self._charge(seconds)
+
+    def _restored_stages(self, state: TrainingState, own: Mapping[int, dict]):
+        """Every new stage's state right after its setup, as `Coordinator.collect_stages` yields
+        it, made of `state` (what the setups were sent: its weights in memory, its optimizer state
+        spooled) and, for the parameters a survivor kept (`own`: new stage -> its `own_state`),
+        their optimizer state collected off that worker, the only bytes that cross the wire (the
+        setup sent the state as it is: collecting the rest would bring the same bytes back)."""
+        from runtime.pipeline.kept_state import moment_param
+
+        kept = {k: {"weights": False, "moments_of": list(o["params"])} for k, o in own.items() if o.get("params")}
+        collected = self.coordinator.collect_stages(kept) if kept else iter(())
+        for p in self.coordinator.placements:
+            params = self.coordinator.stage_params(p.first_block, p.last_block)
+            left = set(kept.get(p.stage, {}).get("moments_of", ()))
+            known = [(f"param/{x}", state.weights[x]) for x in params if x in state.weights]
+            known += [(f"opt/{kind}/{x}", per[x]) for kind, per in state.optimizer.items() for x in params
+                      if x in per and x not in left]
+            known += [(f"opt/{name}", arr) for name, arr in state.scalars.items()]
+            rows, theirs = None, iter(())
+            if p.stage in kept:
+                stage, rows, theirs = next(collected)
+                if stage != p.stage:
+                    raise RuntimeError(f"collected stage {stage}'s kept state for stage {p.stage}")
+                # the kept moments only: a worker that ignores the selection sends its whole state
+                rows = {k: v for k, v in (rows or {}).items() if moment_param(k) in left} or None
+                theirs = ((name, arr) for name, arr in theirs if moment_param(name) in left)
+            yield p.stage, rows, itertools.chain(known, theirs)
 
     def fallback_interval(self) -> int:
         """Steps between the coordinator's fallback copies: each (collected and spooled, measured)
@@ -500,8 +533,6 @@ class Session:
                                               state=snap.state, lost=lost, contents=_contents(plan),
                                               own_states=own_states)
         _release(plan)
-        if self.restore_spool is not None:  # the new stages hold the restored state now
-            self.restore_spool.clear()
         self._work_s = []  # a new setup: its first step builds the engines again
         old_ranges = list(self.result.ranges)
         self.result.ranges = [tuple(r) for r in plan.ranges]
@@ -516,10 +547,14 @@ class Session:
         # the held state is the same, the stages are new: a checkpoint or a later recovery needs theirs
         if self.held is not None:
             self.held.reset()
-            if self.keep_state:
-                self._keep_fallback(snap.step, new_stages=True)  # a copy of the new stages (the last is of others)
+            if self.keep_state:  # a copy of the new stages (the last is of others), made of the restored state
+                self._keep_fallback(snap.step, new_stages=True, restored=(snap.state, dict(own_states or {})))
+            if self.restore_spool is not None:  # the new stages hold the restored state now
+                self.restore_spool.clear()
             self.snapshot = self.held.take(snap.step, self.result.ranges, []) if self.keep_state else None
             return plan
+        if self.restore_spool is not None:
+            self.restore_spool.clear()
         self.snapshot = Snapshot(snap.step, self.coordinator.collect_checkpoint(), snap.state,
                                  list(self.result.ranges)) if self.keep_state else None
         return plan

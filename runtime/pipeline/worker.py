@@ -80,6 +80,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -488,10 +489,13 @@ class Worker:
                 raise PeerTimeout(sorted(waiting)[0], None, "a fence after an abort", self.timeout)
         self.transport.send_control(COORDINATOR, {"type": "aborted", "stage": self.stage, "step": msg.get("step")})
 
-    def checkpoint(self, optimizer: bool = True, window: tuple[int, int, int] | None = None) -> None:
+    def checkpoint(self, optimizer: bool = True, window: tuple[int, int, int] | None = None,
+                   weights: bool = True, moments_of: list[str] | None = None) -> None:
         """Send the coordinator this stage's state: whole, tensor by tensor, or with `window` (first
         tensor, its first element, bytes) one window of it in chunks (`send_window`: the coordinator
-        spooling a copy asks for one at a time, `Coordinator.collect_stages`)."""
+        spooling a copy asks for one at a time, `Coordinator.collect_stages`). Without `weights`, no
+        parameters nor scalars; with `moments_of`, the optimizer state of those parameters only
+        (the coordinator's copy after a recovery holds the rest already: kept_state.select_entries)."""
         self._need_stage("checkpoint")
         # the engine's and optimizer's own arrays, no copies: the coordinator has them all before it
         # sends the next step, and a table's state goes as its rows (no dense copy built to send)
@@ -499,7 +503,15 @@ class Worker:
         state_bytes = sum(int(arr.nbytes) for _, arr in tensors)
         if not optimizer:  # the run's final weights: the moments would only be dropped on arrival
             tensors = [(name, arr) for name, arr in tensors if name.startswith("param/")]
-        done = {"type": "checkpoint_done", "stage": self.stage, "rows": row_shapes(tensors), "state_bytes": state_bytes}
+        if not weights or moments_of is not None:
+            rows_of = row_shapes(tensors)  # a table's rows are declared by its parameter's shape
+            chosen = {e.name for e in select_entries([_Named(n) for n, _ in tensors], weights, moments_of)}
+            tensors = [(name, arr) for name, arr in tensors if name in chosen]
+            done_rows = {k: v for k, v in rows_of.items() if k + ROW_IDS in chosen}
+        else:
+            done_rows = None
+        done = {"type": "checkpoint_done", "stage": self.stage,
+                "rows": row_shapes(tensors) if done_rows is None else done_rows, "state_bytes": state_bytes}
         if window is None:
             for i, (name, arr) in enumerate(tensors):
                 self.transport.send_tensor(COORDINATOR, "ckpt", self.stage, i, np.asarray(arr, order="C"), name=name)
@@ -727,6 +739,13 @@ class Worker:
                 if not (all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in window) and window[2] > 0):
                     raise ValueError(f"checkpoint: first, start and bytes must be whole numbers, got {msg!r:.120}")
                 kwargs.update(window=window)
+            weights, moments_of = msg.get("weights", True), msg.get("moments_of")  # what of it (optional)
+            if not (isinstance(weights, bool) and (moments_of is None or (
+                    isinstance(moments_of, list) and all(isinstance(p, str) for p in moments_of)))):
+                raise ValueError(f"checkpoint: weights must be true or false, moments_of a list of names, got "
+                                 f"{msg!r:.120}")
+            if weights is not True or moments_of is not None:  # only then (tests stand in for checkpoint without them)
+                kwargs.update(weights=weights, moments_of=moments_of)
             self.checkpoint(**kwargs)
         elif kind == "snapshot":
             self.snapshot(msg)
@@ -750,6 +769,13 @@ class Worker:
         else:
             raise ValueError(f"unknown control message type {kind!r} from the coordinator")
         return False
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A state tensor's name, as kept_state.select_entries takes entries."""
+
+    name: str
 
 
 def _tied_names(msg: dict) -> list[str]:
