@@ -687,9 +687,18 @@ def engine_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int
 
 def block_engine_bytes(graph: Graph, device: DeviceSpec, k: int, cost: BlockCost | None = None) -> int:
     """Block k's engine build's step (`BlockCost.engine_bytes`, `cost` its `block_costs` entry) less the
-    frozen storage `frozen_storage_extra_bytes` already charges of it, at least 0."""
+    frozen storage `frozen_storage_extra_bytes` already charges of it, at least 0. A kind with no run
+    of its own (`engine_once_bytes` None: the embeddings, the LM head) was built alone in a fresh child,
+    so its figure holds a stage's once part too, which `engine_once_bytes` charges once a stage: it
+    comes off here where the backend has one (SmolLM2 int4, MNN: the head's 3.45 MiB and the
+    embeddings' 2.11 beside a once part of 3.32; their end stages were charged 5.0-5.5 MiB over the
+    build a worker made, a middle stage 3.1: benchmarks/MEMORY_NOTES.md, h54). The one formula of the
+    per-block term: the cost model (`engine_bytes`) and the partition instance both call it."""
     cost = block_costs(graph, device)[k] if cost is None else cost
-    return max(0, cost.engine_bytes - frozen_storage_extra_bytes(graph, k, k, device)) if cost.engine_bytes else 0
+    if not cost.engine_bytes:
+        return 0
+    own = cost.engine_bytes - (engine_once_bytes(device) if cost.engine_once_bytes is None else 0)
+    return max(0, own - frozen_storage_extra_bytes(graph, k, k, device))
 
 
 def engine_once_bytes(device: DeviceSpec) -> int:
