@@ -158,6 +158,15 @@ class BackendProfile:
     # False in profiles made before, measured in the warm profiling process, which a fresh PyTorch
     # worker recomputing per block outgrew (~3.5 MiB a layer against 0.5-3.1 measured).
     fresh_lines: bool = False
+    # The part of the start-up in `engine_overhead_bytes` that only a stage holding per-op caches from a
+    # forward to its backward pays (MNN keeping or recomputing: its first keeping run of a layer holds
+    # ~6 MiB more than a repeat, SmolLM2 int4, each in a fresh child), not one recomputing per block
+    # (MNN's first per-block run holds ~0.4 MiB more than a repeat; a fresh MNN process's per-block
+    # stage peaks below the profile's warm workspace alone: benchmarks/MEMORY_NOTES.md, h54); charged
+    # by `planner.cluster.runtime_bytes` to a device not recomputing per block. 0 on PyTorch (its
+    # kernels of every mode are built process-wide: charged whatever the mode) and in profiles made
+    # before (the whole start-up charged on every stage, as then).
+    caches_start_up_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -224,6 +233,7 @@ class DeviceProfile:
                     int(b.get("engine_overhead_bytes", 0)),
                     {str(k): _seconds(v) for k, v in b.get("update_s_per_param_byte", {}).items()},
                     bool(b.get("fresh_lines", False)),
+                    int(b.get("caches_start_up_bytes", 0)),
                 ) for b in doc["backends"])
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
                        int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),

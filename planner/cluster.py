@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ir.address import AddressError, parse_address
+from ir.documents import activations_mode
 from ir.errors import InputFileError
 from ir.profile import BackendProfile, DeviceProfile, Link
 
@@ -186,8 +187,17 @@ def update_rate(device: DeviceSpec, optimizer: str) -> float:
 
 
 def runtime_bytes(device: DeviceSpec) -> int:
-    """What the device holds before any stage: the idle runtime and its backend's engine."""
-    return device.profile.runtime_overhead_bytes + device_backend(device).engine_overhead_bytes
+    """What the device holds before any stage: the idle runtime and its backend's engine (its import
+    and start-up), less the start-up's part that only a stage keeping per-op caches pays
+    (`BackendProfile.caches_start_up_bytes`) where the device recomputes per block (its planned
+    `activations`, "per-block" or "per-block+K": SmolLM2 int4 on MNN, 5.2 MiB of a 5.2 MiB start-up
+    charged on every stage, which a fresh MNN worker's first per-block run never held). The one
+    formula of the term: the cost model and the partition instance (`overhead_bytes`) call it."""
+    backend = device_backend(device)
+    start_up = backend.engine_overhead_bytes
+    if activations_mode(device.activations)[0] == "per-block":
+        start_up -= min(backend.caches_start_up_bytes, start_up)
+    return device.profile.runtime_overhead_bytes + start_up
 
 
 @dataclass(frozen=True)

@@ -689,10 +689,18 @@ def block_engine_bytes(graph: Graph, device: DeviceSpec, k: int, cost: BlockCost
     """Block k's engine build's step (`BlockCost.engine_bytes`; `cost` its `block_costs` entry, which
     every caller holds) less the frozen storage `frozen_storage_extra_bytes` already charges of it, at
     least 0. One rule for a figure not measured (None: a profile made before the engine term): nothing,
-    as such a profile has always been planned (its once part, `engine_once_bytes`, None too: nothing)."""
+    as such a profile has always been planned (its once part, `engine_once_bytes`, None too: nothing).
+    A kind with no run of its own (`engine_once_bytes` None: the embeddings, the LM head) was built
+    alone in a fresh child, so its figure holds a stage's once part too, which `engine_once_bytes`
+    charges once a stage: it comes off here where the backend has one (SmolLM2 int4, MNN: the head's
+    3.45 MiB and the embeddings' 2.11 beside a once part of 3.32; their end stages were charged 5.0-5.5
+    MiB over the build a worker made, a middle stage 3.1: benchmarks/MEMORY_NOTES.md, h54). The one
+    formula of the per-block term: the cost model (`engine_bytes`) and the partition instance both
+    call it."""
     if cost.engine_bytes is None:
         return 0
-    return max(0, cost.engine_bytes - frozen_storage_extra_bytes(graph, k, k, device))
+    own = cost.engine_bytes - (engine_once_bytes(device) if cost.engine_once_bytes is None else 0)
+    return max(0, own - frozen_storage_extra_bytes(graph, k, k, device))
 
 
 def engine_once_bytes(device: DeviceSpec) -> int:

@@ -344,6 +344,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
         say(f"skip {b}: {why}")
     engines = {}  # engine -> the memory its import adds to the runtime, measured once per engine
     start_up: dict[str, int] = {}  # engine -> what its first training run adds once (`start_up_bytes`)
+    caches_start_up: dict[str, int] = {}  # engine -> the part of that only a stage keeping per-op caches pays
     for backend in present:
         if backend.engine not in engines:
             engines[backend.engine] = engine_overhead_bytes(backend.engine, overhead)
@@ -368,9 +369,11 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
             # life (a fresh process running SmolLM2 int4 LoRA layers 1 x 128 holds 46 MiB after its first
             # step keeping, 83 per block, whether 3 or 17 layers; the embeddings' first run 2)
             layer = _most_repeated(graph, kinds)
+            by_mode = {}
             if layer.index != cheapest.index:
-                once += sum(start_up_bytes(backend, stage_spec(graph, layer.index, layer.index), feeds, activations)
-                            for activations in ("keep", "per-block"))
+                by_mode = {activations: start_up_bytes(backend, stage_spec(graph, layer.index, layer.index), feeds,
+                                                       activations) for activations in ("keep", "per-block")}
+                once += sum(by_mode.values())
             with contextlib.ExitStack() as stack:
                 # PyTorch's only: MNN's lines and start-up stay measured here (measured fresh, MNN's lines
                 # charged over the run, and its start-up came out a noise-level 1.6 MiB where it has none)
@@ -389,6 +392,11 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     stack.enter_context(FreshProcesses(backend))
                 if once >= START_UP_NOISE_BYTES:
                     start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
+                    if backend.engine == "mnn":
+                        # MNN's keeping run's first-use heap, which a stage recomputing per block never
+                        # pays (BackendProfile.caches_start_up_bytes; PyTorch's kernels are process-wide)
+                        caches_start_up[backend.engine] = max(caches_start_up.get(backend.engine, 0),
+                                                              min(once, by_mode.get("keep", 0)))
                 for sig, block in kinds.items():
                     cost = measure_block(backend, graph, block, feeds, reps, children, start_up.get(backend.engine, 0),
                                          builds)
@@ -417,7 +425,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
             profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native,
                                            fresh and backend.engine == "torch"))
         # an engine's start-up shows on the first of its backends to run here: charged to them all
-        profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + start_up.get(b.engine, 0))
+        profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + start_up.get(b.engine, 0),
+                            caches_start_up_bytes=caches_start_up.get(b.engine, 0))
                     for p, b in zip(profiles, present)]
         for engine, extra in start_up.items():
             if extra:
