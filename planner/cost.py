@@ -32,6 +32,9 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
   + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
   + for an embedding table only looked up, its gradient as the rows an update sums instead of a
     dense copy (`row_gradient_delta_bytes`: MiniLM's 47 MB word table, 3 MiB of rows at 8 x 128)
+  - on MNN summing its backwards, the blocks' dense weight gradients the profiled workspace holds
+    too (the sum is the one set a run holds), less a share of them a worker holds beside the sum
+    once AdamW's moments exist (`summed_gradient_block_bytes`)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
   + the blocks' workspace (`workspace_of`): each block's `BlockCost.stacked` (what one more block
     of its kind adds to a stage's peak: per-op caches, gradients), plus on a device that keeps its
