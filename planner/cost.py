@@ -32,9 +32,6 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
   + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
   + for an embedding table only looked up, its gradient as the rows an update sums instead of a
     dense copy (`row_gradient_delta_bytes`: MiniLM's 47 MB word table, 3 MiB of rows at 8 x 128)
-  - on MNN summing its backwards, the blocks' dense weight gradients the profiled workspace holds
-    too (the sum is the one set a run holds), less a share of them a worker holds beside the sum
-    once AdamW's moments exist (`summed_gradient_block_bytes`)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
   + the blocks' workspace (`workspace_of`): each block's `BlockCost.stacked` (what one more block
     of its kind adds to a stage's peak: per-op caches, gradients), plus on a device that keeps its
@@ -790,49 +787,6 @@ def stepped_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSp
     return shared_current_bytes(graph, first, last, device)
 
 
-# What an MNN worker holds beside its gradient sum in a backward once AdamW's moments exist, per byte of
-# the dense gradients the sum holds (`summed_gradient_bytes`): the profile's backward runs on a fresh
-# engine, where the sum and the backward's buffers share a heap nothing else has cut up; a run's backward
-# from its second step on sits beside the moments, made at the first update while that step's sum was
-# alive, and its non-gradient buffers land partly on fresh pages (SmolLM2-135M blocks 9-23 in one process,
-# `benchmarks/optimizer_state_phases.py --smollm2 9 23 --take-weights`: step 1's backward peaks 22.8 MiB
-# higher than step 0's, less the moments, against a 202.6 MiB sum, 0.11; in a worker of a real plan its
-# peak sat 27.7 MiB above the charge with the set charged once, 0.14; benchmarks/MEMORY_NOTES.md, h56).
-# Rounded up to 0.2 so a worker stays under its plan.
-SUMMED_BACKWARD_EXTRA_SHARE = 0.2
-
-
-def summed_gradient_block_bytes(graph: Graph, device: DeviceSpec, schedule: str, update_every: int = 1) -> tuple[int, ...]:
-    """Per block, what its gradients are charged twice on an MNN device that sums them, less what its
-    worker holds beside the sum instead (`SUMMED_BACKWARD_EXTRA_SHARE` of them): the profile's
-    workspace holds each block's dense weight gradients (`peak_workspace` runs `engine.backward`,
-    which returns the stage's whole set), and a run sums each block's into the executor's running sum
-    as its gradient program gives them (`MnnStageEngine.backward_into`, in place: `accumulate`), the
-    sum the gradient term charges (`gradient_copies`): one set held, two charged. Not a table's
-    gradient (rows in the profile's backward, charged by `row_gradient_delta_bytes` /
-    `tied_sum_bytes`), nor the fused LM head's block's (the head's forward makes the table's dense
-    gradient beside the sum from the second micro-batch on: held twice for real, helper h43). 0 on
-    PyTorch (its `backward_into` is the whole backward, then the sum: both live), on engines the model
-    knows nothing of, and where no sum is held (1f1b-stash updating after every backward)."""
-    blocks = check_blocks(graph)
-    if device_engine(device) != "mnn" or gradient_copies(schedule, update_every) == 0:
-        return tuple(0 for _ in blocks)
-    tables = _graph_tables(graph)[0]
-    head = set(joined_boundaries(graph))
-    out = []
-    for k, b in enumerate(blocks):
-        dense = 0 if k in head else sum(int(graph.constants[p].nbytes) for p in b.params
-                                        if p not in tables and p in graph.constants)
-        out.append(dense - math.ceil(SUMMED_BACKWARD_EXTRA_SHARE * dense))
-    return tuple(out)
-
-
-def summed_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, schedule: str,
-                          update_every: int = 1) -> int:
-    """`summed_gradient_block_bytes` of blocks first..last: what comes off the stage's gradient term."""
-    return sum(summed_gradient_block_bytes(graph, device, schedule, update_every)[first:last + 1])
-
-
 def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int,
                              schedule: str = "1f1b-flush", update_every: int = 1) -> int:
     """What the gradients of the embedding tables of blocks first..last that nothing but lookups read
@@ -1116,7 +1070,6 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         gradient_bytes=(params * gradients
                         + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
                         - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
-                        - summed_gradient_bytes(graph, first, last, device, schedule, update_every)
                         + tied_sum_bytes(graph, first, last)),
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),
         activation_bytes=sum(inputs) * in_flight + held,

@@ -42,7 +42,6 @@ from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_s
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
                           block_kept_once,
                           reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
-                          summed_gradient_block_bytes,
                           table_state_delta_bytes, tied_sum_bytes, unversioned_bytes,
                           unversioned_copies, updates_per_microbatch, weight_copies)
 
@@ -342,16 +341,12 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         # what blocks' looked-up-only tables' gradients and AdamW state, held as rows, change
         # against their dense charge, less the gradients PyTorch steps in its backward, plus the
         # tied-gradient sums received at an update (planner.cost.tied_sum_bytes)
-        # less MNN's gradients charged twice (in the profiled workspace and the sum), per block
-        # (planner.cost.summed_gradient_block_bytes)
-        state_delta_bytes=tuple(tuple(d - g for d, g in zip(
-                                    _per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
-                                                                                  update_every)
-                                               + table_state_delta_bytes(graph, 0, k, spec, optimizer)
-                                               - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
-                                               + tied_sum_bytes(graph, 0, k),
-                                               len(blocks)),
-                                    summed_gradient_block_bytes(graph, spec, schedule, update_every)))
+        state_delta_bytes=tuple(_per_block(lambda k: row_gradient_delta_bytes(graph, 0, k, spec, microbatches, schedule,
+                                                                              update_every)
+                                           + table_state_delta_bytes(graph, 0, k, spec, optimizer)
+                                           - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
+                                           + tied_sum_bytes(graph, 0, k),
+                                           len(blocks))
                                 for spec in specs),
         joined=joined_boundaries(graph))
     # the one stage that holds every reader of a shared weight: priced by planner.cost itself

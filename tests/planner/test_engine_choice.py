@@ -13,7 +13,6 @@ from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from jobs.common.errors import JobError
 from jobs.planning import PlanSettings, engine_choices, plan_model
 from planner.cluster import DeviceSpec, device_backend, runtime_bytes
-from planner.cost import summed_gradient_bytes
 from planner.onnx_import import load_model
 from support import S
 
@@ -69,12 +68,7 @@ def test_the_plan_runs_the_chosen_engine_and_show_names_the_runner_up(graph, tin
     lean_dir, lean = _plan(graph, tmp_path / "small", tiny_onnx, "380MiB")
     given_dir, given = _plan(graph, tmp_path / "given", tiny_onnx, "2GiB", backend="mnn:cpu:t1")
     assert (fast["engine"], lean["engine"], given["engine"]) == ("torch", "mnn", "mnn")
-    # the same stage, plus torch's import and its backward's own gradients beside the sum (MNN's are
-    # charged once: planner.cost.summed_gradient_bytes)
-    spec = DeviceSpec("box", "tcp://127.0.0.1:1", _profile(graph), 2 << 30, backend="mnn:cpu:t1")
-    summed = summed_gradient_bytes(graph, 0, blocks - 1, spec, "1f1b-flush")
-    assert summed > 0
-    assert fast["memory_bytes"] - given["memory_bytes"] == TORCH_IMPORT + summed
+    assert fast["memory_bytes"] - given["memory_bytes"] == TORCH_IMPORT  # the same stage, plus torch's import
     (choice,) = engine_choices(fast_dir)
     assert (choice.backend, choice.runner_up, choice.given) == ("torch:cpu:t1", "mnn:cpu:t1", False)
     assert choice.seconds == pytest.approx(blocks * 0.015) and choice.runner_up_seconds == pytest.approx(blocks * 0.03)
@@ -198,11 +192,8 @@ def test_each_device_runs_the_engine_fastest_for_its_own_blocks(graph, tiny_onnx
     assert [tuple(d["blocks"]) for d in auto["devices"]] == [(0, head - 1), (head, len(graph.blocks) - 1)]
     assert auto["predicted_step_s"] < forced["predicted_step_s"]
     # the same stage on torch: its import, and the workspace of the second micro-batch in flight (its
-    # activations, which autograd keeps; MNN keeps one micro-batch's caches), 1 MiB per block, and its
-    # backward's own gradients beside the sum (MNN's are charged once: summed_gradient_bytes)
-    spec = DeviceSpec("a", "tcp://127.0.0.1:1", _profile(graph), 2 << 30, backend="mnn:cpu:t1")
-    summed = summed_gradient_bytes(graph, 0, head - 1, spec, "1f1b-flush")
-    assert forced["devices"][0]["memory_bytes"] - auto["devices"][0]["memory_bytes"] == TORCH_IMPORT + head * MIB + summed
+    # activations, which autograd keeps; MNN keeps one micro-batch's caches), 1 MiB per block
+    assert forced["devices"][0]["memory_bytes"] - auto["devices"][0]["memory_bytes"] == TORCH_IMPORT + head * MIB
     assert any(line.startswith("engine per device for the blocks it runs: a: torch:cpu:t1 (keep) -> mnn:cpu:t1 (recompute) ")
                for line in notes)
 
