@@ -5,9 +5,11 @@ At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread
 wait. Each worker writes its stage's training state (its trainable parameters and its optimizer's
 state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into a file of its
 own (`SpooledCopy`: an unlinked temporary file, a dropped copy's rewritten in place where one is
-spare; the tensors packed one after another, written with a `pwritev` per MiB or ~1000 tensors), before it
-runs the next step, and ships the copy to the stage's holder (`holder_of`: the
-next stage, the last stage's the one before) while that step computes: from the stage's own
+spare; the tensors packed one after another, written with a `pwritev` per MiB or ~1000 tensors) by a
+thread of its own while the next step's first actions run, the step's UPDATE waiting for it (the
+state does not change before: `StateCopies.settle`), and, once written, ships the copy to the
+stage's holder (`holder_of`: the next stage, the last stage's the one before) while that step
+computes: from the stage's own
 thread, between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an
 engine that holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting
 and the step stalled behind it): first its index (`copy_index`: each tensor's name, dtype, shape
