@@ -135,6 +135,7 @@ def test_a_stages_own_snapshot_copy_is_written_off_its_thread_and_before_its_sta
     compared: list[tuple[str, int, int]] = []  # (own or held, stage, sid) of each copy compared
     stepped_unwritten: list[int] = []  # stages whose engine stepped before their copy was written
     slowed: set[int] = set()  # the copies whose first write was made slow
+    alive: list[SpooledCopy] = []  # every copy written, kept so that no id above is reused
 
     def same(copy: SpooledCopy, stage: int, sid: int, what: str) -> None:
         want = states[(stage, sid)]
@@ -156,6 +157,7 @@ def test_a_stages_own_snapshot_copy_is_written_off_its_thread_and_before_its_sta
         start = time.monotonic()
         if id(self) not in slowed:
             slowed.add(id(self))
+            alive.append(self)
             time.sleep(0.3)  # a slow disk: each copy's first write
         real_writev(self, views)
         events.append(("write", threading.get_ident(), id(self), start, time.monotonic()))
