@@ -162,6 +162,10 @@ class StageExecutor:
         # whether a wait for a neighbour ends as soon as a side-lane message arrives (the worker's
         # `StateCopies.awaiting_word`: its copy's shipping waits for its holder's word); None: never
         self.wake_on_side = None
+        # called before the stage's state changes (an UPDATE, a backward that steps): waits until a
+        # snapshot copy of the state being written on another thread is written (the worker's
+        # `StateCopies.settle`), so the copy is the state before this step; None: nothing to wait for
+        self.before_state_change = None
 
     @property
     def is_last(self) -> bool:
@@ -277,6 +281,8 @@ class StageExecutor:
                 if self.grad_sum or self._stepped:
                     raise RuntimeError(f"stage {self.stage}: {action} steps in its backward with gradients "
                                        f"not yet stepped")
+                if self.before_state_change is not None:
+                    self.before_state_change()
                 self._grads_out[m] = self.engine.backward_and_step(m, self.optimizer, upstream)
                 self.backwards_since_update += 1
                 self._stepped = True
@@ -352,6 +358,8 @@ class StageExecutor:
         # A stage without parameters (e.g. only the loss block) still takes its UPDATE as a step
         # over nothing, so its optimizer's step count stays that of the other stages: re-planning
         # hands optimizer state between stages by that count.
+        if self.before_state_change is not None:
+            self.before_state_change()
         if self._stepped:  # taken in the backward (`prepare`'s fused B)
             self._stepped = False
         else:

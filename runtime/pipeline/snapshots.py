@@ -5,9 +5,11 @@ At a flush boundary the coordinator orders `snapshot` {sid, holder, keep, spread
 wait. Each worker writes its stage's training state (its trainable parameters and its optimizer's
 state, `state_tensors`: for LoRA the adapters and theirs, never the frozen base) into a file of its
 own (`SpooledCopy`: an unlinked temporary file, a dropped copy's rewritten in place where one is
-spare; the tensors packed one after another, written with a `pwritev` per MiB or ~1000 tensors), before it
-runs the next step, and ships the copy to the stage's holder (`holder_of`: the
-next stage, the last stage's the one before) while that step computes: from the stage's own
+spare; the tensors packed one after another, written with a `pwritev` per MiB or ~1000 tensors) by a
+thread of its own while the next step's first actions run, the step's UPDATE waiting for it (the
+state does not change before: `StateCopies.settle`), and, once written, ships the copy to the
+stage's holder (`holder_of`: the next stage, the last stage's the one before) while that step
+computes: from the stage's own
 thread, between the step's actions and while it waits for a neighbour (`StateCopies.pump`; an
 engine that holds the interpreter's lock through a whole graph, MNN, left a sender thread waiting
 and the step stalled behind it): first its index (`copy_index`: each tensor's name, dtype, shape
@@ -89,6 +91,10 @@ PUMP_CHUNKS = 4
 # In bytes, not chunks: a small tensor is a chunk of its own, and a copy of many small ones (a
 # tiny model's, LoRA's) would wait on its holder's actions for nothing.
 CREDIT_BYTES = PUMP_CHUNKS * CHUNK_BYTES
+# While a stage's own copy is being written (`_Writing`), its shipment waits: a stage that waits
+# for a neighbour looks again this often to begin it (the write takes ~20-60 ms on MiniLM; the
+# shipment is spread over a step).
+WRITE_LOOK_S = 0.02
 # Files of dropped copies kept to be written again: the next own copy's and the next replica's.
 _SPARE_FILES = 2
 # What a worker holds of the copies in memory while training: the chunks it sent that its holder
@@ -247,6 +253,16 @@ class SpooledCopy:
         """Write `tensors` one after another after what is written, in as few system calls as
         `pwritev` allows (`_IOV_MAX` buffers each: a LoRA stage's ~700 small tensors in one), never
         joined in memory; each in the wire's byte order (little-endian: no copy on x86 and ARM)."""
+        entries, views = self.lay_out(tensors)
+        self._writev(views)
+        return entries
+
+    def lay_out(self, tensors: Sequence[tuple[str, np.ndarray]]) -> tuple[list[SpooledTensor], list[memoryview]]:
+        """Place `tensors` after what is written (their entries added to `tensors`) and return them
+        with the views of their bytes, to be written in order (`write_laid_out`) before anything
+        else is: a stage's own copy is laid out on its thread, its bytes written on another
+        (`StateCopies.take`). Each view is of the tensor's own buffer (no copy) in the wire's byte
+        order (little-endian: no copy on x86 and ARM)."""
         entries, views, at = [], [], self.end
         for name, arr in tensors:
             arr = np.asarray(arr)
@@ -257,12 +273,13 @@ class SpooledCopy:
                 views.append(memoryview(arr.reshape(-1)).cast("B"))
                 at += arr.nbytes
             entries.append(entry)
-            if len(views) >= _IOV_MAX:
-                self._writev(views)
-                views = []
-        self._writev(views)
         self.tensors += entries
-        return entries
+        return entries, views
+
+    def write_laid_out(self, views: list) -> None:
+        """Write what `lay_out` returned, then cut what a longer copy left in a reused file."""
+        self._writev(views)
+        self.finish()
 
     def _writev(self, views: list) -> None:
         """Write `views` at the end, in `pwritev` calls of at most `WRITE_BYTES` each (many small
@@ -431,11 +448,39 @@ class _Shipment:
         return self.start + self.spread_s * self.sent / len(self.chunks)
 
 
+class _Writing:
+    """A stage's own copy whose bytes a thread of its own writes (`StateCopies.take`), and where it
+    goes once written: its shipment to its holder begins only then."""
+
+    def __init__(self, copy: SpooledCopy, views: list, ship: tuple | None):
+        self.copy, self.ship = copy, ship  # ship: (holder, sid, stage, spread_s) or None
+        self.error: BaseException | None = None
+        self.cpu_s = 0.0
+        self.thread = threading.Thread(target=self._write, args=(views,), name="confidant-copy", daemon=True)
+        self.thread.start()
+
+    def _write(self, views: list) -> None:
+        cpu = time.thread_time()
+        try:
+            self.copy.write_laid_out(views)
+        except BaseException as exc:  # raised on the stage's thread by `StateCopies.settle`
+            self.error = exc
+        finally:
+            self.cpu_s = time.thread_time() - cpu
+
+
 class StateCopies:
     """A worker's own snapshot copies, the replicas it holds for a neighbour, and the shipping of
     its newest copy to its holder (`pump`, called from the stage's own thread). Every copy lies in a
     file of its own (`SpooledCopy`), not in the worker's memory: while one ships, the worker's peak
-    is its stage's own state and a few chunks, not two to four copies of it."""
+    is its stage's own state and a few chunks, not two to four copies of it.
+
+    A copy's bytes are written by a thread of its own (`_Writing`) while the next step's first
+    actions run: the state does not change until the step's UPDATE (or a backward that steps), and
+    the stage's executor waits for the write before it (`settle`, its `before_state_change`), so the
+    copy is the state at the boundary exactly. A file write releases the interpreter's lock, so the
+    copy no longer delays the step's first forward on the busiest stage (stage 0 of two: ~40 ms a
+    snapshot, benchmarks/PIPELINE_NOTES.md, helper h50); its shipment begins once it is written."""
 
     def __init__(self, transport, report: Callable[[dict], None]):
         self.transport = transport
@@ -462,14 +507,18 @@ class StateCopies:
         # MiniLM, are counted too: K errs long)
         self._io_start = _io_cpu_s()
         self._lock = threading.Lock()
+        self._writing: _Writing | None = None  # the own copy whose bytes are being written
 
     # --- taking and shipping -------------------------------------------------------------------
     def take(self, sid: int, stage: int,
              tensors: Sequence[tuple[str, np.ndarray]] | Callable[[], Sequence[tuple[str, np.ndarray]]],
              holder: str | None, keep: Sequence[int], spread_s: float) -> None:
         """Copy `tensors` (or what calling it returns: gathering them is charged to the copy too) as
-        snapshot `sid` and begin shipping it to `holder`."""
+        snapshot `sid` and ship it to `holder` once written. The bytes are written by a thread of
+        their own (`_Writing`): the arrays must not change until `settle` returns (the executor
+        calls it before it steps the state)."""
         self.stop()
+        self.settle()
         if not self.taken:  # counted from the first snapshot: a setup's weights went through them too
             self._io_start = _io_cpu_s()
         start, cpu = time.perf_counter(), time.thread_time()
@@ -477,20 +526,43 @@ class StateCopies:
         if callable(tensors):
             tensors = tensors()
         copy = SpooledCopy(_spool_file(self._spare))
-        copy.extend(tensors)
-        copy.finish()
+        _, views = copy.lay_out(tensors)
+        if holder is not None:
+            self.transport.open(holder)
+        self.own[sid] = copy
+        self._writing = _Writing(copy, views, None if holder is None else (holder, sid, stage, spread_s))
         self.copy_s = time.perf_counter() - start
         with self._lock:
             self.cpu_s += self.copy_s
             self.cpu_parts["copy"] += time.thread_time() - cpu
             self.taken += 1
-        self.own[sid] = copy
-        if holder is not None:
-            self.transport.open(holder)
-            self._shipment = _Shipment(holder, sid, stage, copy, spread_s)
-            self.pump()
+
+    def settle(self) -> None:
+        """Wait until the own copy being written is written (its error raised here), and begin its
+        shipment. The time waited is on the step's path (`copy_s`)."""
+        writing = self._writing
+        if writing is None:
+            return
+        start = time.perf_counter()
+        writing.thread.join()
+        self._writing = None
+        self.copy_s += time.perf_counter() - start
+        with self._lock:
+            self.cpu_s += writing.cpu_s
+            self.cpu_parts["copy"] += writing.cpu_s
+        if writing.error is not None:
+            raise writing.error
+        if writing.ship is not None:
+            holder, sid, stage, spread_s = writing.ship
+            self._shipment = _Shipment(holder, sid, stage, writing.copy, spread_s)
+
+    @property
+    def writing(self) -> bool:
+        """The own copy's bytes are still being written (its shipment waits for them)."""
+        return self._writing is not None and self._writing.thread.is_alive()
 
     def forget_except(self, sids) -> None:
+        self.settle()  # a copy being written keeps its file until it is written
         sids = set(sids)
         ship = self._shipment
         for held in (self.own, self.replicas):
@@ -511,8 +583,8 @@ class StateCopies:
 
     @property
     def shipping(self) -> bool:
-        """A copy is still being shipped to its holder."""
-        return self._shipment is not None
+        """A copy is still being shipped to its holder (or written, to be shipped)."""
+        return self._shipment is not None or (self._writing is not None and self._writing.ship is not None)
 
     def pump(self) -> float | None:
         """Send the chunks of the copy being shipped that are due (spread evenly over its
@@ -521,6 +593,10 @@ class StateCopies:
         order. Each chunk is read from the copy's file into a buffer of its own. Returns the seconds
         until the next chunk is due (0: behind), None when none is left or the holder's word on
         what it filed is awaited (its arrival wakes a wait with `wake_on_side`)."""
+        if self._writing is not None:
+            if self._writing.thread.is_alive():
+                return WRITE_LOOK_S  # its shipment begins once it is written
+            self.settle()
         ship = self._shipment
         if ship is None:
             return None
@@ -563,19 +639,26 @@ class StateCopies:
         return max(0.0, ship.next_at() - time.monotonic())
 
     def stop(self) -> None:
-        """Stop shipping (a new copy, an abort, a new stage): the holder drops the partial copy."""
+        """Stop shipping (a new copy, an abort, a new stage): the holder drops the partial copy. A
+        copy still being written is written, never shipped."""
         self._shipment = None
+        if self._writing is not None:
+            self._writing.ship = None
 
     def detach_own(self) -> dict[int, SpooledCopy]:
         """This stage's own copies, taken out (sid -> copy): `drop` leaves them open for whoever
         took them (a survivor's setup after a loss reads its unmoved blocks' optimizer state from
         them: runtime.pipeline.kept_state), who closes them."""
         self.stop()
+        self.settle()
         own, self.own = dict(self.own), {}
         return own
 
     def drop(self) -> None:
         self.stop()
+        if self._writing is not None:  # its file is closed below: written first, whatever became of it
+            self._writing.thread.join()
+            self._writing = None
         for copy in [*self.own.values(), *self.replicas.values(), *(g.spool for g in self._incoming.values())]:
             copy.close()
         for f in self._spare:
@@ -669,6 +752,8 @@ class StateCopies:
 
     def spooled(self, stage: int, own_stage: int | None, sid: int) -> SpooledCopy | None:
         """The copy of `stage` for snapshot `sid`: this stage's own or a replica held."""
+        if stage == own_stage:
+            self.settle()
         return self.own.get(sid) if stage == own_stage else self.replicas.get((stage, sid))
 
     def copy_of(self, stage: int, own_stage: int | None, sid: int) -> list[tuple[str, np.ndarray]] | None:

@@ -313,6 +313,7 @@ class Worker:
         # a stage waiting for a neighbour while its copy waits for its holder's word is woken by
         # that word; a neighbour's chunks are filed at its next action or look (several at a time)
         self.executor.wake_on_side = lambda: self.copies.awaiting_word
+        self.executor.before_state_change = self.copies.settle
         self.transport.send_control(COORDINATOR, {"type": "ready", "stage": self.stage, "pid": os.getpid(),
                                                   "rss_bytes": peak_rss_bytes(), "device": contents.device,
                                                   **device_state()})

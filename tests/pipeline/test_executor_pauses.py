@@ -108,3 +108,101 @@ def test_no_work_of_the_stages_own_between_a_result_and_its_send(graph, monkeypa
                 last = e
         assert after and any(e in held for e in events)
         assert not [a for a in after if a in held], [str(a) for a in after if a in held]
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b-flush"])
+def test_a_stages_own_snapshot_copy_is_written_off_its_thread_and_before_its_state_changes(graph, monkeypatch,
+                                                                                          schedule):
+    """Under the default policy a stage's own snapshot copy (taken when the order arrives, before the
+    next step's first forward) is written into its file by another thread while the step's first
+    actions run, not by the stage's own (which, on the busiest stage, is the step's critical path);
+    the engine steps the state only once it is written (here each copy's first write is made 0.3 s
+    slow), so the copy is the state at the boundary: the losses are single-device training's bit for
+    bit, and every copy, the stage's own and the one its holder filed, holds the state the stage had
+    when the snapshot was ordered, byte for byte."""
+    import threading
+    import time
+
+    from runtime.engines.mnn import MnnStageEngine
+    from runtime.engines.pytorch import TorchStageEngine
+    from runtime.pipeline.snapshots import SpooledCopy, StateCopies
+
+    events: list[tuple] = []  # (what, thread, id, monotonic time[, end])
+    real_take, real_writev, real_complete = StateCopies.take, SpooledCopy._writev, StateCopies._complete
+    own_copies: dict[int, StateCopies] = {}  # id(SpooledCopy) -> the StateCopies whose own copy it is
+    stage_of: dict[int, tuple[StateCopies, int]] = {}  # a worker's thread -> its copies and stage
+    states: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (stage, sid) -> the state at the order
+    compared: list[tuple[str, int, int]] = []  # (own or held, stage, sid) of each copy compared
+    stepped_unwritten: list[int] = []  # stages whose engine stepped before their copy was written
+    slowed: set[int] = set()  # the copies whose first write was made slow
+    alive: list[SpooledCopy] = []  # every copy written, kept so that no id above is reused
+
+    def same(copy: SpooledCopy, stage: int, sid: int, what: str) -> None:
+        want = states[(stage, sid)]
+        got = dict(copy.items())
+        assert got.keys() == want.keys()
+        for name, arr in got.items():
+            np.testing.assert_array_equal(arr, want[name], err_msg=f"{what} copy of stage {stage}, snapshot {sid}")
+        compared.append((what, stage, sid))
+
+    def take(self, sid, stage, tensors, *args, **kwargs):
+        gathered = list(tensors() if callable(tensors) else tensors)
+        states[(stage, sid)] = {name: np.array(arr) for name, arr in gathered}
+        events.append(("take", threading.get_ident(), id(self), time.monotonic()))
+        stage_of[threading.get_ident()] = (self, stage)
+        real_take(self, sid, stage, gathered, *args, **kwargs)
+        own_copies[id(self.own[sid])] = self
+
+    def writev(self, views):
+        start = time.monotonic()
+        if id(self) not in slowed:
+            slowed.add(id(self))
+            alive.append(self)
+            time.sleep(0.3)  # a slow disk: each copy's first write
+        real_writev(self, views)
+        events.append(("write", threading.get_ident(), id(self), start, time.monotonic()))
+
+    def stepping(real):
+        def step(self, *args, **kwargs):
+            copies, stage = stage_of.get(threading.get_ident(), (None, None))
+            if copies is not None and copies.own:
+                sid = max(copies.own)
+                if getattr(copies, "_writing", None) is not None or not [
+                        e for e in events if e[0] == "write" and e[2] == id(copies.own[sid])]:
+                    stepped_unwritten.append(stage)
+                elif ("own", stage, sid) not in compared:
+                    same(copies.own[sid], stage, sid, "own")
+            return real(self, *args, **kwargs)
+        return step
+
+    def complete(self, peer, this_stage):
+        got = self._incoming[peer]
+        real_complete(self, peer, this_stage)
+        if (got.stage, got.sid) in self.replicas:
+            same(self.replicas[(got.stage, got.sid)], got.stage, got.sid, "held")
+
+    monkeypatch.setattr(StateCopies, "take", take)
+    monkeypatch.setattr(StateCopies, "_complete", complete)
+    monkeypatch.setattr(SpooledCopy, "_writev", writev)
+    for engine in (TorchStageEngine, MnnStageEngine):
+        for name in ("step", "backward_and_step"):
+            if name in vars(engine):
+                monkeypatch.setattr(engine, name, stepping(vars(engine)[name]))
+    batches = [synthetic_batch(i) for i in range(4)]
+    config = PipelineConfig(schedule=schedule, microbatches=M, optimizer="adamw", lr=1e-3, timeout_s=60,
+                            engine="torch" if schedule == "zb-h1" else "mnn")
+    with InProcessWorkers(2, timeout_s=60) as workers:
+        result = train_pipeline(graph, batches, 9, workers.addresses, config, 4, transport=workers.coordinator,
+                                faults=FaultPolicy(snapshot_every=1, state_on="peers"))
+    assert workers.codes == [0, 0], workers.errors
+    if schedule == "1f1b-flush":  # the same engine alone
+        assert result.losses == single_device_training(graph, batches, 4)[0]
+    assert not stepped_unwritten, f"stages {stepped_unwritten} stepped their state before its copy was written"
+    stage_thread = {c: t for what, t, c, *_ in events if what == "take"}  # a worker's thread
+    assert len(stage_thread) == 2
+    own_writes = [e for e in events if e[0] == "write" and e[2] in own_copies]
+    assert own_writes, "no own copy was written"
+    on_stage = [e for e in own_writes if e[1] == stage_thread[id(own_copies[e[2]])]]
+    assert not on_stage, f"{len(on_stage)} of {len(own_writes)} writes of a stage's own copy on its own thread"
+    # copies compared: each stage's own at its next step, and the ones its holder filed
+    assert {w for w, _, _ in compared} == {"own", "held"} and len(compared) >= 6, compared

@@ -83,6 +83,8 @@ def test_a_copy_whose_shipping_stopped_half_way_is_never_held():
     reports = []
     sender, holder = StateCopies(a, reports.append), StateCopies(b, reports.append)
     sender.take(1, 0, _state(1), "stage1", [], 10.0)  # spread over 10 s: still shipping when stopped
+    sender.settle()  # written (on a thread of its own): its index and first chunk go at the next pump
+    sender.pump()
     assert sender.shipping
     sender.stop()
     holder.take_in(["stage0"], 1)  # the begin and the first chunk arrived
@@ -100,6 +102,8 @@ def test_a_lost_senders_partial_copy_is_dropped():
     a, b = _pair()
     sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
     sender.take(1, 0, _state(1), "stage1", [], 10.0)
+    sender.settle()  # written (on a thread of its own): its index and first chunk go at the next pump
+    sender.pump()
     holder.take_in(["stage0"], 1)
     holder.forget_from("stage0")  # the worker's abort names the sender lost
     assert not holder._incoming and not holder.replicas and len(holder._spare) == 1
@@ -305,6 +309,8 @@ def test_a_copy_whose_bytes_are_not_all_in_is_never_held():
     a, b = _pair()
     sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
     sender.take(1, 0, _state(1), "stage1", [], 100.0)  # spread over 100 s: the first chunk only
+    sender.settle()  # written (on a thread of its own): its index and first chunk go at the next pump
+    sender.pump()
     holder.take_in(["stage0"], 1)
     got = holder._incoming["stage0"]
     assert 0 < got.spool.end < got.total and not holder.replicas
@@ -421,6 +427,7 @@ def test_a_copy_goes_in_messages_of_several_chunks_filed_a_chunk_a_write(monkeyp
                                            real_send(peer, frames))[1]
     sender, holder = StateCopies(a, lambda msg: None), StateCopies(b, lambda msg: None)
     sender.take(1, 0, state, "stage1", [], 0.0)
+    sender.settle()  # the sender's own copy written (on a thread of its own)
     writes = []
     for call in ("pwrite", "pwritev"):
         real = getattr(os, call)
@@ -476,6 +483,7 @@ def test_a_sender_out_of_credit_waits_for_its_holders_word_without_looking_every
         return sender.pump()
 
     sender.take(1, 0, state, "stage1", [], 0.0)
+    sender.settle()  # written (on a thread of its own): the wake-ups counted are the shipping's
     thread = threading.Thread(target=holder_side, daemon=True)
     thread.start()
     # as the worker sets it up: woken by a side message while its copy waits for the holder's word
