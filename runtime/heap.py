@@ -1,20 +1,23 @@
 """The C library's heap: freed heap given back, one arena for a worker, and a fixed mmap threshold
-(measured; no caller yet).
+for every process that runs a torch stage.
 
 The one module that calls glibc's malloc functions (through ctypes; musl, macOS and Windows have
 neither `mallopt` nor `malloc_trim`, and each call is then a no-op that says so).
 
-`steady_heap` (measured, not called yet): a keeping PyTorch stage's peak is the heap's high-water
-mark (freed activations stay resident), and with glibc's defaults it moves 11-16% from one fresh
-interpreter to the next with nothing but Python's hash seed and the address layout changing (one
-SmolLM2 int4 LoRA stage of 12 layers: 340-397 MiB; benchmarks/MEMORY_NOTES.md, helpers h26 and h34).
-glibc starts with a 128 KiB mmap threshold and raises it to the size of each mapped block freed (up
-to 32 MiB); a threshold set by `mallopt` is fixed (the rise off): every block under it comes from the
-heap, every block over it is mapped and unmapped on free. Fixed at 4 MiB (this default) and set
-where a torch worker imports its engine, the stage still spread 338-389 MiB and the profile's fresh
-keep line still charged 0.93-0.99x a keeping worker's peak, so nothing calls it; 1-2 MiB set at an
-interpreter's start measured ~2% at +6-26% CPU (the widened int4 weights mapped and faulted in
-afresh each step), not yet tried where a worker would set it.
+`steady_heap` (called where `runtime.engines.pytorch` is imported: a torch worker, the profile's
+fresh children, the profiling process): a torch stage's peak is the heap's high-water mark (freed
+activations stay resident as free heap: SmolLM2's middle stage held ~150 MiB live and ~130 MiB
+free inside a 285 MiB heap at its peak), and with glibc's defaults it moved from one run to the
+next with nothing but the order of allocations changing (Python's hash seed, the address layout,
+and when the transport's thread allocates: one SmolLM2 int4 LoRA keeping stage 340-397 MiB, h26 /
+h34; the `smollm2-torch` plan's per-block middle stage 467-495 MiB in five runs of one plan, and
+1.05 / 1.09 of its plan in h44's runs under load). glibc starts with a 128 KiB mmap threshold and
+raises it to the size of each mapped block freed (up to 32 MiB); a threshold set by `mallopt` is
+fixed (the rise off): every block under it comes from the heap, every block over it is mapped and
+unmapped on free. At 2 MiB (this default: every widened int4 MLP weight, 3.4 MiB on SmolLM2, is
+mapped on its own) the same middle stage peaked 448.7-449.7 MiB in four runs, set at this engine's
+import as at the interpreter's start; at 4 MiB it still spread 338-389 MiB (h34). Its cost: the
+widened weights faulted in afresh each forward and backward, ~8% more CPU a worker (h57).
 
 `one_arena` (a worker calls it before its transport starts threads): glibc gives a thread that
 allocates while another holds the main heap an arena of its own (up to 8 per core), and memory freed
@@ -35,9 +38,9 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 # A block of this size or more is mapped on its own and unmapped when freed; smaller ones come from
-# the heap: a SmolLM2 layer's activations (0.3-0.8 MiB) and its widened int4 weights (up to 3.4 MiB),
-# as under glibc's risen default, so the CPU a step is the default's (MEMORY_NOTES.md, helper h34).
-STEADY_MMAP_THRESHOLD_BYTES = 4 * 2 ** 20
+# the heap: a SmolLM2 layer's activations (0.3-0.8 MiB) stay there, its widened int4 MLP weights
+# (3.4 MiB) are mapped (MEMORY_NOTES.md, helpers h34 and h57).
+STEADY_MMAP_THRESHOLD_BYTES = 2 * 2 ** 20
 
 
 def _libc():
@@ -49,10 +52,10 @@ def _libc():
 
 def steady_heap(mmap_threshold: int = STEADY_MMAP_THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold at `mmap_threshold` bytes (its dynamic rise off; the trim threshold
-    stays glibc's 128 KiB), for the rest of this process and the children it forks. Meant to be set
-    alike in a torch worker and the profile's fresh children (`runtime.profiling.fresh`) before their
-    first tensor, once a threshold is found that makes a keeping stage's peak repeat (the module's
-    docstring: 4 MiB does not). False where the C library has no `mallopt`."""
+    stays glibc's 128 KiB), for the rest of this process and the children it forks: set alike in a
+    torch worker and the profile's fresh children (`runtime.profiling.fresh`), before their stage's
+    first tensor, so a plan's figures and a run are measured under one heap. False where the C
+    library has no `mallopt`."""
     libc = _libc()
     try:
         return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1

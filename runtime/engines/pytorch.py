@@ -26,7 +26,15 @@ from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array, rows_at
 from runtime.engines.lm_loss import chunk_rows, quantized_linear_cross_entropy
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_up_only
+from runtime.heap import steady_heap
 from runtime.optim import AdamW, AdamWStep
+
+# Every process that runs a torch stage (a worker, the profile's fresh children, which fork from a
+# server that imported this module, the profiling process) fixes glibc's mmap threshold here, before
+# its stage's first tensor: with glibc's rising threshold a stage's peak moved ~6% run to run with
+# the order of allocations (SmolLM2's middle torch stage 467-495 MiB on one plan), at 2 MiB it repeats
+# within ~1% and sits ~35 MiB lower, for ~8% more CPU (runtime.heap; MEMORY_NOTES.md, helper h57)
+steady_heap()
 
 
 def _shifted(scale: torch.Tensor, offset: float | None) -> torch.Tensor:

@@ -76,10 +76,13 @@ def test_a_torch_device_that_only_fits_per_block_is_planned_so_and_runs_within_i
     (worker,) = runs["per-block"].devices
     figures = (worker.peak_rss_bytes / MIB, lean["memory_bytes"] / MIB)
     print(f"per block: measured {figures[0]:.1f} MiB, planned {figures[1]:.1f} ({figures[0] / figures[1]:.3f})")
-    # within the plan (the promise); at least 0.90 of it. With the tied table's engine copy charged twice
+    # within the plan (the promise); at least 0.87 of it. With the tied table's engine copy charged twice
     # (the embeddings' figure and the head's each held it; `planner.cost.shared_engine_bytes`) this plan
     # was 48 MiB high: 0.879-0.900 (h25), 0.836 in a clean-clone CI run (519.2 of 621.4 MiB); charged
-    # once, 0.96 here (benchmarks/MEMORY_NOTES.md, helper h35)
-    assert 0.90 * lean["memory_bytes"] <= worker.peak_rss_bytes <= lean["memory_bytes"], figures
+    # once, 0.96 here (benchmarks/MEMORY_NOTES.md, helper h35). Under the fixed mmap threshold
+    # (`runtime.heap.steady_heap`, h57) the worker peaks 445-448 MiB every run, ~35 MiB below glibc's
+    # rising threshold, while the plan moves 465-501 MiB from profile to profile: 0.894-0.962 in four
+    # runs, hence 0.87, which the double charge (~48 MiB more) still fails
+    assert 0.87 * lean["memory_bytes"] <= worker.peak_rss_bytes <= lean["memory_bytes"], figures
     np.testing.assert_allclose([s.loss for s in runs["per-block"].steps], [s.loss for s in runs["keep"].steps],
                                rtol=1e-6)

@@ -45,3 +45,13 @@ def test_a_freed_large_block_goes_back_to_the_os_under_the_steady_heap():
     assert ok
     assert given > 0.9 * size, (given, size)
 
+
+
+def test_importing_the_torch_engine_holds_the_heap_steady():
+    """A torch worker, the profile's fresh children and the profiling process all run their stage under
+    the steady heap because `runtime.engines.pytorch` sets it on import: a plan's figures and a run's
+    peak then come from one heap, and the run's peak repeats (the `smollm2-torch` plan's middle stage
+    467-495 MiB over five runs under glibc's rising threshold, 448.7-449.7 in four under this one;
+    benchmarks/MEMORY_NOTES.md, helper h57). Fails with the module's `steady_heap()` call taken out."""
+    given, size, ok = _given_back("import runtime.engines.pytorch\nok = True")
+    assert given > 0.9 * size, (given, size)
