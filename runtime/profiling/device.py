@@ -103,8 +103,9 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     further micro-batch in flight adds per block that way (`per_block_kept_bytes`) and once a stage
     (`per_block_kept_once_bytes`); and the keep line the same way (`stacked_bytes`, the workspace,
     and `kept_bytes` from two in flight: warm, the middle stage of SmolLM2 int4 torch keeping ran
-    1.04-1.09x its plan in five runs, with the line fresh 0.93-1.01 in three). MNN's lines stay
-    measured here: measured fresh they charged MNN per-block stages 1.01x (benchmarks/MEMORY_NOTES.md).
+    1.04-1.09x its plan in five runs, with the line fresh 0.93-1.01 in three). MNN's keep line stays
+    measured here; its per-block line is measured fresh in `builds`' children (h60: the warm process read
+    it 3-7 MiB above a fresh worker's, and moved that much between profiles; benchmarks/MEMORY_NOTES.md).
 
     `builds` given (`profile_device`'s `fresh`, every engine): the engine's build (`engine_bytes`) is
     measured as a worker builds it, first in a fresh child (`_engine_build`), not here after the block ran."""
@@ -219,6 +220,19 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
                                                         lean_run)
         return replace(cost, per_block_workspace_bytes=workspace, per_block_stacked_bytes=lean,
                        per_block_kept_bytes=kept_per_block, per_block_kept_once_bytes=once)
+    if lean_run > 1 and builds is not None and backend.engine == "mnn":
+        # As a worker runs (`builds`: MNN's fork-server children, a child per peak): the per-block line
+        # through fresh peaks of 1..lean_run layers, less the start-up a per-block stage is charged
+        # (`start_up`). Here, after the profile's other engines, the warm process read a SmolLM2 int4
+        # layer's per-block workspace 30.4-35.2 MiB between two profiles of one machine (its heap's
+        # level, not the layer's), where a fresh process peaks 27.5-27.9 above its build on stages of 1,
+        # 6 and 12 layers (benchmarks/MEMORY_NOTES.md, helpers h54 and h60). Only the per-block line:
+        # the keep line stays measured here (h22: fresh, a keep child's first-run line charged far
+        # above a keeping worker's peak). h22's fresh MNN per-block lines ran 1.01x their plans when the
+        # engine build was measured warm, ~20 MiB a stage low (h52); it is measured fresh since.
+        peaks = fresh_peaks(builds, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS)
+        lean, workspace = fresh_line(peaks, start_up)
+        return replace(cost, per_block_workspace_bytes=workspace, per_block_stacked_bytes=lean)
     lean_runs = [[peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
                   for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, lean_run + 1)]
     if lean_run == 1:
@@ -375,8 +389,9 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                                                        activations) for activations in ("keep", "per-block")}
                 once += sum(by_mode.values())
             with contextlib.ExitStack() as stack:
-                # PyTorch's only: MNN's lines and start-up stay measured here (measured fresh, MNN's lines
-                # charged over the run, and its start-up came out a noise-level 1.6 MiB where it has none)
+                # PyTorch's only: MNN's keep line and start-up stay measured here (measured fresh, its start-up
+                # came out a noise-level 1.6 MiB where it has none); its per-block line is measured fresh in
+                # `builds` (`measure_block`)
                 fresh_here = fresh and backend.engine == "torch"
                 children = stack.enter_context(FreshProcesses(backend)) if fresh_here else None
                 if children is not None:
@@ -398,8 +413,10 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                         caches_start_up[backend.engine] = max(caches_start_up.get(backend.engine, 0),
                                                               min(once, by_mode.get("keep", 0)))
                 for sig, block in kinds.items():
-                    cost = measure_block(backend, graph, block, feeds, reps, children, start_up.get(backend.engine, 0),
-                                         builds)
+                    # the start-up a stage recomputing per block is charged (`planner.cluster.runtime_bytes`),
+                    # which a fresh child's first run pays again: taken off the fresh lines' peaks
+                    charged = start_up.get(backend.engine, 0) - caches_start_up.get(backend.engine, 0)
+                    cost = measure_block(backend, graph, block, feeds, reps, children, charged, builds)
                     costs[sig] = cost
                     say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
                         f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
