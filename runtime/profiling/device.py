@@ -53,6 +53,8 @@ START_UP_NOISE_BYTES = 1 << 20
 LEAN_PEAK_REPEATS = 5
 # The longest stage of one block kind behind the per-block line (`measure_block`).
 LEAN_RUN = 4
+# MNN's fresh per-block line: one further point, a stage of up to this many blocks of the kind (`measure_block`).
+FAR_RUN = 12
 # Fresh child interpreters per stage length behind a repeated kind's lines, and behind the engine's
 # start-up (`runtime.profiling.fresh`): the median is taken.
 FRESH_PEAK_REPEATS = 3
@@ -230,9 +232,24 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         # the keep line stays measured here (h22: fresh, a keep child's first-run line charged far
         # above a keeping worker's peak). h22's fresh MNN per-block lines ran 1.01x their plans when the
         # engine build was measured warm, ~20 MiB a stage low (h52); it is measured fresh since.
-        peaks = fresh_peaks(builds, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS)
-        lean, workspace = fresh_line(peaks, start_up)
-        return replace(cost, per_block_workspace_bytes=workspace, per_block_stacked_bytes=lean)
+        # And one longer stage (up to FAR_RUN blocks of the kind in a row): the peaks sit at one of two
+        # levels, the higher one entered at some length and then flat (SmolLM2 int4, fork-server children,
+        # identical in three each: 21.4 / 22.1 / 22.8 / 28.8 MiB for 1-4 layers, 28.6 at 6, 28.7 at 12), so
+        # the line through 1-4 layers (0.79 a layer) charged a 12-layer stage 35.1 MiB where it peaks 28.7.
+        # What a further block adds is the smaller of that line's step and the step per block from the
+        # longest of 1..lean_run to the longer stage; the workspace covers every measured peak less it.
+        far = lean_run
+        while far < FAR_RUN and i + far < len(graph.blocks) and \
+                block_signature(graph.blocks[i + far]) == block_signature(block):
+            far += 1
+        lengths = list(range(1, lean_run + 1)) + ([far] if far > lean_run else [])
+        peaks = fresh_peaks(builds, graph, feeds, i, lengths, "per-block", FRESH_PEAK_REPEATS)
+        lean, _ = fresh_line(peaks[:lean_run], start_up)
+        if far > lean_run:
+            lean = min(lean, max(0, int((statistics.median(peaks[-1]) - statistics.median(peaks[lean_run - 1]))
+                                        / (far - lean_run))))
+        workspace = max(max(p) - start_up - (k - 1) * lean for k, p in zip(lengths, peaks))
+        return replace(cost, per_block_workspace_bytes=max(lean, int(workspace)), per_block_stacked_bytes=lean)
     lean_runs = [[peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
                   for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, lean_run + 1)]
     if lean_run == 1:
