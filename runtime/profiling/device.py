@@ -53,6 +53,8 @@ START_UP_NOISE_BYTES = 1 << 20
 LEAN_PEAK_REPEATS = 5
 # The longest stage of one block kind behind the per-block line (`measure_block`).
 LEAN_RUN = 4
+# MNN's fresh per-block line: one further point, a stage of up to this many blocks of the kind (`measure_block`).
+FAR_RUN = 12
 # Fresh child interpreters per stage length behind a repeated kind's lines, and behind the engine's
 # start-up (`runtime.profiling.fresh`): the median is taken.
 FRESH_PEAK_REPEATS = 3
@@ -103,8 +105,9 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     further micro-batch in flight adds per block that way (`per_block_kept_bytes`) and once a stage
     (`per_block_kept_once_bytes`); and the keep line the same way (`stacked_bytes`, the workspace,
     and `kept_bytes` from two in flight: warm, the middle stage of SmolLM2 int4 torch keeping ran
-    1.04-1.09x its plan in five runs, with the line fresh 0.93-1.01 in three). MNN's lines stay
-    measured here: measured fresh they charged MNN per-block stages 1.01x (benchmarks/MEMORY_NOTES.md).
+    1.04-1.09x its plan in five runs, with the line fresh 0.93-1.01 in three). MNN's keep line stays
+    measured here; its per-block line is measured fresh in `builds`' children (h60: the warm process read
+    it 3-7 MiB above a fresh worker's, and moved that much between profiles; benchmarks/MEMORY_NOTES.md).
 
     `builds` given (`profile_device`'s `fresh`, every engine): the engine's build (`engine_bytes`) is
     measured as a worker builds it, first in a fresh child (`_engine_build`), not here after the block ran."""
@@ -219,6 +222,34 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
                                                         lean_run)
         return replace(cost, per_block_workspace_bytes=workspace, per_block_stacked_bytes=lean,
                        per_block_kept_bytes=kept_per_block, per_block_kept_once_bytes=once)
+    if lean_run > 1 and builds is not None and backend.engine == "mnn":
+        # As a worker runs (`builds`: MNN's fork-server children, a child per peak): the per-block line
+        # through fresh peaks of 1..lean_run layers, less the start-up a per-block stage is charged
+        # (`start_up`). Here, after the profile's other engines, the warm process read a SmolLM2 int4
+        # layer's per-block workspace 30.4-35.2 MiB between two profiles of one machine (its heap's
+        # level, not the layer's), where a fresh process peaks 27.5-27.9 above its build on stages of 1,
+        # 6 and 12 layers (benchmarks/MEMORY_NOTES.md, helpers h54 and h60). Only the per-block line:
+        # the keep line stays measured here (h22: fresh, a keep child's first-run line charged far
+        # above a keeping worker's peak). h22's fresh MNN per-block lines ran 1.01x their plans when the
+        # engine build was measured warm, ~20 MiB a stage low (h52); it is measured fresh since.
+        # And one longer stage (up to FAR_RUN blocks of the kind in a row): the peaks sit at one of two
+        # levels, the higher one entered at some length and then flat (SmolLM2 int4, fork-server children,
+        # identical in three each: 21.4 / 22.1 / 22.8 / 28.8 MiB for 1-4 layers, 28.6 at 6, 28.7 at 12), so
+        # the line through 1-4 layers (0.79 a layer) charged a 12-layer stage 35.1 MiB where it peaks 28.7.
+        # What a further block adds is the smaller of that line's step and the step per block from the
+        # longest of 1..lean_run to the longer stage; the workspace covers every measured peak less it.
+        far = lean_run
+        while far < FAR_RUN and i + far < len(graph.blocks) and \
+                block_signature(graph.blocks[i + far]) == block_signature(block):
+            far += 1
+        lengths = list(range(1, lean_run + 1)) + ([far] if far > lean_run else [])
+        peaks = fresh_peaks(builds, graph, feeds, i, lengths, "per-block", FRESH_PEAK_REPEATS)
+        lean, _ = fresh_line(peaks[:lean_run], start_up)
+        if far > lean_run:
+            lean = min(lean, max(0, int((statistics.median(peaks[-1]) - statistics.median(peaks[lean_run - 1]))
+                                        / (far - lean_run))))
+        workspace = max(max(p) - start_up - (k - 1) * lean for k, p in zip(lengths, peaks))
+        return replace(cost, per_block_workspace_bytes=max(lean, int(workspace)), per_block_stacked_bytes=lean)
     lean_runs = [[peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds, "per-block")
                   for _ in range(LEAN_PEAK_REPEATS)] for k in range(1, lean_run + 1)]
     if lean_run == 1:
@@ -375,8 +406,9 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                                                        activations) for activations in ("keep", "per-block")}
                 once += sum(by_mode.values())
             with contextlib.ExitStack() as stack:
-                # PyTorch's only: MNN's lines and start-up stay measured here (measured fresh, MNN's lines
-                # charged over the run, and its start-up came out a noise-level 1.6 MiB where it has none)
+                # PyTorch's only: MNN's keep line and start-up stay measured here (measured fresh, its start-up
+                # came out a noise-level 1.6 MiB where it has none); its per-block line is measured fresh in
+                # `builds` (`measure_block`)
                 fresh_here = fresh and backend.engine == "torch"
                 children = stack.enter_context(FreshProcesses(backend)) if fresh_here else None
                 if children is not None:
@@ -398,8 +430,10 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                         caches_start_up[backend.engine] = max(caches_start_up.get(backend.engine, 0),
                                                               min(once, by_mode.get("keep", 0)))
                 for sig, block in kinds.items():
-                    cost = measure_block(backend, graph, block, feeds, reps, children, start_up.get(backend.engine, 0),
-                                         builds)
+                    # the start-up a stage recomputing per block is charged (`planner.cluster.runtime_bytes`),
+                    # which a fresh child's first run pays again: taken off the fresh lines' peaks
+                    charged = start_up.get(backend.engine, 0) - caches_start_up.get(backend.engine, 0)
+                    cost = measure_block(backend, graph, block, feeds, reps, children, charged, builds)
                     costs[sig] = cost
                     say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
                         f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
