@@ -55,3 +55,39 @@ def test_importing_the_torch_engine_holds_the_heap_steady():
     benchmarks/MEMORY_NOTES.md, helper h57). Fails with the module's `steady_heap()` call taken out."""
     given, size, ok = _given_back("import runtime.engines.pytorch\nok = True")
     assert given > 0.9 * size, (given, size)
+
+
+_SMALL_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import runtime.engines.pytorch
+from runtime.procfs import rss_bytes
+import numpy as np
+size = 512 * 1024
+block = np.ones(size // 8)
+pin = bytearray(4000)
+held = rss_bytes()
+del block
+print(json.dumps([held - rss_bytes(), size]))
+"""
+
+
+def test_a_threshold_the_environment_sets_is_kept_by_the_torch_engines_import():
+    """glibc's MALLOC_MMAP_THRESHOLD_ in the environment fixes the threshold already, at the value its
+    setter chose (64 KiB here, as tests/runtime/test_torch_weight_pass.py sets to read a W's rise):
+    importing the engine keeps it, so a 512 KiB block is mapped and given back when freed, where the
+    steady 2 MiB would have put it in the heap behind the pin (the weight-pass test's rise read 7.27
+    MB against a bound of 7.09 in a clean-clone CI run with the import overriding it)."""
+    import os
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", _SMALL_PROBE, str(ROOT)], capture_output=True, text=True,
+                         timeout=120, check=True, env=env)
+    given, size = json.loads(out.stdout.splitlines()[-1])
+    assert given > 0.9 * size, (given, size)
+    # the reference: with no threshold in the environment the import's 2 MiB keeps the block in the heap
+    env.pop("MALLOC_MMAP_THRESHOLD_")
+    out = subprocess.run([sys.executable, "-c", _SMALL_PROBE, str(ROOT)], capture_output=True, text=True,
+                         timeout=120, check=True, env=env)
+    given, size = json.loads(out.stdout.splitlines()[-1])
+    assert given < size // 2, ("the steady threshold did not hold the block in the heap: no reference here", given)
