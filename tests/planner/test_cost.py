@@ -433,6 +433,20 @@ def test_the_engines_own_memory_is_charged_per_block_by_hand_through_the_cost_mo
     assert DeviceProfile.from_json(profile.to_json()).backends[0].blocks[ENC].engine_bytes == 11
 
 
+def _engine_costs_device(embeddings: int, once: int, head: int):
+    """The tiny graph's block costs with engine figures (a layer's step 11, its once part `once`, the
+    embeddings' and the head's builds as given), their MNN profile and a recomputing device of it."""
+    from ir.profile import BlockCost
+    from support import EMB, ENC
+
+    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30, engine_bytes=embeddings),
+             ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120, engine_bytes=11,
+                            engine_once_bytes=once),
+             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10, engine_bytes=head)}
+    profile = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
+    return costs, profile, DeviceSpec("k", "tcp://k:1", profile, 10**6, "mnn:cpu:t1", activations="recompute")
+
+
 def test_the_engines_once_a_stage_part_is_charged_once_a_stage_by_hand_through_the_cost_model_and_the_instance():
     """A stage's engine build is a line in its length, measured first in fresh processes (SmolLM2 int4
     5.73 MiB for one layer, 10.22 for three, 29.24 for eleven: ~2.4 a layer and ~3.1 once a stage):
@@ -443,17 +457,11 @@ def test_the_engines_once_a_stage_part_is_charged_once_a_stage_by_hand_through_t
     without the once part charges what it did."""
     from dataclasses import replace
 
-    from ir.profile import BlockCost
     from planner.cost import engine_bytes, engine_once_bytes
     from planner.partition.instance import _memory_bytes, make_instance
-    from support import EMB, ENC
+    from support import ENC
 
-    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30, engine_bytes=7),
-             ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120, engine_bytes=11,
-                            engine_once_bytes=40),
-             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10, engine_bytes=3)}
-    profile = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
-    dev = DeviceSpec("k", "tcp://k:1", profile, 10**6, "mnn:cpu:t1", activations="recompute")
+    costs, profile, dev = _engine_costs_device(embeddings=7, once=40, head=3)
     g = tiny_graph()
     assert [b.name for b in g.blocks] == ["embeddings", "layer0", "layer1", "head"]
     assert engine_once_bytes(dev) == 40
@@ -500,17 +508,10 @@ def test_a_kind_built_alone_is_charged_its_build_less_the_stages_once_part_by_ha
     head 6 (2 beyond it); the instance charges each stage the same."""
     from dataclasses import replace
 
-    from ir.profile import BlockCost
     from planner.cost import block_costs, block_engine_bytes, engine_bytes
     from planner.partition.instance import _memory_bytes, make_instance
-    from support import EMB, ENC
 
-    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30, engine_bytes=3),
-             ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120, engine_bytes=11,
-                            engine_once_bytes=4),
-             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10, engine_bytes=6)}
-    profile = DeviceProfile("k", "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
-    dev = DeviceSpec("k", "tcp://k:1", profile, 10**6, "mnn:cpu:t1", activations="recompute")
+    costs, profile, dev = _engine_costs_device(embeddings=3, once=4, head=6)
     g = tiny_graph()
     assert [block_engine_bytes(g, dev, k, c) for k, c in enumerate(block_costs(g, dev))] == [0, 11, 11, 2]
     assert engine_bytes(g, 0, 0, dev) == 4          # the embeddings alone: the once part (>= its 3)
