@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ir.precision import quantize  # noqa: E402
+from ir.precision import dequantize, quantize  # noqa: E402
 from runtime.engines import mnn_kernels as K  # noqa: E402
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576), (576, 192))
@@ -93,6 +93,8 @@ def timings(kind: str, w: np.ndarray, q, x_np: np.ndarray, reps: int, rounds: in
         return out * 1e3
 
     K.write(seed, ones)
+    K.write(x, x_np)  # each way computes the product by the weight it stands for (int4's: the dequantized one)
+    np.testing.assert_allclose(K.read(y), x_np @ (w if kind == "float32" else dequantize(q)), rtol=1e-4, atol=1e-4)
 
     def fwd():
         K.write(x, x_np)
