@@ -2,7 +2,9 @@
 (`BlockCost.stacked_bytes`, `kept_bytes`, the workspace) measured as a worker runs, in fresh children
 (`runtime.profiling.fresh`), as the per-block line is. Measured warm in the profiling process it put a
 SmolLM2 int4 LoRA layer at 8.5 MiB stacked where a fresh worker's stage grows ~16 a layer, and the
-middle stage of `smollm2-torch-roomy` ran 1.04-1.09x its plan in five runs (benchmarks/MEMORY_NOTES.md)."""
+middle stage of `smollm2-torch-roomy` ran 1.04-1.09x its plan in five runs (benchmarks/MEMORY_NOTES.md).
+MNN's keep line too (`builds`' fork-server children): warm it charged SmolLM2's four keeping layers 14.5 MiB
+over a fresh worker's peak, and the keeping last stage of the `smollm2` row ran 0.86 of its plan (h62)."""
 from __future__ import annotations
 
 import statistics
