@@ -73,7 +73,7 @@ def distinct_blocks(graph: Graph) -> dict[str, Block]:
 
 
 def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: FreshProcesses | None = None,
-                  start_up: int = 0, builds: FreshProcesses | None = None) -> BlockCost:
+                  start_up: int = 0, builds: FreshProcesses | None = None, keep_start_up: int = 0) -> BlockCost:
     """One block kind's cost as a stage pays it. A decoder's LM head is measured as it runs, fused
     with the causal-LM loss on its stage (`runtime.engines.lm_loss`: no logits are made), minus the
     loss alone (which the loss's own signature carries): the head's time is the fused kernel's, its
@@ -105,9 +105,11 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     further micro-batch in flight adds per block that way (`per_block_kept_bytes`) and once a stage
     (`per_block_kept_once_bytes`); and the keep line the same way (`stacked_bytes`, the workspace,
     and `kept_bytes` from two in flight: warm, the middle stage of SmolLM2 int4 torch keeping ran
-    1.04-1.09x its plan in five runs, with the line fresh 0.93-1.01 in three). MNN's keep line stays
-    measured here; its per-block line is measured fresh in `builds`' children (h60: the warm process read
-    it 3-7 MiB above a fresh worker's, and moved that much between profiles; benchmarks/MEMORY_NOTES.md).
+    1.04-1.09x its plan in five runs, with the line fresh 0.93-1.01 in three). MNN's keep and per-block
+    lines are measured fresh in `builds`' children (h60, h62: the warm process read them 3-15 MiB above a
+    fresh worker's, and moved that much between profiles; benchmarks/MEMORY_NOTES.md), the keep line less
+    `keep_start_up` (the start-up a keeping stage is charged), what a further micro-batch keeps
+    (`kept_bytes`) still here.
 
     `builds` given (`profile_device`'s `fresh`, every engine): the engine's build (`engine_bytes`) is
     measured as a worker builds it, first in a fresh child (`_engine_build`), not here after the block ran."""
@@ -166,6 +168,20 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         stacked, workspace = fresh_line(peaks, start_up)
         kept, once = fresh_in_flight(fresh, graph, feeds, i, peaks, "keep", FRESH_PEAK_REPEATS)
         cost = replace(cost, workspace_bytes=workspace + once, stacked_bytes=stacked)
+    elif keep_run > 1 and builds is not None and backend.engine == "mnn":
+        # As a worker runs (`builds`' fork-server children, a child per peak), as the per-block line below:
+        # here, after the profile's other engines, the warm process read a SmolLM2 int4 layer's keep line
+        # 25.9 MiB one layer + 15.1 a further one, 71.0 at four layers (beside 3.2 of start-up charged to
+        # a keeping stage), where fresh children peak 21.0 / 33.0 / 48.8 / 59.8 MiB at 1-4 layers (three
+        # each, identical to 0.01): a keeping last stage (its LM head + loss beside) ran 0.86 of its plan
+        # (benchmarks/MEMORY_NOTES.md, helper h62). The line through the fresh medians (`fresh_line`),
+        # less what a keeping stage is charged of the start-up (`keep_start_up`, in the runtime term);
+        # a further block at least what a further micro-batch keeps per block (`kept`, below), and the
+        # workspace the highest peak less what that stacks under it, so every measured stage is covered.
+        peaks = fresh_peaks(builds, graph, feeds, i, range(1, keep_run + 1), "keep", FRESH_PEAK_REPEATS)
+        stacked = max(fresh_line(peaks, keep_start_up)[0], kept)
+        workspace = max(max(p) - keep_start_up - k * stacked for k, p in enumerate(peaks))
+        cost = replace(cost, workspace_bytes=max(stacked, int(workspace)), stacked_bytes=stacked)
     elif keep_run > 1:
         peaks = [peak_workspace(backend, stage_spec(graph, i, i + k - 1), feeds) for k in range(1, keep_run + 1)]
         steps = sorted(b - a for a, b in zip(peaks, peaks[1:]))
@@ -228,10 +244,9 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         # (`start_up`). Here, after the profile's other engines, the warm process read a SmolLM2 int4
         # layer's per-block workspace 30.4-35.2 MiB between two profiles of one machine (its heap's
         # level, not the layer's), where a fresh process peaks 27.5-27.9 above its build on stages of 1,
-        # 6 and 12 layers (benchmarks/MEMORY_NOTES.md, helpers h54 and h60). Only the per-block line:
-        # the keep line stays measured here (h22: fresh, a keep child's first-run line charged far
-        # above a keeping worker's peak). h22's fresh MNN per-block lines ran 1.01x their plans when the
-        # engine build was measured warm, ~20 MiB a stage low (h52); it is measured fresh since.
+        # 6 and 12 layers (benchmarks/MEMORY_NOTES.md, helpers h54 and h60); the keep line the same way
+        # since h62 (above). h22's fresh MNN lines ran 1.01x their plans when the engine build was
+        # measured warm, ~20 MiB a stage low (h52); it is measured fresh since.
         # And one longer stage (up to FAR_RUN blocks of the kind in a row): the peaks sit at one of two
         # levels, the higher one entered at some length and then flat (SmolLM2 int4, fork-server children,
         # identical in three each: 21.4 / 22.1 / 22.8 / 28.8 MiB for 1-4 layers, 28.6 at 6, 28.7 at 12), so
@@ -406,8 +421,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                                                        activations) for activations in ("keep", "per-block")}
                 once += sum(by_mode.values())
             with contextlib.ExitStack() as stack:
-                # PyTorch's only: MNN's keep line and start-up stay measured here (measured fresh, its start-up
-                # came out a noise-level 1.6 MiB where it has none); its per-block line is measured fresh in
+                # PyTorch's only: MNN's start-up stays measured here (measured fresh, its start-up came out a
+                # noise-level 1.6 MiB where it has none); its keep and per-block lines are measured fresh in
                 # `builds` (`measure_block`)
                 fresh_here = fresh and backend.engine == "torch"
                 children = stack.enter_context(FreshProcesses(backend)) if fresh_here else None
@@ -433,7 +448,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     # the start-up a stage recomputing per block is charged (`planner.cluster.runtime_bytes`),
                     # which a fresh child's first run pays again: taken off the fresh lines' peaks
                     charged = start_up.get(backend.engine, 0) - caches_start_up.get(backend.engine, 0)
-                    cost = measure_block(backend, graph, block, feeds, reps, children, charged, builds)
+                    cost = measure_block(backend, graph, block, feeds, reps, children, charged, builds,
+                                         start_up.get(backend.engine, 0))
                     costs[sig] = cost
                     say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
                         f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
