@@ -72,7 +72,9 @@ Decoder LLMs:
   those bytes per step (`tied_bytes`), charged to the stage's update (`stage_cost`); memory the
   table once more where the holder's gradient is rows (`tied_sum_bytes`: the lookup's stage, whose
   sum arrives dense; measured on SmolLM2 at the update, the peak of its first stage), none where
-  its blocks made a dense gradient of it every backward (the head's, counted in its workspace). An
+  its blocks made a dense gradient of it every backward (the head's, counted in its workspace). On
+  PyTorch the lookup's stage holds that gradient as rows, not dense, until the sum replaces it
+  (`_tied_lookup_delta_bytes`, within `row_gradient_delta_bytes`). An
   MNN device holds a table twice only where an MNN graph reads it (`double_held_bytes`: a tied head
   not fused). 1f1b-stash cannot keep the copies equal: `check_tied_schedule` refuses such a cut
   under it.
@@ -821,6 +823,37 @@ def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: Device
         table = graph.constants[t]
         row = int(table.nbytes) // table.shape[0] + 8
         delta += ROW_GRADIENT_COPIES * lookups[t] * summed * row - GRADIENT_COPIES * int(table.nbytes)
+    if device_engine(device) == "torch":
+        delta += _tied_lookup_delta_bytes(graph, first, last, read, summed)
+    return delta
+
+
+def _tied_lookup_delta_bytes(graph: Graph, first: int, last: int, read: set[str], summed: int) -> int:
+    """On PyTorch, what the gradient of a tied table (one another block reads otherwise: the LM
+    head) holds on a block of first..last that only looks it up, less its dense charge: per such
+    block (where `tied_sum_bytes` charges the sum received), rows as `row_gradient_delta_bytes`
+    counts them. Its backwards give rows (a sparse embedding gradient, `RowGradient`), summed as
+    rows; the exchange's dense copy is `np.zeros` with the rows added (pages of zeros never
+    written stay unmapped), so only the sum received at the update is a resident table, which
+    `tied_sum_bytes` charges. SmolLM2's first stage (embeddings + 7 layers, full fine-tuning): the
+    worker's backward adds the layers' gradients and no table, its update one table (106 MiB
+    above the level before it, the table 108); charged dense and summed, the stage ran 0.84-0.85
+    of its plan (benchmarks/MEMORY_NOTES.md, helper h64). Per block, so the partitioners' sums
+    match: on a stage that also holds the head (every holder: no exchange) the table's dense
+    gradient is the head's, and the sum `tied_sum_bytes` charges there, which no exchange
+    receives, is what covers it."""
+    _, _, lookups, listed = _graph_tables(graph)
+    dense = _table_readers(graph)[0]
+    delta = 0
+    for t in sorted(read):
+        blocks = listed[t]
+        if len(blocks) < 2 or lookups[t] is None:
+            continue
+        table = graph.constants[t]
+        row = int(table.nbytes) // table.shape[0] + 8
+        for k in blocks:
+            if first <= k <= last and k not in dense[t]:
+                delta += ROW_GRADIENT_COPIES * lookups[t] * summed * row - GRADIENT_COPIES * int(table.nbytes)
     return delta
 
 

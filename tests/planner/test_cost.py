@@ -567,3 +567,47 @@ def test_a_device_recomputing_per_block_is_not_charged_the_start_up_only_keeping
     assert DeviceProfile.from_json(doc).backends[0].caches_start_up_bytes == 6
     del doc["backends"][0]["caches_start_up_bytes"]
     assert DeviceProfile.from_json(doc).backends[0].caches_start_up_bytes == 0
+
+
+def test_a_torch_stage_that_only_looks_up_a_tied_table_is_charged_its_rows_and_the_sum_not_a_dense_gradient(chat_llama):
+    """PyTorch's backward of a lookup gives the table's gradient as rows, and the tied exchange's dense
+    copy of them is zeroed pages it never writes: a stage holding the embeddings but not the LM head holds
+    one dense table beyond its weights and state, the sum it receives (`tied_sum_bytes`), where MNN's
+    charge stays the dense gradient and the sum. SmolLM2's torch full fine-tuning ran that stage 0.84-0.85
+    of its plan charged dense (benchmarks/MEMORY_NOTES.md, h64). The head's stage (a dense gradient every
+    backward) keeps its dense charge; the whole model on one stage (nothing exchanged) is charged the
+    head's dense gradient and the rows; the partition instance says what the memory model says."""
+    from ir.graph import block_signature
+    from ir.profile import BlockCost
+    from planner.cost import ROW_GRADIENT_COPIES, _graph_tables, stage_memory_terms, tied_sum_bytes
+    from planner.onnx_import import load_model
+    from planner.partition import make_instance, manual_partition
+
+    g = load_model(chat_llama[0], 1, 16)
+    _, read, lookups, listed = _graph_tables(g)
+    (table,) = [t for t in read if len(listed[t]) > 1]
+    assert listed[table][0] == 0 and lookups[table] == 16
+    nbytes = int(g.constants[table].nbytes)
+    rows = ROW_GRADIENT_COPIES * 16 * 4 * (nbytes // g.constants[table].shape[0] + 8)
+    costs = {block_signature(b): BlockCost(1e-3, 2e-3, 0.0, 100) for b in g.blocks}
+    n, head = len(g.blocks), len(g.blocks) - 2
+
+    def device(name, backend):
+        profile = DeviceProfile(name, g.name, g.batch, g.seq, (BackendProfile(backend, costs),), 10**12)
+        return DeviceSpec(name, f"tcp://{name}:1", profile, 10**12, backend, activations="keep")
+
+    def gradients(dev, first, last, stage, stages):
+        return stage_memory_terms(g, dev, first, last, stage, stages, "1f1b-flush", 4, "adamw").gradient_bytes
+
+    mnn, torch = device("d0", "mnn:cpu:t1"), device("d0", "torch:cpu:t1")
+    assert tied_sum_bytes(g, 0, 1) == nbytes and tied_sum_bytes(g, head, n - 1) == 0
+    assert gradients(torch, 0, 1, 0, 2) == gradients(mnn, 0, 1, 0, 2) - nbytes + rows
+    assert gradients(torch, head, n - 1, 1, 2) == gradients(mnn, head, n - 1, 1, 2)
+    assert gradients(torch, 0, n - 1, 0, 1) == gradients(mnn, 0, n - 1, 0, 1) - nbytes + rows
+    cluster = Cluster(tuple(device(f"d{i}", "torch:cpu:t1") for i in range(2)), Link(1e9, 0.0))
+    inst = make_instance(g, cluster, "1f1b-flush", 4, "adamw")
+    for cut in (2, head):
+        plan = manual_partition(inst, ["d0", "d1"], [cut])
+        for s, (first, last) in enumerate(((0, cut - 1), (cut, n - 1))):
+            assert plan.stages[s].memory_bytes == stage_memory_bytes(g, torch, first, last, s, 2, "1f1b-flush", 4,
+                                                                     "adamw"), (cut, s)
