@@ -734,3 +734,44 @@ def sigkill_on_step(workers, index: int, at_step: int) -> Callable:
             os.kill(workers.procs[index].pid, signal.SIGKILL)
             workers.procs[index].wait(10)
     return on_step
+
+
+def profile_plan_and_run_two_workers(model: Path, tmp_path: Path, backend: str, port: str, budget: str,
+                                     cuts: tuple[int, ...] | None = None, steps: int = 2):
+    """A full fine-tuning plan's promise, end to end: `profile` this machine on `backend` (one thread, the
+    fresh children), `plan` 1f1b-flush over two such devices (4 x 128 in 4 micro-batches, the data's
+    targets), `train PLAN` for `steps` on real worker processes. Returns {device: (measured MiB, planned
+    MiB, measured / planned)} and the two dicts of bytes; prints each device's terms for a failure's
+    message. `port` is the addresses' middle digit, apart per test module so two runs never share one."""
+    import json
+
+    from jobs.planning import PlanSettings, plan_model
+    from jobs.profiling import profile_this_device
+    from jobs.train.from_plan import PlanRunSettings, train_from_plan
+    from tasks.causal_lm.entity_task import write_entity_splits
+
+    mib = 2 ** 20
+    train, _ = write_entity_splits(tmp_path / "data", n_train=16, n_dev=1)
+    _, profile_file = profile_this_device(model, 1, 128, tmp_path / "dev.json", name="dev",
+                                          backends=(backend,), reps=1, attention=False, lora=None)
+    (tmp_path / "cluster.yaml").write_text("devices:\n" + "".join(
+        f"  - {{name: d{k}, address: 'tcp://127.0.0.1:59{k}{port}', profile: {profile_file.name}, "
+        f"memory_budget: {budget}, backend: '{backend}'}}\n" for k in range(2))
+        + "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
+    out = plan_model(model, tmp_path / "cluster.yaml",
+                     PlanSettings("1f1b-flush", 4, 128, 4, lora=None, data=train, time_limit_s=20.0, cuts=cuts),
+                     tmp_path / "plan")
+    devices = json.loads((out / "plan.json").read_text())["devices"]
+    planned = {d["name"]: d["memory_bytes"] for d in devices}
+    for d in devices:  # what each figure is made of, for a failure's message
+        print(d["name"], d["blocks"], d.get("activations"),
+              {k: round(v / mib, 1) for k, v in (d.get("memory_terms") or {}).items()})
+    assert len(planned) == 2
+    if cuts is not None:
+        assert devices[0]["blocks"][0] == 0 and devices[0]["blocks"][1] < devices[1]["blocks"][0]
+    run = train_from_plan(out, train, None, PlanRunSettings(steps=steps, seed=0, local=True, insecure=True))
+    measured = {d.name: d.peak_rss_bytes for d in run.devices}
+    figures = {n: (round(measured[n] / mib, 1), round(planned[n] / mib, 1), round(measured[n] / planned[n], 3))
+               for n in planned}
+    print(f"measured, planned MiB, ratio: {figures}")
+    return figures, measured, planned

@@ -14,46 +14,20 @@ the compute thread's allocations did not reuse; a worker now keeps one arena (`r
 and the stage ran 0.970x (0.985 with the snapshot copies' chunks)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
-MIB = 2 ** 20
+from support import profile_plan_and_run_two_workers
 
 
 @pytest.mark.slow  # an export, a real MNN profile, a plan and a two-step run of two workers (~4-8 min loaded)
 def test_mnn_full_fine_tuning_runs_two_steps_within_its_plan(tmp_path):
     from jobs.export.llm import LlmExportOptions, export_random_causal_lm, smollm2_gguf_path
-    from jobs.planning import PlanSettings, plan_model
-    from jobs.profiling import profile_this_device
-    from jobs.train.from_plan import PlanRunSettings, train_from_plan
-    from tasks.causal_lm.entity_task import write_entity_splits
 
     # SmolLM2's tokenizer and table (49152 x 256 here), four layers: trainable 57 MiB, AdamW's moments
     # twice that, so the second step's backward is where the peak is
     model = export_random_causal_lm("llama", tmp_path / "m.onnx", LlmExportOptions(), kv_cache=False,
                                     tokenizer_from=smollm2_gguf_path(), hidden_size=256, intermediate_size=768,
                                     num_hidden_layers=4)
-    train, _ = write_entity_splits(tmp_path / "data", n_train=16, n_dev=1)
-    _, profile_file = profile_this_device(model, 1, 128, tmp_path / "dev.json", name="dev",
-                                          backends=("mnn:cpu:t1",), reps=1, attention=False, lora=None)
-    (tmp_path / "cluster.yaml").write_text("devices:\n" + "".join(
-        f"  - {{name: d{k}, address: 'tcp://127.0.0.1:59{k}7', profile: {profile_file.name}, "
-        f"memory_budget: 2GiB, backend: 'mnn:cpu:t1'}}\n" for k in range(2))
-        + "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
-    out = plan_model(model, tmp_path / "cluster.yaml",
-                     PlanSettings("1f1b-flush", 4, 128, 4, lora=None, data=train, time_limit_s=20.0),
-                     tmp_path / "plan")
-    devices = json.loads((out / "plan.json").read_text())["devices"]
-    planned = {d["name"]: d["memory_bytes"] for d in devices}
-    for d in devices:  # what each figure is made of, for a failure's message
-        print(d["name"], d["blocks"], d.get("activations"),
-              {k: round(v / MIB, 1) for k, v in (d.get("memory_terms") or {}).items()})
-    assert len(planned) == 2
-    run = train_from_plan(out, train, None, PlanRunSettings(steps=2, seed=0, local=True, insecure=True))
-    measured = {d.name: d.peak_rss_bytes for d in run.devices}
-    figures = {n: (round(measured[n] / MIB, 1), round(planned[n] / MIB, 1), round(measured[n] / planned[n], 3))
-               for n in planned}
-    print(f"measured, planned MiB, ratio: {figures}")
+    figures, measured, planned = profile_plan_and_run_two_workers(model, tmp_path, "mnn:cpu:t1", "7", "2GiB")
     # the promise: no worker past what its plan says it needs
     assert all(measured[n] <= planned[n] for n in planned), figures
