@@ -90,7 +90,7 @@ def test_the_fallback_copy_after_a_recovery_collects_only_the_moments_the_surviv
         def on_step(step, *_):
             if step == LOST_AFTER and not killed:
                 killed.append(step)
-                deadline = time.monotonic() + 20  # every newest copy shipped whole
+                deadline = time.monotonic() + 50  # every newest copy shipped whole
                 while time.monotonic() < deadline and any(w.copies.shipping for w in workers.workers):
                     time.sleep(0.01)
                 workers.kill(lost)

@@ -82,7 +82,7 @@ def _params_of(graph, first: int, last: int) -> set[str]:
 
 def _wait_for_copies(workers) -> None:
     """Every worker's newest copy shipped whole (the loss then restores from the newest snapshot)."""
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 50
     while time.monotonic() < deadline and any(w.copies.shipping for w in workers.workers):
         time.sleep(0.01)
 

@@ -90,7 +90,7 @@ def test_a_lost_workers_state_comes_back_from_its_neighbour_and_the_replay_is_ex
             if step == 3:
                 # the newest snapshot ordered is copied and shipped whole by every worker (a holder
                 # files it at its next order, the abort's included): the loss restores from it
-                deadline = time.monotonic() + 20
+                deadline = time.monotonic() + 50
                 while time.monotonic() < deadline and not all(
                         sids[-1] in w.copies.own and not w.copies.shipping
                         for w in workers.workers):
@@ -273,7 +273,7 @@ def test_a_loss_after_a_measured_replan_restores_from_the_new_stages_copies(grap
     with InProcessWorkers(3, timeout_s=60) as workers:
         def on_step(step, *_):
             if step == 3:
-                deadline = time.monotonic() + 20  # the copies after the re-plan reached their holders
+                deadline = time.monotonic() + 50  # the copies after the re-plan reached their holders
                 while time.monotonic() < deadline and any(
                         w.copies.shipping for w in workers.workers):
                     time.sleep(0.01)
