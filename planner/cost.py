@@ -820,9 +820,7 @@ def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: Device
     for t in sorted(tables - read):
         if lookups[t] is None:
             return 0
-        table = graph.constants[t]
-        row = int(table.nbytes) // table.shape[0] + 8
-        delta += ROW_GRADIENT_COPIES * lookups[t] * summed * row - GRADIENT_COPIES * int(table.nbytes)
+        delta += _rows_less_dense_bytes(graph.constants[t], lookups[t], summed)
     if device_engine(device) == "torch":
         delta += _tied_lookup_delta_bytes(graph, first, last, read, summed)
     return delta
@@ -849,12 +847,17 @@ def _tied_lookup_delta_bytes(graph: Graph, first: int, last: int, read: set[str]
         blocks = listed[t]
         if len(blocks) < 2 or lookups[t] is None:
             continue
-        table = graph.constants[t]
-        row = int(table.nbytes) // table.shape[0] + 8
         for k in blocks:
             if first <= k <= last and k not in dense[t]:
-                delta += ROW_GRADIENT_COPIES * lookups[t] * summed * row - GRADIENT_COPIES * int(table.nbytes)
+                delta += _rows_less_dense_bytes(graph.constants[t], lookups[t], summed)
     return delta
+
+
+def _rows_less_dense_bytes(table, lookups: int, summed: int) -> int:
+    """A table's gradient summed as rows (ROW_GRADIENT_COPIES x one row, its float32 values and an
+    int64 id, per lookup of each of `summed` backwards) less its dense charge."""
+    row = int(table.nbytes) // table.shape[0] + 8
+    return ROW_GRADIENT_COPIES * lookups * summed * row - GRADIENT_COPIES * int(table.nbytes)
 
 
 def table_state_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, optimizer: str) -> int:
