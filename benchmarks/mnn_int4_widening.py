@@ -6,7 +6,10 @@ What it measures
     576 x 192 k / v; blocked along the contraction, as `ir.precision.quantizable` holds them), x of 128
     tokens, one thread, CPU milliseconds (best of `--rounds` x `--reps`), each way of holding W:
       * ``float32``: W a float32 constant;
-      * ``int4``: the engine's path (`mnn_kernels.int4_halves_parts` + `int4_matmul`), W widened whole;
+      * ``int4``: the engine's path (`mnn_kernels.int4_halves_parts` + `int4_matmul`), W widened whole,
+        its halves stacked and multiplied by x's columns in even-then-odd order, one GEMM (h73);
+      * ``int4-split``: the path before h73: the same halves, each multiplied by x's even or odd columns
+        (two GEMMs of half the depth, summed);
       * ``int4/N``: the same, widened N chunks of whole blocks at a time (each chunk's codes, scales and
         offsets sliced from the one held constant, its halves multiplied by its slice of x, summed):
         the experiment h66 did not keep.
@@ -16,7 +19,7 @@ What it measures
     ``extra`` columns are int4's time over float32's; ``bwd+rerun`` extra about ``fwd`` extra means the
     re-run's product and the gradient's share one widening.
 
-    python benchmarks/mnn_int4_widening.py [--reps 20] [--rounds 5] [--chunks 2,4]
+    python benchmarks/mnn_int4_widening.py [--reps 20] [--rounds 5] [--chunks 2,4] [--kinds float32,int4,int4-split]
 """
 from __future__ import annotations
 
@@ -67,6 +70,17 @@ def chunked_product(x, q, parts: int):
     return y
 
 
+def split_product(x, q):
+    """x @ W for an int4 W ([K, N], blocked along K) as before h73: x's even and odd columns, each by one
+    of `int4_halves_parts`' halves, the two half-depth products summed."""
+    R = K.R
+    (low, high), _ = K.int4_halves_parts(q)
+    k = int(x.shape[-1])
+    even, odd = R.split(R.reshape(x, [-1, k // 2, 2]), [1, 1], 2)
+    return R.add(R.matmul(R.reshape(even, [-1, k // 2]), low, False, False),
+                 R.matmul(R.reshape(odd, [-1, k // 2]), high, False, False))
+
+
 def timings(kind: str, w: np.ndarray, q, x_np: np.ndarray, reps: int, rounds: int) -> dict[str, float]:
     k, n = w.shape
     x = K.placeholder((ROWS, k))
@@ -75,6 +89,8 @@ def timings(kind: str, w: np.ndarray, q, x_np: np.ndarray, reps: int, rounds: in
     elif kind == "int4":
         halves, _ = K.int4_halves_parts(q)
         y = K.int4_matmul(x, halves, q, False)
+    elif kind == "int4-split":
+        y = split_product(x, q)
     else:
         y = chunked_product(x, q, int(kind.partition("/")[2]))
     z = K.silu(y)
@@ -116,11 +132,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--chunks", default="2,4")
+    ap.add_argument("--chunks", default="")
+    ap.add_argument("--kinds", default="float32,int4,int4-split")
     args = ap.parse_args()
     K.set_threads(1)
     rng = np.random.default_rng(0)
-    kinds = ["float32", "int4"] + [f"int4/{c}" for c in args.chunks.split(",") if c]
+    kinds = args.kinds.split(",") + [f"int4/{c}" for c in args.chunks.split(",") if c]
+    if kinds[0] != "float32":
+        ap.error("--kinds starts with float32 (the extra columns are over it)")
     print(f"one thread, x {ROWS} tokens, CPU ms best of {args.rounds} x {args.reps}; load {os.getloadavg()[0]:.2f}")
     print(f"{'W':>10} {'kind':>8} {'fwd':>7} {'dx':>7} {'bwd+rerun':>9}   extra over float32: fwd / dx / bwd+rerun")
     for k, n in SHAPES:
