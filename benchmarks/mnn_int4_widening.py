@@ -70,11 +70,11 @@ def chunked_product(x, q, parts: int):
     return y
 
 
-def split_product(x, q):
+def split_product(x, q, halves=None):
     """x @ W for an int4 W ([K, N], blocked along K) as before h73: x's even and odd columns, each by one
-    of `int4_halves_parts`' halves, the two half-depth products summed."""
+    of `int4_halves_parts`' halves (built here unless given), the two half-depth products summed."""
     R = K.R
-    (low, high), _ = K.int4_halves_parts(q)
+    low, high = halves if halves is not None else K.int4_halves_parts(q)[0]
     k = int(x.shape[-1])
     even, odd = R.split(R.reshape(x, [-1, k // 2, 2]), [1, 1], 2)
     return R.add(R.matmul(R.reshape(even, [-1, k // 2]), low, False, False),

@@ -826,23 +826,34 @@ def int4_splits(q, trans_b: bool) -> bool:
             and q.cols % 2 == 0 and q.codes.shape[1] * 2 == q.cols)
 
 
+# Up to this many elements an int4 weight blocked along the contraction is multiplied by its stacked halves in
+# one GEMM; a larger one by x's even and odd columns, two GEMMs of half the depth (`int4_matmul`).
+INT4_STACKED_MAX_ELEMENTS = 1 << 19
+
+
 def int4_matmul(x: Var, halves: tuple[Var, Var], q, trans_b: bool) -> Var:
     """``x @ W`` (``x @ W.T`` with ``trans_b``) for an int4 W given as `int4_halves_parts`' (transposed) halves. Where
-    W is blocked along the contraction, one GEMM of the full depth: the halves stacked ([the lower
-    nibbles' rows; the upper ones'], W's rows in even-then-odd order) and x's columns put in that order
-    by one activation-sized transpose. That beats two GEMMs of half the depth by x's even and odd
-    columns, summed (their split, second GEMM and sum cost a SmolLM2 weight 0.2-0.4 ms a product at 128
-    tokens, more than the weight-sized concat: benchmarks/mnn_int4_widening.py, MEMORY_NOTES h73).
-    Else each half makes the even or odd output columns, interleaved after (an activation-sized
+    W is blocked along the contraction and has at most `INT4_STACKED_MAX_ELEMENTS` elements, one GEMM of
+    the full depth: the halves stacked ([the lower nibbles' rows; the upper ones'], W's rows in
+    even-then-odd order) and x's columns put in that order by one activation-sized transpose. That beats
+    two GEMMs of half the depth by x's even and odd columns, summed (their split, second GEMM and sum cost
+    a SmolLM2 attention weight 0.1-0.4 ms a product at 128 tokens, more than the concat); a larger W
+    (an MLP's) takes those two GEMMs, as the concat's weight-sized output raised a SmolLM2 step's
+    training peak ~1 MiB (benchmarks/mnn_int4_widening.py, MEMORY_NOTES h73). Blocked along the
+    output, each half makes the even or odd output columns, interleaved after (an activation-sized
     concat, not a weight-sized one)."""
     low, high = halves
     x_shape = [int(d) for d in x.shape]
     k = x_shape[-1]
     flat = R.reshape(x, [-1, k])
     blocked_is_k = (q.axis == 0) != bool(trans_b)  # stored is [other, blocked]; W is stored or its transpose
-    if blocked_is_k:
+    if blocked_is_k and int(low.shape[0]) * int(low.shape[1]) * 2 <= INT4_STACKED_MAX_ELEMENTS:
         in_halves_order = R.reshape(R.transpose(R.reshape(flat, [-1, k // 2, 2]), [0, 2, 1]), [-1, k])
         y = R.matmul(in_halves_order, R.concat([low, high], 0), False, False)
+    elif blocked_is_k:
+        even, odd = R.split(R.reshape(flat, [-1, k // 2, 2]), [1, 1], 2)
+        even, odd = R.reshape(even, [-1, k // 2]), R.reshape(odd, [-1, k // 2])
+        y = R.add(R.matmul(even, low, False, False), R.matmul(odd, high, False, False))
     else:
         ye, yo = R.matmul(flat, low, False, True), R.matmul(flat, high, False, True)
         n = int(ye.shape[-1])

@@ -13,7 +13,11 @@ from runtime.engines import mnn_kernels as K
 
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_int4_matmul_equals_the_product_by_the_widened_weight(axis, trans_b):
+@pytest.mark.parametrize("stacked", [True, False])
+def test_int4_matmul_equals_the_product_by_the_widened_weight(axis, trans_b, stacked, monkeypatch):
+    """`stacked`: blocked along the contraction, the halves stacked and multiplied in one GEMM (a weight up
+    to `INT4_STACKED_MAX_ELEMENTS`), else by x's even and odd columns in two (a larger one)."""
+    monkeypatch.setattr(K, "INT4_STACKED_MAX_ELEMENTS", 1 << 40 if stacked else 0)
     rng = np.random.default_rng(axis * 2 + trans_b)
     shape = (96, 64) if trans_b else (64, 96)  # W: [K, N] or [N, K], K = 64
     q = quantize(rng.standard_normal(shape).astype(np.float32), "int4", axis=axis)
