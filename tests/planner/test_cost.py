@@ -569,6 +569,44 @@ def test_a_device_recomputing_per_block_is_not_charged_the_start_up_only_keeping
     assert DeviceProfile.from_json(doc).backends[0].caches_start_up_bytes == 0
 
 
+def test_a_keeping_torch_device_is_not_charged_the_start_up_only_per_block_pays_by_hand():
+    """PyTorch's profiled start-up (the first run of the cheapest block, then of a layer keeping, then per
+    block, in one fresh child) is charged 86 MiB on a SmolLM2-shaped int4 LoRA model where a keeping worker
+    holds ~47 (per block's first run, after the keeping one, is the rest: h26, h63): a device keeping every
+    activation (its activations "keep", or unset: PyTorch's default) is charged the runtime and the
+    start-up less `per_block_start_up_bytes`, and its keep line is measured less what is left (h72); per
+    block, hybrid or recomputing, all of it; the partition instance the same."""
+    from dataclasses import replace
+
+    from ir.profile import BlockCost
+    from planner.cluster import runtime_bytes
+    from planner.partition.instance import make_instance
+    from support import EMB, ENC
+
+    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
+             ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120),
+             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
+    backend = BackendProfile("torch:cpu:t1", costs, engine_overhead_bytes=86, per_block_start_up_bytes=39)
+    profile = DeviceProfile("k", "tiny", 8, 32, (backend,), 10**6, 5000)
+    dev = DeviceSpec("k", "tcp://k:1", profile, 10**6, "torch:cpu:t1")
+    g = tiny_graph()
+    for activations, want in ((None, 5047), ("keep", 5047), ("recompute", 5086), ("per-block", 5086)):
+        d = replace(dev, activations=activations)
+        assert runtime_bytes(d) == want, activations
+        assert stage_memory_terms(g, d, 0, 1, 0, 2, "1f1b-flush", 4, "sgd").runtime_bytes == want
+        inst = make_instance(g, Cluster((d, replace(d, name="r", address="tcp://r:1")), Link(1e6, 0.001)),
+                             "1f1b-flush", 4, "sgd")
+        assert inst.overhead_bytes == (want, want), activations
+    # never below the runtime
+    big = replace(dev, profile=replace(profile, backends=(replace(backend, per_block_start_up_bytes=100),)))
+    assert runtime_bytes(big) == 5000
+    # the profile's file keeps the part; one written before it loads as 0 (all charged, as then)
+    doc = profile.to_json()
+    assert DeviceProfile.from_json(doc).backends[0].per_block_start_up_bytes == 39
+    del doc["backends"][0]["per_block_start_up_bytes"]
+    assert DeviceProfile.from_json(doc).backends[0].per_block_start_up_bytes == 0
+
+
 def test_a_torch_stage_that_only_looks_up_a_tied_table_is_charged_its_rows_and_the_sum_not_a_dense_gradient(chat_llama):
     """PyTorch's backward of a lookup gives the table's gradient as rows, and the tied exchange's dense
     copy of them is zeroed pages it never writes: a stage holding the embeddings but not the LM head holds
