@@ -48,6 +48,10 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
     block's backward temporaries exist at a time), once per stage (the partitioners take the same
     max over a stage's blocks: `PartitionInstance.stage_bytes`)
   + the profile's `runtime_overhead_bytes`.
+On PyTorch under gpipe and 1f1b-flush (`phases_apart`) what only the update holds (a tied sum
+received: `update_only_bytes`) and what only the backwards hold (the activations, kept parts,
+workspace and transient above) are never held at once: a stage is charged the larger of the two
+(`phase_peak_bytes`), everything else beside it.
 Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash and 2bw only; an embedding
 table nothing but lookups read is held once under every schedule, stepped in place with no old
 version (`unversioned_bytes` x `unversioned_copies` comes off); in-flight counts
