@@ -48,6 +48,10 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
     block's backward temporaries exist at a time), once per stage (the partitioners take the same
     max over a stage's blocks: `PartitionInstance.stage_bytes`)
   + the profile's `runtime_overhead_bytes`.
+On PyTorch under gpipe and 1f1b-flush (`phases_apart`) what only the update holds (a tied sum
+received: `update_only_bytes`) and what only the backwards hold (the activations, kept parts,
+workspace and transient above) are never held at once: a stage is charged the larger of the two
+(`phase_peak_bytes`), everything else beside it.
 Old weight versions (`stashed_weight_versions`) exist under 1f1b-stash and 2bw only; an embedding
 table nothing but lookups read is held once under every schedule, stepped in place with no old
 version (`unversioned_bytes` x `unversioned_copies` comes off); in-flight counts
@@ -907,6 +911,42 @@ def tied_sum_bytes(graph: Graph, first: int, last: int) -> int:
                for k in blocks if first <= k <= last and k not in dense[t])
 
 
+def phases_apart(device: DeviceSpec, schedule: str) -> bool:
+    """Whether a stage's update holds nothing its backwards held (`phase_peak_bytes`): PyTorch under
+    the flush schedules gpipe and 1f1b-flush, whose update comes after every backward of the batch,
+    each micro-batch's saved tensors, block workspace and transients gone with it. Not MNN (its
+    first stage's update measured at +166.6 MiB, more than the sum it receives: helper h43), not the
+    asynchronous schedules (forwards in flight at each update) and not zb-h1 (not measured)."""
+    return device_engine(device) == "torch" and schedule in ("gpipe", "1f1b-flush")
+
+
+def update_only_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, schedule: str) -> int:
+    """What a stage running blocks first..last holds at its update only, where its phases are apart
+    (`phases_apart`; 0 elsewhere, those bytes charged with the rest): the tied sums the exchange
+    returns (`tied_sum_bytes`), for each table whose holders are not all in the range (a stage
+    holding them all exchanges nothing, and its charge stands for the head's dense gradient, held
+    from the head's first backward on). The embeddings' stage of `smollm2-torch-full` and of
+    tests/jobs/test_torch_full_finetune_plan.py peak at that update: its level after the last
+    backward + the sum received (the row gradient's dense copy the exchange sends holds only its
+    rows' pages: `runtime.heap.sparse_zeros`; benchmarks/MEMORY_NOTES.md, helper h71)."""
+    if not phases_apart(device, schedule):
+        return 0
+    _, _, _, listed = _graph_tables(graph)
+    dense = _table_readers(graph)[0]
+    return sum(int(graph.constants[t].nbytes) for t, blocks in listed.items()
+               if len(blocks) > 1 and not all(first <= k <= last for k in blocks)
+               for k in blocks if first <= k <= last and k not in dense[t])
+
+
+def phase_peak_bytes(held: int, backward: int, update: int) -> int:
+    """A stage's peak from its phases: what it holds throughout (`held`: weights, gradient sums,
+    optimizer state, runtime, engine) + the larger of what only its backwards hold (`backward`: the
+    micro-batches' activations, kept parts, workspace and transient) and what only its update holds
+    (`update`: `update_only_bytes`), not both: the one formula behind `MemoryTerms.total` and the
+    partitioners' `PartitionInstance.stage_bytes`."""
+    return held + max(backward, update)
+
+
 def check_tied_schedule(graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str) -> None:
     """ValueError when a cut puts a tied weight on several stages under an asynchronous schedule:
     1f1b-stash updates each stage on its own clock, so the copies would drift apart."""
@@ -1029,12 +1069,20 @@ class MemoryTerms:
     # positions a micro-batch of the plan's data has, `plan --data`; without it every position a
     # target, the worst case of any data; the loss skips positions of weight 0)
     head_loss_bytes: int = 0
+    # held at the update only (`update_only_bytes`: tied sums received; not in gradient_bytes), against
+    # the backwards' part (activations, kept activations, workspace) of which only the larger counts
+    update_bytes: int = 0
+
+    @property
+    def backward_bytes(self) -> int:
+        """What only the stage's backwards hold (`phase_peak_bytes`)."""
+        return self.activation_bytes + self.kept_activation_bytes + self.workspace_bytes
 
     @property
     def total(self) -> int:
-        return (self.trainable_bytes + sum(self.frozen_bytes.values()) + self.gradient_bytes
-                + self.optimizer_state_bytes + self.activation_bytes + self.kept_activation_bytes
-                + self.workspace_bytes + self.runtime_bytes + self.engine_bytes)
+        held = (self.trainable_bytes + sum(self.frozen_bytes.values()) + self.gradient_bytes
+                + self.optimizer_state_bytes + self.runtime_bytes + self.engine_bytes)
+        return phase_peak_bytes(held, self.backward_bytes, self.update_bytes)
 
     def by_name(self) -> dict[str, int]:
         """The terms as plan.json records them (`ir.documents.DevicePlan.memory_terms`): frozen
@@ -1046,7 +1094,10 @@ class MemoryTerms:
                 "workspace": self.workspace_bytes - self.head_loss_bytes,
                 **({"LM head + loss": self.head_loss_bytes} if self.head_loss_bytes else {}),
                 "runtime": self.runtime_bytes,
-                **({"engine": self.engine_bytes} if self.engine_bytes else {})}
+                **({"engine": self.engine_bytes} if self.engine_bytes else {}),
+                # the update's part and the backwards' are not held at once: the smaller comes off
+                **({"gradient sum received (update)": self.update_bytes,
+                    "not held at once": -min(self.update_bytes, self.backward_bytes)} if self.update_bytes else {})}
 
 
 def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,
@@ -1108,6 +1159,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     copies = weight_copies(schedule, optimizer, stages, stage, microbatches, update_every)
     state = OPTIMIZER_STATE_COPIES[optimizer]
     gradients = gradient_copies(schedule, update_every)
+    update = update_only_bytes(graph, first, last, device, schedule)
     return MemoryTerms(
         trainable_bytes=(params * (copies - state - gradients)
                          - unversioned_bytes(graph, first, last, device)
@@ -1117,7 +1169,8 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         gradient_bytes=(params * gradients
                         + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
                         - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
-                        + tied_sum_bytes(graph, first, last)),
+                        + tied_sum_bytes(graph, first, last) - update),
+        update_bytes=update,
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),
         activation_bytes=sum(inputs) * in_flight + held,
         kept_activation_bytes=kept,

@@ -1,5 +1,6 @@
-"""The C library's heap: freed heap given back, one arena for a worker, and a fixed mmap threshold
-for every process that runs a torch stage.
+"""The C library's heap: freed heap given back, one arena for a worker, a fixed mmap threshold
+for every process that runs a torch stage, and zeros of which only the pages written are resident
+(`sparse_zeros`).
 
 The one module that calls glibc's malloc functions (through ctypes; musl, macOS and Windows have
 neither `mallopt` nor `malloc_trim`, and each call is then a no-op that says so).
@@ -32,7 +33,10 @@ also what its figures describe.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+
+import numpy as np
 
 # glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
@@ -93,3 +97,24 @@ def release_free_heap() -> bool:
     except AttributeError:
         return False
     return True
+
+
+def sparse_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A writable array of zeros of which only the pages written become resident, each a small page:
+    a row gradient made dense (`RowGradient.dense`: the tied table's copy the exchange sends). numpy
+    advises huge pages for an array of 4 MiB or more (`madvise(MADV_HUGEPAGE)`), so each row written
+    into its zeros faults in the whole 2 MiB page around it: the 49152 x 576 tied table's copy with
+    the rows of 4 x 128 tokens held ~14 MiB where its rows' own pages are ~1 MiB, and up to the whole
+    table (108 MiB) where the tokens spread over the vocabulary (benchmarks/MEMORY_NOTES.md, helper
+    h71). Anonymous memory of its own, advised against huge pages where the system offers that
+    (Linux; elsewhere a plain mapping, whose pages come as the system gives them); unmapped when the
+    array goes."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: a page only read stays the zero page
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        buffer.madvise(advice)
+    return np.frombuffer(buffer, dtype).reshape(shape)

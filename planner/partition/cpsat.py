@@ -167,10 +167,16 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
                     if o:
                         v.model.add(held >= o * v.in_pos[r][k])
                 used = used + copies * held
+            whole = 0
             if r == 0 and inst.whole_model_delta_bytes[d]:  # the whole model on one stage (PartitionInstance.stage_bytes)
-                used = used + inst.whole_model_delta_bytes[d] * (1 - v.used[1] if v.positions > 1 else 1)
+                whole = inst.whole_model_delta_bytes[d] * (1 - v.used[1] if v.positions > 1 else 1)
             limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
-            v.model.add(used <= limit).only_enforce_if(v.on[r][c])
+            v.model.add(used + whole <= limit).only_enforce_if(v.on[r][c])
+            if any(inst.update_bytes[d]):  # and at its update: held + the update's part (PartitionInstance.stage_phases)
+                at_update = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
+                    inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
+                    - inst.block_backward_bytes(d, k, fl) + inst.update_bytes[d][k] for k in range(inst.blocks)])
+                v.model.add(at_update + whole <= limit).only_enforce_if(v.on[r][c])
 
 
 def _add_links(v: _Vars, inst: PartitionInstance) -> None:
@@ -260,7 +266,8 @@ def _build(inst: PartitionInstance, soft_memory: bool = False) -> _Vars:
                       for d, (o, t, w) in enumerate(zip(inst.overhead_bytes, inst.transient_bytes,
                                                          inst.whole_model_delta_bytes))) + sum(
             inst.params_bytes[k] * max(map(max, inst.weight_copies)) + inst.input_bytes[k] * max(map(max, inst.in_flight))
-            + max(inst.held_workspace(d, k, max(map(max, inst.in_flight))) for d in range(len(inst.devices)))
+            + max(inst.held_workspace(d, k, max(map(max, inst.in_flight))) + inst.update_bytes[d][k]
+                  for d in range(len(inst.devices)))
             for k in range(inst.blocks))
         overflow = model.new_int_var(-max(inst.memory_budget_bytes), max_use, "overflow")
         _add_memory(v, inst, overflow)

@@ -108,6 +108,14 @@ class OrderSolver:
         self._ps = np.hstack([zero, np.cumsum(np.array(inst.shared_current_bytes, dtype=np.float64), axis=1)])
         # position-independent, like the workspace (PartitionInstance.weight_bytes)
         self._pw += np.hstack([zero, np.cumsum(np.array(inst.state_delta_bytes, dtype=np.float64), axis=1)])
+        # what a stage's update alone holds comes off the sum and is a second bound (held + the
+        # update's part: PartitionInstance.stage_phases); the backwards' part per block for that bound
+        update = np.array(inst.update_bytes, dtype=np.float64)
+        self.phases = bool(update.any())
+        self._pup = np.hstack([zero, np.cumsum(update, axis=1)])
+        self._pw -= self._pup
+        self._pbw = np.hstack([zero, np.cumsum(np.array(inst.backward_workspace_bytes, dtype=np.float64), axis=1)])
+        self._pin = np.concatenate([[0.0], np.cumsum(np.array(inst.input_bytes, dtype=np.float64))])
         self.has_update = bool(np.any(self._pu[:, -1] > 0))
         params = np.array(inst.params_bytes, dtype=np.float64)
         inputs = np.array(inst.input_bytes, dtype=np.float64)
@@ -125,6 +133,7 @@ class OrderSolver:
         self._sv = sv[:R + 1]
         self._ac = ac[:R + 1]
         self._reuse = reuse[:R + 1]
+        self._fl = fl[:R + 1]
         self._pm = [np.concatenate([[0.0], np.cumsum(params * wc[c] + inputs * fl[c])]) for c in range(R + 1)]
         # a device whose engine keeps every activation of each micro-batch in flight holds its kept
         # part once more per further micro-batch in flight (PartitionInstance.held_workspace)
@@ -164,6 +173,13 @@ class OrderSolver:
         return (self._pm[c] + self._pw[d] + self._pk[d] * self._further[d][c] - self._pv[d] * self._sv[c]
                 - self._ps[d] * self._ac[c])
 
+    def _update_prefix(self, d: int, c: int) -> np.ndarray:
+        """What a stage holds at its update, as a prefix over blocks: `_memory_prefix` less the
+        backwards' part (stashed inputs, the workspace's backward part, the kept parts), plus what the
+        update alone holds (PartitionInstance.stage_phases)."""
+        return (self._memory_prefix(d, c) - self._pin * self._fl[c] - self._pbw[d] - self._pk[d] * self._further[d][c]
+                + self._pup[d])
+
     def last(self, d: int) -> _Last:
         """Blocks [i, n) on device d at the last position."""
         got = self._lasts.get(d)
@@ -174,6 +190,9 @@ class OrderSolver:
             transient = np.maximum.accumulate(self._transient[d][::-1])[::-1]  # [i] max over blocks i..n-1
             transient = transient + np.maximum.accumulate(self._once[d][::-1])[::-1] * self._further[d][0]
             over = self._overhead[d] + mp[n] - mp[:n] + transient - self._budget[d]
+            if self.phases:  # the update's bound beside the backwards' (PartitionInstance.stage_bytes)
+                up = self._update_prefix(d, 0)
+                over = np.maximum(over, self._overhead[d] + up[n] - up[:n] - self._budget[d])
             over[0] += self.inst.whole_model_delta_bytes[d]  # blocks [0, n): the whole model on one stage
             compute = pc[n] - pc[:n]
             got = _Last(np.where(over <= 0, compute, INF), self._pu[d][n] - self._pu[d][:n],
@@ -207,6 +226,9 @@ class OrderSolver:
                     transient = transient + self._further[d][c] * np.maximum.accumulate(
                         self._once[d][np.minimum(j - 1, n - 1)], axis=1)
                 valid &= mp[np.minimum(j, n)] - mp[i] + transient <= cap
+                if self.phases:  # and the update's bound (PartitionInstance.stage_bytes)
+                    up = self._update_prefix(d, c)
+                    valid &= up[np.minimum(j, n)] - up[i] <= cap
                 if self.inst.joined:  # a stage may not end before a joined boundary
                     ends = np.ones(n, dtype=bool)
                     ends[list(self.inst.joined)] = False

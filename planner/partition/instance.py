@@ -35,11 +35,12 @@ from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from planner.cluster import Cluster, runtime_bytes, update_rate
-from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activation_mode, activations_of,
+from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activation_mode,
                           async_extra_copies, block_costs, block_transients,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
                           base_dtype_savings, block_engine_bytes, engine_once_bytes, frozen_storage_extra_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
+                          phase_peak_bytes, update_only_bytes,
                           block_kept_once,
                           reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, unversioned_bytes,
@@ -127,6 +128,14 @@ class PartitionInstance:
     # each count it). Every other stage of a decoder holds at most one reader of such a weight, so the
     # sum is exact there. Empty: all zero.
     whole_model_delta_bytes: tuple[int, ...] = ()
+    # [d][k] what device d holds of block k at the stage's update only (planner.cost.update_only_bytes:
+    # a tied sum received, on PyTorch under gpipe and 1f1b-flush; not in state_delta_bytes), and [d][k]
+    # the part of workspace_bytes only its backwards hold (the profile's stacked part; frozen weights
+    # and the engine stay): a stage is charged the larger of its update's part and its backwards'
+    # (with the inputs, kept parts, transient and once part), not both (planner.cost.phase_peak_bytes).
+    # Empty: all zero.
+    update_bytes: tuple[tuple[int, ...], ...] = ()
+    backward_workspace_bytes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -157,12 +166,14 @@ class PartitionInstance:
             if not getattr(self, name):
                 object.__setattr__(self, name, tuple((0,) * p for p in range(1, nd + 1)))
         for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes", "shared_current_bytes",
-                     "transient_bytes", "kept_once_bytes"):
+                     "transient_bytes", "kept_once_bytes", "update_bytes", "backward_workspace_bytes"):
             table = getattr(self, name)
             if not table:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
             elif len(table) != nd or any(len(r) != n or any(x < 0 for x in r) for r in table):
                 raise ValueError(f"PartitionInstance.{name} must have shape {(nd, n)} with entries >= 0")
+        if any(b > w for br, wr in zip(self.backward_workspace_bytes, self.workspace_bytes) for b, w in zip(br, wr)):
+            raise ValueError("PartitionInstance.backward_workspace_bytes exceeds workspace_bytes: it is a part of it")
         if not self.whole_model_delta_bytes:
             object.__setattr__(self, "whole_model_delta_bytes", (0,) * nd)
         elif len(self.whole_model_delta_bytes) != nd:
@@ -227,10 +238,11 @@ class PartitionInstance:
 
     def weight_bytes(self, d: int, k: int, p: int, s: int) -> int:
         """Bytes of block k's parameters (weights, gradient, optimizer state, old versions) device d
-        holds at stage s of p."""
+        holds at stage s of p throughout (what its update alone holds, `update_bytes`, apart)."""
         return (self.params_bytes[k] * self.weight_copies[p - 1][s]
                 - self.unversioned_bytes[d][k] * self.unversioned_copies[p - 1][s]
-                - self.shared_current_bytes[d][k] * self.async_copies[p - 1][s] + self.state_delta_bytes[d][k])
+                - self.shared_current_bytes[d][k] * self.async_copies[p - 1][s] + self.state_delta_bytes[d][k]
+                - self.update_bytes[d][k])
 
     def held_workspace(self, d: int, k: int, in_flight: int) -> int:
         """Bytes of block k's workspace device d holds with `in_flight` micro-batches in flight."""
@@ -248,18 +260,35 @@ class PartitionInstance:
         return kept_activation_bytes(max(self.kept_once_bytes[d][first:last + 1], default=0), in_flight,
                                      self.keeps_activations[d])
 
+    def block_backward_bytes(self, d: int, k: int, fl: int) -> int:
+        """What only the backwards hold of block k on device d with `fl` micro-batches in flight: its
+        stashed inputs and the backward part of its workspace (`held_workspace` less what is held
+        throughout)."""
+        return (self.input_bytes[k] * fl + self.held_workspace(d, k, fl) - self.workspace_bytes[d][k]
+                + self.backward_workspace_bytes[d][k])
+
+    def stage_phases(self, d: int, first: int, last: int, p: int, s: int) -> tuple[int, int, int]:
+        """(held throughout, held by the backwards only, held by the update only) of stage s of p
+        running blocks first..last on device d (planner.cost.phase_peak_bytes)."""
+        fl = self.in_flight[p - 1][s]
+        whole = self.whole_model_delta_bytes[d] if (first, last) == (0, self.blocks - 1) else 0
+        blocks = range(first, last + 1)
+        backward = (self.stage_transient(d, first, last) + self.stage_kept_once(d, first, last, fl)
+                    + sum(self.block_backward_bytes(d, k, fl) for k in blocks))
+        held = (self.overhead_bytes[d] + whole
+                + sum(self.weight_bytes(d, k, p, s) + self.input_bytes[k] * fl + self.held_workspace(d, k, fl)
+                      - self.block_backward_bytes(d, k, fl) for k in blocks))
+        return held, backward, sum(self.update_bytes[d][k] for k in blocks)
+
     def stage_bytes(self, d: int, first: int, last: int, p: int, s: int) -> int:
         """Memory of stage s of p running blocks first..last on device d: the instance's one form of
         planner.cost.stage_memory_bytes (the resident runtime, per block its weights and their copies,
         its stashed inputs and workspace, the stage's one transient and its once part per further
-        micro-batch in flight). The CP-SAT model and the DP state the same sum linearly (and the
-        transient and the once part as maxima), and tests hold all three to planner.cost."""
-        fl = self.in_flight[p - 1][s]
-        whole = self.whole_model_delta_bytes[d] if (first, last) == (0, self.blocks - 1) else 0
-        return (self.overhead_bytes[d] + whole + self.stage_transient(d, first, last)
-                + self.stage_kept_once(d, first, last, fl)
-                + sum(self.weight_bytes(d, k, p, s) + self.input_bytes[k] * fl + self.held_workspace(d, k, fl)
-                      for k in range(first, last + 1)))
+        micro-batch in flight; what only its update holds against what only its backwards hold, the
+        larger of the two: `stage_phases`). The CP-SAT model and the DP state the same sums linearly
+        (the transient and the once part as maxima, the update's part as a second bound), and tests
+        hold all three to planner.cost."""
+        return phase_peak_bytes(*self.stage_phases(d, first, last, p, s))
 
     def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
         """Block k's forward+backward on device d at stage s of p."""
@@ -348,6 +377,13 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                            + tied_sum_bytes(graph, 0, k),
                                            len(blocks))
                                 for spec in specs),
+        # ... of which the update alone holds the sums received, against the backwards' part
+        # (planner.cost.phase_peak_bytes): per block as a stage of that block alone holds it (the
+        # whole model, which holds every holder and so holds its sum throughout, is priced by
+        # planner.cost itself: `whole_model_delta_bytes`)
+        update_bytes=tuple(tuple(update_only_bytes(graph, k, k, spec, schedule) for k in range(len(blocks)))
+                           for spec in specs),
+        backward_workspace_bytes=tuple(tuple(c.stacked for c in row) for row in costs),
         joined=joined_boundaries(graph))
     # the one stage that holds every reader of a shared weight: priced by planner.cost itself
     n = len(blocks)
@@ -452,7 +488,8 @@ def device_classes(inst: PartitionInstance) -> tuple[tuple[int, ...], ...]:
     label = [keys.setdefault((inst.compute_us[d], inst.recompute_us[d], inst.update_us[d], inst.weight_us[d],
                               inst.workspace_bytes[d], inst.kept_bytes[d], inst.state_delta_bytes[d],
                               inst.overhead_bytes[d], inst.memory_budget_bytes[d], inst.keeps_activations[d],
-                              inst.transient_bytes[d], inst.kept_once_bytes[d], inst.whole_model_delta_bytes[d]),
+                              inst.transient_bytes[d], inst.kept_once_bytes[d], inst.whole_model_delta_bytes[d],
+                              inst.update_bytes[d], inst.backward_workspace_bytes[d]),
                              len(keys)) for d in range(nd)]
 
     def towards(d: int) -> dict[int, list]:

@@ -124,16 +124,19 @@ def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -
         r = len(devs)
         fl = inst.in_flight[r][0]
         memory, time_us, last, transient = inst.overhead_bytes[d], 0, k, 0
+        at_update = memory
         while k >= 0:
             grow = inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
             more = inst.stage_compute_us(d, k, r + 1, 0)
             # the stage's one transient and its once part, the largest of its blocks' (PartitionInstance.
-            # stage_bytes)
+            # stage_bytes), and what it holds at its update (PartitionInstance.stage_phases)
             wider = max(transient, inst.transient_bytes[d][k])
             once = inst.stage_kept_once(d, k, last, fl)
-            if memory + grow + wider + once > inst.memory_budget_bytes[d] or (k < last and time_us + more > limit_us):
+            update = grow - inst.block_backward_bytes(d, k, fl) + inst.update_bytes[d][k]
+            if (max(memory + grow + wider + once, at_update + update) > inst.memory_budget_bytes[d]
+                    or (k < last and time_us + more > limit_us)):
                 break
-            memory, time_us, k, transient = memory + grow, time_us + more, k - 1, wider
+            memory, at_update, time_us, k, transient = memory + grow, at_update + update, time_us + more, k - 1, wider
         while k < last and k in inst.joined:  # the stage may not start inside a joined pair: give
             k += 1                             # its first block back to the next device
         if k < last:

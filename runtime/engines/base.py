@@ -14,6 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from runtime.engines.stage import StageSpec
+from runtime.heap import sparse_zeros
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,7 +29,10 @@ class RowGradient:
     shape: tuple[int, ...]
 
     def dense(self) -> np.ndarray:
-        out = np.zeros(self.shape, self.rows.dtype)
+        """The dense gradient: the rows added into zeros of which only the rows' pages are resident
+        (`runtime.heap.sparse_zeros`; numpy's own zeros of a table lie on huge pages, each row
+        written faulting in 2 MiB of them)."""
+        out = sparse_zeros(self.shape, self.rows.dtype)
         np.add.at(out, self.ids, self.rows)
         return out
 

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ir.plan import Action, ActionKind
-from runtime.engines.base import StageEngine, accumulate, dense_gradient
+from runtime.engines.base import RowGradient, StageEngine, accumulate, dense_gradient
 from runtime.transport.wire import Expected, PeerTimeout, Transport
 
 COORDINATOR = "coordinator"
@@ -380,11 +380,14 @@ class StageExecutor:
             self.transport.send_tensor(COORDINATOR, "tied_grad", self.stage, self.updates,
                                        np.ascontiguousarray(dense_gradient(self.grad_sum[name])), name=name)
         for name in self.tied:
-            part = dense_gradient(self.grad_sum[name])
+            # the gradient's shape and dtype, not a dense copy of it (a row gradient's would be one
+            # more table's worth of address space, its rows' pages resident, while the sum arrives)
+            part = self.grad_sum[name]
+            shape, dtype = tuple(part.shape), (part.rows if isinstance(part, RowGradient) else part).dtype
             total = self._recv(COORDINATOR, "tied_sum", -1, self.updates, name)
-            if total.shape != part.shape or total.dtype != part.dtype:
+            if total.shape != shape or total.dtype != dtype:
                 raise ValueError(f"stage {self.stage}: the coordinator's sum for tied weight {name!r} is "
-                                 f"{total.dtype}{total.shape}, its gradient here {part.dtype}{part.shape}")
+                                 f"{total.dtype}{total.shape}, its gradient here {dtype}{shape}")
             self.grad_sum[name] = total
 
     def optimizer_state_parts(self):

@@ -91,3 +91,39 @@ def test_a_threshold_the_environment_sets_is_kept_by_the_torch_engines_import():
                          timeout=120, check=True, env=env)
     given, size = json.loads(out.stdout.splitlines()[-1])
     assert given < size // 2, ("the steady threshold did not hold the block in the heap: no reference here", given)
+
+
+# In a fresh process: a row gradient of SmolLM2's tied table (49152 x 576, 108 MiB) with the rows of 4 x 128
+# tokens spread over the vocabulary made dense and read whole (the checksum the exchange's send takes), as
+# `StageExecutor._sum_tied` sends it, and what that added to the process's resident memory.
+_DENSE_PROBE = """
+import json, sys, zlib
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from runtime.engines.base import RowGradient
+from runtime.procfs import rss_bytes
+ids = np.random.default_rng(0).integers(0, 49152, 512)
+g = RowGradient(ids, np.random.default_rng(1).standard_normal((512, 576)).astype(np.float32), (49152, 576))
+before = rss_bytes()
+dense = g.dense()
+zlib.crc32(memoryview(dense.reshape(-1).view(np.uint8)))
+added = rss_bytes() - before
+want = np.zeros((49152, 576), np.float32)
+np.add.at(want, ids, g.rows)
+print(json.dumps([added, bool(np.array_equal(dense, want) and dense.flags.writeable)]))
+"""
+
+
+def test_a_row_gradient_made_dense_holds_only_its_rows_pages():
+    """The tied exchange sends a lookup stage's row gradient dense (`dense_gradient`): numpy's zeros of a
+    table lie on huge pages (numpy advises them for 4 MiB and more), so each row written faulted in the
+    2 MiB around it: 512 rows spread over SmolLM2's table held the whole 108 MiB, the small torch full
+    fine-tuning plan's embeddings' stage ~56 MiB at its update (benchmarks/MEMORY_NOTES.md, h71). Made in
+    `runtime.heap.sparse_zeros`, only the rows' small pages are resident (each row of 2304 bytes on at
+    most two 4 KiB pages: 4 MiB at most), the zeros read as they are sent included, and the values are
+    numpy's."""
+    out = subprocess.run([sys.executable, "-c", _DENSE_PROBE, str(ROOT)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    added, equal = json.loads(out.stdout.splitlines()[-1])
+    assert equal
+    assert added <= 512 * 2 * 4096 + 2**20, added / 2**20
