@@ -3,7 +3,7 @@ data, the model read and lowered, its frozen base quantized, the engine built) n
 steps' own peak. Read into memory first, the float32 file stood beside the quantized base while it was
 quantized: SmolLM2 LoRA r=8's set-up peaked at 710-739 MiB against 341-542 in training (issue 31, lever 2
 "every weight held once, no spikes"; benchmarks/MEMORY_NOTES.md, helper h75). Now the file is read from a
-mapping, each float32 weight resident only while it is quantized (`jobs.common.lora.quantized_base`)."""
+mapping, each float32 weight resident only while it is quantized (`jobs.common.lora.read_mapped`)."""
 from __future__ import annotations
 
 import pytest
