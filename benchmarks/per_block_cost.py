@@ -66,8 +66,7 @@ def child(mode: str, steps: int, base_dtype: str) -> dict:
     from benchmarks.llm import smollm2_model
     from benchmarks.lora import _lm_feeds, _lm_lora
     from benchmarks.memory import LM_BATCH, LM_SEQ, M, _peak_mib, _setup_done
-    from jobs.common.lora import adapted
-    from planner.onnx_import import load_model
+    from jobs.common.lora import load_adapted
     from runtime.engines.factory import make_engine
     from runtime.engines.stage import stage_spec
     from runtime.optim import make_optimizer
@@ -76,7 +75,8 @@ def child(mode: str, steps: int, base_dtype: str) -> dict:
     model = smollm2_model()
     feeds = _lm_feeds(model)
     settings = dataclasses.replace(_lm_lora(RANK), base_dtype=dtype or base_dtype)
-    graph = adapted(load_model(model, LM_BATCH // M, LM_SEQ, loss="causal-lm"), settings)
+    # as `train-local` sets up: a quantized base read from a mapping of the file a weight at a time
+    graph = load_adapted(model, LM_BATCH // M, LM_SEQ, settings, loss="causal-lm")
     engine = make_engine(f"{mode_engine(mode)}:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations,
                          cached_blocks=cached)
     opt = make_optimizer("adamw", LR)

@@ -1,10 +1,13 @@
 """LoRA in a job: the model as lowered, with adapters when the settings ask for them."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ir.graph import Graph
 from jobs.common.errors import JobError
 from jobs.common.report import Reporter, Silent
 from planner.lora import LoraSettings, add_lora
+from planner.onnx_import import load_model
 
 
 def adapted(graph: Graph, settings: LoraSettings | None, reporter: Reporter = Silent()) -> Graph:
@@ -22,3 +25,28 @@ def adapted(graph: Graph, settings: LoraSettings | None, reporter: Reporter = Si
                   f"frozen {frozen / 2**20:.1f} MiB"
                   + (f" (held {settings.base_dtype})" if settings.base_dtype != "float32" else ""))
     return lora
+
+
+def read_mapped(model: str | Path, settings: LoraSettings | None) -> bool:
+    """Whether a run reads `model` from a mapping of the file (`load_model(mapped=True)`): when it holds
+    its frozen base below float32 (LoRA with --base-dtype other than float32) and the file stores that
+    base float32. Then each float32 weight is resident only while it is quantized
+    (`ir.precision.quantize_frozen` gives the pages back as it goes), and the set-up never holds the
+    float32 file beside the quantized base (SmolLM2 int4 LoRA on one device: a 710-739 MiB set-up
+    against 341-370 in training, the file read into memory first). Nothing trains such a graph's frozen
+    arrays in place (LoRA engines copy what they are given), so read-only views are safe; full
+    fine-tuning (`take_weights`) needs writable arrays of its own. A file `export --base-dtype` stored
+    quantized is read into memory as before: its pieces are the quantized base already (no spike), and
+    mapped they stood beside the engine's copy (SmolLM2 int4: training 396 MiB against 340, helper h75)."""
+    if settings is None or settings.base_dtype == "float32":
+        return False
+    from planner.onnx_quantize import recorded_base_dtype
+
+    return recorded_base_dtype(Path(model)) == "float32"
+
+
+def load_adapted(model: str | Path, batch: int, seq: int, settings: LoraSettings | None,
+                 reporter: Reporter = Silent(), loss: str = "auto") -> Graph:
+    """`adapted(load_model(model, batch, seq, loss=loss), settings)`, the file read mapped where a
+    float32 file's frozen base is held quantized (`read_mapped`)."""
+    return adapted(load_model(model, batch, seq, loss=loss, mapped=read_mapped(model, settings)), settings, reporter)

@@ -15,13 +15,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from jobs.common.errors import JobError
-from jobs.common.lora import adapted
+from jobs.common.lora import load_adapted
 from jobs.common.memory_check import local_check, machine_room_bytes
 from jobs.common.metrics import DeviceFigures, StepFigures, TrainingMetrics
 from jobs.common.report import Reporter, Silent
 from jobs.common.settings import TrainingSettings
 from jobs.common.task_choice import check_graph, task_for
-from planner.onnx_import import load_model
 from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_checkpoint_target, save_checkpoint
 from tasks.trainer import TrainConfig, train_steps
@@ -43,7 +42,8 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
     run = the_task.read_data(model, data, eval_path, settings.seq, tokenizer=settings.tokenizer, note=reporter.note)
     started, room = time.perf_counter(), machine_room_bytes()
-    graph = adapted(load_model(model, config.batch, config.seq), settings.lora, reporter)
+    # a quantized base read from a mapping of the file, a weight at a time (`load_adapted`)
+    graph = load_adapted(model, config.batch, config.seq, settings.lora, reporter)
     check_graph(the_task, model, graph, run, eval_path)
     batches = the_task.batches(run, config.batch, config.seed)
     try:
