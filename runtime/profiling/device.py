@@ -302,6 +302,51 @@ def further_microbatch_parts(added_at_one: float, added_at_run: float, run: int)
     return per_block, max(0, int(one - per_block))
 
 
+def _sparse_target_feeds(feeds) -> tuple[int, int, dict] | None:
+    """(the micro-batch's target positions, the sparse point's, the feeds with only those targets):
+    the first 1/SPARSE_TARGET_SHARE of them kept. None: no target weights, or too few to thin."""
+    weights = feeds.get(TARGET_WEIGHTS)
+    if weights is None:
+        return None
+    flat = np.asarray(weights).reshape(-1)
+    at = np.flatnonzero(flat)
+    full = len(at)
+    sparse = max(1, full // SPARSE_TARGET_SHARE)
+    if full <= sparse:
+        return None
+    few = np.zeros_like(flat)
+    few[at[:sparse]] = flat[at[:sparse]]
+    return full, sparse, {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
+
+
+def with_head_beside_a_layer(costs: dict[str, BlockCost], graph: Graph, feeds, builds: FreshProcesses,
+                             start_up: int) -> dict[str, BlockCost]:
+    """`costs` with the fused LM head + loss's `beside_bytes` (and its sparse point): the median of
+    FRESH_PEAK_REPEATS fresh peaks (`builds`' children, as a worker runs) of a stage of the model's last
+    layer + the pair recomputing per block, less the start-up such a stage is charged (`start_up`) and
+    less the layer's per-block workspace (what the planner charges that layer alone). SmolLM2 int4, 31
+    targets: the pair alone 41.4 MiB; one layer + the pair 62.3, eight 59.0, with the layers' 28.7
+    charged on top of the pair's whole 40.5 (0.90 of its plan on every last stage; MEMORY_NOTES.md, h62,
+    h68). Unchanged where there is no fused pair or the layer has no per-block figure."""
+    n = len(graph.blocks)
+    if n < 3 or fused_lm_head(graph, n - 2, n - 1) is None:
+        return costs
+    head_sig, layer_sig = block_signature(graph.blocks[n - 2]), block_signature(graph.blocks[n - 3])
+    head, layer = costs.get(head_sig), costs.get(layer_sig)
+    if head is None or layer is None or layer.per_block_workspace_bytes is None:
+        return costs
+
+    def beside(stage_feeds) -> int:
+        peak = statistics.median(builds.run(graph, stage_feeds, [("peak", n - 3, n - 1, "per-block")])[0]
+                                 for _ in range(FRESH_PEAK_REPEATS))
+        return max(0, int(peak - start_up - layer.per_block_workspace_bytes))
+
+    every = beside(feeds)
+    sparse = _sparse_target_feeds(feeds) if head.sparse_workspace_bytes is not None else None
+    return {**costs, head_sig: replace(head, beside_bytes=every,
+                                       sparse_beside_bytes=None if sparse is None else beside(sparse[2]))}
+
+
 def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
     """The fused LM head + loss's cost with its second point: the peak with only 1/SPARSE_TARGET_SHARE
     of the micro-batch's target positions targets (`BlockCost.workspace_at_targets`). The loss
@@ -310,18 +355,10 @@ def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
     a target, in a worker). What the fewer targets save is the lowest of TARGET_PEAK_REPEATS peaks
     with every position a target less the highest with few: a saving measured low, never high, so
     the line stays on or above a run's peak."""
-    weights = feeds.get(TARGET_WEIGHTS)
-    if weights is None:
+    thinned = _sparse_target_feeds(feeds)
+    if thinned is None:
         return cost
-    flat = np.asarray(weights).reshape(-1)
-    at = np.flatnonzero(flat)
-    full = len(at)
-    sparse = max(1, full // SPARSE_TARGET_SHARE)
-    if full <= sparse:
-        return cost
-    few = np.zeros_like(flat)
-    few[at[:sparse]] = flat[at[:sparse]]
-    sparse_feeds = {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
+    full, sparse, sparse_feeds = thinned
     every = min(peak_workspace(backend, spec, feeds) for _ in range(TARGET_PEAK_REPEATS))
     fewer = max(peak_workspace(backend, spec, sparse_feeds) for _ in range(TARGET_PEAK_REPEATS))
     saved = max(0, every - fewer)
@@ -456,6 +493,18 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                         f"{_per_block_backward(cost)}), workspace "
                         f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
                         f"[{time.perf_counter() - started:.1f} s]")
+                if backend.engine == "mnn" and builds is not None:
+                    # the LM head + loss beside a layer recomputing per block, as a worker runs it
+                    costs = with_head_beside_a_layer(costs, graph, feeds, builds,
+                                                     start_up.get(backend.engine, 0)
+                                                     - caches_start_up.get(backend.engine, 0))
+                    head = costs.get(block_signature(graph.blocks[-2]))
+                    if head is not None and head.beside_bytes is not None:
+                        say(f"{backend.name} LM head + loss beside a layer recomputing per block: "
+                            f"{head.beside_bytes / 2**20:.1f} MiB above the layer's charge"
+                            + ("" if head.sparse_beside_bytes is None else
+                               f", {head.sparse_beside_bytes / 2**20:.1f} with {head.sparse_target_positions} "
+                               f"target positions") + f" [{time.perf_counter() - started:.1f} s]")
             if attention:
                 for sig, block in kinds.items():
                     if block.attention is None:  # no attention the lowering could place: not split
