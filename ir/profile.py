@@ -67,13 +67,16 @@ class BlockCost:
     sparse_workspace_bytes: int | None = None
 
     # The same pair beside a layer recomputing per block (MNN): what it adds to the charge of a stage of
-    # the model's last layer alone (that layer kind's `per_block_workspace`), from fresh children's peaks
-    # of the layer + head + loss stage, at every position a target and at the sparse point. The pair
+    # the model's last layer alone (that layer kind's `per_block_workspace`), from new interpreters' peaks
+    # of the layer + head + loss stage (their largest), at every position a target and at the sparse point. The pair
     # reuses a part of the layers' freed buffers (SmolLM2 int4, 31 targets: alone 41.4 MiB, beside one
     # layer 62.3 against the layer's 28.7 charged: 33.5; beside eight 59.0). None: not measured (another
     # engine or mode, an older profile): the pair's whole workspace on top (`planner.cost.block_costs`).
     beside_bytes: int | None = None
     sparse_beside_bytes: int | None = None
+    # the spread (largest less smallest) of the new interpreters' peaks the two figures were read from
+    # (`runtime.profiling.device.beside_reading`: each figure is their largest plus this); 0: not measured
+    beside_spread_bytes: int = 0
 
     def workspace_at_targets(self, targets: int | None) -> int:
         """The workspace of a micro-batch with at most `targets` target positions (None: unknown, the
@@ -284,7 +287,7 @@ _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s", "per_block_backward_s"
 _BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "engine_once_bytes",
                 "per_block_workspace_bytes",
                 "per_block_stacked_bytes", "per_block_kept_bytes", "per_block_kept_once_bytes",
-                "sparse_workspace_bytes", "beside_bytes", "sparse_beside_bytes")
+                "sparse_workspace_bytes", "beside_bytes", "sparse_beside_bytes", "beside_spread_bytes")
 # counts, checked as sizes are (whole numbers >= 0)
 _BLOCK_COUNTS = ("target_positions", "sparse_target_positions")
 

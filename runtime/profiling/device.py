@@ -319,15 +319,34 @@ def _sparse_target_feeds(feeds) -> tuple[int, int, dict] | None:
     return full, sparse, {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
 
 
+# New interpreters a beside figure is read from (each ~3-4 s for SmolLM2; two target points)
+BESIDE_REPEATS = 4
+# The least margin a beside figure keeps above its largest reading: new interpreters of one SmolLM2-shaped
+# stage (one layer + the pair) spread 0.07-0.21 MiB within a run (3-8 each), and a test's three read up
+# to its profile's largest plus the spread (0.00 MiB to spare once; MEMORY_NOTES.md, h74)
+BESIDE_MARGIN_BYTES = 2 ** 19
+
+
+def beside_reading(peaks: Sequence[int]) -> tuple[int, int]:
+    """(the figure, the spread) of new interpreters' peaks of one stage: the largest peak plus the
+    spread (largest less smallest), at least BESIDE_MARGIN_BYTES, so a further interpreter's peak a
+    little above the largest is still covered; the spread as measured."""
+    spread = max(peaks) - min(peaks)
+    return max(peaks) + max(spread, BESIDE_MARGIN_BYTES), spread
+
+
 def with_head_beside_a_layer(costs: dict[str, BlockCost], graph: Graph, feeds, builds: FreshProcesses,
                              start_up: int) -> dict[str, BlockCost]:
-    """`costs` with the fused LM head + loss's `beside_bytes` (and its sparse point): the median of
-    FRESH_PEAK_REPEATS fresh peaks (`builds`' children, as a worker runs) of a stage of the model's last
-    layer + the pair recomputing per block, less the start-up such a stage is charged (`start_up`) and
-    less the layer's per-block workspace (what the planner charges that layer alone). SmolLM2 int4, 31
-    targets: the pair alone 41.4 MiB; one layer + the pair 62.3, eight 59.0, with the layers' 28.7
-    charged on top of the pair's whole 40.5 (0.90 of its plan on every last stage; MEMORY_NOTES.md, h62,
-    h68). Unchanged where there is no fused pair or the layer has no per-block figure."""
+    """`costs` with the fused LM head + loss's `beside_bytes` (and its sparse point, and the readings'
+    spread): the largest of BESIDE_REPEATS new interpreters' peaks (`FreshProcesses.run_new`: each
+    imports the runtime as a worker does, no fork server) of a stage of the model's last layer + the
+    pair recomputing per block, plus their spread (`beside_reading`), less the start-up such a stage is
+    charged (`start_up`) and less the layer's per-block workspace (what the planner charges that layer
+    alone). SmolLM2 int4, 31 targets: the pair alone 41.4 MiB; one layer + the pair 62.3, eight 59.0,
+    with the layers' 28.7 charged on top of the pair's whole 40.5 (0.90 of its plan on every last
+    stage; MEMORY_NOTES.md, h62, h68). h68 read it as the median of fork-server children; a quiet CI
+    run's new interpreter then peaked 3.1 MiB above the charge it gave (h74). Unchanged where there is
+    no fused pair or the layer has no per-block figure."""
     n = len(graph.blocks)
     if n < 3 or fused_lm_head(graph, n - 2, n - 1) is None:
         return costs
@@ -336,15 +355,17 @@ def with_head_beside_a_layer(costs: dict[str, BlockCost], graph: Graph, feeds, b
     if head is None or layer is None or layer.per_block_workspace_bytes is None:
         return costs
 
-    def beside(stage_feeds) -> int:
-        peak = statistics.median(builds.run(graph, stage_feeds, [("peak", n - 3, n - 1, "per-block")])[0]
-                                 for _ in range(FRESH_PEAK_REPEATS))
-        return max(0, int(peak - start_up - layer.per_block_workspace_bytes))
+    def beside(stage_feeds) -> tuple[int, int]:
+        peaks = [p[0] for p in builds.run_new(graph, stage_feeds, [("peak", n - 3, n - 1, "per-block")],
+                                               BESIDE_REPEATS)]
+        peak, spread = beside_reading(peaks)
+        return max(0, int(peak - start_up - layer.per_block_workspace_bytes)), spread
 
-    every = beside(feeds)
-    sparse = _sparse_target_feeds(feeds) if head.sparse_workspace_bytes is not None else None
-    return {**costs, head_sig: replace(head, beside_bytes=every,
-                                       sparse_beside_bytes=None if sparse is None else beside(sparse[2]))}
+    every, spread = beside(feeds)
+    thinned = _sparse_target_feeds(feeds) if head.sparse_workspace_bytes is not None else None
+    sparse, sparse_spread = (None, 0) if thinned is None else beside(thinned[2])
+    return {**costs, head_sig: replace(head, beside_bytes=every, sparse_beside_bytes=sparse,
+                                       beside_spread_bytes=max(spread, sparse_spread))}
 
 
 def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
@@ -504,7 +525,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                             f"{head.beside_bytes / 2**20:.1f} MiB above the layer's charge"
                             + ("" if head.sparse_beside_bytes is None else
                                f", {head.sparse_beside_bytes / 2**20:.1f} with {head.sparse_target_positions} "
-                               f"target positions") + f" [{time.perf_counter() - started:.1f} s]")
+                               f"target positions") + f" (new interpreters' spread "
+                            f"{head.beside_spread_bytes / 2**20:.2f} MiB) [{time.perf_counter() - started:.1f} s]")
             if attention:
                 for sig, block in kinds.items():
                     if block.attention is None:  # no attention the lowering could place: not split

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from ir.graph import block_signature
 from ir.profile import BlockCost
 from support import int4_lora_graph
 
@@ -34,27 +35,37 @@ def test_the_pair_beside_a_layer_is_on_the_target_line_and_never_above_its_works
 
 def test_a_profile_without_the_figure_loads_and_round_trips_it(tmp_path):
     from ir.profile import BackendProfile, DeviceProfile
+    from dataclasses import replace
 
-    profile = DeviceProfile("d", "m", 1, 128, (BackendProfile("mnn:cpu:t1", {"h": _head(41, 34), "o": _head(None)}),),
-                            1 << 30)
+    profile = DeviceProfile("d", "m", 1, 128, (BackendProfile("mnn:cpu:t1", {"h": replace(_head(41, 34),
+                                                                                          beside_spread_bytes=MIB // 4),
+                                                                            "o": _head(None)}),), 1 << 30)
     profile.save(tmp_path / "p.json")
     back = DeviceProfile.load(tmp_path / "p.json").backends[0].blocks
     assert back["h"].beside_bytes == 41 * MIB and back["h"].sparse_beside_bytes == 34 * MIB
-    assert back["o"].beside_bytes is None
+    assert back["h"].beside_spread_bytes == MIB // 4
+    assert back["o"].beside_bytes is None and back["o"].beside_spread_bytes == 0
 
 
+def test_a_beside_reading_is_the_largest_peak_plus_the_spread():
+    from runtime.profiling.device import BESIDE_MARGIN_BYTES, beside_reading
 
-@pytest.mark.slow  # a SmolLM2-shaped export, its profile and six new interpreters (~3-5 min loaded)
+    assert beside_reading([70 * MIB, 73 * MIB, 71 * MIB]) == (76 * MIB, 3 * MIB)
+    assert beside_reading([69 * MIB, 69 * MIB + MIB // 8]) == (69 * MIB + MIB // 8 + BESIDE_MARGIN_BYTES, MIB // 8)
+    assert BESIDE_MARGIN_BYTES == MIB // 2
+
+
+@pytest.mark.slow  # a SmolLM2-shaped export, its profile (8 new interpreters for the pair) and six more (~4-6 min loaded)
 def test_the_head_stage_recomputing_per_block_is_charged_what_a_fresh_process_peaks(tmp_path):
     """A SmolLM2-shaped random Llama (hidden 576, 9 / 3 heads, vocabulary 49152, 4 layers, int4 LoRA, 1 x
     128) profiled; the planner's workspace term (the blocks' stacked parts + the stage's one transient)
-    of a per-block stage of the last layer + the LM head + loss, against what a new interpreter peaks
-    above its built engine running that stage (loaded from `fresh`'s job file as a worker loads its
-    bundle; median of 3): within 1 MiB and not below it less 0.5; and a stage of all four layers + the
-    pair not below its peak less 0.5. With the pair's whole peak stacked on the layer's charge (before
-    h68) the one-layer stage was charged ~12 MiB over (SmolLM2: 28.3 + 54.3 against 69.5)."""
-    import statistics
-
+    of a per-block stage of the last layer + the LM head + loss, and of all four layers + the pair,
+    against what new interpreters peak above their built engine running that stage (loaded from
+    `fresh`'s job file as a worker loads its bundle; three, every reading): the charge at or above each
+    reading, and the one-layer stage's at most 3 MiB above the largest. With the pair's whole peak
+    stacked on the layer's charge (before h68, main) the one-layer stage was charged ~12 MiB over
+    (SmolLM2: 28.3 + 54.3 against 69.5); with h68's fork-server median a quiet CI run's new interpreter
+    peaked 73.30 against 70.20 charged (4 layers: 70.64 against 69.50)."""
     from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
     from planner.cluster import DeviceSpec
     from planner.cost import stage_memory_terms
@@ -76,11 +87,12 @@ def test_the_head_stage_recomputing_per_block_is_charged_what_a_fresh_process_pe
         job = str(tmp_path / f"job{first}.json")
         fresh_processes._write_job(job, fresh_processes._stage_graph(graph, [(first, n - 1)]), feeds,
                                    [("peak", first, n - 1, "per-block")])
-        fresh = statistics.median(fresh_processes._measure_in_new_interpreter("mnn:cpu:t1", job, 300)[0]
-                                  for _ in range(3))
-        got[first] = (charged / MIB, fresh / MIB)
-    print(got)
-    one, four = got[n - 3], got[1]
-    assert one[1] > 20, got  # the pair's logits chunks and a layer: a peak the old charge misses by far
-    assert one[1] - 0.5 <= one[0] <= one[1] + 1.0, got
-    assert four[0] >= four[1] - 0.5, got
+        readings = [fresh_processes._measure_in_new_interpreter("mnn:cpu:t1", job, 300)[0] / MIB for _ in range(3)]
+        got[first] = (charged / MIB, readings)
+    head = profile.backends[0].blocks[block_signature(graph.blocks[n - 2])]
+    print({k: (round(c, 3), [round(r, 3) for r in rs]) for k, (c, rs) in got.items()},
+          f"beside {head.beside_bytes / MIB:.3f}, spread {head.beside_spread_bytes / MIB:.3f} MiB")
+    (one, one_readings), (four, four_readings) = got[n - 3], got[1]
+    assert min(one_readings) > 20, got  # the pair's logits chunks and a layer: a peak the old charge misses by far
+    assert all(one >= r for r in one_readings) and one <= max(one_readings) + 3, got
+    assert all(four >= r for r in four_readings), got
