@@ -52,7 +52,7 @@ def test_a_beside_reading_is_the_largest_peak_plus_the_spread():
 
     assert beside_reading([70 * MIB, 73 * MIB, 71 * MIB]) == (76 * MIB, 3 * MIB)
     assert beside_reading([69 * MIB, 69 * MIB + MIB // 8]) == (69 * MIB + MIB // 8 + BESIDE_MARGIN_BYTES, MIB // 8)
-    assert BESIDE_MARGIN_BYTES == MIB // 2
+    assert BESIDE_MARGIN_BYTES == MIB
 
 
 @pytest.mark.slow  # a SmolLM2-shaped export, its profile (8 new interpreters for the pair) and six more (~4-6 min loaded)
