@@ -48,7 +48,7 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
     block's backward temporaries exist at a time), once per stage (the partitioners take the same
     max over a stage's blocks: `PartitionInstance.stage_bytes`)
   + the profile's `runtime_overhead_bytes`.
-On PyTorch under gpipe and 1f1b-flush (`phases_apart`) what only the update holds (a tied sum
+Under gpipe and 1f1b-flush (`phases_apart`, both engines) what only the update holds (a tied sum
 received: `update_only_bytes`) and what only the backwards hold (the activations, kept parts,
 workspace and transient above) are never held at once: a stage is charged the larger of the two
 (`phase_peak_bytes`), everything else beside it.
@@ -920,12 +920,15 @@ def tied_sum_bytes(graph: Graph, first: int, last: int) -> int:
 
 
 def phases_apart(device: DeviceSpec, schedule: str) -> bool:
-    """Whether a stage's update holds nothing its backwards held (`phase_peak_bytes`): PyTorch under
-    the flush schedules gpipe and 1f1b-flush, whose update comes after every backward of the batch,
-    each micro-batch's saved tensors, block workspace and transients gone with it. Not MNN (its
-    first stage's update measured at +166.6 MiB, more than the sum it receives: helper h43), not the
+    """Whether a stage's update holds nothing its backwards held (`phase_peak_bytes`): under the flush
+    schedules gpipe and 1f1b-flush, whose update comes after every backward of the batch, each
+    micro-batch's saved tensors, block workspace and transients gone with it, on either engine (the
+    device is not asked). MNN's lookup stage once held more at its update than the sum it receives
+    (+166.6 MiB, helper h43): the row gradient's dense copy on huge pages, made sparse since
+    (`runtime.heap.sparse_zeros`, h71); `smollm2-full`'s stage 0 then peaked 37 MiB above what it
+    holds throughout, under both phases' charges (benchmarks/MEMORY_NOTES.md, helper h77). Not the
     asynchronous schedules (forwards in flight at each update) and not zb-h1 (not measured)."""
-    return device_engine(device) == "torch" and schedule in ("gpipe", "1f1b-flush")
+    return schedule in ("gpipe", "1f1b-flush")
 
 
 def update_only_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, schedule: str) -> int:
