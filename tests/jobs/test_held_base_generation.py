@@ -98,7 +98,7 @@ def test_an_int4_runs_evaluation_holds_no_float32_file_twice(smollm2_onnx, tmp_p
     """SmolLM2-135M LoRA r=8 on an int4 base, one AdamW step at 1 x 128 with the evaluation before and
     after it (one conversation, 48 new tokens): the process's whole-life VmHWM below twice the float32
     cache graph's bytes. Measured (h78, load 5-9): before the change 1380-1446 MiB (the session over
-    the float32 file alone 1068 of it), after ~750-820."""
+    the float32 file alone 1068 of it; integrate with this test: 1391.2, failed), after 827.7-829.5 (3 runs)."""
     from tasks.causal_lm.entity_task import write_entity_splits
 
     train, dev = write_entity_splits(tmp_path / "data", n_train=8, n_dev=1, seed=0)
