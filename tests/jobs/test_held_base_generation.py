@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from support import int4_lora_graph, run_child
+from support import int4_lora_graph, int4_train_local_peaks
 
 MIB = 2 ** 20
 
@@ -65,32 +65,6 @@ def test_the_held_base_copy_computes_the_engines_int4_weights(chat_llama, tmp_pa
     assert ours.generate(prompts, settings) == reference.generate(prompts, settings)
 
 
-# a new interpreter runs the product's one-device job as `confidant train-local --eval` does; VmHWM when
-# the evaluation before training is done (the "dev perplexity ... before" note: set-up and evaluation),
-# then at the end (training, which the job measures after resetting VmHWM, and the evaluation after it)
-_CHILD = r"""
-import json, sys
-from pathlib import Path
-from jobs.common.report import Silent
-from jobs.common.settings import TrainingSettings
-from jobs.train.local import train_local
-from planner.lora import LoraSettings
-from runtime.procfs import peak_rss_bytes
-
-class Before(Silent):
-    peak = None
-    def note(self, message):
-        if message.startswith("dev perplexity") and "before" in message:
-            Before.peak = peak_rss_bytes()
-
-model, train, dev = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
-settings = TrainingSettings(steps=1, batch=1, seq=128, lr=1e-4, optimizer="adamw", seed=0, threads=1, eval_limit=1,
-                            lora=LoraSettings(8, 16.0, targets=("q", "k", "v", "o"), seed=0, base_dtype="int4"),
-                            activations="per-block")
-metrics = train_local(model, train, dev, settings, Before(), task="causal-lm")
-print("PEAKS " + json.dumps({"before": Before.peak, "after": peak_rss_bytes(),
-                             "training": metrics.devices[0].peak_rss_bytes}))
-"""
 
 
 @pytest.mark.slow  # the SmolLM2 export (shared with the slow tier), then one fresh process: ~1-2 min loaded
@@ -104,7 +78,10 @@ def test_an_int4_runs_evaluation_holds_no_float32_file_twice(smollm2_onnx, tmp_p
     train, dev = write_entity_splits(tmp_path / "data", n_train=8, n_dev=1, seed=0)
     kv = smollm2_onnx.with_name(smollm2_onnx.stem + ".kv.onnx")
     bound = 2 * kv.stat().st_size
-    got = run_child(_CHILD, "PEAKS", smollm2_onnx, train, dev)
+    # VmHWM when the evaluation before training is done (the "dev perplexity ... before" note: set-up and
+    # evaluation), then at the end (training, which the job measures after resetting VmHWM, and the evaluation after)
+    got = int4_train_local_peaks(smollm2_onnx, train, dev, 1, {"before": ["dev perplexity", "before"]})
+    got["after"] = got["end"]
     whole = max(got["before"], got["after"])
     print(f"whole life {whole / MIB:.1f} MiB (evaluation before {got['before'] / MIB:.1f}, training and after "
           f"{got['after'] / MIB:.1f}, training alone {got['training'] / MIB:.1f}); bound {bound / MIB:.1f}")
