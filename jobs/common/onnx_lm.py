@@ -16,7 +16,7 @@ from tasks.causal_lm.evaluation import InstructionScores, evaluate_instructions
 from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, lm_metadata
 from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
-__all__ = ["evaluate_lm", "open_lm", "stored_replaced"]
+__all__ = ["evaluate_lm", "held_quantized_copy", "open_lm", "stored_replaced"]
 
 
 def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
@@ -30,6 +30,52 @@ def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
 
     files = [model] + ([model.parent / meta["kv_model"]] if meta.get("kv_model") else [])
     return {f: with_float_weights(f, initializers) for f in files if f.is_file()}
+
+
+def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: Mapping[str, np.ndarray] | None,
+                        folder: Path) -> Path:
+    """A copy in `folder` of the float32 export at `model` that ONNX Runtime runs with the weights a
+    quantized-base engine holds (`held`: its graph's constants): each `ir.precision.QuantizedTensor` of
+    `held` stored quantized as `confidant export --base-dtype` stores it (widening ops over the stored
+    arrays, run as a product needs them), each of `initializers` (trained, adapters merged) a float32
+    initializer, the file's other weights (norms) as they are. Only the graph generation runs is written
+    (the cache graph when it takes the weights, else the training graph), streamed one weight at a time
+    from a mapping of the file; the other files beside `model` (tokenizer, template) are linked. The
+    float32 file's session held its 514 MB twice (SmolLM2: 1.1 GB of a train-local's 1.4 GB peak);
+    this one holds the quantized base (MEMORY_NOTES, helper h78). Returns the copy's NAME.onnx."""
+    import json
+
+    from ir.precision import QuantizedTensor, base_dtype_of
+    from planner.onnx_import import read_onnx_apart
+    from planner.onnx_quantize import write_with_weights
+    from planner.onnx_weights import drop_mapped_pages
+
+    model, folder = Path(model), Path(folder)
+    meta = dict(lm_metadata(model) or {})
+    kv = model.parent / meta["kv_model"] if meta.get("kv_model") else None
+    runs = kv if kv is not None and kv.is_file() and meta.get("kv_same_weight_names") else model
+    if runs is model:
+        meta["kv_model"] = None
+    proto, arrays = read_onnx_apart(runs, mapped=True)
+    initializers = initializers or {}
+    weights = {}
+    for t in proto.graph.initializer:
+        value = held.get(t.name)
+        weights[t.name] = (initializers[t.name] if t.name in initializers
+                           else value if isinstance(value, QuantizedTensor) and tuple(value.shape) == tuple(t.dims)
+                       else arrays[t.name])
+    del proto.graph.initializer[:]
+    base_dtype = base_dtype_of(dict(held))
+    done = write_with_weights(proto, weights, folder / runs.name, base_dtype)
+    drop_mapped_pages(arrays.values())
+    del proto, arrays, weights
+    for other in model.parent.iterdir():
+        if not (folder / other.name).exists() and other.name != runs.name:
+            (folder / other.name).symlink_to(other.resolve())
+    meta.update(base_dtype=base_dtype, stored_quantized=sorted(done))
+    (folder / model.with_suffix(".lm.json").name).unlink()
+    (folder / model.with_suffix(".lm.json").name).write_text(json.dumps(meta))
+    return folder / model.name
 
 
 def open_lm(model: Path, initializers, threads, prepack: bool = True):
@@ -57,15 +103,25 @@ def open_lm(model: Path, initializers, threads, prepack: bool = True):
 def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = GenerationSettings(max_new_tokens=48),
                 batch: int = 8, limit: int | None = None, threads: int | None = None,
                 initializers: Mapping[str, np.ndarray] | None = None, perplexity: bool = True,
-                prepack: bool = True) -> InstructionScores:
+                prepack: bool = True, held: Mapping[str, object] | None = None) -> InstructionScores:
     """Perplexity and exact match (and the entity task's scores) on a JSONL instruction file, the first
     `limit` conversations of it. The default 48 new tokens fit every entities-json answer (at most 37
     SmolLM2 tokens with its end token); a base model that rambles is cut there. `perplexity` False:
     the answers generated and scored only (`InstructionScores.perplexity` None), so ONNX Runtime holds
     one session (the cache graph's), never the whole-sequence graph's beside it; `prepack` False: no
-    pre-packed copy of the weights (`OnnxCausalLM`)."""
-    lm, tokenizer = open_lm(Path(model), initializers, threads, prepack)
+    pre-packed copy of the weights (`OnnxCausalLM`). `held`: a quantized-base engine's constants, run as
+    it holds them (`held_quantized_copy`: a float32 file's base replaced by `held`'s quantized weights,
+    `initializers` written in), not over the float32 file."""
     conversations = read_instructions(data)[:limit]
     if not conversations:
         raise JobError(f"{data}: no conversations")
-    return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)
+    if held is None:
+        lm, tokenizer = open_lm(Path(model), initializers, threads, prepack)
+        return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="confidant-eval-") as folder:
+        copy = held_quantized_copy(Path(model), held, initializers, Path(folder))
+        initializers = None  # written into the copy: a caller that passed them alone lets them go here
+        lm, tokenizer = open_lm(copy, None, threads, prepack)
+        return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)

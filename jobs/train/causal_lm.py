@@ -120,12 +120,16 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
     # evaluation keeps its activations' caches resident afterwards; the sessions' freed heap is
     # handed back before the engine runs
     scale = settings.lora.scale if settings.lora is not None else 1.0
-    initializers = None if weights is None else generation_weights(model, graph, weights, adapters, scale)
+    # a list popped into the call: not kept here, so a held base's copy lets them go once it is written
+    merged = [None if weights is None else generation_weights(model, graph, weights, adapters, scale)]
     drop_mapped_pages(graph.constants.values())  # the base weights the merge read (a mapped graph's)
+    # a base held quantized (of a float32 file) generates as the engine holds it: ONNX Runtime over a copy
+    # storing that base quantized, not over the float32 file, whose session held its weights twice
+    # (SmolLM2 int4: the evaluation's peak 1410 -> 741 MiB; MEMORY_NOTES, helper h78)
+    held = graph.constants if read_mapped(model, settings.lora) and lm_metadata(model) is not None else None
     scores = evaluate_lm(model, eval_path, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
                          batch=max(settings.batch, 8), limit=settings.eval_limit, threads=settings.threads,
-                         initializers=initializers, perplexity=False, prepack=False)
-    del initializers
+                         initializers=merged.pop(), perplexity=False, prepack=False, held=held)
     gc.collect()
     release_free_heap()
     if inspect.isfunction(engine):  # the perplexity's own function: run once generation's sessions are gone

@@ -8,36 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from support import run_child
+from support import int4_train_local_peaks
 
 MIB = 2 ** 20
 
-# a new interpreter runs the product's one-device job as `confidant train-local` does; its own counters:
-# VmHWM when the job says its set-up is done (the "model ...; setup" note, after the engine is built),
-# then the steps' peak, which the job measures after resetting VmHWM (`train_causal_lm`)
-_CHILD = r"""
-import json, sys
-from pathlib import Path
-from jobs.common.report import Silent
-from jobs.common.settings import TrainingSettings
-from jobs.train.local import train_local
-from planner.lora import LoraSettings
-from runtime.procfs import peak_rss_bytes
-
-class SetupPeak(Silent):
-    setup = None
-    def note(self, message):
-        if message.startswith("model ") and "setup" in message:
-            SetupPeak.setup = peak_rss_bytes()
-
-model, train = Path(sys.argv[2]), Path(sys.argv[3])
-settings = TrainingSettings(steps=2, batch=1, seq=128, lr=1e-4, optimizer="adamw", seed=0, threads=1,
-                            lora=LoraSettings(8, 16.0, targets=("q", "k", "v", "o"), seed=0, base_dtype="int4"),
-                            activations="per-block")
-metrics = train_local(model, train, None, settings, SetupPeak(), task="causal-lm")
-print("PEAKS " + json.dumps({"setup": SetupPeak.setup, "training": metrics.devices[0].peak_rss_bytes,
-                             "losses": [s.loss for s in metrics.steps]}))
-"""
 
 
 @pytest.mark.slow  # the SmolLM2 export (shared with the slow tier), then one fresh process: ~1-2 min loaded
@@ -49,7 +23,9 @@ def test_an_int4_one_device_set_up_peaks_below_its_training(smollm2_onnx, tmp_pa
     from tasks.causal_lm.entity_task import write_entity_splits
 
     train, _ = write_entity_splits(tmp_path / "data", n_train=8, n_dev=1, seed=0)
-    got = run_child(_CHILD, "PEAKS", smollm2_onnx, train)
+    # VmHWM when the job says its set-up is done (the "model ...; setup" note, after the engine is built),
+    # then the steps' peak, which the job measures after resetting VmHWM (`train_causal_lm`)
+    got = int4_train_local_peaks(smollm2_onnx, train, None, 2, {"setup": ["model ", "setup"]})
     setup, training = got["setup"], got["training"]
     assert setup is not None and training > 0, got
     print(f"set-up {setup / MIB:.1f} MiB, training {training / MIB:.1f} MiB, losses {got['losses']}")
