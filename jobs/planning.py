@@ -17,14 +17,13 @@ from ir.partition import StageCost
 from ir.plan import FAILURE_POLICIES
 from ir.training import TRAINING
 from jobs.common.errors import FlagError, JobError
-from jobs.common.lora import adapted
+from jobs.common.lora import adapted, load_adapted
 from jobs.common.report import Reporter, Silent
 from planner.cluster import Cluster, load_cluster, with_reserve
 from planner.compile import (SEARCH_SHARE, CompileError, CompiledPlan, Deadline, NoSteadyState, PlanRequest,
                               compile_plan, emit_compiled)
 from planner.lookups import charged_rows
 from planner.lora import LoraSettings
-from planner.onnx_import import load_model
 from planner.partition import PlanDoesNotFit, make_instance, solve_partition
 from planner.simulate import simulate, write_chrome_trace
 
@@ -87,7 +86,9 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         reporter.note(f"planning a pipeline within each device's budget less {max(reserve.values()) / 2**20:.0f} MiB "
                       f"kept for the fault policy's snapshot copies on the workers (a device alone keeps none; "
                       f"`--on-failure stop` keeps none)")
-    graph = adapted(load_model(model, settings.batch // M, settings.seq), settings.lora, reporter)
+    # a LoRA base held below float32 read from a mapping of a float32 file (`read_mapped`): read into
+    # memory first, the file stood beside the quantized base (SmolLM2 int4: ~700 MiB, helper h76)
+    graph = load_adapted(model, settings.batch // M, settings.seq, settings.lora, reporter)
     profiled = {(d.profile.batch, d.profile.seq) for d in cluster.devices}
     if profiled != {(graph.batch, graph.seq)}:
         raise JobError(f"the profiles were measured at (micro-batch rows, seq) {sorted(profiled)} but this plan uses "

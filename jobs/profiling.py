@@ -10,10 +10,9 @@ from typing import Callable, Sequence
 
 import runtime.profiling as prof
 from ir.profile import DeviceProfile, Link
-from jobs.common.lora import adapted
+from jobs.common.lora import load_adapted
 from jobs.common.report import Reporter, Silent
 from planner.lora import LoraSettings
-from planner.onnx_import import load_model
 
 
 def profile_this_device(model: Path, batch: int, seq: int, output: Path | None = None, name: str | None = None,
@@ -22,8 +21,12 @@ def profile_this_device(model: Path, batch: int, seq: int, output: Path | None =
                         reporter: Reporter = Silent(), fresh: bool = True) -> tuple[DeviceProfile, Path]:
     """Profile this device at (`batch` rows, `seq` tokens) for `model` (with LoRA adapters when
     `lora` is given: a LoRA plan needs its blocks profiled) and save it; (profile, file). `fresh`:
-    as `runtime.profiling.profile_device` takes it."""
-    graph = adapted(load_model(model, batch, seq), lora, reporter)
+    as `runtime.profiling.profile_device` takes it. A LoRA base held below float32 is read from a
+    mapping of a float32 file (`jobs.common.lora.read_mapped`): read into memory first, the file stood
+    beside the quantized base, and a device profiling SmolLM2 int4 peaked at ~700 MiB (helper h76). The
+    fresh children that measure stages are handed a copy written out (`runtime.profiling.fresh`), never
+    the mapping."""
+    graph = load_adapted(model, batch, seq, lora, reporter)
     name = name or socket.gethostname()
     profile = prof.profile_device(graph, name, backends=tuple(backends) if backends else prof.DEFAULT_BACKENDS,
                                   reps=reps, memory_bytes=memory_bytes, attention=attention, progress=reporter.note,
