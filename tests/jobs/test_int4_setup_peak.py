@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from support import int4_train_local_peaks
+from support import int4_train_local_peaks, run_child
 
 MIB = 2 ** 20
-
 
 
 @pytest.mark.slow  # the SmolLM2 export (shared with the slow tier), then one fresh process: ~1-2 min loaded
