@@ -190,13 +190,6 @@ class BackendProfile:
     # kernels of every mode are built process-wide: charged whatever the mode) and in profiles made
     # before (the whole start-up charged on every stage, as then).
     caches_start_up_bytes: int = 0
-    # The part of the start-up in `engine_overhead_bytes` that only a stage recomputing per block pays,
-    # not one keeping every activation: PyTorch's first per-block run of a layer, after its keeping one
-    # (each in a fresh child; SmolLM2-shaped int4 LoRA: 86 MiB of start-up charged, ~47 held by a
-    # keeping worker: benchmarks/MEMORY_NOTES.md, h26, h63, h72). Charged by `planner.cluster.runtime_bytes`
-    # to a device not keeping; its keep line is measured less the rest. 0 on MNN and in profiles made
-    # before (the whole start-up charged on every stage, the keep line drawn less it, as then).
-    per_block_start_up_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -264,7 +257,6 @@ class DeviceProfile:
                     {str(k): _seconds(v) for k, v in b.get("update_s_per_param_byte", {}).items()},
                     bool(b.get("fresh_lines", False)),
                     int(b.get("caches_start_up_bytes", 0)),
-                    int(b.get("per_block_start_up_bytes", 0)),
                 ) for b in doc["backends"])
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
                        int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),

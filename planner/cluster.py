@@ -191,19 +191,12 @@ def runtime_bytes(device: DeviceSpec) -> int:
     and start-up), less the start-up's part that only a stage keeping per-op caches pays
     (`BackendProfile.caches_start_up_bytes`) where the device recomputes per block (its planned
     `activations`, "per-block" or "per-block+K": SmolLM2 int4 on MNN, 5.2 MiB of a 5.2 MiB start-up
-    charged on every stage, which a fresh MNN worker's first per-block run never held); and less the
-    part only a stage recomputing per block pays (`BackendProfile.per_block_start_up_bytes`) where the
-    device keeps every activation ("keep", or unset: PyTorch's default; a keeping torch worker holds
-    ~47 MiB of the 86 a SmolLM2-shaped int4 LoRA profile charges, and its keep line is measured less
-    the ~47, h72). The one formula of the term: the cost model and the partition instance
-    (`overhead_bytes`) call it."""
+    charged on every stage, which a fresh MNN worker's first per-block run never held). The one
+    formula of the term: the cost model and the partition instance (`overhead_bytes`) call it."""
     backend = device_backend(device)
     start_up = backend.engine_overhead_bytes
-    mode = activations_mode(device.activations)[0]
-    if mode == "per-block":
+    if activations_mode(device.activations)[0] == "per-block":
         start_up -= min(backend.caches_start_up_bytes, start_up)
-    elif mode in ("keep", None):
-        start_up -= min(backend.per_block_start_up_bytes, start_up)
     return device.profile.runtime_overhead_bytes + start_up
 
 

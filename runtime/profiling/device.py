@@ -39,7 +39,7 @@ from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
                                        kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
-from runtime.profiling.fresh import FreshProcesses, fresh_line, fresh_peaks, keep_line, median_start_ups
+from runtime.profiling.fresh import FreshProcesses, fresh_in_flight, fresh_line, fresh_peaks, median_start_up
 from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
@@ -158,23 +158,16 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
             block_signature(graph.blocks[i + keep_run]) == block_signature(block):
         keep_run += 1
     if keep_run > 1 and fresh is not None and backend.engine == "torch":
-        # As a keeping worker runs (`fresh`), as the per-block line below: fresh peaks of keeping stages of
-        # 1..keep_run layers and of one longer stage (up to FAR_RUN layers of the kind in a row), with one
-        # and with two micro-batches in flight (two at 1, keep_run and the longer one), less what a keeping
-        # worker pays of the start-up (`keep_start_up`: its runtime term carries that much,
-        # `planner.cluster.runtime_bytes`), through `keep_line`: the steepest measured step, the workspace
-        # covering every peak. Warm, this process measured a SmolLM2 int4 LoRA layer 8.5 MiB stacked and
-        # 6.8 kept, where fresh children of 1 / 4 / 12 layers peak ~72 / ~112 / 207-225 MiB (start-up
-        # included) and a second micro-batch adds ~12 / ~30 / ~105 (benchmarks/MEMORY_NOTES.md, h26); the
-        # line through 1-4 layers alone charged a keeping 8-layer stage with two in flight 0.89-0.99 of its
-        # peak (h57), its per-layer part a further micro-batch adds 6.2 where 4 -> 8 layers add 8.4 (h63).
-        far = _run_length(graph, block, keep_run, FAR_RUN)
-        lengths = list(range(1, keep_run + 1)) + ([far] if far > keep_run else [])
-        one = dict(zip(lengths, fresh_peaks(fresh, graph, feeds, i, lengths, "keep", FRESH_PEAK_REPEATS)))
-        doubled = sorted({1, keep_run, far})
-        two = dict(zip(doubled, fresh_peaks(fresh, graph, feeds, i, doubled, "keep", FRESH_PEAK_REPEATS, 2)))
-        stacked, kept, workspace = keep_line(one, two, keep_start_up)
-        cost = replace(cost, workspace_bytes=workspace, stacked_bytes=stacked)
+        # As a keeping worker runs (`fresh`), as the per-block line below: the line through fresh peaks
+        # of 1..keep_run layers less the start-up the engine is charged, and what a further micro-batch
+        # in flight adds (`fresh_in_flight`): per layer the kept bytes, once into the workspace. Warm,
+        # this process measured a SmolLM2 int4 LoRA layer 8.5 MiB stacked and 6.8 kept, where fresh
+        # children of 1 / 4 / 12 layers peak ~72 / ~112 / 207-225 MiB (start-up included) and a second
+        # micro-batch adds ~12 / ~30 / ~105 (benchmarks/MEMORY_NOTES.md, helper h26).
+        peaks = fresh_peaks(fresh, graph, feeds, i, range(1, keep_run + 1), "keep", FRESH_PEAK_REPEATS)
+        stacked, workspace = fresh_line(peaks, start_up)
+        kept, once = fresh_in_flight(fresh, graph, feeds, i, peaks, "keep", FRESH_PEAK_REPEATS)
+        cost = replace(cost, workspace_bytes=workspace + once, stacked_bytes=stacked)
     elif keep_run > 1 and builds is not None and backend.engine == "mnn":
         # As a worker runs (`builds`' fork-server children, a child per peak), as the per-block line below:
         # here, after the profile's other engines, the warm process read a SmolLM2 int4 layer's keep line
@@ -281,16 +274,6 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     lean = max(0, steps[(len(steps) - 1) // 2])  # the median step (of two, the smaller)
     workspace = max(p - k * lean for k, peaks in enumerate(lean_runs) for p in peaks)
     return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
-
-
-def _run_length(graph: Graph, block: Block, at_least: int, most: int) -> int:
-    """How many blocks of `block`'s kind stand in a row from it, at least `at_least` (already known to),
-    at most `most`."""
-    n = at_least
-    while n < most and block.index + n < len(graph.blocks) and \
-            block_signature(graph.blocks[block.index + n]) == block_signature(block):
-        n += 1
-    return n
 
 
 def _engine_build(backend, graph: Graph, first: int, last: int, feeds, builds: FreshProcesses | None) -> int:
@@ -467,7 +450,6 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     engines = {}  # engine -> the memory its import adds to the runtime, measured once per engine
     start_up: dict[str, int] = {}  # engine -> what its first training run adds once (`start_up_bytes`)
     caches_start_up: dict[str, int] = {}  # engine -> the part of that only a stage keeping per-op caches pays
-    per_block_start_up: dict[str, int] = {}  # engine -> the part only a stage recomputing per block pays (torch)
     for backend in present:
         if backend.engine not in engines:
             engines[backend.engine] = engine_overhead_bytes(backend.engine, overhead)
@@ -502,11 +484,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                 # noise-level 1.6 MiB where it has none); its keep and per-block lines are measured fresh in
                 # `builds` (`measure_block`)
                 fresh_here = fresh and backend.engine == "torch"
-                # each repeat of a fresh figure in a child of another server (its own hash seed and address
-                # layout: a worker's allocation order is its own, and children of one server repeat one)
-                children = stack.enter_context(FreshProcesses(backend, servers=FRESH_PEAK_REPEATS)) \
-                    if fresh_here else None
-                keeping = None  # what a keeping worker pays of the start-up: the runs before per block's
+                children = stack.enter_context(FreshProcesses(backend)) if fresh_here else None
                 if children is not None:
                     # Those runs warm this process (its later figures are repeats); what a worker pays
                     # is measured the same way in fresh children: here it moved 65-81 MiB between
@@ -514,19 +492,12 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     runs = [("start_up", cheapest.index, cheapest.index, None)]
                     if layer.index != cheapest.index:
                         runs += [("start_up", layer.index, layer.index, a) for a in ("keep", "per-block")]
-                    once, keeping = median_start_ups(children, graph, feeds, runs, FRESH_PEAK_REPEATS,
-                                                     [len(runs), min(2, len(runs))])
+                    once = median_start_up(children, graph, feeds, runs, FRESH_PEAK_REPEATS)
                 # every engine's build measured as a worker builds it, first in a fresh child (`_engine_build`)
                 builds = children if children is not None or not fresh else \
                     stack.enter_context(FreshProcesses(backend))
                 if once >= START_UP_NOISE_BYTES:
                     start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
-                    if keeping is not None and layer.index != cheapest.index:
-                        # per block's first run, which a keeping torch worker never pays (SmolLM2-shaped
-                        # int4 LoRA: 86.0 MiB charged, ~47 held keeping: h26, h63;
-                        # BackendProfile.per_block_start_up_bytes)
-                        per_block_start_up[backend.engine] = max(per_block_start_up.get(backend.engine, 0),
-                                                                 max(0, once - keeping))
                     if backend.engine == "mnn":
                         # MNN's keeping run's first-use heap, which a stage recomputing per block never
                         # pays (BackendProfile.caches_start_up_bytes; PyTorch's kernels are process-wide)
@@ -536,10 +507,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     # the start-up a stage recomputing per block is charged (`planner.cluster.runtime_bytes`),
                     # which a fresh child's first run pays again: taken off the fresh lines' peaks
                     charged = start_up.get(backend.engine, 0) - caches_start_up.get(backend.engine, 0)
-                    # and the start-up a keeping stage is charged, which its fresh keep line is drawn less
-                    keep_charged = start_up.get(backend.engine, 0) - per_block_start_up.get(backend.engine, 0)
                     cost = measure_block(backend, graph, block, feeds, reps, children, charged, builds,
-                                         keep_charged)
+                                         start_up.get(backend.engine, 0))
                     costs[sig] = cost
                     say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
                         f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
@@ -579,8 +548,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                                            fresh and backend.engine == "torch"))
         # an engine's start-up shows on the first of its backends to run here: charged to them all
         profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + start_up.get(b.engine, 0),
-                            caches_start_up_bytes=caches_start_up.get(b.engine, 0),
-                            per_block_start_up_bytes=per_block_start_up.get(b.engine, 0))
+                            caches_start_up_bytes=caches_start_up.get(b.engine, 0))
                     for p, b in zip(profiles, present)]
         for engine, extra in start_up.items():
             if extra:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -83,67 +82,46 @@ def _preload(backend: str) -> None:
 
 class FreshProcesses:
     """`with FreshProcesses(backend) as fresh: fresh.run(graph, feeds, measurements)`: measurements,
-    each job in a child forked from a server interpreter that has only imported the runtime and
-    the backend's engine (`_SERVER`). Where fork is missing, each job in a new interpreter.
+    each job in a child forked from one server interpreter that has only imported the runtime and
+    the backend's engine (`_SERVER`). Where fork is missing, each job in a new interpreter."""
 
-    `servers` > 1: that many servers, each its own interpreter under a hash seed of its own
-    (`PYTHONHASHSEED`, drawn here) and its own address-space layout, the jobs sent to them in turn
-    (`run`: call i to server i mod `servers`), so `servers` consecutive repeats of one measurement
-    sample as many allocation orders. A forked child inherits its server's seed and layout: children of
-    one server repeat a measurement to ~0.1 MiB, where new interpreters, as workers are, spread (a
-    keeping torch stage of 8 int4 LoRA layers peaked 209.9-217.2 MiB in children of different
-    servers under the steady heap; Python's hash seed and ASLR move the order of a stage's
-    allocations: benchmarks/MEMORY_NOTES.md, helpers h26, h63, h72)."""
-
-    def __init__(self, backend: BackendSpec | str, timeout_s: float = 600.0, servers: int = 1):
-        if not isinstance(servers, int) or servers < 1:
-            raise ValueError(f"servers must be an int >= 1, got {servers!r}")
+    def __init__(self, backend: BackendSpec | str, timeout_s: float = 600.0):
         self.name = backend if isinstance(backend, str) else backend.name
         self.timeout_s = timeout_s
-        self.servers = servers
-        self._servers: list[subprocess.Popen] = []
-        self._calls = 0
+        self._server: subprocess.Popen | None = None
         self._folder = tempfile.TemporaryDirectory(prefix="confidant-fresh-")
 
     def __enter__(self) -> "FreshProcesses":
         if hasattr(os, "fork"):
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            seeds = random.SystemRandom().sample(range(1, 2 ** 32), self.servers) if self.servers > 1 else None
-            for n in range(self.servers):
-                own = env if seeds is None else {**env, "PYTHONHASHSEED": str(seeds[n])}
-                self._servers.append(subprocess.Popen([sys.executable, "-c", _SERVER, str(_ROOT), self.name],
-                                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                                      env=own))
+            self._server = subprocess.Popen([sys.executable, "-c", _SERVER, str(_ROOT), self.name],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for server in self._servers:
-            server.stdin.close()
-        for server in self._servers:
+        if self._server is not None:
+            self._server.stdin.close()
             try:
-                server.wait(timeout=30)
+                self._server.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+                self._server.kill()
+                self._server.wait()
         self._folder.cleanup()
 
     def run(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> list[int]:
-        """`measurements` in order in one fresh child (of the next server in turn); their bytes, in order
-        (RuntimeError if it fails)."""
+        """`measurements` in order in one fresh child; their bytes, in order (RuntimeError if it fails)."""
         path = self._job(graph, feeds, measurements)
-        if not self._servers:
+        if self._server is None:
             return _measure_in_new_interpreter(self.name, path, self.timeout_s)
-        server = self._servers[self._calls % len(self._servers)]
-        self._calls += 1
-        server.stdin.write(path + "\n")
-        server.stdin.flush()
+        self._server.stdin.write(path + "\n")
+        self._server.stdin.flush()
         lines = []
-        for line in server.stdout:
+        for line in self._server.stdout:
             if line.startswith("DONE "):
                 break
             lines.append(line)
         else:
-            raise RuntimeError(f"the fresh {self.name} measurement server ended (exit {server.poll()})")
+            raise RuntimeError(f"the fresh {self.name} measurement server ended (exit {self._server.poll()})")
         return _result(self.name, lines, 0 if line.strip() == "DONE 0" else 1, "".join(lines))
 
     def run_new(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement],
@@ -255,12 +233,11 @@ def _run_child(backend: str, path: str) -> None:
 
 
 def fresh_peaks(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
-                lengths: Sequence[int], activations: str | None, repeats: int, in_flight: int = 1) -> list[list[int]]:
-    """Per length k of `lengths`, `repeats` peaks (`peak_workspace`, `in_flight` 1 or 2 micro-batches) of a
-    stage of blocks first..first+k-1, each in a fresh child: what a worker's first steps peak above its
-    built engine (an engine's start-up included)."""
-    what = {1: "peak", 2: "peak2"}[in_flight]
-    return [[fresh.run(graph, feeds, [(what, first, first + k - 1, activations)])[0] for _ in range(repeats)]
+                lengths: Sequence[int], activations: str | None, repeats: int) -> list[list[int]]:
+    """Per length k of `lengths`, `repeats` peaks (`peak_workspace`) of a stage of blocks first..first+k-1,
+    each in a fresh child: what a worker's first steps peak above its built engine (an engine's
+    start-up included)."""
+    return [[fresh.run(graph, feeds, [("peak", first, first + k - 1, activations)])[0] for _ in range(repeats)]
             for k in lengths]
 
 
@@ -296,51 +273,4 @@ def median_start_up(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.
                     measurements: Sequence[Measurement], repeats: int) -> int:
     """The median over `repeats` fresh children of the sum of `measurements` (`start_up_bytes` each,
     in order in one child, as `profile_device` runs them)."""
-    return median_start_ups(fresh, graph, feeds, measurements, repeats, [len(measurements)])[0]
-
-
-def median_start_ups(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray],
-                     measurements: Sequence[Measurement], repeats: int, counts: Sequence[int]) -> list[int]:
-    """Per count c of `counts`, the median over the same `repeats` fresh children (each running
-    `measurements` in order) of the sum of their first c figures: the start-up of a worker whose first
-    runs are those c (a keeping torch worker never runs a layer per block, whose first run `profile_device`
-    measures last)."""
-    runs = [fresh.run(graph, feeds, measurements) for _ in range(repeats)]
-    return [int(statistics.median(sum(r[:c]) for r in runs)) for c in counts]
-
-
-def keep_line(one: Mapping[int, Sequence[int]], two: Mapping[int, Sequence[int]], less: int) -> tuple[int, int, int]:
-    """(stacked: what a further block adds, kept: what it adds per further micro-batch in flight, the
-    workspace) of a kind's keep line, from fresh peaks of keeping stages of k blocks (`one`: k -> peaks
-    with one micro-batch in flight, at 1..L and maybe one longer length; `two`: the same with two in
-    flight, at 1 and at least one longer length), `less` (the start-up a keeping stage is charged)
-    taken off each.
-
-    Each line's step is the larger of the step over the widest span (1 to the longest length) and the
-    step between its two longest lengths: the growth per block rises with the stage (the peaks are the
-    heap's high-water mark, and a longer stage's holes fit less; `test_fresh_keep_line`'s Llama, medians of
-    keeping stages of 1 / 4 / 8 layers with two in flight: 79.0 / 132.6 / 215.1 MiB, 17.9 then 20.6 a
-    layer), so a stage beyond the measured ones is charged the steepest measured step, not the mean. With
-    no longer length than L (one's lengths 1..L only), one's step is the median step between consecutive
-    lengths (`fresh_line`: one jump outvoted). `kept` is two's step less one's; the workspace is the
-    highest peak of any repeat at any measured point, either line, less what the line stacks under it:
-    every measured stage covered, the spread between repeats (children of servers under different
-    hash seeds: `FreshProcesses`' `servers`) included. Steps are taken between the lengths' medians; none
-    below 0, the workspace at least the step."""
-    def steps(points: Mapping[int, Sequence[int]]) -> int:
-        ks = sorted(points)
-        med = {k: statistics.median(points[k]) for k in ks}
-        wide = (med[ks[-1]] - med[ks[0]]) / (ks[-1] - ks[0])
-        last = (med[ks[-1]] - med[ks[-2]]) / (ks[-1] - ks[-2])
-        return max(0, int(max(wide, last)))
-
-    lengths = sorted(one)
-    consecutive = lengths == list(range(1, len(lengths) + 1))
-    stacked = fresh_line([one[k] for k in lengths])[0] if consecutive else steps(one)
-    if len(lengths) < 2:
-        stacked = 0
-    both = steps(two) if len(two) > 1 else stacked
-    kept = max(0, both - stacked)
-    workspace = max([max(p) - less - (k - 1) * stacked for k, p in one.items()] +
-                    [max(p) - less - (k - 1) * stacked - k * kept for k, p in two.items()])
-    return stacked, kept, max(stacked, int(workspace))
+    return int(statistics.median(sum(fresh.run(graph, feeds, measurements)) for _ in range(repeats)))

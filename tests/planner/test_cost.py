@@ -530,36 +530,6 @@ def test_a_kind_built_alone_is_charged_its_build_less_the_stages_once_part_by_ha
     assert engine_bytes(g, 0, 3, older) == 3 + 2 * 11 + 6
 
 
-def _start_up_costs():
-    from ir.profile import BlockCost
-    from support import EMB, ENC
-
-    return {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
-            ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120),
-            HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
-
-
-def _check_runtime_charges(backend, wants):
-    """(profile, device) of `backend` on a runtime of 5000 bytes; for each (activations, bytes) of `wants`,
-    `runtime_bytes`, the cost model's runtime term and the partition instance's overhead are that."""
-    from dataclasses import replace
-
-    from planner.cluster import runtime_bytes
-    from planner.partition.instance import make_instance
-
-    profile = DeviceProfile("k", "tiny", 8, 32, (backend,), 10**6, 5000)
-    dev = DeviceSpec("k", "tcp://k:1", profile, 10**6, backend.backend)
-    g = tiny_graph()
-    for activations, want in wants:
-        d = replace(dev, activations=activations)
-        assert runtime_bytes(d) == want, activations
-        assert stage_memory_terms(g, d, 0, 1, 0, 2, "1f1b-flush", 4, "sgd").runtime_bytes == want
-        inst = make_instance(g, Cluster((d, replace(d, name="r", address="tcp://r:1")), Link(1e6, 0.001)),
-                             "1f1b-flush", 4, "sgd")
-        assert inst.overhead_bytes == (want, want), activations
-    return profile, dev
-
-
 def test_a_device_recomputing_per_block_is_not_charged_the_start_up_only_keeping_pays_by_hand():
     """MNN's profiled start-up (`engine_overhead_bytes`: the first run of the cheapest block and of a layer
     keeping and per block, each less a repeat) is almost all the keeping run's (SmolLM2 int4, each in a
@@ -569,11 +539,26 @@ def test_a_device_recomputing_per_block_is_not_charged_the_start_up_only_keeping
     `caches_start_up_bytes`; keeping or recomputing, all of it; the partition instance the same."""
     from dataclasses import replace
 
+    from ir.profile import BlockCost
     from planner.cluster import runtime_bytes
+    from planner.partition.instance import make_instance
+    from support import EMB, ENC
 
-    backend = BackendProfile("mnn:cpu:t1", _start_up_costs(), engine_overhead_bytes=9, caches_start_up_bytes=6)
-    profile, dev = _check_runtime_charges(backend, ((None, 5009), ("recompute", 5009), ("keep", 5009),
-                                                    ("per-block", 5003), ("per-block+2", 5003)))
+    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
+             ENC: BlockCost(0.010, 0.020, 0.005, 300, stacked_bytes=200, kept_bytes=120),
+             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
+    backend = BackendProfile("mnn:cpu:t1", costs, engine_overhead_bytes=9, caches_start_up_bytes=6)
+    profile = DeviceProfile("k", "tiny", 8, 32, (backend,), 10**6, 5000)
+    dev = DeviceSpec("k", "tcp://k:1", profile, 10**6, "mnn:cpu:t1")
+    g = tiny_graph()
+    for activations, want in ((None, 5009), ("recompute", 5009), ("keep", 5009), ("per-block", 5003),
+                              ("per-block+2", 5003)):
+        d = replace(dev, activations=activations)
+        assert runtime_bytes(d) == want, activations
+        assert stage_memory_terms(g, d, 0, 1, 0, 2, "1f1b-flush", 4, "sgd").runtime_bytes == want
+        inst = make_instance(g, Cluster((d, replace(d, name="r", address="tcp://r:1")), Link(1e6, 0.001)),
+                             "1f1b-flush", 4, "sgd")
+        assert inst.overhead_bytes == (want, want), activations
     # never below the runtime: a part larger than the start-up comes off only up to it
     big = replace(dev, activations="per-block", profile=replace(profile, backends=(replace(backend, caches_start_up_bytes=20),)))
     assert runtime_bytes(big) == 5000
@@ -582,30 +567,6 @@ def test_a_device_recomputing_per_block_is_not_charged_the_start_up_only_keeping
     assert DeviceProfile.from_json(doc).backends[0].caches_start_up_bytes == 6
     del doc["backends"][0]["caches_start_up_bytes"]
     assert DeviceProfile.from_json(doc).backends[0].caches_start_up_bytes == 0
-
-
-def test_a_keeping_torch_device_is_not_charged_the_start_up_only_per_block_pays_by_hand():
-    """PyTorch's profiled start-up (the first run of the cheapest block, then of a layer keeping, then per
-    block, in one fresh child) is charged 86 MiB on a SmolLM2-shaped int4 LoRA model where a keeping worker
-    holds ~47 (per block's first run, after the keeping one, is the rest: h26, h63): a device keeping every
-    activation (its activations "keep", or unset: PyTorch's default) is charged the runtime and the
-    start-up less `per_block_start_up_bytes`, and its keep line is measured less what is left (h72); per
-    block, hybrid or recomputing, all of it; the partition instance the same."""
-    from dataclasses import replace
-
-    from planner.cluster import runtime_bytes
-
-    backend = BackendProfile("torch:cpu:t1", _start_up_costs(), engine_overhead_bytes=86, per_block_start_up_bytes=39)
-    profile, dev = _check_runtime_charges(backend, ((None, 5047), ("keep", 5047), ("recompute", 5086),
-                                                    ("per-block", 5086), ("per-block+2", 5086)))
-    # never below the runtime
-    big = replace(dev, profile=replace(profile, backends=(replace(backend, per_block_start_up_bytes=100),)))
-    assert runtime_bytes(big) == 5000
-    # the profile's file keeps the part; one written before it loads as 0 (all charged, as then)
-    doc = profile.to_json()
-    assert DeviceProfile.from_json(doc).backends[0].per_block_start_up_bytes == 39
-    del doc["backends"][0]["per_block_start_up_bytes"]
-    assert DeviceProfile.from_json(doc).backends[0].per_block_start_up_bytes == 0
 
 
 def test_a_torch_stage_that_only_looks_up_a_tied_table_is_charged_its_rows_and_the_sum_not_a_dense_gradient(chat_llama):

@@ -43,60 +43,6 @@ def test_a_further_micro_batch_splits_into_a_per_block_line_and_a_once_a_stage_p
 
 
 @pytest.mark.slow  # a tiny export, torch in this process and in a child (~30-60 s loaded)
-def test_the_keep_line_takes_the_steepest_step_and_covers_every_peak_of_every_repeat():
-    """`keep_line` (the torch keep line, h72): keeping stages' fresh peaks grow faster per layer the longer
-    the stage (the heap's high-water mark), so a stage beyond the measured ones is charged the steeper of
-    the widest span's step and the two longest lengths' step, one and two micro-batches in flight alike,
-    and the workspace covers every repeat (children under different hash seeds) at every length."""
-    from runtime.profiling.fresh import keep_line
-
-    # medians of test_fresh_keep_line's Llama (h63, MiB): one in flight 72.3 / 84.7 / 97.0 / 107.3 at 1-4
-    # layers, 131.8 at 6; two in flight 79.0 / 132.6 / 173.9 at 1 / 4 / 6; a keeping start-up of 47
-    one = {1: [72.3, 72.0, 73.1], 2: [84.7] * 3, 3: [97.0] * 3, 4: [107.3, 107.3, 109.0],
-           6: [131.8, 130.0, 133.0]}
-    two = {1: [79.0] * 3, 4: [132.6, 139.3, 132.6], 6: [173.9, 174.5, 173.0]}
-
-    def in_bytes(points):
-        return {k: [int(p * MIB) for p in v] for k, v in points.items()}
-
-    stacked, kept, workspace = keep_line(in_bytes(one), in_bytes(two), 47 * MIB)
-    assert stacked == int((131.8 - 107.3) / 2 * MIB)  # 12.25 a layer 4 -> 6, above 11.9 over 1 -> 6
-    assert kept == int((173.9 - 132.6) / 2 * MIB) - stacked  # 20.65 - 12.25 = 8.4, above 18.98 - 11.9
-    for points, per_layer in ((one, 0), (two, kept)):  # every repeat covered
-        for k, p in points.items():
-            assert 47 * MIB + workspace + (k - 1) * stacked + k * per_layer >= max(p) * MIB - 1, (k, p)
-    assert workspace == int(73.1 * MIB) - 47 * MIB  # one layer's highest repeat sets it
-    # the worker's stage of 8 layers, two in flight (h63: 215.1), charged at least that
-    assert 47 * MIB + workspace + 7 * stacked + 8 * kept >= 215.1 * MIB
-    # lengths 1..L only: the median step (one jump outvoted), two in flight at 1 and L
-    stacked, kept, workspace = keep_line({1: [10 * MIB], 2: [14 * MIB], 3: [30 * MIB], 4: [22 * MIB]},
-                                         {1: [12 * MIB], 4: [30 * MIB]}, 0)
-    assert stacked == 4 * MIB and kept == 2 * MIB and workspace == 30 * MIB - 2 * 4 * MIB
-    # never below 0
-    assert keep_line({1: [10 * MIB], 2: [9 * MIB]}, {1: [10 * MIB], 2: [8 * MIB]}, 20 * MIB)[:2] == (0, 0)
-
-
-def test_fresh_servers_each_run_under_a_hash_seed_of_their_own():
-    """`FreshProcesses(servers=N)`: the jobs go to N fork servers in turn, each a new interpreter with
-    its own PYTHONHASHSEED, so N repeats sample N allocation orders (children of one server inherit
-    its seed and layout and repeat a peak to ~0.1 MiB: h26, h62, h72)."""
-    from pathlib import Path
-
-    from runtime.profiling.fresh import FreshProcesses
-
-    def seed(pid: int) -> str | None:
-        env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
-        return env.get(b"PYTHONHASHSEED")
-
-    if not Path("/proc/self/environ").exists():
-        pytest.skip("reads the servers' environments from /proc")
-    with FreshProcesses("mnn:cpu:t1", servers=3) as fresh:
-        seeds = [seed(p.pid) for p in fresh._servers]
-    assert len(seeds) == 3 and None not in seeds and len(set(seeds)) == 3, seeds
-    with pytest.raises(ValueError):
-        FreshProcesses("mnn:cpu:t1", servers=0)
-
-
 def test_a_fresh_measurement_pays_what_a_worker_s_first_steps_pay_and_a_warm_repeat_does_not(tmp_path):
     """A torch layer's peak measured in a fresh child includes torch's start-up (its first steps' kernels
     and buffers, tens of MiB), as a worker's first steps do; the same measurement repeated in this process
