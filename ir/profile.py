@@ -66,44 +66,21 @@ class BlockCost:
     sparse_target_positions: int | None = None
     sparse_workspace_bytes: int | None = None
 
-    # The same pair beside a layer recomputing per block (MNN): what it adds to the charge of a stage of
-    # the model's last layer alone (that layer kind's `per_block_workspace`), from new interpreters' peaks
-    # of the layer + head + loss stage (their largest), at every position a target and at the sparse point. The pair
-    # reuses a part of the layers' freed buffers (SmolLM2 int4, 31 targets: alone 41.4 MiB, beside one
-    # layer 62.3 against the layer's 28.7 charged: 33.5; beside eight 59.0). None: not measured (another
-    # engine or mode, an older profile): the pair's whole workspace on top (`planner.cost.block_costs`).
-    beside_bytes: int | None = None
-    sparse_beside_bytes: int | None = None
-    # the spread (largest less smallest) of the new interpreters' peaks the two figures were read from
-    # (`runtime.profiling.device.beside_reading`: each figure is their largest plus this); 0: not measured
-    beside_spread_bytes: int = 0
-
     def workspace_at_targets(self, targets: int | None) -> int:
         """The workspace of a micro-batch with at most `targets` target positions (None: unknown, the
         worst case): the line through the two measured points, never below the sparse point's
         peak (no extrapolation under it) nor above the all-target one. The loss's logits grow with
         the targets up to a chunk of rows and stay there (`lm_loss.chunk_rows`), so the line is at or
         above the peaks between the points."""
-        return self._at_targets(self.workspace_bytes, self.sparse_workspace_bytes, targets)
-
-    def beside_at_targets(self, targets: int | None) -> int | None:
-        """`beside_bytes` at most `targets` target positions, on the line `workspace_at_targets` draws
-        (None where it was not measured), never above the pair's workspace there."""
-        if self.beside_bytes is None:
-            return None
-        return min(self._at_targets(self.beside_bytes, self.sparse_beside_bytes, targets),
-                   self.workspace_at_targets(targets))
-
-    def _at_targets(self, every: int, at: int | None, targets: int | None) -> int:
-        full, sparse = self.target_positions, self.sparse_target_positions
+        full, sparse, at = self.target_positions, self.sparse_target_positions, self.sparse_workspace_bytes
         if targets is None or full is None or sparse is None or at is None or full <= sparse:
-            return every
-        at = min(at, every)
+            return self.workspace_bytes
+        at = min(at, self.workspace_bytes)
         if targets <= sparse:
             return at
         if targets >= full:
-            return every
-        return at + -(-(every - at) * (targets - sparse) // (full - sparse))
+            return self.workspace_bytes
+        return at + -(-(self.workspace_bytes - at) * (targets - sparse) // (full - sparse))
 
     # The backward recomputing per block, where that is not `backward_s`: PyTorch's per-block stage
     # (`activations: per-block`, each block under a checkpoint of its own) re-runs a block's forward
@@ -287,7 +264,7 @@ _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s", "per_block_backward_s"
 _BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "engine_once_bytes",
                 "per_block_workspace_bytes",
                 "per_block_stacked_bytes", "per_block_kept_bytes", "per_block_kept_once_bytes",
-                "sparse_workspace_bytes", "beside_bytes", "sparse_beside_bytes", "beside_spread_bytes")
+                "sparse_workspace_bytes")
 # counts, checked as sizes are (whole numbers >= 0)
 _BLOCK_COUNTS = ("target_positions", "sparse_target_positions")
 

@@ -458,17 +458,9 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         # the last layer the layers' transient once.
         # The pair computes logits only for target positions: charged for the most a micro-batch of
         # the plan's data has (`Graph.target_positions`, `plan --data`), else for every position.
-        # Recomputing per block (a hybrid's too) the pair beside the layers adds less than alone: it reuses
-        # buffers the layers' transient left (SmolLM2 int4, 31 targets, fresh: the pair alone 41.4 MiB,
-        # one layer + the pair 62.3 against the layer's 28.7 charged, eight layers + the pair 59.0;
-        # benchmarks/MEMORY_NOTES.md, h62 and h68). The profile's `beside_bytes` is what it adds to one
-        # layer's charge: that part stacked, the rest of its peak a transient (the max with the layers'),
-        # so the pair alone still pays its whole peak and a stage with a layer what one layer + the pair
-        # peaked. Unmeasured (keeping, PyTorch, an older profile): all of it stacked, as above.
         head = out[-2]
         workspace = head.workspace_at_targets(graph.target_positions)
-        beside = head.beside_at_targets(graph.target_positions) if per_block else None
-        out[-2] = replace(head, workspace_bytes=workspace, stacked_bytes=workspace if beside is None else beside)
+        out[-2] = replace(head, workspace_bytes=workspace, stacked_bytes=workspace)
     return tuple(out)
 
 
@@ -1078,9 +1070,7 @@ class MemoryTerms:
     kept_activation_bytes: int = 0
     # of the workspace, the fused LM head + loss's measured peak (the profile's, at the most target
     # positions a micro-batch of the plan's data has, `plan --data`; without it every position a
-    # target, the worst case of any data; the loss skips positions of weight 0); on a stage recomputing
-    # per block whose profile measured it, the part of that peak stacked on the layers' (`BlockCost.
-    # beside_bytes`: the rest of the peak is a transient, charged in the stage's max of them)
+    # target, the worst case of any data; the loss skips positions of weight 0)
     head_loss_bytes: int = 0
     # held at the update only (`update_only_bytes`: tied sums received; not in gradient_bytes), against
     # the backwards' part (activations, kept activations, workspace) of which only the larger counts
@@ -1187,7 +1177,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),
         activation_bytes=sum(inputs) * in_flight + held,
         kept_activation_bytes=kept,
-        # the fused pair's stacked part (`block_costs`: its whole peak, or beside layers per block its beside figure)
+        # the fused pair's peak, all stacked on the head's block (`block_costs`)
         head_loss_bytes=costs[n - 2 - first].stacked if fused and first <= n - 2 <= last else 0,
         workspace_bytes=stacked + transient_bytes(graph, device, first, last) + hybrid_cache_bytes(graph, device, first, last),
         runtime_bytes=runtime_bytes(device),

@@ -302,73 +302,6 @@ def further_microbatch_parts(added_at_one: float, added_at_run: float, run: int)
     return per_block, max(0, int(one - per_block))
 
 
-def _sparse_target_feeds(feeds) -> tuple[int, int, dict] | None:
-    """(the micro-batch's target positions, the sparse point's, the feeds with only those targets):
-    the first 1/SPARSE_TARGET_SHARE of them kept. None: no target weights, or too few to thin."""
-    weights = feeds.get(TARGET_WEIGHTS)
-    if weights is None:
-        return None
-    flat = np.asarray(weights).reshape(-1)
-    at = np.flatnonzero(flat)
-    full = len(at)
-    sparse = max(1, full // SPARSE_TARGET_SHARE)
-    if full <= sparse:
-        return None
-    few = np.zeros_like(flat)
-    few[at[:sparse]] = flat[at[:sparse]]
-    return full, sparse, {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
-
-
-# New interpreters a beside figure is read from (each ~3-4 s for SmolLM2; two target points)
-BESIDE_REPEATS = 4
-# The least margin a beside figure keeps above its largest reading: new interpreters of one SmolLM2-shaped
-# stage (one layer + the pair) spread 0.07-0.25 MiB within a run (3-8 each), but a test's three, minutes
-# after its profile's four, read up to 0.52 MiB above the profile's largest (once in five runs; 0.31-0.47
-# under it in the others at a 0.5 MiB margin; MEMORY_NOTES.md, h74)
-BESIDE_MARGIN_BYTES = 2 ** 20
-
-
-def beside_reading(peaks: Sequence[int]) -> tuple[int, int]:
-    """(the figure, the spread) of new interpreters' peaks of one stage: the largest peak plus the
-    spread (largest less smallest), at least BESIDE_MARGIN_BYTES, so a further interpreter's peak a
-    little above the largest is still covered; the spread as measured."""
-    spread = max(peaks) - min(peaks)
-    return max(peaks) + max(spread, BESIDE_MARGIN_BYTES), spread
-
-
-def with_head_beside_a_layer(costs: dict[str, BlockCost], graph: Graph, feeds, builds: FreshProcesses,
-                             start_up: int) -> dict[str, BlockCost]:
-    """`costs` with the fused LM head + loss's `beside_bytes` (and its sparse point, and the readings'
-    spread): the largest of BESIDE_REPEATS new interpreters' peaks (`FreshProcesses.run_new`: each
-    imports the runtime as a worker does, no fork server) of a stage of the model's last layer + the
-    pair recomputing per block, plus their spread (`beside_reading`), less the start-up such a stage is
-    charged (`start_up`) and less the layer's per-block workspace (what the planner charges that layer
-    alone). SmolLM2 int4, 31 targets: the pair alone 41.4 MiB; one layer + the pair 62.3, eight 59.0,
-    with the layers' 28.7 charged on top of the pair's whole 40.5 (0.90 of its plan on every last
-    stage; MEMORY_NOTES.md, h62, h68). h68 read it as the median of fork-server children; a quiet CI
-    run's new interpreter then peaked 3.1 MiB above the charge it gave (h74). Unchanged where there is
-    no fused pair or the layer has no per-block figure."""
-    n = len(graph.blocks)
-    if n < 3 or fused_lm_head(graph, n - 2, n - 1) is None:
-        return costs
-    head_sig, layer_sig = block_signature(graph.blocks[n - 2]), block_signature(graph.blocks[n - 3])
-    head, layer = costs.get(head_sig), costs.get(layer_sig)
-    if head is None or layer is None or layer.per_block_workspace_bytes is None:
-        return costs
-
-    def beside(stage_feeds) -> tuple[int, int]:
-        peaks = [p[0] for p in builds.run_new(graph, stage_feeds, [("peak", n - 3, n - 1, "per-block")],
-                                               BESIDE_REPEATS)]
-        peak, spread = beside_reading(peaks)
-        return max(0, int(peak - start_up - layer.per_block_workspace_bytes)), spread
-
-    every, spread = beside(feeds)
-    thinned = _sparse_target_feeds(feeds) if head.sparse_workspace_bytes is not None else None
-    sparse, sparse_spread = (None, 0) if thinned is None else beside(thinned[2])
-    return {**costs, head_sig: replace(head, beside_bytes=every, sparse_beside_bytes=sparse,
-                                       beside_spread_bytes=max(spread, sparse_spread))}
-
-
 def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
     """The fused LM head + loss's cost with its second point: the peak with only 1/SPARSE_TARGET_SHARE
     of the micro-batch's target positions targets (`BlockCost.workspace_at_targets`). The loss
@@ -377,10 +310,18 @@ def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
     a target, in a worker). What the fewer targets save is the lowest of TARGET_PEAK_REPEATS peaks
     with every position a target less the highest with few: a saving measured low, never high, so
     the line stays on or above a run's peak."""
-    thinned = _sparse_target_feeds(feeds)
-    if thinned is None:
+    weights = feeds.get(TARGET_WEIGHTS)
+    if weights is None:
         return cost
-    full, sparse, sparse_feeds = thinned
+    flat = np.asarray(weights).reshape(-1)
+    at = np.flatnonzero(flat)
+    full = len(at)
+    sparse = max(1, full // SPARSE_TARGET_SHARE)
+    if full <= sparse:
+        return cost
+    few = np.zeros_like(flat)
+    few[at[:sparse]] = flat[at[:sparse]]
+    sparse_feeds = {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
     every = min(peak_workspace(backend, spec, feeds) for _ in range(TARGET_PEAK_REPEATS))
     fewer = max(peak_workspace(backend, spec, sparse_feeds) for _ in range(TARGET_PEAK_REPEATS))
     saved = max(0, every - fewer)
@@ -515,19 +456,6 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                         f"{_per_block_backward(cost)}), workspace "
                         f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
                         f"[{time.perf_counter() - started:.1f} s]")
-                if backend.engine == "mnn" and builds is not None:
-                    # the LM head + loss beside a layer recomputing per block, as a worker runs it
-                    costs = with_head_beside_a_layer(costs, graph, feeds, builds,
-                                                     start_up.get(backend.engine, 0)
-                                                     - caches_start_up.get(backend.engine, 0))
-                    head = costs.get(block_signature(graph.blocks[-2]))
-                    if head is not None and head.beside_bytes is not None:
-                        say(f"{backend.name} LM head + loss beside a layer recomputing per block: "
-                            f"{head.beside_bytes / 2**20:.1f} MiB above the layer's charge"
-                            + ("" if head.sparse_beside_bytes is None else
-                               f", {head.sparse_beside_bytes / 2**20:.1f} with {head.sparse_target_positions} "
-                               f"target positions") + f" (new interpreters' spread "
-                            f"{head.beside_spread_bytes / 2**20:.2f} MiB) [{time.perf_counter() - started:.1f} s]")
             if attention:
                 for sig, block in kinds.items():
                     if block.attention is None:  # no attention the lowering could place: not split

@@ -110,7 +110,10 @@ class FreshProcesses:
 
     def run(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> list[int]:
         """`measurements` in order in one fresh child; their bytes, in order (RuntimeError if it fails)."""
-        path = self._job(graph, feeds, measurements)
+        stage = _stage_graph(graph, [(first, last) for _, first, last, _ in measurements])
+        path = os.path.join(self._folder.name, "job.json")
+        _write_job(path, stage, feeds, measurements)
+        del stage
         if self._server is None:
             return _measure_in_new_interpreter(self.name, path, self.timeout_s)
         self._server.stdin.write(path + "\n")
@@ -123,23 +126,6 @@ class FreshProcesses:
         else:
             raise RuntimeError(f"the fresh {self.name} measurement server ended (exit {self._server.poll()})")
         return _result(self.name, lines, 0 if line.strip() == "DONE 0" else 1, "".join(lines))
-
-    def run_new(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement],
-                repeats: int) -> list[list[int]]:
-        """`measurements` in `repeats` new interpreters (`_CHILD`, no fork server: each imports the runtime
-        itself, as a worker starts), one job file for all; each interpreter's bytes, in order. A figure
-        that must cover a worker's peak is read as the largest of them: fork-server children and new
-        interpreters of one stage have read ~1 MiB apart either way (SmolLM2-shaped, the LM head + loss
-        beside a layer: fork 70.2 / new 69.1 here, a quiet CI run's new interpreter 73.3 where the fork
-        median charged 70.2; benchmarks/MEMORY_NOTES.md, h68 and h74)."""
-        path = self._job(graph, feeds, measurements)
-        return [_measure_in_new_interpreter(self.name, path, self.timeout_s) for _ in range(repeats)]
-
-    def _job(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> str:
-        stage = _stage_graph(graph, [(first, last) for _, first, last, _ in measurements])
-        path = os.path.join(self._folder.name, "job.json")
-        _write_job(path, stage, feeds, measurements)
-        return path
 
 
 _CHILD = """

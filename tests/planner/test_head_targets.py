@@ -81,50 +81,6 @@ def test_the_head_stage_is_charged_for_the_plan_s_targets_as_computed_by_hand(ch
             assert got.workspace_bytes - worst.workspace_bytes == got.head_loss_bytes - 100 * MIB
 
 
-def test_beside_a_layer_recomputing_per_block_the_pair_stacks_its_beside_figure_in_both_the_cost_and_the_instance(
-        chat_llama):
-    """A profile whose pair has a beside figure (`BlockCost.beside_bytes`, what it adds to one layer's
-    charge, measured fresh; h68): on a per-block stage with layers that much of the pair is stacked and
-    the rest of its peak is a transient (the max with the layers'), by hand; alone the pair pays its whole
-    peak; a keeping stage stacks all of it (not measured there); the partition instance agrees with the
-    cost model on every stage (one formula, `block_costs`)."""
-    from planner.cluster import Cluster, DeviceSpec, Link
-    from planner.cost import stage_memory_bytes, stage_memory_terms
-    from planner.partition.instance import _memory_bytes, make_instance
-
-    model, _, _ = chat_llama
-    graph = _llama_graph(model)
-    n = len(graph.blocks)
-    profile = _profile_with_head(graph, dataclasses.replace(_head_cost(54, 38, 63, 7), beside_bytes=30 * MIB,
-                                                            sparse_beside_bytes=26 * MIB))
-    backend = profile.backends[0]
-    layer = block_signature(graph.blocks[n - 3])
-    blocks = {**backend.blocks, layer: dataclasses.replace(backend.blocks[layer], per_block_workspace_bytes=28 * MIB,
-                                                           per_block_stacked_bytes=0)}
-    profile = dataclasses.replace(profile, backends=(dataclasses.replace(backend, blocks=blocks),))
-    device = DeviceSpec("d", "tcp://d:1", profile, 1 << 40, "mnn:cpu:t1", activations="per-block")
-    head = block_signature(graph.blocks[n - 2])
-    older = dataclasses.replace(device, profile=dataclasses.replace(profile, backends=(dataclasses.replace(
-        backend, blocks={**blocks, head: dataclasses.replace(blocks[head], beside_bytes=None,
-                                                             sparse_beside_bytes=None)}),)))
-
-    def workspace(dev, first, targets=None):
-        return stage_memory_terms(dataclasses.replace(graph, target_positions=targets), dev, first, n - 1, 0, 1,
-                                  "1f1b-flush", 1, "adamw").workspace_bytes
-
-    for first in (n - 3, 1):  # beside layers: 30 stacked + max(28, 54 - 30), where 54 + 28 before
-        assert workspace(device, first) == 58 * MIB and workspace(older, first) == 82 * MIB
-        # at the data's targets: 26 + 4 x 28 / 56 beside of a 38 + 16 x 28 / 56 pair, the layer's 28 the transient
-        assert workspace(device, first, 35) == 28 * MIB + 28 * MIB and workspace(older, first, 35) == (46 + 28) * MIB
-    assert workspace(device, n - 2) == workspace(older, n - 2) == 54 * MIB  # alone: its whole peak
-    keeping = dataclasses.replace(device, activations="keep")
-    assert stage_memory_terms(graph, keeping, n - 3, n - 1, 0, 1, "1f1b-flush", 1, "adamw").head_loss_bytes == 54 * MIB
-    inst = make_instance(graph, Cluster((device,), Link(1e9, 0.001)), "1f1b-flush", 1, "adamw")
-    for first in (n - 2, n - 3, 1):
-        assert _memory_bytes(inst, 0, first, n - 1, 0, 1) == stage_memory_bytes(
-            graph, device, first, n - 1, 0, 1, "1f1b-flush", 1, "adamw"), first
-
-
 def _cluster(folder: Path, profile) -> Path:
     profile.save(folder / "p.json")
     (folder / "cluster.json").write_text(json.dumps({"devices": [
