@@ -55,12 +55,24 @@ def _widen_nodes(name: str, q: QuantizedTensor) -> tuple[list, list]:
 def widen_parts(name: str, q: QuantizedTensor) -> tuple[list, list, list]:
     """(storage arrays as (initializer name, array), the widening's small constant initializers, its
     nodes): `_widen_nodes` with the big arrays left as arrays, for a writer that streams them."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     arrays = [(k, v) for k, v in storage_tensors(name, q).items() if v.size]  # bfloat16's scales are empty
-    inits = []
     p = f"{name}.q_"
-    nodes = []
+    inits, nodes, stored = _widen_ops(p, [f"{name}.q_codes", f"{name}.q_scales", f"{name}.q_mins"], q, q.rows)
+    final = helper.make_node("Transpose", [stored], [name], name=p + "logical", perm=[1, 0]) if q.axis == 0 else \
+        helper.make_node("Identity", [stored], [name], name=p + "logical")
+    nodes.append(final)
+    return arrays, inits, nodes
+
+
+def _widen_ops(p: str, pieces: list[str], q: QuantizedTensor, rows: int) -> tuple[list, list, str]:
+    """(small constant initializers, nodes, output name): float32 [rows, cols] in storage layout from
+    `rows` rows of `q`'s storage arrays, named by `pieces` (codes, scales, mins), the nodes' names
+    prefixed `p`; `rows` -1: as many as the pieces hold (a lookup's rows)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits, nodes = [], []
 
     def const(suffix: str, value) -> str:
         inits.append(numpy_helper.from_array(np.asarray(value), p + suffix))
@@ -70,12 +82,12 @@ def widen_parts(name: str, q: QuantizedTensor) -> tuple[list, list, list]:
         nodes.append(helper.make_node(kind, list(inputs), [p + suffix], name=p + suffix, **attrs))
         return p + suffix
 
-    rows, cols = q.rows, q.cols
+    cols = q.cols
     if q.storage == "bfloat16":
-        stored = op("Cast", [f"{name}.q_codes"], "widened", to=TensorProto.FLOAT)
+        stored = op("Cast", [pieces[0]], "widened", to=TensorProto.FLOAT)
         padded = cols
     else:
-        codes = op("Cast", [f"{name}.q_codes"], "codes_f", to=TensorProto.FLOAT)
+        codes = op("Cast", [pieces[0]], "codes_f", to=TensorProto.FLOAT)
         padded = q.codes.shape[1] * (2 if q.storage == "int4" else 1)
         if q.storage == "int4":
             high = op("Floor", [op("Mul", [codes, const("sixteenth", np.float32(1 / 16))], "over16")], "high")
@@ -88,19 +100,137 @@ def widen_parts(name: str, q: QuantizedTensor) -> tuple[list, list, list]:
         shape3 = const("shape3", np.array([rows, blocks, q.block], np.int64))
         shape_s = const("shape_s", np.array([rows, blocks, 1], np.int64))
         grid = op("Reshape", [codes, shape3], "grid")
-        scales = op("Reshape", [op("Cast", [f"{name}.q_scales"], "scales_f", to=TensorProto.FLOAT), shape_s], "scales3")
+        scales = op("Reshape", [op("Cast", [pieces[1]], "scales_f", to=TensorProto.FLOAT), shape_s], "scales3")
         out = op("Mul", [grid, scales], "scaled")
         if q.storage == "int4":
-            mins = op("Reshape", [op("Cast", [f"{name}.q_mins"], "mins_f", to=TensorProto.FLOAT), shape_s], "mins3")
+            mins = op("Reshape", [op("Cast", [pieces[2]], "mins_f", to=TensorProto.FLOAT), shape_s], "mins3")
             out = op("Add", [out, mins], "offset")
         stored = op("Reshape", [out, const("shape2", np.array([rows, padded], np.int64))], "widened")
     if padded != cols:
         stored = op("Slice", [stored, const("start", np.array([0], np.int64)), const("end", np.array([cols], np.int64)),
                               const("axes", np.array([1], np.int64))], "cut")
-    final = helper.make_node("Transpose", [stored], [name], name=p + "logical", perm=[1, 0]) if q.axis == 0 else \
-        helper.make_node("Identity", [stored], [name], name=p + "logical")
-    nodes.append(final)
-    return arrays, inits, nodes
+    return inits, nodes, stored
+
+
+HEAD_ROWS = 4096  # rows of a tied table widened at a time for its LM head (SmolLM2's: 9.4 MB a block)
+
+
+def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int = HEAD_ROWS) -> dict[str, list]:
+    """Rewrite the ONNX `graph` (a GraphProto without `weights` among its initializers) so that no node
+    reads one of `weights` ([rows, width], blocked along a row's width) widened whole and transposed, as
+    `widen_parts` and the exporter's Transpose would have it: each Gather of it widens only the rows it
+    looks up, and each Transpose of it that only MatMuls read as their weight (x @ W^T: a projection, a
+    tied LM head) runs as a Gemm (transB) over `head_rows` rows of it widened at a time, the blocks'
+    products concatenated. The numbers are those of the widened weight (the same widening ops, row by
+    row, and a product over the same float32 values). Returns, for each weight it rewrote, the storage
+    arrays to write as initializers, [(name, array)]; a weight some other node reads is left alone.
+    Why: ONNX Runtime widened SmolLM2's int8 table to float32 for the lookup and again for the head's
+    Transpose at every run, ~230 MiB of an int4 run's evaluation (MEMORY_NOTES, helpers h78, h84). The
+    graph's nodes are rebuilt once: protobuf keeps every message it copied until the whole model goes."""
+    every = list(graph.node)  # these objects throughout: `made` is keyed by their ids
+    readers: dict[str, list] = {}
+    for n in every:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    outputs = {o.name for o in graph.output}
+    made: dict[int, list] = {}  # id of a replaced node -> the nodes in its place
+    inits: list = []
+    done = {}
+    for name, q in weights.items():
+        uses = readers.get(name, [])
+        if q.axis != 1 or q.storage == "bfloat16" or not uses or not all(_by_rows(n, name, readers, outputs)
+                                                                          for n in uses):
+            continue
+        _rewrite_by_rows(name, q, uses, readers, made, inits, head_rows)
+        done[name] = [(k, v) for k, v in storage_tensors(name, q).items() if v.size]
+    if done:
+        rewritten = []
+        for n in every:
+            rewritten += made.get(id(n), [n])
+        del graph.node[:]
+        graph.node.extend(rewritten)
+        graph.initializer.extend(inits)
+    return done
+
+
+def _by_rows(n, name: str, readers, outputs) -> bool:
+    """Whether node `n`, a reader of `name`, is one `read_by_rows` rewrites."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    if n.op_type == "Gather":
+        return list(n.input).count(name) == 1 and n.input[0] == name and attrs.get("axis", 0) == 0
+    return (n.op_type == "Transpose" and list(attrs.get("perm", [1, 0])) == [1, 0] and n.output[0] not in outputs
+            and bool(readers.get(n.output[0]))
+            and all(m.op_type == "MatMul" and m.input[1] == n.output[0] and m.input[0] != n.output[0]
+                    for m in readers[n.output[0]]))
+
+
+def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, head_rows: int) -> None:
+    """`read_by_rows` of one weight: the nodes in place of each of its `uses` into `made`."""
+    from onnx import helper, numpy_helper
+
+    pieces = [k for k, v in storage_tensors(name, q).items() if v.size]
+    rows, width = int(q.shape[0]), q.cols
+
+    def const(key: str, value) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(value), key))
+        return key
+
+    for k, n in enumerate(uses):
+        p = f"{name}.q_use{k}_"
+        nodes = made.setdefault(id(n), [])
+        if n.op_type == "Gather":
+            ids = n.input[1]
+            flat = p + "ids"
+            nodes.append(helper.make_node("Reshape", [ids, const(p + "flat", np.array([-1], np.int64))], [flat], name=flat))
+            looked = []
+            for piece in pieces:
+                looked.append(f"{p}{piece.rsplit('.q_', 1)[1]}_rows")
+                nodes.append(helper.make_node("Gather", [piece, flat], [looked[-1]], name=looked[-1], axis=0))
+            more, ops, wide = _widen_ops(p, looked + [None] * (3 - len(looked)), q, -1)
+            inits += more
+            nodes += ops
+            nodes.append(helper.make_node("Shape", [ids], [p + "ids_shape"], name=p + "ids_shape"))
+            nodes.append(helper.make_node("Concat", [p + "ids_shape", const(p + "width", np.array([width], np.int64))],
+                                          [p + "out_shape"], name=p + "out_shape", axis=0))
+            nodes.append(helper.make_node("Reshape", [wide, p + "out_shape"], [n.output[0]], name=p + "out"))
+            continue
+        for m_index, m in enumerate(readers[n.output[0]]):
+            p = f"{name}.q_use{k}_{m_index}_"
+            x, y = m.input[0], m.output[0]
+            heads = made.setdefault(id(m), [])
+            flat = p + "x2"
+            heads.append(helper.make_node("Reshape", [x, const(p + "shape_x2", np.array([-1, width], np.int64))],
+                                          [flat], name=flat))
+            parts = []
+            for b, lo in enumerate(range(0, rows, head_rows)):
+                hi = min(rows, lo + head_rows)
+                pb = f"{p}b{b}_"
+                bounds = [] if hi - lo == rows else [
+                    const(pb + "lo", np.array([lo], np.int64)), const(pb + "hi", np.array([hi], np.int64)),
+                    const(pb + "axis", np.array([0], np.int64))]
+                cut = []
+                for piece in pieces:
+                    if hi - lo == rows:  # one block: the stored arrays as they are
+                        cut.append(piece)
+                        continue
+                    cut.append(f"{pb}{piece.rsplit('.q_', 1)[1]}_block")
+                    heads.append(helper.make_node("Slice", [piece, *bounds], [cut[-1]], name=cut[-1]))
+                more, ops, wide = _widen_ops(pb, cut + [None] * (3 - len(cut)), q, hi - lo)
+                inits += more
+                heads += ops
+                parts.append(pb + "product")
+                heads.append(helper.make_node("Gemm", [flat, wide], [parts[-1]], name=parts[-1], transB=1))
+            heads.append(helper.make_node("Concat", parts, [p + "logits2"], name=p + "logits2", axis=1))
+            heads.append(helper.make_node("Shape", [x], [p + "x_shape"], name=p + "x_shape"))
+            heads.append(helper.make_node("Slice", [p + "x_shape", const(p + "lead0", np.array([0], np.int64)),
+                                                    const(p + "lead1", np.array([-1], np.int64))],
+                                          [p + "lead"], name=p + "lead"))
+            heads.append(helper.make_node("Concat", [p + "lead", const(p + "rows", np.array([rows], np.int64))],
+                                          [p + "out_shape"], name=p + "out_shape", axis=0))
+            heads.append(helper.make_node("Reshape", [p + "logits2", p + "out_shape"], [y], name=p + "out"))
+        made[id(n)] = []  # the Transpose goes
 
 
 def quantized_weights(graph, storage: str, keep_float: set[str] = frozenset()) -> dict[str, QuantizedTensor]:
@@ -411,6 +541,6 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1)).cast("B")
 
 
-__all__ = ["BASE_DTYPE_KEY", "BLOCK", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
+__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
            "recorded_base_dtype", "INLINE_LIMIT", "take_weight_inputs",
            "widen_parts", "widen_stored_weights", "with_float_weights", "write_quantized", "write_with_weights"]

@@ -47,7 +47,7 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
 
     from ir.precision import QuantizedTensor, base_dtype_of
     from planner.onnx_import import read_onnx_apart
-    from planner.onnx_quantize import write_with_weights
+    from planner.onnx_quantize import read_by_rows, write_with_weights
     from planner.onnx_weights import drop_mapped_pages
 
     model, folder = Path(model), Path(folder)
@@ -66,7 +66,13 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
                        else arrays[t.name])
     del proto.graph.initializer[:]
     base_dtype = base_dtype_of(dict(held))
-    done = write_with_weights(proto, weights, folder / runs.name, base_dtype)
+    # the weights read by rows (`read_by_rows`): a lookup widens only the rows it looks up, a product
+    # x @ W^T (the tied LM head a block of rows at a time) is a Gemm over W widened, never transposed
+    tables = read_by_rows(proto.graph, {k: v for k, v in weights.items() if isinstance(v, QuantizedTensor)})
+    for name, pieces in tables.items():
+        del weights[name]
+        weights.update(pieces)
+    done = write_with_weights(proto, weights, folder / runs.name, base_dtype) + sorted(tables)
     drop_mapped_pages(arrays.values())
     del proto, arrays, weights
     for other in model.parent.iterdir():
