@@ -115,7 +115,8 @@ def _widen_ops(p: str, pieces: list[str], q: QuantizedTensor, rows: int) -> tupl
 HEAD_ROWS = 4096  # rows of a tied table widened at a time for its LM head (SmolLM2's: 9.4 MB a block)
 
 
-def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int = HEAD_ROWS) -> dict[str, list]:
+def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int = HEAD_ROWS,
+                 branches: Mapping[str, tuple] | None = None) -> dict[str, list]:
     """Rewrite the ONNX `graph` (a GraphProto without `weights` among its initializers) so that no node
     reads one of `weights` ([rows, width], blocked along a row's width) widened whole and transposed, as
     `widen_parts` and the exporter's Transpose would have it: each Gather of it widens only the rows it
@@ -124,6 +125,9 @@ def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int =
     products concatenated. The numbers are those of the widened weight (the same widening ops, row by
     row, and a product over the same float32 values). Returns, for each weight it rewrote, the storage
     arrays to write as initializers, [(name, array)]; a weight some other node reads is left alone.
+    `branches`: weight name -> (A [in, r], B [r, out]) float32, a LoRA adapter (its scale in B) whose
+    product x @ A @ B is added to x @ W^T (Gemm's C), its base kept stored (written as `NAME.lora_A`,
+    `NAME.lora_B` beside the storage arrays): a trained model without its merged weights in float32.
     Why: ONNX Runtime widened SmolLM2's int8 table to float32 for the lookup and again for the head's
     Transpose at every run, ~230 MiB of an int4 run's evaluation (MEMORY_NOTES, helpers h78, h84). The
     graph's nodes are rebuilt once: protobuf keeps every message it copied until the whole model goes."""
@@ -141,8 +145,11 @@ def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int =
         if q.axis != 1 or q.storage == "bfloat16" or not uses or not all(_by_rows(n, name, readers, outputs)
                                                                           for n in uses):
             continue
-        _rewrite_by_rows(name, q, uses, readers, made, inits, head_rows)
+        lora = (branches or {}).get(name)
+        _rewrite_by_rows(name, q, uses, readers, made, inits, head_rows, lora)
         done[name] = [(k, v) for k, v in storage_tensors(name, q).items() if v.size]
+        if lora is not None:
+            done[name] += [(f"{name}.lora_A", lora[0]), (f"{name}.lora_B", lora[1])]
     if done:
         rewritten = []
         for n in every:
@@ -151,6 +158,30 @@ def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int =
         graph.node.extend(rewritten)
         graph.initializer.extend(inits)
     return done
+
+
+def last_position_only(graph, output: str = "logits") -> bool:
+    """Rewrite the ONNX `graph` of a causal LM so that its `output` ([batch, seq, vocab], a MatMul's) holds
+    the last position only ([batch, 1, vocab]): the hidden states sliced before the head. What
+    generation reads (`tasks.causal_lm.generate`: each step's last logits); a prompt's other positions'
+    logits were [seq, vocab] floats made and dropped (SmolLM2: 49152 a position). False, `graph`
+    untouched, when no MatMul makes `output`."""
+    from onnx import helper, numpy_helper
+
+    head = next((n for n in graph.node if output in n.output), None)
+    if head is None or head.op_type != "MatMul":
+        return False
+    p = f"{output}.last_"
+    bounds = [(p + "start", -1), (p + "end", 2 ** 62), (p + "axis", 1)]
+    graph.initializer.extend(numpy_helper.from_array(np.array([v], np.int64), k) for k, v in bounds)
+    graph.node.append(helper.make_node("Slice", [head.input[0], *(k for k, _ in bounds)], [p + "hidden"],
+                                       name=p + "hidden"))  # ONNX Runtime orders the nodes itself
+    head.input[0] = p + "hidden"
+    for o in graph.output:
+        if o.name == output and len(o.type.tensor_type.shape.dim) == 3:
+            o.type.tensor_type.shape.dim[1].Clear()
+            o.type.tensor_type.shape.dim[1].dim_value = 1
+    return True
 
 
 def _by_rows(n, name: str, readers, outputs) -> bool:
@@ -166,7 +197,8 @@ def _by_rows(n, name: str, readers, outputs) -> bool:
                     for m in readers[n.output[0]]))
 
 
-def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, head_rows: int) -> None:
+def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, head_rows: int,
+                     lora: tuple | None) -> None:
     """`read_by_rows` of one weight: the nodes in place of each of its `uses` into `made`."""
     from onnx import helper, numpy_helper
 
@@ -203,8 +235,14 @@ def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, 
             flat = p + "x2"
             heads.append(helper.make_node("Reshape", [x, const(p + "shape_x2", np.array([-1, width], np.int64))],
                                           [flat], name=flat))
+            branch = None
+            if lora is not None:  # x @ A @ B beside the base's product (A [in, r], B [r, out], scaled)
+                heads.append(helper.make_node("MatMul", [flat, f"{name}.lora_A"], [p + "xa"], name=p + "xa"))
+                branch = p + "xab"
+                heads.append(helper.make_node("MatMul", [p + "xa", f"{name}.lora_B"], [branch], name=branch))
             parts = []
-            for b, lo in enumerate(range(0, rows, head_rows)):
+            blocks = list(range(0, rows, head_rows))
+            for b, lo in enumerate(blocks):
                 hi = min(rows, lo + head_rows)
                 pb = f"{p}b{b}_"
                 bounds = [] if hi - lo == rows else [
@@ -221,15 +259,22 @@ def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, 
                 inits += more
                 heads += ops
                 parts.append(pb + "product")
-                heads.append(helper.make_node("Gemm", [flat, wide], [parts[-1]], name=parts[-1], transB=1))
-            heads.append(helper.make_node("Concat", parts, [p + "logits2"], name=p + "logits2", axis=1))
+                added = [branch] if branch is not None and len(blocks) == 1 else []  # Gemm's C: + x A B
+                heads.append(helper.make_node("Gemm", [flat, wide, *added], [parts[-1]], name=parts[-1], transB=1))
+            whole = parts[0]
+            if len(parts) > 1:
+                whole = p + "logits2"
+                heads.append(helper.make_node("Concat", parts, [whole], name=whole, axis=1))
+                if branch is not None:
+                    heads.append(helper.make_node("Add", [whole, branch], [p + "sum"], name=p + "sum"))
+                    whole = p + "sum"
             heads.append(helper.make_node("Shape", [x], [p + "x_shape"], name=p + "x_shape"))
             heads.append(helper.make_node("Slice", [p + "x_shape", const(p + "lead0", np.array([0], np.int64)),
                                                     const(p + "lead1", np.array([-1], np.int64))],
                                           [p + "lead"], name=p + "lead"))
             heads.append(helper.make_node("Concat", [p + "lead", const(p + "rows", np.array([rows], np.int64))],
                                           [p + "out_shape"], name=p + "out_shape", axis=0))
-            heads.append(helper.make_node("Reshape", [p + "logits2", p + "out_shape"], [y], name=p + "out"))
+            heads.append(helper.make_node("Reshape", [whole, p + "out_shape"], [y], name=p + "out"))
         made[id(n)] = []  # the Transpose goes
 
 
@@ -541,6 +586,6 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1)).cast("B")
 
 
-__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
+__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "last_position_only", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
            "recorded_base_dtype", "INLINE_LIMIT", "take_weight_inputs",
            "widen_parts", "widen_stored_weights", "with_float_weights", "write_quantized", "write_with_weights"]

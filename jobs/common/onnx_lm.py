@@ -33,7 +33,7 @@ def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
 
 
 def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: Mapping[str, np.ndarray] | None,
-                        folder: Path) -> Path:
+                        folder: Path, branches: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> Path:
     """A copy in `folder` of the float32 export at `model` that ONNX Runtime runs with the weights a
     quantized-base engine holds (`held`: its graph's constants): each `ir.precision.QuantizedTensor` of
     `held` stored quantized as `confidant export --base-dtype` stores it (widening ops over the stored
@@ -42,12 +42,15 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     (the cache graph when it takes the weights, else the training graph), streamed one weight at a time
     from a mapping of the file; the other files beside `model` (tokenizer, template) are linked. The
     float32 file's session held its 514 MB twice (SmolLM2: 1.1 GB of a train-local's 1.4 GB peak);
-    this one holds the quantized base (MEMORY_NOTES, helper h78). Returns the copy's NAME.onnx."""
+    this one holds the quantized base (MEMORY_NOTES, helper h78). `branches`: trained LoRA adapters by
+    base weight name, (A [in, r], B [r, out] x scale), computed beside the base kept quantized
+    (`planner.onnx_quantize.read_by_rows`), not merged into a float32 weight (helper h84); a base the
+    copy cannot run so is merged here. Returns the copy's NAME.onnx."""
     import json
 
     from ir.precision import QuantizedTensor, base_dtype_of
     from planner.onnx_import import read_onnx_apart
-    from planner.onnx_quantize import read_by_rows, write_with_weights
+    from planner.onnx_quantize import last_position_only, read_by_rows, write_with_weights
     from planner.onnx_weights import drop_mapped_pages
 
     model, folder = Path(model), Path(folder)
@@ -68,10 +71,17 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     base_dtype = base_dtype_of(dict(held))
     # the weights read by rows (`read_by_rows`): a lookup widens only the rows it looks up, a product
     # x @ W^T (the tied LM head a block of rows at a time) is a Gemm over W widened, never transposed
-    tables = read_by_rows(proto.graph, {k: v for k, v in weights.items() if isinstance(v, QuantizedTensor)})
+    if runs is not model:  # generation reads each step's last position only (`last_position_only`)
+        last_position_only(proto.graph)
+    branches = dict(branches or {})
+    tables = read_by_rows(proto.graph, {k: v for k, v in weights.items() if isinstance(v, QuantizedTensor)},
+                          branches=branches)
     for name, pieces in tables.items():
         del weights[name]
         weights.update(pieces)
+    for name in set(branches) - set(tables):  # read some other way: merged, as a float32 initializer
+        a, b = branches.pop(name)
+        weights[name] = (np.asarray(held[name], np.float64) + (a.astype(np.float64) @ b).T).astype(np.float32)
     done = write_with_weights(proto, weights, folder / runs.name, base_dtype) + sorted(tables)
     drop_mapped_pages(arrays.values())
     del proto, arrays, weights
@@ -109,7 +119,8 @@ def open_lm(model: Path, initializers, threads, prepack: bool = True):
 def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = GenerationSettings(max_new_tokens=48),
                 batch: int = 8, limit: int | None = None, threads: int | None = None,
                 initializers: Mapping[str, np.ndarray] | None = None, perplexity: bool = True,
-                prepack: bool = True, held: Mapping[str, object] | None = None) -> InstructionScores:
+                prepack: bool = True, held: Mapping[str, object] | None = None,
+                branches: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> InstructionScores:
     """Perplexity and exact match (and the entity task's scores) on a JSONL instruction file, the first
     `limit` conversations of it. The default 48 new tokens fit every entities-json answer (at most 37
     SmolLM2 tokens with its end token); a base model that rambles is cut there. `perplexity` False:
@@ -117,7 +128,7 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
     one session (the cache graph's), never the whole-sequence graph's beside it; `prepack` False: no
     pre-packed copy of the weights (`OnnxCausalLM`). `held`: a quantized-base engine's constants, run as
     it holds them (`held_quantized_copy`: a float32 file's base replaced by `held`'s quantized weights,
-    `initializers` written in), not over the float32 file."""
+    `initializers` written in, and `branches`: LoRA adapters beside their base), not over the float32 file."""
     conversations = read_instructions(data)[:limit]
     if not conversations:
         raise JobError(f"{data}: no conversations")
@@ -127,7 +138,7 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="confidant-eval-") as folder:
-        copy = held_quantized_copy(Path(model), held, initializers, Path(folder))
-        initializers = None  # written into the copy: a caller that passed them alone lets them go here
+        copy = held_quantized_copy(Path(model), held, initializers, Path(folder), branches)
+        initializers = branches = None  # written into the copy: a caller that passed them alone lets them go here
         lm, tokenizer = open_lm(copy, None, threads, prepack)
         return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)

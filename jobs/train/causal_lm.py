@@ -19,7 +19,7 @@ import inspect
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -76,14 +76,19 @@ def lm_graph(model: Path, settings: TrainingSettings, reporter: Reporter = Silen
     return lora, adapters
 
 
-def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarray], adapters, scale: float
-                       ) -> dict[str, np.ndarray]:
+def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarray], adapters, scale: float,
+                       unmerged: Collection[str] = ()) -> dict[str, np.ndarray]:
     """The trained weights by the exported file's initializer names (adapters merged into their base
     weights): what ONNX Runtime generates with. Parameters that are no initializer of the file are
     left out (there are none in a `confidant export --task causal-lm` TorchScript file); a file exported
-    elsewhere gets its folded transposed copies of them too (`planner.onnx_import.with_folded_copies`)."""
+    elsewhere gets its folded transposed copies of them too (`planner.onnx_import.with_folded_copies`).
+    Adapters on the bases in `unmerged` are left out, their bases too (`lora_branches` gives them)."""
     out = {p: weights[p] for p in graph.params if p in weights}
     for a in adapters:
+        if a.base in unmerged:
+            out.pop(a.a, None)
+            out.pop(a.b, None)
+            continue
         delta = scale * (weights[a.a].astype(np.float64) @ weights[a.b].astype(np.float64))
         base = graph.constants[a.base].astype(np.float64)
         out[a.base] = (base + (delta.T if a.base_transposed else delta)).astype(np.float32)
@@ -98,6 +103,17 @@ def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarr
         names = initializer_shapes(model)
         return {k: v for k, v in with_folded_copies(model, out).items() if k in names}
     return {k: v for k, v in out.items() if k in set(meta["weights"])}
+
+
+def lora_branches(graph: Graph, weights: Mapping[str, np.ndarray], adapters, scale: float
+                  ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The trained adapters on bases held quantized and read transposed ([out, in]) as base name ->
+    (A [in, r], scale x B [r, out]) float32: what a held base's copy computes beside the base
+    (`jobs.common.onnx_lm.held_quantized_copy`)."""
+    from ir.precision import QuantizedTensor
+
+    return {a.base: (np.asarray(weights[a.a], np.float32), (scale * np.asarray(weights[a.b], np.float32)))
+            for a in adapters if a.base_transposed and isinstance(graph.constants.get(a.base), QuantizedTensor)}
 
 
 def lm_data(model: Path, data: Path, eval_path: Path | None, settings: TrainingSettings,
@@ -120,16 +136,20 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
     # evaluation keeps its activations' caches resident afterwards; the sessions' freed heap is
     # handed back before the engine runs
     scale = settings.lora.scale if settings.lora is not None else 1.0
-    # a list popped into the call: not kept here, so a held base's copy lets them go once it is written
-    merged = [None if weights is None else generation_weights(model, graph, weights, adapters, scale)]
-    drop_mapped_pages(graph.constants.values())  # the base weights the merge read (a mapped graph's)
     # a base held quantized (of a float32 file) generates as the engine holds it: ONNX Runtime over a copy
     # storing that base quantized, not over the float32 file, whose session held its weights twice
-    # (SmolLM2 int4: the evaluation's peak 1410 -> 741 MiB; MEMORY_NOTES, helper h78)
+    # (SmolLM2 int4: the evaluation's peak 1410 -> 741 MiB; MEMORY_NOTES, helper h78); trained adapters
+    # there beside their base, not merged into float32 weights (SmolLM2: q/k/v/o 106 MB; helper h84)
     held = graph.constants if read_mapped(model, settings.lora) and lm_metadata(model) is not None else None
+    branches = [None if held is None or weights is None else lora_branches(graph, weights, adapters, scale)]
+    # lists popped into the call: not kept here, so a held base's copy lets them go once it is written
+    merged = [None if weights is None else generation_weights(model, graph, weights, adapters, scale,
+                                                               unmerged=set(branches[0] or ()))]
+    drop_mapped_pages(graph.constants.values())  # the base weights the merge read (a mapped graph's)
     scores = evaluate_lm(model, eval_path, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
                          batch=max(settings.batch, 8), limit=settings.eval_limit, threads=settings.threads,
-                         initializers=merged.pop(), perplexity=False, prepack=False, held=held)
+                         initializers=merged.pop(), perplexity=False, prepack=False, held=held,
+                         branches=branches.pop())
     gc.collect()
     release_free_heap()
     if inspect.isfunction(engine):  # the perplexity's own function: run once generation's sessions are gone
