@@ -109,14 +109,16 @@ def test_the_held_copy_runs_trained_adapters_beside_the_int4_base(chat_llama, tm
 @pytest.mark.slow  # the SmolLM2 export (shared with the slow tier), then one fresh process: ~1-2 min loaded
 def test_an_int4_runs_evaluation_holds_no_float32_file_twice(smollm2_onnx, tmp_path):
     """SmolLM2-135M LoRA r=8 on an int4 base, one AdamW step at 1 x 128 with the evaluation before and
-    after it (one conversation, 48 new tokens): the process's whole-life VmHWM below twice the float32
-    cache graph's bytes. Measured (h78, load 5-9): before the change 1380-1446 MiB (the session over
-    the float32 file alone 1068 of it; integrate with this test: 1391.2, failed), after 827.7-829.5 (3 runs)."""
+    after it (one conversation, 48 new tokens): the process's whole-life VmHWM below 1.2 x the float32
+    cache graph's bytes (617 MiB). Measured (h78, load 5-9): over the float32 file 1380-1446 MiB; over
+    the held int4 copy 827.7-829.5 (its tied table widened whole twice a run, the trained q/k/v/o merged
+    in float32; main 251971f: fails); with the table read by rows, the adapters beside their int4 base and
+    the logits of the last position only (h84, load 20-26): 555-557."""
     from tasks.causal_lm.entity_task import write_entity_splits
 
     train, dev = write_entity_splits(tmp_path / "data", n_train=8, n_dev=1, seed=0)
     kv = smollm2_onnx.with_name(smollm2_onnx.stem + ".kv.onnx")
-    bound = 2 * kv.stat().st_size
+    bound = 1.2 * kv.stat().st_size
     # VmHWM when the evaluation before training is done (the "dev perplexity ... before" note: set-up and
     # evaluation), then at the end (training, which the job measures after resetting VmHWM, and the evaluation after)
     got = int4_train_local_peaks(smollm2_onnx, train, dev, 1, {"before": ["dev perplexity", "before"]})
@@ -124,5 +126,5 @@ def test_an_int4_runs_evaluation_holds_no_float32_file_twice(smollm2_onnx, tmp_p
     whole = max(got["before"], got["after"])
     print(f"whole life {whole / MIB:.1f} MiB (evaluation before {got['before'] / MIB:.1f}, training and after "
           f"{got['after'] / MIB:.1f}, training alone {got['training'] / MIB:.1f}); bound {bound / MIB:.1f}")
-    assert whole < bound, (f"the evaluation peaked at {whole / MIB:.1f} MiB, above twice the float32 graph "
+    assert whole < bound, (f"the evaluation peaked at {whole / MIB:.1f} MiB, above 1.2 x the float32 cache graph "
                            f"({bound / MIB:.1f})", got)
