@@ -42,7 +42,10 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     (the cache graph when it takes the weights, else the training graph), streamed one weight at a time
     from a mapping of the file; the other files beside `model` (tokenizer, template) are linked. The
     float32 file's session held its 514 MB twice (SmolLM2: 1.1 GB of a train-local's 1.4 GB peak);
-    this one holds the quantized base (MEMORY_NOTES, helper h78). `branches`: trained LoRA adapters by
+    this one holds the quantized base (MEMORY_NOTES, helper h78). The weights read transposed by products
+    and the tied table are read by rows (`planner.onnx_quantize.read_by_rows`: no float32 table widened
+    whole, no transposed copies), and the cache graph gives its last position's logits only, all that
+    generation reads (`last_position_only`): SmolLM2 int4's generation 708 -> 481 MiB (helper h84). `branches`: trained LoRA adapters by
     base weight name, (A [in, r], B [r, out] x scale), computed beside the base kept quantized
     (`planner.onnx_quantize.read_by_rows`), not merged into a float32 weight (helper h84); a base the
     copy cannot run so is merged here. Returns the copy's NAME.onnx."""
