@@ -117,7 +117,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import socket
 import statistics
 import subprocess
@@ -168,8 +167,13 @@ def time_methods(obj, methods: dict[str, str]) -> dict[str, float]:
     return timers
 
 def _rss_mb() -> float:
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: KiB on Linux, bytes on macOS
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+    """This process's peak resident memory, MiB: VmHWM (runtime.procfs), not ru_maxrss, which Linux
+    keeps across execve: a TDP rank started by this script's process read that process's peak as its
+    own (every rank of every schedule 1030 MB in a run that exported MiniLM first, 846-850 without;
+    benchmarks/MEMORY_NOTES.md, helper h85)."""
+    from runtime.procfs import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def _median(xs):
@@ -589,7 +593,6 @@ def engines_picked(graph, model: Path, stages: int, schedule: str, M: int) -> tu
     from jobs.train.pipeline import stage_ranges
     from planner.cluster import DeviceSpec
     from planner.engines import stage_pick
-    from runtime.profiling.device import profile_device
 
     profile = _profile(graph, model)
     device = DeviceSpec("bench", "tcp://127.0.0.1:1", profile, profile.memory_available_bytes)
