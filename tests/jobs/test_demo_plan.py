@@ -8,7 +8,7 @@ import pytest
 
 
 @pytest.mark.slow  # exports MiniLM, profiles this machine and plans, as `confidant demo` does
-def test_the_demos_plan_keeps_its_snapshot_copies_on_the_workers(export_dir, tmp_path):
+def test_the_demos_plan_keeps_its_snapshot_copies_on_the_workers(minilm_onnx, tmp_path):
     """`confidant demo`'s own profile and plan (jobs.demo.plan_demo, its settings from the command
     line's defaults): each device is charged, for holding the snapshots on the workers, the working
     bytes of a copy on its way or a window sent after a loss, far below the copies themselves, and
@@ -22,13 +22,11 @@ def test_the_demos_plan_keeps_its_snapshot_copies_on_the_workers(export_dir, tmp
     from confidant.commands import _training_settings, demo_args
     from ir.bundle import load_plan
     from jobs.demo import plan_demo
-    from jobs.export.encoder import default_checkpoint_dir
     from jobs.train.from_plan import state_place
     from runtime.pipeline.snapshots import SPOOL_WORKING_BYTES, peer_snapshot_bytes
-    from support import export_onnx
     from tasks.ner.datagen import write_splits
 
-    model = export_onnx(default_checkpoint_dir(), export_dir / "minilm-demo.onnx")  # `confidant export`'s options
+    model = minilm_onnx  # the session's MiniLM export: `confidant export`'s options (ExportOptions() is opset 17)
     settings = _training_settings(demo_args(build_parser().parse_args(["demo"])))
     train, _ = write_splits(tmp_path / "data", n_train=2000, n_dev=300, seed=0)
     plan_dir, _ = plan_demo(tmp_path, model, train, settings)

@@ -123,12 +123,19 @@ def _train_plan(plan, train, dev, keys):
     return train_from_plan(plan, train, dev, PlanRunSettings(steps=3, seed=0, local=True, keys=keys))
 
 
-@pytest.mark.slow  # profile, plan and worker processes
-def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, tmp_path):
+@pytest.fixture(scope="module")
+def decoder_plan(chat_llama, tmp_path_factory):
+    """The tiny Llama's two-device plan (`_two_device_plan` at 4 x 128, 2 GiB each), profiled and planned
+    once for the module: the tests below train from it and read it, none writes into it."""
+    return _two_device_plan(chat_llama[0], 4, 128, "2GiB", tmp_path_factory.mktemp("decoder-plan"))
+
+
+@pytest.mark.slow  # profile, plan (the module's) and worker processes
+def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, decoder_plan):
     """profile -> plan (the tokenizer copied beside the plan, bundles signed) -> `confidant train PLAN`
     on local workers: the step losses of train-local, and the dev perplexity."""
     path, train, dev = chat_llama
-    plan, keys = _two_device_plan(path, 4, 128, "2GiB", tmp_path)
+    plan, keys = decoder_plan
     assert (plan / "tokenizer.json").is_file() and (plan / "chat_template.json").is_file()
     metrics = _train_plan(plan, train, dev, keys)
     one = train_local(path, train, None, TrainingSettings(steps=3, batch=4, seq=128, lr=5e-5, seed=0),
@@ -137,8 +144,8 @@ def test_a_decoder_plan_trains_from_its_bundles_as_one_device_does(chat_llama, t
     assert metrics.eval.metric == "perplexity" and metrics.eval.perplexity > 1.0
 
 
-@pytest.mark.slow  # profile, plan and worker processes
-def test_a_decoder_plans_perplexity_is_scored_on_its_workers(chat_llama, tmp_path, monkeypatch):
+@pytest.mark.slow  # profile, plan (the module's) and worker processes
+def test_a_decoder_plans_perplexity_is_scored_on_its_workers(chat_llama, decoder_plan, tmp_path, monkeypatch):
     """`confidant train PLAN` of a causal LM scores the dev perplexity on the workers (issue 32): this
     process builds no engine of the model, and the figure is one whole-model engine's over the
     checkpoint's weights (what the coordinator computed before), to 1e-5."""
@@ -150,7 +157,7 @@ def test_a_decoder_plans_perplexity_is_scored_on_its_workers(chat_llama, tmp_pat
     from tasks.causal_lm.task import CAUSAL_LM
 
     path, train, dev = chat_llama
-    plan, keys = _two_device_plan(path, 4, 128, "2GiB", tmp_path)
+    plan, keys = decoder_plan
 
     def refused(*args, **kwargs):
         raise AssertionError("the coordinator built an engine to evaluate")
