@@ -114,32 +114,23 @@ def test_the_partition_instance_charges_what_the_cost_model_does(graph):
             assert [s.memory_bytes for s in plan.stages] == [c.memory_bytes for c in costs], (schedule, names)
 
 
-@pytest.fixture(scope="module")
-def minilm_layer(minilm_onnx):
-    """MiniLM at 2 x 128, its synthetic micro-batch, its first layer and that layer measured on MNN as
-    `profile` does (once for the module: both tests below read the same measurement)."""
-    from ir.backend import parse_backend
-    from runtime.profiling.device import measure_block
-    from runtime.profiling.inputs import synthetic_feeds
-
-    minilm = load_model(minilm_onnx, B, 128)
-    feeds = synthetic_feeds(minilm, 0)
-    layer = next(b for b in minilm.blocks if b.name.startswith("layer"))
-    return minilm, feeds, layer, measure_block(parse_backend("mnn:cpu:t1"), minilm, layer, feeds, reps=1)
-
-
-@pytest.mark.slow  # MiniLM's layer profiled on MNN (the module's), then three layers run as one stage (~15 s)
-def test_three_minilm_layers_on_mnn_peak_where_the_measured_parts_say(minilm_layer):
+@pytest.mark.slow  # MiniLM's layer profiled on MNN, then three layers run as one stage (~15 s)
+def test_three_minilm_layers_on_mnn_peak_where_the_measured_parts_say(minilm_onnx):
     """The prediction from one layer's measured parts (3 x stacked + the transient) against the
     measured peak of a freshly built MNN stage of three layers running two forwards and backwards:
     within 12% either way; the older model (3 x the whole workspace) is at least 20% over it."""
     from runtime.profiling.compute import peak_workspace
+    from runtime.profiling.device import measure_block
+    from runtime.profiling.inputs import synthetic_feeds
     from runtime.engines.stage import stage_spec
 
     from ir.backend import parse_backend
 
     mnn = parse_backend("mnn:cpu:t1")
-    minilm, feeds, layer, cost = minilm_layer
+    minilm = load_model(minilm_onnx, B, 128)
+    feeds = synthetic_feeds(minilm, 0)
+    layer = next(b for b in minilm.blocks if b.name.startswith("layer"))
+    cost = measure_block(mnn, minilm, layer, feeds, reps=1)
     assert cost.stacked_bytes is not None and 0 < cost.stacked_bytes < cost.workspace_bytes
     measured = peak_workspace(mnn, stage_spec(minilm, layer.index, layer.index + 2), feeds)
     predicted = 3 * cost.stacked + cost.transient
@@ -147,8 +138,8 @@ def test_three_minilm_layers_on_mnn_peak_where_the_measured_parts_say(minilm_lay
     assert 3 * cost.workspace_bytes >= 1.2 * measured, (cost.workspace_bytes / MIB, measured / MIB)
 
 
-@pytest.mark.slow  # MiniLM's layer profiled on MNN (the module's), then three layers run per block as one stage
-def test_three_minilm_layers_recomputed_per_block_peak_where_the_measured_parts_say(minilm_layer):
+@pytest.mark.slow  # MiniLM's layer profiled on MNN, then three layers run per block as one stage (~20 s)
+def test_three_minilm_layers_recomputed_per_block_peak_where_the_measured_parts_say(minilm_onnx):
     """Recomputing per block (no per-op caches, each block's buffers let go after its forward and its
     backward), a further layer holds far less than with caches, and one layer's measured parts
     (3 x per_block_stacked + the transient left of the workspace) are never more than 12% below
@@ -157,9 +148,14 @@ def test_three_minilm_layers_recomputed_per_block_peak_where_the_measured_parts_
     from ir.backend import parse_backend
     from runtime.engines.stage import stage_spec
     from runtime.profiling.compute import peak_workspace
+    from runtime.profiling.device import measure_block
+    from runtime.profiling.inputs import synthetic_feeds
 
     mnn = parse_backend("mnn:cpu:t1")
-    minilm, feeds, layer, cost = minilm_layer
+    minilm = load_model(minilm_onnx, B, 128)
+    feeds = synthetic_feeds(minilm, 0)
+    layer = next(b for b in minilm.blocks if b.name.startswith("layer"))
+    cost = measure_block(mnn, minilm, layer, feeds, reps=1)
     assert cost.per_block_stacked_bytes is not None and cost.per_block_stacked_bytes < cost.stacked_bytes / 2
     measured = peak_workspace(mnn, stage_spec(minilm, layer.index, layer.index + 2), feeds, "per-block")
     predicted = 3 * cost.per_block_stacked + cost.workspace_bytes - cost.per_block_stacked
