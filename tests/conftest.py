@@ -121,7 +121,7 @@ def chat_llama(tmp_path_factory):
 # (support.made_once): the first two modules start together on the two workers, so its users (SmolLM2,
 # LLM export, the int4 set-up peak, the held base's generation) are kept apart from the second.
 LONGEST_FIRST = ("test_smollm2.py", "test_full_finetune_plan.py", "test_torch_full_finetune_plan.py",
-                 "test_summed_line.py", "test_fresh_engine_build.py", "test_torch_per_block_plan.py",
+                 "test_fresh_engine_build.py", "test_torch_per_block_plan.py",
                  "test_lean_export.py", "test_network_heal.py", "test_llm_export.py", "test_fresh_keep_line.py",
                  "test_pipeline_tasks.py", "test_keep_line.py", "test_faults.py", "test_int4_setup_peak.py",
                  "test_torch_start_up.py", "test_head_targets.py", "test_held_base_generation.py",
