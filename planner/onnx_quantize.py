@@ -336,7 +336,7 @@ def widen_stored_weights(model, arrays: dict[str, np.ndarray]) -> None:
     record is left as it is."""
     from onnx import TensorProto, numpy_helper
 
-    from ir.precision import dequantize, from_storage_tensors
+    from ir.precision import from_storage_tensors
 
     record = {p.key: p.value for p in model.metadata_props}.get(WEIGHTS_KEY)
     if not record:
