@@ -107,28 +107,15 @@ def chat_llama(tmp_path_factory):
 
 
 # Under pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`) each test module runs whole on one
-# worker, handed out in collection order; a worker is handed its next module once two tests or fewer of
-# its own are left, so the modules handed out last decide how long one worker waits for the other. The
-# longest go first, the many short ones (not named here) last, in their collection order. Measured on 2
-# cores (`pytest -n 2 --durations=0`, seconds per module): SmolLM2 133 (the fine-tune alone 100-140),
-# LLM export 105, faults 82, pipeline tasks 37, decoder split 34, profile 30, partition 29, plan-train
-# 24, pipeline 22, then 20 and less. The memory tests since (real profiles, plans and runs, fresh
-# interpreters) are as long or longer: their own notes put the full fine-tuning plans at 4-8 min loaded,
-# the torch per-block plan 3-6, the summed line 4-6, the lean exports ~5, the fresh engine build and keep
-# line 2-4 each, the heal's six outages ~25 s each. Left in collection order they came last
-# (tests/runtime/ in a row: ~8 min loaded of modules of one or two tests), where one worker ran the last
-# of them alone. The SmolLM2 export is made by whichever module asks first and waited for by the others
-# (support.made_once): the first two modules start together on the two workers, so its users (SmolLM2,
-# LLM export, the int4 set-up peak, the held base's generation) are kept apart from the second.
-LONGEST_FIRST = ("test_smollm2.py", "test_full_finetune_plan.py", "test_torch_full_finetune_plan.py",
-                 "test_fresh_engine_build.py", "test_torch_per_block_plan.py",
-                 "test_lean_export.py", "test_network_heal.py", "test_llm_export.py", "test_fresh_keep_line.py",
-                 "test_pipeline_tasks.py", "test_keep_line.py", "test_faults.py", "test_int4_setup_peak.py",
-                 "test_torch_start_up.py", "test_head_targets.py", "test_held_base_generation.py",
-                 "test_demo_plan.py", "test_fresh_lines.py", "test_torch_weight_pass.py", "test_decoder_split.py",
-                 "test_profile.py", "test_workspace_parts.py", "test_partition.py", "test_plan_train.py",
-                 "test_engine_choice.py", "test_restore_memory.py", "test_pipeline.py", "test_seqcls.py",
-                 "test_finetune.py", "test_decoder.py", "test_cli.py")
+# worker, handed out in collection order: the longest modules go first so that neither worker is left
+# with one at the end. Measured on 2 cores (`pytest -n 2 --durations=0`, seconds per module): SmolLM2
+# 133 (the fine-tune alone 100-140), LLM export 105, faults 82, pipeline tasks 37, decoder split 34,
+# profile 30, partition 29, plan-train 24, pipeline 22, then 20 and less. The SmolLM2 export is made
+# by whichever module asks first and waited for by the other (support.made_once): the first two
+# modules start together on the two workers, so its two big users are kept apart in the order.
+LONGEST_FIRST = ("test_smollm2.py", "test_faults.py", "test_network_heal.py", "test_llm_export.py",
+                 "test_pipeline_tasks.py", "test_decoder_split.py", "test_profile.py", "test_partition.py", "test_plan_train.py",
+                 "test_pipeline.py", "test_seqcls.py", "test_finetune.py", "test_decoder.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
