@@ -259,8 +259,8 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
             release_memory()
         release_free_heap()
         # generation with no engine beside it, the perplexity's engine built after it (per block): built
-        # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-604 MiB against training's
-        # 554-559; 540-549 against 550-566 now, helper h89)
+        # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-608 MiB against training's
+        # 554-559; 540-554 against 550-566 now, helper h89)
         after = _scores(_evaluation_nll(graph, settings.engine, config.threads, trained), model, graph, adapters,
                         settings, eval_path, dev_batches, pad_id, trained)
     losses = [s.loss for s in result.steps]
