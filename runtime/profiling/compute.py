@@ -175,6 +175,59 @@ def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
     return peak.bytes
 
 
+# A worker's middle stage under 1f1b-flush with 4 micro-batches: one forward ahead of its backwards
+# (F0 F1 B0 F2 B1 F3 B2 B3), each input and each upstream gradient a new array from its link.
+SUMMED_ORDER = (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3))
+
+
+def _summed_step(engine, optimizer, stage_feeds: Mapping[str, np.ndarray], grad: np.ndarray | None) -> None:
+    """One training step of `engine` as a worker's middle stage runs it (`SUMMED_ORDER`), then its update."""
+    summed: dict = {}
+    for kind, mb in SUMMED_ORDER:
+        if kind == "F":
+            engine.forward({k: np.array(v, copy=True) for k, v in stage_feeds.items()}, mb)
+        else:
+            engine.backward_into(mb, summed, None if grad is None else np.array(grad, copy=True))
+    engine.step(optimizer, summed)
+
+
+def summed_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
+                     activations: str | None = None) -> int:
+    """Peak bytes of a worker's second training step of `spec`, above its built engine, less what the
+    gradient and optimizer terms charge (the running gradient sum, AdamW's two moments: 3 x the stage's
+    trainable weights): the workspace a stage with trainable weights holds beside them from its second
+    step on. Run as a worker runs it: the engine built taking the weights; each step the micro-batches
+    of `SUMMED_ORDER`, every backward summed in place into the running sum (`backward_into`), each
+    input and gradient a new array; then an AdamW update (`engine.step`); the heap not trimmed before
+    the second step, whose peak (VmHWM, reset as it starts) is taken. A fresh engine's `backward`
+    (`peak_workspace`) returns a stage's whole gradient set, which a worker holds once, as its sum, and
+    it never has the moments beside it: a backward that runs once they sit in the heap holds ~20-40
+    MiB more than a fresh engine's (SmolLM2 full fine-tuning, benchmarks/MEMORY_NOTES.md, h43, h56,
+    h61, h69). Linux only (the peak is VmHWM after `/proc/self/clear_refs`); else 0."""
+    from runtime.optim import make_optimizer
+    from runtime.procfs import release_free_heap, reset_peak_rss, status_bytes
+
+    stage_feeds, grad = _stage_inputs(spec, feeds)
+    engine = make_engine(backend, spec, activations=activations, take_weights=True)
+    engine.row_gradients = True
+    optimizer = make_optimizer("adamw", 1e-4)
+    trainable = sum(np.asarray(v).nbytes for v in engine.parameter_arrays().values())
+    gc.collect()
+    release_free_heap()
+    base = status_bytes("VmRSS") or 0
+
+    try:
+        _summed_step(engine, optimizer, stage_feeds, grad)
+        if not reset_peak_rss():
+            return 0
+        _summed_step(engine, optimizer, stage_feeds, grad)
+        peak = status_bytes("VmHWM") or base
+    finally:
+        del engine
+        gc.collect()
+    return max(0, peak - base - 3 * trainable)
+
+
 def kept_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
     """Bytes a second micro-batch in flight adds to the peak of `spec`'s engine when it keeps
     activations: the peak of two forwards then two backwards minus that of one of each, both
