@@ -403,7 +403,8 @@ def _memory_parts(cost: BlockCost) -> str:
     if cost.per_block_workspace_bytes is not None:
         further = ("" if cost.per_block_stacked_bytes is None
                    else f", {cost.per_block_stacked_bytes / 2**20:.1f} per further block")
-        stacked += f"recomputed per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}; "
+        beside = "" if cost.per_block_summed_bytes is None else " (a worker's second step, beside its gradient sum)"
+        stacked += f"recomputed per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}{beside}; "
     if cost.per_block_kept_once_bytes is not None:
         stacked += (f"a further micro-batch per block: {(cost.per_block_kept_bytes or 0) / 2**20:.1f} a block, "
                     f"{cost.per_block_kept_once_bytes / 2**20:.1f} once a stage; ")

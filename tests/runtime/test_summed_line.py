@@ -73,7 +73,8 @@ def test_a_full_fine_tuning_stage_is_charged_what_a_worker_s_second_step_holds(t
     stage is charged) against what a new interpreter running that stage's two steps as a worker peaks
     above its built engine in its second step (median of 3): not below it less 1 MiB, nor above it plus
     a quarter of the stage's gradients. With the line measured on a fresh engine's backward (main before
-    h70) the layers' gradients are charged twice: ~54 MiB over, past the bound."""
+    h70) the layers' gradients are charged twice, less what that line misses beside the moments: measured
+    273.8 MiB against 253.9 (+19.9, the bound +13.5), failing."""
     from ir.graph import block_signature
     from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
     from planner.cluster import DeviceSpec
@@ -109,5 +110,6 @@ def test_a_full_fine_tuning_stage_is_charged_what_a_worker_s_second_step_holds(t
            "line": ((cost.per_block_workspace_bytes or 0) / MIB, (cost.per_block_stacked_bytes or 0) / MIB),
            "start_up": start_up / MIB}
     print(got)
+    # measured (h70, load 7-17): 254.33 against 253.77 / 254.01 / 254.14 (the line 88.2 + 0.38 a layer)
     assert worker > terms.gradient_bytes + terms.optimizer_state_bytes, got  # the moments and the sum are in it
     assert worker - MIB <= charged <= worker + gradients // 4, got
