@@ -56,6 +56,9 @@ LEAN_PEAK_REPEATS = 5
 LEAN_RUN = 4
 # MNN's fresh per-block line: one further point, a stage of up to this many blocks of the kind (`measure_block`).
 FAR_RUN = 12
+# New interpreters per far point (FAR_RUN, the longest stage) behind the summed per-block line (`_summed_line`):
+# each a worker's two steps of up to a whole model's layers (SmolLM2 full fine-tuning: 30 layers, ~1.7 GB).
+SUMMED_FAR_REPEATS = 2
 # Fresh child interpreters per stage length behind a repeated kind's lines, and behind the engine's
 # start-up (`runtime.profiling.fresh`): the median is taken.
 FRESH_PEAK_REPEATS = 3
@@ -306,20 +309,25 @@ def _summed_line(cost: BlockCost, backend, graph: Graph, block: Block, feeds, bu
     line held the layers' whole gradient set, which a worker holds once, as its sum, and the gradient term
     charges too: SmolLM2's full fine-tuning stages ran 0.85 / 0.85 / 0.92 of their plans
     (benchmarks/MEMORY_NOTES.md, h43, h56, h61, h69). Points at 1..`lean_run` blocks, at `far` and at the
-    longest stage the device's memory allows (`longest_summed_stage`): a worker's second step grows
-    faster past 12 SmolLM2 layers (0.31 MiB a layer from 4 to 12, 0.9 from 12 to 16, h61), so the step per
-    block is the smaller of the 1..lean_run line's and the steepest step from `lean_run` to a far point,
-    and the workspace covers every reading of every length less what that stacks under it. Not for int4
+    longest stage the device's memory allows (`longest_summed_stage`; SUMMED_FAR_REPEATS readings each): a
+    worker's second step grows faster past 12 SmolLM2 layers (0.31 MiB a layer from 4 to 12, 0.9 from 12 to
+    16, h61), so the step per block is the steepest from `lean_run` to a far point (h69 took the smaller of
+    that and the 1..lean_run line's: on SmolLM2 the latter is ~0, and the 30-layer peak became every
+    stage's workspace, h70), and the workspace covers every reading of every length less what that stacks
+    under it. Not for int4
     LoRA kinds: the same line charged SmolLM2 int4 LoRA's middle stage 0.88 of its run (h69)."""
     i = block.index
     longest = max(far, longest_summed_stage(graph, block, memory_bytes))
-    lengths = list(range(1, lean_run + 1)) + [k for k in sorted({far, longest}) if k > lean_run]
-    peaks = summed_peaks(builds, graph, feeds, i, lengths, "per-block", FRESH_PEAK_REPEATS)
+    fars = [k for k in sorted({far, longest}) if k > lean_run]
+    peaks = summed_peaks(builds, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS)
+    peaks += summed_peaks(builds, graph, feeds, i, fars, "per-block", SUMMED_FAR_REPEATS)
+    lengths = list(range(1, lean_run + 1)) + fars
     lean, _ = fresh_line(peaks[:lean_run], start_up)
-    at_run = statistics.median(peaks[lean_run - 1])
-    far_steps = [(statistics.median(p) - at_run) / (k - lean_run) for k, p in zip(lengths, peaks) if k > lean_run]
-    if far_steps:
-        lean = min(lean, max(0, int(max(far_steps))))
+    if fars:
+        # the steepest step from lean_run blocks to a far point (its highest reading): the line then covers
+        # the far points by its step, not by its intercept, which would charge every short stage a far one's peak
+        at_run = statistics.median(peaks[lean_run - 1])
+        lean = max(0, int(max((max(p) - at_run) / (k - lean_run) for k, p in zip(lengths, peaks) if k > lean_run)))
     workspace = max(max(p) - start_up - (k - 1) * lean for k, p in zip(lengths, peaks))
     return replace(cost, per_block_workspace_bytes=max(lean, int(workspace)), per_block_stacked_bytes=lean,
                    per_block_summed_bytes=block.params_bytes)
