@@ -24,6 +24,7 @@ real head split costs beyond the curves), `links` (bandwidth and latency to a pe
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import time
 from dataclasses import replace
@@ -40,11 +41,13 @@ from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
                                        kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
 from runtime.profiling.fresh import (FreshProcesses, fresh_in_flight, fresh_line, fresh_peaks, median_start_up,
-                                     summed_peaks)
+                                     summed_line, summed_peaks)
 from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
 from runtime.profiling.split_costs import measure_split_extra_costs
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_BACKENDS = ("mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1", "torch:cpu:t2")
 # Below this, a first run's excess over a repeat is page-level noise (MNN measures 0.2 MiB), not
@@ -309,27 +312,24 @@ def _summed_line(cost: BlockCost, backend, graph: Graph, block: Block, feeds, bu
     line held the layers' whole gradient set, which a worker holds once, as its sum, and the gradient term
     charges too: SmolLM2's full fine-tuning stages ran 0.85 / 0.85 / 0.92 of their plans
     (benchmarks/MEMORY_NOTES.md, h43, h56, h61, h69). Points at 1..`lean_run` blocks, at `far` and at the
-    longest stage the device's memory allows (`longest_summed_stage`; SUMMED_FAR_REPEATS readings each): a
-    worker's second step grows faster past 12 SmolLM2 layers (0.31 MiB a layer from 4 to 12, 0.9 from 12 to
-    16, h61), so the step per block is the steepest from `lean_run` to a far point (h69 took the smaller of
-    that and the 1..lean_run line's: on SmolLM2 the latter is ~0, and the 30-layer peak became every
-    stage's workspace, h70), and the workspace covers every reading of every length less what that stacks
-    under it. Not for int4
+    longest stage the device's memory allows (`longest_summed_stage`, SUMMED_FAR_REPEATS readings; FAR_RUN's
+    point is not read apart from it, h80): a worker's second step grows faster past 12 SmolLM2 layers (0.31
+    MiB a layer from 4 to 12, 0.9 from 12 to 16, h61), so the step per block is the steepest from lean_run
+    to the far point; the line through 2..lean_run is robust to one length reading a layer's gradient high
+    (`summed_line`, h80: h70's median of steps drew it once at a gradient a layer). Not for int4
     LoRA kinds: the same line charged SmolLM2 int4 LoRA's middle stage 0.88 of its run (h69)."""
     i = block.index
     longest = max(far, longest_summed_stage(graph, block, memory_bytes))
-    fars = [k for k in sorted({far, longest}) if k > lean_run]
+    # one far point: the longest stage (its step from lean_run blocks is the steepest seen: SmolLM2's 4 -> 30
+    # layers ~0.56 MiB a layer against 0.31 from 4 to 12, h61, h70); FAR_RUN's too only where it is the longest
+    fars = [longest] if longest > lean_run else []
     peaks = summed_peaks(builds, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS)
     peaks += summed_peaks(builds, graph, feeds, i, fars, "per-block", SUMMED_FAR_REPEATS)
     lengths = list(range(1, lean_run + 1)) + fars
-    lean, _ = fresh_line(peaks[:lean_run], start_up)
-    if fars:
-        # the steepest step from lean_run blocks to a far point (its highest reading): the line then covers
-        # the far points by its step, not by its intercept, which would charge every short stage a far one's peak
-        at_run = statistics.median(peaks[lean_run - 1])
-        lean = max(0, int(max((max(p) - at_run) / (k - lean_run) for k, p in zip(lengths, peaks) if k > lean_run)))
-    workspace = max(max(p) - start_up - (k - 1) * lean for k, p in zip(lengths, peaks))
-    return replace(cost, per_block_workspace_bytes=max(lean, int(workspace)), per_block_stacked_bytes=lean,
+    lean, workspace = summed_line(peaks, lengths, lean_run, start_up)
+    _log.info("summed per-block line of %s: readings MiB %s; step %.2f, workspace %.2f", block.name,
+              {k: [round(v / 2**20, 2) for v in p] for k, p in zip(lengths, peaks)}, lean / 2**20, workspace / 2**20)
+    return replace(cost, per_block_workspace_bytes=workspace, per_block_stacked_bytes=lean,
                    per_block_summed_bytes=block.params_bytes)
 
 

@@ -262,6 +262,33 @@ def fresh_line(peaks: Sequence[Sequence[int]], less: int = 0) -> tuple[int, int]
     return step, max(step, int(workspace))
 
 
+def summed_line(peaks: Sequence[Sequence[int]], lengths: Sequence[int], lean_run: int, less: int = 0) -> tuple[int, int]:
+    """(what each further block adds, the one-block workspace) of a worker's second-step readings
+    (`summed_peaks`) at `lengths` (1..lean_run, then far points), `less` taken off each. Through 2..lean_run
+    blocks the line is robust to one length's readings sitting a layer's gradient high (SmolLM2-shaped
+    layers, new interpreters: 61.6 / 89.5 / 103.4 / 89.5 MiB at 1-4 layers, the 3-layer job's every reading,
+    where a worker-like run of 3 layers holds what 2 and 4 do, benchmarks/MEMORY_NOTES.md, h80): the step
+    is the median of the pairwise steps between the lengths' medians, the level the median of the
+    medians less what stacks under them; the 1 -> 2 jump (~28 MiB) is charged once, in the level, not per
+    block. With far points the step is the steepest from that level at lean_run blocks to a far point's
+    highest reading (the step grows past 12 SmolLM2 layers, h61), and the workspace covers the far
+    readings and the one-block readings less what stacks under them. Neither below 0."""
+    medians = {k: statistics.median(p) - less for k, p in zip(lengths, peaks)}
+    near = [k for k in lengths if 2 <= k <= lean_run]
+    pairs = sorted((medians[b] - medians[a]) / (b - a) for a in near for b in near if b > a)
+    step = statistics.median(pairs) if pairs else 0.0
+    level = statistics.median(medians[k] - (k - 1) * step for k in near) if near else medians[lengths[0]]
+    fars = [(k, p) for k, p in zip(lengths, peaks) if k > lean_run]
+    if fars:
+        at_run = level + (lean_run - 1) * step
+        step = max((max(p) - less - at_run) / (k - lean_run) for k, p in fars)
+    step = max(0.0, step)
+    level = statistics.median(medians[k] - (k - 1) * step for k in near) if near else level
+    covered = [max(p) - less - (k - 1) * step for k, p in zip(lengths, peaks) if k == 1 or k > lean_run]
+    workspace = max([level] + covered)
+    return int(step), max(int(step), int(workspace))
+
+
 def fresh_in_flight(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
                     peaks: Sequence[Sequence[int]], activations: str | None, repeats: int) -> tuple[int, int]:
     """(what a further micro-batch in flight adds per block, what it adds once) of a stage of blocks
