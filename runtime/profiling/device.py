@@ -61,7 +61,7 @@ LEAN_RUN = 4
 FAR_RUN = 12
 # New interpreters per far point (FAR_RUN, the longest stage) behind the summed per-block line (`_summed_line`):
 # each a worker's two steps of up to a whole model's layers (SmolLM2 full fine-tuning: 30 layers, ~1.7 GB).
-SUMMED_FAR_REPEATS = 2
+SUMMED_FAR_REPEATS = 1
 # Fresh child interpreters per stage length behind a repeated kind's lines, and behind the engine's
 # start-up (`runtime.profiling.fresh`): the median is taken.
 FRESH_PEAK_REPEATS = 3
