@@ -175,15 +175,22 @@ def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
     return peak.bytes
 
 
-# A worker's middle stage under 1f1b-flush with 4 micro-batches: one forward ahead of its backwards
-# (F0 F1 B0 F2 B1 F3 B2 B3), each input and each upstream gradient a new array from its link.
-SUMMED_ORDER = (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3))
+# The steps `summed_workspace` runs, shorter than a worker's (h88): the first makes what a worker's second step
+# runs beside, the running gradient sum and AdamW's two moments, with one micro-batch (F0 B0, then the update);
+# the second runs as many micro-batches in flight as a middle stage under 1f1b-flush does (2: its
+# F0 F1 B0 F2 B1 F3 B2 B3 with 4), each backward summed into the sum, then the update. A SmolLM2 layer's
+# readings (new interpreters, load ~9): 4 layers 89.56 MiB in 3.9 s, 12 layers 92.19 in 8.3 s, where a
+# worker's whole order in both steps read 89.69 in 8.7 s and 91.84 in 20.8 s (benchmarks/MEMORY_NOTES.md, h88).
+SUMMED_FIRST = (("F", 0), ("B", 0))
+SUMMED_ORDER = (("F", 0), ("F", 1), ("B", 0), ("B", 1))
 
 
-def _summed_step(engine, optimizer, stage_feeds: Mapping[str, np.ndarray], grad: np.ndarray | None) -> None:
-    """One training step of `engine` as a worker's middle stage runs it (`SUMMED_ORDER`), then its update."""
+def _summed_step(engine, optimizer, stage_feeds: Mapping[str, np.ndarray], grad: np.ndarray | None,
+                 order: tuple[tuple[str, int], ...]) -> None:
+    """One training step of `engine` in `order` (each input and gradient a new array, as from a link,
+    every backward summed in place into the running sum), then its update."""
     summed: dict = {}
-    for kind, mb in SUMMED_ORDER:
+    for kind, mb in order:
         if kind == "F":
             engine.forward({k: np.array(v, copy=True) for k, v in stage_feeds.items()}, mb)
         else:
@@ -196,10 +203,12 @@ def summed_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, 
     """Peak bytes of a worker's second training step of `spec`, above its built engine, less what the
     gradient and optimizer terms charge (the running gradient sum, AdamW's two moments: 3 x the stage's
     trainable weights): the workspace a stage with trainable weights holds beside them from its second
-    step on. Run as a worker runs it: the engine built taking the weights; each step the micro-batches
-    of `SUMMED_ORDER`, every backward summed in place into the running sum (`backward_into`), each
-    input and gradient a new array; then an AdamW update (`engine.step`); the heap not trimmed before
-    the second step, whose peak (VmHWM, reset as it starts) is taken. A fresh engine's `backward`
+    step on. Run as a worker runs it: the engine built taking the weights; a first step of one
+    micro-batch (`SUMMED_FIRST`: the sum and the moments made), a second of `SUMMED_ORDER` (as many in
+    flight as a 1f1b-flush middle stage), every backward summed in place into the running sum
+    (`backward_into`), each input and gradient a new array; each step then an AdamW update
+    (`engine.step`); the heap not trimmed before the second step, whose peak (VmHWM, reset as it
+    starts) is taken. A fresh engine's `backward`
     (`peak_workspace`) returns a stage's whole gradient set, which a worker holds once, as its sum, and
     it never has the moments beside it: a backward that runs once they sit in the heap holds ~20-40
     MiB more than a fresh engine's (SmolLM2 full fine-tuning, benchmarks/MEMORY_NOTES.md, h43, h56,
@@ -217,10 +226,10 @@ def summed_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, 
     base = status_bytes("VmRSS") or 0
 
     try:
-        _summed_step(engine, optimizer, stage_feeds, grad)
+        _summed_step(engine, optimizer, stage_feeds, grad, SUMMED_FIRST)
         if not reset_peak_rss():
             return 0
-        _summed_step(engine, optimizer, stage_feeds, grad)
+        _summed_step(engine, optimizer, stage_feeds, grad, SUMMED_ORDER)
         peak = status_bytes("VmHWM") or base
     finally:
         del engine
