@@ -178,9 +178,10 @@ def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
 # The steps `summed_workspace` runs, shorter than a worker's (h88): the first makes what a worker's second step
 # runs beside, the running gradient sum and AdamW's two moments, with one micro-batch (F0 B0, then the update);
 # the second runs as many micro-batches in flight as a middle stage under 1f1b-flush does (2: its
-# F0 F1 B0 F2 B1 F3 B2 B3 with 4), each backward summed into the sum, then the update. A SmolLM2 layer's
-# readings (new interpreters, load ~9): 4 layers 89.56 MiB in 3.9 s, 12 layers 92.19 in 8.3 s, where a
-# worker's whole order in both steps read 89.69 in 8.7 s and 91.84 in 20.8 s (benchmarks/MEMORY_NOTES.md, h88).
+# F0 F1 B0 F2 B1 F3 B2 B3 with 4), each backward summed into the sum, then the update. SmolLM2's layers (new
+# interpreters, load ~9): 4 layers 89.56 MiB in 3.9 s, 12 layers 92.19 in 8.3 s, 30 layers 104.23 in 12.3 s, where a
+# worker's whole order in both steps read 89.69 in 8.7 s, 91.84 in 20.8 s, 103.92 in 25.1 s; 4 hidden-256 layers
+# 21.88 against 21.94 (benchmarks/MEMORY_NOTES.md, h88).
 SUMMED_FIRST = (("F", 0), ("B", 0))
 SUMMED_ORDER = (("F", 0), ("F", 1), ("B", 0), ("B", 1))
 
