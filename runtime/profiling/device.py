@@ -313,7 +313,7 @@ def _summed_line(cost: BlockCost, backend, graph: Graph, block: Block, feeds, bu
     interpreter (`FreshProcesses.run_new`). Measured on a fresh engine's backward (`peak_workspace`) the
     line held the layers' whole gradient set, which a worker holds once, as its sum, and the gradient term
     charges too: SmolLM2's full fine-tuning stages ran 0.85 / 0.85 / 0.92 of their plans
-    (benchmarks/MEMORY_NOTES.md, h43, h56, h61, h69). Points at 1..`lean_run` blocks, at `far` and at the
+    (benchmarks/MEMORY_NOTES.md, h43, h56, h61, h69). Points at 2..`lean_run` blocks, at `far` and at the
     longest stage the device's memory allows (`longest_summed_stage`; FAR_RUN's point is not read apart from
     it, h80), one reading each (SUMMED_REPEATS, h88: a length's readings move between profiles, not within
     one, and `summed_line` outvotes one length read high; the steps `summed_workspace` runs are shorter than
@@ -327,7 +327,10 @@ def _summed_line(cost: BlockCost, backend, graph: Graph, block: Block, feeds, bu
     # one far point: the longest stage (its step from lean_run blocks is the steepest seen: SmolLM2's 4 -> 30
     # layers ~0.56 MiB a layer against 0.31 from 4 to 12, h61, h70); FAR_RUN's too only where it is the longest
     fars = [longest] if longest > lean_run else []
-    lengths = list(range(1, lean_run + 1)) + fars
+    # not one block: a stage of one is charged the 2..lean_run level anyway (`summed_line`: the 1 -> 2 jump, ~28
+    # MiB a SmolLM2 layer, once), and its reading sat under that level in every profile read (61.4-61.9 MiB
+    # against 88.6-89.5; 16.0-16.1 against 21.2-21.4 on 4 hidden-256 layers, h80, h88): a new interpreter less
+    lengths = list(range(2, lean_run + 1)) + fars
     peaks = summed_peaks(builds, graph, feeds, i, lengths, "per-block", SUMMED_REPEATS)
     lean, workspace = summed_line(peaks, lengths, lean_run, start_up)
     _log.info("summed per-block line of %s: readings MiB %s; step %.2f, workspace %.2f", block.name,
