@@ -7,14 +7,6 @@ from pathlib import Path
 
 import pytest
 
-# One math thread per pytest worker, set before numpy or torch loads (their pools read it once): the CI runs
-# two workers on two cores (`-n 2`), and each one's torch, OpenBLAS and OpenMP pools sized to both cores made
-# the two workers spin against each other (three slow modules 1204 s with the default, 504 s at one thread,
-# benchmarks/MEMORY_NOTES.md, helper h86). The worker processes tests start set their own (`--threads`,
-# jobs.common.workers) and the profiles' fresh children already ran at one.
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
-
 from support import Lazy, export_onnx, find_tokenizer_json, made_once, make_tiny_tokenizer, shared_root
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
