@@ -337,7 +337,7 @@ def _summed_line(cost: BlockCost, backend, graph: Graph, block: Block, feeds, bu
     fars = [longest] if longest > lean_run else []
     # not one block: a stage of one is charged the 2..lean_run level anyway (`summed_line`: the 1 -> 2 jump, ~28
     # MiB a SmolLM2 layer, once), and its reading sat under that level in every profile read (61.4-61.9 MiB
-    # against 88.6-89.5; 16.0-16.1 against 21.2-21.4 on 4 hidden-256 layers, h80, h88): a new interpreter less
+    # against 88.6-89.5; 16.0-16.1 against 21.2-21.4 on 4 hidden-256 layers, h80, h88): one new interpreter fewer
     lengths = list(range(2, lean_run + 1)) + fars
     peaks = summed_peaks(builds, graph, feeds, i, lengths, "per-block", SUMMED_REPEATS)
     lean, workspace = summed_line(peaks, lengths, lean_run, start_up)
