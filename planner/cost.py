@@ -815,14 +815,7 @@ def unsummed_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceS
     back here. 0 elsewhere (the line holds them, or the gradient term charges them as the sum)."""
     if gradient_copies(schedule, update_every) or activation_mode(device)[0] != "per-block":
         return 0
-    return sum(c.per_block_summed_bytes or 0 for c in _profiled_costs(graph, device)[first:last + 1])
-
-
-def _profiled_costs(graph: Graph, device: DeviceSpec) -> list[BlockCost]:
-    """Per block, its profile's cost on the device's backend as measured (zero where the profile has
-    none: `block_costs` says which)."""
-    backend = device_backend(device)
-    return [backend.blocks.get(block_signature(b)) or BlockCost(0.0, 0.0) for b in check_blocks(graph)]
+    return sum(c.per_block_summed_bytes or 0 for c in block_costs(graph, device)[first:last + 1])
 
 
 def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int,

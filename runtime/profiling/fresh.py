@@ -264,7 +264,7 @@ def fresh_line(peaks: Sequence[Sequence[int]], less: int = 0) -> tuple[int, int]
 
 def summed_line(peaks: Sequence[Sequence[int]], lengths: Sequence[int], lean_run: int, less: int = 0) -> tuple[int, int]:
     """(what each further block adds, the one-block workspace) of a worker's second-step readings
-    (`summed_peaks`) at `lengths` (1..lean_run, then far points), `less` taken off each. Through 2..lean_run
+    (`summed_peaks`) at `lengths` (2..lean_run or 1..lean_run, then far points), `less` taken off each. Through 2..lean_run
     blocks the line is robust to one length's readings sitting a layer's gradient high (SmolLM2-shaped
     layers, new interpreters: 61.6 / 89.5 / 103.4 / 89.5 MiB at 1-4 layers, the 3-layer job's every reading,
     where a worker-like run of 3 layers holds what 2 and 4 do, benchmarks/MEMORY_NOTES.md, h80): the step
