@@ -107,19 +107,38 @@ def chat_llama(tmp_path_factory):
 
 
 # Under pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`) each test module runs whole on one
-# worker, handed out in collection order: the longest modules go first so that neither worker is left
-# with one at the end. Measured on 2 cores (`pytest -n 2 --durations=0`, seconds per module): SmolLM2
-# 133 (the fine-tune alone 100-140), LLM export 105, faults 82, pipeline tasks 37, decoder split 34,
-# profile 30, partition 29, plan-train 24, pipeline 22, then 20 and less. The SmolLM2 export is made
-# by whichever module asks first and waited for by the other (support.made_once): the first two
-# modules start together on the two workers, so its two big users are kept apart in the order.
+# worker, handed out in collection order; a worker is handed its next module once two tests or fewer of
+# its own are left, so the modules handed out last decide how long one worker waits for the other: the
+# longest go first, the many short ones (not named) last, in their collection order. The two tiers are
+# two runs, each with its own order. The fast tier's (seconds per module, 2 cores): SmolLM2 133 (the
+# fine-tune alone 100-140), LLM export 105, faults 82, pipeline tasks 37, decoder split 34, profile 30,
+# partition 29, plan-train 24, pipeline 22, then 20 and less. The slow tier's, from its quiet
+# `--durations=0` (4c368c6, 2026-12-06, 1300 s on two workers whose tests summed 2475 s): SmolLM2 236,
+# profile 169 (one module fixture), plan-train 160, the torch per-block and full fine-tuning plans 152 and
+# 151, decoder split 125, fresh engine build 119, network heal 114, pipeline tasks 109, torch start-up
+# 104, workspace parts 100, faults 98, engine choice 79, then 70 and less; in collection order
+# tests/runtime/ came last, and one worker ran its last long modules alone. The SmolLM2 export is made by
+# whichever module asks first and waited for by the others (support.made_once): the first two modules
+# start together on the two workers, so its users (SmolLM2, LLM export, the int4 set-up peak, the held
+# base's generation) are kept from the second place. A memory test whose reading depends on what its
+# worker ran before it (a profile made in the pytest worker) has no place in such an order: such a test
+# profiles in a new interpreter (tests/runtime/test_fresh_keep_line.py).
 LONGEST_FIRST = ("test_smollm2.py", "test_faults.py", "test_network_heal.py", "test_llm_export.py",
                  "test_pipeline_tasks.py", "test_decoder_split.py", "test_profile.py", "test_partition.py", "test_plan_train.py",
                  "test_pipeline.py", "test_seqcls.py", "test_finetune.py", "test_decoder.py", "test_cli.py")
+SLOW_LONGEST_FIRST = (
+    "test_smollm2.py", "test_profile.py", "test_plan_train.py", "test_torch_per_block_plan.py",
+    "test_torch_full_finetune_plan.py", "test_decoder_split.py", "test_fresh_engine_build.py", "test_network_heal.py",
+    "test_pipeline_tasks.py", "test_torch_start_up.py", "test_workspace_parts.py", "test_faults.py",
+    "test_engine_choice.py", "test_llm_export.py", "test_lean_export.py", "test_full_finetune_plan.py",
+    "test_held_base_generation.py", "test_fresh_keep_line.py", "test_int4_setup_peak.py", "test_keep_line.py",
+    "test_demo_plan.py", "test_replan_bundles.py", "test_restore_memory.py", "test_pipeline.py", "test_seqcls.py",
+    "test_finetune.py", "test_cli.py", "test_lora_export.py", "test_partition.py", "test_head_targets.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = SLOW_LONGEST_FIRST if config.getoption("markexpr") == "slow" else LONGEST_FIRST
+    rank = {name: i for i, name in enumerate(order)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
