@@ -3,17 +3,15 @@ only. `plan` and `train-pipeline` refuse it up front, through the command line: 
 naming the fix (more micro-batches, or 1f1b-flush)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from support import run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 FIX = "use --microbatches 2 or more, or --schedule 1f1b-flush"
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "confidant", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    """`confidant ARGS` in this process (`support.run_cli`: argparse's exit 2 included; a new interpreter
+    costs ~2 s of imports a call): the local workers of the runs that are not refused are processes still."""
+    return run_cli(*args, cwd=cwd)
 
 
 def _error_line(proc) -> str:

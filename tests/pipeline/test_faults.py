@@ -492,6 +492,7 @@ def test_on_failure_stop_ends_with_a_resumable_checkpoint(graph, batches, tmp_pa
         with pytest.raises(RecoveryImpossible, match=r"stage 1 .* lost .*--on-failure stop.*--resume") as err:
             train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
                            on_step=on_step, checkpoint_dir=tmp_path / "ckpt", faults=FaultPolicy(on_failure="stop"))
+        workers.stop()  # the survivor, mid-step, reads no stop: ended here, not by the exit's 30 s join
     assert err.value.checkpoint == tmp_path / "ckpt" and (tmp_path / "ckpt" / "meta.json").is_file()
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
     assert len(meta["losses"]) == meta["step"]  # a loss per step the checkpoint holds, none past it
@@ -1225,6 +1226,7 @@ def test_a_run_that_stops_on_a_loss_hands_its_steps_and_events_to_the_metrics_do
         with pytest.raises(RecoveryImpossible) as err:
             train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
                            on_step=on_step, faults=FaultPolicy(on_failure="stop"))
+        workers.stop()  # the survivor, mid-step, reads no stop: ended here, not by the exit's 30 s join
     done = err.value.result
     assert done is not None and len(done.losses) >= 1 and [e["event"] for e in done.events] == ["lost"]
     metrics = TrainingMetrics("train-pipeline", "tiny", ROWS * M, S, steps_from(done.losses, done.step_seconds, 8),

@@ -103,6 +103,16 @@ def _tokenizer(train: Path, out: Path) -> Path:
     return out
 
 
+def _write_cluster(root: Path) -> None:
+    """cluster.yaml over the profiles root/a.json (device a) and root/box.json (b and c)."""
+    (root / "cluster.yaml").write_text(
+        "devices:\n"
+        "  - {name: a, address: 'tcp://127.0.0.1:1', profile: a.json, memory_budget: 1GiB}\n"
+        "  - {name: b, address: 'tcp://127.0.0.1:2', profile: box.json, memory_budget: 1GiB}\n"
+        "  - {name: c, address: 'tcp://127.0.0.1:3', profile: box.json, memory_budget: 1GiB}\n"
+        "links:\n  default: {bandwidth: 10Gbit/s, latency: 50us}\n")
+
+
 @pytest.fixture(scope="module")
 def planned(tiny_onnx, tmp_path_factory):
     """A plan of the tiny model that gives device a the embeddings and both encoder layers and b the
@@ -115,12 +125,7 @@ def planned(tiny_onnx, tmp_path_factory):
     _cli("profile", "--model", model, "--batch", ROWS, "--seq", SEQ, "--backends", "mnn:cpu:t1", "--reps", 1,
          "--no-attention", "--name", "box", "-o", "box.json", cwd=root)
     scale_profile(DeviceProfile.load(root / "box.json"), 1 / SLOWER).save(root / "a.json")
-    (root / "cluster.yaml").write_text(
-        "devices:\n"
-        "  - {name: a, address: 'tcp://127.0.0.1:1', profile: a.json, memory_budget: 1GiB}\n"
-        "  - {name: b, address: 'tcp://127.0.0.1:2', profile: box.json, memory_budget: 1GiB}\n"
-        "  - {name: c, address: 'tcp://127.0.0.1:3', profile: box.json, memory_budget: 1GiB}\n"
-        "links:\n  default: {bandwidth: 10Gbit/s, latency: 50us}\n")
+    _write_cluster(root)
     _cli("plan", model, "--cluster", "cluster.yaml", "--batch", ROWS * M, "--seq", SEQ, "--microbatches", M,
          "--cuts", 3, "--devices", "a,b", "-o", "plan", cwd=root)
     train, _ = write_splits(root / "data", n_train=32, n_dev=4, seed=4)
@@ -219,15 +224,23 @@ def _train_from(plan_dir: Path, plan, bundles, train: Path, tokenizer: Path, per
         assert local.wait(30.0) == [0] * len(bundles)
 
 
-def test_train_refuses_replanning_a_stashing_plan_or_one_without_a_cluster(planned, tiny_onnx):
-    root, train, tokenizer = planned
+def test_train_refuses_replanning_a_stashing_plan_or_one_without_a_cluster(tiny_onnx, tmp_path):
+    """The refusals come before any profile figure is read: the cluster's profiles are made from the
+    graph's FLOPs (`_profile`), not measured (`planned`'s `confidant profile`, which the slow tests pay)."""
+    from tasks.ner.datagen import write_splits
+
+    root = tmp_path
+    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
+    _profile(graph, "a").save(root / "a.json")
+    _profile(graph, "box").save(root / "box.json")
+    _write_cluster(root)
+    train, _ = write_splits(root / "data", n_train=32, n_dev=4, seed=4)
     _cli("plan", tiny_onnx["torchscript-17"], "--cluster", "cluster.yaml", "--batch", ROWS * M, "--seq", SEQ,
          "--microbatches", M, "--schedule", "1f1b-stash", "-o", "stash", cwd=root)
     proc = _cli("train", "stash", "--data", train, "--local", "--replan-every", 2, cwd=root, ok=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "--replan-every needs a whole number of steps >= 1 and a flush schedule" in proc.stderr
     assert "1f1b-stash" in proc.stderr and "confidant plan --schedule 1f1b-flush" in proc.stderr
-    graph = load_model(tiny_onnx["torchscript-17"], ROWS, SEQ)
     emit_plan(root / "bare", graph, Partition((StageAssignment(0, "a", 0, 4),), "manual"),
               make_schedule("1f1b-flush", 1, M), {"model": "tiny"})
     proc = _cli("train", "bare", "--data", train, "--local", "--replan-every", 2, cwd=root, ok=False)
