@@ -216,6 +216,8 @@ def lora_fit_hint(graph, cluster: Cluster, schedule: str, microbatches: int, opt
         partition = solve_partition(inst, time_limit_s=time_limit_s)
     except (JobError, ValueError):  # PlanDoesNotFit among them: LoRA does not fit either
         return ""
+    except TimeoutError:  # CP-SAT found no assignment in the hint's second (a loaded machine): no hint
+        return ""
     tight = max(partition.stages, key=lambda s: s.memory_bytes / s.memory_budget_bytes)
     return (f"\n  - --lora {rank}: fits (adapters only, the base frozen; tightest {tight.device!r} "
             f"{tight.memory_bytes / 2**20:.0f} MiB of {tight.memory_budget_bytes / 2**20:.0f} MiB); `confidant "
