@@ -89,3 +89,14 @@ def test_a_plan_on_one_device_keeps_no_reserve(minilm, tmp_path):
         est = estimate_memory(model, EstimateSettings(**SHAPE), cluster_file=cluster).requested
         assert est.fits and [(st.device, st.memory_bytes, st.budget_bytes) for st in est.stages] == \
             [("big", plan.devices[0].memory_bytes, budget)], (name, est.stages)
+
+
+def test_the_lora_fit_hint_gives_no_line_when_the_solver_finds_no_assignment_in_its_time(minilm, tmp_path):
+    """`plan`'s LoRA fit hint under a limit CP-SAT cannot search in (its one second on a loaded machine):
+    where not even a least-overflow assignment is found in time (`does_not_fit`'s TimeoutError), the
+    hint is no line and `plan`'s own refusal stands, instead of the TimeoutError escaping."""
+    from jobs.planning import lora_fit_hint
+
+    _, graph = minilm
+    cluster = load_cluster(write_nominal_cluster(tmp_path, graph, [("a", 1 << 20), ("b", 1 << 20)]))
+    assert lora_fit_hint(graph, cluster, "1f1b-flush", SHAPE["microbatches"], "adamw", time_limit_s=1e-9) == ""
