@@ -564,7 +564,8 @@ def run_child(script: str, marker: str, *args, timeout: int = 600) -> dict:
 # an int4 base under LoRA r=8 (q, k, v, o), 1 x 128 per step, per-block, AdamW, one thread. argv: model, training
 # data, evaluation data ("-": none), steps, then a JSON {key: prefix}: VmHWM when a note starting with the
 # prefix (and holding its last word) is made. Prints INT4_RUN {key: VmHWM, ..., "end": VmHWM at the end (what
-# training and after: the job resets it before its steps), "training": the job's own peak, "losses": [...]}.
+# training and after: the job resets it before its steps), "training": the job's own peak, "planned": the
+# figure the job printed beside it, "line": the job's printed "this-device" line, "losses": [...]}.
 INT4_TRAIN_LOCAL_CHILD = r"""
 import json, sys
 from pathlib import Path
@@ -577,8 +578,11 @@ from runtime.procfs import peak_rss_bytes
 model, train, dev, steps, marks = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), json.loads(sys.argv[6])
 seen = {}
 
+lines = []
+
 class Marks(Silent):
     def note(self, message):
+        lines.append(message)
         for key, (prefix, word) in marks.items():
             if key not in seen and message.startswith(prefix) and word in message:
                 seen[key] = peak_rss_bytes()
@@ -590,6 +594,8 @@ settings = TrainingSettings(steps=steps, batch=1, seq=128, lr=1e-4, optimizer="a
 metrics = train_local(Path(model), Path(train), None if dev == "-" else Path(dev), settings, Marks(), task="causal-lm")
 print("INT4_RUN " + json.dumps({**{k: seen.get(k) for k in marks}, "end": peak_rss_bytes(),
                                 "training": metrics.devices[0].peak_rss_bytes,
+                                "planned": metrics.devices[0].planned_bytes,
+                                "line": next((m for m in lines if m.strip().startswith("this-device:")), None),
                                 "losses": [s.loss for s in metrics.steps]}))
 """
 
