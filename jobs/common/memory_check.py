@@ -29,12 +29,13 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:.0f}"
 
 
-def _run_profile(graph: Graph, engine: str, per_stage: Sequence[str | None], runtime: int):
+def _run_profile(graph: Graph, engine: str, per_stage: Sequence[str | None], runtime: int,
+                 gradient_of_each: bool = False):
     from planner.memory_defaults import LOSS_CHUNK_BYTES, default_profile
 
     return default_profile(graph, backend=f"{engine}:cpu:t1", runtime_overhead_bytes=runtime,
                            per_block=any(a is not None and a.startswith("per-block") for a in per_stage),
-                           loss_chunk_bytes=LOSS_CHUNK_BYTES, gradient_of_each=True)
+                           loss_chunk_bytes=LOSS_CHUNK_BYTES, gradient_of_each=gradient_of_each)
 
 
 def default_planned_bytes(graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str, microbatches: int,
@@ -46,7 +47,7 @@ def default_planned_bytes(graph: Graph, ranges: Sequence[tuple[int, int]], sched
     stage's `activations` (one for all or one a stage; None: the engine's default), its frozen base
     at `base_dtype` (`graph`'s constants held so) with one block of it widened at a time
     (`planner.memory_defaults.widened_bytes`, as `estimate` charges it), a fused LM head's loss a
-    chunk of logits at a time, a block's backward a gradient of each of its values."""
+    chunk of logits at a time (a model with none: `confidant estimate`'s figure for these cuts)."""
     from planner.cluster import DeviceSpec
     from planner.cost import stage_memory_bytes
     from planner.memory_defaults import DEFAULT_RUNTIME_BYTES, widened_bytes
@@ -63,14 +64,15 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
     """What training the whole of `graph` on one device adds above the model as set up (its weights,
     frozen base and engine built): the memory model's gradients, optimizer state, activations and
     workspace of one stage of one micro-batch, as `default_planned_bytes` prices them, and the one
-    block of a quantized base widened at a time. `caches_held`: an evaluation before ran the engine's
+    block of a quantized base widened at a time; a block's backward holds a gradient of each of its
+    values (`default_block_cost`'s `gradient_of_each`). `caches_held`: an evaluation before ran the engine's
     forward, whose per-op caches (an engine keeping them: not recomputing per block) stay resident
     in the set-up (the blocks' kept part; not an LM head + loss's chunks, which it lets go)."""
     from planner.cluster import DeviceSpec
     from planner.cost import fused_loss_hidden_bytes
     from planner.memory_defaults import memory_parts, widened_bytes
 
-    profile = _run_profile(graph, engine, [activations], 0)
+    profile = _run_profile(graph, engine, [activations], 0, gradient_of_each=True)
     device = DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=activations)
     parts = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", 1, optimizer)
     held = 0
