@@ -39,6 +39,7 @@ from ir.backend import BackendSpec
 from ir.partition import even_ranges
 from runtime.engines.factory import make_engine, whole_model_engine
 from runtime.engines.stage import stage_spec
+from runtime.heap import start_heap
 from runtime.procfs import release_free_heap, reset_peak_rss, rss_bytes
 from tasks.causal_lm.data import make_lm_batches
 from tasks.causal_lm.evaluation import InstructionScores, engine_nll, ranged_nll
@@ -199,6 +200,10 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
 
     if checkpoint is not None:  # before training: a path no checkpoint can be written to loses the run
         check_checkpoint_target(checkpoint)
+    # glibc's mmap and trim thresholds fixed at their start before anything of the run is allocated:
+    # the evaluation before the steps frees ONNX Runtime's large blocks, which would raise them, and the
+    # steps' large blocks then stay resident as free heap under their peak (`runtime.heap.start_heap`)
+    start_heap()
     started, room = time.perf_counter(), machine_room_bytes()
     run = lm_data(model, data, eval_path, settings, reporter.note)
     pad_id, dev = run.pad_id, run.dev

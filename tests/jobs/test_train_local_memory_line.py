@@ -6,7 +6,9 @@ time, its LM head + loss a chunk of logits at a time for the loss targets its da
 (`step_bytes`). It charged the whole model's per-op caches and every position's logits whole (the graph-
 derived profile recomputing with caches, whatever --activations said, and a worker's runtime for this
 process's): SmolLM2 int4 per-block "this-device: 553 / 2022" (0.27 of it), this test's model "161 / 112"
-(1.43: the process's set-up uncharged). Issue 31 target 3's band: within +-10% of the measured peak."""
+(1.43: the process's set-up uncharged). Issue 31 target 3: never under the measured peak, within 10% of it
+(the training after an evaluation ran 1.03-1.04 over its figure on SmolLM2 while glibc's mmap and trim
+thresholds rose with the evaluation's freed blocks: `runtime.heap.start_heap`, helper h90)."""
 from __future__ import annotations
 
 from support import int4_train_local_peaks
@@ -17,7 +19,7 @@ MIB = 2 ** 20
 def test_train_local_plans_an_int4_per_block_causal_lm_within_ten_percent_of_its_peak(chat_llama):
     """The tiny chat Llama (SmolLM2's 49152-token vocabulary: the LM head + loss is most of a step), LoRA
     r=8 on an int4 base, 1 x 128 per step, per-block, two AdamW steps after an evaluation of one
-    conversation, in a new interpreter: the printed planned figure within 10% of the printed peak."""
+    conversation, in a new interpreter: the printed peak at most the printed planned figure, at least 0.90 of it."""
     model, train, dev = chat_llama
     got = int4_train_local_peaks(model, train, dev, 2, {})
     measured, planned, line = got["training"], got["planned"], got["line"]
@@ -25,7 +27,7 @@ def test_train_local_plans_an_int4_per_block_causal_lm_within_ten_percent_of_its
     assert line.split(":")[1].split("/")[:2] == [f" {measured / MIB:.0f} ", f" {planned / MIB:.0f} "], line
     ratio = measured / planned
     print(f"measured {measured / MIB:.1f} MiB, planned {planned / MIB:.1f} MiB, ratio {ratio:.3f}")
-    assert 0.90 <= ratio <= 1.10, (line, round(ratio, 3))
+    assert 0.90 <= ratio <= 1.00, (line, round(ratio, 3))
 
 
 def test_the_planner_charges_the_fused_loss_chunk_the_engines_compute_in():
