@@ -184,14 +184,16 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
         data = all_target_data(out / "all-target.jsonl")
     profile = out / "dev.json"
     engine = over.get("engine", "mnn")
+    profiled = time.perf_counter()
     profile_this_device(model, 1, SEQ, profile, name="dev", backends=(f"{engine}:cpu:t1",), reps=1,
                         attention=False, lora=lora)
+    profile_s = time.perf_counter() - profiled
     schedule = over.get("schedule", "1f1b-flush")
     # the plan knows its data (`plan --data`): an embedding table's AdamW state is charged for the rows it looks up
     settings = PlanSettings(schedule, BATCH, SEQ, M, update_every=over.get("update_every", 1), lora=lora, data=data,
                             time_limit_s=60.0)
     row = {"model": config, "devices": devices, "target_mib": target, "fits_target": True, "needs_mib": None,
-           "schedule": schedule, "engine": engine}
+           "schedule": schedule, "engine": engine, "profile_s": profile_s}
     budget = target
     try:
         plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget, engine), settings, out / "plan")
@@ -264,6 +266,8 @@ def format_rows(rows: list[dict]) -> str:
         worst = max(abs(m / p - 1) for p, m in zip(r["planned_mib"], r["measured_mib"]) if m)
         lines.append(f"  memory model: worst {worst:.0%} off (target <= 10%); every peak within its budget: "
                      f"{all(m and m <= b for m, b in zip(r['measured_mib'], budgets))}")
+        if r.get("profile_s") is not None:
+            lines.append(f"  profile {r['profile_s']:.0f} s, training {r['seconds']:.0f} s")
     return "\n".join(lines)
 
 

@@ -56,6 +56,13 @@ class BlockCost:
     # part, measured as a fresh worker runs (`runtime.profiling.device.measure_block`; its once part
     # is `per_block_kept_once_bytes`). None: not measured, taken as nothing.
     per_block_kept_bytes: int | None = None
+    # The layer's trainable weights' gradient bytes the per-block line leaves out, where it was measured
+    # as a worker's second step holds it (MNN, a kind with trainable and no frozen weights: full
+    # fine-tuning; `runtime.profiling.compute.summed_workspace`): beside the running gradient sum and
+    # AdamW's moments, which the gradient and optimizer terms charge, so the per-block workspace is
+    # the rest. None: the line holds the layer's gradients (measured on a fresh engine's backward,
+    # which returns a stage's whole set), as before.
+    per_block_summed_bytes: int | None = None
     # A decoder's LM head fused with its loss (`runtime.engines.lm_loss`) computes logits only for
     # the positions that are targets, so its workspace depends on the data: `workspace_bytes` is
     # measured with every position a target (`target_positions` of them in the profile's
@@ -264,7 +271,7 @@ _BLOCK_TIMES = ("forward_s", "backward_s", "recompute_s", "per_block_backward_s"
 _BLOCK_BYTES = ("workspace_bytes", "stacked_bytes", "kept_bytes", "engine_bytes", "engine_once_bytes",
                 "per_block_workspace_bytes",
                 "per_block_stacked_bytes", "per_block_kept_bytes", "per_block_kept_once_bytes",
-                "sparse_workspace_bytes")
+                "per_block_summed_bytes", "sparse_workspace_bytes")
 # counts, checked as sizes are (whole numbers >= 0)
 _BLOCK_COUNTS = ("target_positions", "sparse_target_positions")
 

@@ -296,10 +296,12 @@ def cached_block_indices(graph: Graph, first: int, last: int, count: int) -> lis
 
 def cache_bytes_per_block(graph: Graph, device: DeviceSpec) -> list[int]:
     """Per block, what keeping its per-op caches adds to a per-block stage: its measured stacked
-    workspace with caches less that recomputing per block (`BlockCost.stacked`, `per_block_stacked`)."""
+    workspace with caches less that recomputing per block (`BlockCost.stacked`, `per_block_stacked`),
+    less the layer's gradients where the per-block line leaves them out and the keep line holds them
+    (`BlockCost.per_block_summed_bytes`: the gradient term charges them, not the caches)."""
     backend = device_backend(device)
-    return [max(0, c.stacked - c.per_block_stacked) if (c := backend.blocks.get(block_signature(b))) else 0
-            for b in check_blocks(graph)]
+    return [max(0, c.stacked - c.per_block_stacked - (c.per_block_summed_bytes or 0))
+            if (c := backend.blocks.get(block_signature(b))) else 0 for b in check_blocks(graph)]
 
 
 def hybrid_cache_bytes(graph: Graph, device: DeviceSpec, first: int, last: int) -> int:
@@ -804,6 +806,18 @@ def stepped_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSp
     return shared_current_bytes(graph, first, last, device)
 
 
+def unsummed_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, schedule: str,
+                            update_every: int = 1) -> int:
+    """Weight gradients of blocks first..last that a stage holds where nothing is summed (1f1b-stash
+    updating after every backward: `gradient_copies` 0, the backward's own set held in its workspace)
+    and its per-block workspace leaves out: MNN's per-block line measured beside a gradient sum
+    (`BlockCost.per_block_summed_bytes`: full fine-tuning's layers) charges none, so they are charged
+    back here. 0 elsewhere (the line holds them, or the gradient term charges them as the sum)."""
+    if gradient_copies(schedule, update_every) or activation_mode(device)[0] != "per-block":
+        return 0
+    return sum(c.per_block_summed_bytes or 0 for c in block_costs(graph, device)[first:last + 1])
+
+
 def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, microbatches: int,
                              schedule: str = "1f1b-flush", update_every: int = 1) -> int:
     """What the gradients of the embedding tables of blocks first..last that nothing but lookups read
@@ -1172,6 +1186,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         gradient_bytes=(params * gradients
                         + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
                         - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
+                        + unsummed_gradient_bytes(graph, first, last, device, schedule, update_every)
                         + tied_sum_bytes(graph, first, last) - update),
         update_bytes=update,
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),

@@ -561,11 +561,12 @@ def run_child(script: str, marker: str, *args, timeout: int = 600) -> dict:
 
 
 # A new interpreter running the product's one-device job as `confidant train-local --task causal-lm` does, on
-# an int4 base under LoRA r=8 (q, k, v, o), 1 x 128 per step, per-block, AdamW, one thread. argv: model, training
-# data, evaluation data ("-": none), steps, then a JSON {key: prefix}: VmHWM when a note starting with the
-# prefix (and holding its last word) is made. Prints INT4_RUN {key: VmHWM, ..., "end": VmHWM at the end (what
+# an int4 base under LoRA r=8 (q, k, v, o), BATCH x 128 per step, per-block, AdamW, one thread. argv: model, training
+# data, evaluation data ("-": none), steps, a JSON {key: prefix}: VmHWM when a note starting with the prefix (and
+# holding its last word) is made, then BATCH. Prints INT4_RUN {key: VmHWM, ..., "end": VmHWM at the end (what
 # training and after: the job resets it before its steps), "training": the job's own peak, "planned": the
-# figure the job printed beside it, "line": the job's printed "this-device" line, "losses": [...]}.
+# figure the job printed beside it, "line": the job's printed "this-device" line, "losses": [...],
+# "perplexity": [before, after] (None without evaluation data)}.
 INT4_TRAIN_LOCAL_CHILD = r"""
 import json, sys
 from pathlib import Path
@@ -576,6 +577,7 @@ from planner.lora import LoraSettings
 from runtime.procfs import peak_rss_bytes
 
 model, train, dev, steps, marks = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), json.loads(sys.argv[6])
+batch = int(sys.argv[7])
 seen = {}
 
 lines = []
@@ -587,7 +589,7 @@ class Marks(Silent):
             if key not in seen and message.startswith(prefix) and word in message:
                 seen[key] = peak_rss_bytes()
 
-settings = TrainingSettings(steps=steps, batch=1, seq=128, lr=1e-4, optimizer="adamw", seed=0, threads=1,
+settings = TrainingSettings(steps=steps, batch=batch, seq=128, lr=1e-4, optimizer="adamw", seed=0, threads=1,
                             eval_limit=None if dev == "-" else 1,
                             lora=LoraSettings(8, 16.0, targets=("q", "k", "v", "o"), seed=0, base_dtype="int4"),
                             activations="per-block")
@@ -596,16 +598,18 @@ print("INT4_RUN " + json.dumps({**{k: seen.get(k) for k in marks}, "end": peak_r
                                 "training": metrics.devices[0].peak_rss_bytes,
                                 "planned": metrics.devices[0].planned_bytes,
                                 "line": next((m for m in lines if m.strip().startswith("this-device:")), None),
-                                "losses": [s.loss for s in metrics.steps]}))
+                                "losses": [s.loss for s in metrics.steps],
+                                "perplexity": metrics.eval and [metrics.eval.perplexity_before, metrics.eval.perplexity]}))
 """
 
 
-def int4_train_local_peaks(model: Path, train: Path, dev: Path | None, steps: int, marks: dict) -> dict:
-    """`INT4_TRAIN_LOCAL_CHILD` run fresh: `marks` {key: (note prefix, a word it holds)}."""
+def int4_train_local_peaks(model: Path, train: Path, dev: Path | None, steps: int, marks: dict, batch: int = 1) -> dict:
+    """`INT4_TRAIN_LOCAL_CHILD` run fresh (`batch` rows of 128 tokens a step): `marks` {key: (note prefix, a
+    word it holds)}."""
     import json
 
     return run_child(INT4_TRAIN_LOCAL_CHILD, "INT4_RUN", model, train, "-" if dev is None else dev, steps,
-                     json.dumps(marks))
+                     json.dumps(marks), batch)
 
 
 def int4_lora_graph(model: Path, seq: int) -> Graph:

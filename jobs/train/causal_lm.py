@@ -259,9 +259,18 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         del engine
         result.optimizer_state = {}
         gc.collect()
+        if settings.engine == "mnn":
+            # the buffers MNN cached for training's programs (SmolLM2 int4 LoRA: ~41 MiB) handed back: kept,
+            # they stood under the generation's peak (benchmarks/MEMORY_NOTES.md, helper h89)
+            from runtime.engines.mnn_kernels import release_memory
+
+            release_memory()
         release_free_heap()
-        engine = whole_model_engine(graph, settings.engine, config.threads, weights=trained, cache_activations=False)
-        after = measure(trained)
+        # generation with no engine beside it, the perplexity's engine built after it (per block): built
+        # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-608 MiB against training's
+        # 554-559; 540-554 against 550-566 now, helper h89)
+        after = _scores(_evaluation_nll(graph, settings.engine, config.threads, trained), model, graph, adapters,
+                        settings, eval_path, dev_batches, pad_id, trained)
     losses = [s.loss for s in result.steps]
     k = max(1, len(losses) // 5)
     scored = ""
@@ -283,6 +292,19 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     return local_check(metrics, charged, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
                        evaluated=before is not None)
+
+
+def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray]) -> Callable:
+    """The dev perplexity's function of the trained weights (`_scores` calls it once generation is done):
+    an engine of the whole model holding `trained`, built only then, each block's buffers let go after
+    its forward (per block: what MNN holds for the blocks before it is not kept, no per-op caches)."""
+
+    def nll(batches, rows: int, pad_id: int):
+        built = whole_model_engine(graph, engine, threads, weights=trained, cache_activations=False,
+                                   activations="per-block")
+        return engine_nll(built, batches, rows, pad_id)
+
+    return nll
 
 
 def _write_checkpoint(folder: Path, weights, optimizer_state, graph: Graph, meta: dict) -> Path:

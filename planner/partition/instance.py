@@ -43,6 +43,7 @@ from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_s
                           phase_peak_bytes, update_only_bytes,
                           block_kept_once,
                           reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
+                          unsummed_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, unversioned_bytes,
                           unversioned_copies, updates_per_microbatch, weight_copies)
 
@@ -374,6 +375,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                                                               update_every)
                                            + table_state_delta_bytes(graph, 0, k, spec, optimizer)
                                            - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
+                                           + unsummed_gradient_bytes(graph, 0, k, spec, schedule, update_every)
                                            + tied_sum_bytes(graph, 0, k),
                                            len(blocks))
                                 for spec in specs),

@@ -175,6 +175,69 @@ def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
     return peak.bytes
 
 
+# The steps `summed_workspace` runs, shorter than a worker's (h88): the first makes what a worker's second step
+# runs beside, the running gradient sum and AdamW's two moments, with one micro-batch (F0 B0, then the update);
+# the second runs as many micro-batches in flight as a middle stage under 1f1b-flush does (2: its
+# F0 F1 B0 F2 B1 F3 B2 B3 with 4), each backward summed into the sum, then the update. SmolLM2's layers (new
+# interpreters, load ~9): 4 layers 89.56 MiB in 3.9 s, 12 layers 92.19 in 8.3 s, 30 layers 104.23 in 12.3 s, where a
+# worker's whole order in both steps read 89.69 in 8.7 s, 91.84 in 20.8 s, 103.92 in 25.1 s; 4 hidden-256 layers
+# 21.88 against 21.94 (benchmarks/MEMORY_NOTES.md, h88).
+SUMMED_FIRST = (("F", 0), ("B", 0))
+SUMMED_ORDER = (("F", 0), ("F", 1), ("B", 0), ("B", 1))
+
+
+def _summed_step(engine, optimizer, stage_feeds: Mapping[str, np.ndarray], grad: np.ndarray | None,
+                 order: tuple[tuple[str, int], ...]) -> None:
+    """One training step of `engine` in `order` (each input and gradient a new array, as from a link,
+    every backward summed in place into the running sum), then its update."""
+    summed: dict = {}
+    for kind, mb in order:
+        if kind == "F":
+            engine.forward({k: np.array(v, copy=True) for k, v in stage_feeds.items()}, mb)
+        else:
+            engine.backward_into(mb, summed, None if grad is None else np.array(grad, copy=True))
+    engine.step(optimizer, summed)
+
+
+def summed_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
+                     activations: str | None = None) -> int:
+    """Peak bytes of a worker's second training step of `spec`, above its built engine, less what the
+    gradient and optimizer terms charge (the running gradient sum, AdamW's two moments: 3 x the stage's
+    trainable weights): the workspace a stage with trainable weights holds beside them from its second
+    step on. Run as a worker runs it: the engine built taking the weights; a first step of one
+    micro-batch (`SUMMED_FIRST`: the sum and the moments made), a second of `SUMMED_ORDER` (as many in
+    flight as a 1f1b-flush middle stage), every backward summed in place into the running sum
+    (`backward_into`), each input and gradient a new array; each step then an AdamW update
+    (`engine.step`); the heap not trimmed before the second step, whose peak (VmHWM, reset as it
+    starts) is taken. A fresh engine's `backward`
+    (`peak_workspace`) returns a stage's whole gradient set, which a worker holds once, as its sum, and
+    it never has the moments beside it: a backward that runs once they sit in the heap holds ~20-40
+    MiB more than a fresh engine's (SmolLM2 full fine-tuning, benchmarks/MEMORY_NOTES.md, h43, h56,
+    h61, h69). Linux only (the peak is VmHWM after `/proc/self/clear_refs`); else 0."""
+    from runtime.optim import make_optimizer
+    from runtime.procfs import release_free_heap, reset_peak_rss, status_bytes
+
+    stage_feeds, grad = _stage_inputs(spec, feeds)
+    engine = make_engine(backend, spec, activations=activations, take_weights=True)
+    engine.row_gradients = True
+    optimizer = make_optimizer("adamw", 1e-4)
+    trainable = sum(np.asarray(v).nbytes for v in engine.parameter_arrays().values())
+    gc.collect()
+    release_free_heap()
+    base = status_bytes("VmRSS") or 0
+
+    try:
+        _summed_step(engine, optimizer, stage_feeds, grad, SUMMED_FIRST)
+        if not reset_peak_rss():
+            return 0
+        _summed_step(engine, optimizer, stage_feeds, grad, SUMMED_ORDER)
+        peak = status_bytes("VmHWM") or base
+    finally:
+        del engine
+        gc.collect()
+    return max(0, peak - base - 3 * trainable)
+
+
 def kept_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
     """Bytes a second micro-batch in flight adds to the peak of `spec`'s engine when it keeps
     activations: the peak of two forwards then two backwards minus that of one of each, both

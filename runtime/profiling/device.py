@@ -24,6 +24,7 @@ real head split costs beyond the curves), `links` (bandwidth and latency to a pe
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import time
 from dataclasses import replace
@@ -39,11 +40,14 @@ from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
                                        kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
-from runtime.profiling.fresh import FreshProcesses, fresh_in_flight, fresh_line, fresh_peaks, median_start_up
+from runtime.profiling.fresh import (FreshProcesses, fresh_in_flight, fresh_line, fresh_peaks, median_start_up,
+                                     summed_line, summed_peaks)
 from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
 from runtime.profiling.split_costs import measure_split_extra_costs
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_BACKENDS = ("mnn:cpu:t1", "mnn:cpu:t2", "torch:cpu:t1", "torch:cpu:t2")
 # Below this, a first run's excess over a repeat is page-level noise (MNN measures 0.2 MiB), not
@@ -55,6 +59,11 @@ LEAN_PEAK_REPEATS = 5
 LEAN_RUN = 4
 # MNN's fresh per-block line: one further point, a stage of up to this many blocks of the kind (`measure_block`).
 FAR_RUN = 12
+# New interpreters per stage length behind the summed per-block line (`_summed_line`), near and far: a profile's
+# readings of one length agree within 0.2 MiB (h80), so one each (h88; h80's three at 1..4 layers, with the whole
+# order of a worker's steps, made its profile 1.5-4.5x main's). The far point is a worker's steps of up to a whole
+# model's layers (SmolLM2 full fine-tuning: 30 layers, ~1.7 GB).
+SUMMED_REPEATS = 1
 # Fresh child interpreters per stage length behind a repeated kind's lines, and behind the engine's
 # start-up (`runtime.profiling.fresh`): the median is taken.
 FRESH_PEAK_REPEATS = 3
@@ -73,7 +82,8 @@ def distinct_blocks(graph: Graph) -> dict[str, Block]:
 
 
 def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: FreshProcesses | None = None,
-                  start_up: int = 0, builds: FreshProcesses | None = None, keep_start_up: int = 0) -> BlockCost:
+                  start_up: int = 0, builds: FreshProcesses | None = None, keep_start_up: int = 0,
+                  memory_bytes: int | None = None) -> BlockCost:
     """One block kind's cost as a stage pays it. A decoder's LM head is measured as it runs, fused
     with the causal-LM loss on its stage (`runtime.engines.lm_loss`: no logits are made), minus the
     loss alone (which the loss's own signature carries): the head's time is the fused kernel's, its
@@ -111,6 +121,9 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     `keep_start_up` (the start-up a keeping stage is charged), what a further micro-batch keeps
     (`kept_bytes`) still here.
 
+    On MNN a kind with trainable and no frozen weights (full fine-tuning) has its per-block line measured
+    as a worker's second step holds it instead (`_summed_line`, as far as `memory_bytes` allows).
+
     `builds` given (`profile_device`'s `fresh`, every engine): the engine's build (`engine_bytes`) is
     measured as a worker builds it, first in a fresh child (`_engine_build`), not here after the block ran."""
     i = block.index
@@ -120,11 +133,19 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         loss = measure_stage(backend, loss_spec, feeds, reps)
         kept = max(0, kept_workspace(backend, both_spec, feeds) - kept_workspace(backend, loss_spec, feeds))
         backward = max(0.0, both.backward_s - loss.backward_s)
+        # The workspace: the stage's first run here, which carries what this process's heap held by then.
+        # On PyTorch that first run read 125-158 MiB for a SmolLM2-width tied head + loss (1 x 128) across
+        # profiles (24 MiB, one logits-sized buffer, apart), where its later runs repeat within 1 MiB
+        # (133.5-135.5) and a head + loss worker held ~123 beyond its weights, state and start-up: a plan
+        # charging 158 put that worker at 0.897 of it (the clean-clone CI of ebb907a). The lowest of the first
+        # run and the repeats (`every`) is charged there; MNN's first run stays (its repeats peak higher).
+        every = min(peak_workspace(backend, both_spec, feeds) for _ in range(TARGET_PEAK_REPEATS))
+        workspace = min(both.workspace_bytes, every) if backend.engine == "torch" else both.workspace_bytes
         cost = BlockCost(max(0.0, both.forward_s - loss.forward_s), backward,
-                         max(0.0, both.recompute_s - loss.recompute_s), both.workspace_bytes, kept_bytes=kept,
+                         max(0.0, both.recompute_s - loss.recompute_s), workspace, kept_bytes=kept,
                          engine_bytes=_engine_build(backend, graph, i, i + 1, feeds, builds),
                          per_block_backward_s=backward if backend.engine == "torch" else None)
-        return _with_sparse_targets(cost, backend, both_spec, feeds)
+        return _with_sparse_targets(cost, backend, both_spec, feeds, every)
     spec = stage_spec(graph, i, i)
     cost = measure_stage(backend, spec, feeds, reps)
     run = 1  # blocks of this kind in a row from this one, up to three
@@ -257,6 +278,8 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         while far < FAR_RUN and i + far < len(graph.blocks) and \
                 block_signature(graph.blocks[i + far]) == block_signature(block):
             far += 1
+        if block.params_bytes > 0 and not block.frozen_bytes:
+            return _summed_line(cost, backend, graph, block, feeds, builds, lean_run, far, start_up, memory_bytes)
         lengths = list(range(1, lean_run + 1)) + ([far] if far > lean_run else [])
         peaks = fresh_peaks(builds, graph, feeds, i, lengths, "per-block", FRESH_PEAK_REPEATS)
         lean, _ = fresh_line(peaks[:lean_run], start_up)
@@ -274,6 +297,54 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     lean = max(0, steps[(len(steps) - 1) // 2])  # the median step (of two, the smaller)
     workspace = max(p - k * lean for k, peaks in enumerate(lean_runs) for p in peaks)
     return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
+
+
+def longest_summed_stage(graph: Graph, block: Block, memory_bytes: int | None) -> int:
+    """The most blocks of `block`'s kind in a row from it that a stage can run where its weights, their
+    gradient sum and AdamW's two moments (4 x the blocks' trainable weights) take at most half of
+    `memory_bytes` (the device's; None: unknown, the whole run): the longest stage a plan can give the
+    kind, at least one block."""
+    i, sig = block.index, block_signature(block)
+    run = 1
+    while i + run < len(graph.blocks) and block_signature(graph.blocks[i + run]) == sig:
+        run += 1
+    if memory_bytes:
+        run = min(run, max(1, int(memory_bytes // 2 // max(1, 4 * block.params_bytes))))
+    return run
+
+
+def _summed_line(cost: BlockCost, backend, graph: Graph, block: Block, feeds, builds: FreshProcesses, lean_run: int,
+                 far: int, start_up: int, memory_bytes: int | None) -> BlockCost:
+    """MNN's per-block line of a kind with trainable weights and no frozen ones (full fine-tuning) measured
+    as a worker's second step holds it (`summed_workspace`: beside its gradient sum and AdamW's moments,
+    which the gradient and optimizer terms charge, the 1f1b order of a middle stage), each point in a new
+    interpreter (`FreshProcesses.run_new`). Measured on a fresh engine's backward (`peak_workspace`) the
+    line held the layers' whole gradient set, which a worker holds once, as its sum, and the gradient term
+    charges too: SmolLM2's full fine-tuning stages ran 0.85 / 0.85 / 0.92 of their plans
+    (benchmarks/MEMORY_NOTES.md, h43, h56, h61, h69). Points at 2..`lean_run` blocks, at `far` and at the
+    longest stage the device's memory allows (`longest_summed_stage`; FAR_RUN's point is not read apart from
+    it, h80), one reading each (SUMMED_REPEATS, h88: a length's readings move between profiles, not within
+    one, and `summed_line` outvotes one length read high; the steps `summed_workspace` runs are shorter than
+    a worker's): a worker's second step grows faster past 12 SmolLM2 layers (0.31
+    MiB a layer from 4 to 12, 0.9 from 12 to 16, h61), so the step per block is the steepest from lean_run
+    to the far point; the line through 2..lean_run is robust to one length reading a layer's gradient high
+    (`summed_line`, h80: h70's median of steps drew it once at a gradient a layer). Not for int4
+    LoRA kinds: the same line charged SmolLM2 int4 LoRA's middle stage 0.88 of its run (h69)."""
+    i = block.index
+    longest = max(far, longest_summed_stage(graph, block, memory_bytes))
+    # one far point: the longest stage (its step from lean_run blocks is the steepest seen: SmolLM2's 4 -> 30
+    # layers ~0.56 MiB a layer against 0.31 from 4 to 12, h61, h70); FAR_RUN's too only where it is the longest
+    fars = [longest] if longest > lean_run else []
+    # not one block: a stage of one is charged the 2..lean_run level anyway (`summed_line`: the 1 -> 2 jump, ~28
+    # MiB a SmolLM2 layer, once), and its reading sat under that level in every profile read (61.4-61.9 MiB
+    # against 88.6-89.5; 16.0-16.1 against 21.2-21.4 on 4 hidden-256 layers, h80, h88): one new interpreter fewer
+    lengths = list(range(2, lean_run + 1)) + fars
+    peaks = summed_peaks(builds, graph, feeds, i, lengths, "per-block", SUMMED_REPEATS)
+    lean, workspace = summed_line(peaks, lengths, lean_run, start_up)
+    _log.info("summed per-block line of %s: readings MiB %s; step %.2f, workspace %.2f", block.name,
+              {k: [round(v / 2**20, 2) for v in p] for k, p in zip(lengths, peaks)}, lean / 2**20, workspace / 2**20)
+    return replace(cost, per_block_workspace_bytes=workspace, per_block_stacked_bytes=lean,
+                   per_block_summed_bytes=block.params_bytes)
 
 
 def _engine_build(backend, graph: Graph, first: int, last: int, feeds, builds: FreshProcesses | None) -> int:
@@ -302,14 +373,14 @@ def further_microbatch_parts(added_at_one: float, added_at_run: float, run: int)
     return per_block, max(0, int(one - per_block))
 
 
-def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
+def _with_sparse_targets(cost: BlockCost, backend, spec, feeds, every: int) -> BlockCost:
     """The fused LM head + loss's cost with its second point: the peak with only 1/SPARSE_TARGET_SHARE
     of the micro-batch's target positions targets (`BlockCost.workspace_at_targets`). The loss
     computes logits for target rows only (`runtime.engines.lm_loss`), so instruction data whose
     answers are a few dozen of 128 positions peaks lower (SmolLM2 int4: ~27 MiB below every position
-    a target, in a worker). What the fewer targets save is the lowest of TARGET_PEAK_REPEATS peaks
-    with every position a target less the highest with few: a saving measured low, never high, so
-    the line stays on or above a run's peak."""
+    a target, in a worker). What the fewer targets save is `every` (the lowest of TARGET_PEAK_REPEATS
+    peaks with every position a target, `measure_block`) less the highest of as many with few: a saving
+    measured low, never high, so the line stays on or above a run's peak."""
     weights = feeds.get(TARGET_WEIGHTS)
     if weights is None:
         return cost
@@ -322,7 +393,6 @@ def _with_sparse_targets(cost: BlockCost, backend, spec, feeds) -> BlockCost:
     few = np.zeros_like(flat)
     few[at[:sparse]] = flat[at[:sparse]]
     sparse_feeds = {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
-    every = min(peak_workspace(backend, spec, feeds) for _ in range(TARGET_PEAK_REPEATS))
     fewer = max(peak_workspace(backend, spec, sparse_feeds) for _ in range(TARGET_PEAK_REPEATS))
     saved = max(0, every - fewer)
     return replace(cost, target_positions=full, sparse_target_positions=sparse,
@@ -354,7 +424,8 @@ def _memory_parts(cost: BlockCost) -> str:
     if cost.per_block_workspace_bytes is not None:
         further = ("" if cost.per_block_stacked_bytes is None
                    else f", {cost.per_block_stacked_bytes / 2**20:.1f} per further block")
-        stacked += f"recomputed per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}; "
+        beside = "" if cost.per_block_summed_bytes is None else " (a worker's second step, beside its gradient sum)"
+        stacked += f"recomputed per block {cost.per_block_workspace_bytes / 2**20:.1f}{further}{beside}; "
     if cost.per_block_kept_once_bytes is not None:
         stacked += (f"a further micro-batch per block: {(cost.per_block_kept_bytes or 0) / 2**20:.1f} a block, "
                     f"{cost.per_block_kept_once_bytes / 2**20:.1f} once a stage; ")
@@ -384,6 +455,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
         raise ValueError(f"reps must be an int >= 1, got {reps!r}")
     say = progress or (lambda _msg: None)
     started = time.perf_counter()
+    # read before the blocks run: how long a stage `_summed_line` measures
+    available = memory_bytes if memory_bytes is not None else memory_available_bytes()
     overhead = runtime_overhead_bytes()
     present, skipped = present_backends(backends)
     for b, why in skipped.items():
@@ -449,7 +522,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                     # which a fresh child's first run pays again: taken off the fresh lines' peaks
                     charged = start_up.get(backend.engine, 0) - caches_start_up.get(backend.engine, 0)
                     cost = measure_block(backend, graph, block, feeds, reps, children, charged, builds,
-                                         start_up.get(backend.engine, 0))
+                                         start_up.get(backend.engine, 0), available)
                     costs[sig] = cost
                     say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
                         f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
@@ -487,6 +560,5 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                  if attention else {})
     finally:
         K.set_threads(threads_before)
-    available = memory_bytes if memory_bytes is not None else memory_available_bytes()
     return DeviceProfile(name, graph.name, graph.batch, graph.seq, tuple(profiles), int(available), overhead,
                          update_rates(), children, extra, accumulate_rate())

@@ -40,7 +40,8 @@ _ROOT = Path(__file__).resolve().parents[2]  # the checkout: a child imports the
 
 # (what, first block, last block, activations): "peak" is `peak_workspace` (one micro-batch in flight),
 # "peak2" the same with two in flight, "start_up" `start_up_bytes`, "engine" `engine_setup_bytes` (the
-# stage's engine built as a worker builds it, first: nothing run before it)
+# stage's engine built as a worker builds it, first: nothing run before it), "summed" `summed_workspace` (a
+# worker's second step, less its gradient sum and AdamW's moments)
 Measurement = tuple[str, int, int, "str | None"]
 
 # The fork server: a fresh interpreter that imports what a worker imports first (the runtime, its
@@ -127,6 +128,17 @@ class FreshProcesses:
             raise RuntimeError(f"the fresh {self.name} measurement server ended (exit {self._server.poll()})")
         return _result(self.name, lines, 0 if line.strip() == "DONE 0" else 1, "".join(lines))
 
+    def run_new(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> list[int]:
+        """`run`, in a new interpreter of its own rather than a child of the fork server: a worker's
+        second step's peak ("summed") read in fork-server children moved 85-89 MiB between runs on a
+        4-layer full fine-tuning stage where new interpreters, as a worker is, held 89.1-89.6
+        (benchmarks/MEMORY_NOTES.md, h69). ~1-2 s more a figure (the runtime's imports)."""
+        stage = _stage_graph(graph, [(first, last) for _, first, last, _ in measurements])
+        path = os.path.join(self._folder.name, "job.json")
+        _write_job(path, stage, feeds, measurements)
+        del stage
+        return _measure_in_new_interpreter(self.name, path, self.timeout_s)
+
 
 _CHILD = """
 import sys
@@ -201,7 +213,7 @@ def _read_job(path: str) -> tuple[Graph, dict[str, np.ndarray], list[Measurement
 def _run_child(backend: str, path: str) -> None:
     """In the child: the measurements listed in `path`, one after another, printed as one JSON line."""
     from ir.backend import parse_backend
-    from runtime.profiling.compute import engine_setup_bytes, peak_workspace, start_up_bytes
+    from runtime.profiling.compute import engine_setup_bytes, peak_workspace, start_up_bytes, summed_workspace
 
     spec_of_backend = parse_backend(backend)
     graph, feeds, measurements = _read_job(path)
@@ -211,6 +223,8 @@ def _run_child(backend: str, path: str) -> None:
         measure = peak_workspace if what == "peak" else start_up_bytes
         if what == "peak2":  # two micro-batches in flight
             out.append(int(peak_workspace(spec_of_backend, spec, feeds, activations, in_flight=2)))
+        elif what == "summed":  # a worker's second step, beside its gradient sum and AdamW's moments
+            out.append(int(summed_workspace(spec_of_backend, spec, feeds, activations)))
         elif what == "engine":
             out.append(int(engine_setup_bytes(spec_of_backend, spec)))
         else:
@@ -227,6 +241,14 @@ def fresh_peaks(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndar
             for k in lengths]
 
 
+def summed_peaks(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
+                 lengths: Sequence[int], activations: str | None, repeats: int) -> list[list[int]]:
+    """Per length k of `lengths`, `repeats` readings of a worker's second step (`summed_workspace`) on a
+    stage of blocks first..first+k-1, each in a new interpreter (`FreshProcesses.run_new`)."""
+    return [[fresh.run_new(graph, feeds, [("summed", first, first + k - 1, activations)])[0] for _ in range(repeats)]
+            for k in lengths]
+
+
 def fresh_line(peaks: Sequence[Sequence[int]], less: int = 0) -> tuple[int, int]:
     """(what each further block adds, the one-block workspace) of fresh peaks of stages of 1..L blocks
     (`fresh_peaks`), `less` (the start-up charged with the engine) taken off each: a further block
@@ -238,6 +260,33 @@ def fresh_line(peaks: Sequence[Sequence[int]], less: int = 0) -> tuple[int, int]
     step = max(0, int(steps[(len(steps) - 1) // 2])) if steps else 0
     workspace = max(max(p) - less - k * step for k, p in enumerate(peaks))
     return step, max(step, int(workspace))
+
+
+def summed_line(peaks: Sequence[Sequence[int]], lengths: Sequence[int], lean_run: int, less: int = 0) -> tuple[int, int]:
+    """(what each further block adds, the one-block workspace) of a worker's second-step readings
+    (`summed_peaks`) at `lengths` (2..lean_run or 1..lean_run, then far points), `less` taken off each. Through 2..lean_run
+    blocks the line is robust to one length's readings sitting a layer's gradient high (SmolLM2-shaped
+    layers, new interpreters: 61.6 / 89.5 / 103.4 / 89.5 MiB at 1-4 layers, the 3-layer job's every reading,
+    where a worker-like run of 3 layers holds what 2 and 4 do, benchmarks/MEMORY_NOTES.md, h80): the step
+    is the median of the pairwise steps between the lengths' medians, the level the median of the
+    medians less what stacks under them; the 1 -> 2 jump (~28 MiB) is charged once, in the level, not per
+    block. With far points the step is the steepest from that level at lean_run blocks to a far point's
+    highest reading (the step grows past 12 SmolLM2 layers, h61), and the workspace covers the far
+    readings and the one-block readings less what stacks under them. Neither below 0."""
+    medians = {k: statistics.median(p) - less for k, p in zip(lengths, peaks)}
+    near = [k for k in lengths if 2 <= k <= lean_run]
+    pairs = sorted((medians[b] - medians[a]) / (b - a) for a in near for b in near if b > a)
+    step = statistics.median(pairs) if pairs else 0.0
+    level = statistics.median(medians[k] - (k - 1) * step for k in near) if near else medians[lengths[0]]
+    fars = [(k, p) for k, p in zip(lengths, peaks) if k > lean_run]
+    if fars:
+        at_run = level + (lean_run - 1) * step
+        step = max((max(p) - less - at_run) / (k - lean_run) for k, p in fars)
+    step = max(0.0, step)
+    level = statistics.median(medians[k] - (k - 1) * step for k in near) if near else level
+    covered = [max(p) - less - (k - 1) * step for k, p in zip(lengths, peaks) if k == 1 or k > lean_run]
+    workspace = max([level] + covered)
+    return int(step), max(int(step), int(workspace))
 
 
 def fresh_in_flight(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,

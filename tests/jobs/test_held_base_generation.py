@@ -113,7 +113,15 @@ def test_an_int4_runs_evaluation_holds_no_float32_file_twice(smollm2_onnx, tmp_p
     cache graph's bytes (617 MiB). Measured (h78, load 5-9): over the float32 file 1380-1446 MiB; over
     the held int4 copy 827.7-829.5 (its tied table widened whole twice a run, the trained q/k/v/o merged
     in float32; main 251971f: fails); with the table read by rows, the adapters beside their int4 base and
-    the logits of the last position only (h84, load 20-26): 555-557."""
+    the logits of the last position only (h84, load 20-26): 555-557.
+
+    And the evaluation after training peaks no higher than the one before it (issue 31 lever 2: evaluation
+    and generation within training's peak; the one before runs beside the training engine, at training's
+    level on `train-local --batch 4`): after training nothing of it is held under the generation (its
+    engine gone, MNN's cached buffers handed back) and the evaluation's engine is built after the
+    generation, per block. Measured (h89, load 12-15, VmHWM after / before): main ebb907a 579.1 / 531.0
+    (1.09: the evaluation engine built before the generation, beside MNN's ~41 MiB of training buffers);
+    the change 504.3 / 532.1 (0.95)."""
     from tasks.causal_lm.entity_task import write_entity_splits
 
     train, dev = write_entity_splits(tmp_path / "data", n_train=8, n_dev=1, seed=0)
@@ -128,3 +136,7 @@ def test_an_int4_runs_evaluation_holds_no_float32_file_twice(smollm2_onnx, tmp_p
           f"{got['after'] / MIB:.1f}, training alone {got['training'] / MIB:.1f}); bound {bound / MIB:.1f}")
     assert whole < bound, (f"the evaluation peaked at {whole / MIB:.1f} MiB, above 1.2 x the float32 cache graph "
                            f"({bound / MIB:.1f})", got)
+    # one step at one row trains below either evaluation (366-368 MiB), so the end's VmHWM is the evaluation after's
+    assert got["training"] < got["after"] <= got["before"], (
+        f"the evaluation after training peaked at {got['after'] / MIB:.1f} MiB, above the one before it "
+        f"({got['before'] / MIB:.1f})", got)

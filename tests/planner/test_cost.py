@@ -689,3 +689,48 @@ def test_a_flush_stage_is_charged_the_larger_of_its_update_and_its_backwards_not
             assert st.memory_bytes <= budget
             assert st.memory_bytes == inst.stage_bytes(inst.devices.index(st.device), st.first_block, st.last_block,
                                                        len(plan.stages), st.stage)
+
+
+def test_a_per_block_line_measured_beside_the_gradient_sum_leaves_the_layers_gradients_to_their_term():
+    """MNN's per-block line measured as a worker's second step (`BlockCost.per_block_summed_bytes`: full
+    fine-tuning's layers, helper h70) holds none of the layers' gradients: the gradient term charges them
+    once, as the running sum, and where nothing is summed (1f1b-stash updating after every backward, the
+    backward's set held in the workspace an older line measured) charges them back
+    (`unsummed_gradient_bytes`); a hybrid stage's caches are the keep line less the per-block line less
+    those gradients (`cache_bytes_per_block`). By hand, through the cost model and the partition instance
+    (dropping the charge-back fails both)."""
+    from dataclasses import replace
+
+    from ir.profile import BlockCost
+    from planner.cost import cache_bytes_per_block, stage_memory_bytes, stage_memory_terms
+    from planner.partition.instance import _memory_bytes, make_instance
+    from support import EMB, ENC
+
+    def device(name: str, summed: int | None) -> DeviceSpec:
+        costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
+                 ENC: BlockCost(0.010, 0.020, 0.005, 2400, stacked_bytes=2200, kept_bytes=120,
+                                per_block_workspace_bytes=150, per_block_stacked_bytes=20,
+                                per_block_summed_bytes=summed),
+                 HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
+        profile = DeviceProfile(name, "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
+        return DeviceSpec(name, f"tcp://{name}:1", profile, 10**6, "mnn:cpu:t1", activations="per-block")
+
+    g = tiny_graph()
+    summed, fresh = device("s", 2000), device("f", None)  # the encoders' 2000 parameter bytes each
+    # blocks 1-2 (two encoders, 4000 parameter bytes), the last stage of 2
+    for dev in (summed, fresh):  # a sum is held: the gradient term's 4000 either way
+        assert stage_memory_terms(g, dev, 1, 2, 1, 2, "1f1b-flush", 4, "sgd").gradient_bytes == 4000
+    assert stage_memory_terms(g, fresh, 1, 2, 1, 2, "1f1b-stash", 4, "sgd").gradient_bytes == 0
+    stash = stage_memory_terms(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")
+    assert stash.gradient_bytes == 4000 and stash.workspace_bytes == 2 * 20 + 130
+    assert stage_memory_terms(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd", 2).gradient_bytes == 4000
+    assert stage_memory_terms(g, replace(summed, activations="keep"), 1, 2, 1, 2, "1f1b-stash", 4,
+                              "sgd").gradient_bytes == 0  # the keep line holds them
+    # a hybrid's cache of an encoder: keep line 2200 less per-block 20 less its gradients 2000
+    assert cache_bytes_per_block(g, summed)[1:3] == [180, 180]
+    assert cache_bytes_per_block(g, fresh)[1:3] == [2180, 2180]
+    inst = make_instance(g, Cluster((summed, fresh), Link(1e6, 0.001)), "1f1b-stash", 4, "sgd")
+    for d, dev in enumerate((summed, fresh)):
+        assert _memory_bytes(inst, d, 1, 2, 1, 2) == stage_memory_bytes(g, dev, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")
+    assert (stage_memory_bytes(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")
+            - stage_memory_bytes(g, fresh, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")) == 4000
