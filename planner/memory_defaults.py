@@ -56,8 +56,8 @@ def _fused_head_bytes(graph: Graph, block: Block, chunk_bytes: int) -> int | Non
     """What an LM head fused with its loss (`planner.cost.fused_loss_hidden_bytes`) holds of its logits
     while the loss runs a chunk at a time (`runtime.engines.lm_loss`), for the target positions of a
     micro-batch (`Graph.target_positions`, else every position): a float32 head a chunk of positions'
-    logits; a quantized one a chunk of its vocabulary rows widened [rows, H] and their logits
-    [targets, rows], the rows so many that the larger of the two is a chunk. None for any other block."""
+    logits; a quantized one (`_quantized_head_bytes`) a chunk of its vocabulary rows widened and their
+    logits, with what widening a chunk holds beside them. None for any other block."""
     if fused_loss_hidden_bytes(graph) is None or block.index != len(graph.blocks) - 2:
         return None
     last = graph.node(block.nodes[-1])
@@ -67,9 +67,36 @@ def _fused_head_bytes(graph: Graph, block: Block, chunk_bytes: int) -> int | Non
     weight = graph.constants[last.inputs[1]]
     if not isinstance(weight, QuantizedTensor):
         return min(4 * targets * vocab, chunk_bytes)
+    return _quantized_head_bytes(weight, vocab, targets, chunk_bytes)
+
+
+def _quantized_head_bytes(weight: QuantizedTensor, vocab: int, targets: int, chunk_bytes: int) -> int:
+    """The peak of `runtime.engines.lm_loss.quantized_linear_cross_entropy` over a head held quantized
+    ([vocab, H] storage rows) for `targets` target rows, as it allocates: a chunk of `rows` vocabulary
+    rows (so many that the larger of the widened rows and their logits is a chunk) widened into one
+    float32 buffer [rows, padded H], the chunk's logits [targets, rows] (the last chunk's still held
+    while the next is widened and while the next's are computed), and inside the widening
+    (`ir.precision.QuantizedTensor.widen_storage_rows`) an int4 chunk's codes unpacked a byte each beside
+    the one nibble's temporary (half that) or its float32 scales (and int4's offsets), an int8 chunk's
+    scales, a bfloat16 chunk its codes widened to 32 bits before the shift; and the target rows' hidden state
+    and the running sum of their gradients [targets, H]. SmolLM2 under an int4 base (its tied head a
+    table, held int8: `ir.precision`), 576 x 49152, 93 targets: 42.75 MiB, where rows and logits alone
+    (the older charge) were 37.16; the kernel alone in a new interpreter peaks 42.68-42.70 MiB above its
+    start (an int4 head of that shape: 49.57 modelled, 49.45 measured), the loss's forward in
+    `train-local` 41.0 above its own (benchmarks/MEMORY_NOTES.md, helper h91)."""
     hidden = int(weight.size) // vocab
-    rows = min(vocab, chunk_bytes // (4 * max(targets, hidden, 1)))
-    return 4 * rows * (targets + hidden)
+    rows = min(vocab, max(64, chunk_bytes // (4 * max(targets, hidden, 1))))
+    padded = int(weight.codes.shape[1]) * (2 if weight.storage == "int4" else 1)
+    logits = 4 * rows * targets
+    earlier = logits if rows < vocab else 0  # the chunk before's logits, until the next's replace them
+    scales = 4 * rows * (int(weight.scales.size) // vocab) * (1 if weight.mins is None else 2)
+    if weight.storage == "int4":
+        widening = rows * padded + max(rows * padded // 2, scales)
+    elif weight.storage == "bfloat16":
+        widening = 4 * rows * padded  # codes widened to 32 bits, then shifted into a second array
+    else:
+        widening = scales
+    return 4 * rows * padded + earlier + max(widening, logits) + 2 * 4 * targets * hidden
 
 
 def default_block_cost(graph: Graph, block: Block, per_block: bool = False,
