@@ -603,6 +603,29 @@ print("INT4_RUN " + json.dumps({**{k: seen.get(k) for k in marks}, "end": peak_r
 """
 
 
+# `confidant ARGS` (`confidant.cli.main`) in a new interpreter; prints CLI_RUN {"code", "stdout", "stderr"}.
+CLI_CHILD = r"""
+import io, json, sys
+from contextlib import redirect_stderr, redirect_stdout
+from confidant.cli import main
+
+out, err = io.StringIO(), io.StringIO()
+with redirect_stdout(out), redirect_stderr(err):
+    try:
+        code = main(sys.argv[2:])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+print("CLI_RUN " + json.dumps({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}))
+"""
+
+
+def run_cli_fresh(*args) -> CliRun:
+    """`run_cli` in a new interpreter at one thread (`run_child`): what a process that ran nothing else
+    measures of its own memory (`train-local`'s memory line)."""
+    got = run_child(CLI_CHILD, "CLI_RUN", *args)
+    return CliRun(got["code"], got["stdout"], got["stderr"])
+
+
 def int4_train_local_peaks(model: Path, train: Path, dev: Path | None, steps: int, marks: dict, batch: int = 1) -> dict:
     """`INT4_TRAIN_LOCAL_CHILD` run fresh (`batch` rows of 128 tokens a step): `marks` {key: (note prefix, a
     word it holds)}."""

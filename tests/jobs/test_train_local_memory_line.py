@@ -11,19 +11,32 @@ process's): SmolLM2 int4 per-block "this-device: 553 / 2022" (0.27 of it), this 
 thresholds rose with the evaluation's freed blocks: `runtime.heap.start_heap`, helper h90)."""
 from __future__ import annotations
 
-from support import int4_train_local_peaks
+import json
+
+from support import run_cli_fresh
 
 MIB = 2 ** 20
 
 
-def test_train_local_plans_an_int4_per_block_causal_lm_within_ten_percent_of_its_peak(chat_llama):
+def test_train_local_plans_an_int4_per_block_causal_lm_within_ten_percent_of_its_peak(chat_llama, tmp_path):
     """The tiny chat Llama (SmolLM2's 49152-token vocabulary: the LM head + loss is most of a step), LoRA
     r=8 on an int4 base, 1 x 128 per step, per-block, two AdamW steps after an evaluation of one
-    conversation, in a new interpreter: the printed peak at most the printed planned figure, at least 0.90 of it."""
+    conversation, `confidant train-local` in a new interpreter: the printed peak at most the printed
+    planned figure, at least 0.90 of it. The same run is the CLI's causal-LM inference from the model's
+    side file (it was tests/tasks/test_task_choice.py's own run of train-local, folded in here: helper h91)."""
     model, train, dev = chat_llama
-    got = int4_train_local_peaks(model, train, dev, 2, {})
-    measured, planned, line = got["training"], got["planned"], got["line"]
-    assert line is not None and planned, got
+    out = tmp_path / "run.json"
+    run = run_cli_fresh("train-local", model, "--data", train, "--eval", dev, "--eval-limit", "1", "--steps", "2",
+                        "--batch", "1", "--seq", "128", "--lr", "1e-4", "--optimizer", "adamw", "--threads", "1",
+                        "--lora", "8", "--base-dtype", "int4", "--activations", "per-block", "--metrics-out", out)
+    assert run.returncode == 0, run.stderr
+    assert "task: causal-lm (m.lm.json beside the model" in run.stdout
+    doc = json.loads(out.read_text())
+    assert doc["eval"]["perplexity"] is not None  # scored as a causal LM
+    measured, planned = doc["devices"][0]["peak_rss_bytes"], doc["devices"][0]["planned_bytes"]
+    said = run.stdout + run.stderr
+    line = next((m for m in said.splitlines() if m.strip().startswith("this-device:")), None)
+    assert line is not None and planned, said
     assert line.split(":")[1].split("/")[:2] == [f" {measured / MIB:.0f} ", f" {planned / MIB:.0f} "], line
     ratio = measured / planned
     print(f"measured {measured / MIB:.1f} MiB, planned {planned / MIB:.1f} MiB, ratio {ratio:.3f}")
