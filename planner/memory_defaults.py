@@ -70,6 +70,14 @@ def _fused_head_bytes(graph: Graph, block: Block, chunk_bytes: int) -> int | Non
     return _quantized_head_bytes(weight, vocab, targets, chunk_bytes)
 
 
+def fused_head_chunk_bytes(graph: Graph) -> int | None:
+    """What the graph's LM head fused with its loss holds of its logits at a time in the engines'
+    chunks (`_fused_head_bytes` at `LOSS_CHUNK_BYTES`); None without one."""
+    if len(graph.blocks) < 2:
+        return None
+    return _fused_head_bytes(graph, graph.blocks[-2], LOSS_CHUNK_BYTES)
+
+
 def _quantized_head_bytes(weight: QuantizedTensor, vocab: int, targets: int, chunk_bytes: int) -> int:
     """The peak of `runtime.engines.lm_loss.quantized_linear_cross_entropy` over a head held quantized
     ([vocab, H] storage rows) for `targets` target rows, as it allocates: a chunk of `rows` vocabulary

@@ -100,8 +100,8 @@ def _mnn_held_bytes(graph: Graph) -> int:
       37.27 MiB of numpy arrays read there, and a block's backward peaks ~1 MiB over its end). They
       build up while the backward runs, after the LM head + loss has let its chunks go: the larger of
       the two (the fused head's chunks, charged in the workspace) counts, not both."""
-    from planner.cost import block_input_bytes, fused_loss_hidden_bytes
-    from planner.memory_defaults import LOSS_CHUNK_BYTES, _fused_head_bytes
+    from planner.cost import block_input_bytes
+    from planner.memory_defaults import fused_head_chunk_bytes
 
     first = graph.blocks[0]
     tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather" and n.inputs[0] in graph.constants}
@@ -110,8 +110,7 @@ def _mnn_held_bytes(graph: Graph) -> int:
     inputs = block_input_bytes(graph)
     flats = [inputs[k] + b.params_bytes for k, b in enumerate(graph.blocks) if k > 0 and b.params]
     read = sum(flats) + max(flats, default=0)  # and the one being read, still MNN's concatenation too
-    head = _fused_head_bytes(graph, graph.blocks[-2], LOSS_CHUNK_BYTES) \
-        if fused_loss_hidden_bytes(graph) is not None and len(graph.blocks) >= 2 else None
+    head = fused_head_chunk_bytes(graph)
     return rows + (read if head is None else max(0, read - head))
 
 
