@@ -172,7 +172,8 @@ def _with_data_figures(graph, model: Path, settings: PlanSettings, reporter: Rep
     """The graph with the facts of one pass over `settings.data` that the memory model charges by,
     read as `confidant train` will read it (the same task, tokenizer and batches): the rows of each
     embedding table it looks up, and the most loss-target positions a micro-batch of it has."""
-    from jobs.train.from_plan import PlanRunSettings, data_task, task_lookup_rows, task_target_positions
+    from jobs.train.from_plan import PlanRunSettings, data_task, task_lookup_rows
+    from jobs.train.pipeline_tasks import task_target_positions
 
     M = settings.microbatches
     try:

@@ -23,12 +23,15 @@ import dataclasses
 import math
 from typing import Mapping
 
+import numpy as np
+
 from ir.graph import Block, Graph, block_signature
-from ir.precision import bytes_per_frozen_element, lookup_tables, quantizable, storage_for
+from ir.precision import QuantizedTensor, bytes_per_frozen_element, lookup_tables, quantizable, storage_for
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
 from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
-                          block_input_bytes, check_blocks, double_held_bytes, engine_bytes, gradient_copies,
+                          block_input_bytes, check_blocks, double_held_bytes, engine_bytes, fused_loss_hidden_bytes,
+                          gradient_copies,
                           in_flight_microbatches,
                           looked_up_only, stage_memory_bytes, stage_params_bytes, stashed_weight_versions,
                           transient_bytes, workspace_of)
@@ -43,26 +46,111 @@ MIN_BLOCK_S = 1e-6
 UNLIMITED_BYTES = 2 ** 62
 
 
-def default_block_cost(graph: Graph, block: Block) -> BlockCost:
-    """A block's cost derived from its shapes (see the module docstring)."""
+# What the LM head fused with its causal-LM loss holds of the logits at a time: one chunk (the
+# engines' `runtime.engines.lm_loss.CHUNK_BYTES`, which the planner may not import; a test holds
+# the two equal), and for a head held quantized one chunk of its rows widened beside it.
+LOSS_CHUNK_BYTES = 32 << 20
+
+
+def _fused_head_bytes(graph: Graph, block: Block, chunk_bytes: int) -> int | None:
+    """What an LM head fused with its loss (`planner.cost.fused_loss_hidden_bytes`) holds of its logits
+    while the loss runs a chunk at a time (`runtime.engines.lm_loss`), for the target positions of a
+    micro-batch (`Graph.target_positions`, else every position): a float32 head a chunk of positions'
+    logits; a quantized one (`_quantized_head_bytes`) a chunk of its vocabulary rows widened and their
+    logits, with what widening a chunk holds beside them. None for any other block."""
+    if fused_loss_hidden_bytes(graph) is None or block.index != len(graph.blocks) - 2:
+        return None
+    last = graph.node(block.nodes[-1])
+    logits = graph.values[last.outputs[0]]
+    vocab = int(logits.shape[-1])
+    targets = graph.target_positions or int(np.prod(logits.shape[:-1]))
+    weight = graph.constants[last.inputs[1]]
+    if not isinstance(weight, QuantizedTensor):
+        return min(4 * targets * vocab, chunk_bytes)
+    return _quantized_head_bytes(weight, vocab, targets, chunk_bytes)
+
+
+def fused_head_chunk_bytes(graph: Graph) -> int | None:
+    """What the graph's LM head fused with its loss holds of its logits at a time in the engines'
+    chunks (`_fused_head_bytes` at `LOSS_CHUNK_BYTES`); None without one."""
+    if len(graph.blocks) < 2:
+        return None
+    return _fused_head_bytes(graph, graph.blocks[-2], LOSS_CHUNK_BYTES)
+
+
+def _quantized_head_bytes(weight: QuantizedTensor, vocab: int, targets: int, chunk_bytes: int) -> int:
+    """The peak of `runtime.engines.lm_loss.quantized_linear_cross_entropy` over a head held quantized
+    ([vocab, H] storage rows) for `targets` target rows, as it allocates: a chunk of `rows` vocabulary
+    rows (so many that the larger of the widened rows and their logits is a chunk) widened into one
+    float32 buffer [rows, padded H], the chunk's logits [targets, rows] (the last chunk's still held
+    while the next is widened and while the next's are computed), and inside the widening
+    (`ir.precision.QuantizedTensor.widen_storage_rows`) an int4 chunk's codes unpacked a byte each beside
+    the one nibble's temporary (half that) or its float32 scales (and int4's offsets), an int8 chunk's
+    scales, a bfloat16 chunk its codes widened to 32 bits before the shift; and the target rows' hidden state
+    and the running sum of their gradients [targets, H]. SmolLM2 under an int4 base (its tied head a
+    table, held int8: `ir.precision`), 576 x 49152, 93 targets: 42.75 MiB, where rows and logits alone
+    (the older charge) were 37.16; the kernel alone in a new interpreter peaks 42.68-42.70 MiB above its
+    start (an int4 head of that shape: 49.57 modelled, 49.45 measured), the loss's forward in
+    `train-local` 41.0 above its own (benchmarks/MEMORY_NOTES.md, helper h91)."""
+    hidden = int(weight.size) // vocab
+    rows = min(vocab, max(64, chunk_bytes // (4 * max(targets, hidden, 1))))
+    padded = int(weight.codes.shape[1]) * (2 if weight.storage == "int4" else 1)
+    logits = 4 * rows * targets
+    earlier = logits if rows < vocab else 0  # the chunk before's logits, until the next's replace them
+    scales = 4 * rows * (int(weight.scales.size) // vocab) * (1 if weight.mins is None else 2)
+    if weight.storage == "int4":
+        widening = rows * padded + max(rows * padded // 2, scales)
+    elif weight.storage == "bfloat16":
+        widening = 4 * rows * padded  # codes widened to 32 bits, then shifted into a second array
+    else:
+        widening = scales
+    return 4 * rows * padded + earlier + max(widening, logits) + 2 * 4 * targets * hidden
+
+
+def default_block_cost(graph: Graph, block: Block, per_block: bool = False,
+                       loss_chunk_bytes: int | None = None, gradient_of_each: bool = False) -> BlockCost:
+    """A block's cost derived from its shapes (see the module docstring). `per_block`: with the figures
+    of an engine recomputing per block too (`BlockCost.per_block_workspace_bytes`): a block then holds
+    only its weight gradients beside the others (its input is the activations' charge), and one block
+    at a time its forward's re-run and its backward: every value it produces and a gradient of each.
+    `loss_chunk_bytes`: an LM head fused with its loss holds its logits a chunk at a time
+    (`_fused_head_bytes`), not whole (None: whole, the older charge). `gradient_of_each`: a block's
+    backward temporary is a gradient of each value it produced (as recomputing per block charges it),
+    not its largest value alone (the older charge)."""
     produced = [graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs if o in graph.values]
+    fused = None if loss_chunk_bytes is None else _fused_head_bytes(graph, block, loss_chunk_bytes)
+    if fused is not None:  # the logits (the head's last product) never held whole
+        produced = produced[:-1] + [fused]
     caches = sum(produced)
     # weight gradients, less the tables only looked up: their gradient is the rows looked up, which
     # the memory model charges itself (`planner.cost.row_gradient_delta_bytes`)
     rows_only = looked_up_only(graph).intersection(block.params)
     stacked = caches + block.params_bytes - sum(int(graph.constants[t].nbytes) for t in rows_only)
     forward = max(block.flops * NOMINAL_S_PER_FLOP, MIN_BLOCK_S)
+    gradients = stacked - caches
+    # the fused pair's chunks are its whole peak (no temporary beside them); a block's backward
+    # recomputing per block holds a gradient of each value beside the values
+    again = 0 if fused is not None else caches
+    largest = again if gradient_of_each else 0 if fused is not None else max(produced, default=0)
     return BlockCost(forward_s=forward, backward_s=3 * forward, recompute_s=forward,
-                     workspace_bytes=stacked + max(produced, default=0), stacked_bytes=stacked, kept_bytes=caches)
+                     workspace_bytes=stacked + largest, stacked_bytes=stacked, kept_bytes=caches,
+                     per_block_workspace_bytes=gradients + caches + again if per_block else None,
+                     per_block_stacked_bytes=gradients if per_block else None)
 
 
 def default_profile(graph: Graph, name: str = "defaults", memory_available_bytes: int = UNLIMITED_BYTES,
-                    backend: str = DEFAULT_BACKEND) -> DeviceProfile:
+                    backend: str = DEFAULT_BACKEND, per_block: bool = False,
+                    runtime_overhead_bytes: int = DEFAULT_RUNTIME_BYTES,
+                    loss_chunk_bytes: int | None = None, gradient_of_each: bool = False) -> DeviceProfile:
     """A profile of `graph` derived from its shapes, on `backend` (see the module docstring; its
-    engine decides what the memory model does with activations in flight)."""
-    costs = {block_signature(b): default_block_cost(graph, b) for b in check_blocks(graph)}
+    engine decides what the memory model does with activations in flight). `per_block`,
+    `loss_chunk_bytes` and `gradient_of_each` as `default_block_cost`'s (a profile without per-block
+    figures never offers recomputing per block, so the planner's own choices over nominal profiles
+    stay as they were); `runtime_overhead_bytes`: the idle runtime's resident memory."""
+    costs = {block_signature(b): default_block_cost(graph, b, per_block, loss_chunk_bytes, gradient_of_each)
+             for b in check_blocks(graph)}
     return DeviceProfile(name, graph.name, graph.batch, graph.seq, (BackendProfile(backend, costs),),
-                         memory_available_bytes, DEFAULT_RUNTIME_BYTES)
+                         memory_available_bytes, runtime_overhead_bytes)
 
 
 def with_profile_costs(graph: Graph, profile: DeviceProfile, reference: Graph | None = None
@@ -111,7 +199,8 @@ def widened_bytes(graph: Graph, dtype: str) -> int:
     """What holding a base below float32 adds at a time: the engines widen one block's frozen
     weights to float32 while it runs and drop the copy, so the largest block's float32 frozen
     bytes (0 for a float32 base), embedding tables left out (a lookup widens only its rows; a tied
-    LM head is widened a chunk of rows at a time). `graph`'s constants are the float32 ones."""
+    LM head is widened a chunk of rows at a time). `graph`'s constants the float32 ones or those held
+    at `dtype` (`ir.precision.QuantizedTensor`, whose `size` is its float32 shape's)."""
     if bytes_per_frozen_element(dtype) == 4.0:
         return 0
     tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather"}
@@ -121,7 +210,7 @@ def widened_bytes(graph: Graph, dtype: str) -> int:
         frozen = {i for name in b.nodes for i in graph.node(name).inputs
                   if i in graph.constants and i not in trainable and i not in tables
                   and graph.constants[i].ndim >= 2}
-        widest = max(widest, sum(int(graph.constants[i].nbytes) for i in frozen))
+        widest = max(widest, sum(4 * int(graph.constants[i].size) for i in frozen))
     return widest
 
 

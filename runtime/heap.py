@@ -41,11 +41,17 @@ import numpy as np
 # glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
+_M_TRIM_THRESHOLD = -1
 
 # A block of this size or more is mapped on its own and unmapped when freed; smaller ones come from
 # the heap: a SmolLM2 layer's activations (0.3-0.8 MiB) stay there, its widened int4 MLP weights
 # (3.4 MiB) are mapped (MEMORY_NOTES.md, helpers h34 and h57).
 STEADY_MMAP_THRESHOLD_BYTES = 2 * 2 ** 20
+
+# glibc's own starting mmap and trim thresholds (malloc.h's DEFAULT_MMAP_THRESHOLD_MIN and
+# DEFAULT_TRIM_THRESHOLD): `start_heap`.
+START_MMAP_THRESHOLD_BYTES = 128 * 2 ** 10
+START_TRIM_THRESHOLD_BYTES = 128 * 2 ** 10
 
 
 def _libc():
@@ -68,6 +74,30 @@ def steady_heap(mmap_threshold: int = STEADY_MMAP_THRESHOLD_BYTES) -> bool:
     libc = _libc()
     try:
         return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
+    except AttributeError:
+        return False
+
+
+def start_heap() -> bool:
+    """Fix glibc's mmap and trim thresholds at their starting values (128 KiB each), as a process that
+    never freed a mapped block has them: every block of 128 KiB or more mapped and unmapped on free,
+    free heap over 128 KiB at the top given back. `train-local` calls it before its steps
+    (`jobs.train.causal_lm`): the evaluation before them freed ONNX Runtime's large blocks, which
+    raised the mmap threshold to 32 MiB and the trim threshold to twice that, and the steps' large
+    blocks (widened int4 weights, the loss's chunks of logits) then came from the heap and stayed
+    resident as free heap under their peak: SmolLM2 int4 per-block 556 MiB after an evaluation
+    against its planned 536 (the mmap threshold alone fixed back: 564, the trim threshold still
+    64 MiB). False where the C library has no `mallopt`; thresholds the environment sets are left."""
+    libc = _libc()
+    try:
+        if libc is None:
+            return False
+        ok = True
+        for name, param, value in (("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD, START_MMAP_THRESHOLD_BYTES),
+                                   ("MALLOC_TRIM_THRESHOLD_", _M_TRIM_THRESHOLD, START_TRIM_THRESHOLD_BYTES)):
+            if not os.environ.get(name):
+                ok = libc.mallopt(param, int(value)) == 1 and ok
+        return ok
     except AttributeError:
         return False
 

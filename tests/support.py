@@ -564,7 +564,8 @@ def run_child(script: str, marker: str, *args, timeout: int = 600) -> dict:
 # an int4 base under LoRA r=8 (q, k, v, o), BATCH x 128 per step, per-block, AdamW, one thread. argv: model, training
 # data, evaluation data ("-": none), steps, a JSON {key: prefix}: VmHWM when a note starting with the prefix (and
 # holding its last word) is made, then BATCH. Prints INT4_RUN {key: VmHWM, ..., "end": VmHWM at the end (what
-# training and after: the job resets it before its steps), "training": the job's own peak, "losses": [...],
+# training and after: the job resets it before its steps), "training": the job's own peak, "planned": the
+# figure the job printed beside it, "line": the job's printed "this-device" line, "losses": [...],
 # "perplexity": [before, after] (None without evaluation data)}.
 INT4_TRAIN_LOCAL_CHILD = r"""
 import json, sys
@@ -579,8 +580,11 @@ model, train, dev, steps, marks = sys.argv[2], sys.argv[3], sys.argv[4], int(sys
 batch = int(sys.argv[7])
 seen = {}
 
+lines = []
+
 class Marks(Silent):
     def note(self, message):
+        lines.append(message)
         for key, (prefix, word) in marks.items():
             if key not in seen and message.startswith(prefix) and word in message:
                 seen[key] = peak_rss_bytes()
@@ -592,9 +596,34 @@ settings = TrainingSettings(steps=steps, batch=batch, seq=128, lr=1e-4, optimize
 metrics = train_local(Path(model), Path(train), None if dev == "-" else Path(dev), settings, Marks(), task="causal-lm")
 print("INT4_RUN " + json.dumps({**{k: seen.get(k) for k in marks}, "end": peak_rss_bytes(),
                                 "training": metrics.devices[0].peak_rss_bytes,
+                                "planned": metrics.devices[0].planned_bytes,
+                                "line": next((m for m in lines if m.strip().startswith("this-device:")), None),
                                 "losses": [s.loss for s in metrics.steps],
                                 "perplexity": metrics.eval and [metrics.eval.perplexity_before, metrics.eval.perplexity]}))
 """
+
+
+# `confidant ARGS` (`confidant.cli.main`) in a new interpreter; prints CLI_RUN {"code", "stdout", "stderr"}.
+CLI_CHILD = r"""
+import io, json, sys
+from contextlib import redirect_stderr, redirect_stdout
+from confidant.cli import main
+
+out, err = io.StringIO(), io.StringIO()
+with redirect_stdout(out), redirect_stderr(err):
+    try:
+        code = main(sys.argv[2:])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+print("CLI_RUN " + json.dumps({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}))
+"""
+
+
+def run_cli_fresh(*args) -> CliRun:
+    """`run_cli` in a new interpreter at one thread (`run_child`): what a process that ran nothing else
+    measures of its own memory (`train-local`'s memory line)."""
+    got = run_child(CLI_CHILD, "CLI_RUN", *args)
+    return CliRun(got["code"], got["stdout"], got["stderr"])
 
 
 def int4_train_local_peaks(model: Path, train: Path, dev: Path | None, steps: int, marks: dict, batch: int = 1) -> dict:

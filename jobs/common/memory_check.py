@@ -16,7 +16,9 @@ import dataclasses
 import time
 from typing import Mapping, Sequence
 
-from ir.graph import Graph
+import numpy as np
+
+from ir.graph import Graph, block_signature
 from jobs.common.metrics import DeviceFigures, TrainingMetrics
 from jobs.common.report import Reporter
 
@@ -29,18 +31,87 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:.0f}"
 
 
+def _run_profile(graph: Graph, engine: str, per_stage: Sequence[str | None], runtime: int,
+                 gradient_of_each: bool = False):
+    from planner.memory_defaults import LOSS_CHUNK_BYTES, default_profile
+
+    return default_profile(graph, backend=f"{engine}:cpu:t1", runtime_overhead_bytes=runtime,
+                           per_block=any(a is not None and a.startswith("per-block") for a in per_stage),
+                           loss_chunk_bytes=LOSS_CHUNK_BYTES, gradient_of_each=gradient_of_each)
+
+
 def default_planned_bytes(graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str, microbatches: int,
-                          optimizer: str, update_every: int = 1, engine: str = "mnn") -> list[int]:
+                          optimizer: str, update_every: int = 1, engine: str = "mnn",
+                          activations: str | None | Sequence[str | None] = None,
+                          base_dtype: str = "float32") -> list[int]:
     """Each stage's memory as the planner's memory model prices `ranges` with the graph-derived
-    profile on `engine` (what `confidant estimate` gives for these cuts)."""
+    profile on `engine` (`planner.memory_defaults.default_profile`), as the run holds it: each
+    stage's `activations` (one for all or one a stage; None: the engine's default), its frozen base
+    at `base_dtype` (`graph`'s constants held so) with one block of it widened at a time
+    (`planner.memory_defaults.widened_bytes`, as `estimate` charges it), a fused LM head's loss a
+    chunk of logits at a time (a model with none: `confidant estimate`'s figure for these cuts)."""
     from planner.cluster import DeviceSpec
     from planner.cost import stage_memory_bytes
-    from planner.memory_defaults import default_profile
+    from planner.memory_defaults import DEFAULT_RUNTIME_BYTES, widened_bytes
 
-    profile = default_profile(graph, backend=f"{engine}:cpu:t1")
-    device = DeviceSpec("run", "estimate://run", profile, 2 ** 62)
-    return [stage_memory_bytes(graph, device, a, b, k, len(ranges), schedule, microbatches, optimizer, update_every)
-            for k, (a, b) in enumerate(ranges)]
+    per_stage = list(activations) if isinstance(activations, (list, tuple)) else [activations] * len(ranges)
+    profile = _run_profile(graph, engine, per_stage, DEFAULT_RUNTIME_BYTES + widened_bytes(graph, base_dtype))
+    return [stage_memory_bytes(graph, DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=act),
+                               a, b, k, len(ranges), schedule, microbatches, optimizer, update_every)
+            for k, ((a, b), act) in enumerate(zip(ranges, per_stage))]
+
+
+def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: str | None = None,
+               base_dtype: str = "float32", caches_held: bool = False) -> int:
+    """What training the whole of `graph` on one device adds above the model as set up (its weights,
+    frozen base and engine built): the memory model's gradients, optimizer state, activations and
+    workspace of one stage of one micro-batch, as `default_planned_bytes` prices them, and the one
+    block of a quantized base widened at a time; a block's backward holds a gradient of each of its
+    values (`default_block_cost`'s `gradient_of_each`). `caches_held`: an evaluation before ran the engine's
+    forward, whose per-op caches (an engine keeping them: not recomputing per block) stay resident
+    in the set-up (the blocks' kept part; not an LM head + loss's chunks, which it lets go). On MNN
+    also what its programs hold as `runtime.engines.mnn` runs them (`_mnn_held_bytes`)."""
+    from planner.cluster import DeviceSpec
+    from planner.cost import fused_loss_hidden_bytes
+    from planner.memory_defaults import memory_parts, widened_bytes
+
+    profile = _run_profile(graph, engine, [activations], 0, gradient_of_each=True)
+    device = DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=activations)
+    parts = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", 1, optimizer)
+    held = 0
+    if caches_held and not (activations or "").startswith("per-block"):
+        costs = profile.backends[0].blocks
+        kept = graph.blocks[:-2] if fused_loss_hidden_bytes(graph) is not None else graph.blocks
+        held = sum(costs[block_signature(b)].kept_bytes or 0 for b in kept)
+    return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held
+            + widened_bytes(graph, base_dtype) + (_mnn_held_bytes(graph) if engine == "mnn" else 0))
+
+
+def _mnn_held_bytes(graph: Graph) -> int:
+    """What the MNN engine's programs hold over a step beyond the memory model's parts
+    (`runtime.engines.mnn`), measured by helper h91 (benchmarks/MEMORY_NOTES.md: SmolLM2 LoRA, 4 x 128,
+    tracemalloc and VmHWM per phase):
+    - a table's lookup rows (`_BlockProgram.feed`: `table[ids]`, or an int4 table's rows widened), fed at
+      the forward and held by the program until its next feed: 1.1 MiB;
+    - each trained block's backward reads its weights' gradients and its input's gradient as one array
+      (`mnn_kernels.GradientProgram.run`, from a concatenation MNN holds while it is read), the weights'
+      gradients views of it that the step keeps until the update: every such array stays resident
+      whole (SmolLM2: 30 x 1.24 MiB; the backward's RSS rose 37.4 MiB from the loss to the last block,
+      37.27 MiB of numpy arrays read there, and a block's backward peaks ~1 MiB over its end). They
+      build up while the backward runs, after the LM head + loss has let its chunks go: the larger of
+      the two (the fused head's chunks, charged in the workspace) counts, not both."""
+    from planner.cost import block_input_bytes
+    from planner.memory_defaults import fused_head_chunk_bytes
+
+    first = graph.blocks[0]
+    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather" and n.inputs[0] in graph.constants}
+    rows = sum(4 * int(np.prod(graph.values[graph.node(name).outputs[0]].shape)) for name in first.nodes
+               if graph.node(name).op == "Gather" and graph.node(name).inputs[0] in tables)
+    inputs = block_input_bytes(graph)
+    flats = [inputs[k] + b.params_bytes for k, b in enumerate(graph.blocks) if k > 0 and b.params]
+    read = sum(flats) + max(flats, default=0)  # and the one being read, still MNN's concatenation too
+    head = fused_head_chunk_bytes(graph)
+    return rows + (read if head is None else max(0, read - head))
 
 
 def check_memory(metrics: TrainingMetrics, planned: Mapping[str, int | None], budgets: Mapping[str, int | None],
@@ -95,9 +166,22 @@ def machine_room_bytes() -> int | None:
 
 
 def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: str, room: int | None,
-                reporter: Reporter) -> TrainingMetrics:
-    """`check_memory` for a one-device run (`train-local`): the whole graph as one stage of one
-    micro-batch, its budget the room the machine had when the run started."""
-    planned = default_planned_bytes(graph, [(0, len(graph.blocks) - 1)], "1f1b-flush", 1, optimizer, 1, engine)[0]
+                reporter: Reporter, activations: str | None = None, base_dtype: str = "float32",
+                set_up_bytes: int | None = None, evaluated: bool = False) -> TrainingMetrics:
+    """`check_memory` for a one-device run (`train-local`), its budget the room the machine had when
+    the run started. Its planned figure: the run's own resident memory when its steps began
+    (`set_up_bytes`: the process, the model and engine built, what an evaluation before left) with
+    what the memory model says a step adds on top (`step_bytes`: the whole graph as one stage of one
+    micro-batch, with the run's `activations` and frozen base; `evaluated`: an evaluation before ran
+    on the training engine, whose caches the set-up holds). No profile measured this process's
+    set-up, and the graph's shapes cannot tell it (SmolLM2 int4: 281-327 MiB held against the model's
+    164 for a worker's); without it, the memory model's whole figure (`default_planned_bytes`)."""
+    if set_up_bytes is None:
+        planned = default_planned_bytes(graph, [(0, len(graph.blocks) - 1)], "1f1b-flush", 1, optimizer, 1, engine,
+                                        activations, base_dtype)[0]
+        basis = "the memory model"
+    else:
+        planned = set_up_bytes + step_bytes(graph, optimizer, engine, activations, base_dtype, caches_held=evaluated)
+        basis = "the set-up as measured + a step by the memory model"
     name = metrics.devices[0].name
-    return check_memory(metrics, {name: planned}, {name: room}, reporter, "the memory model", over_plan=False)
+    return check_memory(metrics, {name: planned}, {name: room}, reporter, basis, over_plan=False)

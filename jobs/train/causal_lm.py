@@ -14,6 +14,7 @@ after training:
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import time
@@ -33,11 +34,13 @@ from jobs.common.settings import TrainingSettings
 from planner.lora import Adapter, add_lora
 from planner.onnx_import import load_model
 from planner.onnx_weights import drop_mapped_pages
+from planner.targets import most_target_positions
 from ir.backend import BackendSpec
 from ir.partition import even_ranges
 from runtime.engines.factory import make_engine, whole_model_engine
 from runtime.engines.stage import stage_spec
-from runtime.procfs import release_free_heap, reset_peak_rss
+from runtime.heap import start_heap
+from runtime.procfs import release_free_heap, reset_peak_rss, rss_bytes
 from tasks.causal_lm.data import make_lm_batches
 from tasks.causal_lm.evaluation import InstructionScores, engine_nll, ranged_nll
 from tasks.causal_lm.generate import GenerationSettings, lm_metadata
@@ -197,6 +200,10 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
 
     if checkpoint is not None:  # before training: a path no checkpoint can be written to loses the run
         check_checkpoint_target(checkpoint)
+    # glibc's mmap and trim thresholds fixed at their start before anything of the run is allocated:
+    # the evaluation before the steps frees ONNX Runtime's large blocks, which would raise them, and the
+    # steps' large blocks then stay resident as free heap under their peak (`runtime.heap.start_heap`)
+    start_heap()
     started, room = time.perf_counter(), machine_room_bytes()
     run = lm_data(model, data, eval_path, settings, reporter.note)
     pad_id, dev = run.pad_id, run.dev
@@ -230,6 +237,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     gc.collect()
     release_free_heap()
     reset_peak_rss()
+    set_up = rss_bytes()  # what the steps start from: the planned figure's measured part (`local_check`)
     reporter.start("train", config.steps)
     result = train_steps(engine, batches, config, 0,
                          on_step=lambda r: reporter.step(r.step, loss=r.loss, **{"tok/s": r.tokens_per_s}),
@@ -278,7 +286,12 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     metrics = TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
                               (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": "causal-lm"})
-    return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter)
+    # the LM head + loss charged for the most loss targets a micro-batch of this run has, as `plan --data` does
+    targets = most_target_positions(f for b in batches for f in CAUSAL_LM.feeds(run, b, config.batch, 1))
+    charged = dataclasses.replace(graph, target_positions=targets) if targets is not None else graph
+    return local_check(metrics, charged, config.optimizer, settings.engine, room, reporter, settings.activations,
+                       settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
+                       evaluated=before is not None)
 
 
 def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray]) -> Callable:

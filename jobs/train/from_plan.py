@@ -28,7 +28,8 @@ from runtime.pipeline.checkpoints import check_checkpoint_target
 from runtime.pipeline.snapshots import peer_snapshot_bytes
 from runtime.pipeline.coordinator import PipelineConfig
 from runtime.procfs import peak_rss_bytes
-from jobs.train.pipeline_tasks import PipelineTask, lm_perplexity_on_stages, task_run, weights_evaluation
+from jobs.train.pipeline_tasks import (PipelineTask, lm_perplexity_on_stages, task_run, task_target_positions,
+                                     weights_evaluation)
 from jobs.common.task_choice import check_graph
 from tasks.causal_lm.task import TokenizerNotFound
 from tasks.choice import task_named, task_of
@@ -287,15 +288,6 @@ def check_lookup_rows(plan, task: PipelineTask, steps: int, data: Path) -> None:
                            f"plan was made for data that looks up {planned} (`confidant plan --data`), and its memory "
                            f"model holds that table's optimizer state for {planned} rows only: re-plan with --data "
                            f"{data}, or without --data to charge the table whole")
-
-
-def task_target_positions(task: PipelineTask, steps: int | None = None) -> int | None:
-    """`planner.targets.most_target_positions` of the micro-batches of `steps` training steps (None:
-    one pass over the data); None for a task without per-position targets."""
-    from planner.targets import most_target_positions
-
-    count = task.batches if steps is None else (min(steps, task.batches) if task.batches else steps)
-    return most_target_positions(feed for k in range(count) for feed in task.feeds_of_step(k))
 
 
 def check_target_positions(plan, task: PipelineTask, steps: int, data: Path) -> None:

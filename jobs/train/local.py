@@ -83,7 +83,8 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     metrics = TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
                               (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": the_task.name})
-    return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter)
+    return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter, settings.activations,
+                       settings.lora.base_dtype if settings.lora is not None else "float32")
 
 
 def write_single_device_checkpoint(folder: Path, weights, optimizer_state, graph, meta: dict) -> Path:

@@ -429,8 +429,14 @@ def train_pipeline_job(model: Path, data: Path, eval_path: Path | None, training
     if figures is not None:
         reporter.note(f"{run_task.headline(figures)} after pipeline training")
     metrics = metrics_of(result, figures, replans)
-    planned = default_planned_bytes(graph, result.ranges, pipeline.schedule, M, training.optimizer,
-                                    pipeline.update_every, training.engine)
+    # the LM head + loss charged for the most loss targets a micro-batch of this run has, as `plan --data` does
+    from jobs.train.pipeline_tasks import task_target_positions
+
+    targets = task_target_positions(run_task, training.steps)
+    charged = replace(graph, target_positions=targets) if targets is not None else graph
+    planned = default_planned_bytes(charged, result.ranges, pipeline.schedule, M, training.optimizer,
+                                    pipeline.update_every, training.engine, pipeline.activations,
+                                    training.lora.base_dtype if training.lora is not None else "float32")
     # the run keeps its snapshot copies on the workers (`faults.state_on`): what they hold of them is
     # charged beside the memory model's figure, as a plan's reserve is
     copies = peer_snapshot_bytes([0] * len(planned))

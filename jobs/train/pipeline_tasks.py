@@ -220,3 +220,12 @@ def _on_stages(coordinator, run, rows: int, seq: int, figures, note: Callable[[s
         if note is not None:
             note(f"not evaluated: a worker failed during the evaluation on the workers: {exc}")
         return None
+
+
+def task_target_positions(task: PipelineTask, steps: int | None = None) -> int | None:
+    """`planner.targets.most_target_positions` of the micro-batches of `steps` training steps (None:
+    one pass over the data); None for a task without per-position targets."""
+    from planner.targets import most_target_positions
+
+    count = task.batches if steps is None else (min(steps, task.batches) if task.batches else steps)
+    return most_target_positions(feed for k in range(count) for feed in task.feeds_of_step(k))

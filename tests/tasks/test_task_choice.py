@@ -37,14 +37,8 @@ def test_without_side_files_the_data_decides(tmp_path, data, task):
     assert task_of(model=model, data=tmp_path / data).task == task
 
 
-def test_train_local_infers_a_causal_lm_from_its_side_file(chat_llama, tmp_path):
-    model, train, dev = chat_llama
-    run = run_cli("train-local", model, "--data", train, "--eval", dev, "--eval-limit", "1", "--steps", "1",
-                  "--batch", "2", "--seq", "128", "--metrics-out", tmp_path / "run.json")
-    assert run.returncode == 0, run.stderr
-    assert "task: causal-lm (m.lm.json beside the model" in run.stdout
-    doc = json.loads((tmp_path / "run.json").read_text())
-    assert doc["eval"]["perplexity"] is not None  # scored as a causal LM
+# `confidant train-local` inferring a causal LM from the model's side file (m.lm.json) and scoring its
+# perplexity: tests/jobs/test_train_local_memory_line.py's run (one run of train-local for both)
 
 
 def test_a_short_seq_trains_on_what_fits_and_says_what_it_left_out(chat_llama, tmp_path):
