@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ir.documents import activations_mode
 from ir.graph import Graph, block_signature
 from jobs.common.metrics import DeviceFigures, TrainingMetrics
 from jobs.common.report import Reporter
@@ -183,5 +184,16 @@ def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: 
     else:
         planned = set_up_bytes + step_bytes(graph, optimizer, engine, activations, base_dtype, caches_held=evaluated)
         basis = "the set-up as measured + a step by the memory model"
+        if engine != "mnn" or activations_mode(activations) != ("per-block", 0):
+            # The step charge is measured within 0.95-1.00 of the run only for MNN per block (SmolLM2 int4
+            # and float32, with and without an evaluation). Keeping per-op caches, what MNN holds after
+            # each update grows ~3.5 MiB a step that no term models (SmolLM2 int4 with an evaluation: 1738
+            # measured against 1728 after three steps), and PyTorch's step was not measured against it: those
+            # runs are charged the memory model's whole figure where it is larger (its per-op caches every
+            # value: 2022 against the 1738), so the figure printed is never one the run goes over.
+            whole = default_planned_bytes(graph, [(0, len(graph.blocks) - 1)], "1f1b-flush", 1, optimizer, 1,
+                                          engine, activations, base_dtype)[0]
+            if whole > planned:
+                planned, basis = whole, "the memory model"
     name = metrics.devices[0].name
     return check_memory(metrics, {name: planned}, {name: room}, reporter, basis, over_plan=False)
