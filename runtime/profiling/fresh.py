@@ -16,7 +16,9 @@ each importing what a worker imports first (the runtime, its transport), then lo
 graph and feeds from a file this process wrote (the stage's constants only) and running the
 measurement on a freshly built engine (`peak_workspace`: peak above the built engine, first steps
 included; `start_up_bytes`). Engines set their own thread count from the backend name.
-Cost: a child per figure (~1 s for MNN, ~3-6 s for PyTorch here, most of it importing torch).
+Cost: a child per figure (~1 s for MNN, ~3-6 s for PyTorch here, most of it importing torch); one server per
+engine a profile (`ForkServers`), and two children where three were asked and the first two agree
+(`agreeing_readings`).
 """
 from __future__ import annotations
 
