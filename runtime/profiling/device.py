@@ -40,8 +40,8 @@ from runtime.engines.stage import fused_lm_head, stage_spec
 from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
                                        kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
-from runtime.profiling.fresh import (FreshProcesses, fresh_in_flight, fresh_line, fresh_peaks, median_start_up,
-                                     summed_line, summed_peaks)
+from runtime.profiling.fresh import (ForkServers, FreshProcesses, agreeing_readings, fresh_in_flight, fresh_line,
+                                     fresh_peaks, median_start_up, summed_line, summed_peaks)
 from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
@@ -252,8 +252,9 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         # run and a 3-in-flight one ~13 MiB under).
         peaks = fresh_peaks(fresh, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS)
         lean, workspace = fresh_line(peaks, start_up)
-        two = {k: statistics.median(fresh.run(graph, feeds, [("peak2", i, i + k - 1, "per-block")])[0]
-                                    for _ in range(FRESH_PEAK_REPEATS)) for k in (1, lean_run)}
+        two = {k: statistics.median(agreeing_readings(
+            lambda k=k: fresh.run(graph, feeds, [("peak2", i, i + k - 1, "per-block")])[0], FRESH_PEAK_REPEATS))
+            for k in (1, lean_run)}
         kept_per_block, once = further_microbatch_parts(two[1] - statistics.median(peaks[0]),
                                                         two[lean_run] - statistics.median(peaks[lean_run - 1]),
                                                         lean_run)
@@ -473,80 +474,83 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     kinds = distinct_blocks(graph)
     threads_before = K.get_threads()
     profiles = []
+    # one fork server per engine for every backend's fresh children (`ForkServers`: a thread variant's
+    # children start from the same imports-only heap; torch's import paid once a profile, not once a backend)
     try:
-        for backend in present:
-            costs: dict[str, BlockCost] = {}
-            curves: dict[str, AttentionCurve] = {}
-            # A first run of the cheapest block takes the engine's one-time, process-wide start-up
-            # (torch: ~40 MiB of lazily built kernels, autograd's engine and threads) out of the
-            # first block's workspace: every worker pays it once, beside its import, so it is the
-            # engine's overhead (`start_up_bytes`), not a block's.
-            cheapest = min(kinds.values(), key=lambda b: (b.flops, b.params_bytes))
-            once = start_up_bytes(backend, stage_spec(graph, cheapest.index, cheapest.index), feeds)
-            # and what the model's most repeated kind (a decoder layer) first builds beyond it, kept and
-            # recomputed per block: torch's kernels and buffers of the layer's ops, held for the process's
-            # life (a fresh process running SmolLM2 int4 LoRA layers 1 x 128 holds 46 MiB after its first
-            # step keeping, 83 per block, whether 3 or 17 layers; the embeddings' first run 2)
-            layer = _most_repeated(graph, kinds)
-            by_mode = {}
-            if layer.index != cheapest.index:
-                by_mode = {activations: start_up_bytes(backend, stage_spec(graph, layer.index, layer.index), feeds,
-                                                       activations) for activations in ("keep", "per-block")}
-                once += sum(by_mode.values())
-            with contextlib.ExitStack() as stack:
-                # PyTorch's only: MNN's start-up stays measured here (measured fresh, its start-up came out a
-                # noise-level 1.6 MiB where it has none); its keep and per-block lines are measured fresh in
-                # `builds` (`measure_block`)
-                fresh_here = fresh and backend.engine == "torch"
-                children = stack.enter_context(FreshProcesses(backend)) if fresh_here else None
-                if children is not None:
-                    # Those runs warm this process (its later figures are repeats); what a worker pays
-                    # is measured the same way in fresh children: here it moved 65-81 MiB between
-                    # profiles of SmolLM2 int4 layers on torch (the heap this process had left by then).
-                    runs = [("start_up", cheapest.index, cheapest.index, None)]
-                    if layer.index != cheapest.index:
-                        runs += [("start_up", layer.index, layer.index, a) for a in ("keep", "per-block")]
-                    once = median_start_up(children, graph, feeds, runs, FRESH_PEAK_REPEATS)
-                # every engine's build measured as a worker builds it, first in a fresh child (`_engine_build`)
-                builds = children if children is not None or not fresh else \
-                    stack.enter_context(FreshProcesses(backend))
-                if once >= START_UP_NOISE_BYTES:
-                    start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
-                    if backend.engine == "mnn":
-                        # MNN's keeping run's first-use heap, which a stage recomputing per block never
-                        # pays (BackendProfile.caches_start_up_bytes; PyTorch's kernels are process-wide)
-                        caches_start_up[backend.engine] = max(caches_start_up.get(backend.engine, 0),
-                                                              min(once, by_mode.get("keep", 0)))
-                for sig, block in kinds.items():
-                    # the start-up a stage recomputing per block is charged (`planner.cluster.runtime_bytes`),
-                    # which a fresh child's first run pays again: taken off the fresh lines' peaks
-                    charged = start_up.get(backend.engine, 0) - caches_start_up.get(backend.engine, 0)
-                    cost = measure_block(backend, graph, block, feeds, reps, children, charged, builds,
-                                         start_up.get(backend.engine, 0), available)
-                    costs[sig] = cost
-                    say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
-                        f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
-                        f"{_per_block_backward(cost)}), workspace "
-                        f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
-                        f"[{time.perf_counter() - started:.1f} s]")
-            if attention:
-                for sig, block in kinds.items():
-                    if block.attention is None:  # no attention the lowering could place: not split
-                        continue
-                    batch, seq, hidden = graph.values[block.inputs[0]].shape
-                    form = attention_form(graph, block)
-                    curve = attention_curve(backend, batch, seq, hidden, form.units, block.head_size,
-                                            block_mask(graph, block, feeds), reps, form=form)
-                    curves[sig] = curve
-                    unit = "heads" if form.group == 1 else "key/value groups"
-                    say(f"{backend.name} {block.name} attention 1..{form.units} {unit}: "
-                        f"{curve.seconds[0] * 1e3:.1f} .. {curve.seconds[-1] * 1e3:.1f} ms "
-                        f"[{time.perf_counter() - started:.1f} s]")
-            native = engine_update_rates(backend, stage_spec(graph, cheapest.index, cheapest.index))
-            for optimizer, rate in native.items():
-                say(f"{backend.name}: its own {optimizer} step, {rate * 2**20 * 1e3:.2f} ms per MiB of weights")
-            profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native,
-                                           fresh and backend.engine == "torch"))
+        with ForkServers() as servers:
+            for backend in present:
+                costs: dict[str, BlockCost] = {}
+                curves: dict[str, AttentionCurve] = {}
+                # A first run of the cheapest block takes the engine's one-time, process-wide start-up
+                # (torch: ~40 MiB of lazily built kernels, autograd's engine and threads) out of the
+                # first block's workspace: every worker pays it once, beside its import, so it is the
+                # engine's overhead (`start_up_bytes`), not a block's.
+                cheapest = min(kinds.values(), key=lambda b: (b.flops, b.params_bytes))
+                once = start_up_bytes(backend, stage_spec(graph, cheapest.index, cheapest.index), feeds)
+                # and what the model's most repeated kind (a decoder layer) first builds beyond it, kept and
+                # recomputed per block: torch's kernels and buffers of the layer's ops, held for the process's
+                # life (a fresh process running SmolLM2 int4 LoRA layers 1 x 128 holds 46 MiB after its first
+                # step keeping, 83 per block, whether 3 or 17 layers; the embeddings' first run 2)
+                layer = _most_repeated(graph, kinds)
+                by_mode = {}
+                if layer.index != cheapest.index:
+                    by_mode = {activations: start_up_bytes(backend, stage_spec(graph, layer.index, layer.index), feeds,
+                                                           activations) for activations in ("keep", "per-block")}
+                    once += sum(by_mode.values())
+                with contextlib.ExitStack() as stack:
+                    # PyTorch's only: MNN's start-up stays measured here (measured fresh, its start-up came out a
+                    # noise-level 1.6 MiB where it has none); its keep and per-block lines are measured fresh in
+                    # `builds` (`measure_block`)
+                    fresh_here = fresh and backend.engine == "torch"
+                    children = stack.enter_context(FreshProcesses(backend, servers=servers)) if fresh_here else None
+                    if children is not None:
+                        # Those runs warm this process (its later figures are repeats); what a worker pays
+                        # is measured the same way in fresh children: here it moved 65-81 MiB between
+                        # profiles of SmolLM2 int4 layers on torch (the heap this process had left by then).
+                        runs = [("start_up", cheapest.index, cheapest.index, None)]
+                        if layer.index != cheapest.index:
+                            runs += [("start_up", layer.index, layer.index, a) for a in ("keep", "per-block")]
+                        once = median_start_up(children, graph, feeds, runs, FRESH_PEAK_REPEATS)
+                    # every engine's build measured as a worker builds it, first in a fresh child (`_engine_build`)
+                    builds = children if children is not None or not fresh else \
+                        stack.enter_context(FreshProcesses(backend, servers=servers))
+                    if once >= START_UP_NOISE_BYTES:
+                        start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
+                        if backend.engine == "mnn":
+                            # MNN's keeping run's first-use heap, which a stage recomputing per block never
+                            # pays (BackendProfile.caches_start_up_bytes; PyTorch's kernels are process-wide)
+                            caches_start_up[backend.engine] = max(caches_start_up.get(backend.engine, 0),
+                                                                  min(once, by_mode.get("keep", 0)))
+                    for sig, block in kinds.items():
+                        # the start-up a stage recomputing per block is charged (`planner.cluster.runtime_bytes`),
+                        # which a fresh child's first run pays again: taken off the fresh lines' peaks
+                        charged = start_up.get(backend.engine, 0) - caches_start_up.get(backend.engine, 0)
+                        cost = measure_block(backend, graph, block, feeds, reps, children, charged, builds,
+                                             start_up.get(backend.engine, 0), available)
+                        costs[sig] = cost
+                        say(f"{backend.name} {block.name}: forward {cost.forward_s * 1e3:.1f} ms, backward "
+                            f"{cost.backward_s * 1e3:.1f} ms (recompute {cost.recompute_s * 1e3:.1f}"
+                            f"{_per_block_backward(cost)}), workspace "
+                            f"{cost.workspace_bytes / 2**20:.1f} MiB ({_memory_parts(cost)}) "
+                            f"[{time.perf_counter() - started:.1f} s]")
+                if attention:
+                    for sig, block in kinds.items():
+                        if block.attention is None:  # no attention the lowering could place: not split
+                            continue
+                        batch, seq, hidden = graph.values[block.inputs[0]].shape
+                        form = attention_form(graph, block)
+                        curve = attention_curve(backend, batch, seq, hidden, form.units, block.head_size,
+                                                block_mask(graph, block, feeds), reps, form=form)
+                        curves[sig] = curve
+                        unit = "heads" if form.group == 1 else "key/value groups"
+                        say(f"{backend.name} {block.name} attention 1..{form.units} {unit}: "
+                            f"{curve.seconds[0] * 1e3:.1f} .. {curve.seconds[-1] * 1e3:.1f} ms "
+                            f"[{time.perf_counter() - started:.1f} s]")
+                native = engine_update_rates(backend, stage_spec(graph, cheapest.index, cheapest.index))
+                for optimizer, rate in native.items():
+                    say(f"{backend.name}: its own {optimizer} step, {rate * 2**20 * 1e3:.2f} ms per MiB of weights")
+                profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native,
+                                               fresh and backend.engine == "torch"))
         # an engine's start-up shows on the first of its backends to run here: charged to them all
         profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + start_up.get(b.engine, 0),
                             caches_start_up_bytes=caches_start_up.get(b.engine, 0))

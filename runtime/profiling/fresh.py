@@ -16,7 +16,9 @@ each importing what a worker imports first (the runtime, its transport), then lo
 graph and feeds from a file this process wrote (the stage's constants only) and running the
 measurement on a freshly built engine (`peak_workspace`: peak above the built engine, first steps
 included; `start_up_bytes`). Engines set their own thread count from the backend name.
-Cost: a child per figure (~1 s for MNN, ~3-6 s for PyTorch here, most of it importing torch).
+Cost: a child per figure (~1 s for MNN, ~3-6 s for PyTorch here, most of it importing torch); one server per
+engine a profile (`ForkServers`), and two children where three were asked and the first two agree
+(`agreeing_readings`).
 """
 from __future__ import annotations
 
@@ -28,11 +30,11 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ir.backend import BackendSpec
+from ir.backend import BackendSpec, engine_of
 from ir.graph import Graph
 from runtime.engines.stage import stage_spec
 
@@ -46,8 +48,10 @@ Measurement = tuple[str, int, int, "str | None"]
 
 # The fork server: a fresh interpreter that imports what a worker imports first (the runtime, its
 # transport, the backend's engine and so torch), runs nothing, then forks one child per measurement
-# (a line on stdin: the path of its job file) and reports its exit. Each child starts from the heap
-# of imports alone, as a worker does, without paying torch's import again (~3-4 s each here).
+# (a line on stdin: the backend, a tab, the path of its job file) and reports its exit. Each child starts
+# from the heap of imports alone, as a worker does, without paying torch's import again (~3-4 s each here).
+# The server only imports and forks, so one serves every backend of its engine (`ForkServers`): a thread
+# variant's children start from the same heap as they would from a server of their own.
 _SERVER = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
@@ -55,11 +59,12 @@ import runtime.pipeline.worker, runtime.engines.mnn, runtime.transport.zeromq  #
 from runtime.profiling.fresh import _preload, _run_child
 _preload(sys.argv[2])
 for line in sys.stdin:
+    backend, path = line.rstrip("\\n").split("\\t", 1)
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            _run_child(sys.argv[2], line.strip())
+            _run_child(backend, path)
         except BaseException as exc:
             print('FAILED ' + type(exc).__name__ + ': ' + str(exc)[-800:], flush=True)
             code = 1
@@ -81,32 +86,71 @@ def _preload(backend: str) -> None:
         import runtime.engines.pytorch  # noqa: F401 (and torch)
 
 
+def _start_server(backend: str) -> subprocess.Popen | None:
+    """A fork server (`_SERVER`) preloaded for `backend`'s engine; None where fork is missing."""
+    if not hasattr(os, "fork"):
+        return None
+    return subprocess.Popen([sys.executable, "-c", _SERVER, str(_ROOT), backend], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _stop_server(server: subprocess.Popen | None) -> None:
+    if server is None:
+        return
+    server.stdin.close()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+class ForkServers:
+    """`with ForkServers() as servers: FreshProcesses(backend, servers)`: one fork server (`_SERVER`) per
+    engine, started when a backend of it first asks, shared by every FreshProcesses given it (a profile's
+    thread variants: `profile_device`), stopped on exit. The server only imports and forks, so a child's
+    figures are the same as from a server of its backend's own; a torch server's start (its import of torch,
+    ~3-4 s CPU) is paid once a profile instead of once a backend."""
+
+    def __init__(self):
+        self._servers: dict[str, subprocess.Popen | None] = {}
+
+    def __enter__(self) -> "ForkServers":
+        return self
+
+    def server(self, backend: str) -> subprocess.Popen | None:
+        engine = engine_of(backend)
+        if engine not in self._servers:
+            self._servers[engine] = _start_server(backend)
+        return self._servers[engine]
+
+    def __exit__(self, *exc: object) -> None:
+        servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
+            _stop_server(server)
+
+
 class FreshProcesses:
     """`with FreshProcesses(backend) as fresh: fresh.run(graph, feeds, measurements)`: measurements,
     each job in a child forked from one server interpreter that has only imported the runtime and
-    the backend's engine (`_SERVER`). Where fork is missing, each job in a new interpreter."""
+    the backend's engine (`_SERVER`): its own, or with `servers` the engine's of a `ForkServers` (left
+    running on exit). Where fork is missing, each job in a new interpreter."""
 
-    def __init__(self, backend: BackendSpec | str, timeout_s: float = 600.0):
+    def __init__(self, backend: BackendSpec | str, timeout_s: float = 600.0, servers: ForkServers | None = None):
         self.name = backend if isinstance(backend, str) else backend.name
         self.timeout_s = timeout_s
+        self._servers = servers
         self._server: subprocess.Popen | None = None
         self._folder = tempfile.TemporaryDirectory(prefix="confidant-fresh-")
 
     def __enter__(self) -> "FreshProcesses":
-        if hasattr(os, "fork"):
-            self._server = subprocess.Popen([sys.executable, "-c", _SERVER, str(_ROOT), self.name],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self._server = _start_server(self.name) if self._servers is None else self._servers.server(self.name)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.stdin.close()
-            try:
-                self._server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._server.kill()
-                self._server.wait()
+        if self._servers is None:
+            _stop_server(self._server)
+        self._server = None
         self._folder.cleanup()
 
     def run(self, graph: Graph, feeds: Mapping[str, np.ndarray], measurements: Sequence[Measurement]) -> list[int]:
@@ -117,7 +161,7 @@ class FreshProcesses:
         del stage
         if self._server is None:
             return _measure_in_new_interpreter(self.name, path, self.timeout_s)
-        self._server.stdin.write(path + "\n")
+        self._server.stdin.write(f"{self.name}\t{path}\n")
         self._server.stdin.flush()
         lines = []
         for line in self._server.stdout:
@@ -232,13 +276,32 @@ def _run_child(backend: str, path: str) -> None:
     print("FRESH " + json.dumps(out), flush=True)
 
 
+# Two fresh readings of one figure this close stand for three (`agreeing_readings`).
+AGREE_BYTES = 256 << 10
+
+
+def agreeing_readings(read: Callable[[], int], repeats: int) -> list[int]:
+    """`repeats` readings (`read()`, each a fresh child), or two where `repeats` is 3 and the first two agree
+    within AGREE_BYTES: children of one fork server share its hash seed and address layout, so their repeats
+    read one allocation order again (identical to ~0.01-0.15 MiB, benchmarks/MEMORY_NOTES.md, h60, h62, h72;
+    the figures move between servers, i.e. between profiles, not between repeats). The median of three then
+    lies between the two, so their mean is it to within AGREE_BYTES / 2, and a third reading would not move
+    the highest by more than the repeats' own spread."""
+    out = [read()]
+    while len(out) < repeats:
+        out.append(read())
+        if repeats == 3 and len(out) == 2 and abs(out[1] - out[0]) <= AGREE_BYTES:
+            break
+    return out
+
+
 def fresh_peaks(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
                 lengths: Sequence[int], activations: str | None, repeats: int) -> list[list[int]]:
     """Per length k of `lengths`, `repeats` peaks (`peak_workspace`) of a stage of blocks first..first+k-1,
-    each in a fresh child: what a worker's first steps peak above its built engine (an engine's
-    start-up included)."""
-    return [[fresh.run(graph, feeds, [("peak", first, first + k - 1, activations)])[0] for _ in range(repeats)]
-            for k in lengths]
+    each in a fresh child (`agreeing_readings`: two where they agree): what a worker's first steps peak above
+    its built engine (an engine's start-up included)."""
+    return [agreeing_readings(lambda k=k: fresh.run(graph, feeds, [("peak", first, first + k - 1, activations)])[0],
+                              repeats) for k in lengths]
 
 
 def summed_peaks(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
@@ -297,8 +360,9 @@ def fresh_in_flight(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.
     length (`peaks`, from `fresh_peaks` of lengths 1..L), is a line: its slope per block, its
     intercept once. Neither below 0."""
     run = len(peaks)
-    two = {k: statistics.median(fresh.run(graph, feeds, [("peak2", first, first + k - 1, activations)])[0]
-                                for _ in range(repeats)) for k in (1, run)}
+    two = {k: statistics.median(agreeing_readings(
+        lambda k=k: fresh.run(graph, feeds, [("peak2", first, first + k - 1, activations)])[0], repeats))
+        for k in (1, run)}
     added = {k: max(0.0, two[k] - statistics.median(peaks[k - 1])) for k in (1, run)}
     per_block = max(0, int((added[run] - added[1]) / (run - 1))) if run > 1 else 0
     return per_block, max(0, int(added[1] - per_block))
@@ -306,6 +370,6 @@ def fresh_in_flight(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.
 
 def median_start_up(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray],
                     measurements: Sequence[Measurement], repeats: int) -> int:
-    """The median over `repeats` fresh children of the sum of `measurements` (`start_up_bytes` each,
-    in order in one child, as `profile_device` runs them)."""
-    return int(statistics.median(sum(fresh.run(graph, feeds, measurements)) for _ in range(repeats)))
+    """The median over `repeats` fresh children (`agreeing_readings`) of the sum of `measurements`
+    (`start_up_bytes` each, in order in one child, as `profile_device` runs them)."""
+    return int(statistics.median(agreeing_readings(lambda: sum(fresh.run(graph, feeds, measurements)), repeats)))

@@ -42,6 +42,46 @@ def test_a_further_micro_batch_splits_into_a_per_block_line_and_a_once_a_stage_p
         further_microbatch_parts(MIB, MIB, 1)
 
 
+def test_three_fresh_readings_stop_at_two_that_agree_and_never_otherwise():
+    """Children of one fork server repeat one allocation order (identical to ~0.1 MiB, h62, h72): where the
+    first two readings agree within AGREE_BYTES, the median of three lies between them, so the third is
+    not made; where they do not, or more than three are asked for, every reading is."""
+    from runtime.profiling.fresh import AGREE_BYTES, agreeing_readings
+
+    def reader(values):
+        it = iter(values)
+        return lambda: next(it)
+
+    agree = [50 * MIB, 50 * MIB + AGREE_BYTES]
+    assert agreeing_readings(reader(agree + [90 * MIB]), 3) == agree
+    assert agreeing_readings(reader([50 * MIB, 50 * MIB + AGREE_BYTES + 1, 90 * MIB]), 3) == \
+        [50 * MIB, 50 * MIB + AGREE_BYTES + 1, 90 * MIB]
+    assert agreeing_readings(reader([7, 7, 7, 7, 7]), 5) == [7] * 5
+    assert agreeing_readings(reader([7, 9]), 1) == [7]
+
+
+def test_backends_of_one_engine_share_its_fork_server_and_read_what_their_own_servers_read(tiny_onnx):
+    """`ForkServers`: one server per engine, handed to every backend of it (a profile's thread variants);
+    each child still runs its own backend's measurement (the tiny BERT's engine build on MNN at 1 and 2
+    threads: what a server of the backend's own gives, within the repeats' spread)."""
+    from planner.onnx_import import load_model
+    from runtime.profiling.fresh import ForkServers, FreshProcesses
+    from runtime.profiling.inputs import synthetic_feeds
+
+    graph = load_model(tiny_onnx["torchscript-14"], 2, 16)
+    feeds = synthetic_feeds(graph, 0)
+    job = [("engine", 1, 1, None)]
+    with ForkServers() as servers:
+        with FreshProcesses("mnn:cpu:t1", servers=servers) as one, FreshProcesses("mnn:cpu:t2", servers=servers) as two:
+            assert one._server is two._server and one._server is not None
+            shared = {"mnn:cpu:t1": one.run(graph, feeds, job)[0], "mnn:cpu:t2": two.run(graph, feeds, job)[0]}
+        assert len(servers._servers) == 1
+    for name, got in shared.items():
+        with FreshProcesses(name) as own:
+            alone = own.run(graph, feeds, job)[0]
+        assert abs(got - alone) <= MIB, (name, got / MIB, alone / MIB)
+
+
 @pytest.mark.slow  # a tiny export, torch in this process and in a child (~30-60 s loaded)
 def test_a_fresh_measurement_pays_what_a_worker_s_first_steps_pay_and_a_warm_repeat_does_not(tmp_path):
     """A torch layer's peak measured in a fresh child includes torch's start-up (its first steps' kernels
