@@ -168,7 +168,7 @@ def test_the_profile_times_a_decoder_attention_per_key_value_group(exports):
     fresh child interpreters that measure the blocks' memory lines as a worker runs (`fresh=False`;
     tests/runtime/test_fresh_*.py hold those), and the objects this process held before are frozen out of
     the profile's ~200 garbage collections (each walked the test process's heap, which pytest, torch and
-    transformers fill): CPU_FIGURES."""
+    transformers fill): 87 -> 15 CPU s (benchmarks/MEMORY_NOTES.md, helper h93)."""
     import gc
 
     from runtime.profiling.device import profile_device
