@@ -93,6 +93,16 @@ def smollm2_onnx(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_folder(tmp_path_factory) -> Path:
+    """The SmolLM2 GGUF as a float32 Hugging Face folder (`jobs.export.llm.convert_gguf`), written once
+    per session: transformers loads it in ~2 CPU s where the GGUF's dequantization takes ~23
+    (tests/models/test_llm_export.py checks it holds the GGUF load's very weights)."""
+    from jobs.export.llm import convert_gguf, smollm2_gguf_path
+
+    return made_once(shared_root(tmp_path_factory) / "smollm2-hf", lambda out: convert_gguf(smollm2_gguf_path(), out))
+
+
+@pytest.fixture(scope="session")
 def chat_llama(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template (jobs.export.llm), and the
     generated entities-json task (40 training, 8 dev conversations): (model, train, dev)."""

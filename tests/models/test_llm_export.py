@@ -10,8 +10,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from jobs.export.llm import (LlmExportOptions, chat_pieces, export_causal_lm, random_causal_lm,
-                             smollm2_gguf_path)
+from jobs.export.llm import LlmExportOptions, chat_pieces, export_causal_lm, random_causal_lm
 from support import Lazy
 from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, generate_text
 from tasks.causal_lm.tokenizer import ChatPieces, load_lm_tokenizer
@@ -206,7 +205,7 @@ def test_the_cli_exports_a_random_model_without_the_tokenizer_package(tmp_path, 
 # --- the real SmolLM2 ------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(smollm2_onnx, tmp_path):
+def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(smollm2_onnx, smollm2_hf_folder):
     """SmolLM2-135M-Instruct from its GGUF (Q4_1, dequantized to float32 exactly; the quantization lowers
     quality, not this comparison). Float32 rounding over 30 layers moves logits of magnitude ~38 by about
     1e-4 (4e-6 relative): transformers' own float32 logits are up to 1.3e-4 from its float64 ones, and
@@ -217,7 +216,7 @@ def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(smo
 
     import torch
 
-    from jobs.export.llm import convert_gguf, load_causal_lm
+    from jobs.export.llm import load_causal_lm
 
     path = smollm2_onnx  # `export_llm(None, ...)`, once per session (tests/conftest.py)
     model, tokenizer, source = load_causal_lm(None)
@@ -253,8 +252,9 @@ def test_smollm2_exports_equal_transformers_and_answers_the_capital_question(smo
     assert chat["template"] == tokenizer.chat_template
 
     # save_pretrained refuses a GGUF-loaded model; the rebuilt one saves, and loads back as a Hugging Face
-    # folder with the same weights (the tie kept) and chat template
-    folder = convert_gguf(smollm2_gguf_path(), tmp_path / "hf")
+    # folder with the same weights (the tie kept) and chat template (`convert_gguf(smollm2_gguf_path(), ...)`,
+    # once per session: test_smollm2.py reads it as its transformers reference)
+    folder = smollm2_hf_folder
     assert "quantization_config" not in (folder / "config.json").read_text()
     from_folder, tok_folder, source = load_causal_lm(folder)
     assert source["format"] == "huggingface" and tok_folder.chat_template == tokenizer.chat_template
