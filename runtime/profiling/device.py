@@ -24,6 +24,7 @@ real head split costs beyond the curves), `links` (bandwidth and latency to a pe
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import statistics
 import time
@@ -474,6 +475,12 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     kinds = distinct_blocks(graph)
     threads_before = K.get_threads()
     profiles = []
+    # Each memory reading collects garbage first (`runtime.procfs`'s peaks: ~200 a profile), and each
+    # collection walked every object this process held before the profile (torch, the runtime, the
+    # planner, a test runner's: ~170k objects, ~0.1 s of CPU each; helpers h92, h93): they are frozen out
+    # of the collections while the profile runs, after one collection of what is garbage now.
+    gc.collect()
+    gc.freeze()
     # one fork server per engine for every backend's fresh children (`ForkServers`: a thread variant's
     # children start from the same imports-only heap; torch's import paid once a profile, not once a backend)
     try:
@@ -564,5 +571,6 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                  if attention else {})
     finally:
         K.set_threads(threads_before)
+        gc.unfreeze()
     return DeviceProfile(name, graph.name, graph.batch, graph.seq, tuple(profiles), int(available), overhead,
                          update_rates(), children, extra, accumulate_rate())

@@ -166,21 +166,14 @@ def test_the_profile_times_a_decoder_attention_per_key_value_group(exports):
     """`profile` with attention on MNN and torch: one curve point per key/value group (2, not 4
     heads), a split child's memory, and the split's measured extra cost. None of those is read from the
     fresh child interpreters that measure the blocks' memory lines as a worker runs (`fresh=False`;
-    tests/runtime/test_fresh_*.py hold those), and the objects this process held before are frozen out of
-    the profile's ~200 garbage collections (each walked the test process's heap, which pytest, torch and
-    transformers fill): 87 -> 15 CPU s (benchmarks/MEMORY_NOTES.md, helper h93)."""
-    import gc
-
+    tests/runtime/test_fresh_*.py hold those); with the objects this process held before frozen out of
+    the profile's ~200 garbage collections (`profile_device` does it now: each walked the test process's
+    heap, which pytest, torch and transformers fill): 87 -> 15 CPU s (benchmarks/MEMORY_NOTES.md, helper h93)."""
     from runtime.profiling.device import profile_device
 
     graph = load_model(exports["llama", "torchscript"], B, S)
     lines: list[str] = []
-    gc.collect()
-    gc.freeze()
-    try:
-        profile = profile_device(graph, "dev", BACKENDS, reps=1, progress=lines.append, fresh=False)
-    finally:
-        gc.unfreeze()
+    profile = profile_device(graph, "dev", BACKENDS, reps=1, progress=lines.append, fresh=False)
     sig = block_signature(graph.blocks[1])
     for backend in profile.backends:
         assert len(backend.attention[sig].seconds) == 2
