@@ -107,6 +107,30 @@ def _quantized_head_bytes(weight: QuantizedTensor, vocab: int, targets: int, chu
     return 4 * rows * padded + earlier + max(widening, logits) + 2 * 4 * targets * hidden
 
 
+def mnn_held_bytes(graph: Graph) -> int:
+    """What the MNN engine's programs hold over a step beyond the memory model's parts
+    (`runtime.engines.mnn`), measured by helper h91 (benchmarks/MEMORY_NOTES.md: SmolLM2 LoRA, 4 x 128,
+    tracemalloc and VmHWM per phase):
+    - a table's lookup rows (`_BlockProgram.feed`: `table[ids]`, or an int4 table's rows widened), fed at
+      the forward and held by the program until its next feed: 1.1 MiB;
+    - each trained block's backward reads its weights' gradients and its input's gradient as one array
+      (`mnn_kernels.GradientProgram.run`, from a concatenation MNN holds while it is read), the weights'
+      gradients views of it that the step keeps until the update: every such array stays resident
+      whole (SmolLM2: 30 x 1.24 MiB; the backward's RSS rose 37.4 MiB from the loss to the last block,
+      37.27 MiB of numpy arrays read there, and a block's backward peaks ~1 MiB over its end). They
+      build up while the backward runs, after the LM head + loss has let its chunks go: the larger of
+      the two (the fused head's chunks, charged in the workspace) counts, not both."""
+    first = graph.blocks[0]
+    tables = lookup_tables(graph.nodes) & set(graph.constants)
+    rows = sum(4 * int(np.prod(graph.values[graph.node(name).outputs[0]].shape)) for name in first.nodes
+               if graph.node(name).op == "Gather" and graph.node(name).inputs[0] in tables)
+    inputs = block_input_bytes(graph)
+    flats = [inputs[k] + b.params_bytes for k, b in enumerate(graph.blocks) if k > 0 and b.params]
+    read = sum(flats) + max(flats, default=0)  # and the one being read, still MNN's concatenation too
+    head = fused_head_chunk_bytes(graph)
+    return rows + (read if head is None else max(0, read - head))
+
+
 def default_block_cost(graph: Graph, block: Block, per_block: bool = False,
                        loss_chunk_bytes: int | None = None, gradient_of_each: bool = False) -> BlockCost:
     """A block's cost derived from its shapes (see the module docstring). `per_block`: with the figures

@@ -16,8 +16,6 @@ import dataclasses
 import time
 from typing import Mapping, Sequence
 
-import numpy as np
-
 from ir.documents import activations_mode
 from ir.graph import Graph, block_signature
 from jobs.common.metrics import DeviceFigures, TrainingMetrics
@@ -71,10 +69,10 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
     values (`default_block_cost`'s `gradient_of_each`). `caches_held`: an evaluation before ran the engine's
     forward, whose per-op caches (an engine keeping them: not recomputing per block) stay resident
     in the set-up (the blocks' kept part; not an LM head + loss's chunks, which it lets go). On MNN
-    also what its programs hold as `runtime.engines.mnn` runs them (`_mnn_held_bytes`)."""
+    also what its programs hold as `runtime.engines.mnn` runs them (`planner.memory_defaults.mnn_held_bytes`)."""
     from planner.cluster import DeviceSpec
     from planner.cost import fused_loss_hidden_bytes
-    from planner.memory_defaults import memory_parts, widened_bytes
+    from planner.memory_defaults import memory_parts, mnn_held_bytes, widened_bytes
 
     profile = _run_profile(graph, engine, [activations], 0, gradient_of_each=True)
     device = DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=activations)
@@ -85,34 +83,7 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
         kept = graph.blocks[:-2] if fused_loss_hidden_bytes(graph) is not None else graph.blocks
         held = sum(costs[block_signature(b)].kept_bytes or 0 for b in kept)
     return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held
-            + widened_bytes(graph, base_dtype) + (_mnn_held_bytes(graph) if engine == "mnn" else 0))
-
-
-def _mnn_held_bytes(graph: Graph) -> int:
-    """What the MNN engine's programs hold over a step beyond the memory model's parts
-    (`runtime.engines.mnn`), measured by helper h91 (benchmarks/MEMORY_NOTES.md: SmolLM2 LoRA, 4 x 128,
-    tracemalloc and VmHWM per phase):
-    - a table's lookup rows (`_BlockProgram.feed`: `table[ids]`, or an int4 table's rows widened), fed at
-      the forward and held by the program until its next feed: 1.1 MiB;
-    - each trained block's backward reads its weights' gradients and its input's gradient as one array
-      (`mnn_kernels.GradientProgram.run`, from a concatenation MNN holds while it is read), the weights'
-      gradients views of it that the step keeps until the update: every such array stays resident
-      whole (SmolLM2: 30 x 1.24 MiB; the backward's RSS rose 37.4 MiB from the loss to the last block,
-      37.27 MiB of numpy arrays read there, and a block's backward peaks ~1 MiB over its end). They
-      build up while the backward runs, after the LM head + loss has let its chunks go: the larger of
-      the two (the fused head's chunks, charged in the workspace) counts, not both."""
-    from planner.cost import block_input_bytes
-    from planner.memory_defaults import fused_head_chunk_bytes
-
-    first = graph.blocks[0]
-    tables = {n.inputs[0] for n in graph.nodes if n.op == "Gather" and n.inputs[0] in graph.constants}
-    rows = sum(4 * int(np.prod(graph.values[graph.node(name).outputs[0]].shape)) for name in first.nodes
-               if graph.node(name).op == "Gather" and graph.node(name).inputs[0] in tables)
-    inputs = block_input_bytes(graph)
-    flats = [inputs[k] + b.params_bytes for k, b in enumerate(graph.blocks) if k > 0 and b.params]
-    read = sum(flats) + max(flats, default=0)  # and the one being read, still MNN's concatenation too
-    head = fused_head_chunk_bytes(graph)
-    return rows + (read if head is None else max(0, read - head))
+            + widened_bytes(graph, base_dtype) + (mnn_held_bytes(graph) if engine == "mnn" else 0))
 
 
 def check_memory(metrics: TrainingMetrics, planned: Mapping[str, int | None], budgets: Mapping[str, int | None],
