@@ -55,7 +55,9 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          only, "eval_act" from stage to stage, stage `end` sending "eval_loss" or
                          "eval_next" tensors; each stage up to `end` answers eval_done {stage,
                          seconds, peak_rss_bytes}
-  coordinator -> worker  stop
+  coordinator -> worker  stop (also read while a stage waits for a neighbour in the middle of a step or
+                         a setup: one lost under --on-failure stop sends nothing more, so the worker
+                         says so in one line and exits 0 there, as it does on a stop between steps)
 Any failure is reported as error {stage, message} before the worker exits non-zero, so the
 coordinator can name the device and the cause instead of timing out.
 
@@ -106,7 +108,8 @@ COORDINATOR_GRACE_S = 30.0
 
 
 class StopOrdered(Exception):
-    """The coordinator said stop while this worker was being set up."""
+    """The coordinator said stop while this worker was being set up, or waited for a neighbour in
+    the middle of a step."""
 
 
 class CoordinatorLost(RuntimeError):
@@ -129,6 +132,7 @@ class Worker:
         self.held = HeldWeights()
         self.stage: int | None = None
         self.executor: StageExecutor | None = None
+        self.doing = "no order"  # the order being carried out, as a stop in the middle of it names it
         # the bundle's program: (one-step actions, steady-state actions or None, drain position, micro-batches)
         self.bundle_actions: tuple | None = None
         self.device: str | None = None  # the plan's name of this device, from its bundle
@@ -140,11 +144,16 @@ class Worker:
         self.kept_own: dict = {}
 
     def _interrupt(self) -> None:
-        """While a stage waits for a neighbour: stop when the coordinator aborted the step, or is gone."""
+        """While a stage waits for a neighbour: stop when the coordinator aborted the step, stopped the
+        run (a neighbour was lost under --on-failure stop, or failed: what this stage waits for will
+        never come), or is gone."""
         self._take_in_copies()  # a neighbour's snapshot copy is filed while this stage has nothing to do
         pending = self.transport.peek_control(COORDINATOR)
         if pending is not None and pending.get("type") == "abort":
             raise StepAborted(f"stage {self.stage}: step {pending.get('step')} aborted by the coordinator")
+        if pending is not None and pending.get("type") == "stop":
+            raise StopOrdered(f"stage {self.stage}: the coordinator stopped the run in the middle of {self.doing}; "
+                              f"exiting")
         if pending is not None and pending.get("type") == "hello":  # thawed: the pipeline went on without us
             raise StepAborted(f"stage {self.stage}: the coordinator lost this worker and calls it back")
         self._check_coordinator()
@@ -410,6 +419,9 @@ class Worker:
         steps = msg.get("steps", 1)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"run of step {msg.get('step')}: steps is {steps!r}, not a whole number >= 1")
+        first = msg.get("step")
+        if isinstance(first, int):  # counted from 1, as the coordinator's lines count them
+            self.doing = f"step {first + 1}" if steps == 1 else f"steps {first + 1}-{first + steps}"
         actions, steady, drain_at, microbatches = self.bundle_actions
         if steps > 1:
             if steady is None:
@@ -713,7 +725,8 @@ class Worker:
             try:
                 if self._obey(self._next_order()):
                     return 0
-            except StopOrdered:
+            except StopOrdered as stop:  # in the middle of a setup or a step: said here, in one line
+                print(f"worker: {stop}", file=sys.stderr, flush=True)
                 return 0
             except CoordinatorLost as lost:
                 print(f"worker: {lost}; dropping the stage and waiting for a coordinator", file=sys.stderr, flush=True)
@@ -722,6 +735,7 @@ class Worker:
     def _obey(self, msg: dict) -> bool:
         """Carry out one order of the coordinator; True for stop."""
         kind = msg.get("type")
+        self.doing = {"setup_bundle": "a setup", "eval_forward": "an evaluation"}.get(kind, f"a {kind!r:.40} order")
         if kind not in ("run", "snapshot", "snapshot_keep", "snapshot_send", "copy_digest", "checkpoint", "abort",
                         "eval_forward"):
             self.copies.stop()  # the stage or its connections change: no thread may be sending on them

@@ -29,7 +29,7 @@ from jobs.common.workers import LocalWorkers
 from planner.onnx_import import load_model
 from runtime.keys import KeyDir, KeyFileError, KeyPair, PublicKey, read_keypair, signer, verifier, write_keypair
 from runtime.pipeline.coordinator import PipelineConfig
-from runtime.pipeline.inprocess import InProcessWorkers
+from runtime.pipeline.inprocess import STOPPED, InProcessWorkers
 from runtime.pipeline.session import REPORTS_KEPT
 from support import M, ROWS, S, export_onnx, kill_then_restart, single_device_training, synthetic_batch
 
@@ -492,10 +492,46 @@ def test_on_failure_stop_ends_with_a_resumable_checkpoint(graph, batches, tmp_pa
         with pytest.raises(RecoveryImpossible, match=r"stage 1 .* lost .*--on-failure stop.*--resume") as err:
             train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
                            on_step=on_step, checkpoint_dir=tmp_path / "ckpt", faults=FaultPolicy(on_failure="stop"))
-        workers.stop()  # the survivor, mid-step, reads no stop: ended here, not by the exit's 30 s join
+        stopped = time.monotonic()
+    # the survivor, in the middle of step 2 waiting for the lost stage, ended on the coordinator's stop by
+    # itself (0), not stopped by the exit's join after 30 s (STOPPED)
+    assert workers.codes == [0, STOPPED] and time.monotonic() - stopped < 15
     assert err.value.checkpoint == tmp_path / "ckpt" and (tmp_path / "ckpt" / "meta.json").is_file()
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
     assert len(meta["losses"]) == meta["step"]  # a loss per step the checkpoint holds, none past it
+
+
+def test_survivors_of_a_lost_worker_process_exit_on_the_coordinators_stop_under_on_failure_stop(graph, batches,
+                                                                                                    tmp_path):
+    """--on-failure stop over real worker processes: worker 1 of 3 SIGKILLed after step 1, before the
+    coordinator sends step 2 (on_step runs at the start of the next step, after the state copy), so
+    both survivors are in the middle of step 2, waiting for the lost stage's activations or
+    gradients, when the coordinator stops the run. Each exits on that stop within seconds, as a
+    stopped worker does (0), saying so in one line, rather than waiting for a neighbour until its
+    receive timeout (600 s) or, once the coordinator is gone, for a coordinator forever."""
+    workers = LocalWorkers.start(3, threads=1, stderr=subprocess.PIPE)
+
+    def on_step(done, *_):
+        if done == 1:
+            os.kill(workers.procs[1].pid, signal.SIGKILL)
+            workers.procs[1].wait(10)
+
+    try:
+        with pytest.raises(RecoveryImpossible, match=r"stage 1 .* lost .*--on-failure stop.*--resume"):
+            train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, keys=workers.keys, on_step=on_step,
+                           checkpoint_dir=tmp_path / "ckpt", faults=FaultPolicy(on_failure="stop"))
+        stopped = time.monotonic()
+        codes = workers.wait(20.0)  # one still running then is killed (-9)
+        waited = time.monotonic() - stopped
+    finally:
+        workers.stop()
+    said = [p.stderr.read() for p in workers.procs]
+    assert codes == [0, -signal.SIGKILL, 0], (codes, said)
+    assert waited < 15, (waited, said)
+    for k in (0, 2):
+        assert [line for line in said[k].splitlines() if "stopped" in line] == [
+            f"worker: stage {k}: the coordinator stopped the run in the middle of step 2; exiting"], said[k]
+    assert json.loads((tmp_path / "ckpt" / "meta.json").read_text())["step"] == 1  # resumable, after step 1
 
 
 def test_1f1b_stash_resumed_at_a_checkpoint_boundary_continues_exactly(graph, batches, tmp_path):
@@ -1226,7 +1262,7 @@ def test_a_run_that_stops_on_a_loss_hands_its_steps_and_events_to_the_metrics_do
         with pytest.raises(RecoveryImpossible) as err:
             train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
                            on_step=on_step, faults=FaultPolicy(on_failure="stop"))
-        workers.stop()  # the survivor, mid-step, reads no stop: ended here, not by the exit's 30 s join
+    assert workers.codes == [0, STOPPED]  # the survivor ended on the coordinator's stop (see the test above)
     done = err.value.result
     assert done is not None and len(done.losses) >= 1 and [e["event"] for e in done.events] == ["lost"]
     metrics = TrainingMetrics("train-pipeline", "tiny", ROWS * M, S, steps_from(done.losses, done.step_seconds, 8),
