@@ -492,10 +492,9 @@ def test_on_failure_stop_ends_with_a_resumable_checkpoint(graph, batches, tmp_pa
         with pytest.raises(RecoveryImpossible, match=r"stage 1 .* lost .*--on-failure stop.*--resume") as err:
             train_pipeline(graph, batches, 9, workers.addresses, _config(), 3, transport=workers.coordinator,
                            on_step=on_step, checkpoint_dir=tmp_path / "ckpt", faults=FaultPolicy(on_failure="stop"))
-        stopped = time.monotonic()
     # the survivor, in the middle of step 2 waiting for the lost stage, ended on the coordinator's stop by
     # itself (0), not stopped by the exit's join after 30 s (STOPPED)
-    assert workers.codes == [0, STOPPED] and time.monotonic() - stopped < 15
+    assert workers.codes == [0, STOPPED]
     assert err.value.checkpoint == tmp_path / "ckpt" and (tmp_path / "ckpt" / "meta.json").is_file()
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
     assert len(meta["losses"]) == meta["step"]  # a loss per step the checkpoint holds, none past it
