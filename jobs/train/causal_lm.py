@@ -281,7 +281,8 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         scored = (f"dev perplexity {before[0]:.3f} -> {after[0]:.3f}, exact match {before[1].exact_match:.3f} -> "
                   f"{after[1].exact_match:.3f}; ")
     reporter.note(f"loss {sum(losses[:k]) / k:.4f} (first steps) -> {sum(losses[-k:]) / k:.4f} (last steps); "
-                  f"{scored}peak RSS {life / 2**20:.0f} MiB (by the last step {result.peak_rss_bytes / 2**20:.0f}); "
+                  f"{scored}peak RSS {life / 2**20:.0f} MiB "
+                  f"(by the last step {result.peak_rss_bytes / 2**20:.0f}); "
                   f"{sum(s.tokens_per_s for s in result.steps) / len(result.steps):.0f} tokens/s")
     steps = tuple(StepFigures(s.step, s.loss, s.seconds, config.batch / s.seconds if s.seconds > 0 else float("nan"),
                               s.tokens_per_s) for s in result.steps)
