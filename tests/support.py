@@ -579,7 +579,7 @@ from jobs.train.local import train_local
 from planner.lora import LoraSettings
 from runtime.procfs import peak_rss_bytes
 
-own, reset, steps = {"life": 0}, procfs.reset_peak_rss, causal_lm.train_steps
+own, reset, train_steps = {"life": 0}, procfs.reset_peak_rss, causal_lm.train_steps
 
 def reset_recorded():
     own["life"] = max(own["life"], peak_rss_bytes())
@@ -587,7 +587,7 @@ def reset_recorded():
 
 def steps_measured(*args, **kwargs):
     reset_recorded()
-    result = steps(*args, **kwargs)
+    result = train_steps(*args, **kwargs)
     own["training"] = peak_rss_bytes()
     return result
 
