@@ -17,7 +17,7 @@ import time
 from typing import Mapping, Sequence
 
 from ir.documents import activations_mode
-from ir.graph import Graph, block_signature
+from ir.graph import Graph
 from jobs.common.metrics import DeviceFigures, TrainingMetrics
 from jobs.common.report import Reporter
 
@@ -61,28 +61,20 @@ def default_planned_bytes(graph: Graph, ranges: Sequence[tuple[int, int]], sched
 
 
 def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: str | None = None,
-               base_dtype: str = "float32", caches_held: bool = False) -> int:
+               base_dtype: str = "float32") -> int:
     """What training the whole of `graph` on one device adds above the model as set up (its weights,
     frozen base and engine built): the memory model's gradients, optimizer state, activations and
     workspace of one stage of one micro-batch, as `default_planned_bytes` prices them, and the one
     block of a quantized base widened at a time; a block's backward holds a gradient of each of its
-    values (`default_block_cost`'s `gradient_of_each`). `caches_held`: an evaluation before ran the engine's
-    forward, whose per-op caches (an engine keeping them: not recomputing per block) stay resident
-    in the set-up (the blocks' kept part; not an LM head + loss's chunks, which it lets go). On MNN
-    also what its programs hold as `runtime.engines.mnn` runs them (`planner.memory_defaults.mnn_held_bytes`)."""
+    values (`default_block_cost`'s `gradient_of_each`). On MNN also what its programs hold as
+    `runtime.engines.mnn` runs them (`planner.memory_defaults.mnn_held_bytes`)."""
     from planner.cluster import DeviceSpec
-    from planner.cost import fused_loss_hidden_bytes
     from planner.memory_defaults import memory_parts, mnn_held_bytes, widened_bytes
 
     profile = _run_profile(graph, engine, [activations], 0, gradient_of_each=True)
     device = DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=activations)
     parts = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", 1, optimizer)
-    held = 0
-    if caches_held and not (activations or "").startswith("per-block"):
-        costs = profile.backends[0].blocks
-        kept = graph.blocks[:-2] if fused_loss_hidden_bytes(graph) is not None else graph.blocks
-        held = sum(costs[block_signature(b)].kept_bytes or 0 for b in kept)
-    return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held
+    return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace"))
             + widened_bytes(graph, base_dtype) + (mnn_held_bytes(graph) if engine == "mnn" else 0))
 
 
@@ -139,22 +131,26 @@ def machine_room_bytes() -> int | None:
 
 def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: str, room: int | None,
                 reporter: Reporter, activations: str | None = None, base_dtype: str = "float32",
-                set_up_bytes: int | None = None, evaluated: bool = False) -> TrainingMetrics:
+                set_up_bytes: int | None = None, evaluation_bytes: int | None = None) -> TrainingMetrics:
     """`check_memory` for a one-device run (`train-local`), its budget the room the machine had when
     the run started. Its planned figure: the run's own resident memory when its steps began
     (`set_up_bytes`: the process, the model and engine built, what an evaluation before left) with
     what the memory model says a step adds on top (`step_bytes`: the whole graph as one stage of one
-    micro-batch, with the run's `activations` and frozen base; `evaluated`: an evaluation before ran
-    on the training engine, whose caches the set-up holds). No profile measured this process's
-    set-up, and the graph's shapes cannot tell it (SmolLM2 int4: 281-327 MiB held against the model's
-    164 for a worker's); without it, the memory model's whole figure (`default_planned_bytes`)."""
+    micro-batch, with the run's `activations` and frozen base), or what the evaluation before training rose
+    above its start where that is larger (`evaluation_bytes`, measured: its generation, which no term
+    models, run beside no engine; the evaluation after training runs the same from the set-up, helper h96).
+    No profile measured this process's set-up, and the graph's shapes cannot tell it (SmolLM2 int4: 281-327
+    MiB held against the model's 164 for a worker's); without it, the memory model's whole figure
+    (`default_planned_bytes`)."""
     if set_up_bytes is None:
         planned = default_planned_bytes(graph, [(0, len(graph.blocks) - 1)], "1f1b-flush", 1, optimizer, 1, engine,
                                         activations, base_dtype)[0]
         basis = "the memory model"
     else:
-        planned = set_up_bytes + step_bytes(graph, optimizer, engine, activations, base_dtype, caches_held=evaluated)
-        basis = "the set-up as measured + a step by the memory model"
+        step = step_bytes(graph, optimizer, engine, activations, base_dtype)
+        planned = set_up_bytes + max(step, evaluation_bytes or 0)
+        basis = ("the set-up as measured + a step by the memory model" if step >= (evaluation_bytes or 0) else
+                 "the set-up + the evaluation before training as measured")
         if engine != "mnn" or activations_mode(activations) != ("per-block", 0):
             # The step charge is measured within 0.95-1.00 of the run only for MNN per block (SmolLM2 int4
             # and float32, with and without an evaluation). Keeping per-op caches, what MNN holds after

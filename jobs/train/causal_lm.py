@@ -40,7 +40,7 @@ from ir.partition import even_ranges
 from runtime.engines.factory import make_engine, whole_model_engine
 from runtime.engines.stage import stage_spec
 from runtime.heap import start_heap
-from runtime.procfs import release_free_heap, reset_peak_rss, rss_bytes
+from runtime.procfs import peak_rss_bytes, release_free_heap, rss_bytes
 from tasks.causal_lm.data import make_lm_batches
 from tasks.causal_lm.evaluation import InstructionScores, engine_nll, ranged_nll
 from tasks.causal_lm.generate import GenerationSettings, lm_metadata
@@ -213,30 +213,39 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     graph, adapters = lm_graph(model, settings, reporter, mapped=read_mapped(model, settings.lora))
     config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
+    batches = CAUSAL_LM.batches(run, config.batch, config.seed)
+    dev_batches = CAUSAL_LM.dev_batches(run, config.batch)
+    before = evaluation = None
     try:
+        if dev:
+            gc.collect()
+            release_free_heap()  # the set-up's free heap handed back: the evaluation's rise measured from here
+            start = rss_bytes()
+            # the evaluation before training as the one after it runs, before the training engine is built:
+            # generation with no engine beside it, then the perplexity on an engine of its own over the initial
+            # weights (per block), let go before the training engine is built. Beside the training engine it
+            # set the run's peak, which the run's measured figure then hid (helper h96)
+            before = _scores(_evaluation_nll(graph, settings.engine, config.threads), model, graph, adapters,
+                             settings, eval_path, dev_batches, pad_id, None)
+            reporter.note(f"dev perplexity {before[0]:.3f}, exact match {before[1].exact_match:.3f} before "
+                          "fine-tuning")
+            # at least what it rose above its start (VmHWM, never reset: a set-up's earlier peak may count too)
+            evaluation = peak_rss_bytes() - start if start is not None else None
+            _hand_back(settings.engine)
         # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
         # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
         engine = whole_model_engine(graph, settings.engine, config.threads, take_weights=settings.lora is None,
                                     activations=settings.activations)
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
         raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
-    batches = CAUSAL_LM.batches(run, config.batch, config.seed)
-    dev_batches = CAUSAL_LM.dev_batches(run, config.batch)
     reporter.note(f"model {Path(model).name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB "
                   f"trainable; {len(run.train)} training rows, {len(dev)} eval conversations; engine "
                   f"{settings.engine}, {config.threads} thread(s); setup {time.perf_counter() - started:.1f}s")
-
-    def measure(weights: Mapping[str, np.ndarray] | None) -> tuple[float, InstructionScores]:
-        return _scores(engine, model, graph, adapters, settings, eval_path, dev_batches, pad_id, weights)
-
-    before = measure(None) if dev else None
-    if before is not None:
-        reporter.note(f"dev perplexity {before[0]:.3f}, exact match {before[1].exact_match:.3f} before fine-tuning")
-    # the training's own peak: the evaluation before it ran ONNX Runtime sessions in this process,
-    # whose freed heap glibc would otherwise keep resident under training (1.1 GB on SmolLM2)
     gc.collect()
     release_free_heap()
-    reset_peak_rss()
+    # VmHWM is not reset: the run's measured figure is its whole life's peak (set-up and evaluations included)
     set_up = rss_bytes()  # what the steps start from: the planned figure's measured part (`local_check`)
     reporter.start("train", config.steps)
     result = train_steps(engine, batches, config, 0,
@@ -258,19 +267,13 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         # (SmolLM2 LoRA: 3.4 GB against training's 2.2)
         del engine
         result.optimizer_state = {}
-        gc.collect()
-        if settings.engine == "mnn":
-            # the buffers MNN cached for training's programs (SmolLM2 int4 LoRA: ~41 MiB) handed back: kept,
-            # they stood under the generation's peak (benchmarks/MEMORY_NOTES.md, helper h89)
-            from runtime.engines.mnn_kernels import release_memory
-
-            release_memory()
-        release_free_heap()
+        _hand_back(settings.engine)
         # generation with no engine beside it, the perplexity's engine built after it (per block): built
         # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-608 MiB against training's
         # 554-559; 540-554 against 550-566 now, helper h89)
         after = _scores(_evaluation_nll(graph, settings.engine, config.threads, trained), model, graph, adapters,
                         settings, eval_path, dev_batches, pad_id, trained)
+    life = peak_rss_bytes()  # the whole life's peak: set-up, both evaluations and the steps
     losses = [s.loss for s in result.steps]
     k = max(1, len(losses) // 5)
     scored = ""
@@ -278,26 +281,41 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         scored = (f"dev perplexity {before[0]:.3f} -> {after[0]:.3f}, exact match {before[1].exact_match:.3f} -> "
                   f"{after[1].exact_match:.3f}; ")
     reporter.note(f"loss {sum(losses[:k]) / k:.4f} (first steps) -> {sum(losses[-k:]) / k:.4f} (last steps); "
-                  f"{scored}peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB; "
+                  f"{scored}peak RSS {life / 2**20:.0f} MiB "
+                  f"(by the last step {result.peak_rss_bytes / 2**20:.0f}); "
                   f"{sum(s.tokens_per_s for s in result.steps) / len(result.steps):.0f} tokens/s")
     steps = tuple(StepFigures(s.step, s.loss, s.seconds, config.batch / s.seconds if s.seconds > 0 else float("nan"),
                               s.tokens_per_s) for s in result.steps)
     figures = lm_figures(after, before) if after is not None else None
     metrics = TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
-                              (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
+                              (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, life),),
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": "causal-lm"})
     # the LM head + loss charged for the most loss targets a micro-batch of this run has, as `plan --data` does
     targets = most_target_positions(f for b in batches for f in CAUSAL_LM.feeds(run, b, config.batch, 1))
     charged = dataclasses.replace(graph, target_positions=targets) if targets is not None else graph
     return local_check(metrics, charged, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
-                       evaluated=before is not None)
+                       evaluation_bytes=evaluation)
 
 
-def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray]) -> Callable:
+def _hand_back(engine: str) -> None:
+    """What an engine let go of given back before the next phase: Python's garbage, the buffers MNN cached for
+    its programs (SmolLM2 int4 LoRA after training: ~41 MiB, which stood under the evaluation's generation:
+    benchmarks/MEMORY_NOTES.md, helper h89) and glibc's free heap."""
+    gc.collect()
+    if engine == "mnn":
+        from runtime.engines.mnn_kernels import release_memory
+
+        release_memory()
+    release_free_heap()
+
+
+def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray] | None = None
+                    ) -> Callable:
     """The dev perplexity's function of the trained weights (`_scores` calls it once generation is done):
-    an engine of the whole model holding `trained`, built only then, each block's buffers let go after
-    its forward (per block: what MNN holds for the blocks before it is not kept, no per-op caches)."""
+    an engine of the whole model holding `trained` (None: the graph's own, before training), built only then,
+    each block's buffers let go after its forward (per block: what MNN holds for the blocks before it is not
+    kept, no per-op caches)."""
 
     def nll(batches, rows: int, pad_id: int):
         built = whole_model_engine(graph, engine, threads, weights=trained, cache_activations=False,

@@ -23,6 +23,7 @@ from jobs.common.settings import TrainingSettings
 from jobs.common.task_choice import check_graph, task_for
 from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_checkpoint_target, save_checkpoint
+from runtime.procfs import peak_rss_bytes
 from tasks.trainer import TrainConfig, train_steps
 
 
@@ -64,11 +65,12 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
                          on_step=lambda r: reporter.step(r.step, loss=r.loss, **{"tok/s": r.tokens_per_s}),
                          step_feeds=lambda b: the_task.feeds(run, b, config.batch, config.microbatches))
     after = the_task.evaluate(engine, graph, run, config.batch)
+    life = peak_rss_bytes()  # the whole life's peak (set-up, both evaluations, the steps): VmHWM, never reset
     losses = [s.loss for s in result.steps]
     tail, head = losses[-max(1, len(losses) // 5):], losses[: max(1, len(losses) // 5)]
     scored = f"{the_task.headline(before)} -> {the_task.headline(after)}; " if after is not None else ""
     reporter.note(f"loss {sum(head) / len(head):.4f} (first steps) -> {sum(tail) / len(tail):.4f} (last steps); "
-                  f"{scored}peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB; "
+                  f"{scored}peak RSS {life / 2**20:.0f} MiB; "
                   f"{sum(s.tokens_per_s for s in result.steps) / len(result.steps):.0f} tokens/s")
     if checkpoint is not None:
         write_single_device_checkpoint(checkpoint, engine.parameters(), result.optimizer_state, graph, {
@@ -81,7 +83,7 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
                               s.tokens_per_s) for s in result.steps)
     figures = None if after is None else (after if before is None else the_task.with_before(after, before))
     metrics = TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
-                              (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, result.peak_rss_bytes),),
+                              (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, life),),
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": the_task.name})
     return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32")
