@@ -69,7 +69,9 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
     values (`default_block_cost`'s `gradient_of_each`). `caches_held`: an evaluation before ran the engine's
     forward, whose per-op caches (an engine keeping them: not recomputing per block) stay resident
     in the set-up (the blocks' kept part; not an LM head + loss's chunks, which it lets go). On MNN
-    also what its programs hold as `runtime.engines.mnn` runs them (`planner.memory_defaults.mnn_held_bytes`)."""
+    also what its programs hold as `runtime.engines.mnn` runs them (`planner.memory_defaults.mnn_held_bytes`,
+    keeping per-op caches: the backward's reads held into the next step), and keeping per-op caches without
+    an evaluation before, every value but the views (`planner.memory_defaults.mnn_kept_bytes`)."""
     from planner.cluster import DeviceSpec
     from planner.cost import fused_loss_hidden_bytes
     from planner.memory_defaults import memory_parts, mnn_held_bytes, mnn_kept_bytes, widened_bytes
