@@ -107,7 +107,7 @@ def _quantized_head_bytes(weight: QuantizedTensor, vocab: int, targets: int, chu
     return 4 * rows * padded + earlier + max(widening, logits) + 2 * 4 * targets * hidden
 
 
-def mnn_held_bytes(graph: Graph) -> int:
+def mnn_held_bytes(graph: Graph, keeping: bool = False) -> int:
     """What the MNN engine's programs hold over a step beyond the memory model's parts
     (`runtime.engines.mnn`), measured by helper h91 (benchmarks/MEMORY_NOTES.md: SmolLM2 LoRA, 4 x 128,
     tracemalloc and VmHWM per phase):
@@ -119,7 +119,12 @@ def mnn_held_bytes(graph: Graph) -> int:
       whole (SmolLM2: 30 x 1.24 MiB; the backward's RSS rose 37.4 MiB from the loss to the last block,
       37.27 MiB of numpy arrays read there, and a block's backward peaks ~1 MiB over its end). They
       build up while the backward runs, after the LM head + loss has let its chunks go: the larger of
-      the two (the fused head's chunks, charged in the workspace) counts, not both."""
+      the two (the fused head's chunks, charged in the workspace) counts, not both. `keeping`: MNN
+      keeps its per-op caches (not recomputing per block), and no block lets go of its gradient
+      program's buffers (`_BlockProgram.release` runs per block only): the reads of one step are still
+      held when the next step's loss makes its chunks, so both count (SmolLM2 int4 LoRA at 4 x 128
+      without an evaluation: the first step peaked at 1672 MiB, the second at 1720, the next four
+      1721-1722, the resident memory between steps 1644 each time; helper h97)."""
     first = graph.blocks[0]
     tables = lookup_tables(graph.nodes) & set(graph.constants)
     rows = sum(4 * int(np.prod(graph.values[graph.node(name).outputs[0]].shape)) for name in first.nodes
@@ -128,7 +133,23 @@ def mnn_held_bytes(graph: Graph) -> int:
     flats = [inputs[k] + b.params_bytes for k, b in enumerate(graph.blocks) if k > 0 and b.params]
     read = sum(flats) + max(flats, default=0)  # and the one being read, still MNN's concatenation too
     head = fused_head_chunk_bytes(graph)
-    return rows + (read if head is None else max(0, read - head))
+    return rows + (read if head is None or keeping else max(0, read - head))
+
+
+# The ops whose results MNN's keeping mode holds no buffer of its own for: its geometry lays a reshape or a
+# transpose out as the raster regions of the op that reads it (`mnn_kept_bytes`).
+MNN_VIEW_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def mnn_kept_bytes(graph: Graph, block: Block) -> int:
+    """What MNN keeping its per-op caches (`runtime.engines.mnn`, not recomputing per block) holds of
+    `block`'s forward until its backward: every value its compute nodes produce but the views
+    (`MNN_VIEW_OPS`), where the graph-derived profile charges every value (`default_block_cost`'s
+    `kept_bytes`). SmolLM2 LoRA at 4 x 128: 43.6 of a layer's 53.7 MiB, 1308 MiB over its 30 layers,
+    where the run held 1240-1292 above the same run recomputing per block (benchmarks/MEMORY_NOTES.md,
+    helper h97)."""
+    return sum(graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs
+               if o in graph.values and graph.node(name).op not in MNN_VIEW_OPS)
 
 
 def default_block_cost(graph: Graph, block: Block, per_block: bool = False,
