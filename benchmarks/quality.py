@@ -49,11 +49,21 @@ MiniLM (--model minilm)
     token cross-entropy before and after, its exp (``ppl after``) and the ratio to float32's, entity F1
     before and after and its ratio.
 
+A decoder trained from scratch (--model decoder)
+    The LLM check on learned float weights with no 4-bit grid behind them (no float LLM checkpoint is on
+    this machine and none can be fetched): a Qwen2-style decoder (`DECODER_SHAPE`: transformers'
+    Qwen2Config reduced to 4 layers, hidden 256, MLP 1024, 4 / 2 heads, tied; SmolLM2's tokenizer and
+    vocabulary) initialised at random (seed 0) and pre-trained from scratch in float32 (--ft-steps AdamW
+    steps of 4 x 128 tokens of the pydoc text --float-base uses and 1000 entities-json conversations of
+    seed 1, shuffled, lr --ft-lr after a 20-step warm-up), made once in --work and exported; then the same
+    entities-json LoRA run (seed 0) as SmolLM2's at each precision.
+
 Usage
     .venv/bin/python benchmarks/quality.py [--steps 30] [--dtypes float32,int4] [--dev 64] [--json OUT]
     .venv/bin/python benchmarks/quality.py --float-base [--ft-steps 30] [--ft-lr 2e-4] [--work DIR] ...
     .venv/bin/python benchmarks/quality.py --noisy-base [--work DIR] ...
     .venv/bin/python benchmarks/quality.py --model minilm [--steps 200] [--dev 500] [--dtypes float32,int8,int4]
+    .venv/bin/python benchmarks/quality.py --model decoder [--ft-steps 150] [--ft-lr 2e-3] [--work DIR] ...
 """
 from __future__ import annotations
 
@@ -230,6 +240,88 @@ def make_float_base(folder: Path, steps: int, lr: float) -> Path:
                                                        "text_modules": TEXT_MODULES, "tokens": len(ids),
                                                        "losses": losses}, indent=1) + "\n")
     return folder
+
+
+# --- a small decoder trained from scratch in float32 (--model decoder) ---------------------------------
+
+# A Qwen2-style decoder (transformers' Qwen2Config, SmolLM2's tokenizer and vocabulary) reduced from the published
+# configs to 4 layers of 256 so it trains in minutes on one thread: its weights are learned float32 weights
+# (random init, then --ft-steps AdamW steps on `_pydoc_text` and entities-json conversations), nowhere on a 4-bit grid.
+DECODER_SHAPE = {"vocab_size": 49152, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 1024,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+                 "max_position_embeddings": 2048, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                 "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+DECODER_ROWS, DECODER_WARMUP = 4, 20
+# ... and on entities-json conversations of another seed than the LoRA run's (seed 0), so that the base knows the
+# chat format and the answers' JSON as a general model does (pydoc alone left the dev answers at perplexity ~1e5)
+DECODER_ENTITY_SEED, DECODER_ENTITIES = 1, 1000
+
+
+def _entity_conversation_ids(tokenizer, seed: int, n: int) -> list[int]:
+    """`n` entities-json training conversations of `seed` (`write_entity_splits`), chat-rendered and tokenized
+    as the LoRA run's rows are (`encode_instructions`), one after another."""
+    from tasks.causal_lm.data import encode_instructions, read_instructions
+    from tasks.causal_lm.entity_task import write_entity_splits
+
+    with tempfile.TemporaryDirectory() as d:
+        train, _ = write_entity_splits(Path(d), n_train=n, n_dev=1, seed=seed)
+        conversations = read_instructions(train)
+    return [int(t) for row in encode_instructions(tokenizer, conversations) for t in row.ids]
+
+
+def make_scratch_decoder(folder: Path, steps: int, lr: float) -> Path:
+    """`DECODER_SHAPE` initialised at random (seed 0) and trained from scratch in float32 by transformers/torch
+    (AdamW at `lr`, linear warm-up over `DECODER_WARMUP` steps then constant, `steps` steps of 4 x 128 tokens of
+    `_pydoc_text` and `_entity_conversation_ids` in SmolLM2's tokenization, shuffled), written to `folder` as a
+    Hugging Face checkpoint; one thread."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from benchmarks.llm import smollm2_model
+    from tasks.causal_lm.tokenizer import load_lm_tokenizer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    tokenizer = load_lm_tokenizer(smollm2_model())
+    ids = tokenizer.encode(_pydoc_text()) + _entity_conversation_ids(tokenizer, DECODER_ENTITY_SEED, DECODER_ENTITIES)
+    rows = torch.tensor(ids[: len(ids) // FT_SEQ * FT_SEQ]).view(-1, FT_SEQ)
+    order = torch.cat([torch.randperm(len(rows), generator=torch.Generator().manual_seed(e))
+                       for e in range(-(-steps * DECODER_ROWS // len(rows)))])
+    model = Qwen2ForCausalLM(Qwen2Config(**DECODER_SHAPE))
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / DECODER_WARMUP))
+    losses = []
+    for step in range(steps):
+        batch = rows[order[step * DECODER_ROWS:(step + 1) * DECODER_ROWS]]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 10 == 0 or step == steps - 1:
+            print(f"    pre-train step {step + 1}/{steps}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    (folder / "fine_tune.json").write_text(json.dumps({"scratch": DECODER_SHAPE, "steps": steps, "lr": lr,
+                                                       "rows": DECODER_ROWS, "seq": FT_SEQ, "tokens": len(ids),
+                                                       "losses": losses}, indent=1) + "\n")
+    return folder
+
+
+def scratch_decoder_model(work: Path, steps: int, lr: float) -> Path:
+    """The exported scratch decoder (`make_scratch_decoder`), made once, with SmolLM2's tokenizer beside it."""
+    import shutil
+
+    from benchmarks.llm import smollm2_model
+
+    onnx = _exported(work / f"qwen-scratch-{steps}-lr{lr:g}-entities{DECODER_ENTITY_SEED}", lambda folder: make_scratch_decoder(folder, steps, lr))
+    for f in ("tokenizer.json", "chat_template.json"):
+        if not (onnx.parent / f).is_file():
+            shutil.copy(smollm2_model().parent / f, onnx.parent / f)
+    return onnx
 
 
 def spread_within_steps(w, storage: str, rng):
@@ -433,28 +525,36 @@ def main(argv=None) -> int:
     ap.add_argument("--noisy-base", action="store_true",
                     help="start from SmolLM2 with every weight spread uniformly within its own 4-bit step (a float "
                          "model whose --base-dtype int4 is the shipped file; made once in --work)")
-    ap.add_argument("--ft-steps", type=int, default=30, help="--float-base: full fine-tuning steps (default 30)")
-    ap.add_argument("--ft-lr", type=float, default=2e-4, help="--float-base: its AdamW learning rate (default 2e-4)")
+    ap.add_argument("--ft-steps", type=int, default=None, help="--float-base: full fine-tuning steps (default 30); "
+                                                                 "--model decoder: pre-training steps (default 150)")
+    ap.add_argument("--ft-lr", type=float, default=None, help="--float-base: its AdamW learning rate (default 2e-4); "
+                                                                "--model decoder: pre-training's (default 2e-3)")
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "confidant" / "quality",
                     help="--float-base: where the fine-tuned checkpoint and its export are kept")
-    ap.add_argument("--model", choices=("smollm2", "minilm"), default="smollm2",
-                    help="smollm2 (causal LM, entities-json; default) or minilm (all-MiniLM-L6-v2, a real float "
-                         "checkpoint: token classification of entities, dev loss and entity F1)")
+    ap.add_argument("--model", choices=("smollm2", "minilm", "decoder"), default="smollm2",
+                    help="smollm2 (causal LM, entities-json; default), minilm (all-MiniLM-L6-v2, a real float "
+                         "checkpoint: token classification of entities, dev loss and entity F1) or decoder (a "
+                         "4-layer Qwen2-style decoder pre-trained from scratch in float32, made once in --work; "
+                         "entities-json as smollm2)")
     ap.add_argument("--child", metavar="DTYPE", help=argparse.SUPPRESS)
     ap.add_argument("--onnx", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     ner = args.model == "minilm"
+    scratch = args.model == "decoder"
+    args.ft_steps = args.ft_steps if args.ft_steps is not None else (150 if scratch else 30)
+    args.ft_lr = args.ft_lr if args.ft_lr is not None else (2e-3 if scratch else 2e-4)
     args.steps = args.steps if args.steps is not None else (200 if ner else 30)
     args.train = args.train if args.train is not None else (3000 if ner else 1000)
     args.dev = args.dev if args.dev is not None else (500 if ner else 64)
-    if ner and (args.float_base or args.noisy_base):
-        ap.error("--float-base and --noisy-base make a SmolLM2 base; MiniLM is a float checkpoint already (drop one)")
+    if (ner or scratch) and (args.float_base or args.noisy_base):
+        ap.error("--float-base and --noisy-base make a SmolLM2 base; --model minilm and decoder are float models "
+                 "already (drop one)")
     if args.float_base and args.noisy_base:
         ap.error("--float-base or --noisy-base, not both")
     if args.steps < 1 or args.train < 1 or args.dev < 1 or args.ft_steps < 1:
         ap.error("--steps, --train and --dev must be at least 1")
     if args.child:
-        child = _ner_child if args.model == "minilm" else _child
+        child = _ner_child if ner else _child
         print(MARKER + json.dumps(child(args.child, args.steps, args.train, args.dev, args.onnx)), flush=True)
         return 0
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -468,6 +568,10 @@ def main(argv=None) -> int:
 
         grid["all-MiniLM-L6-v2"] = grid_distance(default_model())
         _print_grid("all-MiniLM-L6-v2", grid["all-MiniLM-L6-v2"])
+    if scratch:
+        model = scratch_decoder_model(args.work, args.ft_steps, args.ft_lr)
+        grid["decoder"] = grid_distance(model)
+        _print_grid(f"scratch decoder ({model})", grid["decoder"])
     if args.float_base or args.noisy_base:
         from benchmarks.llm import smollm2_model
 
@@ -487,6 +591,8 @@ def main(argv=None) -> int:
         print(report_ner(rows, args.steps))
     else:
         name = ("SmolLM2-135M fine-tuned in float32 (--float-base)" if args.float_base else
+                f"A 4-layer Qwen2-style decoder pre-trained {args.ft_steps} steps from scratch (--model decoder)"
+                if scratch else
                 "SmolLM2-135M spread within its 4-bit steps (--noisy-base)" if args.noisy_base else "SmolLM2-135M")
         print(report(rows, args.steps, name))
     if args.json:
