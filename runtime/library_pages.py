@@ -1,0 +1,58 @@
+"""Shared libraries' pages that only their loading read, given back (`drop_library_pages`).
+
+A process that imports torch maps ~80 MiB of its libraries' files (libtorch_cpu 48, libtorch_python
+12, libpython, numpy's...), nearly all of it read once: libtorch's static initialisers, which register
+every operator it holds, and the import's module set-up. Those pages stay resident (RssFile, counted in
+the process's VmRSS and VmHWM) though a stage's training touches ~35 MiB of them (MiniLM's stage 0 under
+zb-h1: RssFile 99 MiB at its peak, 38 with them given back; benchmarks/MEMORY_NOTES.md, helper h85).
+
+`MADV_DONTNEED` over a private file mapping that no write ever touched (no `w` in its permissions,
+no anonymous page in it: nothing copied on write) only unmaps its pages: the next read maps them again
+from the page cache, the same bytes, a minor fault. A mapping with anonymous pages (relocated data,
+`.data.rel.ro`) is left alone: its pages hold what the loader wrote, which the file does not.
+
+Linux only (/proc/self/smaps, glibc's `madvise`); elsewhere nothing is done.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+
+_MADV_DONTNEED = 4
+_VMA = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+_LIBRARY = re.compile(r"\.so(\.|$)")
+
+
+def _library_mappings() -> list[tuple[int, int, int]]:
+    """(start, end, resident KiB) of each read-only, never-written mapping of a shared library."""
+    out, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = _VMA.match(line)
+            if m:
+                cur = None
+                if "w" not in m.group(3) and _LIBRARY.search(m.group(4)):
+                    cur = [int(m.group(1), 16), int(m.group(2), 16), 0, None]
+                    out.append(cur)
+            elif cur is not None and line.startswith("Rss:"):
+                cur[2] = int(line.split()[1])
+            elif cur is not None and line.startswith("Anonymous:"):
+                cur[3] = int(line.split()[1])
+    return [(lo, hi, rss) for lo, hi, rss, anon in out if anon == 0 and rss]
+
+
+def drop_library_pages() -> int:
+    """Unmap the resident pages of every shared library's read-only, never-written mappings; the
+    bytes given back (0 where the system has no /proc/self/smaps or no `madvise`)."""
+    try:
+        mappings = _library_mappings()
+        libc = ctypes.CDLL(None)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    for lo, hi, rss in mappings:
+        if madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+            dropped += rss * 1024
+    return dropped
