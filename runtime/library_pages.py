@@ -23,22 +23,23 @@ _VMA = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
 _LIBRARY = re.compile(r"\.so(\.|$)")
 
 
-def _library_mappings() -> list[tuple[int, int, int]]:
-    """(start, end, resident KiB) of each read-only, never-written mapping of a shared library."""
+def _library_mappings(resident_only: bool = True) -> list[tuple[int, int, int]]:
+    """(start, end, resident KiB) of each read-only, never-written mapping of a shared library (with a
+    page resident, unless `resident_only` is False)."""
     out, cur = [], None
     with open("/proc/self/smaps") as f:
         for line in f:
             m = _VMA.match(line)
             if m:
                 cur = None
-                if "w" not in m.group(3) and _LIBRARY.search(m.group(4)):
+                if m.group(3)[:2] == "r-" and _LIBRARY.search(m.group(4)):
                     cur = [int(m.group(1), 16), int(m.group(2), 16), 0, None]
                     out.append(cur)
             elif cur is not None and line.startswith("Rss:"):
                 cur[2] = int(line.split()[1])
             elif cur is not None and line.startswith("Anonymous:"):
                 cur[3] = int(line.split()[1])
-    return [(lo, hi, rss) for lo, hi, rss, anon in out if anon == 0 and rss]
+    return [(lo, hi, rss) for lo, hi, rss, anon in out if anon == 0 and (rss or not resident_only)]
 
 
 def drop_library_pages() -> int:

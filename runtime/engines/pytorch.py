@@ -40,7 +40,7 @@ steady_heap()
 # a stage's training maps ~35 again: runtime.library_pages; MEMORY_NOTES.md, helper h85). Here, at the
 # import, alike in a worker, the profile's fresh children and the profiling process, so the runtime's
 # and the engine's terms of a plan are measured as a worker holds them.
-drop_library_pages()
+LIBRARY_PAGES_GIVEN_BACK = drop_library_pages()  # bytes, at this import
 
 
 def _shifted(scale: torch.Tensor, offset: float | None) -> torch.Tensor:
