@@ -23,16 +23,24 @@ _VMA = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
 _LIBRARY = re.compile(r"\.so(\.|$)")
 
 
-def _library_mappings(resident_only: bool = True) -> list[tuple[int, int, int]]:
-    """(start, end, resident KiB) of each read-only, never-written mapping of a shared library (with a
-    page resident, unless `resident_only` is False)."""
+# torch's own libraries (libtorch_cpu ~52 MiB resident after the import, libtorch_python ~11, libc10):
+# ~65 of the ~86 MiB of library pages a torch worker holds. The others (libpython, MNN's, numpy's, libc,
+# libstdc++: ~3 MiB each at most) are left: every step reads most of them, and in the profiling process,
+# which imports this engine before it measures MNN, MNN's first run mapped its own pages again (1.5 MiB, read
+# as an MNN start-up: tests/planner/test_engine_choice.py, helper h99).
+TORCH_LIBRARIES = "/torch/"
+
+
+def _library_mappings(resident_only: bool = True, under: str = TORCH_LIBRARIES) -> list[tuple[int, int, int]]:
+    """(start, end, resident KiB) of each read-only, never-written mapping of a shared library whose path
+    holds `under` (with a page resident, unless `resident_only` is False)."""
     out, cur = [], None
     with open("/proc/self/smaps") as f:
         for line in f:
             m = _VMA.match(line)
             if m:
                 cur = None
-                if m.group(3)[:2] == "r-" and _LIBRARY.search(m.group(4)):
+                if m.group(3)[:2] == "r-" and _LIBRARY.search(m.group(4)) and under in m.group(4):
                     cur = [int(m.group(1), 16), int(m.group(2), 16), 0, None]
                     out.append(cur)
             elif cur is not None and line.startswith("Rss:"):
@@ -42,11 +50,12 @@ def _library_mappings(resident_only: bool = True) -> list[tuple[int, int, int]]:
     return [(lo, hi, rss) for lo, hi, rss, anon in out if anon == 0 and (rss or not resident_only)]
 
 
-def drop_library_pages() -> int:
-    """Unmap the resident pages of every shared library's read-only, never-written mappings; the
-    bytes given back (0 where the system has no /proc/self/smaps or no `madvise`)."""
+def drop_library_pages(under: str = TORCH_LIBRARIES) -> int:
+    """Unmap the resident pages of the read-only, never-written mappings of every shared library whose
+    path holds `under` (torch's); the bytes given back (0 where the system has no /proc/self/smaps or no
+    `madvise`)."""
     try:
-        mappings = _library_mappings()
+        mappings = _library_mappings(under=under)
         libc = ctypes.CDLL(None)
         madvise = libc.madvise
     except (OSError, AttributeError):
