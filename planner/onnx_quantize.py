@@ -128,7 +128,9 @@ def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int =
     `branches`: weight name -> (A [in, r], B [r, out]) float32, a LoRA adapter (its scale in B) whose
     product x @ A @ B is added to x @ W^T (Gemm's C), its base kept stored (written as `NAME.lora_A`,
     `NAME.lora_B` beside the storage arrays): a trained model without its merged weights in float32.
-    Why: ONNX Runtime widened SmolLM2's int8 table to float32 for the lookup and again for the head's
+    A plain float32 array of `weights` (a float32 base) is read as it is stored: its lookups are left as
+    they are, each of its products a Gemm (transB) over it whole, no transposed copy (returned as its own
+    name and array). Why: ONNX Runtime widened SmolLM2's int8 table to float32 for the lookup and again for the head's
     Transpose at every run, ~230 MiB of an int4 run's evaluation (MEMORY_NOTES, helpers h78, h84). The
     graph's nodes are rebuilt once: protobuf keeps every message it copied until the whole model goes."""
     every = list(graph.node)  # these objects throughout: `made` is keyed by their ids
@@ -142,12 +144,15 @@ def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int =
     done = {}
     for name, q in weights.items():
         uses = readers.get(name, [])
-        if q.axis != 1 or q.storage == "bfloat16" or not uses or not all(_by_rows(n, name, readers, outputs)
-                                                                          for n in uses):
+        plain = isinstance(q, np.ndarray)
+        if plain:  # a float32 weight: its lookups read it as it is, its products by rows
+            uses = [n for n in uses if n.op_type != "Gather" or not _by_rows(n, name, readers, outputs)]
+        if (plain and (q.ndim != 2 or q.dtype != np.float32)) or (not plain and (q.axis != 1 or q.storage == "bfloat16")) \
+                or not uses or not all(_by_rows(n, name, readers, outputs) for n in uses):
             continue
         lora = (branches or {}).get(name)
         _rewrite_by_rows(name, q, uses, readers, made, inits, head_rows, lora)
-        done[name] = [(k, v) for k, v in storage_tensors(name, q).items() if v.size]
+        done[name] = [(name, q)] if plain else [(k, v) for k, v in storage_tensors(name, q).items() if v.size]
         if lora is not None:
             done[name] += [(f"{name}.lora_A", lora[0]), (f"{name}.lora_B", lora[1])]
     if done:
@@ -202,8 +207,11 @@ def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, 
     """`read_by_rows` of one weight: the nodes in place of each of its `uses` into `made`."""
     from onnx import helper, numpy_helper
 
-    pieces = [k for k, v in storage_tensors(name, q).items() if v.size]
-    rows, width = int(q.shape[0]), q.cols
+    plain = isinstance(q, np.ndarray)  # float32 as it is stored: no widening, one product over it whole
+    pieces = [name] if plain else [k for k, v in storage_tensors(name, q).items() if v.size]
+    rows, width = int(q.shape[0]), int(q.shape[1]) if plain else q.cols
+    if plain:
+        head_rows = rows
 
     def const(key: str, value) -> str:
         inits.append(numpy_helper.from_array(np.asarray(value), key))
@@ -255,9 +263,12 @@ def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, 
                         continue
                     cut.append(f"{pb}{piece.rsplit('.q_', 1)[1]}_block")
                     heads.append(helper.make_node("Slice", [piece, *bounds], [cut[-1]], name=cut[-1]))
-                more, ops, wide = _widen_ops(pb, cut + [None] * (3 - len(cut)), q, hi - lo)
-                inits += more
-                heads += ops
+                if plain:
+                    wide = cut[0]
+                else:
+                    more, ops, wide = _widen_ops(pb, cut + [None] * (3 - len(cut)), q, hi - lo)
+                    inits += more
+                    heads += ops
                 parts.append(pb + "product")
                 added = [branch] if branch is not None and len(blocks) == 1 else []  # Gemm's C: + x A B
                 heads.append(helper.make_node("Gemm", [flat, wide, *added], [parts[-1]], name=parts[-1], transB=1))
