@@ -500,6 +500,16 @@ def _onnx_type(array: np.ndarray) -> int:
     return helper.np_dtype_to_tensor_dtype(array.dtype)
 
 
+class Unwritten:
+    """A weight `write_with_weights` declares (shape, dtype) but leaves as zeros (a hole of a sparse
+    external data file: no bytes written): one a session is given in place (ONNX Runtime's shared
+    initializers), never read from the file."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+
 def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dtype: str = "float32") -> list[str]:
     """Write `model` (weights taken out, `take_weight_inputs`) to `path` with `weights` (name -> float
     array, QuantizedTensor for a weight stored quantized, or `ir.safetensors.FileTensor`, read from its
@@ -522,7 +532,7 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
             model.graph.initializer.extend(consts)
             nodes += widen
             record[name] = [value.storage, value.axis, value.block, *value.shape]
-        elif isinstance(value, FileTensor):
+        elif isinstance(value, (FileTensor, Unwritten)):
             pieces.append((name, value))  # read when its bytes are written: one such tensor held at a time
         else:
             pieces.append((name, np.ascontiguousarray(value)))
@@ -533,7 +543,8 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
     if record:
         for key, value in ((BASE_DTYPE_KEY, base_dtype), (WEIGHTS_KEY, json.dumps(record))):
             model.metadata_props.add(key=key, value=value)
-    external = sum(a.nbytes for _, a in pieces) > INLINE_LIMIT
+    # a weight left unwritten is always external: a hole of the data file, never parsed with the message
+    external = sum(a.nbytes for _, a in pieces) > INLINE_LIMIT or any(isinstance(a, Unwritten) for _, a in pieces)
     data_path = path.with_name(path.name + ".data")
     headers, offset = [], 0
     for name, array in pieces:
@@ -570,9 +581,13 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
     if external:
         with open(data_path, "wb") as f:
             for _, array in pieces:
-                for chunk in _byte_chunks(array):
-                    f.write(chunk)
+                if isinstance(array, Unwritten):
+                    f.seek(array.nbytes, 1)
+                else:
+                    for chunk in _byte_chunks(array):
+                        f.write(chunk)
                 f.write(b"\0" * (-array.nbytes % 4096))
+            f.truncate(f.tell())  # a hole at the end too
     elif data_path.exists():
         data_path.unlink()  # a stale data file of an earlier, larger export
     return list(record)
@@ -583,7 +598,10 @@ def _byte_chunks(array):
     and widened a few MiB of rows at a time (a 544 MB tied table is never held whole to be written)."""
     from ir.safetensors import FileTensor
 
-    if isinstance(array, FileTensor):
+    if isinstance(array, Unwritten):
+        for lo in range(0, array.nbytes, 1 << 22):
+            yield bytes(min(1 << 22, array.nbytes - lo))
+    elif isinstance(array, FileTensor):
         for lo, hi in array.row_chunks():
             yield _bytes_of(array.read_rows(lo, hi))
     else:
@@ -597,6 +615,6 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1)).cast("B")
 
 
-__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "last_position_only", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
+__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "Unwritten", "last_position_only", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
            "recorded_base_dtype", "INLINE_LIMIT", "take_weight_inputs",
            "widen_parts", "widen_stored_weights", "with_float_weights", "write_quantized", "write_with_weights"]

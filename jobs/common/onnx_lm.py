@@ -60,7 +60,7 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
 
     from ir.precision import QuantizedTensor, base_dtype_of
     from planner.onnx_import import read_onnx_apart
-    from planner.onnx_quantize import last_position_only, read_by_rows, write_with_weights
+    from planner.onnx_quantize import Unwritten, last_position_only, read_by_rows, write_with_weights
     from planner.onnx_weights import drop_mapped_pages
 
     model, folder = Path(model), Path(folder)
@@ -98,6 +98,7 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     if shared is not None:  # the float32 base's arrays read in place by the session, not from the copy's file
         shared.update({k: v for k, v in weights.items() if isinstance(v, np.ndarray) and v is held.get(k)})
         tables = {k: v for k, v in tables.items() if k not in shared}
+        weights.update({k: Unwritten(v.shape, v.dtype) for k, v in shared.items()})
     done = write_with_weights(proto, weights, folder / runs.name, base_dtype) + sorted(tables)
     drop_mapped_pages(arrays.values())
     del proto, arrays, weights
