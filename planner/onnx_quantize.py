@@ -128,7 +128,9 @@ def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int =
     `branches`: weight name -> (A [in, r], B [r, out]) float32, a LoRA adapter (its scale in B) whose
     product x @ A @ B is added to x @ W^T (Gemm's C), its base kept stored (written as `NAME.lora_A`,
     `NAME.lora_B` beside the storage arrays): a trained model without its merged weights in float32.
-    Why: ONNX Runtime widened SmolLM2's int8 table to float32 for the lookup and again for the head's
+    A plain float32 array of `weights` (a float32 base) is read as it is stored: its lookups are left as
+    they are, each of its products a Gemm (transB) over it whole, no transposed copy (returned as its own
+    name and array). Why: ONNX Runtime widened SmolLM2's int8 table to float32 for the lookup and again for the head's
     Transpose at every run, ~230 MiB of an int4 run's evaluation (MEMORY_NOTES, helpers h78, h84). The
     graph's nodes are rebuilt once: protobuf keeps every message it copied until the whole model goes."""
     every = list(graph.node)  # these objects throughout: `made` is keyed by their ids
@@ -142,12 +144,15 @@ def read_by_rows(graph, weights: Mapping[str, QuantizedTensor], head_rows: int =
     done = {}
     for name, q in weights.items():
         uses = readers.get(name, [])
-        if q.axis != 1 or q.storage == "bfloat16" or not uses or not all(_by_rows(n, name, readers, outputs)
-                                                                          for n in uses):
+        plain = isinstance(q, np.ndarray)
+        if plain:  # a float32 weight: its lookups read it as it is, its products by rows
+            uses = [n for n in uses if n.op_type != "Gather" or not _by_rows(n, name, readers, outputs)]
+        if (plain and (q.ndim != 2 or q.dtype != np.float32)) or (not plain and (q.axis != 1 or q.storage == "bfloat16")) \
+                or not uses or not all(_by_rows(n, name, readers, outputs) for n in uses):
             continue
         lora = (branches or {}).get(name)
         _rewrite_by_rows(name, q, uses, readers, made, inits, head_rows, lora)
-        done[name] = [(k, v) for k, v in storage_tensors(name, q).items() if v.size]
+        done[name] = [(name, q)] if plain else [(k, v) for k, v in storage_tensors(name, q).items() if v.size]
         if lora is not None:
             done[name] += [(f"{name}.lora_A", lora[0]), (f"{name}.lora_B", lora[1])]
     if done:
@@ -202,8 +207,11 @@ def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, 
     """`read_by_rows` of one weight: the nodes in place of each of its `uses` into `made`."""
     from onnx import helper, numpy_helper
 
-    pieces = [k for k, v in storage_tensors(name, q).items() if v.size]
-    rows, width = int(q.shape[0]), q.cols
+    plain = isinstance(q, np.ndarray)  # float32 as it is stored: no widening, one product over it whole
+    pieces = [name] if plain else [k for k, v in storage_tensors(name, q).items() if v.size]
+    rows, width = int(q.shape[0]), int(q.shape[1]) if plain else q.cols
+    if plain:
+        head_rows = rows
 
     def const(key: str, value) -> str:
         inits.append(numpy_helper.from_array(np.asarray(value), key))
@@ -255,9 +263,12 @@ def _rewrite_by_rows(name: str, q: QuantizedTensor, uses, readers, made, inits, 
                         continue
                     cut.append(f"{pb}{piece.rsplit('.q_', 1)[1]}_block")
                     heads.append(helper.make_node("Slice", [piece, *bounds], [cut[-1]], name=cut[-1]))
-                more, ops, wide = _widen_ops(pb, cut + [None] * (3 - len(cut)), q, hi - lo)
-                inits += more
-                heads += ops
+                if plain:
+                    wide = cut[0]
+                else:
+                    more, ops, wide = _widen_ops(pb, cut + [None] * (3 - len(cut)), q, hi - lo)
+                    inits += more
+                    heads += ops
                 parts.append(pb + "product")
                 added = [branch] if branch is not None and len(blocks) == 1 else []  # Gemm's C: + x A B
                 heads.append(helper.make_node("Gemm", [flat, wide, *added], [parts[-1]], name=parts[-1], transB=1))
@@ -489,6 +500,16 @@ def _onnx_type(array: np.ndarray) -> int:
     return helper.np_dtype_to_tensor_dtype(array.dtype)
 
 
+class Unwritten:
+    """A weight `write_with_weights` declares (shape, dtype) but leaves as zeros (a hole of a sparse
+    external data file: no bytes written): one a session is given in place (ONNX Runtime's shared
+    initializers), never read from the file."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+
 def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dtype: str = "float32") -> list[str]:
     """Write `model` (weights taken out, `take_weight_inputs`) to `path` with `weights` (name -> float
     array, QuantizedTensor for a weight stored quantized, or `ir.safetensors.FileTensor`, read from its
@@ -511,7 +532,7 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
             model.graph.initializer.extend(consts)
             nodes += widen
             record[name] = [value.storage, value.axis, value.block, *value.shape]
-        elif isinstance(value, FileTensor):
+        elif isinstance(value, (FileTensor, Unwritten)):
             pieces.append((name, value))  # read when its bytes are written: one such tensor held at a time
         else:
             pieces.append((name, np.ascontiguousarray(value)))
@@ -522,7 +543,8 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
     if record:
         for key, value in ((BASE_DTYPE_KEY, base_dtype), (WEIGHTS_KEY, json.dumps(record))):
             model.metadata_props.add(key=key, value=value)
-    external = sum(a.nbytes for _, a in pieces) > INLINE_LIMIT
+    # a weight left unwritten is always external: a hole of the data file, never parsed with the message
+    external = sum(a.nbytes for _, a in pieces) > INLINE_LIMIT or any(isinstance(a, Unwritten) for _, a in pieces)
     data_path = path.with_name(path.name + ".data")
     headers, offset = [], 0
     for name, array in pieces:
@@ -559,9 +581,13 @@ def write_with_weights(model, weights: Mapping[str, object], path: Path, base_dt
     if external:
         with open(data_path, "wb") as f:
             for _, array in pieces:
-                for chunk in _byte_chunks(array):
-                    f.write(chunk)
+                if isinstance(array, Unwritten):
+                    f.seek(array.nbytes, 1)
+                else:
+                    for chunk in _byte_chunks(array):
+                        f.write(chunk)
                 f.write(b"\0" * (-array.nbytes % 4096))
+            f.truncate(f.tell())  # a hole at the end too
     elif data_path.exists():
         data_path.unlink()  # a stale data file of an earlier, larger export
     return list(record)
@@ -572,7 +598,10 @@ def _byte_chunks(array):
     and widened a few MiB of rows at a time (a 544 MB tied table is never held whole to be written)."""
     from ir.safetensors import FileTensor
 
-    if isinstance(array, FileTensor):
+    if isinstance(array, Unwritten):
+        for lo in range(0, array.nbytes, 1 << 22):
+            yield bytes(min(1 << 22, array.nbytes - lo))
+    elif isinstance(array, FileTensor):
         for lo, hi in array.row_chunks():
             yield _bytes_of(array.read_rows(lo, hi))
     else:
@@ -586,6 +615,6 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1)).cast("B")
 
 
-__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "last_position_only", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
+__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "Unwritten", "last_position_only", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
            "recorded_base_dtype", "INLINE_LIMIT", "take_weight_inputs",
            "widen_parts", "widen_stored_weights", "with_float_weights", "write_quantized", "write_with_weights"]

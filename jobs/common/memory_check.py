@@ -147,7 +147,8 @@ def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: 
     what the memory model says a step adds on top (`step_bytes`: the whole graph as one stage of one
     micro-batch, with the run's `activations` and frozen base), or what the evaluation before training rose
     above its start where that is larger (`evaluation_bytes`, measured: its generation, which no term
-    models, run beside no engine; the evaluation after training runs the same from the set-up, helper h96).
+    models, run beside no engine; the evaluation after training runs the same from the set-up, helper h96;
+    the larger of the two's rises, helper h101).
     No profile measured this process's set-up, and the graph's shapes cannot tell it (SmolLM2 int4: 281-327
     MiB held against the model's 164 for a worker's); without it, the memory model's whole figure
     (`default_planned_bytes`)."""
@@ -159,7 +160,7 @@ def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: 
         step = step_bytes(graph, optimizer, engine, activations, base_dtype)
         planned = set_up_bytes + max(step, evaluation_bytes or 0)
         basis = ("the set-up as measured + a step by the memory model" if step >= (evaluation_bytes or 0) else
-                 "the set-up + the evaluation before training as measured")
+                 "the set-up + an evaluation as measured")
         if engine != "mnn" or activations_mode(activations) != ("per-block", 0):
             # The step charge is measured within 0.95-1.00 of the run only for MNN per block (SmolLM2 int4 and
             # float32, with and without an evaluation, helpers h87-h91). Keeping per-op caches, MNN's runs

@@ -33,7 +33,8 @@ def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
 
 
 def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: Mapping[str, np.ndarray] | None,
-                        folder: Path, branches: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> Path:
+                        folder: Path, branches: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                        shared: dict[str, np.ndarray] | None = None) -> Path:
     """A copy in `folder` of the float32 export at `model` that ONNX Runtime runs with the weights a
     quantized-base engine holds (`held`: its graph's constants): each `ir.precision.QuantizedTensor` of
     `held` stored quantized as `confidant export --base-dtype` stores it (widening ops over the stored
@@ -48,12 +49,18 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     generation reads (`last_position_only`): SmolLM2 int4's generation 708 -> 481 MiB (helper h84). `branches`: trained LoRA adapters by
     base weight name, (A [in, r], B [r, out] x scale), computed beside the base kept quantized
     (`planner.onnx_quantize.read_by_rows`), not merged into a float32 weight (helper h84); a base the
-    copy cannot run so is merged here. Returns the copy's NAME.onnx."""
+    copy cannot run so is merged here. `shared` (a dict, filled here): a float32 base (`held`'s plain
+    float32 arrays, a float32 LoRA run's graph) is read by rows too (products a Gemm over the weight as it
+    is, no transposed copies; the last logits only; adapters beside it) and its arrays are given in
+    `shared` for the session to read in place (`open_lm`'s initializers: ONNX Runtime shares them, no
+    second copy); the copy's file then stores them only as zeros of a sparse file, never read. The float32
+    file's session held its weights twice and their transposed copies (SmolLM2 float32's generation 1742 MiB
+    against training's 888; helper h101). Returns the copy's NAME.onnx."""
     import json
 
     from ir.precision import QuantizedTensor, base_dtype_of
     from planner.onnx_import import read_onnx_apart
-    from planner.onnx_quantize import last_position_only, read_by_rows, write_with_weights
+    from planner.onnx_quantize import Unwritten, last_position_only, read_by_rows, write_with_weights
     from planner.onnx_weights import drop_mapped_pages
 
     model, folder = Path(model), Path(folder)
@@ -67,8 +74,11 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     weights = {}
     for t in proto.graph.initializer:
         value = held.get(t.name)
+        plain = (shared is not None and isinstance(value, np.ndarray) and value.dtype == np.float32
+                 and t.name in arrays)
         weights[t.name] = (initializers[t.name] if t.name in initializers
-                           else value if isinstance(value, QuantizedTensor) and tuple(value.shape) == tuple(t.dims)
+                           else value if (isinstance(value, QuantizedTensor) or plain)
+                           and tuple(value.shape) == tuple(t.dims)
                        else arrays[t.name])
     del proto.graph.initializer[:]
     base_dtype = base_dtype_of(dict(held))
@@ -77,14 +87,18 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     if runs is not model:  # generation reads each step's last position only (`last_position_only`)
         last_position_only(proto.graph)
     branches = dict(branches or {})
-    tables = read_by_rows(proto.graph, {k: v for k, v in weights.items() if isinstance(v, QuantizedTensor)},
-                          branches=branches)
+    tables = read_by_rows(proto.graph, {k: v for k, v in weights.items() if isinstance(v, QuantizedTensor)
+                                        or (shared is not None and v is held.get(k))}, branches=branches)
     for name, pieces in tables.items():
         del weights[name]
         weights.update(pieces)
     for name in set(branches) - set(tables):  # read some other way: merged, as a float32 initializer
         a, b = branches.pop(name)
         weights[name] = (np.asarray(held[name], np.float64) + (a.astype(np.float64) @ b).T).astype(np.float32)
+    if shared is not None:  # the float32 base's arrays read in place by the session, not from the copy's file
+        shared.update({k: v for k, v in weights.items() if isinstance(v, np.ndarray) and v is held.get(k)})
+        tables = {k: v for k, v in tables.items() if k not in shared}
+        weights.update({k: Unwritten(v.shape, v.dtype) for k, v in shared.items()})
     done = write_with_weights(proto, weights, folder / runs.name, base_dtype) + sorted(tables)
     drop_mapped_pages(arrays.values())
     del proto, arrays, weights
@@ -123,7 +137,8 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
                 batch: int = 8, limit: int | None = None, threads: int | None = None,
                 initializers: Mapping[str, np.ndarray] | None = None, perplexity: bool = True,
                 prepack: bool = True, held: Mapping[str, object] | None = None,
-                branches: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> InstructionScores:
+                branches: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                float_base: bool = False) -> InstructionScores:
     """Perplexity and exact match (and the entity task's scores) on a JSONL instruction file, the first
     `limit` conversations of it. The default 48 new tokens fit every entities-json answer (at most 37
     SmolLM2 tokens with its end token); a base model that rambles is cut there. `perplexity` False:
@@ -131,7 +146,8 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
     one session (the cache graph's), never the whole-sequence graph's beside it; `prepack` False: no
     pre-packed copy of the weights (`OnnxCausalLM`). `held`: a quantized-base engine's constants, run as
     it holds them (`held_quantized_copy`: a float32 file's base replaced by `held`'s quantized weights,
-    `initializers` written in, and `branches`: LoRA adapters beside their base), not over the float32 file."""
+    `initializers` written in, and `branches`: LoRA adapters beside their base), not over the float32 file;
+    `float_base`: `held`'s float32 arrays too, read in place (`held_quantized_copy`'s `shared`)."""
     conversations = read_instructions(data)[:limit]
     if not conversations:
         raise JobError(f"{data}: no conversations")
@@ -141,7 +157,8 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="confidant-eval-") as folder:
-        copy = held_quantized_copy(Path(model), held, initializers, Path(folder), branches)
+        shared = {} if float_base else None
+        copy = held_quantized_copy(Path(model), held, initializers, Path(folder), branches, shared)
         initializers = branches = None  # written into the copy: a caller that passed them alone lets them go here
-        lm, tokenizer = open_lm(copy, None, threads, prepack)
+        lm, tokenizer = open_lm(copy, shared or None, threads, prepack)
         return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)

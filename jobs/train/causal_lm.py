@@ -110,13 +110,13 @@ def generation_weights(model: Path, graph: Graph, weights: Mapping[str, np.ndarr
 
 def lora_branches(graph: Graph, weights: Mapping[str, np.ndarray], adapters, scale: float
                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The trained adapters on bases held quantized and read transposed ([out, in]) as base name ->
+    """The trained adapters on bases held (quantized, or float32 arrays) and read transposed ([out, in]) as base name ->
     (A [in, r], scale x B [r, out]) float32: what a held base's copy computes beside the base
     (`jobs.common.onnx_lm.held_quantized_copy`)."""
     from ir.precision import QuantizedTensor
 
     return {a.base: (np.asarray(weights[a.a], np.float32), (scale * np.asarray(weights[a.b], np.float32)))
-            for a in adapters if a.base_transposed and isinstance(graph.constants.get(a.base), QuantizedTensor)}
+            for a in adapters if a.base_transposed and isinstance(graph.constants.get(a.base), (QuantizedTensor, np.ndarray))}
 
 
 def lm_data(model: Path, data: Path, eval_path: Path | None, settings: TrainingSettings,
@@ -143,7 +143,12 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
     # storing that base quantized, not over the float32 file, whose session held its weights twice
     # (SmolLM2 int4: the evaluation's peak 1410 -> 741 MiB; MEMORY_NOTES, helper h78); trained adapters
     # there beside their base, not merged into float32 weights (SmolLM2: q/k/v/o 106 MB; helper h84)
-    held = graph.constants if read_mapped(model, settings.lora) and lm_metadata(model) is not None else None
+    # a float32 LoRA base the same way, its arrays read in place by the session (ONNX Runtime over the float32
+    # file held its weights twice and their transposed copies: SmolLM2's generation 1742 MiB against
+    # training's 888; helper h101)
+    float_base = settings.lora is not None and settings.lora.base_dtype == "float32" and _float32_file(model)
+    held = graph.constants if (read_mapped(model, settings.lora) or float_base) and lm_metadata(model) is not None \
+        else None
     branches = [None if held is None or weights is None else lora_branches(graph, weights, adapters, scale)]
     # lists popped into the call: not kept here, so a held base's copy lets them go once it is written
     merged = [None if weights is None else generation_weights(model, graph, weights, adapters, scale,
@@ -152,7 +157,7 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
     scores = evaluate_lm(model, eval_path, GenerationSettings(max_new_tokens=ANSWER_TOKENS),
                          batch=max(settings.batch, 8), limit=settings.eval_limit, threads=settings.threads,
                          initializers=merged.pop(), perplexity=False, prepack=False, held=held,
-                         branches=branches.pop())
+                         branches=branches.pop(), float_base=float_base)
     gc.collect()
     release_free_heap()
     if inspect.isfunction(engine):  # the perplexity's own function: run once generation's sessions are gone
@@ -271,8 +276,14 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         # generation with no engine beside it, the perplexity's engine built after it (per block): built
         # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-608 MiB against training's
         # 554-559; 540-554 against 550-566 now, helper h89)
+        start = rss_bytes()
         after = _scores(_evaluation_nll(graph, settings.engine, config.threads, trained), model, graph, adapters,
                         settings, eval_path, dev_batches, pad_id, trained)
+        # charged too, the larger of the two: the perplexity engine's build after training rises above the one
+        # before (SmolLM2 float32 LoRA: 424 MiB against 110, once the generation no longer peaked above both;
+        # helper h101)
+        if start is not None and evaluation is not None:
+            evaluation = max(evaluation, peak_rss_bytes() - start)
     life = peak_rss_bytes()  # the whole life's peak: set-up, both evaluations and the steps
     losses = [s.loss for s in result.steps]
     k = max(1, len(losses) // 5)
@@ -296,6 +307,13 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     return local_check(metrics, charged, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
                        evaluation_bytes=evaluation)
+
+
+def _float32_file(model: Path) -> bool:
+    """Whether `model` stores its weights float32 (not `export --base-dtype`'s quantized storage)."""
+    from planner.onnx_quantize import recorded_base_dtype
+
+    return recorded_base_dtype(Path(model)) == "float32"
 
 
 def _hand_back(engine: str) -> None:

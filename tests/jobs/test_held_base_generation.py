@@ -106,6 +106,54 @@ def test_the_held_copy_runs_trained_adapters_beside_the_int4_base(chat_llama, tm
 
 
 
+def test_a_float32_base_s_copy_reads_the_held_arrays_in_place(chat_llama, tmp_path):
+    """A float32 LoRA base (`train-local` without --base-dtype): the copy's products read the held float32
+    arrays in place (`shared`, the session's initializers: zeroing one changes the logits), no byte of them
+    written to the copy (a sparse data file; its message never parses them), no weight transposed; trained
+    adapters (random A, B on q/v/o) beside the base: its logits against ONNX Runtime over the float32 file
+    with the merged weights (float64), <= 1e-5 x max |logit|, the same greedy ids. On main the float32 base
+    generated over the float32 file, whose session held its weights twice (SmolLM2: 1742 MiB against
+    training's 888; helper h101)."""
+    from jobs.common.onnx_lm import held_quantized_copy
+    from planner.onnx_import import read_onnx_apart
+    from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, lm_metadata
+
+    model, _, _ = chat_llama
+    names = set(lm_metadata(model)["weights"])
+    held = {k: np.array(v) for k, v in read_onnx_apart(model)[1].items() if k in names}
+    rng = np.random.default_rng(0)
+    branches = {}
+    for k in sorted(q for q in held if q.endswith(("q_proj.weight", "v_proj.weight", "o_proj.weight"))):
+        out, inp = held[k].shape
+        branches[k] = (rng.normal(0, 0.05, (inp, 4)).astype(np.float32), rng.normal(0, 0.05, (4, out)).astype(np.float32))
+    assert len(branches) >= 3, sorted(held)[:5]
+    merged = {k: (held[k].astype(np.float64) + (a.astype(np.float64) @ b).T).astype(np.float32)
+              for k, (a, b) in branches.items()}
+    shared = {}
+    copy = held_quantized_copy(model, held, None, tmp_path, dict(branches), shared)
+    assert sorted(shared) == sorted(held) and all(shared[k] is held[k] for k in shared)
+    files = [f for f in tmp_path.iterdir() if not f.is_symlink()]
+    written = sum(f.stat().st_blocks * 512 for f in files)
+    assert written < 0.1 * sum(v.nbytes for v in held.values()), [(f.name, f.stat().st_blocks) for f in files]
+    import onnx
+
+    graph = onnx.load(str(tmp_path / lm_metadata(model)["kv_model"]), load_external_data=False).graph
+    assert not [n for n in graph.node if n.op_type == "Transpose" and set(n.input) & names]
+    ours = OnnxCausalLM(copy, shared, threads=1, prepack=False)  # as the job runs it: no packed copies
+    reference = OnnxCausalLM(model, merged, threads=1)
+    prompt = [1, 17, 230, 5, 99, 4000, 12, 7]
+    got, want = _step_logits(ours, prompt), _step_logits(reference, prompt)
+    scale = float(np.abs(want).max())
+    assert np.abs(got - want).max() <= 1e-5 * scale, (np.abs(got - want).max(), scale)
+    settings = GenerationSettings(max_new_tokens=12)
+    prompts = [prompt, [1, 50, 60]]
+    assert ours.generate(prompts, settings) == reference.generate(prompts, settings)
+    for k in held:
+        if "mlp.down_proj" in k:
+            held[k][:] = 0  # the session reads the held arrays themselves: no copies of them
+    assert np.abs(_step_logits(ours, prompt) - got).max() > 1e-4 * scale
+
+
 @pytest.mark.slow  # the SmolLM2 export (shared with the slow tier), then one fresh process: ~1-2 min loaded
 def test_an_int4_runs_evaluation_holds_no_float32_file_twice(smollm2_onnx, tmp_path):
     """SmolLM2-135M LoRA r=8 on an int4 base, one AdamW step at 1 x 128 with the evaluation before and
