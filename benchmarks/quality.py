@@ -221,18 +221,7 @@ def make_float_base(folder: Path, steps: int, lr: float) -> Path:
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))
     if len(rows) < steps * FT_ROWS:
         order = order.repeat(-(-steps * FT_ROWS // len(rows)))
-    model.train()
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    for step in range(steps):
-        batch = rows[order[step * FT_ROWS:(step + 1) * FT_ROWS]]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-        print(f"    fine-tune step {step + 1}/{steps}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
-    model.eval()
+    losses = _train_whole(model, rows, order, steps, FT_ROWS, lr, 1, "fine-tune", 1)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
@@ -240,6 +229,31 @@ def make_float_base(folder: Path, steps: int, lr: float) -> Path:
                                                        "text_modules": TEXT_MODULES, "tokens": len(ids),
                                                        "losses": losses}, indent=1) + "\n")
     return folder
+
+
+def _train_whole(model, rows, order, steps: int, per_step: int, lr: float, warmup: int, label: str,
+                 every: int) -> list[float]:
+    """`steps` AdamW steps (no weight decay, `lr` reached linearly over `warmup` steps, then constant) of every
+    weight of the transformers causal LM `model` on `per_step` rows of `rows` a step in `order`; the losses,
+    printed every `every` steps and at the last; `model` left in eval mode."""
+    import torch
+
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / warmup))
+    losses = []
+    for step in range(steps):
+        batch = rows[order[step * per_step:(step + 1) * per_step]]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % every == 0 or step == steps - 1:
+            print(f"    {label} step {step + 1}/{steps}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    model.eval()
+    return losses
 
 
 # --- a small decoder trained from scratch in float32 (--model decoder) ---------------------------------
@@ -288,21 +302,7 @@ def make_scratch_decoder(folder: Path, steps: int, lr: float) -> Path:
     order = torch.cat([torch.randperm(len(rows), generator=torch.Generator().manual_seed(e))
                        for e in range(-(-steps * DECODER_ROWS // len(rows)))])
     model = Qwen2ForCausalLM(Qwen2Config(**DECODER_SHAPE))
-    model.train()
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / DECODER_WARMUP))
-    losses = []
-    for step in range(steps):
-        batch = rows[order[step * DECODER_ROWS:(step + 1) * DECODER_ROWS]]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if step % 10 == 0 or step == steps - 1:
-            print(f"    pre-train step {step + 1}/{steps}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
-    model.eval()
+    losses = _train_whole(model, rows, order, steps, DECODER_ROWS, lr, DECODER_WARMUP, "pre-train", 10)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))
     (folder / "fine_tune.json").write_text(json.dumps({"scratch": DECODER_SHAPE, "steps": steps, "lr": lr,

@@ -79,12 +79,7 @@ def test_the_held_copy_runs_trained_adapters_beside_the_int4_base(chat_llama, tm
     held = int4_lora_graph(model, 16).constants
     names = set(lm_metadata(model)["weights"])
     quantized = {k: v for k, v in held.items() if isinstance(v, QuantizedTensor) and k in names}
-    rng = np.random.default_rng(0)
-    branches = {}
-    for k in sorted(q for q in quantized if q.endswith(("q_proj.weight", "v_proj.weight", "o_proj.weight"))):
-        out, inp = quantized[k].shape
-        branches[k] = (rng.normal(0, 0.05, (inp, 4)).astype(np.float32), rng.normal(0, 0.05, (4, out)).astype(np.float32))
-    assert len(branches) >= 3, sorted(quantized)[:5]
+    branches = _random_branches(quantized)
     merged = {k: (np.asarray(v, np.float64) + (branches[k][0].astype(np.float64) @ branches[k][1]).T
                   if k in branches else np.asarray(v)).astype(np.float32) for k, v in quantized.items()}
     (tmp_path / "with").mkdir()
@@ -121,12 +116,7 @@ def test_a_float32_base_s_copy_reads_the_held_arrays_in_place(chat_llama, tmp_pa
     model, _, _ = chat_llama
     names = set(lm_metadata(model)["weights"])
     held = {k: np.array(v) for k, v in read_onnx_apart(model)[1].items() if k in names}
-    rng = np.random.default_rng(0)
-    branches = {}
-    for k in sorted(q for q in held if q.endswith(("q_proj.weight", "v_proj.weight", "o_proj.weight"))):
-        out, inp = held[k].shape
-        branches[k] = (rng.normal(0, 0.05, (inp, 4)).astype(np.float32), rng.normal(0, 0.05, (4, out)).astype(np.float32))
-    assert len(branches) >= 3, sorted(held)[:5]
+    branches = _random_branches(held)
     merged = {k: (held[k].astype(np.float64) + (a.astype(np.float64) @ b).T).astype(np.float32)
               for k, (a, b) in branches.items()}
     shared = {}
@@ -188,3 +178,14 @@ def test_an_int4_runs_evaluation_holds_no_float32_file_twice(smollm2_onnx, tmp_p
     assert got["training"] < got["after"], got
     assert whole <= got["planned"], (f"the run peaked at {whole / MIB:.1f} MiB over its planned "
                                      f"{got['planned'] / MIB:.1f}", got["line"], got)
+
+
+def _random_branches(bases) -> dict:
+    """Rank-4 adapters (A, B), seeded, on each q, v and o projection of `bases` (name -> weight of shape out x in)."""
+    rng = np.random.default_rng(0)
+    branches = {}
+    for k in sorted(q for q in bases if q.endswith(("q_proj.weight", "v_proj.weight", "o_proj.weight"))):
+        out, inp = bases[k].shape
+        branches[k] = (rng.normal(0, 0.05, (inp, 4)).astype(np.float32), rng.normal(0, 0.05, (4, out)).astype(np.float32))
+    assert len(branches) >= 3, sorted(bases)[:5]
+    return branches
