@@ -576,6 +576,14 @@ def test_a_stop_order_carries_its_reason_checked_and_one_without_still_stops():
     long = stop_order("lost:\n" + "x" * 1000)
     assert stop_reason(long) == long["reason"] and len(long["reason"]) == STOP_REASON_CHARS
     assert long["reason"].startswith("lost: xxx") and long["reason"].endswith("x...")
+    # what a run's end tells the workers, besides a loss (the SIGKILL test above)
+    from runtime.pipeline.coordinator import WorkerFailed
+    from runtime.pipeline.session import stop_reason as why_it_stops
+
+    assert why_it_stops(KeyboardInterrupt()) == "interrupted by the user"
+    failed = "worker stage1 (tcp://h:1) failed: boom"
+    assert why_it_stops(WorkerFailed(failed)) == failed
+    assert why_it_stops(OSError("disk full")) == "the coordinator failed: OSError: disk full"
 
 
 def test_1f1b_stash_resumed_at_a_checkpoint_boundary_continues_exactly(graph, batches, tmp_path):
