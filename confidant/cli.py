@@ -326,10 +326,39 @@ def _add_generate(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: all cores)")
 
 
+# What the memory line that ends every training run says (jobs.common.memory_check), in each one's --help
+MEMORY_LINE_HELP = {
+    "train-local": "Memory: the run ends with a line `this-device: MEASURED / PLANNED / BUDGET` in MiB, under a "
+                   "header naming where PLANNED comes from. MEASURED is this process's peak resident memory (Linux "
+                   "VmHWM, never reset) over its whole life: set-up, the evaluations before and after training, "
+                   "the steps. PLANNED, for a causal LM: what the process held as its steps began (measured: the "
+                   "model and engine set up, what the evaluation before left) + what the memory model says a step "
+                   "adds, or + what that evaluation rose by where that is larger; for the other tasks, and off "
+                   "MNN's --activations per-block where it is larger, the memory model's whole figure "
+                   "(`confidant estimate`'s). BUDGET: what this machine had free when the run started "
+                   "(MemAvailable + the process's own). A run over its budget gets a one-line warning naming the "
+                   "flags that lower it (--lora, --base-dtype int4, --activations per-block; README: \"How much "
+                   "memory a device needs\"). --metrics-out keeps the figures in bytes.",
+    "train": "Memory: the run ends with a line per device, `NAME: MEASURED / PLANNED / BUDGET` in MiB. MEASURED "
+             "is the device's worker process's peak resident memory (Linux VmHWM) from taking its stage to the "
+             "run's end: for a worker started for this run (--local, or by hand), its whole life (set-up, steps, "
+             "an evaluation on the workers). PLANNED is the plan's figure for the device (`confidant show PLAN`) "
+             "+ the room it left free for the fault policy's snapshot copies; BUDGET its memory in the plan's "
+             "cluster file. A device over its budget, or over PLANNED by more than 10%, gets a one-line warning "
+             "and a memory_over event in the metrics document (--metrics-out).",
+    "train-pipeline": "Memory: the run ends with a line per stage, `stageK: MEASURED / PLANNED / -` in MiB. "
+                      "MEASURED is the stage's worker process's peak resident memory (Linux VmHWM) from taking its "
+                      "stage to the run's end (a worker started for this run: its whole life); PLANNED the memory "
+                      "model's figure for the run's cuts (`confidant estimate`'s) + the snapshot copies the "
+                      "workers keep. No budget: `confidant plan` makes a run whose devices' budgets are held "
+                      "against it (`confidant train PLAN`).",
+}
+
+
 def _add_train_local(sub) -> None:
     p = sub.add_parser("train-local", help="fine-tune on this one device",
                        description="Fine-tune an exported model on one device and report entity-level F1 (NER) or "
-                                   "accuracy and macro-F1 (--task seq-cls).")
+                                   "accuracy and macro-F1 (--task seq-cls).", epilog=MEMORY_LINE_HELP["train-local"])
     p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
     p.add_argument("--task", choices=("ner", "seq-cls", "causal-lm"), default=None,
                    help="default: what the model's side files say (NAME.lm.json: causal-lm; NAME.hf.json: its "
@@ -362,7 +391,8 @@ def _add_train_pipeline(sub) -> None:
     p = sub.add_parser("train-pipeline", help="fine-tune across several devices as pipeline stages",
                        description="Cut the model into contiguous block ranges, one per worker, and train with a "
                                    "pipeline schedule over ZeroMQ. Workers are started by hand with `confidant worker "
-                                   "--listen tcp://HOST:PORT` (--workers) or here as local processes (--local N).")
+                                   "--listen tcp://HOST:PORT` (--workers) or here as local processes (--local N).",
+                       epilog=MEMORY_LINE_HELP["train-pipeline"])
     p.add_argument("model", type=Path, help="ONNX file from `confidant export`")
     p.add_argument("--task", choices=("ner", "seq-cls", "causal-lm"), default=None,
                    help="default: inferred as train-local does (side files, then the data's kind). ner (CoNLL "
@@ -564,7 +594,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train from a plan folder: ship each device its bundle and run",
                        description="Ship each worker its bundle over ZeroMQ (the worker verifies the manifest and "
                                    "refuses a bundle that fails it) and train with the plan's schedule. With "
-                                   "--replan-every, re-plan from the measured stage times while training.")
+                                   "--replan-every, re-plan from the measured stage times while training.",
+                       epilog=MEMORY_LINE_HELP["train"])
     p.add_argument("plan", type=Path, help="the folder `confidant plan -o` wrote")
     p.add_argument("--data", type=Path, required=True,
                    help="training data for the plan's task: CoNLL (NER), TSV/CSV `sentence[,sentence2],label` "

@@ -560,6 +560,25 @@ def run_child(script: str, marker: str, *args, timeout: int = 600) -> dict:
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith(marker + " "))[len(marker) + 1:])
 
 
+# Put before a child's script (`run_child`): `life_peak()`, the process's VmHWM over its whole life, read before
+# every reset of it and now. It wraps `runtime.procfs.reset_peak_rss` before the script imports anything of the
+# product, so a module that imports the reset by name (a job's, a profile's) takes the recording one.
+LIFE_PEAK_PROLOGUE = r"""
+import runtime.procfs as procfs
+
+life, _reset = [0], procfs.reset_peak_rss
+
+def reset_recorded():
+    life[0] = max(life[0], procfs.peak_rss_bytes())
+    return _reset()
+
+def life_peak():
+    return max(life[0], procfs.peak_rss_bytes())
+
+procfs.reset_peak_rss = reset_recorded
+"""
+
+
 # A new interpreter running the product's one-device job as `confidant train-local --task causal-lm` does, on
 # an int4 base under LoRA r=8 (q, k, v, o), BATCH x 128 per step, per-block, AdamW, one thread. argv: model, training
 # data, evaluation data ("-": none), steps, a JSON {key: prefix}: VmHWM when a note starting with the prefix (and
@@ -568,22 +587,17 @@ def run_child(script: str, marker: str, *args, timeout: int = 600) -> dict:
 # return), "life": the process's whole life's peak, "planned": the figure the job printed beside its own, "line":
 # the job's printed "this-device" line (its measured figure is the whole life's, which the reset here cuts),
 # "losses": [...], "perplexity": [before, after] (None without evaluation data)}.
-INT4_TRAIN_LOCAL_CHILD = r"""
+INT4_TRAIN_LOCAL_CHILD = LIFE_PEAK_PROLOGUE + r"""
 import json, sys
 from pathlib import Path
 import jobs.train.causal_lm as causal_lm
-import runtime.procfs as procfs
 from jobs.common.report import Silent
 from jobs.common.settings import TrainingSettings
 from jobs.train.local import train_local
 from planner.lora import LoraSettings
 from runtime.procfs import peak_rss_bytes
 
-own, reset, train_steps = {"life": 0}, procfs.reset_peak_rss, causal_lm.train_steps
-
-def reset_recorded():
-    own["life"] = max(own["life"], peak_rss_bytes())
-    return reset()
+own, train_steps = {}, causal_lm.train_steps
 
 def steps_measured(*args, **kwargs):
     reset_recorded()
@@ -591,9 +605,6 @@ def steps_measured(*args, **kwargs):
     own["training"] = peak_rss_bytes()
     return result
 
-procfs.reset_peak_rss = reset_recorded
-if hasattr(causal_lm, "reset_peak_rss"):
-    causal_lm.reset_peak_rss = reset_recorded
 causal_lm.train_steps = steps_measured
 
 model, train, dev, steps, marks = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), json.loads(sys.argv[6])
@@ -615,7 +626,7 @@ settings = TrainingSettings(steps=steps, batch=batch, seq=128, lr=1e-4, optimize
                             activations="per-block")
 metrics = train_local(Path(model), Path(train), None if dev == "-" else Path(dev), settings, Marks(), task="causal-lm")
 print("INT4_RUN " + json.dumps({**{k: seen.get(k) for k in marks}, "end": peak_rss_bytes(),
-                                "training": own["training"], "life": max(own["life"], peak_rss_bytes()),
+                                "training": own["training"], "life": life_peak(),
                                 "planned": metrics.devices[0].planned_bytes,
                                 "line": next((m for m in lines if m.strip().startswith("this-device:")), None),
                                 "losses": [s.loss for s in metrics.steps],
@@ -647,23 +658,9 @@ def run_cli_fresh(*args) -> CliRun:
 
 
 # `CLI_CHILD` measuring its own memory beside what the job prints: "life", the process's VmHWM over its whole
-# life, read before every reset of it (`runtime.procfs.reset_peak_rss`, a job's own included) and at the end
-CLI_PEAKS_CHILD = r"""
-import runtime.procfs as procfs
-import jobs.train.causal_lm as causal_lm
-
-life = [0]
-reset = procfs.reset_peak_rss
-
-def reset_recorded():
-    life[0] = max(life[0], procfs.peak_rss_bytes())
-    return reset()
-
-procfs.reset_peak_rss = reset_recorded
-if hasattr(causal_lm, "reset_peak_rss"):
-    causal_lm.reset_peak_rss = reset_recorded
-""" + CLI_CHILD.replace('"stderr": err.getvalue()}', '"stderr": err.getvalue(), '
-                        '"life": max(life[0], procfs.peak_rss_bytes())}')
+# life (`LIFE_PEAK_PROLOGUE`)
+CLI_PEAKS_CHILD = LIFE_PEAK_PROLOGUE + CLI_CHILD.replace('"stderr": err.getvalue()}', '"stderr": err.getvalue(), '
+                                                         '"life": life_peak()}')
 
 
 def run_cli_peaks(*args) -> tuple[CliRun, int]:

@@ -24,6 +24,12 @@ from jobs.common.report import Reporter
 MIB = 2 ** 20
 # measured above planned by more than this share: the memory model missed something worth a warning
 OVER_PLAN_SHARE = 0.10
+# what a warning tells a run over its memory to do: a plan's device (its profile priced it) ...
+PLANNED_ADVICE = "re-profile the device, or give it more room"
+# ... and a one-device run, which no profile priced: the flags that lower it (README, "How much memory a
+# device needs")
+ONE_DEVICE_ADVICE = ("lower it with --lora R, --base-dtype int4 or --activations per-block, or free memory on this "
+                     "machine")
 
 
 def _mib(n: int | None) -> str:
@@ -88,11 +94,12 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
 
 
 def check_memory(metrics: TrainingMetrics, planned: Mapping[str, int | None], budgets: Mapping[str, int | None],
-                 reporter: Reporter, basis: str = "the plan", over_plan: bool = True) -> TrainingMetrics:
+                 reporter: Reporter, basis: str = "the plan", over_plan: bool = True,
+                 advice: str = PLANNED_ADVICE) -> TrainingMetrics:
     """`metrics` with each device's planned and budget figures filled in (by device name) and a
     `memory_over` event per device over its budget or (`over_plan`: the figures are a plan's promise,
     not the graph-derived guess of a run planned in memory) its plan; prints one line per device and
-    a warning per overrun. `basis` says where the planned figures come from."""
+    a warning per overrun, ending in `advice`. `basis` says where the planned figures come from."""
     devices, events = [], []
     step = metrics.steps[-1].step if metrics.steps else 0
     for d in metrics.devices:
@@ -111,9 +118,12 @@ def check_memory(metrics: TrainingMetrics, planned: Mapping[str, int | None], bu
     for e in events:
         what = (f"its {_mib(e['budget_bytes'])} MiB budget" if e["over"] == "budget"
                 else f"the {_mib(e['planned_bytes'])} MiB planned by {basis}")
+        # planned over the budget too: the run was known not to fit, and the memory model missed nothing
+        foreseen = e["over"] == "budget" and (e["planned_bytes"] or 0) > e["budget_bytes"]
         reporter.note(f"warning: {e['device']} used {_mib(e['peak_rss_bytes'])} MiB, over {what}"
                       + (f" (planned {_mib(e['planned_bytes'])} MiB)" if e["over"] == "budget" else "")
-                      + "; the memory model missed part of it: re-profile the device, or give it more room")
+                      + ("; planned over it too" if foreseen else "; the memory model missed part of it")
+                      + f": {advice}")
     return dataclasses.replace(metrics, devices=tuple(devices), events=tuple(metrics.events) + tuple(events))
 
 
@@ -176,4 +186,5 @@ def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: 
             if whole > planned:
                 planned, basis = whole, "the memory model"
     name = metrics.devices[0].name
-    return check_memory(metrics, {name: planned}, {name: room}, reporter, basis, over_plan=False)
+    return check_memory(metrics, {name: planned}, {name: room}, reporter, basis, over_plan=False,
+                        advice=ONE_DEVICE_ADVICE)

@@ -100,6 +100,12 @@ class WorkerLost(WorkerFailed):
     def addresses(self) -> list[str]:
         return [p.address for p in self.lost.values()]
 
+    @property
+    def stop_reason(self) -> str:
+        """Why the run stops, as a stop order tells the survivors: which stage was lost, where, how."""
+        return "; ".join(f"stage {k} at {p.address} was lost after {p.down_s:.1f} s: {p.reason}"
+                         for k, p in self.lost.items())
+
 
 class WorkerLostBeforeFirstAnswer(WorkerLost):
     """A worker never set up by this coordinator lost before it answered its first setup: most likely
@@ -1021,7 +1027,8 @@ class Coordinator:
         for p in workers:
             self._await_control(stage_peer(p.stage), "released")
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "the run ended") -> None:
+        """Tell every worker of the run to stop, and why (`runtime.pipeline.worker.stop_order`)."""
         try:
             self.returned()  # a worker that is back by now is stopped with the rest
         except Exception:
@@ -1031,7 +1038,7 @@ class Coordinator:
         self._probes.clear()
         for peer in list(self._connected):
             try:
-                self.transport.send_control(peer, {"type": "stop"})
+                self.transport.send_control(peer, _worker.stop_order(reason))
             except Exception:
                 pass
 

@@ -187,11 +187,25 @@ class RecoveryImpossible(RuntimeError):
     where the resumable state was written, if anywhere. `train_pipeline` gives it (and a
     WorkerFailed) the run's `result` so far, as `result`: the steps done and the events."""
 
-    def __init__(self, message: str, checkpoint: Path | None = None):
+    def __init__(self, message: str, checkpoint: Path | None = None, lost: WorkerLost | None = None):
         self.checkpoint = checkpoint
+        self.lost = lost  # the loss the survivors could not go on from
         self.result: PipelineResult | None = None
         super().__init__(message + (f"; the state before the failed step is in {checkpoint} (resume with "
                                     f"--resume {checkpoint})" if checkpoint is not None else ""))
+
+
+def stop_reason(exc: BaseException) -> str:
+    """Why a run that raised `exc` stops, as the coordinator's stop order tells the workers (a survivor
+    prints it): the stages lost, the user's interrupt, a worker's failure or the coordinator's own."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted by the user"
+    lost = exc if isinstance(exc, WorkerLost) else getattr(exc, "lost", None)
+    if isinstance(lost, WorkerLost):
+        return lost.stop_reason
+    if isinstance(exc, WorkerFailed):  # a worker's error, or what it sent that the coordinator refused
+        return str(exc)
+    return f"the coordinator failed: {type(exc).__name__}: {exc}"
 
 
 class _Returned(Exception):
@@ -618,7 +632,7 @@ class Session:
         if self.faults.on_failure == "stop" or snap is None or self.plan_over is None:
             why = ("--on-failure stop" if self.faults.on_failure == "stop" else
                    "no state was held off the devices" if snap is None else "no way to re-plan this pipeline")
-            raise RecoveryImpossible(f"{lost} ({why})", self._rescue(snap))
+            raise RecoveryImpossible(f"{lost} ({why})", self._rescue(snap), lost)
         while True:
             try:
                 self.coordinator.abort(step, lost)
@@ -636,7 +650,7 @@ class Session:
                 snap = self._fallback_snapshot()
             if snap is None:
                 raise RecoveryImpossible(f"{lost} (no snapshot of the lost stages was held by a survivor, nor by "
-                                         f"the coordinator)")
+                                         f"the coordinator)", lost=lost)
         self.coordinator.forget(lost.addresses)
         gone = lost.addresses + self.coordinator.lost_spares()
         self.coordinator.forget(gone)
@@ -649,7 +663,8 @@ class Session:
         try:
             plan = self.plan_over(snap.step, snap, list(self.result.addresses), list(self.workers))
         except ValueError as exc:  # planner.partition.PlanDoesNotFit among them
-            raise RecoveryImpossible(f"{lost}; the survivors cannot hold the model: {exc}", self._rescue(snap)) from None
+            raise RecoveryImpossible(f"{lost}; the survivors cannot hold the model: {exc}", self._rescue(snap),
+                                     lost) from None
         if plan is None:
             raise RuntimeError("plan_over returned no plan after a loss")
         own = self._moments_kept(snap, plan, list(lost.lost)) if from_peers else {}
@@ -994,6 +1009,7 @@ def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config:
                   PipelineResult([], [], [], [], {}, [], [tuple(r) for r in plan.ranges], devices=devices,
                                  addresses=list(plan.addresses)),
                   faults, plan_over, on_event, checkpoint_dir, meta, devices, spare_devices, emit)
+    stopping = "the run ended"  # what the workers are told at the end (`stop_reason`)
     try:
         coordinator.setup_bundles(plan.bundles, plan.devices)
         _release(plan)  # shipped: the coordinator keeps no bundle bytes for the run
@@ -1015,11 +1031,12 @@ def run_session(coordinator: Coordinator, transport, plan: SurvivorPlan, config:
         if after_training is not None:
             _after_training(coordinator, result, after_training)
     except BaseException as exc:  # a lost run, Ctrl-C, any fault: what it did reaches the metrics document
+        stopping = stop_reason(exc)
         run._close_step()
         exc.result = run.result  # its steps and events
         raise
     finally:
         run.close()
-        coordinator.stop()
+        coordinator.stop(stopping)
         transport.close()
     return result

@@ -55,9 +55,11 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          only, "eval_act" from stage to stage, stage `end` sending "eval_loss" or
                          "eval_next" tensors; each stage up to `end` answers eval_done {stage,
                          seconds, peak_rss_bytes}
-  coordinator -> worker  stop (also read while a stage waits for a neighbour in the middle of a step or
-                         a setup: one lost under --on-failure stop sends nothing more, so the worker
-                         says so in one line and exits 0 there, as it does on a stop between steps)
+  coordinator -> worker  stop {reason} (also read while a stage waits for a neighbour in the middle of a
+                         step or a setup: one lost under --on-failure stop sends nothing more, so the
+                         worker says so in one line, with the reason, and exits 0 there, as it does on a
+                         stop between steps; `reason`, one printable line of at most
+                         STOP_REASON_CHARS, is optional: a coordinator before it sent none)
 Any failure is reported as error {stage, message} before the worker exits non-zero, so the
 coordinator can name the device and the cause instead of timing out.
 
@@ -112,6 +114,37 @@ class StopOrdered(Exception):
     the middle of a step."""
 
 
+# The longest reason a stop order may carry: the coordinator cuts a longer one (`stop_order`), a worker
+# refuses one that is longer or not a line of printable text (`stop_reason`), as it refuses any order
+# whose fields are not what they should be
+STOP_REASON_CHARS = 400
+
+
+def stop_order(reason: str) -> dict:
+    """The coordinator's stop order, saying why the run stops (the stage lost, "the run ended"...), in one
+    line of at most STOP_REASON_CHARS characters."""
+    reason = "".join(c if c.isprintable() else " " for c in " ".join(reason.split())) or "no reason given"
+    if len(reason) > STOP_REASON_CHARS:
+        reason = reason[:STOP_REASON_CHARS - 3] + "..."
+    return {"type": "stop", "reason": reason}
+
+
+def stop_reason(msg: dict) -> str | None:
+    """Why a stop order stops the run; None from a coordinator that does not say (one before reasons)."""
+    reason = msg.get("reason")
+    if reason is not None and not (isinstance(reason, str) and reason.isprintable()
+                                   and 0 < len(reason) <= STOP_REASON_CHARS):
+        raise ValueError(f"stop: expected reason a line of at most {STOP_REASON_CHARS} printable characters, got "
+                         f"{msg!r:.120}")
+    return reason
+
+
+def _because(msg: dict) -> str:
+    """A stop order's reason as a stopped worker's line says it: ": REASON", or nothing."""
+    reason = stop_reason(msg)
+    return f": {reason}" if reason is not None else ""
+
+
 class CoordinatorLost(RuntimeError):
     """The coordinator's link is down (killed, frozen or unreachable): the stage is dropped."""
 
@@ -152,8 +185,8 @@ class Worker:
         if pending is not None and pending.get("type") == "abort":
             raise StepAborted(f"stage {self.stage}: step {pending.get('step')} aborted by the coordinator")
         if pending is not None and pending.get("type") == "stop":
-            raise StopOrdered(f"stage {self.stage}: the coordinator stopped the run in the middle of {self.doing}; "
-                              f"exiting")
+            raise StopOrdered(f"stage {self.stage}: the coordinator stopped the run in the middle of {self.doing}"
+                              f"{_because(pending)}; exiting")
         if pending is not None and pending.get("type") == "hello":  # thawed: the pipeline went on without us
             raise StepAborted(f"stage {self.stage}: the coordinator lost this worker and calls it back")
         self._check_coordinator()
@@ -177,7 +210,7 @@ class Worker:
             except PeerTimeout:
                 pending = self.transport.peek_control(COORDINATOR)
                 if pending is not None and pending.get("type") == "stop":
-                    raise StopOrdered("the coordinator stopped the run during this setup") from None
+                    raise StopOrdered(f"the coordinator stopped the run during this setup{_because(pending)}") from None
                 self._check_coordinator()
                 if time.monotonic() >= deadline:
                     raise
@@ -780,6 +813,7 @@ class Worker:
         elif kind == "hello":
             self.hello(msg)
         elif kind == "stop":
+            stop_reason(msg)  # checked as any order's fields are
             return True
         else:
             raise ValueError(f"unknown control message type {kind!r} from the coordinator")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import int4_train_local_peaks, run_child
+from support import LIFE_PEAK_PROLOGUE, int4_train_local_peaks, run_child
 
 MIB = 2 ** 20
 
@@ -34,26 +34,17 @@ def test_an_int4_one_device_set_up_peaks_below_its_training(smollm2_onnx, tmp_pa
 
 # a new interpreter profiles this device as `confidant profile --lora 8 --base-dtype int4` does (MNN, one
 # thread, one repetition, no attention curve); the profile resets VmHWM to measure each stage's workspace,
-# so the process's whole-life peak is VmHWM read before every reset, and at the end
-_PROFILE_CHILD = r"""
+# so the process's whole-life peak is VmHWM read before every reset, and at the end (`LIFE_PEAK_PROLOGUE`)
+_PROFILE_CHILD = LIFE_PEAK_PROLOGUE + r"""
 import json, sys
 from pathlib import Path
-import runtime.procfs, runtime.profiling.memory as profiling_memory
 from jobs.profiling import profile_this_device
 from planner.lora import LoraSettings
 
-life = [0]
-reset = runtime.procfs.reset_peak_rss
-
-def reset_recorded():
-    life[0] = max(life[0], runtime.procfs.peak_rss_bytes())
-    return reset()
-
-runtime.procfs.reset_peak_rss = profiling_memory.reset_peak_rss = reset_recorded
 model, out = Path(sys.argv[2]), Path(sys.argv[3])
 profile, _ = profile_this_device(model, 1, 128, out, name="dev", backends=("mnn:cpu:t1",), reps=1, attention=False,
                                  lora=LoraSettings(8, 16.0, targets=("q", "k", "v", "o"), seed=0, base_dtype="int4"))
-print("PEAKS " + json.dumps({"life": max(life[0], runtime.procfs.peak_rss_bytes()), "resets": life[0] > 0,
+print("PEAKS " + json.dumps({"life": life_peak(), "resets": life[0] > 0,
                              "blocks": sorted(profile.backends[0].blocks)}))
 """
 

@@ -527,10 +527,63 @@ def test_survivors_of_a_lost_worker_process_exit_on_the_coordinators_stop_under_
     said = [p.stderr.read() for p in workers.procs]
     assert codes == [0, -signal.SIGKILL, 0], (codes, said)
     assert waited < 15, (waited, said)
+    # each says why: the stage lost, where, what its link saw (the coordinator's stop order carries it)
+    lost = (rf"stage 1 at {re.escape(workers.addresses[1])} was lost after \d+\.\d s: its connection closed or its "
+            rf"heartbeats stopped \(killed, frozen or unreachable\)")
     for k in (0, 2):
-        assert [line for line in said[k].splitlines() if "stopped" in line] == [
-            f"worker: stage {k}: the coordinator stopped the run in the middle of step 2; exiting"], said[k]
+        lines = [line for line in said[k].splitlines() if "stopped" in line]
+        assert len(lines) == 1 and re.fullmatch(
+            rf"worker: stage {k}: the coordinator stopped the run in the middle of step 2: {lost}; exiting",
+            lines[0]), said[k]
     assert json.loads((tmp_path / "ckpt" / "meta.json").read_text())["step"] == 1  # resumable, after step 1
+
+
+def test_a_stop_order_carries_its_reason_checked_and_one_without_still_stops():
+    """A stop read in the middle of a step (`Worker._interrupt`) says why in the worker's line; a stop with
+    no reason (a coordinator before reasons) stops as it did; a reason that is not one short printable
+    line is refused as any malformed order is, and the coordinator's `stop_order` makes every reason one."""
+    from runtime.pipeline.executor import COORDINATOR
+    from runtime.pipeline.worker import STOP_REASON_CHARS, StopOrdered, Worker, stop_order, stop_reason
+    from runtime.transport.local import LocalHub, LocalTransport
+
+    hub = LocalHub()
+    coordinator, own = LocalTransport(COORDINATOR, hub), LocalTransport("stage0", hub)
+    coordinator.connect("stage0", own.address)
+    own.connect(COORDINATOR, coordinator.address)
+    worker = Worker(own)
+    worker.stage = 0
+    try:
+        said = "stage 2 at tcp://10.0.0.7:5555 was lost after 6.0 s: its heartbeats stopped"
+        for order, line in [(stop_order(said), f"stage 0: the coordinator stopped the run in the middle of step 5: "
+                                                f"{said}; exiting"),
+                            ({"type": "stop"}, "stage 0: the coordinator stopped the run in the middle of step 5; "
+                                               "exiting")]:
+            coordinator.send_control("stage0", order)
+            worker.doing = "step 5"  # as `Worker.run` names the step it carries out
+            with pytest.raises(StopOrdered) as stop:
+                worker._interrupt()
+            assert str(stop.value) == line
+            assert worker._obey(own.recv_control(COORDINATOR, timeout=5.0)[1]) is True
+        for reason in (7, "", "two\nlines", "x" * (STOP_REASON_CHARS + 1)):
+            coordinator.send_control("stage0", {"type": "stop", "reason": reason})
+            with pytest.raises(ValueError, match="stop: expected reason a line of at most"):
+                worker._interrupt()
+            with pytest.raises(ValueError, match="stop: expected reason a line of at most"):
+                worker._obey(own.recv_control(COORDINATOR, timeout=5.0)[1])
+    finally:
+        own.close()
+        coordinator.close()
+    long = stop_order("lost:\n" + "x" * 1000)
+    assert stop_reason(long) == long["reason"] and len(long["reason"]) == STOP_REASON_CHARS
+    assert long["reason"].startswith("lost: xxx") and long["reason"].endswith("x...")
+    # what a run's end tells the workers, besides a loss (the SIGKILL test above)
+    from runtime.pipeline.coordinator import WorkerFailed
+    from runtime.pipeline.session import stop_reason as why_it_stops
+
+    assert why_it_stops(KeyboardInterrupt()) == "interrupted by the user"
+    failed = "worker stage1 (tcp://h:1) failed: boom"
+    assert why_it_stops(WorkerFailed(failed)) == failed
+    assert why_it_stops(OSError("disk full")) == "the coordinator failed: OSError: disk full"
 
 
 def test_1f1b_stash_resumed_at_a_checkpoint_boundary_continues_exactly(graph, batches, tmp_path):
