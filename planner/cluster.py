@@ -193,11 +193,18 @@ def runtime_bytes(device: DeviceSpec) -> int:
     `activations`, "per-block" or "per-block+K": SmolLM2 int4 on MNN, 5.2 MiB of a 5.2 MiB start-up
     charged on every stage, which a fresh MNN worker's first per-block run never held). The one
     formula of the term: the cost model and the partition instance (`overhead_bytes`) call it."""
+    return device.profile.runtime_overhead_bytes + start_up_bytes(device)
+
+
+def start_up_bytes(device: DeviceSpec) -> int:
+    """The engine's part of `runtime_bytes`: its import and start-up (`BackendProfile.
+    engine_overhead_bytes`), less what only a stage keeping per-op caches pays where the device
+    recomputes per block."""
     backend = device_backend(device)
     start_up = backend.engine_overhead_bytes
     if activations_mode(device.activations)[0] == "per-block":
         start_up -= min(backend.caches_start_up_bytes, start_up)
-    return device.profile.runtime_overhead_bytes + start_up
+    return start_up
 
 
 @dataclass(frozen=True)

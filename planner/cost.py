@@ -100,7 +100,7 @@ from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_n
 from ir.precision import BLOCK, QuantizedTensor, bytes_per_element, lookup_tables, quantizable, storage_for
 from ir.profile import BlockCost
 from ir.verify import peak_weight_versions
-from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, update_rate
+from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, start_up_bytes, update_rate
 from planner.schedule import one_f_one_b_stash
 
 
@@ -462,6 +462,15 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
         # the plan's data has (`Graph.target_positions`, `plan --data`), else for every position.
         head = out[-2]
         workspace = head.workspace_at_targets(graph.target_positions)
+        if engine == "mnn":
+            # MNN's first-use heap is in the pair's figure (the first run of its own fresh engine,
+            # `runtime.profiling.device.measure_block`) and in the engine's start-up that `runtime_bytes`
+            # charges every stage, but a worker pays it once: SmolLM2 int4, a stage of the pair alone
+            # peaks 41.4 MiB above its built engine in a new process where 40.8 + 8.2 were charged, and
+            # the last stage (6 layers + the pair) held 6.8-7.4 MiB under its charge recomputing per
+            # block and keeping, the first two stages (no pair) 2.5-3.8 over theirs (helper h107). So
+            # the pair's stage pays the start-up inside the pair's figure, not beside it.
+            workspace -= min(workspace, start_up_bytes(device))
         out[-2] = replace(head, workspace_bytes=workspace, stacked_bytes=workspace)
     return tuple(out)
 
@@ -1230,8 +1239,20 @@ def transient_bytes(graph: Graph, device: DeviceSpec, first: int, last: int) -> 
     backward runs at a time, so a stage needs the largest of its own blocks' once. Not a sum over
     blocks: the partitioners take this max per stage (`PartitionInstance.stage_bytes`, the CP-SAT
     model's transient variable, the DP's running max), from the per-block figures `block_transients`
-    gives them."""
-    return max(block_transients(graph, device)[first:last + 1], default=0)
+    gives them. On a hybrid (`per-block+K`) a cached block runs as a keeping one, with its per-op
+    caches: its transient is its keeping one (`workspace - stacked`), not the re-run's, so a stage
+    whose every block is cached is charged as keeping (SmolLM2 int4, a last stage of six layers + the
+    LM head and loss, all six cached: a step held 122.8 MiB above the built engine, keeping 124.0, and
+    the re-run's transient charged it 17.5 MiB above keeping; helper h107). The partition instance, which prices a
+    per-block device before its cached blocks are chosen (`planner.engines.hybrid_activations`),
+    keeps the per-block figures."""
+    transients = block_transients(graph, device)
+    mode, count = activation_mode(device)
+    cached = set(cached_block_indices(graph, first, last, count)) if mode == "per-block" and count else set()
+    if cached:
+        keeping = block_transients(graph, replace(device, activations="keep"))
+        transients = tuple(keeping[i] if i in cached else t for i, t in enumerate(transients))
+    return max(transients[first:last + 1], default=0)
 
 
 def block_transients(graph: Graph, device: DeviceSpec) -> tuple[int, ...]:

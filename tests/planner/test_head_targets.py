@@ -217,3 +217,36 @@ def test_a_measured_head_stage_on_sparse_targets_is_within_the_charge_and_near_i
     assert measured <= at_data + 3 * MIB // 2, report
     assert at_data - measured <= 0.25 * (worst - measured), report
     print(report)
+
+
+def test_on_mnn_the_head_stage_pays_the_engine_s_start_up_inside_the_pair_s_figure(chat_llama):
+    """The pair's figure is its first run in its own fresh engine, which holds MNN's first-use heap, and
+    `runtime_bytes` charges every stage the engine's start-up: a worker pays it once (SmolLM2 int4: the
+    pair alone peaked 41.4 MiB above its built engine in a new process, 40.8 + 8.2 charged; h107). By
+    hand, a start-up of 8 MiB of which 3 only a caching stage pays, the pair 100 MiB at every target: a
+    keeping stage's pair term is 100 - 8 = 92 and a per-block stage's 100 - (8 - 3) = 95, each stage's
+    total what it was with no start-up at all; a stage without the pair still pays the start-up."""
+    from planner.cluster import DeviceSpec
+    from planner.cost import stage_memory_terms
+
+    model, _, _ = chat_llama
+    graph = _llama_graph(model)
+    bare = _profile_with_head(graph, _head_cost(100, 37, 63, 7))
+    backend = bare.backends[0]
+    started = dataclasses.replace(bare, backends=(dataclasses.replace(
+        backend, engine_overhead_bytes=backend.engine_overhead_bytes + 8 * MIB,
+        caches_start_up_bytes=3 * MIB),))
+    n = len(graph.blocks)
+
+    def terms(profile, activations, first, last=n - 1):
+        device = DeviceSpec("d", "tcp://d:1", profile, 1 << 40, "mnn:cpu:t1", activations=activations)
+        return stage_memory_terms(graph, device, first, last, 0, 1, "1f1b-flush", 1, "adamw")
+
+    for activations, start_up in (("keep", 8), ("per-block", 5)):
+        for first in (n - 2, n - 3):
+            got, without = terms(started, activations, first), terms(bare, activations, first)
+            assert got.head_loss_bytes == (100 - start_up) * MIB, (activations, first)
+            assert got.runtime_bytes == without.runtime_bytes + start_up * MIB
+            assert got.total == without.total, (activations, first)
+        layer = terms(started, activations, 1, 1)  # no pair: the start-up is charged
+        assert layer.total == terms(bare, activations, 1, 1).total + start_up * MIB

@@ -6,6 +6,8 @@ stacked per block) and credits its skipped re-run; the planner fills a per-block
 budget with cached blocks, where a backward follows its forward."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -111,6 +113,20 @@ def test_the_hybrids_charge_and_its_time_by_hand(graph):
     assert compute_s(graph, hybrid, 0, n - 1, reuse=False) == pytest.approx((0.010 * n, 0.030 * n))
     assert hybrid_count(graph, plain, 0, n - 1, 3 * 22 * MIB - 1) == 2
     assert hybrid_count(graph, plain, 0, n - 1, 100 * 22 * MIB) == n - 1
+
+
+def test_a_hybrid_caching_every_block_of_its_stage_is_charged_as_keeping(graph):
+    """Blocks 1-4 of the tiny BERT (3 layers and the head, the embedding left out: it is never cached).
+    Per-block+3 leaves block 1 recomputing: per block 2 MiB each (8), the three cached blocks' caches
+    3 x (24 - 2) = 66 and block 1's re-run transient 30 - 2 = 28: 102 MiB. Per-block+4 caches all four,
+    so nothing re-runs: 8 + 4 x 22 = 96 and the cached blocks' keeping transient 40 - 24 = 16: 112 MiB,
+    keeping's 4 x 24 + 16 (main charged the re-run's 28 there: 124)."""
+    n = len(graph.blocks)
+    plain = DeviceSpec("a", "tcp://x:1", _profile(graph), 4 << 30, activations="per-block")
+    args = (1, n - 1, 0, 1, "1f1b-flush", 4, "adamw")
+    workspace = {a: stage_memory_terms(graph, replace(plain, activations=a), *args).workspace_bytes
+                 for a in ("per-block+3", "per-block+4", "keep")}
+    assert workspace == {"per-block+3": 102 * MIB, "per-block+4": 112 * MIB, "keep": 112 * MIB}
 
 
 def test_the_planner_fills_a_per_block_devices_spare_budget_with_cached_blocks(graph):
