@@ -40,7 +40,7 @@ from ir.partition import even_ranges
 from runtime.engines.factory import make_engine, whole_model_engine
 from runtime.engines.stage import stage_spec
 from runtime.heap import start_heap
-from runtime.procfs import peak_rss_bytes, release_free_heap, rss_bytes
+from runtime.procfs import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
 from tasks.causal_lm.data import make_lm_batches
 from tasks.causal_lm.evaluation import InstructionScores, engine_nll, ranged_nll
 from tasks.causal_lm.generate import GenerationSettings, lm_metadata
@@ -260,7 +260,8 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
                   f"{settings.engine}, {config.threads} thread(s); setup {time.perf_counter() - started:.1f}s")
     gc.collect()
     release_free_heap()
-    # VmHWM is not reset: the run's measured figure is its whole life's peak (set-up and evaluations included)
+    # the run's measured figure is its whole life's peak (set-up and evaluations included; VmHWM is started again
+    # only before the evaluation after training, the peak before it kept)
     set_up = rss_bytes()  # what the steps start from: the planned figure's measured part (`local_check`)
     reporter.start("train", config.steps)
     result = train_steps(engine, batches, config, 0,
@@ -286,15 +287,25 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         # generation with no engine beside it, the perplexity's engine built after it (per block): built
         # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-608 MiB against training's
         # 554-559; 540-554 against 550-566 now, helper h89)
+        # its own peak read (VmHWM started again here, the whole life's so far kept): read unreset, it could
+        # hold the steps' peak, which its charge would then cover whatever the step's charge said (helper h109)
+        life = peak_rss_bytes()
+        own = reset_peak_rss()
         start = rss_bytes()
         after = _scores(_evaluation_nll(graph, settings.engine, config.threads, trained), model, graph, adapters,
                         settings, eval_path, dev_batches, pad_id, trained)
         # charged too, the larger of the two: the perplexity engine's build after training rises above the one
         # before (SmolLM2 float32 LoRA: 424 MiB against 110, once the generation no longer peaked above both;
-        # helper h101)
+        # helper h101); and it rises from what training left above the set-up (SmolLM2 float32 on PyTorch per
+        # block: 16-22 MiB), which the set-up does not hold: charged above the set-up, its perplexity's spread
+        # (~35 MiB run to run) put it 1.005 over its figure in one run of three (helper h109)
         if start is not None and evaluation is not None:
             evaluation = max(evaluation, peak_rss_bytes() - start)
-    life = peak_rss_bytes()  # the whole life's peak: set-up, both evaluations and the steps
+            if own and set_up is not None:
+                evaluation = max(evaluation, peak_rss_bytes() - set_up)
+        life = max(life, peak_rss_bytes())
+    else:
+        life = peak_rss_bytes()  # the whole life's peak: set-up, the evaluation before and the steps
     losses = [s.loss for s in result.steps]
     k = max(1, len(losses) // 5)
     scored = ""
