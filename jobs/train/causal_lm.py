@@ -40,7 +40,7 @@ from ir.partition import even_ranges
 from runtime.engines.factory import make_engine, whole_model_engine
 from runtime.engines.stage import stage_spec
 from runtime.heap import start_heap
-from runtime.procfs import peak_rss_bytes, release_free_heap, rss_bytes
+from runtime.procfs import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
 from tasks.causal_lm.data import make_lm_batches
 from tasks.causal_lm.evaluation import InstructionScores, engine_nll, ranged_nll
 from tasks.causal_lm.generate import GenerationSettings, lm_metadata
@@ -230,12 +230,16 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
             # generation with no engine beside it, then the perplexity on an engine of its own over the initial
             # weights (per block), let go before the training engine is built. Beside the training engine it
             # set the run's peak, which the run's measured figure then hid (helper h96)
-            before = _scores(_evaluation_nll(graph, settings.engine, config.threads), model, graph, adapters,
+            imported: list[int] = []  # the engine module's import, measured where the evaluation makes it
+            before = _scores(_evaluation_nll(graph, settings.engine, config.threads, imported=imported), model, graph, adapters,
                              settings, eval_path, dev_batches, pad_id, None)
             reporter.note(f"dev perplexity {before[0]:.3f}, exact match {before[1].exact_match:.3f} before "
                           "fine-tuning")
-            # at least what it rose above its start (VmHWM, never reset: a set-up's earlier peak may count too)
-            evaluation = peak_rss_bytes() - start if start is not None else None
+            # at least what it rose above its start (VmHWM, never reset: a set-up's earlier peak may count too),
+            # less the engine module's import its perplexity made (PyTorch's: 177-185 MiB, which the set-up holds
+            # and is charged: the tiny chat Llama on PyTorch per block was charged it twice, 565 MiB against a
+            # 437 peak; helper h106)
+            evaluation = peak_rss_bytes() - start - sum(imported) if start is not None else None
             _hand_back(settings.engine)
         # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
         # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
@@ -245,12 +249,19 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         if exc.name != "torch":
             raise
         raise JobError(f"--engine {settings.engine} needs PyTorch: pip install torch==2.13.0") from None
+    if settings.engine == "torch":
+        # PyTorch's one-time start-up (a decoder layer's kernels, autograd's engine and buffers, held for the
+        # process's life; a profile charges it with the engine, `runtime.profiling.device`) paid once before the
+        # set-up is read, so the set-up holds it: the tiny chat Llama's first step rose 113 MiB above the set-up
+        # where the step charges 48 (helpers h97, h102, h106)
+        _torch_start_up(graph, settings, CAUSAL_LM.feeds(run, batches[0], config.batch, 1)[0])
     reporter.note(f"model {Path(model).name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB "
                   f"trainable; {len(run.train)} training rows, {len(dev)} eval conversations; engine "
                   f"{settings.engine}, {config.threads} thread(s); setup {time.perf_counter() - started:.1f}s")
     gc.collect()
     release_free_heap()
-    # VmHWM is not reset: the run's measured figure is its whole life's peak (set-up and evaluations included)
+    # the run's measured figure is its whole life's peak (set-up and evaluations included; VmHWM is started again
+    # only before the evaluation after training, the peak before it kept)
     set_up = rss_bytes()  # what the steps start from: the planned figure's measured part (`local_check`)
     reporter.start("train", config.steps)
     result = train_steps(engine, batches, config, 0,
@@ -276,15 +287,25 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         # generation with no engine beside it, the perplexity's engine built after it (per block): built
         # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-608 MiB against training's
         # 554-559; 540-554 against 550-566 now, helper h89)
+        # its own peak read (VmHWM started again here, the whole life's so far kept): read unreset, it could
+        # hold the steps' peak, which its charge would then cover whatever the step's charge said (helper h109)
+        life = peak_rss_bytes()
+        own = reset_peak_rss()
         start = rss_bytes()
         after = _scores(_evaluation_nll(graph, settings.engine, config.threads, trained), model, graph, adapters,
                         settings, eval_path, dev_batches, pad_id, trained)
         # charged too, the larger of the two: the perplexity engine's build after training rises above the one
         # before (SmolLM2 float32 LoRA: 424 MiB against 110, once the generation no longer peaked above both;
-        # helper h101)
+        # helper h101); and it rises from what training left above the set-up (SmolLM2 float32 on PyTorch per
+        # block: 16-22 MiB), which the set-up does not hold: charged above the set-up, its perplexity's spread
+        # (~35 MiB run to run) put it 1.005 over its figure in one run of three (helper h109)
         if start is not None and evaluation is not None:
             evaluation = max(evaluation, peak_rss_bytes() - start)
-    life = peak_rss_bytes()  # the whole life's peak: set-up, both evaluations and the steps
+            if own and set_up is not None:
+                evaluation = max(evaluation, peak_rss_bytes() - set_up)
+        life = max(life, peak_rss_bytes())
+    else:
+        life = peak_rss_bytes()  # the whole life's peak: set-up, the evaluation before and the steps
     losses = [s.loss for s in result.steps]
     k = max(1, len(losses) // 5)
     scored = ""
@@ -328,14 +349,45 @@ def _hand_back(engine: str) -> None:
     release_free_heap()
 
 
-def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray] | None = None
-                    ) -> Callable:
+def _import_bytes() -> int:
+    """What importing the PyTorch engine's module (torch with it) made resident, measured here; 0 once imported
+    or where /proc does not say."""
+    import importlib
+    import sys
+
+    if "runtime.engines.pytorch" in sys.modules:
+        return 0
+    before = rss_bytes()
+    importlib.import_module("runtime.engines.pytorch")
+    after = rss_bytes()
+    return 0 if before is None or after is None else max(0, after - before)
+
+
+def _torch_start_up(graph: Graph, settings: TrainingSettings, feeds: Mapping[str, np.ndarray]) -> None:
+    """One forward and backward of the graph's most repeated block (a decoder layer) on an engine of its own,
+    with the run's activations (`runtime.profiling.compute.run_once`), let go after."""
+    from ir.graph import block_signature
+    from runtime.profiling.compute import run_once
+
+    count: dict[str, int] = {}
+    for b in graph.blocks:
+        count[block_signature(b)] = count.get(block_signature(b), 0) + 1
+    layer = max(graph.blocks, key=lambda b: (count[block_signature(b)], -b.index))
+    run_once(BackendSpec.cpu("torch", settings.threads), stage_spec(graph, layer.index, layer.index), feeds,
+             settings.activations)
+    _hand_back("torch")
+
+
+def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray] | None = None,
+                    imported: list[int] | None = None) -> Callable:
     """The dev perplexity's function of the trained weights (`_scores` calls it once generation is done):
     an engine of the whole model holding `trained` (None: the graph's own, before training), built only then,
     each block's buffers let go after its forward (per block: what MNN holds for the blocks before it is not
     kept, no per-op caches)."""
 
     def nll(batches, rows: int, pad_id: int):
+        if engine == "torch" and imported is not None:
+            imported.append(_import_bytes())
         built = whole_model_engine(graph, engine, threads, weights=trained, cache_activations=False,
                                    activations="per-block")
         return engine_nll(built, batches, rows, pad_id)

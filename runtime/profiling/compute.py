@@ -144,6 +144,23 @@ def _run_in_flight(engine, stage_feeds, grad, in_flight: int) -> None:
         engine.backward(mb, grad)
 
 
+def run_once(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
+             activations: str | None = None) -> None:
+    """One forward and backward of `spec` on a freshly built engine, let go after: the engine's one-time,
+    process-wide start-up (torch: the layer's kernels, autograd's engine and buffers) paid here, so what
+    this process holds after it holds that start-up (`jobs.train.causal_lm`: a one-device PyTorch run's
+    measured set-up, helper h106)."""
+    stage_feeds, grad = _stage_inputs(spec, feeds)
+    engine = make_engine(backend, spec, activations=activations)
+    engine.row_gradients = True
+    try:
+        engine.forward(stage_feeds, 0)
+        engine.backward(0, grad)
+    finally:
+        del engine
+        gc.collect()
+
+
 def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
                    activations: str | None = None) -> int:
     """What the first training run of `backend`'s engine in this process holds beyond a repeat of
