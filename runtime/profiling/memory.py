@@ -143,7 +143,7 @@ _ENGINE_PROBES = {"torch": "import runtime.engines.pytorch, torch; (torch.ones(8
 _FILE_PAGES = "[int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('RssFile:')][0]"
 _TRAINING_PAGES = {"torch": ("from runtime.profiling.training_probe import training_step_probe\n"
                              f"_pages = {_FILE_PAGES}\n"
-                             "training_step_probe('torch:cpu:t1')\n"
+                             "training_step_probe('torch:cpu:t1', steps=1)\n"
                              f"print('PAGES', max(0, {_FILE_PAGES} - _pages))\n")}
 
 
