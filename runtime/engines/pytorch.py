@@ -27,6 +27,7 @@ from runtime.engines.base import RowGradient, StageEngine, StageGradients, accum
 from runtime.engines.lm_loss import chunk_rows, quantized_linear_cross_entropy
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_up_only
 from runtime.heap import steady_heap
+from runtime.library_pages import drop_library_pages
 from runtime.optim import AdamW, AdamWStep
 
 # Every process that runs a torch stage (a worker, the profile's fresh children, which fork from a
@@ -35,6 +36,11 @@ from runtime.optim import AdamW, AdamWStep
 # the order of allocations (SmolLM2's middle torch stage 467-495 MiB on one plan), at 2 MiB it repeats
 # within ~1% and sits ~35 MiB lower, for ~8% more CPU (runtime.heap; MEMORY_NOTES.md, helper h57)
 steady_heap()
+# ... and gives back the pages of torch's libraries that only their loading read (~80 MiB, of which
+# a stage's training maps ~35 again: runtime.library_pages; MEMORY_NOTES.md, helper h85). Here, at the
+# import, alike in a worker, the profile's fresh children and the profiling process, so the runtime's
+# and the engine's terms of a plan are measured as a worker holds them.
+LIBRARY_PAGES_GIVEN_BACK = drop_library_pages()  # bytes, at this import
 
 
 def _shifted(scale: torch.Tensor, offset: float | None) -> torch.Tensor:

@@ -115,29 +115,49 @@ def runtime_overhead_bytes(timeout_s: float = 60.0, also: str = "") -> int:
     """Resident memory of a fresh interpreter after importing the worker runtime and passing a tensor
     over a transport link (0 if unknown);
     `also`: a further statement to run first (an engine's import)."""
-    probe = _RUNTIME_IMPORTS + _TRANSPORT_UP + (also + "\n" if also else "") + _PRINT_RSS
+    return _probe_figures(_RUNTIME_IMPORTS + _TRANSPORT_UP + (also + "\n" if also else "") + _PRINT_RSS,
+                          timeout_s).get("RSS", 0)
+
+
+def _probe_figures(probe: str, timeout_s: float) -> dict[str, int]:
+    """The figures a fresh interpreter running `probe` printed ("NAME bytes" lines; the first of each name)."""
     try:
         proc = subprocess.run([sys.executable, "-c", probe, str(_ROOT)], capture_output=True,
                               text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired):
-        return 0
+        return {}
+    out: dict[str, int] = {}
     for line in proc.stdout.splitlines():
-        if line.startswith("RSS "):
-            return int(line.split()[1])
-    return 0
+        name, _, value = line.partition(" ")
+        if name in ("RSS", "PAGES") and value.strip().isdigit():
+            out.setdefault(name, int(value))
+    return out
 
 
 # What an engine adds to the runtime, as a worker pays it: PyTorch's engine module and one small op
 # (the first op maps the kernels and starts the thread pool). MNN is in the runtime already.
 _ENGINE_PROBES = {"torch": "import runtime.engines.pytorch, torch; (torch.ones(8, 8) @ torch.ones(8, 8)).sum()"}
+# ... and the library pages its training maps again, which its import gave back (`runtime.library_pages`):
+# the file pages (RssFile) a small training step adds, after the RSS above is read, so that the step's own
+# heap (autograd's engine, its threads: the start-up term, `start_up_bytes`) is not charged here
+_FILE_PAGES = "[int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('RssFile:')][0]"
+_TRAINING_PAGES = {"torch": ("from runtime.profiling.training_probe import training_step_probe\n"
+                             f"_pages = {_FILE_PAGES}\n"
+                             "training_step_probe('torch:cpu:t1', steps=1)\n"
+                             f"print('PAGES', max(0, {_FILE_PAGES} - _pages))\n")}
 
 
 def engine_overhead_bytes(engine: str, runtime_bytes: int, timeout_s: float = 120.0) -> int:
-    """Resident memory `engine` adds to a runtime of `runtime_bytes` (0 for MNN, or if unknown)."""
+    """Resident memory `engine` adds to a runtime of `runtime_bytes` (0 for MNN, or if unknown): its
+    import and first op, and the library file pages a training step maps again (`_TRAINING_PAGES`)."""
     statement = _ENGINE_PROBES.get(engine)
     if statement is None or runtime_bytes <= 0:
         return 0
-    return max(0, runtime_overhead_bytes(timeout_s, also=statement) - runtime_bytes)
+    figures = _probe_figures(_RUNTIME_IMPORTS + _TRANSPORT_UP + statement + "\n" + _PRINT_RSS
+                             + _TRAINING_PAGES.get(engine, ""), timeout_s)
+    if "RSS" not in figures:
+        return 0
+    return max(0, figures["RSS"] - runtime_bytes) + figures.get("PAGES", 0)
 
 
 def split_child_bytes(backend: BackendSpec, batch: int, seq: int, hidden: int, heads: int, head_size: int,
