@@ -8,7 +8,8 @@ autograd's, the update's). Measured after the import and one matrix product only
 per block: 411.7 MiB measured against 406.0 planned; benchmarks/MEMORY_NOTES.md, helpers h85, h99, h104).
 So the probe also trains a small attention block (a pre-norm, rotary, Q/K/V, masked softmax attention,
 the output projection: `runtime.engines.split.piece.attention_piece`) as a worker does: forward, backward,
-the gradient summed, an AdamW update through the engine's own step, twice. Its arrays are small (a few
+the gradient summed, an AdamW update through the engine's own step (the probe runs one step: two
+map the same pages, 146.3 MiB either way, helper h104). Its arrays are small (a few
 hundred KiB), so what it leaves is the pages, kernels and threads training maps, not its data."""
 from __future__ import annotations
 
