@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 from ir.backend import runs_as
 from ir.bundle import load_plan
 from ir.documents import OptimizerSettings, PlannedLora
+from ir.errors import InputFileError
 from ir.graph import is_causal_lm
 from ir.partition import StageCost
 from ir.plan import FAILURE_POLICIES
@@ -182,7 +183,11 @@ def _with_data_figures(graph, model: Path, settings: PlanSettings, reporter: Rep
         rows = task_lookup_rows(task)
         targets = task_target_positions(task)
     except (ValueError, OSError) as exc:
-        raise JobError(f"--data {settings.data}: {exc}") from None
+        # a file the user gave that cannot be used: bad input (exit 2, as train's reading of the same file);
+        # the task's readers name the file already ("--data PATH: ..."), and said twice the line read as two
+        said = str(exc)
+        raise InputFileError(said if said.startswith(f"--data {settings.data}") else f"--data {settings.data}: "
+                             f"{said}") from None
     if targets is not None:
         reporter.note(f"--data has at most {targets} loss-target positions in a micro-batch of {graph.batch} x "
                       f"{graph.seq}: the LM head + loss is charged for that many (train refuses data with more)")

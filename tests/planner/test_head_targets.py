@@ -137,6 +137,11 @@ def test_plan_data_records_its_targets_and_train_refuses_data_with_more(chat_lla
     assert saved == pytest.approx((100 - line) * MIB, abs=1)
     assert plan["devices"][0]["memory_bytes"] == worst["devices"][0]["memory_bytes"]
     assert f"peak at {targets} target positions a micro-batch" in run_cli("show", tmp_path / "plan").stdout
+    absent = tmp_path / "absent.jsonl"  # one line, naming the file once ("--data X: --data X: ..." before)
+    proc = run_cli("plan", model, *common, "--data", absent, "-o", tmp_path / "absent")
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith(f"confidant plan: error: --data {absent}") and errors[0].count("--data") == 1, errors
     dense = _all_target_data(tmp_path / "dense.jsonl")
     proc = run_cli("train", tmp_path / "plan", "--data", dense, "--local", "--insecure", "--steps", 1)
     assert proc.returncode == 2, proc.stderr[-2000:]
