@@ -149,7 +149,8 @@ def run_once(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarr
     """One forward and backward of `spec` on a freshly built engine, let go after: the engine's one-time,
     process-wide start-up (torch: the layer's kernels, autograd's engine and buffers) paid here, so what
     this process holds after it holds that start-up (`jobs.train.causal_lm`: a one-device PyTorch run's
-    measured set-up, helper h106)."""
+    measured set-up, helper h106). Not `peak_workspace`, which reads its peak by starting VmHWM again: a
+    run's whole-life figure reads VmHWM, so nothing here may reset it."""
     stage_feeds, grad = _stage_inputs(spec, feeds)
     engine = make_engine(backend, spec, activations=activations)
     engine.row_gradients = True
