@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import inspect
 import time
 from dataclasses import asdict
@@ -223,6 +224,11 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     before = evaluation = None
     try:
         if dev:
+            if settings.engine == "torch":
+                # the engine's module (torch with it, 177-185 MiB) imported before the evaluation's start: the
+                # set-up holds it and is charged it, so the evaluation's rise may not count it again (the tiny
+                # chat Llama on PyTorch per block was charged it twice, 565 MiB against a 437 peak; helper h106)
+                importlib.import_module("runtime.engines.pytorch")
             gc.collect()
             release_free_heap()  # the set-up's free heap handed back: the evaluation's rise measured from here
             start = rss_bytes()
@@ -230,16 +236,12 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
             # generation with no engine beside it, then the perplexity on an engine of its own over the initial
             # weights (per block), let go before the training engine is built. Beside the training engine it
             # set the run's peak, which the run's measured figure then hid (helper h96)
-            imported: list[int] = []  # the engine module's import, measured where the evaluation makes it
-            before = _scores(_evaluation_nll(graph, settings.engine, config.threads, imported=imported), model, graph, adapters,
+            before = _scores(_evaluation_nll(graph, settings.engine, config.threads), model, graph, adapters,
                              settings, eval_path, dev_batches, pad_id, None)
             reporter.note(f"dev perplexity {before[0]:.3f}, exact match {before[1].exact_match:.3f} before "
                           "fine-tuning")
-            # at least what it rose above its start (VmHWM, never reset: a set-up's earlier peak may count too),
-            # less the engine module's import its perplexity made (PyTorch's: 177-185 MiB, which the set-up holds
-            # and is charged: the tiny chat Llama on PyTorch per block was charged it twice, 565 MiB against a
-            # 437 peak; helper h106)
-            evaluation = peak_rss_bytes() - start - sum(imported) if start is not None else None
+            # at least what it rose above its start (VmHWM, never reset: a set-up's earlier peak may count too)
+            evaluation = peak_rss_bytes() - start if start is not None else None
             _hand_back(settings.engine)
         # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
         # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
@@ -349,20 +351,6 @@ def _hand_back(engine: str) -> None:
     release_free_heap()
 
 
-def _import_bytes() -> int:
-    """What importing the PyTorch engine's module (torch with it) made resident, measured here; 0 once imported
-    or where /proc does not say."""
-    import importlib
-    import sys
-
-    if "runtime.engines.pytorch" in sys.modules:
-        return 0
-    before = rss_bytes()
-    importlib.import_module("runtime.engines.pytorch")
-    after = rss_bytes()
-    return 0 if before is None or after is None else max(0, after - before)
-
-
 def _torch_start_up(graph: Graph, settings: TrainingSettings, feeds: Mapping[str, np.ndarray]) -> None:
     """One forward and backward of the graph's most repeated block (a decoder layer) on an engine of its own,
     with the run's activations (`runtime.profiling.compute.run_once`), let go after."""
@@ -378,16 +366,14 @@ def _torch_start_up(graph: Graph, settings: TrainingSettings, feeds: Mapping[str
     _hand_back("torch")
 
 
-def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray] | None = None,
-                    imported: list[int] | None = None) -> Callable:
+def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray] | None = None
+                    ) -> Callable:
     """The dev perplexity's function of the trained weights (`_scores` calls it once generation is done):
     an engine of the whole model holding `trained` (None: the graph's own, before training), built only then,
     each block's buffers let go after its forward (per block: what MNN holds for the blocks before it is not
     kept, no per-op caches)."""
 
     def nll(batches, rows: int, pad_id: int):
-        if engine == "torch" and imported is not None:
-            imported.append(_import_bytes())
         built = whole_model_engine(graph, engine, threads, weights=trained, cache_activations=False,
                                    activations="per-block")
         return engine_nll(built, batches, rows, pad_id)
