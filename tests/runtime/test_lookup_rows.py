@@ -6,11 +6,18 @@ changes: its rows are gathered again by a re-run, not held per micro-batch (a Ll
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from runtime.engines.factory import make_engine
 from runtime.engines.mnn import GATHERED
 from runtime.engines.stage import stage_spec
 from support import ROWS, S, tiny_lora_graph, token_feeds
+
+
+@pytest.fixture(scope="module")
+def lora_graph(tiny_onnx):
+    """The tiny BERT under LoRA, its base (the tables too) frozen and held int4 / int8."""
+    return tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
 
 
 def _in_flight(graph, microbatches: int):
@@ -27,8 +34,8 @@ def _gathered_bytes(engine, microbatch: int) -> int:
     return sum(v.nbytes for k, v in engine._stash[microbatch][3].items() if k.startswith(GATHERED))
 
 
-def test_a_frozen_tables_rows_are_not_held_per_microbatch_in_flight(tiny_onnx):
-    graph = tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
+def test_a_frozen_tables_rows_are_not_held_per_microbatch_in_flight(lora_graph):
+    graph = lora_graph
     hidden = graph.values[graph.blocks[0].output].shape[-1]
     engine, _, _ = _in_flight(graph, 3)
     for m in range(3):
@@ -40,10 +47,10 @@ def test_a_frozen_tables_rows_are_not_held_per_microbatch_in_flight(tiny_onnx):
         assert _gathered_bytes(engine, m) == 0
 
 
-def test_a_re_run_forward_gathers_a_frozen_tables_rows_again(tiny_onnx):
+def test_a_re_run_forward_gathers_a_frozen_tables_rows_again(lora_graph):
     """Micro-batch 0's backward after two more forwards re-runs its forward (the caches hold micro-batch 2's):
     its gradients equal those of a forward directly followed by its backward."""
-    graph = tiny_lora_graph(tiny_onnx["torchscript-17"], "int4")
+    graph = lora_graph
     engine, feeds, outs = _in_flight(graph, 3)
     grad = np.full_like(outs[0], 1e-2)
     got = engine.backward(0, grad).params
