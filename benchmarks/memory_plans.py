@@ -73,6 +73,11 @@ MODELS = {
                                           "original_max_position_embeddings": 8192, "rope_type": "llama3"},
                          "export_flags": ["--base-dtype", "int4"]}),
 }
+# llama1b's vocabulary, width and layer shape with 4 layers, over 2 devices of 768 MiB: its first stage is
+# llama1b's (the 128256 x 2048 tied table's lookup and layers recomputing) at a fraction of the cost (no
+# far point of the per-block line, 4 layers to train): ~0.6 GB export, a profile of a few minutes
+MODELS["llama1b-4"] = (2, 768, {**MODELS["llama1b"][2], "num_hidden_layers": 4})
+
 # Further rows for the memory model (issue 31 target 3), each a model of MODELS (or "minilm") run another
 # way: name -> (model, overrides). Overrides: base_dtype ("int4", "float32"; None with full fine-tuning),
 # full (no LoRA), schedule, update_every (backwards per update), devices,
@@ -82,6 +87,7 @@ CONFIGS = {
     "smollm2": ("smollm2", {}),
     "qwen": ("qwen", {}),
     "llama1b": ("llama1b", {}),
+    "llama1b-4": ("llama1b-4", {}),
     "smollm2-all-target": ("smollm2", {"data": "all-target"}),
     "smollm2-float32": ("smollm2", {"base_dtype": "float32"}),
     "smollm2-stash": ("smollm2", {"schedule": "1f1b-stash"}),

@@ -258,6 +258,7 @@ class _BlockProgram:
         self.grad_seed = K.placeholder(self.output_shape)
         # a frozen table (LoRA's base embeddings) gets no gradient: its lookup is not differentiated
         self.trained_lookups = [lk for lk in self.lookups if lk.table in trainable_tables]
+        self._rows_kept = {lk.node.name for lk in self.trained_lookups}  # `feed`: a stepped table's rows only
         wrt = (self._param_vars + ([env[self.activation]] if self.activation else [])
                + [lk.placeholder for lk in self.trained_lookups])
         self._grads = K.GradientProgram().build([self.output], [self.grad_seed], wrt)
@@ -324,9 +325,13 @@ class _BlockProgram:
                                      f"outside the {len(table)} rows of {lk.table!r}: the tokenizer does not belong "
                                      f"to this model")
                 rows = table.widen_rows(ids) if isinstance(table, QuantizedTensor) else table[ids]
-                if isinstance(host, dict):
+                if isinstance(host, dict) and lk.node.name in self._rows_kept:
                     # kept with the micro-batch's host values: a backward that re-runs this forward
-                    # feeds the very rows its forward read, so the table itself needs no old version
+                    # feeds the very rows its forward read, so the table itself needs no old version.
+                    # A frozen table's (LoRA's base) never changes: a re-run gathers its rows again, and
+                    # no micro-batch in flight holds a copy of them beside the block inputs the planner
+                    # charges (Llama-3.2-1B-class, 128 x 2048 float32: 1 MiB a micro-batch, 4 MiB on a
+                    # first stage of four; benchmarks/MEMORY_NOTES.md, helper h112)
                     host[key] = rows
             K.write(lk.placeholder, rows)
 
