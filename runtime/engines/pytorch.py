@@ -18,7 +18,6 @@ from typing import Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from ir.graph import Node, use_def
 from ir.precision import QuantizedTensor
@@ -280,6 +279,38 @@ class _QuantizedLinearCrossEntropy(torch.autograd.Function):
         return ctx.grad_hidden * grad, None, None, None
 
 
+class _BlockRecompute(torch.autograd.Function):
+    """One block's forward recomputed in its backward (per block): the forward runs without a graph
+    and saves only the block's inputs that need a gradient (its input, its weights, a split
+    backward's anchor); the backward runs the block's forward again on detached copies of them with
+    gradients on and differentiates that. The same ops on the same inputs as keeping, so the same
+    gradients bit for bit. Not `torch.utils.checkpoint`: its first call imports torch._dynamo (and
+    so sympy), ~41-75 MiB held by every torch worker recomputing per block from its first step on
+    (benchmarks/MEMORY_NOTES.md, helpers h105, h110). No RNG state is kept: no op the engine runs
+    draws random numbers (checkpoint ran with preserve_rng_state=False too)."""
+
+    @staticmethod
+    def forward(ctx, run, *held):
+        ctx.run = run
+        ctx.save_for_backward(*held)
+        return run(list(held), False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        held = ctx.saved_tensors
+        run, ctx.run = ctx.run, None  # one backward a forward
+        with torch.enable_grad():
+            values = [t.detach().requires_grad_(True) for t in held]
+            out = run(values, True)
+            del held
+            if not out.requires_grad:
+                return (None, *(None for _ in values))
+            # seeded with a scalar whose gradient is `grad` (1.0 * grad), not `grad` as grad_outputs:
+            # see TorchStageEngine._seeded
+            grads = torch.autograd.grad([(out * grad).sum()], values, allow_unused=True)
+        return (None, *grads)
+
+
 @dataclass(frozen=True)
 class _PendingWeightGrad:
     """What a deferred projection's weight gradient needs (zero-bubble W): its input and the
@@ -418,7 +449,7 @@ class TorchStageEngine(StageEngine):
     tensors it used) instead of autograd's graph of every activation, and its backward runs the
     forward again with gradients on (activation checkpointing over the whole stage): memory of one
     micro-batch's activations however many are in flight, for one more forward per backward.
-    `per_block`: each block's forward runs under a checkpoint of its own (`torch.utils.checkpoint`),
+    `per_block`: each block's forward runs under a checkpoint of its own (`_BlockRecompute`),
     so a micro-batch in flight holds only its blocks' inputs, and each block's backward runs that
     block's forward again: memory of one block's activations at a time, for one more forward per
     backward (the planner's `activations: per-block`). The planner chooses where keeping them does
@@ -578,24 +609,30 @@ class TorchStageEngine(StageEngine):
 
     def _checkpointed(self, block, nodes: list[Node], env: dict, params: Mapping[str, torch.Tensor],
                       deferral: tuple | None, lookups: dict | None, fused) -> torch.Tensor:
-        """`block`'s output, its forward run under `torch.utils.checkpoint` (non-reentrant): autograd
-        keeps none of its intermediates, only what the block reads (its input, the weights, the
-        host values), and runs the block's forward again inside its own backward."""
+        """`block`'s output, its forward run under `_BlockRecompute`: autograd keeps none of its
+        intermediates, only what the block reads (its input, the weights, the host values), and runs
+        the block's forward again inside its own backward."""
         produced = {o for n in nodes for o in n.outputs}
         reads = {i: env[i] for n in nodes for i in n.inputs if i not in produced and i in env}
+        names = [k for k, t in reads.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        held = [reads[k] for k in names] + ([deferral[0]] if deferral is not None else [])
 
-        def run(*_: torch.Tensor) -> torch.Tensor:
+        def run(values: list[torch.Tensor], again: bool) -> torch.Tensor:
             local = dict(reads)
-            self._checkpointing = True
+            local.update(zip(names, values))
+            # the deferred projections of the re-run differentiate its own anchor (the last value)
+            own = deferral if deferral is None else (values[-1], *deferral[1:])
+            self._checkpointing = again  # a product's backward takes the re-run's widening
             try:
                 for node in nodes:
-                    self._node(node, local, params, True, deferral, lookups, fused)
+                    self._node(node, local, params, True, own, lookups, fused)
             finally:
                 self._checkpointing = False
             return local[block.output]
 
-        held = [t for t in reads.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-        return torch.utils.checkpoint.checkpoint(run, *held, use_reentrant=False, preserve_rng_state=False)
+        if not held:  # nothing of the block needs a gradient: nothing to run again
+            return run([], False)
+        return _BlockRecompute.apply(run, *held)
 
     def _node(self, node: Node, env: dict, params: Mapping[str, torch.Tensor], train: bool,
               deferral: tuple | None, lookups: dict | None, fused) -> None:
