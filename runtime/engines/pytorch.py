@@ -775,6 +775,14 @@ class TorchStageEngine(StageEngine):
                                      bool(mm.attrs.get("trans_b")), sink, (mm.inputs[1], bias_name), gelu_input,
                                      gelu.attrs.get("approximate", "none") if gelu_input is not None else None)
 
+    def _seeded(self, out: torch.Tensor, grad_output) -> torch.Tensor:
+        """A scalar whose gradient with respect to `out` is `grad_output` (ones without one), bit for
+        bit: sum(out * g), whose backward is 1.0 * g. Handed to autograd with no grad_outputs, where
+        giving `grad_output` as autograd's seed makes torch check its shape through
+        torch.fx.experimental.symbolic_shapes, whose first import (sympy and mpmath, ~490 modules) held
+        31 MiB of every torch worker from its first backward on (benchmarks/MEMORY_NOTES.md, helper h85)."""
+        return out.sum() if grad_output is None else (out * self._tensor(grad_output)).sum()
+
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         result = self.backward_input(microbatch, grad_output)
         if microbatch in self._pending:
@@ -796,7 +804,6 @@ class TorchStageEngine(StageEngine):
 
     def backward_input(self, microbatch: int, grad_output=None) -> StageGradients:
         x_in, out, used, deferral = self._graph_of(microbatch)
-        seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
         deferred = deferral[2] if deferral is not None else set()
         now = {k: p for k, p in used.items() if k not in deferred}
         wrt = list(now.values()) + ([x_in] if x_in is not None else []) + ([deferral[0]] if deferral else [])
@@ -804,7 +811,7 @@ class TorchStageEngine(StageEngine):
             # nothing to differentiate: a first stage that holds only frozen weights (LoRA's
             # embeddings); autograd refuses an empty list, and the answer is no gradients at all
             return StageGradients({}, None)
-        grads = torch.autograd.grad([out], wrt, [seed], allow_unused=True)
+        grads = torch.autograd.grad([self._seeded(out, grad_output)], wrt, allow_unused=True)
         params = {}
         # autograd's fresh tensors, shared with numpy without a copy (nothing else holds them; the
         # executor accumulates into them in place)
@@ -959,10 +966,9 @@ class TorchStageEngine(StageEngine):
         optimizer.begin_step()
         handles = [t.register_post_accumulate_grad_hook(hook(k)) for k, t in used.items()]
         try:
-            seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
             wrt = list(used.values()) + ([x_in] if x_in is not None else [])
             if wrt:
-                torch.autograd.backward([out], [seed], inputs=wrt)
+                torch.autograd.backward([self._seeded(out, grad_output)], inputs=wrt)
         finally:
             for h in handles:
                 h.remove()
