@@ -247,8 +247,8 @@ class _FrozenQuantizedMatMul(torch.autograd.Function):
         ctx.weight, ctx.transposed = weight, transposed
         w = weight.widen()
         if keep_widened:
-            # under a per-block checkpoint: the forward's widening is dropped at once (the checkpoint
-            # keeps no saved tensor), the re-run's serves this product's backward, so a block's backward
+            # a per-block re-run (`_BlockRecompute`'s backward; its forward runs without a graph, so
+            # that widening is dropped at once): the re-run's serves this product's backward, so a block's backward
             # widens each weight once, not twice. Held from the re-run to this product's backward: one
             # block's widened weights at most, in the per-block workspace a profile measures
             # (planner.memory_defaults.widened_bytes, the estimate's, is a block's whole widening)
@@ -257,7 +257,7 @@ class _FrozenQuantizedMatMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        saved = ctx.saved_tensors  # read once: a checkpoint unpacks each saved tensor once
+        saved = ctx.saved_tensors
         w = saved[0] if saved else ctx.weight.widen()
         return torch.matmul(grad_y, w if ctx.transposed else w.t()), None, None, None
 

@@ -1,6 +1,6 @@
 """Issue 31: activations recomputed per block on the PyTorch engine. A torch stage told `activations:
-per-block` runs each block's forward under a checkpoint of its own (non-reentrant
-`torch.utils.checkpoint`): a micro-batch in flight holds its blocks' inputs, and each block's backward
+per-block` runs each block's forward under a checkpoint of its own (the engine's `_BlockRecompute`,
+not `torch.utils.checkpoint`, which imports torch._dynamo): a micro-batch in flight holds its blocks' inputs, and each block's backward
 runs that block's forward again. Its gradients are the keep mode's, MNN per-block's and float64
 transformers' (LoRA: PEFT's); what autograd holds for a micro-batch in flight is a fraction of the
 keep mode's."""
