@@ -19,7 +19,6 @@ from ir.graph import Graph
 from ir.documents import activations_mode
 from runtime.engines.base import StageEngine
 from runtime.engines.single import single_engine
-from runtime.engines.split.engine import SplitStageEngine
 from runtime.engines.stage import StageSpec, stage_spec
 
 
@@ -52,6 +51,9 @@ def make_engine(backend: BackendSpec | str, spec: StageSpec, *, head_split: Mapp
     if head_split:
         if backend.engine != "mnn":
             raise ValueError(f"a head split runs its stage on MNN; backend {backend} was asked for")
+        # imported here: it imports MNN, which a torch stage never runs (~5 MiB of a torch worker)
+        from runtime.engines.split.engine import SplitStageEngine
+
         return SplitStageEngine(spec, dict(head_split), threads=backend.thread_count, stash_weights=stash_weights)
     activations, hybrid = activations_mode(activations)  # "per-block+K": per block, K blocks cached
     cached_blocks = cached_blocks or hybrid

@@ -18,7 +18,6 @@ from typing import Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from ir.graph import Node, use_def
 from ir.precision import QuantizedTensor
@@ -248,8 +247,8 @@ class _FrozenQuantizedMatMul(torch.autograd.Function):
         ctx.weight, ctx.transposed = weight, transposed
         w = weight.widen()
         if keep_widened:
-            # under a per-block checkpoint: the forward's widening is dropped at once (the checkpoint
-            # keeps no saved tensor), the re-run's serves this product's backward, so a block's backward
+            # a per-block re-run (`_BlockRecompute`'s backward; its forward runs without a graph, so
+            # that widening is dropped at once): the re-run's serves this product's backward, so a block's backward
             # widens each weight once, not twice. Held from the re-run to this product's backward: one
             # block's widened weights at most, in the per-block workspace a profile measures
             # (planner.memory_defaults.widened_bytes, the estimate's, is a block's whole widening)
@@ -258,7 +257,7 @@ class _FrozenQuantizedMatMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        saved = ctx.saved_tensors  # read once: a checkpoint unpacks each saved tensor once
+        saved = ctx.saved_tensors
         w = saved[0] if saved else ctx.weight.widen()
         return torch.matmul(grad_y, w if ctx.transposed else w.t()), None, None, None
 
@@ -278,6 +277,38 @@ class _QuantizedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.grad_hidden * grad, None, None, None
+
+
+class _BlockRecompute(torch.autograd.Function):
+    """One block's forward recomputed in its backward (per block): the forward runs without a graph
+    and saves only the block's inputs that need a gradient (its input, its weights, a split
+    backward's anchor); the backward runs the block's forward again on detached copies of them with
+    gradients on and differentiates that. The same ops on the same inputs as keeping, so the same
+    gradients bit for bit. Not `torch.utils.checkpoint`: its first call imports torch._dynamo (and
+    so sympy), ~41-75 MiB held by every torch worker recomputing per block from its first step on
+    (benchmarks/MEMORY_NOTES.md, helpers h105, h110). No RNG state is kept: no op the engine runs
+    draws random numbers (checkpoint ran with preserve_rng_state=False too)."""
+
+    @staticmethod
+    def forward(ctx, run, *held):
+        ctx.run = run
+        ctx.save_for_backward(*held)
+        return run(list(held), False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        held = ctx.saved_tensors
+        run, ctx.run = ctx.run, None  # one backward a forward
+        with torch.enable_grad():
+            values = [t.detach().requires_grad_(True) for t in held]
+            out = run(values, True)
+            del held
+            if not out.requires_grad:
+                return (None, *(None for _ in values))
+            # seeded with a scalar whose gradient is `grad` (1.0 * grad), not `grad` as grad_outputs:
+            # see TorchStageEngine._seeded
+            grads = torch.autograd.grad([(out * grad).sum()], values, allow_unused=True)
+        return (None, *grads)
 
 
 @dataclass(frozen=True)
@@ -418,7 +449,7 @@ class TorchStageEngine(StageEngine):
     tensors it used) instead of autograd's graph of every activation, and its backward runs the
     forward again with gradients on (activation checkpointing over the whole stage): memory of one
     micro-batch's activations however many are in flight, for one more forward per backward.
-    `per_block`: each block's forward runs under a checkpoint of its own (`torch.utils.checkpoint`),
+    `per_block`: each block's forward runs under a checkpoint of its own (`_BlockRecompute`),
     so a micro-batch in flight holds only its blocks' inputs, and each block's backward runs that
     block's forward again: memory of one block's activations at a time, for one more forward per
     backward (the planner's `activations: per-block`). The planner chooses where keeping them does
@@ -578,24 +609,30 @@ class TorchStageEngine(StageEngine):
 
     def _checkpointed(self, block, nodes: list[Node], env: dict, params: Mapping[str, torch.Tensor],
                       deferral: tuple | None, lookups: dict | None, fused) -> torch.Tensor:
-        """`block`'s output, its forward run under `torch.utils.checkpoint` (non-reentrant): autograd
-        keeps none of its intermediates, only what the block reads (its input, the weights, the
-        host values), and runs the block's forward again inside its own backward."""
+        """`block`'s output, its forward run under `_BlockRecompute`: autograd keeps none of its
+        intermediates, only what the block reads (its input, the weights, the host values), and runs
+        the block's forward again inside its own backward."""
         produced = {o for n in nodes for o in n.outputs}
         reads = {i: env[i] for n in nodes for i in n.inputs if i not in produced and i in env}
+        names = [k for k, t in reads.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        held = [reads[k] for k in names] + ([deferral[0]] if deferral is not None else [])
 
-        def run(*_: torch.Tensor) -> torch.Tensor:
+        def run(values: list[torch.Tensor], again: bool) -> torch.Tensor:
             local = dict(reads)
-            self._checkpointing = True
+            local.update(zip(names, values))
+            # the deferred projections of the re-run differentiate its own anchor (the last value)
+            own = deferral if deferral is None else (values[-1], *deferral[1:])
+            self._checkpointing = again  # a product's backward takes the re-run's widening
             try:
                 for node in nodes:
-                    self._node(node, local, params, True, deferral, lookups, fused)
+                    self._node(node, local, params, True, own, lookups, fused)
             finally:
                 self._checkpointing = False
             return local[block.output]
 
-        held = [t for t in reads.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-        return torch.utils.checkpoint.checkpoint(run, *held, use_reentrant=False, preserve_rng_state=False)
+        if not held:  # nothing of the block needs a gradient: nothing to run again
+            return run([], False)
+        return _BlockRecompute.apply(run, *held)
 
     def _node(self, node: Node, env: dict, params: Mapping[str, torch.Tensor], train: bool,
               deferral: tuple | None, lookups: dict | None, fused) -> None:
@@ -738,6 +775,14 @@ class TorchStageEngine(StageEngine):
                                      bool(mm.attrs.get("trans_b")), sink, (mm.inputs[1], bias_name), gelu_input,
                                      gelu.attrs.get("approximate", "none") if gelu_input is not None else None)
 
+    def _seeded(self, out: torch.Tensor, grad_output) -> torch.Tensor:
+        """A scalar whose gradient with respect to `out` is `grad_output` (ones without one), bit for
+        bit: sum(out * g), whose backward is 1.0 * g. Handed to autograd with no grad_outputs, where
+        giving `grad_output` as autograd's seed makes torch check its shape through
+        torch.fx.experimental.symbolic_shapes, whose first import (sympy and mpmath, ~490 modules) held
+        31 MiB of every torch worker from its first backward on (benchmarks/MEMORY_NOTES.md, helper h85)."""
+        return out.sum() if grad_output is None else (out * self._tensor(grad_output)).sum()
+
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         result = self.backward_input(microbatch, grad_output)
         if microbatch in self._pending:
@@ -759,7 +804,6 @@ class TorchStageEngine(StageEngine):
 
     def backward_input(self, microbatch: int, grad_output=None) -> StageGradients:
         x_in, out, used, deferral = self._graph_of(microbatch)
-        seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
         deferred = deferral[2] if deferral is not None else set()
         now = {k: p for k, p in used.items() if k not in deferred}
         wrt = list(now.values()) + ([x_in] if x_in is not None else []) + ([deferral[0]] if deferral else [])
@@ -767,7 +811,7 @@ class TorchStageEngine(StageEngine):
             # nothing to differentiate: a first stage that holds only frozen weights (LoRA's
             # embeddings); autograd refuses an empty list, and the answer is no gradients at all
             return StageGradients({}, None)
-        grads = torch.autograd.grad([out], wrt, [seed], allow_unused=True)
+        grads = torch.autograd.grad([self._seeded(out, grad_output)], wrt, allow_unused=True)
         params = {}
         # autograd's fresh tensors, shared with numpy without a copy (nothing else holds them; the
         # executor accumulates into them in place)
@@ -922,10 +966,9 @@ class TorchStageEngine(StageEngine):
         optimizer.begin_step()
         handles = [t.register_post_accumulate_grad_hook(hook(k)) for k, t in used.items()]
         try:
-            seed = torch.ones_like(out) if grad_output is None else self._tensor(grad_output)
             wrt = list(used.values()) + ([x_in] if x_in is not None else [])
             if wrt:
-                torch.autograd.backward([out], [seed], inputs=wrt)
+                torch.autograd.backward([self._seeded(out, grad_output)], inputs=wrt)
         finally:
             for h in handles:
                 h.remove()

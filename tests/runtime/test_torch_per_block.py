@@ -1,6 +1,6 @@
 """Issue 31: activations recomputed per block on the PyTorch engine. A torch stage told `activations:
-per-block` runs each block's forward under a checkpoint of its own (non-reentrant
-`torch.utils.checkpoint`): a micro-batch in flight holds its blocks' inputs, and each block's backward
+per-block` runs each block's forward under a checkpoint of its own (the engine's `_BlockRecompute`,
+not `torch.utils.checkpoint`, which imports torch._dynamo): a micro-batch in flight holds its blocks' inputs, and each block's backward
 runs that block's forward again. Its gradients are the keep mode's, MNN per-block's and float64
 transformers' (LoRA: PEFT's); what autograd holds for a micro-batch in flight is a fraction of the
 keep mode's."""
@@ -166,3 +166,44 @@ def test_an_int4_base_per_block_widens_each_weight_once_a_backward_with_keepings
     assert loss == keep_loss and grads.keys() == keep_grads.keys()
     for k in grads:
         np.testing.assert_array_equal(grads[k], keep_grads[k], err_msg=k)
+
+
+_NO_DYNAMO_CHILD = r"""
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import numpy as np
+from planner.onnx_import import load_model
+from runtime.engines.factory import make_engine
+from runtime.engines.stage import stage_spec
+from runtime.optim import AdamW
+from support import S, one_f_one_b_gradients, tiny_lora_graph, token_feeds
+
+graph = load_model(sys.argv[2], 2, S)
+spec = stage_spec(graph, 0, 2)
+one_f_one_b_gradients(make_engine("torch:cpu:t1", spec, activations="per-block"), graph, spec, update=True)
+lora = tiny_lora_graph(sys.argv[2])
+middle = stage_spec(lora, 1, 2)
+feeds = {**token_feeds(2, S, vocab=500), middle.activation_input:
+         np.ones(lora.values[middle.activation_input].shape, np.float32)}
+dy = np.ones(lora.values[middle.output].shape, np.float32)
+engine = make_engine("torch:cpu:t1", middle, activations="per-block")
+engine.forward(feeds, 0)
+engine.backward_and_step(0, AdamW(lr=1e-3), dy)
+engine.split_backward = True
+engine.forward(feeds, 1)
+engine.backward_input(1, dy)
+engine.backward_weight(1)
+print("MODULES " + json.dumps(sorted(m for m in ("torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy")
+                                     if m in sys.modules)))
+"""
+
+
+def test_a_per_block_torch_worker_s_training_never_imports_dynamo_or_sympy(tiny_onnx):
+    """A worker recomputing per block on torch (1F1B with an update between, a step inside the
+    backward, a split backward over LoRA's anchor) imports neither torch._dynamo nor sympy: the
+    engine's own recompute (`_BlockRecompute`) where `torch.utils.checkpoint`'s first call imported
+    torch._dynamo and sympy (~41-75 MiB of every per-block torch worker; MEMORY_NOTES.md, helper h110),
+    and a scalar seed where a given seed's shape check imported sympy (helper h85)."""
+    from support import run_child
+
+    assert run_child(_NO_DYNAMO_CHILD, "MODULES", tiny_onnx["torchscript-17"], timeout=300) == []
