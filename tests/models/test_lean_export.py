@@ -169,16 +169,32 @@ print(json.dumps({"weights": weights, "over": peak_rss_bytes() - base, "file": o
 """
 
 
+def _export_peak(folder: Path, base_dtype: str) -> dict:
+    """`_PEAK` in a new interpreter: it writes warm.onnx and m.onnx into `folder`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _PEAK, str(folder), base_dtype], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def int4_export_peak(tmp_path_factory) -> tuple[Path, dict]:
+    """The int4 run of `_PEAK`, once for the module: its folder (warm.onnx and m.onnx, the files
+    `test_lowering_a_quantized_file_keeps_its_storage_arrays_and_no_float32_copy` lowers) and its figures."""
+    folder = tmp_path_factory.mktemp("int4-export")
+    return folder, _export_peak(folder, "int4")
+
+
 @pytest.mark.parametrize("base_dtype", ["float32", "int4"])
-def test_the_export_holds_no_second_copy_of_the_weights(tmp_path, base_dtype):
+def test_the_export_holds_no_second_copy_of_the_weights(tmp_path, base_dtype, request):
     """The old path held the protobuf's copy, its serialization and (--base-dtype) the lowering's and the
     rewrite's: 2x the float weights and more over the loaded model. Lean: the file's weights at most,
     plus the tracer's and a chunk's work."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path), base_dtype], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    if base_dtype == "int4":
+        got = request.getfixturevalue("int4_export_peak")[1]
+    else:
+        got = _export_peak(tmp_path, base_dtype)
     # float32: the file's bytes are the parameters' own (views); int4: the quantized arrays, held for the
     # cache graph (the file's size: 0.25x here, the int8 table is most of the model). Then the tracer's and
     # the lowering's work (~20 MiB). The old path: 3.2x the weights over the model (float32 and int4).
@@ -204,18 +220,15 @@ print(json.dumps({"over": over, "file": os.path.getsize(sys.argv[1] + "/m.onnx")
 """
 
 
-def test_lowering_a_quantized_file_keeps_its_storage_arrays_and_no_float32_copy(tmp_path):
+def test_lowering_a_quantized_file_keeps_its_storage_arrays_and_no_float32_copy(int4_export_peak):
     """The lowering used to widen every stored weight to float32 (SmolLM2 int4: 598 MiB over its start for
-    a 92 MB file); it now holds them as the file stores them, widened only where a consumer asks."""
-    model = random_causal_lm("llama", 0, vocab_size=32000, hidden_size=512, intermediate_size=2048,
-                             num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
-    weights = sum(p.numel() * 4 for p in model.parameters())
-    export_causal_lm(model, tmp_path / "m.onnx", LlmExportOptions(base_dtype="int4"), kv_cache=False)
-    export_causal_lm(random_causal_lm("llama", 1), tmp_path / "warm.onnx", LlmExportOptions(base_dtype="int4"),
-                     kv_cache=False)
-    del model
+    a 92 MB file); it now holds them as the file stores them, widened only where a consumer asks. The file
+    is the one `_PEAK` wrote at int4 (a 3-layer Llama, 32000 x 512, seed 0, no cache graph; warm.onnx: the
+    default random Llama, seed 1)."""
+    folder, exported = int4_export_peak
+    weights = exported["weights"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", _LOWER_PEAK, str(tmp_path)], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, "-c", _LOWER_PEAK, str(folder)], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])

@@ -140,17 +140,31 @@ def _peft_then_engine(engine: str, peft_model, lora, adapters):
     adapted graph as one stage on `engine` with the same adapter weights: the losses equal, the engine's
     gradients for the adapters and the head only (frozen weights get none). Returns PEFT's modules by
     base weight and the engine's gradients."""
+    weights, modules, feeds, loss = _peft_reference(peft_model, lora, adapters)
+    return modules, _engine_gradients(engine, lora, weights, feeds, loss)
+
+
+def _peft_reference(peft_model, lora, adapters):
+    """`_same_adapter_weights` written into both, then one micro-batch's loss and backward through
+    `peft_model` (its gradients left on its modules): the weights, PEFT's modules by base weight, the
+    feeds and PEFT's loss."""
     weights, modules = _same_adapter_weights(peft_model, lora, adapters)
     feeds = token_feeds(B, S, vocab=500)
     loss = _peft_loss(peft_model, feeds)
     loss.backward()
+    return weights, modules, feeds, loss.item()
+
+
+def _engine_gradients(engine: str, lora, weights, feeds, loss: float) -> dict:
+    """The whole adapted graph as one stage on `engine` with `weights` in: its loss on `feeds` equals
+    `loss`; returns its gradients, for the adapters and the head only (frozen weights get none)."""
     spec = stage_spec(lora, 0, len(lora.blocks) - 1)
     init = {**lora.constants, **weights}
     eng = MnnStageEngine(spec, weights=init) if engine == "mnn" else TorchStageEngine(spec, weights=init)
-    assert float(eng.forward(feeds, 0)) == pytest.approx(loss.item(), rel=1e-5)
+    assert float(eng.forward(feeds, 0)) == pytest.approx(loss, rel=1e-5)
     grads = eng.backward(0).params
     assert set(grads) == set(lora.params)
-    return modules, grads
+    return grads
 
 
 @pytest.mark.parametrize("engine", ["mnn", "torch"])
@@ -166,12 +180,12 @@ def test_adapter_gradients_equal_peft_in_float64(tiny_checkpoint, adapted, engin
         assert _rel_err(grads[a.b], gb) <= 1e-4, (a.b, _rel_err(grads[a.b], gb))
 
 
-@pytest.mark.parametrize("engine", ["mnn", "torch"])
-def test_adapter_gradients_on_an_int4_minilm_equal_peft_on_its_dequantized_weights_in_float64(minilm_onnx, engine):
-    """The real all-MiniLM-L6-v2 (a float checkpoint, off every grid) with its frozen base held as
-    `--base-dtype int4` holds it: the projections int4, the three lookup tables int8 (`storage_for`). PEFT
-    in float64 runs on the checkpoint with each of those weights replaced by its dequantized values; the
-    engines never see the float32 base."""
+@pytest.fixture(scope="module")
+def int4_minilm_reference(minilm_onnx):
+    """The real all-MiniLM-L6-v2 under LoRA with its frozen base held int4, and PEFT in float64 on the
+    checkpoint with each held weight replaced by its dequantized values, one micro-batch through it (once
+    for both engines): the adapted graph, its adapters, the adapter weights, the feeds, PEFT's loss and
+    PEFT's adapter gradients by kind ("lora_A", "lora_B": {graph name: gradient})."""
     from ir.precision import QuantizedTensor, dequantize
     from jobs.export.encoder import default_checkpoint_dir
 
@@ -192,15 +206,27 @@ def test_adapter_gradients_on_an_int4_minilm_equal_peft_on_its_dequantized_weigh
             wide = dequantize(q).astype(np.float64)
             assert np.abs(wide - w).max() > 0  # off the grid: the rounding moves it
             p.copy_(torch.from_numpy(wide.T if t else wide))
-    modules, grads = _peft_then_engine(engine, peft_model, lora, adapters)
+    weights, modules, feeds, loss = _peft_reference(peft_model, lora, adapters)
+    refs = {kind: {a.a if kind == "lora_A" else a.b: getattr(modules[a.base], kind)["default"].weight.grad.numpy().T
+                   for a in adapters} for kind in ("lora_A", "lora_B")}
+    return lora, weights, feeds, loss, refs
+
+
+@pytest.mark.parametrize("engine", ["mnn", "torch"])
+def test_adapter_gradients_on_an_int4_minilm_equal_peft_on_its_dequantized_weights_in_float64(int4_minilm_reference,
+                                                                                               engine):
+    """The real all-MiniLM-L6-v2 (a float checkpoint, off every grid) with its frozen base held as
+    `--base-dtype int4` holds it: the projections int4, the three lookup tables int8 (`storage_for`). PEFT
+    in float64 runs on the checkpoint with each of those weights replaced by its dequantized values; the
+    engines never see the float32 base."""
+    lora, weights, feeds, loss, refs = int4_minilm_reference
+    grads = _engine_gradients(engine, lora, weights, feeds, loss)
     # relative to the largest gradient of its kind: some of a real model's adapters get gradients ~1e-3 of the
     # largest, where float32 against float64 differs in the 2nd digit on the float32 base too (measured: per
     # tensor 1.6e-2 at float32, all of them within 2.1e-5 of the largest)
     for kind in ("lora_A", "lora_B"):
-        refs = {a.a if kind == "lora_A" else a.b: getattr(modules[a.base], kind)["default"].weight.grad.numpy().T
-                for a in adapters}
-        scale = max(np.abs(r).max() for r in refs.values())
-        for mine, ref in refs.items():
+        scale = max(np.abs(r).max() for r in refs[kind].values())
+        for mine, ref in refs[kind].items():
             assert np.abs(grads[mine] - ref).max() <= 1e-4 * scale, (mine, np.abs(grads[mine] - ref).max() / scale)
 
 
