@@ -26,6 +26,7 @@ import numpy as np
 
 from ir.plan import Action, ActionKind
 from runtime.engines.base import RowGradient, StageEngine, accumulate, dense_gradient
+from runtime.procfs import release_free_heap
 from runtime.transport.wire import Expected, PeerTimeout, Transport
 
 COORDINATOR = "coordinator"
@@ -375,7 +376,17 @@ class StageExecutor:
     def _sum_tied(self) -> None:
         """Replace this stage's part of each tied weight's gradient by the sum over its holders.
         Everything is sent before anything is awaited, so holders never wait on one another; the
-        update count tells this update's sums from those of an aborted step."""
+        update count tells this update's sums from those of an aborted step.
+
+        The backwards' freed memory is given back first (`release_free_heap`): the plan charges the
+        update as what the stage holds throughout + the sum received, the backwards' activations and
+        workspace not held then (`planner.cost.phase_peak_bytes`), but their small blocks stay
+        resident as free heap below the blocks allocated after them (the gradient sums), and the
+        sum's table-sized receive came on top of it. The embeddings' stage of
+        tests/jobs/test_torch_full_finetune_plan.py held 30-41 MiB of it at its update and peaked at
+        0.988-0.995 of its plan; given back, its peak is the level after the trim + the sum (+108.8
+        MiB for a 108.0 MiB table), 0.967 (benchmarks/MEMORY_NOTES.md, helper h116)."""
+        release_free_heap()
         for name in self.tied:
             self.transport.send_tensor(COORDINATOR, "tied_grad", self.stage, self.updates,
                                        np.ascontiguousarray(dense_gradient(self.grad_sum[name])), name=name)
