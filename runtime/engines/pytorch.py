@@ -279,6 +279,15 @@ class _QuantizedLinearCrossEntropy(torch.autograd.Function):
         return ctx.grad_hidden * grad, None, None, None
 
 
+def _seed(out: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    """A scalar whose gradient with respect to `out` is `grad` (ones without one), bit for bit:
+    sum(out * grad), whose backward is 1.0 * grad. Handed to autograd with no grad_outputs, where
+    giving `grad` as autograd's seed makes torch check its shape through
+    torch.fx.experimental.symbolic_shapes, whose first import (sympy and mpmath, ~490 modules) held
+    31 MiB of every torch worker from its first backward on (benchmarks/MEMORY_NOTES.md, helper h85)."""
+    return out.sum() if grad is None else (out * grad).sum()
+
+
 class _BlockRecompute(torch.autograd.Function):
     """One block's forward recomputed in its backward (per block): the forward runs without a graph
     and saves only the block's inputs that need a gradient (its input, its weights, a split
@@ -305,9 +314,7 @@ class _BlockRecompute(torch.autograd.Function):
             del held
             if not out.requires_grad:
                 return (None, *(None for _ in values))
-            # seeded with a scalar whose gradient is `grad` (1.0 * grad), not `grad` as grad_outputs:
-            # see TorchStageEngine._seeded
-            grads = torch.autograd.grad([(out * grad).sum()], values, allow_unused=True)
+            grads = torch.autograd.grad([_seed(out, grad)], values, allow_unused=True)
         return (None, *grads)
 
 
@@ -775,14 +782,6 @@ class TorchStageEngine(StageEngine):
                                      bool(mm.attrs.get("trans_b")), sink, (mm.inputs[1], bias_name), gelu_input,
                                      gelu.attrs.get("approximate", "none") if gelu_input is not None else None)
 
-    def _seeded(self, out: torch.Tensor, grad_output) -> torch.Tensor:
-        """A scalar whose gradient with respect to `out` is `grad_output` (ones without one), bit for
-        bit: sum(out * g), whose backward is 1.0 * g. Handed to autograd with no grad_outputs, where
-        giving `grad_output` as autograd's seed makes torch check its shape through
-        torch.fx.experimental.symbolic_shapes, whose first import (sympy and mpmath, ~490 modules) held
-        31 MiB of every torch worker from its first backward on (benchmarks/MEMORY_NOTES.md, helper h85)."""
-        return out.sum() if grad_output is None else (out * self._tensor(grad_output)).sum()
-
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         result = self.backward_input(microbatch, grad_output)
         if microbatch in self._pending:
@@ -811,7 +810,8 @@ class TorchStageEngine(StageEngine):
             # nothing to differentiate: a first stage that holds only frozen weights (LoRA's
             # embeddings); autograd refuses an empty list, and the answer is no gradients at all
             return StageGradients({}, None)
-        grads = torch.autograd.grad([self._seeded(out, grad_output)], wrt, allow_unused=True)
+        given = None if grad_output is None else self._tensor(grad_output)
+        grads = torch.autograd.grad([_seed(out, given)], wrt, allow_unused=True)
         params = {}
         # autograd's fresh tensors, shared with numpy without a copy (nothing else holds them; the
         # executor accumulates into them in place)
@@ -968,7 +968,8 @@ class TorchStageEngine(StageEngine):
         try:
             wrt = list(used.values()) + ([x_in] if x_in is not None else [])
             if wrt:
-                torch.autograd.backward([self._seeded(out, grad_output)], inputs=wrt)
+                given = None if grad_output is None else self._tensor(grad_output)
+                torch.autograd.backward([_seed(out, given)], inputs=wrt)
         finally:
             for h in handles:
                 h.remove()
