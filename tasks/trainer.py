@@ -126,6 +126,9 @@ def train_steps(engine: StageEngine, batches: Sequence, config: TrainConfig, num
             feeds = step_feeds(batches[step % len(batches)])
         loss, grads = accumulate_feeds(engine, feeds)
         engine.step(optimizer, grads)
+        # let go now: held, the step's gradients stood beside the next step's backward and the optimizer state's
+        # snapshot below (MiniLM full fine-tuning: a whole set, helper h117)
+        del grads
         seconds = time.perf_counter() - start
         if not np.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step + 1}: lower --lr (now {config.lr})")

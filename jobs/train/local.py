@@ -10,6 +10,8 @@ export-trained` read.
 """
 from __future__ import annotations
 
+import gc
+import importlib
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +25,7 @@ from jobs.common.settings import TrainingSettings
 from jobs.common.task_choice import check_graph, task_for
 from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_checkpoint_target, save_checkpoint
-from runtime.procfs import peak_rss_bytes
+from runtime.procfs import peak_rss_bytes, release_free_heap, rss_bytes
 from tasks.trainer import TrainConfig, train_steps
 
 
@@ -57,13 +59,29 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     reporter.note(f"model {Path(model).name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB "
                   f"parameters; {len(run.train)} training {the_task.examples}, {len(run.dev)} eval {the_task.examples}; engine "
                   f"{settings.engine}, {config.threads} thread(s); setup {time.perf_counter() - started:.1f}s")
+    # the memory check's modules (the memory model's) imported now: the set-up holds them (imported after the
+    # peak was read, they rose the whole life ~1 MiB above the printed figure: the tiny BERT, helper h117)
+    for module in ("planner.cluster", "planner.cost", "planner.memory_defaults"):
+        importlib.import_module(module)
+    gc.collect()
+    release_free_heap()  # the set-up's free heap handed back: what the steps and the evaluation rise from
+    # the planned figure's measured part (`local_check`): the process, data, model and engine built, as the
+    # causal-LM job reads it (`jobs.train.causal_lm`); the memory model's whole figure charged a worker's
+    # start-up for it (MiniLM, the demo's run: 571 / 491, helper h117)
+    set_up = rss_bytes()
     before = the_task.evaluate(engine, graph, run, config.batch)
+    # the evaluation runs on the training engine: what it rose above the set-up (at least; VmHWM is never
+    # reset, the set-up's own earlier peak may count too) charged where larger than a step. MNN keeping its
+    # per-op caches keeps the forward's, which a step charges (MiniLM: +89 MiB, its caches 88)
+    evaluation = peak_rss_bytes() - set_up if set_up is not None and before is not None else None
     if before is not None:
         reporter.note(f"{the_task.headline(before)} before fine-tuning")
     reporter.start("train", config.steps)
     result = train_steps(engine, batches, config, len(run.labels),
                          on_step=lambda r: reporter.step(r.step, loss=r.loss, **{"tok/s": r.tokens_per_s}),
                          step_feeds=lambda b: the_task.feeds(run, b, config.batch, config.microbatches))
+    gc.collect()
+    release_free_heap()
     after = the_task.evaluate(engine, graph, run, config.batch)
     life = peak_rss_bytes()  # the whole life's peak (set-up, both evaluations, the steps): VmHWM, never reset
     losses = [s.loss for s in result.steps]
@@ -86,7 +104,8 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
                               (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, life),),
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": the_task.name})
     return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter, settings.activations,
-                       settings.lora.base_dtype if settings.lora is not None else "float32")
+                       settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
+                       evaluation_bytes=evaluation, whole_model_trained=settings.lora is None)
 
 
 def write_single_device_checkpoint(folder: Path, weights, optimizer_state, graph, meta: dict) -> Path:

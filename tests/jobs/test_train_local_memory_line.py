@@ -38,10 +38,10 @@ def test_train_local_plans_an_int4_per_block_causal_lm_within_ten_percent_of_its
     assert doc["eval"]["perplexity"] is not None  # scored as a causal LM
 
 
-def _checked_line(run, out, life: int) -> dict:
+def _checked_line(run, out, life: int, least: float = 0.90) -> dict:
     """The run's metrics document, its printed "this-device" line the document's figures, the measured peak
     the process's whole life's (`life`: VmHWM read in the child) at most the planned figure and at least
-    0.90 of it."""
+    `least` of it."""
     assert run.returncode == 0, run.stderr
     doc = json.loads(out.read_text())
     measured, planned = doc["devices"][0]["peak_rss_bytes"], doc["devices"][0]["planned_bytes"]
@@ -53,7 +53,7 @@ def _checked_line(run, out, life: int) -> dict:
     print(f"whole life {life / MIB:.1f} MiB, printed {measured / MIB:.1f}, planned {planned / MIB:.1f}, "
           f"ratio {ratio:.3f}")
     assert abs(measured - life) <= MIB, (line, f"the process peaked at {life / MIB:.1f} MiB")
-    assert 0.90 <= ratio <= 1.00, (line, round(ratio, 3))
+    assert least <= ratio <= 1.00, (line, round(ratio, 3))
     return doc
 
 
@@ -212,3 +212,22 @@ def test_the_engine_built_after_training_lets_go_of_each_frozen_weight_it_replac
     assert len(watched.alive) >= 8, len(watched.alive)  # the blocks' frozen float32 weights, one by one
     assert max(watched.alive) == 0, f"{max(watched.alive)} of {len(watched.alive)} replaced weights still held"
     assert float(np.asarray(built.forward(feeds, train=False))) == want
+
+
+def test_train_local_plans_a_token_classifier_from_its_measured_set_up(tiny_onnx, tmp_path):
+    """Token classification (the tiny BERT, full fine-tuning on MNN per block, 8 x 64, two steps after an
+    evaluation on the training engine), `confidant train-local` in a new interpreter: the printed peak is the
+    process's whole life's, at most the printed planned figure and at least 0.85 of it. The planned figure
+    was the memory model's whole figure, a worker's start-up for this process's set-up (here "97 / 70"; the
+    demo's MiniLM run "571 / 491", 1.16 over it); it is the set-up as measured and a step (helper h117)."""
+    from support import make_tiny_tokenizer
+
+    data = tmp_path / "d.txt"
+    data.write_text("Kim B-PER\nleft O\nParis B-LOC\nfor O\nACME B-ORG\n\nLee B-PER\nsaw O\nRome B-LOC\n\n" * 4)
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "run.json"
+    run, life = run_cli_peaks("train-local", tiny_onnx["torchscript-17"], "--data", data, "--eval", data, "--steps",
+                              "2", "--batch", "8", "--seq", "64", "--lr", "1e-3", "--threads", "1", "--tokenizer",
+                              tmp_path / "tokenizer.json", "--activations", "per-block", "--metrics-out", out)
+    assert "the set-up as measured + a step by the memory model" in run.stdout + run.stderr
+    _checked_line(run, out, life, least=0.85)
