@@ -81,7 +81,7 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
                          on_step=lambda r: reporter.step(r.step, loss=r.loss, **{"tok/s": r.tokens_per_s}),
                          step_feeds=lambda b: the_task.feeds(run, b, config.batch, config.microbatches))
     gc.collect()
-    release_free_heap()
+    release_free_heap()  # what the steps let go of handed back before the evaluation after them
     after = the_task.evaluate(engine, graph, run, config.batch)
     life = peak_rss_bytes()  # the whole life's peak (set-up, both evaluations, the steps): VmHWM, never reset
     losses = [s.loss for s in result.steps]

@@ -159,9 +159,9 @@ def test_report_page_in_chromium(planned_run):
 
 
 def test_train_local_and_train_pipeline_say_what_they_used(tiny_onnx, tmp_path):
-    """Runs planned in memory: each device's planned figure is the memory model's for the run's cuts
-    (for one device, what `confidant estimate` says of it), a one-device run's budget the room it had."""
-    from jobs.estimate import EstimateSettings, estimate_memory
+    """Runs planned in memory: each pipeline device's planned figure is the memory model's for the run's
+    cuts; a one-device run's is its set-up as measured + a step (it was `confidant estimate`'s figure, a
+    worker's start-up for this process's: helper h117), its budget the room it had."""
 
     model = tiny_onnx["torchscript-17"]
     train, dev = write_splits(tmp_path / "data", n_train=16, n_dev=4, seed=5)
@@ -171,9 +171,8 @@ def test_train_local_and_train_pipeline_say_what_they_used(tiny_onnx, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "local.json").read_text())
     [device] = doc["devices"]
-    alone = estimate_memory(model, EstimateSettings(batch=4, seq=16, microbatches=1), devices=(("a", 2 ** 40),))
-    assert device["planned_bytes"] == alone.requested.stages[0].memory_bytes
-    assert device["budget_bytes"] > device["peak_rss_bytes"] > 0
+    assert "planned by the set-up as measured + a step by the memory model" in proc.stderr
+    assert device["budget_bytes"] > device["peak_rss_bytes"] > 0 and device["planned_bytes"] > 0
     assert (f"  this-device: {device['peak_rss_bytes'] / MIB:.0f} / {device['planned_bytes'] / MIB:.0f} / "
             f"{device['budget_bytes'] / MIB:.0f}") in proc.stderr
     proc = run_cli("train-pipeline", model, *common, "--local", 2, "--microbatches", 2, "--cuts", 2,
