@@ -171,6 +171,11 @@ def test_an_int4_base_per_block_widens_each_weight_once_a_backward_with_keepings
 _NO_DYNAMO_CHILD = r"""
 import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+# the planner's and the model hub's libraries, MNN: none is a torch worker's to run
+HEAVY = ("onnx", "onnxruntime", "ortools", "google.protobuf", "transformers", "tokenizers", "huggingface_hub",
+         "peft", "safetensors", "scipy", "MNN")
+import confidant.commands, runtime.pipeline.worker  # what `confidant worker` imports before its first bundle
+heavy = ["at start: " + m for m in HEAVY if m in sys.modules]
 import numpy as np
 from planner.onnx_import import load_model
 from runtime.engines.factory import make_engine
@@ -179,9 +184,10 @@ from runtime.optim import AdamW
 from support import S, one_f_one_b_gradients, tiny_lora_graph, token_feeds
 
 graph = load_model(sys.argv[2], 2, S)
+lora = tiny_lora_graph(sys.argv[2])
+loaded = set(sys.modules)  # the ONNX files read: what the test needs, not the worker (its bundle is the IR)
 spec = stage_spec(graph, 0, 2)
 one_f_one_b_gradients(make_engine("torch:cpu:t1", spec, activations="per-block"), graph, spec, update=True)
-lora = tiny_lora_graph(sys.argv[2])
 middle = stage_spec(lora, 1, 2)
 feeds = {**token_feeds(2, S, vocab=500), middle.activation_input:
          np.ones(lora.values[middle.activation_input].shape, np.float32)}
@@ -193,17 +199,21 @@ engine.split_backward = True
 engine.forward(feeds, 1)
 engine.backward_input(1, dy)
 engine.backward_weight(1)
+heavy += ["by training: " + m for m in HEAVY if m in sys.modules and m not in loaded]
 print("MODULES " + json.dumps(sorted(m for m in ("torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy")
-                                     if m in sys.modules)))
+                                     if m in sys.modules) + heavy))
 """
 
 
-def test_a_per_block_torch_worker_s_training_never_imports_dynamo_or_sympy(tiny_onnx):
+def test_a_per_block_torch_worker_s_training_never_imports_dynamo_sympy_or_the_planner_s_libraries(tiny_onnx):
     """A worker recomputing per block on torch (1F1B with an update between, a step inside the
     backward, a split backward over LoRA's anchor) imports neither torch._dynamo nor sympy: the
     engine's own recompute (`_BlockRecompute`) where `torch.utils.checkpoint`'s first call imported
     torch._dynamo and sympy (~41-75 MiB of every per-block torch worker; MEMORY_NOTES.md, helper h110),
-    and a scalar seed where a given seed's shape check imported sympy (helper h85)."""
+    and a scalar seed where a given seed's shape check imported sympy (helper h85). Nor does the
+    worker's start (`confidant worker`'s modules) or its training import the planner's, the model
+    hub's or MNN's libraries (onnx, onnxruntime, ortools, protobuf, transformers, scipy...): what a
+    torch worker holds beyond `import torch` is ~5 MiB (zmq, PyNaCl, the runtime; helper h118)."""
     from support import run_child
 
     assert run_child(_NO_DYNAMO_CHILD, "MODULES", tiny_onnx["torchscript-17"], timeout=300) == []
