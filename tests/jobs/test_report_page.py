@@ -171,7 +171,8 @@ def test_train_local_and_train_pipeline_say_what_they_used(tiny_onnx, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "local.json").read_text())
     [device] = doc["devices"]
-    assert "planned by the set-up as measured + a step by the memory model" in proc.stderr
+    # the set-up + a step, or + the evaluation's rise where that is larger (which one moves with the heap)
+    assert "planned by the set-up" in proc.stderr and "planned by the memory model" not in proc.stderr
     assert device["budget_bytes"] > device["peak_rss_bytes"] > 0 and device["planned_bytes"] > 0
     assert (f"  this-device: {device['peak_rss_bytes'] / MIB:.0f} / {device['planned_bytes'] / MIB:.0f} / "
             f"{device['budget_bytes'] / MIB:.0f}") in proc.stderr
