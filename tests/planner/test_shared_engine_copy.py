@@ -17,7 +17,7 @@ from planner.cluster import Cluster, DeviceSpec
 from planner.cost import engine_bytes, shared_engine_bytes, stage_memory_terms
 from planner.lora import LoraSettings
 from planner.onnx_import import load_model
-from support import tiny_tied_llama
+from support import gc_frozen, tiny_tied_llama
 
 MIB = 2 ** 20
 VOCAB = 32768  # hidden 64: a float32 table of 8 MiB, well above the RSS noise of an engine's build
@@ -92,12 +92,13 @@ def test_the_planners_engine_term_is_a_one_stage_engines_measured_build(graphs):
     graph = graphs["float32"]
     backend = BackendSpec.cpu("torch", 1)
     n = len(graph.blocks)
-    figures = {"embeddings": engine_setup_bytes(backend, stage_spec(graph, 0, 0)),
-               "layer.0": engine_setup_bytes(backend, stage_spec(graph, 1, n - 3)) // (n - 3),
-               "head": engine_setup_bytes(backend, stage_spec(graph, n - 2, n - 1))}
+    with gc_frozen():  # the builds' collections walk only what they make (as in `profile_device`)
+        figures = {"embeddings": engine_setup_bytes(backend, stage_spec(graph, 0, 0)),
+                   "layer.0": engine_setup_bytes(backend, stage_spec(graph, 1, n - 3)) // (n - 3),
+                   "head": engine_setup_bytes(backend, stage_spec(graph, n - 2, n - 1))}
+        built = engine_setup_bytes(backend, stage_spec(graph, 0, n - 1))
     table = VOCAB * 64 * 4
     assert figures["embeddings"] < table // 2 and figures["head"] < table // 2, figures  # neither holds a copy
     assert shared_engine_bytes(graph, 0, n - 1, _device(graph, "torch", figures)) == 0
-    built = engine_setup_bytes(backend, stage_spec(graph, 0, n - 1))
     charged = engine_bytes(graph, 0, n - 1, _device(graph, "torch", figures))
     assert abs(charged - built) <= 1.5 * MIB, (charged / MIB, built / MIB)

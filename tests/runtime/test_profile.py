@@ -267,7 +267,9 @@ def test_profile_measures_split_child_processes(tiny_profile):
 
 
 def test_memory_override_and_attention_switch(tiny_graph):
-    prof = profile_device(tiny_graph, "x", backends=("mnn:cpu:t1",), reps=1, memory_bytes=123, attention=False)
+    # nothing read here comes from a fresh child (tests/runtime/test_fresh_*.py and test_decoder's profile hold those)
+    prof = profile_device(tiny_graph, "x", backends=("mnn:cpu:t1",), reps=1, memory_bytes=123, attention=False,
+                          fresh=False)
     assert prof.memory_available_bytes == 123
     assert prof.backends[0].attention == {}
     assert prof.split_child_bytes == {}  # no curves, no split: no child measured either
