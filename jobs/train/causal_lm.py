@@ -32,6 +32,7 @@ from jobs.common.memory_check import local_check, machine_room_bytes
 from jobs.common.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
 from jobs.common.report import Reporter, Silent
 from jobs.common.settings import TrainingSettings
+from jobs.train.start_up import hand_back, torch_start_up
 from planner.lora import Adapter, add_lora
 from planner.onnx_import import load_model
 from planner.onnx_weights import drop_mapped_pages
@@ -242,7 +243,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
                           "fine-tuning")
             # at least what it rose above its start (VmHWM, never reset: a set-up's earlier peak may count too)
             evaluation = peak_rss_bytes() - start if start is not None else None
-            _hand_back(settings.engine)
+            hand_back(settings.engine)
         # full fine-tuning: the engine takes the graph's arrays as its weights (held once, not twice;
         # the graph's parameters then follow training, read `engine.parameters()` for the trained ones)
         engine = whole_model_engine(graph, settings.engine, config.threads, take_weights=settings.lora is None,
@@ -256,7 +257,8 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         # process's life; a profile charges it with the engine, `runtime.profiling.device`) paid once before the
         # set-up is read, so the set-up holds it: the tiny chat Llama's first step rose 113 MiB above the set-up
         # where the step charges 48 (helpers h97, h102, h106)
-        _torch_start_up(graph, settings, CAUSAL_LM.feeds(run, batches[0], config.batch, 1)[0])
+        torch_start_up(graph, settings.threads, settings.activations,
+                       CAUSAL_LM.feeds(run, batches[0], config.batch, 1)[0])
     reporter.note(f"model {Path(model).name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB "
                   f"trainable; {len(run.train)} training rows, {len(dev)} eval conversations; engine "
                   f"{settings.engine}, {config.threads} thread(s); setup {time.perf_counter() - started:.1f}s")
@@ -285,7 +287,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         # (SmolLM2 LoRA: 3.4 GB against training's 2.2)
         del engine
         result.optimizer_state = {}
-        _hand_back(settings.engine)
+        hand_back(settings.engine)
         # generation with no engine beside it, the perplexity's engine built after it (per block): built
         # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-608 MiB against training's
         # 554-559; 540-554 against 550-566 now, helper h89)
@@ -337,33 +339,6 @@ def _float32_file(model: Path) -> bool:
     from planner.onnx_quantize import recorded_base_dtype
 
     return recorded_base_dtype(Path(model)) == "float32"
-
-
-def _hand_back(engine: str) -> None:
-    """What an engine let go of given back before the next phase: Python's garbage, the buffers MNN cached for
-    its programs (SmolLM2 int4 LoRA after training: ~41 MiB, which stood under the evaluation's generation:
-    benchmarks/MEMORY_NOTES.md, helper h89) and glibc's free heap."""
-    gc.collect()
-    if engine == "mnn":
-        from runtime.engines.mnn_kernels import release_memory
-
-        release_memory()
-    release_free_heap()
-
-
-def _torch_start_up(graph: Graph, settings: TrainingSettings, feeds: Mapping[str, np.ndarray]) -> None:
-    """One forward and backward of the graph's most repeated block (a decoder layer) on an engine of its own,
-    with the run's activations (`runtime.profiling.compute.run_once`), let go after."""
-    from ir.graph import block_signature
-    from runtime.profiling.compute import run_once
-
-    count: dict[str, int] = {}
-    for b in graph.blocks:
-        count[block_signature(b)] = count.get(block_signature(b), 0) + 1
-    layer = max(graph.blocks, key=lambda b: (count[block_signature(b)], -b.index))
-    run_once(BackendSpec.cpu("torch", settings.threads), stage_spec(graph, layer.index, layer.index), feeds,
-             settings.activations)
-    _hand_back("torch")
 
 
 def _evaluation_nll(graph: Graph, engine: str, threads: int, trained: Mapping[str, np.ndarray] | None = None

@@ -79,7 +79,7 @@ def test_train_local_plans_a_torch_per_block_causal_lm_within_ten_percent_of_its
     least 0.90 of it. The evaluation's rise counted torch's import (~180 MiB), which the set-up holds again, and
     the set-up did not hold torch's start-up (the first backward's kernels and buffers, ~65 MiB above the step's
     charge): "437 / 565" (0.77); the import is measured and taken out of the evaluation's rise, and one layer's
-    forward and backward runs before the set-up is read (`jobs.train.causal_lm._torch_start_up`, helper h106)."""
+    forward and backward runs before the set-up is read (`jobs.train.start_up.torch_start_up`, helper h106)."""
     model, train, dev = chat_llama
     out = tmp_path / "run.json"
     run, life = run_cli_peaks("train-local", model, "--data", train, "--eval", dev, "--eval-limit", "1", "--steps",
