@@ -80,8 +80,9 @@ def test_the_profile_charges_what_a_fresh_worker_keeps_after_its_first_layer_ste
     figures = (profile["start_up"] / MIB, profile["pages"] / MIB, {k: v / MIB for k, v in held.items()})
     print("start-up charged %.1f MiB, the probe's pages %.1f, held %s" % figures)
     assert held["per-block"] > 10 * MIB, figures  # far above what the embeddings' first run shows
-    # the engine's charge beyond its import and first product covers what a fresh worker's first steps keep
-    assert profile["start_up"] + profile["pages"] >= 0.9 * held["per-block"], figures
+    # the engine's charge beyond its import and first product covers what a fresh worker's first steps keep, but
+    # the pages of that product (~1.5 MiB, in the import's figure; 18.0 charged against 19.8 held here)
+    assert profile["start_up"] + profile["pages"] >= held["per-block"] - 3 * MIB, figures
     # and its start-up is what they keep beyond its probe's training step, not those pages again (main: 20.1 MiB
     # charged, 4.0 held; here 1-2 MiB of anonymous start-up, ~3 of the MLP's kernels the probe does not run)
     assert held["after-probe"] - 2 * MIB <= profile["start_up"] <= held["after-probe"] + 3 * MIB, figures
