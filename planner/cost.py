@@ -930,8 +930,30 @@ def tied_sum_bytes(graph: Graph, first: int, last: int) -> int:
     charge). A stage holding every holder exchanges nothing: this over-charges a one-stage plan."""
     _, _, _, listed = _graph_tables(graph)
     dense = _table_readers(graph)[0]
-    return sum(int(graph.constants[t].nbytes) for t, blocks in listed.items() if len(blocks) > 1
+    return sum(received_sum_bytes(int(graph.constants[t].nbytes)) for t, blocks in listed.items() if len(blocks) > 1
                for k in blocks if first <= k <= last and k not in dense[t])
+
+
+# The transport's frames (runtime.transport.wire: PART_BYTES, RELEASE_EVERY_PARTS), restated here (the
+# planner imports no runtime); tests/planner/test_cost.py checks they agree.
+RECEIVE_PART_BYTES = 1 << 20
+RECEIVE_RELEASE_EVERY_PARTS = 4
+
+
+def received_sum_bytes(nbytes: int) -> int:
+    """What receiving a tied gradient's sum of `nbytes` holds at its peak: the sum, and the frames it
+    came in that are copied into it but not yet given back. `runtime.transport.wire.join_payload`
+    copies the frames last first into one buffer and trims the freed ones every RELEASE_EVERY_PARTS,
+    so that many frames, the one being copied and what the trim leaves lie freed-but-resident beside
+    the joined buffer: measured 4.9-6.0 MiB above the level after the join in a fresh process joining
+    108 frames (tests/runtime/test_tied_sum_receive.py), and 4.6-6.1 MiB above the sum received in the
+    embeddings' stage of tests/jobs/test_torch_full_finetune_plan.py, whose VmRSS rose by the table
+    (107.6-112.1 MiB) from its trimmed level (benchmarks/MEMORY_NOTES.md, helper h124): charged
+    RELEASE_EVERY_PARTS + 3 frames, one above the most measured. A one-frame sum is used as it came.
+    Charged as the table alone, that stage read 0.993-0.994 of its plan once the start-up's double
+    charge of library pages was gone (helper h120)."""
+    frames = max(1, -(-nbytes // RECEIVE_PART_BYTES))
+    return nbytes + (min(frames, RECEIVE_RELEASE_EVERY_PARTS + 3) * RECEIVE_PART_BYTES if frames > 1 else 0)
 
 
 def phases_apart(device: DeviceSpec, schedule: str) -> bool:
@@ -959,7 +981,7 @@ def update_only_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, s
         return 0
     _, _, _, listed = _graph_tables(graph)
     dense = _table_readers(graph)[0]
-    return sum(int(graph.constants[t].nbytes) for t, blocks in listed.items()
+    return sum(received_sum_bytes(int(graph.constants[t].nbytes)) for t, blocks in listed.items()
                if len(blocks) > 1 and not all(first <= k <= last for k in blocks)
                for k in blocks if first <= k <= last and k not in dense[t])
 

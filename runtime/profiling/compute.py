@@ -39,7 +39,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from runtime.engines.factory import make_engine
 from runtime.engines.split.piece import AttentionForm, attention_piece
 from runtime.engines.stage import StageSpec, stage_spec
 from runtime.profiling.inputs import activation, timed
+from runtime.procfs import status_bytes
 from runtime.profiling.memory import PeakRss
 
 
@@ -67,6 +68,12 @@ def measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.
                   activations: str | None = None) -> BlockCost:
     """Forward, backward (with MNN's forward re-run), recompute and workspace of one stage;
     `activations` as `make_engine` takes it (None: the engine's default)."""
+    return _measure_stage(backend, spec, feeds, reps, activations)[0]
+
+
+def _measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray], reps: int,
+                   activations: str | None) -> tuple[BlockCost, int]:
+    """`measure_stage`, and the file pages (libraries' pages) its workspace's window mapped."""
     stage_feeds, grad = _stage_inputs(spec, feeds)
     engine = make_engine(backend, spec, activations=activations)
     # as the executor and the trainer run it: an embedding table's gradient as the rows it touches
@@ -94,8 +101,8 @@ def measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.
     b_own = statistics.median(bwd)
     if forced:
         b_forced = statistics.median(forced)
-        return BlockCost(statistics.median(fwd), b_forced, max(0.0, b_forced - b_own), peak.bytes)
-    return BlockCost(statistics.median(fwd), b_own, 0.0, peak.bytes)
+        return BlockCost(statistics.median(fwd), b_forced, max(0.0, b_forced - b_own), peak.bytes), peak.file_bytes
+    return BlockCost(statistics.median(fwd), b_own, 0.0, peak.bytes), peak.file_bytes
 
 
 def engine_setup_bytes(backend: BackendSpec, spec: StageSpec) -> int:
@@ -168,9 +175,44 @@ def start_up_bytes(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
     it (`measure_stage`'s workspace twice, on fresh engines): the engine's one-time start-up, which
     every worker pays once beside its import (PyTorch, 2 x 128 MiniLM: ~40 MiB of kernels, autograd's
     engine and threads; MNN: nothing measurable). 0 once the engine has run in this process."""
-    first = measure_stage(backend, spec, feeds, reps=1, activations=activations).workspace_bytes
+    return start_up_parts(backend, spec, feeds, activations)[0]
+
+
+def start_up_parts(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
+                   activations: str | None = None) -> tuple[int, int]:
+    """(`start_up_bytes`, the part of it that is libraries' file pages the first run mapped): a child forked
+    from a server holds none of its libraries' read-only pages (a fork copies no page table of a file
+    mapping), and a worker gave torch's back at its import (`runtime.library_pages`), so the first run maps
+    the kernels' pages it reads (torch, 2 x 128 hidden-256 layers: ~18 of a ~20 MiB start-up), which the
+    engine's term charges already where its probe trains (`runtime.profiling.memory.engine_overhead_bytes`)."""
+    first, pages = _measure_stage(backend, spec, feeds, 1, activations)
     again = measure_stage(backend, spec, feeds, reps=1, activations=activations).workspace_bytes
-    return max(0, first - again)
+    start_up = max(0, first.workspace_bytes - again)
+    return start_up, min(start_up, pages)
+
+
+def file_pages_beyond_probe(backend: BackendSpec, stages: Sequence[tuple[StageSpec, str | None]],
+                            feeds: Mapping[str, np.ndarray]) -> int:
+    """The libraries' file pages that a first run of each of `stages` ((spec, activations)) maps beyond what
+    the engine's probe maps (`runtime.profiling.memory.engine_overhead_bytes`: its import, a product and a
+    small training step, `training_step_probe`), in this process after its start-up runs: torch's library
+    pages given back first (as its import gives them back), the probe's step run, then each stage once; the
+    RssFile growth over the stages (SmolLM2-shaped layers, hidden 256: ~3 MiB, their MLP's kernels)."""
+    from runtime.library_pages import drop_library_pages
+    from runtime.profiling.training_probe import training_step_probe
+
+    drop_library_pages()
+    training_step_probe(backend.name, steps=1)
+    before = status_bytes("RssFile")
+    for spec, activations in stages:
+        stage_feeds, grad = _stage_inputs(spec, feeds)
+        engine = make_engine(backend, spec, activations=activations)
+        engine.row_gradients = True
+        engine.forward(stage_feeds, 0)
+        engine.backward(0, grad)
+        del engine
+    after = status_bytes("RssFile")
+    return 0 if before is None or after is None else max(0, after - before)
 
 
 def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],

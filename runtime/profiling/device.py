@@ -42,7 +42,7 @@ from runtime.profiling.backends import present_backends
 from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_setup_bytes, engine_update_rates,
                                        kept_workspace, measure_stage, peak_workspace, start_up_bytes, update_rates)
 from runtime.profiling.fresh import (ForkServers, FreshProcesses, agreeing_readings, fresh_in_flight, fresh_line,
-                                     fresh_peaks, median_start_up, summed_line, summed_peaks)
+                                     fresh_peaks, start_up_and_held, summed_line, summed_peaks)
 from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
 from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
@@ -466,6 +466,9 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     engines = {}  # engine -> the memory its import adds to the runtime, measured once per engine
     start_up: dict[str, int] = {}  # engine -> what its first training run adds once (`start_up_bytes`)
     caches_start_up: dict[str, int] = {}  # engine -> the part of that only a stage keeping per-op caches pays
+    # engine -> what a worker holds of that start-up beyond its engine's term (`start_up_and_held`; the
+    # start-up itself where measured in this process): what the engine is charged
+    held_start_up: dict[str, int] = {}
     for backend in present:
         if backend.engine not in engines:
             engines[backend.engine] = engine_overhead_bytes(backend.engine, overhead)
@@ -517,12 +520,17 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                         runs = [("start_up", cheapest.index, cheapest.index, None)]
                         if layer.index != cheapest.index:
                             runs += [("start_up", layer.index, layer.index, a) for a in ("keep", "per-block")]
-                        once = median_start_up(children, graph, feeds, runs, FRESH_PEAK_REPEATS)
+                        # what the children pay again (taken off their peaks), and what a worker holds of it beyond
+                        # its engine's term: not the library pages those forked children map again (h120)
+                        once, held = start_up_and_held(children, graph, feeds, runs, FRESH_PEAK_REPEATS)
+                    else:
+                        held = once
                     # every engine's build measured as a worker builds it, first in a fresh child (`_engine_build`)
                     builds = children if children is not None or not fresh else \
                         stack.enter_context(FreshProcesses(backend, servers=servers))
                     if once >= START_UP_NOISE_BYTES:
                         start_up[backend.engine] = max(start_up.get(backend.engine, 0), once)
+                        held_start_up[backend.engine] = max(held_start_up.get(backend.engine, 0), held)
                         if backend.engine == "mnn":
                             # MNN's keeping run's first-use heap, which a stage recomputing per block never
                             # pays (BackendProfile.caches_start_up_bytes; PyTorch's kernels are process-wide)
@@ -559,13 +567,15 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                 profiles.append(BackendProfile(backend.name, costs, curves, engines[backend.engine], native,
                                                fresh and backend.engine == "torch"))
         # an engine's start-up shows on the first of its backends to run here: charged to them all
-        profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + start_up.get(b.engine, 0),
+        profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + held_start_up.get(b.engine, 0),
                             caches_start_up_bytes=caches_start_up.get(b.engine, 0))
                     for p, b in zip(profiles, present)]
         for engine, extra in start_up.items():
             if extra:
+                held = held_start_up.get(engine, extra)
+                beyond = "" if held == extra else f", {held / 2**20:.1f} MiB of it beyond the pages its import's term maps"
                 say(f"{engine}: its first training run adds {extra / 2**20:.0f} MiB once (kernels and threads "
-                    f"built on first use), charged with its engine")
+                    f"built on first use{beyond}), charged with its engine")
         children = measure_split_children(graph, kinds, feeds, present, say, started) if attention else {}
         extra = (measure_split_extra_costs(graph, kinds, feeds, present, profiles, reps, say, started)
                  if attention else {})

@@ -257,15 +257,20 @@ def _read_job(path: str) -> tuple[Graph, dict[str, np.ndarray], list[Measurement
 def _run_child(backend: str, path: str) -> None:
     """In the child: the measurements listed in `path`, one after another, printed as one JSON line."""
     from ir.backend import parse_backend
-    from runtime.profiling.compute import engine_setup_bytes, peak_workspace, start_up_bytes, summed_workspace
+    from runtime.profiling.compute import (engine_setup_bytes, file_pages_beyond_probe, peak_workspace,
+                                           start_up_bytes, start_up_parts, summed_workspace)
 
     spec_of_backend = parse_backend(backend)
     graph, feeds, measurements = _read_job(path)
     out = []
+    split = []  # the "start_up_parts" stages, for the pages they map beyond the engine's probe
     for what, first, last, activations in measurements:
         spec = stage_spec(graph, first, last)
         measure = peak_workspace if what == "peak" else start_up_bytes
-        if what == "peak2":  # two micro-batches in flight
+        if what == "start_up_parts":  # the start-up and its file pages, two figures
+            out.extend(int(v) for v in start_up_parts(spec_of_backend, spec, feeds, activations))
+            split.append((spec, activations))
+        elif what == "peak2":  # two micro-batches in flight
             out.append(int(peak_workspace(spec_of_backend, spec, feeds, activations, in_flight=2)))
         elif what == "summed":  # a worker's second step, beside its gradient sum and AdamW's moments
             out.append(int(summed_workspace(spec_of_backend, spec, feeds, activations)))
@@ -273,6 +278,8 @@ def _run_child(backend: str, path: str) -> None:
             out.append(int(engine_setup_bytes(spec_of_backend, spec)))
         else:
             out.append(int(measure(spec_of_backend, spec, feeds, activations)))
+    if split:  # last: the figure after every "start_up_parts" one
+        out.append(int(file_pages_beyond_probe(spec_of_backend, split, feeds)))
     print("FRESH " + json.dumps(out), flush=True)
 
 
@@ -373,3 +380,28 @@ def median_start_up(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.
     """The median over `repeats` fresh children (`agreeing_readings`) of the sum of `measurements`
     (`start_up_bytes` each, in order in one child, as `profile_device` runs them)."""
     return int(statistics.median(agreeing_readings(lambda: sum(fresh.run(graph, feeds, measurements)), repeats)))
+
+
+def start_up_and_held(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray],
+                      measurements: Sequence[Measurement], repeats: int) -> tuple[int, int]:
+    """(`median_start_up` of `measurements`, the median of what of it a worker holds beyond its engine's term)
+    over the same children (`agreeing_readings`; "start_up" read as "start_up_parts", each child's last
+    figure `file_pages_beyond_probe`). The first is what a fresh child's first run pays again
+    (taken off its peaks); the second is it less the library file pages those runs mapped, plus the pages
+    they map beyond the engine's probe: a forked child maps every library page it reads again (a fork
+    copies no file page table), and a worker gave torch's back at its import, so those pages are what the
+    engine's term charges (its probe's import, product and training step, in a new interpreter as a
+    worker is: `runtime.profiling.memory.engine_overhead_bytes`), but for the kernels the probe does not run.
+    Charged as the start-up, they were charged twice: ~16 MiB of a hidden-256 per-block plan's ~350 (0.90-0.93
+    of it; benchmarks/MEMORY_NOTES.md, helper h120)."""
+    parts = [(what if what != "start_up" else "start_up_parts", first, last, a) for what, first, last, a in measurements]
+    readings: list[tuple[int, int]] = []
+
+    def read() -> int:
+        values = fresh.run(graph, feeds, parts)
+        start_up, pages = sum(values[0:-1:2]), sum(values[1:-1:2])
+        readings.append((start_up, start_up - pages + values[-1]))
+        return start_up
+
+    start_up = int(statistics.median(agreeing_readings(read, repeats)))
+    return start_up, max(0, min(start_up, int(statistics.median(held for _, held in readings))))

@@ -54,7 +54,9 @@ def _release_free_heap() -> None:
 
 class PeakRss:
     """`with PeakRss() as p: ...` then `p.bytes`: peak resident memory above the level at entry, or
-    above `base` where given (two peaks of one engine measured from the same level)."""
+    above `base` where given (two peaks of one engine measured from the same level); `p.file_bytes`: the
+    file pages (RssFile: libraries' pages) mapped inside, which only grow while the block runs, so all of
+    them are in the peak (0 where /proc cannot tell)."""
 
     def __init__(self, base: int | None = None):
         self._given_base = base
@@ -66,6 +68,8 @@ class PeakRss:
         if self._given_base is not None:
             self.base = self._given_base
         self.bytes = 0
+        self.file_bytes = 0
+        self._file_base = status_bytes("RssFile")
         self._peak = self.base
         if not self._kernel:
             self._stop = threading.Event()
@@ -85,6 +89,9 @@ class PeakRss:
             self._thread.join()
             peak = max(self._peak, status_bytes("VmRSS") or 0)
         self.bytes = max(0, peak - self.base)
+        file_now = status_bytes("RssFile")
+        if self._file_base is not None and file_now is not None:
+            self.file_bytes = min(self.bytes, max(0, file_now - self._file_base))
 
 
 def memory_available_bytes() -> int:
