@@ -935,7 +935,7 @@ def tied_sum_bytes(graph: Graph, first: int, last: int) -> int:
 
 
 # The transport's frames (runtime.transport.wire: PART_BYTES, RELEASE_EVERY_PARTS), restated here (the
-# planner imports no runtime); tests/planner/test_cost.py checks they agree.
+# planner imports no runtime); tests/runtime/test_tied_sum_receive.py checks they agree.
 RECEIVE_PART_BYTES = 1 << 20
 RECEIVE_RELEASE_EVERY_PARTS = 4
 
