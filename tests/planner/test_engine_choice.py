@@ -111,8 +111,8 @@ def test_the_profile_measures_what_torchs_import_adds_to_the_runtime():
 
 @pytest.mark.slow  # a fresh interpreter profiling both engines, and the import probe's two more
 def test_the_profile_charges_torchs_start_up_with_its_engine(tiny_onnx):
-    """A worker pays PyTorch's first training run once (kernels, autograd's engine, threads: ~40 MiB
-    here) beside its import: the profile charges it with the engine. Measured in a fresh interpreter,
+    """A worker pays PyTorch's first training run once (kernels, autograd's engine, threads) beside its
+    import: the profile charges what of it a worker holds beyond the import's term with the engine. Measured in a fresh interpreter,
     since a process that already trained with torch shows no start-up; MNN's is nothing."""
     pytest.importorskip("torch")
     import subprocess
@@ -132,7 +132,12 @@ def test_the_profile_charges_torchs_start_up_with_its_engine(tiny_onnx):
     from runtime.profiling.memory import engine_overhead_bytes
 
     assert mnn == 0
-    assert torch > engine_overhead_bytes("torch", runtime) + 10 * MIB  # the import alone, and the start-up
+    # the import alone, and what a worker holds of the start-up beyond it: not the library pages the profile's
+    # forked children map again, which the import's probe charges (h120; ~4-6 MiB here, 6.3 in a clean-clone CI
+    # run; main charged them twice, ~20 MiB; tests/runtime/test_torch_start_up.py bounds it from both sides)
+    import_only = engine_overhead_bytes("torch", runtime)
+    assert torch > import_only + 2 * MIB, ((torch - import_only) / MIB)
+    print(f"start-up charged beyond the import: {(torch - import_only) / MIB:.1f} MiB")
 
 
 # --- the engine per device for the blocks it runs (planner.engines) ---------------------------------
