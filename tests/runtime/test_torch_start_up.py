@@ -83,6 +83,12 @@ def test_the_profile_charges_what_a_fresh_worker_keeps_after_its_first_layer_ste
     # the engine's charge beyond its import and first product covers what a fresh worker's first steps keep, but
     # the pages of that product (~1.5 MiB, in the import's figure; 18.0 charged against 19.8 held here)
     assert profile["start_up"] + profile["pages"] >= held["per-block"] - 3 * MIB, figures
-    # and its start-up is what they keep beyond its probe's training step, not those pages again (main: 20.1 MiB
-    # charged, 4.0 held; here 1-2 MiB of anonymous start-up, ~3 of the MLP's kernels the probe does not run)
-    assert held["after-probe"] - 2 * MIB <= profile["start_up"] <= held["after-probe"] + 3 * MIB, figures
+    # and its start-up is what they keep beyond its probe's training step, not those pages again (h120's main:
+    # 20.1 MiB charged, 4.0 held; here 1-2 MiB of anonymous start-up, ~3 of the MLP's kernels the probe does not
+    # run). Where the pages fall between the two terms moves with what the forked children still map: a clean-
+    # clone CI read 7.6 charged + 14.2 of the probe's pages against 4.0 / 19.8 held (4.3 + 14.9 against 4.7 / 21.4
+    # here), so the bound is on the whole charge, which a double count of the pages exceeds by far (h120's base:
+    # 22.2 + 14.9 against 21.2)
+    assert profile["start_up"] >= held["after-probe"] - 2 * MIB, figures
+    assert profile["start_up"] + profile["pages"] <= held["per-block"] + 4 * MIB, figures
+    assert profile["start_up"] <= held["after-probe"] + 6 * MIB, figures
