@@ -976,7 +976,12 @@ def update_only_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, s
     from the head's first backward on). The embeddings' stage of `smollm2-torch-full` and of
     tests/jobs/test_torch_full_finetune_plan.py peak at that update: its level after the last
     backward + the sum received (the row gradient's dense copy the exchange sends holds only its
-    rows' pages: `runtime.heap.sparse_zeros`; benchmarks/MEMORY_NOTES.md, helper h71)."""
+    rows' pages: `runtime.heap.sparse_zeros`; benchmarks/MEMORY_NOTES.md, helper h71; 0.54-0.61 MiB
+    there, unmapped before the sum's frames are all in: not at the peak, not charged, helper h129).
+    On PyTorch the executor steps the stage's other weights first and lets their gradient sums go
+    before the sum arrives (`StageExecutor._step_untied_first`): those sums, in what the stage holds
+    throughout, are gone at the receive (29.3 MiB on that stage), and not credited here: the margin
+    that stage's peak keeps (0.947-0.949 of its plan; 0.980-0.983 with them held, helper h129)."""
     if not phases_apart(device, schedule):
         return 0
     _, _, _, listed = _graph_tables(graph)

@@ -211,3 +211,13 @@ class StageEngine(ABC):
         params = self.parameters()
         optimizer.step(params, grads)
         self.set_parameters(params)
+
+    def steps_in_parts(self) -> bool:
+        """Whether `step_part` can step some of this stage's weights now: False (the default) where
+        the engine cannot, or where a micro-batch in flight still reads the current weights."""
+        return False
+
+    def step_part(self, optimizer, grads: Mapping[str, np.ndarray]) -> None:
+        """Step the weights named in `grads` only, in place, as a part of the step the caller began
+        (`optimizer.begin_step()`); only where `steps_in_parts()` says so."""
+        raise NotImplementedError(f"{type(self).__name__} steps all its weights at once")

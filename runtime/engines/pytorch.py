@@ -998,6 +998,19 @@ class TorchStageEngine(StageEngine):
         else:
             optimizer.step(views, grads, dense_kernel=kernel)
 
+    def steps_in_parts(self) -> bool:
+        return not (self._saved or self._pending)  # nothing in flight: the tensors are stepped where they are
+
+    def step_part(self, optimizer, grads) -> None:
+        if not self.steps_in_parts():
+            raise RuntimeError("a part of a step with micro-batches in flight (their weights would change)")
+        views = {k: self._params[k].detach().numpy() for k in grads}
+        kernel = self.optimizer_kernel(optimizer)
+        if kernel is None:
+            optimizer.step(views, grads, begun=True)
+        else:
+            optimizer.step(views, grads, dense_kernel=kernel, begun=True)
+
     def optimizer_kernel(self, optimizer):
         return fused_adamw if self.native_step and isinstance(optimizer, AdamW) else None
 

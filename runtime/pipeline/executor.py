@@ -366,12 +366,35 @@ class StageExecutor:
         else:
             if self.param_names and not self.grad_sum:
                 raise RuntimeError(f"stage {self.stage}: UPDATE with no accumulated gradient")
-            if self.tied:
+            if self.tied and self._step_untied_first():
                 self._sum_tied()
-            self.engine.step(self.optimizer, self.grad_sum)
+                self.engine.step_part(self.optimizer, self.grad_sum)
+            else:
+                if self.tied:
+                    self._sum_tied()
+                self.engine.step(self.optimizer, self.grad_sum)
         self.grad_sum = {}
         self.backwards_since_update = 0
         self.updates += 1
+
+    def _step_untied_first(self) -> bool:
+        """Before the tied sums are exchanged, step the weights that are not tied and let their
+        gradient sums go (one optimizer step in two parts, the same step count and arithmetic: the
+        optimizer steps each weight on its own), so the sum received, a whole table, arrives beside
+        the tied gradients only. False (nothing done) where the engine cannot step in parts or
+        nothing else is trained here. The embeddings' stage of tests/jobs/
+        test_torch_full_finetune_plan.py held its two layers' sums (29.3 MiB) under the table's
+        receive, its peak: 748.1-748.4 -> 722.4 MiB (benchmarks/MEMORY_NOTES.md, helper h129). A step
+        aborted while the sum is awaited has these weights stepped: the coordinator restores every
+        stage after an abort (runtime.pipeline.worker, `abort`), so none trains on from them."""
+        untied = [k for k in self.grad_sum if k not in self.tied]
+        if not untied or not self.engine.steps_in_parts():
+            return False
+        self.optimizer.begin_step()
+        self.engine.step_part(self.optimizer, {k: self.grad_sum[k] for k in untied})
+        for k in untied:
+            del self.grad_sum[k]
+        return True
 
     def _sum_tied(self) -> None:
         """Replace this stage's part of each tied weight's gradient by the sum over its holders.
