@@ -205,7 +205,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 class _HeadSum:
     """The running gradient sum a fused LM head adds its weight's gradient into during one backward
-    (`PyTorchEngine.backward_into`): set before the backward, read by `_LinearCrossEntropy.backward`.
+    (`TorchStageEngine.backward_into`): set before the backward, read by `_LinearCrossEntropy.backward`.
     The head's new gradient (vocabulary x hidden, 108 MiB for SmolLM2's tied head) was made beside the
     sum from the second micro-batch on, the last stage's peak (benchmarks/MEMORY_NOTES.md, h129/h131)."""
 
