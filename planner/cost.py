@@ -815,6 +815,25 @@ def stepped_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSp
     return shared_current_bytes(graph, first, last, device)
 
 
+def summed_head_gradient_bytes(graph: Graph, device: DeviceSpec, schedule: str, update_every: int = 1) -> int:
+    """The fused LM head's weight gradient that the head's measured workspace holds (the profile's
+    fresh backward returns it as a new vocabulary x hidden array) and PyTorch never makes where a
+    gradient sum is kept: its engine adds the head's gradient into the running sum chunk by chunk
+    (`TorchStageEngine.backward_into`; the first micro-batch's becomes the sum, which the gradient
+    term charges). Taken off the head's block (`block_costs`' index len - 2) by `stage_memory_terms`
+    and the partition instance. The head + loss stage of tests/jobs/test_torch_full_finetune_plan.py
+    peaked during its backwards with SmolLM2's 108 MiB head's new gradient beside the sum
+    (benchmarks/MEMORY_NOTES.md, h129, h131). 0 on MNN (its numpy loss returns the gradient), under
+    1f1b-stash updating after every backward (the gradient is stepped as it comes: no sum), for a
+    frozen head (LoRA) or no fused head."""
+    if device_engine(device) != "torch" or not gradient_copies(schedule, update_every):
+        return 0
+    if fused_loss_hidden_bytes(graph) is None:
+        return 0
+    weight = graph.node(graph.blocks[-2].nodes[-1]).inputs[1]
+    return int(graph.constants[weight].nbytes) if weight in graph.params else 0
+
+
 def unsummed_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, schedule: str,
                             update_every: int = 1) -> int:
     """Weight gradients of blocks first..last that a stage holds where nothing is summed (1f1b-stash
@@ -1209,6 +1228,11 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     kept = (kept_activation_bytes(sum(c.kept for c in costs), in_flight, keeps_activations(device))
             + kept_once_bytes(graph, device, first, last, in_flight))
     stacked = sum(c.stacked for c in costs)  # `workspace_of` less the kept part, charged as activations
+    head_loss = costs[n - 2 - first].stacked if fused and first <= n - 2 <= last else 0
+    if head_loss:  # the head's gradient added into the sum, not made beside it (`summed_head_gradient_bytes`)
+        summed_head = min(head_loss, summed_head_gradient_bytes(graph, device, schedule, update_every))
+        head_loss -= summed_head
+        stacked -= summed_head
     copies = weight_copies(schedule, optimizer, stages, stage, microbatches, update_every)
     state = OPTIMIZER_STATE_COPIES[optimizer]
     gradients = gradient_copies(schedule, update_every)
@@ -1229,7 +1253,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         activation_bytes=sum(inputs) * in_flight + held,
         kept_activation_bytes=kept,
         # the fused pair's peak, all stacked on the head's block (`block_costs`)
-        head_loss_bytes=costs[n - 2 - first].stacked if fused and first <= n - 2 <= last else 0,
+        head_loss_bytes=head_loss,
         workspace_bytes=stacked + transient_bytes(graph, device, first, last) + hybrid_cache_bytes(graph, device, first, last),
         runtime_bytes=runtime_bytes(device),
         engine_bytes=engine_bytes(graph, first, last, device))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ir.graph import Graph
@@ -43,7 +43,7 @@ from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_s
                           phase_peak_bytes, update_only_bytes,
                           block_kept_once,
                           reuses_forward, row_gradient_delta_bytes, stage_memory_bytes, shared_current_bytes, stepped_gradient_bytes,
-                          unsummed_gradient_bytes,
+                          summed_head_gradient_bytes, unsummed_gradient_bytes,
                           table_state_delta_bytes, tied_sum_bytes, unversioned_bytes,
                           unversioned_copies, updates_per_microbatch, weight_copies)
 
@@ -309,6 +309,10 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
     blocks = check_blocks(graph)
     specs = cluster.devices
     costs = [block_costs(graph, spec) for spec in specs]
+    if joined_boundaries(graph):  # the fused head's gradient added into the sum (planner.cost, as stage_memory_terms)
+        head = len(blocks) - 2
+        costs = [[_less_summed_head(c, min(c.stacked, summed_head_gradient_bytes(graph, spec, schedule, update_every)))
+                  if k == head else c for k, c in enumerate(row)] for row, spec in zip(costs, specs)]
     share = accumulated_share(schedule, microbatches, update_every)  # gradient additions per micro-batch
     # update_us: one optimizer step under flush schedules (once per batch); under 1f1b-stash and 2bw
     # the steps per micro-batch (one per update_every backwards), as the step formula counts it m times
@@ -392,6 +396,12 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
     whole = tuple(stage_memory_bytes(graph, spec, 0, n - 1, 0, 1, schedule, microbatches, optimizer, update_every)
                   - inst.stage_bytes(d, 0, n - 1, 1, 0) for d, spec in enumerate(specs))
     return dataclasses.replace(inst, whole_model_delta_bytes=whole)
+
+
+def _less_summed_head(cost, nbytes: int):
+    """The fused head's cost without its weight gradient's `nbytes` (its workspace and stacked part alike)."""
+    return replace(cost, workspace_bytes=cost.workspace_bytes - nbytes, stacked_bytes=cost.stacked - nbytes) \
+        if nbytes else cost
 
 
 def _per_block(prefix, n: int) -> tuple[int, ...]:

@@ -148,6 +148,12 @@ class StageEngine(ABC):
         By default the whole backward, leaving W nothing to do."""
         return self.backward(microbatch, grad_output)
 
+    def backward_input_into(self, microbatch: int, into: dict, grad_output: np.ndarray | None = None
+                            ) -> StageGradients:
+        """`backward_input`, where an engine may add some parameter gradients straight into the running
+        sum `into` (then left out of the result; the caller adds the rest). By default none."""
+        return self.backward_input(microbatch, grad_output)
+
     def backward_weight(self, microbatch: int) -> dict[str, np.ndarray]:
         """W of a split backward: the parameter gradients `backward_input` left for later."""
         return {}

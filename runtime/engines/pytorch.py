@@ -161,7 +161,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, weights, transposed):
+    def forward(ctx, hidden, weight, ids, weights, transposed, into=None):
         h = hidden.reshape(-1, hidden.shape[-1])
         wt = weight.t() if transposed else weight
         ids, w = ids.reshape(-1).long(), weights.reshape(-1).to(hidden.dtype)
@@ -173,6 +173,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += _chunk_loss(h[r] @ wt, ids[r], w[r])
         ctx.save_for_backward(hidden, weight, ids, w)
         ctx.transposed = transposed
+        ctx.into = into
         return total.to(hidden.dtype)
 
     @staticmethod
@@ -181,7 +182,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h = hidden.reshape(-1, hidden.shape[-1])
         wt = weight.t() if ctx.transposed else weight
         dh = torch.zeros_like(h)
-        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            # the running sum where the engine gives one (`_HeadSum`): the weight's gradient is added
+            # into it chunk by chunk, and no second weight-sized array is made beside it
+            dw = ctx.into.take(weight) if ctx.into is not None else None
+            summed = dw is not None
+            dw = torch.zeros_like(weight) if dw is None else dw
         rows = _target_rows(w)
         scaled = w * grad
         step = chunk_rows(wt.shape[1])
@@ -191,7 +198,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh[r] = z @ wt.t()
             if dw is not None:  # in place: no weight-sized temporary
                 dw.addmm_(z.t(), h[r]) if ctx.transposed else dw.addmm_(h[r].t(), z)
-        return dh.reshape(hidden.shape), dw, None, None, None
+        if dw is not None and summed:
+            dw = None  # already in the sum: autograd gets no gradient for the weight from here
+        return dh.reshape(hidden.shape), dw, None, None, None, None
+
+
+class _HeadSum:
+    """The running gradient sum a fused LM head adds its weight's gradient into during one backward
+    (`TorchStageEngine.backward_into`): set before the backward, read by `_LinearCrossEntropy.backward`.
+    The head's new gradient (vocabulary x hidden, 108 MiB for SmolLM2's tied head) was made beside the
+    sum from the second micro-batch on, the last stage's peak (benchmarks/MEMORY_NOTES.md, h129/h131)."""
+
+    def __init__(self):
+        self.target: torch.Tensor | None = None
+        self.added = False
+
+    def take(self, weight: torch.Tensor) -> torch.Tensor | None:
+        target = self.target
+        if target is None or target.shape != weight.shape or target.dtype != weight.dtype:
+            return None
+        self.target, self.added = None, True  # once: a head run twice in one backward is not summed here
+        return target
 
 
 class _FrozenWeight:
@@ -508,6 +535,7 @@ class TorchStageEngine(StageEngine):
         self._retired: list[dict[str, torch.Tensor]] = []
         self._stepped_in_place = looked_up_only(spec)
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
+        self._head_sum = _HeadSum()  # `backward_into`: the head's weight gradient added into the sum
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))  # never a quantized weight
         # GELU nodes by their output: a deferred projection of a GELU's output saves the GELU's input
         self._gelu_of = {n.outputs[0]: n for n in spec.compute_nodes if n.op == "Gelu"}
@@ -661,7 +689,7 @@ class TorchStageEngine(StageEngine):
         if fused is not None and node.name == fused.loss.name:
             env[node.outputs[0]] = _LinearCrossEntropy.apply(
                 env[fused.hidden], env[fused.weight], env[node.inputs[1]], env[node.inputs[2]],
-                fused.transposed)
+                fused.transposed, self._head_sum)
             return
         if deferral is not None and node.op in ("MatMul", "Add"):
             deferred = self._defer(node, env, params, deferral)
@@ -815,7 +843,11 @@ class TorchStageEngine(StageEngine):
         params = {}
         # autograd's fresh tensors, shared with numpy without a copy (nothing else holds them; the
         # executor accumulates into them in place)
+        summed = self._head_sum.added and self._lm is not None
+        self._head_sum.added = False
         for (name, p), g in zip(now.items(), grads):
+            if g is None and summed and name == self._lm.weight:
+                continue  # all of it already added into the running sum (`backward_into`)
             if g is not None and g.is_sparse:
                 params[name] = RowGradient(g._indices()[0].numpy(), g._values().detach().numpy(), tuple(p.shape))
             else:
@@ -824,6 +856,47 @@ class TorchStageEngine(StageEngine):
         if deferral is not None:
             self._pending[microbatch] = (deferral[1], {k: used[k] for k in deferred})
         return StageGradients(params, dx)
+
+    def backward_into(self, microbatch: int, into: dict, grad_output=None) -> np.ndarray | None:
+        """`backward` with the gradients added into the running sum `into`; a fused LM head's weight
+        gradient straight into its sum where there is one (a dense array of the weight's dtype, the
+        second micro-batch on), a chunk of target rows at a time: the same products added in another
+        order (float rounding apart), and never a second vocabulary x hidden array beside the sum.
+        Any other reader of the weight (a tied table's lookup on the same stage) gives its part as
+        before, added after."""
+        target = self._head_sum_target(into)
+        if target is None:
+            return super().backward_into(microbatch, into, grad_output)
+        self._head_sum.target, self._head_sum.added = target, False
+        try:
+            result = self.backward(microbatch, grad_output)
+        finally:
+            self._head_sum.target, self._head_sum.added = None, False
+        accumulate(into, result.params)
+        return result.activation_input
+
+    def backward_input_into(self, microbatch: int, into: dict, grad_output=None) -> StageGradients:
+        """`backward_input` (B of a split backward), a fused LM head's weight gradient added straight
+        into `into` as `backward_into` does; the other gradients returned, for the caller to add."""
+        target = self._head_sum_target(into)
+        self._head_sum.target, self._head_sum.added = target, False
+        try:
+            return self.backward_input(microbatch, grad_output)
+        finally:
+            self._head_sum.target, self._head_sum.added = None, False
+
+    def _head_sum_target(self, into: dict) -> torch.Tensor | None:
+        """The running sum of the fused LM head's trainable weight as a tensor sharing its memory, or
+        None (no fused head, a frozen one, no sum yet, a row or read-only sum, another dtype)."""
+        if self._lm is None or self._lm.weight not in self._params:
+            return None
+        acc = into.get(self._lm.weight)
+        p = self._params[self._lm.weight]
+        if (not isinstance(acc, np.ndarray) or not acc.flags.writeable or not acc.flags.c_contiguous
+                or tuple(acc.shape) != tuple(p.shape)):
+            return None
+        t = torch.from_numpy(acc)
+        return t if t.dtype == p.dtype else None
 
     def backward_weight(self, microbatch: int) -> dict[str, np.ndarray]:
         if microbatch not in self._pending:

@@ -289,7 +289,7 @@ class StageExecutor:
                 self._stepped = True
             else:
                 if self.engine.split_backward:
-                    result = self.engine.backward_input(m, upstream)
+                    result = self.engine.backward_input_into(m, self.grad_sum, upstream)
                     self._accumulate(result.params)
                     self._grads_out[m] = result.activation_input
                 else:  # summed into grad_sum block by block as the engine computes them
@@ -410,14 +410,20 @@ class StageExecutor:
         0.988-0.995 of its plan; given back, its peak is the level after the trim + the sum (+108.8
         MiB for a 108.0 MiB table), 0.967 (benchmarks/MEMORY_NOTES.md, helper h116)."""
         release_free_heap()
-        for name in self.tied:
-            self.transport.send_tensor(COORDINATOR, "tied_grad", self.stage, self.updates,
-                                       np.ascontiguousarray(dense_gradient(self.grad_sum[name])), name=name)
+        kinds = {}
         for name in self.tied:
             # the gradient's shape and dtype, not a dense copy of it (a row gradient's would be one
             # more table's worth of address space, its rows' pages resident, while the sum arrives)
-            part = self.grad_sum[name]
-            shape, dtype = tuple(part.shape), (part.rows if isinstance(part, RowGradient) else part).dtype
+            part = self.grad_sum.pop(name)
+            kinds[name] = tuple(part.shape), (part.rows if isinstance(part, RowGradient) else part).dtype
+            self.transport.send_tensor(COORDINATOR, "tied_grad", self.stage, self.updates,
+                                       np.ascontiguousarray(dense_gradient(part)), name=name)
+            # this stage's part is let go once sent (the transport holds it until it is out): the
+            # coordinator answers once every part is in, so a dense part (the LM head's stage: SmolLM2's
+            # whole table, 108 MiB) is not beside the sum that replaces it (h131)
+            del part
+        for name in self.tied:
+            shape, dtype = kinds[name]
             total = self._recv(COORDINATOR, "tied_sum", -1, self.updates, name)
             if total.shape != shape or total.dtype != dtype:
                 raise ValueError(f"stage {self.stage}: the coordinator's sum for tied weight {name!r} is "
