@@ -20,6 +20,13 @@ from ir.documents import activations_mode
 from ir.graph import Graph, block_signature
 from jobs.common.metrics import DeviceFigures, TrainingMetrics
 from jobs.common.report import Reporter
+# the memory model's modules imported with this one, not on first use: a run's set-up, read before its
+# check, then holds them (imported after, they rose `train-local`'s whole life ~1 MiB above its printed
+# figure on the tiny BERT, helper h117)
+from planner.cluster import DeviceSpec
+from planner.cost import fused_loss_hidden_bytes, stage_memory_bytes
+from planner.memory_defaults import (DEFAULT_RUNTIME_BYTES, LOSS_CHUNK_BYTES, default_profile, memory_parts,
+                                     mnn_held_bytes, mnn_kept_bytes, widened_bytes)
 
 MIB = 2 ** 20
 # measured above planned by more than this share: the memory model missed something worth a warning
@@ -38,8 +45,6 @@ def _mib(n: int | None) -> str:
 
 def _run_profile(graph: Graph, engine: str, per_stage: Sequence[str | None], runtime: int,
                  gradient_of_each: bool = False):
-    from planner.memory_defaults import LOSS_CHUNK_BYTES, default_profile
-
     return default_profile(graph, backend=f"{engine}:cpu:t1", runtime_overhead_bytes=runtime,
                            per_block=any(a is not None and a.startswith("per-block") for a in per_stage),
                            loss_chunk_bytes=LOSS_CHUNK_BYTES, gradient_of_each=gradient_of_each)
@@ -55,10 +60,6 @@ def default_planned_bytes(graph: Graph, ranges: Sequence[tuple[int, int]], sched
     at `base_dtype` (`graph`'s constants held so) with one block of it widened at a time
     (`planner.memory_defaults.widened_bytes`, as `estimate` charges it), a fused LM head's loss a
     chunk of logits at a time (a model with none: `confidant estimate`'s figure for these cuts)."""
-    from planner.cluster import DeviceSpec
-    from planner.cost import stage_memory_bytes
-    from planner.memory_defaults import DEFAULT_RUNTIME_BYTES, widened_bytes
-
     per_stage = list(activations) if isinstance(activations, (list, tuple)) else [activations] * len(ranges)
     profile = _run_profile(graph, engine, per_stage, DEFAULT_RUNTIME_BYTES + widened_bytes(graph, base_dtype))
     return [stage_memory_bytes(graph, DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=act),
@@ -81,10 +82,6 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
     gradient sum charged beside them (`planner.cost.gradient_copies`' case of an update after every
     backward); on MNN per block those are views of the backward's reads (`mnn_held_bytes`), charged once.
     Keeping its caches, MNN still holds one step's reads when the next step's gradients are made: both."""
-    from planner.cluster import DeviceSpec
-    from planner.cost import fused_loss_hidden_bytes
-    from planner.memory_defaults import memory_parts, mnn_held_bytes, mnn_kept_bytes, widened_bytes
-
     profile = _run_profile(graph, engine, [activations], 0, gradient_of_each=True)
     device = DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=activations)
     parts = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", 1, optimizer)

@@ -11,7 +11,6 @@ export-trained` read.
 from __future__ import annotations
 
 import gc
-import importlib
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -60,10 +59,6 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     reporter.note(f"model {Path(model).name}: {len(graph.blocks)} blocks, {graph.param_bytes() / 2**20:.1f} MiB "
                   f"parameters; {len(run.train)} training {the_task.examples}, {len(run.dev)} eval {the_task.examples}; engine "
                   f"{settings.engine}, {config.threads} thread(s); setup {time.perf_counter() - started:.1f}s")
-    # the memory check's modules (the memory model's) imported now: the set-up holds them (imported after the
-    # peak was read, they rose the whole life ~1 MiB above the printed figure: the tiny BERT, helper h117)
-    for module in ("planner.cluster", "planner.cost", "planner.memory_defaults"):
-        importlib.import_module(module)
     if settings.engine == "torch":
         # PyTorch's one-time start-up (the first backward's kernels and autograd's buffers) paid before the
         # set-up is read, so the set-up holds it, as the causal-LM job pays it: MiniLM NER LoRA int4 per block
