@@ -120,7 +120,7 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": the_task.name})
     return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
-                       evaluation_bytes=evaluation, whole_model_trained=settings.lora is None)
+                       evaluation_bytes=evaluation, microbatches=config.microbatches)
 
 
 def write_single_device_checkpoint(folder: Path, weights, optimizer_state, graph, meta: dict) -> Path:
