@@ -79,7 +79,7 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
     backward's reads held into the next step), and keeping per-op caches, every value but the views
     (`planner.memory_defaults.mnn_kept_bytes`; no evaluation runs on the training engine, helper h96)."""
     from planner.cluster import DeviceSpec
-    from planner.cost import fused_loss_hidden_bytes
+    from planner.cost import fused_loss_hidden_bytes, table_state_delta_bytes
     from planner.memory_defaults import memory_parts, mnn_held_bytes, mnn_kept_bytes, widened_bytes
 
     profile = _run_profile(graph, engine, [activations], 0, gradient_of_each=True)
@@ -91,7 +91,9 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
         costs = profile.backends[0].blocks
         kept = graph.blocks[:-2] if fused_loss_hidden_bytes(graph) is not None else graph.blocks
         held = sum((costs[block_signature(b)].kept_bytes or 0) - mnn_kept_bytes(graph, b) for b in kept)
-    return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held
+    # AdamW's state of a table only looked up is the rows the data looks up (`graph.lookup_rows`), not dense
+    rows = table_state_delta_bytes(graph, 0, len(graph.blocks) - 1, device, optimizer)
+    return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held + rows
             + widened_bytes(graph, base_dtype) + (mnn_held_bytes(graph, keeping=keeping) if engine == "mnn" else 0))
 
 

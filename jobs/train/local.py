@@ -10,6 +10,7 @@ export-trained` read.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import time
@@ -118,6 +119,12 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     metrics = TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
                               (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, life),),
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": the_task.name})
+    # the table rows the steps looked up (`planner.lookups.lookup_rows`, as `plan --data` counts them): AdamW
+    # holds their state alone (`planner.cost.table_state_delta_bytes`)
+    from planner.lookups import lookup_rows
+    looked_up = lookup_rows(graph, (f for k in range(config.steps) for f in the_task.feeds(
+        run, batches[k % len(batches)], config.batch, config.microbatches)))
+    graph = dataclasses.replace(graph, lookup_rows=looked_up)
     return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
                        evaluation_bytes=evaluation, microbatches=config.microbatches)
