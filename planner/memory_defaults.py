@@ -135,7 +135,7 @@ def mnn_held_bytes(graph: Graph, keeping: bool = False) -> int:
                if graph.node(name).op == "Gather" and graph.node(name).inputs[0] in tables)
     inputs = block_input_bytes(graph)
     flats = [inputs[k] + b.params_bytes for k, b in enumerate(graph.blocks) if k > 0 and b.params]
-    views = 0 if keeping else sum(b.params_bytes for b in graph.blocks[1:] if b.params)
+    views = 0  # tried: without the snapshot the per-block steps set the peak, and hold both (0.90-0.93, h126)
     read = sum(flats) - views + max(flats, default=0)  # and the one being read, still MNN's concatenation too
     head = fused_head_chunk_bytes(graph)
     return rows + (read if head is None or keeping else max(0, read - head))
