@@ -210,14 +210,29 @@ def unversioned_copies(schedule: str, stages: int, stage: int, microbatches: int
             + async_extra_copies(schedule, stages, stage))
 
 
-def gradient_copies(schedule: str, update_every: int = 1) -> int:
-    """Gradient sums a stage holds per byte of its parameters: GRADIENT_COPIES where backwards are
-    summed before an update (flush schedules, 2bw, 1f1b-stash updating every few backwards), none
-    under 1f1b-stash with an update after every backward (the backward's own gradient is in the
-    measured workspace)."""
+def summed_backwards(schedule: str, microbatches: int, update_every: int = 1) -> int:
+    """Backwards whose weight gradients one update reads: a flush schedule's `microbatches` (one update a
+    batch), 1f1b-stash's and 2bw's `update_every`."""
     check_schedule_name(schedule)
     _check_update_every(update_every)
-    return 0 if schedule == "1f1b-stash" and update_every == 1 else GRADIENT_COPIES
+    _check_position(1, 0, microbatches)
+    return update_every if schedule in ASYNC_SCHEDULES else microbatches
+
+
+def gradient_copies(schedule: str, update_every: int = 1, microbatches: int | None = None) -> int:
+    """Gradient sums a stage holds per byte of its parameters: GRADIENT_COPIES where an update reads
+    the sum of several backwards (`summed_backwards` > 1; `microbatches` None: as many as a flush
+    schedule's batch is split into, taken as more than one), none where it reads one backward's own
+    (1f1b-stash updating after every backward, a flush schedule of one micro-batch: the sum a backward
+    starts is its own gradients, `runtime.engines.base.accumulate` taking the first as it is, which the
+    profile's workspace holds, each block's `stacked` part). 2bw is charged its sum always (one backward an
+    update not measured there)."""
+    check_schedule_name(schedule)
+    _check_update_every(update_every)
+    if schedule == "2bw":
+        return GRADIENT_COPIES
+    return 0 if summed_backwards(schedule, 2 if microbatches is None else microbatches, update_every) == 1 \
+        else GRADIENT_COPIES
 
 
 def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microbatches: int,
@@ -225,7 +240,7 @@ def weight_copies(schedule: str, optimizer: str, stages: int, stage: int, microb
     """Bytes a stage holds per byte of its parameters: weights, gradient, optimizer state, old versions."""
     check_optimizer_name(optimizer)
     return (WEIGHT_COPIES + async_extra_copies(schedule, stages, stage)
-            + gradient_copies(schedule, update_every) + OPTIMIZER_STATE_COPIES[optimizer]
+            + gradient_copies(schedule, update_every, microbatches) + OPTIMIZER_STATE_COPIES[optimizer]
             + STASHED_VERSION_COPIES * stashed_weight_versions(schedule, stages, stage, microbatches, update_every))
 
 
@@ -835,13 +850,13 @@ def summed_head_gradient_bytes(graph: Graph, device: DeviceSpec, schedule: str, 
 
 
 def unsummed_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, schedule: str,
-                            update_every: int = 1) -> int:
+                            update_every: int = 1, microbatches: int | None = None) -> int:
     """Weight gradients of blocks first..last that a stage holds where nothing is summed (1f1b-stash
     updating after every backward: `gradient_copies` 0, the backward's own set held in its workspace)
     and its per-block workspace leaves out: MNN's per-block line measured beside a gradient sum
     (`BlockCost.per_block_summed_bytes`: full fine-tuning's layers) charges none, so they are charged
     back here. 0 elsewhere (the line holds them, or the gradient term charges them as the sum)."""
-    if gradient_copies(schedule, update_every) or activation_mode(device)[0] != "per-block":
+    if gradient_copies(schedule, update_every, microbatches) or activation_mode(device)[0] != "per-block":
         return 0
     return sum(c.per_block_summed_bytes or 0 for c in block_costs(graph, device)[first:last + 1])
 
@@ -857,7 +872,7 @@ def row_gradient_delta_bytes(graph: Graph, first: int, last: int, device: Device
     and where nothing is summed (1f1b-stash updating after every backward: no dense charge, no sum
     of rows). An update sums the micro-batches of a batch (flush schedules) or `update_every`
     backwards (1f1b-stash, 2bw)."""
-    if device_engine(device) not in ("mnn", "torch") or gradient_copies(schedule, update_every) == 0:
+    if device_engine(device) not in ("mnn", "torch") or gradient_copies(schedule, update_every, microbatches) == 0:
         return 0
     summed = min(update_every, microbatches) if schedule in ASYNC_SCHEDULES else microbatches
     tables, read = _tables(graph, first, last)
@@ -1235,7 +1250,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         stacked -= summed_head
     copies = weight_copies(schedule, optimizer, stages, stage, microbatches, update_every)
     state = OPTIMIZER_STATE_COPIES[optimizer]
-    gradients = gradient_copies(schedule, update_every)
+    gradients = gradient_copies(schedule, update_every, microbatches)
     update = update_only_bytes(graph, first, last, device, schedule)
     return MemoryTerms(
         trainable_bytes=(params * (copies - state - gradients)
@@ -1246,7 +1261,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         gradient_bytes=(params * gradients
                         + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
                         - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)
-                        + unsummed_gradient_bytes(graph, first, last, device, schedule, update_every)
+                        + unsummed_gradient_bytes(graph, first, last, device, schedule, update_every, microbatches)
                         + tied_sum_bytes(graph, first, last) - update),
         update_bytes=update,
         optimizer_state_bytes=params * state + table_state_delta_bytes(graph, first, last, device, optimizer),

@@ -124,14 +124,19 @@ def mnn_held_bytes(graph: Graph, keeping: bool = False) -> int:
       program's buffers (`_BlockProgram.release` runs per block only): the reads of one step are still
       held when the next step's loss makes its chunks, so both count (SmolLM2 int4 LoRA at 4 x 128
       without an evaluation: the first step peaked at 1672 MiB, the second at 1720, the next four
-      1721-1722, the resident memory between steps 1644 each time; helper h97)."""
+      1721-1722, the resident memory between steps 1644 each time; helper h97). Recomputing per block (not
+      `keeping`), the reads held are this step's alone, and the weights' gradients in them are the ones the
+      workspace charges (each block's `stacked` part, `default_block_cost`): only the rest is counted here
+      (MiniLM full fine-tuning per block, 8 x 32: 420 MiB against 445 planned, and 488 / 485, over, with the
+      gradients charged twice; helper h117)."""
     first = graph.blocks[0]
     tables = lookup_tables(graph.nodes) & set(graph.constants)
     rows = sum(4 * int(np.prod(graph.values[graph.node(name).outputs[0]].shape)) for name in first.nodes
                if graph.node(name).op == "Gather" and graph.node(name).inputs[0] in tables)
     inputs = block_input_bytes(graph)
     flats = [inputs[k] + b.params_bytes for k, b in enumerate(graph.blocks) if k > 0 and b.params]
-    read = sum(flats) + max(flats, default=0)  # and the one being read, still MNN's concatenation too
+    views = 0  # tried: without the snapshot the per-block steps set the peak, and hold both (0.90-0.93, h126)
+    read = sum(flats) - views + max(flats, default=0)  # and the one being read, still MNN's concatenation too
     head = fused_head_chunk_bytes(graph)
     return rows + (read if head is None or keeping else max(0, read - head))
 
@@ -147,9 +152,18 @@ def mnn_kept_bytes(graph: Graph, block: Block) -> int:
     (`MNN_VIEW_OPS`), where the graph-derived profile charges every value (`default_block_cost`'s
     `kept_bytes`). SmolLM2 LoRA at 4 x 128: 43.6 of a layer's 53.7 MiB, 1308 MiB over its 30 layers,
     where the run held 1240-1292 above the same run recomputing per block (benchmarks/MEMORY_NOTES.md,
-    helper h97)."""
-    return sum(graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs
-               if o in graph.values and graph.node(name).op not in MNN_VIEW_OPS)
+    helper h97). An exact (erf) GELU holds its erf term beside its output (`mnn_kernels.erf_gelu`, cached
+    for the backward: a value the graph does not have), charged as one more output: a MiniLM-shaped layer
+    at 8 x 32 held 13.15 MiB against 11.63 charged without it, 1.5 of it the GELU's (helper h128)."""
+    kept = 0
+    for name in block.nodes:
+        node = graph.node(name)
+        if node.op in MNN_VIEW_OPS:
+            continue
+        out = sum(graph.values[o].nbytes for o in node.outputs if o in graph.values)
+        erf = node.op == "Gelu" and node.attrs.get("approximate", "none") == "none"
+        kept += 2 * out if erf else out
+    return kept
 
 
 def default_block_cost(graph: Graph, block: Block, per_block: bool = False,
@@ -280,7 +294,7 @@ def memory_parts(graph: Graph, device: DeviceSpec, first: int, last: int, stage:
     parts = {
         "weights": params * (WEIGHT_COPIES + async_extra_copies(schedule, stages, stage)
                              + STASHED_VERSION_COPIES * versions),
-        "gradients": params * gradient_copies(schedule, update_every),
+        "gradients": params * gradient_copies(schedule, update_every, microbatches),
         "optimizer": params * OPTIMIZER_STATE_COPIES[optimizer],
         "frozen": sum(b.frozen_bytes for b in graph.blocks[first:last + 1])
         + double_held_bytes(graph, first, last, device),

@@ -45,7 +45,14 @@ class StepRecord:
 class TrainResult:
     steps: list[StepRecord] = field(default_factory=list)
     peak_rss_bytes: int = 0
-    optimizer_state: dict[str, np.ndarray] = field(default_factory=dict)  # runtime.optim's keys, at the end
+    # the optimizer after the last step: its state (runtime.optim's keys) made only when asked for (a checkpoint),
+    # since `state()` makes each table's row state dense (MiniLM: 2 x 44.7 MiB, the whole life's peak of full
+    # fine-tuning, helper h126)
+    optimizer: object | None = None
+
+    @property
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        return {} if self.optimizer is None else self.optimizer.state()
 
     def to_json(self) -> dict:
         return {"steps": [asdict(s) for s in self.steps], "peak_rss_bytes": self.peak_rss_bytes}
@@ -105,6 +112,28 @@ def accumulate_feeds(engine: StageEngine, feeds: Sequence[dict[str, np.ndarray]]
     return loss, grads
 
 
+def update(engine: StageEngine, optimizer, feeds: Sequence[dict[str, np.ndarray]]) -> float:
+    """One optimizer step over a batch given as its micro-batches' graph inputs; its loss. An update that
+    reads one backward (one micro-batch) on an engine stepping each weight as its gradient comes
+    (`StageEngine.steps_in_backward`: PyTorch) steps in that backward, as the pipeline executor fuses a B with
+    the UPDATE after it alone (`runtime.pipeline.executor.fused_backwards`; the same weights and state bit for
+    bit): the whole gradient set is never held (MiniLM full fine-tuning on PyTorch, the steps' peak 24-33 MiB
+    lower, helper h132). Else the summed gradients, then the step."""
+    if len(feeds) == 1 and engine.steps_in_backward:
+        was, engine.row_gradients = engine.row_gradients, True  # tables stepped by the rows they touched
+        try:
+            loss = float(engine.forward(feeds[0], microbatch=0))
+            engine.backward_and_step(0, optimizer)
+        finally:
+            engine.row_gradients = was
+        return loss
+    loss, grads = accumulate_feeds(engine, feeds)
+    engine.step(optimizer, grads)
+    # let go now (returning): held, the step's gradients stood beside the next step's backward (MiniLM full
+    # fine-tuning: a whole set, helper h117)
+    return loss
+
+
 def train_steps(engine: StageEngine, batches: Sequence, config: TrainConfig, num_labels: int,
                 on_step: Callable[[StepRecord], None] | None = None,
                 step_feeds: Callable[[object], list[dict[str, np.ndarray]]] | None = None) -> TrainResult:
@@ -124,11 +153,7 @@ def train_steps(engine: StageEngine, batches: Sequence, config: TrainConfig, num
                      for micro in split_microbatches(batch, config.microbatches)]
         else:
             feeds = step_feeds(batches[step % len(batches)])
-        loss, grads = accumulate_feeds(engine, feeds)
-        engine.step(optimizer, grads)
-        # let go now: held, the step's gradients stood beside the next step's backward and the optimizer state's
-        # snapshot below (MiniLM full fine-tuning: a whole set, helper h117)
-        del grads
+        loss = update(engine, optimizer, feeds)
         seconds = time.perf_counter() - start
         if not np.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step + 1}: lower --lr (now {config.lr})")
@@ -137,7 +162,7 @@ def train_steps(engine: StageEngine, batches: Sequence, config: TrainConfig, num
         if on_step:
             on_step(record)
     result.peak_rss_bytes = peak_rss_bytes()
-    result.optimizer_state = optimizer.state()
+    result.optimizer = optimizer
     return result
 
 

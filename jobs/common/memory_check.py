@@ -24,7 +24,7 @@ from jobs.common.report import Reporter
 # check, then holds them (imported after, they rose `train-local`'s whole life ~1 MiB above its printed
 # figure on the tiny BERT, helper h117)
 from planner.cluster import DeviceSpec
-from planner.cost import fused_loss_hidden_bytes, stage_memory_bytes
+from planner.cost import fused_loss_hidden_bytes, stage_memory_bytes, table_state_delta_bytes
 from planner.memory_defaults import (DEFAULT_RUNTIME_BYTES, LOSS_CHUNK_BYTES, default_profile, memory_parts,
                                      mnn_held_bytes, mnn_kept_bytes, widened_bytes)
 
@@ -68,35 +68,29 @@ def default_planned_bytes(graph: Graph, ranges: Sequence[tuple[int, int]], sched
 
 
 def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: str | None = None,
-               base_dtype: str = "float32", one_gradient_set: bool = False) -> int:
+               base_dtype: str = "float32", microbatches: int = 1) -> int:
     """What training the whole of `graph` on one device adds above the model as set up (its weights,
     frozen base and engine built): the memory model's gradients, optimizer state, activations and
-    workspace of one stage of one micro-batch, as `default_planned_bytes` prices them, and the one
-    block of a quantized base widened at a time; a block's backward holds a gradient of each of its
-    values (`default_block_cost`'s `gradient_of_each`). On MNN also what its programs hold as
+    workspace of one stage of `microbatches` micro-batches an update, as `default_planned_bytes` prices
+    them (one micro-batch, `tasks.trainer.train_steps`' step: no gradient sum beside the backward's own
+    gradients, which the workspace holds, `planner.cost.gradient_copies`), and the one block of a
+    quantized base widened at a time; a block's backward holds a gradient of each of its values
+    (`default_block_cost`'s `gradient_of_each`). On MNN also what its programs hold as
     `runtime.engines.mnn` runs them (`planner.memory_defaults.mnn_held_bytes`, keeping per-op caches: the
     backward's reads held into the next step), and keeping per-op caches, every value but the views
-    (`planner.memory_defaults.mnn_kept_bytes`; no evaluation runs on the training engine, helper h96).
-    `one_gradient_set`: the update reads the backward's own weight gradients (one micro-batch, let go after
-    the update: `tasks.trainer.train_steps`), which the workspace holds (each block's `stacked` part): no
-    gradient sum charged beside them (`planner.cost.gradient_copies`' case of an update after every
-    backward); on MNN per block those are views of the backward's reads (`mnn_held_bytes`), charged once.
-    Keeping its caches, MNN still holds one step's reads when the next step's gradients are made: both."""
+    (`planner.memory_defaults.mnn_kept_bytes`; no evaluation runs on the training engine, helper h96)."""
     profile = _run_profile(graph, engine, [activations], 0, gradient_of_each=True)
     device = DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=activations)
-    parts = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", 1, optimizer)
+    parts = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", microbatches, optimizer)
     keeping = not (activations or "").startswith("per-block")
     held = 0
     if keeping and engine == "mnn":  # MNN holds no buffer of a view's own (`mnn_kept_bytes`)
         costs = profile.backends[0].blocks
         kept = graph.blocks[:-2] if fused_loss_hidden_bytes(graph) is not None else graph.blocks
         held = sum((costs[block_signature(b)].kept_bytes or 0) - mnn_kept_bytes(graph, b) for b in kept)
-    summed = ("optimizer", "activations", "workspace") + (() if one_gradient_set else ("gradients",))
-    if one_gradient_set and engine == "mnn" and not keeping:
-        # per block, the weights' gradients the workspace holds (each block's `stacked`) are views of the
-        # backward's reads (`mnn_held_bytes`), charged there too
-        held += sum(b.params_bytes for b in graph.blocks[1:] if b.params)
-    return (sum(parts[k] for k in summed) - held
+    # AdamW's state of a table only looked up is the rows the data looks up (`graph.lookup_rows`), not dense
+    rows = table_state_delta_bytes(graph, 0, len(graph.blocks) - 1, device, optimizer)
+    return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held + rows
             + widened_bytes(graph, base_dtype) + (mnn_held_bytes(graph, keeping=keeping) if engine == "mnn" else 0))
 
 
@@ -158,34 +152,24 @@ def machine_room_bytes() -> int | None:
 def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: str, room: int | None,
                 reporter: Reporter, activations: str | None = None, base_dtype: str = "float32",
                 set_up_bytes: int | None = None, evaluation_bytes: int | None = None,
-                whole_model_trained: bool = False) -> TrainingMetrics:
+                microbatches: int = 1) -> TrainingMetrics:
     """`check_memory` for a one-device run (`train-local`), its budget the room the machine had when
     the run started. Its planned figure: the run's own resident memory when its steps began
     (`set_up_bytes`: the process, the model and engine built, what an evaluation before left) with
-    what the memory model says a step adds on top (`step_bytes`: the whole graph as one stage of one
-    micro-batch, with the run's `activations` and frozen base), or what the evaluation before training rose
-    above its start where that is larger (`evaluation_bytes`, measured: its generation, which no term
+    what the memory model says a step of `microbatches` micro-batches adds on top (`step_bytes`: the whole
+    graph as one stage, with the run's `activations` and frozen base), or what the evaluation before training
+    rose above its start where that is larger (`evaluation_bytes`, measured: its generation, which no term
     models, run beside no engine; the evaluation after training runs the same from the set-up, helper h96;
     the larger of the two's rises, helper h101).
     No profile measured this process's set-up, and the graph's shapes cannot tell it (SmolLM2 int4: 281-327
     MiB held against the model's 164 for a worker's); without it, the memory model's whole figure
-    (`default_planned_bytes`).
-    `whole_model_trained` (full fine-tuning, no LoRA: the token and sequence classifiers' runs): the step
-    charges one set of weight gradients, the backward's own that the update reads (`step_bytes`'
-    `one_gradient_set`), but on PyTorch per block. MiniLM token classification at 8 x 32, 8 steps, whole life
-    against set-up + step (helper h117): MNN keeping 503 against 542 (0.93; 628 with the sum), MNN per block
-    420 against 445 (0.94), PyTorch keeping 547 against 629 (0.87), PyTorch per block 555 against 640 with the
-    sum (0.87; 554 with one set, 1.002 over). LoRA runs (trained weights a few MiB) keep the sum, as
-    measured before."""
+    (`default_planned_bytes`)."""
     if set_up_bytes is None:
         planned = default_planned_bytes(graph, [(0, len(graph.blocks) - 1)], "1f1b-flush", 1, optimizer, 1, engine,
                                         activations, base_dtype)[0]
         basis = "the memory model"
     else:
-        # PyTorch per block is charged the gradient sum still: it stands for its re-runs' freed heap (helpers h102,
-        # h111), which went over the one set (MiniLM: 555 against 554, helper h117)
-        one_set = whole_model_trained and not (engine == "torch" and activations_mode(activations)[0] == "per-block")
-        step = step_bytes(graph, optimizer, engine, activations, base_dtype, one_gradient_set=one_set)
+        step = step_bytes(graph, optimizer, engine, activations, base_dtype, microbatches)
         planned = set_up_bytes + max(step, evaluation_bytes or 0)
         basis = ("the set-up as measured + a step by the memory model" if step >= (evaluation_bytes or 0) else
                  "the set-up + an evaluation as measured")

@@ -286,7 +286,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
         # caches, its optimizer's state) let go first: evaluating beside them set the run's peak
         # (SmolLM2 LoRA: 3.4 GB against training's 2.2)
         del engine
-        result.optimizer_state = {}
+        result.optimizer = None
         hand_back(settings.engine)
         # generation with no engine beside it, the perplexity's engine built after it (per block): built
         # first, it stood under the generation's peak (SmolLM2 int4 LoRA: 594-608 MiB against training's

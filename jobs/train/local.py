@@ -10,6 +10,7 @@ export-trained` read.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from jobs.common.report import Reporter, Silent
 from jobs.common.settings import TrainingSettings
 from jobs.common.task_choice import check_graph, task_for
 from jobs.train.start_up import torch_start_up
+from planner.lookups import lookup_rows
 from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_checkpoint_target, save_checkpoint
 from runtime.procfs import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
@@ -113,9 +115,14 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     metrics = TrainingMetrics("train-local", str(model), config.batch, config.seq, steps,
                               (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, life),),
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": the_task.name})
+    # the table rows the steps looked up (`planner.lookups.lookup_rows`, as `plan --data` counts them): AdamW
+    # holds their state alone (`planner.cost.table_state_delta_bytes`)
+    looked_up = lookup_rows(graph, (f for k in range(config.steps) for f in the_task.feeds(
+        run, batches[k % len(batches)], config.batch, config.microbatches)))
+    graph = dataclasses.replace(graph, lookup_rows=looked_up)
     return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
-                       evaluation_bytes=evaluation, whole_model_trained=settings.lora is None)
+                       evaluation_bytes=evaluation, microbatches=config.microbatches)
 
 
 def write_single_device_checkpoint(folder: Path, weights, optimizer_state, graph, meta: dict) -> Path:

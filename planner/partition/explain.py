@@ -74,7 +74,8 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
         what = [f"{old} old weight version{'s' if old != 1 else ''}"] if old else []
         if async_extra_copies(inst.schedule, p, s) and shared_bytes < versioned:
             what.append("the current weights' second copy")
-        if gradient_copies("1f1b-flush") > gradient_copies(inst.schedule):
+        if (gradient_copies("1f1b-flush", microbatches=inst.microbatches)
+                > gradient_copies(inst.schedule, microbatches=inst.microbatches)):
             what.append("less the gradient sum it holds")
         hints.append(f"1f1b-flush instead of 1f1b-stash: saves {_nbytes(saved * versioned - shared)} on {name!r} "
                      f"({', '.join(what)})")

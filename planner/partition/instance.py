@@ -379,7 +379,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                                                               update_every)
                                            + table_state_delta_bytes(graph, 0, k, spec, optimizer)
                                            - stepped_gradient_bytes(graph, 0, k, spec, schedule, update_every)
-                                           + unsummed_gradient_bytes(graph, 0, k, spec, schedule, update_every)
+                                           + unsummed_gradient_bytes(graph, 0, k, spec, schedule, update_every, microbatches)
                                            + tied_sum_bytes(graph, 0, k),
                                            len(blocks))
                                 for spec in specs),

@@ -316,6 +316,24 @@ def test_stash_versions_and_gradient_sum_follow_update_every():
         gradient_copies("1f1b-stash", 0)
 
 
+def test_an_update_reading_one_backward_holds_no_gradient_sum():
+    """A step of one micro-batch updated after it (a flush schedule with m = 1, `train-local`'s step) is
+    1f1b-stash's update after every backward: the sum the backward starts is its own gradients
+    (`runtime.engines.base.accumulate` takes the first as it is), which the workspace charges. Hand-computed:
+    AdamW, one stage, per parameter byte 1 (weights) + 2 (moments) + 0 (no sum) = 3 at m = 1, 4 from m = 2;
+    SGD 1 + 1 + 0 = 2."""
+    from planner.cost import gradient_copies, summed_backwards, weight_copies
+
+    assert [summed_backwards(s, 4, 2) for s in ("gpipe", "1f1b-flush", "1f1b-stash", "2bw")] == [4, 4, 2, 2]
+    assert [gradient_copies(s, microbatches=1) for s in ("gpipe", "1f1b-flush", "zb-h1", "1f1b-stash")] == [0, 0, 0, 0]
+    assert [gradient_copies(s, microbatches=2) for s in ("gpipe", "1f1b-flush", "zb-h1")] == [1, 1, 1]
+    assert gradient_copies("1f1b-stash", 2, microbatches=1) == 1  # two backwards an update, across steps
+    assert gradient_copies("2bw", 1, microbatches=1) == 1  # charged its sum, as before
+    assert gradient_copies("1f1b-flush") == 1  # micro-batches not given: more than one
+    assert [weight_copies("1f1b-flush", "adamw", 1, 0, m) for m in (1, 2, 8)] == [3, 4, 4]
+    assert weight_copies("gpipe", "sgd", 2, 1, 1) == 2
+
+
 def test_stash_time_counts_one_update_per_update_every_backwards():
     """1f1b-stash and 2bw with an update after every k backwards: a micro-batch costs its forward,
     its backward with (k-1)/k gradient additions, and 1/k of an optimizer step; the partition
