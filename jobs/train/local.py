@@ -116,9 +116,11 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
                               (DeviceFigures("this-device", 0, 0, len(graph.blocks) - 1, life),),
                               eval=figures, settings={**asdict(settings), "engine": settings.engine, "task": the_task.name})
     # the table rows the steps looked up (`planner.lookups.lookup_rows`, as `plan --data` counts them): AdamW
-    # holds their state alone (`planner.cost.table_state_delta_bytes`)
-    looked_up = lookup_rows(graph, (f for k in range(config.steps) for f in the_task.feeds(
-        run, batches[k % len(batches)], config.batch, config.microbatches)))
+    # holds their state alone (`planner.cost.table_state_delta_bytes`); distinct rows, so each batch the steps
+    # cycled through is read once, not once a step
+    used = sorted({k % len(batches) for k in range(config.steps)})
+    looked_up = lookup_rows(graph, (f for k in used for f in the_task.feeds(run, batches[k], config.batch,
+                                                                          config.microbatches)))
     graph = dataclasses.replace(graph, lookup_rows=looked_up)
     return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
