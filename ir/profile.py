@@ -93,7 +93,9 @@ class BlockCost:
     # (`activations: per-block`, each block under a checkpoint of its own) re-runs a block's forward
     # inside its backward, which its keeping `backward_s` does not, except for the blocks it runs as
     # they are (a lookup, the LM head with its loss). None: not measured (MNN's `backward_s` already
-    # re-runs the forward; an older profile), taken as `backward_s` plus `forward_s` on PyTorch.
+    # re-runs the forward; an older profile). Shown by `profile`, not planned on: the planner prices the
+    # re-run as the block's forward once more (`planner.cost.per_block_rerun_s`), since a timing below
+    # keeping's (a loaded machine) is noise that flipped a roomy device's plan to per block.
     per_block_backward_s: float | None = None
     # The line's once part: what a further micro-batch in flight adds to a stage recomputing per block
     # beside its blocks' `per_block_kept_bytes` (PyTorch, SmolLM2 int4: ~13-24 MiB, the stage's output,

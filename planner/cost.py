@@ -420,6 +420,44 @@ def kept_once_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, in_
     return kept_activation_bytes(once, in_flight, keeps_activations(device))
 
 
+def per_block_rerun_s(cost: BlockCost, checkpointed: bool) -> float:
+    """What recomputing per block on PyTorch adds to a block's keeping backward (`backward_s`): its
+    forward once more where the engine runs it under a checkpoint of its own (`checkpointed_blocks`),
+    nothing where it runs it as it is. Structural, not the profile's `per_block_backward_s`: the
+    re-run does strictly more work than keeping (the block's forward again, then the same backward),
+    and a timing that says otherwise is noise. A loaded machine once timed a layer's per-block
+    backward below keeping's; priced max(keeping, measured), per block then cost keeping's time in
+    less memory, and a 4 GiB device (tests/jobs/test_torch_per_block_plan.py) planned per block
+    instead of keeping: a plan, and its memory, that moved from one profile to the next. Priced so,
+    per block costs the same time as recomputing the whole stage for the blocks both re-run (the
+    same work), and the leaner of the two is taken at that tie, never on a timing's noise."""
+    return cost.forward_s if checkpointed else 0.0
+
+
+def checkpointed_blocks(graph: Graph) -> tuple[bool, ...]:
+    """Per block, whether PyTorch recomputing per block runs it under a checkpoint of its own (its
+    forward re-run in its backward): every block but one with a lookup (a table stepped in place
+    would give a re-run other rows), the loss, and an LM head fused with its loss
+    (`fused_loss_hidden_bytes`), which the engine runs as they are. The engine's rule
+    (`runtime.engines.pytorch`, `TorchStageEngine._block_runs`), which the planner may not import,
+    restated on the graph."""
+    for known, checkpointed in _CHECKPOINT_FACTS:
+        if known() is graph:
+            return checkpointed
+    head = len(graph.blocks) - 2 if fused_loss_hidden_bytes(graph) is not None else None
+    checkpointed = tuple(b.index != head and not any(graph.node(n).op in _RUN_AS_THEY_ARE for n in b.nodes)
+                         for b in graph.blocks)
+    alive = [e for e in _CHECKPOINT_FACTS if e[0]() is not None][:3]
+    _CHECKPOINT_FACTS[:] = [(weakref.ref(graph), checkpointed)] + alive
+    return checkpointed
+
+
+# The ops whose block PyTorch runs without a checkpoint (`checkpointed_blocks`)
+_RUN_AS_THEY_ARE = frozenset({"Gather", "TokenCrossEntropy"})
+# The graphs last asked about, with their answer (as `_FUSED_FACTS`: `block_costs` asks on every call)
+_CHECKPOINT_FACTS: list[tuple[weakref.ref, tuple[bool, ...]]] = []
+
+
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     """Per block of the graph, its measured cost on the device's backend, under its activation
     choice: PyTorch recomputing runs each block's forward once more in its backward; MNN keeping
@@ -427,13 +465,14 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     recomputing per block has the workspace measured that way (`per_block_workspace`, of which each
     block holds its `per_block_stacked` part and the rest is the one-block transient), and never
     skips the re-run (`reuses_forward` does not apply: no caches outlive a block's backward).
-    PyTorch recomputing per block has those workspace figures too, and its backward measured that
-    way (`per_block_backward_s`, else the forward once more), of which the re-run is `recompute_s`."""
+    PyTorch recomputing per block has those workspace figures too, and its backward is keeping's
+    plus each checkpointed block's forward once more (`per_block_rerun_s`), which is `recompute_s`."""
     backend = device_backend(device)
     engine, policy = device_engine(device), activation_mode(device)[0]
     again = engine == "torch" and policy == "recompute"
     kept = engine == "mnn" and policy == "keep"
     per_block = engine in ("mnn", "torch") and policy == "per-block"
+    reruns = checkpointed_blocks(graph) if per_block and engine == "torch" else ()
     out = []
     for b in check_blocks(graph):
         sig = block_signature(b)
@@ -453,9 +492,8 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
                 # a further micro-batch's checkpoints (`keeps_activations`): as measured, else nothing;
                 # its once-a-stage part stays (`kept_once_bytes`)
                 cost = replace(cost, kept_bytes=cost.per_block_kept_bytes or 0)
-                backward = (cost.backward_s + cost.forward_s if cost.per_block_backward_s is None
-                            else max(cost.backward_s, cost.per_block_backward_s))
-                cost = replace(cost, backward_s=backward, recompute_s=backward - cost.backward_s)
+                rerun = per_block_rerun_s(cost, reruns[b.index])
+                cost = replace(cost, backward_s=cost.backward_s + rerun, recompute_s=rerun)
         if cost.per_block_kept_once_bytes is not None and not (per_block and engine == "torch"):
             cost = replace(cost, per_block_kept_once_bytes=None)  # held only recomputing per block on PyTorch
         out.append(cost)

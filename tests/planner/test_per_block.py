@@ -290,11 +290,13 @@ def _torch_profile(graph, per_block: bool = True, fresh: bool = True) -> DeviceP
                          memory_available_bytes=16 << 30, runtime_overhead_bytes=100 * MIB)
 
 
-def test_torch_per_block_is_charged_its_measured_parts_and_its_measured_backward(graph):
+def test_torch_per_block_is_charged_its_measured_parts_and_keepings_backward_with_the_re_run(graph):
     """Stage 0 of 2 under GPipe with 4 micro-batches, blocks 1-3 (as the MNN figure above): recomputing
     per block on PyTorch holds 3 x 2 MiB + (30 - 2) MiB of workspace and no kept copies, and its
-    backward is the measured 35 ms a block (of which 15 the re-run), not keeping's 20 nor the whole
-    stage's recompute (20 + 10). A profile without the measurement prices it as recomputing the stage."""
+    backward is keeping's 20 ms a block and the forward's 10 once more (its re-run), as the whole
+    stage's recompute, not the 35 the profile timed (`planner.cost.per_block_rerun_s`: structural, the
+    timing's noise no part of the plan; tests/planner/test_recompute_time.py). The embedding block (a
+    lookup) runs as it is: no re-run. A profile without the measurement prices it the same."""
     from planner.cost import block_costs
 
     hidden = B * S * 64 * 4
@@ -308,9 +310,9 @@ def test_torch_per_block_is_charged_its_measured_parts_and_its_measured_backward
     assert terms["recompute"].workspace_bytes == 3 * 24 * MIB + 16 * MIB
     assert times["keep"] == pytest.approx((0.030, 0.060))
     assert times["recompute"] == pytest.approx((0.030, 0.090))
-    assert times["per-block"] == pytest.approx((0.030, 0.105))
+    assert times["per-block"] == pytest.approx((0.030, 0.090))
     device = DeviceSpec("a", "tcp://x:1", _torch_profile(graph), 4 << 30, activations="per-block")
-    assert [c.recompute_s for c in block_costs(graph, device)] == pytest.approx([0.015] * len(graph.blocks))
+    assert [c.recompute_s for c in block_costs(graph, device)] == pytest.approx([0.0] + [0.010] * (len(graph.blocks) - 1))
     unmeasured = DeviceSpec("a", "tcp://x:1", _torch_profile(graph, per_block=False), 4 << 30, activations="per-block")
     assert compute_s(graph, unmeasured, 1, 3) == pytest.approx((0.030, 0.090))
 
