@@ -8,7 +8,9 @@ Time, for one micro-batch on stage s of p (device d, blocks first..last):
   backend (`planner.cluster.device_backend`; `backward_s` includes MNN's re-run of the
   forward). A stage whose every backward directly follows its own micro-batch's forward keeps
   MNN's per-op caches and skips that re-run (`reuses_forward`: the last stage under 1F1B, or any
-  schedule with one micro-batch), so `recompute_s` is subtracted there.
+  schedule with one micro-batch), so `recompute_s` is subtracted there. PyTorch recomputing per
+  block pays keeping's backward and each checkpointed block's forward once more
+  (`per_block_rerun_s`), never less than keeping, whatever a loaded profile timed it at.
 - gradient accumulation, charged to the backward: parameter bytes x the profile's seconds per
   byte of `acc += g` x (m-1)/m under flush schedules (`accumulated_share`).
 - optimizer step (`update_s`): parameter bytes x the profile's measured seconds per parameter
