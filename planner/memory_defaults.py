@@ -25,6 +25,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ir.attention_fusion import fusable_site
 from ir.graph import Block, Graph, block_signature
 from ir.precision import QuantizedTensor, bytes_per_frozen_element, lookup_tables, quantizable, storage_for
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
@@ -164,6 +165,76 @@ def mnn_kept_bytes(graph: Graph, block: Block) -> int:
         erf = node.op == "Gelu" and node.attrs.get("approximate", "none") == "none"
         kept += 2 * out if erf else out
     return kept
+
+
+# What PyTorch's autograd saves of a node's tensors for its backward, as `runtime.engines.pytorch` runs the
+# graph's ops: a product (MatMul, Mul, Div) each operand whose partner needs a gradient (x @ W saves x only
+# where W is trained: a frozen base saves no input); these its input where it needs a gradient ...
+TORCH_SAVES_INPUT = frozenset({"Pow", "Erf", "Gelu", "Silu", "LayerNorm", "RMSNorm"})
+# ... and these their output; adds, means, concatenations, lookups (the indices) and rotary embeddings (by
+# constant tables) save nothing of the graph's values; views share their input's storage.
+TORCH_SAVES_OUTPUT = frozenset({"Sqrt", "Tanh", "Relu", "Sigmoid", "Softmax", "SoftmaxCrossEntropy"})
+TORCH_SAVES_NOTHING = frozenset({"Add", "Sub", "ReduceMean", "Concat", "Gather", "Rotary"})
+TORCH_VIEW_OPS = MNN_VIEW_OPS | {"Expand", "Slice"}
+
+
+def torch_kept_bytes(graph: Graph, block: Block) -> int:
+    """What PyTorch keeping its activations (`runtime.engines.pytorch`, autograd's saved tensors) holds of
+    `block`'s forward until its backward: the storages its nodes' backwards need (`TORCH_SAVES_*`, a product
+    each operand whose partner needs a gradient), each once however many nodes save it or views of it, less
+    the block's input (the activations' charge, `planner.cost.block_input_bytes`); where the graph-derived
+    profile charges every value (`default_block_cost`'s `kept_bytes`). An op with no rule here is charged
+    its output (never under). A LayerNorm's mean and reciprocal deviation, a float each row, are counted.
+    Node by node: an attention PyTorch runs fused (scaled_dot_product_attention) saves its probabilities'
+    log-sum-exp where this counts the probabilities (the score matrix, never less). A MiniLM layer at 8 x 32:
+    6.02 MiB saved (unique storages under `torch.autograd.graph.saved_tensors_hooks`, its input's 0.375 among
+    them) where every value is 14.62 (helper h136).
+    Only a block whose attention PyTorch runs fused (`ir.attention_fusion.fusable_site`): the engine holds
+    every value a forward makes until the forward ends, so a block run node by node is charged every value
+    (MiniLM LoRA, whose adapters keep its attention unfused: 19.2 MiB a layer made, 4.2 saved; its steps rose
+    126-128 MiB above the set-up, every value charged 147)."""
+    compute = [n for n in graph.nodes if n.name in {x for b in graph.blocks for x in b.nodes}]
+    if fusable_site(graph, compute, graph.blocks[-1].output, block) is None:
+        return sum(graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs
+                   if o in graph.values)
+    needs = set(graph.params)
+    for node in graph.nodes:  # topological: a value needs a gradient where anything it is made of does
+        if any(i in needs for i in node.inputs):
+            needs.update(node.outputs)
+    root: dict[str, str] = {}
+    for node in graph.nodes:
+        for o in node.outputs:
+            root[o] = root.get(node.inputs[0], node.inputs[0]) if node.op in TORCH_VIEW_OPS and node.inputs else o
+    own = {o for name in block.nodes for o in graph.node(name).outputs}
+    saved: dict[str, int] = {}
+
+    def save(value: str, key: str | None = None) -> None:
+        base = root.get(value, value)
+        if base in own and value in graph.values:
+            key = key or base
+            saved[key] = max(saved.get(key, 0), graph.values[value].nbytes, graph.values[base].nbytes)
+
+    for name in block.nodes:
+        node = graph.node(name)
+        if node.op in TORCH_VIEW_OPS or node.op in TORCH_SAVES_NOTHING or not any(i in needs for i in node.inputs):
+            continue
+        if node.op in ("MatMul", "Mul", "Div") and len(node.inputs) == 2:
+            a, b = node.inputs
+            if b in needs:
+                save(a)
+            if a in needs or node.op == "Div":
+                save(b)
+        elif node.op in TORCH_SAVES_INPUT:
+            save(node.inputs[0])
+            if node.op == "RMSNorm":  # the normalised input before its scale too, a storage of its own
+                save(node.outputs[0], key=f"{name} normalised")
+            elif node.op == "LayerNorm":  # its mean and reciprocal deviation, a float each row
+                rows = graph.values[node.outputs[0]].nbytes // max(1, 4 * int(graph.values[node.outputs[0]].shape[-1]))
+                saved[f"{name} statistics"] = 8 * rows
+        else:  # TORCH_SAVES_OUTPUT, and any op without a rule
+            for o in node.outputs:
+                save(o)
+    return sum(saved.values())
 
 
 def default_block_cost(graph: Graph, block: Block, per_block: bool = False,
