@@ -130,16 +130,34 @@ def mnn_held_bytes(graph: Graph, keeping: bool = False) -> int:
       workspace charges (each block's `stacked` part, `default_block_cost`): only the rest is counted here
       (MiniLM full fine-tuning per block, 8 x 32: 420 MiB against 445 planned, and 488 / 485, over, with the
       gradients charged twice; helper h117)."""
-    first = graph.blocks[0]
-    tables = lookup_tables(graph.nodes) & set(graph.constants)
-    rows = sum(4 * int(np.prod(graph.values[graph.node(name).outputs[0]].shape)) for name in first.nodes
-               if graph.node(name).op == "Gather" and graph.node(name).inputs[0] in tables)
+    rows = mnn_lookup_rows_bytes(graph)
     inputs = block_input_bytes(graph)
     flats = [inputs[k] + b.params_bytes for k, b in enumerate(graph.blocks) if k > 0 and b.params]
     views = 0  # tried: without the snapshot the per-block steps set the peak, and hold both (0.90-0.93, h126)
-    read = sum(flats) - views + max(flats, default=0)  # and the one being read, still MNN's concatenation too
+    # keeping, the one being read is still MNN's concatenation too; recomputing per block, each block's program
+    # lets go of it after its backward (`_BlockProgram.release`), into MNN's buffer pool, where the block's
+    # transient (the workspace's) is held: MiniLM per block 8 x 32, the pool at the steps' peak 23.5 MiB against
+    # 29.25 charged as the transient, and the step over-charged by ~42 MiB (357 / 398, helper h137)
+    read = sum(flats) - views + (max(flats, default=0) if keeping else 0)
     head = fused_head_chunk_bytes(graph)
     return rows + (read if head is None or keeping else max(0, read - head))
+
+
+def mnn_lookup_rows_bytes(graph: Graph) -> int:
+    """The first block's table lookups as `runtime.engines.mnn._BlockProgram.feed` holds them: each looked-up
+    table's rows (`table[ids]`, float32) fed at the forward and held by the program until its next feed."""
+    first = graph.blocks[0]
+    tables = lookup_tables(graph.nodes) & set(graph.constants)
+    return sum(4 * int(np.prod(graph.values[graph.node(name).outputs[0]].shape)) for name in first.nodes
+               if graph.node(name).op == "Gather" and graph.node(name).inputs[0] in tables)
+
+
+def mnn_forward_kept_bytes(graph: Graph, blocks: list[Block]) -> int:
+    """What a training forward on MNN keeping its per-op caches holds until its backward, as the step charges
+    it: `blocks`' caches (`mnn_kept_bytes`) and the lookup rows (`mnn_lookup_rows_bytes`). A one-device run
+    that measured that forward (its evaluation before training, on the training engine) charges the measured
+    figure in its place (`jobs.common.memory_check.local_check`)."""
+    return sum(mnn_kept_bytes(graph, b) for b in blocks) + mnn_lookup_rows_bytes(graph)
 
 
 # The ops whose results MNN's keeping mode holds no buffer of its own for: its geometry lays a reshape or a

@@ -26,7 +26,8 @@ from jobs.common.report import Reporter
 from planner.cluster import DeviceSpec
 from planner.cost import fused_loss_hidden_bytes, stage_memory_bytes, table_state_delta_bytes
 from planner.memory_defaults import (DEFAULT_RUNTIME_BYTES, LOSS_CHUNK_BYTES, default_profile, memory_parts,
-                                     mnn_held_bytes, mnn_kept_bytes, torch_kept_bytes, widened_bytes)
+                                     mnn_forward_kept_bytes, mnn_held_bytes, mnn_kept_bytes, torch_kept_bytes,
+                                     widened_bytes)
 
 MIB = 2 ** 20
 # measured above planned by more than this share: the memory model missed something worth a warning
@@ -94,12 +95,17 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
         kept_bytes = None
     if kept_bytes is not None:
         costs = profile.backends[0].blocks
-        kept = graph.blocks[:-2] if fused_loss_hidden_bytes(graph) is not None else graph.blocks
-        held = sum((costs[block_signature(b)].kept_bytes or 0) - kept_bytes(graph, b) for b in kept)
+        held = sum((costs[block_signature(b)].kept_bytes or 0) - kept_bytes(graph, b) for b in _cached(graph))
     # AdamW's state of a table only looked up is the rows the data looks up (`graph.lookup_rows`), not dense
     rows = table_state_delta_bytes(graph, 0, len(graph.blocks) - 1, device, optimizer)
     return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held + rows
             + widened_bytes(graph, base_dtype) + (mnn_held_bytes(graph, keeping=keeping) if engine == "mnn" else 0))
+
+
+def _cached(graph: Graph) -> list:
+    """The blocks whose per-op caches MNN keeping holds as values (`mnn_kept_bytes`): all but a fused LM head
+    and its loss, whose chunks the workspace charges."""
+    return graph.blocks[:-2] if fused_loss_hidden_bytes(graph) is not None else graph.blocks
 
 
 def check_memory(metrics: TrainingMetrics, planned: Mapping[str, int | None], budgets: Mapping[str, int | None],
@@ -160,7 +166,7 @@ def machine_room_bytes() -> int | None:
 def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: str, room: int | None,
                 reporter: Reporter, activations: str | None = None, base_dtype: str = "float32",
                 set_up_bytes: int | None = None, evaluation_bytes: int | None = None,
-                microbatches: int = 1) -> TrainingMetrics:
+                microbatches: int = 1, forward_kept_bytes: int | None = None) -> TrainingMetrics:
     """`check_memory` for a one-device run (`train-local`), its budget the room the machine had when
     the run started. Its planned figure: the run's own resident memory when its steps began
     (`set_up_bytes`: the process, the model and engine built, what an evaluation before left) with
@@ -168,7 +174,13 @@ def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: 
     graph as one stage, with the run's `activations` and frozen base), or what the evaluation before training
     rose above its start where that is larger (`evaluation_bytes`, measured: its generation, which no term
     models, run beside no engine; the evaluation after training runs the same from the set-up, helper h96;
-    the larger of the two's rises, helper h101).
+    the larger of the two's rises, helper h101). On MNN keeping its per-op caches, `forward_kept_bytes`: what a
+    forward on the training engine measured it held above the set-up (its evaluation before training, the
+    step's shape), charged in place of the step's own figure for it (`mnn_forward_kept_bytes`): it holds
+    MNN's buffer pool too, its op temporaries kept for the process (the first forward's: a MiniLM-shaped layer
+    at 8 x 32 4.5-5.5 MiB, the tiny BERT at 8 x 64 1.0, given back only by `mnn_kernels.release_memory`),
+    which no graph term charges, and a small layer's caches MNN holds above `mnn_kept_bytes` (the tiny BERT's
+    5.31 against 4.88 MiB; helper h137).
     No profile measured this process's set-up, and the graph's shapes cannot tell it (SmolLM2 int4: 281-327
     MiB held against the model's 164 for a worker's); without it, the memory model's whole figure
     (`default_planned_bytes`)."""
@@ -178,6 +190,8 @@ def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: 
         basis = "the memory model"
     else:
         step = step_bytes(graph, optimizer, engine, activations, base_dtype, microbatches)
+        if forward_kept_bytes is not None and engine == "mnn" and activations_mode(activations)[0] != "per-block":
+            step += forward_kept_bytes - mnn_forward_kept_bytes(graph, _cached(graph))
         planned = set_up_bytes + max(step, evaluation_bytes or 0)
         basis = ("the set-up as measured + a step by the memory model" if step >= (evaluation_bytes or 0) else
                  "the set-up + an evaluation as measured")

@@ -23,7 +23,7 @@ from jobs.common.metrics import DeviceFigures, StepFigures, TrainingMetrics
 from jobs.common.report import Reporter, Silent
 from jobs.common.settings import TrainingSettings
 from jobs.common.task_choice import check_graph, task_for
-from jobs.train.start_up import torch_start_up
+from jobs.train.start_up import torch_start_up, update_start_up
 from planner.lookups import lookup_rows
 from runtime.engines.factory import whole_model_engine
 from runtime.pipeline.checkpoints import check_checkpoint_target, save_checkpoint
@@ -67,6 +67,8 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
         # rose ~97 MiB above what the evaluation left, 381.5 / 376.7 (helpers h117, h123)
         torch_start_up(graph, config.threads, settings.activations,
                        the_task.feeds(run, batches[0], config.batch, config.microbatches)[0])
+    else:  # numpy's update kernels mapped before the set-up is read (`update_start_up`)
+        update_start_up(config.optimizer)
     gc.collect()
     release_free_heap()  # the set-up's free heap handed back: what the steps and the evaluation rise from
     # the planned figure's measured part (`local_check`): the process, data, model and engine built, as the
@@ -78,6 +80,9 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     # reset, the set-up's own earlier peak may count too) charged where larger than a step. MNN keeping its
     # per-op caches keeps the forward's, which a step charges (MiniLM: +89 MiB, its caches 88)
     evaluation = peak_rss_bytes() - set_up if set_up is not None and before is not None else None
+    # that forward's rise is what a training forward holds (the same shape on the same engine): MNN keeping
+    # charges it as measured, its buffer pool included (`local_check`'s `forward_kept_bytes`, helper h137)
+    forward_kept = evaluation
     if before is not None:
         reporter.note(f"{the_task.headline(before)} before fine-tuning")
     reporter.start("train", config.steps)
@@ -124,7 +129,8 @@ def train_local(model: Path, data: Path, eval_path: Path, settings: TrainingSett
     graph = dataclasses.replace(graph, lookup_rows=looked_up)
     return local_check(metrics, graph, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
-                       evaluation_bytes=evaluation, microbatches=config.microbatches)
+                       evaluation_bytes=evaluation, microbatches=config.microbatches,
+                       forward_kept_bytes=forward_kept if settings.engine == "mnn" else None)
 
 
 def write_single_device_checkpoint(folder: Path, weights, optimizer_state, graph, meta: dict) -> Path:
