@@ -870,18 +870,23 @@ def stepped_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceSp
     return shared_current_bytes(graph, first, last, device)
 
 
-def summed_head_gradient_bytes(graph: Graph, device: DeviceSpec, schedule: str, update_every: int = 1) -> int:
+def summed_head_gradient_bytes(graph: Graph, device: DeviceSpec, schedule: str, update_every: int = 1,
+                               microbatches: int | None = None) -> int:
     """The fused LM head's weight gradient that the head's measured workspace holds (the profile's
-    fresh backward returns it as a new vocabulary x hidden array) and PyTorch never makes where a
-    gradient sum is kept: its engine adds the head's gradient into the running sum chunk by chunk
-    (`TorchStageEngine.backward_into`; the first micro-batch's becomes the sum, which the gradient
-    term charges). Taken off the head's block (`block_costs`' index len - 2) by `stage_memory_terms`
-    and the partition instance. The head + loss stage of tests/jobs/test_torch_full_finetune_plan.py
-    peaked during its backwards with SmolLM2's 108 MiB head's new gradient beside the sum
-    (benchmarks/MEMORY_NOTES.md, h129, h131). 0 on MNN (its numpy loss returns the gradient), under
-    1f1b-stash updating after every backward (the gradient is stepped as it comes: no sum), for a
-    frozen head (LoRA) or no fused head."""
-    if device_engine(device) != "torch" or not gradient_copies(schedule, update_every):
+    fresh forward and backward make it a new vocabulary x hidden array) and neither engine makes
+    where a gradient sum is kept: each adds the head's gradient into the running sum a chunk at a
+    time (PyTorch in its backward, `TorchStageEngine.backward_into`; MNN in the training forward's
+    pass that computes it, `MnnStageEngine.forward_into`, or a backward that recomputes it; the first
+    micro-batch's becomes the sum, which the gradient term charges). Taken off the head's block
+    (`block_costs`' index len - 2) by `stage_memory_terms` and the partition instance. The head +
+    loss stage of tests/jobs/test_torch_full_finetune_plan.py peaked during its backwards with
+    SmolLM2's 108 MiB head's new gradient beside the sum (benchmarks/MEMORY_NOTES.md, h129, h131),
+    that of tests/jobs/test_full_finetune_plan.py (MNN) from a forward to its backward with a 48 MiB
+    one (h135). 0 where no sum is kept (`gradient_copies`: 1f1b-stash updating after every backward,
+    a flush schedule of one micro-batch: the backward's own gradient is the one set, which the
+    workspace holds), for a frozen head (LoRA), no fused head, or an engine the model knows nothing
+    of."""
+    if device_engine(device) not in ("mnn", "torch") or not gradient_copies(schedule, update_every, microbatches):
         return 0
     if fused_loss_hidden_bytes(graph) is None:
         return 0
@@ -1285,7 +1290,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     stacked = sum(c.stacked for c in costs)  # `workspace_of` less the kept part, charged as activations
     head_loss = costs[n - 2 - first].stacked if fused and first <= n - 2 <= last else 0
     if head_loss:  # the head's gradient added into the sum, not made beside it (`summed_head_gradient_bytes`)
-        summed_head = min(head_loss, summed_head_gradient_bytes(graph, device, schedule, update_every))
+        summed_head = min(head_loss, summed_head_gradient_bytes(graph, device, schedule, update_every, microbatches))
         head_loss -= summed_head
         stacked -= summed_head
     copies = weight_copies(schedule, optimizer, stages, stage, microbatches, update_every)

@@ -105,7 +105,8 @@ def accumulate_feeds(engine: StageEngine, feeds: Sequence[dict[str, np.ndarray]]
     was, engine.row_gradients = engine.row_gradients, True
     try:
         for m, micro in enumerate(feeds):
-            loss += float(engine.forward(micro, microbatch=m))
+            # what the forward's pass computes of the gradients (MNN's fused LM head) straight into the sum
+            loss += float(engine.forward_into(micro, m, grads))
             engine.backward_into(m, grads)  # each block's gradients summed as they come
     finally:
         engine.row_gradients = was

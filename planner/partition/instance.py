@@ -311,7 +311,8 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
     costs = [block_costs(graph, spec) for spec in specs]
     if joined_boundaries(graph):  # the fused head's gradient added into the sum (planner.cost, as stage_memory_terms)
         head = len(blocks) - 2
-        costs = [[_less_summed_head(c, min(c.stacked, summed_head_gradient_bytes(graph, spec, schedule, update_every)))
+        costs = [[_less_summed_head(c, min(c.stacked, summed_head_gradient_bytes(graph, spec, schedule, update_every,
+                                                                                 microbatches)))
                   if k == head else c for k, c in enumerate(row)] for row, spec in zip(costs, specs)]
     share = accumulated_share(schedule, microbatches, update_every)  # gradient additions per micro-batch
     # update_us: one optimizer step under flush schedules (once per batch); under 1f1b-stash and 2bw

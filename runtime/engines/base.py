@@ -138,6 +138,14 @@ class StageEngine(ABC):
         out = np.asarray(self.forward(feeds, train=False, until_block=until_block))
         return np.array(out[rows_at(positions)], np.float32)
 
+    def forward_into(self, feeds: Mapping[str, np.ndarray], microbatch: int, into: dict) -> np.ndarray:
+        """A training `forward` of `microbatch` whose backward will add its gradients into the running
+        sum `into` (`backward_into`, `backward_input_into`) with no update between (the caller's
+        promise) and seeded with 1 (None: a loss). An engine that computes some parameter gradients in
+        the forward's own pass may add them straight into `into` there (then its backward leaves them
+        out). By default the plain forward."""
+        return self.forward(feeds, microbatch=microbatch, train=True)
+
     @abstractmethod
     def backward(self, microbatch: int, grad_output: np.ndarray | None = None) -> StageGradients:
         """Gradients for `microbatch` (its forward must have run with train=True); None seeds 1 for a loss."""

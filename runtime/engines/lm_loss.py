@@ -123,15 +123,23 @@ class LinearCrossEntropy:
         return hidden @ (weight.T if self.transposed else weight)
 
     def __call__(self, hidden: np.ndarray, weight: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                 grad: bool = True, weight_grad: bool = True) -> LinearCrossEntropyResult:
-        """`weight_grad` False (a frozen head weight, LoRA) skips the weight's gradient and its GEMM."""
+                 grad: bool = True, weight_grad: bool = True,
+                 weight_grad_into: np.ndarray | None = None) -> LinearCrossEntropyResult:
+        """`weight_grad` False (a frozen head weight, LoRA) skips the weight's gradient and its GEMM.
+        `weight_grad_into` (float32, the weight's shape, writable): the weight's gradient added into it
+        chunk by chunk, in place (a running sum), and none returned: no second weight-sized array."""
         h = np.asarray(hidden, np.float32).reshape(-1, hidden.shape[-1])
         vocab = weight.shape[0] if self.transposed else weight.shape[1]
         ids, w = np.asarray(ids).reshape(-1), np.asarray(weights, np.float32).reshape(-1)
         rows = np.nonzero(w)[0]
         total = 0.0
         dh = np.zeros_like(h) if grad else None
-        dw = np.zeros(weight.shape, np.float32) if grad and weight_grad else None
+        if weight_grad_into is not None and weight_grad_into.shape != weight.shape:
+            raise ValueError(f"a weight gradient of shape {weight.shape} added into an array of shape "
+                             f"{weight_grad_into.shape}")
+        dw = None
+        if grad and weight_grad:
+            dw = np.zeros(weight.shape, np.float32) if weight_grad_into is None else weight_grad_into
         wt = weight.T if self.transposed else weight  # [H, V] view
         step = chunk_rows(vocab, self.chunk_bytes)
         for lo in range(0, len(rows), step):
@@ -150,7 +158,7 @@ class LinearCrossEntropy:
                 _accumulate(dw, z, hr, self.transposed)
         if grad:
             dh = dh.reshape(hidden.shape)
-        return LinearCrossEntropyResult(total, dh, dw)
+        return LinearCrossEntropyResult(total, dh, None if weight_grad_into is not None else dw)
 
 
 def quantized_logits(hidden: np.ndarray, weight, chunk_bytes: int | None = None) -> np.ndarray:

@@ -452,19 +452,25 @@ class _LossProgram:
             return
         self.fed_serial, self._x, self._host = serial, activation, host
 
-    def _fused(self, grad: bool) -> lm_loss.LinearCrossEntropyResult:
+    def _fused(self, grad: bool, weight_sum: np.ndarray | None = None,
+               weight_grad: bool = True) -> lm_loss.LinearCrossEntropyResult:
+        """The fused pass; `weight_sum`: the weight's running gradient sum, its gradient added into it
+        (and none returned); `weight_grad` False: no weight gradient (already in the sum)."""
         weight = self._tables[self.fused.weight]
         if isinstance(weight, QuantizedTensor):  # frozen: widened a chunk of vocabulary rows at a time
             return lm_loss.quantized_linear_cross_entropy(self._x, weight, self._host[self.ids],
                                                           self._host[self.weights], grad=grad)
+        trained = self.weight_trained and weight_grad
         return self.kernel(self._x, self._tables[self.fused.weight], self._host[self.ids], self._host[self.weights],
-                           grad=grad, weight_grad=self.weight_trained)
+                           grad=grad, weight_grad=trained, weight_grad_into=weight_sum if trained else None)
 
-    def forward(self, train: bool = False) -> np.ndarray:
+    def forward(self, train: bool = False, weight_sum: np.ndarray | None = None) -> np.ndarray:
+        """The loss; a training forward computes the gradients in the same pass, the weight's added
+        into `weight_sum` where given (`MnnStageEngine.forward_into`)."""
         if self.fused is None:
             loss = lm_loss.token_cross_entropy(self._x, self._host[self.ids], self._host[self.weights])
         else:
-            result = self._fused(grad=train)
+            result = self._fused(grad=train, weight_sum=weight_sum if train else None)
             self._saved = (self.fed_serial, result) if train and self.fed_serial is not None else None
             loss = result.loss
         return np.asarray(loss, np.float32)
@@ -472,14 +478,25 @@ class _LossProgram:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.kernel.logits(hidden, self._tables[self.fused.weight]).astype(np.float32)
 
-    def backward(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray]):
+    def backward(self, grad_output: np.ndarray | None, host: Mapping[str, np.ndarray],
+                 weight_sum: np.ndarray | None = None, summed: bool = False):
+        """The hidden state's gradient and the weight's, unless its forward added that into the running
+        sum already (`summed`) or a recomputed pass adds it into `weight_sum` (the sum, where given)."""
         scale = 1.0 if grad_output is None else float(np.asarray(grad_output).reshape(-1)[0])
         if self.fused is None:  # in place over the stashed logits: one copy
             return {}, lm_loss.token_cross_entropy_grad(self._x, host[self.ids], host[self.weights], scale)
+        if summed and scale != 1.0:
+            raise ValueError(f"a backward seeded with {scale} after its forward added the LM head's weight "
+                             f"gradient into the running sum (seeded with 1)")
         saved, self._saved = self._saved, None
-        result = saved[1] if saved is not None and saved[0] == self.fed_serial else self._fused(grad=True)
+        if saved is not None and saved[0] == self.fed_serial:
+            result = saved[1]
+        else:  # recomputed: into the sum where there is one (unscaled), not at all where the forward summed it
+            into = weight_sum if scale == 1.0 and not summed else None
+            result = self._fused(grad=True, weight_sum=into, weight_grad=not summed)
+            summed = summed or into is not None
         grads = {}
-        if self.weight_trained:
+        if self.weight_trained and not summed:
             grads[self.fused.weight] = result.grad_weight if scale == 1.0 else result.grad_weight * np.float32(scale)
         dx = result.grad_hidden if scale == 1.0 else result.grad_hidden * np.float32(scale)
         return grads, dx
@@ -610,6 +627,8 @@ class MnnStageEngine(StageEngine):
         self._spare: dict[tuple, list[np.ndarray]] = {}
         # split backwards: per micro-batch, what its W multiplies (its B computed the rest)
         self._pending: dict[int, list[_PendingWeightGrad]] = {}
+        # micro-batches whose forward added the fused LM head's weight gradient into the sum (`forward_into`)
+        self._head_summed: set[int] = set()
 
     def _build_blocks(self, spec: StageSpec, lookup, params: Mapping[str, "K.Var"]) -> list:
         """The stage's block programs over the weight Vars `params` (and a view of the tables: version
@@ -709,10 +728,31 @@ class MnnStageEngine(StageEngine):
         rows = np.asarray(hidden)[rows_at(positions)]
         return self._slots[0][-1].logits(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], -1)
 
+    def forward_into(self, feeds, microbatch: int, into: dict) -> np.ndarray:
+        """A training forward whose fused LM head + loss adds its weight's gradient straight into the
+        running sum `into` where there is one (`_head_sum_target`: the second micro-batch on), a block
+        of vocabulary rows at a time, its backward then leaving it out: the forward's pass computes the
+        gradients, and the head's, a new vocabulary x hidden array, stood beside the sum from its
+        forward to its backward (the head's stage of tests/jobs/test_full_finetune_plan.py: 48 MiB,
+        benchmarks/MEMORY_NOTES.md, helper h135). The same products added in another order."""
+        return self.forward(feeds, microbatch, True, _head_sum=self._head_sum_target(into))
+
+    def _head_sum_target(self, into: dict | None) -> np.ndarray | None:
+        """The running sum of the fused LM head's trainable weight, to add its gradient into, or None
+        (no fused head, a frozen one, no sum yet, a row or read-only sum, another dtype or shape)."""
+        if self._lm is None or into is None or self._lm.weight not in self._tables:
+            return None
+        acc = into.get(self._lm.weight)
+        if (not isinstance(acc, np.ndarray) or acc.dtype != np.float32 or not acc.flags.writeable
+                or not acc.flags.c_contiguous or acc.shape != self._tables[self._lm.weight].shape):
+            return None
+        return acc
+
     def forward(self, feeds, microbatch: int = 0, train: bool = True, until_block: int | None = None,
-                _hidden: bool = False) -> np.ndarray:
+                _hidden: bool = False, _head_sum: np.ndarray | None = None) -> np.ndarray:
         if train and microbatch in self._stash:
             raise ValueError(f"micro-batch {microbatch} already has a forward waiting for its backward")
+        self._head_summed.discard(microbatch)
         host = self._host(feeds)
         x = None
         if self.spec.activation_input is not None:
@@ -738,9 +778,11 @@ class MnnStageEngine(StageEngine):
             if self.cache_activations or prog.keeps_caches:
                 # also on an inference forward: priming later would leave the caches unused for good
                 prog.enable_op_caches()
-            x = prog.forward(train)
+            x = prog.forward(train, _head_sum) if isinstance(prog, _LossProgram) else prog.forward(train)
             if self.per_block and not prog.keeps_caches:
                 prog.release()
+        if train and _head_sum is not None:
+            self._head_summed.add(microbatch)  # its backward leaves the head's weight gradient out
         if self._lm is not None and until_block == self._lm.head_index and not _hidden:
             x = programs[-1].logits(x)  # the head's real output, for evaluation
         if train:
@@ -760,12 +802,22 @@ class MnnStageEngine(StageEngine):
         return grads
 
     def backward_into(self, microbatch: int, into: dict, grad_output=None):
-        return self._backward(microbatch, grad_output, split=False, into=into).activation_input
+        return self._backward(microbatch, grad_output, split=False, into=into, head_into=into).activation_input
 
-    def _backward(self, microbatch: int, grad_output, split: bool, into: dict | None = None) -> StageGradients:
+    def backward_input_into(self, microbatch: int, into: dict, grad_output=None) -> StageGradients:
+        """`backward_input`, a fused LM head's weight gradient, where its pass is recomputed, added
+        straight into `into` (as `backward_into`); the other gradients returned, for the caller to add."""
+        return self._backward(microbatch, grad_output, split=True, head_into=into)
+
+    def _backward(self, microbatch: int, grad_output, split: bool, into: dict | None = None,
+                  head_into: dict | None = None) -> StageGradients:
+        """`into`: every block's gradients added into it as they come (none returned); `head_into`: the
+        running sum a fused LM head's recomputed pass adds its weight's gradient into."""
         if microbatch not in self._stash:
             raise KeyError(f"backward of micro-batch {microbatch} before its forward")
         serial, version, block_inputs, host, slot = self._stash.pop(microbatch)
+        head_summed = microbatch in self._head_summed
+        self._head_summed.discard(microbatch)
         # without stashing, a backward after an update runs on the new weights
         wanted = version if self.stash_weights else self.version
         if wanted != self._var_version[self._slot_vars[slot]]:
@@ -791,7 +843,7 @@ class MnnStageEngine(StageEngine):
                 elif isinstance(prog, _BlockProgram):
                     pg, g = prog.backward(g, host, self.row_gradients)
                 else:
-                    pg, g = prog.backward(g, host)
+                    pg, g = prog.backward(g, host, self._head_sum_target(head_into), head_summed)
                 if self.per_block and not prog.keeps_caches:
                     prog.release()
                 if into is not None:  # each block's into the running sum: no whole set of this one's

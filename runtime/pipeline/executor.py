@@ -65,6 +65,24 @@ def fused_backwards(actions: Sequence[Action]) -> list[Action]:
     return fused
 
 
+def summed_forwards(actions: Sequence[Action]) -> list[Action]:
+    """The F actions of a stage's list whose micro-batch's B comes before the next UPDATE (wherever
+    the action occurs): what such a forward's backward adds into is the running sum there at the
+    forward, so an engine may add gradients its forward computes straight into it
+    (`StageEngine.forward_into`: MNN's fused LM head + loss)."""
+    summed, unsummed, waiting = [], set(), {}
+    for a in actions:
+        if a.kind is ActionKind.F:
+            waiting[a.microbatch] = a
+        elif a.kind is ActionKind.B and a.microbatch in waiting:
+            summed.append(waiting.pop(a.microbatch))
+        elif a.kind is ActionKind.UPDATE:
+            unsummed.update(waiting.values())
+            waiting.clear()
+    unsummed.update(waiting.values())
+    return [a for a in summed if a not in unsummed]
+
+
 def sent_on_without_pause(actions: Sequence[Action]) -> list[Action]:
     """The F and B actions of a stage's list whose result a neighbour waits for: a SEND of the same
     micro-batch follows with only compute of that micro-batch between (`F.m SEND_ACT.m`, and on the
@@ -148,6 +166,8 @@ class StageExecutor:
         self._fused: frozenset[Action] = frozenset()
         # the F and B actions whose result goes to a neighbour next (`prepare`): no `between` after them
         self._sent_next: frozenset[Action] = frozenset()
+        # the F actions whose backward adds into the running sum there at the forward (`prepare`)
+        self._summed: frozenset[Action] = frozenset()
         self._stepped = False
         self.stats = ExecutorStats()
         # the action being executed, kept when it raises: a worker's error report names it (`s1.B.m3`)
@@ -237,6 +257,8 @@ class StageExecutor:
         self._fused = frozenset(fused_backwards(actions)) if self.engine.steps_in_backward and not (
             split or self.tied) else frozenset()
         self._sent_next = frozenset(sent_on_without_pause(actions))
+        stepping = {a.microbatch for a in self._fused}  # their B steps: nothing summed to add into
+        self._summed = frozenset(a for a in summed_forwards(actions) if a.microbatch not in stepping)
 
     def run(self, actions: Sequence[Action]) -> ExecutorStats:
         self.prepare(actions)
@@ -264,7 +286,10 @@ class StageExecutor:
                 if m not in self._acts:
                     raise RuntimeError(f"stage {self.stage}: {action} runs before its RECV_ACT")
                 feeds[self.engine.spec.activation_input] = self._acts.pop(m)
-            out = self.engine.forward(feeds, microbatch=m, train=True)
+            if action in self._summed:  # its backward adds into this sum: the engine may add some now
+                out = self.engine.forward_into(feeds, m, self.grad_sum)
+            else:
+                out = self.engine.forward(feeds, microbatch=m, train=True)
             if self.is_last:
                 loss = float(np.asarray(out).reshape(-1)[0])
                 self.losses[m] = loss

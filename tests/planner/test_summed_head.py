@@ -1,9 +1,10 @@
-"""The fused LM head's weight gradient, which the profile's fresh backward returns as a new array (in
-the head's measured workspace), is not charged on PyTorch where a gradient sum is kept: the engine adds
-it into the sum in place (`TorchStageEngine.backward_into`, tests/runtime/test_head_sum.py measures
-it), so a stage's peak lost it (the full fine-tuning test's head stage: 746.8 -> 642.0 MiB,
-benchmarks/MEMORY_NOTES.md, h131). MNN, and PyTorch stepping each gradient as it comes (1f1b-stash
-updating after every backward: no sum), are charged it as before; the partition instance agrees."""
+"""The fused LM head's weight gradient, which the profile's fresh forward and backward make a new array
+(in the head's measured workspace), is not charged where a gradient sum is kept: both engines add it
+into the sum in place (`TorchStageEngine.backward_into`, `MnnStageEngine.forward_into`;
+tests/runtime/test_head_sum.py and test_mnn_head_sum.py measure it), so a stage's peak lost it (the
+full fine-tuning tests' head stages: PyTorch 746.8 -> 642.0 MiB, h131; MNN 309.2 -> 262.2, h135,
+benchmarks/MEMORY_NOTES.md). Where no sum is kept (1f1b-stash updating after every backward, a flush
+schedule of one micro-batch: the backward's own gradient is the one set) it is charged as before."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,15 +34,17 @@ def test_the_head_s_gradient_comes_off_its_charge_on_pytorch_where_a_sum_is_kept
     torch_device = DeviceSpec("d", "tcp://d:1", profile, 1 << 40, "torch:cpu:t1")
     mnn_device = dataclasses.replace(torch_device, backend="mnn:cpu:t1")
 
-    def terms(device, first, schedule="1f1b-flush", update_every=1):
-        return stage_memory_terms(graph, device, first, n - 1, 1, 2, schedule, 4, "adamw", update_every)
+    def terms(device, first, schedule="1f1b-flush", update_every=1, microbatches=4):
+        return stage_memory_terms(graph, device, first, n - 1, 1, 2, schedule, microbatches, "adamw", update_every)
 
-    for first in (n - 2, n - 3):
-        summed, mnn = terms(torch_device, first), terms(mnn_device, first)
-        assert mnn.head_loss_bytes == 40 * MIB
-        assert summed.head_loss_bytes == 40 * MIB - head_bytes
-        stepped = terms(torch_device, first, "1f1b-stash")  # no sum: the gradient made, stepped, let go
-        assert stepped.head_loss_bytes == 40 * MIB
-        assert terms(torch_device, first, "1f1b-stash", 2).head_loss_bytes == 40 * MIB - head_bytes
-        assert terms(torch_device, first, "zb-h1").head_loss_bytes == 40 * MIB - head_bytes
-        assert summed.total == stage_memory_bytes(graph, torch_device, first, n - 1, 1, 2, "1f1b-flush", 4, "adamw")
+    for device in (torch_device, mnn_device):
+        for first in (n - 2, n - 3):
+            summed = terms(device, first)
+            assert summed.head_loss_bytes == 40 * MIB - head_bytes, device.backend
+            stepped = terms(device, first, "1f1b-stash")  # no sum: the gradient made, stepped, let go
+            assert stepped.head_loss_bytes == 40 * MIB
+            assert terms(device, first, "1f1b-flush", microbatches=1).head_loss_bytes == 40 * MIB  # its own set
+            assert terms(device, first, "1f1b-stash", 2).head_loss_bytes == 40 * MIB - head_bytes
+            assert terms(device, first, "zb-h1").head_loss_bytes == 40 * MIB - head_bytes
+            assert terms(device, first, "gpipe").head_loss_bytes == 40 * MIB - head_bytes
+            assert summed.total == stage_memory_bytes(graph, device, first, n - 1, 1, 2, "1f1b-flush", 4, "adamw")
