@@ -449,8 +449,7 @@ def checkpointed_blocks(graph: Graph) -> tuple[bool, ...]:
         if known() is graph:
             return checkpointed
     head = len(graph.blocks) - 2 if fused_loss_hidden_bytes(graph) is not None else None
-    checkpointed = tuple(b.index != head and not any(graph.node(n).op in _RUN_AS_THEY_ARE for n in b.nodes)
-                         for b in graph.blocks)
+    checkpointed = tuple(b.index != head and not _runs_as_it_is(graph, b) for b in graph.blocks)
     alive = [e for e in _CHECKPOINT_FACTS if e[0]() is not None][:3]
     _CHECKPOINT_FACTS[:] = [(weakref.ref(graph), checkpointed)] + alive
     return checkpointed
@@ -480,21 +479,35 @@ def mnn_rerun_floor(cost: BlockCost, reruns: bool) -> BlockCost:
 
 def mnn_rerun_blocks(graph: Graph) -> tuple[bool, ...]:
     """Per block, whether MNN re-runs ops of it that its per-op caches save (`runtime.engines.mnn.
-    CACHED_OPS`: MatMul, Softmax, an exact GELU's erf), restated on the graph (the planner may not import
-    the engine): every block with such an op but the LM head fused with its loss, whose projection runs
-    in numpy with the loss (`fused_loss_hidden_bytes`). Not an embedding's lookup, nor a LayerNorm or
-    other elementwise op, which the backward after its own forward runs again too (BERT's embeddings:
-    per block's backward 0.05-0.08 ms over keeping's, 0.11-0.13 of the forward, as measured)."""
+    CACHED_OPS`: MatMul, Softmax, an exact GELU's erf; the planner may not import the engine): every
+    layer (the lowering makes a layer of an attention's MatMuls and Softmax and a feed-forward's
+    MatMuls) and a task head (its projection); not the embeddings (lookups in numpy, a LayerNorm the
+    backward after its own forward runs again too: BERT's, per block's backward 0.05-0.08 ms over
+    keeping's, 0.11-0.13 of the forward), the loss, nor an LM head fused with its loss (its projection
+    runs in numpy with the loss, `fused_loss_hidden_bytes`). By the blocks' kinds, not their nodes: a
+    bundle's graph is a slice that keeps every block's metadata but only its stage's nodes
+    (`ir.serialize.slice_graph`), and `backend_times` prices any stage from it."""
     head = len(graph.blocks) - 2 if fused_loss_hidden_bytes(graph) is not None else None
-    return tuple(b.index != head and any(_reruns(graph.node(n)) for n in b.nodes) for b in graph.blocks)
+    return tuple(b.kind in _LAYER_KINDS or (b.kind == "head" and b.index != head) for b in graph.blocks)
 
 
-def _reruns(node) -> bool:
-    return node.op in ("MatMul", "Softmax", "Erf") or (node.op == "Gelu" and node.attrs.get("approximate", "none") == "none")
+# The kinds of block the lowering makes of a transformer's layers (`planner.passes`)
+_LAYER_KINDS = frozenset({"encoder", "decoder"})
 
 
 # The least of its forward that a block's MNN re-run is priced (`mnn_rerun_floor`)
 MNN_RERUN_FLOOR = 0.5
+
+
+def _runs_as_it_is(graph: Graph, block) -> bool:
+    """Whether PyTorch runs the block without a checkpoint for a reason of its ops (`_RUN_AS_THEY_ARE`);
+    on a bundle's slice that lacks the block's nodes (`ir.serialize.slice_graph`: every block's metadata,
+    only its stage's nodes; `backend_times` prices any stage from it), by its kind: embeddings (a lookup)
+    and the loss."""
+    try:
+        return any(graph.node(n).op in _RUN_AS_THEY_ARE for n in block.nodes)
+    except KeyError:
+        return block.kind in ("embeddings", "loss")
 
 
 # The ops whose block PyTorch runs without a checkpoint (`checkpointed_blocks`)

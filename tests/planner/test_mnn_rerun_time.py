@@ -146,3 +146,29 @@ def test_per_block_where_only_it_fits_beside_a_roomy_device(tiny_llama):
     got = _planned(graph, two)
     assert got["order search"] == got["cp-sat"]
     assert dict(got["cp-sat"][0]) == {"a": "per-block", "b": "keep"}
+
+
+def test_a_bundles_slice_prices_the_layers_of_every_stage_as_the_whole_graph(tiny_llama):
+    """`backend_times` (the plan's engine choices, `jobs.planning.engine_choices`) prices every stage from
+    the first bundle's graph, a slice that keeps every block's metadata but only its stage's nodes: the
+    layers of a later stage cost there what they cost on the whole graph, on MNN (the re-run floored) and
+    on PyTorch recomputing per block (each layer's forward once more). h139's `checkpointed_blocks` read
+    every block's nodes and raised KeyError on the slice (`confidant plan` failed after writing the
+    bundles of tests/jobs/test_plan_train.py's plan once the MNN rule read nodes the same way)."""
+    from ir.serialize import slice_graph
+    from planner.cluster import DeviceSpec
+    from planner.cost import compute_s
+
+    graph, n = tiny_llama, len(tiny_llama.blocks)
+    part = slice_graph(graph, 0, 1)
+    torch_costs = {block_signature(b): BlockCost(0.010, 0.020, workspace_bytes=40 * MIB, per_block_workspace_bytes=30 * MIB,
+                                                 per_block_backward_s=0.015) for b in graph.blocks}
+    torch = DeviceProfile("box", graph.name, graph.batch, graph.seq,
+                          (BackendProfile("torch:cpu:t1", torch_costs, fresh_lines=True),), 16 << 30, 100 * MIB)
+    for profile in (_mnn_profile(graph, 0.0), torch):
+        device = DeviceSpec("a", "tcp://x:1", profile, 4 << 30, activations="per-block")
+        for reuse in (False, True):
+            assert compute_s(part, device, 2, n - 3, reuse) == pytest.approx(compute_s(graph, device, 2, n - 3, reuse))
+            assert compute_s(part, device, 0, 1, reuse) == pytest.approx(compute_s(graph, device, 0, 1, reuse))
+    layers = compute_s(part, DeviceSpec("a", "tcp://x:1", torch, 4 << 30, activations="per-block"), 2, n - 3)
+    assert layers[1] == pytest.approx((n - 4) * 0.030)
