@@ -8,7 +8,9 @@ Time, for one micro-batch on stage s of p (device d, blocks first..last):
   backend (`planner.cluster.device_backend`; `backward_s` includes MNN's re-run of the
   forward). A stage whose every backward directly follows its own micro-batch's forward keeps
   MNN's per-op caches and skips that re-run (`reuses_forward`: the last stage under 1F1B, or any
-  schedule with one micro-batch), so `recompute_s` is subtracted there. PyTorch recomputing per
+  schedule with one micro-batch), so `recompute_s` is subtracted there; that re-run is at least
+  half the forward of a block with ops MNN's caches save (`mnn_rerun_floor`: a loaded profile read it
+  ~0, which tied keeping with per block). PyTorch recomputing per
   block pays keeping's backward and each checkpointed block's forward once more
   (`per_block_rerun_s`), never less than keeping, whatever a loaded profile timed it at.
 - gradient accumulation, charged to the backward: parameter bytes x the profile's seconds per
@@ -447,11 +449,65 @@ def checkpointed_blocks(graph: Graph) -> tuple[bool, ...]:
         if known() is graph:
             return checkpointed
     head = len(graph.blocks) - 2 if fused_loss_hidden_bytes(graph) is not None else None
-    checkpointed = tuple(b.index != head and not any(graph.node(n).op in _RUN_AS_THEY_ARE for n in b.nodes)
-                         for b in graph.blocks)
+    checkpointed = tuple(b.index != head and not _runs_as_it_is(graph, b) for b in graph.blocks)
     alive = [e for e in _CHECKPOINT_FACTS if e[0]() is not None][:3]
     _CHECKPOINT_FACTS[:] = [(weakref.ref(graph), checkpointed)] + alive
     return checkpointed
+
+
+def mnn_rerun_floor(cost: BlockCost, reruns: bool) -> BlockCost:
+    """A block's MNN cost with its re-run of the forward (`recompute_s`: the forced backward, `backward_s`,
+    less the one after its own forward, which reuses the per-op caches) at least `MNN_RERUN_FLOOR` of its
+    forward where MNN re-runs cached ops (`mnn_rerun_blocks`); the backward after its own forward (what
+    keeping pays) stays as measured. The two backwards are timed apart, so a loaded profile can read the
+    re-run ~0 (clamped at 0; h139 saw 0.04 of the forward once): keeping, recomputing and recomputing per
+    block then cost the same and the leanest, per block, was planned on a roomy device, a plan that moved
+    from one profile to the next. The re-run is structural: without caches MNN's gradient program runs
+    the block's MatMuls, Softmaxes and exact GELU's erf again, which the caches save; measured in CPU time
+    (one thread, 2 x 128, modes interleaved in one process) that is 0.66-0.74 of the forward on a Llama
+    layer of hidden 256 and 0.76-0.95 on a BERT layer of hidden 256 (per block's backward less keeping's;
+    the wall-clock rounds of h139's profile ran 0.47-0.91 in 9 of 11, 0.04 and 2.14 the others).
+    Floored at 0.5, below every CPU reading: never above what MNN re-runs, and keeping is strictly faster
+    than per block (and than recomputing where a backward does not follow its forward) on every stage
+    that holds such a block, so the pick between them no longer turns on a timing's noise."""
+    if not reruns:
+        return cost
+    own = cost.backward_s - min(cost.recompute_s, cost.backward_s)
+    rerun = max(cost.recompute_s, MNN_RERUN_FLOOR * cost.forward_s)
+    return replace(cost, backward_s=own + rerun, recompute_s=rerun)
+
+
+def mnn_rerun_blocks(graph: Graph) -> tuple[bool, ...]:
+    """Per block, whether MNN re-runs ops of it that its per-op caches save (`runtime.engines.mnn.
+    CACHED_OPS`: MatMul, Softmax, an exact GELU's erf; the planner may not import the engine): every
+    layer (the lowering makes a layer of an attention's MatMuls and Softmax and a feed-forward's
+    MatMuls) and a task head (its projection); not the embeddings (lookups in numpy, a LayerNorm the
+    backward after its own forward runs again too: BERT's, per block's backward 0.05-0.08 ms over
+    keeping's, 0.11-0.13 of the forward), the loss, nor an LM head fused with its loss (its projection
+    runs in numpy with the loss, `fused_loss_hidden_bytes`). By the blocks' kinds, not their nodes: a
+    bundle's graph is a slice that keeps every block's metadata but only its stage's nodes
+    (`ir.serialize.slice_graph`), and `backend_times` prices any stage from it."""
+    head = len(graph.blocks) - 2 if fused_loss_hidden_bytes(graph) is not None else None
+    return tuple(b.kind in _LAYER_KINDS or (b.kind == "head" and b.index != head) for b in graph.blocks)
+
+
+# The kinds of block the lowering makes of a transformer's layers (`planner.passes`)
+_LAYER_KINDS = frozenset({"encoder", "decoder"})
+
+
+# The least of its forward that a block's MNN re-run is priced (`mnn_rerun_floor`)
+MNN_RERUN_FLOOR = 0.5
+
+
+def _runs_as_it_is(graph: Graph, block) -> bool:
+    """Whether PyTorch runs the block without a checkpoint for a reason of its ops (`_RUN_AS_THEY_ARE`);
+    on a bundle's slice that lacks the block's nodes (`ir.serialize.slice_graph`: every block's metadata,
+    only its stage's nodes; `backend_times` prices any stage from it), by its kind: embeddings (a lookup)
+    and the loss."""
+    try:
+        return any(graph.node(n).op in _RUN_AS_THEY_ARE for n in block.nodes)
+    except KeyError:
+        return block.kind in ("embeddings", "loss")
 
 
 # The ops whose block PyTorch runs without a checkpoint (`checkpointed_blocks`)
@@ -463,7 +519,8 @@ _CHECKPOINT_FACTS: list[tuple[weakref.ref, tuple[bool, ...]]] = []
 def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     """Per block of the graph, its measured cost on the device's backend, under its activation
     choice: PyTorch recomputing runs each block's forward once more in its backward; MNN keeping
-    skips its measured re-run of the forward (`recompute_s`), as the last stage of 1F1B does; MNN
+    skips its measured re-run of the forward (`recompute_s`, at least `mnn_rerun_floor`'s share of the
+    forward where MNN re-runs cached ops), as the last stage of 1F1B does; MNN
     recomputing per block has the workspace measured that way (`per_block_workspace`, of which each
     block holds its `per_block_stacked` part and the rest is the one-block transient), and never
     skips the re-run (`reuses_forward` does not apply: no caches outlive a block's backward).
@@ -475,6 +532,7 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
     kept = engine == "mnn" and policy == "keep"
     per_block = engine in ("mnn", "torch") and policy == "per-block"
     reruns = checkpointed_blocks(graph) if per_block and engine == "torch" else ()
+    mnn_reruns = mnn_rerun_blocks(graph) if engine == "mnn" else ()
     out = []
     for b in check_blocks(graph):
         sig = block_signature(b)
@@ -484,6 +542,8 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
                              f"{backend.backend!r}) has no cost for block {b.index} {b.name!r} (signature {sig}); "
                              f"profile the device with model {graph.name!r} (`confidant profile`, with the plan's "
                              f"--lora settings if it has any)")
+        if engine == "mnn":
+            cost = mnn_rerun_floor(cost, mnn_reruns[b.index])
         if again:
             cost = replace(cost, backward_s=cost.backward_s + cost.forward_s)
         elif kept:

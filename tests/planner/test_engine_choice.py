@@ -196,10 +196,12 @@ def test_each_device_runs_the_engine_fastest_for_its_own_blocks(graph, tiny_onnx
     assert [d["engine"] for d in forced["devices"]] == ["torch", "torch"]
     assert [tuple(d["blocks"]) for d in auto["devices"]] == [(0, head - 1), (head, len(graph.blocks) - 1)]
     assert auto["predicted_step_s"] < forced["predicted_step_s"]
-    # the same stage on torch: its import, and the workspace of the second micro-batch in flight (its
-    # activations, which autograd keeps; MNN keeps one micro-batch's caches), 1 MiB per block
-    assert forced["devices"][0]["memory_bytes"] - auto["devices"][0]["memory_bytes"] == TORCH_IMPORT + head * MIB
-    assert any(line.startswith("engine per device for the blocks it runs: a: torch:cpu:t1 (keep) -> mnn:cpu:t1 (recompute) ")
+    # the same stage on torch: its import. Both keep the second micro-batch in flight's activations (1 MiB
+    # per block): the first stage's backwards follow another micro-batch's forward, where MNN recomputing
+    # re-runs its encoders' forwards (priced at least half the forward, `planner.cost.mnn_rerun_floor`, though
+    # this profile reads no re-run) and keeping does not
+    assert forced["devices"][0]["memory_bytes"] - auto["devices"][0]["memory_bytes"] == TORCH_IMPORT
+    assert any(line.startswith("engine per device for the blocks it runs: a: torch:cpu:t1 (keep) -> mnn:cpu:t1 (keep) ")
                for line in notes)
 
 
