@@ -909,3 +909,21 @@ def profile_plan_and_run_two_workers(model: Path, tmp_path: Path, backend: str, 
                for n in planned}
     print(f"measured, planned MiB, ratio: {figures}")
     return figures, measured, planned
+
+
+def planned_by_both_solvers(graph, cluster, schedule: str, microbatches: int, optimizer: str) -> dict:
+    """What each solver's `best_picks` plans (the order search and CP-SAT, real solves): per solver the
+    (device, activations) of each stage, the ranges, the step; the planner's picks must not depend on
+    which solver found them."""
+    from planner.cost import activations_of
+    from planner.engines import best_picks
+    from planner.partition import cpsat_partition, solve_partition
+
+    solvers = {"order search": lambda inst: solve_partition(inst, time_limit_s=2.0, workers=1),
+               "cp-sat": lambda inst: cpsat_partition(inst, time_limit_s=2.0, workers=1)}
+    got = {}
+    for name, solve in solvers.items():
+        picks = best_picks(graph, cluster, schedule, microbatches, optimizer, solve)
+        got[name] = ([(d, activations_of(picks.cluster.device(d))) for d in picks.partition.devices],
+                     picks.partition.ranges, picks.after_us)
+    return got

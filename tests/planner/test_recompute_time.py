@@ -13,6 +13,7 @@ import pytest
 
 from ir.graph import block_signature
 from ir.profile import BackendProfile, BlockCost, DeviceProfile, Link
+from support import planned_by_both_solvers
 
 MIB = 2 ** 20
 SCHEDULE, MICROBATCHES, OPTIMIZER = "1f1b-flush", 4, "adamw"
@@ -60,24 +61,8 @@ def test_a_per_block_backward_is_keepings_plus_the_re_run_forward_whatever_it_wa
         assert per_block[0] == kept[0] and per_block[1] == pytest.approx(kept[1] + rerun) and rerun > 0
 
 
-def _solvers():
-    from planner.partition import cpsat_partition, solve_partition
-
-    return {"order search": lambda inst: solve_partition(inst, time_limit_s=2.0, workers=1),
-            "cp-sat": lambda inst: cpsat_partition(inst, time_limit_s=2.0, workers=1)}
-
-
 def _planned(graph, cluster):
-    """What each solver's `best_picks` plans: (device, activations) per stage, the ranges, the step."""
-    from planner.cost import activations_of
-    from planner.engines import best_picks
-
-    got = {}
-    for name, solve in _solvers().items():
-        picks = best_picks(graph, cluster, SCHEDULE, MICROBATCHES, OPTIMIZER, solve)
-        got[name] = ([(d, activations_of(picks.cluster.device(d))) for d in picks.partition.devices],
-                     picks.partition.ranges, picks.after_us)
-    return got
+    return planned_by_both_solvers(graph, cluster, SCHEDULE, MICROBATCHES, OPTIMIZER)
 
 
 @pytest.mark.parametrize("measured", [0.015, 0.020])

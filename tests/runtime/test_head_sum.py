@@ -72,17 +72,22 @@ def test_the_summed_gradient_is_the_sum_of_each_microbatchs_in_float64(graph, bl
         np.testing.assert_allclose(dense_gradient(summed[k]), want[k], rtol=1e-12, atol=1e-15, err_msg=k)
 
 
-def test_no_second_head_sized_gradient_is_made_beside_the_sum(graph, tmp_path):
-    """A head of 32 MiB (vocabulary 32768 x hidden 256, float32): the second micro-batch's backward
-    into the sum peaks less than half the head's size above the level before it (fresh VmHWM); the
-    head's new gradient made beside the sum (and then added) read +32 MiB and more."""
-    vocab, hidden = 32768, 256
+def big_head_stage(tmp_path, vocab: int, hidden: int):
+    """A one-layer Llama with a big LM head (vocab x hidden), at 2 x 16, and its head + loss stage's spec."""
     path = export_causal_lm(random_causal_lm("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=256,
                                              num_hidden_layers=1), tmp_path / "m.onnx", LlmExportOptions(),
                             kv_cache=False)
     big = load_model(path, 2, 16)
     n = len(big.blocks)
-    spec = stage_spec(big, n - 2, n - 1)
+    return big, stage_spec(big, n - 2, n - 1)
+
+
+def test_no_second_head_sized_gradient_is_made_beside_the_sum(graph, tmp_path):
+    """A head of 32 MiB (vocabulary 32768 x hidden 256, float32): the second micro-batch's backward
+    into the sum peaks less than half the head's size above the level before it (fresh VmHWM); the
+    head's new gradient made beside the sum (and then added) read +32 MiB and more."""
+    vocab, hidden = 32768, 256
+    big, spec = big_head_stage(tmp_path, vocab, hidden)
     engine = TorchStageEngine(spec, threads=1)
     engine.row_gradients = True
     head_bytes = vocab * hidden * 4

@@ -22,7 +22,7 @@ from runtime.engines.stage import stage_spec
 from runtime.pipeline.executor import summed_forwards
 from runtime.procfs import release_free_heap, reset_peak_rss, status_bytes
 from tasks.trainer import accumulate_feeds
-from tests.runtime.test_head_sum import HEAD, lm_feeds
+from tests.runtime.test_head_sum import HEAD, big_head_stage, lm_feeds
 from tests.support import gc_frozen
 
 # the orders a stage runs three micro-batches in: (kind, micro-batch, how)
@@ -100,12 +100,7 @@ def test_no_second_head_sized_gradient_is_made_beside_the_sum(tmp_path):
     this process). Each forward made the head's gradient a new array, the second beside the sum: +32 MiB
     and more."""
     vocab, hidden = 32768, 256
-    path = export_causal_lm(random_causal_lm("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=256,
-                                             num_hidden_layers=1), tmp_path / "m.onnx", LlmExportOptions(),
-                            kv_cache=False)
-    big = load_model(path, 2, 16)
-    n = len(big.blocks)
-    spec = stage_spec(big, n - 2, n - 1)
+    big, spec = big_head_stage(tmp_path, vocab, hidden)
     engine = MnnStageEngine(spec, threads=1)
     head_bytes = vocab * hidden * 4
     feeds = [_feeds(spec, big, m, vocab) for m in range(2)]
