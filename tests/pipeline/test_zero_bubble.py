@@ -103,7 +103,9 @@ def test_the_planner_gives_zb_h1_stages_their_weight_pass():
         costs = block_costs(graph, spec)[ranges[s][0]:ranges[s][1] + 1]
         rerun_free = sum(c.backward_s - min(c.recompute_s, c.backward_s) for c in costs)
         accumulate = accumulate_s(graph, spec, *ranges[s], "zb-h1", 4)
-        assert accumulate > 0 and any(c.recompute_s > 0 for c in costs) == (s == 0)
+        # a re-run on both stages: b's profile read none, priced at least half the forward of its encoder
+        # and head (`planner.cost.mnn_rerun_floor`), a's its measured 5 ms
+        assert accumulate > 0 and any(c.recompute_s > 0 for c in costs)
         assert zb.weight_grad_s == pytest.approx(0.5 * rerun_free + accumulate) and zb.weight_grad_s < zb.backward_s
 
 
