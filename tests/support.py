@@ -871,9 +871,10 @@ def sigkill_on_step(workers, index: int, at_step: int) -> Callable:
 
 
 def profile_plan_and_run_two_workers(model: Path, tmp_path: Path, backend: str, port: str, budget: str,
-                                     cuts: tuple[int, ...] | None = None, steps: int = 2):
+                                     cuts: tuple[int, ...] | None = None, steps: int = 2,
+                                     schedule: str = "1f1b-flush"):
     """A full fine-tuning plan's promise, end to end: `profile` this machine on `backend` (one thread, the
-    fresh children), `plan` 1f1b-flush over two such devices (4 x 128 in 4 micro-batches, the data's
+    fresh children), `plan` `schedule` over two such devices (4 x 128 in 4 micro-batches, the data's
     targets), `train PLAN` for `steps` on real worker processes. Returns {device: (measured MiB, planned
     MiB, measured / planned)} and the two dicts of bytes; prints each device's terms for a failure's
     message. `port` is the addresses' middle digit, apart per test module so two runs never share one."""
@@ -893,7 +894,7 @@ def profile_plan_and_run_two_workers(model: Path, tmp_path: Path, backend: str, 
         f"memory_budget: {budget}, backend: '{backend}'}}\n" for k in range(2))
         + "links:\n  default: {bandwidth: 1Gbit/s, latency: 0.2ms}\n")
     out = plan_model(model, tmp_path / "cluster.yaml",
-                     PlanSettings("1f1b-flush", 4, 128, 4, lora=None, data=train, time_limit_s=20.0, cuts=cuts),
+                     PlanSettings(schedule, 4, 128, 4, lora=None, data=train, time_limit_s=20.0, cuts=cuts),
                      tmp_path / "plan")
     devices = json.loads((out / "plan.json").read_text())["devices"]
     planned = {d["name"]: d["memory_bytes"] for d in devices}
