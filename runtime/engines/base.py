@@ -142,8 +142,8 @@ class StageEngine(ABC):
         """A training `forward` of `microbatch` whose backward will add its gradients into the running
         sum `into` (`backward_into`, `backward_input_into`) with no update between (the caller's
         promise) and seeded with 1 (None: a loss). An engine that computes some parameter gradients in
-        the forward's own pass may add them straight into `into` there (then its backward leaves them
-        out). By default the plain forward."""
+        the forward's own pass may add them straight into `into` there, starting their sum where `into`
+        has none yet (then its backward leaves them out). By default the plain forward."""
         return self.forward(feeds, microbatch=microbatch, train=True)
 
     @abstractmethod

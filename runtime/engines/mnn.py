@@ -730,21 +730,30 @@ class MnnStageEngine(StageEngine):
 
     def forward_into(self, feeds, microbatch: int, into: dict) -> np.ndarray:
         """A training forward whose fused LM head + loss adds its weight's gradient straight into the
-        running sum `into` where there is one (`_head_sum_target`: the second micro-batch on), a block
-        of vocabulary rows at a time, its backward then leaving it out: the forward's pass computes the
-        gradients, and the head's, a new vocabulary x hidden array, stood beside the sum from its
-        forward to its backward (the head's stage of tests/jobs/test_full_finetune_plan.py: 48 MiB,
-        benchmarks/MEMORY_NOTES.md, helper h135). The same products added in another order."""
-        return self.forward(feeds, microbatch, True, _head_sum=self._head_sum_target(into))
+        running sum `into`, a block of vocabulary rows at a time, its backward then leaving it out: the
+        forward's pass computes the gradients, and the head's, a new vocabulary x hidden array, stood
+        beside the sum from its forward to its backward (the head's stage of tests/jobs/
+        test_full_finetune_plan.py: 48 MiB, benchmarks/MEMORY_NOTES.md, helper h135). Where `into` has
+        no sum of the head yet, this forward starts it (zeros, which the pass adds into as it added into
+        its own zeros before): a stage that runs several forwards before any backward (GPipe's last)
+        kept each forward's gradient until its backward, one vocabulary x hidden array per micro-batch
+        in flight when keeping (4.3 heads above the level at 4 micro-batches) and two at once
+        recomputing (the next forward's made while the last one's was still saved: 2.3), where the plan
+        charges one (helper h142). The same products added in another order."""
+        return self.forward(feeds, microbatch, True, _head_sum=self._head_sum_target(into, start=True))
 
-    def _head_sum_target(self, into: dict | None) -> np.ndarray | None:
+    def _head_sum_target(self, into: dict | None, start: bool = False) -> np.ndarray | None:
         """The running sum of the fused LM head's trainable weight, to add its gradient into, or None
-        (no fused head, a frozen one, no sum yet, a row or read-only sum, another dtype or shape)."""
+        (no fused head, a frozen one, a row or read-only sum, another dtype or shape; no sum yet, unless
+        `start`: then a new one of zeros, put into `into`)."""
         if self._lm is None or into is None or self._lm.weight not in self._tables:
             return None
+        weight = self._tables[self._lm.weight]
+        if start and self._lm.weight not in into and isinstance(weight, np.ndarray) and weight.dtype == np.float32:
+            into[self._lm.weight] = np.zeros(weight.shape, np.float32)
         acc = into.get(self._lm.weight)
         if (not isinstance(acc, np.ndarray) or acc.dtype != np.float32 or not acc.flags.writeable
-                or not acc.flags.c_contiguous or acc.shape != self._tables[self._lm.weight].shape):
+                or not acc.flags.c_contiguous or acc.shape != weight.shape):
             return None
         return acc
 

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from ir.backend import parse_backend
 from ir.plan import SCHEDULE_NAMES, ActionKind
 from jobs.export.llm import LlmExportOptions, export_causal_lm, random_causal_lm
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
 from runtime.engines.base import accumulate, dense_gradient
+from runtime.engines.factory import make_engine
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.pytorch import TorchStageEngine
 from runtime.engines.stage import stage_spec
@@ -141,3 +143,56 @@ def test_the_executor_adds_into_the_sum_only_from_forwards_whose_backward_comes_
             assert set(got) == {a for a, yes in ok.items() if yes}, (name, update_every, s)
             if name in ("1f1b-flush", "zb-h1") and s == 2:
                 assert len(got) == 6
+
+
+@pytest.fixture(scope="module")
+def big_head(tmp_path_factory):
+    """A one-layer Llama with a 32 MiB head (vocabulary 32768 x hidden 256, float32) and its head + loss
+    stage's spec."""
+    return big_head_stage(tmp_path_factory.mktemp("mnn-big-head"), 32768, 256)
+
+
+def _last_stage_step(engine, name: str, feeds) -> None:
+    """One step of the last of two stages under schedule `name` (3 micro-batches) as the executor runs
+    it: `forward_into` the running sum for the forwards `summed_forwards` picks, each backward into it."""
+    row = [a for a in make_schedule(name, 2, 3).actions[1] if a.kind in (ActionKind.F, ActionKind.B)]
+    summed, grads = set(summed_forwards(row)), {}
+    for a in row:
+        if a.kind is ActionKind.B:
+            engine.backward_into(a.microbatch, grads)
+        elif a in summed:
+            engine.forward_into(feeds[a.microbatch], a.microbatch, grads)
+        else:
+            engine.forward(feeds[a.microbatch], a.microbatch)
+    assert grads[HEAD].nbytes == 32768 * 256 * 4
+
+
+@pytest.mark.parametrize("activations", ["keep", "recompute"])
+def test_gpipe_holds_no_more_head_gradients_than_1f1b(big_head, activations):
+    """GPipe's last stage runs all its forwards before any backward: each forward starts or adds into the
+    running sum (`MnnStageEngine.forward_into`), so its step peaks less than half the head's size above
+    1F1B-flush's (one forward before each backward), each above the level before it, measured in this
+    process with the engine built as a worker builds it. Where a forward with no sum yet made the head's
+    gradient a new array, keeping (a set of graphs per micro-batch in flight, each loss keeping its
+    forward's pass) held one per forward (+2 heads over 1F1B at 3 micro-batches; 4.3 heads above the
+    level against 1.3 at 4, helper h142) and recomputing two at once (the next forward's made while the
+    last one's was still saved: +1 head)."""
+    big, spec = big_head
+    engine = make_engine(parse_backend("mnn:cpu:t1"), spec, activations=activations)
+    engine.row_gradients = True
+    head_bytes = 32768 * 256 * 4
+    feeds = [_feeds(spec, big, m, 32768) for m in range(3)]
+    rises = {}
+    with gc_frozen():
+        for name in ("1f1b-flush", "gpipe"):  # first use: MNN's and numpy's heap in, graph sets built
+            _last_stage_step(engine, name, feeds)
+        for name in ("1f1b-flush", "gpipe"):
+            release_free_heap()
+            level = status_bytes("VmRSS")
+            if level is None or not reset_peak_rss():
+                pytest.skip("needs /proc/self/status and clear_refs (Linux)")
+            _last_stage_step(engine, name, feeds)
+            rises[name] = status_bytes("VmHWM") - level
+    mib = {k: round(v / 2**20, 1) for k, v in rises.items()}
+    assert rises["gpipe"] - rises["1f1b-flush"] < head_bytes // 2, (
+        f"MiB above the level: {mib}, for a {head_bytes / 2**20:.0f} MiB head")
