@@ -143,12 +143,21 @@ def engine_setup_bytes(backend: BackendSpec, spec: StageSpec) -> int:
     return max(0, after - before)
 
 
-def _run_in_flight(engine, stage_feeds, grad, in_flight: int) -> None:
-    """Forwards of `in_flight` micro-batches, then their backwards (as 1F1B's warm-up holds them)."""
+def _run_in_flight(engine, stage_feeds, grad, in_flight: int, summed: bool = False) -> None:
+    """Forwards of `in_flight` micro-batches, then their backwards (as 1F1B's warm-up holds them);
+    `summed`: as a pipeline stage runs them when their backwards are summed before the update (the
+    executor's `forward_into` / `backward_into` into one running sum)."""
+    grads: dict = {}
     for mb in range(in_flight):
-        engine.forward(stage_feeds, mb)
+        if summed:
+            engine.forward_into(stage_feeds, mb, grads)
+        else:
+            engine.forward(stage_feeds, mb)
     for mb in range(in_flight):
-        engine.backward(mb, grad)
+        if summed:
+            engine.backward_into(mb, grads, grad)
+        else:
+            engine.backward(mb, grad)
 
 
 def run_once(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
@@ -298,11 +307,13 @@ def summed_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, 
     return max(0, peak - base - 3 * trainable)
 
 
-def kept_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray]) -> int:
+def kept_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
+                   summed: bool = False) -> int:
     """Bytes a second micro-batch in flight adds to the peak of `spec`'s engine when it keeps
     activations: the peak of two forwards then two backwards minus that of one of each, both
     above the same level (PyTorch: the second micro-batch's saved tensors; MNN: a second set of
-    block graphs, with the per-op caches and backward buffers it keeps)."""
+    block graphs, with the per-op caches and backward buffers it keeps). `summed`: the backwards
+    summed into one running sum as a pipeline stage sums them (`_run_in_flight`)."""
     stage_feeds, grad = _stage_inputs(spec, feeds)
     engine = make_engine(backend, spec, activations="keep")
     engine.row_gradients = True
@@ -310,11 +321,11 @@ def kept_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
         # each peak over two rounds: the first of each builds what later ones reuse (the engine's
         # buffers, MNN's second set of graphs), the second can peak higher beside them
         with PeakRss() as one:
-            _run_in_flight(engine, stage_feeds, grad, 1)
-            _run_in_flight(engine, stage_feeds, grad, 1)
+            _run_in_flight(engine, stage_feeds, grad, 1, summed)
+            _run_in_flight(engine, stage_feeds, grad, 1, summed)
         with PeakRss(base=one.base) as two:
-            _run_in_flight(engine, stage_feeds, grad, 2)
-            _run_in_flight(engine, stage_feeds, grad, 2)
+            _run_in_flight(engine, stage_feeds, grad, 2, summed)
+            _run_in_flight(engine, stage_feeds, grad, 2, summed)
     finally:
         del engine
         gc.collect()

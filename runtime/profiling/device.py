@@ -132,7 +132,14 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         both_spec, loss_spec = stage_spec(graph, i, i + 1), stage_spec(graph, i + 1, i + 1)
         both = measure_stage(backend, both_spec, feeds, reps)
         loss = measure_stage(backend, loss_spec, feeds, reps)
-        kept = max(0, kept_workspace(backend, both_spec, feeds) - kept_workspace(backend, loss_spec, feeds))
+        # What a further micro-batch in flight holds of the pair, run as a stage with several in flight
+        # runs it (GPipe's last): its backwards summed, so on MNN each forward adds the head's gradient
+        # into the sum (`MnnStageEngine.forward_into`) and keeps none of its own. The whole pair's, as
+        # its workspace is (`planner.cost.block_costs` charges the loss block none). Measured with
+        # plain backwards less the loss alone's, it read each forward's own head gradient less the
+        # loss's kept logits, which the pair never makes: 24.7 MiB a micro-batch for a 48 MiB head,
+        # 74 MiB of a GPipe head stage's plan at 4 micro-batches where the stage holds ~1 (helper h142).
+        kept = kept_workspace(backend, both_spec, feeds, summed=True)
         backward = max(0.0, both.backward_s - loss.backward_s)
         # The workspace: the stage's first run here, which carries what this process's heap held by then.
         # On PyTorch that first run read 125-158 MiB for a SmolLM2-width tied head + loss (1 x 128) across
