@@ -96,7 +96,7 @@ def _measure_stage(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np
                 forced.append(timed(lambda: engine.backward(0, grad)))
                 forced.append(timed(lambda: engine.backward(1, grad)))
     finally:
-        del engine
+        engine = None  # let go of it (not `del`: the timed lambdas above name it, which pyflakes reads as unbound)
         gc.collect()
     b_own = statistics.median(bwd)
     if forced:
