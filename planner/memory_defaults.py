@@ -212,8 +212,8 @@ def torch_kept_bytes(graph: Graph, block: Block) -> int:
     log-sum-exp where this counts the probabilities (the score matrix, never less). A MiniLM layer at 8 x 32:
     6.02 MiB saved (unique storages under `torch.autograd.graph.saved_tensors_hooks`, its input's 0.375 among
     them) where every value is 14.62 (helper h136).
-    A block whose attention runs node by node (`ir.attention_fusion.fusable_site` says no: LoRA's adapters on
-    q/k/v/o) is charged what it saves by the same rules and half of what its forward lets go
+    A block run node by node (no attention `ir.attention_fusion.fusable_site` fuses: LoRA's adapters on q/k/v/o,
+    or none at all, the embeddings) is charged what it saves by the same rules and half of what its forward lets go
     (`UNFUSED_FREE_HEAP_SHARE`): the engine lets each value go after its last reader, and the small tensors
     saved between them (an adapter's x @ A, a LayerNorm's statistics) split the holes they leave, so the next
     layer's values do not fit and the heap grows past them (MiniLM LoRA at 8 x 32: the heap's extent grew
