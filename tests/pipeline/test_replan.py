@@ -14,10 +14,9 @@ from jobs.train.pipeline import LocalWorkers, PlanInMemory, step_feeds, train_pi
 from planner.onnx_import import load_model
 from planner.partition import (PlanDoesNotFit, check_feasible, make_instance, manual_partition, predicted_step_us,
                                solve_partition)
-from planner.replan import (BlockMove, best_cuts, flops_cluster, moves_between, partition_of,
+from planner.replan import (BlockMove, best_cuts, moves_between, partition_of,
                             predicted_compute_s, profile_from_timings, recalibrate, replan, replan_without,
                             scale_profile, with_devices, without_devices)
-from planner.schedule import make_schedule
 from ir.partition import even_ranges
 from runtime.pipeline.checkpoints import load_checkpoint
 from runtime.pipeline.coordinator import Coordinator, PipelineConfig, StagePlacement
