@@ -445,14 +445,23 @@ def checkpointed_blocks(graph: Graph) -> tuple[bool, ...]:
     (`fused_loss_hidden_bytes`), which the engine runs as they are. The engine's rule
     (`runtime.engines.pytorch`, `TorchStageEngine._block_runs`), which the planner may not import,
     restated on the graph."""
-    for known, checkpointed in _CHECKPOINT_FACTS:
+    def derive(graph: Graph) -> tuple[bool, ...]:
+        head = len(graph.blocks) - 2 if fused_loss_hidden_bytes(graph) is not None else None
+        return tuple(b.index != head and not _runs_as_it_is(graph, b) for b in graph.blocks)
+
+    return _remembered(_CHECKPOINT_FACTS, graph, derive)
+
+
+def _remembered(facts: list, graph: Graph, derive):
+    """`derive(graph)`, kept in `facts` for the last few graphs asked about (weak references: asking keeps
+    no graph alive): `block_costs` and the stage terms ask on every call, and each answer is a pass over
+    the graph's nodes."""
+    for known, value in facts:
         if known() is graph:
-            return checkpointed
-    head = len(graph.blocks) - 2 if fused_loss_hidden_bytes(graph) is not None else None
-    checkpointed = tuple(b.index != head and not _runs_as_it_is(graph, b) for b in graph.blocks)
-    alive = [e for e in _CHECKPOINT_FACTS if e[0]() is not None][:3]
-    _CHECKPOINT_FACTS[:] = [(weakref.ref(graph), checkpointed)] + alive
-    return checkpointed
+            return value
+    value = derive(graph)
+    facts[:] = [(weakref.ref(graph), value)] + [e for e in facts if e[0]() is not None][:3]
+    return value
 
 
 def mnn_rerun_floor(cost: BlockCost, reruns: bool) -> BlockCost:
@@ -614,12 +623,7 @@ def fused_loss_hidden_bytes(graph: Graph) -> int | None:
     loss). The test is the engines' (`runtime.engines.stage.fused_lm_head`, which the planner may not
     import): the loss block's one TokenCrossEntropy reads the head's output, made by a MatMul of a
     2-D weight that nothing else reads."""
-    for known, hidden in _FUSED_FACTS:
-        if known() is graph:
-            return hidden
-    hidden = _fused_loss_hidden_bytes(graph)
-    _FUSED_FACTS[:] = [(weakref.ref(graph), hidden)] + [e for e in _FUSED_FACTS if e[0]() is not None][:3]
-    return hidden
+    return _remembered(_FUSED_FACTS, graph, _fused_loss_hidden_bytes)
 
 
 # The graphs last asked about, with their answer (`block_costs` asks on every call, and the scan of
@@ -662,9 +666,11 @@ def _table_readers(graph: Graph) -> tuple[dict[str, set[int]], frozenset[str]]:
     MNN graph reads somewhere, i.e. read otherwise than by lookups and by an LM head fused with its
     loss, whose weight the engine keeps in numpy), from one pass over the nodes, kept for the last
     few graphs."""
-    for known, facts in _READER_FACTS:
-        if known() is graph:
-            return facts
+    return _remembered(_READER_FACTS, graph, _table_readers_pass)
+
+
+def _table_readers_pass(graph: Graph) -> tuple[dict[str, set[int]], frozenset[str]]:
+    """`_table_readers`'s pass over the nodes."""
     tables = _graph_tables(graph)[0]
     block_of = {name: k for k, b in enumerate(graph.blocks) for name in b.nodes}
     fused = graph.blocks[-2].nodes[-1] if fused_loss_hidden_bytes(graph) is not None else None
@@ -679,7 +685,6 @@ def _table_readers(graph: Graph) -> tuple[dict[str, set[int]], frozenset[str]]:
             if n.name != fused and n.op != "TokenCrossEntropy":
                 var_read.add(t)
     facts = (dense, frozenset(var_read))
-    _READER_FACTS[:] = [(weakref.ref(graph), facts)] + [e for e in _READER_FACTS if e[0]() is not None][:3]
     return facts
 
 
@@ -707,9 +712,12 @@ def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[st
     micro-batch of each table: the elements of its index inputs, None where a shape is unknown, the
     blocks whose parameters list each table, ascending), from one pass over the nodes, kept for the
     last few graphs."""
-    for known, facts in _TABLE_FACTS:
-        if known() is graph:
-            return facts
+    return _remembered(_TABLE_FACTS, graph, _graph_tables_pass)
+
+
+def _graph_tables_pass(graph: Graph
+                       ) -> tuple[frozenset[str], frozenset[str], dict[str, int | None], dict[str, list[int]]]:
+    """`_graph_tables`'s pass over the nodes."""
     tables = frozenset(n.inputs[0] for n in graph.nodes if n.op == "Gather") & frozenset(graph.constants)
     read = frozenset(i for n in graph.nodes if n.op != "Gather" for i in n.inputs) & tables
     lookups: dict[str, int | None] = {t: 0 for t in tables}
@@ -723,7 +731,6 @@ def _graph_tables(graph: Graph) -> tuple[frozenset[str], frozenset[str], dict[st
         for t in tables.intersection(b.params):
             listed[t].append(k)
     facts = (tables, read, lookups, listed)
-    _TABLE_FACTS[:] = [(weakref.ref(graph), facts)] + [e for e in _TABLE_FACTS if e[0]() is not None][:3]
     return facts
 
 
