@@ -192,6 +192,8 @@ def mnn_kept_bytes(graph: Graph, block: Block) -> int:
 TORCH_SAVES_INPUT = frozenset({"Pow", "Erf", "Gelu", "Silu", "LayerNorm", "RMSNorm"})
 # ... and these their output; adds, means, concatenations, lookups (the indices) and rotary embeddings (by
 # constant tables) save nothing of the graph's values; views share their input's storage.
+# the ops whose output a product by a trainable weight makes again in its backward from their inputs (`remakes`)
+TORCH_REMADE_OPS = frozenset({"Gelu", "LayerNorm"})
 TORCH_SAVES_OUTPUT = frozenset({"Sqrt", "Tanh", "Relu", "Sigmoid", "Softmax", "SoftmaxCrossEntropy"})
 TORCH_SAVES_NOTHING = frozenset({"Add", "Sub", "ReduceMean", "Concat", "Gather", "Rotary"})
 TORCH_VIEW_OPS = MNN_VIEW_OPS | {"Expand", "Slice"}
@@ -220,19 +222,27 @@ def torch_kept_bytes(graph: Graph, block: Block) -> int:
     layer's values do not fit and the heap grows past them (MiniLM LoRA at 8 x 32: the heap's extent grew
     9.8-11.1 MiB a layer where its in-use bytes grew 4.6; fused, 6.8 against 6.1; helper h141)."""
     compute = [n for n in graph.nodes if n.name in {x for b in graph.blocks for x in b.nodes}]
-    kept = backward_read_bytes(graph, block)
-    if fusable_site(graph, compute, graph.blocks[-1].output, block) is not None:
+    fused = fusable_site(graph, compute, graph.blocks[-1].output, block) is not None
+    # a fused site's pre-norm runs inside the unit, its output held as it is (`TorchStageEngine._attention`)
+    kept = backward_read_bytes(graph, block, remade_except=frozenset(block.attention.nodes) if fused else frozenset())
+    if fused:
         return kept
     made = sum(graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs if o in graph.values)
     return kept + int(UNFUSED_FREE_HEAP_SHARE * max(0, made - kept))
 
 
-def backward_read_bytes(graph: Graph, block: Block) -> int:
+def backward_read_bytes(graph: Graph, block: Block, remade_except: frozenset[str] | None = None) -> int:
     """What `block`'s backward reads of its forward's values (`TORCH_SAVES_*`: a product each operand whose
     partner needs a gradient, so a product by a frozen weight none of its input; these ops their input or
     output; adds, views and the like nothing), each storage once, the block's input left out (the activations'
     charge), a LayerNorm's statistics counted: autograd's saved tensors (`torch_kept_bytes`), and what MNN's
-    re-run of a block recomputing per block keeps for its backward (`mnn_rerun_held_bytes`)."""
+    re-run of a block recomputing per block keeps for its backward (`mnn_rerun_held_bytes`).
+    With `remade_except` (PyTorch's engine, `runtime.engines.pytorch._Remade`): a product by a trainable 2-D
+    weight whose input a GELU or LayerNorm node makes (not one `remade_except` names) reads that node's inputs, which
+    the node saves anyway, and makes the input again in its backward (MiniLM at 2 x 128: a layer's FFN input
+    and GELU output, 1.875 MiB a micro-batch; helper h144)."""
+    makers = {} if remade_except is None else {
+        o: n for n in graph.nodes for o in n.outputs if n.op in TORCH_REMADE_OPS and n.name not in remade_except}
     needs = set(graph.params)
     for node in graph.nodes:  # topological: a value needs a gradient where anything it is made of does
         if any(i in needs for i in node.inputs):
@@ -256,7 +266,11 @@ def backward_read_bytes(graph: Graph, block: Block) -> int:
             continue
         if node.op in ("MatMul", "Mul", "Div") and len(node.inputs) == 2:
             a, b = node.inputs
-            if b in needs:
+            if (node.op == "MatMul" and a in makers and b in graph.params
+                    and len(graph.values[b].shape) == 2):
+                for i in makers[a].inputs:
+                    save(i)
+            elif b in needs:
                 save(a)
             if a in needs or node.op == "Div":
                 save(b)

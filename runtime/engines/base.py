@@ -113,6 +113,10 @@ class StageEngine(ABC):
     # schedules), before any forward: an engine that can defer weight gradients then prepares
     # its training forwards for it.
     split_backward: bool = False
+    # Whether a B and the W right after it (nothing between) run better as one whole backward on this engine
+    # (`runtime.pipeline.executor.joined_weight_passes`): PyTorch's, whose whole backward adds each weight's
+    # gradient into the running sum as autograd completes it (helpers h134, h144).
+    joins_weight_passes: bool = False
     # Set by the executor before any forward when the plan updates this stage while its
     # micro-batches are in flight (1f1b-stash, 2bw): an engine may then hold weight versions apart.
     updates_in_flight: bool = False

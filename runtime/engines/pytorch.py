@@ -12,6 +12,7 @@ alone, `_TokenCrossEntropy` writes its gradient over the logits it saved.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -357,34 +358,87 @@ class _PendingWeightGrad:
     transposed: bool
 
 
+class _Remade:
+    """A projection's input made again in its backward from what another node saves anyway:
+    a GELU's output from the GELU's input, a LayerNorm's output from its input and weights (its
+    backward reads the input, and keeps the statistics beside it), rather than holding the value from
+    the forward to the backward too (MiniLM at 2 x 128: 1.5 MiB a layer a micro-batch for the FFN's
+    second projection, 0.375 for each LayerNorm's output a projection reads; stage 0's forward under zb-h1
+    saved 18.6 -> 15.6 MiB, 24.6 -> 15.6 unsplit: helper h144). One value's projections share one
+    `_Remade`: the first backward among them makes it, the rest reuse it, and the last lets go of it (a
+    W's pending items hold it from there), so q, k and v do not each hold a copy."""
+
+    def __init__(self, node: Node, source: torch.Tensor):
+        # source: the forward's value (weakly: the point is not to hold it), to tell a re-run's apart
+        self.node, self.source = node, weakref.ref(source)
+        self.readers, self.value = 0, None
+
+    def make(self, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.value is None:
+            with torch.no_grad():  # the forward's value, bit for bit: the same kernel on the same inputs
+                self.value = _run_node(self.node, list(args))
+        value = self.value
+        self.readers -= 1
+        if self.readers == 0:
+            self.value = None
+        return value
+
+
 class _DeferredLinear(torch.autograd.Function):
     """x @ W (x @ W^T when `transposed`) plus an optional bias, whose backward computes only the
     input gradient and leaves (x, dy) in `sink` for the weight gradients of a later W. `anchor` is a
     dummy leaf the B pass differentiates with respect to, so autograd runs every deferred node even
-    where nothing before it needs a gradient (a LoRA adapter reading frozen embeddings)."""
+    where nothing before it needs a gradient (a LoRA adapter reading frozen embeddings). With a
+    `remade` (`_Remade`), x is saved as the tensors `sources` it is made from, not itself."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, anchor, transposed, sink, names, gelu_input=None, approximate=None):
-        # x = gelu(gelu_input) (an FFN's second projection): save the GELU's input, which the GELU
-        # saves anyway, and run the GELU again in the backward, rather than hold x too from the
-        # forward to the B (1.5 MiB a layer a micro-batch on MiniLM at 2 x 128)
-        ctx.save_for_backward(x if gelu_input is None else gelu_input, weight)
-        ctx.transposed, ctx.sink, ctx.names, ctx.approximate = transposed, sink, names, approximate
-        ctx.from_gelu = gelu_input is not None
-        ctx.x_needs_grad = x.requires_grad
+    def forward(ctx, x, weight, bias, anchor, transposed, sink, names, remade=None, *sources):
+        ctx.save_for_backward(weight, *((x,) if remade is None else sources))
+        ctx.transposed, ctx.sink, ctx.names, ctx.remade = transposed, sink, names, remade
+        ctx.x_needs_grad, ctx.sources = x.requires_grad, len(sources)
+        if remade is not None:
+            remade.readers += 1
         return F.linear(x, weight if transposed else weight.t(), bias)
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
-        if ctx.from_gelu:
-            with torch.no_grad():
-                x = F.gelu(x, approximate=ctx.approximate)  # the forward's x, bit for bit
+        weight, *held = ctx.saved_tensors
+        x = held[0] if ctx.remade is None else ctx.remade.make(tuple(held))
+        del held
         ctx.sink.append(_PendingWeightGrad(x.detach(), grad_y, ctx.names[0], ctx.names[1], ctx.transposed))
         dx = None
         if ctx.x_needs_grad:
             dx = grad_y @ weight if ctx.transposed else grad_y @ weight.t()
-        return dx, None, None, torch.zeros((), dtype=grad_y.dtype), None, None, None, None, None
+        return (dx, None, None, torch.zeros((), dtype=grad_y.dtype), None, None, None, None,
+                *(None for _ in range(ctx.sources)))
+
+
+class _RemadeLinear(torch.autograd.Function):
+    """F.linear(x, weight, bias) (weight [out, in]) whose x is saved as the tensors `sources` that
+    `remade` (`_Remade`) makes it from, not itself: a whole backward (no W waits for its products)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, remade, *sources):
+        ctx.save_for_backward(weight, *sources)
+        ctx.remade, ctx.sources = remade, len(sources)
+        remade.readers += 1
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        weight, *held = ctx.saved_tensors
+        x = ctx.remade.make(tuple(held))
+        del held
+        gy = grad_y.reshape(-1, grad_y.shape[-1])
+        dx = grad_y @ weight if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            x = x.reshape(-1, x.shape[-1])
+            # in the weight's own layout (an ONNX [in, out] weight is read as its transpose): the gradient autograd
+            # accumulates then needs no strided copy
+            dw = (x.t() @ gy).t() if weight.stride(0) == 1 and weight.stride(1) != 1 else gy.t() @ x
+        db = gy.sum(0) if ctx.needs_input_grad[2] else None
+        return (dx, dw, db, None, *(None for _ in range(ctx.sources)))
 
 
 class _ReplayedLookup(torch.autograd.Function):
@@ -489,6 +543,10 @@ class TorchStageEngine(StageEngine):
     backward (the planner's `activations: per-block`). The planner chooses where keeping them does
     not fit (`planner.cost`). Gradients are the same every way: the same ops on the same inputs."""
 
+    # zb-h1's first stage (`B.m W.m`): one whole backward summed as autograd completes each weight's gradient
+    # (`_backward_summed`), never the B's (x, dy) of every projection held for the W (helpers h134, h144)
+    joins_weight_passes = True
+
     def __init__(self, spec: StageSpec, dtype: torch.dtype = torch.float32, threads: int | None = None,
                  weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False, take_weights: bool = False,
                  fuse_attention: bool = True, native_step: bool = True, per_block: bool = False):
@@ -522,6 +580,11 @@ class TorchStageEngine(StageEngine):
                         continue
                     self._consts[i] = _frozen_tensor(v, dtype, np_dtype)
         self._saved: dict[int, tuple] = {}
+        # while a training forward runs: its `_Remade`s by value where backwards are not split (`_linear_of`),
+        # and the inputs of each GELU and LayerNorm it ran by their output (`_remade`: the forward may have let
+        # go of them in `env`; their own backward saves them anyway)
+        self._remakes: dict | None = None
+        self._made_from: dict[str, tuple] | None = None
         # set while a block's forward runs under its checkpoint (per block): see _FrozenQuantizedMatMul
         self._checkpointing = False
         # split backwards: per micro-batch, the deferred weight gradients B left for its W
@@ -537,8 +600,9 @@ class TorchStageEngine(StageEngine):
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         self._head_sum = _HeadSum()  # `backward_into`: the head's weight gradient added into the sum
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))  # never a quantized weight
-        # GELU nodes by their output: a deferred projection of a GELU's output saves the GELU's input
-        self._gelu_of = {n.outputs[0]: n for n in spec.compute_nodes if n.op == "Gelu"}
+        # GELU and LayerNorm nodes by their output: a deferred projection of one saves what the node's
+        # own backward saves (its input, a LayerNorm's weights) and makes its output again (`_Remade`)
+        self._remade_from = {n.outputs[0]: n for n in spec.compute_nodes if n.op in ("Gelu", "LayerNorm")}
         # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)
         self._units = attention_units(spec) if fuse_attention else {}
         self._unit_nodes = frozenset(n for u in self._units.values() for n in u.nodes)
@@ -629,7 +693,7 @@ class TorchStageEngine(StageEngine):
         backward computes later; None when backwards are not split."""
         if not self.split_backward:
             return None
-        return torch.zeros((), dtype=self.dtype, requires_grad=True), [], set()
+        return torch.zeros((), dtype=self.dtype, requires_grad=True), [], set(), {}
 
     def _run(self, inputs: Mapping[str, torch.Tensor], x_in: torch.Tensor | None, params: Mapping[str, torch.Tensor],
              train: bool, until_block: int | None, deferral: tuple | None = None,
@@ -650,6 +714,15 @@ class TorchStageEngine(StageEngine):
         if until_block is not None:
             stop_after = {n for b in self.spec.graph.blocks[until_block + 1:] for n in b.nodes}
         fused = self._lm if until_block is None else None
+        self._remakes, self._made_from = ({}, {}) if train else (None, None)
+        try:
+            return self._run_nodes(env, params, train, until_block, deferral, lookups, head_hidden, stop_after, fused)
+        finally:
+            self._remakes = self._made_from = None
+
+    def _run_nodes(self, env: dict, params: Mapping[str, torch.Tensor], train: bool, until_block: int | None,
+                   deferral: tuple | None, lookups: dict | None, head_hidden: bool, stop_after: set, fused):
+        """`_run`'s loop over the stage's nodes (per block, or node by node)."""
         with torch.set_grad_enabled(train):
             if train and self.per_block and until_block is None:
                 for block, nodes, alone in self._block_runs:
@@ -743,10 +816,19 @@ class TorchStageEngine(StageEngine):
             if linear.add == node.name:  # MatMul + bias as one addmm (skips a pass each way)
                 mm = linear.matmul
                 w = env[mm.inputs[1]]
-                env[node.outputs[0]] = F.linear(env[mm.inputs[0]], w if mm.attrs.get("trans_b") else w.t(),
-                                                env[linear.bias])
+                env[node.outputs[0]] = self._linear_of(mm.inputs[0], env, env[mm.inputs[0]],
+                                                       w if mm.attrs.get("trans_b") else w.t(), env[linear.bias])
             return  # the MatMul itself: computed with its bias
-        env[node.outputs[0]] = _run_node(node, [env[i] for i in node.inputs])
+        args = [env[i] for i in node.inputs]
+        if (node.op == "MatMul" and self._remakes is not None and node.inputs[1] in params
+                and params[node.inputs[1]].dim() == 2 and node.inputs[0] in self._remade_from):
+            w = args[1]  # a product by a trainable weight (a LoRA adapter's A) reading a GELU's or LayerNorm's output
+            env[node.outputs[0]] = self._linear_of(node.inputs[0], env, args[0],
+                                                   w if node.attrs.get("trans_b") else w.t(), None)
+            return
+        env[node.outputs[0]] = _run_node(node, args)
+        if self._made_from is not None and node.outputs[0] in self._remade_from and torch.is_grad_enabled():
+            self._made_from[node.outputs[0]] = tuple(args)  # held anyway: the node's own backward saves them
 
     def _run_frozen(self, node: Node, env: dict) -> torch.Tensor:
         """A node reading a quantized frozen weight: a product widens it inside `_FrozenQuantizedMatMul`,
@@ -769,6 +851,9 @@ class TorchStageEngine(StageEngine):
         B, S, D = x.shape
         h, u, hs = unit.heads, unit.kv_heads, unit.head_size
         a = x
+        # what a projection of `a` makes it again from (`_remade`): the stage's node that made the layer's
+        # input (a post-norm layer: the last one's LayerNorm); a pre-norm's output is held as it is
+        remake = (site.x if site.norm is None else "", env)
         if site.norm is not None:
             w = env[unit.weight("norm_w")[0]]
             if site.norm == "LayerNorm":
@@ -777,18 +862,19 @@ class TorchStageEngine(StageEngine):
             else:  # RMSNorm, as _run_node computes it
                 a = x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + site.norm_epsilon) * _shifted(w, site.norm_offset)
 
-        def project(role: str, bias_role: str, y: torch.Tensor) -> torch.Tensor:
+        def project(role: str, bias_role: str, y: torch.Tensor) -> torch.Tensor:  # y: `a`, or the context for Wo
             name, transposed, first, end = unit.weight(role)
             bias = unit.weight(bias_role)
             if (deferral is not None and first is None and name in params and params[name].dim() == 2
                     and (bias is None or bias[2] is None)):
-                anchor, sink, names = deferral  # zero bubble: the weight gradient waits for W, as in _defer
+                anchor, sink, names, remakes = deferral  # zero bubble: the weight gradient waits for W, as in _defer
                 names.add(name)
                 bias_name = bias[0] if bias is not None and bias[0] in params else None
                 if bias_name is not None:
                     names.add(bias_name)
+                remade, sources = self._remade(*remake, y, remakes) if y is a else (None, ())
                 return _DeferredLinear.apply(y, params[name], env[bias[0]] if bias else None, anchor, transposed,
-                                             sink, (name, bias_name))
+                                             sink, (name, bias_name), remade, *sources)
             if name in self._frozen and first is None:  # widened inside the product, then dropped
                 y = _FrozenQuantizedMatMul.apply(y, self._frozen[name], transposed, self._checkpointing)
                 return y if bias is None else y + (env[bias[0]] if bias[2] is None else env[bias[0]][bias[2]:bias[3]])
@@ -799,6 +885,8 @@ class TorchStageEngine(StageEngine):
                 b = env[bias[0]] if bias[2] is None else env[bias[0]][bias[2]:bias[3]]
             if first is not None:
                 weight = weight[first:end]
+            if y is a:
+                return self._linear_of(*remake, y, weight, b)
             return F.linear(y, weight, b)
 
         def heads(y: torch.Tensor, count: int) -> torch.Tensor:
@@ -819,7 +907,7 @@ class TorchStageEngine(StageEngine):
         """The deferred projection's output for `node` (a MatMul by a trainable 2-D weight, or the
         bias Add fused with one), _SKIP for the MatMul of a fused pair (its Add computes both), or
         None when the node is not deferred."""
-        anchor, sink, names = deferral
+        anchor, sink, names, remakes = deferral
         linear = self._linear.get(node.name)
         mm = linear.matmul if linear is not None else node
         if mm.op != "MatMul" or mm.inputs[1] not in params or params[mm.inputs[1]].dim() != 2:
@@ -834,11 +922,35 @@ class TorchStageEngine(StageEngine):
         names.add(mm.inputs[1])
         if bias_name is not None:
             names.add(bias_name)
-        gelu = self._gelu_of.get(mm.inputs[0])
-        gelu_input = env.get(gelu.inputs[0]) if gelu is not None else None
-        return _DeferredLinear.apply(env[mm.inputs[0]], env[mm.inputs[1]], bias_t, anchor,
-                                     bool(mm.attrs.get("trans_b")), sink, (mm.inputs[1], bias_name), gelu_input,
-                                     gelu.attrs.get("approximate", "none") if gelu_input is not None else None)
+        x = env[mm.inputs[0]]
+        remade, sources = self._remade(mm.inputs[0], env, x, remakes)
+        return _DeferredLinear.apply(x, env[mm.inputs[1]], bias_t, anchor, bool(mm.attrs.get("trans_b")), sink,
+                                     (mm.inputs[1], bias_name), remade, *sources)
+
+    def _linear_of(self, value: str, env: Mapping, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, weight, bias) for `value` (= x); in a training forward with gradients to a weight that
+        needs one, as `_RemadeLinear` where `_remade` can make x again (its autograd saving then what x is made
+        from, not x; where the weight needs no gradient, F.linear saves no x either)."""
+        if self._remakes is not None and torch.is_grad_enabled() and weight.requires_grad:
+            remade, sources = self._remade(value, env, x, self._remakes)
+            if remade is not None:
+                return _RemadeLinear.apply(x, weight, bias, remade, *sources)
+        return F.linear(x, weight, bias)
+
+    def _remade(self, value: str, env: Mapping, x: torch.Tensor, remakes: dict) -> tuple:
+        """(`_Remade`, the tensors it is made from) for a projection reading `value` (= `x`): the output of a
+        GELU or LayerNorm node of the stage whose inputs are tensors (none quantized), as this forward ran it
+        (`_made_from`) or in `env`; else (None, ())."""
+        node = self._remade_from.get(value)
+        if node is not None and self._made_from is not None and value in self._made_from:
+            env = dict(zip(node.inputs, self._made_from[value]))
+        if node is None or any(i in self._frozen or not isinstance(env.get(i), torch.Tensor) for i in node.inputs):
+            return None, ()
+        remade = remakes.get(value)
+        if remade is None or remade.source() is not x:
+            remade = remakes[value] = _Remade(node, x)
+        return remade, tuple(env[i] for i in node.inputs)
 
     def backward(self, microbatch: int, grad_output=None) -> StageGradients:
         result = self.backward_input(microbatch, grad_output)
@@ -896,7 +1008,9 @@ class TorchStageEngine(StageEngine):
         before, added after."""
         target = self._head_sum_target(into)
         if target is None:
-            return super().backward_into(microbatch, into, grad_output)
+            if self.split_backward:
+                return super().backward_into(microbatch, into, grad_output)
+            return self._backward_summed(microbatch, into, grad_output)
         self._head_sum.target, self._head_sum.added = target, False
         try:
             result = self.backward(microbatch, grad_output)
@@ -904,6 +1018,48 @@ class TorchStageEngine(StageEngine):
             self._head_sum.target, self._head_sum.added = None, False
         accumulate(into, result.params)
         return result.activation_input
+
+    def _backward_summed(self, microbatch: int, into: dict, grad_output=None) -> np.ndarray | None:
+        """The whole backward of `microbatch` with each weight's gradient added into `into` once it is
+        complete (autograd's post-accumulate hook, as `backward_and_step` steps it) and let go: the
+        stage never holds the micro-batch's whole set of weight gradients beside the sum (MiniLM's
+        four-layer stage 0: 27 MiB), only the gradients autograd has not finished. The same sums as
+        `backward` then `accumulate`, bit for bit (each weight's gradient is the same tensor, added
+        once). Returns the gradient of the stage input (None on the first stage)."""
+        x_in, out, used, _ = self._graph_of(microbatch)
+        done: set[str] = set()
+
+        def add(name: str, grad: torch.Tensor) -> None:
+            if grad.is_sparse:
+                g = RowGradient(grad._indices()[0].numpy(), grad._values().detach().numpy(), tuple(grad.shape))
+            else:
+                g = grad.detach().numpy()
+            accumulate(into, {name: g})
+            done.add(name)
+
+        def hook(name: str):
+            def take(t: torch.Tensor) -> None:
+                grad, t.grad = t.grad, None
+                add(name, grad)
+            return take
+
+        wrt = list(used.values()) + ([x_in] if x_in is not None else [])
+        if not wrt:  # only frozen weights and no stage input: no gradients at all (`backward_input`)
+            return None
+        handles = [t.register_post_accumulate_grad_hook(hook(k)) for k, t in used.items()]
+        try:
+            given = None if grad_output is None else self._tensor(grad_output)
+            torch.autograd.backward([_seed(out, given)], inputs=wrt)
+        finally:
+            for h in handles:
+                h.remove()
+        for name, p in used.items():  # a weight no op of this micro-batch reached: a zero gradient
+            if name not in done:
+                accumulate(into, {name: torch.zeros_like(p).detach().numpy()})
+        if x_in is None:
+            return None
+        dx, x_in.grad = x_in.grad, None
+        return (torch.zeros_like(x_in) if dx is None else dx).detach().numpy()
 
     def backward_input_into(self, microbatch: int, into: dict, grad_output=None) -> StageGradients:
         """`backward_input` (B of a split backward), a fused LM head's weight gradient added straight

@@ -83,6 +83,21 @@ def summed_forwards(actions: Sequence[Action]) -> list[Action]:
     return [a for a in summed if a not in unsummed]
 
 
+def joined_weight_passes(actions: Sequence[Action]) -> list[Action]:
+    """The W actions of a stage's list that come right after their own micro-batch's B, nothing
+    between (a first stage under zb-h1: `B.m W.m`, no gradient to send before the W). Splitting such
+    a backward buys no time (nothing runs between the two halves) and costs memory: the B holds every
+    deferred projection's input and output gradient for the W (MiniLM's four-layer stage 0 at 2 x 128:
+    ~25 MiB beside the next micro-batch's activations, its peak)."""
+    joined, before = [], None
+    for a in actions:
+        if (a.kind is ActionKind.W and before is not None and before.kind is ActionKind.B
+                and before.microbatch == a.microbatch):
+            joined.append(a)
+        before = a
+    return joined
+
+
 def sent_on_without_pause(actions: Sequence[Action]) -> list[Action]:
     """The F and B actions of a stage's list whose result a neighbour waits for: a SEND of the same
     micro-batch follows with only compute of that micro-batch between (`F.m SEND_ACT.m`, and on the
@@ -168,6 +183,8 @@ class StageExecutor:
         self._sent_next: frozenset[Action] = frozenset()
         # the F actions whose backward adds into the running sum there at the forward (`prepare`)
         self._summed: frozenset[Action] = frozenset()
+        # the W actions joined to the B before them (`prepare`): that B ran the whole backward
+        self._joined: frozenset[Action] = frozenset()
         self._stepped = False
         self.stats = ExecutorStats()
         # the action being executed, kept when it raises: a worker's error report names it (`s1.B.m3`)
@@ -238,7 +255,10 @@ class StageExecutor:
     def prepare(self, actions: Sequence[Action]) -> None:
         """Tell the engine, before the first forward, whether this plan splits backwards into B and
         W (its training forwards then keep what a later W needs)."""
-        split = any(a.kind is ActionKind.W for a in actions)
+        # a list whose every W follows its B at once runs each pair as one backward (its W does
+        # nothing): the split would only hold the B's deferred products until the W
+        self._joined = frozenset(joined_weight_passes(actions) if self.engine.joins_weight_passes else ())
+        split = any(a.kind is ActionKind.W and a not in self._joined for a in actions)
         if split != self.engine.split_backward:
             self.engine.split_backward = split
         # an UPDATE with a forward before it whose backward comes after it
@@ -320,6 +340,8 @@ class StageExecutor:
                 else:  # summed into grad_sum block by block as the engine computes them
                     self._grads_out[m] = self.engine.backward_into(m, self.grad_sum, upstream)
                     self.backwards_since_update += 1
+        elif kind is ActionKind.W and not self.engine.split_backward and action in self._joined:
+            pass  # its B computed the weight gradients (`joined_weight_passes`)
         elif kind is ActionKind.W:
             if not self.engine.split_backward:
                 raise RuntimeError(f"stage {self.stage}: {action} in a plan the executor was not prepared for "
