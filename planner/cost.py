@@ -612,8 +612,10 @@ def mnn_gradient_read_bytes(graph: Graph, k: int) -> int:
     stage (14 layers, per block), step 2's backwards peaked 27.5 MiB above the level between them (two
     reads of 13.78: a layer's 13.50 of weights and its 0.28 input) and its third 41.3 (three), 935.6 MiB
     against 935.0 planned, where the same plan's other run peaked 27.5 above at every backward, 922.3;
-    the head's and the embeddings' per-block stages of that run 27.5 at each (benchmarks/MEMORY_NOTES.md,
-    helper h147). Not a rule of the shapes (the heap's layout with the moments in it): the most measured."""
+    the head's per-block stage of that run 27.5 at each, never three (benchmarks/MEMORY_NOTES.md,
+    helper h147). Not a rule of the shapes (the heap's layout with the moments in it): the most measured.
+    Charged, the planner gave that stage a 15th layer at the same budget: 991.6 / 1005.2 (0.986) with the
+    third read, 976.8-977.7 / 1005.0-1005.1 (0.972-0.973) without."""
     return block_input_bytes(graph)[k] + graph.blocks[k].params_bytes
 
 
