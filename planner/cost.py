@@ -559,6 +559,8 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
             cost = replace(cost, backward_s=cost.backward_s - min(cost.recompute_s, cost.backward_s), recompute_s=0.0)
         elif per_block:
             cost = replace(cost, workspace_bytes=cost.per_block_workspace, stacked_bytes=cost.per_block_stacked)
+            if engine == "mnn" and cost.per_block_summed_bytes:
+                cost = replace(cost, workspace_bytes=cost.workspace_bytes + mnn_gradient_read_bytes(graph, b.index))
             if engine == "torch":
                 # a further micro-batch's checkpoints (`keeps_activations`): as measured, else nothing;
                 # its once-a-stage part stays (`kept_once_bytes`)
@@ -597,6 +599,24 @@ def block_costs(graph: Graph, device: DeviceSpec) -> tuple[BlockCost, ...]:
             workspace -= min(workspace, start_up_bytes(device))
         out[-2] = replace(head, workspace_bytes=workspace, stacked_bytes=workspace)
     return tuple(out)
+
+
+def mnn_gradient_read_bytes(graph: Graph, k: int) -> int:
+    """One read of block k's backward on MNN: its weights' gradients and its input's gradient as one
+    array (`runtime.engines.mnn_kernels.GradientProgram.run`, `planner.memory_defaults.mnn_held_bytes`),
+    which a block recomputing per block lets go into MNN's pool after its backward. Charged once more in
+    the transient of a layer whose per-block line was measured beside the gradient sum and AdamW's
+    moments (`BlockCost.per_block_summed_bytes`, full fine-tuning): that line's steps run two backwards
+    (`runtime.profiling.compute.SUMMED_ORDER`), a worker four, and in a worker's second step one backward
+    now and then holds a third read where the line's peak holds two: SmolLM2 full fine-tuning's middle
+    stage (14 layers, per block), step 2's backwards peaked 27.5 MiB above the level between them (two
+    reads of 13.78: a layer's 13.50 of weights and its 0.28 input) and its third 41.3 (three), 935.6 MiB
+    against 935.0 planned, where the same plan's other run peaked 27.5 above at every backward, 922.3;
+    the head's per-block stage of that run 27.5 at each, never three (benchmarks/MEMORY_NOTES.md,
+    helper h147). Not a rule of the shapes (the heap's layout with the moments in it): the most measured.
+    Charged, the planner gave that stage a 15th layer at the same budget: 991.6 / 1005.2 (0.986) with the
+    third read, 976.8-977.7 / 1005.0-1005.1 (0.972-0.973) without."""
+    return block_input_bytes(graph)[k] + graph.blocks[k].params_bytes
 
 
 def _loss_alone_bytes(graph: Graph, device: DeviceSpec) -> int:

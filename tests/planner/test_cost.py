@@ -719,12 +719,13 @@ def test_a_per_block_line_measured_beside_the_gradient_sum_leaves_the_layers_gra
     once, as the running sum, and where nothing is summed (1f1b-stash updating after every backward, the
     backward's set held in the workspace an older line measured) charges them back
     (`unsummed_gradient_bytes`); a hybrid stage's caches are the keep line less the per-block line less
-    those gradients (`cache_bytes_per_block`). By hand, through the cost model and the partition instance
-    (dropping the charge-back fails both)."""
+    those gradients (`cache_bytes_per_block`); such a line's transient is charged one more read of a
+    layer's backward (`mnn_gradient_read_bytes`), a fresh engine's line none. By hand, through the cost
+    model and the partition instance (dropping the charge-back fails both; main before h147 fails the read)."""
     from dataclasses import replace
 
     from ir.profile import BlockCost
-    from planner.cost import cache_bytes_per_block, stage_memory_bytes, stage_memory_terms
+    from planner.cost import cache_bytes_per_block, mnn_gradient_read_bytes, stage_memory_bytes, stage_memory_terms
     from planner.partition.instance import _memory_bytes, make_instance
     from support import EMB, ENC
 
@@ -744,7 +745,15 @@ def test_a_per_block_line_measured_beside_the_gradient_sum_leaves_the_layers_gra
         assert stage_memory_terms(g, dev, 1, 2, 1, 2, "1f1b-flush", 4, "sgd").gradient_bytes == 4000
     assert stage_memory_terms(g, fresh, 1, 2, 1, 2, "1f1b-stash", 4, "sgd").gradient_bytes == 0
     stash = stage_memory_terms(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")
-    assert stash.gradient_bytes == 4000 and stash.workspace_bytes == 2 * 20 + 130
+    # the line's 2 x 20 + 130, and one more read of an encoder's backward (`mnn_gradient_read_bytes`: its
+    # 2000 bytes of weights' gradients and its 400-byte input's, one array), which a worker's backward
+    # held a third of where the line's two backwards held two (helper h147)
+    read = 400 + 2000
+    assert mnn_gradient_read_bytes(g, 1) == read
+    assert stash.gradient_bytes == 4000 and stash.workspace_bytes == 2 * 20 + 130 + read
+    flush = stage_memory_terms(g, summed, 1, 2, 1, 2, "1f1b-flush", 4, "sgd")
+    assert flush.workspace_bytes == 2 * 20 + 130 + read
+    assert stage_memory_terms(g, fresh, 1, 2, 1, 2, "1f1b-flush", 4, "sgd").workspace_bytes == 2 * 20 + 130
     assert stage_memory_terms(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd", 2).gradient_bytes == 4000
     assert stage_memory_terms(g, replace(summed, activations="keep"), 1, 2, 1, 2, "1f1b-stash", 4,
                               "sgd").gradient_bytes == 0  # the keep line holds them
@@ -755,4 +764,4 @@ def test_a_per_block_line_measured_beside_the_gradient_sum_leaves_the_layers_gra
     for d, dev in enumerate((summed, fresh)):
         assert _memory_bytes(inst, d, 1, 2, 1, 2) == stage_memory_bytes(g, dev, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")
     assert (stage_memory_bytes(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")
-            - stage_memory_bytes(g, fresh, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")) == 4000
+            - stage_memory_bytes(g, fresh, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")) == 4000 + read
