@@ -131,12 +131,12 @@ ROW_GRADIENT_COPIES = 2
 OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
 # AdamW keeps an embedding table's m and v only for the rows that ever had a gradient
 # (runtime.optim's `_RowState`: an int64 slot per table row, then per held row an int64 id and a
-# row of each moment, in arrays that grow by doubling, old and new alive while they grow: up to 3x
-# the rows) until more than ROWS_DENSE_SHARE of the rows have state; then they are dense for good.
+# row of each moment, written in order into maps with room for every row, of which only the pages
+# written are resident: the held rows' bytes and at most a page more per array) until more than
+# ROWS_DENSE_SHARE of the rows have state; then they are dense for good.
 # runtime.optim's figures (tests/planner/test_lookups.py holds the model to what it keeps).
 ROWS_DENSE_SHARE = 0.4
-ROW_STATE_GROWTH = 3
-ROW_STATE_MIN_ROWS = 64
+ROW_STATE_PAGE = 4096
 # Each old weight version kept under 1f1b-stash is one numpy copy (`MNNStageEngine._old_versions`).
 STASHED_VERSION_COPIES = 1
 
@@ -1072,9 +1072,16 @@ def table_state_delta_bytes(graph: Graph, first: int, last: int, device: DeviceS
         if rows is None or rows > ROWS_DENSE_SHARE * table.shape[0]:
             continue
         row = int(table.nbytes) // table.shape[0]
-        held = ROW_STATE_GROWTH * max(rows, ROW_STATE_MIN_ROWS) * (8 + states * row) + 8 * table.shape[0]
+        held = row_state_bytes(rows, table.shape[0], row, states)
         delta += min(0, held - states * int(table.nbytes))
     return delta
+
+
+def row_state_bytes(rows: int, table_rows: int, row_bytes: int, states: int) -> int:
+    """What runtime.optim's `_RowState` holds resident for `rows` held rows of a table of
+    `table_rows` rows of `row_bytes` each, with `states` moments: the slot per table row, then the
+    ids and moments of the held rows, each array's last page whole."""
+    return 8 * table_rows + (8 + states * row_bytes) * rows + (1 + states) * ROW_STATE_PAGE
 
 
 def tied_bytes(graph: Graph, first: int, last: int) -> int:

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from runtime.engines.base import RowGradient, dense_gradient
+from runtime.heap import sparse_zeros
 
 # Elements per pass: every step's dozen elementwise passes run over one chunk of a tensor at a time,
 # so they stay in the core's cache (5 float32 arrays of 32768 = 640 KiB) and each weight, gradient
@@ -44,8 +45,12 @@ class _RowState:
 
     @classmethod
     def empty(cls, shape: tuple[int, ...], count: int) -> "_RowState":
-        return cls(np.full(shape[0], -1, np.int64), np.empty(0, np.int64),
-                   [np.zeros((0,) + tuple(shape[1:]), np.float32) for _ in range(count)])
+        """Room for a slot per table row from the start, in anonymous maps of which only the pages
+        written become resident (`runtime.heap.sparse_zeros`): the rows fill the slots in order, so
+        what is resident is the held rows' own pages, and the state never grows by copying. (Grown
+        by doubling, the old and the new arrays were alive at once at an update: up to 3x the rows.)"""
+        return cls(np.full(shape[0], -1, np.int64), sparse_zeros((shape[0],), np.int64),
+                   [sparse_zeros(tuple(shape), np.float32) for _ in range(count)])
 
     @classmethod
     def from_dense(cls, dense: list[np.ndarray]) -> "_RowState":
@@ -65,12 +70,7 @@ class _RowState:
         new = rows[self.slot[rows] < 0]
         if not new.size:
             return
-        need = self.n + new.size
-        if need > len(self.ids):  # grow by doubling: a step's new rows cost their own size, amortised
-            cap = max(need, 2 * len(self.ids), 64)
-            self.ids = np.concatenate([self.ids[:self.n], np.empty(cap - self.n, np.int64)])
-            self.arrays = [np.concatenate([a[:self.n], np.zeros((cap - self.n,) + a.shape[1:], np.float32)])
-                           for a in self.arrays]
+        need = self.n + new.size  # at most the table's rows: every slot's room is there (`empty`)
         self.ids[self.n:need] = new
         self.slot[new] = np.arange(self.n, need)
         self.n = need
