@@ -242,7 +242,7 @@ def backward_read_bytes(graph: Graph, block: Block, remade_except: frozenset[str
     the node saves anyway, and makes the input again in its backward (MiniLM at 2 x 128: a layer's FFN input
     and GELU output, 1.875 MiB a micro-batch; helper h144)."""
     makers = {} if remade_except is None else {
-        o: n for n in graph.nodes for o in n.outputs if n.op in TORCH_REMADE_OPS and n.name not in remade_except}
+        o: n for o, n in graph.producers().items() if n.op in TORCH_REMADE_OPS and n.name not in remade_except}
     needs = set(graph.params)
     for node in graph.nodes:  # topological: a value needs a gradient where anything it is made of does
         if any(i in needs for i in node.inputs):
