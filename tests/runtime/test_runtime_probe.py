@@ -52,5 +52,6 @@ def test_runtime_probe_covers_an_idle_worker_and_not_by_much():
     # under it, every plan on this device is short by the difference before its stage is set up
     assert worker <= probe, (worker / MIB, probe / MIB)
     # the probe holds both ends of a loopback link and a 4 MiB tensor's buffers: ~7 MiB above a worker
-    # here; much more would charge every device for memory no worker holds
-    assert probe - worker <= 12 * MIB, (worker / MIB, probe / MIB)
+    # once, 11.7-12.3 since (2026-12-07: 55.3-55.8 MiB against 43.5-43.7; the row state's maps and the torch
+    # engine's remade inputs +0.45 of it); much more would charge every device for memory no worker holds
+    assert probe - worker <= 13 * MIB, (worker / MIB, probe / MIB)
