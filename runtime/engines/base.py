@@ -117,6 +117,9 @@ class StageEngine(ABC):
     # (`runtime.pipeline.executor.joined_weight_passes`): PyTorch's, whose whole backward adds each weight's
     # gradient into the running sum as autograd completes it (helpers h134, h144).
     joins_weight_passes: bool = False
+    # Set by the executor before any forward where it joins such pairs (`joins_weight_passes`): the engine's
+    # whole backward then adds each weight's gradient into the running sum as it completes.
+    sums_as_completed: bool = False
     # Set by the executor before any forward when the plan updates this stage while its
     # micro-batches are in flight (1f1b-stash, 2bw): an engine may then hold weight versions apart.
     updates_in_flight: bool = False

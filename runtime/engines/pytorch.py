@@ -1008,9 +1008,12 @@ class TorchStageEngine(StageEngine):
         before, added after."""
         target = self._head_sum_target(into)
         if target is None:
-            if self.split_backward:
-                return super().backward_into(microbatch, into, grad_output)
-            return self._backward_summed(microbatch, into, grad_output)
+            if self.sums_as_completed and not self.split_backward:
+                return self._backward_summed(microbatch, into, grad_output)
+            # elsewhere (1F1B, GPipe, train-local) as before: summed as it completes, a per-block full fine-tuning
+            # stage of SmolLM2 held 117-194 MiB less than the profile's lines, which then over-charge it (0.84-0.89
+            # of its plan; benchmarks/MEMORY_NOTES.md, the 2026-12-07 merge): there once the charge follows
+            return super().backward_into(microbatch, into, grad_output)
         self._head_sum.target, self._head_sum.added = target, False
         try:
             result = self.backward(microbatch, grad_output)
