@@ -120,6 +120,11 @@ class StageEngine(ABC):
     # Set by the executor before any forward where it joins such pairs (`joins_weight_passes`): the engine's
     # whole backward then adds each weight's gradient into the running sum as it completes.
     sums_as_completed: bool = False
+    # Whether the pipeline executor gives the C library's free heap back once a step, after the step's
+    # first backward (`runtime.heap.release_free_heap`): where the engine's activations come from glibc's
+    # heap, freed micro-batches leave holes the next ones do not fill whole, and the step's peak stacks on
+    # them (PyTorch's; MNN's arrays come from its own pool).
+    releases_heap_each_step: bool = False
     # Set by the executor before any forward when the plan updates this stage while its
     # micro-batches are in flight (1f1b-stash, 2bw): an engine may then hold weight versions apart.
     updates_in_flight: bool = False

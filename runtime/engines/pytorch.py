@@ -546,6 +546,10 @@ class TorchStageEngine(StageEngine):
     # zb-h1's first stage (`B.m W.m`): one whole backward summed as autograd completes each weight's gradient
     # (`_backward_summed`), never the B's (x, dy) of every projection held for the W (helpers h134, h144)
     joins_weight_passes = True
+    # MiniLM zb-h1:torch worker 0 (2 processes, 4 micro-batches of 2 x 128): with the free heap given back after
+    # each step's first backward 418-423 MB against 430-438 without, the step +1%; after every backward 414-416
+    # but +7-10% a step (benchmarks/MEMORY_NOTES.md, helper h145 and the 2026-12-07 merge)
+    releases_heap_each_step = True
 
     def __init__(self, spec: StageSpec, dtype: torch.dtype = torch.float32, threads: int | None = None,
                  weights: Mapping[str, np.ndarray] | None = None, recompute: bool = False, take_weights: bool = False,

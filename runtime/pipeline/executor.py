@@ -168,6 +168,7 @@ class StageExecutor:
         self.tied = tuple(sorted(tied))
         self.grad_sum: dict[str, np.ndarray] = {}
         self.backwards_since_update = 0
+        self._heap_released = False  # this step's free heap given back (`_release_heap_once`)
         self.updates = 0
         self.updates_at_s: list[float] = []
         self._run_start = time.perf_counter()
@@ -245,6 +246,7 @@ class StageExecutor:
             store.clear()
         self.grad_sum = {}
         self.backwards_since_update = 0
+        self._heap_released = False
         self._stepped = False
         self.losses.clear()
         self.in_flight = None
@@ -342,6 +344,7 @@ class StageExecutor:
                 else:  # summed into grad_sum block by block as the engine computes them
                     self._grads_out[m] = self.engine.backward_into(m, self.grad_sum, upstream)
                     self.backwards_since_update += 1
+            self._release_heap_once()
         elif kind is ActionKind.W and not self.engine.split_backward and action in self._joined:
             pass  # its B computed the weight gradients (`joined_weight_passes`)
         elif kind is ActionKind.W:
@@ -424,7 +427,18 @@ class StageExecutor:
                 self.engine.step(self.optimizer, self.grad_sum)
         self.grad_sum = {}
         self.backwards_since_update = 0
+        self._heap_released = False
         self.updates += 1
+
+    def _release_heap_once(self) -> None:
+        """After a step's first backward, give the C library's free heap back, once a step, on an engine
+        whose activations come from it (`StageEngine.releases_heap_each_step`): the backward has just let
+        its micro-batch's activations go, and the holes they leave are not all filled whole by the next
+        micro-batches' (hidden-sized values beside small saved tensors), so the step's peak would stack on
+        them. Once a step, not after every backward: each release costs the pages faulted back in."""
+        if getattr(self.engine, "releases_heap_each_step", False) and not self._heap_released:
+            self._heap_released = True
+            release_free_heap()
 
     def _step_untied_first(self) -> bool:
         """Before the tied sums are exchanged, step the weights that are not tied and let their
