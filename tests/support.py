@@ -928,3 +928,22 @@ def planned_by_both_solvers(graph, cluster, schedule: str, microbatches: int, op
         got[name] = ([(d, activations_of(picks.cluster.device(d))) for d in picks.partition.devices],
                      picks.partition.ranges, picks.after_us)
     return got
+
+
+def autograd_saved_bytes(engine, feeds) -> int:
+    """The bytes autograd saves in one training forward of a PyTorch stage engine (micro-batch 0), its
+    weights left out (each storage once)."""
+    import torch
+
+    weights = {p.untyped_storage().data_ptr() for p in engine._params.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in weights:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        engine.forward(feeds, 0)
+    return sum(saved.values())

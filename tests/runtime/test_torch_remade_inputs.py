@@ -11,7 +11,7 @@ import pytest
 
 from planner.onnx_import import load_model
 from runtime.engines.stage import stage_spec
-from support import ROWS, S, token_feeds
+from support import ROWS, S, autograd_saved_bytes, token_feeds
 
 
 @pytest.fixture(scope="module")
@@ -19,24 +19,6 @@ def graph(tiny_checkpoint, export_dir):
     from support import export_onnx
 
     return load_model(export_onnx(tiny_checkpoint, export_dir / "tiny-ts17.onnx", opset=17), ROWS, S)
-
-
-def _saved_bytes(engine, feeds) -> int:
-    """The bytes autograd saves in one training forward of `engine` (micro-batch 0), weights left out."""
-    import torch
-
-    weights = {p.untyped_storage().data_ptr() for p in engine._params.values()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in weights:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        engine.forward(feeds, 0)
-    return sum(saved.values())
 
 
 def _remade_bytes(spec, graph) -> int:
@@ -63,7 +45,7 @@ def test_a_projection_of_a_gelu_or_layernorm_output_saves_what_makes_it_with_the
         if kind == "plain":
             engine._remade_from = {}  # nothing made again: autograd holds every projection's input
         engines[kind] = engine
-    saved = {kind: _saved_bytes(e, feeds) for kind, e in engines.items()}
+    saved = {kind: autograd_saved_bytes(e, feeds) for kind, e in engines.items()}
     # the tiny BERT (float64): 329184 -> 218592 bytes, both ways, where the values made again are 110592
     assert saved["remade"] <= saved["plain"] - remade_bytes, saved
     grads = {}

@@ -16,7 +16,7 @@ import pytest
 from planner.onnx_import import load_model
 from runtime.engines.base import accumulate
 from runtime.engines.stage import stage_spec
-from support import ROWS, S, token_feeds
+from support import ROWS, S, autograd_saved_bytes, token_feeds
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2 ** 20
@@ -140,24 +140,6 @@ def test_a_zb_h1_pipeline_of_torch_worker_processes_equals_single_device_trainin
         assert float(np.abs(result.weights[k] - want).max()) <= bound, k
 
 
-def _saved_bytes(engine, feeds) -> int:
-    """The bytes autograd saves in one training forward of `engine`, its weights left out."""
-    import torch
-
-    weights = {p.untyped_storage().data_ptr() for p in engine._params.values()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in weights:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        engine.forward(feeds, 0)
-    return sum(saved.values())
-
-
 def test_a_deferred_projection_of_a_gelu_saves_the_gelu_s_input_not_its_output(graph):
     """zb-h1's forward holds less than the unsplit one by every GELU's output (the FFN's second
     projection saves the GELU's input, which the GELU saves anyway, and runs the GELU again in its
@@ -175,7 +157,7 @@ def test_a_deferred_projection_of_a_gelu_saves_the_gelu_s_input_not_its_output(g
     # the unsplit forward as it was: its projections save their inputs (both now make a GELU's or LayerNorm's
     # output again, `_Remade`: tests/runtime/test_torch_remade_inputs.py)
     whole._remade_from = {}
-    assert _saved_bytes(split, feeds) <= _saved_bytes(whole, feeds) - gelu_bytes
+    assert autograd_saved_bytes(split, feeds) <= autograd_saved_bytes(whole, feeds) - gelu_bytes
     ref = whole.backward(0)
     got = {**split.backward_input(0).params, **split.backward_weight(0)}
     for k in ref.params:
