@@ -82,6 +82,10 @@ HOST_OPS = frozenset(
 
 ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div"})
 ELEMENTWISE_UNARY = frozenset({"Pow", "Sqrt", "Erf", "Tanh", "Relu", "Gelu", "Sigmoid", "Silu"})
+# Ops whose output an engine may make again from their inputs, which their own backward keeps anyway,
+# rather than hold it for a product that reads it (runtime.engines.pytorch's `_Remade`; the memory model's
+# `planner.memory_defaults.backward_read_bytes` charges the same).
+REMADE_FROM_INPUTS = frozenset({"Gelu", "LayerNorm"})
 
 
 def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ import numpy as np
 from ir.attention_fusion import fusable_site
 from ir.backend import parse_backend
 from ir.graph import Block, Graph, block_signature
+from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor, bytes_per_frozen_element, lookup_tables, quantizable, storage_for
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
@@ -192,8 +193,6 @@ def mnn_kept_bytes(graph: Graph, block: Block) -> int:
 TORCH_SAVES_INPUT = frozenset({"Pow", "Erf", "Gelu", "Silu", "LayerNorm", "RMSNorm"})
 # ... and these their output; adds, means, concatenations, lookups (the indices) and rotary embeddings (by
 # constant tables) save nothing of the graph's values; views share their input's storage.
-# the ops whose output a product by a trainable weight makes again in its backward from their inputs (`remakes`)
-TORCH_REMADE_OPS = frozenset({"Gelu", "LayerNorm"})
 TORCH_SAVES_OUTPUT = frozenset({"Sqrt", "Tanh", "Relu", "Sigmoid", "Softmax", "SoftmaxCrossEntropy"})
 TORCH_SAVES_NOTHING = frozenset({"Add", "Sub", "ReduceMean", "Concat", "Gather", "Rotary"})
 TORCH_VIEW_OPS = MNN_VIEW_OPS | {"Expand", "Slice"}
@@ -242,7 +241,7 @@ def backward_read_bytes(graph: Graph, block: Block, remade_except: frozenset[str
     the node saves anyway, and makes the input again in its backward (MiniLM at 2 x 128: a layer's FFN input
     and GELU output, 1.875 MiB a micro-batch; helper h144)."""
     makers = {} if remade_except is None else {
-        o: n for o, n in graph.producers().items() if n.op in TORCH_REMADE_OPS and n.name not in remade_except}
+        o: n for o, n in graph.producers().items() if n.op in REMADE_FROM_INPUTS and n.name not in remade_except}
     needs = set(graph.params)
     for node in graph.nodes:  # topological: a value needs a gradient where anything it is made of does
         if any(i in needs for i in node.inputs):

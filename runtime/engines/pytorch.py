@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node, use_def
+from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor
 from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array, rows_at
@@ -606,7 +607,7 @@ class TorchStageEngine(StageEngine):
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))  # never a quantized weight
         # GELU and LayerNorm nodes by their output: a deferred projection of one saves what the node's
         # own backward saves (its input, a LayerNorm's weights) and makes its output again (`_Remade`)
-        self._remade_from = {n.outputs[0]: n for n in spec.compute_nodes if n.op in ("Gelu", "LayerNorm")}
+        self._remade_from = {n.outputs[0]: n for n in spec.compute_nodes if n.op in REMADE_FROM_INPUTS}
         # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)
         self._units = attention_units(spec) if fuse_attention else {}
         self._unit_nodes = frozenset(n for u in self._units.values() for n in u.nodes)

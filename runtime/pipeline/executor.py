@@ -260,8 +260,7 @@ class StageExecutor:
         # a list whose every W follows its B at once runs each pair as one backward (its W does
         # nothing): the split would only hold the B's deferred products until the W
         self._joined = frozenset(joined_weight_passes(actions) if self.engine.joins_weight_passes else ())
-        if bool(self._joined) != self.engine.sums_as_completed:
-            self.engine.sums_as_completed = bool(self._joined)
+        self.engine.sums_as_completed = bool(self._joined)
         split = any(a.kind is ActionKind.W and a not in self._joined for a in actions)
         if split != self.engine.split_backward:
             self.engine.split_backward = split
@@ -436,7 +435,7 @@ class StageExecutor:
         its micro-batch's activations go, and the holes they leave are not all filled whole by the next
         micro-batches' (hidden-sized values beside small saved tensors), so the step's peak would stack on
         them. Once a step, not after every backward: each release costs the pages faulted back in."""
-        if getattr(self.engine, "releases_heap_each_step", False) and not self._heap_released:
+        if self.engine.releases_heap_each_step and not self._heap_released:
             self._heap_released = True
             release_free_heap()
 

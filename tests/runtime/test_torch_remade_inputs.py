@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ir.ops import REMADE_FROM_INPUTS
 from planner.onnx_import import load_model
 from runtime.engines.stage import stage_spec
 from support import ROWS, S, autograd_saved_bytes, token_feeds
@@ -24,7 +25,7 @@ def graph(tiny_checkpoint, export_dir):
 def _remade_bytes(spec, graph) -> int:
     """float64 bytes of the values a projection reads that a GELU or LayerNorm of the stage makes."""
     compute = {n.name: n for n in spec.compute_nodes}
-    made = {o: n for n in compute.values() if n.op in ("Gelu", "LayerNorm") for o in n.outputs}
+    made = {o: n for n in compute.values() if n.op in REMADE_FROM_INPUTS for o in n.outputs}
     read = {n.inputs[0] for n in compute.values() if n.op == "MatMul" and n.inputs[0] in made}
     return sum(8 * int(np.prod(graph.values[v].shape)) for v in read)
 
