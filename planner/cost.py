@@ -319,7 +319,9 @@ def cache_bytes_per_block(graph: Graph, device: DeviceSpec) -> list[int]:
     less the layer's gradients where the per-block line leaves them out and the keep line holds them
     (`BlockCost.per_block_summed_bytes`: the gradient term charges them, not the caches)."""
     backend = device_backend(device)
-    return [max(0, c.stacked - c.per_block_stacked - (c.per_block_summed_bytes or 0))
+    # PyTorch measures both lines beside the sum (`runtime.profiling.device.summed_torch_line`), MNN only the per-block one
+    summed_apart = device_engine(device) == "mnn"
+    return [max(0, c.stacked - c.per_block_stacked - ((c.per_block_summed_bytes or 0) if summed_apart else 0))
             if (c := backend.blocks.get(block_signature(b))) else 0 for b in check_blocks(graph)]
 
 
@@ -988,7 +990,9 @@ def unsummed_gradient_bytes(graph: Graph, first: int, last: int, device: DeviceS
     and its per-block workspace leaves out: MNN's per-block line measured beside a gradient sum
     (`BlockCost.per_block_summed_bytes`: full fine-tuning's layers) charges none, so they are charged
     back here. 0 elsewhere (the line holds them, or the gradient term charges them as the sum)."""
-    if gradient_copies(schedule, update_every, microbatches) or activation_mode(device)[0] != "per-block":
+    # PyTorch's keep line is measured beside the sum too (`runtime.profiling.device.summed_torch_line`)
+    lines = ("per-block", "keep") if device_engine(device) == "torch" else ("per-block",)
+    if gradient_copies(schedule, update_every, microbatches) or activation_mode(device)[0] not in lines:
         return 0
     return sum(c.per_block_summed_bytes or 0 for c in block_costs(graph, device)[first:last + 1])
 

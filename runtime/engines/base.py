@@ -117,9 +117,6 @@ class StageEngine(ABC):
     # (`runtime.pipeline.executor.joined_weight_passes`): PyTorch's, whose whole backward adds each weight's
     # gradient into the running sum as autograd completes it (helpers h134, h144).
     joins_weight_passes: bool = False
-    # Set by the executor before any forward where it joins such pairs (`joins_weight_passes`): the engine's
-    # whole backward then adds each weight's gradient into the running sum as it completes.
-    sums_as_completed: bool = False
     # Whether the pipeline executor gives the C library's free heap back once a step, after the step's
     # first backward (`runtime.heap.release_free_heap`): where the engine's activations come from glibc's
     # heap, freed micro-batches leave holes the next ones do not fill whole, and the step's peak stacks on

@@ -1012,15 +1012,16 @@ class TorchStageEngine(StageEngine):
         Any other reader of the weight (a tied table's lookup on the same stage) gives its part as
         before, added after."""
         target = self._head_sum_target(into)
-        if target is None:
-            if self.sums_as_completed and not self.split_backward:
-                return self._backward_summed(microbatch, into, grad_output)
-            # elsewhere (1F1B, GPipe, train-local) as before: summed as it completes, a per-block full fine-tuning
-            # stage of SmolLM2 held 117-194 MiB less than the profile's lines, which then over-charge it (0.84-0.89
-            # of its plan; benchmarks/MEMORY_NOTES.md, the 2026-12-07 merge): there once the charge follows
+        if target is None and self.split_backward:
             return super().backward_into(microbatch, into, grad_output)
         self._head_sum.target, self._head_sum.added = target, False
         try:
+            if not self.split_backward:
+                # every whole backward (1F1B, GPipe, train-local, zb-h1's joined passes): SmolLM2's per-block full
+                # fine-tuning stages held 117-194 MiB less than with the whole set beside the sum (1067.6 / 1025.6
+                # MiB against 1184.8 / 1219.4; benchmarks/MEMORY_NOTES.md, the 2026-12-07 merge and helper h150),
+                # which the profile measures so (`runtime.profiling.compute.peak_workspace`'s `summed`)
+                return self._backward_summed(microbatch, into, grad_output)
             result = self.backward(microbatch, grad_output)
         finally:
             self._head_sum.target, self._head_sum.added = None, False
@@ -1048,7 +1049,8 @@ class TorchStageEngine(StageEngine):
         def hook(name: str):
             def take(t: torch.Tensor) -> None:
                 grad, t.grad = t.grad, None
-                add(name, grad)
+                if grad is not None:  # None: a fused head's weight, its gradient already in the sum (`_HeadSum`)
+                    add(name, grad)
             return take
 
         wrt = list(used.values()) + ([x_in] if x_in is not None else [])
@@ -1061,6 +1063,8 @@ class TorchStageEngine(StageEngine):
         finally:
             for h in handles:
                 h.remove()
+        if self._head_sum.added and self._lm is not None:
+            done.add(self._lm.weight)  # all of it already added into the running sum (`_HeadSum`)
         for name, p in used.items():  # a weight no op of this micro-batch reached: a zero gradient
             if name not in done:
                 accumulate(into, {name: torch.zeros_like(p).detach().numpy()})

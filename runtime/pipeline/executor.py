@@ -260,7 +260,6 @@ class StageExecutor:
         # a list whose every W follows its B at once runs each pair as one backward (its W does
         # nothing): the split would only hold the B's deferred products until the W
         self._joined = frozenset(joined_weight_passes(actions) if self.engine.joins_weight_passes else ())
-        self.engine.sums_as_completed = bool(self._joined)
         split = any(a.kind is ActionKind.W and a not in self._joined for a in actions)
         if split != self.engine.split_backward:
             self.engine.split_backward = split

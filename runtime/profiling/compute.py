@@ -143,11 +143,13 @@ def engine_setup_bytes(backend: BackendSpec, spec: StageSpec) -> int:
     return max(0, after - before)
 
 
-def _run_in_flight(engine, stage_feeds, grad, in_flight: int, summed: bool = False) -> None:
+def _run_in_flight(engine, stage_feeds, grad, in_flight: int, summed: bool = False, into: dict | None = None) -> None:
     """Forwards of `in_flight` micro-batches, then their backwards (as 1F1B's warm-up holds them);
     `summed`: as a pipeline stage runs them when their backwards are summed before the update (the
-    executor's `forward_into` / `backward_into` into one running sum)."""
-    grads: dict = {}
+    executor's `forward_into` / `backward_into` into one running sum), `into` where given (a sum kept
+    across calls), else a new one."""
+    summed = summed or into is not None
+    grads: dict = {} if into is None else into
     for mb in range(in_flight):
         if summed:
             engine.forward_into(stage_feeds, mb, grads)
@@ -225,23 +227,34 @@ def file_pages_beyond_probe(backend: BackendSpec, stages: Sequence[tuple[StageSp
 
 
 def peak_workspace(backend: BackendSpec, spec: StageSpec, feeds: Mapping[str, np.ndarray],
-                   activations: str | None = None, in_flight: int = 1) -> int:
+                   activations: str | None = None, in_flight: int = 1, summed: bool = False) -> int:
     """Peak bytes above the weights of a freshly built engine running two forwards and backwards
     of `spec`, one after the other (MNN's second peaks ~5 MiB higher on three MiniLM layers, with
     the first one's buffers kept while the second's temporaries come); `activations` as
     `make_engine` takes it (None: the engine's default); `in_flight`: micro-batches forwarded
-    before their backwards in each of the two rounds."""
+    before their backwards in each of the two rounds. `summed`: every backward added into one running
+    sum kept over both rounds (`backward_into`, as a worker sums a step's micro-batches), less the sum
+    (the gradient term charges it): what a stage holds beside its sum. PyTorch's whole backward adds each
+    weight's gradient as autograd completes it (`TorchStageEngine._backward_summed`), never the stage's
+    whole set beside the sum, which a fresh `backward` returns: SmolLM2's full fine-tuning stages held
+    117-194 MiB less than lines measured that way (benchmarks/MEMORY_NOTES.md, helper h150)."""
     stage_feeds, grad = _stage_inputs(spec, feeds)
     engine = make_engine(backend, spec, activations=activations)
     engine.row_gradients = True
+    into: dict | None = {} if summed else None
     try:
         with PeakRss() as peak:
-            _run_in_flight(engine, stage_feeds, grad, in_flight)
-            _run_in_flight(engine, stage_feeds, grad, in_flight)
+            _run_in_flight(engine, stage_feeds, grad, in_flight, into=into)
+            _run_in_flight(engine, stage_feeds, grad, in_flight, into=into)
     finally:
         del engine
         gc.collect()
-    return peak.bytes
+    return max(0, peak.bytes - gradient_bytes(into or {}))
+
+
+def gradient_bytes(grads: Mapping[str, object]) -> int:
+    """Bytes of a gradient sum's arrays (a row gradient's ids and rows)."""
+    return sum(g.nbytes if isinstance(g, np.ndarray) else g.ids.nbytes + g.rows.nbytes for g in grads.values())
 
 
 # The steps `summed_workspace` runs, shorter than a worker's (h88): the first makes what a worker's second step

@@ -193,10 +193,14 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         # this process measured a SmolLM2 int4 LoRA layer 8.5 MiB stacked and 6.8 kept, where fresh
         # children of 1 / 4 / 12 layers peak ~72 / ~112 / 207-225 MiB (start-up included) and a second
         # micro-batch adds ~12 / ~30 / ~105 (benchmarks/MEMORY_NOTES.md, helper h26).
-        peaks = fresh_peaks(fresh, graph, feeds, i, range(1, keep_run + 1), "keep", FRESH_PEAK_REPEATS)
+        # A kind whose weights all train (full fine-tuning) is measured beside a running gradient sum, less it
+        # (`summed_torch_line`).
+        summed = summed_torch_line(block)
+        peaks = fresh_peaks(fresh, graph, feeds, i, range(1, keep_run + 1), "keep", FRESH_PEAK_REPEATS, summed)
         stacked, workspace = fresh_line(peaks, start_up)
-        kept, once = fresh_in_flight(fresh, graph, feeds, i, peaks, "keep", FRESH_PEAK_REPEATS)
-        cost = replace(cost, workspace_bytes=workspace + once, stacked_bytes=stacked)
+        kept, once = fresh_in_flight(fresh, graph, feeds, i, peaks, "keep", FRESH_PEAK_REPEATS, summed)
+        cost = replace(cost, workspace_bytes=workspace + once, stacked_bytes=stacked,
+                       per_block_summed_bytes=block.params_bytes if summed else None)
     elif keep_run > 1 and builds is not None and backend.engine == "mnn":
         # As a worker runs (`builds`' fork-server children, a child per peak), as the per-block line below:
         # here, after the profile's other engines, the warm process read a SmolLM2 int4 layer's keep line
@@ -258,16 +262,19 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         # (`planner.cost.kept_once_bytes`: none where one is in flight; profiles made before put it
         # in the workspace, once on every stage, which left a 1-in-flight stage ~13-24 MiB over its
         # run and a 3-in-flight one ~13 MiB under).
-        peaks = fresh_peaks(fresh, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS)
+        summed = summed_torch_line(block)
+        peaks = fresh_peaks(fresh, graph, feeds, i, range(1, lean_run + 1), "per-block", FRESH_PEAK_REPEATS, summed)
         lean, workspace = fresh_line(peaks, start_up)
+        what = "summed_peak2" if summed else "peak2"
         two = {k: statistics.median(agreeing_readings(
-            lambda k=k: fresh.run(graph, feeds, [("peak2", i, i + k - 1, "per-block")])[0], FRESH_PEAK_REPEATS))
+            lambda k=k: fresh.run(graph, feeds, [(what, i, i + k - 1, "per-block")])[0], FRESH_PEAK_REPEATS))
             for k in (1, lean_run)}
         kept_per_block, once = further_microbatch_parts(two[1] - statistics.median(peaks[0]),
                                                         two[lean_run] - statistics.median(peaks[lean_run - 1]),
                                                         lean_run)
         return replace(cost, per_block_workspace_bytes=workspace, per_block_stacked_bytes=lean,
-                       per_block_kept_bytes=kept_per_block, per_block_kept_once_bytes=once)
+                       per_block_kept_bytes=kept_per_block, per_block_kept_once_bytes=once,
+                       per_block_summed_bytes=block.params_bytes if summed else None)
     if lean_run > 1 and builds is not None and backend.engine == "mnn":
         # As a worker runs (`builds`: MNN's fork-server children, a child per peak): the per-block line
         # through fresh peaks of 1..lean_run layers, less the start-up a per-block stage is charged
@@ -306,6 +313,17 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
     lean = max(0, steps[(len(steps) - 1) // 2])  # the median step (of two, the smaller)
     workspace = max(p - k * lean for k, peaks in enumerate(lean_runs) for p in peaks)
     return replace(cost, per_block_workspace_bytes=max(lean, workspace), per_block_stacked_bytes=lean)
+
+
+def summed_torch_line(block: Block) -> bool:
+    """Whether PyTorch's keep and per-block lines of `block`'s kind are measured beside a running gradient sum,
+    less it (`peak_workspace`'s `summed`; `BlockCost.per_block_summed_bytes`): a kind whose weights all train
+    (full fine-tuning), as a worker's whole backward adds each weight's gradient into its sum as autograd
+    completes it (`TorchStageEngine._backward_summed`). A fresh engine's `backward` returns the stage's whole
+    gradient set, which those lines held beside the sum the gradient term charges: SmolLM2's per-block full
+    fine-tuning stages ran 0.84-0.89 of their plans (benchmarks/MEMORY_NOTES.md, the 2026-12-07 merge, h150).
+    Not LoRA's kinds (a frozen base: their gradients are the adapters', a few KiB a layer)."""
+    return block.params_bytes > 0 and not block.frozen_bytes
 
 
 def longest_summed_stage(graph: Graph, block: Block, memory_bytes: int | None) -> int:

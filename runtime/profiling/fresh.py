@@ -41,7 +41,7 @@ from runtime.engines.stage import stage_spec
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout: a child imports the runtime from it
 
 # (what, first block, last block, activations): "peak" is `peak_workspace` (one micro-batch in flight),
-# "peak2" the same with two in flight, "start_up" `start_up_bytes`, "engine" `engine_setup_bytes` (the
+# "peak2" the same with two in flight, "summed_peak" / "summed_peak2" those beside a running gradient sum (less it), "start_up" `start_up_bytes`, "engine" `engine_setup_bytes` (the
 # stage's engine built as a worker builds it, first: nothing run before it), "summed" `summed_workspace` (a
 # worker's second step, less its gradient sum and AdamW's moments)
 Measurement = tuple[str, int, int, "str | None"]
@@ -270,8 +270,11 @@ def _run_child(backend: str, path: str) -> None:
         if what == "start_up_parts":  # the start-up and its file pages, two figures
             out.extend(int(v) for v in start_up_parts(spec_of_backend, spec, feeds, activations))
             split.append((spec, activations))
-        elif what == "peak2":  # two micro-batches in flight
-            out.append(int(peak_workspace(spec_of_backend, spec, feeds, activations, in_flight=2)))
+        elif what in ("peak2", "summed_peak2"):  # two micro-batches in flight
+            out.append(int(peak_workspace(spec_of_backend, spec, feeds, activations, in_flight=2,
+                                          summed=what == "summed_peak2")))
+        elif what == "summed_peak":  # beside a running gradient sum, less the sum
+            out.append(int(peak_workspace(spec_of_backend, spec, feeds, activations, summed=True)))
         elif what == "summed":  # a worker's second step, beside its gradient sum and AdamW's moments
             out.append(int(summed_workspace(spec_of_backend, spec, feeds, activations)))
         elif what == "engine":
@@ -303,11 +306,12 @@ def agreeing_readings(read: Callable[[], int], repeats: int) -> list[int]:
 
 
 def fresh_peaks(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
-                lengths: Sequence[int], activations: str | None, repeats: int) -> list[list[int]]:
+                lengths: Sequence[int], activations: str | None, repeats: int, summed: bool = False) -> list[list[int]]:
     """Per length k of `lengths`, `repeats` peaks (`peak_workspace`) of a stage of blocks first..first+k-1,
     each in a fresh child (`agreeing_readings`: two where they agree): what a worker's first steps peak above
-    its built engine (an engine's start-up included)."""
-    return [agreeing_readings(lambda k=k: fresh.run(graph, feeds, [("peak", first, first + k - 1, activations)])[0],
+    its built engine (an engine's start-up included); `summed`: beside a running gradient sum, less it."""
+    what = "summed_peak" if summed else "peak"
+    return [agreeing_readings(lambda k=k: fresh.run(graph, feeds, [(what, first, first + k - 1, activations)])[0],
                               repeats) for k in lengths]
 
 
@@ -360,15 +364,17 @@ def summed_line(peaks: Sequence[Sequence[int]], lengths: Sequence[int], lean_run
 
 
 def fresh_in_flight(fresh: FreshProcesses, graph: Graph, feeds: Mapping[str, np.ndarray], first: int,
-                    peaks: Sequence[Sequence[int]], activations: str | None, repeats: int) -> tuple[int, int]:
+                    peaks: Sequence[Sequence[int]], activations: str | None, repeats: int,
+                    summed: bool = False) -> tuple[int, int]:
     """(what a further micro-batch in flight adds per block, what it adds once) of a stage of blocks
     first.. with `activations`: `repeats` fresh peaks with two micro-batches in flight ("peak2") at
     one block and at len(`peaks`) blocks, each median less the median one-in-flight peak of that
     length (`peaks`, from `fresh_peaks` of lengths 1..L), is a line: its slope per block, its
-    intercept once. Neither below 0."""
+    intercept once. Neither below 0. `summed`: both peaks beside a running gradient sum, less it."""
     run = len(peaks)
+    what = "summed_peak2" if summed else "peak2"
     two = {k: statistics.median(agreeing_readings(
-        lambda k=k: fresh.run(graph, feeds, [("peak2", first, first + k - 1, activations)])[0], repeats))
+        lambda k=k: fresh.run(graph, feeds, [(what, first, first + k - 1, activations)])[0], repeats))
         for k in (1, run)}
     added = {k: max(0.0, two[k] - statistics.median(peaks[k - 1])) for k in (1, run)}
     per_block = max(0, int((added[run] - added[1]) / (run - 1))) if run > 1 else 0

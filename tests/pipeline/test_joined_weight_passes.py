@@ -49,10 +49,10 @@ def test_zb_h1_splits_backwards_on_pytorch_only_where_a_w_waits(graph):
             executor = StageExecutor(stage, 2, engine, LocalTransport(stage_peer(stage), LocalHub()),
                                      make_optimizer("sgd", 0.1), ())
             executor.prepare(zb.actions[stage])
-            split[stage, kind.__name__] = engine.split_backward, engine.sums_as_completed
-    # the joined stage's whole backward sums as it completes; elsewhere the engine's usual backward
-    assert split == {(0, "TorchStageEngine"): (False, True), (0, "_SplitAlways"): (True, False),
-                     (1, "TorchStageEngine"): (True, False), (1, "_SplitAlways"): (True, False)}
+            split[stage, kind.__name__] = engine.split_backward
+    # the joined stage runs whole backwards (summed as autograd completes each weight's gradient); elsewhere split
+    assert split == {(0, "TorchStageEngine"): False, (0, "_SplitAlways"): True,
+                     (1, "TorchStageEngine"): True, (1, "_SplitAlways"): True}
 
 
 def test_a_whole_backward_into_the_sum_equals_b_then_w(graph):
@@ -65,8 +65,7 @@ def test_a_whole_backward_into_the_sum_equals_b_then_w(graph):
     sums = {}
     for split in (False, True):
         engine = TorchStageEngine(spec, dtype=torch.float64)
-        engine.split_backward, engine.row_gradients = split, True
-        engine.sums_as_completed = not split  # as the executor sets it for joined passes (`_backward_summed`)
+        engine.split_backward, engine.row_gradients = split, True  # whole: `_backward_summed`
         into, grads = {}, []
         for m in range(2):
             out = engine.forward(token_feeds(ROWS, S, vocab=500, seed=m), m)

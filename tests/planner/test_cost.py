@@ -765,3 +765,38 @@ def test_a_per_block_line_measured_beside_the_gradient_sum_leaves_the_layers_gra
         assert _memory_bytes(inst, d, 1, 2, 1, 2) == stage_memory_bytes(g, dev, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")
     assert (stage_memory_bytes(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")
             - stage_memory_bytes(g, fresh, 1, 2, 1, 2, "1f1b-stash", 4, "sgd")) == 4000 + read
+
+
+def test_pytorch_lines_measured_beside_the_sum_charge_the_layers_gradients_back_where_none_is_kept():
+    """PyTorch's keep and per-block lines of a full fine-tuning kind are measured beside a running gradient sum,
+    less it (`runtime.profiling.device.summed_torch_line`: a whole backward adds each weight's gradient as
+    autograd completes it, helper h150): the gradient term charges the layers' gradients once, as the sum, and
+    where none is kept (1f1b-stash updating after every backward) charges them back under both lines, less what
+    that schedule steps as completed (`stepped_gradient_bytes`); a hybrid's caches take nothing off (both lines
+    left them out). By hand, through the cost model (main charges the keep line none back: 0 != 4000 fails)."""
+    from ir.profile import BlockCost
+    from planner.cost import cache_bytes_per_block, stage_memory_terms, stepped_gradient_bytes, unsummed_gradient_bytes
+    from support import EMB, ENC
+
+    def device(name: str, summed: int | None, activations: str) -> DeviceSpec:
+        costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
+                 ENC: BlockCost(0.010, 0.020, 0.005, 2400, stacked_bytes=2200, kept_bytes=120,
+                                per_block_workspace_bytes=150, per_block_stacked_bytes=20,
+                                per_block_summed_bytes=summed),
+                 HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
+        profile = DeviceProfile(name, "tiny", 8, 32, (BackendProfile("torch:cpu:t1", costs),), 10**6, 5000)
+        return DeviceSpec(name, f"tcp://{name}:1", profile, 10**6, "torch:cpu:t1", activations=activations)
+
+    g = tiny_graph()
+    for activations in ("keep", "per-block"):
+        summed, fresh = device("s", 2000, activations), device("f", None, activations)
+        for dev in (summed, fresh):  # a sum is held: the gradient term's 4000 either way, nothing back
+            assert stage_memory_terms(g, dev, 1, 2, 1, 2, "1f1b-flush", 4, "sgd").gradient_bytes == 4000
+            assert unsummed_gradient_bytes(g, 1, 2, dev, "1f1b-flush") == 0
+        assert unsummed_gradient_bytes(g, 1, 2, summed, "1f1b-stash") == 4000, activations
+        assert unsummed_gradient_bytes(g, 1, 2, fresh, "1f1b-stash") == 0
+        # stash steps the layers' weights as their gradients complete: the old line's set off, the summed line's back
+        assert stepped_gradient_bytes(g, 1, 2, summed, "1f1b-stash") == 4000
+        assert stage_memory_terms(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd").gradient_bytes == 0
+        assert stage_memory_terms(g, fresh, 1, 2, 1, 2, "1f1b-stash", 4, "sgd").gradient_bytes == -4000
+    assert cache_bytes_per_block(g, device("h", 2000, "per-block"))[1:3] == [2180, 2180]
