@@ -414,32 +414,100 @@ class _DeferredLinear(torch.autograd.Function):
                 *(None for _ in range(ctx.sources)))
 
 
+class _WeightSums:
+    """The running gradient sums a whole backward adds its products' weight gradients straight into
+    (`TorchStageEngine._backward_summed`): set for that backward, read by `_RemadeLinear.backward`. A
+    product by a weight whose sum is there adds x^T dy into it with one GEMM (`addmm_`, beta 1), where
+    autograd made the gradient in a new array and the hook then added it into the sum: MiniLM's FFN
+    weights' 2.25 MiB gradients were mapped fresh (over the engine's 2 MiB mmap threshold), their pages
+    faulted in, written and read again, each micro-batch (2.8 -> 1.9 ms a weight alone; helper h149)."""
+
+    def __init__(self):
+        self.into: dict | None = None
+        self.added: set[str] = set()
+
+    def target(self, name: str | None, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+        """The sum of weight `name` as a tensor sharing its memory, or None (no sum yet, a row or read-only
+        sum, another shape or dtype: the gradient then goes through autograd as before)."""
+        acc = None if self.into is None or name is None else self.into.get(name)
+        if (not isinstance(acc, np.ndarray) or not acc.flags.writeable or not acc.flags.c_contiguous
+                or tuple(acc.shape) != tuple(shape)):
+            return None
+        t = torch.from_numpy(acc)
+        if t.dtype != dtype:
+            return None
+        self.added.add(name)
+        return t
+
+
 class _RemadeLinear(torch.autograd.Function):
-    """F.linear(x, weight, bias) (weight [out, in]) whose x is saved as the tensors `sources` that
-    `remade` (`_Remade`) makes it from, not itself: a whole backward (no W waits for its products)."""
+    """F.linear(x, weight, bias) (weight [out, in]) for a whole backward (no W waits for its products).
+    With a `remade` (`_Remade`) its x is saved as the tensors `sources` it is made from, not itself. With
+    `sums` (`_WeightSums`) its weight's gradient is added straight into the weight's running sum where there
+    is one (`name`: the weight's parameter)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, remade, *sources):
-        ctx.save_for_backward(weight, *sources)
-        ctx.remade, ctx.sources = remade, len(sources)
-        remade.readers += 1
+    def forward(ctx, x, weight, bias, remade, sums, name, *sources):
+        ctx.save_for_backward(weight, *((x,) if remade is None else sources))
+        ctx.remade, ctx.sources, ctx.sums, ctx.name = remade, len(sources), sums, name
+        if remade is not None:
+            remade.readers += 1
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         weight, *held = ctx.saved_tensors
-        x = ctx.remade.make(tuple(held))
+        x = held[0] if ctx.remade is None else ctx.remade.make(tuple(held))
         del held
-        gy = grad_y.reshape(-1, grad_y.shape[-1])
         dx = grad_y @ weight if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            x = x.reshape(-1, x.shape[-1])
-            # in the weight's own layout (an ONNX [in, out] weight is read as its transpose): the gradient autograd
-            # accumulates then needs no strided copy
-            dw = (x.t() @ gy).t() if weight.stride(0) == 1 and weight.stride(1) != 1 else gy.t() @ x
-        db = gy.sum(0) if ctx.needs_input_grad[2] else None
-        return (dx, dw, db, None, *(None for _ in range(ctx.sources)))
+        dw, db = _linear_weight_grads(ctx, x, grad_y, weight, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        return (dx, dw, db, None, None, None, *(None for _ in range(ctx.sources)))
+
+
+def _linear_weight_grads(ctx, x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor, want_w: bool,
+                         want_b: bool) -> tuple:
+    """(dw, db) of F.linear(x, weight, bias) for `_RemadeLinear` and `_GeluLinear`; dw None where it went
+    into the weight's running sum (`ctx.sums`, `ctx.name`) or is not wanted."""
+    gy = grad_y.reshape(-1, grad_y.shape[-1])
+    dw = None
+    if want_w:
+        x = x.reshape(-1, x.shape[-1])
+        # an ONNX [in, out] weight is read as its transpose: its gradient in the weight's own layout
+        as_transpose = weight.stride(0) == 1 and weight.stride(1) != 1
+        target = None if ctx.sums is None else ctx.sums.target(
+            ctx.name, weight.shape[::-1] if as_transpose else weight.shape, weight.dtype)
+        if target is not None:  # into the sum: autograd gets no gradient for the weight from here
+            target.addmm_(x.t(), gy) if as_transpose else target.addmm_(gy.t(), x)
+        else:
+            # in the weight's own layout: the gradient autograd accumulates then needs no strided copy
+            dw = (x.t() @ gy).t() if as_transpose else gy.t() @ x
+    return dw, (gy.sum(0) if want_b else None)
+
+
+class _GeluLinear(torch.autograd.Function):
+    """F.linear(gelu(h), weight, bias) differentiated with respect to h, for a GELU whose output only this product
+    reads (`a`, the forward's GELU output, given detached): the backward makes gelu(h) again (`remade`, as
+    `_RemadeLinear`) and writes the GELU's gradient over the product's input gradient in place, where the GELU's
+    own backward wrote a second [rows, 4 x hidden] array (MiniLM: 1.5 MiB a layer a micro-batch, most of them
+    faulted in afresh; helper h149)."""
+
+    @staticmethod
+    def forward(ctx, h, a, weight, bias, remade, sums, name, approximate):
+        ctx.save_for_backward(weight, h)
+        ctx.remade, ctx.sums, ctx.name, ctx.approximate = remade, sums, name, approximate
+        remade.readers += 1
+        return F.linear(a, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        weight, h = ctx.saved_tensors
+        a = ctx.remade.make((h,))
+        dh = None
+        if ctx.needs_input_grad[0]:
+            da = grad_y @ weight
+            dh = torch.ops.aten.gelu_backward.grad_input(da, h, approximate=ctx.approximate, grad_input=da)
+        dw, db = _linear_weight_grads(ctx, a, grad_y, weight, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+        return (dh, None, dw, db, None, None, None, None)
 
 
 class _ReplayedLookup(torch.autograd.Function):
@@ -604,10 +672,16 @@ class TorchStageEngine(StageEngine):
         self._stepped_in_place = looked_up_only(spec)
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         self._head_sum = _HeadSum()  # `backward_into`: the head's weight gradient added into the sum
+        self._weight_sums = _WeightSums()  # `_backward_summed`: the products' weight gradients added into the sums
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))  # never a quantized weight
         # GELU and LayerNorm nodes by their output: a deferred projection of one saves what the node's
         # own backward saves (its input, a LayerNorm's weights) and makes its output again (`_Remade`)
         self._remade_from = {n.outputs[0]: n for n in spec.compute_nodes if n.op in REMADE_FROM_INPUTS}
+        # the GELUs whose output one product alone reads: under a summed whole backward that product differentiates
+        # the GELU too (`_GeluLinear`)
+        readers = use_def(spec.compute_nodes).readers
+        self._gelu_read_once = {v for v, n in self._remade_from.items()
+                                if n.op == "Gelu" and v != spec.output and len(readers.get(v, ())) == 1}
         # attention sites run as one scaled_dot_product_attention each (runtime.engines.attention_sites)
         self._units = attention_units(spec) if fuse_attention else {}
         self._unit_nodes = frozenset(n for u in self._units.values() for n in u.nodes)
@@ -822,14 +896,15 @@ class TorchStageEngine(StageEngine):
                 mm = linear.matmul
                 w = env[mm.inputs[1]]
                 env[node.outputs[0]] = self._linear_of(mm.inputs[0], env, env[mm.inputs[0]],
-                                                       w if mm.attrs.get("trans_b") else w.t(), env[linear.bias])
+                                                       w if mm.attrs.get("trans_b") else w.t(), env[linear.bias],
+                                                       mm.inputs[1])
             return  # the MatMul itself: computed with its bias
         args = [env[i] for i in node.inputs]
         if (node.op == "MatMul" and self._remakes is not None and node.inputs[1] in params
                 and params[node.inputs[1]].dim() == 2 and node.inputs[0] in self._remade_from):
             w = args[1]  # a product by a trainable weight (a LoRA adapter's A) reading a GELU's or LayerNorm's output
             env[node.outputs[0]] = self._linear_of(node.inputs[0], env, args[0],
-                                                   w if node.attrs.get("trans_b") else w.t(), None)
+                                                   w if node.attrs.get("trans_b") else w.t(), None, node.inputs[1])
             return
         env[node.outputs[0]] = _run_node(node, args)
         if self._made_from is not None and node.outputs[0] in self._remade_from and torch.is_grad_enabled():
@@ -890,9 +965,8 @@ class TorchStageEngine(StageEngine):
                 b = env[bias[0]] if bias[2] is None else env[bias[0]][bias[2]:bias[3]]
             if first is not None:
                 weight = weight[first:end]
-            if y is a:
-                return self._linear_of(*remake, y, weight, b)
-            return F.linear(y, weight, b)
+            whole = name if first is None and name in params else None  # the parameter itself, not a slice
+            return self._linear_of(remake[0] if y is a else None, env, y, weight, b, whole)
 
         def heads(y: torch.Tensor, count: int) -> torch.Tensor:
             return y.reshape(B, S, count, hs).transpose(1, 2)
@@ -932,15 +1006,22 @@ class TorchStageEngine(StageEngine):
         return _DeferredLinear.apply(x, env[mm.inputs[1]], bias_t, anchor, bool(mm.attrs.get("trans_b")), sink,
                                      (mm.inputs[1], bias_name), remade, *sources)
 
-    def _linear_of(self, value: str, env: Mapping, x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        """F.linear(x, weight, bias) for `value` (= x); in a training forward with gradients to a weight that
-        needs one, as `_RemadeLinear` where `_remade` can make x again (its autograd saving then what x is made
-        from, not x; where the weight needs no gradient, F.linear saves no x either)."""
+    def _linear_of(self, value: str | None, env: Mapping, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, name: str | None = None) -> torch.Tensor:
+        """F.linear(x, weight, bias) for `value` (= x; None: a value nothing makes again); in a training forward
+        with gradients to a weight that needs one, as `_RemadeLinear` where `_remade` can make x again (its
+        autograd saving then what x is made from, not x; where the weight needs no gradient, F.linear saves no x
+        either), and where the backward is whole (it adds into the running sums, `_backward_summed`), the gradient of
+        the weight `name` (the whole parameter, never a slice of one) straight into its sum (`_WeightSums`)."""
         if self._remakes is not None and torch.is_grad_enabled() and weight.requires_grad:
-            remade, sources = self._remade(value, env, x, self._remakes)
-            if remade is not None:
-                return _RemadeLinear.apply(x, weight, bias, remade, *sources)
+            remade, sources = self._remade(value, env, x, self._remakes) if value is not None else (None, ())
+            sums = self._weight_sums if not self.split_backward else None
+            if remade is not None and sums is not None and value in self._gelu_read_once:
+                # the GELU's gradient written over the product's input gradient (`_GeluLinear`)
+                return _GeluLinear.apply(sources[0], x.detach(), weight, bias, remade, sums, name,
+                                         remade.node.attrs.get("approximate", "none"))
+            if remade is not None or sums is not None:
+                return _RemadeLinear.apply(x, weight, bias, remade, sums, name, *sources)
         return F.linear(x, weight, bias)
 
     def _remade(self, value: str, env: Mapping, x: torch.Tensor, remakes: dict) -> tuple:
@@ -1032,9 +1113,10 @@ class TorchStageEngine(StageEngine):
         """The whole backward of `microbatch` with each weight's gradient added into `into` once it is
         complete (autograd's post-accumulate hook, as `backward_and_step` steps it) and let go: the
         stage never holds the micro-batch's whole set of weight gradients beside the sum (MiniLM's
-        four-layer stage 0: 27 MiB), only the gradients autograd has not finished. The same sums as
-        `backward` then `accumulate`, bit for bit (each weight's gradient is the same tensor, added
-        once). Returns the gradient of the stage input (None on the first stage)."""
+        four-layer stage 0: 27 MiB), only the gradients autograd has not finished. A product by a weight
+        whose sum is already there adds its part into the sum with one GEMM (`_WeightSums`): the same sums
+        as `backward` then `accumulate`, float rounding apart (the GEMM adds into the sum as it goes).
+        Returns the gradient of the stage input (None on the first stage)."""
         x_in, out, used, _ = self._graph_of(microbatch)
         done: set[str] = set()
 
@@ -1049,7 +1131,9 @@ class TorchStageEngine(StageEngine):
         def hook(name: str):
             def take(t: torch.Tensor) -> None:
                 grad, t.grad = t.grad, None
-                if grad is not None:  # None: a fused head's weight, its gradient already in the sum (`_HeadSum`)
+                # None: every product added its part into the sum (`_WeightSums`), or a fused head's weight whose
+                # gradient is already there (`_HeadSum`)
+                if grad is not None:
                     add(name, grad)
             return take
 
@@ -1057,12 +1141,15 @@ class TorchStageEngine(StageEngine):
         if not wrt:  # only frozen weights and no stage input: no gradients at all (`backward_input`)
             return None
         handles = [t.register_post_accumulate_grad_hook(hook(k)) for k, t in used.items()]
+        self._weight_sums.into, self._weight_sums.added = into, set()
         try:
             given = None if grad_output is None else self._tensor(grad_output)
             torch.autograd.backward([_seed(out, given)], inputs=wrt)
         finally:
             for h in handles:
                 h.remove()
+            done |= self._weight_sums.added  # added into their sums by the products (`_WeightSums`)
+            self._weight_sums.into, self._weight_sums.added = None, set()
         if self._head_sum.added and self._lm is not None:
             done.add(self._lm.weight)  # all of it already added into the running sum (`_HeadSum`)
         for name, p in used.items():  # a weight no op of this micro-batch reached: a zero gradient
@@ -1109,8 +1196,10 @@ class TorchStageEngine(StageEngine):
         """W one parameter at a time: each weight's (and bias's) gradient summed over its projections
         in `_weight_grads`' order and added into `into` once its last projection is done, each
         projection's (x, dy) let go once read. So a W holds one weight's gradient beside the sum,
-        never the micro-batch's whole set (+27 MiB on MiniLM's stage 0), and the sum is bit for bit
-        `backward_weight`'s then `accumulate`'s."""
+        never the micro-batch's whole set (+27 MiB on MiniLM's stage 0). A weight whose sum is already
+        there gets each projection's part added straight into it with one GEMM (`_WeightSums`: no
+        gradient beside the sum at all); the sums are then `backward_weight`'s then `accumulate`'s, float
+        rounding apart (bit for bit where no sum was there yet: the step's first W)."""
         if microbatch not in self._pending:
             return
         sink, weights = self._pending.pop(microbatch)
@@ -1131,12 +1220,20 @@ class TorchStageEngine(StageEngine):
             if not left[name]:
                 accumulate(into, {name: partial.pop(name).numpy()})
 
+        sums = _WeightSums()
+        sums.into = into
         with torch.no_grad():
             for k in range(len(sink)):
                 item, sink[k] = sink[k], None  # its (x, dy) go once both products have read them
                 x = item.x.reshape(-1, item.x.shape[-1])
                 gy = item.grad_y.reshape(-1, item.grad_y.shape[-1])
-                add(item.weight, (gy.t() @ x if item.transposed else x.t() @ gy).reshape(weights[item.weight].shape))
+                w = weights[item.weight]
+                target = None if item.weight in partial else sums.target(item.weight, tuple(w.shape), w.dtype)
+                if target is not None and w.dim() == 2:
+                    target.addmm_(gy.t(), x) if item.transposed else target.addmm_(x.t(), gy)
+                    left[item.weight] -= 1
+                else:
+                    add(item.weight, (gy.t() @ x if item.transposed else x.t() @ gy).reshape(w.shape))
                 if item.bias is not None:
                     add(item.bias, gy.sum(0))
                 del item, x, gy
