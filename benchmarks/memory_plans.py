@@ -25,6 +25,12 @@ Models
     intermediate 8192, 32 / 8 heads, tied), 4 devices of 768 MiB, exported with `--base-dtype int4`
     (planner/onnx_quantize.py's lean export: it holds the loaded model and the quantized file, ~5 GiB; it needed ~20).
 
+    ``gpt2`` and ``gemma3``: families the memory model was not tuned on, random weights from the published
+    configs (GPT-2 124M: LayerNorm, learned positions, fused QKV, tanh GELU, biases; Gemma-3-270M: a 262144 x
+    640 tied table, GeGLU, RMSNorm (1 + w), Q / K norms, a scaled embedding, sliding-window layers; exported
+    `--base-dtype int4`), 3 devices each at the least multiple of 32 MiB that plans (rows ``gpt2``,
+    ``gemma3`` on MNN, ``gpt2-torch``, ``gemma3-torch`` on PyTorch; each run ~2-4 min with its profile).
+
 Further rows (`CONFIGS`): ``smollm2-all-target`` (data whose every position is a target: the fused
 LM head + loss's worst case; `plan --data` charges the head for the data's most targets a micro-batch), ``smollm2-float32`` (a float32 base),
 ``smollm2-stash`` (1f1b-stash), ``smollm2-torch`` (every device on PyTorch, profiled and planned
@@ -77,12 +83,33 @@ MODELS = {
 # llama1b's (the 128256 x 2048 tied table's lookup and layers recomputing) at a fraction of the cost (no
 # far point of the per-block line, 4 layers to train): ~0.6 GB export, a profile of a few minutes
 MODELS["llama1b-4"] = (2, 768, {**MODELS["llama1b"][2], "num_hidden_layers": 4})
+# Families the memory model was not tuned on (its rows above are all Llama / Qwen2 decoders):
+# GPT-2 (124M), its published config: LayerNorm, learned positions, Conv1D exported as Gemm, fused QKV, tanh GELU,
+# biases everywhere, the head tied; 3 devices, the budget the least 32 MiB step that plans (CONFIGS)
+MODELS["gpt2"] = (3, 256, {"family": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12,
+                           "n_positions": 1024, "n_inner": None, "activation_function": "gelu_new",
+                           "tie_word_embeddings": True})
+# Gemma-3-270M's published text config: vocabulary 262144 (a 640-wide tied table of 160 Mi entries), 18 layers,
+# 4 heads / 1 key-value head of 256, GeGLU MLP of 2048 (tanh GELU, not fused on this export: it lowers op by op),
+# RMSNorm with (1 + w), Q / K norms, embeddings scaled by sqrt(hidden), 5 sliding-window layers to 1 full
+MODELS["gemma3"] = (3, 256, {"family": "gemma3_text", "vocab_size": 262144, "hidden_size": 640,
+                             "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+                             "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768,
+                             "query_pre_attn_scalar": 256, "sliding_window": 512, "rms_norm_eps": 1e-6,
+                             "tie_word_embeddings": True,
+                             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                             "export_flags": ["--base-dtype", "int4"]})
+
+# a budget below any plan's need, so the row is planned and run at the least multiple of 32 MiB that plans
+_TIGHT = {"budget": 64, "budget_step": 32}
 
 # Further rows for the memory model (issue 31 target 3), each a model of MODELS (or "minilm") run another
 # way: name -> (model, overrides). Overrides: base_dtype ("int4", "float32"; None with full fine-tuning),
 # full (no LoRA), schedule, update_every (backwards per update), devices,
 # budget (MiB: one for all, or one per device, which then is planned
-# as given), data ("entities" or "all-target": every position a target, the fused loss's worst case).
+# as given), budget_step (MiB: where no plan fits the budget, the least multiple of it that plans; 16 unless
+# given), data ("entities" or "all-target": every position a target, the fused loss's worst case).
 CONFIGS = {
     "smollm2": ("smollm2", {}),
     "qwen": ("qwen", {}),
@@ -108,6 +135,12 @@ CONFIGS = {
     "smollm2-torch-2bw": ("smollm2", {"engine": "torch", "budget": 320, "schedule": "2bw", "update_every": 2,
                                        "devices": 2}),
     "smollm2-torch-full": ("smollm2", {"engine": "torch", "full": True}),
+    # families the memory model was not tuned on (MODELS): LoRA int4 on MNN and on PyTorch, 3 devices each at
+    # the least 32 MiB step that plans
+    "gpt2": ("gpt2", _TIGHT),
+    "gpt2-torch": ("gpt2", {**_TIGHT, "engine": "torch"}),
+    "gemma3": ("gemma3", _TIGHT),
+    "gemma3-torch": ("gemma3", {**_TIGHT, "engine": "torch"}),
     "minilm-full-2": ("minilm", {"full": True, "devices": 2, "budget": 128}),
     "minilm-full-3": ("minilm", {"full": True, "devices": 3, "budget": 96}),
 }
@@ -115,10 +148,12 @@ _ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": 
 
 _MAKE_RANDOM = """
 import json, sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+import transformers as tf
 shape = json.loads(sys.argv[2])
 family = shape.pop("family")
-config, cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+config, cls = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+               "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+               "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[family]
 torch.manual_seed(0)
 cls(config(**shape)).save_pretrained(sys.argv[1])
 """
@@ -209,13 +244,14 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
             raise
         # the planner's own line, with its "what would make it fit" (the levers and the MiB each saves)
         row.update(fits_target=False, needs_mib=float(need.group(1)), no_fit=str(exc))
-        budget = 16 * math.ceil(row["needs_mib"] / 16)
+        step = over.get("budget_step", 16)
+        budget = step * math.ceil(row["needs_mib"] / step)
         while True:
             try:
                 plan_model(model, _cluster(out / "cluster.yaml", profile, devices, budget, engine), settings, out / "plan")
                 break
             except JobError:
-                budget += 16
+                budget += step
     plan = load_plan(out / "plan")
     budgets = budget if isinstance(budget, list) else [budget] * devices
     by_device = {f"d{k}": b for k, b in enumerate(budgets)}

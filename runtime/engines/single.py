@@ -24,6 +24,20 @@ def torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def import_engine(engine: str) -> None:
+    """Import `engine`'s stage engine module now (a worker, before its stage's weights are read).
+
+    Importing torch and then the torch engine peaks ~48 MiB above where it settles: torch maps its
+    libraries' pages (VmHWM 224.7 MiB in a fresh interpreter) and `runtime.engines.pytorch` gives them
+    back at its import (`runtime.library_pages`; VmRSS 167.0 after). The profile charges the settled
+    figure (`runtime.profiling.memory.engine_overhead_bytes`), so where a worker read its weights
+    first the transient stacked on them: a Gemma-3-270M-shaped stage holding only the 170 MiB int8
+    table peaked at 396.9 MiB while building its engine, its plan 381.3 (benchmarks/MEMORY_NOTES.md,
+    helper h151). MNN is in the runtime already: nothing to do."""
+    if engine == "torch" and torch_installed():
+        importlib.import_module("runtime.engines.pytorch")
+
+
 def single_engine(backend: BackendSpec | str, spec: StageSpec, *, weights: Mapping[str, np.ndarray] | None = None,
                   stash_weights: bool = True, cache_activations: bool = True,
                   activations: str | None = None, take_weights: bool = False,

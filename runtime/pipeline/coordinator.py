@@ -60,6 +60,19 @@ from runtime.pipeline import worker as _worker
 from runtime.transport.wire import SAME_CONFIDANT, Expected, PeerTimeout, ProtocolMismatch
 
 
+def _stage_engine(files: Mapping[str, bytes]) -> str | None:
+    """The engine a bundle's stage runs on (its stage.json's `engine`), told in the setup order so that
+    the worker imports it before the stage's weights are read (`runtime.engines.single.import_engine`)."""
+    import json
+
+    from ir.bundle import STAGE
+
+    try:
+        return str(json.loads(bytes(files[STAGE]))["engine"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 class WorkerFailed(RuntimeError):
     """A worker reported an error or went silent; the message names the stage and the cause."""
 
@@ -487,7 +500,8 @@ class Coordinator:
                 offer.update((n, form) for n, form in held_offer(files[WEIGHTS], ()).items() if n in set(own["params"]))
             opt_state = self.optimizer_state.get(p.stage, {})
             self.transport.send_control(peer, {
-                "type": "setup_bundle", "stage": p.stage, "device": device, "peers": self._neighbours(p),
+                "type": "setup_bundle", "stage": p.stage, "device": device, "engine": _stage_engine(files),
+                "peers": self._neighbours(p),
                 **self._peer_keys(p), "bundle_files": list(files), "optimizer_state": list(opt_state),
                 **self._tied_of(p.stage), **({"base": {"sha256": self.base.sha256, "names": local}} if local else {}),
                 **({"held": offer} if offer else {}),

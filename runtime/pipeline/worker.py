@@ -90,6 +90,7 @@ import numpy as np
 
 from ir.plan import unroll
 from runtime.engines.factory import make_engine
+from runtime.engines.single import import_engine
 from runtime.pipeline.snapshots import (FETCH_WINDOW_BYTES, StateCopies, WindowEntry, row_shapes, send_window,
                                          state_tensors)
 from runtime.pipeline.executor import COORDINATOR, StepAborted, StageExecutor, stage_peer
@@ -312,6 +313,8 @@ class Worker:
 
             check = verifier(self.trusted)
         source = f"{msg.get('device', 'bundle')} (from the coordinator)"
+        if isinstance(msg.get("engine"), str):  # its import's transient peak before the weights, not on them
+            import_engine(msg["engine"])
         files, held, reused = self._receive_bundle(msg, source, check)
         try:
             contents = load_bundle(files, source, check)
