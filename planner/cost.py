@@ -319,7 +319,8 @@ def cache_bytes_per_block(graph: Graph, device: DeviceSpec) -> list[int]:
     less the layer's gradients where the per-block line leaves them out and the keep line holds them
     (`BlockCost.per_block_summed_bytes`: the gradient term charges them, not the caches)."""
     backend = device_backend(device)
-    # PyTorch measures both lines beside the sum (`runtime.profiling.device.summed_torch_line`), MNN only the per-block one
+    # PyTorch measures both lines beside the sum (`runtime.profiling.device.summed_torch_line`), MNN only the
+    # per-block one
     summed_apart = device_engine(device) == "mnn"
     return [max(0, c.stacked - c.per_block_stacked - ((c.per_block_summed_bytes or 0) if summed_apart else 0))
             if (c := backend.blocks.get(block_signature(b))) else 0 for b in check_blocks(graph)]

@@ -41,7 +41,8 @@ from runtime.engines.stage import stage_spec
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout: a child imports the runtime from it
 
 # (what, first block, last block, activations): "peak" is `peak_workspace` (one micro-batch in flight),
-# "peak2" the same with two in flight, "summed_peak" / "summed_peak2" those beside a running gradient sum (less it), "start_up" `start_up_bytes`, "engine" `engine_setup_bytes` (the
+# "peak2" the same with two in flight, "summed_peak" / "summed_peak2" those beside a running gradient sum (less
+# it), "start_up" `start_up_bytes`, "engine" `engine_setup_bytes` (the
 # stage's engine built as a worker builds it, first: nothing run before it), "summed" `summed_workspace` (a
 # worker's second step, less its gradient sum and AdamW's moments)
 Measurement = tuple[str, int, int, "str | None"]
