@@ -100,6 +100,12 @@ MODELS["gemma3"] = (3, 256, {"family": "gemma3_text", "vocab_size": 262144, "hid
                              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                                  "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
                              "export_flags": ["--base-dtype", "int4"]})
+# GPT-2's shape at a toy size (SmolLM2's vocabulary, 64 wide, 2 layers): every stage holds a few MiB beyond
+# PyTorch's runtime, less than its import peaks above where it settles (~33 MiB here): the set-up's own peak
+# is such a stage's figure (`planner.cluster.setup_peak_bytes`)
+MODELS["gpt2-tiny"] = (2, 256, {"family": "gpt2", "vocab_size": 49152, "n_embd": 64, "n_layer": 2, "n_head": 2,
+                                "n_positions": 256, "n_inner": None, "activation_function": "gelu_new",
+                                "tie_word_embeddings": True})
 
 # a budget below any plan's need, so the row is planned and run at the least multiple of 32 MiB that plans
 _TIGHT = {"budget": 64, "budget_step": 32}
@@ -141,6 +147,7 @@ CONFIGS = {
     "gpt2-torch": ("gpt2", {**_TIGHT, "engine": "torch"}),
     "gemma3": ("gemma3", _TIGHT),
     "gemma3-torch": ("gemma3", {**_TIGHT, "engine": "torch"}),
+    "gpt2-tiny-torch": ("gpt2-tiny", {**_TIGHT, "engine": "torch"}),
     "minilm-full-2": ("minilm", {"full": True, "devices": 2, "budget": 128}),
     "minilm-full-3": ("minilm", {"full": True, "devices": 3, "budget": 96}),
 }

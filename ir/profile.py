@@ -176,6 +176,13 @@ class BackendProfile:
     # kernels of every mode are built process-wide: charged whatever the mode) and in profiles made
     # before (the whole start-up charged on every stage, as then).
     caches_start_up_bytes: int = 0
+    # The engine's import's own peak above the idle runtime (`runtime.profiling.memory.engine_figures`: the
+    # probe's VmHWM after the import and a first op, before any training): importing torch peaks ~48-54 MiB
+    # above where it settles (`engine_overhead_bytes` charges the settled figure), which a worker pays on
+    # its bare runtime before it reads its stage's weights (`runtime.engines.single.import_engine`). The
+    # cost model charges a stage at least the runtime and this (`planner.cluster.setup_peak_bytes`). 0 for
+    # MNN and in profiles made before (no set-up floor: the charge of then).
+    engine_setup_peak_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -243,6 +250,7 @@ class DeviceProfile:
                     {str(k): _seconds(v) for k, v in b.get("update_s_per_param_byte", {}).items()},
                     bool(b.get("fresh_lines", False)),
                     int(b.get("caches_start_up_bytes", 0)),
+                    int(b.get("engine_setup_peak_bytes", 0)),
                 ) for b in doc["backends"])
             return cls(doc["name"], doc["model"], int(doc["batch"]), int(doc["seq"]), backends,
                        int(doc["memory_available_bytes"]), int(doc.get("runtime_overhead_bytes", 0)),

@@ -196,6 +196,17 @@ def runtime_bytes(device: DeviceSpec) -> int:
     return device.profile.runtime_overhead_bytes + start_up_bytes(device)
 
 
+def setup_peak_bytes(device: DeviceSpec) -> int:
+    """The least a stage on the device peaks at, whatever it holds: the idle runtime and its engine's
+    import at that import's own peak (`BackendProfile.engine_setup_peak_bytes`; a worker imports its
+    engine on its bare runtime before it reads its weights, `runtime.engines.single.import_engine`).
+    Torch's import peaks ~48-54 MiB above where it settles: a bare worker's ~227 MiB against 209.6
+    charged as held (runtime 205.1 + engine 4.5, Gemma-3-shaped profile; benchmarks/MEMORY_NOTES.md, h151).
+    0 where the profile did not measure it (made before, or MNN): no floor, the charge of then."""
+    peak = device_backend(device).engine_setup_peak_bytes
+    return device.profile.runtime_overhead_bytes + peak if peak else 0
+
+
 def start_up_bytes(device: DeviceSpec) -> int:
     """The engine's part of `runtime_bytes`: its import and start-up (`BackendProfile.
     engine_overhead_bytes`), less what only a stage keeping per-op caches pays where the device

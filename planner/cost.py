@@ -51,7 +51,10 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
   + the largest transient of the stage's own blocks (`transient_bytes`: workspace - stacked; one
     block's backward temporaries exist at a time), once per stage (the partitioners take the same
     max over a stage's blocks: `PartitionInstance.stage_bytes`)
-  + the profile's `runtime_overhead_bytes`.
+  + the profile's `runtime_overhead_bytes`;
+and never less than the set-up's peak (`phase_peak_bytes`' `setup`, `planner.cluster.setup_peak_bytes`):
+the runtime and its engine's import at that import's own peak, which a worker pays before it reads a
+weight (torch's: ~227 MiB against 209.6 charged as settled; profiles made before: no floor).
 Under gpipe and 1f1b-flush (`phases_apart`, both engines) what only the update holds (a tied sum
 received: `update_only_bytes`) and what only the backwards hold (the activations, kept parts,
 workspace and transient above) are never held at once: a stage is charged the larger of the two
@@ -104,7 +107,8 @@ from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_n
 from ir.precision import BLOCK, QuantizedTensor, bytes_per_element, lookup_tables, quantizable, storage_for
 from ir.profile import BlockCost
 from ir.verify import peak_weight_versions
-from planner.cluster import Cluster, DeviceSpec, device_backend, runtime_bytes, start_up_bytes, update_rate
+from planner.cluster import (Cluster, DeviceSpec, device_backend, runtime_bytes, setup_peak_bytes, start_up_bytes,
+                             update_rate)
 from planner.schedule import one_f_one_b_stash
 
 
@@ -1169,13 +1173,15 @@ def update_only_bytes(graph: Graph, first: int, last: int, device: DeviceSpec, s
                for k in blocks if first <= k <= last and k not in dense[t])
 
 
-def phase_peak_bytes(held: int, backward: int, update: int) -> int:
+def phase_peak_bytes(held: int, backward: int, update: int, setup: int = 0) -> int:
     """A stage's peak from its phases: what it holds throughout (`held`: weights, gradient sums,
     optimizer state, runtime, engine) + the larger of what only its backwards hold (`backward`: the
     micro-batches' activations, kept parts, workspace and transient) and what only its update holds
-    (`update`: `update_only_bytes`), not both: the one formula behind `MemoryTerms.total` and the
-    partitioners' `PartitionInstance.stage_bytes`."""
-    return held + max(backward, update)
+    (`update`: `update_only_bytes`), not both; and never less than its set-up's peak (`setup`: the
+    runtime with its engine's import at that import's own peak, before a weight is read:
+    `planner.cluster.setup_peak_bytes`; 0 where not measured): the one formula behind
+    `MemoryTerms.total` and the partitioners' `PartitionInstance.stage_bytes`."""
+    return max(setup, held + max(backward, update))
 
 
 def check_tied_schedule(graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str) -> None:
@@ -1303,6 +1309,9 @@ class MemoryTerms:
     # held at the update only (`update_only_bytes`: tied sums received; not in gradient_bytes), against
     # the backwards' part (activations, kept activations, workspace) of which only the larger counts
     update_bytes: int = 0
+    # the set-up's peak (`planner.cluster.setup_peak_bytes`: the runtime and its engine's import at its
+    # own peak, before the weights): the stage's floor; 0 where the profile did not measure it
+    setup_peak_bytes: int = 0
 
     @property
     def backward_bytes(self) -> int:
@@ -1313,7 +1322,7 @@ class MemoryTerms:
     def total(self) -> int:
         held = (self.trainable_bytes + sum(self.frozen_bytes.values()) + self.gradient_bytes
                 + self.optimizer_state_bytes + self.runtime_bytes + self.engine_bytes)
-        return phase_peak_bytes(held, self.backward_bytes, self.update_bytes)
+        return phase_peak_bytes(held, self.backward_bytes, self.update_bytes, self.setup_peak_bytes)
 
     def by_name(self) -> dict[str, int]:
         """The terms as plan.json records them (`ir.documents.DevicePlan.memory_terms`): frozen
@@ -1328,7 +1337,15 @@ class MemoryTerms:
                 **({"engine": self.engine_bytes} if self.engine_bytes else {}),
                 # the update's part and the backwards' are not held at once: the smaller comes off
                 **({"gradient sum received (update)": self.update_bytes,
-                    "not held at once": -min(self.update_bytes, self.backward_bytes)} if self.update_bytes else {})}
+                    "not held at once": -min(self.update_bytes, self.backward_bytes)} if self.update_bytes else {}),
+                # a stage holding less than its engine's import peaked at: that peak is its figure
+                **({"engine import peak (set-up)": self.total - self._trained_bytes}
+                   if self.total > self._trained_bytes else {})}
+
+    @property
+    def _trained_bytes(self) -> int:
+        """The stage's peak without the set-up's floor."""
+        return replace(self, setup_peak_bytes=0).total
 
 
 def stage_memory_bytes(graph: Graph, device: DeviceSpec, first: int, last: int, stage: int, stages: int,
@@ -1415,7 +1432,8 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
         head_loss_bytes=head_loss,
         workspace_bytes=stacked + transient_bytes(graph, device, first, last) + hybrid_cache_bytes(graph, device, first, last),
         runtime_bytes=runtime_bytes(device),
-        engine_bytes=engine_bytes(graph, first, last, device))
+        engine_bytes=engine_bytes(graph, first, last, device),
+        setup_peak_bytes=setup_peak_bytes(device))
 
 
 def backend_times(graph: Graph, device: DeviceSpec, first: int, last: int,

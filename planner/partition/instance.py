@@ -34,7 +34,7 @@ from typing import Sequence
 from ir.graph import Graph
 from ir.partition import Partition, StageAssignment
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
-from planner.cluster import Cluster, runtime_bytes, update_rate
+from planner.cluster import Cluster, runtime_bytes, setup_peak_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activation_mode,
                           async_extra_copies, block_costs, block_transients,
                           block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
@@ -137,6 +137,9 @@ class PartitionInstance:
     # Empty: all zero.
     update_bytes: tuple[tuple[int, ...], ...] = ()
     backward_workspace_bytes: tuple[tuple[int, ...], ...] = ()
+    # [d] the least a stage on device d peaks at (planner.cluster.setup_peak_bytes: the runtime with its
+    # engine's import at its own peak; planner.cost.phase_peak_bytes' `setup`). Empty: all zero.
+    setup_peak_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -289,7 +292,8 @@ class PartitionInstance:
         larger of the two: `stage_phases`). The CP-SAT model and the DP state the same sums linearly
         (the transient and the once part as maxima, the update's part as a second bound), and tests
         hold all three to planner.cost."""
-        return phase_peak_bytes(*self.stage_phases(d, first, last, p, s))
+        return phase_peak_bytes(*self.stage_phases(d, first, last, p, s),
+                                self.setup_peak_bytes[d] if self.setup_peak_bytes else 0)
 
     def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
         """Block k's forward+backward on device d at stage s of p."""
@@ -339,6 +343,7 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         base_dtype_savings=base_dtype_savings(graph),
         # the runtime, and what its engine's build holds once a stage (planner.cost.engine_once_bytes)
         overhead_bytes=tuple(runtime_bytes(s) + engine_once_bytes(s) for s in specs),
+        setup_peak_bytes=tuple(setup_peak_bytes(s) for s in specs),
         # each stage pays the largest of its own blocks' transients (planner.cost.transient_bytes)
         transient_bytes=tuple(block_transients(graph, s) for s in specs),
         # and the largest of its blocks' once part per further micro-batch (planner.cost.kept_once_bytes)

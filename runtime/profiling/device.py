@@ -44,7 +44,7 @@ from runtime.profiling.compute import (accumulate_rate, attention_curve, engine_
 from runtime.profiling.fresh import (ForkServers, FreshProcesses, agreeing_readings, fresh_in_flight, fresh_line,
                                      fresh_peaks, start_up_and_held, summed_line, summed_peaks)
 from runtime.profiling.inputs import TARGET_WEIGHTS, Progress, block_mask, synthetic_feeds
-from runtime.profiling.memory import (engine_overhead_bytes, measure_split_children, memory_available_bytes,
+from runtime.profiling.memory import (engine_figures, measure_split_children, memory_available_bytes,
                                       runtime_overhead_bytes)
 from runtime.profiling.split_costs import measure_split_extra_costs
 
@@ -489,6 +489,7 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     for b, why in skipped.items():
         say(f"skip {b}: {why}")
     engines = {}  # engine -> the memory its import adds to the runtime, measured once per engine
+    setup_peaks: dict[str, int] = {}  # engine -> its import's peak above the runtime (the set-up's floor)
     start_up: dict[str, int] = {}  # engine -> what its first training run adds once (`start_up_bytes`)
     caches_start_up: dict[str, int] = {}  # engine -> the part of that only a stage keeping per-op caches pays
     # engine -> what a worker holds of that start-up beyond its engine's term (`start_up_and_held`; the
@@ -496,9 +497,12 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
     held_start_up: dict[str, int] = {}
     for backend in present:
         if backend.engine not in engines:
-            engines[backend.engine] = engine_overhead_bytes(backend.engine, overhead)
+            figures = engine_figures(backend.engine, overhead)
+            engines[backend.engine] = figures.overhead_bytes
+            setup_peaks[backend.engine] = figures.setup_peak_bytes
             if engines[backend.engine]:
-                say(f"{backend.engine}: its import adds {engines[backend.engine] / 2**20:.0f} MiB to the runtime")
+                say(f"{backend.engine}: its import adds {engines[backend.engine] / 2**20:.0f} MiB to the runtime "
+                    f"(peaking {figures.setup_peak_bytes / 2**20:.0f} MiB above it)")
     feeds = synthetic_feeds(graph, seed)
     kinds = distinct_blocks(graph)
     threads_before = K.get_threads()
@@ -593,7 +597,8 @@ def profile_device(graph: Graph, name: str, backends: Sequence[str] = DEFAULT_BA
                                                fresh and backend.engine == "torch"))
         # an engine's start-up shows on the first of its backends to run here: charged to them all
         profiles = [replace(p, engine_overhead_bytes=p.engine_overhead_bytes + held_start_up.get(b.engine, 0),
-                            caches_start_up_bytes=caches_start_up.get(b.engine, 0))
+                            caches_start_up_bytes=caches_start_up.get(b.engine, 0),
+                            engine_setup_peak_bytes=setup_peaks.get(b.engine, 0))
                     for p, b in zip(profiles, present)]
         for engine, extra in start_up.items():
             if extra:

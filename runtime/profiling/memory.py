@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -116,6 +117,8 @@ _TRANSPORT_UP = ("from runtime.keys import KeyPair\n"
                  "_p.send_tensor('worker', 'act', 0, 0, np.ones(1 << 20, np.float32))\n"
                  "_w.recv_tensor('peer', Expected('act', 0, 0), timeout=30)\n")
 _PRINT_RSS = "print('RSS', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])\n"
+# the peak so far (the import's transient: torch maps its libraries' pages, ~48-54 MiB above where it settles)
+_PRINT_HWM = "print('HWM', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:')][0])\n"
 
 
 def runtime_overhead_bytes(timeout_s: float = 60.0, also: str = "") -> int:
@@ -136,7 +139,7 @@ def _probe_figures(probe: str, timeout_s: float) -> dict[str, int]:
     out: dict[str, int] = {}
     for line in proc.stdout.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("RSS", "PAGES") and value.strip().isdigit():
+        if name in ("RSS", "HWM", "PAGES") and value.strip().isdigit():
             out.setdefault(name, int(value))
     return out
 
@@ -154,17 +157,34 @@ _TRAINING_PAGES = {"torch": ("from runtime.profiling.training_probe import train
                              f"print('PAGES', max(0, {_FILE_PAGES} - _pages))\n")}
 
 
+@dataclass(frozen=True)
+class EngineFigures:
+    """What an engine's probe measured beside a runtime of `runtime_bytes` (0 and 0 for MNN, or if unknown)."""
+
+    overhead_bytes: int      # what it adds once settled (`engine_overhead_bytes`)
+    setup_peak_bytes: int    # its import's peak (VmHWM before any training) above the runtime
+
+
+def engine_figures(engine: str, runtime_bytes: int, timeout_s: float = 120.0) -> EngineFigures:
+    """`engine`'s settled figure (its import and first op, and the library file pages a training step
+    maps again: `_TRAINING_PAGES`) and its set-up peak (the probe's VmHWM after the import and first op,
+    before the training step, less `runtime_bytes`): importing torch peaks ~48-54 MiB above where it
+    settles (`runtime.engines.single.import_engine`), which a worker pays before its weights are read."""
+    statement = _ENGINE_PROBES.get(engine)
+    if statement is None or runtime_bytes <= 0:
+        return EngineFigures(0, 0)
+    figures = _probe_figures(_RUNTIME_IMPORTS + _TRANSPORT_UP + statement + "\n" + _PRINT_RSS + _PRINT_HWM
+                             + _TRAINING_PAGES.get(engine, ""), timeout_s)
+    if "RSS" not in figures:
+        return EngineFigures(0, 0)
+    return EngineFigures(max(0, figures["RSS"] - runtime_bytes) + figures.get("PAGES", 0),
+                         max(0, figures.get("HWM", 0) - runtime_bytes))
+
+
 def engine_overhead_bytes(engine: str, runtime_bytes: int, timeout_s: float = 120.0) -> int:
     """Resident memory `engine` adds to a runtime of `runtime_bytes` (0 for MNN, or if unknown): its
     import and first op, and the library file pages a training step maps again (`_TRAINING_PAGES`)."""
-    statement = _ENGINE_PROBES.get(engine)
-    if statement is None or runtime_bytes <= 0:
-        return 0
-    figures = _probe_figures(_RUNTIME_IMPORTS + _TRANSPORT_UP + statement + "\n" + _PRINT_RSS
-                             + _TRAINING_PAGES.get(engine, ""), timeout_s)
-    if "RSS" not in figures:
-        return 0
-    return max(0, figures["RSS"] - runtime_bytes) + figures.get("PAGES", 0)
+    return engine_figures(engine, runtime_bytes, timeout_s).overhead_bytes
 
 
 def split_child_bytes(backend: BackendSpec, batch: int, seq: int, hidden: int, heads: int, head_size: int,
