@@ -724,19 +724,11 @@ def test_a_per_block_line_measured_beside_the_gradient_sum_leaves_the_layers_gra
     model and the partition instance (dropping the charge-back fails both; main before h147 fails the read)."""
     from dataclasses import replace
 
-    from ir.profile import BlockCost
     from planner.cost import cache_bytes_per_block, mnn_gradient_read_bytes, stage_memory_bytes, stage_memory_terms
     from planner.partition.instance import _memory_bytes, make_instance
-    from support import EMB, ENC
 
     def device(name: str, summed: int | None) -> DeviceSpec:
-        costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
-                 ENC: BlockCost(0.010, 0.020, 0.005, 2400, stacked_bytes=2200, kept_bytes=120,
-                                per_block_workspace_bytes=150, per_block_stacked_bytes=20,
-                                per_block_summed_bytes=summed),
-                 HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
-        profile = DeviceProfile(name, "tiny", 8, 32, (BackendProfile("mnn:cpu:t1", costs),), 10**6, 5000)
-        return DeviceSpec(name, f"tcp://{name}:1", profile, 10**6, "mnn:cpu:t1", activations="per-block")
+        return _summed_line_device(name, summed, "mnn:cpu:t1", "per-block")
 
     g = tiny_graph()
     summed, fresh = device("s", 2000), device("f", None)  # the encoders' 2000 parameter bytes each
@@ -774,18 +766,10 @@ def test_pytorch_lines_measured_beside_the_sum_charge_the_layers_gradients_back_
     where none is kept (1f1b-stash updating after every backward) charges them back under both lines, less what
     that schedule steps as completed (`stepped_gradient_bytes`); a hybrid's caches take nothing off (both lines
     left them out). By hand, through the cost model (main charges the keep line none back: 0 != 4000 fails)."""
-    from ir.profile import BlockCost
     from planner.cost import cache_bytes_per_block, stage_memory_terms, stepped_gradient_bytes, unsummed_gradient_bytes
-    from support import EMB, ENC
 
     def device(name: str, summed: int | None, activations: str) -> DeviceSpec:
-        costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
-                 ENC: BlockCost(0.010, 0.020, 0.005, 2400, stacked_bytes=2200, kept_bytes=120,
-                                per_block_workspace_bytes=150, per_block_stacked_bytes=20,
-                                per_block_summed_bytes=summed),
-                 HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
-        profile = DeviceProfile(name, "tiny", 8, 32, (BackendProfile("torch:cpu:t1", costs),), 10**6, 5000)
-        return DeviceSpec(name, f"tcp://{name}:1", profile, 10**6, "torch:cpu:t1", activations=activations)
+        return _summed_line_device(name, summed, "torch:cpu:t1", activations)
 
     g = tiny_graph()
     for activations in ("keep", "per-block"):
@@ -800,3 +784,17 @@ def test_pytorch_lines_measured_beside_the_sum_charge_the_layers_gradients_back_
         assert stage_memory_terms(g, summed, 1, 2, 1, 2, "1f1b-stash", 4, "sgd").gradient_bytes == 0
         assert stage_memory_terms(g, fresh, 1, 2, 1, 2, "1f1b-stash", 4, "sgd").gradient_bytes == -4000
     assert cache_bytes_per_block(g, device("h", 2000, "per-block"))[1:3] == [2180, 2180]
+
+
+def _summed_line_device(name: str, summed: int | None, backend: str, activations: str) -> DeviceSpec:
+    """A device of the tiny graph on `backend` whose encoder line was measured beside a running gradient sum
+    of `summed` bytes (`BlockCost.per_block_summed_bytes`; None: measured without one)."""
+    from ir.profile import BlockCost
+    from support import EMB, ENC
+
+    costs = {EMB: BlockCost(0.001, 0.002, 0.0, 50, stacked_bytes=40, kept_bytes=30),
+             ENC: BlockCost(0.010, 0.020, 0.005, 2400, stacked_bytes=2200, kept_bytes=120,
+                            per_block_workspace_bytes=150, per_block_stacked_bytes=20, per_block_summed_bytes=summed),
+             HEAD: BlockCost(0.0005, 0.0005, 0, 10, stacked_bytes=10, kept_bytes=10)}
+    profile = DeviceProfile(name, "tiny", 8, 32, (BackendProfile(backend, costs),), 10**6, 5000)
+    return DeviceSpec(name, f"tcp://{name}:1", profile, 10**6, backend, activations=activations)
