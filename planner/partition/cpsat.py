@@ -172,6 +172,11 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
                 whole = inst.whole_model_delta_bytes[d] * (1 - v.used[1] if v.positions > 1 else 1)
             limit = inst.memory_budget_bytes[d] + (0 if overflow is None else overflow)
             v.model.add(used + whole <= limit).only_enforce_if(v.on[r][c])
+            floor = inst.stage_floor_bytes(d)  # whatever the stage holds (PartitionInstance.stage_bytes)
+            if floor and overflow is not None:
+                v.model.add(overflow >= floor - inst.memory_budget_bytes[d]).only_enforce_if(v.on[r][c])
+            elif floor > inst.memory_budget_bytes[d]:
+                v.model.add(v.on[r][c] == 0)
             if any(inst.update_bytes[d]):  # and at its update: held + the update's part (PartitionInstance.stage_phases)
                 at_update = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
                     inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)

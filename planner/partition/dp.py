@@ -194,6 +194,7 @@ class OrderSolver:
                 up = self._update_prefix(d, 0)
                 over = np.maximum(over, self._overhead[d] + up[n] - up[:n] - self._budget[d])
             over[0] += self.inst.whole_model_delta_bytes[d]  # blocks [0, n): the whole model on one stage
+            over = np.maximum(over, self.inst.stage_floor_bytes(d) - self._budget[d])  # the set-up's peak
             compute = pc[n] - pc[:n]
             got = _Last(np.where(over <= 0, compute, INF), self._pu[d][n] - self._pu[d][:n],
                         self._pwt[d][n] - self._pwt[d][:n])
@@ -208,7 +209,8 @@ class OrderSolver:
             return self._bands[key]
         n = self.n
         got = None
-        if n > 1:
+        # a device whose set-up alone peaks over its budget holds no stage (PartitionInstance.stage_floor_bytes)
+        if n > 1 and self.inst.stage_floor_bytes(d) <= self._budget[d]:
             mp = self._memory_prefix(d, c)
             cap = self._budget[d] - self._overhead[d]
             # the longest range from each i that fits without its transient (memory grows with j;

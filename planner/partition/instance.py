@@ -284,6 +284,12 @@ class PartitionInstance:
                       - self.block_backward_bytes(d, k, fl) for k in blocks))
         return held, backward, sum(self.update_bytes[d][k] for k in blocks)
 
+    def stage_floor_bytes(self, d: int) -> int:
+        """The least any stage on device d peaks at, whatever it holds: its set-up's peak (`setup_peak_bytes`;
+        0 where not measured). The solvers state it as a device that cannot hold a stage where it is over
+        the budget (CP-SAT, the DP, the greedy fill), as `stage_bytes` charges it."""
+        return self.setup_peak_bytes[d] if self.setup_peak_bytes else 0
+
     def stage_bytes(self, d: int, first: int, last: int, p: int, s: int) -> int:
         """Memory of stage s of p running blocks first..last on device d: the instance's one form of
         planner.cost.stage_memory_bytes (the resident runtime, per block its weights and their copies,
@@ -292,8 +298,7 @@ class PartitionInstance:
         larger of the two: `stage_phases`). The CP-SAT model and the DP state the same sums linearly
         (the transient and the once part as maxima, the update's part as a second bound), and tests
         hold all three to planner.cost."""
-        return phase_peak_bytes(*self.stage_phases(d, first, last, p, s),
-                                self.setup_peak_bytes[d] if self.setup_peak_bytes else 0)
+        return phase_peak_bytes(*self.stage_phases(d, first, last, p, s), self.stage_floor_bytes(d))
 
     def stage_compute_us(self, d: int, k: int, p: int, s: int) -> int:
         """Block k's forward+backward on device d at stage s of p."""

@@ -133,7 +133,8 @@ def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -
             wider = max(transient, inst.transient_bytes[d][k])
             once = inst.stage_kept_once(d, k, last, fl)
             update = grow - inst.block_backward_bytes(d, k, fl) + inst.update_bytes[d][k]
-            if (max(memory + grow + wider + once, at_update + update) > inst.memory_budget_bytes[d]
+            if (max(memory + grow + wider + once, at_update + update, inst.stage_floor_bytes(d))
+                    > inst.memory_budget_bytes[d]
                     or (k < last and time_us + more > limit_us)):
                 break
             memory, at_update, time_us, k, transient = memory + grow, at_update + update, time_us + more, k - 1, wider

@@ -63,3 +63,36 @@ def test_a_stage_whose_training_peaks_higher_is_not_moved():
     new = stage_memory_terms(graph, _device(100 * MIB, True), 0, n - 1, 0, 1, "1f1b-flush", 2, "adamw")
     assert old.total > RUNTIME + IMPORT_PEAK
     assert new.total == old.total and new.by_name() == old.by_name()
+
+
+def test_no_solver_puts_a_stage_on_a_device_whose_set_up_alone_is_over_its_budget():
+    """A torch device with 220 MiB: the embeddings alone train within it (~208 MiB) but its set-up peaks at
+    236 (the charge above), so it can hold no stage; a second device with room takes the model. CP-SAT, the
+    DP's order passes and the greedy fill each leave it out, and the plan the planner returns is checked
+    (`check_feasible`) against the charge. Without the floor in the solvers CP-SAT's answer disagrees with
+    the evaluation (RuntimeError) and the DP and the greedy fill put the embeddings on it."""
+    from dataclasses import replace
+
+    from planner.partition.cpsat import cpsat_plan
+    from planner.partition.dp import OrderSolver
+    from planner.partition.instance import make_instance
+    from planner.partition.simple import check_feasible, greedy_partition
+    from planner.partition.solve import solve_partition
+
+    graph = tiny_graph()
+    small = replace(_device(MIB, True), name="small", address="tcp://small:1", memory_budget_bytes=220 * MIB)
+    roomy = replace(_device(MIB, True), name="roomy", address="tcp://roomy:1")
+    inst = make_instance(graph, Cluster((small, roomy), Link(1e9, 0.0)), "1f1b-flush", 2, "adamw")
+    assert inst.stage_floor_bytes(0) > inst.memory_budget_bytes[0]
+    assert inst.stage_bytes(1, 0, 0, 2, 0) <= inst.stage_bytes(0, 0, 0, 2, 0)
+    # the small device would hold the embeddings without the floor (their trained figure is under its budget)
+    assert inst.stage_bytes(0, 0, 0, 2, 0) - inst.stage_floor_bytes(0) + (RUNTIME + SETTLED) < inst.memory_budget_bytes[0]
+    (devs, _), _, _ = cpsat_plan(inst, 10.0, workers=1)
+    assert devs == (1,) or list(devs) == [1]
+    greedy = greedy_partition(inst)
+    assert greedy is None or 0 not in greedy[0]
+    for order in ([0, 1], [1, 0]):
+        found = OrderSolver(inst).best_for_order(order)
+        assert found is None or 0 not in found[1][0], found
+    partition = solve_partition(inst, time_limit_s=10.0, workers=1)
+    assert [st.device for st in partition.stages] == ["roomy"] and not check_feasible(partition, inst)
