@@ -416,6 +416,11 @@ def check_bundle_signature(files: Mapping[str, bytes], source: str, check_signat
         raise BundleError(f"bundle {source}: refused: {exc}") from None
 
 
+def stage_document(files: Mapping[str, bytes], source: str) -> StageDocument:
+    """A bundle's stage.json, parsed and checked (BundleError names the file and the fault)."""
+    return StageDocument.from_json(_load_json(bytes(files[STAGE]), source, STAGE), f"bundle {source}: {STAGE}")
+
+
 def verify_bundle_files(files: Mapping[str, bytes], source: str,
                         check_signature: SignatureCheck | None = None, copy: bool = True) -> BundleContents:
     """Check a bundle's bytes completely and parse them; BundleError names the file and the fault.
@@ -427,7 +432,7 @@ def verify_bundle_files(files: Mapping[str, bytes], source: str,
         check_bundle_signature(files, source, check_signature)
     manifest = check_bundle_manifest(files, source)
     head = _load_json(bytes(files[MANIFEST]), source, MANIFEST)
-    stage_doc = StageDocument.from_json(_load_json(bytes(files[STAGE]), source, STAGE), f"bundle {source}: {STAGE}")
+    stage_doc = stage_document(files, source)
     for key in ("device", "stage"):
         if getattr(stage_doc, key) != head[key]:
             raise BundleError(f"bundle {source}: {STAGE} says {key} {getattr(stage_doc, key)!r}, "

@@ -63,13 +63,12 @@ from runtime.transport.wire import SAME_CONFIDANT, Expected, PeerTimeout, Protoc
 def _stage_engine(files: Mapping[str, bytes]) -> str | None:
     """The engine a bundle's stage runs on (its stage.json's `engine`), told in the setup order so that
     the worker imports it before the stage's weights are read (`runtime.engines.single.import_engine`)."""
-    import json
-
-    from ir.bundle import STAGE
+    from ir.bundle import stage_document
+    from ir.documents import BundleError
 
     try:
-        return str(json.loads(bytes(files[STAGE]))["engine"])
-    except (KeyError, TypeError, ValueError):
+        return stage_document(files, "to ship").engine
+    except (KeyError, BundleError):  # the worker's own check of the bundle names the fault
         return None
 
 

@@ -116,9 +116,17 @@ _TRANSPORT_UP = ("from runtime.keys import KeyPair\n"
                  " peer_keys={'worker': _a.public.curve})\n"
                  "_p.send_tensor('worker', 'act', 0, 0, np.ones(1 << 20, np.float32))\n"
                  "_w.recv_tensor('peer', Expected('act', 0, 0), timeout=30)\n")
-_PRINT_RSS = "print('RSS', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])\n"
+
+
+def _print_status(label: str, field: str) -> str:
+    """A probe statement printing `label` and /proc/self/status's `field` in bytes."""
+    return (f"print({label!r}, [int(l.split()[1]) * 1024 for l in open('/proc/self/status')"
+            f" if l.startswith({field + ':'!r})][0])\n")
+
+
+_PRINT_RSS = _print_status("RSS", "VmRSS")
 # the peak so far (the import's transient: torch maps its libraries' pages, ~48-54 MiB above where it settles)
-_PRINT_HWM = "print('HWM', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:')][0])\n"
+_PRINT_HWM = _print_status("HWM", "VmHWM")
 
 
 def runtime_overhead_bytes(timeout_s: float = 60.0, also: str = "") -> int:
