@@ -10,7 +10,7 @@ import mmap
 
 import numpy as np
 
-__all__ = ["RELEASE_EVERY", "PagesGivenBack", "drop_mapped_pages", "mapping_of"]
+__all__ = ["RELEASE_EVERY", "PagesGivenBack", "drop_mapped_pages", "give_back_pages", "mapping_of", "read_only_mappings"]
 
 # how many bytes read from mapped arrays before their pages are given back, by a reader that walks
 # a whole model (quantizing its base, comparing its weights, copying a stage's weights file out of
@@ -44,6 +44,32 @@ def drop_mapped_pages(values) -> int:
             except (OSError, ValueError):  # a platform without it: the pages stay until reclaimed
                 pass
     return len(mappings)
+
+
+def read_only_mappings(values) -> tuple[mmap.mmap, ...]:
+    """The read-only file mappings that `values` (arrays; others are skipped) lie in, each once: what
+    a reader that holds them gives back with `give_back_pages` (a writable mapping's pages may hold
+    what was written, anonymous memory, and are left alone)."""
+    found: dict[int, mmap.mmap] = {}
+    for value in values:
+        mapping = mapping_of(value)
+        if mapping is not None and not mapping.closed and _read_only(mapping):
+            found[id(mapping)] = mapping
+    return tuple(found.values())
+
+
+def give_back_pages(mappings) -> None:
+    """Give back the resident pages of `mappings` (`read_only_mappings`): madvise DONTNEED over each
+    whole mapping, whose cost is a walk of its page table, not of its bytes."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None:  # a platform without it: the pages stay until reclaimed
+        return
+    for mapping in mappings:
+        if not mapping.closed:
+            try:
+                mapping.madvise(advice)
+            except (OSError, ValueError):
+                pass
 
 
 class PagesGivenBack:

@@ -152,6 +152,11 @@ class DeviceSpec:
     # the job passes in, `with_reserve`); the planner plans within `plannable_bytes`, and a plan
     # records both (ir.documents.DevicePlan.reserved_bytes). Never read from a cluster file.
     reserved_bytes: int = 0
+    # the run reads the stage's float32 frozen weights from a read-only mapping of the model file and its
+    # engine gives each block's pages back after use (PyTorch per block, `runtime.engines.pytorch`): charged
+    # one block's frozen bytes, not the stage's (`planner.cost.mapped_frozen_bytes`). Set by a job that maps
+    # (train-local); a pipeline worker receives its weights into memory. Never read from a cluster file.
+    frozen_mapped: bool = False
 
     @property
     def plannable_bytes(self) -> int:

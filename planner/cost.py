@@ -33,7 +33,8 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
               new tensors are an old version's charge: `shared_current_bytes`), + GRADIENT_COPIES
               where backwards are summed (not 1f1b-stash) + OPTIMIZER_STATE_COPIES[opt] + old
               weight versions)
-  + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once
+  + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once (read mapped from
+    the model file by a PyTorch stage recomputing per block, its largest block's: `mapped_frozen_bytes`)
   + for an embedding table only looked up, its gradient as the rows an update sums instead of a
     dense copy (`row_gradient_delta_bytes`: MiniLM's 47 MB word table, 3 MiB of rows at 8 x 128)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
@@ -813,6 +814,25 @@ def shared_frozen_bytes(graph: Graph, first: int, last: int) -> int:
     return out
 
 
+# `MemoryTerms.frozen_bytes`' key (`show`: "frozen <key>") for a stage whose float32 frozen weights are mapped
+MAPPED_FROZEN = "weights mapped, one block resident"
+
+
+def maps_frozen(device: DeviceSpec) -> bool:
+    """Whether the device's stage holds its float32 frozen weights mapped, one block's resident at a time: the
+    run maps them (`DeviceSpec.frozen_mapped`) and its engine gives each block's pages back after the block's
+    forward and before its re-run, which PyTorch does recomputing per block (`runtime.engines.pytorch`)."""
+    return device.frozen_mapped and device_engine(device) == "torch" and activation_mode(device)[0] == "per-block"
+
+
+def mapped_frozen_bytes(graph: Graph, first: int, last: int) -> int:
+    """Frozen bytes a stage whose float32 frozen weights are mapped (`maps_frozen`) holds at once: its largest
+    block's (a block's pages are given back after its forward and before the next block's re-run; the LM head's
+    table from the head's forward through its backward to the last layer's re-run, the head's own block).
+    SmolLM2 LoRA on one device: 108 MiB (the tied table) where the whole base is 513."""
+    return max((b.frozen_bytes for b in graph.blocks[first:last + 1]), default=0)
+
+
 def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the quantized frozen weights of blocks first..last beyond `Block.frozen_bytes`'
     charge (`ir.precision.bytes_per_element`) on the device: MNN's graphs hold an int8 / int4
@@ -1389,6 +1409,9 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     frozen -= shared_frozen_bytes(graph, first, last)
     frozen += double_held_bytes(graph, first, last, device)
     frozen += frozen_storage_extra_bytes(graph, first, last, device)
+    by_precision = _frozen_by_precision(graph, first, last, frozen)
+    if maps_frozen(device) and set(by_precision) == {"float32"}:  # a quantized base is held, not mapped
+        by_precision = {MAPPED_FROZEN: mapped_frozen_bytes(graph, first, last)}
     inputs = list(block_input_bytes(graph)[first:last + 1])
     in_flight = in_flight_microbatches(schedule, stages, stage, microbatches)
     held = 0
@@ -1418,7 +1441,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
                          - unversioned_bytes(graph, first, last, device)
                          * unversioned_copies(schedule, stages, stage, microbatches, update_every)
                          - shared_current_bytes(graph, first, last, device) * async_extra_copies(schedule, stages, stage)),
-        frozen_bytes=_frozen_by_precision(graph, first, last, frozen),
+        frozen_bytes=by_precision,
         gradient_bytes=(params * gradients
                         + row_gradient_delta_bytes(graph, first, last, device, microbatches, schedule, update_every)
                         - stepped_gradient_bytes(graph, first, last, device, schedule, update_every)

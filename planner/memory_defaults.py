@@ -32,7 +32,7 @@ from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor, bytes_per_frozen_element, lookup_tables, quantizable, storage_for
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
-from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
+from planner.cost import (OPTIMIZER_STATE_COPIES, mapped_frozen_bytes, maps_frozen, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
                           block_input_bytes, check_blocks, double_held_bytes, engine_bytes, fused_loss_hidden_bytes,
                           gradient_copies,
                           in_flight_microbatches,
@@ -442,8 +442,8 @@ def memory_parts(graph: Graph, device: DeviceSpec, first: int, last: int, stage:
                              + STASHED_VERSION_COPIES * versions),
         "gradients": params * gradient_copies(schedule, update_every, microbatches),
         "optimizer": params * OPTIMIZER_STATE_COPIES[optimizer],
-        "frozen": sum(b.frozen_bytes for b in graph.blocks[first:last + 1])
-        + double_held_bytes(graph, first, last, device),
+        "frozen": (mapped_frozen_bytes(graph, first, last) if maps_frozen(device) else
+                   sum(b.frozen_bytes for b in graph.blocks[first:last + 1]) + double_held_bytes(graph, first, last, device)),
         "activations": sum(block_input_bytes(graph)[first:last + 1]) * in_flight,
         "workspace": workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device, first, last),
         "runtime": runtime_bytes(device) + engine_bytes(graph, first, last, device),

@@ -27,7 +27,8 @@ def adapted(graph: Graph, settings: LoraSettings | None, reporter: Reporter = Si
     return lora
 
 
-def read_mapped(model: str | Path, settings: LoraSettings | None) -> bool:
+def read_mapped(model: str | Path, settings: LoraSettings | None, engine: str | None = None,
+                activations: str | None = None) -> bool:
     """Whether a run reads `model` from a mapping of the file (`load_model(mapped=True)`): when it holds
     its frozen base below float32 (LoRA with --base-dtype other than float32) and the file stores that
     base float32. Then each float32 weight is resident only while it is quantized
@@ -37,8 +38,13 @@ def read_mapped(model: str | Path, settings: LoraSettings | None) -> bool:
     arrays in place (LoRA engines copy what they are given), so read-only views are safe; full
     fine-tuning (`take_weights`) needs writable arrays of its own. A file `export --base-dtype` stored
     quantized is read into memory as before: its pieces are the quantized base already (no spike), and
-    mapped they stood beside the engine's copy (SmolLM2 int4: training 396 MiB against 340, helper h75)."""
-    if settings is None or settings.base_dtype == "float32":
+    mapped they stood beside the engine's copy (SmolLM2 int4: training 396 MiB against 340, helper h75).
+    A float32 base too where `engine` is PyTorch recomputing `activations` per block: the engine reads the
+    weights in place and gives each block's pages back after its use (`runtime.engines.pytorch`), so the run
+    holds one block's frozen weights at a time (SmolLM2 LoRA: 848 -> 440 MiB, helper h155)."""
+    if settings is None:
+        return False
+    if settings.base_dtype == "float32" and not (engine == "torch" and activations == "per-block"):
         return False
     from planner.onnx_quantize import recorded_base_dtype
 
@@ -46,7 +52,9 @@ def read_mapped(model: str | Path, settings: LoraSettings | None) -> bool:
 
 
 def load_adapted(model: str | Path, batch: int, seq: int, settings: LoraSettings | None,
-                 reporter: Reporter = Silent(), loss: str = "auto") -> Graph:
+                 reporter: Reporter = Silent(), loss: str = "auto", engine: str | None = None,
+                 activations: str | None = None) -> Graph:
     """`adapted(load_model(model, batch, seq, loss=loss), settings)`, the file read mapped where a
-    float32 file's frozen base is held quantized (`read_mapped`)."""
-    return adapted(load_model(model, batch, seq, loss=loss, mapped=read_mapped(model, settings)), settings, reporter)
+    float32 file's frozen base is held quantized, or read in place one block at a time (`read_mapped`)."""
+    mapped = read_mapped(model, settings, engine, activations)
+    return adapted(load_model(model, batch, seq, loss=loss, mapped=mapped), settings, reporter)

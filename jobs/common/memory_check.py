@@ -24,7 +24,8 @@ from jobs.common.report import Reporter
 # check, then holds them (imported after, they rose `train-local`'s whole life ~1 MiB above its printed
 # figure on the tiny BERT, helper h117)
 from planner.cluster import DeviceSpec
-from planner.cost import fused_loss_hidden_bytes, stage_memory_bytes, table_state_delta_bytes
+from planner.cost import (fused_loss_hidden_bytes, mapped_frozen_bytes, maps_frozen, stage_memory_bytes,
+                          table_state_delta_bytes)
 from planner.memory_defaults import (DEFAULT_RUNTIME_BYTES, LOSS_CHUNK_BYTES, default_profile, memory_parts,
                                      mnn_forward_kept_bytes, mnn_held_bytes, mnn_kept_bytes, torch_kept_bytes,
                                      widened_bytes)
@@ -54,22 +55,24 @@ def _run_profile(graph: Graph, engine: str, per_stage: Sequence[str | None], run
 def default_planned_bytes(graph: Graph, ranges: Sequence[tuple[int, int]], schedule: str, microbatches: int,
                           optimizer: str, update_every: int = 1, engine: str = "mnn",
                           activations: str | None | Sequence[str | None] = None,
-                          base_dtype: str = "float32") -> list[int]:
+                          base_dtype: str = "float32", frozen_mapped: bool = False) -> list[int]:
     """Each stage's memory as the planner's memory model prices `ranges` with the graph-derived
     profile on `engine` (`planner.memory_defaults.default_profile`), as the run holds it: each
     stage's `activations` (one for all or one a stage; None: the engine's default), its frozen base
     at `base_dtype` (`graph`'s constants held so) with one block of it widened at a time
     (`planner.memory_defaults.widened_bytes`, as `estimate` charges it), a fused LM head's loss a
-    chunk of logits at a time (a model with none: `confidant estimate`'s figure for these cuts)."""
+    chunk of logits at a time (a model with none: `confidant estimate`'s figure for these cuts);
+    `frozen_mapped`: the run reads its float32 frozen base mapped (`DeviceSpec.frozen_mapped`)."""
     per_stage = list(activations) if isinstance(activations, (list, tuple)) else [activations] * len(ranges)
     profile = _run_profile(graph, engine, per_stage, DEFAULT_RUNTIME_BYTES + widened_bytes(graph, base_dtype))
-    return [stage_memory_bytes(graph, DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=act),
+    return [stage_memory_bytes(graph, DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=act,
+                                                 frozen_mapped=frozen_mapped),
                                a, b, k, len(ranges), schedule, microbatches, optimizer, update_every)
             for k, ((a, b), act) in enumerate(zip(ranges, per_stage))]
 
 
 def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: str | None = None,
-               base_dtype: str = "float32", microbatches: int = 1) -> int:
+               base_dtype: str = "float32", microbatches: int = 1, frozen_mapped: bool = False) -> int:
     """What training the whole of `graph` on one device adds above the model as set up (its weights,
     frozen base and engine built): the memory model's gradients, optimizer state, activations and
     workspace of one stage of `microbatches` micro-batches an update, as `default_planned_bytes` prices
@@ -80,9 +83,11 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
     `runtime.engines.mnn` runs them (`planner.memory_defaults.mnn_held_bytes`, keeping per-op caches: the
     backward's reads held into the next step), and keeping per-op caches, every value but the views
     (`planner.memory_defaults.mnn_kept_bytes`; no evaluation runs on the training engine, helper h96); on
-    PyTorch keeping, the tensors autograd saves (`planner.memory_defaults.torch_kept_bytes`)."""
+    PyTorch keeping, the tensors autograd saves (`planner.memory_defaults.torch_kept_bytes`). A float32 base
+    read mapped (`frozen_mapped`, `planner.cost.maps_frozen`): the set-up holds none of it (its pages given back
+    after each block), a step one block's (`planner.cost.mapped_frozen_bytes`)."""
     profile = _run_profile(graph, engine, [activations], 0, gradient_of_each=True)
-    device = DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=activations)
+    device = DeviceSpec("run", "estimate://run", profile, 2 ** 62, activations=activations, frozen_mapped=frozen_mapped)
     parts = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", microbatches, optimizer)
     keeping = not (activations or "").startswith("per-block")
     held = 0
@@ -98,7 +103,8 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
         held = sum((costs[block_signature(b)].kept_bytes or 0) - kept_bytes(graph, b) for b in _cached(graph))
     # AdamW's state of a table only looked up is the rows the data looks up (`graph.lookup_rows`), not dense
     rows = table_state_delta_bytes(graph, 0, len(graph.blocks) - 1, device, optimizer)
-    return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held + rows
+    mapped = mapped_frozen_bytes(graph, 0, len(graph.blocks) - 1) if maps_frozen(device) else 0
+    return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held + rows + mapped
             + widened_bytes(graph, base_dtype) + (mnn_held_bytes(graph, keeping=keeping) if engine == "mnn" else 0))
 
 
@@ -166,7 +172,8 @@ def machine_room_bytes() -> int | None:
 def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: str, room: int | None,
                 reporter: Reporter, activations: str | None = None, base_dtype: str = "float32",
                 set_up_bytes: int | None = None, evaluation_bytes: int | None = None,
-                microbatches: int = 1, forward_kept_bytes: int | None = None) -> TrainingMetrics:
+                microbatches: int = 1, forward_kept_bytes: int | None = None,
+                frozen_mapped: bool = False) -> TrainingMetrics:
     """`check_memory` for a one-device run (`train-local`), its budget the room the machine had when
     the run started. Its planned figure: the run's own resident memory when its steps began
     (`set_up_bytes`: the process, the model and engine built, what an evaluation before left) with
@@ -186,10 +193,10 @@ def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: 
     (`default_planned_bytes`)."""
     if set_up_bytes is None:
         planned = default_planned_bytes(graph, [(0, len(graph.blocks) - 1)], "1f1b-flush", 1, optimizer, 1, engine,
-                                        activations, base_dtype)[0]
+                                        activations, base_dtype, frozen_mapped)[0]
         basis = "the memory model"
     else:
-        step = step_bytes(graph, optimizer, engine, activations, base_dtype, microbatches)
+        step = step_bytes(graph, optimizer, engine, activations, base_dtype, microbatches, frozen_mapped)
         if forward_kept_bytes is not None and engine == "mnn" and activations_mode(activations)[0] != "per-block":
             step += forward_kept_bytes - mnn_forward_kept_bytes(graph, _cached(graph))
         planned = set_up_bytes + max(step, evaluation_bytes or 0)
@@ -208,7 +215,7 @@ def local_check(metrics: TrainingMetrics, graph: Graph, optimizer: str, engine: 
             # MNN's hybrids were not measured: those runs are charged the memory model's whole figure where it
             # is larger.
             whole = default_planned_bytes(graph, [(0, len(graph.blocks) - 1)], "1f1b-flush", 1, optimizer, 1,
-                                          engine, activations, base_dtype)[0]
+                                          engine, activations, base_dtype, frozen_mapped)[0]
             if whole > planned:
                 planned, basis = whole, "the memory model"
     name = metrics.devices[0].name

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node, use_def
+from ir.mapped_pages import give_back_pages, mapping_of, read_only_mappings
 from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor
 from runtime.engines.attention_sites import AttentionUnit, attention_units
@@ -592,7 +593,11 @@ def _frozen_tensor(value: np.ndarray, dtype: torch.dtype, np_dtype) -> torch.Ten
     trainable ones), so a stage holds a float base once, not twice: the copy was 72 MiB of a 516 MiB
     per-block stage (benchmarks/MEMORY_NOTES.md, h35, h42)."""
     arr = np.asarray(value)
-    if arr.dtype == np_dtype and arr.flags.c_contiguous and arr.flags.aligned:
+    # an array on a mapping of the model file is viewed even where its offset in the file leaves it unaligned
+    # (an ONNX file's raw data lies where protobuf puts it: 270 of SmolLM2's 513 MiB): x86 reads floats at any
+    # address and the products' results are the same bits (tests/runtime/test_torch_mapped_base.py); a copy would
+    # be anonymous memory that no page given back lets go of
+    if arr.dtype == np_dtype and arr.flags.c_contiguous and (arr.flags.aligned or mapping_of(arr) is not None):
         with warnings.catch_warnings():
             # a mapped (read-only) array: torch warns that writing through the view is undefined;
             # nothing writes a frozen weight
@@ -652,6 +657,12 @@ class TorchStageEngine(StageEngine):
                         self._frozen[i] = _FrozenWeight(v, dtype)
                         continue
                     self._consts[i] = _frozen_tensor(v, dtype, np_dtype)
+        # the read-only file mappings the frozen weights lie in (a base read mapped: `load_model(mapped=True)`):
+        # their pages are given back after each block's forward and before each block's re-run, so a per-block
+        # stage holds one block's frozen weights at a time (and the LM head's table from its backward to the
+        # last layer's re-run), not the whole base; the next read faults them in again from the page cache
+        self._mapped = read_only_mappings(spec.graph.constants[name] for name in self._consts)
+        self._block_ends = frozenset(nodes[-1].name for _, nodes in spec.block_nodes() if nodes)
         self._saved: dict[int, tuple] = {}
         # while a training forward runs: its `_Remade`s by value where backwards are not split (`_linear_of`),
         # and the inputs of each GELU and LayerNorm it ran by their output (`_remade`: the forward may have let
@@ -810,6 +821,7 @@ class TorchStageEngine(StageEngine):
                             self._node(node, env, params, train, deferral, lookups, fused)
                     else:
                         env[block.output] = self._checkpointed(block, nodes, env, params, deferral, lookups, fused)
+                    give_back_pages(self._mapped)  # what the block read of a mapped base
             else:
                 # each value let go after its last reader (`_values_read_last`: a forward stopped early returns a
                 # value read after it, so never let go); not where a deferred projection reads a GELU's input
@@ -822,6 +834,10 @@ class TorchStageEngine(StageEngine):
                     self._node(node, env, params, train, deferral, lookups, fused)
                     for value in read_last.get(node.name, ()):
                         env.pop(value, None)
+                    if not train and node.name in self._block_ends:
+                        # an evaluation's forward holds one block of a mapped base at a time too (a training
+                        # forward that keeps its graph reads every weight again in its backward anyway)
+                        give_back_pages(self._mapped)
         return env[self.spec.output if until_block is None else self.spec.graph.blocks[until_block].output]
 
     def _checkpointed(self, block, nodes: list[Node], env: dict, params: Mapping[str, torch.Tensor],
@@ -839,6 +855,8 @@ class TorchStageEngine(StageEngine):
             local.update(zip(names, values))
             # the deferred projections of the re-run differentiate its own anchor (the last value)
             own = deferral if deferral is None else (values[-1], *deferral[1:])
+            if again:  # the block after this one (or the LM head) read last: its pages of a mapped base go back
+                give_back_pages(self._mapped)
             self._checkpointing = again  # a product's backward takes the re-run's widening
             try:
                 for node in nodes:
