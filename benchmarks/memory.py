@@ -98,23 +98,33 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None,
     # as train-local builds it: full fine-tuning gives the engine the lowered graph's arrays
     engine = make_engine(f"{engine_name}:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations,
                          take_weights=rank is None)
+    priced = engine_name == "torch" and activations == "per-block" and rank
+    if priced:  # as train-local sets up: PyTorch's one-time start-up paid before the set-up is read
+        from jobs.train.start_up import torch_start_up
+        from runtime.procfs import release_free_heap
+
+        torch_start_up(graph, 1, activations, feeds[0])
+        release_free_heap()
     setup = _setup_done()
     planned = None
-    if engine_name == "torch" and activations == "per-block" and rank:
+    if priced:
         # as train-local prices it (`jobs.common.memory_check.local_check`): the set-up as measured + a step by
         # the memory model, the mapped base one block resident (`planner.cost.mapped_frozen_bytes`)
         from jobs.common.memory_check import step_bytes
         from runtime.procfs import rss_bytes
 
         planned = (rss_bytes() + step_bytes(graph, "adamw", "torch", activations, "float32", M, mapped)) / 2**20
-    opt, losses, wall, cpu = make_optimizer("adamw", LR), [], [], []
+    import resource
+
+    opt, losses, wall, cpu, faults = make_optimizer("adamw", LR), [], [], [], []
     for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         losses.append(engine_step(engine, feeds, opt))
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     return {"peak_mib": [max(setup, _peak_mib())], "setup_mib": setup, "train_mib": _peak_mib(), "losses": losses,
-            "step_s": wall, "step_cpu_s": cpu, **_resident_split(), **({"planned_mib": planned} if planned else {})}
+            "step_s": wall, "step_cpu_s": cpu, "step_minor_faults": faults, **_resident_split(), **({"planned_mib": planned} if planned else {})}
 
 
 def child_transformers(model: Path, steps: int, rank: int | None, checkpointing: bool) -> dict:
