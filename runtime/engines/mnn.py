@@ -20,7 +20,8 @@ holds for it (its output, its intermediates, its gradient program's buffers) rig
 forward and again after its backward (`_BlockProgram.release`): the stage then holds the stashed
 block inputs and one block's buffers at a time, and every block's backward re-runs its forward
 (SmolLM2 LoRA at 1 x 128: 89 MiB above the weights without the releases, 22 with them, against
-~330 MiB of per-op caches).
+~330 MiB of per-op caches). Such a stage whose frozen float32 weights lie on a mapping of the model file
+(the graph loaded `mapped`) reads them a block at a time instead of holding them (`_FrozenStream`).
 
 The causal-LM loss (``TokenCrossEntropy``) runs in numpy (`runtime.engines.lm_loss`), never as an
 MNN graph, whose softmax, caches and gradient seed would each hold a vocabulary-sized copy: with
@@ -179,8 +180,9 @@ def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] 
 # Placeholder sets a streamed per-block stage spreads its blocks over (`_FrozenStream`): a write into a
 # placeholder costs MNN a walk over every graph that reads it (in a SmolLM2 stage's steady state, 1.1 ms
 # for a [1536, 576] weight read by 30 blocks' graphs, 0.25 ms into a fresh placeholder), so one set for
-# all 30 layers held 302 MiB but cost 1.7-1.8x the step, 6 sets 383 MiB and 1.33x, 10 sets 424-437 MiB
-# and 1.30x (SmolLM2 LoRA r=8 per block, 4 x 128; benchmarks/MEMORY_NOTES.md, helper h156).
+# all 30 layers held 302 MiB but cost 1.7-1.8x the step, 6 sets 369-383 MiB and 1.33-1.34x, 10 sets 424-437
+# MiB and 1.30-1.32x (1.17-1.18x in another sitting), against the base held as constants (SmolLM2 LoRA r=8 per
+# block, 4 x 128, one thread, whole-process peak 694 MiB with the base held; MEMORY_NOTES.md, helper h156).
 STREAM_SETS = 10
 
 
@@ -587,7 +589,9 @@ class MnnStageEngine(StageEngine):
     that does not directly follow its own forward, None adds a set whenever every set is held.
     `per_block`: activations recomputed per block (module docstring; no per-op caches);
     `cached_blocks` with it: the stage's last that many layers keep their per-op caches (a hybrid:
-    each saves its forward's re-run where a backward follows its forward, for its caches' memory)."""
+    each saves its forward's re-run where a backward follows its forward, for its caches' memory).
+    `stream_frozen` (per block, no cached blocks): frozen float32 weights on a file mapping are written
+    into placeholders shared by the blocks of `stream_sets` sets before each use (`_FrozenStream`)."""
 
     def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
                  cache_activations: bool = True, stash_weights: bool = True, cache_slots: int | None = 1,
