@@ -9,8 +9,10 @@ from __future__ import annotations
 import mmap
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
-__all__ = ["RELEASE_EVERY", "PagesGivenBack", "drop_mapped_pages", "give_back_pages", "mapping_of", "read_only_mappings"]
+__all__ = ["RELEASE_EVERY", "PagesGivenBack", "drop_mapped_pages", "drop_pages_under", "give_back_pages", "mapping_of",
+           "read_only_mappings"]
 
 # how many bytes read from mapped arrays before their pages are given back, by a reader that walks
 # a whole model (quantizing its base, comparing its weights, copying a stage's weights file out of
@@ -70,6 +72,31 @@ def give_back_pages(mappings) -> None:
                 mapping.madvise(advice)
             except (OSError, ValueError):
                 pass
+
+
+def drop_pages_under(values) -> int:
+    """Give back the resident pages under each of `values` only (arrays on a read-only file mapping;
+    others are skipped), not the whole mapping's: what a reader that uses a model's weights a block at
+    a time gives back after each block, the rest of the file's pages left as they are. The range is
+    rounded out to whole pages (a neighbour's page given back too is read again from the file when
+    next used). Returns how many arrays."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    done = 0
+    for value in values:
+        mapping = mapping_of(value)
+        if (advice is None or mapping is None or mapping.closed or not isinstance(value, np.ndarray)
+                or not _read_only(mapping)):
+            continue
+        low, high = byte_bounds(value)
+        base = np.frombuffer(mapping, np.uint8, count=1).__array_interface__["data"][0]
+        start = (low - base) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(mapping), -(-(high - base) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        try:
+            mapping.madvise(advice, start, end - start)
+        except (OSError, ValueError):  # a platform without it: the pages stay until reclaimed
+            continue
+        done += 1
+    return done
 
 
 class PagesGivenBack:

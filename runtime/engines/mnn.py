@@ -20,7 +20,8 @@ holds for it (its output, its intermediates, its gradient program's buffers) rig
 forward and again after its backward (`_BlockProgram.release`): the stage then holds the stashed
 block inputs and one block's buffers at a time, and every block's backward re-runs its forward
 (SmolLM2 LoRA at 1 x 128: 89 MiB above the weights without the releases, 22 with them, against
-~330 MiB of per-op caches).
+~330 MiB of per-op caches). Such a stage whose frozen float32 weights lie on a mapping of the model file
+(the graph loaded `mapped`) reads them a block at a time instead of holding them (`_FrozenStream`).
 
 The causal-LM loss (``TokenCrossEntropy``) runs in numpy (`runtime.engines.lm_loss`), never as an
 MNN graph, whose softmax, caches and gradient seed would each hold a vocabulary-sized copy: with
@@ -38,6 +39,7 @@ from typing import Mapping
 import numpy as np
 
 from ir.graph import Block, Node
+from ir.mapped_pages import drop_pages_under, mapping_of
 from ir.precision import QuantizedTensor
 from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
@@ -175,6 +177,47 @@ def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] 
         constants[name] = view.reshape(arr.shape)
 
 
+# Placeholder sets a streamed per-block stage spreads its blocks over (`_FrozenStream`): a write into a
+# placeholder costs MNN a walk over every graph that reads it (in a SmolLM2 stage's steady state, 1.1 ms
+# for a [1536, 576] weight read by 30 blocks' graphs, 0.25 ms into a fresh placeholder), so one set for
+# all 30 layers held 302 MiB but cost 1.7-1.8x the step, 6 sets 369-383 MiB and 1.33-1.34x, 10 sets 424-437
+# MiB and 1.30-1.32x (1.17-1.18x in another sitting), against the base held as constants (SmolLM2 LoRA r=8 per
+# block, 4 x 128, one thread, whole-process peak 694 MiB with the base held; MEMORY_NOTES.md, helper h156).
+STREAM_SETS = 10
+
+
+class _FrozenStream:
+    """A per-block stage's frozen float32 weights read from a mapping of the model file, not held as
+    constant Vars (MNN's const copies what it is given, and its Python binding cannot build a Var over
+    memory it does not own: `Var.set_device_ptr` on a CPU placeholder crashed the process). Each block
+    reads them through input placeholders shared with the other blocks of its set (block index modulo
+    `sets`) that have the same weight shapes, written from the mapping just before the block runs (its
+    forward, its backward's re-run) unless they hold its weights already, the mapping's pages of them
+    given back at once: the stage holds `sets` blocks' frozen weights in MNN, not all of them.
+    `holder`: per set, the block program whose weights its placeholders hold now."""
+
+    def __init__(self, sets: int = STREAM_SETS):
+        self.sets = int(sets)
+        self._placeholders: dict[tuple, "K.Var"] = {}
+        self.holder: dict[int, object] = {}
+
+    @staticmethod
+    def takes(value) -> bool:
+        """Whether a frozen constant is streamed: a float32 weight lying on a read-only file mapping."""
+        return (isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim >= 2
+                and mapping_of(value) is not None and not value.flags.writeable)
+
+    def set_of(self, block_index: int) -> int:
+        return block_index % self.sets
+
+    def placeholder(self, block_index: int, position: int, shape: tuple[int, ...]) -> "K.Var":
+        """The placeholder of the `position`-th streamed weight (of `shape`) of a block in its set."""
+        key = (self.set_of(block_index), position, tuple(shape))
+        if key not in self._placeholders:
+            self._placeholders[key] = K.placeholder(shape)
+        return self._placeholders[key]
+
+
 @dataclass
 class _Lookup:
     """An embedding lookup done in numpy: output placeholder fed with table[ids]."""
@@ -189,9 +232,13 @@ class _BlockProgram:
     """One block as an MNN graph plus its gradient program, both built once."""
 
     def __init__(self, block: Block, nodes: list[Node], spec: StageSpec, params: Mapping[str, "K.Var"],
-                 tables: Mapping[str, np.ndarray], trainable_tables: set[str], constants: dict[str, "K.Var"]):
+                 tables: Mapping[str, np.ndarray], trainable_tables: set[str], constants: dict[str, "K.Var"],
+                 stream: _FrozenStream | None = None):
         graph = spec.graph
         self.block = block
+        self._stream = stream
+        self.streamed: list[tuple["K.Var", np.ndarray]] = []  # (shared placeholder, mapped weight)
+        self._set = stream.set_of(block.index) if stream is not None else None
         env: dict[str, K.Var] = {}
         self.lookups: list[_Lookup] = []
         self.activation: str | None = None
@@ -233,6 +280,9 @@ class _BlockProgram:
                 if i not in env:
                     if i in params:
                         env[i] = params[i]
+                    elif stream is not None and i in graph.constants and stream.takes(graph.constants[i]):
+                        env[i] = stream.placeholder(block.index, len(self.streamed), graph.constants[i].shape)
+                        self.streamed.append((env[i], graph.constants[i]))
                     elif i in graph.constants:
                         # one Var per constant for all the engine's graph sets: a frozen weight
                         # (LoRA's base) is held once however many sets there are
@@ -305,8 +355,19 @@ class _BlockProgram:
             K.shrink(held)
         self.fed_serial = None
 
+    def load_frozen(self) -> None:
+        """Write this block's streamed frozen weights into the shared placeholders (`_FrozenStream`),
+        unless they hold them already, and give back the mapping's pages they were read from."""
+        if not self.streamed or self._stream.holder.get(self._set) is self:
+            return
+        for var, weight in self.streamed:
+            K.write(var, weight)
+        self._stream.holder[self._set] = self
+        drop_pages_under([weight for _, weight in self.streamed])
+
     def feed(self, activation: np.ndarray | None, host: Mapping[str, np.ndarray], serial: int | None = None) -> None:
         """Write a forward's inputs; `serial` identifies that forward (None: never reuse)."""
+        self.load_frozen()  # every use: another block may have written the shared placeholders since
         if serial is not None and serial == self.fed_serial:
             return  # the graph still holds this forward's inputs (and, with op caches, its activations)
         self.fed_serial = serial
@@ -325,6 +386,8 @@ class _BlockProgram:
                                      f"outside the {len(table)} rows of {lk.table!r}: the tokenizer does not belong "
                                      f"to this model")
                 rows = table.widen_rows(ids) if isinstance(table, QuantizedTensor) else table[ids]
+                if self._stream is not None:
+                    drop_pages_under([table])  # a mapped frozen table's rows just gathered
                 if isinstance(host, dict) and lk.node.name in self._rows_kept:
                     # kept with the micro-batch's host values: a backward that re-runs this forward
                     # feeds the very rows its forward read, so the table itself needs no old version.
@@ -426,8 +489,9 @@ class _LossProgram:
     same pass and keeps them for the backward of that forward; any other backward recomputes."""
 
     def __init__(self, block: Block, loss: Node, fused: FusedLmHead | None, tables: Mapping[str, np.ndarray],
-                 trainable: set[str]):
+                 trainable: set[str], give_back: bool = False):
         self.block = block
+        self._give_back = give_back  # a mapped frozen head weight's pages given back after each pass
         self.ids, self.weights = loss.inputs[1], loss.inputs[2]
         self.fused = fused
         self.kernel = lm_loss.LinearCrossEntropy(fused.transposed) if fused else None
@@ -461,8 +525,12 @@ class _LossProgram:
             return lm_loss.quantized_linear_cross_entropy(self._x, weight, self._host[self.ids],
                                                           self._host[self.weights], grad=grad)
         trained = self.weight_trained and weight_grad
-        return self.kernel(self._x, self._tables[self.fused.weight], self._host[self.ids], self._host[self.weights],
-                           grad=grad, weight_grad=trained, weight_grad_into=weight_sum if trained else None)
+        try:
+            return self.kernel(self._x, weight, self._host[self.ids], self._host[self.weights],
+                               grad=grad, weight_grad=trained, weight_grad_into=weight_sum if trained else None)
+        finally:
+            if self._give_back:
+                drop_pages_under([weight])
 
     def forward(self, train: bool = False, weight_sum: np.ndarray | None = None) -> np.ndarray:
         """The loss; a training forward computes the gradients in the same pass, the weight's added
@@ -521,11 +589,14 @@ class MnnStageEngine(StageEngine):
     that does not directly follow its own forward, None adds a set whenever every set is held.
     `per_block`: activations recomputed per block (module docstring; no per-op caches);
     `cached_blocks` with it: the stage's last that many layers keep their per-op caches (a hybrid:
-    each saves its forward's re-run where a backward follows its forward, for its caches' memory)."""
+    each saves its forward's re-run where a backward follows its forward, for its caches' memory).
+    `stream_frozen` (per block, no cached blocks): frozen float32 weights on a file mapping are written
+    into placeholders shared by the blocks of `stream_sets` sets before each use (`_FrozenStream`)."""
 
     def __init__(self, spec: StageSpec, threads: int = 1, weights: Mapping[str, np.ndarray] | None = None,
                  cache_activations: bool = True, stash_weights: bool = True, cache_slots: int | None = 1,
-                 take_weights: bool = False, per_block: bool = False, cached_blocks: int = 0):
+                 take_weights: bool = False, per_block: bool = False, cached_blocks: int = 0,
+                 stream_frozen: bool = True, stream_sets: int = STREAM_SETS):
         if K.denormals_flushed_at_import():
             # before MNN (re)starts its worker threads, which inherit this thread's flush-to-zero bits;
             # another library may have cleared them since MNN was imported (creating an ONNX Runtime
@@ -545,6 +616,12 @@ class MnnStageEngine(StageEngine):
         # the default mode does), so their backward skips the re-run of their forward where it follows
         # its own forward; the rest recompute per block
         self.cached_blocks = int(cached_blocks)
+        # a per-block stage (no block keeping caches) whose frozen float32 weights lie on a mapping of
+        # the model file (LoRA's base, the graph loaded `mapped`) reads them a block at a time
+        # (`_FrozenStream`) instead of holding them all as constant Vars; `stream_frozen` False holds them
+        self._stream = (_FrozenStream(stream_sets) if stream_frozen and self.per_block and not self.cached_blocks
+                        and any(_FrozenStream.takes(spec.graph.constants.get(i)) for n in spec.compute_nodes
+                                for i in n.inputs if i not in spec.params) else None)
         source = weights if weights is not None else spec.graph.constants
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         # weights held in numpy: embedding tables (MNN's Gather has no gradient) and a fused LM
@@ -640,10 +717,11 @@ class MnnStageEngine(StageEngine):
                 b = replace(b, output=self._lm.hidden)
             if len(nodes) == 1 and nodes[0].op == "TokenCrossEntropy":
                 fused = self._lm if self._lm is not None and b.index == self._lm.loss_index else None
-                blocks.append(_LossProgram(b, nodes[0], fused, lookup, set(self._tables)))
+                blocks.append(_LossProgram(b, nodes[0], fused, lookup, set(self._tables),
+                                           give_back=self._stream is not None))
             else:
                 blocks.append(_BlockProgram(b, nodes, spec, params, lookup, set(self._tables),
-                                            self._constant_vars))
+                                            self._constant_vars, self._stream))
         head = self._lm.head_index if self._lm is not None else None
         for prog in cached_programs(blocks, self.cached_blocks if self.per_block else 0, head):
             prog.keeps_caches = True
