@@ -202,12 +202,14 @@ TORCH_VIEW_OPS = MNN_VIEW_OPS | {"Expand", "Slice"}
 # By the size of the value let go, against glibc's mmap threshold as the torch engine fixes it
 # (`TORCH_MMAP_THRESHOLD_BYTES`): one under half of it half (UNFUSED_FREE_HEAP_SHARE); one between half of it
 # and it (8 x 64's 1.5 MiB scores, twice its hidden values: the forward grew 24 MiB a layer where a half charged
-# 23.0, helper h146) three quarters; one at or over it a sixth. Such a value is mapped on its own (unmapped when let
-# go, no hole) only where no free chunk holds it: in a fresh forward, where every value let go counted half charged
-# a MiniLM LoRA layer 29.7 and 37.2 MiB at 4 x 128 and 2 x 256 (its 3 and 6 MiB values) where the forward grew
-# 20-21 and 22-23 (helper h146); the steps leave 100-160 MiB of free heap (mallinfo2 after each step), which later
-# ones can be carved from. With none of it charged, MiniLM LoRA float32 at 4 x 128 read 518-532 MiB where 529 was
-# planned (0.98-1.006); with a sixth, 544 (helper h157: a fit to that shape's readings, not measured by value)
+# 23.0, helper h146) three quarters; one at or over it a sixth, one at or over twice it none. Such a value is
+# mapped on its own (unmapped when let go, no hole) only where no free chunk holds it: in a fresh forward, where
+# every value let go counted half charged a MiniLM LoRA layer 29.7 and 37.2 MiB at 4 x 128 and 2 x 256 (its 3 and
+# 6 MiB values) where the forward grew 20-21 and 22-23 (helper h146); the steps leave 100-160 MiB of free heap
+# (mallinfo2 after each step), which later ones can be carved from. With none of it charged, MiniLM LoRA float32
+# at 4 x 128 read 518-532 MiB where 529 was planned (0.98-1.006); with a sixth, 544. A sixth of 2 x 256's 6 MiB
+# scores too planned it 532 where it read 478 (0.898); without them, 514 (helper h157: both fits to those shapes'
+# readings, not measured value by value)
 UNFUSED_FREE_HEAP_SHARE = 0.5
 LARGE_FREE_HEAP_SHARE = 0.75
 MAPPED_FREE_HEAP_SHARE = 1 / 6
@@ -218,14 +220,15 @@ TORCH_MMAP_THRESHOLD_BYTES = 2 << 20
 
 def torch_free_heap_bytes(sizes: Iterable[int], saved_elsewhere: int = 0) -> int:
     """The free heap a forward run node by node leaves of the values it lets go (`sizes`, bytes each):
-    MAPPED_FREE_HEAP_SHARE of one at or over the engine's mmap threshold, LARGE_FREE_HEAP_SHARE of one over half
+    MAPPED_FREE_HEAP_SHARE of one at or over the engine's mmap threshold and under twice it, none of a larger one,
+    LARGE_FREE_HEAP_SHARE of one over half
     of it, half (UNFUSED_FREE_HEAP_SHARE) of the rest, less half of `saved_elsewhere` (what autograd saves beyond
     the values it is keyed by, whose sources are among `sizes`: a LayerNorm's statistics, an RMSNorm's normalised
     input, a view larger than its root, SmolLM2's key and value heads repeated),
     as the charge before took all it saves off."""
     small = sum(n for n in sizes if n <= TORCH_MMAP_THRESHOLD_BYTES // 2)
     large = sum(n for n in sizes if TORCH_MMAP_THRESHOLD_BYTES // 2 < n < TORCH_MMAP_THRESHOLD_BYTES)
-    mapped = sum(n for n in sizes if n >= TORCH_MMAP_THRESHOLD_BYTES)
+    mapped = sum(n for n in sizes if TORCH_MMAP_THRESHOLD_BYTES <= n < 2 * TORCH_MMAP_THRESHOLD_BYTES)
     return (int(UNFUSED_FREE_HEAP_SHARE * max(0, small - saved_elsewhere)) + int(LARGE_FREE_HEAP_SHARE * large)
             + int(MAPPED_FREE_HEAP_SHARE * mapped))
 
