@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -198,9 +198,39 @@ TORCH_SAVES_NOTHING = frozenset({"Add", "Sub", "ReduceMean", "Concat", "Gather",
 TORCH_VIEW_OPS = MNN_VIEW_OPS | {"Expand", "Slice"}
 # What a forward run node by node leaves as free heap of the values it lets go (`torch_kept_bytes`): a MiniLM
 # LoRA layer at 8 x 32 lets 15.0 MiB go and left 5.1 (float32 base) to 6.5 (int4, its widened weights let go
-# too) in the heap's extent, at 4 x 128 (36 let go) 7.4 beside its mapped blocks; the steps of 1-6 layers
-# rose ~10 MiB a layer where autograd saves 4.6 (helper h141)
+# too) in the heap's extent; the steps of 1-6 layers rose ~10 MiB a layer where autograd saves 4.6 (helper h141).
+# By the size of the value let go, against glibc's mmap threshold as the torch engine fixes it
+# (`TORCH_MMAP_THRESHOLD_BYTES`): one under half of it half (UNFUSED_FREE_HEAP_SHARE); one between half of it
+# and it (8 x 64's 1.5 MiB scores, twice its hidden values: the forward grew 24 MiB a layer where a half charged
+# 23.0, helper h146) three quarters; one at or over it a sixth, one at or over twice it none. Such a value is
+# mapped on its own (unmapped when let go, no hole) only where no free chunk holds it: in a fresh forward, where
+# every value let go counted half charged a MiniLM LoRA layer 29.7 and 37.2 MiB at 4 x 128 and 2 x 256 (its 3 and
+# 6 MiB values) where the forward grew 20-21 and 22-23 (helper h146); the steps leave 100-160 MiB of free heap
+# (mallinfo2 after each step), which later ones can be carved from. With none of it charged, MiniLM LoRA float32
+# at 4 x 128 read 518-532 MiB where 529 was planned (0.98-1.006); with a sixth, 544. A sixth of 2 x 256's 6 MiB
+# scores too planned it 532 where it read 478 (0.898); without them, 514 (helper h157: both fits to those shapes'
+# readings, not measured value by value)
 UNFUSED_FREE_HEAP_SHARE = 0.5
+LARGE_FREE_HEAP_SHARE = 0.75
+MAPPED_FREE_HEAP_SHARE = 1 / 6
+# glibc's mmap threshold as the torch engine fixes it (`runtime.heap.STEADY_MMAP_THRESHOLD_BYTES`, which the
+# planner may not import; a test holds the two equal)
+TORCH_MMAP_THRESHOLD_BYTES = 2 << 20
+
+
+def torch_free_heap_bytes(sizes: Iterable[int], saved_elsewhere: int = 0) -> int:
+    """The free heap a forward run node by node leaves of the values it lets go (`sizes`, bytes each):
+    MAPPED_FREE_HEAP_SHARE of one at or over the engine's mmap threshold and under twice it, none of a larger one,
+    LARGE_FREE_HEAP_SHARE of one over half
+    of it, half (UNFUSED_FREE_HEAP_SHARE) of the rest, less half of `saved_elsewhere` (what autograd saves beyond
+    the values it is keyed by, whose sources are among `sizes`: a LayerNorm's statistics, an RMSNorm's normalised
+    input, a view larger than its root, SmolLM2's key and value heads repeated),
+    as the charge before took all it saves off."""
+    small = sum(n for n in sizes if n <= TORCH_MMAP_THRESHOLD_BYTES // 2)
+    large = sum(n for n in sizes if TORCH_MMAP_THRESHOLD_BYTES // 2 < n < TORCH_MMAP_THRESHOLD_BYTES)
+    mapped = sum(n for n in sizes if TORCH_MMAP_THRESHOLD_BYTES <= n < 2 * TORCH_MMAP_THRESHOLD_BYTES)
+    return (int(UNFUSED_FREE_HEAP_SHARE * max(0, small - saved_elsewhere)) + int(LARGE_FREE_HEAP_SHARE * large)
+            + int(MAPPED_FREE_HEAP_SHARE * mapped))
 
 
 def torch_kept_bytes(graph: Graph, block: Block) -> int:
@@ -215,19 +245,26 @@ def torch_kept_bytes(graph: Graph, block: Block) -> int:
     6.02 MiB saved (unique storages under `torch.autograd.graph.saved_tensors_hooks`, its input's 0.375 among
     them) where every value is 14.62 (helper h136).
     A block run node by node (no attention `ir.attention_fusion.fusable_site` fuses: LoRA's adapters on q/k/v/o,
-    or none at all, the embeddings) is charged what it saves by the same rules and half of what its forward lets go
-    (`UNFUSED_FREE_HEAP_SHARE`): the engine lets each value go after its last reader, and the small tensors
-    saved between them (an adapter's x @ A, a LayerNorm's statistics) split the holes they leave, so the next
-    layer's values do not fit and the heap grows past them (MiniLM LoRA at 8 x 32: the heap's extent grew
-    9.8-11.1 MiB a layer where its in-use bytes grew 4.6; fused, 6.8 against 6.1; helper h141)."""
+    or none at all, the embeddings) is charged what it saves by the same rules and the free heap its forward leaves
+    of what it lets go (`torch_free_heap_bytes`: by each value's size against the engine's mmap threshold): the
+    engine lets each value go after its last reader, and the small tensors saved between them (an adapter's
+    x @ A, a LayerNorm's statistics) split the holes they leave, so the next layer's values do not fit and the
+    heap grows past them (MiniLM LoRA at 8 x 32: the heap's extent grew 9.8-11.1 MiB a layer where its in-use
+    bytes grew 4.6; fused, 6.8 against 6.1; helper h141); a value mapped on its own leaves no hole (helpers
+    h146, h157)."""
     compute = [n for n in graph.nodes if n.name in {x for b in graph.blocks for x in b.nodes}]
     fused = fusable_site(graph, compute, graph.blocks[-1].output, block) is not None
     # a fused site's pre-norm runs inside the unit, its output held as it is (`TorchStageEngine._attention`)
-    kept = backward_read_bytes(graph, block, remade_except=frozenset(block.attention.nodes) if fused else frozenset())
+    saved = backward_read_values(graph, block,
+                                 remade_except=frozenset(block.attention.nodes) if fused else frozenset())
+    kept = sum(saved.values())
     if fused:
         return kept
-    made = sum(graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs if o in graph.values)
-    return kept + int(UNFUSED_FREE_HEAP_SHARE * max(0, made - kept))
+    let_go = [graph.values[o].nbytes for name in block.nodes for o in graph.node(name).outputs
+              if o in graph.values and o not in saved]
+    # saved beyond the values it is keyed by: statistics, a normalised input, a view larger than its root
+    elsewhere = kept - sum(graph.values[k].nbytes for k in saved if k in graph.values)
+    return kept + torch_free_heap_bytes(let_go, elsewhere)
 
 
 def backward_read_bytes(graph: Graph, block: Block, remade_except: frozenset[str] | None = None) -> int:
@@ -240,6 +277,12 @@ def backward_read_bytes(graph: Graph, block: Block, remade_except: frozenset[str
     weight whose input a GELU or LayerNorm node makes (not one `remade_except` names) reads that node's inputs, which
     the node saves anyway, and makes the input again in its backward (MiniLM at 2 x 128: a layer's FFN input
     and GELU output, 1.875 MiB a micro-batch; helper h144)."""
+    return sum(backward_read_values(graph, block, remade_except).values())
+
+
+def backward_read_values(graph: Graph, block: Block, remade_except: frozenset[str] | None = None) -> dict[str, int]:
+    """`backward_read_bytes`' storages: bytes by the value each is (a view's root; a LayerNorm's statistics
+    under "<node> statistics", an RMSNorm's normalised input under "<node> normalised")."""
     makers = {} if remade_except is None else {
         o: n for o, n in graph.producers().items() if n.op in REMADE_FROM_INPUTS and n.name not in remade_except}
     needs = set(graph.params)
@@ -283,7 +326,7 @@ def backward_read_bytes(graph: Graph, block: Block, remade_except: frozenset[str
         else:  # TORCH_SAVES_OUTPUT, and any op without a rule
             for o in node.outputs:
                 save(o)
-    return sum(saved.values())
+    return saved
 
 
 def mnn_rerun_held_bytes(graph: Graph, block: Block) -> int:
