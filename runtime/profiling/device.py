@@ -146,7 +146,8 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         # profiles (24 MiB, one logits-sized buffer, apart), where its later runs repeat within 1 MiB
         # (133.5-135.5) and a head + loss worker held ~123 beyond its weights, state and start-up: a plan
         # charging 158 put that worker at 0.897 of it (the clean-clone CI of ebb907a). The lowest of the first
-        # run and the repeats (`every`) is charged there; MNN's first run stays (its repeats peak higher).
+        # run and the repeats (`every`) is charged there; MNN's first run stays (its repeats peak higher) where
+        # no fresh children are given, else the pair's fresh stage peak (`_fresh_pair_points`).
         fresh_pair = builds is not None and backend.engine == "mnn"
         every = 0 if fresh_pair else min(peak_workspace(backend, both_spec, feeds) for _ in range(TARGET_PEAK_REPEATS))
         workspace = min(both.workspace_bytes, every) if backend.engine == "torch" else both.workspace_bytes
