@@ -146,13 +146,17 @@ def measure_block(backend, graph: Graph, block: Block, feeds, reps: int, fresh: 
         # profiles (24 MiB, one logits-sized buffer, apart), where its later runs repeat within 1 MiB
         # (133.5-135.5) and a head + loss worker held ~123 beyond its weights, state and start-up: a plan
         # charging 158 put that worker at 0.897 of it (the clean-clone CI of ebb907a). The lowest of the first
-        # run and the repeats (`every`) is charged there; MNN's first run stays (its repeats peak higher).
-        every = min(peak_workspace(backend, both_spec, feeds) for _ in range(TARGET_PEAK_REPEATS))
+        # run and the repeats (`every`) is charged there; MNN's first run stays (its repeats peak higher) where
+        # no fresh children are given, else the pair's fresh stage peak (`_fresh_pair_points`).
+        fresh_pair = builds is not None and backend.engine == "mnn"
+        every = 0 if fresh_pair else min(peak_workspace(backend, both_spec, feeds) for _ in range(TARGET_PEAK_REPEATS))
         workspace = min(both.workspace_bytes, every) if backend.engine == "torch" else both.workspace_bytes
         cost = BlockCost(max(0.0, both.forward_s - loss.forward_s), backward,
                          max(0.0, both.recompute_s - loss.recompute_s), workspace, kept_bytes=kept,
                          engine_bytes=_engine_build(backend, graph, i, i + 1, feeds, builds),
                          per_block_backward_s=backward if backend.engine == "torch" else None)
+        if fresh_pair:
+            return _fresh_pair_points(cost, builds, graph, i, feeds)
         return _with_sparse_targets(cost, backend, both_spec, feeds, every)
     spec = stage_spec(graph, i, i)
     cost = measure_stage(backend, spec, feeds, reps)
@@ -400,6 +404,24 @@ def further_microbatch_parts(added_at_one: float, added_at_run: float, run: int)
     return per_block, max(0, int(one - per_block))
 
 
+def _sparse_target_feeds(feeds) -> tuple[int, int, dict] | None:
+    """(target positions, the sparse point's count, the feeds with only that many targets) for the fused LM
+    head + loss's second point (1/SPARSE_TARGET_SHARE of the targets); None without target weights or targets
+    to thin."""
+    weights = feeds.get(TARGET_WEIGHTS)
+    if weights is None:
+        return None
+    flat = np.asarray(weights).reshape(-1)
+    at = np.flatnonzero(flat)
+    full = len(at)
+    sparse = max(1, full // SPARSE_TARGET_SHARE)
+    if full <= sparse:
+        return None
+    few = np.zeros_like(flat)
+    few[at[:sparse]] = flat[at[:sparse]]
+    return full, sparse, {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
+
+
 def _with_sparse_targets(cost: BlockCost, backend, spec, feeds, every: int) -> BlockCost:
     """The fused LM head + loss's cost with its second point: the peak with only 1/SPARSE_TARGET_SHARE
     of the micro-batch's target positions targets (`BlockCost.workspace_at_targets`). The loss
@@ -408,22 +430,37 @@ def _with_sparse_targets(cost: BlockCost, backend, spec, feeds, every: int) -> B
     a target, in a worker). What the fewer targets save is `every` (the lowest of TARGET_PEAK_REPEATS
     peaks with every position a target, `measure_block`) less the highest of as many with few: a saving
     measured low, never high, so the line stays on or above a run's peak."""
-    weights = feeds.get(TARGET_WEIGHTS)
-    if weights is None:
+    thinned = _sparse_target_feeds(feeds)
+    if thinned is None:
         return cost
-    flat = np.asarray(weights).reshape(-1)
-    at = np.flatnonzero(flat)
-    full = len(at)
-    sparse = max(1, full // SPARSE_TARGET_SHARE)
-    if full <= sparse:
-        return cost
-    few = np.zeros_like(flat)
-    few[at[:sparse]] = flat[at[:sparse]]
-    sparse_feeds = {**feeds, TARGET_WEIGHTS: few.reshape(np.shape(weights))}
+    full, sparse, sparse_feeds = thinned
     fewer = max(peak_workspace(backend, spec, sparse_feeds) for _ in range(TARGET_PEAK_REPEATS))
     saved = max(0, every - fewer)
     return replace(cost, target_positions=full, sparse_target_positions=sparse,
                    sparse_workspace_bytes=max(0, cost.workspace_bytes - saved))
+
+
+def _fresh_pair_points(cost: BlockCost, builds: FreshProcesses, graph: Graph, i: int, feeds) -> BlockCost:
+    """MNN's fused LM head + loss (blocks i, i + 1) with both its points (every position a target, and
+    1/SPARSE_TARGET_SHARE of them: `_with_sparse_targets`) measured as a stage of the pair peaks in a fresh
+    child (`builds`, `fresh_peaks`: the highest of FRESH_PEAK_REPEATS, two where they agree), as the keep and
+    per-block lines are. The pair's first run in this process (what was charged before) takes whatever free
+    heap the profile's earlier runs left, and moves with it: the same llama1b head read 39.4 and 46.9 MiB at 15
+    targets in two profiles (h152), gemma3's 31.7 and 34.0 at 31 (h154), while fresh children of one profile
+    agree within 0.1 (gemma3: 41.5 / 42.1 / 52.0 MiB at 15 / 31 / 127 targets, the first run here 48.4 at 127)
+    and a worker's fused forward rises 37-39 MiB above a level that itself creeps ~8-10 MiB in its first two steps
+    (the logits chunks' free heap, h154): charged at the warm figure, gemma3's head stage read 0.977-0.992 of its
+    plan, llama1b's 0.99-1.00 (benchmarks/MEMORY_NOTES.md, helper h158)."""
+    def peak(at_feeds) -> int:
+        return max(fresh_peaks(builds, graph, at_feeds, i, [2], None, FRESH_PEAK_REPEATS)[0])
+
+    cost = replace(cost, workspace_bytes=peak(feeds))
+    thinned = _sparse_target_feeds(feeds)
+    if thinned is None:
+        return cost
+    full, sparse, sparse_feeds = thinned
+    return replace(cost, target_positions=full, sparse_target_positions=sparse,
+                   sparse_workspace_bytes=min(peak(sparse_feeds), cost.workspace_bytes))
 
 
 def _most_repeated(graph: Graph, kinds: dict[str, Block]) -> Block:
