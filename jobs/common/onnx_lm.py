@@ -10,6 +10,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ir.mapped_pages import PagesGivenBackWhile, read_only_mappings
 from jobs.common.errors import JobError
 from tasks.causal_lm.data import read_instructions
 from tasks.causal_lm.evaluation import InstructionScores, evaluate_instructions
@@ -161,4 +162,5 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
         copy = held_quantized_copy(Path(model), held, initializers, Path(folder), branches, shared)
         initializers = branches = None  # written into the copy: a caller that passed them alone lets them go here
         lm, tokenizer = open_lm(copy, shared or None, threads, prepack)
-        return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)
+        with PagesGivenBackWhile(read_only_mappings((shared or {}).values())):
+            return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)
