@@ -7,12 +7,13 @@ together as it ships it, runtime.pipeline.bundles) read them, and give them back
 from __future__ import annotations
 
 import mmap
+import threading
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
-__all__ = ["RELEASE_EVERY", "PagesGivenBack", "drop_mapped_pages", "drop_pages_under", "give_back_pages", "mapping_of",
-           "read_only_mappings"]
+__all__ = ["GIVE_BACK_EVERY_S", "RELEASE_EVERY", "PagesGivenBack", "PagesGivenBackWhile", "drop_mapped_pages",
+           "drop_pages_under", "give_back_pages", "mapping_of", "read_only_mappings"]
 
 # how many bytes read from mapped arrays before their pages are given back, by a reader that walks
 # a whole model (quantizing its base, comparing its weights, copying a stage's weights file out of
@@ -97,6 +98,41 @@ def drop_pages_under(values) -> int:
             continue
         done += 1
     return done
+
+
+# how often `PagesGivenBackWhile` gives a reader's pages back: a reader that streams a mapped model
+# (ONNX Runtime generating over SmolLM2's mapped float32 base) faults in what it reads in between
+GIVE_BACK_EVERY_S = 0.005
+
+
+class PagesGivenBackWhile:
+    """A context in which a thread gives back the resident pages of `mappings`
+    (`read_only_mappings`) every `every` seconds, for a reader we cannot interrupt (ONNX Runtime
+    reads the whole base in one run of its session): the pages are those of a read-only file
+    mapping, so a page given back while it is read is faulted in again from the file, the same
+    bytes. The thread holds the GIL only to call madvise (a session's run releases it)."""
+
+    def __init__(self, mappings, every: float | None = None):
+        self.mappings = tuple(mappings)
+        self.every = GIVE_BACK_EVERY_S if every is None else every
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self) -> "PagesGivenBackWhile":
+        if self.mappings:
+            self._thread = threading.Thread(target=self._run, name="pages-given-back", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            give_back_pages(self.mappings)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        give_back_pages(self.mappings)
 
 
 class PagesGivenBack:
