@@ -39,13 +39,8 @@ def drop_mapped_pages(values) -> int:
         mapping = mapping_of(value)
         if mapping is not None:
             mappings[id(mapping)] = mapping
-    advice = getattr(mmap, "MADV_DONTNEED", None)
     for mapping in mappings.values():
-        if advice is not None and not mapping.closed:
-            try:
-                mapping.madvise(advice)
-            except (OSError, ValueError):  # a platform without it: the pages stay until reclaimed
-                pass
+        _advise_dontneed(mapping)
     return len(mappings)
 
 
@@ -64,15 +59,8 @@ def read_only_mappings(values) -> tuple[mmap.mmap, ...]:
 def give_back_pages(mappings) -> None:
     """Give back the resident pages of `mappings` (`read_only_mappings`): madvise DONTNEED over each
     whole mapping, whose cost is a walk of its page table, not of its bytes."""
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None:  # a platform without it: the pages stay until reclaimed
-        return
     for mapping in mappings:
-        if not mapping.closed:
-            try:
-                mapping.madvise(advice)
-            except (OSError, ValueError):
-                pass
+        _advise_dontneed(mapping)
 
 
 def drop_pages_under(values) -> int:
@@ -81,22 +69,16 @@ def drop_pages_under(values) -> int:
     a time gives back after each block, the rest of the file's pages left as they are. The range is
     rounded out to whole pages (a neighbour's page given back too is read again from the file when
     next used). Returns how many arrays."""
-    advice = getattr(mmap, "MADV_DONTNEED", None)
     done = 0
     for value in values:
         mapping = mapping_of(value)
-        if (advice is None or mapping is None or mapping.closed or not isinstance(value, np.ndarray)
-                or not _read_only(mapping)):
+        if mapping is None or mapping.closed or not isinstance(value, np.ndarray) or not _read_only(mapping):
             continue
         low, high = byte_bounds(value)
         base = np.frombuffer(mapping, np.uint8, count=1).__array_interface__["data"][0]
         start = (low - base) // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(len(mapping), -(-(high - base) // mmap.PAGESIZE) * mmap.PAGESIZE)
-        try:
-            mapping.madvise(advice, start, end - start)
-        except (OSError, ValueError):  # a platform without it: the pages stay until reclaimed
-            continue
-        done += 1
+        done += _advise_dontneed(mapping, start, end - start)
     return done
 
 
@@ -158,14 +140,25 @@ class PagesGivenBack:
 
     def done(self) -> None:
         """Give back what was read so far."""
-        advice = getattr(mmap, "MADV_DONTNEED", None)
-        for mapping in self._mappings.values():
-            if advice is not None and not mapping.closed:
-                try:
-                    mapping.madvise(advice)
-                except (OSError, ValueError):
-                    pass
+        give_back_pages(self._mappings.values())
         self._pending = 0  # the mappings are kept: pages read since without a word are given back too
+
+
+def _advise_dontneed(mapping: mmap.mmap, start: int = 0, length: int | None = None) -> bool:
+    """madvise DONTNEED over `mapping` (or `length` bytes of it from `start`, page-aligned): its pages no
+    longer resident, a later read faulting them in again from the file. False where it could not (a closed
+    mapping, a platform without the advice: the pages stay until the kernel reclaims them)."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None or mapping.closed:
+        return False
+    try:
+        if length is None:
+            mapping.madvise(advice)
+        else:
+            mapping.madvise(advice, start, length)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _read_only(mapping: mmap.mmap) -> bool:
