@@ -101,8 +101,9 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None,
     # as train-local builds it: full fine-tuning gives the engine the lowered graph's arrays
     engine = make_engine(f"{engine_name}:cpu:t1", stage_spec(graph, 0, len(graph.blocks) - 1), activations=activations,
                          take_weights=rank is None)
-    priced = engine_name == "torch" and activations == "per-block" and rank
-    if priced:  # as train-local sets up: PyTorch's one-time start-up paid before the set-up is read
+    # priced as train-local prices it: PyTorch per block, and MNN per block over the mapped base (its stream)
+    priced = activations == "per-block" and rank and (engine_name == "torch" or mapped)
+    if priced and engine_name == "torch":  # as train-local sets up: PyTorch's one-time start-up paid first
         from jobs.train.start_up import torch_start_up
         from runtime.procfs import release_free_heap
 
@@ -112,11 +113,12 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None,
     planned = None
     if priced:
         # as train-local prices it (`jobs.common.memory_check.local_check`): the set-up as measured + a step by
-        # the memory model, the mapped base one block resident (`planner.cost.mapped_frozen_bytes`)
+        # the memory model, the mapped base a block (PyTorch) or the placeholder sets (MNN) resident
+        # (`planner.cost.mapped_frozen_bytes`)
         from jobs.common.memory_check import step_bytes
         from runtime.procfs import rss_bytes
 
-        planned = (rss_bytes() + step_bytes(graph, "adamw", "torch", activations, "float32", M, mapped)) / 2**20
+        planned = (rss_bytes() + step_bytes(graph, "adamw", engine_name, activations, "float32", M, mapped)) / 2**20
     import resource
 
     opt, losses, wall, cpu, faults = make_optimizer("adamw", LR), [], [], [], []
@@ -360,7 +362,8 @@ def main() -> None:
             measure(f"confidant single {tag} (mnn, per-block)", ["mnn", str(rank), "per-block"],
                     planned.get("per-block"))
             # the same with the float32 base read mapped from the file: the engine streams the frozen
-            # weights a block at a time (runtime.engines.mnn._FrozenStream; not planned for yet)
+            # weights a block at a time (runtime.engines.mnn._FrozenStream), priced in the child as train-local
+            # prices it (the set-up as measured + `step_bytes` with `planner.cost.streamed_frozen_bytes`)
             measure(f"confidant single {tag} (mnn, per-block, mapped)", ["mnn", str(rank), "per-block", "mapped"])
         measure(f"confidant single {tag} (torch engine)", ["torch", str(rank or 0)])
         if rank:  # per block, the float32 base read mapped, each block's pages given back after its use

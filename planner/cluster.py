@@ -153,8 +153,9 @@ class DeviceSpec:
     # records both (ir.documents.DevicePlan.reserved_bytes). Never read from a cluster file.
     reserved_bytes: int = 0
     # the run reads the stage's float32 frozen weights from a read-only mapping of the model file and its
-    # engine gives each block's pages back after use (PyTorch per block, `runtime.engines.pytorch`): charged
-    # one block's frozen bytes, not the stage's (`planner.cost.mapped_frozen_bytes`). Set by a job that maps
+    # engine gives each block's pages back after use (PyTorch per block, `runtime.engines.pytorch`; MNN per
+    # block streaming them through placeholder sets, `runtime.engines.mnn._FrozenStream`): charged a block's
+    # or the sets' frozen bytes, not the stage's (`planner.cost.mapped_frozen_bytes`). Set by a job that maps
     # (train-local); a pipeline worker receives its weights into memory. Never read from a cluster file.
     frozen_mapped: bool = False
 

@@ -34,7 +34,8 @@ runtime/pipeline/executor.py and runtime/optim.py; the constants below say which
               where backwards are summed (not 1f1b-stash) + OPTIMIZER_STATE_COPIES[opt] + old
               weight versions)
   + embedding tables MNN holds twice (`double_held_bytes`) and frozen weights, once (read mapped from
-    the model file by a PyTorch stage recomputing per block, its largest block's: `mapped_frozen_bytes`)
+    the model file by a stage recomputing per block, `mapped_frozen_bytes`: on PyTorch its largest block's,
+    on MNN its placeholder sets' and the fused LM head's table, `streamed_frozen_bytes`)
   + for an embedding table only looked up, its gradient as the rows an update sums instead of a
     dense copy (`row_gradient_delta_bytes`: MiniLM's 47 MB word table, 3 MiB of rows at 8 x 128)
   + in-flight micro-batches x (sum of the stage's block *input* activations)
@@ -110,6 +111,7 @@ from ir.profile import BlockCost
 from ir.verify import peak_weight_versions
 from planner.cluster import (Cluster, DeviceSpec, device_backend, runtime_bytes, setup_peak_bytes, start_up_bytes,
                              update_rate)
+from planner.onnx_weights import MAP_MIN_BYTES
 from planner.schedule import one_f_one_b_stash
 
 
@@ -816,21 +818,76 @@ def shared_frozen_bytes(graph: Graph, first: int, last: int) -> int:
 
 # `MemoryTerms.frozen_bytes`' key (`show`: "frozen <key>") for a stage whose float32 frozen weights are mapped
 MAPPED_FROZEN = "weights mapped, one block resident"
+# the same for an MNN stage streaming them (`streamed_frozen_bytes`: a few blocks' weights resident, not one)
+STREAMED_FROZEN = "weights mapped, streamed through placeholder sets"
 
 
 def maps_frozen(device: DeviceSpec) -> bool:
-    """Whether the device's stage holds its float32 frozen weights mapped, one block's resident at a time: the
-    run maps them (`DeviceSpec.frozen_mapped`) and its engine gives each block's pages back after the block's
-    forward and before its re-run, which PyTorch does recomputing per block (`runtime.engines.pytorch`)."""
-    return device.frozen_mapped and device_engine(device) == "torch" and activation_mode(device)[0] == "per-block"
+    """Whether the device's stage holds its float32 frozen weights mapped, a few blocks' resident at a time: the
+    run maps them (`DeviceSpec.frozen_mapped`) and its engine recomputes per block with no block keeping its
+    caches. PyTorch gives each block's pages back after the block's forward and before its re-run
+    (`runtime.engines.pytorch`); MNN writes each block's weights into placeholders shared by the blocks of a set
+    before each use (`runtime.engines.mnn._FrozenStream`; a hybrid "per-block+K" holds them as constants)."""
+    if not device.frozen_mapped:
+        return False
+    mode, cached = activation_mode(device)
+    return mode == "per-block" and (device_engine(device) == "torch"
+                                    or (device_engine(device) == "mnn" and cached == 0))
 
 
-def mapped_frozen_bytes(graph: Graph, first: int, last: int) -> int:
-    """Frozen bytes a stage whose float32 frozen weights are mapped (`maps_frozen`) holds at once: its largest
-    block's (a block's pages are given back after its forward and before the next block's re-run; the LM head's
-    table from the head's forward through its backward to the last layer's re-run, the head's own block).
-    SmolLM2 LoRA on one device: 108 MiB (the tied table) where the whole base is 513."""
+def mapped_frozen_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
+    """Frozen bytes a stage whose float32 frozen weights are mapped (`maps_frozen`) holds at once. PyTorch: its
+    largest block's (a block's pages are given back after its forward and before the next block's re-run; the
+    LM head's table from the head's forward through its backward to the last layer's re-run, the head's own
+    block; SmolLM2 LoRA on one device: 108 MiB, the tied table, where the whole base is 513). MNN:
+    `streamed_frozen_bytes`."""
+    if device_engine(device) == "mnn":
+        from planner.memory_defaults import STREAM_SETS  # that module imports this one
+
+        return streamed_frozen_bytes(graph, first, last, STREAM_SETS)
     return max((b.frozen_bytes for b in graph.blocks[first:last + 1]), default=0)
+
+
+def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int:
+    """Frozen bytes an MNN per-block stage streaming its mapped float32 base (`runtime.engines.mnn._FrozenStream`)
+    holds once every block of it has run: each frozen float32 weight an MNN graph's product reads lies in a
+    placeholder keyed (block index modulo `sets`, its place among its block's streamed weights, its
+    shape), shared by the blocks of that set, so each such key's bytes once; a block's other frozen weights
+    (`Block.frozen_bytes`' norm scales, biases) as constants, whole; a table the engine reads in numpy: an LM head fused with
+    its loss whole (the pass reads every row's page; given back after it), a table only looked up nothing (the
+    rows gathered, its pages given back at once). SmolLM2 LoRA on one device: 10 sets x 13.5 MiB of a layer's
+    projections + 108 MiB of the tied head = 243 MiB, where the whole base is 513."""
+    n = len(graph.blocks)
+    fused = fused_loss_hidden_bytes(graph) is not None and first <= n - 2 and last == n - 1
+    head = graph.node(graph.blocks[n - 2].nodes[-1]) if fused else None
+    params = set(graph.params)
+    keys: dict[tuple, int] = {}
+    tables: dict[str, int] = {}  # read in numpy: charged only as the fused head's weight
+    rest = 0
+    for b in graph.blocks[first:last + 1]:
+        streamed: dict[str, int] = {}
+        numpy_read: set[str] = set()
+        for x in b.nodes:
+            node = graph.node(x)
+            if node.op == "Gather" and node.inputs[0] in graph.constants:
+                if graph.constants[node.inputs[0]].nbytes >= MAP_MIN_BYTES:  # a smaller one is read into memory
+                    numpy_read.add(node.inputs[0])
+            elif head is not None and node.name == head.name:
+                numpy_read.add(node.inputs[1])
+                tables[node.inputs[1]] = int(graph.constants[node.inputs[1]].nbytes)
+            elif node.op == "MatMul" and node.inputs[1] in graph.constants and node.inputs[1] not in params:
+                # a weight of the file on its mapping, which the engine streams (one under MAP_MIN_BYTES is read
+                # into memory, and a constant the lowering folded, as a rotary table, lies in memory: held as
+                # MNN constants)
+                value = graph.constants[node.inputs[1]]
+                if (value.dtype == "float32" and value.ndim >= 2 and value.nbytes >= MAP_MIN_BYTES
+                        and node.inputs[1] not in streamed):
+                    keys[(b.index % sets, len(streamed), tuple(value.shape))] = int(value.nbytes)
+                    streamed[node.inputs[1]] = int(value.nbytes)
+        # the block's other frozen weights (norm scales, biases) held as MNN constants, whole
+        rest += max(0, b.frozen_bytes - sum(streamed.values())
+                    - sum(int(graph.constants[t].nbytes) for t in numpy_read))
+    return sum(keys.values()) + sum(tables.values()) + rest
 
 
 def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
@@ -1411,7 +1468,8 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     frozen += frozen_storage_extra_bytes(graph, first, last, device)
     by_precision = _frozen_by_precision(graph, first, last, frozen)
     if maps_frozen(device) and set(by_precision) == {"float32"}:  # a quantized base is held, not mapped
-        by_precision = {MAPPED_FROZEN: mapped_frozen_bytes(graph, first, last)}
+        key = STREAMED_FROZEN if device_engine(device) == "mnn" else MAPPED_FROZEN
+        by_precision = {key: mapped_frozen_bytes(graph, first, last, device)}
     inputs = list(block_input_bytes(graph)[first:last + 1])
     in_flight = in_flight_microbatches(schedule, stages, stage, microbatches)
     held = 0

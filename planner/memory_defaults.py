@@ -54,6 +54,12 @@ UNLIMITED_BYTES = 2 ** 62
 # the two equal), and for a head held quantized one chunk of its rows widened beside it.
 LOSS_CHUNK_BYTES = 32 << 20
 
+# Placeholder sets an MNN per-block stage streams its mapped float32 base through (the engine's
+# `runtime.engines.mnn.STREAM_SETS`, where its cost is measured; `planner.cost.streamed_frozen_bytes` charges it).
+# The planner may not import the runtime, nor the engine the planner (+5.3 MiB in every worker, measured):
+# a test holds the two equal.
+STREAM_SETS = 10
+
 
 def _fused_head_bytes(graph: Graph, block: Block, chunk_bytes: int) -> int | None:
     """What an LM head fused with its loss (`planner.cost.fused_loss_hidden_bytes`) holds of its logits
@@ -485,7 +491,7 @@ def memory_parts(graph: Graph, device: DeviceSpec, first: int, last: int, stage:
                              + STASHED_VERSION_COPIES * versions),
         "gradients": params * gradient_copies(schedule, update_every, microbatches),
         "optimizer": params * OPTIMIZER_STATE_COPIES[optimizer],
-        "frozen": (mapped_frozen_bytes(graph, first, last) if maps_frozen(device) else
+        "frozen": (mapped_frozen_bytes(graph, first, last, device) if maps_frozen(device) else
                    sum(b.frozen_bytes for b in graph.blocks[first:last + 1]) + double_held_bytes(graph, first, last, device)),
         "activations": sum(block_input_bytes(graph)[first:last + 1]) * in_flight,
         "workspace": workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device, first, last),

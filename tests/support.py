@@ -362,6 +362,22 @@ def scrambled_causal_lm(config):
     return scramble_weights(model).eval()
 
 
+def streamed_llama(folder: Path) -> None:
+    """A tied Llama whose projections are over planner.onnx_weights.MAP_MIN_BYTES (64 KiB), so that a graph
+    loaded `mapped` has them on the file's mapping (what an MNN per-block stage streams,
+    `runtime.engines.mnn._FrozenStream`): 12 layers of 5.9 MiB float32 (hidden 384, feed-forward 1024), 71 MiB
+    of frozen projections in all, a 256-row vocabulary; its ONNX export (no KV cache) `folder`/m.onnx."""
+    import transformers as tf
+
+    from jobs.export.llm import LlmExportOptions, export_causal_lm
+
+    config = tf.LlamaConfig(vocab_size=256, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
+                            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    export_causal_lm(scrambled_causal_lm(config), folder / "m.onnx", LlmExportOptions(), kv_cache=False)
+
+
 def tiny_tied_llama(folder: Path, vocab: int = 256):
     """A tiny tied Llama (grouped-query attention, SwiGLU, rotary: 2 layers, hidden 64), scrambled,
     and its ONNX export (no KV cache) in `folder`: (model, path)."""

@@ -41,10 +41,13 @@ def read_mapped(model: str | Path, settings: LoraSettings | None, engine: str | 
     mapped they stood beside the engine's copy (SmolLM2 int4: training 396 MiB against 340, helper h75).
     A float32 base too where `engine` is PyTorch recomputing `activations` per block: the engine reads the
     weights in place and gives each block's pages back after its use (`runtime.engines.pytorch`), so the run
-    holds one block's frozen weights at a time (SmolLM2 LoRA: 848 -> 440 MiB, helper h155)."""
+    holds one block's frozen weights at a time (SmolLM2 LoRA: 848 -> 440 MiB, helper h155); or MNN recomputing
+    exactly "per-block" (a hybrid "per-block+K" keeps caches and holds its base as constants): its engine writes
+    each block's weights from the mapping into placeholders shared by a set of blocks before each use
+    (`runtime.engines.mnn._FrozenStream`; SmolLM2 LoRA: 694 -> 424 MiB, helper h156)."""
     if settings is None:
         return False
-    if settings.base_dtype == "float32" and not (engine == "torch" and activations == "per-block"):
+    if settings.base_dtype == "float32" and not (engine in ("torch", "mnn") and activations == "per-block"):
         return False
     from planner.onnx_quantize import recorded_base_dtype
 

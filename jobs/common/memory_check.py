@@ -103,7 +103,7 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
         held = sum((costs[block_signature(b)].kept_bytes or 0) - kept_bytes(graph, b) for b in _cached(graph))
     # AdamW's state of a table only looked up is the rows the data looks up (`graph.lookup_rows`), not dense
     rows = table_state_delta_bytes(graph, 0, len(graph.blocks) - 1, device, optimizer)
-    mapped = mapped_frozen_bytes(graph, 0, len(graph.blocks) - 1) if maps_frozen(device) else 0
+    mapped = mapped_frozen_bytes(graph, 0, len(graph.blocks) - 1, device) if maps_frozen(device) else 0
     return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held + rows + mapped
             + widened_bytes(graph, base_dtype) + (mnn_held_bytes(graph, keeping=keeping) if engine == "mnn" else 0))
 

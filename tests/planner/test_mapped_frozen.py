@@ -60,9 +60,10 @@ def test_a_mapped_torch_per_block_stage_is_charged_its_largest_blocks_frozen_byt
 @pytest.mark.parametrize("backend,activations,mapped", [("torch:cpu:t1", "per-block", False),
                                                        ("torch:cpu:t1", "keep", True),
                                                        ("torch:cpu:t1", "recompute", True),
-                                                       ("mnn:cpu:t1", "per-block", True)])
+                                                       ("mnn:cpu:t1", "per-block+1", True)])
 def test_only_a_mapped_torch_per_block_stage_is_charged_so(graph, backend, activations, mapped):
-    """The base held in memory, a graph kept for the whole backward, MNN's copies of its constants: all of it."""
+    """The base held in memory, a graph kept for the whole backward, an MNN hybrid's copies of its constants: all
+    of it. (MNN per block streams a mapped base: tests/planner/test_streamed_frozen.py.)"""
     device = _device(graph, backend, activations, mapped)
     assert _terms(graph, device) == _terms(graph, replace(device, frozen_mapped=False))
     assert MAPPED_FROZEN not in _terms(graph, device).frozen_bytes

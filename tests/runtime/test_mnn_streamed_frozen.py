@@ -15,30 +15,15 @@ import pytest
 from planner.onnx_import import load_model
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
-from support import lm_step_feeds, lm_train, made_once, run_child
+from support import lm_step_feeds, lm_train, made_once, run_child, streamed_llama
 
 ROWS, SEQ, VOCAB = 2, 12, 256
 LORA = ("q", "k", "v", "o")
 
 
-def _export(folder):
-    import transformers as tf
-
-    from jobs.export.llm import LlmExportOptions, export_causal_lm
-    from support import scrambled_causal_lm
-
-    # weights over planner.onnx_weights.MAP_MIN_BYTES (64 KiB), so that they are mapped: 12 layers of
-    # 5.9 MiB float32 (hidden 384, feed-forward 1024), 71 MiB of frozen projections in all
-    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
-                            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
-                            tie_word_embeddings=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    export_causal_lm(scrambled_causal_lm(config), folder / "m.onnx", LlmExportOptions(), kv_cache=False)
-
-
 @pytest.fixture(scope="module")
 def llama_onnx(export_dir):
-    return made_once(export_dir / "streamed-llama", _export) / "m.onnx"
+    return made_once(export_dir / "streamed-llama", streamed_llama) / "m.onnx"
 
 
 def _lora_graph(path, mapped: bool):
