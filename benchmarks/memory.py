@@ -267,33 +267,21 @@ def print_tables(rows: list[dict], plans: list[dict], steps: int) -> None:
     print(f"target 4: LoRA one device, MNN / PEFT + grad ckpt {_ratio(lora, ckpt)} whole process, "
           f"{_ratio(train.get('confidant single LoRA (mnn)'), train.get('PEFT + grad ckpt LoRA'))} training "
           f"(target <= 0.50x); torch engine {_ratio(by.get('confidant single LoRA (torch engine)'), ckpt)}")
-    mapped_name = "confidant single LoRA (torch, per-block, mapped)"
-    if by.get(mapped_name) is not None:
-        step_cpu = {r["name"]: r.get("step_cpu_s") for r in rows}
-        held, lean = step_cpu.get("confidant single LoRA (torch engine)"), step_cpu.get(mapped_name)
-        cost = f"{min(lean) / min(held):.2f}x" if held and lean else "-"
-        print(f"target 4: LoRA one device, torch per block over the mapped float32 base / PEFT + grad ckpt "
-              f"{_ratio(by[mapped_name], ckpt)} whole process, {_ratio(train.get(mapped_name), train.get('PEFT + grad ckpt LoRA'))} "
-              f"training (target <= 0.50x); its step {cost} the torch engine's default (CPU seconds, the fastest step "
-              f"of each)")
-    per_block = by.get("confidant single LoRA (mnn, per-block)")
-    if per_block is not None:
-        step_cpu = {r["name"]: r.get("step_cpu_s") for r in rows}
-        fast, lean = step_cpu.get("confidant single LoRA (mnn)"), step_cpu.get("confidant single LoRA (mnn, per-block)")
-        cost = f"{min(lean) / min(fast):.2f}x" if fast and lean else "-"
-        print(f"target 4: LoRA one device, MNN recomputing per block / PEFT + grad ckpt {_ratio(per_block, ckpt)} whole "
-              f"process, {_ratio(train.get('confidant single LoRA (mnn, per-block)'), train.get('PEFT + grad ckpt LoRA'))} "
-              f"training (target <= 0.50x); its step {cost} the default's (CPU seconds, the fastest step of each; "
-              f"target <= 1.30x)")
-    streamed = by.get("confidant single LoRA (mnn, per-block, mapped)")
-    if streamed is not None:
-        step_cpu = {r["name"]: r.get("step_cpu_s") for r in rows}
-        held, mapped = step_cpu.get("confidant single LoRA (mnn, per-block)"), step_cpu.get(
-            "confidant single LoRA (mnn, per-block, mapped)")
-        cost = f"{min(mapped) / min(held):.2f}x" if held and mapped else "-"
-        print(f"target 4: LoRA one device, MNN per block with its base mapped / PEFT + grad ckpt "
-              f"{_ratio(streamed, ckpt)} whole process (target <= 0.50x); its step {cost} per block's with the base "
-              f"held (CPU seconds, the fastest step of each; target <= 1.30x)")
+    step_cpu = {r["name"]: r.get("step_cpu_s") for r in rows}
+    lean = (("torch, per-block, mapped", "torch per block over the mapped float32 base", "torch engine",
+             "the torch engine's default"),
+            ("mnn, per-block", "MNN recomputing per block", "mnn", "the default's"),
+            ("mnn, per-block, mapped", "MNN per block with its base mapped", "mnn, per-block",
+             "per block's with the base held"))
+    for tag, what, base, base_what in lean:
+        name = f"confidant single LoRA ({tag})"
+        if by.get(name) is None:
+            continue
+        mine, theirs = step_cpu.get(name), step_cpu.get(f"confidant single LoRA ({base})")
+        cost = f"{min(mine) / min(theirs):.2f}x" if mine and theirs else "-"
+        print(f"target 4: LoRA one device, {what} / PEFT + grad ckpt {_ratio(by[name], ckpt)} whole process, "
+              f"{_ratio(train.get(name), train.get('PEFT + grad ckpt LoRA'))} training (target <= 0.50x); its step "
+              f"{cost} {base_what} (CPU seconds, the fastest step of each; target <= 1.30x)")
     full, loop = by.get("confidant single full (mnn)"), by.get("transformers loop full")
     if full is not None:
         print(f"target 4: full one device, MNN / transformers loop {_ratio(full, loop)} (target <= 1.00x); "
