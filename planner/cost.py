@@ -134,6 +134,11 @@ GRADIENT_COPIES = 1
 # A row gradient's sum is joined anew at each micro-batch's backward (`runtime.engines.base.
 # accumulate`), the old sum alive while the new one is built: up to twice the rows of an update.
 ROW_GRADIENT_COPIES = 2
+# Placeholder sets an MNN per-block stage streams its mapped float32 base through (the engine's
+# `runtime.engines.mnn.STREAM_SETS`, where its cost is measured; `streamed_frozen_bytes` charges it). The
+# planner may not import the runtime, nor the engine the planner (+5.3 MiB in every worker, measured): a test
+# holds the two equal.
+STREAM_SETS = 10
 # Optimizer state per parameter (runtime/optim.py): SGD one momentum buffer, AdamW two moments.
 OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
 # AdamW keeps an embedding table's m and v only for the rows that ever had a gradient
@@ -842,8 +847,6 @@ def mapped_frozen_bytes(graph: Graph, first: int, last: int, device: DeviceSpec)
     block; SmolLM2 LoRA on one device: 108 MiB, the tied table, where the whole base is 513). MNN:
     `streamed_frozen_bytes`."""
     if device_engine(device) == "mnn":
-        from planner.memory_defaults import STREAM_SETS  # that module imports this one
-
         return streamed_frozen_bytes(graph, first, last, STREAM_SETS)
     return max((b.frozen_bytes for b in graph.blocks[first:last + 1]), default=0)
 

@@ -32,12 +32,11 @@ from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor, bytes_per_frozen_element, lookup_tables, quantizable, storage_for
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
-from planner.cost import (OPTIMIZER_STATE_COPIES, mapped_frozen_bytes, maps_frozen, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
+from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
                           block_input_bytes, check_blocks, double_held_bytes, engine_bytes, fused_loss_hidden_bytes,
-                          gradient_copies,
-                          in_flight_microbatches,
-                          looked_up_only, stage_memory_bytes, stage_params_bytes, stashed_weight_versions,
-                          transient_bytes, workspace_of)
+                          gradient_copies, in_flight_microbatches, looked_up_only, mapped_frozen_bytes, maps_frozen,
+                          stage_memory_bytes, stage_params_bytes, stashed_weight_versions, transient_bytes,
+                          workspace_of)
 
 # Resident memory of an idle worker runtime with MNN and a ZeroMQ link up, as
 # `runtime.profiling.memory.runtime_overhead_bytes` measured it on the development machine (55.4 MiB).
@@ -53,12 +52,6 @@ UNLIMITED_BYTES = 2 ** 62
 # engines' `runtime.engines.lm_loss.CHUNK_BYTES`, which the planner may not import; a test holds
 # the two equal), and for a head held quantized one chunk of its rows widened beside it.
 LOSS_CHUNK_BYTES = 32 << 20
-
-# Placeholder sets an MNN per-block stage streams its mapped float32 base through (the engine's
-# `runtime.engines.mnn.STREAM_SETS`, where its cost is measured; `planner.cost.streamed_frozen_bytes` charges it).
-# The planner may not import the runtime, nor the engine the planner (+5.3 MiB in every worker, measured):
-# a test holds the two equal.
-STREAM_SETS = 10
 
 
 def _fused_head_bytes(graph: Graph, block: Block, chunk_bytes: int) -> int | None:

@@ -183,7 +183,7 @@ def _hold_once(constants, name: str, var: "K.Var", parts: Mapping[str, "K.Var"] 
 # all 30 layers held 302 MiB but cost 1.7-1.8x the step, 6 sets 369-383 MiB and 1.33-1.34x, 10 sets 424-437
 # MiB and 1.30-1.32x (1.17-1.18x in another sitting), against the base held as constants (SmolLM2 LoRA r=8 per
 # block, 4 x 128, one thread, whole-process peak 694 MiB with the base held; MEMORY_NOTES.md, helper h156).
-# The planner charges it as `planner.memory_defaults.STREAM_SETS` (not imported here: the planner's modules
+# The planner charges it as `planner.cost.STREAM_SETS` (not imported here: the planner's modules
 # cost a worker +5.3 MiB; tests/planner/test_streamed_frozen.py holds the two equal).
 STREAM_SETS = 10
 

@@ -17,7 +17,8 @@ from jobs.common.memory_check import step_bytes
 from planner.cluster import DeviceSpec
 from planner.cost import STREAMED_FROZEN, stage_memory_terms, streamed_frozen_bytes
 from planner.lora import LoraSettings
-from planner.memory_defaults import STREAM_SETS, default_profile, memory_parts
+from planner.cost import STREAM_SETS
+from planner.memory_defaults import default_profile, memory_parts
 from planner.onnx_import import load_model
 from support import made_once, streamed_llama
 
