@@ -110,15 +110,16 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None,
         torch_start_up(graph, 1, activations, feeds[0])
         release_free_heap()
     setup = _setup_done()
-    planned = None
+    planned = set_up = None
     if priced:
         # as train-local prices it (`jobs.common.memory_check.local_check`): the set-up as measured + a step by
         # the memory model, the mapped base a block (PyTorch) or the placeholder sets (MNN) resident
-        # (`planner.cost.mapped_frozen_bytes`)
+        # (`planner.cost.mapped_frozen_bytes`); the step priced after the steps, as `local_check` runs: priced
+        # before them, the profile it derives left ~5 MiB resident under the steps' peak (helper h161)
         from jobs.common.memory_check import step_bytes
         from runtime.procfs import rss_bytes
 
-        planned = (rss_bytes() + step_bytes(graph, "adamw", engine_name, activations, "float32", M, mapped)) / 2**20
+        set_up = rss_bytes()
     import resource
 
     opt, losses, wall, cpu, faults = make_optimizer("adamw", LR), [], [], [], []
@@ -128,8 +129,11 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None,
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    return {"peak_mib": [max(setup, _peak_mib())], "setup_mib": setup, "train_mib": _peak_mib(), "losses": losses,
-            "step_s": wall, "step_cpu_s": cpu, "step_minor_faults": faults, **_resident_split(), **({"planned_mib": planned} if planned else {})}
+    train, resident = _peak_mib(), _resident_split()
+    if set_up is not None:
+        planned = (set_up + step_bytes(graph, "adamw", engine_name, activations, "float32", M, mapped)) / 2**20
+    return {"peak_mib": [max(setup, train)], "setup_mib": setup, "train_mib": train, "losses": losses,
+            "step_s": wall, "step_cpu_s": cpu, "step_minor_faults": faults, **resident, **({"planned_mib": planned} if planned else {})}
 
 
 def child_transformers(model: Path, steps: int, rank: int | None, checkpointing: bool) -> dict:

@@ -67,3 +67,25 @@ def test_only_a_mapped_torch_per_block_stage_is_charged_so(graph, backend, activ
     device = _device(graph, backend, activations, mapped)
     assert _terms(graph, device) == _terms(graph, replace(device, frozen_mapped=False))
     assert MAPPED_FROZEN not in _terms(graph, device).frozen_bytes
+
+
+def test_a_table_only_looked_up_is_not_charged_resident(tiny_onnx):
+    """The tiny BERT under LoRA, base mapped, on PyTorch per block: its word table is only looked up (the rows
+    gathered, the embeddings block's pages given back after its forward), so a block is charged its other frozen
+    weights, read off the graph's arrays: the embeddings block alone its position and type tables and LayerNorm,
+    the whole model its largest layer's. The merge tree of helper h161 charged the table (MiniLM NER: 45 MiB, read
+    0.85-0.88 of its plan)."""
+    from support import tiny_lora_graph
+
+    g = tiny_lora_graph(tiny_onnx["torchscript-17"])
+    gathered = {n.inputs[0] for n in g.nodes if n.op == "Gather" and n.inputs[0] in g.constants}
+    read_otherwise = {i for n in g.nodes if n.op != "Gather" for i in n.inputs}
+    only_looked_up = gathered - read_otherwise
+    frozen = [sum(int(g.constants[i].nbytes) for i in {i for name in b.nodes for i in g.node(name).inputs}
+                  if i in g.constants and i not in g.params and i not in only_looked_up
+                  and g.constants[i].dtype.kind == "f" and g.constants[i].size > 1) for b in g.blocks]  # not scalars
+    word = max(int(g.constants[t].nbytes) for t in only_looked_up)
+    assert word > 100 * frozen[0]  # charged, the table would set the embeddings block's figure
+    device = _device(g, "torch:cpu:t1", "per-block", True)
+    for last, expected in ((0, frozen[0]), (len(g.blocks) - 1, max(frozen))):
+        assert memory_parts(g, device, 0, last, 0, 1, "1f1b-flush", 1, "adamw")["frozen"] == expected
