@@ -6,9 +6,7 @@ clean-clone CI of ebb907a, tests/jobs/test_torch_full_finetune_plan.py). PyTorch
 the first run and the repeats (MNN's stays its first run: its repeats peak higher)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
-from support import gc_frozen
+from support import gc_frozen, raise_pair_first_run
 
 MIB = 2 ** 20
 
@@ -25,16 +23,8 @@ def test_a_torch_head_whose_first_run_reads_a_logits_buffer_high_is_charged_its_
     feeds = synthetic_feeds(graph, 0)
     n = len(graph.blocks)
     head = graph.blocks[n - 2]
-    real = dev.measure_stage
     high = 24 * MIB
-
-    def first_run_high(backend, spec, feeds, reps=3, activations=None):
-        got = real(backend, spec, feeds, reps, activations)
-        if (spec.first_block, spec.last_block) == (n - 2, n - 1):
-            return replace(got, workspace_bytes=got.workspace_bytes + high)
-        return got
-
-    monkeypatch.setattr(dev, "measure_stage", first_run_high)
+    raise_pair_first_run(monkeypatch, n - 2, n - 1, high)
     torch = parse_backend("torch:cpu:t1")
     with gc_frozen():  # the ~30 collections below walk only what they make (as in `profile_device`)
         repeats = [dev.peak_workspace(torch, stage_spec(graph, n - 2, n - 1), feeds) for _ in range(3)]

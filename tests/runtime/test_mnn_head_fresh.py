@@ -5,9 +5,7 @@ profile's earlier runs left: the same llama1b head read 39.4 and 46.9 MiB at 15 
 gemma3's and llama1b's head stages ran 0.98-1.00 of their plans (benchmarks/MEMORY_NOTES.md, h152, h154, h158)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
-from support import gc_frozen
+from support import gc_frozen, raise_pair_first_run
 
 MIB = 2 ** 20
 
@@ -22,16 +20,8 @@ def test_an_mnn_head_is_charged_its_fresh_stage_peak_whatever_the_profiling_heap
     graph = load_model(chat_llama[0], 1, 16)
     feeds = dev.synthetic_feeds(graph, 0)
     n = len(graph.blocks)
-    real = dev.measure_stage
     moved = 24 * MIB  # what a profiling process's heap moves the pair's first run by (one logits-sized buffer)
-
-    def first_run_moved(backend, spec, feeds, reps=3, activations=None):
-        got = real(backend, spec, feeds, reps, activations)
-        if (spec.first_block, spec.last_block) == (n - 2, n - 1):
-            return replace(got, workspace_bytes=got.workspace_bytes + moved)
-        return got
-
-    monkeypatch.setattr(dev, "measure_stage", first_run_moved)
+    raise_pair_first_run(monkeypatch, n - 2, n - 1, moved)
     mnn = parse_backend("mnn:cpu:t1")
     with gc_frozen(), FreshProcesses(mnn) as builds:
         cost = dev.measure_block(mnn, graph, graph.blocks[n - 2], feeds, reps=1, builds=builds)
