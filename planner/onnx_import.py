@@ -224,19 +224,25 @@ def read_onnx_apart(path: Path, mapped: bool = False) -> tuple[object, dict[str,
                 raise ImportError_(f"{path}: initializer {t.name!r} cannot be read ({exc}); {_DAMAGED}") from None
             if t.data_type in _HALF_TYPES:
                 t.data_type = onnx.TensorProto.FLOAT
+    # an external data file is mapped as the model file is (one mapping a file): a model past protobuf's
+    # 2 GiB keeps its weights there (the Qwen2.5-0.5B-class export: 1884 MiB), and read into memory they
+    # were the whole base in anonymous memory, whatever the run then gave back (helper h165)
+    external_views: dict[Path, object] | None = {} if mapped else None
     for t in inits:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             try:
-                _read_external(t, path.parent, arrays, onnx)
+                _read_external(t, path.parent, arrays, onnx, external_views)
             except Exception as exc:
                 raise _external_error(path, t.name, exc) from None
     return model, arrays
 
 
-def _read_external(tensor, folder: Path, arrays: dict[str, np.ndarray], onnx) -> None:
+def _read_external(tensor, folder: Path, arrays: dict[str, np.ndarray], onnx, views: dict | None = None) -> None:
     """The external data of `tensor` (a file in `folder`, at an offset) into `arrays`, or (a type
-    read only by onnx) into the message."""
-    from planner.onnx_weights import RAW_DTYPES, read_raw
+    read only by onnx) into the message. `views` (file -> its mapping, filled here): read mapped, the
+    array a read-only view onto the file's mapping where `map_raw` can view it (as `read_onnx_apart`'s
+    own weights)."""
+    from planner.onnx_weights import RAW_DTYPES, map_file, map_raw, read_raw
 
     info = {e.key: e.value for e in tensor.external_data}
     location = Path(info.get("location", ""))
@@ -253,8 +259,17 @@ def _read_external(tensor, folder: Path, arrays: dict[str, np.ndarray], onnx) ->
     dims = tuple(tensor.dims)
     nbytes = int(info["length"]) if "length" in info else \
         int(np.prod(dims, dtype=np.int64)) * np.dtype(RAW_DTYPES[tensor.data_type]).itemsize
-    with open(file, "rb") as f:
-        arrays[tensor.name] = read_raw(f, int(info.get("offset", 0)), nbytes, tensor.data_type, dims)
+    offset = int(info.get("offset", 0))
+    on_file = None
+    if views is not None:
+        if file not in views:
+            views[file] = map_file(file)
+        on_file = map_raw(views[file], offset, nbytes, tensor.data_type, dims)
+    if on_file is not None:
+        arrays[tensor.name] = on_file
+    else:
+        with open(file, "rb") as f:
+            arrays[tensor.name] = read_raw(f, offset, nbytes, tensor.data_type, dims)
     if tensor.data_type in _HALF_TYPES:
         tensor.data_type = onnx.TensorProto.FLOAT
 

@@ -287,3 +287,25 @@ def test_a_plan_emitted_from_a_model_file_truncated_since_it_was_mapped_is_refus
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.startswith(f"REFUSED ModelFileChanged {path}: the model file changed while this run used it"), \
         done.stdout
+
+
+def test_weights_beside_the_file_read_mapped_are_views_onto_that_file(tmp_path, export_dir):
+    """`load_model(mapped=True)` views the weights an external data file holds as it views the model file's own
+    (a model past protobuf's 2 GiB keeps them there: the Qwen2.5-0.5B-class export's 1884 MiB, which were read
+    into anonymous memory whatever the run gave back, 3.9 GB at train-local's set-up; helper h165): the same
+    weights are views, now onto a mapping of weights.bin, and hold what the file embedding them holds."""
+    from ir.mapped_pages import mapping_of
+    from support import wide_bert_onnx
+
+    wide = wide_bert_onnx(export_dir)  # 25 MiB of weights, most over the 64 KiB a mapping views
+    path = tmp_path / "model.onnx"
+    onnx.save(onnx.load(str(wide)), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)
+    beside, inside = load_model(path, 2, 12, mapped=True), load_model(wide, 2, 12, mapped=True)
+    viewed_inside = {k for k, v in inside.constants.items() if mapping_of(v) is not None}
+    viewed_beside = {k for k, v in beside.constants.items() if mapping_of(v) is not None}
+    assert viewed_inside and viewed_beside == viewed_inside
+    assert {len(mapping_of(beside.constants[k])) for k in viewed_beside} == {(tmp_path / "weights.bin").stat().st_size}
+    assert not any(beside.constants[k].flags.writeable for k in viewed_beside)
+    for name in inside.constants:
+        np.testing.assert_array_equal(np.asarray(beside.constants[name]), np.asarray(inside.constants[name]))
