@@ -136,7 +136,9 @@ def child_confidant(model: Path, engine_name: str, steps: int, rank: int | None,
             "step_s": wall, "step_cpu_s": cpu, "step_minor_faults": faults, **resident, **({"planned_mib": planned} if planned else {})}
 
 
-def child_transformers(model: Path, steps: int, rank: int | None, checkpointing: bool) -> dict:
+def child_transformers(model: Path, steps: int, rank: int | None, checkpointing: bool,
+                       checkpoint: Path | None = None) -> dict:
+    """transformers' model of `checkpoint` (None: SmolLM2's) trained as the confidant child trains `model`."""
     import torch
 
     from benchmarks.lora import _lm_feeds
@@ -144,7 +146,7 @@ def child_transformers(model: Path, steps: int, rank: int | None, checkpointing:
 
     torch.set_num_threads(1)
     feeds = _lm_feeds(model)
-    lm, _, _ = load_causal_lm(None)
+    lm, _, _ = load_causal_lm(checkpoint)
     if checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if rank:
@@ -172,8 +174,8 @@ def child_transformers(model: Path, steps: int, rank: int | None, checkpointing:
     return {"peak_mib": [max(setup, _peak_mib())], "setup_mib": setup, "train_mib": _peak_mib(), "losses": losses}
 
 
-def _child(args: list[str], steps: int) -> dict:
-    cmd = [sys.executable, __file__, "--steps", str(steps), "--child", *args]
+def _child(args: list[str], steps: int, model_name: str = "smollm2") -> dict:
+    cmd = [sys.executable, __file__, "--steps", str(steps), "--model", model_name, "--child", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -247,10 +249,11 @@ def _ratio(a, b) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def print_tables(rows: list[dict], plans: list[dict], steps: int) -> None:
+def print_tables(rows: list[dict], plans: list[dict], steps: int, model_name: str = "smollm2") -> None:
     """The table of `rows` (one per run, its peak per process and its plan's figure) and the targets'
     lines; `plans` the plan folder rows of benchmarks/memory_plans.py (targets 1-2), if any."""
-    print(f"\nSmolLM2-135M-Instruct, batch {LM_BATCH} x {LM_SEQ} in {M} micro-batches, AdamW, LoRA r={RANK} alpha "
+    title = {"smollm2": "SmolLM2-135M-Instruct", "qwen": "Qwen2.5-0.5B-class (random weights)"}[model_name]
+    print(f"\n{title}, batch {LM_BATCH} x {LM_SEQ} in {M} micro-batches, AdamW, LoRA r={RANK} alpha "
           f"{ALPHA:g} on q,k,v,o; {steps} steps, one thread")
     print(f"{'run':54s} {'setup':>6s} {'train':>6s} {'peak MiB (per process)':>24s} {'planned MiB':>24s} "
           f"{'planned/measured':>17s}")
@@ -311,19 +314,26 @@ def main() -> None:
     parser.add_argument("--plans", default="", help="also plan and train from a plan folder, planned vs measured "
                         "per device (benchmarks/memory_plans.py: e.g. smollm2,qwen; issue 31 targets 1-3)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--model", choices=("smollm2", "qwen"), default="smollm2",
+                        help="the model of the one-device rows: smollm2 (SmolLM2-135M-Instruct) or qwen "
+                        "(benchmarks/memory_plans.py's random Qwen2.5-0.5B-class export; its transformers folder "
+                        "made beside it for the PEFT rows; one-device LoRA rows only: --skip-full --skip-plan)")
     parser.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from benchmarks.llm import smollm2_model
+    from benchmarks.memory_plans import hf_checkpoint, model_path
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = smollm2_model()
+    model = model_path(args.model)
+    if args.model != "smollm2" and not (args.skip_full and args.skip_plan):
+        parser.error(f"--model {args.model}: the one-device LoRA rows only (--skip-full --skip-plan)")
     if args.child:
         kind, rank = args.child[0], int(args.child[1]) or None
         if kind in ("mnn", "torch"):
             out = child_confidant(model, kind, args.steps, rank, args.child[2] if len(args.child) > 2 else None,
                                   mapped="mapped" in args.child[3:])
         else:
-            out = child_transformers(model, args.steps, rank, kind == "transformers-ckpt")
+            out = child_transformers(model, args.steps, rank, kind == "transformers-ckpt",
+                                     None if args.model == "smollm2" else hf_checkpoint(args.model))
         print(json.dumps(out))
         return
     rows: list[dict] = []
@@ -331,7 +341,7 @@ def main() -> None:
     def measure(name: str, child_args: list[str], planned: float | None = None) -> dict:
         print(f"... {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        measured = _child(child_args, args.steps)
+        measured = _child(child_args, args.steps, args.model)
         row = {"name": name, **measured, "planned_mib": planned if planned is not None else measured.get("planned_mib"),
                "seconds": time.perf_counter() - t0}
         rows.append(row)
@@ -388,7 +398,7 @@ def main() -> None:
             rows.append({"name": f"confidant LoRA int4 {q['model']} {q['devices']} x {q['budget_mib']} MiB plan",
                          "peak_mib": q["measured_mib"], "planned_mib": q["planned_mib"]})
 
-    print_tables(rows, plans, args.steps)
+    print_tables(rows, plans, args.steps, args.model)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str))
 

@@ -196,6 +196,18 @@ def model_path(name: str) -> Path:
     return onnx
 
 
+def hf_checkpoint(name: str) -> Path:
+    """The transformers folder of a random model of MODELS (`name`), for reference runs (PEFT) on the weights
+    its cached export holds: made again with the export's seed (the export deletes its own), kept beside it."""
+    shape = dict(MODELS[name][2])
+    shape.pop("export_flags", None)
+    folder = model_path(name).parent / "transformers"
+    if not (folder / "config.json").is_file():
+        env = {**os.environ, **_ENV}
+        subprocess.run([sys.executable, "-c", _MAKE_RANDOM, str(folder), json.dumps(shape)], check=True, env=env)
+    return folder
+
+
 def _cluster(path: Path, profile: Path, devices: int, budget_mib, engine: str = "mnn") -> Path:
     budgets = budget_mib if isinstance(budget_mib, list) else [budget_mib] * devices
     path.write_text("devices:\n" + "".join(
