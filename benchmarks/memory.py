@@ -32,6 +32,8 @@ benchmarks/memory_quantized.py when it is there.
     python benchmarks/memory.py [--steps 2] [--json rows.json] [--skip-full] [--skip-plan]
     python benchmarks/memory.py --steps 3 --child mnn 8 per-block     (one row's child alone: JSON)
     python benchmarks/memory.py --steps 3 --child mnn 8 per-block mapped    (the same, the base read mapped)
+    python benchmarks/memory.py --model qwen --skip-full --skip-plan   (the Qwen2.5-0.5B-class export's LoRA rows
+        and PEFT / PEFT + grad ckpt on it; a child alone: --model qwen --child transformers-ckpt 8)
 """
 from __future__ import annotations
 
