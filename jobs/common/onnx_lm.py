@@ -17,7 +17,14 @@ from tasks.causal_lm.evaluation import InstructionScores, evaluate_instructions
 from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, lm_metadata
 from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
-__all__ = ["evaluate_lm", "held_quantized_copy", "open_lm", "stored_replaced"]
+__all__ = ["RANGE_BYTES", "evaluate_lm", "held_quantized_copy", "open_lm", "stored_replaced"]
+
+# the weights one part of the cache graph reads when generation runs it a block range at a time over a
+# mapped float32 base (`planner.onnx_quantize.write_layer_ranges`); None: as many layers as the largest
+# weight outside them, the head's tied table that its own part reads whole. Each ONNX Runtime session adds
+# its own heap: SmolLM2 one layer a part (32 sessions) read 634 MiB whole life, 4 layers (10) 568, the
+# table's 113 MB of layers (8 layers, 6 sessions) see MEMORY_NOTES (helper h163)
+RANGE_BYTES: int | None = None
 
 
 def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
@@ -61,7 +68,8 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
 
     from ir.precision import QuantizedTensor, base_dtype_of
     from planner.onnx_import import read_onnx_apart
-    from planner.onnx_quantize import Unwritten, last_position_only, read_by_rows, write_with_weights
+    from planner.onnx_quantize import (Unwritten, last_position_only, read_by_rows, write_layer_ranges,
+                                       write_with_weights)
     from planner.onnx_weights import drop_mapped_pages
 
     model, folder = Path(model), Path(folder)
@@ -103,6 +111,8 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     done = write_with_weights(proto, weights, folder / runs.name, base_dtype) + sorted(tables)
     drop_mapped_pages(arrays.values())
     del proto, arrays, weights
+    if shared and runs is not model:  # the cache graph run a block range at a time (`OnnxCausalLM`'s parts)
+        meta["kv_parts"] = write_layer_ranges(folder / runs.name, RANGE_BYTES)
     for other in model.parent.iterdir():
         if not (folder / other.name).exists() and other.name != runs.name:
             (folder / other.name).symlink_to(other.resolve())
@@ -166,5 +176,8 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
         copy = held_quantized_copy(Path(model), held, initializers, Path(folder), branches, shared)
         initializers = branches = None  # written into the copy: a caller that passed them alone lets them go here
         lm, tokenizer = open_lm(copy, shared or None, threads, prepack)
-        with PagesGivenBackWhile(read_only_mappings((shared or {}).values())):
+        # the cache graph run in parts gives each part's pages back after its run; a graph that could not be
+        # cut so (`write_layer_ranges`) has them given back on a timer instead
+        ranged = bool((lm.meta or {}).get("kv_parts"))
+        with PagesGivenBackWhile(() if ranged else read_only_mappings((shared or {}).values())):
             return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)
