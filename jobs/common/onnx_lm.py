@@ -61,7 +61,8 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     float32 arrays, a float32 LoRA run's graph) is read by rows too (products a Gemm over the weight as it
     is, no transposed copies; the last logits only; adapters beside it) and its arrays are given in
     `shared` for the session to read in place (`open_lm`'s initializers: ONNX Runtime shares them, no
-    second copy); the copy's file then stores them only as zeros of a sparse file, never read. The float32
+    second copy); the copy's file then stores them only as zeros of a sparse file, never read, and its cache
+    graph is written again as parts over layer ranges (`kv_parts` in its NAME.lm.json; `RANGE_BYTES`). The float32
     file's session held its weights twice and their transposed copies (SmolLM2 float32's generation 1742 MiB
     against training's 888; helper h101). Returns the copy's NAME.onnx."""
     import json
@@ -159,10 +160,13 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
     it holds them (`held_quantized_copy`: a float32 file's base replaced by `held`'s quantized weights,
     `initializers` written in, and `branches`: LoRA adapters beside their base), not over the float32 file;
     `float_base`: `held`'s float32 arrays too, read in place (`held_quantized_copy`'s `shared`); where they
-    lie in a read-only mapping of the file (train-local's mapped base), their pages are given back every few
-    ms while it generates (`PagesGivenBackWhile`): one run of the session reads the whole base, which stayed
-    resident (SmolLM2 LoRA float32, torch per block: train-local's whole life 991 -> 577-593 MiB, its
-    generation 1.0-2.2x as long, ~420k more minor faults each; helper h159)."""
+    lie in a read-only mapping of the file (train-local's mapped base), one run of one session over the
+    cache graph read the whole base, which stayed resident (SmolLM2 LoRA float32, torch per block:
+    train-local's whole life 991 MiB; helper h159): the cache graph is run as sessions over layer ranges
+    (`planner.onnx_quantize.write_layer_ranges`), each part's pages given back after its run, so a step holds
+    one part's weights whatever the machine's load (550-557 MiB, its generation at training's level; a timer
+    giving the pages back every 5 ms, h159's, was starved at load 9-12 and rose to 783-862; helper h163). A
+    graph that cannot be cut so has its pages given back on that timer (`PagesGivenBackWhile`)."""
     conversations = read_instructions(data)[:limit]
     if not conversations:
         raise JobError(f"{data}: no conversations")

@@ -1,10 +1,11 @@
 """Issue 31 target 4, evaluation included: train-local's generation over a float32 LoRA base read mapped
 (torch, per block) runs ONNX Runtime over the mapped arrays in place (`held_quantized_copy`'s `shared`), and
 one run of its session reads the whole base, so every page of it stayed resident (SmolLM2: 990-1028 MiB whole
-process against training's 550). A thread gives the mapping's pages back every few milliseconds while it
-generates (`ir.mapped_pages.PagesGivenBackWhile`): the pages are a read-only file mapping's, so one given back
-while it is read is faulted in again, the same bytes (SmolLM2: 561-568 MiB; benchmarks/MEMORY_NOTES.md,
-helper h159)."""
+process against training's 550). A thread gave the mapping's pages back every few milliseconds while it
+generated (SmolLM2: 561-568 MiB, helper h159), but a starved thread let them rise (783-862 at load 9-12); the
+cache graph now runs as sessions over layer ranges, each part's pages given back after its run by the thread
+that runs them (`planner.onnx_quantize.write_layer_ranges`, `tasks.causal_lm.generate`; helper h163): the
+pages are a read-only file mapping's, so one given back is faulted in again from the file, the same bytes."""
 from __future__ import annotations
 
 import pytest
