@@ -27,6 +27,7 @@ ir/precision.py) and refuse another precision, which would round the rounded wei
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Mapping
 
@@ -615,6 +616,136 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1)).cast("B")
 
 
+# a node of layer N as the exporters name it: torch's "/model/layers.3/mlp/..." and `read_by_rows`'s
+# "model.layers.3.mlp.up_proj.weight.q_use0_0_x2"
+_LAYER = re.compile(r"(?:^|[./])(?:layers|h|layer|blocks)[./](\d+)[./]")
+
+
+def write_layer_ranges(path: Path, range_bytes: int | None = None) -> list[tuple[str, list[str]]] | None:
+    """Write the ONNX causal LM at `path` (its weights external, as `write_with_weights` writes a copy
+    that shares them) again as parts run one after another, each a model of its own beside it
+    (`NAME.partK.onnx`, the same external data file): the nodes before the first layer (the
+    embedding, the mask's and positions' arithmetic), consecutive layers whose weights come to at most
+    `range_bytes` (one layer at least; None: the largest weight outside the layers, which its part reads
+    whole anyway, a tied table), and what follows the last layer (the final norm and the head).
+    Each part takes the values it reads that an earlier part made (the hidden state, the mask, the
+    rotary tables) or the graph's inputs, and gives those a later part reads or the graph gives: run in
+    order over one dict of values they compute what the whole graph computes, node for node. Why:
+    one run of a session reads every weight it holds, and a reader of a mapped float32 base can give a
+    part's pages back only between runs (SmolLM2's generation held its 513 MB base; MEMORY_NOTES,
+    helpers h159, h163). Returns each part's file name and the initializers it reads, in order, or None
+    (nothing written) when the
+    graph cannot be cut so (no layer names, a node with a subgraph, a layer reading a later part)."""
+    import onnx
+    from onnx import ModelProto, helper, shape_inference
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        return None
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output if o}
+    order = _topological(graph.node, producer)
+    layer_of = {}
+    for n in order:
+        found = _LAYER.search(n.name)
+        if found:
+            layer_of[id(n)] = int(found.group(1))
+    if not layer_of:
+        return None
+    weight = {}  # bytes of the weights each layer reads
+    for n in order:
+        if id(n) in layer_of:
+            for i in n.input:
+                if i in inits:
+                    weight.setdefault(layer_of[id(n)], {})[i] = _tensor_bytes(inits[i])
+    if range_bytes is None:  # what the part before or after the layers reads whole anyway (a tied table)
+        range_bytes = max((_tensor_bytes(inits[i]) for n in order if id(n) not in layer_of for i in n.input
+                           if i in inits), default=0)
+    part_of_layer, part, held = {}, 0, None
+    for layer in range(max(layer_of.values()) + 1):
+        size = sum(weight.get(layer, {}).values())
+        if held is None or held + size > range_bytes:
+            part, held = part + 1, 0
+        part_of_layer[layer], held = part, held + size
+    last, head = part, part + 1
+    part_of: dict[int, int | None] = {}
+    for n in order:
+        made = [part_of[id(producer[i])] for i in n.input if i in producer]
+        made = [p for p in made if p is not None]
+        if id(n) in layer_of:
+            p = part_of_layer[layer_of[id(n)]]
+            if made and max(made) > p:
+                return None
+        elif not n.input:
+            p = None  # a Constant: copied into each part that reads it
+        else:
+            p = max(made, default=0)
+            p = head if p == last else p
+        part_of[id(n)] = p
+    readers: dict[str, set[int]] = {}
+    for n in order:
+        if part_of[id(n)] is not None:
+            for i in n.input:
+                readers.setdefault(i, set()).add(part_of[id(n)])
+    inferred = shape_inference.infer_shapes(model)
+    types = {v.name: v.type for v in [*inferred.graph.value_info, *graph.input, *graph.output]}
+    given = {o.name for o in graph.output}
+    names, parts = [], []
+    for k in range(head + 1):
+        nodes = [n for n in order if part_of[id(n)] == k]
+        if not nodes:
+            continue
+        read = {i for n in nodes for i in n.input if i}
+        nodes = [n for n in order if part_of[id(n)] is None and set(n.output) & read] + nodes
+        made = {o for n in nodes for o in n.output if o}
+        ins = sorted(read - made - set(inits))
+        outs = sorted(o for o in made if o in given or any(r > k for r in readers.get(o, ())))
+        if any(v not in types for v in ins + outs):
+            return None
+        part = ModelProto()
+        part.CopyFrom(model)
+        del part.graph.node[:], part.graph.initializer[:], part.graph.input[:], part.graph.output[:]
+        part.graph.ClearField("value_info")
+        part.graph.node.extend(nodes)
+        part.graph.initializer.extend(inits[i] for i in sorted(read & set(inits)))
+        part.graph.input.extend(helper.make_value_info(v, types[v]) for v in ins)
+        part.graph.output.extend(helper.make_value_info(v, types[v]) for v in outs)
+        names.append((f"{path.stem}.part{len(names)}.onnx", sorted(read & set(inits))))
+        parts.append(part)
+    for (name, _), part in zip(names, parts):
+        (path.parent / name).write_bytes(part.SerializeToString())
+    return names
+
+
+def _topological(nodes, producer) -> list:
+    """`nodes` in an order where each comes after the producers of its inputs (`last_position_only`
+    appends its Slice at the end: ONNX Runtime orders a graph's nodes itself)."""
+    done, order = set(), []
+    for start in nodes:
+        stack = [(start, False)]
+        while stack:
+            n, ready = stack.pop()
+            if id(n) in done:
+                continue
+            if ready:
+                done.add(id(n))
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((producer[i], False) for i in n.input if i in producer and id(producer[i]) not in done)
+    return order
+
+
+def _tensor_bytes(t) -> int:
+    """A TensorProto's bytes, its data external or not."""
+    from onnx import helper
+
+    count = int(np.prod(t.dims)) if len(t.dims) else 1
+    return count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+
+
 __all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "Unwritten", "last_position_only", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
            "recorded_base_dtype", "INLINE_LIMIT", "take_weight_inputs",
-           "widen_parts", "widen_stored_weights", "with_float_weights", "write_quantized", "write_with_weights"]
+           "widen_parts", "widen_stored_weights", "with_float_weights", "write_layer_ranges", "write_quantized",
+           "write_with_weights"]

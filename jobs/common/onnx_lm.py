@@ -17,7 +17,14 @@ from tasks.causal_lm.evaluation import InstructionScores, evaluate_instructions
 from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, lm_metadata
 from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
-__all__ = ["evaluate_lm", "held_quantized_copy", "open_lm", "stored_replaced"]
+__all__ = ["RANGE_BYTES", "evaluate_lm", "held_quantized_copy", "open_lm", "stored_replaced"]
+
+# the weights one part of the cache graph reads when generation runs it a block range at a time over a
+# mapped float32 base (`planner.onnx_quantize.write_layer_ranges`); None: as many layers as the largest
+# weight outside them, the head's tied table that its own part reads whole. Each ONNX Runtime session adds
+# its own heap: SmolLM2 one layer a part (32 sessions) read 634 MiB whole life, 4 layers (10) 568, the
+# table's 113 MB of layers (8 layers, 6 sessions) see MEMORY_NOTES (helper h163)
+RANGE_BYTES: int | None = None
 
 
 def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
@@ -54,14 +61,16 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     float32 arrays, a float32 LoRA run's graph) is read by rows too (products a Gemm over the weight as it
     is, no transposed copies; the last logits only; adapters beside it) and its arrays are given in
     `shared` for the session to read in place (`open_lm`'s initializers: ONNX Runtime shares them, no
-    second copy); the copy's file then stores them only as zeros of a sparse file, never read. The float32
+    second copy); the copy's file then stores them only as zeros of a sparse file, never read, and its cache
+    graph is written again as parts over layer ranges (`kv_parts` in its NAME.lm.json; `RANGE_BYTES`). The float32
     file's session held its weights twice and their transposed copies (SmolLM2 float32's generation 1742 MiB
     against training's 888; helper h101). Returns the copy's NAME.onnx."""
     import json
 
     from ir.precision import QuantizedTensor, base_dtype_of
     from planner.onnx_import import read_onnx_apart
-    from planner.onnx_quantize import Unwritten, last_position_only, read_by_rows, write_with_weights
+    from planner.onnx_quantize import (Unwritten, last_position_only, read_by_rows, write_layer_ranges,
+                                       write_with_weights)
     from planner.onnx_weights import drop_mapped_pages
 
     model, folder = Path(model), Path(folder)
@@ -103,6 +112,8 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     done = write_with_weights(proto, weights, folder / runs.name, base_dtype) + sorted(tables)
     drop_mapped_pages(arrays.values())
     del proto, arrays, weights
+    if shared and runs is not model:  # the cache graph run a block range at a time (`OnnxCausalLM`'s parts)
+        meta["kv_parts"] = write_layer_ranges(folder / runs.name, RANGE_BYTES)
     for other in model.parent.iterdir():
         if not (folder / other.name).exists() and other.name != runs.name:
             (folder / other.name).symlink_to(other.resolve())
@@ -149,10 +160,13 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
     it holds them (`held_quantized_copy`: a float32 file's base replaced by `held`'s quantized weights,
     `initializers` written in, and `branches`: LoRA adapters beside their base), not over the float32 file;
     `float_base`: `held`'s float32 arrays too, read in place (`held_quantized_copy`'s `shared`); where they
-    lie in a read-only mapping of the file (train-local's mapped base), their pages are given back every few
-    ms while it generates (`PagesGivenBackWhile`): one run of the session reads the whole base, which stayed
-    resident (SmolLM2 LoRA float32, torch per block: train-local's whole life 991 -> 577-593 MiB, its
-    generation 1.0-2.2x as long, ~420k more minor faults each; helper h159)."""
+    lie in a read-only mapping of the file (train-local's mapped base), one run of one session over the
+    cache graph read the whole base, which stayed resident (SmolLM2 LoRA float32, torch per block:
+    train-local's whole life 991 MiB; helper h159): the cache graph is run as sessions over layer ranges
+    (`planner.onnx_quantize.write_layer_ranges`), each part's pages given back after its run, so a step holds
+    one part's weights whatever the machine's load (550-557 MiB, its generation at training's level; a timer
+    giving the pages back every 5 ms, h159's, was starved at load 9-12 and rose to 783-862; helper h163). A
+    graph that cannot be cut so has its pages given back on that timer (`PagesGivenBackWhile`)."""
     conversations = read_instructions(data)[:limit]
     if not conversations:
         raise JobError(f"{data}: no conversations")
@@ -166,5 +180,8 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
         copy = held_quantized_copy(Path(model), held, initializers, Path(folder), branches, shared)
         initializers = branches = None  # written into the copy: a caller that passed them alone lets them go here
         lm, tokenizer = open_lm(copy, shared or None, threads, prepack)
-        with PagesGivenBackWhile(read_only_mappings((shared or {}).values())):
+        # the cache graph run in parts gives each part's pages back after its run; a graph that could not be
+        # cut so (`write_layer_ranges`) has them given back on a timer instead
+        ranged = bool((lm.meta or {}).get("kv_parts"))
+        with PagesGivenBackWhile(() if ranged else read_only_mappings((shared or {}).values())):
             return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)

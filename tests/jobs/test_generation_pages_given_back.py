@@ -1,10 +1,11 @@
 """Issue 31 target 4, evaluation included: train-local's generation over a float32 LoRA base read mapped
 (torch, per block) runs ONNX Runtime over the mapped arrays in place (`held_quantized_copy`'s `shared`), and
 one run of its session reads the whole base, so every page of it stayed resident (SmolLM2: 990-1028 MiB whole
-process against training's 550). A thread gives the mapping's pages back every few milliseconds while it
-generates (`ir.mapped_pages.PagesGivenBackWhile`): the pages are a read-only file mapping's, so one given back
-while it is read is faulted in again, the same bytes (SmolLM2: 561-568 MiB; benchmarks/MEMORY_NOTES.md,
-helper h159)."""
+process against training's 550). A thread gave the mapping's pages back every few milliseconds while it
+generated (SmolLM2: 561-568 MiB, helper h159), but a starved thread let them rise (783-862 at load 9-12); the
+cache graph now runs as sessions over layer ranges, each part's pages given back after its run by the thread
+that runs them (`planner.onnx_quantize.write_layer_ranges`, `tasks.causal_lm.generate`; helper h163): the
+pages are a read-only file mapping's, so one given back is faulted in again from the file, the same bytes."""
 from __future__ import annotations
 
 import pytest
@@ -12,30 +13,84 @@ import pytest
 from support import LIFE_PEAK_PROLOGUE, run_child
 
 
-def test_the_pages_given_back_while_generating_leave_the_greedy_tokens_as_they_were(chat_llama, monkeypatch):
-    """The session's chat Llama mapped: its answers with the pages given back all the time equal those
-    with none given back, and the give-back ran while it generated (over the graph's one mapping)."""
-    import ir.mapped_pages as pages
+def _resident_kib(mapping) -> int:
+    """Resident KiB of the file mapping `mapping` (an mmap), from /proc/self/smaps: what the kernel counts."""
+    import numpy as np
+
+    address = np.frombuffer(mapping, np.uint8, count=1).__array_interface__["data"][0]
+    inside = False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0] and ":" not in line.split(" ", 1)[0]:
+            low, high = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError("no such mapping")
+
+
+def test_the_cache_graph_run_a_layer_at_a_time_holds_one_part_of_the_mapped_base(chat_llama, monkeypatch):
+    """The session's chat Llama mapped, generation's cache graph run one layer a part (`RANGE_BYTES` 1 byte):
+    its greedy answers equal the one session's over the whole graph, and after each part's run the mapped base
+    holds no more than that part's weights (read from /proc/self/smaps; the pages are given back between
+    runs, from the thread that runs them, so no load on the machine moves it). With the give-back a no-op
+    the base after the last parts holds every layer's weights: the bound FAILS."""
+    import jobs.common.onnx_lm as onnx_lm
+    import planner.onnx_quantize as quantize
+    import tasks.causal_lm.generate as generate
+    from ir.mapped_pages import give_back_pages, read_only_mappings
     from jobs.common.onnx_lm import evaluate_lm
     from planner.onnx_import import load_model
     from tasks.causal_lm.generate import GenerationSettings
 
     model, _, dev = chat_llama
     held = load_model(model, 1, 16, mapped=True).constants
+    mapping, = read_only_mappings(v for v in held.values() if getattr(v, "dtype", None) == "float32")
     settings = GenerationSettings(max_new_tokens=16)
 
     def answers():
         return evaluate_lm(model, dev, settings, batch=8, limit=4, threads=1, perplexity=False, prepack=False,
                            held=held, float_base=True).predictions
 
-    monkeypatch.setattr(pages, "GIVE_BACK_EVERY_S", 3600.0)  # none given back while it generates
-    kept = answers()
-    given = []
-    give_back = pages.give_back_pages
-    monkeypatch.setattr(pages, "give_back_pages", lambda m: (given.append(len(m)), give_back(m)))
-    monkeypatch.setattr(pages, "GIVE_BACK_EVERY_S", 0.0002)
-    assert answers() == kept
-    assert len(given) > 20 and set(given) == {1}, (len(given), set(given))
+    cut = quantize.write_layer_ranges
+    monkeypatch.setattr(quantize, "write_layer_ranges", lambda *a: None)  # one session over the whole graph
+    whole = answers()
+    monkeypatch.setattr(quantize, "write_layer_ranges", cut)
+    monkeypatch.setattr(onnx_lm, "RANGE_BYTES", 1)
+    runs = []  # (part, its weights' KiB, how many, the base's resident KiB after its run), each part's runs
+    parts_in_order = generate._PartsInOrder
+
+    class Measured(parts_in_order):
+        def __init__(self, sessions, weights, initializers):
+            super().__init__(sessions, weights, initializers)
+            for k, (session, keep, taken, outputs, read) in enumerate(self.parts):
+                self.parts[k] = (_Reading(k, session, read, runs, mapping), keep, taken, outputs, read)
+
+    monkeypatch.setattr(generate, "_PartsInOrder", Measured)
+    give_back_pages([mapping])
+    assert answers() == whole
+    base_kib = sum(v.nbytes for v in held.values() if getattr(v, "dtype", None) == "float32") // 1024
+    assert len({part for part, _, _, _ in runs}) >= 4, runs  # the embedding, each layer, the head
+    # over a part's own weights: their pages rounded out to whole pages and the kernel's fault-around (64 KiB
+    # windows of pages already cached) at each array's two edges
+    over = [(resident - own, arrays) for _, own, arrays, resident in runs]
+    assert all(kib <= 2 * 64 * arrays for kib, arrays in over), (base_kib, max(over), runs[:8])
+
+
+class _Reading:
+    """A part's session whose runs record (the part, its weights' KiB and how many, the mapped base's
+    resident KiB just after)."""
+
+    def __init__(self, part, session, read, runs, mapping):
+        self.part, self.session, self.runs, self.mapping = part, session, runs, mapping
+        self.own, self.arrays = sum(a.nbytes for a in read) // 1024, len(read)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def run(self, outputs, feeds):
+        got = self.session.run(outputs, feeds)
+        self.runs.append((self.part, self.own, self.arrays, _resident_kib(self.mapping)))
+        return got
 
 
 # train-local's causal-LM job on a fresh process: VmHWM read and started again around each generation
