@@ -71,6 +71,21 @@ def lora_record(lora: LoraSettings | None) -> PlannedLora | None:
     return PlannedLora(lora.rank, float(lora.alpha), tuple(lora.targets), tuple(lora.train_also), int(lora.seed))
 
 
+def with_base_mapped(cluster: Cluster, float32_lora: bool) -> Cluster:
+    """`cluster` with every device marked as reading a float32 LoRA base mapped (`DeviceSpec.frozen_mapped`)
+    where the plan is written with its base weights file (`plan` always: base.safetensors beside the
+    bundles): its workers hold that file (`train PLAN`'s local workers; a remote one started with
+    `confidant worker --base`) and view a stage's frozen weights on a mapping of it, which a per-block
+    engine reads a block at a time (runtime.pipeline.bundles.rebuild_weights); the cost model charges such
+    a stage so only where its engine and activations map (`planner.cost.maps_frozen`). A plan run from
+    memory (`train-pipeline`) ships whole bundles and is not marked. A worker started without the base file
+    receives its weights into memory and holds the stage's whole base beside the plan's figure."""
+    if not float32_lora:
+        return cluster
+    return dataclasses.replace(cluster, devices=tuple(dataclasses.replace(d, frozen_mapped=True)
+                                                      for d in cluster.devices))
+
+
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
                reporter: Reporter = Silent(), sign=None) -> Path:
     """Write the plan folder `output` for `model` over the cluster in `cluster_file`; returns it.
@@ -81,7 +96,8 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         raise JobError(f"--batch {settings.batch} must be a multiple of --microbatches {M}")
     if settings.on_failure not in FAILURE_POLICIES:
         raise FlagError(f"--on-failure must be {' or '.join(FAILURE_POLICIES)}, not {settings.on_failure!r}")
-    cluster = load_cluster(cluster_file)
+    cluster = with_base_mapped(load_cluster(cluster_file),
+                               settings.lora is not None and settings.lora.base_dtype == "float32")
     reserve = snapshot_reserve(cluster, settings.on_failure)
     if any(reserve.values()):
         reporter.note(f"planning a pipeline within each device's budget less {max(reserve.values()) / 2**20:.0f} MiB "
