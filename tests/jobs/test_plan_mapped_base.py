@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-
 from ir.bundle import load_plan
 from jobs.common.lora import adapted
 from jobs.planning import PlanSettings, plan_model
