@@ -786,16 +786,6 @@ def looked_up_only(graph: Graph) -> frozenset[str]:
     return tables - read
 
 
-def stage_looked_up_only(graph: Graph, first: int, last: int) -> frozenset[str]:
-    """The tables that nothing of blocks first..last but lookups reads: `looked_up_only`'s, and a tied table on a
-    stage without the LM head that reads it (a pipeline's first stage: SmolLM2's 108 MiB table, which a mapped
-    PyTorch stage 0 of 8 layers was charged whole, 376 MiB planned against 283 measured)."""
-    nodes = [graph.node(n) for b in graph.blocks[first:last + 1] for n in (*b.nodes, *b.host_nodes)]
-    gathered = {n.inputs[0] for n in nodes if n.op == "Gather"}
-    read = {i for n in nodes for k, i in enumerate(n.inputs) if n.op != "Gather" or k > 0}
-    return frozenset(gathered - read) | looked_up_only(graph)
-
-
 def double_held_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Bytes of the parameters of blocks first..last the device holds once more than other weights:
     on MNN, an embedding table that an op of an MNN graph also reads anywhere in the model (a tied LM
@@ -856,7 +846,7 @@ def mapped_frozen_bytes(graph: Graph, first: int, last: int, device: DeviceSpec)
     tree of helper h161, 0.79-0.81 once the local trainer gave its free heap back). MNN: `streamed_frozen_bytes`."""
     if device_engine(device) == "mnn":
         return streamed_frozen_bytes(graph, first, last, STREAM_SETS)
-    looked_up = stage_looked_up_only(graph, first, last)
+    looked_up = looked_up_only(graph)
     params = set(graph.params)
 
     def resident(b) -> int:
