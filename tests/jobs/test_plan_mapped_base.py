@@ -1,8 +1,7 @@
 """Issue 31 target 4 for pipelines: `plan` for LoRA over a float32 base writes base.safetensors, whose copy its
 workers hold and map (runtime.pipeline.bundles.rebuild_weights), so a PyTorch stage recomputing per block is
 charged the mapped term in plan.json (`planner.cost.MAPPED_FROZEN`), by hand off the graph's arrays: its
-largest block's frozen weights, a table the stage only looks up left out (the embeddings' stage of a tied
-model: the head that reads the table whole is another stage's); an MNN stage (its worker maps it too) and a
+largest block's frozen weights (a tied table charged to the embeddings' block and the head's alike); an MNN stage (its worker maps it too) and a
 base held int4 are charged their whole base, as before. The plan's figure is the sum of its terms (the
 partition instance bounds the search with the whole base; the plan is re-costed)."""
 from __future__ import annotations
@@ -51,11 +50,10 @@ def test_a_float32_lora_plan_charges_its_torch_per_block_stages_their_mapped_bas
     for d in plan.devices:
         first, last = d.blocks
         looked_up = {graph.node(x).inputs[0] for x in graph.blocks[0].nodes if graph.node(x).op == "Gather"}
-        head_reads = last >= n - 2
 
         def frozen(b) -> int:  # the block's frozen weights (products' and norms'), by hand
             read = {i for x in b.nodes if graph.node(x).op in ("MatMul", "RMSNorm") for i in graph.node(x).inputs[1:2]}
-            if head_reads and b.index == n - 2:  # the tied head reads the table whole
+            if b.index in (0, n - 2):  # the tied table: looked up by the one, read whole by the other
                 read |= looked_up
             return sum(int(graph.constants[i].nbytes) for i in read if i in graph.constants and i not in params)
 
