@@ -137,6 +137,9 @@ CONFIGS = {
     "smollm2-torch": ("smollm2", {"engine": "torch", "budget": 320}),
     "smollm2-torch-roomy": ("smollm2", {"engine": "torch", "budget": 1024}),  # the same where keeping fits
     "smollm2-torch-float32": ("smollm2", {"engine": "torch", "budget": 320, "base_dtype": "float32"}),
+    # the same where its workers read the base mapped (issue 31 target 4, helper h162): 408 MiB, where one device
+    # (412.6 MiB planned) does not fit and three per-block stages do
+    "smollm2-torch-float32-mapped": ("smollm2", {"engine": "torch", "budget": 408, "base_dtype": "float32"}),
     "smollm2-torch-stash": ("smollm2", {"engine": "torch", "budget": 320, "schedule": "1f1b-stash"}),
     "smollm2-torch-2bw": ("smollm2", {"engine": "torch", "budget": 320, "schedule": "2bw", "update_every": 2,
                                        "devices": 2}),

@@ -134,6 +134,17 @@ def activations_mode(value: str | None) -> tuple[str | None, int]:
                      f"'{HYBRID}K' (K > 0 blocks keeping their caches) or None")
 
 
+def maps_frozen_base(engine: str, activations: str | None) -> bool:
+    """Whether a stage of `engine` with `activations` reads a float32 frozen base from a mapping of its file,
+    a few blocks' pages resident at a time, where the run has the file (train-local's model, a pipeline
+    worker's copy of the plan's base weights): PyTorch recomputing per block gives each block's pages back
+    after its use (`runtime.engines.pytorch`); MNN exactly "per-block" (no block keeping its caches) streams
+    them through placeholder sets (`runtime.engines.mnn._FrozenStream`). The one rule the planner's charge
+    (`planner.cost.maps_frozen`) and the worker's reading (`runtime.pipeline.bundles.rebuild_weights`) share."""
+    mode, cached = activations_mode(activations)
+    return mode == "per-block" and (engine == "torch" or (engine == "mnn" and cached == 0))
+
+
 def valid_activations(value) -> bool:
     """Whether `value` is an activations choice (`activations_mode`)."""
     try:

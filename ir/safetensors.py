@@ -111,18 +111,38 @@ class HashedTensors:
     nbytes: int
 
 
-def hash_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> HashedTensors:
+# how many bytes of mapped tensors `hash_tensors(give_back=True)` reads before it gives their pages back
+_HASH_CHUNK = 8 << 20
+
+
+def hash_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None,
+                 give_back: bool = False) -> HashedTensors:
     """`tensors` with the SHA-256 of `encode_safetensors(tensors, metadata)`, hashed one tensor at a
-    time in file order: every byte the file would hold is hashed, and no second copy is made."""
+    time in file order: every byte the file would hold is hashed, and no second copy is made. With
+    `give_back`, the pages of tensors that lie on a read-only file mapping (`map_safetensors`) are given
+    back as the hash reads them (`ir.mapped_pages.PagesGivenBack`), every `_HASH_CHUNK` bytes: a stage's
+    mapped base is resident a chunk at a time while it is checked, not whole (nor one whole tensor: SmolLM2's
+    stage 0 over its mapped base peaked at 219-247 MiB in its set-up, planned 206, hashing the 108 MiB table)."""
+    from ir.mapped_pages import PagesGivenBack
+
     arrays = _checked_arrays(tensors)
     prefix, order = _layout(arrays, metadata)
     digest = hashlib.sha256(prefix)
     total = len(prefix)
+    pages = PagesGivenBack(_HASH_CHUNK) if give_back else None
     for name in order:
         raw = _raw(arrays[name])
         if raw.size:
-            digest.update(raw.reshape(-1).view(np.uint8))
+            flat = raw.reshape(-1).view(np.uint8)
+            if pages is None:
+                digest.update(flat)
+            else:  # a chunk at a time: one tensor read whole held it resident (SmolLM2's 108 MiB table)
+                for start in range(0, flat.size, _HASH_CHUNK):
+                    digest.update(flat[start:start + _HASH_CHUNK])
+                    pages.read(arrays[name], min(_HASH_CHUNK, flat.size - start))
             total += raw.nbytes
+    if pages is not None:
+        pages.done()
     return HashedTensors(dict(tensors), digest.hexdigest(), total)
 
 
@@ -279,10 +299,13 @@ def read_safetensors_hashed(path: str | Path) -> HashedTensors:
         raise ValueError(f"{label}: {exc}") from None
 
 
-def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
+def load_safetensors_subset(path: str | Path, names, mapped=()) -> dict[str, np.ndarray]:
     """The tensors `names` of a safetensors file, reading only their bytes (a base model's file
-    can be far larger than what one stage needs). ValueError names the file and what is wrong,
-    a name it lacks included."""
+    can be far larger than what one stage needs). Those also in `mapped` (a path's float32 tensors
+    only) are read-only views onto a read-only mapping of the file, not read: their pages are resident
+    only while something reads them (`ir.mapped_pages`; a pipeline stage that reads its frozen base a
+    block at a time, runtime.pipeline.bundles). ValueError names the file and what is wrong, a name it
+    lacks included."""
     path, label = _source(path)
     try:
         with _opened(path) as f:
@@ -293,14 +316,28 @@ def load_safetensors_subset(path: str | Path, names) -> dict[str, np.ndarray]:
             if missing:
                 raise ValueError(f"it holds no tensor {missing[0]!r} ({len(missing)} of the {len(set(names))} asked for "
                                  f"are missing)")
+            viewed = {name for name in mapped if name in where and where[name][2] == np.dtype("<f4")} \
+                if isinstance(path, Path) and sys.byteorder == "little" else set()
+            mapping = _read_only_mapping(f) if viewed and total else None
             out = {}
             for name in names:
                 begin, stop, np_dtype, shape = where[name]
+                if mapping is not None and name in viewed:
+                    out[name] = np.frombuffer(mapping, np_dtype, (stop - begin) // np_dtype.itemsize,
+                                              8 + n + begin).reshape(shape)
+                    continue
                 f.seek(8 + n + begin)
                 out[name] = _read_array(f, name, np_dtype, shape)
             return out
     except ValueError as exc:
         raise ValueError(f"{label}: {exc}") from None
+
+
+def _read_only_mapping(f):
+    """A read-only mapping of the whole open file `f` (the arrays viewing it keep it alive)."""
+    import mmap
+
+    return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 _FLOAT_CODES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16: its bit patterns

@@ -24,7 +24,7 @@ from ir.profile import DeviceProfile, Link
 from ir.training import TRAINING
 from jobs.common.errors import JobError
 from jobs.common.lora import adapted
-from jobs.planning import compile_within_reserve, snapshot_reserve
+from jobs.planning import compile_within_reserve, snapshot_reserve, with_base_mapped
 from planner.compile import PlanRequest, manual_cuts, search, with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes, with_reserve
 from planner.cost import activations_of, stage_costs
@@ -244,6 +244,8 @@ class _Pricer:
         reference = self.graph(settings, unadapted=True)
         graph = with_frozen_precision(self.graph(settings), settings.base_dtype)
         cluster, reserve = self.cluster(graph, reference, extra, activations)
+        # as `plan` marks them: its workers hold base.safetensors and read a float32 base mapped
+        cluster = with_base_mapped(cluster, settings.lora is not None and settings.base_dtype == "float32")
         # as plan compiles it (planner.compile): attention heads split first where a profile's curves
         # say it is faster (a split device runs MNN and its split's child processes), then engines and cuts
         cluster, splits = with_head_splits(graph, cluster)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ir.backend import runs_as
+from ir.backend import engine_of, runs_as
 from ir.bundle import load_plan
 from ir.documents import OptimizerSettings, PlannedLora
 from ir.errors import InputFileError
@@ -71,6 +71,25 @@ def lora_record(lora: LoraSettings | None) -> PlannedLora | None:
     return PlannedLora(lora.rank, float(lora.alpha), tuple(lora.targets), tuple(lora.train_also), int(lora.seed))
 
 
+def with_base_mapped(cluster: Cluster, float32_lora: bool) -> Cluster:
+    """`cluster` with each PyTorch device marked as reading a float32 LoRA base mapped (`DeviceSpec.frozen_mapped`)
+    where the plan is written with its base weights file (`plan` always: base.safetensors beside the
+    bundles): its workers hold that file (`train PLAN`'s local workers; a remote one started with
+    `confidant worker --base`) and view a stage's frozen weights on a mapping of it, which a per-block
+    engine reads a block at a time (runtime.pipeline.bundles.rebuild_weights); the cost model charges such
+    a stage so only where its activations map (`planner.cost.maps_frozen`). An MNN device's stage is mapped
+    by its worker too but charged its whole base, as before: over the mapped term a SmolLM2 MNN stage's
+    worker read 1.04-1.20 of its plan (its first stage's lookup faulted ~44 MiB of the mapped table in, and
+    an MNN block's forward ran ~50 MiB above its sampled level; helper h162), a plan is a promise. A plan
+    run from memory (`train-pipeline`) ships whole bundles and is not marked. A worker started without the
+    base file receives its weights into memory and holds the stage's whole base beside the plan's figure."""
+    if not float32_lora:
+        return cluster
+    return dataclasses.replace(cluster, devices=tuple(
+        dataclasses.replace(d, frozen_mapped=True) if d.backend is not None and engine_of(d.backend) == "torch" else d
+        for d in cluster.devices))
+
+
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,
                reporter: Reporter = Silent(), sign=None) -> Path:
     """Write the plan folder `output` for `model` over the cluster in `cluster_file`; returns it.
@@ -81,7 +100,8 @@ def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: 
         raise JobError(f"--batch {settings.batch} must be a multiple of --microbatches {M}")
     if settings.on_failure not in FAILURE_POLICIES:
         raise FlagError(f"--on-failure must be {' or '.join(FAILURE_POLICIES)}, not {settings.on_failure!r}")
-    cluster = load_cluster(cluster_file)
+    cluster = with_base_mapped(load_cluster(cluster_file),
+                               settings.lora is not None and settings.lora.base_dtype == "float32")
     reserve = snapshot_reserve(cluster, settings.on_failure)
     if any(reserve.values()):
         reporter.note(f"planning a pipeline within each device's budget less {max(reserve.values()) / 2**20:.0f} MiB "

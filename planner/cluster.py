@@ -156,7 +156,8 @@ class DeviceSpec:
     # engine gives each block's pages back after use (PyTorch per block, `runtime.engines.pytorch`; MNN per
     # block streaming them through placeholder sets, `runtime.engines.mnn._FrozenStream`): charged a block's
     # or the sets' frozen bytes, not the stage's (`planner.cost.mapped_frozen_bytes`). Set by a job that maps
-    # (train-local); a pipeline worker receives its weights into memory. Never read from a cluster file.
+    # (train-local; `plan` and `estimate` for a float32 LoRA base, whose workers hold base.safetensors and view
+    # a stage's frozen weights on a mapping of it: `jobs.planning.with_base_mapped`). Never read from a cluster file.
     frozen_mapped: bool = False
 
     @property

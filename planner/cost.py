@@ -102,7 +102,7 @@ from functools import lru_cache
 from typing import Mapping, Sequence
 
 from ir.backend import engine_of
-from ir.documents import HYBRID, activations_mode
+from ir.documents import HYBRID, activations_mode, maps_frozen_base
 from ir.graph import Block, Graph, block_signature, tied_parameters
 from ir.partition import WEIGHT_GRAD_SHARE, Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
@@ -833,11 +833,7 @@ def maps_frozen(device: DeviceSpec) -> bool:
     caches. PyTorch gives each block's pages back after the block's forward and before its re-run
     (`runtime.engines.pytorch`); MNN writes each block's weights into placeholders shared by the blocks of a set
     before each use (`runtime.engines.mnn._FrozenStream`; a hybrid "per-block+K" holds them as constants)."""
-    if not device.frozen_mapped:
-        return False
-    mode, cached = activation_mode(device)
-    return mode == "per-block" and (device_engine(device) == "torch"
-                                    or (device_engine(device) == "mnn" and cached == 0))
+    return device.frozen_mapped and maps_frozen_base(device_engine(device), activations_of(device))
 
 
 def mapped_frozen_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:

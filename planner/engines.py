@@ -44,7 +44,7 @@ from ir.graph import Graph
 from ir.partition import Partition
 from planner.cluster import Cluster, DeviceSpec, device_backend
 from planner.cost import (ACTIVATIONS, activation_mode, activations_of, compute_s, device_engine, hybrid_count,
-                          leanest_activations, offers_activations, reuses_forward, stage_memory_bytes,
+                          leanest_activations, maps_frozen, offers_activations, reuses_forward, stage_memory_bytes,
                           with_cached_blocks)
 from planner.partition import (PartitionInstance, PlanDoesNotFit, check_feasible, make_instance, manual_partition,
                                predicted_step_us)
@@ -264,21 +264,23 @@ def pick_engines(graph: Graph, cluster: Cluster, partition: Partition, schedule:
         cluster, partition = trial, chosen
         best_us, best_memory, best_work = us, _memory(chosen), _work_us(chosen)
     cluster = hybrid_activations(graph, cluster, partition, schedule, microbatches, optimizer, update_every)
-    partition = _with_hybrid_bytes(graph, cluster, partition, schedule, microbatches, optimizer, update_every)
+    partition = _with_recosted_bytes(graph, cluster, partition, schedule, microbatches, optimizer, update_every)
     changed = {d.name: (start[d.name], _choice(d)) for d in cluster.devices if _choice(d) != start[d.name]}
     return EnginePicks(cluster, partition, changed, before_us, best_us)
 
 
-def _with_hybrid_bytes(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
-                       optimizer: str, update_every: int) -> Partition:
-    """`partition` with each hybrid stage's memory re-costed with its caches (`hybrid_activations`
-    picks them after the partition was costed plain per block, which the partition instance knows
-    nothing of): the plan's figure is then what the memory model charges the stage (SmolLM2 int4,
-    1f1b-stash, the last stage per-block+5: planned 190.9 MiB, its terms 252.8, measured 231.3)."""
+def _with_recosted_bytes(graph: Graph, cluster: Cluster, partition: Partition, schedule: str, microbatches: int,
+                         optimizer: str, update_every: int) -> Partition:
+    """`partition` with the memory of each stage the partition instance does not price as the memory model
+    does re-costed by the memory model (`stage_memory_bytes`), so the plan's figure is what it charges the
+    stage: a hybrid stage with its caches (`hybrid_activations` picks them after the partition was costed
+    plain per block; SmolLM2 int4, 1f1b-stash, the last stage per-block+5: planned 190.9 MiB, its terms
+    252.8, measured 231.3), and a stage reading its float32 frozen base mapped (`maps_frozen`: a few
+    blocks' frozen weights resident, where the instance charges every block's, the search's bound)."""
     stages, p = list(partition.stages), len(partition.stages)
     for s, stage in enumerate(stages):
         device = cluster.device(stage.device)
-        if activation_mode(device)[0] == "per-block" and activation_mode(device)[1] > 0:
+        if (activation_mode(device)[0] == "per-block" and activation_mode(device)[1] > 0) or maps_frozen(device):
             stages[s] = dataclasses.replace(stage, memory_bytes=stage_memory_bytes(
                 graph, device, stage.first_block, stage.last_block, s, p, schedule, microbatches, optimizer,
                 update_every))
@@ -302,7 +304,10 @@ def hybrid_activations(graph: Graph, cluster: Cluster, partition: Partition, sch
         if (activation_mode(device)[0] != "per-block" or device_engine(device) != "mnn"
                 or not reuses_forward(schedule, stages, s, microbatches)):
             continue
-        held = stage_memory_bytes(graph, device, lo, hi, s, stages, schedule, microbatches, optimizer, update_every)
-        count = hybrid_count(graph, device, lo, hi, device.plannable_bytes - held)
+        # priced with its base held: a hybrid stage holds its frozen weights as constants (`maps_frozen`), so the
+        # room for caches is what is left beside the whole base, not beside the few blocks a mapped stage holds
+        whole = dataclasses.replace(device, frozen_mapped=False)
+        held = stage_memory_bytes(graph, whole, lo, hi, s, stages, schedule, microbatches, optimizer, update_every)
+        count = hybrid_count(graph, whole, lo, hi, device.plannable_bytes - held)
         devices[name] = with_cached_blocks(device, count)
     return dataclasses.replace(cluster, devices=tuple(devices[d.name] for d in cluster.devices))

@@ -102,12 +102,18 @@ def without_tensors(data, names) -> bytes:
     return rest
 
 
-def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequence[str]) -> HashedTensors:
+def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequence[str],
+                    mapped: bool = False) -> HashedTensors:
     """weights.safetensors's tensors from `rest` and the tensors `local` read from the base file,
     with the SHA-256 of the file they make, hashed tensor by tensor (`ir.safetensors.hash_tensors`):
     the file itself is never put together, and each tensor is read once, at its storage precision.
     BundleError when the two do not make one set of weights; the manifest's check of the hash
-    (`verify_bundle_files`) then covers every byte, the rest's and the base file's alike."""
+    (`verify_bundle_files`) then covers every byte, the rest's and the base file's alike.
+
+    `mapped` (a stage that reads its float32 frozen base a block at a time, `ir.documents.maps_frozen_base`):
+    the base file's float32 tensors are read-only views onto a mapping of it, not read into memory, their
+    pages given back as the hash reads them; the engine then reads them in place a few blocks at a time, as
+    train-local's does over a mapped model file (a quantized base's pieces are read as before)."""
     try:
         tensors = decode_safetensors(rest)
     except ValueError as exc:
@@ -116,10 +122,10 @@ def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequ
     if both:
         raise BundleError(f"{REST} holds {both[0]!r}, which the coordinator said comes from the base file")
     try:
-        tensors.update(load_safetensors_subset(base_path, local))
+        tensors.update(load_safetensors_subset(base_path, local, mapped=local if mapped else ()))
     except (OSError, ValueError) as exc:
         raise BundleError(f"the base weights file {exc}") from None
-    return hash_tensors(tensors)
+    return hash_tensors(tensors, give_back=mapped)
 
 
 def spool_weights(files: dict, source: str, check_signature: SignatureCheck | None = None,

@@ -418,7 +418,8 @@ class Worker:
         if held is not None:
             if REST not in files:
                 raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
-            files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local)
+            files[WEIGHTS] = rebuild_weights(wire_to_files({REST: files.pop(REST)})[REST], held, local,
+                                             mapped=_maps_base(files, source, check))
             return files, held, reused
         if (reused or own) and REST not in files:
             raise ValueError(f"bundle {source}: {REST} did not come, though this worker took its own weights")
@@ -828,6 +829,23 @@ class _Named:
     """A state tensor's name, as kept_state.select_entries takes entries."""
 
     name: str
+
+
+def _maps_base(files: dict, source: str, check=None) -> bool:
+    """Whether the stage the bundle `files` sets up reads its frozen base from this worker's copy of the
+    base file mapped (`ir.documents.maps_frozen_base`: PyTorch per block, MNN per block with no cached
+    block), by its stage document (signature first, where one is required: nothing of an untrusted bundle
+    is parsed); the whole bundle is verified after, as ever."""
+    from ir.bundle import BundleError, check_bundle_signature, stage_document
+    from ir.documents import maps_frozen_base
+
+    try:
+        if check is not None:
+            check_bundle_signature(files, source, check)
+        doc = stage_document(files, source)
+    except (BundleError, KeyError):
+        return False  # refused by name by the verification to come
+    return maps_frozen_base(doc.engine, doc.activations)
 
 
 def _tied_names(msg: dict) -> list[str]:
