@@ -29,6 +29,8 @@ def test_a_torch_head_whose_first_run_reads_a_logits_buffer_high_is_charged_its_
     with gc_frozen():  # the ~30 collections below walk only what they make (as in `profile_device`)
         repeats = [dev.peak_workspace(torch, stage_spec(graph, n - 2, n - 1), feeds) for _ in range(3)]
         cost = dev.measure_block(torch, graph, head, feeds, reps=1)
-    # the real peaks of the tiny head are a few MiB: the raised first run is not what is charged
-    assert cost.workspace_bytes <= max(repeats) + MIB, (cost.workspace_bytes / MIB, [r / MIB for r in repeats])
+    # the real peaks of the tiny head are a few MiB: the raised first run (+24 MiB) is not what is charged.
+    # measure_block's own repeats are not the ones above: under load they read up to 2.8 MiB higher (20.86
+    # against 18.05 once, 2026-12-07), so 4 MiB of room, still far under the raised run
+    assert cost.workspace_bytes <= max(repeats) + 4 * MIB, (cost.workspace_bytes / MIB, [r / MIB for r in repeats])
     assert cost.sparse_workspace_bytes is not None and cost.sparse_workspace_bytes <= cost.workspace_bytes
