@@ -27,7 +27,7 @@ import numpy as np
 
 from ir.graph import Graph
 from jobs.common.errors import JobError
-from jobs.common.lora import read_mapped
+from jobs.common.lora import base_on_mapping, read_mapped
 from jobs.common.memory_check import local_check, machine_room_bytes
 from jobs.common.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
 from jobs.common.report import Reporter, Silent
@@ -335,7 +335,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     return local_check(metrics, charged, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
                        evaluation_bytes=evaluation,
-                       frozen_mapped=mapped and settings.lora is not None and settings.lora.base_dtype == "float32")
+                       frozen_mapped=base_on_mapping(model, settings.lora, settings.engine, settings.activations))
 
 
 def _float32_file(model: Path) -> bool:
