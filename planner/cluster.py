@@ -157,6 +157,8 @@ class DeviceSpec:
     # block streaming them through placeholder sets, `runtime.engines.mnn._FrozenStream`): charged a block's
     # or the sets' frozen bytes, not the stage's (`planner.cost.mapped_frozen_bytes`). Set by a job that maps
     # (train-local); a pipeline worker receives its weights into memory. Never read from a cluster file.
+    # On PyTorch also a base the model file stores quantized (its codes, scales, offsets mapped:
+    # `planner.cost.maps_stored_base`).
     frozen_mapped: bool = False
 
     @property
