@@ -860,11 +860,12 @@ def _maps_base(files: dict, source: str, check=None) -> bool:
 
 
 def _warn_unmapped(weights, mapped: Sequence[str], device, stage: int) -> int:
-    """One line on stderr when frozen weights of a stage its plan charges mapped (`mapped`: the base
-    file's tensors, sent because this worker has no copy of it) are held in memory after all (no
-    writable temporary folder, a weights file that did not parse, a big-endian host); returns their
-    bytes (0: none, nothing printed). The plan charges the stage one block of them resident, so the
-    stage runs up to this much over it."""
+    """One line on stderr for a stage its plan charges its float32 frozen base mapped (one block resident) whose
+    frozen weights (`mapped`: the base file's tensors) were sent because this worker has no copy of the base file:
+    its set-up received them whole before spooling them (a one-stage SmolLM2 plan: VmHWM 691.8 MiB at ready, planned
+    423), and where they are held in memory after all (no writable temporary folder, a big-endian host) its
+    training too. Names the device, the MiB over (up to those weights' bytes) and the fix; returns those bytes
+    (0: none, nothing printed)."""
     from ir.mapped_pages import mapping_of
     from ir.safetensors import HashedTensors, decode_safetensors
 
@@ -873,12 +874,16 @@ def _warn_unmapped(weights, mapped: Sequence[str], device, stage: int) -> int:
     except (TypeError, ValueError):
         return 0  # refused by name by the verification to come
     names = set(mapped)
-    held = sum(int(v.nbytes) for n, v in tensors.items() if n in names and mapping_of(v) is None)
-    if held:
-        print(f"worker: device {device or f'of stage {stage}'} holds {held / 2 ** 20:.1f} MiB of frozen weights in "
-              f"memory that its plan charges mapped (one block resident): up to {held / 2 ** 20:.1f} MiB over its "
-              f"plan; start it with `confidant worker --base plan/base.safetensors`", file=sys.stderr, flush=True)
-    return held
+    frozen = [v for n, v in tensors.items() if n in names and v.dtype == np.float32]
+    whole = sum(int(v.nbytes) for v in frozen)
+    if whole:
+        when = "while it sets up (received whole before they are spooled and mapped)" \
+            if all(mapping_of(v) is not None for v in frozen) else "while it sets up and trains (held in memory)"
+        print(f"worker: device {device or f'of stage {stage}'} has no copy of the plan's base file: up to "
+              f"{whole / 2 ** 20:.1f} MiB over its plan, which charges its frozen weights mapped (one block "
+              f"resident), {when}; start it with `confidant worker --base plan/base.safetensors`",
+              file=sys.stderr, flush=True)
+    return whole
 
 
 def _tied_names(msg: dict) -> list[str]:

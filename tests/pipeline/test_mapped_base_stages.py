@@ -96,8 +96,8 @@ def test_a_worker_without_the_base_file_maps_the_frozen_weights_it_received_from
         tiny_checkpoint, export_dir, tmp_path, monkeypatch, capfd):
     """A remote worker started without `--base` on a plan charged its frozen base mapped (PyTorch per block): the
     frozen weights come over the wire, and it views them on a mapping of the unlinked file it spools them to
-    (`runtime.pipeline.held_weights`), so it holds its plan; bit for bit as a run that offered no base at all, no
-    warning, and nothing left in its temporary folder."""
+    (`runtime.pipeline.held_weights`), so it trains within its plan; bit for bit as a run that offered no base at
+    all, nothing left in its temporary folder, and one line per worker for its set-up, which received them whole."""
     plan_dir = _plan(tiny_checkpoint, export_dir, tmp_path / "plan", "torch", {"a": "per-block", "b": "per-block"})
     sent, sent_mapped = _run(plan_dir, monkeypatch, held=False, offered=False)
     spool = tmp_path / "spool"
@@ -110,7 +110,8 @@ def test_a_worker_without_the_base_file_maps_the_frozen_weights_it_received_from
     assert unheld.losses == sent.losses
     for name in sent.weights:
         np.testing.assert_array_equal(unheld.weights[name], sent.weights[name], err_msg=name)
-    assert "charges mapped" not in capfd.readouterr().err
+    warned = [line for line in capfd.readouterr().err.splitlines() if "no copy of the plan's base file" in line]
+    assert len(warned) == 2 and all("while it sets up (received whole" in line for line in warned), warned
     assert list(spool.iterdir()) == []  # unlinked from the start: the kernel frees it with the worker
 
 
@@ -122,5 +123,5 @@ def test_a_worker_that_cannot_spool_warns_with_its_device_the_mib_over_and_the_f
     data = encode_safetensors({"frozen": np.zeros((1 << 18,), np.float32), "lora": np.ones((4,), np.float32)})
     assert worker_module._warn_unmapped(data, ["frozen"], "b", 1) == 1 << 20
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "device b" in err[0] and "1.0 MiB over" in err[0], err
+    assert len(err) == 1 and "device b" in err[0] and "1.0 MiB over" in err[0] and "sets up and trains" in err[0], err
     assert "confidant worker --base plan/base.safetensors" in err[0]
