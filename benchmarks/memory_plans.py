@@ -228,7 +228,7 @@ def all_target_data(path: Path, rows: int = 64) -> Path:
     return path
 
 
-def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
+def plan_row(config: str, steps: int, out: Path, data: Path, base: bool = True) -> dict:
     from ir.bundle import load_plan
     from jobs.common.errors import JobError
     from jobs.train.from_plan import PlanRunSettings, train_from_plan
@@ -285,7 +285,7 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
 
     started = time.perf_counter()
     metrics = train_from_plan(out / "plan", data, None, PlanRunSettings(steps=steps, seed=0, local=True,
-                                                                        insecure=True))
+                                                                        insecure=True, local_base=base))
     by_name = {d.name: d.peak_rss_bytes for d in metrics.devices}
     row["measured_mib"] = [by_name[d.name] / MIB if by_name.get(d.name) else None for d in plan.devices]
     row["seconds"] = time.perf_counter() - started
@@ -293,10 +293,10 @@ def plan_row(config: str, steps: int, out: Path, data: Path) -> dict:
     return row
 
 
-def _child(name: str, steps: int) -> dict:
+def _child(name: str, steps: int, base: bool = True) -> dict:
     if name not in CONFIGS:
         raise SystemExit(f"--models: {name!r} is not one of {', '.join(CONFIGS)}")
-    cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps)]
+    cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps)] + ([] if base else ["--workers-without-base"])
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **_ENV}, timeout=7200)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode != 0 or not lines:
@@ -304,9 +304,9 @@ def _child(name: str, steps: int) -> dict:
     return json.loads(lines[-1][4:])
 
 
-def plan_rows(models=("smollm2", "qwen"), steps: int = 1) -> list[dict]:
+def plan_rows(models=("smollm2", "qwen"), steps: int = 1, base: bool = True) -> list[dict]:
     """One row per model, each from its own child process, one after another."""
-    return [_child(m, steps) for m in models]
+    return [_child(m, steps, base) for m in models]
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -341,6 +341,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="smollm2,qwen", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--steps", type=int, default=2, help="training steps per plan (default 2: AdamW's moments exist from the first update on, so a run of one step never holds them during a backward)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--workers-without-base", action="store_true",
+                    help="start the local workers without the plan's base.safetensors, as remote workers started "
+                         "without `confidant worker --base`: every frozen weight is sent to them")
     args = ap.parse_args(argv)
     if args.child:
         import tempfile
@@ -354,12 +357,12 @@ def main(argv=None) -> int:
                 train, _ = write_splits(Path(d), n_train=64, n_dev=1, seed=0)
             else:
                 train, _ = write_entity_splits(Path(d), n_train=64, n_dev=1, seed=0)
-            print("ROW " + json.dumps(plan_row(args.child, args.steps, Path(d) / "run", train)), flush=True)
+            print("ROW " + json.dumps(plan_row(args.child, args.steps, Path(d) / "run", train, not args.workers_without_base)), flush=True)
         return 0
     rows, failed = [], []
     for name in args.models.split(","):  # each row printed as it comes; a failed one named, the rest still run
         try:
-            rows.append(_child(name, args.steps))
+            rows.append(_child(name, args.steps, not args.workers_without_base))
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             failed.append(name)
             print(f"{name}: failed: {exc}", flush=True)

@@ -275,12 +275,19 @@ def _opened(source):
             yield f
 
 
-def read_safetensors_hashed(path: str | Path) -> HashedTensors:
+def read_safetensors_hashed(path: str | Path, mapped=()) -> HashedTensors:
     """Every tensor of a safetensors file, each read straight from the file into its own array,
     with the SHA-256 of the file's bytes streamed as they are read: a stage's weights are held
     once, never as the file's bytes and their decoded copies together (a bundle's weights file can
     be hundreds of MB on a device with little more). ValueError names the file and what is wrong
-    (checked as `decode_safetensors` checks)."""
+    (checked as `decode_safetensors` checks).
+
+    Those also in `mapped` (float32 tensors, on a little-endian host) are read-only views onto a
+    read-only mapping of the file, as `load_safetensors_subset`'s: their bytes are hashed through
+    one `_HASH_CHUNK` buffer read from the file (the page cache's, not this process's resident
+    memory), not read into arrays: a pipeline worker without the plan's base file maps the frozen
+    weights it received from its spooled copy (runtime.pipeline.held_weights), as one holding the
+    base file maps them from that. The file must not change while the views live."""
     path, label = _source(path)
     try:
         with _opened(path) as f:
@@ -291,12 +298,35 @@ def read_safetensors_hashed(path: str | Path) -> HashedTensors:
             spans = _spans(header, total - 8 - n)
             digest = hashlib.sha256(prefix)
             digest.update(header)
-            tensors = {name: _read_array(f, name, np_dtype, shape, digest) for _, _, name, np_dtype, shape in spans}
+            viewed = {name for _, _, name, np_dtype, _ in spans if name in set(mapped)
+                      and np_dtype == np.dtype("<f4")} if sys.byteorder == "little" else set()
+            mapping = _read_only_mapping(f) if viewed and total else None
+            tensors = {}
+            for begin, stop, name, np_dtype, shape in spans:
+                if mapping is not None and name in viewed:
+                    _hash_span(f, stop - begin, name, digest)
+                    tensors[name] = np.frombuffer(mapping, np_dtype, (stop - begin) // np_dtype.itemsize,
+                                                  8 + n + begin).reshape(shape)
+                    continue
+                tensors[name] = _read_array(f, name, np_dtype, shape, digest)
             if f.read(1):
                 raise ValueError("the file grew while it was read")
             return HashedTensors(tensors, digest.hexdigest(), total)
     except ValueError as exc:
         raise ValueError(f"{label}: {exc}") from None
+
+
+def _hash_span(f, size: int, name: str, digest) -> None:
+    """The next `size` bytes of `f` fed to `digest` through one buffer of at most `_HASH_CHUNK` bytes."""
+    buf = bytearray(min(size, _HASH_CHUNK))
+    view = memoryview(buf)
+    left = size
+    while left:
+        got = f.readinto(view[:min(left, len(buf))])
+        if not got:
+            raise ValueError(f"tensor {name!r}: the file ends {left} bytes early")
+        digest.update(view[:got])
+        left -= got
 
 
 def load_safetensors_subset(path: str | Path, names, mapped=()) -> dict[str, np.ndarray]:

@@ -56,6 +56,9 @@ class PlanRunSettings:
     on_failure: str | None = None     # None: the plan's (plan.json's `on_failure`); another is refused
     failure_timeout_s: float = 3.0
     checkpoint_every: int | None = None
+    # local workers started with the plan's base weights file (False: as remote workers started without
+    # `--base`, sent every frozen weight; benchmarks/memory_plans.py --workers-without-base)
+    local_base: bool = True
 
 
 def _checkpoint_meta(plan_dir: Path, plan: PlanDocument, task) -> dict:
@@ -179,7 +182,7 @@ def train_from_plan(plan_dir: Path, data: Path, eval_path: Path | None, settings
     if settings.local:  # on this machine the plan's base weights file is at hand: no frozen weight is sent
         local = LocalWorkers.start(len(names) + len(spares), max(d.threads for d in plan.devices), coordinator=pair,
                                    insecure=settings.insecure, failure_timeout_s=settings.failure_timeout_s,
-                                   base_files=[plan_dir / PLAN_BASE] if base is not None else ())
+                                   base_files=[plan_dir / PLAN_BASE] if base is not None and settings.local_base else ())
         addresses = local.addresses[:len(names)]
         spares = dict(zip(spares, local.addresses[len(names):]))
         keys = local.keys

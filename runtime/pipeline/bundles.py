@@ -130,7 +130,7 @@ def rebuild_weights(rest: bytes | memoryview, base_path: str | Path, local: Sequ
 
 def spool_weights(files: dict, source: str, check_signature: SignatureCheck | None = None,
                   directory: str | Path | None = None, held=None, local: Sequence[str] = (),
-                  extra=None) -> None:
+                  extra=None, mapped: Sequence[str] = ()) -> None:
     """Replace the received weights file in `files` (its bytes, the only reference to them) by its
     tensors, by way of a file: the bytes are written out and let go, then each tensor is read
     straight into its own array and the file's SHA-256 streamed as it is read
@@ -143,7 +143,8 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
     With `held` (a worker's `runtime.pipeline.held_weights.HeldWeights`) the file is written into it
     instead and kept there for a later setup; `local` then names the tensors taken from what it
     kept before, and the file received is `REST`, the weights less those and less `extra` (tensors
-    the caller read elsewhere: `HeldWeights.take`)."""
+    the caller read elsewhere: `HeldWeights.take`). `mapped`: the received float32 tensors of those
+    names are views onto a mapping of the kept file (`HeldWeights.take`), not read into memory."""
     received = REST if local or extra else WEIGHTS
     if received not in files or isinstance(files[received], HashedTensors):
         return
@@ -154,11 +155,15 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
                                check_signature)
     data = files.pop(received)
     if held is not None:
-        kept = held.new_file()
+        try:
+            kept = held.new_file()
+        except OSError:  # no writable folder: the caller decides what to do with the bytes, left in `files`
+            files[received] = data
+            raise
         held.write(kept, data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
         del data  # the only reference: let go before the weights are read back
         try:
-            files[WEIGHTS] = held.take(kept, local, extra)
+            files[WEIGHTS] = held.take(kept, local, extra, mapped=mapped)
         except (OSError, ValueError) as exc:
             own = f" (with {len(local)} of its weights this worker's own, kept from its last setup)" if local else ""
             raise BundleError(f"bundle {source}: {received}{own}: {exc}") from None

@@ -98,7 +98,8 @@ class HeldWeights:
             done += file.write(view[done:])
 
     def take(self, file: BinaryIO, local: Sequence[str] = (),
-             extra: Mapping[str, Callable[[], np.ndarray]] | None = None) -> HashedTensors | bytes:
+             extra: Mapping[str, Callable[[], np.ndarray]] | None = None, mapped: Sequence[str] = ()) \
+            -> HashedTensors | bytes:
         """A setup's weights: the received file written to `file` (`new_file`; the caller let its
         bytes go first, so a stage's weights are never held twice), and the tensors `local` read
         from the files kept before; with the SHA-256 of the weights file they make (hashed as
@@ -108,13 +109,17 @@ class HeldWeights:
         kept file cannot be read. The new index waits for `commit` (the caller's verification first).
         `extra`: tensors of the weights the caller reads from elsewhere (name -> a reader: a
         survivor's trainable weights from its own snapshot copy, runtime.pipeline.kept_state), read
-        once the received part is, hashed with the rest and not kept for a later setup."""
+        once the received part is, hashed with the rest and not kept for a later setup.
+        `mapped` (a whole received file only): its float32 tensors of those names are read-only views
+        onto a mapping of `file`, not read into memory (`ir.safetensors.read_safetensors_hashed`): a
+        stage charged its frozen base mapped (`ir.documents.maps_frozen_base`) holds it so without the
+        plan's base file too. The file is unlinked: the kernel frees it with its last mapping."""
         extra = dict(extra or {})
         extra_names = set(extra)
         try:
             if not local and not extra:
                 try:
-                    weights = read_safetensors_hashed(file)
+                    weights = read_safetensors_hashed(file, mapped=mapped)
                 except ValueError:  # left as its bytes, for the bundle's verification to name the fault
                     file.seek(0)
                     data = file.read()

@@ -85,6 +85,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -425,8 +426,18 @@ class Worker:
             raise ValueError(f"bundle {source}: {REST} did not come, though this worker took its own weights")
         # written out, kept for the next setup, and read back tensor by tensor: never the received
         # file and its decoded copies at once; the signature checked before any of it is parsed
-        # (the signed manifest's SHA-256 checks the weights taken from the snapshot copy too)
-        spool_weights(files, source, check, held=self.held, local=reused, extra=own)
+        # (the signed manifest's SHA-256 checks the weights taken from the snapshot copy too).
+        # Frozen weights offered as the base's but sent (no base file here) of a stage charged
+        # mapped: viewed on a mapping of the kept file, as a worker holding the base maps that
+        mapped = local if local and _maps_base(files, source, check) else []
+        try:
+            spool_weights(files, source, check, held=self.held, local=reused, extra=own, mapped=mapped)
+        except OSError as exc:  # no writable temporary folder: the received bytes are decoded in memory
+            if reused or own:
+                raise
+            print(f"worker: cannot keep the received weights in a file ({exc})", file=sys.stderr, flush=True)
+        if mapped:
+            _warn_unmapped(files.get(WEIGHTS), mapped, msg.get("device"), self.stage)
         return files, held, reused + sorted(own)
 
     def _own_weights(self, own, offer) -> dict:
@@ -846,6 +857,33 @@ def _maps_base(files: dict, source: str, check=None) -> bool:
     except (BundleError, KeyError):
         return False  # refused by name by the verification to come
     return maps_frozen_base(doc.engine, doc.activations)
+
+
+def _warn_unmapped(weights, mapped: Sequence[str], device, stage: int) -> int:
+    """One line on stderr for a stage its plan charges its float32 frozen base mapped (one block resident) whose
+    frozen weights (`mapped`: the base file's tensors) were sent because this worker has no copy of the base file:
+    its set-up received them whole before spooling them (a one-stage SmolLM2 plan: VmHWM 691.8 MiB at ready, planned
+    423), and where they are held in memory after all (no writable temporary folder, a big-endian host) its
+    training too. Names the device, the MiB over (up to those weights' bytes) and the fix; returns those bytes
+    (0: none, nothing printed)."""
+    from ir.mapped_pages import mapping_of
+    from ir.safetensors import HashedTensors, decode_safetensors
+
+    try:
+        tensors = weights.tensors if isinstance(weights, HashedTensors) else decode_safetensors(weights, copy=False)
+    except (TypeError, ValueError):
+        return 0  # refused by name by the verification to come
+    names = set(mapped)
+    frozen = [v for n, v in tensors.items() if n in names and v.dtype == np.float32]
+    whole = sum(int(v.nbytes) for v in frozen)
+    if whole:
+        when = "while it sets up (received whole before they are spooled and mapped)" \
+            if all(mapping_of(v) is not None for v in frozen) else "while it sets up and trains (held in memory)"
+        print(f"worker: device {device or f'of stage {stage}'} has no copy of the plan's base file: up to "
+              f"{whole / 2 ** 20:.1f} MiB over its plan, which charges its frozen weights mapped (one block "
+              f"resident), {when}; start it with `confidant worker --base plan/base.safetensors`",
+              file=sys.stderr, flush=True)
+    return whole
 
 
 def _tied_names(msg: dict) -> list[str]:

@@ -6,6 +6,7 @@ received every weight, bit for bit (losses and trained adapters); a stage that k
 base into memory as before."""
 from __future__ import annotations
 
+import tempfile
 from dataclasses import replace
 
 import numpy as np
@@ -44,8 +45,10 @@ def _plan(tiny_checkpoint, export_dir, out, engine: str, activations: dict):
     return out
 
 
-def _run(plan_dir, monkeypatch, held: bool):
-    """(the run's result, per stage the number of its engine's graph constants lying on a mapping)."""
+def _run(plan_dir, monkeypatch, held: bool, offered: bool = True):
+    """(the run's result, per stage the number of its engine's graph constants lying on a mapping); `held`: the
+    workers hold the plan's base file; `offered`: the coordinator offers to leave its tensors out (as `train PLAN`
+    does where the plan has one)."""
     plan = load_plan(plan_dir)
     built = []
     make = worker_module.make_engine
@@ -62,7 +65,7 @@ def _run(plan_dir, monkeypatch, held: bool):
         result = train_pipeline(None, [synthetic_batch(i) for i in range(STEPS)], 9, workers.addresses, config, STEPS,
                                 bundles=bundles, devices=plan.device_names,
                                 stage_graphs=[load_bundle_dir(b) for b in bundles], schedule=plan.to_schedule(),
-                                base=plan_base(plan_dir, plan), transport=workers.coordinator)
+                                base=plan_base(plan_dir, plan) if offered else None, transport=workers.coordinator)
     mapped = sorted(sum(mapping_of(spec.graph.constants[n]) is not None for n in spec.graph.constants)
                     for spec in built)
     return result, mapped
@@ -72,7 +75,7 @@ def _run(plan_dir, monkeypatch, held: bool):
 def test_per_block_stages_read_the_held_base_mapped_and_train_as_those_sent_everything(
         engine, tiny_checkpoint, export_dir, tmp_path, monkeypatch):
     plan_dir = _plan(tiny_checkpoint, export_dir, tmp_path / "plan", engine, {"a": "per-block", "b": "per-block"})
-    sent, sent_mapped = _run(plan_dir, monkeypatch, held=False)
+    sent, sent_mapped = _run(plan_dir, monkeypatch, held=False, offered=False)
     held, held_mapped = _run(plan_dir, monkeypatch, held=True)
     assert sent_mapped == [0, 0]  # received over the wire: in memory, as ever
     assert held.base_bytes_held > 0 and all(held_mapped), held_mapped  # every stage views its base on the file
@@ -87,3 +90,38 @@ def test_a_stage_keeping_its_activations_reads_the_held_base_into_memory(tiny_ch
     held, mapped = _run(plan_dir, monkeypatch, held=True)
     assert held.base_bytes_held > 0
     assert mapped[0] == 0 and mapped[1] > 0  # MNN keeping copies constants: mapped pages would stand beside them
+
+
+def test_a_worker_without_the_base_file_maps_the_frozen_weights_it_received_from_its_spooled_copy(
+        tiny_checkpoint, export_dir, tmp_path, monkeypatch, capfd):
+    """A remote worker started without `--base` on a plan charged its frozen base mapped (PyTorch per block): the
+    frozen weights come over the wire, and it views them on a mapping of the unlinked file it spools them to
+    (`runtime.pipeline.held_weights`), so it trains within its plan; bit for bit as a run that offered no base at
+    all, nothing left in its temporary folder, and one line per worker for its set-up, which received them whole."""
+    plan_dir = _plan(tiny_checkpoint, export_dir, tmp_path / "plan", "torch", {"a": "per-block", "b": "per-block"})
+    sent, sent_mapped = _run(plan_dir, monkeypatch, held=False, offered=False)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    capfd.readouterr()
+    unheld, unheld_mapped = _run(plan_dir, monkeypatch, held=False)
+    assert sent_mapped == [0, 0]
+    assert unheld.base_bytes_held == 0 and all(unheld_mapped), unheld_mapped  # sent, and viewed on the file
+    assert unheld.losses == sent.losses
+    for name in sent.weights:
+        np.testing.assert_array_equal(unheld.weights[name], sent.weights[name], err_msg=name)
+    warned = [line for line in capfd.readouterr().err.splitlines() if "no copy of the plan's base file" in line]
+    assert len(warned) == 2 and all("while it sets up (received whole" in line for line in warned), warned
+    assert list(spool.iterdir()) == []  # unlinked from the start: the kernel frees it with the worker
+
+
+def test_a_worker_that_cannot_spool_warns_with_its_device_the_mib_over_and_the_fix(capfd):
+    """Where the received frozen weights of a stage charged mapped end in memory (here: the weights left as the
+    received bytes, as when no temporary folder is writable), one line names the device, the MiB over and the fix."""
+    from ir.safetensors import encode_safetensors
+
+    data = encode_safetensors({"frozen": np.zeros((1 << 18,), np.float32), "lora": np.ones((4,), np.float32)})
+    assert worker_module._warn_unmapped(data, ["frozen"], "b", 1) == 1 << 20
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "device b" in err[0] and "1.0 MiB over" in err[0] and "sets up and trains" in err[0], err
+    assert "confidant worker --base plan/base.safetensors" in err[0]
