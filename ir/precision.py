@@ -281,6 +281,14 @@ def dequantize(q: "QuantizedTensor | np.ndarray") -> np.ndarray:
     return np.ascontiguousarray(stored if q.axis == 1 else stored.T)
 
 
+def stored_arrays(value) -> tuple:
+    """The arrays a constant's bytes lie in: a QuantizedTensor's storage arrays (codes, scales, int4's
+    offsets), else the value itself (what a reader of a mapped base gives the pages of back)."""
+    if isinstance(value, QuantizedTensor):
+        return (value.codes, value.scales) + (() if value.mins is None else (value.mins,))
+    return (value,)
+
+
 def storage_of(value) -> str:
     """The storage precision of a constant: its QuantizedTensor's, else float32."""
     return value.storage if isinstance(value, QuantizedTensor) else "float32"

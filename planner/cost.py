@@ -836,6 +836,25 @@ def maps_frozen(device: DeviceSpec) -> bool:
     return device.frozen_mapped and maps_frozen_base(device_engine(device), activations_of(device))
 
 
+def maps_stored_base(device: DeviceSpec) -> bool:
+    """Whether a `maps_frozen` stage also holds a base the model file stores quantized (`export --base-dtype
+    int4`: codes, scales, offsets) mapped, one block's resident at a time: on PyTorch, whose engine widens each
+    product's weight from the mapping's pieces and gives a block's pages back as for a float32 base (a run
+    sets `DeviceSpec.frozen_mapped` for such a base only where the file stores it at the run's precision:
+    `jobs.common.lora.base_on_mapping`); MNN copies a quantized weight's parts into its constants."""
+    return maps_frozen(device) and device_engine(device) == "torch"
+
+
+def holds_base_mapped(graph: Graph, device: DeviceSpec) -> bool:
+    """Whether the device's stage is charged its frozen base as mapped (`mapped_frozen_bytes`), not held: it maps
+    (`maps_frozen`) a float32 base, or a quantized one on PyTorch (`maps_stored_base`); a quantized base on MNN
+    is held as its constants. The one test every term of the mapped base asks (`stage_memory_terms`,
+    `planner.memory_defaults.memory_parts`, `jobs.common.memory_check.step_bytes`)."""
+    if not maps_frozen(device):
+        return False
+    return maps_stored_base(device) or not any(isinstance(v, QuantizedTensor) for v in graph.constants.values())
+
+
 def mapped_frozen_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:
     """Frozen bytes a stage whose float32 frozen weights are mapped (`maps_frozen`) holds at once. PyTorch: its
     largest block's (a block's pages are given back after its forward and before the next block's re-run; the
@@ -1476,7 +1495,7 @@ def stage_memory_terms(graph: Graph, device: DeviceSpec, first: int, last: int, 
     frozen += double_held_bytes(graph, first, last, device)
     frozen += frozen_storage_extra_bytes(graph, first, last, device)
     by_precision = _frozen_by_precision(graph, first, last, frozen)
-    if maps_frozen(device) and set(by_precision) == {"float32"}:  # a quantized base is held, not mapped
+    if holds_base_mapped(graph, device):
         key = STREAMED_FROZEN if device_engine(device) == "mnn" else MAPPED_FROZEN
         by_precision = {key: mapped_frozen_bytes(graph, first, last, device)}
     inputs = list(block_input_bytes(graph)[first:last + 1])

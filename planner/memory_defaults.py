@@ -34,7 +34,7 @@ from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
 from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
                           block_input_bytes, check_blocks, double_held_bytes, engine_bytes, fused_loss_hidden_bytes,
-                          gradient_copies, in_flight_microbatches, looked_up_only, mapped_frozen_bytes, maps_frozen,
+                          gradient_copies, holds_base_mapped, in_flight_microbatches, looked_up_only, mapped_frozen_bytes,
                           stage_memory_bytes, stage_params_bytes, stashed_weight_versions, transient_bytes,
                           workspace_of)
 
@@ -484,7 +484,7 @@ def memory_parts(graph: Graph, device: DeviceSpec, first: int, last: int, stage:
                              + STASHED_VERSION_COPIES * versions),
         "gradients": params * gradient_copies(schedule, update_every, microbatches),
         "optimizer": params * OPTIMIZER_STATE_COPIES[optimizer],
-        "frozen": (mapped_frozen_bytes(graph, first, last, device) if maps_frozen(device) else
+        "frozen": (mapped_frozen_bytes(graph, first, last, device) if holds_base_mapped(graph, device) else
                    sum(b.frozen_bytes for b in graph.blocks[first:last + 1]) + double_held_bytes(graph, first, last, device)),
         "activations": sum(block_input_bytes(graph)[first:last + 1]) * in_flight,
         "workspace": workspace_of(graph, device, first, last, in_flight) + transient_bytes(graph, device, first, last),

@@ -98,6 +98,7 @@ def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool
     (planner.onnx_weights.map_raw), resident only while read: for a process that ships them
     (a pipeline's coordinator emits its plans from the graph), not for one that trains them in
     place (an engine given them with `take_weights` would copy each)."""
+    from ir.precision import stored_arrays
     from planner.onnx_quantize import widen_stored_weights
     from planner.onnx_weights import drop_mapped_pages
 
@@ -108,8 +109,8 @@ def load_model(path: str | Path, batch: int = 8, seq: int = 128, with_loss: bool
     except ValueError as exc:
         raise ImportError_(f"{path}: {exc}; {_DAMAGED}") from None
     graph = lower_model(model, ImportOptions(batch, seq, with_loss, loss), source=str(path), arrays=arrays)
-    if mapped:  # what lowering read of the mapped weights (tied ones compared)
-        drop_mapped_pages(graph.constants.values())
+    if mapped:  # what lowering read of the mapped weights (tied ones compared; a stored quantized one's pieces)
+        drop_mapped_pages(a for v in graph.constants.values() for a in stored_arrays(v))
     return graph
 
 
@@ -191,6 +192,7 @@ def read_onnx_apart(path: Path, mapped: bool = False) -> tuple[object, dict[str,
     a read-only view onto a mapping of the file instead (`load_model`'s)."""
     import onnx
 
+    from planner.onnx_quantize import stored_piece_names
     from planner.onnx_weights import RAW_DTYPES, WireError, map_file, map_raw, read_raw, without_raw_data
 
     size = _checked_size(path)
@@ -209,6 +211,8 @@ def read_onnx_apart(path: Path, mapped: bool = False) -> tuple[object, dict[str,
     # weights stored as they are used are views onto a mapping of the file: file-backed pages that
     # a coordinator gives back once it has shipped them (planner.onnx_weights.drop_mapped_pages)
     view = map_file(path) if spans and mapped else None
+    # the pieces of the weights `export --base-dtype` stored quantized: mapped whatever their size, float16 kept
+    pieces = stored_piece_names(model) if view is not None else frozenset()
     with open(path, "rb") as f:
         for span in spans:
             t = inits[span.index]
@@ -217,12 +221,13 @@ def read_onnx_apart(path: Path, mapped: bool = False) -> tuple[object, dict[str,
                 t.raw_data = f.read(span.nbytes)
                 continue
             try:
-                on_file = None if view is None else map_raw(view, span.offset, span.nbytes, t.data_type, tuple(t.dims))
+                on_file = None if view is None else map_raw(view, span.offset, span.nbytes, t.data_type, tuple(t.dims),
+                                                            stored_piece=t.name in pieces)
                 arrays[t.name] = on_file if on_file is not None else \
                     read_raw(f, span.offset, span.nbytes, t.data_type, tuple(t.dims))
             except (WireError, ValueError) as exc:
                 raise ImportError_(f"{path}: initializer {t.name!r} cannot be read ({exc}); {_DAMAGED}") from None
-            if t.data_type in _HALF_TYPES:
+            if t.data_type in _HALF_TYPES and arrays[t.name].dtype == np.float32:
                 t.data_type = onnx.TensorProto.FLOAT
     # an external data file is mapped as the model file is (one mapping a file): a model past protobuf's
     # 2 GiB keeps its weights there (the Qwen2.5-0.5B-class export: 1884 MiB), and read into memory they

@@ -340,6 +340,18 @@ def write_quantized(path: Path, weights: Mapping[str, QuantizedTensor], base_dty
     return done
 
 
+def stored_piece_names(model) -> frozenset[str]:
+    """The initializer names of the storage arrays (`ir.precision.storage_piece_names`) of every weight the
+    file `model` (a ModelProto) records as stored quantized; empty for a file without the record."""
+    from ir.precision import storage_piece_names
+
+    record = {p.key: p.value for p in model.metadata_props}.get(WEIGHTS_KEY)
+    if not record:
+        return frozenset()
+    return frozenset(n for name, (storage, *_) in json.loads(record).items()
+                     for n in storage_piece_names(name, storage))
+
+
 def widen_stored_weights(model, arrays: dict[str, np.ndarray]) -> None:
     """For the lowering: each weight the file stores quantized (its metadata says which) becomes a
     float32 initializer again (`dequantize` of its storage arrays: the values the widening ops give),
@@ -745,7 +757,7 @@ def _tensor_bytes(t) -> int:
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
 
 
-__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "Unwritten", "last_position_only", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
+__all__ = ["BASE_DTYPE_KEY", "BLOCK", "HEAD_ROWS", "stored_piece_names", "Unwritten", "last_position_only", "read_by_rows", "WEIGHTS_KEY", "as_plain_initializers", "quantized_weights",
            "recorded_base_dtype", "INLINE_LIMIT", "take_weight_inputs",
            "widen_parts", "widen_stored_weights", "with_float_weights", "write_layer_ranges", "write_quantized",
            "write_with_weights"]

@@ -175,16 +175,21 @@ def read_raw(f, offset: int, nbytes: int, data_type: int, dims: tuple[int, ...],
 MAP_MIN_BYTES = 1 << 16
 
 
-def map_raw(view: mmap.mmap, offset: int, nbytes: int, data_type: int, dims: tuple[int, ...]) -> np.ndarray | None:
+def map_raw(view: mmap.mmap, offset: int, nbytes: int, data_type: int, dims: tuple[int, ...],
+            stored_piece: bool = False) -> np.ndarray | None:
     """The tensor of ONNX type `data_type` and shape `dims` at `offset` of the read-only mapping
     `view`, as a read-only array onto the mapping (no copy), or None where it must be read
     (`read_raw`): half precision (widened), another byte order, under MAP_MIN_BYTES. Raises
-    WireError for a size or type that does not fit."""
+    WireError for a size or type that does not fit. `stored_piece`: a piece of a weight the file stores
+    quantized (`planner.onnx_quantize`: its codes, float16 scales and offsets), mapped whatever its size and
+    its float16 kept as it is: such a base is read in place by an engine that gives a block's pages back
+    after its use, so every piece of it is file pages, none anonymous memory (SmolLM2 int4: every block
+    scale array and its k / v codes lie under 64 KiB, 16 MiB of the 94 MiB base)."""
     dtype = np.dtype(RAW_DTYPES[data_type])
     count = int(np.prod(dims, dtype=np.int64)) if dims else 1
     if count * dtype.itemsize != nbytes:
         raise WireError(f"{nbytes} bytes of data for {count} elements of {dtype.itemsize} bytes")
-    if nbytes < MAP_MIN_BYTES or not dtype.isnative or data_type in (10, BFLOAT16):
+    if not dtype.isnative or data_type == BFLOAT16 or (not stored_piece and (nbytes < MAP_MIN_BYTES or data_type == 10)):
         return None
     if offset + nbytes > len(view):
         raise WireError(f"the file ends inside a tensor's {nbytes} bytes at byte {offset}")

@@ -392,6 +392,23 @@ def tiny_tied_llama(folder: Path, vocab: int = 256):
     return model, export_causal_lm(model, folder / "m.onnx", LlmExportOptions(), kv_cache=False)
 
 
+def stored_int4_llama(folder: Path) -> None:
+    """A tiny tied Llama (2 layers, hidden 64, 256-row vocabulary), scrambled, exported with its frozen
+    weights stored int4 (`confidant export --base-dtype int4`: Q4_1 codes, float16 scales and offsets; the
+    table int8), no KV cache: `folder`/m.onnx. Every piece lies under 64 KiB (`planner.onnx_weights.
+    MAP_MIN_BYTES`), so a graph loaded mapped has them on the mapping only as stored pieces (`map_raw`)."""
+    import transformers as tf
+
+    from jobs.export.llm import LlmExportOptions, export_causal_lm
+
+    config = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    export_causal_lm(scrambled_causal_lm(config), folder / "m.onnx", LlmExportOptions(base_dtype="int4"),
+                     kv_cache=False)
+
+
 def transformers_lm_gradients(model, feeds) -> dict:
     """Every parameter's gradient (numpy, by transformers name) of the causal-LM loss the lowered
     graph computes (sum of target_weights x token cross-entropy), on a float64 copy of `model`."""

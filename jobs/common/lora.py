@@ -37,8 +37,9 @@ def read_mapped(model: str | Path, settings: LoraSettings | None, engine: str | 
     against 341-370 in training, the file read into memory first). Nothing trains such a graph's frozen
     arrays in place (LoRA engines copy what they are given), so read-only views are safe; full
     fine-tuning (`take_weights`) needs writable arrays of its own. A file `export --base-dtype` stored
-    quantized is read into memory as before: its pieces are the quantized base already (no spike), and
-    mapped they stood beside the engine's copy (SmolLM2 int4: training 396 MiB against 340, helper h75).
+    quantized is read into memory as before (its pieces are the quantized base already: no spike; mapped they
+    stood beside the engine's copy, SmolLM2 int4: training 396 MiB against 340, helper h75), except on PyTorch
+    per block, whose engine reads them in place and gives their pages back per block (below, helper h166).
     A float32 base too where `engine` is PyTorch recomputing `activations` per block: the engine reads the
     weights in place and gives each block's pages back after its use (`runtime.engines.pytorch`), so the run
     holds one block's frozen weights at a time (SmolLM2 LoRA: 848 -> 440 MiB, helper h155); or MNN recomputing
@@ -51,7 +52,29 @@ def read_mapped(model: str | Path, settings: LoraSettings | None, engine: str | 
         return False
     from planner.onnx_quantize import recorded_base_dtype
 
-    return recorded_base_dtype(Path(model)) == "float32"
+    stored = recorded_base_dtype(Path(model))
+    if stored == "float32":
+        return True
+    # A base the file stores quantized at the run's precision (`export --base-dtype int4`) on PyTorch recomputing
+    # per block: the engine widens each product's weight from the file's own codes and scales on the mapping
+    # (`planner.onnx_weights.map_raw`'s stored pieces) and gives each block's pages back after its use, as it does
+    # a float32 base's (`runtime.engines.pytorch`): one block of the packed base resident, not all of it. MNN
+    # copies a quantized weight's parts into its constants (`mnn_kernels.widened_weight_parts`): held there.
+    return stored == settings.base_dtype and engine == "torch" and activations == "per-block"
+
+
+def base_on_mapping(model: str | Path, settings: LoraSettings | None, engine: str | None = None,
+                    activations: str | None = None) -> bool:
+    """Whether a run's frozen base stays on the file's mapping while it trains (`DeviceSpec.frozen_mapped`,
+    what `planner.cost.maps_frozen` charges): read mapped (`read_mapped`) and not quantized at load (a float32
+    base, or one the file stores at the run's precision); a base quantized from a float32 file is held."""
+    if not read_mapped(model, settings, engine, activations):
+        return False
+    if settings.base_dtype == "float32":
+        return True
+    from planner.onnx_quantize import recorded_base_dtype
+
+    return recorded_base_dtype(Path(model)) == settings.base_dtype
 
 
 def load_adapted(model: str | Path, batch: int, seq: int, settings: LoraSettings | None,

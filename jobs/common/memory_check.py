@@ -24,7 +24,7 @@ from jobs.common.report import Reporter
 # check, then holds them (imported after, they rose `train-local`'s whole life ~1 MiB above its printed
 # figure on the tiny BERT, helper h117)
 from planner.cluster import DeviceSpec
-from planner.cost import (fused_loss_hidden_bytes, mapped_frozen_bytes, maps_frozen, stage_memory_bytes,
+from planner.cost import (fused_loss_hidden_bytes, holds_base_mapped, mapped_frozen_bytes, stage_memory_bytes,
                           table_state_delta_bytes)
 from planner.memory_defaults import (DEFAULT_RUNTIME_BYTES, LOSS_CHUNK_BYTES, default_profile, memory_parts,
                                      mnn_forward_kept_bytes, mnn_held_bytes, mnn_kept_bytes, torch_kept_bytes,
@@ -103,7 +103,7 @@ def step_bytes(graph: Graph, optimizer: str, engine: str = "mnn", activations: s
         held = sum((costs[block_signature(b)].kept_bytes or 0) - kept_bytes(graph, b) for b in _cached(graph))
     # AdamW's state of a table only looked up is the rows the data looks up (`graph.lookup_rows`), not dense
     rows = table_state_delta_bytes(graph, 0, len(graph.blocks) - 1, device, optimizer)
-    mapped = mapped_frozen_bytes(graph, 0, len(graph.blocks) - 1, device) if maps_frozen(device) else 0
+    mapped = mapped_frozen_bytes(graph, 0, len(graph.blocks) - 1, device) if holds_base_mapped(graph, device) else 0
     return (sum(parts[k] for k in ("gradients", "optimizer", "activations", "workspace")) - held + rows + mapped
             + widened_bytes(graph, base_dtype) + (mnn_held_bytes(graph, keeping=keeping) if engine == "mnn" else 0))
 

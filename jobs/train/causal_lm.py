@@ -27,7 +27,7 @@ import numpy as np
 
 from ir.graph import Graph
 from jobs.common.errors import JobError
-from jobs.common.lora import read_mapped
+from jobs.common.lora import base_on_mapping, read_mapped
 from jobs.common.memory_check import local_check, machine_room_bytes
 from jobs.common.metrics import DeviceFigures, EvalFigures, StepFigures, TrainingMetrics
 from jobs.common.report import Reporter, Silent
@@ -220,6 +220,8 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     # a float32 base on PyTorch recomputing per block the same: its engine gives each block's pages back after
     # use, one block of the base resident at a time (SmolLM2 LoRA: 848 -> 440 MiB training, helper h155)
     mapped = read_mapped(model, settings.lora, settings.engine, settings.activations)
+    # asked before the set-up, not after the run: its walk of the file's header faults the file's pages in
+    on_mapping = mapped and base_on_mapping(model, settings.lora, settings.engine, settings.activations)
     graph, adapters = lm_graph(model, settings, reporter, mapped=mapped)
     config = TrainConfig(steps=settings.steps, batch=settings.batch, seq=settings.seq, lr=settings.lr,
                          optimizer=settings.optimizer, seed=settings.seed, threads=settings.threads)
@@ -335,7 +337,7 @@ def train_causal_lm(model: Path, data: Path, eval_path: Path | None, settings: T
     return local_check(metrics, charged, config.optimizer, settings.engine, room, reporter, settings.activations,
                        settings.lora.base_dtype if settings.lora is not None else "float32", set_up,
                        evaluation_bytes=evaluation,
-                       frozen_mapped=mapped and settings.lora is not None and settings.lora.base_dtype == "float32")
+                       frozen_mapped=on_mapping)
 
 
 def _float32_file(model: Path) -> bool:

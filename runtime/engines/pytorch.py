@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ir.graph import Node, use_def
 from ir.mapped_pages import give_back_pages, mapping_of, read_only_mappings
 from ir.ops import REMADE_FROM_INPUTS
-from ir.precision import QuantizedTensor
+from ir.precision import QuantizedTensor, stored_arrays
 from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array, rows_at
 from runtime.engines.lm_loss import chunk_rows, quantized_linear_cross_entropy
@@ -232,9 +232,13 @@ class _FrozenWeight:
     def __init__(self, q: QuantizedTensor, dtype: torch.dtype):
         self.q, self.dtype = q, dtype
         codes = q.codes
-        self._codes = torch.from_numpy(codes.view(np.int16) if q.storage == "bfloat16" else codes)
-        self._scales = torch.from_numpy(q.scales)
-        self._mins = None if q.mins is None else torch.from_numpy(q.mins)
+        with warnings.catch_warnings():
+            # arrays on a read-only mapping of a file that stores the base quantized (`load_model(mapped=True)`):
+            # torch warns that writing through the view is undefined; nothing writes a frozen weight
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            self._codes = torch.from_numpy(codes.view(np.int16) if q.storage == "bfloat16" else codes)
+            self._scales = torch.from_numpy(q.scales)
+            self._mins = None if q.mins is None else torch.from_numpy(q.mins)
 
     def widen(self) -> torch.Tensor:
         """The whole weight in its logical layout (a transposed view where it is blocked along rows)."""
@@ -661,7 +665,10 @@ class TorchStageEngine(StageEngine):
         # their pages are given back after each block's forward and before each block's re-run, so a per-block
         # stage holds one block's frozen weights at a time (and the LM head's table from its backward to the
         # last layer's re-run), not the whole base; the next read faults them in again from the page cache
-        self._mapped = read_only_mappings(spec.graph.constants[name] for name in self._consts)
+        # a base the file stores quantized (`export --base-dtype int4`) the same: its codes, scales and offsets are
+        # views onto the mapping (`planner.onnx_weights.map_raw`'s stored pieces), widened per product from there
+        self._mapped = read_only_mappings([spec.graph.constants[name] for name in self._consts]
+                                          + [a for w in self._frozen.values() for a in stored_arrays(w.q)])
         self._block_ends = frozenset(nodes[-1].name for _, nodes in spec.block_nodes() if nodes)
         self._saved: dict[int, tuple] = {}
         # while a training forward runs: its `_Remade`s by value where backwards are not split (`_linear_of`),

@@ -89,3 +89,50 @@ def test_a_table_only_looked_up_is_not_charged_resident(tiny_onnx):
     device = _device(g, "torch:cpu:t1", "per-block", True)
     for last, expected in ((0, frozen[0]), (len(g.blocks) - 1, max(frozen))):
         assert memory_parts(g, device, 0, last, 0, 1, "1f1b-flush", 1, "adamw")["frozen"] == expected
+
+
+@pytest.fixture(scope="module")
+def int4_graph(export_dir):
+    """A tiny tied Llama whose file stores its base int4 (the table int8), loaded mapped under LoRA int4."""
+    from support import made_once, stored_int4_llama
+
+    path = made_once(export_dir / "stored-int4-llama", stored_int4_llama) / "m.onnx"
+    return adapted(load_model(path, 1, 16, mapped=True),
+                   LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="int4"))
+
+
+def test_a_stored_int4_base_mapped_on_torch_per_block_is_charged_its_largest_block(int4_graph):
+    """PyTorch per block reads a base the file stores int4 in place and gives each block's pages back
+    (tests/runtime/test_torch_stored_int4_base.py): charged its largest block's stored bytes (codes, scales,
+    offsets) and norm scales, read off the graph's arrays, not the whole packed base; on MNN (which copies the
+    parts into its constants) and unmapped, the whole base as before."""
+    from ir.precision import QuantizedTensor
+
+    g = int4_graph
+
+    def by_hand(block) -> int:
+        read = {i for name in block.nodes for i in g.node(name).inputs if i in g.constants and i not in g.params}
+        return sum(int(g.constants[i].nbytes) for i in read
+                   if isinstance(g.constants[i], QuantizedTensor) or i.endswith("norm.weight"))
+
+    largest = max(by_hand(b) for b in g.blocks)
+    assert largest == by_hand(g.blocks[1])  # a layer's projections, beyond the int8 table's 17 KiB
+    stored = sum(int(v.nbytes) for v in g.constants.values() if isinstance(v, QuantizedTensor))
+    assert stored > 2.5 * largest
+    mapped = _terms(g, _device(g, "torch:cpu:t1", "per-block", True))
+    held = _terms(g, _device(g, "torch:cpu:t1", "per-block", False))
+    assert mapped.frozen_bytes == {MAPPED_FROZEN: largest}
+    assert "frozen " + MAPPED_FROZEN in mapped.by_name()  # what `show` prints
+    assert sum(held.frozen_bytes.values()) >= stored and held.total - mapped.total == sum(held.frozen_bytes.values()) - largest
+    device = _device(g, "torch:cpu:t1", "per-block", True)
+    assert memory_parts(g, device, 0, len(g.blocks) - 1, 0, 1, "1f1b-flush", 1, "adamw")["frozen"] == largest
+    assert (step_bytes(g, "adamw", "torch", "per-block", "int4", 1, True)
+            - step_bytes(g, "adamw", "torch", "per-block", "int4", 1, False)) == largest
+    for backend, activations in (("mnn:cpu:t1", "per-block"), ("torch:cpu:t1", "keep")):
+        device = _device(g, backend, activations, True)
+        assert _terms(g, device) == _terms(g, replace(device, frozen_mapped=False)), backend
+        assert memory_parts(g, device, 0, len(g.blocks) - 1, 0, 1, "1f1b-flush", 1, "adamw") == \
+            memory_parts(g, replace(device, frozen_mapped=False), 0, len(g.blocks) - 1, 0, 1, "1f1b-flush", 1, "adamw")
+    engine = "mnn"
+    assert step_bytes(g, "adamw", engine, "per-block", "int4", 1, True) == \
+        step_bytes(g, "adamw", engine, "per-block", "int4", 1, False)
