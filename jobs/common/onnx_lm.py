@@ -43,7 +43,8 @@ def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
 def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: Mapping[str, np.ndarray] | None,
                         folder: Path, branches: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
                         shared: dict[str, np.ndarray] | None = None) -> Path:
-    """A copy in `folder` of the float32 export at `model` that ONNX Runtime runs with the weights a
+    """A copy in `folder` of the export at `model` (float32, or stored quantized by `export --base-dtype`:
+    its stored weights read as `held`'s) that ONNX Runtime runs with the weights a
     quantized-base engine holds (`held`: its graph's constants): each `ir.precision.QuantizedTensor` of
     `held` stored quantized as `confidant export --base-dtype` stores it (widening ops over the stored
     arrays, run as a product needs them), each of `initializers` (trained, adapters merged) a float32
@@ -67,10 +68,10 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     against training's 888; helper h101). Returns the copy's NAME.onnx."""
     import json
 
-    from ir.precision import QuantizedTensor, base_dtype_of
+    from ir.precision import QuantizedTensor, base_dtype_of, stored_arrays
     from planner.onnx_import import read_onnx_apart
-    from planner.onnx_quantize import (Unwritten, last_position_only, read_by_rows, write_layer_ranges,
-                                       write_with_weights)
+    from planner.onnx_quantize import (BASE_DTYPE_KEY, WEIGHTS_KEY, Unwritten, last_position_only, read_by_rows,
+                                       widen_stored_weights, write_layer_ranges, write_with_weights)
     from planner.onnx_weights import drop_mapped_pages
 
     model, folder = Path(model), Path(folder)
@@ -80,6 +81,14 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     if runs is model:
         meta["kv_model"] = None
     proto, arrays = read_onnx_apart(runs, mapped=True)
+    # a file `export --base-dtype` stored quantized: each stored weight one stub initializer over its pieces on
+    # the mapping (its widening ops gone), as a float32 file's weight is, so `held`'s quantized weights and the
+    # adapters beside them are written as for a float32 file. Its trained weights merged into float32
+    # initializers instead (`stored_replaced`) made SmolLM2 int4's generation 1.5 GiB against training's 555 MiB
+    # (helper h169)
+    widen_stored_weights(proto, arrays)
+    for prop in [p for p in proto.metadata_props if p.key in (BASE_DTYPE_KEY, WEIGHTS_KEY)]:
+        proto.metadata_props.remove(prop)  # written again for the weights the copy stores quantized
     initializers = initializers or {}
     weights = {}
     for t in proto.graph.initializer:
@@ -110,7 +119,10 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
         tables = {k: v for k, v in tables.items() if k not in shared}
         weights.update({k: Unwritten(v.shape, v.dtype) for k, v in shared.items()})
     done = write_with_weights(proto, weights, folder / runs.name, base_dtype) + sorted(tables)
-    drop_mapped_pages(arrays.values())
+    drop_mapped_pages([a for v in arrays.values() for a in stored_arrays(v)])
+    # the held base's pieces the writer read, where they lie on a mapping (a stored-quantized file read mapped,
+    # torch per block): left resident they stood beside the session (SmolLM2 int4: 174 MiB of file pages)
+    drop_mapped_pages([a for v in held.values() if isinstance(v, QuantizedTensor) for a in stored_arrays(v)])
     del proto, arrays, weights
     if shared and runs is not model:  # the cache graph run a block range at a time (`OnnxCausalLM`'s parts)
         meta["kv_parts"] = write_layer_ranges(folder / runs.name, RANGE_BYTES)

@@ -148,9 +148,12 @@ def _scores(engine, model: Path, graph: Graph, adapters, settings: TrainingSetti
     # a float32 LoRA base the same way, its arrays read in place by the session (ONNX Runtime over the float32
     # file held its weights twice and their transposed copies: SmolLM2's generation 1742 MiB against
     # training's 888; helper h101)
+    # a file stored quantized (`export --base-dtype`) too: its base as the file stores it, the adapters beside it
+    # (its trained weights merged into float32 initializers, `stored_replaced`, SmolLM2 int4's generation read
+    # 1.5 GiB against training's 555 MiB; helper h169)
     float_base = settings.lora is not None and settings.lora.base_dtype == "float32" and _float32_file(model)
-    held = graph.constants if (read_mapped(model, settings.lora) or float_base) and lm_metadata(model) is not None \
-        else None
+    quantized_base = settings.lora is not None and settings.lora.base_dtype != "float32"
+    held = graph.constants if (quantized_base or float_base) and lm_metadata(model) is not None else None
     branches = [None if held is None or weights is None else lora_branches(graph, weights, adapters, scale)]
     # lists popped into the call: not kept here, so a held base's copy lets them go once it is written
     merged = [None if weights is None else generation_weights(model, graph, weights, adapters, scale,
