@@ -865,6 +865,12 @@ def mapped_frozen_bytes(graph: Graph, first: int, last: int, device: DeviceSpec)
     tree of helper h161, 0.79-0.81 once the local trainer gave its free heap back). MNN: `streamed_frozen_bytes`."""
     if device_engine(device) == "mnn":
         return streamed_frozen_bytes(graph, first, last, STREAM_SETS)
+    return max(_resident_frozen_bytes(graph)[first:last + 1], default=0)
+
+
+def _resident_frozen_bytes(graph: Graph) -> tuple[int, ...]:
+    """Per block, its frozen weights a PyTorch stage holds mapped while the block runs (`mapped_frozen_bytes`):
+    `Block.frozen_bytes` less a table it only looks up (`looked_up_only`)."""
     looked_up = looked_up_only(graph)
     params = set(graph.params)
 
@@ -873,7 +879,36 @@ def mapped_frozen_bytes(graph: Graph, first: int, last: int, device: DeviceSpec)
                   if i in looked_up and i in graph.constants and i not in params}
         return b.frozen_bytes - sum(int(graph.constants[t].nbytes) for t in tables)
 
-    return max((resident(b) for b in graph.blocks[first:last + 1]), default=0)
+    return tuple(resident(b) for b in graph.blocks)
+
+
+def holds_one_block_mapped(graph: Graph, device: DeviceSpec) -> bool:
+    """Whether a stage on the device is charged its frozen base as the largest of its blocks' resident parts
+    (`holds_base_mapped` on PyTorch: `mapped_frozen_bytes`), a max over its blocks, not a sum: what the partition
+    instance charges such a device per stage (`block_mapped_frozen_bytes`) in place of each block's whole frozen
+    weights (`block_held_frozen_bytes`). MNN's streamed term is keyed by placeholder sets, not a block's max: the
+    instance bounds an MNN stage with its whole base and the plan is re-costed (`planner.engines`)."""
+    return holds_base_mapped(graph, device) and device_engine(device) == "torch"
+
+
+def block_mapped_frozen_bytes(graph: Graph, device: DeviceSpec) -> tuple[int, ...]:
+    """Per block, what a stage on the device holds of its frozen base while the block runs where it holds the base
+    mapped one block resident (`holds_one_block_mapped`; the stage is charged the largest of its blocks'); all zero
+    where it does not (its blocks' frozen weights are summed: `block_held_frozen_bytes`)."""
+    if not holds_one_block_mapped(graph, device):
+        return (0,) * len(graph.blocks)
+    return _resident_frozen_bytes(graph)
+
+
+def block_held_frozen_bytes(graph: Graph, k: int, device: DeviceSpec) -> int:
+    """Block k's frozen bytes a stage on the device holds throughout, as the partition instance sums them per
+    block: its frozen weights with the engine's further copies (`double_held_bytes`, `frozen_storage_extra_bytes`,
+    as `stage_memory_terms`); none where the stage holds its base mapped one block resident
+    (`holds_one_block_mapped`: then `block_mapped_frozen_bytes`, a stage's max)."""
+    if holds_one_block_mapped(graph, device):
+        return 0
+    return (graph.blocks[k].frozen_bytes + double_held_bytes(graph, k, k, device)
+            + frozen_storage_extra_bytes(graph, k, k, device))
 
 
 def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int:

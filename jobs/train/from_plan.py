@@ -19,7 +19,9 @@ from jobs.train.pipeline import AUTO_SNAPSHOTS, FaultPolicy, PipelineResult, Sur
 from jobs.common.report import Reporter, Silent
 from jobs.common.settings import check_fault_flags
 from jobs.common.workers import LocalWorkers, coordinator_pair
-from planner.cluster import ClusterError, load_cluster
+from ir.precision import QuantizedTensor
+from jobs.planning import with_base_mapped
+from planner.cluster import Cluster, ClusterError, load_cluster
 from planner.emit import load_plan_cluster
 from planner.compile import steady_state_refusal
 from planner.replan import PlanReplanner
@@ -345,10 +347,22 @@ def _failure_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocu
         return None
     try:
         cluster = load_cluster(settings.cluster) if settings.cluster is not None else load_plan_cluster(plan_dir)
-        return PlanReplanner(plan_dir, plan, _plan_graph(plan, contents), cluster,
+        graph = _plan_graph(plan, contents)
+        return PlanReplanner(plan_dir, plan, graph, _as_planned(cluster, settings, plan_dir, plan, graph),
                              settings.replan_threshold, sign=sign)
     except (BundleError, ValueError):
         return None
+
+
+def _as_planned(cluster: Cluster, settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, graph) -> Cluster:
+    """`cluster` with its devices marked as `plan` marked them (`jobs.planning.with_base_mapped`), so a re-plan
+    charges a stage what `plan` charges it over the same devices: a PyTorch device reads a float32 LoRA base mapped
+    where its worker holds the plan's base file (a local worker is given it unless `PlanRunSettings.local_base` is
+    off; a remote one is started with `confidant worker --base`, as `plan` assumes). Without, a re-plan after a
+    device left charged each stage its whole base, and found no plan where only the mapped charge fits."""
+    held = plan_base(plan_dir, plan) is not None and (settings.local_base or not settings.local)
+    float32 = not any(isinstance(v, QuantizedTensor) for v in graph.constants.values())
+    return with_base_mapped(cluster, plan.lora is not None and held and float32)
 
 
 def _plan_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, contents, sign=None):
@@ -376,7 +390,8 @@ def _plan_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocumen
                        f"plan {plan_dir} runs ({plan.batch}, {plan.seq}); give a cluster profiled at the "
                        f"plan's shape")
     try:
-        return PlanReplanner(plan_dir, plan, _plan_graph(plan, contents), cluster,
+        graph = _plan_graph(plan, contents)
+        return PlanReplanner(plan_dir, plan, graph, _as_planned(cluster, settings, plan_dir, plan, graph),
                              settings.replan_threshold, sign=sign)
     except ValueError as exc:
         raise JobError(str(exc)) from None

@@ -144,8 +144,9 @@ def _add_compute(v: _Vars, inst: PartitionInstance) -> None:
 def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
     """The stage at position r fits its device's budget (or exceeds it by at most `overflow`):
     PartitionInstance.stage_bytes, its per-block sum linear in in_pos, its one transient (the
-    largest of the stage's blocks') a variable at least each of its blocks' transients, and its once
-    part per further micro-batch in flight likewise (PartitionInstance.stage_kept_once)."""
+    largest of the stage's blocks') a variable at least each of its blocks' transients, its once
+    part per further micro-batch in flight likewise (PartitionInstance.stage_kept_once), and its frozen
+    base held mapped likewise, in both phases (PartitionInstance.stage_mapped_frozen)."""
     for r in range(v.positions):
         fl = inst.in_flight[r][0]  # stage 0 of r+1 stages is at position r
         for c, members in enumerate(v.classes):
@@ -153,6 +154,14 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
             used = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
                 inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
                 for k in range(inst.blocks)])
+            mapped = inst.mapped_frozen_bytes[d]
+            resident = 0
+            if any(mapped):
+                resident = v.model.new_int_var(0, max(mapped), f"mapped_frozen_{r}_{c}")
+                for k, f in enumerate(mapped):
+                    if f:
+                        v.model.add(resident >= f * v.in_pos[r][k])
+                used = used + resident
             transients = inst.transient_bytes[d]
             if any(transients):
                 transient = v.model.new_int_var(0, max(transients), f"transient_{r}_{c}")
@@ -181,7 +190,7 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
                 at_update = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
                     inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
                     - inst.block_backward_bytes(d, k, fl) + inst.update_bytes[d][k] for k in range(inst.blocks)])
-                v.model.add(at_update + whole <= limit).only_enforce_if(v.on[r][c])
+                v.model.add(at_update + resident + whole <= limit).only_enforce_if(v.on[r][c])
 
 
 def _add_links(v: _Vars, inst: PartitionInstance) -> None:
@@ -268,6 +277,7 @@ def _build(inst: PartitionInstance, soft_memory: bool = False) -> _Vars:
     if soft_memory:
         most_in_flight = max(map(max, inst.in_flight))
         max_use = max(o + max(t, default=0) + inst.stage_kept_once(d, 0, inst.blocks - 1, most_in_flight) + max(w, 0)
+                      + inst.stage_mapped_frozen(d, 0, inst.blocks - 1)
                       for d, (o, t, w) in enumerate(zip(inst.overhead_bytes, inst.transient_bytes,
                                                          inst.whole_model_delta_bytes))) + sum(
             inst.params_bytes[k] * max(map(max, inst.weight_copies)) + inst.input_bytes[k] * max(map(max, inst.in_flight))

@@ -145,6 +145,9 @@ class OrderSolver:
         # and its once part, the largest of its blocks', per further micro-batch in flight
         # (PartitionInstance.stage_kept_once): the same running max, times `_further`
         self._once = np.array(inst.kept_once_bytes, dtype=np.float64).reshape(nd, n)
+        # and its frozen base held mapped, the largest of its blocks', in both phases
+        # (PartitionInstance.stage_mapped_frozen): the same running max
+        self._mapped = np.array(inst.mapped_frozen_bytes, dtype=np.float64).reshape(nd, n)
         self._budget = np.array(inst.memory_budget_bytes, dtype=np.float64)
         # one transfer of the activation after block k between d and e, exactly as instance.transfer_us
         sizes = sorted(set(inst.boundary_bytes))
@@ -189,10 +192,11 @@ class OrderSolver:
             mp = self._memory_prefix(d, 0)
             transient = np.maximum.accumulate(self._transient[d][::-1])[::-1]  # [i] max over blocks i..n-1
             transient = transient + np.maximum.accumulate(self._once[d][::-1])[::-1] * self._further[d][0]
-            over = self._overhead[d] + mp[n] - mp[:n] + transient - self._budget[d]
+            mapped = np.maximum.accumulate(self._mapped[d][::-1])[::-1]
+            over = self._overhead[d] + mp[n] - mp[:n] + mapped + transient - self._budget[d]
             if self.phases:  # the update's bound beside the backwards' (PartitionInstance.stage_bytes)
                 up = self._update_prefix(d, 0)
-                over = np.maximum(over, self._overhead[d] + up[n] - up[:n] - self._budget[d])
+                over = np.maximum(over, self._overhead[d] + up[n] - up[:n] + mapped - self._budget[d])
             over[0] += self.inst.whole_model_delta_bytes[d]  # blocks [0, n): the whole model on one stage
             over = np.maximum(over, self.inst.stage_floor_bytes(d) - self._budget[d])  # the set-up's peak
             compute = pc[n] - pc[:n]
@@ -224,13 +228,14 @@ class OrderSolver:
                 valid = j <= jmax[:, None]
                 # the stage's transient: the running max of its blocks' over the range [i, j)
                 transient = np.maximum.accumulate(self._transient[d][np.minimum(j - 1, n - 1)], axis=1)
+                mapped = np.maximum.accumulate(self._mapped[d][np.minimum(j - 1, n - 1)], axis=1)
                 if self._further[d][c]:  # the once part likewise (PartitionInstance.stage_kept_once)
                     transient = transient + self._further[d][c] * np.maximum.accumulate(
                         self._once[d][np.minimum(j - 1, n - 1)], axis=1)
-                valid &= mp[np.minimum(j, n)] - mp[i] + transient <= cap
+                valid &= mp[np.minimum(j, n)] - mp[i] + mapped + transient <= cap
                 if self.phases:  # and the update's bound (PartitionInstance.stage_bytes)
                     up = self._update_prefix(d, c)
-                    valid &= up[np.minimum(j, n)] - up[i] <= cap
+                    valid &= up[np.minimum(j, n)] - up[i] + mapped <= cap
                 if self.inst.joined:  # a stage may not end before a joined boundary
                     ends = np.ones(n, dtype=bool)
                     ends[list(self.inst.joined)] = False

@@ -37,8 +37,9 @@ from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_n
 from planner.cluster import Cluster, runtime_bytes, setup_peak_bytes, update_rate
 from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_share, activation_mode,
                           async_extra_copies, block_costs, block_transients,
-                          block_input_bytes, block_weight_grads_s, check_blocks, double_held_bytes,
-                          base_dtype_savings, block_engine_bytes, engine_once_bytes, frozen_storage_extra_bytes,
+                          block_input_bytes, block_weight_grads_s, check_blocks,
+                          base_dtype_savings, block_engine_bytes, block_held_frozen_bytes, block_mapped_frozen_bytes,
+                          engine_once_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
                           phase_peak_bytes, update_only_bytes,
                           block_kept_once,
@@ -140,6 +141,12 @@ class PartitionInstance:
     # [d] the least a stage on device d peaks at (planner.cluster.setup_peak_bytes: the runtime with its
     # engine's import at its own peak; planner.cost.phase_peak_bytes' `setup`). Empty: all zero.
     setup_peak_bytes: tuple[int, ...] = ()
+    # [d][k] what a stage on device d holds of its frozen base while block k runs, where it holds the base mapped
+    # one block resident (planner.cost.block_mapped_frozen_bytes: PyTorch per block over a float32 LoRA base its
+    # workers map); a stage is charged the largest of its own blocks' throughout (`stage_mapped_frozen`), not a
+    # sum, and such blocks' workspace_bytes hold none of their frozen weights (planner.cost.
+    # block_held_frozen_bytes). Empty: all zero (every block's frozen weights summed, in workspace_bytes).
+    mapped_frozen_bytes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_schedule_name(self.schedule)
@@ -170,7 +177,8 @@ class PartitionInstance:
             if not getattr(self, name):
                 object.__setattr__(self, name, tuple((0,) * p for p in range(1, nd + 1)))
         for name in ("recompute_us", "update_us", "weight_us", "unversioned_bytes", "shared_current_bytes",
-                     "transient_bytes", "kept_once_bytes", "update_bytes", "backward_workspace_bytes"):
+                     "transient_bytes", "kept_once_bytes", "update_bytes", "backward_workspace_bytes",
+                     "mapped_frozen_bytes"):
             table = getattr(self, name)
             if not table:
                 object.__setattr__(self, name, tuple((0,) * n for _ in range(nd)))
@@ -258,6 +266,11 @@ class PartitionInstance:
         (planner.cost.transient_bytes)."""
         return max(self.transient_bytes[d][first:last + 1], default=0)
 
+    def stage_mapped_frozen(self, d: int, first: int, last: int) -> int:
+        """The frozen base a stage of blocks first..last on device d holds mapped, the largest of its blocks'
+        (`mapped_frozen_bytes`; planner.cost.mapped_frozen_bytes), held throughout."""
+        return max(self.mapped_frozen_bytes[d][first:last + 1], default=0)
+
     def stage_kept_once(self, d: int, first: int, last: int, in_flight: int) -> int:
         """What the further micro-batches in flight hold once on a stage of blocks first..last on device
         d: the largest of its blocks' `kept_once_bytes`, `kept_copies` times (planner.cost.kept_once_bytes)."""
@@ -279,7 +292,7 @@ class PartitionInstance:
         blocks = range(first, last + 1)
         backward = (self.stage_transient(d, first, last) + self.stage_kept_once(d, first, last, fl)
                     + sum(self.block_backward_bytes(d, k, fl) for k in blocks))
-        held = (self.overhead_bytes[d] + whole
+        held = (self.overhead_bytes[d] + whole + self.stage_mapped_frozen(d, first, last)
                 + sum(self.weight_bytes(d, k, p, s) + self.input_bytes[k] * fl + self.held_workspace(d, k, fl)
                       - self.block_backward_bytes(d, k, fl) for k in blocks))
         return held, backward, sum(self.update_bytes[d][k] for k in blocks)
@@ -340,10 +353,11 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
                                for c, b in zip(row, blocks)) for row, s in zip(costs, specs)),
         params_bytes=tuple(b.params_bytes for b in blocks),
         input_bytes=block_input_bytes(graph),
-        # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace
-        workspace_bytes=tuple(tuple(c.stacked + b.frozen_bytes + double_held_bytes(graph, k, k, spec)
-                                    + frozen_storage_extra_bytes(graph, k, k, spec) + block_engine_bytes(graph, spec, k, c)
-                                    for k, (c, b) in enumerate(zip(row, blocks))) for row, spec in zip(costs, specs)),
+        # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace; a stage holding
+        # its base mapped one block resident holds the largest of its blocks' instead (`mapped_frozen_bytes`)
+        workspace_bytes=tuple(tuple(c.stacked + block_held_frozen_bytes(graph, k, spec) + block_engine_bytes(graph, spec, k, c)
+                                    for k, c in enumerate(row)) for row, spec in zip(costs, specs)),
+        mapped_frozen_bytes=tuple(block_mapped_frozen_bytes(graph, spec) for spec in specs),
         kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
         base_dtype_savings=base_dtype_savings(graph),
         # the runtime, and what its engine's build holds once a stage (planner.cost.engine_once_bytes)

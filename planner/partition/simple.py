@@ -132,8 +132,9 @@ def _greedy_fill(inst: PartitionInstance, order: Sequence[int], limit_us: int) -
             # stage_bytes), and what it holds at its update (PartitionInstance.stage_phases)
             wider = max(transient, inst.transient_bytes[d][k])
             once = inst.stage_kept_once(d, k, last, fl)
+            mapped = inst.stage_mapped_frozen(d, k, last)  # its frozen base held mapped, in both phases
             update = grow - inst.block_backward_bytes(d, k, fl) + inst.update_bytes[d][k]
-            if (max(memory + grow + wider + once, at_update + update, inst.stage_floor_bytes(d))
+            if (max(memory + grow + wider + once + mapped, at_update + update + mapped, inst.stage_floor_bytes(d))
                     > inst.memory_budget_bytes[d]
                     or (k < last and time_us + more > limit_us)):
                 break
