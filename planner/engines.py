@@ -275,8 +275,10 @@ def _with_recosted_bytes(graph: Graph, cluster: Cluster, partition: Partition, s
     does re-costed by the memory model (`stage_memory_bytes`), so the plan's figure is what it charges the
     stage: a hybrid stage with its caches (`hybrid_activations` picks them after the partition was costed
     plain per block; SmolLM2 int4, 1f1b-stash, the last stage per-block+5: planned 190.9 MiB, its terms
-    252.8, measured 231.3), and a stage reading its float32 frozen base mapped (`maps_frozen`: a few
-    blocks' frozen weights resident, where the instance charges every block's, the search's bound)."""
+    252.8, measured 231.3), and a stage reading its float32 frozen base mapped (`maps_frozen`): on MNN its
+    placeholder sets' frozen weights, where the instance charges every block's, the search's bound; on PyTorch the
+    instance charges what the model does (the largest block's: `planner.cost.holds_one_block_mapped`), so the
+    re-cost leaves its figure as it is."""
     stages, p = list(partition.stages), len(partition.stages)
     for s, stage in enumerate(stages):
         device = cluster.device(stage.device)

@@ -84,7 +84,10 @@ def _does_not_fit(inst: PartitionInstance, devs: Sequence[int], ranges: Sequence
         hints.append(f"fewer micro-batches in flight or smaller micro-batches: stashed activations take "
                      f"{_nbytes(in_flight * activations)} on {name!r} ({in_flight} micro-batches in flight"
                      + ("; 1f1b-flush keeps at most p-s of gpipe's m)" if inst.schedule == "gpipe" else ")"))
-    savings = inst.base_dtype_savings[first:last + 1] if inst.base_dtype_savings else ()
+    # not where the device reads its float32 base mapped, a block's resident (`mapped_frozen_bytes`): a quantized
+    # base is held whole, which saves nothing against that
+    mapped = any(inst.mapped_frozen_bytes[d][first:last + 1])
+    savings = inst.base_dtype_savings[first:last + 1] if inst.base_dtype_savings and not mapped else ()
     lower = [(t, sum(x[j] for x in savings)) for j, t in ((1, "int4"), (0, "int8"))]
     lower = [(t, b) for t, b in lower if b > 0]
     if lower:  # the frozen base held smaller (LoRA's base: QLoRA's 4-bit or 8-bit)

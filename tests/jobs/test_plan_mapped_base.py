@@ -3,7 +3,7 @@ workers hold and map (runtime.pipeline.bundles.rebuild_weights), so a PyTorch st
 charged the mapped term in plan.json (`planner.cost.MAPPED_FROZEN`), by hand off the graph's arrays: its
 largest block's frozen weights (a tied table charged to the embeddings' block and the head's alike); an MNN stage (its worker maps it too) and a
 base held int4 are charged their whole base, as before. The plan's figure is the sum of its terms (the
-partition instance bounds the search with the whole base; the plan is re-costed)."""
+partition instance charges a PyTorch stage the same mapped term: tests/jobs/test_plan_mapped_search.py)."""
 from __future__ import annotations
 
 import dataclasses

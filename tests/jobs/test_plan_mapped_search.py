@@ -13,7 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from ir.bundle import load_plan, load_plan_folder
+from jobs.common.errors import JobError
 from jobs.common.lora import adapted
 from jobs.planning import PlanSettings, plan_model, with_base_mapped
 from jobs.train.from_plan import PlanRunSettings, _plan_graph, _plan_replanner
@@ -90,3 +93,12 @@ def test_a_replan_after_a_device_left_charges_what_plan_charges_over_the_same_de
     planned = _plan(model, two, tmp_path / "plan-two")
     assert len(planned.devices) == 2
     assert _stages(load_plan(replanned.directory)) == _stages(planned)
+
+
+def test_no_fit_offers_no_quantized_base_to_a_device_that_maps_its_base(export_dir, tmp_path):
+    # held int4 the base is held whole (`with_base_mapped` marks a float32 base only): against one block's mapped
+    # weights that saves nothing (main offered "--base-dtype int4 saves 61.3 MiB" on the whole model here)
+    model, _, cluster_file = _cluster(export_dir, tmp_path, "abc", budget="60MiB")
+    with pytest.raises(JobError) as err:
+        _plan(model, cluster_file, tmp_path / "plan")
+    assert "no plan fits" in str(err.value) and "--base-dtype" not in str(err.value), str(err.value)
