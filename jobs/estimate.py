@@ -24,7 +24,8 @@ from ir.profile import DeviceProfile, Link
 from ir.training import TRAINING
 from jobs.common.errors import JobError
 from jobs.common.lora import adapted
-from jobs.planning import compile_within_reserve, snapshot_reserve, with_base_mapped
+from jobs.common.lora import with_base_mapped
+from jobs.planning import compile_within_reserve, snapshot_reserve
 from planner.compile import PlanRequest, manual_cuts, search, with_head_splits
 from planner.cluster import Cluster, DeviceSpec, load_cluster, parse_bytes, with_reserve
 from planner.cost import activations_of, stage_costs

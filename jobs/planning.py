@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ir.backend import engine_of, runs_as
+from ir.backend import runs_as
 from ir.bundle import load_plan
 from ir.documents import OptimizerSettings, PlannedLora
 from ir.errors import InputFileError
@@ -18,7 +18,7 @@ from ir.partition import StageCost
 from ir.plan import FAILURE_POLICIES
 from ir.training import TRAINING
 from jobs.common.errors import FlagError, JobError
-from jobs.common.lora import adapted, load_adapted
+from jobs.common.lora import adapted, load_adapted, with_base_mapped
 from jobs.common.report import Reporter, Silent
 from planner.cluster import Cluster, load_cluster, with_reserve
 from planner.compile import (SEARCH_SHARE, CompileError, CompiledPlan, Deadline, NoSteadyState, PlanRequest,
@@ -69,25 +69,6 @@ def lora_record(lora: LoraSettings | None) -> PlannedLora | None:
     if lora is None:
         return None
     return PlannedLora(lora.rank, float(lora.alpha), tuple(lora.targets), tuple(lora.train_also), int(lora.seed))
-
-
-def with_base_mapped(cluster: Cluster, float32_lora: bool) -> Cluster:
-    """`cluster` with each PyTorch device marked as reading a float32 LoRA base mapped (`DeviceSpec.frozen_mapped`)
-    where the plan is written with its base weights file (`plan` always: base.safetensors beside the
-    bundles): its workers hold that file (`train PLAN`'s local workers; a remote one started with
-    `confidant worker --base`) and view a stage's frozen weights on a mapping of it, which a per-block
-    engine reads a block at a time (runtime.pipeline.bundles.rebuild_weights); the cost model charges such
-    a stage so only where its activations map (`planner.cost.maps_frozen`). An MNN device's stage is mapped
-    by its worker too but charged its whole base, as before: over the mapped term a SmolLM2 MNN stage's
-    worker read 1.04-1.20 of its plan (its first stage's lookup faulted ~44 MiB of the mapped table in, and
-    an MNN block's forward ran ~50 MiB above its sampled level; helper h162), a plan is a promise. A plan
-    run from memory (`train-pipeline`) ships whole bundles and is not marked. A worker started without the
-    base file receives its weights into memory and holds the stage's whole base beside the plan's figure."""
-    if not float32_lora:
-        return cluster
-    return dataclasses.replace(cluster, devices=tuple(
-        dataclasses.replace(d, frozen_mapped=True) if d.backend is not None and engine_of(d.backend) == "torch" else d
-        for d in cluster.devices))
 
 
 def plan_model(model: Path, cluster_file: Path, settings: PlanSettings, output: Path,

@@ -157,7 +157,7 @@ class DeviceSpec:
     # block streaming them through placeholder sets, `runtime.engines.mnn._FrozenStream`): charged a block's
     # or the sets' frozen bytes, not the stage's (`planner.cost.mapped_frozen_bytes`). Set by a job that maps
     # (train-local; `plan` and `estimate` for a float32 LoRA base, whose workers hold base.safetensors and view
-    # a stage's frozen weights on a mapping of it: `jobs.planning.with_base_mapped`). Never read from a cluster file.
+    # a stage's frozen weights on a mapping of it: `jobs.common.lora.with_base_mapped`). Never read from a cluster file.
     # On PyTorch also a base the model file stores quantized (its codes, scales, offsets mapped:
     # `planner.cost.maps_stored_base`).
     frozen_mapped: bool = False

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
+
+from ir.backend import engine_of
 from ir.graph import Graph
 from jobs.common.errors import JobError
 from jobs.common.report import Reporter, Silent
+from planner.cluster import Cluster
 from planner.lora import LoraSettings, add_lora
 from planner.onnx_import import load_model
 
@@ -84,3 +88,22 @@ def load_adapted(model: str | Path, batch: int, seq: int, settings: LoraSettings
     float32 file's frozen base is held quantized, or read in place one block at a time (`read_mapped`)."""
     mapped = read_mapped(model, settings, engine, activations)
     return adapted(load_model(model, batch, seq, loss=loss, mapped=mapped), settings, reporter)
+
+
+def with_base_mapped(cluster: Cluster, float32_lora: bool) -> Cluster:
+    """`cluster` with each PyTorch device marked as reading a float32 LoRA base mapped (`DeviceSpec.frozen_mapped`)
+    where the plan is written with its base weights file (`plan` always: base.safetensors beside the
+    bundles): its workers hold that file (`train PLAN`'s local workers; a remote one started with
+    `confidant worker --base`) and view a stage's frozen weights on a mapping of it, which a per-block
+    engine reads a block at a time (runtime.pipeline.bundles.rebuild_weights); the cost model charges such
+    a stage so only where its activations map (`planner.cost.maps_frozen`). An MNN device's stage is mapped
+    by its worker too but charged its whole base, as before: over the mapped term a SmolLM2 MNN stage's
+    worker read 1.04-1.20 of its plan (its first stage's lookup faulted ~44 MiB of the mapped table in, and
+    an MNN block's forward ran ~50 MiB above its sampled level; helper h162), a plan is a promise. A plan
+    run from memory (`train-pipeline`) ships whole bundles and is not marked. A worker started without the
+    base file receives its weights into memory and holds the stage's whole base beside the plan's figure."""
+    if not float32_lora:
+        return cluster
+    return dataclasses.replace(cluster, devices=tuple(
+        dataclasses.replace(d, frozen_mapped=True) if d.backend is not None and engine_of(d.backend) == "torch" else d
+        for d in cluster.devices))

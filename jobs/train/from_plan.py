@@ -20,7 +20,7 @@ from jobs.common.report import Reporter, Silent
 from jobs.common.settings import check_fault_flags
 from jobs.common.workers import LocalWorkers, coordinator_pair
 from ir.precision import QuantizedTensor
-from jobs.planning import with_base_mapped
+from jobs.common.lora import with_base_mapped
 from planner.cluster import Cluster, ClusterError, load_cluster
 from planner.emit import load_plan_cluster
 from planner.compile import steady_state_refusal
@@ -355,7 +355,7 @@ def _failure_replanner(settings: PlanRunSettings, plan_dir: Path, plan: PlanDocu
 
 
 def _as_planned(cluster: Cluster, settings: PlanRunSettings, plan_dir: Path, plan: PlanDocument, graph) -> Cluster:
-    """`cluster` with its devices marked as `plan` marked them (`jobs.planning.with_base_mapped`), so a re-plan
+    """`cluster` with its devices marked as `plan` marked them (`jobs.common.lora.with_base_mapped`), so a re-plan
     charges a stage what `plan` charges it over the same devices: a PyTorch device reads a float32 LoRA base mapped
     where its worker holds the plan's base file (a local worker is given it unless `PlanRunSettings.local_base` is
     off; a remote one is started with `confidant worker --base`, as `plan` assumes). Without, a re-plan after a

@@ -18,7 +18,8 @@ import pytest
 from ir.bundle import load_plan, load_plan_folder
 from jobs.common.errors import JobError
 from jobs.common.lora import adapted
-from jobs.planning import PlanSettings, plan_model, with_base_mapped
+from jobs.common.lora import with_base_mapped
+from jobs.planning import PlanSettings, plan_model
 from jobs.train.from_plan import PlanRunSettings, _plan_graph, _plan_replanner
 from planner.cluster import load_cluster
 from planner.cost import MAPPED_FROZEN, stage_memory_bytes
