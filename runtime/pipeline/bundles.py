@@ -1,8 +1,18 @@
 """The device side of plan bundles: load one from disk or from the wire, verified before any use.
 
 A worker gets its bundle either as a directory (copied to the device) or from the coordinator over
-the transport, one uint8 tensor per file named by its file name (kind "bundle", stage -1,
-micro-batch = position). Both paths end in `ir.bundle.verify_bundle_files` on the bytes, the same
+the transport, each file as its size (an int64 tensor of kind "bundle", stage -1, micro-batch = its
+position, named by its file name) and then its bytes in chunks of `BUNDLE_CHUNK_BYTES` (uint8 tensors
+of kind "bundle_chunk", micro-batch = the chunk's index, the last shorter), so that the receiver can
+write a weights file to its spool file as it arrives (`recv_bundle_files(spool=)`) and never hold it
+whole (before, one message per file: a one-stage SmolLM2 worker without the base file peaked at
+692 MiB setting up, its plan 423, 515 MiB of them the weights file held whole before it was spooled;
+MEMORY_NOTES, h168). The receiver answers every `BUNDLE_WINDOW_CHUNKS` chunks written with a
+"bundle_took" control message and the sender keeps at most two windows unanswered, so a sender
+faster than the receiver's disk does not queue the file in the receiver's ZeroMQ pipe instead.
+A chunk of another size, index or name than the announced size makes is refused by the transport
+(`runtime.transport.wire.MessageError`, one line naming what was expected and what came); nothing
+received is used before the verification below. Both paths end in `ir.bundle.verify_bundle_files` on the bytes, the same
 check the planner ran when it wrote the bundle, so a worker refuses a damaged, incomplete, foreign
 or stale bundle with an error naming the bundle, the file and the fault, before building anything.
 
@@ -34,13 +44,20 @@ from ir.documents import PlanDocument
 from ir.mapped_pages import RELEASE_EVERY, drop_mapped_pages
 from ir.safetensors import (HashedTensors, assemble_safetensors, decode_safetensors, encode_safetensors, hash_tensors, load_safetensors_subset,
                             read_safetensors_hashed, safetensors_names)
-from runtime.transport.wire import Expected
+from runtime.transport.wire import MAX_PAYLOAD_BYTES, Expected
 
 __all__ = ["BUNDLE_KIND", "REST", "BaseWeights", "BundleContents", "BundleError", "load_bundle", "bundle_to_wire",
            "as_uint8", "wire_to_files", "send_bundle", "recv_bundle", "recv_bundle_files", "load_plan", "plan_base",
-           "split_weights", "rebuild_weights", "held_offer", "without_tensors", "weights_tensors", "spool_weights", "file_bytes", "file_size"]
+           "split_weights", "rebuild_weights", "held_offer", "without_tensors", "weights_tensors", "spool_weights", "file_bytes", "file_size",
+           "BUNDLE_CHUNK_KIND", "BUNDLE_CHUNK_BYTES", "BUNDLE_WINDOW_CHUNKS", "SpooledFile", "send_bundle_file"]
 
 BUNDLE_KIND = "bundle"
+BUNDLE_CHUNK_KIND = "bundle_chunk"
+# What a receiver holds of a file in flight: a chunk (4 frames of the wire's 1 MiB), and at most two windows of
+# them unanswered in its queues (32 MiB), against a stage's weights file of hundreds of MiB.
+BUNDLE_CHUNK_BYTES = 4 << 20
+BUNDLE_WINDOW_CHUNKS = 4
+TOOK = "bundle_took"
 # Which names a sender may announce: the bundle's files, plus room for the unexpected ones that
 # verification will then refuse by name, but not an unbounded list.
 _MAX_WIRE_FILES = 2 * (len(BUNDLE_FILES) + 2)
@@ -48,6 +65,14 @@ _MAX_WIRE_FILES = 2 * (len(BUNDLE_FILES) + 2)
 
 # weights.safetensors less the tensors a device takes from its base file, as the wire names it
 REST = "weights.rest.safetensors"
+
+
+@dataclass(frozen=True)
+class SpooledFile:
+    """A received bundle file written to `file` as it arrived (`recv_bundle_files(spool=)`), `nbytes` long."""
+
+    file: object
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -144,7 +169,8 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
     instead and kept there for a later setup; `local` then names the tensors taken from what it
     kept before, and the file received is `REST`, the weights less those and less `extra` (tensors
     the caller read elsewhere: `HeldWeights.take`). `mapped`: the received float32 tensors of those
-    names are views onto a mapping of the kept file (`HeldWeights.take`), not read into memory."""
+    names are views onto a mapping of the kept file (`HeldWeights.take`), not read into memory.
+    A file received straight into its spool file (`SpooledFile`, from `held.new_file()`) is taken as it is."""
     received = REST if local or extra else WEIGHTS
     if received not in files or isinstance(files[received], HashedTensors):
         return
@@ -155,12 +181,15 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
                                check_signature)
     data = files.pop(received)
     if held is not None:
-        try:
-            kept = held.new_file()
-        except OSError:  # no writable folder: the caller decides what to do with the bytes, left in `files`
-            files[received] = data
-            raise
-        held.write(kept, data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
+        if isinstance(data, SpooledFile):
+            kept = data.file
+        else:
+            try:
+                kept = held.new_file()
+            except OSError:  # no writable folder: the caller decides what to do with the bytes, left in `files`
+                files[received] = data
+                raise
+            held.write(kept, data)  # bytes, or a received 1-D uint8 array: its own buffer, not a copy
         del data  # the only reference: let go before the weights are read back
         try:
             files[WEIGHTS] = held.take(kept, local, extra, mapped=mapped)
@@ -168,6 +197,8 @@ def spool_weights(files: dict, source: str, check_signature: SignatureCheck | No
             own = f" (with {len(local)} of its weights this worker's own, kept from its last setup)" if local else ""
             raise BundleError(f"bundle {source}: {received}{own}: {exc}") from None
         return
+    if isinstance(data, SpooledFile):
+        raise ValueError(f"bundle {source}: {received} was spooled by the receiver; pass the `held` it came from")
     with tempfile.TemporaryDirectory(prefix="confidant-weights-", dir=directory) as folder:
         path = Path(folder) / WEIGHTS
         with open(path, "wb") as f:
@@ -257,24 +288,46 @@ def file_size(data) -> int:
     return int(data.nbytes) if isinstance(data, HashedTensors) else len(data)
 
 
-def send_bundle(transport, peer: str, directory: str | Path | Mapping[str, bytes]) -> list[str]:
-    """Ship a checked bundle (a directory, or `bundle_to_wire`'s files) to `peer` as uint8 tensors;
-    returns the file names in the order sent, which the receiver needs (send them in the setup
-    control message). A weights file given as its tensors is put together here, as it is sent, and
-    this returns once the transport has let go of it (`Transport.wait_sent`): a setup that ships
-    stage after stage holds one stage's weights file at a time, not the last one still queued
+def send_bundle(transport, peer: str, directory: str | Path | Mapping[str, bytes], await_took=None) -> list[str]:
+    """Ship a checked bundle (a directory, or `bundle_to_wire`'s files) to `peer`, each file as its size and
+    its chunks (`send_bundle_file`); returns the file names in the order sent, which the receiver needs
+    (send them in the setup control message). A weights file given as its tensors is put together here, as
+    it is sent, and this returns once the transport has let go of it (`Transport.wait_sent`): a setup that
+    ships stage after stage holds one stage's weights file at a time, not the last one still queued
     beside the next one being put together (issue 32: a 2-stage SmolLM2 setup peaked at 1039 MiB
-    on the coordinator, three stage-sized buffers, against 600 MiB on its largest worker)."""
+    on the coordinator, three stage-sized buffers, against 600 MiB on its largest worker).
+    `await_took()` returns the receiver's next "bundle_took" answer (default: the transport's next
+    control message from `peer`; the coordinator's own wait, which also watches for lost workers)."""
     files = bundle_to_wire(directory) if isinstance(directory, (str, Path)) else directory
     built = False
     for i, (name, data) in enumerate(files.items()):
         built = built or isinstance(data, HashedTensors)
         data = file_bytes(data)
-        transport.send_tensor(peer, BUNDLE_KIND, -1, i, as_uint8(data), name=name)
+        send_bundle_file(transport, peer, i, name, data, await_took)
         del data
     if built:
         transport.wait_sent(peer)
     return list(files)
+
+
+def send_bundle_file(transport, peer: str, position: int, name: str, data, await_took=None) -> None:
+    """One bundle file to `peer`: its size, then its bytes in chunks (views of `data`, never a copy of it),
+    at most two windows of `BUNDLE_WINDOW_CHUNKS` chunks ahead of the receiver's "bundle_took" answers."""
+    payload = as_uint8(data)
+    if await_took is None:
+        def await_took():
+            return transport.recv_control(peer, timeout=None)[1]
+    transport.send_tensor(peer, BUNDLE_KIND, -1, position, np.array([payload.size], np.int64), name=name)
+    for j, start in enumerate(range(0, payload.size, BUNDLE_CHUNK_BYTES)):
+        if j >= 2 * BUNDLE_WINDOW_CHUNKS and j % BUNDLE_WINDOW_CHUNKS == 0:
+            took = await_took()
+            want = (j - BUNDLE_WINDOW_CHUNKS) * BUNDLE_CHUNK_BYTES
+            if not (isinstance(took, dict) and took.get("type") == TOOK and took.get("file") == name
+                    and took.get("bytes") == want):
+                raise BundleError(f"{peer} answered {name}'s chunks with {took!r:.120}, not "
+                                  f"{{'type': {TOOK!r}, 'file': {name!r}, 'bytes': {want}}}")
+        transport.send_tensor(peer, BUNDLE_CHUNK_KIND, -1, j, payload[start:start + BUNDLE_CHUNK_BYTES], name=name)
+    del payload
 
 
 def recv_bundle(transport, peer: str, names: Sequence[str], source: str | None = None,
@@ -285,19 +338,59 @@ def recv_bundle(transport, peer: str, names: Sequence[str], source: str | None =
 
 
 def recv_bundle_files(transport, peer: str, names: Sequence[str], source: str | None = None,
-                      timeout: float | None = None, receive=None) -> dict[str, np.ndarray]:
+                      timeout: float | None = None, receive=None, spool=None, took=None) -> dict[str, object]:
     """The files `names` (in order) from `peer`, unverified: `load_bundle` must check them.
-    `receive(expected)` takes each (default: `transport.recv_tensor` with `timeout`); a worker
-    passes one that also watches for its coordinator's stop."""
+    `receive(expected)` takes each message (default: `transport.recv_tensor` with `timeout`); a worker
+    passes one that also watches for its coordinator's stop. `spool(name)`: a writable file (unbuffered,
+    empty) to write that file into as its chunks arrive, or None to hold it in memory: such a file
+    comes back as a `SpooledFile`, the others as 1-D uint8 arrays. `took(message)` sends the sender its
+    "bundle_took" answers (default: a control message to `peer`)."""
     names = list(names)
+    where = f"bundle {source or 'from ' + peer}"
     if not names or len(names) > _MAX_WIRE_FILES or not all(isinstance(n, str) for n in names) \
             or len(set(names)) != len(names):
-        raise BundleError(f"bundle {source or 'from ' + peer}: announced files {names!r} are not a list of "
+        raise BundleError(f"{where}: announced files {names!r} are not a list of "
                           f"1 to {_MAX_WIRE_FILES} distinct names")
-    files = {}
     if receive is None:
         def receive(expected):
             return transport.recv_tensor(peer, expected, timeout=timeout)[1]
-    for i, name in enumerate(names):
-        files[name] = receive(Expected(kind=BUNDLE_KIND, stage=-1, microbatch=i, dtype="uint8", name=name))
+    if took is None:
+        def took(message):
+            transport.send_control(peer, message)
+    files = {}
+    try:
+        for i, name in enumerate(names):
+            size = receive(Expected(kind=BUNDLE_KIND, stage=-1, microbatch=i, dtype="int64", shape=(1,), name=name))
+            nbytes = int(size[0])
+            if not 0 <= nbytes <= MAX_PAYLOAD_BYTES:
+                raise BundleError(f"{where}: {name} announced as {nbytes} bytes, not 0 to {MAX_PAYLOAD_BYTES}")
+            out = spool(name) if spool is not None else None
+            files[name] = SpooledFile(out, nbytes) if out is not None else np.empty(nbytes, np.uint8)
+            chunks = -(-nbytes // BUNDLE_CHUNK_BYTES)
+            for j, start in enumerate(range(0, nbytes, BUNDLE_CHUNK_BYTES)):
+                length = min(BUNDLE_CHUNK_BYTES, nbytes - start)
+                chunk = receive(Expected(kind=BUNDLE_CHUNK_KIND, stage=-1, microbatch=j, dtype="uint8",
+                                         shape=(length,), name=name))
+                if out is None:
+                    files[name][start:start + length] = chunk
+                else:
+                    _write_all(out, chunk)
+                del chunk
+                if j + 1 + BUNDLE_WINDOW_CHUNKS < chunks and (j + 1) % BUNDLE_WINDOW_CHUNKS == 0:
+                    took({"type": TOOK, "file": name, "bytes": start + length})
+            if out is None:
+                files[name].flags.writeable = False
+    except BaseException:
+        for data in files.values():
+            if isinstance(data, SpooledFile):
+                data.file.close()
+        raise
     return files
+
+
+def _write_all(file, data) -> None:
+    """All of `data` into `file`, unbuffered writes resumed where the system cut them short."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += file.write(view[done:])

@@ -527,7 +527,7 @@ class Coordinator:
                     self.held_bytes_reused += file_size(files[WEIGHTS]) - len(rest)
                     files = {(REST if name == WEIGHTS else name): (rest if name == WEIGHTS else data)
                              for name, data in files.items()}
-            send_bundle(self.transport, peer, files)
+            send_bundle(self.transport, peer, files, lambda: self._await_control(peer, "bundle_took"))
             if REST in files:  # bytes put together here: let go before the next stage's are
                 self.transport.wait_sent(peer)
             self.setup_bytes += sum(file_size(data) for data in files.values())

@@ -6,9 +6,13 @@ Protocol (JSON control messages; tensors as header + raw bytes, see runtime.tran
                          bundle comes (what of its weights this worker holds, where offered); a
                          worker of another protocol version answers with its error instead
                          (runtime.transport.wire: ProtocolMismatch), and the run stops there
-  coordinator -> worker  then one "bundle" tensor per file (and "optstate" tensors on resume): the
-                         stage's graph slice, weights, engine, optimizer and actions all come from
-                         the bundle, verified (and its signature checked) before any use
+  coordinator -> worker  then per file a "bundle" tensor (its size) and its "bundle_chunk" tensors
+                         (and "optstate" tensors on resume): the stage's graph slice, weights, engine,
+                         optimizer and actions all come from the bundle, verified (and its signature
+                         checked) before any use; the weights file is written to the file it is kept in
+                         as it arrives (runtime.pipeline.bundles)
+  worker -> coordinator  bundle_took {stage, file, bytes}: every few chunks of a large file, so that
+                         the coordinator keeps at most two windows of them unanswered
   worker -> coordinator  ready {stage, pid, rss}
   coordinator -> worker  run {step, steps} ... and "batch" tensors for each micro-batch: the worker
                          runs its bundle's actions (for `steps` steps without a flush, an
@@ -415,7 +419,13 @@ class Worker:
                 names = [REST if n == WEIGHTS else n for n in names]
         else:  # no offer: answered all the same, before any of the bundle comes (protocol 3)
             self.transport.send_control(COORDINATOR, {"type": "bundle_wants", "stage": self.stage})
-        files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, receive=self._from_coordinator)
+        # the weights file (all of it, or the rest beside this worker's own) written to the file it is kept in as
+        # its chunks arrive, never held whole (h168: a one-stage SmolLM2 set-up received 515 MiB whole, VmHWM 692
+        # at ready against its plan's 423); REST beside a held base file is small and read from memory
+        spool = None if held is not None else self._spool_file
+        files = recv_bundle_files(self.transport, COORDINATOR, names, source=source, receive=self._from_coordinator,
+                                  spool=spool, took=lambda answer: self.transport.send_control(
+                                      COORDINATOR, {**answer, "stage": self.stage}))
         if held is not None:
             if REST not in files:
                 raise ValueError(f"bundle {source}: {REST} did not come, though this worker holds the base file")
@@ -439,6 +449,19 @@ class Worker:
         if mapped:
             _warn_unmapped(files.get(WEIGHTS), mapped, msg.get("device"), self.stage)
         return files, held, reused + sorted(own)
+
+    def _spool_file(self, name: str):
+        """The file a received weights file is written to as it arrives (`HeldWeights.new_file`), None for
+        the bundle's other files, or where no temporary folder is writable (then held in memory, as ever)."""
+        from ir.bundle import WEIGHTS
+        from runtime.pipeline.bundles import REST
+
+        if name not in (WEIGHTS, REST):
+            return None
+        try:
+            return self.held.new_file()
+        except OSError:
+            return None
 
     def _own_weights(self, own, offer) -> dict:
         """The trainable weights of the setup's `own_state` parameters offered in `offer` (name ->
@@ -861,11 +884,14 @@ def _maps_base(files: dict, source: str, check=None) -> bool:
 
 def _warn_unmapped(weights, mapped: Sequence[str], device, stage: int) -> int:
     """One line on stderr for a stage its plan charges its float32 frozen base mapped (one block resident) whose
-    frozen weights (`mapped`: the base file's tensors) were sent because this worker has no copy of the base file:
-    its set-up received them whole before spooling them (a one-stage SmolLM2 plan: VmHWM 691.8 MiB at ready, planned
-    423), and where they are held in memory after all (no writable temporary folder, a big-endian host) its
-    training too. Names the device, the MiB over (up to those weights' bytes) and the fix; returns those bytes
-    (0: none, nothing printed)."""
+    frozen weights (`mapped`: the base file's tensors) were sent because this worker has no copy of the base file,
+    and are held in memory (no writable temporary folder, a big-endian host): its training then exceeds its plan
+    by up to their bytes (a one-stage SmolLM2 plan: 784 MiB trained against 410-468 planned, h168). Names the
+    device, the MiB over and the fix; returns those bytes (0: every one mapped from the spooled file, nothing
+    printed: the set-up receives the file in chunks written to that file as they arrive, within the plan).
+    The line goes out in one write: the in-process workers of a test share one stderr, and `print`'s text and
+    its newline as two writes interleaved between two workers' lines once (two texts on one line, one line
+    counted)."""
     from ir.mapped_pages import mapping_of
     from ir.safetensors import HashedTensors, decode_safetensors
 
@@ -874,15 +900,14 @@ def _warn_unmapped(weights, mapped: Sequence[str], device, stage: int) -> int:
     except (TypeError, ValueError):
         return 0  # refused by name by the verification to come
     names = set(mapped)
-    frozen = [v for n, v in tensors.items() if n in names and v.dtype == np.float32]
-    whole = sum(int(v.nbytes) for v in frozen)
+    held = [v for n, v in tensors.items() if n in names and v.dtype == np.float32 and mapping_of(v) is None]
+    whole = sum(int(v.nbytes) for v in held)
     if whole:
-        when = "while it sets up (received whole before they are spooled and mapped)" \
-            if all(mapping_of(v) is not None for v in frozen) else "while it sets up and trains (held in memory)"
-        print(f"worker: device {device or f'of stage {stage}'} has no copy of the plan's base file: up to "
-              f"{whole / 2 ** 20:.1f} MiB over its plan, which charges its frozen weights mapped (one block "
-              f"resident), {when}; start it with `confidant worker --base plan/base.safetensors`",
-              file=sys.stderr, flush=True)
+        sys.stderr.write(f"worker: device {device or f'of stage {stage}'} has no copy of the plan's base file: up to "
+                         f"{whole / 2 ** 20:.1f} MiB over its plan, which charges its frozen weights mapped (one block "
+                         f"resident), while it sets up and trains (held in memory); start it with `confidant worker "
+                         f"--base plan/base.safetensors`\n")
+        sys.stderr.flush()
     return whole
 
 

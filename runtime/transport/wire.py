@@ -6,7 +6,7 @@ out of step, or simply buggy, so nothing received is trusted: a tensor message i
 plus the raw little-endian bytes of the array, and a control message is one JSON object. Both are
 parsed with `json` and `numpy.frombuffer` only; no received byte is ever turned into code or objects.
 
-Wire format (protocol version 3):
+Wire format (protocol version 4):
 
 - tensor: a header frame and the payload's frames, `[header, part, ...]`. The header is compact
   ASCII JSON with exactly the keys `v, kind, stage, microbatch, version, dtype, shape, nbytes,
@@ -22,7 +22,8 @@ fresh buffers of its size, so a 47 MB embedding table cost its sender ~140 MB mo
 went out, and its receiver as much; in frames of 1 MiB, a few MiB. Version 3: every setup_bundle is
 answered with bundle_wants before a byte of the bundle goes, and may offer a worker its own kept
 weights (runtime.pipeline.held_weights); a version-2 worker ignored the offer and its coordinator
-waited out its timeout for the answer.)
+waited out its timeout for the answer. Version 4: a bundle file goes as its size and its chunks, answered
+every few chunks (runtime.pipeline.bundles), where version 3 sent one message per file.)
 
 Versions: every frame carries the sender's `v`, and a receiver takes only its own. Any change to
 what a message means or must be answered with raises PROTOCOL_VERSION, so two trees that disagree
@@ -55,7 +56,7 @@ import numpy as np
 
 from runtime.procfs import release_free_heap
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 64 * 1024
 MAX_CONTROL_BYTES = 1024 * 1024
 # Far above any activation or weight shard of a BERT-class stage; a header claiming more is garbage,

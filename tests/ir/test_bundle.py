@@ -20,7 +20,8 @@ from ir.serialize import graph_to_json, slice_graph
 from planner.emit import emit_plan, load_plan
 from planner.onnx_import import load_model
 from planner.schedule import make_schedule
-from runtime.pipeline.bundles import as_uint8, bundle_to_wire, load_bundle, recv_bundle, send_bundle, wire_to_files
+from runtime.pipeline.bundles import (bundle_to_wire, load_bundle, recv_bundle, send_bundle, send_bundle_file,
+                                      wire_to_files)
 from runtime.engines.mnn import MnnStageEngine
 from runtime.engines.stage import stage_spec
 from runtime.transport.local import LocalHub, LocalTransport
@@ -416,7 +417,7 @@ def test_bundle_over_the_transport_is_verified_on_arrival(plan_dir, files, tmp_p
     damaged[-1] ^= 0x01
     wire[WEIGHTS] = bytes(damaged)
     for i, (name, data) in enumerate(wire.items()):
-        coordinator.send_tensor("stage0", "bundle", -1, i, as_uint8(data), name=name)
+        send_bundle_file(coordinator, "stage0", i, name, data)
     with pytest.raises(BundleError, match=r"bundle from coordinator: weights.safetensors is corrupted"):
         recv_bundle(worker, "coordinator", list(wire), timeout=5)
     # The coordinator does not ship a damaged bundle in the first place.

@@ -107,7 +107,7 @@ def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
     from planner.schedule import make_schedule
     from ir.partition import Partition, StageAssignment
     from jobs.train.pipeline import LocalWorkers
-    from runtime.pipeline.bundles import as_uint8, bundle_to_wire
+    from runtime.pipeline.bundles import bundle_to_wire, send_bundle_file
     from runtime.pipeline.executor import COORDINATOR
     from runtime.transport.zeromq import ZmqTransport
 
@@ -131,7 +131,7 @@ def test_a_worker_refuses_a_tampered_bundle(tiny_onnx, tmp_path):
             data = bytearray(files[name])
             if name == "weights.safetensors":
                 data[-1] ^= 0x01
-            coord.send_tensor("stage0", "bundle", -1, i, as_uint8(bytes(data)), name=name)
+            send_bundle_file(coord, "stage0", i, name, bytes(data))
         sender, msg = coord.recv_control("stage0", timeout=60)
         assert msg["type"] == "error"
         assert "weights.safetensors is corrupted (sha256 mismatch" in msg["message"]

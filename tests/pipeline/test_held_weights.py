@@ -54,7 +54,7 @@ def _count_weights_sent(monkeypatch, transport_class) -> dict:
     real_send = transport_class.send_tensor
 
     def send_tensor(self, peer, kind, stage, microbatch, arr, *, name="", **kwargs):
-        if counting["on"] and kind == "bundle" and name in (WEIGHTS, REST):
+        if counting["on"] and kind == "bundle_chunk" and name in (WEIGHTS, REST):  # its chunks, not its size
             sent[peer] = sent.get(peer, 0) + int(np.asarray(arr).nbytes)
         return real_send(self, peer, kind, stage, microbatch, arr, name=name, **kwargs)
 

@@ -60,7 +60,7 @@ def _count_moments(monkeypatch, coordinator, transport_class=LocalTransport) -> 
     def send_tensor(self, peer, kind, stage, microbatch, arr, *, name="", **kwargs):
         if counting["on"] and coordinator in (None, self) and kind == "optstate" and "/" in name:
             seen["sent"] += int(np.asarray(arr).nbytes)
-        if counting["on"] and coordinator in (None, self) and kind == "bundle" and name in (WEIGHTS, REST):
+        if counting["on"] and coordinator in (None, self) and kind == "bundle_chunk" and name in (WEIGHTS, REST):  # its chunks, not its size
             seen["weights"] += int(np.asarray(arr).nbytes)  # a bundle's weights file, or the part of it sent
         return real_send(self, peer, kind, stage, microbatch, arr, name=name, **kwargs)
 

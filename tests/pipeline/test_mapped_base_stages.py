@@ -97,7 +97,9 @@ def test_a_worker_without_the_base_file_maps_the_frozen_weights_it_received_from
     """A remote worker started without `--base` on a plan charged its frozen base mapped (PyTorch per block): the
     frozen weights come over the wire, and it views them on a mapping of the unlinked file it spools them to
     (`runtime.pipeline.held_weights`), so it trains within its plan; bit for bit as a run that offered no base at
-    all, nothing left in its temporary folder, and one line per worker for its set-up, which received them whole."""
+    all, nothing left in its temporary folder. Its set-up writes the weights file to that file as its chunks arrive
+    (`runtime.pipeline.bundles.recv_bundle_files(spool=)`), so nothing is over its plan and no line is printed (h168's
+    workers received the file whole first and said so, one line each)."""
     plan_dir = _plan(tiny_checkpoint, export_dir, tmp_path / "plan", "torch", {"a": "per-block", "b": "per-block"})
     sent, sent_mapped = _run(plan_dir, monkeypatch, held=False, offered=False)
     spool = tmp_path / "spool"
@@ -110,11 +112,7 @@ def test_a_worker_without_the_base_file_maps_the_frozen_weights_it_received_from
     assert unheld.losses == sent.losses
     for name in sent.weights:
         np.testing.assert_array_equal(unheld.weights[name], sent.weights[name], err_msg=name)
-    warned = [line for line in capfd.readouterr().err.splitlines() if "no copy of the plan's base file" in line]
-    # one line per worker when run alone; under the parallel fast tier one of the two was missing once (2026-12-07,
-    # not yet explained: both set up, trained and mapped), so at least one, each naming set-up and the fix
-    assert 1 <= len(warned) <= 2 and all("while it sets up (received whole" in line and "--base" in line
-                                         for line in warned), warned
+    assert "no copy of the plan's base file" not in capfd.readouterr().err
     assert list(spool.iterdir()) == []  # unlinked from the start: the kernel frees it with the worker
 
 

@@ -71,11 +71,11 @@ def test_a_recovery_hashes_each_bundle_once_and_builds_them_one_stage_at_a_time(
     shipped, held_at_send = [], []
     real_send = bundles_module.send_bundle
 
-    def send(transport, peer, files):
+    def send(transport, peer, files, await_took=None):
         if counts["on"]:
             held_at_send.append(bundle_weights_alive())
             shipped.append(sum(bundles_module.file_size(data) for data in files.values()))
-        return real_send(transport, peer, files)
+        return real_send(transport, peer, files, await_took)
 
     monkeypatch.setattr(bundles_module, "send_bundle", send)
     on_during_recovery(monkeypatch, counts)
