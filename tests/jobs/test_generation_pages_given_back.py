@@ -8,6 +8,7 @@ that runs them (`planner.onnx_quantize.write_layer_ranges`, `tasks.causal_lm.gen
 pages are a read-only file mapping's, so one given back is faulted in again from the file, the same bytes."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from support import LIFE_PEAK_PROLOGUE, run_child
@@ -60,8 +61,8 @@ def test_the_cache_graph_run_a_layer_at_a_time_holds_one_part_of_the_mapped_base
     parts_in_order = generate._PartsInOrder
 
     class Measured(parts_in_order):
-        def __init__(self, sessions, weights, initializers):
-            super().__init__(sessions, weights, initializers)
+        def __init__(self, sessions, weights, initializers, *rows):
+            super().__init__(sessions, weights, initializers, *rows)
             for k, (session, keep, taken, outputs, read) in enumerate(self.parts):
                 self.parts[k] = (_Reading(k, session, read, runs, mapping), keep, taken, outputs, read)
 
@@ -142,3 +143,60 @@ def test_a_fresh_train_local_generates_under_its_training_peak(tmp_path):
     print(mib)
     assert len(got["generations"]) == 2, mib
     assert max(got["generations"]) < got["training"], mib
+
+
+def test_the_head_run_a_range_of_its_table_rows_at_a_time_gives_the_same_logits(chat_llama, monkeypatch):
+    """The head's product over the tied table as a part of its own, fed a range of the mapped table's rows at
+    a time (`HEAD_BYTES` 1 MiB of the chat Llama's 12 MiB table): every step's logits equal, bit for bit, those
+    of the head's part reading the table whole (`HEAD_BYTES` None), so the greedy answers do; the table is
+    read in more than one range, and after each range's run the mapped table holds no more than that range
+    (its pages given back before the next is read; the embedding's lookups fault in a few rows). Training's
+    fused head reads the table so on PyTorch (helper h167); read whole here the generation after training
+    rose above it (helper h170)."""
+    import jobs.common.onnx_lm as onnx_lm
+    import tasks.causal_lm.generate as generate
+    from ir.mapped_pages import give_back_pages, read_only_mappings
+    from jobs.common.onnx_lm import evaluate_lm
+    from planner.onnx_import import load_model
+    from tasks.causal_lm.generate import GenerationSettings
+
+    model, _, dev = chat_llama
+    held = load_model(model, 1, 16, mapped=True).constants
+    mapping, = read_only_mappings(v for v in held.values() if getattr(v, "dtype", None) == "float32")
+    settings = GenerationSettings(max_new_tokens=16)
+    seen = []
+    pick = generate.OnnxCausalLM._pick
+
+    def recorded(self, last_logits, settings, rng):
+        seen[-1].append(np.array(last_logits))
+        return pick(self, last_logits, settings, rng)
+
+    monkeypatch.setattr(generate.OnnxCausalLM, "_pick", recorded)
+
+    def answers():
+        seen.append([])
+        return evaluate_lm(model, dev, settings, batch=8, limit=4, threads=1, perplexity=False, prepack=False,
+                           held=held, float_base=True).predictions
+
+    monkeypatch.setattr(onnx_lm, "HEAD_BYTES", None)
+    whole = answers()
+    monkeypatch.setattr(onnx_lm, "HEAD_BYTES", 1 << 20)
+    ranges = []  # (rows in the range, the mapped table's resident KiB after its run)
+    table = max((v for v in held.values() if getattr(v, "ndim", 0) == 2), key=lambda v: v.nbytes)
+    drop = generate.drop_pages_under
+
+    def after_range(values):
+        if len(values) == 1 and values[0].base is not None and np.shares_memory(values[0], table) \
+                and values[0].shape[1:] == table.shape[1:] and len(values[0]) < len(table):
+            got = drop(values)
+            ranges.append((len(values[0]), _resident_kib(mapping)))
+            return got
+        return drop(values)
+
+    monkeypatch.setattr(generate, "drop_pages_under", after_range)
+    give_back_pages([mapping])
+    assert answers() == whole
+    assert len(seen[0]) == len(seen[1]) and all(np.array_equal(a, b) for a, b in zip(*seen))
+    row_kib = table.nbytes // len(table) / 1024
+    assert len({rows for rows, _ in ranges}) >= 1 and len(ranges) >= 2 * len(seen[1]), ranges[:4]
+    assert all(kib <= rows * row_kib + 2 * 64 for rows, kib in ranges), (table.nbytes // 1024, max(ranges))
