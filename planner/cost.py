@@ -873,11 +873,22 @@ def _resident_frozen_bytes(graph: Graph) -> tuple[int, ...]:
     `Block.frozen_bytes` less a table it only looks up (`looked_up_only`)."""
     looked_up = looked_up_only(graph)
     params = set(graph.params)
+    head = head_table_chunk(graph)
 
     def resident(b) -> int:
         tables = {i for name in b.nodes for i in graph.node(name).inputs
                   if i in looked_up and i in graph.constants and i not in params}
-        return b.frozen_bytes - sum(int(graph.constants[t].nbytes) for t in tables)
+        # a tied table's lookup gathers its rows (the block's pages given back after it), and the fused head reads
+        # it a vocabulary chunk at a time, each chunk's pages given back (`_FrozenLinearCrossEntropy`)
+        chunk = 0
+        for name in b.nodes:
+            node = graph.node(name)
+            if head is not None and node.op == "Gather" and node.inputs[0] == head[0]:
+                tables.add(head[0])
+            elif head is not None and name == head[2]:
+                tables.add(head[0])
+                chunk = head[1]
+        return b.frozen_bytes - sum(int(graph.constants[t].nbytes) for t in tables) + chunk
 
     return tuple(resident(b) for b in graph.blocks)
 
@@ -909,6 +920,32 @@ def block_held_frozen_bytes(graph: Graph, k: int, device: DeviceSpec) -> int:
         return 0
     return (graph.blocks[k].frozen_bytes + double_held_bytes(graph, k, k, device)
             + frozen_storage_extra_bytes(graph, k, k, device))
+
+
+# What the LM head fused with its causal-LM loss holds of its logits at a time, and a frozen float head of its
+# vocabulary rows: one chunk (the engines' `runtime.engines.lm_loss.CHUNK_BYTES`, which the planner may not import;
+# tests/jobs/test_train_local_memory_line.py holds the two equal; `planner.memory_defaults` charges the logits)
+LOSS_CHUNK_BYTES = 32 << 20
+
+
+def head_table_chunk(graph: Graph) -> tuple[str, int, str] | None:
+    """(the table, the bytes of one vocabulary chunk of it, the head's MatMul) of a frozen float32 head fused
+    with its loss, which the PyTorch engine reads a chunk of vocabulary rows at a time
+    (`runtime.engines.pytorch.vocabulary_chunk_rows`: so many rows that the larger of the rows and their logits
+    for the micro-batch's targets is `LOSS_CHUNK_BYTES`); None for any other graph."""
+    n = len(graph.blocks)
+    if fused_loss_hidden_bytes(graph) is None:
+        return None
+    node = graph.node(graph.blocks[n - 2].nodes[-1])
+    weight = graph.constants.get(node.inputs[1])
+    if weight is None or node.inputs[1] in graph.params or isinstance(weight, QuantizedTensor) or weight.ndim != 2:
+        return None
+    logits = graph.values[node.outputs[0]]
+    vocab = int(logits.shape[-1])
+    hidden = int(weight.size) // vocab
+    targets = graph.target_positions or int(math.prod(logits.shape[:-1]))
+    rows = min(vocab, max(64, LOSS_CHUNK_BYTES // (weight.itemsize * max(targets, hidden, 1))))
+    return node.inputs[1], rows * hidden * weight.itemsize, node.name
 
 
 def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int:

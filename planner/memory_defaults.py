@@ -32,9 +32,10 @@ from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor, bytes_per_frozen_element, lookup_tables, quantizable, storage_for
 from ir.profile import BackendProfile, BlockCost, DeviceProfile
 from planner.cluster import DeviceSpec, runtime_bytes
-from planner.cost import (OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES, async_extra_copies,
-                          block_input_bytes, check_blocks, double_held_bytes, engine_bytes, fused_loss_hidden_bytes,
-                          gradient_copies, holds_base_mapped, in_flight_microbatches, looked_up_only, mapped_frozen_bytes,
+from planner.cost import (LOSS_CHUNK_BYTES, OPTIMIZER_STATE_COPIES, STASHED_VERSION_COPIES, WEIGHT_COPIES,
+                          async_extra_copies, block_input_bytes, check_blocks, double_held_bytes, engine_bytes,
+                          fused_loss_hidden_bytes, gradient_copies, holds_base_mapped, in_flight_microbatches,
+                          looked_up_only, mapped_frozen_bytes,
                           stage_memory_bytes, stage_params_bytes, stashed_weight_versions, transient_bytes,
                           workspace_of)
 
@@ -48,12 +49,8 @@ MIN_BLOCK_S = 1e-6
 UNLIMITED_BYTES = 2 ** 62
 
 
-# What the LM head fused with its causal-LM loss holds of the logits at a time: one chunk (the
-# engines' `runtime.engines.lm_loss.CHUNK_BYTES`, which the planner may not import; a test holds
-# the two equal), and for a head held quantized one chunk of its rows widened beside it.
-LOSS_CHUNK_BYTES = 32 << 20
-
-
+# What the LM head fused with its causal-LM loss holds of its logits at a time: one chunk
+# (`planner.cost.LOSS_CHUNK_BYTES`), and for a head held quantized one chunk of its rows widened beside it.
 def _fused_head_bytes(graph: Graph, block: Block, chunk_bytes: int) -> int | None:
     """What an LM head fused with its loss (`planner.cost.fused_loss_hidden_bytes`) holds of its logits
     while the loss runs a chunk at a time (`runtime.engines.lm_loss`), for the target positions of a

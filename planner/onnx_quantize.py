@@ -633,13 +633,21 @@ def _bytes_of(array: np.ndarray) -> memoryview:
 _LAYER = re.compile(r"(?:^|[./])(?:layers|h|layer|blocks)[./](\d+)[./]")
 
 
-def write_layer_ranges(path: Path, range_bytes: int | None = None) -> list[tuple[str, list[str]]] | None:
+def write_layer_ranges(path: Path, range_bytes: int | None = None, head_bytes: int | None = None) -> list[tuple] | None:
     """Write the ONNX causal LM at `path` (its weights external, as `write_with_weights` writes a copy
     that shares them) again as parts run one after another, each a model of its own beside it
     (`NAME.partK.onnx`, the same external data file): the nodes before the first layer (the
     embedding, the mask's and positions' arithmetic), consecutive layers whose weights come to at most
     `range_bytes` (one layer at least; None: the largest weight outside the layers, which its part reads
-    whole anyway, a tied table), and what follows the last layer (the final norm and the head).
+    whole anyway, a tied table, or `head_bytes` where that table is read by rows), and what follows the last
+    layer (the final norm and the head). `head_bytes`: the head's product over a table of more bytes
+    (x @ W^T, a Gemm over the weight as it is stored: `read_by_rows`' float32 head) is a part of its own
+    whose table is an input (NAME.rows) run a range of at most so many bytes of its rows at a time (a row
+    range of a row-major table is a contiguous range of its bytes, so a view of the caller's array is
+    fed, no copy), the products' columns joined by the caller, what reads them a part after it; the
+    entry of that part is (file, [the table], rows a run, the input's name). Why: the head's part read
+    the tied table whole (SmolLM2 113 MB, a Qwen2.5-0.5B 545 MB) while training's fused head reads it by
+    vocabulary chunk (helper h170).
     Each part takes the values it reads that an earlier part made (the hidden state, the mask, the
     rotary tables) or the graph's inputs, and gives those a later part reads or the graph gives: run in
     order over one dict of values they compute what the whole graph computes, node for node. Why:
@@ -671,9 +679,11 @@ def write_layer_ranges(path: Path, range_bytes: int | None = None) -> list[tuple
             for i in n.input:
                 if i in inits:
                     weight.setdefault(layer_of[id(n)], {})[i] = _tensor_bytes(inits[i])
-    if range_bytes is None:  # what the part before or after the layers reads whole anyway (a tied table)
-        range_bytes = max((_tensor_bytes(inits[i]) for n in order if id(n) not in layer_of for i in n.input
-                           if i in inits), default=0)
+    by_rows = {n.input[1] for n in order if id(n) not in layer_of and head_bytes and _rows_product(n, inits, head_bytes)}
+    if range_bytes is None:  # what the part before or after the layers reads whole anyway (a tied table not cut)
+        range_bytes = max([_tensor_bytes(inits[i]) for n in order if id(n) not in layer_of for i in n.input
+                           if i in inits and i not in by_rows] + [head_bytes or 0])
+    head_cut = None  # the head's product over a table, run a range of its rows at a time (its own part)
     part_of_layer, part, held = {}, 0, None
     for layer in range(max(layer_of.values()) + 1):
         size = sum(weight.get(layer, {}).values())
@@ -694,6 +704,10 @@ def write_layer_ranges(path: Path, range_bytes: int | None = None) -> list[tuple
         else:
             p = max(made, default=0)
             p = head if p == last else p
+            if p == head and head_cut is None and head_bytes and _rows_product(n, inits, head_bytes):
+                head_cut, p = n, head + 1
+            elif p == head + 1:
+                p = head + 2  # what reads the product: after its rows' runs
         part_of[id(n)] = p
     readers: dict[str, set[int]] = {}
     for n in order:
@@ -702,9 +716,13 @@ def write_layer_ranges(path: Path, range_bytes: int | None = None) -> list[tuple
                 readers.setdefault(i, set()).add(part_of[id(n)])
     inferred = shape_inference.infer_shapes(model)
     types = {v.name: v.type for v in [*inferred.graph.value_info, *graph.input, *graph.output]}
+    if head_cut is not None:  # what shape inference may leave untyped (a Reshape to [-1, width]): [n, width]
+        table = inits[head_cut.input[1]]
+        for value, width in ((head_cut.input[0], table.dims[1]), (head_cut.output[0], table.dims[0])):
+            types.setdefault(value, helper.make_tensor_type_proto(table.data_type, [None, width]))
     given = {o.name for o in graph.output}
     names, parts = [], []
-    for k in range(head + 1):
+    for k in range(head + 3):
         nodes = [n for n in order if part_of[id(n)] == k]
         if not nodes:
             continue
@@ -719,15 +737,45 @@ def write_layer_ranges(path: Path, range_bytes: int | None = None) -> list[tuple
         part.CopyFrom(model)
         del part.graph.node[:], part.graph.initializer[:], part.graph.input[:], part.graph.output[:]
         part.graph.ClearField("value_info")
+        entry = (f"{path.stem}.part{len(names)}.onnx", sorted(read & set(inits)))
+        if k == head + 1:  # the table an input of a range of its rows, the product's columns as many
+            table = inits[nodes[-1].input[1]]
+            rows = max(1, head_bytes // max(1, _tensor_bytes(table) // table.dims[0]))
+            feed = nodes[-1].input[1] + ROWS_SUFFIX
+            nodes[-1].input[1] = feed
+            part.graph.input.append(helper.make_tensor_value_info(feed, table.data_type, ["rows", table.dims[1]]))
+            out = helper.make_value_info(nodes[-1].output[0], types[nodes[-1].output[0]])
+            product = out.type.tensor_type.shape.dim
+            product[len(product) - 1].Clear()
+            product[len(product) - 1].dim_param = "rows"
+            part.graph.output.append(out)
+            outs = []
+            entry = (*entry, rows, feed)
+        else:
+            part.graph.initializer.extend(inits[i] for i in entry[1])
         part.graph.node.extend(nodes)
-        part.graph.initializer.extend(inits[i] for i in sorted(read & set(inits)))
         part.graph.input.extend(helper.make_value_info(v, types[v]) for v in ins)
         part.graph.output.extend(helper.make_value_info(v, types[v]) for v in outs)
-        names.append((f"{path.stem}.part{len(names)}.onnx", sorted(read & set(inits))))
+        names.append(entry)
         parts.append(part)
-    for (name, _), part in zip(names, parts):
+    for (name, *_), part in zip(names, parts):
         (path.parent / name).write_bytes(part.SerializeToString())
     return names
+
+
+# the name a part run by rows (`write_layer_ranges`) gives the input that takes a range of its table's rows
+ROWS_SUFFIX = ".rows"
+
+
+def _rows_product(n, inits, range_bytes: int) -> bool:
+    """Whether node `n` is a product x @ W^T (Gemm, transB, no C, alpha 1) over a 2-D initializer W of more
+    than `range_bytes`: a row range of W (contiguous in a row-major array) gives a column range of it."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    return (n.op_type == "Gemm" and len(n.input) == 2 and n.input[1] in inits and len(inits[n.input[1]].dims) == 2
+            and attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
+            and n.input[0] not in inits and _tensor_bytes(inits[n.input[1]]) > range_bytes)
 
 
 def _topological(nodes, producer) -> list:

@@ -12,12 +12,13 @@ import numpy as np
 
 from ir.mapped_pages import PagesGivenBackWhile, read_only_mappings
 from jobs.common.errors import JobError
+from planner.cost import LOSS_CHUNK_BYTES
 from tasks.causal_lm.data import read_instructions
 from tasks.causal_lm.evaluation import InstructionScores, evaluate_instructions
 from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM, lm_metadata
 from tasks.causal_lm.tokenizer import load_lm_tokenizer
 
-__all__ = ["RANGE_BYTES", "evaluate_lm", "held_quantized_copy", "open_lm", "stored_replaced"]
+__all__ = ["HEAD_BYTES", "RANGE_BYTES", "evaluate_lm", "held_quantized_copy", "open_lm", "stored_replaced"]
 
 # the weights one part of the cache graph reads when generation runs it a block range at a time over a
 # mapped float32 base (`planner.onnx_quantize.write_layer_ranges`); None: as many layers as the largest
@@ -25,6 +26,10 @@ __all__ = ["RANGE_BYTES", "evaluate_lm", "held_quantized_copy", "open_lm", "stor
 # its own heap: SmolLM2 one layer a part (32 sessions) read 634 MiB whole life, 4 layers (10) 568, the
 # table's 113 MB of layers (8 layers, 6 sessions) see MEMORY_NOTES (helper h163)
 RANGE_BYTES: int | None = None
+# the rows of the head's tied table one run of its part reads (`write_layer_ranges`' `head_bytes`): as
+# training's fused head reads it on PyTorch (one vocabulary chunk, `LOSS_CHUNK_BYTES`), so a generation after
+# training holds no more of the table than the training did (helper h170); None: the table read whole
+HEAD_BYTES: int | None = LOSS_CHUNK_BYTES
 
 
 def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
@@ -125,7 +130,7 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     drop_mapped_pages([a for v in held.values() if isinstance(v, QuantizedTensor) for a in stored_arrays(v)])
     del proto, arrays, weights
     if shared and runs is not model:  # the cache graph run a block range at a time (`OnnxCausalLM`'s parts)
-        meta["kv_parts"] = write_layer_ranges(folder / runs.name, RANGE_BYTES)
+        meta["kv_parts"] = write_layer_ranges(folder / runs.name, RANGE_BYTES, HEAD_BYTES)
     for other in model.parent.iterdir():
         if not (folder / other.name).exists() and other.name != runs.name:
             (folder / other.name).symlink_to(other.resolve())

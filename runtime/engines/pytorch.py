@@ -11,6 +11,7 @@ alone, `_TokenCrossEntropy` writes its gradient over the logits it saved.
 """
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -21,12 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node, use_def
-from ir.mapped_pages import give_back_pages, mapping_of, read_only_mappings
+from ir.mapped_pages import drop_pages_under, give_back_pages, mapping_of, read_only_mappings
 from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor, stored_arrays
 from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array, rows_at
-from runtime.engines.lm_loss import chunk_rows, quantized_linear_cross_entropy
+from runtime.engines.lm_loss import CHUNK_BYTES, chunk_rows, quantized_linear_cross_entropy
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_up_only
 from runtime.heap import steady_heap
 from runtime.library_pages import drop_library_pages
@@ -204,6 +205,76 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if dw is not None and summed:
             dw = None  # already in the sum: autograd gets no gradient for the weight from here
         return dh.reshape(hidden.shape), dw, None, None, None, None
+
+
+def vocabulary_chunk_rows(vocab: int, hidden: int, targets: int, itemsize: int, chunk_bytes: int | None = None) -> int:
+    """Vocabulary rows per chunk of `_FrozenLinearCrossEntropy`: so many that the larger of the table's
+    rows [rows, H] and their logits [targets, rows] is one chunk (`lm_loss.CHUNK_BYTES`), as the quantized
+    head's kernel chunks (`planner.memory_defaults.vocabulary_chunk_bytes` charges the same rows)."""
+    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    return int(min(vocab, max(64, budget // (itemsize * max(targets, hidden, 1)))))
+
+
+class _FrozenLinearCrossEntropy(torch.autograd.Function):
+    """The fused LM head and loss over a frozen float head (LoRA's base), a chunk of vocabulary rows at a
+    time: one pass over the chunks keeps a running logsumexp per target row (the online softmax) and, when
+    the hidden state needs a gradient, the running sum(exp(z - top) W_chunk), so the gradient of h,
+    w * (softmax - onehot) W, is made in the forward and kept ([targets, H]); the backward reads no weight.
+    Where the table lies on a read-only file mapping (`source`, the graph's array the tensor views: a base
+    read mapped), each chunk's pages are given back once it is read (`drop_pages_under`), so the head holds
+    one chunk of the table, not the table: `_LinearCrossEntropy` splits by target rows, each piece reading
+    every row of the table (a Qwen2.5-0.5B-class tied table, 519 MiB, resident through the head's passes:
+    benchmarks/MEMORY_NOTES.md, helpers h165, h167). The loss summed in float64."""
+
+    @staticmethod
+    def forward(ctx, hidden, ids, weights, table, transposed, source=None, chunk_bytes=None):
+        want = ctx.needs_input_grad[0]
+        dt = hidden.dtype
+        h = hidden.detach().reshape(-1, hidden.shape[-1])
+        ids, w = ids.reshape(-1).long(), weights.reshape(-1).to(dt)
+        rows = _target_rows(w)
+        hr, ids_r, w_r = h[rows], ids[rows], w[rows]
+        vocab = table.shape[0] if transposed else table.shape[1]
+        count = len(rows)
+        step = vocabulary_chunk_rows(vocab, h.shape[1], count, table.element_size(), chunk_bytes)
+        top = torch.full((count,), -math.inf, dtype=dt)
+        total = torch.zeros(count, dtype=torch.float64)
+        picked = torch.zeros(count, dtype=torch.float64)
+        acc = torch.zeros_like(hr) if want else None
+        for lo in range(0, vocab if count else 0, step):
+            hi = min(vocab, lo + step)
+            chunk = table[lo:hi].t() if transposed else table[:, lo:hi]  # [H, rows]
+            z = hr @ chunk.to(dt)
+            new_top = torch.maximum(top, z.max(dim=1).values)
+            rescale = torch.exp((top - new_top).double())
+            inside = ((ids_r >= lo) & (ids_r < hi)).nonzero().reshape(-1)
+            picked[inside] = z[inside, ids_r[inside] - lo].double()
+            z.sub_(new_top[:, None]).exp_()
+            total = total * rescale + z.sum(dim=1, dtype=torch.float64)
+            if acc is not None:
+                acc.mul_(rescale.to(dt)[:, None]).addmm_(z, chunk.t().to(dt))
+            top = new_top
+            del z, chunk
+            if source is not None:  # the chunk's pages of a mapped table go back: the next chunk's replace them
+                drop_pages_under([source[lo:hi] if transposed else source[:, lo:hi]])
+        lse = torch.log(total) + top.double()
+        loss = (w_r.double() * (lse - picked)).sum()
+        ctx.grad_hidden = None
+        if want:
+            if count:  # w * (acc / total - W[ids])
+                target = table[ids_r] if transposed else table[:, ids_r].t()
+                acc.div_(total.to(dt)[:, None]).sub_(target.to(dt)).mul_(w_r[:, None])
+            dh = torch.zeros_like(h)
+            dh[rows] = acc
+            ctx.grad_hidden = dh.reshape(hidden.shape)
+            if source is not None:
+                drop_pages_under([source])  # the target rows' pages
+        return loss.to(dt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, ctx.grad_hidden = ctx.grad_hidden, None  # one backward a forward
+        return g * grad, None, None, None, None, None, None
 
 
 class _HeadSum:
@@ -689,6 +760,13 @@ class TorchStageEngine(StageEngine):
         self._retired: list[dict[str, torch.Tensor]] = []
         self._stepped_in_place = looked_up_only(spec)
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
+        # a frozen head's table on a read-only file mapping, viewed by the engine's tensor: the fused loss gives
+        # its pages back a vocabulary chunk at a time (`_FrozenLinearCrossEntropy`)
+        self._head_source = None
+        if self._lm is not None and self._lm.weight in self._consts:
+            table = spec.graph.constants[self._lm.weight]
+            if read_only_mappings([table]) and self._consts[self._lm.weight].data_ptr() == table.ctypes.data:
+                self._head_source = table
         self._head_sum = _HeadSum()  # `backward_into`: the head's weight gradient added into the sum
         self._weight_sums = _WeightSums()  # `_backward_summed`: the products' weight gradients added into the sums
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))  # never a quantized weight
@@ -892,6 +970,12 @@ class TorchStageEngine(StageEngine):
             return
         if any(i in self._frozen for i in node.inputs):
             env[node.outputs[0]] = self._run_frozen(node, env)
+            return
+        if fused is not None and node.name == fused.loss.name and fused.weight in self._consts:
+            # a frozen float head (LoRA's base): by vocabulary chunks, a mapped table's pages given back after each
+            env[node.outputs[0]] = _FrozenLinearCrossEntropy.apply(
+                env[fused.hidden], env[node.inputs[1]],
+                env[node.inputs[2]], self._consts[fused.weight], fused.transposed, self._head_source)
             return
         if fused is not None and node.name == fused.loss.name:
             env[node.outputs[0]] = _LinearCrossEntropy.apply(

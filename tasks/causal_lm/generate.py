@@ -112,6 +112,9 @@ def _session(path: Path, initializers: Mapping[str, np.ndarray], threads: int | 
         # and no arena: its blocks outlive the widened weights of a stored-quantized file (SmolLM2 int4's
         # generation: 832 -> 741 MiB whole process, helper h78)
         options.enable_cpu_mem_arena = False
+        # and no memory pattern: a session keeps one per shape of its inputs, and a generation's shapes grow
+        # a position each step (SmolLM2 float32 in 19 parts, 32 new tokens: 218 -> 183 MiB anon; helper h170)
+        options.enable_mem_pattern = False
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     keep = []  # the OrtValues must outlive the session
@@ -147,14 +150,21 @@ class _PartsInOrder:
     the base is one part's weights, whatever the load on the machine (a thread giving pages back on a
     timer was starved for 759 ms at load 9-12 and the generation rose to 862 MiB; helper h163)."""
 
-    def __init__(self, sessions, weights: Sequence[Sequence[str]], initializers: Mapping[str, np.ndarray]):
+    def __init__(self, sessions, weights: Sequence[Sequence[str]], initializers: Mapping[str, np.ndarray],
+                 rows: Sequence[tuple[int, str] | None] = ()):
         self.parts = []
         made: set[str] = set()
         self.inputs = []
-        for (session, keep), names in zip(sessions, weights):
-            taken = [i.name for i in session.get_inputs()]
-            self.inputs += [i for i in session.get_inputs() if i.name not in made and i.name not in
-                            {j.name for j in self.inputs}]
+        # a part run by rows (`kv_parts`' third and fourth fields, (rows, input)): its table (its one weight)
+        # fed a range of so many rows at a time as that input, the products' columns joined: the head's product over the tied
+        # table (SmolLM2 113 MB, Qwen2.5-0.5B 545 MB) read a range at a time, each range's pages given back
+        # after its run, as training's fused head reads it by vocabulary chunk (helper h170)
+        self.rows = list(rows) + [None] * (len(weights) - len(rows))
+        for (session, keep), names, by in zip(sessions, weights, self.rows):
+            feed = by[1] if by else None
+            taken = [i.name for i in session.get_inputs() if i.name != feed]
+            self.inputs += [i for i in session.get_inputs() if i.name not in made and i.name != feed
+                            and i.name not in {j.name for j in self.inputs}]
             outputs = [o.name for o in session.get_outputs()]
             made.update(outputs)
             read = [initializers[k] for k in names if k in initializers]
@@ -165,9 +175,18 @@ class _PartsInOrder:
 
     def run(self, output_names, feeds):
         values = dict(feeds)
-        for session, _, taken, outputs, read in self.parts:
-            values.update(zip(outputs, session.run(outputs, {k: values[k] for k in taken})))
-            drop_pages_under(read)
+        for (session, _, taken, outputs, read), by in zip(self.parts, self.rows):
+            given = {k: values[k] for k in taken}
+            if not by:
+                values.update(zip(outputs, session.run(outputs, given)))
+                drop_pages_under(read)
+                continue
+            (table,), (out,), (step, feed), products = read, outputs, by, []
+            for lo in range(0, len(table), step):
+                block = table[lo:lo + step]  # a view: the rows' bytes on the mapping, no copy
+                products.append(session.run(outputs, {**given, feed: block})[0])
+                drop_pages_under([block])
+            values[out] = np.concatenate(products, axis=-1)
         return [values[k] for k in output_names]
 
 
@@ -223,9 +242,10 @@ class OnnxCausalLM:
             parts = (self.meta or {}).get("kv_parts")
             if parts and self.kv_path not in self.sources:
                 # every part is given every replacement weight: ONNX Runtime ignores a name its graph lacks
-                sessions = [_session(self.kv_path.parent / file, self.initializers, self.threads, self.optimize,
-                                     self.stored_quantized, None, self.prepack) for file, _ in parts]
-                self._step = (_PartsInOrder(sessions, [names for _, names in parts], self.initializers), None)
+                sessions = [_session(self.kv_path.parent / part[0], self.initializers, self.threads, self.optimize,
+                                     self.stored_quantized, None, self.prepack) for part in parts]
+                self._step = (_PartsInOrder(sessions, [part[1] for part in parts], self.initializers,
+                                            [tuple(part[2:]) if len(part) > 2 else None for part in parts]), None)
             else:
                 self._step = _session(self.kv_path, self.initializers, self.threads, self.optimize,
                                       self.stored_quantized, self.sources.get(self.kv_path), self.prepack)

@@ -8,6 +8,7 @@ that runs them (`planner.onnx_quantize.write_layer_ranges`, `tasks.causal_lm.gen
 pages are a read-only file mapping's, so one given back is faulted in again from the file, the same bytes."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from support import LIFE_PEAK_PROLOGUE, run_child
@@ -60,8 +61,8 @@ def test_the_cache_graph_run_a_layer_at_a_time_holds_one_part_of_the_mapped_base
     parts_in_order = generate._PartsInOrder
 
     class Measured(parts_in_order):
-        def __init__(self, sessions, weights, initializers):
-            super().__init__(sessions, weights, initializers)
+        def __init__(self, sessions, weights, initializers, *rows):
+            super().__init__(sessions, weights, initializers, *rows)
             for k, (session, keep, taken, outputs, read) in enumerate(self.parts):
                 self.parts[k] = (_Reading(k, session, read, runs, mapping), keep, taken, outputs, read)
 
@@ -142,3 +143,77 @@ def test_a_fresh_train_local_generates_under_its_training_peak(tmp_path):
     print(mib)
     assert len(got["generations"]) == 2, mib
     assert max(got["generations"]) < got["training"], mib
+
+
+def test_the_head_run_a_range_of_its_table_rows_at_a_time_gives_the_same_logits(chat_llama, monkeypatch):
+    """The head's product over the tied table as a part of its own, fed a range of the mapped table's rows at
+    a time (`HEAD_BYTES` 1 MiB of the chat Llama's 12 MiB table): every step's logits equal, bit for bit, those
+    of the head's part reading the table whole (`HEAD_BYTES` None), so the greedy answers do; the table is
+    read in ranges of at most a quarter of it, and before each range's run the mapped base holds less than
+    two ranges (the range before given back after its run). FAILS with that give-back a no-op (the ranges
+    read before stay resident) and on h167's tree (no `HEAD_BYTES`: the table read whole). Training's
+    fused head reads the table so on PyTorch (helper h167); read whole here the generation after training
+    rose above it (helper h170)."""
+    import jobs.common.onnx_lm as onnx_lm
+    import tasks.causal_lm.generate as generate
+    from ir.mapped_pages import give_back_pages, read_only_mappings
+    from jobs.common.onnx_lm import evaluate_lm
+    from planner.onnx_import import load_model
+    from tasks.causal_lm.generate import GenerationSettings
+
+    model, _, dev = chat_llama
+    held = load_model(model, 1, 16, mapped=True).constants
+    mapping, = read_only_mappings(v for v in held.values() if getattr(v, "dtype", None) == "float32")
+    settings = GenerationSettings(max_new_tokens=16)
+    seen = []
+    pick = generate.OnnxCausalLM._pick
+
+    def recorded(self, last_logits, settings, rng):
+        seen[-1].append(np.array(last_logits))
+        return pick(self, last_logits, settings, rng)
+
+    monkeypatch.setattr(generate.OnnxCausalLM, "_pick", recorded)
+
+    def answers():
+        seen.append([])
+        return evaluate_lm(model, dev, settings, batch=8, limit=4, threads=1, perplexity=False, prepack=False,
+                           held=held, float_base=True).predictions
+
+    monkeypatch.setattr(onnx_lm, "HEAD_BYTES", None)
+    whole = answers()
+    monkeypatch.setattr(onnx_lm, "HEAD_BYTES", 1 << 20)
+    ranges = []  # (rows fed to a run of the head's part, the mapped table's resident KiB just before it)
+    parts_in_order = generate._PartsInOrder
+
+    class Measured(parts_in_order):
+        def __init__(self, sessions, weights, initializers, rows):
+            super().__init__(sessions, weights, initializers, rows)
+            for k, (session, *rest) in enumerate(self.parts):
+                if self.rows[k]:
+                    self.parts[k] = (_RangesRead(session, self.rows[k][1], ranges, mapping), *rest)
+
+    monkeypatch.setattr(generate, "_PartsInOrder", Measured)
+    give_back_pages([mapping])
+    assert answers() == whole
+    assert len(seen[0]) == len(seen[1]) and all(np.array_equal(a, b) for a, b in zip(*seen))
+    table = max((v for v in held.values() if getattr(v, "ndim", 0) == 2), key=lambda v: v.nbytes)
+    widest = max(rows for rows, _ in ranges) * table.nbytes // len(table) // 1024
+    assert len(ranges) >= 4 * len(seen[1]) and widest < table.nbytes // 1024 // 4, (widest, ranges[:4])
+    # before each range's run the table holds at most one range read before it (given back after its run:
+    # none) and the rows the embedding's lookups and the fault-around brought in: under two ranges
+    assert all(kib <= 2 * widest for _, kib in ranges), (widest, max(kib for _, kib in ranges))
+
+
+class _RangesRead:
+    """The head's part run by rows, whose runs record (the rows fed, the mapped table's resident KiB just
+    before the run: after the range before it was given back)."""
+
+    def __init__(self, session, feed, ranges, mapping):
+        self.session, self.feed, self.ranges, self.mapping = session, feed, ranges, mapping
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def run(self, outputs, feeds):
+        self.ranges.append((len(feeds[self.feed]), _resident_kib(self.mapping)))
+        return self.session.run(outputs, feeds)

@@ -136,3 +136,26 @@ def test_a_stored_int4_base_mapped_on_torch_per_block_is_charged_its_largest_blo
     engine = "mnn"
     assert step_bytes(g, "adamw", engine, "per-block", "int4", 1, True) == \
         step_bytes(g, "adamw", engine, "per-block", "int4", 1, False)
+
+
+def test_a_frozen_head_is_charged_one_vocabulary_chunk_of_its_table(graph, monkeypatch):
+    """The PyTorch engine's fused head + loss over a frozen float32 table reads it a chunk of vocabulary rows at a
+    time, each chunk's pages given back (`runtime.engines.pytorch._FrozenLinearCrossEntropy`), and the tied
+    table's lookup gathers its rows: with a chunk smaller than the table (here 1 MiB, a 12 MiB table) the head's
+    block is charged the final norm and one chunk of rows (as many as the larger of the rows and the logits of the
+    micro-batch's 16 positions is the chunk), the embeddings' block none of the table, read off the graph's arrays.
+    h165's tree charged the table whole in both (a Qwen2.5-0.5B-class head: 519 MiB of a 1171 MiB plan)."""
+    import planner.cost as cost
+
+    monkeypatch.setattr(cost, "LOSS_CHUNK_BYTES", 1 << 20)
+    table = next(v for k, v in graph.constants.items() if "embed" in k and v.ndim == 2)
+    vocab, hidden = table.shape
+    rows = max(64, (1 << 20) // (4 * max(16, hidden)))
+    assert rows * hidden * 4 < table.nbytes // 8
+    layers = [sum(int(v.nbytes) for k, v in graph.constants.items() if f".layers.{i}." in k and k not in graph.params)
+              for i in range(2)]
+    head = rows * hidden * 4 + graph.constants["model.norm.weight"].nbytes
+    device = _device(graph, "torch:cpu:t1", "per-block", True)
+    assert memory_parts(graph, device, 0, 0, 0, 1, "1f1b-flush", 1, "adamw")["frozen"] == 0  # the embeddings' block
+    whole = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", 1, "adamw")["frozen"]
+    assert whole == max(head, *layers)
