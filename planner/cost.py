@@ -930,9 +930,10 @@ LOSS_CHUNK_BYTES = 32 << 20
 
 def head_table_chunk(graph: Graph) -> tuple[str, int, str] | None:
     """(the table, the bytes of one vocabulary chunk of it, the head's MatMul) of a frozen float32 head fused
-    with its loss, which the PyTorch engine reads a chunk of vocabulary rows at a time
-    (`runtime.engines.pytorch.vocabulary_chunk_rows`: so many rows that the larger of the rows and their logits
-    for the micro-batch's targets is `LOSS_CHUNK_BYTES`); None for any other graph."""
+    with its loss, which both engines read a chunk of vocabulary rows at a time (PyTorch
+    `runtime.engines.pytorch.vocabulary_chunk_rows`, MNN `runtime.engines.lm_loss._vocabulary_step`: so many rows
+    that the larger of the rows and their logits for the micro-batch's targets is `LOSS_CHUNK_BYTES`); None for
+    any other graph."""
     n = len(graph.blocks)
     if fused_loss_hidden_bytes(graph) is None:
         return None
@@ -954,12 +955,14 @@ def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int
     placeholder keyed (block index modulo `sets`, its place among its block's streamed weights, its
     shape), shared by the blocks of that set, so each such key's bytes once; a block's other frozen weights
     (`Block.frozen_bytes`' norm scales, biases) as constants, whole; a table the engine reads in numpy: an LM head fused with
-    its loss whole (the pass reads every row's page; given back after it), a table only looked up nothing (the
-    rows gathered, its pages given back at once). SmolLM2 LoRA on one device: 10 sets x 13.5 MiB of a layer's
-    projections + 108 MiB of the tied head = 243 MiB, where the whole base is 513."""
+    its loss one vocabulary chunk of it where frozen (`head_table_chunk`: the pass reads a chunk of rows at a time,
+    each chunk's pages given back), whole where trained, a table only looked up nothing (the rows gathered, its
+    pages given back at once). SmolLM2 LoRA on one device: 10 sets x 13.5 MiB of a layer's projections + 32 MiB
+    of the tied head's chunk (108 MiB whole before helper h171) = 167 MiB, where the whole base is 513."""
     n = len(graph.blocks)
     fused = fused_loss_hidden_bytes(graph) is not None and first <= n - 2 and last == n - 1
     head = graph.node(graph.blocks[n - 2].nodes[-1]) if fused else None
+    chunk = head_table_chunk(graph) if fused else None
     params = set(graph.params)
     keys: dict[tuple, int] = {}
     tables: dict[str, int] = {}  # read in numpy: charged only as the fused head's weight
@@ -974,7 +977,9 @@ def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int
                     numpy_read.add(node.inputs[0])
             elif head is not None and node.name == head.name:
                 numpy_read.add(node.inputs[1])
-                tables[node.inputs[1]] = int(graph.constants[node.inputs[1]].nbytes)
+                # a frozen float table one vocabulary chunk (`head_table_chunk`, each chunk's pages given back
+                # once read: `runtime.engines.lm_loss.frozen_linear_cross_entropy`), a trained one whole
+                tables[node.inputs[1]] = chunk[1] if chunk is not None else int(graph.constants[node.inputs[1]].nbytes)
             elif node.op == "MatMul" and node.inputs[1] in graph.constants and node.inputs[1] not in params:
                 # a weight of the file on its mapping, which the engine streams (one under MAP_MIN_BYTES is read
                 # into memory, and a constant the lowering folded, as a rotary table, lies in memory: held as

@@ -182,35 +182,73 @@ def quantized_logits(hidden: np.ndarray, weight, chunk_bytes: int | None = None)
 def quantized_linear_cross_entropy(hidden: np.ndarray, weight, ids: np.ndarray, weights: np.ndarray,
                                    grad: bool = True, chunk_bytes: int | None = None) -> LinearCrossEntropyResult:
     """`LinearCrossEntropy` for a frozen LM head held quantized (`ir.precision.QuantizedTensor`,
-    whose storage layout is [V, H] for both head layouts: its blocks run along H). The head is
-    widened a chunk of vocabulary rows at a time, never whole: a first pass over the chunks keeps a
-    running logsumexp per target row (and picks each row's target logit), a second, with `grad`,
-    recomputes each chunk's logits and adds (softmax - onehot) W_chunk into the hidden gradient. No
-    weight gradient (the head is frozen). Computes in `hidden`'s float dtype (float64 for the
-    engines' oracles), the loss summed in float64."""
+    whose storage layout is [V, H] for both head layouts: its blocks run along H), by vocabulary chunk
+    (`_by_vocabulary`): each chunk of rows widened into one buffer (a fresh chunk-sized array each time
+    cost page faults), once per micro-batch (its widening was most of an int4 stage's loss when the
+    pass ran twice: SmolLM2 0.28 -> 1.25 s a step). No weight gradient (the head is frozen)."""
+    buffer = np.empty(_vocabulary_step(weight.rows, weight.cols, hidden, weights, chunk_bytes)
+                      * weight.codes.shape[1] * (2 if weight.storage == "int4" else 1), np.float32) \
+        if weight.storage in ("int8", "int4") else None
+    return _by_vocabulary(hidden, ids, weights, grad, weight.rows, weight.cols, chunk_bytes,
+                          lambda lo, hi: weight.widen_range(lo, hi, buffer))
+
+
+def frozen_linear_cross_entropy(hidden: np.ndarray, weight: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                                transposed: bool, grad: bool = True, chunk_bytes: int | None = None,
+                                after_chunk=None) -> LinearCrossEntropyResult:
+    """`LinearCrossEntropy` for a frozen float head (LoRA's base: [V, H] when `transposed`, else [H, V]) by
+    vocabulary chunk (`_by_vocabulary`): each row of the table read once per pass, a chunk's rows after another,
+    where `LinearCrossEntropy` splits by target rows and each piece reads every row of the table. `after_chunk(
+    view)` is called with each chunk of the table once read (the engine gives a mapped table's pages back there:
+    the table resident a chunk at a time, not whole; a Qwen2.5-0.5B-class tied table is 519 MiB:
+    benchmarks/MEMORY_NOTES.md, helpers h165, h171)."""
+    vocab, cols = (weight.shape if transposed else weight.shape[::-1])
+
+    def chunk(lo: int, hi: int) -> np.ndarray:
+        return weight[lo:hi] if transposed else weight[:, lo:hi].T  # [rows, H], a view
+
+    def read(lo: int, hi: int) -> None:
+        if after_chunk is not None:
+            after_chunk(weight[lo:hi] if transposed else weight[:, lo:hi])
+
+    return _by_vocabulary(hidden, ids, weights, grad, vocab, cols, chunk_bytes, chunk, read)
+
+
+def _vocabulary_step(vocab: int, cols: int, hidden: np.ndarray, weights: np.ndarray, chunk_bytes: int | None) -> int:
+    """Vocabulary rows per chunk: so many that the larger of the rows [rows, H] and their logits [targets, rows]
+    is `chunk_bytes` (`CHUNK_BYTES`), at least 64 (`planner.cost.head_table_chunk` charges the same rows)."""
+    itemsize = 8 if np.asarray(hidden).dtype == np.float64 else 4
+    count = int(np.count_nonzero(np.asarray(weights)))
+    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    return int(min(vocab, max(64, budget // (itemsize * max(count, cols, 1)))))
+
+
+def _by_vocabulary(hidden: np.ndarray, ids: np.ndarray, weights: np.ndarray, grad: bool, vocab: int, cols: int,
+                   chunk_bytes: int | None, chunk_of, read=None) -> LinearCrossEntropyResult:
+    """The fused head + loss over a frozen head a chunk of vocabulary rows at a time (`chunk_of(lo, hi)`:
+    its rows [hi - lo, H]), one pass: a running logsumexp per target row (the online softmax), each row's
+    target logit picked, and with `grad` the running sum(exp(z - top) W_chunk), rescaled as `top` rises, and
+    each target's own row of W copied out of its chunk, so the hidden gradient w * (softmax - onehot) W =
+    w * (acc / total - W[ids]) is made in the pass. `read(lo, hi)` after each chunk's use. The target rows are
+    not gathered from the table after the pass: on a mapping each such read faulted in a large folio's pages
+    around its row (26 rows of a 7.3 MiB table mapped 4.8 MiB of it, helper h171). Computes in `hidden`'s float
+    dtype (float64 for the engines' oracles), the loss summed in float64."""
     dt = np.float64 if np.asarray(hidden).dtype == np.float64 else np.float32
     h = np.asarray(hidden, dt).reshape(-1, hidden.shape[-1])
     ids, w = np.asarray(ids).reshape(-1), np.asarray(weights, dt).reshape(-1)
     rows = np.nonzero(w)[0]
     hr, ids_r, w_r = h[rows], ids[rows].astype(np.int64), w[rows]
-    vocab, count = weight.rows, len(rows)
-    # a chunk bounds both the logits [count, step] and the widened rows [step, H] to chunk_bytes
-    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    step = int(min(vocab, max(64, budget // (np.dtype(dt).itemsize * max(count, weight.cols, 1)))))
+    count = len(rows)
+    step = _vocabulary_step(vocab, cols, hidden, weights, chunk_bytes)
     top = np.full(count, -np.inf, dt)
     total = np.zeros(count, np.float64)
     picked = np.zeros(count, np.float64)
     at = np.arange(count)
-    # with `grad`, one pass: each chunk widened once, sum(exp(z - top) W_chunk) kept beside the running
-    # logsumexp and rescaled as `top` rises (the online softmax), so the head is widened once per
-    # micro-batch, not twice (its widening was most of an int4 stage's loss: SmolLM2 0.28 -> 1.25 s a step)
     acc = np.zeros_like(hr) if grad else None
-    # every chunk widened into one buffer (a fresh chunk-sized array each time cost page faults)
-    buffer = np.empty(step * weight.codes.shape[1] * (2 if weight.storage == "int4" else 1), np.float32) \
-        if weight.storage in ("int8", "int4") else None
+    target = np.zeros_like(hr) if grad else None  # W[ids], row by row as each chunk holds it
     for lo in range(0, vocab, step):
         hi = min(vocab, lo + step)
-        chunk = weight.widen_range(lo, hi, buffer).astype(dt, copy=False)
+        chunk = chunk_of(lo, hi).astype(dt, copy=False)
         z = hr @ chunk.T
         new_top = np.maximum(top, z.max(axis=1))
         rescale = np.exp((top - new_top).astype(np.float64))
@@ -222,14 +260,17 @@ def quantized_linear_cross_entropy(hidden: np.ndarray, weight, ids: np.ndarray, 
         if acc is not None:
             acc *= rescale.astype(dt)[:, None]
             acc += z @ chunk
+            target[inside] = chunk[ids_r[inside] - lo]
         top = new_top
+        del z, chunk
+        if read is not None:
+            read(lo, hi)
     lse = np.log(total) + top.astype(np.float64)
     loss = float(np.dot(w_r.astype(np.float64), lse - picked))
     if not grad:
         return LinearCrossEntropyResult(loss, None, None)
-    # w * (softmax - onehot) W = w * (acc / total - W[ids])
     acc /= total.astype(dt)[:, None]
-    acc -= weight.widen_storage_rows(ids_r).astype(dt, copy=False)
+    acc -= target
     acc *= w_r[:, None]
     dh = np.zeros_like(h)
     dh[rows] = acc

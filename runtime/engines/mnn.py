@@ -526,6 +526,11 @@ class _LossProgram:
         if isinstance(weight, QuantizedTensor):  # frozen: widened a chunk of vocabulary rows at a time
             return lm_loss.quantized_linear_cross_entropy(self._x, weight, self._host[self.ids],
                                                           self._host[self.weights], grad=grad)
+        if not self.weight_trained:  # frozen float (LoRA's base): a chunk of vocabulary rows at a time, each
+            # chunk's pages of a mapped table given back once read (the table resident a chunk at a time: h171)
+            give_back = (lambda view: drop_pages_under([view])) if self._give_back else None
+            return lm_loss.frozen_linear_cross_entropy(self._x, weight, self._host[self.ids], self._host[self.weights],
+                                                       self.fused.transposed, grad=grad, after_chunk=give_back)
         trained = self.weight_trained and weight_grad
         try:
             return self.kernel(self._x, weight, self._host[self.ids], self._host[self.weights],

@@ -159,3 +159,26 @@ def test_a_frozen_head_is_charged_one_vocabulary_chunk_of_its_table(graph, monke
     assert memory_parts(graph, device, 0, 0, 0, 1, "1f1b-flush", 1, "adamw")["frozen"] == 0  # the embeddings' block
     whole = memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", 1, "adamw")["frozen"]
     assert whole == max(head, *layers)
+
+
+def test_an_mnn_streamed_stage_is_charged_one_vocabulary_chunk_of_its_frozen_head(graph, monkeypatch):
+    """The MNN engine's fused head + loss over a frozen float32 table reads it a chunk of vocabulary rows at a time,
+    each chunk's pages given back (`runtime.engines.lm_loss.frozen_linear_cross_entropy`), charged by the same rule
+    as PyTorch's (`planner.cost.head_table_chunk`): with a 1 MiB chunk against the 12 MiB tied table, a per-block
+    stage streaming its mapped base is charged every frozen weight of the model but the table (2 layers, under the
+    engine's 10 placeholder sets: each layer's own; the norms' scales) and one chunk of the table's rows, read off
+    the graph's arrays. h167's tree charged the table whole (a Qwen2.5-0.5B-class head: 519 MiB)."""
+    import planner.cost as cost
+
+    monkeypatch.setattr(cost, "LOSS_CHUNK_BYTES", 1 << 20)
+    table = next(v for k, v in graph.constants.items() if "embed" in k and v.ndim == 2)
+    vocab, hidden = table.shape
+    rows = max(64, (1 << 20) // (4 * max(16, hidden)))
+    assert rows * hidden * 4 < table.nbytes // 8
+    others = sum(int(v.nbytes) for k, v in graph.constants.items()
+                 if k.startswith("model.") and k not in graph.params and "embed" not in k)
+    device = _device(graph, "mnn:cpu:t1", "per-block", True)
+    assert memory_parts(graph, device, 0, len(graph.blocks) - 1, 0, 1, "1f1b-flush", 1, "adamw")["frozen"] == \
+        others + rows * hidden * 4
+    assert (step_bytes(graph, "adamw", "mnn", "per-block", "float32", 1, True)
+            - step_bytes(graph, "adamw", "mnn", "per-block", "float32", 1, False)) == others + rows * hidden * 4
