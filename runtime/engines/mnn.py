@@ -368,6 +368,8 @@ class _BlockProgram:
             # of file pages (helper h172)
             K.write(var, weight)
             drop_pages_under([weight])
+        # and once more all of them: a later weight's fault maps pages around it, an earlier weight's among them
+        drop_pages_under([weight for _, weight in self.streamed])
         self._stream.holder[self._set] = self
 
     def feed(self, activation: np.ndarray | None, host: Mapping[str, np.ndarray], serial: int | None = None) -> None:
