@@ -104,6 +104,7 @@ from typing import Mapping, Sequence
 from ir.backend import engine_of
 from ir.documents import HYBRID, activations_mode, maps_frozen_base
 from ir.graph import Block, Graph, block_signature, tied_parameters
+from ir.mapped_pages import FAULT_SPAN_BYTES
 from ir.partition import WEIGHT_GRAD_SHARE, Partition, StageCost
 from ir.plan import ASYNC_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_optimizer_name, check_schedule_name
 from ir.precision import BLOCK, QuantizedTensor, bytes_per_element, lookup_tables, quantizable, storage_for
@@ -898,7 +899,8 @@ def holds_one_block_mapped(graph: Graph, device: DeviceSpec) -> bool:
     (`holds_base_mapped` on PyTorch: `mapped_frozen_bytes`), a max over its blocks, not a sum: what the partition
     instance charges such a device per stage (`block_mapped_frozen_bytes`) in place of each block's whole frozen
     weights (`block_held_frozen_bytes`). MNN's streamed term is keyed by placeholder sets, not a block's max: the
-    instance bounds an MNN stage with its whole base and the plan is re-costed (`planner.engines`)."""
+    instance bounds an MNN stage with its whole base less the tables it only looks up, and the plan is re-costed
+    (`planner.engines`)."""
     return holds_base_mapped(graph, device) and device_engine(device) == "torch"
 
 
@@ -915,10 +917,11 @@ def block_held_frozen_bytes(graph: Graph, k: int, device: DeviceSpec) -> int:
     """Block k's frozen bytes a stage on the device holds throughout, as the partition instance sums them per
     block: its frozen weights with the engine's further copies (`double_held_bytes`, `frozen_storage_extra_bytes`,
     as `stage_memory_terms`); none where the stage holds its base mapped one block resident
-    (`holds_one_block_mapped`: then `block_mapped_frozen_bytes`, a stage's max)."""
+    (`holds_one_block_mapped`: then `block_mapped_frozen_bytes`, a stage's max); on an MNN device streaming its
+    mapped base, less a table the block only looks up (`streamed_block_bound_bytes`)."""
     if holds_one_block_mapped(graph, device):
         return 0
-    return (graph.blocks[k].frozen_bytes + double_held_bytes(graph, k, k, device)
+    return (streamed_block_bound_bytes(graph, device, k) + double_held_bytes(graph, k, k, device)
             + frozen_storage_extra_bytes(graph, k, k, device))
 
 
@@ -958,7 +961,44 @@ def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int
     its loss one vocabulary chunk of it where frozen (`head_table_chunk`: the pass reads a chunk of rows at a time,
     each chunk's pages given back), whole where trained, a table only looked up nothing (the rows gathered, its
     pages given back at once). SmolLM2 LoRA on one device: 10 sets x 13.5 MiB of a layer's projections + 32 MiB
-    of the tied head's chunk (108 MiB whole before helper h171) = 167 MiB, where the whole base is 513."""
+    of the tied head's chunk (108 MiB whole before helper h171) = 167 MiB, where the whole base is 513. Plus what
+    reading the mapping holds for a moment (`mapped_read_bytes`): the file pages of the largest weight a block
+    writes into its placeholders, or a lookup's two spans, whichever is more (the engine gives them back after
+    each)."""
+    keys, tables, rest, read = _streamed_parts(graph, first, last, sets)
+    return keys + tables + rest + read
+
+
+def streamed_read_bytes(graph: Graph, device: DeviceSpec) -> int:
+    """What one read of the mapping holds beside a streamed stage's sets (`streamed_frozen_bytes`' last part) for
+    the device's stages, at most (any block range: the model's largest), 0 where the device is not charged its
+    base so: the partition instance's once-a-stage bound, with which a stage's streamed charge stays under its
+    bound of every block's frozen weights (a stage of up to `STREAM_SETS` layers streams them all, plus this)."""
+    if device_engine(device) != "mnn" or not holds_base_mapped(graph, device):
+        return 0
+    return _streamed_parts(graph, 0, len(graph.blocks) - 1, STREAM_SETS)[3]
+
+
+def streamed_block_bound_bytes(graph: Graph, device: DeviceSpec, k: int) -> int:
+    """Block k's frozen bytes as the partition instance bounds them on the device, block by block: its whole
+    `Block.frozen_bytes`, less on an MNN device streaming its mapped base (`holds_base_mapped`) a frozen table
+    it only looks up (its rows gathered a span at a time: `streamed_frozen_bytes` charges none of it). Summed over
+    a stage, at least its streamed charge less the one read (the sets hold one block's weights per key; the
+    fused head's table is its block's): SmolLM2's first stage is bounded without its 108 MiB table, which the
+    search then has for layers."""
+    b = graph.blocks[k]
+    if device_engine(device) != "mnn" or not holds_base_mapped(graph, device):
+        return b.frozen_bytes
+    params = set(graph.params)
+    looked_up = {graph.node(x).inputs[0] for x in b.nodes if graph.node(x).op == "Gather"}
+    return b.frozen_bytes - sum(int(graph.constants[t].nbytes) for t in looked_up
+                                if t in graph.constants and t not in params
+                                and graph.constants[t].nbytes >= MAP_MIN_BYTES)
+
+
+def _streamed_parts(graph: Graph, first: int, last: int, sets: int) -> tuple[int, int, int, int]:
+    """`streamed_frozen_bytes`' parts: (the placeholder sets, the fused head's table, the other frozen constants,
+    one read of the mapping)."""
     n = len(graph.blocks)
     fused = fused_loss_hidden_bytes(graph) is not None and first <= n - 2 and last == n - 1
     head = graph.node(graph.blocks[n - 2].nodes[-1]) if fused else None
@@ -967,6 +1007,7 @@ def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int
     keys: dict[tuple, int] = {}
     tables: dict[str, int] = {}  # read in numpy: charged only as the fused head's weight
     rest = 0
+    read = 0  # the most file pages one read of the mapping holds (`mapped_read_bytes`)
     for b in graph.blocks[first:last + 1]:
         streamed: dict[str, int] = {}
         numpy_read: set[str] = set()
@@ -975,6 +1016,8 @@ def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int
             if node.op == "Gather" and node.inputs[0] in graph.constants:
                 if graph.constants[node.inputs[0]].nbytes >= MAP_MIN_BYTES:  # a smaller one is read into memory
                     numpy_read.add(node.inputs[0])
+                    if node.inputs[0] not in params:  # a frozen table's lookup: its rows a span at a time
+                        read = max(read, LOOKUP_READ_SPANS * FAULT_SPAN_BYTES)
             elif head is not None and node.name == head.name:
                 numpy_read.add(node.inputs[1])
                 # a frozen float table one vocabulary chunk (`head_table_chunk`, each chunk's pages given back
@@ -989,10 +1032,25 @@ def streamed_frozen_bytes(graph: Graph, first: int, last: int, sets: int) -> int
                         and node.inputs[1] not in streamed):
                     keys[(b.index % sets, len(streamed), tuple(value.shape))] = int(value.nbytes)
                     streamed[node.inputs[1]] = int(value.nbytes)
+                    read = max(read, mapped_read_bytes(int(value.nbytes)))
         # the block's other frozen weights (norm scales, biases) held as MNN constants, whole
         rest += max(0, b.frozen_bytes - sum(streamed.values())
                     - sum(int(graph.constants[t].nbytes) for t in numpy_read))
-    return sum(keys.values()) + sum(tables.values()) + rest
+    return sum(keys.values()), sum(tables.values()), rest, read
+
+
+# A lookup in a mapped frozen table reads its rows a file span at a time, the table's pages given back after each
+# (`ir.mapped_pages.gather_rows`): at most two spans resident (a row may straddle two).
+LOOKUP_READ_SPANS = 2
+
+
+def mapped_read_bytes(nbytes: int) -> int:
+    """File pages resident while a mapped weight of `nbytes` is read whole before its pages are given back (an MNN
+    block writing it into its placeholder, `runtime.engines.mnn._BlockProgram.load_frozen`): a fault maps up to a
+    `ir.mapped_pages.FAULT_SPAN_BYTES` span of the file, so every span the weight lies in, one more than its
+    size in spans where it does not start at one (SmolLM2's 3.4 MiB gate / up / down: 6 MiB; a layer's 13.5 MiB
+    read before one give-back set its pipeline stage's peak at 18 MiB of file pages, helper h172)."""
+    return (-(-int(nbytes) // FAULT_SPAN_BYTES) + 1) * FAULT_SPAN_BYTES
 
 
 def frozen_storage_extra_bytes(graph: Graph, first: int, last: int, device: DeviceSpec) -> int:

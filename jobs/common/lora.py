@@ -5,7 +5,6 @@ from pathlib import Path
 
 import dataclasses
 
-from ir.backend import engine_of
 from ir.graph import Graph
 from jobs.common.errors import JobError
 from jobs.common.report import Reporter, Silent
@@ -91,19 +90,19 @@ def load_adapted(model: str | Path, batch: int, seq: int, settings: LoraSettings
 
 
 def with_base_mapped(cluster: Cluster, float32_lora: bool) -> Cluster:
-    """`cluster` with each PyTorch device marked as reading a float32 LoRA base mapped (`DeviceSpec.frozen_mapped`)
+    """`cluster` with each device marked as reading a float32 LoRA base mapped (`DeviceSpec.frozen_mapped`)
     where the plan is written with its base weights file (`plan` always: base.safetensors beside the
     bundles): its workers hold that file (`train PLAN`'s local workers; a remote one started with
     `confidant worker --base`) and view a stage's frozen weights on a mapping of it, which a per-block
     engine reads a block at a time (runtime.pipeline.bundles.rebuild_weights); the cost model charges such
-    a stage so only where its activations map (`planner.cost.maps_frozen`). An MNN device's stage is mapped
-    by its worker too but charged its whole base, as before: over the mapped term a SmolLM2 MNN stage's
-    worker read 1.04-1.20 of its plan (its first stage's lookup faulted ~44 MiB of the mapped table in, and
-    an MNN block's forward ran ~50 MiB above its sampled level; helper h162), a plan is a promise. A plan
-    run from memory (`train-pipeline`) ships whole bundles and is not marked. A worker started without the
-    base file receives its weights into memory and holds the stage's whole base beside the plan's figure."""
+    a stage so only where its activations map (`planner.cost.maps_frozen`). MNN devices too, since its engine
+    reads a mapped table's rows and a block's weights a file span at a time (`ir.mapped_pages.gather_rows`,
+    `_BlockProgram.load_frozen`) and the charge holds what those reads keep (`planner.cost.mapped_read_bytes`):
+    before, a SmolLM2 MNN stage's worker read 1.04-1.20 of the mapped charge (its first stage's lookup faulted
+    44-52 MiB of the mapped table in, helpers h162 and h172). A plan run from memory (`train-pipeline`) ships
+    whole bundles and is not marked. A worker started without the base file writes the weights it receives to
+    a file chunk by chunk as they arrive and maps that (helper h176)."""
     if not float32_lora:
         return cluster
     return dataclasses.replace(cluster, devices=tuple(
-        dataclasses.replace(d, frozen_mapped=True) if d.backend is not None and engine_of(d.backend) == "torch" else d
-        for d in cluster.devices))
+        dataclasses.replace(d, frozen_mapped=True) if d.backend is not None else d for d in cluster.devices))

@@ -39,7 +39,7 @@ from planner.cost import (GRADIENT_COPIES, OPTIMIZER_STATE_COPIES, accumulated_s
                           async_extra_copies, block_costs, block_transients,
                           block_input_bytes, block_weight_grads_s, check_blocks,
                           base_dtype_savings, block_engine_bytes, block_held_frozen_bytes, block_mapped_frozen_bytes,
-                          engine_once_bytes,
+                          engine_once_bytes, streamed_read_bytes,
                           in_flight_microbatches, joined_boundaries, kept_activation_bytes, keeps_activations,
                           phase_peak_bytes, update_only_bytes,
                           block_kept_once,
@@ -354,14 +354,16 @@ def make_instance(graph: Graph, cluster: Cluster, schedule: str, microbatches: i
         params_bytes=tuple(b.params_bytes for b in blocks),
         input_bytes=block_input_bytes(graph),
         # frozen weights (LoRA's base) are held once wherever the block runs, like its workspace; a stage holding
-        # its base mapped one block resident holds the largest of its blocks' instead (`mapped_frozen_bytes`)
+        # its base mapped one block resident holds the largest of its blocks' instead (`mapped_frozen_bytes`); a table an
+        # MNN stage streaming its mapped base only looks up not (`planner.cost.streamed_block_bound_bytes`)
         workspace_bytes=tuple(tuple(c.stacked + block_held_frozen_bytes(graph, k, spec) + block_engine_bytes(graph, spec, k, c)
                                     for k, c in enumerate(row)) for row, spec in zip(costs, specs)),
         mapped_frozen_bytes=tuple(block_mapped_frozen_bytes(graph, spec) for spec in specs),
         kept_bytes=tuple(tuple(c.kept for c in row) for row in costs),
         base_dtype_savings=base_dtype_savings(graph),
-        # the runtime, and what its engine's build holds once a stage (planner.cost.engine_once_bytes)
-        overhead_bytes=tuple(runtime_bytes(s) + engine_once_bytes(s) for s in specs),
+        # the runtime, and what its engine's build holds once a stage (planner.cost.engine_once_bytes); a stage
+        # streaming its mapped base, one read of the mapping (planner.cost.streamed_read_bytes)
+        overhead_bytes=tuple(runtime_bytes(s) + engine_once_bytes(s) + streamed_read_bytes(graph, s) for s in specs),
         setup_peak_bytes=tuple(setup_peak_bytes(s) for s in specs),
         # each stage pays the largest of its own blocks' transients (planner.cost.transient_bytes)
         transient_bytes=tuple(block_transients(graph, s) for s in specs),

@@ -39,7 +39,7 @@ from typing import Mapping
 import numpy as np
 
 from ir.graph import Block, Node
-from ir.mapped_pages import drop_pages_under, mapping_of
+from ir.mapped_pages import drop_pages_under, gather_rows, mapping_of
 from ir.precision import QuantizedTensor
 from runtime.engines import fpmode, lm_loss
 from runtime.engines import mnn_kernels as K
@@ -363,9 +363,14 @@ class _BlockProgram:
         if not self.streamed or self._stream.holder.get(self._set) is self:
             return
         for var, weight in self.streamed:
+            # each weight's pages given back once written: a fault maps up to `FAULT_SPAN_BYTES` of the file,
+            # and a SmolLM2 layer's 13.5 MiB read whole before one give-back set stage 1's peak at 18 MiB
+            # of file pages (helper h172)
             K.write(var, weight)
-        self._stream.holder[self._set] = self
+            drop_pages_under([weight])
+        # and once more all of them: a later weight's fault maps pages around it, an earlier weight's among them
         drop_pages_under([weight for _, weight in self.streamed])
+        self._stream.holder[self._set] = self
 
     def feed(self, activation: np.ndarray | None, host: Mapping[str, np.ndarray], serial: int | None = None) -> None:
         """Write a forward's inputs; `serial` identifies that forward (None: never reuse)."""
@@ -387,9 +392,14 @@ class _BlockProgram:
                     raise ValueError(f"{lk.ids} holds id {int(ids.max() if ids.max() >= len(table) else ids.min())}, "
                                      f"outside the {len(table)} rows of {lk.table!r}: the tokenizer does not belong "
                                      f"to this model")
-                rows = table.widen_rows(ids) if isinstance(table, QuantizedTensor) else table[ids]
-                if self._stream is not None:
-                    drop_pages_under([table])  # a mapped frozen table's rows just gathered
+                if isinstance(table, QuantizedTensor):
+                    rows = table.widen_rows(ids)
+                elif self._stream is not None:
+                    # a mapped frozen table, a file span at a time and its pages given back after each: read
+                    # at once, 128 ids faulted 44-52 MiB of SmolLM2's table in and set stage 0's peak (h172)
+                    rows = gather_rows(table, ids)
+                else:
+                    rows = table[ids]
                 if isinstance(host, dict) and lk.node.name in self._rows_kept:
                     # kept with the micro-batch's host values: a backward that re-runs this forward
                     # feeds the very rows its forward read, so the table itself needs no old version.

@@ -3,7 +3,9 @@ base read mapped from the model file (`planner.cost.streamed_frozen_bytes`): the
 weights through placeholders shared by the blocks of a set (`runtime.engines.mnn._FrozenStream`), so the stage
 holds per set one block's 2-D weights, its other frozen constants whole, the LM head's table (fused with its loss,
 read in numpy) whole and a table only looked up not at all. Checked against the graph's own arrays and against the
-placeholders the engine itself builds; and which runs read their base mapped (`jobs.common.lora.read_mapped`).
+placeholders the engine itself builds; plus the file pages one read of the mapping holds before the engine gives
+them back (a fault maps up to a 2 MiB span of the file: a block's largest weight's spans, or a lookup's two); and
+which runs read their base mapped (`jobs.common.lora.read_mapped`).
 The PyTorch side: tests/planner/test_mapped_frozen.py."""
 from __future__ import annotations
 
@@ -58,15 +60,29 @@ def _by_hand(graph):
     return layers[0], int(table.nbytes), small
 
 
+SPAN = 2 << 20  # the most of a file one fault maps (a page-cache folio of a PMD, 4 KiB pages)
+
+
+def _read_by_hand(graph) -> int:
+    """What one read of the mapping holds at most: the largest streamed weight (the feed-forward's 1024 x 384
+    float32, 1.5 MiB) lies in up to 2 spans; a lookup reads its rows a span at a time (a row may straddle two):
+    4 MiB either way."""
+    largest = max(int(v.nbytes) for k, v in graph.constants.items() if k.startswith("model.layers.") and v.ndim == 2)
+    assert largest == 1024 * 384 * 4
+    return max(2 * SPAN, (-(-largest // SPAN) + 1) * SPAN)
+
+
 def test_an_mnn_streamed_stage_is_charged_its_sets_and_the_head_table(graph):
     layer, table, small = _by_hand(graph)
     n = len(graph.blocks)
     # 12 layers (blocks 1-12) over 10 sets: 10 layers' weights held; the fused head's table whole; the norms'
-    # scales (under 64 KiB: read into memory, held as constants)
-    charge = STREAM_SETS * layer + table + small
+    # scales (under 64 KiB: read into memory, held as constants); one read's spans
+    read = _read_by_hand(graph)
+    assert read == 4 << 20
+    charge = STREAM_SETS * layer + table + small + read
     assert streamed_frozen_bytes(graph, 0, n - 1, STREAM_SETS) == charge
-    assert streamed_frozen_bytes(graph, 0, n - 1, 1) == layer + table + small  # one set: one layer's
-    assert streamed_frozen_bytes(graph, 0, n - 1, 20) == LAYERS * layer + table + small  # a set each
+    assert streamed_frozen_bytes(graph, 0, n - 1, 1) == layer + table + small + read  # one set: one layer's
+    assert streamed_frozen_bytes(graph, 0, n - 1, 20) == LAYERS * layer + table + small + read  # a set each
     mapped = _terms(graph, _device(graph, "per-block"))
     assert mapped.frozen_bytes == {STREAMED_FROZEN: charge}
     assert "frozen " + STREAMED_FROZEN in mapped.by_name()  # what `show` prints
@@ -81,13 +97,14 @@ def test_an_mnn_streamed_stage_is_charged_its_sets_and_the_head_table(graph):
 
 
 def test_a_stage_that_only_looks_its_table_up_is_not_charged_it(graph):
-    """The embeddings and the first three layers (sets 1-3): the table's rows gathered in numpy, its pages given
-    back at once; the head and the loss alone: the table whole."""
+    """The embeddings and the first three layers (sets 1-3): the table's rows gathered in numpy a span at a time,
+    its pages given back after each (one read's spans charged); the head and the loss alone: the table whole (no
+    weight streamed, nothing looked up: no read charged beside it)."""
     layer, table, small = _by_hand(graph)
     n = len(graph.blocks)
     norm = small // (2 * LAYERS + 1)  # two a layer and the final one
     first = _terms(graph, _device(graph, "per-block"), 0, 3)
-    assert sum(first.frozen_bytes.values()) == 3 * (layer + 2 * norm)
+    assert sum(first.frozen_bytes.values()) == 3 * (layer + 2 * norm) + _read_by_hand(graph)
     last = _terms(graph, _device(graph, "per-block"), n - 2, n - 1)
     assert sum(last.frozen_bytes.values()) == table + norm
 
@@ -110,7 +127,7 @@ def test_the_charged_sets_are_the_placeholders_the_engine_builds(graph, sets):
     n = len(graph.blocks)
     engine = MnnStageEngine(stage_spec(graph, 0, n - 1), per_block=True, stream_sets=sets)
     built = sum(int(np.prod(shape)) * 4 for _, _, shape in engine._stream._placeholders)
-    assert built == streamed_frozen_bytes(graph, 0, n - 1, sets) - table - small > 0
+    assert built == streamed_frozen_bytes(graph, 0, n - 1, sets) - table - small - _read_by_hand(graph) > 0
 
 
 @pytest.mark.parametrize("engine,activations,base,expected", [
