@@ -692,6 +692,11 @@ def write_layer_ranges(path: Path, range_bytes: int | None = None, head_bytes: i
         part_of_layer[layer], held = part, held + size
     last, head = part, part + 1
     part_of: dict[int, int | None] = {}
+    # a node outside the layers that reads only weights (a stored weight's widening, the head's table widened a
+    # block of rows at a time) runs in the part of its first reader: placed with the embedding, its outputs were
+    # carried through every part to the head (SmolLM2 int4: the tied table's 12 widened blocks, 113 MB, held
+    # from the first part of each step to the last; helper h175)
+    weights_only: set[int] = set()
     for n in order:
         made = [part_of[id(producer[i])] for i in n.input if i in producer]
         made = [p for p in made if p is not None]
@@ -701,6 +706,10 @@ def write_layer_ranges(path: Path, range_bytes: int | None = None, head_bytes: i
                 return None
         elif not n.input:
             p = None  # a Constant: copied into each part that reads it
+        elif all(i in inits or (i in producer and (id(producer[i]) in weights_only or not producer[i].input))
+                 for i in n.input if i):
+            weights_only.add(id(n))
+            p = None  # placed below, once its readers are
         else:
             p = max(made, default=0)
             p = head if p == last else p
@@ -709,6 +718,15 @@ def write_layer_ranges(path: Path, range_bytes: int | None = None, head_bytes: i
             elif p == head + 1:
                 p = head + 2  # what reads the product: after its rows' runs
         part_of[id(n)] = p
+    node_readers: dict[str, list] = {}
+    for n in order:
+        for i in n.input:
+            node_readers.setdefault(i, []).append(n)
+    for n in reversed(order):
+        if id(n) in weights_only:
+            parts_reading = [part_of[id(r)] for o in n.output for r in node_readers.get(o, ())
+                             if part_of[id(r)] is not None]
+            part_of[id(n)] = min(parts_reading, default=0)
     readers: dict[str, set[int]] = {}
     for n in order:
         if part_of[id(n)] is not None:

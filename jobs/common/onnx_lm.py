@@ -47,7 +47,8 @@ def stored_replaced(model: Path, initializers) -> dict[Path, bytes] | None:
 
 def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: Mapping[str, np.ndarray] | None,
                         folder: Path, branches: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
-                        shared: dict[str, np.ndarray] | None = None) -> Path:
+                        shared: dict[str, np.ndarray] | None = None,
+                        pieces: dict[str, np.ndarray] | None = None) -> Path:
     """A copy in `folder` of the export at `model` (float32, or stored quantized by `export --base-dtype`:
     its stored weights read as `held`'s) that ONNX Runtime runs with the weights a
     quantized-base engine holds (`held`: its graph's constants): each `ir.precision.QuantizedTensor` of
@@ -70,7 +71,10 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     second copy); the copy's file then stores them only as zeros of a sparse file, never read, and its cache
     graph is written again as parts over layer ranges (`kv_parts` in its NAME.lm.json; `RANGE_BYTES`). The float32
     file's session held its weights twice and their transposed copies (SmolLM2 float32's generation 1742 MiB
-    against training's 888; helper h101). Returns the copy's NAME.onnx."""
+    against training's 888; helper h101). `pieces` (a dict, filled here): the stored pieces of `held`'s
+    QuantizedTensors the copy reads by rows, given there for the session to read in place (the copy's
+    NAME.lm.json names them, `pieces_in_place`), its cache graph in parts as for `shared` (helper h175).
+    Returns the copy's NAME.onnx."""
     import json
 
     from ir.precision import QuantizedTensor, base_dtype_of, stored_arrays
@@ -113,9 +117,9 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
     branches = dict(branches or {})
     tables = read_by_rows(proto.graph, {k: v for k, v in weights.items() if isinstance(v, QuantizedTensor)
                                         or (shared is not None and v is held.get(k))}, branches=branches)
-    for name, pieces in tables.items():
+    for name, parts in tables.items():
         del weights[name]
-        weights.update(pieces)
+        weights.update(parts)
     for name in set(branches) - set(tables):  # read some other way: merged, as a float32 initializer
         a, b = branches.pop(name)
         weights[name] = (np.asarray(held[name], np.float64) + (a.astype(np.float64) @ b).T).astype(np.float32)
@@ -123,13 +127,21 @@ def held_quantized_copy(model: Path, held: Mapping[str, object], initializers: M
         shared.update({k: v for k, v in weights.items() if isinstance(v, np.ndarray) and v is held.get(k)})
         tables = {k: v for k, v in tables.items() if k not in shared}
         weights.update({k: Unwritten(v.shape, v.dtype) for k, v in shared.items()})
+    if pieces is not None:
+        # a quantized base's stored pieces (codes, scales, offsets) as `held` holds them, read in place: written
+        # into the copy, ONNX Runtime read them into a heap of its own beside `held`'s (SmolLM2 int4 file, torch
+        # per block: the cache graph's session 155 MiB; its generation 80-110 MiB above training's peak; h175)
+        pieces.update({k: v for name, parts in tables.items() if isinstance(held.get(name), QuantizedTensor)
+                       for k, v in parts if any(v is a for a in stored_arrays(held[name])) and v.flags.c_contiguous})
+        meta["pieces_in_place"] = {k: [list(v.shape), v.dtype.str] for k, v in pieces.items()}
+        weights.update({k: Unwritten(v.shape, v.dtype) for k, v in pieces.items()})
     done = write_with_weights(proto, weights, folder / runs.name, base_dtype) + sorted(tables)
     drop_mapped_pages([a for v in arrays.values() for a in stored_arrays(v)])
     # the held base's pieces the writer read, where they lie on a mapping (a stored-quantized file read mapped,
     # torch per block): left resident they stood beside the session (SmolLM2 int4: 174 MiB of file pages)
     drop_mapped_pages([a for v in held.values() if isinstance(v, QuantizedTensor) for a in stored_arrays(v)])
     del proto, arrays, weights
-    if shared and runs is not model:  # the cache graph run a block range at a time (`OnnxCausalLM`'s parts)
+    if (shared or pieces) and runs is not model:  # the cache graph a block range at a time (`OnnxCausalLM`'s parts)
         meta["kv_parts"] = write_layer_ranges(folder / runs.name, RANGE_BYTES, HEAD_BYTES)
     for other in model.parent.iterdir():
         if not (folder / other.name).exists() and other.name != runs.name:
@@ -193,12 +205,13 @@ def evaluate_lm(model: Path, data: Path, settings: GenerationSettings = Generati
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="confidant-eval-") as folder:
-        shared = {} if float_base else None
-        copy = held_quantized_copy(Path(model), held, initializers, Path(folder), branches, shared)
+        shared, pieces = ({} if float_base else None), {}
+        copy = held_quantized_copy(Path(model), held, initializers, Path(folder), branches, shared, pieces)
         initializers = branches = None  # written into the copy: a caller that passed them alone lets them go here
-        lm, tokenizer = open_lm(copy, shared or None, threads, prepack)
+        in_place = {**(shared or {}), **pieces}
+        lm, tokenizer = open_lm(copy, in_place or None, threads, prepack)
         # the cache graph run in parts gives each part's pages back after its run; a graph that could not be
         # cut so (`write_layer_ranges`) has them given back on a timer instead
         ranged = bool((lm.meta or {}).get("kv_parts"))
-        with PagesGivenBackWhile(() if ranged else read_only_mappings((shared or {}).values())):
+        with PagesGivenBackWhile(() if ranged else read_only_mappings(in_place.values())):
             return evaluate_instructions(lm, tokenizer, conversations, settings, batch, perplexity)

@@ -36,6 +36,7 @@ import onnxruntime as ort
 from ir.mapped_pages import drop_pages_under
 from ir.versioned import check_header
 from runtime.engines import fpmode
+from runtime.heap import release_free_heap
 
 if TYPE_CHECKING:
     from tasks.causal_lm.tokenizer import LmTokenizer, Message
@@ -87,7 +88,17 @@ def _check_initializers(initializers: Mapping[str, np.ndarray], meta: dict | Non
                          "checked (ONNX Runtime ignores unknown names): export it with `confidant export --task "
                          "causal-lm`")
     out = {}
+    # a stored weight's pieces a session reads in place (`jobs.common.onnx_lm.held_quantized_copy`): its codes,
+    # scales and offsets as they are stored, checked against what the copy declares, never widened here
+    in_place = (meta or {}).get("pieces_in_place") or {}
     for name, array in initializers.items():
+        if name in in_place:
+            shape, dtype = in_place[name]
+            if list(array.shape) != list(shape) or np.dtype(array.dtype).str != dtype:
+                raise ValueError(f"piece {name!r}: {array.dtype} {list(array.shape)}, the copy declares {dtype} "
+                                 f"{shape}")
+            out[name] = array
+            continue
         if name not in known:
             close = sorted(known)[:3]
             raise ValueError(f"{model}: no weight named {name!r} (its weights are named like {close})")
@@ -101,7 +112,8 @@ def _check_initializers(initializers: Mapping[str, np.ndarray], meta: dict | Non
 
 
 def _session(path: Path, initializers: Mapping[str, np.ndarray], threads: int | None, optimize: bool,
-             stored_quantized: bool = False, source: bytes | None = None, prepack: bool = True):
+             stored_quantized: bool = False, source: bytes | None = None, prepack: bool = True,
+             pieces_in_place: bool = False):
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
@@ -117,6 +129,11 @@ def _session(path: Path, initializers: Mapping[str, np.ndarray], threads: int | 
         options.enable_mem_pattern = False
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    elif pieces_in_place:
+        # a stored weight's pieces given in place (the file holds zeros there): the layout level's passes read
+        # the file's values, not the given ones (a tiny int4 Llama generated one token over and over; the
+        # extended level and below generate the file's own answers, helper h175)
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     keep = []  # the OrtValues must outlive the session
     for name, array in initializers.items():
         value = ort.OrtValue.ortvalue_from_numpy(array)
@@ -180,13 +197,17 @@ class _PartsInOrder:
             if not by:
                 values.update(zip(outputs, session.run(outputs, given)))
                 drop_pages_under(read)
-                continue
-            (table,), (out,), (step, feed), products = read, outputs, by, []
-            for lo in range(0, len(table), step):
-                block = table[lo:lo + step]  # a view: the rows' bytes on the mapping, no copy
-                products.append(session.run(outputs, {**given, feed: block})[0])
-                drop_pages_under([block])
-            values[out] = np.concatenate(products, axis=-1)
+            else:
+                (table,), (out,), (step, feed), products = read, outputs, by, []
+                for lo in range(0, len(table), step):
+                    block = table[lo:lo + step]  # a view: the rows' bytes on the mapping, no copy
+                    products.append(session.run(outputs, {**given, feed: block})[0])
+                    drop_pages_under([block])
+                values[out] = np.concatenate(products, axis=-1)
+            # and the heap its run freed: kept, it stood under the next part's run (SmolLM2 int4 file, the stored
+            # pieces in place: the first layers' part left ~100 MiB of free heap, generation's peak 524 -> 472
+            # MiB; helper h175)
+            release_free_heap()
         return [values[k] for k in output_names]
 
 
@@ -212,6 +233,7 @@ class OnnxCausalLM:
                              if initializers else {})
         self.threads, self.optimize, self.prepack = threads, optimize, prepack
         self.stored_quantized = (self.meta or {}).get("base_dtype", "float32") != "float32"
+        self.pieces_in_place = bool(set((self.meta or {}).get("pieces_in_place") or ()) & set(self.initializers))
         # the files as bytes to run instead (path -> bytes): a stored-quantized file with trained weights
         # as plain initializers (planner.onnx_quantize.with_float_weights, made by jobs.common.onnx_lm)
         self.sources = {Path(k): v for k, v in (sources or {}).items()}
@@ -234,7 +256,7 @@ class OnnxCausalLM:
     def _full_session(self):
         if self._full is None:
             self._full = _session(self.path, self.initializers, self.threads, self.optimize, self.stored_quantized,
-                                  self.sources.get(self.path), self.prepack)
+                                  self.sources.get(self.path), self.prepack, self.pieces_in_place)
         return self._full[0]
 
     def _step_session(self):
@@ -243,12 +265,13 @@ class OnnxCausalLM:
             if parts and self.kv_path not in self.sources:
                 # every part is given every replacement weight: ONNX Runtime ignores a name its graph lacks
                 sessions = [_session(self.kv_path.parent / part[0], self.initializers, self.threads, self.optimize,
-                                     self.stored_quantized, None, self.prepack) for part in parts]
+                                     self.stored_quantized, None, self.prepack, self.pieces_in_place) for part in parts]
                 self._step = (_PartsInOrder(sessions, [part[1] for part in parts], self.initializers,
                                             [tuple(part[2:]) if len(part) > 2 else None for part in parts]), None)
             else:
                 self._step = _session(self.kv_path, self.initializers, self.threads, self.optimize,
-                                      self.stored_quantized, self.sources.get(self.kv_path), self.prepack)
+                                      self.stored_quantized, self.sources.get(self.kv_path), self.prepack,
+                                      self.pieces_in_place)
         return self._step[0]
 
     def logits(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:

@@ -77,3 +77,66 @@ def test_a_stored_int4_files_generation_keeps_its_base_stored_with_the_adapters_
     plain = onnx_lm.evaluate_lm(model, dev, GenerationSettings(max_new_tokens=48), batch=8, limit=2, threads=1,
                                 perplexity=False)
     assert plain.predictions != want.predictions  # the adapters count: the answers can tell
+
+
+def _carried_weights_only(part) -> list[str]:
+    """A part's outputs made from its weights alone (its initializers through nodes that read nothing else)."""
+    from_weights = {t.name for t in part.graph.initializer}
+    for n in part.graph.node:  # written in topological order (`write_layer_ranges`)
+        if n.input and all(i in from_weights for i in n.input if i):
+            from_weights.update(n.output)
+    return [o.name for o in part.graph.output if o.name in from_weights]
+
+
+def test_a_stored_int4_copys_pieces_are_read_in_place_a_layer_range_at_a_time(int4_chat_llama, tmp_path):
+    """The held base's stored pieces are given to ONNX Runtime in place (the copy's file holds none of their
+    bytes: its session read them into a heap of its own beside the held ones), the cache graph runs in parts,
+    and no part hands a later one a value made of weights alone (the tied table's widened blocks, carried from
+    the first part to the head: SmolLM2 int4's generation 113 MB); the answers are those of the copy with the
+    pieces written into it (the earlier path) and differ from no adapters'. On main: no `pieces`, no parts."""
+    import json
+
+    import onnx
+
+    from ir.precision import QuantizedTensor, stored_arrays
+    from jobs.common.onnx_lm import held_quantized_copy
+    from planner.onnx_import import load_model
+    from tasks.causal_lm.generate import GenerationSettings, OnnxCausalLM
+
+    model, _, _ = int4_chat_llama
+    held = load_model(model, 1, 16, mapped=True).constants  # as PyTorch per block reads the file
+    stored = [a for v in held.values() if isinstance(v, QuantizedTensor) for a in stored_arrays(v)]
+    rng = np.random.default_rng(1)
+    branches = {name: (rng.normal(0, 0.3, (v.shape[1], 4)).astype(np.float32),
+                       rng.normal(0, 0.3, (4, v.shape[0])).astype(np.float32))
+                for name, v in held.items() if isinstance(v, QuantizedTensor) and ".self_attn.q_proj" in name}
+    for name in ("in-place", "written", "plain"):
+        (tmp_path / name).mkdir()
+    pieces = {}
+    copy = held_quantized_copy(model, held, None, tmp_path / "in-place", dict(branches), pieces=pieces)
+    assert len(pieces) == len(stored), (len(pieces), len(stored))  # every stored piece, in place
+    assert all(any(p is a for a in stored) for p in pieces.values())
+    meta = json.loads(copy.with_suffix(".lm.json").read_text())
+    assert set(meta["pieces_in_place"]) == set(pieces)
+    data = copy.with_name(meta["kv_model"] + ".data")
+    assert os_blocks(data) * 512 < sum(a.nbytes for a in stored) / 4, "the pieces were written into the copy"
+    assert meta["kv_parts"] and len(meta["kv_parts"]) >= 3
+    for file, _ in meta["kv_parts"]:
+        part = onnx.load(str(copy.parent / file), load_external_data=False)
+        assert _carried_weights_only(part) == [], file
+    prompts = [[1, 5, 9, 30, 42, 7], [3, 8, 2]]
+    settings = GenerationSettings(max_new_tokens=12)
+    got = OnnxCausalLM(copy, pieces, threads=1).generate(prompts, settings)
+    want = OnnxCausalLM(held_quantized_copy(model, held, None, tmp_path / "written", dict(branches)),
+                        threads=1).generate(prompts, settings)
+    plain = OnnxCausalLM(held_quantized_copy(model, held, None, tmp_path / "plain"), threads=1).generate(
+        prompts, settings)
+    assert got == want
+    assert plain != want  # the adapters count: the answers can tell
+
+
+def os_blocks(path) -> int:
+    """512-byte blocks a file has on disk (a sparse file's holes take none)."""
+    import os
+
+    return os.stat(path).st_blocks
