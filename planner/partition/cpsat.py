@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Sequence
 
 from ir.partition import Partition
 from ir.plan import ASYNC_SCHEDULES
@@ -154,21 +155,8 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
             used = inst.overhead_bytes[d] + cp_model.LinearExpr.weighted_sum(v.in_pos[r], [
                 inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
                 for k in range(inst.blocks)])
-            mapped = inst.mapped_frozen_bytes[d]
-            resident = 0
-            if any(mapped):
-                resident = v.model.new_int_var(0, max(mapped), f"mapped_frozen_{r}_{c}")
-                for k, f in enumerate(mapped):
-                    if f:
-                        v.model.add(resident >= f * v.in_pos[r][k])
-                used = used + resident
-            transients = inst.transient_bytes[d]
-            if any(transients):
-                transient = v.model.new_int_var(0, max(transients), f"transient_{r}_{c}")
-                for k, t in enumerate(transients):
-                    if t:
-                        v.model.add(transient >= t * v.in_pos[r][k])
-                used = used + transient
+            resident = _stage_largest(v, r, inst.mapped_frozen_bytes[d], f"mapped_frozen_{r}_{c}")
+            used = used + resident + _stage_largest(v, r, inst.transient_bytes[d], f"transient_{r}_{c}")
             once, copies = inst.kept_once_bytes[d], kept_copies(fl, inst.keeps_activations[d])
             if copies and any(once):
                 held = v.model.new_int_var(0, max(once), f"kept_once_{r}_{c}")
@@ -191,6 +179,18 @@ def _add_memory(v: _Vars, inst: PartitionInstance, overflow=None) -> None:
                     inst.weight_bytes(d, k, r + 1, 0) + inst.input_bytes[k] * fl + inst.held_workspace(d, k, fl)
                     - inst.block_backward_bytes(d, k, fl) + inst.update_bytes[d][k] for k in range(inst.blocks)])
                 v.model.add(at_update + resident + whole <= limit).only_enforce_if(v.on[r][c])
+
+
+def _stage_largest(v: _Vars, r: int, per_block: Sequence[int], name: str):
+    """A variable at least each per-block figure of the blocks at position r (the largest of a stage's blocks': a
+    transient, a frozen base held mapped one block resident), or 0 where every figure is 0 (no variable)."""
+    if not any(per_block):
+        return 0
+    largest = v.model.new_int_var(0, max(per_block), name)
+    for k, f in enumerate(per_block):
+        if f:
+            v.model.add(largest >= f * v.in_pos[r][k])
+    return largest
 
 
 def _add_links(v: _Vars, inst: PartitionInstance) -> None:
