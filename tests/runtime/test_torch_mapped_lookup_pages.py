@@ -11,16 +11,21 @@ from __future__ import annotations
 import pytest
 
 from ir.mapped_pages import FAULT_SPAN_BYTES, drop_pages_under, mapping_of
+from jobs.common.lora import adapted
 from planner.cost import LOOKUP_READ_SPANS
+from planner.lora import LoraSettings
+from planner.onnx_import import load_model
 from runtime.engines.factory import make_engine
 from runtime.engines.stage import stage_spec
 from runtime.procfs import reset_peak_rss, status_bytes
 from support import gc_frozen, lm_step_feeds
-from test_torch_mapped_base import B, SEQ, _graph
+
+B, SEQ = 2, 12
+LORA = LoraSettings(4, 8.0, targets=("q", "k", "v", "o"), train_also=(), seed=0, base_dtype="float32")
 
 
 def test_a_lookup_in_a_mapped_table_holds_at_most_two_spans_of_it(chat_llama):
-    graph = _graph(chat_llama[0], True)
+    graph = adapted(load_model(chat_llama[0], B, SEQ, mapped=True), LORA)
     spec = stage_spec(graph, 0, 0)  # the embedding's block alone: its lookup is what the stage reads of the file
     engine = make_engine("torch:cpu:t1", spec, activations="per-block")
     table = next(graph.constants[n.inputs[0]] for n in spec.compute_nodes if n.op == "Gather")
