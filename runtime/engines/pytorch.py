@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ir.graph import Node, use_def
-from ir.mapped_pages import drop_pages_under, give_back_pages, mapping_of, read_only_mappings
+from ir.mapped_pages import drop_pages_under, gather_rows, give_back_pages, mapping_of, read_only_mappings
 from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor, stored_arrays
 from runtime.engines.attention_sites import AttentionUnit, attention_units
@@ -767,6 +767,14 @@ class TorchStageEngine(StageEngine):
             table = spec.graph.constants[self._lm.weight]
             if read_only_mappings([table]) and self._consts[self._lm.weight].data_ptr() == table.ctypes.data:
                 self._head_source = table
+        # frozen tables on a read-only file mapping that the engine's tensor views, looked up a file span of rows at a
+        # time (`gather_rows`): read at once, a lookup faults in a page-cache folio around each row (up to 2 MiB in a
+        # freshly written base.safetensors: 46-52 MiB of SmolLM2's table, helper h172), which stage 0 of a PyTorch
+        # pipeline over a mapped float32 base held until its block's pages went back, 1.3 MiB over its plan (h178)
+        self._mapped_tables = {
+            n.inputs[0]: spec.graph.constants[n.inputs[0]] for n in spec.compute_nodes
+            if n.op == "Gather" and n.inputs[0] in self._consts and read_only_mappings([spec.graph.constants[n.inputs[0]]])
+            and self._consts[n.inputs[0]].data_ptr() == spec.graph.constants[n.inputs[0]].ctypes.data}
         self._head_sum = _HeadSum()  # `backward_into`: the head's weight gradient added into the sum
         self._weight_sums = _WeightSums()  # `_backward_summed`: the products' weight gradients added into the sums
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))  # never a quantized weight
@@ -998,6 +1006,10 @@ class TorchStageEngine(StageEngine):
         if node.op == "Gather" and train and self.row_gradients and node.inputs[0] in params:
             # the table's gradient as the rows it touches (base.RowGradient), not a dense copy
             env[node.outputs[0]] = F.embedding(env[node.inputs[1]].long(), env[node.inputs[0]], sparse=True)
+            return
+        if node.op == "Gather" and node.inputs[0] in self._mapped_tables:  # frozen: no gradient to the table
+            ids = env[node.inputs[1]].long()
+            env[node.outputs[0]] = torch.from_numpy(gather_rows(self._mapped_tables[node.inputs[0]], ids.numpy()))
             return
         linear = self._linear.get(node.name)
         if linear is not None:
