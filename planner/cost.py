@@ -933,8 +933,8 @@ LOSS_CHUNK_BYTES = 32 << 20
 
 def head_table_chunk(graph: Graph) -> tuple[str, int, str] | None:
     """(the table, the bytes of one vocabulary chunk of it, the head's MatMul) of a frozen float32 head fused
-    with its loss, which both engines read a chunk of vocabulary rows at a time (PyTorch
-    `runtime.engines.pytorch.vocabulary_chunk_rows`, MNN `runtime.engines.lm_loss._vocabulary_step`: so many rows
+    with its loss, which both engines read a chunk of vocabulary rows at a time
+    (`runtime.engines.lm_loss.vocabulary_chunk_rows`, for PyTorch and MNN alike: so many rows
     that the larger of the rows and their logits for the micro-batch's targets is `LOSS_CHUNK_BYTES`); None for
     any other graph."""
     n = len(graph.blocks)

@@ -214,13 +214,19 @@ def frozen_linear_cross_entropy(hidden: np.ndarray, weight: np.ndarray, ids: np.
     return _by_vocabulary(hidden, ids, weights, grad, vocab, cols, chunk_bytes, chunk, read)
 
 
-def _vocabulary_step(vocab: int, cols: int, hidden: np.ndarray, weights: np.ndarray, chunk_bytes: int | None) -> int:
-    """Vocabulary rows per chunk: so many that the larger of the rows [rows, H] and their logits [targets, rows]
-    is `chunk_bytes` (`CHUNK_BYTES`), at least 64 (`planner.cost.head_table_chunk` charges the same rows)."""
-    itemsize = 8 if np.asarray(hidden).dtype == np.float64 else 4
-    count = int(np.count_nonzero(np.asarray(weights)))
+def vocabulary_chunk_rows(vocab: int, hidden: int, targets: int, itemsize: int, chunk_bytes: int | None = None) -> int:
+    """Vocabulary rows per chunk of a frozen head's fused loss (here, and PyTorch's
+    `runtime.engines.pytorch._FrozenLinearCrossEntropy`): so many that the larger of the table's rows [rows, H] and
+    their logits [targets, rows] is `chunk_bytes` (`CHUNK_BYTES`), at least 64 (`planner.cost.head_table_chunk`
+    charges the same rows)."""
     budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    return int(min(vocab, max(64, budget // (itemsize * max(count, cols, 1)))))
+    return int(min(vocab, max(64, budget // (itemsize * max(targets, hidden, 1)))))
+
+
+def _vocabulary_step(vocab: int, cols: int, hidden: np.ndarray, weights: np.ndarray, chunk_bytes: int | None) -> int:
+    """`vocabulary_chunk_rows` for the numpy kernels: computed in `hidden`'s float dtype, over its weighted rows."""
+    itemsize = 8 if np.asarray(hidden).dtype == np.float64 else 4
+    return vocabulary_chunk_rows(vocab, cols, int(np.count_nonzero(np.asarray(weights))), itemsize, chunk_bytes)
 
 
 def _by_vocabulary(hidden: np.ndarray, ids: np.ndarray, weights: np.ndarray, grad: bool, vocab: int, cols: int,

@@ -27,7 +27,7 @@ from ir.ops import REMADE_FROM_INPUTS
 from ir.precision import QuantizedTensor, stored_arrays
 from runtime.engines.attention_sites import AttentionUnit, attention_units
 from runtime.engines.base import RowGradient, StageEngine, StageGradients, accumulate, own_array, rows_at
-from runtime.engines.lm_loss import CHUNK_BYTES, chunk_rows, quantized_linear_cross_entropy
+from runtime.engines.lm_loss import chunk_rows, quantized_linear_cross_entropy, vocabulary_chunk_rows
 from runtime.engines.stage import StageSpec, fused_lm_head, host_values, looked_up_only
 from runtime.heap import steady_heap
 from runtime.library_pages import drop_library_pages
@@ -205,14 +205,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if dw is not None and summed:
             dw = None  # already in the sum: autograd gets no gradient for the weight from here
         return dh.reshape(hidden.shape), dw, None, None, None, None
-
-
-def vocabulary_chunk_rows(vocab: int, hidden: int, targets: int, itemsize: int, chunk_bytes: int | None = None) -> int:
-    """Vocabulary rows per chunk of `_FrozenLinearCrossEntropy`: so many that the larger of the table's
-    rows [rows, H] and their logits [targets, rows] is one chunk (`lm_loss.CHUNK_BYTES`), as the quantized
-    head's kernel chunks (`planner.memory_defaults.vocabulary_chunk_bytes` charges the same rows)."""
-    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    return int(min(vocab, max(64, budget // (itemsize * max(targets, hidden, 1)))))
 
 
 class _FrozenLinearCrossEntropy(torch.autograd.Function):
@@ -762,19 +754,15 @@ class TorchStageEngine(StageEngine):
         self._lm = fused_lm_head(spec.graph, spec.first_block, spec.last_block)
         # a frozen head's table on a read-only file mapping, viewed by the engine's tensor: the fused loss gives
         # its pages back a vocabulary chunk at a time (`_FrozenLinearCrossEntropy`)
-        self._head_source = None
-        if self._lm is not None and self._lm.weight in self._consts:
-            table = spec.graph.constants[self._lm.weight]
-            if read_only_mappings([table]) and self._consts[self._lm.weight].data_ptr() == table.ctypes.data:
-                self._head_source = table
+        self._head_source = spec.graph.constants[self._lm.weight] \
+            if self._lm is not None and self._lm.weight in self._consts and self._views_mapping(self._lm.weight) else None
         # frozen tables on a read-only file mapping that the engine's tensor views, looked up a file span of rows at a
         # time (`gather_rows`): read at once, a lookup faults in a page-cache folio around each row (up to 2 MiB in a
         # freshly written base.safetensors: 46-52 MiB of SmolLM2's table, helper h172), which stage 0 of a PyTorch
         # pipeline over a mapped float32 base held until its block's pages went back, 1.3 MiB over its plan (h178)
         self._mapped_tables = {
             n.inputs[0]: spec.graph.constants[n.inputs[0]] for n in spec.compute_nodes
-            if n.op == "Gather" and n.inputs[0] in self._consts and read_only_mappings([spec.graph.constants[n.inputs[0]]])
-            and self._consts[n.inputs[0]].data_ptr() == spec.graph.constants[n.inputs[0]].ctypes.data}
+            if n.op == "Gather" and n.inputs[0] in self._consts and self._views_mapping(n.inputs[0])}
         self._head_sum = _HeadSum()  # `backward_into`: the head's weight gradient added into the sum
         self._weight_sums = _WeightSums()  # `_backward_summed`: the products' weight gradients added into the sums
         self._linear = _bias_fusions(spec, set(self._params) | set(self._consts))  # never a quantized weight
@@ -1030,6 +1018,12 @@ class TorchStageEngine(StageEngine):
         env[node.outputs[0]] = _run_node(node, args)
         if self._made_from is not None and node.outputs[0] in self._remade_from and torch.is_grad_enabled():
             self._made_from[node.outputs[0]] = tuple(args)  # held anyway: the node's own backward saves them
+
+    def _views_mapping(self, name: str) -> bool:
+        """Whether the engine's constant `name` views the graph's array, and that array lies on a read-only file
+        mapping (a frozen base read mapped), whose pages the engine may give back after reading them."""
+        array = self.spec.graph.constants[name]
+        return bool(read_only_mappings([array])) and self._consts[name].data_ptr() == array.ctypes.data
 
     def _run_frozen(self, node: Node, env: dict) -> torch.Tensor:
         """A node reading a quantized frozen weight: a product widens it inside `_FrozenQuantizedMatMul`,
